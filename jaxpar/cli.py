@@ -2,13 +2,14 @@
 
 Usage::
 
-    jaxpar train CONFIG [key=value ...] [--print-config]
+    jaxpar train CONFIG [key=value ...] [--print-config] [--resume]
     jaxpar schedule --kind 1f1b --stages 4 --microbatches 8 [--virtual V] [--png PATH] [--timed]
 
 Example::
 
     $ jaxpar train configs/quickstart.yaml train.steps=50 optimizer.lr=1e-3
     $ jaxpar train configs/tp.yaml --print-config
+    $ jaxpar train configs/quickstart.yaml --resume          # continue from the latest checkpoint
     $ jaxpar schedule --kind interleaved --stages 4 --microbatches 8 --virtual 2
 
 ``main(argv)`` returns the exit status (0 ok, 2 invalid config / arguments), so it
@@ -62,11 +63,16 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def run_train(config: str, overrides: Sequence[str], *, print_config: bool = False) -> int:
-    """``jaxpar train``: load + check the config, build the library objects, train, summarise."""
+def run_train(config: str, overrides: Sequence[str], *, print_config: bool = False, resume: bool = False) -> int:
+    """``jaxpar train``: load + check the config, build the library objects, train, summarise.
+
+    ``resume`` (``--resume``) sets ``checkpoint.resume=true``. Exit status 0 also
+    after SIGTERM / SIGINT (a checkpoint of the current step is saved), 1 when a
+    non-finite loss stops the run (``train.on_nonfinite=stop``).
+    """
     from .config import load_config, to_yaml
 
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, [*overrides, *(["checkpoint.resume=true"] if resume else [])])
     if print_config:
         print(to_yaml(cfg), end="")
         return 0
@@ -75,7 +81,7 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     import jax
 
     from . import config as C
-    from .train.loop import make_eval_fn, train
+    from .train.loop import make_eval_fn
     from .train.state import init_train_state
     from .train.step import make_train_step
 
@@ -104,17 +110,90 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
           f"optimizer {_bytes(nbytes['opt'])})")
     print(f"data     {cfg.data.kind}: global batch {cfg.data.batch_size} x {cfg.model.seq_len} tokens")
 
-    step = make_train_step(loss_fn, tx, layout, strategy, clip_norm=cfg.optimizer.clip_norm, lr_schedule=schedule)
+    step = make_train_step(loss_fn, tx, layout, strategy, clip_norm=cfg.optimizer.clip_norm, lr_schedule=schedule,
+                           skip_nonfinite=True)
     evaluate = make_eval_fn(loss_fn, layout, strategy, eval_batches) if eval_batches else None
-    state, summary = train(step, state, batch_fn, mesh=mesh, steps=cfg.train.steps, log_every=cfg.train.log_every,
-                           eval_fn=evaluate, eval_every=cfg.train.eval_every,
-                           tokens_per_batch=cfg.data.batch_size * cfg.model.seq_len, out_dir=out_dir,
-                           progress=cfg.train.progress, title=f"{cfg.name}: {strategy.name(sizes)}")
-    (out_dir / "summary.json").write_text(json.dumps(
-        {k: v for k, v in vars(summary).items() if k not in ("losses", "evals")}, indent=2) + "\n")
+    return _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, evaluate, n_params,
+                                   title=f"{cfg.name}: {strategy.name(sizes)}")
+
+
+def _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, evaluate, n_params: int, *,
+                            title: str) -> int:
+    """Resume (``checkpoint.resume``), run :func:`jaxpar.train.loop.train` with checkpoints and metrics, sample."""
+    import warnings
+
+    from .train.checkpoint import Checkpointer, CheckpointWarning
+    from .train.loop import NonFiniteError, train
+    from .train.metrics import flops_per_token, is_main_process
+
+    ck, lg, out_dir, main = cfg.checkpoint, cfg.logging, Path(cfg.train.out_dir), is_main_process()
+    ckpt = Checkpointer(ck.dir, every=ck.every, keep=ck.keep, async_save=ck.async_save) if ck.enabled else None
+    start = 0
+    if ck.resume:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointWarning)   # reported below, one line each
+            restored = ckpt.restore(layout)
+        for s, reason in restored.skipped:
+            print(f"jaxpar train: warning: checkpoint step {s} in {ckpt.directory} is unreadable, using step "
+                  f"{restored.step} instead: {reason}", file=sys.stderr)
+        state, start = restored.state, int(restored.meta["data"]["next_step"])
+        saved_seed = restored.meta.get("data", {}).get("seed", cfg.data.seed)
+        if saved_seed != cfg.data.seed:
+            print(f"jaxpar train: warning: the checkpoint was written with data.seed={saved_seed}, this run has "
+                  f"data.seed={cfg.data.seed}: the data order differs from the original run.", file=sys.stderr)
+        print(f"resume   step {start} from {restored.path}")
+        if start >= cfg.train.steps:
+            print(f"done     the checkpoint is at step {start} >= train.steps={cfg.train.steps}; nothing to do")
+            ckpt.close()
+            return 0
+    m = cfg.model
+    meta = {"config": cfg.name, "seed": cfg.train.seed, "model": m.name,
+            "mesh": dict(layout.mesh.shape), "data": {"kind": cfg.data.kind, "seed": cfg.data.seed,
+                                                      "batch_size": cfg.data.batch_size}}
+    flops = flops_per_token(n_params - (m.vocab + m.seq_len) * m.embed, layers=m.layers, seq_len=m.seq_len,
+                            embed=m.embed)
+    try:
+        state, summary = train(step, state, batch_fn, mesh=layout.mesh, steps=cfg.train.steps - start,
+                               start_step=start, log_every=cfg.train.log_every, eval_fn=evaluate,
+                               eval_every=cfg.train.eval_every, tokens_per_batch=cfg.data.batch_size * m.seq_len,
+                               out_dir=out_dir, progress=cfg.train.progress, title=title, checkpointer=ckpt,
+                               checkpoint_meta=meta, on_nonfinite=cfg.train.on_nonfinite,
+                               tensorboard=cfg.logging.tensorboard, flops_per_token=flops,
+                               peak_flops=lg.peak_flops)
+    except NonFiniteError as e:
+        print(f"jaxpar train: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    if main:
+        (out_dir / "summary.json").write_text(json.dumps(
+            {k: v for k, v in vars(summary).items() if k not in ("losses", "evals")}, indent=2) + "\n")
     print(f"done     {summary.line()}")
-    print(f"wrote    {summary.metrics_path}, {summary.plot_path}")
+    if summary.checkpoint_steps:
+        print(f"saved    checkpoints of steps {summary.checkpoint_steps} in {ckpt.directory}")
+    if summary.preempted:
+        print(f"stopped  by {summary.preempted} after step {summary.end_step}; continue with --resume")
+    elif lg.samples and main:
+        print(f"samples  {_write_samples(cfg, layout, state, batch_fn, eval_batches, out_dir)}")
+    if main:
+        print(f"wrote    {summary.metrics_path}, {summary.plot_path}")
     return 0
+
+
+def _write_samples(cfg, layout, state, batch_fn, eval_batches, out_dir: Path) -> str:
+    """Greedy continuations of a few held-out prompts -> ``<out_dir>/samples.txt`` (bytes for text data)."""
+    from .train.sample import format_samples, greedy_generate
+
+    rows = (eval_batches[0] if eval_batches else batch_fn(0))["tokens"][: cfg.logging.samples]
+    plen = max(1, min(16, cfg.model.seq_len // 2))
+    text = cfg.data.kind == "text"
+    prompts = [bytes(r[:plen].astype("uint8")) if text else [int(t) for t in r[:plen]] for r in rows]
+    outs = greedy_generate(layout.graphdef, state.params, prompts, context=cfg.model.seq_len,
+                           new_tokens=cfg.logging.sample_tokens)
+    path = out_dir / "samples.txt"
+    path.write_text(format_samples(prompts, outs))
+    return str(path)
 
 
 def run_schedule(args: argparse.Namespace) -> int:
@@ -141,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                    help="dotted overrides, e.g. mesh.tensor=2")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest good checkpoint in checkpoint.dir (same as checkpoint.resume=true)")
 
     p = sub.add_parser("schedule", help="print a pipeline schedule table",
                        description="Build a pipeline schedule and print its tick x stage table.")
@@ -157,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` script; returns the exit status."""
     from .config import ConfigError
     from .rules import RulesError
+    from .train.checkpoint import CheckpointError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)   # overrides may follow options: CONFIG --print-config k=v
@@ -166,9 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         if args.command == "train":
-            return run_train(args.config, args.overrides, print_config=args.print_config)
+            return run_train(args.config, args.overrides, print_config=args.print_config, resume=args.resume)
         return run_schedule(args)
-    except (ConfigError, RulesError) as e:
+    except (ConfigError, RulesError, CheckpointError) as e:
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:

@@ -35,7 +35,7 @@ from .zero import ZERO_STAGES
 
 __all__ = [
     "ConfigError", "ModelConfig", "MeshConfig", "ParallelConfig", "OptimizerConfig", "DataConfig",
-    "TrainConfig", "JobConfig", "ModelEntry", "MODELS", "OPTIMIZERS", "SCHEDULES", "DATA_KINDS",
+    "TrainConfig", "CheckpointConfig", "LoggingConfig", "JobConfig", "ModelEntry", "MODELS", "OPTIMIZERS", "SCHEDULES", "DATA_KINDS", "NONFINITE_MODES",
     "load_config", "merge_layers", "parse_overrides", "to_yaml", "check",
     "build_mesh", "build_strategy", "build_optimizer", "build_model_fn", "build_loss_fn", "build_data",
 ]
@@ -124,6 +124,33 @@ class TrainConfig:
     devices: int = 0
     out_dir: str = ""
     progress: str = "auto"          # auto | bar | lines | none
+    on_nonfinite: str = "skip"      # skip: drop the update of a step with a non-finite loss / grad norm; stop: error
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints. ``dir`` empty: ``<train.out_dir>/checkpoints``. A checkpoint is written every
+    ``every`` steps (0: only at the end), at the end, and on SIGTERM / SIGINT; the last ``keep`` are kept.
+    ``resume`` (or ``jaxpar train --resume``) continues from the latest good checkpoint in ``dir``."""
+
+    enabled: bool = True
+    dir: str = ""
+    every: int = 0
+    keep: int = 3
+    async_save: bool = True         # write in a background thread (``async`` is a Python keyword)
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Metrics go to ``<train.out_dir>/metrics.jsonl`` and, with ``tensorboard``, to ``<train.out_dir>/tb``.
+    ``peak_flops``: peak FLOP/s of one device (e.g. 989e12 for an H100's dense bf16); null: no MFU.
+    ``samples``: greedy text samples of ``sample_tokens`` tokens written at the end (0: none)."""
+
+    tensorboard: bool = True
+    peak_flops: float | None = None
+    samples: int = 3
+    sample_tokens: int = 64
 
 
 @dataclass(frozen=True)
@@ -137,6 +164,8 @@ class JobConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 # ----------------------------------------------------------------------------- registries
@@ -175,6 +204,7 @@ OPTIMIZERS: dict[str, Callable] = {"adamw": _adamw, "adam": _adam, "sgd": _sgd}
 SCHEDULES = ("constant", "cosine", "linear")
 DATA_KINDS = ("synthetic", "text")
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
+NONFINITE_MODES = ("skip", "stop")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -254,6 +284,9 @@ def merge_layers(layers: Sequence[tuple[str, Mapping]], name: str = "") -> JobCo
         cfg = dataclasses.replace(cfg, name=name)
     if not cfg.train.out_dir:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=f"runs/{cfg.name or 'job'}"))
+    if not cfg.checkpoint.dir:
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
+            cfg.checkpoint, dir=str(Path(cfg.train.out_dir) / "checkpoints")))
     check(cfg)
     return cfg
 
@@ -385,6 +418,16 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> None:
     for key, low in (("steps", 1), ("log_every", 1), ("eval_every", 0), ("eval_batches", 0), ("devices", 0)):
         _at_least(p, f"train.{key}", getattr(tr, key), low)
     _choice(p, "train.progress", tr.progress, PROGRESS_MODES)
+    _choice(p, "train.on_nonfinite", tr.on_nonfinite, NONFINITE_MODES)
+    ck, lg = cfg.checkpoint, cfg.logging
+    _at_least(p, "checkpoint.every", ck.every, 0)
+    _at_least(p, "checkpoint.keep", ck.keep, 1)
+    if ck.resume and not ck.enabled:
+        p.append("checkpoint.resume=true needs checkpoint.enabled=true (resuming also keeps saving).")
+    if lg.peak_flops is not None and lg.peak_flops <= 0:
+        p.append(f"logging.peak_flops={lg.peak_flops!r}: must be > 0 (FLOP/s of one device), or null for no MFU.")
+    _at_least(p, "logging.samples", lg.samples, 0)
+    _at_least(p, "logging.sample_tokens", lg.sample_tokens, 1)
     if not p:
         p.extend(_mesh_problems(cfg, num_devices))
     if p:

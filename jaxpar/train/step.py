@@ -119,12 +119,15 @@ def make_loss_and_grad(loss_fn: Callable, layout: StateLayout, strategy: Strateg
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout: StateLayout,
                     strategy: Strategy = Strategy(), *, clip_norm: float | None = None,
                     lr_schedule: Callable | None = None, donate: bool = True,
-                    explicit_dp: bool | None = None) -> Callable:
+                    explicit_dp: bool | None = None, skip_nonfinite: bool = False) -> Callable:
     """Build ``step(state, batch) -> (state, metrics)``, jitted with the layout's shardings.
 
     ``explicit_dp=True`` makes the data-axis collectives of repeated blocks explicit
     (:mod:`jaxpar.data_parallel`), ``False`` leaves them to XLA, and ``None``
     (default) decides with :func:`jaxpar.data_parallel.explicit_by_default`.
+    ``skip_nonfinite=True``: a step whose loss or gradient norm is NaN / inf keeps
+    the params and optimizer state unchanged (a ``jnp.where`` select; the step
+    counter still advances) and reports ``metrics["skipped"] = True``.
     """
     mesh = layout.mesh
     if explicit_dp is None:
@@ -146,6 +149,11 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": gnorm}
+        if skip_nonfinite:
+            ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
+                                             (params, opt_state), (state.params, state.opt_state))
+            metrics["skipped"] = jnp.logical_not(ok)
         if lr_schedule is not None:
             metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
         return TrainState(state.step + 1, params, opt_state), metrics

@@ -1,0 +1,116 @@
+"""Metrics sinks (JSONL, TensorBoard) written by process 0 only, and the FLOP count behind MFU.
+
+**MFU.** Training FLOPs per token follow the PaLM appendix B rule:
+``6 * N + 12 * L * T * d``, where ``N`` counts the parameters that take part in
+matrix multiplies (embedding *lookups* cost no FLOPs, so the token and position
+tables are left out; an untied output head is counted), ``L`` the layers, ``T``
+the sequence length and ``d`` the attention width (heads x head size). The
+first term is forward (2N) plus backward (4N); the second is the attention
+scores and their weighted sum (``Q K^T`` and ``A V``, 2 x 2·T·d forward per layer,
+times 3 for forward + backward), counted for the full ``T x T`` square as in PaLM
+(causal masking is not subtracted). Rematerialisation is not counted (MFU, not
+HFU). MFU = tokens/s x FLOPs per token / (devices x peak FLOP/s of one device).
+
+Example::
+
+    >>> f = flops_per_token(85_000_000, layers=12, seq_len=1024, embed=768)
+    >>> round(f / 1e6)                                 # 6 x 85M + 12 x 12 x 1024 x 768
+    623
+    >>> round(mfu(4.5e5, f, peak_flops=989e12, devices=1), 3)
+    0.283
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["flops_per_token", "mfu", "MetricsWriter", "TB_TAGS", "is_main_process"]
+
+#: JSONL record key -> TensorBoard tag.
+TB_TAGS = {
+    "loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "skipped": "train/skipped_steps",
+    "step_time": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
+    "eval_loss": "eval/loss",
+}
+
+
+def flops_per_token(n_params: int, *, layers: int, seq_len: int, embed: int) -> float:
+    """Training (forward + backward) FLOPs per token: ``6 N + 12 L T d`` (see the module docstring)."""
+    for name, value in (("n_params", n_params), ("layers", layers), ("seq_len", seq_len), ("embed", embed)):
+        if value < 0:
+            raise ValueError(f"flops_per_token({name}={value!r}): must be >= 0.")
+    return 6.0 * n_params + 12.0 * layers * seq_len * embed
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, *, peak_flops: float, devices: int) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over ``devices x peak_flops`` (peak of one device)."""
+    if peak_flops <= 0 or devices < 1:
+        raise ValueError(f"mfu(peak_flops={peak_flops!r}, devices={devices!r}): both must be positive.")
+    return tokens_per_s * flops_per_tok / (peak_flops * devices)
+
+
+def is_main_process() -> bool:
+    """``jax.process_index() == 0``: the one process that logs and writes files."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+class MetricsWriter:
+    """``metrics.jsonl`` (one JSON object per line) and optionally TensorBoard scalars under ``<out_dir>/tb``.
+
+    ``resume_step``: continue an earlier run's files: JSONL records after that
+    step (written by a run that died before its next checkpoint) are dropped and
+    TensorBoard events after it are purged. ``enabled=False`` writes nothing
+    (processes other than 0).
+    """
+
+    def __init__(self, out_dir: str | Path | None, *, tensorboard: bool = False, resume_step: int | None = None,
+                 enabled: bool = True):
+        self.path = self.tb_dir = None
+        self._file = self._tb = None
+        self.history: list[dict] = []    # earlier records kept on resume
+        if out_dir is None or not enabled:
+            return
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue       # a line cut by a crash
+                if rec.get("step", 0) <= resume_step:
+                    self.history.append(rec)
+        self._file = open(self.path, "w")
+        for rec in self.history:
+            self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb_dir = out / "tb"
+            self._tb = SummaryWriter(str(self.tb_dir), purge_step=resume_step + 1 if resume_step else None)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` (needs ``step``) to the JSONL file and its numbers to TensorBoard."""
+        if self._file is None:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, tag in TB_TAGS.items():
+                value = record.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(tag, value, record["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
