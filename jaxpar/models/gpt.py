@@ -29,7 +29,8 @@ from flax import nnx
 from ..rules import block_transform, constrain
 from ..tensor import row_parallel
 
-__all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "run_blocks", "BLOCK_LOGICAL", "REMAT_POLICIES", "lm_loss"]
+__all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "run_blocks", "BLOCK_LOGICAL", "REMAT_POLICIES", "lm_loss",
+           "cross_entropy", "embed_apply", "head_apply", "remat_block", "EMBED_KEYS", "HEAD_KEYS"]
 
 REMAT_POLICIES = ("none", "full", "save-matmuls")
 
@@ -177,17 +178,14 @@ class GPT(nnx.Module):
             self.head = _param(rngs.params(), (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.init_std)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        x = jnp.take(self.wte[...], tokens, axis=0) + self.wpe[...][: tokens.shape[1]]
-        return constrain(x, ("batch", "norm_length", "embed"))
+        return embed_apply({"wte": self.wte[...], "wpe": self.wpe[...]}, tokens)
 
     def block_params(self) -> dict[str, jax.Array]:
         return nnx.to_pure_dict(nnx.state(self.blocks))
 
     def unembed(self, x: jax.Array) -> jax.Array:
-        x = _layer_norm(x, self.lnf_scale[...], self.lnf_bias[...])
-        x = constrain(x, ("batch", "length", "embed"))
-        logits = jnp.einsum("bte,ev->btv", x, self.head[...])
-        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        return head_apply({"lnf_scale": self.lnf_scale[...], "lnf_bias": self.lnf_bias[...],
+                           "head": self.head[...]}, x)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens)
@@ -197,7 +195,34 @@ class GPT(nnx.Module):
 
 def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy; ``batch = {'tokens': int[B, T], 'targets': int[B, T]}``."""
-    logits = model(batch["tokens"])
+    return cross_entropy(model(batch["tokens"]), batch["targets"])
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of ``logits[..., vocab]`` against integer ``targets``."""
     logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
-    return nll.mean()
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0].mean()
+
+
+#: Top-level parameter names of the parts around the blocks (used to cut the model for pipelines).
+EMBED_KEYS = ("wte", "wpe")
+HEAD_KEYS = ("lnf_scale", "lnf_bias", "head")
+
+
+def embed_apply(p: dict[str, jax.Array], tokens: jax.Array) -> jax.Array:
+    """Token + position embedding; ``p`` has the :data:`EMBED_KEYS`."""
+    x = jnp.take(p["wte"], tokens, axis=0) + p["wpe"][: tokens.shape[1]]
+    return constrain(x, ("batch", "norm_length", "embed"))
+
+
+def head_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    """Final norm and the untied head -> float32 logits; ``p`` has the :data:`HEAD_KEYS`."""
+    x = _layer_norm(x, p["lnf_scale"], p["lnf_bias"])
+    x = constrain(x, ("batch", "length", "embed"))
+    logits = jnp.einsum("bte,ev->btv", x, p["head"])
+    return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+def remat_block(policy: str):
+    """:func:`block_apply` under a remat policy (``none`` / ``full`` / ``save-matmuls``)."""
+    return _remat(block_apply, policy)

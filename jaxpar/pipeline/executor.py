@@ -1,0 +1,266 @@
+"""Run any valid schedule table as one SPMD program: ``shard_map`` manual over ``pipe``.
+
+Each device holds its stages' layers (``[v, Lmax, ...]``: ``v`` chunks of at
+most ``Lmax`` layers). The program is the lowered table (:mod:`.program`),
+unrolled tick by tick; at every tick each device picks its own action with a
+``lax.switch`` on its pipe index (so idle stages compute nothing in bubbles):
+
+* **F**: the stage's layers on one micro-batch, one ``jax.vjp`` per layer; the
+  residuals go to a slot of a fixed buffer (sized by the table's peak in-flight
+  count, not by ``m``). Virtual stage 0 embeds the micro-batch first; the last
+  virtual stage runs the head and the loss and keeps ``d loss / d y``.
+* **B**: the stored per-layer vjps run in reverse on the received cotangent.
+  With a fused backward it also accumulates the weight gradients; with a split
+  backward (zero-bubble) it keeps each layer's output cotangent for **W**, which
+  later computes the weight gradients from them.
+
+After the switch, ``ppermute`` sends activations forward and cotangents
+backward, only between the stages that send at that tick (wrap-around
+``p-1 -> 0`` for interleaved chunks). The other mesh axes stay automatic, so
+data / ZeRO / tensor parallelism work inside a stage. Gradients accumulate over
+micro-batches; the result equals the non-pipelined loss and gradients.
+
+Example::
+
+    >>> fn = pipeline_value_and_grad(parts, mesh, rules, lower(one_f_one_b(4, 8)),
+    ...                              stage_layers=(2, 2, 2, 2))          # doctest: +SKIP
+    >>> loss, (g_pre, g_blocks, g_post) = fn(pre, stage_blocks, post, microbatches)   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from ..rules import drop_axes, use_block_transform, use_rules
+from .parts import PipelineParts
+from .program import Program
+
+__all__ = ["pipeline_value_and_grad", "PIPE"]
+
+PIPE = "pipe"
+
+
+class _LayerVJP:
+    """Static structure of one layer's ``jax.vjp``: the pytree of the pullback,
+    which residual leaves are the layer's own parameters (not stored: they are
+    passed back in) and the shapes of the stored ones."""
+
+    def __init__(self, layer: Callable, p_shapes: Any, x_shape: jax.ShapeDtypeStruct):
+        self.layer = layer
+        box: dict[str, Any] = {}
+
+        def probe(p, x):
+            _, vjp = jax.vjp(layer, p, x)
+            leaves, box["tree"] = jax.tree.flatten(vjp)
+            ids = {id(q): i for i, q in enumerate(jax.tree.leaves(p))}
+            box["from_params"] = [ids.get(id(leaf)) for leaf in leaves]
+            return [leaf for leaf, i in zip(leaves, box["from_params"]) if i is None]
+
+        self.stored = jax.eval_shape(probe, p_shapes, x_shape)
+        self.tree, self.from_params = box["tree"], box["from_params"]
+
+    def forward(self, p, x):
+        """``(y, stored residuals)`` of one layer."""
+        y, vjp = jax.vjp(self.layer, p, x)
+        leaves = jax.tree.leaves(vjp)
+        return y, [leaf for leaf, i in zip(leaves, self.from_params) if i is None]
+
+    def pullback(self, p, stored):
+        params, it = jax.tree.leaves(p), iter(stored)
+        leaves = [next(it) if i is None else params[i] for i in self.from_params]
+        return jax.tree.unflatten(self.tree, leaves)
+
+
+def _index(tree, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def _put(buf, i, value):
+    return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
+
+
+def _rows(program: Program, kinds: list, fwd_pats: list, bwd_pats: list) -> dict:
+    """The lowered table as ``[ticks, stages]`` int arrays (scanned over ticks)."""
+    ticks = program.ticks
+    col = lambda f: jnp.asarray(np.array([[f(i) for i in t.instrs] for t in ticks], np.int32))   # noqa: E731
+    fields = {"mb": "microbatch", "chunk": "chunk", "res": "res", "inbox": "inbox", "dy": "dy", "grad": "grad"}
+    pat = lambda pats, pairs: pats.index(pairs) + 1 if pairs else 0   # noqa: E731
+    return {
+        "kind": col(lambda i: kinds.index(i.kind)),
+        "ins": {k: col(lambda i, a=a: getattr(i, a)) for k, a in fields.items()},
+        "fwd_pat": jnp.asarray([pat(fwd_pats, t.fwd_pairs) for t in ticks], jnp.int32),
+        "bwd_pat": jnp.asarray([pat(bwd_pats, t.bwd_pairs) for t in ticks], jnp.int32),
+        "fwd_recv": jnp.asarray([t.fwd_recv for t in ticks], jnp.int32),
+        "bwd_recv": jnp.asarray([t.bwd_recv for t in ticks], jnp.int32),
+    }
+
+
+def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program, *,
+                            stage_layers: Sequence[int]) -> Callable:
+    """Build ``fn(pre, blocks, post, microbatches) -> (loss, (g_pre, g_blocks, g_post))``.
+
+    - ``blocks``: every block parameter as ``[v, p, Lmax, ...]`` (chunk, stage,
+      layer), sharded ``P(None, 'pipe', ...)``; see :func:`jaxpar.pipeline.partition.to_stages`.
+    - ``microbatches``: the batch pytree as ``[m, rows, ...]``.
+    - ``stage_layers``: layers of each virtual stage ``k = chunk * p + stage``;
+      layers beyond a stage's count are padding and are skipped at run time.
+
+    The loss is the mean of the micro-batch losses; the gradients are those of
+    that mean (float32), ``g_blocks`` in the ``blocks`` layout.
+    """
+    sched = program.schedule
+    p, m, v = sched.num_stages, sched.num_microbatches, sched.num_chunks
+    counts = np.asarray(stage_layers, np.int32).reshape(v, p)      # [chunk, stage]
+    lmax = int(counts.max())
+    uneven = bool((counts != lmax).any())
+    inner_rules = drop_axes(rules, (PIPE,))
+    split = program.split_backward
+
+    def body(pre, blocks, post, mbs):
+        s = jax.lax.axis_index(PIPE)
+        blocks = jax.tree.map(lambda a: a[:, 0], blocks)                        # [v, Lmax, ...]
+        mb0 = _index(mbs, 0)
+        x_shape = jax.eval_shape(parts.pre, pre, mb0)
+        lv = _LayerVJP(parts.layer, _index(_index(blocks, 0), 0), x_shape)
+        n_layers = jnp.asarray(counts)[:, s]                                   # [v] on this stage
+
+        def stage_forward(bp, x, n):
+            def one(h, pl):
+                return lv.forward(pl[0], h)
+
+            def skip(h, pl):
+                return h, [jnp.zeros(r.shape, r.dtype) for r in lv.stored]
+
+            def step(h, pl):
+                return jax.lax.cond(pl[1] < n, one, skip, h, pl) if uneven else one(h, pl)
+
+            return jax.lax.scan(step, x, (bp, jnp.arange(lmax)))
+
+        def stage_backward(bp, res, dy, n, want):
+            """Reverse over the layers. want='both': (dx, dparams); 'input': (dx, per-layer dys)."""
+            def one(g, item):
+                pl, r, _ = item
+                dp, dx = lv.pullback(pl, r)(g)
+                return dx, (dp if want == "both" else g)
+
+            def skip(g, item):
+                zero = jax.tree.map(jnp.zeros_like, item[0]) if want == "both" else jnp.zeros_like(g)
+                return g, zero
+
+            def step(g, item):
+                return jax.lax.cond(item[2] < n, one, skip, g, item) if uneven else one(g, item)
+
+            return jax.lax.scan(step, dy, (bp, res, jnp.arange(lmax)), reverse=True)
+
+        def weight_grads(bp, res, gys, n):
+            def one(item):
+                pl, r, g, _ = item
+                return lv.pullback(pl, r)(g)[0]
+
+            def step(_, item):
+                if uneven:
+                    return None, jax.lax.cond(item[3] < n, one, lambda it: jax.tree.map(jnp.zeros_like, it[0]), item)
+                return None, one(item)
+
+            return jax.lax.scan(step, None, (bp, res, gys, jnp.arange(lmax)))[1]
+
+        def add_grads(acc, c, g):
+            return jax.tree.map(lambda a, d: _put(a, c, _index(a, c) + d.astype(a.dtype)), acc, g)
+
+        def branch(kind):
+            def run(st, ins):
+                op = kind[0]
+                c = ins["chunk"]
+                bp, n = _index(blocks, c), n_layers[c]
+                mb = _index(mbs, ins["mb"])
+                send_f = send_b = jnp.zeros(x_shape.shape, x_shape.dtype)
+                st = dict(st)
+                if op == "F":
+                    first, last = kind[1], kind[2]
+                    x = parts.pre(pre, mb) if first else st["inbox_f"][ins["inbox"]]
+                    y, res = stage_forward(bp, x, n)
+                    st["res"] = [_put(b, ins["res"], r) for b, r in zip(st["res"], res)]
+                    if last:
+                        loss, (g_post, dy) = jax.value_and_grad(parts.post, argnums=(0, 1))(post, y, mb)
+                        st["loss"] = st["loss"] + loss.astype(jnp.float32)
+                        st["g_post"] = jax.tree.map(lambda a, d: a + d.astype(a.dtype) / m, st["g_post"], g_post)
+                        st["inbox_b"] = _put(st["inbox_b"], ins["dy"], dy / m)
+                    else:
+                        send_f = y.astype(x_shape.dtype)
+                elif op == "B":
+                    first = kind[1]
+                    res = [b[ins["res"]] for b in st["res"]]
+                    dy = st["inbox_b"][ins["inbox"]]
+                    if split:
+                        dx, gys = stage_backward(bp, res, dy, n, "input")
+                        st["grads_y"] = _put(st["grads_y"], ins["grad"], gys)
+                    else:
+                        dx, dps = stage_backward(bp, res, dy, n, "both")
+                        st["g_blocks"] = add_grads(st["g_blocks"], c, dps)
+                    if first:
+                        _, pull = jax.vjp(lambda q: parts.pre(q, mb), pre)
+                        g_pre = pull(dx.astype(x_shape.dtype))[0]
+                        st["g_pre"] = jax.tree.map(lambda a, d: a + d.astype(a.dtype), st["g_pre"], g_pre)
+                    else:
+                        send_b = dx.astype(x_shape.dtype)
+                elif op == "W":
+                    res = [b[ins["res"]] for b in st["res"]]
+                    dps = weight_grads(bp, res, st["grads_y"][ins["grad"]], n)
+                    st["g_blocks"] = add_grads(st["g_blocks"], c, dps)
+                return st, send_f, send_b
+            return run
+
+        f32 = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t)   # noqa: E731
+        buf = lambda n, shape, dtype: jnp.zeros((n + 1, *shape), dtype)                # noqa: E731
+        st = {
+            "res": [buf(program.n_res, (lmax, *r.shape), r.dtype) for r in lv.stored],
+            "inbox_f": buf(program.n_fwd, x_shape.shape, x_shape.dtype),
+            "inbox_b": buf(program.n_bwd, x_shape.shape, x_shape.dtype),
+            "grads_y": buf(program.n_grad if split else 0, (lmax, *x_shape.shape), x_shape.dtype),
+            "g_blocks": f32(blocks), "g_pre": f32(pre), "g_post": f32(post),
+            "loss": jnp.zeros((), jnp.float32),
+        }
+        kinds = sorted({ins.kind for tick in program.ticks for ins in tick.instrs}, key=repr)
+        branches = [branch(k) for k in kinds]
+        fwd_pats = sorted({t.fwd_pairs for t in program.ticks if t.fwd_pairs})
+        bwd_pats = sorted({t.bwd_pairs for t in program.ticks if t.bwd_pairs})
+
+        def exchange(pats, pat, x):
+            """Send ``x`` along the tick's pairs; the pattern is the same on every device."""
+            fns = [jnp.zeros_like] + [lambda y, q=q: jax.lax.ppermute(y, PIPE, q) for q in pats]
+            return jax.lax.switch(pat, fns, x) if len(fns) > 1 else fns[0](x)
+
+        def tick(st, row):
+            ins = {k: a[s] for k, a in row["ins"].items()}
+            st, send_f, send_b = jax.lax.switch(row["kind"][s], branches, st, ins)
+            got = exchange(fwd_pats, row["fwd_pat"], send_f)
+            st["inbox_f"] = _put(st["inbox_f"], row["fwd_recv"][s], got)
+            got = exchange(bwd_pats, row["bwd_pat"], send_b)
+            st["inbox_b"] = _put(st["inbox_b"], row["bwd_recv"][s], got)
+            return st, None
+
+        rows = _rows(program, kinds, fwd_pats, bwd_pats)
+        st, _ = jax.lax.scan(tick, st, rows)
+        psum = lambda t: jax.tree.map(lambda a: jax.lax.psum(a, PIPE), t)   # noqa: E731
+        g_blocks = jax.tree.map(lambda a: a[:, None], st["g_blocks"])
+        return jax.lax.psum(st["loss"], PIPE) / m, (psum(st["g_pre"]), g_blocks, psum(st["g_post"]))
+
+    stage_spec = lambda t: jax.tree.map(lambda _: P(None, PIPE), t)   # noqa: E731
+    rep = lambda t: jax.tree.map(lambda _: P(), t)                    # noqa: E731
+
+    def fn(pre, blocks, post, mbs):
+        if jax.tree.leaves(blocks)[0].shape[:2] != (v, p):
+            raise ValueError(f"pipeline blocks must be laid out [chunks={v}, stages={p}, layers, ...]; got "
+                             f"leading dims {jax.tree.leaves(blocks)[0].shape[:2]}.")
+        smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE}, check_vma=False,
+                             in_specs=(rep(pre), stage_spec(blocks), rep(post), rep(mbs)),
+                             out_specs=(P(), (rep(pre), stage_spec(blocks), rep(post))))
+        with use_rules(mesh, inner_rules), use_block_transform(None):
+            return smap(pre, blocks, post, mbs)
+
+    return fn
+

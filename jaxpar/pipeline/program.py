@@ -1,0 +1,175 @@
+"""Lower a schedule table to per-tick, per-stage instructions with buffer slots.
+
+Pure Python (no JAX). The executor (:mod:`jaxpar.pipeline.executor`) runs one
+:class:`Tick` after another; at each tick every stage runs its :class:`Instr`
+and then two ``ppermute``\\ s move the activations forward and the cotangents
+backward, only between the pairs of stages that send at that tick.
+
+Every value that waits on a stage lives in a slot of a fixed-size buffer:
+
+* ``res``: forward residuals of a (micro-batch, chunk), from its F until its B
+  (or its W when the backward is split);
+* ``inbox_f``: an activation received from the previous virtual stage, until
+  the F that consumes it;
+* ``inbox_b``: a cotangent received from the next virtual stage (or written by
+  the head on the last one), until the B that consumes it;
+* ``grad``: a split backward's per-layer output cotangents, from B until W.
+
+Slots are assigned by interval colouring per stage, so each buffer holds the
+table's peak number of waiting values (for 1F1B at most ``p`` residuals),
+never ``m``.
+
+Example:
+    >>> from jaxpar.pipeline.schedules import one_f_one_b, gpipe
+    >>> lower(one_f_one_b(4, 16)).n_res, lower(gpipe(4, 16)).n_res
+    (4, 16)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from .schedules import Schedule, validate
+
+__all__ = ["Instr", "Tick", "Program", "lower", "sends"]
+
+
+@dataclass(frozen=True)
+class Instr:
+    """What one stage does at one tick. Slots index the buffers described above."""
+
+    op: str = "idle"        # 'idle' | 'F' | 'B' | 'W'
+    microbatch: int = 0
+    chunk: int = 0
+    first: bool = False     # virtual stage 0: F embeds the micro-batch, B backprops the embedding
+    last: bool = False      # last virtual stage: F runs the head and the loss
+    res: int = 0
+    inbox: int = 0          # F (not first): inbox_f slot read; B: inbox_b slot read
+    dy: int = 0             # F (last): inbox_b slot written with the loss cotangent
+    grad: int = 0           # B (split) writes / W reads
+
+    @property
+    def kind(self) -> tuple:
+        """The branch this instruction needs (what must be compiled)."""
+        if self.op == "F":
+            return ("F", self.first, self.last)
+        if self.op == "B":
+            return ("B", self.first)
+        return (self.op,)
+
+
+@dataclass(frozen=True)
+class Tick:
+    """One tick: an instruction per stage and the sends that end it."""
+
+    instrs: tuple[Instr, ...]
+    fwd_pairs: tuple[tuple[int, int], ...]   # (source stage, target stage)
+    fwd_recv: tuple[int, ...]                # per stage: inbox_f slot written (n_fwd = discard)
+    bwd_pairs: tuple[tuple[int, int], ...]
+    bwd_recv: tuple[int, ...]                # per stage: inbox_b slot written (n_bwd = discard)
+
+
+@dataclass(frozen=True)
+class Program:
+    """A lowered schedule: ticks plus the number of slots each buffer needs."""
+
+    schedule: Schedule
+    ticks: tuple[Tick, ...]
+    n_res: int
+    n_fwd: int
+    n_bwd: int
+    n_grad: int
+
+    @property
+    def split_backward(self) -> bool:
+        return self.schedule.split_backward
+
+
+def _colour(intervals: Iterable[tuple[object, int, int]]) -> tuple[dict, int]:
+    """Greedy interval colouring (optimal for intervals): ``key -> slot`` and slot count."""
+    slots: dict = {}
+    free_at: list[int] = []          # per slot: first tick it is free again
+    for key, start, end in sorted(intervals, key=lambda t: (t[1], t[2])):
+        for i, f in enumerate(free_at):
+            if f <= start:
+                slots[key], free_at[i] = i, end + 1
+                break
+        else:
+            slots[key] = len(free_at)
+            free_at.append(end + 1)
+    return slots, len(free_at)
+
+
+def lower(schedule: Schedule) -> Program:
+    """Validate ``schedule`` and lower it to a :class:`Program`."""
+    validate(schedule)
+    p, v = schedule.num_stages, schedule.num_chunks
+    last_k = p * v - 1
+    when: dict[tuple[str, int, int], int] = {}     # (kind, microbatch, virtual stage) -> tick
+    for t, row in enumerate(schedule.table):
+        for s, a in enumerate(row):
+            if a is not None:
+                when[(a.kind, a.microbatch, a.chunk * p + s)] = t
+    res, inf, inb, grd = ([[] for _ in range(p)] for _ in range(4))
+    for (kind, mb, k), t in when.items():
+        s = k % p
+        if kind == "F":
+            end = when[("W" if schedule.split_backward else "B", mb, k)]
+            res[s].append(((mb, k), t, end))
+            if k > 0:
+                inf[s].append(((mb, k), when[("F", mb, k - 1)] + 1, t))
+            if k == last_k:
+                inb[s].append(((mb, k), t, when[("B", mb, k)]))
+        elif kind == "B":
+            if k < last_k:
+                inb[s].append(((mb, k), when[("B", mb, k + 1)] + 1, t))
+            if schedule.split_backward:
+                grd[s].append(((mb, k), t, when[("W", mb, k)]))
+    colourings = [[_colour(buf[s]) for s in range(p)] for buf in (res, inf, inb, grd)]
+    slot = [lambda key, s, c=c: c[s][0][key] for c in colourings]
+    n_res, n_fwd, n_bwd, n_grad = (max(c[s][1] for s in range(p)) for c in colourings)
+
+    ticks = []
+    for t, row in enumerate(schedule.table):
+        instrs, fwd, bwd = [], [], []
+        fwd_recv, bwd_recv = [n_fwd] * p, [n_bwd] * p
+        for s, a in enumerate(row):
+            if a is None:
+                instrs.append(Instr())
+                continue
+            k = a.chunk * p + s
+            key = (a.microbatch, k)
+            first, last = k == 0, k == last_k
+            if a.kind == "F":
+                instrs.append(Instr("F", a.microbatch, a.chunk, first, last, res=slot[0](key, s),
+                                    inbox=0 if first else slot[1](key, s),
+                                    dy=slot[2](key, s) if last else 0))
+                if not last:
+                    dst = (k + 1) % p
+                    fwd.append((s, dst))
+                    fwd_recv[dst] = slot[1]((a.microbatch, k + 1), dst)
+            elif a.kind == "B":
+                instrs.append(Instr("B", a.microbatch, a.chunk, first, last, res=slot[0](key, s),
+                                    inbox=slot[2](key, s),
+                                    grad=slot[3](key, s) if schedule.split_backward else 0))
+                if not first:
+                    dst = (k - 1) % p
+                    bwd.append((s, dst))
+                    bwd_recv[dst] = slot[2]((a.microbatch, k - 1), dst)
+            else:
+                instrs.append(Instr("W", a.microbatch, a.chunk, first, last, res=slot[0](key, s),
+                                    grad=slot[3](key, s)))
+        ticks.append(Tick(tuple(instrs), tuple(fwd), tuple(fwd_recv), tuple(bwd), tuple(bwd_recv)))
+    return Program(schedule, tuple(ticks), n_res, n_fwd, n_bwd, n_grad)
+
+
+def sends(program: Program) -> dict[str, int]:
+    """Point-to-point transfers per step: ``{'forward': n, 'backward': n}``.
+
+    >>> from jaxpar.pipeline.schedules import one_f_one_b
+    >>> sends(lower(one_f_one_b(4, 8)))      # m * (p - 1) each way
+    {'forward': 24, 'backward': 24}
+    """
+    return {"forward": sum(len(t.fwd_pairs) for t in program.ticks),
+            "backward": sum(len(t.bwd_pairs) for t in program.ticks)}
+
