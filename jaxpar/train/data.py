@@ -2,7 +2,14 @@
 
 Two sources, both returning numpy dicts ``{"tokens": int32[B, T], "targets": int32[B, T]}``
 (``targets`` is ``tokens`` shifted by one). Placing a batch on the mesh is the
-caller's job (:func:`jaxpar.shard_batch`).
+caller's job: :func:`make_global_batch` (each process builds only its own rows) or
+:func:`jaxpar.shard_batch` (one process, whole host batch).
+
+**Rows.** The batch functions take ``rows=``: ``None`` for the whole global batch,
+an int array of global row indices, or the batch's ``Sharding`` for the rows this
+process's devices hold (:func:`process_rows`). Row ``i`` of step ``s`` is the same
+whichever way it is asked for, so any number of processes assembles exactly the
+global batch that one process would build.
 
 * **Byte-level text** (vocab 256): files are read as raw bytes (no tokenizer).
   By default the corpus is a sorted, size-capped subset (every k-th file) of the
@@ -22,6 +29,9 @@ Example::
     ((8, 64), dtype('int32'))
     >>> bool((batch["tokens"][:, 1:] == batch["targets"][:, :-1]).all())
     True
+    >>> part = text_batch(train, step=0, batch_size=8, seq_len=64, seed=0, rows=np.arange(4, 8))
+    >>> bool((part["tokens"] == batch["tokens"][4:]).all())
+    True
 """
 
 from __future__ import annotations
@@ -30,13 +40,13 @@ import glob
 import os
 import sysconfig
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 __all__ = [
     "DEFAULT_MAX_BYTES", "stdlib_sources", "expand_paths", "load_bytes", "split_holdout",
-    "text_batch", "eval_windows", "synthetic_batch",
+    "text_batch", "eval_windows", "synthetic_batch", "process_rows", "make_global_batch",
 ]
 
 #: Default cap on the text corpus size (bytes): a few MB keeps start-up fast.
@@ -126,11 +136,16 @@ def _check_len(data: np.ndarray, seq_len: int, what: str) -> None:
                          "use more data, a shorter seq_len or (for eval) a larger eval fraction.")
 
 
-def text_batch(data: np.ndarray, step: int, *, batch_size: int, seq_len: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Training batch ``step``: ``batch_size`` windows at offsets drawn from ``(seed, step)`` only."""
+def text_batch(data: np.ndarray, step: int, *, batch_size: int, seq_len: int, seed: int = 0,
+               rows: Any = None) -> dict[str, np.ndarray]:
+    """Training batch ``step``: ``batch_size`` windows at offsets drawn from ``(seed, step)`` only.
+
+    ``rows`` selects global rows (see the module docstring); only those windows are read.
+    """
     _check_len(data, seq_len, "text_batch")
     rng = np.random.default_rng((seed, _TRAIN, step))
-    return _windows(data, rng.integers(0, len(data) - seq_len, size=batch_size), seq_len)
+    offsets = rng.integers(0, len(data) - seq_len, size=batch_size)   # all rows: cheap, fixes the order
+    return _windows(data, offsets[_select(rows, batch_size)], seq_len)
 
 
 def eval_windows(data: np.ndarray, *, num_batches: int, batch_size: int, seq_len: int) -> list[dict[str, np.ndarray]]:
@@ -142,13 +157,113 @@ def eval_windows(data: np.ndarray, *, num_batches: int, batch_size: int, seq_len
 
 
 def synthetic_batch(step: int, *, batch_size: int, seq_len: int, vocab: int, seed: int = 0,
-                    eval: bool = False) -> dict[str, np.ndarray]:
+                    eval: bool = False, rows: Any = None) -> dict[str, np.ndarray]:
     """Rows ``start + stride * t (mod vocab)``, ``stride`` in ``1..8``; drawn from ``(seed, step)``.
 
     ``eval=True`` draws from a separate stream (same distribution, other rows).
+    ``rows`` selects global rows (see the module docstring).
     """
     rng = np.random.default_rng((seed, _EVAL if eval else _TRAIN, step))
     start = rng.integers(0, vocab, size=(batch_size, 1))
     stride = rng.integers(1, 9, size=(batch_size, 1))
-    rows = ((start + stride * np.arange(seq_len + 1)) % vocab).astype(np.int32)
-    return {"tokens": rows[:, :-1], "targets": rows[:, 1:]}
+    pick = _select(rows, batch_size)
+    out = ((start[pick] + stride[pick] * np.arange(seq_len + 1)) % vocab).astype(np.int32)
+    return {"tokens": out[:, :-1], "targets": out[:, 1:]}
+
+
+# ----------------------------------------------------------------------------- per-process rows
+def process_rows(sharding, batch_size: int) -> np.ndarray:
+    """Sorted global row indices of a ``[batch_size, ...]`` batch held by this process's devices.
+
+    ``sharding`` is the batch's sharding (e.g. :func:`jaxpar.train.step.batch_sharding`);
+    only its split of the leading dimension matters. With one process: all rows.
+    This is the order :func:`jax.make_array_from_process_local_data` expects.
+
+    >>> process_rows(batch_sharding(mesh), 16)        # doctest: +SKIP
+    array([0, 1, 2, 3, 4, 5, 6, 7])                    # process 0 of 2
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"process_rows(batch_size={batch_size!r}): must be a positive int.")
+    n = _num_row_shards(sharding)
+    if batch_size % n:
+        raise ValueError(f"process_rows: global batch size {batch_size} is not divisible by the {n} shards of the "
+                         f"batch dimension ({sharding}); use a global batch that is a multiple of {n}.")
+    picked = np.zeros(batch_size, dtype=bool)
+    for index in sharding.addressable_devices_indices_map((batch_size,)).values():
+        picked[index[0] if index else slice(None)] = True
+    return np.flatnonzero(picked)
+
+
+def _num_row_shards(sharding) -> int:
+    """How many distinct pieces ``sharding`` cuts the leading dimension into."""
+    probe = max(len(sharding.device_set), 1)   # a multiple of any split of the leading dim
+    starts = {(idx[0].start or 0) if idx else 0 for idx in sharding.devices_indices_map((probe,)).values()}
+    return len(starts)
+
+
+def _select(rows: Any, batch_size: int) -> np.ndarray | slice:
+    """``rows`` (None | int indices | Sharding) -> an index into ``[batch_size]`` arrays."""
+    if rows is None:
+        return slice(None)
+    if hasattr(rows, "addressable_devices_indices_map"):
+        return process_rows(rows, batch_size)
+    idx = np.asarray(rows)
+    if idx.ndim != 1 or idx.dtype.kind not in "iu" or (idx.size and (idx.min() < 0 or idx.max() >= batch_size)):
+        raise ValueError(f"rows: expected None, a Sharding or a 1-D int array of row indices in "
+                         f"[0, {batch_size}); got {rows!r}.")
+    return idx
+
+
+def _takes_rows(fn: Callable) -> bool:
+    import inspect
+
+    try:
+        return "rows" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def make_global_batch(batch_fn: Callable, step: int, mesh) -> Any:
+    """The global batch of ``step`` on ``mesh``, split over the data axes; each process builds only its rows.
+
+    ``batch_fn(step, rows=...)`` (all batch functions here, and ``functools.partial`` of
+    them) is asked for this process's rows only, which are assembled with
+    :func:`jax.make_array_from_process_local_data`. A ``batch_fn(step)`` without
+    ``rows`` builds the whole host batch and each process keeps its own rows. With
+    one process the result equals ``shard_batch(batch_fn(step), mesh)``.
+
+    >>> batch = make_global_batch(partial(synthetic_batch, batch_size=16, seq_len=8, vocab=64),
+    ...                           step=3, mesh=mesh)    # doctest: +SKIP
+    """
+    import jax
+
+    from .step import batch_sharding
+
+    sharding = batch_sharding(mesh)
+    if _takes_rows(batch_fn):
+        local = batch_fn(step, rows=sharding)
+        leaves = jax.tree.leaves(local)
+        if not leaves:
+            raise ValueError("make_global_batch: batch_fn returned an empty batch.")
+        n, held = _num_row_shards(sharding), _num_local_row_shards(sharding)
+        sizes = {int(np.shape(x)[0]) * n // held for x in leaves}
+    else:
+        full = batch_fn(step)
+        sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(full)}
+        if len(sizes) == 1:
+            keep = process_rows(sharding, sizes.copy().pop())
+            local = jax.tree.map(lambda x: np.asarray(x)[keep], full)
+        else:
+            local = full
+    if len(sizes) != 1:
+        raise ValueError(f"make_global_batch: batch leaves have different leading sizes {sorted(sizes)}; "
+                         "they must agree.")
+    size = sizes.pop()
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x),
+                                                                        (size, *np.shape(x)[1:])), local)
+
+
+def _num_local_row_shards(sharding) -> int:
+    probe = max(len(sharding.device_set), 1)
+    starts = {(idx[0].start or 0) if idx else 0 for idx in sharding.addressable_devices_indices_map((probe,)).values()}
+    return len(starts)
