@@ -362,9 +362,9 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
                                   "eval_time": time.perf_counter() - t0})
                     bar.log(f"step {done:>6}/{end}  eval_loss {value:.4f}")
                     t_mark += time.perf_counter() - t0   # eval time does not count as step time
-        if checkpointer is not None:
-            checkpointer.wait()
     finally:
+        if checkpointer is not None:
+            checkpointer.wait()      # pending saves reach the disk, also when the run stops with an error
         bar.close()
         writer.close()
 
