@@ -3,6 +3,7 @@
 Usage::
 
     jaxpar train CONFIG [key=value ...] [--print-config] [--resume]
+                 [--coordinator HOST:PORT --num-processes N --process-id I] [--local-devices K]
     jaxpar schedule --kind 1f1b --stages 4 --microbatches 8 [--virtual V] [--png PATH] [--timed]
 
 Example::
@@ -25,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["main", "build_parser", "setup_devices", "run_train", "run_schedule"]
+__all__ = ["main", "build_parser", "setup_devices", "start_processes", "run_train", "run_schedule"]
 
 
 def setup_devices(n: int) -> None:
@@ -55,6 +56,30 @@ def setup_devices(n: int) -> None:
         raise ConfigError(f"train.devices={n}: {e}") from None
 
 
+def start_processes(dist: dict, devices: int):
+    """Join the other processes (``--coordinator/--num-processes/--process-id`` or SLURM / Open MPI /
+    Kubernetes), then set the device count; before JAX's backend starts. With several processes
+    ``train.devices`` counts all of them (``--local-devices K``: K per process). See docs/multihost.md."""
+    from . import distributed
+    from .config import ConfigError
+
+    try:
+        info = distributed.resolve(dist.get("coordinator"), dist.get("num_processes"), dist.get("process_id"))
+        local = dist.get("local_devices")
+        if not info.multiprocess and info.method != "k8s":
+            setup_devices(local or devices)
+            return info
+        if local is None and devices > 0:
+            local = distributed.split_devices(devices, info.num_processes) if info.num_processes else None
+        info = distributed.initialize(dist.get("coordinator"), dist.get("num_processes"), dist.get("process_id"),
+                                      local_device_count=local,
+                                      heartbeat_timeout=dist.get("heartbeat_timeout") or 100)
+    except distributed.DistributedError as e:
+        raise ConfigError(str(e)) from None
+    print(f"process  {info.describe()}")
+    return info
+
+
 def _bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -63,7 +88,8 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def run_train(config: str, overrides: Sequence[str], *, print_config: bool = False, resume: bool = False) -> int:
+def run_train(config: str, overrides: Sequence[str], *, print_config: bool = False, resume: bool = False,
+              dist: dict | None = None) -> int:
     """``jaxpar train``: load + check the config, build the library objects, train, summarise.
 
     ``resume`` (``--resume``) sets ``checkpoint.resume=true``. Exit status 0 also
@@ -76,7 +102,7 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     if print_config:
         print(to_yaml(cfg), end="")
         return 0
-    setup_devices(cfg.train.devices)
+    start_processes(dist or {}, cfg.train.devices)   # jax.distributed (if several processes), then devices
 
     import jax
 
@@ -222,6 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest good checkpoint in checkpoint.dir (same as checkpoint.resume=true)")
+    g = p.add_argument_group("many processes", "default: detected from SLURM (srun), Open MPI (mpirun) or a "
+                             "Kubernetes Indexed Job; else one process. See docs/multihost.md.")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (same on every process)")
+    g.add_argument("--num-processes", type=int, metavar="N", help="number of processes in the job")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0..N-1")
+    g.add_argument("--local-devices", type=int, metavar="K", help="simulated CPU devices in this process")
+    g.add_argument("--heartbeat-timeout", type=int, metavar="S",
+                   help="seconds without heartbeats before a process counts as dead and the job ends (100)")
 
     p = sub.add_parser("schedule", help="print a pipeline schedule table",
                        description="Build a pipeline schedule and print its tick x stage table.")
@@ -248,7 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         if args.command == "train":
-            return run_train(args.config, args.overrides, print_config=args.print_config, resume=args.resume)
+            return run_train(args.config, args.overrides, print_config=args.print_config, resume=args.resume,
+                             dist={k: getattr(args, k) for k in ("coordinator", "num_processes", "process_id",
+                                                                 "local_devices", "heartbeat_timeout")})
         return run_schedule(args)
     except (ConfigError, RulesError, CheckpointError) as e:
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)

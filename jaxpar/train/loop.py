@@ -49,6 +49,7 @@ from ..rules import named_shardings, use_rules
 from ..strategy import Strategy
 from .metrics import MetricsWriter, is_main_process, mfu
 from .state import StateLayout
+from .data import make_global_batch
 from .step import batch_sharding, make_model_loss, shard_batch
 
 __all__ = ["TrainSummary", "NonFiniteError", "train", "make_eval_fn", "plot_losses", "NONFINITE_MODES"]
@@ -324,7 +325,7 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
     try:
         with _StopSignals(handle_signals) as signals:
             for step in range(start, end):
-                state, metrics = step_fn(state, shard_batch(batch_fn(step), mesh))
+                state, metrics = step_fn(state, make_global_batch(batch_fn, step, mesh))  # own rows per process
                 done = step + 1
                 pending.append((done, metrics))
                 bar.advance()
