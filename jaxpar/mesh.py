@@ -128,7 +128,10 @@ def make_mesh(spec: MeshSpec | Mapping[str, int], devices: Sequence[jax.Device] 
         if math.prod(dcn_shape) != jax.process_count():
             raise MeshError(f"MeshSpec.dcn: factors {dict(zip(names, dcn_shape))} multiply to "
                             f"{math.prod(dcn_shape)}, but there are {jax.process_count()} processes.")
-        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices)
+        # Granules: TPU slices when the devices report several, else processes (CPU / GPU hosts).
+        by_process = len({getattr(d, "slice_index", 0) for d in devices}) != math.prod(dcn_shape)
+        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices,
+                                                    process_is_granule=by_process)
     else:
         try:
             from jax.experimental import mesh_utils
