@@ -211,7 +211,7 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
           print_fn: Callable[[str], None] = print, checkpointer: Any = None,
           checkpoint_meta: dict | None = None, on_nonfinite: str = "stop", tensorboard: bool = False,
           flops_per_token: float | None = None, peak_flops: float | None = None,
-          handle_signals: bool = True) -> tuple[Any, TrainSummary]:
+          handle_signals: bool = True, max_inflight: int = 2) -> tuple[Any, TrainSummary]:
     """Run ``steps`` train steps from ``start_step`` (default: ``int(state.step)``).
 
     ``batch_fn(step)`` returns the host batch for global step ``step``; the loop
@@ -233,8 +233,12 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
     ``"stop"`` raises :class:`NonFiniteError` at the first NaN / inf loss or grad
     norm; ``"skip"`` reports it and goes on (the step function must have skipped it).
     ``flops_per_token`` and ``peak_flops`` (of one device) add MFU to the records.
+    ``max_inflight``: the host runs at most that many steps ahead of the device
+    (it waits for step ``i - max_inflight`` before dispatching step ``i``). Without
+    a bound XLA:CPU can deadlock on collectives with dozens of multi-device steps queued.
     """
-    for name, value, low in (("steps", steps, 1), ("log_every", log_every, 1), ("eval_every", eval_every, 0)):
+    for name, value, low in (("steps", steps, 1), ("log_every", log_every, 1), ("eval_every", eval_every, 0),
+                             ("max_inflight", max_inflight, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"train({name}={value!r}): must be an int >= {low}.")
     if on_nonfinite not in NONFINITE_MODES:
@@ -325,7 +329,10 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
     try:
         with _StopSignals(handle_signals) as signals:
             for step in range(start, end):
-                state, metrics = step_fn(state, make_global_batch(batch_fn, step, mesh))  # own rows per process
+                batch = make_global_batch(batch_fn, step, mesh)   # own rows per process, built ahead
+                if len(pending) >= max_inflight:
+                    jax.block_until_ready(pending[-max_inflight][1])
+                state, metrics = step_fn(state, batch)
                 done = step + 1
                 pending.append((done, metrics))
                 bar.advance()
