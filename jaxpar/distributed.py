@@ -254,6 +254,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         _check_int(value, name, 1)
     if local_device_count is not None:
         _check_int(local_device_count, "--local-devices (local_device_count)", 1)
+    if not info.multiprocess and info.method != "k8s" and local_device_count is None:
+        return info                                     # a single process: nothing to do
     if jax.distributed.is_initialized():
         raise DistributedError("jax.distributed is already initialised in this process; call initialize() once.")
     if xla_bridge.backends_are_initialized():

@@ -1,0 +1,282 @@
+"""Many processes on localhost (gloo CPU collectives): same losses as one process, own rows per process,
+a dead process ends the job in bounded time, and clear errors for inconsistent flags / environments."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxpar import distributed as dist
+from jaxpar.cli import main
+from jaxpar.distributed import DistributedError, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+#: A tiny GPT on synthetic tokens, every step logged, nothing but metrics written.
+TINY = ["model.embed=32", "model.heads=2", "model.layers=2", "model.seq_len=16", "data.kind=synthetic",
+        "data.batch_size=16", "train.log_every=1", "train.eval_batches=0", "train.progress=lines",
+        "optimizer.warmup_steps=1", "checkpoint.enabled=false", "logging.tensorboard=false", "logging.samples=0"]
+_LAUNCHER_VARS = ("SLURM_", "OMPI_", "PMIX_", "KUBERNETES_", "JOB_COMPLETION_INDEX", "JAX_COORDINATOR",
+                  "JAX_LOCAL_DEVICE_IDS", "XLA_FLAGS")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARS)}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    return env
+
+
+def launch(args_of, n: int, logs: Path) -> list[subprocess.Popen]:
+    """Start ``n`` processes; process i runs ``args_of(i)``, its output in ``logs/p{i}.log``."""
+    logs.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen(args_of(i), cwd=ROOT, env=clean_env(), stdout=open(logs / f"p{i}.log", "w"),
+                             stderr=subprocess.STDOUT) for i in range(n)]
+
+
+def wait_all(procs, logs: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    try:
+        for i, p in enumerate(procs):
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{(logs / f'p{i}.log').read_text()[-3000:]}"
+
+
+def train_losses(out_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["kind"] == "train"]
+
+
+# ----------------------------------------------------------------------------- equivalence
+CASES = {  # config, overrides: DP over 8 devices; ZeRO-3 (fsdp2 x data2) x TP2
+    "dp": ("configs/dp.yaml", []),
+    "zero3_tp": ("configs/zero3.yaml", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_processes_match_one_process(case, tmp_path):
+    config, extra = CASES[case]
+    steps = ["train.steps=5"]
+    port = free_port()
+
+    def args_of(i):
+        return [PY, "-m", "jaxpar.cli", "train", config, *TINY, *extra, *steps, f"train.out_dir={tmp_path}/p{i}",
+                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+                "--local-devices", "4", "--heartbeat-timeout", "30"]
+
+    procs = launch(args_of, 2, tmp_path)
+    # the 1 x 8 reference runs here, in this process (8 simulated devices), while the two processes run
+    assert main(["train", config, *TINY, *extra, *steps, f"train.out_dir={tmp_path}/single",
+                 "train.devices=8"]) == 0
+    wait_all(procs, tmp_path)
+    log = (tmp_path / "p1.log").read_text()
+    assert "process  process 1 of 2 (explicit flags)" in log
+    one, two = train_losses(tmp_path / "single"), train_losses(tmp_path / "p0")
+    assert len(one) == len(two) == 5
+    np.testing.assert_allclose(two, one, rtol=1e-5)
+    assert not (tmp_path / "p1" / "metrics.jsonl").exists()     # only process 0 logs
+
+
+def test_each_process_builds_only_its_rows(tmp_path):
+    """tests/mp_driver.py: rows per process, global batch == one process's batch (DP, FSDP x TP, hybrid DCN)."""
+    port = free_port()
+    procs = launch(lambda i: [PY, "tests/mp_driver.py", f"127.0.0.1:{port}", "2", str(i), "4"], 2, tmp_path)
+    wait_all(procs, tmp_path, timeout=180)
+    for i in range(2):
+        log = (tmp_path / f"p{i}.log").read_text()
+        assert log.rstrip().endswith("OK")
+        assert f"rows {i} {{'pipe': 1, 'data': 8, 'fsdp': 1, 'tensor': 1}} {list(range(8 * i, 8 * i + 8))}" in log
+
+
+# ----------------------------------------------------------------------------- failure of a peer
+@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)], ids=["worker", "coordinator"])
+def test_killed_process_ends_the_other_in_bounded_time(victim, tmp_path):
+    heartbeat, bound = 10, 60.0
+    port = free_port()
+
+    def args_of(i):
+        return [PY, "-m", "jaxpar.cli", "train", "configs/dp.yaml", *TINY, "train.steps=100000",
+                "train.log_every=1", f"train.out_dir={tmp_path}/p{i}", "--coordinator", f"127.0.0.1:{port}",
+                "--num-processes", "2", "--process-id", str(i), "--local-devices", "4",
+                "--heartbeat-timeout", str(heartbeat)]
+
+    procs = launch(args_of, 2, tmp_path)
+    survivor = 1 - victim
+    try:
+        deadline = time.monotonic() + 180
+        while "step      3/" not in (tmp_path / "p0.log").read_text():   # both are training
+            assert all(p.poll() is None for p in procs), (tmp_path / "p0.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the two processes did not start training"
+            time.sleep(0.5)
+        procs[victim].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            code = procs[survivor].wait(timeout=bound)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"process {survivor} still running {bound:.0f} s after process {victim} was killed")
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    log = (tmp_path / f"p{survivor}.log").read_text()
+    print(f"process {survivor} exited {code} {elapsed:.1f} s after process {victim} was killed")
+    assert code != 0
+    assert ("another task died" in log or "Gloo" in log or "unhealthy" in log), log[-3000:]
+    assert elapsed < bound
+
+
+# ----------------------------------------------------------------------------- flags and environments
+@pytest.fixture
+def no_launcher(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith(_LAUNCHER_VARS):
+            monkeypatch.delenv(k)
+
+
+FLAG_ERRORS = [  # (coordinator, num_processes, process_id, text the error must contain)
+    ("localhost", 2, 0, "--coordinator (coordinator)='localhost': expected HOST:PORT"),
+    ("h:99999", 2, 0, "expected HOST:PORT"),
+    ("h:1234", None, 0, "--num-processes (num_processes) is missing"),
+    (None, None, 1, "--num-processes (num_processes) is missing"),
+    ("h:1234", 2, None, "--process-id (process_id) is missing"),
+    ("h:1234", 2, 2, "process id 2 (from --process-id) is not in 0..1"),
+    (None, 2, 0, "no coordinator address for 2 processes"),
+    ("h:1234", 0, 0, "--num-processes (num_processes)=0: must be an int >= 1"),
+    ("h:1234", 1, 1, "--process-id (process_id)=1 with --num-processes 1"),
+]
+
+
+@pytest.mark.parametrize("coordinator,n,pid,message", FLAG_ERRORS, ids=[m[3][:30] for m in FLAG_ERRORS])
+def test_inconsistent_flags_are_clear_errors(coordinator, n, pid, message, no_launcher):
+    with pytest.raises(DistributedError) as err:
+        resolve(coordinator, n, pid)
+    assert message in str(err.value)
+
+
+def test_cli_flag_errors_exit_2(no_launcher, capsys):
+    quick = str(ROOT / "configs" / "quickstart.yaml")
+    assert main(["train", quick, "--num-processes", "2"]) == 2
+    assert "--process-id (process_id) is missing" in capsys.readouterr().err
+    assert main(["train", quick, "--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"]) == 2
+    assert "expected HOST:PORT" in capsys.readouterr().err
+    # train.devices counts all processes: 8 devices over 3 processes cannot be split
+    assert main(["train", quick, "--coordinator", "127.0.0.1:1", "--num-processes", "3", "--process-id", "0"]) == 2
+    assert "train.devices=8 (all processes together) is not divisible by 3 processes" in capsys.readouterr().err
+
+
+def test_single_process_is_detected(no_launcher):
+    assert resolve().method == "single" and not resolve().multiprocess
+    assert resolve(num_processes=1).describe() == "single process (--num-processes 1)"
+    # an sbatch script that runs Python without srun: one process, with a hint
+    os.environ["SLURM_JOB_ID"] = "42"
+    try:
+        info = resolve()
+    finally:
+        del os.environ["SLURM_JOB_ID"]
+    assert info.method == "single" and "not under srun" in info.note
+
+
+def test_initialize_needs_a_fresh_backend(no_launcher):
+    import jax
+
+    jax.devices()   # the backend is up (8 simulated devices): joining a job now must fail clearly
+    with pytest.raises(DistributedError, match="before anything touches JAX's backend"):
+        dist.initialize("127.0.0.1:1", 2, 0)
+    assert dist.initialize() == dist.ClusterInfo("single")     # a single process: nothing to do
+
+
+SLURM = {"SLURM_JOB_ID": "4097", "SLURM_STEP_NODELIST": "gpu-[07-08,11]", "SLURM_NTASKS": "24",
+         "SLURM_PROCID": "13", "SLURM_LOCALID": "5", "SLURM_STEP_NUM_NODES": "3"}
+
+
+def test_slurm_detection():
+    info = resolve(environ=SLURM)   # 8 tasks per node: one GPU each (the task's local id)
+    assert (info.method, info.num_processes, info.process_id) == ("slurm", 24, 13)
+    assert info.coordinator == "gpu-07:61441" and info.local_device_ids == (5,)
+    one_per_node = resolve(environ={**SLURM, "SLURM_NTASKS": "3", "SLURM_PROCID": "2", "SLURM_LOCALID": "0"})
+    assert one_per_node.local_device_ids is None          # every GPU of the node in one process
+    assert resolve(environ={**SLURM, "JAX_COORDINATOR_PORT": "1234"}).coordinator == "gpu-07:1234"
+    assert resolve(environ={**SLURM, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}).method == "single"
+    assert resolve("10.0.0.1:5000", environ=SLURM).coordinator == "10.0.0.1:5000"   # flags win
+    with pytest.raises(DistributedError, match=r"process id 13 \(from the SLURM environment\) is not in 0..3"):
+        resolve(num_processes=4, environ=SLURM)
+    with pytest.raises(DistributedError, match="SLURM_PROCID='x' is not an integer"):
+        resolve(environ={**SLURM, "SLURM_PROCID": "x"})
+
+
+def test_open_mpi_and_kubernetes_detection():
+    ompi = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.1.0.1:3491"}
+    info = resolve(environ=ompi)                 # Open MPI 4: the mpirun host, JAX's port rule
+    assert (info.method, info.num_processes, info.process_id, info.coordinator, info.local_device_ids) == (
+        "ompi", 4, 3, "10.96.0.1:62624", (1,))
+    ompi5 = {k: v for k, v in ompi.items() if k != "OMPI_MCA_orte_hnp_uri"}
+    with pytest.raises(DistributedError, match=r"Open MPI 5 \(PMIx\)"):
+        resolve(environ=ompi5)
+    assert resolve(environ={**ompi5, "JAX_COORDINATOR_ADDRESS": "node1:1234"}).coordinator == "node1:1234"
+
+    k8s = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "2"}
+    info = resolve(environ=k8s)                   # count and coordinator: from the Kubernetes API (JAX)
+    assert (info.method, info.process_id, info.coordinator) == ("k8s", 2, None)
+    info = resolve("trainer-0.jax:1234", 4, environ=k8s)
+    assert (info.method, info.num_processes, info.process_id) == ("k8s", 4, 2)
+    assert resolve(environ={"KUBERNETES_SERVICE_HOST": "10.0.0.1"}).method == "single"   # a plain pod
+
+
+# ----------------------------------------------------------------------------- one process, same batches
+def test_rows_pick_the_same_rows_of_the_global_batch():
+    from jaxpar.train import data as D
+
+    corpus = D.load_bytes(max_bytes=50_000)
+    idx = np.array([5, 0, 9])
+    for fn in (lambda **kw: D.text_batch(corpus, 3, batch_size=12, seq_len=8, seed=1, **kw),
+               lambda **kw: D.synthetic_batch(3, batch_size=12, seq_len=8, vocab=40, seed=1, **kw)):
+        full, part = fn(), fn(rows=idx)
+        for key in full:
+            np.testing.assert_array_equal(part[key], full[key][idx])
+        with pytest.raises(ValueError, match=r"rows: expected None, a Sharding or a 1-D int array .* \[0, 12\)"):
+            fn(rows=np.array([12]))
+
+
+@pytest.mark.parametrize("spec", [dict(data=8), dict(data=2, fsdp=2, tensor=2), dict(fsdp=4, tensor=2)],
+                         ids=lambda s: "x".join(f"{k}{v}" for k, v in s.items()))
+def test_global_batch_on_one_process_equals_shard_batch(spec):
+    from functools import partial
+
+    import jaxpar
+    from jaxpar.train import data as D
+    from jaxpar.train.step import batch_sharding, shard_batch
+
+    mesh = jaxpar.make_mesh(jaxpar.MeshSpec(**spec))
+    assert D.process_rows(batch_sharding(mesh), 16).tolist() == list(range(16))
+    synthetic = partial(D.synthetic_batch, batch_size=16, seq_len=8, vocab=64, seed=2)
+    for fn in (synthetic, lambda step: synthetic(step)):          # with and without rows=
+        placed, reference = D.make_global_batch(fn, 4, mesh), shard_batch(fn(4), mesh)
+        for key in reference:
+            assert placed[key].sharding == reference[key].sharding
+            np.testing.assert_array_equal(np.asarray(placed[key]), np.asarray(reference[key]))
+    n = 8 // spec.get("tensor", 1)                                   # shards of the batch dimension
+    with pytest.raises(ValueError, match=f"global batch size 10 is not divisible by the {n} shards"):
+        D.make_global_batch(partial(synthetic, batch_size=10), 0, mesh)
