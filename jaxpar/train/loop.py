@@ -31,7 +31,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import sys
