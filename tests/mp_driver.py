@@ -1,6 +1,7 @@
 """One process of a multi-process check, started by tests/test_multiprocess.py (not collected by pytest).
 
     python tests/mp_driver.py COORDINATOR NUM_PROCESSES PROCESS_ID LOCAL_DEVICES
+    python tests/mp_driver.py env NUM_PROCESSES PROCESS_ID LOCAL_DEVICES   # who is who: from the environment
 
 Joins the job with :func:`jaxpar.distributed.initialize`, then, for several meshes and
 both data sources, checks that this process builds only its own rows of the global
@@ -16,8 +17,9 @@ from jaxpar.distributed import initialize
 
 
 def main(coordinator: str, num_processes: int, process_id: int, local_devices: int) -> None:
-    info = initialize(coordinator, num_processes, process_id, local_device_count=local_devices,
-                      heartbeat_timeout=20, initialization_timeout=120)
+    flags = (None, None, None) if coordinator == "env" else (coordinator, num_processes, process_id)
+    info = initialize(*flags, local_device_count=local_devices, heartbeat_timeout=20, initialization_timeout=120)
+    print(f"joined {info.describe()}", flush=True)
     import jax
     from jax.experimental import multihost_utils
 
@@ -25,7 +27,9 @@ def main(coordinator: str, num_processes: int, process_id: int, local_devices: i
     from jaxpar.train import data as D
     from jaxpar.train.step import batch_sharding
 
-    assert jax.process_count() == num_processes and jax.process_index() == info.process_id
+    if (jax.process_count(), jax.process_index()) != (num_processes, process_id):
+        raise SystemExit(f"joined as process {jax.process_index()} of {jax.process_count()}, expected "
+                         f"{process_id} of {num_processes}")
     corpus = D.load_bytes(max_bytes=100_000)
     batch = 16
     sources = {

@@ -38,11 +38,12 @@ def clean_env() -> dict:
     return env
 
 
-def launch(args_of, n: int, logs: Path) -> list[subprocess.Popen]:
-    """Start ``n`` processes; process i runs ``args_of(i)``, its output in ``logs/p{i}.log``."""
+def launch(args_of, n: int, logs: Path, extra_env=None) -> list[subprocess.Popen]:
+    """Start ``n`` processes; process i runs ``args_of(i)`` (environment + ``extra_env(i)``), output in
+    ``logs/p{i}.log``."""
     logs.mkdir(parents=True, exist_ok=True)
-    return [subprocess.Popen(args_of(i), cwd=ROOT, env=clean_env(), stdout=open(logs / f"p{i}.log", "w"),
-                             stderr=subprocess.STDOUT) for i in range(n)]
+    return [subprocess.Popen(args_of(i), cwd=ROOT, env={**clean_env(), **(extra_env(i) if extra_env else {})},
+                             stdout=open(logs / f"p{i}.log", "w"), stderr=subprocess.STDOUT) for i in range(n)]
 
 
 def wait_all(procs, logs: Path, timeout: float = 240) -> None:
@@ -97,14 +98,27 @@ def test_two_processes_match_one_process(case, tmp_path):
     assert not (tmp_path / "p1" / "metrics.jsonl").exists()     # only process 0 logs
 
 
-def test_each_process_builds_only_its_rows(tmp_path):
-    """tests/mp_driver.py: rows per process, global batch == one process's batch (DP, FSDP x TP, hybrid DCN)."""
+def fake_srun(i: int, port: int) -> dict:
+    """What ``srun --ntasks=2`` on one node named localhost would export to task ``i``."""
+    return {"SLURM_JOB_ID": "1234", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
+            "SLURM_STEP_NUM_NODES": "1", "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i),
+            "JAX_COORDINATOR_PORT": str(port)}
+
+
+@pytest.mark.parametrize("launcher", ["flags", "slurm-env"])
+def test_each_process_builds_only_its_rows(launcher, tmp_path):
+    """tests/mp_driver.py: rows per process, global batch == one process's batch (DP, FSDP x TP, hybrid DCN).
+    ``slurm-env``: no flags, the processes find each other from (simulated) srun variables."""
     port = free_port()
-    procs = launch(lambda i: [PY, "tests/mp_driver.py", f"127.0.0.1:{port}", "2", str(i), "4"], 2, tmp_path)
+    first = f"127.0.0.1:{port}" if launcher == "flags" else "env"
+    procs = launch(lambda i: [PY, "tests/mp_driver.py", first, "2", str(i), "4"], 2, tmp_path,
+                   extra_env=(lambda i: fake_srun(i, port)) if launcher == "slurm-env" else None)
     wait_all(procs, tmp_path, timeout=180)
     for i in range(2):
         log = (tmp_path / f"p{i}.log").read_text()
         assert log.rstrip().endswith("OK")
+        how = "explicit flags" if launcher == "flags" else "SLURM"
+        assert f"joined process {i} of 2 ({how})" in log
         assert f"rows {i} {{'pipe': 1, 'data': 8, 'fsdp': 1, 'tensor': 1}} {list(range(8 * i, 8 * i + 8))}" in log
 
 
