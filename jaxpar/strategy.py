@@ -1,15 +1,18 @@
 """A declarative parallelism strategy: ZeRO stage, tensor / sequence parallelism,
-gradient accumulation and precision, composed on one mesh.
+pipeline schedule, gradient accumulation and precision, composed on one mesh.
 
 The mesh says *how many* devices each axis has (``data``, ``fsdp``, ``tensor``,
 ``pipe``); the strategy says *what to do* with them. Any product
-``data x fsdp x tensor`` works; the ``pipe`` axis is left for pipelines.
+``pipe x data x fsdp x tensor`` works. With ``pipe > 1`` the ``microbatches``
+are the pipeline's micro-batches, run by the ``schedule``.
 
 Example::
 
     >>> s = Strategy(zero=1, sequence_parallel=True, microbatches=2)
     >>> s.name({"data": 2, "fsdp": 1, "tensor": 4, "pipe": 1})
     'dp2-zero1-tp4-sp-accum2'
+    >>> Strategy(microbatches=8, schedule="interleaved", virtual_stages=2).name({"pipe": 4, "data": 2})
+    'pp4-interleaved-v2-m8-dp2'
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from .mesh import data_axes
+from .pipeline.schedules import SCHEDULE_KINDS, canonical_kind
 from .rules import LogicalRules
 from .tensor import tensor_rules
 from .zero import ZERO_STAGES
@@ -40,6 +44,10 @@ class Strategy:
     - ``microbatches``: gradient accumulation steps inside one train step.
     - ``compute_dtype``: ``'float32'`` or ``'bfloat16'`` (fp32 master weights).
     - ``extra_rules``: user rules placed *before* jaxpar's (first match wins).
+    - ``schedule`` (``pipe > 1``): ``'gpipe'``, ``'1f1b'``, ``'interleaved'`` or ``'zb-h1'``.
+    - ``virtual_stages``: model chunks per pipeline stage (``interleaved`` only).
+    - ``stage_layers``: layers of each virtual stage (uneven pipelines, e.g. from
+      :func:`jaxpar.pipeline.partition_layers`); ``None`` splits evenly.
     """
 
     zero: int = 0
@@ -47,6 +55,9 @@ class Strategy:
     microbatches: int = 1
     compute_dtype: str = "float32"
     extra_rules: tuple = ()
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    stage_layers: tuple | None = None
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:
@@ -56,10 +67,21 @@ class Strategy:
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"Strategy.compute_dtype={self.compute_dtype!r}: choose one of "
                              f"{tuple(COMPUTE_DTYPES)}.")
+        object.__setattr__(self, "schedule", canonical_kind(self.schedule))
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise ValueError(f"Strategy.virtual_stages={self.virtual_stages!r}: must be a positive int.")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"Strategy.virtual_stages={self.virtual_stages} needs schedule='interleaved' "
+                             f"(got {self.schedule!r}); the other schedules run one chunk per stage.")
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
 
     def rules(self, mesh) -> LogicalRules:
-        """Logical rules for this strategy on ``mesh`` (user rules first)."""
-        return tuple(self.extra_rules) + tuple(
+        """Logical rules for this strategy on ``mesh`` (user rules first). With a
+        ``pipe`` axis the stacked ``layers`` dimension is split over it (replicated
+        when the layer count does not divide)."""
+        pipe = (("layers", "pipe"),) if dict(mesh.shape).get("pipe", 1) > 1 else ()
+        return tuple(self.extra_rules) + pipe + tuple(
             tensor_rules(sequence_parallel=self.sequence_parallel, batch_axes=data_axes(mesh)))
 
     @property
@@ -69,14 +91,19 @@ class Strategy:
     def name(self, mesh_sizes: Mapping[str, int]) -> str:
         """Short label such as ``'dp2-fsdp2-tp2'``."""
         parts = []
-        for axis, label in (("data", "dp"), ("fsdp", "fsdp"), ("tensor", "tp"), ("pipe", "pp")):
+        piped = mesh_sizes.get("pipe", 1) > 1
+        if piped:
+            parts += [f"pp{mesh_sizes['pipe']}", self.schedule]
+            parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
+            parts += [f"m{self.microbatches}"]
+        for axis, label in (("data", "dp"), ("fsdp", "fsdp"), ("tensor", "tp")):
             if mesh_sizes.get(axis, 1) > 1:
                 parts.append(f"{label}{mesh_sizes[axis]}")
                 if axis == "data" and self.zero:
                     parts.append(f"zero{self.zero}")
         if self.sequence_parallel:
             parts.append("sp")
-        if self.microbatches > 1:
+        if self.microbatches > 1 and not piped:
             parts.append(f"accum{self.microbatches}")
         if self.compute_dtype != "float32":
             parts.append(self.compute_dtype)

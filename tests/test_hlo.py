@@ -230,11 +230,16 @@ ENTRY %e (p: f32[2]) -> f32[2] {{
 """
 
 
-def test_unmatched_groups_give_none(mesh):
+def test_groups_within_part_of_an_axis_name_that_axis(mesh):
+    # halves of the 'tensor' axis (XLA splits some reshardings into pairwise exchanges)
     text = ONE_ALL_REDUCE.format(groups="{{0,1},{2,3},{4,5},{6,7}}")
+    assert only(collectives(text, mesh)).axes == ("tensor",)
+
+
+def test_groups_spanning_axes_name_every_axis_they_span(mesh):
+    text = ONE_ALL_REDUCE.format(groups="{{0,5},{1,4},{2,7},{3,6}}")
     c = only(collectives(text, mesh))
-    assert c.axes is None  # halves of the 'tensor' axis are no subset of mesh axes
-    assert "?" in collectives_table([c])
+    assert c.axes == ("data", "tensor")   # each group spans both axes: the smallest axes containing it
 
 
 def test_absent_replica_groups_mean_all_devices(mesh):

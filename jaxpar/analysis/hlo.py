@@ -228,9 +228,16 @@ def _axis_subset_groups(shape: tuple[int, ...], names: tuple[str, ...]) -> list[
 
 
 def _axes_of_groups(groups: list[list[int]], shape, names) -> tuple[str, ...] | None:
+    """The mesh axes whose groups these are; for groups that split an axis (XLA
+    decomposes some reshardings into pairwise exchanges along part of an axis),
+    the smallest set of axes whose groups each of them lies within."""
     wanted = frozenset(frozenset(g) for g in groups)
-    for axes, induced in _axis_subset_groups(tuple(shape), tuple(names)):
+    subsets = _axis_subset_groups(tuple(shape), tuple(names))
+    for axes, induced in subsets:
         if induced == wanted:
+            return axes
+    for axes, induced in subsets:
+        if all(any(g <= h for h in induced) for g in wanted):
             return axes
     return None
 

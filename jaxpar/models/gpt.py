@@ -199,9 +199,15 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy of ``logits[..., vocab]`` against integer ``targets``."""
+    """Mean cross-entropy of ``logits[..., vocab]`` against integer ``targets``.
+
+    The target logit is picked with a one-hot product rather than a gather, so a
+    vocabulary sharded over ``tensor`` reduces with one all-reduce (and XLA's
+    gather partitioner, which fails inside a pipeline's manual region, is avoided).
+    """
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0].mean()
+    picked = jnp.sum(logp * jax.nn.one_hot(targets, logits.shape[-1], dtype=logp.dtype), axis=-1)
+    return -picked.mean()
 
 
 #: Top-level parameter names of the parts around the blocks (used to cut the model for pipelines).
@@ -211,7 +217,8 @@ HEAD_KEYS = ("lnf_scale", "lnf_bias", "head")
 
 def embed_apply(p: dict[str, jax.Array], tokens: jax.Array) -> jax.Array:
     """Token + position embedding; ``p`` has the :data:`EMBED_KEYS`."""
-    x = jnp.take(p["wte"], tokens, axis=0) + p["wpe"][: tokens.shape[1]]
+    wte = constrain(p["wte"], ("vocab", "embed"))    # the compute layout (ZeRO-3: gathered over the data axes)
+    x = jnp.take(wte, tokens, axis=0) + p["wpe"][: tokens.shape[1]]
     return constrain(x, ("batch", "norm_length", "embed"))
 
 

@@ -79,6 +79,10 @@ def _index(tree, i):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
+def _get(buf, i):
+    return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+
+
 def _put(buf, i, value):
     return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
 
@@ -126,7 +130,7 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
         mb0 = _index(mbs, 0)
         x_shape = jax.eval_shape(parts.pre, pre, mb0)
         lv = _LayerVJP(parts.layer, _index(_index(blocks, 0), 0), x_shape)
-        n_layers = jnp.asarray(counts)[:, s]                                   # [v] on this stage
+        n_layers = _get(jnp.asarray(counts.T), s)                                  # [v] on this stage
 
         def stage_forward(bp, x, n):
             def one(h, pl):
@@ -181,7 +185,7 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
                 st = dict(st)
                 if op == "F":
                     first, last = kind[1], kind[2]
-                    x = parts.pre(pre, mb) if first else st["inbox_f"][ins["inbox"]]
+                    x = parts.pre(pre, mb) if first else _get(st["inbox_f"], ins["inbox"])
                     y, res = stage_forward(bp, x, n)
                     st["res"] = [_put(b, ins["res"], r) for b, r in zip(st["res"], res)]
                     if last:
@@ -193,8 +197,8 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
                         send_f = y.astype(x_shape.dtype)
                 elif op == "B":
                     first = kind[1]
-                    res = [b[ins["res"]] for b in st["res"]]
-                    dy = st["inbox_b"][ins["inbox"]]
+                    res = [_get(b, ins["res"]) for b in st["res"]]
+                    dy = _get(st["inbox_b"], ins["inbox"])
                     if split:
                         dx, gys = stage_backward(bp, res, dy, n, "input")
                         st["grads_y"] = _put(st["grads_y"], ins["grad"], gys)
@@ -208,18 +212,18 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
                     else:
                         send_b = dx.astype(x_shape.dtype)
                 elif op == "W":
-                    res = [b[ins["res"]] for b in st["res"]]
-                    dps = weight_grads(bp, res, st["grads_y"][ins["grad"]], n)
+                    res = [_get(b, ins["res"]) for b in st["res"]]
+                    dps = weight_grads(bp, res, _get(st["grads_y"], ins["grad"]), n)
                     st["g_blocks"] = add_grads(st["g_blocks"], c, dps)
                 return st, send_f, send_b
             return run
 
         f32 = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t)   # noqa: E731
-        buf = lambda n, shape, dtype: jnp.zeros((n + 1, *shape), dtype)                # noqa: E731
-        st = {
+        buf = lambda n, shape, dtype: jnp.zeros((max(n, 1), *shape), dtype)            # noqa: E731
+        st = {   # inboxes get one more slot: where stages that receive nothing write the ppermute's zeros
             "res": [buf(program.n_res, (lmax, *r.shape), r.dtype) for r in lv.stored],
-            "inbox_f": buf(program.n_fwd, x_shape.shape, x_shape.dtype),
-            "inbox_b": buf(program.n_bwd, x_shape.shape, x_shape.dtype),
+            "inbox_f": buf(program.n_fwd + 1, x_shape.shape, x_shape.dtype),
+            "inbox_b": buf(program.n_bwd + 1, x_shape.shape, x_shape.dtype),
             "grads_y": buf(program.n_grad if split else 0, (lmax, *x_shape.shape), x_shape.dtype),
             "g_blocks": f32(blocks), "g_pre": f32(pre), "g_post": f32(post),
             "loss": jnp.zeros((), jnp.float32),
@@ -235,12 +239,12 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
             return jax.lax.switch(pat, fns, x) if len(fns) > 1 else fns[0](x)
 
         def tick(st, row):
-            ins = {k: a[s] for k, a in row["ins"].items()}
-            st, send_f, send_b = jax.lax.switch(row["kind"][s], branches, st, ins)
+            ins = {k: _get(a, s) for k, a in row["ins"].items()}
+            st, send_f, send_b = jax.lax.switch(_get(row["kind"], s), branches, st, ins)
             got = exchange(fwd_pats, row["fwd_pat"], send_f)
-            st["inbox_f"] = _put(st["inbox_f"], row["fwd_recv"][s], got)
+            st["inbox_f"] = _put(st["inbox_f"], _get(row["fwd_recv"], s), got)
             got = exchange(bwd_pats, row["bwd_pat"], send_b)
-            st["inbox_b"] = _put(st["inbox_b"], row["bwd_recv"][s], got)
+            st["inbox_b"] = _put(st["inbox_b"], _get(row["bwd_recv"], s), got)
             return st, None
 
         rows = _rows(program, kinds, fwd_pats, bwd_pats)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["partition_layers", "uniform_layers", "stage_cost", "layer_costs", "to_stages", "from_stages",
+__all__ = ["partition_layers", "uniform_layers", "check_stage_layers", "stage_cost", "layer_costs", "to_stages", "from_stages",
            "PartitionError"]
 
 
@@ -103,7 +103,8 @@ def layer_costs(fn: Callable, args: Sequence[Any], num_layers: int) -> list[floa
     return [flops] * num_layers
 
 
-def _check(stage_layers: Sequence[int], num_layers: int, p: int, v: int) -> np.ndarray:
+def check_stage_layers(stage_layers: Sequence[int], num_layers: int, p: int, v: int = 1) -> np.ndarray:
+    """``stage_layers`` as an array, or an error naming the counts, ``pipe x virtual_stages`` and the layers."""
     counts = np.asarray(stage_layers, int)
     if counts.ndim != 1 or len(counts) != p * v:
         raise PartitionError(f"stage_layers={tuple(stage_layers)} has {len(counts)} entries; the pipeline "
@@ -116,7 +117,7 @@ def _check(stage_layers: Sequence[int], num_layers: int, p: int, v: int) -> np.n
 
 
 def _positions(stage_layers: Sequence[int], num_layers: int, p: int, v: int):
-    counts = _check(stage_layers, num_layers, p, v)
+    counts = check_stage_layers(stage_layers, num_layers, p, v)
     lmax = int(counts.max())
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     src = np.zeros((v, p, lmax), int)          # exec slot -> model layer (padding repeats a real one)

@@ -52,7 +52,7 @@ from typing import Callable, Optional, Sequence
 
 __all__ = [
     "Action", "Schedule", "ScheduleError", "SCHEDULE_KINDS",
-    "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "get_schedule",
+    "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "get_schedule", "canonical_kind",
     "validate", "stage_actions", "num_ticks", "duration", "timeline", "makespan",
     "bubble_fraction", "tick_bubble_fraction", "peak_in_flight", "to_text",
 ]
@@ -279,12 +279,22 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     return _build("zb-h1", p, m, 1, True, orders)
 
 
-def get_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Build a schedule by name: ``get_schedule('1f1b', 4, 8)``, ``get_schedule('interleaved', 4, 8, v=2)``."""
+def canonical_kind(kind: str) -> str:
+    """A schedule name or alias -> one of :data:`SCHEDULE_KINDS`; unknown names raise.
+
+    >>> canonical_kind("one_f_one_b")
+    '1f1b'
+    """
     key = _ALIASES.get(kind.lower()) if isinstance(kind, str) else None
     if key is None:
         raise ValueError(f"unknown schedule kind {kind!r}; allowed kinds: {', '.join(SCHEDULE_KINDS)} "
                          f"(aliases: {', '.join(sorted(set(_ALIASES) - set(SCHEDULE_KINDS)))})")
+    return key
+
+
+def get_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
+    """Build a schedule by name: ``get_schedule('1f1b', 4, 8)``, ``get_schedule('interleaved', 4, 8, v=2)``."""
+    key = canonical_kind(kind)
     if key == "interleaved":
         return interleaved_1f1b(p, m, v)
     if v != 1:

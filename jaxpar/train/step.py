@@ -23,12 +23,19 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..mesh import data_axes
+from ..models.gpt import lm_loss
+from ..pipeline.executor import pipeline_value_and_grad
+from ..pipeline.partition import check_stage_layers, from_stages, to_stages, uniform_layers
+from ..pipeline.parts import PipelineParts, gpt_parts
+from ..pipeline.program import lower
+from ..pipeline.schedules import get_schedule
 from ..data_parallel import data_parallel_block, explicit_by_default
 from ..rules import named_shardings, path_str, use_block_transform, use_rules
 from ..strategy import Strategy
 from .state import StateLayout, TrainState
 
-__all__ = ["make_train_step", "batch_sharding", "check_batch", "shard_batch", "make_loss_and_grad", "make_model_loss"]
+__all__ = ["make_train_step", "batch_sharding", "check_batch", "shard_batch", "make_loss_and_grad", "make_model_loss",
+           "make_pipeline_loss_and_grad", "default_parts"]
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -116,10 +123,61 @@ def make_loss_and_grad(loss_fn: Callable, layout: StateLayout, strategy: Strateg
     return loss_and_grad
 
 
+def default_parts(loss_fn: Callable, layout: StateLayout, parts: PipelineParts | None) -> PipelineParts:
+    """``parts`` if given; the GPT's cut (with its remat policy) for ``lm_loss``; else an error."""
+    if parts is not None:
+        return parts
+    if loss_fn is lm_loss:
+        cfg = getattr(nnx.merge(layout.graphdef, layout.shapes), "cfg", None)
+        return gpt_parts(remat=getattr(cfg, "remat", "none"))
+    raise ValueError(f"make_train_step: mesh has pipe={layout.mesh.shape['pipe']} but no pipeline parts for "
+                     f"loss_fn={getattr(loss_fn, '__name__', loss_fn)!r}. Pass pipeline=PipelineParts(pre=, "
+                     "layer=, post=, pre_keys=, post_keys=) saying how the model is cut into stages.")
+
+
+def make_pipeline_loss_and_grad(parts: PipelineParts, layout: StateLayout, strategy: Strategy) -> Callable:
+    """``(params, batch) -> (loss, grads)`` through the pipeline executor.
+
+    The stacked block parameters (``[L, ...]``, ``layers`` split over ``pipe``)
+    are laid out per stage (``[v, p, Lmax, ...]``; free for an even split with
+    one chunk, a resharding otherwise), the batch is cut into the strategy's
+    micro-batches and the schedule runs; gradients come back in ``layout.grads``.
+    """
+    mesh, dtype = layout.mesh, strategy.dtype
+    p, m, v = mesh.shape["pipe"], strategy.microbatches, strategy.virtual_stages
+    if strategy.sequence_parallel and mesh.shape.get("tensor", 1) > 1:
+        raise ValueError(f"Strategy(sequence_parallel=True) with pipe={p} is not supported: XLA reorders "
+                         "sequence-parallel activations with collective-permutes that span every pipeline "
+                         "stage, which would deadlock inside a stage's own branch. Use sequence_parallel=False "
+                         "with pipe > 1 (tensor parallelism itself works).")
+    program = lower(get_schedule(strategy.schedule, p, m, v))
+    _, block_shapes, _ = parts.split(layout.shapes)
+    num_layers = jax.tree.leaves(block_shapes)[0].shape[0]
+    stage_layers = strategy.stage_layers or uniform_layers(num_layers, p * v)
+    check_stage_layers(stage_layers, num_layers, p, v)
+    run = pipeline_value_and_grad(parts, mesh, layout.rules, program, stage_layers=stage_layers)
+    _, block_specs, _ = parts.split(layout.params)
+    stage_sh = jax.tree.map(lambda sp: NamedSharding(mesh, PartitionSpec(None, "pipe", None, *tuple(sp)[1:])),
+                            block_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    grad_shardings = named_shardings(layout.grads, mesh)
+
+    def loss_and_grad(params, batch):
+        if dtype != jnp.float32:
+            params = jax.tree.map(lambda a: a.astype(dtype), params)
+        pre, blocks, post = parts.split(params)
+        blocks = jax.lax.with_sharding_constraint(to_stages(blocks, stage_layers, p, v), stage_sh)
+        loss, (g_pre, g_blocks, g_post) = run(pre, blocks, post, _split_microbatches(batch, m, mesh))
+        grads = parts.merge(g_pre, from_stages(g_blocks, stage_layers, num_layers), g_post)
+        return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+    return loss_and_grad
+
+
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout: StateLayout,
                     strategy: Strategy = Strategy(), *, clip_norm: float | None = None,
                     lr_schedule: Callable | None = None, donate: bool = True,
-                    explicit_dp: bool | None = None, skip_nonfinite: bool = False) -> Callable:
+                    explicit_dp: bool | None = None, skip_nonfinite: bool = False,
+                    pipeline: PipelineParts | None = None) -> Callable:
     """Build ``step(state, batch) -> (state, metrics)``, jitted with the layout's shardings.
 
     ``explicit_dp=True`` makes the data-axis collectives of repeated blocks explicit
@@ -128,11 +186,18 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     ``skip_nonfinite=True``: a step whose loss or gradient norm is NaN / inf keeps
     the params and optimizer state unchanged (a ``jnp.where`` select; the step
     counter still advances) and reports ``metrics["skipped"] = True``.
+    With a ``pipe`` mesh axis the step runs the strategy's pipeline schedule on
+    ``pipeline`` (how the model is cut; default: the GPT's parts when
+    ``loss_fn`` is :func:`jaxpar.models.lm_loss`).
     """
     mesh = layout.mesh
+    piped = dict(mesh.shape).get("pipe", 1) > 1
     if explicit_dp is None:
-        explicit_dp = explicit_by_default(dict(mesh.shape), strategy.zero)
-    loss_and_grad = make_loss_and_grad(loss_fn, layout, strategy)
+        explicit_dp = explicit_by_default(dict(mesh.shape), strategy.zero) and not piped
+    if piped:
+        loss_and_grad = make_pipeline_loss_and_grad(default_parts(loss_fn, layout, pipeline), layout, strategy)
+    else:
+        loss_and_grad = make_loss_and_grad(loss_fn, layout, strategy)
     state_sh = layout.shardings()
     replicated = NamedSharding(mesh, PartitionSpec())
 
