@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .mesh import MeshError, MeshSpec, make_mesh
 from .models.gpt import GPT, REMAT_POLICIES, GPTConfig, lm_loss
+from .pipeline.schedules import SCHEDULE_KINDS
 from .strategy import COMPUTE_DTYPES, Strategy
 from .train import data as data_lib
 from .zero import ZERO_STAGES
@@ -78,8 +79,11 @@ class ParallelConfig:
 
     zero: int = 0
     sequence_parallel: bool = False
-    microbatches: int = 1
+    microbatches: int = 1           # accumulation steps; with mesh.pipe > 1 the pipeline's micro-batches
     compute_dtype: str = "float32"
+    schedule: str = "1f1b"          # mesh.pipe > 1: gpipe | 1f1b | interleaved | zb-h1
+    virtual_stages: int = 1         # interleaved: model chunks per stage
+    stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (uneven); null = even
 
 
 @dataclass(frozen=True)
@@ -357,9 +361,7 @@ def _mesh_problems(cfg: JobConfig, num_devices: int | None) -> list[str]:
                     f"(train.devices={cfg.train.devices})"]
     elif fill:
         return []  # the rest needs the device count
-    if sizes["pipe"] > 1:
-        problems.append(f"mesh.pipe={sizes['pipe']}: pipeline-parallel training is not available in "
-                        "`jaxpar train` yet; use mesh.pipe=1.")
+    problems += _pipeline_problems(cfg, sizes["pipe"])
     t, model, dp = sizes["tensor"], cfg.model, sizes["data"] * sizes["fsdp"]
     dims = [("model.heads", model.heads), ("model.mlp (default 4 x model.embed)", model.mlp or 4 * model.embed),
             ("model.vocab", model.vocab)]
@@ -372,6 +374,33 @@ def _mesh_problems(cfg: JobConfig, num_devices: int | None) -> list[str]:
     if k >= 1 and cfg.data.batch_size % (dp * k):
         problems.append(f"data.batch_size={cfg.data.batch_size} is not divisible by mesh.data x mesh.fsdp x "
                         f"parallel.microbatches = {sizes['data']} x {sizes['fsdp']} x {k} = {dp * k}.")
+    return problems
+
+
+def _pipeline_problems(cfg: JobConfig, p: int) -> list[str]:
+    par, layers = cfg.parallel, cfg.model.layers
+    _choice(problems := [], "parallel.schedule", par.schedule, SCHEDULE_KINDS)
+    if problems or p == 1:
+        return problems
+    v, m = par.virtual_stages, par.microbatches
+    if par.sequence_parallel and cfg.mesh.tensor > 1:
+        problems.append(f"parallel.sequence_parallel=true with mesh.pipe={p} is not supported (XLA's "
+                        "sequence-parallel resharding would deadlock inside a pipeline stage); set it to false.")
+    if v > 1 and par.schedule != "interleaved":
+        problems.append(f"parallel.virtual_stages={v} needs parallel.schedule=interleaved (got {par.schedule}).")
+    if par.schedule in ("1f1b", "zb-h1") and m < p:
+        problems.append(f"parallel.microbatches={m} < mesh.pipe={p}: {par.schedule} needs at least one "
+                        f"micro-batch per stage; use parallel.microbatches >= {p} or parallel.schedule=gpipe.")
+    if par.schedule == "interleaved" and m % p:
+        problems.append(f"parallel.microbatches={m} is not a multiple of mesh.pipe={p} (interleaved).")
+    if par.stage_layers is None and layers % (p * v):
+        problems.append(f"model.layers={layers} is not divisible by mesh.pipe x parallel.virtual_stages = "
+                        f"{p * v}; change the layer count or give parallel.stage_layers (one count per "
+                        "virtual stage).")
+    if par.stage_layers is not None and (len(par.stage_layers) != p * v or sum(par.stage_layers) != layers
+                                         or min(par.stage_layers) < 1):
+        problems.append(f"parallel.stage_layers={list(par.stage_layers)} needs {p * v} positive counts "
+                        f"(mesh.pipe x parallel.virtual_stages) summing to model.layers={layers}.")
     return problems
 
 
@@ -445,7 +474,8 @@ def build_mesh(cfg: MeshConfig, devices: Sequence[Any] | None = None):
 
 def build_strategy(cfg: ParallelConfig) -> Strategy:
     return Strategy(zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, microbatches=cfg.microbatches,
-                    compute_dtype=cfg.compute_dtype)
+                    compute_dtype=cfg.compute_dtype, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
+                    stage_layers=cfg.stage_layers)
 
 
 def build_schedule(cfg: OptimizerConfig, total_steps: int) -> Callable:
