@@ -156,9 +156,13 @@ def _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, ev
     ckpt = Checkpointer(ck.dir, every=ck.every, keep=ck.keep, async_save=ck.async_save) if ck.enabled else None
     start = 0
     if ck.resume:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", CheckpointWarning)   # reported below, one line each
-            restored = ckpt.restore(layout)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CheckpointWarning)   # reported below, one line each
+                restored = ckpt.restore(layout)
+        except BaseException:
+            ckpt.close()          # Orbax's background threads must finish before the interpreter exits
+            raise
         for s, reason in restored.skipped:
             print(f"jaxpar train: warning: checkpoint step {s} in {ckpt.directory} is unreadable, using step "
                   f"{restored.step} instead: {reason}", file=sys.stderr)

@@ -126,6 +126,8 @@ def test_partial_save_is_ignored(tmp_path):
     shutil.rmtree(tmp_path / "8.orbax-checkpoint-tmp-1234" / "meta")
     with Checkpointer(tmp_path) as ck:
         assert ck.steps() == [2, 4, 6]
+        assert ck.removed_partial == ["8.orbax-checkpoint-tmp-1234"]
+        assert not (tmp_path / "8.orbax-checkpoint-tmp-1234").exists()
         got = ck.restore(layout)
     assert got.step == 6 and same(got.state, snaps[6])
 

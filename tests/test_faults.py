@@ -54,8 +54,15 @@ def run(out: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedPro
     return subprocess.run(_cmd(out, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def committed(out: Path) -> list[int]:
+    """Steps of the checkpoints Orbax has finished (renamed from their temporary directory)."""
+    ck = out / "checkpoints"
+    return sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit()) if ck.is_dir() else []
+
+
 def run_until(out: Path, step: int, sig: int, timeout: float = 240) -> tuple[int, str, str]:
-    """Start a run, send ``sig`` as soon as it reports step ``step``; return (exit code, stdout, stderr)."""
+    """Start a run, send ``sig`` once it has reported step ``step`` (or later) and committed a
+    checkpoint (async saves may lag on a loaded machine); return (exit code, stdout, stderr)."""
     proc = subprocess.Popen(_cmd(out), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     lines: queue.Queue = queue.Queue()
@@ -68,12 +75,13 @@ def run_until(out: Path, step: int, sig: int, timeout: float = 240) -> tuple[int
         if line is None:
             break
         seen.append(line)
-        if not sent and line.startswith(f"step {step:>6}/{STEPS}  loss"):
+        reported = line.startswith("step ") and "  loss " in line and int(line.split()[1].split("/")[0]) >= step
+        if not sent and reported and committed(out):
             proc.send_signal(sig)
             sent = True
     rc = proc.wait(timeout=60)
     time.sleep(0.1)
-    assert sent, f"the run ended before step {step} was reported:\n{''.join(seen)}{''.join(err)}"
+    assert sent, f"the run ended before step {step} and a checkpoint:\n{''.join(seen)}{''.join(err)}"
     return rc, "".join(seen), "".join(err)
 
 

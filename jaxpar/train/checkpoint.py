@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -85,10 +86,16 @@ class Checkpointer:
         self._ocp = ocp
         self.directory = Path(directory).absolute()
         self.every, self.keep, self.async_save = every, keep, async_save
+        # Partial saves of a crashed run: removed here, synchronously (Orbax's own cleanup runs in a
+        # thread that can outlive a process ending right after, e.g. on a failed resume).
+        self.removed_partial: list[str] = []
+        if jax.process_index() == 0 and self.directory.is_dir():
+            for tmp in sorted(self.directory.glob("*.orbax-checkpoint-tmp*")):
+                shutil.rmtree(tmp, ignore_errors=True)
+                self.removed_partial.append(tmp.name)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(keep),
             enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,   # partial saves of a crashed run
             create=True,
         )
         # Arrays are written by replica 0 of each shard. Orbax's default on CPU ("replica-parallel")
@@ -182,9 +189,8 @@ class Checkpointer:
         else:
             candidates = steps[::-1]
         if not candidates:
-            partial = sorted(p.name for p in self.directory.glob("*.orbax-checkpoint-tmp*")) \
-                if self.directory.is_dir() else []
-            extra = f" (only unfinished saves: {', '.join(partial)})" if partial else ""
+            partial = self.removed_partial
+            extra = f" (only unfinished saves, now removed: {', '.join(partial)})" if partial else ""
             raise CheckpointError(f"no checkpoint to resume from in {self.directory}{extra}: "
                                   "the directory has no complete checkpoint. Train without resuming first, "
                                   "or point the checkpoint directory at an earlier run.")
