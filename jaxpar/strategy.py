@@ -47,7 +47,8 @@ class Strategy:
     - ``schedule`` (``pipe > 1``): ``'gpipe'``, ``'1f1b'``, ``'interleaved'`` or ``'zb-h1'``.
     - ``virtual_stages``: model chunks per pipeline stage (``interleaved`` only).
     - ``stage_layers``: layers of each virtual stage (uneven pipelines, e.g. from
-      :func:`jaxpar.pipeline.partition_layers`); ``None`` splits evenly.
+      :func:`jaxpar.pipeline.partition_layers`); ``None`` splits evenly; ``'auto'``
+      balances the compiled FLOPs of the layers, the embedding and the head.
     """
 
     zero: int = 0
@@ -57,7 +58,7 @@ class Strategy:
     extra_rules: tuple = ()
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    stage_layers: tuple | None = None
+    stage_layers: tuple | str | None = None
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:
@@ -73,7 +74,7 @@ class Strategy:
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"Strategy.virtual_stages={self.virtual_stages} needs schedule='interleaved' "
                              f"(got {self.schedule!r}); the other schedules run one chunk per stage.")
-        if self.stage_layers is not None:
+        if self.stage_layers is not None and self.stage_layers != "auto":
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
 
     def rules(self, mesh) -> LogicalRules:

@@ -213,3 +213,21 @@ def test_strategy_rejects_bad_pipeline_fields():
         jaxpar.Strategy(virtual_stages=2)
     with pytest.raises(ValueError, match="unknown schedule kind 'pipedream-x'"):
         jaxpar.Strategy(schedule="pipedream-x")
+
+
+def test_auto_stage_layers_balance_compiled_flops():
+    """'auto' moves layers off the stage that also runs an expensive head (large vocabulary)."""
+    from jaxpar.train.step import auto_stage_layers
+    strategy = jaxpar.Strategy(microbatches=4, stage_layers="auto")
+    cheap = _layout({"pipe": 4, "data": 2}, strategy, GPTConfig(vocab=256, seq_len=64, embed=64, heads=4, layers=8))[2]
+    big = _layout({"pipe": 4, "data": 2}, strategy, GPTConfig(vocab=2048, seq_len=64, embed=64, heads=4, layers=8))[2]
+    assert auto_stage_layers(default_parts(lm_loss, cheap, None), cheap, strategy, 4) == (2, 2, 2, 2)
+    assert auto_stage_layers(default_parts(lm_loss, big, None), big, strategy, 4) == (2, 2, 3, 1)
+
+
+def test_schedule_stages_must_match_the_pipe_axis():
+    from jaxpar.pipeline import gpt_parts, pipeline_value_and_grad
+    mesh = jaxpar.make_mesh({"pipe": 2, "data": 4})
+    with pytest.raises(ValueError, match=r"has 4 stages but the mesh's 'pipe' axis has size 2"):
+        pipeline_value_and_grad(gpt_parts(), mesh, jaxpar.Strategy().rules(mesh),
+                                lower(get_schedule("1f1b", 4, 4)), stage_layers=(2, 2, 2, 2))

@@ -1,9 +1,10 @@
 """Run any valid schedule table as one SPMD program: ``shard_map`` manual over ``pipe``.
 
 Each device holds its stages' layers (``[v, Lmax, ...]``: ``v`` chunks of at
-most ``Lmax`` layers). The program is the lowered table (:mod:`.program`),
-unrolled tick by tick; at every tick each device picks its own action with a
-``lax.switch`` on its pipe index (so idle stages compute nothing in bubbles):
+most ``Lmax`` layers). The program is the lowered table (:mod:`.program`) run
+by a ``lax.scan`` over its ticks; at every tick each device picks its own action
+with a ``lax.switch`` on its row of the table (so idle stages compute nothing in
+bubbles):
 
 * **F**: the stage's layers on one micro-batch, one ``jax.vjp`` per layer; the
   residuals go to a slot of a fixed buffer (sized by the table's peak in-flight
@@ -16,7 +17,8 @@ unrolled tick by tick; at every tick each device picks its own action with a
 
 After the switch, ``ppermute`` sends activations forward and cotangents
 backward, only between the stages that send at that tick (wrap-around
-``p-1 -> 0`` for interleaved chunks). The other mesh axes stay automatic, so
+``p-1 -> 0`` for interleaved chunks): each distinct set of pairs is one
+``ppermute``, chosen by a ``lax.switch`` whose index is the same on every device. The other mesh axes stay automatic, so
 data / ZeRO / tensor parallelism work inside a stage. Gradients accumulate over
 micro-batches; the result equals the non-pipelined loss and gradients.
 
@@ -118,6 +120,10 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
     """
     sched = program.schedule
     p, m, v = sched.num_stages, sched.num_microbatches, sched.num_chunks
+    if dict(mesh.shape).get(PIPE, 1) != p:
+        raise ValueError(f"the schedule {sched.name!r} has {p} stages but the mesh's {PIPE!r} axis has size "
+                         f"{dict(mesh.shape).get(PIPE, 1)}; build the schedule with num_stages equal to the "
+                         f"pipe axis (mesh axes: {dict(mesh.shape)}).")
     counts = np.asarray(stage_layers, np.int32).reshape(v, p)      # [chunk, stage]
     lmax = int(counts.max())
     uneven = bool((counts != lmax).any())

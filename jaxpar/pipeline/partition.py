@@ -3,7 +3,7 @@
 * :func:`partition_layers`: contiguous stage boundaries that minimise the
   slowest stage for given per-layer costs (PipeDream's dynamic programme),
   counting the embedding on the first stage and the head on the last.
-* :func:`layer_costs`: per-layer costs read from XLA's compiled cost analysis.
+* :func:`layer_costs`: layer / embedding / head costs from XLA's compiled cost analysis.
 * :func:`to_stages` / :func:`from_stages`: a block parameter stacked as
   ``[L, ...]`` (the model's layer order) <-> the executor's ``[v, p, Lmax, ...]``
   (chunk, stage, layer; virtual stage ``k = chunk * p + stage`` holds the next
@@ -11,7 +11,7 @@
 
 Example:
     >>> partition_layers([1.0] * 6, 4, first_extra=0.5, last_extra=1.0)
-    (2, 2, 1, 1)
+    (1, 2, 2, 1)
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["partition_layers", "uniform_layers", "check_stage_layers", "stage_cost", "layer_costs", "to_stages", "from_stages",
+__all__ = ["partition_layers", "uniform_layers", "check_stage_layers", "stage_cost", "layer_costs", "compiled_flops", "to_stages", "from_stages",
            "PartitionError"]
 
 
@@ -93,14 +93,31 @@ def partition_layers(costs: Sequence[float], num_stages: int, *, first_extra: fl
     return tuple(reversed(sizes))
 
 
-def layer_costs(fn: Callable, args: Sequence[Any], num_layers: int) -> list[float]:
-    """Per-layer FLOPs of ``fn(*args)`` (one layer's forward + backward, say), from
-    ``jax.jit(fn).lower(*args).compile().cost_analysis()``; the same for every layer."""
+def compiled_flops(fn: Callable, *args: Any) -> float:
+    """FLOPs of ``jax.jit(fn)(*args)`` from XLA's compiled cost analysis (``args`` may be
+    ``ShapeDtypeStruct``\ s)."""
     analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
     if isinstance(analysis, (list, tuple)):
         analysis = analysis[0]
-    flops = float((analysis or {}).get("flops", 0.0))
-    return [flops] * num_layers
+    return float((analysis or {}).get("flops", 0.0))
+
+
+def layer_costs(parts: Any, pre: Any, layer: Any, post: Any, batch: Any) -> tuple[float, float, float]:
+    """``(layer, first_extra, last_extra)``: forward + backward FLOPs of one layer, of the
+    embedding and of the head + loss, for one micro-batch (all arguments abstract shapes;
+    ``parts`` is a :class:`jaxpar.pipeline.parts.PipelineParts`).
+
+    Feed them to :func:`partition_layers` as ``([layer] * L, stages, first_extra=, last_extra=)``.
+    """
+    x = jax.eval_shape(parts.pre, pre, batch)
+
+    def grad_of(fn, argnums):
+        return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums)
+
+    layer_f = compiled_flops(grad_of(parts.layer, (0, 1)), layer, x)
+    pre_f = compiled_flops(grad_of(parts.pre, 0), pre, batch)
+    post_f = compiled_flops(grad_of(parts.post, (0, 1)), post, x, batch)
+    return layer_f, pre_f, post_f
 
 
 def check_stage_layers(stage_layers: Sequence[int], num_layers: int, p: int, v: int = 1) -> np.ndarray:

@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..mesh import data_axes
 from ..models.gpt import lm_loss
 from ..pipeline.executor import pipeline_value_and_grad
-from ..pipeline.partition import check_stage_layers, from_stages, to_stages, uniform_layers
+from ..pipeline.partition import (check_stage_layers, from_stages, layer_costs, partition_layers, to_stages,
+                                  uniform_layers)
 from ..pipeline.parts import PipelineParts, gpt_parts
 from ..pipeline.program import lower
 from ..pipeline.schedules import get_schedule
@@ -135,6 +136,22 @@ def default_parts(loss_fn: Callable, layout: StateLayout, parts: PipelineParts |
                      "layer=, post=, pre_keys=, post_keys=) saying how the model is cut into stages.")
 
 
+def auto_stage_layers(parts: PipelineParts, layout: StateLayout, strategy: Strategy, stages: int,
+                      rows: int = 1) -> tuple[int, ...]:
+    """Layers per virtual stage balancing compiled FLOPs (embedding on the first, head on the last)."""
+    pre, blocks, post = parts.split(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, strategy.dtype),
+                                                 layout.shapes))
+    layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), blocks)
+    seq = getattr(getattr(nnx.merge(layout.graphdef, layout.shapes), "cfg", None), "seq_len", None)
+    if seq is None:
+        raise ValueError("stage_layers='auto' needs the model's sequence length (model.cfg.seq_len); give "
+                         "stage_layers explicitly.")
+    batch = {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32) for k in ("tokens", "targets")}
+    cost, first, last = layer_costs(parts, pre, layer, post, batch)
+    num_layers = jax.tree.leaves(blocks)[0].shape[0]
+    return partition_layers([cost] * num_layers, stages, first_extra=first, last_extra=last)
+
+
 def make_pipeline_loss_and_grad(parts: PipelineParts, layout: StateLayout, strategy: Strategy) -> Callable:
     """``(params, batch) -> (loss, grads)`` through the pipeline executor.
 
@@ -154,6 +171,8 @@ def make_pipeline_loss_and_grad(parts: PipelineParts, layout: StateLayout, strat
     _, block_shapes, _ = parts.split(layout.shapes)
     num_layers = jax.tree.leaves(block_shapes)[0].shape[0]
     stage_layers = strategy.stage_layers or uniform_layers(num_layers, p * v)
+    if stage_layers == "auto":
+        stage_layers = auto_stage_layers(parts, layout, strategy, p * v)
     check_stage_layers(stage_layers, num_layers, p, v)
     run = pipeline_value_and_grad(parts, mesh, layout.rules, program, stage_layers=stage_layers)
     _, block_specs, _ = parts.split(layout.params)
