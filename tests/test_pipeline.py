@@ -40,8 +40,8 @@ def _reference(batch_size):
     return _REF[batch_size]
 
 
-def _pipelined(sizes, strategy, batch_size):
-    mesh, state, layout = _layout(sizes, strategy)
+def _pipelined(sizes, strategy, batch_size, cfg=PCFG):
+    mesh, state, layout = _layout(sizes, strategy, cfg)
     fn = make_pipeline_loss_and_grad(default_parts(lm_loss, layout, None), layout, strategy)
 
     def go(params, batch):
@@ -70,6 +70,14 @@ def test_schedule_matches_single_device(kind, p, m):
     batch_size = m * (8 // p)                      # one row per data shard per micro-batch
     strategy = jaxpar.Strategy(microbatches=m, schedule=kind, virtual_stages=v)
     assert_grads_equal(_pipelined({"pipe": p, "data": 8 // p}, strategy, batch_size), _reference(batch_size))
+
+
+@pytest.mark.parametrize("remat", ["full", "save-matmuls"])
+def test_remat_policies_inside_the_pipeline(remat):
+    """The layer's remat policy shapes what the executor stores; the numbers do not change."""
+    cfg = GPTConfig(vocab=64, seq_len=16, embed=32, heads=8, layers=8, remat=remat)
+    got = _pipelined({"pipe": 2, "data": 4}, jaxpar.Strategy(microbatches=4), 16, cfg)
+    assert_grads_equal(got, _reference(16))
 
 
 COMPOSED = {

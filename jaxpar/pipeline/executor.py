@@ -52,11 +52,14 @@ class _LayerVJP:
     passed back in) and the shapes of the stored ones."""
 
     def __init__(self, layer: Callable, p_shapes: Any, x_shape: jax.ShapeDtypeStruct):
-        self.layer = layer
+        # The barrier makes the input an internal value of the layer, so JAX keeps it among
+        # the opaque residuals in every trace (left alone, it is sometimes recorded as a
+        # primal argument instead, which reorders the residuals between traces).
+        self.layer = lambda p, x: layer(p, jax.lax.optimization_barrier(x))
         box: dict[str, Any] = {}
 
         def probe(p, x):
-            _, vjp = jax.vjp(layer, p, x)
+            _, vjp = jax.vjp(self.layer, p, x)
             leaves, box["tree"] = jax.tree.flatten(vjp)
             ids = {id(q): i for i, q in enumerate(jax.tree.leaves(p))}
             box["from_params"] = [ids.get(id(leaf)) for leaf in leaves]
@@ -64,12 +67,20 @@ class _LayerVJP:
 
         self.stored = jax.eval_shape(probe, p_shapes, x_shape)
         self.tree, self.from_params = box["tree"], box["from_params"]
+        self._kinds = [(r.shape, r.dtype) for r in self.stored]
 
     def forward(self, p, x):
         """``(y, stored residuals)`` of one layer."""
         y, vjp = jax.vjp(self.layer, p, x)
         leaves = jax.tree.leaves(vjp)
-        return y, [leaf for leaf, i in zip(leaves, self.from_params) if i is None]
+        ids = {id(q): i for i, q in enumerate(jax.tree.leaves(p))}
+        stored = [leaf for leaf, i in zip(leaves, self.from_params) if i is None]
+        if [ids.get(id(leaf)) for leaf in leaves] != self.from_params or \
+                [(r.shape, r.dtype) for r in stored] != self._kinds:
+            raise RuntimeError("pipeline executor: this layer's residuals differ between two traces of the "
+                               "same layer, so stored residuals could be misread. Please report it with the "
+                               "layer; remat='full' (residuals = inputs only) avoids it.")
+        return y, stored
 
     def pullback(self, p, stored):
         params, it = jax.tree.leaves(p), iter(stored)
