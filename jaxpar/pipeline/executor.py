@@ -189,50 +189,44 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
 
             return jax.lax.scan(step, None, (bp, res, gys, jnp.arange(lmax)))[1]
 
-        def add_grads(acc, c, g):
-            return jax.tree.map(lambda a, d: _put(a, c, _index(a, c) + d.astype(a.dtype)), acc, g)
-
         def branch(kind):
-            def run(st, ins):
-                op = kind[0]
+            """One action on one slot of each buffer: ``o`` holds what was read at this
+            tick's slots; the result says what to write back (unchanged for other actions)."""
+            def run(o):
+                op, ins, o = kind[0], o["ins"], dict(o)
                 c = ins["chunk"]
-                bp, n = _index(blocks, c), n_layers[c]
+                n = n_layers[c]
+                bp = _index(blocks, c) if op != "idle" else None
                 mb = _index(mbs, ins["mb"])
-                send_f = send_b = jnp.zeros(x_shape.shape, x_shape.dtype)
-                st = dict(st)
+                o["send_f"] = o["send_b"] = jnp.zeros(x_shape.shape, x_shape.dtype)
                 if op == "F":
                     first, last = kind[1], kind[2]
-                    x = parts.pre(pre, mb) if first else _get(st["inbox_f"], ins["inbox"])
-                    y, res = stage_forward(bp, x, n)
-                    st["res"] = [_put(b, ins["res"], r) for b, r in zip(st["res"], res)]
+                    x = parts.pre(pre, mb) if first else o["x"]
+                    y, o["res"] = stage_forward(bp, x, n)
                     if last:
                         loss, (g_post, dy) = jax.value_and_grad(parts.post, argnums=(0, 1))(post, y, mb)
-                        st["loss"] = st["loss"] + loss.astype(jnp.float32)
-                        st["g_post"] = jax.tree.map(lambda a, d: a + d.astype(a.dtype) / m, st["g_post"], g_post)
-                        st["inbox_b"] = _put(st["inbox_b"], ins["dy"], dy / m)
+                        o["loss"] = o["loss"] + loss.astype(jnp.float32)
+                        o["g_post"] = jax.tree.map(lambda a, d: a + d.astype(a.dtype) / m, o["g_post"], g_post)
+                        o["dy_out"] = (dy / m).astype(x_shape.dtype)
                     else:
-                        send_f = y.astype(x_shape.dtype)
+                        o["send_f"] = y.astype(x_shape.dtype)
                 elif op == "B":
-                    first = kind[1]
-                    res = [_get(b, ins["res"]) for b in st["res"]]
-                    dy = _get(st["inbox_b"], ins["inbox"])
                     if split:
-                        dx, gys = stage_backward(bp, res, dy, n, "input")
-                        st["grads_y"] = _put(st["grads_y"], ins["grad"], gys)
+                        dx, o["gys"] = stage_backward(bp, o["res"], o["dy"], n, "input")
                     else:
-                        dx, dps = stage_backward(bp, res, dy, n, "both")
-                        st["g_blocks"] = add_grads(st["g_blocks"], c, dps)
-                    if first:
+                        dx, dps = stage_backward(bp, o["res"], o["dy"], n, "both")
+                        o["g_chunk"] = jax.tree.map(lambda a, d: a + d.astype(a.dtype), o["g_chunk"], dps)
+                    if kind[1]:   # first virtual stage: backprop the embedding
                         _, pull = jax.vjp(lambda q: parts.pre(q, mb), pre)
                         g_pre = pull(dx.astype(x_shape.dtype))[0]
-                        st["g_pre"] = jax.tree.map(lambda a, d: a + d.astype(a.dtype), st["g_pre"], g_pre)
+                        o["g_pre"] = jax.tree.map(lambda a, d: a + d.astype(a.dtype), o["g_pre"], g_pre)
                     else:
-                        send_b = dx.astype(x_shape.dtype)
+                        o["send_b"] = dx.astype(x_shape.dtype)
                 elif op == "W":
-                    res = [_get(b, ins["res"]) for b in st["res"]]
-                    dps = weight_grads(bp, res, _get(st["grads_y"], ins["grad"]), n)
-                    st["g_blocks"] = add_grads(st["g_blocks"], c, dps)
-                return st, send_f, send_b
+                    dps = weight_grads(bp, o["res"], o["gys"], n)
+                    o["g_chunk"] = jax.tree.map(lambda a, d: a + d.astype(a.dtype), o["g_chunk"], dps)
+                del o["ins"], o["x"], o["dy"]
+                return o
             return run
 
         f32 = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t)   # noqa: E731
@@ -257,7 +251,20 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
 
         def tick(st, row):
             ins = {k: _get(a, s) for k, a in row["ins"].items()}
-            st, send_f, send_b = jax.lax.switch(_get(row["kind"], s), branches, st, ins)
+            st = dict(st)
+            # Read one slot of each buffer, run the action on it, write the slot back:
+            # the big buffers never enter the switch (a conditional would copy them).
+            o = {"ins": ins, "x": _get(st["inbox_f"], ins["inbox"]), "dy": _get(st["inbox_b"], ins["inbox"]),
+                 "dy_out": _get(st["inbox_b"], ins["dy"]), "res": [_get(b, ins["res"]) for b in st["res"]],
+                 "gys": _get(st["grads_y"], ins["grad"]), "g_chunk": _index(st["g_blocks"], ins["chunk"]),
+                 "g_pre": st["g_pre"], "g_post": st["g_post"], "loss": st["loss"]}
+            o = jax.lax.switch(_get(row["kind"], s), branches, o)
+            st["res"] = [_put(b, ins["res"], r) for b, r in zip(st["res"], o["res"])]
+            st["inbox_b"] = _put(st["inbox_b"], ins["dy"], o["dy_out"])
+            st["grads_y"] = _put(st["grads_y"], ins["grad"], o["gys"])
+            st["g_blocks"] = jax.tree.map(lambda a, g: _put(a, ins["chunk"], g), st["g_blocks"], o["g_chunk"])
+            st.update(g_pre=o["g_pre"], g_post=o["g_post"], loss=o["loss"])
+            send_f, send_b = o["send_f"], o["send_b"]
             got = exchange(fwd_pats, row["fwd_pat"], send_f)
             st["inbox_f"] = _put(st["inbox_f"], _get(row["fwd_recv"], s), got)
             got = exchange(bwd_pats, row["bwd_pat"], send_b)
