@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/compile_time.py
+	$(BIN)/python benchmarks/pipeline.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
