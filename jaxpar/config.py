@@ -105,11 +105,13 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """``text``: bytes of ``paths`` (files / globs; empty = Python stdlib sources). ``batch_size`` is global."""
+    """``text``: bytes of ``paths`` (files / globs; empty = Python stdlib sources). ``tokens``: one
+    pre-tokenized ``.bin`` (``token_dtype``) or ``.npy`` file in ``paths``. ``batch_size`` is global."""
 
     kind: str = "text"
     paths: tuple[str, ...] = ()
     max_bytes: int = data_lib.DEFAULT_MAX_BYTES
+    token_dtype: str = "uint16"     # kind=tokens, .bin files
     batch_size: int = 32
     seed: int = 0
     eval_fraction: float = 0.05
@@ -206,7 +208,7 @@ def _sgd(c: OptimizerConfig, lr):
 MODELS: dict[str, ModelEntry] = {"gpt": ModelEntry(_build_gpt, lm_loss)}
 OPTIMIZERS: dict[str, Callable] = {"adamw": _adamw, "adam": _adam, "sgd": _sgd}
 SCHEDULES = ("constant", "cosine", "linear")
-DATA_KINDS = ("synthetic", "text")
+DATA_KINDS = ("synthetic", "text", "tokens")
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
 NONFINITE_MODES = ("skip", "stop")
 
@@ -436,6 +438,7 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> None:
     if opt.clip_norm is not None and opt.clip_norm <= 0:
         p.append(f"optimizer.clip_norm={opt.clip_norm!r}: must be > 0, or null for no clipping.")
     _choice(p, "data.kind", d.kind, DATA_KINDS)
+    _choice(p, "data.token_dtype", d.token_dtype, data_lib.TOKEN_DTYPES)
     _at_least(p, "data.batch_size", d.batch_size, 1)
     _at_least(p, "data.max_bytes", d.max_bytes, 1)
     if not 0 <= d.eval_fraction < 1:
@@ -523,14 +526,29 @@ def build_data(cfg: DataConfig, *, seq_len: int, vocab: int, eval_batches: int
         evals = [data_lib.synthetic_batch(i, vocab=vocab, seed=cfg.seed, eval=True, **kw)
                  for i in range(eval_batches)]
         return partial(data_lib.synthetic_batch, vocab=vocab, seed=cfg.seed, **kw), evals
-    if cfg.kind != "text":
+    if cfg.kind not in ("text", "tokens"):
         raise ConfigError(f"data.kind={cfg.kind!r}: unknown; allowed: {', '.join(DATA_KINDS)}.")
+    if cfg.kind == "tokens" and len(cfg.paths) != 1:
+        raise ConfigError(f"data.kind=tokens needs exactly one token file in data.paths (a .bin or .npy), "
+                          f"got data.paths={list(cfg.paths)}.")
     try:
-        corpus = data_lib.load_bytes(list(cfg.paths) or None, max_bytes=cfg.max_bytes)
+        if cfg.kind == "tokens":
+            corpus = data_lib.load_tokens(cfg.paths[0], dtype=cfg.token_dtype)
+        else:
+            corpus = data_lib.load_bytes(list(cfg.paths) or None, max_bytes=cfg.max_bytes)
         train, held = data_lib.split_holdout(corpus, cfg.eval_fraction)
         evals = (data_lib.eval_windows(held, num_batches=eval_batches, **kw) if eval_batches else [])
         data_lib.text_batch(train, 0, seed=cfg.seed, **kw)  # fail now, not mid-run
     except (ValueError, OSError) as e:
-        raise ConfigError(f"data (data.paths={list(cfg.paths)}, data.max_bytes={cfg.max_bytes}, "
-                          f"data.eval_fraction={cfg.eval_fraction}): {e}") from None
-    return partial(data_lib.text_batch, train, seed=cfg.seed, **kw), evals
+        raise ConfigError(f"data (data.kind={cfg.kind}, data.paths={list(cfg.paths)}, data.max_bytes="
+                          f"{cfg.max_bytes}, data.eval_fraction={cfg.eval_fraction}): {e}") from None
+    if cfg.kind == "text":
+        return partial(data_lib.text_batch, train, seed=cfg.seed, **kw), evals
+    batch_fn = data_lib.token_batch_fn(train, vocab, f"token file {cfg.paths[0]!r}", seed=cfg.seed, **kw)
+    try:   # fail now, not mid-run
+        batch_fn(0)
+        for i, b in enumerate(evals):
+            data_lib.check_token_ids(b, vocab, f"token file {cfg.paths[0]!r}, eval batch {i},")
+    except ValueError as e:
+        raise ConfigError(f"data.paths: {e}") from None
+    return batch_fn, evals

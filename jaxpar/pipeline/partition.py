@@ -95,7 +95,7 @@ def partition_layers(costs: Sequence[float], num_stages: int, *, first_extra: fl
 
 def compiled_flops(fn: Callable, *args: Any) -> float:
     """FLOPs of ``jax.jit(fn)(*args)`` from XLA's compiled cost analysis (``args`` may be
-    ``ShapeDtypeStruct``\ s)."""
+    abstract ``ShapeDtypeStruct`` values)."""
     analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
     if isinstance(analysis, (list, tuple)):
         analysis = analysis[0]

@@ -16,6 +16,9 @@ global batch that one process would build.
   Python standard library's own ``.py`` sources, so it exists wherever Python does. The last
   ``eval_fraction`` of the bytes is held out; training windows of ``seq_len + 1``
   bytes are drawn at offsets that depend only on ``(seed, step)``.
+* **Token files** (nanoGPT style): a pre-tokenized ``.bin`` (raw ``uint16`` by default)
+  or ``.npy`` file, memory-mapped (:func:`load_tokens`); windows, offsets and the
+  held-out tail work exactly as for bytes.
 * **Synthetic tokens**: each row is an arithmetic progression ``start + stride * t
   (mod vocab)`` with a random start and a small random stride: learnable (the
   model must infer the stride in context), cheap, any vocab size.
@@ -45,7 +48,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 __all__ = [
-    "DEFAULT_MAX_BYTES", "stdlib_sources", "expand_paths", "load_bytes", "split_holdout",
+    "DEFAULT_MAX_BYTES", "stdlib_sources", "expand_paths", "load_bytes", "load_tokens", "token_batch_fn", "check_token_ids",
+    "TOKEN_DTYPES", "split_holdout",
     "text_batch", "eval_windows", "synthetic_batch", "process_rows", "make_global_batch",
 ]
 
@@ -115,6 +119,56 @@ def load_bytes(paths: Sequence[str | os.PathLike] | None = None, *, max_bytes: i
         if total >= max_bytes:
             break
     return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+
+
+TOKEN_DTYPES = ("uint16", "uint32", "int32")
+
+
+def load_tokens(path: str | os.PathLike, *, dtype: str = "uint16") -> np.ndarray:
+    """A pre-tokenized corpus as a read-only memory map: ``.npy`` (its own dtype) or a raw
+    ``.bin`` of ``dtype`` tokens (nanoGPT's ``train.bin`` is ``uint16``). Nothing is read
+    until batches index it, so the file may be larger than memory.
+
+    >>> import tempfile; f = tempfile.NamedTemporaryFile(suffix=".bin", delete=False)
+    >>> np.arange(100, dtype=np.uint16).tofile(f.name)
+    >>> load_tokens(f.name)[10:13].tolist()
+    [10, 11, 12]
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"token file {str(path)!r} not found.")
+    if path.suffix == ".npy":
+        data = np.load(path, mmap_mode="r")
+    elif path.suffix == ".bin":
+        if dtype not in TOKEN_DTYPES:
+            raise ValueError(f"token dtype {dtype!r}: choose one of {TOKEN_DTYPES}.")
+        if path.stat().st_size % np.dtype(dtype).itemsize:
+            raise ValueError(f"token file {str(path)!r}: {path.stat().st_size} bytes is not a whole number of "
+                             f"{dtype} tokens; check the token dtype.")
+        data = np.memmap(path, dtype=dtype, mode="r")
+    else:
+        raise ValueError(f"token file {str(path)!r}: expected a .bin (raw tokens) or .npy file.")
+    if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
+        raise ValueError(f"token file {str(path)!r}: expected a 1-D integer array, got {data.dtype} "
+                         f"of shape {data.shape}.")
+    return data
+
+
+def check_token_ids(batch: dict[str, np.ndarray], vocab: int, where: str) -> dict[str, np.ndarray]:
+    """``batch`` unchanged, or a clear error if a token id is outside ``[0, vocab)``."""
+    lo = min(int(batch[k].min(initial=0)) for k in ("tokens", "targets"))
+    hi = max(int(batch[k].max(initial=0)) for k in ("tokens", "targets"))
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"{where} holds token id {hi if hi >= vocab else lo}, outside the model's vocabulary "
+                         f"[0, {vocab}); set model.vocab above the tokenizer's largest id.")
+    return batch
+
+
+def token_batch_fn(data: np.ndarray, vocab: int, where: str, **kw: Any) -> Callable:
+    """``text_batch`` over token ids with :func:`check_token_ids` on every batch."""
+    def batch(step: int, rows: Any = None) -> dict[str, np.ndarray]:
+        return check_token_ids(text_batch(data, step, rows=rows, **kw), vocab, f"{where}, batch {step},")
+    return batch
 
 
 def split_holdout(data: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
