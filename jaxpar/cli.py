@@ -204,22 +204,32 @@ def _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, ev
         print(f"saved    checkpoints of steps {summary.checkpoint_steps} in {ckpt.directory}")
     if summary.preempted:
         print(f"stopped  by {summary.preempted} after step {summary.end_step}; continue with --resume")
-    elif lg.samples and main:
-        print(f"samples  {_write_samples(cfg, layout, state, batch_fn, eval_batches, out_dir)}")
+    elif lg.samples:
+        path = _write_samples(cfg, layout, state, batch_fn, eval_batches, out_dir, write=main)
+        if main:
+            print(f"samples  {path}")
     if main:
         print(f"wrote    {summary.metrics_path}, {summary.plot_path}")
     return 0
 
 
-def _write_samples(cfg, layout, state, batch_fn, eval_batches, out_dir: Path) -> str:
-    """Greedy continuations of a few held-out prompts -> ``<out_dir>/samples.txt`` (bytes for text data)."""
-    from .train.sample import format_samples, greedy_generate
+def _write_samples(cfg, layout, state, batch_fn, eval_batches, out_dir: Path, *, write: bool = True) -> str | None:
+    """Greedy continuations of a few held-out prompts -> ``<out_dir>/samples.txt`` (bytes for text data).
+
+    Every process calls it (gathering parameters spread over processes is a collective);
+    only the one with ``write=True`` (process 0) decodes and writes the file.
+    """
+    from .train.sample import format_samples, greedy_generate, host_params
+
+    params = host_params(state.params)
+    if not write:
+        return None
 
     rows = (eval_batches[0] if eval_batches else batch_fn(0))["tokens"][: cfg.logging.samples]
     plen = max(1, min(16, cfg.model.seq_len // 2))
     text = cfg.data.kind == "text"
     prompts = [bytes(r[:plen].astype("uint8")) if text else [int(t) for t in r[:plen]] for r in rows]
-    outs = greedy_generate(layout.graphdef, state.params, prompts, context=cfg.model.seq_len,
+    outs = greedy_generate(layout.graphdef, params, prompts, context=cfg.model.seq_len,
                            new_tokens=cfg.logging.sample_tokens)
     path = out_dir / "samples.txt"
     path.write_text(format_samples(prompts, outs))

@@ -1,5 +1,6 @@
 """Many processes on localhost (gloo CPU collectives): same losses as one process, own rows per process,
-a dead process ends the job in bounded time, and clear errors for inconsistent flags / environments."""
+a SIGTERM to one process stops all of them at the same step, text samples, a dead process ends the job
+in bounded time, and clear errors for inconsistent flags / environments."""
 import json
 import os
 import signal
@@ -18,10 +19,11 @@ from jaxpar.distributed import DistributedError, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-#: A tiny GPT on synthetic tokens, every step logged, nothing but metrics written.
+#: A tiny GPT on synthetic tokens, every step logged; metrics and (at the end) text samples written.
 TINY = ["model.embed=32", "model.heads=2", "model.layers=2", "model.seq_len=16", "data.kind=synthetic",
         "data.batch_size=16", "train.log_every=1", "train.eval_batches=0", "train.progress=lines",
-        "optimizer.warmup_steps=1", "checkpoint.enabled=false", "logging.tensorboard=false", "logging.samples=0"]
+        "optimizer.warmup_steps=1", "checkpoint.enabled=false", "logging.tensorboard=false",
+        "logging.samples=2", "logging.sample_tokens=8"]
 _LAUNCHER_VARS = ("SLURM_", "OMPI_", "PMIX_", "KUBERNETES_", "JOB_COMPLETION_INDEX", "JAX_COORDINATOR",
                   "JAX_LOCAL_DEVICE_IDS", "XLA_FLAGS")
 
@@ -96,6 +98,12 @@ def test_two_processes_match_one_process(case, tmp_path):
     assert len(one) == len(two) == 5
     np.testing.assert_allclose(two, one, rtol=1e-5)
     assert not (tmp_path / "p1" / "metrics.jsonl").exists()     # only process 0 logs
+    # text samples: the parameters spread over both processes are gathered; only process 0 writes
+    samples = (tmp_path / "p0" / "samples.txt").read_text()
+    assert samples.count("--- sample ") == 2 and not (tmp_path / "p1" / "samples.txt").exists()
+    assert "samples  " in (tmp_path / "p0.log").read_text()
+    if case == "zero3_tp":          # bit-identical losses here: the greedy tokens are the same too
+        assert samples == (tmp_path / "single" / "samples.txt").read_text()
 
 
 def fake_srun(i: int, port: int) -> dict:
@@ -120,6 +128,87 @@ def test_each_process_builds_only_its_rows(launcher, tmp_path):
         how = "explicit flags" if launcher == "flags" else "SLURM"
         assert f"joined process {i} of 2 ({how})" in log
         assert f"rows {i} {{'pipe': 1, 'data': 8, 'fsdp': 1, 'tensor': 1}} {list(range(8 * i, 8 * i + 8))}" in log
+
+
+# ----------------------------------------------------------------------------- SIGTERM to one process
+#: ZeRO-3 x TP: parameters and Adam state sharded over both processes, so the checkpoint is a collective save.
+STOP_CASE = ["configs/zero3.yaml", *TINY, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "logging.samples=0",
+             "checkpoint.enabled=true", "checkpoint.every=0", "train.steps=40"]
+
+
+def run_job(tmp: Path, logs: str, *extra: str, signal_to: int | None = None, at_step: int = 5,
+            timeout: float = 180) -> tuple[list[int], float | None]:
+    """Run STOP_CASE as 2 processes x 4 devices (checkpoints in ``tmp/ck``, process i writes ``tmp/p{i}``);
+    with ``signal_to``, send SIGTERM to that process alone once process 0 reported ``at_step``.
+    Returns the exit codes and the seconds from the signal until both processes had exited."""
+    port = free_port()
+
+    def args_of(i):
+        return [PY, "-m", "jaxpar.cli", "train", *STOP_CASE, f"train.out_dir={tmp}/p{i}", f"checkpoint.dir={tmp}/ck",
+                *extra, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+                "--local-devices", "4", "--heartbeat-timeout", "30"]
+
+    log_dir = tmp / logs
+    procs = launch(args_of, 2, log_dir)
+    deadline, sent = time.monotonic() + timeout, None
+    try:
+        while signal_to is not None and sent is None:
+            text = (log_dir / "p0.log").read_text()
+            done = [int(line.split()[1].split("/")[0]) for line in text.splitlines()
+                    if line.startswith("step ") and "  loss " in line]
+            if done and done[-1] >= at_step:
+                procs[signal_to].send_signal(signal.SIGTERM)
+                sent = time.monotonic()
+                break
+            assert all(p.poll() is None for p in procs), f"a process ended before step {at_step}:\n{text[-3000:]}"
+            assert time.monotonic() < deadline, f"no step {at_step} within {timeout:.0f} s:\n{text[-3000:]}"
+            time.sleep(0.05)
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        elapsed = time.monotonic() - sent if sent is not None else None
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job did not end within {timeout:.0f} s (a hang?):\n"
+                    + "\n".join((log_dir / f"p{i}.log").read_text()[-2000:] for i in range(2)))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{(log_dir / f'p{i}.log').read_text()[-3000:]}"
+    return [p.returncode for p in procs], elapsed
+
+
+def all_losses(out_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)], ids=["worker", "coordinator"])
+def test_sigterm_to_one_process_stops_all_at_the_same_step(victim, tmp_path):
+    """A SIGTERM to one process only (one evicted pod): both stop after the same step, save one checkpoint
+    together and exit 0; ``--resume`` on 2 processes continues from it with the uninterrupted run's losses."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    run_job(ref, "logs")                                          # uninterrupted, 40 steps
+    _, elapsed = run_job(run, "logs", signal_to=victim)
+    print(f"both processes exited 0 {elapsed:.1f} s after SIGTERM to process {victim}")
+    assert elapsed < 60
+    logs = [(run / "logs" / f"p{i}.log").read_text() for i in range(2)]
+    stopped = {int(line.split()[5].rstrip(";")) for text in logs for line in text.splitlines()
+               if line.startswith("stopped  by SIGTERM after step")}
+    assert len(stopped) == 1, logs                                 # the same step in both processes
+    step = stopped.pop()
+    assert 5 <= step < 40
+    assert sorted(int(p.name) for p in (run / "ck").iterdir() if p.name.isdigit()) == [step]
+    records = [json.loads(line) for line in (run / "p0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records if r["kind"] == "preempted"] == [
+        {"kind": "preempted", "step": step, "signal": "SIGTERM", "checkpoint": True, "processes": [victim]}]
+
+    run_job(run, "resume", "--resume")
+    assert f"resume   step {step} from" in (run / "resume" / "p0.log").read_text()
+    reference, resumed = all_losses(ref / "p0"), all_losses(run / "p0")
+    assert sorted(resumed) == sorted(reference) == list(range(1, 41))
+    assert resumed == reference                                    # bit-identical, before and after the stop
 
 
 # ----------------------------------------------------------------------------- failure of a peer

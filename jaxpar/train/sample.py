@@ -1,7 +1,10 @@
 """Greedy decoding from a trained language model, for the text samples written at the end of a run.
 
 The parameters are gathered to the host and the model runs on one device (no
-mesh, no rules): sampling a few short continuations needs no parallelism. Each new
+mesh, no rules): sampling a few short continuations needs no parallelism. With
+several processes the parameters are spread over them: :func:`host_params` gathers
+them with one jitted all-gather, so every process must call it (or
+:func:`greedy_generate`), and each gets the full parameters. Each new
 token recomputes the model over a fixed window of ``context`` tokens (the last
 ``context`` generated), so one compilation serves every position.
 
@@ -22,15 +25,39 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["greedy_generate", "format_samples"]
+__all__ = ["greedy_generate", "host_params", "format_samples"]
+
+
+def host_params(params: Any) -> Any:
+    """``params`` as host NumPy arrays, also when they are spread over several processes.
+
+    Fully addressable arrays: :func:`jax.device_get`. Otherwise one jitted identity
+    with a replicated output (an all-gather over every device of the mesh, a collective:
+    every process must call this with the same tree), then this process's copy.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    leaves = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+    if all(x.is_fully_addressable for x in leaves):
+        return jax.device_get(params)
+    meshes = {x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)}
+    if len(meshes) != 1 or not all(isinstance(x.sharding, NamedSharding) for x in leaves):
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(params, tiled=True)      # one program per leaf
+    replicated = jax.jit(lambda t: t, out_shardings=NamedSharding(meshes.pop(), PartitionSpec()))(params)
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else x,
+                        replicated)
 
 
 def greedy_generate(graphdef: Any, params: Any, prompts: Sequence[bytes | Sequence[int]], *, context: int,
                     new_tokens: int) -> list[list[int]] | list[bytes]:
     """Extend each prompt by ``new_tokens`` argmax tokens; returns bytes for ``bytes`` prompts, else token lists.
 
-    ``graphdef`` / ``params`` are the model's (``layout.graphdef``, ``state.params``);
-    the model maps ``int32[B, T<=context] -> logits[B, T, vocab]`` causally.
+    ``graphdef`` / ``params`` are the model's (``layout.graphdef``, ``state.params``, or
+    :func:`host_params` of them); the model maps ``int32[B, T<=context] -> logits[B, T, vocab]``
+    causally. With parameters spread over several processes every process must call it
+    (see :func:`host_params`); each decodes on its first local device and gets the same tokens.
     """
     if context < 1 or new_tokens < 0:
         raise ValueError(f"greedy_generate(context={context!r}, new_tokens={new_tokens!r}): context must be "
@@ -41,8 +68,8 @@ def greedy_generate(graphdef: Any, params: Any, prompts: Sequence[bytes | Sequen
     rows = [list(p) for p in prompts]
     if any(not r for r in rows):
         raise ValueError("greedy_generate: every prompt needs at least one token.")
-    host = jax.device_get(params)
-    device = jax.devices()[0]
+    host = host_params(params)
+    device = jax.local_devices()[0]
     params1 = jax.device_put(host, device)
 
     @jax.jit
