@@ -13,8 +13,8 @@ batch is built while the device computes.
 * **Preemption**: SIGTERM or SIGINT lets the current step finish, saves a
   checkpoint of it and returns normally (``summary.preempted`` names the signal);
   a second Ctrl-C interrupts at once. With several processes a signal may reach
-  only one of them (one evicted pod / node): after every ``stop_check_every``-th
-  step the processes agree through JAX's coordination service (a barrier and a
+  only one of them (one evicted pod / node): every ``stop_check_every`` steps
+  (default: at the log points) the processes agree through JAX's coordination service (a barrier and a
   key-value read, host only) on whether any of them was signalled, so all stop
   after the same step, all take part in the checkpoint and all return.
 * **Non-finite steps**: a NaN / inf loss or gradient norm is reported; with
@@ -260,7 +260,7 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
           checkpoint_meta: dict | None = None, on_nonfinite: str = "stop", tensorboard: bool = False,
           flops_per_token: float | None = None, peak_flops: float | None = None,
           handle_signals: bool = True, max_inflight: int = 2,
-          stop_check_every: int = 1) -> tuple[Any, TrainSummary]:
+          stop_check_every: int | None = None) -> tuple[Any, TrainSummary]:
     """Run ``steps`` train steps from ``start_step`` (default: ``int(state.step)``).
 
     ``batch_fn(step)`` returns the host batch for global step ``step``; the loop
@@ -285,13 +285,15 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
     ``max_inflight``: the host runs at most that many steps ahead of the device
     (it waits for step ``i - max_inflight`` before dispatching step ``i``). Without
     a bound XLA:CPU can deadlock on collectives with dozens of multi-device steps queued.
-    ``stop_check_every``: with several processes, how often (in steps) they agree on
-    stopping after a SIGTERM / SIGINT that reached any of them (a barrier through the
-    coordination service, ~0.7 ms of host time, no device sync); a signalled run stops
-    at the next multiple of it. Every process must pass the same value.
+    ``stop_check_every``: with several processes, how often (in steps; default
+    ``log_every``) they agree on stopping after a SIGTERM / SIGINT that reached any of
+    them (a barrier through the coordination service, ~0.7 ms of host time, no device
+    sync); a signalled run stops at the next multiple of it. Every process must pass the
+    same value. One process stops after the step during which the signal arrived.
     """
     for name, value, low in (("steps", steps, 1), ("log_every", log_every, 1), ("eval_every", eval_every, 0),
-                             ("max_inflight", max_inflight, 1), ("stop_check_every", stop_check_every, 1)):
+                             ("max_inflight", max_inflight, 1),
+                             ("stop_check_every", log_every if stop_check_every is None else stop_check_every, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"train({name}={value!r}): must be an int >= {low}.")
     if on_nonfinite not in NONFINITE_MODES:
@@ -380,7 +382,7 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
 
     done, preempted = start, None
     try:
-        agreement = _StopAgreement(stop_check_every)
+        agreement = _StopAgreement(log_every if stop_check_every is None else stop_check_every)
         with _StopSignals(handle_signals) as signals:
             for step in range(start, end):
                 batch = make_global_batch(batch_fn, step, mesh)   # own rows per process, built ahead
