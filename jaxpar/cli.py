@@ -102,7 +102,11 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     if print_config:
         print(to_yaml(cfg), end="")
         return 0
-    start_processes(dist or {}, cfg.train.devices)   # jax.distributed (if several processes), then devices
+    info = start_processes(dist or {}, cfg.train.devices)   # jax.distributed (if several processes), then devices
+    if info.multiprocess:
+        from .train.loop import catch_stop_signals
+
+        catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
 
     import jax
 

@@ -139,7 +139,8 @@ STOP_CASE = ["configs/zero3.yaml", *TINY, "mesh.data=2", "mesh.fsdp=2", "mesh.te
 def run_job(tmp: Path, logs: str, *extra: str, signal_to: int | None = None, at_step: int = 5,
             timeout: float = 180) -> tuple[list[int], float | None]:
     """Run STOP_CASE as 2 processes x 4 devices (checkpoints in ``tmp/ck``, process i writes ``tmp/p{i}``);
-    with ``signal_to``, send SIGTERM to that process alone once process 0 reported ``at_step``.
+    with ``signal_to``, send SIGTERM to that process alone once process 0 reported ``at_step``
+    (``at_step=0``: once that process printed its strategy, before the loop starts).
     Returns the exit codes and the seconds from the signal until both processes had exited."""
     port = free_port()
 
@@ -156,7 +157,8 @@ def run_job(tmp: Path, logs: str, *extra: str, signal_to: int | None = None, at_
             text = (log_dir / "p0.log").read_text()
             done = [int(line.split()[1].split("/")[0]) for line in text.splitlines()
                     if line.startswith("step ") and "  loss " in line]
-            if done and done[-1] >= at_step:
+            early = at_step == 0 and "\nstrategy " in (log_dir / f"p{signal_to}.log").read_text()
+            if early or (at_step and done and done[-1] >= at_step):
                 procs[signal_to].send_signal(signal.SIGTERM)
                 sent = time.monotonic()
                 break
@@ -209,6 +211,17 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step(victim, tmp_path):
     reference, resumed = all_losses(ref / "p0"), all_losses(run / "p0")
     assert sorted(resumed) == sorted(reference) == list(range(1, 41))
     assert resumed == reference                                    # bit-identical, before and after the stop
+
+
+def test_sigterm_to_one_process_during_start_up(tmp_path):
+    """A SIGTERM before the loop starts (compilation) is not lost to JAX's preemption notifier:
+    both processes stop after the first step with a checkpoint of it and exit 0."""
+    _, elapsed = run_job(tmp_path, "logs", signal_to=1, at_step=0)
+    for i in range(2):
+        log = (tmp_path / "logs" / f"p{i}.log").read_text()
+        assert "stopped  by SIGTERM after step 1; continue with --resume" in log
+    assert sorted(int(p.name) for p in (tmp_path / "ck").iterdir() if p.name.isdigit()) == [1]
+    print(f"both processes exited 0 {elapsed:.1f} s after SIGTERM to process 1 during start-up")
 
 
 # ----------------------------------------------------------------------------- failure of a peer

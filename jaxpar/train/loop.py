@@ -180,6 +180,9 @@ class _Progress:
 class _StopSignals:
     """Record the first SIGTERM / SIGINT instead of dying (main thread only); a second SIGINT interrupts."""
 
+    early: str | None = None      # recorded by catch_stop_signals() before the loop started
+    _early_handler = None
+
     def __init__(self, enabled: bool):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.received: str | None = None
@@ -194,11 +197,30 @@ class _StopSignals:
         if self.enabled:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handle)
+            self.received, _StopSignals.early = _StopSignals.early, None
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+        defaults = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+        for sig, old in self._old.items():     # the early catcher lasts until the loop starts, not after it
+            signal.signal(sig, defaults[sig] if old is _StopSignals._early_handler else old)
+
+
+def catch_stop_signals() -> None:
+    """Record a SIGTERM / SIGINT from now on (start-up, restore, compilation): the next :func:`train`
+    stops after its first step, with a checkpoint. For jobs of several processes, where JAX's own
+    preemption notifier (installed by ``jax.distributed.initialize``) would swallow such a SIGTERM.
+    Main thread only; a second SIGINT interrupts."""
+
+    def handle(signum, frame) -> None:
+        if _StopSignals.early is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        _StopSignals.early = signal.Signals(signum).name
+
+    if threading.current_thread() is threading.main_thread():
+        _StopSignals._early_handler = handle
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handle)
 
 
 class _StopAgreement:
@@ -225,11 +247,12 @@ class _StopAgreement:
         self.prefix = f"jaxpar/stop/{_StopAgreement._calls}"
         self.processes: list[int] = []        # who was signalled (several processes only)
 
-    def check(self, step: int, local: str | None) -> str | None:
-        """The signal that stops every process after ``step`` (None: go on). Every process must call it."""
+    def check(self, step: int, local: str | None, due: bool = False) -> str | None:
+        """The signal that stops every process after ``step`` (None: go on). Every process must call it
+        with the same ``step`` and ``due`` (agree now even off the ``every`` grid)."""
         if self.client is None:
             return local
-        if step % self.every:
+        if step % self.every and not due:
             return None
         if local is not None:
             self.client.key_value_set(f"{self.prefix}/{step}/{jax.process_index()}", local, allow_overwrite=True)
@@ -392,7 +415,8 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
                 done = step + 1
                 pending.append((done, metrics))
                 bar.advance()
-                stop_signal = agreement.check(done, signals.received)   # several processes: the same in all
+                # several processes: the same answer in all; checked after the first step too
+                stop_signal = agreement.check(done, signals.received, due=done == start + 1)
                 stop = stop_signal is not None
                 is_log = done == start + 1 or done % log_every == 0 or done == end or stop
                 save = checkpointer is not None and (checkpointer.should_save(done) or done == end or stop)
