@@ -13,10 +13,11 @@ batch is built while the device computes.
 * **Preemption**: SIGTERM or SIGINT lets the current step finish, saves a
   checkpoint of it and returns normally (``summary.preempted`` names the signal);
   a second Ctrl-C interrupts at once. With several processes a signal may reach
-  only one of them (one evicted pod / node): every ``stop_check_every`` steps
-  (default: at the log points) the processes agree through JAX's coordination service (a barrier and a
-  key-value read, host only) on whether any of them was signalled, so all stop
-  after the same step, all take part in the checkpoint and all return.
+  only one of them (one evicted pod / node): after the first step and every
+  ``stop_check_every`` steps (default: at the log points) the processes agree
+  through JAX's coordination service (a barrier and a key-value read, host only)
+  on whether any of them was signalled, so all stop after the same step, all take
+  part in the checkpoint and all return.
 * **Non-finite steps**: a NaN / inf loss or gradient norm is reported; with
   ``on_nonfinite="skip"`` (and a step built with ``skip_nonfinite=True``) the run
   goes on with that update dropped, with ``"stop"`` it raises :class:`NonFiniteError`.
