@@ -27,6 +27,7 @@ Example (two processes on one machine, 4 CPU devices each)::
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -278,14 +279,12 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     timeouts = dict(initialization_timeout=initialization_timeout, heartbeat_timeout_seconds=heartbeat_timeout,
                     shutdown_timeout_seconds=shutdown_timeout)
     if info.method == "k8s" and (info.coordinator is None or info.num_processes == 0):
-        try:
-            import kubernetes  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("kubernetes") is None:
             raise DistributedError(
                 "Kubernetes Indexed Job detected (JOB_COMPLETION_INDEX), but the coordinator / process count "
                 "must come from the Kubernetes API and the 'kubernetes' package is missing: pip install "
                 "'jax[k8s]' (the pod's service account must be allowed to read pods and jobs), or pass "
-                "--coordinator <job>-0.<headless-service>:PORT and --num-processes N.") from None
+                "--coordinator <job>-0.<headless-service>:PORT and --num-processes N.")
         jax.distributed.initialize(info.coordinator, info.num_processes or None, info.process_id, **timeouts)
         from jax._src import distributed as _state
 

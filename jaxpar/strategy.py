@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from .mesh import data_axes
-from .pipeline.schedules import SCHEDULE_KINDS, canonical_kind
+from .pipeline.schedules import canonical_kind
 from .rules import LogicalRules
 from .tensor import tensor_rules
 from .zero import ZERO_STAGES

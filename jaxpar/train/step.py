@@ -83,14 +83,23 @@ def _split_microbatches(batch: Any, k: int, mesh) -> Any:
     return jax.tree.map(split, batch)
 
 
+def _cast(params: Any, dtype) -> Any:
+    """Parameters in the compute dtype (fp32 master weights stay untouched for fp32)."""
+    return jax.tree.map(lambda a: a.astype(dtype), params) if dtype != jnp.float32 else params
+
+
+def _model_cfg(layout: StateLayout) -> Any:
+    """The model's ``cfg`` attribute (e.g. :class:`GPTConfig`), or ``None``; no arrays are built."""
+    return getattr(nnx.merge(layout.graphdef, layout.shapes), "cfg", None)
+
+
 def make_model_loss(loss_fn: Callable, layout: StateLayout, strategy: Strategy) -> Callable:
     """``(params, batch) -> loss``: the model rebuilt from ``params`` (cast to the
     strategy's compute dtype) and scored by ``loss_fn(model, batch)``."""
     graphdef, dtype = layout.graphdef, strategy.dtype
 
     def loss_of(params, batch):
-        p = jax.tree.map(lambda a: a.astype(dtype), params) if dtype != jnp.float32 else params
-        return loss_fn(nnx.merge(graphdef, p), batch)
+        return loss_fn(nnx.merge(graphdef, _cast(params, dtype)), batch)
 
     return loss_of
 
@@ -129,8 +138,7 @@ def default_parts(loss_fn: Callable, layout: StateLayout, parts: PipelineParts |
     if parts is not None:
         return parts
     if loss_fn is lm_loss:
-        cfg = getattr(nnx.merge(layout.graphdef, layout.shapes), "cfg", None)
-        return gpt_parts(remat=getattr(cfg, "remat", "none"))
+        return gpt_parts(remat=getattr(_model_cfg(layout), "remat", "none"))
     raise ValueError(f"make_train_step: mesh has pipe={layout.mesh.shape['pipe']} but no pipeline parts for "
                      f"loss_fn={getattr(loss_fn, '__name__', loss_fn)!r}. Pass pipeline=PipelineParts(pre=, "
                      "layer=, post=, pre_keys=, post_keys=) saying how the model is cut into stages.")
@@ -142,7 +150,7 @@ def auto_stage_layers(parts: PipelineParts, layout: StateLayout, strategy: Strat
     pre, blocks, post = parts.split(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, strategy.dtype),
                                                  layout.shapes))
     layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), blocks)
-    seq = getattr(getattr(nnx.merge(layout.graphdef, layout.shapes), "cfg", None), "seq_len", None)
+    seq = getattr(_model_cfg(layout), "seq_len", None)
     if seq is None:
         raise ValueError("stage_layers='auto' needs the model's sequence length (model.cfg.seq_len); give "
                          "stage_layers explicitly.")
@@ -181,9 +189,7 @@ def make_pipeline_loss_and_grad(parts: PipelineParts, layout: StateLayout, strat
     grad_shardings = named_shardings(layout.grads, mesh)
 
     def loss_and_grad(params, batch):
-        if dtype != jnp.float32:
-            params = jax.tree.map(lambda a: a.astype(dtype), params)
-        pre, blocks, post = parts.split(params)
+        pre, blocks, post = parts.split(_cast(params, dtype))
         blocks = jax.lax.with_sharding_constraint(to_stages(blocks, stage_layers, p, v), stage_sh)
         loss, (g_pre, g_blocks, g_post) = run(pre, blocks, post, _split_microbatches(batch, m, mesh))
         grads = parts.merge(g_pre, from_stages(g_blocks, stage_layers, num_layers), g_post)
