@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -35,18 +36,81 @@ from .mesh import data_axes
 from .rules import drop_axes, resolve, use_rules
 from .zero import zero_axes, zero_dim
 
-__all__ = ["data_parallel_block", "manual_layout", "explicit_by_default"]
+__all__ = ["data_parallel_block", "manual_layout", "explicit_by_default", "bucketed_all_gather",
+           "bucketed_reduce_scatter"]
 
 _GATHERED = "jaxpar_gathered_params"
 
 
+# Pure data movement: recomputed in the backward rather than saved. The gathered
+# parameters pass through such ops (flat-buffer split, reshape, transpose, cast) on
+# their way from the all-gather to the layer, and must not become residuals.
+_MOVES = frozenset({"reshape", "transpose", "slice", "concatenate", "squeeze", "expand_dims",
+                    "broadcast_in_dim", "convert_element_type", "copy", "copy_p"})
+
+
 def _not_gathered(prim, *_, **params) -> bool:
-    """Remat policy: save everything but the parameter gathers (re-gathered in the
-    backward). ``jax.checkpoint_policies.save_anything_except_these_names`` saves
-    everything in jax 0.10, so jaxpar spells the policy out."""
-    if prim.name.startswith("all_gather"):   # the tag's input: the gather itself
+    """Remat policy: save everything but the parameter gathers and pure data
+    movement (recomputed in the backward). ``jax.checkpoint_policies.
+    save_anything_except_these_names`` saves everything in jax 0.10, so jaxpar
+    spells the policy out."""
+    if prim.name.startswith("all_gather") or prim.name in _MOVES:
         return False
     return not (prim.name == "name" and params.get("name") == _GATHERED)
+
+
+def _groups(keys: list) -> dict:
+    """Indices of equal keys, in first-seen order."""
+    out: dict = {}
+    for i, k in enumerate(keys):
+        out.setdefault(k, []).append(i)
+    return out
+
+
+def _axis(axes: tuple[str, ...]):
+    return axes if len(axes) > 1 else axes[0]
+
+
+def bucketed_all_gather(xs: list, dims: list, axes: list) -> list:
+    """``all_gather(x, axes, axis=d, tiled=True)`` for every leaf, as one collective per
+    group of leaves with the same axes and dtype (one flat buffer, as in FSDP).
+
+    XLA:CPU does not combine all-gathers, and every collective pays a rendezvous of
+    all devices, so per-leaf gathers cost far more than the bytes they move."""
+    out = list(xs)
+    for (ax, _), idx in _groups([(a, xs[i].dtype) for i, a in enumerate(axes)]).items():
+        if not ax:
+            continue
+        flat = [jnp.moveaxis(xs[i], dims[i], 0).reshape(-1) for i in idx]
+        full = jax.lax.all_gather(jnp.concatenate(flat), _axis(ax), axis=0, tiled=False)   # [n, K]
+        n, start = full.shape[0], 0
+        for i, f in zip(idx, flat):
+            x, d = xs[i], dims[i]
+            moved = (n * x.shape[d],) + tuple(s for j, s in enumerate(x.shape) if j != d)
+            out[i] = jnp.moveaxis(full[:, start:start + f.size].reshape(moved), 0, d)
+            start += f.size
+    return out
+
+
+def bucketed_reduce_scatter(gs: list, dims: list, axes: list) -> list:
+    """``psum_scatter(g, axes, scatter_dimension=d, tiled=True)`` for every leaf, as one
+    collective per group of leaves with the same axes and dtype (see
+    :func:`bucketed_all_gather`)."""
+    out = list(gs)
+    for (ax, _), idx in _groups([(a, gs[i].dtype) for i, a in enumerate(axes)]).items():
+        if not ax:
+            continue
+        n = math.prod(jax.lax.axis_size(a) for a in ax)
+        rows = [jnp.moveaxis(gs[i], dims[i], 0).reshape(n, -1) for i in idx]
+        part = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), _axis(ax), scatter_dimension=0,
+                                    tiled=False)   # [K]: this device's block of every leaf
+        start = 0
+        for i, r in zip(idx, rows):
+            g, d = gs[i], dims[i]
+            moved = (g.shape[d] // n,) + tuple(s for j, s in enumerate(g.shape) if j != d)
+            out[i] = jnp.moveaxis(part[start:start + r.shape[1]].reshape(moved), 0, d)
+            start += r.shape[1]
+    return out
 
 
 def explicit_by_default(mesh_sizes, zero: int) -> bool:
@@ -103,10 +167,10 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
     box: dict[str, Any] = {}   # static structure of the local vjp, filled while tracing the forward
 
     def gather(p):
-        def one(x, lay):
-            d, pa, _ = lay
-            return jax.lax.all_gather(x, pa, axis=d, tiled=True) if pa else x
-        return checkpoint_name(jax.tree.map(one, p, layout), _GATHERED)
+        leaves, tree = jax.tree_util.tree_flatten(p)
+        lays = tree.flatten_up_to(layout)
+        full = bucketed_all_gather(leaves, [d for d, _, _ in lays], [pa for _, pa, _ in lays])
+        return checkpoint_name(jax.tree_util.tree_unflatten(tree, full), _GATHERED)
 
     def local_vjp(p, x):
         # Gather and reduce in fp32 (XLA:CPU cannot clone bf16 all-reduces in shard_map).
@@ -119,13 +183,17 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
         p32 = jax.tree.map(lambda a: a.astype(jnp.float32), p)
         return jax.vjp(jax.checkpoint(inner, policy=_not_gathered), p32, x), p32
 
-    def reduce_grads(g, lay):
-        d, pa, ga = lay
-        extra = tuple(a for a in ga if a not in pa)       # ZeRO-2: scatter what params keep whole
-        if extra:
-            g = jax.lax.psum_scatter(g, extra if len(extra) > 1 else extra[0], scatter_dimension=d, tiled=True)
-        rest = tuple(a for a in axes if a not in ga)      # DP / ZeRO-1: full gradients
-        return jax.lax.psum(g, rest) if rest else g
+    def reduce_grads(dp, p):
+        """Layer gradients (already reduce-scattered over the parameter axes by the
+        transpose of the gather) reduced over the remaining data axes: ZeRO-2 scatters
+        what the parameters keep whole, DP / ZeRO-1 sum to full gradients."""
+        leaves, tree = jax.tree_util.tree_flatten(dp)
+        lays = tree.flatten_up_to(layout)
+        extra = [tuple(a for a in ga if a not in pa) for _, pa, ga in lays]
+        leaves = bucketed_reduce_scatter(leaves, [d for d, _, _ in lays], extra)
+        rest = [tuple(a for a in axes if a not in ga) for _, _, ga in lays]
+        leaves = [jax.lax.psum(g, r) if r else g for g, r in zip(leaves, rest)]   # XLA combines these
+        return jax.tree.map(lambda g, a: g.astype(a.dtype), jax.tree_util.tree_unflatten(tree, leaves), p)
 
     def local_fwd(p, x):
         (y, vjp), p32 = local_vjp(p, x)
@@ -142,7 +210,7 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
         leaves = [next(stacked)[0] if i is None else params[i] for i in box["from_params"]]
         dp, dx = jax.tree_util.tree_unflatten(box["tree"], leaves)(dy)
         # dp is already reduce-scattered over the parameter axes (transpose of all_gather).
-        dp = jax.tree.map(lambda g, lay, a: reduce_grads(g, lay).astype(a.dtype), dp, layout, p)
+        dp = reduce_grads(dp, p)
         return dp, dx
 
     smap = lambda f, i, o: jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o,  # noqa: E731

@@ -63,3 +63,22 @@ def test_xla_managed_data_parallel_matches(reference):
         state, m = step(state, jaxpar.shard_batch(make_batch(), mesh))
         losses.append(float(m["loss"]))
     assert_same((np.array(losses), jax.device_get(state.params)), reference)
+
+
+@pytest.mark.parametrize("sizes,zero", [({"data": 2, "fsdp": 4}, 2), ({"data": 4, "fsdp": 2}, 1),
+                                        ({"data": 2, "fsdp": 2, "tensor": 2}, 3)],
+                         ids=["data2-fsdp4-zero2", "data4-fsdp2-zero1", "dp2-fsdp2-tp2-zero3"])
+def test_explicit_data_parallel_matches(sizes, zero, reference):
+    """explicit_dp=True (per-layer flat-buffer all-gather / reduce-scatter / psum over two data
+    axes at once, also next to a tensor axis) gives the single-device numbers."""
+    from helpers import make_batch, setup
+    import optax
+    from jaxpar.models import lm_loss
+    mesh, state, layout, _ = setup(sizes, jaxpar.Strategy(zero=zero))
+    step = jaxpar.make_train_step(lm_loss, optax.adamw(1e-3, weight_decay=0.1), layout,
+                                  jaxpar.Strategy(zero=zero), explicit_dp=True)
+    losses = []
+    for _ in range(3):
+        state, m = step(state, jaxpar.shard_batch(make_batch(), mesh))
+        losses.append(float(m["loss"]))
+    assert_same((np.array(losses), jax.device_get(state.params)), reference)
