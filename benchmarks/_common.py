@@ -102,13 +102,16 @@ def abstract_batch(cfg: GPTConfig, batch_size: int, mesh) -> dict[str, jax.Shape
     return {"tokens": s, "targets": s}
 
 
-def make_hand_step(layout, tx, loss_fn: Callable = lm_loss, donate: bool = True):
+def make_hand_step(layout, tx, loss_fn: Callable = lm_loss, donate: bool = True, pin_grads: bool = False):
     """The same train step written by hand: ``jax.jit`` + ``jax.value_and_grad`` +
     optax, with the same in/out shardings as jaxpar's step (the layout's state
     shardings and the batch sharding). The model is rebuilt with ``nnx.merge``
     under ``jaxpar.use_rules`` so activations get the same sharding constraints;
     the data-axis collectives are left to XLA (no explicit data-parallel wrapper).
-    Returns the same metrics (loss, global grad norm) as jaxpar's step."""
+    Returns the same metrics (loss, global grad norm) as jaxpar's step.
+    ``pin_grads=True`` also constrains the gradients to the strategy's gradient
+    layout (``layout.grads``): without it XLA may pick another one (for ZeRO-1 it
+    propagates the optimizer-state sharding into the gradients, making it ZeRO-2)."""
     mesh = layout.mesh
     state_sh = layout.shardings()
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -119,6 +122,8 @@ def make_hand_step(layout, tx, loss_fn: Callable = lm_loss, donate: bool = True)
 
     def step(state, batch):
         loss, grads = jax.value_and_grad(loss_of)(state.params, batch)
+        if pin_grads:
+            grads = jax.lax.with_sharding_constraint(grads, jaxpar.named_shardings(layout.grads, mesh))
         gnorm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
