@@ -225,9 +225,6 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
         loss_and_grad = make_loss_and_grad(loss_fn, layout, strategy)
     state_sh = layout.shardings()
     replicated = NamedSharding(mesh, PartitionSpec())
-    # ZeRO-1: the full gradients (pinned by ``layout.grads``) are cut onto the optimizer's
-    # shards right away, so the norm, the clipping and the update run on shards only.
-    update_sh = named_shardings(layout.opt_param_specs, mesh) if layout.opt_param_specs != layout.grads else None
 
     def dp_transform(fn, logical, shapes):
         return data_parallel_block(fn, logical, mesh, layout.rules, strategy.zero, shapes)
@@ -235,8 +232,6 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     def step(state: TrainState, batch):
         with use_rules(mesh, layout.rules), use_block_transform(dp_transform if explicit_dp else None):
             loss, grads = loss_and_grad(state.params, batch)
-        if update_sh is not None:
-            grads = jax.lax.with_sharding_constraint(grads, update_sh)
         gnorm = optax.tree.norm(grads)
         if clip_norm is not None:
             scale = jnp.minimum(1.0, clip_norm / (gnorm + 1e-6))
