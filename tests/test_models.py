@@ -54,8 +54,10 @@ def test_scan_and_loop_agree():
     np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
 
 
-def test_bf16_compute_keeps_fp32_master_weights():
-    losses, params = run({"data": 2, "fsdp": 2, "tensor": 2}, jaxpar.Strategy(compute_dtype="bfloat16"), steps=4)
+@pytest.mark.parametrize("sizes", [{"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 8}],
+                         ids=["dp2-fsdp2-tp2", "fsdp8-explicit"])
+def test_bf16_compute_keeps_fp32_master_weights(sizes):
+    losses, params = run(sizes, jaxpar.Strategy(compute_dtype="bfloat16"), steps=4)
     ref_losses, _ = run({}, steps=4)
     assert all(p.dtype == np.float32 for p in jax.tree.leaves(params))
     np.testing.assert_allclose(losses, ref_losses, rtol=3e-2)   # bf16 rounding, same trajectory
