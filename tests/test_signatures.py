@@ -57,11 +57,14 @@ def test_zero2_and_3_reduce_scatter_gradients_per_layer(sizes, zero):
     # Each layer's shardable gradient leaves are reduce-scattered inside the backward loop:
     # their per-device output is exactly 1/8 of that layer's shardable gradient bytes.
     assert sum(r.bytes for r in rs) * 8 == shardable_layer_bytes(layout, 8)
+    assert len(rs) == 1, "one flat-buffer reduce-scatter per layer, not one per leaf"
     small = sum(a.bytes for a in by_loop(colls, "all-reduce", (axis,), True))
     assert small < shardable_layer_bytes(layout, 8) / 50, "only biases / norms are all-reduced in the loop"
     gathers_in_loop = by_loop(colls, "all-gather", (axis,), True)
     if zero == 3 or "fsdp" in sizes:
         assert gathers_in_loop, "ZeRO-3 gathers parameters per layer"
+        # one flat-buffer gather per layer in the forward loop and one in the backward loop
+        assert [g.bytes for g in gathers_in_loop] == [shardable_layer_bytes(layout, 8)] * 2
     else:
         assert not gathers_in_loop, "ZeRO-2 keeps parameters whole: no gather in the layer loop"
 
