@@ -12,9 +12,13 @@ automatic over the rest (``tensor``), wrapped in a ``custom_vjp`` so that
   inside the backward loop: reduce-scatter onto the ZeRO-2/3 gradient shards,
   all-reduce (``psum``) over the data axes that keep full gradients (DP, ZeRO-1).
 
-Residuals of the forward are kept per device (a leading axis over the data
-axes), so nothing is recomputed beyond the re-gather; the layer's weights are
-not among them (the backward takes them from its primal inputs).
+Each of these is one collective per layer over a flat buffer of all its leaves
+(:func:`bucketed_all_gather`, :func:`bucketed_reduce_scatter`), as in FSDP:
+XLA:CPU combines neither all-gathers nor reduce-scatters, and each collective is
+a rendezvous of every device. Residuals of the forward are kept per device (a
+leading axis over the data axes), so nothing is recomputed beyond the re-gather
+and pure data movement; the layer's weights are not among them (the backward
+takes them from its primal inputs).
 
 Example::
 
