@@ -80,7 +80,11 @@ def bucketed_all_gather(xs: list, dims: list, axes: list) -> list:
     group of leaves with the same axes and dtype (one flat buffer, as in FSDP).
 
     XLA:CPU does not combine all-gathers, and every collective pays a rendezvous of
-    all devices, so per-leaf gathers cost far more than the bytes they move."""
+    all devices, so per-leaf gathers cost far more than the bytes they move.
+    Call it inside a ``shard_map`` that is manual over ``axes``::
+
+        >>> w, b = bucketed_all_gather([w_shard, b_shard], [0, 0], [("fsdp",), ("fsdp",)])  # doctest: +SKIP
+    """
     out = list(xs)
     for (ax, _), idx in _groups([(a, xs[i].dtype) for i, a in enumerate(axes)]).items():
         if not ax:
@@ -99,7 +103,10 @@ def bucketed_all_gather(xs: list, dims: list, axes: list) -> list:
 def bucketed_reduce_scatter(gs: list, dims: list, axes: list) -> list:
     """``psum_scatter(g, axes, scatter_dimension=d, tiled=True)`` for every leaf, as one
     collective per group of leaves with the same axes and dtype (see
-    :func:`bucketed_all_gather`)."""
+    :func:`bucketed_all_gather`); leaves with no axes are returned as they are::
+
+        >>> gw, gb = bucketed_reduce_scatter([gw_full, gb_full], [0, 0], [("data",), ()])  # doctest: +SKIP
+    """
     out = list(gs)
     for (ax, _), idx in _groups([(a, gs[i].dtype) for i, a in enumerate(axes)]).items():
         if not ax:
