@@ -163,19 +163,25 @@ def _spec(dim, axes, ndim) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shapes: Any) -> Callable:
+def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shapes: Any,
+                        remat: Callable | None = None) -> Callable:
     """Wrap ``fn(params, x) -> y`` (x: batch-leading activations) with explicit
-    per-layer data-parallel collectives; see the module docstring."""
+    per-layer data-parallel collectives; see the module docstring. ``remat`` is
+    the model's ``jax.checkpoint`` policy for the layer (``None``: save all but the
+    gathers): what it does not save is recomputed in the backward."""
     axes = data_axes(mesh)
     axes = tuple(a for a in axes if mesh.shape[a] > 1)
     if not axes:
-        return fn
+        return fn if remat is None else jax.checkpoint(fn, policy=remat)
     layout = manual_layout(logical, shapes, mesh, rules, zero)
     p_specs = jax.tree.map(lambda s, lay: _spec(lay[0], lay[1], len(s.shape)), shapes, layout)
     g_specs = jax.tree.map(lambda s, lay: _spec(lay[0], lay[2], len(s.shape)), shapes, layout)
     x_spec = PartitionSpec(axes)
     local_rules = drop_axes(rules, axes)
     box: dict[str, Any] = {}   # static structure of the local vjp, filled while tracing the forward
+
+    def policy(prim, *args, **params) -> bool:   # the model's policy, never saving the gathers
+        return _not_gathered(prim, *args, **params) and (remat is None or remat(prim, *args, **params))
 
     def gather(p):
         leaves, tree = jax.tree_util.tree_flatten(p)
@@ -192,7 +198,7 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
                 return fn(jax.tree.map(lambda a, t: a.astype(t), gather(p32), dtypes), x)
 
         p32 = jax.tree.map(lambda a: a.astype(jnp.float32), p)
-        return jax.vjp(jax.checkpoint(inner, policy=_not_gathered), p32, x), p32
+        return jax.vjp(jax.checkpoint(inner, policy=policy), p32, x), p32
 
     def reduce_grads(dp, p):
         """Layer gradients (already reduce-scattered over the parameter axes by the

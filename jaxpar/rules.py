@@ -208,7 +208,7 @@ _BLOCK_TRANSFORM: contextvars.ContextVar = contextvars.ContextVar("jaxpar_block_
 
 @contextlib.contextmanager
 def use_block_transform(transform) -> Iterator[None]:
-    """Install ``transform(fn, logical, shapes) -> fn`` for repeated blocks (see :func:`block_transform`)."""
+    """Install ``transform(fn, logical, shapes, remat) -> fn`` for repeated blocks (see :func:`block_transform`)."""
     token = _BLOCK_TRANSFORM.set(transform)
     try:
         yield
@@ -216,12 +216,17 @@ def use_block_transform(transform) -> Iterator[None]:
         _BLOCK_TRANSFORM.reset(token)
 
 
-def block_transform(fn, logical, shapes):
+def block_transform(fn, logical, shapes, remat=None):
     """Let the strategy wrap a model's per-layer function ``fn(params, x) -> y``.
 
     Models call this on the body of their layer loop, passing the logical names
-    and shapes of one layer's parameters; strategies that reduce gradients explicitly per
-    layer (jaxpar's data-parallel engine) install a transform. No-op otherwise.
+    and shapes of one layer's parameters and their remat policy (a
+    ``jax.checkpoint`` policy such as ``jax.checkpoint_policies.nothing_saveable``;
+    ``None``: no remat). Strategies that reduce gradients explicitly per layer
+    (jaxpar's data-parallel engine) install a transform, which then applies the
+    policy itself, together with its own. Without one: ``jax.checkpoint(fn, policy=remat)``.
     """
     transform = _BLOCK_TRANSFORM.get()
-    return fn if transform is None else transform(fn, logical, shapes)
+    if transform is not None:
+        return transform(fn, logical, shapes, remat)
+    return fn if remat is None else jax.checkpoint(fn, policy=remat)

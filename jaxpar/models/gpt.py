@@ -30,7 +30,7 @@ from ..rules import block_transform, constrain
 from ..tensor import row_parallel
 
 __all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "run_blocks", "BLOCK_LOGICAL", "REMAT_POLICIES", "lm_loss",
-           "cross_entropy", "embed_apply", "head_apply", "remat_block", "EMBED_KEYS", "HEAD_KEYS"]
+           "cross_entropy", "embed_apply", "head_apply", "remat_block", "remat_policy", "EMBED_KEYS", "HEAD_KEYS"]
 
 REMAT_POLICIES = ("none", "full", "save-matmuls")
 
@@ -143,19 +143,19 @@ def block_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     return constrain(x, res)
 
 
-def _remat(fn, policy: str):
-    if policy == "none":
-        return fn
-    if policy == "full":
-        return jax.checkpoint(fn)
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.checkpoint_dots)
+def remat_policy(name: str):
+    """The ``jax.checkpoint`` policy of a remat name (``None`` for ``"none"``: no remat)."""
+    return {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+            "save-matmuls": jax.checkpoint_policies.checkpoint_dots}[name]
+
+
 
 
 def run_blocks(blocks: dict[str, jax.Array], x: jax.Array, *, remat: str = "none", scan: bool = True) -> jax.Array:
     """Run stacked blocks (each array has a leading ``layers`` axis) over ``x``."""
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), blocks)
     logical = {k: BLOCK_LOGICAL[k] for k in blocks}
-    body = block_transform(_remat(block_apply, remat), logical, shapes)
+    body = block_transform(block_apply, logical, shapes, remat=remat_policy(remat))
     if scan:
         x, _ = jax.lax.scan(lambda h, p: (body(p, h), None), x, blocks)
         return x
@@ -232,4 +232,5 @@ def head_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
 
 def remat_block(policy: str):
     """:func:`block_apply` under a remat policy (``none`` / ``full`` / ``save-matmuls``)."""
-    return _remat(block_apply, policy)
+    saveable = remat_policy(policy)
+    return block_apply if saveable is None else jax.checkpoint(block_apply, policy=saveable)

@@ -226,8 +226,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     state_sh = layout.shardings()
     replicated = NamedSharding(mesh, PartitionSpec())
 
-    def dp_transform(fn, logical, shapes):
-        return data_parallel_block(fn, logical, mesh, layout.rules, strategy.zero, shapes)
+    def dp_transform(fn, logical, shapes, remat):
+        return data_parallel_block(fn, logical, mesh, layout.rules, strategy.zero, shapes, remat=remat)
 
     def step(state: TrainState, batch):
         with use_rules(mesh, layout.rules), use_block_transform(dp_transform if explicit_dp else None):
