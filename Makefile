@@ -24,6 +24,7 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/collectives.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/compile_time.py
 	$(BIN)/python benchmarks/pipeline.py
