@@ -22,7 +22,7 @@ takes them from its primal inputs).
 
 Example::
 
-    >>> body = data_parallel_block(block_apply, layer_logical, mesh, rules, zero=2)  # doctest: +SKIP
+    >>> body = data_parallel_block(block_apply, layer_logical, mesh, rules, 2, layer_shapes)  # doctest: +SKIP
     >>> y = body(layer_params, x)                                                     # doctest: +SKIP
 """
 
@@ -33,7 +33,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from .mesh import data_axes
@@ -43,24 +42,15 @@ from .zero import zero_axes, zero_dim
 __all__ = ["data_parallel_block", "manual_layout", "explicit_by_default", "bucketed_all_gather",
            "bucketed_reduce_scatter"]
 
-_GATHERED = "jaxpar_gathered_params"
+# Pure data movement, recomputed in the backward rather than saved: a layer that
+# reshapes, slices or splits its weights would otherwise save the (whole) pieces.
+_MOVES = frozenset({"reshape", "transpose", "slice", "dynamic_slice", "split", "concatenate", "squeeze",
+                    "broadcast_in_dim", "pad", "rev", "gather", "copy"})
 
 
-# Pure data movement: recomputed in the backward rather than saved. The gathered
-# parameters pass through such ops (flat-buffer split, reshape, transpose, cast) on
-# their way from the all-gather to the layer, and must not become residuals.
-_MOVES = frozenset({"reshape", "transpose", "slice", "concatenate", "squeeze", "expand_dims",
-                    "broadcast_in_dim", "convert_element_type", "copy", "copy_p"})
-
-
-def _not_gathered(prim, *_, **params) -> bool:
-    """Remat policy: save everything but the parameter gathers and pure data
-    movement (recomputed in the backward). ``jax.checkpoint_policies.
-    save_anything_except_these_names`` saves everything in jax 0.10, so jaxpar
-    spells the policy out."""
-    if prim.name.startswith("all_gather") or prim.name in _MOVES:
-        return False
-    return not (prim.name == "name" and params.get("name") == _GATHERED)
+def _saveable(prim, *_, **__) -> bool:
+    """Remat policy of a wrapped layer: save everything but pure data movement."""
+    return prim.name not in _MOVES
 
 
 def _groups(keys: list) -> dict:
@@ -69,6 +59,11 @@ def _groups(keys: list) -> dict:
     for i, k in enumerate(keys):
         out.setdefault(k, []).append(i)
     return out
+
+
+def _as_axes(a) -> tuple[str, ...]:
+    """``"data"``, ``("fsdp", "data")``, ``[...]`` or ``None`` as a tuple of axis names."""
+    return (a,) if isinstance(a, str) else tuple(a or ())
 
 
 def _axis(axes: tuple[str, ...]):
@@ -85,8 +80,8 @@ def bucketed_all_gather(xs: list, dims: list, axes: list) -> list:
 
         >>> w, b = bucketed_all_gather([w_shard, b_shard], [0, 0], [("fsdp",), ("fsdp",)])  # doctest: +SKIP
     """
-    out = list(xs)
-    for (ax, _), idx in _groups([(a, xs[i].dtype) for i, a in enumerate(axes)]).items():
+    out, dims = list(xs), [None if d is None else d % max(x.ndim, 1) for d, x in zip(dims, xs)]
+    for (ax, _), idx in _groups([(_as_axes(a), xs[i].dtype) for i, a in enumerate(axes)]).items():
         if not ax:
             continue
         flat = [jnp.moveaxis(xs[i], dims[i], 0).reshape(-1) for i in idx]
@@ -107,8 +102,8 @@ def bucketed_reduce_scatter(gs: list, dims: list, axes: list) -> list:
 
         >>> gw, gb = bucketed_reduce_scatter([gw_full, gb_full], [0, 0], [("data",), ()])  # doctest: +SKIP
     """
-    out = list(gs)
-    for (ax, _), idx in _groups([(a, gs[i].dtype) for i, a in enumerate(axes)]).items():
+    out, dims = list(gs), [None if d is None else d % max(g.ndim, 1) for d, g in zip(dims, gs)]
+    for (ax, _), idx in _groups([(_as_axes(a), gs[i].dtype) for i, a in enumerate(axes)]).items():
         if not ax:
             continue
         n = math.prod(jax.lax.axis_size(a) for a in ax)
@@ -167,8 +162,8 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
                         remat: Callable | None = None) -> Callable:
     """Wrap ``fn(params, x) -> y`` (x: batch-leading activations) with explicit
     per-layer data-parallel collectives; see the module docstring. ``remat`` is
-    the model's ``jax.checkpoint`` policy for the layer (``None``: save all but the
-    gathers): what it does not save is recomputed in the backward."""
+    the model's ``jax.checkpoint`` policy for the layer (``None``: save everything but
+    pure data movement); what it does not save is recomputed in the backward."""
     axes = data_axes(mesh)
     axes = tuple(a for a in axes if mesh.shape[a] > 1)
     if not axes:
@@ -180,25 +175,24 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
     local_rules = drop_axes(rules, axes)
     box: dict[str, Any] = {}   # static structure of the local vjp, filled while tracing the forward
 
-    def policy(prim, *args, **params) -> bool:   # the model's policy, never saving the gathers
-        return _not_gathered(prim, *args, **params) and (remat is None or remat(prim, *args, **params))
+    def policy(prim, *args, **params) -> bool:   # the model's policy, and no data movement
+        return _saveable(prim, *args, **params) and (remat is None or remat(prim, *args, **params))
 
-    def gather(p):
+    def gathered(p):
+        """The layer's parameters, whole, in their own dtype. Gathered in fp32: XLA:CPU
+        cannot clone bf16 all-reduces in ``shard_map``, and the transpose (the
+        gradients' reduce-scatter) then sums in fp32."""
         leaves, tree = jax.tree_util.tree_flatten(p)
         lays = tree.flatten_up_to(layout)
-        full = bucketed_all_gather(leaves, [d for d, _, _ in lays], [pa for _, pa, _ in lays])
-        return checkpoint_name(jax.tree_util.tree_unflatten(tree, full), _GATHERED)
+        whole = bucketed_all_gather([a.astype(jnp.float32) for a in leaves], [d for d, _, _ in lays],
+                                    [pa for _, pa, _ in lays])
+        return jax.tree_util.tree_unflatten(tree, [w.astype(a.dtype) for w, a in zip(whole, leaves)])
 
-    def local_vjp(p, x):
-        # Gather and reduce in fp32 (XLA:CPU cannot clone bf16 all-reduces in shard_map).
-        dtypes = jax.tree.map(lambda a: a.dtype, p)
+    def body(w, x):
+        with use_rules(mesh, local_rules):
+            return fn(w, x)
 
-        def inner(p32, x):
-            with use_rules(mesh, local_rules):
-                return fn(jax.tree.map(lambda a, t: a.astype(t), gather(p32), dtypes), x)
-
-        p32 = jax.tree.map(lambda a: a.astype(jnp.float32), p)
-        return jax.vjp(jax.checkpoint(inner, policy=policy), p32, x), p32
+    body = jax.checkpoint(body, policy=policy)
 
     def reduce_grads(dp, p):
         """Layer gradients (already reduce-scattered over the parameter axes by the
@@ -213,22 +207,22 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
         return jax.tree.map(lambda g, a: g.astype(a.dtype), jax.tree_util.tree_unflatten(tree, leaves), p)
 
     def local_fwd(p, x):
-        (y, vjp), p32 = local_vjp(p, x)
+        w = gathered(p)
+        y, vjp = jax.vjp(body, w, x)
         leaves, box["tree"] = jax.tree_util.tree_flatten(vjp)
-        # Residuals that are the layer's own parameters are not stacked per device:
-        # the backward gets them back from the primal inputs.
-        position = {id(q): i for i, q in enumerate(jax.tree.leaves(p32))}
+        # Residuals that are the gathered parameters are not kept (the backward gathers
+        # them again); the rest are stacked per device.
+        position = {id(q): i for i, q in enumerate(jax.tree.leaves(w))}
         box["from_params"] = [position.get(id(leaf)) for leaf in leaves]
         return y, [leaf[None] for leaf, i in zip(leaves, box["from_params"]) if i is None]
 
     def local_bwd(p, res, dy):
-        params = jax.tree.leaves(jax.tree.map(lambda a: a.astype(jnp.float32), p))
-        stacked = iter(res)
-        leaves = [next(stacked)[0] if i is None else params[i] for i in box["from_params"]]
-        dp, dx = jax.tree_util.tree_unflatten(box["tree"], leaves)(dy)
-        # dp is already reduce-scattered over the parameter axes (transpose of all_gather).
-        dp = reduce_grads(dp, p)
-        return dp, dx
+        w, gather_vjp = jax.vjp(gathered, p)
+        whole, stacked = jax.tree.leaves(w), iter(res)
+        leaves = [next(stacked)[0] if i is None else whole[i] for i in box["from_params"]]
+        dw, dx = jax.tree_util.tree_unflatten(box["tree"], leaves)(dy)
+        (dp,) = gather_vjp(dw)   # reduce-scattered over the parameter axes (transpose of the gather)
+        return reduce_grads(dp, p), dx
 
     smap = lambda f, i, o: jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o,  # noqa: E731
                                          axis_names=set(axes), check_vma=False)

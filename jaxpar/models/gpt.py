@@ -149,8 +149,6 @@ def remat_policy(name: str):
             "save-matmuls": jax.checkpoint_policies.checkpoint_dots}[name]
 
 
-
-
 def run_blocks(blocks: dict[str, jax.Array], x: jax.Array, *, remat: str = "none", scan: bool = True) -> jax.Array:
     """Run stacked blocks (each array has a leading ``layers`` axis) over ``x``."""
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), blocks)
