@@ -17,13 +17,15 @@ Each of these is one collective per layer over a flat buffer of all its leaves
 XLA:CPU combines neither all-gathers nor reduce-scatters, and each collective is
 a rendezvous of every device. Residuals of the forward are kept per device (a
 leading axis over the data axes), so nothing is recomputed beyond the re-gather
-and pure data movement; the layer's weights are not among them (the backward
-takes them from its primal inputs).
+and pure data movement; the gathered weights are not among them (the backward
+gathers them again). Gathers are issued in the compute dtype (bf16 under mixed
+precision; XLA:CPU converts bf16 collectives to fp32 itself); gradients are
+reduced in fp32.
 
 Example::
 
     >>> body = data_parallel_block(block_apply, layer_logical, mesh, rules, 2, layer_shapes)  # doctest: +SKIP
-    >>> y = body(layer_params, x)                                                     # doctest: +SKIP
+    >>> y = body(layer_params, x)                                                             # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -179,14 +181,12 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
         return _saveable(prim, *args, **params) and (remat is None or remat(prim, *args, **params))
 
     def gathered(p):
-        """The layer's parameters, whole, in their own dtype. Gathered in fp32: XLA:CPU
-        cannot clone bf16 all-reduces in ``shard_map``, and the transpose (the
-        gradients' reduce-scatter) then sums in fp32."""
+        """The layer's parameters, whole, in their own (compute) dtype: one all-gather
+        per layer over the parameter axes."""
         leaves, tree = jax.tree_util.tree_flatten(p)
         lays = tree.flatten_up_to(layout)
-        whole = bucketed_all_gather([a.astype(jnp.float32) for a in leaves], [d for d, _, _ in lays],
-                                    [pa for _, pa, _ in lays])
-        return jax.tree_util.tree_unflatten(tree, [w.astype(a.dtype) for w, a in zip(whole, leaves)])
+        return jax.tree_util.tree_unflatten(
+            tree, bucketed_all_gather(leaves, [d for d, _, _ in lays], [pa for _, pa, _ in lays]))
 
     def body(w, x):
         with use_rules(mesh, local_rules):
@@ -194,14 +194,15 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
 
     body = jax.checkpoint(body, policy=policy)
 
-    def reduce_grads(dp, p):
-        """Layer gradients (already reduce-scattered over the parameter axes by the
-        transpose of the gather) reduced over the remaining data axes: ZeRO-2 scatters
-        what the parameters keep whole, DP / ZeRO-1 sum to full gradients."""
-        leaves, tree = jax.tree_util.tree_flatten(dp)
+    def reduce_grads(dw, p):
+        """The transpose of :func:`gathered` and the data-parallel reduction in one,
+        summing in fp32: each weight gradient is reduce-scattered over its gradient
+        axes (ZeRO-2/3, ``fsdp``; one collective per layer) and all-reduced over the
+        other data axes (DP, ZeRO-1)."""
+        leaves, tree = jax.tree_util.tree_flatten(dw)
         lays = tree.flatten_up_to(layout)
-        extra = [tuple(a for a in ga if a not in pa) for _, pa, ga in lays]
-        leaves = bucketed_reduce_scatter(leaves, [d for d, _, _ in lays], extra)
+        leaves = bucketed_reduce_scatter([g.astype(jnp.float32) for g in leaves], [d for d, _, _ in lays],
+                                         [ga for _, _, ga in lays])
         rest = [tuple(a for a in axes if a not in ga) for _, _, ga in lays]
         leaves = [jax.lax.psum(g, r) if r else g for g, r in zip(leaves, rest)]   # XLA combines these
         return jax.tree.map(lambda g, a: g.astype(a.dtype), jax.tree_util.tree_unflatten(tree, leaves), p)
@@ -217,12 +218,10 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
         return y, [leaf[None] for leaf, i in zip(leaves, box["from_params"]) if i is None]
 
     def local_bwd(p, res, dy):
-        w, gather_vjp = jax.vjp(gathered, p)
-        whole, stacked = jax.tree.leaves(w), iter(res)
+        whole, stacked = jax.tree.leaves(gathered(p)), iter(res)
         leaves = [next(stacked)[0] if i is None else whole[i] for i in box["from_params"]]
         dw, dx = jax.tree_util.tree_unflatten(box["tree"], leaves)(dy)
-        (dp,) = gather_vjp(dw)   # reduce-scattered over the parameter axes (transpose of the gather)
-        return reduce_grads(dp, p), dx
+        return reduce_grads(dw, p), dx
 
     smap = lambda f, i, o: jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o,  # noqa: E731
                                          axis_names=set(axes), check_vma=False)

@@ -91,3 +91,18 @@ def test_megatron_forward_collectives_per_block(sp):
         assert per_block == {"all-reduce": 0, "all-gather": 2, "reduce-scatter": 2}
     else:
         assert per_block == {"all-reduce": 2, "all-gather": 0, "reduce-scatter": 0}
+
+
+def test_explicit_zero2_over_two_data_axes_is_one_reduce_scatter_per_layer():
+    """data2 x fsdp4, ZeRO-2, bf16 compute: parameters are gathered over fsdp and the gradients
+    reduce-scattered once over (data, fsdp) in fp32, per layer. (jaxpar gathers in bf16;
+    XLA:CPU itself converts bf16 collectives to fp32, so the bytes are fp32 here.)"""
+    mesh, layout, c = compile_step({"data": 2, "fsdp": 4}, jaxpar.Strategy(zero=2, compute_dtype="bfloat16"),
+                                   cfg=CFG8, explicit_dp=True)
+    colls = [x for x in collectives(c, mesh) if x.in_loop]
+    rs = [x for x in colls if x.kind == "reduce-scatter"]
+    gathers = [x for x in colls if x.kind == "all-gather"]
+    assert [r.axes for r in rs] == [("data", "fsdp")]
+    assert rs[0].bytes * 8 == shardable_layer_bytes(layout, 8)                 # fp32, 1/8 per device
+    assert [g.axes for g in gathers] == [("fsdp",), ("fsdp",)]                   # forward and backward
+    assert all(g.bytes == shardable_layer_bytes(layout, 8) for g in gathers)     # the whole layer
