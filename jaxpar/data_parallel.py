@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .mesh import data_axes
-from .rules import drop_axes, resolve, use_rules
+from .rules import drop_axes, resolve, use_rules, with_remat
 from .zero import zero_axes, zero_dim
 
 __all__ = ["data_parallel_block", "manual_layout", "explicit_by_default", "bucketed_all_gather",
@@ -55,17 +55,30 @@ def _saveable(prim, *_, **__) -> bool:
     return prim.name not in _MOVES
 
 
-def _groups(keys: list) -> dict:
-    """Indices of equal keys, in first-seen order."""
-    out: dict = {}
-    for i, k in enumerate(keys):
-        out.setdefault(k, []).append(i)
-    return out
-
-
 def _as_axes(a) -> tuple[str, ...]:
     """``"data"``, ``("fsdp", "data")``, ``[...]`` or ``None`` as a tuple of axis names."""
     return (a,) if isinstance(a, str) else tuple(a or ())
+
+
+def _normalised(dims: list, xs: list) -> list:
+    """Non-negative dimensions (``None`` stays ``None``)."""
+    return [None if d is None else d % max(x.ndim, 1) for d, x in zip(dims, xs)]
+
+
+def _buckets(xs: list, axes: list) -> list[tuple[tuple[str, ...], list[int]]]:
+    """``(axes, leaf indices)`` of each group of leaves with the same non-empty axes and
+    dtype, in first-seen order: one flat buffer, one collective per group."""
+    groups: dict = {}
+    for i, a in enumerate(axes):
+        groups.setdefault((_as_axes(a), xs[i].dtype), []).append(i)
+    return [(ax, idx) for (ax, _), idx in groups.items() if ax]
+
+
+def _unflatten(flat: jax.Array, d: int, lead: int, shape: tuple) -> jax.Array:
+    """Undo ``moveaxis(x, d, 0).reshape(...)`` for a leaf of ``shape`` whose dimension
+    ``d`` now has ``lead`` entries."""
+    moved = (lead,) + tuple(s for j, s in enumerate(shape) if j != d)
+    return jnp.moveaxis(flat.reshape(moved), 0, d)
 
 
 def _axis(axes: tuple[str, ...]):
@@ -82,17 +95,13 @@ def bucketed_all_gather(xs: list, dims: list, axes: list) -> list:
 
         >>> w, b = bucketed_all_gather([w_shard, b_shard], [0, 0], [("fsdp",), ("fsdp",)])  # doctest: +SKIP
     """
-    out, dims = list(xs), [None if d is None else d % max(x.ndim, 1) for d, x in zip(dims, xs)]
-    for (ax, _), idx in _groups([(_as_axes(a), xs[i].dtype) for i, a in enumerate(axes)]).items():
-        if not ax:
-            continue
+    out, dims = list(xs), _normalised(dims, xs)
+    for ax, idx in _buckets(xs, axes):
         flat = [jnp.moveaxis(xs[i], dims[i], 0).reshape(-1) for i in idx]
         full = jax.lax.all_gather(jnp.concatenate(flat), _axis(ax), axis=0, tiled=False)   # [n, K]
         n, start = full.shape[0], 0
         for i, f in zip(idx, flat):
-            x, d = xs[i], dims[i]
-            moved = (n * x.shape[d],) + tuple(s for j, s in enumerate(x.shape) if j != d)
-            out[i] = jnp.moveaxis(full[:, start:start + f.size].reshape(moved), 0, d)
+            out[i] = _unflatten(full[:, start:start + f.size], dims[i], n * xs[i].shape[dims[i]], xs[i].shape)
             start += f.size
     return out
 
@@ -104,19 +113,15 @@ def bucketed_reduce_scatter(gs: list, dims: list, axes: list) -> list:
 
         >>> gw, gb = bucketed_reduce_scatter([gw_full, gb_full], [0, 0], [("data",), ()])  # doctest: +SKIP
     """
-    out, dims = list(gs), [None if d is None else d % max(g.ndim, 1) for d, g in zip(dims, gs)]
-    for (ax, _), idx in _groups([(_as_axes(a), gs[i].dtype) for i, a in enumerate(axes)]).items():
-        if not ax:
-            continue
+    out, dims = list(gs), _normalised(dims, gs)
+    for ax, idx in _buckets(gs, axes):
         n = math.prod(jax.lax.axis_size(a) for a in ax)
         rows = [jnp.moveaxis(gs[i], dims[i], 0).reshape(n, -1) for i in idx]
         part = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), _axis(ax), scatter_dimension=0,
                                     tiled=False)   # [K]: this device's block of every leaf
         start = 0
         for i, r in zip(idx, rows):
-            g, d = gs[i], dims[i]
-            moved = (g.shape[d] // n,) + tuple(s for j, s in enumerate(g.shape) if j != d)
-            out[i] = jnp.moveaxis(part[start:start + r.shape[1]].reshape(moved), 0, d)
+            out[i] = _unflatten(part[start:start + r.shape[1]], dims[i], gs[i].shape[dims[i]] // n, gs[i].shape)
             start += r.shape[1]
     return out
 
@@ -169,12 +174,15 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
     axes = data_axes(mesh)
     axes = tuple(a for a in axes if mesh.shape[a] > 1)
     if not axes:
-        return fn if remat is None else jax.checkpoint(fn, policy=remat)
+        return with_remat(fn, remat)
     layout = manual_layout(logical, shapes, mesh, rules, zero)
     p_specs = jax.tree.map(lambda s, lay: _spec(lay[0], lay[1], len(s.shape)), shapes, layout)
     g_specs = jax.tree.map(lambda s, lay: _spec(lay[0], lay[2], len(s.shape)), shapes, layout)
     x_spec = PartitionSpec(axes)
     local_rules = drop_axes(rules, axes)
+    lays = jax.tree_util.tree_structure(shapes).flatten_up_to(layout)     # per leaf (dim, p_axes, g_axes)
+    dims, p_axes, g_axes = [d for d, _, _ in lays], [pa for _, pa, _ in lays], [ga for _, _, ga in lays]
+    rest = [tuple(a for a in axes if a not in ga) for ga in g_axes]     # all-reduced (DP, ZeRO-1)
     box: dict[str, Any] = {}   # static structure of the local vjp, filled while tracing the forward
 
     def policy(prim, *args, **params) -> bool:   # the model's policy, and no data movement
@@ -184,9 +192,7 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
         """The layer's parameters, whole, in their own (compute) dtype: one all-gather
         per layer over the parameter axes."""
         leaves, tree = jax.tree_util.tree_flatten(p)
-        lays = tree.flatten_up_to(layout)
-        return jax.tree_util.tree_unflatten(
-            tree, bucketed_all_gather(leaves, [d for d, _, _ in lays], [pa for _, pa, _ in lays]))
+        return jax.tree_util.tree_unflatten(tree, bucketed_all_gather(leaves, dims, p_axes))
 
     def body(w, x):
         with use_rules(mesh, local_rules):
@@ -200,10 +206,7 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
         axes (ZeRO-2/3, ``fsdp``; one collective per layer) and all-reduced over the
         other data axes (DP, ZeRO-1)."""
         leaves, tree = jax.tree_util.tree_flatten(dw)
-        lays = tree.flatten_up_to(layout)
-        leaves = bucketed_reduce_scatter([g.astype(jnp.float32) for g in leaves], [d for d, _, _ in lays],
-                                         [ga for _, _, ga in lays])
-        rest = [tuple(a for a in axes if a not in ga) for _, _, ga in lays]
+        leaves = bucketed_reduce_scatter([g.astype(jnp.float32) for g in leaves], dims, g_axes)
         leaves = [jax.lax.psum(g, r) if r else g for g, r in zip(leaves, rest)]   # XLA combines these
         return jax.tree.map(lambda g, a: g.astype(a.dtype), jax.tree_util.tree_unflatten(tree, leaves), p)
 

@@ -39,6 +39,7 @@ __all__ = [
     "drop_axes",
     "use_block_transform",
     "block_transform",
+    "with_remat",
 ]
 
 LogicalRules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
@@ -227,6 +228,9 @@ def block_transform(fn, logical, shapes, remat=None):
     policy itself, together with its own. Without one: ``jax.checkpoint(fn, policy=remat)``.
     """
     transform = _BLOCK_TRANSFORM.get()
-    if transform is not None:
-        return transform(fn, logical, shapes, remat)
+    return with_remat(fn, remat) if transform is None else transform(fn, logical, shapes, remat)
+
+
+def with_remat(fn, remat=None):
+    """``fn`` under the ``jax.checkpoint`` policy ``remat`` (``None``: ``fn`` itself, no remat)."""
     return fn if remat is None else jax.checkpoint(fn, policy=remat)

@@ -48,6 +48,19 @@ def launch(args_of, n: int, logs: Path, extra_env=None) -> list[subprocess.Popen
                              stdout=open(logs / f"p{i}.log", "w"), stderr=subprocess.STDOUT) for i in range(n)]
 
 
+def kill_rest(procs) -> None:
+    """Kill (and reap) every process still running."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def assert_exited_zero(procs, logs: Path) -> None:
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{(logs / f'p{i}.log').read_text()[-3000:]}"
+
+
 def wait_all(procs, logs: Path, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     try:
@@ -56,12 +69,8 @@ def wait_all(procs, logs: Path, timeout: float = 240) -> None:
     except subprocess.TimeoutExpired:
         pass
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{(logs / f'p{i}.log').read_text()[-3000:]}"
+        kill_rest(procs)
+    assert_exited_zero(procs, logs)
 
 
 def train_losses(out_dir: Path) -> list[float]:
@@ -172,12 +181,8 @@ def run_job(tmp: Path, logs: str, *extra: str, signal_to: int | None = None, at_
         pytest.fail(f"the job did not end within {timeout:.0f} s (a hang?):\n"
                     + "\n".join((log_dir / f"p{i}.log").read_text()[-2000:] for i in range(2)))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{(log_dir / f'p{i}.log').read_text()[-3000:]}"
+        kill_rest(procs)
+    assert_exited_zero(procs, log_dir)
     return [p.returncode for p in procs], elapsed
 
 
@@ -252,10 +257,7 @@ def test_killed_process_ends_the_other_in_bounded_time(victim, tmp_path):
             pytest.fail(f"process {survivor} still running {bound:.0f} s after process {victim} was killed")
         elapsed = time.monotonic() - t0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        kill_rest(procs)
     log = (tmp_path / f"p{survivor}.log").read_text()
     print(f"process {survivor} exited {code} {elapsed:.1f} s after process {victim} was killed")
     assert code != 0

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..rules import block_transform, constrain
+from ..rules import block_transform, constrain, with_remat
 from ..tensor import row_parallel
 
 __all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "run_blocks", "BLOCK_LOGICAL", "REMAT_POLICIES", "lm_loss",
@@ -230,5 +230,4 @@ def head_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
 
 def remat_block(policy: str):
     """:func:`block_apply` under a remat policy (``none`` / ``full`` / ``save-matmuls``)."""
-    saveable = remat_policy(policy)
-    return block_apply if saveable is None else jax.checkpoint(block_apply, policy=saveable)
+    return with_remat(block_apply, remat_policy(policy))

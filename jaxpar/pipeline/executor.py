@@ -116,6 +116,11 @@ def _rows(program: Program, kinds: list, fwd_pats: list, bwd_pats: list) -> dict
     }
 
 
+def _accumulate(acc: Any, grads: Any) -> Any:
+    """``acc + grads`` leaf by leaf, in ``acc``'s dtypes."""
+    return jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, grads)
+
+
 def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program, *,
                             stage_layers: Sequence[int]) -> Callable:
     """Build ``fn(pre, blocks, post, microbatches) -> (loss, (g_pre, g_blocks, g_post))``.
@@ -215,16 +220,16 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
                         dx, o["gys"] = stage_backward(bp, o["res"], o["dy"], n, "input")
                     else:
                         dx, dps = stage_backward(bp, o["res"], o["dy"], n, "both")
-                        o["g_chunk"] = jax.tree.map(lambda a, d: a + d.astype(a.dtype), o["g_chunk"], dps)
+                        o["g_chunk"] = _accumulate(o["g_chunk"], dps)
                     if kind[1]:   # first virtual stage: backprop the embedding
                         _, pull = jax.vjp(lambda q: parts.pre(q, mb), pre)
                         g_pre = pull(dx.astype(x_shape.dtype))[0]
-                        o["g_pre"] = jax.tree.map(lambda a, d: a + d.astype(a.dtype), o["g_pre"], g_pre)
+                        o["g_pre"] = _accumulate(o["g_pre"], g_pre)
                     else:
                         o["send_b"] = dx.astype(x_shape.dtype)
                 elif op == "W":
                     dps = weight_grads(bp, o["res"], o["gys"], n)
-                    o["g_chunk"] = jax.tree.map(lambda a, d: a + d.astype(a.dtype), o["g_chunk"], dps)
+                    o["g_chunk"] = _accumulate(o["g_chunk"], dps)
                 del o["ins"], o["x"], o["dy"]
                 return o
             return run

@@ -315,9 +315,9 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
     sync); a signalled run stops at the next multiple of it. Every process must pass the
     same value. One process stops after the step during which the signal arrived.
     """
+    stop_check_every = log_every if stop_check_every is None else stop_check_every
     for name, value, low in (("steps", steps, 1), ("log_every", log_every, 1), ("eval_every", eval_every, 0),
-                             ("max_inflight", max_inflight, 1),
-                             ("stop_check_every", log_every if stop_check_every is None else stop_check_every, 1)):
+                             ("max_inflight", max_inflight, 1), ("stop_check_every", stop_check_every, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"train({name}={value!r}): must be an int >= {low}.")
     if on_nonfinite not in NONFINITE_MODES:
@@ -406,7 +406,7 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
 
     done, preempted = start, None
     try:
-        agreement = _StopAgreement(log_every if stop_check_every is None else stop_check_every)
+        agreement = _StopAgreement(stop_check_every)
         with _StopSignals(handle_signals) as signals:
             for step in range(start, end):
                 batch = make_global_batch(batch_fn, step, mesh)   # own rows per process, built ahead
