@@ -39,7 +39,7 @@ import jax
 
 from jaxpar import config as C
 from jaxpar.train.checkpoint import Checkpointer
-from jaxpar.train.loop import train
+from jaxpar.train.loop import LogOptions, train
 from jaxpar.train.metrics import flops_per_token
 from jaxpar.train.state import init_train_state
 from jaxpar.train.step import make_train_step, shard_batch
@@ -99,9 +99,10 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         ck = Checkpointer(out / "checkpoints", every=args.ckpt_every, keep=2, async_save=True)
         t0 = time.perf_counter()
-        train(step, s, batch_fn, mesh=mesh, steps=args.steps, log_every=args.log_every, out_dir=out,
-              tokens_per_batch=tokens, progress="none", plot=False, checkpointer=ck, tensorboard=True,
-              checkpoint_meta={"config": cfg.name}, flops_per_token=fpt, on_nonfinite="skip")
+        log = LogOptions(log_every=args.log_every, out_dir=out, progress="none", plot=False, tensorboard=True,
+                         tokens_per_batch=tokens, flops_per_token=fpt)
+        train(step, s, batch_fn, mesh=mesh, steps=args.steps, checkpointer=ck, checkpoint_meta={"config": cfg.name},
+              on_nonfinite="skip", log=log)
         dt = time.perf_counter() - t0          # includes waiting for the last checkpoint
         saves.extend(ck.save_seconds)
         ck.close()

@@ -1,21 +1,23 @@
 """jaxpar: declarative SPMD parallelism for Flax NNX models on JAX meshes."""
 
 from .mesh import MeshSpec as MeshSpec, MeshError as MeshError, make_mesh as make_mesh
-from .mesh import simulate_cpu_devices as simulate_cpu_devices, data_axes as data_axes
+from .mesh import simulate_cpu_devices as simulate_cpu_devices, use_devices as use_devices, data_axes as data_axes
 from .rules import RulesError as RulesError, logical_to_spec as logical_to_spec, resolve as resolve
 from .rules import named_shardings as named_shardings, use_rules as use_rules, constrain as constrain
+from .blocks import scan_blocks as scan_blocks, run_layers as run_layers
 from .strategy import Strategy as Strategy
 from .tensor import tensor_rules as tensor_rules
 from .zero import analytic_state_bytes as analytic_state_bytes
 from .train.state import TrainState as TrainState, StateLayout as StateLayout
 from .train.state import init_train_state as init_train_state
-from .train.step import make_train_step as make_train_step, shard_batch as shard_batch
+from .batch import shard_batch as shard_batch
+from .train.step import make_train_step as make_train_step, ExplicitDPError as ExplicitDPError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MeshSpec", "MeshError", "make_mesh", "simulate_cpu_devices", "data_axes",
+    "MeshSpec", "MeshError", "make_mesh", "simulate_cpu_devices", "use_devices", "data_axes",
     "RulesError", "logical_to_spec", "resolve", "named_shardings", "use_rules", "constrain",
-    "Strategy", "tensor_rules", "analytic_state_bytes",
-    "TrainState", "StateLayout", "init_train_state", "make_train_step", "shard_batch",
+    "scan_blocks", "run_layers", "Strategy", "tensor_rules", "analytic_state_bytes",
+    "TrainState", "StateLayout", "init_train_state", "make_train_step", "ExplicitDPError", "shard_batch",
 ]

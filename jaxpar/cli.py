@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -30,28 +29,22 @@ __all__ = ["main", "build_parser", "setup_devices", "start_processes", "run_trai
 
 
 def setup_devices(n: int) -> None:
-    """Simulate ``n`` CPU devices when ``n > 0`` and the platform is CPU; call before JAX's backend starts.
+    """Simulate ``n`` CPU devices when ``n > 0`` (``train.devices``); call before JAX's backend starts.
 
-    ``JAX_PLATFORMS`` defaults to ``cpu`` only here (``n > 0`` asks for simulated
-    CPU devices); with ``n == 0`` JAX picks its own backend (GPU / TPU if present).
-    A backend already up with exactly ``n`` devices is fine (e.g. under pytest).
+    :func:`jaxpar.mesh.use_devices` with ``detect=False`` decides: a ``JAX_PLATFORMS``
+    that names an accelerator keeps its devices, otherwise ``n`` CPU devices. With
+    ``n == 0`` JAX picks its own backend (GPU / TPU if present). A backend already up
+    with exactly ``n`` devices is fine (e.g. under pytest).
+
+    >>> setup_devices(8)   # doctest: +SKIP
     """
     from .config import ConfigError
-    from .mesh import simulate_cpu_devices
+    from .mesh import use_devices
 
     if n <= 0:
         return
-    import jax
-    from jax._src import xla_bridge
-
-    requested = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
-    if not requested and not xla_bridge.backends_are_initialized():
-        os.environ["JAX_PLATFORMS"] = "cpu"          # read by jax at import: update the live flag too
-        jax.config.update("jax_platforms", "cpu")
-    elif requested and requested.split(",")[0].strip().lower() != "cpu":
-        return  # an accelerator was requested explicitly: use its devices
     try:
-        simulate_cpu_devices(n)
+        use_devices(n, detect=False)
     except RuntimeError as e:
         raise ConfigError(f"train.devices={n}: {e}") from None
 
@@ -80,14 +73,6 @@ def start_processes(dist: dict, devices: int):
     return info
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def run_train(config: str, overrides: Sequence[str], *, print_config: bool = False, resume: bool = False,
               dist: dict | None = None) -> int:
     """``jaxpar train``: load + check the config, build the library objects, train, summarise.
@@ -104,7 +89,7 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
         return 0
     info = start_processes(dist or {}, cfg.train.devices)   # jax.distributed (if several processes), then devices
     if info.multiprocess:
-        from .train.loop import catch_stop_signals
+        from .train.preemption import catch_stop_signals
 
         catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
 
@@ -135,25 +120,50 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     state, layout = init_train_state(C.build_model_fn(cfg.model, cfg.train.seed), tx, mesh, strategy)
     nbytes = layout.analytic_bytes()
     n_params = sum(a.size for a in jax.tree.leaves(layout.shapes))
-    print(f"model    {cfg.model.name}: {n_params:,} parameters")
-    print(f"state    {_bytes(nbytes['total'])} per device (params {_bytes(nbytes['params'])}, "
-          f"optimizer {_bytes(nbytes['opt'])})")
-    print(f"data     {cfg.data.kind}: global batch {cfg.data.batch_size} x {cfg.model.seq_len} tokens")
+    label = cfg.model.name if cfg.model.target is None else f"{cfg.model.name} ({cfg.model.target})"
+    print(f"model    {label}: {n_params:,} parameters")
+    from .analysis.memory import format_bytes
+
+    print(f"state    {format_bytes(nbytes['total'])} per device (params {format_bytes(nbytes['params'])}, "
+          f"optimizer {format_bytes(nbytes['opt'])})")
+    tokens = _describe_data(cfg, batch_fn)
 
     step = make_train_step(loss_fn, tx, layout, strategy, clip_norm=cfg.optimizer.clip_norm, lr_schedule=schedule,
                            skip_nonfinite=True)
     evaluate = make_eval_fn(loss_fn, layout, strategy, eval_batches) if eval_batches else None
     return _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, evaluate, n_params,
-                                   title=f"{cfg.name}: {strategy.name(sizes)}")
+                                   title=f"{cfg.name}: {strategy.name(sizes)}", tokens_per_batch=tokens)
+
+
+def _describe_data(cfg, batch_fn) -> int | None:
+    """Print the data line; return the tokens per global batch (None: the batch holds no tokens).
+
+    The GPT's batches hold ``batch_size x model.seq_len`` tokens; for a model of your own, a
+    batch of ``data.target`` with a 2-D integer ``tokens`` leaf holds that many.
+    """
+    import numpy as np
+
+    from .config import describe_batch
+
+    d, gpt_tokens = cfg.data, cfg.data.batch_size * cfg.model.seq_len
+    if d.kind != "import":
+        print(f"data     {d.kind}: global batch {d.batch_size} x {cfg.model.seq_len} tokens")
+        return gpt_tokens
+    batch = batch_fn(0)
+    print(f"data     {d.kind} {d.target}: global batch {d.batch_size} ({describe_batch(batch)})")
+    if cfg.model.target is None:
+        return gpt_tokens
+    tokens = np.asarray(batch.get("tokens", 0))
+    return int(tokens.size) if tokens.ndim == 2 and tokens.dtype.kind in "iu" else None
 
 
 def _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, evaluate, n_params: int, *,
-                            title: str) -> int:
+                            title: str, tokens_per_batch: int | None) -> int:
     """Resume (``checkpoint.resume``), run :func:`jaxpar.train.loop.train` with checkpoints and metrics, sample."""
     import warnings
 
     from .train.checkpoint import Checkpointer, CheckpointWarning
-    from .train.loop import NonFiniteError, train
+    from .train.loop import LogOptions, NonFiniteError, train
     from .train.metrics import flops_per_token, is_main_process
 
     ck, lg, out_dir, main = cfg.checkpoint, cfg.logging, Path(cfg.train.out_dir), is_main_process()
@@ -184,16 +194,20 @@ def _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, ev
     meta = {"config": cfg.name, "seed": cfg.train.seed, "model": m.name,
             "mesh": dict(layout.mesh.shape), "data": {"kind": cfg.data.kind, "seed": cfg.data.seed,
                                                       "batch_size": cfg.data.batch_size}}
-    flops = flops_per_token(n_params - (m.vocab + m.seq_len) * m.embed, layers=m.layers, seq_len=m.seq_len,
-                            embed=m.embed)
+    flops = None      # FLOPs per token: known for the GPT; for a model of your own there is no MFU
+    if m.target is None:
+        flops = flops_per_token(n_params - (m.vocab + m.seq_len) * m.embed, layers=m.layers, seq_len=m.seq_len,
+                                embed=m.embed)
+    elif lg.peak_flops:
+        print("mfu      not reported: FLOPs per token are known only for the built-in GPT (logging.peak_flops)")
     try:
+        log = LogOptions(log_every=cfg.train.log_every, out_dir=out_dir, progress=cfg.train.progress, title=title,
+                         tensorboard=lg.tensorboard, tokens_per_batch=tokens_per_batch,
+                         flops_per_token=flops, peak_flops=lg.peak_flops)
         state, summary = train(step, state, batch_fn, mesh=layout.mesh, steps=cfg.train.steps - start,
-                               start_step=start, log_every=cfg.train.log_every, eval_fn=evaluate,
-                               eval_every=cfg.train.eval_every, tokens_per_batch=cfg.data.batch_size * m.seq_len,
-                               out_dir=out_dir, progress=cfg.train.progress, title=title, checkpointer=ckpt,
-                               checkpoint_meta=meta, on_nonfinite=cfg.train.on_nonfinite,
-                               tensorboard=cfg.logging.tensorboard, flops_per_token=flops,
-                               peak_flops=lg.peak_flops)
+                               start_step=start, eval_fn=evaluate, eval_every=cfg.train.eval_every,
+                               checkpointer=ckpt, checkpoint_meta=meta, on_nonfinite=cfg.train.on_nonfinite,
+                               log=log)
     except NonFiniteError as e:
         print(f"jaxpar train: error: {e}", file=sys.stderr)
         return 1
@@ -208,7 +222,7 @@ def _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, ev
         print(f"saved    checkpoints of steps {summary.checkpoint_steps} in {ckpt.directory}")
     if summary.preempted:
         print(f"stopped  by {summary.preempted} after step {summary.end_step}; continue with --resume")
-    elif lg.samples:
+    elif lg.samples and m.target is None:      # text samples: the GPT only
         path = _write_samples(cfg, layout, state, batch_fn, eval_batches, out_dir, write=main)
         if main:
             print(f"samples  {path}")
@@ -289,8 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` script; returns the exit status."""
     from .config import ConfigError
+    from .pipeline.cut import PipelineCutError
     from .rules import RulesError
     from .train.checkpoint import CheckpointError
+    from .train.step import ExplicitDPError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)   # overrides may follow options: CONFIG --print-config k=v
@@ -304,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              dist={k: getattr(args, k) for k in ("coordinator", "num_processes", "process_id",
                                                                  "local_devices", "heartbeat_timeout")})
         return run_schedule(args)
-    except (ConfigError, RulesError, CheckpointError) as e:
+    except (ConfigError, RulesError, CheckpointError, PipelineCutError, ExplicitDPError) as e:
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:

@@ -38,11 +38,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .mesh import data_axes
-from .rules import drop_axes, resolve, use_rules, with_remat
+from .blocks import with_remat
+from .rules import axes_of, drop_axes, resolve, use_rules
+from .vjp_residuals import join_pullback, split_pullback
 from .zero import zero_axes, zero_dim
 
-__all__ = ["data_parallel_block", "manual_layout", "explicit_by_default", "bucketed_all_gather",
-           "bucketed_reduce_scatter"]
+__all__ = ["data_parallel_block", "DataParallelLayers", "manual_layout", "explicit_by_default",
+           "bucketed_all_gather", "bucketed_reduce_scatter"]
 
 # Pure data movement, recomputed in the backward rather than saved: a layer that
 # reshapes, slices or splits its weights would otherwise save the (whole) pieces.
@@ -55,11 +57,6 @@ def _saveable(prim, *_, **__) -> bool:
     return prim.name not in _MOVES
 
 
-def _as_axes(a) -> tuple[str, ...]:
-    """``"data"``, ``("fsdp", "data")``, ``[...]`` or ``None`` as a tuple of axis names."""
-    return (a,) if isinstance(a, str) else tuple(a or ())
-
-
 def _normalised(dims: list, xs: list) -> list:
     """Non-negative dimensions (``None`` stays ``None``)."""
     return [None if d is None else d % max(x.ndim, 1) for d, x in zip(dims, xs)]
@@ -70,7 +67,7 @@ def _buckets(xs: list, axes: list) -> list[tuple[tuple[str, ...], list[int]]]:
     dtype, in first-seen order: one flat buffer, one collective per group."""
     groups: dict = {}
     for i, a in enumerate(axes):
-        groups.setdefault((_as_axes(a), xs[i].dtype), []).append(i)
+        groups.setdefault((axes_of(a), xs[i].dtype), []).append(i)
     return [(ax, idx) for (ax, _), idx in groups.items() if ax]
 
 
@@ -212,18 +209,15 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
 
     def local_fwd(p, x):
         w = gathered(p)
-        y, vjp = jax.vjp(body, w, x)
-        leaves, box["tree"] = jax.tree_util.tree_flatten(vjp)
+        y, pullback = jax.vjp(body, w, x)
         # Residuals that are the gathered parameters are not kept (the backward gathers
         # them again); the rest are stacked per device.
-        position = {id(q): i for i, q in enumerate(jax.tree.leaves(w))}
-        box["from_params"] = [position.get(id(leaf)) for leaf in leaves]
-        return y, [leaf[None] for leaf, i in zip(leaves, box["from_params"]) if i is None]
+        stored, box["layout"] = split_pullback(pullback, w)
+        return y, [leaf[None] for leaf in stored]
 
     def local_bwd(p, res, dy):
-        whole, stacked = jax.tree.leaves(gathered(p)), iter(res)
-        leaves = [next(stacked)[0] if i is None else whole[i] for i in box["from_params"]]
-        dw, dx = jax.tree_util.tree_unflatten(box["tree"], leaves)(dy)
+        pullback = join_pullback(box["layout"], [r[0] for r in res], gathered(p))
+        dw, dx = pullback(dy)
         return reduce_grads(dw, p), dx
 
     smap = lambda f, i, o: jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o,  # noqa: E731
@@ -243,3 +237,22 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
 
     block.defvjp(fwd, bwd)
     return block
+
+
+class DataParallelLayers:
+    """A layer runner (:func:`jaxpar.blocks.use_layer_runner`) that wraps every layer of a
+    model's stacked blocks with :func:`data_parallel_block`: what jaxpar's train step installs
+    for ``explicit_dp``.
+
+    >>> runner = DataParallelLayers(mesh, rules, zero=3)          # doctest: +SKIP
+    >>> with use_layer_runner(runner):                            # doctest: +SKIP
+    ...     loss = loss_fn(model, batch)
+    """
+
+    def __init__(self, mesh, rules, zero: int):
+        self.mesh, self.rules, self.zero = mesh, tuple(rules), zero
+
+    def __call__(self, call) -> jax.Array:
+        body = data_parallel_block(call.layer, call.logical, self.mesh, self.rules, self.zero,
+                                   call.layer_shapes(), remat=call.remat)
+        return call.run(body)

@@ -237,8 +237,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                ) -> ClusterInfo:
     """Join the job (see :func:`resolve`); a single process only sets the CPU device count. Call before any JAX use.
 
-    ``local_device_count``: simulate that many CPU devices in this process (CPU only;
-    sets ``jax_num_cpu_devices`` and the ``cpu`` platform). ``cpu_collectives``:
+    ``local_device_count``: simulate that many CPU devices in this process
+    (:func:`jaxpar.mesh.use_devices` with ``detect=False``: sets ``jax_num_cpu_devices`` and the
+    ``cpu`` platform; an error if ``JAX_PLATFORMS`` names an accelerator). ``cpu_collectives``:
     ``jax_cpu_collectives_implementation`` ("gloo", "mpi" or None). Timeouts in
     seconds: a process that stops sending heartbeats for ``heartbeat_timeout`` is
     declared dead and every other process ends; ``initialization_timeout`` bounds the
@@ -264,14 +265,14 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             "initialize() must run before anything touches JAX's backend (jax.devices(), a computation, "
             "device_put, ...); call it first thing in the program.")
     if local_device_count is not None:
-        platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
-        if platforms and platforms.split(",")[0].strip().lower() != "cpu":
+        from .mesh import use_devices
+
+        platform = use_devices(local_device_count, detect=False)   # simulate unless JAX_PLATFORMS says otherwise
+        if platform != "cpu":
+            asked = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS")
             raise DistributedError(f"--local-devices (local_device_count)={local_device_count} simulates CPU "
-                                   f"devices, but JAX_PLATFORMS={platforms!r} asks for an accelerator; drop "
-                                   "--local-devices to use the accelerator's own devices.")
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", local_device_count)
+                                   f"devices, but JAX_PLATFORMS={asked!r} asks for {platform!r}; drop "
+                                   "--local-devices to use the accelerator's own devices, or set JAX_PLATFORMS=cpu.")
     if not info.multiprocess and info.method != "k8s":
         return info
     if cpu_collectives is not None:

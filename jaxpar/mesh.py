@@ -1,8 +1,11 @@
-"""Meshes from named axis sizes, hybrid ICI x DCN meshes, simulated CPU devices.
+"""Meshes from named axis sizes, hybrid ICI x DCN meshes; real accelerators or simulated CPU devices.
 
 Example::
 
     >>> import jaxpar
+    >>> from jaxpar.mesh import use_devices
+    >>> use_devices(8)        # first thing: the accelerators, else 8 CPU devices   # doctest: +SKIP
+    'cpu'
     >>> spec = jaxpar.MeshSpec(data=2, fsdp=-1, tensor=2)   # -1 = "the rest"
     >>> mesh = jaxpar.make_mesh(spec)                         # doctest: +SKIP
     >>> dict(mesh.shape)                                      # doctest: +SKIP
@@ -26,6 +29,8 @@ __all__ = [
     "MeshError",
     "make_mesh",
     "simulate_cpu_devices",
+    "use_devices",
+    "accelerator_platform",
     "data_axes",
 ]
 
@@ -150,16 +155,15 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
 def simulate_cpu_devices(n: int) -> None:
     """Make JAX show ``n`` CPU devices. Call before anything touches the backend.
 
-    Raises ``RuntimeError`` if the backend is already up with a different count
-    (the count cannot change after initialisation; restart the process).
+    With ``JAX_PLATFORMS`` unset it also selects the ``cpu`` platform (environment and
+    live flag). Raises ``RuntimeError`` if the backend is already up with a different
+    count (the count cannot change after initialisation; restart the process).
 
     >>> simulate_cpu_devices(8)   # doctest: +SKIP
     """
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"simulate_cpu_devices(n={n!r}): n must be a positive int.")
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"simulate_cpu_devices(n={n!r}): n must be a positive int, e.g. 8.")
+    if _backend_initialized():
         have = jax.device_count()
         if have != n:
             raise RuntimeError(
@@ -168,5 +172,129 @@ def simulate_cpu_devices(n: int) -> None:
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting Python), "
                 "then restart the process / kernel.")
         return
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if _requested_platform() is None:
+        os.environ["JAX_PLATFORMS"] = "cpu"          # read by jax at import: set the live flag too
+        jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
+
+
+def use_devices(n_simulated: int = 8, *, detect: bool = True) -> str:
+    """Use the accelerators when there are any, else simulate ``n_simulated`` CPU devices.
+
+    The one place that decides between real devices and simulated CPU devices
+    (notebooks, the CLI, :func:`jaxpar.distributed.initialize`). Call it before
+    anything touches JAX's backend; it never starts the backend itself. In order:
+
+    1. the backend is already up: its platform (``simulate_cpu_devices`` checks the count);
+    2. ``JAX_PLATFORMS`` (or ``jax.config.jax_platforms``) names a platform first: that
+       one (``cpu`` -> simulate; ``cuda``, ``tpu``, ... -> its real devices);
+    3. ``detect=True``: an installed accelerator plugin whose hardware is visible
+       (:func:`accelerator_platform`); ``detect=False`` (the CLI's ``train.devices > 0``)
+       skips this step, so only an explicit ``JAX_PLATFORMS`` wins over simulation;
+    4. otherwise: ``n_simulated`` CPU devices (:func:`simulate_cpu_devices`).
+
+    Returns the platform name (``"cpu"`` when simulating).
+
+    >>> use_devices(8)    # doctest: +SKIP
+    'cpu'
+    """
+    if isinstance(n_simulated, bool) or not isinstance(n_simulated, int) or n_simulated < 1:
+        raise ValueError(f"use_devices(n_simulated={n_simulated!r}): must be a positive int "
+                         "(the CPU devices to simulate when there is no accelerator), e.g. 8.")
+    if _backend_initialized():
+        platform = jax.default_backend()
+        if platform != "cpu":
+            return platform
+    else:
+        platform = _requested_platform() or (accelerator_platform() if detect else None)
+        if platform is not None and platform != "cpu":
+            return platform
+    simulate_cpu_devices(n_simulated)
+    return "cpu"
+
+
+#: Installed modules that provide JAX's GPU plugins (found without importing them).
+_CUDA_MODULES = ("jax_cuda13_plugin", "jax_cuda12_plugin")
+_ROCM_MODULES = ("jax_rocm7_plugin", "jax_rocm6_plugin")
+
+
+def accelerator_platform() -> str | None:
+    """The accelerator an installed JAX plugin can drive on this machine, or None; starts no backend.
+
+    ``"tpu"``: ``libtpu`` is installed (or ``TPU_LIBRARY_PATH`` is set) and TPU chips
+    show on the PCI bus. ``"cuda"``: a CUDA plugin (``jax_cuda12_plugin``,
+    ``jax_cuda13_plugin`` or a ``jax_plugins`` entry point naming cuda) is installed, an
+    NVIDIA device node exists (``/dev/nvidia0``, ``/dev/nvidiactl``, ``/dev/dxg``) and
+    ``CUDA_VISIBLE_DEVICES`` does not hide them all. ``"rocm"``: likewise with a ROCm
+    plugin and an AMD GPU in the KFD topology. Other plugins are not guessed at: set
+    ``JAX_PLATFORMS=<name>`` to use one.
+
+    >>> accelerator_platform()    # a machine without accelerators   # doctest: +SKIP
+    """
+    plugins = _installed_plugins()
+    if ("libtpu" in plugins or os.environ.get("TPU_LIBRARY_PATH")) and _tpu_chips() > 0:
+        return "tpu"
+    if any("cuda" in p for p in plugins) and _nvidia_gpu_visible():
+        return "cuda"
+    if any("rocm" in p for p in plugins) and _amd_gpus() > 0:
+        return "rocm"
+    return None
+
+
+def _backend_initialized() -> bool:
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _requested_platform() -> str | None:
+    """First entry of the live ``jax_platforms`` flag, else of ``JAX_PLATFORMS``; lower case; None if unset."""
+    value = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+    first = value.split(",")[0].strip().lower()
+    return first or None
+
+
+def _installed_plugins() -> set[str]:
+    """Lower-case names of installed JAX plugins: entry points, ``jax_plugins.*`` modules, known modules."""
+    import importlib.metadata
+    import importlib.util
+    import pkgutil
+
+    names: set[str] = set()
+    try:
+        for ep in importlib.metadata.entry_points(group="jax_plugins"):
+            names.update((ep.name.lower(), ep.value.lower()))
+    except Exception:                                    # a broken distribution's metadata: skip it
+        pass
+
+    def found(module: str):
+        try:
+            return importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            return None
+
+    namespace = found("jax_plugins")
+    if namespace is not None and namespace.submodule_search_locations:
+        names.update(m.name.lower() for m in pkgutil.iter_modules(list(namespace.submodule_search_locations)))
+    names.update(m for m in _CUDA_MODULES + _ROCM_MODULES + ("libtpu",) if found(m) is not None)
+    return names
+
+
+def _nvidia_gpu_visible() -> bool:
+    from jax._src import hardware_utils
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    return hardware_utils.has_visible_nvidia_gpu()
+
+
+def _amd_gpus() -> int:
+    from jax._src import hardware_utils
+
+    return hardware_utils.num_available_amd_gpus(stop_at=1)
+
+
+def _tpu_chips() -> int:
+    from jax._src import hardware_utils
+
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0]

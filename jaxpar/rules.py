@@ -24,6 +24,7 @@ import math
 from typing import Any, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 __all__ = [
@@ -33,13 +34,12 @@ __all__ = [
     "resolve",
     "named_shardings",
     "use_rules",
+    "without_rules",
     "current_rules",
     "constrain",
     "path_str",
     "drop_axes",
-    "use_block_transform",
-    "block_transform",
-    "with_remat",
+    "axes_of",
 ]
 
 LogicalRules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
@@ -62,12 +62,18 @@ def path_str(path: Sequence[Any]) -> str:
     return "/".join(parts)
 
 
+def axes_of(entry) -> tuple[str, ...]:
+    """One rule target or ``PartitionSpec`` entry (``None``, ``"data"``, ``("data", "fsdp")``) as a
+    tuple of mesh axis names.
+
+    >>> axes_of(None), axes_of("data"), axes_of(["fsdp", "data"])
+    ((), ('data',), ('fsdp', 'data'))
+    """
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _targets(rules: LogicalRules, name: str) -> list[tuple[str, ...]]:
-    out = []
-    for logical, target in rules:
-        if logical == name:
-            out.append(() if target is None else (target,) if isinstance(target, str) else tuple(target))
-    return out
+    return [axes_of(target) for logical, target in rules if logical == name]
 
 
 def _mesh_sizes(mesh) -> dict[str, int]:
@@ -178,13 +184,37 @@ def use_rules(mesh, rules: LogicalRules) -> Iterator[None]:
         _RULES.reset(token)
 
 
+@contextlib.contextmanager
+def without_rules() -> Iterator[None]:
+    """No rules in this context: :func:`constrain` leaves activations alone (e.g. to compile
+    one layer on its own, away from the mesh).
+
+    >>> with without_rules():
+    ...     current_rules() is None
+    True
+    """
+    token = _RULES.set(None)
+    try:
+        yield
+    finally:
+        _RULES.reset(token)
+
+
 def current_rules():
     """The ``(mesh, rules)`` pair set by :func:`use_rules`, or ``None``."""
     return _RULES.get()
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-    """Constrain an activation's sharding by logical names (no-op outside :func:`use_rules`)."""
+    """Constrain an activation's sharding by logical names.
+
+    Outside :func:`use_rules` this returns ``x`` unchanged, deliberately (like Flax's
+    ``nn.with_logical_constraint`` without rules): the same model code runs on one
+    device, in a notebook or under any jaxpar strategy, which installs the rules.
+
+    >>> constrain(jnp.ones((2, 3)), ("batch", "embed")).shape
+    (2, 3)
+    """
     ctx = _RULES.get()
     if ctx is None:
         return x
@@ -198,39 +228,6 @@ def drop_axes(rules: LogicalRules, axes: Sequence[str]) -> tuple:
     manual over those axes inside ``shard_map``)."""
     out = []
     for logical, target in rules:
-        t = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-        t = tuple(a for a in t if a not in axes)
+        t = tuple(a for a in axes_of(target) if a not in axes)
         out.append((logical, t if len(t) > 1 else t[0] if t else None))
     return tuple(out)
-
-
-_BLOCK_TRANSFORM: contextvars.ContextVar = contextvars.ContextVar("jaxpar_block_transform", default=None)
-
-
-@contextlib.contextmanager
-def use_block_transform(transform) -> Iterator[None]:
-    """Install ``transform(fn, logical, shapes, remat) -> fn`` for repeated blocks (see :func:`block_transform`)."""
-    token = _BLOCK_TRANSFORM.set(transform)
-    try:
-        yield
-    finally:
-        _BLOCK_TRANSFORM.reset(token)
-
-
-def block_transform(fn, logical, shapes, remat=None):
-    """Let the strategy wrap a model's per-layer function ``fn(params, x) -> y``.
-
-    Models call this on the body of their layer loop, passing the logical names
-    and shapes of one layer's parameters and their remat policy (a
-    ``jax.checkpoint`` policy such as ``jax.checkpoint_policies.nothing_saveable``;
-    ``None``: no remat). Strategies that reduce gradients explicitly per layer
-    (jaxpar's data-parallel engine) install a transform, which then applies the
-    policy itself, together with its own. Without one: ``jax.checkpoint(fn, policy=remat)``.
-    """
-    transform = _BLOCK_TRANSFORM.get()
-    return with_remat(fn, remat) if transform is None else transform(fn, logical, shapes, remat)
-
-
-def with_remat(fn, remat=None):
-    """``fn`` under the ``jax.checkpoint`` policy ``remat`` (``None``: ``fn`` itself, no remat)."""
-    return fn if remat is None else jax.checkpoint(fn, policy=remat)

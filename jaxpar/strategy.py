@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import jax
 import jax.numpy as jnp
 
 from .mesh import data_axes
@@ -88,6 +89,11 @@ class Strategy:
     @property
     def dtype(self) -> Any:
         return COMPUTE_DTYPES[self.compute_dtype]
+
+    def cast(self, params: Any) -> Any:
+        """``params`` in the compute dtype (fp32 parameters are returned as they are)."""
+        dtype = self.dtype
+        return params if dtype == jnp.float32 else jax.tree.map(lambda a: a.astype(dtype), params)
 
     def name(self, mesh_sizes: Mapping[str, int]) -> str:
         """Short label such as ``'dp2-fsdp2-tp2'``."""

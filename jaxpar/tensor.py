@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from .rules import LogicalRules, constrain, current_rules, logical_to_spec
+from .rules import LogicalRules, axes_of, constrain, current_rules, logical_to_spec
 
 __all__ = ["tensor_rules", "batch_rule", "row_parallel"]
 
@@ -51,10 +51,7 @@ def tensor_rules(*, sequence_parallel: bool = False, batch_axes: tuple[str, ...]
 
 
 def _tensor_only(spec: PartitionSpec, axis: str) -> PartitionSpec:
-    def keep(entry):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        return axis if axis in axes else None
-    return PartitionSpec(*(keep(e) for e in spec))
+    return PartitionSpec(*(axis if axis in axes_of(e) else None for e in spec))
 
 
 def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logical: tuple,

@@ -23,6 +23,8 @@ from typing import Any, Mapping, Sequence
 import jax
 from jax.sharding import PartitionSpec
 
+from .rules import axes_of
+
 
 __all__ = ["ZERO_STAGES", "zero_axes", "zero_dim", "add_zero_axes", "zero_specs", "spec_shards", "analytic_state_bytes"]
 
@@ -44,13 +46,9 @@ def zero_axes(mesh_sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str
     return tuple(axes)
 
 
-def _entry_axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def spec_shards(spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> int:
     """How many pieces ``spec`` cuts an array into."""
-    return math.prod(mesh_sizes[a] for e in spec for a in _entry_axes(e))
+    return math.prod(mesh_sizes[a] for e in spec for a in axes_of(e))
 
 
 def add_zero_axes(spec: PartitionSpec, shape: Sequence[int], logical: Sequence[str | None],
@@ -81,7 +79,7 @@ def zero_dim(shape: Sequence[int], logical: Sequence[str | None], spec: Partitio
     entries = list(spec) + [None] * (len(shape) - len(spec))
     logical = tuple(logical) + (None,) * (len(shape) - len(tuple(logical)))
     for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
-        free = all(mesh_sizes.get(a, 1) == 1 for a in _entry_axes(entries[d]))   # size-1 axes split nothing
+        free = all(mesh_sizes.get(a, 1) == 1 for a in axes_of(entries[d]))   # size-1 axes split nothing
         if logical[d] not in exclude and free and shape[d] % n == 0:
             return d
     return None

@@ -7,13 +7,15 @@ import pytest
 import yaml
 
 from jaxpar.cli import main
-from jaxpar.config import (ConfigError, build_data, build_optimizer, build_schedule, check, load_config,
-                           parse_overrides, to_yaml)
+from jaxpar.config import (ConfigError, build_data, build_lr_schedule, build_optimizer, check, load_config,
+                           parse_overrides, resolve_import, to_yaml)
 from jaxpar.train import data as D
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs" / "quickstart.yaml")
 ALL_CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+TESTS = Path(__file__).resolve().parent
+MLP = str(TESTS / "cli_mlp.yaml")        # a model of your own: jaxpar's MLP by import path + tests/cli_data.py
 
 
 # ----------------------------------------------------------------------------- loading
@@ -27,7 +29,7 @@ def test_print_config_resolves_base_and_overrides(capsys):
     assert cfg["optimizer"]["lr"] == pytest.approx(3e-4)
 
 
-@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [*ALL_CONFIGS, Path(MLP)], ids=lambda p: p.stem)
 def test_every_shipped_config_loads_and_round_trips(path, tmp_path):
     cfg = load_config(path)
     again = tmp_path / "again.yaml"
@@ -49,7 +51,7 @@ def test_override_parsing_and_types():
 
 
 BAD = [  # (override, text the error must contain)
-    ("model.embedd=64", "unknown key 'model.embedd'; allowed keys under 'model': name, vocab"),
+    ("model.embedd=64", "unknown key 'model.embedd'; allowed keys under 'model': name, target, kwargs, loss, vocab"),
     ("trainer.steps=3", "unknown key 'trainer'"),
     ("mesh.tensor=two", "'mesh.tensor'"),
     ("train.steps=1.5", "'train.steps'"),
@@ -60,6 +62,18 @@ BAD = [  # (override, text the error must contain)
     ("data.batch_size=30", "data.batch_size=30 is not divisible by mesh.data x mesh.fsdp x parallel.microbatches"),
     ("model.heads=1", "model.heads=1 is not divisible by mesh.tensor=2"),
     ("mesh.pipe=2", "mesh.pipe=2"),
+    # the library's own checks (GPTConfig, Strategy, MeshSpec), relabelled with the YAML keys
+    ("model.heads=3", "model.embed=128 is not divisible by model.heads=3"),
+    ("model.vocab=0", "model.vocab=0: must be a positive int"),
+    ("model.remat=some", "model.remat='some'"),
+    ("parallel.zero=5", "parallel.zero=5"),
+    ("parallel.microbatches=0", "parallel.microbatches=0"),
+    ("parallel.virtual_stages=2", "parallel.virtual_stages=2 needs parallel.schedule='interleaved'"),
+    ("parallel.schedule=pipedream", "parallel.schedule='pipedream': unknown schedule kind"),
+    ("mesh.fsdp=0", "mesh.fsdp=0"),
+    ("optimizer.schedule=constant", "'optimizer.schedule' was renamed to 'optimizer.lr_schedule'"),
+    ("optimizer.lr_schedule=step", "optimizer.lr_schedule='step': unknown value"),
+    ("model.loss=pkg:fn", "model.loss='pkg:fn': only used with model.target"),
 ]
 
 
@@ -72,13 +86,33 @@ def test_bad_config_names_the_key(override, message, capsys):
     assert message in capsys.readouterr().err
 
 
+PIPE = ["mesh.pipe=2", "mesh.data=1", "parallel.microbatches=4"]   # 2 x 1 x 2 x 2 = 8 devices
+PIPE_BAD = [  # (overrides, text the error must contain): pipeline schedule and stage partition
+    (["parallel.microbatches=1"], "parallel.schedule='1f1b' with mesh.pipe=2, parallel.microbatches=1"),
+    (["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.microbatches=3", "model.layers=4",
+      "data.batch_size=24"], "parallel.microbatches=3, parallel.virtual_stages=2: interleaved_1f1b needs m divisible"),
+    (["parallel.schedule=interleaved"], "parallel.virtual_stages=1: v (num_chunks) must be >= 2"),
+    (["model.layers=3"], "model.layers=3, mesh.pipe=2 x parallel.virtual_stages=1: 3 layers cannot be split evenly"),
+    (["model.layers=3", "parallel.stage_layers=[1,1]"], "parallel.stage_layers=(1, 1) must be positive and sum"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true with mesh.pipe=2 is not supported"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", PIPE_BAD, ids=[" ".join(b[0]) for b in PIPE_BAD])
+def test_bad_pipeline_names_the_keys(overrides, message):
+    load_config(QUICK, PIPE)
+    with pytest.raises(ConfigError) as err:
+        load_config(QUICK, [*PIPE, *overrides])
+    assert message in str(err.value)
+
+
 def test_mesh_product_must_match_device_count(capsys):
     cfg = load_config(QUICK, ["mesh.data=4"])            # 4 x 2 x 2 = 16: fine until the device count is known
-    with pytest.raises(ConfigError, match=r"mesh .*multiply to 16, but there are 8 devices"):
+    with pytest.raises(ConfigError, match=r"mesh\.data=4.*multiply to 16, but there are 8 devices"):
         check(cfg, num_devices=8)
     assert main(["train", QUICK, "mesh.data=4"]) == 2
     err = capsys.readouterr().err
-    assert "mesh.data x mesh.fsdp x mesh.tensor x mesh.pipe" in err and "8 devices" in err
+    assert "mesh.data=4" in err and "8 devices" in err
     check(load_config(QUICK, ["mesh.data=-1"]), num_devices=8)   # -1 fills the rest
     assert main(["train", QUICK, "train.devices=4", "mesh.data=1"]) == 2   # backend is already up with 8
     assert "train.devices=4" in capsys.readouterr().err
@@ -112,8 +146,8 @@ def test_build_optimizer(name):
     lr = cfg.optimizer.lr
     assert float(schedule(0)) == 0.0 and float(schedule(10)) == pytest.approx(lr)
     assert float(schedule(100)) == pytest.approx(lr * cfg.optimizer.min_lr_ratio, rel=1e-4)
-    flat = load_config(QUICK, ["optimizer.schedule=constant", "optimizer.warmup_steps=0"]).optimizer
-    const = build_schedule(flat, 50)
+    flat = load_config(QUICK, ["optimizer.lr_schedule=constant", "optimizer.warmup_steps=0"]).optimizer
+    const = build_lr_schedule(flat, 50)
     assert float(const(0)) == float(const(49)) == pytest.approx(lr)
 
 
@@ -156,6 +190,108 @@ def test_train_end_to_end_in_process(tmp_path, capsys):
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert load_config(out / "config.yaml").train.steps == 3
     assert json.loads((out / "summary.json").read_text())["end_step"] == 3
+
+
+# ----------------------------------------------------------------------------- a model of your own
+@pytest.mark.parametrize("overrides,strategy", [
+    ([], "dp2-fsdp2-tp2"),
+    (["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "parallel.zero=3", "parallel.microbatches=2"],
+     "dp8-zero3-accum2"),
+], ids=["dp-fsdp-tp", "zero3-accum"])
+def test_user_model_trains_from_yaml(overrides, strategy, tmp_path, capsys):
+    """tests/cli_mlp.yaml names jaxpar's MLP classifier, its loss and a batch function by import path."""
+    out = tmp_path / "run"
+    assert main(["train", MLP, f"train.out_dir={out}", *overrides]) == 0
+    text = capsys.readouterr().out
+    assert f"strategy {strategy}" in text
+    assert "model    MLPClassifier (jaxpar.models.mlp:MLPClassifier): 9,060 parameters" in text
+    assert "global batch 16 (['x']: float32[16, 16], ['y']: int32[16])" in text
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [1, 2, 4] and [r["step"] for r in evals] == [2, 4]
+    assert train[-1]["loss"] < train[0]["loss"] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert not train[0].get("tokens_per_s")                   # no tokens in a classification batch
+    assert not (out / "samples.txt").exists()                  # text samples are the GPT's
+    assert load_config(out / "config.yaml") == load_config(MLP, [f"train.out_dir={out}", *overrides])
+
+
+USER_BAD = [  # (overrides on tests/cli_mlp.yaml, text the error must contain)
+    ("model.target=jaxpar.models.mlp:MLPClassifer", "model.target='jaxpar.models.mlp:MLPClassifer': "
+     "'jaxpar.models.mlp' has no attribute 'MLPClassifer'; did you mean 'MLPClassifier'"),
+    ("model.target=no_such_pkg.models:Net", "model.target='no_such_pkg.models:Net': module 'no_such_pkg.models' "
+     "not found"),
+    ("model.target=jaxpar.models.mlp", "model.target='jaxpar.models.mlp': expected 'package.module:attribute'"),
+    ("model.target=jaxpar.models.mlp:__doc__", "'__doc__' is not callable (it is of type str)"),
+    (f"model.target={TESTS}/no_such_file.py:Net", "no_such_file.py' not found"),
+    ("model.kwargs.width=3", "model.kwargs={'features': 16, 'embed': 32, 'mlp': 64, 'classes': 4, 'depth': 2, "
+     "'width': 3}: model.target='jaxpar.models.mlp:MLPClassifier' is called as target(**model.kwargs, "
+     "rngs=nnx.Rngs(train.seed)), which does not fit it: got an unexpected keyword argument 'width'"),
+    ("model.loss=jaxpar.models.mlp:classifier_los", "model.loss='jaxpar.models.mlp:classifier_los': "
+     "'jaxpar.models.mlp' has no attribute 'classifier_los'; did you mean 'classifier_loss'"),
+    ("model.loss=null", "model.loss: missing"),
+    ("model.loss=jaxpar.models.mlp:MLPClassifier", "model.loss='jaxpar.models.mlp:MLPClassifier': is called as "
+     "loss(model, batch) -> scalar, which does not fit it"),
+    ("model.layers=4", "overrides: model.layers: keys of the built-in GPT, but model.target="),
+    ("data.kind=text", "data.kind='text' makes token windows of model.seq_len for the built-in GPT"),
+    (f"data.target={TESTS}/cli_data.py:NOT_CALLABLE", f"data.target='{TESTS}/cli_data.py:NOT_CALLABLE': "
+     "'NOT_CALLABLE' is not callable"),
+    (f"data.target={TESTS}/cli_data.py:clases", "has no attribute 'clases'; did you mean 'classes'"),
+    ("data.target=null", "data.target: missing"),
+    ("data.kwargs.seed=3", "data.kwargs.seed: reserved (set data.seed instead)"),
+    ("data.kwargs.colour=red", "is called as batches(step, batch_size=data.batch_size, seed=data.seed, "
+     "**data.kwargs), which does not fit it: got an unexpected keyword argument 'colour'"),
+]
+
+
+@pytest.mark.parametrize("override,message", USER_BAD, ids=[b[0].replace(str(TESTS), "tests") for b in USER_BAD])
+def test_bad_user_model_names_the_key(override, message, capsys):
+    with pytest.raises(ConfigError) as err:
+        load_config(MLP, [override])
+    assert message in str(err.value)
+    assert main(["train", MLP, override]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_batch_is_caught_at_start(capsys):
+    """The batch function runs once for step 0 before the model is built; its batch is checked."""
+    assert main(["train", MLP, f"data.target={TESTS}/cli_data.py:wrong_rows", "train.out_dir=unused"]) == 2
+    err = capsys.readouterr().err
+    assert f"data.target='{TESTS}/cli_data.py:wrong_rows' (step 0): batch['x'] has shape (15, 16); every leaf" in err
+    assert "data.batch_size=16" in err
+
+
+def test_user_model_layers_and_import_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)            # a .py path in a YAML file is relative to that file, not the cwd
+    cfg = load_config(MLP)
+    assert cfg.data.target == f"{TESTS / 'cli_data.py'}:classes" and cfg.model.name == "MLPClassifier"
+    assert resolve_import(cfg.data.target, "data.target") is resolve_import(cfg.data.target, "data.target")
+    # GPT keys of the base (quickstart.yaml) do not carry over under model.target; a child merges kwargs
+    (tmp_path / "child.yaml").write_text(f"base: {MLP}\nmodel: {{kwargs: {{depth: 3}}, name: mlp3}}\n")
+    child = load_config(tmp_path / "child.yaml")
+    assert child.model.kwargs == {**cfg.model.kwargs, "depth": 3} and child.model.name == "mlp3"
+    (tmp_path / "gpt_keys.yaml").write_text(f"base: {MLP}\nmodel: {{embed: 64, heads: 2}}\n")
+    with pytest.raises(ConfigError, match=r"gpt_keys\.yaml: model\.embed, model\.heads: keys of the built-in GPT"):
+        load_config(tmp_path / "gpt_keys.yaml")
+    # an override's .py path is relative to the working directory; the resolved config holds it absolute
+    (tmp_path / "mine.py").write_text("def batches(step, *, batch_size, seed):\n    return {}\n")
+    over = load_config(MLP, ["data.target=mine.py:batches"])
+    assert over.data.target == f"{tmp_path / 'mine.py'}:batches"
+    with pytest.raises(ConfigError, match=r"mine\.py:batches' \(step 0\) returned an empty dict"):
+        build_data(over.data, eval_batches=0)
+    # back to the GPT: a layer that sets model.target (null too) starts the model section afresh
+    gpt = load_config(MLP, ["model.target=null", "data.kind=synthetic"])
+    assert gpt.model.name == "gpt" and gpt.model.embed == 64        # GPTConfig defaults, not quickstart's 128
+
+
+def test_import_data_eval_batches():
+    cfg = load_config(MLP).data
+    batch_fn, evals = build_data(cfg, eval_batches=2)
+    assert len(evals) == 2 and not np.array_equal(evals[0]["x"], evals[1]["x"])
+    assert not np.array_equal(evals[0]["x"], batch_fn(0)["x"])               # eval=True: another stream
+    assert np.array_equal(batch_fn(3)["x"], batch_fn(3)["x"]) and batch_fn(3)["x"].shape == (16, 16)
+    no_eval = load_config(MLP, [f"data.target={TESTS}/cli_data.py:no_eval"]).data   # drops the file's kwargs
+    assert build_data(no_eval, eval_batches=2)[1] == []                     # no `eval` keyword: no evaluation
 
 
 # ----------------------------------------------------------------------------- schedule

@@ -117,11 +117,10 @@ def test_strategy_and_model_config_errors():
 
 def test_errors_are_not_deep_jax_tracebacks(mesh):
     """The error is raised by jaxpar, before anything reaches JAX."""
-    try:
+    with pytest.raises(RulesError) as info:
         logical_to_spec(("nope",), RULES, mesh)
-    except RulesError as e:
-        assert e.__traceback__.tb_frame.f_code.co_filename.endswith("test_mesh_rules.py")
-        tb = e.__traceback__
-        while tb.tb_next:
-            tb = tb.tb_next
-        assert "jaxpar/rules.py" in tb.tb_frame.f_code.co_filename
+    tb = info.value.__traceback__
+    assert tb.tb_frame.f_code.co_filename.endswith("test_mesh_rules.py")
+    while tb.tb_next:
+        tb = tb.tb_next
+    assert "jaxpar/rules.py" in tb.tb_frame.f_code.co_filename, tb.tb_frame.f_code.co_filename

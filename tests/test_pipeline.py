@@ -14,8 +14,8 @@ from jaxpar.pipeline.partition import PartitionError
 from jaxpar.pipeline.program import lower, sends
 from jaxpar.pipeline.schedules import get_schedule
 from jaxpar.rules import path_str
-from jaxpar.train.step import make_loss_and_grad, make_pipeline_loss_and_grad
-from jaxpar.train.step import default_parts
+from jaxpar.pipeline.piped import auto_stage_layers, make_pipeline_loss_and_grad
+from jaxpar.train.step import make_loss_and_grad
 
 from helpers import make_batch, run
 from test_equivalence import assert_same
@@ -42,7 +42,8 @@ def _reference(batch_size):
 
 def _pipelined(sizes, strategy, batch_size, cfg=PCFG):
     mesh, state, layout = _layout(sizes, strategy, cfg)
-    fn = make_pipeline_loss_and_grad(default_parts(lm_loss, layout, None), layout, strategy)
+    fn = make_pipeline_loss_and_grad(lm_loss, layout.graphdef, mesh, layout.rules, layout.params, layout.grads,
+                                     strategy)
 
     def go(params, batch):
         with jaxpar.use_rules(mesh, layout.rules):
@@ -228,19 +229,26 @@ def test_strategy_rejects_bad_pipeline_fields():
 
 def test_auto_stage_layers_balance_compiled_flops():
     """'auto' moves layers off the stage that also runs an expensive head (large vocabulary)."""
-    from jaxpar.train.step import auto_stage_layers
-    strategy = jaxpar.Strategy(microbatches=4, stage_layers="auto")
-    cheap = _layout({"pipe": 4, "data": 2}, strategy, GPTConfig(vocab=256, seq_len=64, embed=64, heads=4, layers=8))[2]
-    big = _layout({"pipe": 4, "data": 2}, strategy, GPTConfig(vocab=2048, seq_len=64, embed=64, heads=4, layers=8))[2]
-    assert auto_stage_layers(default_parts(lm_loss, cheap, None), cheap, strategy, 4) == (2, 2, 2, 2)
-    assert auto_stage_layers(default_parts(lm_loss, big, None), big, strategy, 4) == (2, 2, 3, 1)
+    from jaxpar.pipeline.cut import cut_model
+
+    def stages(cfg):
+        _, state, layout = _layout({"pipe": 4, "data": 2}, jaxpar.Strategy(microbatches=4, stage_layers="auto"), cfg)
+        mb = {k: jax.ShapeDtypeStruct((4, cfg.seq_len), jnp.int32) for k in ("tokens", "targets")}
+        cut = cut_model(lm_loss, layout.graphdef, layout.shapes, mb)
+        return auto_stage_layers(cut, *cut.split(layout.shapes), mb, 4)
+
+    assert stages(GPTConfig(vocab=256, seq_len=64, embed=64, heads=4, layers=8)) == (2, 2, 2, 2)
+    assert stages(GPTConfig(vocab=2048, seq_len=64, embed=64, heads=4, layers=8)) == (2, 2, 3, 1)
 
 
 def test_schedule_stages_must_match_the_pipe_axis():
-    from jaxpar.pipeline import gpt_parts, pipeline_value_and_grad
+    from jaxpar.models import gpt
+    from jaxpar.pipeline import PipelineParts, pipeline_value_and_grad
+    parts = PipelineParts(pre=lambda outer, mb: gpt.embed_apply(outer, mb["tokens"]), layer=gpt.block_apply,
+                          post=lambda outer, y, mb: gpt.cross_entropy(gpt.head_apply(outer, y), mb["targets"]))
     mesh = jaxpar.make_mesh({"pipe": 2, "data": 4})
     with pytest.raises(ValueError, match=r"has 4 stages but the mesh's 'pipe' axis has size 2"):
-        pipeline_value_and_grad(gpt_parts(), mesh, jaxpar.Strategy().rules(mesh),
+        pipeline_value_and_grad(parts, mesh, jaxpar.Strategy().rules(mesh),
                                 lower(get_schedule("1f1b", 4, 4)), stage_layers=(2, 2, 2, 2))
 
 

@@ -12,6 +12,7 @@ All numbers are what XLA reports for *one* device (one SPMD partition).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,13 +23,20 @@ _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
 
 def format_bytes(n: float) -> str:
-    """Human-readable binary size: ``512 B``, ``4.0 KiB``, ``1.5 GiB``."""
-    if isinstance(n, bool) or not isinstance(n, (int, float)) or math.isnan(n):
-        raise ValueError(f"n must be a number of bytes, got {n!r}")
+    """Human-readable binary size, the one formatter of jaxpar (analysis tables, the CLI).
+
+    Below 1 KiB whole bytes, above one decimal of the largest unit that keeps the
+    number under 1024 (``KiB`` ... ``PiB``). Accepts Python and NumPy numbers.
+
+    >>> [format_bytes(n) for n in (512, 4096, 1536 * 1024, 2.5 * 2**30)]
+    ['512 B', '4.0 KiB', '1.5 MiB', '2.5 GiB']
+    """
+    if isinstance(n, bool) or not isinstance(n, numbers.Real) or math.isnan(n):
+        raise ValueError(f"format_bytes(n={n!r}): n must be a number of bytes (an int or float), e.g. 4096.")
     sign = "-" if n < 0 else ""
-    value = abs(n)
+    value = abs(float(n))
     if value < 1024:
-        return f"{sign}{value:g} B"
+        return f"{sign}{value:.0f} B"
     for unit in _UNITS:
         value /= 1024
         if value < 1024 or unit == _UNITS[-1]:

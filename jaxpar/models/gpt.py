@@ -1,9 +1,10 @@
 """A GPT-style decoder (causal attention, pre-norm) annotated with logical axes.
 
-The blocks' parameters are stacked along a leading ``layers`` axis and run with
-``jax.lax.scan`` (compile time does not grow with depth) or a Python loop
-(``scan_layers=False``). :func:`block_apply` is the pure function of one block,
-reused by the pipeline executor.
+The blocks' parameters are stacked along a leading ``layers`` axis and run by
+:func:`jaxpar.blocks.run_layers` (a ``jax.lax.scan``, so compile time does not grow
+with depth, or a Python loop with ``scan_layers=False``), which is where the
+strategy takes over: explicit data parallelism per layer, or the pipeline cut.
+:func:`block_apply` is the pure function of one block.
 
 Logical names used: parameters ``vocab, embed, heads, kv, mlp, layers``;
 activations ``batch, length`` (inside attention / MLP) and ``norm_length``
@@ -26,11 +27,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..rules import block_transform, constrain, with_remat
+from ..blocks import run_layers
+from ..rules import constrain
 from ..tensor import row_parallel
 
 __all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "run_blocks", "BLOCK_LOGICAL", "REMAT_POLICIES", "lm_loss",
-           "cross_entropy", "embed_apply", "head_apply", "remat_block", "remat_policy", "EMBED_KEYS", "HEAD_KEYS"]
+           "cross_entropy", "embed_apply", "head_apply", "remat_policy"]
 
 REMAT_POLICIES = ("none", "full", "save-matmuls")
 
@@ -150,16 +152,10 @@ def remat_policy(name: str):
 
 
 def run_blocks(blocks: dict[str, jax.Array], x: jax.Array, *, remat: str = "none", scan: bool = True) -> jax.Array:
-    """Run stacked blocks (each array has a leading ``layers`` axis) over ``x``."""
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), blocks)
+    """Run stacked blocks (each array has a leading ``layers`` axis) over ``x`` with
+    :func:`jaxpar.blocks.run_layers`."""
     logical = {k: BLOCK_LOGICAL[k] for k in blocks}
-    body = block_transform(block_apply, logical, shapes, remat=remat_policy(remat))
-    if scan:
-        x, _ = jax.lax.scan(lambda h, p: (body(p, h), None), x, blocks)
-        return x
-    for i in range(jax.tree.leaves(blocks)[0].shape[0]):
-        x = body(jax.tree.map(lambda a: a[i], blocks), x)
-    return x
+    return run_layers(block_apply, blocks, x, logical=logical, remat=remat_policy(remat), scan=scan)
 
 
 class GPT(nnx.Module):
@@ -208,26 +204,16 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -picked.mean()
 
 
-#: Top-level parameter names of the parts around the blocks (used to cut the model for pipelines).
-EMBED_KEYS = ("wte", "wpe")
-HEAD_KEYS = ("lnf_scale", "lnf_bias", "head")
-
-
 def embed_apply(p: dict[str, jax.Array], tokens: jax.Array) -> jax.Array:
-    """Token + position embedding; ``p`` has the :data:`EMBED_KEYS`."""
+    """Token + position embedding; ``p`` has ``wte`` and ``wpe``."""
     wte = constrain(p["wte"], ("vocab", "embed"))    # the compute layout (ZeRO-3: gathered over the data axes)
     x = jnp.take(wte, tokens, axis=0) + p["wpe"][: tokens.shape[1]]
     return constrain(x, ("batch", "norm_length", "embed"))
 
 
 def head_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """Final norm and the untied head -> float32 logits; ``p`` has the :data:`HEAD_KEYS`."""
+    """Final norm and the untied head -> float32 logits; ``p`` has ``lnf_scale``, ``lnf_bias`` and ``head``."""
     x = _layer_norm(x, p["lnf_scale"], p["lnf_bias"])
     x = constrain(x, ("batch", "length", "embed"))
     logits = jnp.einsum("bte,ev->btv", x, p["head"])
     return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
-
-
-def remat_block(policy: str):
-    """:func:`block_apply` under a remat policy (``none`` / ``full`` / ``save-matmuls``)."""
-    return with_remat(block_apply, remat_policy(policy))

@@ -5,7 +5,7 @@ from .executor import pipeline_value_and_grad as pipeline_value_and_grad
 from .partition import (PartitionError as PartitionError, from_stages as from_stages, layer_costs as layer_costs,
                         partition_layers as partition_layers, to_stages as to_stages,
                         uniform_layers as uniform_layers)
-from .parts import PipelineParts as PipelineParts, gpt_parts as gpt_parts
+from .parts import PipelineParts as PipelineParts
 from .program import Program as Program, lower as lower, sends as sends
 from .schedules import (Action as Action, Schedule as Schedule, ScheduleError as ScheduleError,
                         bubble_fraction as bubble_fraction, get_schedule as get_schedule,
@@ -13,5 +13,5 @@ from .schedules import (Action as Action, Schedule as Schedule, ScheduleError as
 
 __all__ = ["Action", "Schedule", "ScheduleError", "bubble_fraction", "get_schedule", "peak_in_flight",
            "to_text", "validate", "Program", "lower", "sends", "pipeline_value_and_grad", "PipelineParts",
-           "gpt_parts", "PartitionError", "partition_layers", "uniform_layers", "layer_costs", "to_stages",
+           "PartitionError", "partition_layers", "uniform_layers", "layer_costs", "to_stages",
            "from_stages"]

@@ -8,48 +8,140 @@ bubbles):
 
 * **F**: the stage's layers on one micro-batch, one ``jax.vjp`` per layer; the
   residuals go to a slot of a fixed buffer (sized by the table's peak in-flight
-  count, not by ``m``). Virtual stage 0 embeds the micro-batch first; the last
-  virtual stage runs the head and the loss and keeps ``d loss / d y``.
+  count, not by ``m``). Virtual stage 0 runs ``pre`` on the micro-batch first;
+  the last virtual stage runs ``post`` (head and loss) and keeps ``d loss / d y``.
 * **B**: the stored per-layer vjps run in reverse on the received cotangent.
   With a fused backward it also accumulates the weight gradients; with a split
   backward (zero-bubble) it keeps each layer's output cotangent for **W**, which
-  later computes the weight gradients from them.
+  later computes the weight gradients from them. Virtual stage 0 backprops ``pre``.
 
-After the switch, ``ppermute`` sends activations forward and cotangents
-backward, only between the stages that send at that tick (wrap-around
-``p-1 -> 0`` for interleaved chunks): each distinct set of pairs is one
-``ppermute``, chosen by a ``lax.switch`` whose index is the same on every device. The other mesh axes stay automatic, so
-data / ZeRO / tensor parallelism work inside a stage. Gradients accumulate over
-micro-batches; the result equals the non-pipelined loss and gradients.
+The switch reads and writes one slot of each buffer (a :class:`SlotView` in, a
+:class:`TickIO` out): the buffers themselves (:class:`PipelineState`) never
+enter it, since a conditional would copy them. After the switch, ``ppermute``
+sends activations forward and cotangents backward, only between the stages that
+send at that tick (wrap-around ``p-1 -> 0`` for interleaved chunks): each
+distinct set of pairs is one ``ppermute``, chosen by a ``lax.switch`` whose
+index is the same on every device. The other mesh axes stay automatic, so data
+/ ZeRO / tensor parallelism work inside a stage. Gradients accumulate over
+micro-batches; ``pre`` and ``post`` add into one gradient of ``outer``, summed
+over ``pipe`` once at the end. The result equals the non-pipelined loss and gradients.
 
 Example::
 
     >>> fn = pipeline_value_and_grad(parts, mesh, rules, lower(one_f_one_b(4, 8)),
     ...                              stage_layers=(2, 2, 2, 2))          # doctest: +SKIP
-    >>> loss, (g_pre, g_blocks, g_post) = fn(pre, stage_blocks, post, microbatches)   # doctest: +SKIP
+    >>> loss, (g_outer, g_blocks) = fn(outer, stage_blocks, microbatches)   # doctest: +SKIP
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..rules import drop_axes, use_block_transform, use_rules
+from ..blocks import use_layer_runner
+from ..rules import drop_axes, use_rules
+from ..vjp_residuals import join_pullback, split_pullback
 from .parts import PipelineParts
-from .program import Program
+from .program import Instr, Program
 
-__all__ = ["pipeline_value_and_grad", "PIPE"]
+__all__ = ["pipeline_value_and_grad", "PIPE", "ActionKind", "Slots", "PipelineState", "SlotView", "TickIO"]
 
 PIPE = "pipe"
 
 
+class ActionKind(NamedTuple):
+    """What an instruction needs compiled: one switch branch per distinct kind.
+
+    >>> ActionKind.of(Instr("F", first=True, last=False))
+    ActionKind(op='F', first=True, last=False)
+    """
+
+    op: str              # 'idle' | 'F' | 'B' | 'W'
+    first: bool = False  # virtual stage 0: F runs ``pre``, B backprops it
+    last: bool = False   # last virtual stage: F runs ``post``
+
+    @classmethod
+    def of(cls, instr: Instr) -> "ActionKind":
+        return cls(instr.op, instr.first and instr.op in ("F", "B"), instr.last and instr.op == "F")
+
+
+class Slots(NamedTuple):
+    """One stage's instruction at one tick (int32; ``[ticks, p]`` in the table). See :class:`.Instr`."""
+
+    mb: Any      # micro-batch
+    chunk: Any   # which of the device's ``v`` chunks
+    res: Any     # residual slot
+    inbox: Any   # F: inbox_f slot read; B: inbox_b slot read
+    dy: Any      # F (last): inbox_b slot written with d loss / d y
+    grad: Any    # grads_y slot: B (split) writes, W reads
+
+
+class TickRow(NamedTuple):
+    """One row of the lowered table; the scan runs over a ``[ticks, ...]`` stack of them."""
+
+    kind: Any       # [p]: index of each stage's branch
+    slots: Slots    # each [p]
+    fwd_pat: Any    # index of the forward send pattern (0: none), the same on every device
+    bwd_pat: Any
+    fwd_recv: Any   # [p]: inbox_f slot the received activation goes to (n_fwd: discarded)
+    bwd_recv: Any   # [p]: inbox_b slot the received cotangent goes to (n_bwd: discarded)
+
+
+class _Table(NamedTuple):
+    kinds: list        # the distinct ActionKinds: branch i runs kinds[i]
+    fwd_pats: list     # the distinct sets of (source, target) pairs sending forward
+    bwd_pats: list
+    rows: TickRow
+
+
+class PipelineState(NamedTuple):
+    """What the tick loop carries: the slotted buffers of :mod:`.program` and the sums."""
+
+    res: list          # per stored residual: [n_res, Lmax, ...]
+    inbox_f: Any       # [n_fwd + 1, *x]; the extra slot takes what a non-receiver gets
+    inbox_b: Any       # [n_bwd + 1, *x]
+    grads_y: Any       # [n_grad, Lmax, *x]: split backward's per-layer cotangents
+    g_blocks: Any      # float32 [v, Lmax, ...]
+    g_outer: Any       # float32, like ``outer``
+    loss: Any          # float32: sum of the micro-batch losses
+
+
+class TickIO(NamedTuple):
+    """What an action hands back: the slots to write back, the sums and the sends."""
+
+    dy_out: Any
+    g_chunk: Any
+    g_outer: Any
+    gys: Any
+    loss: Any
+    res: list
+    send_b: Any        # cotangent for the previous virtual stage (zeros when none)
+    send_f: Any        # activation for the next virtual stage (zeros when none)
+
+
+class SlotView(NamedTuple):
+    """One slot of each buffer, read at a tick: the operand of the action switch."""
+
+    dy: Any            # inbox_b[inbox]
+    dy_out: Any        # inbox_b[dy]
+    g_chunk: Any       # g_blocks[chunk]
+    g_outer: Any
+    gys: Any           # grads_y[grad]
+    loss: Any
+    res: list          # res[res]
+    x: Any             # inbox_f[inbox]
+
+    def unchanged(self, no_send) -> TickIO:
+        return TickIO(self.dy_out, self.g_chunk, self.g_outer, self.gys, self.loss, self.res, no_send, no_send)
+
+
 class _LayerVJP:
-    """Static structure of one layer's ``jax.vjp``: the pytree of the pullback,
-    which residual leaves are the layer's own parameters (not stored: they are
-    passed back in) and the shapes of the stored ones."""
+    """Static structure of one layer's ``jax.vjp``: which residuals are stored (not the
+    layer's own parameters, passed back in; see :mod:`jaxpar.vjp_residuals`) and their shapes."""
 
     def __init__(self, layer: Callable, p_shapes: Any, x_shape: jax.ShapeDtypeStruct):
         # The barrier makes the input an internal value of the layer, so JAX keeps it among
@@ -59,33 +151,25 @@ class _LayerVJP:
         box: dict[str, Any] = {}
 
         def probe(p, x):
-            _, vjp = jax.vjp(self.layer, p, x)
-            leaves, box["tree"] = jax.tree.flatten(vjp)
-            ids = {id(q): i for i, q in enumerate(jax.tree.leaves(p))}
-            box["from_params"] = [ids.get(id(leaf)) for leaf in leaves]
-            return [leaf for leaf, i in zip(leaves, box["from_params"]) if i is None]
+            stored, box["layout"] = split_pullback(jax.vjp(self.layer, p, x)[1], p)
+            return stored
 
         self.stored = jax.eval_shape(probe, p_shapes, x_shape)
-        self.tree, self.from_params = box["tree"], box["from_params"]
-        self._kinds = [(r.shape, r.dtype) for r in self.stored]
+        self.layout = box["layout"]
 
     def forward(self, p, x):
         """``(y, stored residuals)`` of one layer."""
-        y, vjp = jax.vjp(self.layer, p, x)
-        leaves = jax.tree.leaves(vjp)
-        ids = {id(q): i for i, q in enumerate(jax.tree.leaves(p))}
-        stored = [leaf for leaf, i in zip(leaves, self.from_params) if i is None]
-        if [ids.get(id(leaf)) for leaf in leaves] != self.from_params or \
-                [(r.shape, r.dtype) for r in stored] != self._kinds:
+        y, pullback = jax.vjp(self.layer, p, x)
+        stored, layout = split_pullback(pullback, p)
+        if layout.from_params != self.layout.from_params or \
+                [(r.shape, r.dtype) for r in stored] != [(r.shape, r.dtype) for r in self.stored]:
             raise RuntimeError("pipeline executor: this layer's residuals differ between two traces of the "
                                "same layer, so stored residuals could be misread. Please report it with the "
                                "layer; remat='full' (residuals = inputs only) avoids it.")
         return y, stored
 
     def pullback(self, p, stored):
-        params, it = jax.tree.leaves(p), iter(stored)
-        leaves = [next(it) if i is None else params[i] for i in self.from_params]
-        return jax.tree.unflatten(self.tree, leaves)
+        return join_pullback(self.layout, stored, p)
 
 
 def _index(tree, i):
@@ -100,31 +184,177 @@ def _put(buf, i, value):
     return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
 
 
-def _rows(program: Program, kinds: list, fwd_pats: list, bwd_pats: list) -> dict:
-    """The lowered table as ``[ticks, stages]`` int arrays (scanned over ticks)."""
-    ticks = program.ticks
-    col = lambda f: jnp.asarray(np.array([[f(i) for i in t.instrs] for t in ticks], np.int32))   # noqa: E731
-    fields = {"mb": "microbatch", "chunk": "chunk", "res": "res", "inbox": "inbox", "dy": "dy", "grad": "grad"}
-    pat = lambda pats, pairs: pats.index(pairs) + 1 if pairs else 0   # noqa: E731
-    return {
-        "kind": col(lambda i: kinds.index(i.kind)),
-        "ins": {k: col(lambda i, a=a: getattr(i, a)) for k, a in fields.items()},
-        "fwd_pat": jnp.asarray([pat(fwd_pats, t.fwd_pairs) for t in ticks], jnp.int32),
-        "bwd_pat": jnp.asarray([pat(bwd_pats, t.bwd_pairs) for t in ticks], jnp.int32),
-        "fwd_recv": jnp.asarray([t.fwd_recv for t in ticks], jnp.int32),
-        "bwd_recv": jnp.asarray([t.bwd_recv for t in ticks], jnp.int32),
-    }
-
-
 def _accumulate(acc: Any, grads: Any) -> Any:
     """``acc + grads`` leaf by leaf, in ``acc``'s dtypes."""
     return jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, grads)
 
 
+def _table(program: Program) -> _Table:
+    """The lowered table as ``[ticks, ...]`` int32 arrays, and what its indices refer to."""
+    ticks = program.ticks
+    kinds = sorted({ActionKind.of(i) for t in ticks for i in t.instrs})
+    fwd_pats = sorted({t.fwd_pairs for t in ticks if t.fwd_pairs})
+    bwd_pats = sorted({t.bwd_pairs for t in ticks if t.bwd_pairs})
+    per_stage = lambda f: np.array([[f(i) for i in t.instrs] for t in ticks], np.int32)   # noqa: E731
+    per_tick = lambda f: np.array([f(t) for t in ticks], np.int32)                     # noqa: E731
+    pattern = lambda pats, pairs: pats.index(pairs) + 1 if pairs else 0                # noqa: E731
+    rows = TickRow(
+        kind=per_stage(lambda i: kinds.index(ActionKind.of(i))),
+        slots=Slots(*(per_stage(lambda i, a=a: getattr(i, a))
+                      for a in ("microbatch", "chunk", "res", "inbox", "dy", "grad"))),
+        fwd_pat=per_tick(lambda t: pattern(fwd_pats, t.fwd_pairs)),
+        bwd_pat=per_tick(lambda t: pattern(bwd_pats, t.bwd_pairs)),
+        fwd_recv=per_tick(lambda t: t.fwd_recv), bwd_recv=per_tick(lambda t: t.bwd_recv))
+    return _Table(kinds, fwd_pats, bwd_pats, rows)
+
+
+class _Stage:
+    """One device's share of the program, traced inside the ``shard_map``: its chunks'
+    layers (``blocks``: ``[v, Lmax, ...]``), ``outer``, the micro-batches, and the
+    actions F / B / W on one slot of each buffer."""
+
+    def __init__(self, parts: PipelineParts, program: Program, counts: np.ndarray, outer, blocks, mbs):
+        self.parts, self.outer, self.blocks, self.mbs = parts, outer, blocks, mbs
+        self.m, self.split = program.schedule.num_microbatches, program.split_backward
+        self.lmax = int(counts.max())
+        self.uneven = bool((counts != self.lmax).any())
+        self.index = jax.lax.axis_index(PIPE)
+        self.n_layers = _get(jnp.asarray(counts.T), self.index)       # [v]: real layers per chunk here
+        self.x = jax.eval_shape(parts.pre, outer, _index(mbs, 0))
+        self.lv = _LayerVJP(parts.layer, _index(_index(blocks, 0), 0), self.x)
+
+    def _cast(self, a):
+        return a.astype(self.x.dtype)
+
+    def _each_layer(self, one: Callable, skip: Callable, n) -> Callable:
+        """A scan step: ``one`` on a real layer, ``skip`` on padding (the item's last entry
+        is the layer index; the check is compiled only when some stage is short)."""
+        if not self.uneven:
+            return one
+        return lambda carry, item: jax.lax.cond(item[-1] < n, one, skip, carry, item)
+
+    def forward_layers(self, bp, x, n):
+        """``(y, per-layer stored residuals)`` of one chunk on one micro-batch."""
+        def one(h, item):
+            return self.lv.forward(item[0], h)
+
+        def skip(h, item):
+            return h, [jnp.zeros(r.shape, r.dtype) for r in self.lv.stored]
+
+        return jax.lax.scan(self._each_layer(one, skip, n), x, (bp, jnp.arange(self.lmax)))
+
+    def backward_layers(self, bp, res, dy, n):
+        """Reverse over the chunk's layers from ``dy``: ``(dx, per-layer weight gradients)``;
+        with a split backward ``(dx, per-layer output cotangents)``, kept for W."""
+        def one(g, item):
+            dp, dx = self.lv.pullback(item[0], item[1])(g)
+            return dx, (g if self.split else dp)
+
+        def skip(g, item):
+            return g, (jnp.zeros_like(g) if self.split else jax.tree.map(jnp.zeros_like, item[0]))
+
+        return jax.lax.scan(self._each_layer(one, skip, n), dy, (bp, res, jnp.arange(self.lmax)), reverse=True)
+
+    def weight_layers(self, bp, res, gys, n):
+        """Per-layer weight gradients of one chunk from the cotangents a split B kept."""
+        def one(_, item):
+            return None, self.lv.pullback(item[0], item[1])(item[2])[0]
+
+        def skip(_, item):
+            return None, jax.tree.map(jnp.zeros_like, item[0])
+
+        return jax.lax.scan(self._each_layer(one, skip, n), None, (bp, res, gys, jnp.arange(self.lmax)))[1]
+
+    def branch(self, kind: ActionKind) -> Callable[[SlotView, Slots], TickIO]:
+        """The switch branch of ``kind``: ``(view, slots) -> TickIO``."""
+        if kind.op == "idle":
+            return lambda view, sl: view.unchanged(jnp.zeros(self.x.shape, self.x.dtype))
+        action = {"F": self.forward, "B": self.backward, "W": self.weights}[kind.op]
+        return lambda view, sl: action(kind, view, sl)
+
+    def forward(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
+        """F: ``pre`` (first), the chunk's layers, then ``post`` (last: keeps d loss / d y
+        and adds its gradient of ``outer``) or a send to the next virtual stage."""
+        n, bp, mb = self.n_layers[sl.chunk], _index(self.blocks, sl.chunk), _index(self.mbs, sl.mb)
+        x = self.parts.pre(self.outer, mb) if kind.first else view.x
+        y, res = self.forward_layers(bp, x, n)
+        io = view.unchanged(jnp.zeros(self.x.shape, self.x.dtype))._replace(res=res)
+        if not kind.last:
+            return io._replace(send_f=self._cast(y))
+        loss, (g_outer, dy) = jax.value_and_grad(self.parts.post, argnums=(0, 1))(self.outer, y, mb)
+        return io._replace(loss=view.loss + loss.astype(jnp.float32), dy_out=self._cast(dy / self.m),
+                           g_outer=jax.tree.map(lambda a, d: a + d.astype(a.dtype) / self.m, view.g_outer, g_outer))
+
+    def backward(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
+        """B: the stored pullbacks in reverse on the received cotangent, then ``pre``'s
+        pullback into the gradient of ``outer`` (first) or a send to the previous virtual stage."""
+        bp, mb = _index(self.blocks, sl.chunk), _index(self.mbs, sl.mb)
+        dx, per_layer = self.backward_layers(bp, view.res, view.dy, self.n_layers[sl.chunk])
+        io = view.unchanged(jnp.zeros(self.x.shape, self.x.dtype))
+        io = io._replace(gys=per_layer) if self.split else io._replace(g_chunk=_accumulate(view.g_chunk, per_layer))
+        if not kind.first:
+            return io._replace(send_b=self._cast(dx))
+        _, pull = jax.vjp(lambda q: self.parts.pre(q, mb), self.outer)
+        return io._replace(g_outer=_accumulate(view.g_outer, pull(self._cast(dx))[0]))
+
+    def weights(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
+        """W (split backward): the chunk's weight gradients from the cotangents B kept."""
+        dps = self.weight_layers(_index(self.blocks, sl.chunk), view.res, view.gys, self.n_layers[sl.chunk])
+        io = view.unchanged(jnp.zeros(self.x.shape, self.x.dtype))
+        return io._replace(g_chunk=_accumulate(view.g_chunk, dps))
+
+
+def _initial_state(program: Program, stage: _Stage) -> PipelineState:
+    x, lmax = stage.x, stage.lmax
+    buf = lambda n, shape, dtype: jnp.zeros((max(n, 1), *shape), dtype)           # noqa: E731
+    f32 = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t)   # noqa: E731
+    return PipelineState(
+        res=[buf(program.n_res, (lmax, *r.shape), r.dtype) for r in stage.lv.stored],
+        inbox_f=buf(program.n_fwd + 1, x.shape, x.dtype), inbox_b=buf(program.n_bwd + 1, x.shape, x.dtype),
+        grads_y=buf(program.n_grad if program.split_backward else 0, (lmax, *x.shape), x.dtype),
+        g_blocks=f32(stage.blocks), g_outer=f32(stage.outer), loss=jnp.zeros((), jnp.float32))
+
+
+def _read(st: PipelineState, sl: Slots) -> SlotView:
+    return SlotView(x=_get(st.inbox_f, sl.inbox), dy=_get(st.inbox_b, sl.inbox), dy_out=_get(st.inbox_b, sl.dy),
+                    res=[_get(b, sl.res) for b in st.res], gys=_get(st.grads_y, sl.grad),
+                    g_chunk=_index(st.g_blocks, sl.chunk), g_outer=st.g_outer, loss=st.loss)
+
+
+def _write(st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
+    return st._replace(res=[_put(b, sl.res, r) for b, r in zip(st.res, io.res)],
+                       inbox_b=_put(st.inbox_b, sl.dy, io.dy_out), grads_y=_put(st.grads_y, sl.grad, io.gys),
+                       g_blocks=jax.tree.map(lambda a, g: _put(a, sl.chunk, g), st.g_blocks, io.g_chunk),
+                       g_outer=io.g_outer, loss=io.loss)
+
+
+def _send(pats: list, pat, x):
+    """``x`` along the tick's pairs (``pats[pat - 1]``; 0: nothing moves). ``pat`` is
+    the same on every device, so each ``ppermute`` runs on all of them or none."""
+    fns = [jnp.zeros_like] + [lambda y, q=q: jax.lax.ppermute(y, PIPE, q) for q in pats]
+    return jax.lax.switch(pat, fns, x) if len(fns) > 1 else fns[0](x)
+
+
+def _exchange(st: PipelineState, table: _Table, row: TickRow, s, io: TickIO) -> PipelineState:
+    """The tick's sends each way; what arrives goes to its inbox slot."""
+    inbox_f = _put(st.inbox_f, _get(row.fwd_recv, s), _send(table.fwd_pats, row.fwd_pat, io.send_f))
+    inbox_b = _put(st.inbox_b, _get(row.bwd_recv, s), _send(table.bwd_pats, row.bwd_pat, io.send_b))
+    return st._replace(inbox_f=inbox_f, inbox_b=inbox_b)
+
+
+def _tick(stage: _Stage, table: _Table, branches: list, st: PipelineState, row: TickRow):
+    """Read one slot of each buffer, run this stage's action on it, write it back, send."""
+    sl = Slots(*(_get(a, stage.index) for a in row.slots))
+    io = jax.lax.switch(_get(row.kind, stage.index), branches, _read(st, sl), sl)
+    return _exchange(_write(st, sl, io), table, row, stage.index, io), None
+
+
 def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program, *,
                             stage_layers: Sequence[int]) -> Callable:
-    """Build ``fn(pre, blocks, post, microbatches) -> (loss, (g_pre, g_blocks, g_post))``.
+    """Build ``fn(outer, blocks, microbatches) -> (loss, (g_outer, g_blocks))``.
 
+    - ``outer``: the parameters of ``parts.pre`` and ``parts.post`` (one tree;
+      replicated over ``pipe``).
     - ``blocks``: every block parameter as ``[v, p, Lmax, ...]`` (chunk, stage,
       layer), sharded ``P(None, 'pipe', ...)``; see :func:`jaxpar.pipeline.partition.to_stages`.
     - ``microbatches``: the batch pytree as ``[m, rows, ...]``.
@@ -132,168 +362,39 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
       layers beyond a stage's count are padding and are skipped at run time.
 
     The loss is the mean of the micro-batch losses; the gradients are those of
-    that mean (float32), ``g_blocks`` in the ``blocks`` layout.
+    that mean (float32), ``g_blocks`` in the ``blocks`` layout. ``g_outer`` adds
+    ``pre``'s and ``post``'s gradients (tied weights get both).
     """
     sched = program.schedule
-    p, m, v = sched.num_stages, sched.num_microbatches, sched.num_chunks
+    p, v = sched.num_stages, sched.num_chunks
     if dict(mesh.shape).get(PIPE, 1) != p:
         raise ValueError(f"the schedule {sched.name!r} has {p} stages but the mesh's {PIPE!r} axis has size "
                          f"{dict(mesh.shape).get(PIPE, 1)}; build the schedule with num_stages equal to the "
                          f"pipe axis (mesh axes: {dict(mesh.shape)}).")
     counts = np.asarray(stage_layers, np.int32).reshape(v, p)      # [chunk, stage]
-    lmax = int(counts.max())
-    uneven = bool((counts != lmax).any())
-    inner_rules = drop_axes(rules, (PIPE,))
-    split = program.split_backward
+    table = _table(program)
 
-    def body(pre, blocks, post, mbs):
-        s = jax.lax.axis_index(PIPE)
-        blocks = jax.tree.map(lambda a: a[:, 0], blocks)                        # [v, Lmax, ...]
-        mb0 = _index(mbs, 0)
-        x_shape = jax.eval_shape(parts.pre, pre, mb0)
-        lv = _LayerVJP(parts.layer, _index(_index(blocks, 0), 0), x_shape)
-        n_layers = _get(jnp.asarray(counts.T), s)                                  # [v] on this stage
-
-        def stage_forward(bp, x, n):
-            def one(h, pl):
-                return lv.forward(pl[0], h)
-
-            def skip(h, pl):
-                return h, [jnp.zeros(r.shape, r.dtype) for r in lv.stored]
-
-            def step(h, pl):
-                return jax.lax.cond(pl[1] < n, one, skip, h, pl) if uneven else one(h, pl)
-
-            return jax.lax.scan(step, x, (bp, jnp.arange(lmax)))
-
-        def stage_backward(bp, res, dy, n, want):
-            """Reverse over the layers. want='both': (dx, dparams); 'input': (dx, per-layer dys)."""
-            def one(g, item):
-                pl, r, _ = item
-                dp, dx = lv.pullback(pl, r)(g)
-                return dx, (dp if want == "both" else g)
-
-            def skip(g, item):
-                zero = jax.tree.map(jnp.zeros_like, item[0]) if want == "both" else jnp.zeros_like(g)
-                return g, zero
-
-            def step(g, item):
-                return jax.lax.cond(item[2] < n, one, skip, g, item) if uneven else one(g, item)
-
-            return jax.lax.scan(step, dy, (bp, res, jnp.arange(lmax)), reverse=True)
-
-        def weight_grads(bp, res, gys, n):
-            def one(item):
-                pl, r, g, _ = item
-                return lv.pullback(pl, r)(g)[0]
-
-            def step(_, item):
-                if uneven:
-                    return None, jax.lax.cond(item[3] < n, one, lambda it: jax.tree.map(jnp.zeros_like, it[0]), item)
-                return None, one(item)
-
-            return jax.lax.scan(step, None, (bp, res, gys, jnp.arange(lmax)))[1]
-
-        def branch(kind):
-            """One action on one slot of each buffer: ``o`` holds what was read at this
-            tick's slots; the result says what to write back (unchanged for other actions)."""
-            def run(o):
-                op, ins, o = kind[0], o["ins"], dict(o)
-                c = ins["chunk"]
-                n = n_layers[c]
-                bp = _index(blocks, c) if op != "idle" else None
-                mb = _index(mbs, ins["mb"])
-                o["send_f"] = o["send_b"] = jnp.zeros(x_shape.shape, x_shape.dtype)
-                if op == "F":
-                    first, last = kind[1], kind[2]
-                    x = parts.pre(pre, mb) if first else o["x"]
-                    y, o["res"] = stage_forward(bp, x, n)
-                    if last:
-                        loss, (g_post, dy) = jax.value_and_grad(parts.post, argnums=(0, 1))(post, y, mb)
-                        o["loss"] = o["loss"] + loss.astype(jnp.float32)
-                        o["g_post"] = jax.tree.map(lambda a, d: a + d.astype(a.dtype) / m, o["g_post"], g_post)
-                        o["dy_out"] = (dy / m).astype(x_shape.dtype)
-                    else:
-                        o["send_f"] = y.astype(x_shape.dtype)
-                elif op == "B":
-                    if split:
-                        dx, o["gys"] = stage_backward(bp, o["res"], o["dy"], n, "input")
-                    else:
-                        dx, dps = stage_backward(bp, o["res"], o["dy"], n, "both")
-                        o["g_chunk"] = _accumulate(o["g_chunk"], dps)
-                    if kind[1]:   # first virtual stage: backprop the embedding
-                        _, pull = jax.vjp(lambda q: parts.pre(q, mb), pre)
-                        g_pre = pull(dx.astype(x_shape.dtype))[0]
-                        o["g_pre"] = _accumulate(o["g_pre"], g_pre)
-                    else:
-                        o["send_b"] = dx.astype(x_shape.dtype)
-                elif op == "W":
-                    dps = weight_grads(bp, o["res"], o["gys"], n)
-                    o["g_chunk"] = _accumulate(o["g_chunk"], dps)
-                del o["ins"], o["x"], o["dy"]
-                return o
-            return run
-
-        f32 = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t)   # noqa: E731
-        buf = lambda n, shape, dtype: jnp.zeros((max(n, 1), *shape), dtype)            # noqa: E731
-        st = {   # inboxes get one more slot: where stages that receive nothing write the ppermute's zeros
-            "res": [buf(program.n_res, (lmax, *r.shape), r.dtype) for r in lv.stored],
-            "inbox_f": buf(program.n_fwd + 1, x_shape.shape, x_shape.dtype),
-            "inbox_b": buf(program.n_bwd + 1, x_shape.shape, x_shape.dtype),
-            "grads_y": buf(program.n_grad if split else 0, (lmax, *x_shape.shape), x_shape.dtype),
-            "g_blocks": f32(blocks), "g_pre": f32(pre), "g_post": f32(post),
-            "loss": jnp.zeros((), jnp.float32),
-        }
-        kinds = sorted({ins.kind for tick in program.ticks for ins in tick.instrs}, key=repr)
-        branches = [branch(k) for k in kinds]
-        fwd_pats = sorted({t.fwd_pairs for t in program.ticks if t.fwd_pairs})
-        bwd_pats = sorted({t.bwd_pairs for t in program.ticks if t.bwd_pairs})
-
-        def exchange(pats, pat, x):
-            """Send ``x`` along the tick's pairs; the pattern is the same on every device."""
-            fns = [jnp.zeros_like] + [lambda y, q=q: jax.lax.ppermute(y, PIPE, q) for q in pats]
-            return jax.lax.switch(pat, fns, x) if len(fns) > 1 else fns[0](x)
-
-        def tick(st, row):
-            ins = {k: _get(a, s) for k, a in row["ins"].items()}
-            st = dict(st)
-            # Read one slot of each buffer, run the action on it, write the slot back:
-            # the big buffers never enter the switch (a conditional would copy them).
-            o = {"ins": ins, "x": _get(st["inbox_f"], ins["inbox"]), "dy": _get(st["inbox_b"], ins["inbox"]),
-                 "dy_out": _get(st["inbox_b"], ins["dy"]), "res": [_get(b, ins["res"]) for b in st["res"]],
-                 "gys": _get(st["grads_y"], ins["grad"]), "g_chunk": _index(st["g_blocks"], ins["chunk"]),
-                 "g_pre": st["g_pre"], "g_post": st["g_post"], "loss": st["loss"]}
-            o = jax.lax.switch(_get(row["kind"], s), branches, o)
-            st["res"] = [_put(b, ins["res"], r) for b, r in zip(st["res"], o["res"])]
-            st["inbox_b"] = _put(st["inbox_b"], ins["dy"], o["dy_out"])
-            st["grads_y"] = _put(st["grads_y"], ins["grad"], o["gys"])
-            st["g_blocks"] = jax.tree.map(lambda a, g: _put(a, ins["chunk"], g), st["g_blocks"], o["g_chunk"])
-            st.update(g_pre=o["g_pre"], g_post=o["g_post"], loss=o["loss"])
-            send_f, send_b = o["send_f"], o["send_b"]
-            got = exchange(fwd_pats, row["fwd_pat"], send_f)
-            st["inbox_f"] = _put(st["inbox_f"], _get(row["fwd_recv"], s), got)
-            got = exchange(bwd_pats, row["bwd_pat"], send_b)
-            st["inbox_b"] = _put(st["inbox_b"], _get(row["bwd_recv"], s), got)
-            return st, None
-
-        rows = _rows(program, kinds, fwd_pats, bwd_pats)
-        st, _ = jax.lax.scan(tick, st, rows)
-        psum = lambda t: jax.tree.map(lambda a: jax.lax.psum(a, PIPE), t)   # noqa: E731
-        g_blocks = jax.tree.map(lambda a: a[:, None], st["g_blocks"])
-        return jax.lax.psum(st["loss"], PIPE) / m, (psum(st["g_pre"]), g_blocks, psum(st["g_post"]))
+    def body(outer, blocks, mbs):
+        stage = _Stage(parts, program, counts, outer, jax.tree.map(lambda a: a[:, 0], blocks), mbs)
+        branches = [stage.branch(k) for k in table.kinds]
+        st, _ = jax.lax.scan(functools.partial(_tick, stage, table, branches),
+                             _initial_state(program, stage), table.rows)
+        g_blocks = jax.tree.map(lambda a: a[:, None], st.g_blocks)
+        return jax.lax.psum(st.loss, PIPE) / stage.m, (jax.lax.psum(st.g_outer, PIPE), g_blocks)
 
     stage_spec = lambda t: jax.tree.map(lambda _: P(None, PIPE), t)   # noqa: E731
     rep = lambda t: jax.tree.map(lambda _: P(), t)                    # noqa: E731
+    inner_rules = drop_axes(rules, (PIPE,))
 
-    def fn(pre, blocks, post, mbs):
-        if jax.tree.leaves(blocks)[0].shape[:2] != (v, p):
+    def fn(outer, blocks, mbs):
+        lead = jax.tree.leaves(blocks)[0].shape[:2]
+        if lead != (v, p):
             raise ValueError(f"pipeline blocks must be laid out [chunks={v}, stages={p}, layers, ...]; got "
-                             f"leading dims {jax.tree.leaves(blocks)[0].shape[:2]}.")
+                             f"leading dims {lead}. Lay them out with jaxpar.pipeline.to_stages.")
         smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE}, check_vma=False,
-                             in_specs=(rep(pre), stage_spec(blocks), rep(post), rep(mbs)),
-                             out_specs=(P(), (rep(pre), stage_spec(blocks), rep(post))))
-        with use_rules(mesh, inner_rules), use_block_transform(None):
-            return smap(pre, blocks, post, mbs)
+                             in_specs=(rep(outer), stage_spec(blocks), rep(mbs)),
+                             out_specs=(P(), (rep(outer), stage_spec(blocks))))
+        with use_rules(mesh, inner_rules), use_layer_runner(None):
+            return smap(outer, blocks, mbs)
 
     return fn
-

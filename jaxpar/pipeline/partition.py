@@ -102,21 +102,22 @@ def compiled_flops(fn: Callable, *args: Any) -> float:
     return float((analysis or {}).get("flops", 0.0))
 
 
-def layer_costs(parts: Any, pre: Any, layer: Any, post: Any, batch: Any) -> tuple[float, float, float]:
-    """``(layer, first_extra, last_extra)``: forward + backward FLOPs of one layer, of the
-    embedding and of the head + loss, for one micro-batch (all arguments abstract shapes;
-    ``parts`` is a :class:`jaxpar.pipeline.parts.PipelineParts`).
+def layer_costs(parts: Any, outer: Any, layer: Any, batch: Any) -> tuple[float, float, float]:
+    """``(layer, first_extra, last_extra)``: forward + backward FLOPs of one layer, of what runs
+    before the layers (``parts.pre``, e.g. the embedding) and after them (``parts.post``: head +
+    loss), for one micro-batch (all arguments abstract shapes; ``parts`` is a
+    :class:`jaxpar.pipeline.parts.PipelineParts`, ``outer`` the parameters of pre and post).
 
     Feed them to :func:`partition_layers` as ``([layer] * L, stages, first_extra=, last_extra=)``.
     """
-    x = jax.eval_shape(parts.pre, pre, batch)
+    x = jax.eval_shape(parts.pre, outer, batch)
 
     def grad_of(fn, argnums):
         return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums)
 
     layer_f = compiled_flops(grad_of(parts.layer, (0, 1)), layer, x)
-    pre_f = compiled_flops(grad_of(parts.pre, 0), pre, batch)
-    post_f = compiled_flops(grad_of(parts.post, (0, 1)), post, x, batch)
+    pre_f = compiled_flops(grad_of(parts.pre, 0), outer, batch)
+    post_f = compiled_flops(grad_of(parts.post, (0, 1)), outer, x, batch)
     return layer_f, pre_f, post_f
 
 

@@ -1,60 +1,45 @@
-"""A model cut for a pipeline: embedding (first stage), one repeated layer, head + loss (last stage).
+"""A model cut for a pipeline: the parts around the blocks, and one repeated block.
+
+``pre`` (first virtual stage) and ``post`` (last virtual stage) share one
+parameter tree, ``outer``: every parameter that is not a block's. A model with
+tied embeddings uses the same leaf in both; the executor adds the two gradients.
 
 Example:
-    >>> parts = gpt_parts(remat="none")
-    >>> parts.pre_keys, parts.blocks_key, parts.post_keys
-    (('wte', 'wpe'), 'blocks', ('lnf_scale', 'lnf_bias', 'head'))
+    >>> import jax.numpy as jnp
+    >>> parts = PipelineParts(
+    ...     pre=lambda outer, mb: outer["embed"][mb["tokens"]],
+    ...     layer=lambda p, x: x + jnp.tanh(x @ p["w"]),
+    ...     post=lambda outer, y, mb: jnp.mean((y @ outer["embed"].T - mb["targets"]) ** 2))
+    >>> outer, layer = {"embed": jnp.ones((5, 3))}, {"w": jnp.zeros((3, 3))}
+    >>> mb = {"tokens": jnp.array([0, 4]), "targets": jnp.zeros((2, 5))}
+    >>> float(parts.post(outer, parts.layer(layer, parts.pre(outer, mb)), mb))
+    9.0
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
-from ..models import gpt
-
-__all__ = ["PipelineParts", "gpt_parts"]
+__all__ = ["PipelineParts"]
 
 
 @dataclass(frozen=True)
 class PipelineParts:
     """How the executor runs a model.
 
-    - ``pre(pre_params, batch) -> x``: runs on the first stage (embedding).
-    - ``layer(layer_params, x) -> x``: one block; its parameters are stacked on
-      a leading ``layers`` axis under ``params[blocks_key]``.
-    - ``post(post_params, x, batch) -> loss``: head and loss, averaged over the
-      micro-batch's rows; runs on the last stage.
-    - ``pre_keys`` / ``post_keys``: the top-level parameter names of each part.
+    - ``pre(outer, microbatch) -> x``: before the blocks (e.g. the embedding).
+    - ``layer(layer_params, x) -> y``: one block; ``y`` has ``x``'s shape and dtype.
+    - ``post(outer, y, microbatch) -> loss``: after the blocks (e.g. head and loss),
+      a scalar averaged over the micro-batch's rows.
     """
 
     pre: Callable
     layer: Callable
     post: Callable
-    pre_keys: tuple[str, ...]
-    post_keys: tuple[str, ...]
-    blocks_key: str = "blocks"
 
-    def split(self, params: dict) -> tuple[dict, Any, dict]:
-        """``params -> (pre, blocks, post)``; every top-level key must belong to one part."""
-        known = set(self.pre_keys) | set(self.post_keys) | {self.blocks_key}
-        extra = sorted(set(params) - known)
-        missing = sorted(known - set(params))
-        if extra or missing:
-            raise ValueError(f"PipelineParts: parameters {extra} belong to no part and {missing} are missing; "
-                             f"the parts are pre={self.pre_keys}, blocks={self.blocks_key!r}, "
-                             f"post={self.post_keys}. List every top-level parameter in one of them.")
-        return ({k: params[k] for k in self.pre_keys}, params[self.blocks_key],
-                {k: params[k] for k in self.post_keys})
-
-    def merge(self, pre: dict, blocks: Any, post: dict) -> dict:
-        """Inverse of :meth:`split`."""
-        return {**pre, self.blocks_key: blocks, **post}
-
-
-def gpt_parts(remat: str = "none") -> PipelineParts:
-    """The GPT decoder (:mod:`jaxpar.models.gpt`) with its next-token loss."""
-    return PipelineParts(
-        pre=lambda p, batch: gpt.embed_apply(p, batch["tokens"]),
-        layer=gpt.remat_block(remat),
-        post=lambda p, x, batch: gpt.cross_entropy(gpt.head_apply(p, x), batch["targets"]),
-        pre_keys=gpt.EMBED_KEYS, post_keys=gpt.HEAD_KEYS)
+    def __post_init__(self):
+        for name in ("pre", "layer", "post"):
+            value = getattr(self, name)
+            if not callable(value):
+                raise TypeError(f"PipelineParts({name}={value!r}): {name} must be a function; see the "
+                                "class docstring for each part's signature.")

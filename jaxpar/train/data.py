@@ -229,7 +229,7 @@ def synthetic_batch(step: int, *, batch_size: int, seq_len: int, vocab: int, see
 def process_rows(sharding, batch_size: int) -> np.ndarray:
     """Sorted global row indices of a ``[batch_size, ...]`` batch held by this process's devices.
 
-    ``sharding`` is the batch's sharding (e.g. :func:`jaxpar.train.step.batch_sharding`);
+    ``sharding`` is the batch's sharding (e.g. :func:`jaxpar.batch.batch_sharding`);
     only its split of the leading dimension matters. With one process: all rows.
     This is the order :func:`jax.make_array_from_process_local_data` expects.
 
@@ -291,7 +291,7 @@ def make_global_batch(batch_fn: Callable, step: int, mesh) -> Any:
     """
     import jax
 
-    from .step import batch_sharding
+    from ..batch import batch_sharding
 
     sharding = batch_sharding(mesh)
     if _takes_rows(batch_fn):

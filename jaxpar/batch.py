@@ -1,0 +1,67 @@
+"""Global batches on the mesh: the batch dimension split over the data axes, checks with
+clear errors, and the split into micro-batches (gradient accumulation, pipelines).
+
+Example::
+
+    >>> import jax, numpy as np
+    >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    >>> shard_batch({"x": np.zeros((4, 3))}, mesh)["x"].sharding.spec
+    PartitionSpec('data',)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .mesh import data_axes
+from .rules import path_str
+
+__all__ = ["batch_sharding", "check_batch", "shard_batch", "split_microbatches"]
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """Leading (batch) dimension split over the data axes, the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(data_axes(mesh) or None))
+
+
+def check_batch(batch: Any, mesh, microbatches: int = 1) -> int:
+    """Check every leaf's leading dim is divisible by data axes x micro-batches; return it."""
+    n = math.prod(mesh.shape[a] for a in data_axes(mesh))
+    sizes = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if not getattr(leaf, "shape", ()):
+            raise ValueError(f"batch leaf {path_str(path)!r} is a scalar; every batch leaf needs a leading "
+                             "batch dimension.")
+        b = leaf.shape[0]
+        sizes.add(b)
+        if b % (n * microbatches):
+            axes = ", ".join(f"{a}={mesh.shape[a]}" for a in data_axes(mesh))
+            raise ValueError(
+                f"batch leaf {path_str(path)!r}: global batch size {b} is not divisible by the data axes "
+                f"({axes}; product {n}) x microbatches ({microbatches}) = {n * microbatches}. Use a global "
+                f"batch that is a multiple of {n * microbatches}.")
+    if len(sizes) > 1:
+        raise ValueError(f"batch leaves have different leading sizes {sorted(sizes)}; they must agree.")
+    return sizes.pop()
+
+
+def shard_batch(batch: Any, mesh) -> Any:
+    """Place a host batch (numpy / jax arrays) on the mesh, split over the data axes."""
+    check_batch(batch, mesh)
+    return jax.device_put(batch, batch_sharding(mesh))
+
+
+def split_microbatches(batch: Any, k: int, mesh) -> Any:
+    """``[B, ...] -> [k, B/k, ...]``; micro-batch i takes rows i, i+k, ... so every
+    device's local rows feed every micro-batch (no resharding). Call it under ``jit``."""
+    spec = PartitionSpec(None, data_axes(mesh) or None)
+
+    def split(x):
+        x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(split, batch)

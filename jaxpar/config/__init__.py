@@ -1,0 +1,49 @@
+"""Job configuration: typed frozen dataclasses, YAML with ``base:`` inheritance, dotted overrides,
+and the builders that turn a config into the library's own objects (``GPTConfig``, ``Strategy``,
+``MeshSpec``, a pipeline schedule, a user's model, loss and data function by import path).
+
+This package and :mod:`jaxpar.cli` are the only places that read a config; everything
+below them takes a ``Mesh``, rules and plain values. The library checks its own objects;
+:func:`check` builds them and relabels their errors with the YAML key (``GPTConfig.heads``
+-> ``model.heads``, ``Strategy.virtual_stages`` -> ``parallel.virtual_stages``). Only checks
+that span sections (batch size vs. mesh axes, model sizes vs. ``mesh.tensor``) live here.
+
+Modules, in import order (each imports only those above it):
+
+* :mod:`~jaxpar.config.schema`: the dataclasses of the sections, :class:`ConfigError`, allowed names.
+* :mod:`~jaxpar.config.imports`: ``'pkg.mod:attr'`` / ``'file.py:attr'`` -> the object.
+* :mod:`~jaxpar.config.build`: sections -> mesh, strategy, optimizer, model factory, loss; the
+  model and optimizer registries; library errors relabelled with YAML keys.
+* :mod:`~jaxpar.config.data`: the data section -> batch function and eval batches.
+* :mod:`~jaxpar.config.checks`: :func:`check`, every impossible setting at once.
+* :mod:`~jaxpar.config.load`: YAML, ``base:``, overrides, merging -> a checked :class:`JobConfig`.
+
+Example::
+
+    >>> cfg = load_config("configs/quickstart.yaml", ["mesh.tensor=1", "mesh.data=4"])   # doctest: +SKIP
+    >>> cfg.mesh                                                                         # doctest: +SKIP
+    MeshConfig(data=4, fsdp=2, tensor=1, pipe=1)
+    >>> load_config("configs/quickstart.yaml", ["model.embedd=64"])                      # doctest: +SKIP
+    ConfigError: overrides: unknown key 'model.embedd'; allowed keys under 'model': name, target, ...
+"""
+
+from __future__ import annotations
+
+from .build import (MODELS, OPTIMIZERS, ModelEntry, build_gpt_config, build_loss_fn, build_lr_schedule, build_mesh,
+                    build_model_fn, build_optimizer, build_strategy)
+from .checks import check
+from .data import build_data, describe_batch
+from .imports import resolve_import
+from .load import load_config, merge_layers, parse_overrides, to_yaml
+from .schema import (DATA_KINDS, GPT_KEYS, LR_SCHEDULES, NONFINITE_MODES, USER_MODEL_KEYS, CheckpointConfig,
+                     ConfigError, DataConfig, JobConfig, LoggingConfig, MeshConfig, ModelConfig, OptimizerConfig,
+                     ParallelConfig, TrainConfig)
+
+__all__ = [
+    "ConfigError", "ModelConfig", "MeshConfig", "ParallelConfig", "OptimizerConfig", "DataConfig",
+    "TrainConfig", "CheckpointConfig", "LoggingConfig", "JobConfig", "ModelEntry", "MODELS", "OPTIMIZERS",
+    "LR_SCHEDULES", "DATA_KINDS", "NONFINITE_MODES", "GPT_KEYS", "USER_MODEL_KEYS",
+    "load_config", "merge_layers", "parse_overrides", "to_yaml", "check", "resolve_import",
+    "build_mesh", "build_strategy", "build_optimizer", "build_lr_schedule", "build_gpt_config", "build_model_fn",
+    "build_loss_fn", "build_data", "describe_batch",
+]

@@ -1,0 +1,180 @@
+"""Builders: config sections -> the library's own objects (``GPTConfig``, ``Strategy``, a ``Mesh``,
+an optax optimizer and learning-rate schedule, a model factory and its loss), and the registries
+of built-in models and optimizers.
+
+The library checks its own objects; their errors are relabelled here with the YAML keys
+(``GPTConfig.heads`` -> ``model.heads``, ``Strategy.virtual_stages`` -> ``parallel.virtual_stages``).
+The data section is built by :mod:`jaxpar.config.data`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import optax
+from flax import nnx
+
+from ..mesh import MeshError, MeshSpec, make_mesh
+from ..strategy import Strategy
+from .imports import resolve_import
+from .schema import GPT_KEYS, ConfigError, MeshConfig, ModelConfig, OptimizerConfig, ParallelConfig
+
+__all__ = [
+    "ModelEntry", "MODELS", "OPTIMIZERS", "build_gpt_config", "build_mesh", "build_strategy", "build_lr_schedule",
+    "build_optimizer", "build_model_fn", "build_loss_fn", "relabel", "mesh_spec", "mesh_error",
+]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """``build(model_cfg, seed) -> model_fn`` and ``loss() -> loss(model, batch)`` (imported lazily)."""
+
+    build: Callable[[ModelConfig, int], Callable[[], nnx.Module]]
+    loss: Callable[[], Callable]
+
+
+def build_gpt_config(cfg: ModelConfig):
+    """The :class:`jaxpar.models.gpt.GPTConfig` of the model section; its errors name ``model.*`` keys."""
+    from ..models.gpt import GPTConfig   # the GPT is one example model: imported only when used
+
+    try:
+        return GPTConfig(vocab=cfg.vocab, seq_len=cfg.seq_len, embed=cfg.embed, heads=cfg.heads, layers=cfg.layers,
+                         mlp=cfg.mlp, remat=cfg.remat, scan_layers=cfg.scan_layers, init_std=cfg.init_std)
+    except ValueError as e:
+        raise ConfigError(relabel(e, "GPTConfig", "model", GPT_KEYS)) from None
+
+
+def _build_gpt(cfg: ModelConfig, seed: int) -> Callable[[], nnx.Module]:
+    from ..models.gpt import GPT
+
+    gpt_cfg = build_gpt_config(cfg)
+    return lambda: GPT(gpt_cfg, rngs=nnx.Rngs(seed))
+
+
+def _gpt_loss() -> Callable:
+    from ..models.gpt import lm_loss
+
+    return lm_loss
+
+
+def _adamw(c: OptimizerConfig, lr):
+    return optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay)
+
+
+def _adam(c: OptimizerConfig, lr):
+    return optax.adam(lr, b1=c.b1, b2=c.b2, eps=c.eps)
+
+
+def _sgd(c: OptimizerConfig, lr):
+    return optax.sgd(lr, momentum=c.momentum or None)
+
+
+MODELS: dict[str, ModelEntry] = {"gpt": ModelEntry(_build_gpt, _gpt_loss)}
+OPTIMIZERS: dict[str, Callable] = {"adamw": _adamw, "adam": _adam, "sgd": _sgd}
+
+
+def relabel(err: Exception, owner: str, section: str, fields: Sequence[str], fallback: str | None = None) -> str:
+    """The library's message with ``Owner.field`` and bare ``field=`` turned into ``section.field``;
+    prefixed with ``fallback`` (default ``section``) when it names no key of the section."""
+    msg = re.sub(rf"^{re.escape(owner)}:\s*", "", str(err))
+    for f in sorted(fields, key=len, reverse=True):
+        msg = re.sub(rf"(?<![\w.]){re.escape(owner)}\.{f}\b", f"{section}.{f}", msg)
+        msg = re.sub(rf"(?<![\w.]){f}(?==)", f"{section}.{f}", msg)
+    return msg if f"{section}." in msg else f"{fallback or section}: {msg}"
+
+
+_MESH_AXES = ("data", "fsdp", "tensor", "pipe")
+_PARALLEL_KEYS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
+
+
+def mesh_spec(cfg: MeshConfig) -> MeshSpec:
+    return MeshSpec(data=cfg.data, fsdp=cfg.fsdp, tensor=cfg.tensor, pipe=cfg.pipe)
+
+
+def mesh_error(e: MeshError, cfg: MeshConfig) -> str:
+    given = ", ".join(f"mesh.{a}={getattr(cfg, a)}" for a in _MESH_AXES)
+    return relabel(e, "MeshSpec", "mesh", _MESH_AXES, f"mesh ({given})")
+
+
+def build_mesh(cfg: MeshConfig, devices: Sequence[Any] | None = None):
+    """``jax.sharding.Mesh`` from the mesh section (``devices``: default all)."""
+    try:
+        return make_mesh(mesh_spec(cfg), devices)
+    except MeshError as e:
+        raise ConfigError(mesh_error(e, cfg)) from None
+
+
+def build_strategy(cfg: ParallelConfig) -> Strategy:
+    """The :class:`jaxpar.Strategy` of the parallel section; its errors name ``parallel.*`` keys."""
+    try:
+        return Strategy(zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, microbatches=cfg.microbatches,
+                        compute_dtype=cfg.compute_dtype, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
+                        stage_layers=cfg.stage_layers)
+    except ValueError as e:
+        fallback = f"parallel.schedule={cfg.schedule!r}" if "schedule" in str(e) else "parallel"
+        raise ConfigError(relabel(e, "Strategy", "parallel", _PARALLEL_KEYS, fallback)) from None
+
+
+def build_lr_schedule(cfg: OptimizerConfig, total_steps: int) -> Callable:
+    """Linear warm-up from 0 over ``warmup_steps``, then constant / cosine / linear decay to ``min_lr_ratio * lr``."""
+    warm = min(cfg.warmup_steps, total_steps)
+    rest = max(1, total_steps - warm)
+    end = cfg.lr * cfg.min_lr_ratio
+    after = {"constant": lambda: optax.constant_schedule(cfg.lr),
+             "cosine": lambda: optax.cosine_decay_schedule(cfg.lr, rest, alpha=cfg.min_lr_ratio),
+             "linear": lambda: optax.linear_schedule(cfg.lr, end, rest)}[cfg.lr_schedule]()
+    if warm == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warm), after], [warm])
+
+
+def build_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+    """``(tx, lr_schedule)``. Clipping is done by the train step (``clip_norm``), not by ``tx``."""
+    if cfg.name not in OPTIMIZERS:
+        raise ConfigError(f"optimizer.name={cfg.name!r}: unknown optimizer; allowed: {', '.join(OPTIMIZERS)}.")
+    schedule = build_lr_schedule(cfg, total_steps)
+    tx = OPTIMIZERS[cfg.name](cfg, schedule)
+    if cfg.name != "adamw" and cfg.weight_decay:
+        tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay), tx)
+    return tx, schedule
+
+
+def _build_user_model(cfg: ModelConfig, seed: int) -> Callable[[], nnx.Module]:
+    target, kwargs = resolve_import(cfg.target, "model.target"), dict(cfg.kwargs)
+
+    def model_fn() -> nnx.Module:
+        try:
+            model = target(**kwargs, rngs=nnx.Rngs(seed))
+        except Exception as e:
+            e.add_note(f"jaxpar: while building model.target={cfg.target!r} with model.kwargs={kwargs}")
+            raise
+        if not isinstance(model, nnx.Module):
+            raise ConfigError(f"model.target={cfg.target!r} returned a {type(model).__name__}, not an nnx.Module; "
+                              "name a flax.nnx.Module class or a function that returns one.")
+        return model
+
+    return model_fn
+
+
+def build_model_fn(cfg: ModelConfig, seed: int = 0) -> Callable[[], nnx.Module]:
+    """A zero-argument model factory for :func:`jaxpar.init_train_state`: the GPT, or ``model.target``
+    called as ``target(**model.kwargs, rngs=nnx.Rngs(seed))``."""
+    if cfg.target is not None:
+        return _build_user_model(cfg, seed)
+    if cfg.name not in MODELS:
+        raise ConfigError(f"model.name={cfg.name!r}: unknown model; allowed: {', '.join(MODELS)}.")
+    return MODELS[cfg.name].build(cfg, seed)
+
+
+def build_loss_fn(cfg: ModelConfig) -> Callable:
+    """``loss(model, batch) -> scalar``: ``model.loss`` for a user model, else the registry's."""
+    if cfg.target is not None:
+        if cfg.loss is None:
+            raise ConfigError(f"model.loss: missing; with model.target={cfg.target!r} name the loss function.")
+        return resolve_import(cfg.loss, "model.loss")
+    if cfg.name not in MODELS:
+        raise ConfigError(f"model.name={cfg.name!r}: unknown model; allowed: {', '.join(MODELS)}.")
+    return MODELS[cfg.name].loss()

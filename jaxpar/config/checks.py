@@ -1,0 +1,221 @@
+"""Semantic checks: :func:`check` lists every impossible setting of a :class:`JobConfig`.
+
+It builds the library's objects (``GPTConfig``, ``Strategy``, ``MeshSpec``, the pipeline schedule,
+the stage partition) and reports their errors under the YAML keys; it resolves the import paths of a
+user model, loss and data function and checks their signatures (nothing is called). Only checks that
+span sections (batch size vs. mesh axes, model sizes vs. ``mesh.tensor``) are written out here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, Sequence
+
+from ..mesh import MeshError
+from ..pipeline.partition import PartitionError, check_stage_layers, uniform_layers
+from ..pipeline.schedules import get_schedule
+from ..train import data as data_lib
+from .build import MODELS, OPTIMIZERS, build_gpt_config, build_strategy, mesh_error, mesh_spec
+from .imports import call_problem, resolve_import
+from .schema import (DATA_KINDS, LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS, ConfigError,
+                     DataConfig, JobConfig, ModelConfig, ParallelConfig)
+
+__all__ = ["check"]
+
+
+def _mesh_sizes(cfg: JobConfig, num_devices: int | None) -> dict[str, int]:
+    """``MeshSpec.sizes`` (checked against ``num_devices``; without it only the sizes themselves)."""
+    spec = mesh_spec(cfg.mesh)
+    try:
+        if num_devices is None:
+            known = math.prod(s for s in spec.requested().values() if isinstance(s, int) and s > 0)
+            return spec.sizes(known)      # -1 resolves to 1 here: callers must not use it
+        return spec.sizes(num_devices)
+    except MeshError as e:
+        devices = (f" (train.devices={cfg.train.devices}; 0 = the devices JAX has)"
+                   if num_devices is not None else "")
+        raise ConfigError(mesh_error(e, cfg.mesh) + devices) from None
+
+
+def _schedule_problem(par: ParallelConfig, p: int) -> str | None:
+    try:
+        get_schedule(par.schedule, p, par.microbatches, par.virtual_stages)
+    except ValueError as e:
+        return (f"parallel.schedule={par.schedule!r} with mesh.pipe={p}, parallel.microbatches={par.microbatches}, "
+                f"parallel.virtual_stages={par.virtual_stages}: {e}")
+    return None
+
+
+def _stage_layers_problem(par: ParallelConfig, layers: int | None, p: int) -> str | None:
+    """``uniform_layers`` / ``check_stage_layers`` relabelled; ``layers=None`` (a user model): count only."""
+    v = par.virtual_stages
+    try:
+        if par.stage_layers is not None:
+            check_stage_layers(par.stage_layers, sum(par.stage_layers) if layers is None else layers, p, v)
+        elif layers is not None:
+            uniform_layers(layers, p * v)
+    except PartitionError as e:
+        msg = re.sub(r"(?<![\w.])stage_layers\b", "parallel.stage_layers", str(e))
+        model = f"model.layers={layers}, " if layers is not None else ""
+        return f"{model}mesh.pipe={p} x parallel.virtual_stages={v}: {msg}"
+    return None
+
+
+def _choice(problems: list[str], key: str, value: Any, allowed: Sequence[Any]) -> None:
+    if value not in allowed:
+        problems.append(f"{key}={value!r}: unknown value; allowed: {', '.join(map(str, allowed))}.")
+
+
+def _at_least(problems: list[str], key: str, value: Any, low: float) -> None:
+    if value is not None and value < low:
+        problems.append(f"{key}={value!r}: must be >= {low}.")
+
+
+def _collect(problems: list[str], build: Callable[[], Any]) -> Any:
+    """``build()``, or None with its :class:`ConfigError` appended to ``problems``."""
+    try:
+        return build()
+    except ConfigError as e:
+        problems.append(str(e))
+        return None
+
+
+_RESERVED_DATA_KWARGS = ("step", "batch_size", "seed", "eval", "rows")
+
+
+def _user_model_problems(p: list[str], m: ModelConfig) -> None:
+    """Import paths and call signatures of a user model (nothing is called)."""
+    target = _collect(p, lambda: resolve_import(m.target, "model.target"))
+    if target is not None:
+        if "rngs" in m.kwargs:
+            p.append("model.kwargs.rngs: set by jaxpar (nnx.Rngs(train.seed)); remove it.")
+        elif why := call_problem(target, **m.kwargs, rngs=None):
+            p.append(f"model.kwargs={m.kwargs}: model.target={m.target!r} is called as "
+                     f"target(**model.kwargs, rngs=nnx.Rngs(train.seed)), which does not fit it: {why}.")
+    if m.loss is None:
+        p.append(f"model.loss: missing; with model.target={m.target!r} name the loss function, "
+                 "'package.module:loss' or 'path/to/file.py:loss', called as loss(model, batch) -> scalar.")
+    elif (loss := _collect(p, lambda: resolve_import(m.loss, "model.loss"))) is not None:
+        if why := call_problem(loss, None, None):
+            p.append(f"model.loss={m.loss!r}: is called as loss(model, batch) -> scalar, which does not fit it: "
+                     f"{why}.")
+
+
+def _data_import_problems(p: list[str], d: DataConfig) -> None:
+    if d.target is None:
+        p.append("data.target: missing; data.kind=import needs the batch function, 'package.module:batches' or "
+                 "'path/to/file.py:batches', called as batches(step, batch_size=, seed=, **data.kwargs).")
+        return
+    for key in _RESERVED_DATA_KWARGS:
+        if key in d.kwargs:
+            fix = f"set data.{key} instead" if key in ("batch_size", "seed") else "jaxpar passes it"
+            p.append(f"data.kwargs.{key}: reserved ({fix}); remove it.")
+    if (fn := _collect(p, lambda: resolve_import(d.target, "data.target"))) is not None and not any(
+            k in d.kwargs for k in _RESERVED_DATA_KWARGS):
+        if why := call_problem(fn, 0, batch_size=d.batch_size, seed=d.seed, **d.kwargs):
+            p.append(f"data.target={d.target!r}: is called as batches(step, batch_size=data.batch_size, "
+                     f"seed=data.seed, **data.kwargs), which does not fit it: {why}.")
+
+
+def _model_problems(p: list[str], cfg: JobConfig) -> Any:
+    """Problems of the model section (and how it fits the data); the ``GPTConfig`` or None."""
+    m, d, tr = cfg.model, cfg.data, cfg.train
+    if m.target is not None:
+        _user_model_problems(p, m)
+        if d.kind != "import":
+            p.append(f"data.kind={d.kind!r} makes token windows of model.seq_len for the built-in GPT; with "
+                     f"model.target={m.target!r} use data.kind=import and data.target (your batch function).")
+        return None
+    _choice(p, "model.name", m.name, tuple(MODELS))
+    for key in USER_MODEL_KEYS[1:]:
+        if getattr(m, key):
+            p.append(f"model.{key}={getattr(m, key)!r}: only used with model.target (a model of your own); the "
+                     f"built-in model.name={m.name!r} needs none.")
+    _at_least(p, "model.mlp", m.mlp, 1)          # GPTConfig leaves mlp unchecked
+    gpt = _collect(p, lambda: build_gpt_config(m))
+    if d.kind == "text" and m.vocab < 256:
+        p.append(f"model.vocab={m.vocab}: byte-level text (data.kind=text) needs model.vocab >= 256.")
+    if d.kind == "text" and tr.eval_batches > 0 and d.eval_fraction <= 0:
+        p.append("data.eval_fraction=0 leaves no held-out text; set it > 0 or train.eval_batches=0.")
+    return gpt
+
+
+def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[str]:
+    """Checks across sections that need the mesh sizes (with ``num_devices``: also their product)."""
+    try:
+        sizes = _mesh_sizes(cfg, num_devices)
+    except ConfigError as e:
+        return [str(e)]
+    if num_devices is None and -1 in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.pipe):
+        return []  # the rest needs the device count
+    problems, par, p = [], cfg.parallel, sizes["pipe"]
+    if p > 1:
+        if par.sequence_parallel and sizes["tensor"] > 1:
+            problems.append(f"parallel.sequence_parallel=true with mesh.pipe={p} is not supported (XLA's "
+                            "sequence-parallel resharding would deadlock inside a pipeline stage); set it to false.")
+        for why in (_schedule_problem(par, p), _stage_layers_problem(par, gpt.layers if gpt else None, p)):
+            if why:
+                problems.append(why)
+    t, dp, k = sizes["tensor"], sizes["data"] * sizes["fsdp"], par.microbatches
+    if gpt is not None:
+        dims = [("model.heads", gpt.heads), ("model.mlp (default 4 x model.embed)", gpt.mlp_dim),
+                ("model.vocab", gpt.vocab)]
+        if par.sequence_parallel:
+            dims.append(("model.seq_len (sequence parallel)", gpt.seq_len))
+        problems += [f"{key}={size} is not divisible by mesh.tensor={t}." for key, size in dims if size % t]
+    if cfg.data.batch_size % (dp * k):
+        problems.append(f"data.batch_size={cfg.data.batch_size} is not divisible by mesh.data x mesh.fsdp x "
+                        f"parallel.microbatches = {sizes['data']} x {sizes['fsdp']} x {k} = {dp * k}.")
+    return problems
+
+
+def check(cfg: JobConfig, num_devices: int | None = None) -> None:
+    """Raise :class:`ConfigError` listing every impossible setting (with ``num_devices``: also the mesh).
+
+    Builds the library's objects (``GPTConfig``, ``Strategy``, ``MeshSpec``, the pipeline schedule,
+    the stage partition) and reports their errors under the YAML keys; resolves the import paths of
+    a user model, loss and data function (imports them, calls nothing).
+    """
+    p: list[str] = []
+    par, opt, d, tr = cfg.parallel, cfg.optimizer, cfg.data, cfg.train
+    gpt = _model_problems(p, cfg)
+    strategy = _collect(p, lambda: build_strategy(par))
+    _choice(p, "optimizer.name", opt.name, tuple(OPTIMIZERS))
+    _choice(p, "optimizer.lr_schedule", opt.lr_schedule, LR_SCHEDULES)
+    if opt.lr <= 0:
+        p.append(f"optimizer.lr={opt.lr!r}: must be > 0.")
+    for key in ("b1", "b2"):
+        if not 0 <= getattr(opt, key) < 1:
+            p.append(f"optimizer.{key}={getattr(opt, key)!r}: must be in [0, 1).")
+    for key in ("weight_decay", "momentum", "warmup_steps", "eps"):
+        _at_least(p, f"optimizer.{key}", getattr(opt, key), 0)
+    if not 0 <= opt.min_lr_ratio <= 1:
+        p.append(f"optimizer.min_lr_ratio={opt.min_lr_ratio!r}: must be in [0, 1].")
+    if opt.clip_norm is not None and opt.clip_norm <= 0:
+        p.append(f"optimizer.clip_norm={opt.clip_norm!r}: must be > 0, or null for no clipping.")
+    _choice(p, "data.kind", d.kind, DATA_KINDS)
+    _choice(p, "data.token_dtype", d.token_dtype, data_lib.TOKEN_DTYPES)
+    _at_least(p, "data.batch_size", d.batch_size, 1)
+    _at_least(p, "data.max_bytes", d.max_bytes, 1)
+    if not 0 <= d.eval_fraction < 1:
+        p.append(f"data.eval_fraction={d.eval_fraction!r}: must be in [0, 1).")
+    if d.kind == "import":
+        _data_import_problems(p, d)
+    for key, low in (("steps", 1), ("log_every", 1), ("eval_every", 0), ("eval_batches", 0), ("devices", 0)):
+        _at_least(p, f"train.{key}", getattr(tr, key), low)
+    _choice(p, "train.progress", tr.progress, PROGRESS_MODES)
+    _choice(p, "train.on_nonfinite", tr.on_nonfinite, NONFINITE_MODES)
+    ck, lg = cfg.checkpoint, cfg.logging
+    _at_least(p, "checkpoint.every", ck.every, 0)
+    _at_least(p, "checkpoint.keep", ck.keep, 1)
+    if ck.resume and not ck.enabled:
+        p.append("checkpoint.resume=true needs checkpoint.enabled=true (resuming also keeps saving).")
+    if lg.peak_flops is not None and lg.peak_flops <= 0:
+        p.append(f"logging.peak_flops={lg.peak_flops!r}: must be > 0 (FLOP/s of one device), or null for no MFU.")
+    _at_least(p, "logging.samples", lg.samples, 0)
+    _at_least(p, "logging.sample_tokens", lg.sample_tokens, 1)
+    if not p and strategy is not None:
+        p.extend(_mesh_problems(cfg, gpt, num_devices))
+    if p:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(p))

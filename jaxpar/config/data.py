@@ -1,0 +1,109 @@
+"""The data section -> ``(batch_fn(step) -> host batch, fixed eval batches)``: token windows of text,
+a token file or synthetic sequences for the built-in GPT, or a user's batch function by import path
+(called once for step 0 and checked before the run starts).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from ..train import data as data_lib
+from .imports import resolve_import, takes
+from .schema import DATA_KINDS, ConfigError, DataConfig
+
+__all__ = ["build_data", "describe_batch"]
+
+
+def describe_batch(batch: Any) -> str:
+    """``"['x']: float32[32, 16], ['y']: int32[32]"``: the leaves of a host batch."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    return ", ".join(f"{jax.tree_util.keystr(k)}: {np.asarray(x).dtype}{list(np.shape(x))}" for k, x in leaves)
+
+
+def _check_import_batch(batch: Any, cfg: DataConfig, what: str) -> None:
+    """A batch of ``data.target``: a mapping of numeric arrays with leading dimension ``data.batch_size``."""
+    import jax
+
+    where = f"data.target={cfg.target!r} ({what})"
+    if not isinstance(batch, Mapping) or not batch:
+        got = "an empty dict" if isinstance(batch, Mapping) else f"a {type(batch).__name__}"
+        raise ConfigError(f"{where} returned {got}; it must return a non-empty dict of arrays whose leading "
+                          "dimension is the global batch (data.batch_size), e.g. {'x': ..., 'y': ...}.")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        name, a = jax.tree_util.keystr(path), np.asarray(leaf)
+        if a.dtype.kind not in "biuf":
+            raise ConfigError(f"{where}: batch{name} has dtype {a.dtype}; batch leaves must be numeric arrays.")
+        if a.ndim == 0 or a.shape[0] != cfg.batch_size:
+            raise ConfigError(f"{where}: batch{name} has shape {a.shape}; every leaf needs the leading dimension "
+                              f"data.batch_size={cfg.batch_size} (the global batch). Batch: {describe_batch(batch)}.")
+
+
+def _import_data(cfg: DataConfig, eval_batches: int) -> tuple[Callable[[int], dict], list[dict]]:
+    """``batch_fn = partial(target, batch_size=, seed=, **kwargs)``, called once now for step 0; eval batch
+    ``i`` is ``target(i, ..., eval=True)`` when ``target`` takes an ``eval`` keyword, else no eval."""
+    fn = resolve_import(cfg.target, "data.target")
+    kw = dict(batch_size=cfg.batch_size, seed=cfg.seed, **cfg.kwargs)
+    batch_fn = partial(fn, **kw)    # a `rows` parameter stays visible to make_global_batch
+
+    def call(step: int, what: str, **extra: Any) -> dict:
+        try:
+            batch = fn(step, **kw, **extra)
+        except Exception as e:
+            e.add_note(f"jaxpar: while calling data.target={cfg.target!r} for {what} with data.kwargs={cfg.kwargs}")
+            raise
+        _check_import_batch(batch, cfg, what)
+        return batch
+
+    call(0, "step 0")   # fail now, not mid-run
+    evals = [call(i, f"eval batch {i}", eval=True) for i in range(eval_batches)] if takes(fn, "eval") else []
+    return batch_fn, evals
+
+
+def build_data(cfg: DataConfig, *, seq_len: int | None = None, vocab: int | None = None, eval_batches: int
+               ) -> tuple[Callable[[int], dict], list[dict]]:
+    """``(batch_fn(step) -> host batch, fixed eval batches)`` for the data section.
+
+    ``seq_len`` / ``vocab`` (the GPT's) are needed by the token kinds (text, tokens, synthetic), not by
+    ``import``.
+    """
+    if cfg.kind == "import":
+        return _import_data(cfg, eval_batches)
+    if cfg.kind not in DATA_KINDS:
+        raise ConfigError(f"data.kind={cfg.kind!r}: unknown; allowed: {', '.join(DATA_KINDS)}.")
+    if seq_len is None or vocab is None:
+        raise ConfigError(f"data.kind={cfg.kind!r} makes token windows and needs the model's seq_len and vocab "
+                          "(model.seq_len, model.vocab of the built-in GPT); use data.kind=import for other models.")
+    kw = dict(batch_size=cfg.batch_size, seq_len=seq_len)
+    if cfg.kind == "synthetic":
+        evals = [data_lib.synthetic_batch(i, vocab=vocab, seed=cfg.seed, eval=True, **kw)
+                 for i in range(eval_batches)]
+        return partial(data_lib.synthetic_batch, vocab=vocab, seed=cfg.seed, **kw), evals
+    if cfg.kind == "tokens" and len(cfg.paths) != 1:
+        raise ConfigError(f"data.kind=tokens needs exactly one token file in data.paths (a .bin or .npy), "
+                          f"got data.paths={list(cfg.paths)}.")
+    try:
+        if cfg.kind == "tokens":
+            corpus = data_lib.load_tokens(cfg.paths[0], dtype=cfg.token_dtype)
+        else:
+            corpus = data_lib.load_bytes(list(cfg.paths) or None, max_bytes=cfg.max_bytes)
+        train, held = data_lib.split_holdout(corpus, cfg.eval_fraction)
+        evals = (data_lib.eval_windows(held, num_batches=eval_batches, **kw) if eval_batches else [])
+        data_lib.text_batch(train, 0, seed=cfg.seed, **kw)  # fail now, not mid-run
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"data (data.kind={cfg.kind}, data.paths={list(cfg.paths)}, data.max_bytes="
+                          f"{cfg.max_bytes}, data.eval_fraction={cfg.eval_fraction}): {e}") from None
+    if cfg.kind == "text":
+        return partial(data_lib.text_batch, train, seed=cfg.seed, **kw), evals
+    batch_fn = data_lib.token_batch_fn(train, vocab, f"token file {cfg.paths[0]!r}", seed=cfg.seed, **kw)
+    try:   # fail now, not mid-run
+        batch_fn(0)
+        for i, b in enumerate(evals):
+            data_lib.check_token_ids(b, vocab, f"token file {cfg.paths[0]!r}, eval batch {i},")
+    except ValueError as e:
+        raise ConfigError(f"data.paths: {e}") from None
+    return batch_fn, evals

@@ -1,0 +1,176 @@
+"""The config schema: one frozen dataclass per YAML section, the keys of the built-in GPT and of a
+model of your own, and the allowed names of the fields that take one of a few values.
+
+The dataclasses hold plain values only; :mod:`jaxpar.config.checks` checks them and
+:mod:`jaxpar.config.build` turns them into the library's objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..train import data as data_lib
+
+__all__ = [
+    "ConfigError", "ModelConfig", "MeshConfig", "ParallelConfig", "OptimizerConfig", "DataConfig",
+    "TrainConfig", "CheckpointConfig", "LoggingConfig", "JobConfig", "GPT_KEYS", "USER_MODEL_KEYS",
+    "LR_SCHEDULES", "DATA_KINDS", "PROGRESS_MODES", "NONFINITE_MODES", "RENAMED", "IMPORT_KEYS",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid; the message names the key (e.g. ``mesh.tensor``)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Either the built-in GPT (``name: gpt`` and the :class:`jaxpar.models.gpt.GPTConfig` fields) or a
+    model of your own: ``target`` (``'pkg.mod:Class'`` or ``'path/to/file.py:Class'``), called as
+    ``target(**kwargs, rngs=nnx.Rngs(train.seed))`` -> ``nnx.Module``, and ``loss`` (``loss(model, batch)
+    -> scalar``). With ``target``, ``name`` is only a label (default: the class name). Under
+    ``mesh.pipe > 1`` the model is cut at its stacked blocks (:mod:`jaxpar.pipeline.cut`)."""
+
+    name: str = "gpt"
+    target: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    loss: str | None = None
+    vocab: int = 256
+    seq_len: int = 64
+    embed: int = 64
+    heads: int = 4
+    layers: int = 2
+    mlp: int | None = None          # None: 4 * embed
+    remat: str = "none"
+    scan_layers: bool = True
+    init_std: float = 0.02
+
+
+#: Keys of the built-in GPT (an error with ``model.target``) and of a user model (an error without it).
+GPT_KEYS = ("vocab", "seq_len", "embed", "heads", "layers", "mlp", "remat", "scan_layers", "init_std")
+USER_MODEL_KEYS = ("target", "kwargs", "loss")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes; one may be -1 (the rest of the devices)."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    pipe: int = 1
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """See :class:`jaxpar.Strategy`."""
+
+    zero: int = 0
+    sequence_parallel: bool = False
+    microbatches: int = 1           # accumulation steps; with mesh.pipe > 1 the pipeline's micro-batches
+    compute_dtype: str = "float32"
+    schedule: str = "1f1b"          # the PIPELINE schedule (mesh.pipe > 1): gpipe | 1f1b | interleaved | zb-h1
+    virtual_stages: int = 1         # interleaved: model chunks per stage
+    stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (uneven); null = even
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """``adamw`` decays weights decoupled; ``adam`` / ``sgd`` add ``weight_decay * w`` to the gradient."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9           # sgd only (0 = plain SGD)
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"     # after warm-up: constant | cosine | linear (to min_lr_ratio * lr)
+    min_lr_ratio: float = 0.1
+    clip_norm: float | None = 1.0   # None: no clipping
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``text``: bytes of ``paths`` (files / globs; empty = Python stdlib sources). ``tokens``: one
+    pre-tokenized ``.bin`` (``token_dtype``) or ``.npy`` file in ``paths``. ``synthetic``: arithmetic
+    token sequences. ``import``: your own ``target(step, *, batch_size, seed, **kwargs) -> dict of arrays``
+    (``'pkg.mod:fn'`` or ``'path/to/file.py:fn'``). ``batch_size`` is global."""
+
+    kind: str = "text"
+    paths: tuple[str, ...] = ()
+    max_bytes: int = data_lib.DEFAULT_MAX_BYTES
+    token_dtype: str = "uint16"     # kind=tokens, .bin files
+    target: str | None = None       # kind=import
+    kwargs: dict[str, Any] = field(default_factory=dict)   # kind=import
+    batch_size: int = 32
+    seed: int = 0
+    eval_fraction: float = 0.05
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """``devices > 0``: simulate that many CPU devices; 0: use the devices JAX has.
+    ``eval_every=0``: evaluate only at the end; ``eval_batches=0``: never. ``out_dir`` empty: ``runs/<name>``."""
+
+    steps: int = 100
+    log_every: int = 10
+    eval_every: int = 0
+    eval_batches: int = 4
+    seed: int = 0
+    devices: int = 0
+    out_dir: str = ""
+    progress: str = "auto"          # auto | bar | lines | none
+    on_nonfinite: str = "skip"      # skip: drop the update of a step with a non-finite loss / grad norm; stop: error
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints. ``dir`` empty: ``<train.out_dir>/checkpoints``. A checkpoint is written every
+    ``every`` steps (0: only at the end), at the end, and on SIGTERM / SIGINT; the last ``keep`` are kept.
+    ``resume`` (or ``jaxpar train --resume``) continues from the latest good checkpoint in ``dir``."""
+
+    enabled: bool = True
+    dir: str = ""
+    every: int = 0
+    keep: int = 3
+    async_save: bool = True         # write in a background thread (``async`` is a Python keyword)
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Metrics go to ``<train.out_dir>/metrics.jsonl`` and, with ``tensorboard``, to ``<train.out_dir>/tb``.
+    ``peak_flops``: peak FLOP/s of one device (e.g. 989e12 for an H100's dense bf16); null: no MFU.
+    ``samples``: greedy text samples of ``sample_tokens`` tokens written at the end (0: none; GPT only)."""
+
+    tensorboard: bool = True
+    peak_flops: float | None = None
+    samples: int = 3
+    sample_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """The whole job. ``name`` defaults to the config file's stem."""
+
+    name: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+LR_SCHEDULES = ("constant", "cosine", "linear")
+DATA_KINDS = ("synthetic", "text", "tokens", "import")
+PROGRESS_MODES = ("auto", "bar", "lines", "none")
+NONFINITE_MODES = ("skip", "stop")
+#: Keys that were renamed: old dotted key -> new one.
+RENAMED = {"optimizer.schedule": "optimizer.lr_schedule"}
+#: Keys holding ``module:attr`` import paths (a ``.py`` module part is a file, relative to the config file).
+IMPORT_KEYS = (("model", "target"), ("model", "loss"), ("data", "target"))

@@ -1,0 +1,137 @@
+"""Cut any NNX model for a pipeline at its stacked layers, with the user's own loss.
+
+A model that runs its repeated blocks through :func:`jaxpar.blocks.scan_blocks` (or
+:func:`~jaxpar.blocks.run_layers`) needs no other declaration. :func:`cut_model` traces
+``loss_fn(model, batch)`` once, abstractly, to find that call, and builds the three
+:class:`~jaxpar.pipeline.parts.PipelineParts` from the loss itself:
+
+* ``pre(outer, mb) -> x``: the loss run up to the stacked-layers call (the first
+  virtual stage); the call stops it and hands back its input ``x``;
+* ``layer(p, x) -> y``: one layer under the model's remat policy;
+* ``post(outer, y, mb) -> loss``: the loss run again with the stacked-layers call
+  replaced by ``y`` (the last virtual stage). What precedes the call is traced
+  again there; XLA removes it where its result is unused, and where it is used (a
+  skip connection around the blocks, a tied embedding) its gradient counts.
+
+``outer`` is every parameter leaf outside the stacked blocks, as a list; the blocks'
+leaves must reach the call as they are in the parameter tree (not sliced or
+computed from).
+
+Example::
+
+    >>> cut = cut_model(lm_loss, layout.graphdef, params, microbatch)      # doctest: +SKIP
+    >>> outer, blocks = cut.split(params)                                   # doctest: +SKIP
+    >>> x = cut.parts.pre(outer, microbatch)                                # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..blocks import find_layer_calls, use_layer_runner, with_remat
+from .parts import PipelineParts
+
+__all__ = ["ModelCut", "PipelineCutError", "cut_model"]
+
+
+class PipelineCutError(ValueError):
+    """The model cannot be cut into pipeline stages as it is written."""
+
+
+class _Reached(Exception):
+    """Raised at the stacked-layers call to end the ``pre`` part there."""
+
+    def __init__(self, x):
+        super().__init__("the model reached its stacked layers")
+        self.x = x
+
+
+def _stop(call):
+    raise _Reached(call.x)
+
+
+@dataclass(frozen=True)
+class ModelCut:
+    """A model cut at its stacked layers: ``parts`` for the executor, and how the parameter
+    tree splits into ``outer`` (a list of leaves) and ``blocks`` (the stacked tree)."""
+
+    parts: PipelineParts
+    block_leaves: tuple[int, ...]      # positions of the blocks' leaves in jax.tree.leaves(params)
+    block_treedef: Any
+    params_treedef: Any
+    x: jax.ShapeDtypeStruct             # the blocks' input (one micro-batch)
+
+    def split(self, params: Any) -> tuple[list, Any]:
+        """``params -> (outer leaves, blocks tree)``."""
+        leaves = self.params_treedef.flatten_up_to(params)
+        inside = set(self.block_leaves)
+        outer = [leaf for i, leaf in enumerate(leaves) if i not in inside]
+        return outer, self.block_treedef.unflatten([leaves[i] for i in self.block_leaves])
+
+    def merge(self, outer: list, blocks: Any) -> Any:
+        """Inverse of :meth:`split`."""
+        leaves: list = [None] * self.params_treedef.num_leaves
+        for i, leaf in zip(self.block_leaves, self.block_treedef.flatten_up_to(blocks)):
+            leaves[i] = leaf
+        rest = iter(outer)
+        leaves = [next(rest) if leaf is None else leaf for leaf in leaves]
+        return self.params_treedef.unflatten(leaves)
+
+
+def _site(loss_fn: Callable, graphdef, params: Any, batch: Any):
+    sites = find_layer_calls(lambda p, b: loss_fn(nnx.merge(graphdef, p), b), params, batch)
+    name = getattr(loss_fn, "__name__", repr(loss_fn))
+    if len(sites) != 1:
+        raise PipelineCutError(
+            f"pipeline: loss_fn {name!r} runs stacked layers {len(sites)} times; a pipeline cuts the model at "
+            "exactly one stacked-layers call. Run the model's repeated blocks once through "
+            "jaxpar.scan_blocks(self.blocks, x) (blocks built with nnx.vmap and a 'layers' axis), or train "
+            "without a 'pipe' mesh axis.")
+    site = sites[0]
+    if None in site.leaves:
+        raise PipelineCutError(
+            f"pipeline: loss_fn {name!r} passes values computed from the parameters (not the parameters "
+            "themselves) to its stacked-layers call; pass the stacked module / arrays unchanged so the "
+            "pipeline can place each layer's parameters on its stage.")
+    return site
+
+
+def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any) -> ModelCut:
+    """Cut ``loss_fn(nnx.merge(graphdef, params), batch)`` at its one stacked-layers call.
+
+    ``params``: the parameter tree (arrays or ``ShapeDtypeStruct``s) in the dtype the model
+    runs in; ``batch``: one micro-batch (shapes are enough). See the module docstring.
+    """
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    site = _site(loss_fn, graphdef, shapes, batch)
+    params_treedef = jax.tree.structure(params)
+    all_leaves = jax.tree.leaves(shapes)
+    inside = set(site.leaves)
+
+    def model(outer: list):
+        """The model with ``outer`` and zero placeholders for the blocks (unused: the
+        stacked-layers call is intercepted before it reads them)."""
+        rest, leaves = iter(outer), []
+        for i in range(len(all_leaves)):
+            leaves.append(jnp.zeros(all_leaves[i].shape, all_leaves[i].dtype) if i in inside else next(rest))
+        return nnx.merge(graphdef, params_treedef.unflatten(leaves))
+
+    def pre(outer, mb):
+        try:
+            with use_layer_runner(_stop):
+                loss_fn(model(outer), mb)
+        except _Reached as reached:
+            return reached.x
+        raise PipelineCutError("pipeline: the loss ran to its end without reaching its stacked layers "
+                               "(they are only run for some inputs); the first stage cannot be cut.")
+
+    def post(outer, y, mb):
+        with use_layer_runner(lambda call: y):
+            return loss_fn(model(outer), mb)
+
+    parts = PipelineParts(pre=pre, layer=with_remat(site.layer, site.remat), post=post)
+    return ModelCut(parts, site.leaves, site.treedef, params_treedef, site.x)

@@ -1,0 +1,91 @@
+"""The pipelined loss-and-grad of a train step: cut the model, lay its blocks out per stage,
+run the schedule, bring the gradients back into the parameters' layout.
+
+Example::
+
+    >>> fn = make_pipeline_loss_and_grad(loss_fn, graphdef, mesh, rules, param_specs, grad_specs,
+    ...                                  Strategy(microbatches=8, schedule="1f1b"))   # doctest: +SKIP
+    >>> loss, grads = jax.jit(fn)(params, batch)                                      # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ..batch import split_microbatches
+from ..rules import named_shardings, without_rules
+from .cut import ModelCut, cut_model
+from .executor import pipeline_value_and_grad
+from .partition import check_stage_layers, from_stages, layer_costs, partition_layers, to_stages, uniform_layers
+from .program import lower
+from .schedules import get_schedule
+
+__all__ = ["make_pipeline_loss_and_grad", "auto_stage_layers", "check_pipeline_strategy"]
+
+
+def auto_stage_layers(cut: ModelCut, outer: list, blocks: Any, microbatch: Any, stages: int) -> tuple[int, ...]:
+    """Layers per virtual stage balancing the compiled FLOPs of one of the model's own layers,
+    of what runs before the layers (first stage) and after them (last stage)."""
+    abstract = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)   # noqa: E731
+    layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), blocks)
+    with without_rules():
+        cost, first, last = layer_costs(cut.parts, abstract(outer), layer, abstract(microbatch))
+    return partition_layers([cost] * jax.tree.leaves(blocks)[0].shape[0], stages, first_extra=first,
+                            last_extra=last)
+
+
+def check_pipeline_strategy(strategy, mesh) -> None:
+    """Errors for what pipelines do not support."""
+    if strategy.sequence_parallel and mesh.shape.get("tensor", 1) > 1:
+        raise ValueError(f"Strategy(sequence_parallel=True) with pipe={mesh.shape['pipe']} is not supported: XLA "
+                         "reorders sequence-parallel activations with collective-permutes that span every pipeline "
+                         "stage, which would deadlock inside a stage's own branch. Use sequence_parallel=False "
+                         "with pipe > 1 (tensor parallelism itself works).")
+
+
+def _stage_layers(strategy, cut: ModelCut, outer, blocks, microbatch, stages: int) -> tuple[int, ...]:
+    num_layers = jax.tree.leaves(blocks)[0].shape[0]
+    if strategy.stage_layers == "auto":
+        return auto_stage_layers(cut, outer, blocks, microbatch, stages)
+    return tuple(strategy.stage_layers or uniform_layers(num_layers, stages))
+
+
+def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_specs: Any, grad_specs: Any,
+                                strategy, *, num_layers: int | None = None) -> Callable:
+    """``(params, batch) -> (loss, grads)`` through the pipeline executor (call it under ``jit``).
+
+    ``loss_fn(model, batch)`` is the user's loss; the model is cut at its stacked layers
+    (:mod:`jaxpar.pipeline.cut`). The blocks' parameters (``[L, ...]``, ``layers`` split over
+    ``pipe``) are laid out per stage (``[v, p, Lmax, ...]``; free for an even split with one
+    chunk, a resharding otherwise), the batch is cut into the strategy's micro-batches and
+    the schedule runs; gradients come back in ``grad_specs``. ``num_layers`` (if known)
+    checks the strategy's ``stage_layers`` now rather than at the first call.
+    """
+    check_pipeline_strategy(strategy, mesh)
+    p, m, v = mesh.shape["pipe"], strategy.microbatches, strategy.virtual_stages
+    program = lower(get_schedule(strategy.schedule, p, m, v))
+    if num_layers is not None and strategy.stage_layers != "auto":
+        check_stage_layers(strategy.stage_layers or uniform_layers(num_layers, p * v), num_layers, p, v)
+    grad_shardings = named_shardings(grad_specs, mesh)
+
+    def loss_and_grad(params, batch):
+        params = strategy.cast(params)
+        mbs = split_microbatches(batch, m, mesh)
+        microbatch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs)
+        cut = cut_model(loss_fn, graphdef, params, microbatch)
+        outer, blocks = cut.split(params)
+        num_layers = jax.tree.leaves(blocks)[0].shape[0]
+        stage_layers = _stage_layers(strategy, cut, outer, blocks, microbatch, p * v)
+        check_stage_layers(stage_layers, num_layers, p, v)
+        _, block_specs = cut.split(param_specs)
+        stage_sh = jax.tree.map(lambda sp: NamedSharding(mesh, PartitionSpec(None, "pipe", None, *tuple(sp)[1:])),
+                                block_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        run = pipeline_value_and_grad(cut.parts, mesh, rules, program, stage_layers=stage_layers)
+        staged = jax.lax.with_sharding_constraint(to_stages(blocks, stage_layers, p, v), stage_sh)
+        loss, (g_outer, g_blocks) = run(outer, staged, mbs)
+        grads = cut.merge(g_outer, from_stages(g_blocks, stage_layers, num_layers))
+        return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+    return loss_and_grad

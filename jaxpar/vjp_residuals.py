@@ -1,0 +1,67 @@
+"""Keep a ``jax.vjp`` pullback's residuals without the parameters it closes over.
+
+A layer's pullback holds its own parameters among its residuals. Code that
+stores residuals for later (the pipeline executor's buffers, the explicit
+data-parallel block's custom VJP) should not store those: it has the parameters
+at the backward anyway (or gathers them again). :func:`split_pullback` keeps the
+other leaves and notes where the parameters go (matched by identity: the very
+arrays, or tracers, passed to ``jax.vjp``); :func:`join_pullback` rebuilds the
+pullback from the stored leaves and the parameters.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> params, x = {"w": jnp.ones((2, 2))}, jnp.ones((3, 2))
+    >>> y, pullback = jax.vjp(lambda p, x: jnp.tanh(x @ p["w"]), params, x)
+    >>> stored, layout = split_pullback(pullback, params)
+    >>> dp, dx = join_pullback(layout, stored, params)(jnp.ones_like(y))
+    >>> dp["w"].shape, dx.shape
+    ((2, 2), (3, 2))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+
+__all__ = ["ResidualLayout", "split_pullback", "join_pullback"]
+
+
+@dataclass(frozen=True)
+class ResidualLayout:
+    """Where each leaf of a pullback comes from.
+
+    - ``tree``: the pullback's pytree structure.
+    - ``from_params``: per leaf, the index of the parameter leaf it is, or
+      ``None`` for a leaf that is stored.
+    """
+
+    tree: Any
+    from_params: tuple[Optional[int], ...]
+
+    @property
+    def num_stored(self) -> int:
+        return sum(i is None for i in self.from_params)
+
+
+def split_pullback(pullback: Callable, params: Any) -> tuple[list, ResidualLayout]:
+    """``(stored leaves, layout)`` of ``pullback``: every leaf that is not a leaf of ``params``.
+
+    Call it where ``jax.vjp`` ran, with the same ``params`` object(s) passed to
+    it (identity, not value, decides).
+    """
+    leaves, tree = jax.tree.flatten(pullback)
+    position = {id(q): i for i, q in enumerate(jax.tree.leaves(params))}
+    from_params = tuple(position.get(id(leaf)) for leaf in leaves)
+    stored = [leaf for leaf, i in zip(leaves, from_params) if i is None]
+    return stored, ResidualLayout(tree, from_params)
+
+
+def join_pullback(layout: ResidualLayout, stored: Sequence, params: Any) -> Callable:
+    """Inverse of :func:`split_pullback`: the pullback, with ``params`` put back in."""
+    if len(stored) != layout.num_stored:
+        raise ValueError(f"join_pullback: got {len(stored)} stored residuals; the layout has "
+                         f"{layout.num_stored}. Pass the list split_pullback returned, in its order.")
+    whole, it = jax.tree.leaves(params), iter(stored)
+    leaves = [next(it) if i is None else whole[i] for i in layout.from_params]
+    return jax.tree.unflatten(layout.tree, leaves)
