@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/compile_time.py
 	$(BIN)/python benchmarks/pipeline.py
+	$(BIN)/python benchmarks/byo_model.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

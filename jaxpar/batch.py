@@ -6,7 +6,7 @@ Example::
     >>> import jax, numpy as np
     >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     >>> shard_batch({"x": np.zeros((4, 3))}, mesh)["x"].sharding.spec
-    PartitionSpec('data',)
+    P('data',)
 """
 
 from __future__ import annotations

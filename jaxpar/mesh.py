@@ -2,14 +2,14 @@
 
 Example::
 
-    >>> import jaxpar
+    >>> import jax, jaxpar
     >>> from jaxpar.mesh import use_devices
-    >>> use_devices(8)        # first thing: the accelerators, else 8 CPU devices   # doctest: +SKIP
+    >>> use_devices(8)        # first thing: the accelerators, else 8 CPU devices
     'cpu'
     >>> spec = jaxpar.MeshSpec(data=2, fsdp=-1, tensor=2)   # -1 = "the rest"
-    >>> mesh = jaxpar.make_mesh(spec)                         # doctest: +SKIP
-    >>> dict(mesh.shape)                                      # doctest: +SKIP
-    {'data': 2, 'fsdp': 2, 'tensor': 2, 'pipe': 1}
+    >>> mesh = jaxpar.make_mesh(spec, devices=jax.devices()[:8])
+    >>> dict(mesh.shape)
+    {'pipe': 1, 'data': 2, 'fsdp': 2, 'tensor': 2}
 """
 
 from __future__ import annotations
@@ -116,7 +116,14 @@ def make_mesh(spec: MeshSpec | Mapping[str, int], devices: Sequence[jax.Device] 
     ``dcn[axis]`` (across hosts) x the rest (within a host), so that the fast
     in-host links carry the inner axes.
 
-    >>> mesh = make_mesh({"data": 2, "tensor": 4})   # doctest: +SKIP
+    >>> import jax
+    >>> mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
+    >>> mesh.axis_names, mesh.devices.shape
+    (('pipe', 'data', 'fsdp', 'tensor'), (1, 2, 1, 2))
+    >>> make_mesh({"data": 3}, devices=jax.devices()[:4])
+    Traceback (most recent call last):
+    ...
+    jaxpar.mesh.MeshError: MeshSpec: axis sizes pipe=1, data=3, fsdp=1, tensor=1 multiply to 3, but there are 4 devices. ...
     """
     if isinstance(spec, Mapping):
         known = {k: v for k, v in spec.items() if k in STANDARD_AXES}
@@ -159,7 +166,17 @@ def simulate_cpu_devices(n: int) -> None:
     live flag). Raises ``RuntimeError`` if the backend is already up with a different
     count (the count cannot change after initialisation; restart the process).
 
-    >>> simulate_cpu_devices(8)   # doctest: +SKIP
+    Once the backend is up, asking for the count it has is a no-op, and any other count
+    is an error:
+
+    >>> import jax
+    >>> jax.device_count()          # the backend is up (the tests simulate 8 CPU devices)
+    8
+    >>> simulate_cpu_devices(8)
+    >>> simulate_cpu_devices(4)
+    Traceback (most recent call last):
+    ...
+    RuntimeError: simulate_cpu_devices(4): the JAX backend is already initialised with 8 device(s). ...
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"simulate_cpu_devices(n={n!r}): n must be a positive int, e.g. 8.")
@@ -195,7 +212,7 @@ def use_devices(n_simulated: int = 8, *, detect: bool = True) -> str:
 
     Returns the platform name (``"cpu"`` when simulating).
 
-    >>> use_devices(8)    # doctest: +SKIP
+    >>> use_devices(8)    # here: no accelerator, so 8 simulated CPU devices
     'cpu'
     """
     if isinstance(n_simulated, bool) or not isinstance(n_simulated, int) or n_simulated < 1:
@@ -229,7 +246,8 @@ def accelerator_platform() -> str | None:
     plugin and an AMD GPU in the KFD topology. Other plugins are not guessed at: set
     ``JAX_PLATFORMS=<name>`` to use one.
 
-    >>> accelerator_platform()    # a machine without accelerators   # doctest: +SKIP
+    >>> accelerator_platform() in (None, "tpu", "cuda", "rocm")   # None: no accelerator here
+    True
     """
     plugins = _installed_plugins()
     if ("libtpu" in plugins or os.environ.get("TPU_LIBRARY_PATH")) and _tpu_chips() > 0:

@@ -13,7 +13,7 @@ Example::
     >>> rules = (("batch", ("data", "fsdp")), ("embed", None), ("mlp", "tensor"))
     >>> mesh = jax.sharding.AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
     >>> jaxpar.logical_to_spec(("embed", "mlp"), rules, mesh, shape=(16, 64))
-    PartitionSpec(None, 'tensor')
+    P(None, 'tensor')
 """
 
 from __future__ import annotations
@@ -174,8 +174,15 @@ _RULES: contextvars.ContextVar = contextvars.ContextVar("jaxpar_rules", default=
 def use_rules(mesh, rules: LogicalRules) -> Iterator[None]:
     """Make ``(mesh, rules)`` the context for :func:`constrain` (activation sharding).
 
-    >>> with use_rules(mesh, rules):            # doctest: +SKIP
-    ...     loss = jax.jit(loss_fn)(params, batch)
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    >>> rules = (("batch", "data"), ("embed", None))
+    >>> with use_rules(mesh, rules):
+    ...     y = jax.jit(lambda x: constrain(2 * x, ("batch", "embed")))(jnp.ones((4, 3)))
+    >>> y.sharding.spec                         # the batch split over ``data``
+    P('data',)
+    >>> current_rules() is None                 # only inside the ``with`` block
+    True
     """
     token = _RULES.set((mesh, tuple(rules)))
     try:

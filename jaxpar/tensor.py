@@ -63,8 +63,18 @@ def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logica
     explicit reduce-scatter (``psum_scatter`` in a ``shard_map`` manual over
     ``axis`` only); otherwise the einsum is left to XLA (an all-reduce).
 
-    >>> y = row_parallel("btm,me->bte", h, w2, ("batch", "length", "mlp"), ("mlp", "embed"),
-    ...                  ("batch", "norm_length", "embed"))                      # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> mesh = jaxpar.make_mesh({"tensor": 2}, devices=jax.devices()[:2])
+    >>> h, w2 = jnp.ones((2, 4, 8)), jnp.ones((8, 3))
+    >>> f = jax.jit(lambda h, w2: row_parallel("btm,me->bte", h, w2, ("batch", "length", "mlp"),
+    ...                                        ("mlp", "embed"), ("batch", "norm_length", "embed")))
+    >>> with jaxpar.use_rules(mesh, tensor_rules(sequence_parallel=True)):
+    ...     y = f(h, w2)
+    ...     hlo = f.lower(h, w2).compile().as_text()
+    >>> y.sharding.spec, bool(jnp.allclose(y, jnp.einsum("btm,me->bte", h, w2)))
+    (P(None, 'tensor'), True)
+    >>> "reduce-scatter" in hlo               # sequence parallel: a reduce-scatter, not an all-reduce
+    True
     """
     ctx = current_rules()
     if ctx is None:

@@ -34,34 +34,40 @@ class ResidualLayout:
     - ``tree``: the pullback's pytree structure.
     - ``from_params``: per leaf, the index of the parameter leaf it is, or
       ``None`` for a leaf that is stored.
+    - ``stored``: ``(shape, dtype)`` of each stored leaf, in order.
     """
 
     tree: Any
     from_params: tuple[Optional[int], ...]
-
-    @property
-    def num_stored(self) -> int:
-        return sum(i is None for i in self.from_params)
+    stored: tuple[tuple[tuple[int, ...], Any], ...]
 
 
-def split_pullback(pullback: Callable, params: Any) -> tuple[list, ResidualLayout]:
+def split_pullback(pullback: Callable, params: Any, *,
+                   like: Optional[ResidualLayout] = None) -> tuple[list, ResidualLayout]:
     """``(stored leaves, layout)`` of ``pullback``: every leaf that is not a leaf of ``params``.
 
     Call it where ``jax.vjp`` ran, with the same ``params`` object(s) passed to
-    it (identity, not value, decides).
+    it (identity, not value, decides). ``like``: the layout of an earlier trace of
+    the same function; an error if this one differs (stored leaves would be misread).
     """
     leaves, tree = jax.tree.flatten(pullback)
     position = {id(q): i for i, q in enumerate(jax.tree.leaves(params))}
     from_params = tuple(position.get(id(leaf)) for leaf in leaves)
     stored = [leaf for leaf, i in zip(leaves, from_params) if i is None]
-    return stored, ResidualLayout(tree, from_params)
+    layout = ResidualLayout(tree, from_params, tuple((tuple(r.shape), r.dtype) for r in stored))
+    if like is not None and (layout.from_params, layout.stored) != (like.from_params, like.stored):
+        raise RuntimeError("split_pullback: the residuals differ between two traces of the same function, so "
+                           "stored residuals could be misread. Make the function's inputs opaque residuals "
+                           "(jax.lax.optimization_barrier on them) or recompute them (remat 'full'), and "
+                           "please report the function.")
+    return stored, layout
 
 
 def join_pullback(layout: ResidualLayout, stored: Sequence, params: Any) -> Callable:
     """Inverse of :func:`split_pullback`: the pullback, with ``params`` put back in."""
-    if len(stored) != layout.num_stored:
+    if len(stored) != len(layout.stored):
         raise ValueError(f"join_pullback: got {len(stored)} stored residuals; the layout has "
-                         f"{layout.num_stored}. Pass the list split_pullback returned, in its order.")
+                         f"{len(layout.stored)}. Pass the list split_pullback returned, in its order.")
     whole, it = jax.tree.leaves(params), iter(stored)
     leaves = [next(it) if i is None else whole[i] for i in layout.from_params]
     return jax.tree.unflatten(layout.tree, leaves)

@@ -11,8 +11,8 @@ Example::
 
     >>> zero_axes({"data": 4, "fsdp": 2}, stage=1, kind="params")
     ('fsdp',)
-    >>> zero_axes({"data": 4, "fsdp": 2}, stage=1, kind="opt")
-    ('data', 'fsdp')
+    >>> zero_axes({"data": 4, "fsdp": 2}, stage=1, kind="opt")     # fsdp major, data minor
+    ('fsdp', 'data')
 """
 
 from __future__ import annotations

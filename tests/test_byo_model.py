@@ -167,6 +167,7 @@ def test_model_scanned_by_nnx_still_trains_by_default(reference):
 
 PIPELINES = {
     "1f1b": {"microbatches": 4},
+    "1f1b-zero3": {"microbatches": 4, "zero": 3},
     "interleaved": {"microbatches": 4, "schedule": "interleaved", "virtual_stages": 2},
     "1f1b-auto": {"microbatches": 4, "stage_layers": "auto"},
 }

@@ -216,6 +216,24 @@ def test_user_model_trains_from_yaml(overrides, strategy, tmp_path, capsys):
     assert load_config(out / "config.yaml") == load_config(MLP, [f"train.out_dir={out}", *overrides])
 
 
+BYO = str(ROOT / "configs" / "byo_model.yaml")    # examples/patch_attention.py by a relative file path
+# ZeRO-3 (from the config) x a pipeline x tensor parallelism, with the user's own loss
+BYO_PIPE = ["mesh.pipe=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "parallel.microbatches=4"]
+
+
+@pytest.mark.parametrize("overrides", [[], BYO_PIPE], ids=["dp2-zero3-fsdp2-tp2", "pipe2-dp2-tp2"])
+def test_byo_model_config_trains(overrides, tmp_path):
+    """configs/byo_model.yaml trains the example's own model with its own loss, also as a pipeline."""
+    out = tmp_path / "run"
+    assert main(["train", BYO, "train.steps=4", "train.log_every=1", "train.eval_batches=1", f"train.out_dir={out}",
+                 "train.progress=none", "optimizer.warmup_steps=0", "checkpoint.enabled=false",
+                 "logging.tensorboard=false", *overrides]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert len(losses) == 4 and np.isfinite(losses).all() and losses[-1] < losses[0], losses
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [4]
+
+
 USER_BAD = [  # (overrides on tests/cli_mlp.yaml, text the error must contain)
     ("model.target=jaxpar.models.mlp:MLPClassifer", "model.target='jaxpar.models.mlp:MLPClassifer': "
      "'jaxpar.models.mlp' has no attribute 'MLPClassifer'; did you mean 'MLPClassifier'"),

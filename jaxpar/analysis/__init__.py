@@ -1,4 +1,5 @@
-"""Read compiled programs: collectives inventory (hlo.py) and per-device memory (memory.py)."""
+"""Read compiled programs: collectives inventory (hlo.py; mesh-axis attribution of replica groups in
+replica_groups.py) and per-device memory (memory.py)."""
 from .hlo import Collective as Collective, collectives as collectives, collectives_table as collectives_table
 from .hlo import count as count, summarize as summarize
 from .memory import MemoryReport as MemoryReport, memory_report as memory_report, memory_table as memory_table

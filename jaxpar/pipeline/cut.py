@@ -19,9 +19,27 @@ computed from).
 
 Example::
 
-    >>> cut = cut_model(lm_loss, layout.graphdef, params, microbatch)      # doctest: +SKIP
-    >>> outer, blocks = cut.split(params)                                   # doctest: +SKIP
-    >>> x = cut.parts.pre(outer, microbatch)                                # doctest: +SKIP
+    >>> import jax.numpy as jnp, jaxpar
+    >>> from flax import nnx
+    >>> class Tiny(nnx.Module):                  # an input layer, then 2 stacked layers
+    ...     def __init__(self):
+    ...         self.w_in = nnx.Param(jnp.full((3, 4), 0.5))
+    ...         self.blocks = nnx.Param(jnp.stack([jnp.eye(4)] * 2))     # leading ``layers`` axis
+    ...     def __call__(self, x):
+    ...         return jaxpar.run_layers(lambda w, h: jnp.tanh(h @ w), self.blocks[...], x @ self.w_in[...])
+    >>> loss_fn = lambda model, mb: jnp.mean(model(mb["x"]) ** 2)
+    >>> graphdef, params = nnx.split(Tiny())
+    >>> params, microbatch = nnx.to_pure_dict(params), {"x": jnp.ones((2, 3))}
+    >>> cut = cut_model(loss_fn, graphdef, params, microbatch)
+    >>> outer, blocks = cut.split(params)        # outer: [w_in]; blocks: the stacked array
+    >>> len(outer), blocks.shape
+    (1, (2, 4, 4))
+    >>> x = cut.parts.pre(outer, microbatch)     # first stage: up to the blocks
+    >>> x.shape
+    (2, 4)
+    >>> y = cut.parts.layer(blocks[1], cut.parts.layer(blocks[0], x))
+    >>> bool(jnp.allclose(cut.parts.post(outer, y, microbatch), loss_fn(nnx.merge(graphdef, params), microbatch)))
+    True
 """
 from __future__ import annotations
 
@@ -33,6 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..blocks import find_layer_calls, use_layer_runner, with_remat
+from ..rules import constrain
 from .parts import PipelineParts
 
 __all__ = ["ModelCut", "PipelineCutError", "cut_model"]
@@ -52,6 +71,14 @@ class _Reached(Exception):
 
 def _stop(call):
     raise _Reached(call.x)
+
+
+def _batch_first(x):
+    """``x`` split over the data axes on its batch dimension, the rest whole: the layout of
+    activations between pipeline stages and layers. Left free, XLA may pick another layout
+    inside a stage's branch and move data between layouts with collective-permutes that
+    span every stage (a deadlock inside a branch only one stage runs)."""
+    return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
 
 @dataclass(frozen=True)
@@ -125,13 +152,14 @@ def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any) -> ModelCut:
             with use_layer_runner(_stop):
                 loss_fn(model(outer), mb)
         except _Reached as reached:
-            return reached.x
+            return _batch_first(reached.x)
         raise PipelineCutError("pipeline: the loss ran to its end without reaching its stacked layers "
                                "(they are only run for some inputs); the first stage cannot be cut.")
 
     def post(outer, y, mb):
-        with use_layer_runner(lambda call: y):
+        with use_layer_runner(lambda call: _batch_first(y)):
             return loss_fn(model(outer), mb)
 
-    parts = PipelineParts(pre=pre, layer=with_remat(site.layer, site.remat), post=post)
+    body = with_remat(site.layer, site.remat)
+    parts = PipelineParts(pre=pre, layer=lambda p, x: _batch_first(body(p, _batch_first(x))), post=post)
     return ModelCut(parts, site.leaves, site.treedef, params_treedef, site.x)

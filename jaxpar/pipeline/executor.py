@@ -1,30 +1,26 @@
 """Run any valid schedule table as one SPMD program: ``shard_map`` manual over ``pipe``.
 
-Each device holds its stages' layers (``[v, Lmax, ...]``: ``v`` chunks of at
-most ``Lmax`` layers). The program is the lowered table (:mod:`.program`) run
-by a ``lax.scan`` over its ticks; at every tick each device picks its own action
-with a ``lax.switch`` on its row of the table (so idle stages compute nothing in
-bubbles):
+Each device holds its stages' layers (``[v, Lmax, ...]``: ``v`` chunks of at most
+``Lmax`` layers). A ``lax.scan`` runs the lowered table (:mod:`.program`) tick by
+tick; at each tick every device picks its action with a ``lax.switch`` on its row
+(idle stages compute nothing in bubbles):
 
-* **F**: the stage's layers on one micro-batch, one ``jax.vjp`` per layer; the
-  residuals go to a slot of a fixed buffer (sized by the table's peak in-flight
-  count, not by ``m``). Virtual stage 0 runs ``pre`` on the micro-batch first;
-  the last virtual stage runs ``post`` (head and loss) and keeps ``d loss / d y``.
-* **B**: the stored per-layer vjps run in reverse on the received cotangent.
-  With a fused backward it also accumulates the weight gradients; with a split
-  backward (zero-bubble) it keeps each layer's output cotangent for **W**, which
-  later computes the weight gradients from them. Virtual stage 0 backprops ``pre``.
+* **F**: ``pre`` (virtual stage 0), the chunk's layers with one ``jax.vjp`` each
+  (residuals to a slot of a buffer sized by the table's peak in-flight count, not
+  by ``m``), then ``post`` and ``d loss / d y`` (last virtual stage) or a send.
+* **B**: the stored vjps in reverse on the received cotangent, accumulating the
+  weight gradients (fused) or keeping each layer's output cotangent for **W**
+  (split, zero-bubble); then ``pre``'s vjp (virtual stage 0) or a send.
 
-The switch reads and writes one slot of each buffer (a :class:`SlotView` in, a
-:class:`TickIO` out): the buffers themselves (:class:`PipelineState`) never
-enter it, since a conditional would copy them. After the switch, ``ppermute``
-sends activations forward and cotangents backward, only between the stages that
-send at that tick (wrap-around ``p-1 -> 0`` for interleaved chunks): each
-distinct set of pairs is one ``ppermute``, chosen by a ``lax.switch`` whose
-index is the same on every device. The other mesh axes stay automatic, so data
-/ ZeRO / tensor parallelism work inside a stage. Gradients accumulate over
-micro-batches; ``pre`` and ``post`` add into one gradient of ``outer``, summed
-over ``pipe`` once at the end. The result equals the non-pipelined loss and gradients.
+The switch reads one slot of each buffer (a :class:`SlotView`) and returns what
+to write back and send (a :class:`TickIO`); the buffers (:class:`PipelineState`)
+never enter it, as a conditional would copy them. Then ``ppermute`` sends
+activations forward and cotangents backward between the stages that send at that
+tick (wrap-around ``p-1 -> 0`` for interleaved chunks): one ``ppermute`` per
+distinct set of pairs, chosen by a ``lax.switch`` whose index is the same on every
+device. The other mesh axes stay automatic, so data / ZeRO / tensor parallelism
+work inside a stage. ``pre`` and ``post`` add into one gradient of ``outer``,
+summed over ``pipe`` once at the end. The result equals the non-pipelined run.
 
 Example::
 
@@ -93,7 +89,7 @@ class TickRow(NamedTuple):
 
 class _Table(NamedTuple):
     kinds: list        # the distinct ActionKinds: branch i runs kinds[i]
-    fwd_pats: list     # the distinct sets of (source, target) pairs sending forward
+    fwd_pats: list     # the distinct sets of (source, target) pairs sending forward / backward
     bwd_pats: list
     rows: TickRow
 
@@ -113,30 +109,28 @@ class PipelineState(NamedTuple):
 class TickIO(NamedTuple):
     """What an action hands back: the slots to write back, the sums and the sends."""
 
-    dy_out: Any
-    g_chunk: Any
+    dy_out: Any        # -> inbox_b[dy]: F (last) writes d loss / d y
+    g_chunk: Any       # -> g_blocks[chunk]
     g_outer: Any
-    gys: Any
+    gys: Any           # -> grads_y[grad]: B (split) writes the per-layer cotangents
     loss: Any
-    res: list
+    res: list          # -> res[res]: F writes the residuals
     send_b: Any        # cotangent for the previous virtual stage (zeros when none)
     send_f: Any        # activation for the next virtual stage (zeros when none)
 
 
 class SlotView(NamedTuple):
-    """One slot of each buffer, read at a tick: the operand of the action switch."""
+    """One slot of each buffer, read at a tick: the operand of the action switch. (The
+    field order is the switch's operand order, which XLA's buffer assignment follows.)"""
 
-    dy: Any            # inbox_b[inbox]
+    dy: Any            # inbox_b[inbox]: B's received cotangent
     dy_out: Any        # inbox_b[dy]
     g_chunk: Any       # g_blocks[chunk]
     g_outer: Any
-    gys: Any           # grads_y[grad]
+    gys: Any           # grads_y[grad]: W's cotangents
     loss: Any
-    res: list          # res[res]
-    x: Any             # inbox_f[inbox]
-
-    def unchanged(self, no_send) -> TickIO:
-        return TickIO(self.dy_out, self.g_chunk, self.g_outer, self.gys, self.loss, self.res, no_send, no_send)
+    res: list          # res[res]: B's and W's residuals
+    x: Any             # inbox_f[inbox]: F's received activation
 
 
 class _LayerVJP:
@@ -158,15 +152,9 @@ class _LayerVJP:
         self.layout = box["layout"]
 
     def forward(self, p, x):
-        """``(y, stored residuals)`` of one layer."""
+        """``(y, stored residuals)`` of one layer; an error if they differ from the probe's."""
         y, pullback = jax.vjp(self.layer, p, x)
-        stored, layout = split_pullback(pullback, p)
-        if layout.from_params != self.layout.from_params or \
-                [(r.shape, r.dtype) for r in stored] != [(r.shape, r.dtype) for r in self.stored]:
-            raise RuntimeError("pipeline executor: this layer's residuals differ between two traces of the "
-                               "same layer, so stored residuals could be misread. Please report it with the "
-                               "layer; remat='full' (residuals = inputs only) avoids it.")
-        return y, stored
+        return y, split_pullback(pullback, p, like=self.layout)[0]
 
     def pullback(self, p, stored):
         return join_pullback(self.layout, stored, p)
@@ -226,6 +214,11 @@ class _Stage:
     def _cast(self, a):
         return a.astype(self.x.dtype)
 
+    def _unchanged(self, view: SlotView) -> TickIO:
+        """Every slot written back as it was read; nothing sent."""
+        none = jnp.zeros(self.x.shape, self.x.dtype)
+        return TickIO(view.dy_out, view.g_chunk, view.g_outer, view.gys, view.loss, view.res, none, none)
+
     def _each_layer(self, one: Callable, skip: Callable, n) -> Callable:
         """A scan step: ``one`` on a real layer, ``skip`` on padding (the item's last entry
         is the layer index; the check is compiled only when some stage is short)."""
@@ -268,7 +261,7 @@ class _Stage:
     def branch(self, kind: ActionKind) -> Callable[[SlotView, Slots], TickIO]:
         """The switch branch of ``kind``: ``(view, slots) -> TickIO``."""
         if kind.op == "idle":
-            return lambda view, sl: view.unchanged(jnp.zeros(self.x.shape, self.x.dtype))
+            return lambda view, sl: self._unchanged(view)
         action = {"F": self.forward, "B": self.backward, "W": self.weights}[kind.op]
         return lambda view, sl: action(kind, view, sl)
 
@@ -278,7 +271,7 @@ class _Stage:
         n, bp, mb = self.n_layers[sl.chunk], _index(self.blocks, sl.chunk), _index(self.mbs, sl.mb)
         x = self.parts.pre(self.outer, mb) if kind.first else view.x
         y, res = self.forward_layers(bp, x, n)
-        io = view.unchanged(jnp.zeros(self.x.shape, self.x.dtype))._replace(res=res)
+        io = self._unchanged(view)._replace(res=res)
         if not kind.last:
             return io._replace(send_f=self._cast(y))
         loss, (g_outer, dy) = jax.value_and_grad(self.parts.post, argnums=(0, 1))(self.outer, y, mb)
@@ -290,7 +283,7 @@ class _Stage:
         pullback into the gradient of ``outer`` (first) or a send to the previous virtual stage."""
         bp, mb = _index(self.blocks, sl.chunk), _index(self.mbs, sl.mb)
         dx, per_layer = self.backward_layers(bp, view.res, view.dy, self.n_layers[sl.chunk])
-        io = view.unchanged(jnp.zeros(self.x.shape, self.x.dtype))
+        io = self._unchanged(view)
         io = io._replace(gys=per_layer) if self.split else io._replace(g_chunk=_accumulate(view.g_chunk, per_layer))
         if not kind.first:
             return io._replace(send_b=self._cast(dx))
@@ -300,7 +293,7 @@ class _Stage:
     def weights(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
         """W (split backward): the chunk's weight gradients from the cotangents B kept."""
         dps = self.weight_layers(_index(self.blocks, sl.chunk), view.res, view.gys, self.n_layers[sl.chunk])
-        io = view.unchanged(jnp.zeros(self.x.shape, self.x.dtype))
+        io = self._unchanged(view)
         return io._replace(g_chunk=_accumulate(view.g_chunk, dps))
 
 
@@ -342,15 +335,31 @@ def _exchange(st: PipelineState, table: _Table, row: TickRow, s, io: TickIO) -> 
     return st._replace(inbox_f=inbox_f, inbox_b=inbox_b)
 
 
-def _tick(stage: _Stage, table: _Table, branches: list, st: PipelineState, row: TickRow):
+def _tick(stage: _Stage, table: _Table, branches: list, pin: Callable, st: PipelineState, row: TickRow):
     """Read one slot of each buffer, run this stage's action on it, write it back, send."""
     sl = Slots(*(_get(a, stage.index) for a in row.slots))
     io = jax.lax.switch(_get(row.kind, stage.index), branches, _read(st, sl), sl)
-    return _exchange(_write(st, sl, io), table, row, stage.index, io), None
+    st = _write(st, sl, io)
+    return _exchange(st._replace(g_outer=pin(st.g_outer)), table, row, stage.index, io), None
+
+
+def _stage_counts(program: Program, mesh, stage_layers: Sequence[int]) -> np.ndarray:
+    """``stage_layers`` as ``[chunk, stage]``, or an error naming what does not fit."""
+    sched = program.schedule
+    p, v, pipe = sched.num_stages, sched.num_chunks, dict(mesh.shape).get(PIPE, 1)
+    if pipe != p:
+        raise ValueError(f"the schedule {sched.name!r} has {p} stages but the mesh's {PIPE!r} axis has size "
+                         f"{pipe}; build the schedule with num_stages equal to the pipe axis (mesh axes: "
+                         f"{dict(mesh.shape)}).")
+    counts = np.asarray(stage_layers, np.int32)
+    if counts.shape != (p * v,) or (counts < 1).any():
+        raise ValueError(f"stage_layers={tuple(stage_layers)}: the schedule {sched.name!r} has {p * v} virtual "
+                         f"stages (pipe={p} x chunks={v}); give one positive layer count per virtual stage.")
+    return counts.reshape(v, p)
 
 
 def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program, *,
-                            stage_layers: Sequence[int]) -> Callable:
+                            stage_layers: Sequence[int], outer_shardings: Any = None) -> Callable:
     """Build ``fn(outer, blocks, microbatches) -> (loss, (g_outer, g_blocks))``.
 
     - ``outer``: the parameters of ``parts.pre`` and ``parts.post`` (one tree;
@@ -363,22 +372,24 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
 
     The loss is the mean of the micro-batch losses; the gradients are those of
     that mean (float32), ``g_blocks`` in the ``blocks`` layout. ``g_outer`` adds
-    ``pre``'s and ``post``'s gradients (tied weights get both).
+    ``pre``'s and ``post``'s gradients (tied weights get both). ``outer_shardings`` (a tree
+    like ``outer`` of ``NamedSharding``s, no ``pipe`` axis) pins the layout of ``g_outer``'s
+    accumulator to the one ``outer`` comes in: left free, XLA may reshard the gradients
+    inside the first / last stage's branch with permutes over every device (a deadlock).
     """
-    sched = program.schedule
-    p, v = sched.num_stages, sched.num_chunks
-    if dict(mesh.shape).get(PIPE, 1) != p:
-        raise ValueError(f"the schedule {sched.name!r} has {p} stages but the mesh's {PIPE!r} axis has size "
-                         f"{dict(mesh.shape).get(PIPE, 1)}; build the schedule with num_stages equal to the "
-                         f"pipe axis (mesh axes: {dict(mesh.shape)}).")
-    counts = np.asarray(stage_layers, np.int32).reshape(v, p)      # [chunk, stage]
+    p, v = program.schedule.num_stages, program.schedule.num_chunks
+    counts = _stage_counts(program, mesh, stage_layers)      # [chunk, stage]
+    lmax = int(counts.max())
     table = _table(program)
 
     def body(outer, blocks, mbs):
         stage = _Stage(parts, program, counts, outer, jax.tree.map(lambda a: a[:, 0], blocks), mbs)
         branches = [stage.branch(k) for k in table.kinds]
-        st, _ = jax.lax.scan(functools.partial(_tick, stage, table, branches),
-                             _initial_state(program, stage), table.rows)
+        pin = (lambda t: t) if outer_shardings is None else \
+            (lambda t: jax.tree.map(jax.lax.with_sharding_constraint, t, outer_shardings))
+        init = _initial_state(program, stage)
+        st, _ = jax.lax.scan(functools.partial(_tick, stage, table, branches, pin),
+                             init._replace(g_outer=pin(init.g_outer)), table.rows)
         g_blocks = jax.tree.map(lambda a: a[:, None], st.g_blocks)
         return jax.lax.psum(st.loss, PIPE) / stage.m, (jax.lax.psum(st.g_outer, PIPE), g_blocks)
 
@@ -387,10 +398,11 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
     inner_rules = drop_axes(rules, (PIPE,))
 
     def fn(outer, blocks, mbs):
-        lead = jax.tree.leaves(blocks)[0].shape[:2]
-        if lead != (v, p):
-            raise ValueError(f"pipeline blocks must be laid out [chunks={v}, stages={p}, layers, ...]; got "
-                             f"leading dims {lead}. Lay them out with jaxpar.pipeline.to_stages.")
+        lead = jax.tree.leaves(blocks)[0].shape[:3]
+        if lead != (v, p, lmax):
+            raise ValueError(f"pipeline blocks must be laid out [chunks={v}, stages={p}, layers={lmax}, ...] for "
+                             f"stage_layers={tuple(stage_layers)}; got leading dims {lead}. Lay them out with "
+                             "jaxpar.pipeline.to_stages(blocks, stage_layers, p, v).")
         smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE}, check_vma=False,
                              in_specs=(rep(outer), stage_spec(blocks), rep(mbs)),
                              out_specs=(P(), (rep(outer), stage_spec(blocks))))

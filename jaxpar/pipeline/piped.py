@@ -3,9 +3,28 @@ run the schedule, bring the gradients back into the parameters' layout.
 
 Example::
 
-    >>> fn = make_pipeline_loss_and_grad(loss_fn, graphdef, mesh, rules, param_specs, grad_specs,
-    ...                                  Strategy(microbatches=8, schedule="1f1b"))   # doctest: +SKIP
-    >>> loss, grads = jax.jit(fn)(params, batch)                                      # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from flax import nnx
+    >>> from jax.sharding import PartitionSpec as P
+    >>> class Tiny(nnx.Module):                  # an input layer, then 2 stacked layers
+    ...     def __init__(self):
+    ...         self.w_in = nnx.Param(jnp.full((3, 4), 0.5))
+    ...         self.blocks = nnx.Param(jnp.stack([jnp.eye(4)] * 2))     # leading ``layers`` axis
+    ...     def __call__(self, x):
+    ...         return jaxpar.run_layers(lambda w, h: jnp.tanh(h @ w), self.blocks[...], x @ self.w_in[...])
+    >>> loss_fn = lambda model, batch: jnp.mean(model(batch["x"]) ** 2)
+    >>> graphdef, params = nnx.split(Tiny())
+    >>> params = nnx.to_pure_dict(params)
+    >>> mesh = jaxpar.make_mesh({"pipe": 2}, devices=jax.devices()[:2])    # one layer per stage
+    >>> strategy = jaxpar.Strategy(microbatches=2, schedule="1f1b")
+    >>> rules, specs = strategy.rules(mesh), jax.tree.map(lambda _: P(), params)   # replicated, for brevity
+    >>> fn = make_pipeline_loss_and_grad(loss_fn, graphdef, mesh, rules, specs, specs, strategy)
+    >>> batch = {"x": jnp.arange(12.0).reshape(4, 3) / 12}
+    >>> with jaxpar.use_rules(mesh, rules):
+    ...     loss, grads = jax.jit(fn)(params, batch)
+    >>> ref_loss, ref_grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
+    >>> bool(jnp.allclose(loss, ref_loss)), jax.tree.map(lambda a, b: bool(jnp.allclose(a, b)), grads, ref_grads)
+    (True, {'blocks': True, 'w_in': True})
 """
 from __future__ import annotations
 
@@ -15,9 +34,11 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..batch import split_microbatches
-from ..rules import named_shardings, without_rules
+from ..mesh import data_axes
+from ..rules import axes_of, named_shardings, without_rules
 from .cut import ModelCut, cut_model
 from .executor import pipeline_value_and_grad
+from .parts import PipelineParts
 from .partition import check_stage_layers, from_stages, layer_costs, partition_layers, to_stages, uniform_layers
 from .program import lower
 from .schedules import get_schedule
@@ -43,6 +64,27 @@ def check_pipeline_strategy(strategy, mesh) -> None:
                          "reorders sequence-parallel activations with collective-permutes that span every pipeline "
                          "stage, which would deadlock inside a stage's own branch. Use sequence_parallel=False "
                          "with pipe > 1 (tensor parallelism itself works).")
+
+
+def _whole_over_data_axes(specs: list, mesh) -> list:
+    """Shardings of the parameters around the blocks gathered over the data axes (ZeRO-3 /
+    FSDP shards), other axes kept: they are gathered once per step, outside the schedule.
+    Left sharded, XLA reshards them inside the first / last stage's branch with
+    collective-permutes over every device, which only that stage runs (a deadlock)."""
+    drop = set(data_axes(mesh))
+
+    def whole(spec):
+        entries = [tuple(a for a in axes_of(e) if a not in drop) for e in spec]
+        return NamedSharding(mesh, PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries)))
+
+    return [whole(sp) for sp in specs]
+
+
+def _pinned(parts: PipelineParts, shardings: list) -> PipelineParts:
+    """``parts`` whose ``pre`` / ``post`` see ``outer`` (and so produce its gradient) in ``shardings``."""
+    pin = lambda outer: jax.tree.map(jax.lax.with_sharding_constraint, outer, shardings)   # noqa: E731
+    return PipelineParts(pre=lambda outer, mb: parts.pre(pin(outer), mb), layer=parts.layer,
+                         post=lambda outer, y, mb: parts.post(pin(outer), y, mb))
 
 
 def _stage_layers(strategy, cut: ModelCut, outer, blocks, microbatch, stages: int) -> tuple[int, ...]:
@@ -82,7 +124,10 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
         _, block_specs = cut.split(param_specs)
         stage_sh = jax.tree.map(lambda sp: NamedSharding(mesh, PartitionSpec(None, "pipe", None, *tuple(sp)[1:])),
                                 block_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        run = pipeline_value_and_grad(cut.parts, mesh, rules, program, stage_layers=stage_layers)
+        whole = _whole_over_data_axes(cut.split(param_specs)[0], mesh)
+        outer = jax.lax.with_sharding_constraint(outer, whole)
+        run = pipeline_value_and_grad(_pinned(cut.parts, whole), mesh, rules, program, stage_layers=stage_layers,
+                                      outer_shardings=whole)
         staged = jax.lax.with_sharding_constraint(to_stages(blocks, stage_layers, p, v), stage_sh)
         loss, (g_outer, g_blocks) = run(outer, staged, mbs)
         grads = cut.merge(g_outer, from_stages(g_blocks, stage_layers, num_layers))

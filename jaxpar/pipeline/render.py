@@ -4,8 +4,13 @@ Uses matplotlib's object API with an explicit Agg canvas, so it never touches
 pyplot or the process-wide backend of other users.
 
 Example:
+    >>> import os, pathlib, shutil, tempfile
     >>> from jaxpar.pipeline.schedules import one_f_one_b
-    >>> render_png(one_f_one_b(4, 8), "/tmp/1f1b.png")  # doctest: +SKIP
+    >>> d = tempfile.mkdtemp()
+    >>> path = render_png(one_f_one_b(4, 8), os.path.join(d, "1f1b.png"))
+    >>> pathlib.Path(path).read_bytes()[:4]
+    b'\\x89PNG'
+    >>> shutil.rmtree(d)
 """
 from __future__ import annotations
 
@@ -32,7 +37,13 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120)
     draws the unit-tick table; ``timed=True`` draws the cost-model timeline
     (fused B twice as wide), whose idle share is the title's bubble fraction.
 
-    >>> render_png(one_f_one_b(4, 8), "1f1b.png", timed=True)  # doctest: +SKIP
+    >>> import os, shutil, tempfile
+    >>> from jaxpar.pipeline.schedules import one_f_one_b
+    >>> d = tempfile.mkdtemp()
+    >>> path = render_png(one_f_one_b(2, 4), os.path.join(d, "1f1b.png"), timed=True)
+    >>> os.path.basename(path), os.path.getsize(path) > 0
+    ('1f1b.png', True)
+    >>> shutil.rmtree(d)
     """
     if not isinstance(schedule, Schedule):
         raise ValueError(f"schedule must be a Schedule, got {type(schedule).__name__}")

@@ -19,12 +19,29 @@ train state's arrays, written by every process for its own shards) and ``meta``
 
 Example::
 
-    >>> ckpt = Checkpointer("runs/demo/checkpoints", every=100, keep=3)       # doctest: +SKIP
-    >>> if ckpt.should_save(step):                                            # doctest: +SKIP
+    >>> import shutil, tempfile
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+    >>> from jaxpar.train.state import TrainState
+    >>> mesh = jaxpar.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
+    >>> w = jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(mesh, P("fsdp")))
+    >>> state = TrainState(jnp.int32(100), {"w": w}, ())       # saved split over 2 devices
+    >>> d = tempfile.mkdtemp()
+    >>> ckpt = Checkpointer(d, every=100, keep=3)
+    >>> step = 100
+    >>> if ckpt.should_save(step):
     ...     ckpt.save(step, state, {"data": {"next_step": step}})
-    >>> restored = ckpt.restore(layout)            # latest good checkpoint    # doctest: +SKIP
-    >>> restored.step, restored.meta["data"], restored.state.params            # doctest: +SKIP
-    >>> ckpt.close()                               # waits for pending writes  # doctest: +SKIP
+    True
+    >>> ckpt.wait()                                # restore sees finished saves only
+    >>> one = SingleDeviceSharding(jax.devices()[0])          # restored onto one device
+    >>> target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), state)
+    >>> restored = ckpt.restore(target)            # latest good checkpoint (or ckpt.restore(layout))
+    >>> restored.step, restored.meta["data"], restored.state.params["w"].sharding == one
+    (100, {'next_step': 100}, True)
+    >>> restored.state.params["w"].tolist()
+    [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+    >>> ckpt.close()                               # waits for pending writes
+    >>> shutil.rmtree(d)
 """
 
 from __future__ import annotations

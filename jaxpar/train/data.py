@@ -233,8 +233,11 @@ def process_rows(sharding, batch_size: int) -> np.ndarray:
     only its split of the leading dimension matters. With one process: all rows.
     This is the order :func:`jax.make_array_from_process_local_data` expects.
 
-    >>> process_rows(batch_sharding(mesh), 16)        # doctest: +SKIP
-    array([0, 1, 2, 3, 4, 5, 6, 7])                    # process 0 of 2
+    >>> import jax, jaxpar
+    >>> from jaxpar.batch import batch_sharding
+    >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    >>> process_rows(batch_sharding(mesh), 8)   # one process: all rows (process 0 of 2 would get 0..3)
+    array([0, 1, 2, 3, 4, 5, 6, 7])
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"process_rows(batch_size={batch_size!r}): must be a positive int.")
@@ -286,8 +289,15 @@ def make_global_batch(batch_fn: Callable, step: int, mesh) -> Any:
     ``rows`` builds the whole host batch and each process keeps its own rows. With
     one process the result equals ``shard_batch(batch_fn(step), mesh)``.
 
-    >>> batch = make_global_batch(partial(synthetic_batch, batch_size=16, seq_len=8, vocab=64),
-    ...                           step=3, mesh=mesh)    # doctest: +SKIP
+    >>> from functools import partial
+    >>> import jax, numpy as np, jaxpar
+    >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    >>> batch_fn = partial(synthetic_batch, batch_size=16, seq_len=8, vocab=64)
+    >>> batch = make_global_batch(batch_fn, step=3, mesh=mesh)
+    >>> batch["tokens"].shape, batch["tokens"].sharding.spec
+    ((16, 8), P(('data', 'fsdp'),))
+    >>> bool((np.asarray(batch["tokens"]) == batch_fn(3)["tokens"]).all())   # the same rows as one host batch
+    True
     """
     import jax
 

@@ -18,13 +18,27 @@ checkpoint points: the next host batch is built while the device computes.
 
 Example::
 
-    >>> step = make_train_step(lm_loss, tx, layout, strategy, lr_schedule=sched)      # doctest: +SKIP
-    >>> evaluate = make_eval_fn(lm_loss, layout, strategy, eval_batches)             # doctest: +SKIP
-    >>> state, summary = train(step, state, lambda i: text_batch(corpus, i, batch_size=32, seq_len=64),
-    ...                        mesh=layout.mesh, steps=300, eval_fn=evaluate, eval_every=100,
-    ...                        log=LogOptions(log_every=20, out_dir="runs/demo"))     # doctest: +SKIP
-    >>> summary.first_loss, summary.last_loss                                         # doctest: +SKIP
-    (5.55, 2.31)
+    >>> import os, shutil, tempfile
+    >>> import jax, numpy as np, optax, jaxpar
+    >>> from flax import nnx
+    >>> from jaxpar.models.mlp import MLPClassifier, classifier_loss
+    >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    >>> tx = optax.adam(0.05)
+    >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=2, depth=1, rngs=nnx.Rngs(0))
+    >>> state, layout = jaxpar.init_train_state(model_fn, tx, mesh)
+    >>> step = jaxpar.make_train_step(classifier_loss, tx, layout)
+    >>> def batch_fn(i):                         # depends on the step number alone: resumable
+    ...     x = np.random.default_rng(i).normal(size=(8, 4)).astype(np.float32)
+    ...     return {"x": x, "y": (x[:, 0] > 0).astype(np.int32)}
+    >>> evaluate = make_eval_fn(classifier_loss, layout, batches=[batch_fn(10_000)])
+    >>> d = tempfile.mkdtemp()
+    >>> state, summary = train(step, state, batch_fn, mesh=mesh, steps=30, eval_fn=evaluate, eval_every=10,
+    ...                        log=LogOptions(log_every=10, out_dir=d, progress="none"))
+    >>> int(state.step), summary.last_loss < summary.first_loss, summary.eval_loss < 0.2
+    (30, True, True)
+    >>> sorted(os.listdir(d))
+    ['loss.png', 'metrics.jsonl']
+    >>> shutil.rmtree(d)
 """
 
 from __future__ import annotations
@@ -220,8 +234,18 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
 
     Example::
 
-        >>> state, summary = train(step, state, batch_fn, mesh=mesh, steps=100,
-        ...                        log=LogOptions(log_every=10, out_dir="runs/demo"))  # doctest: +SKIP
+        >>> import jax, jax.numpy as jnp, numpy as np, jaxpar
+        >>> from jaxpar.train.state import TrainState
+        >>> def step(state, batch):              # any (state, batch) -> (state, metrics); here: w -> mean(batch)
+        ...     grad = state.params - batch.mean()
+        ...     new = state._replace(step=state.step + 1, params=state.params - 0.5 * grad)
+        ...     return new, {"loss": 0.5 * jnp.mean((state.params - batch) ** 2), "grad_norm": jnp.linalg.norm(grad)}
+        >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+        >>> state = TrainState(jnp.int32(0), jnp.zeros(2), ())
+        >>> state, summary = train(step, state, lambda i: np.ones((2, 2), np.float32), mesh=mesh, steps=4,
+        ...                        log=LogOptions(log_every=2, progress="none"))
+        >>> int(state.step), summary.first_loss, summary.last_loss
+        (4, 0.5, 0.0078125)
     """
     log = _log_options(log, log_options)
     stop_check_every = log.log_every if stop_check_every is None else stop_check_every

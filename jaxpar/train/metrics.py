@@ -17,7 +17,7 @@ Example::
     >>> round(f / 1e6)                                 # 6 x 85M + 12 x 12 x 1024 x 768
     623
     >>> round(mfu(4.5e5, f, peak_flops=989e12, devices=1), 3)
-    0.283
+    0.284
 """
 
 from __future__ import annotations

@@ -10,12 +10,16 @@
 
 Example (the loop of :func:`~jaxpar.train.loop.train`, reduced)::
 
-    >>> agreement = StopAgreement(every=10)                                    # doctest: +SKIP
-    >>> with StopSignals() as signals:                                         # doctest: +SKIP
-    ...     for step in range(start, end):
-    ...         state, _ = step_fn(state, batch_fn(step))
+    >>> import signal
+    >>> agreement = StopAgreement(every=10)
+    >>> with StopSignals() as signals:
+    ...     for step in range(0, 100):
+    ...         if step == 2:                    # stands for state, _ = step_fn(state, batch_fn(step))
+    ...             signal.raise_signal(signal.SIGTERM)   # the job is evicted during step 2
     ...         if agreement.check(step + 1, signals.received) is not None:
     ...             break                    # every process stops here: save a checkpoint of step + 1
+    >>> step + 1, signals.received
+    (3, 'SIGTERM')
 """
 
 from __future__ import annotations
@@ -66,8 +70,14 @@ def catch_stop_signals() -> None:
 
     Example::
 
-        >>> jax.distributed.initialize(...)          # doctest: +SKIP
-        >>> catch_stop_signals()                     # then restore, compile, train(...)
+        >>> import signal
+        >>> catch_stop_signals()                 # first thing (after jax.distributed.initialize, if any)
+        >>> signal.raise_signal(signal.SIGTERM)  # arrives during restore / compilation: recorded, not fatal
+        >>> with StopSignals() as signals:       # the loop starts: it counts as received
+        ...     signals.received
+        'SIGTERM'
+        >>> signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # the early catcher is gone again
+        True
     """
     if _on_main_thread():
         for sig in _SIGNALS:

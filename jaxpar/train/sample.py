@@ -10,10 +10,18 @@ token recomputes the model over a fixed window of ``context`` tokens (the last
 
 Example::
 
-    >>> out = greedy_generate(layout.graphdef, state.params, [b"def main(", b"import "],
-    ...                       context=64, new_tokens=32)                        # doctest: +SKIP
-    >>> out[0]                                                                  # doctest: +SKIP
-    b'def main(self, name):\\n        return self._...'
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> class Next(nnx.Module):                  # a causal byte "model" that always predicts token + 1
+    ...     def __init__(self, vocab):
+    ...         self.table = nnx.Param(jnp.roll(jnp.eye(vocab), 1, axis=1))   # row t: one-hot of t + 1
+    ...     def __call__(self, tokens):          # int32[B, T] -> logits[B, T, vocab]
+    ...         return self.table[...][tokens]
+    >>> graphdef, params = nnx.split(Next(256))  # a trained run: layout.graphdef, state.params
+    >>> greedy_generate(graphdef, params, [b"abc", b"x"], context=4, new_tokens=3)
+    [b'abcdef', b'xyz{']
+    >>> greedy_generate(graphdef, params, [[1, 2]], context=4, new_tokens=2)    # token lists in, lists out
+    [[1, 2, 3, 4]]
 """
 
 from __future__ import annotations

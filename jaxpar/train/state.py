@@ -4,10 +4,20 @@ No full copy of the parameters or optimizer state ever sits on one device.
 
 Example::
 
-    >>> mesh = make_mesh(MeshSpec(fsdp=8))                                   # doctest: +SKIP
-    >>> state, layout = init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)),
-    ...                                  optax.adamw(1e-3), mesh, Strategy())  # doctest: +SKIP
-    >>> layout.abstract_state()   # ShapeDtypeStruct(..., sharding=...) tree for Orbax restore
+    >>> import jax, optax
+    >>> from flax import nnx
+    >>> from jaxpar import MeshSpec, Strategy, make_mesh
+    >>> from jaxpar.models.mlp import MLPClassifier
+    >>> mesh = make_mesh(MeshSpec(fsdp=2), devices=jax.devices()[:2])
+    >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
+    >>> state, layout = init_train_state(model_fn, optax.adamw(1e-3), mesh, Strategy())
+    >>> layout.logical["up"][0]["kernel"], state.params["up"][0]["kernel"].sharding.spec
+    (P('embed', 'mlp'), P('fsdp', 'tensor'))
+    >>> state.opt_state[0].mu["up"][0]["kernel"].sharding.spec     # Adam moments: the same layout
+    P('fsdp', 'tensor')
+    >>> target = layout.abstract_state()   # ShapeDtypeStruct(..., sharding=...) tree for Orbax restore
+    >>> target.params["up"][0]["kernel"]
+    ShapeDtypeStruct(shape=(8, 8), dtype=float32, sharding=NamedSharding(...spec=P('fsdp', 'tensor')...))
 """
 
 from __future__ import annotations

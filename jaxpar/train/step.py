@@ -9,8 +9,21 @@ takes over: explicit per-layer data-parallel collectives, or the pipeline cut.
 
 Example::
 
-    >>> step = make_train_step(loss_fn, tx, layout, strategy, clip_norm=1.0)   # doctest: +SKIP
-    >>> state, metrics = step(state, batch)                                    # doctest: +SKIP
+    >>> import jax, numpy as np, optax, jaxpar
+    >>> from flax import nnx
+    >>> from jaxpar.models.mlp import MLPClassifier, classifier_loss
+    >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    >>> tx, strategy = optax.sgd(0.1), jaxpar.Strategy(zero=1)
+    >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
+    >>> state, layout = jaxpar.init_train_state(model_fn, tx, mesh, strategy)
+    >>> step = make_train_step(classifier_loss, tx, layout, strategy, clip_norm=1.0)
+    >>> batch = {"x": np.ones((8, 4), np.float32), "y": np.zeros(8, np.int32)}   # split over ``data``
+    >>> state, metrics = step(state, batch)
+    >>> int(state.step), sorted(metrics)
+    (1, ['grad_norm', 'loss'])
+    >>> state, again = step(state, batch)
+    >>> float(again["loss"]) < float(metrics["loss"])
+    True
 """
 
 from __future__ import annotations
