@@ -36,7 +36,8 @@ def setup_devices(n: int) -> None:
     ``n == 0`` JAX picks its own backend (GPU / TPU if present). A backend already up
     with exactly ``n`` devices is fine (e.g. under pytest).
 
-    >>> setup_devices(8)   # doctest: +SKIP
+    >>> import jax
+    >>> setup_devices(jax.device_count())   # the backend is up with that many devices: nothing to do
     """
     from .config import ConfigError
     from .mesh import use_devices

@@ -15,14 +15,21 @@ detected fatal errors"). A dead coordinator (process 0) is noticed at once; anot
 dead process after ``heartbeat_timeout`` seconds. A collective with a dead peer
 fails at once on CPU ("Gloo all-reduce failed ... Connection reset by peer").
 
-Example (two processes on one machine, 4 CPU devices each)::
+Example (two processes on one machine, 4 CPU devices each): process 0 runs
+``initialize("127.0.0.1:12355", num_processes=2, process_id=0, local_device_count=4)``
+first thing. Who it is comes from :func:`resolve`, which touches nothing::
 
-    >>> info = initialize("127.0.0.1:12355", num_processes=2, process_id=0,
-    ...                   local_device_count=4)              # doctest: +SKIP
-    >>> info.describe()                                      # doctest: +SKIP
-    'process 0 of 2 (explicit flags), coordinator 127.0.0.1:12355'
-    >>> resolve().method                                     # no flags, no cluster env
+    >>> info = resolve("127.0.0.1:12355", num_processes=2, process_id=0, environ={})
+    >>> info.describe(), info.multiprocess
+    ('process 0 of 2 (explicit flags), coordinator 127.0.0.1:12355', True)
+    >>> split_devices(8, num_processes=2)                    # train.devices=8 over 2 processes
+    4
+    >>> resolve(environ={}).method                           # no flags, no cluster env
     'single'
+    >>> resolve(num_processes=2, process_id=0, environ={})
+    Traceback (most recent call last):
+    ...
+    jaxpar.distributed.DistributedError: no coordinator address for 2 processes (explicit flags): pass --coordinator ...
 """
 
 from __future__ import annotations

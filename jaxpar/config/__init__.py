@@ -20,11 +20,14 @@ Modules, in import order (each imports only those above it):
 
 Example::
 
-    >>> cfg = load_config("configs/quickstart.yaml", ["mesh.tensor=1", "mesh.data=4"])   # doctest: +SKIP
-    >>> cfg.mesh                                                                         # doctest: +SKIP
+    >>> from pathlib import Path
+    >>> quickstart = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+    >>> load_config(quickstart, ["mesh.tensor=1", "mesh.data=4"]).mesh
     MeshConfig(data=4, fsdp=2, tensor=1, pipe=1)
-    >>> load_config("configs/quickstart.yaml", ["model.embedd=64"])                      # doctest: +SKIP
-    ConfigError: overrides: unknown key 'model.embedd'; allowed keys under 'model': name, target, ...
+    >>> load_config(quickstart, ["model.embedd=64"])
+    Traceback (most recent call last):
+    ...
+    jaxpar.config.schema.ConfigError: overrides: unknown key 'model.embedd'; allowed keys under 'model': ...
 """
 
 from __future__ import annotations
