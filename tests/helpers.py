@@ -93,9 +93,7 @@ def abstract_batch(batch=GLOBAL_BATCH, cfg=CFG):
 
 
 def compile_step(sizes, strategy=jaxpar.Strategy(), cfg=CFG, batch=GLOBAL_BATCH, **step_kw):
-    mesh, state, layout, _ = setup(sizes, strategy, cfg)
-    tx = optax.adamw(1e-3, weight_decay=0.1)
-    step = jaxpar.make_train_step(lm_loss, tx, layout, strategy, **step_kw)
+    mesh, state, layout, step = setup(sizes, strategy, cfg, **step_kw)
     return mesh, layout, step.lower(state, abstract_batch(batch, cfg)).compile()
 
 
@@ -145,7 +143,7 @@ def adam_atol(ref_grad, lr: float, steps: int, b1: float = 0.9, b2: float = 0.99
       and ``sqrt(v_hat_t) >= sqrt(u_1) |g_1|`` (step 1's share of ``v_hat_t``, ~1/t).
 
     Summed: ``|dparam| <= lr * sum_t min(2 r_t, (1 + r_t) delta / (sqrt(u_1) |g_1| + eps))``,
-    an atol ``c * lr * steps`` with a per-element ``c``: ~2e-4 where the first gradient is far
+    an atol ``c * lr * steps`` with a per-element ``c``: ~3e-4 where the first gradient is far
     above round-off (almost everywhere), up to ~2 where it is within round-off of zero
     (0.1 % of the test GPT's elements). (Weight decay only adds ``lr * wd * dparam``.)
     Example: Adam turns a 1e-9 difference in a 5e-8 gradient into a 3e-6 difference in a
