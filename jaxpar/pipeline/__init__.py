@@ -1,6 +1,9 @@
-"""Pipeline parallelism: schedule tables as data (schedules.py), their lowering to slotted
-per-tick programs (program.py), the shard_map executor (executor.py), stage partitioning
-(partition.py), how a model is cut (parts.py) and Gantt charts (render.py)."""
+"""Pipeline parallelism: schedule tables as data (table.py: types and validation; schedules.py:
+the builders; metrics.py: bubble and in-flight counts), their lowering to slotted per-tick
+programs (program.py), the shard_map executor (executor.py), stage partitioning (partition.py),
+the cut of any model at its stacked blocks (cut.py -> parts.py), the pipelined loss-and-grad of
+a train step (piped.py, loaded by ``make_train_step`` only when ``pipe > 1``) and Gantt charts
+(render.py)."""
 from .executor import pipeline_value_and_grad as pipeline_value_and_grad
 from .partition import (PartitionError as PartitionError, from_stages as from_stages, layer_costs as layer_costs,
                         partition_layers as partition_layers, to_stages as to_stages,

@@ -78,7 +78,7 @@ def _unrun_stacked(layout: StateLayout, sites) -> list[str]:
     return [path_str(path) for i, (path, lg) in enumerate(flat) if tuple(lg)[:1] == (LAYERS,) and i not in ran]
 
 
-def explicit_data_parallel(asked: bool | None, model_loss: Callable, params: Any, batch: Any,
+def explicit_data_parallel(asked: bool | None, loss_fn: Callable, params: Any, batch: Any,
                            layout: StateLayout, strategy: Strategy) -> bool:
     """Whether the step makes the data-axis collectives explicit (:mod:`jaxpar.data_parallel`).
 
@@ -92,7 +92,8 @@ def explicit_data_parallel(asked: bool | None, model_loss: Callable, params: Any
         return False
     sizes = dict(mesh.shape)
     axes = [a for a in data_axes(mesh) if sizes[a] > 1]
-    sites = find_layer_calls(model_loss, params, batch)
+    merged = lambda p, b: loss_fn(nnx.merge(layout.graphdef, p), b)   # noqa: E731  (p: in the compute dtype)
+    sites = find_layer_calls(merged, strategy.cast(params), batch)
     unrun = _unrun_stacked(layout, sites)
     if asked is None:
         return bool(axes and sites and not unrun) and explicit_by_default(sizes, strategy.zero)
@@ -133,7 +134,7 @@ def make_loss_and_grad(loss_fn: Callable, layout: StateLayout, strategy: Strateg
         k = strategy.microbatches
         mbs = split_microbatches(batch, k, mesh) if k > 1 else None
         one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs) if k > 1 else batch
-        explicit = explicit_data_parallel(explicit_dp, model_loss, params, one, layout, strategy)
+        explicit = explicit_data_parallel(explicit_dp, loss_fn, params, one, layout, strategy)
         if k == 1:
             return grad_of(params, batch, explicit)
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), grad_shardings)
