@@ -5,7 +5,7 @@ Example::
     compiled = jax.jit(step).lower(params, batch).compile()
     colls = collectives(compiled, mesh)
     print(collectives_table(colls))
-    assert count(colls, "all-reduce", axes=("data",)) >= 1
+    count(colls, "all-reduce", axes=("data",))    # how many all-reduces span the data axis
 
 This module reads the HLO text (instructions, shapes, which computations run
 inside while loops); :mod:`jaxpar.analysis.replica_groups` expands each

@@ -352,12 +352,11 @@ def _exchange(st: PipelineState, table: _Table, row: TickRow, s, io: TickIO) -> 
     return st._replace(inbox_f=inbox_f, inbox_b=inbox_b)
 
 
-def _tick(stage: _Stage, table: _Table, branches: list, pin: Callable, st: PipelineState, row: TickRow):
+def _tick(stage: _Stage, table: _Table, branches: list, st: PipelineState, row: TickRow):
     """Read one slot of each buffer, run this stage's action on it, write it back, send."""
     sl = Slots(*(_get(a, stage.index) for a in row.slots))
     io = jax.lax.switch(_get(row.kind, stage.index), branches, _read(st, sl), sl)
-    st = _write(st, sl, io)
-    return _exchange(st._replace(g_outer=pin(st.g_outer)), table, row, stage.index, io), None
+    return _exchange(_write(st, sl, io), table, row, stage.index, io), None
 
 
 def _stage_counts(program: Program, mesh, stage_layers: Sequence[int]) -> np.ndarray:
@@ -376,7 +375,7 @@ def _stage_counts(program: Program, mesh, stage_layers: Sequence[int]) -> np.nda
 
 
 def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program, *,
-                            stage_layers: Sequence[int], outer_shardings: Any = None) -> Callable:
+                            stage_layers: Sequence[int]) -> Callable:
     """Build ``fn(outer, blocks, microbatches) -> (loss, (g_outer, g_blocks))``.
 
     - ``outer``: the parameters of ``parts.pre`` and ``parts.post`` (one tree;
@@ -389,10 +388,7 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
 
     The loss is the mean of the micro-batch losses; the gradients are those of
     that mean (float32), ``g_blocks`` in the ``blocks`` layout. ``g_outer`` adds
-    ``pre``'s and ``post``'s gradients (tied weights get both). ``outer_shardings`` (a tree
-    like ``outer`` of ``NamedSharding``s, no ``pipe`` axis) pins the layout of ``g_outer``'s
-    accumulator to the one ``outer`` comes in: left free, XLA may reshard the gradients
-    inside the first / last stage's branch with permutes over every device (a deadlock).
+    ``pre``'s and ``post``'s gradients (tied weights get both).
     """
     p, v = program.schedule.num_stages, program.schedule.num_chunks
     counts = _stage_counts(program, mesh, stage_layers)      # [chunk, stage]
@@ -402,11 +398,8 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
     def body(outer, blocks, mbs):
         stage = _Stage(parts, program, counts, outer, jax.tree.map(lambda a: a[:, 0], blocks), mbs)
         branches = [stage.branch(k) for k in table.kinds]
-        pin = (lambda t: t) if outer_shardings is None else \
-            (lambda t: jax.tree.map(jax.lax.with_sharding_constraint, t, outer_shardings))
-        init = _initial_state(program, stage)
-        st, _ = jax.lax.scan(functools.partial(_tick, stage, table, branches, pin),
-                             init._replace(g_outer=pin(init.g_outer)), table.rows)
+        st, _ = jax.lax.scan(functools.partial(_tick, stage, table, branches),
+                             _initial_state(program, stage), table.rows)
         g_blocks = jax.tree.map(lambda a: a[:, None], st.g_blocks)
         return jax.lax.psum(st.loss, PIPE) / stage.m, (jax.lax.psum(st.g_outer, PIPE), g_blocks)
 

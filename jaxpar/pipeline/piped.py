@@ -126,8 +126,7 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
                                 block_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         whole = _whole_over_data_axes(cut.split(param_specs)[0], mesh)
         outer = jax.lax.with_sharding_constraint(outer, whole)
-        run = pipeline_value_and_grad(_pinned(cut.parts, whole), mesh, rules, program, stage_layers=stage_layers,
-                                      outer_shardings=whole)
+        run = pipeline_value_and_grad(_pinned(cut.parts, whole), mesh, rules, program, stage_layers=stage_layers)
         staged = jax.lax.with_sharding_constraint(to_stages(blocks, stage_layers, p, v), stage_sh)
         loss, (g_outer, g_blocks) = run(outer, staged, mbs)
         grads = cut.merge(g_outer, from_stages(g_blocks, stage_layers, num_layers))
