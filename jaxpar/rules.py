@@ -227,7 +227,8 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
         return x
     mesh, rules = ctx
     spec = logical_to_spec(logical, rules, mesh, shape=x.shape, what=f"activation {tuple(logical)}")
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    inner = jax.sharding.get_abstract_mesh()      # inside a shard_map: its mesh, with the manual axes
+    return jax.lax.with_sharding_constraint(x, NamedSharding(inner if inner.manual_axes else mesh, spec))
 
 
 def drop_axes(rules: LogicalRules, axes: Sequence[str]) -> tuple:

@@ -50,6 +50,8 @@ class Strategy:
     - ``stage_layers``: layers of each virtual stage (uneven pipelines, e.g. from
       :func:`jaxpar.pipeline.partition_layers`); ``None`` splits evenly; ``'auto'``
       balances the compiled FLOPs of the layers, the embedding and the head.
+    - ``compression``: a codec of :mod:`jaxpar.compression` (``qsgd()``, ``powersgd(rank=4)``,
+      ...) for the gradient exchange over the data axes, once per step; ``None``: exact.
     """
 
     zero: int = 0
@@ -60,6 +62,7 @@ class Strategy:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     stage_layers: tuple | str | None = None
+    compression: Any = None
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:
@@ -77,6 +80,10 @@ class Strategy:
                              f"(got {self.schedule!r}); the other schedules run one chunk per stage.")
         if self.stage_layers is not None and self.stage_layers != "auto":
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+        if self.compression is not None:
+            from .compression import check_codec
+
+            check_codec(self.compression)
 
     def rules(self, mesh) -> LogicalRules:
         """Logical rules for this strategy on ``mesh`` (user rules first). With a
@@ -114,4 +121,6 @@ class Strategy:
             parts.append(f"accum{self.microbatches}")
         if self.compute_dtype != "float32":
             parts.append(self.compute_dtype)
+        if self.compression is not None:
+            parts.append(self.compression.name)
         return "-".join(parts) or "single"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import optax
 from flax import nnx
@@ -107,12 +107,29 @@ def build_mesh(cfg: MeshConfig, devices: Sequence[Any] | None = None):
         raise ConfigError(mesh_error(e, cfg)) from None
 
 
+def build_codec(options: Mapping[str, Any]):
+    """The codec of ``parallel.compression`` (``{kind: ..., **options}``; empty: ``None``)."""
+    if not options:
+        return None
+    from ..compression import CODECS, CompressionError, make_codec
+
+    opts = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    if "kind" not in opts:
+        raise ConfigError(f"parallel.compression={dict(options)!r} has no 'kind'; write e.g. "
+                          f"compression: {{kind: powersgd, rank: 4}} (kinds: {', '.join(CODECS)}).")
+    try:
+        return make_codec(opts.pop("kind"), **opts)
+    except CompressionError as e:
+        raise ConfigError(f"parallel.compression: {e}") from None
+
+
 def build_strategy(cfg: ParallelConfig) -> Strategy:
     """The :class:`jaxpar.Strategy` of the parallel section; its errors name ``parallel.*`` keys."""
+    codec = build_codec(cfg.compression)
     try:
         return Strategy(zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, microbatches=cfg.microbatches,
                         compute_dtype=cfg.compute_dtype, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
-                        stage_layers=cfg.stage_layers)
+                        stage_layers=cfg.stage_layers, compression=codec)
     except ValueError as e:
         fallback = f"parallel.schedule={cfg.schedule!r}" if "schedule" in str(e) else "parallel"
         raise ConfigError(relabel(e, "Strategy", "parallel", _PARALLEL_KEYS, fallback)) from None

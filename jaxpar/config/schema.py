@@ -72,6 +72,8 @@ class ParallelConfig:
     schedule: str = "1f1b"          # the PIPELINE schedule (mesh.pipe > 1): gpipe | 1f1b | interleaved | zb-h1
     virtual_stages: int = 1         # interleaved: model chunks per stage
     stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (uneven); null = even
+    # gradient codec over the data axes, e.g. {kind: powersgd, rank: 4}; {} = exact (see jaxpar.compression)
+    compression: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

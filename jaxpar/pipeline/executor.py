@@ -375,7 +375,7 @@ def _stage_counts(program: Program, mesh, stage_layers: Sequence[int]) -> np.nda
 
 
 def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program, *,
-                            stage_layers: Sequence[int]) -> Callable:
+                            stage_layers: Sequence[int], replica_axes: Sequence[str] = ()) -> Callable:
     """Build ``fn(outer, blocks, microbatches) -> (loss, (g_outer, g_blocks))``.
 
     - ``outer``: the parameters of ``parts.pre`` and ``parts.post`` (one tree;
@@ -385,6 +385,9 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
     - ``microbatches``: the batch pytree as ``[m, rows, ...]``.
     - ``stage_layers``: layers of each virtual stage ``k = chunk * p + stage``;
       layers beyond a stage's count are padding and are skipped at run time.
+    - ``replica_axes``: data axes over which each replica keeps its own gradients (a
+      compressed exchange follows): the program is manual over them too, every gradient
+      gets a leading replica axis sharded over them and the loss is the replicas' mean.
 
     The loss is the mean of the micro-batch losses; the gradients are those of
     that mean (float32), ``g_blocks`` in the ``blocks`` layout. ``g_outer`` adds
@@ -394,6 +397,8 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
     counts = _stage_counts(program, mesh, stage_layers)      # [chunk, stage]
     lmax = int(counts.max())
     table = _table(program)
+    replica_axes = tuple(replica_axes)
+    rep_entry = (replica_axes if len(replica_axes) > 1 else replica_axes[0]) if replica_axes else None
 
     def body(outer, blocks, mbs):
         stage = _Stage(parts, program, counts, outer, jax.tree.map(lambda a: a[:, 0], blocks), mbs)
@@ -401,11 +406,21 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
         st, _ = jax.lax.scan(functools.partial(_tick, stage, table, branches),
                              _initial_state(program, stage), table.rows)
         g_blocks = jax.tree.map(lambda a: a[:, None], st.g_blocks)
-        return jax.lax.psum(st.loss, PIPE) / stage.m, (jax.lax.psum(st.g_outer, PIPE), g_blocks)
+        loss, g_outer = jax.lax.psum(st.loss, PIPE) / stage.m, jax.lax.psum(st.g_outer, PIPE)
+        if replica_axes:
+            lead = lambda t: jax.tree.map(lambda a: a[None], t)   # noqa: E731
+            return jax.lax.pmean(loss, rep_entry), (lead(g_outer), lead(g_blocks))
+        return loss, (g_outer, g_blocks)
 
     stage_spec = lambda t: jax.tree.map(lambda _: P(None, PIPE), t)   # noqa: E731
     rep = lambda t: jax.tree.map(lambda _: P(), t)                    # noqa: E731
-    inner_rules = drop_axes(rules, (PIPE,))
+    inner_rules = drop_axes(rules, (PIPE, *replica_axes))
+    if replica_axes:
+        out_outer = lambda t: jax.tree.map(lambda _: P(rep_entry), t)               # noqa: E731
+        out_blocks = lambda t: jax.tree.map(lambda _: P(rep_entry, None, PIPE), t)  # noqa: E731
+        mbs_spec = lambda t: jax.tree.map(lambda _: P(None, rep_entry), t)          # noqa: E731
+    else:
+        out_outer, out_blocks, mbs_spec = rep, stage_spec, rep
 
     def fn(outer, blocks, mbs):
         lead = jax.tree.leaves(blocks)[0].shape[:3]
@@ -413,9 +428,9 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
             raise ValueError(f"pipeline blocks must be laid out [chunks={v}, stages={p}, layers={lmax}, ...] for "
                              f"stage_layers={tuple(stage_layers)}; got leading dims {lead}. Lay them out with "
                              "jaxpar.pipeline.to_stages(blocks, stage_layers, p, v).")
-        smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE}, check_vma=False,
-                             in_specs=(rep(outer), stage_spec(blocks), rep(mbs)),
-                             out_specs=(P(), (rep(outer), stage_spec(blocks))))
+        smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE, *replica_axes}, check_vma=False,
+                             in_specs=(rep(outer), stage_spec(blocks), mbs_spec(mbs)),
+                             out_specs=(P(), (out_outer(outer), out_blocks(blocks))))
         with use_rules(mesh, inner_rules), use_layer_runner(None):
             return smap(outer, blocks, mbs)
 

@@ -95,7 +95,8 @@ def _stage_layers(strategy, cut: ModelCut, outer, blocks, microbatch, stages: in
 
 
 def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_specs: Any, grad_specs: Any,
-                                strategy, *, num_layers: int | None = None) -> Callable:
+                                strategy, *, num_layers: int | None = None,
+                                replica_axes: tuple[str, ...] = ()) -> Callable:
     """``(params, batch) -> (loss, grads)`` through the pipeline executor (call it under ``jit``).
 
     ``loss_fn(model, batch)`` is the user's loss; the model is cut at its stacked layers
@@ -103,7 +104,9 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
     ``pipe``) are laid out per stage (``[v, p, Lmax, ...]``; free for an even split with one
     chunk, a resharding otherwise), the batch is cut into the strategy's micro-batches and
     the schedule runs; gradients come back in ``grad_specs``. ``num_layers`` (if known)
-    checks the strategy's ``stage_layers`` now rather than at the first call.
+    checks the strategy's ``stage_layers`` now rather than at the first call. With
+    ``replica_axes`` (a compressed exchange follows) the gradients are each replica's own,
+    not reduced over those axes: every leaf gets a leading replica axis sharded over them.
     """
     check_pipeline_strategy(strategy, mesh)
     p, m, v = mesh.shape["pipe"], strategy.microbatches, strategy.virtual_stages
@@ -126,9 +129,13 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
                                 block_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         whole = _whole_over_data_axes(cut.split(param_specs)[0], mesh)
         outer = jax.lax.with_sharding_constraint(outer, whole)
-        run = pipeline_value_and_grad(_pinned(cut.parts, whole), mesh, rules, program, stage_layers=stage_layers)
+        run = pipeline_value_and_grad(_pinned(cut.parts, whole), mesh, rules, program, stage_layers=stage_layers,
+                                      replica_axes=replica_axes)
         staged = jax.lax.with_sharding_constraint(to_stages(blocks, stage_layers, p, v), stage_sh)
         loss, (g_outer, g_blocks) = run(outer, staged, mbs)
+        if replica_axes:     # each replica's own gradients, [R, ...]
+            merge = lambda go, gb: cut.merge(go, from_stages(gb, stage_layers, num_layers))   # noqa: E731
+            return loss, jax.vmap(merge)(g_outer, g_blocks)
         grads = cut.merge(g_outer, from_stages(g_blocks, stage_layers, num_layers))
         return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
 

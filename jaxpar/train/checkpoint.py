@@ -46,6 +46,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 import warnings
@@ -160,6 +161,9 @@ class Checkpointer:
             self._manager.delete(step)
             self._bad.discard(step)
         record = {**(meta or {}), "step": int(step), "format": FORMAT, "time": time.time()}
+        comm = getattr(state, "comm", ())
+        if jax.tree.leaves(comm):      # the codec state's shapes: a restore onto other replicas sees them
+            record["comm_shapes"] = _shapes(comm)
         t0 = time.perf_counter()
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                          meta=ocp.args.JsonSave(record)), force=True)
@@ -195,8 +199,6 @@ class Checkpointer:
         """
         ocp = self._ocp
         abstract = target.abstract_state() if hasattr(target, "abstract_state") else target
-        state_args = ocp.args.PyTreeRestore(item=abstract,
-                                            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
         steps = self.steps()
         if step is not None:
             if step not in steps:
@@ -214,9 +216,7 @@ class Checkpointer:
         skipped: list[tuple[int, str]] = []
         for i, s in enumerate(candidates):
             try:
-                out = self._manager.restore(s, args=ocp.args.Composite(state=state_args,
-                                                                       meta=ocp.args.JsonRestore()))
-                state, meta = out["state"], dict(out["meta"])
+                state, meta = self._restore_one(s, abstract, target)
                 if meta.get("step") != s or int(jax.device_get(state.step)) != s:
                     raise ValueError(f"the record says step {meta.get('step')!r} and the state says step "
                                      f"{int(jax.device_get(state.step))}, the directory says {s}")
@@ -233,3 +233,30 @@ class Checkpointer:
             return Restored(step=s, state=state, meta=meta, path=str(self.directory / str(s)), skipped=skipped)
         listing = "; ".join(f"step {s}: {r}" for s, r in skipped)
         raise CheckpointError(f"no readable checkpoint in {self.directory}: {listing}")
+
+    def _restore_one(self, step: int, abstract: Any, target: Any) -> tuple[Any, dict]:
+        """The state and record of ``step``. A gradient codec's state saved for another layout
+        (another number of data-parallel replicas) is not restored but started afresh (zero
+        residuals), with a :class:`CheckpointWarning`: the documented reshard policy."""
+        ocp = self._ocp
+        meta = dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        comm = getattr(abstract, "comm", ())
+        fresh = bool(jax.tree.leaves(comm)) and meta.get("comm_shapes") != _shapes(comm)
+        item = abstract._asdict() if fresh else abstract
+        if fresh:
+            del item["comm"]
+        args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                      partial_restore=fresh)
+        state = self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+        if fresh:
+            state = type(abstract)(**state, comm=target.comm_init())
+            warnings.warn(f"checkpoint {self.directory / str(step)}: the gradient codec's state was saved with "
+                          f"shapes {meta.get('comm_shapes')} and this layout needs {_shapes(comm)} (another number "
+                          "of data-parallel replicas, or another codec): its residuals restart from zero. "
+                          "Parameters and optimizer state are restored.", CheckpointWarning, stacklevel=3)
+        return state, meta
+
+
+def _shapes(tree: Any) -> Any:
+    """JSON-able shapes of a pytree of arrays (lists of ints, in the tree's structure)."""
+    return json.loads(json.dumps(jax.tree.map(lambda a: list(a.shape), tree, is_leaf=lambda x: hasattr(x, "shape"))))

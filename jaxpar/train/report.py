@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from ..analysis.memory import format_bytes
 from .metrics import MetricsWriter, mfu
 
 __all__ = ["LogOptions", "TrainSummary", "NonFiniteError", "plot_losses"]
@@ -102,6 +103,10 @@ def plot_losses(path: str | Path, steps: Sequence[int], losses: Sequence[float],
     fig.tight_layout()
     fig.savefig(str(path))
     return str(path)
+
+
+#: Metrics of a compressed gradient exchange, logged when the step reports them.
+_COMM = ("comm_bytes", "comm_ratio", "residual_norm")
 
 
 def _check_int(owner: str, name: str, value: Any, low: int) -> None:
@@ -235,7 +240,7 @@ class _Meter:
             skipped = bool(m.get("skipped", False))
             self.losses.append(loss)
             self.window.append({"loss": loss, "grad_norm": gnorm, "lr": float(m.get("lr", float("nan"))),
-                                "skipped": skipped})
+                                "skipped": skipped, **{k: float(m[k]) for k in _COMM if k in m}})
             if not (math.isfinite(loss) and math.isfinite(gnorm)):
                 self._nonfinite(s, loss, gnorm, skipped)
 
@@ -283,6 +288,7 @@ class _Meter:
         utilisation = self.log.mfu_at(tps, self.devices)
         if utilisation is not None:
             rec["mfu"] = utilisation
+        rec.update({k: _num(last[k]) for k in _COMM if k in last})
         return rec, last
 
     def _progress_line(self, rec: dict, last: dict) -> tuple[str, dict]:
@@ -290,6 +296,9 @@ class _Meter:
         loss_text = f"{rec['loss']:.4f}" if isinstance(rec["loss"], float) else rec["loss"]
         extra = f" {tps:,.0f} tok/s" if tps else ""
         extra += f" MFU {rec['mfu']:.1%}" if "mfu" in rec else ""
+        if "comm_bytes" in rec:     # compressed gradient exchange (Strategy.compression)
+            extra += (f"  wire {format_bytes(rec['comm_bytes'])}/step ({rec['comm_ratio']:.3f}x fp32)"
+                      f" residual {rec['residual_norm']:.3g}")
         extra += " (incl. compile)" if rec["includes_compile"] else ""
         text = (f"step {rec['step']:>6}/{self.end}  loss {loss_text}  grad_norm {last['grad_norm']:.3f}  "
                 f"lr {last['lr']:.2e}  {rec['step_time']:.3f} s/step{extra}")

@@ -22,7 +22,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -39,11 +39,14 @@ __all__ = ["TrainState", "StateLayout", "init_train_state", "abstract_model"]
 
 
 class TrainState(NamedTuple):
-    """``step`` (int32 scalar), ``params`` (pure dict of arrays), ``opt_state`` (optax)."""
+    """``step`` (int32 scalar), ``params`` (pure dict of arrays), ``opt_state`` (optax),
+    ``comm``: the gradient codec's per-replica state (error-feedback residuals, PowerSGD's
+    ``Q``, ...; a leading replica axis sharded over the data axes), ``()`` without compression."""
 
     step: jax.Array
     params: Any
     opt_state: Any
+    comm: Any = ()
 
 
 @dataclass(frozen=True)
@@ -60,16 +63,20 @@ class StateLayout:
     opt_param_specs: Any  # params-shaped: how optimizer moments are sharded
     opt_state: Any
     opt_shapes: Any
+    comm: Any = ()           # compression state: PartitionSpec tree (leading replica axis)
+    comm_shapes: Any = ()
+    comm_init: Callable[[], Any] = tuple   # () -> a fresh codec state in ``comm``'s shardings
 
     def shardings(self) -> TrainState:
         """``TrainState`` of ``NamedSharding``s (for ``jit`` in/out shardings)."""
         return TrainState(NamedSharding(self.mesh, PartitionSpec()),
-                          named_shardings(self.params, self.mesh), named_shardings(self.opt_state, self.mesh))
+                          named_shardings(self.params, self.mesh), named_shardings(self.opt_state, self.mesh),
+                          named_shardings(self.comm, self.mesh))
 
     def abstract_state(self) -> TrainState:
         """``TrainState`` of ``ShapeDtypeStruct(..., sharding=...)``: a restore target."""
         sh = self.shardings()
-        abs_state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), self.shapes, self.opt_shapes)
+        abs_state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), self.shapes, self.opt_shapes, self.comm_shapes)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, sh)
 
     def analytic_bytes(self) -> dict[str, float]:
@@ -121,12 +128,19 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTrans
     opt_param = zero_specs(base, shapes, logical, sizes, strategy.zero, "opt")
     opt_shapes, opt_state = _opt_specs(tx, shapes, opt_param)
     layout = StateLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt_param, opt_state, opt_shapes)
+    comm_init = lambda: ()   # noqa: E731
+    if strategy.compression is not None:
+        from .compressed import compression_state   # compression loads only when used
+
+        comm_init, comm_specs, comm_shapes = compression_state(strategy.compression, layout, strategy.zero)
+        comm_init = jax.jit(comm_init, out_shardings=named_shardings(comm_specs, mesh))
+        layout = replace(layout, comm=comm_specs, comm_shapes=comm_shapes, comm_init=comm_init)
 
     def init():
         with nnx.use_eager_sharding(False):
             model = model_fn()
         p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p))
+        return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), comm_init())
 
     state = jax.jit(init, out_shardings=layout.shardings())()
     return state, layout

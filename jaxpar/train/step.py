@@ -120,6 +120,13 @@ def make_loss_and_grad(loss_fn: Callable, layout: StateLayout, strategy: Strateg
     """``(params, batch) -> (loss, grads)`` with accumulation and grads in their layout
     (call it under ``jit`` and :func:`jaxpar.use_rules`); ``explicit_dp`` as in :func:`make_train_step`."""
     mesh = layout.mesh
+    if strategy.compression is not None:
+        from ..compression import CompressionError
+
+        raise CompressionError(
+            f"make_loss_and_grad with compression={strategy.compression.name!r}: this loss-and-grad reduces "
+            "gradients uncompressed, so the codec would be silently ignored. Use make_train_step (or "
+            "jaxpar.train.compressed.make_compressed_loss_and_grad), which runs the compressed exchange.")
     grad_shardings = named_shardings(layout.grads, mesh)
     model_loss = make_model_loss(loss_fn, layout, strategy)
     runner = DataParallelLayers(mesh, layout.rules, strategy.zero)
@@ -149,23 +156,26 @@ def make_loss_and_grad(loss_fn: Callable, layout: StateLayout, strategy: Strateg
     return loss_and_grad
 
 
-def _apply_update(tx, state: TrainState, loss, grads, *, clip_norm, lr_schedule, skip_nonfinite):
-    """Clip, update, and (``skip_nonfinite``) keep the old state when the loss / norm is not finite."""
+def _apply_update(tx, state: TrainState, loss, grads, *, clip_norm, lr_schedule, skip_nonfinite,
+                  comm: Any = None, comm_metrics: dict | None = None):
+    """Clip, update, and (``skip_nonfinite``) keep the old state when the loss / norm is not finite.
+    ``comm``: the codec state after this step's exchange (compression), kept like the rest."""
     gnorm = optax.tree.norm(grads)
     if clip_norm is not None:
         scale = jnp.minimum(1.0, clip_norm / (gnorm + 1e-6))
         grads = jax.tree.map(lambda g: g * scale, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": gnorm}
+    comm = state.comm if comm is None else comm
+    metrics = {"loss": loss, "grad_norm": gnorm, **(comm_metrics or {})}
     if skip_nonfinite:
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
-                                         (params, opt_state), (state.params, state.opt_state))
+        params, opt_state, comm = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
+                                               (params, opt_state, comm), (state.params, state.opt_state, state.comm))
         metrics["skipped"] = jnp.logical_not(ok)
     if lr_schedule is not None:
         metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
-    return TrainState(state.step + 1, params, opt_state), metrics
+    return TrainState(state.step + 1, params, opt_state, comm), metrics
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout: StateLayout,
@@ -184,6 +194,9 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     its stacked blocks (:mod:`jaxpar.pipeline.cut`), with ``loss_fn`` on the last stage.
     """
     mesh = layout.mesh
+    if strategy.compression is not None:
+        return _compressed_train_step(loss_fn, tx, layout, strategy, clip_norm=clip_norm, lr_schedule=lr_schedule,
+                                      donate=donate, explicit_dp=explicit_dp, skip_nonfinite=skip_nonfinite)
     if dict(mesh.shape).get("pipe", 1) > 1:
         if explicit_dp:
             raise ExplicitDPError(f"explicit_dp=True with pipe={mesh.shape['pipe']}: a pipeline stage runs its "
@@ -195,7 +208,6 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
                                                     layout.grads, strategy, num_layers=_stacked_layers(layout))
     else:
         loss_and_grad = make_loss_and_grad(loss_fn, layout, strategy, explicit_dp=explicit_dp)
-    state_sh = layout.shardings()
 
     def step(state: TrainState, batch):
         with use_rules(mesh, layout.rules):
@@ -203,8 +215,13 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
         return _apply_update(tx, state, loss, grads, clip_norm=clip_norm, lr_schedule=lr_schedule,
                              skip_nonfinite=skip_nonfinite)
 
-    jitted = jax.jit(step, in_shardings=(state_sh, batch_sharding(mesh)),
-                     out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
+    return _jit_step(step, layout, strategy, donate)
+
+
+def _jit_step(step: Callable, layout: StateLayout, strategy: Strategy, donate: bool) -> Callable:
+    mesh = layout.mesh
+    jitted = jax.jit(step, in_shardings=(layout.shardings(), batch_sharding(mesh)),
+                     out_shardings=(layout.shardings(), NamedSharding(mesh, PartitionSpec())),
                      donate_argnums=(0,) if donate else ())
 
     def checked(state, batch):
@@ -214,3 +231,29 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     checked.jitted = jitted  # for .lower(...).compile() inspection
     checked.lower = jitted.lower
     return checked
+
+
+def _compressed_train_step(loss_fn, tx, layout: StateLayout, strategy: Strategy, *, clip_norm, lr_schedule,
+                           donate, explicit_dp, skip_nonfinite) -> Callable:
+    """The step with ``strategy.compression``: the codec's exchange replaces the data-axis reduction."""
+    from ..compression import CompressionError
+    from .compressed import make_compressed_loss_and_grad   # compression loads only when used
+
+    if not jax.tree.leaves(layout.comm_shapes) and layout.comm_init is tuple:
+        raise CompressionError(
+            f"make_train_step with compression={strategy.compression.name!r}, but the layout was made without "
+            "it (init_train_state with another strategy), so the train state has no place for the codec's "
+            "state. Create the state with init_train_state(..., strategy) using this same strategy.")
+
+    if explicit_dp:
+        raise ExplicitDPError(f"explicit_dp=True with compression={strategy.compression.name!r}: the compressed "
+                              "exchange already makes the data-axis collectives explicit (once per step, after "
+                              "accumulation). Use explicit_dp=None with compression.")
+    loss_and_grad, _ = make_compressed_loss_and_grad(loss_fn, layout, strategy)
+
+    def step(state: TrainState, batch):
+        loss, grads, comm, comm_metrics = loss_and_grad(state.params, batch, state.comm, state.step)
+        return _apply_update(tx, state, loss, grads, clip_norm=clip_norm, lr_schedule=lr_schedule,
+                             skip_nonfinite=skip_nonfinite, comm=comm, comm_metrics=comm_metrics)
+
+    return _jit_step(step, layout, strategy, donate)

@@ -1,0 +1,78 @@
+"""Bits and bytes of a compressed payload: 8 signs or 4 ternary codes per byte, and a
+payload (a dict of arrays with a leading row axis) as one ``uint8`` buffer per row, so
+that one collective carries codes and scales together, whatever their dtypes.
+
+Example::
+
+    >>> import jax.numpy as jnp
+    >>> bits = jnp.array([[1, 0, 0, 0, 0, 0, 0, 1]], jnp.uint8)
+    >>> pack_bits(bits, 1).tolist(), unpack_bits(pack_bits(bits, 1), 1, 8).tolist()
+    ([[129]], [[1, 0, 0, 0, 0, 0, 0, 1]])
+    >>> payload = {"codes": jnp.ones((2, 4), jnp.int8), "scale": jnp.full((2, 1), 0.5)}
+    >>> wire = to_bytes(payload)                 # 4 codes + one fp32 scale per row
+    >>> wire.shape, wire.dtype
+    ((2, 8), dtype('uint8'))
+    >>> back = from_bytes(wire, payload)
+    >>> back["scale"].tolist(), back["codes"].dtype
+    ([[0.5], [0.5]], dtype('int8'))
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["pack_bits", "unpack_bits", "to_bytes", "from_bytes", "payload_bytes"]
+
+
+def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
+    """``codes`` (``[..., n]``, values < 2**bits) packed ``8 // bits`` per byte (``n`` a
+    multiple of that), first code in the lowest bits."""
+    per = 8 // bits
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    return jnp.bitwise_or.reduce(jnp.left_shift(c, shifts), axis=-1) if per > 1 else c[..., 0]
+
+
+def unpack_bits(packed: jax.Array, bits: int, n: int) -> jax.Array:
+    """Inverse of :func:`pack_bits`: ``[..., n]`` codes as ``uint8``."""
+    per = 8 // bits
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    mask = jnp.uint8((1 << bits) - 1)
+    out = jnp.bitwise_and(jnp.right_shift(packed[..., None], shifts), mask)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :n]
+
+
+def _as_bytes(a: jax.Array) -> jax.Array:
+    b = a if a.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(a, jnp.uint8)   # [..., itemsize]
+    return b.reshape(a.shape[0], -1)
+
+
+def to_bytes(payload: dict[str, jax.Array]) -> jax.Array:
+    """Every array of ``payload`` (leading row axis) as bytes, concatenated per row: ``uint8[rows, B]``."""
+    return jnp.concatenate([_as_bytes(payload[k]) for k in sorted(payload)], axis=1)
+
+
+def payload_bytes(template: Any) -> int:
+    """Bytes per row of a payload (arrays or ``ShapeDtypeStruct``s with a leading row axis)."""
+    return sum(int(a.size // a.shape[0]) * jnp.dtype(a.dtype).itemsize for a in template.values())
+
+
+def from_bytes(wire: jax.Array, template: Any) -> dict[str, jax.Array]:
+    """Inverse of :func:`to_bytes`; ``template`` gives each array's shape (after the row
+    axis, which is taken from ``wire``) and dtype."""
+    rows, out, start = wire.shape[0], {}, 0
+    for k in sorted(template):
+        t = template[k]
+        item, per_row = jnp.dtype(t.dtype).itemsize, tuple(t.shape[1:])
+        n = item * math.prod(per_row)
+        chunk = wire[:, start:start + n]
+        start += n
+        if item == 1:
+            arr = chunk if t.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(chunk, t.dtype)
+        else:
+            arr = jax.lax.bitcast_convert_type(chunk.reshape(rows, n // item, item), t.dtype)
+        out[k] = arr.reshape(rows, *per_row)
+    return out

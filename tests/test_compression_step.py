@@ -1,0 +1,215 @@
+"""Compressed gradient exchange inside the train step: bytes on the wire read from the compiled
+HLO, exact cases against the uncompressed step, composition with the strategies, checkpoints."""
+import math
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.analysis.hlo import collectives
+from jaxpar.compression import (CompressionError, cast, onebit, powersgd, qsgd, randomk, sign, terngrad, topk)
+from jaxpar.models import GPT, GPTConfig, lm_loss
+from jaxpar.train.checkpoint import Checkpointer, CheckpointWarning
+from jaxpar.train.compressed import compression_plan
+
+from helpers import make_batch, mesh_for, run
+
+# Big enough that padding rows to whole buckets costs < 2%: the ratios are the codecs' own.
+WIRE_CFG = GPTConfig(vocab=128, seq_len=16, embed=96, heads=4, layers=2)
+
+CODECS = {"qsgd": qsgd(), "terngrad": terngrad(), "sign": sign(), "onebit": onebit(), "cast-bf16": cast("bfloat16"),
+          "cast-fp8": cast("float8_e4m3fn"), "topk": topk(0.01), "randomk": randomk(0.01),
+          "powersgd": powersgd(rank=4)}
+
+# Bytes one device sends per collective, ring algorithms (``Collective.bytes`` is the result on one device).
+_SENT = {"all-reduce": lambda b, n: 2 * (n - 1) / n * b, "all-gather": lambda b, n: (n - 1) / n * b,
+         "all-to-all": lambda b, n: (n - 1) / n * b, "reduce-scatter": lambda b, n: (n - 1) * b}
+
+
+def _compiled(sizes, strategy, cfg=WIRE_CFG, batch=16):
+    mesh = mesh_for(sizes)
+    tx = optax.sgd(0.1)
+    state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
+    step = jaxpar.make_train_step(lm_loss, tx, layout, strategy, clip_norm=None)
+    b = jaxpar.shard_batch(make_batch(batch, cfg), mesh)
+    return step.lower(state, b).compile(), mesh, layout
+
+
+def _data_collectives(compiled, mesh):
+    text = compiled.as_text()
+    out = []
+    for c in collectives(compiled, mesh):
+        if c.axes and set(c.axes) & {"data", "fsdp"}:
+            shape = re.search(rf"%?{re.escape(c.name)} = (\(?[a-z0-9]+)\[", text).group(1).lstrip("(")
+            out.append((c, shape))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_wire_bytes_in_the_compiled_step(name):
+    """The data-axis collectives carry the codec's payload (bytes: u8) and the sizes its plan
+    predicts (+-1%); against the fp32 exchange the ratio is the codec's."""
+    codec = CODECS[name]
+    strategy = jaxpar.Strategy(compression=codec)
+    compiled, mesh, layout = _compiled({"data": 8}, strategy)
+    plan = compression_plan(codec, layout, 0)
+    found = _data_collectives(compiled, mesh)
+    sent = sum(_SENT[c.kind](c.bytes, 8) for c, _ in found)
+    assert sent == pytest.approx(plan.wire_bytes(), rel=0.01), [(c.kind, c.bytes, d) for c, d in found]
+    big = [(c, d) for c, d in found if c.bytes > 64]          # not the loss / residual-norm scalars
+    wire_dtype = "f32" if name in ("randomk", "powersgd") else "u8"
+    assert big and all(d == wire_dtype for _, d in big), [(c.kind, c.bytes, d) for c, d in found]
+    ratio = plan.wire_bytes() / plan.uncompressed_bytes()
+    limit = {"qsgd": 0.27, "terngrad": 0.07, "sign": 0.04, "onebit": 0.045, "cast-bf16": 0.51, "cast-fp8": 0.27,
+             "topk": 0.08 * 1.01, "randomk": 0.0101}[name] if name != "powersgd" else 1.0
+    assert ratio <= limit
+    if name == "powersgd":
+        for shape, st in zip(plan.shapes, plan.stacked):
+            mat = codec.matrix(shape, st)
+            if mat is not None:
+                b, n, m, r = mat
+                assert (b * (n + m) * r) / math.prod(shape) == pytest.approx((n + m) * r / (n * m))
+        assert ratio < 0.5
+
+
+def test_no_compression_compiles_to_the_same_program():
+    a, _, _ = _compiled({"data": 8}, jaxpar.Strategy(), cfg=GPTConfig(vocab=64, seq_len=8, embed=32, heads=4, layers=2))
+    b, _, _ = _compiled({"data": 8}, jaxpar.Strategy(compression=None),
+                        cfg=GPTConfig(vocab=64, seq_len=8, embed=32, heads=4, layers=2))
+    # equal up to the caller's source lines (the HLO's FileLocations table)
+    strip = lambda t: re.sub(r"(?m)^\d+ \{file_name_id=.*$", "", t)   # noqa: E731
+    assert strip(a.as_text()) == strip(b.as_text())
+    assert "all-to-all" not in a.as_text()
+
+
+# ----------------------------------------------------------------------------- exact cases
+
+@pytest.fixture(scope="module")
+def reference():
+    return {zero: run({"data": 8}, jaxpar.Strategy(zero=zero), steps=2) for zero in (0, 2)}
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("codec", [powersgd(rank=64, min_compression_rate=0), topk(1.0)], ids=["powersgd-full", "topk-1"])
+def test_lossless_settings_match_the_uncompressed_step(reference, zero, codec):
+    got = run({"data": 8}, jaxpar.Strategy(zero=zero, compression=codec), steps=2)
+    ref = reference[zero]
+    np.testing.assert_allclose(got.losses, ref.losses, rtol=1e-5)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got.grads), jax.tree.leaves(ref.grads)):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * np.abs(r).max(), err_msg=str(path))
+
+
+# ----------------------------------------------------------------------------- composition
+
+COMPOSE = [({"data": 8}, 0), ({"data": 8}, 2), ({"fsdp": 4, "tensor": 2}, 0), ({"pipe": 2, "data": 4}, 0)]
+
+
+@pytest.mark.parametrize("name, mesh_i, accum", [("qsgd", 0, 1), ("sign", 1, 2), ("topk", 2, 1), ("powersgd", 3, 2)])
+def test_codecs_train_under_the_strategies(name, mesh_i, accum):
+    """Loss falls and stays finite: DP8, ZeRO-2, ZeRO-3 fsdp4 x tensor2, pipe2 x data4 (1F1B),
+    with and without accumulation (the full codec x mesh x accumulation matrix is in the slow pass)."""
+    _trains(name, *COMPOSE[mesh_i], accum)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("mesh_i", range(len(COMPOSE)))
+@pytest.mark.parametrize("name", list(CODECS))
+def test_codec_strategy_matrix(name, mesh_i, accum):
+    _trains(name, *COMPOSE[mesh_i], accum)
+
+
+def _trains(name, sizes, zero, accum, steps=8):
+    codec = CODECS[name] if name not in ("topk", "randomk") else type(CODECS[name])(CODECS[name].name, 0.1)
+    piped = sizes.get("pipe", 1) > 1     # pipelines: accumulation is the micro-batches of the schedule
+    strategy = jaxpar.Strategy(zero=zero, microbatches=2 * accum if piped else accum, compression=codec)
+    mesh = mesh_for(sizes)
+    tx = optax.adam(3e-3)
+    cfg = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, layers=2)
+    state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
+    step = jaxpar.make_train_step(lm_loss, tx, layout, strategy)
+    batch = jaxpar.shard_batch(make_batch(16, cfg), mesh)
+    losses = []
+    for _ in range(steps):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, losses
+    assert 0 < float(m["comm_ratio"]) and np.isfinite(float(m["residual_norm"]))
+
+
+def test_compression_errors_name_the_fix():
+    cfg = GPTConfig(vocab=64, seq_len=8, embed=32, heads=4, layers=2)
+    with pytest.raises(CompressionError, match="no data axis.*Remove parallel.compression"):
+        jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh_for({"tensor": 8}),
+                                jaxpar.Strategy(compression=qsgd()))
+    with pytest.raises(jaxpar.ExplicitDPError, match="explicit_dp=None with compression"):
+        strategy = jaxpar.Strategy(compression=sign())
+        _, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+                                            mesh_for({"data": 8}), strategy)
+        jaxpar.make_train_step(lm_loss, optax.sgd(0.1), layout, strategy, explicit_dp=True)
+    _, plain = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh_for({"data": 8}))
+    with pytest.raises(CompressionError, match="init_train_state.*same strategy"):
+        jaxpar.make_train_step(lm_loss, optax.sgd(0.1), plain, jaxpar.Strategy(compression=sign()))
+    from jaxpar.train.step import make_loss_and_grad
+    with pytest.raises(CompressionError, match="silently ignored.*make_train_step"):
+        make_loss_and_grad(lm_loss, plain, jaxpar.Strategy(compression=sign()))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+STATEFUL = {"sign": sign(), "onebit": onebit(), "topk-momentum": topk(0.05, momentum=0.9),
+            "randomk": randomk(0.05), "powersgd": powersgd(rank=2)}
+
+
+def _setup(sizes, codec):
+    cfg = GPTConfig(vocab=64, seq_len=8, embed=32, heads=4, layers=2)
+    strategy = jaxpar.Strategy(compression=codec)
+    mesh = mesh_for(sizes)
+    tx = optax.adam(1e-2)
+    state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
+    step = jaxpar.make_train_step(lm_loss, tx, layout, strategy)
+    batches = [jaxpar.shard_batch(make_batch(16, cfg, seed=s), mesh) for s in range(6)]
+    return state, layout, step, batches
+
+
+@pytest.mark.parametrize("name", list(STATEFUL))
+def test_codec_state_is_checkpointed_bit_exactly(name, tmp_path):
+    """3 steps, save, 3 more = restore the save into a fresh process state, 3 more: identical."""
+    state, layout, step, batches = _setup({"data": 8}, STATEFUL[name])
+    assert jax.tree.leaves(state.comm), "a stateful codec keeps state"
+    for b in batches[:3]:
+        state, _ = step(state, b)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(3, state)
+        restored = ck.restore(layout).state
+    for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    a, b_ = state, restored
+    for b in batches[3:]:
+        a, ma = step(a, b)
+        b_, mb = step(b_, b)
+        assert float(ma["loss"]) == float(mb["loss"])
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b_)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_restore_onto_other_replicas_resets_the_codec_state_with_a_warning(tmp_path):
+    """The reshard policy: parameters and optimizer state restored exactly, residuals restart at zero."""
+    state, layout, step, batches = _setup({"data": 8}, sign())
+    for b in batches[:2]:
+        state, _ = step(state, b)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(2, state)
+    _, layout4, step4, batches4 = _setup({"data": 4, "tensor": 2}, sign())
+    with Checkpointer(tmp_path) as ck, pytest.warns(CheckpointWarning, match="residuals restart from zero"):
+        got = ck.restore(layout4).state
+    for x, y in zip(jax.tree.leaves((got.params, got.opt_state)), jax.tree.leaves((state.params, state.opt_state))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert all(float(np.abs(np.asarray(r)).max()) == 0 for r in jax.tree.leaves(got.comm))
+    assert jax.tree.leaves(got.comm)[0].shape[0] == 4
+    after, m = step4(got, batches4[2])
+    assert np.isfinite(float(m["loss"]))
