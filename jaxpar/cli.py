@@ -5,6 +5,9 @@ Usage::
     jaxpar train CONFIG [key=value ...] [--print-config] [--resume]
                  [--coordinator HOST:PORT --num-processes N --process-id I] [--local-devices K]
     jaxpar schedule --kind 1f1b --stages 4 --microbatches 8 [--virtual V] [--png PATH] [--timed]
+    jaxpar plan [--config CONFIG | --layers L --hidden H --heads A --seq S --vocab V --batch B]
+                [--cluster PRESET|PATH] [--devices N] [--top K] [--json] [--verify]
+    jaxpar inspect CONFIG [key=value ...] [--cluster PRESET|PATH]
 
 Example::
 
@@ -25,7 +28,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["main", "build_parser", "setup_devices", "start_processes", "run_train", "run_schedule"]
+__all__ = ["main", "build_parser", "setup_devices", "start_processes", "run_train", "run_schedule", "run_plan",
+           "run_inspect"]
 
 
 def setup_devices(n: int) -> None:
@@ -269,6 +273,294 @@ def run_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_model(args: argparse.Namespace):
+    """The :class:`jaxpar.cost.ModelSpec` of ``--config`` (its model and ``data.batch_size``) or of the numbers."""
+    from . import cost
+    from .config import ConfigError
+
+    if args.config:
+        from .config import load_config
+
+        cfg = load_config(args.config, [])
+        m, batch = cfg.model, args.batch or cfg.data.batch_size
+        if m.target is not None:
+            from .config import build_model_fn
+
+            return cost.from_nnx(build_model_fn(m), layers=args.layers or 1, hidden=args.hidden or 1,
+                                 heads=args.heads or 1, seq=args.seq or 1, vocab=args.vocab or 1, batch=batch,
+                                 name=m.name)
+        return cost.gpt(m.layers, m.embed, m.heads, m.seq_len, m.vocab, batch, mlp=m.mlp, name=cfg.name)
+    missing = [k for k in ("layers", "hidden", "heads", "seq", "vocab", "batch") if not getattr(args, k)]
+    if missing:
+        raise ConfigError(f"jaxpar plan needs --config CONFIG or the model's sizes; missing "
+                          f"{', '.join('--' + k for k in missing)}.")
+    return cost.gpt(args.layers, args.hidden, args.heads, args.seq, args.vocab, args.batch)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``jaxpar plan``: rank every plan of the model on the cluster (:func:`jaxpar.cost.plan`);
+    ``--verify`` compiles the top plans on simulated CPU devices and compares memory and bytes."""
+    from . import cost
+    from .config import ConfigError
+
+    try:
+        cluster = cost.load_cluster(args.cluster, num_devices=args.devices)
+        model = _plan_model(args)
+        result = cost.plan(model, cluster, top=args.top, dtype=args.dtype, precision=args.precision)
+    except (cost.ClusterError, cost.PlanError) as e:
+        raise ConfigError(str(e)) from None
+    if args.json:
+        print(json.dumps({"cluster": cluster.name, "devices": cluster.num_devices, "model": model.name,
+                          "parameters": model.n_params, "considered": result.considered,
+                          "ranked": [e.row() for e in result.ranked[: args.top]],
+                          "rejected": [{"plan": r.plan.name() if r.plan else None, "reason": r.reason}
+                                       for r in result.rejected[: args.top]]}, indent=2))
+    else:
+        print(f"model    {model.name}: {model.n_params:,} parameters, batch {model.batch} x {model.seq}")
+        print(f"cluster  {cluster.name}: {cluster.num_devices} devices ({cluster.nodes} x {cluster.devices_per_node})")
+        print(f"plans    {result.considered} considered, {len(result.ranked)} fit, {len(result.rejected)} rejected")
+        print(result.table(args.top))
+        if result.rejected:
+            print()
+            print(result.rejected_table(min(args.top, 5)))
+    if args.verify:
+        _verify_plans(model, cluster, result.ranked[: args.top])
+    return 0
+
+
+def _verify_plans(model, cluster, estimates) -> None:
+    """``--verify``: compile each plan's train step AOT on simulated CPU devices (jaxpar's GPT, fp32 Adam;
+    nothing runs) and print predicted vs compiled argument bytes, peak memory and bytes per mesh axis."""
+    from .analysis.memory import format_bytes, render_table
+    from .config import ConfigError
+    from .cost.memory import memory_per_device
+    from .cost.verify import compile_and_compare
+
+    n = cluster.num_devices
+    if n > 256:
+        raise ConfigError(f"--verify simulates the cluster's {n} devices on the CPU; at most 256 (use --devices).")
+    setup_devices(n)
+    import time
+
+    print(f"\nverify   {len(estimates)} plans compiled ahead of time on {n} simulated CPU devices (jaxpar's GPT, "
+          f"fp32 parameters and Adam moments; the prediction below uses the same precision)")
+    rows = []
+    for e in estimates:
+        p = e.plan
+        t0 = time.perf_counter()
+        r = compile_and_compare(model, p)
+        mem = memory_per_device(model, p.sizes, zero=p.zero, microbatches=p.microbatches, schedule=p.schedule,
+                                virtual=p.virtual, remat=p.remat, sequence_parallel=p.sequence_parallel,
+                                precision="fp32", activation_bytes=4)
+        a = r["arguments"]
+        peak = r["peak_bytes"]
+        worst = max((v["error"] for v in r["axes"].values()), default=0.0)
+        rows.append([p.name(), format_bytes(a["predicted"]), format_bytes(a["compiled"]), f"{a['error']:.2%}",
+                     format_bytes(mem.total), format_bytes(peak), f"{mem.total / peak:.2f}",
+                     " ".join(f"{ax}:{v['predicted'] / v['compiled']:.3f}" if v["compiled"] else f"{ax}:-"
+                              for ax, v in r["axes"].items()) or "-", f"{worst:.1%}",
+                     f"{time.perf_counter() - t0:.0f}"])
+    print(render_table(["plan", "args predicted", "args compiled", "args error", "peak predicted", "peak compiled",
+                        "peak ratio", "bytes per axis predicted/compiled (xla-cpu)", "worst axis error",
+                        "compile s"], rows, right=[False] + [True] * 6 + [False, True, True]))
+
+
+def _inspect_devices(cfg) -> int:
+    """Devices the config trains on: ``train.devices``, else the product of its mesh sizes."""
+    from .config import ConfigError
+
+    if cfg.train.devices > 0:
+        return cfg.train.devices
+    sizes = [getattr(cfg.mesh, a) for a in ("data", "fsdp", "tensor", "pipe")]
+    if any(s == -1 for s in sizes):
+        raise ConfigError("jaxpar inspect: mesh has a -1 axis and train.devices=0, so the device count is unknown; "
+                          "set train.devices=N (e.g. train.devices=8) or give every mesh axis a size.")
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _abstract_layout(model_fn, tx, mesh, strategy):
+    """``init_train_state``'s layout, traced with ``jax.eval_shape``: nothing is allocated or run."""
+    import jax
+
+    from .train.state import init_train_state
+
+    box = {}
+
+    def init():
+        state, box["layout"] = init_train_state(model_fn, tx, mesh, strategy)
+        return state
+
+    jax.eval_shape(init)
+    return box["layout"]
+
+
+def _abstract_batch(cfg, mesh, batch_fn=None):
+    """``ShapeDtypeStruct``s of one global batch, split over the data axes: ``tokens`` / ``targets``
+    ``[data.batch_size, model.seq_len]`` int32, or the shapes of ``data.target``'s first batch."""
+    import jax
+    import numpy as np
+
+    from .batch import batch_sharding
+
+    sh = batch_sharding(mesh)
+    if batch_fn is not None:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=sh),
+                            batch_fn(0))
+    spec = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len), np.int32, sharding=sh)
+    return {"tokens": spec, "targets": spec}
+
+
+def _spec_str(spec) -> str:
+    return "(" + ", ".join("-" if d is None else d if isinstance(d, str) else "x".join(d) for d in spec) + ")"
+
+
+def sharding_table(layout) -> str:
+    """Per-parameter table: shape, logical names, mesh axes of parameters / gradients / optimizer
+    moments, and the parameter's fp32 bytes on one device."""
+    import math
+
+    import jax
+    from jax.sharding import PartitionSpec
+
+    from .analysis.memory import format_bytes, render_table
+    from .rules import path_str
+
+    is_spec = lambda x: isinstance(x, PartitionSpec) or x is None   # noqa: E731
+    flat = lambda t: [(path_str(p), v) for p, v in jax.tree_util.tree_flatten_with_path(t, is_leaf=is_spec)[0]]  # noqa: E731
+    sizes = dict(layout.mesh.shape)
+    logical, params = dict(flat(layout.logical)), dict(flat(layout.params))
+    grads, opt = dict(flat(layout.grads)), dict(flat(layout.opt_param_specs))
+    rows = []
+    for name, a in flat(layout.shapes):
+        spec = params.get(name) or PartitionSpec()
+        pieces = math.prod(sizes[ax] for d in spec if d is not None for ax in ((d,) if isinstance(d, str) else d))
+        rows.append([name, "x".join(map(str, a.shape)) or "()", _spec_str(logical.get(name) or ()),
+                     _spec_str(spec), _spec_str(grads.get(name) or ()), _spec_str(opt.get(name) or ()),
+                     format_bytes(a.size * a.dtype.itemsize / pieces)])
+    return render_table(["parameter", "shape", "logical", "params", "grads", "opt moments", "bytes/device"], rows,
+                        right=[False] * 6 + [True])
+
+
+def _planner_view(cfg, mesh_sizes: dict, strategy, cluster_name: str):
+    """``(model, plan, estimate)`` of the cost model for the config's GPT and strategy (None for other models)."""
+    from . import cost
+    from .cost.plan import evaluate
+
+    if cfg.model.target is not None:
+        return None
+    m = cfg.model
+    model = cost.gpt(m.layers, m.embed, m.heads, m.seq_len, m.vocab, cfg.data.batch_size, mlp=m.mlp, name=cfg.name)
+    remat = {"none": "none", "full": "full"}.get(m.remat, "selective")
+    plan = cost.Plan(pipe=mesh_sizes.get("pipe", 1), data=mesh_sizes.get("data", 1), fsdp=mesh_sizes.get("fsdp", 1),
+                     tensor=mesh_sizes.get("tensor", 1), zero=strategy.zero if mesh_sizes.get("data", 1) > 1 else 0,
+                     sequence_parallel=strategy.sequence_parallel, schedule=strategy.schedule,
+                     virtual=strategy.virtual_stages, microbatches=strategy.microbatches, remat=remat)
+    n = plan.devices
+    cluster = cost.load_cluster(cluster_name)
+    cluster = cluster.with_devices(n) if n <= cluster.devices_per_node or n % cluster.devices_per_node == 0 else \
+        cost.load_cluster(cluster_name, nodes=1)
+    dtype = "float32" if strategy.compute_dtype == "float32" else "bfloat16"
+    if dtype not in cluster.peak_flops:
+        dtype = next(iter(cluster.peak_flops))
+    est = evaluate(model, plan, cluster, dtype=dtype, precision="fp32", lowering="xla-cpu")
+    return model, plan, est
+
+
+def run_inspect(config: str, overrides: Sequence[str], *, cluster: str = "cpu_sim") -> int:
+    """``jaxpar inspect``: compile the config's train step ahead of time (simulated CPU devices when
+    the config's devices are not there) and print the per-parameter sharding table, the collectives
+    per mesh axis and the memory report, next to the cost model's prediction. No step runs."""
+    from .config import ConfigError, load_config
+
+    cfg = load_config(config, list(overrides))
+    n = _inspect_devices(cfg)
+    setup_devices(n)
+
+    import jax
+
+    from . import config as C
+    from .analysis.hlo import collectives_table
+    from .analysis.memory import format_bytes, memory_report, render_table
+    from .cost.verify import compiled_bytes_per_axis
+    from .train.step import make_train_step
+
+    C.check(cfg, num_devices=jax.device_count())
+    mesh = C.build_mesh(cfg.mesh, devices=jax.devices()[:n])
+    strategy = C.build_strategy(cfg.parallel)
+    tx, schedule = C.build_optimizer(cfg.optimizer, cfg.train.steps)
+    loss_fn = C.build_loss_fn(cfg.model)
+    batch_fn = None
+    if cfg.data.kind == "import":
+        batch_fn, _ = C.build_data(cfg.data, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab, eval_batches=0)
+    layout = _abstract_layout(C.build_model_fn(cfg.model, cfg.train.seed), tx, mesh, strategy)
+    step = make_train_step(loss_fn, tx, layout, strategy, clip_norm=cfg.optimizer.clip_norm, lr_schedule=schedule,
+                           skip_nonfinite=True)
+    sizes = dict(mesh.shape)
+    devs = jax.devices()
+    n_params = sum(a.size for a in jax.tree.leaves(layout.shapes))
+    print(f"job      {cfg.name} (dry run: compiled ahead of time, no step runs)")
+    print(f"devices  {n} x {devs[0].platform} ({devs[0].device_kind})")
+    print("mesh     " + " x ".join(f"{k}={v}" for k, v in sizes.items()))
+    print(f"strategy {strategy.name(sizes)}")
+    print(f"model    {cfg.model.name if cfg.model.target is None else cfg.model.target}: {n_params:,} parameters")
+    compiled = step.lower(layout.abstract_state(), _abstract_batch(cfg, mesh, batch_fn)).compile()
+
+    print("\nparameters (mesh axes per dimension; '-' replicated)")
+    print(sharding_table(layout))
+    print("\ncollectives of the compiled step")
+    from .analysis.hlo import collectives
+
+    colls = collectives(compiled, mesh) if n > 1 else []
+    print(collectives_table(colls) if colls else "(none)")
+    got = compiled_bytes_per_axis(compiled, mesh) if n > 1 else {}
+    rep = memory_report(compiled)
+    view = _planner_view(cfg, sizes, strategy, cluster)
+    print(f"\nplanner  cost model (jaxpar.cost, lowering xla-cpu, cluster {cluster}) vs the compiled step, per device")
+    rows = []
+    if view is not None:
+        from .cost.memory import argument_bytes
+        from .cost.time import bytes_per_axis, comms
+
+        model, plan, est = view
+        pred = bytes_per_axis(comms(model, plan, lowering="xla-cpu", compute_bytes=4, grad_bytes=4))
+        args = argument_bytes(model, plan.sizes, plan.zero)
+        for a in sorted(set(pred) | set(got)):
+            p, g = pred.get(a, 0.0), got.get(a, 0.0)
+            rows.append([f"bytes over {a} per step", format_bytes(p), format_bytes(g), _ratio(p, g)])
+        rows.append(["arguments (state + batch)", format_bytes(args), format_bytes(rep.argument_bytes),
+                     _ratio(args, rep.argument_bytes)])
+        mem = est.memory
+        rows.append(["temporaries (model: activations + logits)",
+                     format_bytes(mem.activations + mem.logits), format_bytes(rep.temp_bytes),
+                     _ratio(mem.activations + mem.logits, rep.temp_bytes)])
+        rows.append(["peak (args + outputs + temps - aliased)", format_bytes(mem.total),
+                     format_bytes(rep.peak_bytes), _ratio(mem.total, rep.peak_bytes)])
+        t = est.time
+        print(render_table(["", "predicted", "compiled", "predicted / compiled"], rows, right=[False, True, True, True]))
+        print(f"time     predicted {t.total * 1e3:.1f} ms per step on {cluster} (compute {t.compute * 1e3:.1f}, "
+              f"data {t.data * 1e3:.1f}, tensor {t.tensor * 1e3:.1f}, pipeline {t.pipeline * 1e3:.1f}, update "
+              f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {plan.name()}")
+        if plan.pipe > 1:
+            print("note     pipelined step: the compiled inventory counts the collectives of the schedule's loop on "
+                  "every trip, so bytes per axis do not compare (docs/planning.md, section 5)")
+    else:
+        for a, g in sorted(got.items()):
+            rows.append([f"bytes over {a} per step", "-", format_bytes(g), "-"])
+        rows.append(["arguments (state + batch)", "-", format_bytes(rep.argument_bytes), "-"])
+        rows.append(["temporaries", "-", format_bytes(rep.temp_bytes), "-"])
+        rows.append(["peak (args + outputs + temps - aliased)", "-", format_bytes(rep.peak_bytes), "-"])
+        print(render_table(["", "predicted", "compiled", "predicted / compiled"], rows, right=[False, True, True, True]))
+        print("time     not predicted: the cost model describes the built-in GPT only (model.target is set)")
+    return 0
+
+
+def _ratio(p: float, g: float) -> str:
+    return f"{p / g:.3f}" if g else ("-" if not p else "inf")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpar", description="Declarative SPMD training on JAX meshes.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -298,6 +590,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--virtual", type=int, default=1, help="model chunks per stage (interleaved only)")
     p.add_argument("--png", help="also write a Gantt chart PNG here")
     p.add_argument("--timed", action="store_true", help="PNG: draw the cost-model timeline, not unit ticks")
+
+    p = sub.add_parser("plan", help="rank parallel plans with the cost model (nothing runs)",
+                       description="Enumerate pipe x data x fsdp x tensor x ZeRO x schedule x micro-batches x "
+                                   "remat on a cluster preset and rank them by predicted step time.")
+    p.add_argument("--config", help="plan for this training config's model and global batch")
+    p.add_argument("--cluster", default="h100", help="preset in configs/clusters/ or a YAML path (default h100)")
+    p.add_argument("--devices", type=int, help="number of devices (default: the preset's)")
+    for k in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
+        p.add_argument(f"--{k}", type=int, help=f"model {k} (without --config; --batch also overrides it)")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype for the peak FLOP/s (bfloat16)")
+    p.add_argument("--precision", default="mixed", help="bytes per parameter: fp32, mixed, megatron, mixed-fp32-accum")
+    p.add_argument("--top", type=int, default=10, help="how many plans to show (10)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--verify", action="store_true", help="compile the top plans on simulated CPU devices and "
+                                                         "compare predicted and compiled memory and bytes")
+
+    p = sub.add_parser("inspect", help="dry run: compile a config's train step and show its shardings, "
+                                       "collectives and memory next to the cost model's prediction",
+                       description="Compile CONFIG's train step ahead of time (on simulated CPU devices of the "
+                                   "config's device count when they are not there); no training step runs.")
+    p.add_argument("config", help="YAML config file, e.g. configs/quickstart.yaml")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides")
+    p.add_argument("--cluster", default="cpu_sim", help="cluster preset for the prediction (default cpu_sim)")
     return parser
 
 
@@ -311,15 +626,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)   # overrides may follow options: CONFIG --print-config k=v
-    if extra and (args.command != "train" or any(x.startswith("-") for x in extra)):
+    if extra and (args.command not in ("train", "inspect") or any(x.startswith("-") for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "train":
+    if args.command in ("train", "inspect"):
         args.overrides = [*args.overrides, *extra]
     try:
         if args.command == "train":
             return run_train(args.config, args.overrides, print_config=args.print_config, resume=args.resume,
                              dist={k: getattr(args, k) for k in ("coordinator", "num_processes", "process_id",
                                                                  "local_devices", "heartbeat_timeout")})
+        if args.command == "plan":
+            return run_plan(args)
+        if args.command == "inspect":
+            try:
+                return run_inspect(args.config, args.overrides, cluster=args.cluster)
+            except Exception as e:
+                from .cost import ClusterError, PlanError
+
+                if isinstance(e, (ClusterError, PlanError)):
+                    raise ConfigError(str(e)) from None
+                raise
         return run_schedule(args)
     except (ConfigError, RulesError, CheckpointError, PipelineCutError, ExplicitDPError) as e:
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)

@@ -1,0 +1,32 @@
+"""Know before you run: an α-β cost model of collectives, memory and step time, and a planner.
+
+Pure Python + NumPy: no module of this package imports JAX at import time (only
+:func:`~jaxpar.cost.model.from_nnx` and :mod:`jaxpar.cost.verify` do, inside functions).
+
+* :mod:`~jaxpar.cost.collectives`: ring / tree / recursive doubling-halving / Rabenseifner /
+  lower bound (Thakur, Rabenseifner & Gropp 2005), the best algorithm per size.
+* :mod:`~jaxpar.cost.cluster`: nodes, memory, peak FLOP/s, intra- and inter-node links; YAML presets.
+* :mod:`~jaxpar.cost.memory`: ZeRO stages, Korthikanti activations, pipeline in-flight micro-batches.
+* :mod:`~jaxpar.cost.time`: FLOPs, each strategy's collectives per mesh axis, the bubble.
+* :mod:`~jaxpar.cost.model`: a model from numbers or from an NNX model.
+* :mod:`~jaxpar.cost.plan`: enumerate, reject what does not fit (with the reason), rank.
+
+Example::
+
+    >>> from jaxpar import cost
+    >>> result = cost.plan(cost.gpt(layers=12, hidden=768, heads=12, seq=1024, vocab=50304, batch=64),
+    ...                    cost.load_cluster("h100"))
+    >>> result.best.plan.name()
+    'dp8-zero2'
+"""
+from .cluster import Cluster, ClusterError, load_cluster, presets
+from .collectives import Link
+from .memory import PRECISIONS, BytesPerParam, activation_bytes_per_layer, memory_per_device, zero_state_bytes
+from .model import Leaf, ModelSpec, from_gpt_config, from_nnx, gpt
+from .plan import Estimate, PlanError, PlanResult, plan
+from .time import Overlap, Plan, comms, flops_per_token, narayanan_flops, step_flops, step_time
+
+__all__ = ["Cluster", "ClusterError", "load_cluster", "presets", "Link", "PRECISIONS", "BytesPerParam",
+           "activation_bytes_per_layer", "memory_per_device", "zero_state_bytes", "Leaf", "ModelSpec",
+           "from_gpt_config", "from_nnx", "gpt", "Estimate", "PlanError", "PlanResult", "plan", "Overlap", "Plan",
+           "comms", "flops_per_token", "narayanan_flops", "step_flops", "step_time"]

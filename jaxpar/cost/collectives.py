@@ -1,0 +1,234 @@
+"""Alpha-beta(-gamma) time of collectives, algorithm by algorithm (Thakur, Rabenseifner & Gropp 2005).
+
+A :class:`Link` has a latency ``alpha`` (s per message), ``beta`` (s per byte sent) and
+``gamma`` (s per byte reduced). ``n`` is always the size in bytes of the *whole* buffer one
+process holds: the input of an all-reduce / reduce-scatter, the output of an all-gather,
+the send buffer of an all-to-all, the message of a permute. ``p`` is the number of processes.
+
+Formulas (lg = log2; ``p' = 2**floor(lg p)`` for the power-of-two algorithms on other ``p``,
+which first fold the ``p - p'`` extra ranks in and finally send them the result: ``+2`` steps
+of ``n`` bytes, Thakur et al. §4):
+
+=================  ===========================  ===========================================
+kind               algorithm                    time
+=================  ===========================  ===========================================
+all-reduce         ring                         2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ
+all-reduce         tree (reduce + broadcast)    2⌈lg p⌉(α + nβ) + ⌈lg p⌉·nγ
+all-reduce         recursive-doubling           lg p'·(α + nβ + nγ)            (+ fold)
+all-reduce         rabenseifner                 2 lg p'·α + 2(p'-1)/p'·nβ + (p'-1)/p'·nγ (+ fold)
+all-reduce         lower-bound                  ⌈lg p⌉α + 2(p-1)/p·nβ + (p-1)/p·nγ
+reduce-scatter     ring                         (p-1)α + (p-1)/p·n(β + γ)
+reduce-scatter     recursive-halving            lg p'·α + (p'-1)/p'·n(β + γ)    (+ fold)
+reduce-scatter     lower-bound                  ⌈lg p⌉α + (p-1)/p·n(β + γ)
+all-gather         ring                         (p-1)α + (p-1)/p·nβ
+all-gather         recursive-doubling           lg p·α + (p-1)/p·nβ            (p a power of 2)
+all-gather         bruck                        ⌈lg p⌉α + (p-1)/p·nβ
+all-gather         lower-bound                  ⌈lg p⌉α + (p-1)/p·nβ
+all-to-all         pairwise                     (p-1)α + (p-1)/p·nβ
+all-to-all         bruck                        ⌈lg p⌉α + ⌈lg p⌉·n/2·β
+all-to-all         lower-bound                  ⌈lg p⌉α + (p-1)/p·nβ
+collective-permute direct                       α + nβ
+=================  ===========================  ===========================================
+
+Shared memory (``Link(shared_memory=True)``: the simulated devices of one process, or a
+single-node NVSwitch "one-shot" kernel): after one rendezvous every process reads what it
+needs straight out of the others' buffers, so a collective costs one ``α``:
+
+=================  ===========================  ===========================================
+all-reduce         one-shot                     α + (p-1)·n(β + γ)     (read and add every peer's buffer)
+all-reduce         two-shot                     2α + 2(p-1)/p·nβ + (p-1)/p·nγ  (reduce-scatter, all-gather)
+reduce-scatter     one-shot                     α + (p-1)/p·n(β + γ)
+all-gather         one-shot                     α + (p-1)/p·nβ
+all-to-all         one-shot                     α + (p-1)/p·nβ
+collective-permute one-shot                     α + nβ
+=================  ===========================  ===========================================
+
+On such a link :func:`best` chooses among these (Thakur et al.'s lower bound assumes one
+message at a time per process and does not apply; :func:`algorithm_times` leaves it out).
+
+The "fold" for ``p`` not a power of two costs ``2α + 2nβ + nγ`` (all-reduce) or
+``α + nβ + nγ`` (reduce-scatter: the extra ranks' data folded in once, and their pieces
+sent back, ``n/p`` each, counted as ``α + nβ/p``).
+
+Example::
+
+    >>> link = Link(alpha=1e-6, beta=1e-9)            # 1 us, 1 GB/s
+    >>> round(time("all-reduce", 2**30, 8, link, "ring") * 1e3, 3)     # ms: 2*7us + 2*7/8 GiB / GB/s
+    1879.062
+    >>> best("all-reduce", 1024, 8, link)[0], best("all-reduce", 2**30, 8, link)[0]
+    ('recursive-doubling', 'rabenseifner')
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Link", "KINDS", "ALGORITHMS", "SHARED_MEMORY_ALGORITHMS", "time", "best", "algorithm_times", "bus_bytes"]
+
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+
+#: Algorithms of each kind (``lower-bound`` is a bound, never chosen by :func:`best`).
+ALGORITHMS = {
+    "all-reduce": ("ring", "tree", "recursive-doubling", "rabenseifner", "lower-bound"),
+    "reduce-scatter": ("ring", "recursive-halving", "lower-bound"),
+    "all-gather": ("ring", "recursive-doubling", "bruck", "lower-bound"),
+    "all-to-all": ("pairwise", "bruck", "lower-bound"),
+    "collective-permute": ("direct", "lower-bound"),
+}
+
+#: Algorithms of a shared-memory link (``Link(shared_memory=True)``), see the module doc.
+SHARED_MEMORY_ALGORITHMS = {
+    "all-reduce": ("one-shot", "two-shot"),
+    "reduce-scatter": ("one-shot",),
+    "all-gather": ("one-shot",),
+    "all-to-all": ("one-shot",),
+    "collective-permute": ("one-shot",),
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link class: ``alpha`` s per message, ``beta`` s per byte, ``gamma`` s per byte reduced;
+    ``shared_memory``: collectives read peers' buffers after one rendezvous (see the module doc).
+
+    >>> Link.from_bandwidth(alpha=5e-6, bandwidth=50e9).beta
+    2e-11
+    """
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+    shared_memory: bool = False
+
+    def __post_init__(self):
+        for name in ("alpha", "beta", "gamma"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"Link.{name}={value!r}: must be a finite number >= 0 (seconds"
+                                 f"{' per message' if name == 'alpha' else ' per byte'}).")
+
+    @classmethod
+    def from_bandwidth(cls, alpha: float, bandwidth: float, reduce_bandwidth: float | None = None,
+                       shared_memory: bool = False) -> "Link":
+        """``bandwidth`` in bytes/s (one direction, per device); ``reduce_bandwidth`` bytes/s reduced."""
+        for name, value in (("bandwidth", bandwidth), ("reduce_bandwidth", reduce_bandwidth)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"Link.from_bandwidth({name}={value!r}): must be a positive number of bytes/s, "
+                                 f"e.g. 50e9 for 50 GB/s.")
+        return cls(alpha, 1.0 / bandwidth, 0.0 if reduce_bandwidth is None else 1.0 / reduce_bandwidth,
+                   bool(shared_memory))
+
+
+def _check(kind: str, n: float, p: int) -> None:
+    if kind not in ALGORITHMS:
+        raise ValueError(f"kind={kind!r}: choose one of {', '.join(KINDS)}.")
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
+        raise ValueError(f"n={n!r}: the buffer size must be a number of bytes >= 0.")
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise ValueError(f"p={p!r}: the number of processes must be a positive int.")
+
+
+def _lg(p: int) -> int:
+    return math.ceil(math.log2(p)) if p > 1 else 0
+
+
+def _pow2_below(p: int) -> int:
+    return 1 << (p.bit_length() - 1)
+
+
+def time(kind: str, n: float, p: int, link: Link, algorithm: str = "best") -> float:
+    """Seconds for one ``kind`` collective of ``n`` bytes over ``p`` processes on ``link``.
+
+    ``algorithm='best'`` is the fastest of :data:`ALGORITHMS` (the bound excluded).
+
+    >>> time("all-gather", 8 * 2**20, 8, Link(1e-5, 1e-10), "ring") == 7e-5 + 7 / 8 * 8 * 2**20 * 1e-10
+    True
+    """
+    _check(kind, n, p)
+    if algorithm == "best":
+        return best(kind, n, p, link)[1]
+    if algorithm not in ALGORITHMS[kind] + SHARED_MEMORY_ALGORITHMS[kind]:
+        raise ValueError(f"algorithm={algorithm!r} is not an algorithm of {kind}; choose one of "
+                         f"{', '.join(ALGORITHMS[kind] + SHARED_MEMORY_ALGORITHMS[kind])} or 'best'.")
+    if p == 1:
+        return 0.0
+    a, b, g = link.alpha, link.beta, link.gamma
+    if algorithm in ("one-shot", "two-shot"):
+        frac = (p - 1) / p
+        if kind == "all-reduce":
+            return a + (p - 1) * n * (b + g) if algorithm == "one-shot" else 2 * a + 2 * frac * n * b + frac * n * g
+        if kind == "reduce-scatter":
+            return a + frac * n * (b + g)
+        return a + (n * b if kind == "collective-permute" else frac * n * b)
+    lg, frac = _lg(p), (p - 1) / p
+    q = _pow2_below(p)
+    fold = p != q
+    if kind == "all-reduce":
+        if algorithm == "ring":
+            return 2 * (p - 1) * a + 2 * frac * n * b + frac * n * g
+        if algorithm == "tree":
+            return 2 * lg * (a + n * b) + lg * n * g
+        if algorithm == "recursive-doubling":
+            return math.log2(q) * (a + n * b + n * g) + (2 * a + 2 * n * b + n * g) * fold
+        if algorithm == "rabenseifner":
+            fq = (q - 1) / q
+            return 2 * math.log2(q) * a + 2 * fq * n * b + fq * n * g + (2 * a + 2 * n * b + n * g) * fold
+        return lg * a + 2 * frac * n * b + frac * n * g
+    if kind == "reduce-scatter":
+        if algorithm == "ring":
+            return (p - 1) * a + frac * n * (b + g)
+        if algorithm == "recursive-halving":
+            fq = (q - 1) / q
+            return math.log2(q) * a + fq * n * (b + g) + (2 * a + n * b + n * b / p + n * g) * fold
+        return lg * a + frac * n * (b + g)
+    if kind == "all-gather":
+        if algorithm == "ring":
+            return (p - 1) * a + frac * n * b
+        if algorithm == "recursive-doubling":
+            return math.inf if fold else lg * a + frac * n * b
+        return lg * a + frac * n * b          # bruck and the lower bound
+    if kind == "all-to-all":
+        if algorithm == "pairwise":
+            return (p - 1) * a + frac * n * b
+        if algorithm == "bruck":
+            return lg * a + lg * n / 2 * b
+        return lg * a + frac * n * b
+    return a + n * b       # permute: one message of n bytes (direct), which is also its own bound
+
+
+def algorithm_times(kind: str, n: float, p: int, link: Link) -> dict[str, float]:
+    """``{algorithm: seconds}`` for every algorithm of ``kind`` on ``link`` (the lower bound included,
+    except on a shared-memory link).
+
+    >>> sorted(algorithm_times("reduce-scatter", 1024, 4, Link(1e-6, 1e-9)))
+    ['lower-bound', 'recursive-halving', 'ring']
+    >>> sorted(algorithm_times("all-reduce", 1024, 4, Link(1e-6, 1e-9, shared_memory=True)))
+    ['one-shot', 'two-shot']
+    """
+    _check(kind, n, p)
+    algs = SHARED_MEMORY_ALGORITHMS[kind] if link.shared_memory else ALGORITHMS[kind]
+    return {alg: time(kind, n, p, link, alg) for alg in algs}
+
+
+def best(kind: str, n: float, p: int, link: Link) -> tuple[str, float]:
+    """``(algorithm, seconds)`` of the fastest algorithm for this size, as NCCL / MPICH pick by size.
+
+    >>> best("all-gather", 2**30, 6, Link(1e-6, 1e-9))[0]      # not a power of 2: no recursive doubling
+    'bruck'
+    """
+    times = {k: v for k, v in algorithm_times(kind, n, p, link).items() if k != "lower-bound"}
+    order = list(times)
+    name = min(times, key=lambda k: (times[k], order.index(k)))
+    return name, times[name]
+
+
+def bus_bytes(kind: str, n: float, p: int) -> float:
+    """Bytes each process must send at least (nccl-tests' bus bandwidth factor times ``n``).
+
+    >>> bus_bytes("all-reduce", 1000, 4), bus_bytes("all-gather", 1000, 4)
+    (1500.0, 750.0)
+    """
+    _check(kind, n, p)
+    frac = (p - 1) / p
+    return {"all-reduce": 2 * frac * n, "collective-permute": float(n)}.get(kind, frac * n)

@@ -1,0 +1,305 @@
+"""Memory per device: training state per ZeRO stage, activations per layer, pipeline in-flight micro-batches.
+
+Sources:
+
+* ZeRO (Rajbhandari et al. 2020, §5 and Table 1): with ``Ψ`` parameters, ``K`` bytes of
+  optimizer state per parameter and ``N_d`` data-parallel ranks, mixed-precision training
+  holds ``(2 + 2 + K)Ψ`` (DP), ``(2 + 2)Ψ + KΨ/N_d`` (ZeRO-1), ``2Ψ + (2 + K)Ψ/N_d``
+  (ZeRO-2), ``(2 + 2 + K)Ψ/N_d`` (ZeRO-3). :data:`PRECISIONS` names the per-parameter
+  bytes: ``fp32`` (4 + 4 + 8: jaxpar's fp32 Adam, 12 held across steps), ``mixed`` (2 + 2 + 12
+  = 16, ZeRO's), ``megatron`` (2 + 4 + 12 = 18, fp32 gradients), ``mixed-fp32-accum``
+  (2 + 6 + 12 = 20, the Ultra-Scale Playbook's bf16 gradients plus an fp32 accumulator).
+* Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", §4, Table 2),
+  bytes per layer with 16-bit activations, sequence ``s``, micro-batch ``b``, hidden ``h``,
+  ``a`` heads, ``t``-way tensor parallelism: ``sbh(34 + 5as/h)`` (none), ``sbh(10 + 24/t +
+  5as/(ht))`` (TP), ``sbh/t·(34 + 5as/h)`` (TP + SP), the ``5as/h`` term dropped by selective
+  recomputation, ``2sbh`` (``/t`` with SP) with full recomputation (only each layer's input).
+* Pipelines: a stage keeps the activations of ``peak_in_flight`` (micro-batch, chunk) pairs
+  of its own layers, read from the schedule tables (:mod:`jaxpar.pipeline.schedules`):
+  ``m`` for GPipe, ``p`` on the first stage for 1F1B and ZB-H1.
+
+Example::
+
+    >>> gb = 1e9
+    >>> [round(zero_state_bytes(7.5e9, 64, s)["total"] / gb, 3) for s in (0, 1, 2, 3)]
+    [120.0, 31.406, 16.641, 1.875]
+    >>> activation_bytes_per_layer(seq=2048, micro_batch=1, hidden=12288, heads=96, tensor=8,
+    ...                            sequence_parallel=True, remat="selective") == 2048 * 12288 * 34 / 8
+    True
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Mapping
+
+from .model import TENSOR_LOGICAL, Leaf, ModelSpec
+
+__all__ = ["BytesPerParam", "PRECISIONS", "REMAT", "zero_state_bytes", "activation_bytes_per_layer",
+           "leaf_spec", "leaf_shards", "state_bytes", "in_flight", "MemoryEstimate", "memory_per_device",
+           "argument_bytes", "LayoutError"]
+
+REMAT = ("none", "selective", "full")
+
+
+class LayoutError(ValueError):
+    """A parameter cannot be laid out on the mesh (a size does not divide)."""
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Bytes per parameter of the weights, the gradients and the optimizer state (``k`` = their sum)."""
+
+    param: float
+    grad: float
+    opt: float
+
+    @property
+    def k(self) -> float:
+        return self.param + self.grad + self.opt
+
+
+PRECISIONS = {
+    "fp32": BytesPerParam(4, 4, 8),
+    "mixed": BytesPerParam(2, 2, 12),
+    "megatron": BytesPerParam(2, 4, 12),
+    "mixed-fp32-accum": BytesPerParam(2, 6, 12),
+}
+
+
+def _precision(precision: str | BytesPerParam) -> BytesPerParam:
+    if isinstance(precision, BytesPerParam):
+        return precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: choose one of {', '.join(PRECISIONS)} or pass a "
+                         "BytesPerParam(param, grad, opt).")
+    return PRECISIONS[precision]
+
+
+def _check_stage(stage) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero stage={stage!r}: choose 0 (plain data parallel), 1, 2 or 3.")
+
+
+def zero_state_bytes(psi: float, n_d: int, stage: int, *, param_bytes: float = 2, grad_bytes: float = 2,
+                     opt_bytes: float = 12) -> dict[str, float]:
+    """ZeRO's closed forms (paper Table 1): bytes per device of parameters, gradients, optimizer state.
+
+    >>> zero_state_bytes(1e9, 1, 0)["total"] / 1e9          # 16 bytes per parameter
+    16.0
+    """
+    _check_stage(stage)
+    if isinstance(n_d, bool) or not isinstance(n_d, int) or n_d < 1:
+        raise ValueError(f"n_d={n_d!r}: the number of data-parallel ranks must be a positive int.")
+    p = psi * param_bytes / (n_d if stage >= 3 else 1)
+    g = psi * grad_bytes / (n_d if stage >= 2 else 1)
+    o = psi * opt_bytes / (n_d if stage >= 1 else 1)
+    return {"params": p, "grads": g, "opt": o, "total": p + g + o}
+
+
+def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tensor: int = 1,
+                               sequence_parallel: bool = False, remat: str = "none",
+                               bytes_per_value: float = 2) -> float:
+    """Korthikanti et al. (2022) activation bytes of one transformer layer (see module doc).
+
+    ``bytes_per_value`` scales from the paper's 16-bit activations (2) to fp32 (4).
+
+    >>> activation_bytes_per_layer(2048, 1, 12288, 96) == 2048 * 12288 * (34 + 5 * 96 * 2048 / 12288)
+    True
+    """
+    if remat not in REMAT:
+        raise ValueError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
+    s, b, h, a, t = seq, micro_batch, hidden, heads, tensor
+    attn = 0.0 if remat == "selective" else 5 * a * s / h
+    if remat == "full":
+        per = 2 / (t if sequence_parallel else 1)
+    elif sequence_parallel:
+        per = (34 + attn) / t
+    else:
+        per = 10 + 24 / t + attn / t
+    return s * b * h * per * bytes_per_value / 2
+
+
+# ----------------------------------------------------------------------------- leaves on a mesh
+def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ...]:
+    """Mesh axes of each dimension under jaxpar's tensor rules (``mlp, heads, vocab`` -> ``tensor``;
+    ``layers`` -> ``pipe`` when ``pipe > 1``), before ZeRO."""
+    spec = []
+    for dim, (size, name) in enumerate(zip(leaf.shape, leaf.logical)):
+        axis = "tensor" if name in TENSOR_LOGICAL else "pipe" if name == "layers" else None
+        n = sizes.get(axis, 1) if axis else 1
+        if n > 1 and size % n:
+            raise LayoutError(f"parameter {leaf.name!r} dimension {dim} ({name}) has size {size}, not divisible "
+                              f"by {axis}={n}; choose {axis} dividing {size}.")
+        spec.append((axis,) if n > 1 else ())
+    return tuple(spec)
+
+
+def _zero_dim(leaf: Leaf, spec, sizes: Mapping[str, int]) -> int | None:
+    n = sizes.get("fsdp", 1) * sizes.get("data", 1)
+    for d in sorted(range(len(leaf.shape)), key=lambda d: -leaf.shape[d]):
+        if leaf.logical[d] != "layers" and not spec[d] and leaf.shape[d] % n == 0:
+            return d
+    return None
+
+
+def _zero_axes(sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str, ...]:
+    first = {"opt": 1, "grads": 2, "params": 3}[kind]
+    axes = ("fsdp",) if sizes.get("fsdp", 1) > 1 else ()
+    return axes + (("data",) if sizes.get("data", 1) > 1 and stage >= first else ())
+
+
+@lru_cache(maxsize=1 << 16)
+def _shards(leaf: Leaf, sizes: tuple, stage: int) -> tuple[int, int, int, float, bool]:
+    """``(params, grads, opt)`` shard counts, elements after tensor / pipe, shardable by ZeRO."""
+    s = dict(sizes)
+    spec = leaf_spec(leaf, s)
+    base = math.prod(s[a] for dim in spec for a in dim)
+    shardable = _zero_dim(leaf, spec, s) is not None
+    out = []
+    for kind in ("params", "grads", "opt"):
+        axes = _zero_axes(s, stage, kind)
+        out.append(base * (math.prod(s[a] for a in axes) if axes and shardable else 1))
+    return out[0], out[1], out[2], leaf.size / base, shardable
+
+
+def _key(sizes: Mapping[str, int]) -> tuple:
+    return tuple(sorted((a, v) for a, v in sizes.items() if v > 1))
+
+
+def leaf_shards(leaf: Leaf, sizes: Mapping[str, int], stage: int, kind: str) -> int:
+    """Into how many pieces ``kind`` ('params' | 'grads' | 'opt') of ``leaf`` is cut (as :mod:`jaxpar.zero`).
+
+    >>> from jaxpar.cost.model import gpt
+    >>> w1 = gpt(2, 32, 8, 16, 64, 16).leaf("blocks/w1")
+    >>> [leaf_shards(w1, {"data": 4, "tensor": 2}, 1, k) for k in ("params", "grads", "opt")]
+    [2, 2, 8]
+    """
+    return _shards(leaf, _key(sizes), stage)[("params", "grads", "opt").index(kind)]
+
+
+def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,
+                precision: str | BytesPerParam = "mixed") -> dict[str, float]:
+    """Per-device bytes of parameters, gradients and optimizer state, leaf by leaf (ZeRO's formulas
+    where every leaf divides; a leaf that cannot be split keeps its full size)."""
+    _check_stage(stage)
+    bp = _precision(precision)
+    if not model.leaves:
+        n_d = sizes.get("data", 1) * sizes.get("fsdp", 1)
+        t, p = sizes.get("tensor", 1), sizes.get("pipe", 1)
+        out = zero_state_bytes(model.n_params / (t * p), n_d, 3 if sizes.get("fsdp", 1) > 1 else stage,
+                               param_bytes=bp.param, grad_bytes=bp.grad, opt_bytes=bp.opt)
+        return out
+    out = {"params": 0.0, "grads": 0.0, "opt": 0.0}
+    key = _key(sizes)
+    for leaf in model.leaves:
+        sp, sg, so, _, _ = _shards(leaf, key, stage)
+        out["params"] += bp.param * leaf.size / sp
+        out["grads"] += bp.grad * leaf.size / sg
+        out["opt"] += bp.opt * leaf.size / so
+    out["total"] = out["params"] + out["grads"] + out["opt"]
+    return out
+
+
+#: Largest ``p * m * v`` whose bubble and in-flight count are read from the built table; above it
+#: the closed forms (equal to the tables wherever both are computed: tests/test_cost_formulas.py).
+TABLE_LIMIT = 2048
+
+
+def closed_form_stats(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int]:
+    """Bubble fraction and stage 0's peak in-flight (micro-batch, chunk) pairs of a schedule, in closed form:
+    ``(p-1)/(m+p-1)`` (GPipe, 1F1B), ``(p-1)/(vm+p-1)`` (interleaved), ``(p-1)/(3m+p-1)`` (ZB-H1);
+    peaks ``m``, ``p``, ``min(2(p-1) + (v-1)p + 1, vm)``, ``p``.
+
+    >>> closed_form_stats("1f1b", 4, 8)
+    (0.2727272727272727, 4)
+    """
+    if kind == "gpipe":
+        return (p - 1) / (m + p - 1), m
+    if kind == "1f1b":
+        return (p - 1) / (m + p - 1), min(p, m)
+    if kind == "zb-h1":
+        return (p - 1) / (3 * m + p - 1), min(p, m)
+    if kind == "interleaved":
+        return (p - 1) / (v * m + p - 1), min(2 * (p - 1) + (v - 1) * p + 1, v * m)
+    raise ValueError(f"schedule={kind!r}: choose gpipe, 1f1b, interleaved or zb-h1.")
+
+
+@lru_cache(maxsize=4096)
+def _schedule_stats(kind: str, p: int, m: int, v: int) -> tuple[float, int]:
+    if p * m * v > TABLE_LIMIT:
+        return closed_form_stats(kind, p, m, v)
+    from ..pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight
+
+    s = get_schedule(kind, p, m, v)
+    return float(bubble_fraction(s)), peak_in_flight(s)[0]
+
+
+def in_flight(schedule: str, pipe: int, microbatches: int, virtual: int = 1) -> int:
+    """Peak (micro-batch, chunk) pairs whose activations a stage holds (1 without a pipeline).
+
+    >>> in_flight("gpipe", 4, 8), in_flight("1f1b", 4, 8), in_flight("interleaved", 4, 8, 2)
+    (8, 4, 11)
+    """
+    if pipe == 1:
+        return 1
+    return _schedule_stats(schedule, pipe, microbatches, virtual)[1]
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device (the busiest pipeline stage): state, activations, logits; ``total`` their sum."""
+
+    params: float
+    grads: float
+    opt: float
+    activations: float
+    logits: float
+    in_flight: int
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.opt + self.activations + self.logits
+
+
+def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int = 0, microbatches: int = 1,
+                      schedule: str = "1f1b", virtual: int = 1, remat: str = "none",
+                      sequence_parallel: bool = False, precision: str | BytesPerParam = "mixed",
+                      activation_bytes: float = 2) -> MemoryEstimate:
+    """Predicted peak memory of one device for one plan (see the module doc for the sources).
+
+    Each replica's batch ``batch / (data * fsdp)`` is split into ``microbatches``; a
+    pipeline stage holds ``layers / pipe`` layers and the schedule's in-flight micro-batches.
+    Logits: ``2 * s * b * vocab / t`` fp32 values (logits and their log-softmax) on the last stage.
+    """
+    d, f, t, p = (sizes.get(a, 1) for a in ("data", "fsdp", "tensor", "pipe"))
+    replica_batch = model.batch / (d * f)
+    mb = replica_batch / microbatches
+    st = state_bytes(model, sizes, zero, precision)
+    flight = in_flight(schedule, p, microbatches, virtual)
+    layers_held = model.layers / p / virtual * flight
+    act = layers_held * activation_bytes_per_layer(model.seq, mb, model.hidden, model.heads, tensor=t,
+                                                   sequence_parallel=sequence_parallel, remat=remat,
+                                                   bytes_per_value=activation_bytes)
+    logits = 2 * model.seq * mb * model.vocab / t * 4
+    return MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight)
+
+
+def argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int, *, moments: int = 2,
+                   param_bytes: int = 4, batch_leaves: int = 2, scalars: int = 2) -> float:
+    """Bytes of jaxpar's train-step arguments on one device: fp32 parameters, ``moments`` fp32
+    optimizer moments per parameter (Adam: 2) sharded per ZeRO stage, ``scalars`` int32 counters
+    (step, Adam's count) and ``batch_leaves`` int32 ``[batch / (data * fsdp), seq]`` batch arrays.
+    This is what ``compiled.memory_analysis().argument_size_in_bytes`` reports.
+
+    >>> from jaxpar.cost.model import gpt
+    >>> argument_bytes(gpt(2, 32, 8, 16, 64, 16), {"data": 8}, 0)    # 12 Psi + 2 counters + batch
+    358152.0
+    """
+    out = 0.0
+    for leaf in model.leaves:
+        out += param_bytes * leaf.size / leaf_shards(leaf, sizes, zero, "params")
+        out += moments * param_bytes * leaf.size / leaf_shards(leaf, sizes, zero, "opt")
+    rows = model.batch / (sizes.get("data", 1) * sizes.get("fsdp", 1))
+    return out + 4 * scalars + batch_leaves * 4 * rows * model.seq

@@ -1,0 +1,189 @@
+"""What the cost model knows of a model: sizes, and its parameters as leaves with logical axes.
+
+:func:`gpt` describes jaxpar's GPT (:mod:`jaxpar.models.gpt`) from numbers, leaf by leaf;
+:func:`from_nnx` reads any Flax NNX model through ``jax.eval_shape`` (JAX is imported only
+inside that function). The leaves let :mod:`jaxpar.cost.memory` shard each parameter the
+way jaxpar does (tensor rules, ZeRO's largest divisible dimension), so small arrays that
+stay replicated are counted exactly.
+
+Example::
+
+    >>> m = gpt(layers=12, hidden=768, heads=12, seq=1024, vocab=50304, batch=16)
+    >>> m.n_params, m.n_layer_params, m.mlp
+    (163072512, 85017600, 3072)
+    >>> leaf = m.leaf("blocks/w1"); leaf.shape, leaf.logical
+    ((12, 768, 3072), ('layers', 'embed', 'mlp'))
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+__all__ = ["Leaf", "ModelSpec", "gpt", "from_nnx", "from_gpt_config", "TENSOR_LOGICAL"]
+
+#: Logical names jaxpar's tensor rules shard over ``tensor`` (:func:`jaxpar.tensor.tensor_rules`).
+TENSOR_LOGICAL = ("mlp", "heads", "vocab")
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One parameter array: ``name`` (path), ``shape`` and one logical name (or None) per dimension.
+    A leaf whose first logical name is ``layers`` is *stacked*: one slice per layer."""
+
+    name: str
+    shape: tuple[int, ...]
+    logical: tuple[str | None, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def stacked(self) -> bool:
+        return bool(self.logical) and self.logical[0] == "layers"
+
+
+def _positive_int(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}.{name}={value!r}: must be a positive int.")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Sizes of a transformer (``hidden`` = model width, ``seq`` = context, ``batch`` = global
+    batch in sequences) and its parameter ``leaves``.
+
+    ``qkv_inputs``: how many projections read the attention input (3 for jaxpar's separate
+    ``wq, wk, wv``; 1 for a fused QKV); under tensor parallelism XLA all-reduces each one's
+    input gradient separately, so it sets the backward's tensor all-reduces per layer.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    batch: int
+    mlp: int = 0
+    leaves: tuple[Leaf, ...] = field(default=(), repr=False)
+    name: str = "gpt"
+    qkv_inputs: int = 3
+
+    def __post_init__(self):
+        for f in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
+            _positive_int("ModelSpec", f, getattr(self, f))
+        if self.hidden % self.heads:
+            raise ValueError(f"ModelSpec: hidden={self.hidden} is not divisible by heads={self.heads}; "
+                             "choose hidden as a multiple of heads.")
+        if self.mlp == 0:
+            object.__setattr__(self, "mlp", 4 * self.hidden)
+        _positive_int("ModelSpec", "mlp", self.mlp)
+        if self.qkv_inputs not in (1, 3):
+            raise ValueError(f"ModelSpec.qkv_inputs={self.qkv_inputs!r}: 3 (separate q, k, v) or 1 (fused).")
+
+    @property
+    def n_params(self) -> int:
+        """All parameters (from the leaves; without leaves the GPT formula)."""
+        return sum(l.size for l in self.leaves) if self.leaves else gpt_param_count(self)
+
+    @property
+    def n_layer_params(self) -> int:
+        """Parameters of the stacked blocks (all layers)."""
+        if self.leaves:
+            return sum(l.size for l in self.leaves if l.stacked)
+        h, f = self.hidden, self.mlp
+        return self.layers * (4 * h * h + 2 * h * f + f + 6 * h)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def leaf(self, name: str) -> Leaf:
+        """The leaf called ``name`` (e.g. ``'blocks/w1'``)."""
+        for l in self.leaves:
+            if l.name == name:
+                return l
+        raise KeyError(f"ModelSpec has no leaf {name!r}; leaves: {', '.join(l.name for l in self.leaves)}")
+
+    def with_batch(self, batch: int) -> "ModelSpec":
+        return replace(self, batch=batch)
+
+
+def gpt_param_count(m: ModelSpec) -> int:
+    """jaxpar's GPT: untied head, learned positions, biases and norms."""
+    h, V, s = m.hidden, m.vocab, m.seq
+    return m.layers * (4 * h * h + 2 * h * m.mlp + m.mlp + 6 * h) + 2 * V * h + s * h + 2 * h
+
+
+def _gpt_leaves(layers: int, h: int, heads: int, s: int, V: int, f: int) -> tuple[Leaf, ...]:
+    L, d = layers, h // heads
+    blocks = [("ln1_scale", (L, h), ("layers", "embed")), ("ln1_bias", (L, h), ("layers", "embed")),
+              ("wq", (L, h, heads, d), ("layers", "embed", "heads", "kv")),
+              ("wk", (L, h, heads, d), ("layers", "embed", "heads", "kv")),
+              ("wv", (L, h, heads, d), ("layers", "embed", "heads", "kv")),
+              ("wo", (L, heads, d, h), ("layers", "heads", "kv", "embed")),
+              ("ln2_scale", (L, h), ("layers", "embed")), ("ln2_bias", (L, h), ("layers", "embed")),
+              ("w1", (L, h, f), ("layers", "embed", "mlp")), ("b1", (L, f), ("layers", "mlp")),
+              ("w2", (L, f, h), ("layers", "mlp", "embed")), ("b2", (L, h), ("layers", "embed"))]
+    out = [Leaf("wte", (V, h), ("vocab", "embed")), Leaf("wpe", (s, h), (None, "embed"))]
+    out += [Leaf(f"blocks/{n}", shape, lg) for n, shape, lg in blocks]
+    out += [Leaf("lnf_scale", (h,), ("embed",)), Leaf("lnf_bias", (h,), ("embed",)),
+            Leaf("head", (h, V), ("embed", "vocab"))]
+    return tuple(out)
+
+
+def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int, mlp: int | None = None,
+        name: str = "gpt") -> ModelSpec:
+    """jaxpar's GPT from numbers (``mlp`` defaults to ``4 * hidden``).
+
+    >>> gpt(layers=2, hidden=32, heads=8, seq=16, vocab=64, batch=16).n_params
+    29824
+    """
+    spec = ModelSpec(layers, hidden, heads, seq, vocab, batch, mlp or 0, name=name)
+    return replace(spec, leaves=_gpt_leaves(layers, hidden, heads, seq, vocab, spec.mlp))
+
+
+def from_gpt_config(cfg: Any, batch: int) -> ModelSpec:
+    """From a :class:`jaxpar.models.gpt.GPTConfig` (read by attribute; nothing imported).
+
+    >>> from types import SimpleNamespace
+    >>> from_gpt_config(SimpleNamespace(layers=2, embed=32, heads=8, seq_len=16, vocab=64, mlp=None), 16).mlp
+    128
+    """
+    return gpt(cfg.layers, cfg.embed, cfg.heads, cfg.seq_len, cfg.vocab, batch, mlp=cfg.mlp)
+
+
+def _path_str(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def from_nnx(model_fn: Callable[[], Any], *, layers: int, hidden: int, heads: int, seq: int, vocab: int,
+             batch: int, mlp: int | None = None, name: str = "model") -> ModelSpec:
+    """Parameters and logical axes of an NNX model, read with ``jax.eval_shape`` (nothing allocated).
+
+    ``model_fn`` builds the model (as for :func:`jaxpar.init_train_state`); the sizes that the
+    parameters do not tell (context, batch, ...) are given. Imports JAX.
+
+    >>> from flax import nnx
+    >>> from jaxpar.models.gpt import GPT, GPTConfig
+    >>> cfg = GPTConfig(vocab=64, seq_len=16, embed=32, heads=8, layers=2)
+    >>> m = from_nnx(lambda: GPT(cfg, rngs=nnx.Rngs(0)), layers=2, hidden=32, heads=8, seq=16, vocab=64, batch=16)
+    >>> m.n_params == gpt(2, 32, 8, 16, 64, 16).n_params, m.leaf("blocks/wq").logical
+    (True, ('layers', 'embed', 'heads', 'kv'))
+    """
+    import jax
+
+    from ..train.state import abstract_model
+
+    _, shapes, logical = abstract_model(model_fn)
+    flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    flat_logical = jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: isinstance(x, tuple) or x is None)[0]
+    by_path = {_path_str(p): (tuple(lg) if lg is not None else ()) for p, lg in flat_logical}
+    leaves = []
+    for path, a in flat_shapes:
+        key = _path_str(path)
+        lg = tuple(by_path.get(key, ())) or (None,) * len(a.shape)
+        leaves.append(Leaf(key, tuple(int(d) for d in a.shape), lg + (None,) * (len(a.shape) - len(lg))))
+    spec = ModelSpec(layers, hidden, heads, seq, vocab, batch, mlp or 0, name=name)
+    return replace(spec, leaves=tuple(leaves))

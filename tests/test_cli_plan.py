@@ -1,0 +1,79 @@
+"""``jaxpar plan`` and ``jaxpar inspect`` from the command line (in-process, 8 simulated devices).
+
+``inspect`` compiles the quickstart config's train step ahead of time (about 20-40 s here) and
+must print the sharding table, the collectives and the memory report next to the cost model,
+without running a step (no output directory is written).
+"""
+import json
+import re
+
+import pytest
+
+from jaxpar.cli import main
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def inspected(tmp_path_factory):
+    import contextlib
+    import io
+
+    out_dir = tmp_path_factory.mktemp("inspect") / "run"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["inspect", str(ROOT / "configs" / "quickstart.yaml"), f"train.out_dir={out_dir}"])
+    return code, buf.getvalue(), out_dir
+
+
+def test_inspect_prints_shardings_collectives_and_memory_next_to_the_model(inspected):
+    code, out, out_dir = inspected
+    print(out)
+    assert code == 0
+    assert "strategy dp2-fsdp2-tp2" in out
+    # the sharding table: one row per parameter, with the mesh axes of params / grads / optimizer moments
+    row = next(line for line in out.splitlines() if line.startswith("blocks/w1 "))
+    assert re.search(r"\(layers, embed, mlp\)\s*\|\s*\(-, fsdp, tensor\)", row), row
+    assert "collectives of the compiled step" in out and "all-reduce | tensor" in out
+    # predicted vs compiled, per device: bytes per mesh axis and arguments agree (acceptance 3's tolerances)
+    for what, tol in (("bytes over data per step", 0.05), ("bytes over fsdp per step", 0.05),
+                      ("bytes over tensor per step", 0.05), ("arguments (state + batch)", 0.02)):
+        line = next(x for x in out.splitlines() if x.startswith(what))
+        ratio = float(line.rsplit("|", 1)[1])
+        assert abs(ratio - 1) <= tol, line
+    assert re.search(r"time     predicted [\d.]+ ms per step on cpu_sim", out)
+    assert not out_dir.exists(), "inspect must not train (nor write the run directory)"
+
+
+def test_inspect_without_a_device_count_names_the_fix(capsys):
+    code = main(["inspect", str(ROOT / "configs" / "quickstart.yaml"), "train.devices=0", "mesh.data=-1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "train.devices=0" in err and "set train.devices=N" in err
+
+
+def test_inspect_with_other_devices_than_the_session_is_an_error(capsys):
+    """The backend is up with 8 devices (conftest); a 4-device config cannot be simulated in-process."""
+    code = main(["inspect", str(ROOT / "configs" / "quickstart.yaml"), "train.devices=4", "mesh.data=1"])
+    assert code == 2
+    assert "train.devices=4" in capsys.readouterr().err
+
+
+def test_plan_json_and_table(capsys):
+    args = ["plan", "--layers", "12", "--hidden", "768", "--heads", "12", "--seq", "1024", "--vocab", "50304",
+            "--batch", "64", "--cluster", "h100", "--top", "3"]
+    assert main(args + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["devices"] == 8 and len(data["ranked"]) == 3
+    assert data["ranked"][0]["plan"].startswith("dp8")
+    assert sorted(data["ranked"], key=lambda r: r["step_s"]) == data["ranked"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "rank | plan" in out and "considered" in out
+
+
+def test_plan_errors_name_the_fix(capsys):
+    assert main(["plan", "--layers", "12", "--hidden", "768"]) == 2
+    assert "missing --heads, --seq, --vocab, --batch" in capsys.readouterr().err
+    assert main(["plan", "--config", str(ROOT / "configs" / "quickstart.yaml"), "--cluster", "nope"]) == 2
+    assert "unknown cluster preset 'nope'" in capsys.readouterr().err

@@ -1,0 +1,230 @@
+"""jaxpar.cost against published tables and hand-computed values (pure Python; acceptance 1 and 2)."""
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxpar.cost import collectives as C
+from jaxpar.cost.memory import (PRECISIONS, _schedule_stats, activation_bytes_per_layer, closed_form_stats,
+                                zero_state_bytes)
+from jaxpar.cost.model import gpt
+from jaxpar.cost.time import narayanan_flops, step_flops
+from jaxpar.pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight
+
+GB = 1e9
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- acceptance 1
+# ZeRO (Rajbhandari et al. 2020) Table 1, Psi = 7.5B, K = 12, GB per device: DP, P_os, P_os+g, P_os+g+p.
+ZERO_TABLE_1 = {1: (120, 120, 120, 120), 4: (120, 52.5, 41.3, 30), 16: (120, 35.6, 21.6, 7.5),
+                64: (120, 31.4, 16.6, 1.88), 256: (120, 30.4, 15.4, 0.47), 1024: (120, 30.1, 15.1, 0.12)}
+
+
+@pytest.mark.parametrize("n_d", sorted(ZERO_TABLE_1))
+def test_zero_table_1(n_d):
+    got = [zero_state_bytes(7.5e9, n_d, stage)["total"] / GB for stage in (0, 1, 2, 3)]
+    for g, want in zip(got, ZERO_TABLE_1[n_d]):
+        digits = len(str(want).split(".")[1]) if "." in str(want) else 0
+        assert abs(g - want) <= 0.5 * 10**-digits + 1e-9, (n_d, got)     # the paper's value is g rounded
+
+
+def test_zero_table_1_n64_exact():
+    got = [zero_state_bytes(7.5e9, 64, s)["total"] / GB for s in (0, 1, 2, 3)]
+    assert got == pytest.approx([120, 31.40625, 16.640625, 1.875], rel=1e-12)
+
+
+@pytest.mark.parametrize("psi,mixed,fp32_accum", [(1e9, 16, 20), (7e9, 112, 140), (70e9, 1120, 1400),
+                                                  (405e9, 6480, 8100)])
+def test_ultrascale_playbook_memory(psi, mixed, fp32_accum):
+    for name, want in (("mixed", mixed), ("mixed-fp32-accum", fp32_accum)):
+        bp = PRECISIONS[name]
+        got = zero_state_bytes(psi, 1, 0, param_bytes=bp.param, grad_bytes=bp.grad, opt_bytes=bp.opt)["total"]
+        assert got / GB == pytest.approx(want, rel=1e-12)
+    assert PRECISIONS["megatron"].k == 18 and PRECISIONS["mixed"].k == 16
+
+
+@pytest.mark.parametrize("B,s,l,h,V", [(1536, 2048, 96, 12288, 51200), (512, 2048, 40, 6144, 51200),
+                                       (8, 1024, 12, 768, 50304)])
+def test_narayanan_flops(B, s, l, h, V):
+    want = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    assert narayanan_flops(B, s, l, h, V) == want
+    assert step_flops(gpt(l, h, h // 64, s, V, B), "full") == pytest.approx(want, rel=1e-12)
+    # no recomputation: 3/4 of the layers' FLOPs, the same logits
+    assert step_flops(gpt(l, h, h // 64, s, V, B), "none") == pytest.approx(
+        72 * B * s * l * h**2 * (1 + s / (6 * h)) + 6 * B * s * h * V, rel=1e-12)
+
+
+SCHEDULE_GRID = [(k, p, m, v) for k in ("gpipe", "1f1b", "zb-h1") for p in (2, 3, 4, 8) for m in (p, 2 * p, 3 * p)
+                 for v in (1,)] + [("interleaved", p, m, 2) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
+
+
+@pytest.mark.parametrize("kind,p,m,v", SCHEDULE_GRID)
+def test_bubble_is_the_tables(kind, p, m, v):
+    s = get_schedule(kind, p, m, v)
+    table = (float(bubble_fraction(s)), peak_in_flight(s)[0])
+    assert _schedule_stats(kind, p, m, v) == table
+    assert closed_form_stats(kind, p, m, v)[0] == pytest.approx(table[0], abs=1e-15)
+    assert closed_form_stats(kind, p, m, v)[1] == table[1]
+
+
+def test_korthikanti_activations():
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    assert activation_bytes_per_layer(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+    assert activation_bytes_per_layer(s, b, h, a, tensor=t) == s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert activation_bytes_per_layer(s, b, h, a, tensor=t, sequence_parallel=True) == pytest.approx(
+        s * b * h / t * (34 + 5 * a * s / h))
+    assert activation_bytes_per_layer(s, b, h, a, tensor=t, sequence_parallel=True, remat="selective") == \
+        pytest.approx(34 * s * b * h / t)
+    assert activation_bytes_per_layer(s, b, h, a, remat="full") == 2 * s * b * h
+
+
+# ----------------------------------------------------------------------------- acceptance 2
+LINK = C.Link(alpha=5e-6, beta=1e-10, gamma=2e-11)
+SIZES = [2**10, 2**16, 2**20, 2**26, 2**30]
+PS = [2, 8, 64, 1000]
+
+
+def hand(kind, alg, n, p):
+    a, b, g = LINK.alpha, LINK.beta, LINK.gamma
+    lg, q = math.ceil(math.log2(p)), 2 ** int(math.log2(p))
+    fold = (2 * a + 2 * n * b + n * g) if p != q else 0
+    return {
+        ("all-reduce", "ring"): 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g,
+        ("all-reduce", "tree"): 2 * lg * (a + n * b) + lg * n * g,
+        ("all-reduce", "recursive-doubling"): math.log2(q) * (a + n * b + n * g) + fold,
+        ("all-reduce", "rabenseifner"): 2 * math.log2(q) * a + 2 * (q - 1) / q * n * b + (q - 1) / q * n * g + fold,
+        ("all-reduce", "lower-bound"): lg * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g,
+        ("all-gather", "ring"): (p - 1) * a + (p - 1) / p * n * b,
+        ("all-gather", "bruck"): lg * a + (p - 1) / p * n * b,
+        ("reduce-scatter", "ring"): (p - 1) * a + (p - 1) / p * n * (b + g),
+        ("reduce-scatter", "lower-bound"): lg * a + (p - 1) / p * n * (b + g),
+        ("all-to-all", "pairwise"): (p - 1) * a + (p - 1) / p * n * b,
+        ("collective-permute", "direct"): a + n * b,
+    }[(kind, alg)]
+
+
+HAND_CASES = ["all-reduce/ring", "all-reduce/tree", "all-reduce/recursive-doubling", "all-reduce/rabenseifner",
+              "all-reduce/lower-bound", "all-gather/ring", "all-gather/bruck", "reduce-scatter/ring",
+              "reduce-scatter/lower-bound", "all-to-all/pairwise", "collective-permute/direct"]
+
+
+@pytest.mark.parametrize("case", HAND_CASES)
+@pytest.mark.parametrize("p", PS)
+def test_algorithms_against_hand_values(case, p):
+    kind, alg = case.split("/")
+    for n in SIZES:
+        assert C.time(kind, n, p, LINK, alg) == pytest.approx(hand(kind, alg, n, p), rel=1e-12), (n, p)
+
+
+def test_hand_spot_values():
+    # p = 8, n = 1 MiB: ring all-reduce = 14 alpha + 1.75 n beta + 0.875 n gamma
+    n = 2**20
+    assert C.time("all-reduce", n, 8, LINK, "ring") == pytest.approx(14 * 5e-6 + 1.75 * n * 1e-10 + 0.875 * n * 2e-11)
+    assert C.time("all-gather", n, 8, LINK, "recursive-doubling") == pytest.approx(3 * 5e-6 + 0.875 * n * 1e-10)
+    assert C.time("reduce-scatter", n, 8, LINK, "recursive-halving") == pytest.approx(3 * 5e-6 + 0.875 * n * 1.2e-10)
+
+
+@pytest.mark.parametrize("p", PS)
+def test_ring_all_reduce_tends_to_2_s_beta(p):
+    n = 2**40
+    ratio = C.time("all-reduce", n, p, C.Link(1e-6, 1e-10), "ring") / (2 * n * 1e-10)
+    assert ratio == pytest.approx((p - 1) / p, rel=1e-4)      # the latency 2(p-1)alpha vanishes
+    assert C.time("all-reduce", 2**50, 10**6, C.Link(1e-6, 1e-10), "ring") / (2 * 2**50 * 1e-10) == pytest.approx(1, rel=2e-5)
+
+
+@pytest.mark.parametrize("kind", C.KINDS)
+@pytest.mark.parametrize("p", PS)
+def test_lower_bound_never_above_an_algorithm(kind, p):
+    for n in SIZES + [1, 3, 1000]:
+        times = C.algorithm_times(kind, n, p, LINK)
+        bound = times.pop("lower-bound")
+        assert all(bound <= t * (1 + 1e-12) for t in times.values()), (kind, n, p, times, bound)
+
+
+@pytest.mark.parametrize("p", [8, 64, 1000])
+def test_small_sizes_recursive_doubling_large_sizes_ring_or_rabenseifner(p):
+    assert C.best("all-reduce", 2**10, p, LINK)[0] == "recursive-doubling"
+    assert C.best("all-reduce", 2**30, p, LINK)[0] in ("ring", "rabenseifner")
+
+
+def test_cost_modules_import_no_jax():
+    """The modules of jaxpar/cost (and the pure pipeline tables / analysis helpers they use) load without
+    JAX. ``import jaxpar.cost`` would run jaxpar/__init__.py, which imports JAX, so a fresh interpreter
+    registers the parent packages as empty namespace packages and imports jaxpar.cost by itself."""
+    code = f"""
+import sys, types
+root = {str(ROOT / 'jaxpar')!r}
+for name, path in (("jaxpar", root), ("jaxpar.pipeline", root + "/pipeline"), ("jaxpar.analysis", root + "/analysis")):
+    mod = types.ModuleType(name); mod.__path__ = [path]; sys.modules[name] = mod
+import jaxpar.cost, jaxpar.cost.plan, jaxpar.cost.verify
+r = jaxpar.cost.plan(jaxpar.cost.gpt(2, 32, 8, 16, 64, 16), jaxpar.cost.load_cluster("h100"))
+bad = sorted(m for m in sys.modules if m == "jax" or m.startswith(("jax.", "flax", "optax")))
+assert not bad, bad
+print("ok", r.best.plan.name())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok")
+
+
+# ----------------------------------------------------------------------------- shared-memory links
+SHM = C.Link(alpha=2e-4, beta=1e-9, gamma=1e-10, shared_memory=True)
+
+
+@pytest.mark.parametrize("p", PS)
+def test_shared_memory_algorithms_against_hand_values(p):
+    a, b, g = SHM.alpha, SHM.beta, SHM.gamma
+    f = (p - 1) / p
+    for n in SIZES:
+        assert C.time("all-reduce", n, p, SHM, "one-shot") == pytest.approx(a + (p - 1) * n * (b + g), rel=1e-12)
+        assert C.time("all-reduce", n, p, SHM, "two-shot") == pytest.approx(2 * a + 2 * f * n * b + f * n * g, rel=1e-12)
+        assert C.time("reduce-scatter", n, p, SHM, "one-shot") == pytest.approx(a + f * n * (b + g), rel=1e-12)
+        for kind in ("all-gather", "all-to-all"):
+            assert C.time(kind, n, p, SHM, "one-shot") == pytest.approx(a + f * n * b, rel=1e-12)
+        assert C.time("collective-permute", n, p, SHM, "one-shot") == pytest.approx(a + n * b, rel=1e-12)
+
+
+def test_shared_memory_link_chooses_one_shot_small_two_shot_large():
+    assert set(C.algorithm_times("all-reduce", 1024, 8, SHM)) == {"one-shot", "two-shot"}
+    assert C.best("all-reduce", 1024, 8, SHM)[0] == "one-shot"
+    assert C.best("all-reduce", 2**30, 8, SHM)[0] == "two-shot"
+    assert C.best("all-reduce", 1024, 8, C.Link(2e-4, 1e-9))[0] == "recursive-doubling"   # a network link
+
+
+def test_cpu_sim_preset_is_calibrated_and_shared():
+    from jaxpar import cost
+
+    c = cost.load_cluster("cpu_sim")
+    assert c.intra.shared_memory and c.shared_compute > 1 and c.memory_bandwidth > 0
+    assert any("benchmarks/calibrate.py" in s for s in c.sources)
+    alone = c.with_devices(1)
+    assert alone.peak("float32") == pytest.approx(c.peak("float32") * min(8, c.shared_compute))
+    h = cost.load_cluster("h100")
+    assert h.with_devices(1).peak("bfloat16") == h.peak("bfloat16")       # GPUs do not share compute
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("shared_compute", 0.5, r"shared_compute=0.5 must be a number >= 1"),
+    ("memory_gbps", -1, r"memory_gbps=-1 must be a number >= 0"),
+])
+def test_bad_shared_compute_and_memory_bandwidth(key, value, match):
+    from jaxpar.cost.cluster import ClusterError, cluster_from_dict
+
+    d = {"devices_per_node": 8, "device_memory_gib": 80, "peak_tflops": {"bfloat16": 989},
+         "intra_node": {"alpha_us": 10, "bandwidth_gbps": 450}, key: value}
+    with pytest.raises(ClusterError, match=match):
+        cluster_from_dict(d, "mine")
+
+
+def test_optimizer_update_is_memory_bound_and_sharded_by_zero():
+    from jaxpar import cost
+    from jaxpar.cost.time import Plan, step_time, update_bytes
+
+    m = cost.gpt(12, 768, 12, 1024, 50304, 64)
+    h = cost.load_cluster("h100")
+    dp, z2 = step_time(m, Plan(data=8), h), step_time(m, Plan(data=8, zero=2), h)
+    assert dp.optimizer == pytest.approx(update_bytes(m, Plan(data=8), 2) / 3350e9)
+    assert z2.optimizer == pytest.approx(dp.optimizer / 8, rel=0.02)      # small unsplittable leaves stay whole
