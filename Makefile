@@ -29,6 +29,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/compile_time.py
 	$(BIN)/python benchmarks/pipeline.py
 	$(BIN)/python benchmarks/byo_model.py
+	$(BIN)/python benchmarks/gradient_compression.py
+	$(BIN)/python benchmarks/compression_convergence.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -2,7 +2,8 @@
 
 For each weight matrix ``M`` (the local gradient plus its residual, ``n x m``; a stacked
 ``[L, n, ...]`` leaf is ``L`` matrices): ``P = M Q``, all-reduce ``P``, orthonormalise,
-``Q = M^T P``, all-reduce ``Q``; the gradient is ``P Q^T`` and the residual ``M - P Q^T``.
+``Q = M^T P``, all-reduce ``Q``; the gradient is ``P Q^T`` and the residual ``M - P Q^T``
+(orthonormalised by Gram-Schmidt, :func:`orthonormalize`).
 ``Q`` is kept for the next step (``warm_start``). Vectors and matrices for which
 ``(n + m) r * min_compression_rate >= n m`` are averaged uncompressed, in the same
 all-reduce as ``P``: two all-reduces per step in all.
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 
 from .codecs import CompressionError
 
-__all__ = ["PowerSGD", "powersgd"]
+__all__ = ["PowerSGD", "powersgd", "orthonormalize"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class PowerSGD:
         ps = [jnp.einsum("bnm,bmr->bnr", m, q) for m, q in zip(ms, qs)]
         flat = mean(_concat(ps + [p.reshape(-1) for p in plain]))
         pieces = _split(flat, [p.shape for p in ps] + [p.shape for p in plain])
-        ps, plain = [jnp.linalg.qr(p)[0] for p in pieces[:len(ps)]], pieces[len(ps):]
+        ps, plain = [orthonormalize(p) for p in pieces[:len(ps)]], pieces[len(ps):]
         qs = [jnp.einsum("bnm,bnr->bmr", m, p) for m, p in zip(ms, ps)]
         qs = _split(mean(_concat(qs)), [q.shape for q in qs]) if qs else []
         approx = [jnp.einsum("bnr,bmr->bnm", p, q) for p, q in zip(ps, qs)]
@@ -88,6 +89,31 @@ class PowerSGD:
                 first, second = first + b * n * r, second + b * m * r
         ring = 2 * (replicas - 1) / replicas * 4
         return round(ring * first) + round(ring * second)
+
+
+def orthonormalize(p: jax.Array) -> jax.Array:
+    """Orthonormal columns of each ``[b, n, r]`` matrix, by Gram-Schmidt with one
+    re-orthogonalisation per column ("twice is enough"); an all-zero column stays zero.
+
+    Plain array operations on purpose: LAPACK's QR inside a program whose devices wait in
+    collectives can starve XLA:CPU's thread pool (a deadlock with 8 simulated devices).
+
+    >>> import jax, jax.numpy as jnp
+    >>> q = orthonormalize(jax.random.normal(jax.random.key(0), (2, 16, 4)))
+    >>> bool(jnp.allclose(jnp.einsum("bnr,bns->brs", q, q), jnp.eye(4), atol=1e-5))
+    True
+    """
+    r = p.shape[-1]
+
+    def column(j, q):
+        c = q[..., j]
+        for _ in range(2):
+            coef = jnp.einsum("bnr,bn->br", q, c) * (jnp.arange(r) < j)
+            c = c - jnp.einsum("bnr,br->bn", q, coef)
+        norm = jnp.linalg.norm(c, axis=-1, keepdims=True)       # scale-free: gradients can be tiny
+        return q.at[..., j].set(jnp.where(norm > 0, c / jnp.where(norm > 0, norm, 1.0), 0.0))
+
+    return jax.lax.fori_loop(0, r, column, p)
 
 
 def _concat(xs: list) -> jax.Array:

@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..blocks import LAYERS
 from ..compression import ExchangePlan, exchange_plan
-from ..data_parallel import bucketed_all_gather, manual_layout
+from ..data_parallel import _spec, bucketed_all_gather, manual_layout
 from ..mesh import data_axes
 from ..rules import drop_axes, use_rules
 from .state import StateLayout
@@ -72,14 +72,6 @@ def compression_state(codec, layout: StateLayout, zero: int) -> tuple[Callable, 
 
     shapes = jax.eval_shape(init)
     return init, jax.tree.map(lambda _: spec, shapes), shapes
-
-
-def _spec(dim, axes, ndim) -> PartitionSpec:
-    if dim is None or not axes:
-        return PartitionSpec()
-    entries = [None] * ndim
-    entries[dim] = axes[0] if len(axes) == 1 else tuple(axes)
-    return PartitionSpec(*entries)
 
 
 def _local_microbatches(batch: Any, k: int) -> Any:

@@ -14,7 +14,7 @@ Per codec, on the quickstart-sized GPT over 8 simulated CPU devices (DP8, one ex
 
 Usage::
 
-    python benchmarks/compression.py --steps 3 --reps 7 [--json out.json]
+    python benchmarks/gradient_compression.py --steps 3 --reps 7 [--json out.json]
 """
 from __future__ import annotations
 
