@@ -1,7 +1,44 @@
-"""Root test configuration: 8 simulated CPU devices, set once before any backend use."""
+"""Root test configuration: 8 simulated CPU devices, set once before any backend use.
+
+Compiled programs are shared through JAX's persistent compilation cache, in a fresh directory
+per test session (removed at exit): many tests build the same train step or the same sharded
+initialisation (a new ``make_train_step`` / ``init_train_state`` closure is a new ``jax.jit``, so
+JAX's in-memory cache never sees the repeat), and the CLI runs of tests/test_faults.py compile
+one program again in every subprocess. The cache key is the whole HLO module plus the compile
+options, devices and jax/XLA versions, so a hit is the very executable a compile would build
+(only the source-location metadata in ``as_text()`` is the first compile's). The variables are
+set before ``import jax`` and inherited by subprocesses (CLI runs, notebook kernels).
+``JAXPAR_TEST_COMPILATION_CACHE=0`` turns it off; a ``JAX_COMPILATION_CACHE_DIR`` set outside
+is used as it is (and kept).
+
+XLA:CPU's LLVM back end runs at optimisation level 0 (``--xla_backend_optimization_level=0``,
+appended to ``XLA_FLAGS``): it compiles the test programs ~3x faster. The HLO passes are
+unchanged, so the optimised HLO (``as_text()``: collectives, shardings) and the memory analysis
+are the same as at the default level; only the machine code differs, which moves results by
+fp32 round-off (e.g. FMA contraction), within every tolerance of the suite, and the code runs
+slower (tiny programs: compile time dominates). Subprocesses inherit it (tests/test_multiprocess.py
+passes ``TEST_XLA_FLAGS`` on explicitly, since it clears ``XLA_FLAGS``), so in-process and
+subprocess runs compile alike. ``JAXPAR_TEST_XLA_OPT=default`` keeps XLA's default level.
+"""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("JAXPAR_TEST_COMPILATION_CACHE", "1") != "0":
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        _cache_dir = tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+        atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")    # every program, not only > 1 s
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+#: XLA flags this session adds (tests that start processes with a cleared XLA_FLAGS pass these on)
+TEST_XLA_FLAGS = ""
+if os.environ.get("JAXPAR_TEST_XLA_OPT", "0") != "default":
+    TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+    if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)

@@ -17,6 +17,8 @@ from jaxpar import distributed as dist
 from jaxpar.cli import main
 from jaxpar.distributed import DistributedError, resolve
 
+from conftest import TEST_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 #: A tiny GPT on synthetic tokens, every step logged; metrics and (at the end) text samples written.
@@ -35,8 +37,14 @@ def free_port() -> int:
 
 
 def clean_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARS)}
+    """The environment without launcher variables, and without the test session's compilation cache
+    (tests/conftest.py): these jobs compile as a real multi-process start does, which the SIGTERM
+    during start-up relies on, and single- and multi-process programs never share cache entries."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_LAUNCHER_VARS) and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    if TEST_XLA_FLAGS:            # compile like the in-process reference runs (tests/conftest.py)
+        env["XLA_FLAGS"] = TEST_XLA_FLAGS
     return env
 
 

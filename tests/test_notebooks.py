@@ -12,6 +12,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXPECTED = {
     "01_meshes_and_strategies.ipynb": ["reduce-scatter", "all-gather", "no rule fits logical name 'mlp'"],
     "02_pipelines.ipynb": ["collective-permute | pipe", "1f1b          16   0.158     38               4"],
+    "03_compression.ipynb": ["qsgd", "all-to-all", "max relative gap", "powersgd r4    final loss",
+                             "saved compression_losses.png"],
+    "05_planning.ipynb": ["N_d = 64: 120.0 GB / 31.4 GB / 16.6 GB / 1.9 GB", "rank | plan",
+                          "all-reduce 1,073,741,824 B on 8 x h100: best rabenseifner", "cpu_sim link: alpha"],
 }
 
 
