@@ -52,6 +52,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..data_parallel import _axis, _unflatten
 from .codecs import Codec, CompressionError
 from .packing import from_bytes, to_bytes
 from .powersgd import PowerSGD
@@ -60,19 +61,8 @@ from .sparse import Sparsifier
 __all__ = ["ExchangePlan", "exchange_plan"]
 
 
-def _axis(axes: tuple[str, ...]):
-    return axes if len(axes) > 1 else axes[0]
-
-
 def _rows(g: jax.Array, d: int, n: int) -> jax.Array:
     return jnp.moveaxis(g, d, 0).reshape(n, -1)
-
-
-def _unrows(row: jax.Array, d: int, shape: tuple, n: int) -> jax.Array:
-    """One replica's shard (dimension ``d`` cut ``n`` ways) from its flat row."""
-    lead = shape[d] // n
-    moved = (lead,) + tuple(s for j, s in enumerate(shape) if j != d)
-    return jnp.moveaxis(row.reshape(moved), 0, d)
 
 
 def _round_up(x: int, unit: int) -> int:
@@ -127,7 +117,7 @@ class ExchangePlan:
         right = jnp.pad(right, (0, n * kr - lr)).reshape(n, kr)
         return jnp.concatenate([left, right], axis=1)
 
-    def _unpack(self, mine: jax.Array, rest: jax.Array, index) -> list:
+    def _unpack(self, mine: jax.Array, rest: jax.Array) -> list:
         """Leaves from this replica's averaged sharded row ``mine`` (``[Ks]``) and the averaged
         rest (``[Lr]``); leaves sharded over a subset of the axes take their own slice."""
         out, a, b = [], 0, 0
@@ -135,7 +125,7 @@ class ExchangePlan:
             size = math.prod(shape)
             if sc:
                 k = size // self.replicas
-                out.append(_unrows(mine[a:a + k], d, shape, self.replicas))
+                out.append(_unflatten(mine[a:a + k], d, shape[d] // self.replicas, shape))   # this replica's shard
                 a += k
                 continue
             full = rest[b:b + size].reshape(shape)
@@ -196,7 +186,7 @@ class ExchangePlan:
             x = self._pack([g.astype(jnp.float32) for g in leaves])
             fn = self._quantized if isinstance(c, Codec) else self._sparse
             mine, rest, state = fn(x, state, step, index)
-            out = self._unpack(mine, rest, index)
+            out = self._unpack(mine, rest)
             res = jnp.linalg.norm(state["residual"]) if "residual" in state else jnp.zeros(())
         rms = jnp.sqrt(jax.lax.psum(res * res, _axis(self.axes)) / self.replicas)
         return out, state, {"residual_norm": rms}

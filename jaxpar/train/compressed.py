@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..blocks import LAYERS
 from ..compression import ExchangePlan, exchange_plan
-from ..data_parallel import _spec, bucketed_all_gather, manual_layout
+from ..data_parallel import _axis, _spec, bucketed_all_gather, manual_layout
 from ..mesh import data_axes
 from ..rules import drop_axes, use_rules
 from .state import StateLayout
@@ -57,7 +57,7 @@ def compression_plan(codec, layout: StateLayout, zero: int) -> ExchangePlan:
 
 
 def _replica_spec(plan: ExchangePlan) -> PartitionSpec:
-    return PartitionSpec(plan.axes if len(plan.axes) > 1 else plan.axes[0])
+    return PartitionSpec(_axis(plan.axes))
 
 
 def compression_state(codec, layout: StateLayout, zero: int) -> tuple[Callable, Any, Any]:
@@ -99,11 +99,11 @@ def make_compressed_loss_and_grad(loss_fn: Callable, layout: StateLayout, strate
     g_specs = treedef.unflatten([_spec(d, g, n) for (d, _, g), n in zip(lays, ndims)])
     sizes = dict(mesh.shape)
     batch_axes = tuple(a for a in data_axes(mesh) if sizes[a] > 1)
-    batch_spec = PartitionSpec(batch_axes if len(batch_axes) > 1 else batch_axes[0])
+    batch_spec = PartitionSpec(_axis(batch_axes))
     comm_spec = jax.tree.map(lambda _: _replica_spec(plan), layout.comm_shapes)
     local_rules = drop_axes(layout.rules, plan.axes)
     k = strategy.microbatches
-    axis = plan.axes if len(plan.axes) > 1 else plan.axes[0]
+    axis = _axis(plan.axes)
     steps = _bytes_per_stage(plan)
 
     def local(params, batch, comm, step):
@@ -153,7 +153,7 @@ def _piped(loss_fn, layout: StateLayout, strategy, plan: ExchangePlan, batch_axe
     mesh, treedef = layout.mesh, jax.tree_util.tree_structure(layout.shapes)
     piped = make_pipeline_loss_and_grad(loss_fn, layout.graphdef, mesh, layout.rules, layout.params, layout.grads,
                                         strategy, num_layers=_stacked_layers(layout), replica_axes=batch_axes)
-    rep = PartitionSpec(batch_axes if len(batch_axes) > 1 else batch_axes[0])
+    rep = PartitionSpec(_axis(batch_axes))
 
     def exchange(grads, comm, step):
         out, comm, stats = plan.exchange([g[0] for g in jax.tree.leaves(grads)],

@@ -239,7 +239,7 @@ def _compressed_train_step(loss_fn, tx, layout: StateLayout, strategy: Strategy,
     from ..compression import CompressionError
     from .compressed import make_compressed_loss_and_grad   # compression loads only when used
 
-    if not jax.tree.leaves(layout.comm_shapes) and layout.comm_init is tuple:
+    if layout.comm_init is tuple:      # the layout default: init_train_state saw no codec
         raise CompressionError(
             f"make_train_step with compression={strategy.compression.name!r}, but the layout was made without "
             "it (init_train_state with another strategy), so the train state has no place for the codec's "
