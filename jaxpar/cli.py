@@ -108,7 +108,9 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     C.check(cfg, num_devices=jax.device_count())
     mesh = C.build_mesh(cfg.mesh)
     strategy = C.build_strategy(cfg.parallel)
-    tx, schedule = C.build_optimizer(cfg.optimizer, cfg.train.steps)
+    model_fn = C.build_model_fn(cfg.model, cfg.train.seed)
+    tx, schedule = C.build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=cfg.data.batch_size,
+                                     model_fn=model_fn)
     loss_fn = C.build_loss_fn(cfg.model)
     batch_fn, eval_batches = C.build_data(cfg.data, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab,
                                           eval_batches=cfg.train.eval_batches)
@@ -122,7 +124,7 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     print(f"devices  {len(devs)} x {devs[0].platform} ({devs[0].device_kind})")
     print("mesh     " + " x ".join(f"{k}={v}" for k, v in sizes.items()))
     print(f"strategy {strategy.name(sizes)}")
-    state, layout = init_train_state(C.build_model_fn(cfg.model, cfg.train.seed), tx, mesh, strategy)
+    state, layout = init_train_state(model_fn, tx, mesh, strategy)
     nbytes = layout.analytic_bytes()
     n_params = sum(a.size for a in jax.tree.leaves(layout.shapes))
     label = cfg.model.name if cfg.model.target is None else f"{cfg.model.name} ({cfg.model.target})"
@@ -490,12 +492,14 @@ def run_inspect(config: str, overrides: Sequence[str], *, cluster: str = "cpu_si
     C.check(cfg, num_devices=jax.device_count())
     mesh = C.build_mesh(cfg.mesh, devices=jax.devices()[:n])
     strategy = C.build_strategy(cfg.parallel)
-    tx, schedule = C.build_optimizer(cfg.optimizer, cfg.train.steps)
+    model_fn = C.build_model_fn(cfg.model, cfg.train.seed)
+    tx, schedule = C.build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=cfg.data.batch_size,
+                                     model_fn=model_fn)
     loss_fn = C.build_loss_fn(cfg.model)
     batch_fn = None
     if cfg.data.kind == "import":
         batch_fn, _ = C.build_data(cfg.data, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab, eval_batches=0)
-    layout = _abstract_layout(C.build_model_fn(cfg.model, cfg.train.seed), tx, mesh, strategy)
+    layout = _abstract_layout(model_fn, tx, mesh, strategy)
     step = make_train_step(loss_fn, tx, layout, strategy, clip_norm=cfg.optimizer.clip_norm, lr_schedule=schedule,
                            skip_nonfinite=True)
     sizes = dict(mesh.shape)

@@ -17,14 +17,16 @@ from typing import Any, Callable, Mapping, Sequence
 import optax
 from flax import nnx
 
+from .. import optimizers as opt_lib
 from ..mesh import MeshError, MeshSpec, make_mesh
 from ..strategy import Strategy
 from .imports import resolve_import
-from .schema import GPT_KEYS, ConfigError, MeshConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from .schema import GPT_KEYS, ConfigError, LRScalingConfig, MeshConfig, ModelConfig, OptimizerConfig, ParallelConfig
 
 __all__ = [
     "ModelEntry", "MODELS", "OPTIMIZERS", "build_gpt_config", "build_mesh", "build_strategy", "build_lr_schedule",
-    "build_optimizer", "build_model_fn", "build_loss_fn", "relabel", "mesh_spec", "mesh_error",
+    "peak_lr", "lr_scaling_problems", "build_trust_mask", "build_optimizer", "build_model_fn", "build_loss_fn",
+    "relabel", "mesh_spec", "mesh_error",
 ]
 
 
@@ -60,20 +62,33 @@ def _gpt_loss() -> Callable:
     return lm_loss
 
 
-def _adamw(c: OptimizerConfig, lr):
+def _adamw(c: OptimizerConfig, lr, **_):
     return optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay)
 
 
-def _adam(c: OptimizerConfig, lr):
+def _adam(c: OptimizerConfig, lr, **_):
     return optax.adam(lr, b1=c.b1, b2=c.b2, eps=c.eps)
 
 
-def _sgd(c: OptimizerConfig, lr):
+def _sgd(c: OptimizerConfig, lr, **_):
     return optax.sgd(lr, momentum=c.momentum or None)
 
 
+def _lars(c: OptimizerConfig, lr, *, logical=None, mask=None):
+    return opt_lib.lars(lr, weight_decay=c.weight_decay, momentum=c.momentum, trust_coefficient=c.trust_coefficient,
+                        eps=c.eps, logical=logical, mask=mask)
+
+
+def _lamb(c: OptimizerConfig, lr, *, logical=None, mask=None):
+    return opt_lib.lamb(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, logical=logical, mask=mask)
+
+
 MODELS: dict[str, ModelEntry] = {"gpt": ModelEntry(_build_gpt, _gpt_loss)}
-OPTIMIZERS: dict[str, Callable] = {"adamw": _adamw, "adam": _adam, "sgd": _sgd}
+#: ``name -> fn(cfg, lr, *, logical=None, mask=None) -> optax.GradientTransformation`` (``logical``:
+#: the params' logical names; ``mask``: :func:`jaxpar.optimizers.trust_mask`'s tree; both for lars / lamb).
+OPTIMIZERS: dict[str, Callable] = {"adamw": _adamw, "adam": _adam, "sgd": _sgd, "lars": _lars, "lamb": _lamb}
+#: Optimizers that apply ``weight_decay`` themselves (the others get ``add_decayed_weights`` in front).
+_OWN_DECAY = ("adamw", "lars", "lamb")
 
 
 def relabel(err: Exception, owner: str, section: str, fields: Sequence[str], fallback: str | None = None) -> str:
@@ -135,26 +150,80 @@ def build_strategy(cfg: ParallelConfig) -> Strategy:
         raise ConfigError(relabel(e, "Strategy", "parallel", _PARALLEL_KEYS, fallback)) from None
 
 
-def build_lr_schedule(cfg: OptimizerConfig, total_steps: int) -> Callable:
-    """Linear warm-up from 0 over ``warmup_steps``, then constant / cosine / linear decay to ``min_lr_ratio * lr``."""
+def lr_scaling_problems(cfg: LRScalingConfig) -> list[str]:
+    """What is wrong with ``optimizer.lr_scaling`` (empty: nothing)."""
+    p = []
+    if cfg.rule not in opt_lib.LR_SCALING_RULES:
+        p.append(f"optimizer.lr_scaling.rule={cfg.rule!r}: unknown rule; allowed: "
+                 f"{', '.join(opt_lib.LR_SCALING_RULES)} (lr x B/base_batch, lr x sqrt(B/base_batch), lr).")
+    if isinstance(cfg.base_batch, bool) or not isinstance(cfg.base_batch, int) or cfg.base_batch <= 0:
+        p.append(f"optimizer.lr_scaling.base_batch={cfg.base_batch!r}: must be a positive int, the global batch "
+                 "size at which optimizer.lr was tuned (e.g. 256).")
+    return p
+
+
+def peak_lr(cfg: OptimizerConfig, global_batch: int | None = None) -> float:
+    """``optimizer.lr`` scaled by ``optimizer.lr_scaling`` to ``global_batch`` (``data.batch_size``)."""
+    if problems := lr_scaling_problems(cfg.lr_scaling):
+        raise ConfigError(" ".join(problems))
+    rule = cfg.lr_scaling.rule
+    if rule == "none":
+        return cfg.lr
+    if global_batch is None:
+        raise ConfigError(f"optimizer.lr_scaling.rule={rule!r} scales optimizer.lr by the global batch, which "
+                          "was not given: call build_optimizer / build_lr_schedule with global_batch="
+                          "data.batch_size, or set optimizer.lr_scaling.rule=none.")
+    return opt_lib.scaled_lr(cfg.lr, global_batch, cfg.lr_scaling.base_batch, rule)
+
+
+def build_lr_schedule(cfg: OptimizerConfig, total_steps: int, global_batch: int | None = None) -> Callable:
+    """Linear warm-up from 0 over ``warmup_steps`` to the peak :func:`peak_lr` (``optimizer.lr`` scaled to
+    ``global_batch`` by ``optimizer.lr_scaling``), then constant / cosine / linear decay to ``min_lr_ratio``
+    times the peak."""
+    peak = peak_lr(cfg, global_batch)
     warm = min(cfg.warmup_steps, total_steps)
     rest = max(1, total_steps - warm)
-    end = cfg.lr * cfg.min_lr_ratio
-    after = {"constant": lambda: optax.constant_schedule(cfg.lr),
-             "cosine": lambda: optax.cosine_decay_schedule(cfg.lr, rest, alpha=cfg.min_lr_ratio),
-             "linear": lambda: optax.linear_schedule(cfg.lr, end, rest)}[cfg.lr_schedule]()
+    end = peak * cfg.min_lr_ratio
+    after = {"constant": lambda: optax.constant_schedule(peak),
+             "cosine": lambda: optax.cosine_decay_schedule(peak, rest, alpha=cfg.min_lr_ratio),
+             "linear": lambda: optax.linear_schedule(peak, end, rest)}[cfg.lr_schedule]()
     if warm == 0:
         return after
-    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warm), after], [warm])
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
 
 
-def build_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-    """``(tx, lr_schedule)``. Clipping is done by the train step (``clip_norm``), not by ``tx``."""
+def build_trust_mask(cfg: OptimizerConfig, model_fn: Callable[[], nnx.Module] | None = None):
+    """``(logical, mask)`` for lars / lamb: the model's logical names and :func:`jaxpar.optimizers.trust_mask`
+    with ``optimizer.trust_mask`` (checked against the model's parameters, not built); without ``model_fn``
+    ``(None, mask function)``, checked when the optimizer is initialised."""
+    tm = cfg.trust_mask
+    if model_fn is None:
+        return None, lambda params: opt_lib.trust_mask(params, exclude=tm.exclude, include=tm.include)
+    from ..train.state import abstract_model
+
+    _, shapes, logical = abstract_model(model_fn)
+    try:
+        return logical, opt_lib.trust_mask(shapes, logical, exclude=tm.exclude, include=tm.include)
+    except opt_lib.MaskError as e:
+        key = "exclude" if str(e).startswith("trust_mask exclude") else "include"
+        msg = re.sub(r"^trust_mask \w+: ", "", str(e))
+        raise ConfigError(f"optimizer.trust_mask.{key}={list(getattr(tm, key))!r}: {msg}") from None
+
+
+def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int | None = None,
+                    model_fn: Callable[[], nnx.Module] | None = None) -> tuple[optax.GradientTransformation, Callable]:
+    """``(tx, lr_schedule)``. Clipping is done by the train step (``clip_norm``), not by ``tx``.
+
+    ``global_batch`` (``data.batch_size``): needed by ``optimizer.lr_scaling``; the schedule (logged as
+    ``lr``) is the scaled one. ``model_fn``: lets lars / lamb read the parameters' logical names (stacked
+    layers, :func:`build_trust_mask`) and check ``optimizer.trust_mask`` now; without it the mask is
+    taken from the arrays' ranks."""
     if cfg.name not in OPTIMIZERS:
         raise ConfigError(f"optimizer.name={cfg.name!r}: unknown optimizer; allowed: {', '.join(OPTIMIZERS)}.")
-    schedule = build_lr_schedule(cfg, total_steps)
-    tx = OPTIMIZERS[cfg.name](cfg, schedule)
-    if cfg.name != "adamw" and cfg.weight_decay:
+    schedule = build_lr_schedule(cfg, total_steps, global_batch)
+    logical, mask = build_trust_mask(cfg, model_fn) if cfg.name in ("lars", "lamb") else (None, None)
+    tx = OPTIMIZERS[cfg.name](cfg, schedule, logical=logical, mask=mask)
+    if cfg.name not in _OWN_DECAY and cfg.weight_decay:
         tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay), tx)
     return tx, schedule
 

@@ -16,10 +16,10 @@ from ..mesh import MeshError
 from ..pipeline.partition import PartitionError, check_stage_layers, uniform_layers
 from ..pipeline.schedules import get_schedule
 from ..train import data as data_lib
-from .build import MODELS, OPTIMIZERS, build_gpt_config, build_strategy, mesh_error, mesh_spec
+from .build import MODELS, OPTIMIZERS, build_gpt_config, build_strategy, lr_scaling_problems, mesh_error, mesh_spec
 from .imports import call_problem, resolve_import
 from .schema import (DATA_KINDS, LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS, ConfigError,
-                     DataConfig, JobConfig, ModelConfig, ParallelConfig)
+                     DataConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig)
 
 __all__ = ["check"]
 
@@ -79,6 +79,36 @@ def _collect(problems: list[str], build: Callable[[], Any]) -> Any:
     except ConfigError as e:
         problems.append(str(e))
         return None
+
+
+def _optimizer_problems(p: list[str], opt: OptimizerConfig) -> None:
+    _choice(p, "optimizer.name", opt.name, tuple(OPTIMIZERS))
+    _choice(p, "optimizer.lr_schedule", opt.lr_schedule, LR_SCHEDULES)
+    if opt.lr <= 0:
+        p.append(f"optimizer.lr={opt.lr!r}: must be > 0.")
+    for key in ("b1", "b2"):
+        if not 0 <= getattr(opt, key) < 1:
+            p.append(f"optimizer.{key}={getattr(opt, key)!r}: must be in [0, 1).")
+    for key in ("weight_decay", "momentum", "warmup_steps", "eps"):
+        _at_least(p, f"optimizer.{key}", getattr(opt, key), 0)
+    if not 0 <= opt.min_lr_ratio <= 1:
+        p.append(f"optimizer.min_lr_ratio={opt.min_lr_ratio!r}: must be in [0, 1].")
+    if opt.clip_norm is not None and opt.clip_norm <= 0:
+        p.append(f"optimizer.clip_norm={opt.clip_norm!r}: must be > 0, or null for no clipping.")
+    p.extend(lr_scaling_problems(opt.lr_scaling))
+    if opt.trust_coefficient <= 0:
+        p.append(f"optimizer.trust_coefficient={opt.trust_coefficient!r}: must be > 0 (LARS: e.g. 0.001).")
+    for key in ("include", "exclude"):
+        patterns = getattr(opt.trust_mask, key)
+        if patterns and opt.name not in ("lars", "lamb"):
+            p.append(f"optimizer.trust_mask.{key}={list(patterns)!r}: only used by optimizer.name=lars or lamb "
+                     f"(here {opt.name!r}); remove it or choose one of them.")
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                p.append(f"optimizer.trust_mask.{key}: {pattern!r} is not a valid regular expression ({e}); "
+                         "write a Python regex searched in the parameter path, e.g. 'ln.*_scale$'.")
 
 
 _RESERVED_DATA_KWARGS = ("step", "batch_size", "seed", "eval", "rows")
@@ -181,19 +211,7 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> None:
     par, opt, d, tr = cfg.parallel, cfg.optimizer, cfg.data, cfg.train
     gpt = _model_problems(p, cfg)
     strategy = _collect(p, lambda: build_strategy(par))
-    _choice(p, "optimizer.name", opt.name, tuple(OPTIMIZERS))
-    _choice(p, "optimizer.lr_schedule", opt.lr_schedule, LR_SCHEDULES)
-    if opt.lr <= 0:
-        p.append(f"optimizer.lr={opt.lr!r}: must be > 0.")
-    for key in ("b1", "b2"):
-        if not 0 <= getattr(opt, key) < 1:
-            p.append(f"optimizer.{key}={getattr(opt, key)!r}: must be in [0, 1).")
-    for key in ("weight_decay", "momentum", "warmup_steps", "eps"):
-        _at_least(p, f"optimizer.{key}", getattr(opt, key), 0)
-    if not 0 <= opt.min_lr_ratio <= 1:
-        p.append(f"optimizer.min_lr_ratio={opt.min_lr_ratio!r}: must be in [0, 1].")
-    if opt.clip_norm is not None and opt.clip_norm <= 0:
-        p.append(f"optimizer.clip_norm={opt.clip_norm!r}: must be > 0, or null for no clipping.")
+    _optimizer_problems(p, opt)
     _choice(p, "data.kind", d.kind, DATA_KINDS)
     _choice(p, "data.token_dtype", d.token_dtype, data_lib.TOKEN_DTYPES)
     _at_least(p, "data.batch_size", d.batch_size, 1)

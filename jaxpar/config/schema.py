@@ -13,7 +13,8 @@ from typing import Any
 from ..train import data as data_lib
 
 __all__ = [
-    "ConfigError", "ModelConfig", "MeshConfig", "ParallelConfig", "OptimizerConfig", "DataConfig",
+    "ConfigError", "ModelConfig", "MeshConfig", "ParallelConfig", "LRScalingConfig", "TrustMaskConfig",
+    "OptimizerConfig", "DataConfig",
     "TrainConfig", "CheckpointConfig", "LoggingConfig", "JobConfig", "GPT_KEYS", "USER_MODEL_KEYS",
     "LR_SCHEDULES", "DATA_KINDS", "PROGRESS_MODES", "NONFINITE_MODES", "RENAMED", "IMPORT_KEYS",
 ]
@@ -77,8 +78,30 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LRScalingConfig:
+    """The peak ``optimizer.lr`` was tuned at ``base_batch``; with ``data.batch_size = B`` it becomes
+    ``lr * B / base_batch`` (``linear``, Goyal et al.), ``lr * sqrt(B / base_batch)`` (``sqrt``) or
+    stays (``none``). Warm-up and decay apply to the scaled peak (see :func:`jaxpar.optimizers.scaled_lr`)."""
+
+    rule: str = "none"              # linear | sqrt | none
+    base_batch: int = 256
+
+
+@dataclass(frozen=True)
+class TrustMaskConfig:
+    """``lars`` / ``lamb``: which parameters get weight decay and a trust ratio. Default: those of
+    rank >= 2 per layer (not biases, not norm scales); ``include`` / ``exclude``: regexes searched
+    in the parameter path (``blocks/ln1_scale``) forcing them in / out (see :func:`jaxpar.optimizers.trust_mask`)."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
-    """``adamw`` decays weights decoupled; ``adam`` / ``sgd`` add ``weight_decay * w`` to the gradient."""
+    """``adamw`` decays weights decoupled; ``adam`` / ``sgd`` add ``weight_decay * w`` to the gradient.
+    ``lars`` (``momentum``, ``trust_coefficient``) and ``lamb`` (``b1``, ``b2``, ``eps``) decay and scale
+    by the trust ratio only the parameters of ``trust_mask`` (:mod:`jaxpar.optimizers`)."""
 
     name: str = "adamw"
     lr: float = 1e-3
@@ -91,6 +114,9 @@ class OptimizerConfig:
     lr_schedule: str = "cosine"     # after warm-up: constant | cosine | linear (to min_lr_ratio * lr)
     min_lr_ratio: float = 0.1
     clip_norm: float | None = 1.0   # None: no clipping
+    lr_scaling: LRScalingConfig = field(default_factory=LRScalingConfig)
+    trust_coefficient: float = 0.001   # lars only (lamb: 1)
+    trust_mask: TrustMaskConfig = field(default_factory=TrustMaskConfig)
 
 
 @dataclass(frozen=True)
