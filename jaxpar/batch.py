@@ -17,20 +17,20 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .mesh import data_axes
+from .mesh import batch_axes, data_axes
 from .rules import path_str
 
 __all__ = ["batch_sharding", "check_batch", "shard_batch", "split_microbatches"]
 
 
 def batch_sharding(mesh) -> NamedSharding:
-    """Leading (batch) dimension split over the data axes, the rest replicated."""
-    return NamedSharding(mesh, PartitionSpec(data_axes(mesh) or None))
+    """Leading (batch) dimension split over the data axes (and ``replica``), the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(batch_axes(mesh) or None))
 
 
 def check_batch(batch: Any, mesh, microbatches: int = 1) -> int:
     """Check every leaf's leading dim is divisible by data axes x micro-batches; return it."""
-    n = math.prod(mesh.shape[a] for a in data_axes(mesh))
+    n = math.prod(mesh.shape[a] for a in batch_axes(mesh))
     sizes = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if not getattr(leaf, "shape", ()):
@@ -39,7 +39,7 @@ def check_batch(batch: Any, mesh, microbatches: int = 1) -> int:
         b = leaf.shape[0]
         sizes.add(b)
         if b % (n * microbatches):
-            axes = ", ".join(f"{a}={mesh.shape[a]}" for a in data_axes(mesh))
+            axes = ", ".join(f"{a}={mesh.shape[a]}" for a in batch_axes(mesh))
             raise ValueError(
                 f"batch leaf {path_str(path)!r}: global batch size {b} is not divisible by the data axes "
                 f"({axes}; product {n}) x microbatches ({microbatches}) = {n * microbatches}. Use a global "

@@ -32,11 +32,15 @@ __all__ = [
     "use_devices",
     "accelerator_platform",
     "data_axes",
+    "batch_axes",
+    "replicas",
+    "REPLICA",
 ]
 
 #: The axes jaxpar's strategies know about, in mesh order (outermost first).
 #: ``pipe`` is outermost (least traffic), ``tensor`` innermost (most traffic).
 STANDARD_AXES = ("pipe", "data", "fsdp", "tensor")
+REPLICA = "replica"   # the outermost axis of relaxed synchronisation (jaxpar.sync), present only when > 1
 
 
 class MeshError(ValueError):
@@ -47,7 +51,9 @@ class MeshError(ValueError):
 class MeshSpec:
     """Named mesh axis sizes; one size may be -1 ("the rest of the devices").
 
-    ``extra`` holds user-named axes (placed after the standard ones).
+    ``extra`` holds user-named axes (placed after the standard ones). ``replica > 1`` adds
+    an outermost ``replica`` axis: K model replicas, each sharded over the other axes,
+    synchronised as :mod:`jaxpar.sync` says (on several hosts give it ``dcn``).
     ``dcn`` gives, per axis, the factor that spans hosts (data-center network);
     the rest of the axis is within a host (ICI). Only used with several processes.
 
@@ -61,14 +67,16 @@ class MeshSpec:
     pipe: int = 1
     extra: Mapping[str, int] = field(default_factory=dict)
     dcn: Mapping[str, int] = field(default_factory=dict)
+    replica: int = 1
 
     def axis_names(self) -> tuple[str, ...]:
-        return STANDARD_AXES + tuple(self.extra)
+        return tuple(self.requested())
 
     def requested(self) -> dict[str, int]:
-        sizes = {"pipe": self.pipe, "data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = {REPLICA: self.replica} if self.replica != 1 else {}
+        sizes.update({"pipe": self.pipe, "data": self.data, "fsdp": self.fsdp, "tensor": self.tensor})
         for name, size in self.extra.items():
-            if name in sizes:
+            if name in sizes or name == REPLICA:
                 raise MeshError(f"MeshSpec.extra: axis name {name!r} clashes with a standard axis {STANDARD_AXES}; "
                                 "choose another name.")
             sizes[name] = size
@@ -110,7 +118,8 @@ class MeshSpec:
 
 def make_mesh(spec: MeshSpec | Mapping[str, int], devices: Sequence[jax.Device] | None = None,
               *, axis_type: AxisType = AxisType.Auto) -> Mesh:
-    """Build a ``jax.sharding.Mesh`` with axes ``('pipe', 'data', 'fsdp', 'tensor', *extra)``.
+    """Build a ``jax.sharding.Mesh`` with axes ``('pipe', 'data', 'fsdp', 'tensor', *extra)``
+    (``'replica'`` first when ``spec.replica > 1``).
 
     With several processes and ``spec.dcn`` set, the mesh is hybrid: each axis is
     ``dcn[axis]`` (across hosts) x the rest (within a host), so that the fast
@@ -126,8 +135,8 @@ def make_mesh(spec: MeshSpec | Mapping[str, int], devices: Sequence[jax.Device] 
     jaxpar.mesh.MeshError: MeshSpec: axis sizes ... multiply to 3, but there are 4 devices. ...
     """
     if isinstance(spec, Mapping):
-        known = {k: v for k, v in spec.items() if k in STANDARD_AXES}
-        spec = MeshSpec(**known, extra={k: v for k, v in spec.items() if k not in STANDARD_AXES})
+        known = {k: v for k, v in spec.items() if k in STANDARD_AXES + (REPLICA,)}
+        spec = MeshSpec(**known, extra={k: v for k, v in spec.items() if k not in STANDARD_AXES + (REPLICA,)})
     devices = list(jax.devices() if devices is None else devices)
     sizes = spec.sizes(len(devices))
     names = tuple(sizes)
@@ -155,8 +164,18 @@ def make_mesh(spec: MeshSpec | Mapping[str, int], devices: Sequence[jax.Device] 
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes that split the batch (``data`` and ``fsdp``, when present)."""
+    """The data-parallel axes of one model replica (``data`` and ``fsdp``, when present)."""
     return tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes that split the global batch: ``replica`` (when present), then :func:`data_axes`."""
+    return ((REPLICA,) if REPLICA in mesh.axis_names else ()) + data_axes(mesh)
+
+
+def replicas(mesh: Mesh) -> int:
+    """The size of the ``replica`` axis (1 without it)."""
+    return dict(mesh.shape).get(REPLICA, 1)
 
 
 def simulate_cpu_devices(n: int) -> None:

@@ -52,6 +52,9 @@ class Strategy:
       balances the compiled FLOPs of the layers, the embedding and the head.
     - ``compression``: a codec of :mod:`jaxpar.compression` (``qsgd()``, ``powersgd(rank=4)``,
       ...) for the gradient exchange over the data axes, once per step; ``None``: exact.
+    - ``sync``: how the replicas of a ``replica`` mesh axis are kept in step (:mod:`jaxpar.sync`:
+      ``diloco(every=50)``, ``easgd(alpha)``, ``stale(max_delay)``, ``backup(backups)``, ...);
+      ``None``: synchronous (gradients averaged over ``replica`` every step).
     """
 
     zero: int = 0
@@ -63,6 +66,7 @@ class Strategy:
     virtual_stages: int = 1
     stage_layers: tuple | str | None = None
     compression: Any = None
+    sync: Any = None
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:
@@ -84,6 +88,14 @@ class Strategy:
             from .compression import check_codec
 
             check_codec(self.compression)
+        if self.sync is not None:
+            from .sync import SyncError, check_sync
+
+            check_sync(self.sync)
+            if self.compression is not None:
+                raise SyncError(f"Strategy(sync={self.sync.name!r}, compression={self.compression.name!r}): "
+                                "relaxed synchronisation does not run through a gradient codec yet. Drop one of "
+                                "the two.")
 
     def rules(self, mesh) -> LogicalRules:
         """Logical rules for this strategy on ``mesh`` (user rules first). With a
@@ -104,7 +116,7 @@ class Strategy:
 
     def name(self, mesh_sizes: Mapping[str, int]) -> str:
         """Short label such as ``'dp2-fsdp2-tp2'``."""
-        parts = []
+        parts = [f"r{mesh_sizes['replica']}"] if mesh_sizes.get("replica", 1) > 1 else []
         piped = mesh_sizes.get("pipe", 1) > 1
         if piped:
             parts += [f"pp{mesh_sizes['pipe']}", self.schedule]
@@ -123,4 +135,6 @@ class Strategy:
             parts.append(self.compute_dtype)
         if self.compression is not None:
             parts.append(self.compression.name)
+        if self.sync is not None:
+            parts.append(self.sync.name)
         return "-".join(parts) or "single"

@@ -249,7 +249,9 @@ class Checkpointer:
                                       partial_restore=fresh)
         state = self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
         if fresh:
-            state = type(abstract)(**state, comm=target.comm_init())
+            fresh_comm = (target.comm_init(state["params"]) if getattr(target, "comm_from_params", False)
+                          else target.comm_init())
+            state = type(abstract)(**state, comm=fresh_comm)
             warnings.warn(f"checkpoint {self.directory / str(step)}: the gradient codec's state was saved with "
                           f"shapes {meta.get('comm_shapes')} and this layout needs {_shapes(comm)} (another number "
                           "of data-parallel replicas, or another codec): its residuals restart from zero. "

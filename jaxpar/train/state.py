@@ -31,6 +31,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..mesh import replicas
 from ..rules import named_shardings, resolve
 from ..strategy import Strategy
 from ..zero import analytic_state_bytes, zero_specs
@@ -65,7 +66,8 @@ class StateLayout:
     opt_shapes: Any
     comm: Any = ()           # compression state: PartitionSpec tree (leading replica axis)
     comm_shapes: Any = ()
-    comm_init: Callable[[], Any] = tuple   # () -> a fresh codec state in ``comm``'s shardings
+    comm_init: Callable[..., Any] = tuple   # () -> a fresh codec state in ``comm``'s shardings
+    comm_from_params: bool = False           # comm_init(params): relaxed sync's replicas (jaxpar.sync)
 
     def shardings(self) -> TrainState:
         """``TrainState`` of ``NamedSharding``s (for ``jit`` in/out shardings)."""
@@ -129,6 +131,8 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTrans
     opt_shapes, opt_state = _opt_specs(tx, shapes, opt_param)
     layout = StateLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt_param, opt_state, opt_shapes)
     comm_init = lambda: ()   # noqa: E731
+    if strategy.sync is not None or replicas(mesh) > 1:
+        return _init_relaxed(model_fn, tx, layout, strategy)
     if strategy.compression is not None:
         from .compressed import compression_state   # compression loads only when used
 
@@ -144,3 +148,18 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTrans
 
     state = jax.jit(init, out_shardings=layout.shardings())()
     return state, layout
+
+
+def _init_relaxed(model_fn, tx, layout: StateLayout, strategy: Strategy) -> tuple[TrainState, StateLayout]:
+    """The state of K replicas (``replica`` axis; :mod:`jaxpar.train.relaxed`)."""
+    from .relaxed import relaxed_layout   # relaxed synchronisation loads only when used
+
+    layout, make = relaxed_layout(layout, tx, strategy)
+
+    def init():
+        with nnx.use_eager_sharding(False):
+            model = model_fn()
+        p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return TrainState(jnp.zeros((), jnp.int32), p, *make(p))
+
+    return jax.jit(init, out_shardings=layout.shardings())(), layout

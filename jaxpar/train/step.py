@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..batch import batch_sharding, check_batch, shard_batch, split_microbatches
 from ..blocks import LAYERS, find_layer_calls, use_layer_runner
 from ..data_parallel import DataParallelLayers, explicit_by_default
-from ..mesh import data_axes
+from ..mesh import data_axes, replicas
 from ..rules import named_shardings, path_str, use_rules
 from ..strategy import Strategy
 from .state import StateLayout, TrainState
@@ -194,6 +194,11 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     its stacked blocks (:mod:`jaxpar.pipeline.cut`), with ``loss_fn`` on the last stage.
     """
     mesh = layout.mesh
+    if strategy.sync is not None or replicas(mesh) > 1:
+        from .relaxed import make_relaxed_train_step   # relaxed synchronisation loads only when used
+
+        return make_relaxed_train_step(loss_fn, tx, layout, strategy, clip_norm=clip_norm, lr_schedule=lr_schedule,
+                                       donate=donate, explicit_dp=explicit_dp, skip_nonfinite=skip_nonfinite)
     if strategy.compression is not None:
         return _compressed_train_step(loss_fn, tx, layout, strategy, clip_norm=clip_norm, lr_schedule=lr_schedule,
                                       donate=donate, explicit_dp=explicit_dp, skip_nonfinite=skip_nonfinite)
