@@ -38,6 +38,8 @@ Usage::
 
     python benchmarks/calibrate.py [--reps 9] [--write configs/clusters/cpu_sim.yaml] [--json out.json]
                                    [--overhead-json overhead.json]
+    python benchmarks/calibrate.py --predict-only [--preset configs/clusters/cpu_sim.yaml]
+                                   [--overhead-json overhead.json] [--json out.json]   # measures nothing
 """
 from __future__ import annotations
 
@@ -292,7 +294,7 @@ def predicted_step_times(cluster) -> dict[str, dict]:
         e = evaluate(model, plan, c, dtype="float32", precision="fp32", lowering="xla-cpu")
         t = e.time
         out[bs.name] = {"step_s": t.total, "compute_s": t.compute, "data_s": t.data, "tensor_s": t.tensor,
-                        "optimizer_s": t.optimizer}
+                        "optimizer_s": t.optimizer, "elementwise_s": t.elementwise}
     return out
 
 
@@ -364,6 +366,38 @@ def preset_yaml(env: dict, fits: dict, lf: dict, net: dict, compute: dict, reps:
     return "\n".join(lines) + "\n"
 
 
+def ranking(cluster, overhead_json: str | None) -> tuple[dict, dict, str, float]:
+    """Predict the 11 strategies on ``cluster``, compare with the measured order, print the table."""
+    pred = predicted_step_times(cluster)
+    measured, source = measured_step_times(overhead_json)
+    names = [n for n in pred if n in measured]
+    rho = spearman([pred[n]["step_s"] for n in names], [measured[n] for n in names])
+    print(f"\nranking of the {len(names)} strategies (measured: {source}):")
+    order_m = sorted(names, key=lambda n: measured[n])
+    order_p = sorted(names, key=lambda n: pred[n]["step_s"])
+    print(f"  {'strategy':>16}  {'measured ms':>11}  {'rank':>4}  {'predicted ms':>12}  {'rank':>4}  "
+          f"{'compute':>8}  {'elementw':>8}  {'data':>7}  {'tensor':>7}  {'update':>7}")
+    for n in names:
+        q = pred[n]
+        print(f"  {n:>16}  {measured[n]:11.2f}  {order_m.index(n) + 1:4d}  {q['step_s'] * 1e3:12.2f}  "
+              f"{order_p.index(n) + 1:4d}  {q['compute_s'] * 1e3:8.2f}  {q['elementwise_s'] * 1e3:8.2f}  "
+              f"{q['data_s'] * 1e3:7.2f}  {q['tensor_s'] * 1e3:7.2f}  {q['optimizer_s'] * 1e3:7.2f}")
+    print(f"  Spearman rho = {rho:.3f} (acceptance: >= 0.8)")
+    return pred, measured, source, rho
+
+
+def predict_only(preset: str, overhead_json: str | None, json_out: str | None) -> int:
+    """The ranking alone, from a preset already written (nothing is measured)."""
+    from jaxpar import cost
+
+    text = Path(preset).read_text()
+    cluster = cost.cluster.cluster_from_dict(__import__("yaml").safe_load(text), "cpu_sim")
+    pred, measured, source, rho = ranking(cluster, overhead_json)
+    write_json(json_out, {"env": environment(), "preset": preset, "predicted": pred, "measured_ms": measured,
+                          "measured_source": source, "spearman": rho})
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=9, help="interleaved rounds per program pair")
@@ -371,7 +405,13 @@ def main(argv=None) -> int:
                    help="preset to write ('' to skip)")
     p.add_argument("--json", help="write measurements and fits here")
     p.add_argument("--overhead-json", help="benchmarks/overhead.py --json output (default: docs/benchmarks.md §1)")
+    p.add_argument("--predict-only", action="store_true",
+                   help="measure nothing: rank the strategies with --preset against --overhead-json")
+    p.add_argument("--preset", default=str(ROOT / "configs" / "clusters" / "cpu_sim.yaml"),
+                   help="the preset --predict-only reads")
     args = p.parse_args(argv)
+    if args.predict_only:
+        return predict_only(args.preset, args.overhead_json, args.json)
 
     env = environment()
     load = os.getloadavg()
@@ -407,21 +447,7 @@ def main(argv=None) -> int:
     from jaxpar import cost
 
     cluster = cost.cluster.cluster_from_dict(__import__("yaml").safe_load(text), "cpu_sim")
-    pred = predicted_step_times(cluster)
-    measured, source = measured_step_times(args.overhead_json)
-    names = [n for n in pred if n in measured]
-    rho = spearman([pred[n]["step_s"] for n in names], [measured[n] for n in names])
-    print(f"\nranking of the {len(names)} strategies (measured: {source}):")
-    order_m = sorted(names, key=lambda n: measured[n])
-    order_p = sorted(names, key=lambda n: pred[n]["step_s"])
-    print(f"  {'strategy':>16}  {'measured ms':>11}  {'rank':>4}  {'predicted ms':>12}  {'rank':>4}  "
-          f"{'compute':>8}  {'data':>7}  {'tensor':>7}  {'update':>7}")
-    for n in names:
-        q = pred[n]
-        print(f"  {n:>16}  {measured[n]:11.2f}  {order_m.index(n) + 1:4d}  {q['step_s'] * 1e3:12.2f}  "
-              f"{order_p.index(n) + 1:4d}  {q['compute_s'] * 1e3:8.2f}  {q['data_s'] * 1e3:7.2f}  "
-              f"{q['tensor_s'] * 1e3:7.2f}  {q['optimizer_s'] * 1e3:7.2f}")
-    print(f"  Spearman rho = {rho:.3f} (acceptance: >= 0.8)")
+    pred, measured, source, rho = ranking(cluster, args.overhead_json)
     print(f"\ntotal wall time {time.perf_counter() - t_all:.0f} s")
     write_json(args.json, {"env": env, "load": [load, load_end], "measured_us": meas, "fits": fits,
                            "link": {"alpha": L.alpha, "beta": L.beta, "gamma": L.gamma,

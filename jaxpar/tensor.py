@@ -54,6 +54,14 @@ def _tensor_only(spec: PartitionSpec, axis: str) -> PartitionSpec:
     return PartitionSpec(*(axis if axis in axes_of(e) else None for e in spec))
 
 
+def _only(spec: PartitionSpec, axes: set) -> PartitionSpec:
+    """``spec`` keeping only the mesh ``axes`` in each entry."""
+    def keep(e):
+        kept = tuple(a for a in axes_of(e) if a in axes)
+        return kept if len(kept) > 1 else kept[0] if kept else None
+    return PartitionSpec(*(keep(e) for e in spec))
+
+
 def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logical: tuple,
                  out_logical: tuple, *, axis: str = "tensor") -> jax.Array:
     """Row-parallel contraction ``einsum(eq, x, w)`` whose output is constrained to ``out_logical``.
@@ -61,7 +69,12 @@ def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logica
     When the contracted dimension is sharded over ``axis`` and the output is
     sharded over ``axis`` too (sequence parallelism), the reduction is an
     explicit reduce-scatter (``psum_scatter`` in a ``shard_map`` manual over
-    ``axis`` only); otherwise the einsum is left to XLA (an all-reduce).
+    ``axis`` and the axes that split the batch); otherwise the einsum is left to
+    XLA (an all-reduce). The batch axes are manual too because XLA partitions a
+    collective in a region that is automatic over an axis splitting its operand
+    by first gathering that operand over the axis: a region manual over ``axis``
+    only all-gathered every activation over the data axes, reduce-scattered the
+    whole batch and sliced it again.
 
     >>> import jax, jax.numpy as jnp, jaxpar
     >>> mesh = jaxpar.make_mesh({"tensor": 2}, devices=jax.devices()[:2])
@@ -82,19 +95,22 @@ def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logica
     mesh, rules = ctx
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     out_spec = logical_to_spec(out_logical, rules, mesh)
-    x_spec = _tensor_only(logical_to_spec(x_logical, rules, mesh), axis)
+    x_full = logical_to_spec(x_logical, rules, mesh)
     w_spec = _tensor_only(logical_to_spec(w_logical, rules, mesh), axis)
-    o_spec = _tensor_only(out_spec, axis)
-    scatter = [d for d, e in enumerate(o_spec) if e is not None]
+    scatter = [d for d, e in enumerate(_tensor_only(out_spec, axis)) if e is not None]
     if sizes.get(axis, 1) == 1 or not scatter or all(e is None for e in w_spec) or axis in _manual_axes():
         return constrain(jnp.einsum(eq, x, w), out_logical)
+    # Manual over every axis that splits x or the output (the batch's data axes too; see the docstring).
+    manual = ({axis} | {a for e in (*x_full, *out_spec) for a in axes_of(e) if sizes.get(a, 1) > 1}) - _manual_axes()
+    x_spec, o_spec = _only(x_full, manual), _only(out_spec, manual)
+
     def local(a, b):   # reduce in fp32 (XLA:CPU cannot clone bf16 all-reduces in shard_map)
         y = jnp.einsum(eq, a, b)
         return jax.lax.psum_scatter(y.astype(jnp.float32), axis, scatter_dimension=scatter[0],
                                     tiled=True).astype(y.dtype)
     context = jax.sharding.get_abstract_mesh()
     smap_mesh = context if getattr(context, "manual_axes", ()) else mesh   # nested in a manual region
-    y = jax.shard_map(local, mesh=smap_mesh, in_specs=(x_spec, w_spec), out_specs=o_spec, axis_names={axis},
+    y = jax.shard_map(local, mesh=smap_mesh, in_specs=(x_spec, w_spec), out_specs=o_spec, axis_names=manual,
                       check_vma=False)(x, w)
     return constrain(y, out_logical)
 

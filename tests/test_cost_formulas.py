@@ -202,6 +202,7 @@ def test_cpu_sim_preset_is_calibrated_and_shared():
     assert any("benchmarks/calibrate.py" in s for s in c.sources)
     alone = c.with_devices(1)
     assert alone.peak("float32") == pytest.approx(c.peak("float32") * min(8, c.shared_compute))
+    assert alone.memory_bandwidth == c.memory_bandwidth        # measured with 8 busy devices only
     h = cost.load_cluster("h100")
     assert h.with_devices(1).peak("bfloat16") == h.peak("bfloat16")       # GPUs do not share compute
 
@@ -228,3 +229,23 @@ def test_optimizer_update_is_memory_bound_and_sharded_by_zero():
     dp, z2 = step_time(m, Plan(data=8), h), step_time(m, Plan(data=8, zero=2), h)
     assert dp.optimizer == pytest.approx(update_bytes(m, Plan(data=8), 2) / 3350e9)
     assert z2.optimizer == pytest.approx(dp.optimizer / 8, rel=0.02)      # small unsplittable leaves stay whole
+
+
+def test_elementwise_term_repeats_the_residual_stream_under_tp_and_splits_it_under_sp():
+    """Per token and layer, forward: 10h (norms, residual adds) + 2f (bias, GELU) values in the compute
+    dtype and 2·a·s fp32 softmax values; training moves 3x that. TP splits f and a, SP also h."""
+    from jaxpar import cost
+    from jaxpar.cost.time import Plan, elementwise_bytes, step_time
+
+    m = gpt(4, 128, 8, 64, 256, 16)
+    h, f, a, s, tokens = 128, 512, 8, 64, 16 * 64 * 4
+    per = lambda rh, t: 3 * tokens * ((rh + 2 * f / t) * 4 + 2 * a * s / t * 4)   # noqa: E731
+    assert elementwise_bytes(m, Plan(), 4) == per(10 * h, 1)
+    assert elementwise_bytes(m, Plan(tensor=8), 4) == per(10 * h, 8)
+    assert elementwise_bytes(m, Plan(tensor=8, sequence_parallel=True), 4) == per(10 * h / 8, 8)
+    assert elementwise_bytes(m, Plan(data=8), 4) == per(10 * h, 1) / 8
+    c = cost.load_cluster("cpu_sim")
+    tp, sp = (step_time(m, Plan(tensor=8, sequence_parallel=q), c, dtype="float32") for q in (False, True))
+    assert tp.elementwise == pytest.approx(elementwise_bytes(m, Plan(tensor=8), 4) / c.memory_bandwidth)
+    assert tp.elementwise > 3 * sp.elementwise and tp.total == pytest.approx(
+        tp.compute + tp.elementwise + tp.data + tp.tensor + tp.pipeline + tp.optimizer)

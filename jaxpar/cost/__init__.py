@@ -1,13 +1,15 @@
 """Know before you run: an α-β cost model of collectives, memory and step time, and a planner.
 
 Pure Python + NumPy: no module of this package imports JAX at import time (only
-:func:`~jaxpar.cost.model.from_nnx` and :mod:`jaxpar.cost.verify` do, inside functions).
+:func:`~jaxpar.cost.model.from_nnx`, :mod:`jaxpar.cost.verify` and :mod:`jaxpar.cost.pipecount` do,
+inside functions).
 
 * :mod:`~jaxpar.cost.collectives`: ring / tree / recursive doubling-halving / Rabenseifner /
   lower bound (Thakur, Rabenseifner & Gropp 2005), the best algorithm per size.
 * :mod:`~jaxpar.cost.cluster`: nodes, memory, peak FLOP/s, intra- and inter-node links; YAML presets.
 * :mod:`~jaxpar.cost.memory`: ZeRO stages, Korthikanti activations, pipeline in-flight micro-batches.
-* :mod:`~jaxpar.cost.time`: FLOPs, each strategy's collectives per mesh axis, the bubble.
+* :mod:`~jaxpar.cost.time`: FLOPs, memory-bound elementwise work, each strategy's collectives per
+  mesh axis, the bubble.
 * :mod:`~jaxpar.cost.model`: a model from numbers or from an NNX model.
 * :mod:`~jaxpar.cost.plan`: enumerate, reject what does not fit (with the reason), rank.
 

@@ -17,6 +17,7 @@ lists them, :func:`load_cluster` reads a preset name or a path. Keys::
     shared_compute: 1                               # > 1: a node's devices share its compute (the simulated
                                                     # CPU mesh): k < devices_per_node devices each run
                                                     # min(devices_per_node / k, shared_compute) x faster
+                                                    # (FLOP/s only: memory_gbps stays as measured)
     intra_node: {alpha_us: ..., bandwidth_gbps: ..., reduce_gbps: ...}   # GB/s = 1e9 bytes/s
                                                     # shared_memory: true -> one-shot collectives
     inter_node: {alpha_us: ..., bandwidth_gbps: ...}

@@ -48,7 +48,7 @@ class Estimate:
         t, mem = self.time, self.memory
         return {"plan": self.plan.name(), **asdict(self.plan), "step_s": t.total, "compute_s": t.compute,
                 "data_s": t.data, "tensor_s": t.tensor, "pipeline_s": t.pipeline, "optimizer_s": t.optimizer,
-                "bubble": t.bubble,
+                "elementwise_s": t.elementwise, "bubble": t.bubble,
                 "mfu": t.mfu, "memory_bytes": mem.total, "state_bytes": mem.params + mem.grads + mem.opt,
                 "activation_bytes": mem.activations + mem.logits, "bytes_per_axis": t.bytes_per_axis}
 
@@ -78,12 +78,13 @@ class PlanResult:
             t, mem = e.time, e.memory
             axes = " ".join(f"{a}:{format_bytes(b)}" for a, b in sorted(t.bytes_per_axis.items()))
             rows.append([str(i), e.plan.name(), f"{t.total * 1e3:.1f}", f"{t.compute * 1e3:.1f}",
-                         f"{t.data * 1e3:.1f}", f"{t.tensor * 1e3:.1f}", f"{t.pipeline * 1e3:.1f}",
+                         f"{t.elementwise * 1e3:.1f}", f"{t.data * 1e3:.1f}", f"{t.tensor * 1e3:.1f}",
+                         f"{t.pipeline * 1e3:.1f}",
                          f"{t.optimizer * 1e3:.1f}",
                          f"{t.bubble:.3f}", f"{t.mfu:.3f}", format_bytes(mem.total), axes or "-"])
-        headers = ["rank", "plan", "step ms", "compute", "data", "tensor", "pipe", "update", "bubble", "MFU", "memory",
-                   "bytes per axis"]
-        return render_table(headers, rows, right=[True, False] + [True] * 9 + [False])
+        headers = ["rank", "plan", "step ms", "compute", "elementwise", "data", "tensor", "pipe", "update", "bubble",
+                   "MFU", "memory", "bytes per axis"]
+        return render_table(headers, rows, right=[True, False] + [True] * 10 + [False])
 
     def rejected_table(self, top: int = 10) -> str:
         rows = [[r.plan.name() if r.plan else "-", r.reason] for r in self.rejected[:top]]

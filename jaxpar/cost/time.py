@@ -34,7 +34,9 @@ pipeline transfers are on the critical path. The pipeline stretches the compute 
 at ``cluster.matmul_efficiency(w)`` of the peak, ``w`` the FLOPs of the layer's largest matmul on
 one device per micro-batch (``2·rows·s·h·f/t``): small micro-batches and thin shards run slower.
 The optimizer update is memory bound: :func:`update_bytes` over ``cluster.memory_bandwidth``
-(ZeRO-1/2/3 and FSDP update only their shard), not overlapped.
+(ZeRO-1/2/3 and FSDP update only their shard), not overlapped; so are the blocks' norms,
+residual adds, GELU and softmax (:func:`elementwise_bytes`: the residual stream's share is
+repeated on every tensor device under TP and split under SP).
 
 Example::
 
@@ -57,8 +59,8 @@ from .memory import REMAT, _key, _schedule_stats, _shards, _zero_axes
 from .model import Leaf, ModelSpec
 
 __all__ = ["Plan", "Comm", "Overlap", "StepTime", "LOWERINGS", "SCHEDULES", "flops_per_token", "narayanan_flops",
-           "step_flops", "model_flops", "comms", "update_bytes", "bytes_per_axis", "axis_groups", "comm_time", "bubble",
-           "step_time"]
+           "step_flops", "model_flops", "comms", "update_bytes", "elementwise_bytes", "bytes_per_axis", "axis_groups",
+           "comm_time", "bubble", "step_time"]
 
 LOWERINGS = ("ideal", "xla-cpu")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -185,6 +187,12 @@ def _is_matmul(leaf: Leaf) -> bool:
     return len(dims) >= 2 and dims[0] not in ("vocab", None)
 
 
+def _is_row_parallel(leaf: Leaf) -> bool:
+    """A row-parallel weight (``wo``, ``w2``): its tensor-split dimension is the contracted input."""
+    dims = [n for n in leaf.logical if n != "layers"]
+    return len(dims) >= 2 and dims[0] in ("heads", "mlp")
+
+
 def _axes(sizes: Mapping[str, int], names) -> tuple[str, ...]:
     return tuple(a for a in AXES if a in names and sizes.get(a, 1) > 1)
 
@@ -200,8 +208,6 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering={lowering!r}: choose one of {', '.join(LOWERINGS)}.")
     sizes = plan.sizes
-    d, f, t, p, mb = plan.data, plan.fsdp, plan.tensor, plan.pipe, plan.microbatches
-    cpu = lowering == "xla-cpu"
     out: list[Comm] = []
 
     def add(kind, axes, nbytes, count, phase):
@@ -209,44 +215,90 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
         if axes and nbytes > 0 and count > 0:
             out.append(Comm(kind, axes, float(nbytes), count, phase))
 
-    rows = m.batch / (d * f * mb)                       # sequences per device per micro-batch
-    layers_dev = m.layers // p
-    act = rows * m.seq * m.hidden * compute_bytes       # one activation of the residual stream
-    stats = rows * m.seq * 4                            # fp32 softmax statistics
-    # ---- tensor / sequence parallelism (per layer per micro-batch, then the embedding and head)
-    if t > 1:
-        n_layer = layers_dev * mb
-        if not plan.sequence_parallel:
-            add("all-reduce", ("tensor",), act, (2 + 1 + m.qkv_inputs) * n_layer, "tensor")
-            add("all-reduce", ("tensor",), act, 2 * mb, "tensor")          # embedding forward, head backward
+    cpu = lowering == "xla-cpu"
+    rows = m.batch / (plan.data * plan.fsdp * plan.microbatches)   # sequences per device per micro-batch
+    act = rows * m.seq * m.hidden * compute_bytes                   # one activation of the residual stream
+    if plan.tensor > 1:
+        _tensor_comms(add, m, plan, act, rows * m.seq * 4, cpu)
+    if plan.pipe > 1:
+        _pipe_comms(add, m, plan, act)
+    if _axes(sizes, ("data", "fsdp")):
+        out += _data_comms(m, plan, cpu, compute_bytes, grad_bytes)
+    return out
+
+
+def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, cpu: bool) -> None:
+    """TP / SP: per layer per micro-batch, then the embedding, the head and the loss (``stats``: fp32
+    softmax statistics). With a pipeline the embedding (first stage) and the head (last) are apart:
+    the busiest stage, the last, has only the head's."""
+    t, mb = plan.tensor, plan.microbatches
+    n_layer = (m.layers // plan.pipe) * mb
+    ends = 1 if plan.pipe > 1 else 2
+    if not plan.sequence_parallel:
+        add("all-reduce", ("tensor",), act, (2 + 1 + m.qkv_inputs) * n_layer, "tensor")
+        add("all-reduce", ("tensor",), act, ends * mb, "tensor")         # embedding forward, head backward
+    else:
+        add("all-gather", ("tensor",), act, 4 * n_layer, "tensor")     # 2 forward, 2 backward
+        add("reduce-scatter", ("tensor",), act / t, 2 * n_layer, "tensor")
+        if cpu:   # XLA:CPU reduces the column-parallel input gradients with all-reduce
+            add("all-reduce", ("tensor",), act, (1 + m.qkv_inputs) * n_layer, "tensor")
+            add("all-gather", ("tensor",), act, mb, "tensor")          # the head's input
+            add("all-reduce", ("tensor",), act, mb, "tensor")          # the head's input gradient
+            wte = m.vocab * m.hidden * 4
+            add("all-gather", ("tensor",), wte, mb, "tensor")          # the embedding table, gathered
+            add("all-reduce", ("tensor",), wte, 1, "tensor")           # and its gradient
+            add("all-gather", ("tensor",), m.seq * m.hidden * 4, 1, "tensor")   # positions' gradient
         else:
-            add("all-gather", ("tensor",), act, 4 * n_layer, "tensor")     # 2 forward, 2 backward
-            add("reduce-scatter", ("tensor",), act / t, 2 * n_layer, "tensor")
-            if cpu:   # XLA:CPU reduces the column-parallel input gradients with all-reduce
-                add("all-reduce", ("tensor",), act, (1 + m.qkv_inputs) * n_layer, "tensor")
-                add("all-gather", ("tensor",), act, mb, "tensor")          # the head's input
-                add("all-reduce", ("tensor",), act, mb, "tensor")          # the head's input gradient
-                wte = m.vocab * m.hidden * 4
-                add("all-gather", ("tensor",), wte, mb, "tensor")          # the embedding table, gathered
-                add("all-reduce", ("tensor",), wte, 1, "tensor")           # and its gradient
-                add("all-gather", ("tensor",), m.seq * m.hidden * 4, 1, "tensor")   # positions' gradient
-            else:
-                add("reduce-scatter", ("tensor",), act / t, (1 + m.qkv_inputs) * n_layer, "tensor")
-                add("all-gather", ("tensor",), act, mb, "tensor")
-                add("reduce-scatter", ("tensor",), act / t, 2 * mb, "tensor")
-        add("all-reduce", ("tensor",), stats, 4 * mb, "loss")               # vocab-parallel cross-entropy
-    # ---- pipeline: activations forward and their gradients backward, per micro-batch and chunk
-    if p > 1:
-        add("collective-permute", ("pipe",), act / (t if plan.sequence_parallel else 1),
-            2 * mb * plan.virtual, "pipeline")
-    # ---- data axes: gradients, parameter gathers
+            add("reduce-scatter", ("tensor",), act / t, (1 + m.qkv_inputs) * n_layer, "tensor")
+            add("all-gather", ("tensor",), act, mb, "tensor")
+            add("reduce-scatter", ("tensor",), act / t, 2 * mb, "tensor")
+    add("all-reduce", ("tensor",), stats, 4 * mb, "loss")               # vocab-parallel cross-entropy
+
+
+def _pipe_comms(add, m: ModelSpec, plan: Plan, act: float) -> None:
+    """Activations forward and their gradients backward, per micro-batch and chunk; then jaxpar's
+    executor sums the gradients of the parameters outside the blocks (and the loss) over ``pipe``."""
+    add("collective-permute", ("pipe",), act / (plan.tensor if plan.sequence_parallel else 1),
+        2 * plan.microbatches * plan.virtual, "pipeline")
+    key = _key(plan.sizes)
+    outer = sum(_shards(leaf, key, plan.zero)[3] for leaf in m.leaves if not leaf.stacked)
+    add("all-reduce", ("pipe",), outer * 4 + 4, 1, "pipeline")        # fp32 gradients and the loss
+
+
+def _pipe_end(leaf: Leaf) -> str:
+    """Which end of a pipeline runs a parameter outside the blocks: ``first`` for the embedding
+    tables (indexed by token or position), ``last`` for the final norm and the head."""
+    return "first" if leaf.logical and leaf.logical[0] in ("vocab", None) else "last"
+
+
+def _is_token_table(leaf: Leaf) -> bool:
+    return not leaf.stacked and len(leaf.logical) == 2 and leaf.logical == ("vocab", "embed")
+
+
+def _busiest_end(m: ModelSpec, plan: Plan) -> str:
+    """The pipeline end whose parameters outside the blocks have the most gradient elements here."""
+    key = _key(plan.sizes)
+    size = {"first": 0.0, "last": 0.0}
+    for leaf in m.leaves:
+        if not leaf.stacked:
+            size[_pipe_end(leaf)] += _shards(leaf, key, plan.zero)[3]
+    return max(size, key=size.get)
+
+
+def _data_comms(m: ModelSpec, plan: Plan, cpu: bool, compute_bytes: float, grad_bytes: float) -> list[Comm]:
+    """Data axes: gradient reductions and ZeRO / FSDP parameter gathers. In a pipeline a device reduces
+    the gradients of its own blocks and of one end's outer parameters (the busiest end); on XLA:CPU it
+    does so inside every backward action of the tick loop, i.e. once per micro-batch."""
+    sizes = plan.sizes
+    d, f, t, mb = plan.data, plan.fsdp, plan.tensor, plan.microbatches
+    layers_dev = m.layers // plan.pipe
     data_axes = _axes(sizes, ("data", "fsdp"))
-    if not data_axes:
-        return out
     g_axes, p_axes = _zero_axes(sizes, plan.zero, "grads"), _zero_axes(sizes, plan.zero, "params")
     o_axes = _zero_axes(sizes, plan.zero, "opt")
-    explicit = t == 1 and ((d > 1 and plan.zero >= 2) or f > 1)
+    explicit = t == 1 and plan.pipe == 1 and ((d > 1 and plan.zero >= 2) or f > 1)
     pbytes = 4 if cpu else compute_bytes
+    end = _busiest_end(m, plan) if plan.pipe > 1 else None
+    per_mb = mb if cpu and plan.pipe > 1 else 1
     groups: dict[tuple, float] = {}
 
     def acc(kind, axes, nbytes, count, phase):
@@ -257,38 +309,57 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
 
     key = _key(sizes)
     for leaf in m.leaves:
-        _, _, _, local, shardable = _shards(leaf, key, plan.zero)
+        n_p, _, _, local, shardable = _shards(leaf, key, plan.zero)
         count = layers_dev if leaf.stacked else 1
         per = local / (layers_dev if leaf.stacked else 1)          # one layer's slice
-        g = per * grad_bytes
+        g = per * grad_bytes * (_sp_grad_scale(m, leaf, t) if cpu and plan.sequence_parallel else 1)
         n_g = math.prod(sizes[a] for a in g_axes) if shardable else 1
-        # gradients
-        if not cpu:
-            if shardable and g_axes:
+        if end is None or leaf.stacked or _pipe_end(leaf) == end:      # gradients
+            if cpu and end is not None and _is_token_table(leaf):
+                # the lookup's transpose (a scatter-add) in the executor's manual region is replicated over
+                # the data axes: XLA gathers the output cotangent and the token ids instead of reducing the table
+                group = m.batch / mb * m.seq                     # tokens of a micro-batch, whole data group
+                acc("all-gather", data_axes, group * m.hidden * compute_bytes, mb, "grads")
+                acc("all-gather", data_axes, group * 4, mb, "grads")
+            elif not cpu:
+                if shardable and g_axes:
+                    acc("reduce-scatter", g_axes, g / n_g, count, "grads")
+                    acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count, "grads")
+                else:
+                    acc("all-reduce", data_axes, g, count, "grads")
+            elif explicit and leaf.stacked and shardable:
                 acc("reduce-scatter", g_axes, g / n_g, count, "grads")
                 acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count, "grads")
+            elif len(data_axes) == 2 and plan.zero < 2 and _is_matmul(leaf) and shardable and not (
+                    plan.sequence_parallel and _is_row_parallel(leaf)):   # SP: reduced in its region, all at once
+                acc("all-reduce", ("fsdp",), g, count * per_mb, "grads")   # fsdp first, then the shard over data
+                acc("all-reduce", ("data",), g / f, count * per_mb, "grads")
             else:
-                acc("all-reduce", data_axes, g, count, "grads")
-        elif explicit and leaf.stacked and shardable:
-            acc("reduce-scatter", g_axes, g / n_g, count, "grads")
-            acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count, "grads")
-        elif len(data_axes) == 2 and plan.zero < 2 and _is_matmul(leaf) and shardable:
-            acc("all-reduce", ("fsdp",), g, count, "grads")             # fsdp first, then the shard over data
-            acc("all-reduce", ("data",), g / f, count, "grads")
-        else:
-            acc("all-reduce", data_axes, g, count, "grads")
+                acc("all-reduce", data_axes, g, count * per_mb, "grads")
         # parameters: ZeRO-3 / FSDP gathers (forward, and again in the backward for the layers)
         if p_axes and shardable:
-            full = per * pbytes
             gathers = (2 if leaf.stacked else 1) * (mb if not cpu else 1)
-            acc("all-gather", p_axes, full, count * gathers, "params")
-        # ZeRO-1/2: the updated shard is gathered back over the axes the optimizer state has more
+            acc("all-gather", p_axes, per * pbytes, count * gathers, "params")
+        # ZeRO-1/2: the updated shard is gathered back over the axes the optimizer state has more;
+        # the result is the parameter shard (1/fsdp of the slice with an fsdp axis)
         extra = tuple(a for a in o_axes if a not in p_axes)
         if extra and shardable:
-            acc("all-gather", extra, per * 4 if cpu else per * compute_bytes, count, "params")
-    for (kind, axes, count, phase), nbytes in groups.items():
-        out.append(Comm(kind, axes, nbytes, count, phase))
-    return out
+            acc("all-gather", extra, per * (4 if cpu else compute_bytes) * (leaf.size / local) / n_p, count, "params")
+    return [Comm(kind, axes, nbytes, count, phase) for (kind, axes, count, phase), nbytes in groups.items()]
+
+
+def _sp_grad_scale(m: ModelSpec, leaf: Leaf, t: int) -> float:
+    """Size of ``leaf``'s data-axis gradient reduction under SP on XLA:CPU, relative to its tensor shard:
+    the vocab-parallel embedding table is gathered over ``tensor`` before the lookup, so its gradient
+    is formed (and reduced over the data axes) at full size (``t``); the position embedding's gradient
+    comes out split over the sequence like the residual stream (``1/t``)."""
+    if leaf.stacked or t == 1 or not leaf.logical:
+        return 1.0
+    if leaf.logical[0] == "vocab" and len(leaf.shape) == 2 and leaf.logical[1] == "embed":
+        return float(t)
+    if leaf.logical == (None, "embed") and leaf.shape[0] == m.seq and m.seq % t == 0:
+        return 1.0 / t
+    return 1.0
 
 
 def bytes_per_axis(cs: list[Comm]) -> dict[str, float]:
@@ -371,9 +442,10 @@ class Overlap:
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds per step: ``compute`` (with the bubble), exposed ``data`` / ``tensor`` / ``pipeline``
-    communication, ``bubble`` fraction, ``mfu``, bytes per axis and the ``optimizer`` update
-    (memory bound: :func:`update_bytes` over the cluster's memory bandwidth)."""
+    """Seconds per step: ``compute`` (matmul FLOPs, with the bubble), exposed ``data`` / ``tensor`` /
+    ``pipeline`` communication, ``bubble`` fraction, ``mfu``, bytes per axis, the ``optimizer`` update
+    and the blocks' ``elementwise`` ops (both memory bound: :func:`update_bytes` and
+    :func:`elementwise_bytes` over the cluster's memory bandwidth; the latter with the bubble)."""
 
     compute: float
     data: float
@@ -383,10 +455,11 @@ class StepTime:
     mfu: float
     bytes_per_axis: dict = field(default_factory=dict)
     optimizer: float = 0.0
+    elementwise: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.data + self.tensor + self.pipeline + self.optimizer
+        return self.compute + self.elementwise + self.data + self.tensor + self.pipeline + self.optimizer
 
 
 def update_bytes(m: ModelSpec, plan: Plan, grad_bytes: float = 4) -> float:
@@ -403,6 +476,34 @@ def update_bytes(m: ModelSpec, plan: Plan, grad_bytes: float = 4) -> float:
     held = sum(leaf.size / _shards(leaf, key, plan.zero)[2] for leaf in m.leaves) if m.leaves else \
         m.n_params / plan.devices
     return held * (2 * (4 + 8) + grad_bytes)
+
+
+def elementwise_bytes(m: ModelSpec, plan: Plan, compute_bytes: float = 2) -> float:
+    """Bytes one device reads and writes per step in the memory-bound ops of the blocks.
+
+    Per token and layer, forward: the two layer norms (read and write the residual stream,
+    ``2h`` each) and the two residual adds (two reads, one write: ``3h`` each), ``10h`` in all;
+    the MLP's bias and GELU (``2f``); the attention softmax with its scale and causal mask over
+    ``a·s`` fp32 scores (``2·a·s`` values of 4 bytes). Training moves three times the forward's
+    bytes (the backward of each op reads its input and the incoming gradient and writes the
+    outgoing one; as for the FLOPs, backward = 2 forwards); full recomputation adds a forward,
+    selective the softmax's. Tensor parallelism splits the MLP (``f/t``) and the softmax (heads,
+    ``a/t``) but repeats the ``10h`` of the residual stream on every tensor device; sequence
+    parallelism splits that too (``10h/t``).
+
+    >>> from jaxpar.cost.model import gpt
+    >>> m = gpt(4, 128, 8, 64, 256, 16)
+    >>> tp = elementwise_bytes(m, Plan(tensor=8), 4)
+    >>> sp = elementwise_bytes(m, Plan(tensor=8, sequence_parallel=True), 4)
+    >>> elementwise_bytes(m, Plan(), 4) == 3 * 16 * 64 * 4 * 4 * (10 * 128 + 2 * 512 + 2 * 8 * 64), round(tp / sp, 2)
+    (True, 3.69)
+    """
+    t = plan.tensor
+    tokens = m.batch * m.seq / (plan.data * plan.fsdp) * (m.layers // plan.pipe)   # token-layers per device
+    passes = 3 + (plan.remat == "full")
+    resid = 10 * m.hidden / (t if plan.sequence_parallel else 1)
+    softmax = 2 * m.heads * m.seq / t * 4 * (passes + (plan.remat == "selective"))
+    return tokens * ((resid + 2 * m.mlp / t) * compute_bytes * passes + softmax)
 
 
 def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloat16", lowering: str = "ideal",
@@ -429,7 +530,10 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
         group = "pipeline" if c.phase == "pipeline" else "tensor" if c.phase in ("tensor", "loss") else "data"
         spent[group] += c.count * comm_time(c, sizes, cluster)
     exposed = {k: v * (1 - getattr(overlap, k)) for k, v in spent.items()}
-    opt = update_bytes(m, plan, gb) / cluster.memory_bandwidth if cluster.memory_bandwidth > 0 else 0.0
-    total = compute + sum(exposed.values()) + opt
+    bw = cluster.memory_bandwidth
+    opt = update_bytes(m, plan, gb) / bw if bw > 0 else 0.0
+    elem = elementwise_bytes(m, plan, cb) / bw / (1 - b) if bw > 0 else 0.0
+    total = compute + elem + sum(exposed.values()) + opt
     mfu = model_flops(m) / (total * plan.devices * cluster.peak(dtype))
-    return StepTime(compute, exposed["data"], exposed["tensor"], exposed["pipeline"], b, mfu, bytes_per_axis(cs), opt)
+    return StepTime(compute, exposed["data"], exposed["tensor"], exposed["pipeline"], b, mfu, bytes_per_axis(cs), opt,
+                    elem)

@@ -28,45 +28,73 @@ __all__ = ["trip_counts", "compiled_bytes_per_axis", "compare", "compile_plan", 
 _TRIP = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
 
 
-def trip_counts(text: str) -> dict[str, int]:
-    """``{computation: times it runs per execution of the entry}`` from the while loops' trip counts."""
+def trip_counts(text: str, branch_weights: dict[str, list[float]] | None = None) -> dict[str, float]:
+    """``{computation: times it runs per execution of the entry}`` from the while loops' trip counts.
+
+    ``branch_weights`` (``{conditional name: [fraction of its executions that take branch i]}``)
+    counts a conditional's branches by how often they are taken; without it every branch counts
+    as taken on every execution (an upper bound)."""
     from ..analysis import hlo
 
     instrs = hlo._parse_instructions(text)
     by_comp: dict[str, list] = {}
     for ins in instrs:
         by_comp.setdefault(ins.computation, []).append(ins)
-    trips = {}      # while instruction name -> trip count (read from the raw text: _parse blanks strings)
-    for line in text.splitlines():
-        if " while(" in line:
-            name, trip = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)", line), _TRIP.search(line)
-            if name and trip:
-                trips[name.group(1)] = int(trip.group(1))
+    trips = _while_trips(text)
+    weights = branch_weights or {}
     entry = next((m.group(1) for m in re.finditer(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)), None)
-    mult: dict[str, int] = {}
+    mult: dict[str, float] = {}
 
-    def visit(comp: str, k: int) -> None:
-        if mult.get(comp, 0) >= k:
+    def visit(comp: str, k: float) -> None:
+        if comp in mult and mult[comp] >= k:      # a branch never taken is recorded with 0
             return
         mult[comp] = k
         for ins in by_comp.get(comp, ()):
             trip = trips.get(ins.name, 1) if ins.opcode == "while" else 1
+            branches = [c for key, c in hlo._called(ins) if key.endswith("computation") or key == "branch_computations"]
+            w = weights.get(ins.name)
             for key, callee in hlo._called(ins):
-                visit(callee, k * (trip if key in ("body", "condition") else 1))
+                f = w[branches.index(callee)] if w is not None and callee in branches else 1
+                visit(callee, k * f * (trip if key in ("body", "condition") else 1))
 
     if entry:
         visit(entry, 1)
     return mult
 
 
-def compiled_bytes_per_axis(compiled: Any, mesh: Any) -> dict[str, float]:
-    """Bytes per step per mesh axis of the collectives in ``compiled`` (loops unrolled by trip count)."""
+def _while_trips(text: str) -> dict[str, int]:
+    """``{while instruction: known trip count}`` (read from the raw text: the parser blanks strings)."""
+    trips = {}
+    for line in text.splitlines():
+        if " while(" in line:
+            name, trip = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)", line), _TRIP.search(line)
+            if name and trip:
+                trips[name.group(1)] = int(trip.group(1))
+    return trips
+
+
+def compiled_bytes_per_axis(compiled: Any, mesh: Any, plan: Plan | None = None) -> dict[str, float]:
+    """Bytes per step per mesh axis of the collectives in ``compiled`` (loops unrolled by trip count).
+    For a pipelined ``plan``, the busiest pipeline stage's device, axis by axis, with the tick loop's
+    switches counted by how often the schedule takes each branch (:mod:`jaxpar.cost.pipecount`)."""
     from ..analysis.hlo import collectives
 
     text = compiled.as_text()
-    mult = trip_counts(text)
+    colls = collectives(compiled, mesh)
+    if plan is None or plan.pipe == 1:
+        return _sum_axes(colls, trip_counts(text))
+    from .pipecount import stage_branch_weights
+
     out: dict[str, float] = {}
-    for c in collectives(compiled, mesh):
+    for weights in stage_branch_weights(compiled, mesh, plan):
+        for a, v in _sum_axes(colls, trip_counts(text, weights)).items():
+            out[a] = max(out.get(a, 0.0), v)
+    return out
+
+
+def _sum_axes(colls, mult: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in colls:
         for a in c.axes or ():
             out[a] = out.get(a, 0.0) + c.bytes * mult.get(c.computation, 1)
     return out
@@ -77,7 +105,7 @@ def compare(model: ModelSpec, plan: Plan, compiled: Any, mesh: Any, *, lowering:
     from ..analysis.memory import memory_report
 
     pred = bytes_per_axis(comms(model, plan, lowering=lowering, compute_bytes=4, grad_bytes=4))
-    got = compiled_bytes_per_axis(compiled, mesh)
+    got = compiled_bytes_per_axis(compiled, mesh, plan)
     axes = {}
     for a in sorted(set(pred) | set(got)):
         p, g = pred.get(a, 0.0), got.get(a, 0.0)
