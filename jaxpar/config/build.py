@@ -101,12 +101,12 @@ def relabel(err: Exception, owner: str, section: str, fields: Sequence[str], fal
     return msg if f"{section}." in msg else f"{fallback or section}: {msg}"
 
 
-_MESH_AXES = ("data", "fsdp", "tensor", "pipe")
+_MESH_AXES = ("data", "fsdp", "tensor", "pipe", "replica")
 _PARALLEL_KEYS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
 
 
 def mesh_spec(cfg: MeshConfig) -> MeshSpec:
-    return MeshSpec(data=cfg.data, fsdp=cfg.fsdp, tensor=cfg.tensor, pipe=cfg.pipe)
+    return MeshSpec(data=cfg.data, fsdp=cfg.fsdp, tensor=cfg.tensor, pipe=cfg.pipe, replica=cfg.replica)
 
 
 def mesh_error(e: MeshError, cfg: MeshConfig) -> str:
@@ -138,13 +138,30 @@ def build_codec(options: Mapping[str, Any]):
         raise ConfigError(f"parallel.compression: {e}") from None
 
 
+def build_sync(options: Mapping[str, Any]):
+    """The kind of ``parallel.sync`` (``{kind: ..., **options}``; empty: ``None``)."""
+    if not options:
+        return None
+    from ..sync import SYNC_KINDS, SyncError, make_sync
+
+    opts = {k: tuple(map(tuple, v)) if k == "pattern" and v is not None else v for k, v in options.items()}
+    if "kind" not in opts:
+        raise ConfigError(f"parallel.sync={dict(options)!r} has no 'kind'; write e.g. sync: {{kind: diloco, every: "
+                          f"50}} (kinds: {', '.join(SYNC_KINDS)}).")
+    try:
+        return make_sync(opts)
+    except (SyncError, TypeError) as e:
+        raise ConfigError(f"parallel.sync: {e}") from None
+
+
 def build_strategy(cfg: ParallelConfig) -> Strategy:
     """The :class:`jaxpar.Strategy` of the parallel section; its errors name ``parallel.*`` keys."""
     codec = build_codec(cfg.compression)
+    sync = build_sync(cfg.sync)
     try:
         return Strategy(zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, microbatches=cfg.microbatches,
                         compute_dtype=cfg.compute_dtype, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
-                        stage_layers=cfg.stage_layers, compression=codec)
+                        stage_layers=cfg.stage_layers, compression=codec, sync=sync)
     except ValueError as e:
         fallback = f"parallel.schedule={cfg.schedule!r}" if "schedule" in str(e) else "parallel"
         raise ConfigError(relabel(e, "Strategy", "parallel", _PARALLEL_KEYS, fallback)) from None

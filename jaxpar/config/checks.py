@@ -16,7 +16,8 @@ from ..mesh import MeshError
 from ..pipeline.partition import PartitionError, check_stage_layers, uniform_layers
 from ..pipeline.schedules import get_schedule
 from ..train import data as data_lib
-from .build import MODELS, OPTIMIZERS, build_gpt_config, build_strategy, lr_scaling_problems, mesh_error, mesh_spec
+from .build import (MODELS, OPTIMIZERS, build_gpt_config, build_strategy, build_sync, lr_scaling_problems, mesh_error,
+                    mesh_spec)
 from .imports import call_problem, resolve_import
 from .schema import (DATA_KINDS, LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS, ConfigError,
                      DataConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig)
@@ -177,7 +178,7 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
         sizes = _mesh_sizes(cfg, num_devices)
     except ConfigError as e:
         return [str(e)]
-    if num_devices is None and -1 in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.pipe):
+    if num_devices is None and -1 in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.pipe, cfg.mesh.replica):
         return []  # the rest needs the device count
     problems, par, p = [], cfg.parallel, sizes["pipe"]
     if p > 1:
@@ -187,7 +188,9 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
         for why in (_schedule_problem(par, p), _stage_layers_problem(par, gpt.layers if gpt else None, p)):
             if why:
                 problems.append(why)
-    t, dp, k = sizes["tensor"], sizes["data"] * sizes["fsdp"], par.microbatches
+    problems += _sync_problems(par, sizes)
+    problems += _noise_scale_mesh_problems(cfg, sizes)
+    t, dp, k = sizes["tensor"], sizes["data"] * sizes["fsdp"] * sizes.get("replica", 1), par.microbatches
     if gpt is not None:
         dims = [("model.heads", gpt.heads), ("model.mlp (default 4 x model.embed)", gpt.mlp_dim),
                 ("model.vocab", gpt.vocab)]
@@ -195,9 +198,59 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
             dims.append(("model.seq_len (sequence parallel)", gpt.seq_len))
         problems += [f"{key}={size} is not divisible by mesh.tensor={t}." for key, size in dims if size % t]
     if cfg.data.batch_size % (dp * k):
-        problems.append(f"data.batch_size={cfg.data.batch_size} is not divisible by mesh.data x mesh.fsdp x "
-                        f"parallel.microbatches = {sizes['data']} x {sizes['fsdp']} x {k} = {dp * k}.")
+        rep = f" x mesh.replica" if sizes.get("replica", 1) > 1 else ""
+        problems.append(f"data.batch_size={cfg.data.batch_size} is not divisible by mesh.data x mesh.fsdp{rep} x "
+                        f"parallel.microbatches = {dp * k}.")
     return problems
+
+
+def _sync_problems(par, sizes) -> list[str]:
+    """``parallel.sync`` against ``mesh.replica`` (and the kinds' own limits)."""
+    if not par.sync:
+        return []
+    from ..sync import SyncError, check_sync
+
+    try:
+        sync = build_sync(par.sync)
+        check_sync(sync, sizes.get("replica", 1))
+    except (ConfigError, SyncError) as e:
+        return [f"parallel.sync with mesh.replica={sizes.get('replica', 1)}: {e}"]
+    if sizes.get("pipe", 1) > 1 and sync.kind in ("diloco", "easgd"):
+        return [f"parallel.sync kind {sync.kind!r} with mesh.pipe={sizes['pipe']}: replicas with their own "
+                "pipelined state are not supported yet; use mesh.data / fsdp / tensor inside each replica."]
+    return []
+
+
+def _noise_scale_problems(p: list[str], cfg: JobConfig) -> None:
+    """``logging.noise_scale.every`` / ``ema`` themselves."""
+    ns = cfg.logging.noise_scale
+    if ns.every is not None and (isinstance(ns.every, bool) or not isinstance(ns.every, int) or ns.every < 1):
+        p.append(f"logging.noise_scale.every={ns.every!r}: must be an int >= 1 (measure every that many steps), "
+                 "or null to measure nothing.")
+    if not 0 <= ns.ema < 1:
+        p.append(f"logging.noise_scale.ema={ns.ema!r}: must be in [0, 1), the decay of the moving averages per "
+                 "measurement (0: none; e.g. 0.95).")
+
+
+def _noise_scale_mesh_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
+    """``logging.noise_scale`` against the mesh and the parallel section (what the measurement supports)."""
+    every, par = cfg.logging.noise_scale.every, cfg.parallel
+    if every is None:
+        return []
+    key = f"logging.noise_scale.every={every}"
+    if sizes.get("replica", 1) > 1 or par.sync:
+        return [f"{key} with mesh.replica={sizes.get('replica', 1)} / parallel.sync: relaxed synchronisation is not "
+                "supported by the noise-scale measurement; set logging.noise_scale.every=null or drop the replicas."]
+    if par.compression:
+        return [f"{key} with parallel.compression: a compressed exchange is not supported by the noise-scale "
+                "measurement; set logging.noise_scale.every=null or parallel.compression={}."]
+    if sizes.get("pipe", 1) > 1:
+        return [f"{key} with mesh.pipe={sizes['pipe']}: pipelines are not supported by the noise-scale measurement; "
+                "set logging.noise_scale.every=null or mesh.pipe=1."]
+    if sizes.get("data", 1) * sizes.get("fsdp", 1) < 2:
+        return [f"{key}: needs mesh.data x mesh.fsdp >= 2 (each replica's batch must be smaller than the global "
+                "one); set logging.noise_scale.every=null or use more data-parallel devices."]
+    return []
 
 
 def check(cfg: JobConfig, num_devices: int | None = None) -> None:
@@ -233,6 +286,7 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> None:
         p.append(f"logging.peak_flops={lg.peak_flops!r}: must be > 0 (FLOP/s of one device), or null for no MFU.")
     _at_least(p, "logging.samples", lg.samples, 0)
     _at_least(p, "logging.sample_tokens", lg.sample_tokens, 1)
+    _noise_scale_problems(p, cfg)
     if not p and strategy is not None:
         p.extend(_mesh_problems(cfg, gpt, num_devices))
     if p:

@@ -15,7 +15,7 @@ from ..train import data as data_lib
 __all__ = [
     "ConfigError", "ModelConfig", "MeshConfig", "ParallelConfig", "LRScalingConfig", "TrustMaskConfig",
     "OptimizerConfig", "DataConfig",
-    "TrainConfig", "CheckpointConfig", "LoggingConfig", "JobConfig", "GPT_KEYS", "USER_MODEL_KEYS",
+    "TrainConfig", "CheckpointConfig", "NoiseScaleConfig", "LoggingConfig", "JobConfig", "GPT_KEYS", "USER_MODEL_KEYS",
     "LR_SCHEDULES", "DATA_KINDS", "PROGRESS_MODES", "NONFINITE_MODES", "RENAMED", "IMPORT_KEYS",
 ]
 
@@ -60,6 +60,7 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
     pipe: int = 1
+    replica: int = 1                # K model replicas (outermost axis), kept in step by parallel.sync
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,8 @@ class ParallelConfig:
     stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (uneven); null = even
     # gradient codec over the data axes, e.g. {kind: powersgd, rank: 4}; {} = exact (see jaxpar.compression)
     compression: dict[str, Any] = field(default_factory=dict)
+    # how the mesh.replica replicas synchronise, e.g. {kind: diloco, every: 50}; {} = every step (see jaxpar.sync)
+    sync: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,16 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class NoiseScaleConfig:
+    """The gradient noise scale ``B_simple`` (McCandlish et al. 2018) measured every ``every`` steps from
+    each data-parallel replica's gradient and the global one (null: never), with moving averages of
+    decay ``ema`` (:mod:`jaxpar.train.noise_scale`); logged as ``noise_scale`` and ``noise_scale.png``."""
+
+    every: int | None = None
+    ema: float = 0.95
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     """Metrics go to ``<train.out_dir>/metrics.jsonl`` and, with ``tensorboard``, to ``<train.out_dir>/tb``.
     ``peak_flops``: peak FLOP/s of one device (e.g. 989e12 for an H100's dense bf16); null: no MFU.
@@ -177,6 +190,7 @@ class LoggingConfig:
     peak_flops: float | None = None
     samples: int = 3
     sample_tokens: int = 64
+    noise_scale: NoiseScaleConfig = field(default_factory=NoiseScaleConfig)
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,13 @@ def make_relaxed_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
         raise SyncError(f"make_train_step with sync {sync.name!r} on replica={replicas(layout.mesh)}, but the layout "
                         "was made without it. Create the state with init_train_state(..., strategy) using this "
                         "same strategy and mesh.")
-    kw = dict(clip_norm=clip_norm, lr_schedule=lr_schedule, skip_nonfinite=skip_nonfinite, explicit_dp=explicit_dp)
+    if explicit_dp:
+        from .step import ExplicitDPError
+
+        raise ExplicitDPError(f"explicit_dp=True with sync {sync.name!r}: inside replicas the data-axis collectives "
+                              "are left to XLA (jaxpar's per-layer shard_map does not lower under the replicas' "
+                              "vmap for every ZeRO layout). Use explicit_dp=None or False.")
+    kw = dict(clip_norm=clip_norm, lr_schedule=lr_schedule, skip_nonfinite=skip_nonfinite, explicit_dp=False)
     build = relaxed_steps.local_steps if _is_local(sync) else relaxed_steps.global_step
     step = build(loss_fn, tx, layout, strategy, sync, donate=donate, **kw)
 

@@ -106,7 +106,10 @@ def plot_losses(path: str | Path, steps: Sequence[int], losses: Sequence[float],
 
 
 #: Metrics of a compressed gradient exchange, logged when the step reports them.
-_COMM = ("comm_bytes", "comm_ratio", "residual_norm")
+_COMM = ("comm_bytes", "comm_ratio", "residual_norm",                                  # compression
+         "loss_spread", "replica_distance", "replica_bytes", "delay_mean", "modelled_time",   # relaxed sync
+         "modelled_time_sync",
+         "noise_scale", "grad_sq_small", "grad_sq_big", "noise_trace", "noise_grad_sq")   # noise scale
 
 
 def _check_int(owner: str, name: str, value: Any, low: int) -> None:
@@ -217,6 +220,7 @@ class _Meter:
         self.losses: list[float] = []
         self.skipped_steps: list[int] = []
         self.window: list[dict] = []             # host metrics of the steps since the last record
+        self.noise_scale: list[tuple[int, float]] = []   # (step, B_simple) of every measuring step
         self.pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet fetched
         self.t_begin = self.t_mark = time.perf_counter()
         self.mark_step, self.first_step_time = start, None
@@ -241,6 +245,8 @@ class _Meter:
             self.losses.append(loss)
             self.window.append({"loss": loss, "grad_norm": gnorm, "lr": float(m.get("lr", float("nan"))),
                                 "skipped": skipped, **{k: float(m[k]) for k in _COMM if k in m}})
+            if "noise_scale" in m:
+                self.noise_scale.append((s, float(m["noise_scale"])))
             if not (math.isfinite(loss) and math.isfinite(gnorm)):
                 self._nonfinite(s, loss, gnorm, skipped)
 
@@ -288,7 +294,9 @@ class _Meter:
         utilisation = self.log.mfu_at(tps, self.devices)
         if utilisation is not None:
             rec["mfu"] = utilisation
-        rec.update({k: _num(last[k]) for k in _COMM if k in last})
+        rec.update({k: _num(w[k]) for w in finite or self.window for k in _COMM if k in w})   # the latest of each
+        if "replica_bytes" in rec:        # relaxed sync: the window's mean bytes over ``replica`` per step
+            rec["replica_bytes"] = sum(w.get("replica_bytes", 0.0) for w in self.window) / len(self.window)
         return rec, last
 
     def _progress_line(self, rec: dict, last: dict) -> tuple[str, dict]:
@@ -299,6 +307,13 @@ class _Meter:
         if "comm_bytes" in rec:     # compressed gradient exchange (Strategy.compression)
             extra += (f"  wire {format_bytes(rec['comm_bytes'])}/step ({rec['comm_ratio']:.3f}x fp32)"
                       f" residual {rec['residual_norm']:.3g}")
+        if "loss_spread" in rec:    # relaxed sync (Strategy.sync): replicas' loss range, bytes over ``replica``
+            extra += f"  spread {rec['loss_spread']:.3f} replica {format_bytes(rec['replica_bytes'])}/step"
+            extra += f" dist {rec['replica_distance']:.3g}" if "replica_distance" in rec else ""
+            extra += (f" modelled {rec['modelled_time']:.2f} vs {rec['modelled_time_sync']:.2f} sync"
+                      if "modelled_time" in rec else "")
+        if "noise_scale" in rec:    # the gradient noise scale (make_train_step(noise_scale_every=...))
+            extra += f"  B_noise {rec['noise_scale']:.4g}" if isinstance(rec["noise_scale"], float) else ""
         extra += " (incl. compile)" if rec["includes_compile"] else ""
         text = (f"step {rec['step']:>6}/{self.end}  loss {loss_text}  grad_norm {last['grad_norm']:.3f}  "
                 f"lr {last['lr']:.2e}  {rec['step_time']:.3f} s/step{extra}")

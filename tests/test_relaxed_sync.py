@@ -1,0 +1,267 @@
+"""Relaxed synchronisation (jaxpar.sync) on the ``replica`` axis: exact reductions, the
+collectives of the compiled programs, delayed / masked semantics against one-device references,
+composition with inner strategies, checkpoints and errors.
+
+Meshes: replica=4 x data=2 (8 simulated devices), test GPT, batch 16 (4 rows per replica).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.analysis.hlo import collectives
+from jaxpar.models import GPT, lm_loss
+from jaxpar.sync import SyncError, backup, diloco, easgd, local_sgd, stale, synchronous
+from jaxpar.train.checkpoint import Checkpointer
+from jaxpar.train.relaxed import replica_bytes
+
+from helpers import CFG, make_batch
+
+LR = 0.1
+K = 4
+BATCH = make_batch()
+
+
+def model_fn():
+    return GPT(CFG, rngs=nnx.Rngs(0))
+
+
+def setup(sizes, sync, tx=None, **kw):
+    tx = tx or optax.sgd(LR)
+    mesh = jaxpar.make_mesh(sizes)
+    strategy = jaxpar.Strategy(sync=sync, **kw)
+    state, layout = jaxpar.init_train_state(model_fn, tx, mesh, strategy)
+    return state, layout, jaxpar.make_train_step(lm_loss, tx, layout, strategy)
+
+
+def train(sizes, sync, steps=3, tx=None, **kw):
+    state, layout, step = setup(sizes, sync, tx, **kw)
+    losses, metrics = [], []
+    for _ in range(steps):
+        state, m = step(state, BATCH)
+        losses.append(float(m["loss"]))
+        metrics.append(jax.device_get(m))
+    return state, np.array(losses), metrics
+
+
+def leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def assert_trees(a, b, rtol=1e-5, atol=1e-7):
+    for x, y in zip(leaves(a), leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+def assert_equal(a, b):
+    for x, y in zip(leaves(a), leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def dp8():
+    """Synchronous data parallelism over the same 8 devices (no replica axis), SGD."""
+    state, losses, _ = train({"data": 8}, None)
+    return jax.device_get(state.params), losses
+
+
+@pytest.fixture(scope="module")
+def synced():
+    state, losses, _ = train({"replica": K, "data": 2}, synchronous())
+    return jax.device_get(state.params), losses
+
+
+# ----------------------------------------------------------------------------- 1. exact reductions
+
+def test_synchronous_replicas_equal_data_parallelism(dp8, synced):
+    np.testing.assert_allclose(synced[1], dp8[1], rtol=1e-5)
+    assert_trees(synced[0], dp8[0])
+
+
+def test_diloco_with_one_inner_step_and_plain_outer_sgd_is_data_parallelism(dp8):
+    state, losses, _ = train({"replica": K, "data": 2}, diloco(1, outer_lr=1.0, outer_momentum=0.0))
+    np.testing.assert_allclose(losses, dp8[1], rtol=1e-5)
+    assert_trees(state.params, dp8[0])
+
+
+@pytest.mark.parametrize("sync", [stale(0), stale(3, pattern=[[0] * K]), backup(0)], ids=["s0", "s3-zero-delays", "b0"])
+def test_no_delay_and_no_backup_equal_synchronous_training_exactly(synced, sync):
+    state, losses, _ = train({"replica": K, "data": 2}, sync)
+    np.testing.assert_array_equal(losses, synced[1])
+    assert_equal(state.params, synced[0])
+
+
+def _one_device_grads(params, rows):
+    graphdef = nnx.graphdef(model_fn())
+    return jax.jit(jax.value_and_grad(lambda p, b: lm_loss(nnx.merge(graphdef, p), b)))(params, rows)
+
+
+def _replica_rows(r):
+    return jax.tree.map(lambda x: x.reshape(K, -1, *x.shape[1:])[r], BATCH)
+
+
+def test_easgd_with_zero_alpha_gives_independent_runs():
+    steps = 3
+    state, _, _ = train({"replica": K, "data": 2}, easgd(0.0), steps=steps)
+    init = jax.device_get(jaxpar.init_train_state(model_fn, optax.sgd(LR), jaxpar.make_mesh({"data": 8}))[0].params)
+    assert_trees(state.params, init, rtol=0, atol=0)               # the centre never moves
+    for r in range(K):
+        p = init
+        for _ in range(steps):
+            _, g = _one_device_grads(p, _replica_rows(r))
+            p = jax.tree.map(lambda w, d: w - LR * d, p, g)
+        assert_trees(jax.tree.map(lambda x: x[r], state.comm["params"]), p)
+
+
+# ----------------------------------------------------------------------------- 2. communication
+
+def _replica_collectives(compiled, mesh):
+    return [c for c in collectives(compiled, mesh) if c.axes and "replica" in c.axes]
+
+
+def test_diloco_communicates_over_replica_only_at_sync_steps():
+    h = 5
+    state, layout, step = setup({"replica": K, "data": 2}, diloco(h))
+    model = replica_bytes(layout)
+    assert model == 4 * sum(a.size for a in jax.tree.leaves(layout.shapes))   # data=2 replicates the params
+    inner = step.inner.lower(state, BATCH).compile()
+    assert _replica_collectives(inner, layout.mesh) == []
+    outer = step.outer.lower(state).compile()
+    over = _replica_collectives(outer, layout.mesh)
+    assert {c.kind for c in over} == {"all-reduce"} and not any(c.in_loop for c in over)
+    synced = sum(c.bytes for c in over)
+    assert abs(synced - model) <= 0.01 * model, (synced, model)
+    s_state, s_layout, s_step = setup({"replica": K, "data": 2}, synchronous())
+    dp = sum(c.bytes for c in _replica_collectives(s_step.lower(s_state, BATCH).compile(), s_layout.mesh))
+    assert abs(dp - model) <= 0.01 * model, (dp, model)
+    assert abs((synced / h) / dp - 1 / h) <= 0.01 / h
+    # and the runner calls the sync program exactly every h steps
+    seen = []
+    for _ in range(2 * h):
+        state, m = step(state, BATCH)
+        seen.append(float(m["replica_bytes"]))
+    assert seen == [0.0] * (h - 1) + [model] + [0.0] * (h - 1) + [model]
+
+
+# ----------------------------------------------------------------------------- 3. semantics
+
+PATTERN = [[0, 1, 2, 0], [2, 0, 1, 1], [1, 2, 0, 2]]
+
+
+@pytest.mark.parametrize("mode", ["ssp", "async"])
+def test_stale_gradients_match_a_sequential_reference(mode):
+    steps = 4
+    state, losses, metrics = train({"replica": K, "data": 2}, stale(2, pattern=PATTERN, mode=mode), steps=steps)
+    p = jax.device_get(jaxpar.init_train_state(model_fn, optax.sgd(LR), jaxpar.make_mesh({"data": 8}))[0].params)
+    history = [p]
+    for t in range(steps):
+        delays = [min(d, t) for d in PATTERN[t % len(PATTERN)]]
+        grads = [_one_device_grads(history[-1 - d], _replica_rows(r))[1] for r, d in enumerate(delays)]
+        if mode == "ssp":
+            mean = jax.tree.map(lambda *g: sum(g) / K, *grads)
+            p = jax.tree.map(lambda w, g: w - LR * g, p, mean)
+        else:
+            for g in grads:
+                p = jax.tree.map(lambda w, d: w - LR * d, p, g)
+        history.append(p)
+        assert metrics[t]["delay_mean"] == pytest.approx(np.mean(delays))
+    assert_trees(state.params, p, rtol=2e-5, atol=1e-6)
+
+
+def test_backup_workers_drop_exactly_the_slowest_replicas():
+    steps, b = 3, 2
+    state, _, metrics = train({"replica": K, "data": 2}, backup(b, sigma=0.8, seed=3), steps=steps)
+    p = jax.device_get(jaxpar.init_train_state(model_fn, optax.sgd(LR), jaxpar.make_mesh({"data": 8}))[0].params)
+    for t in range(steps):
+        times, used = metrics[t]["replica_times"], metrics[t]["replica_used"]
+        slowest = set(np.argsort(times)[-b:])
+        assert set(np.flatnonzero(~used)) == slowest and used.sum() == K - b
+        assert metrics[t]["modelled_time"] == pytest.approx(np.sort(times)[K - b - 1])
+        assert metrics[t]["modelled_time_sync"] == pytest.approx(times.max())
+        grads = [_one_device_grads(p, _replica_rows(r))[1] for r in range(K) if used[r]]
+        mean = jax.tree.map(lambda *g: sum(g) / (K - b), *grads)
+        p = jax.tree.map(lambda w, g: w - LR * g, p, mean)
+    assert_trees(state.params, p, rtol=2e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- 5. composition, checkpoints
+
+@pytest.fixture(scope="module")
+def diloco_dp():
+    state, losses, _ = train({"replica": 2, "data": 4}, diloco(2), steps=3, tx=optax.adam(1e-3))
+    return jax.device_get(state), losses
+
+
+@pytest.mark.parametrize("sizes,kw", [({"replica": 2, "data": 4}, {"zero": 3}),
+                                      ({"replica": 2, "data": 2, "tensor": 2}, {})], ids=["zero3", "tp2"])
+def test_diloco_composes_with_inner_strategies(diloco_dp, sizes, kw):
+    state, losses, _ = train(sizes, diloco(2), steps=3, tx=optax.adam(1e-3), **kw)
+    np.testing.assert_allclose(losses, diloco_dp[1], rtol=1e-5)
+    # Adam: round-off in near-zero gradients can move an element by up to ~2 lr per step
+    assert_trees(state.params, diloco_dp[0].params, rtol=1e-4, atol=2 * 1e-3 * 3 * 0.7 * 2)
+    assert_trees(state.comm["params"], diloco_dp[0].comm["params"], rtol=1e-4, atol=2 * 1e-3 * 3)
+
+
+@pytest.mark.parametrize("sync", [diloco(2), stale(2, pattern=PATTERN)], ids=["diloco", "stale"])
+def test_resume_mid_run_is_bit_exact(tmp_path, sync):
+    sizes, tx = {"replica": K, "data": 2}, optax.adam(1e-3)
+    state, layout, step = setup(sizes, sync, tx)
+    for _ in range(3):                                  # past one sync, stopped between syncs
+        state, _ = step(state, BATCH)
+    ck = Checkpointer(tmp_path, async_save=False)
+    ck.save(3, state, {})
+    ck.wait()
+    for _ in range(3):
+        state, _ = step(state, BATCH)
+    again, layout2, step2 = setup(sizes, sync, tx)
+    again = ck.restore(layout2).state
+    assert int(again.step) == 3
+    for _ in range(3):
+        again, _ = step2(again, BATCH)
+    assert_equal(again, state)
+
+
+def test_diloco_checkpoint_restores_onto_another_inner_strategy(tmp_path):
+    tx = optax.adam(1e-3)
+    state, layout, step = setup({"replica": 2, "data": 4}, diloco(2), tx)
+    for _ in range(3):
+        state, _ = step(state, BATCH)
+    ck = Checkpointer(tmp_path, async_save=False)
+    ck.save(3, state, {})
+    ck.wait()
+    _, layout3, step3 = setup({"replica": 2, "data": 2, "tensor": 2}, diloco(2), tx, zero=1)
+    moved = ck.restore(layout3).state
+    assert_equal(moved, state)                                   # same values, new shardings
+    leaf = jax.tree.leaves(moved.comm["params"])[0]
+    assert leaf.sharding.spec[0] == "replica"
+    for _ in range(2):
+        state, m1 = step(state, BATCH)
+        moved, m3 = step3(moved, BATCH)
+        np.testing.assert_allclose(float(m3["loss"]), float(m1["loss"]), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- 6. bad input
+
+def test_bad_input_names_the_option_and_the_fix():
+    with pytest.raises(SyncError, match=r"diloco\(every=0\).*>= 1"):
+        diloco(0)
+    with pytest.raises(SyncError, match=r"stale\(max_delay=-1\)"):
+        stale(-1)
+    with pytest.raises(SyncError, match=r"outer optimizer must be an optax GradientTransformation"):
+        diloco(5, outer=lambda g: g)
+    with pytest.raises(SyncError, match=r"pattern"):
+        stale(1, pattern=[[0, 2]])
+    with pytest.raises(SyncError, match=r"easgd\(alpha=1.5\)"):
+        easgd(1.5)
+    mesh = jaxpar.make_mesh({"replica": K, "data": 2})
+    with pytest.raises(SyncError, match=r"backup\(backups=4\).*smaller than the replica axis \(4\)"):
+        jaxpar.init_train_state(model_fn, optax.sgd(LR), mesh, jaxpar.Strategy(sync=backup(4)))
+    with pytest.raises(SyncError, match=r"needs a 'replica' mesh axis of size >= 2.*replica=1"):
+        jaxpar.init_train_state(model_fn, optax.sgd(LR), jaxpar.make_mesh({"data": 8}), jaxpar.Strategy(sync=local_sgd(4)))
+    with pytest.raises(SyncError, match=r"compression"):
+        from jaxpar.compression import qsgd
+
+        jaxpar.Strategy(sync=diloco(4), compression=qsgd())
