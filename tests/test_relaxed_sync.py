@@ -4,6 +4,8 @@ composition with inner strategies, checkpoints and errors.
 
 Meshes: replica=4 x data=2 (8 simulated devices), test GPT, batch 16 (4 rows per replica).
 """
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.analysis.hlo import collectives
+from jaxpar.config import ConfigError, check, load_config
 from jaxpar.models import GPT, lm_loss
 from jaxpar.sync import SyncError, backup, diloco, easgd, local_sgd, stale, synchronous
 from jaxpar.train.checkpoint import Checkpointer
@@ -92,6 +95,16 @@ def test_no_delay_and_no_backup_equal_synchronous_training_exactly(synced, sync)
     state, losses, _ = train({"replica": K, "data": 2}, sync)
     np.testing.assert_array_equal(losses, synced[1])
     assert_equal(state.params, synced[0])
+
+
+def test_diloco_before_start_step_is_synchronous(synced):
+    """Post-local SGD: the first ``start_step`` steps average gradients every step."""
+    state, losses, metrics = train({"replica": K, "data": 2}, diloco(5, start_step=3))
+    np.testing.assert_allclose(losses, synced[1], rtol=1e-5)
+    assert_trees(state.params, synced[0])
+    for r in range(1, K):
+        assert_equal(jax.tree.map(lambda x: x[r], state.comm["params"]), jax.tree.map(lambda x: x[0], state.comm["params"]))
+    assert_equal(jax.tree.map(lambda x: x[0], state.comm["params"]), state.params)
 
 
 def _one_device_grads(params, rows):
@@ -265,3 +278,27 @@ def test_bad_input_names_the_option_and_the_fix():
         from jaxpar.compression import qsgd
 
         jaxpar.Strategy(sync=diloco(4), compression=qsgd())
+
+
+QUICK = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["mesh.replica=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "parallel.sync={kind: diloco, every: 0}"],
+     ["parallel.sync", "every=0", ">= 1"]),
+    (["parallel.sync={kind: diloco, every: 5}"], ["parallel.sync", "mesh.replica=1", "size >= 2"]),
+    (["mesh.replica=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "parallel.sync={kind: backup, backups: 4}"],
+     ["parallel.sync", "backups=4", "smaller than the replica axis (4)"]),
+    (["mesh.replica=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "parallel.sync={kind: stale, max_delay: -2}"],
+     ["parallel.sync", "max_delay=-2"]),
+    (["mesh.replica=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "parallel.sync={kind: gossip}"],
+     ["parallel.sync", "'gossip'", "diloco"]),
+    (["mesh.replica=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "parallel.sync={kind: easgd, beta: 1}"],
+     ["parallel.sync", "unknown option", "beta"]),
+])
+def test_bad_sync_config_names_the_key(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(QUICK, overrides)
+        check(load_config(QUICK, overrides), num_devices=8)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))

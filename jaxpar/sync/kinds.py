@@ -70,18 +70,20 @@ class Synchronous:
 
 @dataclass(frozen=True)
 class DiLoCo:
-    """``every`` inner steps, then the outer step on the averaged pseudo-gradient."""
+    """``every`` inner steps, then the outer step on the averaged pseudo-gradient; before
+    ``start_step``, synchronous (gradients averaged every step)."""
 
     every: int
     outer: optax.GradientTransformation
     outer_options: Mapping[str, Any] = field(default_factory=dict)
     label: str = "diloco"
+    start_step: int = 0
     kind = "diloco"
     min_replicas = 2
 
     @property
     def name(self) -> str:
-        return f"{self.label}-h{self.every}"
+        return f"{self.label}-h{self.every}" + (f"-from{self.start_step}" if self.start_step else "")
 
 
 @dataclass(frozen=True)
@@ -163,11 +165,15 @@ def synchronous() -> Synchronous:
 
 
 def diloco(every: int = 50, *, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-           outer: optax.GradientTransformation | None = None) -> DiLoCo:
+           outer: optax.GradientTransformation | None = None, start_step: int = 0) -> DiLoCo:
     """DiLoCo (Douillard et al. 2023): ``every`` inner steps per replica, then the outer step
     ``outer.update(outer_params - mean(replicas))``. ``outer`` (an optax transformation)
-    replaces the default Nesterov SGD(``outer_lr``, ``outer_momentum``)."""
+    replaces the default Nesterov SGD(``outer_lr``, ``outer_momentum``). Before ``start_step``
+    the replicas train synchronously (gradients averaged every step), as DiLoCo starts from a
+    pretrained model and post-local SGD (Lin et al. 2020) from a synchronous phase."""
     every = _int("diloco", "every", every, 1, "the inner steps between syncs (H) must be an int >= 1, e.g. every=50.")
+    start_step = _int("diloco", "start_step", start_step, 0, "the synchronous steps before the first inner phase "
+                      "must be an int >= 0, e.g. start_step=100.")
     if outer is None:
         lr = _float("diloco", "outer_lr", outer_lr, 1e-12, 1e6, "the outer learning rate must be > 0, e.g. 0.7.")
         mom = _float("diloco", "outer_momentum", outer_momentum, 0.0, 0.999999,
@@ -180,13 +186,14 @@ def diloco(every: int = 50, *, outer_lr: float = 0.7, outer_momentum: float = 0.
                         "update; got an object without them.")
     else:
         options = {"outer": "custom"}
-    return DiLoCo(every, outer, options)
+    return DiLoCo(every, outer, options, start_step=start_step)
 
 
-def local_sgd(every: int = 10) -> DiLoCo:
-    """Local SGD / periodic model averaging: DiLoCo with an outer SGD of lr 1 and no momentum."""
-    s = diloco(every, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
-    return DiLoCo(s.every, s.outer, s.outer_options, "local_sgd")
+def local_sgd(every: int = 10, *, start_step: int = 0) -> DiLoCo:
+    """Local SGD / periodic model averaging: DiLoCo with an outer SGD of lr 1 and no momentum
+    (``start_step``: post-local SGD, synchronous before it)."""
+    s = diloco(every, outer_lr=1.0, outer_momentum=0.0, nesterov=False, start_step=start_step)
+    return DiLoCo(s.every, s.outer, s.outer_options, "local_sgd", s.start_step)
 
 
 def easgd(alpha: float = 0.1, every: int = 1) -> EASGD:

@@ -126,6 +126,28 @@ def local_steps(loss_fn, tx, layout: StateLayout, strategy, sync, *, donate, cli
             metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
         return TrainState(state.step + 1, state.params, state.opt_state, {"params": p, "opt": o}), metrics
 
+    def warm(state: TrainState, batch):
+        """Before ``start_step``: synchronous. The replicas' gradients are averaged (an all-reduce
+        over ``replica``) and each replica applies the same update, so they stay identical."""
+        with use_rules(mesh, layout.rules):
+            losses, grads = jax.vmap(lg, spmd_axis_name=REPLICA)(state.comm["params"], _split(batch, k, mesh))
+            mean = _weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), grads, layout.grads, mesh)
+
+            def apply(p, o):
+                new, m = _apply_update(tx, TrainState(state.step, p, o, ()), jnp.mean(losses), mean, **upd)
+                return new.params, new.opt_state, m
+
+            p, o, m = jax.vmap(apply, spmd_axis_name=REPLICA)(state.comm["params"], state.comm["opt"])
+            # the replicas are identical: their max is each of them, exactly (a mean could round)
+            center = jax.lax.with_sharding_constraint(jax.tree.map(lambda r: jnp.max(r, axis=0), p),
+                                                      named_shardings(layout.params, mesh))
+        metrics = {"replica": {"loss": losses, "grad_norm": m["grad_norm"]}}
+        if skip_nonfinite:
+            metrics["replica"]["skipped"] = m["skipped"]
+        if lr_schedule is not None:
+            metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+        return TrainState(state.step + 1, center, state.opt_state, {"params": p, "opt": o}), metrics
+
     def outer(state: TrainState):
         reps = state.comm["params"]
         with use_rules(mesh, layout.rules):
@@ -152,21 +174,26 @@ def local_steps(loss_fn, tx, layout: StateLayout, strategy, sync, *, donate, cli
                         donate_argnums=(0,) if donate else ())
     outer_jit = jax.jit(outer, in_shardings=(shardings,), out_shardings=(shardings, {"replica_distance": per_replica}),
                         donate_argnums=(0,) if donate else ())
-    return _LocalRunner(inner_jit, outer_jit, sync.every, replica_bytes(layout))
+    start = getattr(sync, "start_step", 0)
+    warm_jit = jax.jit(warm, in_shardings=(shardings, batch_sharding(mesh)), out_shardings=(shardings, msh),
+                       donate_argnums=(0,) if donate else ()) if start else None
+    return _LocalRunner(inner_jit, outer_jit, sync.every, replica_bytes(layout), warm_jit, start)
 
 
 class _LocalRunner:
     """Runs the inner program, and the sync program after every ``every``-th step. The step count
     is read from the state once and then followed (re-read when another state is passed in)."""
 
-    def __init__(self, inner, outer, every: int, nbytes: int):
+    def __init__(self, inner, outer, every: int, nbytes: int, warm=None, start: int = 0):
         self.inner, self.outer, self.every, self.nbytes = inner, outer, every, nbytes
+        self.warm, self.start = warm, start
         self.jitted, self.lower = inner, inner.lower
         self._last, self._count = None, 0
 
     def __call__(self, state: TrainState, batch):
         count = self._count if state.step is self._last else int(state.step)
-        state, m = self.inner(state, batch)
+        warming = count < self.start
+        state, m = (self.warm if warming else self.inner)(state, batch)
         count += 1
         metrics = {k: v for k, v in m.items() if k != "replica"}
         rep = m["replica"]
@@ -174,7 +201,9 @@ class _LocalRunner:
                        loss_spread=jnp.max(rep["loss"]) - jnp.min(rep["loss"]), replica_bytes=0.0)
         if "skipped" in rep:
             metrics["skipped"] = jnp.any(rep["skipped"])
-        if count % self.every == 0:
+        if warming:   # gradients and the centre: two all-reduces of one model over ``replica``
+            metrics["replica_bytes"] = 2.0 * self.nbytes
+        elif (count - self.start) % self.every == 0:
             state, synced = self.outer(state)
             metrics.update(replica_distance=jnp.mean(synced["replica_distance"]), replica_bytes=float(self.nbytes))
         self._last, self._count = state.step, count
