@@ -24,6 +24,7 @@ RUNS = {
     "qsgd int8": {"kind": "qsgd"},
     "sign + EF": {"kind": "sign"},
     "sign, no EF": {"kind": "sign", "error_feedback": False},
+    "sign + EF + codec momentum": {"kind": "sign", "momentum": 0.9, "_overrides": ["optimizer.momentum=0"]},
     "top-k 1% + EF": {"kind": "topk", "ratio": 0.01},
     "powersgd r4": {"kind": "powersgd", "rank": 4},
 }
@@ -44,6 +45,8 @@ def train_curves(steps: int = 300, runs=RUNS, extra=()) -> dict[str, list[tuple[
                     "mesh.tensor=1", f"train.steps={steps}", "train.log_every=5", "checkpoint.every=0",
                     "train.eval_batches=0", "logging.samples=0", "logging.tensorboard=false",
                     "train.progress=lines", f"train.out_dir={out}", *extra]
+            codec = dict(codec)
+            args += codec.pop("_overrides", [])      # this run's own overrides (after the shared ones)
             if codec:
                 args.append(f"parallel.compression={_flow(codec)}")
             if main(args) != 0:

@@ -125,6 +125,11 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     print("mesh     " + " x ".join(f"{k}={v}" for k, v in sizes.items()))
     print(f"strategy {strategy.name(sizes)}")
     state, layout = init_train_state(model_fn, tx, mesh, strategy)
+    noise = cfg.logging.noise_scale
+    if noise.every is not None:        # the noise scale's moving averages live in the state (checkpointed)
+        from .train.noise_scale import with_noise_scale
+
+        state, layout = with_noise_scale(state, layout)
     nbytes = layout.analytic_bytes()
     n_params = sum(a.size for a in jax.tree.leaves(layout.shapes))
     label = cfg.model.name if cfg.model.target is None else f"{cfg.model.name} ({cfg.model.target})"
@@ -136,7 +141,7 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     tokens = _describe_data(cfg, batch_fn)
 
     step = make_train_step(loss_fn, tx, layout, strategy, clip_norm=cfg.optimizer.clip_norm, lr_schedule=schedule,
-                           skip_nonfinite=True)
+                           skip_nonfinite=True, noise_scale_every=noise.every, noise_scale_ema=noise.ema)
     evaluate = make_eval_fn(loss_fn, layout, strategy, eval_batches) if eval_batches else None
     return _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, evaluate, n_params,
                                    title=f"{cfg.name}: {strategy.name(sizes)}", tokens_per_batch=tokens)

@@ -18,7 +18,7 @@ from jaxpar.analysis.hlo import collectives
 from jaxpar.config import ConfigError, check, load_config
 from jaxpar.models import GPT, lm_loss
 from jaxpar.sync import SyncError, backup, diloco, easgd, local_sgd, stale, synchronous
-from jaxpar.train.checkpoint import Checkpointer
+from jaxpar.train.checkpoint import Checkpointer, CheckpointWarning
 from jaxpar.train.relaxed import replica_bytes
 
 from helpers import CFG, make_batch
@@ -254,6 +254,24 @@ def test_diloco_checkpoint_restores_onto_another_inner_strategy(tmp_path):
         state, m1 = step(state, BATCH)
         moved, m3 = step3(moved, BATCH)
         np.testing.assert_allclose(float(m3["loss"]), float(m1["loss"]), rtol=1e-5)
+
+
+def test_restore_onto_another_number_of_replicas_restarts_them_from_the_outer_params(tmp_path):
+    tx = optax.adam(1e-3)
+    state, _, step = setup({"replica": K, "data": 2}, diloco(2), tx)
+    for _ in range(3):
+        state, _ = step(state, BATCH)
+    ck = Checkpointer(tmp_path, async_save=False)
+    ck.save(3, state, {})
+    ck.wait()
+    _, layout2, _ = setup({"replica": 2, "data": 4}, diloco(2), tx)
+    with pytest.warns(CheckpointWarning, match="restart"):
+        moved = ck.restore(layout2).state
+    assert_equal(moved.params, state.params)
+    assert_equal(moved.opt_state, state.opt_state)                  # the outer optimizer
+    for r in range(2):
+        assert_equal(jax.tree.map(lambda x: x[r], moved.comm["params"]), state.params)
+    assert all(float(jnp.max(jnp.abs(x))) == 0 for x in jax.tree.leaves(moved.comm["opt"][0].mu))
 
 
 # ----------------------------------------------------------------------------- 6. bad input

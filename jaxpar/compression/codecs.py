@@ -58,6 +58,7 @@ class Codec:
     error_feedback: bool
     options: dict = field(default_factory=dict)
     kind: str = "quantize"
+    momentum: float = 0.0    # > 0: the replica's momentum is what is compressed (dist-EF-SGDM)
 
     def init(self, n: int) -> dict:
         return {}
@@ -154,10 +155,20 @@ def _unsigns(packed):
     return unpack_bits(packed, 1, packed.shape[1] * 8)
 
 
-def sign(*, bucket: int = 512, error_feedback: bool = True) -> Codec:
+def _check_momentum(name: str, momentum) -> float:
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+        raise CompressionError(f"{name}(momentum={momentum!r}): the momentum compressed in place of the gradient "
+                               "must lie in [0, 1), e.g. momentum=0.9 with a momentum-free optimizer (SGD), or 0.")
+    return float(momentum)
+
+
+def sign(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.0) -> Codec:
     """Scaled sign (EF-SignSGD, Karimireddy et al. 2019): ``sign(v) * ||v||_1 / b`` per bucket of
-    ``b`` values, signs packed 8 per byte. Biased: use it with error feedback (the default)."""
+    ``b`` values, signs packed 8 per byte. Biased: use it with error feedback (the default).
+    ``momentum=m``: each replica compresses its momentum ``u = m u + g`` instead of ``g``
+    (dist-EF-SGDM, Zheng et al. 2019); use it with plain SGD (no optimizer momentum)."""
     _check_bucket("sign", bucket)
+    momentum = _check_momentum("sign", momentum)
 
     def encode(x, key):
         v = _buckets(x, bucket)
@@ -167,13 +178,16 @@ def sign(*, bucket: int = 512, error_feedback: bool = True) -> Codec:
         s = _unsigns(p["signs"]).astype(jnp.float32) * 2.0 - 1.0
         return (_buckets(s, bucket) * p["scale"][..., None]).reshape(s.shape)
 
-    return Codec("sign", encode, decode, bucket, error_feedback, {"bucket": bucket})
+    return Codec("sign", encode, decode, bucket, error_feedback, {"bucket": bucket, "momentum": momentum},
+                 momentum=momentum)
 
 
-def onebit(*, bucket: int = 512, error_feedback: bool = True) -> Codec:
+def onebit(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.0) -> Codec:
     """1-bit SGD (Seide et al. 2014): one bit per value (``v >= 0``), decoded as the mean of
-    the bucket's non-negative or of its negative values (two fp32 per bucket), with error feedback."""
+    the bucket's non-negative or of its negative values (two fp32 per bucket), with error feedback.
+    ``momentum``: as for :func:`sign`."""
     _check_bucket("onebit", bucket)
+    momentum = _check_momentum("onebit", momentum)
 
     def encode(x, key):
         v = _buckets(x, bucket)
@@ -187,7 +201,8 @@ def onebit(*, bucket: int = 512, error_feedback: bool = True) -> Codec:
         b = _buckets(_unsigns(p["signs"]), bucket) > 0
         return jnp.where(b, p["hi"][..., None], p["lo"][..., None]).reshape(b.shape[0], -1)
 
-    return Codec("onebit", encode, decode, bucket, error_feedback, {"bucket": bucket})
+    return Codec("onebit", encode, decode, bucket, error_feedback, {"bucket": bucket, "momentum": momentum},
+                 momentum=momentum)
 
 
 _CASTS = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float8_e4m3fn": jnp.float8_e4m3fn,

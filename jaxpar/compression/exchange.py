@@ -147,7 +147,7 @@ class ExchangePlan:
             state["residual"] = jnp.zeros((self.flat_size,), jnp.float32)
         if isinstance(c, Codec) and c.error_feedback and kr:
             state["server"] = jnp.zeros((kr,), jnp.float32)
-        if isinstance(c, Sparsifier) and c.momentum:
+        if getattr(c, "momentum", 0.0):
             state["velocity"] = jnp.zeros((self.flat_size,), jnp.float32)
         return state
 
@@ -200,9 +200,12 @@ class ExchangePlan:
         ax = _axis(self.axes)
         _, key = self._keys(step, index)
         k1, k2 = jax.random.split(key)
+        state = dict(state)
+        if c.momentum:        # dist-EF-SGDM: the replica's momentum is compressed, not its gradient
+            state["velocity"] = c.momentum * state["velocity"] + x.reshape(-1)
+            x = state["velocity"].reshape(x.shape)
         v = x + state["residual"].reshape(x.shape) if c.error_feedback else x
         p1 = c.encode(v, k1)
-        state = dict(state)
         if c.error_feedback:
             state["residual"] = (v - c.decode(p1)).reshape(-1)
         recv = jax.lax.all_to_all(to_bytes(p1), ax, 0, 0, tiled=True)     # row i: replica i's copy of my row

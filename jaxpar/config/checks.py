@@ -189,6 +189,7 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
             if why:
                 problems.append(why)
     problems += _sync_problems(par, sizes)
+    problems += _two_bw_problems(par, p)
     problems += _noise_scale_mesh_problems(cfg, sizes)
     t, dp, k = sizes["tensor"], sizes["data"] * sizes["fsdp"] * sizes.get("replica", 1), par.microbatches
     if gpt is not None:
@@ -204,8 +205,23 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
     return problems
 
 
+def _two_bw_problems(par: ParallelConfig, p: int) -> list[str]:
+    """``parallel.schedule: pipedream-2bw`` needs a pipeline and the plain (uncompressed, synchronous) step."""
+    if str(par.schedule).lower().replace("_", "-") not in ("pipedream-2bw", "2bw"):
+        return []
+    if p <= 1:
+        return [f"parallel.schedule={par.schedule!r} needs mesh.pipe > 1 (got mesh.pipe={p}): PipeDream-2BW is a "
+                "pipeline schedule (gradients one step late). Set mesh.pipe, or parallel.schedule: 1f1b."]
+    return [f"parallel.{key} with parallel.schedule={par.schedule!r} is not supported: the delayed gradient runs "
+            f"through the plain pipelined step only. Remove parallel.{key}, or use parallel.schedule: 1f1b."
+            for key in ("compression", "sync") if getattr(par, key)]
+
+
 def _sync_problems(par, sizes) -> list[str]:
     """``parallel.sync`` against ``mesh.replica`` (and the kinds' own limits)."""
+    if sizes.get("replica", 1) > 1 and sizes.get("pipe", 1) > 1:
+        return [f"mesh.replica={sizes['replica']} with mesh.pipe={sizes['pipe']}: pipelined replicas are not "
+                "supported yet; use mesh.data / fsdp / tensor inside each replica (mesh.pipe=1)."]
     if not par.sync:
         return []
     from ..sync import SyncError, check_sync
@@ -215,9 +231,6 @@ def _sync_problems(par, sizes) -> list[str]:
         check_sync(sync, sizes.get("replica", 1))
     except (ConfigError, SyncError) as e:
         return [f"parallel.sync with mesh.replica={sizes.get('replica', 1)}: {e}"]
-    if sizes.get("pipe", 1) > 1 and sync.kind in ("diloco", "easgd"):
-        return [f"parallel.sync kind {sync.kind!r} with mesh.pipe={sizes['pipe']}: replicas with their own "
-                "pipelined state are not supported yet; use mesh.data / fsdp / tensor inside each replica."]
     return []
 
 

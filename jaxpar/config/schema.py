@@ -71,7 +71,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     microbatches: int = 1           # accumulation steps; with mesh.pipe > 1 the pipeline's micro-batches
     compute_dtype: str = "float32"
-    schedule: str = "1f1b"          # the PIPELINE schedule (mesh.pipe > 1): gpipe | 1f1b | interleaved | zb-h1
+    schedule: str = "1f1b"          # PIPELINE schedule (pipe > 1): gpipe|1f1b|interleaved|zb-h1|pipedream-2bw
     virtual_stages: int = 1         # interleaved: model chunks per stage
     stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (uneven); null = even
     # gradient codec over the data axes, e.g. {kind: powersgd, rank: 4}; {} = exact (see jaxpar.compression)

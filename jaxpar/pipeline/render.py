@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 from jaxpar.pipeline.schedules import Schedule, bubble_fraction, num_ticks, peak_in_flight, timeline
 
@@ -29,13 +30,17 @@ def _lighten(hex_color: str, amount: float) -> tuple[float, float, float]:
     return tuple(c + (1 - c) * amount for c in rgb)
 
 
-def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120) -> str:
+def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120, step_size: int | None = None,
+               boundaries: Sequence[int] = ()) -> str:
     """Write a Gantt chart of ``schedule`` to ``path`` (PNG) and return the path.
 
     Rows are stages (stage 0 on top), boxes are actions labelled with the
     micro-batch (``3`` or ``3.1`` with the chunk for interleaved). ``timed=False``
     draws the unit-tick table; ``timed=True`` draws the cost-model timeline
     (fused B twice as wide), whose idle share is the title's bubble fraction.
+    ``step_size=m`` draws every other optimizer step's micro-batches (``i // m`` odd) lighter,
+    and ``boundaries`` draws a dashed line before each of those ticks (the updates of a
+    schedule without flushes, :func:`jaxpar.pipeline.asynchronous.step_windows`).
 
     >>> import os, shutil, tempfile
     >>> from jaxpar.pipeline.schedules import one_f_one_b
@@ -67,11 +72,13 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120)
     font = 7 if v > 1 else 8
     for st, stage in enumerate(bars):
         for x, w, a in stage:
-            light = 0.5 * a.chunk / max(1, v - 1)
+            light = 0.5 * a.chunk / max(1, v - 1) if step_size is None else 0.45 * ((a.microbatch // step_size) % 2)
             ax.add_patch(_rect(x, st, w, _lighten(ACTION_COLORS[a.kind], light)))
             text = f"{a.microbatch}.{a.chunk}" if v > 1 else str(a.microbatch)
             ax.text(x + w / 2, st, text, ha="center", va="center", fontsize=font,
                     color="black" if light > 0.25 else "white")
+    for b in boundaries:
+        ax.axvline(b, color="black", linestyle="--", linewidth=1.0)
     ax.set_xlim(0, span)
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_yticks(range(p))

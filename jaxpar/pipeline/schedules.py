@@ -1,4 +1,4 @@
-"""Pipeline-parallel schedules as plain data: the GPipe, 1F1B, interleaved and ZB-H1 tables.
+"""Pipeline-parallel schedules as plain data: the GPipe, 1F1B, interleaved, ZB-H1 and PipeDream-2BW tables.
 
 Pure Python (no JAX), so a schedule can be built, checked and measured anywhere
 and then handed to an executor. The table type and its dependency rules live in
@@ -28,7 +28,8 @@ from jaxpar.pipeline.table import (Action, Schedule, ScheduleError, check_int, n
 
 __all__ = [
     "Action", "Schedule", "ScheduleError", "SCHEDULE_KINDS",
-    "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "get_schedule", "canonical_kind",
+    "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "pipedream_2bw", "get_schedule",
+    "canonical_kind",
     "validate", "stage_actions", "num_ticks", "duration", "timeline", "makespan",
     "bubble_fraction", "tick_bubble_fraction", "peak_in_flight", "to_text",
 ]
@@ -36,11 +37,12 @@ __all__ = [
 # ``doctest.testmod`` of this module also runs the examples of the re-exported functions.
 __test__ = {f.__name__: f for f in (validate, timeline, to_text)}
 
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream-2bw")
 _ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "one_f_one_b": "1f1b",
             "interleaved": "interleaved", "interleaved_1f1b": "interleaved",
             "interleaved-1f1b": "interleaved", "zb-h1": "zb-h1", "zbh1": "zb-h1",
-            "zb_h1": "zb-h1", "zero_bubble": "zb-h1", "zero_bubble_h1": "zb-h1"}
+            "zb_h1": "zb-h1", "zero_bubble": "zb-h1", "zero_bubble_h1": "zb-h1",
+            "pipedream-2bw": "pipedream-2bw", "pipedream_2bw": "pipedream-2bw", "2bw": "pipedream-2bw"}
 
 
 def _build(name: str, p: int, m: int, v: int, split: bool,
@@ -157,6 +159,37 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     return _build("zb-h1", p, m, 1, True, orders)
 
 
+def pipedream_2bw(p: int, m: int, steps: int = 1) -> Schedule:
+    """PipeDream-2BW (Narayanan et al. 2021): 1F1B that never drains, over ``steps`` optimizer
+    steps of ``m`` micro-batches (micro-batch ``i`` belongs to step ``i // m``; needs ``m >= p``).
+
+    The periodic 1F1B steady state, written out: stage ``s`` runs ``F(i)`` at tick ``2i + s``
+    and ``B(i)`` at tick ``2i + 2p - 1 - s``. Step ``t+1``'s forwards start while step ``t``'s
+    backwards finish: every step after the first takes exactly ``2m`` ticks with no idle cell
+    (:func:`jaxpar.pipeline.asynchronous.step_windows`). This is legal because step ``t`` reads
+    the weights ``W(t-1)`` (the gradient is one step late), and at most two versions are alive
+    on a stage. ``steps=1`` is one step alone (as long as 1F1B with a flush).
+
+    >>> [num_ticks(pipedream_2bw(4, 8, k)) for k in (1, 2, 3)]     # 2m + 2(p-1), then + 2m per step
+    [22, 38, 54]
+    """
+    _check_pm(p, m)
+    check_int("steps", steps, 1)
+    if m < p:
+        raise ValueError(f"pipedream_2bw needs m >= p, got m={m} micro-batches for p={p} stages: it runs 1F1B's "
+                         f"steady state, whose stages hold micro-batches of at most two steps (two weight "
+                         f"versions) only when a step has enough of them; use m >= {p} (more micro-batches per step)")
+    n = m * steps
+    table = [[None] * p for _ in range(2 * n + 2 * p - 2)]
+    for i in range(n):
+        for s in range(p):
+            table[2 * i + s][s] = Action("F", i)
+            table[2 * i + 2 * p - 1 - s][s] = Action("B", i)
+    sched = Schedule("pipedream-2bw", p, n, 1, table)
+    validate(sched)
+    return sched
+
+
 def canonical_kind(kind: str) -> str:
     """A schedule name or alias -> one of :data:`SCHEDULE_KINDS`; unknown names raise.
 
@@ -177,4 +210,4 @@ def get_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
         return interleaved_1f1b(p, m, v)
     if v != 1:
         raise ValueError(f"v={v!r} virtual chunks only applies to kind 'interleaved'; use v=1 for {kind!r}")
-    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1}[key](p, m)
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1, "pipedream-2bw": pipedream_2bw}[key](p, m)

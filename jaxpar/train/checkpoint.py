@@ -164,6 +164,10 @@ class Checkpointer:
         comm = getattr(state, "comm", ())
         if jax.tree.leaves(comm):      # the codec state's shapes: a restore onto other replicas sees them
             record["comm_shapes"] = _shapes(comm)
+        if hasattr(state, "stats"):    # running measurements (TrainState.stats): a restore compares them
+            record["stats_shapes"] = _shapes(state.stats)
+        if hasattr(state, "versions"):  # older weight versions (PipeDream-2BW's W(t-1)): a restore compares them
+            record["versions_shapes"] = _shapes(state.versions)
         t0 = time.perf_counter()
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                          meta=ocp.args.JsonSave(record)), force=True)
@@ -237,26 +241,54 @@ class Checkpointer:
     def _restore_one(self, step: int, abstract: Any, target: Any) -> tuple[Any, dict]:
         """The state and record of ``step``. A gradient codec's state saved for another layout
         (another number of data-parallel replicas) is not restored but started afresh (zero
-        residuals), with a :class:`CheckpointWarning`: the documented reshard policy."""
+        residuals), with a :class:`CheckpointWarning`: the documented reshard policy. Running
+        measurements (``TrainState.stats``) that the checkpoint lacks (older checkpoints, or
+        saved without them) or holds in other shapes start afresh (zeros) too."""
         ocp = self._ocp
         meta = dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
         comm = getattr(abstract, "comm", ())
         fresh = bool(jax.tree.leaves(comm)) and meta.get("comm_shapes") != _shapes(comm)
-        item = abstract._asdict() if fresh else abstract
-        if fresh:
-            del item["comm"]
+        stats = getattr(abstract, "stats", None)
+        fresh_stats = stats is not None and meta.get("stats_shapes") != _shapes(stats)
+        versions = getattr(abstract, "versions", None)
+        fresh_versions = versions is not None and meta.get("versions_shapes") != _shapes(versions)
+        drop = [name for name, yes in (("comm", fresh), ("stats", fresh_stats), ("versions", fresh_versions)) if yes]
+        item = abstract._asdict() if drop else abstract
+        for name in drop:
+            del item[name]
         args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                                      partial_restore=fresh)
+                                      partial_restore=bool(drop))
         state = self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+        if not drop:
+            return state, meta
+        if fresh_stats:
+            state["stats"] = jax.tree.map(lambda a: jax.device_put(jax.numpy.zeros(a.shape, a.dtype), a.sharding),
+                                          stats)
+            if jax.tree.leaves(stats) and "stats_shapes" in meta:
+                warnings.warn(f"checkpoint {self.directory / str(step)}: the running measurements were saved with "
+                              f"shapes {meta.get('stats_shapes')} and this layout has {_shapes(stats)}: they restart "
+                              "from zero.", CheckpointWarning, stacklevel=3)
+        if fresh_versions:    # none saved (another schedule): W(t-1) := W(t), as at step 0
+            state["versions"] = _older_version(versions, state["params"], self.directory / str(step))
         if fresh:
-            fresh_comm = (target.comm_init(state["params"]) if getattr(target, "comm_from_params", False)
-                          else target.comm_init())
-            state = type(abstract)(**state, comm=fresh_comm)
-            warnings.warn(f"checkpoint {self.directory / str(step)}: the gradient codec's state was saved with "
-                          f"shapes {meta.get('comm_shapes')} and this layout needs {_shapes(comm)} (another number "
-                          "of data-parallel replicas, or another codec): its residuals restart from zero. "
-                          "Parameters and optimizer state are restored.", CheckpointWarning, stacklevel=3)
-        return state, meta
+            state["comm"] = (target.comm_init(state["params"]) if getattr(target, "comm_from_params", False)
+                             else target.comm_init())
+            what = ("the replicas (jaxpar.sync) restart from the restored parameters, with fresh inner optimizer "
+                    "states" if getattr(target, "comm_from_params", False) else "its residuals restart from zero")
+            warnings.warn(f"checkpoint {self.directory / str(step)}: the gradient codec's or replicas' state was saved "
+                          f"with shapes {meta.get('comm_shapes')} and this layout needs {_shapes(comm)} (another "
+                          f"number of replicas, or another codec): {what}. Parameters and optimizer state are "
+                          "restored.", CheckpointWarning, stacklevel=3)
+        return type(abstract)(**state), meta
+
+
+def _older_version(versions: Any, params: Any, where: Path) -> Any:
+    """PipeDream-2BW's ``W(t-1)`` for a checkpoint saved without it: a copy of ``W(t)`` (a warning)."""
+    if not jax.tree.leaves(versions):
+        return versions
+    warnings.warn(f"checkpoint {where}: no older weight version saved (another pipeline schedule); "
+                  "PipeDream-2BW resumes with W(t-1) = W(t), as at step 0.", CheckpointWarning, stacklevel=4)
+    return jax.tree.map(lambda a, p: jax.device_put(jax.numpy.copy(p), a.sharding), versions, params)
 
 
 def _shapes(tree: Any) -> Any:

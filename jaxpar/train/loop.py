@@ -193,7 +193,20 @@ class _Run:
             losses=m.losses, evals=self.evals)
         if log.out_dir is not None and log.plot and self.main and m.losses:
             summary.plot_path = self._plot()
+            self._plot_noise_scale()
         return summary
+
+    def _plot_noise_scale(self) -> str | None:
+        """``noise_scale.png`` (with ``make_train_step(noise_scale_every=...)``): earlier runs' records, then this call's."""
+        earlier = [(r["step"], r["noise_scale"]) for r in self.writer.history
+                   if r.get("kind") == "train" and "noise_scale" in r]
+        points = earlier + self.meter.noise_scale
+        if not points:
+            return None
+        from .noise_scale import plot_noise_scale
+
+        return plot_noise_scale(Path(self.log.out_dir) / "noise_scale.png", [s for s, _ in points],
+                                [v for _, v in points], title=f"{self.log.title}: gradient noise scale")
 
     def _plot(self) -> str:
         """``loss.png``: the train and eval records kept from earlier runs in ``out_dir``, then this call's."""

@@ -55,9 +55,9 @@ def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation, strate
     mesh, sync = layout.mesh, strategy.sync or synchronous()
     k = replicas(mesh)
     check_sync(sync, k)
-    if dict(mesh.shape).get("pipe", 1) > 1 and _is_local(sync):
-        raise SyncError(f"sync {sync.name!r} with pipe={mesh.shape['pipe']}: replicas with their own pipelined "
-                        "state are not supported yet; use data / fsdp / tensor inside each replica.")
+    if dict(mesh.shape).get("pipe", 1) > 1:
+        raise SyncError(f"sync {sync.name!r} with pipe={mesh.shape['pipe']} on replica={k}: pipelined replicas are "
+                        "not supported yet; use data / fsdp / tensor inside each replica (mesh pipe=1).")
     inner_shapes, inner_specs = _opt_specs(tx, layout.shapes, layout.opt_param_specs)
     if isinstance(sync, DiLoCo):
         opt_shapes, opt_specs = _opt_specs(sync.outer, layout.shapes, layout.opt_param_specs)

@@ -42,12 +42,18 @@ __all__ = ["TrainState", "StateLayout", "init_train_state", "abstract_model"]
 class TrainState(NamedTuple):
     """``step`` (int32 scalar), ``params`` (pure dict of arrays), ``opt_state`` (optax),
     ``comm``: the gradient codec's per-replica state (error-feedback residuals, PowerSGD's
-    ``Q``, ...; a leading replica axis sharded over the data axes), ``()`` without compression."""
+    ``Q``, ...; a leading replica axis sharded over the data axes), ``()`` without compression.
+    ``stats``: small running measurements kept across steps and checkpoints, a dict by feature
+    (``{"noise_scale": ...}``, :mod:`jaxpar.train.noise_scale`), ``()`` when nothing is measured.
+    ``versions``: older weight versions a pipeline schedule keeps (PipeDream-2BW: ``W(t-1)``, in
+    ``params``' layout; :mod:`jaxpar.pipeline.asynchronous`), ``()`` for the other schedules."""
 
     step: jax.Array
     params: Any
     opt_state: Any
     comm: Any = ()
+    stats: Any = ()
+    versions: Any = ()
 
 
 @dataclass(frozen=True)
@@ -68,17 +74,23 @@ class StateLayout:
     comm_shapes: Any = ()
     comm_init: Callable[..., Any] = tuple   # () -> a fresh codec state in ``comm``'s shardings
     comm_from_params: bool = False           # comm_init(params): relaxed sync's replicas (jaxpar.sync)
+    stats: Any = ()          # running measurements (TrainState.stats): PartitionSpec tree
+    stats_shapes: Any = ()
+    versions: Any = ()       # older weight versions (TrainState.versions): PartitionSpec tree
+    versions_shapes: Any = ()
 
     def shardings(self) -> TrainState:
         """``TrainState`` of ``NamedSharding``s (for ``jit`` in/out shardings)."""
         return TrainState(NamedSharding(self.mesh, PartitionSpec()),
                           named_shardings(self.params, self.mesh), named_shardings(self.opt_state, self.mesh),
-                          named_shardings(self.comm, self.mesh))
+                          named_shardings(self.comm, self.mesh), named_shardings(self.stats, self.mesh),
+                          named_shardings(self.versions, self.mesh))
 
     def abstract_state(self) -> TrainState:
         """``TrainState`` of ``ShapeDtypeStruct(..., sharding=...)``: a restore target."""
         sh = self.shardings()
-        abs_state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), self.shapes, self.opt_shapes, self.comm_shapes)
+        abs_state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), self.shapes, self.opt_shapes, self.comm_shapes,
+                               self.stats_shapes, self.versions_shapes)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, sh)
 
     def analytic_bytes(self) -> dict[str, float]:
@@ -139,15 +151,29 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTrans
         comm_init, comm_specs, comm_shapes = compression_state(strategy.compression, layout, strategy.zero)
         comm_init = jax.jit(comm_init, out_shardings=named_shardings(comm_specs, mesh))
         layout = replace(layout, comm=comm_specs, comm_shapes=comm_shapes, comm_init=comm_init)
+    two_bw = _two_bw(strategy, mesh)
+    if two_bw:      # PipeDream-2BW keeps W(t-1) beside W(t), in the same layout
+        layout = replace(layout, versions=layout.params, versions_shapes=layout.shapes)
 
     def init():
         with nnx.use_eager_sharding(False):
             model = model_fn()
         p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), comm_init())
+        older = jax.tree.map(jnp.copy, p) if two_bw else ()
+        return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), comm_init(), versions=older)
 
     state = jax.jit(init, out_shardings=layout.shardings())()
     return state, layout
+
+
+def _two_bw(strategy: Strategy, mesh: Mesh) -> bool:
+    """Whether the state keeps PipeDream-2BW's second weight version (errors for settings it cannot run)."""
+    from ..pipeline.asynchronous import check_two_bw, is_two_bw
+
+    if strategy.schedule != "pipedream-2bw":
+        return False
+    check_two_bw(strategy, mesh.shape)
+    return is_two_bw(strategy, mesh.shape)
 
 
 def _init_relaxed(model_fn, tx, layout: StateLayout, strategy: Strategy) -> tuple[TrainState, StateLayout]:

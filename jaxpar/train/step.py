@@ -157,9 +157,10 @@ def make_loss_and_grad(loss_fn: Callable, layout: StateLayout, strategy: Strateg
 
 
 def _apply_update(tx, state: TrainState, loss, grads, *, clip_norm, lr_schedule, skip_nonfinite,
-                  comm: Any = None, comm_metrics: dict | None = None):
+                  comm: Any = None, comm_metrics: dict | None = None, stats: Any = None):
     """Clip, update, and (``skip_nonfinite``) keep the old state when the loss / norm is not finite.
-    ``comm``: the codec state after this step's exchange (compression), kept like the rest."""
+    ``comm``: the codec state after this step's exchange (compression), ``stats``: the running
+    measurements after this step's (the noise scale), kept like the rest."""
     gnorm = optax.tree.norm(grads)
     if clip_norm is not None:
         scale = jnp.minimum(1.0, clip_norm / (gnorm + 1e-6))
@@ -167,21 +168,24 @@ def _apply_update(tx, state: TrainState, loss, grads, *, clip_norm, lr_schedule,
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     comm = state.comm if comm is None else comm
+    stats = state.stats if stats is None else stats
     metrics = {"loss": loss, "grad_norm": gnorm, **(comm_metrics or {})}
     if skip_nonfinite:
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        params, opt_state, comm = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
-                                               (params, opt_state, comm), (state.params, state.opt_state, state.comm))
+        params, opt_state, comm, stats = jax.tree.map(
+            lambda new, old: jnp.where(ok, new, old), (params, opt_state, comm, stats),
+            (state.params, state.opt_state, state.comm, state.stats))
         metrics["skipped"] = jnp.logical_not(ok)
     if lr_schedule is not None:
         metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
-    return TrainState(state.step + 1, params, opt_state, comm), metrics
+    return TrainState(state.step + 1, params, opt_state, comm, stats), metrics
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout: StateLayout,
                     strategy: Strategy = Strategy(), *, clip_norm: float | None = None,
                     lr_schedule: Callable | None = None, donate: bool = True,
-                    explicit_dp: bool | None = None, skip_nonfinite: bool = False) -> Callable:
+                    explicit_dp: bool | None = None, skip_nonfinite: bool = False,
+                    noise_scale_every: int | None = None, noise_scale_ema: float = 0.95) -> Callable:
     """Build ``step(state, batch) -> (state, metrics)``, jitted with the layout's shardings.
 
     ``explicit_dp=True`` makes the data-axis collectives of the model's stacked blocks
@@ -192,8 +196,23 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     the step counter still advances) and reports ``metrics["skipped"] = True``. With a
     ``pipe`` mesh axis the step runs the strategy's pipeline schedule on the model, cut at
     its stacked blocks (:mod:`jaxpar.pipeline.cut`), with ``loss_fn`` on the last stage.
+
+    ``noise_scale_every=k``: every ``k``-th step (``state.step % k == 0``) runs a second program
+    that also measures the gradient noise scale from each replica's own gradient and the global
+    one (:mod:`jaxpar.train.noise_measure`; metrics ``noise_scale``, ``grad_sq_small``, ...), with
+    moving averages of decay ``noise_scale_ema`` kept in ``state.stats`` (create the state with
+    :func:`jaxpar.train.noise_scale.with_noise_scale`).
     """
     mesh = layout.mesh
+    if noise_scale_every is not None:
+        from .noise_measure import check_measurable   # the noise scale loads only when used
+
+        check_measurable(layout, strategy, noise_scale_every, noise_scale_ema)
+    two_bw = strategy.schedule == "pipedream-2bw"
+    if two_bw:      # PipeDream-2BW: the gradient at W(t-1) (state.versions) updates W(t)
+        from ..pipeline.asynchronous import check_two_bw_step
+
+        check_two_bw_step(strategy, layout)
     if strategy.sync is not None or replicas(mesh) > 1:
         from .relaxed import make_relaxed_train_step   # relaxed synchronisation loads only when used
 
@@ -216,11 +235,23 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
 
     def step(state: TrainState, batch):
         with use_rules(mesh, layout.rules):
-            loss, grads = loss_and_grad(state.params, batch)
-        return _apply_update(tx, state, loss, grads, clip_norm=clip_norm, lr_schedule=lr_schedule,
-                             skip_nonfinite=skip_nonfinite)
+            loss, grads = loss_and_grad(state.versions if two_bw else state.params, batch)
+        new, metrics = _apply_update(tx, state, loss, grads, clip_norm=clip_norm, lr_schedule=lr_schedule,
+                                     skip_nonfinite=skip_nonfinite)
+        if two_bw:      # W(t) becomes the older version (kept as it was when the step is skipped)
+            older = state.params if not skip_nonfinite else jax.tree.map(
+                lambda w, o: jnp.where(metrics["skipped"], o, w), state.params, state.versions)
+            new = new._replace(versions=older)
+        return new, metrics
 
-    return _jit_step(step, layout, strategy, donate)
+    jitted = _jit_step(step, layout, strategy, donate)
+    if noise_scale_every is None:
+        return jitted
+    from .noise_measure import make_noise_scale_step
+
+    return make_noise_scale_step(jitted, loss_fn, tx, layout, strategy, every=noise_scale_every,
+                                 ema=noise_scale_ema, clip_norm=clip_norm, lr_schedule=lr_schedule,
+                                 skip_nonfinite=skip_nonfinite, donate=donate)
 
 
 def _jit_step(step: Callable, layout: StateLayout, strategy: Strategy, donate: bool) -> Callable:
