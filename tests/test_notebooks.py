@@ -14,6 +14,7 @@ EXPECTED = {
     "02_pipelines.ipynb": ["collective-permute | pipe", "1f1b          16   0.158     38               4"],
     "03_compression.ipynb": ["qsgd", "all-to-all", "max relative gap", "powersgd r4    final loss",
                              "saved compression_losses.png"],
+    "04_relaxed_sync.ipynb": ["all-reduce | replica", "DiLoCo H=1", "modelled time", "saved relaxed_losses.png"],
     "05_planning.ipynb": ["N_d = 64: 120.0 GB / 31.4 GB / 16.6 GB / 1.9 GB", "rank | plan",
                           "all-reduce 1,073,741,824 B on 8 x h100: best rabenseifner", "cpu_sim link: alpha"],
 }
@@ -31,4 +32,8 @@ def test_notebook_executes(name, tmp_path):
     if name == "02_pipelines.ipynb":   # the pipelined losses equal the single-device ones
         diff = float(outputs.split("max relative difference:")[1].split()[0])
         assert diff < 1e-5
+    if name == "04_relaxed_sync.ipynb":   # DiLoCo with H = 1 and a plain outer step is data parallelism
+        assert float(outputs.split("max relative gap:")[1].split()[0]) < 1e-5
+        inner = outputs.split("inner step:")[1].split("sync step:")[0]
+        assert "replica" not in inner
     assert os.environ.get("XLA_FLAGS") == env_before
