@@ -4,12 +4,14 @@ Runs ``jaxpar train configs/quickstart.yaml`` (same data, seed and global batch 
 equal steps = equal tokens) with:
 
 * synchronous data parallelism over replica x data (the baseline), DiLoCo H = 20 (outer Nesterov
-  SGD lr 0.7, momentum 0.9) and local SGD H = 20 (plain averaging);
+  SGD lr 0.7, momentum 0.9) and local SGD H = 20 (plain averaging), from scratch and after 100
+  synchronous steps (``start_step=100``: post-local SGD; DiLoCo itself starts from a pretrained model);
 * bounded staleness s in {0, 1, 4, 16} (delays uniform in 0..s each step);
 * backup workers b in {0, 1, 2} (lognormal straggler times, sigma 0.5): loss against the *modelled*
   wall-clock time, the sum over steps of the (K - b)-th fastest replica's time (mean step = 1).
 
-Final loss = mean of the last 20 steps' logged losses. PNGs: ``docs/img/relaxed_{diloco,stale,backup}.png``.
+Final loss = mean of the last 20 steps' logged losses; eval loss = the final model (DiLoCo: the
+outer parameters) on 4 held-out batches. PNGs: ``docs/img/relaxed_{diloco,stale,backup}.png``.
 
 Usage::
 
@@ -29,7 +31,9 @@ from _common import environment, write_json
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {
     "diloco": {"sync DP": {}, "DiLoCo H=20": {"kind": "diloco", "every": 20},
-               "local SGD H=20": {"kind": "local_sgd", "every": 20}},
+               "local SGD H=20": {"kind": "local_sgd", "every": 20},
+               "DiLoCo H=20 after 100 sync": {"kind": "diloco", "every": 20, "start_step": 100},
+               "local SGD H=20 after 100 sync": {"kind": "local_sgd", "every": 20, "start_step": 100}},
     "stale": {f"s={s}": {"kind": "stale", "max_delay": s} for s in (0, 1, 4, 16)},
     "backup": {f"b={b}": {"kind": "backup", "backups": b} for b in (0, 1, 2)},
 }
@@ -46,14 +50,16 @@ def run(name: str, sync: dict, steps: int, extra=()) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
         args = ["train", str(ROOT / "configs" / "quickstart.yaml"), "mesh.replica=4", "mesh.data=2", "mesh.fsdp=1",
                 "mesh.tensor=1", f"train.steps={steps}", "train.log_every=1", "checkpoint.enabled=false",
-                "train.eval_batches=0", "logging.samples=0", "logging.tensorboard=false", "train.progress=none",
+                "train.eval_batches=4", f"train.eval_every={steps}", "logging.samples=0", "logging.tensorboard=false", "train.progress=none",
                 f"train.out_dir={out}", *extra]
         if sync:
             args.append(f"parallel.sync={_flow(sync)}")
         if main(args) != 0:
             raise RuntimeError(f"jaxpar train failed for {name}")
         recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in recs if r["kind"] == "train"]
+    train = [r for r in recs if r["kind"] == "train"]
+    train[-1]["eval_loss"] = next(r["eval_loss"] for r in recs if r["kind"] == "eval")
+    return train
 
 
 def final(recs: list[dict], last: int = 20) -> float:
@@ -98,8 +104,10 @@ def main() -> None:
     for group in args.only.split(","):
         curves = {name: run(name, sync, args.steps) for name, sync in GROUPS[group].items()}
         base = final(next(iter(curves.values())))
+        base_eval = next(iter(curves.values()))[-1]["eval_loss"]
         for name, recs in curves.items():
-            row = {"final_loss": final(recs), "ratio": final(recs) / base,
+            row = {"final_loss": final(recs), "ratio": final(recs) / base, "eval_loss": recs[-1]["eval_loss"],
+                   "eval_ratio": recs[-1]["eval_loss"] / base_eval,
                    "replica_bytes_per_step": sum(r.get("replica_bytes", 0.0) for r in recs) / len(recs)}
             if group == "backup":
                 t = 0.0
@@ -111,7 +119,8 @@ def main() -> None:
             results[name] = row
             extra = (f"  modelled time {row['modelled_time']:.1f} (all replicas: {row['modelled_time_sync']:.1f})"
                      if group == "backup" else "")
-            print(f"{name:>16}: final loss {row['final_loss']:.4f}  x{row['ratio']:.3f}  "
+            print(f"{name:>24}: final loss {row['final_loss']:.4f}  x{row['ratio']:.3f}  eval {row['eval_loss']:.4f} "
+                  f"x{row['eval_ratio']:.3f}  "
                   f"replica bytes/step {row['replica_bytes_per_step'] / 1024:.1f} KiB{extra}", flush=True)
         img = Path(args.img) / f"relaxed_{group}.png"
         if group == "backup":

@@ -105,6 +105,9 @@ def test_diloco_before_start_step_is_synchronous(synced):
     for r in range(1, K):
         assert_equal(jax.tree.map(lambda x: x[r], state.comm["params"]), jax.tree.map(lambda x: x[0], state.comm["params"]))
     assert_equal(jax.tree.map(lambda x: x[0], state.comm["params"]), state.params)
+    fresh, layout, step = setup({"replica": K, "data": 2}, diloco(5, start_step=3))
+    over = _replica_collectives(step.warm.lower(fresh, BATCH).compile(), layout.mesh)
+    assert sum(c.bytes for c in over) == pytest.approx(replica_bytes(layout), rel=0.01)   # the gradients only
 
 
 def _one_device_grads(params, rows):

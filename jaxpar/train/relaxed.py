@@ -141,7 +141,7 @@ def make_relaxed_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
         check_batch(batch, layout.mesh, strategy.microbatches)
         return step(state, batch)
 
-    for name in ("inner", "outer", "jitted", "lower"):
+    for name in ("inner", "outer", "warm", "jitted", "lower"):
         if hasattr(step, name):
             setattr(checked, name, getattr(step, name))
     checked.batch_sharding = batch_sharding(layout.mesh)

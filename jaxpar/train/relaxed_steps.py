@@ -101,6 +101,15 @@ def _one_by_one(tx, state, losses, grads, layout, **upd):
     return new._replace(step=state.step + 1), metrics
 
 
+def _any_replica(reps: Any, rep_specs: Any, specs: Any, mesh) -> Any:
+    """Replicas known to be identical -> the parameters, with no communication: each device keeps
+    its own replica's shard (a ``shard_map`` manual over ``replica`` that declares the result
+    replicated over it, which holds because every replica computed the same update)."""
+    take = jax.shard_map(lambda r: jax.tree.map(lambda x: x[0], r), mesh=mesh, in_specs=P(REPLICA),
+                         out_specs=P(), axis_names={REPLICA}, check_vma=False)    # inner axes stay automatic
+    return jax.lax.with_sharding_constraint(take(reps), named_shardings(specs, mesh))
+
+
 def local_steps(loss_fn, tx, layout: StateLayout, strategy, sync, *, donate, clip_norm, lr_schedule,
                 skip_nonfinite, explicit_dp) -> Callable:
     """DiLoCo / local SGD / EASGD: the inner program (each replica its own optimizer step, no
@@ -138,9 +147,7 @@ def local_steps(loss_fn, tx, layout: StateLayout, strategy, sync, *, donate, cli
                 return new.params, new.opt_state, m
 
             p, o, m = jax.vmap(apply, spmd_axis_name=REPLICA)(state.comm["params"], state.comm["opt"])
-            # the replicas are identical: their max is each of them, exactly (a mean could round)
-            center = jax.lax.with_sharding_constraint(jax.tree.map(lambda r: jnp.max(r, axis=0), p),
-                                                      named_shardings(layout.params, mesh))
+            center = _any_replica(p, rep_specs, layout.params, mesh)
         metrics = {"replica": {"loss": losses, "grad_norm": m["grad_norm"]}}
         if skip_nonfinite:
             metrics["replica"]["skipped"] = m["skipped"]
@@ -201,8 +208,8 @@ class _LocalRunner:
                        loss_spread=jnp.max(rep["loss"]) - jnp.min(rep["loss"]), replica_bytes=0.0)
         if "skipped" in rep:
             metrics["skipped"] = jnp.any(rep["skipped"])
-        if warming:   # gradients and the centre: two all-reduces of one model over ``replica``
-            metrics["replica_bytes"] = 2.0 * self.nbytes
+        if warming:   # the gradients' all-reduce over ``replica``, as in synchronous data parallelism
+            metrics["replica_bytes"] = float(self.nbytes)
         elif (count - self.start) % self.every == 0:
             state, synced = self.outer(state)
             metrics.update(replica_distance=jnp.mean(synced["replica_distance"]), replica_bytes=float(self.nbytes))
