@@ -188,6 +188,19 @@ def test_error_feedback_conserves_the_gradient(codec):
         assert np.abs(r).max() > 1e-3 * scale or codec.name == "powersgd"    # something really was held back
 
 
+def test_codec_momentum_is_compressed_in_place_of_the_gradient():
+    """dist-EF-SGDM: with ``momentum=m`` the replica's velocity u = m u + g goes through the codec;
+    with m = 0 the exchange is the plain one (same deliveries)."""
+    _, plain, _ = _run_exchange(_plan(sign(bucket=64)), steps=3)
+    _, zero, st0 = _run_exchange(_plan(sign(bucket=64, momentum=0.0)), steps=3)
+    for a, b in zip(plain, zero):
+        np.testing.assert_array_equal(a, b)
+    assert "velocity" not in st0
+    _, got, st = _run_exchange(_plan(sign(bucket=64, momentum=0.9)), steps=3)
+    assert st["velocity"].shape == st["residual"].shape and float(np.abs(st["velocity"]).max()) > 0
+    assert any(not np.allclose(a, b) for a, b in zip(got, plain))
+
+
 def test_unbiased_exchange_without_feedback_keeps_no_state():
     assert _plan(qsgd()).init() == {} and _plan(terngrad()).init() == {}
 
@@ -222,6 +235,8 @@ def test_wire_bytes_formulas():
     (lambda: qsgd(levels=128), ["qsgd(levels=128)", "1 ... 127"]),
     (lambda: qsgd(levels=0), ["qsgd(levels=0)"]),
     (lambda: sign(bucket=12), ["sign(bucket=12)", "multiple of 8"]),
+    (lambda: sign(momentum=1.0), ["sign(momentum=1.0)", "[0, 1)"]),
+    (lambda: onebit(momentum=-0.5), ["onebit(momentum=-0.5)", "[0, 1)"]),
     (lambda: cast("int4"), ["cast(dtype='int4')", "bfloat16"]),
     (lambda: topk(0.1, warmup=(0.5,)), ["warmup_steps", ">= 1"]),
     (lambda: make_codec("zip"), ["kind='zip'", "powersgd"]),
