@@ -158,6 +158,10 @@ def _describe_data(cfg, batch_fn) -> int | None:
     from .config import describe_batch
 
     d, gpt_tokens = cfg.data, cfg.data.batch_size * cfg.model.seq_len
+    if d.batch_ramp:       # the batch changes: no fixed tokens per batch (records carry batch_size)
+        ramp = ", ".join(f"{b} from step {s}" for b, s in zip(d.batch_ramp["sizes"], d.batch_ramp["steps"]))
+        print(f"data     {d.kind}: global batch ramp {ramp} (x {cfg.model.seq_len} tokens for the GPT)")
+        return None
     if d.kind != "import":
         print(f"data     {d.kind}: global batch {d.batch_size} x {cfg.model.seq_len} tokens")
         return gpt_tokens

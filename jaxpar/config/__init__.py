@@ -35,7 +35,7 @@ from __future__ import annotations
 from .build import (MODELS, OPTIMIZERS, ModelEntry, build_gpt_config, build_loss_fn, build_lr_schedule, build_mesh,
                     build_model_fn, build_optimizer, build_strategy)
 from .checks import check
-from .data import build_data, describe_batch
+from .data import build_data, build_ramp, describe_batch
 from .imports import resolve_import
 from .load import load_config, merge_layers, parse_overrides, to_yaml
 from .schema import (DATA_KINDS, GPT_KEYS, LR_SCHEDULES, NONFINITE_MODES, USER_MODEL_KEYS, CheckpointConfig,
@@ -48,5 +48,5 @@ __all__ = [
     "LR_SCHEDULES", "DATA_KINDS", "NONFINITE_MODES", "GPT_KEYS", "USER_MODEL_KEYS",
     "load_config", "merge_layers", "parse_overrides", "to_yaml", "check", "resolve_import",
     "build_mesh", "build_strategy", "build_optimizer", "build_lr_schedule", "build_gpt_config", "build_model_fn",
-    "build_loss_fn", "build_data", "describe_batch",
+    "build_loss_fn", "build_data", "build_ramp", "describe_batch",
 ]

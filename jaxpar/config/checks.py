@@ -18,6 +18,7 @@ from ..pipeline.schedules import get_schedule
 from ..train import data as data_lib
 from .build import (MODELS, OPTIMIZERS, build_gpt_config, build_strategy, build_sync, lr_scaling_problems, mesh_error,
                     mesh_spec)
+from .data import build_ramp
 from .imports import call_problem, resolve_import
 from .schema import (DATA_KINDS, LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS, ConfigError,
                      DataConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig)
@@ -198,11 +199,26 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
         if par.sequence_parallel:
             dims.append(("model.seq_len (sequence parallel)", gpt.seq_len))
         problems += [f"{key}={size} is not divisible by mesh.tensor={t}." for key, size in dims if size % t]
+    rep = " x mesh.replica" if sizes.get("replica", 1) > 1 else ""
     if cfg.data.batch_size % (dp * k):
-        rep = f" x mesh.replica" if sizes.get("replica", 1) > 1 else ""
         problems.append(f"data.batch_size={cfg.data.batch_size} is not divisible by mesh.data x mesh.fsdp{rep} x "
                         f"parallel.microbatches = {dp * k}.")
-    return problems
+    return problems + _ramp_problems(cfg, dp * k, f"mesh.data x mesh.fsdp{rep} x parallel.microbatches = {dp * k}")
+
+
+def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
+    """``data.batch_ramp``: well formed, and every size divisible like ``data.batch_size``."""
+    from ..train.ramp import RampError
+
+    try:
+        ramp = build_ramp(cfg.data)
+        if ramp is not None:
+            ramp.check_divisible(n, what)
+    except ConfigError as e:
+        return [str(e)]
+    except RampError as e:
+        return [f"data.batch_ramp: {str(e).removeprefix('batch ramp: ')}"]
+    return []
 
 
 def _two_bw_problems(par: ParallelConfig, p: int) -> list[str]:

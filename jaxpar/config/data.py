@@ -14,7 +14,7 @@ from ..train import data as data_lib
 from .imports import resolve_import, takes
 from .schema import DATA_KINDS, ConfigError, DataConfig
 
-__all__ = ["build_data", "describe_batch"]
+__all__ = ["build_data", "build_ramp", "describe_batch"]
 
 
 def describe_batch(batch: Any) -> str:
@@ -64,13 +64,45 @@ def _import_data(cfg: DataConfig, eval_batches: int) -> tuple[Callable[[int], di
     return batch_fn, evals
 
 
+def build_ramp(cfg: DataConfig):
+    """The :class:`~jaxpar.train.ramp.BatchRamp` of ``data.batch_ramp`` (``None`` when empty)."""
+    if not cfg.batch_ramp:
+        return None
+    from ..train.ramp import BatchRamp, RampError
+
+    unknown = sorted(set(cfg.batch_ramp) - {"sizes", "steps"})
+    if unknown:
+        raise ConfigError(f"data.batch_ramp: unknown key(s) {unknown}; it takes sizes and steps, e.g. "
+                          "{sizes: [32, 64, 128], steps: [0, 100, 200]}.")
+    try:
+        ramp = BatchRamp(tuple(cfg.batch_ramp.get("sizes", ())), tuple(cfg.batch_ramp.get("steps", ())))
+    except RampError as e:
+        raise ConfigError(f"data.batch_ramp: {str(e).removeprefix('batch ramp: ')}") from None
+    if ramp.sizes[0] != cfg.batch_size:
+        raise ConfigError(f"data.batch_ramp: the first size {ramp.sizes[0]} must equal data.batch_size="
+                          f"{cfg.batch_size} (the batch the run starts with).")
+    return ramp
+
+
 def build_data(cfg: DataConfig, *, seq_len: int | None = None, vocab: int | None = None, eval_batches: int
                ) -> tuple[Callable[[int], dict], list[dict]]:
-    """``(batch_fn(step) -> host batch, fixed eval batches)`` for the data section.
+    """``(batch_fn(step) -> host batch, fixed eval batches)`` for the data section (with
+    ``data.batch_ramp``, the batch of step ``t`` has the ramp's size at ``t``).
 
     ``seq_len`` / ``vocab`` (the GPT's) are needed by the token kinds (text, tokens, synthetic), not by
     ``import``.
     """
+    batch_fn, evals = _build_data(cfg, seq_len=seq_len, vocab=vocab, eval_batches=eval_batches)
+    ramp = build_ramp(cfg)
+    if ramp is None:
+        return batch_fn, evals
+    from ..train.ramp import ramp_batch_fn
+
+    return ramp_batch_fn(batch_fn, ramp), evals
+
+
+def _build_data(cfg: DataConfig, *, seq_len: int | None, vocab: int | None, eval_batches: int
+                ) -> tuple[Callable[[int], dict], list[dict]]:
     if cfg.kind == "import":
         return _import_data(cfg, eval_batches)
     if cfg.kind not in DATA_KINDS:

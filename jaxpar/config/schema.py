@@ -138,6 +138,9 @@ class DataConfig:
     batch_size: int = 32
     seed: int = 0
     eval_fraction: float = 0.05
+    # global batch sizes growing during training, e.g. {sizes: [32, 64, 128], steps: [0, 100, 200]}
+    # (the first size is batch_size; see jaxpar.train.ramp); {} = batch_size throughout
+    batch_ramp: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

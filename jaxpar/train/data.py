@@ -166,8 +166,8 @@ def check_token_ids(batch: dict[str, np.ndarray], vocab: int, where: str) -> dic
 
 def token_batch_fn(data: np.ndarray, vocab: int, where: str, **kw: Any) -> Callable:
     """``text_batch`` over token ids with :func:`check_token_ids` on every batch."""
-    def batch(step: int, rows: Any = None) -> dict[str, np.ndarray]:
-        return check_token_ids(text_batch(data, step, rows=rows, **kw), vocab, f"{where}, batch {step},")
+    def batch(step: int, rows: Any = None, **override: Any) -> dict[str, np.ndarray]:
+        return check_token_ids(text_batch(data, step, rows=rows, **{**kw, **override}), vocab, f"{where}, batch {step},")
     return batch
 
 

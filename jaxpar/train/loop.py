@@ -120,7 +120,8 @@ class _Run:
         batch = make_global_batch(self.batch_fn, step, self.mesh)   # own rows per process, built ahead
         self.meter.wait_inflight(self.max_inflight)
         state, metrics = self.step_fn(state, batch)
-        self.meter.add(step + 1, metrics)
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        self.meter.add(step + 1, {**metrics, "batch_size": rows} if isinstance(metrics, dict) else metrics)
         self.bar.advance()
         return state, metrics
 

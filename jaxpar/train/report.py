@@ -109,7 +109,8 @@ def plot_losses(path: str | Path, steps: Sequence[int], losses: Sequence[float],
 _COMM = ("comm_bytes", "comm_ratio", "residual_norm",                                  # compression
          "loss_spread", "replica_distance", "replica_bytes", "delay_mean", "modelled_time",   # relaxed sync
          "modelled_time_sync",
-         "noise_scale", "grad_sq_small", "grad_sq_big", "noise_trace", "noise_grad_sq")   # noise scale
+         "noise_scale", "grad_sq_small", "grad_sq_big", "noise_trace", "noise_grad_sq",   # noise scale
+         "batch_size")                                                                  # the step's global batch
 
 
 def _check_int(owner: str, name: str, value: Any, low: int) -> None:
