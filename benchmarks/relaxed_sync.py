@@ -95,6 +95,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--only", default="diloco,stale,backup")
+    p.add_argument("--runs", default="", help="';'-separated run names to keep in each group (default: all)")
     p.add_argument("--img", default=str(ROOT / "docs" / "img"))
     p.add_argument("--json")
     args = p.parse_args()
@@ -102,7 +103,9 @@ def main() -> None:
     print(f"# relaxed sync, quickstart GPT, replica=4 x data=2, {args.steps} steps  ({env['devices']}, nproc {env['nproc']}, jaxpar @ {env['git']})")
     results = {}
     for group in args.only.split(","):
-        curves = {name: run(name, sync, args.steps) for name, sync in GROUPS[group].items()}
+        keep = [r for r in args.runs.split(";") if r]
+        curves = {name: run(name, sync, args.steps) for name, sync in GROUPS[group].items()
+                  if not keep or name in keep}
         base = final(next(iter(curves.values())))
         base_eval = next(iter(curves.values()))[-1]["eval_loss"]
         for name, recs in curves.items():
