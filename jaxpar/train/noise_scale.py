@@ -62,7 +62,7 @@ def check_options(every: Any, ema: Any, owner: str = "make_train_step") -> None:
     >>> check_options(0, 0.95)
     Traceback (most recent call last):
     ...
-    jaxpar.train.noise_scale.NoiseScaleError: make_train_step(noise_scale_every=0): must be an int >= 1 (measure every that many steps), or None to measure nothing.
+    jaxpar.train.noise_scale.NoiseScaleError: make_train_step(noise_scale_every=0): must be an int >= 1 ...
     """
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise NoiseScaleError(f"{owner}(noise_scale_every={every!r}): must be an int >= 1 (measure every that many "
