@@ -19,6 +19,12 @@ fp32 round-off (e.g. FMA contraction), within every tolerance of the suite, and 
 slower (tiny programs: compile time dominates). Subprocesses inherit it (tests/test_multiprocess.py
 passes ``TEST_XLA_FLAGS`` on explicitly, since it clears ``XLA_FLAGS``), so in-process and
 subprocess runs compile alike. ``JAXPAR_TEST_XLA_OPT=default`` keeps XLA's default level.
+
+Each simulated device also runs its ops single-threaded (``--xla_cpu_multi_thread_eigen=false``):
+8 device threads already share the 2 cores, and with Eigen's intra-op pool on top a pipelined
+program occasionally deadlocked in a rendezvous (one device of a stage never reached its
+all-reduce while the others waited; XLA aborts the process after 40 s), seen about once in 8
+runs of the PipeDream-2BW resume test and never in 6 runs with the flag.
 """
 import atexit
 import os
@@ -34,11 +40,12 @@ if os.environ.get("JAXPAR_TEST_COMPILATION_CACHE", "1") != "0":
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")    # every program, not only > 1 s
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 #: XLA flags this session adds (tests that start processes with a cleared XLA_FLAGS pass these on)
-TEST_XLA_FLAGS = ""
+TEST_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 if os.environ.get("JAXPAR_TEST_XLA_OPT", "0") != "default":
-    TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-    if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+    TEST_XLA_FLAGS += " --xla_backend_optimization_level=0"
+for _flag in TEST_XLA_FLAGS.split():
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)

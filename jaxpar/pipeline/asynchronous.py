@@ -15,7 +15,9 @@ writes that steady state as a table; :func:`step_windows` cuts it into optimizer
 executor's residual slots).
 
 The train step (``Strategy(schedule='pipedream-2bw')``) keeps ``W(t-1)`` in
-``TrainState.versions`` and computes each step's gradient there, then updates ``W(t)``.
+``TrainState.versions`` and computes each step's gradient there, then updates ``W(t)``; with
+``steps_per_call=K`` it runs ``K`` steps of the no-flush table in one program, the updates
+between the step windows (:mod:`jaxpar.pipeline.nonstop`).
 
 Example:
     >>> from jaxpar.pipeline.schedules import pipedream_2bw

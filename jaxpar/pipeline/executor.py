@@ -61,9 +61,13 @@ from ..vjp_residuals import join_pullback, split_pullback
 from .parts import PipelineParts
 from .program import Instr, Program
 
-__all__ = ["pipeline_value_and_grad", "PIPE", "ActionKind", "Slots", "PipelineState", "SlotView", "TickIO"]
+__all__ = ["pipeline_value_and_grad", "PIPE", "TICKS_SCOPE", "ActionKind", "Slots", "PipelineState", "SlotView",
+           "TickIO"]
 
 PIPE = "pipe"
+#: name scope of the tick loop: in the compiled HLO, its ``while``'s ``op_name``
+#: ends ``pipeline_ticks/while``
+TICKS_SCOPE = "pipeline_ticks"
 
 
 class ActionKind(NamedTuple):
@@ -231,6 +235,22 @@ class _Stage:
     def _cast(self, a):
         return a.astype(self.x.dtype)
 
+    def chunk_params(self, sl: Slots):
+        """The layers' parameters an action on ``sl`` uses (one chunk, ``[Lmax, ...]``)."""
+        return _index(self.blocks, sl.chunk)
+
+    def outer_params(self, sl: Slots):
+        """The parameters of ``pre`` / ``post`` an action on ``sl`` uses."""
+        return self.outer
+
+    def read(self, st: PipelineState, sl: Slots) -> SlotView:
+        """The slots of ``st`` an action on ``sl`` reads (the switch's operand)."""
+        return _read(st, sl)
+
+    def write(self, st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
+        """``st`` with what the action on ``sl`` hands back written to its slots."""
+        return _write(st, sl, io)
+
     def _unchanged(self, view: SlotView) -> TickIO:
         """Every slot written back as it was read; nothing sent."""
         none = jnp.zeros(self.x.shape, self.x.dtype)
@@ -285,31 +305,32 @@ class _Stage:
     def forward(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
         """F: ``pre`` (first), the chunk's layers, then ``post`` (last: keeps d loss / d y
         and adds its gradient of ``outer``) or a send to the next virtual stage."""
-        n, bp, mb = self.n_layers[sl.chunk], _index(self.blocks, sl.chunk), _index(self.mbs, sl.mb)
-        x = self.parts.pre(self.outer, mb) if kind.first else view.x
+        n, bp, mb = self.n_layers[sl.chunk], self.chunk_params(sl), _index(self.mbs, sl.mb)
+        outer = self.outer_params(sl)
+        x = self.parts.pre(outer, mb) if kind.first else view.x
         y, res = self.forward_layers(bp, x, n)
         io = self._unchanged(view)._replace(res=res)
         if not kind.last:
             return io._replace(send_f=self._cast(y))
-        loss, (g_outer, dy) = jax.value_and_grad(self.parts.post, argnums=(0, 1))(self.outer, y, mb)
+        loss, (g_outer, dy) = jax.value_and_grad(self.parts.post, argnums=(0, 1))(outer, y, mb)
         return io._replace(loss=view.loss + loss.astype(jnp.float32), dy_out=self._cast(dy / self.m),
                            g_outer=jax.tree.map(lambda a, d: a + d.astype(a.dtype) / self.m, view.g_outer, g_outer))
 
     def backward(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
         """B: the stored pullbacks in reverse on the received cotangent, then ``pre``'s
         pullback into the gradient of ``outer`` (first) or a send to the previous virtual stage."""
-        bp, mb = _index(self.blocks, sl.chunk), _index(self.mbs, sl.mb)
+        bp, mb = self.chunk_params(sl), _index(self.mbs, sl.mb)
         dx, per_layer = self.backward_layers(bp, view.res, view.dy, self.n_layers[sl.chunk])
         io = self._unchanged(view)
         io = io._replace(gys=per_layer) if self.split else io._replace(g_chunk=_accumulate(view.g_chunk, per_layer))
         if not kind.first:
             return io._replace(send_b=self._cast(dx))
-        _, pull = jax.vjp(lambda q: self.parts.pre(q, mb), self.outer)
+        _, pull = jax.vjp(lambda q: self.parts.pre(q, mb), self.outer_params(sl))
         return io._replace(g_outer=_accumulate(view.g_outer, pull(self._cast(dx))[0]))
 
     def weights(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
         """W (split backward): the chunk's weight gradients from the cotangents B kept."""
-        dps = self.weight_layers(_index(self.blocks, sl.chunk), view.res, view.gys, self.n_layers[sl.chunk])
+        dps = self.weight_layers(self.chunk_params(sl), view.res, view.gys, self.n_layers[sl.chunk])
         io = self._unchanged(view)
         return io._replace(g_chunk=_accumulate(view.g_chunk, dps))
 
@@ -355,8 +376,8 @@ def _exchange(st: PipelineState, table: _Table, row: TickRow, s, io: TickIO) -> 
 def _tick(stage: _Stage, table: _Table, branches: list, st: PipelineState, row: TickRow):
     """Read one slot of each buffer, run this stage's action on it, write it back, send."""
     sl = Slots(*(_get(a, stage.index) for a in row.slots))
-    io = jax.lax.switch(_get(row.kind, stage.index), branches, _read(st, sl), sl)
-    return _exchange(_write(st, sl, io), table, row, stage.index, io), None
+    io = jax.lax.switch(_get(row.kind, stage.index), branches, stage.read(st, sl), sl)
+    return _exchange(stage.write(st, sl, io), table, row, stage.index, io), None
 
 
 def _stage_counts(program: Program, mesh, stage_layers: Sequence[int]) -> np.ndarray:
@@ -403,8 +424,9 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
     def body(outer, blocks, mbs):
         stage = _Stage(parts, program, counts, outer, jax.tree.map(lambda a: a[:, 0], blocks), mbs)
         branches = [stage.branch(k) for k in table.kinds]
-        st, _ = jax.lax.scan(functools.partial(_tick, stage, table, branches),
-                             _initial_state(program, stage), table.rows)
+        with jax.named_scope(TICKS_SCOPE):
+            st, _ = jax.lax.scan(functools.partial(_tick, stage, table, branches),
+                                 _initial_state(program, stage), table.rows)
         g_blocks = jax.tree.map(lambda a: a[:, None], st.g_blocks)
         loss, g_outer = jax.lax.psum(st.loss, PIPE) / stage.m, jax.lax.psum(st.g_outer, PIPE)
         if replica_axes:

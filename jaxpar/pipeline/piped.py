@@ -28,7 +28,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -43,7 +43,7 @@ from .partition import check_stage_layers, from_stages, layer_costs, partition_l
 from .program import lower
 from .schedules import get_schedule
 
-__all__ = ["make_pipeline_loss_and_grad", "auto_stage_layers", "check_pipeline_strategy"]
+__all__ = ["make_pipeline_loss_and_grad", "auto_stage_layers", "check_pipeline_strategy", "staged_cut", "StagedCut"]
 
 
 def auto_stage_layers(cut: ModelCut, outer: list, blocks: Any, microbatch: Any, stages: int) -> tuple[int, ...]:
@@ -94,6 +94,43 @@ def _stage_layers(strategy, cut: ModelCut, outer, blocks, microbatch, stages: in
     return tuple(strategy.stage_layers or uniform_layers(num_layers, stages))
 
 
+class StagedCut(NamedTuple):
+    """The model cut for the executor (traced under ``jit``): ``parts`` (``outer`` pinned to its
+    layout), ``stage(params) -> (outer, blocks [v, p, Lmax, ...])`` and ``grads(g_outer, g_blocks)``
+    back in the parameters' tree."""
+
+    parts: PipelineParts
+    stage_layers: tuple
+    stage: Callable
+    grads: Callable
+
+
+def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, params, mbs) -> StagedCut:
+    """Cut ``loss_fn``'s model at its stacked layers for ``params`` (already cast) and the
+    micro-batches ``mbs`` (``[m, rows, ...]``); call it under ``jit`` and the mesh's rules."""
+    p, v = mesh.shape["pipe"], strategy.virtual_stages
+    microbatch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs)
+    cut = cut_model(loss_fn, graphdef, params, microbatch)
+    outer, blocks = cut.split(params)
+    num_layers = jax.tree.leaves(blocks)[0].shape[0]
+    stage_layers = _stage_layers(strategy, cut, outer, blocks, microbatch, p * v)
+    check_stage_layers(stage_layers, num_layers, p, v)
+    _, block_specs = cut.split(param_specs)
+    stage_sh = jax.tree.map(lambda sp: NamedSharding(mesh, PartitionSpec(None, "pipe", None, *tuple(sp)[1:])),
+                            block_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    whole = _whole_over_data_axes(cut.split(param_specs)[0], mesh)
+
+    def stage(params):
+        outer, blocks = cut.split(params)
+        staged = jax.lax.with_sharding_constraint(to_stages(blocks, stage_layers, p, v), stage_sh)
+        return jax.lax.with_sharding_constraint(outer, whole), staged
+
+    def grads(g_outer, g_blocks):
+        return cut.merge(g_outer, from_stages(g_blocks, stage_layers, num_layers))
+
+    return StagedCut(_pinned(cut.parts, whole), tuple(stage_layers), stage, grads)
+
+
 def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_specs: Any, grad_specs: Any,
                                 strategy, *, num_layers: int | None = None,
                                 replica_axes: tuple[str, ...] = ()) -> Callable:
@@ -118,25 +155,12 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
     def loss_and_grad(params, batch):
         params = strategy.cast(params)
         mbs = split_microbatches(batch, m, mesh)
-        microbatch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs)
-        cut = cut_model(loss_fn, graphdef, params, microbatch)
-        outer, blocks = cut.split(params)
-        num_layers = jax.tree.leaves(blocks)[0].shape[0]
-        stage_layers = _stage_layers(strategy, cut, outer, blocks, microbatch, p * v)
-        check_stage_layers(stage_layers, num_layers, p, v)
-        _, block_specs = cut.split(param_specs)
-        stage_sh = jax.tree.map(lambda sp: NamedSharding(mesh, PartitionSpec(None, "pipe", None, *tuple(sp)[1:])),
-                                block_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        whole = _whole_over_data_axes(cut.split(param_specs)[0], mesh)
-        outer = jax.lax.with_sharding_constraint(outer, whole)
-        run = pipeline_value_and_grad(_pinned(cut.parts, whole), mesh, rules, program, stage_layers=stage_layers,
+        cut = staged_cut(loss_fn, graphdef, mesh, param_specs, strategy, params, mbs)
+        run = pipeline_value_and_grad(cut.parts, mesh, rules, program, stage_layers=cut.stage_layers,
                                       replica_axes=replica_axes)
-        staged = jax.lax.with_sharding_constraint(to_stages(blocks, stage_layers, p, v), stage_sh)
-        loss, (g_outer, g_blocks) = run(outer, staged, mbs)
+        loss, (g_outer, g_blocks) = run(*cut.stage(params), mbs)
         if replica_axes:     # each replica's own gradients, [R, ...]
-            merge = lambda go, gb: cut.merge(go, from_stages(gb, stage_layers, num_layers))   # noqa: E731
-            return loss, jax.vmap(merge)(g_outer, g_blocks)
-        grads = cut.merge(g_outer, from_stages(g_blocks, stage_layers, num_layers))
-        return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
+            return loss, jax.vmap(cut.grads)(g_outer, g_blocks)
+        return loss, jax.lax.with_sharding_constraint(cut.grads(g_outer, g_blocks), grad_shardings)
 
     return loss_and_grad

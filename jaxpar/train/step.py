@@ -185,7 +185,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
                     strategy: Strategy = Strategy(), *, clip_norm: float | None = None,
                     lr_schedule: Callable | None = None, donate: bool = True,
                     explicit_dp: bool | None = None, skip_nonfinite: bool = False,
-                    noise_scale_every: int | None = None, noise_scale_ema: float = 0.95) -> Callable:
+                    noise_scale_every: int | None = None, noise_scale_ema: float = 0.95,
+                    steps_per_call: int = 1) -> Callable:
     """Build ``step(state, batch) -> (state, metrics)``, jitted with the layout's shardings.
 
     ``explicit_dp=True`` makes the data-axis collectives of the model's stacked blocks
@@ -202,6 +203,10 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     one (:mod:`jaxpar.train.noise_measure`; metrics ``noise_scale``, ``grad_sq_small``, ...), with
     moving averages of decay ``noise_scale_ema`` kept in ``state.stats`` (create the state with
     :func:`jaxpar.train.noise_scale.with_noise_scale`).
+
+    ``steps_per_call=K`` (PipeDream-2BW only): ``step(state, batches)`` runs ``K`` optimizer steps
+    of the no-flush pipeline in one program, ``batches`` stacked ``[K, B, ...]``, metrics ``[K]``
+    (:mod:`jaxpar.pipeline.nonstop`).
     """
     mesh = layout.mesh
     if noise_scale_every is not None:
@@ -213,6 +218,15 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
         from ..pipeline.asynchronous import check_two_bw_step
 
         check_two_bw_step(strategy, layout)
+    if steps_per_call != 1:     # several optimizer steps per call: the 2BW pipeline without flushes
+        from ..pipeline.nonstop import check_steps_per_call, make_two_bw_steps
+
+        check_steps_per_call(strategy, steps_per_call)
+        if noise_scale_every is not None:
+            raise ValueError(f"noise_scale_every={noise_scale_every} with steps_per_call={steps_per_call}: the noise "
+                             "scale is measured by the one-step program. Use steps_per_call=1 to measure it.")
+        return make_two_bw_steps(loss_fn, tx, layout, strategy, steps_per_call, clip_norm=clip_norm,
+                                 lr_schedule=lr_schedule, donate=donate, skip_nonfinite=skip_nonfinite)
     if strategy.sync is not None or replicas(mesh) > 1:
         from .relaxed import make_relaxed_train_step   # relaxed synchronisation loads only when used
 
