@@ -494,8 +494,6 @@ def run_inspect(config: str, overrides: Sequence[str], *, cluster: str = "cpu_si
 
     from . import config as C
     from .analysis.hlo import collectives_table
-    from .analysis.memory import format_bytes, memory_report, render_table
-    from .cost.verify import compiled_bytes_per_axis
     from .train.step import make_train_step
 
     C.check(cfg, num_devices=jax.device_count())
@@ -528,46 +526,48 @@ def run_inspect(config: str, overrides: Sequence[str], *, cluster: str = "cpu_si
 
     colls = collectives(compiled, mesh) if n > 1 else []
     print(collectives_table(colls) if colls else "(none)")
-    got = compiled_bytes_per_axis(compiled, mesh) if n > 1 else {}
+    _print_planner_view(cfg, compiled, mesh, strategy, cluster)
+    return 0
+
+
+def _print_planner_view(cfg, compiled, mesh, strategy, cluster: str) -> None:
+    """``jaxpar inspect``'s table: the cost model's bytes per axis, arguments, temporaries and peak
+    next to the compiled step's (for a pipelined plan, counted on the busiest stage)."""
+    from .analysis.memory import format_bytes, memory_report, render_table
+    from .cost.verify import compiled_bytes_per_axis
+
+    sizes = dict(mesh.shape)
     rep = memory_report(compiled)
     view = _planner_view(cfg, sizes, strategy, cluster)
+    got = compiled_bytes_per_axis(compiled, mesh, view[1] if view else None) if mesh.size > 1 else {}
     print(f"\nplanner  cost model (jaxpar.cost, lowering xla-cpu, cluster {cluster}) vs the compiled step, per device")
-    rows = []
-    if view is not None:
-        from .cost.memory import argument_bytes
-        from .cost.time import bytes_per_axis, comms
-
-        model, plan, est = view
-        pred = bytes_per_axis(comms(model, plan, lowering="xla-cpu", compute_bytes=4, grad_bytes=4))
-        args = argument_bytes(model, plan.sizes, plan.zero)
-        for a in sorted(set(pred) | set(got)):
-            p, g = pred.get(a, 0.0), got.get(a, 0.0)
-            rows.append([f"bytes over {a} per step", format_bytes(p), format_bytes(g), _ratio(p, g)])
-        rows.append(["arguments (state + batch)", format_bytes(args), format_bytes(rep.argument_bytes),
-                     _ratio(args, rep.argument_bytes)])
-        mem = est.memory
-        rows.append(["temporaries (model: activations + logits)",
-                     format_bytes(mem.activations + mem.logits), format_bytes(rep.temp_bytes),
-                     _ratio(mem.activations + mem.logits, rep.temp_bytes)])
-        rows.append(["peak (args + outputs + temps - aliased)", format_bytes(mem.total),
-                     format_bytes(rep.peak_bytes), _ratio(mem.total, rep.peak_bytes)])
-        t = est.time
-        print(render_table(["", "predicted", "compiled", "predicted / compiled"], rows, right=[False, True, True, True]))
-        print(f"time     predicted {t.total * 1e3:.1f} ms per step on {cluster} (compute {t.compute * 1e3:.1f}, "
-              f"data {t.data * 1e3:.1f}, tensor {t.tensor * 1e3:.1f}, pipeline {t.pipeline * 1e3:.1f}, update "
-              f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {plan.name()}")
-        if plan.pipe > 1:
-            print("note     pipelined step: the compiled inventory counts the collectives of the schedule's loop on "
-                  "every trip, so bytes per axis do not compare (docs/planning.md, section 5)")
-    else:
-        for a, g in sorted(got.items()):
-            rows.append([f"bytes over {a} per step", "-", format_bytes(g), "-"])
-        rows.append(["arguments (state + batch)", "-", format_bytes(rep.argument_bytes), "-"])
-        rows.append(["temporaries", "-", format_bytes(rep.temp_bytes), "-"])
-        rows.append(["peak (args + outputs + temps - aliased)", "-", format_bytes(rep.peak_bytes), "-"])
-        print(render_table(["", "predicted", "compiled", "predicted / compiled"], rows, right=[False, True, True, True]))
+    headers, right = ["", "predicted", "compiled", "predicted / compiled"], [False, True, True, True]
+    if view is None:
+        rows = [[f"bytes over {a} per step", "-", format_bytes(g), "-"] for a, g in sorted(got.items())]
+        rows += [["arguments (state + batch)", "-", format_bytes(rep.argument_bytes), "-"],
+                 ["temporaries", "-", format_bytes(rep.temp_bytes), "-"],
+                 ["peak (args + outputs + temps - aliased)", "-", format_bytes(rep.peak_bytes), "-"]]
+        print(render_table(headers, rows, right=right))
         print("time     not predicted: the cost model describes the built-in GPT only (model.target is set)")
-    return 0
+        return
+    from .cost.memory import argument_bytes
+    from .cost.time import bytes_per_axis, comms
+
+    model, plan, est = view
+    pred = bytes_per_axis(comms(model, plan, lowering="xla-cpu", compute_bytes=4, grad_bytes=4))
+    args, mem, t = argument_bytes(model, plan.sizes, plan.zero), est.memory, est.time
+    rows = [[f"bytes over {a} per step", format_bytes(pred.get(a, 0.0)), format_bytes(got.get(a, 0.0)),
+             _ratio(pred.get(a, 0.0), got.get(a, 0.0))] for a in sorted(set(pred) | set(got))]
+    rows += [["arguments (state + batch)", format_bytes(args), format_bytes(rep.argument_bytes),
+              _ratio(args, rep.argument_bytes)],
+             ["temporaries (model: activations + logits)", format_bytes(mem.activations + mem.logits),
+              format_bytes(rep.temp_bytes), _ratio(mem.activations + mem.logits, rep.temp_bytes)],
+             ["peak (args + outputs + temps - aliased)", format_bytes(mem.total), format_bytes(rep.peak_bytes),
+              _ratio(mem.total, rep.peak_bytes)]]
+    print(render_table(headers, rows, right=right))
+    print(f"time     predicted {t.total * 1e3:.1f} ms per step on {cluster} (compute {t.compute * 1e3:.1f}, "
+          f"data {t.data * 1e3:.1f}, tensor {t.tensor * 1e3:.1f}, pipeline {t.pipeline * 1e3:.1f}, update "
+          f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {plan.name()}")
 
 
 def _ratio(p: float, g: float) -> str:

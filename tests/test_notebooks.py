@@ -20,7 +20,10 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("name", list(EXPECTED))
+SLOW = {"03_compression.ipynb"}     # about a minute: in the slow pass (CI runs both)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in EXPECTED])
 def test_notebook_executes(name, tmp_path):
     nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     env_before = os.environ.get("XLA_FLAGS")

@@ -167,7 +167,7 @@ def test_diloco_communicates_over_replica_only_at_sync_steps():
 PATTERN = [[0, 1, 2, 0], [2, 0, 1, 1], [1, 2, 0, 2]]
 
 
-@pytest.mark.parametrize("mode", ["ssp", "async"])
+@pytest.mark.parametrize("mode", ["ssp", pytest.param("async", marks=pytest.mark.slow)])
 def test_stale_gradients_match_a_sequential_reference(mode):
     steps = 4
     state, losses, metrics = train({"replica": K, "data": 2}, stale(2, pattern=PATTERN, mode=mode), steps=steps)
@@ -221,7 +221,8 @@ def test_diloco_composes_with_inner_strategies(diloco_dp, sizes, kw):
     assert_trees(state.comm["params"], diloco_dp[0].comm["params"], rtol=1e-4, atol=2 * 1e-3 * 3)
 
 
-@pytest.mark.parametrize("sync", [diloco(2), stale(2, pattern=PATTERN)], ids=["diloco", "stale"])
+@pytest.mark.parametrize("sync", [diloco(2), pytest.param(stale(2, pattern=PATTERN), marks=pytest.mark.slow)],
+                         ids=["diloco", "stale"])
 def test_resume_mid_run_is_bit_exact(tmp_path, sync):
     sizes, tx = {"replica": K, "data": 2}, optax.adam(1e-3)
     state, layout, step = setup(sizes, sync, tx)

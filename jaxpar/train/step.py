@@ -235,17 +235,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     if strategy.compression is not None:
         return _compressed_train_step(loss_fn, tx, layout, strategy, clip_norm=clip_norm, lr_schedule=lr_schedule,
                                       donate=donate, explicit_dp=explicit_dp, skip_nonfinite=skip_nonfinite)
-    if dict(mesh.shape).get("pipe", 1) > 1:
-        if explicit_dp:
-            raise ExplicitDPError(f"explicit_dp=True with pipe={mesh.shape['pipe']}: a pipeline stage runs its "
-                                  "layers inside the pipeline executor, where the data-axis collectives are left "
-                                  "to XLA. Use explicit_dp=None or False with pipe > 1.")
-        from ..pipeline.piped import make_pipeline_loss_and_grad   # pipelines load only when used
-
-        loss_and_grad = make_pipeline_loss_and_grad(loss_fn, layout.graphdef, mesh, layout.rules, layout.params,
-                                                    layout.grads, strategy, num_layers=_stacked_layers(layout))
-    else:
-        loss_and_grad = make_loss_and_grad(loss_fn, layout, strategy, explicit_dp=explicit_dp)
+    loss_and_grad = _loss_and_grad(loss_fn, layout, strategy, explicit_dp)
 
     def step(state: TrainState, batch):
         with use_rules(mesh, layout.rules):
@@ -266,6 +256,21 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     return make_noise_scale_step(jitted, loss_fn, tx, layout, strategy, every=noise_scale_every,
                                  ema=noise_scale_ema, clip_norm=clip_norm, lr_schedule=lr_schedule,
                                  skip_nonfinite=skip_nonfinite, donate=donate)
+
+
+def _loss_and_grad(loss_fn: Callable, layout: StateLayout, strategy: Strategy, explicit_dp) -> Callable:
+    """The pipelined loss-and-grad with a ``pipe`` axis, :func:`make_loss_and_grad` otherwise."""
+    mesh = layout.mesh
+    if dict(mesh.shape).get("pipe", 1) == 1:
+        return make_loss_and_grad(loss_fn, layout, strategy, explicit_dp=explicit_dp)
+    if explicit_dp:
+        raise ExplicitDPError(f"explicit_dp=True with pipe={mesh.shape['pipe']}: a pipeline stage runs its "
+                              "layers inside the pipeline executor, where the data-axis collectives are left "
+                              "to XLA. Use explicit_dp=None or False with pipe > 1.")
+    from ..pipeline.piped import make_pipeline_loss_and_grad   # pipelines load only when used
+
+    return make_pipeline_loss_and_grad(loss_fn, layout.graphdef, mesh, layout.rules, layout.params,
+                                       layout.grads, strategy, num_layers=_stacked_layers(layout))
 
 
 def _jit_step(step: Callable, layout: StateLayout, strategy: Strategy, donate: bool) -> Callable:
