@@ -136,8 +136,10 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     print(f"model    {label}: {n_params:,} parameters")
     from .analysis.memory import format_bytes
 
-    print(f"state    {format_bytes(nbytes['total'])} per device (params {format_bytes(nbytes['params'])}, "
-          f"optimizer {format_bytes(nbytes['opt'])})")
+    comm = _comm_bytes(layout)     # codec residuals, or the replicas of relaxed sync (state.comm)
+    extra = f", codec / replicas {format_bytes(comm)}" if comm else ""
+    print(f"state    {format_bytes(nbytes['total'] + comm)} per device (params {format_bytes(nbytes['params'])}, "
+          f"optimizer {format_bytes(nbytes['opt'])}{extra})")
     tokens = _describe_data(cfg, batch_fn)
 
     step = make_train_step(loss_fn, tx, layout, strategy, clip_norm=cfg.optimizer.clip_norm, lr_schedule=schedule,
@@ -145,6 +147,23 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     evaluate = make_eval_fn(loss_fn, layout, strategy, eval_batches) if eval_batches else None
     return _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, evaluate, n_params,
                                    title=f"{cfg.name}: {strategy.name(sizes)}", tokens_per_batch=tokens)
+
+
+def _comm_bytes(layout) -> int:
+    """Bytes per device of ``state.comm`` (each leaf's size over the mesh axes of its spec)."""
+    import math
+
+    import jax
+    from jax.sharding import PartitionSpec
+
+    sizes = dict(layout.mesh.shape)
+
+    def per_device(shape, spec):
+        axes = [a for e in spec for a in (e if isinstance(e, tuple) else (e,)) if a]
+        return shape.size * shape.dtype.itemsize // math.prod(sizes[a] for a in axes)
+
+    leaves = jax.tree.map(per_device, layout.comm_shapes, layout.comm, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return int(sum(jax.tree.leaves(leaves)))
 
 
 def _describe_data(cfg, batch_fn) -> int | None:
