@@ -177,3 +177,23 @@ def write_json(path: str | None, payload: Any) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)
     print(f"\nwrote {path}")
+
+
+def quickstart_run(overrides: list[str], what: str) -> tuple[list[dict], float]:
+    """``jaxpar train configs/quickstart.yaml`` with ``overrides``, in a temporary directory, quietly,
+    one record per step, no checkpoints, 4 eval batches at the end: its ``train`` records and the
+    final eval loss. ``what`` names the run in the error if it fails."""
+    import tempfile
+    from pathlib import Path
+
+    from jaxpar.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as out:
+        args = ["train", str(root / "configs" / "quickstart.yaml"), "train.log_every=1", "checkpoint.enabled=false",
+                "train.eval_batches=4", "train.eval_every=0", "logging.samples=0", "logging.tensorboard=false",
+                "train.progress=none", f"train.out_dir={out}", *overrides]
+        if main(args) != 0:
+            raise RuntimeError(f"jaxpar train failed for {what}")
+        recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if r["kind"] == "train"], next(r["eval_loss"] for r in recs if r["kind"] == "eval")

@@ -23,11 +23,9 @@ from __future__ import annotations
 import _common  # noqa: F401  (sets up 8 CPU devices first)
 
 import argparse
-import json
-import tempfile
 from pathlib import Path
 
-from _common import environment, write_json
+from _common import environment, quickstart_run, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQS, SEQ_LEN = 9600, 64
@@ -55,21 +53,12 @@ GROUPS = {
 
 def run(name: str, overrides: list[str]) -> tuple[list[dict], float]:
     """The train records (each with ``tokens`` so far) and the final eval loss of one run."""
-    from jaxpar.cli import main
-
-    with tempfile.TemporaryDirectory() as out:
-        args = ["train", str(ROOT / "configs" / "quickstart.yaml"), "train.log_every=1", "checkpoint.enabled=false",
-                "train.eval_batches=4", "train.eval_every=0", "logging.samples=0", "logging.tensorboard=false",
-                "train.progress=none", f"train.out_dir={out}", *overrides]
-        if main(args) != 0:
-            raise RuntimeError(f"jaxpar train failed for {name}")
-        recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in recs if r["kind"] == "train"]
+    train, evaluated = quickstart_run(overrides, name)
     tokens = 0
     for r in train:
         tokens += r["batch_size"] * SEQ_LEN
         r["tokens"] = tokens
-    return train, next(r["eval_loss"] for r in recs if r["kind"] == "eval")
+    return train, evaluated
 
 
 def final(recs: list[dict]) -> float:

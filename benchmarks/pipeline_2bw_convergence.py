@@ -15,31 +15,19 @@ from __future__ import annotations
 import _common  # noqa: F401  (sets up 8 CPU devices first)
 
 import argparse
-import json
-import tempfile
-from pathlib import Path
 
-from _common import environment, markdown_table, write_json
+from _common import environment, markdown_table, quickstart_run, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ("1f1b", "pipedream-2bw")
 
 
 def run(schedule: str, steps: int) -> list[dict]:
-    """The ``train`` records of one ``jaxpar train`` run on pipe=4 x data=2."""
-    from jaxpar.cli import main
-
-    with tempfile.TemporaryDirectory() as out:
-        args = ["train", str(ROOT / "configs" / "quickstart.yaml"), "mesh.pipe=4", "mesh.data=2", "mesh.fsdp=1",
-                "mesh.tensor=1", "model.layers=4", "parallel.microbatches=4", f"parallel.schedule={schedule}",
-                f"train.steps={steps}", "train.log_every=1", "checkpoint.enabled=false", "train.eval_batches=4",
-                f"train.eval_every={steps}", "logging.samples=0", "logging.tensorboard=false",
-                "train.progress=none", f"train.out_dir={out}"]
-        if main(args) != 0:
-            raise RuntimeError(f"jaxpar train failed for schedule={schedule}")
-        recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in recs if r["kind"] == "train"]
-    train[-1]["eval_loss"] = next(r["eval_loss"] for r in recs if r["kind"] == "eval")
+    """The ``train`` records of one ``jaxpar train`` run on pipe=4 x data=2 (the last one also holds
+    the final ``eval_loss``)."""
+    train, evaluated = quickstart_run(["mesh.pipe=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "model.layers=4",
+                                       "parallel.microbatches=4", f"parallel.schedule={schedule}",
+                                       f"train.steps={steps}"], f"schedule={schedule}")
+    train[-1]["eval_loss"] = evaluated
     return train
 
 

@@ -22,11 +22,9 @@ from __future__ import annotations
 import _common  # noqa: F401  (sets up 8 CPU devices first)
 
 import argparse
-import json
-import tempfile
 from pathlib import Path
 
-from _common import environment, write_json
+from _common import environment, quickstart_run, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {
@@ -43,22 +41,12 @@ def _flow(d: dict) -> str:
     return "{" + ", ".join(f"{k}: {v}" for k, v in d.items()) + "}"
 
 
-def run(name: str, sync: dict, steps: int, extra=()) -> list[dict]:
-    """The ``train`` records of one ``jaxpar train`` run on replica=4 x data=2."""
-    from jaxpar.cli import main
-
-    with tempfile.TemporaryDirectory() as out:
-        args = ["train", str(ROOT / "configs" / "quickstart.yaml"), "mesh.replica=4", "mesh.data=2", "mesh.fsdp=1",
-                "mesh.tensor=1", f"train.steps={steps}", "train.log_every=1", "checkpoint.enabled=false",
-                "train.eval_batches=4", f"train.eval_every={steps}", "logging.samples=0", "logging.tensorboard=false", "train.progress=none",
-                f"train.out_dir={out}", *extra]
-        if sync:
-            args.append(f"parallel.sync={_flow(sync)}")
-        if main(args) != 0:
-            raise RuntimeError(f"jaxpar train failed for {name}")
-        recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in recs if r["kind"] == "train"]
-    train[-1]["eval_loss"] = next(r["eval_loss"] for r in recs if r["kind"] == "eval")
+def run(name: str, sync: dict, steps: int) -> list[dict]:
+    """The ``train`` records of one ``jaxpar train`` run on replica=4 x data=2 (the last one also
+    holds the final ``eval_loss``)."""
+    overrides = ["mesh.replica=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", f"train.steps={steps}"]
+    train, evaluated = quickstart_run(overrides + ([f"parallel.sync={_flow(sync)}"] if sync else []), name)
+    train[-1]["eval_loss"] = evaluated
     return train
 
 

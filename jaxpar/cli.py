@@ -150,20 +150,16 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
 
 
 def _comm_bytes(layout) -> int:
-    """Bytes per device of ``state.comm`` (each leaf's size over the mesh axes of its spec)."""
-    import math
-
+    """Bytes per device of ``state.comm`` (codec residuals, relaxed-sync replicas)."""
     import jax
     from jax.sharding import PartitionSpec
 
+    from .zero import spec_shards
+
     sizes = dict(layout.mesh.shape)
-
-    def per_device(shape, spec):
-        axes = [a for e in spec for a in (e if isinstance(e, tuple) else (e,)) if a]
-        return shape.size * shape.dtype.itemsize // math.prod(sizes[a] for a in axes)
-
-    leaves = jax.tree.map(per_device, layout.comm_shapes, layout.comm, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    return int(sum(jax.tree.leaves(leaves)))
+    specs = jax.tree.leaves(layout.comm, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return sum(a.size * a.dtype.itemsize // spec_shards(spec, sizes)
+               for a, spec in zip(jax.tree.leaves(layout.comm_shapes), specs))
 
 
 def _describe_data(cfg, batch_fn) -> int | None:

@@ -7,13 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.config import ConfigError, build_data, build_mesh, build_model_fn, build_optimizer, build_strategy, \
-    check, load_config
-from jaxpar.train.checkpoint import Checkpointer
+from jaxpar.config import ConfigError, build_data, check, load_config
 from jaxpar.train.ramp import BatchRamp, RampError, ramp_batch_fn
-from jaxpar.train.state import init_train_state
 
-from test_compression_train import ARGS, EVERY, QUICK, STEPS, _kill_after_checkpoint, _records, _run
+from test_compression_train import ARGS, EVERY, QUICK, STEPS, _kill_after_checkpoint, _records, _run, final_states
 
 RAMP = ["data.batch_ramp={sizes: [16, 32, 64], steps: [0, 3, 7]}"]
 
@@ -65,14 +62,7 @@ def test_resume_mid_ramp_after_sigkill_is_bit_identical(tmp_path):
     for s in range(EVERY + 1, STEPS + 1):
         if s in b:
             assert b[s]["loss"] == a[s]["loss"] and b[s]["batch_size"] == a[s]["batch_size"], s
-    cfg = load_config(QUICK, [*ARGS, *RAMP])
-    tx, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
-    _, layout = init_train_state(build_model_fn(cfg.model, cfg.train.seed), tx, build_mesh(cfg.mesh),
-                                 build_strategy(cfg.parallel))
-    states = []
-    for out in (ref, tmp_path / "run"):
-        with Checkpointer(out / "checkpoints") as ck:
-            states.append(jax.device_get(ck.restore(layout, step=STEPS).state))
+    states = final_states([ref, tmp_path / "run"], RAMP)
     for x, y in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1])):
         np.testing.assert_array_equal(x, y)
 

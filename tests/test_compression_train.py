@@ -76,22 +76,31 @@ def _exact_resume(name: str, tmp_path: Path) -> None:
         if s in b:
             assert b[s]["loss"] == a[s]["loss"] and b[s]["residual_norm"] == a[s]["residual_norm"], s
     # the final states (params, optimizer, codec state) are bit-identical
+    import jax
+
+    states = final_states([ref, tmp_path / "run"], extra)
+    assert jax.tree.leaves(states[0].comm)
+    for x, y in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1])):
+        np.testing.assert_array_equal(x, y)
+
+
+def final_states(outs: list[Path], extra) -> list:
+    """The state of step ``STEPS`` checkpointed by each run directory of ``outs`` (host arrays)."""
+    import jax
+
     from jaxpar.config import build_mesh, build_model_fn, build_optimizer
     from jaxpar.train.checkpoint import Checkpointer
     from jaxpar.train.state import init_train_state
-    import jax
 
     cfg = load_config(QUICK, [*ARGS, *extra])
     tx, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
     _, layout = init_train_state(build_model_fn(cfg.model, cfg.train.seed), tx, build_mesh(cfg.mesh),
                                  build_strategy(cfg.parallel))
     states = []
-    for out in (ref, tmp_path / "run"):
+    for out in outs:
         with Checkpointer(out / "checkpoints") as ck:
             states.append(jax.device_get(ck.restore(layout, step=STEPS).state))
-    assert jax.tree.leaves(states[0].comm)
-    for x, y in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1])):
-        np.testing.assert_array_equal(x, y)
+    return states
 
 
 def test_exact_resume_after_sigkill_with_powersgd(tmp_path):

@@ -74,19 +74,13 @@ def compression_state(codec, layout: StateLayout, zero: int) -> tuple[Callable, 
     return init, jax.tree.map(lambda _: spec, shapes), shapes
 
 
-def _local_microbatches(batch: Any, k: int) -> Any:
-    """``[b, ...] -> [k, b/k, ...]`` with micro-batch ``i`` = local rows ``i, i+k, ...``
-    (as :func:`jaxpar.batch.split_microbatches` does globally)."""
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
-
-
 def make_compressed_loss_and_grad(loss_fn: Callable, layout: StateLayout, strategy) -> tuple[Callable, ExchangePlan]:
     """``(params, batch, comm, step) -> (loss, grads, comm, metrics)`` (call it under ``jit``)
     and its :class:`~jaxpar.compression.ExchangePlan`. ``loss_fn(model, batch)`` is the user's loss.
 
     With ``pipe > 1`` the pipeline executor returns each replica's own gradients (a leading
     replica axis) and the exchange runs in a second ``shard_map`` over the data axes."""
-    from .step import make_model_loss
+    from .step import local_grads, make_model_loss
 
     mesh, codec = layout.mesh, strategy.compression
     model_loss = make_model_loss(loss_fn, layout, strategy)
@@ -110,22 +104,9 @@ def make_compressed_loss_and_grad(loss_fn: Callable, layout: StateLayout, strate
         comm = jax.tree.map(lambda a: a[0], comm)
         with use_rules(mesh, local_rules):
             leaves = bucketed_all_gather(jax.tree.leaves(params), dims, p_axes)
-            full = treedef.unflatten(leaves)
-            grad = jax.value_and_grad(model_loss)
-            if k == 1:
-                loss, grads = grad(full, batch)
-                grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            else:
-                def body(carry, mb):
-                    loss, g = grad(full, mb)
-                    return (carry[0] + loss, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[1], g)), None
-
-                zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), full)
-                (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
-                                                _local_microbatches(batch, k))
-                loss, grads = loss / k, jax.tree.map(lambda g: g / k, grads)
+            loss, grads = local_grads(model_loss, treedef.unflatten(leaves), batch, k)
         out, comm, stats = plan.exchange(jax.tree.leaves(grads), comm, step)
-        loss = jax.lax.pmean(loss.astype(jnp.float32), axis)
+        loss = jax.lax.pmean(loss, axis)
         return loss, treedef.unflatten(out), jax.tree.map(lambda a: a[None], comm), stats
 
     smap = jax.shard_map(local, mesh=mesh, in_specs=(p_specs, batch_spec, comm_spec, PartitionSpec()),

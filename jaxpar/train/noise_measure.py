@@ -86,27 +86,6 @@ def check_measurable(layout, strategy, every: Any, ema: Any) -> None:
         raise NoiseScaleError(f"make_train_step(noise_scale_every={every}): {why}.")
 
 
-def _local_microbatches(batch: Any, k: int) -> Any:
-    """``[b, ...] -> [k, b/k, ...]`` (micro-batch ``i`` = local rows ``i, i+k, ...``)."""
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
-
-
-def _local_grads(model_loss: Callable, params: Any, batch: Any, k: int) -> tuple[jax.Array, Any]:
-    """This replica's mean loss and fp32 gradient over its rows, accumulated over ``k`` micro-batches."""
-    grad = jax.value_and_grad(model_loss)
-    if k == 1:
-        loss, grads = grad(params, batch)
-        return loss.astype(jnp.float32), jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-
-    def body(carry, mb):
-        loss, g = grad(params, mb)
-        return (carry[0] + loss, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[1], g)), None
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), _local_microbatches(batch, k))
-    return loss / k, jax.tree.map(lambda g: g / k, grads)
-
-
 def _psum_rest(leaves: list, axes: list[tuple[str, ...]]) -> list:
     """``psum`` of every leaf over its ``axes``, one collective per group of leaves with the same axes."""
     out, groups = list(leaves), {}
@@ -125,7 +104,7 @@ def make_measured_loss_and_grad(loss_fn: Callable, layout, strategy) -> tuple[Ca
 
     ``grads``: the global mean gradient in the strategy's gradient layout; ``sq_small``: the
     mean over the ``N`` replicas of each replica's squared gradient norm (its ``B / N`` rows)."""
-    from .step import make_model_loss
+    from .step import local_grads, make_model_loss
 
     mesh = layout.mesh
     sizes = dict(mesh.shape)
@@ -144,7 +123,7 @@ def make_measured_loss_and_grad(loss_fn: Callable, layout, strategy) -> tuple[Ca
     def local(params, batch):
         with use_rules(mesh, local_rules):
             full = treedef.unflatten(bucketed_all_gather(jax.tree.leaves(params), dims, p_axes))
-            loss, grads = _local_grads(model_loss, full, batch, k)
+            loss, grads = local_grads(model_loss, full, batch, k)
         leaves = jax.tree.leaves(grads)
         sq_small = jax.lax.pmean(sum(jnp.sum(jnp.square(g)) for g in leaves), _axis(axes))   # N scalars
         out = _psum_rest(bucketed_reduce_scatter(leaves, dims, g_axes), rest)
@@ -166,13 +145,14 @@ def _dispatch(normal: Callable, measure: Callable, every: int) -> Callable:
     """``step(state, batch)``: ``measure`` where ``state.step % every == 0``, else ``normal``. The step
     number is read from the device once and then counted on the host while the caller passes back
     the state it was given (any other state is read again)."""
-    last: dict = {"step_array": None, "step": None}
+    from .step import HostStep
+
+    counter = HostStep()
 
     def step(state, batch):
-        known = last["step_array"] is not None and state.step is last["step_array"]
-        s = last["step"] if known else int(jax.device_get(state.step))
+        s = counter.read(state)
         new, metrics = (measure if s % every == 0 else normal)(state, batch)
-        last["step_array"], last["step"] = new.step, s + 1
+        counter.advance(new, s + 1)
         return new, metrics
 
     step.jitted, step.lower = normal.jitted, normal.lower     # the usual program, for inspection

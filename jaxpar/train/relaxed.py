@@ -30,6 +30,7 @@ from ..batch import batch_sharding, check_batch
 from ..mesh import REPLICA, data_axes, replicas
 from ..rules import named_shardings, use_rules
 from ..strategy import Strategy
+from ..zero import spec_shards
 from ..sync import DiLoCo, EASGD, Stale, SyncError, check_sync, synchronous
 from .state import StateLayout, TrainState, _opt_specs
 
@@ -97,15 +98,8 @@ def replica_bytes(layout: StateLayout) -> int:
     """Bytes per device of one model's worth of fp32 values in the parameters' layout: the
     buffer of each all-reduce over ``replica`` (gradients every step, or parameters at a sync)."""
     sizes = dict(layout.mesh.shape)
-
-    def per_device(shape, spec):
-        n = shape.size
-        for entry in spec:
-            for axis in (entry if isinstance(entry, tuple) else (entry,)):
-                n //= sizes.get(axis, 1) if axis else 1
-        return n * 4
-
-    return sum(jax.tree.leaves(jax.tree.map(per_device, layout.shapes, layout.params, is_leaf=_is_spec)))
+    return sum(4 * a.size // spec_shards(spec, sizes)
+               for a, spec in zip(jax.tree.leaves(layout.shapes), jax.tree.leaves(layout.params, is_leaf=_is_spec)))
 
 
 def _split(batch: Any, k: int, mesh) -> Any:

@@ -16,7 +16,7 @@ from ..rules import named_shardings, use_rules
 from ..sync import Backup, DiLoCo, Stale
 from .relaxed import _split, replica_bytes
 from .state import StateLayout, TrainState
-from .step import _apply_update, make_loss_and_grad
+from .step import HostStep, _apply_update, make_loss_and_grad
 
 _is_spec = lambda x: isinstance(x, P)   # noqa: E731
 
@@ -57,9 +57,11 @@ def global_step(loss_fn, tx, layout: StateLayout, strategy, sync, *, donate, cli
         with use_rules(mesh, layout.rules):
             if delayed:
                 delays = sync.delays(state.step, k)
-                versions = jax.tree.map(lambda p, h: jnp.concatenate([p[None], h]), state.params, state.comm["history"])
-                per = lambda d, bb: lg(jax.tree.map(lambda v: v[d], versions), bb)   # noqa: E731
-                losses, grads = jax.vmap(per, spmd_axis_name=REPLICA)(delays, b)
+                hist = state.comm["history"]
+                # the parameters of ``d`` steps ago: the newest for d = 0, else history[d - 1] (no copy of all)
+                older = lambda d: jax.tree.map(lambda p, h: jnp.where(d == 0, p, h[jnp.maximum(d, 1) - 1]),  # noqa: E731
+                                               state.params, hist)
+                losses, grads = jax.vmap(lambda d, bb: lg(older(d), bb), spmd_axis_name=REPLICA)(delays, b)
             else:
                 losses, grads = jax.vmap(lg, in_axes=(None, 0), spmd_axis_name=REPLICA)(state.params, b)
             w, extra = _replica_weights(sync, state.step, k)
@@ -124,15 +126,17 @@ def local_steps(loss_fn, tx, layout: StateLayout, strategy, sync, *, donate, cli
         new, m = _apply_update(tx, TrainState(step, p, o, ()), loss, grads, **upd)
         return new.params, new.opt_state, m
 
+    def replica_metrics(step, losses, m) -> dict:
+        """Per-replica ``[K]`` metrics (no gather over ``replica``) and the step's learning rate."""
+        rep = {"loss": losses, "grad_norm": m["grad_norm"], **({"skipped": m["skipped"]} if skip_nonfinite else {})}
+        lr = {"lr": jnp.asarray(lr_schedule(step), jnp.float32)} if lr_schedule is not None else {}
+        return {"replica": rep, **lr}
+
     def inner(state: TrainState, batch):
         with use_rules(mesh, layout.rules):
             p, o, m = jax.vmap(one, in_axes=(None, 0, 0, 0), spmd_axis_name=REPLICA)(
                 state.step, state.comm["params"], state.comm["opt"], _split(batch, k, mesh))
-        metrics = {"replica": {"loss": m["loss"], "grad_norm": m["grad_norm"]}}
-        if skip_nonfinite:
-            metrics["replica"]["skipped"] = m["skipped"]
-        if lr_schedule is not None:
-            metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+        metrics = replica_metrics(state.step, m["loss"], m)
         return TrainState(state.step + 1, state.params, state.opt_state, {"params": p, "opt": o}), metrics
 
     def warm(state: TrainState, batch):
@@ -148,11 +152,7 @@ def local_steps(loss_fn, tx, layout: StateLayout, strategy, sync, *, donate, cli
 
             p, o, m = jax.vmap(apply, spmd_axis_name=REPLICA)(state.comm["params"], state.comm["opt"])
             center = _any_replica(p, rep_specs, layout.params, mesh)
-        metrics = {"replica": {"loss": losses, "grad_norm": m["grad_norm"]}}
-        if skip_nonfinite:
-            metrics["replica"]["skipped"] = m["skipped"]
-        if lr_schedule is not None:
-            metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+        metrics = replica_metrics(state.step, losses, m)
         return TrainState(state.step + 1, center, state.opt_state, {"params": p, "opt": o}), metrics
 
     def outer(state: TrainState):
@@ -188,17 +188,17 @@ def local_steps(loss_fn, tx, layout: StateLayout, strategy, sync, *, donate, cli
 
 
 class _LocalRunner:
-    """Runs the inner program, and the sync program after every ``every``-th step. The step count
-    is read from the state once and then followed (re-read when another state is passed in)."""
+    """Runs the inner program, and the sync program after every ``every``-th step (the step
+    number from :class:`~jaxpar.train.step.HostStep`)."""
 
     def __init__(self, inner, outer, every: int, nbytes: int, warm=None, start: int = 0):
         self.inner, self.outer, self.every, self.nbytes = inner, outer, every, nbytes
         self.warm, self.start = warm, start
         self.jitted, self.lower = inner, inner.lower
-        self._last, self._count = None, 0
+        self._counter = HostStep()
 
     def __call__(self, state: TrainState, batch):
-        count = self._count if state.step is self._last else int(state.step)
+        count = self._counter.read(state)
         warming = count < self.start
         state, m = (self.warm if warming else self.inner)(state, batch)
         count += 1
@@ -213,5 +213,5 @@ class _LocalRunner:
         elif (count - self.start) % self.every == 0:
             state, synced = self.outer(state)
             metrics.update(replica_distance=jnp.mean(synced["replica_distance"]), replica_bytes=float(self.nbytes))
-        self._last, self._count = state.step, count
+        self._counter.advance(state, count)
         return state, metrics

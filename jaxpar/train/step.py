@@ -156,6 +156,44 @@ def make_loss_and_grad(loss_fn: Callable, layout: StateLayout, strategy: Strateg
     return loss_and_grad
 
 
+def _local_microbatches(batch: Any, k: int) -> Any:
+    """``[b, ...] -> [k, b/k, ...]`` with micro-batch ``i`` = local rows ``i, i+k, ...``
+    (as :func:`jaxpar.batch.split_microbatches` does globally)."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def local_grads(model_loss: Callable, params: Any, batch: Any, k: int) -> tuple[jax.Array, Any]:
+    """This replica's fp32 mean loss and gradient over its own rows (inside a ``shard_map`` manual
+    over the data axes), accumulated over ``k`` micro-batches."""
+    grad = jax.value_and_grad(model_loss)
+    if k == 1:
+        loss, grads = grad(params, batch)
+        return loss.astype(jnp.float32), jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+    def body(carry, mb):
+        loss, g = grad(params, mb)
+        return (carry[0] + loss, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[1], g)), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), _local_microbatches(batch, k))
+    return loss / k, jax.tree.map(lambda g: g / k, grads)
+
+
+class HostStep:
+    """The step number of the state a step function is given, without a device round trip per
+    step: read once, then counted while the caller passes back the state it was returned
+    (any other state is read again). For step functions that pick a program by step number."""
+
+    def __init__(self):
+        self._array, self._step = None, None
+
+    def read(self, state) -> int:
+        return self._step if state.step is self._array else int(jax.device_get(state.step))
+
+    def advance(self, new_state, step: int) -> None:
+        self._array, self._step = new_state.step, step
+
+
 def _apply_update(tx, state: TrainState, loss, grads, *, clip_norm, lr_schedule, skip_nonfinite,
                   comm: Any = None, comm_metrics: dict | None = None, stats: Any = None):
     """Clip, update, and (``skip_nonfinite``) keep the old state when the loss / norm is not finite.
