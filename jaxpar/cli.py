@@ -112,8 +112,9 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     tx, schedule = C.build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=cfg.data.batch_size,
                                      model_fn=model_fn)
     loss_fn = C.build_loss_fn(cfg.model)
+    ramp = C.build_ramp(cfg.data)      # an adaptive ramp decides during the run; batch_fn reads it
     batch_fn, eval_batches = C.build_data(cfg.data, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab,
-                                          eval_batches=cfg.train.eval_batches)
+                                          eval_batches=cfg.train.eval_batches, ramp=ramp)
     out_dir = Path(cfg.train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -146,7 +147,7 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
                            skip_nonfinite=True, noise_scale_every=noise.every, noise_scale_ema=noise.ema)
     evaluate = make_eval_fn(loss_fn, layout, strategy, eval_batches) if eval_batches else None
     return _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, evaluate, n_params,
-                                   title=f"{cfg.name}: {strategy.name(sizes)}", tokens_per_batch=tokens)
+                                   title=f"{cfg.name}: {strategy.name(sizes)}", tokens_per_batch=tokens, ramp=ramp)
 
 
 def _comm_bytes(layout) -> int:
@@ -173,7 +174,13 @@ def _describe_data(cfg, batch_fn) -> int | None:
     from .config import describe_batch
 
     d, gpt_tokens = cfg.data, cfg.data.batch_size * cfg.model.seq_len
-    if d.batch_ramp:       # the batch changes: no fixed tokens per batch (records carry batch_size)
+    if d.batch_ramp.get("adaptive"):    # the batch changes: no fixed tokens per batch (records carry batch_size)
+        r = d.batch_ramp
+        print(f"data     {d.kind}: adaptive global batch {r['sizes'][0]}, growing among {list(r['sizes'])} toward "
+              f"{r.get('factor', 1.0)} x the noise scale, decided every {r['every']} steps "
+              f"(x {cfg.model.seq_len} tokens for the GPT)")
+        return None
+    if d.batch_ramp:
         ramp = ", ".join(f"{b} from step {s}" for b, s in zip(d.batch_ramp["sizes"], d.batch_ramp["steps"]))
         print(f"data     {d.kind}: global batch ramp {ramp} (x {cfg.model.seq_len} tokens for the GPT)")
         return None
@@ -189,7 +196,7 @@ def _describe_data(cfg, batch_fn) -> int | None:
 
 
 def _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, evaluate, n_params: int, *,
-                            title: str, tokens_per_batch: int | None) -> int:
+                            title: str, tokens_per_batch: int | None, ramp=None) -> int:
     """Resume (``checkpoint.resume``), run :func:`jaxpar.train.loop.train` with checkpoints and metrics, sample."""
     import warnings
 
@@ -212,6 +219,8 @@ def _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, ev
             print(f"jaxpar train: warning: checkpoint step {s} in {ckpt.directory} is unreadable, using step "
                   f"{restored.step} instead: {reason}", file=sys.stderr)
         state, start = restored.state, int(restored.meta["data"]["next_step"])
+        if hasattr(ramp, "load_state_dict"):      # an adaptive ramp's decisions so far
+            ramp.load_state_dict(restored.meta.get("batch_ramp"))
         saved_seed = restored.meta.get("data", {}).get("seed", cfg.data.seed)
         if saved_seed != cfg.data.seed:
             print(f"jaxpar train: warning: the checkpoint was written with data.seed={saved_seed}, this run has "
@@ -238,7 +247,7 @@ def _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, ev
         state, summary = train(step, state, batch_fn, mesh=layout.mesh, steps=cfg.train.steps - start,
                                start_step=start, eval_fn=evaluate, eval_every=cfg.train.eval_every,
                                checkpointer=ckpt, checkpoint_meta=meta, on_nonfinite=cfg.train.on_nonfinite,
-                               log=log)
+                               ramp=ramp, log=log)
     except NonFiniteError as e:
         print(f"jaxpar train: error: {e}", file=sys.stderr)
         return 1

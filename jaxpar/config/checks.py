@@ -214,6 +214,10 @@ def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
         ramp = build_ramp(cfg.data)
         if ramp is not None:
             ramp.check_divisible(n, what)
+        if cfg.data.batch_ramp.get("adaptive") and cfg.logging.noise_scale.every is None:
+            return [f"data.batch_ramp.adaptive=true grows the batch toward the measured gradient noise scale, but "
+                    f"logging.noise_scale.every is not set; measure it, e.g. logging.noise_scale: {{every: "
+                    f"{min(10, ramp.every)}}} (at most data.batch_ramp.every={ramp.every})."]
     except ConfigError as e:
         return [str(e)]
     except RampError as e:

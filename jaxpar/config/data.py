@@ -64,18 +64,38 @@ def _import_data(cfg: DataConfig, eval_batches: int) -> tuple[Callable[[int], di
     return batch_fn, evals
 
 
+_FIXED_KEYS, _ADAPTIVE_KEYS = {"sizes", "steps"}, {"sizes", "adaptive", "every", "factor", "start"}
+
+
 def build_ramp(cfg: DataConfig):
-    """The :class:`~jaxpar.train.ramp.BatchRamp` of ``data.batch_ramp`` (``None`` when empty)."""
+    """The ramp of ``data.batch_ramp``: a :class:`~jaxpar.train.ramp.BatchRamp` (``{sizes, steps}``), an
+    :class:`~jaxpar.train.ramp.AdaptiveRamp` (``{sizes, adaptive: true, every, factor, start}``), or
+    ``None`` when empty."""
     if not cfg.batch_ramp:
         return None
-    from ..train.ramp import BatchRamp, RampError
+    from ..train.ramp import AdaptiveRamp, BatchRamp, RampError
 
-    unknown = sorted(set(cfg.batch_ramp) - {"sizes", "steps"})
+    r = cfg.batch_ramp
+    adaptive = r.get("adaptive", False)
+    if not isinstance(adaptive, bool):
+        raise ConfigError(f"data.batch_ramp.adaptive={adaptive!r}: must be true or false.")
+    keys = _ADAPTIVE_KEYS if adaptive else _FIXED_KEYS
+    unknown = sorted(set(r) - keys - {"adaptive"})
     if unknown:
-        raise ConfigError(f"data.batch_ramp: unknown key(s) {unknown}; it takes sizes and steps, e.g. "
-                          "{sizes: [32, 64, 128], steps: [0, 100, 200]}.")
+        other = sorted(set(unknown) & (_ADAPTIVE_KEYS | _FIXED_KEYS))
+        hint = (f" ({', '.join(other)} belong to {'a fixed ramp' if adaptive else 'adaptive: true'})"
+                if other else "")
+        raise ConfigError(f"data.batch_ramp: unknown key(s) {unknown}{hint}; a fixed ramp takes sizes and steps, e.g. "
+                          "{sizes: [32, 64, 128], steps: [0, 100, 200]}; an adaptive one sizes, adaptive: true, every, "
+                          "factor, start, e.g. {sizes: [32, 64, 128], adaptive: true, every: 50}.")
     try:
-        ramp = BatchRamp(tuple(cfg.batch_ramp.get("sizes", ())), tuple(cfg.batch_ramp.get("steps", ())))
+        if adaptive:
+            if "every" not in r:
+                raise RampError("batch ramp: adaptive: true needs every (decide every that many steps), e.g. every: 50.")
+            ramp = AdaptiveRamp(tuple(r.get("sizes", ())), r["every"], factor=r.get("factor", 1.0),
+                                start=r.get("start", 0))
+        else:
+            ramp = BatchRamp(tuple(r.get("sizes", ())), tuple(r.get("steps", ())))
     except RampError as e:
         raise ConfigError(f"data.batch_ramp: {str(e).removeprefix('batch ramp: ')}") from None
     if ramp.sizes[0] != cfg.batch_size:
@@ -84,16 +104,17 @@ def build_ramp(cfg: DataConfig):
     return ramp
 
 
-def build_data(cfg: DataConfig, *, seq_len: int | None = None, vocab: int | None = None, eval_batches: int
-               ) -> tuple[Callable[[int], dict], list[dict]]:
+def build_data(cfg: DataConfig, *, seq_len: int | None = None, vocab: int | None = None, eval_batches: int,
+               ramp: Any = None) -> tuple[Callable[[int], dict], list[dict]]:
     """``(batch_fn(step) -> host batch, fixed eval batches)`` for the data section (with
     ``data.batch_ramp``, the batch of step ``t`` has the ramp's size at ``t``).
 
     ``seq_len`` / ``vocab`` (the GPT's) are needed by the token kinds (text, tokens, synthetic), not by
-    ``import``.
+    ``import``. ``ramp``: the ramp of :func:`build_ramp` to read the sizes from (an adaptive ramp
+    changes as it decides); default: a new one.
     """
     batch_fn, evals = _build_data(cfg, seq_len=seq_len, vocab=vocab, eval_batches=eval_batches)
-    ramp = build_ramp(cfg)
+    ramp = build_ramp(cfg) if ramp is None else ramp
     if ramp is None:
         return batch_fn, evals
     from ..train.ramp import ramp_batch_fn

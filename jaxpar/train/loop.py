@@ -57,8 +57,11 @@ from ..rules import named_shardings, use_rules
 from ..strategy import Strategy
 from .data import make_global_batch
 from .metrics import MetricsWriter, is_main_process
+from .noise_scale import KEY as NOISE_KEY
+from .noise_scale import noise_scale_of
 from .preemption import StopAgreement, StopSignals
 from .preemption import catch_stop_signals as catch_stop_signals  # re-exported: its former home
+from .ramp import AdaptiveRamp
 from .report import LogOptions, NonFiniteError, TrainSummary, plot_losses  # re-exported: their former home
 from .report import _check_int, _log_options, _Meter, _Progress
 from .state import StateLayout
@@ -101,8 +104,10 @@ class _Run:
 
     def __init__(self, step_fn: Callable, batch_fn: Callable[[int], Any], mesh, log: LogOptions, *,
                  start: int, end: int, on_nonfinite: str, max_inflight: int, checkpointer: Any,
-                 checkpoint_meta: dict | None, eval_fn: Callable[[Any], float] | None, eval_every: int):
+                 checkpoint_meta: dict | None, eval_fn: Callable[[Any], float] | None, eval_every: int,
+                 ramp: Any = None):
         self.step_fn, self.batch_fn, self.mesh, self.log = step_fn, batch_fn, mesh, log
+        self.ramp = ramp if isinstance(ramp, AdaptiveRamp) else None
         self.start, self.end, self.max_inflight = start, end, max_inflight
         self.checkpointer, self.checkpoint_meta = checkpointer, checkpoint_meta
         self.eval_fn, self.eval_every = eval_fn, eval_every
@@ -125,6 +130,17 @@ class _Run:
         self.bar.advance()
         return state, metrics
 
+    def grow_batch(self, state: Any, done: int) -> None:
+        """An adaptive ramp's decision after ``done`` steps (blocks on the noise scale of the state)."""
+        if self.ramp is None or not self.ramp.due(done):
+            return
+        value = float(noise_scale_of(state.stats[NOISE_KEY]))
+        size = self.ramp.decide(done, value)
+        if size is not None:
+            self.writer.write({"kind": "batch_ramp", "step": done, "batch_size": size, "noise_scale": value})
+            self.bar.log(f"step {done:>6}/{self.end}  noise scale {value:.4g}: global batch -> {size} "
+                         f"from step {done}")
+
     def sync(self, state: Any, done: int, metrics: Any, stop: bool) -> None:
         """At log and checkpoint points (and before stopping): fetch and check the metrics, record, save."""
         ck = self.checkpointer
@@ -142,6 +158,8 @@ class _Run:
     def save(self, state: Any, done: int) -> None:
         meta = dict(self.checkpoint_meta or {})
         meta["data"] = {**meta.get("data", {}), "next_step": done}
+        if self.ramp is not None:
+            meta["batch_ramp"] = self.ramp.state_dict()
         if self.checkpointer.save(done, state, meta):
             self.meter.saved.append(done)
             self.bar.log(f"step {done:>6}/{self.end}  checkpoint -> {self.checkpointer.directory / str(done)}")
@@ -226,7 +244,7 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
           start_step: int | None = None, eval_fn: Callable[[Any], float] | None = None, eval_every: int = 0,
           checkpointer: Any = None, checkpoint_meta: dict | None = None, on_nonfinite: str = "stop",
           handle_signals: bool = True, max_inflight: int = 2, stop_check_every: int | None = None,
-          log: LogOptions | None = None, **log_options: Any) -> tuple[Any, TrainSummary]:
+          ramp: Any = None, log: LogOptions | None = None, **log_options: Any) -> tuple[Any, TrainSummary]:
     """Run ``steps`` train steps from ``start_step`` (default: ``int(state.step)``).
 
     ``batch_fn(step)``: the host batch of global step ``step`` (placed with
@@ -244,7 +262,11 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
     XLA:CPU can deadlock on collectives). ``stop_check_every`` (default ``log_every``):
     with several processes, how often they agree on stopping (a host-only barrier,
     ~0.7 ms); every process must pass the same value. ``handle_signals=False`` leaves
-    SIGTERM / SIGINT alone.
+    SIGTERM / SIGINT alone. ``ramp``: an :class:`~jaxpar.train.ramp.AdaptiveRamp` (the one
+    ``batch_fn`` reads, :func:`~jaxpar.train.ramp.ramp_batch_fn`) decides after every
+    ``ramp.every`` steps from the state's noise scale; its decisions go into ``batch_ramp``
+    records and the checkpoints' ``meta["batch_ramp"]`` (restore them with
+    ``ramp.load_state_dict`` before resuming). A fixed ramp needs no ``ramp`` argument.
 
     Example::
 
@@ -269,9 +291,13 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
     if on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"train(on_nonfinite={on_nonfinite!r}): choose one of {', '.join(NONFINITE_MODES)}.")
     start = int(state.step) if start_step is None else int(start_step)
+    if isinstance(ramp, AdaptiveRamp) and not (isinstance(state.stats, dict) and NOISE_KEY in state.stats):
+        raise ValueError("train(ramp=AdaptiveRamp(...)): the batch grows toward the measured gradient noise scale, "
+                         "but the state measures none; build it with jaxpar.train.noise_scale.with_noise_scale and "
+                         "the step with make_train_step(..., noise_scale_every=k).")
     run = _Run(step_fn, batch_fn, mesh, log, start=start, end=start + steps, on_nonfinite=on_nonfinite,
                max_inflight=max_inflight, checkpointer=checkpointer, checkpoint_meta=checkpoint_meta,
-               eval_fn=eval_fn, eval_every=eval_every)
+               eval_fn=eval_fn, eval_every=eval_every, ramp=ramp)
     done, preempted = start, None
     try:
         agreement = StopAgreement(stop_check_every)
@@ -279,6 +305,7 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
             for step in range(start, start + steps):
                 state, metrics = run.step(state, step)
                 done = step + 1
+                run.grow_batch(state, done)
                 # several processes: the same answer in all; checked after the first step too
                 preempted = agreement.check(done, signals.received, due=done == start + 1)
                 run.sync(state, done, metrics, stop=preempted is not None)
