@@ -9,7 +9,10 @@ Three experiments, each ``jaxpar train configs/quickstart.yaml`` runs with the s
 * **ramp**: learning-rate decay (batch 32, cosine decay, 300 steps) against a batch ramp at a
   constant learning rate (Smith et al. 2017: 32 -> 64 -> 128 at steps 0 / 100 / 150, 175 steps,
   the same 9,600 sequences);
-* **noise**: the gradient noise scale B_simple measured every 5 steps during the batch-32 run.
+* **noise**: the gradient noise scale B_simple measured every 5 steps during the batch-32 run;
+* **adaptive**: the ramp's sizes chosen by the measured noise scale instead (``batch_ramp:
+  {adaptive: true, every: 25, factor: 1 or 8, start: 25}``, 175 steps at a constant learning
+  rate; its tokens depend on the decisions, so compare on the loss-vs-tokens plot).
 
 Final loss = the mean train loss of the last 10% of steps; eval = 4 held-out batches at the end.
 PNGs: ``docs/img/large_batch_{scaling,ramp,noise}.png``.
@@ -48,6 +51,10 @@ GROUPS = {
                      "ramp 32-64-128, constant lr": ["train.steps=175", "optimizer.lr_schedule=constant",
                                                      "data.batch_ramp={sizes: [32, 64, 128], steps: [0, 100, 150]}"]},
     "noise": lambda: {"B=32, noise scale every 5": ["train.steps=300", "logging.noise_scale={every: 5}"]},
+    "adaptive": lambda: {f"adaptive 32-64-128 (factor {f}), constant lr": [
+        "train.steps=175", "optimizer.lr_schedule=constant", "logging.noise_scale={every: 5}",
+        f"data.batch_ramp={{sizes: [32, 64, 128], adaptive: true, every: 25, factor: {f}, start: 25}}"]
+        for f in (1, 8)},
 }
 
 
@@ -91,33 +98,40 @@ def plot(path: Path, curves: dict, key: str, ylabel: str, title: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default="scaling,ramp,noise")
+    p.add_argument("--only", default="scaling,ramp,noise,adaptive")
     p.add_argument("--img", default=str(ROOT / "docs" / "img"))
     p.add_argument("--json")
     args = p.parse_args()
     env = environment()
     print(f"# large batch, quickstart GPT, {SEQS} sequences x {SEQ_LEN} tokens  ({env['devices']}, nproc "
           f"{env['nproc']}, jaxpar @ {env['git']})")
-    results = {}
+    results, ramp_curves = {}, {}
     for group in args.only.split(","):
-        curves = {}
+        curves = dict(ramp_curves) if group == "adaptive" else {}     # drawn beside the fixed ramp
         for name, overrides in GROUPS[group]().items():
             recs, ev = run(name, overrides)
             curves[name] = recs
             row = {"steps": len(recs), "final_loss": final(recs), "eval_loss": ev, "tokens": recs[-1]["tokens"]}
-            if group == "noise":
+            if group == "adaptive":
+                row["batch_sizes"] = {int(r["step"]): int(r["batch_size"]) for r in recs
+                                      if r is recs[0] or r["batch_size"] != recs[recs.index(r) - 1]["batch_size"]}
+            if group in ("noise", "adaptive"):
                 ns = [r["noise_scale"] for r in recs if "noise_scale" in r]
                 row["noise_scale"] = {"first": ns[0], "last": ns[-1], "max": max(ns)}
             results[name] = row
             print(f"{name:>32}: {row['steps']:>4} steps, {row['tokens'] / 1e6:.3f} M tokens, final loss "
                   f"{row['final_loss']:.4f}, eval {ev:.4f}" + (f", noise scale {row['noise_scale']}"
-                                                              if group == "noise" else ""), flush=True)
+                                                              if "noise_scale" in row else "")
+                  + (f", batch from step {row['batch_sizes']}" if "batch_sizes" in row else ""), flush=True)
+        if group == "ramp":
+            ramp_curves = dict(curves)
         img = Path(args.img) / f"large_batch_{group}.png"
         if group == "noise":
             plot(img, curves, "noise_scale", "B_simple (sequences)", "Gradient noise scale, batch 32")
         else:
             plot(img, curves, "loss", "train loss", {"scaling": "Batch 32 to 512 at equal tokens",
-                                                      "ramp": "Batch ramp vs learning-rate decay"}[group])
+                                                      "ramp": "Batch ramp vs learning-rate decay",
+                                                      "adaptive": "Batch grown by the noise scale"}[group])
         print(f"wrote {img}")
     if args.json:
         write_json(args.json, {"environment": env, "results": results})
