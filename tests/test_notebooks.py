@@ -1,6 +1,8 @@
 """Notebooks run top to bottom on simulated devices (in a fresh kernel)."""
+import json
 import os
 import pathlib
+import re
 
 import nbformat
 import pytest
@@ -17,10 +19,12 @@ EXPECTED = {
     "04_relaxed_sync.ipynb": ["all-reduce | replica", "DiLoCo H=1", "modelled time", "saved relaxed_losses.png"],
     "05_planning.ipynb": ["N_d = 64: 120.0 GB / 31.4 GB / 16.6 GB / 1.9 GB", "rank | plan",
                           "all-reduce 1,073,741,824 B on 8 x h100: best rabenseifner", "cpu_sim link: alpha"],
+    "06_large_batch.ipynb": ["batch  1024: linear 0.400   sqrt 0.200", "trust ratio + decay: 9 matrices; skipped: 8",
+                             "B_simple (rows) at steps", "saved noise_scale.png", "decisions [step, batch]: [[0, 16], "],
 }
 
 
-SLOW = {"03_compression.ipynb"}     # about a minute: in the slow pass (CI runs both)
+SLOW = {"03_compression.ipynb", "06_large_batch.ipynb"}     # 35-60 s each: in the slow pass (CI runs both)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in EXPECTED])
@@ -35,6 +39,12 @@ def test_notebook_executes(name, tmp_path):
     if name == "02_pipelines.ipynb":   # the pipelined losses equal the single-device ones
         diff = float(outputs.split("max relative difference:")[1].split()[0])
         assert diff < 1e-5
+    if name == "06_large_batch.ipynb":    # LAMB under ZeRO-3 on 8 devices = one device
+        one, eight = map(float, re.search(r"one device (\S+), ZeRO-3 on 8 devices (\S+)", outputs).groups())
+        assert abs(one - eight) <= 1e-4 * abs(one), (one, eight)
+        assert float(outputs.split("relative to the largest: ")[1].split()[0]) < 3e-2   # Adam-like: <= lr x steps
+        grown = json.loads(outputs.split("decisions [step, batch]: ")[1].splitlines()[0])
+        assert len(grown) > 1 and all(b in (16, 32, 64) for _, b in grown)   # it grew, among the allowed sizes
     if name == "04_relaxed_sync.ipynb":   # DiLoCo with H = 1 and a plain outer step is data parallelism
         assert float(outputs.split("max relative gap:")[1].split()[0]) < 1e-5
         inner = outputs.split("inner step:")[1].split("sync step:")[0]
