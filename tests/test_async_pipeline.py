@@ -296,3 +296,70 @@ def test_checkpoint_of_another_schedule_resumes_2bw_with_equal_versions(tmp_path
     assert any("W(t-1) = W(t)" in str(w.message) for w in caught)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored.versions),
                                                     jax.tree.leaves(restored.params)))
+
+
+def test_train_loop_runs_k_steps_per_call_and_resumes(tmp_path):
+    """``train(..., steps_per_call=4)`` with the no-flush 2BW program: the stacked batches of its
+    steps, a record per logged step, a checkpoint between calls, and a resume from it all equal
+    the program called by hand (bit for bit)."""
+    import json
+
+    from jaxpar.train.loop import LogOptions, train
+
+    tx, k = optax.sgd(0.5), 4
+    batches = _batches()
+    mesh, state0, layout, _ = _two_bw(2, tx)
+    step = jaxpar.make_train_step(lm_loss, tx, layout, _strategy(2), steps_per_call=k)
+    fresh = lambda: jax.tree.map(lambda x: x.copy(), state0)  # noqa: E731  (the step donates its state)
+    by_hand, losses = fresh(), []
+    for c in range(0, STEPS, k):
+        by_hand, m = step(by_hand, _stacked(batches[c:c + k]))
+        losses += [float(x) for x in m["loss"]]
+    log = LogOptions(log_every=k, out_dir=str(tmp_path / "out"), progress="none", plot=False)
+    with Checkpointer(tmp_path / "ck", every=k, async_save=False) as ck:
+        state, summary = train(step, fresh(), lambda t: batches[t], mesh=mesh, steps=STEPS, steps_per_call=k,
+                               checkpointer=ck, log=log)
+        assert summary.losses == losses and ck.steps() == [4, 8]
+        for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(by_hand))):
+            assert np.array_equal(a, b)
+        recs = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
+        assert [r["step"] for r in recs] == [4, 8]
+        assert abs(recs[1]["loss"] - np.mean(losses[4:])) < 1e-6
+        resumed = ck.restore(layout, step=4).state
+        resumed, _ = train(step, resumed, lambda t: batches[t], mesh=mesh, steps=4, steps_per_call=k,
+                           log=LogOptions(log_every=k, progress="none"))
+    for a, b in zip(jax.tree.leaves(jax.device_get(resumed)), jax.tree.leaves(jax.device_get(by_hand))):
+        assert np.array_equal(a, b)
+    for kw, match in [(dict(steps=6), "steps=6 is not a multiple of 4"),
+                      (dict(steps=8, log=LogOptions(log_every=2, progress="none")), "log_every=2"),
+                      (dict(steps=8, steps_per_call=0), "steps_per_call")]:
+        with pytest.raises(ValueError, match=match):
+            train(step, fresh(), lambda t: batches[t], mesh=mesh, **{"steps_per_call": k, **kw})
+
+
+@pytest.mark.slow        # four compiles, ~90 s on 2 cores
+def test_no_flush_program_memory_is_flat_in_m():
+    """Acceptance 3 for the K-step program: same micro-batch size, m = 4 -> 16, its temporaries
+    grow <= 1.25x (at most p micro-batches' residuals live, as in 1F1B: with this model GPipe's
+    grow >= 2.5x, tests/test_pipeline.py), and it holds 1F1B's arguments plus one version."""
+    import jax.numpy as jnp
+
+    cfg = GPTConfig(vocab=64, seq_len=64, embed=32, heads=4, layers=4)
+    tx, k, rows = optax.sgd(0.1), 2, 4          # 4 rows per micro-batch: 1 per data replica
+    mem = {}
+    for m in (4, 16):
+        mesh, state, layout, _ = _two_bw(2, tx, m=m, cfg=cfg)
+        step = jaxpar.make_train_step(lm_loss, tx, layout, _strategy(2, m), steps_per_call=k)
+        batches = {n: jax.ShapeDtypeStruct((k, m * rows, cfg.seq_len), jnp.int32) for n in ("tokens", "targets")}
+        mem[m] = step.lower(state, batches).compile().memory_analysis()
+    flush = jaxpar.Strategy(microbatches=4, schedule="1f1b")
+    s1, l1 = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, flush)
+    one = jaxpar.make_train_step(lm_loss, tx, l1, flush).lower(
+        s1, {n: jax.ShapeDtypeStruct((4 * rows, cfg.seq_len), jnp.int32) for n in ("tokens", "targets")}
+    ).compile().memory_analysis()
+    t4, t16 = mem[4].temp_size_in_bytes, mem[16].temp_size_in_bytes
+    assert t16 <= 1.25 * t4, (t4, t16)
+    per_device = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(s1.params))
+    batch_bytes = lambda m: k * 2 * m * rows // 4 * cfg.seq_len * 4   # noqa: E731  (tokens + targets, per device)
+    assert mem[4].argument_size_in_bytes - batch_bytes(4) == (one.argument_size_in_bytes - batch_bytes(4) // k
+                                                              + per_device), (mem[4], one)

@@ -99,14 +99,32 @@ def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy = St
     return evaluate
 
 
+def _check_steps_per_call(k: Any, **values: Any) -> None:
+    """``train(steps_per_call=k)``: an int >= 1 dividing every interval (the loop acts between calls)."""
+    _check_int("train", "steps_per_call", k, 1)
+    if k == 1:
+        return
+    if isinstance(values.pop("ramp"), AdaptiveRamp):
+        raise ValueError(f"train(steps_per_call={k}) with an adaptive batch ramp: the batch can change only between "
+                         "calls; use a fixed ramp, or steps_per_call=1.")
+    names = {"steps": "steps", "start": "the start step", "log_every": "log_every", "eval_every": "eval_every",
+             "checkpoint_every": "the checkpointer's every", "stop_check_every": "stop_check_every"}
+    for key, value in values.items():
+        if value % k:
+            raise ValueError(f"train(steps_per_call={k}): {names[key]}={value} is not a multiple of {k}; each call "
+                             f"runs {k} optimizer steps and the loop logs, evaluates, checkpoints and stops only "
+                             f"between calls. Make it a multiple of {k}.")
+
+
 class _Run:
     """One :func:`train` call: the per-step body and the work at log, checkpoint, stop and eval points."""
 
     def __init__(self, step_fn: Callable, batch_fn: Callable[[int], Any], mesh, log: LogOptions, *,
                  start: int, end: int, on_nonfinite: str, max_inflight: int, checkpointer: Any,
                  checkpoint_meta: dict | None, eval_fn: Callable[[Any], float] | None, eval_every: int,
-                 ramp: Any = None):
+                 ramp: Any = None, steps_per_call: int = 1):
         self.step_fn, self.batch_fn, self.mesh, self.log = step_fn, batch_fn, mesh, log
+        self.k = steps_per_call
         self.ramp = ramp if isinstance(ramp, AdaptiveRamp) else None
         self.start, self.end, self.max_inflight = start, end, max_inflight
         self.checkpointer, self.checkpoint_meta = checkpointer, checkpoint_meta
@@ -122,12 +140,18 @@ class _Run:
     def step(self, state: Any, step: int) -> tuple[Any, Any]:
         """Dispatch step ``step`` (asynchronous, at most ``max_inflight`` ahead of the device).
         Returns the new state and the step's device metrics."""
-        batch = make_global_batch(self.batch_fn, step, self.mesh)   # own rows per process, built ahead
+        if self.k == 1:
+            batch = make_global_batch(self.batch_fn, step, self.mesh)   # own rows per process, built ahead
+        else:               # steps_per_call: the k global batches stacked, [k, B, ...]
+            batch = jax.tree.map(lambda *xs: jnp.stack(xs),
+                                 *[make_global_batch(self.batch_fn, s, self.mesh) for s in range(step, step + self.k)])
         self.meter.wait_inflight(self.max_inflight)
         state, metrics = self.step_fn(state, batch)
-        rows = jax.tree.leaves(batch)[0].shape[0]
-        self.meter.add(step + 1, {**metrics, "batch_size": rows} if isinstance(metrics, dict) else metrics)
-        self.bar.advance()
+        rows = jax.tree.leaves(batch)[0].shape[0 if self.k == 1 else 1]
+        if isinstance(metrics, dict):
+            metrics = {**metrics, "batch_size": rows if self.k == 1 else jnp.full((self.k,), rows)}
+        self.meter.add(step + self.k, metrics, self.k)
+        self.bar.advance(self.k)
         return state, metrics
 
     def grow_batch(self, state: Any, done: int) -> None:
@@ -144,7 +168,7 @@ class _Run:
     def sync(self, state: Any, done: int, metrics: Any, stop: bool) -> None:
         """At log and checkpoint points (and before stopping): fetch and check the metrics, record, save."""
         ck = self.checkpointer
-        is_log = done == self.start + 1 or done % self.log.log_every == 0 or done == self.end or stop
+        is_log = done == self.start + self.k or done % self.log.log_every == 0 or done == self.end or stop
         save = ck is not None and (ck.should_save(done) or done == self.end or stop)
         if is_log or save:
             jax.block_until_ready(metrics)
@@ -244,7 +268,8 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
           start_step: int | None = None, eval_fn: Callable[[Any], float] | None = None, eval_every: int = 0,
           checkpointer: Any = None, checkpoint_meta: dict | None = None, on_nonfinite: str = "stop",
           handle_signals: bool = True, max_inflight: int = 2, stop_check_every: int | None = None,
-          ramp: Any = None, log: LogOptions | None = None, **log_options: Any) -> tuple[Any, TrainSummary]:
+          ramp: Any = None, steps_per_call: int = 1, log: LogOptions | None = None,
+          **log_options: Any) -> tuple[Any, TrainSummary]:
     """Run ``steps`` train steps from ``start_step`` (default: ``int(state.step)``).
 
     ``batch_fn(step)``: the host batch of global step ``step`` (placed with
@@ -267,6 +292,10 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
     ``ramp.every`` steps from the state's noise scale; its decisions go into ``batch_ramp``
     records and the checkpoints' ``meta["batch_ramp"]`` (restore them with
     ``ramp.load_state_dict`` before resuming). A fixed ramp needs no ``ramp`` argument.
+    ``steps_per_call=k``: each call of ``step_fn`` runs ``k`` optimizer steps (PipeDream-2BW's
+    ``make_train_step(..., steps_per_call=k)``): it gets the ``k`` batches stacked (every leaf
+    ``[k, B, ...]``) and returns metrics with a leading ``k``; ``steps``, the start step and
+    the log, eval and checkpoint intervals must be multiples of ``k``.
 
     Example::
 
@@ -291,23 +320,26 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
     if on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"train(on_nonfinite={on_nonfinite!r}): choose one of {', '.join(NONFINITE_MODES)}.")
     start = int(state.step) if start_step is None else int(start_step)
+    _check_steps_per_call(steps_per_call, steps=steps, start=start, log_every=log.log_every, eval_every=eval_every,
+                          checkpoint_every=getattr(checkpointer, "every", 0), stop_check_every=stop_check_every,
+                          ramp=ramp)
     if isinstance(ramp, AdaptiveRamp) and not (isinstance(state.stats, dict) and NOISE_KEY in state.stats):
         raise ValueError("train(ramp=AdaptiveRamp(...)): the batch grows toward the measured gradient noise scale, "
                          "but the state measures none; build it with jaxpar.train.noise_scale.with_noise_scale and "
                          "the step with make_train_step(..., noise_scale_every=k).")
     run = _Run(step_fn, batch_fn, mesh, log, start=start, end=start + steps, on_nonfinite=on_nonfinite,
                max_inflight=max_inflight, checkpointer=checkpointer, checkpoint_meta=checkpoint_meta,
-               eval_fn=eval_fn, eval_every=eval_every, ramp=ramp)
+               eval_fn=eval_fn, eval_every=eval_every, ramp=ramp, steps_per_call=steps_per_call)
     done, preempted = start, None
     try:
         agreement = StopAgreement(stop_check_every)
         with StopSignals(handle_signals) as signals:
-            for step in range(start, start + steps):
+            for step in range(start, start + steps, steps_per_call):
                 state, metrics = run.step(state, step)
-                done = step + 1
+                done = step + steps_per_call
                 run.grow_batch(state, done)
                 # several processes: the same answer in all; checked after the first step too
-                preempted = agreement.check(done, signals.received, due=done == start + 1)
+                preempted = agreement.check(done, signals.received, due=done == start + steps_per_call)
                 run.sync(state, done, metrics, stop=preempted is not None)
                 if preempted is not None:
                     run.report_stop(done, preempted, agreement.processes)

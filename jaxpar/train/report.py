@@ -192,9 +192,9 @@ class _Progress:
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
-    def advance(self) -> None:
+    def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(steps)
 
     def log(self, text: str, postfix: dict | None = None) -> None:
         if self.bar is not None:
@@ -232,15 +232,21 @@ class _Meter:
         if len(self.pending) >= max_inflight:
             jax.block_until_ready(self.pending[-max_inflight][1])
 
-    def add(self, done: int, metrics: Any) -> None:
-        self.pending.append((done, metrics))
+    def add(self, done: int, metrics: Any, steps: int = 1) -> None:
+        """The device metrics of the step ending at ``done``; with ``steps > 1``, of the ``steps`` steps
+        ending there (every metric has a leading axis of that length)."""
+        self.pending.append((done, metrics, steps))
 
     def fetch(self) -> None:
         """Bring the pending metrics to the host; report (or stop at) non-finite steps."""
         pending, self.pending = self.pending, []
         if not pending:
             return
-        for (s, _), m in zip(pending, jax.device_get([m for _, m in pending])):
+        fetched = []
+        for (done, _, k), m in zip(pending, jax.device_get([m for _, m, _ in pending])):
+            fetched += [(done, m)] if k == 1 else [(done - k + 1 + i, {key: v[i] for key, v in m.items()})
+                                                   for i in range(k)]
+        for s, m in fetched:
             loss, gnorm = float(m["loss"]), float(m["grad_norm"])
             skipped = bool(m.get("skipped", False))
             self.losses.append(loss)
