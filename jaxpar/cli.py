@@ -110,7 +110,7 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     strategy = C.build_strategy(cfg.parallel)
     model_fn = C.build_model_fn(cfg.model, cfg.train.seed)
     tx, schedule = C.build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=cfg.data.batch_size,
-                                     model_fn=model_fn)
+                                     model_fn=model_fn, updates_per_step=_updates_per_step(cfg))
     loss_fn = C.build_loss_fn(cfg.model)
     ramp = C.build_ramp(cfg.data)      # an adaptive ramp decides during the run; batch_fn reads it
     batch_fn, eval_batches = C.build_data(cfg.data, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab,
@@ -144,7 +144,8 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     tokens = _describe_data(cfg, batch_fn)
 
     step = make_train_step(loss_fn, tx, layout, strategy, clip_norm=cfg.optimizer.clip_norm, lr_schedule=schedule,
-                           skip_nonfinite=True, noise_scale_every=noise.every, noise_scale_ema=noise.ema)
+                           skip_nonfinite=True, noise_scale_every=noise.every, noise_scale_ema=noise.ema,
+                           steps_per_call=cfg.parallel.steps_per_call)
     evaluate = make_eval_fn(loss_fn, layout, strategy, eval_batches) if eval_batches else None
     return _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, evaluate, n_params,
                                    title=f"{cfg.name}: {strategy.name(sizes)}", tokens_per_batch=tokens, ramp=ramp)
@@ -161,6 +162,15 @@ def _comm_bytes(layout) -> int:
     specs = jax.tree.leaves(layout.comm, is_leaf=lambda x: isinstance(x, PartitionSpec))
     return sum(a.size * a.dtype.itemsize // spec_shards(spec, sizes)
                for a, spec in zip(jax.tree.leaves(layout.comm_shapes), specs))
+
+
+def _updates_per_step(cfg) -> int:
+    """Optimizer updates per train step: ``microbatches / update_every`` per stage for PipeDream weight
+    stashing (``parallel.schedule: pipedream`` on a pipeline), else 1."""
+    stashing = str(cfg.parallel.schedule).lower().replace("_", "-") in ("pipedream", "weight-stashing")
+    if stashing and cfg.mesh.pipe > 1:
+        return max(1, cfg.parallel.microbatches // cfg.parallel.update_every)
+    return 1
 
 
 def _describe_data(cfg, batch_fn) -> int | None:
@@ -247,7 +257,7 @@ def _train_with_checkpoints(cfg, state, layout, step, batch_fn, eval_batches, ev
         state, summary = train(step, state, batch_fn, mesh=layout.mesh, steps=cfg.train.steps - start,
                                start_step=start, eval_fn=evaluate, eval_every=cfg.train.eval_every,
                                checkpointer=ckpt, checkpoint_meta=meta, on_nonfinite=cfg.train.on_nonfinite,
-                               ramp=ramp, log=log)
+                               ramp=ramp, steps_per_call=cfg.parallel.steps_per_call, log=log)
     except NonFiniteError as e:
         print(f"jaxpar train: error: {e}", file=sys.stderr)
         return 1

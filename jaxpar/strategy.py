@@ -45,7 +45,11 @@ class Strategy:
     - ``microbatches``: gradient accumulation steps inside one train step.
     - ``compute_dtype``: ``'float32'`` or ``'bfloat16'`` (fp32 master weights).
     - ``extra_rules``: user rules placed *before* jaxpar's (first match wins).
-    - ``schedule`` (``pipe > 1``): ``'gpipe'``, ``'1f1b'``, ``'interleaved'`` or ``'zb-h1'``.
+    - ``schedule`` (``pipe > 1``): ``'gpipe'``, ``'1f1b'``, ``'interleaved'``, ``'zb-h1'``,
+      ``'pipedream-2bw'`` or ``'pipedream'`` (weight stashing, :mod:`jaxpar.pipeline.stashing`).
+    - ``update_every`` / ``vertical_sync`` (``'pipedream'`` only): each stage updates its weights
+      after every ``update_every`` of its backwards; with ``vertical_sync`` every stage runs a
+      micro-batch on the version stage 0 used for it.
     - ``virtual_stages``: model chunks per pipeline stage (``interleaved`` only).
     - ``stage_layers``: layers of each virtual stage (uneven pipelines, e.g. from
       :func:`jaxpar.pipeline.partition_layers`); ``None`` splits evenly; ``'auto'``
@@ -67,6 +71,8 @@ class Strategy:
     stage_layers: tuple | str | None = None
     compression: Any = None
     sync: Any = None
+    update_every: int = 1
+    vertical_sync: bool = False
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:
@@ -82,6 +88,15 @@ class Strategy:
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"Strategy.virtual_stages={self.virtual_stages} needs schedule='interleaved' "
                              f"(got {self.schedule!r}); the other schedules run one chunk per stage.")
+        if isinstance(self.update_every, bool) or not isinstance(self.update_every, int) or self.update_every < 1:
+            raise ValueError(f"Strategy.update_every={self.update_every!r}: must be a positive int (backwards per "
+                             "stage update, schedule='pipedream').")
+        if not isinstance(self.vertical_sync, bool):
+            raise ValueError(f"Strategy.vertical_sync={self.vertical_sync!r}: must be True or False.")
+        if (self.update_every != 1 or self.vertical_sync) and self.schedule != "pipedream":
+            raise ValueError(f"Strategy.update_every={self.update_every}, vertical_sync={self.vertical_sync} are "
+                             f"weight-stashing options, but schedule={self.schedule!r} flushes the pipeline every "
+                             "step (one weight version): use schedule='pipedream', or drop them.")
         if self.stage_layers is not None and self.stage_layers != "auto":
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.compression is not None:
@@ -121,6 +136,8 @@ class Strategy:
         if piped:
             parts += [f"pp{mesh_sizes['pipe']}", self.schedule]
             parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
+            parts += [f"k{self.update_every}"] if self.update_every > 1 else []
+            parts += ["vsync"] if self.vertical_sync else []
             parts += [f"m{self.microbatches}"]
         for axis, label in (("data", "dp"), ("fsdp", "fsdp"), ("tensor", "tp")):
             if mesh_sizes.get(axis, 1) > 1:

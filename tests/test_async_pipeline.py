@@ -256,9 +256,18 @@ def test_2bw_in_yaml():
     assert cfg.parallel.schedule == "pipedream-2bw"
     for overrides, match in [(["parallel.microbatches=1"], r"parallel.schedule='pipedream-2bw'.*m >= 2"),
                              (["mesh.pipe=1", "mesh.data=4"], r"needs mesh.pipe > 1"),
-                             (["parallel.compression={kind: qsgd}"], r"parallel.compression with parallel.sched")]:
+                             (["parallel.compression={kind: qsgd}"], r"parallel.compression with parallel.sched"),
+                             (["parallel.steps_per_call=4", "train.log_every=6"],
+                              r"train.log_every=6 is not a multiple of parallel.steps_per_call=4"),
+                             (["parallel.steps_per_call=0"], r"parallel.steps_per_call=0: must be an int >= 1"),
+                             (["parallel.steps_per_call=2", "parallel.schedule=1f1b"],
+                              r"steps_per_call=2 needs a schedule that does not flush")]:
         with pytest.raises(ConfigError, match=match):
             load_config(QUICK, [*PIPE2, "parallel.schedule=pipedream-2bw", "parallel.microbatches=2", *overrides])
+    ok = load_config(QUICK, [*PIPE2, "parallel.schedule=pipedream-2bw", "parallel.microbatches=2",
+                             "parallel.steps_per_call=4", "train.steps=100", "train.log_every=20", "checkpoint.every=40",
+                             "train.eval_every=0"])
+    assert ok.parallel.steps_per_call == 4
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -69,7 +69,7 @@ BAD = [  # (override, text the error must contain)
     ("parallel.zero=5", "parallel.zero=5"),
     ("parallel.microbatches=0", "parallel.microbatches=0"),
     ("parallel.virtual_stages=2", "parallel.virtual_stages=2 needs parallel.schedule='interleaved'"),
-    ("parallel.schedule=pipedream", "parallel.schedule='pipedream': unknown schedule kind"),
+    ("parallel.schedule=pipedream-x", "parallel.schedule='pipedream-x': unknown schedule kind"),
     ("mesh.fsdp=0", "mesh.fsdp=0"),
     ("optimizer.schedule=constant", "'optimizer.schedule' was renamed to 'optimizer.lr_schedule'"),
     ("optimizer.lr_schedule=step", "optimizer.lr_schedule='step': unknown value"),
@@ -320,5 +320,5 @@ def test_schedule_prints_table_and_png(tmp_path, capsys):
     assert out.startswith("1f1b p=4 m=8 v=1 ticks=22") and "s3 |" in out and "bubble fraction 0.2727" in out
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["schedule", "--kind", "interleaved", "--stages", "2", "--microbatches", "4", "--virtual", "2"]) == 0
-    assert main(["schedule", "--kind", "pipedream", "--stages", "2", "--microbatches", "4"]) == 2
-    assert "unknown schedule kind 'pipedream'" in capsys.readouterr().err
+    assert main(["schedule", "--kind", "pipedream-x", "--stages", "2", "--microbatches", "4"]) == 2
+    assert "unknown schedule kind 'pipedream-x'" in capsys.readouterr().err

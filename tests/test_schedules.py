@@ -211,8 +211,8 @@ def test_bad_sizes(p, m, match):
 
 
 def test_get_schedule_errors():
-    with pytest.raises(ValueError, match=r"unknown schedule kind 'pipedream'.*gpipe, 1f1b, interleaved, zb-h1"):
-        get_schedule("pipedream", 2, 4)
+    with pytest.raises(ValueError, match=r"unknown schedule kind 'pipedream-x'.*gpipe, 1f1b, interleaved, zb-h1"):
+        get_schedule("pipedream-x", 2, 4)
     with pytest.raises(ValueError, match="only applies to kind 'interleaved'"):
         get_schedule("1f1b", 2, 4, v=2)
     with pytest.raises(ValueError, match="Action kind"):

@@ -161,7 +161,8 @@ def build_strategy(cfg: ParallelConfig) -> Strategy:
     try:
         return Strategy(zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, microbatches=cfg.microbatches,
                         compute_dtype=cfg.compute_dtype, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
-                        stage_layers=cfg.stage_layers, compression=codec, sync=sync)
+                        stage_layers=cfg.stage_layers, compression=codec, sync=sync,
+                        update_every=cfg.update_every, vertical_sync=cfg.vertical_sync)
     except ValueError as e:
         fallback = f"parallel.schedule={cfg.schedule!r}" if "schedule" in str(e) else "parallel"
         raise ConfigError(relabel(e, "Strategy", "parallel", _PARALLEL_KEYS, fallback)) from None
@@ -228,18 +229,22 @@ def build_trust_mask(cfg: OptimizerConfig, model_fn: Callable[[], nnx.Module] | 
 
 
 def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int | None = None,
-                    model_fn: Callable[[], nnx.Module] | None = None) -> tuple[optax.GradientTransformation, Callable]:
+                    model_fn: Callable[[], nnx.Module] | None = None,
+                    updates_per_step: int = 1) -> tuple[optax.GradientTransformation, Callable]:
     """``(tx, lr_schedule)``. Clipping is done by the train step (``clip_norm``), not by ``tx``.
 
     ``global_batch`` (``data.batch_size``): needed by ``optimizer.lr_scaling``; the schedule (logged as
     ``lr``) is the scaled one. ``model_fn``: lets lars / lamb read the parameters' logical names (stacked
     layers, :func:`build_trust_mask`) and check ``optimizer.trust_mask`` now; without it the mask is
-    taken from the arrays' ranks."""
+    taken from the arrays' ranks. ``updates_per_step``: how often ``tx`` is applied per train step
+    (PipeDream weight stashing: ``microbatches / update_every`` per stage); its schedule then reads
+    the step, ``count // updates_per_step``, so every update of step ``t`` uses the logged ``lr(t)``."""
     if cfg.name not in OPTIMIZERS:
         raise ConfigError(f"optimizer.name={cfg.name!r}: unknown optimizer; allowed: {', '.join(OPTIMIZERS)}.")
     schedule = build_lr_schedule(cfg, total_steps, global_batch)
     logical, mask = build_trust_mask(cfg, model_fn) if cfg.name in ("lars", "lamb") else (None, None)
-    tx = OPTIMIZERS[cfg.name](cfg, schedule, logical=logical, mask=mask)
+    inner = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
+    tx = OPTIMIZERS[cfg.name](cfg, inner, logical=logical, mask=mask)
     if cfg.name not in _OWN_DECAY and cfg.weight_decay:
         tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay), tx)
     return tx, schedule

@@ -191,6 +191,8 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
                 problems.append(why)
     problems += _sync_problems(par, sizes)
     problems += _two_bw_problems(par, p)
+    problems += _stashing_problems(cfg, sizes)
+    problems += _steps_per_call_problems(cfg)
     problems += _noise_scale_mesh_problems(cfg, sizes)
     t, dp, k = sizes["tensor"], sizes["data"] * sizes["fsdp"] * sizes.get("replica", 1), par.microbatches
     if gpt is not None:
@@ -235,6 +237,53 @@ def _two_bw_problems(par: ParallelConfig, p: int) -> list[str]:
     return [f"parallel.{key} with parallel.schedule={par.schedule!r} is not supported: the delayed gradient runs "
             f"through the plain pipelined step only. Remove parallel.{key}, or use parallel.schedule: 1f1b."
             for key in ("compression", "sync") if getattr(par, key)]
+
+
+def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
+    """``parallel.steps_per_call = K > 1``: a no-flush schedule, and the loop's intervals multiples of ``K``."""
+    k = cfg.parallel.steps_per_call
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        return [f"parallel.steps_per_call={k!r}: must be an int >= 1 (optimizer steps per compiled call)."]
+    if k == 1:
+        return []
+    if str(cfg.parallel.schedule).lower().replace("_", "-") not in ("pipedream-2bw", "2bw", "pipedream",
+                                                                    "weight-stashing"):
+        return [f"parallel.steps_per_call={k} needs a schedule that does not flush between steps "
+                f"(parallel.schedule: pipedream-2bw or pipedream), got parallel.schedule={cfg.parallel.schedule!r}."]
+    out = [f"{key}={value} is not a multiple of parallel.steps_per_call={k}: the loop logs, evaluates, checkpoints "
+           f"and stops only between calls of {k} steps. Make it a multiple of {k}."
+           for key, value in (("train.steps", cfg.train.steps), ("train.log_every", cfg.train.log_every),
+                              ("train.eval_every", cfg.train.eval_every), ("checkpoint.every", cfg.checkpoint.every))
+           if value % k]
+    if cfg.data.batch_ramp.get("adaptive"):
+        out.append(f"data.batch_ramp.adaptive with parallel.steps_per_call={k}: the batch can change only between "
+                   "calls; use a fixed ramp or parallel.steps_per_call: 1.")
+    return out
+
+
+def _stashing_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
+    """``parallel.schedule: pipedream`` (weight stashing): a pipeline, per-stage updates (no global clipping,
+    no sharded optimizer state), ``parallel.update_every`` dividing the micro-batches."""
+    par, p = cfg.parallel, sizes["pipe"]
+    if str(par.schedule).lower().replace("_", "-") not in ("pipedream", "weight-stashing"):
+        return []
+    key = f"parallel.schedule={par.schedule!r}"
+    if p <= 1:
+        return [f"{key} needs mesh.pipe > 1 (got mesh.pipe={p}): weight stashing is a pipeline schedule (each "
+                "stage updates its own weights). Set mesh.pipe, or parallel.schedule: 1f1b."]
+    out = [f"parallel.{k} with {key} is not supported: each stage updates inside the pipeline, where no codec or "
+           f"replica exchange runs. Remove parallel.{k}, or use parallel.schedule: 1f1b."
+           for k in ("compression", "sync") if getattr(par, k)]
+    if par.microbatches % par.update_every:
+        out.append(f"parallel.update_every={par.update_every} does not divide parallel.microbatches="
+                   f"{par.microbatches} ({key} updates each stage after every update_every of its backwards).")
+    if cfg.optimizer.clip_norm is not None:
+        out.append(f"optimizer.clip_norm={cfg.optimizer.clip_norm} with {key}: global-norm clipping needs every "
+                   "stage's gradient, but each stage updates alone. Set optimizer.clip_norm: null.")
+    if par.zero or sizes.get("fsdp", 1) > 1:
+        out.append(f"parallel.zero={par.zero} with {key} (mesh.fsdp={sizes.get('fsdp', 1)}): per-stage updates run "
+                   "on whole stage weights; use parallel.zero: 0 and mesh.fsdp: 1 (data / tensor work).")
+    return out
 
 
 def _sync_problems(par, sizes) -> list[str]:

@@ -71,7 +71,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     microbatches: int = 1           # accumulation steps; with mesh.pipe > 1 the pipeline's micro-batches
     compute_dtype: str = "float32"
-    schedule: str = "1f1b"          # PIPELINE schedule (pipe > 1): gpipe|1f1b|interleaved|zb-h1|pipedream-2bw
+    schedule: str = "1f1b"          # PIPELINE schedule (pipe > 1): gpipe|1f1b|interleaved|zb-h1|pipedream-2bw|pipedream
+    update_every: int = 1           # pipedream (weight stashing): each stage updates after every k of its backwards
+    vertical_sync: bool = False     # pipedream: every stage runs a micro-batch on the version stage 0 used
+    steps_per_call: int = 1         # pipedream / pipedream-2bw: optimizer steps per compiled call (no flush between)
     virtual_stages: int = 1         # interleaved: model chunks per stage
     stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (uneven); null = even
     # gradient codec over the data axes, e.g. {kind: powersgd, rank: 4}; {} = exact (see jaxpar.compression)

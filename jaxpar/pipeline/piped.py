@@ -97,12 +97,13 @@ def _stage_layers(strategy, cut: ModelCut, outer, blocks, microbatch, stages: in
 class StagedCut(NamedTuple):
     """The model cut for the executor (traced under ``jit``): ``parts`` (``outer`` pinned to its
     layout), ``stage(params) -> (outer, blocks [v, p, Lmax, ...])`` and ``grads(g_outer, g_blocks)``
-    back in the parameters' tree."""
+    back in the parameters' tree; ``model``: the :class:`~.cut.ModelCut` (its ``split`` / ``merge``)."""
 
     parts: PipelineParts
     stage_layers: tuple
     stage: Callable
     grads: Callable
+    model: Any = None
 
 
 def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, params, mbs) -> StagedCut:
@@ -128,7 +129,7 @@ def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, pa
     def grads(g_outer, g_blocks):
         return cut.merge(g_outer, from_stages(g_blocks, stage_layers, num_layers))
 
-    return StagedCut(_pinned(cut.parts, whole), tuple(stage_layers), stage, grads)
+    return StagedCut(_pinned(cut.parts, whole), tuple(stage_layers), stage, grads, cut)
 
 
 def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_specs: Any, grad_specs: Any,

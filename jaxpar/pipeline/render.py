@@ -31,7 +31,7 @@ def _lighten(hex_color: str, amount: float) -> tuple[float, float, float]:
 
 
 def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120, step_size: int | None = None,
-               boundaries: Sequence[int] = ()) -> str:
+               boundaries: Sequence[int] = (), updates: Sequence[tuple[int, int]] = ()) -> str:
     """Write a Gantt chart of ``schedule`` to ``path`` (PNG) and return the path.
 
     Rows are stages (stage 0 on top), boxes are actions labelled with the
@@ -40,7 +40,9 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120,
     (fused B twice as wide), whose idle share is the title's bubble fraction.
     ``step_size=m`` draws every other optimizer step's micro-batches (``i // m`` odd) lighter,
     and ``boundaries`` draws a dashed line before each of those ticks (the updates of a
-    schedule without flushes, :func:`jaxpar.pipeline.asynchronous.step_windows`).
+    schedule without flushes, :func:`jaxpar.pipeline.asynchronous.step_windows`). ``updates``:
+    ``(stage, tick)`` pairs drawn as a red bar at the end of that tick on that stage (weight
+    stashing's per-stage updates, :func:`jaxpar.pipeline.stashing.update_ticks`; unit-tick charts).
 
     >>> import os, shutil, tempfile
     >>> from jaxpar.pipeline.schedules import one_f_one_b
@@ -79,6 +81,8 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120,
                     color="black" if light > 0.25 else "white")
     for b in boundaries:
         ax.axvline(b, color="black", linestyle="--", linewidth=1.0)
+    for st, t in updates:
+        ax.plot([t + 1, t + 1], [st - 0.45, st + 0.45], color="#C44E52", linewidth=2.0)
     ax.set_xlim(0, span)
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_yticks(range(p))

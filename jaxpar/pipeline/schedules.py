@@ -1,4 +1,5 @@
-"""Pipeline-parallel schedules as plain data: the GPipe, 1F1B, interleaved, ZB-H1 and PipeDream-2BW tables.
+"""Pipeline-parallel schedules as plain data: the GPipe, 1F1B, interleaved, ZB-H1, PipeDream-2BW and
+PipeDream (weight stashing) tables.
 
 Pure Python (no JAX), so a schedule can be built, checked and measured anywhere
 and then handed to an executor. The table type and its dependency rules live in
@@ -28,7 +29,7 @@ from jaxpar.pipeline.table import (Action, Schedule, ScheduleError, check_int, n
 
 __all__ = [
     "Action", "Schedule", "ScheduleError", "SCHEDULE_KINDS",
-    "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "pipedream_2bw", "get_schedule",
+    "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "pipedream_2bw", "pipedream", "get_schedule",
     "canonical_kind",
     "validate", "stage_actions", "num_ticks", "duration", "timeline", "makespan",
     "bubble_fraction", "tick_bubble_fraction", "peak_in_flight", "to_text",
@@ -37,12 +38,13 @@ __all__ = [
 # ``doctest.testmod`` of this module also runs the examples of the re-exported functions.
 __test__ = {f.__name__: f for f in (validate, timeline, to_text)}
 
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream-2bw")
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream-2bw", "pipedream")
 _ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "one_f_one_b": "1f1b",
             "interleaved": "interleaved", "interleaved_1f1b": "interleaved",
             "interleaved-1f1b": "interleaved", "zb-h1": "zb-h1", "zbh1": "zb-h1",
             "zb_h1": "zb-h1", "zero_bubble": "zb-h1", "zero_bubble_h1": "zb-h1",
-            "pipedream-2bw": "pipedream-2bw", "pipedream_2bw": "pipedream-2bw", "2bw": "pipedream-2bw"}
+            "pipedream-2bw": "pipedream-2bw", "pipedream_2bw": "pipedream-2bw", "2bw": "pipedream-2bw",
+            "pipedream": "pipedream", "weight-stashing": "pipedream", "weight_stashing": "pipedream"}
 
 
 def _build(name: str, p: int, m: int, v: int, split: bool,
@@ -179,13 +181,33 @@ def pipedream_2bw(p: int, m: int, steps: int = 1) -> Schedule:
         raise ValueError(f"pipedream_2bw needs m >= p, got m={m} micro-batches for p={p} stages: it runs 1F1B's "
                          f"steady state, whose stages hold micro-batches of at most two steps (two weight "
                          f"versions) only when a step has enough of them; use m >= {p} (more micro-batches per step)")
-    n = m * steps
+    return _no_flush("pipedream-2bw", p, m * steps)
+
+
+def pipedream(p: int, m: int, steps: int = 1) -> Schedule:
+    """PipeDream with weight stashing (Narayanan et al. 2019): the same no-flush 1F1B table as
+    :func:`pipedream_2bw` over ``steps`` optimizer steps of ``m`` micro-batches (any ``m >= 1``),
+    read differently: every stage updates its own weights after its backwards (every
+    ``update_every`` of them) and runs each micro-batch's backward on the version its forward
+    used (:mod:`jaxpar.pipeline.stashing`). Stage ``s`` runs ``F(i)`` at tick ``2i + s`` and
+    ``B(i)`` at tick ``2i + 2p - 1 - s``: right after ``B(i - (p - s))``, as in 1F1B.
+
+    >>> [num_ticks(pipedream(4, 2, k)) for k in (1, 2, 3)]     # 2m + 2(p-1), then + 2m per step
+    [10, 14, 18]
+    """
+    _check_pm(p, m)
+    check_int("steps", steps, 1)
+    return _no_flush("pipedream", p, m * steps)
+
+
+def _no_flush(name: str, p: int, n: int) -> Schedule:
+    """1F1B's periodic steady state over ``n`` micro-batches: ``F(i)`` at ``2i + s``, ``B(i)`` at ``2i + 2p-1-s``."""
     table = [[None] * p for _ in range(2 * n + 2 * p - 2)]
     for i in range(n):
         for s in range(p):
             table[2 * i + s][s] = Action("F", i)
             table[2 * i + 2 * p - 1 - s][s] = Action("B", i)
-    sched = Schedule("pipedream-2bw", p, n, 1, table)
+    sched = Schedule(name, p, n, 1, table)
     validate(sched)
     return sched
 
@@ -210,4 +232,5 @@ def get_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
         return interleaved_1f1b(p, m, v)
     if v != 1:
         raise ValueError(f"v={v!r} virtual chunks only applies to kind 'interleaved'; use v=1 for {kind!r}")
-    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1, "pipedream-2bw": pipedream_2bw}[key](p, m)
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1, "pipedream-2bw": pipedream_2bw,
+            "pipedream": pipedream}[key](p, m)

@@ -46,7 +46,9 @@ class TrainState(NamedTuple):
     ``stats``: small running measurements kept across steps and checkpoints, a dict by feature
     (``{"noise_scale": ...}``, :mod:`jaxpar.train.noise_scale`), ``()`` when nothing is measured.
     ``versions``: older weight versions a pipeline schedule keeps (PipeDream-2BW: ``W(t-1)``, in
-    ``params``' layout; :mod:`jaxpar.pipeline.asynchronous`), ``()`` for the other schedules."""
+    ``params``' layout; :mod:`jaxpar.pipeline.asynchronous`; PipeDream weight stashing: a tuple of
+    ``ceil((p-1)/k)`` params-like trees, each stage's newest older versions first;
+    :mod:`jaxpar.pipeline.stashing`), ``()`` for the other schedules."""
 
     step: jax.Array
     params: Any
@@ -151,15 +153,18 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTrans
         comm_init, comm_specs, comm_shapes = compression_state(strategy.compression, layout, strategy.zero)
         comm_init = jax.jit(comm_init, out_shardings=named_shardings(comm_specs, mesh))
         layout = replace(layout, comm=comm_specs, comm_shapes=comm_shapes, comm_init=comm_init)
-    two_bw = _two_bw(strategy, mesh)
+    two_bw, stashed = _two_bw(strategy, mesh), _stashed(strategy, mesh)
     if two_bw:      # PipeDream-2BW keeps W(t-1) beside W(t), in the same layout
         layout = replace(layout, versions=layout.params, versions_shapes=layout.shapes)
+    if stashed:     # weight stashing keeps the newest older versions of every stage, newest first
+        layout = replace(layout, versions=(layout.params,) * stashed, versions_shapes=(layout.shapes,) * stashed)
 
     def init():
         with nnx.use_eager_sharding(False):
             model = model_fn()
         p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         older = jax.tree.map(jnp.copy, p) if two_bw else ()
+        older = tuple(jax.tree.map(jnp.copy, p) for _ in range(stashed)) if stashed else older
         return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), comm_init(), versions=older)
 
     state = jax.jit(init, out_shardings=layout.shardings())()
@@ -174,6 +179,16 @@ def _two_bw(strategy: Strategy, mesh: Mesh) -> bool:
         return False
     check_two_bw(strategy, mesh.shape)
     return is_two_bw(strategy, mesh.shape)
+
+
+def _stashed(strategy: Strategy, mesh: Mesh) -> int:
+    """Older weight versions the state keeps for PipeDream weight stashing (0: another schedule)."""
+    if strategy.schedule != "pipedream":
+        return 0
+    from ..pipeline.stashing import check_stashing, older_versions
+
+    check_stashing(strategy, mesh.shape)
+    return older_versions(mesh.shape["pipe"], strategy.update_every)
 
 
 def _init_relaxed(model_fn, tx, layout: StateLayout, strategy: Strategy) -> tuple[TrainState, StateLayout]:

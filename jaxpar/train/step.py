@@ -242,15 +242,26 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     moving averages of decay ``noise_scale_ema`` kept in ``state.stats`` (create the state with
     :func:`jaxpar.train.noise_scale.with_noise_scale`).
 
-    ``steps_per_call=K`` (PipeDream-2BW only): ``step(state, batches)`` runs ``K`` optimizer steps
-    of the no-flush pipeline in one program, ``batches`` stacked ``[K, B, ...]``, metrics ``[K]``
-    (:mod:`jaxpar.pipeline.nonstop`).
+    ``steps_per_call=K`` (PipeDream-2BW and weight stashing): ``step(state, batches)`` runs ``K``
+    optimizer steps of the no-flush pipeline in one program, ``batches`` stacked ``[K, B, ...]``,
+    metrics ``[K]`` (:mod:`jaxpar.pipeline.nonstop`, :mod:`jaxpar.pipeline.stashed`).
+    ``schedule='pipedream'`` (weight stashing) updates every stage inside the pipeline
+    (:mod:`jaxpar.pipeline.stashed`); it takes no ``clip_norm``.
     """
     mesh = layout.mesh
     if noise_scale_every is not None:
         from .noise_measure import check_measurable   # the noise scale loads only when used
 
         check_measurable(layout, strategy, noise_scale_every, noise_scale_ema)
+    if strategy.schedule == "pipedream":    # weight stashing: per-stage updates inside the pipeline
+        from ..pipeline.stashed import make_stashing_step
+
+        if noise_scale_every is not None:
+            raise ValueError(f"noise_scale_every={noise_scale_every} with schedule='pipedream': the noise scale "
+                             "needs one global gradient per step, which weight stashing never forms.")
+        return make_stashing_step(loss_fn, tx, layout, strategy, steps_per_call, clip_norm=clip_norm,
+                                  lr_schedule=lr_schedule, donate=donate, skip_nonfinite=skip_nonfinite,
+                                  explicit_dp=explicit_dp)
     two_bw = strategy.schedule == "pipedream-2bw"
     if two_bw:      # PipeDream-2BW: the gradient at W(t-1) (state.versions) updates W(t)
         from ..pipeline.asynchronous import check_two_bw_step

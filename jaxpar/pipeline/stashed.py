@@ -1,0 +1,373 @@
+"""The PipeDream weight-stashing train step: per-stage updates inside the pipeline's tick loop.
+
+:func:`make_stashing_step` (``make_train_step`` with ``Strategy(schedule='pipedream')``) runs
+:func:`~jaxpar.pipeline.schedules.pipedream` ``(p, m, K)`` (``K = steps_per_call`` optimizer
+steps, one tick loop) with the rule of :mod:`jaxpar.pipeline.stashing`. Inside the
+``shard_map`` (manual over ``pipe``) every stage carries:
+
+* a buffer of weight versions, ``[n_slots + 1, ...]`` (its layers and its own copy of the
+  parameters around the blocks, ``outer``); the lowering (:func:`~.stashing.lower_stashed`)
+  gives each (tick, stage) the slot F / B read and, after an update, the slots it reads and
+  writes, assigned by interval colouring like the executor's residual slots;
+* its own optimizer state (the stage's rows of the block leaves, its copy of ``outer``'s).
+
+A backward whose micro-batch ends an ``update_every`` group runs, in the same switch branch,
+``tx.update`` on the stage's gradient (the group's mean) and writes the new version. The
+gradient is reduced over the data axes by XLA inside the stage (those axes stay automatic):
+the accumulator is replicated over them, so each backward's weight gradient is all-reduced
+over the stage's data devices before it is added, and the update reads the reduced sum.
+
+``outer`` leaves belong to the stage that reads them: those read before the blocks (``pre``)
+to stage 0, those read after (``post``) to stage ``p - 1`` (a leaf read by neither follows
+stage 0); a leaf read by both (tied embeddings) is an error. Every stage updates its copy, and
+the train state keeps the owner's. The optimizer must update each stage's parameters from
+their own values and gradients alone (SGD, Adam, AdamW...): :func:`check_per_stage_optimizer`
+probes it and names one that does not (global-norm clipping, a trust ratio over a whole stacked
+leaf). ``clip_norm`` (global, across stages) is an error.
+
+The train state holds the current version (``params``) and the ``ceil((p-1)/k)`` older ones
+(``versions``, newest first), per stage; so a call starts where a never-draining pipeline would
+be, and a checkpoint resumes bit-exact. Metrics per step: ``loss`` (mean over its ``m``
+micro-batches), ``grad_norm`` (root mean square over the step's updates of the norm of all
+stages' update gradients), ``skipped`` (some stage skipped a non-finite update) and ``lr``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.extend.core import Literal
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ..batch import batch_sharding, check_batch, split_microbatches
+from ..blocks import use_layer_runner
+from ..mesh import batch_axes
+from ..rules import drop_axes, path_str, use_rules
+from .executor import (PIPE, TICKS_SCOPE, ActionKind, SlotView, Slots, TickIO, _exchange, _get, _index,
+                       _initial_state, _put, _read, _Stage, _stage_counts, _table, _write)
+from .partition import from_stages, to_stages
+from .piped import check_pipeline_strategy, staged_cut
+from .schedules import pipedream
+from .stashing import StashingError, StashProgram, check_stashing, lower_stashed
+
+__all__ = ["make_stashing_step", "check_stashing_step", "check_per_stage_optimizer"]
+
+
+class _View(NamedTuple):
+    base: SlotView
+    w_use: Any      # (outer, blocks [1, Lmax, ...]): the version F / B reads
+    w_cur: Any      # the newest version (an update's input)
+    opt: Any
+
+
+class _IO(NamedTuple):
+    base: TickIO
+    w_new: Any
+    opt: Any
+    gsq: Any        # squared norm of the update's gradient (0 without an update)
+    skip: Any
+
+
+class _Weights(NamedTuple):
+    w: Any          # (outer [n_slots + 1, ...], blocks [n_slots + 1, 1, Lmax, ...]); the last slot discards
+    opt: Any
+    gsq: Any        # [K] per optimizer step
+    skips: Any      # [K]
+
+
+class _StashStage(_Stage):
+    """A stage of the stashing table: F / B on the version the tick reads; an update after the
+    backward that ends an ``update_every`` group; losses summed per optimizer step."""
+
+    def __init__(self, parts, program, counts, w0, mbs, *, m, k, tx, cut, cast, skip_nonfinite):
+        super().__init__(parts, program, counts, w0[0], w0[1], mbs)
+        self.m, self.per_step = k, m         # gradients: the mean over an update's k micro-batches
+        self.tx, self.cut, self.cast, self.skip_nonfinite = tx, cut, cast, skip_nonfinite
+        self._w = w0
+
+    def chunk_params(self, sl: Slots):
+        return _index(self._w[1], sl.chunk)
+
+    def outer_params(self, sl: Slots):
+        return self._w[0]
+
+    def read(self, st, sl: Slots) -> SlotView:
+        return _read(st._replace(loss=_get(st.loss, sl.mb // self.per_step)), sl)
+
+    def write(self, st, sl: Slots, io: TickIO):
+        return _write(st, sl, io)._replace(loss=_put(st.loss, sl.mb // self.per_step, io.loss))
+
+    def stash_branch(self, kind: tuple) -> Callable[[_View, Slots], _IO]:
+        base, update = self.branch(ActionKind(*kind[:3])), kind[3]
+        zero = jnp.zeros((), jnp.float32)
+
+        def run(view: _View, sl: Slots) -> _IO:
+            self._w = self.cast(view.w_use)
+            io = base(view.base, sl)
+            if not update:
+                return _IO(io, view.w_cur, view.opt, zero, zero)
+            w_new, opt, gsq, skip = self._update(view.w_cur, view.opt, io.g_outer, io.g_chunk)
+            io = io._replace(g_chunk=jax.tree.map(jnp.zeros_like, io.g_chunk),
+                             g_outer=jax.tree.map(jnp.zeros_like, io.g_outer))
+            return _IO(io, w_new, opt, gsq, skip)
+
+        return run
+
+    def _update(self, w_cur, opt, g_outer, g_chunk):
+        """The stage's optimizer step on its newest version (one chunk: ``[Lmax, ...]`` layers)."""
+        params = self.cut.merge(list(w_cur[0]), _index(w_cur[1], 0))
+        grads = self.cut.merge(list(g_outer), g_chunk)
+        updates, new_opt = self.tx.update(grads, opt, params)
+        new = optax.apply_updates(params, updates)
+        gsq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+        skip = jnp.zeros((), jnp.float32)
+        if self.skip_nonfinite:
+            ok = jnp.isfinite(gsq)
+            new, new_opt = jax.tree.map(lambda a, b: jnp.where(ok, a, b), (new, new_opt), (params, opt))
+            skip = jnp.logical_not(ok).astype(jnp.float32)
+        outer, blocks = self.cut.split(new)
+        return (outer, jax.tree.map(lambda a: a[None], blocks)), new_opt, gsq, skip
+
+
+def _tick(stage: _StashStage, table, branches, carry, xs):
+    st, ws = carry
+    row, vrow = xs
+    i = stage.index
+    sl = Slots(*(_get(a, i) for a in row.slots))
+    ver, cur, new = (_get(a, i) for a in vrow)
+    view = _View(stage.read(st, sl), _index(ws.w, ver), _index(ws.w, cur), ws.opt)
+    io = jax.lax.switch(_get(row.kind, i), branches, view, sl)
+    st = _exchange(stage.write(st, sl, io.base), table, row, i, io.base)
+    step = sl.mb // stage.per_step
+    w = jax.tree.map(lambda b, x: _put(b, new, x), ws.w, io.w_new)
+    return (st, _Weights(w, io.opt, ws.gsq.at[step].add(io.gsq), ws.skips.at[step].add(io.skip))), None
+
+
+def _branch_table(sp: StashProgram):
+    """The executor's table with one branch per (op, first, last, update)."""
+    table = _table(sp.program)
+    keys = [[(*ActionKind.of(ins), bool(sp.update[t][s])) for s, ins in enumerate(tick.instrs)]
+            for t, tick in enumerate(sp.program.ticks)]
+    kinds = sorted({k for row in keys for k in row})
+    rows = table.rows._replace(kind=np.array([[kinds.index(k) for k in row] for row in keys], np.int32))
+    vrows = tuple(np.array(x, np.int32) for x in (sp.ver, sp.cur, sp.new))
+    return table, kinds, rows, vrows
+
+
+# ----------------------------------------------------------------------------- outer ownership
+def _used_inputs(fn, args, n: int) -> list[bool]:
+    """Which of the first ``n`` flattened inputs of ``fn(*args)`` its result depends on (dead code
+    removed; an equation counts whole)."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    live = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(o in live for o in eqn.outvars):
+            live.update(v for v in eqn.invars if not isinstance(v, Literal))
+    return [v in live for v in jaxpr.invars[:n]]
+
+
+def _owners(parts, outer, mb, x, names: list[str], p: int) -> list[int]:
+    """The stage owning each ``outer`` leaf: 0 (read by ``pre`` or by nothing) or ``p - 1``."""
+    shape = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)   # noqa: E731
+    pre = _used_inputs(parts.pre, (shape(outer), shape(mb)), len(outer))
+    post = _used_inputs(parts.post, (shape(outer), x, shape(mb)), len(outer))
+    both = [nm for nm, a, b in zip(names, pre, post) if a and b]
+    if both:
+        raise StashingError(
+            f"schedule='pipedream': parameters {both[:4]} are read both before the stacked blocks (stage 0) and "
+            "after them (the last stage), e.g. tied embeddings or a skip connection around the blocks; weight "
+            "stashing keeps one version per stage, so such a leaf would get two. Untie them, or use "
+            "schedule='pipedream-2bw' / '1f1b'.")
+    return [p - 1 if b else 0 for b in post]
+
+
+# ----------------------------------------------------------------------------- the optimizer
+def check_per_stage_optimizer(tx: optax.GradientTransformation, shapes: Any, block_ids: set) -> None:
+    """Raise :class:`StashingError` unless ``tx`` updates each stage's parameters from their own
+    values and gradients alone: two steps on a small tree of ``shapes``' ranks, whole and split
+    into two stages (block leaves by rows, the other leaves alternately), must agree."""
+    leaves, treedef = jax.tree.flatten(shapes)
+    rng = np.random.default_rng(0)
+    small = [np.asarray(rng.normal(size=(2,) * len(a.shape)), np.float32) for a in leaves]
+    grads = [[np.asarray(rng.normal(size=a.shape), np.float32) for a in small] for _ in range(2)]
+    outer_b = {i for n, i in enumerate(i for i in range(len(leaves)) if i not in block_ids) if n % 2}
+
+    def run(sel):
+        params = [a[sel[i]] if i in block_ids else a for i, a in enumerate(small)]
+        state, out = None, None
+        for g in grads:
+            g = [x[sel[i]] if i in block_ids else x * sel[i] for i, x in enumerate(g)]
+            p_tree, g_tree = treedef.unflatten(params), treedef.unflatten(g)
+            state = tx.init(p_tree) if state is None else state
+            upd, state = tx.update(g_tree, state, p_tree)
+            out = treedef.flatten_up_to(optax.apply_updates(p_tree, upd))
+            params = out
+        return out
+
+    every = slice(None)
+    whole = run({i: every if i in block_ids else 1.0 for i in range(len(leaves))})
+    for half, rows in ((0, slice(0, 1)), (1, slice(1, 2))):
+        own = {i: rows if i in block_ids else float((i in outer_b) == bool(half)) for i in range(len(leaves))}
+        got = run(own)
+        for i in range(len(leaves)):
+            ref = whole[i][rows] if i in block_ids else whole[i]
+            if (i in block_ids or own[i]) and not np.allclose(got[i], ref, rtol=1e-5, atol=1e-6):
+                raise StashingError(
+                    "schedule='pipedream': the optimizer does not update each pipeline stage's parameters on "
+                    "their own (its update of a parameter depends on other stages' parameters or gradients: "
+                    "e.g. optax.clip_by_global_norm, or a norm over a whole stacked leaf). Each stage updates "
+                    "alone under weight stashing; use an element-wise or per-layer optimizer (sgd, adam, adamw, "
+                    "lars / lamb with per-layer trust ratios), or schedule='1f1b'.")
+
+
+def _opt_tags(tx, layout) -> list[int]:
+    """For each leaf of the optimizer state: the index of the parameter leaf it mirrors, or -1."""
+    ids = jax.tree.unflatten(jax.tree.structure(layout.shapes), list(range(len(jax.tree.leaves(layout.shapes)))))
+    tags = jax.tree.leaves(optax.tree_map_params(tx, lambda _, i: i, layout.opt_shapes, ids,
+                                                 transform_non_params=lambda _: -1))
+    shapes, params = jax.tree.leaves(layout.opt_shapes), jax.tree.leaves(layout.shapes)
+    if len(tags) != len(shapes) or any(t >= 0 and shapes[n].shape != params[t].shape for n, t in enumerate(tags)):
+        raise StashingError("schedule='pipedream': the optimizer state has leaves that mirror a parameter but not "
+                            "its shape (factored statistics?), so it cannot be split per pipeline stage. Use an "
+                            "optimizer whose state is element-wise (sgd, adam, adamw), or schedule='1f1b'.")
+    return tags
+
+
+def check_stashing_step(strategy, layout, *, clip_norm=None, explicit_dp=None) -> None:
+    """:func:`~.stashing.check_stashing` plus what the train step needs."""
+    check_stashing(strategy, layout.mesh.shape)
+    from .stashing import older_versions
+
+    n = older_versions(layout.mesh.shape["pipe"], strategy.update_every)
+    if not isinstance(layout.versions, tuple) or len(layout.versions) != n:
+        raise StashingError(
+            f"make_train_step with schedule='pipedream', but the layout keeps no {n} older weight versions "
+            "(TrainState.versions): the state was made for another schedule or update_every. Create it with "
+            "init_train_state(..., strategy) using this same strategy.")
+    if clip_norm is not None:
+        raise StashingError(
+            f"clip_norm={clip_norm} with schedule='pipedream': global-norm clipping needs the norm over every "
+            "stage, but each stage updates alone, at its own ticks. Use clip_norm=None (YAML optimizer.clip_norm: "
+            "null), or schedule='1f1b'.")
+    if explicit_dp:
+        raise StashingError("explicit_dp=True with schedule='pipedream': a stage runs its layers inside the "
+                            "pipeline, where the data-axis collectives are left to XLA. Use explicit_dp=None.")
+
+
+# ----------------------------------------------------------------------------- the step
+def make_stashing_step(loss_fn: Callable, tx, layout, strategy, steps: int = 1, *, clip_norm=None,
+                       lr_schedule: Callable | None = None, donate: bool = True, skip_nonfinite: bool = False,
+                       explicit_dp=None) -> Callable:
+    """``step(state, batch) -> (state, metrics)`` (``steps=1``) or ``step(state, batches)`` with every
+    leaf ``[steps, B, ...]`` and metrics ``[steps]``: ``steps`` optimizer steps of weight stashing in
+    one program (see the module docstring)."""
+    from .nonstop import _check_batches, check_steps_per_call
+
+    check_steps_per_call(strategy, steps)
+    check_stashing_step(strategy, layout, clip_norm=clip_norm, explicit_dp=explicit_dp)
+    mesh = layout.mesh
+    check_pipeline_strategy(strategy, mesh)
+    p, m, k = mesh.shape[PIPE], strategy.microbatches, strategy.update_every
+    sp = lower_stashed(pipedream(p, m, steps), m=m, update_every=k, vertical_sync=strategy.vertical_sync)
+    table, kinds, rows, vrows = _branch_table(sp)
+    flat_paths = [path_str(pth) for pth, _ in jax.tree_util.tree_flatten_with_path(layout.shapes)[0]]
+    tags = _opt_tags(tx, layout)
+    check_per_stage_optimizer(tx, layout.shapes, _stacked_ids(layout))
+
+    def run(state, batches):
+        mbs = [split_microbatches(jax.tree.map(lambda a, j=j: a[j], batches), m, mesh) for j in range(steps)]
+        mbs = jax.tree.map(lambda *a: jnp.concatenate(a), *mbs)
+        cut = staged_cut(loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
+                         jax.tree.map(lambda a: a[:m], mbs))
+        model_cut, inner = cut.parts, cut.model
+        blocks_ids = set(inner.block_leaves)
+        outer_names = [nm for i, nm in enumerate(flat_paths) if i not in blocks_ids]
+        outer_pos = {pi: j for j, pi in enumerate(i for i in range(len(flat_paths)) if i not in blocks_ids)}
+        staged = [cut.stage(w) for w in (state.params, *state.versions)]
+        w_outer = [jnp.stack(a) for a in zip(*(o for o, _ in staged))]
+        w_blocks = jax.tree.map(lambda *a: jnp.stack(a), *(b for _, b in staged))
+        mb0 = jax.tree.map(lambda a: a[0], mbs)
+        x = jax.eval_shape(model_cut.pre, strategy.cast([a[0] for a in w_outer]), mb0)
+        owners = _owners(model_cut, [a[0] for a in w_outer], mb0, x, outer_names, p)
+        counts = _stage_counts(sp.program, mesh, cut.stage_layers)
+        opt_leaves, opt_def = jax.tree.flatten(state.opt_state)
+        is_block = [t >= 0 and t in blocks_ids for t in tags]
+        opt_in = [to_stages(a, cut.stage_layers, p) if b else a for a, b in zip(opt_leaves, is_block)]
+
+        def body(w_outer, w_blocks, opt_in, mbs):
+            init = (w_outer, jax.tree.map(lambda a: a[:, :, 0], w_blocks))
+            opt = opt_def.unflatten([a[0, 0] if b else a for a, b in zip(opt_in, is_block)])
+            stage = _StashStage(model_cut, sp.program, counts, strategy.cast(_index(init, 0)), mbs, m=m, k=k, tx=tx,
+                                cut=inner, cast=strategy.cast, skip_nonfinite=skip_nonfinite)
+            slots = jnp.asarray(np.array(sp.init, np.int32))[stage.index]
+            buf = jax.tree.map(lambda a: jnp.zeros((sp.n_slots + 1, *a.shape[1:]), a.dtype), init)
+            for j in range(sp.older + 1):
+                buf = jax.tree.map(lambda b, a, j=j: _put(b, slots[j], a[j]), buf, init)
+            st = _initial_state(sp.program, stage)._replace(loss=jnp.zeros((steps,), jnp.float32))
+            ws = _Weights(buf, opt, jnp.zeros((steps,), jnp.float32), jnp.zeros((steps,), jnp.float32))
+            branches = [stage.stash_branch(kd) for kd in kinds]
+            with jax.named_scope(TICKS_SCOPE):
+                (st, ws), _ = jax.lax.scan(functools.partial(_tick, stage, table, branches), (st, ws), (rows, vrows))
+            final = jnp.asarray(np.array(sp.final, np.int32))[stage.index]
+            out = jax.tree.map(lambda b: jnp.stack([_get(b, final[j]) for j in range(sp.older + 1)]), ws.w)
+            sums = tuple(jax.lax.psum(a, PIPE) for a in (st.loss, ws.gsq, ws.skips))
+            opt_out = [a[None, None] if b else a[None] for a, b in zip(jax.tree.leaves(ws.opt), is_block)]
+            return sums, [a[None] for a in out[0]], jax.tree.map(lambda a: a[:, :, None], out[1]), opt_out
+
+        rep = lambda t: jax.tree.map(lambda _: P(), t)                         # noqa: E731
+        blk = lambda t: jax.tree.map(lambda _: P(None, None, PIPE), t)         # noqa: E731
+        opt_specs = [P(None, PIPE) if b else P() for b in is_block]
+        opt_out_specs = [P(None, PIPE) if b else P(PIPE) for b in is_block]
+        smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE}, check_vma=False,
+                             in_specs=(rep(w_outer), blk(w_blocks), opt_specs, rep(mbs)),
+                             out_specs=((P(), P(), P()), [P(PIPE)] * len(w_outer), blk(w_blocks), opt_out_specs))
+        with use_rules(mesh, drop_axes(layout.rules, (PIPE,))), use_layer_runner(None):
+            (loss, gsq, skips), o_out, b_out, opt_out = smap(w_outer, w_blocks, opt_in, mbs)
+        versions = [cut.grads([a[owners[n], j] for n, a in enumerate(o_out)], jax.tree.map(lambda a: a[j], b_out))
+                    for j in range(sp.older + 1)]
+        L = jax.tree.leaves(inner.split(layout.shapes)[1])[0].shape[0]
+        opt_state = opt_def.unflatten([
+            from_stages(a, cut.stage_layers, L) if b else (a[owners[outer_pos[t]]] if t >= 0 else a[0])
+            for a, b, t in zip(opt_out, is_block, tags)])
+        new = state._replace(step=state.step + steps, params=versions[0], opt_state=opt_state,
+                             versions=tuple(versions[1:]))
+        metrics = {"loss": loss / m, "grad_norm": jnp.sqrt(gsq / (m // k))}
+        if skip_nonfinite:
+            metrics["skipped"] = skips > 0
+        if lr_schedule is not None:
+            metrics["lr"] = jnp.stack([jnp.asarray(lr_schedule(state.step + j), jnp.float32) for j in range(steps)])
+        return new, metrics
+
+    single = steps == 1
+
+    def step(state, batches):
+        if single:
+            batches = jax.tree.map(lambda a: a[None], batches)
+        with use_rules(mesh, layout.rules):
+            new, metrics = run(state, batches)
+        return new, (jax.tree.map(lambda a: a[0], metrics) if single else metrics)
+
+    in_batch = batch_sharding(mesh) if single else NamedSharding(mesh, P(None, batch_axes(mesh) or None))
+    jitted = jax.jit(step, in_shardings=(layout.shardings(), in_batch),
+                     out_shardings=(layout.shardings(), NamedSharding(mesh, P())),
+                     donate_argnums=(0,) if donate else ())
+
+    def checked(state, batches):
+        if single:
+            check_batch(batches, mesh, m)
+        else:
+            _check_batches(batches, mesh, m, steps)
+        return jitted(state, batches)
+
+    checked.jitted, checked.lower, checked.program = jitted, jitted.lower, sp
+    return checked
+
+
+def _stacked_ids(layout) -> set:
+    """Indices of the parameter leaves stacked on ``layers`` (the blocks a pipeline splits)."""
+    flat = jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, P))
+    return {i for i, lg in enumerate(flat) if tuple(lg)[:1] == ("layers",)}
