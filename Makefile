@@ -16,11 +16,14 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/jaxpar train configs/quickstart.yaml
 
+# one pytest worker per core (at most 4), a test file per worker: the compiles are single-threaded
+PARALLEL := -n auto --maxprocesses=4 --dist loadfile
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PARALLEL)
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -m ""
+	$(BIN)/python -m pytest -q $(PARALLEL) -m ""
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

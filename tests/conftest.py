@@ -9,7 +9,8 @@ options, devices and jax/XLA versions, so a hit is the very executable a compile
 (only the source-location metadata in ``as_text()`` is the first compile's). The variables are
 set before ``import jax`` and inherited by subprocesses (CLI runs, notebook kernels).
 ``JAXPAR_TEST_COMPILATION_CACHE=0`` turns it off; a ``JAX_COMPILATION_CACHE_DIR`` set outside
-is used as it is (and kept).
+is used as it is (and kept). Under pytest-xdist (``make test``: ``-n auto``) the controller sets
+the directory before it starts the workers, so they share one cache (and it removes it).
 
 XLA:CPU's LLVM back end runs at optimisation level 0 (``--xla_backend_optimization_level=0``,
 appended to ``XLA_FLAGS``): it compiles the test programs ~3x faster. The HLO passes are
