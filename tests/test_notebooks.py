@@ -13,7 +13,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 EXPECTED = {
     "01_meshes_and_strategies.ipynb": ["reduce-scatter", "all-gather", "no rule fits logical name 'mlp'"],
-    "02_pipelines.ipynb": ["collective-permute | pipe", "1f1b          16   0.158     38               4"],
+    "02_pipelines.ipynb": ["collective-permute | pipe", "1f1b          16   0.158     38               4",
+                           "ticks per step: [14, 8, 8]", "stashing, update_every=1: versions per stage (4, 3, 2, 1)",
+                           "older versions kept in the state: 1 | step 4"],
     "03_compression.ipynb": ["qsgd", "all-to-all", "max relative gap", "powersgd r4    final loss",
                              "saved compression_losses.png"],
     "04_relaxed_sync.ipynb": ["all-reduce | replica", "DiLoCo H=1", "modelled time", "saved relaxed_losses.png"],
@@ -39,6 +41,8 @@ def test_notebook_executes(name, tmp_path):
     if name == "02_pipelines.ipynb":   # the pipelined losses equal the single-device ones
         diff = float(outputs.split("max relative difference:")[1].split()[0])
         assert diff < 1e-5
+        losses = [float(x) for x in outputs.split("losses of the 4 steps: [")[1].split("]")[0].split()]
+        assert losses == sorted(losses, reverse=True), losses      # weight stashing trains on a repeated batch
     if name == "06_large_batch.ipynb":    # LAMB under ZeRO-3 on 8 devices = one device
         one, eight = map(float, re.search(r"one device (\S+), ZeRO-3 on 8 devices (\S+)", outputs).groups())
         assert abs(one - eight) <= 1e-4 * abs(one), (one, eight)
