@@ -113,8 +113,8 @@ def main() -> None:
             curves[name] = recs
             row = {"steps": len(recs), "final_loss": final(recs), "eval_loss": ev, "tokens": recs[-1]["tokens"]}
             if group == "adaptive":
-                row["batch_sizes"] = {int(r["step"]): int(r["batch_size"]) for r in recs
-                                      if r is recs[0] or r["batch_size"] != recs[recs.index(r) - 1]["batch_size"]}
+                row["batch_sizes"] = {int(r["step"]): int(r["batch_size"]) for i, r in enumerate(recs)
+                                      if i == 0 or r["batch_size"] != recs[i - 1]["batch_size"]}
             if group in ("noise", "adaptive"):
                 ns = [r["noise_scale"] for r in recs if "noise_scale" in r]
                 row["noise_scale"] = {"first": ns[0], "last": ns[-1], "max": max(ns)}

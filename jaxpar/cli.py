@@ -110,7 +110,7 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     strategy = C.build_strategy(cfg.parallel)
     model_fn = C.build_model_fn(cfg.model, cfg.train.seed)
     tx, schedule = C.build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=cfg.data.batch_size,
-                                     model_fn=model_fn, updates_per_step=_updates_per_step(cfg))
+                                     model_fn=model_fn, updates_per_step=_updates_per_step(cfg, strategy))
     loss_fn = C.build_loss_fn(cfg.model)
     ramp = C.build_ramp(cfg.data)      # an adaptive ramp decides during the run; batch_fn reads it
     batch_fn, eval_batches = C.build_data(cfg.data, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab,
@@ -164,12 +164,11 @@ def _comm_bytes(layout) -> int:
                for a, spec in zip(jax.tree.leaves(layout.comm_shapes), specs))
 
 
-def _updates_per_step(cfg) -> int:
+def _updates_per_step(cfg, strategy) -> int:
     """Optimizer updates per train step: ``microbatches / update_every`` per stage for PipeDream weight
     stashing (``parallel.schedule: pipedream`` on a pipeline), else 1."""
-    stashing = str(cfg.parallel.schedule).lower().replace("_", "-") in ("pipedream", "weight-stashing")
-    if stashing and cfg.mesh.pipe > 1:
-        return max(1, cfg.parallel.microbatches // cfg.parallel.update_every)
+    if strategy.schedule == "pipedream" and cfg.mesh.pipe > 1:
+        return max(1, strategy.microbatches // strategy.update_every)
     return 1
 
 

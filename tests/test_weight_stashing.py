@@ -347,15 +347,16 @@ def test_yaml_schedule_reads_the_step_not_the_update_count():
     import jax.numpy as jnp
 
     from jaxpar.cli import _updates_per_step
-    from jaxpar.config import build_optimizer
+    from jaxpar.config import build_optimizer, build_strategy
     from test_cli import QUICK
 
     cfg = load_config(QUICK, ["mesh.pipe=2", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1", "model.layers=4",
                               "parallel.schedule=pipedream", "parallel.microbatches=4", "parallel.update_every=1",
                               "optimizer.name=sgd", "optimizer.momentum=0", "optimizer.weight_decay=0",
                               "optimizer.warmup_steps=5", "optimizer.clip_norm=null", "train.steps=20"])
-    assert _updates_per_step(cfg) == 4
-    tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, updates_per_step=_updates_per_step(cfg))
+    per_step = _updates_per_step(cfg, build_strategy(cfg.parallel))
+    assert per_step == 4
+    tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, updates_per_step=per_step)
     params = {"w": jnp.zeros(())}
     state = tx.init(params)
     lrs = []

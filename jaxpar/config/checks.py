@@ -229,7 +229,7 @@ def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
 
 def _two_bw_problems(par: ParallelConfig, p: int) -> list[str]:
     """``parallel.schedule: pipedream-2bw`` needs a pipeline and the plain (uncompressed, synchronous) step."""
-    if str(par.schedule).lower().replace("_", "-") not in ("pipedream-2bw", "2bw"):
+    if _schedule_kind(par) != "pipedream-2bw":
         return []
     if p <= 1:
         return [f"parallel.schedule={par.schedule!r} needs mesh.pipe > 1 (got mesh.pipe={p}): PipeDream-2BW is a "
@@ -239,6 +239,16 @@ def _two_bw_problems(par: ParallelConfig, p: int) -> list[str]:
             for key in ("compression", "sync") if getattr(par, key)]
 
 
+def _schedule_kind(par: ParallelConfig) -> str | None:
+    """``parallel.schedule``'s canonical name (aliases resolved); ``None`` if unknown (reported by the strategy)."""
+    from ..pipeline.schedules import canonical_kind
+
+    try:
+        return canonical_kind(par.schedule)
+    except ValueError:
+        return None
+
+
 def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
     """``parallel.steps_per_call = K > 1``: a no-flush schedule, and the loop's intervals multiples of ``K``."""
     k = cfg.parallel.steps_per_call
@@ -246,8 +256,7 @@ def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
         return [f"parallel.steps_per_call={k!r}: must be an int >= 1 (optimizer steps per compiled call)."]
     if k == 1:
         return []
-    if str(cfg.parallel.schedule).lower().replace("_", "-") not in ("pipedream-2bw", "2bw", "pipedream",
-                                                                    "weight-stashing"):
+    if _schedule_kind(cfg.parallel) not in ("pipedream-2bw", "pipedream"):
         return [f"parallel.steps_per_call={k} needs a schedule that does not flush between steps "
                 f"(parallel.schedule: pipedream-2bw or pipedream), got parallel.schedule={cfg.parallel.schedule!r}."]
     out = [f"{key}={value} is not a multiple of parallel.steps_per_call={k}: the loop logs, evaluates, checkpoints "
@@ -265,7 +274,7 @@ def _stashing_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
     """``parallel.schedule: pipedream`` (weight stashing): a pipeline, per-stage updates (no global clipping,
     no sharded optimizer state), ``parallel.update_every`` dividing the micro-batches."""
     par, p = cfg.parallel, sizes["pipe"]
-    if str(par.schedule).lower().replace("_", "-") not in ("pipedream", "weight-stashing"):
+    if _schedule_kind(par) != "pipedream":
         return []
     key = f"parallel.schedule={par.schedule!r}"
     if p <= 1:

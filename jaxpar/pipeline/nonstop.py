@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ..batch import check_batch, split_microbatches
+from ..batch import batch_sharding, check_batch, split_microbatches
 from ..blocks import use_layer_runner
 from ..mesh import batch_axes
 from ..rules import drop_axes, named_shardings, use_rules
@@ -42,7 +42,8 @@ from .piped import check_pipeline_strategy, staged_cut
 from .program import Program, lower
 from .schedules import pipedream_2bw
 
-__all__ = ["make_two_bw_steps", "check_steps_per_call", "window_runner", "TICKS_SCOPE", "WINDOWS_SCOPE"]
+__all__ = ["make_two_bw_steps", "check_steps_per_call", "window_runner", "step_microbatches", "jit_steps",
+           "TICKS_SCOPE", "WINDOWS_SCOPE"]
 
 #: name scope of the loop over the later windows (in the compiled HLO, its ``while``'s ``op_name``
 #: ends ``pipeline_windows/while``; the tick loops' end ``TICKS_SCOPE/while``, as in the executor)
@@ -186,8 +187,7 @@ def make_two_bw_steps(loss_fn: Callable, tx, layout, strategy, steps: int, *, cl
         return new._replace(versions=state.params), metrics    # W(t) becomes the older version
 
     def run(state, batches):
-        mbs = [split_microbatches(jax.tree.map(lambda a, k=k: a[k], batches), m, mesh) for k in range(steps)]
-        mbs = jax.tree.map(lambda *a: jnp.concatenate(a), *mbs)
+        mbs = step_microbatches(batches, m, mesh, steps)
         cut = staged_cut(loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
                          jax.tree.map(lambda a: a[:m], mbs))
         runners = [window_runner(cut.parts, mesh, layout.rules, program, m, cut.stage_layers, first)
@@ -215,17 +215,40 @@ def make_two_bw_steps(loss_fn: Callable, tx, layout, strategy, steps: int, *, cl
                                             (rows_later, jnp.arange(1, steps, dtype=jnp.int32)))
         return state, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
 
-    def step(state, batches):
-        with use_rules(mesh, layout.rules):
-            return run(state, batches)
+    return jit_steps(run, layout, m, steps, program, donate=donate)
 
-    batches_sharding = NamedSharding(mesh, P(None, batch_axes(mesh) or None))
-    jitted = jax.jit(step, in_shardings=(layout.shardings(), batches_sharding),
+
+def step_microbatches(batches: Any, m: int, mesh, steps: int) -> Any:
+    """The ``steps`` stacked global batches (``[steps, B, ...]``) as ``steps * m`` micro-batches, step by step."""
+    mbs = [split_microbatches(jax.tree.map(lambda a, j=j: a[j], batches), m, mesh) for j in range(steps)]
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *mbs)
+
+
+def jit_steps(run: Callable, layout, m: int, steps: int, program: Any, *, donate: bool,
+              single: bool = False) -> Callable:
+    """``run(state, batches) -> (state, metrics)`` (batches ``[steps, B, ...]``, metrics ``[steps]``)
+    jitted with the layout's shardings and rules, and checked: the train step of a ``steps``-step
+    program (``.jitted``, ``.lower``, ``.program``). ``single``: it takes one batch and returns one
+    step's metrics (``steps == 1``)."""
+    mesh = layout.mesh
+
+    def step(state, batches):
+        if single:
+            batches = jax.tree.map(lambda a: a[None], batches)
+        with use_rules(mesh, layout.rules):
+            new, metrics = run(state, batches)
+        return new, (jax.tree.map(lambda a: a[0], metrics) if single else metrics)
+
+    in_batch = batch_sharding(mesh) if single else NamedSharding(mesh, P(None, batch_axes(mesh) or None))
+    jitted = jax.jit(step, in_shardings=(layout.shardings(), in_batch),
                      out_shardings=(layout.shardings(), NamedSharding(mesh, P())),
                      donate_argnums=(0,) if donate else ())
 
     def checked(state, batches):
-        _check_batches(batches, mesh, m, steps)
+        if single:
+            check_batch(batches, mesh, m)
+        else:
+            _check_batches(batches, mesh, m, steps)
         return jitted(state, batches)
 
     checked.jitted, checked.lower, checked.program = jitted, jitted.lower, program

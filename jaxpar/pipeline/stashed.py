@@ -41,11 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.extend.core import Literal
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from ..batch import batch_sharding, check_batch, split_microbatches
 from ..blocks import use_layer_runner
-from ..mesh import batch_axes
 from ..rules import drop_axes, path_str, use_rules
 from .executor import (PIPE, TICKS_SCOPE, ActionKind, SlotView, Slots, TickIO, _exchange, _get, _index,
                        _initial_state, _put, _read, _Stage, _stage_counts, _table, _write)
@@ -265,7 +263,7 @@ def make_stashing_step(loss_fn: Callable, tx, layout, strategy, steps: int = 1, 
     """``step(state, batch) -> (state, metrics)`` (``steps=1``) or ``step(state, batches)`` with every
     leaf ``[steps, B, ...]`` and metrics ``[steps]``: ``steps`` optimizer steps of weight stashing in
     one program (see the module docstring)."""
-    from .nonstop import _check_batches, check_steps_per_call
+    from .nonstop import check_steps_per_call, jit_steps, step_microbatches
 
     check_steps_per_call(strategy, steps)
     check_stashing_step(strategy, layout, clip_norm=clip_norm, explicit_dp=explicit_dp)
@@ -279,8 +277,7 @@ def make_stashing_step(loss_fn: Callable, tx, layout, strategy, steps: int = 1, 
     check_per_stage_optimizer(tx, layout.shapes, _stacked_ids(layout))
 
     def run(state, batches):
-        mbs = [split_microbatches(jax.tree.map(lambda a, j=j: a[j], batches), m, mesh) for j in range(steps)]
-        mbs = jax.tree.map(lambda *a: jnp.concatenate(a), *mbs)
+        mbs = step_microbatches(batches, m, mesh, steps)
         cut = staged_cut(loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
                          jax.tree.map(lambda a: a[:m], mbs))
         model_cut, inner = cut.parts, cut.model
@@ -335,36 +332,20 @@ def make_stashing_step(loss_fn: Callable, tx, layout, strategy, steps: int = 1, 
             for a, b, t in zip(opt_out, is_block, tags)])
         new = state._replace(step=state.step + steps, params=versions[0], opt_state=opt_state,
                              versions=tuple(versions[1:]))
-        metrics = {"loss": loss / m, "grad_norm": jnp.sqrt(gsq / (m // k))}
-        if skip_nonfinite:
-            metrics["skipped"] = skips > 0
-        if lr_schedule is not None:
-            metrics["lr"] = jnp.stack([jnp.asarray(lr_schedule(state.step + j), jnp.float32) for j in range(steps)])
-        return new, metrics
+        return new, _metrics(loss / m, jnp.sqrt(gsq / (m // k)), skips if skip_nonfinite else None,
+                             lr_schedule, state.step, steps)
 
-    single = steps == 1
+    return jit_steps(run, layout, m, steps, sp, donate=donate, single=steps == 1)
 
-    def step(state, batches):
-        if single:
-            batches = jax.tree.map(lambda a: a[None], batches)
-        with use_rules(mesh, layout.rules):
-            new, metrics = run(state, batches)
-        return new, (jax.tree.map(lambda a: a[0], metrics) if single else metrics)
 
-    in_batch = batch_sharding(mesh) if single else NamedSharding(mesh, P(None, batch_axes(mesh) or None))
-    jitted = jax.jit(step, in_shardings=(layout.shardings(), in_batch),
-                     out_shardings=(layout.shardings(), NamedSharding(mesh, P())),
-                     donate_argnums=(0,) if donate else ())
-
-    def checked(state, batches):
-        if single:
-            check_batch(batches, mesh, m)
-        else:
-            _check_batches(batches, mesh, m, steps)
-        return jitted(state, batches)
-
-    checked.jitted, checked.lower, checked.program = jitted, jitted.lower, sp
-    return checked
+def _metrics(loss, grad_norm, skips, lr_schedule, step, steps: int) -> dict:
+    """Per-step metrics ``[steps]``: ``loss``, ``grad_norm``, ``skipped`` (with ``skips``), ``lr`` (with a schedule)."""
+    metrics = {"loss": loss, "grad_norm": grad_norm}
+    if skips is not None:
+        metrics["skipped"] = skips > 0
+    if lr_schedule is not None:
+        metrics["lr"] = jnp.stack([jnp.asarray(lr_schedule(step + j), jnp.float32) for j in range(steps)])
+    return metrics
 
 
 def _stacked_ids(layout) -> set:

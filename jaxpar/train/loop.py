@@ -99,12 +99,17 @@ def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy = St
     return evaluate
 
 
-def _check_steps_per_call(k: Any, **values: Any) -> None:
-    """``train(steps_per_call=k)``: an int >= 1 dividing every interval (the loop acts between calls)."""
+def _check_ramp_and_calls(state: Any, ramp: Any, k: Any, **values: Any) -> None:
+    """``train(ramp=AdaptiveRamp)`` needs a measured noise scale; ``train(steps_per_call=k)``: an int >= 1
+    dividing every interval (the loop acts between calls), and no adaptive ramp."""
+    if isinstance(ramp, AdaptiveRamp) and not (isinstance(state.stats, dict) and NOISE_KEY in state.stats):
+        raise ValueError("train(ramp=AdaptiveRamp(...)): the batch grows toward the measured gradient noise scale, "
+                         "but the state measures none; build it with jaxpar.train.noise_scale.with_noise_scale and "
+                         "the step with make_train_step(..., noise_scale_every=k).")
     _check_int("train", "steps_per_call", k, 1)
     if k == 1:
         return
-    if isinstance(values.pop("ramp"), AdaptiveRamp):
+    if isinstance(ramp, AdaptiveRamp):
         raise ValueError(f"train(steps_per_call={k}) with an adaptive batch ramp: the batch can change only between "
                          "calls; use a fixed ramp, or steps_per_call=1.")
     names = {"steps": "steps", "start": "the start step", "log_every": "log_every", "eval_every": "eval_every",
@@ -149,7 +154,7 @@ class _Run:
         state, metrics = self.step_fn(state, batch)
         rows = jax.tree.leaves(batch)[0].shape[0 if self.k == 1 else 1]
         if isinstance(metrics, dict):
-            metrics = {**metrics, "batch_size": rows if self.k == 1 else jnp.full((self.k,), rows)}
+            metrics = {**metrics, "batch_size": rows if self.k == 1 else [rows] * self.k}
         self.meter.add(step + self.k, metrics, self.k)
         self.bar.advance(self.k)
         return state, metrics
@@ -320,13 +325,9 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
     if on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"train(on_nonfinite={on_nonfinite!r}): choose one of {', '.join(NONFINITE_MODES)}.")
     start = int(state.step) if start_step is None else int(start_step)
-    _check_steps_per_call(steps_per_call, steps=steps, start=start, log_every=log.log_every, eval_every=eval_every,
-                          checkpoint_every=getattr(checkpointer, "every", 0), stop_check_every=stop_check_every,
-                          ramp=ramp)
-    if isinstance(ramp, AdaptiveRamp) and not (isinstance(state.stats, dict) and NOISE_KEY in state.stats):
-        raise ValueError("train(ramp=AdaptiveRamp(...)): the batch grows toward the measured gradient noise scale, "
-                         "but the state measures none; build it with jaxpar.train.noise_scale.with_noise_scale and "
-                         "the step with make_train_step(..., noise_scale_every=k).")
+    _check_ramp_and_calls(state, ramp, steps_per_call, steps=steps, start=start, log_every=log.log_every,
+                          eval_every=eval_every, checkpoint_every=getattr(checkpointer, "every", 0),
+                          stop_check_every=stop_check_every)
     run = _Run(step_fn, batch_fn, mesh, log, start=start, end=start + steps, on_nonfinite=on_nonfinite,
                max_inflight=max_inflight, checkpointer=checkpointer, checkpoint_meta=checkpoint_meta,
                eval_fn=eval_fn, eval_every=eval_every, ramp=ramp, steps_per_call=steps_per_call)

@@ -254,11 +254,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
 
         check_measurable(layout, strategy, noise_scale_every, noise_scale_ema)
     if strategy.schedule == "pipedream":    # weight stashing: per-stage updates inside the pipeline
-        from ..pipeline.stashed import make_stashing_step
+        from ..pipeline.stashed import make_stashing_step    # (check_measurable refused the noise scale: pipe > 1)
 
-        if noise_scale_every is not None:
-            raise ValueError(f"noise_scale_every={noise_scale_every} with schedule='pipedream': the noise scale "
-                             "needs one global gradient per step, which weight stashing never forms.")
         return make_stashing_step(loss_fn, tx, layout, strategy, steps_per_call, clip_norm=clip_norm,
                                   lr_schedule=lr_schedule, donate=donate, skip_nonfinite=skip_nonfinite,
                                   explicit_dp=explicit_dp)
@@ -271,9 +268,6 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
         from ..pipeline.nonstop import check_steps_per_call, make_two_bw_steps
 
         check_steps_per_call(strategy, steps_per_call)
-        if noise_scale_every is not None:
-            raise ValueError(f"noise_scale_every={noise_scale_every} with steps_per_call={steps_per_call}: the noise "
-                             "scale is measured by the one-step program. Use steps_per_call=1 to measure it.")
         return make_two_bw_steps(loss_fn, tx, layout, strategy, steps_per_call, clip_norm=clip_norm,
                                  lr_schedule=lr_schedule, donate=donate, skip_nonfinite=skip_nonfinite)
     if strategy.sync is not None or replicas(mesh) > 1:
