@@ -235,6 +235,26 @@ def test_nonfinite_step_is_skipped_and_reported(tmp_path):
     assert math.isfinite(summary.last_loss)
 
 
+def test_nonfinite_step_with_compression_prints_its_nan_residual(tmp_path):
+    """A skipped step of a compressed exchange: its residual norm is NaN, and the progress line
+    says so instead of failing to format it (it raised ValueError once)."""
+    from jaxpar.compression import sign
+
+    mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    strategy = jaxpar.Strategy(compression=sign())
+    state, layout = jaxpar.init_train_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), TX, mesh, strategy)
+    loss, batch_fn = _nan_at(2)
+    step = jaxpar.make_train_step(loss, TX, layout, strategy, skip_nonfinite=True)
+    lines = []
+    state, summary = train(step, state, batch_fn, mesh=mesh, steps=3, log_every=1, out_dir=tmp_path,
+                           on_nonfinite="skip", progress="lines", print_fn=lines.append)
+    assert summary.skipped_steps == [2] and finite(state)
+    assert any(x.startswith("step      2/3") and "residual nan" in x for x in lines), lines
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_recs = {r["step"]: r for r in recs if r["kind"] == "train"}
+    assert train_recs[2]["residual_norm"] == "nan" and math.isfinite(train_recs[3]["residual_norm"])
+
+
 def test_nonfinite_stop_mode_raises_and_never_checkpoints_it(tmp_path):
     state, layout, _ = build({"data": 2, "fsdp": 2, "tensor": 2})
     loss, batch_fn = _nan_at(3)

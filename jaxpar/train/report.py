@@ -123,6 +123,11 @@ def _num(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
+def _fmt(x: float | str, spec: str) -> str:
+    """``x`` formatted with ``spec``, or as is when :func:`_num` made it a string (NaN / inf)."""
+    return x if isinstance(x, str) else format(x, spec)
+
+
 @dataclass(frozen=True)
 class LogOptions:
     """How :func:`~jaxpar.train.loop.train` reports: progress, files under ``out_dir``, throughput and MFU.
@@ -312,12 +317,12 @@ class _Meter:
         extra = f" {tps:,.0f} tok/s" if tps else ""
         extra += f" MFU {rec['mfu']:.1%}" if "mfu" in rec else ""
         if "comm_bytes" in rec:     # compressed gradient exchange (Strategy.compression)
-            extra += (f"  wire {format_bytes(rec['comm_bytes'])}/step ({rec['comm_ratio']:.3f}x fp32)"
-                      f" residual {rec['residual_norm']:.3g}")
+            extra += (f"  wire {format_bytes(rec['comm_bytes'])}/step ({_fmt(rec['comm_ratio'], '.3f')}x fp32)"
+                      f" residual {_fmt(rec['residual_norm'], '.3g')}")
         if "loss_spread" in rec:    # relaxed sync (Strategy.sync): replicas' loss range, bytes over ``replica``
-            extra += f"  spread {rec['loss_spread']:.3f} replica {format_bytes(rec['replica_bytes'])}/step"
-            extra += f" dist {rec['replica_distance']:.3g}" if "replica_distance" in rec else ""
-            extra += (f" modelled {rec['modelled_time']:.2f} vs {rec['modelled_time_sync']:.2f} sync"
+            extra += f"  spread {_fmt(rec['loss_spread'], '.3f')} replica {format_bytes(rec['replica_bytes'])}/step"
+            extra += f" dist {_fmt(rec['replica_distance'], '.3g')}" if "replica_distance" in rec else ""
+            extra += (f" modelled {_fmt(rec['modelled_time'], '.2f')} vs {_fmt(rec['modelled_time_sync'], '.2f')} sync"
                       if "modelled_time" in rec else "")
         if "noise_scale" in rec:    # the gradient noise scale (make_train_step(noise_scale_every=...))
             extra += f"  B_noise {rec['noise_scale']:.4g}" if isinstance(rec["noise_scale"], float) else ""
