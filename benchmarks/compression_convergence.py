@@ -8,6 +8,9 @@ feedback is run too, to show what error feedback is for.
 Usage::
 
     python benchmarks/compression_convergence.py [--steps 300] [--png docs/img/compression_losses.png]
+    # SGD as in docs/benchmarks.md §6 (no weight decay: SGD adds it to the gradient, before momentum)
+    python benchmarks/compression_convergence.py optimizer.name=sgd optimizer.momentum=0.9 optimizer.lr=0.1 \
+        optimizer.weight_decay=0
 """
 from __future__ import annotations
 

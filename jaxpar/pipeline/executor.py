@@ -9,8 +9,10 @@ tick; at each tick every device picks its action with a ``lax.switch`` on its ro
   (residuals to a slot of a buffer sized by the table's peak in-flight count, not
   by ``m``), then ``post`` and ``d loss / d y`` (last virtual stage) or a send.
 * **B**: the stored vjps in reverse on the received cotangent, accumulating the
-  weight gradients (fused) or keeping each layer's output cotangent for **W**
-  (split, zero-bubble); then ``pre``'s vjp (virtual stage 0) or a send.
+  weight gradients (fused); or, split (zero-bubble), only the part of each layer's
+  pullback that the input cotangent needs, keeping what the weight gradients read
+  (the *frontier*, :mod:`jaxpar.split_backward`) for **W**, which runs the rest; then
+  ``pre``'s vjp (virtual stage 0) or a send.
 
 The switch reads one slot of each buffer (a :class:`SlotView`) and returns what
 to write back and send (a :class:`TickIO`); the buffers (:class:`PipelineState`)
@@ -57,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..blocks import use_layer_runner
 from ..rules import drop_axes, use_rules
+from ..split_backward import split_backward
 from ..vjp_residuals import join_pullback, split_pullback
 from .parts import PipelineParts
 from .program import Instr, Program
@@ -121,7 +124,7 @@ class PipelineState(NamedTuple):
     res: list          # per stored residual: [n_res, Lmax, ...]
     inbox_f: Any       # [n_fwd + 1, *x]; the extra slot takes what a non-receiver gets
     inbox_b: Any       # [n_bwd + 1, *x]
-    grads_y: Any       # [n_grad, Lmax, *x]: split backward's per-layer cotangents
+    grads_y: list      # per frontier value: [n_grad, Lmax, ...]: split B's hand-over to W
     g_blocks: Any      # float32 [v, Lmax, ...]
     g_outer: Any       # float32, like ``outer``
     loss: Any          # float32: sum of the micro-batch losses
@@ -133,7 +136,7 @@ class TickIO(NamedTuple):
     dy_out: Any        # -> inbox_b[dy]: F (last) writes d loss / d y
     g_chunk: Any       # -> g_blocks[chunk]
     g_outer: Any
-    gys: Any           # -> grads_y[grad]: B (split) writes the per-layer cotangents
+    gys: list          # -> grads_y[grad]: B (split) writes each layer's frontier
     loss: Any
     res: list          # -> res[res]: F writes the residuals
     send_b: Any        # cotangent for the previous virtual stage (zeros when none)
@@ -148,7 +151,7 @@ class SlotView(NamedTuple):
     dy_out: Any        # inbox_b[dy]
     g_chunk: Any       # g_blocks[chunk]
     g_outer: Any
-    gys: Any           # grads_y[grad]: W's cotangents
+    gys: list          # grads_y[grad]: W's frontier
     loss: Any
     res: list          # res[res]: B's and W's residuals
     x: Any             # inbox_f[inbox]: F's received activation
@@ -156,9 +159,10 @@ class SlotView(NamedTuple):
 
 class _LayerVJP:
     """Static structure of one layer's ``jax.vjp``: which residuals are stored (not the
-    layer's own parameters, passed back in; see :mod:`jaxpar.vjp_residuals`) and their shapes."""
+    layer's own parameters, passed back in; see :mod:`jaxpar.vjp_residuals`) and their shapes;
+    with ``split``, the pullback cut into B and W (:mod:`jaxpar.split_backward`)."""
 
-    def __init__(self, layer: Callable, p_shapes: Any, x_shape: jax.ShapeDtypeStruct):
+    def __init__(self, layer: Callable, p_shapes: Any, x_shape: jax.ShapeDtypeStruct, split: bool = False):
         # The barrier makes the input an internal value of the layer, so JAX keeps it among
         # the opaque residuals in every trace (left alone, it is sometimes recorded as a
         # primal argument instead, which reorders the residuals between traces).
@@ -171,6 +175,10 @@ class _LayerVJP:
 
         self.stored = jax.eval_shape(probe, p_shapes, x_shape)
         self.layout = box["layout"]
+        self.split = None
+        if split:
+            y = jax.eval_shape(self.layer, p_shapes, x_shape)
+            self.split = split_backward(lambda p, s, g: self.pullback(p, s)(g), p_shapes, self.stored, y)
 
     def forward(self, p, x):
         """``(y, stored residuals)`` of one layer; an error if they differ from the probe's."""
@@ -230,7 +238,7 @@ class _Stage:
         self.index = jax.lax.axis_index(PIPE)
         self.n_layers = _get(jnp.asarray(counts.T), self.index)       # [v]: real layers per chunk here
         self.x = jax.eval_shape(parts.pre, outer, _index(mbs, 0))
-        self.lv = _LayerVJP(parts.layer, _index(_index(blocks, 0), 0), self.x)
+        self.lv = _LayerVJP(parts.layer, _index(_index(blocks, 0), 0), self.x, split=self.split)
 
     def _cast(self, a):
         return a.astype(self.x.dtype)
@@ -275,20 +283,24 @@ class _Stage:
 
     def backward_layers(self, bp, res, dy, n):
         """Reverse over the chunk's layers from ``dy``: ``(dx, per-layer weight gradients)``;
-        with a split backward ``(dx, per-layer output cotangents)``, kept for W."""
+        with a split backward ``(dx, per-layer frontier)``, kept for W."""
         def one(g, item):
+            if self.split:
+                return self.lv.split.inputs(item[0], item[1], g)
             dp, dx = self.lv.pullback(item[0], item[1])(g)
-            return dx, (g if self.split else dp)
+            return dx, dp
 
         def skip(g, item):
-            return g, (jnp.zeros_like(g) if self.split else jax.tree.map(jnp.zeros_like, item[0]))
+            if self.split:
+                return g, [jnp.zeros(f.shape, f.dtype) for f in self.lv.split.frontier]
+            return g, jax.tree.map(jnp.zeros_like, item[0])
 
         return jax.lax.scan(self._each_layer(one, skip, n), dy, (bp, res, jnp.arange(self.lmax)), reverse=True)
 
     def weight_layers(self, bp, res, gys, n):
-        """Per-layer weight gradients of one chunk from the cotangents a split B kept."""
+        """Per-layer weight gradients of one chunk from the frontier a split B kept."""
         def one(_, item):
-            return None, self.lv.pullback(item[0], item[1])(item[2])[0]
+            return None, self.lv.split.weights(item[0], item[1], item[2])
 
         def skip(_, item):
             return None, jax.tree.map(jnp.zeros_like, item[0])
@@ -342,19 +354,21 @@ def _initial_state(program: Program, stage: _Stage) -> PipelineState:
     return PipelineState(
         res=[buf(program.n_res, (lmax, *r.shape), r.dtype) for r in stage.lv.stored],
         inbox_f=buf(program.n_fwd + 1, x.shape, x.dtype), inbox_b=buf(program.n_bwd + 1, x.shape, x.dtype),
-        grads_y=buf(program.n_grad if program.split_backward else 0, (lmax, *x.shape), x.dtype),
+        grads_y=[buf(program.n_grad, (lmax, *f.shape), f.dtype) for f in stage.lv.split.frontier]
+        if stage.lv.split else [],
         g_blocks=f32(stage.blocks), g_outer=f32(stage.outer), loss=jnp.zeros((), jnp.float32))
 
 
 def _read(st: PipelineState, sl: Slots) -> SlotView:
     return SlotView(x=_get(st.inbox_f, sl.inbox), dy=_get(st.inbox_b, sl.inbox), dy_out=_get(st.inbox_b, sl.dy),
-                    res=[_get(b, sl.res) for b in st.res], gys=_get(st.grads_y, sl.grad),
+                    res=[_get(b, sl.res) for b in st.res], gys=[_get(b, sl.grad) for b in st.grads_y],
                     g_chunk=_index(st.g_blocks, sl.chunk), g_outer=st.g_outer, loss=st.loss)
 
 
 def _write(st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
     return st._replace(res=[_put(b, sl.res, r) for b, r in zip(st.res, io.res)],
-                       inbox_b=_put(st.inbox_b, sl.dy, io.dy_out), grads_y=_put(st.grads_y, sl.grad, io.gys),
+                       inbox_b=_put(st.inbox_b, sl.dy, io.dy_out),
+                       grads_y=[_put(b, sl.grad, f) for b, f in zip(st.grads_y, io.gys)],
                        g_blocks=jax.tree.map(lambda a, g: _put(a, sl.chunk, g), st.g_blocks, io.g_chunk),
                        g_outer=io.g_outer, loss=io.loss)
 
