@@ -95,11 +95,9 @@ def split_backward(backward: Callable, params, stored: list, g) -> BackwardSplit
 
     ``params``, ``stored``, ``g``: arrays or ``ShapeDtypeStruct`` of the shapes it will be called
     with (``stored``: a list, e.g. :func:`jaxpar.vjp_residuals.split_pullback`'s)."""
-    closed = jax.make_jaxpr(backward)(params, stored, g)
+    closed, (dp_shape, dx_shape) = jax.make_jaxpr(backward, return_shape=True)(params, stored, g)
     jaxpr = closed.jaxpr
-    out_shape = jax.eval_shape(backward, params, stored, g)
-    p_tree = jax.tree.structure(out_shape[0])
-    x_tree = jax.tree.structure(out_shape[1])
+    p_tree, x_tree = jax.tree.structure(dp_shape), jax.tree.structure(dx_shape)
     n_p, n_s = p_tree.num_leaves, len(stored)
     dp_out, dx_out = jaxpr.outvars[:n_p], jaxpr.outvars[n_p:]
     b_idx, _ = _needed(jaxpr.eqns, dx_out)

@@ -175,10 +175,9 @@ class _LayerVJP:
 
         self.stored = jax.eval_shape(probe, p_shapes, x_shape)
         self.layout = box["layout"]
-        self.split = None
-        if split:
-            y = jax.eval_shape(self.layer, p_shapes, x_shape)
-            self.split = split_backward(lambda p, s, g: self.pullback(p, s)(g), p_shapes, self.stored, y)
+        # the output cotangent is shaped like the input: the layers are chained in a scan
+        self.split = (split_backward(lambda p, s, g: self.pullback(p, s)(g), p_shapes, self.stored, x_shape)
+                      if split else None)
 
     def forward(self, p, x):
         """``(y, stored residuals)`` of one layer; an error if they differ from the probe's."""
