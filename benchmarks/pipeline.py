@@ -47,12 +47,12 @@ def _timed(fn, state, batch, steps):
     return state, (time.perf_counter() - t) / steps
 
 
-def bench(cfg, m, rows, reps, steps, p=4):
+def bench(cfg, m, rows, reps, steps, p=4, kinds=KINDS):
     base = BenchStrategy("DP8", {"data": 8})
     mesh, strategy, state, layout, tx = build(cfg, base)
     batch = jaxpar.shard_batch(make_batch(cfg, m * rows), mesh)
     variants = {"DP8": (jaxpar.make_train_step(lm_loss, tx, layout, strategy), state, batch, None)}
-    for kind, v in KINDS:
+    for kind, v in kinds:
         bs = BenchStrategy(kind, {"pipe": p, "data": 8 // p})
         pmesh = bs.make_mesh()
         pstrat = jaxpar.Strategy(microbatches=m, schedule=kind, virtual_stages=v)
@@ -98,13 +98,15 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--rows", type=int, default=8, help="rows per micro-batch (same for every m)")
     ap.add_argument("--ms", default="4,8,16")
+    ap.add_argument("--kinds", default=",".join(k for k, _ in KINDS), help="schedules to time against DP8")
     ap.add_argument("--json")
     args = ap.parse_args()
+    kinds = [(k, v) for k, v in KINDS if k in args.kinds.split(",")]
     cfg = GPTConfig(vocab=256, seq_len=64, embed=128, heads=4, layers=8)
     print(environment())
     results = []
     for m in map(int, args.ms.split(",")):
-        results += bench(cfg, m, args.rows, args.reps, args.steps)
+        results += bench(cfg, m, args.rows, args.reps, args.steps, kinds=kinds)
         print(f"m={m} done", flush=True)
     headers = ["schedule", "m", "step ms", "vs DP8", "temp MiB", "bubble", "ticks run / table", "busy",
                "sends", "residual slots", "compile s"]

@@ -259,9 +259,9 @@ class _Stage:
         return _write(st, sl, io)
 
     def _unchanged(self, view: SlotView) -> TickIO:
-        """Every slot written back as it was read; nothing sent."""
+        """No slot written (``None``), the sums as they were; nothing sent."""
         none = jnp.zeros(self.x.shape, self.x.dtype)
-        return TickIO(view.dy_out, view.g_chunk, view.g_outer, view.gys, view.loss, view.res, none, none)
+        return TickIO(None, None, view.g_outer, None, view.loss, None, none, none)
 
     def _each_layer(self, one: Callable, skip: Callable, n) -> Callable:
         """A scan step: ``one`` on a real layer, ``skip`` on padding (the item's last entry
@@ -365,11 +365,23 @@ def _read(st: PipelineState, sl: Slots) -> SlotView:
 
 
 def _write(st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
-    return st._replace(res=[_put(b, sl.res, r) for b, r in zip(st.res, io.res)],
-                       inbox_b=_put(st.inbox_b, sl.dy, io.dy_out),
-                       grads_y=[_put(b, sl.grad, f) for b, f in zip(st.grads_y, io.gys)],
-                       g_blocks=jax.tree.map(lambda a, g: _put(a, sl.chunk, g), st.g_blocks, io.g_chunk),
-                       g_outer=io.g_outer, loss=io.loss)
+    """``st`` with the slots ``io`` writes (not ``None``) and its sums."""
+    new = st._replace(g_outer=io.g_outer, loss=io.loss)
+    if io.res is not None:
+        new = new._replace(res=[_put(b, sl.res, r) for b, r in zip(st.res, io.res)])
+    if io.dy_out is not None:
+        new = new._replace(inbox_b=_put(st.inbox_b, sl.dy, io.dy_out))
+    if io.gys is not None:
+        new = new._replace(grads_y=[_put(b, sl.grad, f) for b, f in zip(st.grads_y, io.gys)])
+    if io.g_chunk is not None:
+        new = new._replace(g_blocks=jax.tree.map(lambda a, g: _put(a, sl.chunk, g), st.g_blocks, io.g_chunk))
+    return new
+
+
+def _filled(io: TickIO, view: SlotView) -> TickIO:
+    """``io`` with each slot it leaves alone written back as read, so that every branch of a
+    ``switch`` returns the same structure (this round-trip costs a copy of each slot)."""
+    return io._replace(**{f: getattr(view, f) for f in ("dy_out", "g_chunk", "gys", "res") if getattr(io, f) is None})
 
 
 def _send(pats: list, pat, x):
@@ -387,10 +399,27 @@ def _exchange(st: PipelineState, table: _Table, row: TickRow, s, io: TickIO) -> 
 
 
 def _tick(stage: _Stage, table: _Table, branches: list, st: PipelineState, row: TickRow):
-    """Read one slot of each buffer, run this stage's action on it, write it back, send."""
+    """Run this stage's action on its slots of the buffers, then the sends.
+
+    One boolean ``cond`` per action kind (at most one runs): its branch reads and writes
+    the buffers in place. (A ``switch`` over all kinds, or a ``cond`` on slots read
+    outside it, would copy what passes through: the residuals twice per tick.)"""
     sl = Slots(*(_get(a, stage.index) for a in row.slots))
-    io = jax.lax.switch(_get(row.kind, stage.index), branches, stage.read(st, sl), sl)
-    return _exchange(stage.write(st, sl, io), table, row, stage.index, io), None
+    kind = _get(row.kind, stage.index)
+    none = jnp.zeros(stage.x.shape, stage.x.dtype)
+
+    def act(branch):
+        def run(st, send_f, send_b):
+            io = branch(stage.read(st, sl), sl)
+            return stage.write(st, sl, io), io.send_f, io.send_b
+        return run
+
+    out = (st, none, none)
+    for i, k in enumerate(table.kinds):
+        if k.op != "idle":
+            out = jax.lax.cond(kind == i, act(branches[i]), lambda *a: a, *out)
+    st, send_f, send_b = out
+    return _exchange(st, table, row, stage.index, TickIO(*([None] * 6), send_b=send_b, send_f=send_f)), None
 
 
 def _stage_counts(program: Program, mesh, stage_layers: Sequence[int]) -> np.ndarray:

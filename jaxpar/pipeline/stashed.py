@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..blocks import use_layer_runner
 from ..rules import drop_axes, path_str, use_rules
-from .executor import (PIPE, TICKS_SCOPE, ActionKind, SlotView, Slots, TickIO, _exchange, _get, _index,
+from .executor import (PIPE, TICKS_SCOPE, ActionKind, SlotView, Slots, TickIO, _exchange, _filled, _get, _index,
                        _initial_state, _put, _read, _Stage, _stage_counts, _table, _write)
 from .partition import from_stages, to_stages
 from .piped import check_pipeline_strategy, staged_cut
@@ -105,7 +105,7 @@ class _StashStage(_Stage):
 
         def run(view: _View, sl: Slots) -> _IO:
             self._w = self.cast(view.w_use)
-            io = base(view.base, sl)
+            io = _filled(base(view.base, sl), view.base)
             if not update:
                 return _IO(io, view.w_cur, view.opt, zero, zero)
             w_new, opt, gsq, skip = self._update(view.w_cur, view.opt, io.g_outer, io.g_chunk)
