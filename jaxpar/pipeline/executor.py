@@ -131,29 +131,30 @@ class PipelineState(NamedTuple):
 
 
 class TickIO(NamedTuple):
-    """What an action hands back: the slots to write back, the sums and the sends."""
+    """What an action hands back: the slots it writes (``None``: left alone), the sums and the sends."""
 
     dy_out: Any        # -> inbox_b[dy]: F (last) writes d loss / d y
     g_chunk: Any       # -> g_blocks[chunk]
     g_outer: Any
-    gys: list          # -> grads_y[grad]: B (split) writes each layer's frontier
+    gys: list          # the frontier buffers, B (split) having written slot ``grad``
     loss: Any
-    res: list          # -> res[res]: F writes the residuals
+    res: list          # the residual buffers, F having written slot ``res``
     send_b: Any        # cotangent for the previous virtual stage (zeros when none)
     send_f: Any        # activation for the next virtual stage (zeros when none)
 
 
 class SlotView(NamedTuple):
-    """One slot of each buffer, read at a tick: the operand of the action switch. (The
-    field order is the switch's operand order, which XLA's buffer assignment follows.)"""
+    """What an action reads: one slot of the inboxes and of the gradient sum, and the
+    residual and frontier buffers whole (the layer loops index them at the action's slot, so
+    no slot is copied out or back)."""
 
     dy: Any            # inbox_b[inbox]: B's received cotangent
     dy_out: Any        # inbox_b[dy]
     g_chunk: Any       # g_blocks[chunk]
     g_outer: Any
-    gys: list          # grads_y[grad]: W's frontier
+    gys: list          # grads_y: B (split) writes slot ``grad``, W reads it
     loss: Any
-    res: list          # res[res]: B's and W's residuals
+    res: list          # res: F writes slot ``res``, B and W read it
     x: Any             # inbox_f[inbox]: F's received activation
 
 
@@ -194,6 +195,23 @@ def _index(tree, i):
 
 def _get(buf, i):
     return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+
+
+def _at(buf, slot, layer):
+    """``buf[slot, layer]`` of a slotted per-layer buffer ``[n, Lmax, ...]``."""
+    start = (slot, layer) + (0,) * (buf.ndim - 2)
+    return jax.lax.dynamic_slice(buf, start, (1, 1, *buf.shape[2:]))[0, 0]
+
+
+def _set(buf, slot, layer, value):
+    """``buf`` with ``buf[slot, layer] = value`` (in place in a loop)."""
+    start = (slot, layer) + (0,) * (buf.ndim - 2)
+    return jax.lax.dynamic_update_slice(buf, value.astype(buf.dtype)[None, None], start)
+
+
+def _add_at(acc, layer, grads):
+    """``acc`` (``[Lmax, ...]`` per leaf) with ``grads`` added to layer ``layer``, in ``acc``'s dtypes."""
+    return jax.tree.map(lambda a, d: _put(a, layer, _get(a, layer) + d.astype(a.dtype)), acc, grads)
 
 
 def _put(buf, i, value):
@@ -263,48 +281,54 @@ class _Stage:
         none = jnp.zeros(self.x.shape, self.x.dtype)
         return TickIO(None, None, view.g_outer, None, view.loss, None, none, none)
 
-    def _each_layer(self, one: Callable, skip: Callable, n) -> Callable:
-        """A scan step: ``one`` on a real layer, ``skip`` on padding (the item's last entry
-        is the layer index; the check is compiled only when some stage is short)."""
+    def _each_layer(self, one: Callable, n) -> Callable:
+        """A scan step: ``one`` on a real layer, nothing on padding (the item's last entry is
+        the layer index; the check is compiled only when some stage is short)."""
         if not self.uneven:
             return one
-        return lambda carry, item: jax.lax.cond(item[-1] < n, one, skip, carry, item)
+        return lambda carry, item: jax.lax.cond(item[-1] < n, one, lambda c, _: (c, None), carry, item)
 
-    def forward_layers(self, bp, x, n):
-        """``(y, per-layer stored residuals)`` of one chunk on one micro-batch."""
-        def one(h, item):
-            return self.lv.forward(item[0], h)
+    def forward_layers(self, bp, x, n, res, slot):
+        """``(y, res)``: one chunk on one micro-batch, each layer's stored residuals written to
+        ``res[slot, layer]``."""
+        def one(carry, item):
+            h, bufs = carry
+            y, stored = self.lv.forward(item[0], h)
+            return (y, [_set(b, slot, item[-1], r) for b, r in zip(bufs, stored)]), None
 
-        def skip(h, item):
-            return h, [jnp.zeros(r.shape, r.dtype) for r in self.lv.stored]
+        return jax.lax.scan(self._each_layer(one, n), (x, res),
+                            (bp, jnp.arange(self.lmax)))[0]
 
-        return jax.lax.scan(self._each_layer(one, skip, n), x, (bp, jnp.arange(self.lmax)))
+    def backward_layers(self, bp, res, slot, dy, n, acc):
+        """Reverse over the chunk's layers from ``dy`` on the residuals ``res[slot]``:
+        ``(dx, acc)``, each layer's weight gradients added to ``acc`` (``[Lmax, ...]``); with a
+        split backward, ``acc`` is the frontier buffers and each layer's frontier goes to
+        ``acc[grad slot, layer]`` (``slot`` is then ``(res slot, grad slot)``), kept for W."""
+        rslot, gslot = slot if self.split else (slot, None)
 
-    def backward_layers(self, bp, res, dy, n):
-        """Reverse over the chunk's layers from ``dy``: ``(dx, per-layer weight gradients)``;
-        with a split backward ``(dx, per-layer frontier)``, kept for W."""
-        def one(g, item):
+        def one(carry, item):
+            g, acc = carry
+            stored = [_at(b, rslot, item[-1]) for b in res]
             if self.split:
-                return self.lv.split.inputs(item[0], item[1], g)
-            dp, dx = self.lv.pullback(item[0], item[1])(g)
-            return dx, dp
+                dx, front = self.lv.split.inputs(item[0], stored, g)
+                return (dx, [_set(b, gslot, item[-1], f) for b, f in zip(acc, front)]), None
+            dp, dx = self.lv.pullback(item[0], stored)(g)
+            return (dx, _add_at(acc, item[-1], dp)), None
 
-        def skip(g, item):
-            if self.split:
-                return g, [jnp.zeros(f.shape, f.dtype) for f in self.lv.split.frontier]
-            return g, jax.tree.map(jnp.zeros_like, item[0])
+        return jax.lax.scan(self._each_layer(one, n), (dy, acc),
+                            (bp, jnp.arange(self.lmax)), reverse=True)[0]
 
-        return jax.lax.scan(self._each_layer(one, skip, n), dy, (bp, res, jnp.arange(self.lmax)), reverse=True)
+    def weight_layers(self, bp, res, gys, slot, gslot, n, acc):
+        """``acc`` plus each layer's weight gradients, from the residuals ``res[slot]`` and the
+        frontier ``gys[gslot]`` a split B kept."""
+        def one(acc, item):
+            layer = item[-1]
+            dp = self.lv.split.weights(item[0], [_at(b, slot, layer) for b in res],
+                                       [_at(b, gslot, layer) for b in gys])
+            return _add_at(acc, layer, dp), None
 
-    def weight_layers(self, bp, res, gys, n):
-        """Per-layer weight gradients of one chunk from the frontier a split B kept."""
-        def one(_, item):
-            return None, self.lv.split.weights(item[0], item[1], item[2])
-
-        def skip(_, item):
-            return None, jax.tree.map(jnp.zeros_like, item[0])
-
-        return jax.lax.scan(self._each_layer(one, skip, n), None, (bp, res, gys, jnp.arange(self.lmax)))[1]
+        return jax.lax.scan(self._each_layer(one, n), acc,
+                            (bp, jnp.arange(self.lmax)))[0]
 
     def branch(self, kind: ActionKind) -> Callable[[SlotView, Slots], TickIO]:
         """The switch branch of ``kind``: ``(view, slots) -> TickIO``."""
@@ -319,7 +343,7 @@ class _Stage:
         n, bp, mb = self.n_layers[sl.chunk], self.chunk_params(sl), _index(self.mbs, sl.mb)
         outer = self.outer_params(sl)
         x = self.parts.pre(outer, mb) if kind.first else view.x
-        y, res = self.forward_layers(bp, x, n)
+        y, res = self.forward_layers(bp, x, n, view.res, sl.res)
         io = self._unchanged(view)._replace(res=res)
         if not kind.last:
             return io._replace(send_f=self._cast(y))
@@ -330,10 +354,14 @@ class _Stage:
     def backward(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
         """B: the stored pullbacks in reverse on the received cotangent, then ``pre``'s
         pullback into the gradient of ``outer`` (first) or a send to the previous virtual stage."""
-        bp, mb = self.chunk_params(sl), _index(self.mbs, sl.mb)
-        dx, per_layer = self.backward_layers(bp, view.res, view.dy, self.n_layers[sl.chunk])
+        bp, mb, n = self.chunk_params(sl), _index(self.mbs, sl.mb), self.n_layers[sl.chunk]
         io = self._unchanged(view)
-        io = io._replace(gys=per_layer) if self.split else io._replace(g_chunk=_accumulate(view.g_chunk, per_layer))
+        if self.split:
+            dx, gys = self.backward_layers(bp, view.res, (sl.res, sl.grad), view.dy, n, view.gys)
+            io = io._replace(gys=gys)
+        else:
+            dx, g_chunk = self.backward_layers(bp, view.res, sl.res, view.dy, n, view.g_chunk)
+            io = io._replace(g_chunk=g_chunk)
         if not kind.first:
             return io._replace(send_b=self._cast(dx))
         _, pull = jax.vjp(lambda q: self.parts.pre(q, mb), self.outer_params(sl))
@@ -341,9 +369,9 @@ class _Stage:
 
     def weights(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
         """W (split backward): the chunk's weight gradients from the cotangents B kept."""
-        dps = self.weight_layers(self.chunk_params(sl), view.res, view.gys, self.n_layers[sl.chunk])
-        io = self._unchanged(view)
-        return io._replace(g_chunk=_accumulate(view.g_chunk, dps))
+        g_chunk = self.weight_layers(self.chunk_params(sl), view.res, view.gys, sl.res, sl.grad,
+                                     self.n_layers[sl.chunk], view.g_chunk)
+        return self._unchanged(view)._replace(g_chunk=g_chunk)
 
 
 def _initial_state(program: Program, stage: _Stage) -> PipelineState:
@@ -360,7 +388,7 @@ def _initial_state(program: Program, stage: _Stage) -> PipelineState:
 
 def _read(st: PipelineState, sl: Slots) -> SlotView:
     return SlotView(x=_get(st.inbox_f, sl.inbox), dy=_get(st.inbox_b, sl.inbox), dy_out=_get(st.inbox_b, sl.dy),
-                    res=[_get(b, sl.res) for b in st.res], gys=[_get(b, sl.grad) for b in st.grads_y],
+                    res=st.res, gys=st.grads_y,
                     g_chunk=_index(st.g_blocks, sl.chunk), g_outer=st.g_outer, loss=st.loss)
 
 
@@ -368,20 +396,14 @@ def _write(st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
     """``st`` with the slots ``io`` writes (not ``None``) and its sums."""
     new = st._replace(g_outer=io.g_outer, loss=io.loss)
     if io.res is not None:
-        new = new._replace(res=[_put(b, sl.res, r) for b, r in zip(st.res, io.res)])
+        new = new._replace(res=io.res)
     if io.dy_out is not None:
         new = new._replace(inbox_b=_put(st.inbox_b, sl.dy, io.dy_out))
     if io.gys is not None:
-        new = new._replace(grads_y=[_put(b, sl.grad, f) for b, f in zip(st.grads_y, io.gys)])
+        new = new._replace(grads_y=io.gys)
     if io.g_chunk is not None:
         new = new._replace(g_blocks=jax.tree.map(lambda a, g: _put(a, sl.chunk, g), st.g_blocks, io.g_chunk))
     return new
-
-
-def _filled(io: TickIO, view: SlotView) -> TickIO:
-    """``io`` with each slot it leaves alone written back as read, so that every branch of a
-    ``switch`` returns the same structure (this round-trip costs a copy of each slot)."""
-    return io._replace(**{f: getattr(view, f) for f in ("dy_out", "g_chunk", "gys", "res") if getattr(io, f) is None})
 
 
 def _send(pats: list, pat, x):
@@ -405,21 +427,26 @@ def _tick(stage: _Stage, table: _Table, branches: list, st: PipelineState, row: 
     the buffers in place. (A ``switch`` over all kinds, or a ``cond`` on slots read
     outside it, would copy what passes through: the residuals twice per tick.)"""
     sl = Slots(*(_get(a, stage.index) for a in row.slots))
-    kind = _get(row.kind, stage.index)
     none = jnp.zeros(stage.x.shape, stage.x.dtype)
 
-    def act(branch):
+    def act(i):
         def run(st, send_f, send_b):
-            io = branch(stage.read(st, sl), sl)
+            io = branches[i](stage.read(st, sl), sl)
             return stage.write(st, sl, io), io.send_f, io.send_b
         return run
 
-    out = (st, none, none)
-    for i, k in enumerate(table.kinds):
-        if k.op != "idle":
-            out = jax.lax.cond(kind == i, act(branches[i]), lambda *a: a, *out)
-    st, send_f, send_b = out
+    st, send_f, send_b = _one_of(_get(row.kind, stage.index), table.kinds, act, (st, none, none))
     return _exchange(st, table, row, stage.index, TickIO(*([None] * 6), send_b=send_b, send_f=send_f)), None
+
+
+def _one_of(kind, kinds: list, act: Callable, carry: tuple) -> tuple:
+    """``act(kind)(*carry)``, or ``carry`` if ``kinds[kind]`` is idle: one boolean ``cond`` per
+    kind that is not, each reading and writing the carried buffers in place (an index
+    ``switch`` copies every buffer its branches pass through)."""
+    for i, k in enumerate(kinds):
+        if k[0] != "idle":
+            carry = jax.lax.cond(kind == i, act(i), lambda *a: a, *carry)
+    return carry
 
 
 def _stage_counts(program: Program, mesh, stage_layers: Sequence[int]) -> np.ndarray:

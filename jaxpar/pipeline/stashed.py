@@ -45,8 +45,8 @@ from jax.sharding import PartitionSpec as P
 
 from ..blocks import use_layer_runner
 from ..rules import drop_axes, path_str, use_rules
-from .executor import (PIPE, TICKS_SCOPE, ActionKind, SlotView, Slots, TickIO, _exchange, _filled, _get, _index,
-                       _initial_state, _put, _read, _Stage, _stage_counts, _table, _write)
+from .executor import (PIPE, TICKS_SCOPE, ActionKind, SlotView, Slots, TickIO, _exchange, _get, _index,
+                       _initial_state, _one_of, _put, _read, _Stage, _stage_counts, _table, _write)
 from .partition import from_stages, to_stages
 from .piped import check_pipeline_strategy, staged_cut
 from .schedules import pipedream
@@ -105,7 +105,7 @@ class _StashStage(_Stage):
 
         def run(view: _View, sl: Slots) -> _IO:
             self._w = self.cast(view.w_use)
-            io = _filled(base(view.base, sl), view.base)
+            io = base(view.base, sl)
             if not update:
                 return _IO(io, view.w_cur, view.opt, zero, zero)
             w_new, opt, gsq, skip = self._update(view.w_cur, view.opt, io.g_outer, io.g_chunk)
@@ -131,18 +131,28 @@ class _StashStage(_Stage):
         return (outer, jax.tree.map(lambda a: a[None], blocks)), new_opt, gsq, skip
 
 
-def _tick(stage: _StashStage, table, branches, carry, xs):
+def _tick(stage: _StashStage, table, kinds, branches, carry, xs):
+    """The executor's tick (:func:`.executor._one_of`) with the stage's versions: the action
+    reads version ``ver``; an update reads ``cur`` and writes ``new``."""
     st, ws = carry
     row, vrow = xs
     i = stage.index
     sl = Slots(*(_get(a, i) for a in row.slots))
     ver, cur, new = (_get(a, i) for a in vrow)
-    view = _View(stage.read(st, sl), _index(ws.w, ver), _index(ws.w, cur), ws.opt)
-    io = jax.lax.switch(_get(row.kind, i), branches, view, sl)
-    st = _exchange(stage.write(st, sl, io.base), table, row, i, io.base)
     step = sl.mb // stage.per_step
-    w = jax.tree.map(lambda b, x: _put(b, new, x), ws.w, io.w_new)
-    return (st, _Weights(w, io.opt, ws.gsq.at[step].add(io.gsq), ws.skips.at[step].add(io.skip))), None
+    none = jnp.zeros(stage.x.shape, stage.x.dtype)
+
+    def act(k):
+        def run(st, ws, send_f, send_b):
+            io = branches[k](_View(stage.read(st, sl), _index(ws.w, ver), _index(ws.w, cur), ws.opt), sl)
+            if kinds[k][3]:
+                ws = _Weights(jax.tree.map(lambda b, x: _put(b, new, x), ws.w, io.w_new), io.opt,
+                              ws.gsq.at[step].add(io.gsq), ws.skips.at[step].add(io.skip))
+            return stage.write(st, sl, io.base), ws, io.base.send_f, io.base.send_b
+        return run
+
+    st, ws, send_f, send_b = _one_of(_get(row.kind, i), kinds, act, (st, ws, none, none))
+    return (_exchange(st, table, row, i, TickIO(*([None] * 6), send_b=send_b, send_f=send_f)), ws), None
 
 
 def _branch_table(sp: StashProgram):
@@ -308,7 +318,7 @@ def make_stashing_step(loss_fn: Callable, tx, layout, strategy, steps: int = 1, 
             ws = _Weights(buf, opt, jnp.zeros((steps,), jnp.float32), jnp.zeros((steps,), jnp.float32))
             branches = [stage.stash_branch(kd) for kd in kinds]
             with jax.named_scope(TICKS_SCOPE):
-                (st, ws), _ = jax.lax.scan(functools.partial(_tick, stage, table, branches), (st, ws), (rows, vrows))
+                (st, ws), _ = jax.lax.scan(functools.partial(_tick, stage, table, kinds, branches), (st, ws), (rows, vrows))
             final = jnp.asarray(np.array(sp.final, np.int32))[stage.index]
             out = jax.tree.map(lambda b: jnp.stack([_get(b, final[j]) for j in range(sp.older + 1)]), ws.w)
             sums = tuple(jax.lax.psum(a, PIPE) for a in (st.loss, ws.gsq, ws.skips))
