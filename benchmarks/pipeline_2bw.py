@@ -7,7 +7,10 @@ At p=4 stages x DP2 on 8 simulated CPU devices, the GPT of ``benchmarks/pipeline
 * ``2bw (flush)``: ``make_train_step`` with ``schedule='pipedream-2bw'``, one step per call
   (the same ticks as 1F1B, one more weight version);
 * ``2bw (no flush, K)``: ``steps_per_call=K``: ``K`` optimizer steps in one program,
-  ``2Km + 2(p-1)`` ticks in all (``2m`` per step after the first).
+  ``2Km + 2(p-1)`` ticks in all (``2m`` per step after the first);
+* ``stashing (K, k=m)``: PipeDream weight stashing (``schedule='pipedream'``) on the same
+  no-flush table, each stage updating after every ``m`` of its backwards (one update per
+  optimizer step, as 1F1B), ``K`` steps per call.
 
 ``ms / step`` is the median over rounds of a call's time divided by its optimizer steps; ``vs
 1F1B`` the median over rounds of the paired ratio to 1F1B timed in the same round (the variants
@@ -32,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import jaxpar
 from jaxpar.mesh import batch_axes
 from jaxpar.models.gpt import lm_loss
-from jaxpar.pipeline.schedules import num_ticks, pipedream_2bw
+from jaxpar.pipeline.schedules import num_ticks, pipedream, pipedream_2bw
 
 from _common import GPTConfig, environment, make_batch, make_tx, markdown_table, write_json
 
@@ -46,12 +49,14 @@ def _variants(cfg, m, k, rows, p=4):
                              NamedSharding(mesh, PartitionSpec(None, batch_axes(mesh) or None)))
     out = {}
     for name, schedule, per_call in (("1f1b", "1f1b", 1), ("2bw (flush)", "pipedream-2bw", 1),
-                                     (f"2bw (no flush, K={k})", "pipedream-2bw", k)):
-        strategy = jaxpar.Strategy(microbatches=m, schedule=schedule)
+                                     (f"2bw (no flush, K={k})", "pipedream-2bw", k),
+                                     (f"stashing (K={k}, k=m)", "pipedream", k)):
+        extra = {"update_every": m} if schedule == "pipedream" else {}
+        strategy = jaxpar.Strategy(microbatches=m, schedule=schedule, **extra)
         state, layout = jaxpar.init_train_state(lambda: _common.GPT(cfg, rngs=_common.nnx.Rngs(0)), tx, mesh,
                                                 strategy)
         step = jaxpar.make_train_step(lm_loss, tx, layout, strategy, steps_per_call=per_call)
-        ticks = num_ticks(pipedream_2bw(p, m, per_call))
+        ticks = num_ticks((pipedream if schedule == "pipedream" else pipedream_2bw)(p, m, per_call))
         out[name] = dict(step=step, state=state, per_call=per_call, ticks=ticks,
                          inputs=[stacked] if per_call > 1 else one)
     return out

@@ -1,14 +1,14 @@
 """How often each branch of a pipelined train step's tick loop runs, per pipeline stage.
 
 The pipeline executor (:mod:`jaxpar.pipeline.executor`) runs the lowered schedule as one
-``while`` loop of ``T`` ticks. At each tick a ``lax.switch`` on the stage's row of the table
-picks the action (F / B / W / idle, one branch per distinct kind), and two more switches pick
-the tick's forward and backward sends (branch 0: nothing moves; branch ``j``: one
-``ppermute`` over the ``j``-th set of pairs). Counting every branch on every tick would count
-each collective ``T`` times; the schedule says how often each one runs:
+``while`` loop of ``T`` ticks. At each tick a chain of boolean conditionals, one per action
+kind that is not idle (in the executor's order of ``kinds``), runs the stage's action, and two
+switches pick the tick's forward and backward sends (branch 0: nothing moves; branch ``j``:
+one ``ppermute`` over the ``j``-th set of pairs). Counting every branch on every tick would
+count each collective ``T`` times; the schedule says how often each one runs:
 
-* the action switch: branch ``k`` runs on the ticks where the stage's instruction is
-  ``kinds[k]`` (the executor's branch order, which XLA keeps);
+* the conditional of kind ``k`` (two branches: 0 does nothing, 1 the action): branch 1 runs on
+  the ticks where the stage's instruction is ``kinds[k]``, branch 0 on the others;
 * a send switch: the branch whose ``collective-permute`` moves between the stage pairs ``S``
   runs on the ticks whose forward or backward pairs are ``S``. When both switches have a
   branch for the same ``S`` (``p = 2`` with wrap-around), each gets half of the total, so the
@@ -51,17 +51,21 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
         raise ValueError(f"plan {plan.name()}: no while loop of {T} ticks (the schedule's length) in the compiled "
                          "program; is it a jaxpar pipelined train step?")
     stage_of = _stage_of_partition(compiled, mesh)
-    switches = [ins for b in bodies for ins in by_comp.get(b, ()) if ins.opcode == "conditional"]
+    conds = [ins for b in bodies for ins in by_comp.get(b, ()) if ins.opcode == "conditional"]
     sends, actions = {}, []
-    for sw in switches:
+    for sw in conds:
         branches = [c for key, c in hlo._called(sw) if key == "branch_computations"]
         permutes = [_permutes(b, by_comp) for b in branches]
         if any(permutes):
             sends[sw.name] = [frozenset((stage_of[a], stage_of[b]) for ins in ps
                                         for a, b in source_target_pairs(ins.rest)) if ps else None
                               for ps in permutes]
-        elif len(branches) == len(table.kinds):
-            actions.append(sw.name)
+        elif len(branches) == 2:
+            actions.append(sw.name)           # chained, so in the text in the order of ``kinds``
+    active = [k for k, kind in enumerate(table.kinds) if kind.op != "idle"]
+    if len(actions) != len(active):
+        raise ValueError(f"plan {plan.name()}: the tick loop has {len(actions)} action conditionals, expected one per "
+                         f"action kind that is not idle ({len(active)}); has the executor changed?")
     fwd = [frozenset(t.fwd_pairs) for t in ticks]
     bwd = [frozenset(t.bwd_pairs) for t in ticks]
     share = {}
@@ -74,8 +78,9 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
     out = []
     for s in range(plan.pipe):
         w = dict(send_w)
-        for name in actions:
-            w[name] = [float((kinds[:, s] == k).sum()) / T for k in range(len(table.kinds))]
+        for name, k in zip(actions, active):
+            taken = float((kinds[:, s] == k).sum()) / T
+            w[name] = [1.0 - taken, taken]
         out.append(w)
     return out
 

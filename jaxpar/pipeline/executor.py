@@ -2,21 +2,25 @@
 
 Each device holds its stages' layers (``[v, Lmax, ...]``: ``v`` chunks of at most
 ``Lmax`` layers). A ``lax.scan`` runs the lowered table (:mod:`.program`) tick by
-tick; at each tick every device picks its action with a ``lax.switch`` on its row
-(idle stages compute nothing in bubbles):
+tick; at each tick every device runs the action of its row, one boolean ``lax.cond``
+per action kind (idle stages compute nothing in bubbles):
 
 * **F**: ``pre`` (virtual stage 0), the chunk's layers with one ``jax.vjp`` each
-  (residuals to a slot of a buffer sized by the table's peak in-flight count, not
-  by ``m``), then ``post`` and ``d loss / d y`` (last virtual stage) or a send.
+  (each layer's residuals to ``[slot, layer]`` of buffers sized by the table's peak
+  in-flight count, not by ``m``), then ``post`` and ``d loss / d y`` (last virtual
+  stage) or a send.
 * **B**: the stored vjps in reverse on the received cotangent, accumulating the
   weight gradients (fused); or, split (zero-bubble), only the part of each layer's
   pullback that the input cotangent needs, keeping what the weight gradients read
   (the *frontier*, :mod:`jaxpar.split_backward`) for **W**, which runs the rest; then
   ``pre``'s vjp (virtual stage 0) or a send.
 
-The switch reads one slot of each buffer (a :class:`SlotView`) and returns what
-to write back and send (a :class:`TickIO`); the buffers (:class:`PipelineState`)
-never enter it, as a conditional would copy them. Then ``ppermute`` sends
+An action reads a :class:`SlotView` (one slot of the inboxes, the residual and
+frontier buffers whole) and returns what it writes and sends (a :class:`TickIO`);
+its conditional updates the buffers (:class:`PipelineState`) in place, and the
+layer loops index them at ``[slot, layer]``, so no slot is copied out or back
+(an index ``switch`` over the kinds would copy every buffer it passes through).
+Then ``ppermute`` sends
 activations forward and cotangents backward between the stages that send at that
 tick (wrap-around ``p-1 -> 0`` for interleaved chunks): one ``ppermute`` per
 distinct set of pairs, chosen by a ``lax.switch`` whose index is the same on every
@@ -74,7 +78,7 @@ TICKS_SCOPE = "pipeline_ticks"
 
 
 class ActionKind(NamedTuple):
-    """What an instruction needs compiled: one switch branch per distinct kind.
+    """What an instruction needs compiled: one conditional per distinct kind.
 
     >>> ActionKind.of(Instr("F", first=True, last=False))
     ActionKind(op='F', first=True, last=False)
@@ -269,7 +273,7 @@ class _Stage:
         return self.outer
 
     def read(self, st: PipelineState, sl: Slots) -> SlotView:
-        """The slots of ``st`` an action on ``sl`` reads (the switch's operand)."""
+        """What an action on ``sl`` reads of ``st`` (inside its conditional)."""
         return _read(st, sl)
 
     def write(self, st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
@@ -331,7 +335,7 @@ class _Stage:
                             (bp, jnp.arange(self.lmax)))[0]
 
     def branch(self, kind: ActionKind) -> Callable[[SlotView, Slots], TickIO]:
-        """The switch branch of ``kind``: ``(view, slots) -> TickIO``."""
+        """The action of ``kind``: ``(view, slots) -> TickIO``."""
         if kind.op == "idle":
             return lambda view, sl: self._unchanged(view)
         action = {"F": self.forward, "B": self.backward, "W": self.weights}[kind.op]

@@ -11,7 +11,7 @@ steps, one tick loop) with the rule of :mod:`jaxpar.pipeline.stashing`. Inside t
   writes, assigned by interval colouring like the executor's residual slots;
 * its own optimizer state (the stage's rows of the block leaves, its copy of ``outer``'s).
 
-A backward whose micro-batch ends an ``update_every`` group runs, in the same switch branch,
+A backward whose micro-batch ends an ``update_every`` group runs, in the same conditional,
 ``tx.update`` on the stage's gradient (the group's mean) and writes the new version. The
 gradient is reduced over the data axes by XLA inside the stage (those axes stay automatic):
 the accumulator is replicated over them, so each backward's weight gradient is all-reduced
