@@ -29,6 +29,10 @@ RUNS = {
     "sign, no EF": {"kind": "sign", "error_feedback": False},
     "sign + EF + codec momentum": {"kind": "sign", "momentum": 0.9, "_overrides": ["optimizer.momentum=0"]},
     "top-k 1% + EF": {"kind": "topk", "ratio": 0.01},
+    # DGC's recipe: each replica clipped before the codec (not the exchanged mean), sparsity warm-up
+    "top-k 1% + EF + local clip + warm-up": {"kind": "topk", "ratio": 0.01, "warmup": [0.25, 0.1, 0.04],
+                                            "warmup_steps": 25, "local_clip": 1.0,
+                                            "_overrides": ["optimizer.clip_norm=null"]},
     "powersgd r4": {"kind": "powersgd", "rank": 4},
 }
 

@@ -56,6 +56,9 @@ class Strategy:
       balances the compiled FLOPs of the layers, the embedding and the head.
     - ``compression``: a codec of :mod:`jaxpar.compression` (``qsgd()``, ``powersgd(rank=4)``,
       ...) for the gradient exchange over the data axes, once per step; ``None``: exact.
+    - ``local_clip`` (with ``compression``): each replica's gradient is clipped to this global
+      norm before it enters the codec (Deep Gradient Compression's local gradient clipping), so
+      released error-feedback residual is not clipped away after the exchange.
     - ``sync``: how the replicas of a ``replica`` mesh axis are kept in step (:mod:`jaxpar.sync`:
       ``diloco(every=50)``, ``easgd(alpha)``, ``stale(max_delay)``, ``backup(backups)``, ...);
       ``None``: synchronous (gradients averaged over ``replica`` every step).
@@ -73,6 +76,7 @@ class Strategy:
     sync: Any = None
     update_every: int = 1
     vertical_sync: bool = False
+    local_clip: float | None = None
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:
@@ -103,6 +107,16 @@ class Strategy:
             from .compression import check_codec
 
             check_codec(self.compression)
+        if self.local_clip is not None:
+            if isinstance(self.local_clip, bool) or not isinstance(self.local_clip, (int, float)) \
+                    or not self.local_clip > 0:
+                raise ValueError(f"Strategy.local_clip={self.local_clip!r}: the norm each replica's gradient is "
+                                 "clipped to must be a positive number, e.g. local_clip=1.0.")
+            if self.compression is None:
+                raise ValueError(f"Strategy.local_clip={self.local_clip!r} clips each replica's gradient before a "
+                                 "compressed exchange, but compression is None. Set a codec (e.g. "
+                                 "compression=jaxpar.compression.topk(0.01)) or clip the averaged gradient with "
+                                 "make_train_step(clip_norm=...).")
         if self.sync is not None:
             from .sync import SyncError, check_sync
 
@@ -152,6 +166,8 @@ class Strategy:
             parts.append(self.compute_dtype)
         if self.compression is not None:
             parts.append(self.compression.name)
+        if self.local_clip is not None:
+            parts.append(f"lclip{self.local_clip:g}")
         if self.sync is not None:
             parts.append(self.sync.name)
         return "-".join(parts) or "single"

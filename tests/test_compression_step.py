@@ -2,6 +2,7 @@
 HLO, exact cases against the uncompressed step, composition with the strategies, checkpoints."""
 import math
 import re
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,8 +17,9 @@ from jaxpar.models import GPT, GPTConfig, lm_loss
 from jaxpar.train.checkpoint import Checkpointer, CheckpointWarning
 from jaxpar.train.compressed import compression_plan
 
-from helpers import make_batch, mesh_for, run
+from helpers import flat, grad_atol, make_batch, mesh_for, run, setup
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Big enough that padding rows to whole buckets costs < 2%: the ratios are the codecs' own.
 WIRE_CFG = GPTConfig(vocab=128, seq_len=16, embed=96, heads=4, layers=2)
 
@@ -105,6 +107,46 @@ def test_lossless_settings_match_the_uncompressed_step(reference, zero, codec):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * np.abs(r).max(), err_msg=str(path))
 
 
+def test_local_clip_clips_each_replica_before_the_codec():
+    """``Strategy(local_clip=c)``: each replica's gradient is scaled to norm <= c before the (here
+    lossless) codec, then averaged: against each replica's gradient on one device, clipped by hand."""
+    from jaxpar.train.step import make_loss_and_grad
+
+    batch = make_batch()
+    mesh1, state1, layout1, _ = setup({}, jaxpar.Strategy())
+    with jaxpar.use_rules(mesh1, layout1.rules):
+        grad_fn = jax.jit(make_loss_and_grad(lm_loss, layout1, jaxpar.Strategy()))
+        per = [flat(jax.device_get(grad_fn(state1.params, {k: v[2 * r:2 * r + 2] for k, v in batch.items()})[1]))
+               for r in range(8)]
+    norms = [math.sqrt(sum(float(np.sum(np.square(g))) for g in p.values())) for p in per]
+    clip = 0.5 * min(norms)                                 # every replica is clipped, each by its own factor
+    ref = {k: sum(p[k] * clip / n for p, n in zip(per, norms)) / 8 for k in per[0]}
+    plain = {k: sum(p[k] for p in per) / 8 for k in per[0]}
+    mesh, state, layout, step = setup({"data": 8}, jaxpar.Strategy(compression=topk(1.0), local_clip=clip),
+                                      record_grads=True)
+    state, metrics = step(state, jaxpar.shard_batch(batch, mesh))
+    got = flat(jax.device_get(state.opt_state[0].grads))
+    assert float(metrics["replica_grad_norm"]) == pytest.approx(sum(norms) / 8, rel=1e-5)
+    for k, r in ref.items():
+        np.testing.assert_allclose(got[k], r, rtol=1e-4, atol=grad_atol(r), err_msg=k)
+    assert max(np.abs(plain[k] - ref[k]).max() / np.abs(plain[k]).max() for k in ref) > 0.3   # the clip mattered
+
+
+def test_local_clip_errors_name_the_fix():
+    with pytest.raises(ValueError, match="local_clip=0.0.*positive number"):
+        jaxpar.Strategy(compression=topk(0.01), local_clip=0.0)
+    with pytest.raises(ValueError, match="compression is None.*clip_norm"):
+        jaxpar.Strategy(local_clip=1.0)
+    from jaxpar.config import ConfigError, load_config
+    from jaxpar.config.build import build_strategy
+    with pytest.raises(ConfigError, match="parallel.compression.local_clip=-1.*positive"):
+        build_strategy(load_config(CONFIGS / "topk.yaml", ["parallel.compression.local_clip=-1"]).parallel)
+    with pytest.raises(ConfigError, match="names none.*kind: topk"):
+        build_strategy(load_config(CONFIGS / "dp.yaml", ["parallel.compression={local_clip: 1.0}"]).parallel)
+    strategy = build_strategy(load_config(CONFIGS / "topk.yaml", ["parallel.compression.local_clip=2"]).parallel)
+    assert strategy.local_clip == 2 and strategy.compression.name.startswith("topk")
+
+
 # ----------------------------------------------------------------------------- composition
 
 COMPOSE = [({"data": 8}, 0), ({"data": 8}, 2), ({"fsdp": 4, "tensor": 2}, 0), ({"pipe": 2, "data": 4}, 0)]
@@ -125,10 +167,18 @@ def test_codec_strategy_matrix(name, mesh_i, accum):
     _trains(name, *COMPOSE[mesh_i], accum)
 
 
-def _trains(name, sizes, zero, accum, steps=8):
+@pytest.mark.parametrize("mesh_i", [2, 3], ids=["zero3-fsdp4-tp2", "pipe2-data4"])
+def test_local_clip_trains_under_zero3_and_pipelines(mesh_i):
+    """Each replica's norm is taken over its whole gradient (sharded over ``tensor`` / ``pipe``)."""
+    m = _trains("topk", *COMPOSE[mesh_i], 1, local_clip=0.5)
+    assert float(m["replica_grad_norm"]) > 0.5        # so the clip was active
+
+
+def _trains(name, sizes, zero, accum, steps=8, local_clip=None):
     codec = CODECS[name] if name not in ("topk", "randomk") else type(CODECS[name])(CODECS[name].name, 0.1)
     piped = sizes.get("pipe", 1) > 1     # pipelines: accumulation is the micro-batches of the schedule
-    strategy = jaxpar.Strategy(zero=zero, microbatches=2 * accum if piped else accum, compression=codec)
+    strategy = jaxpar.Strategy(zero=zero, microbatches=2 * accum if piped else accum, compression=codec,
+                               local_clip=local_clip)
     mesh = mesh_for(sizes)
     tx = optax.adam(3e-3)
     cfg = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, layers=2)
@@ -141,6 +191,7 @@ def _trains(name, sizes, zero, accum, steps=8):
         losses.append(float(m["loss"]))
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, losses
     assert 0 < float(m["comm_ratio"]) and np.isfinite(float(m["residual_norm"]))
+    return m
 
 
 def test_compression_errors_name_the_fix():

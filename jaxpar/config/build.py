@@ -155,14 +155,25 @@ def build_sync(options: Mapping[str, Any]):
 
 
 def build_strategy(cfg: ParallelConfig) -> Strategy:
-    """The :class:`jaxpar.Strategy` of the parallel section; its errors name ``parallel.*`` keys."""
-    codec = build_codec(cfg.compression)
+    """The :class:`jaxpar.Strategy` of the parallel section; its errors name ``parallel.*`` keys.
+    ``parallel.compression.local_clip`` is the strategy's ``local_clip``, not a codec option."""
+    options = dict(cfg.compression or {})
+    local_clip = options.pop("local_clip", None)
+    if local_clip is not None and not (isinstance(local_clip, (int, float)) and not isinstance(local_clip, bool)
+                                       and local_clip > 0):
+        raise ConfigError(f"parallel.compression.local_clip={local_clip!r}: the norm each replica's gradient is "
+                          "clipped to before the codec must be a positive number, e.g. local_clip: 1.0.")
+    if local_clip is not None and not options:
+        raise ConfigError(f"parallel.compression.local_clip={local_clip!r} clips each replica's gradient before a "
+                          "codec, but parallel.compression names none; add one, e.g. compression: {kind: topk, "
+                          "ratio: 0.01, local_clip: 1.0}, or use optimizer.clip_norm.")
+    codec = build_codec(options)
     sync = build_sync(cfg.sync)
     try:
         return Strategy(zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, microbatches=cfg.microbatches,
                         compute_dtype=cfg.compute_dtype, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
                         stage_layers=cfg.stage_layers, compression=codec, sync=sync,
-                        update_every=cfg.update_every, vertical_sync=cfg.vertical_sync)
+                        update_every=cfg.update_every, vertical_sync=cfg.vertical_sync, local_clip=local_clip)
     except ValueError as e:
         fallback = f"parallel.schedule={cfg.schedule!r}" if "schedule" in str(e) else "parallel"
         raise ConfigError(relabel(e, "Strategy", "parallel", _PARALLEL_KEYS, fallback)) from None

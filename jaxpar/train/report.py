@@ -106,7 +106,7 @@ def plot_losses(path: str | Path, steps: Sequence[int], losses: Sequence[float],
 
 
 #: Metrics of a compressed gradient exchange, logged when the step reports them.
-_COMM = ("comm_bytes", "comm_ratio", "residual_norm",                                  # compression
+_COMM = ("comm_bytes", "comm_ratio", "residual_norm", "replica_grad_norm",             # compression
          "loss_spread", "replica_distance", "replica_bytes", "delay_mean", "modelled_time",   # relaxed sync
          "modelled_time_sync",
          "noise_scale", "grad_sq_small", "grad_sq_big", "noise_trace", "noise_grad_sq",   # noise scale
@@ -319,6 +319,7 @@ class _Meter:
         if "comm_bytes" in rec:     # compressed gradient exchange (Strategy.compression)
             extra += (f"  wire {format_bytes(rec['comm_bytes'])}/step ({_fmt(rec['comm_ratio'], '.3f')}x fp32)"
                       f" residual {_fmt(rec['residual_norm'], '.3g')}")
+            extra += f" replica norm {_fmt(rec['replica_grad_norm'], '.3g')}" if "replica_grad_norm" in rec else ""
         if "loss_spread" in rec:    # relaxed sync (Strategy.sync): replicas' loss range, bytes over ``replica``
             extra += f"  spread {_fmt(rec['loss_spread'], '.3f')} replica {format_bytes(rec['replica_bytes'])}/step"
             extra += f" dist {_fmt(rec['replica_distance'], '.3g')}" if "replica_distance" in rec else ""
