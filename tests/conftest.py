@@ -25,7 +25,11 @@ Each simulated device also runs its ops single-threaded (``--xla_cpu_multi_threa
 8 device threads already share the 2 cores, and with Eigen's intra-op pool on top a pipelined
 program occasionally deadlocked in a rendezvous (one device of a stage never reached its
 all-reduce while the others waited; XLA aborts the process after 40 s), seen about once in 8
-runs of the PipeDream-2BW resume test and never in 6 runs with the flag.
+runs of the PipeDream-2BW resume test and never in 6 runs with the flag. The same abort was still
+seen in a DiLoCo test when other jobs loaded the machine too (twice, both while the suite ran
+beside other work), so the rendezvous may wait 300 s before XLA aborts
+(``--xla_cpu_collective_call_terminate_timeout_seconds=300``): a starved device thread gets
+there late; a real deadlock still ends in the abort, later.
 """
 import atexit
 import os
@@ -41,7 +45,7 @@ if os.environ.get("JAXPAR_TEST_COMPILATION_CACHE", "1") != "0":
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")    # every program, not only > 1 s
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 #: XLA flags this session adds (tests that start processes with a cleared XLA_FLAGS pass these on)
-TEST_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+TEST_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false --xla_cpu_collective_call_terminate_timeout_seconds=300"
 if os.environ.get("JAXPAR_TEST_XLA_OPT", "0") != "default":
     TEST_XLA_FLAGS += " --xla_backend_optimization_level=0"
 for _flag in TEST_XLA_FLAGS.split():

@@ -187,6 +187,18 @@ def local_steps(loss_fn, tx, layout: StateLayout, strategy, sync, *, donate, cli
     return _LocalRunner(inner_jit, outer_jit, sync.every, replica_bytes(layout), warm_jit, start)
 
 
+@jax.jit
+def _replica_summary(rep: dict) -> dict:
+    """The step's metrics from the per-replica ones, in one program: each program with a
+    collective that is dispatched while the step may still run adds to the XLA:CPU rendezvous
+    that, with 8 simulated devices on 2 cores, was seen to time out (one program, not five)."""
+    out = {"loss": jnp.mean(rep["loss"]), "grad_norm": jnp.mean(rep["grad_norm"]),
+           "loss_spread": jnp.max(rep["loss"]) - jnp.min(rep["loss"])}
+    if "skipped" in rep:
+        out["skipped"] = jnp.any(rep["skipped"])
+    return out
+
+
 class _LocalRunner:
     """Runs the inner program, and the sync program after every ``every``-th step (the step
     number from :class:`~jaxpar.train.step.HostStep`)."""
@@ -203,11 +215,7 @@ class _LocalRunner:
         state, m = (self.warm if warming else self.inner)(state, batch)
         count += 1
         metrics = {k: v for k, v in m.items() if k != "replica"}
-        rep = m["replica"]
-        metrics.update(loss=jnp.mean(rep["loss"]), grad_norm=jnp.mean(rep["grad_norm"]),
-                       loss_spread=jnp.max(rep["loss"]) - jnp.min(rep["loss"]), replica_bytes=0.0)
-        if "skipped" in rep:
-            metrics["skipped"] = jnp.any(rep["skipped"])
+        metrics.update(_replica_summary(m["replica"]), replica_bytes=0.0)
         if warming:   # the gradients' all-reduce over ``replica``, as in synchronous data parallelism
             metrics["replica_bytes"] = float(self.nbytes)
         elif (count - self.start) % self.every == 0:
