@@ -159,10 +159,6 @@ def build_strategy(cfg: ParallelConfig) -> Strategy:
     ``parallel.compression.local_clip`` is the strategy's ``local_clip``, not a codec option."""
     options = dict(cfg.compression or {})
     local_clip = options.pop("local_clip", None)
-    if local_clip is not None and not (isinstance(local_clip, (int, float)) and not isinstance(local_clip, bool)
-                                       and local_clip > 0):
-        raise ConfigError(f"parallel.compression.local_clip={local_clip!r}: the norm each replica's gradient is "
-                          "clipped to before the codec must be a positive number, e.g. local_clip: 1.0.")
     if local_clip is not None and not options:
         raise ConfigError(f"parallel.compression.local_clip={local_clip!r} clips each replica's gradient before a "
                           "codec, but parallel.compression names none; add one, e.g. compression: {kind: topk, "
@@ -175,6 +171,8 @@ def build_strategy(cfg: ParallelConfig) -> Strategy:
                         stage_layers=cfg.stage_layers, compression=codec, sync=sync,
                         update_every=cfg.update_every, vertical_sync=cfg.vertical_sync, local_clip=local_clip)
     except ValueError as e:
+        if str(e).startswith("Strategy.local_clip="):
+            raise ConfigError(str(e).replace("Strategy.local_clip=", "parallel.compression.local_clip=", 1)) from None
         fallback = f"parallel.schedule={cfg.schedule!r}" if "schedule" in str(e) else "parallel"
         raise ConfigError(relabel(e, "Strategy", "parallel", _PARALLEL_KEYS, fallback)) from None
 

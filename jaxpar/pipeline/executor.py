@@ -303,16 +303,14 @@ class _Stage:
         return jax.lax.scan(self._each_layer(one, n), (x, res),
                             (bp, jnp.arange(self.lmax)))[0]
 
-    def backward_layers(self, bp, res, slot, dy, n, acc):
+    def backward_layers(self, bp, res, slot, dy, n, acc, gslot=None):
         """Reverse over the chunk's layers from ``dy`` on the residuals ``res[slot]``:
         ``(dx, acc)``, each layer's weight gradients added to ``acc`` (``[Lmax, ...]``); with a
         split backward, ``acc`` is the frontier buffers and each layer's frontier goes to
-        ``acc[grad slot, layer]`` (``slot`` is then ``(res slot, grad slot)``), kept for W."""
-        rslot, gslot = slot if self.split else (slot, None)
-
+        ``acc[gslot, layer]``, kept for W."""
         def one(carry, item):
             g, acc = carry
-            stored = [_at(b, rslot, item[-1]) for b in res]
+            stored = [_at(b, slot, item[-1]) for b in res]
             if self.split:
                 dx, front = self.lv.split.inputs(item[0], stored, g)
                 return (dx, [_set(b, gslot, item[-1], f) for b, f in zip(acc, front)]), None
@@ -361,7 +359,7 @@ class _Stage:
         bp, mb, n = self.chunk_params(sl), _index(self.mbs, sl.mb), self.n_layers[sl.chunk]
         io = self._unchanged(view)
         if self.split:
-            dx, gys = self.backward_layers(bp, view.res, (sl.res, sl.grad), view.dy, n, view.gys)
+            dx, gys = self.backward_layers(bp, view.res, sl.res, view.dy, n, view.gys, gslot=sl.grad)
             io = io._replace(gys=gys)
         else:
             dx, g_chunk = self.backward_layers(bp, view.res, sl.res, view.dy, n, view.g_chunk)
@@ -417,10 +415,10 @@ def _send(pats: list, pat, x):
     return jax.lax.switch(pat, fns, x) if len(fns) > 1 else fns[0](x)
 
 
-def _exchange(st: PipelineState, table: _Table, row: TickRow, s, io: TickIO) -> PipelineState:
+def _exchange(st: PipelineState, table: _Table, row: TickRow, s, send_f, send_b) -> PipelineState:
     """The tick's sends each way; what arrives goes to its inbox slot."""
-    inbox_f = _put(st.inbox_f, _get(row.fwd_recv, s), _send(table.fwd_pats, row.fwd_pat, io.send_f))
-    inbox_b = _put(st.inbox_b, _get(row.bwd_recv, s), _send(table.bwd_pats, row.bwd_pat, io.send_b))
+    inbox_f = _put(st.inbox_f, _get(row.fwd_recv, s), _send(table.fwd_pats, row.fwd_pat, send_f))
+    inbox_b = _put(st.inbox_b, _get(row.bwd_recv, s), _send(table.bwd_pats, row.bwd_pat, send_b))
     return st._replace(inbox_f=inbox_f, inbox_b=inbox_b)
 
 
@@ -440,7 +438,7 @@ def _tick(stage: _Stage, table: _Table, branches: list, st: PipelineState, row: 
         return run
 
     st, send_f, send_b = _one_of(_get(row.kind, stage.index), table.kinds, act, (st, none, none))
-    return _exchange(st, table, row, stage.index, TickIO(*([None] * 6), send_b=send_b, send_f=send_f)), None
+    return _exchange(st, table, row, stage.index, send_f, send_b), None
 
 
 def _one_of(kind, kinds: list, act: Callable, carry: tuple) -> tuple:

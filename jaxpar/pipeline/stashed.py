@@ -152,7 +152,7 @@ def _tick(stage: _StashStage, table, kinds, branches, carry, xs):
         return run
 
     st, ws, send_f, send_b = _one_of(_get(row.kind, i), kinds, act, (st, ws, none, none))
-    return (_exchange(st, table, row, i, TickIO(*([None] * 6), send_b=send_b, send_f=send_f)), ws), None
+    return (_exchange(st, table, row, i, send_f, send_b), ws), None
 
 
 def _branch_table(sp: StashProgram):

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..blocks import LAYERS
@@ -135,7 +136,7 @@ def clip_replica(leaves: list, clip: float | None, axis) -> tuple[list, dict]:
     over replicas of the norm before clipping."""
     if clip is None:
         return leaves, {}
-    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves))
+    norm = optax.tree.norm(leaves)
     scale = jnp.minimum(1.0, clip / (norm + 1e-6))
     return [g * scale.astype(g.dtype) for g in leaves], {"replica_grad_norm": jax.lax.pmean(norm, axis)}
 
