@@ -85,7 +85,7 @@ def test_no_residual_slot_is_copied_in_the_tick_loop(kind):
     assert len(slots) >= 5 and len(shapes) > 100          # the GPT block stores many; the loop was found
     # F writes each layer's residuals into [slot, layer] of its buffer, B and W read them there: no
     # instruction of the loop (or of what it calls) makes a whole slot [L, ...]. The executor that
-    # read slots before its switch and wrote them back after made 160 (copies, fusions, branch
-    # parameters) in this program.
+    # read slots before its switch and wrote them back after made 860 (copies, fusions, branch
+    # parameters, tuple elements) in this program.
     made = [(s, op) for s, op in shapes if s in slots]
     assert made == [], made[:10]
