@@ -15,7 +15,7 @@ from jaxpar.pipeline.schedules import gpipe, num_ticks, one_f_one_b, pipedream
 from jaxpar.pipeline.stashed import TICKS_SCOPE
 from jaxpar.pipeline.stashing import (StashingError, lower_stashed, older_versions, update_ticks, version,
                                       weight_versions)
-from jaxpar.train.checkpoint import Checkpointer
+from jaxpar.train.checkpoint import Checkpointer, CheckpointWarning
 
 from helpers import make_batch
 from test_async_pipeline import _assert_trees_close, _trip_counts
@@ -146,9 +146,9 @@ def _assemble(stage_trees, per):
     return w
 
 
-def _setup(p, tx, m, k=1, vsync=False, steps=1, cfg=SCFG):
-    mesh = jaxpar.make_mesh({"pipe": p, "data": 8 // p})
-    strategy = jaxpar.Strategy(microbatches=m, schedule="pipedream", update_every=k, vertical_sync=vsync)
+def _setup(p, tx, m, k=1, vsync=False, steps=1, cfg=SCFG, sizes=None, zero=0):
+    mesh = jaxpar.make_mesh(sizes or {"pipe": p, "data": 8 // p})
+    strategy = jaxpar.Strategy(microbatches=m, schedule="pipedream", update_every=k, vertical_sync=vsync, zero=zero)
     state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
     return mesh, state, layout, jaxpar.make_train_step(lm_loss, tx, layout, strategy, steps_per_call=steps)
 
@@ -165,8 +165,8 @@ def _stacked(batches):
     return jax.tree.map(lambda *b: np.stack(b), *batches)
 
 
-def _run(p, tx, batches, m, k=1, vsync=False, steps=1):
-    mesh, state, _, step = _setup(p, tx, m, k, vsync, steps)
+def _run(p, tx, batches, m, k=1, vsync=False, steps=1, sizes=None, zero=0):
+    mesh, state, _, step = _setup(p, tx, m, k, vsync, steps, sizes=sizes, zero=zero)
     losses = []
     for c in range(0, len(batches), steps):
         if steps == 1:
@@ -206,6 +206,45 @@ def test_stashing_equals_per_stage_reference(p, opt, m, k, vsync, steps):
     losses, state, _ = _run(p, tx, batches, m, k, vsync, steps)
     assert int(state.step) == len(batches)
     _assert_matches(opt, losses, state, ref_losses, ref_versions)
+
+
+SHARDED = [  # mesh, zero, optimizer, m, update_every
+    pytest.param({"pipe": 2, "fsdp": 2, "data": 2}, 0, "sgd", 2, 1, id="fsdp2-data2-sgd"),
+    pytest.param({"pipe": 2, "data": 4}, 1, "adam", 4, 2, id="zero1-adam-k2", marks=pytest.mark.slow),
+    pytest.param({"pipe": 2, "fsdp": 2, "tensor": 2}, 3, "adam", 2, 1, id="zero3-fsdp2-tensor2-adam",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("sizes,zero,opt,m,k", SHARDED)
+def test_stashing_with_sharded_weights_equals_per_stage_reference(sizes, zero, opt, m, k):
+    """Weight stashing composes with FSDP / ZeRO on the other axes: the stage's version buffers and
+    optimizer state follow the parameters' sharding (XLA gathers them for each action), and the
+    numbers are the reference's."""
+    tx = optax.sgd(0.5) if opt == "sgd" else optax.adam(1e-2)
+    batches = _batches(4)
+    ref_losses, ref_versions = _reference(tx, batches, sizes["pipe"], m, k)
+    losses, state, _ = _run(sizes["pipe"], tx, batches, m, k, sizes=sizes, zero=zero)
+    _assert_matches(opt, losses, state, ref_losses, ref_versions)
+    if sizes.get("fsdp", 1) > 1:     # the state really is sharded over fsdp (not gathered on the way out)
+        assert "fsdp" in str(state.params["blocks"]["w1"].sharding.spec)
+        assert all("fsdp" in str(v["blocks"]["w1"].sharding.spec) for v in state.versions)
+
+
+@pytest.mark.slow
+def test_stashing_memory_shrinks_with_fsdp():
+    """FSDP shards what weight stashing holds: per device, the compiled step's arguments (current
+    version, older versions, Adam's state) are 1/4 with fsdp=4 of what data=4 holds (to the few
+    replicated scalars), and its temporaries (the in-loop version buffer among them) are smaller."""
+    cfg = GPTConfig(vocab=64, seq_len=8, embed=64, heads=2, layers=4)
+    sizes = {}
+    for mesh_sizes in ({"pipe": 2, "data": 4}, {"pipe": 2, "fsdp": 4}):
+        mesh, state, _, step = _setup(2, optax.adam(1e-3), 2, cfg=cfg, sizes=mesh_sizes)
+        mem = step.lower(state, jaxpar.shard_batch(make_batch(ROWS, cfg, seed=0), mesh)).compile().memory_analysis()
+        sizes["fsdp" if "fsdp" in mesh_sizes else "data"] = mem
+    data, fsdp = sizes["data"], sizes["fsdp"]
+    np.testing.assert_allclose(fsdp.argument_size_in_bytes, data.argument_size_in_bytes / 4, rtol=0.02)
+    assert fsdp.temp_size_in_bytes < 0.75 * data.temp_size_in_bytes
 
 
 def test_stashing_is_not_the_flushed_step():
@@ -253,6 +292,38 @@ def test_stashing_resumes_bit_exact(tmp_path):
     _assert_matches("adam", losses, state, *_reference(tx, batches, p, m, k, vsync=True))
 
 
+def test_checkpoint_of_another_schedule_restores_into_stashing_and_back(tmp_path):
+    """A 1F1B checkpoint resumes weight stashing with every older version = W(t) (as at step 0, with
+    a warning); a stashing checkpoint resumes 1F1B (the older versions are left behind) and a
+    stashing layout keeping another number of versions (pipe=4: 3 instead of 1)."""
+    tx = optax.adam(1e-2)
+    flushed = jaxpar.Strategy(microbatches=2)
+    mesh = jaxpar.make_mesh({"pipe": 2, "data": 4})
+    model = lambda: GPT(SCFG, rngs=nnx.Rngs(0))                                     # noqa: E731
+    state, flush_layout = jaxpar.init_train_state(model, tx, mesh, flushed)
+    state = state._replace(params=jax.tree.map(lambda a: a + 1.0, state.params))     # not the init
+    _, stash_layout = jaxpar.init_train_state(model, tx, mesh, jaxpar.Strategy(microbatches=2, schedule="pipedream"))
+    mesh4 = jaxpar.make_mesh({"pipe": 4, "data": 2})
+    _, stash4 = jaxpar.init_train_state(model, tx, mesh4, jaxpar.Strategy(microbatches=4, schedule="pipedream"))
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(0, state, wait=True)
+        with pytest.warns(CheckpointWarning, match=r"W\(t-1\) = W\(t\)"):
+            stashed = ck.restore(stash_layout).state
+        assert len(stashed.versions) == 1
+        for v in stashed.versions:
+            assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(v), jax.tree.leaves(state.params)))
+            assert jax.tree.structure(v) == jax.tree.structure(state.params)
+        ck.save(1, stashed._replace(step=stashed.step + 1), wait=True)
+        back = ck.restore(flush_layout).state
+        with pytest.warns(CheckpointWarning, match=r"W\(t-1\) = W\(t\)"):
+            four = ck.restore(stash4).state
+    assert back.versions == () and int(back.step) == 1
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(state.params)))
+    assert len(four.versions) == 3
+    assert all(np.array_equal(a, b) for v in four.versions for a, b in zip(jax.tree.leaves(v),
+                                                                            jax.tree.leaves(state.params)))
+
+
 # ----------------------------------------------------------------------------- errors and config
 def test_stashing_options_with_a_flushing_schedule_are_named():
     with pytest.raises(ValueError, match=r"update_every=2, vertical_sync=False are weight-stashing options, but "
@@ -268,7 +339,6 @@ def test_stashing_options_with_a_flushing_schedule_are_named():
     ({"data": 2}, {"microbatches": 2}, r"schedule='pipedream' needs a 'pipe' mesh axis > 1"),
     ({"pipe": 2, "data": 2}, {"microbatches": 4, "update_every": 3},
      r"Strategy.update_every=3 does not divide Strategy.microbatches=4"),
-    ({"pipe": 2, "data": 2}, {"microbatches": 2, "zero": 1}, r"Strategy.zero=1 .* Use zero=0 and fsdp=1"),
 ])
 def test_bad_settings_are_named(sizes, kw, match):
     mesh = jaxpar.make_mesh(sizes, devices=jax.devices()[:int(np.prod(list(sizes.values())))])
@@ -322,11 +392,14 @@ def test_stashing_in_yaml():
     cfg = load_config(QUICK, [*PIPE2, "parallel.schedule=pipedream", "parallel.microbatches=4",
                               "parallel.update_every=2", "parallel.vertical_sync=true", "optimizer.clip_norm=null"])
     assert (cfg.parallel.schedule, cfg.parallel.update_every, cfg.parallel.vertical_sync) == ("pipedream", 2, True)
+    sharded = load_config(QUICK, ["mesh.pipe=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1", "model.layers=4",
+                                  "parallel.schedule=pipedream", "parallel.zero=3", "optimizer.clip_norm=null"])
+    assert (sharded.mesh.fsdp, sharded.parallel.zero) == (2, 3)          # FSDP / ZeRO compose with stashing
     for overrides, match in [(["parallel.update_every=3"], r"parallel.update_every=3 does not divide"),
                              (["optimizer.clip_norm=1.0"], r"optimizer.clip_norm=1.0 with parallel.schedule"),
                              (["mesh.pipe=1", "mesh.data=8"], r"parallel.schedule='pipedream' needs mesh.pipe > 1"),
                              (["parallel.schedule=1f1b"], r"parallel.update_every=2.*weight-stashing options"),
-                             (["parallel.zero=1"], r"parallel.zero=1 with parallel.schedule='pipedream'")]:
+                             (["parallel.compression={kind: qsgd}"], r"parallel.compression with parallel.schedule")]:
         with pytest.raises(ConfigError, match=match):
             load_config(QUICK, [*PIPE2, "parallel.schedule=pipedream", "parallel.microbatches=4",
                                 "parallel.update_every=2", "optimizer.clip_norm=null", *overrides])

@@ -271,8 +271,8 @@ def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
 
 
 def _stashing_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
-    """``parallel.schedule: pipedream`` (weight stashing): a pipeline, per-stage updates (no global clipping,
-    no sharded optimizer state), ``parallel.update_every`` dividing the micro-batches."""
+    """``parallel.schedule: pipedream`` (weight stashing): a pipeline, per-stage updates (no global clipping),
+    ``parallel.update_every`` dividing the micro-batches."""
     par, p = cfg.parallel, sizes["pipe"]
     if _schedule_kind(par) != "pipedream":
         return []
@@ -289,9 +289,6 @@ def _stashing_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
     if cfg.optimizer.clip_norm is not None:
         out.append(f"optimizer.clip_norm={cfg.optimizer.clip_norm} with {key}: global-norm clipping needs every "
                    "stage's gradient, but each stage updates alone. Set optimizer.clip_norm: null.")
-    if par.zero or sizes.get("fsdp", 1) > 1:
-        out.append(f"parallel.zero={par.zero} with {key} (mesh.fsdp={sizes.get('fsdp', 1)}): per-stage updates run "
-                   "on whole stage weights; use parallel.zero: 0 and mesh.fsdp: 1 (data / tensor work).")
     return out
 
 

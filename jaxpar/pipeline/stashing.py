@@ -224,11 +224,6 @@ def check_stashing(strategy, mesh_sizes: Mapping[str, int]) -> None:
             raise StashingError(
                 f"Strategy.{field}={getattr(value, 'name', value)!r} with schedule='pipedream': each stage updates "
                 f"inside the pipeline, where no codec or replica exchange runs. Drop {field}, or use schedule='1f1b'.")
-    if strategy.zero or sizes.get("fsdp", 1) > 1:
-        raise StashingError(
-            f"Strategy.zero={strategy.zero} / mesh fsdp={sizes.get('fsdp', 1)} with schedule='pipedream': the "
-            "per-stage updates run inside the pipeline on whole (data-replicated) stage weights; sharded "
-            "optimizer state is not supported there yet. Use zero=0 and fsdp=1 (data / tensor axes work).")
     if strategy.virtual_stages != 1:
         raise StashingError(f"Strategy.virtual_stages={strategy.virtual_stages} with schedule='pipedream': "
                             "weight stashing runs one chunk per stage; use virtual_stages=1.")

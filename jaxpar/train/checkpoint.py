@@ -268,7 +268,7 @@ class Checkpointer:
                 warnings.warn(f"checkpoint {self.directory / str(step)}: the running measurements were saved with "
                               f"shapes {meta.get('stats_shapes')} and this layout has {_shapes(stats)}: they restart "
                               "from zero.", CheckpointWarning, stacklevel=3)
-        if fresh_versions:    # none saved (another schedule): W(t-1) := W(t), as at step 0
+        if fresh_versions:    # none saved in this shape (another schedule): W(t-1) := W(t), as at step 0
             state["versions"] = _older_version(versions, state["params"], self.directory / str(step))
         if fresh:
             state["comm"] = (target.comm_init(state["params"]) if getattr(target, "comm_from_params", False)
@@ -283,12 +283,19 @@ class Checkpointer:
 
 
 def _older_version(versions: Any, params: Any, where: Path) -> Any:
-    """PipeDream-2BW's ``W(t-1)`` for a checkpoint saved without it: a copy of ``W(t)`` (a warning)."""
+    """Older weight versions for a checkpoint saved without them (another schedule, or weight
+    stashing with another ``update_every`` / ``pipe``): copies of ``W(t)``, with a warning.
+    ``versions`` is one params-like tree (PipeDream-2BW's ``W(t-1)``) or a tuple of them (weight
+    stashing's older versions, newest first)."""
     if not jax.tree.leaves(versions):
         return versions
-    warnings.warn(f"checkpoint {where}: no older weight version saved (another pipeline schedule); "
-                  "PipeDream-2BW resumes with W(t-1) = W(t), as at step 0.", CheckpointWarning, stacklevel=4)
-    return jax.tree.map(lambda a, p: jax.device_put(jax.numpy.copy(p), a.sharding), versions, params)
+    warnings.warn(f"checkpoint {where}: no older weight versions of this layout saved (another pipeline schedule); "
+                  "they resume equal to the current weights, W(t-1) = W(t), as at step 0.",
+                  CheckpointWarning, stacklevel=4)
+    copy = lambda v: jax.tree.map(lambda a, p: jax.device_put(jax.numpy.copy(p), a.sharding), v, params)  # noqa: E731
+    if jax.tree.structure(versions) == jax.tree.structure(params):
+        return copy(versions)
+    return tuple(copy(v) for v in versions)
 
 
 def _shapes(tree: Any) -> Any:
