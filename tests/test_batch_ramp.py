@@ -56,6 +56,7 @@ def test_bad_ramps_name_the_key(ramp, words):
         BatchRamp((16, 8), (0, 0))
 
 
+@pytest.mark.slow      # three CLI runs in subprocesses; tests/test_faults.py kills and resumes in the default run
 def test_resume_mid_ramp_after_sigkill_is_bit_identical(tmp_path):
     ref = tmp_path / "ref"
     r = _run(ref, RAMP)

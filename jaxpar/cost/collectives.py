@@ -60,6 +60,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -217,6 +218,14 @@ def best(kind: str, n: float, p: int, link: Link) -> tuple[str, float]:
     >>> best("all-gather", 2**30, 6, Link(1e-6, 1e-9))[0]      # not a power of 2: no recursive doubling
     'bruck'
     """
+    _check(kind, n, p)
+    return _best(kind, n, p, link)
+
+
+@functools.lru_cache(maxsize=65536)
+def _best(kind: str, n: float, p: int, link: Link) -> tuple[str, float]:
+    """:func:`best` for checked arguments, memoised: a planner asks the same few (size, group, link)
+    questions for thousands of candidate plans."""
     times = {k: v for k, v in algorithm_times(kind, n, p, link).items() if k != "lower-bound"}
     order = list(times)
     name = min(times, key=lambda k: (times[k], order.index(k)))
