@@ -124,13 +124,16 @@ def _temp_bytes(kind, m, rows=2):
 MEM_CFG = GPTConfig(vocab=64, seq_len=64, embed=32, heads=4, layers=8)
 
 
-def test_1f1b_memory_is_bounded_and_gpipe_grows():
-    """Same micro-batch size, m = 4 -> 16: 1F1B's temporaries grow <= 1.25x, GPipe's >= 2.5x."""
-    f4, f16 = _temp_bytes("1f1b", 4)[0], _temp_bytes("1f1b", 16)[0]
-    g4, g16 = _temp_bytes("gpipe", 4)[0], _temp_bytes("gpipe", 16)[0]
-    growth = f"1f1b temp {f4} -> {f16} ({f16 / f4:.2f}x); gpipe {g4} -> {g16} ({g16 / g4:.2f}x)"
-    assert f16 <= 1.25 * f4, growth
-    assert g16 >= 2.5 * g4, growth
+@pytest.mark.parametrize("kind", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
+def test_1f1b_memory_is_bounded_and_gpipe_grows(kind):
+    """Same micro-batch size, m = 4 -> 16: 1F1B's temporaries grow <= 1.25x, GPipe's >= 2.5x (the
+    measurement sees the stored activations; slow pass)."""
+    t4, t16 = _temp_bytes(kind, 4)[0], _temp_bytes(kind, 16)[0]
+    growth = f"{kind} temp {t4} -> {t16} ({t16 / t4:.2f}x)"
+    if kind == "1f1b":
+        assert t16 <= 1.25 * t4, growth
+    else:
+        assert t16 >= 2.5 * t4, growth
 
 
 def _permute_pairs(hlo: str):

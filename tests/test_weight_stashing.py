@@ -188,7 +188,8 @@ def _assert_matches(opt, losses, state, ref_losses, ref_versions):
 
 
 CASES = [  # p, optimizer, m, update_every, vertical sync, steps per call
-    pytest.param(2, "sgd", 2, 1, False, 2, id="p2-sgd"),
+    # pipe 2 x data 4, SGD, K = 2: in the slow pass; the default run has it on pipe 2 x fsdp 2 x data 2 (below)
+    pytest.param(2, "sgd", 2, 1, False, 2, id="p2-sgd", marks=pytest.mark.slow),
     pytest.param(2, "adam", 4, 2, True, 1, id="p2-adam-k2-vsync", marks=pytest.mark.slow),   # default: resume test
     pytest.param(4, "sgd", 4, 1, False, 3, id="p4-sgd", marks=pytest.mark.slow),
     pytest.param(4, "adam", 4, 1, False, 1, id="p4-adam", marks=pytest.mark.slow),
@@ -208,23 +209,25 @@ def test_stashing_equals_per_stage_reference(p, opt, m, k, vsync, steps):
     _assert_matches(opt, losses, state, ref_losses, ref_versions)
 
 
-SHARDED = [  # mesh, zero, optimizer, m, update_every
-    pytest.param({"pipe": 2, "fsdp": 2, "data": 2}, 0, "sgd", 2, 1, id="fsdp2-data2-sgd"),
-    pytest.param({"pipe": 2, "data": 4}, 1, "adam", 4, 2, id="zero1-adam-k2", marks=pytest.mark.slow),
-    pytest.param({"pipe": 2, "fsdp": 2, "tensor": 2}, 3, "adam", 2, 1, id="zero3-fsdp2-tensor2-adam",
+FSDP2 = {"pipe": 2, "fsdp": 2, "data": 2}
+SHARDED = [  # mesh, zero, optimizer, m, update_every, steps per call
+    pytest.param(FSDP2, 0, "sgd", 2, 1, 2, id="fsdp2-data2-sgd-K2"),
+    pytest.param({"pipe": 2, "data": 4}, 1, "adam", 4, 2, 1, id="zero1-adam-k2", marks=pytest.mark.slow),
+    pytest.param({"pipe": 2, "fsdp": 2, "tensor": 2}, 3, "adam", 2, 1, 1, id="zero3-fsdp2-tensor2-adam",
                  marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("sizes,zero,opt,m,k", SHARDED)
-def test_stashing_with_sharded_weights_equals_per_stage_reference(sizes, zero, opt, m, k):
+@pytest.mark.parametrize("sizes,zero,opt,m,k,steps", SHARDED)
+def test_stashing_with_sharded_weights_equals_per_stage_reference(sizes, zero, opt, m, k, steps):
     """Weight stashing composes with FSDP / ZeRO on the other axes: the stage's version buffers and
     optimizer state follow the parameters' sharding (XLA gathers them for each action), and the
     numbers are the reference's."""
     tx = optax.sgd(0.5) if opt == "sgd" else optax.adam(1e-2)
     batches = _batches(4)
     ref_losses, ref_versions = _reference(tx, batches, sizes["pipe"], m, k)
-    losses, state, _ = _run(sizes["pipe"], tx, batches, m, k, sizes=sizes, zero=zero)
+    losses, state, _ = _run(sizes["pipe"], tx, batches, m, k, steps=steps, sizes=sizes, zero=zero)
+    assert int(state.step) == len(batches)
     _assert_matches(opt, losses, state, ref_losses, ref_versions)
     if sizes.get("fsdp", 1) > 1:     # the state really is sharded over fsdp (not gathered on the way out)
         assert "fsdp" in str(state.params["blocks"]["w1"].sharding.spec)
@@ -260,8 +263,8 @@ def test_stashing_is_not_the_flushed_step():
 def test_compiled_program_runs_the_table_ticks():
     """Acceptance 2 on the compiled program: one tick loop of the table's 2mK + 2(p-1) ticks for K
     optimizer steps (2m per step after the first), and 1F1B's per-step count with K = 1."""
-    p, m, k = 2, 2, 2                                  # the program of the p2-sgd case
-    mesh, state, _, step = _setup(p, optax.sgd(0.5), m, steps=k)
+    p, m, k = 2, 2, 2                                  # the program of the fsdp2-data2-sgd-K2 case
+    mesh, state, _, step = _setup(p, optax.sgd(0.5), m, steps=k, sizes=FSDP2)
     hlo = step.lower(state, _stacked(_batches(k))).compile().as_text()
     assert _trip_counts(hlo, TICKS_SCOPE) == [num_ticks(pipedream(p, m, k))] == [2 * m * k + 2 * (p - 1)]
     assert step.program.n_slots == p      # version slots per stage in the program (sized by stage 0)
