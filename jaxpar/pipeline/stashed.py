@@ -17,7 +17,9 @@ gradient is reduced over the data axes by XLA inside the stage (those axes stay 
 the accumulator is replicated over them, so each backward's weight gradient is all-reduced
 over the stage's data devices before it is added, and the update reads the reduced sum.
 With ``fsdp`` or ZeRO the version buffer and the optimizer state follow the parameters'
-sharding over those axes, and XLA gathers a version for each action.
+sharding over those axes (XLA's sharding propagation from the state's inputs; no constraint
+is added, and ``tests/test_weight_stashing.py`` checks the per-device bytes), and XLA gathers
+a version for each action.
 
 ``outer`` leaves belong to the stage that reads them: those read before the blocks (``pre``)
 to stage 0, those read after (``post``) to stage ``p - 1`` (a leaf read by neither follows
