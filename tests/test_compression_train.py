@@ -103,13 +103,12 @@ def final_states(outs: list[Path], extra) -> list:
     return states
 
 
-def test_exact_resume_after_sigkill_with_powersgd(tmp_path):
-    _exact_resume("powersgd", tmp_path)
-
-
+# three CLI runs in subprocesses per codec: in the slow pass. The default run checks each stateful
+# codec's checkpoint in-process (test_compression_step.py::test_codec_state_is_checkpointed_bit_exactly)
+# and a SIGKILL resume without a codec (tests/test_faults.py).
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["topk-momentum", "sign"])
-def test_exact_resume_after_sigkill_other_codecs(name, tmp_path):
+@pytest.mark.parametrize("name", ["powersgd", "topk-momentum", "sign"])
+def test_exact_resume_after_sigkill_with_stateful_codecs(name, tmp_path):
     _exact_resume(name, tmp_path)
 
 
