@@ -82,6 +82,16 @@ def _two_bw(p, tx, m=None, cfg=ACFG, sizes=None, zero=0):
     return mesh, state, layout, jaxpar.make_train_step(lm_loss, tx, layout, strategy)
 
 
+def _run_2bw(p, tx, batches, **kw):
+    """``(losses, final state)`` of the one-step 2BW program over ``batches`` (``kw``: of :func:`_two_bw`)."""
+    mesh, state, _, step = _two_bw(p, tx, **kw)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, jaxpar.shard_batch(b, mesh))
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
 def _batches(n=STEPS, rows=8):
     return [make_batch(rows, ACFG, seed=t) for t in range(n)]
 
@@ -104,11 +114,7 @@ def test_2bw_equals_delayed_gradient_reference(p, opt):
     tx = optax.sgd(0.5) if opt == "sgd" else optax.adam(1e-2)
     batches = _batches()
     ref_losses, ref_params, ref_prev = _reference(tx, batches)
-    mesh, state, _, step = _two_bw(p, tx)
-    losses = []
-    for b in batches:
-        state, metrics = step(state, jaxpar.shard_batch(b, mesh))
-        losses.append(float(metrics["loss"]))
+    losses, state = _run_2bw(p, tx, batches)
     _assert_matches_reference(opt, losses, state, ref_losses, ref_params, ref_prev)
     # the delay matters: the undelayed optimizer's losses differ from step 2 on
     assert not np.allclose(losses[2:], _undelayed_losses(tx, batches)[2:], rtol=1e-3)
@@ -121,11 +127,7 @@ def test_2bw_with_zero3_fsdp_and_tensor_equals_delayed_gradient_reference():
     tx = optax.adam(1e-2)
     batches = _batches()
     ref_losses, ref_params, ref_prev = _reference(tx, batches)
-    mesh, state, _, step = _two_bw(2, tx, sizes={"pipe": 2, "fsdp": 2, "tensor": 2}, zero=3)
-    losses = []
-    for b in batches:
-        state, metrics = step(state, jaxpar.shard_batch(b, mesh))
-        losses.append(float(metrics["loss"]))
+    losses, state = _run_2bw(2, tx, batches, sizes={"pipe": 2, "fsdp": 2, "tensor": 2}, zero=3)
     _assert_matches_reference("adam", losses, state, ref_losses, ref_params, ref_prev)
     assert "fsdp" in str(state.params["blocks"]["w1"].sharding.spec)
     assert "fsdp" in str(state.versions["blocks"]["w1"].sharding.spec)

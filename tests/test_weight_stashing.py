@@ -240,12 +240,12 @@ def test_stashing_memory_shrinks_with_fsdp():
     version, older versions, Adam's state) are 1/4 with fsdp=4 of what data=4 holds (to the few
     replicated scalars), and its temporaries (the in-loop version buffer among them) are smaller."""
     cfg = GPTConfig(vocab=64, seq_len=8, embed=64, heads=2, layers=4)
-    sizes = {}
-    for mesh_sizes in ({"pipe": 2, "data": 4}, {"pipe": 2, "fsdp": 4}):
-        mesh, state, _, step = _setup(2, optax.adam(1e-3), 2, cfg=cfg, sizes=mesh_sizes)
-        mem = step.lower(state, jaxpar.shard_batch(make_batch(ROWS, cfg, seed=0), mesh)).compile().memory_analysis()
-        sizes["fsdp" if "fsdp" in mesh_sizes else "data"] = mem
-    data, fsdp = sizes["data"], sizes["fsdp"]
+
+    def memory(sizes):
+        mesh, state, _, step = _setup(2, optax.adam(1e-3), 2, cfg=cfg, sizes=sizes)
+        return step.lower(state, jaxpar.shard_batch(make_batch(ROWS, cfg, seed=0), mesh)).compile().memory_analysis()
+
+    data, fsdp = memory({"pipe": 2, "data": 4}), memory({"pipe": 2, "fsdp": 4})
     np.testing.assert_allclose(fsdp.argument_size_in_bytes, data.argument_size_in_bytes / 4, rtol=0.02)
     assert fsdp.temp_size_in_bytes < 0.75 * data.temp_size_in_bytes
 

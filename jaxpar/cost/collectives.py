@@ -148,7 +148,7 @@ def time(kind: str, n: float, p: int, link: Link, algorithm: str = "best") -> fl
     """
     _check(kind, n, p)
     if algorithm == "best":
-        return best(kind, n, p, link)[1]
+        return _best(kind, n, p, link)[1]
     if algorithm not in ALGORITHMS[kind] + SHARED_MEMORY_ALGORITHMS[kind]:
         raise ValueError(f"algorithm={algorithm!r} is not an algorithm of {kind}; choose one of "
                          f"{', '.join(ALGORITHMS[kind] + SHARED_MEMORY_ALGORITHMS[kind])} or 'best'.")
