@@ -17,7 +17,7 @@ train: $(STAMP)
 	$(BIN)/jaxpar train configs/quickstart.yaml
 
 # one pytest worker per core (at most 4), a test file per worker: the compiles are single-threaded
-PARALLEL := -n auto --maxprocesses=4 --dist loadfile
+PARALLEL := -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL)
