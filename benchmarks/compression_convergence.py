@@ -11,6 +11,8 @@ Usage::
     # SGD as in docs/benchmarks.md §6 (no weight decay: SGD adds it to the gradient, before momentum)
     python benchmarks/compression_convergence.py optimizer.name=sgd optimizer.momentum=0.9 optimizer.lr=0.1 \
         optimizer.weight_decay=0
+    # 1-bit Adam against its two baselines (AdamW, the quickstart's optimizer)
+    python benchmarks/compression_convergence.py --only "uncompressed,exact exchange + local clip,1-bit Adam (sign + EF from step 60) + local clip"
 """
 from __future__ import annotations
 
@@ -34,7 +36,15 @@ RUNS = {
                                             "warmup_steps": 25, "local_clip": 1.0,
                                             "_overrides": ["optimizer.clip_norm=null"]},
     "powersgd r4": {"kind": "powersgd", "rank": 4},
+    # 1-bit Adam (AdamW only): 60 exact steps, then Adam's first moment as packed signs, variance frozen
+    "1-bit Adam (sign + EF from step 60) + local clip": {
+        "kind": "sign", "optimizer_momentum": 0.9, "start_step": 60, "local_clip": 1.0,
+        "_overrides": ["optimizer.clip_norm=null"]},
+    # its baseline with the same clipping rule: the exact exchange (compression never starts), each replica clipped
+    "exact exchange + local clip": {"kind": "sign", "start_step": 10**9, "local_clip": 1.0,
+                                    "_overrides": ["optimizer.clip_norm=null"]},
 }
+ADAM_ONLY = ("1-bit Adam (sign + EF from step 60) + local clip",)
 
 
 def _flow(d: dict) -> str:
@@ -94,7 +104,9 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated run names")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run, e.g. optimizer.name=sgd")
     args = ap.parse_args()
-    runs = {k: v for k, v in RUNS.items() if not args.only or k in args.only.split(",")}
+    sgd = any(o.startswith("optimizer.name=") and o != "optimizer.name=adamw" for o in args.overrides)
+    runs = {k: v for k, v in RUNS.items() if (not args.only or k in args.only.split(",")) and
+            not (sgd and k in ADAM_ONLY)}
     curves = train_curves(args.steps, runs, args.overrides)
     base = final_loss(curves["uncompressed"])
     print("| run | final loss | vs uncompressed |\n|---|---:|---:|")

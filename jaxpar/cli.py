@@ -110,7 +110,8 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     strategy = C.build_strategy(cfg.parallel)
     model_fn = C.build_model_fn(cfg.model, cfg.train.seed)
     tx, schedule = C.build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=cfg.data.batch_size,
-                                     model_fn=model_fn, updates_per_step=_updates_per_step(cfg, strategy))
+                                     model_fn=model_fn, updates_per_step=_updates_per_step(cfg, strategy),
+                                     freeze_variance_step=C.frozen_variance_step(strategy))
     loss_fn = C.build_loss_fn(cfg.model)
     ramp = C.build_ramp(cfg.data)      # an adaptive ramp decides during the run; batch_fn reads it
     batch_fn, eval_batches = C.build_data(cfg.data, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab,
@@ -534,7 +535,7 @@ def run_inspect(config: str, overrides: Sequence[str], *, cluster: str = "cpu_si
     strategy = C.build_strategy(cfg.parallel)
     model_fn = C.build_model_fn(cfg.model, cfg.train.seed)
     tx, schedule = C.build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=cfg.data.batch_size,
-                                     model_fn=model_fn)
+                                     model_fn=model_fn, freeze_variance_step=C.frozen_variance_step(strategy))
     loss_fn = C.build_loss_fn(cfg.model)
     batch_fn = None
     if cfg.data.kind == "import":

@@ -1,4 +1,4 @@
-"""Large-batch optimizers: learning-rate scaling rules, and LARS / LAMB with masks.
+"""Large-batch optimizers (learning-rate scaling rules, LARS / LAMB with masks) and 1-bit Adam's.
 
 * :func:`scaled_lr`: the peak learning rate for a global batch, scaled from the one tuned
   at ``base_batch`` (``linear``: Goyal et al. 2017; ``sqrt``: Krizhevsky 2014, Hoffer et
@@ -46,7 +46,7 @@ from .blocks import LAYERS
 from .rules import path_str
 
 __all__ = ["LR_SCALING_RULES", "MaskError", "scaled_lr", "trust_mask", "stacked_axes",
-           "scale_by_layer_trust_ratio", "lars", "lamb"]
+           "scale_by_layer_trust_ratio", "lars", "lamb", "scale_by_adam_frozen_variance", "adamw_frozen_variance"]
 
 #: ``linear``: lr x B / B0 (Goyal et al.); ``sqrt``: lr x sqrt(B / B0); ``none``: lr.
 LR_SCALING_RULES = ("linear", "sqrt", "none")
@@ -239,5 +239,58 @@ def lamb(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 
         optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
         optax.add_decayed_weights(weight_decay, mask=m),
         optax.masked(scale_by_layer_trust_ratio(logical), m),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+def scale_by_adam_frozen_variance(freeze_step: int, *, b1: float = 0.9, b2: float = 0.999,
+                                  eps: float = 1e-8) -> optax.GradientTransformation:
+    """``optax.scale_by_adam`` whose second moment stops changing after ``freeze_step`` updates
+    (1-bit Adam, Tang et al. 2021: from then on only the first moment, a linear function of the
+    gradients, is exchanged compressed). Before it, the same numbers as ``optax.scale_by_adam``;
+    the state is optax's ``ScaleByAdamState``, so checkpoints of either restore into the other.
+
+    >>> import jax.numpy as jnp
+    >>> tx = scale_by_adam_frozen_variance(1, b2=0.5)
+    >>> state = tx.init(jnp.zeros(2))
+    >>> _, state = tx.update(jnp.array([1.0, 2.0]), state)
+    >>> _, state = tx.update(jnp.array([9.0, 9.0]), state)     # after 1 update: the variance is frozen
+    >>> state.nu.tolist()
+    [0.5, 2.0]
+    """
+    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+        raise ValueError(f"scale_by_adam_frozen_variance(freeze_step={freeze_step!r}): the number of updates "
+                         "before Adam's second moment is frozen must be an int >= 1.")
+    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+
+    def update_fn(updates, state, params=None):
+        frozen = state.count >= freeze_step
+        nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+        nu = jax.tree.map(lambda new, old: jnp.where(frozen, old, new), nu, state.nu)
+        mu = optax.tree.update_moment(updates, state.mu, b1, 1)
+        count = optax.safe_increment(state.count)
+        mu_hat = optax.tree.bias_correction(mu, b1, count)
+        nu_hat = optax.tree.bias_correction(nu, b2, jnp.minimum(count, freeze_step))
+        out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+        return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(adam.init, update_fn)
+
+
+def adamw_frozen_variance(learning_rate: optax.ScalarOrSchedule, freeze_step: int, *, b1: float = 0.9,
+                          b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
+                          mask: Mask = None) -> optax.GradientTransformation:
+    """``optax.adamw`` with :func:`scale_by_adam_frozen_variance`: the optimizer of 1-bit Adam,
+    with ``compression=sign(optimizer_momentum=b1, start_step=freeze_step)`` (:mod:`jaxpar.compression`).
+
+    >>> import jax.numpy as jnp, optax
+    >>> p, g = jnp.ones(3), jnp.array([0.1, -0.2, 0.3])
+    >>> a, b = adamw_frozen_variance(1e-2, 10), optax.adamw(1e-2)
+    >>> bool(jnp.allclose(a.update(g, a.init(p), p)[0], b.update(g, b.init(p), p)[0]))   # before freeze_step
+    True
+    """
+    return optax.chain(
+        scale_by_adam_frozen_variance(freeze_step, b1=b1, b2=b2, eps=eps),
+        optax.add_decayed_weights(weight_decay, mask=mask),
         optax.scale_by_learning_rate(learning_rate),
     )

@@ -216,7 +216,8 @@ def test_compression_errors_name_the_fix():
 # ----------------------------------------------------------------------------- checkpoints
 
 STATEFUL = {"sign": sign(), "onebit": onebit(), "topk-momentum": topk(0.05, momentum=0.9),
-            "randomk": randomk(0.05), "powersgd": powersgd(rank=2)}
+            "randomk": randomk(0.05), "powersgd": powersgd(rank=2),
+            "sign-1bit-adam": sign(optimizer_momentum=0.9, start_step=2)}    # compressed from step 2 on
 
 
 def _setup(sizes, codec):

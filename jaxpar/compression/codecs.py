@@ -59,6 +59,8 @@ class Codec:
     options: dict = field(default_factory=dict)
     kind: str = "quantize"
     momentum: float = 0.0    # > 0: the replica's momentum is what is compressed (dist-EF-SGDM)
+    optimizer_momentum: float = 0.0   # > 0: Adam's first moment is what is compressed (1-bit Adam)
+    start_step: int = 0      # steps before it: the exact (uncompressed) exchange
 
     def init(self, n: int) -> dict:
         return {}
@@ -162,13 +164,40 @@ def _check_momentum(name: str, momentum) -> float:
     return float(momentum)
 
 
-def sign(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.0) -> Codec:
+def _check_start(name: str, start_step, optimizer_momentum, momentum: float) -> tuple[int, float]:
+    if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+        raise CompressionError(f"{name}(start_step={start_step!r}): the number of exact (uncompressed) steps "
+                               "before compression starts must be an int >= 0.")
+    if optimizer_momentum is None or optimizer_momentum == 0:
+        return start_step, 0.0
+    if isinstance(optimizer_momentum, bool) or not isinstance(optimizer_momentum, (int, float)) \
+            or not 0 < optimizer_momentum < 1:
+        raise CompressionError(f"{name}(optimizer_momentum={optimizer_momentum!r}): Adam's b1, whose first moment "
+                               "is compressed (1-bit Adam), must lie in (0, 1), e.g. optimizer_momentum=0.9.")
+    if momentum:
+        raise CompressionError(f"{name}(momentum={momentum}, optimizer_momentum={optimizer_momentum}): choose one: "
+                               "momentum compresses each replica's own momentum (for plain SGD), "
+                               "optimizer_momentum Adam's shared first moment (1-bit Adam).")
+    if start_step < 1:
+        raise CompressionError(f"{name}(optimizer_momentum={optimizer_momentum}, start_step={start_step}): 1-bit "
+                               "Adam freezes Adam's second moment when compression starts, so it needs exact "
+                               "warm-up steps first; use e.g. start_step = 15-25% of the steps.")
+    return start_step, float(optimizer_momentum)
+
+
+def sign(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.0,
+         optimizer_momentum: float | None = None, start_step: int = 0) -> Codec:
     """Scaled sign (EF-SignSGD, Karimireddy et al. 2019): ``sign(v) * ||v||_1 / b`` per bucket of
     ``b`` values, signs packed 8 per byte. Biased: use it with error feedback (the default).
     ``momentum=m``: each replica compresses its momentum ``u = m u + g`` instead of ``g``
-    (dist-EF-SGDM, Zheng et al. 2019); use it with plain SGD (no optimizer momentum)."""
+    (dist-EF-SGDM, Zheng et al. 2019); use it with plain SGD (no optimizer momentum).
+    ``optimizer_momentum=b1`` (1-bit Adam, Tang et al. 2021): each replica compresses Adam's first
+    moment ``b1 m + (1 - b1) g`` (``m``: the last exchanged one), from ``start_step`` on; use it with
+    :func:`jaxpar.optimizers.adamw_frozen_variance` (``freeze_step=start_step``) and no clipping after
+    the exchange (``Strategy(local_clip=...)`` instead). ``start_step``: exact steps before compression."""
     _check_bucket("sign", bucket)
     momentum = _check_momentum("sign", momentum)
+    start_step, optimizer_momentum = _check_start("sign", start_step, optimizer_momentum, momentum)
 
     def encode(x, key):
         v = _buckets(x, bucket)
@@ -178,16 +207,20 @@ def sign(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.
         s = _unsigns(p["signs"]).astype(jnp.float32) * 2.0 - 1.0
         return (_buckets(s, bucket) * p["scale"][..., None]).reshape(s.shape)
 
-    return Codec("sign", encode, decode, bucket, error_feedback, {"bucket": bucket, "momentum": momentum},
-                 momentum=momentum)
+    return Codec("sign", encode, decode, bucket, error_feedback,
+                 {"bucket": bucket, "momentum": momentum, "optimizer_momentum": optimizer_momentum,
+                  "start_step": start_step}, momentum=momentum, optimizer_momentum=optimizer_momentum,
+                 start_step=start_step)
 
 
-def onebit(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.0) -> Codec:
+def onebit(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.0,
+           optimizer_momentum: float | None = None, start_step: int = 0) -> Codec:
     """1-bit SGD (Seide et al. 2014): one bit per value (``v >= 0``), decoded as the mean of
     the bucket's non-negative or of its negative values (two fp32 per bucket), with error feedback.
-    ``momentum``: as for :func:`sign`."""
+    ``momentum``, ``optimizer_momentum``, ``start_step``: as for :func:`sign`."""
     _check_bucket("onebit", bucket)
     momentum = _check_momentum("onebit", momentum)
+    start_step, optimizer_momentum = _check_start("onebit", start_step, optimizer_momentum, momentum)
 
     def encode(x, key):
         v = _buckets(x, bucket)
@@ -201,8 +234,10 @@ def onebit(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 
         b = _buckets(_unsigns(p["signs"]), bucket) > 0
         return jnp.where(b, p["hi"][..., None], p["lo"][..., None]).reshape(b.shape[0], -1)
 
-    return Codec("onebit", encode, decode, bucket, error_feedback, {"bucket": bucket, "momentum": momentum},
-                 momentum=momentum)
+    return Codec("onebit", encode, decode, bucket, error_feedback,
+                 {"bucket": bucket, "momentum": momentum, "optimizer_momentum": optimizer_momentum,
+                  "start_step": start_step}, momentum=momentum, optimizer_momentum=optimizer_momentum,
+                 start_step=start_step)
 
 
 _CASTS = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float8_e4m3fn": jnp.float8_e4m3fn,

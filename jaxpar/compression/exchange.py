@@ -147,7 +147,7 @@ class ExchangePlan:
             state["residual"] = jnp.zeros((self.flat_size,), jnp.float32)
         if isinstance(c, Codec) and c.error_feedback and kr:
             state["server"] = jnp.zeros((kr,), jnp.float32)
-        if getattr(c, "momentum", 0.0):
+        if getattr(c, "momentum", 0.0) or getattr(c, "optimizer_momentum", 0.0):
             state["velocity"] = jnp.zeros((self.flat_size,), jnp.float32)
         return state
 
@@ -155,9 +155,9 @@ class ExchangePlan:
     def wire_bytes(self, step: int | None = None) -> int:
         """Bytes each device sends per step (ring algorithms; at ``step`` for schedules that change)."""
         c, n, (ks, kr, _) = self.codec, self.replicas, self.widths
+        if step is not None and step < getattr(c, "start_step", 0):
+            return self.uncompressed_bytes()
         if isinstance(c, PowerSGD):
-            if step is not None and step < c.start_step:
-                return self.uncompressed_bytes()
             return c.wire_bytes([tuple(s) for s in self.shapes], list(self.stacked), n)
         if isinstance(c, Sparsifier):
             d = c.densities[min(step // c.warmup_steps, len(c.warmup))] if (step is not None and c.warmup) else None
@@ -197,13 +197,39 @@ class ExchangePlan:
 
     def _quantized(self, x, state, step, index):
         c, n, (ks, kr, lr) = self.codec, self.replicas, self.widths
-        ax = _axis(self.axes)
-        _, key = self._keys(step, index)
-        k1, k2 = jax.random.split(key)
         state = dict(state)
         if c.momentum:        # dist-EF-SGDM: the replica's momentum is compressed, not its gradient
             state["velocity"] = c.momentum * state["velocity"] + x.reshape(-1)
             x = state["velocity"].reshape(x.shape)
+        b1 = c.optimizer_momentum
+        if b1:                # 1-bit Adam: this replica's Adam first moment, from the shared one
+            m = state.pop("velocity").reshape(x.shape)
+            x = b1 * m + (1 - b1) * x
+        if c.start_step:
+            mine, rest, state = jax.lax.cond(step >= c.start_step, self._encoded, self._exact, x, state, step, index)
+        else:
+            mine, rest, state = self._encoded(x, state, step, index)
+        if b1:                # every replica now holds the exchanged moment (no sharded leaves: checked)
+            rows = jnp.pad(rest, (0, n * kr - lr)).reshape(n, kr)
+            state["velocity"] = rows.reshape(-1)
+            rest = ((rows - b1 * m) / (1 - b1)).reshape(-1)[:lr]   # Adam's b1 m + (1 - b1) g = the exchanged moment
+        return mine, rest, state
+
+    def _exact(self, x, state, step, index):
+        """The uncompressed mean (before ``start_step``): reduce-scatter of the sharded part, all-reduce of the rest."""
+        n, (ks, kr, lr) = self.replicas, self.widths
+        ax = _axis(self.axes)
+        none = jnp.zeros((0,), jnp.float32)
+        mine = jax.lax.psum_scatter(x[:, :ks], ax, scatter_dimension=0, tiled=True)[0] / n if ks else none
+        rest = (jax.lax.psum(x[:, ks:], ax) / n).reshape(-1)[:lr] if kr else none
+        return mine, rest, state
+
+    def _encoded(self, x, state, step, index):
+        c, n, (ks, kr, lr) = self.codec, self.replicas, self.widths
+        ax = _axis(self.axes)
+        _, key = self._keys(step, index)
+        k1, k2 = jax.random.split(key)
+        state = dict(state)
         v = x + state["residual"].reshape(x.shape) if c.error_feedback else x
         p1 = c.encode(v, k1)
         if c.error_feedback:
@@ -320,5 +346,11 @@ def exchange_plan(codec, shapes: list, *, dims: list, grad_axes: list, stacked: 
         axes = next(tuple(ga) for ga in grad_axes if set(ga) == set(axes))   # the gradients' own order
     elif order:
         axes = tuple(sorted(axes, key=lambda a: order.index(a) if a in order else len(order)))
-    return ExchangePlan(codec, axes, math.prod(mesh_sizes[a] for a in axes), tuple(tuple(s) for s in shapes),
+    plan = ExchangePlan(codec, axes, math.prod(mesh_sizes[a] for a in axes), tuple(tuple(s) for s in shapes),
                         tuple(dims), tuple(tuple(a) for a in grad_axes), tuple(stacked))
+    if getattr(codec, "optimizer_momentum", 0.0) and any(plan.scattered):
+        raise CompressionError(f"compression={codec.name}(optimizer_momentum={codec.optimizer_momentum}) with "
+                               f"gradients sharded over {'/'.join(axes)} (ZeRO-2/3 or fsdp): 1-bit Adam needs the "
+                               "whole exchanged moment on every replica. Use zero <= 1 on the data axis, or a "
+                               "codec without optimizer_momentum.")
+    return plan

@@ -33,7 +33,7 @@ Example::
 from __future__ import annotations
 
 from .build import (MODELS, OPTIMIZERS, ModelEntry, build_gpt_config, build_loss_fn, build_lr_schedule, build_mesh,
-                    build_model_fn, build_optimizer, build_strategy)
+                    build_model_fn, build_optimizer, build_strategy, frozen_variance_step)
 from .checks import check
 from .data import build_data, build_ramp, describe_batch
 from .imports import resolve_import
@@ -47,6 +47,7 @@ __all__ = [
     "TrainConfig", "CheckpointConfig", "LoggingConfig", "JobConfig", "ModelEntry", "MODELS", "OPTIMIZERS",
     "LR_SCHEDULES", "DATA_KINDS", "NONFINITE_MODES", "GPT_KEYS", "USER_MODEL_KEYS",
     "load_config", "merge_layers", "parse_overrides", "to_yaml", "check", "resolve_import",
-    "build_mesh", "build_strategy", "build_optimizer", "build_lr_schedule", "build_gpt_config", "build_model_fn",
+    "build_mesh", "build_strategy", "build_optimizer", "frozen_variance_step", "build_lr_schedule", "build_gpt_config",
+    "build_model_fn",
     "build_loss_fn", "build_data", "build_ramp", "describe_batch",
 ]

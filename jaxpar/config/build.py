@@ -239,7 +239,8 @@ def build_trust_mask(cfg: OptimizerConfig, model_fn: Callable[[], nnx.Module] | 
 
 def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int | None = None,
                     model_fn: Callable[[], nnx.Module] | None = None,
-                    updates_per_step: int = 1) -> tuple[optax.GradientTransformation, Callable]:
+                    updates_per_step: int = 1,
+                    freeze_variance_step: int | None = None) -> tuple[optax.GradientTransformation, Callable]:
     """``(tx, lr_schedule)``. Clipping is done by the train step (``clip_norm``), not by ``tx``.
 
     ``global_batch`` (``data.batch_size``): needed by ``optimizer.lr_scaling``; the schedule (logged as
@@ -247,16 +248,32 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int
     layers, :func:`build_trust_mask`) and check ``optimizer.trust_mask`` now; without it the mask is
     taken from the arrays' ranks. ``updates_per_step``: how often ``tx`` is applied per train step
     (PipeDream weight stashing: ``microbatches / update_every`` per stage); its schedule then reads
-    the step, ``count // updates_per_step``, so every update of step ``t`` uses the logged ``lr(t)``."""
+    the step, ``count // updates_per_step``, so every update of step ``t`` uses the logged ``lr(t)``.
+    ``freeze_variance_step`` (1-bit Adam, :func:`frozen_variance_step`): adam / adamw whose second moment
+    stops changing after that many updates (:func:`jaxpar.optimizers.adamw_frozen_variance`)."""
     if cfg.name not in OPTIMIZERS:
         raise ConfigError(f"optimizer.name={cfg.name!r}: unknown optimizer; allowed: {', '.join(OPTIMIZERS)}.")
     schedule = build_lr_schedule(cfg, total_steps, global_batch)
     logical, mask = build_trust_mask(cfg, model_fn) if cfg.name in ("lars", "lamb") else (None, None)
     inner = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
-    tx = OPTIMIZERS[cfg.name](cfg, inner, logical=logical, mask=mask)
+    if freeze_variance_step is not None:
+        if cfg.name not in ("adam", "adamw"):
+            raise ConfigError(f"optimizer.name={cfg.name!r}: 1-bit Adam (parallel.compression.optimizer_momentum) "
+                              "compresses Adam's first moment; use optimizer.name: adamw or adam.")
+        tx = opt_lib.adamw_frozen_variance(inner, freeze_variance_step, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                           weight_decay=cfg.weight_decay if cfg.name == "adamw" else 0.0)
+    else:
+        tx = OPTIMIZERS[cfg.name](cfg, inner, logical=logical, mask=mask)
     if cfg.name not in _OWN_DECAY and cfg.weight_decay:
         tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay), tx)
     return tx, schedule
+
+
+def frozen_variance_step(strategy: Strategy) -> int | None:
+    """The step at which Adam's second moment freezes: the codec's ``start_step`` when it compresses
+    Adam's first moment (``optimizer_momentum``, 1-bit Adam), else ``None``."""
+    codec = strategy.compression
+    return codec.start_step if getattr(codec, "optimizer_momentum", 0.0) else None
 
 
 def _build_user_model(cfg: ModelConfig, seed: int) -> Callable[[], nnx.Module]:

@@ -116,6 +116,26 @@ def _optimizer_problems(p: list[str], opt: OptimizerConfig) -> None:
 _RESERVED_DATA_KWARGS = ("step", "batch_size", "seed", "eval", "rows")
 
 
+def _onebit_adam_problems(strategy, opt: OptimizerConfig) -> list[str]:
+    """``parallel.compression.optimizer_momentum`` (1-bit Adam): Adam with that b1, no clip after the exchange."""
+    b1 = getattr(strategy.compression, "optimizer_momentum", 0.0)
+    if not b1:
+        return []
+    key, p = f"parallel.compression.optimizer_momentum={b1}", []
+    if opt.name not in ("adam", "adamw"):
+        p.append(f"{key} compresses Adam's first moment (1-bit Adam), but optimizer.name={opt.name!r}; use "
+                 "optimizer.name: adamw (or adam).")
+    elif opt.b1 != b1:
+        p.append(f"{key} but optimizer.b1={opt.b1}: Adam's first moment must be the one compressed; set both to "
+                 "the same value.")
+    if opt.clip_norm is not None:
+        p.append(f"optimizer.clip_norm={opt.clip_norm} with {key}: the gradient handed to Adam carries the moment's "
+                 "compression error times 1 / (1 - b1), so a clip after the exchange would shrink every step; set "
+                 "optimizer.clip_norm: null and clip each replica before the codec instead "
+                 f"(parallel.compression.local_clip: {opt.clip_norm}).")
+    return p
+
+
 def _user_model_problems(p: list[str], m: ModelConfig) -> None:
     """Import paths and call signatures of a user model (nothing is called)."""
     target = _collect(p, lambda: resolve_import(m.target, "model.target"))
@@ -353,6 +373,8 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> None:
     gpt = _model_problems(p, cfg)
     strategy = _collect(p, lambda: build_strategy(par))
     _optimizer_problems(p, opt)
+    if strategy is not None:
+        p.extend(_onebit_adam_problems(strategy, opt))
     _choice(p, "data.kind", d.kind, DATA_KINDS)
     _choice(p, "data.token_dtype", d.token_dtype, data_lib.TOKEN_DTYPES)
     _at_least(p, "data.batch_size", d.batch_size, 1)

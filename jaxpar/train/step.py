@@ -347,6 +347,13 @@ def _compressed_train_step(loss_fn, tx, layout: StateLayout, strategy: Strategy,
         raise ExplicitDPError(f"explicit_dp=True with compression={strategy.compression.name!r}: the compressed "
                               "exchange already makes the data-axis collectives explicit (once per step, after "
                               "accumulation). Use explicit_dp=None with compression.")
+    b1 = getattr(strategy.compression, "optimizer_momentum", 0.0)
+    if b1 and clip_norm is not None:
+        raise CompressionError(
+            f"clip_norm={clip_norm} with compression={strategy.compression.name}(optimizer_momentum={b1}): with "
+            "1-bit Adam the gradient handed to Adam carries the moment's compression error times 1 / (1 - b1), so "
+            "its norm says little and a clip after the exchange would shrink every step. Clip each replica's "
+            f"gradient before the codec instead: Strategy(local_clip={clip_norm}) and clip_norm=None.")
     loss_and_grad, _ = make_compressed_loss_and_grad(loss_fn, layout, strategy)
 
     def step(state: TrainState, batch):
