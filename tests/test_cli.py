@@ -221,7 +221,9 @@ BYO = str(ROOT / "configs" / "byo_model.yaml")    # examples/patch_attention.py 
 BYO_PIPE = ["mesh.pipe=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "parallel.microbatches=4"]
 
 
-@pytest.mark.parametrize("overrides", [[], BYO_PIPE], ids=["dp2-zero3-fsdp2-tp2", "pipe2-dp2-tp2"])
+# the pipelined variant in the slow pass: tests/test_byo_model.py runs the user's model pipelined in process
+@pytest.mark.parametrize("overrides", [[], pytest.param(BYO_PIPE, marks=pytest.mark.slow)],
+                         ids=["dp2-zero3-fsdp2-tp2", "pipe2-dp2-tp2"])
 def test_byo_model_config_trains(overrides, tmp_path):
     """configs/byo_model.yaml trains the example's own model with its own loss, also as a pipeline."""
     out = tmp_path / "run"

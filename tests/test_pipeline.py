@@ -62,9 +62,11 @@ def assert_grads_equal(got, ref, rtol=1e-4, atol=1e-7):
 
 # To keep the default suite under its time budget, these are marked slow (run by `make test-all`
 # and CI's second pass): m > p other than 1F1B, 1F1B's m = 4p (its m = 2p runs the same steady
-# state), and GPipe at p = 4 (no table of p = 4 differs from p = 2 for it but in length).
+# state) and its m = 2p at p = 2 (p = 4's runs it), and GPipe at p = 4 (no table of p = 4 differs
+# from p = 2 for it but in length).
 def _slow(kind, p, m):
-    return (m > p and kind != "1f1b") or (kind == "1f1b" and m == 4 * p) or (kind == "gpipe" and p == 4)
+    return ((m > p and kind != "1f1b") or (kind == "1f1b" and (m == 4 * p or (p, m) == (2, 4)))
+            or (kind == "gpipe" and p == 4))
 
 
 CASES = [pytest.param(kind, p, m, id=f"{kind}-p{p}-m{m}", marks=[pytest.mark.slow] if _slow(kind, p, m) else [])

@@ -184,8 +184,7 @@ class ExchangePlan:
             res = jnp.sqrt(sum(jnp.sum(r * r) for r in state["residual"]))
         else:
             x = self._pack([g.astype(jnp.float32) for g in leaves])
-            fn = self._quantized if isinstance(c, Codec) else self._sparse
-            mine, rest, state = fn(x, state, step, index)
+            mine, rest, state = self._compressed(x, state, step, index)
             out = self._unpack(mine, rest)
             res = jnp.linalg.norm(state["residual"]) if "residual" in state else jnp.zeros(())
         rms = jnp.sqrt(jax.lax.psum(res * res, _axis(self.axes)) / self.replicas)
@@ -195,10 +194,12 @@ class ExchangePlan:
         base = jax.random.fold_in(jax.random.key(getattr(self.codec, "seed", 0)), step)
         return base, jax.random.fold_in(base, index + 1)
 
-    def _quantized(self, x, state, step, index):
+    def _compressed(self, x, state, step, index):
+        """Quantizers and sparsifiers, with their exact start (``start_step``) and 1-bit Adam's moment."""
         c, n, (ks, kr, lr) = self.codec, self.replicas, self.widths
+        fn = self._quantized if isinstance(c, Codec) else self._sparse
         state = dict(state)
-        if c.momentum:        # dist-EF-SGDM: the replica's momentum is compressed, not its gradient
+        if isinstance(c, Codec) and c.momentum:   # dist-EF-SGDM: the replica's momentum is exchanged, not g
             state["velocity"] = c.momentum * state["velocity"] + x.reshape(-1)
             x = state["velocity"].reshape(x.shape)
         b1 = c.optimizer_momentum
@@ -206,9 +207,9 @@ class ExchangePlan:
             m = state.pop("velocity").reshape(x.shape)
             x = b1 * m + (1 - b1) * x
         if c.start_step:
-            mine, rest, state = jax.lax.cond(step >= c.start_step, self._encoded, self._exact, x, state, step, index)
+            mine, rest, state = jax.lax.cond(step >= c.start_step, fn, self._exact, x, state, step, index)
         else:
-            mine, rest, state = self._encoded(x, state, step, index)
+            mine, rest, state = fn(x, state, step, index)
         if b1:                # every replica now holds the exchanged moment (no sharded leaves: checked)
             rows = jnp.pad(rest, (0, n * kr - lr)).reshape(n, kr)
             state["velocity"] = rows.reshape(-1)
@@ -224,7 +225,7 @@ class ExchangePlan:
         rest = (jax.lax.psum(x[:, ks:], ax) / n).reshape(-1)[:lr] if kr else none
         return mine, rest, state
 
-    def _encoded(self, x, state, step, index):
+    def _quantized(self, x, state, step, index):
         c, n, (ks, kr, lr) = self.codec, self.replicas, self.widths
         ax = _axis(self.axes)
         _, key = self._keys(step, index)

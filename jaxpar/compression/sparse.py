@@ -51,6 +51,8 @@ class Sparsifier:
     seed: int = 0
     kind: str = "sparse"
     error_feedback: bool = True     # local accumulation of what was not sent
+    optimizer_momentum: float = 0.0   # > 0: Adam's first moment is what is sparsified (as 1-bit Adam)
+    start_step: int = 0             # steps before it: the exact (uncompressed) exchange
 
     @property
     def densities(self) -> tuple[float, ...]:
@@ -111,10 +113,28 @@ def _check(name: str, ratio, momentum, warmup, warmup_steps) -> None:
                                "each density lasts (an int >= 1).")
 
 
-def topk(ratio: float, *, momentum: float = 0.0, warmup: tuple = (), warmup_steps: int = 0) -> Sparsifier:
-    """Send each replica's ``ceil(ratio * n)`` largest-magnitude values; accumulate the rest."""
+def _check_adam(name: str, warmup, start_step, optimizer_momentum, momentum) -> tuple[int, float]:
+    from .codecs import _check_start
+
+    start_step, optimizer_momentum = _check_start(name, start_step, optimizer_momentum, momentum)
+    if momentum and start_step:
+        raise CompressionError(f"{name}(momentum={momentum}, start_step={start_step}): momentum correction "
+                               "clears what was sent, so exact steps would drop it; use one or the other.")
+    if warmup and start_step:
+        raise CompressionError(f"{name}(warmup={tuple(warmup)!r}, start_step={start_step}): choose one way to "
+                               "start: a sparsity warm-up, or exact steps before compression.")
+    return start_step, optimizer_momentum
+
+
+def topk(ratio: float, *, momentum: float = 0.0, warmup: tuple = (), warmup_steps: int = 0,
+         optimizer_momentum: float | None = None, start_step: int = 0) -> Sparsifier:
+    """Send each replica's ``ceil(ratio * n)`` largest-magnitude values; accumulate the rest.
+    ``optimizer_momentum``, ``start_step``: as for :func:`jaxpar.compression.sign` (1-bit Adam's
+    scheme with top-k on Adam's first moment)."""
     _check("topk", ratio, momentum, tuple(warmup), warmup_steps)
-    return Sparsifier("topk", float(ratio), float(momentum), tuple(warmup), warmup_steps)
+    start_step, optimizer_momentum = _check_adam("topk", warmup, start_step, optimizer_momentum, momentum)
+    return Sparsifier("topk", float(ratio), float(momentum), tuple(warmup), warmup_steps,
+                      optimizer_momentum=optimizer_momentum, start_step=start_step)
 
 
 def randomk(ratio: float, *, momentum: float = 0.0, warmup: tuple = (), warmup_steps: int = 0,
