@@ -9,6 +9,9 @@
   Unlike optax's, the weight decay **and** the trust ratio are masked off for biases and
   normalisation scales by default (:func:`trust_mask`), and the trust ratio of stacked
   blocks (a leading ``layers`` axis, :mod:`jaxpar.blocks`) is computed per layer.
+* :func:`adamw_frozen_variance` (:func:`scale_by_adam_frozen_variance`): AdamW whose second
+  moment freezes after a number of updates, the optimizer of 1-bit Adam (Tang et al. 2021;
+  ``jaxpar.compression.sign(optimizer_momentum=..., start_step=...)``, docs/compression.md).
 
 Which parameters count as "matrices" comes from their logical axis names: the rank of a
 parameter without its leading ``layers`` axes (a stacked LayerNorm scale ``('layers',
