@@ -12,7 +12,8 @@ Usage::
     python benchmarks/compression_convergence.py optimizer.name=sgd optimizer.momentum=0.9 optimizer.lr=0.1 \
         optimizer.weight_decay=0
     # 1-bit Adam against its two baselines (AdamW, the quickstart's optimizer)
-    python benchmarks/compression_convergence.py --only "uncompressed,exact exchange + local clip,1-bit Adam (sign + EF from step 60) + local clip"
+    python benchmarks/compression_convergence.py --only \
+        "uncompressed,exact exchange + local clip,1-bit Adam (sign + EF from step 60) + local clip"
 """
 from __future__ import annotations
 
@@ -104,7 +105,8 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated run names")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run, e.g. optimizer.name=sgd")
     args = ap.parse_args()
-    sgd = any(o.startswith("optimizer.name=") and o != "optimizer.name=adamw" for o in args.overrides)
+    sgd = any(o.startswith("optimizer.name=") and o not in ("optimizer.name=adamw", "optimizer.name=adam")
+              for o in args.overrides)
     runs = {k: v for k, v in RUNS.items() if (not args.only or k in args.only.split(",")) and
             not (sgd and k in ADAM_ONLY)}
     curves = train_curves(args.steps, runs, args.overrides)

@@ -98,7 +98,8 @@ def reference():
 
 
 @pytest.mark.parametrize("zero", [0, 2])
-@pytest.mark.parametrize("codec", [powersgd(rank=64, min_compression_rate=0), topk(1.0)], ids=["powersgd-full", "topk-1"])
+@pytest.mark.parametrize("codec", [powersgd(rank=64, min_compression_rate=0), topk(1.0), sign(start_step=100)],
+                         ids=["powersgd-full", "topk-1", "sign-before-start"])    # sign: the exact steps
 def test_lossless_settings_match_the_uncompressed_step(reference, zero, codec):
     got = run({"data": 8}, jaxpar.Strategy(zero=zero, compression=codec), steps=2)
     ref = reference[zero]

@@ -149,6 +149,8 @@ class ExchangePlan:
             state["server"] = jnp.zeros((kr,), jnp.float32)
         if getattr(c, "momentum", 0.0) or getattr(c, "optimizer_momentum", 0.0):
             state["velocity"] = jnp.zeros((self.flat_size,), jnp.float32)
+        if getattr(c, "start_step", 0):
+            state["count"] = jnp.zeros((), jnp.int32)     # exchanges applied (a skipped step rolls it back)
         return state
 
     # ------------------------------------------------------------------ bytes
@@ -195,8 +197,10 @@ class ExchangePlan:
         return base, jax.random.fold_in(base, index + 1)
 
     def _compressed(self, x, state, step, index):
-        """Quantizers and sparsifiers, with their exact start (``start_step``) and 1-bit Adam's moment."""
-        c, n, (ks, kr, lr) = self.codec, self.replicas, self.widths
+        """Quantizers and sparsifiers, with their exact start (``start_step``) and 1-bit Adam's moment.
+        The start counts applied exchanges (``count``, rolled back with a skipped step like Adam's own
+        count), so compression starts exactly when ``adamw_frozen_variance`` freezes."""
+        c, n, (_, kr, lr) = self.codec, self.replicas, self.widths
         fn = self._quantized if isinstance(c, Codec) else self._sparse
         state = dict(state)
         if isinstance(c, Codec) and c.momentum:   # dist-EF-SGDM: the replica's momentum is exchanged, not g
@@ -207,7 +211,9 @@ class ExchangePlan:
             m = state.pop("velocity").reshape(x.shape)
             x = b1 * m + (1 - b1) * x
         if c.start_step:
-            mine, rest, state = jax.lax.cond(step >= c.start_step, fn, self._exact, x, state, step, index)
+            count = state.pop("count")
+            mine, rest, state = jax.lax.cond(count >= c.start_step, fn, self._exact, x, state, step, index)
+            state["count"] = count + 1
         else:
             mine, rest, state = fn(x, state, step, index)
         if b1:                # every replica now holds the exchanged moment (no sharded leaves: checked)
@@ -352,6 +358,6 @@ def exchange_plan(codec, shapes: list, *, dims: list, grad_axes: list, stacked: 
     if getattr(codec, "optimizer_momentum", 0.0) and any(plan.scattered):
         raise CompressionError(f"compression={codec.name}(optimizer_momentum={codec.optimizer_momentum}) with "
                                f"gradients sharded over {'/'.join(axes)} (ZeRO-2/3 or fsdp): 1-bit Adam needs the "
-                               "whole exchanged moment on every replica. Use zero <= 1 on the data axis, or a "
-                               "codec without optimizer_momentum.")
+                               "whole exchanged moment on every replica. Use zero <= 1 and put the replicas on "
+                               "the data axis (fsdp = 1), or a codec without optimizer_momentum.")
     return plan

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from .codecs import CompressionError
+from .codecs import CompressionError, _check_start
 
 __all__ = ["Sparsifier", "topk", "randomk"]
 
@@ -114,12 +114,10 @@ def _check(name: str, ratio, momentum, warmup, warmup_steps) -> None:
 
 
 def _check_adam(name: str, warmup, start_step, optimizer_momentum, momentum) -> tuple[int, float]:
-    from .codecs import _check_start
-
     start_step, optimizer_momentum = _check_start(name, start_step, optimizer_momentum, momentum)
     if momentum and start_step:
         raise CompressionError(f"{name}(momentum={momentum}, start_step={start_step}): momentum correction "
-                               "clears what was sent, so exact steps would drop it; use one or the other.")
+                               "is not applied during exact steps; use one or the other.")
     if warmup and start_step:
         raise CompressionError(f"{name}(warmup={tuple(warmup)!r}, start_step={start_step}): choose one way to "
                                "start: a sparsity warm-up, or exact steps before compression.")

@@ -48,6 +48,5 @@ __all__ = [
     "LR_SCHEDULES", "DATA_KINDS", "NONFINITE_MODES", "GPT_KEYS", "USER_MODEL_KEYS",
     "load_config", "merge_layers", "parse_overrides", "to_yaml", "check", "resolve_import",
     "build_mesh", "build_strategy", "build_optimizer", "frozen_variance_step", "build_lr_schedule", "build_gpt_config",
-    "build_model_fn",
-    "build_loss_fn", "build_data", "build_ramp", "describe_batch",
+    "build_model_fn", "build_loss_fn", "build_data", "build_ramp", "describe_batch",
 ]

@@ -274,7 +274,8 @@ class Checkpointer:
             state["comm"] = (target.comm_init(state["params"]) if getattr(target, "comm_from_params", False)
                              else target.comm_init())
             what = ("the replicas (jaxpar.sync) restart from the restored parameters, with fresh inner optimizer "
-                    "states" if getattr(target, "comm_from_params", False) else "its residuals restart from zero")
+                    "states" if getattr(target, "comm_from_params", False) else
+                    "its residuals restart from zero (and 1-bit Adam's exchanged moment and step count)")
             warnings.warn(f"checkpoint {self.directory / str(step)}: the gradient codec's or replicas' state was saved "
                           f"with shapes {meta.get('comm_shapes')} and this layout needs {_shapes(comm)} (another "
                           f"number of replicas, or another codec): {what}. Parameters and optimizer state are "

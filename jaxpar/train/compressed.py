@@ -120,9 +120,10 @@ def make_compressed_loss_and_grad(loss_fn: Callable, layout: StateLayout, strate
         smap = _piped(loss_fn, layout, strategy, plan, batch_axes, g_specs, comm_spec)
 
     def loss_and_grad(params, batch, comm, step):
+        clock = comm["count"][0] if "count" in comm else step     # exchanges applied before (for a start_step)
         loss, grads, comm, stats = smap(params, batch, comm, step)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        sent = steps(step)
+        sent = steps(clock)
         metrics = {"comm_bytes": sent, "comm_ratio": sent / plan.uncompressed_bytes(), **stats}
         return loss, grads, comm, metrics
 
