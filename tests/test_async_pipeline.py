@@ -230,6 +230,7 @@ def _undelayed_losses(tx, batches, cfg=ACFG):
     return np.array(losses)
 
 
+@pytest.mark.slow      # ~27 s: in CI's slow pass, for the default suite's time
 def test_2bw_holds_two_versions_in_the_compiled_step():
     """Acceptance 3: the compiled 2BW step's arguments are 1F1B's plus one more copy of the
     stage's parameters (two versions per stage), and its temporaries are 1F1B's."""

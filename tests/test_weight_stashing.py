@@ -271,6 +271,7 @@ def test_compiled_program_runs_the_table_ticks():
 
 
 # ----------------------------------------------------------------------------- checkpoints
+@pytest.mark.slow      # ~30 s: in CI's slow pass; the cross-schedule checkpoint test stays in the default run
 def test_stashing_resumes_bit_exact(tmp_path):
     """Saved after 2 steps and resumed, 2 more give exactly the uninterrupted run's newest and
     older versions and optimizer state (the stash and each stage's state are in the checkpoint);
