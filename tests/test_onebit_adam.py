@@ -24,13 +24,14 @@ CFG = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, layers=2)
 LR = 3e-3
 
 
-def _run(sizes, codec, steps, freeze, zero=0, tx=None):
-    strategy = jaxpar.Strategy(zero=zero, compression=codec)
+def _run(sizes, codec, steps, freeze, zero=0, tx=None, seeds=None, **strategy_kw):
+    """``(state, layout, metrics per step)``; batch ``t`` is ``make_batch`` of ``seeds[t]`` (default ``t``)."""
+    strategy = jaxpar.Strategy(zero=zero, compression=codec, **strategy_kw)
     tx = tx or optax.chain(keep_grads(), adamw_frozen_variance(LR, freeze, weight_decay=0.1))
     mesh = mesh_for(sizes)
     state, layout = jaxpar.init_train_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), tx, mesh, strategy)
     step = jaxpar.make_train_step(lm_loss, tx, layout, strategy)
-    batches = [jaxpar.shard_batch(make_batch(16, CFG, seed=s), mesh) for s in range(steps)]
+    batches = [jaxpar.shard_batch(make_batch(16, CFG, seed=s), mesh) for s in (seeds or range(steps))]
     metrics = []
     for b in batches:
         state, m = step(state, b)
@@ -76,18 +77,10 @@ def test_adam_first_moment_is_the_exchanged_compressed_moment(codec, ratio):
                                          pytest.param({"pipe": 2, "data": 4}, 0, marks=pytest.mark.slow)],
                          ids=["zero1", "pipe2-data4"])
 def test_onebit_adam_trains_under_zero1_and_pipelines(sizes, zero):
-    strategy_kw = dict(microbatches=2) if "pipe" in sizes else {}
-    codec = sign(optimizer_momentum=0.9, start_step=2)
-    tx = adamw_frozen_variance(LR, 2, weight_decay=0.1)
-    strategy = jaxpar.Strategy(zero=zero, compression=codec, local_clip=1.0, **strategy_kw)
-    mesh = mesh_for(sizes)
-    state, layout = jaxpar.init_train_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), tx, mesh, strategy)
-    step = jaxpar.make_train_step(lm_loss, tx, layout, strategy)
-    batch = jaxpar.shard_batch(make_batch(16, CFG), mesh)
-    losses = []
-    for _ in range(8):
-        state, m = step(state, batch)
-        losses.append(float(m["loss"]))
+    kw = dict(microbatches=2) if "pipe" in sizes else {}
+    _, _, metrics = _run(sizes, sign(optimizer_momentum=0.9, start_step=2), 8, freeze=2, zero=zero, seeds=[0] * 8,
+                         local_clip=1.0, **kw)              # one batch, repeated
+    losses = [float(m["loss"]) for m in metrics]
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, losses
 
 
