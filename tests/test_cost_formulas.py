@@ -58,14 +58,15 @@ def test_narayanan_flops(B, s, l, h, V):
 
 
 SCHEDULE_GRID = [(k, p, m, v) for k in ("gpipe", "1f1b", "zb-h1") for p in (2, 3, 4, 8) for m in (p, 2 * p, 3 * p)
-                 for v in (1,)] + [("interleaved", p, m, 2) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
+                 for v in (1,)] + [("interleaved", p, m, 2) for p in (2, 4) for m in (p, 2 * p, 4 * p)] + [
+    (k, 16, 32, 1) for k in ("gpipe", "1f1b", "zb-h1")] + [("interleaved", 8, 32, 2)]   # beyond TABLE_LIMIT
 
 
 @pytest.mark.parametrize("kind,p,m,v", SCHEDULE_GRID)
 def test_bubble_is_the_tables(kind, p, m, v):
     s = get_schedule(kind, p, m, v)
     table = (float(bubble_fraction(s)), peak_in_flight(s)[0])
-    assert _schedule_stats(kind, p, m, v) == table
+    assert _schedule_stats(kind, p, m, v) == (pytest.approx(table[0], abs=1e-15), table[1])
     assert closed_form_stats(kind, p, m, v)[0] == pytest.approx(table[0], abs=1e-15)
     assert closed_form_stats(kind, p, m, v)[1] == table[1]
 

@@ -204,7 +204,7 @@ def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,
 
 #: Largest ``p * m * v`` whose bubble and in-flight count are read from the built table; above it
 #: the closed forms (equal to the tables wherever both are computed: tests/test_cost_formulas.py).
-TABLE_LIMIT = 2048
+TABLE_LIMIT = 256
 
 
 def closed_form_stats(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int]:

@@ -119,11 +119,15 @@ def _shape_problem(m: ModelSpec, p: int, d: int, f: int, t: int) -> str | None:
 def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16", precision: str = "mixed",
              overlap: Overlap = Overlap(), memory_fraction: float = 0.9, lowering: str = "ideal") -> Estimate:
     """Time and memory of one plan (no search)."""
-    mem = memory_per_device(m, p.sizes, zero=p.zero, microbatches=p.microbatches, schedule=p.schedule,
-                            virtual=p.virtual, remat=p.remat, sequence_parallel=p.sequence_parallel,
-                            precision=precision, activation_bytes=4 if dtype == "float32" else 2)
+    mem = _memory(m, p, dtype, precision)
     t = step_time(m, p, cluster, dtype=dtype, overlap=overlap, lowering=lowering)
     return Estimate(p, t, mem, mem.total <= cluster.memory_bytes * memory_fraction)
+
+
+def _memory(m: ModelSpec, p: Plan, dtype: str, precision: str):
+    return memory_per_device(m, p.sizes, zero=p.zero, microbatches=p.microbatches, schedule=p.schedule,
+                             virtual=p.virtual, remat=p.remat, sequence_parallel=p.sequence_parallel,
+                             precision=precision, activation_bytes=4 if dtype == "float32" else 2)
 
 
 def _options(m: ModelSpec, p: int, d: int, f: int, t: int, schedules) -> list[dict]:
@@ -178,16 +182,16 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
                 for remat in ("none", "selective", "full"):
                     considered += 1
                     cand = Plan(pipe=p, data=d, fsdp=f, tensor=t, remat=remat, **{**opt, "microbatches": mb})
-                    try:
-                        e = evaluate(model, cand, cluster, dtype=dtype, precision=precision, overlap=overlap,
-                                     memory_fraction=memory_fraction, lowering=lowering)
+                    try:     # memory first: a plan that does not fit needs no step time (most of the search)
+                        mem = _memory(model, cand, dtype, precision)
+                        if mem.total <= cluster.memory_bytes * memory_fraction:
+                            best = Estimate(cand, step_time(model, cand, cluster, dtype=dtype, overlap=overlap,
+                                                            lowering=lowering), mem, True)
+                            break
                     except LayoutError as err:
                         rejected.append(Rejected(cand, str(err)))
                         break
-                    if e.fits:
-                        best = e
-                        break
-                    rejected.append(Rejected(cand, f"needs {format_bytes(e.memory.total)} per device > "
+                    rejected.append(Rejected(cand, f"needs {format_bytes(mem.total)} per device > "
                                                    f"{format_bytes(cluster.memory_bytes * memory_fraction)} usable "
                                                    f"({memory_fraction:g} of {format_bytes(cluster.memory_bytes)})"))
                 if best:
