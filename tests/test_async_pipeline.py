@@ -291,6 +291,7 @@ def test_2bw_in_yaml():
 
 
 # ----------------------------------------------------------------------------- checkpoints
+@pytest.mark.slow   # 25 s; test_train_loop_runs_k_steps_per_call_and_resumes resumes 2BW bit-exactly by default
 def test_2bw_resumes_bit_exact(tmp_path):
     """Saved after 4 steps and resumed, 4 more steps give exactly the uninterrupted run's
     weights and older version (W(t-1) is part of the checkpoint)."""
