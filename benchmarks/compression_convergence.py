@@ -110,10 +110,10 @@ def main():
     runs = {k: v for k, v in RUNS.items() if (not args.only or k in args.only.split(",")) and
             not (sgd and k in ADAM_ONLY)}
     curves = train_curves(args.steps, runs, args.overrides)
-    base = final_loss(curves["uncompressed"])
+    base = final_loss(curves["uncompressed"]) if "uncompressed" in curves else None   # --only may leave it out
     print("| run | final loss | vs uncompressed |\n|---|---:|---:|")
     for name, curve in curves.items():
-        print(f"| {name} | {final_loss(curve):.3f} | {final_loss(curve) / base:.3f} |")
+        print(f"| {name} | {final_loss(curve):.3f} | {f'{final_loss(curve) / base:.3f}' if base else '-'} |")
     plot(curves, Path(args.png))
     if args.json:
         Path(args.json).write_text(json.dumps(curves))

@@ -169,6 +169,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
     cluster.peak(dtype)
     n = cluster.num_devices
     ranked, rejected, considered = [], [], 0
+    usable = cluster.memory_bytes * memory_fraction
     shape_reasons = []
     for p, d, f, t in factorisations(n):
         problem = _shape_problem(model, p, d, f, t)
@@ -184,7 +185,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
                     cand = Plan(pipe=p, data=d, fsdp=f, tensor=t, remat=remat, **{**opt, "microbatches": mb})
                     try:     # memory first: a plan that does not fit needs no step time (most of the search)
                         mem = _memory(model, cand, dtype, precision)
-                        if mem.total <= cluster.memory_bytes * memory_fraction:
+                        if mem.total <= usable:
                             best = Estimate(cand, step_time(model, cand, cluster, dtype=dtype, overlap=overlap,
                                                             lowering=lowering), mem, True)
                             break
@@ -192,7 +193,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
                         rejected.append(Rejected(cand, str(err)))
                         break
                     rejected.append(Rejected(cand, f"needs {format_bytes(mem.total)} per device > "
-                                                   f"{format_bytes(cluster.memory_bytes * memory_fraction)} usable "
+                                                   f"{format_bytes(usable)} usable "
                                                    f"({memory_fraction:g} of {format_bytes(cluster.memory_bytes)})"))
                 if best:
                     break
