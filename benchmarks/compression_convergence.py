@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TOPK_ADAM = "top-k 1% partitioned + preconditioned on Adam's moment (from step 60) + local clip"
 RUNS = {
     "uncompressed": {},
     "qsgd int8": {"kind": "qsgd"},
@@ -41,11 +42,20 @@ RUNS = {
     "1-bit Adam (sign + EF from step 60) + local clip": {
         "kind": "sign", "optimizer_momentum": 0.9, "start_step": 60, "local_clip": 1.0,
         "_overrides": ["optimizer.clip_norm=null"]},
+    # top-k in the same scheme: the moment's largest entries (0.08x the fp32 bytes from step 60)
+    "top-k 1% on Adam's moment (from step 60) + local clip": {
+        "kind": "topk", "ratio": 0.01, "optimizer_momentum": 0.9, "start_step": 60, "local_clip": 1.0,
+        "_overrides": ["optimizer.clip_norm=null"]},
+    # ... partitioned (every replica's values at all N k picked entries; 0.12x) and ranked by Adam's step |m| / sqrt(v)
+    TOPK_ADAM: {
+        "kind": "topk", "ratio": 0.01, "optimizer_momentum": 0.9, "start_step": 60, "local_clip": 1.0,
+        "partitioned": True, "precondition": 0.95, "_overrides": ["optimizer.clip_norm=null"]},
     # its baseline with the same clipping rule: the exact exchange (compression never starts), each replica clipped
     "exact exchange + local clip": {"kind": "sign", "start_step": 10**9, "local_clip": 1.0,
                                     "_overrides": ["optimizer.clip_norm=null"]},
 }
-ADAM_ONLY = ("1-bit Adam (sign + EF from step 60) + local clip",)
+ADAM_ONLY = ("1-bit Adam (sign + EF from step 60) + local clip", "top-k 1% on Adam's moment (from step 60) + local clip",
+             TOPK_ADAM)
 
 
 def _flow(d: dict) -> str:

@@ -166,6 +166,7 @@ def _leaves_from_flat(plan, flat):
 
 @pytest.mark.parametrize("codec", [sign(bucket=64), onebit(bucket=64), topk(0.05), randomk(0.05),
                                    topk(0.05, momentum=0.0, warmup=(0.5, 0.2), warmup_steps=5),
+                                   topk(0.05, partitioned=True),
                                    powersgd(rank=2, min_compression_rate=1)], ids=lambda c: c.name)
 def test_error_feedback_conserves_the_gradient(codec):
     """Sum over 50 steps of what was delivered + the residuals left = sum of the true mean
@@ -206,10 +207,59 @@ def test_unbiased_exchange_without_feedback_keeps_no_state():
 
 
 def test_full_rank_powersgd_and_dense_topk_are_exact_in_the_exchange():
-    for codec in (powersgd(rank=64, min_compression_rate=0), topk(1.0), randomk(1.0)):
+    for codec in (powersgd(rank=64, min_compression_rate=0), topk(1.0), randomk(1.0), topk(1.0, partitioned=True)):
         true, got, _ = _run_exchange(_plan(codec), steps=2)
         for t, g in zip(true, got):
             np.testing.assert_allclose(g, t, rtol=1e-4, atol=1e-5)
+
+
+def test_partitioned_topk_averages_every_replica_at_the_picked_entries():
+    """One step: the replicas pick ``N k`` distinct entries (replica ``i`` among those ``= i mod N``);
+    there the delivered value is the exact mean over all replicas, elsewhere nothing is delivered,
+    and every replica's residual is cleared exactly at the picked entries."""
+    plan = _plan(topk(0.05, partitioned=True))
+    true, got, state = _run_exchange(plan, steps=1)
+    n, (ks, kr, _) = plan.replicas, plan.widths
+    k = plan.codec.k(plan.flat_size, replicas=n)
+    picked = np.concatenate([g.reshape(-1) != 0 for g in got])
+    assert picked.sum() == n * k                            # distinct entries (none is exactly 0 here)
+    for t, g in zip(true, got):
+        on = g != 0
+        np.testing.assert_allclose(g[on], t[on], rtol=1e-5, atol=1e-6)
+    res = np.asarray(state["residual"])                     # [replicas, N * (Ks + Kr)]
+    cleared = res == 0
+    np.testing.assert_array_equal(cleared, np.broadcast_to(cleared[0], cleared.shape))
+    assert cleared[0].sum() == n * k
+    owners = np.flatnonzero(cleared[0]) % n                 # each replica picked k among its own entries
+    np.testing.assert_array_equal(np.bincount(owners, minlength=n), [k] * n)
+
+
+def test_preconditioned_topk_ranks_by_adams_step_size():
+    """``precondition``: after the exact steps, entries are ranked by ``|v| / sqrt(s)``, ``s`` the second
+    moment of the exact steps' mean gradients: a small entry with a tiny ``s`` beats a large one."""
+    n, d = REPLICAS, 64
+    codec = topk(1 / d, optimizer_momentum=0.5, start_step=1, precondition=0.9)
+    plan = exchange_plan(codec, [(d,)], dims=[None], grad_axes=[()], stacked=[False], mesh_sizes={"data": n})
+    mesh = jaxpar.make_mesh({"data": n}, devices=jax.devices()[:n])
+
+    def one(g, state, step):
+        out, state, _ = plan.exchange([g[0]], jax.tree.map(lambda a: a[0], state), step)
+        return out[0][None], jax.tree.map(lambda a: a[None], state)
+
+    state = jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), plan.init())
+    spec = jax.tree.map(lambda _: P("data"), state)
+    f = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=(P("data"), spec, P()), out_specs=(P("data"), spec),
+                              check_vma=False))
+    scale = jnp.where(jnp.arange(d) == 7, 1e-3, 1.0)        # entry 7's exact-step gradients are tiny
+    g0 = jnp.broadcast_to(scale, (n, d))
+    _, state = f(g0, state, jnp.int32(0))                   # the exact step
+    s = np.asarray(state["second_moment"])[0][:d]
+    np.testing.assert_allclose(s, 0.1 * np.asarray(scale) ** 2, rtol=1e-5)
+    g1 = jnp.broadcast_to(jnp.where(jnp.arange(d) == 7, 0.05, 1.0), (n, d))   # 7 is now the smallest ...
+    _, state = f(g1, state, jnp.int32(1))
+    sent = np.flatnonzero(np.asarray(state["velocity"])[0][:d])          # the exchanged moment's entries
+    assert list(sent) == [7]                                # ... but its step |m| / sqrt(s) is the largest
+    np.testing.assert_array_equal(np.asarray(state["second_moment"])[0][:d], s)   # frozen after the start
 
 
 def test_wire_bytes_formulas():
@@ -221,6 +271,7 @@ def test_wire_bytes_formulas():
     assert plan(terngrad()).wire_bytes() / fp32 <= 0.07
     assert plan(sign()).wire_bytes() / fp32 <= 0.04
     assert plan(topk(0.01)).wire_bytes() == (n - 1) * 8 * math.ceil(0.01 * k)
+    assert plan(topk(0.01, partitioned=True)).wire_bytes() == (n - 1) * 12 * math.ceil(0.01 * k)   # 1.5x
     p = exchange_plan(powersgd(rank=4), [(256, 128)], dims=[None], grad_axes=[()], stacked=[False],
                       mesh_sizes={"data": n})
     assert p.wire_bytes() / p.uncompressed_bytes() == pytest.approx((256 + 128) * 4 / (256 * 128), rel=1e-3)
@@ -239,6 +290,9 @@ def test_wire_bytes_formulas():
     (lambda: onebit(momentum=-0.5), ["onebit(momentum=-0.5)", "[0, 1)"]),
     (lambda: cast("int4"), ["cast(dtype='int4')", "bfloat16"]),
     (lambda: topk(0.1, warmup=(0.5,)), ["warmup_steps", ">= 1"]),
+    (lambda: topk(0.1, precondition=0.95), ["topk(precondition=0.95)", "optimizer_momentum=0.9, start_step=60"]),
+    (lambda: topk(0.1, optimizer_momentum=0.9, start_step=5, precondition=1.0), ["precondition=1.0", "(0, 1)"]),
+    (lambda: topk(0.1, partitioned="yes"), ["topk(partitioned='yes')", "True or False"]),
     (lambda: make_codec("zip"), ["kind='zip'", "powersgd"]),
     (lambda: make_codec("topk", ratio=0.1, rank=3), ["kind='topk'", "rank"]),
     (lambda: jaxpar.Strategy(compression="qsgd"), ["compression='qsgd'", "jaxpar.compression"]),

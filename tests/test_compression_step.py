@@ -25,7 +25,7 @@ WIRE_CFG = GPTConfig(vocab=128, seq_len=16, embed=96, heads=4, layers=2)
 
 CODECS = {"qsgd": qsgd(), "terngrad": terngrad(), "sign": sign(), "onebit": onebit(), "cast-bf16": cast("bfloat16"),
           "cast-fp8": cast("float8_e4m3fn"), "topk": topk(0.01), "randomk": randomk(0.01),
-          "powersgd": powersgd(rank=4)}
+          "powersgd": powersgd(rank=4), "topk-partitioned": topk(0.01, partitioned=True)}
 
 # Bytes one device sends per collective, ring algorithms (``Collective.bytes`` is the result on one device).
 _SENT = {"all-reduce": lambda b, n: 2 * (n - 1) / n * b, "all-gather": lambda b, n: (n - 1) / n * b,
@@ -63,11 +63,11 @@ def test_wire_bytes_in_the_compiled_step(name):
     sent = sum(_SENT[c.kind](c.bytes, 8) for c, _ in found)
     assert sent == pytest.approx(plan.wire_bytes(), rel=0.01), [(c.kind, c.bytes, d) for c, d in found]
     big = [(c, d) for c, d in found if c.bytes > 64]          # not the loss / residual-norm scalars
-    wire_dtype = "f32" if name in ("randomk", "powersgd") else "u8"
-    assert big and all(d == wire_dtype for _, d in big), [(c.kind, c.bytes, d) for c, d in found]
+    wire = {"randomk": {"f32"}, "powersgd": {"f32"}, "topk-partitioned": {"s32", "f32"}}.get(name, {"u8"})
+    assert big and {d for _, d in big} == wire, [(c.kind, c.bytes, d) for c, d in found]
     ratio = plan.wire_bytes() / plan.uncompressed_bytes()
     limit = {"qsgd": 0.27, "terngrad": 0.07, "sign": 0.04, "onebit": 0.045, "cast-bf16": 0.51, "cast-fp8": 0.27,
-             "topk": 0.08 * 1.01, "randomk": 0.0101}[name] if name != "powersgd" else 1.0
+             "topk": 0.08 * 1.01, "randomk": 0.0101, "topk-partitioned": 0.12 * 1.01}[name] if name != "powersgd" else 1.0
     assert ratio <= limit
     if name == "powersgd":
         for shape, st in zip(plan.shapes, plan.stacked):
@@ -218,7 +218,8 @@ def test_compression_errors_name_the_fix():
 
 STATEFUL = {"sign": sign(), "onebit": onebit(), "topk-momentum": topk(0.05, momentum=0.9),
             "randomk": randomk(0.05), "powersgd": powersgd(rank=2),
-            "sign-1bit-adam": sign(optimizer_momentum=0.9, start_step=2)}    # compressed from step 2 on
+            "sign-1bit-adam": sign(optimizer_momentum=0.9, start_step=2),    # compressed from step 2 on
+            "topk-1bit-adam": topk(0.05, optimizer_momentum=0.9, start_step=2, partitioned=True, precondition=0.999)}
 
 
 def _setup(sizes, codec):

@@ -156,6 +156,7 @@ def test_compressed_training_converges_like_uncompressed(tmp_path):
 
 SGD = ["optimizer.name=sgd", "optimizer.momentum=0.9", "optimizer.lr=0.1", "optimizer.weight_decay=0"]
 ONEBIT_ADAM = "1-bit Adam (sign + EF from step 60) + local clip"
+TOPK_ADAM = "top-k 1% partitioned + preconditioned on Adam's moment (from step 60) + local clip"
 
 
 @pytest.mark.slow
@@ -163,14 +164,16 @@ def test_onebit_adam_converges_like_uncompressed_adamw(tmp_path):
     """The quickstart's AdamW for 300 steps on 8 replicas: 1-bit Adam (60 exact steps, then Adam's
     first moment as packed signs with error feedback, each replica clipped before the codec) ends
     within 3% of the uncompressed run; it costs under 4% against the exact exchange with the same
-    per-replica clipping (docs/benchmarks.md §6: 0.986x and 1.032x for this seed)."""
+    per-replica clipping (docs/benchmarks.md §6: 0.986x and 1.032x for this seed). Top-k 1% in the
+    same scheme, partitioned and ranked by Adam's step, ends within 3% too (1.001x for this seed)."""
     out = tmp_path / "curves.json"
     env = {k: v for k, v in _env().items() if k != "XLA_FLAGS" and not k.startswith("JAX_")}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compression_convergence.py"), "--steps", "300",
-                        "--only", f"uncompressed,exact exchange + local clip,{ONEBIT_ADAM}",
+                        "--only", f"uncompressed,exact exchange + local clip,{ONEBIT_ADAM},{TOPK_ADAM}",
                         "--json", str(out), "--png", str(tmp_path / "losses.png")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
     assert r.returncode == 0, r.stderr[-3000:]
     final = {k: np.mean([l for _, l in v[-4:]]) for k, v in json.loads(out.read_text()).items()}
     assert final[ONEBIT_ADAM] <= 1.03 * final["uncompressed"], final
     assert final[ONEBIT_ADAM] <= 1.04 * final["exact exchange + local clip"], final
+    assert final[TOPK_ADAM] <= 1.03 * final["uncompressed"], final

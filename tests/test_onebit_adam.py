@@ -52,11 +52,13 @@ def test_before_start_step_it_is_adamw_with_the_exact_exchange():
     assert all(m["comm_ratio"] == 1.0 for m in got_m)      # the exact exchange's bytes
 
 
-@pytest.mark.parametrize("codec, ratio", [(sign, 0.033), (onebit, 0.035), (functools.partial(topk, 0.01), 0.08)],
-                         ids=["sign", "onebit", "topk"])
+@pytest.mark.parametrize("codec, ratio", [(sign, 0.033), (onebit, 0.035), (functools.partial(topk, 0.01), 0.08),
+                                          (functools.partial(topk, 0.01, partitioned=True, precondition=0.999), 0.12)],
+                         ids=["sign", "onebit", "topk", "topk-partitioned-preconditioned"])
 def test_adam_first_moment_is_the_exchanged_compressed_moment(codec, ratio):
     """From ``start_step`` on, every replica holds the same exchanged moment, Adam's first moment equals
-    it, and the bytes are the codec's."""
+    it, and the bytes are the codec's. With ``precondition``, the codec's ranking second moment is
+    Adam's frozen one."""
     codec = codec(optimizer_momentum=0.9, start_step=2)
     state, layout, metrics = _run({"data": 8}, codec, 5, freeze=2)
     plan = compression_plan(codec, layout, 0)
@@ -70,6 +72,11 @@ def test_adam_first_moment_is_the_exchanged_compressed_moment(codec, ratio):
     assert all(float(m["comm_ratio"]) == pytest.approx(ratio, abs=0.005) for m in metrics[2:])   # the codec's
     assert float(metrics[-1]["residual_norm"]) > 0
     assert int(adam.count) == 5 and np.all(np.asarray(state.comm["count"]) == 5)   # the start counts updates
+    if getattr(codec, "precondition", 0.0):          # optax's default b2 = 0.999, the codec's precondition
+        nu = np.concatenate([np.asarray(v).reshape(-1) for v in jax.tree.leaves(jax.device_get(adam.nu))])
+        second = np.asarray(jax.device_get(state.comm["second_moment"]))
+        np.testing.assert_array_equal(second, np.broadcast_to(second[0], second.shape))
+        np.testing.assert_allclose(second[0][:lr_], nu, rtol=1e-5, atol=1e-7 * nu.max())
     assert np.all(np.isfinite([m["loss"] for m in metrics]))
 
 
@@ -118,3 +125,7 @@ def test_onebit_adam_config_errors_name_the_keys():
     assert "optimizer.name='sgd'" in str(e.value) and "parallel.compression.local_clip: 1.0" in str(e.value)
     with pytest.raises(ConfigError, match="optimizer.b1=0.8.*same value"):
         check(load_config(path, ["optimizer.b1=0.8"]), num_devices=8)
+    topk_path = ROOT / "configs" / "topk_adam.yaml"
+    check(load_config(topk_path), num_devices=8)
+    with pytest.raises(ConfigError, match=r"precondition=0.95 but optimizer.b2=0.99.*same value"):
+        check(load_config(topk_path, ["optimizer.b2=0.99"]), num_devices=8)

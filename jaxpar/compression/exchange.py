@@ -13,7 +13,8 @@ padded and cut into ``N`` rows. Then, per codec family:
   encoding's error stays with the replica (``residual``) and the second's with the row's
   owner (``server``, as in DeepSpeed's 1-bit Adam).
 * top-k: **all-gather** of ``(values, int32 indices)``, scatter-add; random-k: indices
-  agree on every replica, so one **all-reduce** of the ``k`` values. The rest is
+  agree on every replica, so one **all-reduce** of the ``k`` values; partitioned top-k:
+  all-gather of the indices, then an all-reduce of the values at all of them. The rest is
   accumulated locally (``residual``; ``velocity`` with momentum correction).
 * PowerSGD (:mod:`.powersgd`): per weight matrix, two **all-reduces** (``P`` with the
   uncompressed leaves, then ``Q``), ``Q`` kept per replica, residual per leaf.
@@ -149,6 +150,8 @@ class ExchangePlan:
             state["server"] = jnp.zeros((kr,), jnp.float32)
         if getattr(c, "momentum", 0.0) or getattr(c, "optimizer_momentum", 0.0):
             state["velocity"] = jnp.zeros((self.flat_size,), jnp.float32)
+        if getattr(c, "precondition", 0.0):
+            state["second_moment"] = jnp.zeros((self.flat_size,), jnp.float32)
         if getattr(c, "start_step", 0):
             state["count"] = jnp.zeros((), jnp.int32)     # exchanges applied (a skipped step rolls it back)
         return state
@@ -219,7 +222,11 @@ class ExchangePlan:
         if b1:                # every replica now holds the exchanged moment (no sharded leaves: checked)
             rows = jnp.pad(rest, (0, n * kr - lr)).reshape(n, kr)
             state["velocity"] = rows.reshape(-1)
-            rest = ((rows - b1 * m) / (1 - b1)).reshape(-1)[:lr]   # Adam's b1 m + (1 - b1) g = the exchanged moment
+            g = (rows - b1 * m) / (1 - b1)                         # Adam's b1 m + (1 - b1) g = the exchanged moment
+            rest = g.reshape(-1)[:lr]
+            if getattr(c, "precondition", 0.0):   # Adam's second moment of the exact steps, frozen with Adam's
+                b2, s = c.precondition, state["second_moment"]
+                state["second_moment"] = jnp.where(count >= c.start_step, s, b2 * s + (1 - b2) * (g * g).reshape(-1))
         return mine, rest, state
 
     def _exact(self, x, state, step, index):
@@ -266,13 +273,21 @@ class ExchangePlan:
             flat = state["velocity"]
         v = state["residual"] + flat
         u = state.get("velocity", jnp.zeros((0,), jnp.float32))
+        weight = 1.0 / (jnp.sqrt(state["second_moment"]) + 1e-8) if c.precondition else None   # Adam's 1 / sqrt(v)
 
         def branch(density):
             def run(v, u):
-                idx = c.indices(v, shared if c.name == "randomk" else own, c.k(v.shape[0], density))
-                if c.name == "randomk":
+                k = c.k(v.shape[0], density, n)
+                if c.partitioned:   # among the entries j = index (mod n); every replica's values at all n k picked
+                    own_w = None if weight is None else weight.reshape(-1, n)[:, index]
+                    idx = c.indices(v.reshape(-1, n)[:, index], own, k, own_w) * n + index
+                    idx = jax.lax.all_gather(idx, ax, axis=0, tiled=True)
+                    dense = jnp.zeros_like(v).at[idx].set(jax.lax.psum(v[idx], ax) / n)
+                elif c.name == "randomk":
+                    idx = c.indices(v, shared, k)
                     dense = jnp.zeros_like(v).at[idx].set(jax.lax.psum(v[idx], ax) / n)
                 else:
+                    idx = c.indices(v, own, k, weight)
                     p = {"values": v[idx][None], "indices": idx[None]}
                     got = from_bytes(jax.lax.all_gather(to_bytes(p)[0], ax, axis=0, tiled=False), p)
                     dense = c.decode(got, v.shape[0]) / n

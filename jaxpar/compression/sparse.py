@@ -15,6 +15,18 @@ accumulated instead of ``g``, and both are cleared where sent; use a plain SGD o
 then) and a sparsity warm-up (``warmup`` densities, each for ``warmup_steps`` steps,
 before ``ratio``; each density is its own compiled branch).
 
+Two more for top-k:
+
+* ``partitioned=True``: replica ``i`` picks its ``k`` among the entries it owns, every
+  ``N``-th one (``j = i mod N``), so the ``N`` replicas pick ``N k`` distinct entries; an
+  all-gather of the ``k`` int32 indices, then an **all-reduce** of every replica's values at
+  all ``N k`` of them (1.5x the bytes of the plain exchange at the same ratio). Each picked
+  entry is then averaged over every replica and cleared from every residual, where the plain
+  exchange sends a replica's value only where that replica picked it.
+* ``precondition=b2`` (with ``optimizer_momentum``, 1-bit Adam's scheme): entries are ranked
+  by ``|v| / sqrt(s)``, Adam's step size for them, where ``s`` is the second moment (decay
+  ``b2``, Adam's) of the mean gradients of the exact steps, frozen with Adam's at ``start_step``.
+
 Example::
 
     >>> import jax, jax.numpy as jnp
@@ -53,13 +65,17 @@ class Sparsifier:
     error_feedback: bool = True     # local accumulation of what was not sent
     optimizer_momentum: float = 0.0   # > 0: Adam's first moment is what is sparsified (as 1-bit Adam)
     start_step: int = 0             # steps before it: the exact (uncompressed) exchange
+    partitioned: bool = False       # replica i picks among entries i mod N; all values on the N k picked
+    precondition: float = 0.0       # > 0 (Adam's b2): rank by |v| / sqrt(second moment of the exact steps)
 
     @property
     def densities(self) -> tuple[float, ...]:
         return tuple(self.warmup) + (self.ratio,)
 
-    def k(self, n: int, density: float | None = None) -> int:
-        return max(1, min(n, math.ceil((self.ratio if density is None else density) * n)))
+    def k(self, n: int, density: float | None = None, replicas: int = 1) -> int:
+        """Entries each replica picks out of ``n`` (partitioned: out of its ``n / replicas``)."""
+        k = max(1, min(n, math.ceil((self.ratio if density is None else density) * n)))
+        return min(k, n // replicas) if self.partitioned else k
 
     def stage(self, step) -> jax.Array:
         """Index into :attr:`densities` at ``step`` (traced)."""
@@ -70,13 +86,15 @@ class Sparsifier:
     def init(self, n: int) -> dict:
         return {"velocity": jnp.zeros((n,), jnp.float32)} if self.momentum else {}
 
-    def indices(self, v: jax.Array, key, k: int) -> jax.Array:
-        """Which ``k`` entries of ``v`` to send (random-k: ``key`` must agree on every replica)."""
+    def indices(self, v: jax.Array, key, k: int, weight: jax.Array | None = None) -> jax.Array:
+        """Which ``k`` entries of ``v`` to send (random-k: ``key`` must agree on every replica;
+        top-k: the largest ``|v| * weight``)."""
         if self.name == "randomk":    # a random offset, stride n // k: every index equally likely, O(k) to draw
             n = v.shape[0]
             offset = jax.random.randint(key, (), 0, n)
             return ((offset + jnp.arange(k) * (n // k)) % n).astype(jnp.int32)
-        return jax.lax.top_k(jnp.abs(v), k)[1].astype(jnp.int32)
+        score = jnp.abs(v) if weight is None else jnp.abs(v) * weight
+        return jax.lax.top_k(score, k)[1].astype(jnp.int32)
 
     def encode(self, v: jax.Array, key, density: float | None = None) -> dict:
         idx = self.indices(v, key, self.k(v.shape[0], density))
@@ -91,9 +109,11 @@ class Sparsifier:
         """Bytes one device sends: top-k all-gathers ``k`` (fp32 value, int32 index) pairs to the
         ``replicas - 1`` others; random-k all-reduces ``k`` fp32 values (a ring: ``2 (N-1)/N`` of
         them). The reduce-scatter half costs the same (each replica needs every value)."""
-        k = self.k(n, density)
+        k = self.k(n, density, replicas)
         if self.name == "randomk":
             return round(2 * (replicas - 1) / replicas * 4 * k)
+        if self.partitioned:        # all-gather of k int32 indices, all-reduce of N k fp32 values
+            return (replicas - 1) * 4 * k + round(2 * (replicas - 1) / replicas * 4 * replicas * k)
         return (replicas - 1) * 8 * k
 
 
@@ -125,14 +145,30 @@ def _check_adam(name: str, warmup, start_step, optimizer_momentum, momentum) -> 
 
 
 def topk(ratio: float, *, momentum: float = 0.0, warmup: tuple = (), warmup_steps: int = 0,
-         optimizer_momentum: float | None = None, start_step: int = 0) -> Sparsifier:
+         optimizer_momentum: float | None = None, start_step: int = 0, partitioned: bool = False,
+         precondition: float | None = None) -> Sparsifier:
     """Send each replica's ``ceil(ratio * n)`` largest-magnitude values; accumulate the rest.
     ``optimizer_momentum``, ``start_step``: as for :func:`jaxpar.compression.sign` (1-bit Adam's
-    scheme with top-k on Adam's first moment)."""
+    scheme with top-k on Adam's first moment). ``partitioned``, ``precondition``: see the module
+    docstring. What passes the 300-step test of docs/compression.md::
+
+        topk(0.01, optimizer_momentum=0.9, start_step=60, partitioned=True, precondition=0.95)
+    """
     _check("topk", ratio, momentum, tuple(warmup), warmup_steps)
     start_step, optimizer_momentum = _check_adam("topk", warmup, start_step, optimizer_momentum, momentum)
+    if not isinstance(partitioned, bool):
+        raise CompressionError(f"topk(partitioned={partitioned!r}): expected True or False.")
+    if precondition is not None and precondition != 0:
+        if isinstance(precondition, bool) or not isinstance(precondition, (int, float)) or not 0 < precondition < 1:
+            raise CompressionError(f"topk(precondition={precondition!r}): Adam's b2, whose second moment ranks the "
+                                   "entries, must lie in (0, 1), e.g. precondition=0.95 (the optimizer's b2).")
+        if not optimizer_momentum:
+            raise CompressionError(f"topk(precondition={precondition}) ranks Adam's first moment by Adam's frozen "
+                                   "second moment: it needs 1-bit Adam's scheme, e.g. topk(0.01, "
+                                   f"optimizer_momentum=0.9, start_step=60, precondition={precondition}).")
     return Sparsifier("topk", float(ratio), float(momentum), tuple(warmup), warmup_steps,
-                      optimizer_momentum=optimizer_momentum, start_step=start_step)
+                      optimizer_momentum=optimizer_momentum, start_step=start_step, partitioned=partitioned,
+                      precondition=float(precondition or 0.0))
 
 
 def randomk(ratio: float, *, momentum: float = 0.0, warmup: tuple = (), warmup_steps: int = 0,

@@ -128,6 +128,10 @@ def _onebit_adam_problems(strategy, opt: OptimizerConfig) -> list[str]:
     elif opt.b1 != b1:
         p.append(f"{key} but optimizer.b1={opt.b1}: Adam's first moment must be the one compressed; set both to "
                  "the same value.")
+    b2 = getattr(strategy.compression, "precondition", 0.0)
+    if b2 and opt.name in ("adam", "adamw") and opt.b2 != b2:
+        p.append(f"parallel.compression.precondition={b2} but optimizer.b2={opt.b2}: top-k ranks Adam's moment by "
+                 "Adam's own second moment; set both to the same value.")
     if opt.clip_norm is not None:
         p.append(f"optimizer.clip_norm={opt.clip_norm} with {key}: the gradient handed to Adam carries the moment's "
                  "compression error times 1 / (1 - b1), so a clip after the exchange would shrink every step; set "

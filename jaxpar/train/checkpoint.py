@@ -275,7 +275,8 @@ class Checkpointer:
                              else target.comm_init())
             what = ("the replicas (jaxpar.sync) restart from the restored parameters, with fresh inner optimizer "
                     "states" if getattr(target, "comm_from_params", False) else
-                    "its residuals restart from zero (and 1-bit Adam's exchanged moment and step count)")
+                    "its residuals restart from zero (and 1-bit Adam's exchanged moment, step count and top-k's "
+                    "ranking second moment)")
             warnings.warn(f"checkpoint {self.directory / str(step)}: the gradient codec's or replicas' state was saved "
                           f"with shapes {meta.get('comm_shapes')} and this layout needs {_shapes(comm)} (another "
                           f"number of replicas, or another codec): {what}. Parameters and optimizer state are "
