@@ -103,7 +103,7 @@ def plot(curves, path: Path) -> None:
     ax.set_ylabel("training loss (5-step mean)")
     ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
     ax.set_title("quickstart GPT, 8 data-parallel replicas: compressed gradient exchange")
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper right")
     fig.savefig(path, dpi=100, bbox_inches="tight")
 
 

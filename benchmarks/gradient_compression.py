@@ -43,7 +43,7 @@ from _common import copy_state, environment, make_batch, markdown_table, write_j
 CFG = GPTConfig(vocab=256, seq_len=64, embed=128, heads=4, layers=4)
 CODECS = {"none": None, "cast-bf16": cast("bfloat16"), "cast-fp8": cast("float8_e4m3fn"), "qsgd-int8": qsgd(),
           "terngrad": terngrad(), "sign (EF)": sign(), "onebit (EF)": onebit(), "topk 1%": topk(0.01),
-          "randomk 1%": randomk(0.01), "powersgd r4": powersgd(rank=4)}
+          "topk 1% partitioned": topk(0.01, partitioned=True), "randomk 1%": randomk(0.01), "powersgd r4": powersgd(rank=4)}
 _SENT = {"all-reduce": lambda b, n: 2 * (n - 1) / n * b, "all-gather": lambda b, n: (n - 1) / n * b,
          "all-to-all": lambda b, n: (n - 1) / n * b, "reduce-scatter": lambda b, n: (n - 1) * b}
 GPT2_PARAMS = 124_439_808
@@ -94,9 +94,12 @@ def modelled_seconds(codec, workers: int, gbit: float) -> float:
         return (coll_time("all-to-all", workers * row, workers, link, "pairwise")
                 + coll_time("all-gather", workers * row, workers, link, "ring"))
     if codec.kind == "sparse":
-        k = codec.k(n)
+        k = codec.k(n, replicas=workers)
         if codec.name == "randomk":
             return coll_time("all-reduce", 4 * k, workers, link, "ring")
+        if codec.partitioned:       # the indices, then every replica's values at all N k of them
+            return (coll_time("all-gather", workers * 4 * k, workers, link, "ring")
+                    + coll_time("all-reduce", 4 * workers * k, workers, link, "ring"))
         return coll_time("all-gather", workers * 8 * k, workers, link, "ring")
     # PowerSGD on GPT-2's matrices: 12 layers of 768x2304, 768x768, 768x3072, 3072x768, the 50257x768 embedding
     mats = [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12 + [(50257, 768)]
