@@ -89,7 +89,9 @@ MATRIX = {
 }
 
 
-SLOW = {"zero1", "zero2"}   # the slow pass (CI) runs them; ZeRO-3 and the GPT's matrix cover the same reductions
+# The slow pass (CI) runs these; ZeRO-3, FSDP x TP, DP x ZeRO-2 x FSDP x TP and the GPT's matrix
+# (tests/test_equivalence.py) cover the same reductions.
+SLOW = {"zero1", "zero2", "fsdp8", "dp2-tp4"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in MATRIX])
@@ -195,7 +197,8 @@ PIPELINES = {
 }
 
 
-@pytest.mark.parametrize("name", list(PIPELINES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n == "1f1b" else [])   # in 1f1b-zero3
+                                  for n in PIPELINES])
 def test_user_model_pipelined_matches_single_device(name, reference):
     """pipe=2 x data=2 x tensor=2 with the user's own loss function."""
     got = train({"pipe": 2, "data": 2, "tensor": 2}, jaxpar.Strategy(**PIPELINES[name]))

@@ -66,8 +66,12 @@ def test_mlp_classifier_matches_single_device(sizes, zero, specs, mlp_reference)
         assert (layout.params["up"][i]["kernel"], layout.params["down"][i]["kernel"]) == specs
 
 
-@pytest.mark.parametrize("sizes", [{"data": 2, "tensor": 4}, {"fsdp": 8}], ids=["dp2-tp4", "fsdp8-explicit"])
-@pytest.mark.parametrize("remat", ["full", "save-matmuls"])
+# One policy per mesh in the default run, the other two in the slow pass.
+@pytest.mark.parametrize("remat, sizes", [
+    pytest.param("full", {"fsdp": 8}, id="full-fsdp8-explicit"),
+    pytest.param("save-matmuls", {"data": 2, "tensor": 4}, id="save-matmuls-dp2-tp4"),
+    pytest.param("full", {"data": 2, "tensor": 4}, id="full-dp2-tp4", marks=pytest.mark.slow),
+    pytest.param("save-matmuls", {"fsdp": 8}, id="save-matmuls-fsdp8-explicit", marks=pytest.mark.slow)])
 def test_remat_policies_do_not_change_numbers(remat, sizes):
     """Losses, first-step gradients and parameters after 3 AdamW steps (tolerances: helpers.adam_atol)."""
     base = cached_run(sizes)

@@ -60,13 +60,16 @@ def assert_grads_equal(got, ref, rtol=1e-4, atol=1e-7):
         np.testing.assert_allclose(v, flat[path_str(p)], rtol=rtol, atol=atol, err_msg=path_str(p))
 
 
-# To keep the default suite under its time budget, these are marked slow (run by `make test-all`
-# and CI's second pass): m > p other than 1F1B, 1F1B's m = 4p (its m = 2p runs the same steady
-# state) and its m = 2p at p = 2 (p = 4's runs it), and GPipe at p = 4 (no table of p = 4 differs
-# from p = 2 for it but in length).
+# To keep the default suite under its time budget, one case per schedule runs by default and the
+# rest are marked slow (run by `make test-all` and CI's second pass): GPipe at p = 2 (no table of
+# p = 4 differs for it but in length), 1F1B at p = 4, m = 8 (warm-up, steady state and cool-down;
+# m = p has no steady state), interleaved and ZB-H1 at p = m = 4. The composed tests below run
+# p = 2 for 1F1B and interleaved, and p = 4 for ZB-H1 with an uneven partition.
+DEFAULT = {("gpipe", 2, 2), ("1f1b", 4, 8), ("interleaved", 4, 4), ("zb-h1", 4, 4)}
+
+
 def _slow(kind, p, m):
-    return ((m > p and kind != "1f1b") or (kind == "1f1b" and (m == 4 * p or (p, m) == (2, 4)))
-            or (kind == "gpipe" and p == 4))
+    return (kind, p, m) not in DEFAULT
 
 
 CASES = [pytest.param(kind, p, m, id=f"{kind}-p{p}-m{m}", marks=[pytest.mark.slow] if _slow(kind, p, m) else [])
@@ -90,7 +93,7 @@ def test_remat_policies_inside_the_pipeline(remat):
     assert_grads_equal(got, _reference(16))
 
 
-COMPOSED = {
+COMPOSED = {     # pp2-dp2-tp2 in the slow pass: the interleaved case runs the same mesh
     "pp2-dp2-tp2": ({"pipe": 2, "data": 2, "tensor": 2}, {"microbatches": 4}),
     "pp2-zero3fsdp2-tp2": ({"pipe": 2, "fsdp": 2, "tensor": 2}, {"microbatches": 4, "zero": 3}),
     "pp2-interleaved-dp2-tp2": ({"pipe": 2, "data": 2, "tensor": 2},
@@ -105,7 +108,8 @@ def reference8():
     return run({}, jaxpar.Strategy(), cfg=PCFG)
 
 
-@pytest.mark.parametrize("name", list(COMPOSED))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n == "pp2-dp2-tp2" else [])
+                                  for n in COMPOSED])
 def test_composed_pipeline_trains_like_single_device(name, reference8):
     """3 AdamW steps through make_train_step: pipe x DP x TP, pipe x ZeRO-3 x TP, an uneven partition."""
     sizes, kw = COMPOSED[name]
