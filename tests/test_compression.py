@@ -167,6 +167,7 @@ def _leaves_from_flat(plan, flat):
 @pytest.mark.parametrize("codec", [sign(bucket=64), onebit(bucket=64), topk(0.05), randomk(0.05),
                                    topk(0.05, momentum=0.0, warmup=(0.5, 0.2), warmup_steps=5),
                                    topk(0.05, partitioned=True),
+                                   topk(0.05, warmup=(0.5, 0.2), warmup_steps=5, partitioned=True),
                                    powersgd(rank=2, min_compression_rate=1)], ids=lambda c: c.name)
 def test_error_feedback_conserves_the_gradient(codec):
     """Sum over 50 steps of what was delivered + the residuals left = sum of the true mean
@@ -226,8 +227,8 @@ def test_partitioned_topk_averages_every_replica_at_the_picked_entries():
     for t, g in zip(true, got):
         on = g != 0
         np.testing.assert_allclose(g[on], t[on], rtol=1e-5, atol=1e-6)
-    res = np.asarray(state["residual"])                     # [replicas, N * (Ks + Kr)]
-    cleared = res == 0
+    res = np.asarray(state["residual"])                     # [replicas, N * (Ks + Kr)]; SHAPES need no padding,
+    cleared = res == 0                                      # so an exact 0 is a picked entry
     np.testing.assert_array_equal(cleared, np.broadcast_to(cleared[0], cleared.shape))
     assert cleared[0].sum() == n * k
     owners = np.flatnonzero(cleared[0]) % n                 # each replica picked k among its own entries
@@ -272,6 +273,8 @@ def test_wire_bytes_formulas():
     assert plan(sign()).wire_bytes() / fp32 <= 0.04
     assert plan(topk(0.01)).wire_bytes() == (n - 1) * 8 * math.ceil(0.01 * k)
     assert plan(topk(0.01, partitioned=True)).wire_bytes() == (n - 1) * 12 * math.ceil(0.01 * k)   # 1.5x
+    warm = plan(topk(0.01, warmup=(0.1,), warmup_steps=5, partitioned=True))
+    assert [warm.wire_bytes(s) for s in (4, 5)] == [(n - 1) * 12 * math.ceil(d * k) for d in (0.1, 0.01)]
     p = exchange_plan(powersgd(rank=4), [(256, 128)], dims=[None], grad_axes=[()], stacked=[False],
                       mesh_sizes={"data": n})
     assert p.wire_bytes() / p.uncompressed_bytes() == pytest.approx((256 + 128) * 4 / (256 * 128), rel=1e-3)

@@ -236,8 +236,8 @@ def _setup(sizes, codec):
     return state, layout, step, batches
 
 
-# onebit keeps sign's state (residual, server) and random-k a part of top-k's: in the slow pass
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in ("onebit", "randomk") else [])
+# onebit keeps sign's state (residual, server): in the slow pass
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n == "onebit" else [])
                                   for n in STATEFUL])
 def test_codec_state_is_checkpointed_bit_exactly(name, tmp_path):
     """3 steps, save, 3 more = restore the save into a fresh process state, 3 more: identical."""

@@ -224,7 +224,7 @@ class ExchangePlan:
             state["velocity"] = rows.reshape(-1)
             g = (rows - b1 * m) / (1 - b1)                         # Adam's b1 m + (1 - b1) g = the exchanged moment
             rest = g.reshape(-1)[:lr]
-            if getattr(c, "precondition", 0.0):   # Adam's second moment of the exact steps, frozen with Adam's
+            if getattr(c, "precondition", 0.0) and c.start_step:   # the exact steps' second moment, frozen with Adam's
                 b2, s = c.precondition, state["second_moment"]
                 state["second_moment"] = jnp.where(count >= c.start_step, s, b2 * s + (1 - b2) * (g * g).reshape(-1))
         return mine, rest, state

@@ -22,10 +22,14 @@ Two more for top-k:
   all-gather of the ``k`` int32 indices, then an **all-reduce** of every replica's values at
   all ``N k`` of them (1.5x the bytes of the plain exchange at the same ratio). Each picked
   entry is then averaged over every replica and cleared from every residual, where the plain
-  exchange sends a replica's value only where that replica picked it.
+  exchange sends a replica's value only where that replica picked it. Keep ``ratio`` below
+  ``1 / N``: at ``1 / N`` each replica picks its whole share and the exchange sends more than
+  the fp32 all-reduce.
 * ``precondition=b2`` (with ``optimizer_momentum``, 1-bit Adam's scheme): entries are ranked
-  by ``|v| / sqrt(s)``, Adam's step size for them, where ``s`` is the second moment (decay
-  ``b2``, Adam's) of the mean gradients of the exact steps, frozen with Adam's at ``start_step``.
+  by ``|v| / (sqrt(s) + 1e-8)``, Adam's step size for them (up to Adam's bias correction, one
+  factor for all entries, and its ``eps``), where ``s`` is the second moment (decay ``b2``,
+  Adam's) of the mean gradients of the exact steps, frozen with Adam's at ``start_step``. An
+  entry whose exact steps saw no gradient ranks first, as Adam would step it furthest.
 
 Example::
 
@@ -164,7 +168,7 @@ def topk(ratio: float, *, momentum: float = 0.0, warmup: tuple = (), warmup_step
                                    "entries, must lie in (0, 1), e.g. precondition=0.95 (the optimizer's b2).")
         if not optimizer_momentum:
             raise CompressionError(f"topk(precondition={precondition}) ranks Adam's first moment by Adam's frozen "
-                                   "second moment: it needs 1-bit Adam's scheme, e.g. topk(0.01, "
+                                   f"second moment: it needs 1-bit Adam's scheme, e.g. topk({ratio}, "
                                    f"optimizer_momentum=0.9, start_step=60, precondition={precondition}).")
     return Sparsifier("topk", float(ratio), float(momentum), tuple(warmup), warmup_steps,
                       optimizer_momentum=optimizer_momentum, start_step=start_step, partitioned=partitioned,
