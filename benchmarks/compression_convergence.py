@@ -54,8 +54,8 @@ RUNS = {
     "exact exchange + local clip": {"kind": "sign", "start_step": 10**9, "local_clip": 1.0,
                                     "_overrides": ["optimizer.clip_norm=null"]},
 }
-ADAM_ONLY = ("1-bit Adam (sign + EF from step 60) + local clip", "top-k 1% on Adam's moment (from step 60) + local clip",
-             TOPK_ADAM)
+ADAM_ONLY = ("1-bit Adam (sign + EF from step 60) + local clip",
+             "top-k 1% on Adam's moment (from step 60) + local clip", TOPK_ADAM)
 
 
 def _flow(d: dict) -> str:

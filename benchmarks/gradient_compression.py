@@ -43,7 +43,8 @@ from _common import copy_state, environment, make_batch, markdown_table, write_j
 CFG = GPTConfig(vocab=256, seq_len=64, embed=128, heads=4, layers=4)
 CODECS = {"none": None, "cast-bf16": cast("bfloat16"), "cast-fp8": cast("float8_e4m3fn"), "qsgd-int8": qsgd(),
           "terngrad": terngrad(), "sign (EF)": sign(), "onebit (EF)": onebit(), "topk 1%": topk(0.01),
-          "topk 1% partitioned": topk(0.01, partitioned=True), "randomk 1%": randomk(0.01), "powersgd r4": powersgd(rank=4)}
+          "topk 1% partitioned": topk(0.01, partitioned=True), "randomk 1%": randomk(0.01),
+          "powersgd r4": powersgd(rank=4)}
 _SENT = {"all-reduce": lambda b, n: 2 * (n - 1) / n * b, "all-gather": lambda b, n: (n - 1) / n * b,
          "all-to-all": lambda b, n: (n - 1) / n * b, "reduce-scatter": lambda b, n: (n - 1) * b}
 GPT2_PARAMS = 124_439_808

@@ -278,16 +278,17 @@ class ExchangePlan:
         def branch(density):
             def run(v, u):
                 k = c.k(v.shape[0], density, n)
-                if c.partitioned:   # among the entries j = index (mod n); every replica's values at all n k picked
+                if c.partitioned:   # among the entries j = index (mod n), then all n k picked ones everywhere
                     own_w = None if weight is None else weight.reshape(-1, n)[:, index]
                     idx = c.indices(v.reshape(-1, n)[:, index], own, k, own_w) * n + index
                     idx = jax.lax.all_gather(idx, ax, axis=0, tiled=True)
-                    dense = jnp.zeros_like(v).at[idx].set(jax.lax.psum(v[idx], ax) / n)
                 elif c.name == "randomk":
                     idx = c.indices(v, shared, k)
-                    dense = jnp.zeros_like(v).at[idx].set(jax.lax.psum(v[idx], ax) / n)
                 else:
                     idx = c.indices(v, own, k, weight)
+                if c.partitioned or c.name == "randomk":   # the same indices everywhere: all-reduce the values
+                    dense = jnp.zeros_like(v).at[idx].set(jax.lax.psum(v[idx], ax) / n)
+                else:
                     p = {"values": v[idx][None], "indices": idx[None]}
                     got = from_bytes(jax.lax.all_gather(to_bytes(p)[0], ax, axis=0, tiled=False), p)
                     dense = c.decode(got, v.shape[0]) / n
