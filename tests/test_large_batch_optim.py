@@ -327,7 +327,7 @@ def test_logged_lr_follows_the_rule(tmp_path):
     tx, schedule = build_optimizer(cfg, steps, global_batch=batch, model_fn=stacked_model)
     mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
     state, layout = jaxpar.init_train_state(stacked_model, tx, mesh)
-    step = jaxpar.make_train_step(stacked_loss, tx, layout, lr_schedule=schedule)
+    step = jaxpar.make_train_step(stacked_loss, tx, layout, log_lr=schedule)
     train(step, state, lambda i: stacked_batch(), mesh=mesh, steps=steps,
           log=LogOptions(log_every=1, out_dir=str(tmp_path), progress="none", tensorboard=False, plot=False))
     logged = [r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())

@@ -291,6 +291,11 @@ def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
     if cfg.data.batch_ramp.get("adaptive"):
         out.append(f"data.batch_ramp.adaptive with parallel.steps_per_call={k}: the batch can change only between "
                    "calls; use a fixed ramp or parallel.steps_per_call: 1.")
+    inside = [s for s in cfg.data.batch_ramp.get("steps") or () if isinstance(s, int) and s % k]
+    if inside and not cfg.data.batch_ramp.get("adaptive"):
+        out.append(f"data.batch_ramp.steps={list(cfg.data.batch_ramp['steps'])} with parallel.steps_per_call={k}: "
+                   f"step {inside[0]} falls inside a call of {k} steps, whose batches are stacked and must have one "
+                   f"size. Make every ramp step a multiple of {k}.")
     return out
 
 

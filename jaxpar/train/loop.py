@@ -112,6 +112,11 @@ def _check_ramp_and_calls(state: Any, ramp: Any, k: Any, **values: Any) -> None:
     if isinstance(ramp, AdaptiveRamp):
         raise ValueError(f"train(steps_per_call={k}) with an adaptive batch ramp: the batch can change only between "
                          "calls; use a fixed ramp, or steps_per_call=1.")
+    inside = [s for s in getattr(ramp, "steps", ()) if s % k]
+    if inside:
+        raise ValueError(f"train(steps_per_call={k}) with a batch ramp whose sizes change at steps {list(ramp.steps)}: "
+                         f"step {inside[0]} falls inside a call of {k} steps, whose batches are stacked and must "
+                         f"have one size. Make every ramp step a multiple of {k}.")
     names = {"steps": "steps", "start": "the start step", "log_every": "log_every", "eval_every": "eval_every",
              "checkpoint_every": "the checkpointer's every", "stop_check_every": "stop_check_every"}
     for key, value in values.items():

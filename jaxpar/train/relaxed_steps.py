@@ -93,13 +93,17 @@ def _one_by_one(tx, state, losses, grads, layout, **upd):
     """Asynchronous parameter server: each replica's gradient is applied on its own, in replica
     order, on the newest parameters (K optimizer updates per step; ``step`` advances by one)."""
     k = losses.shape[0]
-    new, metrics = state, None
+    new, metrics, skipped = state, None, []
     for r in range(k):
         g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x[r], grads),
                                              named_shardings(layout.grads, layout.mesh))
         new, m = _apply_update(tx, new._replace(step=state.step), losses[r], g, **upd)
+        skipped.append(m.pop("skipped", jnp.bool_(False)))
         metrics = m if metrics is None else {**m, "grad_norm": jnp.maximum(metrics["grad_norm"], m["grad_norm"])}
     metrics["loss"] = jnp.mean(losses)
+    if upd.get("skip_nonfinite"):    # any replica's update left out; the others' were applied
+        metrics["skipped"] = jnp.any(jnp.stack(skipped))
+        metrics["skipped_replicas"] = jnp.sum(jnp.stack(skipped).astype(jnp.int32))
     return new._replace(step=state.step + 1), metrics
 
 

@@ -36,7 +36,7 @@ from ..rules import named_shardings, resolve
 from ..strategy import Strategy
 from ..zero import analytic_state_bytes, zero_specs
 
-__all__ = ["TrainState", "StateLayout", "init_train_state", "abstract_model"]
+__all__ = ["TrainState", "StateLayout", "init_train_state", "state_layout", "abstract_model"]
 
 
 class TrainState(NamedTuple):
@@ -80,6 +80,7 @@ class StateLayout:
     stats_shapes: Any = ()
     versions: Any = ()       # older weight versions (TrainState.versions): PartitionSpec tree
     versions_shapes: Any = ()
+    strategy: Strategy = Strategy()   # what the layout was built for; make_train_step runs this strategy
 
     def shardings(self) -> TrainState:
         """``TrainState`` of ``NamedSharding``s (for ``jit`` in/out shardings)."""
@@ -131,10 +132,53 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTrans
                      strategy: Strategy = Strategy()) -> tuple[TrainState, StateLayout]:
     """Create the train state directly in its sharded layout.
 
-    ``model_fn()`` builds the model (eager sharding is turned off inside it:
-    jaxpar places the state). Parameters are annotated with logical names via
-    ``nnx.with_partitioning`` / ``out_sharding`` metadata.
+    ``model_fn()`` builds the model (eager sharding is turned off inside it: jaxpar places the
+    state). Parameters are annotated with logical names via ``nnx.with_partitioning`` /
+    ``out_sharding`` metadata.
+
+    Args:
+      model_fn: builds the NNX model (every variable an ``nnx.Param``).
+      tx: the optax optimizer.
+      mesh: the device mesh.
+      strategy: what to do with the mesh axes; the layout records it, and
+        :func:`jaxpar.make_train_step` runs it.
+
+    Returns:
+      ``(state, layout)``: the :class:`TrainState`, already sharded, and its :class:`StateLayout`.
     """
+    layout, init = _layout_and_init(model_fn, tx, mesh, strategy)
+    return jax.jit(init, out_shardings=layout.shardings())(), layout
+
+
+def state_layout(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
+                 strategy: Strategy = Strategy()) -> StateLayout:
+    """The :class:`StateLayout` that :func:`init_train_state` builds, without creating the state.
+
+    Args:
+      model_fn: builds the NNX model; it is only traced (``eval_shape``).
+      tx: the optax optimizer.
+      mesh: the device mesh (abstract devices of a compile target work too).
+      strategy: what to do with the mesh axes.
+
+    Returns:
+      The layout; ``layout.abstract_state()`` is a restore or ahead-of-time compile target.
+
+    Example:
+      >>> import jax, optax
+      >>> from flax import nnx
+      >>> from jaxpar import Strategy, make_mesh
+      >>> from jaxpar.models.mlp import MLPClassifier
+      >>> mesh = make_mesh({"data": 2}, devices=jax.devices()[:2])
+      >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
+      >>> layout = state_layout(model_fn, optax.sgd(0.1), mesh, Strategy(zero=3))
+      >>> layout.strategy.zero, layout.params["up"][0]["kernel"]
+      (3, P('data', 'tensor'))
+    """
+    return _layout_and_init(model_fn, tx, mesh, strategy)[0]
+
+
+def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[StateLayout, Callable]:
+    """The layout and an ``init() -> TrainState`` to jit with the layout's shardings."""
     graphdef, shapes, logical = abstract_model(model_fn)
     rules = tuple(strategy.rules(mesh))
     base = resolve(logical, rules, mesh, shapes)
@@ -143,10 +187,19 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTrans
     grads = zero_specs(base, shapes, logical, sizes, strategy.zero, "grads")
     opt_param = zero_specs(base, shapes, logical, sizes, strategy.zero, "opt")
     opt_shapes, opt_state = _opt_specs(tx, shapes, opt_param)
-    layout = StateLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt_param, opt_state, opt_shapes)
+    layout = StateLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt_param, opt_state, opt_shapes,
+                         strategy=strategy)
     comm_init = lambda: ()   # noqa: E731
     if strategy.sync is not None or replicas(mesh) > 1:
-        return _init_relaxed(model_fn, tx, layout, strategy)
+        if strategy.compression is not None:
+            from ..sync import SyncError
+
+            raise SyncError(f"Strategy(compression={strategy.compression.name!r}) on a mesh with replica="
+                            f"{replicas(mesh)}: the replica axis keeps replicas in step with Strategy.sync "
+                            "(synchronous by default), which does not run through a gradient codec. Fold the "
+                            "replica devices into the data axis (mesh data=...) to compress the exchange, or "
+                            "drop compression.")
+        return _relaxed_layout_and_init(model_fn, tx, layout, strategy)
     if strategy.compression is not None:
         from .compressed import compression_state   # compression loads only when used
 
@@ -167,8 +220,7 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTrans
         older = tuple(jax.tree.map(jnp.copy, p) for _ in range(stashed)) if stashed else older
         return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), comm_init(), versions=older)
 
-    state = jax.jit(init, out_shardings=layout.shardings())()
-    return state, layout
+    return layout, init
 
 
 def _two_bw(strategy: Strategy, mesh: Mesh) -> bool:
@@ -191,7 +243,7 @@ def _stashed(strategy: Strategy, mesh: Mesh) -> int:
     return older_versions(mesh.shape["pipe"], strategy.update_every)
 
 
-def _init_relaxed(model_fn, tx, layout: StateLayout, strategy: Strategy) -> tuple[TrainState, StateLayout]:
+def _relaxed_layout_and_init(model_fn, tx, layout: StateLayout, strategy: Strategy) -> tuple[StateLayout, Callable]:
     """The state of K replicas (``replica`` axis; :mod:`jaxpar.train.relaxed`)."""
     from .relaxed import relaxed_layout   # relaxed synchronisation loads only when used
 
@@ -203,4 +255,4 @@ def _init_relaxed(model_fn, tx, layout: StateLayout, strategy: Strategy) -> tupl
         p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return TrainState(jnp.zeros((), jnp.int32), p, *make(p))
 
-    return jax.jit(init, out_shardings=layout.shardings())(), layout
+    return layout, init

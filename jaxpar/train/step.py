@@ -45,7 +45,7 @@ from ..strategy import Strategy
 from .state import StateLayout, TrainState
 
 __all__ = ["make_train_step", "make_loss_and_grad", "make_model_loss", "explicit_data_parallel",
-           "ExplicitDPError", "batch_sharding", "check_batch", "shard_batch"]
+           "ExplicitDPError", "StrategyMismatchError", "layout_strategy", "batch_sharding", "check_batch", "shard_batch"]
 
 
 class ExplicitDPError(ValueError):
@@ -220,34 +220,52 @@ def _apply_update(tx, state: TrainState, loss, grads, *, clip_norm, lr_schedule,
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout: StateLayout,
-                    strategy: Strategy = Strategy(), *, clip_norm: float | None = None,
-                    lr_schedule: Callable | None = None, donate: bool = True,
+                    strategy: Strategy | None = None, *, clip_norm: float | None = None,
+                    log_lr: Callable | None = None, donate: bool = True,
                     explicit_dp: bool | None = None, skip_nonfinite: bool = False,
                     noise_scale_every: int | None = None, noise_scale_ema: float = 0.95,
-                    steps_per_call: int = 1) -> Callable:
+                    steps_per_call: int = 1, **removed) -> Callable:
     """Build ``step(state, batch) -> (state, metrics)``, jitted with the layout's shardings.
 
-    ``explicit_dp=True`` makes the data-axis collectives of the model's stacked blocks
-    explicit (:mod:`jaxpar.data_parallel`; an :class:`ExplicitDPError` says why where it
-    cannot), ``False`` leaves them to XLA, and ``None`` (default) decides
-    (:func:`explicit_data_parallel`). ``skip_nonfinite=True``: a step whose loss or gradient
-    norm is NaN / inf keeps the params and optimizer state unchanged (a ``jnp.where`` select;
-    the step counter still advances) and reports ``metrics["skipped"] = True``. With a
-    ``pipe`` mesh axis the step runs the strategy's pipeline schedule on the model, cut at
-    its stacked blocks (:mod:`jaxpar.pipeline.cut`), with ``loss_fn`` on the last stage.
+    The step runs the strategy the layout was built for (``layout.strategy``, from
+    :func:`jaxpar.init_train_state`). ``explicit_dp=True`` makes the data-axis collectives of
+    the model's stacked blocks explicit (:mod:`jaxpar.data_parallel`; an :class:`ExplicitDPError`
+    says why where it cannot), ``False`` leaves them to XLA, and ``None`` (default) decides
+    (:func:`explicit_data_parallel`). With a ``pipe`` mesh axis the step runs the strategy's
+    pipeline schedule on the model, cut at its stacked blocks (:mod:`jaxpar.pipeline.cut`),
+    with ``loss_fn`` on the last stage.
 
-    ``noise_scale_every=k``: every ``k``-th step (``state.step % k == 0``) runs a second program
-    that also measures the gradient noise scale from each replica's own gradient and the global
-    one (:mod:`jaxpar.train.noise_measure`; metrics ``noise_scale``, ``grad_sq_small``, ...), with
-    moving averages of decay ``noise_scale_ema`` kept in ``state.stats`` (create the state with
-    :func:`jaxpar.train.noise_scale.with_noise_scale`).
+    Args:
+      loss_fn: ``loss_fn(model, batch) -> scalar`` on the NNX model.
+      tx: the optax optimizer the state was created with; its own learning rate (and schedule)
+        drives the updates.
+      layout: the :class:`~jaxpar.StateLayout` from :func:`jaxpar.init_train_state`.
+      strategy: optional; when given it must be the layout's strategy (a
+        :class:`StrategyMismatchError` names both otherwise).
+      clip_norm: clip the averaged gradient to this global norm (``None``: no clipping).
+      log_lr: ``step -> learning rate``, logged as ``metrics["lr"]``; it is only logged (the
+        updates follow ``tx``).
+      donate: donate the input state's buffers.
+      explicit_dp: as above.
+      skip_nonfinite: a step whose loss or gradient norm is NaN / inf keeps the params and
+        optimizer state unchanged (the step counter still advances) and reports
+        ``metrics["skipped"] = True``.
+      noise_scale_every: every ``k``-th step (``state.step % k == 0``) runs a second program that
+        also measures the gradient noise scale (:mod:`jaxpar.train.noise_measure`), with moving
+        averages of decay ``noise_scale_ema`` in ``state.stats`` (create the state with
+        :func:`jaxpar.train.noise_scale.with_noise_scale`).
+      noise_scale_ema: see ``noise_scale_every``.
+      steps_per_call: ``K`` (PipeDream-2BW and weight stashing): ``step(state, batches)`` runs
+        ``K`` optimizer steps of the no-flush pipeline in one program, ``batches`` stacked
+        ``[K, B, ...]``, metrics ``[K]``.
+      **removed: options that no longer exist raise a ``TypeError`` that says what replaced them.
 
-    ``steps_per_call=K`` (PipeDream-2BW and weight stashing): ``step(state, batches)`` runs ``K``
-    optimizer steps of the no-flush pipeline in one program, ``batches`` stacked ``[K, B, ...]``,
-    metrics ``[K]`` (:mod:`jaxpar.pipeline.nonstop`, :mod:`jaxpar.pipeline.stashed`).
-    ``schedule='pipedream'`` (weight stashing) updates every stage inside the pipeline
-    (:mod:`jaxpar.pipeline.stashed`); it takes no ``clip_norm``.
+    Returns:
+      The jitted step function (with ``.lower`` for ahead-of-time compilation).
     """
+    _refuse_removed(removed)
+    strategy = layout_strategy(layout, strategy)
+    lr_schedule = log_lr
     mesh = layout.mesh
     if noise_scale_every is not None:
         from .noise_measure import check_measurable   # the noise scale loads only when used
@@ -268,6 +286,10 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
         from ..pipeline.nonstop import check_steps_per_call, make_two_bw_steps
 
         check_steps_per_call(strategy, steps_per_call)
+        if explicit_dp:
+            raise ExplicitDPError(f"explicit_dp=True with steps_per_call={steps_per_call}: the no-flush pipeline "
+                                  "runs its stages' layers inside the pipeline executor, where the data-axis "
+                                  "collectives are left to XLA. Use explicit_dp=None or False.")
         return make_two_bw_steps(loss_fn, tx, layout, strategy, steps_per_call, clip_norm=clip_norm,
                                  lr_schedule=lr_schedule, donate=donate, skip_nonfinite=skip_nonfinite)
     if strategy.sync is not None or replicas(mesh) > 1:
@@ -299,6 +321,60 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     return make_noise_scale_step(jitted, loss_fn, tx, layout, strategy, every=noise_scale_every,
                                  ema=noise_scale_ema, clip_norm=clip_norm, lr_schedule=lr_schedule,
                                  skip_nonfinite=skip_nonfinite, donate=donate)
+
+
+class StrategyMismatchError(ValueError):
+    """``make_train_step`` was given another strategy than the one its layout was built for."""
+
+
+def _fingerprint(value: Any) -> Any:
+    """A comparable form of a strategy field: dataclasses by field, functions by qualified name
+    (codecs and sync kinds hold closures that a second factory call creates anew)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__,) + tuple(_fingerprint(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, (tuple, list)):
+        return tuple(_fingerprint(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _fingerprint(v)) for k, v in value.items()))
+    if callable(value):
+        return getattr(value, "__qualname__", type(value).__name__)
+    return value
+
+
+def layout_strategy(layout: StateLayout, strategy: Strategy | None = None) -> Strategy:
+    """The strategy a step on ``layout`` runs: the layout's own.
+
+    Args:
+      layout: a :class:`~jaxpar.StateLayout`.
+      strategy: ``None``, or a strategy that must equal ``layout.strategy``.
+
+    Returns:
+      ``layout.strategy``.
+
+    Raises:
+      StrategyMismatchError: ``strategy`` differs from the layout's, naming both.
+    """
+    if strategy is None or _fingerprint(strategy) == _fingerprint(layout.strategy):
+        return layout.strategy
+    sizes = dict(layout.mesh.shape)
+    fields = [f for f in Strategy.__dataclass_fields__
+              if _fingerprint(getattr(strategy, f)) != _fingerprint(getattr(layout.strategy, f))]
+    raise StrategyMismatchError(
+        f"make_train_step(strategy={strategy.name(sizes)!r}), but the layout was built by init_train_state for "
+        f"strategy {layout.strategy.name(sizes)!r} (fields that differ: {', '.join(fields)}). The state's shardings "
+        "and parts come from the layout's strategy, so the step runs that one. Pass the same strategy to "
+        "init_train_state, or leave make_train_step's strategy out.")
+
+
+def _refuse_removed(removed: dict) -> None:
+    if "lr_schedule" in removed:
+        raise TypeError("make_train_step(lr_schedule=...) was removed: it only logged metrics['lr'] and never "
+                        "changed the updates, which follow tx. Build tx with the schedule (e.g. "
+                        "optax.adamw(schedule)) and pass log_lr=schedule to log it.")
+    if removed:
+        raise TypeError(f"make_train_step got unexpected keyword arguments {sorted(removed)}.")
 
 
 def _loss_and_grad(loss_fn: Callable, layout: StateLayout, strategy: Strategy, explicit_dp) -> Callable:

@@ -1,0 +1,121 @@
+"""Combinations of features that used to pass silently: each is now honoured or refused by name.
+
+Tiny MLP classifier (:mod:`jaxpar.models.mlp`) on the 8 simulated CPU devices; each test fails on
+the code where the combination was silent.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.compression import qsgd
+from jaxpar.config import ConfigError, check, load_config
+from jaxpar.models.mlp import MLPClassifier, classifier_loss
+from jaxpar.sync import SyncError, stale
+from jaxpar.train.loop import train
+from jaxpar.train.ramp import BatchRamp
+from jaxpar.train.step import ExplicitDPError, StrategyMismatchError
+
+QUICK = "configs/quickstart.yaml"
+
+
+def model_fn():
+    return MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=2, rngs=nnx.Rngs(0))
+
+
+def batch(rows=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(rows, 4)).astype(np.float32), "y": rng.integers(0, 3, rows).astype(np.int32)}
+
+
+def test_a_strategy_other_than_the_layouts_is_refused_naming_both():
+    mesh = jaxpar.make_mesh({"data": 2, "tensor": 4})
+    tx = optax.sgd(0.1)
+    _, layout = jaxpar.init_train_state(model_fn, tx, mesh)          # default Strategy()
+    with pytest.raises(StrategyMismatchError, match=r"dp2-zero3-tp4-sp.*'dp2-tp4'.*zero, sequence_parallel"):
+        jaxpar.make_train_step(classifier_loss, tx, layout, jaxpar.Strategy(zero=3, sequence_parallel=True))
+
+
+def test_the_step_runs_the_layouts_strategy_and_an_equal_one_is_accepted():
+    mesh = jaxpar.make_mesh({"data": 8})
+    tx = optax.sgd(0.1)
+    strategy = jaxpar.Strategy(zero=1, compression=qsgd(levels=127))
+    state, layout = jaxpar.init_train_state(model_fn, tx, mesh, strategy)
+    assert layout.strategy is strategy
+    same = jaxpar.Strategy(zero=1, compression=qsgd(levels=127))     # another codec object with the same options
+    implicit = jaxpar.make_train_step(classifier_loss, tx, layout, donate=False)
+    explicit = jaxpar.make_train_step(classifier_loss, tx, layout, same, donate=False)
+    b = batch()
+    (a, ma), (e, me) = implicit(state, b), explicit(state, b)
+    assert "comm_ratio" in ma and "residual_norm" in ma         # the compressed exchange ran
+    np.testing.assert_array_equal(jax.device_get(a.params["out"]["kernel"]), jax.device_get(e.params["out"]["kernel"]))
+    with pytest.raises(StrategyMismatchError, match="compression"):
+        jaxpar.make_train_step(classifier_loss, tx, layout, jaxpar.Strategy(zero=1, compression=qsgd(levels=7)))
+
+
+def test_lr_schedule_is_refused_and_log_lr_only_logs():
+    mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    tx = optax.sgd(0.1)
+    state, layout = jaxpar.init_train_state(model_fn, tx, mesh)
+    with pytest.raises(TypeError, match=r"lr_schedule=.*never changed the updates.*log_lr=schedule"):
+        jaxpar.make_train_step(classifier_loss, tx, layout, lr_schedule=lambda s: 0.0)
+    logged = jaxpar.make_train_step(classifier_loss, tx, layout, log_lr=lambda s: 123.0, donate=False)
+    plain = jaxpar.make_train_step(classifier_loss, tx, layout, donate=False)
+    (a, ma), (b_, _) = logged(state, batch()), plain(state, batch())
+    assert float(ma["lr"]) == 123.0
+    np.testing.assert_array_equal(jax.device_get(a.params["out"]["kernel"]), jax.device_get(b_.params["out"]["kernel"]))
+
+
+def test_explicit_dp_with_several_steps_per_call_is_refused():
+    from jaxpar.models import GPT, GPTConfig, lm_loss
+
+    cfg = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2)
+    mesh = jaxpar.make_mesh({"pipe": 2, "data": 2}, devices=jax.devices()[:4])
+    strategy = jaxpar.Strategy(schedule="pipedream-2bw", microbatches=2)
+    tx = optax.sgd(0.1)
+    _, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
+    with pytest.raises(ExplicitDPError, match="explicit_dp=True with steps_per_call=2"):
+        jaxpar.make_train_step(lm_loss, tx, layout, explicit_dp=True, steps_per_call=2)
+
+
+def test_async_stale_reports_a_skip_of_any_replica():
+    """Replica 0's rows are NaN: its update is dropped, replica 1's is applied, and the step says so
+    (the metrics used to be the last replica's only, so the skip went unreported)."""
+    mesh = jaxpar.make_mesh({"replica": 2, "data": 1}, devices=jax.devices()[:2])
+    strategy = jaxpar.Strategy(sync=stale(0, mode="async"))
+    tx = optax.sgd(0.1)
+    state, layout = jaxpar.init_train_state(model_fn, tx, mesh, strategy)
+    step = jaxpar.make_train_step(classifier_loss, tx, layout, skip_nonfinite=True, donate=False)
+    b = batch(8)
+    b["x"][:4] = np.nan                               # replica 0 takes rows 0..3
+    new, metrics = step(state, b)
+    assert bool(metrics["skipped"]) and int(metrics["skipped_replicas"]) == 1
+    after = jax.device_get(new.params["out"]["kernel"])
+    assert np.isfinite(after).all() and not np.array_equal(after, jax.device_get(state.params["out"]["kernel"]))
+
+
+def test_compression_on_a_replica_mesh_is_refused_at_init():
+    mesh = jaxpar.make_mesh({"replica": 2, "data": 4})
+    with pytest.raises(SyncError, match=r"compression='qsgd.*replica=2.*Fold the replica devices into the data axis"):
+        jaxpar.init_train_state(model_fn, optax.sgd(0.1), mesh, jaxpar.Strategy(compression=qsgd()))
+
+
+def test_a_ramp_step_inside_a_call_of_k_steps_is_refused_by_name():
+    mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    tx = optax.sgd(0.1)
+    state, layout = jaxpar.init_train_state(model_fn, tx, mesh)
+    step = jaxpar.make_train_step(classifier_loss, tx, layout)
+    ramp = BatchRamp(sizes=(8, 16), steps=(0, 3))
+    with pytest.raises(ValueError, match=r"step 3 falls inside a call of 2 steps.*multiple of 2"):
+        train(step, state, lambda i: batch(ramp.size_at(i)), mesh=mesh, steps=4, ramp=ramp, steps_per_call=2)
+
+
+def test_a_ramp_step_inside_a_call_is_a_config_problem():
+    overrides = ["mesh.pipe=2", "mesh.data=4", "parallel.schedule=pipedream-2bw", "parallel.microbatches=2",
+                 "parallel.steps_per_call=2", "train.steps=8", "train.log_every=2", "train.eval_every=0",
+                 "checkpoint.every=0", "data.batch_size=32", "data.batch_ramp={sizes: [32, 64], steps: [0, 3]}"]
+    with pytest.raises(ConfigError, match=r"data.batch_ramp.steps=\[0, 3\] with parallel.steps_per_call=2"):
+        check(load_config(QUICK, overrides), num_devices=8)
