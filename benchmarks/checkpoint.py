@@ -38,7 +38,7 @@ from flax import nnx
 from jaxpar import Strategy, make_mesh
 from jaxpar.models.gpt import GPT, GPTConfig, lm_loss
 from jaxpar.train.checkpoint import Checkpointer
-from jaxpar.train.state import init_train_state
+from jaxpar.train.init import init_train_state
 from jaxpar.train.step import make_train_step, shard_batch
 
 

@@ -31,10 +31,10 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.analysis.hlo import collectives
+from jaxpar.analysis.loops import trip_counts
 from jaxpar.compression import cast, onebit, powersgd, qsgd, randomk, sign, terngrad, topk
 from jaxpar.cost.collectives import Link
 from jaxpar.cost.collectives import time as coll_time
-from jaxpar.cost.verify import trip_counts
 from jaxpar.models import GPT, GPTConfig, lm_loss
 from jaxpar.train.compressed import compression_plan
 

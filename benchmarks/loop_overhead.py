@@ -41,7 +41,7 @@ from jaxpar import config as C
 from jaxpar.train.checkpoint import Checkpointer
 from jaxpar.train.loop import LogOptions, train
 from jaxpar.train.metrics import flops_per_token
-from jaxpar.train.state import init_train_state
+from jaxpar.train.init import init_train_state
 from jaxpar.train.step import make_train_step, shard_batch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,9 +9,10 @@ from .strategy import Strategy as Strategy
 from .tensor import tensor_rules as tensor_rules
 from .zero import analytic_state_bytes as analytic_state_bytes
 from .train.state import TrainState as TrainState, StateLayout as StateLayout
-from .train.state import init_train_state as init_train_state
+from .train.init import init_train_state as init_train_state, state_layout as state_layout
 from .batch import shard_batch as shard_batch
 from .train.step import make_train_step as make_train_step, ExplicitDPError as ExplicitDPError
+from .train.state import StrategyMismatchError as StrategyMismatchError
 
 __version__ = "0.1.0"
 
@@ -19,5 +20,6 @@ __all__ = [
     "MeshSpec", "MeshError", "make_mesh", "simulate_cpu_devices", "use_devices", "data_axes",
     "RulesError", "logical_to_spec", "resolve", "named_shardings", "use_rules", "constrain",
     "scan_blocks", "run_layers", "Strategy", "tensor_rules", "analytic_state_bytes",
-    "TrainState", "StateLayout", "init_train_state", "make_train_step", "ExplicitDPError", "shard_batch",
+    "TrainState", "StateLayout", "init_train_state", "state_layout", "make_train_step", "ExplicitDPError",
+    "StrategyMismatchError", "shard_batch",
 ]

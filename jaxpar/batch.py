@@ -55,13 +55,23 @@ def shard_batch(batch: Any, mesh) -> Any:
     return jax.device_put(batch, batch_sharding(mesh))
 
 
-def split_microbatches(batch: Any, k: int, mesh) -> Any:
-    """``[B, ...] -> [k, B/k, ...]``; micro-batch i takes rows i, i+k, ... so every
-    device's local rows feed every micro-batch (no resharding). Call it under ``jit``."""
-    spec = PartitionSpec(None, data_axes(mesh) or None)
+def split_microbatches(batch: Any, k: int, mesh=None) -> Any:
+    """``[B, ...] -> [k, B/k, ...]``; micro-batch ``i`` takes rows ``i, i+k, ...``, so every
+    device's local rows feed every micro-batch (no resharding).
+
+    Args:
+      batch: a pytree of arrays with a leading batch dimension divisible by ``k``.
+      k: the number of micro-batches.
+      mesh: the mesh of a global batch (the split keeps the rows on their data axes); ``None``
+        for one replica's own rows inside a ``shard_map``.
+
+    Returns:
+      The micro-batches, stacked on a new leading axis. Call it under ``jit``.
+    """
+    spec = PartitionSpec(None, data_axes(mesh) or None) if mesh is not None else None
 
     def split(x):
         x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        return x if spec is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     return jax.tree.map(split, batch)

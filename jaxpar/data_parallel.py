@@ -54,7 +54,7 @@ from .vjp_residuals import join_pullback, split_pullback
 from .zero import zero_axes, zero_dim
 
 __all__ = ["data_parallel_block", "DataParallelLayers", "manual_layout", "explicit_by_default",
-           "bucketed_all_gather", "bucketed_reduce_scatter"]
+           "bucketed_all_gather", "bucketed_reduce_scatter", "axis_name", "sharded_spec", "unflatten_leaf"]
 
 # Pure data movement, recomputed in the backward rather than saved: a layer that
 # reshapes, slices or splits its weights would otherwise save the (whole) pieces.
@@ -81,14 +81,39 @@ def _buckets(xs: list, axes: list) -> list[tuple[tuple[str, ...], list[int]]]:
     return [(ax, idx) for (ax, _), idx in groups.items() if ax]
 
 
-def _unflatten(flat: jax.Array, d: int, lead: int, shape: tuple) -> jax.Array:
-    """Undo ``moveaxis(x, d, 0).reshape(...)`` for a leaf of ``shape`` whose dimension
-    ``d`` now has ``lead`` entries."""
-    moved = (lead,) + tuple(s for j, s in enumerate(shape) if j != d)
-    return jnp.moveaxis(flat.reshape(moved), 0, d)
+def unflatten_leaf(flat: jax.Array, dim: int, lead: int, shape: tuple) -> jax.Array:
+    """Undoes ``jnp.moveaxis(x, dim, 0).reshape(...)``: a leaf flattened with ``dim`` first.
+
+    Args:
+        flat: the flattened values (any shape), ``lead`` times the size of the dimensions of
+            ``shape`` other than ``dim``.
+        dim: the dimension that was moved first.
+        lead: the size of ``dim`` in the result, e.g. a shard's or a gathered whole's.
+        shape: the leaf's shape; its entry at ``dim`` is replaced by ``lead``.
+
+    Returns:
+        ``flat`` in the leaf's layout: ``shape`` with ``lead`` entries at ``dim``.
+
+    >>> x = jnp.arange(6.0).reshape(2, 3)
+    >>> bool(jnp.array_equal(unflatten_leaf(jnp.moveaxis(x, 1, 0).reshape(-1), 1, 3, x.shape), x))
+    True
+    """
+    moved = (lead,) + tuple(s for j, s in enumerate(shape) if j != dim)
+    return jnp.moveaxis(flat.reshape(moved), 0, dim)
 
 
-def _axis(axes: tuple[str, ...]):
+def axis_name(axes: tuple[str, ...]) -> str | tuple[str, ...]:
+    """The ``axis_name`` argument of a JAX collective over the mesh axes ``axes``.
+
+    Args:
+        axes: one or more mesh axis names, in the order the collective tiles them.
+
+    Returns:
+        The single name for one axis, else ``axes`` itself.
+
+    >>> axis_name(("data",)), axis_name(("fsdp", "data"))
+    ('data', ('fsdp', 'data'))
+    """
     return axes if len(axes) > 1 else axes[0]
 
 
@@ -112,10 +137,10 @@ def bucketed_all_gather(xs: list, dims: list, axes: list) -> list:
     out, dims = list(xs), _normalised(dims, xs)
     for ax, idx in _buckets(xs, axes):
         flat = [jnp.moveaxis(xs[i], dims[i], 0).reshape(-1) for i in idx]
-        full = jax.lax.all_gather(jnp.concatenate(flat), _axis(ax), axis=0, tiled=False)   # [n, K]
+        full = jax.lax.all_gather(jnp.concatenate(flat), axis_name(ax), axis=0, tiled=False)   # [n, K]
         n, start = full.shape[0], 0
         for i, f in zip(idx, flat):
-            out[i] = _unflatten(full[:, start:start + f.size], dims[i], n * xs[i].shape[dims[i]], xs[i].shape)
+            out[i] = unflatten_leaf(full[:, start:start + f.size], dims[i], n * xs[i].shape[dims[i]], xs[i].shape)
             start += f.size
     return out
 
@@ -138,11 +163,11 @@ def bucketed_reduce_scatter(gs: list, dims: list, axes: list) -> list:
     for ax, idx in _buckets(gs, axes):
         n = math.prod(jax.lax.axis_size(a) for a in ax)
         rows = [jnp.moveaxis(gs[i], dims[i], 0).reshape(n, -1) for i in idx]
-        part = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), _axis(ax), scatter_dimension=0,
+        part = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axis_name(ax), scatter_dimension=0,
                                     tiled=False)   # [K]: this device's block of every leaf
         start = 0
         for i, r in zip(idx, rows):
-            out[i] = _unflatten(part[start:start + r.shape[1]], dims[i], gs[i].shape[dims[i]] // n, gs[i].shape)
+            out[i] = unflatten_leaf(part[start:start + r.shape[1]], dims[i], gs[i].shape[dims[i]] // n, gs[i].shape)
             start += r.shape[1]
     return out
 
@@ -178,12 +203,89 @@ def manual_layout(logical: Any, shapes: Any, mesh, rules, zero: int) -> Any:
     return jax.tree.map(leaf, base, shapes, logical, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def _spec(dim, axes, ndim) -> PartitionSpec:
+def sharded_spec(dim: int | None, axes: tuple[str, ...], ndim: int) -> PartitionSpec:
+    """The ``PartitionSpec`` of an array sharded on one dimension over data axes.
+
+    Args:
+        dim: the sharded dimension (a leaf's ZeRO dimension, :func:`manual_layout`), or ``None``.
+        axes: the mesh axes that shard it; none for a replicated array.
+        ndim: the array's number of dimensions.
+
+    Returns:
+        ``PartitionSpec()`` when ``dim`` is ``None`` or ``axes`` is empty, else a spec with
+        ``axes`` (one name, or the tuple of several) at ``dim``.
+
+    >>> sharded_spec(1, ("data",), 3), sharded_spec(0, ("fsdp", "data"), 2), sharded_spec(None, ("data",), 2)
+    (P(None, 'data', None), P(('fsdp', 'data'), None), P())
+    """
     if dim is None or not axes:
         return PartitionSpec()
     entries = [None] * ndim
     entries[dim] = axes[0] if len(axes) == 1 else tuple(axes)
     return PartitionSpec(*entries)
+
+
+def _remat_policy(remat: Callable | None) -> Callable:
+    """The remat policy of a wrapped layer: the model's ``remat`` policy, and no data movement."""
+
+    def policy(prim, *args, **params) -> bool:
+        return _saveable(prim, *args, **params) and (remat is None or remat(prim, *args, **params))
+
+    return policy
+
+
+def _local_body(fn: Callable, mesh, local_rules, remat: Callable | None) -> Callable:
+    """``fn`` traced under the rules of the manual data axes, rematerialised by :func:`_remat_policy`."""
+
+    def body(w, x):
+        with use_rules(mesh, local_rules):
+            return fn(w, x)
+
+    return jax.checkpoint(body, policy=_remat_policy(remat))
+
+
+class _ManualLayer:
+    """One layer inside the ``shard_map`` manual over the data axes: its forward (parameters
+    gathered), its backward (gathered again) and its gradients' data-parallel reduction."""
+
+    def __init__(self, body: Callable, shapes: Any, layout: Any, axes: tuple[str, ...]):
+        lays = jax.tree_util.tree_structure(shapes).flatten_up_to(layout)     # per leaf (dim, p_axes, g_axes)
+        self.body = body
+        self.dims, self.p_axes = [d for d, _, _ in lays], [pa for _, pa, _ in lays]
+        self.g_axes = [ga for _, _, ga in lays]
+        self.rest = [tuple(a for a in axes if a not in ga) for ga in self.g_axes]     # all-reduced (DP, ZeRO-1)
+        self.pullback_layout: Any = None   # static structure of the local vjp, set while tracing the forward
+
+    def gathered(self, p):
+        """The layer's parameters, whole, in their own (compute) dtype: one all-gather
+        per layer over the parameter axes."""
+        leaves, tree = jax.tree_util.tree_flatten(p)
+        return jax.tree_util.tree_unflatten(tree, bucketed_all_gather(leaves, self.dims, self.p_axes))
+
+    def reduce_grads(self, dw, p):
+        """The transpose of :meth:`gathered` and the data-parallel reduction in one,
+        summing in fp32: each weight gradient is reduce-scattered over its gradient
+        axes (ZeRO-2/3, ``fsdp``; one collective per layer) and all-reduced over the
+        other data axes (DP, ZeRO-1)."""
+        leaves, tree = jax.tree_util.tree_flatten(dw)
+        leaves = bucketed_reduce_scatter([g.astype(jnp.float32) for g in leaves], self.dims, self.g_axes)
+        leaves = [jax.lax.psum(g, r) if r else g for g, r in zip(leaves, self.rest)]   # XLA combines these
+        return jax.tree.map(lambda g, a: g.astype(a.dtype), jax.tree_util.tree_unflatten(tree, leaves), p)
+
+    def forward(self, p, x):
+        """The layer on gathered parameters: its output and its residuals, stacked per device."""
+        w = self.gathered(p)
+        y, pullback = jax.vjp(self.body, w, x)
+        # Residuals that are the gathered parameters are not kept (the backward gathers
+        # them again); the rest are stacked per device.
+        stored, self.pullback_layout = split_pullback(pullback, w)
+        return y, [leaf[None] for leaf in stored]
+
+    def backward(self, p, res, dy):
+        """The layer's vjp from its residuals and re-gathered parameters, gradients reduced."""
+        pullback = join_pullback(self.pullback_layout, [r[0] for r in res], self.gathered(p))
+        dw, dx = pullback(dy)
+        return self.reduce_grads(dw, p), dx
 
 
 def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shapes: Any,
@@ -197,52 +299,10 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
     if not axes:
         return with_remat(fn, remat)
     layout = manual_layout(logical, shapes, mesh, rules, zero)
-    p_specs = jax.tree.map(lambda s, lay: _spec(lay[0], lay[1], len(s.shape)), shapes, layout)
-    g_specs = jax.tree.map(lambda s, lay: _spec(lay[0], lay[2], len(s.shape)), shapes, layout)
+    p_specs = jax.tree.map(lambda s, lay: sharded_spec(lay[0], lay[1], len(s.shape)), shapes, layout)
+    g_specs = jax.tree.map(lambda s, lay: sharded_spec(lay[0], lay[2], len(s.shape)), shapes, layout)
     x_spec = PartitionSpec(axes)
-    local_rules = drop_axes(rules, axes)
-    lays = jax.tree_util.tree_structure(shapes).flatten_up_to(layout)     # per leaf (dim, p_axes, g_axes)
-    dims, p_axes, g_axes = [d for d, _, _ in lays], [pa for _, pa, _ in lays], [ga for _, _, ga in lays]
-    rest = [tuple(a for a in axes if a not in ga) for ga in g_axes]     # all-reduced (DP, ZeRO-1)
-    box: dict[str, Any] = {}   # static structure of the local vjp, filled while tracing the forward
-
-    def policy(prim, *args, **params) -> bool:   # the model's policy, and no data movement
-        return _saveable(prim, *args, **params) and (remat is None or remat(prim, *args, **params))
-
-    def gathered(p):
-        """The layer's parameters, whole, in their own (compute) dtype: one all-gather
-        per layer over the parameter axes."""
-        leaves, tree = jax.tree_util.tree_flatten(p)
-        return jax.tree_util.tree_unflatten(tree, bucketed_all_gather(leaves, dims, p_axes))
-
-    def body(w, x):
-        with use_rules(mesh, local_rules):
-            return fn(w, x)
-
-    body = jax.checkpoint(body, policy=policy)
-
-    def reduce_grads(dw, p):
-        """The transpose of :func:`gathered` and the data-parallel reduction in one,
-        summing in fp32: each weight gradient is reduce-scattered over its gradient
-        axes (ZeRO-2/3, ``fsdp``; one collective per layer) and all-reduced over the
-        other data axes (DP, ZeRO-1)."""
-        leaves, tree = jax.tree_util.tree_flatten(dw)
-        leaves = bucketed_reduce_scatter([g.astype(jnp.float32) for g in leaves], dims, g_axes)
-        leaves = [jax.lax.psum(g, r) if r else g for g, r in zip(leaves, rest)]   # XLA combines these
-        return jax.tree.map(lambda g, a: g.astype(a.dtype), jax.tree_util.tree_unflatten(tree, leaves), p)
-
-    def local_fwd(p, x):
-        w = gathered(p)
-        y, pullback = jax.vjp(body, w, x)
-        # Residuals that are the gathered parameters are not kept (the backward gathers
-        # them again); the rest are stacked per device.
-        stored, box["layout"] = split_pullback(pullback, w)
-        return y, [leaf[None] for leaf in stored]
-
-    def local_bwd(p, res, dy):
-        pullback = join_pullback(box["layout"], [r[0] for r in res], gathered(p))
-        dw, dx = pullback(dy)
-        return reduce_grads(dw, p), dx
+    layer = _ManualLayer(_local_body(fn, mesh, drop_axes(rules, axes), remat), shapes, layout, axes)
 
     smap = lambda f, i, o: jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o,  # noqa: E731
                                          axis_names=set(axes), check_vma=False)
@@ -252,12 +312,12 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
         return fn(p, x)
 
     def fwd(p, x):
-        y, res = smap(local_fwd, (p_specs, x_spec), (x_spec, x_spec))(p, x)
+        y, res = smap(layer.forward, (p_specs, x_spec), (x_spec, x_spec))(p, x)
         return y, (p, res)
 
     def bwd(saved, dy):
         p, res = saved
-        return smap(local_bwd, (p_specs, x_spec, x_spec), (g_specs, x_spec))(p, res, dy)
+        return smap(layer.backward, (p_specs, x_spec, x_spec), (g_specs, x_spec))(p, res, dy)
 
     block.defvjp(fwd, bwd)
     return block

@@ -39,7 +39,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-__all__ = ["DistributedError", "ClusterInfo", "resolve", "initialize", "split_devices", "ENV_HINTS"]
+__all__ = ["DistributedError", "ClusterInfo", "resolve", "initialize", "split_devices", "setup_devices",
+           "start_processes", "ENV_HINTS"]
 
 #: What each detected launcher reads, for messages and docs.
 ENV_HINTS = {
@@ -161,6 +162,24 @@ def _ompi_coordinator(env: Mapping[str, str]) -> str | None:
     return f"{host}:{_port(env, job)}"
 
 
+def _explicit(num_processes: int | None, process_id: int | None) -> ClusterInfo:
+    """Who this process is from explicit flags alone (no launcher): ``explicit``, or ``single`` for one process."""
+    if num_processes is None:
+        raise DistributedError(
+            "--num-processes (num_processes) is missing: --coordinator / --process-id were given, but no "
+            "launcher environment was found to supply the process count ("
+            + "; ".join(ENV_HINTS.values()) + "). Pass --num-processes N to every process.")
+    if num_processes == 1:
+        if process_id not in (None, 0):
+            raise DistributedError(f"--process-id (process_id)={process_id} with --num-processes 1: the only "
+                                   "process is 0.")
+        return ClusterInfo("single", note="--num-processes 1")
+    if process_id is None:
+        raise DistributedError(f"--process-id (process_id) is missing: with --num-processes {num_processes} "
+                               f"give each process its own id 0..{num_processes - 1} (0 runs the coordinator).")
+    return ClusterInfo("explicit")
+
+
 def resolve(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
             *, environ: Mapping[str, str] | None = None) -> ClusterInfo:
     """Combine explicit values with the launcher's environment; raise :class:`DistributedError` if inconsistent.
@@ -189,23 +208,9 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
     explicit = any(v is not None for v in (coordinator, num_processes, process_id))
     if detected is None and not explicit:
         return ClusterInfo("single")
-    if detected is None:
-        if num_processes is None:
-            raise DistributedError(
-                "--num-processes (num_processes) is missing: --coordinator / --process-id were given, but no "
-                "launcher environment was found to supply the process count ("
-                + "; ".join(ENV_HINTS.values()) + "). Pass --num-processes N to every process.")
-        if num_processes == 1:
-            if process_id not in (None, 0):
-                raise DistributedError(f"--process-id (process_id)={process_id} with --num-processes 1: the only "
-                                       "process is 0.")
-            return ClusterInfo("single", note="--num-processes 1")
-        if process_id is None:
-            raise DistributedError(f"--process-id (process_id) is missing: with --num-processes {num_processes} "
-                                   f"give each process its own id 0..{num_processes - 1} (0 runs the coordinator).")
-        base = ClusterInfo("explicit")
-    else:
-        base = detected
+    base = detected if detected is not None else _explicit(num_processes, process_id)
+    if base.method == "single":
+        return base
     n = num_processes if num_processes is not None else base.num_processes
     pid = process_id if process_id is not None else base.process_id
     coord = coordinator or env.get("JAX_COORDINATOR_ADDRESS") or base.coordinator
@@ -287,19 +292,90 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     timeouts = dict(initialization_timeout=initialization_timeout, heartbeat_timeout_seconds=heartbeat_timeout,
                     shutdown_timeout_seconds=shutdown_timeout)
     if info.method == "k8s" and (info.coordinator is None or info.num_processes == 0):
-        if importlib.util.find_spec("kubernetes") is None:
-            raise DistributedError(
-                "Kubernetes Indexed Job detected (JOB_COMPLETION_INDEX), but the coordinator / process count "
-                "must come from the Kubernetes API and the 'kubernetes' package is missing: pip install "
-                "'jax[k8s]' (the pod's service account must be allowed to read pods and jobs), or pass "
-                "--coordinator <job>-0.<headless-service>:PORT and --num-processes N.")
-        jax.distributed.initialize(info.coordinator, info.num_processes or None, info.process_id, **timeouts)
-        from jax._src import distributed as _state
-
-        s = _state.global_state
-        return ClusterInfo("k8s", s.num_processes, s.process_id, s.coordinator_address)
+        return _initialize_k8s(info, timeouts)
     ids = None if os.environ.get("JAX_LOCAL_DEVICE_IDS") else (list(info.local_device_ids)
                                                                 if info.local_device_ids is not None else None)
     jax.distributed.initialize(info.coordinator, info.num_processes, info.process_id, local_device_ids=ids,
                                cluster_detection_method="deactivate", **timeouts)
     return info
+
+
+def _initialize_k8s(info: ClusterInfo, timeouts: dict) -> ClusterInfo:
+    """``jax.distributed.initialize`` with the coordinator / process count from the Kubernetes API."""
+    import jax
+
+    if importlib.util.find_spec("kubernetes") is None:
+        raise DistributedError(
+            "Kubernetes Indexed Job detected (JOB_COMPLETION_INDEX), but the coordinator / process count "
+            "must come from the Kubernetes API and the 'kubernetes' package is missing: pip install "
+            "'jax[k8s]' (the pod's service account must be allowed to read pods and jobs), or pass "
+            "--coordinator <job>-0.<headless-service>:PORT and --num-processes N.")
+    jax.distributed.initialize(info.coordinator, info.num_processes or None, info.process_id, **timeouts)
+    from jax._src import distributed as _state
+
+    s = _state.global_state
+    return ClusterInfo("k8s", s.num_processes, s.process_id, s.coordinator_address)
+
+
+def setup_devices(n: int) -> None:
+    """Simulate ``n`` CPU devices when ``n > 0`` (``train.devices``); call before JAX's backend starts.
+
+    :func:`jaxpar.mesh.use_devices` with ``detect=False`` decides: a ``JAX_PLATFORMS``
+    that names an accelerator keeps its devices, otherwise ``n`` CPU devices. With
+    ``n == 0`` JAX picks its own backend (GPU / TPU if present). A backend already up
+    with exactly ``n`` devices is fine (e.g. under pytest).
+
+    Args:
+      n: the number of devices (``train.devices``); 0 or less: leave the backend to JAX.
+
+    Raises:
+      DistributedError: the backend is already up with another number of devices, or cannot
+        simulate ``n``.
+
+    Example:
+      >>> import jax
+      >>> setup_devices(jax.device_count())   # the backend is up with that many devices: nothing to do
+    """
+    from .mesh import use_devices
+
+    if n <= 0:
+        return
+    try:
+        use_devices(n, detect=False)
+    except RuntimeError as e:
+        raise DistributedError(f"train.devices={n}: {e}") from None
+
+
+def start_processes(coordinator: str | None = None, num_processes: int | None = None,
+                    process_id: int | None = None, *, devices: int = 0, local_devices: int | None = None,
+                    heartbeat_timeout: int | None = None) -> ClusterInfo:
+    """Join the other processes, then set the device count; call before JAX's backend starts.
+
+    Who this process is comes from the explicit values (the CLI's ``--coordinator``,
+    ``--num-processes``, ``--process-id``) or the launcher (SLURM, Open MPI, Kubernetes;
+    :func:`resolve`). A single process only sets the device count (:func:`setup_devices`).
+    See docs/multihost.md.
+
+    Args:
+      coordinator: process 0's ``HOST:PORT``.
+      num_processes: the number of processes in the job.
+      process_id: this process's id.
+      devices: the devices of all processes together (``train.devices``; 0: JAX's own).
+      local_devices: simulated CPU devices in this process (``--local-devices``); default
+        ``devices`` split evenly over the processes.
+      heartbeat_timeout: seconds without heartbeats before a process counts as dead (default 100).
+
+    Returns:
+      The :class:`ClusterInfo` of this process.
+
+    Raises:
+      DistributedError: inconsistent flags or environment (the message names the fix).
+    """
+    info = resolve(coordinator, num_processes, process_id)
+    if not info.multiprocess and info.method != "k8s":
+        setup_devices(local_devices or devices)
+        return info
+    if local_devices is None and devices > 0:
+        local_devices = split_devices(devices, info.num_processes) if info.num_processes else None
+    return initialize(coordinator, num_processes, process_id, local_device_count=local_devices,
+                      heartbeat_timeout=heartbeat_timeout or 100)

@@ -113,10 +113,10 @@ def test_user_model_bf16_compute_trains():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_explicit_by_default_for_fsdp_in_any_compute_dtype(dtype):
     """The stacked blocks are found in the compute dtype too (the step casts the parameters first)."""
-    from jaxpar.train.step import explicit_data_parallel
+    from jaxpar.train.grads import explicit_data_parallel
     strategy = jaxpar.Strategy(compute_dtype=dtype)
     state, layout = jaxpar.init_train_state(model_fn(), optax.sgd(LR), jaxpar.make_mesh({"fsdp": 8}), strategy)
-    assert explicit_data_parallel(None, pa.loss, state.params, pa.batches(0, batch_size=BATCH), layout, strategy)
+    assert explicit_data_parallel(None, pa.loss, state.params, pa.batches(0, batch_size=BATCH), layout)
 
 
 def test_explicit_data_parallel_on_two_data_axes_matches(reference):

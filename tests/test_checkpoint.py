@@ -188,6 +188,132 @@ def test_no_checkpoint_errors_name_the_directory(tmp_path):
         ck.restore(layout)
 
 
+# ----------------------------------------------------------------------------- a feature switched off or on at resume
+def _mlp(sizes: dict, tx=TX, **strategy):
+    """``(state, layout)`` of a tiny MLP (only the initialisation compiles)."""
+    from jaxpar.models.mlp import MLPClassifier
+
+    model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))  # noqa: E731
+    return jaxpar.init_train_state(model_fn, tx, jaxpar.make_mesh(sizes), jaxpar.Strategy(**strategy))
+
+
+def _bumped(state):
+    """``state`` one step on, every array moved off its initial value (so a restore is told from a fresh init)."""
+    return jax.tree.map(lambda a: a + 1, state)
+
+
+def _messages(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+
+
+@need_devices(8)
+def test_resume_with_noise_scale_switched_off_or_on(tmp_path):
+    """The model and optimizer state restore; the measurements are dropped (or start at zero), with a warning."""
+    from jaxpar.train.noise_scale import with_noise_scale
+
+    on, on_layout = with_noise_scale(*_mlp({"data": 8}))
+    off, off_layout = _mlp({"data": 8})
+    on, off = _bumped(on), _bumped(off)
+    with Checkpointer(tmp_path / "on", async_save=False) as ck:
+        ck.save(1, on)
+        with pytest.warns(CheckpointWarning) as caught:
+            got = ck.restore(off_layout)
+    assert any("running measurements" in m and "dropped" in m for m in _messages(caught)), _messages(caught)
+    assert not any("unreadable" in m for m in _messages(caught))
+    assert got.step == 1 and got.state.stats == () and same((got.state.params, got.state.opt_state),
+                                                             (on.params, on.opt_state))
+    with Checkpointer(tmp_path / "off", async_save=False) as ck:
+        ck.save(1, off)
+        with pytest.warns(CheckpointWarning, match="running measurements.*restart from zero"):
+            got = ck.restore(on_layout)
+    assert same((got.state.params, got.state.opt_state), (off.params, off.opt_state))
+    assert all(float(x) == 0 for x in jax.tree.leaves(host(got.state.stats)))
+
+
+@need_devices(8)
+def test_resume_with_relaxed_sync_switched_off_or_on(tmp_path):
+    """stale(2) keeps the optimizer's layout: its replicas' history is dropped (or starts from the restored
+    parameters). DiLoCo's outer optimizer is another optimizer state: a named error, not a fallback."""
+    from jaxpar.sync import diloco, stale
+
+    on, on_layout = _mlp({"replica": 4, "data": 2}, sync=stale(2))
+    off, off_layout = _mlp({"data": 8})
+    on, off = _bumped(on), _bumped(off)
+    assert jax.tree.leaves(on.comm)
+    with Checkpointer(tmp_path / "on", async_save=False) as ck:
+        ck.save(1, on)
+        with pytest.warns(CheckpointWarning) as caught:
+            got = ck.restore(off_layout)
+    assert any("replicas" in m and "dropped" in m for m in _messages(caught)), _messages(caught)
+    assert not any("unreadable" in m for m in _messages(caught))
+    assert got.state.comm == () and same((got.state.params, got.state.opt_state), (on.params, on.opt_state))
+    with Checkpointer(tmp_path / "off", async_save=False) as ck:
+        ck.save(1, off)
+        with pytest.warns(CheckpointWarning, match="replicas.*restart from the restored parameters"):
+            got = ck.restore(on_layout)
+    assert same((got.state.params, got.state.opt_state), (off.params, off.opt_state))
+    for h in range(2):
+        assert same(jax.tree.map(lambda a: a[h], got.state.comm["history"]), off.params)
+    outer, diloco_layout = _mlp({"replica": 4, "data": 2}, sync=diloco(2))
+    with Checkpointer(tmp_path / "diloco", async_save=False) as ck:
+        ck.save(1, _bumped(outer))
+    for directory, layout in ((tmp_path / "diloco", off_layout), (tmp_path / "off", diloco_layout)):
+        with Checkpointer(directory) as ck, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(CheckpointError, match=r"optimizer state \(opt_state\)") as err:
+                ck.restore(layout)
+        assert "unreadable" not in str(err.value) and not _messages(caught), (str(err.value), _messages(caught))
+
+
+@need_devices(8)
+def test_resume_with_older_weight_versions_switched_off(tmp_path):
+    """Weight stashing's older versions saved, 1F1B resumed: dropped with a warning, the rest restored."""
+    mesh = jaxpar.make_mesh({"pipe": 2, "data": 4})
+    model_fn = lambda: GPT(CFG, rngs=nnx.Rngs(0))                               # noqa: E731
+    stash, _ = jaxpar.init_train_state(model_fn, TX, mesh, jaxpar.Strategy(microbatches=2, schedule="pipedream"))
+    _, flushed = jaxpar.init_train_state(model_fn, TX, mesh, jaxpar.Strategy(microbatches=2))
+    stash = _bumped(stash)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(1, stash)
+        with pytest.warns(CheckpointWarning) as caught:
+            got = ck.restore(flushed)
+    assert any("older weight versions" in m and "dropped" in m for m in _messages(caught)), _messages(caught)
+    assert got.state.versions == () and same((got.state.params, got.state.opt_state), (stash.params, stash.opt_state))
+
+
+@need_devices(8)
+def test_weight_stashing_versions_reset_when_the_stages_change(tmp_path):
+    """pipe=2 with update_every 1 -> 2 keeps one older version (same shapes), but it is another stage's
+    version: W(t-1) = W(t) with a warning naming both layouts. The same layout restores it bit-exactly,
+    and a checkpoint without the layout record restores as before (shapes compared only)."""
+    mesh = jaxpar.make_mesh({"pipe": 2, "data": 4})
+    model_fn = lambda: GPT(CFG, rngs=nnx.Rngs(0))                               # noqa: E731
+    k1 = jaxpar.Strategy(microbatches=2, schedule="pipedream")
+    k2 = jaxpar.Strategy(microbatches=2, schedule="pipedream", update_every=2)
+    state, layout1 = jaxpar.init_train_state(model_fn, TX, mesh, k1)
+    _, layout2 = jaxpar.init_train_state(model_fn, TX, mesh, k2)
+    assert len(state.versions) == 1 and jax.tree.structure(layout1.versions_shapes) == jax.tree.structure(
+        layout2.versions_shapes)
+    state = _bumped(state)._replace(versions=jax.tree.map(lambda a: a + 7, state.versions))
+    with Checkpointer(tmp_path / "new", async_save=False) as ck:
+        ck.save(1, state, layout=layout1)
+        with pytest.warns(CheckpointWarning, match=r"(?s)update_every.*W\(t-1\) = W\(t\)") as caught:
+            got = ck.restore(layout2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointWarning)
+            same_layout = ck.restore(layout1)
+    message = next(m for m in _messages(caught) if "W(t-1)" in m)
+    assert "update_every=1" in message and "update_every=2" in message, message
+    assert same(got.state.versions[0], state.params) and same(got.state.params, state.params)
+    assert same(same_layout.state.versions, state.versions)
+    with Checkpointer(tmp_path / "old", async_save=False) as ck:
+        ck.save(1, state)                                    # no layout given: no record, as before
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointWarning)
+            old = ck.restore(layout2)
+    assert same(old.state.versions, state.versions)
+
+
 # ----------------------------------------------------------------------------- non-finite steps
 def _nan_at(step_no: int):
     """A loss that is NaN for global step ``step_no`` (1-based): the batch carries a per-row scale."""

@@ -314,6 +314,90 @@ def test_import_data_eval_batches():
     assert build_data(no_eval, eval_batches=2)[1] == []                     # no `eval` keyword: no evaluation
 
 
+# ----------------------------------------------------------------------------- one job for train and inspect
+def _step_arguments(monkeypatch, argv):
+    """What ``main(argv)`` passes to ``make_train_step`` (stopped right there: nothing compiles or runs)."""
+    import jaxpar.train.step as step_module
+
+    class Stop(Exception):
+        pass
+
+    calls = []
+
+    def record(loss_fn, tx, layout, strategy=None, **options):
+        calls.append((loss_fn, layout, strategy, options))
+        raise Stop
+
+    monkeypatch.setattr(step_module, "make_train_step", record)
+    with pytest.raises(Stop):
+        main(argv)
+    monkeypatch.undo()
+    assert len(calls) == 1
+    return calls[0]
+
+
+def test_inspect_builds_the_step_that_train_runs(monkeypatch, tmp_path):
+    """``jaxpar inspect`` used to build its own, one-step program: no noise scale, no steps_per_call,
+    the schedule passed as the removed ``lr_schedule=``. Now both commands build the step from one job."""
+    over = ["model.layers=1", "model.embed=32", "model.seq_len=16", "data.batch_size=8", "data.max_bytes=200000",
+            "logging.noise_scale.every=4", "logging.noise_scale.ema=0.9", "optimizer.clip_norm=0.5",
+            f"train.out_dir={tmp_path}"]
+    t_loss, t_layout, t_strategy, t_options = _step_arguments(monkeypatch, ["train", QUICK, *over])
+    i_loss, i_layout, i_strategy, i_options = _step_arguments(monkeypatch, ["inspect", QUICK, *over])
+    assert t_options["noise_scale_every"] == 4 and t_options["noise_scale_ema"] == 0.9
+    assert t_options["clip_norm"] == 0.5 and t_options["skip_nonfinite"] is True and "lr_schedule" not in t_options
+    assert {k: v for k, v in i_options.items() if k != "log_lr"} == {k: v for k, v in t_options.items() if k != "log_lr"}
+    assert [float(i_options["log_lr"](t)) for t in (0, 10, 99)] == [float(t_options["log_lr"](t)) for t in (0, 10, 99)]
+    assert i_loss is t_loss and i_strategy == t_strategy
+    assert sorted(i_layout.stats) == sorted(t_layout.stats) == ["noise_scale"]      # the measured state is there
+
+
+PIPE_2BW = ["mesh.pipe=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "model.layers=4", "model.embed=32",
+            "model.seq_len=16", "data.batch_size=8", "parallel.schedule=pipedream-2bw", "parallel.microbatches=2",
+            "train.log_every=2", "train.eval_every=0", "checkpoint.every=0"]
+
+
+def test_inspect_compiles_the_programs_that_train_runs(capsys):
+    """``steps_per_call=K``: inspect compiles the K-step program on K stacked batches; with the noise
+    scale, also the program that measures it (train runs both)."""
+    assert main(["inspect", QUICK, *PIPE_2BW, "parallel.steps_per_call=2"]) == 0
+    out = capsys.readouterr().out
+    assert ("program  step (2 optimizer steps per call): batch ['targets']: int32[2, 8, 16], "
+            "['tokens']: int32[2, 8, 16]") in out
+    assert "time     not predicted: the cost model knows the pipeline schedules" in out
+    assert main(["inspect", QUICK, "model.layers=1", "model.embed=32", "model.seq_len=16", "data.batch_size=8",
+                 "logging.noise_scale.every=4"]) == 0
+    out = capsys.readouterr().out
+    programs = [line for line in out.splitlines() if line.startswith("program  ")]
+    assert programs == ["program  step (every step): batch ['targets']: int32[8, 16], ['tokens']: int32[8, 16]",
+                        "program  measure (every 4 steps: also measures the noise scale): batch ['targets']: "
+                        "int32[8, 16], ['tokens']: int32[8, 16]"]
+    assert "collectives of the compiled step" in out and "collectives of the compiled measure program" in out
+
+
+def test_weight_stashing_schedule_reads_the_resolved_mesh():
+    """``mesh.pipe: -1`` resolves to a pipeline here: PipeDream weight stashing updates m / k = 4 times
+    per step, so the optimizer's schedule reads ``count // 4`` and every update of step ``t`` uses the
+    logged ``lr(t)``. It used to read the raw ``mesh.pipe`` (-1 > 1 is false): one update per step."""
+    import jax.numpy as jnp
+
+    from jaxpar.config import build_job
+
+    cfg = load_config(QUICK, ["mesh.pipe=-1", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1", "model.layers=4",
+                              "parallel.schedule=pipedream", "parallel.microbatches=4", "parallel.update_every=1",
+                              "optimizer.name=sgd", "optimizer.momentum=0", "optimizer.weight_decay=0",
+                              "optimizer.warmup_steps=5", "optimizer.clip_norm=null", "train.steps=20"])
+    job = build_job(cfg, data=False)
+    assert dict(job.mesh.shape)["pipe"] == 2 and job.updates_per_step == 4
+    params = {"w": jnp.zeros(())}
+    state, lrs = job.tx.init(params), []
+    for _ in range(12):                    # 3 steps of 4 updates each
+        updates, state = job.tx.update({"w": jnp.ones(())}, state, params)
+        lrs.append(-float(updates["w"]))
+    np.testing.assert_allclose(lrs, [float(job.log_lr(t)) for t in range(3) for _ in range(4)], rtol=1e-6)
+    assert job.step_options["log_lr"] is job.log_lr
+
+
 # ----------------------------------------------------------------------------- schedule
 def test_schedule_prints_table_and_png(tmp_path, capsys):
     png = tmp_path / "s.png"

@@ -4,7 +4,6 @@ Tiny MLP classifier (:mod:`jaxpar.models.mlp`) on the 8 simulated CPU devices; e
 the code where the combination was silent.
 """
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -49,7 +48,7 @@ def test_the_step_runs_the_layouts_strategy_and_an_equal_one_is_accepted():
     implicit = jaxpar.make_train_step(classifier_loss, tx, layout, donate=False)
     explicit = jaxpar.make_train_step(classifier_loss, tx, layout, same, donate=False)
     b = batch()
-    (a, ma), (e, me) = implicit(state, b), explicit(state, b)
+    (a, ma), (e, _) = implicit(state, b), explicit(state, b)
     assert "comm_ratio" in ma and "residual_norm" in ma         # the compressed exchange ran
     np.testing.assert_array_equal(jax.device_get(a.params["out"]["kernel"]), jax.device_get(e.params["out"]["kernel"]))
     with pytest.raises(StrategyMismatchError, match="compression"):
@@ -81,9 +80,10 @@ def test_explicit_dp_with_several_steps_per_call_is_refused():
         jaxpar.make_train_step(lm_loss, tx, layout, explicit_dp=True, steps_per_call=2)
 
 
-def test_async_stale_reports_a_skip_of_any_replica():
+def test_async_stale_reports_a_skip_of_any_replica(tmp_path):
     """Replica 0's rows are NaN: its update is dropped, replica 1's is applied, and the step says so
-    (the metrics used to be the last replica's only, so the skip went unreported)."""
+    (the metrics used to be the last replica's only, so the skip went unreported and
+    ``train(on_nonfinite='skip')`` stopped a healthy run)."""
     mesh = jaxpar.make_mesh({"replica": 2, "data": 1}, devices=jax.devices()[:2])
     strategy = jaxpar.Strategy(sync=stale(0, mode="async"))
     tx = optax.sgd(0.1)
@@ -92,9 +92,14 @@ def test_async_stale_reports_a_skip_of_any_replica():
     b = batch(8)
     b["x"][:4] = np.nan                               # replica 0 takes rows 0..3
     new, metrics = step(state, b)
-    assert bool(metrics["skipped"]) and int(metrics["skipped_replicas"]) == 1
+    assert not bool(metrics["skipped"]) and int(metrics["skipped_updates"]) == 1    # replica 1's update applied
     after = jax.device_get(new.params["out"]["kernel"])
     assert np.isfinite(after).all() and not np.array_equal(after, jax.device_get(state.params["out"]["kernel"]))
+    from jaxpar.train.loop import LogOptions
+
+    _, summary = train(step, state, lambda i: b, mesh=mesh, steps=2, on_nonfinite="skip",
+                       log=LogOptions(out_dir=str(tmp_path), progress="none", tensorboard=False, plot=False))
+    assert summary.skipped_steps == [1, 2]
 
 
 def test_compression_on_a_replica_mesh_is_refused_at_init():
@@ -119,3 +124,29 @@ def test_a_ramp_step_inside_a_call_is_a_config_problem():
                  "checkpoint.every=0", "data.batch_size=32", "data.batch_ramp={sizes: [32, 64], steps: [0, 3]}"]
     with pytest.raises(ConfigError, match=r"data.batch_ramp.steps=\[0, 3\] with parallel.steps_per_call=2"):
         check(load_config(QUICK, overrides), num_devices=8)
+
+
+def test_the_docs_table_is_the_compat_table():
+    """docs/strategies.md's table is generated from jaxpar.compat (python -m jaxpar.compat)."""
+    from pathlib import Path
+
+    from jaxpar.compat import markdown_table
+
+    assert markdown_table() in Path("docs/strategies.md").read_text()
+
+
+def test_the_library_and_the_config_raise_the_same_refusal():
+    """One table: the library's error and the config's problem are the same message with other names."""
+    from jaxpar.compat import LIBRARY_NAMES, Setting, problems
+    from jaxpar.pipeline.stashing import StashingError
+
+    strategy = jaxpar.Strategy(schedule="pipedream", microbatches=2, compression=qsgd())
+    (problem,) = problems(Setting(strategy, {"pipe": 2, "data": 4}))
+    with pytest.raises(StashingError) as lib:
+        jaxpar.init_train_state(model_fn, optax.sgd(0.1), jaxpar.make_mesh({"pipe": 2, "data": 4}), strategy)
+    assert str(lib.value) == problem.render(LIBRARY_NAMES)
+    overrides = ["mesh.pipe=2", "mesh.data=4", "parallel.schedule=pipedream", "parallel.microbatches=2",
+                 "parallel.compression={kind: qsgd}", "optimizer.clip_norm=null"]
+    with pytest.raises(ConfigError) as cfg:
+        check(load_config(QUICK, overrides), num_devices=8)
+    assert "parallel.compression='qsgd" in str(cfg.value) and "parallel.schedule='pipedream'" in str(cfg.value)

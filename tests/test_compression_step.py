@@ -115,12 +115,12 @@ def test_lossless_settings_match_the_uncompressed_step(reference, zero, codec):
 def test_local_clip_clips_each_replica_before_the_codec():
     """``Strategy(local_clip=c)``: each replica's gradient is scaled to norm <= c before the (here
     lossless) codec, then averaged: against each replica's gradient on one device, clipped by hand."""
-    from jaxpar.train.step import make_loss_and_grad
+    from jaxpar.train.grads import global_grads
 
     batch = make_batch()
     mesh1, state1, layout1, _ = setup({}, jaxpar.Strategy())
     with jaxpar.use_rules(mesh1, layout1.rules):
-        grad_fn = jax.jit(make_loss_and_grad(lm_loss, layout1, jaxpar.Strategy()))
+        grad_fn = jax.jit(global_grads(lm_loss, layout1))
         per = [flat(jax.device_get(grad_fn(state1.params, {k: v[2 * r:2 * r + 2] for k, v in batch.items()})[1]))
                for r in range(8)]
     norms = [math.sqrt(sum(float(np.sum(np.square(g))) for g in p.values())) for p in per]
@@ -211,11 +211,11 @@ def test_compression_errors_name_the_fix():
                                             mesh_for({"data": 8}), strategy)
         jaxpar.make_train_step(lm_loss, optax.sgd(0.1), layout, strategy, explicit_dp=True)
     _, plain = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh_for({"data": 8}))
-    with pytest.raises(CompressionError, match="init_train_state.*same strategy"):
+    with pytest.raises(jaxpar.StrategyMismatchError, match="init_train_state.*fields that differ: compression"):
         jaxpar.make_train_step(lm_loss, optax.sgd(0.1), plain, jaxpar.Strategy(compression=sign()))
-    from jaxpar.train.step import make_loss_and_grad
+    from jaxpar.train.grads import global_grads
     with pytest.raises(CompressionError, match="silently ignored.*make_train_step"):
-        make_loss_and_grad(lm_loss, plain, jaxpar.Strategy(compression=sign()))
+        global_grads(lm_loss, layout)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -276,3 +276,76 @@ def test_restore_onto_other_replicas_resets_the_codec_state_with_a_warning(tmp_p
     assert jax.tree.leaves(got.comm)[0].shape[0] == 4
     after, m = step4(got, batches4[2])
     assert np.isfinite(float(m["loss"]))
+
+
+def _init(sizes, codec=None, zero=0):
+    """``(state one step on, layout)``: every array moved off its initial value (only the init compiles)."""
+    cfg = GPTConfig(vocab=64, seq_len=8, embed=32, heads=4, layers=2)
+    state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.adam(1e-2), mesh_for(sizes),
+                                            jaxpar.Strategy(zero=zero, compression=codec))
+    return jax.tree.map(lambda a: a + 1, state), layout
+
+
+def _equal(a, b) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in
+               zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b)), strict=True))
+
+
+def test_restore_with_compression_switched_off_or_on(tmp_path):
+    """Turning compression off drops the codec state, turning it on starts it at zero: parameters and
+    optimizer state are restored, with a warning saying so (not an 'unreadable checkpoint')."""
+    on, on_layout = _init({"data": 8}, topk(0.05))
+    off, off_layout = _init({"data": 8})
+    with Checkpointer(tmp_path / "on", async_save=False) as ck:
+        ck.save(1, on)
+        with pytest.warns(CheckpointWarning) as caught:
+            got = ck.restore(off_layout)
+    messages = [str(w.message) for w in caught]
+    assert any("gradient codec" in m and "dropped" in m for m in messages), messages
+    assert not any("unreadable" in m for m in messages) and got.skipped == []
+    assert got.step == 1 and got.state.comm == ()
+    assert _equal((got.state.params, got.state.opt_state), (on.params, on.opt_state))
+    with Checkpointer(tmp_path / "off", async_save=False) as ck:
+        ck.save(1, off)
+        with pytest.warns(CheckpointWarning, match="no gradient codec state.*residuals start from zero"):
+            got = ck.restore(on_layout)
+    assert _equal((got.state.params, got.state.opt_state), (off.params, off.opt_state))
+    assert jax.tree.structure(got.state.comm) == jax.tree.structure(on.comm)
+    assert all(float(np.abs(np.asarray(r)).max()) == 0 for r in jax.tree.leaves(got.state.comm))
+
+
+def test_restore_resets_residuals_when_the_gradient_packing_changes(tmp_path):
+    """ZeRO-1 -> ZeRO-3, or data=8 -> fsdp=8, at 8 replicas: the codec's buffer has the same shape
+    but the gradient is packed into it in another order, so the residuals restart from zero (a warning
+    names both layouts). ZeRO-0 packs as ZeRO-1 does: restored as saved. A checkpoint without the layout
+    record (saved without a layout) compares shapes only, as before."""
+    import warnings
+
+    codec = topk(0.05)
+    state, z1 = _init({"data": 8}, codec, zero=1)
+    _, z3 = _init({"data": 8}, codec, zero=3)
+    _, z0 = _init({"data": 8}, codec, zero=0)
+    _, fsdp = _init({"fsdp": 8}, codec, zero=1)
+    for other in (z3, fsdp):
+        assert jax.tree.map(lambda a: a.shape, other.comm_shapes) == jax.tree.map(lambda a: a.shape, z1.comm_shapes)
+        assert compression_plan(codec, other, other.strategy.zero).scattered != \
+            compression_plan(codec, z1, 1).scattered
+    with Checkpointer(tmp_path / "new", async_save=False) as ck:
+        ck.save(1, state, layout=z1)
+        for other, now in ((z3, "over data=8, zero=3"), (fsdp, "over fsdp=8, zero=1")):
+            with pytest.warns(CheckpointWarning, match="residuals restart from zero") as caught:
+                got = ck.restore(other)
+            message = next(str(w.message) for w in caught if "residuals" in str(w.message))
+            assert "over data=8, zero=1: gradients packed flat" in message and now in message, message
+            assert all(float(np.abs(np.asarray(r)).max()) == 0 for r in jax.tree.leaves(got.state.comm))
+            assert _equal((got.state.params, got.state.opt_state), (state.params, state.opt_state))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointWarning)
+            got = ck.restore(z0)
+        assert _equal(got.state.comm, state.comm)
+    with Checkpointer(tmp_path / "old", async_save=False) as ck:
+        ck.save(1, state)                                  # no layout: no record, shapes compared only
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointWarning)
+            got = ck.restore(z3)
+        assert _equal(got.state.comm, state.comm)

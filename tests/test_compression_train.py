@@ -90,7 +90,7 @@ def final_states(outs: list[Path], extra) -> list:
 
     from jaxpar.config import build_mesh, build_model_fn, build_optimizer
     from jaxpar.train.checkpoint import Checkpointer
-    from jaxpar.train.state import init_train_state
+    from jaxpar.train.init import init_train_state
 
     cfg = load_config(QUICK, [*ARGS, *extra])
     tx, _ = build_optimizer(cfg.optimizer, cfg.train.steps)

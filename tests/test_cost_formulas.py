@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from jaxpar.cost import collectives as C
-from jaxpar.cost.memory import (PRECISIONS, _schedule_stats, activation_bytes_per_layer, closed_form_stats,
+from jaxpar.cost.memory import (PRECISIONS, activation_bytes_per_layer, closed_form_stats, schedule_stats,
                                 zero_state_bytes)
 from jaxpar.cost.model import gpt
 from jaxpar.cost.time import narayanan_flops, step_flops
@@ -66,7 +66,7 @@ SCHEDULE_GRID = [(k, p, m, v) for k in ("gpipe", "1f1b", "zb-h1") for p in (2, 3
 def test_bubble_is_the_tables(kind, p, m, v):
     s = get_schedule(kind, p, m, v)
     table = (float(bubble_fraction(s)), peak_in_flight(s)[0])
-    assert _schedule_stats(kind, p, m, v) == (pytest.approx(table[0], abs=1e-15), table[1])
+    assert schedule_stats(kind, p, m, v) == (pytest.approx(table[0], abs=1e-15), table[1])
     assert closed_form_stats(kind, p, m, v)[0] == pytest.approx(table[0], abs=1e-15)
     assert closed_form_stats(kind, p, m, v)[1] == table[1]
 
@@ -152,15 +152,16 @@ def test_small_sizes_recursive_doubling_large_sizes_ring_or_rabenseifner(p):
 
 
 def test_cost_modules_import_no_jax():
-    """The modules of jaxpar/cost (and the pure pipeline tables / analysis helpers they use) load without
-    JAX. ``import jaxpar.cost`` would run jaxpar/__init__.py, which imports JAX, so a fresh interpreter
+    """The modules of jaxpar/cost (and the pure pipeline tables / analysis helpers they use), and the HLO
+    readers that compare compiled programs with them (jaxpar.analysis.loops, jaxpar.analysis.axis_bytes), load
+    without JAX. ``import jaxpar.cost`` would run jaxpar/__init__.py, which imports JAX, so a fresh interpreter
     registers the parent packages as empty namespace packages and imports jaxpar.cost by itself."""
     code = f"""
 import sys, types
 root = {str(ROOT / 'jaxpar')!r}
 for name, path in (("jaxpar", root), ("jaxpar.pipeline", root + "/pipeline"), ("jaxpar.analysis", root + "/analysis")):
     mod = types.ModuleType(name); mod.__path__ = [path]; sys.modules[name] = mod
-import jaxpar.cost, jaxpar.cost.plan, jaxpar.cost.verify
+import jaxpar.cost, jaxpar.cost.plan, jaxpar.analysis.loops, jaxpar.analysis.axis_bytes
 r = jaxpar.cost.plan(jaxpar.cost.gpt(2, 32, 8, 16, 64, 16), jaxpar.cost.load_cluster("h100"))
 bad = sorted(m for m in sys.modules if m == "jax" or m.startswith(("jax.", "flax", "optax")))
 assert not bad, bad
@@ -223,7 +224,8 @@ def test_bad_shared_compute_and_memory_bandwidth(key, value, match):
 
 def test_optimizer_update_is_memory_bound_and_sharded_by_zero():
     from jaxpar import cost
-    from jaxpar.cost.time import Plan, step_time, update_bytes
+    from jaxpar.cost.parallel import Plan
+    from jaxpar.cost.time import step_time, update_bytes
 
     m = cost.gpt(12, 768, 12, 1024, 50304, 64)
     h = cost.load_cluster("h100")
@@ -236,7 +238,8 @@ def test_elementwise_term_repeats_the_residual_stream_under_tp_and_splits_it_und
     """Per token and layer, forward: 10h (norms, residual adds) + 2f (bias, GELU) values in the compute
     dtype and 2·a·s fp32 softmax values; training moves 3x that. TP splits f and a, SP also h."""
     from jaxpar import cost
-    from jaxpar.cost.time import Plan, elementwise_bytes, step_time
+    from jaxpar.cost.parallel import Plan
+    from jaxpar.cost.time import elementwise_bytes, step_time
 
     m = gpt(4, 128, 8, 64, 256, 16)
     h, f, a, s, tokens = 128, 512, 8, 64, 16 * 64 * 4

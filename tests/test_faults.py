@@ -26,9 +26,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.config import build_mesh, build_model_fn, build_optimizer, build_strategy, load_config
+from jaxpar.config import build_job, load_config
 from jaxpar.train.checkpoint import Checkpointer
-from jaxpar.train.state import init_train_state
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs" / "quickstart.yaml")
@@ -95,11 +94,8 @@ def losses(out: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def layout():
-    cfg = load_config(QUICK, ARGS)
-    tx, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
-    _, lay = init_train_state(build_model_fn(cfg.model, cfg.train.seed), tx, build_mesh(cfg.mesh),
-                              build_strategy(cfg.parallel))
-    return lay
+    """The layout of the runs' train state, built as ``jaxpar train`` builds it (nothing is allocated)."""
+    return build_job(load_config(QUICK, ARGS), data=False).state_layout()
 
 
 def final_state(out: Path, layout, step: int = STEPS):

@@ -28,7 +28,7 @@ from jaxpar.blocks import run_layers
 from jaxpar.config import ConfigError, build_lr_schedule, build_model_fn, build_optimizer, load_config
 from jaxpar.rules import constrain
 from jaxpar.train.loop import LogOptions, train
-from jaxpar.train.state import abstract_model
+from jaxpar.model_shapes import abstract_model
 
 from conftest import need_devices
 from helpers import (GRAD_RTOL, PARAM_ATOL, PARAM_RTOL, adam_atol, assert_grads_close, flat, grad_atol,

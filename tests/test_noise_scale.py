@@ -185,6 +185,6 @@ def test_bad_options_give_named_errors():
     with pytest.raises(ConfigError, match=r"logging\.noise_scale\.every=0.*\n.*logging\.noise_scale\.ema=1\.5"):
         check(JobConfig(**bad), num_devices=8)
     piped = JobConfig(mesh=MeshConfig(data=4, pipe=2), logging=LoggingConfig(noise_scale=NoiseScaleConfig(every=10)),
-                      parallel=ParallelConfig(microbatches=2))
-    with pytest.raises(ConfigError, match=r"logging\.noise_scale\.every=10 with mesh\.pipe=2"):
+                      parallel=ParallelConfig(microbatches=2, schedule="pipedream-2bw"))
+    with pytest.raises(ConfigError, match=r"logging\.noise_scale\.every=10 with parallel\.schedule='pipedream-2bw'"):
         check(piped, num_devices=8)

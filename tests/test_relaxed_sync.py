@@ -106,7 +106,7 @@ def test_diloco_before_start_step_is_synchronous(synced):
         assert_equal(jax.tree.map(lambda x: x[r], state.comm["params"]), jax.tree.map(lambda x: x[0], state.comm["params"]))
     assert_equal(jax.tree.map(lambda x: x[0], state.comm["params"]), state.params)
     fresh, layout, step = setup({"replica": K, "data": 2}, diloco(5, start_step=3))
-    over = _replica_collectives(step.warm.lower(fresh, BATCH).compile(), layout.mesh)
+    over = _replica_collectives(step.programs["warm"].lower(fresh, BATCH).compile(), layout.mesh)
     assert sum(c.bytes for c in over) == pytest.approx(replica_bytes(layout), rel=0.01)   # the gradients only
 
 
@@ -143,9 +143,9 @@ def test_diloco_communicates_over_replica_only_at_sync_steps():
     state, layout, step = setup({"replica": K, "data": 2}, diloco(h))
     model = replica_bytes(layout)
     assert model == 4 * sum(a.size for a in jax.tree.leaves(layout.shapes))   # data=2 replicates the params
-    inner = step.inner.lower(state, BATCH).compile()
+    inner = step.programs["step"].lower(state, BATCH).compile()
     assert _replica_collectives(inner, layout.mesh) == []
-    outer = step.outer.lower(state).compile()
+    outer = step.programs["outer"].lower(state).compile()
     over = _replica_collectives(outer, layout.mesh)
     assert {c.kind for c in over} == {"all-reduce"} and not any(c.in_loop for c in over)
     synced = sum(c.bytes for c in over)

@@ -13,7 +13,7 @@ import pytest
 import jaxpar
 from jaxpar.models.gpt import block_apply, cross_entropy, embed_apply, head_apply
 from jaxpar.pipeline import PipelineParts, get_schedule, lower, pipeline_value_and_grad, to_stages
-from jaxpar.pipeline.executor import _table
+from jaxpar.pipeline.stage import tick_table as _table
 from jaxpar.split_backward import split_backward
 from jaxpar.vjp_residuals import join_pullback, split_pullback
 

@@ -39,6 +39,10 @@ __all__ = [
     "collectives_table",
     "count",
     "shape_bytes",
+    "Instruction",
+    "parse_instructions",
+    "called_computations",
+    "partition_positions",
     "parse_replica_groups",
     "iota_replica_groups",
 ]
@@ -107,11 +111,17 @@ def shape_bytes(shape: str) -> int:
 
 
 @dataclass(frozen=True)
-class _Instr:
+class Instruction:
+    """One instruction of an HLO module's text (:func:`parse_instructions`).
+
+    ``rest`` is what follows the opcode's ``(``: operands and attributes, with string
+    literals blanked to ``""``; ``computation`` the computation the instruction is in.
+    """
+
     name: str
     shape: str
     opcode: str
-    rest: str  # operands and attributes, string literals blanked
+    rest: str
     computation: str
 
 
@@ -137,7 +147,23 @@ def _split_shape(text: str) -> tuple[str, str]:
     raise ValueError(f"unbalanced tuple shape in {text[:80]!r}")
 
 
-def _parse_instructions(text: str) -> list[_Instr]:
+def parse_instructions(text: str) -> list[Instruction]:
+    """The instructions of an HLO module's text, in text order.
+
+    Args:
+      text: the HLO text (``compiled.as_text()``).
+
+    Returns:
+      One :class:`Instruction` per instruction line, each with the computation it belongs to.
+
+    >>> hlo = '''HloModule m
+    ... ENTRY %main (p: f32[4]) -> f32[4] {
+    ...   %p = f32[4]{0} parameter(0)
+    ...   ROOT %ar = f32[4]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
+    ... }'''
+    >>> [(i.name, i.opcode, i.computation) for i in parse_instructions(hlo)]
+    [('p', 'parameter', 'main'), ('ar', 'all-reduce', 'main')]
+    """
     instrs, computation = [], ""
     for line in text.splitlines():
         if line.startswith("HloModule") or not line.strip():
@@ -152,20 +178,34 @@ def _parse_instructions(text: str) -> list[_Instr]:
         shape, rest = _split_shape(match.group(2).strip())
         op = re.match(r"\s*([\w\-]+)\((.*)$", rest)
         if op:
-            instrs.append(_Instr(match.group(1), shape, op.group(1), _STRING.sub('""', op.group(2)), computation))
+            instrs.append(Instruction(match.group(1), shape, op.group(1), _STRING.sub('""', op.group(2)), computation))
     return instrs
 
 
-def _called(instr: _Instr) -> list[tuple[str, str]]:
+def called_computations(instr: Instruction) -> list[tuple[str, str]]:
+    """The computations ``instr`` calls, with the attribute that names each.
+
+    Args:
+      instr: an instruction from :func:`parse_instructions`.
+
+    Returns:
+      ``[(attribute, computation)]`` in text order; the attribute is one of ``to_apply``,
+      ``calls``, ``body``, ``condition``, ``branch_computations``, ``true_computation``,
+      ``false_computation`` (a ``branch_computations={%a, %b}`` list gives one pair per branch).
+
+    >>> ins = Instruction("w", "f32[]", "while", "%t), condition=%cond, body=%body", "main")
+    >>> called_computations(ins)
+    [('condition', 'cond'), ('body', 'body')]
+    """
     return [(key, name) for key, value in _CALLS.findall(instr.rest) for name in re.findall(r"%?([\w.\-]+)", value)]
 
 
-def _loop_computations(instrs: list[_Instr]) -> set[str]:
+def _loop_computations(instrs: list[Instruction]) -> set[str]:
     """Computations executed per iteration of some while loop."""
     edges: dict[str, set[str]] = {}
     todo = []
     for instr in instrs:
-        for key, callee in _called(instr):
+        for key, callee in called_computations(instr):
             edges.setdefault(instr.computation, set()).add(callee)
             if instr.opcode == "while" and key in ("body", "condition"):
                 todo.append(callee)
@@ -183,12 +223,12 @@ def _kind(opcode: str) -> str | None:
     return base if base in KINDS else None
 
 
-def _first_operand(instr: _Instr) -> str | None:
+def _first_operand(instr: Instruction) -> str | None:
     match = re.search(r"%([\w.\-]+)", instr.rest) or re.match(r"\s*([\w.\-]+)", instr.rest)
     return match.group(1) if match else None
 
 
-def _result_bytes(instr: _Instr, kind: str, done_shapes: dict[str, str]) -> int:
+def _result_bytes(instr: Instruction, kind: str, done_shapes: dict[str, str]) -> int:
     if not instr.opcode.endswith("-start"):
         return shape_bytes(instr.shape)
     if instr.name in done_shapes:
@@ -212,8 +252,17 @@ def _hlo_text(compiled: Any) -> str:
     return as_text()
 
 
-def _partition_positions(compiled: Any, mesh: Any) -> list[int] | None:
-    """Mesh position (index into ``mesh.devices.flat``) of each partition id."""
+def partition_positions(compiled: Any, mesh: Any) -> list[int] | None:
+    """Mesh position (index into ``mesh.devices.flat``) of each partition id of ``compiled``.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` (HLO text has no device assignment).
+      mesh: the mesh the program was compiled for.
+
+    Returns:
+      ``positions[partition id]``, or ``None`` when ``compiled`` has no device assignment or
+      its devices are not the mesh's.
+    """
     try:
         devices = compiled.runtime_executable().local_devices()
     except Exception:  # HLO text, or a backend without a device assignment
@@ -234,7 +283,7 @@ def _check_partitions(text: str, mesh: Any) -> None:
         )
 
 
-def _axes(instr: _Instr, kind: str, mesh: Any, positions: list[int] | None) -> tuple[str, ...] | None:
+def _axes(instr: Instruction, kind: str, mesh: Any, positions: list[int] | None) -> tuple[str, ...] | None:
     shape, names, size = mesh.devices.shape, tuple(mesh.axis_names), mesh.devices.size
     to_pos = (lambda i: positions[i] if i < len(positions) else size) if positions else (lambda i: i)
     if kind == "collective-permute":
@@ -257,8 +306,8 @@ def collectives(compiled: Any, mesh: Any) -> list[Collective]:
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     text = _hlo_text(compiled)
     _check_partitions(text, mesh)
-    positions = None if isinstance(compiled, str) else _partition_positions(compiled, mesh)
-    instrs = _parse_instructions(text)
+    positions = None if isinstance(compiled, str) else partition_positions(compiled, mesh)
+    instrs = parse_instructions(text)
     in_loop = _loop_computations(instrs)
     done_shapes = {
         _first_operand(i): i.shape for i in instrs if i.opcode.endswith("-done") and _kind(i.opcode[:-5])

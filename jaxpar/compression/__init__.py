@@ -3,14 +3,15 @@
 Declare it on the strategy: ``Strategy(compression=jaxpar.compression.powersgd(rank=4))``
 (or ``parallel.compression: {kind: powersgd, rank: 4}`` in YAML).
 """
-from .codecs import Codec, CompressionError, cast, check_codec, onebit, qsgd, sign, terngrad
+from .base import BaseCodec, CompressionError, check_codec
+from .codecs import Codec, cast, onebit, qsgd, sign, terngrad
 from .exchange import ExchangePlan, exchange_plan
 from .powersgd import PowerSGD, powersgd
 from .sparse import Sparsifier, randomk, topk
 
-__all__ = ["Codec", "CompressionError", "qsgd", "terngrad", "sign", "onebit", "cast", "topk", "randomk",
-           "powersgd", "Sparsifier", "PowerSGD", "ExchangePlan", "exchange_plan", "check_codec", "make_codec",
-           "CODECS"]
+__all__ = ["BaseCodec", "Codec", "CompressionError", "qsgd", "terngrad", "sign", "onebit", "cast", "topk",
+           "randomk", "powersgd", "Sparsifier", "PowerSGD", "ExchangePlan", "exchange_plan", "check_codec",
+           "make_codec", "CODECS"]
 
 CODECS = {"qsgd": qsgd, "terngrad": terngrad, "sign": sign, "onebit": onebit, "cast": cast, "topk": topk,
           "randomk": randomk, "powersgd": powersgd}

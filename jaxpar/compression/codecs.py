@@ -38,17 +38,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from .base import BaseCodec, CompressionError, check_start
 from .packing import pack_bits, payload_bytes, unpack_bits
 
-__all__ = ["Codec", "CompressionError", "qsgd", "terngrad", "sign", "onebit", "cast", "check_codec"]
-
-
-class CompressionError(ValueError):
-    """A compression option or combination that cannot work (the message names it and the fix)."""
+__all__ = ["Codec", "qsgd", "terngrad", "sign", "onebit", "cast"]
 
 
 @dataclass(frozen=True)
-class Codec:
+class Codec(BaseCodec):
     """A quantizing codec (see the module docstring). ``block``: ``K`` must be a multiple of it."""
 
     name: str
@@ -164,27 +161,6 @@ def _check_momentum(name: str, momentum) -> float:
     return float(momentum)
 
 
-def _check_start(name: str, start_step, optimizer_momentum, momentum: float) -> tuple[int, float]:
-    if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-        raise CompressionError(f"{name}(start_step={start_step!r}): the number of exact (uncompressed) steps "
-                               "before compression starts must be an int >= 0.")
-    if optimizer_momentum is None or optimizer_momentum == 0:
-        return start_step, 0.0
-    if isinstance(optimizer_momentum, bool) or not isinstance(optimizer_momentum, (int, float)) \
-            or not 0 < optimizer_momentum < 1:
-        raise CompressionError(f"{name}(optimizer_momentum={optimizer_momentum!r}): Adam's b1, whose first moment "
-                               "is compressed (1-bit Adam), must lie in (0, 1), e.g. optimizer_momentum=0.9.")
-    if momentum:
-        raise CompressionError(f"{name}(momentum={momentum}, optimizer_momentum={optimizer_momentum}): choose one: "
-                               "momentum compresses each replica's own momentum (for plain SGD), "
-                               "optimizer_momentum Adam's shared first moment (1-bit Adam).")
-    if start_step < 1:
-        raise CompressionError(f"{name}(optimizer_momentum={optimizer_momentum}, start_step={start_step}): 1-bit "
-                               "Adam freezes Adam's second moment when compression starts, so it needs exact "
-                               "warm-up steps first; use e.g. start_step = 15-25% of the steps.")
-    return start_step, float(optimizer_momentum)
-
-
 def sign(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.0,
          optimizer_momentum: float | None = None, start_step: int = 0) -> Codec:
     """Scaled sign (EF-SignSGD, Karimireddy et al. 2019): ``sign(v) * ||v||_1 / b`` per bucket of
@@ -197,7 +173,7 @@ def sign(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.
     the exchange (``Strategy(local_clip=...)`` instead). ``start_step``: exact steps before compression."""
     _check_bucket("sign", bucket)
     momentum = _check_momentum("sign", momentum)
-    start_step, optimizer_momentum = _check_start("sign", start_step, optimizer_momentum, momentum)
+    start_step, optimizer_momentum = check_start("sign", start_step, optimizer_momentum, momentum)
 
     def encode(x, key):
         v = _buckets(x, bucket)
@@ -220,7 +196,7 @@ def onebit(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 
     ``momentum``, ``optimizer_momentum``, ``start_step``: as for :func:`sign`."""
     _check_bucket("onebit", bucket)
     momentum = _check_momentum("onebit", momentum)
-    start_step, optimizer_momentum = _check_start("onebit", start_step, optimizer_momentum, momentum)
+    start_step, optimizer_momentum = check_start("onebit", start_step, optimizer_momentum, momentum)
 
     def encode(x, key):
         v = _buckets(x, bucket)
@@ -269,15 +245,3 @@ def cast(dtype: str = "bfloat16", *, bucket: int = 512, error_feedback: bool = F
         return (_buckets(v, bucket) * p["scale"][..., None]).reshape(v.shape)
 
     return Codec(f"cast-{dtype}", encode, decode, bucket, error_feedback, {"dtype": dtype, "bucket": bucket})
-
-
-def check_codec(codec: Any) -> Any:
-    """``codec`` if it is one of jaxpar's codecs, else a :class:`CompressionError`."""
-    from .powersgd import PowerSGD
-    from .sparse import Sparsifier
-
-    if not isinstance(codec, (Codec, Sparsifier, PowerSGD)):
-        raise CompressionError(f"compression={codec!r}: expected a codec made by jaxpar.compression "
-                               "(qsgd, terngrad, sign, onebit, cast, topk, randomk, powersgd) or None.")
-    return codec
-

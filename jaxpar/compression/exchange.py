@@ -53,8 +53,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..data_parallel import _axis, _unflatten
-from .codecs import Codec, CompressionError
+from ..data_parallel import axis_name, unflatten_leaf
+from .base import CompressionError
+from .codecs import Codec
 from .packing import from_bytes, to_bytes
 from .powersgd import PowerSGD
 from .sparse import Sparsifier
@@ -126,7 +127,7 @@ class ExchangePlan:
             size = math.prod(shape)
             if sc:
                 k = size // self.replicas
-                out.append(_unflatten(mine[a:a + k], d, shape[d] // self.replicas, shape))   # this replica's shard
+                out.append(unflatten_leaf(mine[a:a + k], d, shape[d] // self.replicas, shape))   # this replica's shard
                 a += k
                 continue
             full = rest[b:b + size].reshape(shape)
@@ -148,11 +149,11 @@ class ExchangePlan:
             state["residual"] = jnp.zeros((self.flat_size,), jnp.float32)
         if isinstance(c, Codec) and c.error_feedback and kr:
             state["server"] = jnp.zeros((kr,), jnp.float32)
-        if getattr(c, "momentum", 0.0) or getattr(c, "optimizer_momentum", 0.0):
+        if c.momentum or c.optimizer_momentum:
             state["velocity"] = jnp.zeros((self.flat_size,), jnp.float32)
-        if getattr(c, "precondition", 0.0):
+        if c.precondition:
             state["second_moment"] = jnp.zeros((self.flat_size,), jnp.float32)
-        if getattr(c, "start_step", 0):
+        if c.start_step:
             state["count"] = jnp.zeros((), jnp.int32)     # exchanges applied (a skipped step rolls it back)
         return state
 
@@ -160,7 +161,7 @@ class ExchangePlan:
     def wire_bytes(self, step: int | None = None) -> int:
         """Bytes each device sends per step (ring algorithms; at ``step`` for schedules that change)."""
         c, n, (ks, kr, _) = self.codec, self.replicas, self.widths
-        if step is not None and step < getattr(c, "start_step", 0):
+        if step is not None and step < c.start_step:
             return self.uncompressed_bytes()
         if isinstance(c, PowerSGD):
             return c.wire_bytes([tuple(s) for s in self.shapes], list(self.stacked), n)
@@ -183,7 +184,7 @@ class ExchangePlan:
         :attr:`axes`. Leaves come in as this replica's full fp32 gradients and leave in their
         gradient layout (sharded leaves: this replica's shard)."""
         c = self.codec
-        index = jax.lax.axis_index(_axis(self.axes))
+        index = jax.lax.axis_index(axis_name(self.axes))
         if isinstance(c, PowerSGD):
             out, state = self._powersgd(leaves, state, step)
             res = jnp.sqrt(sum(jnp.sum(r * r) for r in state["residual"]))
@@ -192,11 +193,11 @@ class ExchangePlan:
             mine, rest, state = self._compressed(x, state, step, index)
             out = self._unpack(mine, rest)
             res = jnp.linalg.norm(state["residual"]) if "residual" in state else jnp.zeros(())
-        rms = jnp.sqrt(jax.lax.psum(res * res, _axis(self.axes)) / self.replicas)
+        rms = jnp.sqrt(jax.lax.psum(res * res, axis_name(self.axes)) / self.replicas)
         return out, state, {"residual_norm": rms}
 
     def _keys(self, step, index):
-        base = jax.random.fold_in(jax.random.key(getattr(self.codec, "seed", 0)), step)
+        base = jax.random.fold_in(jax.random.key(self.codec.seed), step)
         return base, jax.random.fold_in(base, index + 1)
 
     def _compressed(self, x, state, step, index):
@@ -224,7 +225,7 @@ class ExchangePlan:
             state["velocity"] = rows.reshape(-1)
             g = (rows - b1 * m) / (1 - b1)                         # Adam's b1 m + (1 - b1) g = the exchanged moment
             rest = g.reshape(-1)[:lr]
-            if getattr(c, "precondition", 0.0) and c.start_step:   # the exact steps' second moment, frozen with Adam's
+            if c.precondition and c.start_step:   # the exact steps' second moment, frozen with Adam's
                 b2, s = c.precondition, state["second_moment"]
                 state["second_moment"] = jnp.where(count >= c.start_step, s, b2 * s + (1 - b2) * (g * g).reshape(-1))
         return mine, rest, state
@@ -232,7 +233,7 @@ class ExchangePlan:
     def _exact(self, x, state, step, index):
         """The uncompressed mean (before ``start_step``): reduce-scatter of the sharded part, all-reduce of the rest."""
         n, (ks, kr, lr) = self.replicas, self.widths
-        ax = _axis(self.axes)
+        ax = axis_name(self.axes)
         none = jnp.zeros((0,), jnp.float32)
         mine = jax.lax.psum_scatter(x[:, :ks], ax, scatter_dimension=0, tiled=True)[0] / n if ks else none
         rest = (jax.lax.psum(x[:, ks:], ax) / n).reshape(-1)[:lr] if kr else none
@@ -240,7 +241,7 @@ class ExchangePlan:
 
     def _quantized(self, x, state, step, index):
         c, n, (ks, kr, lr) = self.codec, self.replicas, self.widths
-        ax = _axis(self.axes)
+        ax = axis_name(self.axes)
         _, key = self._keys(step, index)
         k1, k2 = jax.random.split(key)
         state = dict(state)
@@ -264,7 +265,7 @@ class ExchangePlan:
 
     def _sparse(self, x, state, step, index):
         c, n, (ks, kr, lr) = self.codec, self.replicas, self.widths
-        ax = _axis(self.axes)
+        ax = axis_name(self.axes)
         shared, own = self._keys(step, index)
         flat = x.reshape(-1)
         state = dict(state)
@@ -307,7 +308,7 @@ class ExchangePlan:
 
     def _powersgd(self, leaves, state, step):
         c, n = self.codec, self.replicas
-        ax = _axis(self.axes)
+        ax = axis_name(self.axes)
         mean = lambda flat: jax.lax.psum(flat, ax) / n   # noqa: E731
         ms = [g.astype(jnp.float32) + r for g, r in zip(leaves, state["residual"])]
         mats = [c.matrix(tuple(s), st) for s, st in zip(self.shapes, self.stacked)]
@@ -346,7 +347,7 @@ class ExchangePlan:
 def _own_slice(full: jax.Array, d: int, axes: tuple[str, ...]) -> jax.Array:
     """This device's block of ``full`` along ``d`` over ``axes`` (``tiled`` order)."""
     n = math.prod(jax.lax.axis_size(a) for a in axes)
-    i = jax.lax.axis_index(_axis(tuple(axes)))
+    i = jax.lax.axis_index(axis_name(tuple(axes)))
     size = full.shape[d] // n
     return jax.lax.dynamic_slice_in_dim(full, i * size, size, axis=d)
 

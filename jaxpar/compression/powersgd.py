@@ -30,13 +30,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from .codecs import CompressionError
+from .base import BaseCodec, CompressionError
 
 __all__ = ["PowerSGD", "powersgd", "orthonormalize"]
 
 
 @dataclass(frozen=True)
-class PowerSGD:
+class PowerSGD(BaseCodec):
     """Options of :func:`powersgd`."""
 
     rank: int

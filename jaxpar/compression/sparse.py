@@ -50,13 +50,13 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from .codecs import CompressionError, _check_start
+from .base import BaseCodec, CompressionError, check_start
 
 __all__ = ["Sparsifier", "topk", "randomk"]
 
 
 @dataclass(frozen=True)
-class Sparsifier:
+class Sparsifier(BaseCodec):
     """A top-k or random-k codec (see the module docstring)."""
 
     name: str
@@ -138,7 +138,7 @@ def _check(name: str, ratio, momentum, warmup, warmup_steps) -> None:
 
 
 def _check_adam(name: str, warmup, start_step, optimizer_momentum, momentum) -> tuple[int, float]:
-    start_step, optimizer_momentum = _check_start(name, start_step, optimizer_momentum, momentum)
+    start_step, optimizer_momentum = check_start(name, start_step, optimizer_momentum, momentum)
     if momentum and start_step:
         raise CompressionError(f"{name}(momentum={momentum}, start_step={start_step}): momentum correction "
                                "is not applied during exact steps; use one or the other.")

@@ -17,6 +17,10 @@ Modules, in import order (each imports only those above it):
 * :mod:`~jaxpar.config.data`: the data section -> batch function and eval batches.
 * :mod:`~jaxpar.config.checks`: :func:`check`, every impossible setting at once.
 * :mod:`~jaxpar.config.load`: YAML, ``base:``, overrides, merging -> a checked :class:`JobConfig`.
+* :mod:`~jaxpar.config.job`: a config -> the :class:`Job` that ``jaxpar train``, ``inspect`` and
+  ``plan`` run (:func:`build_job`: mesh, strategy, model, loss, optimizer, the train step's options, data).
+* :mod:`~jaxpar.config.describe`: the lines the CLI prints about a job.
+* :mod:`~jaxpar.config.planner`: the cost model's view of a config (``jaxpar inspect``, ``jaxpar plan``).
 
 Example::
 
@@ -37,6 +41,7 @@ from .build import (MODELS, OPTIMIZERS, ModelEntry, build_gpt_config, build_loss
 from .checks import check
 from .data import build_data, build_ramp, describe_batch
 from .imports import resolve_import
+from .job import Job, build_job
 from .load import load_config, merge_layers, parse_overrides, to_yaml
 from .schema import (DATA_KINDS, GPT_KEYS, LR_SCHEDULES, NONFINITE_MODES, USER_MODEL_KEYS, CheckpointConfig,
                      ConfigError, DataConfig, JobConfig, LoggingConfig, MeshConfig, ModelConfig, OptimizerConfig,
@@ -48,5 +53,5 @@ __all__ = [
     "LR_SCHEDULES", "DATA_KINDS", "NONFINITE_MODES", "GPT_KEYS", "USER_MODEL_KEYS",
     "load_config", "merge_layers", "parse_overrides", "to_yaml", "check", "resolve_import",
     "build_mesh", "build_strategy", "build_optimizer", "frozen_variance_step", "build_lr_schedule", "build_gpt_config",
-    "build_model_fn", "build_loss_fn", "build_data", "build_ramp", "describe_batch",
+    "build_model_fn", "build_loss_fn", "build_data", "build_ramp", "describe_batch", "Job", "build_job",
 ]

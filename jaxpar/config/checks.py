@@ -132,11 +132,6 @@ def _onebit_adam_problems(strategy, opt: OptimizerConfig) -> list[str]:
     if b2 and opt.name in ("adam", "adamw") and opt.b2 != b2:
         p.append(f"parallel.compression.precondition={b2} but optimizer.b2={opt.b2}: top-k ranks Adam's moment by "
                  "Adam's own second moment; set both to the same value.")
-    if opt.clip_norm is not None:
-        p.append(f"optimizer.clip_norm={opt.clip_norm} with {key}: the gradient handed to Adam carries the moment's "
-                 "compression error times 1 / (1 - b1), so a clip after the exchange would shrink every step; set "
-                 "optimizer.clip_norm: null and clip each replica before the codec instead "
-                 f"(parallel.compression.local_clip: {opt.clip_norm}).")
     return p
 
 
@@ -205,11 +200,8 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
         return [str(e)]
     if num_devices is None and -1 in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.pipe, cfg.mesh.replica):
         return []  # the rest needs the device count
-    problems, par, p = [], cfg.parallel, sizes["pipe"]
+    problems, par, p = _table_problems(cfg, sizes), cfg.parallel, sizes["pipe"]
     if p > 1:
-        if par.sequence_parallel and sizes["tensor"] > 1:
-            problems.append(f"parallel.sequence_parallel=true with mesh.pipe={p} is not supported (XLA's "
-                            "sequence-parallel resharding would deadlock inside a pipeline stage); set it to false.")
         for why in (_schedule_problem(par, p), _stage_layers_problem(par, gpt.layers if gpt else None, p)):
             if why:
                 problems.append(why)
@@ -232,6 +224,31 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
     return problems + _ramp_problems(cfg, dp * k, f"mesh.data x mesh.fsdp{rep} x parallel.microbatches = {dp * k}")
 
 
+#: The YAML key of each field the compatibility table names (:data:`jaxpar.compat.LIBRARY_NAMES`).
+YAML_NAMES = {
+    "zero": "parallel.zero", "sequence_parallel": "parallel.sequence_parallel", "schedule": "parallel.schedule",
+    "compression": "parallel.compression", "sync": "parallel.sync", "local_clip": "parallel.compression.local_clip",
+    "microbatches": "parallel.microbatches", "explicit_dp": "explicit_dp", "steps_per_call": "parallel.steps_per_call",
+    "clip_norm": "optimizer.clip_norm", "noise_scale_every": "logging.noise_scale.every", "pipe": "mesh.pipe",
+    "replica": "mesh.replica", "tensor": "mesh.tensor", "ramp": "data.batch_ramp",
+    "ramp_steps": "data.batch_ramp.steps", "true": "true", "false": "false",
+}
+
+
+def _table_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
+    """The compatibility table's refusals (:mod:`jaxpar.compat`) of this config, under its YAML keys."""
+    from ..compat import Setting, problems
+
+    strategy = build_strategy(cfg.parallel)
+    ramp = cfg.data.batch_ramp or {}
+    kind = None if not ramp else ("adaptive" if ramp.get("adaptive") else "fixed")
+    k = cfg.parallel.steps_per_call
+    setting = Setting(strategy, sizes, steps_per_call=k if isinstance(k, int) and k >= 1 else 1,
+                      clip_norm=cfg.optimizer.clip_norm, noise_scale_every=cfg.logging.noise_scale.every,
+                      ramp=kind, ramp_steps=tuple(s for s in ramp.get("steps") or () if isinstance(s, int)))
+    return [p.render(YAML_NAMES) for p in problems(setting)]
+
+
 def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
     """``data.batch_ramp``: well formed, and every size divisible like ``data.batch_size``."""
     from ..train.ramp import RampError
@@ -252,15 +269,13 @@ def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
 
 
 def _two_bw_problems(par: ParallelConfig, p: int) -> list[str]:
-    """``parallel.schedule: pipedream-2bw`` needs a pipeline and the plain (uncompressed, synchronous) step."""
+    """``parallel.schedule: pipedream-2bw`` needs a pipeline (what it combines with: :mod:`jaxpar.compat`)."""
     if _schedule_kind(par) != "pipedream-2bw":
         return []
     if p <= 1:
         return [f"parallel.schedule={par.schedule!r} needs mesh.pipe > 1 (got mesh.pipe={p}): PipeDream-2BW is a "
                 "pipeline schedule (gradients one step late). Set mesh.pipe, or parallel.schedule: 1f1b."]
-    return [f"parallel.{key} with parallel.schedule={par.schedule!r} is not supported: the delayed gradient runs "
-            f"through the plain pipelined step only. Remove parallel.{key}, or use parallel.schedule: 1f1b."
-            for key in ("compression", "sync") if getattr(par, key)]
+    return []
 
 
 def _schedule_kind(par: ParallelConfig) -> str | None:
@@ -274,29 +289,18 @@ def _schedule_kind(par: ParallelConfig) -> str | None:
 
 
 def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
-    """``parallel.steps_per_call = K > 1``: a no-flush schedule, and the loop's intervals multiples of ``K``."""
+    """``parallel.steps_per_call = K > 1``: the loop's intervals multiples of ``K`` (what it combines with:
+    :mod:`jaxpar.compat`)."""
     k = cfg.parallel.steps_per_call
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         return [f"parallel.steps_per_call={k!r}: must be an int >= 1 (optimizer steps per compiled call)."]
-    if k == 1:
+    if k == 1 or _schedule_kind(cfg.parallel) not in ("pipedream-2bw", "pipedream"):
         return []
-    if _schedule_kind(cfg.parallel) not in ("pipedream-2bw", "pipedream"):
-        return [f"parallel.steps_per_call={k} needs a schedule that does not flush between steps "
-                f"(parallel.schedule: pipedream-2bw or pipedream), got parallel.schedule={cfg.parallel.schedule!r}."]
-    out = [f"{key}={value} is not a multiple of parallel.steps_per_call={k}: the loop logs, evaluates, checkpoints "
+    return [f"{key}={value} is not a multiple of parallel.steps_per_call={k}: the loop logs, evaluates, checkpoints "
            f"and stops only between calls of {k} steps. Make it a multiple of {k}."
            for key, value in (("train.steps", cfg.train.steps), ("train.log_every", cfg.train.log_every),
                               ("train.eval_every", cfg.train.eval_every), ("checkpoint.every", cfg.checkpoint.every))
            if value % k]
-    if cfg.data.batch_ramp.get("adaptive"):
-        out.append(f"data.batch_ramp.adaptive with parallel.steps_per_call={k}: the batch can change only between "
-                   "calls; use a fixed ramp or parallel.steps_per_call: 1.")
-    inside = [s for s in cfg.data.batch_ramp.get("steps") or () if isinstance(s, int) and s % k]
-    if inside and not cfg.data.batch_ramp.get("adaptive"):
-        out.append(f"data.batch_ramp.steps={list(cfg.data.batch_ramp['steps'])} with parallel.steps_per_call={k}: "
-                   f"step {inside[0]} falls inside a call of {k} steps, whose batches are stacked and must have one "
-                   f"size. Make every ramp step a multiple of {k}.")
-    return out
 
 
 def _stashing_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
@@ -309,23 +313,15 @@ def _stashing_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
     if p <= 1:
         return [f"{key} needs mesh.pipe > 1 (got mesh.pipe={p}): weight stashing is a pipeline schedule (each "
                 "stage updates its own weights). Set mesh.pipe, or parallel.schedule: 1f1b."]
-    out = [f"parallel.{k} with {key} is not supported: each stage updates inside the pipeline, where no codec or "
-           f"replica exchange runs. Remove parallel.{k}, or use parallel.schedule: 1f1b."
-           for k in ("compression", "sync") if getattr(par, k)]
+    out = []
     if par.microbatches % par.update_every:
         out.append(f"parallel.update_every={par.update_every} does not divide parallel.microbatches="
                    f"{par.microbatches} ({key} updates each stage after every update_every of its backwards).")
-    if cfg.optimizer.clip_norm is not None:
-        out.append(f"optimizer.clip_norm={cfg.optimizer.clip_norm} with {key}: global-norm clipping needs every "
-                   "stage's gradient, but each stage updates alone. Set optimizer.clip_norm: null.")
     return out
 
 
 def _sync_problems(par, sizes) -> list[str]:
     """``parallel.sync`` against ``mesh.replica`` (and the kinds' own limits)."""
-    if sizes.get("replica", 1) > 1 and sizes.get("pipe", 1) > 1:
-        return [f"mesh.replica={sizes['replica']} with mesh.pipe={sizes['pipe']}: pipelined replicas are not "
-                "supported yet; use mesh.data / fsdp / tensor inside each replica (mesh.pipe=1)."]
     if not par.sync:
         return []
     from ..sync import SyncError, check_sync
@@ -350,20 +346,11 @@ def _noise_scale_problems(p: list[str], cfg: JobConfig) -> None:
 
 
 def _noise_scale_mesh_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
-    """``logging.noise_scale`` against the mesh and the parallel section (what the measurement supports)."""
-    every, par = cfg.logging.noise_scale.every, cfg.parallel
+    """``logging.noise_scale`` against the mesh (what it combines with: :mod:`jaxpar.compat`)."""
+    every = cfg.logging.noise_scale.every
     if every is None:
         return []
     key = f"logging.noise_scale.every={every}"
-    if sizes.get("replica", 1) > 1 or par.sync:
-        return [f"{key} with mesh.replica={sizes.get('replica', 1)} / parallel.sync: relaxed synchronisation is not "
-                "supported by the noise-scale measurement; set logging.noise_scale.every=null or drop the replicas."]
-    if par.compression:
-        return [f"{key} with parallel.compression: a compressed exchange is not supported by the noise-scale "
-                "measurement; set logging.noise_scale.every=null or parallel.compression={}."]
-    if sizes.get("pipe", 1) > 1:
-        return [f"{key} with mesh.pipe={sizes['pipe']}: pipelines are not supported by the noise-scale measurement; "
-                "set logging.noise_scale.every=null or mesh.pipe=1."]
     if sizes.get("data", 1) * sizes.get("fsdp", 1) < 2:
         return [f"{key}: needs mesh.data x mesh.fsdp >= 2 (each replica's batch must be smaller than the global "
                 "one); set logging.noise_scale.every=null or use more data-parallel devices."]

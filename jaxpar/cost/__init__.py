@@ -1,15 +1,18 @@
 """Know before you run: an α-β cost model of collectives, memory and step time, and a planner.
 
-Pure Python + NumPy: no module of this package imports JAX at import time (only
-:func:`~jaxpar.cost.model.from_nnx`, :mod:`jaxpar.cost.verify` and :mod:`jaxpar.cost.pipecount` do,
-inside functions).
+Pure Python + NumPy: no module of this package imports JAX (only :func:`~jaxpar.cost.model.from_nnx`
+does, inside the function). Checking the model against compiled programs is done elsewhere:
+:mod:`jaxpar.analysis.axis_bytes` reads the bytes per mesh axis of a compiled step and
+:mod:`jaxpar.train.cost_check` compiles a plan's train step and compares.
 
 * :mod:`~jaxpar.cost.collectives`: ring / tree / recursive doubling-halving / Rabenseifner /
   lower bound (Thakur, Rabenseifner & Gropp 2005), the best algorithm per size.
 * :mod:`~jaxpar.cost.cluster`: nodes, memory, peak FLOP/s, intra- and inter-node links; YAML presets.
-* :mod:`~jaxpar.cost.memory`: ZeRO stages, Korthikanti activations, pipeline in-flight micro-batches.
-* :mod:`~jaxpar.cost.time`: FLOPs, memory-bound elementwise work, each strategy's collectives per
-  mesh axis, the bubble.
+* :mod:`~jaxpar.cost.memory`: ZeRO stages, Korthikanti activations, pipeline in-flight micro-batches,
+  how each parameter is sharded on a mesh.
+* :mod:`~jaxpar.cost.parallel`: :class:`Plan`, one point of the search (mesh sizes, ZeRO, schedule, remat).
+* :mod:`~jaxpar.cost.traffic`: each strategy's collectives per step and mesh axis.
+* :mod:`~jaxpar.cost.time`: FLOPs, memory-bound elementwise work, the collectives' time, the bubble.
 * :mod:`~jaxpar.cost.model`: a model from numbers or from an NNX model.
 * :mod:`~jaxpar.cost.plan`: enumerate, reject what does not fit (with the reason), rank.
 
@@ -25,8 +28,10 @@ from .cluster import Cluster, ClusterError, load_cluster, presets
 from .collectives import Link
 from .memory import PRECISIONS, BytesPerParam, activation_bytes_per_layer, memory_per_device, zero_state_bytes
 from .model import Leaf, ModelSpec, from_gpt_config, from_nnx, gpt
+from .parallel import Plan
 from .plan import Estimate, PlanError, PlanResult, plan
-from .time import Overlap, Plan, comms, flops_per_token, narayanan_flops, step_flops, step_time
+from .time import Overlap, flops_per_token, narayanan_flops, step_flops, step_time
+from .traffic import comms
 
 __all__ = ["Cluster", "ClusterError", "load_cluster", "presets", "Link", "PRECISIONS", "BytesPerParam",
            "activation_bytes_per_layer", "memory_per_device", "zero_state_bytes", "Leaf", "ModelSpec",

@@ -32,12 +32,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from .model import TENSOR_LOGICAL, Leaf, ModelSpec
 
 __all__ = ["BytesPerParam", "PRECISIONS", "REMAT", "zero_state_bytes", "activation_bytes_per_layer",
-           "leaf_spec", "leaf_shards", "state_bytes", "in_flight", "MemoryEstimate", "memory_per_device",
+           "leaf_spec", "zero_axes", "LeafShards", "leaf_shard_counts", "sizes_key", "leaf_shards", "state_bytes",
+           "TABLE_LIMIT", "closed_form_stats", "schedule_stats", "in_flight", "MemoryEstimate", "memory_per_device",
            "argument_bytes", "LayoutError"]
 
 REMAT = ("none", "selective", "full")
@@ -144,27 +145,79 @@ def _zero_dim(leaf: Leaf, spec, sizes: Mapping[str, int]) -> int | None:
     return None
 
 
-def _zero_axes(sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str, ...]:
+def zero_axes(sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str, ...]:
+    """The mesh axes over which ZeRO / FSDP shards ``kind`` of a parameter (as :mod:`jaxpar.zero`).
+
+    ``fsdp`` shards everything; ``data`` shards the optimizer state from stage 1, the
+    gradients from stage 2 and the parameters from stage 3.
+
+    Args:
+      sizes: mesh axis sizes, e.g. ``{"data": 4, "fsdp": 2}`` (missing axes have size 1).
+      stage: the ZeRO stage (0 to 3).
+      kind: ``"params"``, ``"grads"`` or ``"opt"``.
+
+    Returns:
+      The axes in mesh order (``fsdp`` before ``data``); ``()`` when nothing is sharded.
+
+    >>> zero_axes({"data": 4, "fsdp": 2}, 1, "grads"), zero_axes({"data": 4}, 2, "grads")
+    (('fsdp',), ('data',))
+    """
     first = {"opt": 1, "grads": 2, "params": 3}[kind]
     axes = ("fsdp",) if sizes.get("fsdp", 1) > 1 else ()
     return axes + (("data",) if sizes.get("data", 1) > 1 and stage >= first else ())
 
 
+class LeafShards(NamedTuple):
+    """How one parameter is cut on a mesh (:func:`leaf_shard_counts`)."""
+
+    params: int        # pieces the parameter is cut into
+    grads: int         # pieces its gradient is cut into
+    opt: int           # pieces its optimizer state is cut into
+    local: float       # elements on one device after the tensor / pipe split, before ZeRO
+    shardable: bool    # whether ZeRO / FSDP can split it (a dimension divides data * fsdp)
+
+
 @lru_cache(maxsize=1 << 16)
-def _shards(leaf: Leaf, sizes: tuple, stage: int) -> tuple[int, int, int, float, bool]:
-    """``(params, grads, opt)`` shard counts, elements after tensor / pipe, shardable by ZeRO."""
-    s = dict(sizes)
+def leaf_shard_counts(leaf: Leaf, key: tuple, stage: int) -> LeafShards:
+    """Shard counts of ``leaf``'s parameters, gradients and optimizer state on a mesh (cached).
+
+    Args:
+      leaf: the parameter.
+      key: the mesh sizes as :func:`sizes_key` returns them (hashable, for the cache).
+      stage: the ZeRO stage (0 to 3).
+
+    Returns:
+      A :class:`LeafShards`; ``params`` / ``grads`` / ``opt`` count the tensor and pipe split
+      times the ZeRO axes' sizes (:func:`zero_axes`) when the leaf is shardable.
+
+    >>> from jaxpar.cost.model import gpt
+    >>> w1 = gpt(2, 32, 8, 16, 64, 16).leaf("blocks/w1")
+    >>> leaf_shard_counts(w1, sizes_key({"data": 4, "tensor": 2}), 1)
+    LeafShards(params=2, grads=2, opt=8, local=4096.0, shardable=True)
+    """
+    s = dict(key)
     spec = leaf_spec(leaf, s)
     base = math.prod(s[a] for dim in spec for a in dim)
     shardable = _zero_dim(leaf, spec, s) is not None
     out = []
     for kind in ("params", "grads", "opt"):
-        axes = _zero_axes(s, stage, kind)
+        axes = zero_axes(s, stage, kind)
         out.append(base * (math.prod(s[a] for a in axes) if axes and shardable else 1))
-    return out[0], out[1], out[2], leaf.size / base, shardable
+    return LeafShards(out[0], out[1], out[2], leaf.size / base, shardable)
 
 
-def _key(sizes: Mapping[str, int]) -> tuple:
+def sizes_key(sizes: Mapping[str, int]) -> tuple:
+    """The mesh sizes as a sorted, hashable key (axes of size 1 left out), for :func:`leaf_shard_counts`.
+
+    Args:
+      sizes: mesh axis sizes.
+
+    Returns:
+      ``((axis, size), ...)`` sorted by axis name, sizes > 1 only.
+
+    >>> sizes_key({"tensor": 2, "data": 4, "pipe": 1})
+    (('data', 4), ('tensor', 2))
+    """
     return tuple(sorted((a, v) for a, v in sizes.items() if v > 1))
 
 
@@ -176,7 +229,7 @@ def leaf_shards(leaf: Leaf, sizes: Mapping[str, int], stage: int, kind: str) -> 
     >>> [leaf_shards(w1, {"data": 4, "tensor": 2}, 1, k) for k in ("params", "grads", "opt")]
     [2, 2, 8]
     """
-    return _shards(leaf, _key(sizes), stage)[("params", "grads", "opt").index(kind)]
+    return leaf_shard_counts(leaf, sizes_key(sizes), stage)[("params", "grads", "opt").index(kind)]
 
 
 def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,
@@ -192,9 +245,9 @@ def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,
                                param_bytes=bp.param, grad_bytes=bp.grad, opt_bytes=bp.opt)
         return out
     out = {"params": 0.0, "grads": 0.0, "opt": 0.0}
-    key = _key(sizes)
+    key = sizes_key(sizes)
     for leaf in model.leaves:
-        sp, sg, so, _, _ = _shards(leaf, key, stage)
+        sp, sg, so, _, _ = leaf_shard_counts(leaf, key, stage)
         out["params"] += bp.param * leaf.size / sp
         out["grads"] += bp.grad * leaf.size / sg
         out["opt"] += bp.opt * leaf.size / so
@@ -227,7 +280,24 @@ def closed_form_stats(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int
 
 
 @lru_cache(maxsize=4096)
-def _schedule_stats(kind: str, p: int, m: int, v: int) -> tuple[float, int]:
+def schedule_stats(kind: str, p: int, m: int, v: int) -> tuple[float, int]:
+    """Bubble fraction and stage 0's peak in-flight (micro-batch, chunk) pairs of a schedule (cached).
+
+    Read from the built schedule table (:mod:`jaxpar.pipeline.schedules`) up to ``p * m * v =``
+    :data:`TABLE_LIMIT`, from :func:`closed_form_stats` above it.
+
+    Args:
+      kind: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``.
+      p: pipeline stages.
+      m: micro-batches.
+      v: virtual stages (chunks) per device.
+
+    Returns:
+      ``(bubble fraction, peak in-flight pairs)``.
+
+    >>> schedule_stats("1f1b", 4, 8, 1)
+    (0.2727272727272727, 4)
+    """
     if p * m * v > TABLE_LIMIT:
         return closed_form_stats(kind, p, m, v)
     from ..pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight
@@ -244,7 +314,7 @@ def in_flight(schedule: str, pipe: int, microbatches: int, virtual: int = 1) -> 
     """
     if pipe == 1:
         return 1
-    return _schedule_stats(schedule, pipe, microbatches, virtual)[1]
+    return schedule_stats(schedule, pipe, microbatches, virtual)[1]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from ..analysis.memory import format_bytes, render_table
 from .cluster import Cluster
 from .memory import LayoutError, MemoryEstimate, memory_per_device
 from .model import ModelSpec
-from .time import Overlap, Plan, StepTime, step_time
+from .parallel import Plan
+from .time import Overlap, StepTime, step_time
 
 __all__ = ["PlanError", "Estimate", "Rejected", "PlanResult", "plan", "factorisations", "evaluate"]
 

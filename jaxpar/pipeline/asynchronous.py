@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .program import _colour
+from .program import colour_intervals
 from .schedules import Schedule, canonical_kind
 
 __all__ = ["AsyncPipelineError", "TWO_BW", "is_two_bw", "step_windows", "weight_versions", "check_two_bw",
@@ -83,7 +83,7 @@ def weight_versions(schedule: Schedule, m: int) -> tuple[int, ...]:
             if a is not None:
                 lo_hi = span[s].setdefault(a.microbatch // m, [t, t])
                 lo_hi[0], lo_hi[1] = min(lo_hi[0], t), max(lo_hi[1], t)
-    return tuple(_colour((v, lo, hi) for v, (lo, hi) in span[s].items())[1] for s in range(p))
+    return tuple(colour_intervals((v, lo, hi) for v, (lo, hi) in span[s].items())[1] for s in range(p))
 
 
 def check_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> None:

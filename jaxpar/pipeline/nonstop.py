@@ -29,33 +29,32 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from ..batch import batch_sharding, check_batch, split_microbatches
+from ..batch import check_batch, split_microbatches
 from ..blocks import use_layer_runner
-from ..mesh import batch_axes
 from ..rules import drop_axes, named_shardings, use_rules
 from .asynchronous import AsyncPipelineError, check_two_bw_step, step_windows
-from .executor import (PIPE, TICKS_SCOPE, PipelineState, Slots, _get, _index, _initial_state, _put, _read, _Stage,
-                       _stage_counts, _table, _tick, _write)
+from .buffers import PipelineState, Slots, put, read_slots, take, take_tree, write_slots
 from .piped import check_pipeline_strategy, staged_cut
 from .program import Program, lower
 from .schedules import pipedream_2bw
+from .stage import PIPE, TICKS_SCOPE, Stage, initial_state, stage_counts, tick, tick_table
 
-__all__ = ["make_two_bw_steps", "check_steps_per_call", "window_runner", "step_microbatches", "jit_steps",
-           "TICKS_SCOPE", "WINDOWS_SCOPE"]
+__all__ = ["make_two_bw_steps", "check_steps_per_call", "check_stacked_batches", "window_runner",
+           "step_microbatches", "TICKS_SCOPE", "WINDOWS_SCOPE"]
 
 #: name scope of the loop over the later windows (in the compiled HLO, its ``while``'s ``op_name``
 #: ends ``pipeline_windows/while``; the tick loops' end ``TICKS_SCOPE/while``, as in the executor)
 WINDOWS_SCOPE = "pipeline_windows"
 
 
-class _TwoVersionStage(_Stage):
+class _TwoVersionStage(Stage):
     """A stage of the no-flush table: micro-batch ``i`` (step ``i // m``) reads version
     ``i // m - window`` (0: ``W(t-1)``, 1: ``W(t)``) and adds into accumulator ``(i // m) % 2``."""
 
     def __init__(self, parts, program: Program, counts, outer2, blocks2, mbs, m: int, window):
-        super().__init__(parts, program, counts, _index(outer2, 0), _index(blocks2, 0), mbs)
+        super().__init__(parts, program, counts, take_tree(outer2, 0), take_tree(blocks2, 0), mbs)
         self.m, self.outer2, self.blocks2, self.window = m, outer2, blocks2, window
         self.v = program.schedule.num_chunks
 
@@ -66,24 +65,24 @@ class _TwoVersionStage(_Stage):
         return (sl.mb // self.m) % 2
 
     def chunk_params(self, sl: Slots):
-        return _index(_index(self.blocks2, self._version(sl)), sl.chunk)
+        return take_tree(take_tree(self.blocks2, self._version(sl)), sl.chunk)
 
     def outer_params(self, sl: Slots):
-        return _index(self.outer2, self._version(sl))
+        return take_tree(self.outer2, self._version(sl))
 
     def read(self, st: PipelineState, sl: Slots):
         a = self._acc(sl)
-        one = st._replace(g_outer=_index(st.g_outer, a), loss=_get(st.loss, a))
-        return _read(one, sl._replace(chunk=a * self.v + sl.chunk))
+        one = st._replace(g_outer=take_tree(st.g_outer, a), loss=take(st.loss, a))
+        return read_slots(one, sl._replace(chunk=a * self.v + sl.chunk))
 
     def write(self, st: PipelineState, sl: Slots, io) -> PipelineState:
         a = self._acc(sl)
-        new = _write(st, sl._replace(chunk=a * self.v + sl.chunk), io)
-        return new._replace(g_outer=jax.tree.map(lambda b, g: _put(b, a, g), st.g_outer, io.g_outer),
-                            loss=_put(st.loss, a, io.loss))
+        new = write_slots(st, sl._replace(chunk=a * self.v + sl.chunk), io)
+        return new._replace(g_outer=jax.tree.map(lambda b, g: put(b, a, g), st.g_outer, io.g_outer),
+                            loss=put(st.loss, a, io.loss))
 
     def initial_state(self, program: Program) -> PipelineState:
-        st = _initial_state(program, self)
+        st = initial_state(program, self)
         two = lambda t: jax.tree.map(lambda z: jnp.concatenate([z[None]] * 2), t)   # noqa: E731
         return st._replace(g_blocks=jax.tree.map(lambda z: jnp.concatenate([z, z]), st.g_blocks),
                            g_outer=two(st.g_outer), loss=two(st.loss))
@@ -92,13 +91,13 @@ class _TwoVersionStage(_Stage):
         """Step ``window``'s loss and gradients (accumulator ``a``), and ``st`` with it zeroed."""
         v = self.v
         g_blocks = jax.tree.map(lambda b: jax.lax.dynamic_slice_in_dim(b, a * v, v), st.g_blocks)
-        out = (jax.lax.psum(_get(st.loss, a), PIPE) / self.m, jax.lax.psum(_index(st.g_outer, a), PIPE),
+        out = (jax.lax.psum(take(st.loss, a), PIPE) / self.m, jax.lax.psum(take_tree(st.g_outer, a), PIPE),
                jax.tree.map(lambda g: g[:, None], g_blocks))
         st = st._replace(
             g_blocks=jax.tree.map(lambda b, g: jax.lax.dynamic_update_slice_in_dim(b, jnp.zeros_like(g), a * v, 0),
                                   st.g_blocks, g_blocks),
-            g_outer=jax.tree.map(lambda b: _put(b, a, jnp.zeros(b.shape[1:], b.dtype)), st.g_outer),
-            loss=_put(st.loss, a, jnp.zeros((), jnp.float32)))
+            g_outer=jax.tree.map(lambda b: put(b, a, jnp.zeros(b.shape[1:], b.dtype)), st.g_outer),
+            loss=put(st.loss, a, jnp.zeros((), jnp.float32)))
         return out, st
 
 
@@ -107,8 +106,8 @@ def window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, fi
     one window's ticks (``rows``) on the versions ``outer2`` / ``blocks2`` (``[2, ...]``:
     ``W(t-1)``, ``W(t)``). ``state`` is every stage's in-flight :class:`PipelineState`
     (leading ``pipe`` axis); ``first``: the window starts from an empty pipeline (``state=None``)."""
-    counts = _stage_counts(program, mesh, stage_layers)
-    table = _table(program)
+    counts = stage_counts(program, mesh, stage_layers)
+    table = tick_table(program)
 
     def body(outer2, blocks2, mbs, st, rows, window):
         stage = _TwoVersionStage(parts, program, counts, outer2, jax.tree.map(lambda a: a[:, :, 0], blocks2),
@@ -116,7 +115,7 @@ def window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, fi
         st = stage.initial_state(program) if first else jax.tree.map(lambda a: a[0], st)
         branches = [stage.branch(k) for k in table.kinds]
         with jax.named_scope(TICKS_SCOPE):
-            st, _ = jax.lax.scan(functools.partial(_tick, stage, table, branches), st, rows)
+            st, _ = jax.lax.scan(functools.partial(tick, stage, table, branches), st, rows)
         out, st = stage.finish(st, window % 2)
         return out, jax.tree.map(lambda a: a[None], st)
 
@@ -140,7 +139,7 @@ def window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, fi
 def _windows_rows(program: Program, p: int, m: int, steps: int):
     """The table's rows cut at the step windows: the first window's, and the later ones
     stacked ``[steps - 1, 2m, ...]``."""
-    rows = _table(program).rows
+    rows = tick_table(program).rows
     (lo, hi), rest = step_windows(p, m, steps)[0], step_windows(p, m, steps)[1:]
     first = jax.tree.map(lambda a: a[lo:hi], rows)
     later = jax.tree.map(lambda a: a[hi:].reshape(steps - 1, 2 * m, *a.shape[1:]), rows) if rest else None
@@ -162,16 +161,23 @@ def _stack2(a, b):
     return jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)
 
 
-def make_two_bw_steps(loss_fn: Callable, tx, layout, strategy, steps: int, *, clip_norm: float | None = None,
-                      lr_schedule: Callable | None = None, donate: bool = True,
-                      skip_nonfinite: bool = False) -> Callable:
-    """``step(state, batches) -> (state, metrics)``: ``steps`` PipeDream-2BW optimizer steps of
-    the no-flush table in one jitted program (see the module docstring). Every leaf of
-    ``batches`` is ``[steps, B, ...]`` (``steps`` global batches, stacked); every metric is
-    ``[steps]``. With ``skip_nonfinite``, a skipped step sets ``W(t+1) = W(t)`` (the next step's
-    micro-batches have already run on ``W(t)``)."""
-    from ..train.step import _apply_update    # the train step's own update (clip, optax, skip)
+def make_two_bw_steps(loss_fn: Callable, layout, steps: int, apply_update: Callable) -> tuple[Callable, Program]:
+    """``steps`` PipeDream-2BW optimizer steps of the no-flush table in one program (see the module
+    docstring).
 
+    Args:
+      loss_fn: the user's loss (on the last stage).
+      layout: the train state's layout (its strategy: ``schedule='pipedream-2bw'``).
+      steps: optimizer steps per call.
+      apply_update: ``(state, loss, grads) -> (state, metrics)``, the train step's update; after
+        it ``W(t)`` becomes the older version (a skipped step too: the next step's micro-batches
+        have already run on ``W(t)``).
+
+    Returns:
+      ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
+      ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
+    """
+    strategy = layout.strategy
     check_steps_per_call(strategy, steps)
     check_two_bw_step(strategy, layout)
     mesh = layout.mesh
@@ -182,8 +188,7 @@ def make_two_bw_steps(loss_fn: Callable, tx, layout, strategy, steps: int, *, cl
     grad_shardings = named_shardings(layout.grads, mesh)
 
     def update(state, loss, grads):
-        new, metrics = _apply_update(tx, state, loss, grads, clip_norm=clip_norm, lr_schedule=lr_schedule,
-                                     skip_nonfinite=skip_nonfinite)
+        new, metrics = apply_update(state, loss, grads)
         return new._replace(versions=state.params), metrics    # W(t) becomes the older version
 
     def run(state, batches):
@@ -215,7 +220,7 @@ def make_two_bw_steps(loss_fn: Callable, tx, layout, strategy, steps: int, *, cl
                                             (rows_later, jnp.arange(1, steps, dtype=jnp.int32)))
         return state, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
 
-    return jit_steps(run, layout, m, steps, program, donate=donate)
+    return run, program
 
 
 def step_microbatches(batches: Any, m: int, mesh, steps: int) -> Any:
@@ -224,38 +229,9 @@ def step_microbatches(batches: Any, m: int, mesh, steps: int) -> Any:
     return jax.tree.map(lambda *a: jnp.concatenate(a), *mbs)
 
 
-def jit_steps(run: Callable, layout, m: int, steps: int, program: Any, *, donate: bool,
-              single: bool = False) -> Callable:
-    """``run(state, batches) -> (state, metrics)`` (batches ``[steps, B, ...]``, metrics ``[steps]``)
-    jitted with the layout's shardings and rules, and checked: the train step of a ``steps``-step
-    program (``.jitted``, ``.lower``, ``.program``). ``single``: it takes one batch and returns one
-    step's metrics (``steps == 1``)."""
-    mesh = layout.mesh
-
-    def step(state, batches):
-        if single:
-            batches = jax.tree.map(lambda a: a[None], batches)
-        with use_rules(mesh, layout.rules):
-            new, metrics = run(state, batches)
-        return new, (jax.tree.map(lambda a: a[0], metrics) if single else metrics)
-
-    in_batch = batch_sharding(mesh) if single else NamedSharding(mesh, P(None, batch_axes(mesh) or None))
-    jitted = jax.jit(step, in_shardings=(layout.shardings(), in_batch),
-                     out_shardings=(layout.shardings(), NamedSharding(mesh, P())),
-                     donate_argnums=(0,) if donate else ())
-
-    def checked(state, batches):
-        if single:
-            check_batch(batches, mesh, m)
-        else:
-            _check_batches(batches, mesh, m, steps)
-        return jitted(state, batches)
-
-    checked.jitted, checked.lower, checked.program = jitted, jitted.lower, program
-    return checked
-
-
-def _check_batches(batches: Any, mesh, m: int, steps: int) -> None:
+def check_stacked_batches(batches: Any, mesh, m: int, steps: int) -> None:
+    """Check ``steps`` stacked global batches: every leaf ``[steps, B, ...]``, ``B`` divisible by the
+    data axes times ``m`` micro-batches (an :class:`AsyncPipelineError` or ``ValueError`` says what)."""
     leads = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(batches)}
     if leads != {steps}:
         raise AsyncPipelineError(

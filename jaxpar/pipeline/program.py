@@ -31,7 +31,7 @@ from typing import Iterable
 
 from .schedules import Schedule, validate
 
-__all__ = ["Instr", "Tick", "Program", "lower", "sends"]
+__all__ = ["Instr", "Tick", "Program", "lower", "sends", "colour_intervals"]
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,23 @@ class Program:
         return self.schedule.split_backward
 
 
-def _colour(intervals: Iterable[tuple[object, int, int]]) -> tuple[dict, int]:
-    """Greedy interval colouring (optimal for intervals): ``key -> slot`` and slot count."""
+def colour_intervals(intervals: Iterable[tuple[object, int, int]]) -> tuple[dict, int]:
+    """Assign each interval a slot so that no two intervals sharing a slot overlap.
+
+    Greedy interval colouring in order of start, which uses the fewest slots: the peak
+    number of intervals alive at one tick.
+
+    Args:
+        intervals: ``(key, start, end)`` triples; ``end`` is inclusive (the slot is free
+            again from ``end + 1``).
+
+    Returns:
+        ``(key -> slot, number of slots)``.
+
+    Example:
+        >>> colour_intervals([("a", 0, 2), ("b", 1, 3), ("c", 3, 4)])
+        ({'a': 0, 'b': 1, 'c': 0}, 2)
+    """
     slots: dict = {}
     free_at: list[int] = []          # per slot: first tick it is free again
     for key, start, end in sorted(intervals, key=lambda t: (t[1], t[2])):
@@ -100,16 +115,21 @@ def _colour(intervals: Iterable[tuple[object, int, int]]) -> tuple[dict, int]:
     return slots, len(free_at)
 
 
-def lower(schedule: Schedule) -> Program:
-    """Validate ``schedule`` and lower it to a :class:`Program`."""
-    validate(schedule)
-    p, v = schedule.num_stages, schedule.num_chunks
-    last_k = p * v - 1
-    when: dict[tuple[str, int, int], int] = {}     # (kind, microbatch, virtual stage) -> tick
+def _action_ticks(schedule: Schedule) -> dict[tuple[str, int, int], int]:
+    """The tick of each action: ``(kind, microbatch, virtual stage) -> tick``."""
+    p = schedule.num_stages
+    when: dict[tuple[str, int, int], int] = {}
     for t, row in enumerate(schedule.table):
         for s, a in enumerate(row):
             if a is not None:
                 when[(a.kind, a.microbatch, a.chunk * p + s)] = t
+    return when
+
+
+def _waiting_intervals(schedule: Schedule, when: dict) -> tuple[list, list, list, list]:
+    """Per buffer (res, inbox_f, inbox_b, grad) and stage: when each value waits there, ``(key, start, end)``."""
+    p = schedule.num_stages
+    last_k = p * schedule.num_chunks - 1
     res, inf, inb, grd = ([[] for _ in range(p)] for _ in range(4))
     for (kind, mb, k), t in when.items():
         s = k % p
@@ -125,41 +145,53 @@ def lower(schedule: Schedule) -> Program:
                 inb[s].append(((mb, k), when[("B", mb, k + 1)] + 1, t))
             if schedule.split_backward:
                 grd[s].append(((mb, k), t, when[("W", mb, k)]))
-    colourings = [[_colour(buf[s]) for s in range(p)] for buf in (res, inf, inb, grd)]
+    return res, inf, inb, grd
+
+
+def _lower_row(schedule: Schedule, row, slot: list, n_fwd: int, n_bwd: int) -> Tick:
+    """One row of the table as a :class:`Tick`; ``slot[b](key, stage)``: the slot of buffer ``b``."""
+    p = schedule.num_stages
+    last_k = p * schedule.num_chunks - 1
+    instrs, fwd, bwd = [], [], []
+    fwd_recv, bwd_recv = [n_fwd] * p, [n_bwd] * p
+    for s, a in enumerate(row):
+        if a is None:
+            instrs.append(Instr())
+            continue
+        k = a.chunk * p + s
+        key = (a.microbatch, k)
+        first, last = k == 0, k == last_k
+        if a.kind == "F":
+            instrs.append(Instr("F", a.microbatch, a.chunk, first, last, res=slot[0](key, s),
+                                inbox=0 if first else slot[1](key, s),
+                                dy=slot[2](key, s) if last else 0))
+            if not last:
+                dst = (k + 1) % p
+                fwd.append((s, dst))
+                fwd_recv[dst] = slot[1]((a.microbatch, k + 1), dst)
+        elif a.kind == "B":
+            instrs.append(Instr("B", a.microbatch, a.chunk, first, last, res=slot[0](key, s),
+                                inbox=slot[2](key, s),
+                                grad=slot[3](key, s) if schedule.split_backward else 0))
+            if not first:
+                dst = (k - 1) % p
+                bwd.append((s, dst))
+                bwd_recv[dst] = slot[2]((a.microbatch, k - 1), dst)
+        else:
+            instrs.append(Instr("W", a.microbatch, a.chunk, first, last, res=slot[0](key, s),
+                                grad=slot[3](key, s)))
+    return Tick(tuple(instrs), tuple(fwd), tuple(fwd_recv), tuple(bwd), tuple(bwd_recv))
+
+
+def lower(schedule: Schedule) -> Program:
+    """Validate ``schedule`` and lower it to a :class:`Program`."""
+    validate(schedule)
+    p = schedule.num_stages
+    buffers = _waiting_intervals(schedule, _action_ticks(schedule))
+    colourings = [[colour_intervals(buf[s]) for s in range(p)] for buf in buffers]
     slot = [lambda key, s, c=c: c[s][0][key] for c in colourings]
     n_res, n_fwd, n_bwd, n_grad = (max(c[s][1] for s in range(p)) for c in colourings)
-
-    ticks = []
-    for t, row in enumerate(schedule.table):
-        instrs, fwd, bwd = [], [], []
-        fwd_recv, bwd_recv = [n_fwd] * p, [n_bwd] * p
-        for s, a in enumerate(row):
-            if a is None:
-                instrs.append(Instr())
-                continue
-            k = a.chunk * p + s
-            key = (a.microbatch, k)
-            first, last = k == 0, k == last_k
-            if a.kind == "F":
-                instrs.append(Instr("F", a.microbatch, a.chunk, first, last, res=slot[0](key, s),
-                                    inbox=0 if first else slot[1](key, s),
-                                    dy=slot[2](key, s) if last else 0))
-                if not last:
-                    dst = (k + 1) % p
-                    fwd.append((s, dst))
-                    fwd_recv[dst] = slot[1]((a.microbatch, k + 1), dst)
-            elif a.kind == "B":
-                instrs.append(Instr("B", a.microbatch, a.chunk, first, last, res=slot[0](key, s),
-                                    inbox=slot[2](key, s),
-                                    grad=slot[3](key, s) if schedule.split_backward else 0))
-                if not first:
-                    dst = (k - 1) % p
-                    bwd.append((s, dst))
-                    bwd_recv[dst] = slot[2]((a.microbatch, k - 1), dst)
-            else:
-                instrs.append(Instr("W", a.microbatch, a.chunk, first, last, res=slot[0](key, s),
-                                    grad=slot[3](key, s)))
-        ticks.append(Tick(tuple(instrs), tuple(fwd), tuple(fwd_recv), tuple(bwd), tuple(bwd_recv)))
+    ticks = [_lower_row(schedule, row, slot, n_fwd, n_bwd) for row in schedule.table]
     return Program(schedule, tuple(ticks), n_res, n_fwd, n_bwd, n_grad)
 
 

@@ -58,19 +58,33 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120,
         raise ValueError(f"dpi must be an int >= 10, got dpi={dpi!r}")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
-    p, v = schedule.num_stages, schedule.num_chunks
-    if timed:
-        bars = [[(start, end - start, a) for start, end, a in stage] for stage in timeline(schedule)]
-    else:
-        bars = [[(t, 1, row[st]) for t, row in enumerate(schedule.table) if row[st] is not None]
-                for st in range(p)]
+    p = schedule.num_stages
+    bars = _bars(schedule, timed)
     span = max([1] + [x + w for stage in bars for x, w, _ in stage])
 
     fig = Figure(figsize=(min(40.0, max(6.0, 0.32 * span + 1.5)), 0.6 * p + 1.6), dpi=dpi)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
+    _draw_actions(ax, bars, schedule.num_chunks, step_size)
+    _draw_marks(ax, boundaries, updates)
+    _label(ax, schedule, span, timed)
+    fig.tight_layout()
+    path = os.fspath(path)
+    fig.savefig(path, format="png")
+    return path
+
+
+def _bars(schedule: Schedule, timed: bool) -> list[list[tuple]]:
+    """Per stage, the ``(start, width, action)`` of each box: cost-model times or unit ticks."""
+    if timed:
+        return [[(start, end - start, a) for start, end, a in stage] for stage in timeline(schedule)]
+    return [[(t, 1, row[st]) for t, row in enumerate(schedule.table) if row[st] is not None]
+            for st in range(schedule.num_stages)]
+
+
+def _draw_actions(ax, bars: list[list[tuple]], v: int, step_size: int | None) -> None:
+    """The action boxes, coloured by kind and lightened by chunk (or by optimizer step), labelled."""
     font = 7 if v > 1 else 8
     for st, stage in enumerate(bars):
         for x, w, a in stage:
@@ -79,10 +93,21 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120,
             text = f"{a.microbatch}.{a.chunk}" if v > 1 else str(a.microbatch)
             ax.text(x + w / 2, st, text, ha="center", va="center", fontsize=font,
                     color="black" if light > 0.25 else "white")
+
+
+def _draw_marks(ax, boundaries: Sequence[int], updates: Sequence[tuple[int, int]]) -> None:
+    """Dashed lines before the ``boundaries`` ticks and red bars after each ``(stage, tick)`` update."""
     for b in boundaries:
         ax.axvline(b, color="black", linestyle="--", linewidth=1.0)
     for st, t in updates:
         ax.plot([t + 1, t + 1], [st - 0.45, st + 0.45], color="#C44E52", linewidth=2.0)
+
+
+def _label(ax, schedule: Schedule, span: float, timed: bool) -> None:
+    """Axes limits and labels, the legend of action kinds and the title with the schedule's metrics."""
+    from matplotlib.patches import Patch
+
+    p, v = schedule.num_stages, schedule.num_chunks
     ax.set_xlim(0, span)
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_yticks(range(p))
@@ -94,10 +119,6 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120,
     ax.set_title(f"{schedule.name}: p={p} m={schedule.num_microbatches} v={v}, "
                  f"{num_ticks(schedule)} ticks, bubble={bubble_fraction(schedule):.1%}, "
                  f"peak in-flight={max(peak_in_flight(schedule))}", fontsize=10)
-    fig.tight_layout()
-    path = os.fspath(path)
-    fig.savefig(path, format="png")
-    return path
 
 
 def _rect(x: float, stage: int, width: float, color):

@@ -49,11 +49,11 @@ from jax.sharding import PartitionSpec as P
 
 from ..blocks import use_layer_runner
 from ..rules import drop_axes, path_str, use_rules
-from .executor import (PIPE, TICKS_SCOPE, ActionKind, SlotView, Slots, TickIO, _exchange, _get, _index,
-                       _initial_state, _one_of, _put, _read, _Stage, _stage_counts, _table, _write)
+from .buffers import SlotView, Slots, TickIO, put, read_slots, take, take_tree, write_slots
 from .partition import from_stages, to_stages
 from .piped import check_pipeline_strategy, staged_cut
 from .schedules import pipedream
+from .stage import PIPE, TICKS_SCOPE, ActionKind, Stage, exchange, initial_state, one_of, stage_counts, tick_table
 from .stashing import StashingError, StashProgram, check_stashing, lower_stashed
 
 __all__ = ["make_stashing_step", "check_stashing_step", "check_per_stage_optimizer"]
@@ -81,7 +81,7 @@ class _Weights(NamedTuple):
     skips: Any      # [K]
 
 
-class _StashStage(_Stage):
+class _StashStage(Stage):
     """A stage of the stashing table: F / B on the version the tick reads; an update after the
     backward that ends an ``update_every`` group; losses summed per optimizer step."""
 
@@ -92,16 +92,16 @@ class _StashStage(_Stage):
         self._w = w0
 
     def chunk_params(self, sl: Slots):
-        return _index(self._w[1], sl.chunk)
+        return take_tree(self._w[1], sl.chunk)
 
     def outer_params(self, sl: Slots):
         return self._w[0]
 
     def read(self, st, sl: Slots) -> SlotView:
-        return _read(st._replace(loss=_get(st.loss, sl.mb // self.per_step)), sl)
+        return read_slots(st._replace(loss=take(st.loss, sl.mb // self.per_step)), sl)
 
     def write(self, st, sl: Slots, io: TickIO):
-        return _write(st, sl, io)._replace(loss=_put(st.loss, sl.mb // self.per_step, io.loss))
+        return write_slots(st, sl, io)._replace(loss=put(st.loss, sl.mb // self.per_step, io.loss))
 
     def stash_branch(self, kind: tuple) -> Callable[[_View, Slots], _IO]:
         base, update = self.branch(ActionKind(*kind[:3])), kind[3]
@@ -121,7 +121,7 @@ class _StashStage(_Stage):
 
     def _update(self, w_cur, opt, g_outer, g_chunk):
         """The stage's optimizer step on its newest version (one chunk: ``[Lmax, ...]`` layers)."""
-        params = self.cut.merge(list(w_cur[0]), _index(w_cur[1], 0))
+        params = self.cut.merge(list(w_cur[0]), take_tree(w_cur[1], 0))
         grads = self.cut.merge(list(g_outer), g_chunk)
         updates, new_opt = self.tx.update(grads, opt, params)
         new = optax.apply_updates(params, updates)
@@ -136,32 +136,32 @@ class _StashStage(_Stage):
 
 
 def _tick(stage: _StashStage, table, kinds, branches, carry, xs):
-    """The executor's tick (:func:`.executor._one_of`) with the stage's versions: the action
-    reads version ``ver``; an update reads ``cur`` and writes ``new``."""
+    """A tick as :func:`.stage.tick` runs it, with the stage's versions: the action reads
+    version ``ver``; an update reads ``cur`` and writes ``new``."""
     st, ws = carry
     row, vrow = xs
     i = stage.index
-    sl = Slots(*(_get(a, i) for a in row.slots))
-    ver, cur, new = (_get(a, i) for a in vrow)
+    sl = Slots(*(take(a, i) for a in row.slots))
+    ver, cur, new = (take(a, i) for a in vrow)
     step = sl.mb // stage.per_step
     none = jnp.zeros(stage.x.shape, stage.x.dtype)
 
     def act(k):
         def run(st, ws, send_f, send_b):
-            io = branches[k](_View(stage.read(st, sl), _index(ws.w, ver), _index(ws.w, cur), ws.opt), sl)
+            io = branches[k](_View(stage.read(st, sl), take_tree(ws.w, ver), take_tree(ws.w, cur), ws.opt), sl)
             if kinds[k][3]:
-                ws = _Weights(jax.tree.map(lambda b, x: _put(b, new, x), ws.w, io.w_new), io.opt,
+                ws = _Weights(jax.tree.map(lambda b, x: put(b, new, x), ws.w, io.w_new), io.opt,
                               ws.gsq.at[step].add(io.gsq), ws.skips.at[step].add(io.skip))
             return stage.write(st, sl, io.base), ws, io.base.send_f, io.base.send_b
         return run
 
-    st, ws, send_f, send_b = _one_of(_get(row.kind, i), kinds, act, (st, ws, none, none))
-    return (_exchange(st, table, row, i, send_f, send_b), ws), None
+    st, ws, send_f, send_b = one_of(take(row.kind, i), kinds, act, (st, ws, none, none))
+    return (exchange(st, table, row, i, send_f, send_b), ws), None
 
 
 def _branch_table(sp: StashProgram):
-    """The executor's table with one branch per (op, first, last, update)."""
-    table = _table(sp.program)
+    """The program's :func:`.stage.tick_table` with one branch per (op, first, last, update)."""
+    table = tick_table(sp.program)
     keys = [[(*ActionKind.of(ins), bool(sp.update[t][s])) for s, ins in enumerate(tick.instrs)]
             for t, tick in enumerate(sp.program.ticks)]
     kinds = sorted({k for row in keys for k in row})
@@ -249,8 +249,8 @@ def _opt_tags(tx, layout) -> list[int]:
     return tags
 
 
-def check_stashing_step(strategy, layout, *, clip_norm=None, explicit_dp=None) -> None:
-    """:func:`~.stashing.check_stashing` plus what the train step needs."""
+def check_stashing_step(strategy, layout) -> None:
+    """:func:`~.stashing.check_stashing` plus what the train step needs: a state with the older versions."""
     check_stashing(strategy, layout.mesh.shape)
     from .stashing import older_versions
 
@@ -260,103 +260,133 @@ def check_stashing_step(strategy, layout, *, clip_norm=None, explicit_dp=None) -
             f"make_train_step with schedule='pipedream', but the layout keeps no {n} older weight versions "
             "(TrainState.versions): the state was made for another schedule or update_every. Create it with "
             "init_train_state(..., strategy) using this same strategy.")
-    if clip_norm is not None:
-        raise StashingError(
-            f"clip_norm={clip_norm} with schedule='pipedream': global-norm clipping needs the norm over every "
-            "stage, but each stage updates alone, at its own ticks. Use clip_norm=None (YAML optimizer.clip_norm: "
-            "null), or schedule='1f1b'.")
-    if explicit_dp:
-        raise StashingError("explicit_dp=True with schedule='pipedream': a stage runs its layers inside the "
-                            "pipeline, where the data-axis collectives are left to XLA. Use explicit_dp=None.")
 
 
 # ----------------------------------------------------------------------------- the step
-def make_stashing_step(loss_fn: Callable, tx, layout, strategy, steps: int = 1, *, clip_norm=None,
-                       lr_schedule: Callable | None = None, donate: bool = True, skip_nonfinite: bool = False,
-                       explicit_dp=None) -> Callable:
-    """``step(state, batch) -> (state, metrics)`` (``steps=1``) or ``step(state, batches)`` with every
-    leaf ``[steps, B, ...]`` and metrics ``[steps]``: ``steps`` optimizer steps of weight stashing in
-    one program (see the module docstring)."""
-    from .nonstop import check_steps_per_call, jit_steps, step_microbatches
+def make_stashing_step(loss_fn: Callable, tx, layout, steps: int = 1, *, log_lr: Callable | None = None,
+                       skip_nonfinite: bool = False) -> tuple[Callable, StashProgram]:
+    """``steps`` optimizer steps of weight stashing in one program (see the module docstring): each
+    stage applies ``tx`` to its own weights inside the pipeline.
 
+    Args:
+      loss_fn: the user's loss (on the last stage).
+      tx: the optimizer, applied per stage (:func:`check_per_stage_optimizer`).
+      layout: the train state's layout (its strategy: ``schedule='pipedream'``).
+      steps: optimizer steps per call.
+      log_lr: ``step -> learning rate``, logged as ``metrics["lr"]``.
+      skip_nonfinite: a stage whose update gradient is not finite keeps its weights.
+
+    Returns:
+      ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
+      ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
+    """
+    from .nonstop import check_steps_per_call
+
+    strategy = layout.strategy
     check_steps_per_call(strategy, steps)
-    check_stashing_step(strategy, layout, clip_norm=clip_norm, explicit_dp=explicit_dp)
-    mesh = layout.mesh
-    check_pipeline_strategy(strategy, mesh)
-    p, m, k = mesh.shape[PIPE], strategy.microbatches, strategy.update_every
-    sp = lower_stashed(pipedream(p, m, steps), m=m, update_every=k, vertical_sync=strategy.vertical_sync)
-    table, kinds, rows, vrows = _branch_table(sp)
-    flat_paths = [path_str(pth) for pth, _ in jax.tree_util.tree_flatten_with_path(layout.shapes)[0]]
-    tags = _opt_tags(tx, layout)
+    check_stashing_step(strategy, layout)
+    check_pipeline_strategy(strategy, layout.mesh)
+    m = strategy.microbatches
+    sp = lower_stashed(pipedream(layout.mesh.shape[PIPE], m, steps), m=m, update_every=strategy.update_every,
+                       vertical_sync=strategy.vertical_sync)
+    step = _StashingRun(loss_fn, tx, layout, sp, steps, log_lr=log_lr, skip_nonfinite=skip_nonfinite)
     check_per_stage_optimizer(tx, layout.shapes, _stacked_ids(layout))
+    return step.run, sp
 
-    def run(state, batches):
+
+class _StashingRun:
+    """The ``run(state, batches)`` of :func:`make_stashing_step`: the state split per stage, every
+    stage's tick loop in a ``shard_map`` over ``pipe``, and the state merged back."""
+
+    def __init__(self, loss_fn, tx, layout, sp: StashProgram, steps: int, *, log_lr, skip_nonfinite: bool):
+        self.loss_fn, self.tx, self.layout, self.sp, self.steps = loss_fn, tx, layout, sp, steps
+        self.lr_schedule, self.skip_nonfinite = log_lr, skip_nonfinite
+        self.table, self.kinds, self.rows, self.vrows = _branch_table(sp)
+        self.flat_paths = [path_str(pth) for pth, _ in jax.tree_util.tree_flatten_with_path(layout.shapes)[0]]
+        self.tags = _opt_tags(tx, layout)
+
+    def run(self, state, batches):
+        """``steps`` optimizer steps: ``(state, batches [steps, B, ...]) -> (state, metrics [steps])``."""
+        from .nonstop import step_microbatches
+
+        layout, strategy, steps, mesh = self.layout, self.layout.strategy, self.steps, self.layout.mesh
+        p, m, k = mesh.shape[PIPE], strategy.microbatches, strategy.update_every
         mbs = step_microbatches(batches, m, mesh, steps)
-        cut = staged_cut(loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
+        cut = staged_cut(self.loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
                          jax.tree.map(lambda a: a[:m], mbs))
-        model_cut, inner = cut.parts, cut.model
-        blocks_ids = set(inner.block_leaves)
-        outer_names = [nm for i, nm in enumerate(flat_paths) if i not in blocks_ids]
-        outer_pos = {pi: j for j, pi in enumerate(i for i in range(len(flat_paths)) if i not in blocks_ids)}
-        staged = [cut.stage(w) for w in (state.params, *state.versions)]
+        blocks_ids = set(cut.model.block_leaves)
+        outer_names = [nm for i, nm in enumerate(self.flat_paths) if i not in blocks_ids]
+        staged = [cut.stage(w) for w in (state.params, *state.versions)]      # the versions stacked per stage
         w_outer = [jnp.stack(a) for a in zip(*(o for o, _ in staged))]
         w_blocks = jax.tree.map(lambda *a: jnp.stack(a), *(b for _, b in staged))
         mb0 = jax.tree.map(lambda a: a[0], mbs)
-        x = jax.eval_shape(model_cut.pre, strategy.cast([a[0] for a in w_outer]), mb0)
-        owners = _owners(model_cut, [a[0] for a in w_outer], mb0, x, outer_names, p)
-        counts = _stage_counts(sp.program, mesh, cut.stage_layers)
+        x = jax.eval_shape(cut.parts.pre, strategy.cast([a[0] for a in w_outer]), mb0)
+        owners = _owners(cut.parts, [a[0] for a in w_outer], mb0, x, outer_names, p)
+        counts = stage_counts(self.sp.program, mesh, cut.stage_layers)
         opt_leaves, opt_def = jax.tree.flatten(state.opt_state)
-        is_block = [t >= 0 and t in blocks_ids for t in tags]
+        is_block = [t >= 0 and t in blocks_ids for t in self.tags]
         opt_in = [to_stages(a, cut.stage_layers, p) if b else a for a, b in zip(opt_leaves, is_block)]
-
-        def body(w_outer, w_blocks, opt_in, mbs):
-            init = (w_outer, jax.tree.map(lambda a: a[:, :, 0], w_blocks))
-            opt = opt_def.unflatten([a[0, 0] if b else a for a, b in zip(opt_in, is_block)])
-            stage = _StashStage(model_cut, sp.program, counts, strategy.cast(_index(init, 0)), mbs, m=m, k=k, tx=tx,
-                                cut=inner, cast=strategy.cast, skip_nonfinite=skip_nonfinite)
-            slots = jnp.asarray(np.array(sp.init, np.int32))[stage.index]
-            buf = jax.tree.map(lambda a: jnp.zeros((sp.n_slots + 1, *a.shape[1:]), a.dtype), init)
-            for j in range(sp.older + 1):
-                buf = jax.tree.map(lambda b, a, j=j: _put(b, slots[j], a[j]), buf, init)
-            st = _initial_state(sp.program, stage)._replace(loss=jnp.zeros((steps,), jnp.float32))
-            ws = _Weights(buf, opt, jnp.zeros((steps,), jnp.float32), jnp.zeros((steps,), jnp.float32))
-            branches = [stage.stash_branch(kd) for kd in kinds]
-            with jax.named_scope(TICKS_SCOPE):
-                (st, ws), _ = jax.lax.scan(functools.partial(_tick, stage, table, kinds, branches), (st, ws), (rows, vrows))
-            final = jnp.asarray(np.array(sp.final, np.int32))[stage.index]
-            out = jax.tree.map(lambda b: jnp.stack([_get(b, final[j]) for j in range(sp.older + 1)]), ws.w)
-            sums = tuple(jax.lax.psum(a, PIPE) for a in (st.loss, ws.gsq, ws.skips))
-            opt_out = [a[None, None] if b else a[None] for a, b in zip(jax.tree.leaves(ws.opt), is_block)]
-            return sums, [a[None] for a in out[0]], jax.tree.map(lambda a: a[:, :, None], out[1]), opt_out
 
         rep = lambda t: jax.tree.map(lambda _: P(), t)                         # noqa: E731
         blk = lambda t: jax.tree.map(lambda _: P(None, None, PIPE), t)         # noqa: E731
         opt_specs = [P(None, PIPE) if b else P() for b in is_block]
         opt_out_specs = [P(None, PIPE) if b else P(PIPE) for b in is_block]
-        smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE}, check_vma=False,
+        stage_loop = functools.partial(self._stage_loop, cut, counts, opt_def, is_block)
+        smap = jax.shard_map(stage_loop, mesh=mesh, axis_names={PIPE}, check_vma=False,
                              in_specs=(rep(w_outer), blk(w_blocks), opt_specs, rep(mbs)),
                              out_specs=((P(), P(), P()), [P(PIPE)] * len(w_outer), blk(w_blocks), opt_out_specs))
         with use_rules(mesh, drop_axes(layout.rules, (PIPE,))), use_layer_runner(None):
             (loss, gsq, skips), o_out, b_out, opt_out = smap(w_outer, w_blocks, opt_in, mbs)
+        new = self._merged(state, cut, owners, opt_def, is_block, o_out, b_out, opt_out)
+        return new, _metrics(loss / m, jnp.sqrt(gsq / (m // k)), skips if self.skip_nonfinite else None,
+                             self.lr_schedule, state.step, steps, updates=p * (m // k))
+
+    def _stage_loop(self, cut, counts, opt_def, is_block: list, w_outer, w_blocks, opt_in, mbs):
+        """One stage's program: its weight versions and optimizer state through the table's ticks."""
+        sp, strategy, steps = self.sp, self.layout.strategy, self.steps
+        init = (w_outer, jax.tree.map(lambda a: a[:, :, 0], w_blocks))
+        opt = opt_def.unflatten([a[0, 0] if b else a for a, b in zip(opt_in, is_block)])
+        stage = _StashStage(cut.parts, sp.program, counts, strategy.cast(take_tree(init, 0)), mbs,
+                            m=strategy.microbatches, k=strategy.update_every, tx=self.tx, cut=cut.model,
+                            cast=strategy.cast, skip_nonfinite=self.skip_nonfinite)
+        slots = jnp.asarray(np.array(sp.init, np.int32))[stage.index]
+        buf = jax.tree.map(lambda a: jnp.zeros((sp.n_slots + 1, *a.shape[1:]), a.dtype), init)
+        for j in range(sp.older + 1):           # the state's versions in their first slots
+            buf = jax.tree.map(lambda b, a, j=j: put(b, slots[j], a[j]), buf, init)
+        st = initial_state(sp.program, stage)._replace(loss=jnp.zeros((steps,), jnp.float32))
+        ws = _Weights(buf, opt, jnp.zeros((steps,), jnp.float32), jnp.zeros((steps,), jnp.float32))
+        branches = [stage.stash_branch(kd) for kd in self.kinds]
+        tick = functools.partial(_tick, stage, self.table, self.kinds, branches)
+        with jax.named_scope(TICKS_SCOPE):
+            (st, ws), _ = jax.lax.scan(tick, (st, ws), (self.rows, self.vrows))
+        final = jnp.asarray(np.array(sp.final, np.int32))[stage.index]
+        out = jax.tree.map(lambda b: jnp.stack([take(b, final[j]) for j in range(sp.older + 1)]), ws.w)
+        sums = tuple(jax.lax.psum(a, PIPE) for a in (st.loss, ws.gsq, ws.skips))
+        opt_out = [a[None, None] if b else a[None] for a, b in zip(jax.tree.leaves(ws.opt), is_block)]
+        return sums, [a[None] for a in out[0]], jax.tree.map(lambda a: a[:, :, None], out[1]), opt_out
+
+    def _merged(self, state, cut, owners: list, opt_def, is_block: list, o_out, b_out, opt_out):
+        """The new train state: each version's owners' outer leaves and all stages' blocks, and the optimizer's."""
+        blocks_ids = set(cut.model.block_leaves)
+        outer_pos = {pi: j for j, pi in enumerate(i for i in range(len(self.flat_paths)) if i not in blocks_ids)}
         versions = [cut.grads([a[owners[n], j] for n, a in enumerate(o_out)], jax.tree.map(lambda a: a[j], b_out))
-                    for j in range(sp.older + 1)]
-        L = jax.tree.leaves(inner.split(layout.shapes)[1])[0].shape[0]
+                    for j in range(self.sp.older + 1)]
+        L = jax.tree.leaves(cut.model.split(self.layout.shapes)[1])[0].shape[0]
         opt_state = opt_def.unflatten([
             from_stages(a, cut.stage_layers, L) if b else (a[owners[outer_pos[t]]] if t >= 0 else a[0])
-            for a, b, t in zip(opt_out, is_block, tags)])
-        new = state._replace(step=state.step + steps, params=versions[0], opt_state=opt_state,
-                             versions=tuple(versions[1:]))
-        return new, _metrics(loss / m, jnp.sqrt(gsq / (m // k)), skips if skip_nonfinite else None,
-                             lr_schedule, state.step, steps)
-
-    return jit_steps(run, layout, m, steps, sp, donate=donate, single=steps == 1)
+            for a, b, t in zip(opt_out, is_block, self.tags)])
+        return state._replace(step=state.step + self.steps, params=versions[0], opt_state=opt_state,
+                              versions=tuple(versions[1:]))
 
 
-def _metrics(loss, grad_norm, skips, lr_schedule, step, steps: int) -> dict:
-    """Per-step metrics ``[steps]``: ``loss``, ``grad_norm``, ``skipped`` (with ``skips``), ``lr`` (with a schedule)."""
+def _metrics(loss, grad_norm, skips, lr_schedule, step, steps: int, updates: int) -> dict:
+    """Per-step metrics ``[steps]``: ``loss``, ``grad_norm``, ``lr`` (with a schedule) and, with
+    ``skips`` (non-finite stage updates dropped, of the step's ``updates``): ``skipped`` (every
+    stage update of the step dropped: no weight changed) and ``skipped_updates`` (how many)."""
     metrics = {"loss": loss, "grad_norm": grad_norm}
     if skips is not None:
-        metrics["skipped"] = skips > 0
+        metrics["skipped"] = skips >= updates
+        metrics["skipped_updates"] = skips.astype(jnp.int32)
     if lr_schedule is not None:
         metrics["lr"] = jnp.stack([jnp.asarray(lr_schedule(step + j), jnp.float32) for j in range(steps)])
     return metrics

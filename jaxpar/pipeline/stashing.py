@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from .program import Program, _colour, lower
+from .program import Program, colour_intervals, lower
 from .schedules import Schedule, canonical_kind
 from .table import check_int
 
@@ -130,8 +130,8 @@ def weight_versions(schedule: Schedule, update_every: int = 1, vertical_sync: bo
     """Weight versions each stage holds at once when it runs ``schedule`` with stashing
     (interval colouring of :func:`_intervals`, like the executor's residual slots)."""
     _check_table(schedule, update_every)
-    return tuple(_colour((v, lo, hi) for v, (lo, hi) in
-                         _intervals(schedule, s, update_every, vertical_sync, None).items())[1]
+    return tuple(colour_intervals((v, lo, hi) for v, (lo, hi) in
+                                  _intervals(schedule, s, update_every, vertical_sync, None).items())[1]
                  for s in range(schedule.num_stages))
 
 
@@ -179,7 +179,7 @@ def lower_stashed(schedule: Schedule, *, m: int, update_every: int = 1, vertical
     for s in range(p):
         span = _intervals(schedule, s, k, vertical_sync, older)
         unread = {v for v in range(-older, 1) if span.get(v, [0, -1])[1] < 0}
-        slot, n = _colour((v, lo, hi) for v, (lo, hi) in span.items() if v not in unread)
+        slot, n = colour_intervals((v, lo, hi) for v, (lo, hi) in span.items() if v not in unread)
         slots.append((slot, n))
         for t, a, v, u in _stage_events(schedule, s, k, vertical_sync):
             ver[t][s] = slot[v]

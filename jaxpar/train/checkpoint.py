@@ -16,6 +16,17 @@ train state's arrays, written by every process for its own shards) and ``meta``
   file, a step that disagrees with its record) is reported with a
   :class:`CheckpointWarning` naming the step and the reason; the previous one is
   used. No readable checkpoint at all raises :class:`CheckpointError` naming the directory.
+  Parameters or an optimizer state saved in another tree than the target's (another model,
+  or relaxed synchronisation's outer optimizer switched on or off) raise
+  :class:`CheckpointMismatchError` naming the part: every checkpoint of the run would fail alike.
+* **Features switched on or off.** The state a feature keeps (a gradient codec's residuals or
+  relaxed synchronisation's replicas in ``comm``, measurements in ``stats``, a pipeline
+  schedule's older weight versions in ``versions``) is dropped when the target keeps none, and
+  started afresh when the checkpoint has none, or has it in other shapes or, when both the save
+  and the restore had the :class:`~jaxpar.train.state.StateLayout`, for another layout (the
+  gradient packing of another ZeRO stage or data axes; weight stashing's stages): each with a
+  :class:`CheckpointWarning` saying what was dropped or started afresh
+  (:mod:`jaxpar.train.checkpoint_parts`).
 
 Example::
 
@@ -56,7 +67,9 @@ from typing import Any
 
 import jax
 
-__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Restored", "FORMAT"]
+from .checkpoint_parts import fresh_stats, plan_parts, record_layouts, shapes_of, versions_from_params
+
+__all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer", "Restored", "FORMAT"]
 
 #: Written into every checkpoint's JSON record; a restore checks it.
 FORMAT = "jaxpar-checkpoint-1"
@@ -66,8 +79,14 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint (the message names the directory and what was found there)."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint is readable but its parameters or optimizer state are another tree than the
+    target's (the message names the part and the differences); no older checkpoint is tried."""
+
+
 class CheckpointWarning(UserWarning):
-    """A checkpoint was unreadable and an older one is used instead."""
+    """A checkpoint was unreadable and an older one is used instead, or a part of the state it
+    holds was dropped or started afresh (the message says which and why)."""
 
 
 @dataclass
@@ -92,10 +111,14 @@ class Checkpointer:
     ``every``: :meth:`should_save` is true every ``every`` steps (0: never; the
     caller still saves at the end). ``keep``: how many of the newest checkpoints
     to keep. ``async_save``: write in a background thread (the arrays are copied
-    to host before :meth:`save` returns, so the caller may donate them).
+    to host before :meth:`save` returns, so the caller may donate them). ``layout``: the
+    :class:`~jaxpar.train.state.StateLayout` of the states :meth:`save` is given when it is not
+    told one (:meth:`restore` of a layout sets it too); with it, a record says which layout the
+    codec state and older weight versions were saved for.
     """
 
-    def __init__(self, directory: str | Path, *, every: int = 0, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str | Path, *, every: int = 0, keep: int = 3, async_save: bool = True,
+                 layout: Any = None):
         for name, value, low in (("every", every, 0), ("keep", keep, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"Checkpointer({name}={value!r}): must be an int >= {low}.")
@@ -104,6 +127,7 @@ class Checkpointer:
         self._ocp = ocp
         self.directory = Path(directory).absolute()
         self.every, self.keep, self.async_save = every, keep, async_save
+        self.layout = layout
         # Partial saves of a crashed run: removed here, synchronously (Orbax's own cleanup runs in a
         # thread that can outlive a process ending right after, e.g. on a failed resume).
         self.removed_partial: list[str] = []
@@ -145,11 +169,16 @@ class Checkpointer:
         return bool(self.every) and step > 0 and step % self.every == 0
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state: Any, meta: dict | None = None, *, wait: bool = False) -> bool:
+    def save(self, step: int, state: Any, meta: dict | None = None, *, wait: bool = False,
+             layout: Any = None) -> bool:
         """Checkpoint ``state`` at ``step`` with the JSON record ``meta`` (plus ``step``, ``format``, ``time``).
 
         Returns False (and writes nothing) when a good checkpoint of ``step`` already
-        exists. ``wait=True`` blocks until it is on disk.
+        exists. ``wait=True`` blocks until it is on disk. ``layout``: the state's
+        :class:`~jaxpar.train.state.StateLayout` (default: :attr:`layout`); the record then
+        says which layout the codec state and older weight versions are laid out for
+        (``comm_layout``, ``versions_layout``), so that a restore under another one starts
+        them afresh. Without one the record has shapes only.
         """
         ocp = self._ocp
         existing = set(self._manager.all_steps())
@@ -163,11 +192,12 @@ class Checkpointer:
         record = {**(meta or {}), "step": int(step), "format": FORMAT, "time": time.time()}
         comm = getattr(state, "comm", ())
         if jax.tree.leaves(comm):      # the codec state's shapes: a restore onto other replicas sees them
-            record["comm_shapes"] = _shapes(comm)
+            record["comm_shapes"] = shapes_of(comm)
         if hasattr(state, "stats"):    # running measurements (TrainState.stats): a restore compares them
-            record["stats_shapes"] = _shapes(state.stats)
+            record["stats_shapes"] = shapes_of(state.stats)
         if hasattr(state, "versions"):  # older weight versions (PipeDream-2BW's W(t-1)): a restore compares them
-            record["versions_shapes"] = _shapes(state.versions)
+            record["versions_shapes"] = shapes_of(state.versions)
+        record.update(record_layouts(layout if layout is not None else self.layout, state))
         t0 = time.perf_counter()
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                          meta=ocp.args.JsonSave(record)), force=True)
@@ -199,9 +229,10 @@ class Checkpointer:
         ``abstract_state()`` is used) or a tree of ``jax.ShapeDtypeStruct`` with
         shardings. Unreadable newer checkpoints are reported with a
         :class:`CheckpointWarning` and passed over; with ``step`` given, an
-        unreadable one raises. Raises :class:`CheckpointError` when none is readable.
+        unreadable one raises. Raises :class:`CheckpointError` when none is readable,
+        :class:`CheckpointMismatchError` when the parameters or optimizer state are
+        another tree than the target's. A layout given becomes :attr:`layout`.
         """
-        ocp = self._ocp
         abstract = target.abstract_state() if hasattr(target, "abstract_state") else target
         steps = self.steps()
         if step is not None:
@@ -224,6 +255,8 @@ class Checkpointer:
                 if meta.get("step") != s or int(jax.device_get(state.step)) != s:
                     raise ValueError(f"the record says step {meta.get('step')!r} and the state says step "
                                      f"{int(jax.device_get(state.step))}, the directory says {s}")
+            except CheckpointMismatchError:
+                raise
             except Exception as e:  # noqa: BLE001 - any read failure means this checkpoint is unusable
                 reason = _reason(e)
                 skipped.append((s, reason))
@@ -234,72 +267,110 @@ class Checkpointer:
                 warnings.warn(f"checkpoint {self.directory / str(s)} (step {s}) is unreadable, {nxt}: {reason}",
                               CheckpointWarning, stacklevel=2)
                 continue
+            if hasattr(target, "abstract_state"):
+                self.layout = target
             return Restored(step=s, state=state, meta=meta, path=str(self.directory / str(s)), skipped=skipped)
         listing = "; ".join(f"step {s}: {r}" for s, r in skipped)
         raise CheckpointError(f"no readable checkpoint in {self.directory}: {listing}")
 
     def _restore_one(self, step: int, abstract: Any, target: Any) -> tuple[Any, dict]:
-        """The state and record of ``step``. A gradient codec's state saved for another layout
-        (another number of data-parallel replicas) is not restored but started afresh (zero
-        residuals), with a :class:`CheckpointWarning`: the documented reshard policy. Running
-        measurements (``TrainState.stats``) that the checkpoint lacks (older checkpoints, or
-        saved without them) or holds in other shapes start afresh (zeros) too."""
+        """The state and record of ``step``. The optional parts (``comm``, ``stats``, ``versions``)
+        are restored, dropped or started afresh as :func:`~jaxpar.train.checkpoint_parts.plan_parts`
+        decides, each change with a :class:`CheckpointWarning`; a gradient codec's state saved for
+        another layout starts afresh (zero residuals): the documented reshard policy."""
         ocp = self._ocp
+        where = f"checkpoint {self.directory / str(step)}"
         meta = dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
-        comm = getattr(abstract, "comm", ())
-        fresh = bool(jax.tree.leaves(comm)) and meta.get("comm_shapes") != _shapes(comm)
-        stats = getattr(abstract, "stats", None)
-        fresh_stats = stats is not None and meta.get("stats_shapes") != _shapes(stats)
-        versions = getattr(abstract, "versions", None)
-        fresh_versions = versions is not None and meta.get("versions_shapes") != _shapes(versions)
-        drop = [name for name, yes in (("comm", fresh), ("stats", fresh_stats), ("versions", fresh_versions)) if yes]
-        item = abstract._asdict() if drop else abstract
-        for name in drop:
+        plans = plan_parts(meta, abstract, target, where)
+        self._check_tree(step, abstract)
+        skip = [p.name for p in plans if p.action != "restore"]
+        item = abstract._asdict() if skip else abstract
+        for name in skip:
             del item[name]
         args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                                      partial_restore=bool(drop))
+                                      partial_restore=bool(skip))
         state = self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
-        if not drop:
+        if not skip:
             return state, meta
-        if fresh_stats:
-            state["stats"] = jax.tree.map(lambda a: jax.device_put(jax.numpy.zeros(a.shape, a.dtype), a.sharding),
-                                          stats)
-            if jax.tree.leaves(stats) and "stats_shapes" in meta:
-                warnings.warn(f"checkpoint {self.directory / str(step)}: the running measurements were saved with "
-                              f"shapes {meta.get('stats_shapes')} and this layout has {_shapes(stats)}: they restart "
-                              "from zero.", CheckpointWarning, stacklevel=3)
-        if fresh_versions:    # none saved in this shape (another schedule): W(t-1) := W(t), as at step 0
-            state["versions"] = _older_version(versions, state["params"], self.directory / str(step))
-        if fresh:
-            state["comm"] = (target.comm_init(state["params"]) if getattr(target, "comm_from_params", False)
-                             else target.comm_init())
-            what = ("the replicas (jaxpar.sync) restart from the restored parameters, with fresh inner optimizer "
-                    "states" if getattr(target, "comm_from_params", False) else
-                    "its residuals restart from zero (and 1-bit Adam's exchanged moment, step count and top-k's "
-                    "ranking second moment)")
-            warnings.warn(f"checkpoint {self.directory / str(step)}: the gradient codec's or replicas' state was saved "
-                          f"with shapes {meta.get('comm_shapes')} and this layout needs {_shapes(comm)} (another "
-                          f"number of replicas, or another codec): {what}. Parameters and optimizer state are "
-                          "restored.", CheckpointWarning, stacklevel=3)
+        for p in plans:
+            if p.action in ("empty", "drop"):
+                state[p.name] = getattr(abstract, p.name)          # no leaves: the target's own empty part
+            elif p.action == "fresh":
+                state[p.name] = self._fresh(p.name, abstract, target, state["params"], where)
+            if p.message:
+                warnings.warn(p.message, CheckpointWarning, stacklevel=3)
         return type(abstract)(**state), meta
 
+    def _check_tree(self, step: int, abstract: Any) -> None:
+        """Raises :class:`CheckpointMismatchError` when the saved ``params`` or ``opt_state`` are
+        another tree than ``abstract``'s (Orbax's restore would fail, or fill what it lacks
+        silently); other trees (no such fields) are left to Orbax."""
+        fields = getattr(abstract, "_fields", ())
+        saved = self._manager.item_metadata(step)["state"]
+        saved = getattr(saved, "tree", saved)
+        for name, what in (("params", "the parameters (params) were"),
+                           ("opt_state", "the optimizer state (opt_state) was")):
+            if name not in fields or not isinstance(saved, dict) or name not in saved:
+                continue
+            diff = _tree_mismatch(saved[name], getattr(abstract, name))
+            if diff is None:
+                continue
+            why = ("another model or model configuration" if name == "params" else
+                   "another optimizer, or relaxed synchronisation switched on or off (DiLoCo and EASGD keep an outer "
+                   "optimizer's state instead of the optimizer's)")
+            raise CheckpointMismatchError(
+                f"checkpoint {self.directory / str(step)}: {what} saved as another tree than this run's ({diff}): "
+                f"{why}. It cannot be restored, and no older checkpoint is tried (they share it). Resume with the "
+                "settings the checkpoint was saved with, or start a new run.")
 
-def _older_version(versions: Any, params: Any, where: Path) -> Any:
-    """Older weight versions for a checkpoint saved without them (another schedule, or weight
-    stashing with another ``update_every`` / ``pipe``): copies of ``W(t)``, with a warning.
-    ``versions`` is one params-like tree (PipeDream-2BW's ``W(t-1)``) or a tuple of them (weight
-    stashing's older versions, newest first)."""
-    if not jax.tree.leaves(versions):
-        return versions
-    warnings.warn(f"checkpoint {where}: no older weight versions of this layout saved (another pipeline schedule); "
-                  "they resume equal to the current weights, W(t-1) = W(t), as at step 0.",
-                  CheckpointWarning, stacklevel=4)
-    copy = lambda v: jax.tree.map(lambda a, p: jax.device_put(jax.numpy.copy(p), a.sharding), v, params)  # noqa: E731
-    if jax.tree.structure(versions) == jax.tree.structure(params):
-        return copy(versions)
-    return tuple(copy(v) for v in versions)
+    def _fresh(self, name: str, abstract: Any, target: Any, params: Any, where: str) -> Any:
+        """A part started afresh: zero measurements, ``W(t-1) = W(t)``, or the layout's ``comm_init``."""
+        if name == "stats":
+            return fresh_stats(abstract.stats)
+        if name == "versions":
+            return versions_from_params(abstract.versions, params)
+        init = getattr(target, "comm_init", None)
+        if init is None:
+            raise CheckpointMismatchError(f"{where}: the gradient codec's or replicas' state cannot be restored into "
+                                          "this target and has to start afresh, which needs the StateLayout: call "
+                                          "restore(layout).")
+        return init(params) if getattr(target, "comm_from_params", False) else init()
 
 
-def _shapes(tree: Any) -> Any:
-    """JSON-able shapes of a pytree of arrays (lists of ints, in the tree's structure)."""
-    return json.loads(json.dumps(jax.tree.map(lambda a: list(a.shape), tree, is_leaf=lambda x: hasattr(x, "shape"))))
+def _key(k: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _flat_shapes(tree: Any) -> dict:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(_key(k) for k in path): tuple(getattr(leaf, "shape", ())) for path, leaf in flat}
+
+
+def _tree_mismatch(saved: Any, target: Any) -> str | None:
+    """How a saved tree (Orbax's metadata of it) differs from a target tree, by leaf path and shape.
+
+    Orbax saves a named tuple as a dict of its fields and a tuple as a list, which is how
+    ``jax.tree_util`` names their paths too, so the paths of both sides compare as strings.
+
+    Args:
+      saved: the checkpoint's tree metadata (leaves with a ``shape``).
+      target: the target's tree (``ShapeDtypeStruct`` leaves).
+
+    Returns:
+      ``None`` when the paths and shapes agree, else the first differences in words.
+    """
+    a, b = _flat_shapes(saved), _flat_shapes(target)
+    if a == b:
+        return None
+    parts = []
+    for label, keys in (("only in the checkpoint", sorted(set(a) - set(b))),
+                        ("only in this run", sorted(set(b) - set(a)))):
+        if keys:
+            parts.append(f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} ({len(keys)} entries)")
+    other = [f"{k} {list(a[k])} saved, {list(b[k])} here" for k in sorted(set(a) & set(b)) if a[k] != b[k]]
+    if other:
+        parts.append(f"other shapes: {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}")
+    return "; ".join(parts)

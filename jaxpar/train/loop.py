@@ -63,9 +63,9 @@ from .preemption import StopAgreement, StopSignals
 from .preemption import catch_stop_signals as catch_stop_signals  # re-exported: its former home
 from .ramp import AdaptiveRamp
 from .report import LogOptions, NonFiniteError, TrainSummary, plot_losses  # re-exported: their former home
-from .report import _check_int, _log_options, _Meter, _Progress
-from .state import StateLayout
-from .step import make_model_loss
+from .report import check_int, merge_log_options, Meter, Progress
+from .grads import model_loss
+from .state import StateLayout, layout_strategy
 
 __all__ = ["TrainSummary", "NonFiniteError", "LogOptions", "train", "make_eval_fn", "plot_losses",
            "NONFINITE_MODES"]
@@ -73,21 +73,23 @@ __all__ = ["TrainSummary", "NonFiniteError", "LogOptions", "train", "make_eval_f
 NONFINITE_MODES = ("skip", "stop")
 
 
-def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy = Strategy(),
+def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy | None = None,
                  batches: Sequence[Any] = ()) -> Callable[[Any], float]:
     """``evaluate(state) -> mean loss`` over fixed host ``batches`` (forward only, jitted once).
 
-    The model runs as in training: same layout, logical rules and compute dtype.
+    The model runs as in training: same layout, logical rules and compute dtype (the layout's
+    strategy; a ``strategy`` given must be that one).
     """
+    layout_strategy(layout, strategy)
     mesh = layout.mesh
     if not batches:
         raise ValueError("make_eval_fn: batches is empty; give at least one eval batch.")
     placed = [shard_batch(b, mesh) for b in batches]   # checked and placed once, reused at every eval
-    model_loss = make_model_loss(loss_fn, layout, strategy)
+    loss_of_params = model_loss(loss_fn, layout)
 
     def loss_of(params, batch):
         with use_rules(mesh, layout.rules):
-            return model_loss(params, batch)
+            return loss_of_params(params, batch)
 
     jitted = jax.jit(loss_of, in_shardings=(named_shardings(layout.params, mesh), batch_sharding(mesh)),
                      out_shardings=NamedSharding(mesh, PartitionSpec()))
@@ -106,7 +108,7 @@ def _check_ramp_and_calls(state: Any, ramp: Any, k: Any, **values: Any) -> None:
         raise ValueError("train(ramp=AdaptiveRamp(...)): the batch grows toward the measured gradient noise scale, "
                          "but the state measures none; build it with jaxpar.train.noise_scale.with_noise_scale and "
                          "the step with make_train_step(..., noise_scale_every=k).")
-    _check_int("train", "steps_per_call", k, 1)
+    check_int("train", "steps_per_call", k, 1)
     if k == 1:
         return
     if isinstance(ramp, AdaptiveRamp):
@@ -126,6 +128,23 @@ def _check_ramp_and_calls(state: Any, ramp: Any, k: Any, **values: Any) -> None:
                              f"between calls. Make it a multiple of {k}.")
 
 
+def _checked_train_args(state: Any, log: LogOptions, *, steps: int, start_step: int | None, eval_every: int,
+                        max_inflight: int, stop_check_every: int | None, on_nonfinite: str, ramp: Any,
+                        steps_per_call: int, checkpointer: Any) -> tuple[int, int]:
+    """:func:`train`'s arguments checked: its start step and ``stop_check_every`` (default: ``log_every``)."""
+    stop_check_every = log.log_every if stop_check_every is None else stop_check_every
+    for name, value, low in (("steps", steps, 1), ("eval_every", eval_every, 0), ("max_inflight", max_inflight, 1),
+                             ("stop_check_every", stop_check_every, 1)):
+        check_int("train", name, value, low)
+    if on_nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"train(on_nonfinite={on_nonfinite!r}): choose one of {', '.join(NONFINITE_MODES)}.")
+    start = int(state.step) if start_step is None else int(start_step)
+    _check_ramp_and_calls(state, ramp, steps_per_call, steps=steps, start=start, log_every=log.log_every,
+                          eval_every=eval_every, checkpoint_every=getattr(checkpointer, "every", 0),
+                          stop_check_every=stop_check_every)
+    return start, stop_check_every
+
+
 class _Run:
     """One :func:`train` call: the per-step body and the work at log, checkpoint, stop and eval points."""
 
@@ -143,8 +162,8 @@ class _Run:
         self.main = is_main_process()
         self.writer = MetricsWriter(log.out_dir, tensorboard=log.tensorboard,
                                     resume_step=start if start > 0 else None, enabled=self.main)
-        self.bar = _Progress(log.progress if self.main else "none", end, start, log.print_fn)
-        self.meter = _Meter(self.writer, self.bar, log, on_nonfinite=on_nonfinite, start=start, end=end,
+        self.bar = Progress(log.progress if self.main else "none", end, start, log.print_fn)
+        self.meter = Meter(self.writer, self.bar, log, on_nonfinite=on_nonfinite, start=start, end=end,
                             devices=mesh.size)
 
     def step(self, state: Any, step: int) -> tuple[Any, Any]:
@@ -224,6 +243,27 @@ class _Run:
         self.writer.write({"kind": "eval", "step": done, "eval_loss": value, "eval_time": time.perf_counter() - t0})
         self.bar.log(f"step {done:>6}/{self.end}  eval_loss {value:.4f}")
         self.meter.t_mark += time.perf_counter() - t0
+
+    def loop(self, state: Any, handle_signals: bool, stop_check_every: int) -> tuple[Any, TrainSummary]:
+        """The steps from ``start`` to ``end`` (until an agreed stop signal), then the final state and summary."""
+        done, preempted, k = self.start, None, self.k
+        try:
+            agreement = StopAgreement(stop_check_every)
+            with StopSignals(handle_signals) as signals:
+                for step in range(self.start, self.end, k):
+                    state, metrics = self.step(state, step)
+                    done = step + k
+                    self.grow_batch(state, done)
+                    # several processes: the same answer in all; checked after the first step too
+                    preempted = agreement.check(done, signals.received, due=done == self.start + k)
+                    self.sync(state, done, metrics, stop=preempted is not None)
+                    if preempted is not None:
+                        self.report_stop(done, preempted, agreement.processes)
+                        break
+                    self.evaluate(state, done)
+        finally:
+            self.close()
+        return state, self.summary(done, preempted)
 
     def close(self) -> None:
         if self.checkpointer is not None:
@@ -322,35 +362,12 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
         >>> int(state.step), summary.first_loss, summary.last_loss
         (4, 0.5, 0.0078125)
     """
-    log = _log_options(log, log_options)
-    stop_check_every = log.log_every if stop_check_every is None else stop_check_every
-    for name, value, low in (("steps", steps, 1), ("eval_every", eval_every, 0), ("max_inflight", max_inflight, 1),
-                             ("stop_check_every", stop_check_every, 1)):
-        _check_int("train", name, value, low)
-    if on_nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"train(on_nonfinite={on_nonfinite!r}): choose one of {', '.join(NONFINITE_MODES)}.")
-    start = int(state.step) if start_step is None else int(start_step)
-    _check_ramp_and_calls(state, ramp, steps_per_call, steps=steps, start=start, log_every=log.log_every,
-                          eval_every=eval_every, checkpoint_every=getattr(checkpointer, "every", 0),
-                          stop_check_every=stop_check_every)
+    log = merge_log_options(log, log_options)
+    start, stop_check_every = _checked_train_args(
+        state, log, steps=steps, start_step=start_step, eval_every=eval_every, max_inflight=max_inflight,
+        stop_check_every=stop_check_every, on_nonfinite=on_nonfinite, ramp=ramp, steps_per_call=steps_per_call,
+        checkpointer=checkpointer)
     run = _Run(step_fn, batch_fn, mesh, log, start=start, end=start + steps, on_nonfinite=on_nonfinite,
                max_inflight=max_inflight, checkpointer=checkpointer, checkpoint_meta=checkpoint_meta,
                eval_fn=eval_fn, eval_every=eval_every, ramp=ramp, steps_per_call=steps_per_call)
-    done, preempted = start, None
-    try:
-        agreement = StopAgreement(stop_check_every)
-        with StopSignals(handle_signals) as signals:
-            for step in range(start, start + steps, steps_per_call):
-                state, metrics = run.step(state, step)
-                done = step + steps_per_call
-                run.grow_batch(state, done)
-                # several processes: the same answer in all; checked after the first step too
-                preempted = agreement.check(done, signals.received, due=done == start + steps_per_call)
-                run.sync(state, done, metrics, stop=preempted is not None)
-                if preempted is not None:
-                    run.report_stop(done, preempted, agreement.processes)
-                    break
-                run.evaluate(state, done)
-    finally:
-        run.close()
-    return state, run.summary(done, preempted)
+    return run.loop(state, handle_signals, stop_check_every)

@@ -19,8 +19,10 @@ sequences for a language model; times the sequence length for tokens).
 
 Here: the pure estimators, the running state kept in ``TrainState.stats["noise_scale"]``
 (:func:`with_noise_scale`: checkpointed with the rest of the state) and a PNG of the
-estimate over training. The measurement inside the data-parallel step is
-:mod:`jaxpar.train.noise_measure` (``make_train_step(..., noise_scale_every=k)``).
+estimate over training. ``make_train_step(..., noise_scale_every=k)`` measures inside the step:
+every ``k``-th step runs a second program whose exchange is
+:func:`jaxpar.train.exchange.measured_exchange` (each replica's own gradient, then the average),
+with any flush pipeline schedule and any gradient codec; :func:`check_measurable` says where it cannot.
 
 Example::
 
@@ -42,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-__all__ = ["NoiseScaleError", "KEY", "METRICS", "check_options", "grad_sq_estimate", "trace_estimate",
+__all__ = ["NoiseScaleError", "KEY", "METRICS", "check_options", "check_measurable", "grad_sq_estimate", "trace_estimate",
            "init_state", "update", "noise_scale_of", "with_noise_scale", "has_noise_scale", "plot_noise_scale"]
 
 #: The key of the noise-scale state in ``TrainState.stats``.
@@ -70,6 +72,30 @@ def check_options(every: Any, ema: Any, owner: str = "make_train_step") -> None:
     if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 <= ema < 1:
         raise NoiseScaleError(f"{owner}(noise_scale_ema={ema!r}): must be a float in [0, 1), the decay of the moving "
                               "averages of tr(Σ) and |G|² per measurement (0: no averaging; e.g. 0.95).")
+
+
+def check_measurable(layout, every: Any, ema: Any) -> None:
+    """Raise :class:`NoiseScaleError` where ``make_train_step(noise_scale_every=every,
+    noise_scale_ema=ema)`` cannot measure on ``layout``: bad options, no data axis, no place in
+    the state (the features it does not combine with are in :mod:`jaxpar.compat`).
+
+    Args:
+      layout: the state's :class:`~jaxpar.train.state.StateLayout` (its strategy and mesh).
+      every: measure every ``every`` steps.
+      ema: the moving averages' decay.
+    """
+    check_options(every, ema)
+    sizes = dict(layout.mesh.shape)
+    axes = [a for a in ("data", "fsdp") if sizes.get(a, 1) > 1]
+    why = None
+    if not axes:
+        why = (f"the mesh {sizes} has no data axis ('data' or 'fsdp') of size > 1, so each replica's batch is the "
+               "global batch and the two-batch estimate is undefined; use a mesh with data > 1")
+    elif not has_noise_scale(layout):
+        why = ("the train state has no place for the moving averages; create it with "
+               "state, layout = jaxpar.train.noise_scale.with_noise_scale(*jaxpar.init_train_state(...))")
+    if why:
+        raise NoiseScaleError(f"make_train_step(noise_scale_every={every}): {why}.")
 
 
 def grad_sq_estimate(sq_small, sq_big, b_small, b_big):

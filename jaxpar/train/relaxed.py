@@ -1,4 +1,4 @@
-"""Train steps for K model replicas on the ``replica`` mesh axis (:mod:`jaxpar.sync`).
+"""The state of K model replicas on the ``replica`` mesh axis (:mod:`jaxpar.sync`).
 
 Every replica runs the strategy's own loss-and-grad on its share of the batch: the per-replica
 function is ``jax.vmap``-ed with ``spmd_axis_name='replica'``, so each replica is sharded by the
@@ -26,15 +26,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ..batch import batch_sharding, check_batch
 from ..mesh import REPLICA, data_axes, replicas
-from ..rules import named_shardings, use_rules
+from ..rules import named_shardings
 from ..strategy import Strategy
 from ..zero import spec_shards
 from ..sync import DiLoCo, EASGD, Stale, SyncError, check_sync, synchronous
-from .state import StateLayout, TrainState, _opt_specs
+from .state import StateLayout, optimizer_specs
 
-__all__ = ["relaxed_layout", "make_relaxed_train_step", "replica_bytes"]
+__all__ = ["relaxed_layout", "replica_bytes", "split_replicas", "is_local"]
 
 _is_spec = lambda x: isinstance(x, P)   # noqa: E731
 
@@ -47,7 +46,8 @@ def _stack_shapes(shapes: Any, n: int) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *a.shape), a.dtype), shapes)
 
 
-def _is_local(sync) -> bool:
+def is_local(sync) -> bool:
+    """Whether the replicas of ``sync`` train on their own between syncs (DiLoCo, local SGD, EASGD)."""
     return isinstance(sync, (DiLoCo, EASGD))
 
 
@@ -59,15 +59,15 @@ def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation, strate
     if dict(mesh.shape).get("pipe", 1) > 1:
         raise SyncError(f"sync {sync.name!r} with pipe={mesh.shape['pipe']} on replica={k}: pipelined replicas are "
                         "not supported yet; use data / fsdp / tensor inside each replica (mesh pipe=1).")
-    inner_shapes, inner_specs = _opt_specs(tx, layout.shapes, layout.opt_param_specs)
+    inner_shapes, inner_specs = optimizer_specs(tx, layout.shapes, layout.opt_param_specs)
     if isinstance(sync, DiLoCo):
-        opt_shapes, opt_specs = _opt_specs(sync.outer, layout.shapes, layout.opt_param_specs)
+        opt_shapes, opt_specs = optimizer_specs(sync.outer, layout.shapes, layout.opt_param_specs)
     elif isinstance(sync, EASGD):
-        opt_shapes, opt_specs = _opt_specs(optax.identity(), layout.shapes, layout.opt_param_specs)
+        opt_shapes, opt_specs = optimizer_specs(optax.identity(), layout.shapes, layout.opt_param_specs)
     else:
         opt_shapes, opt_specs = inner_shapes, inner_specs
     comm, comm_shapes = (), ()
-    if _is_local(sync):
+    if is_local(sync):
         comm = {"params": _lead(layout.params, REPLICA), "opt": _lead(inner_specs, REPLICA)}
         comm_shapes = {"params": _stack_shapes(layout.shapes, k), "opt": _stack_shapes(inner_shapes, k)}
     elif isinstance(sync, Stale) and sync.max_delay > 0:
@@ -81,7 +81,7 @@ def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation, strate
             opt = optax.identity().init(params)
         else:
             opt = tx.init(params)
-        if _is_local(sync):
+        if is_local(sync):
             reps = jax.tree.map(lambda a: jnp.broadcast_to(a, (k, *a.shape)), params)
             return opt, {"params": reps, "opt": jax.vmap(tx.init)(reps)}
         if comm:
@@ -102,42 +102,17 @@ def replica_bytes(layout: StateLayout) -> int:
                for a, spec in zip(jax.tree.leaves(layout.shapes), jax.tree.leaves(layout.params, is_leaf=_is_spec)))
 
 
-def _split(batch: Any, k: int, mesh) -> Any:
-    """``[B, ...] -> [K, B/K, ...]``: replica ``r`` takes its own rows (no resharding)."""
+def split_replicas(batch: Any, k: int, mesh) -> Any:
+    """``[B, ...] -> [K, B/K, ...]``: replica ``r`` takes its own rows (no resharding).
+
+    Args:
+      batch: the global batch (leading dimension split over ``replica`` and the data axes).
+      k: the number of replicas.
+      mesh: the mesh.
+
+    Returns:
+      The batch with a leading replica axis, sharded over ``replica``.
+    """
     sharding = NamedSharding(mesh, P(REPLICA, data_axes(mesh) or None))
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x.reshape(k, x.shape[0] // k, *x.shape[1:]),
                                                                    sharding), batch)
-
-
-def make_relaxed_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout: StateLayout,
-                            strategy: Strategy, *, clip_norm, lr_schedule, donate: bool, explicit_dp,
-                            skip_nonfinite: bool) -> Callable:
-    """``step(state, batch) -> (state, metrics)`` for ``strategy.sync`` on the ``replica`` axis."""
-    from . import relaxed_steps
-
-    sync = strategy.sync or synchronous()
-    check_sync(sync, replicas(layout.mesh))
-    if layout.comm_init is tuple or not getattr(layout, "comm_from_params", False):
-        raise SyncError(f"make_train_step with sync {sync.name!r} on replica={replicas(layout.mesh)}, but the layout "
-                        "was made without it. Create the state with init_train_state(..., strategy) using this "
-                        "same strategy and mesh.")
-    if explicit_dp:
-        from .step import ExplicitDPError
-
-        raise ExplicitDPError(f"explicit_dp=True with sync {sync.name!r}: inside replicas the data-axis collectives "
-                              "are left to XLA (jaxpar's per-layer shard_map does not lower under the replicas' "
-                              "vmap for every ZeRO layout). Use explicit_dp=None or False.")
-    kw = dict(clip_norm=clip_norm, lr_schedule=lr_schedule, skip_nonfinite=skip_nonfinite, explicit_dp=False)
-    build = relaxed_steps.local_steps if _is_local(sync) else relaxed_steps.global_step
-    step = build(loss_fn, tx, layout, strategy, sync, donate=donate, **kw)
-
-    def checked(state, batch):
-        check_batch(batch, layout.mesh, strategy.microbatches)
-        return step(state, batch)
-
-    for name in ("inner", "outer", "warm", "jitted", "lower"):
-        if hasattr(step, name):
-            setattr(checked, name, getattr(step, name))
-    checked.batch_sharding = batch_sharding(layout.mesh)
-    return checked
-

@@ -6,7 +6,7 @@
 * :class:`TrainSummary`: what a ``train()`` call did (losses, timings, skipped and
   checkpointed steps), with a one-line :meth:`~TrainSummary.line`.
 * :func:`plot_losses`: the ``loss.png`` curve.
-* ``_Progress`` (tqdm bar or lines) and ``_Meter`` (fetches step metrics at log points,
+* :class:`Progress` (tqdm bar or lines) and :class:`Meter` (fetch step metrics at log points,
   checks them for NaN / inf, writes ``train`` and ``nonfinite`` records, times steps):
   used by the loop only.
 
@@ -37,7 +37,8 @@ import jax
 from ..analysis.memory import format_bytes
 from .metrics import MetricsWriter, mfu
 
-__all__ = ["LogOptions", "TrainSummary", "NonFiniteError", "plot_losses"]
+__all__ = ["LogOptions", "TrainSummary", "NonFiniteError", "plot_losses", "Progress", "Meter", "check_int",
+           "merge_log_options"]
 
 _PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
@@ -113,7 +114,8 @@ _COMM = ("comm_bytes", "comm_ratio", "residual_norm", "replica_grad_norm",      
          "batch_size")                                                                  # the step's global batch
 
 
-def _check_int(owner: str, name: str, value: Any, low: int) -> None:
+def check_int(owner: str, name: str, value: Any, low: int) -> None:
+    """Raise ``ValueError`` naming ``owner(name=value)`` unless ``value`` is an int >= ``low``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{owner}({name}={value!r}): must be an int >= {low}.")
 
@@ -159,7 +161,7 @@ class LogOptions:
     peak_flops: float | None = None
 
     def __post_init__(self) -> None:
-        _check_int("LogOptions", "log_every", self.log_every, 1)
+        check_int("LogOptions", "log_every", self.log_every, 1)
         if self.progress not in _PROGRESS_MODES:
             raise ValueError(f"LogOptions(progress={self.progress!r}): choose one of "
                              f"{', '.join(map(repr, _PROGRESS_MODES))}.")
@@ -174,7 +176,7 @@ class LogOptions:
 _LOG_FIELDS = tuple(f.name for f in fields(LogOptions))
 
 
-def _log_options(log: LogOptions | None, direct: dict[str, Any]) -> LogOptions:
+def merge_log_options(log: LogOptions | None, direct: dict[str, Any]) -> LogOptions:
     """``log`` (default ``LogOptions()``) with the logging options given to ``train()`` directly."""
     unknown = [name for name in direct if name not in _LOG_FIELDS]
     if unknown:
@@ -185,7 +187,7 @@ def _log_options(log: LogOptions | None, direct: dict[str, Any]) -> LogOptions:
     return replace(log if log is not None else LogOptions(), **direct)
 
 
-class _Progress:
+class Progress:
     """tqdm bar on a terminal, plain lines otherwise (or nothing)."""
 
     def __init__(self, mode: str, total: int, initial: int, print_fn: Callable[[str], None]):
@@ -214,11 +216,11 @@ class _Progress:
             self.bar.close()
 
 
-class _Meter:
+class Meter:
     """The metrics of one :func:`~jaxpar.train.loop.train` call: fetched from the device at log and
     checkpoint points, checked for non-finite values, written as records and progress lines, and timed."""
 
-    def __init__(self, writer: MetricsWriter, bar: _Progress, log: LogOptions, *, on_nonfinite: str,
+    def __init__(self, writer: MetricsWriter, bar: Progress, log: LogOptions, *, on_nonfinite: str,
                  start: int, end: int, devices: int):
         self.writer, self.bar, self.log = writer, bar, log
         self.on_nonfinite, self.end, self.devices = on_nonfinite, end, devices
@@ -253,7 +255,7 @@ class _Meter:
                                                    for i in range(k)]
         for s, m in fetched:
             loss, gnorm = float(m["loss"]), float(m["grad_norm"])
-            skipped = bool(m.get("skipped", False))
+            skipped = bool(m.get("skipped", False)) or int(m.get("skipped_updates", 0)) > 0
             self.losses.append(loss)
             self.window.append({"loss": loss, "grad_norm": gnorm, "lr": float(m.get("lr", float("nan"))),
                                 "skipped": skipped, **{k: float(m[k]) for k in _COMM if k in m}})

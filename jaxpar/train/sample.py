@@ -26,14 +26,26 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["greedy_generate", "host_params", "format_samples"]
+__all__ = ["greedy_generate", "host_params", "format_samples", "SampleOptions", "write_samples"]
+
+
+class SampleOptions(NamedTuple):
+    """The text samples written at the end of a run (``jaxpar train``: ``logging.samples`` and
+    ``logging.sample_tokens``): ``count`` prompts of the first ``min(16, context // 2)`` tokens of
+    held-out rows, each continued by ``new_tokens`` greedy tokens; ``text``: the tokens are bytes."""
+
+    count: int
+    context: int
+    new_tokens: int
+    text: bool = True
 
 
 def host_params(params: Any) -> Any:
@@ -112,3 +124,43 @@ def format_samples(prompts: Sequence[bytes | Sequence[int]], outputs: Sequence[b
             text = f"[prompt] {list(p)}\n{list(o)}"
         parts.append(f"--- sample {i} ---\n{text}\n")
     return "\n".join(parts)
+
+
+def write_samples(graphdef: Any, params: Any, batch: Any, path: str | Path, opts: SampleOptions) -> str:
+    """Greedy continuations of the first rows of ``batch`` -> ``path`` (:func:`format_samples`).
+
+    Args:
+      graphdef: the model's graph definition (``layout.graphdef``).
+      params: the parameters, on the host (:func:`host_params`: with several processes every
+        process gathers them, then only one writes).
+      batch: a batch with a ``tokens`` leaf ``[B, T]`` (e.g. the first eval batch); its first
+        ``opts.count`` rows give the prompts.
+      path: the file to write.
+      opts: how many samples, the context, the new tokens, bytes or token ids.
+
+    Returns:
+      ``path`` as a string.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, numpy as np
+      >>> class Next(nnx.Module):                  # always predicts token + 1
+      ...     def __init__(self, vocab):
+      ...         self.table = nnx.Param(jnp.roll(jnp.eye(vocab), 1, axis=1))
+      ...     def __call__(self, tokens):
+      ...         return self.table[...][tokens]
+      >>> graphdef, params = nnx.split(Next(256))
+      >>> batch = {"tokens": np.array([list(b"hello world!")], np.int32)}
+      >>> path = write_samples(graphdef, params, batch, tempfile.mkdtemp() + "/samples.txt",
+      ...                      SampleOptions(count=1, context=8, new_tokens=2))
+      >>> print(Path(path).read_text())
+      --- sample 0 ---
+      [prompt] 'hell'
+      hellmn
+      <BLANKLINE>
+    """
+    rows = batch["tokens"][: opts.count]
+    plen = max(1, min(16, opts.context // 2))
+    prompts = [bytes(r[:plen].astype("uint8")) if opts.text else [int(t) for t in r[:plen]] for r in rows]
+    outs = greedy_generate(graphdef, params, prompts, context=opts.context, new_tokens=opts.new_tokens)
+    Path(path).write_text(format_samples(prompts, outs))
+    return str(path)

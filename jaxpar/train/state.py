@@ -1,42 +1,40 @@
-"""Train state created already sharded: ``eval_shape`` -> shardings -> ``jit(out_shardings=...)``.
+"""What a train state is: :class:`TrainState` (the arrays) and :class:`StateLayout` (where each
+piece lives, the model's structure, and the strategy it was built for).
 
-No full copy of the parameters or optimizer state ever sits on one device.
+:func:`jaxpar.init_train_state` (:mod:`jaxpar.train.init`) creates both.
 
 Example::
 
     >>> import jax, optax
     >>> from flax import nnx
-    >>> from jaxpar import MeshSpec, Strategy, make_mesh
+    >>> from jaxpar import Strategy, init_train_state, make_mesh
     >>> from jaxpar.models.mlp import MLPClassifier
-    >>> mesh = make_mesh(MeshSpec(fsdp=2), devices=jax.devices()[:2])
+    >>> mesh = make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
     >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
-    >>> state, layout = init_train_state(model_fn, optax.adamw(1e-3), mesh, Strategy())
-    >>> layout.logical["up"][0]["kernel"], state.params["up"][0]["kernel"].sharding.spec
-    (P('embed', 'mlp'), P('fsdp', 'tensor'))
-    >>> state.opt_state[0].mu["up"][0]["kernel"].sharding.spec     # Adam moments: the same layout
-    P('fsdp', 'tensor')
-    >>> target = layout.abstract_state()   # ShapeDtypeStruct(..., sharding=...) tree for Orbax restore
-    >>> target.params["up"][0]["kernel"]
-    ShapeDtypeStruct(shape=(8, 8), dtype=float32, sharding=NamedSharding(...spec=P('fsdp', 'tensor')...))
+    >>> state, layout = init_train_state(model_fn, optax.sgd(0.1), mesh, Strategy(zero=3))
+    >>> layout_strategy(layout) is layout.strategy, layout.strategy.name(dict(mesh.shape))
+    (True, 'fsdp2')
+    >>> layout_strategy(layout, Strategy(zero=1))
+    Traceback (most recent call last):
+    ...
+    jaxpar.train.state.StrategyMismatchError: make_train_step(strategy='fsdp2'), but the layout was built ...
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..mesh import replicas
-from ..rules import named_shardings, resolve
+from ..rules import named_shardings
 from ..strategy import Strategy
-from ..zero import analytic_state_bytes, zero_specs
+from ..zero import analytic_state_bytes
 
-__all__ = ["TrainState", "StateLayout", "init_train_state", "state_layout", "abstract_model"]
+__all__ = ["TrainState", "StateLayout", "optimizer_specs", "layout_strategy", "StrategyMismatchError"]
 
 
 class TrainState(NamedTuple):
@@ -105,22 +103,18 @@ class StateLayout:
                                     opt_bytes=per_param)
 
 
-def abstract_model(model_fn: Callable[[], nnx.Module]):
-    """``(graphdef, param shapes, logical specs)`` of the model, without allocating it."""
-    with nnx.use_eager_sharding(False):
-        abs_model = nnx.eval_shape(model_fn)
-    graphdef, abs_params, rest = nnx.split(abs_model, nnx.Param, ...)
-    if jax.tree.leaves(rest):
-        raise ValueError("init_train_state: the model has non-Param state "
-                         f"({sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))})}); "
-                         "jaxpar trains models whose state is all nnx.Param. Keep RNG streams "
-                         "and counters outside the module.")
-    logical = nnx.to_pure_dict(nnx.get_partition_spec(abs_params))
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(abs_params))
-    return graphdef, shapes, logical
+def optimizer_specs(tx: optax.GradientTransformation, shapes: Any, param_like_specs: Any) -> tuple[Any, Any]:
+    """The optimizer state's shapes and specs: every params-like leaf (moments) in
+    ``param_like_specs``, the rest (counts, scalars) replicated.
 
+    Args:
+      tx: the optax optimizer.
+      shapes: the parameters' ``ShapeDtypeStruct`` tree.
+      param_like_specs: a params-shaped tree of ``PartitionSpec``.
 
-def _opt_specs(tx: optax.GradientTransformation, shapes: Any, param_like_specs: Any) -> tuple[Any, Any]:
+    Returns:
+      ``(opt_shapes, opt_specs)``.
+    """
     opt_shapes = jax.eval_shape(tx.init, shapes)
     specs = optax.tree_map_params(tx, lambda _, s: s, opt_shapes, param_like_specs,
                                   transform_non_params=lambda _: PartitionSpec(),
@@ -128,131 +122,46 @@ def _opt_specs(tx: optax.GradientTransformation, shapes: Any, param_like_specs: 
     return opt_shapes, specs
 
 
-def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
-                     strategy: Strategy = Strategy()) -> tuple[TrainState, StateLayout]:
-    """Create the train state directly in its sharded layout.
-
-    ``model_fn()`` builds the model (eager sharding is turned off inside it: jaxpar places the
-    state). Parameters are annotated with logical names via ``nnx.with_partitioning`` /
-    ``out_sharding`` metadata.
-
-    Args:
-      model_fn: builds the NNX model (every variable an ``nnx.Param``).
-      tx: the optax optimizer.
-      mesh: the device mesh.
-      strategy: what to do with the mesh axes; the layout records it, and
-        :func:`jaxpar.make_train_step` runs it.
-
-    Returns:
-      ``(state, layout)``: the :class:`TrainState`, already sharded, and its :class:`StateLayout`.
-    """
-    layout, init = _layout_and_init(model_fn, tx, mesh, strategy)
-    return jax.jit(init, out_shardings=layout.shardings())(), layout
+class StrategyMismatchError(ValueError):
+    """``make_train_step`` was given another strategy than the one its layout was built for."""
 
 
-def state_layout(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
-                 strategy: Strategy = Strategy()) -> StateLayout:
-    """The :class:`StateLayout` that :func:`init_train_state` builds, without creating the state.
+def _fingerprint(value: Any) -> Any:
+    """A comparable form of a strategy field: dataclasses by field, functions by qualified name
+    (codecs and sync kinds hold closures that a second factory call creates anew)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__,) + tuple(_fingerprint(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, (tuple, list)):
+        return tuple(_fingerprint(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _fingerprint(v)) for k, v in value.items()))
+    if callable(value):
+        return getattr(value, "__qualname__", type(value).__name__)
+    return value
+
+
+def layout_strategy(layout: StateLayout, strategy: Strategy | None = None) -> Strategy:
+    """The strategy a step on ``layout`` runs: the layout's own.
 
     Args:
-      model_fn: builds the NNX model; it is only traced (``eval_shape``).
-      tx: the optax optimizer.
-      mesh: the device mesh (abstract devices of a compile target work too).
-      strategy: what to do with the mesh axes.
+      layout: a :class:`~jaxpar.StateLayout`.
+      strategy: ``None``, or a strategy that must equal ``layout.strategy``.
 
     Returns:
-      The layout; ``layout.abstract_state()`` is a restore or ahead-of-time compile target.
+      ``layout.strategy``.
 
-    Example:
-      >>> import jax, optax
-      >>> from flax import nnx
-      >>> from jaxpar import Strategy, make_mesh
-      >>> from jaxpar.models.mlp import MLPClassifier
-      >>> mesh = make_mesh({"data": 2}, devices=jax.devices()[:2])
-      >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
-      >>> layout = state_layout(model_fn, optax.sgd(0.1), mesh, Strategy(zero=3))
-      >>> layout.strategy.zero, layout.params["up"][0]["kernel"]
-      (3, P('data', 'tensor'))
+    Raises:
+      StrategyMismatchError: ``strategy`` differs from the layout's, naming both.
     """
-    return _layout_and_init(model_fn, tx, mesh, strategy)[0]
-
-
-def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[StateLayout, Callable]:
-    """The layout and an ``init() -> TrainState`` to jit with the layout's shardings."""
-    graphdef, shapes, logical = abstract_model(model_fn)
-    rules = tuple(strategy.rules(mesh))
-    base = resolve(logical, rules, mesh, shapes)
-    sizes = dict(mesh.shape)
-    params = zero_specs(base, shapes, logical, sizes, strategy.zero, "params")
-    grads = zero_specs(base, shapes, logical, sizes, strategy.zero, "grads")
-    opt_param = zero_specs(base, shapes, logical, sizes, strategy.zero, "opt")
-    opt_shapes, opt_state = _opt_specs(tx, shapes, opt_param)
-    layout = StateLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt_param, opt_state, opt_shapes,
-                         strategy=strategy)
-    comm_init = lambda: ()   # noqa: E731
-    if strategy.sync is not None or replicas(mesh) > 1:
-        if strategy.compression is not None:
-            from ..sync import SyncError
-
-            raise SyncError(f"Strategy(compression={strategy.compression.name!r}) on a mesh with replica="
-                            f"{replicas(mesh)}: the replica axis keeps replicas in step with Strategy.sync "
-                            "(synchronous by default), which does not run through a gradient codec. Fold the "
-                            "replica devices into the data axis (mesh data=...) to compress the exchange, or "
-                            "drop compression.")
-        return _relaxed_layout_and_init(model_fn, tx, layout, strategy)
-    if strategy.compression is not None:
-        from .compressed import compression_state   # compression loads only when used
-
-        comm_init, comm_specs, comm_shapes = compression_state(strategy.compression, layout, strategy.zero)
-        comm_init = jax.jit(comm_init, out_shardings=named_shardings(comm_specs, mesh))
-        layout = replace(layout, comm=comm_specs, comm_shapes=comm_shapes, comm_init=comm_init)
-    two_bw, stashed = _two_bw(strategy, mesh), _stashed(strategy, mesh)
-    if two_bw:      # PipeDream-2BW keeps W(t-1) beside W(t), in the same layout
-        layout = replace(layout, versions=layout.params, versions_shapes=layout.shapes)
-    if stashed:     # weight stashing keeps the newest older versions of every stage, newest first
-        layout = replace(layout, versions=(layout.params,) * stashed, versions_shapes=(layout.shapes,) * stashed)
-
-    def init():
-        with nnx.use_eager_sharding(False):
-            model = model_fn()
-        p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        older = jax.tree.map(jnp.copy, p) if two_bw else ()
-        older = tuple(jax.tree.map(jnp.copy, p) for _ in range(stashed)) if stashed else older
-        return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), comm_init(), versions=older)
-
-    return layout, init
-
-
-def _two_bw(strategy: Strategy, mesh: Mesh) -> bool:
-    """Whether the state keeps PipeDream-2BW's second weight version (errors for settings it cannot run)."""
-    from ..pipeline.asynchronous import check_two_bw, is_two_bw
-
-    if strategy.schedule != "pipedream-2bw":
-        return False
-    check_two_bw(strategy, mesh.shape)
-    return is_two_bw(strategy, mesh.shape)
-
-
-def _stashed(strategy: Strategy, mesh: Mesh) -> int:
-    """Older weight versions the state keeps for PipeDream weight stashing (0: another schedule)."""
-    if strategy.schedule != "pipedream":
-        return 0
-    from ..pipeline.stashing import check_stashing, older_versions
-
-    check_stashing(strategy, mesh.shape)
-    return older_versions(mesh.shape["pipe"], strategy.update_every)
-
-
-def _relaxed_layout_and_init(model_fn, tx, layout: StateLayout, strategy: Strategy) -> tuple[StateLayout, Callable]:
-    """The state of K replicas (``replica`` axis; :mod:`jaxpar.train.relaxed`)."""
-    from .relaxed import relaxed_layout   # relaxed synchronisation loads only when used
-
-    layout, make = relaxed_layout(layout, tx, strategy)
-
-    def init():
-        with nnx.use_eager_sharding(False):
-            model = model_fn()
-        p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return TrainState(jnp.zeros((), jnp.int32), p, *make(p))
-
-    return layout, init
+    if strategy is None or _fingerprint(strategy) == _fingerprint(layout.strategy):
+        return layout.strategy
+    sizes = dict(layout.mesh.shape)
+    fields = [f for f in Strategy.__dataclass_fields__
+              if _fingerprint(getattr(strategy, f)) != _fingerprint(getattr(layout.strategy, f))]
+    raise StrategyMismatchError(
+        f"make_train_step(strategy={strategy.name(sizes)!r}), but the layout was built by init_train_state for "
+        f"strategy {layout.strategy.name(sizes)!r} (fields that differ: {', '.join(fields)}). The state's shardings "
+        "and parts come from the layout's strategy, so the step runs that one. Pass the same strategy to "
+        "init_train_state, or leave make_train_step's strategy out.")

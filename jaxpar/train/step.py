@@ -1,11 +1,20 @@
-"""One jitted, donated train step for any strategy and any NNX model.
+"""One train step for any strategy and any NNX model, composed from small parts.
 
-``loss_fn(model, batch) -> scalar`` is the user's loss on an NNX model. The step
-does gradient accumulation over micro-batches (``lax.scan``) or runs the pipeline
-schedule (``pipe > 1``), optional bf16 compute with fp32 master weights, global-norm
-clipping, the optax update, and returns metrics (loss, grad norm, learning rate).
-The model's stacked blocks (:func:`jaxpar.scan_blocks`) are where the strategy
-takes over: explicit per-layer data-parallel collectives, or the pipeline cut.
+``make_train_step(loss_fn, tx, layout)`` runs the strategy the layout was built for. It checks
+the compatibility table (:mod:`jaxpar.compat`), then builds the program of the strategy's shape
+(:func:`program_kind`) from four parts:
+
+* the **gradient** (:mod:`jaxpar.train.grads`): XLA's GSPMD program or explicit per-layer
+  collectives (:func:`~jaxpar.train.grads.global_grads`), the pipeline executor running the
+  schedule table (:func:`~jaxpar.train.grads.pipeline_grads`), or each data-parallel replica's own
+  gradient (:func:`~jaxpar.train.grads.replica_grads`), accumulated over the micro-batches;
+* the **exchange** (:mod:`jaxpar.train.exchange`) of per-replica gradients: exact, a codec's, or
+  measured (the gradient noise scale, every ``k`` steps in a second program);
+* the **update** (:mod:`jaxpar.train.update`): clip, optax, skip a non-finite step, log the lr;
+  PipeDream-2BW's one-step delay; weight stashing's per-stage updates inside the pipeline; the
+  outer step of DiLoCo / EASGD (:mod:`jaxpar.train.relaxed_steps`);
+* the **program** (:mod:`jaxpar.train.program`): one ``jax.jit`` with the layout's shardings and
+  rules, wrapped in a :class:`~jaxpar.train.program.TrainStep` that picks the program per step.
 
 Example::
 
@@ -28,195 +37,36 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from functools import partial
+from typing import Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..batch import batch_sharding, check_batch, shard_batch, split_microbatches
-from ..blocks import LAYERS, find_layer_calls, use_layer_runner
-from ..data_parallel import DataParallelLayers, explicit_by_default
-from ..mesh import data_axes, replicas
-from ..rules import named_shardings, path_str, use_rules
+from ..batch import batch_sharding, check_batch, shard_batch
+from ..compat import Setting, raise_problems
+from ..mesh import batch_axes
 from ..strategy import Strategy
-from .state import StateLayout, TrainState
+from .exchange import compressed_exchange, exact_exchange, measured_exchange, run_exchange
+from .grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
+from .noise_scale import NoiseScaleError
+from .program import TrainStep, jit_program
+from .state import StateLayout, StrategyMismatchError, layout_strategy
+from .update import Update, apply_update, delayed_update
 
-__all__ = ["make_train_step", "make_loss_and_grad", "make_model_loss", "explicit_data_parallel",
-           "ExplicitDPError", "StrategyMismatchError", "layout_strategy", "batch_sharding", "check_batch", "shard_batch"]
-
-
-class ExplicitDPError(ValueError):
-    """``explicit_dp=True`` was asked where jaxpar cannot make the data-axis collectives explicit."""
-
-
-def make_model_loss(loss_fn: Callable, layout: StateLayout, strategy: Strategy) -> Callable:
-    """``(params, batch) -> loss``: the model rebuilt from ``params`` (cast to the
-    strategy's compute dtype) and scored by ``loss_fn(model, batch)``."""
-    graphdef = layout.graphdef
-
-    def loss_of(params, batch):
-        return loss_fn(nnx.merge(graphdef, strategy.cast(params)), batch)
-
-    return loss_of
+__all__ = ["make_train_step", "StepOptions", "ExplicitDPError", "StrategyMismatchError", "batch_sharding",
+           "check_batch", "shard_batch"]
 
 
-def _stacked_layers(layout: StateLayout) -> int | None:
-    """The length of the ``layers`` axis of the stacked parameters (``None``: none, or several)."""
-    flat = jax.tree_util.tree_flatten_with_path(layout.logical, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
-    shapes = jax.tree.leaves(layout.shapes)
-    sizes = {shapes[i].shape[0] for i, (_, lg) in enumerate(flat) if tuple(lg)[:1] == (LAYERS,)}
-    return sizes.pop() if len(sizes) == 1 else None
+class StepOptions(NamedTuple):
+    """``make_train_step``'s options that shape the programs (the update's are :class:`~.update.Update`)."""
 
-
-def _unrun_stacked(layout: StateLayout, sites) -> list[str]:
-    """Paths of parameters stacked on ``layers`` that no stacked-layers call ran."""
-    ran = {i for site in sites for i in site.leaves}
-    flat = jax.tree_util.tree_flatten_with_path(layout.logical, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
-    return [path_str(path) for i, (path, lg) in enumerate(flat) if tuple(lg)[:1] == (LAYERS,) and i not in ran]
-
-
-def explicit_data_parallel(asked: bool | None, loss_fn: Callable, params: Any, batch: Any,
-                           layout: StateLayout, strategy: Strategy) -> bool:
-    """Whether the step makes the data-axis collectives explicit (:mod:`jaxpar.data_parallel`).
-
-    They are explicit per layer of the model's stacked blocks (:func:`jaxpar.scan_blocks`);
-    the other parameters are left to XLA. ``asked=None`` decides with
-    :func:`~jaxpar.data_parallel.explicit_by_default` when every stacked parameter runs through
-    ``scan_blocks``; ``asked=True`` raises :class:`ExplicitDPError` saying why where it cannot apply.
-    """
-    mesh = layout.mesh
-    if asked is False:
-        return False
-    sizes = dict(mesh.shape)
-    axes = [a for a in data_axes(mesh) if sizes[a] > 1]
-    merged = lambda p, b: loss_fn(nnx.merge(layout.graphdef, p), b)   # noqa: E731  (p: in the compute dtype)
-    sites = find_layer_calls(merged, strategy.cast(params), batch)
-    unrun = _unrun_stacked(layout, sites)
-    if asked is None:
-        return bool(axes and sites and not unrun) and explicit_by_default(sizes, strategy.zero)
-    if not axes:
-        raise ExplicitDPError(f"explicit_dp=True: the mesh {sizes} has no data axis ('data' or 'fsdp') of size "
-                              "> 1, so there is no data-parallel collective to make explicit. Use explicit_dp=None.")
-    if unrun:
-        raise ExplicitDPError(
-            f"explicit_dp=True: parameters {unrun[:4]}{' ...' if len(unrun) > 4 else ''} are stacked on "
-            f"{LAYERS!r} but the model does not run them through jaxpar.scan_blocks (e.g. it uses nnx.scan "
-            "itself), so they cannot be gathered layer by layer. Run those blocks with "
-            "jaxpar.scan_blocks(blocks, x), or use explicit_dp=None / False.")
-    if not sites:
-        raise ExplicitDPError(
-            "explicit_dp=True: the model runs no stacked blocks through jaxpar.scan_blocks (or run_layers), so "
-            "there is no layer whose all-gather / reduce-scatter jaxpar could issue itself. Stack the repeated "
-            "blocks with nnx.vmap (transform_metadata={nnx.PARTITION_NAME: 'layers'}) and run them with "
-            "jaxpar.scan_blocks(self.blocks, x), or use explicit_dp=None / False (XLA's collectives).")
-    return True
-
-
-def make_loss_and_grad(loss_fn: Callable, layout: StateLayout, strategy: Strategy, *,
-                       explicit_dp: bool | None = False) -> Callable:
-    """``(params, batch) -> (loss, grads)`` with accumulation and grads in their layout
-    (call it under ``jit`` and :func:`jaxpar.use_rules`); ``explicit_dp`` as in :func:`make_train_step`."""
-    mesh = layout.mesh
-    if strategy.compression is not None:
-        from ..compression import CompressionError
-
-        raise CompressionError(
-            f"make_loss_and_grad with compression={strategy.compression.name!r}: this loss-and-grad reduces "
-            "gradients uncompressed, so the codec would be silently ignored. Use make_train_step (or "
-            "jaxpar.train.compressed.make_compressed_loss_and_grad), which runs the compressed exchange.")
-    grad_shardings = named_shardings(layout.grads, mesh)
-    model_loss = make_model_loss(loss_fn, layout, strategy)
-    runner = DataParallelLayers(mesh, layout.rules, strategy.zero)
-
-    def grad_of(params, batch, explicit):
-        with use_layer_runner(runner if explicit else None):
-            loss, grads = jax.value_and_grad(model_loss)(params, batch)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
-
-    def loss_and_grad(params, batch):
-        k = strategy.microbatches
-        mbs = split_microbatches(batch, k, mesh) if k > 1 else None
-        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs) if k > 1 else batch
-        explicit = explicit_data_parallel(explicit_dp, loss_fn, params, one, layout, strategy)
-        if k == 1:
-            return grad_of(params, batch, explicit)
-        zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), grad_shardings)
-
-        def body(carry, mb):
-            loss, grads = grad_of(params, mb, explicit)
-            return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
-
-        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
-        return loss / k, jax.tree.map(lambda g: g / k, grads)
-
-    return loss_and_grad
-
-
-def _local_microbatches(batch: Any, k: int) -> Any:
-    """``[b, ...] -> [k, b/k, ...]`` with micro-batch ``i`` = local rows ``i, i+k, ...``
-    (as :func:`jaxpar.batch.split_microbatches` does globally)."""
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
-
-
-def local_grads(model_loss: Callable, params: Any, batch: Any, k: int) -> tuple[jax.Array, Any]:
-    """This replica's fp32 mean loss and gradient over its own rows (inside a ``shard_map`` manual
-    over the data axes), accumulated over ``k`` micro-batches."""
-    grad = jax.value_and_grad(model_loss)
-    if k == 1:
-        loss, grads = grad(params, batch)
-        return loss.astype(jnp.float32), jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-
-    def body(carry, mb):
-        loss, g = grad(params, mb)
-        return (carry[0] + loss, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[1], g)), None
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), _local_microbatches(batch, k))
-    return loss / k, jax.tree.map(lambda g: g / k, grads)
-
-
-class HostStep:
-    """The step number of the state a step function is given, without a device round trip per
-    step: read once, then counted while the caller passes back the state it was returned
-    (any other state is read again). For step functions that pick a program by step number."""
-
-    def __init__(self):
-        self._array, self._step = None, None
-
-    def read(self, state) -> int:
-        return self._step if state.step is self._array else int(jax.device_get(state.step))
-
-    def advance(self, new_state, step: int) -> None:
-        self._array, self._step = new_state.step, step
-
-
-def _apply_update(tx, state: TrainState, loss, grads, *, clip_norm, lr_schedule, skip_nonfinite,
-                  comm: Any = None, comm_metrics: dict | None = None, stats: Any = None):
-    """Clip, update, and (``skip_nonfinite``) keep the old state when the loss / norm is not finite.
-    ``comm``: the codec state after this step's exchange (compression), ``stats``: the running
-    measurements after this step's (the noise scale), kept like the rest."""
-    gnorm = optax.tree.norm(grads)
-    if clip_norm is not None:
-        scale = jnp.minimum(1.0, clip_norm / (gnorm + 1e-6))
-        grads = jax.tree.map(lambda g: g * scale, grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    comm = state.comm if comm is None else comm
-    stats = state.stats if stats is None else stats
-    metrics = {"loss": loss, "grad_norm": gnorm, **(comm_metrics or {})}
-    if skip_nonfinite:
-        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        params, opt_state, comm, stats = jax.tree.map(
-            lambda new, old: jnp.where(ok, new, old), (params, opt_state, comm, stats),
-            (state.params, state.opt_state, state.comm, state.stats))
-        metrics["skipped"] = jnp.logical_not(ok)
-    if lr_schedule is not None:
-        metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
-    return TrainState(state.step + 1, params, opt_state, comm, stats), metrics
+    explicit_dp: bool | None = None
+    steps_per_call: int = 1
+    noise_scale_every: int | None = None
+    noise_scale_ema: float = 0.95
+    donate: bool = True
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout: StateLayout,
@@ -224,7 +74,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
                     log_lr: Callable | None = None, donate: bool = True,
                     explicit_dp: bool | None = None, skip_nonfinite: bool = False,
                     noise_scale_every: int | None = None, noise_scale_ema: float = 0.95,
-                    steps_per_call: int = 1, **removed) -> Callable:
+                    steps_per_call: int = 1, **removed) -> TrainStep:
     """Build ``step(state, batch) -> (state, metrics)``, jitted with the layout's shardings.
 
     The step runs the strategy the layout was built for (``layout.strategy``, from
@@ -251,7 +101,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
         optimizer state unchanged (the step counter still advances) and reports
         ``metrics["skipped"] = True``.
       noise_scale_every: every ``k``-th step (``state.step % k == 0``) runs a second program that
-        also measures the gradient noise scale (:mod:`jaxpar.train.noise_measure`), with moving
+        also measures the gradient noise scale (:mod:`jaxpar.train.noise_scale`), with moving
         averages of decay ``noise_scale_ema`` in ``state.stats`` (create the state with
         :func:`jaxpar.train.noise_scale.with_noise_scale`).
       noise_scale_ema: see ``noise_scale_every``.
@@ -261,111 +111,183 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
       **removed: options that no longer exist raise a ``TypeError`` that says what replaced them.
 
     Returns:
-      The jitted step function (with ``.lower`` for ahead-of-time compilation).
+      The :class:`~jaxpar.train.program.TrainStep` (``step.lower`` for ahead-of-time compilation,
+      ``step.programs`` for every program it runs).
     """
     _refuse_removed(removed)
-    strategy = layout_strategy(layout, strategy)
-    lr_schedule = log_lr
-    mesh = layout.mesh
-    if noise_scale_every is not None:
-        from .noise_measure import check_measurable   # the noise scale loads only when used
+    layout_strategy(layout, strategy)      # a strategy other than the layout's raises
+    update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, log_lr=log_lr)
+    opts = StepOptions(explicit_dp, steps_per_call, noise_scale_every, noise_scale_ema, donate)
+    _check_step(layout, update, opts)
+    return _BUILDERS[program_kind(layout.strategy, dict(layout.mesh.shape), steps_per_call)](
+        loss_fn, layout, update, opts)
 
-        check_measurable(layout, strategy, noise_scale_every, noise_scale_ema)
-    if strategy.schedule == "pipedream":    # weight stashing: per-stage updates inside the pipeline
-        from ..pipeline.stashed import make_stashing_step    # (check_measurable refused the noise scale: pipe > 1)
 
-        return make_stashing_step(loss_fn, tx, layout, strategy, steps_per_call, clip_norm=clip_norm,
-                                  lr_schedule=lr_schedule, donate=donate, skip_nonfinite=skip_nonfinite,
-                                  explicit_dp=explicit_dp)
-    two_bw = strategy.schedule == "pipedream-2bw"
-    if two_bw:      # PipeDream-2BW: the gradient at W(t-1) (state.versions) updates W(t)
+def program_kind(strategy: Strategy, mesh_sizes: dict, steps_per_call: int = 1) -> str:
+    """Which program shape a step of ``strategy`` runs.
+
+    Args:
+      strategy: the layout's strategy.
+      mesh_sizes: the mesh's axis sizes.
+      steps_per_call: optimizer steps per call.
+
+    Returns:
+      ``'stashing'`` (weight stashing: each stage updates inside the pipeline), ``'no-flush'``
+      (several PipeDream-2BW steps in one program), ``'replicas'`` (relaxed synchronisation over
+      ``replica``) or ``'per-step'`` (one gradient, one exchange, one update per program).
+    """
+    if strategy.schedule == "pipedream":
+        return "stashing"
+    if steps_per_call != 1:
+        return "no-flush"
+    if strategy.sync is not None or mesh_sizes.get("replica", 1) > 1:
+        return "replicas"
+    return "per-step"
+
+
+def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
+    """The compatibility table's refusals for this step (:mod:`jaxpar.compat`), then the checks of
+    the options' own values."""
+    from ..compression import CompressionError
+    from ..pipeline.asynchronous import AsyncPipelineError
+    from ..pipeline.stashing import StashingError
+    from ..sync import SyncError
+
+    strategy = layout.strategy
+    setting = Setting(strategy, dict(layout.mesh.shape), explicit_dp=opts.explicit_dp,
+                      steps_per_call=opts.steps_per_call, clip_norm=update.clip_norm,
+                      noise_scale_every=opts.noise_scale_every)
+    raise_problems(setting, {"ExplicitDPError": ExplicitDPError, "NoiseScaleError": NoiseScaleError,
+                             "AsyncPipelineError": AsyncPipelineError, "StashingError": StashingError,
+                             "SyncError": SyncError, "CompressionError": CompressionError})
+    if opts.noise_scale_every is not None:
+        from .noise_scale import check_measurable   # the noise scale loads only when used
+
+        check_measurable(layout, opts.noise_scale_every, opts.noise_scale_ema)
+    if opts.steps_per_call != 1:
+        from ..pipeline.nonstop import check_steps_per_call
+
+        check_steps_per_call(strategy, opts.steps_per_call)
+    if strategy.schedule == "pipedream-2bw":
         from ..pipeline.asynchronous import check_two_bw_step
 
         check_two_bw_step(strategy, layout)
-    if steps_per_call != 1:     # several optimizer steps per call: the 2BW pipeline without flushes
-        from ..pipeline.nonstop import check_steps_per_call, make_two_bw_steps
 
-        check_steps_per_call(strategy, steps_per_call)
-        if explicit_dp:
-            raise ExplicitDPError(f"explicit_dp=True with steps_per_call={steps_per_call}: the no-flush pipeline "
-                                  "runs its stages' layers inside the pipeline executor, where the data-axis "
-                                  "collectives are left to XLA. Use explicit_dp=None or False.")
-        return make_two_bw_steps(loss_fn, tx, layout, strategy, steps_per_call, clip_norm=clip_norm,
-                                 lr_schedule=lr_schedule, donate=donate, skip_nonfinite=skip_nonfinite)
-    if strategy.sync is not None or replicas(mesh) > 1:
-        from .relaxed import make_relaxed_train_step   # relaxed synchronisation loads only when used
 
-        return make_relaxed_train_step(loss_fn, tx, layout, strategy, clip_norm=clip_norm, lr_schedule=lr_schedule,
-                                       donate=donate, explicit_dp=explicit_dp, skip_nonfinite=skip_nonfinite)
+def _per_step(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
+    """One gradient, one exchange and one update per program; with the noise scale, a second
+    program measures every ``noise_scale_every`` steps."""
+    mesh, strategy = layout.mesh, layout.strategy
+    programs = {"step": _program(loss_fn, layout, update, opts, measure=False)}
+    choose = None
+    if opts.noise_scale_every is not None:
+        programs["measure"] = _program(loss_fn, layout, update, opts, measure=True)
+        every = opts.noise_scale_every
+        choose = lambda s: "measure" if s % every == 0 else "step"   # noqa: E731
+    check = lambda batch: check_batch(batch, mesh, strategy.microbatches)   # noqa: E731
+    return TrainStep(programs, check_batch=check, choose=choose, batch_sharding=batch_sharding(mesh))
+
+
+def _program(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions, *, measure: bool):
+    """The jitted program: gradient (at ``W(t-1)`` for PipeDream-2BW), exchange, update."""
+    strategy, mesh = layout.strategy, layout.mesh
+    piped = dict(mesh.shape).get("pipe", 1) > 1
+    exchange = _exchange(layout, measure)
+    if piped:
+        grad = pipeline_grads(loss_fn, layout, per_replica=exchange is not None)
+    elif exchange is not None:
+        grad = replica_grads(loss_fn, layout)
+    else:
+        grad = global_grads(loss_fn, layout, explicit_dp=opts.explicit_dp)
+    reduce = run_exchange(exchange, layout) if exchange is not None else None
+    delayed = piped and strategy.schedule == "pipedream-2bw"
+    rule = delayed_update if delayed else apply_update
+    replicas_ = manual_specs(layout).replicas if measure else 1
+
+    def step(state, batch):
+        loss, grads = grad(state.versions if delayed else state.params, batch)
+        parts, metrics = {}, {}
+        if reduce is not None:
+            grads, comm, metrics = reduce(grads, state.comm, state.step)
+            parts = {"comm": comm} if strategy.compression is not None else {}
+        if measure:
+            parts["stats"], metrics = _noise_scale_stats(state, batch, metrics, replicas_, opts.noise_scale_ema)
+        return rule(update, state, loss, grads, parts=parts, metrics=metrics)
+
+    return jit_program(step, layout, batch_sharding(mesh), donate=opts.donate)
+
+
+def _exchange(layout: StateLayout, measure: bool):
+    """The exchange of the program (``None``: XLA's exact one, inside the gradient)."""
+    strategy = layout.strategy
+    if strategy.compression is None and not measure:
+        return None
+    man = manual_specs(layout)
     if strategy.compression is not None:
-        return _compressed_train_step(loss_fn, tx, layout, strategy, clip_norm=clip_norm, lr_schedule=lr_schedule,
-                                      donate=donate, explicit_dp=explicit_dp, skip_nonfinite=skip_nonfinite)
-    loss_and_grad = _loss_and_grad(loss_fn, layout, strategy, explicit_dp)
+        from .compressed import compression_plan   # compression loads only when used
 
-    def step(state: TrainState, batch):
-        with use_rules(mesh, layout.rules):
-            loss, grads = loss_and_grad(state.versions if two_bw else state.params, batch)
-        new, metrics = _apply_update(tx, state, loss, grads, clip_norm=clip_norm, lr_schedule=lr_schedule,
-                                     skip_nonfinite=skip_nonfinite)
-        if two_bw:      # W(t) becomes the older version (kept as it was when the step is skipped)
-            older = state.params if not skip_nonfinite else jax.tree.map(
-                lambda w, o: jnp.where(metrics["skipped"], o, w), state.params, state.versions)
-            new = new._replace(versions=older)
-        return new, metrics
-
-    jitted = _jit_step(step, layout, strategy, donate)
-    if noise_scale_every is None:
-        return jitted
-    from .noise_measure import make_noise_scale_step
-
-    return make_noise_scale_step(jitted, loss_fn, tx, layout, strategy, every=noise_scale_every,
-                                 ema=noise_scale_ema, clip_norm=clip_norm, lr_schedule=lr_schedule,
-                                 skip_nonfinite=skip_nonfinite, donate=donate)
+        inner = compressed_exchange(compression_plan(strategy.compression, layout, strategy.zero),
+                                    strategy.local_clip)
+    else:
+        inner = exact_exchange(man)
+    return measured_exchange(inner, man) if measure else inner
 
 
-class StrategyMismatchError(ValueError):
-    """``make_train_step`` was given another strategy than the one its layout was built for."""
+def _noise_scale_stats(state, batch, metrics: dict, replicas_: int, ema: float) -> tuple[dict, dict]:
+    """The noise scale's moving averages after this step's two squared norms, and the metrics."""
+    from .noise_scale import KEY, update as update_noise_scale
+
+    metrics = dict(metrics)
+    sq_small, sq_big = metrics.pop("grad_sq_small"), metrics.pop("grad_sq_big")
+    b_big = jax.tree.leaves(batch)[0].shape[0]
+    stats, measured = update_noise_scale(state.stats[KEY], sq_small, sq_big, b_big // replicas_, b_big, ema)
+    return {**state.stats, KEY: stats}, {**metrics, **measured}
 
 
-def _fingerprint(value: Any) -> Any:
-    """A comparable form of a strategy field: dataclasses by field, functions by qualified name
-    (codecs and sync kinds hold closures that a second factory call creates anew)."""
-    import dataclasses
+def _stashing(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
+    """Weight stashing: each stage applies ``tx`` to its own weights inside the pipeline."""
+    from ..pipeline.stashed import make_stashing_step   # pipelines load only when used
 
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value).__name__,) + tuple(_fingerprint(getattr(value, f.name)) for f in dataclasses.fields(value))
-    if isinstance(value, (tuple, list)):
-        return tuple(_fingerprint(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _fingerprint(v)) for k, v in value.items()))
-    if callable(value):
-        return getattr(value, "__qualname__", type(value).__name__)
-    return value
+    run, program = make_stashing_step(loss_fn, update.tx, layout, opts.steps_per_call, log_lr=update.log_lr,
+                                      skip_nonfinite=update.skip_nonfinite)
+    return _stacked_steps(run, layout, opts, program)
 
 
-def layout_strategy(layout: StateLayout, strategy: Strategy | None = None) -> Strategy:
-    """The strategy a step on ``layout`` runs: the layout's own.
+def _no_flush(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
+    """``steps_per_call`` PipeDream-2BW steps of the no-flush pipeline, the update between them."""
+    from ..pipeline.nonstop import make_two_bw_steps
 
-    Args:
-      layout: a :class:`~jaxpar.StateLayout`.
-      strategy: ``None``, or a strategy that must equal ``layout.strategy``.
+    run, program = make_two_bw_steps(loss_fn, layout, opts.steps_per_call, partial(apply_update, update))
+    return _stacked_steps(run, layout, opts, program)
 
-    Returns:
-      ``layout.strategy``.
 
-    Raises:
-      StrategyMismatchError: ``strategy`` differs from the layout's, naming both.
-    """
-    if strategy is None or _fingerprint(strategy) == _fingerprint(layout.strategy):
-        return layout.strategy
-    sizes = dict(layout.mesh.shape)
-    fields = [f for f in Strategy.__dataclass_fields__
-              if _fingerprint(getattr(strategy, f)) != _fingerprint(getattr(layout.strategy, f))]
-    raise StrategyMismatchError(
-        f"make_train_step(strategy={strategy.name(sizes)!r}), but the layout was built by init_train_state for "
-        f"strategy {layout.strategy.name(sizes)!r} (fields that differ: {', '.join(fields)}). The state's shardings "
-        "and parts come from the layout's strategy, so the step runs that one. Pass the same strategy to "
-        "init_train_state, or leave make_train_step's strategy out.")
+def _stacked_steps(run: Callable, layout: StateLayout, opts: StepOptions, program) -> TrainStep:
+    """The step of a program that runs ``opts.steps_per_call`` optimizer steps on stacked batches
+    ``[K, B, ...]`` (metrics ``[K]``); with ``K = 1`` it takes one batch and returns one step's metrics."""
+    from ..pipeline.nonstop import check_stacked_batches
+
+    mesh, m, k = layout.mesh, layout.strategy.microbatches, opts.steps_per_call
+    if k == 1:
+        def one(state, batch):
+            new, metrics = run(state, jax.tree.map(lambda a: a[None], batch))
+            return new, jax.tree.map(lambda a: a[0], metrics)
+
+        return TrainStep({"step": jit_program(one, layout, batch_sharding(mesh), donate=opts.donate)},
+                         check_batch=lambda b: check_batch(b, mesh, m), batch_sharding=batch_sharding(mesh),
+                         pipeline_program=program)
+    stacked = NamedSharding(mesh, PartitionSpec(None, batch_axes(mesh) or None))
+    return TrainStep({"step": jit_program(run, layout, stacked, donate=opts.donate)},
+                     check_batch=lambda b: check_stacked_batches(b, mesh, m, k), batch_sharding=stacked,
+                     pipeline_program=program)
+
+
+def _replicas(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
+    from .relaxed_steps import relaxed_train_step   # relaxed synchronisation loads only when used
+
+    return relaxed_train_step(loss_fn, layout, update, explicit_dp=opts.explicit_dp, donate=opts.donate)
+
+
+_BUILDERS = {"per-step": _per_step, "stashing": _stashing, "no-flush": _no_flush, "replicas": _replicas}
 
 
 def _refuse_removed(removed: dict) -> None:
@@ -377,64 +299,3 @@ def _refuse_removed(removed: dict) -> None:
         raise TypeError(f"make_train_step got unexpected keyword arguments {sorted(removed)}.")
 
 
-def _loss_and_grad(loss_fn: Callable, layout: StateLayout, strategy: Strategy, explicit_dp) -> Callable:
-    """The pipelined loss-and-grad with a ``pipe`` axis, :func:`make_loss_and_grad` otherwise."""
-    mesh = layout.mesh
-    if dict(mesh.shape).get("pipe", 1) == 1:
-        return make_loss_and_grad(loss_fn, layout, strategy, explicit_dp=explicit_dp)
-    if explicit_dp:
-        raise ExplicitDPError(f"explicit_dp=True with pipe={mesh.shape['pipe']}: a pipeline stage runs its "
-                              "layers inside the pipeline executor, where the data-axis collectives are left "
-                              "to XLA. Use explicit_dp=None or False with pipe > 1.")
-    from ..pipeline.piped import make_pipeline_loss_and_grad   # pipelines load only when used
-
-    return make_pipeline_loss_and_grad(loss_fn, layout.graphdef, mesh, layout.rules, layout.params,
-                                       layout.grads, strategy, num_layers=_stacked_layers(layout))
-
-
-def _jit_step(step: Callable, layout: StateLayout, strategy: Strategy, donate: bool) -> Callable:
-    mesh = layout.mesh
-    jitted = jax.jit(step, in_shardings=(layout.shardings(), batch_sharding(mesh)),
-                     out_shardings=(layout.shardings(), NamedSharding(mesh, PartitionSpec())),
-                     donate_argnums=(0,) if donate else ())
-
-    def checked(state, batch):
-        check_batch(batch, mesh, strategy.microbatches)
-        return jitted(state, batch)
-
-    checked.jitted = jitted  # for .lower(...).compile() inspection
-    checked.lower = jitted.lower
-    return checked
-
-
-def _compressed_train_step(loss_fn, tx, layout: StateLayout, strategy: Strategy, *, clip_norm, lr_schedule,
-                           donate, explicit_dp, skip_nonfinite) -> Callable:
-    """The step with ``strategy.compression``: the codec's exchange replaces the data-axis reduction."""
-    from ..compression import CompressionError
-    from .compressed import make_compressed_loss_and_grad   # compression loads only when used
-
-    if layout.comm_init is tuple:      # the layout default: init_train_state saw no codec
-        raise CompressionError(
-            f"make_train_step with compression={strategy.compression.name!r}, but the layout was made without "
-            "it (init_train_state with another strategy), so the train state has no place for the codec's "
-            "state. Create the state with init_train_state(..., strategy) using this same strategy.")
-
-    if explicit_dp:
-        raise ExplicitDPError(f"explicit_dp=True with compression={strategy.compression.name!r}: the compressed "
-                              "exchange already makes the data-axis collectives explicit (once per step, after "
-                              "accumulation). Use explicit_dp=None with compression.")
-    b1 = getattr(strategy.compression, "optimizer_momentum", 0.0)
-    if b1 and clip_norm is not None:
-        raise CompressionError(
-            f"clip_norm={clip_norm} with compression={strategy.compression.name}(optimizer_momentum={b1}): with "
-            "1-bit Adam the gradient handed to Adam carries the moment's compression error times 1 / (1 - b1), so "
-            "its norm says little and a clip after the exchange would shrink every step. Clip each replica's "
-            f"gradient before the codec instead: Strategy(local_clip={clip_norm}) and clip_norm=None.")
-    loss_and_grad, _ = make_compressed_loss_and_grad(loss_fn, layout, strategy)
-
-    def step(state: TrainState, batch):
-        loss, grads, comm, comm_metrics = loss_and_grad(state.params, batch, state.comm, state.step)
-        return _apply_update(tx, state, loss, grads, clip_norm=clip_norm, lr_schedule=lr_schedule,
-                             skip_nonfinite=skip_nonfinite, comm=comm, comm_metrics=comm_metrics)
-
-    return _jit_step(step, layout, strategy, donate)

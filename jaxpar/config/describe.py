@@ -1,0 +1,127 @@
+"""The lines ``jaxpar train`` and ``jaxpar inspect`` print about a :class:`~jaxpar.config.job.Job`:
+its devices, mesh and strategy, the model's parameters, the train state's bytes per device, the
+data, and the compiled programs.
+
+Example::
+
+    >>> from pathlib import Path
+    >>> from jaxpar.config import load_config
+    >>> from jaxpar.config.job import build_job
+    >>> cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
+    >>> job = build_job(cfg, data=False)
+    >>> print("\\n".join(header_lines(job)[1:]))
+    mesh     pipe=1 x data=2 x fsdp=2 x tensor=2
+    strategy dp2-fsdp2-tp2
+    >>> describe_data(cfg, job.batch_fn)
+    ('data     text: global batch 32 x 64 tokens', 2048)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+
+from .data import describe_batch
+from .job import Job, comm_bytes
+from .schema import JobConfig
+
+__all__ = ["header_lines", "model_line", "state_line", "describe_data", "program_lines"]
+
+
+def header_lines(job: Job) -> list[str]:
+    """The devices, mesh and strategy lines.
+
+    Args:
+      job: the job (built with a mesh).
+
+    Returns:
+      The lines.
+    """
+    sizes, dev = dict(job.mesh.shape), jax.devices()[0]
+    return [f"devices  {job.mesh.size} x {dev.platform} ({dev.device_kind})",
+            "mesh     " + " x ".join(f"{k}={v}" for k, v in sizes.items()),
+            f"strategy {job.strategy.name(sizes)}"]
+
+
+def model_line(label: str, layout: Any) -> str:
+    """The model line: its label and number of parameters.
+
+    Args:
+      label: how the model is named.
+      layout: the train state's layout.
+
+    Returns:
+      The line.
+    """
+    return f"model    {label}: {sum(a.size for a in jax.tree.leaves(layout.shapes)):,} parameters"
+
+
+def state_line(layout: Any) -> str:
+    """``jaxpar train``'s line of the train state's bytes per device (parameters, optimizer, ``comm``).
+
+    Args:
+      layout: the train state's layout.
+
+    Returns:
+      The line.
+    """
+    from ..analysis.memory import format_bytes
+
+    nbytes, comm = layout.analytic_bytes(), comm_bytes(layout)   # comm: codec residuals, relaxed-sync replicas
+    extra = f", codec / replicas {format_bytes(comm)}" if comm else ""
+    return (f"state    {format_bytes(nbytes['total'] + comm)} per device (params {format_bytes(nbytes['params'])}, "
+            f"optimizer {format_bytes(nbytes['opt'])}{extra})")
+
+
+def program_lines(job: Job, compiled: Mapping[str, Any]) -> list[str]:
+    """``jaxpar inspect``'s lines of the compiled programs: when each runs and the batch it takes.
+
+    Args:
+      job: the job.
+      compiled: :meth:`Job.compile`'s programs.
+
+    Returns:
+      One line per program.
+    """
+    k, lines = job.steps_per_call, []
+    for name, c in compiled.items():
+        when = {"step": f"{k} optimizer steps per call" if k > 1 else "every step",
+                "measure": f"every {job.noise_scale_every} steps: also measures the noise scale"}[name]
+        batch = ", ".join(f"{jax.tree_util.keystr(p)}: {a.dtype}{list(a.shape)}"
+                          for p, a in jax.tree_util.tree_leaves_with_path(c.in_avals[0][1]))
+        lines.append(f"program  {name} ({when}): batch {batch}")
+    return lines
+
+
+def describe_data(cfg: JobConfig, batch_fn: Callable[[int], Any]) -> tuple[str, int | None]:
+    """The data line of ``jaxpar train`` and the tokens per global batch (None: not fixed, or no tokens).
+
+    The GPT's batches hold ``batch_size x model.seq_len`` tokens; for a model of your own, a
+    batch of ``data.target`` with a 2-D integer ``tokens`` leaf holds that many.
+
+    Args:
+      cfg: the config.
+      batch_fn: the job's batch function (called for step 0 with ``data.kind=import``).
+
+    Returns:
+      ``(line, tokens per batch)``.
+    """
+    d, seq, gpt_tokens = cfg.data, cfg.model.seq_len, cfg.data.batch_size * cfg.model.seq_len
+    if d.batch_ramp.get("adaptive"):    # the batch changes: no fixed tokens per batch (records carry batch_size)
+        r = d.batch_ramp
+        return (f"data     {d.kind}: adaptive global batch {r['sizes'][0]}, growing among {list(r['sizes'])} toward "
+                f"{r.get('factor', 1.0)} x the noise scale, decided every {r['every']} steps "
+                f"(x {seq} tokens for the GPT)"), None
+    if d.batch_ramp:
+        ramp = ", ".join(f"{b} from step {s}" for b, s in zip(d.batch_ramp["sizes"], d.batch_ramp["steps"]))
+        return f"data     {d.kind}: global batch ramp {ramp} (x {seq} tokens for the GPT)", None
+    if d.kind != "import":
+        return f"data     {d.kind}: global batch {d.batch_size} x {seq} tokens", gpt_tokens
+    batch = batch_fn(0)
+    line = f"data     {d.kind} {d.target}: global batch {d.batch_size} ({describe_batch(batch)})"
+    if cfg.model.target is None:
+        return line, gpt_tokens
+    tokens = np.asarray(batch.get("tokens", 0))
+    return line, int(tokens.size) if tokens.ndim == 2 and tokens.dtype.kind in "iu" else None

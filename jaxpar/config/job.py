@@ -1,0 +1,310 @@
+"""The job builder: one config -> what ``jaxpar train``, ``jaxpar inspect`` and ``jaxpar plan`` run.
+
+:func:`build_job` builds the mesh, the strategy, the model and its loss, the optimizer and its
+learning-rate schedule, the train step's options and the data once, into a :class:`Job`; the
+commands take what they need from it, so ``inspect`` compiles exactly the step that ``train``
+runs (:meth:`Job.train_step`, :meth:`Job.abstract_batch`, :meth:`Job.compile`). A :class:`Job`
+holds library objects and plain values; the config object is read only here (and in
+:mod:`jaxpar.cli`).
+
+Example::
+
+    >>> from pathlib import Path
+    >>> from jaxpar.config import load_config
+    >>> quickstart = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+    >>> cfg = load_config(quickstart, ["model.layers=1", "model.embed=32", "model.seq_len=16"])
+    >>> job = build_job(cfg, data=False)          # no data read: the batches are the GPT's token windows
+    >>> job.strategy.name(dict(job.mesh.shape)), job.updates_per_step
+    ('dp2-fsdp2-tp2', 1)
+    >>> sorted(job.step_options)
+    ['clip_norm', 'log_lr', 'noise_scale_ema', 'noise_scale_every', 'skip_nonfinite', 'steps_per_call']
+    >>> layout = job.state_layout()               # traced only: nothing is allocated
+    >>> compiled = job.compile(layout)            # the programs train runs, compiled ahead of time
+    >>> sorted(compiled), compiled["step"].in_avals[0][1]["tokens"]
+    (['step'], ShapedArray(int32[32,16]))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ..strategy import Strategy
+from .build import build_loss_fn, build_mesh, build_model_fn, build_optimizer, build_strategy, frozen_variance_step
+from .checks import check
+from .data import build_data, build_ramp
+from .schema import ConfigError, JobConfig
+
+__all__ = ["Job", "build_job", "updates_per_step", "job_devices", "comm_bytes"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a config builds: library objects and plain values (see the module docstring).
+
+    ``mesh``, ``tx`` and ``log_lr`` (the learning-rate schedule, logged as ``lr``) are ``None`` for a
+    job built without devices (``build_job(..., mesh=False)``: ``jaxpar plan`` needs the model only).
+    ``step_options``: :func:`jaxpar.make_train_step`'s keyword options. ``updates_per_step``: optimizer
+    updates per train step (:func:`updates_per_step`). ``token_batches``: the batches are the GPT's
+    token windows (``tokens`` / ``targets`` ``[global_batch, seq_len]`` int32), else ``batch_fn``'s.
+    ``run``, ``log``, ``checkpoint``, ``meta`` and ``gpt_sizes`` describe ``jaxpar train``'s run
+    (:mod:`jaxpar.train.resume`).
+    """
+
+    name: str
+    strategy: Strategy
+    model_fn: Callable[[], Any]
+    loss_fn: Callable
+    global_batch: int
+    seq_len: int
+    token_batches: bool = True
+    mesh: Any = None
+    tx: Any = None
+    log_lr: Callable | None = None
+    updates_per_step: int = 1
+    step_options: Mapping[str, Any] = field(default_factory=dict)
+    batch_fn: Callable[[int], Any] | None = None
+    eval_batches: Sequence[Any] = ()
+    ramp: Any = None
+    run: Any = None                          # jaxpar.train.resume.RunOptions
+    log: Mapping[str, Any] = field(default_factory=dict)          # LogOptions fields
+    checkpoint: Mapping[str, Any] | None = None                    # Checkpointer arguments (None: no checkpoints)
+    meta: Mapping[str, Any] = field(default_factory=dict)         # checkpoint_meta's arguments, less the mesh
+    gpt_sizes: Mapping[str, int] | None = None                     # the GPT's sizes for MFU (None: another model)
+
+    @property
+    def steps_per_call(self) -> int:
+        """Optimizer steps per call of the train step (``parallel.steps_per_call``)."""
+        return self.step_options.get("steps_per_call", 1)
+
+    @property
+    def noise_scale_every(self) -> int | None:
+        """Every how many steps the train step measures the noise scale (None: never)."""
+        return self.step_options.get("noise_scale_every")
+
+    def state_layout(self):
+        """The train state's layout (:func:`jaxpar.state_layout`, plus the noise scale's state when it
+        is measured), without creating the state."""
+        from ..train.init import state_layout
+
+        layout = state_layout(self.model_fn, self.tx, self.mesh, self.strategy)
+        if self.noise_scale_every is None:
+            return layout
+        from ..train.noise_scale import with_noise_scale
+
+        return with_noise_scale(layout.abstract_state(), layout)[1]
+
+    def init_state(self):
+        """``(state, layout)``: the train state created sharded (:func:`jaxpar.init_train_state`), with
+        the noise scale's moving averages when it is measured (they are checkpointed)."""
+        from ..train.init import init_train_state
+
+        state, layout = init_train_state(self.model_fn, self.tx, self.mesh, self.strategy)
+        if self.noise_scale_every is None:
+            return state, layout
+        from ..train.noise_scale import with_noise_scale
+
+        return with_noise_scale(state, layout)
+
+    def train_step(self, layout):
+        """The train step ``jaxpar train`` runs: :func:`jaxpar.make_train_step` with the job's options."""
+        from ..train.step import make_train_step
+
+        return make_train_step(self.loss_fn, self.tx, layout, self.strategy, **self.step_options)
+
+    def eval_fn(self, layout):
+        """``state -> eval loss`` over the job's eval batches (None without them)."""
+        if not self.eval_batches:
+            return None
+        from ..train.loop import make_eval_fn
+
+        return make_eval_fn(self.loss_fn, layout, self.strategy, self.eval_batches)
+
+    def abstract_batch(self):
+        """``ShapeDtypeStruct``s of what one call of the train step takes: a global batch split over
+        the data axes, or with ``steps_per_call`` K the K batches stacked ``[K, B, ...]``."""
+        from ..batch import batch_sharding
+
+        sharding, lead = batch_sharding(self.mesh), ()
+        if self.steps_per_call > 1:
+            sharding, lead = NamedSharding(self.mesh, PartitionSpec(None, *sharding.spec)), (self.steps_per_call,)
+        if self.token_batches:
+            spec = jax.ShapeDtypeStruct((*lead, self.global_batch, self.seq_len), np.int32, sharding=sharding)
+            return {"tokens": spec, "targets": spec}
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*lead, *np.shape(a)), np.asarray(a).dtype,
+                                                           sharding=sharding), self.batch_fn(0))
+
+    def compile(self, layout) -> dict[str, Any]:
+        """The programs of :meth:`train_step`, compiled ahead of time from abstract state (nothing runs).
+
+        Returns:
+          ``{"step": compiled}`` (with ``steps_per_call`` K: the program of K steps on K stacked
+          batches), plus ``"measure"``: the program that also measures the noise scale, when it is
+          measured.
+        """
+        step = self.train_step(layout)
+        state, batch = layout.abstract_state(), self.abstract_batch()
+        programs = {"step": step.lower}
+        measure = getattr(step, "programs", {}).get("measure")
+        if measure is not None:
+            programs["measure"] = measure.lower
+        return {name: lower(state, batch).compile() for name, lower in programs.items()}
+
+    def log_options(self, layout, tokens_per_batch: int | None):
+        """The loop's :class:`~jaxpar.train.report.LogOptions`: the job's settings, its title, and the
+        FLOPs per token of jaxpar's GPT for MFU."""
+        from ..train.report import LogOptions
+        from ..train.resume import gpt_flops_per_token
+
+        flops = None      # FLOPs per token: known for the GPT; for a model of your own there is no MFU
+        if self.gpt_sizes is not None:
+            flops = gpt_flops_per_token(sum(a.size for a in jax.tree.leaves(layout.shapes)), **self.gpt_sizes)
+        return LogOptions(**self.log, title=f"{self.name}: {self.strategy.name(dict(self.mesh.shape))}",
+                          tokens_per_batch=tokens_per_batch, flops_per_token=flops)
+
+    def checkpointer(self, layout=None):
+        """A :class:`~jaxpar.train.checkpoint.Checkpointer` for the run (None: checkpoints are off);
+        with the state's ``layout`` its saves record the layout of the state's feature parts."""
+        if self.checkpoint is None:
+            return None
+        from ..train.checkpoint import Checkpointer
+
+        return Checkpointer(**self.checkpoint, layout=layout)
+
+
+def updates_per_step(strategy: Strategy, mesh_sizes: Mapping[str, int]) -> int:
+    """Optimizer updates per train step.
+
+    Args:
+      strategy: the job's strategy.
+      mesh_sizes: the resolved mesh's axis sizes (a ``-1`` in the config already replaced).
+
+    Returns:
+      ``microbatches / update_every`` for PipeDream weight stashing (``schedule='pipedream'`` on a
+      pipeline: every stage updates that often per step), else 1.
+
+    Example:
+      >>> updates_per_step(Strategy(schedule="pipedream", microbatches=4, update_every=2), {"pipe": 2, "data": 4})
+      2
+      >>> updates_per_step(Strategy(schedule="pipedream", microbatches=4), {"data": 8})
+      1
+    """
+    if strategy.schedule == "pipedream" and mesh_sizes.get("pipe", 1) > 1:
+        return max(1, strategy.microbatches // strategy.update_every)
+    return 1
+
+
+def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: bool = True, data: bool = True) -> Job:
+    """The :class:`Job` of a loaded config.
+
+    Args:
+      cfg: the config (:func:`jaxpar.config.load_config`).
+      devices: the mesh's devices (default: all of JAX's); the config is checked against JAX's device count.
+      mesh: build the mesh, the optimizer and the step's options; ``False`` (``jaxpar plan``): the
+        model, loss and strategy only, without devices.
+      data: read the data (batch function, eval batches, batch ramp); ``False`` (``jaxpar inspect``):
+        only a ``data.target`` of your own is built, for the batch shapes.
+
+    Returns:
+      The job.
+
+    Raises:
+      ConfigError: a setting that the library refuses, named by its YAML key.
+    """
+    if mesh:
+        check(cfg, num_devices=jax.device_count())
+        device_mesh = build_mesh(cfg.mesh, devices)
+    strategy = build_strategy(cfg.parallel)
+    model_fn = build_model_fn(cfg.model, cfg.train.seed)
+    m, d = cfg.model, cfg.data
+    base = dict(name=cfg.name, strategy=strategy, model_fn=model_fn, global_batch=d.batch_size,
+                seq_len=m.seq_len, token_batches=d.kind != "import")
+    if not mesh:
+        return Job(loss_fn=build_loss_fn(m), **base)
+    per_step = updates_per_step(strategy, dict(device_mesh.shape))
+    tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=d.batch_size, model_fn=model_fn,
+                                   updates_per_step=per_step, freeze_variance_step=frozen_variance_step(strategy))
+    loss_fn = build_loss_fn(m)
+    noise = cfg.logging.noise_scale
+    options = dict(clip_norm=cfg.optimizer.clip_norm, log_lr=schedule, skip_nonfinite=True,
+                   noise_scale_every=noise.every, noise_scale_ema=noise.ema,
+                   steps_per_call=cfg.parallel.steps_per_call)
+    return Job(mesh=device_mesh, tx=tx, log_lr=schedule, updates_per_step=per_step, step_options=options,
+               loss_fn=loss_fn, **base, **_data(cfg, data), **_run(cfg))
+
+
+def _data(cfg: JobConfig, read: bool) -> dict:
+    """The job's data: ``batch_fn``, ``eval_batches`` and ``ramp`` (without ``read``: ``data.target``'s
+    batch function only, for its shapes)."""
+    d, m = cfg.data, cfg.model
+    if not read:
+        if d.kind != "import":
+            return {}
+        return {"batch_fn": build_data(d, seq_len=m.seq_len, vocab=m.vocab, eval_batches=0)[0]}
+    ramp = build_ramp(d)      # an adaptive ramp decides during the run; batch_fn reads it
+    batch_fn, evals = build_data(d, seq_len=m.seq_len, vocab=m.vocab, eval_batches=cfg.train.eval_batches,
+                                 ramp=ramp)
+    return {"batch_fn": batch_fn, "eval_batches": evals, "ramp": ramp}
+
+
+def _run(cfg: JobConfig) -> dict:
+    """The plain settings of ``jaxpar train``'s run: ``run``, ``log``, ``checkpoint``, ``meta``, ``gpt_sizes``."""
+    from ..train.resume import RunOptions
+    from ..train.sample import SampleOptions
+
+    m, tr, ck, lg = cfg.model, cfg.train, cfg.checkpoint, cfg.logging
+    gpt = m.target is None
+    samples = SampleOptions(lg.samples, m.seq_len, lg.sample_tokens, cfg.data.kind == "text") if gpt else None
+    run = RunOptions(steps=tr.steps, out_dir=Path(tr.out_dir), eval_every=tr.eval_every, on_nonfinite=tr.on_nonfinite,
+                     steps_per_call=cfg.parallel.steps_per_call, resume=ck.resume, data_seed=cfg.data.seed,
+                     samples=samples)
+    log = dict(log_every=tr.log_every, out_dir=Path(tr.out_dir), progress=tr.progress, tensorboard=lg.tensorboard,
+               peak_flops=lg.peak_flops)
+    checkpoint = dict(directory=ck.dir, every=ck.every, keep=ck.keep, async_save=ck.async_save) if ck.enabled else None
+    meta = {"name": cfg.name, "seed": tr.seed, "model": m.name,      # jaxpar.train.resume.checkpoint_meta's
+            "data": {"kind": cfg.data.kind, "seed": cfg.data.seed, "batch_size": cfg.data.batch_size}}
+    sizes = dict(vocab=m.vocab, seq_len=m.seq_len, embed=m.embed, layers=m.layers) if gpt else None
+    return dict(run=run, log=log, checkpoint=checkpoint, meta=meta, gpt_sizes=sizes)
+
+
+def job_devices(cfg: JobConfig) -> int:
+    """The devices the config trains on: ``train.devices``, else the product of its mesh sizes.
+
+    Args:
+      cfg: the config.
+
+    Returns:
+      The device count.
+
+    Raises:
+      ConfigError: ``train.devices=0`` and a ``-1`` mesh axis: the count is unknown.
+    """
+    if cfg.train.devices > 0:
+        return cfg.train.devices
+    sizes = [getattr(cfg.mesh, a) for a in ("data", "fsdp", "tensor", "pipe")]
+    if any(s == -1 for s in sizes):
+        raise ConfigError("jaxpar inspect: mesh has a -1 axis and train.devices=0, so the device count is unknown; "
+                          "set train.devices=N (e.g. train.devices=8) or give every mesh axis a size.")
+    return int(np.prod(sizes))
+
+
+def comm_bytes(layout) -> int:
+    """Bytes per device of the state's ``comm`` part (codec residuals, the replicas of relaxed sync).
+
+    Args:
+      layout: the train state's :class:`~jaxpar.StateLayout`.
+
+    Returns:
+      The bytes on one device (0 without such a part).
+    """
+    from ..zero import spec_shards
+
+    sizes = dict(layout.mesh.shape)
+    specs = jax.tree.leaves(layout.comm, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return sum(a.size * a.dtype.itemsize // spec_shards(spec, sizes)
+               for a, spec in zip(jax.tree.leaves(layout.comm_shapes), specs))

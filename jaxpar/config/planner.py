@@ -1,0 +1,275 @@
+"""The cost model's view of a config, for ``jaxpar inspect`` and ``jaxpar plan --config``: the
+config's model as a :class:`jaxpar.cost.ModelSpec`, its mesh and strategy as a
+:class:`jaxpar.cost.Plan` with the cost model's estimate, and the table that sets that prediction
+beside a compiled train step.
+
+Example::
+
+    >>> from pathlib import Path
+    >>> from jaxpar.config import build_strategy, load_config
+    >>> cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
+    >>> cost_model(cfg).n_params > 0, cost_model(cfg, batch=8).batch
+    (True, 8)
+    >>> view = planner_view(cfg, {"data": 2, "fsdp": 2, "tensor": 2}, build_strategy(cfg.parallel), "cpu_sim")
+    >>> view.plan.name(), view.estimate.time.total > 0
+    ('dp2-fsdp2-tp2', True)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+from ..strategy import Strategy
+from .schema import ConfigError, JobConfig
+
+__all__ = ["PlannerView", "cost_model", "plan_model", "planner_view", "unpredicted", "planner_table",
+           "plan_report", "verify_plans"]
+
+
+class PlannerView(NamedTuple):
+    """The cost model's description of a config's job: ``model``, ``plan`` and its ``estimate``."""
+
+    model: Any
+    plan: Any
+    estimate: Any
+
+
+def cost_model(cfg: JobConfig, model_fn: Callable | None = None, *, batch: int | None = None,
+               layers: int | None = None, hidden: int | None = None, heads: int | None = None,
+               seq: int | None = None, vocab: int | None = None):
+    """The :class:`jaxpar.cost.ModelSpec` of the config's model and global batch.
+
+    Args:
+      cfg: the config.
+      model_fn: the model factory of a model of your own (``Job.model_fn``); the GPT needs none.
+      batch: the global batch (default ``data.batch_size``).
+      layers, hidden, heads, seq, vocab: a model of your own: the sizes the cost model cannot read from
+        its parameters (default 1).
+
+    Returns:
+      The model spec.
+    """
+    from .. import cost
+
+    m, batch = cfg.model, batch or cfg.data.batch_size
+    if m.target is not None:
+        return cost.from_nnx(model_fn, layers=layers or 1, hidden=hidden or 1, heads=heads or 1, seq=seq or 1,
+                             vocab=vocab or 1, batch=batch, name=m.name)
+    return cost.gpt(m.layers, m.embed, m.heads, m.seq_len, m.vocab, batch, mlp=m.mlp, name=cfg.name)
+
+
+def plan_model(config: str | None, sizes: Mapping[str, int | None]):
+    """``jaxpar plan``'s model: that of ``--config`` (its global batch unless ``sizes['batch']``), else
+    jaxpar's GPT of the sizes given.
+
+    Args:
+      config: the config file (None: none).
+      sizes: ``layers``, ``hidden``, ``heads``, ``seq``, ``vocab``, ``batch`` (None where not given).
+
+    Returns:
+      The :class:`jaxpar.cost.ModelSpec`.
+
+    Raises:
+      ConfigError: no config and a size missing.
+    """
+    from .. import cost
+    from .job import build_job
+    from .load import load_config
+
+    if config:
+        cfg = load_config(config, [])
+        return cost_model(cfg, build_job(cfg, mesh=False, data=False).model_fn, **sizes)
+    missing = [k for k, v in sizes.items() if not v]
+    if missing:
+        raise ConfigError(f"jaxpar plan needs --config CONFIG or the model's sizes; missing "
+                          f"{', '.join('--' + k for k in missing)}.")
+    return cost.gpt(sizes["layers"], sizes["hidden"], sizes["heads"], sizes["seq"], sizes["vocab"], sizes["batch"])
+
+
+def unpredicted(cfg: JobConfig, strategy: Strategy, mesh_sizes: Mapping[str, int]) -> str | None:
+    """Why the cost model predicts nothing for this job (None: it does).
+
+    Args:
+      cfg: the config.
+      strategy: its strategy.
+      mesh_sizes: the mesh's axis sizes.
+
+    Returns:
+      The reason, or None.
+    """
+    from ..cost.parallel import SCHEDULES
+
+    if cfg.model.target is not None:
+        return "the cost model describes the built-in GPT only (model.target is set)"
+    if mesh_sizes.get("pipe", 1) > 1 and strategy.schedule not in SCHEDULES:
+        return (f"the cost model knows the pipeline schedules {', '.join(SCHEDULES)}, not "
+                f"parallel.schedule={strategy.schedule!r}")
+    return None
+
+
+def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strategy, cluster_name: str) -> PlannerView:
+    """The cost model's plan and estimate for the config's GPT on its mesh (see :func:`unpredicted`
+    for the jobs it does not describe).
+
+    Args:
+      cfg: the config.
+      mesh_sizes: the mesh's axis sizes.
+      strategy: the config's strategy.
+      cluster_name: a cluster preset or YAML path (its devices are set to the mesh's).
+
+    Returns:
+      The :class:`PlannerView`, estimated for the ``xla-cpu`` lowering in fp32.
+    """
+    from .. import cost
+    from ..cost.plan import evaluate
+
+    model = cost_model(cfg)
+    remat = {"none": "none", "full": "full"}.get(cfg.model.remat, "selective")
+    data = mesh_sizes.get("data", 1)
+    plan = cost.Plan(pipe=mesh_sizes.get("pipe", 1), data=data, fsdp=mesh_sizes.get("fsdp", 1),
+                     tensor=mesh_sizes.get("tensor", 1), zero=strategy.zero if data > 1 else 0,
+                     sequence_parallel=strategy.sequence_parallel, schedule=strategy.schedule,
+                     virtual=strategy.virtual_stages, microbatches=strategy.microbatches, remat=remat)
+    n = plan.devices
+    cluster = cost.load_cluster(cluster_name)
+    cluster = cluster.with_devices(n) if n <= cluster.devices_per_node or n % cluster.devices_per_node == 0 else \
+        cost.load_cluster(cluster_name, nodes=1)
+    dtype = "float32" if strategy.compute_dtype == "float32" else "bfloat16"
+    if dtype not in cluster.peak_flops:
+        dtype = next(iter(cluster.peak_flops))
+    return PlannerView(model, plan, evaluate(model, plan, cluster, dtype=dtype, precision="fp32", lowering="xla-cpu"))
+
+
+def _ratio(p: float, g: float) -> str:
+    return f"{p / g:.3f}" if g else ("-" if not p else "inf")
+
+
+def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, cluster: str,
+                  steps_per_call: int = 1) -> str:
+    """``jaxpar inspect``'s table: the cost model's bytes per axis, arguments, temporaries and peak
+    next to the compiled step's, per device (for a pipelined plan, counted on the busiest stage).
+
+    Args:
+      cfg: the config.
+      compiled: the compiled train step.
+      mesh: its mesh.
+      strategy: the config's strategy.
+      cluster: the cluster preset (or YAML path) of the prediction.
+      steps_per_call: optimizer steps per call of ``compiled`` (its bytes per axis are divided by it).
+
+    Returns:
+      The heading, the table and the predicted step time (or why there is none), as text.
+    """
+    from ..analysis.axis_bytes import compiled_bytes_per_axis
+    from ..analysis.memory import format_bytes, memory_report, render_table
+
+    sizes = dict(mesh.shape)
+    rep = memory_report(compiled)
+    why = unpredicted(cfg, strategy, sizes)
+    view = planner_view(cfg, sizes, strategy, cluster) if why is None else None
+    got = compiled_bytes_per_axis(compiled, mesh, view and view.plan) if mesh.size > 1 else {}
+    got = {a: g / steps_per_call for a, g in got.items()}
+    lines = [f"\nplanner  cost model (jaxpar.cost, lowering xla-cpu, cluster {cluster}) vs the compiled step, "
+             "per device"]
+    headers, right = ["", "predicted", "compiled", "predicted / compiled"], [False, True, True, True]
+    if view is None:
+        rows = [[f"bytes over {a} per step", "-", format_bytes(g), "-"] for a, g in sorted(got.items())]
+        rows += [["arguments (state + batch)", "-", format_bytes(rep.argument_bytes), "-"],
+                 ["temporaries", "-", format_bytes(rep.temp_bytes), "-"],
+                 ["peak (args + outputs + temps - aliased)", "-", format_bytes(rep.peak_bytes), "-"]]
+        return "\n".join(lines + [render_table(headers, rows, right=right), f"time     not predicted: {why}"])
+    from ..cost.memory import argument_bytes
+    from ..cost.traffic import bytes_per_axis, comms
+
+    model, plan, est = view
+    pred = bytes_per_axis(comms(model, plan, lowering="xla-cpu", compute_bytes=4, grad_bytes=4))
+    args, mem, t = argument_bytes(model, plan.sizes, plan.zero), est.memory, est.time
+    rows = [[f"bytes over {a} per step", format_bytes(pred.get(a, 0.0)), format_bytes(got.get(a, 0.0)),
+             _ratio(pred.get(a, 0.0), got.get(a, 0.0))] for a in sorted(set(pred) | set(got))]
+    temps = mem.activations + mem.logits
+    rows += [["arguments (state + batch)", format_bytes(args), format_bytes(rep.argument_bytes),
+              _ratio(args, rep.argument_bytes)],
+             ["temporaries (model: activations + logits)", format_bytes(temps), format_bytes(rep.temp_bytes),
+              _ratio(temps, rep.temp_bytes)],
+             ["peak (args + outputs + temps - aliased)", format_bytes(mem.total), format_bytes(rep.peak_bytes),
+              _ratio(mem.total, rep.peak_bytes)]]
+    return "\n".join(lines + [render_table(headers, rows, right=right), (
+        f"time     predicted {t.total * 1e3:.1f} ms per step on {cluster} (compute {t.compute * 1e3:.1f}, "
+        f"data {t.data * 1e3:.1f}, tensor {t.tensor * 1e3:.1f}, pipeline {t.pipeline * 1e3:.1f}, update "
+        f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {plan.name()}")])
+
+
+def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any]) -> None:
+    """``jaxpar plan --verify``: compile each plan's train step ahead of time on simulated CPU devices
+    (jaxpar's GPT, fp32 Adam; nothing runs) and print predicted vs compiled argument bytes, peak
+    memory and bytes per mesh axis.
+
+    Args:
+      model: the cost model's GPT.
+      cluster: the cluster (its device count is simulated; at most 256).
+      estimates: the ranked plans' estimates.
+
+    Raises:
+      ConfigError: more than 256 devices.
+    """
+    import time
+
+    from ..analysis.memory import format_bytes, render_table
+    from ..cost.memory import memory_per_device
+    from ..distributed import setup_devices
+    from ..train.cost_check import compile_and_compare
+
+    n = cluster.num_devices
+    if n > 256:
+        raise ConfigError(f"--verify simulates the cluster's {n} devices on the CPU; at most 256 (use --devices).")
+    setup_devices(n)
+    print(f"\nverify   {len(estimates)} plans compiled ahead of time on {n} simulated CPU devices (jaxpar's GPT, "
+          f"fp32 parameters and Adam moments; the prediction below uses the same precision)")
+    rows = []
+    for e in estimates:
+        p = e.plan
+        t0 = time.perf_counter()
+        r = compile_and_compare(model, p)
+        mem = memory_per_device(model, p.sizes, zero=p.zero, microbatches=p.microbatches, schedule=p.schedule,
+                                virtual=p.virtual, remat=p.remat, sequence_parallel=p.sequence_parallel,
+                                precision="fp32", activation_bytes=4)
+        a = r["arguments"]
+        peak = r["peak_bytes"]
+        worst = max((v["error"] for v in r["axes"].values()), default=0.0)
+        rows.append([p.name(), format_bytes(a["predicted"]), format_bytes(a["compiled"]), f"{a['error']:.2%}",
+                     format_bytes(mem.total), format_bytes(peak), f"{mem.total / peak:.2f}",
+                     " ".join(f"{ax}:{v['predicted'] / v['compiled']:.3f}" if v["compiled"] else f"{ax}:-"
+                              for ax, v in r["axes"].items()) or "-", f"{worst:.1%}",
+                     f"{time.perf_counter() - t0:.0f}"])
+    print(render_table(["plan", "args predicted", "args compiled", "args error", "peak predicted", "peak compiled",
+                        "peak ratio", "bytes per axis predicted/compiled (xla-cpu)", "worst axis error",
+                        "compile s"], rows, right=[False] + [True] * 6 + [False, True, True]))
+
+
+def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: bool = False) -> str:
+    """``jaxpar plan``'s output: the model, the cluster and the ranked and rejected plans.
+
+    Args:
+      model: the cost model's model.
+      cluster: the cluster.
+      result: :func:`jaxpar.cost.plan`'s result.
+      top: how many plans to show.
+      as_json: JSON instead of tables.
+
+    Returns:
+      The text.
+    """
+    if as_json:
+        return json.dumps({"cluster": cluster.name, "devices": cluster.num_devices, "model": model.name,
+                           "parameters": model.n_params, "considered": result.considered,
+                           "ranked": [e.row() for e in result.ranked[:top]],
+                           "rejected": [{"plan": r.plan.name() if r.plan else None, "reason": r.reason}
+                                        for r in result.rejected[:top]]}, indent=2)
+    lines = [f"model    {model.name}: {model.n_params:,} parameters, batch {model.batch} x {model.seq}",
+             f"cluster  {cluster.name}: {cluster.num_devices} devices ({cluster.nodes} x {cluster.devices_per_node})",
+             f"plans    {result.considered} considered, {len(result.ranked)} fit, {len(result.rejected)} rejected",
+             result.table(top)]
+    if result.rejected:
+        lines += ["", result.rejected_table(min(top, 5))]
+    return "\n".join(lines)

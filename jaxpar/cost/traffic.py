@@ -1,0 +1,248 @@
+"""Each strategy's collectives per training step: what moves over which mesh axis, and how much.
+
+Collectives (:func:`comms`) are listed per step with the bytes the compiled program's
+inventory reports (:mod:`jaxpar.analysis.hlo`: the result of each collective on one device);
+:mod:`jaxpar.cost.time` times them on the links the mesh axis spans.
+
+Two lowerings: ``ideal`` is the textbook program (Megatron TP: 2 all-reduces of the layer's
+activations forward and ``1 + qkv_inputs`` backward, SP: all-gathers and reduce-scatters in
+their place; DP: all-reduce; ZeRO-2/3 and FSDP: reduce-scatter + all-gather; ZeRO-3
+gathers every layer twice per micro-batch). ``xla-cpu`` is what jaxpar's train step compiles
+to on XLA:CPU, as checked against compiled programs by ``tests/test_cost_compiled.py``
+(gradients that XLA reduces with all-reduce where ``ideal`` uses reduce-scatter, the
+embedding gathered under SP, ...).
+
+Example::
+
+    >>> from jaxpar.cost.model import gpt
+    >>> from jaxpar.cost.parallel import Plan
+    >>> bytes_per_axis(comms(gpt(2, 32, 8, 16, 64, 16), Plan(data=2, tensor=4)))
+    {'tensor': 116736.0, 'data': 16256.0}
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Mapping
+
+from .memory import leaf_shard_counts, sizes_key, zero_axes
+from .model import Leaf, ModelSpec
+from .parallel import AXES, Plan
+
+__all__ = ["LOWERINGS", "Comm", "comms", "bytes_per_axis"]
+
+#: ``ideal``: the textbook program; ``xla-cpu``: what jaxpar's train step compiles to on XLA:CPU.
+LOWERINGS = ("ideal", "xla-cpu")
+
+
+@dataclass(frozen=True)
+class Comm:
+    """``count`` collectives per step of ``bytes`` each (result on one device, the HLO inventory's
+    convention), over mesh ``axes``; ``phase`` says why (``grads``, ``params``, ``tensor``,
+    ``pipeline``, ``loss``)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: float
+    count: float
+    phase: str
+
+    def buffer_bytes(self, sizes: Mapping[str, int]) -> float:
+        """The ``n`` of :mod:`jaxpar.cost.collectives`: a reduce-scatter's input is ``p`` results."""
+        p = math.prod(sizes[a] for a in self.axes)
+        return self.bytes * p if self.kind == "reduce-scatter" else self.bytes
+
+
+def _is_matmul(leaf: Leaf) -> bool:
+    """A weight read by a matmul (its gradient is a dot): >= 2 non-layer dims, not an embedding table."""
+    dims = [n for n in leaf.logical if n != "layers"]
+    return len(dims) >= 2 and dims[0] not in ("vocab", None)
+
+
+def _is_row_parallel(leaf: Leaf) -> bool:
+    """A row-parallel weight (``wo``, ``w2``): its tensor-split dimension is the contracted input."""
+    dims = [n for n in leaf.logical if n != "layers"]
+    return len(dims) >= 2 and dims[0] in ("heads", "mlp")
+
+
+def _axes(sizes: Mapping[str, int], names) -> tuple[str, ...]:
+    return tuple(a for a in AXES if a in names and sizes.get(a, 1) > 1)
+
+
+def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: float = 2,
+          grad_bytes: float = 2) -> list[Comm]:
+    """The collectives of one step on one device of the busiest stage (see the module doc).
+
+    >>> from jaxpar.cost.model import gpt
+    >>> [(c.kind, c.axes, c.bytes, c.count) for c in comms(gpt(2, 32, 8, 16, 64, 16), Plan(data=8), grad_bytes=4)]
+    [('all-reduce', ('data',), 18688.0, 1), ('all-reduce', ('data',), 50304.0, 2)]
+    """
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering={lowering!r}: choose one of {', '.join(LOWERINGS)}.")
+    sizes = plan.sizes
+    out: list[Comm] = []
+
+    def add(kind, axes, nbytes, count, phase):
+        axes = _axes(sizes, axes)
+        if axes and nbytes > 0 and count > 0:
+            out.append(Comm(kind, axes, float(nbytes), count, phase))
+
+    cpu = lowering == "xla-cpu"
+    rows = m.batch / (plan.data * plan.fsdp * plan.microbatches)   # sequences per device per micro-batch
+    act = rows * m.seq * m.hidden * compute_bytes                   # one activation of the residual stream
+    if plan.tensor > 1:
+        _tensor_comms(add, m, plan, act, rows * m.seq * 4, cpu)
+    if plan.pipe > 1:
+        _pipe_comms(add, m, plan, act)
+    if _axes(sizes, ("data", "fsdp")):
+        out += _data_comms(m, plan, cpu, compute_bytes, grad_bytes)
+    return out
+
+
+def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, cpu: bool) -> None:
+    """TP / SP: per layer per micro-batch, then the embedding, the head and the loss (``stats``: fp32
+    softmax statistics). With a pipeline the embedding (first stage) and the head (last) are apart:
+    the busiest stage, the last, has only the head's."""
+    t, mb = plan.tensor, plan.microbatches
+    n_layer = (m.layers // plan.pipe) * mb
+    ends = 1 if plan.pipe > 1 else 2
+    if not plan.sequence_parallel:
+        add("all-reduce", ("tensor",), act, (2 + 1 + m.qkv_inputs) * n_layer, "tensor")
+        add("all-reduce", ("tensor",), act, ends * mb, "tensor")         # embedding forward, head backward
+    else:
+        add("all-gather", ("tensor",), act, 4 * n_layer, "tensor")     # 2 forward, 2 backward
+        add("reduce-scatter", ("tensor",), act / t, 2 * n_layer, "tensor")
+        if cpu:   # XLA:CPU reduces the column-parallel input gradients with all-reduce
+            add("all-reduce", ("tensor",), act, (1 + m.qkv_inputs) * n_layer, "tensor")
+            add("all-gather", ("tensor",), act, mb, "tensor")          # the head's input
+            add("all-reduce", ("tensor",), act, mb, "tensor")          # the head's input gradient
+            wte = m.vocab * m.hidden * 4
+            add("all-gather", ("tensor",), wte, mb, "tensor")          # the embedding table, gathered
+            add("all-reduce", ("tensor",), wte, 1, "tensor")           # and its gradient
+            add("all-gather", ("tensor",), m.seq * m.hidden * 4, 1, "tensor")   # positions' gradient
+        else:
+            add("reduce-scatter", ("tensor",), act / t, (1 + m.qkv_inputs) * n_layer, "tensor")
+            add("all-gather", ("tensor",), act, mb, "tensor")
+            add("reduce-scatter", ("tensor",), act / t, 2 * mb, "tensor")
+    add("all-reduce", ("tensor",), stats, 4 * mb, "loss")               # vocab-parallel cross-entropy
+
+
+def _pipe_comms(add, m: ModelSpec, plan: Plan, act: float) -> None:
+    """Activations forward and their gradients backward, per micro-batch and chunk; then jaxpar's
+    executor sums the gradients of the parameters outside the blocks (and the loss) over ``pipe``."""
+    add("collective-permute", ("pipe",), act / (plan.tensor if plan.sequence_parallel else 1),
+        2 * plan.microbatches * plan.virtual, "pipeline")
+    key = sizes_key(plan.sizes)
+    outer = sum(leaf_shard_counts(leaf, key, plan.zero)[3] for leaf in m.leaves if not leaf.stacked)
+    add("all-reduce", ("pipe",), outer * 4 + 4, 1, "pipeline")        # fp32 gradients and the loss
+
+
+def _pipe_end(leaf: Leaf) -> str:
+    """Which end of a pipeline runs a parameter outside the blocks: ``first`` for the embedding
+    tables (indexed by token or position), ``last`` for the final norm and the head."""
+    return "first" if leaf.logical and leaf.logical[0] in ("vocab", None) else "last"
+
+
+def _is_token_table(leaf: Leaf) -> bool:
+    return not leaf.stacked and len(leaf.logical) == 2 and leaf.logical == ("vocab", "embed")
+
+
+def _busiest_end(m: ModelSpec, plan: Plan) -> str:
+    """The pipeline end whose parameters outside the blocks have the most gradient elements here."""
+    key = sizes_key(plan.sizes)
+    size = {"first": 0.0, "last": 0.0}
+    for leaf in m.leaves:
+        if not leaf.stacked:
+            size[_pipe_end(leaf)] += leaf_shard_counts(leaf, key, plan.zero)[3]
+    return max(size, key=size.get)
+
+
+def _accumulate(groups: dict, sizes: Mapping[str, int], kind: str, axes, nbytes: float, count: float,
+                phase: str) -> None:
+    """Add ``nbytes`` to the group of collectives ``(kind, axes, count, phase)`` (axes of size 1 dropped)."""
+    axes = _axes(sizes, axes)
+    if axes and nbytes > 0:
+        key = (kind, axes, count, phase)
+        groups[key] = groups.get(key, 0.0) + nbytes
+
+
+def _data_comms(m: ModelSpec, plan: Plan, cpu: bool, compute_bytes: float, grad_bytes: float) -> list[Comm]:
+    """Data axes: gradient reductions and ZeRO / FSDP parameter gathers. In a pipeline a device reduces
+    the gradients of its own blocks and of one end's outer parameters (the busiest end); on XLA:CPU it
+    does so inside every backward action of the tick loop, i.e. once per micro-batch."""
+    sizes = plan.sizes
+    d, f, t, mb = plan.data, plan.fsdp, plan.tensor, plan.microbatches
+    layers_dev = m.layers // plan.pipe
+    data_axes = _axes(sizes, ("data", "fsdp"))
+    g_axes, p_axes = zero_axes(sizes, plan.zero, "grads"), zero_axes(sizes, plan.zero, "params")
+    o_axes = zero_axes(sizes, plan.zero, "opt")
+    explicit = t == 1 and plan.pipe == 1 and ((d > 1 and plan.zero >= 2) or f > 1)
+    pbytes = 4 if cpu else compute_bytes
+    end = _busiest_end(m, plan) if plan.pipe > 1 else None
+    per_mb = mb if cpu and plan.pipe > 1 else 1
+    groups: dict[tuple, float] = {}
+    acc = partial(_accumulate, groups, sizes)
+
+    key = sizes_key(sizes)
+    for leaf in m.leaves:
+        n_p, _, _, local, shardable = leaf_shard_counts(leaf, key, plan.zero)
+        count = layers_dev if leaf.stacked else 1
+        per = local / (layers_dev if leaf.stacked else 1)          # one layer's slice
+        g = per * grad_bytes * (_sp_grad_scale(m, leaf, t) if cpu and plan.sequence_parallel else 1)
+        n_g = math.prod(sizes[a] for a in g_axes) if shardable else 1
+        if end is None or leaf.stacked or _pipe_end(leaf) == end:      # gradients
+            if cpu and end is not None and _is_token_table(leaf):
+                # the lookup's transpose (a scatter-add) in the executor's manual region is replicated over
+                # the data axes: XLA gathers the output cotangent and the token ids instead of reducing the table
+                group = m.batch / mb * m.seq                     # tokens of a micro-batch, whole data group
+                acc("all-gather", data_axes, group * m.hidden * compute_bytes, mb, "grads")
+                acc("all-gather", data_axes, group * 4, mb, "grads")
+            elif not cpu:
+                if shardable and g_axes:
+                    acc("reduce-scatter", g_axes, g / n_g, count, "grads")
+                    acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count, "grads")
+                else:
+                    acc("all-reduce", data_axes, g, count, "grads")
+            elif explicit and leaf.stacked and shardable:
+                acc("reduce-scatter", g_axes, g / n_g, count, "grads")
+                acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count, "grads")
+            elif len(data_axes) == 2 and plan.zero < 2 and _is_matmul(leaf) and shardable and not (
+                    plan.sequence_parallel and _is_row_parallel(leaf)):   # SP: reduced in its region, all at once
+                acc("all-reduce", ("fsdp",), g, count * per_mb, "grads")   # fsdp first, then the shard over data
+                acc("all-reduce", ("data",), g / f, count * per_mb, "grads")
+            else:
+                acc("all-reduce", data_axes, g, count * per_mb, "grads")
+        # parameters: ZeRO-3 / FSDP gathers (forward, and again in the backward for the layers)
+        if p_axes and shardable:
+            gathers = (2 if leaf.stacked else 1) * (mb if not cpu else 1)
+            acc("all-gather", p_axes, per * pbytes, count * gathers, "params")
+        # ZeRO-1/2: the updated shard is gathered back over the axes the optimizer state has more;
+        # the result is the parameter shard (1/fsdp of the slice with an fsdp axis)
+        extra = tuple(a for a in o_axes if a not in p_axes)
+        if extra and shardable:
+            acc("all-gather", extra, per * (4 if cpu else compute_bytes) * (leaf.size / local) / n_p, count, "params")
+    return [Comm(kind, axes, nbytes, count, phase) for (kind, axes, count, phase), nbytes in groups.items()]
+
+
+def _sp_grad_scale(m: ModelSpec, leaf: Leaf, t: int) -> float:
+    """Size of ``leaf``'s data-axis gradient reduction under SP on XLA:CPU, relative to its tensor shard:
+    the vocab-parallel embedding table is gathered over ``tensor`` before the lookup, so its gradient
+    is formed (and reduced over the data axes) at full size (``t``); the position embedding's gradient
+    comes out split over the sequence like the residual stream (``1/t``)."""
+    if leaf.stacked or t == 1 or not leaf.logical:
+        return 1.0
+    if leaf.logical[0] == "vocab" and len(leaf.shape) == 2 and leaf.logical[1] == "embed":
+        return float(t)
+    if leaf.logical == (None, "embed") and leaf.shape[0] == m.seq and m.seq % t == 0:
+        return 1.0 / t
+    return 1.0
+
+
+def bytes_per_axis(cs: list[Comm]) -> dict[str, float]:
+    """Bytes per step per mesh axis (a collective over several axes counts for each of them)."""
+    out: dict[str, float] = {}
+    for c in cs:
+        for a in c.axes:
+            out[a] = out.get(a, 0.0) + c.bytes * c.count
+    return out

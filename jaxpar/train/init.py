@@ -1,0 +1,179 @@
+"""The train state created already sharded: ``eval_shape`` -> shardings -> ``jit(out_shardings=...)``.
+
+No full copy of the parameters or optimizer state ever sits on one device. Each feature that
+keeps state adds its part to the layout here: a codec's residuals (``comm``, :mod:`.compressed`),
+the replicas of relaxed synchronisation (``comm``, :mod:`.relaxed`), older weight versions of
+the PipeDream schedules (``versions``); running measurements are added by
+:func:`jaxpar.train.noise_scale.with_noise_scale` (``stats``).
+
+Example::
+
+    >>> import jax, optax
+    >>> from flax import nnx
+    >>> from jaxpar import MeshSpec, Strategy, make_mesh
+    >>> from jaxpar.models.mlp import MLPClassifier
+    >>> mesh = make_mesh(MeshSpec(fsdp=2), devices=jax.devices()[:2])
+    >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
+    >>> state, layout = init_train_state(model_fn, optax.adamw(1e-3), mesh, Strategy())
+    >>> layout.logical["up"][0]["kernel"], state.params["up"][0]["kernel"].sharding.spec
+    (P('embed', 'mlp'), P('fsdp', 'tensor'))
+    >>> state.opt_state[0].mu["up"][0]["kernel"].sharding.spec     # Adam moments: the same layout
+    P('fsdp', 'tensor')
+    >>> target = layout.abstract_state()   # ShapeDtypeStruct(..., sharding=...) tree for Orbax restore
+    >>> target.params["up"][0]["kernel"]
+    ShapeDtypeStruct(shape=(8, 8), dtype=float32, sharding=NamedSharding(...spec=P('fsdp', 'tensor')...))
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from ..compat import Setting, raise_problems
+from ..mesh import replicas
+from ..rules import named_shardings, resolve
+from ..strategy import Strategy
+from ..zero import zero_specs
+from ..model_shapes import abstract_model
+from .state import StateLayout, TrainState, optimizer_specs
+
+__all__ = ["init_train_state", "state_layout"]
+
+
+def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
+                     strategy: Strategy = Strategy()) -> tuple[TrainState, StateLayout]:
+    """Create the train state directly in its sharded layout.
+
+    ``model_fn()`` builds the model (eager sharding is turned off inside it: jaxpar places the
+    state). Parameters are annotated with logical names via ``nnx.with_partitioning`` /
+    ``out_sharding`` metadata.
+
+    Args:
+      model_fn: builds the NNX model (every variable an ``nnx.Param``).
+      tx: the optax optimizer.
+      mesh: the device mesh.
+      strategy: what to do with the mesh axes; the layout records it, and
+        :func:`jaxpar.make_train_step` runs it.
+
+    Returns:
+      ``(state, layout)``: the :class:`TrainState`, already sharded, and its :class:`StateLayout`.
+    """
+    layout, init = _layout_and_init(model_fn, tx, mesh, strategy)
+    return jax.jit(init, out_shardings=layout.shardings())(), layout
+
+
+def state_layout(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
+                 strategy: Strategy = Strategy()) -> StateLayout:
+    """The :class:`StateLayout` that :func:`init_train_state` builds, without creating the state.
+
+    Args:
+      model_fn: builds the NNX model; it is only traced (``eval_shape``).
+      tx: the optax optimizer.
+      mesh: the device mesh (abstract devices of a compile target work too).
+      strategy: what to do with the mesh axes.
+
+    Returns:
+      The layout; ``layout.abstract_state()`` is a restore or ahead-of-time compile target.
+
+    Example:
+      >>> import jax, optax
+      >>> from flax import nnx
+      >>> from jaxpar import Strategy, make_mesh
+      >>> from jaxpar.models.mlp import MLPClassifier
+      >>> mesh = make_mesh({"data": 2}, devices=jax.devices()[:2])
+      >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
+      >>> layout = state_layout(model_fn, optax.sgd(0.1), mesh, Strategy(zero=3))
+      >>> layout.strategy.zero, layout.params["up"][0]["kernel"]
+      (3, P('data', 'tensor'))
+    """
+    return _layout_and_init(model_fn, tx, mesh, strategy)[0]
+
+
+def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[StateLayout, Callable]:
+    """The layout and an ``init() -> TrainState`` to jit with the layout's shardings."""
+    graphdef, shapes, logical = abstract_model(model_fn)
+    rules = tuple(strategy.rules(mesh))
+    base = resolve(logical, rules, mesh, shapes)
+    sizes = dict(mesh.shape)
+    params = zero_specs(base, shapes, logical, sizes, strategy.zero, "params")
+    grads = zero_specs(base, shapes, logical, sizes, strategy.zero, "grads")
+    opt_param = zero_specs(base, shapes, logical, sizes, strategy.zero, "opt")
+    opt_shapes, opt_state = optimizer_specs(tx, shapes, opt_param)
+    layout = StateLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt_param, opt_state, opt_shapes,
+                         strategy=strategy)
+    comm_init = lambda: ()   # noqa: E731
+    _raise_strategy_problems(strategy, sizes)
+    if strategy.sync is not None or replicas(mesh) > 1:
+        return _relaxed_layout_and_init(model_fn, tx, layout, strategy)
+    if strategy.compression is not None:
+        from .compressed import compression_state   # compression loads only when used
+
+        comm_init, comm_specs, comm_shapes = compression_state(strategy.compression, layout, strategy.zero)
+        comm_init = jax.jit(comm_init, out_shardings=named_shardings(comm_specs, mesh))
+        layout = replace(layout, comm=comm_specs, comm_shapes=comm_shapes, comm_init=comm_init)
+    two_bw, stashed = _two_bw(strategy, mesh), _stashed(strategy, mesh)
+    if two_bw:      # PipeDream-2BW keeps W(t-1) beside W(t), in the same layout
+        layout = replace(layout, versions=layout.params, versions_shapes=layout.shapes)
+    if stashed:     # weight stashing keeps the newest older versions of every stage, newest first
+        layout = replace(layout, versions=(layout.params,) * stashed, versions_shapes=(layout.shapes,) * stashed)
+
+    def init():
+        with nnx.use_eager_sharding(False):
+            model = model_fn()
+        p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        older = jax.tree.map(jnp.copy, p) if two_bw else ()
+        older = tuple(jax.tree.map(jnp.copy, p) for _ in range(stashed)) if stashed else older
+        return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), comm_init(), versions=older)
+
+    return layout, init
+
+
+def _raise_strategy_problems(strategy: Strategy, sizes: dict) -> None:
+    """The compatibility table's refusals of the strategy on this mesh (:mod:`jaxpar.compat`)."""
+    from ..pipeline.asynchronous import AsyncPipelineError
+    from ..pipeline.stashing import StashingError
+    from ..sync import SyncError
+
+    raise_problems(Setting(strategy, sizes), {"AsyncPipelineError": AsyncPipelineError,
+                                              "StashingError": StashingError, "SyncError": SyncError})
+
+
+def _two_bw(strategy: Strategy, mesh: Mesh) -> bool:
+    """Whether the state keeps PipeDream-2BW's second weight version (errors for settings it cannot run)."""
+    from ..pipeline.asynchronous import check_two_bw, is_two_bw
+
+    if strategy.schedule != "pipedream-2bw":
+        return False
+    check_two_bw(strategy, mesh.shape)
+    return is_two_bw(strategy, mesh.shape)
+
+
+def _stashed(strategy: Strategy, mesh: Mesh) -> int:
+    """Older weight versions the state keeps for PipeDream weight stashing (0: another schedule)."""
+    if strategy.schedule != "pipedream":
+        return 0
+    from ..pipeline.stashing import check_stashing, older_versions
+
+    check_stashing(strategy, mesh.shape)
+    return older_versions(mesh.shape["pipe"], strategy.update_every)
+
+
+def _relaxed_layout_and_init(model_fn, tx, layout: StateLayout, strategy: Strategy) -> tuple[StateLayout, Callable]:
+    """The state of K replicas (``replica`` axis; :mod:`jaxpar.train.relaxed`)."""
+    from .relaxed import relaxed_layout   # relaxed synchronisation loads only when used
+
+    layout, make = relaxed_layout(layout, tx, strategy)
+
+    def init():
+        with nnx.use_eager_sharding(False):
+            model = model_fn()
+        p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return TrainState(jnp.zeros((), jnp.int32), p, *make(p))
+
+    return layout, init

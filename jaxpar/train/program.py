@@ -1,0 +1,124 @@
+"""The train step as an object: its compiled programs, which one runs at a step, and its checks.
+
+A :class:`TrainStep` holds one or more jitted programs over the same state layout: ``"step"``,
+plus, where a feature needs them, a measuring program every ``k`` steps (the noise scale), or
+the inner / outer / warm-up programs of relaxed synchronisation. Calling it checks the batch,
+picks the program for the state's step number (read once from the device, then counted on the
+host) and runs it. :func:`jit_program` is the one ``jax.jit`` of a step function with the
+layout's shardings and logical rules.
+
+Example:
+    >>> import jax, numpy as np, optax, jaxpar
+    >>> from flax import nnx
+    >>> from jaxpar.models.mlp import MLPClassifier, classifier_loss
+    >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
+    >>> state, layout = jaxpar.init_train_state(model_fn, optax.sgd(0.1), mesh)
+    >>> step = jaxpar.make_train_step(classifier_loss, optax.sgd(0.1), layout)
+    >>> sorted(step.programs)
+    ['step']
+    >>> batch = {"x": np.ones((4, 4), np.float32), "y": np.zeros(4, np.int32)}
+    >>> "all-reduce" in step.lower(state, batch).compile().as_text()
+    True
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ..rules import use_rules
+from .state import StateLayout
+
+__all__ = ["TrainStep", "jit_program", "HostStep"]
+
+
+class HostStep:
+    """The step number of the state a step function is given, without a device round trip per
+    step: read once, then counted while the caller passes back the state it was returned (any
+    other state is read again)."""
+
+    def __init__(self):
+        self._array, self._step = None, None
+
+    def read(self, state) -> int:
+        """The step number of ``state``."""
+        return self._step if state.step is self._array else int(jax.device_get(state.step))
+
+    def advance(self, new_state, step: int) -> None:
+        """Record that ``new_state`` (just returned) is at ``step``."""
+        self._array, self._step = new_state.step, step
+
+
+def jit_program(fn: Callable, layout: StateLayout, batch_sharding: Any, *, donate: bool,
+                state_in: bool = True) -> Callable:
+    """``jax.jit`` of ``fn(state, batch) -> (state, metrics)`` with the layout's shardings, traced
+    under the layout's logical rules.
+
+    Args:
+      fn: the step function.
+      layout: the state's layout (shardings of the state in and out).
+      batch_sharding: the batch's sharding (``None``: a program without a batch, ``fn(state)``).
+      donate: donate the input state.
+      state_in: ``False`` for a program that takes no state.
+
+    Returns:
+      The jitted function (``.lower`` for ahead-of-time compilation).
+    """
+    mesh = layout.mesh
+
+    def traced(*args):
+        with use_rules(mesh, layout.rules):
+            return fn(*args)
+
+    ins = (layout.shardings(),) + ((batch_sharding,) if batch_sharding is not None else ())
+    return jax.jit(traced, in_shardings=ins if state_in else ins[1:],
+                   out_shardings=(layout.shardings(), NamedSharding(mesh, PartitionSpec())),
+                   donate_argnums=(0,) if donate and state_in else ())
+
+
+class TrainStep:
+    """``step(state, batch) -> (state, metrics)`` over named jitted programs.
+
+    Args:
+      programs: ``{name: jitted program}``; ``"step"`` is the usual one.
+      check_batch: called with every batch before a program runs (raises a named error).
+      choose: ``step number -> program name`` (``None``: always ``"step"``); decided on the host.
+      run: ``run(programs, state, batch, step number) -> (state, metrics)`` for steps that are
+        more than one program call (relaxed synchronisation); overrides ``choose``.
+      batch_sharding: the sharding a batch is placed with.
+      pipeline_program: the lowered pipeline table it runs, if any.
+
+    Every program is also ``step.programs[name]``; ``step.lower`` lowers ``"step"``.
+    """
+
+    def __init__(self, programs: Mapping[str, Callable], *, check_batch: Callable, choose: Callable | None = None,
+                 run: Callable | None = None, batch_sharding: Any = None, pipeline_program: Any = None):
+        self.programs = dict(programs)
+        self.check_batch = check_batch
+        self.batch_sharding = batch_sharding
+        self.pipeline_program = pipeline_program
+        self._choose, self._run = choose, run
+        self._host = HostStep() if (choose or run) else None
+
+    @property
+    def jitted(self) -> Callable:
+        """The usual program (``programs["step"]``)."""
+        return self.programs["step"]
+
+    def lower(self, *args, **kwargs):
+        """``programs["step"].lower(...)``: the usual program, for ahead-of-time compilation."""
+        return self.programs["step"].lower(*args, **kwargs)
+
+    def __call__(self, state, batch):
+        self.check_batch(batch)
+        if self._host is None:
+            return self.programs["step"](state, batch)
+        s = self._host.read(state)
+        if self._run is not None:
+            new, metrics = self._run(self.programs, state, batch, s)
+        else:
+            new, metrics = self.programs[self._choose(s)](state, batch)
+        self._host.advance(new, s + 1)
+        return new, metrics

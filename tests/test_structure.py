@@ -1,0 +1,127 @@
+"""The package's shape, read from its source with ``ast``: one-way layers, no import cycle (imports
+inside functions included), no private name used across modules, and small modules and functions."""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxpar"
+
+#: Packages that import nothing from the layers above them.
+LOWER_LAYERS = ("jaxpar.pipeline", "jaxpar.compression", "jaxpar.sync", "jaxpar.cost", "jaxpar.analysis")
+UPPER = ("jaxpar.train", "jaxpar.config", "jaxpar.cli")
+MAX_MODULE, MAX_FUNCTION, MAX_CLI = 400, 60, 250
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        name = ".".join(("jaxpar", *path.relative_to(ROOT).with_suffix("").parts))
+        mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _target(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module.split(".")
+    if MODULES[module].name != "__init__.py":
+        package = package[:-1]
+    package = package[:len(package) - node.level + 1]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def _known(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str) -> list[tuple[str, str | None]]:
+    """``(imported module, imported name or None)`` of every import in ``module``, at any depth."""
+    out = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            out += [(_known(a.name), None) for a in node.names if a.name.startswith("jaxpar")]
+        elif isinstance(node, ast.ImportFrom):
+            base = _target(module, node)
+            if base.startswith("jaxpar"):
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    out.append((sub, None) if sub in MODULES else (_known(base), a.name))
+    return [(m, n) for m, n in out if m and m != module]
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _cycle() -> list[str] | None:
+    """A cycle of module imports (package ``__init__`` re-exports left out), or ``None``."""
+    edges = {m: {t for t, _ in GRAPH[m] if MODULES[t].name != "__init__.py"} for m in MODULES}
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for t in edges[m]:
+            if state.get(t) == 1:
+                return path[path.index(t):] + [t]
+            if t not in state and (found := visit(t, path + [t])):
+                return found
+        state[m] = 2
+        return None
+
+    for m in MODULES:
+        if m not in state and (found := visit(m, [m])):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    assert _cycle() is None, f"import cycle: {' -> '.join(_cycle())}"
+
+
+def test_no_private_name_is_imported_across_modules():
+    private = [f"{m} imports {t}.{n}" for m, imps in GRAPH.items() for t, n in imps
+               if n and n.startswith("_") and not n.startswith("__")]
+    assert not private, private
+
+
+@pytest.mark.parametrize("layer", LOWER_LAYERS)
+def test_lower_layers_import_nothing_from_above(layer):
+    up = [f"{m} -> {t}" for m, imps in GRAPH.items() if m == layer or m.startswith(layer + ".")
+          for t, _ in imps if t.startswith(UPPER)]
+    assert not up, up
+
+
+def test_the_cost_model_imports_no_jax_at_import_time():
+    found = []
+    for m, path in MODULES.items():
+        if m == "jaxpar.cost" or m.startswith("jaxpar.cost."):
+            tree = ast.parse(path.read_text())
+            for node in tree.body:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                found += [f"{m}: {n}" for n in names if n.split(".")[0] in ("jax", "jaxlib", "flax", "optax")]
+    assert not found, found
+
+
+def test_modules_and_functions_are_small():
+    big = [f"{p.relative_to(ROOT.parent)}: {n} lines" for p in MODULES.values()
+           if (n := p.read_text().count("\n")) > (MAX_CLI if p.name == "cli.py" and p.parent == ROOT else MAX_MODULE)]
+    long = [f"{p.relative_to(ROOT.parent)}:{node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for p in MODULES.values() for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION]
+    assert not big and not long, big + long
+
+
+def test_make_train_step_is_one_composition():
+    """No feature is special-cased in ``make_train_step``: it checks the table, builds the update
+    and the options, and hands them to the builder of the program's shape."""
+    tree = ast.parse(MODULES["jaxpar.train.step"].read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "make_train_step")
+    branches = [n for n in ast.walk(fn) if isinstance(n, (ast.If, ast.IfExp, ast.Match))]
+    assert not branches, [ast.unparse(b.test) for b in branches if hasattr(b, "test")]
