@@ -200,7 +200,7 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
         return [str(e)]
     if num_devices is None and -1 in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.pipe, cfg.mesh.replica):
         return []  # the rest needs the device count
-    problems, par, p = _table_problems(cfg, sizes), cfg.parallel, sizes["pipe"]
+    problems, par, p = [], cfg.parallel, sizes["pipe"]
     if p > 1:
         for why in (_schedule_problem(par, p), _stage_layers_problem(par, gpt.layers if gpt else None, p)):
             if why:
@@ -235,11 +235,15 @@ YAML_NAMES = {
 }
 
 
-def _table_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
-    """The compatibility table's refusals (:mod:`jaxpar.compat`) of this config, under its YAML keys."""
+def _table_problems(cfg: JobConfig, strategy: Any, num_devices: int | None) -> list[str]:
+    """The compatibility table's refusals (:mod:`jaxpar.compat`) of this config, under its YAML keys
+    (a ``-1`` mesh size the device count cannot resolve counts as 1)."""
     from ..compat import Setting, problems
 
-    strategy = build_strategy(cfg.parallel)
+    try:
+        sizes = _mesh_sizes(cfg, num_devices)
+    except ConfigError:
+        return []          # the mesh itself is reported elsewhere
     ramp = cfg.data.batch_ramp or {}
     kind = None if not ramp else ("adaptive" if ramp.get("adaptive") else "fixed")
     k = cfg.parallel.steps_per_call
@@ -371,6 +375,7 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> None:
     _optimizer_problems(p, opt)
     if strategy is not None:
         p.extend(_onebit_adam_problems(strategy, opt))
+        p.extend(_table_problems(cfg, strategy, num_devices))
     _choice(p, "data.kind", d.kind, DATA_KINDS)
     _choice(p, "data.token_dtype", d.token_dtype, data_lib.TOKEN_DTYPES)
     _at_least(p, "data.batch_size", d.batch_size, 1)

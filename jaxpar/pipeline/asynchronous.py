@@ -87,7 +87,8 @@ def weight_versions(schedule: Schedule, m: int) -> tuple[int, ...]:
 
 
 def check_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> None:
-    """Errors for PipeDream-2BW settings that cannot run (``strategy.schedule`` is 2BW).
+    """Errors for PipeDream-2BW settings that cannot run (``strategy.schedule`` is 2BW); what it
+    combines with is in :mod:`jaxpar.compat`.
 
     >>> from jaxpar import Strategy
     >>> check_two_bw(Strategy(schedule="pipedream-2bw", microbatches=2), {"data": 2})
@@ -106,11 +107,6 @@ def check_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> None:
         raise AsyncPipelineError(
             f"Strategy.microbatches={m} with schedule='pipedream-2bw' and pipe={p}: 2BW needs microbatches >= pipe "
             f"(1F1B's steady state with two weight versions); use microbatches >= {p}.")
-    for field, value in (("compression", strategy.compression), ("sync", strategy.sync)):
-        if value is not None:
-            raise AsyncPipelineError(
-                f"Strategy.{field}={getattr(value, 'name', value)!r} with schedule='pipedream-2bw': the delayed "
-                f"gradient is computed by the plain pipelined step only. Drop {field}, or use schedule='1f1b'.")
 
 
 def check_two_bw_step(strategy, layout) -> None:

@@ -200,7 +200,8 @@ def is_stashing(strategy, mesh_sizes: Mapping[str, int]) -> bool:
 
 
 def check_stashing(strategy, mesh_sizes: Mapping[str, int]) -> None:
-    """Errors for weight-stashing settings that cannot run (``strategy.schedule`` is ``'pipedream'``).
+    """Errors for weight-stashing settings that cannot run (``strategy.schedule`` is ``'pipedream'``);
+    what it combines with is in :mod:`jaxpar.compat`.
 
     >>> from jaxpar import Strategy
     >>> check_stashing(Strategy(schedule="pipedream", microbatches=4, update_every=3), {"pipe": 2})
@@ -219,11 +220,6 @@ def check_stashing(strategy, mesh_sizes: Mapping[str, int]) -> None:
             f"Strategy.update_every={k} does not divide Strategy.microbatches={m}: each stage updates after every "
             f"{k} of its backwards and a step holds {m}; use update_every in "
             f"{[d for d in range(1, m + 1) if m % d == 0]}.")
-    for field, value in (("compression", strategy.compression), ("sync", strategy.sync)):
-        if value is not None:
-            raise StashingError(
-                f"Strategy.{field}={getattr(value, 'name', value)!r} with schedule='pipedream': each stage updates "
-                f"inside the pipeline, where no codec or replica exchange runs. Drop {field}, or use schedule='1f1b'.")
     if strategy.virtual_stages != 1:
         raise StashingError(f"Strategy.virtual_stages={strategy.virtual_stages} with schedule='pipedream': "
                             "weight stashing runs one chunk per stage; use virtual_stages=1.")
