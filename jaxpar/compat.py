@@ -5,7 +5,8 @@ loop's options). :func:`problems` returns the :class:`Problem`\\ s of a setting:
 two features, the fields and the values, and says what to do. The library raises them
 (:func:`raise_problems`, from ``init_train_state`` and ``make_train_step``); the config layer
 (:func:`jaxpar.config.check`) renders the same problems with YAML keys instead of parameter
-names; ``docs/strategies.md``'s table is generated from :data:`FEATURES` and :func:`pair_status`.
+names; ``docs/strategies.md``'s table is generated from :data:`FEATURES` and :func:`pair_status`
+(:mod:`jaxpar.compat_docs`).
 
 Example:
     >>> from jaxpar import Strategy
@@ -24,7 +25,7 @@ import itertools
 from typing import Any, Callable, Mapping, NamedTuple
 
 __all__ = ["Feature", "FEATURES", "CODES", "Setting", "Problem", "problems", "raise_problems", "pair_status",
-           "REFUSED", "PARTLY", "ALTERNATIVES", "LIBRARY_NAMES", "all_pairs", "markdown_table"]
+           "REFUSED", "PARTLY", "ALTERNATIVES", "LIBRARY_NAMES", "all_pairs"]
 
 
 class Setting(NamedTuple):
@@ -101,7 +102,8 @@ CODES = tuple(f.code for f in FEATURES)
 LIBRARY_NAMES = {
     "zero": "Strategy.zero", "sequence_parallel": "Strategy.sequence_parallel", "schedule": "schedule",
     "compression": "Strategy.compression", "sync": "Strategy.sync", "local_clip": "Strategy.local_clip",
-    "microbatches": "Strategy.microbatches", "explicit_dp": "explicit_dp", "steps_per_call": "steps_per_call",
+    "microbatches": "Strategy.microbatches", "compute_dtype": "Strategy.compute_dtype", "explicit_dp": "explicit_dp",
+    "steps_per_call": "steps_per_call",
     "clip_norm": "clip_norm", "noise_scale_every": "noise_scale_every", "pipe": "pipe", "replica": "replica",
     "tensor": "tensor", "ramp": "the batch ramp", "ramp_steps": "the batch ramp's steps", "true": "True",
     "false": "False",
@@ -252,10 +254,6 @@ def _ramp_problems(s: Setting) -> list[Problem]:
         out.append(Problem(("BR", "K"), ("ramp", "steps_per_call"),
                            "{n[steps_per_call]}={k} with an adaptive batch ramp: the batch can change only between "
                            "calls; use a fixed ramp, or {n[steps_per_call]}=1.", {"k": k}))
-    if s.ramp == "adaptive" and s.noise_scale_every is None:
-        out.append(Problem(("BR", "NS"), ("ramp", "noise_scale_every"),
-                           "an adaptive batch ramp grows the batch toward the measured gradient noise scale, but "
-                           "{n[noise_scale_every]} is not set; measure it.", {}))
     inside = [t for t in s.ramp_steps if k != 1 and t % k]
     if s.ramp == "fixed" and inside:
         out.append(Problem(("BR", "K"), ("ramp_steps", "steps_per_call"),
@@ -265,8 +263,29 @@ def _ramp_problems(s: Setting) -> list[Problem]:
     return out
 
 
-_RULES = (_pipeline_problems, _explicit_dp_problems, _no_flush_problems, _codec_problems, _noise_scale_problems,
-          _ramp_problems)
+def _sequence_parallel_problems(s: Setting) -> list[Problem]:
+    """Sequence parallelism against replicas and bf16 (both fail inside XLA, not by name)."""
+    st, out = s.strategy, []
+    if not (st.sequence_parallel and s.size("tensor") > 1):
+        return out
+    if st.sync is not None or s.size("replica") > 1:
+        out.append(Problem(("SP", "RS"), ("sequence_parallel", "sync"),
+                           "{n[sequence_parallel]}={n[true]} with {n[sync]}={sync} on {n[replica]}={r}: the "
+                           "sequence-parallel regions' shard_map does not lower under the replicas' vmap (XLA's "
+                           "verifier rejects the shapes). Use {n[sequence_parallel]}={n[false]} with replicas.",
+                           {"sync": _name(st.sync or "sync"), "r": s.size("replica")}, "SyncError"))
+    if st.compute_dtype == "bfloat16" and s.size("data") * s.size("fsdp") > 1:
+        out.append(Problem(("SP", "BF"), ("sequence_parallel", "compute_dtype"),
+                           "{n[sequence_parallel]}={n[true]} with {n[compute_dtype]}='bfloat16' on a mesh with data "
+                           "axes {d} and tensor {t}: XLA aborts while compiling this step ('Invalid binary "
+                           "instruction opcode copy', XLA:CPU with jax 0.10). Use {n[compute_dtype]}='float32' or "
+                           "{n[sequence_parallel]}={n[false]} (bf16 with sequence parallelism on the tensor axis "
+                           "alone compiles).", {"d": s.size("data") * s.size("fsdp"), "t": s.size("tensor")}))
+    return out
+
+
+_RULES = (_sequence_parallel_problems, _pipeline_problems, _explicit_dp_problems, _no_flush_problems, _codec_problems,
+          _noise_scale_problems, _ramp_problems)
 
 
 def problems(setting: Setting) -> list[Problem]:
@@ -313,6 +332,8 @@ REFUSED = {
     ("CP", "RS"): "relaxed synchronisation does not run through a codec", ("LC", "RS"): "as CP x RS",
     ("RS", "1A"): "as CP x RS", ("RS", "NS"): "replicas have their own parameters",
     ("1A", "CN"): "clip before the codec",
+    ("SP", "RS"): "the sequence-parallel shard_map does not lower under the replicas' vmap",
+    ("SP", "K"): "K > 1 needs a pipeline, which refuses sequence parallelism",
 }
 
 #: Pairs where some values compose and others are refused: ``{(code, code): (composes, refused)}``.
@@ -320,11 +341,13 @@ PARTLY = {
     ("Z", "1A"): ("ZeRO-1", "ZeRO-2/3 and fsdp: 1-bit Adam needs the whole exchanged moment on every replica"),
     ("ST", "LL"): ("LARS / LAMB with per-layer trust ratios (the logical mask)",
                    "optimizers that are not per stage (a global norm, clip_by_global_norm)"),
+    ("SP", "BF"): ("on the tensor axis alone", "with a data axis: XLA aborts the compile"),
+    ("BR", "K"): ("fixed ramps whose steps are multiples of K", "adaptive ramps, and a ramp step inside a call"),
 }
 
 #: Pairs that are alternatives, never both on: one schedule at a time, and a pipeline's
 #: micro-batches are its schedule's (not gradient accumulation).
-ALTERNATIVES = {("PP", "2B"), ("PP", "ST"), ("2B", "ST"), ("MB", "PP"), ("MB", "2B"), ("MB", "ST")}
+ALTERNATIVES = {("PP", "2B"), ("PP", "ST"), ("2B", "ST"), ("MB", "PP"), ("MB", "2B"), ("MB", "ST"), ("MB", "K")}
 
 
 def pair_status(a: str, b: str) -> str:
@@ -350,46 +373,3 @@ def pair_status(a: str, b: str) -> str:
 def all_pairs() -> list[tuple[str, str]]:
     """Every pair of feature codes, in the table's order."""
     return list(itertools.combinations(CODES, 2))
-
-
-def markdown_table() -> str:
-    """The table as Markdown: the features, the grid of pairs, and why each refused pair is refused.
-
-    Returns:
-      The text ``docs/strategies.md`` holds between its ``compat-table`` markers.
-    """
-    mark = {"composes": "✓", "refused": "✗", "partly": "◐", "alternatives": "—"}
-    rows = ["| code | feature |", "|---|---|"] + [f"| {f.code} | {f.name} |" for f in FEATURES]
-    grid = ["| | " + " | ".join(CODES) + " |", "|---|" + "---|" * len(CODES)]
-    for i, a in enumerate(CODES):
-        cells = ["" if j <= i else mark[pair_status(a, b)] for j, b in enumerate(CODES)]
-        grid.append(f"| **{a}** | " + " | ".join(cells) + " |")
-    pairs = all_pairs()
-    count = {k: sum(pair_status(a, b) == k for a, b in pairs) for k in mark}
-    why = lambda t, a, b: t.get((a, b)) or t[(b, a)]   # noqa: E731
-    refused = ["| pair | refused because |", "|---|---|"] + [
-        f"| {a} × {b} | {why(REFUSED, a, b)} |" for a, b in pairs if pair_status(a, b) == "refused"]
-    partly = ["| pair | composes | refused |", "|---|---|---|"] + [
-        f"| {a} × {b} | {why(PARTLY, a, b)[0]} | {why(PARTLY, a, b)[1]} |" for a, b in pairs
-        if pair_status(a, b) == "partly"]
-    summary = (f"{len(pairs)} pairs: {count['composes']} compose (✓), {count['refused']} are refused with a named "
-               f"error (✗), {count['partly']} compose for some values (◐), {count['alternatives']} are "
-               "alternatives (—).")
-    return "\n".join(rows + ["", summary, ""] + grid + [""] + refused + [""] + partly) + "\n"
-
-
-def _write_docs(path: str = "docs/strategies.md") -> None:
-    """Replace the table between the ``compat-table`` markers of ``path`` with :func:`markdown_table`."""
-    import pathlib
-    import re
-
-    doc = pathlib.Path(path)
-    start = "<!-- compat-table: generated by `python -m jaxpar.compat`, do not edit by hand -->\n"
-    end = "<!-- /compat-table -->"
-    text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: start + markdown_table() + end,
-                  doc.read_text(), flags=re.S)
-    doc.write_text(text)
-
-
-if __name__ == "__main__":
-    _write_docs()

@@ -127,10 +127,10 @@ def test_a_ramp_step_inside_a_call_is_a_config_problem():
 
 
 def test_the_docs_table_is_the_compat_table():
-    """docs/strategies.md's table is generated from jaxpar.compat (python -m jaxpar.compat)."""
+    """docs/strategies.md's table is generated from jaxpar.compat (python -m jaxpar.compat_docs)."""
     from pathlib import Path
 
-    from jaxpar.compat import markdown_table
+    from jaxpar.compat_docs import markdown_table
 
     assert markdown_table() in Path("docs/strategies.md").read_text()
 

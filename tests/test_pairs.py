@@ -327,6 +327,8 @@ def _refused_pairs() -> list[tuple[str, str]]:
 #: Refused pairs that :func:`jaxpar.compat.problems` does not report as that pair (reported to the
 #: table's owner; strict: they fail loudly once the table says them).
 REFUSAL_GAPS = {
+    ("SP", "K"): "K > 1 needs 2BW or stashing; problems() reports sequence parallelism there as ('SP', '2B') / "
+                 "('SP', 'ST'), never ('SP', 'K')",
     ("EX", "LC"): "problems() reports explicit_dp x local_clip as ('EX', 'CP'), whose message does not name local_clip",
     ("EX", "1A"): "problems() reports explicit_dp x 1-bit Adam as ('EX', 'CP')",
     ("2B", "LC"): "problems() reports 2BW x local_clip as ('2B', 'CP'), whose message does not name local_clip",
@@ -346,7 +348,8 @@ REFUSAL_GAPS = {
                   "jaxpar.pipeline.stashed's optimizer check, not by jaxpar.compat.problems() (LL is no Setting field)",
 }
 #: The refused value of the partly-composing pairs.
-PARTLY_REFUSED = {("Z", "1A"): "ZeRO-2", ("ST", "LL"): "clip_by_global_norm / a global-norm optimizer"}
+PARTLY_REFUSED = {("Z", "1A"): "ZeRO-2", ("ST", "LL"): "clip_by_global_norm / a global-norm optimizer",
+                  ("SP", "BF"): "with a data axis", ("BR", "K"): "a ramp step inside a call"}
 
 
 def _refusal_params():
@@ -366,6 +369,8 @@ def test_refusals_name_both_features(pair):
     setting = _setting_for(pair)
     if pair == ("Z", "1A"):
         setting = setting._replace(strategy=dataclasses.replace(setting.strategy, zero=2))
+    if pair == ("SP", "BF"):                     # the refused value: a data axis beside tensor
+        setting = setting._replace(sizes={**setting.sizes, "data": 2})
     assert _both_on(setting, a, b), (pair, setting)
     found = problems(setting)
     mine = [p for p in found if set(p.features) == {a, b}]
@@ -400,9 +405,6 @@ PROBE_GAPS = {
     "2B-RS": "the replicas x pipeline rule names ('RS', 'PP') with schedule='pipedream-2bw' (PP is off)",
     "ST-RS": "the replicas x pipeline rule names ('RS', 'PP') with schedule='pipedream' (PP is off)",
     "K-RS": "the replicas x pipeline rule names ('RS', 'PP') with schedule='pipedream-2bw' (PP is off)",
-    "BR-K-fixed-inside-a-call": "problems() refuses ('BR', 'K') (a ramp step inside a call) but the table says "
-                                "BR x K composes (it is partly: aligned fixed ramps compose)",
-    "BR-K-adaptive": "problems() refuses ('BR', 'K') (an adaptive ramp with K > 1) but the table says BR x K composes",
     "K-pipe1": "steps_per_call=2 without a pipe axis is reported as ('K', 'PP') but PP is off (pipe = 1)",
     "2B-CP-pipe1": "schedule='pipedream-2bw' without a pipe axis (2B is off) is refused as ('2B', 'CP')",
 }
@@ -1045,15 +1047,10 @@ def check_pair(spec: Spec, res: Result):
 # ------------------------------------------------------------------------------ the pairs
 #: Pairs the table says compose but the library cannot run with both features on.
 PAIR_GAPS = {
-    ("SP", "BF"): "XLA aborts the process while compiling the step (hlo_instruction.cc: 'Invalid binary "
+    ("SP", "BF"): "refused by name on this data x tensor mesh (jaxpar.compat: XLA aborts the process while "
+                  "compiling the step, hlo_instruction.cc: 'Invalid binary "
                   "instruction opcode copy') for sequence parallelism with bf16 compute on data x tensor (also "
                   "helpers' GPT on dp4 x tp2; tp8 alone and dp4 x tp2 without SP compile)",
-    ("SP", "RS"): "the first step fails to lower (XLA verifier: the sequence-parallel row_parallel shard_map "
-                  "under the replicas' vmap gets a local shape 1x4x4x16 for 2x4x4x16), not a named error",
-    ("SP", "K"): "steps_per_call > 1 needs 2BW or stashing (a pipe axis), and sequence parallelism with a pipe "
-                 "is refused (as ('SP', 'PP')): the table should refuse SP x K",
-    ("MB", "K"): "steps_per_call > 1 needs 2BW or stashing (pipe > 1), where micro-batches are the pipeline's: MB "
-                 "(pipe = 1) and K are never both on; the table should say alternatives",
 }
 #: Pairs that abort the process (an XLA check failure): run in a subprocess of their own.
 ISOLATED = {("SP", "BF")}

@@ -224,11 +224,11 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
     return problems + _ramp_problems(cfg, dp * k, f"mesh.data x mesh.fsdp{rep} x parallel.microbatches = {dp * k}")
 
 
-#: The YAML key of each field the compatibility table names (:data:`jaxpar.compat.LIBRARY_NAMES`).
-YAML_NAMES = {
+YAML_NAMES = {   # the YAML key of each field jaxpar.compat's messages name
     "zero": "parallel.zero", "sequence_parallel": "parallel.sequence_parallel", "schedule": "parallel.schedule",
     "compression": "parallel.compression", "sync": "parallel.sync", "local_clip": "parallel.compression.local_clip",
-    "microbatches": "parallel.microbatches", "explicit_dp": "explicit_dp", "steps_per_call": "parallel.steps_per_call",
+    "microbatches": "parallel.microbatches", "compute_dtype": "parallel.compute_dtype", "explicit_dp": "explicit_dp",
+    "steps_per_call": "parallel.steps_per_call",
     "clip_norm": "optimizer.clip_norm", "noise_scale_every": "logging.noise_scale.every", "pipe": "mesh.pipe",
     "replica": "mesh.replica", "tensor": "mesh.tensor", "ramp": "data.batch_ramp",
     "ramp_steps": "data.batch_ramp.steps", "true": "true", "false": "false",
@@ -274,12 +274,10 @@ def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
 
 def _two_bw_problems(par: ParallelConfig, p: int) -> list[str]:
     """``parallel.schedule: pipedream-2bw`` needs a pipeline (what it combines with: :mod:`jaxpar.compat`)."""
-    if _schedule_kind(par) != "pipedream-2bw":
+    if _schedule_kind(par) != "pipedream-2bw" or p > 1:
         return []
-    if p <= 1:
-        return [f"parallel.schedule={par.schedule!r} needs mesh.pipe > 1 (got mesh.pipe={p}): PipeDream-2BW is a "
-                "pipeline schedule (gradients one step late). Set mesh.pipe, or parallel.schedule: 1f1b."]
-    return []
+    return [f"parallel.schedule={par.schedule!r} needs mesh.pipe > 1 (got mesh.pipe={p}): PipeDream-2BW is a "
+            "pipeline schedule (gradients one step late). Set mesh.pipe, or parallel.schedule: 1f1b."]
 
 
 def _schedule_kind(par: ParallelConfig) -> str | None:
@@ -293,8 +291,7 @@ def _schedule_kind(par: ParallelConfig) -> str | None:
 
 
 def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
-    """``parallel.steps_per_call = K > 1``: the loop's intervals multiples of ``K`` (what it combines with:
-    :mod:`jaxpar.compat`)."""
+    """``parallel.steps_per_call = K > 1``: the loop's intervals multiples of ``K`` (pairs: :mod:`jaxpar.compat`)."""
     k = cfg.parallel.steps_per_call
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         return [f"parallel.steps_per_call={k!r}: must be an int >= 1 (optimizer steps per compiled call)."]
@@ -308,8 +305,7 @@ def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
 
 
 def _stashing_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
-    """``parallel.schedule: pipedream`` (weight stashing): a pipeline, per-stage updates (no global clipping),
-    ``parallel.update_every`` dividing the micro-batches."""
+    """``parallel.schedule: pipedream`` (weight stashing): a pipeline, update_every dividing the micro-batches."""
     par, p = cfg.parallel, sizes["pipe"]
     if _schedule_kind(par) != "pipedream":
         return []
