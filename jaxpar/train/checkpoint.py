@@ -57,7 +57,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 import warnings

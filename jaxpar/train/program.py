@@ -51,17 +51,15 @@ class HostStep:
         self._array, self._step = new_state.step, step
 
 
-def jit_program(fn: Callable, layout: StateLayout, batch_sharding: Any, *, donate: bool,
-                state_in: bool = True) -> Callable:
+def jit_program(fn: Callable, layout: StateLayout, batch_sharding: Any, *, donate: bool) -> Callable:
     """``jax.jit`` of ``fn(state, batch) -> (state, metrics)`` with the layout's shardings, traced
     under the layout's logical rules.
 
     Args:
       fn: the step function.
       layout: the state's layout (shardings of the state in and out).
-      batch_sharding: the batch's sharding (``None``: a program without a batch, ``fn(state)``).
+      batch_sharding: the batch's sharding.
       donate: donate the input state.
-      state_in: ``False`` for a program that takes no state.
 
     Returns:
       The jitted function (``.lower`` for ahead-of-time compilation).
@@ -72,10 +70,9 @@ def jit_program(fn: Callable, layout: StateLayout, batch_sharding: Any, *, donat
         with use_rules(mesh, layout.rules):
             return fn(*args)
 
-    ins = (layout.shardings(),) + ((batch_sharding,) if batch_sharding is not None else ())
-    return jax.jit(traced, in_shardings=ins if state_in else ins[1:],
+    return jax.jit(traced, in_shardings=(layout.shardings(), batch_sharding),
                    out_shardings=(layout.shardings(), NamedSharding(mesh, PartitionSpec())),
-                   donate_argnums=(0,) if donate and state_in else ())
+                   donate_argnums=(0,) if donate else ())
 
 
 class TrainStep:
