@@ -11,6 +11,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
 
+# The GPU and TPU compilers (jaxpar.targets, docs/targets.md): ~440 MB, for the tests and
+# `jaxpar inspect --target`; `make train` does not need them.
+TARGETS := $(VENV)/.targets-installed
+
+$(TARGETS): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e ".[test,targets]"
+	touch $(TARGETS)
+
 install: $(STAMP)
 
 train: $(STAMP)
@@ -19,10 +27,10 @@ train: $(STAMP)
 # one pytest worker per core (at most 4), a test file per worker: the compiles are single-threaded
 PARALLEL := -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder
 
-test: $(STAMP)
+test: $(STAMP) $(TARGETS)
 	$(BIN)/python -m pytest -q $(PARALLEL)
 
-test-all: $(STAMP)
+test-all: $(STAMP) $(TARGETS)
 	$(BIN)/python -m pytest -q $(PARALLEL) -m ""
 
 bench: $(STAMP)

@@ -6,8 +6,8 @@ Usage::
                  [--coordinator HOST:PORT --num-processes N --process-id I] [--local-devices K]
     jaxpar schedule --kind 1f1b --stages 4 --microbatches 8 [--virtual V] [--png PATH] [--timed]
     jaxpar plan [--config CONFIG | --layers L --hidden H --heads A --seq S --vocab V --batch B]
-                [--cluster PRESET|PATH] [--devices N] [--top K] [--json] [--verify]
-    jaxpar inspect CONFIG [key=value ...] [--cluster PRESET|PATH]
+                [--cluster PRESET|PATH] [--devices N] [--target h100:2x8] [--top K] [--json] [--verify]
+    jaxpar inspect CONFIG [key=value ...] [--cluster PRESET|PATH] [--target h100:2x8|tpu-v5e:4x4|...]
 
 Example::
 
@@ -76,40 +76,16 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
                                   eval_batches=job.eval_batches, ramp=job.ramp)
 
 
-def run_inspect(config: str, overrides: Sequence[str], *, cluster: str = "cpu_sim") -> int:
-    """``jaxpar inspect``: compile the config's train step ahead of time (simulated CPU devices when
-    the config's devices are not there), exactly as ``jaxpar train`` would run it, and print the
-    per-parameter sharding table, the collectives per mesh axis and the memory report, next to the
-    cost model's prediction. No step runs."""
+def run_inspect(config: str, overrides: Sequence[str], *, cluster: str | None = None, target: str | None = None) -> int:
+    """``jaxpar inspect``: compile the config's train step ahead of time, exactly as ``jaxpar train``
+    would run it, on simulated CPU devices or with a target's real compiler (``--target h100:2x8``),
+    and print its shardings, collectives and memory next to the cost model's prediction
+    (:func:`jaxpar.config.inspection.inspect_config`). No step runs. Returns 3 when a target's
+    memory is too small."""
     from .config import load_config
-    from .config.describe import header_lines, model_line, program_lines
-    from .config.job import build_job, job_devices
-    from .distributed import setup_devices
+    from .config.inspection import inspect_config
 
-    cfg = load_config(config, list(overrides))
-    n = job_devices(cfg)
-    setup_devices(n)
-    import jax
-
-    from .analysis.hlo import collectives, collectives_table
-    from .analysis.sharding_table import sharding_table
-    from .config.planner import planner_table
-
-    job = build_job(cfg, jax.devices()[:n], data=False)
-    layout = job.state_layout()
-    print(f"job      {cfg.name} (dry run: compiled ahead of time, no step runs)")
-    print("\n".join(header_lines(job)))
-    print(model_line(cfg.model.name if cfg.model.target is None else cfg.model.target, layout))
-    compiled = job.compile(layout)
-    print("\n".join(program_lines(job, compiled)))
-    print("\nparameters (mesh axes per dimension; '-' replicated)")
-    print(sharding_table(layout))
-    for name, c in compiled.items():
-        print("\ncollectives of the compiled " + ("step" if name == "step" else f"{name} program"))
-        colls = collectives(c, job.mesh) if n > 1 else []
-        print(collectives_table(colls) if colls else "(none)")
-    print(planner_table(cfg, compiled["step"], job.mesh, job.strategy, cluster, job.steps_per_call))
-    return 0
+    return inspect_config(load_config(config, list(overrides)), cluster=cluster, target=target)
 
 
 def run_schedule(args: argparse.Namespace) -> int:
@@ -128,13 +104,21 @@ def run_schedule(args: argparse.Namespace) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     """``jaxpar plan``: rank every plan of the model on the cluster (:func:`jaxpar.cost.plan`);
-    ``--verify`` compiles the top plans on simulated CPU devices and compares memory and bytes."""
+    ``--verify`` compiles the top plans (on simulated CPU devices, or with ``--target``'s real
+    compiler) and compares memory and bytes."""
     from . import cost
     from .config import ConfigError
     from .config.planner import plan_model, plan_report, verify_plans
 
+    target = None
+    if args.target:
+        from .targets import parse_target
+
+        target = parse_target(args.target)
+        args.cluster = args.cluster or target.spec.cluster
+        args.devices = args.devices or target.num_devices
     try:
-        cluster = cost.load_cluster(args.cluster, num_devices=args.devices)
+        cluster = cost.load_cluster(args.cluster or "h100", num_devices=args.devices)
         model = plan_model(args.config, {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab",
                                                                         "batch")})
         result = cost.plan(model, cluster, top=args.top, dtype=args.dtype, precision=args.precision)
@@ -142,7 +126,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
     print(plan_report(model, cluster, result, args.top, as_json=args.json))
     if args.verify:
-        verify_plans(model, cluster, result.ranked[: args.top])
+        verify_plans(model, cluster, result.ranked[: args.top], target)
     return 0
 
 
@@ -180,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Enumerate pipe x data x fsdp x tensor x ZeRO x schedule x micro-batches x "
                                    "remat on a cluster preset and rank them by predicted step time.")
     p.add_argument("--config", help="plan for this training config's model and global batch")
-    p.add_argument("--cluster", default="h100", help="preset in configs/clusters/ or a YAML path (default h100)")
+    p.add_argument("--cluster", help="preset in configs/clusters/ or a YAML path (default: the target's, else h100)")
+    p.add_argument("--target", help="plan for a GPU / TPU target (h100:2x8, tpu-v5e:4x4): its devices and cluster; "
+                                    "--verify then compiles with its real compiler (docs/targets.md)")
     p.add_argument("--devices", type=int, help="number of devices (default: the preset's)")
     for k in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
         p.add_argument(f"--{k}", type=int, help=f"model {k} (without --config; --batch also overrides it)")
@@ -197,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "config's device count when they are not there); no training step runs.")
     p.add_argument("config", help="YAML config file, e.g. configs/quickstart.yaml")
     p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides")
-    p.add_argument("--cluster", default="cpu_sim", help="cluster preset for the prediction (default cpu_sim)")
+    p.add_argument("--cluster", help="cluster preset for the prediction (default: the target's, else cpu_sim)")
+    p.add_argument("--target", help="compile with the real compiler of a GPU / TPU target, without the hardware: "
+                                    "h100:2x8 (hosts x GPUs), tpu-v5e:4x4, 2xtpu-v5e:16x16 (docs/targets.md)")
     return parser
 
 
@@ -210,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .rules import RulesError
     from .train.checkpoint import CheckpointError
     from .train.step import ExplicitDPError
+    from .targets import TargetError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)   # overrides may follow options: CONFIG --print-config k=v
@@ -224,10 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             return run_plan(args)
         if args.command == "inspect":
-            return run_inspect(args.config, args.overrides, cluster=args.cluster)
+            return run_inspect(args.config, args.overrides, cluster=args.cluster, target=args.target)
         return run_schedule(args)
     except (ConfigError, ClusterError, PlanError, DistributedError, RulesError, CheckpointError, PipelineCutError,
-            ExplicitDPError) as e:
+            ExplicitDPError, TargetError) as e:
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:

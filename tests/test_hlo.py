@@ -323,7 +323,7 @@ def _colls():
 
 def test_summarize_and_count():
     rows = summarize(_colls())
-    assert rows[0] == dict(kind="all-reduce", axes=("tensor",), in_loop=False, count=2, bytes=1024)
+    assert rows[0] == dict(kind="all-reduce", axes=("tensor",), in_loop=False, count=2, bytes=1024, asynchronous=0)
     assert [(r["kind"], r["in_loop"], r["count"]) for r in rows] == [
         ("all-reduce", False, 2),
         ("all-reduce", True, 1),
@@ -340,7 +340,7 @@ def test_summarize_and_count():
 def test_collectives_table_renders():
     table = collectives_table(_colls())
     header, rule, *lines = table.splitlines()
-    assert [h.strip() for h in header.split("|")] == ["kind", "axes", "in loop", "count", "bytes"]
+    assert [h.strip() for h in header.split("|")] == ["kind", "axes", "in loop", "async", "count", "bytes"]
     assert set(rule) <= {"-", "+"}
     assert len(lines) == 3 and "3.0 MiB" in table and "data,tensor" in table and "yes" in table
 

@@ -21,15 +21,16 @@ EXPECTED = {
                              "bytes vs fp32: steps 0-9 1.000, steps 10-29 0.03"],
     "04_relaxed_sync.ipynb": ["all-reduce | replica", "DiLoCo H=1", "modelled time", "saved relaxed_losses.png"],
     "05_planning.ipynb": ["N_d = 64: 120.0 GB / 31.4 GB / 16.6 GB / 1.9 GB", "rank | plan",
-                          "all-reduce 1,073,741,824 B on 8 x h100: best rabenseifner", "cpu_sim link: alpha"],
+                          "all-reduce 1,073,741,824 B on 8 x h100: best rabenseifner", "cpu_sim link: alpha",
+                          "h100:2x8", "tpu-v5e:4x4"],
     "06_large_batch.ipynb": ["batch  1024: linear 0.400   sqrt 0.200", "trust ratio + decay: 9 matrices; skipped: 8",
                              "B_simple (rows) at steps", "saved noise_scale.png", "decisions [step, batch]: [[0, 16], "],
 }
 
 
-#: 30-60 s each on 2 busy cores: in the slow pass, which CI runs (make test-all too); 05 (6 s) stays in the default run
+#: 30-60 s each on 2 busy cores: in the slow pass, which CI runs (make test-all too)
 SLOW = {"01_meshes_and_strategies.ipynb", "02_pipelines.ipynb", "03_compression.ipynb", "04_relaxed_sync.ipynb",
-        "06_large_batch.ipynb"}
+        "05_planning.ipynb", "06_large_batch.ipynb"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in EXPECTED])
@@ -54,6 +55,13 @@ def test_notebook_executes(name, tmp_path):
         assert len(grown) > 1 and all(b in (16, 32, 64) for _, b in grown)   # it grew, among the allowed sizes
     if name == "03_compression.ipynb":   # 1-bit Adam: Adam's first moment is the exchanged one
         assert float(outputs.split("exchanged one: max relative difference")[1].split()[0]) < 1e-5
+    if name == "05_planning.ipynb":       # compiled for H100s and a TPU slice: the arguments are the predicted ones
+        for target in ("h100:2x8", "tpu-v5e:4x4"):
+            line = next(x for x in outputs.splitlines() if x.startswith(target))
+            assert "compiled in" in line and "peak" in line, line
+        gpu = next(x for x in outputs.splitlines() if x.startswith("h100:2x8"))
+        got, predicted = re.search(r"arguments (\S+) GiB \(predicted (\S+)\)", gpu).groups()
+        assert got == predicted, gpu
     if name == "04_relaxed_sync.ipynb":   # DiLoCo with H = 1 and a plain outer step is data parallelism
         assert float(outputs.split("max relative gap:")[1].split()[0]) < 1e-5
         inner = outputs.split("inner step:")[1].split("sync step:")[0]

@@ -65,7 +65,9 @@ class Collective:
     ``bytes`` is the size of the result on one device; ``axes`` the mesh axes it
     runs over (mesh order; ``()`` for device-local groups, ``None`` if no subset
     of the mesh axes produces its groups); ``in_loop`` whether it sits in a
-    while-loop body or condition, directly or via called computations.
+    while-loop body or condition, directly or via called computations;
+    ``asynchronous`` whether the compiler scheduled it as an async start / done pair
+    (GPU: ``*-start``; TPU: inside an ``async-collective-start``), so compute can overlap it.
     """
 
     kind: str
@@ -74,6 +76,7 @@ class Collective:
     computation: str
     in_loop: bool
     name: str
+    asynchronous: bool = False
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -218,6 +221,12 @@ def _loop_computations(instrs: list[Instruction]) -> set[str]:
     return seen
 
 
+def _async_computations(instrs: list[Instruction]) -> set[str]:
+    """Computations that an async wrapper runs (``async-start``, TPU's ``async-collective-start`` fusions)."""
+    return {callee for i in instrs if i.opcode == "async-start" or i.name.startswith("async-collective-start")
+            for _, callee in called_computations(i)}
+
+
 def _kind(opcode: str) -> str | None:
     base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
     return base if base in KINDS else None
@@ -308,7 +317,7 @@ def collectives(compiled: Any, mesh: Any) -> list[Collective]:
     _check_partitions(text, mesh)
     positions = None if isinstance(compiled, str) else partition_positions(compiled, mesh)
     instrs = parse_instructions(text)
-    in_loop = _loop_computations(instrs)
+    in_loop, wrapped = _loop_computations(instrs), _async_computations(instrs)
     done_shapes = {
         _first_operand(i): i.shape for i in instrs if i.opcode.endswith("-done") and _kind(i.opcode[:-5])
     }
@@ -325,6 +334,7 @@ def collectives(compiled: Any, mesh: Any) -> list[Collective]:
                 computation=instr.computation,
                 in_loop=instr.computation in in_loop,
                 name=instr.name,
+                asynchronous=instr.opcode.endswith("-start") or instr.computation in wrapped,
             )
         )
     return found
@@ -340,13 +350,16 @@ def _axes_key(axes: tuple[str, ...] | None) -> tuple:
 
 
 def summarize(colls: Iterable[Collective]) -> list[dict]:
-    """Group by (kind, axes, in_loop): dicts with those keys plus count and bytes."""
+    """Group by (kind, axes, in_loop): dicts with those keys plus count, bytes and ``asynchronous``
+    (how many of the count are async)."""
     groups: dict[tuple, dict] = {}
     for c in colls:
         key = (c.kind, c.axes, c.in_loop)
-        row = groups.setdefault(key, dict(kind=c.kind, axes=c.axes, in_loop=c.in_loop, count=0, bytes=0))
+        row = groups.setdefault(key, dict(kind=c.kind, axes=c.axes, in_loop=c.in_loop, count=0, bytes=0,
+                                          asynchronous=0))
         row["count"] += 1
         row["bytes"] += c.bytes
+        row["asynchronous"] += c.asynchronous
     return sorted(groups.values(), key=lambda r: (KINDS.index(r["kind"]), _axes_key(r["axes"]), r["in_loop"]))
 
 
@@ -358,13 +371,16 @@ def _axes_label(axes: tuple[str, ...] | None) -> str:
 
 def _table_row(row: dict) -> list[str]:
     in_loop = "yes" if row["in_loop"] else "no"
-    return [row["kind"], _axes_label(row["axes"]), in_loop, str(row["count"]), format_bytes(row["bytes"])]
+    n, a = row["count"], row["asynchronous"]
+    asynchronous = "yes" if a == n else "no" if not a else f"{a} of {n}"
+    return [row["kind"], _axes_label(row["axes"]), in_loop, asynchronous, str(n), format_bytes(row["bytes"])]
 
 
 def collectives_table(colls: Iterable[Collective]) -> str:
     """Printable table of :func:`summarize` (axes ``?``: no subset of mesh axes; ``-``: none)."""
     rows = [_table_row(r) for r in summarize(colls)]
-    return render_table(["kind", "axes", "in loop", "count", "bytes"], rows, right=[False, False, False, True, True])
+    return render_table(["kind", "axes", "in loop", "async", "count", "bytes"], rows,
+                        right=[False, False, False, False, True, True])
 
 
 def count(

@@ -72,11 +72,18 @@ class MemoryReport:
     temp_bytes: int
     alias_bytes: int
     generated_code_bytes: int
+    xla_peak_bytes: int | None = None      # XLA's own peak (heap simulation), where the backend reports it
 
     @property
     def peak_bytes(self) -> int:
         """``argument + output + temp - alias`` (see class docstring)."""
         return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+    @property
+    def required_bytes(self) -> int:
+        """What the program needs on a device: the larger of :attr:`peak_bytes` and XLA's own peak
+        (TPU's compiler reports its temporaries in its peak only: ``temp_bytes`` is 0 there)."""
+        return max(self.peak_bytes, self.xla_peak_bytes or 0)
 
 
 def memory_report(compiled: Any) -> MemoryReport:
@@ -93,6 +100,7 @@ def memory_report(compiled: Any) -> MemoryReport:
         temp_bytes=int(stats.temp_size_in_bytes),
         alias_bytes=int(stats.alias_size_in_bytes),
         generated_code_bytes=int(stats.generated_code_size_in_bytes),
+        xla_peak_bytes=int(stats.peak_memory_in_bytes) if getattr(stats, "peak_memory_in_bytes", 0) else None,
     )
 
 

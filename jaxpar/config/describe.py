@@ -39,8 +39,9 @@ def header_lines(job: Job) -> list[str]:
     Returns:
       The lines.
     """
-    sizes, dev = dict(job.mesh.shape), jax.devices()[0]
-    return [f"devices  {job.mesh.size} x {dev.platform} ({dev.device_kind})",
+    sizes, dev = dict(job.mesh.shape), job.mesh.devices.flat[0]
+    hosts = len({d.process_index for d in job.mesh.devices.flat})
+    return [f"devices  {job.mesh.size} x {dev.platform} ({dev.device_kind})" + (f" in {hosts} processes" if hosts > 1 else ""),
             "mesh     " + " x ".join(f"{k}={v}" for k, v in sizes.items()),
             f"strategy {job.strategy.name(sizes)}"]
 
@@ -88,9 +89,12 @@ def program_lines(job: Job, compiled: Mapping[str, Any]) -> list[str]:
     k, lines = job.steps_per_call, []
     for name, c in compiled.items():
         when = {"step": f"{k} optimizer steps per call" if k > 1 else "every step",
-                "measure": f"every {job.noise_scale_every} steps: also measures the noise scale"}[name]
+                "measure": f"every {job.noise_scale_every} steps: also measures the noise scale",
+                "warm": "the warm-up steps: every replica steps in sync",
+                "outer": "every sync: the replicas' outer step"}[name]
+        args = c.in_avals[0]
         batch = ", ".join(f"{jax.tree_util.keystr(p)}: {a.dtype}{list(a.shape)}"
-                          for p, a in jax.tree_util.tree_leaves_with_path(c.in_avals[0][1]))
+                          for p, a in jax.tree_util.tree_leaves_with_path(args[1])) if len(args) > 1 else "none"
         lines.append(f"program  {name} ({when}): batch {batch}")
     return lines
 

@@ -95,9 +95,9 @@ class Job:
         layout = state_layout(self.model_fn, self.tx, self.mesh, self.strategy)
         if self.noise_scale_every is None:
             return layout
-        from ..train.noise_scale import with_noise_scale
+        from ..train.noise_scale import noise_scale_layout
 
-        return with_noise_scale(layout.abstract_state(), layout)[1]
+        return noise_scale_layout(layout)
 
     def init_state(self):
         """``(state, layout)``: the train state created sharded (:func:`jaxpar.init_train_state`), with
@@ -143,17 +143,13 @@ class Job:
         """The programs of :meth:`train_step`, compiled ahead of time from abstract state (nothing runs).
 
         Returns:
-          ``{"step": compiled}`` (with ``steps_per_call`` K: the program of K steps on K stacked
-          batches), plus ``"measure"``: the program that also measures the noise scale, when it is
-          measured.
+          ``{name: compiled}`` for every program the step runs: ``"step"`` (with ``steps_per_call`` K:
+          the program of K steps on K stacked batches), ``"measure"`` (the step that also measures the
+          noise scale), and relaxed sync's ``"warm"`` and ``"outer"`` (the replicas' sync; it takes
+          the state only).
         """
-        step = self.train_step(layout)
-        state, batch = layout.abstract_state(), self.abstract_batch()
-        programs = {"step": step.lower}
-        measure = getattr(step, "programs", {}).get("measure")
-        if measure is not None:
-            programs["measure"] = measure.lower
-        return {name: lower(state, batch).compile() for name, lower in programs.items()}
+        lowered = self.train_step(layout).lower_all(layout.abstract_state(), self.abstract_batch())
+        return {name: program.compile() for name, program in lowered.items()}
 
     def log_options(self, layout, tokens_per_batch: int | None):
         """The loop's :class:`~jaxpar.train.report.LogOptions`: the job's settings, its title, and the
@@ -217,7 +213,7 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
       ConfigError: a setting that the library refuses, named by its YAML key.
     """
     if mesh:
-        check(cfg, num_devices=jax.device_count())
+        check(cfg, num_devices=jax.device_count() if devices is None else len(devices))
         device_mesh = build_mesh(cfg.mesh, devices)
     strategy = build_strategy(cfg.parallel)
     model_fn = build_model_fn(cfg.model, cfg.train.seed)

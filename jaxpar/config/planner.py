@@ -108,7 +108,8 @@ def unpredicted(cfg: JobConfig, strategy: Strategy, mesh_sizes: Mapping[str, int
     return None
 
 
-def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strategy, cluster_name: str) -> PlannerView:
+def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strategy, cluster_name: str, *,
+                 lowering: str = "xla-cpu") -> PlannerView:
     """The cost model's plan and estimate for the config's GPT on its mesh (see :func:`unpredicted`
     for the jobs it does not describe).
 
@@ -117,9 +118,11 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
       mesh_sizes: the mesh's axis sizes.
       strategy: the config's strategy.
       cluster_name: a cluster preset or YAML path (its devices are set to the mesh's).
+      lowering: the cost model's lowering (:data:`jaxpar.cost.traffic.LOWERINGS`): ``xla-cpu`` for the
+        simulated CPU mesh, ``ideal`` for the GPU and TPU compilers.
 
     Returns:
-      The :class:`PlannerView`, estimated for the ``xla-cpu`` lowering in fp32.
+      The :class:`PlannerView`, estimated for ``lowering`` with fp32 parameters and moments.
     """
     from .. import cost
     from ..cost.plan import evaluate
@@ -138,7 +141,7 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
     dtype = "float32" if strategy.compute_dtype == "float32" else "bfloat16"
     if dtype not in cluster.peak_flops:
         dtype = next(iter(cluster.peak_flops))
-    return PlannerView(model, plan, evaluate(model, plan, cluster, dtype=dtype, precision="fp32", lowering="xla-cpu"))
+    return PlannerView(model, plan, evaluate(model, plan, cluster, dtype=dtype, precision="fp32", lowering=lowering))
 
 
 def _ratio(p: float, g: float) -> str:
@@ -146,7 +149,7 @@ def _ratio(p: float, g: float) -> str:
 
 
 def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, cluster: str,
-                  steps_per_call: int = 1) -> str:
+                  steps_per_call: int = 1, *, lowering: str = "xla-cpu") -> str:
     """``jaxpar inspect``'s table: the cost model's bytes per axis, arguments, temporaries and peak
     next to the compiled step's, per device (for a pipelined plan, counted on the busiest stage).
 
@@ -157,6 +160,7 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
       strategy: the config's strategy.
       cluster: the cluster preset (or YAML path) of the prediction.
       steps_per_call: optimizer steps per call of ``compiled`` (its bytes per axis are divided by it).
+      lowering: the cost model's lowering (see :func:`planner_view`).
 
     Returns:
       The heading, the table and the predicted step time (or why there is none), as text.
@@ -167,23 +171,25 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
     sizes = dict(mesh.shape)
     rep = memory_report(compiled)
     why = unpredicted(cfg, strategy, sizes)
-    view = planner_view(cfg, sizes, strategy, cluster) if why is None else None
+    view = planner_view(cfg, sizes, strategy, cluster, lowering=lowering) if why is None else None
     got = compiled_bytes_per_axis(compiled, mesh, view and view.plan) if mesh.size > 1 else {}
     got = {a: g / steps_per_call for a, g in got.items()}
-    lines = [f"\nplanner  cost model (jaxpar.cost, lowering xla-cpu, cluster {cluster}) vs the compiled step, "
+    lines = [f"\nplanner  cost model (jaxpar.cost, lowering {lowering}, cluster {cluster}) vs the compiled step, "
              "per device"]
     headers, right = ["", "predicted", "compiled", "predicted / compiled"], [False, True, True, True]
     if view is None:
         rows = [[f"bytes over {a} per step", "-", format_bytes(g), "-"] for a, g in sorted(got.items())]
         rows += [["arguments (state + batch)", "-", format_bytes(rep.argument_bytes), "-"],
                  ["temporaries", "-", format_bytes(rep.temp_bytes), "-"],
-                 ["peak (args + outputs + temps - aliased)", "-", format_bytes(rep.peak_bytes), "-"]]
+                 ["peak (the larger of args + outputs + temps - aliased and XLA's)", "-",
+                  format_bytes(rep.required_bytes), "-"]]
         return "\n".join(lines + [render_table(headers, rows, right=right), f"time     not predicted: {why}"])
     from ..cost.memory import argument_bytes
     from ..cost.traffic import bytes_per_axis, comms
 
     model, plan, est = view
-    pred = bytes_per_axis(comms(model, plan, lowering="xla-cpu", compute_bytes=4, grad_bytes=4))
+    act = 2 if strategy.compute_dtype == "bfloat16" else 4
+    pred = bytes_per_axis(comms(model, plan, lowering=lowering, compute_bytes=act, grad_bytes=4))
     args, mem, t = argument_bytes(model, plan.sizes, plan.zero), est.memory, est.time
     rows = [[f"bytes over {a} per step", format_bytes(pred.get(a, 0.0)), format_bytes(got.get(a, 0.0)),
              _ratio(pred.get(a, 0.0), got.get(a, 0.0))] for a in sorted(set(pred) | set(got))]
@@ -192,45 +198,42 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
               _ratio(args, rep.argument_bytes)],
              ["temporaries (model: activations + logits)", format_bytes(temps), format_bytes(rep.temp_bytes),
               _ratio(temps, rep.temp_bytes)],
-             ["peak (args + outputs + temps - aliased)", format_bytes(mem.total), format_bytes(rep.peak_bytes),
-              _ratio(mem.total, rep.peak_bytes)]]
+             ["peak (the larger of args + outputs + temps - aliased and XLA's)", format_bytes(mem.total),
+              format_bytes(rep.required_bytes), _ratio(mem.total, rep.required_bytes)]]
     return "\n".join(lines + [render_table(headers, rows, right=right), (
         f"time     predicted {t.total * 1e3:.1f} ms per step on {cluster} (compute {t.compute * 1e3:.1f}, "
         f"data {t.data * 1e3:.1f}, tensor {t.tensor * 1e3:.1f}, pipeline {t.pipeline * 1e3:.1f}, update "
         f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {plan.name()}")])
 
 
-def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any]) -> None:
-    """``jaxpar plan --verify``: compile each plan's train step ahead of time on simulated CPU devices
-    (jaxpar's GPT, fp32 Adam; nothing runs) and print predicted vs compiled argument bytes, peak
-    memory and bytes per mesh axis.
+def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any = None) -> None:
+    """``jaxpar plan --verify``: compile each plan's train step ahead of time (jaxpar's GPT, fp32 Adam;
+    nothing runs) on simulated CPU devices, or with the real compiler of ``target``, and print
+    predicted vs compiled argument bytes, peak memory and bytes per mesh axis.
 
     Args:
       model: the cost model's GPT.
       cluster: the cluster (its device count is simulated; at most 256).
       estimates: the ranked plans' estimates.
+      target: a :class:`jaxpar.targets.Target` with the cluster's device count (None: the CPU).
 
     Raises:
-      ConfigError: more than 256 devices.
+      ConfigError: more than 256 simulated devices.
     """
     import time
 
     from ..analysis.memory import format_bytes, render_table
     from ..cost.memory import memory_per_device
-    from ..distributed import setup_devices
     from ..train.cost_check import compile_and_compare
 
-    n = cluster.num_devices
-    if n > 256:
-        raise ConfigError(f"--verify simulates the cluster's {n} devices on the CPU; at most 256 (use --devices).")
-    setup_devices(n)
-    print(f"\nverify   {len(estimates)} plans compiled ahead of time on {n} simulated CPU devices (jaxpar's GPT, "
+    devices, where, lowering = _verify_devices(cluster.num_devices, target)
+    print(f"\nverify   {len(estimates)} plans compiled ahead of time {where} (jaxpar's GPT, "
           f"fp32 parameters and Adam moments; the prediction below uses the same precision)")
     rows = []
     for e in estimates:
         p = e.plan
         t0 = time.perf_counter()
-        r = compile_and_compare(model, p)
+        r = compile_and_compare(model, p, devices=devices, lowering=lowering)
         mem = memory_per_device(model, p.sizes, zero=p.zero, microbatches=p.microbatches, schedule=p.schedule,
                                 virtual=p.virtual, remat=p.remat, sequence_parallel=p.sequence_parallel,
                                 precision="fp32", activation_bytes=4)
@@ -243,8 +246,28 @@ def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any]) -> None:
                               for ax, v in r["axes"].items()) or "-", f"{worst:.1%}",
                      f"{time.perf_counter() - t0:.0f}"])
     print(render_table(["plan", "args predicted", "args compiled", "args error", "peak predicted", "peak compiled",
-                        "peak ratio", "bytes per axis predicted/compiled (xla-cpu)", "worst axis error",
+                        "peak ratio", f"bytes per axis predicted/compiled ({lowering})", "worst axis error",
                         "compile s"], rows, right=[False] + [True] * 6 + [False, True, True]))
+
+
+def _verify_devices(n: int, target: Any) -> tuple[list, str, str]:
+    """``(devices, where they are, the cost model's lowering)`` for ``verify_plans``."""
+    if target is not None:
+        from ..targets import target_devices
+
+        if target.num_devices != n:
+            raise ConfigError(f"--target {target} has {target.num_devices} devices, but the plans are for {n}; "
+                              f"give --devices {target.num_devices} or a target of {n} devices.")
+        return target_devices(target), f"by the {target.spec.platform} compiler for {target}", "ideal"
+    if n > 256:
+        raise ConfigError(f"--verify simulates the cluster's {n} devices on the CPU; at most 256 (use --devices, "
+                          f"or --target to compile for real devices).")
+    import jax
+
+    from ..distributed import setup_devices
+
+    setup_devices(n)
+    return jax.devices()[:n], f"on {n} simulated CPU devices", "xla-cpu"
 
 
 def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: bool = False) -> str:

@@ -106,7 +106,7 @@ def compile_plan(model_fn: Callable, plan: Plan, batch: int, seq: int, *, device
 
 
 def compile_and_compare(model: ModelSpec, plan: Plan, *, devices: Sequence | None = None,
-                        model_fn: Callable | None = None) -> dict:
+                        model_fn: Callable | None = None, lowering: str = "xla-cpu") -> dict:
     """Compile ``plan`` for jaxpar's GPT of ``model``'s sizes and :func:`compare` (see the module example).
 
     Args:
@@ -114,6 +114,7 @@ def compile_and_compare(model: ModelSpec, plan: Plan, *, devices: Sequence | Non
       plan: the plan; its ``remat`` becomes the GPT's recomputation policy.
       devices: as for :func:`compile_plan`.
       model_fn: builds the model instead of jaxpar's GPT (it must match ``model``).
+      lowering: as for :func:`compare` (``ideal`` for the GPU and TPU compilers).
 
     Returns:
       :func:`compare`'s dict.
@@ -128,4 +129,4 @@ def compile_and_compare(model: ModelSpec, plan: Plan, *, devices: Sequence | Non
                         layers=model.layers, mlp=model.mlp, remat=remat)
         model_fn = lambda: GPT(cfg, rngs=nnx.Rngs(0))   # noqa: E731
     mesh, compiled = compile_plan(model_fn, plan, model.batch, model.seq, devices=devices)
-    return compare(model, plan, compiled, mesh)
+    return compare(model, plan, compiled, mesh, lowering=lowering)

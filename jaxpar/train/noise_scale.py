@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-__all__ = ["NoiseScaleError", "KEY", "METRICS", "check_options", "check_measurable", "grad_sq_estimate", "trace_estimate",
+__all__ = ["NoiseScaleError", "KEY", "METRICS", "check_options", "noise_scale_layout", "check_measurable", "grad_sq_estimate", "trace_estimate",
            "init_state", "update", "noise_scale_of", "with_noise_scale", "has_noise_scale", "plot_noise_scale"]
 
 #: The key of the noise-scale state in ``TrainState.stats``.
@@ -163,18 +163,31 @@ def with_noise_scale(state, layout) -> tuple[Any, Any]:
     >>> int(state.stats["noise_scale"]["count"]), layout.stats["noise_scale"]["count"]
     (0, P())
     """
-    from dataclasses import replace
-
     from jax.sharding import NamedSharding
+
+    layout = noise_scale_layout(layout)
+    values = dict(state.stats) if isinstance(state.stats, dict) else {}
+    values[KEY] = jax.device_put(init_state(), NamedSharding(layout.mesh, PartitionSpec()))
+    return state._replace(stats=values), layout
+
+
+def noise_scale_layout(layout) -> Any:
+    """``layout`` with a place for the noise-scale state (replicated scalars), without creating it
+    (for ahead-of-time compilation: :meth:`~jaxpar.train.state.StateLayout.abstract_state` then has it).
+
+    Args:
+      layout: the train state's :class:`~jaxpar.train.state.StateLayout`.
+
+    Returns:
+      The layout with ``stats[KEY]``.
+    """
+    from dataclasses import replace
 
     stats = dict(layout.stats) if isinstance(layout.stats, dict) else {}
     shapes = dict(layout.stats_shapes) if isinstance(layout.stats_shapes, dict) else {}
     shapes[KEY] = jax.eval_shape(init_state)
     stats[KEY] = jax.tree.map(lambda _: PartitionSpec(), shapes[KEY])
-    layout = replace(layout, stats=stats, stats_shapes=shapes)
-    values = dict(state.stats) if isinstance(state.stats, dict) else {}
-    values[KEY] = jax.device_put(init_state(), NamedSharding(layout.mesh, PartitionSpec()))
-    return state._replace(stats=values), layout
+    return replace(layout, stats=stats, stats_shapes=shapes)
 
 
 def has_noise_scale(layout) -> bool:

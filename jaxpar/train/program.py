@@ -86,13 +86,17 @@ class TrainStep:
         more than one program call (relaxed synchronisation); overrides ``choose``.
       batch_sharding: the sharding a batch is placed with.
       pipeline_program: the lowered pipeline table it runs, if any.
+      state_only: the programs that take the state alone (relaxed sync's ``"outer"``), not ``(state, batch)``.
 
-    Every program is also ``step.programs[name]``; ``step.lower`` lowers ``"step"``.
+    Every program is also ``step.programs[name]``; ``step.lower`` lowers ``"step"``, ``step.lower_all``
+    every program.
     """
 
     def __init__(self, programs: Mapping[str, Callable], *, check_batch: Callable, choose: Callable | None = None,
-                 run: Callable | None = None, batch_sharding: Any = None, pipeline_program: Any = None):
+                 run: Callable | None = None, batch_sharding: Any = None, pipeline_program: Any = None,
+                 state_only: tuple[str, ...] = ()):
         self.programs = dict(programs)
+        self.state_only = tuple(state_only)
         self.check_batch = check_batch
         self.batch_sharding = batch_sharding
         self.pipeline_program = pipeline_program
@@ -107,6 +111,12 @@ class TrainStep:
     def lower(self, *args, **kwargs):
         """``programs["step"].lower(...)``: the usual program, for ahead-of-time compilation."""
         return self.programs["step"].lower(*args, **kwargs)
+
+    def lower_all(self, state, batch) -> dict[str, Any]:
+        """Every program lowered, ``{name: jax.stages.Lowered}``, for ahead-of-time compilation
+        (``state`` and ``batch`` may be ``jax.ShapeDtypeStruct``\\ s)."""
+        return {name: p.lower(state) if name in self.state_only else p.lower(state, batch)
+                for name, p in self.programs.items()}
 
     def __call__(self, state, batch):
         self.check_batch(batch)

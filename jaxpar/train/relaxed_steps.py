@@ -52,7 +52,7 @@ def relaxed_train_step(loss_fn: Callable, layout: StateLayout, update: Update, *
     check = lambda batch: check_batch(batch, mesh, strategy.microbatches)   # noqa: E731
     if is_local(sync):
         return TrainStep(local_steps(loss_fn, layout, sync, update, donate=donate), check_batch=check,
-                         run=run_local_steps(sync, layout), batch_sharding=batch_sharding(mesh))
+                         run=run_local_steps(sync, layout), batch_sharding=batch_sharding(mesh), state_only=("outer",))
     return TrainStep(global_step(loss_fn, layout, sync, update, donate=donate), check_batch=check,
                      batch_sharding=batch_sharding(mesh))
 

@@ -1,0 +1,228 @@
+"""Compiling for real GPU and TPU targets without the hardware (jaxpar.targets, ``jaxpar inspect --target``).
+
+The real compilers come with the ``targets`` extra (``pip install 'jaxpar[targets]'``), which
+``make test`` and CI install: a missing extra fails here, it is not skipped. Each case compiles
+jaxpar's real train step with XLA's GPU compiler (a cubin, through ptxas) or libtpu's compiler, for
+abstract devices; nothing runs. What is asserted is read from the compiled programs: memory per
+device against the device, and the collectives per mesh axis in the scheduled GPU HLO.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from jaxpar.analysis.hlo import collectives, parse_instructions
+from jaxpar.cli import main
+from jaxpar.config import ConfigError, load_config
+from jaxpar.config.job import build_job
+from jaxpar.targets import TargetError, load_spec, parse_target, presets, target_devices
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+def test_the_compilers_are_installed():
+    """The target tests need the extra; CI installs it (a missing extra must fail, not skip)."""
+    for module in ("jax_plugins.xla_cuda12", "libtpu"):
+        assert importlib.util.find_spec(module) is not None, f"{module} missing: pip install -e '.[targets]'"
+
+
+# ------------------------------------------------------------------------------- targets as data
+@pytest.mark.parametrize("text, devices, hosts, platform", [
+    ("h100:2x8", 16, 2, "cuda"), ("h100:8", 8, 1, "cuda"), ("h100", 8, 1, "cuda"), ("a100-80gb:4x8", 32, 4, "cuda"),
+    ("tpu-v5e:4x4", 16, 4, "tpu"), ("2xtpu-v5e:2x2", 8, 2, "tpu"), ("tpu-v5p:2x2x2", 8, 2, "tpu"),
+])
+def test_target_strings(text, devices, hosts, platform):
+    t = parse_target(text)
+    assert (t.num_devices, t.num_hosts, t.spec.platform) == (devices, hosts, platform)
+    assert parse_target(str(t)) == t
+
+
+@pytest.mark.parametrize("text, says", [
+    ("h101:8", "unknown device 'h101'"), ("tpu-v5e", "needs its chip topology"), ("2xh100:8", "HOSTSxGPUS"),
+    ("h100:2x2x2", "HOSTSxGPUS"), ("h100:2x", "DEVICE[:TOPOLOGY]"),
+])
+def test_bad_target_strings_are_named(text, says):
+    with pytest.raises(TargetError, match="target") as e:
+        parse_target(text)
+    assert says in str(e.value) and text.split(":")[0].removeprefix("2x") in str(e.value)
+
+
+@pytest.mark.parametrize("name", sorted(presets()))
+def test_each_preset_gives_its_devices(name):
+    spec = load_spec(name)
+    assert spec.sources, f"{name}: a preset says where its numbers come from"
+    t = parse_target(f"{name}:2x4" if spec.platform == "cuda" else f"{name}:2x2" + ("x2" if name == "tpu-v5p" else ""))
+    devices = target_devices(t)
+    assert len(devices) == t.num_devices
+    assert {d.device_kind for d in devices} == {spec.device}
+    assert len({d.process_index for d in devices}) == t.num_hosts
+
+
+def test_a_missing_extra_is_named(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+    with pytest.raises(TargetError, match=r"needs libtpu, which is not installed: pip install 'jaxpar\[targets\]'"):
+        target_devices(parse_target("tpu-v5e:3x3"))        # a topology no other test made (they are cached)
+
+
+# ------------------------------------------------------------------------------- jaxpar inspect --target
+def _inspect(capsys, config, target, *overrides):
+    rc = main(["inspect", str(CONFIGS / config), "--target", target, *overrides])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_quickstart_compiles_for_h100(capsys):
+    rc, out, _ = _inspect(capsys, "quickstart.yaml", "h100:1x8")
+    assert rc == 0, out
+    assert "compiled ahead of time by the cuda compiler for h100:1x8" in out
+    assert "devices  8 x gpu (NVIDIA H100 80GB HBM3)" in out
+    table = out.split("collectives of the compiled step")[1]
+    assert "all-gather     | fsdp" in table and "| yes   |" in table, table       # async on the GPU
+    assert "fits     with" in out and "capacity 59.3 GiB usable" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, target", [("quickstart.yaml", "tpu-v5e:2x4"), ("gpt124m_gpu.yaml", "h100:1x8"),
+                                            ("gpt124m_gpu.yaml", "tpu-v5e:2x4")])
+def test_configs_compile_for_gpu_and_tpu(capsys, config, target):
+    rc, out, _ = _inspect(capsys, config, target)
+    assert rc == 0, out
+    assert "fits     with" in out and "memory   per device: peak" in out
+    assert "collectives of the compiled step" in out and "async" in out
+
+
+def test_a_model_too_big_is_reported_with_the_plan_that_fits(capsys):
+    """A 65B GPT with FSDP on 8 H100s: compiled, reported as not fitting (exit status 3), with the
+    amount and the cost model's plan that would fit."""
+    rc, out, _ = _inspect(capsys, "gpt124m_gpu.yaml", "h100:1x8", "model.layers=80", "model.embed=8192",
+                          "model.heads=64", "model.seq_len=4096", "model.vocab=32000", "data.batch_size=8",
+                          "mesh.data=1", "mesh.fsdp=8", "parallel.zero=3", "model.remat=full")
+    assert rc == 3, out
+    assert "DOES NOT FIT by" in out and "the cost model predicted" in out
+    assert "the cost model's best plan that fits on" in out and "times the target's devices" in out
+
+
+@pytest.mark.slow
+def test_a_7b_model_on_64_gpus_in_8_processes(capsys):
+    rc, out, _ = _inspect(capsys, "gpt124m_gpu.yaml", "h100:8x8", "model.layers=32", "model.embed=4096",
+                          "model.heads=32", "model.seq_len=2048", "model.vocab=32000", "data.batch_size=64",
+                          "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=8", "parallel.zero=3", "model.remat=full")
+    assert rc == 0, out
+    assert "devices  64 x gpu (NVIDIA H100 80GB HBM3) in 8 processes" in out
+    peak = next(line for line in out.splitlines() if line.startswith("memory   per device"))
+    assert "the cost model predicted" in peak
+
+
+def test_a_mesh_that_does_not_match_the_target_is_named(capsys):
+    rc, _, err = _inspect(capsys, "quickstart.yaml", "h100:2x8", "train.devices=0")
+    assert rc == 2
+    assert "target h100:2x8 has 16 devices, but the config's mesh" in err and "has 8" in err
+    assert "mesh.data=4" in err
+
+
+def test_an_unknown_target_is_named(capsys):
+    rc, _, err = _inspect(capsys, "quickstart.yaml", "h101:8")
+    assert rc == 2 and "unknown device 'h101'" in err and "h100" in err
+
+
+def test_a_ptxas_too_old_for_the_device_is_named(capsys, tmp_path):
+    """A device whose compute capability the installed ptxas does not know (a made-up sm_13.0)."""
+    text = (CONFIGS / "targets" / "h100.yaml").read_text().replace("compute_capability: [9, 0]",
+                                                                   "compute_capability: [13, 0]")
+    (tmp_path / "sm130.yaml").write_text(text)
+    rc, _, err = _inspect(capsys, "quickstart.yaml", f"{tmp_path / 'sm130.yaml'}:1x8", "model.layers=1")
+    assert rc == 2
+    assert "ptxas (nvidia-cuda-nvcc-cu12" in err and "too old for compute capability 13.0" in err
+    assert "pip install -U nvidia-cuda-nvcc-cu12" in err
+
+
+# ------------------------------------------------------------------------------- every strategy on h100:2x8
+def _compiled(config, *overrides, target="h100:2x8"):
+    cfg = load_config(CONFIGS / config, ["train.devices=0", *overrides])
+    job = build_job(cfg, target_devices(parse_target(target)), data=False)
+    return job, job.compile(job.state_layout())
+
+
+def _over(colls, kind, axes):
+    return [c for c in colls if c.kind == kind and c.axes is not None and set(c.axes) == set(axes)]
+
+
+def test_zero3_gathers_and_scatters_over_data_asynchronously():
+    job, compiled = _compiled("quickstart.yaml", "mesh.data=16", "mesh.fsdp=1", "mesh.tensor=1", "parallel.zero=3")
+    colls = collectives(compiled["step"], job.mesh)
+    gathers, scatters = _over(colls, "all-gather", ["data"]), _over(colls, "reduce-scatter", ["data"])
+    assert gathers and scatters, [(c.kind, c.axes) for c in colls]
+    assert all(c.asynchronous for c in gathers + scatters)
+    assert not _over(colls, "all-reduce", ["data"]) or sum(c.bytes for c in _over(colls, "all-reduce", ["data"])) < \
+        sum(c.bytes for c in scatters)        # the gradients are reduce-scattered, not all-reduced
+
+
+PIPELINES = ["gpipe", "1f1b", "interleaved", "zb-h1", "pipedream-2bw", "pipedream"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", PIPELINES)
+def test_pipelines_send_over_pipe(schedule):
+    virtual = ["parallel.virtual_stages=2", "model.layers=4"] if schedule == "interleaved" else []
+    virtual += ["optimizer.clip_norm=null"] if schedule == "pipedream" else []     # stashing: per-stage updates
+    job, compiled = _compiled("quickstart.yaml", "mesh.pipe=2", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1",
+                              f"parallel.schedule={schedule}", "parallel.microbatches=4", *virtual)
+    colls = collectives(compiled["step"], job.mesh)
+    assert _over(colls, "collective-permute", ["pipe"]), [(c.kind, c.axes) for c in colls]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, kinds", [
+    (["mesh.data=8", "mesh.tensor=2"], {"all-reduce"}),
+    (["mesh.data=8", "mesh.tensor=2", "parallel.sequence_parallel=true"], {"all-gather", "reduce-scatter"}),
+])
+def test_tensor_parallelism_reduces_over_tensor(overrides, kinds):
+    job, compiled = _compiled("quickstart.yaml", "mesh.fsdp=1", *overrides)
+    colls = collectives(compiled["step"], job.mesh)
+    for kind in kinds:
+        assert _over(colls, kind, ["tensor"]), (kind, [(c.kind, c.axes) for c in colls])
+
+
+def _dtypes(compiled, colls):
+    """The element types of each collective's result, read from the GPU HLO."""
+    shapes = {i.name: i.shape for i in parse_instructions(compiled.as_text())}
+    return {c.name: set(re.findall(r"\b([a-z]+\d*)\[", shapes[c.name])) for c in colls}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["topk.yaml", "onebit_adam.yaml", "powersgd.yaml"])
+def test_compression_sends_the_packed_codes(config):
+    """Over the data axis a compressed step moves the codec's codes: packed bytes (u8) for top-k and
+    1-bit Adam's signs, low-rank fp32 factors far smaller than the gradient for PowerSGD."""
+    dense_job, dense = _compiled("quickstart.yaml", "mesh.data=16", "mesh.fsdp=1", "mesh.tensor=1")
+    job, compiled = _compiled(config, "mesh.data=16", "parallel.zero=0")     # ZeRO-2 would gather fp32 weights
+    colls = [c for c in collectives(compiled["step"], job.mesh) if c.axes == ("data",) and c.bytes > 64]
+    assert colls, config
+    if config == "powersgd.yaml":
+        full = sum(c.bytes for c in collectives(dense["step"], dense_job.mesh) if c.axes == ("data",))
+        assert 0 < sum(c.bytes for c in colls) < full / 4
+    else:                          # 1-bit Adam's warm-up steps all-reduce in fp32 (the other branch)
+        kinds = _dtypes(compiled["step"], colls)
+        codes = [c for c in colls if kinds[c.name] == {"u8"}]
+        assert codes and all(kinds[c.name] == {"f32"} for c in colls if c not in codes and c.kind != "all-reduce"), kinds
+
+
+@pytest.mark.slow
+def test_relaxed_sync_syncs_over_the_replica_axis():
+    job, compiled = _compiled("diloco.yaml", "mesh.replica=8")
+    assert not [c for c in collectives(compiled["step"], job.mesh) if c.axes and "replica" in c.axes]
+    assert [c for c in collectives(compiled["outer"], job.mesh) if c.axes and "replica" in c.axes]
+
+
+@pytest.mark.slow
+def test_k_steps_per_call_and_the_noise_scale_compile():
+    job, compiled = _compiled("quickstart.yaml", "parallel.steps_per_call=5", "mesh.pipe=2", "mesh.data=4", "mesh.tensor=1",
+                              "parallel.schedule=pipedream-2bw", "parallel.microbatches=2")
+    assert compiled["step"].in_avals[0][1]["tokens"].shape[0] == 5        # 5 stacked batches per call
+    job, compiled = _compiled("quickstart.yaml", "mesh.data=4", "logging.noise_scale.every=2")
+    assert set(compiled) == {"step", "measure"}
