@@ -73,8 +73,8 @@ def need_devices(n: int):
 #: Measured once against that order it made no difference (15:53 vs 15:51; the two workers ended
 #: about 20 s apart either way): a guard for the tail as files grow, not a speed-up.
 HEAVIEST_FIRST = (
-    "test_pairs.py", "test_pipeline.py", "test_compression_step.py", "test_relaxed_sync.py", "test_byo_model.py",
-    "test_notebooks.py", "test_equivalence.py", "test_checkpoint.py", "test_models.py",
+    "test_pairs.py", "test_targets.py", "test_pipeline.py", "test_compression_step.py", "test_relaxed_sync.py",
+    "test_byo_model.py", "test_notebooks.py", "test_equivalence.py", "test_checkpoint.py", "test_models.py",
     "test_async_pipeline.py", "test_multiprocess.py", "test_weight_stashing.py", "test_cli.py",
     "test_signatures.py", "test_faults.py", "test_doctests.py",
 )
