@@ -24,7 +24,6 @@ import math
 from typing import Any, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 __all__ = [

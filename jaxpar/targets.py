@@ -295,21 +295,31 @@ def _check_plugin(platform: str) -> None:
     import importlib.metadata as md
     import importlib.util
 
+    import jax
+
     module, dist = _PLUGIN[platform]
-    if platform == "tpu":       # libtpu takes a machine-wide lock unless told that several processes compile
-        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not jax.config.jax_platforms:    # deviceless: this process runs nothing on the target's platform
+        jax.config.update("jax_platforms", "cpu")     # (and the CUDA plugin then skips its runtime check)
+    if platform == "tpu":
+        _quiet_libtpu()
     if importlib.util.find_spec(module) is None:
         raise TargetError(f"compiling for {platform} targets needs {dist}, which is not installed: {EXTRA} "
                           f"(docs/targets.md).")
-    if platform == "cuda":
-        import jax
+    if platform == "cuda" and md.version(dist) != jax.__version__:
+        raise TargetError(f"{dist}=={md.version(dist)} is installed beside jax=={jax.__version__}; the plugin must "
+                          f"match jax exactly: {EXTRA}, or pip install {dist}=={jax.__version__}.")
 
-        have = md.version(dist)
-        if have != jax.__version__:
-            raise TargetError(f"{dist}=={have} is installed beside jax=={jax.__version__}; the plugin must match "
-                              f"jax exactly: {EXTRA}, or pip install {dist}=={jax.__version__}.")
-        if not jax.config.jax_platforms:      # deviceless: the plugin then skips its CUDA runtime check
-            jax.config.update("jax_platforms", "cpu")
+
+def _quiet_libtpu() -> None:
+    """Settings for libtpu compiling on a machine that is no TPU host (unless the environment has its own):
+    several processes may compile at once (else a machine-wide lock file), and no query of the cloud
+    metadata server for this host's TPU workers (it fails here and prints errors)."""
+    import jax
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if jax.config.jax_platforms == "cpu":       # deviceless: this process uses no TPU of its own
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
 def compile_error(target: Target, error: Exception) -> TargetError | None:

@@ -69,6 +69,17 @@ def test_a_missing_extra_is_named(monkeypatch):
         target_devices(parse_target("tpu-v5e:3x3"))        # a topology no other test made (they are cached)
 
 
+def test_a_plugin_of_another_jax_is_named(monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.9.0" if name == "jax-cuda12-plugin" else real(name))
+    with pytest.raises(TargetError, match=r"jax-cuda12-plugin==0\.9\.0 is installed beside jax==0\.10\.\d+; the plugin "
+                                          r"must match jax exactly"):
+        target_devices(parse_target("h100:3x8"))            # a topology no other test made
+
+
 # ------------------------------------------------------------------------------- jaxpar inspect --target
 def _inspect(capsys, config, target, *overrides):
     rc = main(["inspect", str(CONFIGS / config), "--target", target, *overrides])

@@ -60,7 +60,6 @@ from .metrics import MetricsWriter, is_main_process
 from .noise_scale import KEY as NOISE_KEY
 from .noise_scale import noise_scale_of
 from .preemption import StopAgreement, StopSignals
-from .preemption import catch_stop_signals as catch_stop_signals  # re-exported: its former home
 from .ramp import AdaptiveRamp
 from .report import LogOptions, NonFiniteError, TrainSummary, plot_losses  # re-exported: their former home
 from .report import check_int, merge_log_options, Meter, Progress
