@@ -24,6 +24,7 @@ import math
 from typing import Any, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp  # noqa: F401  (the docstring examples use it)
 from jax.sharding import NamedSharding, PartitionSpec
 
 __all__ = [

@@ -203,7 +203,7 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
         print("\ncollectives of the compiled " + ("step" if name == "step" else f"{name} program"))
         colls = collectives(c, job.mesh) if job.mesh.size > 1 else []
         print(collectives_table(colls) if colls else "(none)")
-    lowering = "ideal" if tgt else "xla-cpu"
+    lowering = "xla" if tgt else "xla-cpu"
     print(planner_table(cfg, compiled["step"], job.mesh, job.strategy, cluster, job.steps_per_call,
                         lowering=lowering))
     if tgt is None:

@@ -258,7 +258,7 @@ def _verify_devices(n: int, target: Any) -> tuple[list, str, str]:
         if target.num_devices != n:
             raise ConfigError(f"--target {target} has {target.num_devices} devices, but the plans are for {n}; "
                               f"give --devices {target.num_devices} or a target of {n} devices.")
-        return target_devices(target), f"by the {target.spec.platform} compiler for {target}", "ideal"
+        return target_devices(target), f"by the {target.spec.platform} compiler for {target}", "xla"
     if n > 256:
         raise ConfigError(f"--verify simulates the cluster's {n} devices on the CPU; at most 256 (use --devices, "
                           f"or --target to compile for real devices).")

@@ -37,7 +37,7 @@ from typing import Mapping, NamedTuple
 from .model import TENSOR_LOGICAL, Leaf, ModelSpec
 
 __all__ = ["BytesPerParam", "PRECISIONS", "REMAT", "zero_state_bytes", "activation_bytes_per_layer",
-           "leaf_spec", "zero_axes", "LeafShards", "leaf_shard_counts", "sizes_key", "leaf_shards", "state_bytes",
+           "leaf_spec", "zero_dim_of", "zero_axes", "LeafShards", "leaf_shard_counts", "sizes_key", "leaf_shards", "state_bytes",
            "TABLE_LIMIT", "closed_form_stats", "schedule_stats", "in_flight", "MemoryEstimate", "memory_per_device",
            "argument_bytes", "LayoutError"]
 
@@ -137,7 +137,9 @@ def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ..
     return tuple(spec)
 
 
-def _zero_dim(leaf: Leaf, spec, sizes: Mapping[str, int]) -> int | None:
+def zero_dim_of(leaf: Leaf, spec, sizes: Mapping[str, int]) -> int | None:
+    """The dimension ZeRO / FSDP splits (as :func:`jaxpar.zero.zero_dim`): the largest one that is not
+    ``layers``, not split by ``spec`` (:func:`leaf_spec`) and divisible by ``data * fsdp``; None if none."""
     n = sizes.get("fsdp", 1) * sizes.get("data", 1)
     for d in sorted(range(len(leaf.shape)), key=lambda d: -leaf.shape[d]):
         if leaf.logical[d] != "layers" and not spec[d] and leaf.shape[d] % n == 0:
@@ -198,7 +200,7 @@ def leaf_shard_counts(leaf: Leaf, key: tuple, stage: int) -> LeafShards:
     s = dict(key)
     spec = leaf_spec(leaf, s)
     base = math.prod(s[a] for dim in spec for a in dim)
-    shardable = _zero_dim(leaf, spec, s) is not None
+    shardable = zero_dim_of(leaf, spec, s) is not None
     out = []
     for kind in ("params", "grads", "opt"):
         axes = zero_axes(s, stage, kind)

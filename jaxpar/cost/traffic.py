@@ -4,20 +4,23 @@ Collectives (:func:`comms`) are listed per step with the bytes the compiled prog
 inventory reports (:mod:`jaxpar.analysis.hlo`: the result of each collective on one device);
 :mod:`jaxpar.cost.time` times them on the links the mesh axis spans.
 
-Two lowerings: ``ideal`` is the textbook program (Megatron TP: 2 all-reduces of the layer's
-activations forward and ``1 + qkv_inputs`` backward, SP: all-gathers and reduce-scatters in
-their place; DP: all-reduce; ZeRO-2/3 and FSDP: reduce-scatter + all-gather; ZeRO-3
-gathers every layer twice per micro-batch). ``xla-cpu`` is what jaxpar's train step compiles
-to on XLA:CPU, as checked against compiled programs by ``tests/test_cost_compiled.py``
-(gradients that XLA reduces with all-reduce where ``ideal`` uses reduce-scatter, the
-embedding gathered under SP, ...).
+Three lowerings. ``ideal`` is the textbook program (Megatron TP: 2 all-reduces of the layer's
+activations forward and 2 backward, the q, k and v input gradients summed before their reduction;
+SP: all-gathers and reduce-scatters in their place; with recomputation the forward's collectives
+up to the attention output run again; DP: all-reduce; ZeRO-2/3 and FSDP: reduce-scatter +
+all-gather; ZeRO-3 gathers every layer twice per micro-batch). ``xla`` is what the GPU and TPU
+compilers make of jaxpar's train step (docs/planning.md §8): ``ideal``, except that under SP the
+column-parallel input gradients are all-reduced, not reduce-scattered. ``xla-cpu`` is what it
+compiles to on XLA:CPU, as checked against compiled programs by ``tests/test_cost_compiled.py``
+(gradients that XLA reduces with all-reduce where ``ideal`` uses reduce-scatter, each of q, k and v
+reduced apart, the embedding gathered under SP, ...).
 
 Example::
 
     >>> from jaxpar.cost.model import gpt
     >>> from jaxpar.cost.parallel import Plan
     >>> bytes_per_axis(comms(gpt(2, 32, 8, 16, 64, 16), Plan(data=2, tensor=4)))
-    {'tensor': 116736.0, 'data': 16256.0}
+    {'tensor': 83968.0, 'data': 16256.0}
 """
 from __future__ import annotations
 
@@ -32,8 +35,9 @@ from .parallel import AXES, Plan
 
 __all__ = ["LOWERINGS", "Comm", "comms", "bytes_per_axis"]
 
-#: ``ideal``: the textbook program; ``xla-cpu``: what jaxpar's train step compiles to on XLA:CPU.
-LOWERINGS = ("ideal", "xla-cpu")
+#: ``ideal``: the textbook program; ``xla``: what jaxpar's train step compiles to with the GPU and TPU
+#: compilers (docs/planning.md §8); ``xla-cpu``: what it compiles to on XLA:CPU.
+LOWERINGS = ("ideal", "xla", "xla-cpu")
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
     rows = m.batch / (plan.data * plan.fsdp * plan.microbatches)   # sequences per device per micro-batch
     act = rows * m.seq * m.hidden * compute_bytes                   # one activation of the residual stream
     if plan.tensor > 1:
-        _tensor_comms(add, m, plan, act, rows * m.seq * 4, cpu)
+        _tensor_comms(add, m, plan, act, rows * m.seq * 4, lowering)
     if plan.pipe > 1:
         _pipe_comms(add, m, plan, act)
     if _axes(sizes, ("data", "fsdp")):
@@ -100,19 +104,27 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
     return out
 
 
-def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, cpu: bool) -> None:
+def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lowering: str) -> None:
     """TP / SP: per layer per micro-batch, then the embedding, the head and the loss (``stats``: fp32
     softmax statistics). With a pipeline the embedding (first stage) and the head (last) are apart:
-    the busiest stage, the last, has only the head's."""
+    the busiest stage, the last, has only the head's.
+
+    Backward, the input gradients of q, k and v are summed on the device before one reduction (GPU and
+    TPU compilers; XLA:CPU reduces each of the ``qkv_inputs``). Recomputation (``remat`` other than
+    ``none``) runs the layer forward again up to its attention block's output: one more reduction
+    (TP) or two all-gathers and one reduce-scatter (SP) per layer."""
     t, mb = plan.tensor, plan.microbatches
     n_layer = (m.layers // plan.pipe) * mb
     ends = 1 if plan.pipe > 1 else 2
+    cpu = lowering == "xla-cpu"
+    redo = 0 if cpu or plan.remat == "none" else 1
     if not plan.sequence_parallel:
-        add("all-reduce", ("tensor",), act, (2 + 1 + m.qkv_inputs) * n_layer, "tensor")
+        bwd = 1 + m.qkv_inputs if cpu else 2
+        add("all-reduce", ("tensor",), act, (2 + bwd + redo) * n_layer, "tensor")
         add("all-reduce", ("tensor",), act, ends * mb, "tensor")         # embedding forward, head backward
     else:
-        add("all-gather", ("tensor",), act, 4 * n_layer, "tensor")     # 2 forward, 2 backward
-        add("reduce-scatter", ("tensor",), act / t, 2 * n_layer, "tensor")
+        add("all-gather", ("tensor",), act, (4 + 2 * redo) * n_layer, "tensor")   # 2 forward, 2 backward
+        add("reduce-scatter", ("tensor",), act / t, (2 + redo) * n_layer, "tensor")
         if cpu:   # XLA:CPU reduces the column-parallel input gradients with all-reduce
             add("all-reduce", ("tensor",), act, (1 + m.qkv_inputs) * n_layer, "tensor")
             add("all-gather", ("tensor",), act, mb, "tensor")          # the head's input
@@ -122,7 +134,10 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, cpu: 
             add("all-reduce", ("tensor",), wte, 1, "tensor")           # and its gradient
             add("all-gather", ("tensor",), m.seq * m.hidden * 4, 1, "tensor")   # positions' gradient
         else:
-            add("reduce-scatter", ("tensor",), act / t, (1 + m.qkv_inputs) * n_layer, "tensor")
+            if lowering == "xla":   # the GPU / TPU compilers all-reduce the column-parallel input gradients
+                add("all-reduce", ("tensor",), act, 2 * n_layer, "tensor")
+            else:
+                add("reduce-scatter", ("tensor",), act / t, 2 * n_layer, "tensor")
             add("all-gather", ("tensor",), act, mb, "tensor")
             add("reduce-scatter", ("tensor",), act / t, 2 * mb, "tensor")
     add("all-reduce", ("tensor",), stats, 4 * mb, "loss")               # vocab-parallel cross-entropy

@@ -1,0 +1,216 @@
+"""The cost model against the real GPU and TPU compilers: memory and collective bytes per device.
+
+For each (GPT, plan, target) case, compiles jaxpar's train step (fp32 parameters, fp32 Adam, fp32
+compute) for the target's abstract devices with the target's own compiler (deviceless AOT,
+:mod:`jaxpar.targets`; nothing runs) and sets beside it the cost model's prediction:
+
+* bytes per step per mesh axis: :func:`jaxpar.cost.traffic.comms` (``xla`` lowering) against the
+  compiled collectives counted through the loops
+  (:func:`jaxpar.analysis.axis_bytes.compiled_bytes_per_axis`);
+* argument bytes: :func:`jaxpar.cost.layout.device_argument_bytes` with the target's layout
+  (:func:`jaxpar.cost.layout.layout_for_platform`) against ``memory_analysis()``;
+* peak bytes: :func:`jaxpar.cost.layout.step_peak_bytes` against XLA's ``peak_memory_in_bytes``.
+
+The measured side of every case is written to the JSON (``--out``); ``--measured FILE`` reuses it
+and recomputes only the predictions (seconds instead of minutes).
+
+Usage::
+
+    JAX_PLATFORMS=cpu python benchmarks/cost_vs_compiler.py --out cost_vs_compiler.json [--only tpu]
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from datetime import date  # noqa: E402
+
+from jaxpar import cost  # noqa: E402
+from jaxpar.cost.layout import device_argument_bytes, layout_for_platform, step_peak_bytes  # noqa: E402
+from jaxpar.cost.traffic import bytes_per_axis, comms  # noqa: E402
+
+P = cost.Plan
+#: GPT sizes (layers, hidden, heads, seq), vocab 50304: GPT-3 paper's 125M ... 13B, and a 70B.
+MODELS = {"125M": (12, 768, 12, 1024), "350M": (24, 1024, 16, 1024), "1.3B": (24, 2048, 16, 2048),
+          "2.7B": (32, 2560, 32, 2048), "6.7B": (32, 4096, 32, 2048), "13B": (40, 5120, 40, 2048),
+          "70B": (80, 8192, 64, 2048)}
+#: (model, global batch, target, plan)
+CASES = [
+    ("125M", 16, "h100:1x8", P(data=8)),
+    ("125M", 16, "h100:1x8", P(data=8, zero=1)),
+    ("350M", 16, "h100:1x8", P(data=8, zero=2)),
+    ("1.3B", 16, "h100:1x8", P(data=8, zero=3, remat="full")),
+    ("1.3B", 16, "h100:1x8", P(fsdp=8, remat="full")),
+    ("1.3B", 8, "h100:1x8", P(tensor=8)),
+    ("2.7B", 8, "h100:1x8", P(tensor=8, sequence_parallel=True, remat="selective")),
+    ("1.3B", 8, "h100:1x8", P(data=2, tensor=4, sequence_parallel=True)),
+    ("1.3B", 16, "h100:1x8", P(pipe=2, data=4, microbatches=4, schedule="1f1b")),
+    ("1.3B", 16, "h100:1x8", P(pipe=4, tensor=2, microbatches=8, schedule="gpipe", remat="full")),
+    ("6.7B", 16, "h100:2x8", P(data=2, tensor=8, zero=1, sequence_parallel=True, remat="selective")),
+    ("6.7B", 32, "h100:2x8", P(fsdp=16, remat="full")),
+    ("2.7B", 16, "h100:2x8", P(pipe=2, tensor=8, microbatches=8, schedule="1f1b", remat="full")),
+    ("13B", 64, "h100:8x8", P(data=8, tensor=8, zero=1, sequence_parallel=True, remat="full")),
+    ("70B", 64, "h100:8x8", P(fsdp=8, tensor=8, sequence_parallel=True, remat="full")),
+    ("70B", 64, "h100:8x8", P(pipe=8, tensor=8, microbatches=16, schedule="1f1b", remat="full")),
+    ("125M", 16, "tpu-v5e:4x4", P(data=16)),
+    ("125M", 16, "tpu-v5e:4x4", P(data=16, zero=2)),
+    ("1.3B", 16, "tpu-v5e:4x4", P(fsdp=16, remat="full")),
+    ("1.3B", 16, "tpu-v5e:4x4", P(data=4, tensor=4, sequence_parallel=True, remat="selective")),
+    ("6.7B", 16, "tpu-v5p:2x2x4", P(fsdp=16, remat="full")),
+    ("2.7B", 16, "tpu-v5p:2x2x4", P(data=2, tensor=8, zero=1, sequence_parallel=True, remat="full")),
+    ("1.3B", 16, "tpu-v5p:2x2x4", P(pipe=4, data=4, microbatches=8, schedule="1f1b", remat="full")),
+]
+
+
+def case_model(name: str, batch: int) -> cost.ModelSpec:
+    layers, hidden, heads, seq = MODELS[name]
+    return cost.gpt(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=50304, batch=batch, name=name)
+
+
+def case_key(name: str, batch: int, target: str, plan: cost.Plan) -> str:
+    return f"{name} b{batch} {target} {plan.name()}"
+
+
+def measure(model: cost.ModelSpec, target: str, plan: cost.Plan) -> dict:
+    """Compile the case and read the compiled side (imports JAX and the target's compiler)."""
+    from flax import nnx
+
+    from jaxpar.analysis.axis_bytes import compiled_bytes_per_axis
+    from jaxpar.analysis.memory import memory_report
+    from jaxpar.models.gpt import GPT, GPTConfig
+    from jaxpar.targets import parse_target, target_devices
+    from jaxpar.train.cost_check import compile_plan
+
+    remat = {"selective": "save-matmuls"}.get(plan.remat, plan.remat)
+    cfg = GPTConfig(vocab=model.vocab, seq_len=model.seq, embed=model.hidden, heads=model.heads,
+                    layers=model.layers, mlp=model.mlp, remat=remat)
+    t0 = time.perf_counter()
+    mesh, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), plan, model.batch, model.seq,
+                                  devices=target_devices(parse_target(target)))
+    seconds = time.perf_counter() - t0
+    rep = memory_report(compiled)
+    out = {"arguments": rep.argument_bytes, "temp": rep.temp_bytes, "peak": rep.peak_bytes,
+           "compile_s": round(seconds, 1), "inventory": _inventory(compiled, mesh, plan)}
+    try:
+        out["axes"] = compiled_bytes_per_axis(compiled, mesh, plan)
+    except ValueError as e:     # the pipelined inventory reads jaxpar's tick loop, which a compiler may rewrite
+        out["axes"], out["axes_error"] = {}, str(e)
+    return out
+
+
+def _inventory(compiled, mesh, plan) -> dict:
+    """Bytes per step by (kind, axes), for a plan without a pipeline (loops counted by trip count)."""
+    if plan.pipe > 1:
+        return {}
+    from jaxpar.analysis.hlo import collectives
+    from jaxpar.analysis.loops import trip_counts
+
+    mult = trip_counts(compiled.as_text())
+    out: dict[str, float] = {}
+    for c in collectives(compiled, mesh):
+        key = f"{c.kind} {','.join(c.axes or ())}"
+        out[key] = out.get(key, 0.0) + c.bytes * mult.get(c.computation, 1)
+    return out
+
+
+def predict(model: cost.ModelSpec, target: str, plan: cost.Plan) -> dict:
+    """The cost model's side: bytes per axis, argument bytes and peak bytes on one device."""
+    layout = layout_for_platform("tpu" if target.startswith("tpu") else "cuda")
+    return {"axes": bytes_per_axis(comms(model, plan, lowering="xla", compute_bytes=4, grad_bytes=4)),
+            "arguments": device_argument_bytes(model, plan.sizes, plan.zero, layout=layout),
+            "peak": step_peak_bytes(model, plan, layout=layout)}
+
+
+def _err(p: float, g: float) -> float:
+    return abs(p - g) / g if g else float(p > 0)
+
+
+def row(key: str, pred: dict, got: dict, capacity: float | None = None) -> dict:
+    axes = {a: {"predicted": pred["axes"].get(a, 0.0), "compiled": got["axes"].get(a, 0.0),
+                "error": _err(pred["axes"].get(a, 0.0), got["axes"].get(a, 0.0))}
+            for a in sorted(set(pred["axes"]) | set(got["axes"]))}
+    if got.get("axes_error"):
+        axes = {}
+    return {"case": key, "axes": axes, "axes_error": got.get("axes_error"),
+            "arguments": {"predicted": pred["arguments"], "compiled": got["arguments"],
+                          "error": _err(pred["arguments"], got["arguments"])},
+            "peak": {"predicted": pred["peak"], "compiled": got["peak"], "error": _err(pred["peak"], got["peak"]),
+                     "fits": capacity is None or got["peak"] <= capacity},
+            "compile_s": got.get("compile_s"), "inventory": got.get("inventory", {})}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| case | bytes per axis: error (compiled GB) | args error | peak pred / compiled GB (error) | "
+             "compile s |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        ax = ", ".join(f"{a} {v['error']:.2%} ({v['compiled'] / 1e9:.3g})" for a, v in r["axes"].items())
+        ax = ax or "not counted (the tick loop is rewritten by this compiler)"
+        pk = r["peak"]
+        lines.append(f"| {r['case']} | {ax} | {r['arguments']['error']:.2%} | {pk['predicted'] / 1e9:.2f} / "
+                     f"{pk['compiled'] / 1e9:.2f} ({pk['error']:.1%}{'' if pk['fits'] else ', does not fit'}) | "
+                     f"{r['compile_s']} |")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> dict:
+    worst_axis = max(((v["error"], r["case"], a) for r in rows for a, v in r["axes"].items()), default=None)
+    worst_args = max((r["arguments"]["error"], r["case"]) for r in rows)
+    fit = [r for r in rows if r["peak"]["fits"]]
+    worst_peak = max(((r["peak"]["error"], r["case"]) for r in fit), default=None)
+    return {"worst_axis": worst_axis, "worst_arguments": worst_args, "worst_peak_fitting": worst_peak,
+            "axes_within_2pct": sum(v["error"] <= 0.02 for r in rows for v in r["axes"].values()),
+            "axes_total": sum(len(r["axes"]) for r in rows),
+            "peak_within_10pct": sum(r["peak"]["error"] <= 0.10 for r in fit), "fitting": len(fit)}
+
+
+def _capacity(target: str) -> float:
+    from jaxpar.targets import parse_target
+
+    return parse_target(target).spec.memory_bytes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the rows and the measured side as JSON")
+    ap.add_argument("--measured", help="reuse the measured side of this JSON (no compiling)")
+    ap.add_argument("--only", default="", help="run only the cases whose key contains this text")
+    args = ap.parse_args(argv)
+    measured = json.load(open(args.measured))["measured"] if args.measured else {}
+    if args.out and os.path.exists(args.out) and not args.measured:
+        measured = json.load(open(args.out))["measured"]          # resume
+    rows = []
+    for name, batch, target, plan in CASES:
+        key = case_key(name, batch, target, plan)
+        if args.only not in key:
+            continue
+        model = case_model(name, batch)
+        if key not in measured and args.measured:
+            continue
+        if key not in measured:
+            measured[key] = measure(model, target, plan)
+            print(f"compiled {key} in {measured[key]['compile_s']} s", file=sys.stderr, flush=True)
+        rows.append(row(key, predict(model, target, plan), measured[key], _capacity(target)))
+        if args.out:
+            _write(args.out, rows, measured)
+    print(table(rows))
+    print(json.dumps(summary(rows), indent=1))
+    return 0
+
+
+def _write(path: str, rows: list[dict], measured: dict) -> None:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    env = {"date": date.today().isoformat(), "commit": head, "machine": f"{platform.machine()} {platform.node()}",
+           "cpus": os.cpu_count()}
+    with open(path, "w") as f:
+        json.dump({"environment": env, "rows": rows, "summary": summary(rows), "measured": measured}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

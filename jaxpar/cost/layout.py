@@ -1,0 +1,177 @@
+"""Bytes of jaxpar's train step on a real device: tiled layouts, and the peak with temporaries.
+
+Two things the compilers add to :func:`jaxpar.cost.memory.argument_bytes` and
+:func:`jaxpar.cost.memory.memory_per_device` (docs/planning.md §8 measures both):
+
+* **Tiled layouts.** The TPU compiler stores an array of 4-byte values in tiles of ``8 x 128``
+  over the two dimensions it lays out innermost (``T(8,128)``; a second-innermost dimension
+  shorter than 8 gets a tile of its next power of two, ``T(2,128)``), a vector in tiles of 128,
+  and a scalar in one tile of 128. It picks the two innermost dimensions to pad the least, so
+  :func:`padded_bytes` takes the smallest padded size over those choices. GPUs store arrays densely.
+* **The peak of the step** (:func:`step_peak_bytes`): the arguments (parameters and optimizer state,
+  donated, so the outputs reuse them), the fp32 gradients as sharded, the activations the backward
+  keeps for the layers a stage holds, under ZeRO-3 / FSDP two gathered layers (the one in use and the
+  next), and the larger of two moments' extra: one fp32 copy of the logits (the loss) or, under
+  recomputation, one layer's activations without recomputation (that layer's backward).
+
+Example::
+
+    >>> padded_bytes((2, 96, 4, 24), 4, TPU) == 4 * 2 * 128 * 4 * 24    # 96 innermost, 24 second
+    True
+    >>> padded_bytes((2, 96, 4, 24), 4, DENSE)
+    73728
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from .memory import activation_bytes_per_layer, in_flight, leaf_shard_counts, leaf_spec, sizes_key, zero_axes, \
+    zero_dim_of
+from .model import Leaf, ModelSpec
+from .parallel import Plan
+
+__all__ = ["Layout", "DENSE", "TPU", "layout_for_platform", "padded_bytes", "local_shape",
+           "device_argument_bytes", "step_peak_bytes"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a device stores an array: tiles of ``second x minor`` elements of 4 bytes (``minor = 0``: dense).
+    ``second`` scales with the item size (``8 * 4 / itemsize``: 16 rows of 2-byte values)."""
+
+    name: str
+    minor: int = 0
+    second: int = 0
+
+
+DENSE = Layout("dense")
+TPU = Layout("tpu", minor=128, second=8)
+
+
+def layout_for_platform(platform: str) -> Layout:
+    """The layout of ``platform`` (``"tpu"``: :data:`TPU`; ``"cuda"``, ``"cpu"``: :data:`DENSE`).
+
+    >>> layout_for_platform("tpu").minor, layout_for_platform("cuda").minor
+    (128, 0)
+    """
+    return TPU if platform == "tpu" else DENSE
+
+
+def _ceil(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def padded_bytes(shape: tuple[int, ...], itemsize: int, layout: Layout) -> int:
+    """Bytes of an array of ``shape`` stored in ``layout`` (the least padding over the choice of its two
+    innermost dimensions; see the module doc).
+
+    Args:
+      shape: the array's shape on one device.
+      itemsize: bytes per element.
+      layout: the device's :class:`Layout`.
+
+    Returns:
+      Its bytes with padding.
+
+    >>> padded_bytes((), 4, TPU), padded_bytes((96,), 4, TPU), padded_bytes((2, 96), 4, TPU)
+    (512, 512, 1024)
+    """
+    if not layout.minor:
+        return itemsize * math.prod(shape)
+    if len(shape) <= 1:
+        return itemsize * _ceil(shape[0] if shape else 1, layout.minor)
+    tile2 = max(1, layout.second * 4 // itemsize)
+    best = None
+    for i, j in itertools.permutations(range(len(shape)), 2):
+        rest = math.prod(d for k, d in enumerate(shape) if k not in (i, j))
+        second = min(tile2, 1 << max(0, shape[j] - 1).bit_length())
+        n = rest * _ceil(shape[i], layout.minor) * _ceil(shape[j], second)
+        best = n if best is None else min(best, n)
+    return itemsize * best
+
+
+def local_shape(leaf: Leaf, sizes: Mapping[str, int], stage: int, kind: str) -> tuple[int, ...]:
+    """The shape of one device's piece of ``kind`` (``params``, ``grads``, ``opt``) of ``leaf``.
+
+    >>> from jaxpar.cost.model import gpt
+    >>> local_shape(gpt(2, 32, 8, 16, 64, 16).leaf("blocks/w1"), {"data": 4, "tensor": 2}, 1, "opt")
+    (2, 8, 64)
+    """
+    spec = leaf_spec(leaf, sizes)
+    shape = [n // math.prod(sizes[a] for a in axes) for n, axes in zip(leaf.shape, spec)]
+    d = zero_dim_of(leaf, spec, sizes)
+    if d is not None:
+        shape[d] //= math.prod(sizes[a] for a in zero_axes(sizes, stage, kind)) or 1
+    return tuple(shape)
+
+
+def device_argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int, *, layout: Layout = DENSE,
+                          moments: int = 2, batch_leaves: int = 2, scalars: int = 2) -> float:
+    """:func:`jaxpar.cost.memory.argument_bytes` (fp32 parameters and ``moments`` moments, int32 counters and
+    batch) with each array stored in ``layout``.
+
+    >>> from jaxpar.cost.memory import argument_bytes
+    >>> from jaxpar.cost.model import gpt
+    >>> m = gpt(2, 32, 8, 16, 64, 16)
+    >>> device_argument_bytes(m, {"data": 8}, 0) == argument_bytes(m, {"data": 8}, 0)
+    True
+    """
+    out = 0.0
+    for leaf in model.leaves:
+        out += padded_bytes(local_shape(leaf, sizes, zero, "params"), 4, layout)
+        out += moments * padded_bytes(local_shape(leaf, sizes, zero, "opt"), 4, layout)
+    rows = model.batch // (sizes.get("data", 1) * sizes.get("fsdp", 1))
+    return out + scalars * padded_bytes((), 4, layout) + batch_leaves * padded_bytes((rows, model.seq), 4, layout)
+
+
+def saved_per_layer(model: ModelSpec, plan: Plan, rows: float) -> float:
+    """fp32 bytes one layer keeps for its backward, per micro-batch of ``rows`` sequences: Korthikanti
+    et al.'s values without recomputation; under ``selective`` (jaxpar saves the matmul outputs: the
+    input, q, k, v, the attention scores and output, the two projections' outputs) ``10 sbh + as^2b``
+    values, split over ``tensor`` where the matmul is; under ``full`` the layer's input."""
+    s, h, a, t = model.seq, model.hidden, model.heads, plan.tensor
+    sbh = s * rows * h
+    sp = plan.sequence_parallel
+    if plan.remat == "full":
+        return 4 * sbh / (t if sp else 1)
+    if plan.remat == "selective":
+        whole = 2 / t if sp else 2          # the input and the row-parallel output
+        return 4 * (sbh * (whole + 8 / t) + a * s * s * rows / t)
+    return activation_bytes_per_layer(s, rows, h, a, tensor=t, sequence_parallel=sp, remat="none",
+                                      bytes_per_value=4)
+
+
+def step_peak_bytes(model: ModelSpec, plan: Plan, *, layout: Layout = DENSE) -> float:
+    """Predicted ``peak_memory_in_bytes`` of jaxpar's fp32 train step on one device (see the module doc).
+
+    Args:
+      model: the GPT.
+      plan: the plan (mesh sizes, ZeRO stage, SP, pipeline schedule, micro-batches, remat).
+      layout: how the device stores arrays (the arguments are padded; the rest is counted dense).
+
+    Returns:
+      Bytes on the busiest device.
+
+    >>> from jaxpar.cost.model import gpt
+    >>> step_peak_bytes(gpt(2, 32, 8, 16, 64, 16), Plan(data=2)) > 0
+    True
+    """
+    sizes, key = plan.sizes, sizes_key(plan.sizes)
+    rows = model.batch / (plan.data * plan.fsdp * plan.microbatches)
+    grads = gathered = 0.0
+    for leaf in model.leaves:
+        c = leaf_shard_counts(leaf, key, plan.zero)
+        grads += 4 * leaf.size / c.grads
+        if leaf.stacked and c.shardable and zero_axes(sizes, plan.zero, "params"):
+            gathered += 4 * c.local / (model.layers // plan.pipe)      # one layer, gathered
+    held = model.layers / plan.pipe / plan.virtual * in_flight(plan.schedule, plan.pipe, plan.microbatches,
+                                                                plan.virtual)
+    acts = held * saved_per_layer(model, plan, rows)
+    working = 0.0 if plan.remat == "none" else saved_per_layer(
+        model, Plan(tensor=plan.tensor, sequence_parallel=plan.sequence_parallel), rows)   # one layer recomputed
+    logits = 4 * model.seq * rows * model.vocab / plan.tensor
+    args = device_argument_bytes(model, sizes, plan.zero, layout=layout)
+    return args + grads + acts + max(logits, working) + 2 * gathered

@@ -1,0 +1,59 @@
+"""The cost model's device layouts and the TP collective counts measured against the GPU / TPU compilers
+(docs/planning.md §8; nothing is compiled here, the compiled figures are constants from those runs)."""
+from jaxpar.cost.layout import DENSE, TPU, device_argument_bytes, local_shape, padded_bytes, step_peak_bytes
+from jaxpar.cost.memory import argument_bytes
+from jaxpar.cost.model import gpt
+from jaxpar.cost.parallel import Plan
+from jaxpar.cost.traffic import bytes_per_axis, comms
+
+
+def test_tpu_argument_bytes_equal_the_compiled_tiled_layout():
+    # gpt(2, 96, 4, 40, 200, 8), dp4-zero1 on tpu-v5e:2x2: memory_analysis().argument_size_in_bytes = 2,545,664
+    m = gpt(2, 96, 4, 40, 200, 8)
+    assert device_argument_bytes(m, {"data": 4}, 1, layout=TPU) == 2545664
+    assert device_argument_bytes(m, {"data": 4}, 1, layout=DENSE) == argument_bytes(m, {"data": 4}, 1)
+
+
+def test_padding_picks_the_least_padded_innermost_dimensions():
+    # compiled: f32[2,96,4,24]{1,3,2,0:T(8,128)}: 96 innermost (-> 128), 24 second (a multiple of 8)
+    assert padded_bytes((2, 96, 4, 24), 4, TPU) == 4 * 2 * 128 * 4 * 24
+    assert padded_bytes((2, 24, 4, 24), 4, TPU) == 4 * 2 * 24 * 4 * 128     # T(4,128): 4 is not padded
+    assert padded_bytes((), 4, TPU) == 512 and padded_bytes((24,), 4, TPU) == 512
+    assert local_shape(gpt(2, 96, 4, 40, 200, 8).leaf("blocks/wq"), {"data": 4}, 1, "opt") == (2, 24, 4, 24)
+
+
+def test_tensor_parallel_backward_reduces_q_k_v_input_gradients_once():
+    # 1.3B (24 layers, hidden 2048) tp8, batch 8 x 2048, fp32, h100:1x8: the compiled step all-reduces
+    # 13,153,533,992 bytes over tensor = 98 activations of 8*2048*2048*4 bytes (4 per layer + 2) + softmax
+    # statistics. 2 forward + 2 backward per layer (q, k, v input gradients summed on the device first).
+    m = gpt(24, 2048, 16, 2048, 50304, 8)
+    act = 8 * 2048 * 2048 * 4
+    got = bytes_per_axis(comms(m, Plan(tensor=8), lowering="ideal", compute_bytes=4, grad_bytes=4))["tensor"]
+    assert got == 98 * act + 4 * 8 * 2048 * 4
+    assert abs(got - 13153533992) / 13153533992 < 0.0001
+
+
+def test_sequence_parallel_recomputation_and_xla_all_reduces():
+    # 2.7B (32 layers, hidden 2560) tp8-sp, save-matmuls remat, batch 8 x 2048, h100:1x8: compiled all-gathers
+    # 32,568,836,096 bytes (6 per layer: 2 forward, 2 backward, 2 recomputed) and all-reduces 10,906,380,328
+    # (the column-parallel input gradients, 2 per layer, + the head's).
+    m = gpt(32, 2560, 32, 2048, 50304, 8)
+    plan = Plan(tensor=8, sequence_parallel=True, remat="selective")
+    act = 8 * 2048 * 2560 * 4
+    cs = comms(m, plan, lowering="xla", compute_bytes=4, grad_bytes=4)
+    ag = sum(c.bytes * c.count for c in cs if c.kind == "all-gather")
+    assert ag == (6 * 32 + 1) * act and abs(ag - 32568836096) / 32568836096 < 0.02
+    ideal = comms(m, plan, lowering="ideal", compute_bytes=4, grad_bytes=4)
+    assert not any(c.kind == "all-reduce" and c.bytes == act for c in ideal)
+    total = bytes_per_axis(cs)["tensor"]
+    assert abs(total - 45509453864) / 45509453864 < 0.01
+
+
+def test_peak_adds_temporaries_to_the_arguments():
+    m = gpt(4, 768, 12, 1024, 50304, 2)
+    args = device_argument_bytes(m, {}, 0)
+    none, full = step_peak_bytes(m, Plan()), step_peak_bytes(m, Plan(remat="full"))
+    assert args < full < none
+    # h100:1x1, measured: peak 3,728,385,872 (none) and 2,155,308,440 (full): within 5% / 2%
+    assert abs(none - 3728385872) / 3728385872 < 0.05
+    assert abs(full - 2155308440) / 2155308440 < 0.02
