@@ -58,8 +58,8 @@ def target_mesh_problem(cfg: JobConfig, target: Target) -> str | None:
         return (f"target {target} has {n} devices, which the config's fixed mesh axes "
                 f"{', '.join(f'mesh.{a}={v}' for a, v in sizes.items() if v != -1)} do not divide: resize them.")
     example = f"{target.spec.name}:1x{have}" if target.spec.platform == "cuda" else "a slice of that many chips"
-    grow = n // max(1, have // max(1, sizes["data"])) if n % max(1, have // max(1, sizes["data"])) == 0 else None
-    fix = f" (e.g. mesh.data={grow})" if grow else ""
+    others = have // sizes["data"]                 # the devices of every axis but data
+    fix = f" (e.g. mesh.data={n // others})" if n % others == 0 else ""
     return (f"target {target} has {n} devices, but the config's mesh "
             f"{' x '.join(f'{a}={v}' for a, v in sizes.items())} has {have}: choose a target of {have} devices "
             f"(e.g. {example}) or resize the mesh{fix}, or set one axis to -1.")
