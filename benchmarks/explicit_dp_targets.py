@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     for target in args.targets:
         for name in args.strategies:
             mesh_sizes, zero = STRATEGIES[name]
-            default = explicit_by_default({"data": 1, "fsdp": 1, "tensor": 1, **mesh_sizes}, zero)
+            platform = "cpu" if target == "cpu" else parse_target(target).spec.platform
+            default = explicit_by_default({"data": 1, "fsdp": 1, "tensor": 1, **mesh_sizes}, zero, platform)
             for explicit in (True, False):
                 try:
                     r = measure(target, name, explicit, args.set)

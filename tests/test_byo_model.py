@@ -228,3 +228,20 @@ def test_auto_stage_layers_measure_the_users_layers():
 def test_import_jaxpar_does_not_load_the_bundled_models():
     code = "import jaxpar, sys; assert 'jaxpar.models' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+@pytest.mark.parametrize("target", ["h100:1x8", "tpu-v5e:2x4"])
+def test_explicit_dp_is_not_the_default_on_gpu_and_tpu(target):
+    """On the GPU and TPU compilers XLA's own data-parallel collectives are combined and scheduled
+    under compute (docs/explicit_dp.md): explicit_dp=None leaves them to XLA there, for the same
+    FSDP model that is explicit by default on CPU (the test above)."""
+    from jaxpar.targets import parse_target, target_devices
+    from jaxpar.train.grads import explicit_data_parallel
+    from jaxpar.train.init import state_layout
+
+    mesh = jaxpar.make_mesh({"fsdp": 8}, devices=target_devices(parse_target(target)))
+    layout = state_layout(model_fn(), optax.sgd(LR), mesh, jaxpar.Strategy())
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), pa.batches(0, batch_size=BATCH))
+    params = layout.abstract_state().params
+    assert not explicit_data_parallel(None, pa.loss, params, batch, layout)
+    assert explicit_data_parallel(True, pa.loss, params, batch, layout)     # still honoured when asked

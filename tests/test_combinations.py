@@ -68,16 +68,32 @@ def test_lr_schedule_is_refused_and_log_lr_only_logs():
     np.testing.assert_array_equal(jax.device_get(a.params["out"]["kernel"]), jax.device_get(b_.params["out"]["kernel"]))
 
 
-def test_explicit_dp_with_several_steps_per_call_is_refused():
+def test_explicit_dp_runs_inside_several_steps_per_call():
+    """explicit_dp=True with steps_per_call=2 scans the explicit program (its per-layer collectives,
+    not XLA's), and its two steps are two calls of the one-step program."""
     from jaxpar.models import GPT, GPTConfig, lm_loss
 
     cfg = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2)
-    mesh = jaxpar.make_mesh({"pipe": 2, "data": 2}, devices=jax.devices()[:4])
-    strategy = jaxpar.Strategy(schedule="pipedream-2bw", microbatches=2)
-    tx = optax.sgd(0.1)
-    _, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
-    with pytest.raises(ExplicitDPError, match="explicit_dp=True with steps_per_call=2"):
-        jaxpar.make_train_step(lm_loss, tx, layout, explicit_dp=True, steps_per_call=2)
+    mesh = jaxpar.make_mesh({"data": 4}, devices=jax.devices()[:4])
+    tx, strategy = optax.adam(0.01), jaxpar.Strategy(zero=3)
+    state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
+    toks = [np.random.default_rng(i).integers(0, 32, (8, 9)).astype(np.int32) for i in (0, 1)]
+    b0, b1 = ({"tokens": t[:, :-1], "targets": t[:, 1:]} for t in toks)
+    stacked = jax.tree.map(lambda *a: np.stack(a), b0, b1)
+
+    def collectives(explicit, k):
+        step = jaxpar.make_train_step(lm_loss, tx, layout, explicit_dp=explicit, steps_per_call=k)
+        text = step.lower(state, stacked if k > 1 else b0).compile().as_text()
+        return {op: text.count(f" {op}(") for op in ("all-gather", "reduce-scatter", "all-reduce")}
+
+    assert collectives(True, 2) == collectives(True, 1) != collectives(False, 1)
+    one = jaxpar.make_train_step(lm_loss, tx, layout, explicit_dp=True, donate=False)
+    two = jaxpar.make_train_step(lm_loss, tx, layout, explicit_dp=True, steps_per_call=2, donate=False)
+    (s1, m0), (got, m) = one(state, b0), two(state, stacked)
+    s2, m1 = one(s1, b1)
+    np.testing.assert_allclose(np.asarray(m["loss"]), [float(m0["loss"]), float(m1["loss"])], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(jax.device_get(got.params)), jax.tree.leaves(jax.device_get(s2.params))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_async_stale_reports_a_skip_of_any_replica(tmp_path):

@@ -7,8 +7,7 @@
 * :func:`test_refusals_name_both_features`: for every refused pair (and the refused values of the
   partly-composing ones), a setting with both features on gets a :class:`~jaxpar.compat.Problem`
   of that pair whose message names both fields; :func:`test_each_problem_is_a_refused_pair_that_is_on`:
-  no rule names a pair the table says composes, or a feature that is off. Where the table and
-  the rules disagree the case is a strict xfail saying how (:data:`REFUSAL_GAPS`, :data:`PROBE_GAPS`).
+  no rule names a pair the table says composes, or a feature that is off.
 * :func:`test_pair_matches_its_reference`: one harness for the composing pairs that had no test:
   the pair's two features on, on the 8 simulated devices, against a one-device reference computed
   here step by step (:func:`reference`): plain, delayed (2BW: the gradient at ``W(t-1)``) or per
@@ -257,9 +256,12 @@ FIELDS = {"Z": ("zero",), "TP": ("tensor",), "SP": ("sequence_parallel",), "MB":
           "BF": ("compute_dtype",), "EX": ("explicit_dp",), "PP": ("schedule", "pipe"),
           "2B": ("schedule", "pipe"), "ST": ("schedule", "pipe"), "K": ("steps_per_call",),
           "CP": ("compression",), "LC": ("local_clip",), "RS": ("sync", "replica"), "CN": ("clip_norm",),
-          "NS": ("noise_scale_every",), "BR": ("ramp", "ramp_steps"), "1A": ("compression",)}
+          "NS": ("noise_scale_every",), "BR": ("ramp", "ramp_steps"), "1A": ("compression",),
+          "LL": ("optimizer",)}
 #: Features a Setting cannot express (they are a model, an optimizer, a loop or a launcher choice).
 UNSETTABLE = {"RM", "SN", "LL", "CK", "MP"}
+#: Of those, the features whose refused value a Setting says (LL: an optimizer across stages).
+REFUSED_VALUE_SETTABLE = {"LL"}
 
 
 def _setting_for(pair, *, ramp: str = "fixed") -> Setting:
@@ -271,8 +273,6 @@ def _setting_for(pair, *, ramp: str = "fixed") -> Setting:
     st: dict[str, Any] = {}
     sizes: dict[str, int] = {}
     kw: dict[str, Any] = {}
-    if "K" in codes and not codes & {"PP", "2B", "ST"}:
-        codes.add("2B")                        # several steps per call: a no-flush schedule
     for c in sorted(codes, key=compat.CODES.index):
         if c == "Z":
             st["zero"] = 3
@@ -311,6 +311,8 @@ def _setting_for(pair, *, ramp: str = "fixed") -> Setting:
         elif c == "BR":
             kw["ramp"] = ramp
             kw["ramp_steps"] = (0, 3) if ramp == "fixed" else ()
+        elif c == "LL":
+            kw["optimizer_across_stages"] = True
     if "replica" in sizes and "compression" not in st:
         st["sync"] = synchronous()             # a Strategy refuses sync with a codec: the replica axis says it
     return Setting(jaxpar.Strategy(**st), sizes, **kw)
@@ -324,40 +326,13 @@ def _refused_pairs() -> list[tuple[str, str]]:
     return [p for p in compat.all_pairs() if pair_status(*p) in ("refused", "partly")]
 
 
-#: Refused pairs that :func:`jaxpar.compat.problems` does not report as that pair (reported to the
-#: table's owner; strict: they fail loudly once the table says them).
-REFUSAL_GAPS = {
-    ("SP", "K"): "K > 1 needs 2BW or stashing; problems() reports sequence parallelism there as ('SP', '2B') / "
-                 "('SP', 'ST'), never ('SP', 'K')",
-    ("EX", "LC"): "problems() reports explicit_dp x local_clip as ('EX', 'CP'), whose message does not name local_clip",
-    ("EX", "1A"): "problems() reports explicit_dp x 1-bit Adam as ('EX', 'CP')",
-    ("2B", "LC"): "problems() reports 2BW x local_clip as ('2B', 'CP'), whose message does not name local_clip",
-    ("2B", "1A"): "problems() reports 2BW x 1-bit Adam as ('2B', 'CP')",
-    ("ST", "LC"): "problems() reports stashing x local_clip as ('ST', 'CP'), whose message does not name local_clip",
-    ("ST", "1A"): "problems() reports stashing x 1-bit Adam as ('ST', 'CP')",
-    ("K", "CP"): "K > 1 needs 2BW or stashing; problems() reports the codec as ('2B', 'CP') / ('ST', 'CP'), "
-                 "never ('K', 'CP')",
-    ("K", "LC"): "reported as ('2B', 'CP') / ('ST', 'CP'), never ('K', 'LC')",
-    ("K", "RS"): "reported as ('2B', 'RS') and ('RS', 'PP'), never ('K', 'RS')",
-    ("K", "1A"): "reported as ('2B', 'CP') / ('ST', 'CP'), never ('K', '1A')",
-    ("LC", "RS"): "problems() reports local_clip x replicas as ('CP', 'RS'), whose message does not name local_clip",
-    ("RS", "1A"): "problems() reports 1-bit Adam x replicas as ('CP', 'RS')",
-    ("Z", "1A"): "partly: 1-bit Adam with ZeRO-2/3 / fsdp is refused by jaxpar.compression.exchange "
-                 "(CompressionError), not by jaxpar.compat.problems()",
-    ("ST", "LL"): "partly: a not-per-stage optimizer with stashing is refused by "
-                  "jaxpar.pipeline.stashed's optimizer check, not by jaxpar.compat.problems() (LL is no Setting field)",
-}
 #: The refused value of the partly-composing pairs.
 PARTLY_REFUSED = {("Z", "1A"): "ZeRO-2", ("ST", "LL"): "clip_by_global_norm / a global-norm optimizer",
                   ("SP", "BF"): "with a data axis", ("BR", "K"): "a ramp step inside a call"}
 
 
 def _refusal_params():
-    out = []
-    for pair in _refused_pairs():
-        marks = [pytest.mark.xfail(strict=True, reason=REFUSAL_GAPS[pair])] if pair in REFUSAL_GAPS else []
-        out.append(pytest.param(pair, id=f"{pair[0]}-{pair[1]}", marks=marks))
-    return out
+    return [pytest.param(pair, id=f"{pair[0]}-{pair[1]}") for pair in _refused_pairs()]
 
 
 @pytest.mark.parametrize("pair", _refusal_params())
@@ -365,7 +340,8 @@ def test_refusals_name_both_features(pair):
     """A setting with both features on gets a Problem of this very pair, whose message names a
     field of each feature (with the library's names)."""
     a, b = pair
-    assert not {a, b} & UNSETTABLE, f"{pair}: a Setting cannot turn {sorted({a, b} & UNSETTABLE)} on"
+    unsettable = {a, b} & UNSETTABLE - REFUSED_VALUE_SETTABLE
+    assert not unsettable, f"{pair}: a Setting cannot turn {sorted(unsettable)} on"
     setting = _setting_for(pair)
     if pair == ("Z", "1A"):
         setting = setting._replace(strategy=dataclasses.replace(setting.strategy, zero=2))
@@ -386,7 +362,8 @@ def test_refusals_name_both_features(pair):
 # Every Problem that a setting gets is a refused (or partly refused) pair, both of whose features
 # are on: otherwise the table and the rules disagree.
 def _probe_settings():
-    out = [(f"{a}-{b}", _setting_for((a, b))) for a, b in _refused_pairs() if not {a, b} & UNSETTABLE]
+    out = [(f"{a}-{b}", _setting_for((a, b))) for a, b in _refused_pairs()
+           if not {a, b} & UNSETTABLE - REFUSED_VALUE_SETTABLE]
     out += [("BR-K-fixed-inside-a-call", _setting_for(("BR", "K"))),
             ("BR-K-adaptive", _setting_for(("BR", "K"), ramp="adaptive")._replace(noise_scale_every=None)),
             ("K-pipe1", Setting(jaxpar.Strategy(), {"data": 8}, steps_per_call=2)),
@@ -401,21 +378,8 @@ def _topk():
     return topk(0.01)
 
 
-PROBE_GAPS = {
-    "2B-RS": "the replicas x pipeline rule names ('RS', 'PP') with schedule='pipedream-2bw' (PP is off)",
-    "ST-RS": "the replicas x pipeline rule names ('RS', 'PP') with schedule='pipedream' (PP is off)",
-    "K-RS": "the replicas x pipeline rule names ('RS', 'PP') with schedule='pipedream-2bw' (PP is off)",
-    "K-pipe1": "steps_per_call=2 without a pipe axis is reported as ('K', 'PP') but PP is off (pipe = 1)",
-    "2B-CP-pipe1": "schedule='pipedream-2bw' without a pipe axis (2B is off) is refused as ('2B', 'CP')",
-}
-
-
 def _probe_params():
-    out = []
-    for name, setting in _probe_settings():
-        marks = [pytest.mark.xfail(strict=True, reason=PROBE_GAPS[name])] if name in PROBE_GAPS else []
-        out.append(pytest.param(setting, id=name, marks=marks))
-    return out
+    return [pytest.param(setting, id=name) for name, setting in _probe_settings()]
 
 
 @pytest.mark.parametrize("setting", _probe_params())
@@ -501,8 +465,6 @@ def build(codes, *, schedule: str | None = None) -> Spec:
     s = Spec(codes)
     st, sizes, kw = s.strategy, s.sizes, s.step_kw
     onebit = "1A" in codes
-    if "K" in codes and not set(codes) & {"ST"}:
-        codes = codes + ("2B",) if "2B" not in codes else codes
     for c in codes:
         if c == "Z":
             st["zero"] = 1 if onebit else 3        # 1-bit Adam: ZeRO-1 (ZeRO-2/3 refused)
@@ -770,7 +732,7 @@ def _ref_strategy(spec):
 
 def _ref_step_kw(spec):
     kw = {k: v for k, v in spec.step_kw.items() if k in ("clip_norm", "noise_scale_every")}
-    if spec.k > 1 and spec.nan_step is not None:
+    if spec.k > 1 and spec.nan_step is not None and spec.mode == "delayed":
         kw["steps_per_call"] = spec.k             # 2BW's skip rule differs with K > 1
     return kw
 

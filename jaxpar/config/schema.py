@@ -74,7 +74,7 @@ class ParallelConfig:
     schedule: str = "1f1b"          # PIPELINE schedule (pipe > 1): gpipe|1f1b|interleaved|zb-h1|pipedream-2bw|pipedream
     update_every: int = 1           # pipedream (weight stashing): each stage updates after every k of its backwards
     vertical_sync: bool = False     # pipedream: every stage runs a micro-batch on the version stage 0 used
-    steps_per_call: int = 1         # pipedream / pipedream-2bw: optimizer steps per compiled call (no flush between)
+    steps_per_call: int = 1         # optimizer steps per compiled call (pipedream / pipedream-2bw: no flush between)
     virtual_stages: int = 1         # interleaved: model chunks per stage
     stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (uneven); null = even
     # gradient codec over the data axes, e.g. {kind: powersgd, rank: 4}; {} = exact (see jaxpar.compression)

@@ -25,7 +25,7 @@ a version for each action.
 to stage 0, those read after (``post``) to stage ``p - 1`` (a leaf read by neither follows
 stage 0); a leaf read by both (tied embeddings) is an error. Every stage updates its copy, and
 the train state keeps the owner's. The optimizer must update each stage's parameters from
-their own values and gradients alone (SGD, Adam, AdamW...): :func:`check_per_stage_optimizer`
+their own values and gradients alone (SGD, Adam, AdamW...): :func:`optimizer_is_per_stage`
 probes it and names one that does not (global-norm clipping, a trust ratio over a whole stacked
 leaf). ``clip_norm`` (global, across stages) is an error.
 
@@ -48,6 +48,7 @@ from jax.extend.core import Literal
 from jax.sharding import PartitionSpec as P
 
 from ..blocks import use_layer_runner
+from ..compat import Setting, raise_problems
 from ..rules import drop_axes, path_str, use_rules
 from .buffers import SlotView, Slots, TickIO, put, read_slots, take, take_tree, write_slots
 from .partition import from_stages, to_stages
@@ -56,7 +57,7 @@ from .schedules import pipedream
 from .stage import PIPE, TICKS_SCOPE, ActionKind, Stage, exchange, initial_state, one_of, stage_counts, tick_table
 from .stashing import StashingError, StashProgram, check_stashing, lower_stashed
 
-__all__ = ["make_stashing_step", "check_stashing_step", "check_per_stage_optimizer"]
+__all__ = ["make_stashing_step", "check_stashing_step", "optimizer_is_per_stage"]
 
 
 class _View(NamedTuple):
@@ -198,10 +199,10 @@ def _owners(parts, outer, mb, x, names: list[str], p: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- the optimizer
-def check_per_stage_optimizer(tx: optax.GradientTransformation, shapes: Any, block_ids: set) -> None:
-    """Raise :class:`StashingError` unless ``tx`` updates each stage's parameters from their own
-    values and gradients alone: two steps on a small tree of ``shapes``' ranks, whole and split
-    into two stages (block leaves by rows, the other leaves alternately), must agree."""
+def optimizer_is_per_stage(tx: optax.GradientTransformation, shapes: Any, block_ids: set) -> bool:
+    """Whether ``tx`` updates each stage's parameters from their own values and gradients alone:
+    two steps on a small tree of ``shapes``' ranks, whole and split into two stages (block leaves
+    by rows, the other leaves alternately), agree."""
     leaves, treedef = jax.tree.flatten(shapes)
     rng = np.random.default_rng(0)
     small = [np.asarray(rng.normal(size=(2,) * len(a.shape)), np.float32) for a in leaves]
@@ -228,12 +229,8 @@ def check_per_stage_optimizer(tx: optax.GradientTransformation, shapes: Any, blo
         for i in range(len(leaves)):
             ref = whole[i][rows] if i in block_ids else whole[i]
             if (i in block_ids or own[i]) and not np.allclose(got[i], ref, rtol=1e-5, atol=1e-6):
-                raise StashingError(
-                    "schedule='pipedream': the optimizer does not update each pipeline stage's parameters on "
-                    "their own (its update of a parameter depends on other stages' parameters or gradients: "
-                    "e.g. optax.clip_by_global_norm, or a norm over a whole stacked leaf). Each stage updates "
-                    "alone under weight stashing; use an element-wise or per-layer optimizer (sgd, adam, adamw, "
-                    "lars / lamb with per-layer trust ratios), or schedule='1f1b'.")
+                return False
+    return True
 
 
 def _opt_tags(tx, layout) -> list[int]:
@@ -270,7 +267,7 @@ def make_stashing_step(loss_fn: Callable, tx, layout, steps: int = 1, *, log_lr:
 
     Args:
       loss_fn: the user's loss (on the last stage).
-      tx: the optimizer, applied per stage (:func:`check_per_stage_optimizer`).
+      tx: the optimizer, applied per stage (:func:`optimizer_is_per_stage`).
       layout: the train state's layout (its strategy: ``schedule='pipedream'``).
       steps: optimizer steps per call.
       log_lr: ``step -> learning rate``, logged as ``metrics["lr"]``.
@@ -290,7 +287,9 @@ def make_stashing_step(loss_fn: Callable, tx, layout, steps: int = 1, *, log_lr:
     sp = lower_stashed(pipedream(layout.mesh.shape[PIPE], m, steps), m=m, update_every=strategy.update_every,
                        vertical_sync=strategy.vertical_sync)
     step = _StashingRun(loss_fn, tx, layout, sp, steps, log_lr=log_lr, skip_nonfinite=skip_nonfinite)
-    check_per_stage_optimizer(tx, layout.shapes, _stacked_ids(layout))
+    if not optimizer_is_per_stage(tx, layout.shapes, _stacked_ids(layout)):
+        raise_problems(Setting(strategy, dict(layout.mesh.shape), optimizer_across_stages=True),
+                       {"StashingError": StashingError})
     return step.run, sp
 
 

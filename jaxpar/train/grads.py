@@ -127,7 +127,8 @@ def explicit_data_parallel(asked: bool | None, loss_fn: Callable, params: Any, b
     ran = {i for site in sites for i in site.leaves}
     unrun = [p for i, p in _stacked_paths(layout) if i not in ran]
     if asked is None:
-        return bool(axes and sites and not unrun) and explicit_by_default(sizes, strategy.zero)
+        platform = mesh.devices.flat[0].platform
+        return bool(axes and sites and not unrun) and explicit_by_default(sizes, strategy.zero, platform)
     if not axes:
         raise ExplicitDPError(f"explicit_dp=True: the mesh {sizes} has no data axis ('data' or 'fsdp') of size "
                               "> 1, so there is no data-parallel collective to make explicit. Use explicit_dp=None.")

@@ -341,8 +341,8 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
     ``ramp.every`` steps from the state's noise scale; its decisions go into ``batch_ramp``
     records and the checkpoints' ``meta["batch_ramp"]`` (restore them with
     ``ramp.load_state_dict`` before resuming). A fixed ramp needs no ``ramp`` argument.
-    ``steps_per_call=k``: each call of ``step_fn`` runs ``k`` optimizer steps (PipeDream-2BW's
-    ``make_train_step(..., steps_per_call=k)``): it gets the ``k`` batches stacked (every leaf
+    ``steps_per_call=k``: each call of ``step_fn`` runs ``k`` optimizer steps
+    (``make_train_step(..., steps_per_call=k)``): it gets the ``k`` batches stacked (every leaf
     ``[k, B, ...]``) and returns metrics with a leading ``k``; ``steps``, the start step and
     the log, eval and checkpoint intervals must be multiples of ``k``.
 

@@ -52,6 +52,7 @@ from .exchange import compressed_exchange, exact_exchange, measured_exchange, ru
 from .grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
 from .noise_scale import NoiseScaleError
 from .program import TrainStep, jit_program
+from .report import check_int
 from .state import StateLayout, StrategyMismatchError, layout_strategy
 from .update import Update, apply_update, delayed_update
 
@@ -105,9 +106,10 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
         averages of decay ``noise_scale_ema`` in ``state.stats`` (create the state with
         :func:`jaxpar.train.noise_scale.with_noise_scale`).
       noise_scale_ema: see ``noise_scale_every``.
-      steps_per_call: ``K`` (PipeDream-2BW and weight stashing): ``step(state, batches)`` runs
-        ``K`` optimizer steps of the no-flush pipeline in one program, ``batches`` stacked
-        ``[K, B, ...]``, metrics ``[K]``.
+      steps_per_call: ``K``: ``step(state, batches)`` runs ``K`` optimizer steps in one program,
+        ``batches`` stacked ``[K, B, ...]``, every metric ``[K]``. PipeDream-2BW and weight
+        stashing run ``K`` steps of their no-flush pipeline; the other strategies scan their step
+        (the same updates as ``K`` calls).
       **removed: options that no longer exist raise a ``TypeError`` that says what replaced them.
 
     Returns:
@@ -134,11 +136,12 @@ def program_kind(strategy: Strategy, mesh_sizes: dict, steps_per_call: int = 1) 
     Returns:
       ``'stashing'`` (weight stashing: each stage updates inside the pipeline), ``'no-flush'``
       (several PipeDream-2BW steps in one program), ``'replicas'`` (relaxed synchronisation over
-      ``replica``) or ``'per-step'`` (one gradient, one exchange, one update per program).
+      ``replica``) or ``'per-step'`` (one gradient, one exchange, one update per step; K steps
+      per call scanned in one program).
     """
     if strategy.schedule == "pipedream":
         return "stashing"
-    if steps_per_call != 1:
+    if steps_per_call != 1 and strategy.schedule == "pipedream-2bw" and mesh_sizes.get("pipe", 1) > 1:
         return "no-flush"
     if strategy.sync is not None or mesh_sizes.get("replica", 1) > 1:
         return "replicas"
@@ -164,10 +167,7 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
         from .noise_scale import check_measurable   # the noise scale loads only when used
 
         check_measurable(layout, opts.noise_scale_every, opts.noise_scale_ema)
-    if opts.steps_per_call != 1:
-        from ..pipeline.nonstop import check_steps_per_call
-
-        check_steps_per_call(strategy, opts.steps_per_call)
+    check_int("make_train_step", "steps_per_call", opts.steps_per_call, 1)
     if strategy.schedule == "pipedream-2bw":
         from ..pipeline.asynchronous import check_two_bw_step
 
@@ -175,21 +175,34 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
 
 
 def _per_step(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
-    """One gradient, one exchange and one update per program; with the noise scale, a second
-    program measures every ``noise_scale_every`` steps."""
+    """One gradient, one exchange and one update per step; with the noise scale, a second program
+    measures every ``noise_scale_every`` steps; with ``steps_per_call`` K, one program scans K steps."""
     mesh, strategy = layout.mesh, layout.strategy
-    programs = {"step": _program(loss_fn, layout, update, opts, measure=False)}
+    step = _step_fn(loss_fn, layout, update, opts, measure=False)
+    if opts.steps_per_call != 1:
+        return _stacked_steps(scan_steps(step), layout, opts, None)
+    programs = {"step": jit_program(step, layout, batch_sharding(mesh), donate=opts.donate)}
     choose = None
     if opts.noise_scale_every is not None:
-        programs["measure"] = _program(loss_fn, layout, update, opts, measure=True)
+        measure = _step_fn(loss_fn, layout, update, opts, measure=True)
+        programs["measure"] = jit_program(measure, layout, batch_sharding(mesh), donate=opts.donate)
         every = opts.noise_scale_every
         choose = lambda s: "measure" if s % every == 0 else "step"   # noqa: E731
     check = lambda batch: check_batch(batch, mesh, strategy.microbatches)   # noqa: E731
     return TrainStep(programs, check_batch=check, choose=choose, batch_sharding=batch_sharding(mesh))
 
 
-def _program(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions, *, measure: bool):
-    """The jitted program: gradient (at ``W(t-1)`` for PipeDream-2BW), exchange, update."""
+def scan_steps(step: Callable) -> Callable:
+    """``run(state, batches)``: ``step`` over the stacked batches ``[K, B, ...]`` in one ``lax.scan``
+    (metrics ``[K]``), the same K optimizer steps as K calls."""
+    def run(state, batches):
+        return jax.lax.scan(step, state, batches)
+
+    return run
+
+
+def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions, *, measure: bool):
+    """``step(state, batch) -> (state, metrics)``: gradient (at ``W(t-1)`` for PipeDream-2BW), exchange, update."""
     strategy, mesh = layout.strategy, layout.mesh
     piped = dict(mesh.shape).get("pipe", 1) > 1
     exchange = _exchange(layout, measure)
@@ -214,7 +227,7 @@ def _program(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepO
             parts["stats"], metrics = _noise_scale_stats(state, batch, metrics, replicas_, opts.noise_scale_ema)
         return rule(update, state, loss, grads, parts=parts, metrics=metrics)
 
-    return jit_program(step, layout, batch_sharding(mesh), donate=opts.donate)
+    return step
 
 
 def _exchange(layout: StateLayout, measure: bool):
