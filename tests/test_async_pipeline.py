@@ -12,9 +12,9 @@ from flax import nnx
 import jaxpar
 from jaxpar.config import ConfigError, load_config
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.pipeline.asynchronous import AsyncPipelineError, step_windows, weight_versions
+from jaxpar.pipeline.two_bw import AsyncPipelineError, step_windows, weight_versions
 from jaxpar.pipeline.metrics import bubble_fraction
-from jaxpar.pipeline.nonstop import TICKS_SCOPE, WINDOWS_SCOPE
+from jaxpar.pipeline.two_bw_steps import TICKS_SCOPE, WINDOWS_SCOPE
 from jaxpar.pipeline.program import lower
 from jaxpar.pipeline.schedules import get_schedule, num_ticks, one_f_one_b, pipedream_2bw
 from jaxpar.train.checkpoint import Checkpointer

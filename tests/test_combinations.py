@@ -154,7 +154,7 @@ def test_the_docs_table_is_the_compat_table():
 def test_the_library_and_the_config_raise_the_same_refusal():
     """One table: the library's error and the config's problem are the same message with other names."""
     from jaxpar.compat import LIBRARY_NAMES, Setting, problems
-    from jaxpar.pipeline.stashing import StashingError
+    from jaxpar.pipeline.stash_versions import StashingError
 
     strategy = jaxpar.Strategy(schedule="pipedream", microbatches=2, compression=qsgd())
     (problem,) = problems(Setting(strategy, {"pipe": 2, "data": 4}))

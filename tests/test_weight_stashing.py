@@ -12,8 +12,8 @@ from jaxpar.config import ConfigError, load_config
 from jaxpar.models import GPT, GPTConfig, lm_loss
 from jaxpar.pipeline.metrics import bubble_fraction
 from jaxpar.pipeline.schedules import gpipe, num_ticks, one_f_one_b, pipedream
-from jaxpar.pipeline.stashed import TICKS_SCOPE
-from jaxpar.pipeline.stashing import (StashingError, lower_stashed, older_versions, update_ticks, version,
+from jaxpar.pipeline.stash_step import TICKS_SCOPE
+from jaxpar.pipeline.stash_versions import (StashingError, lower_stashed, older_versions, update_ticks, version,
                                       weight_versions)
 from jaxpar.train.checkpoint import Checkpointer, CheckpointWarning
 

@@ -5,8 +5,8 @@ programs (program.py), the shard_map executor (executor.py) and the per-stage ma
 layer_vjp.py: what a layer's backward stores), stage partitioning (partition.py),
 the cut of any model at its stacked blocks (cut.py -> parts.py), the pipelined loss-and-grad of
 a train step (piped.py, loaded by ``make_train_step`` only when ``pipe > 1``), Gantt charts
-(render.py), PipeDream-2BW's delayed-gradient rule with its no-flush table (asynchronous.py) and
-PipeDream's weight stashing: its version rule and slots (stashing.py) and its train step (stashed.py)."""
+(render.py), PipeDream-2BW's delayed-gradient rule with its no-flush table (two_bw.py) and
+PipeDream's weight stashing: its version rule and slots (stash_versions.py) and its train step (stash_step.py)."""
 from .executor import pipeline_value_and_grad as pipeline_value_and_grad
 from .partition import (PartitionError as PartitionError, from_stages as from_stages, layer_costs as layer_costs,
                         partition_layers as partition_layers, to_stages as to_stages,

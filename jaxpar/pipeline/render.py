@@ -40,9 +40,9 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120,
     (fused B twice as wide), whose idle share is the title's bubble fraction.
     ``step_size=m`` draws every other optimizer step's micro-batches (``i // m`` odd) lighter,
     and ``boundaries`` draws a dashed line before each of those ticks (the updates of a
-    schedule without flushes, :func:`jaxpar.pipeline.asynchronous.step_windows`). ``updates``:
+    schedule without flushes, :func:`jaxpar.pipeline.two_bw.step_windows`). ``updates``:
     ``(stage, tick)`` pairs drawn as a red bar at the end of that tick on that stage (weight
-    stashing's per-stage updates, :func:`jaxpar.pipeline.stashing.update_ticks`; unit-tick charts).
+    stashing's per-stage updates, :func:`jaxpar.pipeline.stash_versions.update_ticks`; unit-tick charts).
 
     >>> import os, shutil, tempfile
     >>> from jaxpar.pipeline.schedules import one_f_one_b

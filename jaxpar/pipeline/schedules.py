@@ -168,7 +168,7 @@ def pipedream_2bw(p: int, m: int, steps: int = 1) -> Schedule:
     The periodic 1F1B steady state, written out: stage ``s`` runs ``F(i)`` at tick ``2i + s``
     and ``B(i)`` at tick ``2i + 2p - 1 - s``. Step ``t+1``'s forwards start while step ``t``'s
     backwards finish: every step after the first takes exactly ``2m`` ticks with no idle cell
-    (:func:`jaxpar.pipeline.asynchronous.step_windows`). This is legal because step ``t`` reads
+    (:func:`jaxpar.pipeline.two_bw.step_windows`). This is legal because step ``t`` reads
     the weights ``W(t-1)`` (the gradient is one step late), and at most two versions are alive
     on a stage. ``steps=1`` is one step alone (as long as 1F1B with a flush).
 
@@ -189,7 +189,7 @@ def pipedream(p: int, m: int, steps: int = 1) -> Schedule:
     :func:`pipedream_2bw` over ``steps`` optimizer steps of ``m`` micro-batches (any ``m >= 1``),
     read differently: every stage updates its own weights after its backwards (every
     ``update_every`` of them) and runs each micro-batch's backward on the version its forward
-    used (:mod:`jaxpar.pipeline.stashing`). Stage ``s`` runs ``F(i)`` at tick ``2i + s`` and
+    used (:mod:`jaxpar.pipeline.stash_versions`). Stage ``s`` runs ``F(i)`` at tick ``2i + s`` and
     ``B(i)`` at tick ``2i + 2p - 1 - s``: right after ``B(i - (p - s))``, as in 1F1B.
 
     >>> [num_ticks(pipedream(4, 2, k)) for k in (1, 2, 3)]     # 2m + 2(p-1), then + 2m per step

@@ -136,8 +136,8 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
 
 def _raise_strategy_problems(strategy: Strategy, sizes: dict) -> None:
     """The compatibility table's refusals of the strategy on this mesh (:mod:`jaxpar.compat`)."""
-    from ..pipeline.asynchronous import AsyncPipelineError
-    from ..pipeline.stashing import StashingError
+    from ..pipeline.two_bw import AsyncPipelineError
+    from ..pipeline.stash_versions import StashingError
     from ..sync import SyncError
 
     raise_problems(Setting(strategy, sizes), {"AsyncPipelineError": AsyncPipelineError,
@@ -146,7 +146,7 @@ def _raise_strategy_problems(strategy: Strategy, sizes: dict) -> None:
 
 def _two_bw(strategy: Strategy, mesh: Mesh) -> bool:
     """Whether the state keeps PipeDream-2BW's second weight version (errors for settings it cannot run)."""
-    from ..pipeline.asynchronous import check_two_bw, is_two_bw
+    from ..pipeline.two_bw import check_two_bw, is_two_bw
 
     if strategy.schedule != "pipedream-2bw":
         return False
@@ -158,7 +158,7 @@ def _stashed(strategy: Strategy, mesh: Mesh) -> int:
     """Older weight versions the state keeps for PipeDream weight stashing (0: another schedule)."""
     if strategy.schedule != "pipedream":
         return 0
-    from ..pipeline.stashing import check_stashing, older_versions
+    from ..pipeline.stash_versions import check_stashing, older_versions
 
     check_stashing(strategy, mesh.shape)
     return older_versions(mesh.shape["pipe"], strategy.update_every)

@@ -44,9 +44,9 @@ class TrainState(NamedTuple):
     ``stats``: small running measurements kept across steps and checkpoints, a dict by feature
     (``{"noise_scale": ...}``, :mod:`jaxpar.train.noise_scale`), ``()`` when nothing is measured.
     ``versions``: older weight versions a pipeline schedule keeps (PipeDream-2BW: ``W(t-1)``, in
-    ``params``' layout; :mod:`jaxpar.pipeline.asynchronous`; PipeDream weight stashing: a tuple of
+    ``params``' layout; :mod:`jaxpar.pipeline.two_bw`; PipeDream weight stashing: a tuple of
     ``ceil((p-1)/k)`` params-like trees, each stage's newest older versions first;
-    :mod:`jaxpar.pipeline.stashing`), ``()`` for the other schedules."""
+    :mod:`jaxpar.pipeline.stash_versions`), ``()`` for the other schedules."""
 
     step: jax.Array
     params: Any

@@ -152,8 +152,8 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
     """The compatibility table's refusals for this step (:mod:`jaxpar.compat`), then the checks of
     the options' own values."""
     from ..compression import CompressionError
-    from ..pipeline.asynchronous import AsyncPipelineError
-    from ..pipeline.stashing import StashingError
+    from ..pipeline.two_bw import AsyncPipelineError
+    from ..pipeline.stash_versions import StashingError
     from ..sync import SyncError
 
     strategy = layout.strategy
@@ -169,7 +169,7 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
         check_measurable(layout, opts.noise_scale_every, opts.noise_scale_ema)
     check_int("make_train_step", "steps_per_call", opts.steps_per_call, 1)
     if strategy.schedule == "pipedream-2bw":
-        from ..pipeline.asynchronous import check_two_bw_step
+        from ..pipeline.two_bw import check_two_bw_step
 
         check_two_bw_step(strategy, layout)
 
@@ -259,7 +259,7 @@ def _noise_scale_stats(state, batch, metrics: dict, replicas_: int, ema: float) 
 
 def _stashing(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
     """Weight stashing: each stage applies ``tx`` to its own weights inside the pipeline."""
-    from ..pipeline.stashed import make_stashing_step   # pipelines load only when used
+    from ..pipeline.stash_step import make_stashing_step   # pipelines load only when used
 
     run, program = make_stashing_step(loss_fn, update.tx, layout, opts.steps_per_call, log_lr=update.log_lr,
                                       skip_nonfinite=update.skip_nonfinite)
@@ -268,7 +268,7 @@ def _stashing(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -
 
 def _no_flush(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
     """``steps_per_call`` PipeDream-2BW steps of the no-flush pipeline, the update between them."""
-    from ..pipeline.nonstop import make_two_bw_steps
+    from ..pipeline.two_bw_steps import make_two_bw_steps
 
     run, program = make_two_bw_steps(loss_fn, layout, opts.steps_per_call, partial(apply_update, update))
     return _stacked_steps(run, layout, opts, program)
@@ -277,7 +277,7 @@ def _no_flush(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -
 def _stacked_steps(run: Callable, layout: StateLayout, opts: StepOptions, program) -> TrainStep:
     """The step of a program that runs ``opts.steps_per_call`` optimizer steps on stacked batches
     ``[K, B, ...]`` (metrics ``[K]``); with ``K = 1`` it takes one batch and returns one step's metrics."""
-    from ..pipeline.nonstop import check_stacked_batches
+    from ..pipeline.two_bw_steps import check_stacked_batches
 
     mesh, m, k = layout.mesh, layout.strategy.microbatches, opts.steps_per_call
     if k == 1:

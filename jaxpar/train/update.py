@@ -3,7 +3,7 @@
 :func:`apply_update` is the one update; the rules that change *when* it applies or *with which
 weights* wrap it: :func:`delayed_update` (PipeDream-2BW: the gradient at ``W(t-1)`` updates
 ``W(t)``, which becomes the older version). Weight stashing updates each stage inside the
-pipeline (:mod:`jaxpar.pipeline.stashed`) and DiLoCo / EASGD add an outer step
+pipeline (:mod:`jaxpar.pipeline.stash_step`) and DiLoCo / EASGD add an outer step
 (:mod:`jaxpar.train.relaxed_steps`); both call :func:`apply_update` for the inner update.
 
 Example:

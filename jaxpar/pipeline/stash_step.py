@@ -2,7 +2,7 @@
 
 :func:`make_stashing_step` (``make_train_step`` with ``Strategy(schedule='pipedream')``) runs
 :func:`~jaxpar.pipeline.schedules.pipedream` ``(p, m, K)`` (``K = steps_per_call`` optimizer
-steps, one tick loop) with the rule of :mod:`jaxpar.pipeline.stashing`. Inside the
+steps, one tick loop) with the rule of :mod:`jaxpar.pipeline.stash_versions`. Inside the
 ``shard_map`` (manual over ``pipe``) every stage carries:
 
 * a buffer of weight versions, ``[n_slots + 1, ...]`` (its layers and its own copy of the
@@ -55,7 +55,7 @@ from .partition import from_stages, to_stages
 from .piped import check_pipeline_strategy, staged_cut
 from .schedules import pipedream
 from .stage import PIPE, TICKS_SCOPE, ActionKind, Stage, exchange, initial_state, one_of, stage_counts, tick_table
-from .stashing import StashingError, StashProgram, check_stashing, lower_stashed
+from .stash_versions import StashingError, StashProgram, check_stashing, lower_stashed
 
 __all__ = ["make_stashing_step", "check_stashing_step", "optimizer_is_per_stage"]
 
@@ -249,7 +249,7 @@ def _opt_tags(tx, layout) -> list[int]:
 def check_stashing_step(strategy, layout) -> None:
     """:func:`~.stashing.check_stashing` plus what the train step needs: a state with the older versions."""
     check_stashing(strategy, layout.mesh.shape)
-    from .stashing import older_versions
+    from .stash_versions import older_versions
 
     n = older_versions(layout.mesh.shape["pipe"], strategy.update_every)
     if not isinstance(layout.versions, tuple) or len(layout.versions) != n:
@@ -277,7 +277,7 @@ def make_stashing_step(loss_fn: Callable, tx, layout, steps: int = 1, *, log_lr:
       ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
       ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
     """
-    from .nonstop import check_steps_per_call
+    from .two_bw_steps import check_steps_per_call
 
     strategy = layout.strategy
     check_steps_per_call(strategy, steps)
@@ -306,7 +306,7 @@ class _StashingRun:
 
     def run(self, state, batches):
         """``steps`` optimizer steps: ``(state, batches [steps, B, ...]) -> (state, metrics [steps])``."""
-        from .nonstop import step_microbatches
+        from .two_bw_steps import step_microbatches
 
         layout, strategy, steps, mesh = self.layout, self.layout.strategy, self.steps, self.layout.mesh
         p, m, k = mesh.shape[PIPE], strategy.microbatches, strategy.update_every

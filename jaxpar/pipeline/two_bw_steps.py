@@ -4,7 +4,7 @@
 ``step(state, batches) -> (state, metrics)``: ``batches`` holds ``K`` global batches (every
 leaf ``[K, B, ...]``), ``metrics`` one value per step (``loss`` ``[K]``...). The program runs
 :func:`~jaxpar.pipeline.schedules.pipedream_2bw` ``(p, m, steps=K)`` cut into its optimizer
-steps (:func:`~jaxpar.pipeline.asynchronous.step_windows`): the first window (``2m + 2(p-1)``
+steps (:func:`~jaxpar.pipeline.two_bw.step_windows`): the first window (``2m + 2(p-1)``
 ticks, the fill) is one tick loop, the ``K - 1`` later ones (``2m`` ticks each) are a loop over
 windows around a ``2m``-tick loop. Between windows the in-flight state (residual and inbox
 slots, the next step's partial gradient and loss) stays on its stage, and the optimizer
@@ -17,7 +17,7 @@ A call starts and ends with an empty pipeline: one fill and one drain per ``K`` 
 the train state (and its checkpoints) is the one-step 2BW state.
 
 Example:
-    >>> from jaxpar.pipeline.asynchronous import step_windows
+    >>> from jaxpar.pipeline.two_bw import step_windows
     >>> [hi - lo for lo, hi in step_windows(4, 8, steps=4)]    # the tick loops of one call, K = 4
     [22, 16, 16, 16]
 """
@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from ..batch import check_batch, split_microbatches
 from ..blocks import use_layer_runner
 from ..rules import drop_axes, named_shardings, use_rules
-from .asynchronous import AsyncPipelineError, check_two_bw_step, step_windows
+from .two_bw import AsyncPipelineError, check_two_bw_step, step_windows
 from .buffers import PipelineState, Slots, put, read_slots, take, take_tree, write_slots
 from .piped import check_pipeline_strategy, staged_cut
 from .program import Program, lower

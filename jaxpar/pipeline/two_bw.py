@@ -17,7 +17,7 @@ executor's residual slots).
 The train step (``Strategy(schedule='pipedream-2bw')``) keeps ``W(t-1)`` in
 ``TrainState.versions`` and computes each step's gradient there, then updates ``W(t)``; with
 ``steps_per_call=K`` it runs ``K`` steps of the no-flush table in one program, the updates
-between the step windows (:mod:`jaxpar.pipeline.nonstop`).
+between the step windows (:mod:`jaxpar.pipeline.two_bw_steps`).
 
 Example:
     >>> from jaxpar.pipeline.schedules import pipedream_2bw
@@ -94,7 +94,7 @@ def check_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> None:
     >>> check_two_bw(Strategy(schedule="pipedream-2bw", microbatches=2), {"data": 2})
     Traceback (most recent call last):
     ...
-    jaxpar.pipeline.asynchronous.AsyncPipelineError: Strategy.schedule='pipedream-2bw' needs a 'pipe' mesh axis > 1 ...
+    jaxpar.pipeline.two_bw.AsyncPipelineError: Strategy.schedule='pipedream-2bw' needs a 'pipe' mesh axis > 1 ...
     """
     sizes = dict(mesh_sizes)
     p, m = sizes.get("pipe", 1), strategy.microbatches
