@@ -11,8 +11,12 @@ does, inside the function). Checking the model against compiled programs is done
 * :mod:`~jaxpar.cost.memory`: ZeRO stages, Korthikanti activations, pipeline in-flight micro-batches,
   how each parameter is sharded on a mesh.
 * :mod:`~jaxpar.cost.parallel`: :class:`Plan`, one point of the search (mesh sizes, ZeRO, schedule, remat).
-* :mod:`~jaxpar.cost.traffic`: each strategy's collectives per step and mesh axis.
-* :mod:`~jaxpar.cost.time`: FLOPs, memory-bound elementwise work, the collectives' time, the bubble.
+* :mod:`~jaxpar.cost.schedule`: bubble and in-flight micro-batches of the pipeline schedules.
+* :mod:`~jaxpar.cost.traffic`: each strategy's collectives per step and mesh axis, for jaxpar's programs
+  and for Megatron-LM's (lowering ``megatron``, to compare with published runs).
+* :mod:`~jaxpar.cost.roofline`: each kernel of a layer on the device's roofline.
+* :mod:`~jaxpar.cost.time`: FLOPs, the step through the pipeline schedule, the collectives' time and
+  what the schedule hides of them.
 * :mod:`~jaxpar.cost.model`: a model from numbers or from an NNX model.
 * :mod:`~jaxpar.cost.plan`: enumerate, reject what does not fit (with the reason), rank.
 

@@ -11,9 +11,10 @@ lists them, :func:`load_cluster` reads a preset name or a path. Keys::
     name, description, sources: [...]
     devices_per_node, nodes, device_memory_gib
     peak_tflops: {bfloat16: ..., float32: ...}     # dense, per device
-    efficiency: 0.5                                 # achieved / peak FLOP/s for matmul-heavy work
+    efficiency: 0.5                                 # achieved / peak FLOP/s of a large matmul
     gemm_half_gflop: 2                              # a matmul of this size reaches half of it (0: off)
-    memory_gbps: 3350                               # device memory bandwidth (the optimizer update; 0: off)
+    memory_gbps: 3350                               # device memory bandwidth (0: memory-bound work is free)
+    memory_efficiency: 1                            # achieved / memory_gbps of a streaming kernel
     shared_compute: 1                               # > 1: a node's devices share its compute (the simulated
                                                     # CPU mesh): k < devices_per_node devices each run
                                                     # min(devices_per_node / k, shared_compute) x faster
@@ -61,6 +62,7 @@ class Cluster:
     efficiency: float = 0.5
     gemm_half_flops: float = 0.0
     memory_bandwidth: float = 0.0
+    memory_efficiency: float = 1.0
     shared_compute: float = 1.0
     description: str = ""
     sources: tuple[str, ...] = field(default=(), repr=False)
@@ -78,6 +80,9 @@ class Cluster:
         if not 0 < self.efficiency <= 1:
             raise ClusterError(f"cluster {self.name!r}: efficiency={self.efficiency!r} must be in (0, 1] "
                                "(achieved / peak FLOP/s, e.g. 0.5).")
+        if not 0 < self.memory_efficiency <= 1:
+            raise ClusterError(f"cluster {self.name!r}: memory_efficiency={self.memory_efficiency!r} must be in "
+                               "(0, 1] (achieved / memory_gbps of a streaming kernel, e.g. 0.85).")
 
     def matmul_efficiency(self, gemm_flops: float) -> float:
         """``efficiency * w / (w + gemm_half_flops)`` for a matmul of ``w`` FLOPs: small matmuls
@@ -89,6 +94,15 @@ class Cluster:
         if self.gemm_half_flops <= 0:
             return self.efficiency
         return self.efficiency * gemm_flops / (gemm_flops + self.gemm_half_flops)
+
+    @property
+    def stream_bandwidth(self) -> float:
+        """Bytes/s a memory-bound kernel moves: ``memory_bandwidth * memory_efficiency`` (0: not modelled).
+
+        >>> load_cluster("h100").stream_bandwidth == 3350e9
+        True
+        """
+        return self.memory_bandwidth * self.memory_efficiency
 
     @property
     def num_devices(self) -> int:
@@ -159,7 +173,8 @@ def _link(name: str, key: str, d: Any) -> Link:
 
 
 _KEYS = {"name", "description", "sources", "devices_per_node", "nodes", "device_memory_gib", "peak_tflops",
-         "efficiency", "gemm_half_gflop", "memory_gbps", "shared_compute", "intra_node", "inter_node", "fit"}
+         "efficiency", "gemm_half_gflop", "memory_gbps", "memory_efficiency", "shared_compute", "intra_node",
+         "inter_node", "fit"}
 
 
 def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
@@ -188,6 +203,7 @@ def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
                    intra=intra, inter=inter, efficiency=d.get("efficiency", 0.5),
                    gemm_half_flops=_nonneg(name, "gemm_half_gflop", d.get("gemm_half_gflop", 0)) * 1e9,
                    memory_bandwidth=_nonneg(name, "memory_gbps", d.get("memory_gbps", 0)) * 1e9,
+                   memory_efficiency=d.get("memory_efficiency", 1.0),
                    shared_compute=float(shared),
                    description=str(d.get("description", "")), sources=tuple(d.get("sources", ())))
 

@@ -35,9 +35,11 @@ from functools import lru_cache
 from typing import Mapping, NamedTuple
 
 from .model import TENSOR_LOGICAL, Leaf, ModelSpec
+from .schedule import TABLE_LIMIT, closed_form_stats, in_flight, schedule_stats
 
 __all__ = ["BytesPerParam", "PRECISIONS", "REMAT", "zero_state_bytes", "activation_bytes_per_layer",
-           "leaf_spec", "zero_dim_of", "zero_axes", "LeafShards", "leaf_shard_counts", "sizes_key", "leaf_shards", "state_bytes",
+           "leaf_spec", "zero_dim_of", "zero_axes", "LeafShards", "leaf_shard_counts", "sizes_key", "leaf_shards",
+           "pipe_end", "state_bytes",
            "TABLE_LIMIT", "closed_form_stats", "schedule_stats", "in_flight", "MemoryEstimate", "memory_per_device",
            "argument_bytes", "LayoutError"]
 
@@ -234,10 +236,47 @@ def leaf_shards(leaf: Leaf, sizes: Mapping[str, int], stage: int, kind: str) -> 
     return leaf_shard_counts(leaf, sizes_key(sizes), stage)[("params", "grads", "opt").index(kind)]
 
 
+def pipe_end(leaf: Leaf) -> str | None:
+    """Which end of a pipeline runs a parameter outside the blocks: ``first`` for the embedding tables
+    (indexed by token or position), ``last`` for the final norm and the head; None for a block's.
+
+    Args:
+      leaf: the parameter.
+
+    Returns:
+      ``"first"``, ``"last"`` or None.
+
+    >>> from jaxpar.cost.model import gpt
+    >>> [pipe_end(gpt(2, 32, 8, 16, 64, 16).leaf(n)) for n in ("wte", "wpe", "blocks/w1", "lnf_scale", "head")]
+    ['first', 'first', None, 'last', 'last']
+    """
+    if leaf.stacked:
+        return None
+    return "first" if leaf.logical and leaf.logical[0] in ("vocab", None) else "last"
+
+
 def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,
-                precision: str | BytesPerParam = "mixed") -> dict[str, float]:
+                precision: str | BytesPerParam = "mixed", end: str | None = None) -> dict[str, float]:
     """Per-device bytes of parameters, gradients and optimizer state, leaf by leaf (ZeRO's formulas
-    where every leaf divides; a leaf that cannot be split keeps its full size)."""
+    where every leaf divides; a leaf that cannot be split keeps its full size).
+
+    Args:
+      model: the model.
+      sizes: mesh axis sizes.
+      stage: the ZeRO stage (0 to 3).
+      precision: bytes per parameter (:data:`PRECISIONS` or a :class:`BytesPerParam`).
+      end: None: every device holds all the parameters outside the blocks (jaxpar's pipeline executor);
+        ``"first"`` / ``"last"``: a device of that pipeline stage holds only that end's
+        (:func:`pipe_end`; Megatron-LM's placement). Ignored without a pipeline.
+
+    Returns:
+      ``{"params", "grads", "opt", "total"}`` in bytes.
+
+    >>> from jaxpar.cost.model import gpt
+    >>> m = gpt(2, 32, 8, 16, 64, 16)
+    >>> [round(state_bytes(m, {"pipe": 2}, 0, end=e)["total"]) for e in (None, "first", "last")]
+    [275968, 242176, 235008]
+    """
     _check_stage(stage)
     bp = _precision(precision)
     if not model.leaves:
@@ -249,74 +288,14 @@ def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,
     out = {"params": 0.0, "grads": 0.0, "opt": 0.0}
     key = sizes_key(sizes)
     for leaf in model.leaves:
+        if end is not None and sizes.get("pipe", 1) > 1 and pipe_end(leaf) not in (None, end):
+            continue
         sp, sg, so, _, _ = leaf_shard_counts(leaf, key, stage)
         out["params"] += bp.param * leaf.size / sp
         out["grads"] += bp.grad * leaf.size / sg
         out["opt"] += bp.opt * leaf.size / so
     out["total"] = out["params"] + out["grads"] + out["opt"]
     return out
-
-
-#: Largest ``p * m * v`` whose bubble and in-flight count are read from the built table; above it
-#: the closed forms (equal to the tables wherever both are computed: tests/test_cost_formulas.py).
-TABLE_LIMIT = 256
-
-
-def closed_form_stats(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int]:
-    """Bubble fraction and stage 0's peak in-flight (micro-batch, chunk) pairs of a schedule, in closed form:
-    ``(p-1)/(m+p-1)`` (GPipe, 1F1B), ``(p-1)/(vm+p-1)`` (interleaved), ``(p-1)/(3m+p-1)`` (ZB-H1);
-    peaks ``m``, ``p``, ``min(2(p-1) + (v-1)p + 1, vm)``, ``p``.
-
-    >>> closed_form_stats("1f1b", 4, 8)
-    (0.2727272727272727, 4)
-    """
-    if kind == "gpipe":
-        return (p - 1) / (m + p - 1), m
-    if kind == "1f1b":
-        return (p - 1) / (m + p - 1), min(p, m)
-    if kind == "zb-h1":
-        return (p - 1) / (3 * m + p - 1), min(p, m)
-    if kind == "interleaved":
-        return (p - 1) / (v * m + p - 1), min(2 * (p - 1) + (v - 1) * p + 1, v * m)
-    raise ValueError(f"schedule={kind!r}: choose gpipe, 1f1b, interleaved or zb-h1.")
-
-
-@lru_cache(maxsize=4096)
-def schedule_stats(kind: str, p: int, m: int, v: int) -> tuple[float, int]:
-    """Bubble fraction and stage 0's peak in-flight (micro-batch, chunk) pairs of a schedule (cached).
-
-    Read from the built schedule table (:mod:`jaxpar.pipeline.schedules`) up to ``p * m * v =``
-    :data:`TABLE_LIMIT`, from :func:`closed_form_stats` above it.
-
-    Args:
-      kind: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``.
-      p: pipeline stages.
-      m: micro-batches.
-      v: virtual stages (chunks) per device.
-
-    Returns:
-      ``(bubble fraction, peak in-flight pairs)``.
-
-    >>> schedule_stats("1f1b", 4, 8, 1)
-    (0.2727272727272727, 4)
-    """
-    if p * m * v > TABLE_LIMIT:
-        return closed_form_stats(kind, p, m, v)
-    from ..pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight
-
-    s = get_schedule(kind, p, m, v)
-    return float(bubble_fraction(s)), peak_in_flight(s)[0]
-
-
-def in_flight(schedule: str, pipe: int, microbatches: int, virtual: int = 1) -> int:
-    """Peak (micro-batch, chunk) pairs whose activations a stage holds (1 without a pipeline).
-
-    >>> in_flight("gpipe", 4, 8), in_flight("1f1b", 4, 8), in_flight("interleaved", 4, 8, 2)
-    (8, 4, 11)
-    """
-    if pipe == 1:
-        return 1
-    return schedule_stats(schedule, pipe, microbatches, virtual)[1]
 
 
 @dataclass(frozen=True)
@@ -338,23 +317,33 @@ class MemoryEstimate:
 def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int = 0, microbatches: int = 1,
                       schedule: str = "1f1b", virtual: int = 1, remat: str = "none",
                       sequence_parallel: bool = False, precision: str | BytesPerParam = "mixed",
-                      activation_bytes: float = 2) -> MemoryEstimate:
+                      activation_bytes: float = 2, ends: bool = False) -> MemoryEstimate:
     """Predicted peak memory of one device for one plan (see the module doc for the sources).
 
     Each replica's batch ``batch / (data * fsdp)`` is split into ``microbatches``; a
     pipeline stage holds ``layers / pipe`` layers and the schedule's in-flight micro-batches.
     Logits: ``2 * s * b * vocab / t`` fp32 values (logits and their log-softmax) on the last stage.
+
+    ``ends=False`` (jaxpar's pipeline executor) counts every parameter outside the blocks on every stage,
+    with the logits. ``ends=True`` (Megatron-LM) puts the embeddings on the first stage and the final norm
+    and head on the last (:func:`state_bytes`), and returns the more loaded of the two: the first with
+    stage 0's in-flight activations, the last with the same activations (an upper bound) and the logits.
     """
     d, f, t, p = (sizes.get(a, 1) for a in ("data", "fsdp", "tensor", "pipe"))
     replica_batch = model.batch / (d * f)
     mb = replica_batch / microbatches
-    st = state_bytes(model, sizes, zero, precision)
     flight = in_flight(schedule, p, microbatches, virtual)
     layers_held = model.layers / p / virtual * flight
     act = layers_held * activation_bytes_per_layer(model.seq, mb, model.hidden, model.heads, tensor=t,
                                                    sequence_parallel=sequence_parallel, remat=remat,
                                                    bytes_per_value=activation_bytes)
     logits = 2 * model.seq * mb * model.vocab / t * 4
+    if ends and p > 1:
+        first, last = (state_bytes(model, sizes, zero, precision, end=e) for e in ("first", "last"))
+        if first["total"] > last["total"] + logits:
+            return MemoryEstimate(first["params"], first["grads"], first["opt"], act, 0.0, flight)
+        return MemoryEstimate(last["params"], last["grads"], last["opt"], act, logits, flight)
+    st = state_bytes(model, sizes, zero, precision)
     return MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight)
 
 

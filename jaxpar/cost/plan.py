@@ -27,6 +27,7 @@ from .memory import LayoutError, MemoryEstimate, memory_per_device
 from .model import ModelSpec
 from .parallel import Plan
 from .time import Overlap, StepTime, step_time
+from .traffic import outer_at_ends
 
 __all__ = ["PlanError", "Estimate", "Rejected", "PlanResult", "plan", "factorisations", "evaluate"]
 
@@ -118,17 +119,19 @@ def _shape_problem(m: ModelSpec, p: int, d: int, f: int, t: int) -> str | None:
 
 
 def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16", precision: str = "mixed",
-             overlap: Overlap = Overlap(), memory_fraction: float = 0.9, lowering: str = "ideal") -> Estimate:
-    """Time and memory of one plan (no search)."""
-    mem = _memory(m, p, dtype, precision)
-    t = step_time(m, p, cluster, dtype=dtype, overlap=overlap, lowering=lowering)
+             overlap: Overlap = Overlap(), memory_fraction: float = 0.9, lowering: str = "ideal",
+             grad_bytes: float | None = None) -> Estimate:
+    """Time and memory of one plan (no search); ``grad_bytes`` as :func:`jaxpar.cost.time.step_time`'s."""
+    mem = _memory(m, p, dtype, precision, lowering)
+    t = step_time(m, p, cluster, dtype=dtype, overlap=overlap, lowering=lowering, grad_bytes=grad_bytes)
     return Estimate(p, t, mem, mem.total <= cluster.memory_bytes * memory_fraction)
 
 
-def _memory(m: ModelSpec, p: Plan, dtype: str, precision: str):
+def _memory(m: ModelSpec, p: Plan, dtype: str, precision: str, lowering: str = "ideal"):
     return memory_per_device(m, p.sizes, zero=p.zero, microbatches=p.microbatches, schedule=p.schedule,
                              virtual=p.virtual, remat=p.remat, sequence_parallel=p.sequence_parallel,
-                             precision=precision, activation_bytes=4 if dtype == "float32" else 2)
+                             precision=precision, activation_bytes=4 if dtype == "float32" else 2,
+                             ends=outer_at_ends(lowering))
 
 
 def _options(m: ModelSpec, p: int, d: int, f: int, t: int, schedules) -> list[dict]:
@@ -185,7 +188,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
                     considered += 1
                     cand = Plan(pipe=p, data=d, fsdp=f, tensor=t, remat=remat, **{**opt, "microbatches": mb})
                     try:     # memory first: a plan that does not fit needs no step time (most of the search)
-                        mem = _memory(model, cand, dtype, precision)
+                        mem = _memory(model, cand, dtype, precision, lowering)
                         if mem.total <= usable:
                             best = Estimate(cand, step_time(model, cand, cluster, dtype=dtype, overlap=overlap,
                                                             lowering=lowering), mem, True)

@@ -1,4 +1,4 @@
-"""Time of one training step: compute by FLOPs, the collectives per mesh axis, the pipeline bubble.
+"""Time of one training step: kernels on the roofline through the pipeline schedule, collectives per mesh axis.
 
 FLOPs (per step, global batch ``B`` sequences of ``s`` tokens, ``l`` layers, hidden ``h``,
 MLP width ``f``, vocabulary ``V``):
@@ -17,17 +17,20 @@ order ``pipe, data, fsdp, tensor``, ``tensor`` innermost; a group spread over no
 hierarchically: reduce-scatter in the node, the collective across nodes on ``1/p_in`` of the
 bytes, all-gather in the node).
 
-Overlap assumptions (:class:`Overlap`): by default *nothing* overlaps (XLA:CPU runs
-collectives synchronously); ``Overlap(data=0.8)`` hides 80% of the data-axis collectives
-behind the backward, as bucketed DDP / FSDP prefetch do on GPUs. Tensor-parallel and
-pipeline transfers are on the critical path. The pipeline stretches the compute by
-``1 / (1 - bubble)`` with the bubble of the schedule table (equal F, B, W costs). Compute runs
-at ``cluster.matmul_efficiency(w)`` of the peak, ``w`` the FLOPs of the layer's largest matmul on
-one device per micro-batch (``2·rows·s·h·f/t``): small micro-batches and thin shards run slower.
-The optimizer update is memory bound: :func:`update_bytes` over ``cluster.memory_bandwidth``
-(ZeRO-1/2/3 and FSDP update only their shard), not overlapped; so are the blocks' norms,
-residual adds, GELU and softmax (:func:`elementwise_bytes`: the residual stream's share is
-repeated on every tensor device under TP and split under SP).
+Compute: every kernel of a layer (the matmuls, on the device's roofline) and the blocks' memory-bound
+ops run per micro-batch (:mod:`jaxpar.cost.roofline`); a pipeline stage runs its layers, the first
+stage also the embedding and the last the head and loss. The step takes ``m`` micro-batches of the
+busiest stage plus the schedule's bubble on the mean stage: ``m·T_busiest + m·T_mean·b/(1-b)``, ``b``
+the bubble fraction of the schedule table (:func:`bubble`; ``(p-1)/(m+p-1)`` for 1F1B, so equal
+stages give the familiar ``T/(1-b)``). The optimizer update is memory bound: :func:`update_bytes`
+over the streaming bandwidth (ZeRO-1/2/3 and FSDP update only their shard).
+
+Overlap (:class:`Overlap`): by default *nothing* overlaps (XLA:CPU runs collectives synchronously,
+jaxpar's pipeline sends are on the critical path, Megatron-LM's 2021 data-parallel reduction runs
+after the pipeline flush). ``Overlap(grads_in_backward=True)`` is bucketed DDP: each layer's gradient
+reduction starts when the last micro-batch's backward has produced it, and hides behind the rest of
+that backward (:func:`behind_backward`). Fractions (``Overlap(data=0.8)``) hide a given share of an
+axis group's collectives.
 
 Example::
 
@@ -48,10 +51,11 @@ from .cluster import Cluster
 from .memory import REMAT, leaf_shard_counts, schedule_stats, sizes_key
 from .model import ModelSpec
 from .parallel import AXES, Plan
+from .roofline import Work, end_work, layer_elementwise_bytes, layer_work
 from .traffic import Comm, bytes_per_axis, comms
 
-__all__ = ["Overlap", "StepTime", "flops_per_token", "narayanan_flops", "step_flops", "model_flops", "update_bytes",
-           "elementwise_bytes", "axis_groups", "comm_time", "bubble", "step_time"]
+__all__ = ["Overlap", "behind_backward", "StepTime", "flops_per_token", "narayanan_flops", "step_flops", "model_flops",
+           "update_bytes", "elementwise_bytes", "axis_groups", "comm_time", "bubble", "step_time"]
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -146,25 +150,54 @@ def bubble(schedule: str, pipe: int, microbatches: int, virtual: int = 1) -> flo
 
 @dataclass(frozen=True)
 class Overlap:
-    """Fraction of each axis group's collective time hidden behind compute (0 = none)."""
+    """Fraction of each axis group's collective time hidden behind compute (0 = none), and whether the
+    data-axis gradient reductions run behind the last micro-batch's backward (``grads_in_backward``:
+    bucketed DDP; the hidden part is read from the schedule, :func:`behind_backward`)."""
 
     data: float = 0.0
     tensor: float = 0.0
     pipeline: float = 0.0
+    grads_in_backward: bool = False
 
     def __post_init__(self):
         for k in ("data", "tensor", "pipeline"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ValueError(f"Overlap.{k}={v!r}: must be a fraction in [0, 1].")
+        if not isinstance(self.grads_in_backward, bool):
+            raise ValueError(f"Overlap.grads_in_backward={self.grads_in_backward!r}: must be True or False.")
+
+
+def behind_backward(reduce_s: float, backward_s: float, layers: int) -> float:
+    """Exposed seconds of ``reduce_s`` of gradient reductions that start layer by layer as the last
+    micro-batch's backward (``backward_s`` over ``layers`` equal layers) completes each layer's gradient,
+    one at a time on the network: the last layer's share is always exposed, and the rest as far as the
+    reductions outrun the backward.
+
+    Args:
+      reduce_s: seconds of the gradient reductions, one after another.
+      backward_s: seconds of the last micro-batch's backward on the device (recomputation included).
+      layers: layers on the device (one bucket each).
+
+    Returns:
+      Exposed seconds: ``max(reduce_s / layers, reduce_s - (layers - 1) / layers * backward_s)``.
+
+    >>> behind_backward(1.0, 4.0, 4), behind_backward(4.0, 1.0, 4)
+    (0.25, 3.25)
+    """
+    if reduce_s <= 0:
+        return 0.0
+    n = max(layers, 1)
+    return max(reduce_s / n, reduce_s - (n - 1) / n * backward_s)
 
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds per step: ``compute`` (matmul FLOPs, with the bubble), exposed ``data`` / ``tensor`` /
-    ``pipeline`` communication, ``bubble`` fraction, ``mfu``, bytes per axis, the ``optimizer`` update
-    and the blocks' ``elementwise`` ops (both memory bound: :func:`update_bytes` and
-    :func:`elementwise_bytes` over the cluster's memory bandwidth; the latter with the bubble)."""
+    """Seconds per step: ``compute`` (the kernels of :mod:`jaxpar.cost.roofline`: matmuls, embedding and
+    loss, through the pipeline schedule), exposed ``data`` / ``tensor`` / ``pipeline`` communication,
+    ``bubble`` fraction, ``mfu``, bytes per axis, the ``optimizer`` update and the blocks' ``elementwise``
+    ops (both memory bound: :func:`update_bytes` and :func:`elementwise_bytes` over the cluster's
+    streaming bandwidth; the latter through the schedule like ``compute``)."""
 
     compute: float
     data: float
@@ -217,12 +250,29 @@ def elementwise_bytes(m: ModelSpec, plan: Plan, compute_bytes: float = 2) -> flo
     >>> elementwise_bytes(m, Plan(), 4) == 3 * 16 * 64 * 4 * 4 * (10 * 128 + 2 * 512 + 2 * 8 * 64), round(tp / sp, 2)
     (True, 3.69)
     """
-    t = plan.tensor
-    tokens = m.batch * m.seq / (plan.data * plan.fsdp) * (m.layers // plan.pipe)   # token-layers per device
-    passes = 3 + (plan.remat == "full")
-    resid = 10 * m.hidden / (t if plan.sequence_parallel else 1)
-    softmax = 2 * m.heads * m.seq / t * 4 * (passes + (plan.remat == "selective"))
-    return tokens * ((resid + 2 * m.mlp / t) * compute_bytes * passes + softmax)
+    rows = m.batch / (plan.data * plan.fsdp)               # sequences per device per step
+    return layer_elementwise_bytes(m, plan, rows, compute_bytes) * (m.layers // plan.pipe)
+
+
+def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, b: float) -> tuple[Work, float]:
+    """The kernels' and elementwise seconds of a step through the pipeline schedule, and the backward
+    seconds of one micro-batch on a device (recomputation included). Per micro-batch a stage runs its
+    layers, the first stage also the embedding and the last the head and loss: the step takes ``m`` times
+    the busiest stage's micro-batch plus the schedule's bubble, ``m * b / (1 - b)`` times the mean's."""
+    rows = m.batch / (plan.data * plan.fsdp * plan.microbatches)
+    n = m.layers // plan.pipe
+    layer = layer_work(m, plan, cluster, dtype, rows, cb)
+    forward = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True)
+    first, last = end_work(m, plan, cluster, dtype, rows, cb)
+    blocks = layer.times(n)
+    if plan.pipe == 1:
+        busiest = blocks + first + last
+    else:
+        busiest = max(blocks + first, blocks + last, key=lambda w: w.total)
+    mean = blocks + (first + last).times(1 / plan.pipe)
+    mb = plan.microbatches
+    step = busiest.times(mb) + mean.times(mb * b / (1 - b))
+    return step, n * (layer.total - forward.total)
 
 
 def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloat16", lowering: str = "ideal",
@@ -237,22 +287,25 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     """
     cb = 4 if dtype == "float32" else 2
     gb = cb if grad_bytes is None else grad_bytes
+    cluster.peak(dtype)
     sizes = plan.sizes
-    flops = step_flops(m, plan.remat) / plan.devices
     b = bubble(plan.schedule, plan.pipe, plan.microbatches, plan.virtual)
-    rows = m.batch / (plan.data * plan.fsdp * plan.microbatches)
-    gemm = 2 * rows * m.seq * m.hidden * m.mlp / plan.tensor          # the layer's largest matmul per device
-    compute = flops / (cluster.peak(dtype) * cluster.matmul_efficiency(gemm)) / (1 - b)
+    work, backward = _compute(m, plan, cluster, dtype, cb, b)
     spent = {"data": 0.0, "tensor": 0.0, "pipeline": 0.0}
+    grads = 0.0
     cs = comms(m, plan, lowering=lowering, compute_bytes=cb, grad_bytes=gb)
     for c in cs:
         group = "pipeline" if c.phase == "pipeline" else "tensor" if c.phase in ("tensor", "loss") else "data"
-        spent[group] += c.count * comm_time(c, sizes, cluster)
+        seconds = c.count * comm_time(c, sizes, cluster)
+        if group == "data" and c.phase == "grads" and overlap.grads_in_backward:
+            grads += seconds
+        else:
+            spent[group] += seconds
     exposed = {k: v * (1 - getattr(overlap, k)) for k, v in spent.items()}
-    bw = cluster.memory_bandwidth
+    exposed["data"] += behind_backward(grads, backward, m.layers // plan.pipe)
+    bw = cluster.stream_bandwidth
     opt = update_bytes(m, plan, gb) / bw if bw > 0 else 0.0
-    elem = elementwise_bytes(m, plan, cb) / bw / (1 - b) if bw > 0 else 0.0
-    total = compute + elem + sum(exposed.values()) + opt
+    total = work.total + sum(exposed.values()) + opt
     mfu = model_flops(m) / (total * plan.devices * cluster.peak(dtype))
-    return StepTime(compute, exposed["data"], exposed["tensor"], exposed["pipeline"], b, mfu, bytes_per_axis(cs), opt,
-                    elem)
+    return StepTime(work.kernels, exposed["data"], exposed["tensor"], exposed["pipeline"], b, mfu,
+                    bytes_per_axis(cs), opt, work.elementwise)

@@ -4,7 +4,7 @@ Collectives (:func:`comms`) are listed per step with the bytes the compiled prog
 inventory reports (:mod:`jaxpar.analysis.hlo`: the result of each collective on one device);
 :mod:`jaxpar.cost.time` times them on the links the mesh axis spans.
 
-Three lowerings. ``ideal`` is the textbook program (Megatron TP: 2 all-reduces of the layer's
+Four lowerings. ``ideal`` is the textbook program (Megatron TP: 2 all-reduces of the layer's
 activations forward and 2 backward, the q, k and v input gradients summed before their reduction;
 SP: all-gathers and reduce-scatters in their place; with recomputation the forward's collectives
 up to the attention output run again; DP: all-reduce; ZeRO-2/3 and FSDP: reduce-scatter +
@@ -13,7 +13,12 @@ compilers make of jaxpar's train step (docs/planning.md §8): ``ideal``, except 
 column-parallel input gradients are all-reduced, not reduce-scattered. ``xla-cpu`` is what it
 compiles to on XLA:CPU, as checked against compiled programs by ``tests/test_cost_compiled.py``
 (gradients that XLA reduces with all-reduce where ``ideal`` uses reduce-scatter, each of q, k and v
-reduced apart, the embedding gathered under SP, ...).
+reduced apart, the embedding gathered under SP, ...). ``megatron`` is Megatron-LM's program (Narayanan
+et al. 2021), not jaxpar's, for comparing with published runs: ``ideal``, except that full recomputation
+runs both of the layer's forward reductions again; a pipeline send carries ``1/t`` of the activation
+over ``pipe`` and all-gathers it over ``tensor`` (the scatter/gather of §4.1 of the paper; under SP the
+activation is already split); the embedding sits on the first stage and the head on the last only
+(:func:`outer_at_ends`), and only the tied word embedding's gradient is summed between the two.
 
 Example::
 
@@ -29,15 +34,33 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Mapping
 
-from .memory import leaf_shard_counts, sizes_key, zero_axes
+from .memory import leaf_shard_counts, pipe_end, sizes_key, zero_axes
 from .model import Leaf, ModelSpec
 from .parallel import AXES, Plan
 
-__all__ = ["LOWERINGS", "Comm", "comms", "bytes_per_axis"]
+__all__ = ["LOWERINGS", "outer_at_ends", "Comm", "comms", "bytes_per_axis"]
 
 #: ``ideal``: the textbook program; ``xla``: what jaxpar's train step compiles to with the GPU and TPU
-#: compilers (docs/planning.md §8); ``xla-cpu``: what it compiles to on XLA:CPU.
-LOWERINGS = ("ideal", "xla", "xla-cpu")
+#: compilers (docs/planning.md §8); ``xla-cpu``: what it compiles to on XLA:CPU; ``megatron``: Megatron-LM's
+#: program (the module doc), for published runs.
+LOWERINGS = ("ideal", "xla", "xla-cpu", "megatron")
+
+
+def outer_at_ends(lowering: str) -> bool:
+    """Whether the program of ``lowering`` keeps the embedding on the first pipeline stage and the head on
+    the last only (Megatron-LM) rather than every parameter outside the blocks on every stage (jaxpar's
+    executor replicates them over ``pipe``).
+
+    Args:
+      lowering: one of :data:`LOWERINGS`.
+
+    Returns:
+      True for ``megatron``.
+
+    >>> outer_at_ends("megatron"), outer_at_ends("xla")
+    (True, False)
+    """
+    return lowering == "megatron"
 
 
 @dataclass(frozen=True)
@@ -98,7 +121,7 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
     if plan.tensor > 1:
         _tensor_comms(add, m, plan, act, rows * m.seq * 4, lowering)
     if plan.pipe > 1:
-        _pipe_comms(add, m, plan, act)
+        _pipe_comms(add, m, plan, act, lowering, grad_bytes)
     if _axes(sizes, ("data", "fsdp")):
         out += _data_comms(m, plan, cpu, compute_bytes, grad_bytes)
     return out
@@ -112,18 +135,22 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
     Backward, the input gradients of q, k and v are summed on the device before one reduction (GPU and
     TPU compilers; XLA:CPU reduces each of the ``qkv_inputs``). Recomputation (``remat`` other than
     ``none``) runs the layer forward again up to its attention block's output: one more reduction
-    (TP) or two all-gathers and one reduce-scatter (SP) per layer."""
+    (TP) or two all-gathers and one reduce-scatter (SP) per layer; Megatron's full recomputation runs
+    the whole layer forward again (two reductions; two all-gathers and two reduce-scatters)."""
     t, mb = plan.tensor, plan.microbatches
     n_layer = (m.layers // plan.pipe) * mb
     ends = 1 if plan.pipe > 1 else 2
     cpu = lowering == "xla-cpu"
-    redo = 0 if cpu or plan.remat == "none" else 1
+    if lowering == "megatron":
+        redo = 2 if plan.remat == "full" else 0
+    else:
+        redo = 0 if cpu or plan.remat == "none" else 1
     if not plan.sequence_parallel:
         bwd = 1 + m.qkv_inputs if cpu else 2
         add("all-reduce", ("tensor",), act, (2 + bwd + redo) * n_layer, "tensor")
         add("all-reduce", ("tensor",), act, ends * mb, "tensor")         # embedding forward, head backward
     else:
-        add("all-gather", ("tensor",), act, (4 + 2 * redo) * n_layer, "tensor")   # 2 forward, 2 backward
+        add("all-gather", ("tensor",), act, (4 + (2 if redo else 0)) * n_layer, "tensor")   # 2 fwd, 2 bwd
         add("reduce-scatter", ("tensor",), act / t, (2 + redo) * n_layer, "tensor")
         if cpu:   # XLA:CPU reduces the column-parallel input gradients with all-reduce
             add("all-reduce", ("tensor",), act, (1 + m.qkv_inputs) * n_layer, "tensor")
@@ -143,20 +170,23 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
     add("all-reduce", ("tensor",), stats, 4 * mb, "loss")               # vocab-parallel cross-entropy
 
 
-def _pipe_comms(add, m: ModelSpec, plan: Plan, act: float) -> None:
-    """Activations forward and their gradients backward, per micro-batch and chunk; then jaxpar's
-    executor sums the gradients of the parameters outside the blocks (and the loss) over ``pipe``."""
-    add("collective-permute", ("pipe",), act / (plan.tensor if plan.sequence_parallel else 1),
-        2 * plan.microbatches * plan.virtual, "pipeline")
+def _pipe_comms(add, m: ModelSpec, plan: Plan, act: float, lowering: str, grad_bytes: float) -> None:
+    """Activations forward and their gradients backward, per micro-batch and chunk. jaxpar's executor then
+    sums the gradients of the parameters outside the blocks (and the loss) over ``pipe``; Megatron sends
+    ``1/t`` of each activation and all-gathers it over ``tensor``, and sums the tied word embedding's
+    gradient between the first and the last stage (two devices: one transfer of it)."""
+    sends = 2 * plan.microbatches * plan.virtual
+    t, sp = plan.tensor, plan.sequence_parallel
+    if lowering == "megatron":
+        add("collective-permute", ("pipe",), act / t, sends, "pipeline")
+        if not sp:
+            add("all-gather", ("tensor",), act, sends, "pipeline")
+        add("collective-permute", ("pipe",), m.vocab * m.hidden / t * grad_bytes, 1, "pipeline")
+        return
+    add("collective-permute", ("pipe",), act / (t if sp else 1), sends, "pipeline")
     key = sizes_key(plan.sizes)
     outer = sum(leaf_shard_counts(leaf, key, plan.zero)[3] for leaf in m.leaves if not leaf.stacked)
     add("all-reduce", ("pipe",), outer * 4 + 4, 1, "pipeline")        # fp32 gradients and the loss
-
-
-def _pipe_end(leaf: Leaf) -> str:
-    """Which end of a pipeline runs a parameter outside the blocks: ``first`` for the embedding
-    tables (indexed by token or position), ``last`` for the final norm and the head."""
-    return "first" if leaf.logical and leaf.logical[0] in ("vocab", None) else "last"
 
 
 def _is_token_table(leaf: Leaf) -> bool:
@@ -169,7 +199,7 @@ def _busiest_end(m: ModelSpec, plan: Plan) -> str:
     size = {"first": 0.0, "last": 0.0}
     for leaf in m.leaves:
         if not leaf.stacked:
-            size[_pipe_end(leaf)] += leaf_shard_counts(leaf, key, plan.zero)[3]
+            size[pipe_end(leaf)] += leaf_shard_counts(leaf, key, plan.zero)[3]
     return max(size, key=size.get)
 
 
@@ -206,7 +236,7 @@ def _data_comms(m: ModelSpec, plan: Plan, cpu: bool, compute_bytes: float, grad_
         per = local / (layers_dev if leaf.stacked else 1)          # one layer's slice
         g = per * grad_bytes * (_sp_grad_scale(m, leaf, t) if cpu and plan.sequence_parallel else 1)
         n_g = math.prod(sizes[a] for a in g_axes) if shardable else 1
-        if end is None or leaf.stacked or _pipe_end(leaf) == end:      # gradients
+        if end is None or leaf.stacked or pipe_end(leaf) == end:      # gradients
             if cpu and end is not None and _is_token_table(leaf):
                 # the lookup's transpose (a scatter-add) in the executor's manual region is replicated over
                 # the data axes: XLA gathers the output cotangent and the token ids instead of reducing the table

@@ -1,0 +1,175 @@
+"""The cost model's step time against published Megatron-LM runs, and the parts that make it: the roofline
+of each kernel, Megatron's scatter/gather pipeline sends, the embedding and head at the pipeline's ends,
+and the gradient reduction behind the last backward. Pure Python (the published runs are data in
+benchmarks/published_runs.py; every prediction is computed here)."""
+import importlib.util
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from jaxpar import cost
+from jaxpar.cost.memory import memory_per_device, state_bytes
+from jaxpar.cost.plan import evaluate
+from jaxpar.cost.roofline import end_work, kernel_seconds, layer_kernels, layer_work, matmul
+from jaxpar.cost.time import Overlap, behind_backward, step_time
+from jaxpar.cost.traffic import comms
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "published_runs.py"
+_SPEC = importlib.util.spec_from_file_location("published_runs", _PATH)
+runs = sys.modules.setdefault("published_runs", importlib.util.module_from_spec(_SPEC))
+_SPEC.loader.exec_module(runs)
+
+A100 = cost.load_cluster("a100_80gb")
+
+
+@pytest.fixture(scope="module")
+def table1():
+    return [runs.predict(r) for r in runs.TABLE1]
+
+
+def test_table1_mean_error_is_at_most_10_percent(table1):
+    """Narayanan et al. 2021, Table 1 (1.7B on 32 GPUs ... 1T on 3,072): predicted TFLOP/s per GPU."""
+    assert len(table1) == 10
+    assert runs.mean_abs_error(table1) <= 0.10
+    held_out = [p for p in table1 if p.run.name not in runs.CALIBRATION]
+    assert len(held_out) == 8 and runs.mean_abs_error(held_out) <= 0.10
+
+
+def test_held_out_published_runs_within_10_percent():
+    for group in (runs.TABLE2, runs.KORTHIKANTI):
+        assert runs.mean_abs_error(runs.predict(r) for r in group) <= 0.10
+
+
+def test_preset_constants_fit_the_calibration_rows(table1):
+    """The a100_80gb preset's efficiency and memory_efficiency are the fit on the two calibration rows."""
+    fitted = [p for p in table1 if p.run.name in runs.CALIBRATION]
+    assert len(fitted) == 2 and all(abs(p.error) < 0.01 for p in fitted)
+    assert (A100.efficiency, A100.memory_efficiency) != (0.5, 1.0)
+
+
+def test_predicted_tflops_is_the_papers_flops_over_the_predicted_time(table1):
+    p = table1[0]
+    flops = cost.narayanan_flops(512, 2048, 24, 2304, 51200)
+    assert p.tflops == pytest.approx(flops / (p.step_s * 32) / 1e12)
+    assert p.step_s == pytest.approx(runs.predict(runs.TABLE1[0]).step_s)
+
+
+# ----------------------------------------------------------------------------- roofline
+def test_a_large_matmul_is_compute_bound_at_the_device_efficiency():
+    k = matmul("fc1", 1, 16 * 2048, 2304, 9216, 2)
+    peak = A100.peak("bfloat16")
+    assert kernel_seconds(k, A100, "bfloat16") == pytest.approx(k.flops / (peak * A100.matmul_efficiency(k.flops)))
+    assert k.flops / k.bytes > peak * A100.efficiency / A100.stream_bandwidth      # above the ridge
+
+
+def test_attention_scores_with_a_thin_head_dimension_are_memory_bound():
+    """``QKᵀ`` reads q and k (``s x d`` each) and writes ``s x s``: below the ridge at d = 96, above at 512."""
+    for d, bound in ((96, "memory"), (512, "compute")):
+        k = matmul("scores", 8, 2048, d, 2048, 2)
+        t = kernel_seconds(k, A100, "bfloat16")
+        memory = k.bytes / A100.stream_bandwidth
+        assert (t == pytest.approx(memory)) == (bound == "memory"), d
+
+
+def test_a_thinner_tensor_parallel_shard_reaches_less_of_the_peak():
+    """The same layer's matmuls, one micro-batch of one sequence: t = 8 cuts each into smaller kernels."""
+    m = cost.gpt(24, 2304, 24, 2048, 51200, 8)
+
+    def rate(t):
+        ks = [k for k in layer_kernels(m, cost.Plan(tensor=t), 1, 2) if k.name in ("qkv", "proj", "fc1", "fc2")]
+        return sum(k.flops * k.count for k in ks) / sum(kernel_seconds(k, A100, "bfloat16") for k in ks)
+
+    assert rate(8) < rate(1) <= A100.peak("bfloat16") * A100.efficiency
+
+
+def test_layer_kernels_count_the_layer_forward_flops():
+    m = cost.gpt(4, 256, 8, 128, 512, 4)
+    ks = layer_kernels(m, cost.Plan(tensor=2), 4, 2)
+    s, h, f = 128, 256, 1024
+    forward = 2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h          # per sequence, whole layer
+    assert sum(k.flops * k.count for k in ks) == pytest.approx(4 * forward / 2)
+    assert {k.name: k.passes for k in layer_kernels(m, cost.Plan(remat="selective"), 1, 2)} == {
+        "qkv": 3, "scores": 4, "context": 4, "proj": 3, "fc1": 3, "fc2": 3}
+
+
+# ----------------------------------------------------------------------------- pipeline sends
+def _permutes(cs):
+    return [(c.kind, c.axes, c.bytes, c.count) for c in cs if c.phase == "pipeline"]
+
+
+def test_megatron_scatter_gather_sends_one_tensor_shard_and_gathers_it_over_nvlink():
+    m = cost.gpt(8, 512, 8, 256, 1024, 32)
+    plan = cost.Plan(pipe=4, data=1, tensor=8, microbatches=8)
+    act = 32 / 8 * 256 * 512 * 2                       # rows x seq x hidden, 2 bytes
+    got = _permutes(comms(m, plan, lowering="megatron"))
+    assert ("collective-permute", ("pipe",), act / 8, 16) in got
+    assert ("all-gather", ("tensor",), act, 16) in got
+    for lowering in ("ideal", "xla"):        # jaxpar's executor sends the whole activation
+        assert ("collective-permute", ("pipe",), act, 16) in _permutes(comms(m, plan, lowering=lowering))
+    sp = _permutes(comms(m, replace(plan, sequence_parallel=True), lowering="megatron"))
+    assert ("collective-permute", ("pipe",), act / 8, 16) in sp and not any(k == "all-gather" for k, *_ in sp)
+
+
+def test_megatron_full_recomputation_repeats_both_forward_reductions():
+    m = cost.gpt(4, 256, 8, 128, 512, 8)
+    plan = cost.Plan(tensor=8, remat="full")
+    count = {lw: sum(c.count for c in comms(m, plan, lowering=lw) if c.phase == "tensor")
+             for lw in ("ideal", "megatron")}
+    assert count["megatron"] - count["ideal"] == 4          # 4 layers x (2 - 1) more forward all-reduces
+
+
+# ----------------------------------------------------------------------------- embedding and head
+def test_first_stage_holds_the_embeddings_and_last_stage_the_head():
+    m = cost.gpt(8, 512, 8, 256, 4096, 32)
+    sizes, per = {"pipe": 4}, 16                                        # mixed precision: 16 bytes
+    blocks = sum(leaf.size for leaf in m.leaves if leaf.stacked) / 4
+    first = blocks + m.leaf("wte").size + m.leaf("wpe").size
+    last = blocks + m.leaf("head").size + m.leaf("lnf_scale").size + m.leaf("lnf_bias").size
+    assert state_bytes(m, sizes, 0, end="first")["total"] == per * first
+    assert state_bytes(m, sizes, 0, end="last")["total"] == per * last
+    everywhere = blocks + m.n_params - 4 * blocks                       # jaxpar: all outer leaves on every stage
+    assert state_bytes(m, sizes, 0)["total"] == per * everywhere
+    assert state_bytes(m, {"data": 4}, 0, end="first") == state_bytes(m, {"data": 4}, 0)     # no pipeline
+
+
+def test_memory_is_that_of_the_most_loaded_stage_and_the_lowering_picks_the_placement():
+    m = cost.gpt(8, 512, 8, 256, 4096, 32)
+    plan = cost.Plan(pipe=4, microbatches=8)
+    ends = memory_per_device(m, plan.sizes, microbatches=8, ends=True)
+    last = state_bytes(m, plan.sizes, 0, end="last")
+    assert ends.params + ends.grads + ends.opt == last["total"] and ends.logits > 0          # head + logits
+    replicated = memory_per_device(m, plan.sizes, microbatches=8)
+    assert ends.total < replicated.total
+    h = cost.load_cluster("h100", num_devices=4)
+    assert evaluate(m, plan, h, lowering="megatron").memory == ends
+    assert evaluate(m, plan, h, lowering="xla").memory == replicated
+
+
+def test_the_last_stage_runs_the_head_and_sets_the_pace():
+    """m micro-batches of the busiest stage (its layers + the head), plus the bubble of the mean stage."""
+    m = cost.gpt(8, 512, 8, 256, 51200, 32)
+    h = cost.load_cluster("h100", num_devices=4)
+    plan = cost.Plan(pipe=4, microbatches=16)
+    first, last = end_work(m, plan, h, "bfloat16", 2, 2)
+    layer = layer_work(m, plan, h, "bfloat16", 2, 2)
+    assert last.total > 10 * first.total
+    busiest, mean = 2 * layer.total + last.total, 2 * layer.total + (first.total + last.total) / 4
+    t = step_time(m, plan, h)
+    assert t.bubble == pytest.approx(3 / 19)
+    assert t.compute + t.elementwise == pytest.approx(16 * busiest + 16 * mean * 3 / 16)
+
+
+# ----------------------------------------------------------------------------- overlap from the schedule
+def test_gradient_reduction_hides_behind_the_last_backward_except_the_last_layer():
+    assert behind_backward(0.0, 1.0, 4) == 0.0
+    assert behind_backward(1.0, 100.0, 4) == 0.25                 # the last layer's bucket stays exposed
+    assert behind_backward(10.0, 4.0, 4) == pytest.approx(7.0)    # the network is the bottleneck
+    m = cost.gpt(12, 768, 12, 1024, 50304, 64)
+    h = cost.load_cluster("h100", num_devices=16)
+    plan = cost.Plan(data=16)
+    off, on = (step_time(m, plan, h, overlap=Overlap(grads_in_backward=x)) for x in (False, True))
+    assert 0 < on.data < off.data and on.compute == off.compute
+    with pytest.raises(ValueError, match="grads_in_backward"):
+        Overlap(grads_in_backward=1)
