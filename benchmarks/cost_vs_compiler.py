@@ -12,11 +12,13 @@ compute) for the target's abstract devices with the target's own compiler (devic
 * peak bytes: :func:`jaxpar.cost.layout.step_peak_bytes` against XLA's ``peak_memory_in_bytes``.
 
 The measured side of every case is written to the JSON (``--out``); ``--measured FILE`` reuses it
-and recomputes only the predictions (seconds instead of minutes).
+and recomputes only the predictions (seconds instead of minutes). ``--hlo DIR`` keeps each compiled
+program's HLO text (``DIR/<case>.hlo.gz``) and, for a case whose text is there, counts the compiled
+collectives again from it (a change in :mod:`jaxpar.analysis` without compiling again).
 
 Usage::
 
-    JAX_PLATFORMS=cpu python benchmarks/cost_vs_compiler.py --out cost_vs_compiler.json [--only tpu]
+    JAX_PLATFORMS=cpu python benchmarks/cost_vs_compiler.py --out cost_vs_compiler.json [--only tpu] [--hlo DIR]
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import gzip  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import subprocess  # noqa: E402
@@ -65,7 +68,7 @@ CASES = [
     ("1.3B", 16, "tpu-v5e:4x4", P(data=4, tensor=4, sequence_parallel=True, remat="selective")),
     ("6.7B", 16, "tpu-v5p:2x2x4", P(fsdp=16, remat="full")),
     ("2.7B", 16, "tpu-v5p:2x2x4", P(data=2, tensor=8, zero=1, sequence_parallel=True, remat="full")),
-    ("1.3B", 16, "tpu-v5p:2x2x4", P(pipe=4, data=4, microbatches=8, schedule="1f1b", remat="full")),
+    ("1.3B", 32, "tpu-v5p:2x2x4", P(pipe=4, data=4, microbatches=8, schedule="1f1b", remat="full")),
 ]
 
 
@@ -78,11 +81,11 @@ def case_key(name: str, batch: int, target: str, plan: cost.Plan) -> str:
     return f"{name} b{batch} {target} {plan.name()}"
 
 
-def measure(model: cost.ModelSpec, target: str, plan: cost.Plan) -> dict:
-    """Compile the case and read the compiled side (imports JAX and the target's compiler)."""
+def measure(model: cost.ModelSpec, target: str, plan: cost.Plan, hlo: str | None = None) -> dict:
+    """Compile the case and read the compiled side (imports JAX and the target's compiler); ``hlo``: a
+    path to write the compiled program's HLO text to (gzip)."""
     from flax import nnx
 
-    from jaxpar.analysis.axis_bytes import compiled_bytes_per_axis
     from jaxpar.analysis.memory import memory_report
     from jaxpar.models.gpt import GPT, GPTConfig
     from jaxpar.targets import parse_target, target_devices
@@ -96,28 +99,64 @@ def measure(model: cost.ModelSpec, target: str, plan: cost.Plan) -> dict:
                                   devices=target_devices(parse_target(target)))
     seconds = time.perf_counter() - t0
     rep = memory_report(compiled)
-    out = {"arguments": rep.argument_bytes, "temp": rep.temp_bytes, "peak": rep.peak_bytes,
-           "compile_s": round(seconds, 1), "inventory": _inventory(compiled, mesh, plan)}
+    if hlo:
+        with gzip.open(hlo, "wt") as f:
+            f.write(compiled.as_text())
+    return {"arguments": rep.argument_bytes, "temp": rep.temp_bytes, "peak": rep.peak_bytes,
+            "compile_s": round(seconds, 1), **count(compiled, mesh, plan)}
+
+
+def _measure_or_refusal(model: cost.ModelSpec, target: str, plan: cost.Plan, hlo: str | None) -> dict:
+    """:func:`measure`, or ``{"compile_error": ...}`` when the compiler refuses a program that does not fit
+    (libtpu does; the GPU compiler compiles it and its peak says so)."""
     try:
-        out["axes"] = compiled_bytes_per_axis(compiled, mesh, plan)
-    except ValueError as e:     # the pipelined inventory reads jaxpar's tick loop, which a compiler may rewrite
-        out["axes"], out["axes_error"] = {}, str(e)
-    return out
+        return measure(model, target, plan, hlo)
+    except Exception as e:                 # jax.errors.JaxRuntimeError; JAX is imported only inside measure
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return {"compile_error": next(line for line in str(e).splitlines() if "RESOURCE_EXHAUSTED" in line)}
+
+
+def count(compiled, mesh, plan: cost.Plan) -> dict:
+    """The compiled side's collectives: ``axes`` (bytes per mesh axis; ``axes_error`` when they cannot
+    be counted) and ``inventory`` (bytes by kind and axes) of ``compiled`` (or its HLO text)."""
+    from jaxpar.analysis.axis_bytes import compiled_bytes_per_axis
+
+    try:
+        return {"axes": compiled_bytes_per_axis(compiled, mesh, plan), "inventory": _inventory(compiled, mesh, plan)}
+    except ValueError as e:     # the pipelined inventory reads jaxpar's tick loop
+        return {"axes": {}, "axes_error": str(e), "inventory": {}}
+
+
+def recount(target: str, plan: cost.Plan, path: str) -> dict:
+    """:func:`count` from a case's HLO text (a deviceless program: partition ``i`` is ``mesh.devices.flat[i]``)."""
+    from jaxpar.mesh import make_mesh
+    from jaxpar.targets import parse_target, target_devices
+
+    mesh = make_mesh({k: v for k, v in plan.sizes.items() if v > 1} or {"data": 1},
+                     devices=target_devices(parse_target(target)))
+    with gzip.open(path, "rt") as f:
+        return count(f.read(), mesh, plan)
 
 
 def _inventory(compiled, mesh, plan) -> dict:
-    """Bytes per step by (kind, axes), for a plan without a pipeline (loops counted by trip count)."""
-    if plan.pipe > 1:
-        return {}
+    """Bytes per step by (kind, axes), loops counted by trip count; for a pipelined plan, on the device
+    of the stage that moves the most bytes (the tick loop's branches weighted as in ``axes``)."""
+    from jaxpar.analysis.axis_bytes import stage_branch_weights
     from jaxpar.analysis.hlo import collectives
     from jaxpar.analysis.loops import trip_counts
 
-    mult = trip_counts(compiled.as_text())
-    out: dict[str, float] = {}
-    for c in collectives(compiled, mesh):
-        key = f"{c.kind} {','.join(c.axes or ())}"
-        out[key] = out.get(key, 0.0) + c.bytes * mult.get(c.computation, 1)
-    return out
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    colls = collectives(compiled, mesh)
+    weights = stage_branch_weights(compiled, mesh, plan) if plan.pipe > 1 else [None]
+    best: dict[str, float] = {}
+    for w in weights:
+        mult, out = trip_counts(text, w), {}
+        for c in colls:
+            key = f"{c.kind} {','.join(c.axes or ())}"
+            out[key] = out.get(key, 0.0) + c.bytes * mult.get(c.computation, 1)
+        best = max(best, out, key=lambda d: sum(d.values()))
+    return best
 
 
 def predict(model: cost.ModelSpec, target: str, plan: cost.Plan) -> dict:
@@ -146,16 +185,18 @@ def row(key: str, pred: dict, got: dict, capacity: float | None = None) -> dict:
             "compile_s": got.get("compile_s"), "inventory": got.get("inventory", {})}
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], refused: list[tuple[str, str]] = ()) -> str:
+    """The Markdown table of ``rows``, then a line for each case the compiler ``refused`` (case, error)."""
     lines = ["| case | bytes per axis: error (compiled GB) | args error | peak pred / compiled GB (error) | "
              "compile s |", "|---|---|---:|---:|---:|"]
     for r in rows:
         ax = ", ".join(f"{a} {v['error']:.2%} ({v['compiled'] / 1e9:.3g})" for a, v in r["axes"].items())
-        ax = ax or "not counted (the tick loop is rewritten by this compiler)"
+        ax = ax or f"not counted ({r['axes_error']})"
         pk = r["peak"]
         lines.append(f"| {r['case']} | {ax} | {r['arguments']['error']:.2%} | {pk['predicted'] / 1e9:.2f} / "
                      f"{pk['compiled'] / 1e9:.2f} ({pk['error']:.1%}{'' if pk['fits'] else ', does not fit'}) | "
                      f"{r['compile_s']} |")
+    lines += [f"| {key} | not compiled: {error} | - | - | - |" for key, error in refused]
     return "\n".join(lines)
 
 
@@ -181,11 +222,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the rows and the measured side as JSON")
     ap.add_argument("--measured", help="reuse the measured side of this JSON (no compiling)")
     ap.add_argument("--only", default="", help="run only the cases whose key contains this text")
+    ap.add_argument("--hlo", help="keep each compiled program's HLO text in this folder, and count the "
+                                  "collectives of a case from its text when it is there")
     args = ap.parse_args(argv)
+    if args.hlo:
+        os.makedirs(args.hlo, exist_ok=True)
     measured = json.load(open(args.measured))["measured"] if args.measured else {}
     if args.out and os.path.exists(args.out) and not args.measured:
         measured = json.load(open(args.out))["measured"]          # resume
-    rows = []
+    rows, refused = [], []
     for name, batch, target, plan in CASES:
         key = case_key(name, batch, target, plan)
         if args.only not in key:
@@ -193,13 +238,20 @@ def main(argv=None) -> int:
         model = case_model(name, batch)
         if key not in measured and args.measured:
             continue
+        hlo = os.path.join(args.hlo, key.replace(" ", "_").replace(":", "-") + ".hlo.gz") if args.hlo else None
         if key not in measured:
-            measured[key] = measure(model, target, plan)
-            print(f"compiled {key} in {measured[key]['compile_s']} s", file=sys.stderr, flush=True)
-        rows.append(row(key, predict(model, target, plan), measured[key], _capacity(target)))
+            measured[key] = _measure_or_refusal(model, target, plan, hlo)
+            print(f"compiled {key}: {measured[key].get('compile_s', measured[key].get('compile_error'))}",
+                  file=sys.stderr, flush=True)
+        elif hlo and os.path.exists(hlo):
+            measured[key] = {k: v for k, v in measured[key].items() if k != "axes_error"} | recount(target, plan, hlo)
+        if "compile_error" in measured[key]:
+            refused.append((key, measured[key]["compile_error"]))
+        else:
+            rows.append(row(key, predict(model, target, plan), measured[key], _capacity(target)))
         if args.out:
             _write(args.out, rows, measured)
-    print(table(rows))
+    print(table(rows, refused))
     print(json.dumps(summary(rows), indent=1))
     return 0
 

@@ -221,6 +221,134 @@ def test_async_pairs_counted_once_from_text(mesh):
     ]
 
 
+# libtpu's async collective fusions: the start (outside the layer loop), a continuation that runs in the loop's
+# body while the all-gather moves, and the done all carry the all-gather of channel 6; channel 7 is another one
+TPU_CHAIN = """HloModule m, num_partitions=8
+
+%start_comp (s0: bf16[64,256]) -> (bf16[64,256], bf16[512,256], u32[]) {
+  %s0 = bf16[64,256]{1,0} parameter(0)
+  %ag.1 = bf16[512,256]{1,0} all-gather(%s0), channel_id=6, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %cc.1 = (bf16[64,256]{1,0}, bf16[512,256]{1,0}, u32[]) custom-call(%ag.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%cont_comp (c0: bf16[64,256], c1: f32[8,32]) -> (f32[8,32], bf16[512,256]) {
+  %c0 = bf16[64,256]{1,0} parameter(0)
+  %c1 = f32[8,32]{1,0} parameter(1)
+  %ag.2 = bf16[512,256]{1,0} all-gather(%c0), channel_id=6, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %n = f32[8,32]{1,0} negate(%c1)
+  ROOT %ct = (f32[8,32]{1,0}, bf16[512,256]{1,0}) tuple(%n, %ag.2)
+}
+
+%done_comp (d0: bf16[64,256], d1: bf16[512,256]) -> bf16[512,256] {
+  %d0 = bf16[64,256]{1,0} parameter(0)
+  %d1 = bf16[512,256]{1,0} parameter(1)
+  %ag.3 = bf16[512,256]{1,0} all-gather(%d0), channel_id=6, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %cc.2 = bf16[512,256]{1,0} custom-call(%d1, %ag.3), custom_call_target="AsyncCollectiveDone"
+}
+
+%body (t: (s32[], f32[8,32], bf16[64,256])) -> (s32[], f32[8,32], bf16[64,256]) {
+  %t = (s32[], f32[8,32]{1,0}, bf16[64,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[8,32]{1,0} get-tuple-element(%t), index=1
+  %e = bf16[64,256]{1,0} get-tuple-element(%t), index=2
+  %f = (f32[8,32]{1,0}, bf16[512,256]{1,0}) fusion(%e, %x), kind=kOutput, calls=%cont_comp
+  %y = f32[8,32]{1,0} get-tuple-element(%f), index=0
+  %ar = f32[8,32]{1,0} all-reduce(%y), channel_id=7, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[8,32]{1,0}, bf16[64,256]{1,0}) tuple(%next, %ar, %e)
+}
+
+%cond (q: (s32[], f32[8,32], bf16[64,256])) -> pred[] {
+  %q = (s32[], f32[8,32]{1,0}, bf16[64,256]{1,0}) parameter(0)
+  %qi = s32[] get-tuple-element(%q), index=0
+  %limit = s32[] constant(3)
+  ROOT %lt = pred[] compare(%qi, %limit), direction=LT
+}
+
+ENTRY %main (e0: bf16[64,256], x: f32[8,32]) -> bf16[512,256] {
+  %e0 = bf16[64,256]{1,0} parameter(0)
+  %x = f32[8,32]{1,0} parameter(1)
+  %async-collective-start = (bf16[64,256]{1,0}, bf16[512,256]{1,0}, u32[]) fusion(%e0), kind=kCustom, calls=%start_comp
+  %g0 = bf16[64,256]{1,0} get-tuple-element(%async-collective-start), index=0
+  %zero = s32[] constant(0)
+  %t0 = (s32[], f32[8,32]{1,0}, bf16[64,256]{1,0}) tuple(%zero, %x, %g0)
+  %w = (s32[], f32[8,32]{1,0}, bf16[64,256]{1,0}) while(%t0), condition=%cond, body=%body
+  %g1 = bf16[512,256]{1,0} get-tuple-element(%async-collective-start), index=1
+  ROOT %async-collective-done = bf16[512,256]{1,0} fusion(%g0, %g1), kind=kCustom, calls=%done_comp
+}
+"""
+
+
+def test_a_tpu_async_collective_chain_counts_once_at_its_start():
+    from jaxpar.analysis.loops import trip_counts
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    colls = collectives(TPU_CHAIN, mesh)
+    assert [(c.name, c.kind, c.bytes, c.in_loop, c.asynchronous) for c in colls] == [
+        ("ag.1", "all-gather", 512 * 256 * 2, False, True),      # not again in the loop, nor at the done
+        ("ar", "all-reduce", 8 * 32 * 4, True, False),
+    ]
+    runs = trip_counts(TPU_CHAIN)
+    assert sum(c.bytes * runs[c.computation] for c in colls) == 512 * 256 * 2 + 3 * 8 * 32 * 4
+
+
+ALL_REDUCE_SCATTER = """HloModule m, num_partitions=8
+
+%all-reduce-scatter.3 (input_0: f32[128,512]) -> f32[128,64] {
+  %input_0 = f32[128,512]{0,1:T(8,128)S(1)} parameter(0)
+  %all-reduce.48 = f32[128,512]{0,1:T(8,128)} all-reduce(%input_0), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %constant.902 = u32[] constant(0)
+  %partition-id.15 = u32[] partition-id()
+  %constant.903 = u32[] constant(64)
+  %multiply.149 = u32[]{:T(128)} multiply(%partition-id.15, %constant.903)
+  ROOT %dynamic-slice.182 = f32[128,64]{0,1:T(8,128)S(1)} dynamic-slice(%all-reduce.48, %constant.902, %multiply.149), dynamic_slice_sizes={128,64}
+}
+
+ENTRY %main (g: f32[128,512]) -> f32[128,64] {
+  %g = f32[128,512]{0,1:T(8,128)} parameter(0)
+  ROOT %fusion.218 = f32[128,64]{0,1:T(8,128)S(1)} fusion(%g), kind=kCustom, calls=%all-reduce-scatter.3
+}
+"""
+
+
+def test_libtpus_all_reduce_scatter_fusion_is_a_reduce_scatter():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    assert [(c.kind, c.bytes, c.axes) for c in collectives(ALL_REDUCE_SCATTER, mesh)] == [
+        ("reduce-scatter", 128 * 64 * 4, ("data",))]
+
+
+def test_a_tpu_program_counts_each_channel_once():
+    """A compiled TPU FSDP step: libtpu gathers weights through chains of async collective fusions (a start,
+    continuations that run compute while the gather moves, a done; all carry the gather): each chain is
+    counted once, at its start."""
+    from flax import nnx
+
+    from jaxpar.analysis.hlo_text import channel, parse_instructions, tpu_async_roles
+    from jaxpar.cost.parallel import Plan
+    from jaxpar.models.gpt import GPT, GPTConfig
+    from jaxpar.targets import parse_target, target_devices
+    from jaxpar.train.cost_check import compile_plan
+
+    cfg = GPTConfig(vocab=512, seq_len=64, embed=128, heads=4, layers=2)
+    mesh, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), Plan(fsdp=8), 16, 64,
+                                  devices=target_devices(parse_target("tpu-v5e:2x4")))
+    text = compiled.as_text()
+    roles = tpu_async_roles(text)
+    assert {"start", "continuation", "done"} <= set(roles.values()), roles
+    colls = collectives(compiled, mesh)
+    starts = {n for n, r in roles.items() if r == "start"}
+    assert {c.name for c in colls if c.asynchronous} == starts
+    assert not {c.name for c in colls} & (set(roles) - starts)          # no continuation or done counted
+    by_name = {i.name: i for i in parse_instructions(text)}
+    chains = [channel(by_name[n]) for n in starts]
+    assert len(chains) == len(set(chains)) == sum(channel(by_name[c.name]) in chains for c in colls)
+    # the gradients are reduce-scattered over fsdp (libtpu's all-reduce-scatter fusions), to 1/8 shards
+    scatters = [c for c in colls if c.kind == "reduce-scatter"]
+    assert scatters and not [c for c in colls if c.kind == "all-reduce" and c.bytes > 64 * 1024]
+    assert sum(c.bytes for c in scatters) < sum(c.bytes for c in colls if c.kind == "all-gather")
+
+
 ONE_ALL_REDUCE = """\
 HloModule m
 

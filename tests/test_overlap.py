@@ -345,11 +345,14 @@ def test_an_h100_step_overlaps_the_layers_gradient_all_reduce_with_their_backwar
 
 
 def test_a_tpu_step_counts_its_layer_loop_from_the_condition():
-    """libtpu writes no known_trip_count: the layer loop's 2 trips are read from its condition."""
+    """libtpu writes no known_trip_count: the layer loops' 2 trips are read from the loops themselves
+    (jaxpar.analysis.loops.while_trip_counts, which overlap uses)."""
     from jaxpar.analysis.loops import while_trip_counts
 
     compiled, gpt_flops = _compiled(_target("tpu-v5e:2x4"))
-    assert while_trip_counts(compiled.as_text()) == {}
+    text = compiled.as_text()
+    assert "known_trip_count" not in text
+    assert sorted(while_trip_counts(text).values()) == [2, 2]          # the forward and the backward scan
     r = overlap(compiled)
     assert sorted(s.runs for s in r.synchronous if s.kind == "all-reduce")[-1] == 2
     assert r.step_flops == pytest.approx(gpt_flops, rel=0.01)        # libtpu's convolutions count as the dots

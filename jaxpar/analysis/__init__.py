@@ -1,5 +1,6 @@
 """Read compiled programs: collectives inventory (hlo.py; mesh-axis attribution of replica groups in
-replica_groups.py), how often each computation runs (loops.py: while loops' trip counts), per-device
+replica_groups.py; the HLO text itself in hlo_text.py), how often each computation runs (loops.py:
+while loops' trip counts, known or read from the loop), per-device
 memory (memory.py), and bytes per step per mesh axis for comparison with the cost model (axis_bytes.py,
 imported on its own: it reads pipeline schedules).
 

@@ -15,13 +15,18 @@ Counting every branch on every tick would count each collective ``T`` times;
 :func:`stage_branch_weights` reads from the schedule how often each one runs:
 
 * the conditional of kind ``k`` (two branches: 0 does nothing, 1 the action): branch 1 runs on
-  the ticks where the stage's instruction is ``kinds[k]``, branch 0 on the others;
+  the ticks where the stage's instruction is ``kinds[k]``, branch 0 on the others. XLA:CPU and
+  libtpu keep it an index conditional (``branch_computations={skip, action}``); the GPU compiler
+  rewrites it as a predicate conditional (``true_computation=action, false_computation=skip``),
+  read in the same branch order (:func:`~jaxpar.analysis.hlo_text.branch_computations`);
 * a send switch: the branch whose ``collective-permute`` moves between the stage pairs ``S``
   runs on the ticks whose forward or backward pairs are ``S``. When both switches have a
   branch for the same ``S`` (``p = 2`` with wrap-around), each gets half of the total, so the
   bytes on ``pipe`` add up (both send the same activation shape).
 
-The pipelined figure is that of the busiest stage's device, axis by axis. JAX is imported
+The tick loop is found by its trip count, ``T``: known on XLA:CPU and XLA:GPU, read from the
+loop on TPU (:func:`~jaxpar.analysis.loops.while_trip_counts`). The pipelined figure is that of
+the busiest stage's device, axis by axis. JAX is imported
 only inside :func:`stage_branch_weights` (for the tick table).
 
 Example::
@@ -44,7 +49,8 @@ import numpy as np
 from ..cost.parallel import Plan
 from ..pipeline.program import lower
 from ..pipeline.schedules import get_schedule
-from .hlo import Collective, called_computations, collectives, parse_instructions, partition_positions
+from .hlo import Collective, collectives, partition_positions
+from .hlo_text import branch_computations, called_computations, parse_instructions
 from .loops import trip_counts, while_trip_counts
 from .replica_groups import source_target_pairs
 
@@ -55,7 +61,8 @@ def compiled_bytes_per_axis(compiled: Any, mesh: Any, plan: Plan | None = None) 
     """Bytes per step per mesh axis of the collectives in ``compiled``, loops counted by trip count.
 
     Args:
-      compiled: a ``jax.stages.Compiled`` train step.
+      compiled: a ``jax.stages.Compiled`` train step, or its HLO text (``as_text()``; partition ``i``
+        is then taken to run on ``mesh.devices.flat[i]``, as for a deviceless compile).
       mesh: the mesh it was compiled for.
       plan: the :class:`~jaxpar.cost.parallel.Plan` it was compiled from; needed for a pipelined
         step (``plan.pipe > 1``), whose tick loop's switches are counted by how often the
@@ -65,7 +72,7 @@ def compiled_bytes_per_axis(compiled: Any, mesh: Any, plan: Plan | None = None) 
       ``{mesh axis: bytes}``; for a pipelined plan, per axis the largest over the pipeline
       stages' devices.
     """
-    text = compiled.as_text()
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
     colls = collectives(compiled, mesh)
     if plan is None or plan.pipe == 1:
         return _sum_axes(colls, trip_counts(text))
@@ -88,7 +95,7 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
     """How often each branch of a pipelined step's tick loop runs, per pipeline stage (see the module doc).
 
     Args:
-      compiled: a ``jax.stages.Compiled`` pipelined train step of jaxpar.
+      compiled: a ``jax.stages.Compiled`` pipelined train step of jaxpar, or its HLO text.
       mesh: the mesh it was compiled for (with a ``pipe`` axis).
       plan: the plan it was compiled from (``pipe``, ``schedule``, ``microbatches``, ``virtual``).
 
@@ -105,7 +112,7 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
     program = lower(get_schedule(plan.schedule, plan.pipe, plan.microbatches, plan.virtual))
     table, ticks = tick_table(program), program.ticks
     T = len(ticks)
-    by_comp, conds = _tick_loop(compiled.as_text(), T, plan)
+    by_comp, conds = _tick_loop(compiled if isinstance(compiled, str) else compiled.as_text(), T, plan)
     sends, actions = _tick_conditionals(conds, by_comp, _stage_of_partition(compiled, mesh))
     active = [k for k, kind in enumerate(table.kinds) if kind.op != "idle"]
     if len(actions) != len(active):
@@ -126,7 +133,7 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
 def _tick_loop(text: str, T: int, plan: Plan) -> tuple[dict[str, list], list]:
     """The instructions by computation, and the conditionals in the bodies of the ``T``-trip loops."""
     instrs = parse_instructions(text)
-    trips = while_trip_counts(text)
+    trips = while_trip_counts(text, instrs)
     by_comp: dict[str, list] = {}
     for ins in instrs:
         by_comp.setdefault(ins.computation, []).append(ins)
@@ -144,7 +151,7 @@ def _tick_conditionals(conds: list, by_comp: dict[str, list],
     its branch i moves, or None]}``) and the action conditionals (names, in text order)."""
     sends, actions = {}, []
     for sw in conds:
-        branches = [c for key, c in called_computations(sw) if key == "branch_computations"]
+        branches = branch_computations(sw)
         permutes = [_permutes(b, by_comp) for b in branches]
         if any(permutes):
             sends[sw.name] = [frozenset((stage_of[a], stage_of[b]) for ins in ps

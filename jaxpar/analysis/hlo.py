@@ -16,12 +16,21 @@ program jitted over a ``NamedSharding`` is ``mesh.devices.flat[i]``.
 """
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jaxpar.analysis.hlo_text import (
+    KINDS,
+    Instruction,
+    array_shapes,
+    called_computations,
+    parse_instructions,
+    shape_bytes,
+    tpu_async_roles,
+    tpu_reduce_scatters,
+)
 from jaxpar.analysis.memory import format_bytes, render_table
 from jaxpar.analysis.replica_groups import (
     axes_of_groups,
@@ -47,16 +56,6 @@ __all__ = [
     "iota_replica_groups",
 ]
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-
-_DTYPE_BITS = {
-    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
-    "s32": 32, "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
-    "c64": 64, "c128": 128, "token": 0, "opaque": 0,
-}  # fmt: skip
-_F8_OR_SMALLER = re.compile(r"f(8|6|4)e\d+m\d+\w*")
-_ARRAY_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
-
 
 @dataclass(frozen=True)
 class Collective:
@@ -67,7 +66,9 @@ class Collective:
     of the mesh axes produces its groups); ``in_loop`` whether it sits in a
     while-loop body or condition, directly or via called computations;
     ``asynchronous`` whether the compiler scheduled it as an async start / done pair
-    (GPU: ``*-start``; TPU: inside an ``async-collective-start``), so compute can overlap it.
+    (GPU: ``*-start`` or inside an ``async-start`` wrapper; TPU: the start of one of libtpu's
+    async collective fusion chains, :func:`~jaxpar.analysis.hlo_text.tpu_async_roles`), so
+    compute can overlap it.
     """
 
     kind: str
@@ -79,128 +80,7 @@ class Collective:
     asynchronous: bool = False
 
 
-# ----------------------------------------------------------------------------- shapes
-
-
-def _dtype_bits(dtype: str) -> int:
-    if dtype in _DTYPE_BITS:
-        return _DTYPE_BITS[dtype]
-    match = _F8_OR_SMALLER.fullmatch(dtype)
-    if match:
-        return int(match.group(1))
-    raise ValueError(f"shape has unknown element type {dtype!r}")
-
-
-def _num_elements(dims: str) -> int:
-    sizes = [d.strip().lstrip("<=") for d in dims.split(",") if d.strip()]
-    if any(not s.isdigit() for s in sizes):
-        raise ValueError(f"shape has non-static dimensions [{dims}]")
-    return math.prod(int(s) for s in sizes)
-
-
-def shape_bytes(shape: str) -> int:
-    """Bytes of an HLO shape string, summing tuple elements.
-
-    >>> shape_bytes("f32[8,128]{1,0}"), shape_bytes("(bf16[2], s8[4,4])")
-    (4096, 20)
-    """
-    arrays = _ARRAY_SHAPE.findall(shape)
-    if not arrays and shape.strip() not in ("()", "token[]"):
-        raise ValueError(f"shape {shape!r} is not an HLO shape")
-    return sum(math.ceil(_num_elements(dims) * _dtype_bits(dtype) / 8) for dtype, dims in arrays)
-
-
 # ----------------------------------------------------------------------------- HLO text
-
-
-@dataclass(frozen=True)
-class Instruction:
-    """One instruction of an HLO module's text (:func:`parse_instructions`).
-
-    ``rest`` is what follows the opcode's ``(``: operands and attributes, with string
-    literals blanked to ``""``; ``computation`` the computation the instruction is in.
-    """
-
-    name: str
-    shape: str
-    opcode: str
-    rest: str
-    computation: str
-
-
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*[({]")
-_INSTR = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_CALLS = re.compile(
-    r"\b(to_apply|calls|body|condition|branch_computations|true_computation|false_computation)"
-    r"=(\{[^}]*\}|%?[\w.\-]+)"
-)
-
-
-def _split_shape(text: str) -> tuple[str, str]:
-    """Split ``'(f32[2], s32[]) all-to-all(...)'`` into shape and remainder."""
-    if not text.startswith("("):
-        shape, _, rest = text.partition(" ")
-        return shape, rest
-    depth = 0
-    for i, ch in enumerate(text):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            return text[: i + 1], text[i + 1 :]
-    raise ValueError(f"unbalanced tuple shape in {text[:80]!r}")
-
-
-def parse_instructions(text: str) -> list[Instruction]:
-    """The instructions of an HLO module's text, in text order.
-
-    Args:
-      text: the HLO text (``compiled.as_text()``).
-
-    Returns:
-      One :class:`Instruction` per instruction line, each with the computation it belongs to.
-
-    >>> hlo = '''HloModule m
-    ... ENTRY %main (p: f32[4]) -> f32[4] {
-    ...   %p = f32[4]{0} parameter(0)
-    ...   ROOT %ar = f32[4]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
-    ... }'''
-    >>> [(i.name, i.opcode, i.computation) for i in parse_instructions(hlo)]
-    [('p', 'parameter', 'main'), ('ar', 'all-reduce', 'main')]
-    """
-    instrs, computation = [], ""
-    for line in text.splitlines():
-        if line.startswith("HloModule") or not line.strip():
-            continue
-        if not line[0].isspace():
-            header = _HEADER.match(line)
-            computation = header.group(1) if header and line.rstrip().endswith("{") else computation
-            continue
-        match = _INSTR.match(line)
-        if not match:
-            continue
-        shape, rest = _split_shape(match.group(2).strip())
-        op = re.match(r"\s*([\w\-]+)\((.*)$", rest)
-        if op:
-            instrs.append(Instruction(match.group(1), shape, op.group(1), _STRING.sub('""', op.group(2)), computation))
-    return instrs
-
-
-def called_computations(instr: Instruction) -> list[tuple[str, str]]:
-    """The computations ``instr`` calls, with the attribute that names each.
-
-    Args:
-      instr: an instruction from :func:`parse_instructions`.
-
-    Returns:
-      ``[(attribute, computation)]`` in text order; the attribute is one of ``to_apply``,
-      ``calls``, ``body``, ``condition``, ``branch_computations``, ``true_computation``,
-      ``false_computation`` (a ``branch_computations={%a, %b}`` list gives one pair per branch).
-
-    >>> ins = Instruction("w", "f32[]", "while", "%t), condition=%cond, body=%body", "main")
-    >>> called_computations(ins)
-    [('condition', 'cond'), ('body', 'body')]
-    """
-    return [(key, name) for key, value in _CALLS.findall(instr.rest) for name in re.findall(r"%?([\w.\-]+)", value)]
 
 
 def _loop_computations(instrs: list[Instruction]) -> set[str]:
@@ -222,9 +102,8 @@ def _loop_computations(instrs: list[Instruction]) -> set[str]:
 
 
 def _async_computations(instrs: list[Instruction]) -> set[str]:
-    """Computations that an async wrapper runs (``async-start``, TPU's ``async-collective-start`` fusions)."""
-    return {callee for i in instrs if i.opcode == "async-start" or i.name.startswith("async-collective-start")
-            for _, callee in called_computations(i)}
+    """Computations that an ``async-start`` wrapper runs."""
+    return {callee for i in instrs if i.opcode == "async-start" for _, callee in called_computations(i)}
 
 
 def _kind(opcode: str) -> str | None:
@@ -242,10 +121,9 @@ def _result_bytes(instr: Instruction, kind: str, done_shapes: dict[str, str]) ->
         return shape_bytes(instr.shape)
     if instr.name in done_shapes:
         return shape_bytes(done_shapes[instr.name])
-    arrays = _ARRAY_SHAPE.findall(instr.shape)  # (operand, result, ...) tuples of async starts
+    arrays = array_shapes(instr.shape)  # (operand, result, ...) tuples of async starts
     if kind in ("all-gather", "collective-permute") and instr.shape.startswith("(") and len(arrays) >= 2:
-        pick = arrays[-1] if kind == "all-gather" else arrays[1]
-        return shape_bytes(f"{pick[0]}[{pick[1]}]")
+        return shape_bytes(arrays[-1] if kind == "all-gather" else arrays[1])
     return shape_bytes(instr.shape)
 
 
@@ -309,7 +187,12 @@ def collectives(compiled: Any, mesh: Any) -> list[Collective]:
     in program-text order, attributed to axes of ``mesh``.
 
     Async ``*-start``/``*-done`` pairs count once (at the start), with the
-    bytes of the done's result.
+    bytes of the done's result; so does each chain of libtpu's async collective
+    fusions, whose start, continuations and done each carry a copy of the collective
+    (:func:`~jaxpar.analysis.hlo_text.tpu_async_roles`): it counts at the start.
+    libtpu's ``all-reduce-scatter`` fusions (an all-reduce sliced to each partition's
+    shard, :func:`~jaxpar.analysis.hlo_text.tpu_reduce_scatters`) count as reduce-scatters,
+    with the bytes of the shard.
     """
     if not hasattr(mesh, "axis_names") or not hasattr(mesh, "devices"):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -317,24 +200,26 @@ def collectives(compiled: Any, mesh: Any) -> list[Collective]:
     _check_partitions(text, mesh)
     positions = None if isinstance(compiled, str) else partition_positions(compiled, mesh)
     instrs = parse_instructions(text)
-    in_loop, wrapped = _loop_computations(instrs), _async_computations(instrs)
+    in_loop, wrapped, tpu = _loop_computations(instrs), _async_computations(instrs), tpu_async_roles(text, instrs)
     done_shapes = {
         _first_operand(i): i.shape for i in instrs if i.opcode.endswith("-done") and _kind(i.opcode[:-5])
     }
+    scatters = tpu_reduce_scatters(instrs)
     found = []
     for instr in instrs:
         kind = _kind(instr.opcode)
-        if kind is None:
+        if kind is None or tpu.get(instr.name, "start") != "start":
             continue
+        fused = scatters.get(instr.name)
         found.append(
             Collective(
-                kind=kind,
-                bytes=_result_bytes(instr, kind, done_shapes),
+                kind="reduce-scatter" if fused else kind,
+                bytes=shape_bytes(fused.shape) if fused else _result_bytes(instr, kind, done_shapes),
                 axes=_axes(instr, kind, mesh, positions),
                 computation=instr.computation,
                 in_loop=instr.computation in in_loop,
                 name=instr.name,
-                asynchronous=instr.opcode.endswith("-start") or instr.computation in wrapped,
+                asynchronous=instr.opcode.endswith("-start") or instr.computation in wrapped or instr.name in tpu,
             )
         )
     return found

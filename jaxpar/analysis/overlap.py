@@ -8,17 +8,18 @@ entry computation, in while bodies and in any other computation, and measures wh
 * GPU: ``all-gather-start`` / ``all-gather-done`` (likewise ``all-reduce``, ``reduce-scatter``,
   ``collective-permute``), or a collective wrapped in ``async-start`` / ``async-update`` / ``async-done``;
 * TPU: a fusion whose computation ends in the ``AsyncCollectiveStart`` custom call and one whose ends in
-  ``AsyncCollectiveDone``, paired by the collective's ``channel_id``; the fusions between them that carry
-  the same collective (libtpu's continuations) are compute under it, not other collectives.
+  ``AsyncCollectiveDone``, paired by the collective's ``channel_id``; the fusions that carry the same
+  collective (libtpu's continuations, :func:`jaxpar.analysis.hlo_text.tpu_async_roles`) are compute under
+  it, not other collectives.
 
 What lies between is counted in instructions (parameters, constants, tuples, get-tuple-elements and
 bitcasts left out) and in FLOPs of dots and convolutions: a dot ``2 x prod(result dims) x contracted
 size``; a convolution ``2 x`` output batch and features ``x`` input features ``x`` the (output position,
 kernel tap) pairs that land on the input (padding and dilation holes left out); a cuBLAS gemm custom call
 as its dot; a fusion, call or async wrapper as its computation; a while loop its body and condition times
-the known trip count (libtpu writes none: then read from the loop's condition); a conditional every
-branch (an upper bound, as :func:`jaxpar.analysis.loops.trip_counts`). Elementwise work and reductions
-count no FLOPs. Collectives without start / done are synchronous (XLA:CPU makes every one so).
+its trip count (:func:`jaxpar.analysis.loops.while_trip_counts`: the known one, or read from the loop);
+a conditional every branch (an upper bound, as :func:`jaxpar.analysis.loops.trip_counts`). Elementwise
+work and reductions count no FLOPs. Collectives without start / done are synchronous (XLA:CPU makes every one so).
 
 Example:
     >>> hlo = '''HloModule m, is_scheduled=true
@@ -46,7 +47,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .hlo import KINDS, Instruction, called_computations, parse_instructions, shape_bytes
+from .hlo_text import (KINDS, Instruction, called_computations, channel, custom_call_targets, operands,
+                       parse_instructions, shape_bytes, tpu_async_roles, tpu_reduce_scatters)
 from .loops import trip_counts, while_trip_counts
 from .memory import format_bytes, render_table
 
@@ -57,8 +59,6 @@ BOOKKEEPING = frozenset({"parameter", "constant", "get-tuple-element", "tuple", 
 
 _ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
 _RAW = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=")
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_COMMENT = re.compile(r"/\*.*?\*/")
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,8 @@ class AsyncCollective:
 
 @dataclass(frozen=True)
 class SyncCollective:
-    """A collective with no start / done: nothing runs while it moves data."""
+    """A collective with no start / done: nothing runs while it moves data. libtpu's ``all-reduce-scatter``
+    fusions are reduce-scatters (:func:`jaxpar.analysis.hlo_text.tpu_reduce_scatters`), with the shard's bytes."""
 
     kind: str
     name: str
@@ -136,27 +137,10 @@ def dims(shape: str) -> list[int]:
     return [int(d.strip().lstrip("<=")) for d in match.group(1).split(",") if d.strip()]
 
 
-def _constant(ins: Instruction | None) -> int | None:
-    match = re.match(r"\s*(-?\d+)\)", ins.rest) if ins is not None and ins.opcode == "constant" else None
-    return int(match.group(1)) if match else None
-
-
 def _runs_callees(ins: Instruction) -> list[str]:
     """The computations ``ins`` runs as program steps: all it calls but the scalar ``to_apply`` of
     reductions and collectives (a ``call``'s ``to_apply`` is its body)."""
     return [c for key, c in called_computations(ins) if key != "to_apply" or ins.opcode == "call"]
-
-
-def _operands(rest: str) -> list[str]:
-    """Operand names of an instruction's ``rest`` (what follows ``opcode(``)."""
-    text, depth, cuts = _COMMENT.sub("", rest) + ")", 0, [-1]
-    for end, ch in enumerate(text):
-        if ch in ")}]" and depth == 0:
-            break
-        depth += (ch in "({[") - (ch in ")}]")
-        cuts += [end] if ch == "," and depth == 0 else []
-    parts = [text[a + 1:b] for a, b in zip(cuts, cuts[1:] + [end])]
-    return [p.split()[-1].lstrip("%") for p in parts if p.strip()]
 
 
 def _window(rest: str, n: int) -> list[dict[str, int]]:
@@ -202,44 +186,16 @@ class _Module:
         for ins in self.instrs:
             self.by_comp.setdefault(ins.computation, []).append(ins)
         self.by_name = {ins.name: ins for ins in self.instrs}
-        raw = {m.group(1): line for line in text.splitlines() if (m := _RAW.match(line))}
-        self.targets = {n: t.group(1) for n, line in raw.items() if (t := _TARGET.search(line))}
-        self.gemm = {n: raw[n] for n, t in self.targets.items() if t.startswith("__cublas$")}
-        known = while_trip_counts(text)
-        found = {i.name: n for i in self.instrs if i.opcode == "while" and i.name not in known
-                 and (n := self.infer_trip(i)) is not None}
-        lines = [line + f', backend_config={{"known_trip_count":{{"n":"{found[m.group(1)]}"}}}}'
-                 if (m := _RAW.match(line)) and m.group(1) in found else line for line in text.splitlines()]
-        self.trips, self.runs = {**known, **found}, trip_counts("\n".join(lines))
+        self.targets = custom_call_targets(text)
+        gemms = {n for n, t in self.targets.items() if t.startswith("__cublas$")}
+        self.gemm = {m.group(1): line for line in text.splitlines() if (m := _RAW.match(line)) and m.group(1) in gemms}
+        self.tpu_roles = tpu_async_roles(text, self.instrs)
+        self.trips, self.runs = while_trip_counts(text, self.instrs), trip_counts(text)
         self.entry = m.group(1) if (m := _ENTRY.search(text)) else None
         self._memo: dict[str, float] = {}
 
-    def source(self, name: str) -> Instruction | None:
-        ins = self.by_name.get(name)
-        while ins is not None and ins.opcode in ("copy", "bitcast"):
-            ins = self.by_name.get(_operands(ins.rest)[0])
-        return ins
-
-    def infer_trip(self, w: Instruction) -> int | None:
-        """A while loop's trip count from its condition ``i < N`` (or ``N > i``, ``<=``) and ``i``'s constant
-        start (libtpu writes no ``known_trip_count``); the step is taken to be 1, as in JAX's loops."""
-        cond = next((c for k, c in called_computations(w) if k == "condition"), None)
-        cmp = [i for i in self.by_comp.get(cond, ()) if i.opcode == "compare"]
-        ops = [self.source(n) for n in _operands(cmp[0].rest)] if len(cmp) == 1 else []
-        if len(ops) != 2 or None in ops:
-            return None
-        d = next(iter(re.findall(r"direction=(\w+)", cmp[0].rest)), "")
-        if ops[0].opcode == "constant":
-            ops, d = ops[::-1], {"GT": "LT", "GE": "LE"}.get(d, "")
-        index, tup = re.search(r"index=(\d+)", ops[0].rest), self.by_name.get(next(iter(_operands(w.rest)), ""))
-        if d not in ("LT", "LE") or ops[0].opcode != "get-tuple-element" or not index \
-                or getattr(tup, "opcode", "") != "tuple":
-            return None
-        limit, init = _constant(ops[1]), _constant(self.source(_operands(tup.rest)[int(index.group(1))]))
-        return None if limit is None or init is None else max(0, limit - init + (d == "LE"))
-
     def operand_dims(self, ins: Instruction, i: int) -> list[int]:
-        ops = _operands(ins.rest)
+        ops = operands(ins.rest)
         if i >= len(ops) or ops[i] not in self.by_name:
             raise ValueError(f"{ins.opcode} {ins.name!r}: operand {i} has no known shape in the HLO text")
         return dims(self.by_name[ops[i]].shape)
@@ -271,53 +227,37 @@ class _Module:
         """The first collective of a computation (what an async wrapper or TPU fusion runs)."""
         return next((i for i in self.by_comp.get(comp, ()) if i.opcode in KINDS), None)
 
-    def tpu_marker(self, comp: str) -> str | None:
-        targets = {self.targets.get(i.name) for i in self.by_comp.get(comp, ()) if i.opcode == "custom-call"}
-        return "start" if "AsyncCollectiveStart" in targets else "done" if "AsyncCollectiveDone" in targets else None
-
 
 # ----------------------------------------------------------------------------- pairing
 
 
-def _channel(ins: Instruction) -> str | None:
-    match = re.search(r"\bchannel_id=(\d+)", ins.rest)
-    return match.group(1) if match else None
-
-
 def _pairs(mod: _Module) -> tuple[list[tuple[Instruction, Instruction, Instruction]], set[str]]:
     """``([(collective, start, done)], wrapped)``: the async pairs of every computation, and the
-    computations whose collectives belong to them (async wrappers, TPU start / done / continuations)."""
-    pairs, wrapped, tpu_channels = [], set(), set()
+    computations whose collectives belong to them (async wrappers; libtpu's chains are in ``mod.tpu_roles``)."""
+    pairs, wrapped = [], set()
     for comp, seq in mod.by_comp.items():
         native, chain, tpu = {}, {}, {}
         for ins in seq:
             op, callees = ins.opcode, [c for k, c in called_computations(ins) if k == "calls"]
+            c = mod.collective_in(callees[0]) if callees and op in ("async-start", "fusion") else None
+            role = mod.tpu_roles.get(c.name) if c is not None and op == "fusion" else None
             if op.endswith("-start") and op[:-6] in KINDS:
                 native[ins.name] = (ins, ins)
-            elif op.endswith("-done") and op[:-5] in KINDS and (ops := _operands(ins.rest)) and ops[0] in native:
+            elif op.endswith("-done") and op[:-5] in KINDS and (ops := operands(ins.rest)) and ops[0] in native:
                 pairs.append((*native.pop(ops[0]), ins))
-            elif op == "async-start" and callees and (c := mod.collective_in(callees[0])) is not None:
+            elif op == "async-start" and c is not None:
                 chain[ins.name] = (c, ins)
                 wrapped.add(callees[0])
-            elif op in ("async-update", "async-done") and (ops := _operands(ins.rest)) and ops[0] in chain:
+            elif op in ("async-update", "async-done") and (ops := operands(ins.rest)) and ops[0] in chain:
                 c, start = chain.pop(ops[0])
                 if op == "async-update":
                     chain[ins.name] = (c, start)
                 else:
                     pairs.append((c, start, ins))
-            elif op == "fusion" and callees and (marker := mod.tpu_marker(callees[0])) \
-                    and (c := mod.collective_in(callees[0])) is not None:
-                wrapped.add(callees[0])
-                tpu_channels.add(_channel(c))
-                if marker == "start":
-                    tpu.setdefault(_channel(c), []).append((c, ins))
-                elif tpu.get(_channel(c)):
-                    pairs.append((*tpu[_channel(c)].pop(0), ins))
-    for comp, seq in mod.by_comp.items():           # TPU continuations: fusions carrying a paired channel
-        c = mod.collective_in(comp)
-        if c is not None and comp not in wrapped and _channel(c) in tpu_channels - {None} \
-                and not any(i.opcode in KINDS and _channel(i) not in tpu_channels for i in seq):
-            wrapped.add(comp)
+            elif role == "start":
+                tpu.setdefault(channel(c), []).append((c, ins))
+            elif role == "done" and tpu.get(channel(c)):
+                pairs.append((*tpu[channel(c)].pop(0), ins))
     return pairs, wrapped
 
 
@@ -371,8 +311,11 @@ def overlap(compiled: Any) -> OverlapReport:
     for _, start, done in pairs:
         seq = mod.by_comp[start.computation]
         spans.setdefault(start.computation, []).append((seq.index(start), seq.index(done)))
-    sync = [SyncCollective(i.opcode, i.name, i.computation, mod.runs.get(i.computation, 1), _bytes(i.shape))
-            for i in mod.instrs if i.opcode in KINDS and i.computation not in wrapped]
+    scatters = tpu_reduce_scatters(mod.instrs)               # libtpu's: the fusion's result is the shard
+    sync = [SyncCollective("reduce-scatter" if f else i.opcode, i.name, i.computation, mod.runs.get(i.computation, 1),
+                           _bytes((f or i).shape))
+            for i in mod.instrs if i.opcode in KINDS and i.computation not in wrapped and i.name not in mod.tpu_roles
+            for f in [scatters.get(i.name)]]
     return OverlapReport(tuple(_measure(mod, *p) for p in pairs), tuple(sync),
                          mod.computation_flops(mod.entry) if mod.entry else 0.0,
                          _covered(mod, mod.entry, spans) if mod.entry else 0.0)
