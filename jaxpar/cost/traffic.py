@@ -123,7 +123,7 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
     if plan.pipe > 1:
         _pipe_comms(add, m, plan, act, lowering, grad_bytes)
     if _axes(sizes, ("data", "fsdp")):
-        out += _data_comms(m, plan, cpu, compute_bytes, grad_bytes)
+        out += _data_comms(m, plan, lowering, compute_bytes, grad_bytes)
     return out
 
 
@@ -212,10 +212,12 @@ def _accumulate(groups: dict, sizes: Mapping[str, int], kind: str, axes, nbytes:
         groups[key] = groups.get(key, 0.0) + nbytes
 
 
-def _data_comms(m: ModelSpec, plan: Plan, cpu: bool, compute_bytes: float, grad_bytes: float) -> list[Comm]:
+def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, grad_bytes: float) -> list[Comm]:
     """Data axes: gradient reductions and ZeRO / FSDP parameter gathers. In a pipeline a device reduces
-    the gradients of its own blocks and of one end's outer parameters (the busiest end); on XLA:CPU it
-    does so inside every backward action of the tick loop, i.e. once per micro-batch."""
+    the gradients of its own blocks and of one end's outer parameters (the busiest end); the XLA
+    compilers (CPU, GPU and TPU: lowerings ``xla-cpu`` and ``xla``) do so inside every backward action
+    of the tick loop, i.e. once per micro-batch."""
+    cpu = lowering == "xla-cpu"
     sizes = plan.sizes
     d, f, t, mb = plan.data, plan.fsdp, plan.tensor, plan.microbatches
     layers_dev = m.layers // plan.pipe
@@ -225,7 +227,7 @@ def _data_comms(m: ModelSpec, plan: Plan, cpu: bool, compute_bytes: float, grad_
     explicit = t == 1 and plan.pipe == 1 and ((d > 1 and plan.zero >= 2) or f > 1)
     pbytes = 4 if cpu else compute_bytes
     end = _busiest_end(m, plan) if plan.pipe > 1 else None
-    per_mb = mb if cpu and plan.pipe > 1 else 1
+    per_mb = mb if lowering in ("xla", "xla-cpu") and plan.pipe > 1 else 1
     groups: dict[tuple, float] = {}
     acc = partial(_accumulate, groups, sizes)
 
@@ -245,10 +247,10 @@ def _data_comms(m: ModelSpec, plan: Plan, cpu: bool, compute_bytes: float, grad_
                 acc("all-gather", data_axes, group * 4, mb, "grads")
             elif not cpu:
                 if shardable and g_axes:
-                    acc("reduce-scatter", g_axes, g / n_g, count, "grads")
-                    acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count, "grads")
+                    acc("reduce-scatter", g_axes, g / n_g, count * per_mb, "grads")
+                    acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count * per_mb, "grads")
                 else:
-                    acc("all-reduce", data_axes, g, count, "grads")
+                    acc("all-reduce", data_axes, g, count * per_mb, "grads")
             elif explicit and leaf.stacked and shardable:
                 acc("reduce-scatter", g_axes, g / n_g, count, "grads")
                 acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count, "grads")
