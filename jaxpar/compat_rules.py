@@ -182,7 +182,7 @@ def _codec_problems(s: Setting) -> list[Problem]:
     if b1 and (st.zero >= 2 or s.size("fsdp") > 1):
         out.append(Problem(("Z", "1A"), ("zero", "compression"),
                            "{n[compression]}={c}(optimizer_momentum={b1}) with {n[zero]}={z} and {n[fsdp]}={f}: "
-                           "1-bit Adam needs the whole exchanged moment on every replica, but ZeRO-2/3 and fsdp "
+                           "1-bit Adam needs the whole exchanged moment on every replica, but ZeRO-2/3 or fsdp "
                            "shard the gradients over the data axes. Use {n[zero]} <= 1 with {n[fsdp]}=1 (put the "
                            "replicas on data).", {"c": st.compression.name, "b1": b1, "z": st.zero,
                                                    "f": s.size("fsdp")}, "CompressionError"))

@@ -276,8 +276,8 @@ def test_2bw_in_yaml():
                              (["parallel.steps_per_call=4", "train.log_every=6"],
                               r"train.log_every=6 is not a multiple of parallel.steps_per_call=4"),
                              (["parallel.steps_per_call=0"], r"parallel.steps_per_call=0: must be an int >= 1"),
-                             (["parallel.steps_per_call=2", "parallel.schedule=1f1b"],
-                              r"parallel.steps_per_call=2 with parallel.schedule='1f1b': only schedule='pipedream-2bw'")]:
+                             (["parallel.steps_per_call=2", "parallel.sync={kind: diloco, every: 4}"],
+                              r"parallel.steps_per_call=2 with parallel.sync='diloco-h4'")]:
         with pytest.raises(ConfigError, match=match):
             load_config(QUICK, [*PIPE2, "parallel.schedule=pipedream-2bw", "parallel.microbatches=2", *overrides])
     ok = load_config(QUICK, [*PIPE2, "parallel.schedule=pipedream-2bw", "parallel.microbatches=2",

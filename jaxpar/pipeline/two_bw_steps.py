@@ -147,14 +147,15 @@ def _windows_rows(program: Program, p: int, m: int, steps: int):
 
 
 def check_steps_per_call(strategy, steps) -> None:
-    """Errors for ``steps_per_call`` (only PipeDream-2BW and weight stashing run several steps per call)."""
+    """Errors for ``steps_per_call`` of the no-flush programs (PipeDream-2BW and weight stashing;
+    ``make_train_step`` scans the step of any other schedule)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise AsyncPipelineError(f"steps_per_call={steps!r}: give an int >= 1 (optimizer steps per call).")
     if steps > 1 and strategy.schedule not in ("pipedream-2bw", "pipedream"):
         raise AsyncPipelineError(
-            f"steps_per_call={steps} with schedule={strategy.schedule!r}: only schedule='pipedream-2bw' (or "
-            "'pipedream') runs several optimizer steps per call (its pipeline does not flush between them). Use "
-            "steps_per_call=1, or schedule='pipedream-2bw'.")
+            f"steps_per_call={steps} with schedule={strategy.schedule!r}: this no-flush program runs "
+            "schedule='pipedream-2bw' or 'pipedream'; build the step with jaxpar.make_train_step, which scans "
+            "the step of any other schedule.")
 
 
 def _stack2(a, b):

@@ -136,12 +136,13 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
 
 def _raise_strategy_problems(strategy: Strategy, sizes: dict) -> None:
     """The compatibility table's refusals of the strategy on this mesh (:mod:`jaxpar.compat`)."""
-    from ..pipeline.two_bw import AsyncPipelineError
+    from ..compression import CompressionError
     from ..pipeline.stash_versions import StashingError
+    from ..pipeline.two_bw import AsyncPipelineError
     from ..sync import SyncError
 
-    raise_problems(Setting(strategy, sizes), {"AsyncPipelineError": AsyncPipelineError,
-                                              "StashingError": StashingError, "SyncError": SyncError})
+    raise_problems(Setting(strategy, sizes), {"AsyncPipelineError": AsyncPipelineError, "StashingError": StashingError,
+                                              "SyncError": SyncError, "CompressionError": CompressionError})
 
 
 def _two_bw(strategy: Strategy, mesh: Mesh) -> bool:
