@@ -16,7 +16,7 @@ from jaxpar.models.mlp import MLPClassifier, classifier_loss
 from jaxpar.sync import SyncError, stale
 from jaxpar.train.loop import train
 from jaxpar.train.ramp import BatchRamp
-from jaxpar.train.step import ExplicitDPError, StrategyMismatchError
+from jaxpar.train.step import StrategyMismatchError
 
 QUICK = "configs/quickstart.yaml"
 

@@ -115,7 +115,6 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
         if axes and nbytes > 0 and count > 0:
             out.append(Comm(kind, axes, float(nbytes), count, phase))
 
-    cpu = lowering == "xla-cpu"
     rows = m.batch / (plan.data * plan.fsdp * plan.microbatches)   # sequences per device per micro-batch
     act = rows * m.seq * m.hidden * compute_bytes                   # one activation of the residual stream
     if plan.tensor > 1:

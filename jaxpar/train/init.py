@@ -43,7 +43,7 @@ from ..zero import zero_specs
 from ..model_shapes import abstract_model
 from .state import StateLayout, TrainState, optimizer_specs
 
-__all__ = ["init_train_state", "state_layout"]
+__all__ = ["init_train_state", "state_layout", "raise_table_problems"]
 
 
 def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
@@ -136,13 +136,26 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
 
 def _raise_strategy_problems(strategy: Strategy, sizes: dict) -> None:
     """The compatibility table's refusals of the strategy on this mesh (:mod:`jaxpar.compat`)."""
+    raise_table_problems(Setting(strategy, sizes))
+
+
+def raise_table_problems(setting: Setting) -> None:
+    """Raise the first refusal of the compatibility table (:func:`jaxpar.compat.raise_problems`)
+    with the error class its feature owns (``SyncError``, ``StashingError``, ...).
+
+    Args:
+      setting: what the run asks for.
+    """
     from ..compression import CompressionError
     from ..pipeline.stash_versions import StashingError
     from ..pipeline.two_bw import AsyncPipelineError
     from ..sync import SyncError
+    from .grads import ExplicitDPError
+    from .noise_scale import NoiseScaleError
 
-    raise_problems(Setting(strategy, sizes), {"AsyncPipelineError": AsyncPipelineError, "StashingError": StashingError,
-                                              "SyncError": SyncError, "CompressionError": CompressionError})
+    raise_problems(setting, {"ExplicitDPError": ExplicitDPError, "NoiseScaleError": NoiseScaleError,
+                             "AsyncPipelineError": AsyncPipelineError, "StashingError": StashingError,
+                             "SyncError": SyncError, "CompressionError": CompressionError})
 
 
 def _two_bw(strategy: Strategy, mesh: Mesh) -> bool:

@@ -45,12 +45,12 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..batch import batch_sharding, check_batch, shard_batch
-from ..compat import Setting, raise_problems
+from ..compat import Setting
 from ..mesh import batch_axes
 from ..strategy import Strategy
 from .exchange import compressed_exchange, exact_exchange, measured_exchange, run_exchange
 from .grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
-from .noise_scale import NoiseScaleError
+from .init import raise_table_problems
 from .program import TrainStep, jit_program
 from .report import check_int
 from .state import StateLayout, StrategyMismatchError, layout_strategy
@@ -149,25 +149,17 @@ def program_kind(strategy: Strategy, mesh_sizes: dict, steps_per_call: int = 1) 
 
 
 def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
-    """The compatibility table's refusals for this step (:mod:`jaxpar.compat`), then the checks of
-    the options' own values."""
-    from ..compression import CompressionError
-    from ..pipeline.two_bw import AsyncPipelineError
-    from ..pipeline.stash_versions import StashingError
-    from ..sync import SyncError
-
+    """``steps_per_call``'s value, the compatibility table's refusals for this step
+    (:mod:`jaxpar.compat`), then the checks of the options' own values."""
     strategy = layout.strategy
-    setting = Setting(strategy, dict(layout.mesh.shape), explicit_dp=opts.explicit_dp,
-                      steps_per_call=opts.steps_per_call, clip_norm=update.clip_norm,
-                      noise_scale_every=opts.noise_scale_every)
-    raise_problems(setting, {"ExplicitDPError": ExplicitDPError, "NoiseScaleError": NoiseScaleError,
-                             "AsyncPipelineError": AsyncPipelineError, "StashingError": StashingError,
-                             "SyncError": SyncError, "CompressionError": CompressionError})
+    check_int("make_train_step", "steps_per_call", opts.steps_per_call, 1)
+    raise_table_problems(Setting(strategy, dict(layout.mesh.shape), explicit_dp=opts.explicit_dp,
+                                 steps_per_call=opts.steps_per_call, clip_norm=update.clip_norm,
+                                 noise_scale_every=opts.noise_scale_every))
     if opts.noise_scale_every is not None:
         from .noise_scale import check_measurable   # the noise scale loads only when used
 
         check_measurable(layout, opts.noise_scale_every, opts.noise_scale_ema)
-    check_int("make_train_step", "steps_per_call", opts.steps_per_call, 1)
     if strategy.schedule == "pipedream-2bw":
         from ..pipeline.two_bw import check_two_bw_step
 
