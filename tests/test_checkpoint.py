@@ -239,21 +239,21 @@ def test_resume_with_relaxed_sync_switched_off_or_on(tmp_path):
     on, on_layout = _mlp({"replica": 4, "data": 2}, sync=stale(2))
     off, off_layout = _mlp({"data": 8})
     on, off = _bumped(on), _bumped(off)
-    assert jax.tree.leaves(on.comm)
+    assert jax.tree.leaves(on.sync)
     with Checkpointer(tmp_path / "on", async_save=False) as ck:
         ck.save(1, on)
         with pytest.warns(CheckpointWarning) as caught:
             got = ck.restore(off_layout)
     assert any("replicas" in m and "dropped" in m for m in _messages(caught)), _messages(caught)
     assert not any("unreadable" in m for m in _messages(caught))
-    assert got.state.comm == () and same((got.state.params, got.state.opt_state), (on.params, on.opt_state))
+    assert got.state.sync == () and same((got.state.params, got.state.opt_state), (on.params, on.opt_state))
     with Checkpointer(tmp_path / "off", async_save=False) as ck:
         ck.save(1, off)
         with pytest.warns(CheckpointWarning, match="replicas.*restart from the restored parameters"):
             got = ck.restore(on_layout)
     assert same((got.state.params, got.state.opt_state), (off.params, off.opt_state))
     for h in range(2):
-        assert same(jax.tree.map(lambda a: a[h], got.state.comm["history"]), off.params)
+        assert same(jax.tree.map(lambda a: a[h], got.state.sync["history"]), off.params)
     outer, diloco_layout = _mlp({"replica": 4, "data": 2}, sync=diloco(2))
     with Checkpointer(tmp_path / "diloco", async_save=False) as ck:
         ck.save(1, _bumped(outer))

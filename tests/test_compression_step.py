@@ -243,7 +243,7 @@ def _setup(sizes, codec):
 def test_codec_state_is_checkpointed_bit_exactly(name, tmp_path):
     """3 steps, save, 3 more = restore the save into a fresh process state, 3 more: identical."""
     state, layout, step, batches = _setup({"data": 8}, STATEFUL[name])
-    assert jax.tree.leaves(state.comm), "a stateful codec keeps state"
+    assert jax.tree.leaves(state.codec), "a stateful codec keeps state"
     for b in batches[:3]:
         state, _ = step(state, b)
     with Checkpointer(tmp_path, async_save=False) as ck:
@@ -272,8 +272,8 @@ def test_restore_onto_other_replicas_resets_the_codec_state_with_a_warning(tmp_p
         got = ck.restore(layout4).state
     for x, y in zip(jax.tree.leaves((got.params, got.opt_state)), jax.tree.leaves((state.params, state.opt_state))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert all(float(np.abs(np.asarray(r)).max()) == 0 for r in jax.tree.leaves(got.comm))
-    assert jax.tree.leaves(got.comm)[0].shape[0] == 4
+    assert all(float(np.abs(np.asarray(r)).max()) == 0 for r in jax.tree.leaves(got.codec))
+    assert jax.tree.leaves(got.codec)[0].shape[0] == 4
     after, m = step4(got, batches4[2])
     assert np.isfinite(float(m["loss"]))
 
@@ -303,15 +303,15 @@ def test_restore_with_compression_switched_off_or_on(tmp_path):
     messages = [str(w.message) for w in caught]
     assert any("gradient codec" in m and "dropped" in m for m in messages), messages
     assert not any("unreadable" in m for m in messages) and got.skipped == []
-    assert got.step == 1 and got.state.comm == ()
+    assert got.step == 1 and got.state.codec == ()
     assert _equal((got.state.params, got.state.opt_state), (on.params, on.opt_state))
     with Checkpointer(tmp_path / "off", async_save=False) as ck:
         ck.save(1, off)
         with pytest.warns(CheckpointWarning, match="no gradient codec state.*residuals start from zero"):
             got = ck.restore(on_layout)
     assert _equal((got.state.params, got.state.opt_state), (off.params, off.opt_state))
-    assert jax.tree.structure(got.state.comm) == jax.tree.structure(on.comm)
-    assert all(float(np.abs(np.asarray(r)).max()) == 0 for r in jax.tree.leaves(got.state.comm))
+    assert jax.tree.structure(got.state.codec) == jax.tree.structure(on.codec)
+    assert all(float(np.abs(np.asarray(r)).max()) == 0 for r in jax.tree.leaves(got.state.codec))
 
 
 def test_restore_resets_residuals_when_the_gradient_packing_changes(tmp_path):
@@ -327,7 +327,7 @@ def test_restore_resets_residuals_when_the_gradient_packing_changes(tmp_path):
     _, z0 = _init({"data": 8}, codec, zero=0)
     _, fsdp = _init({"fsdp": 8}, codec, zero=1)
     for other in (z3, fsdp):
-        assert jax.tree.map(lambda a: a.shape, other.comm_shapes) == jax.tree.map(lambda a: a.shape, z1.comm_shapes)
+        assert jax.tree.map(lambda a: a.shape, other.codec_shapes) == jax.tree.map(lambda a: a.shape, z1.codec_shapes)
         assert compression_plan(codec, other, other.strategy.zero).scattered != \
             compression_plan(codec, z1, 1).scattered
     with Checkpointer(tmp_path / "new", async_save=False) as ck:
@@ -337,15 +337,15 @@ def test_restore_resets_residuals_when_the_gradient_packing_changes(tmp_path):
                 got = ck.restore(other)
             message = next(str(w.message) for w in caught if "residuals" in str(w.message))
             assert "over data=8, zero=1: gradients packed flat" in message and now in message, message
-            assert all(float(np.abs(np.asarray(r)).max()) == 0 for r in jax.tree.leaves(got.state.comm))
+            assert all(float(np.abs(np.asarray(r)).max()) == 0 for r in jax.tree.leaves(got.state.codec))
             assert _equal((got.state.params, got.state.opt_state), (state.params, state.opt_state))
         with warnings.catch_warnings():
             warnings.simplefilter("error", CheckpointWarning)
             got = ck.restore(z0)
-        assert _equal(got.state.comm, state.comm)
+        assert _equal(got.state.codec, state.codec)
     with Checkpointer(tmp_path / "old", async_save=False) as ck:
         ck.save(1, state)                                  # no layout: no record, shapes compared only
         with warnings.catch_warnings():
             warnings.simplefilter("error", CheckpointWarning)
             got = ck.restore(z3)
-        assert _equal(got.state.comm, state.comm)
+        assert _equal(got.state.codec, state.codec)

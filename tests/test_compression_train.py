@@ -79,7 +79,7 @@ def _exact_resume(name: str, tmp_path: Path) -> None:
     import jax
 
     states = final_states([ref, tmp_path / "run"], extra)
-    assert jax.tree.leaves(states[0].comm)
+    assert jax.tree.leaves(states[0].codec)
     for x, y in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1])):
         np.testing.assert_array_equal(x, y)
 

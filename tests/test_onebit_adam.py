@@ -62,7 +62,7 @@ def test_adam_first_moment_is_the_exchanged_compressed_moment(codec, ratio):
     codec = codec(optimizer_momentum=0.9, start_step=2)
     state, layout, metrics = _run({"data": 8}, codec, 5, freeze=2)
     plan = compression_plan(codec, layout, 0)
-    velocity = np.asarray(jax.device_get(state.comm["velocity"]))          # [replicas, flat]
+    velocity = np.asarray(jax.device_get(state.codec["velocity"]))          # [replicas, flat]
     np.testing.assert_array_equal(velocity, np.broadcast_to(velocity[0], velocity.shape))
     adam = state.opt_state[1][0]                                           # ScaleByAdamState
     mu = np.concatenate([np.asarray(m).reshape(-1) for m in jax.tree.leaves(jax.device_get(adam.mu))])
@@ -71,10 +71,10 @@ def test_adam_first_moment_is_the_exchanged_compressed_moment(codec, ratio):
     assert [round(float(m["comm_ratio"]), 3) for m in metrics][:2] == [1.0, 1.0]
     assert all(float(m["comm_ratio"]) == pytest.approx(ratio, abs=0.005) for m in metrics[2:])   # the codec's
     assert float(metrics[-1]["residual_norm"]) > 0
-    assert int(adam.count) == 5 and np.all(np.asarray(state.comm["count"]) == 5)   # the start counts updates
+    assert int(adam.count) == 5 and np.all(np.asarray(state.codec["count"]) == 5)   # the start counts updates
     if getattr(codec, "precondition", 0.0):          # optax's default b2 = 0.999, the codec's precondition
         nu = np.concatenate([np.asarray(v).reshape(-1) for v in jax.tree.leaves(jax.device_get(adam.nu))])
-        second = np.asarray(jax.device_get(state.comm["second_moment"]))
+        second = np.asarray(jax.device_get(state.codec["second_moment"]))
         np.testing.assert_array_equal(second, np.broadcast_to(second[0], second.shape))
         np.testing.assert_allclose(second[0][:lr_], nu, rtol=1e-5, atol=1e-7 * nu.max())
     assert np.all(np.isfinite([m["loss"] for m in metrics]))

@@ -103,8 +103,8 @@ def test_diloco_before_start_step_is_synchronous(synced):
     np.testing.assert_allclose(losses, synced[1], rtol=1e-5)
     assert_trees(state.params, synced[0])
     for r in range(1, K):
-        assert_equal(jax.tree.map(lambda x: x[r], state.comm["params"]), jax.tree.map(lambda x: x[0], state.comm["params"]))
-    assert_equal(jax.tree.map(lambda x: x[0], state.comm["params"]), state.params)
+        assert_equal(jax.tree.map(lambda x: x[r], state.sync["params"]), jax.tree.map(lambda x: x[0], state.sync["params"]))
+    assert_equal(jax.tree.map(lambda x: x[0], state.sync["params"]), state.params)
     fresh, layout, step = setup({"replica": K, "data": 2}, diloco(5, start_step=3))
     over = _replica_collectives(step.programs["warm"].lower(fresh, BATCH).compile(), layout.mesh)
     assert sum(c.bytes for c in over) == pytest.approx(replica_bytes(layout), rel=0.01)   # the gradients only
@@ -129,7 +129,7 @@ def test_easgd_with_zero_alpha_gives_independent_runs():
         for _ in range(steps):
             _, g = _one_device_grads(p, _replica_rows(r))
             p = jax.tree.map(lambda w, d: w - LR * d, p, g)
-        assert_trees(jax.tree.map(lambda x: x[r], state.comm["params"]), p)
+        assert_trees(jax.tree.map(lambda x: x[r], state.sync["params"]), p)
 
 
 # ----------------------------------------------------------------------------- 2. communication
@@ -218,7 +218,7 @@ def test_diloco_composes_with_inner_strategies(diloco_dp, sizes, kw):
     np.testing.assert_allclose(losses, diloco_dp[1], rtol=1e-5)
     # Adam: round-off in near-zero gradients can move an element by up to ~2 lr per step
     assert_trees(state.params, diloco_dp[0].params, rtol=1e-4, atol=2 * 1e-3 * 3 * 0.7 * 2)
-    assert_trees(state.comm["params"], diloco_dp[0].comm["params"], rtol=1e-4, atol=2 * 1e-3 * 3)
+    assert_trees(state.sync["params"], diloco_dp[0].sync["params"], rtol=1e-4, atol=2 * 1e-3 * 3)
 
 
 @pytest.mark.parametrize("sync", [diloco(2), pytest.param(stale(2, pattern=PATTERN), marks=pytest.mark.slow)],
@@ -252,7 +252,7 @@ def test_diloco_checkpoint_restores_onto_another_inner_strategy(tmp_path):
     _, layout3, step3 = setup({"replica": 2, "data": 2, "tensor": 2}, diloco(2), tx, zero=1)
     moved = ck.restore(layout3).state
     assert_equal(moved, state)                                   # same values, new shardings
-    leaf = jax.tree.leaves(moved.comm["params"])[0]
+    leaf = jax.tree.leaves(moved.sync["params"])[0]
     assert leaf.sharding.spec[0] == "replica"
     for _ in range(2):
         state, m1 = step(state, BATCH)
@@ -274,8 +274,8 @@ def test_restore_onto_another_number_of_replicas_restarts_them_from_the_outer_pa
     assert_equal(moved.params, state.params)
     assert_equal(moved.opt_state, state.opt_state)                  # the outer optimizer
     for r in range(2):
-        assert_equal(jax.tree.map(lambda x: x[r], moved.comm["params"]), state.params)
-    assert all(float(jnp.max(jnp.abs(x))) == 0 for x in jax.tree.leaves(moved.comm["opt"][0].mu))
+        assert_equal(jax.tree.map(lambda x: x[r], moved.sync["params"]), state.params)
+    assert all(float(jnp.max(jnp.abs(x))) == 0 for x in jax.tree.leaves(moved.sync["opt"][0].mu))
 
 
 # ----------------------------------------------------------------------------- 6. bad input

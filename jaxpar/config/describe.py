@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from .data import describe_batch
-from .job import Job, comm_bytes
+from .job import Job, part_bytes
 from .schema import JobConfig
 
 __all__ = ["header_lines", "model_line", "state_line", "describe_data", "program_lines"]
@@ -70,9 +70,10 @@ def state_line(layout: Any) -> str:
     """
     from ..analysis.memory import format_bytes
 
-    nbytes, comm = layout.analytic_bytes(), comm_bytes(layout)   # comm: codec residuals, relaxed-sync replicas
-    extra = f", codec / replicas {format_bytes(comm)}" if comm else ""
-    return (f"state    {format_bytes(nbytes['total'] + comm)} per device (params {format_bytes(nbytes['params'])}, "
+    nbytes, parts = layout.analytic_bytes(), part_bytes(layout)
+    names = {"codec": "codec state", "sync": "relaxed-sync state"}
+    extra = "".join(f", {names[k]} {format_bytes(v)}" for k, v in parts.items() if v)
+    return (f"state    {format_bytes(nbytes['total'] + sum(parts.values()))} per device (params {format_bytes(nbytes['params'])}, "
             f"optimizer {format_bytes(nbytes['opt'])}{extra})")
 
 

@@ -40,7 +40,7 @@ from .checks import check
 from .data import build_data, build_ramp
 from .schema import ConfigError, JobConfig
 
-__all__ = ["Job", "build_job", "updates_per_step", "job_devices", "comm_bytes"]
+__all__ = ["Job", "build_job", "updates_per_step", "job_devices", "part_bytes"]
 
 
 @dataclass(frozen=True)
@@ -289,18 +289,22 @@ def job_devices(cfg: JobConfig) -> int:
     return int(np.prod(sizes))
 
 
-def comm_bytes(layout) -> int:
-    """Bytes per device of the state's ``comm`` part (codec residuals, the replicas of relaxed sync).
+def part_bytes(layout) -> dict[str, int]:
+    """Bytes per device of the state parts a codec or relaxed synchronisation adds.
 
     Args:
       layout: the train state's :class:`~jaxpar.StateLayout`.
 
     Returns:
-      The bytes on one device (0 without such a part).
+      ``{"codec": ..., "sync": ...}``: the codec's residuals and relaxed synchronisation's
+      replicas (or history) on one device, each 0 without the part.
     """
     from ..zero import spec_shards
 
     sizes = dict(layout.mesh.shape)
-    specs = jax.tree.leaves(layout.comm, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    return sum(a.size * a.dtype.itemsize // spec_shards(spec, sizes)
-               for a, spec in zip(jax.tree.leaves(layout.comm_shapes), specs))
+    out = {}
+    for name in ("codec", "sync"):
+        specs = jax.tree.leaves(getattr(layout, name), is_leaf=lambda x: isinstance(x, PartitionSpec))
+        out[name] = sum(a.size * a.dtype.itemsize // spec_shards(spec, sizes)
+                        for a, spec in zip(jax.tree.leaves(getattr(layout, name + "_shapes")), specs))
+    return out

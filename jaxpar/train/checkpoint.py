@@ -19,14 +19,14 @@ train state's arrays, written by every process for its own shards) and ``meta``
   Parameters or an optimizer state saved in another tree than the target's (another model,
   or relaxed synchronisation's outer optimizer switched on or off) raise
   :class:`CheckpointMismatchError` naming the part: every checkpoint of the run would fail alike.
-* **Features switched on or off.** The state a feature keeps (a gradient codec's residuals or
-  relaxed synchronisation's replicas in ``comm``, measurements in ``stats``, a pipeline
+* **Features switched on or off.** The state a feature keeps (a gradient codec's residuals
+  in ``codec``, relaxed synchronisation's replicas in ``sync``, measurements in ``stats``, a pipeline
   schedule's older weight versions in ``versions``) is dropped when the target keeps none, and
   started afresh when the checkpoint has none, or has it in other shapes or, when both the save
   and the restore had the :class:`~jaxpar.train.state.StateLayout`, for another layout (the
   gradient packing of another ZeRO stage or data axes; weight stashing's stages): each with a
   :class:`CheckpointWarning` saying what was dropped or started afresh
-  (:mod:`jaxpar.train.checkpoint_parts`).
+  (:mod:`jaxpar.train.checkpoint_parts`, :mod:`jaxpar.train.checkpoint_records`).
 
 Example::
 
@@ -66,12 +66,11 @@ from typing import Any
 
 import jax
 
-from .checkpoint_parts import fresh_stats, plan_parts, record_layouts, shapes_of, versions_from_params
+from .checkpoint_format import FORMAT, READABLE, upgrade_record
+from .checkpoint_parts import fresh_stats, plan_parts, versions_from_params
+from .checkpoint_records import record_layouts, shapes_of
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer", "Restored", "FORMAT"]
-
-#: Written into every checkpoint's JSON record; a restore checks it.
-FORMAT = "jaxpar-checkpoint-1"
 
 
 class CheckpointError(RuntimeError):
@@ -176,7 +175,7 @@ class Checkpointer:
         exists. ``wait=True`` blocks until it is on disk. ``layout``: the state's
         :class:`~jaxpar.train.state.StateLayout` (default: :attr:`layout`); the record then
         says which layout the codec state and older weight versions are laid out for
-        (``comm_layout``, ``versions_layout``), so that a restore under another one starts
+        (``codec_layout``, ``sync_layout``, ``versions_layout``), so that a restore under another one starts
         them afresh. Without one the record has shapes only.
         """
         ocp = self._ocp
@@ -189,9 +188,9 @@ class Checkpointer:
             self._manager.delete(step)
             self._bad.discard(step)
         record = {**(meta or {}), "step": int(step), "format": FORMAT, "time": time.time()}
-        comm = getattr(state, "comm", ())
-        if jax.tree.leaves(comm):      # the codec state's shapes: a restore onto other replicas sees them
-            record["comm_shapes"] = shapes_of(comm)
+        for part in ("codec", "sync"):     # their shapes: a restore onto other replicas sees them
+            if jax.tree.leaves(getattr(state, part, ())):
+                record[f"{part}_shapes"] = shapes_of(getattr(state, part))
         if hasattr(state, "stats"):    # running measurements (TrainState.stats): a restore compares them
             record["stats_shapes"] = shapes_of(state.stats)
         if hasattr(state, "versions"):  # older weight versions (PipeDream-2BW's W(t-1)): a restore compares them
@@ -273,24 +272,32 @@ class Checkpointer:
         raise CheckpointError(f"no readable checkpoint in {self.directory}: {listing}")
 
     def _restore_one(self, step: int, abstract: Any, target: Any) -> tuple[Any, dict]:
-        """The state and record of ``step``. The optional parts (``comm``, ``stats``, ``versions``)
+        """The state and record of ``step``. The optional parts (``codec``, ``sync``, ``stats``, ``versions``)
         are restored, dropped or started afresh as :func:`~jaxpar.train.checkpoint_parts.plan_parts`
         decides, each change with a :class:`CheckpointWarning`; a gradient codec's state saved for
         another layout starts afresh (zero residuals): the documented reshard policy."""
         ocp = self._ocp
         where = f"checkpoint {self.directory / str(step)}"
         meta = dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        if meta.get("format", FORMAT) not in READABLE:
+            raise ValueError(f"it was written in format {meta['format']!r} and this jaxpar reads {', '.join(READABLE)}")
+        meta, renames = upgrade_record(meta)
+        renames = renames if hasattr(abstract, "_fields") else {}    # a plain tree: Orbax matches it as saved
         plans = plan_parts(meta, abstract, target, where)
         self._check_tree(step, abstract)
         skip = [p.name for p in plans if p.action != "restore"]
-        item = abstract._asdict() if skip else abstract
+        if not skip and not renames:
+            args = ocp.args.PyTreeRestore(item=abstract,
+                                          restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+            return self._manager.restore(step, args=ocp.args.Composite(state=args))["state"], meta
+        item = abstract._asdict()
         for name in skip:
             del item[name]
+        item = {renames.get(k, k): v for k, v in item.items()}      # a part saved under its format-1 name
         args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                                      partial_restore=bool(skip))
-        state = self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
-        if not skip:
-            return state, meta
+                                      partial_restore=True)
+        saved = self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+        state = {name: saved[renames.get(name, name)] for name in abstract._fields if name not in skip}
         for p in plans:
             if p.action in ("empty", "drop"):
                 state[p.name] = getattr(abstract, p.name)          # no leaves: the target's own empty part
@@ -323,17 +330,18 @@ class Checkpointer:
                 "settings the checkpoint was saved with, or start a new run.")
 
     def _fresh(self, name: str, abstract: Any, target: Any, params: Any, where: str) -> Any:
-        """A part started afresh: zero measurements, ``W(t-1) = W(t)``, or the layout's ``comm_init``."""
+        """A part started afresh: zero measurements, ``W(t-1) = W(t)``, or the layout's
+        ``codec_init()`` / ``sync_init(params)``."""
         if name == "stats":
             return fresh_stats(abstract.stats)
         if name == "versions":
             return versions_from_params(abstract.versions, params)
-        init = getattr(target, "comm_init", None)
+        init = getattr(target, f"{name}_init", None)
         if init is None:
-            raise CheckpointMismatchError(f"{where}: the gradient codec's or replicas' state cannot be restored into "
-                                          "this target and has to start afresh, which needs the StateLayout: call "
-                                          "restore(layout).")
-        return init(params) if getattr(target, "comm_from_params", False) else init()
+            what = "the gradient codec's state" if name == "codec" else "relaxed synchronisation's replicas"
+            raise CheckpointMismatchError(f"{where}: {what} cannot be restored into this target and has to start "
+                                          "afresh, which needs the StateLayout: call restore(layout).")
+        return init() if name == "codec" else init(params)
 
 
 def _key(k: Any) -> str:

@@ -6,7 +6,7 @@ axes) into the averaged gradient in the strategy's gradient layout:
 * :func:`exact_exchange`: reduce-scatter where the strategy shards gradients over a data axis
   (ZeRO-2/3, FSDP), all-reduce over the others;
 * :func:`compressed_exchange`: a codec's exchange (:mod:`jaxpar.compression`), with its state
-  (error-feedback residuals, ...) one copy per replica in ``TrainState.comm``;
+  (error-feedback residuals, ...) one copy per replica in ``TrainState.codec``;
 * :func:`measured_exchange`: another exchange that also measures each replica's squared
   gradient norm and the averaged one's (the gradient noise scale, :mod:`jaxpar.train.noise_scale`).
 
@@ -51,9 +51,9 @@ __all__ = ["Exchange", "exact_exchange", "compressed_exchange", "measured_exchan
 
 
 class Exchange(NamedTuple):
-    """``reduce(leaves, comm, step) -> (leaves, comm, metrics)`` inside the ``shard_map`` over the
+    """``reduce(leaves, codec_state, step) -> (leaves, codec_state, metrics)`` inside the ``shard_map`` over the
     data axes: this replica's full gradient leaves in, its shards of the averaged gradient out.
-    ``outside(grads, comm, step) -> metrics``: metrics computed after it, from the averaged
+    ``outside(grads, codec_state, step) -> metrics``: metrics computed after it, from the averaged
     gradient and the state before it (``None``: none). ``exact``: the average is exact."""
 
     name: str
@@ -87,9 +87,9 @@ def exact_exchange(man: ManualLayout) -> Exchange:
     """
     rest = [tuple(a for a in man.axes if a not in g) for g in man.grad_axes]
 
-    def reduce(leaves, comm, step):
+    def reduce(leaves, codec_state, step):
         out = _psum_rest(bucketed_reduce_scatter(leaves, man.dims, man.grad_axes), rest)
-        return [g / man.replicas for g in out], comm, {}
+        return [g / man.replicas for g in out], codec_state, {}
 
     return Exchange("exact", reduce)
 
@@ -126,13 +126,13 @@ def compressed_exchange(plan: Any, local_clip: float | None = None) -> Exchange:
     axis = axis_name(plan.axes)
     per_step = _bytes_per_stage(plan)
 
-    def reduce(leaves, comm, step):
+    def reduce(leaves, codec_state, step):
         leaves, clip_stats = clip_replica(leaves, local_clip, axis)
-        out, comm, stats = plan.exchange(leaves, comm, step)
-        return out, comm, {**stats, **clip_stats}
+        out, codec_state, stats = plan.exchange(leaves, codec_state, step)
+        return out, codec_state, {**stats, **clip_stats}
 
-    def outside(grads, comm, step):
-        clock = comm["count"][0] if "count" in comm else step     # exchanges applied before (for a start_step)
+    def outside(grads, codec_state, step):
+        clock = codec_state["count"][0] if "count" in codec_state else step   # exchanges before (a start_step)
         sent = per_step(clock)
         return {"comm_bytes": sent, "comm_ratio": sent / plan.uncompressed_bytes()}
 
@@ -154,16 +154,16 @@ def measured_exchange(inner: Exchange, man: ManualLayout) -> Exchange:
     """
     axis = axis_name(man.axes)
 
-    def reduce(leaves, comm, step):
+    def reduce(leaves, codec_state, step):
         sq_small = jax.lax.pmean(sum(jnp.sum(jnp.square(g)) for g in leaves), axis)
-        out, comm, metrics = inner.reduce(leaves, comm, step)
+        out, codec_state, metrics = inner.reduce(leaves, codec_state, step)
         metrics = {**metrics, "grad_sq_small": sq_small}
         if not inner.exact:
             metrics["grad_sq_big"] = sum(jnp.sum(jnp.square(g)) for g in jax.lax.pmean(leaves, axis))
-        return out, comm, metrics
+        return out, codec_state, metrics
 
-    def outside(grads, comm, step):
-        metrics = inner.outside(grads, comm, step) if inner.outside is not None else {}
+    def outside(grads, codec_state, step):
+        metrics = inner.outside(grads, codec_state, step) if inner.outside is not None else {}
         if inner.exact:
             metrics["grad_sq_big"] = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
         return metrics
@@ -172,36 +172,36 @@ def measured_exchange(inner: Exchange, man: ManualLayout) -> Exchange:
 
 
 def run_exchange(exchange: Exchange, layout: StateLayout) -> Callable:
-    """``(grads [R, ...], comm, step) -> (grads, comm, metrics)``: ``exchange`` in a ``shard_map``
+    """``(grads [R, ...], codec_state, step) -> (grads, codec_state, metrics)``: ``exchange`` in a ``shard_map``
     manual over the layout's data axes; the gradients come back in the strategy's layout.
 
     Args:
       exchange: the :class:`Exchange`.
-      layout: the state's layout (``comm``: the codec state's specs, a leading replica axis).
+      layout: the state's layout (``codec``: the codec state's specs, a leading replica axis).
 
     Returns:
       The function (call it under ``jit``).
     """
     man = manual_specs(layout)
     rep = jax.tree.map(lambda _: man.replica_spec, layout.shapes)
-    comm_spec = jax.tree.map(lambda _: man.replica_spec, layout.comm_shapes)
+    codec_spec = jax.tree.map(lambda _: man.replica_spec, layout.codec_shapes)
     grad_shardings = jax.tree.map(lambda s: NamedSharding(layout.mesh, s), layout.grads)
 
-    def local(grads, comm, step):
+    def local(grads, codec_state, step):
         leaves = [g[0] for g in man.treedef.flatten_up_to(grads)]
-        out, comm, metrics = exchange.reduce(leaves, jax.tree.map(lambda a: a[0], comm), step)
-        return man.treedef.unflatten(out), jax.tree.map(lambda a: a[None], comm), metrics
+        out, codec_state, metrics = exchange.reduce(leaves, jax.tree.map(lambda a: a[0], codec_state), step)
+        return man.treedef.unflatten(out), jax.tree.map(lambda a: a[None], codec_state), metrics
 
-    smap = jax.shard_map(local, mesh=layout.mesh, in_specs=(rep, comm_spec, PartitionSpec()),
-                         out_specs=(man.grad_specs, comm_spec, PartitionSpec()), axis_names=set(man.axes),
+    smap = jax.shard_map(local, mesh=layout.mesh, in_specs=(rep, codec_spec, PartitionSpec()),
+                         out_specs=(man.grad_specs, codec_spec, PartitionSpec()), axis_names=set(man.axes),
                          check_vma=False)
 
-    def run(grads, comm, step):
-        out, new_comm, metrics = smap(grads, comm, step)
+    def run(grads, codec_state, step):
+        out, new_state, metrics = smap(grads, codec_state, step)
         out = jax.lax.with_sharding_constraint(out, grad_shardings)
         if exchange.outside is not None:
-            metrics = {**metrics, **exchange.outside(out, comm, step)}
-        return out, new_comm, metrics
+            metrics = {**metrics, **exchange.outside(out, codec_state, step)}
+        return out, new_state, metrics
 
     return run
 

@@ -1,8 +1,8 @@
 """The train state created already sharded: ``eval_shape`` -> shardings -> ``jit(out_shardings=...)``.
 
 No full copy of the parameters or optimizer state ever sits on one device. Each feature that
-keeps state adds its part to the layout here: a codec's residuals (``comm``, :mod:`.compressed`),
-the replicas of relaxed synchronisation (``comm``, :mod:`.relaxed`), older weight versions of
+keeps state adds its part to the layout here: a codec's residuals (``codec``, :mod:`.compressed`),
+the replicas of relaxed synchronisation (``sync``, :mod:`.relaxed`), older weight versions of
 the PipeDream schedules (``versions``); running measurements are added by
 :func:`jaxpar.train.noise_scale.with_noise_scale` (``stats``).
 
@@ -107,16 +107,16 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
     opt_shapes, opt_state = optimizer_specs(tx, shapes, opt_param)
     layout = StateLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt_param, opt_state, opt_shapes,
                          strategy=strategy)
-    comm_init = lambda: ()   # noqa: E731
+    codec_init = layout.codec_init
     _raise_strategy_problems(strategy, sizes)
     if strategy.sync is not None or replicas(mesh) > 1:
         return _relaxed_layout_and_init(model_fn, tx, layout, strategy)
     if strategy.compression is not None:
         from .compressed import compression_state   # compression loads only when used
 
-        comm_init, comm_specs, comm_shapes = compression_state(strategy.compression, layout, strategy.zero)
-        comm_init = jax.jit(comm_init, out_shardings=named_shardings(comm_specs, mesh))
-        layout = replace(layout, comm=comm_specs, comm_shapes=comm_shapes, comm_init=comm_init)
+        make_codec, codec_specs, codec_shapes = compression_state(strategy.compression, layout, strategy.zero)
+        codec_init = jax.jit(make_codec, out_shardings=named_shardings(codec_specs, mesh))
+        layout = replace(layout, codec=codec_specs, codec_shapes=codec_shapes, codec_init=codec_init)
     two_bw, stashed = _two_bw(strategy, mesh), _stashed(strategy, mesh)
     if two_bw:      # PipeDream-2BW keeps W(t-1) beside W(t), in the same layout
         layout = replace(layout, versions=layout.params, versions_shapes=layout.shapes)
@@ -129,7 +129,7 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
         p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         older = jax.tree.map(jnp.copy, p) if two_bw else ()
         older = tuple(jax.tree.map(jnp.copy, p) for _ in range(stashed)) if stashed else older
-        return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), comm_init(), versions=older)
+        return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), codec=codec_init(), versions=older)
 
     return layout, init
 
@@ -188,6 +188,7 @@ def _relaxed_layout_and_init(model_fn, tx, layout: StateLayout, strategy: Strate
         with nnx.use_eager_sharding(False):
             model = model_fn()
         p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return TrainState(jnp.zeros((), jnp.int32), p, *make(p))
+        opt_state, sync = make(p)
+        return TrainState(jnp.zeros((), jnp.int32), p, opt_state, sync=sync)
 
     return layout, init

@@ -12,7 +12,7 @@ strategy on the inner axes (DP, ZeRO, FSDP, TP) and nothing inside it communicat
   *sync* program all-reduces one model's worth of parameters over ``replica``.
 
 State: ``params`` is always the model one evaluates (DiLoCo's outer parameters, EASGD's centre,
-the newest parameters otherwise). ``comm`` holds what the kind adds, with a leading axis:
+the newest parameters otherwise). ``sync`` holds what the kind adds, with a leading axis:
 ``{"params", "opt"}`` of the replicas (``[K, ...]``, sharded over ``replica``), or the
 ``history`` of the last ``max_delay`` parameter versions (``[s, ...]``).
 """
@@ -52,7 +52,7 @@ def is_local(sync) -> bool:
 
 
 def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation, strategy: Strategy) -> tuple[StateLayout, Callable]:
-    """The layout of a replicated train state and ``make(params) -> (opt_state, comm)``."""
+    """The layout of a replicated train state and ``make(params) -> (opt_state, sync)``."""
     mesh, sync = layout.mesh, strategy.sync or synchronous()
     k = replicas(mesh)
     check_sync(sync, k)
@@ -66,13 +66,13 @@ def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation, strate
         opt_shapes, opt_specs = optimizer_specs(optax.identity(), layout.shapes, layout.opt_param_specs)
     else:
         opt_shapes, opt_specs = inner_shapes, inner_specs
-    comm, comm_shapes = (), ()
+    part, part_shapes = (), ()
     if is_local(sync):
-        comm = {"params": _lead(layout.params, REPLICA), "opt": _lead(inner_specs, REPLICA)}
-        comm_shapes = {"params": _stack_shapes(layout.shapes, k), "opt": _stack_shapes(inner_shapes, k)}
+        part = {"params": _lead(layout.params, REPLICA), "opt": _lead(inner_specs, REPLICA)}
+        part_shapes = {"params": _stack_shapes(layout.shapes, k), "opt": _stack_shapes(inner_shapes, k)}
     elif isinstance(sync, Stale) and sync.max_delay > 0:
-        comm = {"history": _lead(layout.params, None)}
-        comm_shapes = {"history": _stack_shapes(layout.shapes, sync.max_delay)}
+        part = {"history": _lead(layout.params, None)}
+        part_shapes = {"history": _stack_shapes(layout.shapes, sync.max_delay)}
 
     def make(params):
         if isinstance(sync, DiLoCo):
@@ -84,13 +84,13 @@ def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation, strate
         if is_local(sync):
             reps = jax.tree.map(lambda a: jnp.broadcast_to(a, (k, *a.shape)), params)
             return opt, {"params": reps, "opt": jax.vmap(tx.init)(reps)}
-        if comm:
+        if part:
             return opt, {"history": jax.tree.map(lambda a: jnp.broadcast_to(a, (sync.max_delay, *a.shape)), params)}
         return opt, ()
 
-    comm_init = jax.jit(lambda params: make(params)[1], out_shardings=named_shardings(comm, mesh))
-    new = replace(layout, opt_state=opt_specs, opt_shapes=opt_shapes, comm=comm, comm_shapes=comm_shapes,
-                  comm_init=comm_init, comm_from_params=True)
+    sync_init = jax.jit(lambda params: make(params)[1], out_shardings=named_shardings(part, mesh))
+    new = replace(layout, opt_state=opt_specs, opt_shapes=opt_shapes, sync=part, sync_shapes=part_shapes,
+                  sync_init=sync_init)
     return new, make
 
 

@@ -101,7 +101,7 @@ def global_step(loss_fn, layout: StateLayout, sync, update: Update, *, donate: b
         b = split_replicas(batch, k, mesh)
         if delayed:
             delays = sync.delays(state.step, k)
-            hist = state.comm["history"]
+            hist = state.sync["history"]
             # the parameters of ``d`` steps ago: the newest for d = 0, else history[d - 1] (no copy of all)
             older = lambda d: jax.tree.map(lambda p, h: jnp.where(d == 0, p, h[jnp.maximum(d, 1) - 1]),  # noqa: E731
                                            state.params, hist)
@@ -116,8 +116,8 @@ def global_step(loss_fn, layout: StateLayout, sync, update: Update, *, donate: b
             new, metrics = apply_update(update, state, loss, _weighted_sum(w, grads, layout.grads, mesh))
         if delayed:
             metrics["delay_mean"] = jnp.mean(delays.astype(jnp.float32))
-            hist = jax.tree.map(lambda p, h: jnp.concatenate([p[None], h[:-1]]), state.params, state.comm["history"])
-            new = new._replace(comm={"history": hist})
+            hist = jax.tree.map(lambda p, h: jnp.concatenate([p[None], h[:-1]]), state.params, state.sync["history"])
+            new = new._replace(sync={"history": hist})
         metrics.update(extra, loss_spread=jnp.max(losses) - jnp.min(losses),
                        replica_bytes=jnp.float32(nbytes * (k > 1)))
         return new, metrics
@@ -159,13 +159,13 @@ class _LocalPrograms:
     def __init__(self, loss_fn, layout: StateLayout, sync, update: Update):
         self.layout, self.sync, self.mesh, self.k = layout, sync, layout.mesh, replicas(layout.mesh)
         self.lg = global_grads(loss_fn, layout)
-        self.rep_specs = layout.comm["params"]
+        self.rep_specs = layout.sync["params"]
         self.log_lr, self.inner_update = update.log_lr, update._replace(log_lr=None)
 
     def one(self, step, p, o, b):
         """One replica's inner optimizer step on its own batch."""
         loss, grads = self.lg(p, b)
-        new, m = apply_update(self.inner_update, TrainState(step, p, o, ()), loss, grads)
+        new, m = apply_update(self.inner_update, TrainState(step, p, o), loss, grads)
         return new.params, new.opt_state, m
 
     def replica_metrics(self, step, losses, m) -> dict:
@@ -179,42 +179,42 @@ class _LocalPrograms:
         mesh, k = self.mesh, self.k
         with use_rules(mesh, self.layout.rules):
             p, o, m = jax.vmap(self.one, in_axes=(None, 0, 0, 0), spmd_axis_name=REPLICA)(
-                state.step, state.comm["params"], state.comm["opt"], split_replicas(batch, k, mesh))
+                state.step, state.sync["params"], state.sync["opt"], split_replicas(batch, k, mesh))
         metrics = self.replica_metrics(state.step, m["loss"], m)
-        return TrainState(state.step + 1, state.params, state.opt_state, {"params": p, "opt": o}), metrics
+        return TrainState(state.step + 1, state.params, state.opt_state, sync={"params": p, "opt": o}), metrics
 
     def warm(self, state: TrainState, batch):
         """Before ``start_step``: synchronous. The replicas' gradients are averaged (an all-reduce
         over ``replica``) and each replica applies the same update, so they stay identical."""
         layout, mesh, k = self.layout, self.mesh, self.k
         with use_rules(mesh, layout.rules):
-            losses, grads = jax.vmap(self.lg, spmd_axis_name=REPLICA)(state.comm["params"],
+            losses, grads = jax.vmap(self.lg, spmd_axis_name=REPLICA)(state.sync["params"],
                                                                       split_replicas(batch, k, mesh))
             mean = _weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), grads, layout.grads, mesh)
 
             def apply(p, o):
-                new, m = apply_update(self.inner_update, TrainState(state.step, p, o, ()), jnp.mean(losses), mean)
+                new, m = apply_update(self.inner_update, TrainState(state.step, p, o), jnp.mean(losses), mean)
                 return new.params, new.opt_state, m
 
-            p, o, m = jax.vmap(apply, spmd_axis_name=REPLICA)(state.comm["params"], state.comm["opt"])
+            p, o, m = jax.vmap(apply, spmd_axis_name=REPLICA)(state.sync["params"], state.sync["opt"])
             center = _any_replica(p, self.rep_specs, layout.params, mesh)
         metrics = self.replica_metrics(state.step, losses, m)
-        return TrainState(state.step + 1, center, state.opt_state, {"params": p, "opt": o}), metrics
+        return TrainState(state.step + 1, center, state.opt_state, sync={"params": p, "opt": o}), metrics
 
     def outer(self, state: TrainState):
         """The sync: the replicas' mean moves the center (DiLoCo's outer step, or EASGD's elastic pull)."""
         mesh, k = self.mesh, self.k
         with use_rules(mesh, self.layout.rules):
-            mean = _weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), state.comm["params"], self.layout.params, mesh)
+            mean = _weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), state.sync["params"], self.layout.params, mesh)
             if isinstance(self.sync, DiLoCo):
                 center, opt_state, reps = self._diloco_outer(state, mean)
             else:
                 center, opt_state, reps = self._easgd_outer(state, mean)
             reps = jax.lax.with_sharding_constraint(reps, named_shardings(self.rep_specs, mesh))
         dist = jax.vmap(lambda r: optax.tree.norm(jax.tree.map(jnp.subtract, r, mean)), spmd_axis_name=REPLICA)(
-            state.comm["params"])
-        comm = {"params": reps, "opt": state.comm["opt"]}
-        return TrainState(state.step, center, opt_state, comm), {"replica_distance": dist}
+            state.sync["params"])
+        return (TrainState(state.step, center, opt_state, sync={"params": reps, "opt": state.sync["opt"]}),
+                {"replica_distance": dist})
 
     def _diloco_outer(self, state: TrainState, mean):
         """DiLoCo: the outer optimizer's step on the pseudo-gradient; every replica restarts from the center."""
@@ -226,7 +226,7 @@ class _LocalPrograms:
 
     def _easgd_outer(self, state: TrainState, mean):
         """EASGD (Zhang et al. 2015): the center and the replicas pulled toward each other."""
-        reps, alpha, k = state.comm["params"], self.sync.alpha, self.k
+        reps, alpha, k = state.sync["params"], self.sync.alpha, self.k
         diff = jax.tree.map(lambda r, c: r - c, reps, state.params)
         center = jax.tree.map(lambda c, r, c0: c + alpha * k * (r - c0), state.params, mean, state.params)
         reps = jax.tree.map(lambda r, d: r - alpha * d, reps, diff)

@@ -38,9 +38,15 @@ __all__ = ["TrainState", "StateLayout", "optimizer_specs", "layout_strategy", "S
 
 
 class TrainState(NamedTuple):
-    """``step`` (int32 scalar), ``params`` (pure dict of arrays), ``opt_state`` (optax),
-    ``comm``: the gradient codec's per-replica state (error-feedback residuals, PowerSGD's
-    ``Q``, ...; a leading replica axis sharded over the data axes), ``()`` without compression.
+    """``step`` (int32 scalar), ``params`` (pure dict of arrays), ``opt_state`` (optax).
+
+    Each feature that keeps state of its own has a named part, ``()`` without the feature:
+
+    ``codec``: the gradient codec's per-replica state (error-feedback residuals, PowerSGD's
+    ``Q``, ...; a leading replica axis sharded over the data axes; :mod:`jaxpar.train.compressed`).
+    ``sync``: relaxed synchronisation's state (:mod:`jaxpar.train.relaxed`): the replicas'
+    parameters and inner optimizer states ``{"params", "opt"}`` (a leading ``replica`` axis), or
+    the stale kinds' older parameters ``{"history"}``.
     ``stats``: small running measurements kept across steps and checkpoints, a dict by feature
     (``{"noise_scale": ...}``, :mod:`jaxpar.train.noise_scale`), ``()`` when nothing is measured.
     ``versions``: older weight versions a pipeline schedule keeps (PipeDream-2BW: ``W(t-1)``, in
@@ -51,14 +57,20 @@ class TrainState(NamedTuple):
     step: jax.Array
     params: Any
     opt_state: Any
-    comm: Any = ()
+    codec: Any = ()
+    sync: Any = ()
     stats: Any = ()
     versions: Any = ()
 
 
 @dataclass(frozen=True)
 class StateLayout:
-    """Where every piece of the train state lives, plus what is needed to rebuild the model."""
+    """Where every piece of the train state lives, plus what is needed to rebuild the model.
+
+    Each optional part of :class:`TrainState` has its specs (``codec``, ``sync``, ``stats``,
+    ``versions``: ``PartitionSpec`` trees), its shapes (``*_shapes``) and, for those a restore
+    may have to start afresh from the layout alone, its init: ``codec_init()`` and
+    ``sync_init(params)``, each returning the part in its shardings."""
 
     mesh: Mesh
     rules: tuple
@@ -70,10 +82,12 @@ class StateLayout:
     opt_param_specs: Any  # params-shaped: how optimizer moments are sharded
     opt_state: Any
     opt_shapes: Any
-    comm: Any = ()           # compression state: PartitionSpec tree (leading replica axis)
-    comm_shapes: Any = ()
-    comm_init: Callable[..., Any] = tuple   # () -> a fresh codec state in ``comm``'s shardings
-    comm_from_params: bool = False           # comm_init(params): relaxed sync's replicas (jaxpar.sync)
+    codec: Any = ()          # the gradient codec's state (TrainState.codec): PartitionSpec tree
+    codec_shapes: Any = ()
+    codec_init: Callable[[], Any] = tuple
+    sync: Any = ()           # relaxed synchronisation's state (TrainState.sync): PartitionSpec tree
+    sync_shapes: Any = ()
+    sync_init: Callable[[Any], Any] = lambda params: ()   # noqa: E731
     stats: Any = ()          # running measurements (TrainState.stats): PartitionSpec tree
     stats_shapes: Any = ()
     versions: Any = ()       # older weight versions (TrainState.versions): PartitionSpec tree
@@ -84,14 +98,14 @@ class StateLayout:
         """``TrainState`` of ``NamedSharding``s (for ``jit`` in/out shardings)."""
         return TrainState(NamedSharding(self.mesh, PartitionSpec()),
                           named_shardings(self.params, self.mesh), named_shardings(self.opt_state, self.mesh),
-                          named_shardings(self.comm, self.mesh), named_shardings(self.stats, self.mesh),
-                          named_shardings(self.versions, self.mesh))
+                          named_shardings(self.codec, self.mesh), named_shardings(self.sync, self.mesh),
+                          named_shardings(self.stats, self.mesh), named_shardings(self.versions, self.mesh))
 
     def abstract_state(self) -> TrainState:
         """``TrainState`` of ``ShapeDtypeStruct(..., sharding=...)``: a restore target."""
         sh = self.shardings()
-        abs_state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), self.shapes, self.opt_shapes, self.comm_shapes,
-                               self.stats_shapes, self.versions_shapes)
+        abs_state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), self.shapes, self.opt_shapes,
+                               self.codec_shapes, self.sync_shapes, self.stats_shapes, self.versions_shapes)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, sh)
 
     def analytic_bytes(self) -> dict[str, float]:

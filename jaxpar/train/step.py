@@ -213,8 +213,8 @@ def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepO
         loss, grads = grad(state.versions if delayed else state.params, batch)
         parts, metrics = {}, {}
         if reduce is not None:
-            grads, comm, metrics = reduce(grads, state.comm, state.step)
-            parts = {"comm": comm} if strategy.compression is not None else {}
+            grads, codec_state, metrics = reduce(grads, state.codec, state.step)
+            parts = {"codec": codec_state} if strategy.compression is not None else {}
         if measure:
             parts["stats"], metrics = _noise_scale_stats(state, batch, metrics, replicas_, opts.noise_scale_ema)
         return rule(update, state, loss, grads, parts=parts, metrics=metrics)

@@ -58,7 +58,7 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
       state: the train state before the step.
       loss: the step's loss (a scalar).
       grads: the gradient, in the parameters' tree.
-      parts: the state parts the step itself changed (``{"comm": ..., "stats": ...}``: a codec's
+      parts: the state parts the step itself changed (``{"codec": ..., "stats": ...}``: a codec's
         residuals, running measurements); they are kept, or rolled back with the rest when the
         step is skipped.
       metrics: more metrics of the step (an exchange's, a measurement's).
