@@ -1,11 +1,16 @@
 """Logical axis rules: logical names -> mesh axes -> ``PartitionSpec`` pytrees.
 
-Models name their dimensions with *logical* names only (``batch``, ``embed``,
-``mlp``, ``heads`` ...). Rules are an ordered tuple of ``(logical, mesh_axis |
-tuple_of_axes | None)`` pairs. For each dimension the first rule for its name
-that fits (its mesh axes are not already used by the spec and divide the
-dimension) wins; later rules for the same name are fallbacks. A name with no
-rule, or with no rule that fits, is an error: nothing is silently replicated.
+Models name their dimensions with *logical* names (``batch``, ``embed``, ``mlp``,
+``heads`` ...) or with the mesh's own axis names (``P("fsdp", "tensor")``, the style of JAX's
+and Flax's sharding guides), or mix both. Rules are an ordered tuple of ``(logical, mesh_axis |
+tuple_of_axes | None)`` pairs. A dimension's name is resolved in this order:
+
+1. **A rule for the name.** The first rule that fits (its mesh axes are not already used by the
+   spec and divide the dimension) wins; later rules for the same name are fallbacks. A user's
+   rule (``Strategy.extra_rules``) therefore also overrides a mesh-axis name.
+2. **A mesh axis.** A name no rule maps that is an axis of the mesh (or a tuple of mesh axes,
+   ``("data", "fsdp")``) means that axis, as in a ``PartitionSpec``.
+3. Otherwise it is an error: nothing is silently replicated.
 
 Example::
 
@@ -14,6 +19,10 @@ Example::
     >>> mesh = jax.sharding.AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
     >>> jaxpar.logical_to_spec(("embed", "mlp"), rules, mesh, shape=(16, 64))
     P(None, 'tensor')
+    >>> jaxpar.logical_to_spec(("fsdp", "tensor"), rules, mesh, shape=(16, 64))   # mesh axes
+    P('fsdp', 'tensor')
+    >>> jaxpar.logical_to_spec((("data", "fsdp"), None), rules, mesh, shape=(16, 64))
+    P(('data', 'fsdp'), None)
 """
 
 from __future__ import annotations
@@ -72,8 +81,16 @@ def axes_of(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _targets(rules: LogicalRules, name: str) -> list[tuple[str, ...]]:
-    return [axes_of(target) for logical, target in rules if logical == name]
+def _targets(rules: LogicalRules, name: Any, sizes: dict[str, int]) -> tuple[list[tuple[str, ...]], bool]:
+    """The candidate mesh axes of a dimension named ``name``, and whether they are the name's own
+    mesh axes (no rule maps it)."""
+    ruled = [axes_of(target) for logical, target in rules if logical == name]
+    if ruled:
+        return ruled, False
+    axes = axes_of(name) if isinstance(name, (str, tuple, list)) else ()
+    if axes and all(isinstance(a, str) and a in sizes for a in axes):
+        return [axes], True
+    return [], False
 
 
 def _mesh_sizes(mesh) -> dict[str, int]:
@@ -98,13 +115,16 @@ def logical_to_spec(logical: Sequence[str | None], rules: LogicalRules, mesh, *,
         if name is None:
             out.append(None)
             continue
-        candidates = _targets(rules, name)
+        candidates, own = _targets(rules, name, sizes)
         if not candidates:
-            known = sorted({r[0] for r in rules})
+            known = sorted({r[0] for r in rules}, key=str)
             raise RulesError(
-                f"{what}: dimension {dim} has logical name {name!r}, which no rule maps. Known logical "
-                f"names: {known}. Add a rule such as ({name!r}, None) to replicate it or ({name!r}, "
-                f"'tensor') to shard it.")
+                f"{what}: dimension {dim} has logical name {name!r}, which no rule maps and which is not "
+                f"a mesh axis. Known logical names: {known}; mesh axes: {tuple(sizes)}. Add a rule such as "
+                f"({name!r}, None) to replicate it or ({name!r}, 'tensor') to shard it.")
+        if own:
+            out.append(_own_axes(name, candidates[0], dim, used, sizes, shape, what))
+            continue
         problems = []
         for axes in candidates:
             unknown = [a for a in axes if a not in sizes]
@@ -134,6 +154,26 @@ def logical_to_spec(logical: Sequence[str | None], rules: LogicalRules, mesh, *,
                 + f". Fix: change the size to a multiple of the mesh axes, change the mesh, or add a "
                   f"fallback rule after it such as ({name!r}, None).")
     return PartitionSpec(*out)
+
+
+def _own_axes(name: Any, axes: tuple[str, ...], dim: int, used: dict[str, int], sizes: dict[str, int],
+              shape: Sequence[int] | None, what: str) -> Any:
+    """A dimension named by mesh axes: those axes, or an error that names the spec and the fix."""
+    clash = [a for a in axes if a in used]
+    if clash:
+        raise RulesError(f"{what}: dimension {dim} names mesh axis {clash[0]!r}, which dimension "
+                         f"{used[clash[0]]} already uses: a PartitionSpec may use a mesh axis once. Fix the "
+                         "model's spec.")
+    total = math.prod(sizes[a] for a in axes)
+    if shape is not None and shape[dim] % total:
+        raise RulesError(
+            f"{what} of shape {tuple(shape)}: dimension {dim} is pinned to mesh axes {axes} "
+            f"({', '.join(f'{a}={sizes[a]}' for a in axes)}), whose total size {total} does not divide "
+            f"its size {shape[dim]}. Fix: a mesh whose {'/'.join(axes)} size divides {shape[dim]}, or a rule "
+            f"(Strategy.extra_rules) such as ({name!r}, None) that overrides the model's spec.")
+    for a in axes:
+        used[a] = dim
+    return axes[0] if len(axes) == 1 else axes
 
 
 def _is_spec(x) -> bool:
@@ -228,7 +268,12 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     mesh, rules = ctx
     spec = logical_to_spec(logical, rules, mesh, shape=x.shape, what=f"activation {tuple(logical)}")
     inner = jax.sharding.get_abstract_mesh()      # inside a shard_map: its mesh, with the manual axes
-    return jax.lax.with_sharding_constraint(x, NamedSharding(inner if inner.manual_axes else mesh, spec))
+    if not inner.manual_axes:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    manual = set(inner.manual_axes)               # a mesh-axis name of a manual axis: that axis is split already
+    kept = [tuple(a for a in axes_of(e) if a not in manual) for e in spec]
+    spec = PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(inner, spec))
 
 
 def drop_axes(rules: LogicalRules, axes: Sequence[str]) -> tuple:

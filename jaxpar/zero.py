@@ -30,6 +30,7 @@ __all__ = ["ZERO_STAGES", "zero_axes", "zero_dim", "add_zero_axes", "zero_specs"
 
 ZERO_STAGES = (0, 1, 2, 3)
 _FIRST_STAGE = {"opt": 1, "grads": 2, "params": 3}
+_FSDP_AXES = ("fsdp", "data")      # the axes ZeRO shards over
 
 
 def zero_axes(mesh_sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str, ...]:
@@ -57,26 +58,44 @@ def add_zero_axes(spec: PartitionSpec, shape: Sequence[int], logical: Sequence[s
     """Shard ``spec`` additionally over ``axes`` on one dimension.
 
     The dimension is the largest one that is not yet sharded, not in ``exclude``
-    and divisible by the product of *all* ZeRO axes of the mesh, so parameters,
-    gradients and optimizer state of a leaf are always split on the same
-    dimension, each layout refining the previous one (``fsdp`` major, ``data``
-    minor). No such dimension: the leaf stays replicated over ``axes``.
+    and divisible by the product of *all* ZeRO axes of the mesh that ``spec`` does not
+    use yet, so parameters, gradients and optimizer state of a leaf are always split on
+    the same dimension, each layout refining the previous one (``fsdp`` major, ``data``
+    minor). An axis ``spec`` already uses (a model's own ``P("fsdp", ...)``) is not
+    added again; the others go on a free dimension, else minor on the dimension the
+    model already split over a ZeRO axis, else nowhere (the leaf stays replicated over
+    them).
+
+    >>> sizes = {"data": 2, "fsdp": 2, "tensor": 2}
+    >>> add_zero_axes(PartitionSpec(None, "fsdp"), (8, 16), (None, None), ("fsdp", "data"), sizes)
+    P('data', 'fsdp')
+    >>> add_zero_axes(PartitionSpec("tensor", "fsdp"), (8, 16), (None, None), ("fsdp", "data"), sizes)
+    P('tensor', ('fsdp', 'data'))
     """
+    used = {a for e in spec for a in axes_of(e)}
+    axes = tuple(a for a in axes if a not in used)
     if not axes:
         return spec
-    d = zero_dim(shape, logical, spec, mesh_sizes, exclude)
-    if d is None:
-        return spec
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    entries[d] = axes[0] if len(axes) == 1 else tuple(axes)
-    return PartitionSpec(*entries)
+    d = zero_dim(shape, logical, spec, mesh_sizes, exclude)
+    if d is not None:
+        entries[d] = axes[0] if len(axes) == 1 else tuple(axes)
+        return PartitionSpec(*entries)
+    n = math.prod(mesh_sizes.get(a, 1) for a in axes)
+    for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        own = axes_of(entries[d])
+        if set(own) & set(_FSDP_AXES) and shape[d] % (n * math.prod(mesh_sizes.get(a, 1) for a in own)) == 0:
+            entries[d] = own + axes
+            return PartitionSpec(*entries)
+    return spec
 
 
 def zero_dim(shape: Sequence[int], logical: Sequence[str | None], spec: PartitionSpec,
              mesh_sizes: Mapping[str, int], exclude: tuple[str, ...] = ("layers",)) -> int | None:
     """The dimension ZeRO shards for this leaf, or ``None`` when none fits."""
-    n = mesh_sizes.get("fsdp", 1) * mesh_sizes.get("data", 1)
     entries = list(spec) + [None] * (len(shape) - len(spec))
+    used = {a for e in entries for a in axes_of(e)}
+    n = math.prod(mesh_sizes.get(a, 1) for a in _FSDP_AXES if a not in used)
     logical = tuple(logical) + (None,) * (len(shape) - len(tuple(logical)))
     for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
         free = all(mesh_sizes.get(a, 1) == 1 for a in axes_of(entries[d]))   # size-1 axes split nothing

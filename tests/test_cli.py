@@ -236,6 +236,22 @@ def test_byo_model_config_trains(overrides, tmp_path):
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4]
 
 
+EXPLICIT = str(ROOT / "configs" / "explicit_model.yaml")   # examples/explicit_transformer.py: explicit sharding
+
+
+def test_explicit_sharding_model_config_trains(tmp_path):
+    """configs/explicit_model.yaml trains a model with mesh-axis specs, out_sharding= pins and nnx.List
+    layers (DP2 x FSDP2 x TP2, ZeRO-3, two micro-batches), with no rules written for it."""
+    out = tmp_path / "run"
+    assert main(["train", EXPLICIT, "train.steps=4", "train.log_every=1", "train.eval_batches=1",
+                 f"train.out_dir={out}", "train.progress=none", "optimizer.warmup_steps=0",
+                 "checkpoint.enabled=false", "logging.tensorboard=false"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert len(losses) == 4 and np.isfinite(losses).all() and losses[-1] < losses[0], losses
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [4]
+
+
 USER_BAD = [  # (overrides on tests/cli_mlp.yaml, text the error must contain)
     ("model.target=jaxpar.models.mlp:MLPClassifer", "model.target='jaxpar.models.mlp:MLPClassifer': "
      "'jaxpar.models.mlp' has no attribute 'MLPClassifer'; did you mean 'MLPClassifier'"),

@@ -99,8 +99,9 @@ def _sync_plan(meta: dict, part: Any, where: str) -> PartPlan:
         if not saved:
             return PartPlan("sync", "empty")
         about = f" (Strategy.sync={old.get('sync')})" if old else ""
-        return PartPlan("sync", "drop", f"{where}: relaxed synchronisation's replicas saved with it are dropped{about}: "
-                                        f"this run keeps none (no Strategy.sync and no replica axis). {_RESTORED}")
+        return PartPlan("sync", "drop", f"{where}: relaxed synchronisation's replicas saved with it are dropped"
+                                        f"{about}: this run keeps none (no Strategy.sync and no replica axis). "
+                                        f"{_RESTORED}")
     if not saved:
         return PartPlan("sync", "fresh", f"{where}: the checkpoint has no replica state (saved without relaxed "
                                          f"synchronisation): {_SYNC_FRESH}. {_RESTORED}")

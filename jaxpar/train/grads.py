@@ -42,7 +42,8 @@ from ..blocks import LAYERS, find_layer_calls, use_layer_runner
 from ..data_parallel import (DataParallelLayers, axis_name, bucketed_all_gather, explicit_by_default, manual_layout,
                              sharded_spec)
 from ..mesh import data_axes
-from ..rules import drop_axes, named_shardings, path_str, use_rules
+from ..rules import axes_of, drop_axes, named_shardings, path_str, resolve, use_rules
+from .model_mesh import ModelLoss
 from .state import StateLayout
 
 __all__ = ["model_loss", "accumulate", "global_grads", "pipeline_grads", "replica_grads", "explicit_data_parallel",
@@ -55,9 +56,10 @@ class ExplicitDPError(ValueError):
 
 def model_loss(loss_fn: Callable, layout: StateLayout) -> Callable:
     """``(params, batch) -> loss``: the model rebuilt from ``params`` cast to the strategy's
-    compute dtype, scored by ``loss_fn(model, batch)``."""
+    compute dtype, scored by ``loss_fn(model, batch)``; a model that pins shardings by mesh axes
+    runs with the mesh's axes Explicit (:class:`~jaxpar.train.model_mesh.ModelLoss`)."""
     graphdef, cast = layout.graphdef, layout.strategy.cast
-    return lambda params, batch: loss_fn(nnx.merge(graphdef, cast(params)), batch)
+    return ModelLoss(lambda params, batch: loss_fn(nnx.merge(graphdef, cast(params)), batch), layout)
 
 
 def accumulate(grad_fn: Callable, params: Any, batch: Any, k: int, *, mesh=None, zeros: Callable = None):
@@ -94,6 +96,13 @@ def _stacked_paths(layout: StateLayout) -> list[tuple[int, str]]:
     return [(i, path_str(path)) for i, (path, lg) in enumerate(flat) if tuple(lg)[:1] == (LAYERS,)]
 
 
+def _data_axis_paths(layout: StateLayout, axes: list[str]) -> list[str]:
+    """The parameters whose own specs (before ZeRO) already use one of the data ``axes``."""
+    base = resolve(layout.logical, layout.rules, layout.mesh, layout.shapes)
+    flat = jax.tree_util.tree_flatten_with_path(base, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
+    return [path_str(path) for path, spec in flat if any(a in axes for e in spec for a in axes_of(e))]
+
+
 def stacked_layers(layout: StateLayout) -> int | None:
     """The length of the ``layers`` axis of the stacked parameters (``None``: none, or several)."""
     shapes = jax.tree.leaves(layout.shapes)
@@ -122,13 +131,24 @@ def explicit_data_parallel(asked: bool | None, loss_fn: Callable, params: Any, b
         return False
     sizes = dict(mesh.shape)
     axes = [a for a in data_axes(mesh) if sizes[a] > 1]
-    merged = lambda p, b: loss_fn(nnx.merge(layout.graphdef, p), b)   # noqa: E731  (p: in the compute dtype)
+    merged = ModelLoss(lambda p, b: loss_fn(nnx.merge(layout.graphdef, p), b), layout)   # p: in the compute dtype
     sites = find_layer_calls(merged, strategy.cast(params), batch)
     ran = {i for site in sites for i in site.leaves}
     unrun = [p for i, p in _stacked_paths(layout) if i not in ran]
+    pinned = _data_axis_paths(layout, axes)
     if asked is None:
         platform = mesh.devices.flat[0].platform
-        return bool(axes and sites and not unrun) and explicit_by_default(sizes, strategy.zero, platform)
+        own = bool(pinned) or merged.explicit       # the model's own shardings: XLA's collectives
+        return bool(axes and sites and not unrun and not own) and explicit_by_default(sizes, strategy.zero, platform)
+    if merged.explicit:
+        raise ExplicitDPError("explicit_dp=True: the model pins shardings by mesh axes (out_sharding=, jax.reshard), "
+                              "which JAX allows only with the mesh's axes Explicit, and the explicit per-layer "
+                              "collectives run it inside a shard_map. Use explicit_dp=None / False.")
+    if pinned:
+        raise ExplicitDPError(
+            f"explicit_dp=True: the model's own specs shard parameters {pinned[:4]}{' ...' if len(pinned) > 4 else ''} "
+            f"over data axes {axes} (e.g. P('fsdp', ...)), so XLA already gathers them where the model uses them and "
+            "jaxpar cannot issue those gathers layer by layer. Use explicit_dp=None / False.")
     if not axes:
         raise ExplicitDPError(f"explicit_dp=True: the mesh {sizes} has no data axis ('data' or 'fsdp') of size "
                               "> 1, so there is no data-parallel collective to make explicit. Use explicit_dp=None.")

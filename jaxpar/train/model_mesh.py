@@ -1,0 +1,154 @@
+"""Models written in JAX's explicit-sharding style: they pin shardings by mesh axes
+(``jnp.einsum(..., out_sharding=P("data", None, "tensor"))``, ``nnx.Linear(...)(x,
+out_sharding=...)``, ``jax.reshard``), which JAX accepts only under a mesh whose axes are
+``Explicit``.
+
+jaxpar's step runs with ``Auto`` axes: XLA chooses the collectives that the strategy's shardings
+imply. Such a model's loss runs inside :func:`jax.sharding.explicit_axes` over the layout's mesh:
+its parameters enter in the model's *own* specs (what its annotations say, before ZeRO adds the
+data axes; ZeRO-3's all-gather is the reshard into them), the batch in the strategy's batch
+sharding, and the loss leaves as a replicated scalar. Gradients flow back through the same
+reshards, into the strategy's gradient layout. A model that runs without a mesh is left alone:
+the explicit region is entered only when the plain call fails for want of one.
+
+Example::
+
+    >>> import jax, jax.numpy as jnp, optax, jaxpar
+    >>> from flax import nnx
+    >>> from jax.sharding import PartitionSpec as P
+    >>> class Pinned(nnx.Module):
+    ...     def __init__(self, rngs):
+    ...         init = nnx.with_partitioning(nnx.initializers.normal(0.1), P("fsdp", "tensor"))
+    ...         self.w = nnx.Param(init(rngs.params(), (8, 4)))
+    ...     def __call__(self, x):
+    ...         return jnp.einsum("bd,dh->bh", x, self.w[...], out_sharding=P(("data", "fsdp"), "tensor"))
+    >>> mesh = jaxpar.make_mesh({"fsdp": 2, "tensor": 2}, devices=jax.devices()[:4])
+    >>> state, layout = jaxpar.init_train_state(lambda: Pinned(nnx.Rngs(0)), optax.sgd(0.1), mesh)
+    >>> loss = lambda model, batch: jnp.mean(model(batch["x"]) ** 2)
+    >>> step = jaxpar.make_train_step(loss, optax.sgd(0.1), layout)
+    >>> state, metrics = step(state, jaxpar.shard_batch({"x": jnp.ones((4, 8))}, mesh))
+    >>> state.params["w"].sharding.spec
+    P('fsdp', 'tensor')
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from ..mesh import data_axes
+from ..rules import resolve
+
+__all__ = ["ModelMeshError", "ModelLoss", "needs_explicit_mesh", "explicit_model_loss"]
+
+# What JAX says when a model pins a sharding by mesh axes under a mesh that does not allow it.
+_SIGNS = ("not under a mesh context", "of type Auto", "AxisType", "Auto or Manual", "`out_sharding`",
+          "out_sharding=", "explicit mesh", "Explicit axes")
+
+
+class ModelMeshError(ValueError):
+    """A model that pins shardings by mesh axes cannot run where jaxpar asked it to."""
+
+
+def needs_explicit_mesh(error: BaseException) -> bool:
+    """Whether ``error`` is JAX refusing a mesh-axis sharding for want of an ``Explicit`` mesh.
+
+    Args:
+      error: what calling the model raised.
+
+    Returns:
+      ``True`` for JAX's errors about a ``PartitionSpec`` outside a mesh context or over
+      ``Auto`` axes.
+    """
+    text = str(error)
+    return isinstance(error, (ValueError, TypeError, NotImplementedError)) and any(s in text for s in _SIGNS)
+
+
+def explicit_model_loss(loss_of: Callable, own_specs: Any, mesh) -> Callable:
+    """``loss_of(params, batch)`` run with ``mesh``'s axes ``Explicit``.
+
+    Args:
+      loss_of: ``(params, batch) -> scalar``, the model rebuilt from ``params`` and scored.
+      own_specs: the parameters' specs as the model annotates them (before ZeRO).
+      mesh: the layout's mesh.
+
+    Returns:
+      The same function, for use under ``jit`` with ``Auto`` axes.
+    """
+    batch_axes = tuple(a for a in data_axes(mesh))
+
+    def run(params, batch):
+        batch_specs = jax.tree.map(lambda a: PartitionSpec(batch_axes, *([None] * (a.ndim - 1))), batch)
+        inner = jax.sharding.explicit_axes(loss_of, in_sharding=(own_specs, batch_specs))
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return inner(params, batch)
+
+    return run
+
+
+class ModelLoss:
+    """``loss_of(params, batch)`` that enters :func:`explicit_model_loss` when the model needs an
+    explicit mesh.
+
+    Args:
+      loss_of: ``(params, batch) -> scalar``.
+      layout: the state's :class:`~jaxpar.StateLayout`.
+
+    Calling it returns the loss; it raises :class:`ModelMeshError` where the model cannot run with
+    an explicit mesh (inside jaxpar's ``shard_map`` programs), naming the model's call site.
+    :attr:`explicit` says whether a call has needed the explicit mesh.
+    """
+
+    def __init__(self, loss_of: Callable, layout: Any):
+        self._plain, self._layout = loss_of, layout
+        self._explicit: Callable | None = None
+        self._site = ""
+
+    @property
+    def explicit(self) -> bool:
+        return self._explicit is not None
+
+    def __call__(self, params, batch):
+        if self._explicit is None:
+            try:
+                return self._plain(params, batch)
+            except Exception as plain:  # noqa: BLE001 - only JAX's mesh-context refusals are handled
+                if not needs_explicit_mesh(plain):
+                    raise
+                lay = self._layout
+                own = resolve(lay.logical, lay.rules, lay.mesh, lay.shapes)
+                self._explicit, self._site = explicit_model_loss(self._plain, own, lay.mesh), _call_site(plain)
+                first = plain
+        else:
+            first = None
+        manual = jax.sharding.get_abstract_mesh().manual_axes
+        if manual:
+            raise ModelMeshError(
+                f"the model pins shardings by mesh axes (at {self._site}), which JAX allows only with the mesh's "
+                "axes Explicit. jaxpar runs such a model in its GSPMD program (data, fsdp and tensor axes, ZeRO, "
+                f"accumulation); here it runs inside a shard_map manual over {tuple(manual)} (a pipeline, "
+                "compression, the noise scale, relaxed synchronisation or explicit_dp=True), where it cannot. Drop "
+                "that option, or pin the model's activations with jaxpar.constrain and logical names instead."
+                + (f" JAX said: {_first_line(first)}" if first is not None else "")) from first
+        return self._explicit(params, batch)
+
+
+def _call_site(error: BaseException) -> str:
+    """The model's line that raised ``error``: the one JAX names ("This error occurs at source:
+    ..."), else the innermost frame of the traceback outside JAX, Flax and jaxpar."""
+    text = str(error)
+    mark = "This error occurs at source:"
+    if mark in text:
+        return text.split(mark, 1)[1].strip().splitlines()[0]
+    library = tuple(str(Path(m.__file__).parent) for m in (jax, nnx)) + (str(Path(__file__).parents[1]),)
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(library)]
+    return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else "an unknown line"
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0][:300]
