@@ -146,3 +146,38 @@ def test_where_the_model_cannot_run_the_error_is_jaxpars_and_names_its_line():
     step = jaxpar.make_train_step(loss, optax.adam(LR), layout, explicit_dp=True)
     with pytest.raises(ExplicitDPError, match="pins shardings by mesh axes"):
         step(state, batch)
+
+
+@need_devices(8)
+def test_checkpoint_restores_onto_another_mesh_and_training_goes_on(tmp_path):
+    """Saved under DP2 x FSDP2 x TP2 (ZeRO-3), restored under FSDP4 x TP2: the same values, and the
+    next step's loss is the one the first mesh computes."""
+    from jaxpar.train.checkpoint import Checkpointer
+
+    state, layout, _, step, mesh = _train({"data": 2, "fsdp": 2, "tensor": 2}, Strategy(zero=3))
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(STEPS, state, layout=layout)
+    saved = jax.device_get(state)
+    _, next_metrics = step(state, jaxpar.shard_batch(_batch(STEPS), mesh))      # donates state
+    other = jaxpar.make_mesh({"fsdp": 4, "tensor": 2}, devices=jax.devices()[:8])
+    _, other_layout = jaxpar.init_train_state(_model, optax.adam(LR), other, Strategy())
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        restored = ck.restore(other_layout).state
+    for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(a, b)
+    assert restored.params["head"].sharding.spec == other_layout.params["head"]
+    other_step = jaxpar.make_train_step(loss, optax.adam(LR), other_layout)
+    _, metrics = other_step(restored, jaxpar.shard_batch(_batch(STEPS), other))
+    np.testing.assert_allclose(float(metrics["loss"]), float(next_metrics["loss"]), rtol=1e-5)
+
+
+@need_devices(8)
+def test_sequence_parallelism_is_the_models_own_pins():
+    """jaxpar's sequence parallelism is a rule on its logical names; a model that pins its activations by
+    mesh axes decides that itself, so the option is refused by name rather than ignored."""
+    mesh = jaxpar.make_mesh({"data": 2, "tensor": 4}, devices=jax.devices()[:8])
+    state, layout = jaxpar.init_train_state(lambda: ExplicitTransformer(**{**KW, "kv_heads": 4}, rngs=nnx.Rngs(0)),
+                                            optax.adam(LR), mesh, Strategy(sequence_parallel=True))
+    step = jaxpar.make_train_step(loss, optax.adam(LR), layout)
+    with pytest.raises(ModelMeshError, match="sequence_parallel=True.*pins its activations"):
+        step(state, jaxpar.shard_batch(_batch(0), mesh))

@@ -121,6 +121,13 @@ class ModelLoss:
                 if not needs_explicit_mesh(plain):
                     raise
                 lay = self._layout
+                if lay.strategy.sequence_parallel:
+                    raise ModelMeshError(
+                        f"sequence_parallel=True, but the model pins its activations by mesh axes itself (at "
+                        f"{_call_site(plain)}): jaxpar's sequence parallelism is a rule on its logical names "
+                        "('norm_length'), which this model does not use, so it would be ignored. Pin the residual "
+                        "stream to P(batch, 'tensor', None) in the model where you want it split, and leave "
+                        "sequence_parallel False.") from plain
                 own = resolve(lay.logical, lay.rules, lay.mesh, lay.shapes)
                 self._explicit, self._site = explicit_model_loss(self._plain, own, lay.mesh), _call_site(plain)
                 first = plain
