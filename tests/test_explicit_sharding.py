@@ -181,3 +181,17 @@ def test_sequence_parallelism_is_the_models_own_pins():
     step = jaxpar.make_train_step(loss, optax.adam(LR), layout)
     with pytest.raises(ModelMeshError, match="sequence_parallel=True.*pins its activations"):
         step(state, jaxpar.shard_batch(_batch(0), mesh))
+
+
+@need_devices(8)
+def test_several_steps_per_call_scan_the_explicit_models_step(reference):
+    """steps_per_call=3 scans the explicit model's step: the same three losses as one device."""
+    ref_losses, ref_params, _ = reference
+    mesh = jaxpar.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, devices=jax.devices()[:8])
+    state, layout = jaxpar.init_train_state(_model, optax.adam(LR), mesh, Strategy(zero=3))
+    step = jaxpar.make_train_step(loss, optax.adam(LR), layout, steps_per_call=STEPS)
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *[_batch(i) for i in range(STEPS)])
+    state, metrics = step(state, stacked)
+    np.testing.assert_allclose(np.asarray(metrics["loss"]), ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, atol=0.01 * STEPS * LR, rtol=0)
