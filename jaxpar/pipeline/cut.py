@@ -51,10 +51,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..blocks import find_layer_calls, use_layer_runner, with_remat
+from ..model_mesh import call_site, needs_explicit_mesh
 from ..rules import constrain
 from .parts import PipelineParts
 
-__all__ = ["ModelCut", "PipelineCutError", "cut_model"]
+__all__ = ["ModelCut", "PipelineCutError", "cut_model", "layer_lists"]
 
 
 class PipelineCutError(ValueError):
@@ -110,14 +111,22 @@ class ModelCut:
 
 
 def _site(loss_fn: Callable, graphdef, params: Any, batch: Any):
-    sites = find_layer_calls(lambda p, b: loss_fn(nnx.merge(graphdef, p), b), params, batch)
     name = getattr(loss_fn, "__name__", repr(loss_fn))
+    try:
+        sites = find_layer_calls(lambda p, b: loss_fn(nnx.merge(graphdef, p), b), params, batch)
+    except Exception as e:  # noqa: BLE001 - JAX's refusal of a model's mesh-axis pins, said with the model's line
+        if not needs_explicit_mesh(e):
+            raise
+        raise PipelineCutError(
+            f"pipeline: loss_fn {name!r} pins shardings by mesh axes (at {call_site(e)}), which JAX allows only with "
+            "the mesh's axes Explicit; jaxpar runs such a model in its GSPMD program, and a pipeline runs each "
+            "stage inside a shard_map, where it cannot." + layer_lists(nnx.merge(graphdef, params))) from e
     if len(sites) != 1:
         raise PipelineCutError(
             f"pipeline: loss_fn {name!r} runs stacked layers {len(sites)} times; a pipeline cuts the model at "
             "exactly one stacked-layers call. Run the model's repeated blocks once through "
             "jaxpar.scan_blocks(self.blocks, x) (blocks built with nnx.vmap and a 'layers' axis), or train "
-            "without a 'pipe' mesh axis.")
+            "without a 'pipe' mesh axis." + (layer_lists(nnx.merge(graphdef, params)) if not sites else ""))
     site = sites[0]
     if None in site.leaves:
         raise PipelineCutError(
@@ -125,6 +134,57 @@ def _site(loss_fn: Callable, graphdef, params: Any, batch: Any):
             "themselves) to its stacked-layers call; pass the stacked module / arrays unchanged so the "
             "pipeline can place each layer's parameters on its stage.")
     return site
+
+
+def _statics(module: nnx.Module) -> dict[str, Any]:
+    """A module's static settings (numbers, strings, flags) by path."""
+    out = {}
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Module):
+            for k, v in vars(node).items():
+                if isinstance(v, (int, float, str, bool, type(None))) and not k.startswith("_"):
+                    out["/".join(map(str, (*path, k)))] = v
+    return out
+
+
+def layer_lists(model: nnx.Module) -> str:
+    """What the model's ``nnx.List`` of blocks would need to be pipelined, in words ("" if it has none).
+
+    Args:
+      model: the model (its parameters may be abstract).
+
+    Returns:
+      For each ``nnx.List`` of modules: where it is, how many layers, and which layers differ from
+      the first in structure (the first differing setting, e.g. ``attn/window: 4 vs None``) or in
+      parameter shapes.
+
+    >>> class Net(nnx.Module):
+    ...     def __init__(self, rngs):
+    ...         self.blocks = nnx.List([nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 8, rngs=rngs)])
+    >>> layer_lists(Net(nnx.Rngs(0)))[:110]
+    " The model keeps 2 blocks in an nnx.List at 'blocks': they differ from layer 0 (layer 1: out_features: 8 vs 4)"
+    """
+    notes = []
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.List) or not len(node) or not all(isinstance(m, nnx.Module) for m in node):
+            continue
+        first, shapes = _statics(node[0]), jax.tree.map(jnp.shape, nnx.state(node[0], nnx.Param))
+        differ = []
+        for i, layer in enumerate(list(node)[1:], 1):
+            other = _statics(layer)
+            keys = [k for k in sorted(set(first) | set(other)) if first.get(k) != other.get(k)]
+            if keys:
+                differ.append(f"layer {i}: {keys[0]}: {other.get(keys[0])!r} vs {first.get(keys[0])!r}")
+            elif jax.tree.map(jnp.shape, nnx.state(layer, nnx.Param)) != shapes:
+                differ.append(f"layer {i}: other parameter shapes")
+        where = "/".join(map(str, path)) or "the model"
+        what = ("they differ from layer 0 (" + "; ".join(differ[:3]) + (" ..." if len(differ) > 3 else "") + "), so "
+                "they cannot be stacked: make the layers alike" if differ else "they are alike, so they can be "
+                "stacked")
+        notes.append(f" The model keeps {len(node)} blocks in an nnx.List at {where!r}: {what}, build them with "
+                     "nnx.vmap (transform_metadata={nnx.PARTITION_NAME: 'layers'}) and run them with "
+                     "jaxpar.scan_blocks; jaxpar does not cut a Python list of layers into stages.")
+    return "".join(notes)
 
 
 def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any) -> ModelCut:

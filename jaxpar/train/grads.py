@@ -43,7 +43,7 @@ from ..data_parallel import (DataParallelLayers, axis_name, bucketed_all_gather,
                              sharded_spec)
 from ..mesh import data_axes
 from ..rules import axes_of, drop_axes, named_shardings, path_str, resolve, use_rules
-from .model_mesh import ModelLoss
+from ..model_mesh import ModelLoss
 from .state import StateLayout
 
 __all__ = ["model_loss", "accumulate", "global_grads", "pipeline_grads", "replica_grads", "explicit_data_parallel",
@@ -57,7 +57,7 @@ class ExplicitDPError(ValueError):
 def model_loss(loss_fn: Callable, layout: StateLayout) -> Callable:
     """``(params, batch) -> loss``: the model rebuilt from ``params`` cast to the strategy's
     compute dtype, scored by ``loss_fn(model, batch)``; a model that pins shardings by mesh axes
-    runs with the mesh's axes Explicit (:class:`~jaxpar.train.model_mesh.ModelLoss`)."""
+    runs with the mesh's axes Explicit (:class:`~jaxpar.model_mesh.ModelLoss`)."""
     graphdef, cast = layout.graphdef, layout.strategy.cast
     return ModelLoss(lambda params, batch: loss_fn(nnx.merge(graphdef, cast(params)), batch), layout)
 

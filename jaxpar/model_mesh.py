@@ -41,10 +41,10 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from ..mesh import data_axes
-from ..rules import resolve
+from .mesh import data_axes
+from .rules import resolve
 
-__all__ = ["ModelMeshError", "ModelLoss", "needs_explicit_mesh", "explicit_model_loss"]
+__all__ = ["ModelMeshError", "ModelLoss", "needs_explicit_mesh", "explicit_model_loss", "call_site"]
 
 # What JAX says when a model pins a sharding by mesh axes under a mesh that does not allow it.
 _SIGNS = ("not under a mesh context", "of type Auto", "AxisType", "Auto or Manual", "`out_sharding`",
@@ -124,12 +124,12 @@ class ModelLoss:
                 if lay.strategy.sequence_parallel:
                     raise ModelMeshError(
                         f"sequence_parallel=True, but the model pins its activations by mesh axes itself (at "
-                        f"{_call_site(plain)}): jaxpar's sequence parallelism is a rule on its logical names "
+                        f"{call_site(plain)}): jaxpar's sequence parallelism is a rule on its logical names "
                         "('norm_length'), which this model does not use, so it would be ignored. Pin the residual "
                         "stream to P(batch, 'tensor', None) in the model where you want it split, and leave "
                         "sequence_parallel False.") from plain
                 own = resolve(lay.logical, lay.rules, lay.mesh, lay.shapes)
-                self._explicit, self._site = explicit_model_loss(self._plain, own, lay.mesh), _call_site(plain)
+                self._explicit, self._site = explicit_model_loss(self._plain, own, lay.mesh), call_site(plain)
                 first = plain
         else:
             first = None
@@ -145,14 +145,14 @@ class ModelLoss:
         return self._explicit(params, batch)
 
 
-def _call_site(error: BaseException) -> str:
+def call_site(error: BaseException) -> str:
     """The model's line that raised ``error``: the one JAX names ("This error occurs at source:
     ..."), else the innermost frame of the traceback outside JAX, Flax and jaxpar."""
     text = str(error)
     mark = "This error occurs at source:"
     if mark in text:
         return text.split(mark, 1)[1].strip().splitlines()[0]
-    library = tuple(str(Path(m.__file__).parent) for m in (jax, nnx)) + (str(Path(__file__).parents[1]),)
+    library = tuple(str(Path(m.__file__).parent) for m in (jax, nnx)) + (str(Path(__file__).parent),)
     frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(library)]
     return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else "an unknown line"
 
