@@ -80,7 +80,7 @@ def explicit_model_loss(loss_of: Callable, own_specs: Any, mesh) -> Callable:
     Returns:
       The same function, for use under ``jit`` with ``Auto`` axes.
     """
-    batch_axes = tuple(a for a in data_axes(mesh))
+    batch_axes = data_axes(mesh)
 
     def run(params, batch):
         batch_specs = jax.tree.map(lambda a: PartitionSpec(batch_axes, *([None] * (a.ndim - 1))), batch)
@@ -107,7 +107,7 @@ class ModelLoss:
     def __init__(self, loss_of: Callable, layout: Any):
         self._plain, self._layout = loss_of, layout
         self._explicit: Callable | None = None
-        self._site = ""
+        self._refusal: BaseException | None = None      # what JAX said of the plain call
 
     @property
     def explicit(self) -> bool:
@@ -129,19 +129,16 @@ class ModelLoss:
                         "stream to P(batch, 'tensor', None) in the model where you want it split, and leave "
                         "sequence_parallel False.") from plain
                 own = resolve(lay.logical, lay.rules, lay.mesh, lay.shapes)
-                self._explicit, self._site = explicit_model_loss(self._plain, own, lay.mesh), call_site(plain)
-                first = plain
-        else:
-            first = None
+                self._explicit, self._refusal = explicit_model_loss(self._plain, own, lay.mesh), plain
         manual = jax.sharding.get_abstract_mesh().manual_axes
         if manual:
             raise ModelMeshError(
-                f"the model pins shardings by mesh axes (at {self._site}), which JAX allows only with the mesh's "
-                "axes Explicit. jaxpar runs such a model in its GSPMD program (data, fsdp and tensor axes, ZeRO, "
-                f"accumulation); here it runs inside a shard_map manual over {tuple(manual)} (a pipeline, "
+                f"the model pins shardings by mesh axes (at {call_site(self._refusal)}), which JAX allows only with "
+                "the mesh's axes Explicit. jaxpar runs such a model in its GSPMD program (data, fsdp and tensor "
+                f"axes, ZeRO, accumulation); here it runs inside a shard_map manual over {tuple(manual)} (a pipeline, "
                 "compression, the noise scale, relaxed synchronisation or explicit_dp=True), where it cannot. Drop "
-                "that option, or pin the model's activations with jaxpar.constrain and logical names instead."
-                + (f" JAX said: {_first_line(first)}" if first is not None else "")) from first
+                "that option, or pin the model's activations with jaxpar.constrain and logical names instead. "
+                f"JAX said: {_first_line(self._refusal)}") from self._refusal
         return self._explicit(params, batch)
 
 

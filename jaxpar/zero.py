@@ -30,7 +30,7 @@ __all__ = ["ZERO_STAGES", "zero_axes", "zero_dim", "add_zero_axes", "zero_specs"
 
 ZERO_STAGES = (0, 1, 2, 3)
 _FIRST_STAGE = {"opt": 1, "grads": 2, "params": 3}
-_FSDP_AXES = ("fsdp", "data")      # the axes ZeRO shards over
+_ZERO_AXES = ("fsdp", "data")      # the axes ZeRO shards over
 
 
 def zero_axes(mesh_sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str, ...]:
@@ -84,7 +84,7 @@ def add_zero_axes(spec: PartitionSpec, shape: Sequence[int], logical: Sequence[s
     n = math.prod(mesh_sizes.get(a, 1) for a in axes)
     for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
         own = axes_of(entries[d])
-        if set(own) & set(_FSDP_AXES) and shape[d] % (n * math.prod(mesh_sizes.get(a, 1) for a in own)) == 0:
+        if set(own) & set(_ZERO_AXES) and shape[d] % (n * math.prod(mesh_sizes.get(a, 1) for a in own)) == 0:
             entries[d] = own + axes
             return PartitionSpec(*entries)
     return spec
@@ -95,7 +95,7 @@ def zero_dim(shape: Sequence[int], logical: Sequence[str | None], spec: Partitio
     """The dimension ZeRO shards for this leaf, or ``None`` when none fits."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
     used = {a for e in entries for a in axes_of(e)}
-    n = math.prod(mesh_sizes.get(a, 1) for a in _FSDP_AXES if a not in used)
+    n = math.prod(mesh_sizes.get(a, 1) for a in _ZERO_AXES if a not in used)
     logical = tuple(logical) + (None,) * (len(shape) - len(tuple(logical)))
     for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
         free = all(mesh_sizes.get(a, 1) == 1 for a in axes_of(entries[d]))   # size-1 axes split nothing

@@ -91,7 +91,8 @@ def _train(axes, strategy, steps=3):
 
 @need_devices(8)
 @pytest.mark.parametrize("axes,zero", [({"data": 8}, 3), ({"fsdp": 8}, 0), ({"fsdp": 4, "tensor": 2}, 0),
-                                       ({"data": 2, "fsdp": 2, "tensor": 2}, 3), ({"data": 2, "fsdp": 2, "tensor": 2}, 1)])
+                                       ({"data": 2, "fsdp": 2, "tensor": 2}, 3),
+                                       ({"data": 2, "fsdp": 2, "tensor": 2}, 1)])
 def test_mesh_axis_model_trains_exactly_without_rules(axes, zero):
     ref_state, _, ref = _train({"data": 1}, Strategy())
     state, layout, losses = _train(axes, Strategy(zero=zero))

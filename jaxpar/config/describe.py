@@ -73,7 +73,8 @@ def state_line(layout: Any) -> str:
     nbytes, parts = layout.analytic_bytes(), part_bytes(layout)
     names = {"codec": "codec state", "sync": "relaxed-sync state"}
     extra = "".join(f", {names[k]} {format_bytes(v)}" for k, v in parts.items() if v)
-    return (f"state    {format_bytes(nbytes['total'] + sum(parts.values()))} per device (params {format_bytes(nbytes['params'])}, "
+    total = nbytes["total"] + sum(parts.values())
+    return (f"state    {format_bytes(total)} per device (params {format_bytes(nbytes['params'])}, "
             f"optimizer {format_bytes(nbytes['opt'])}{extra})")
 
 
