@@ -5,6 +5,7 @@ from .mesh import simulate_cpu_devices as simulate_cpu_devices, use_devices as u
 from .rules import RulesError as RulesError, logical_to_spec as logical_to_spec, resolve as resolve
 from .rules import named_shardings as named_shardings, use_rules as use_rules, constrain as constrain
 from .blocks import scan_blocks as scan_blocks, run_layers as run_layers
+from .layer_lists import stack_layers as stack_layers, LayerListError as LayerListError
 from .strategy import Strategy as Strategy
 from .tensor import tensor_rules as tensor_rules
 from .zero import analytic_state_bytes as analytic_state_bytes
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MeshSpec", "MeshError", "make_mesh", "simulate_cpu_devices", "use_devices", "data_axes",
     "RulesError", "logical_to_spec", "resolve", "named_shardings", "use_rules", "constrain",
-    "scan_blocks", "run_layers", "Strategy", "tensor_rules", "analytic_state_bytes",
+    "scan_blocks", "run_layers", "stack_layers", "LayerListError", "Strategy", "tensor_rules", "analytic_state_bytes",
     "TrainState", "StateLayout", "init_train_state", "state_layout", "make_train_step", "ExplicitDPError",
     "StrategyMismatchError", "shard_batch",
 ]

@@ -69,7 +69,10 @@ class LayerCall:
     - ``params``: the stacked parameters (leading ``layers`` axis);
     - ``logical``: one layer's logical names, a tree mirroring ``params`` without the ``layers`` axis;
     - ``x``: the input activation, batch first; ``remat``: the model's ``jax.checkpoint`` policy;
-    - ``scan``: ``lax.scan`` over the layers (``False``: a Python loop, unrolled).
+    - ``scan``: ``lax.scan`` over the layers (``False``: a Python loop, unrolled);
+    - ``closure``: arrays ``layer`` reads besides its arguments (a list's per-call arguments such as
+      positions): values of the caller's trace, so a strategy that moves the layer into another
+      trace (a pipeline stage) cannot run it.
     """
 
     layer: Callable
@@ -78,6 +81,7 @@ class LayerCall:
     x: jax.Array
     remat: Callable | None = None
     scan: bool = True
+    closure: tuple = ()
 
     def layer_shapes(self) -> Any:
         """One layer's parameters as ``ShapeDtypeStruct``s (the ``layers`` axis dropped)."""
@@ -115,12 +119,13 @@ def use_layer_runner(runner: Callable[[LayerCall], jax.Array] | None) -> Iterato
 
 
 def run_layers(layer: Callable, params: Any, x: jax.Array, *, logical: Any = None,
-               remat: Callable | None = None, scan: bool = True) -> jax.Array:
+               remat: Callable | None = None, scan: bool = True, closure: tuple = ()) -> jax.Array:
     """Run ``layer(layer_params, x) -> y`` over stacked ``params`` (leading ``layers`` axis).
 
     ``logical``: one layer's logical names (a tree mirroring ``params``, no ``layers``
     axis; ``None``: unannotated, replicated); ``remat``: a ``jax.checkpoint`` policy
-    (``None``: no remat); ``scan=False`` unrolls the loop.
+    (``None``: no remat); ``scan=False`` unrolls the loop; ``closure``: the arrays ``layer`` reads
+    besides its arguments (see :class:`LayerCall`).
 
     >>> import jax.numpy as jnp
     >>> run_layers(lambda w, x: x * w, jnp.array([2.0, 3.0]), jnp.ones((2,))).tolist()
@@ -128,7 +133,7 @@ def run_layers(layer: Callable, params: Any, x: jax.Array, *, logical: Any = Non
     """
     if logical is None:
         logical = jax.tree.map(lambda a: (None,) * (a.ndim - 1), params)
-    call = LayerCall(layer, params, logical, x, remat, scan)
+    call = LayerCall(layer, params, logical, x, remat, scan, tuple(closure))
     runner = _RUNNER.get()
     return call.run() if runner is None else runner(call)
 
@@ -153,11 +158,11 @@ def _layer_logical(state: nnx.State) -> Any:
                                             is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
 
 
-def scan_blocks(blocks: nnx.Module, x: jax.Array, *, remat: Callable | None = None,
-                scan: bool = True) -> jax.Array:
+def scan_blocks(blocks: nnx.Module, x: jax.Array, *, remat: Callable | None = None, scan: bool = True,
+                layer_args: tuple = (), layer_kwargs: dict | None = None) -> jax.Array:
     """Run the stacked NNX module ``blocks`` (built with ``nnx.vmap``) layer by layer on ``x``:
-    ``x = block_i(x)`` for every layer ``i``. See the module docstring; ``remat`` and ``scan``
-    as in :func:`run_layers`. ``blocks`` must hold only ``nnx.Param`` state."""
+    ``x = block_i(x, *layer_args, **layer_kwargs)`` for every layer ``i``. See the module docstring;
+    ``remat`` and ``scan`` as in :func:`run_layers`. ``blocks`` must hold only ``nnx.Param`` state."""
     graphdef, state, rest = nnx.split(blocks, nnx.Param, ...)
     if jax.tree.leaves(rest):
         kinds = sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))})
@@ -165,11 +170,14 @@ def scan_blocks(blocks: nnx.Module, x: jax.Array, *, remat: Callable | None = No
                          "nnx.Param variables (keep RNG streams, caches and counters outside them).")
     logical = _layer_logical(state)
 
+    kwargs = dict(layer_kwargs or {})
+
     def layer(p, h):
         with nnx.use_eager_sharding(False):
-            return nnx.merge(graphdef, p)(h)
+            return nnx.merge(graphdef, p)(h, *layer_args, **kwargs)
 
-    return run_layers(layer, nnx.to_pure_dict(state), x, logical=logical, remat=remat, scan=scan)
+    closure = tuple(a for a in jax.tree.leaves((layer_args, kwargs)) if isinstance(a, jax.Array))
+    return run_layers(layer, nnx.to_pure_dict(state), x, logical=logical, remat=remat, scan=scan, closure=closure)
 
 
 @dataclass(frozen=True)
@@ -177,7 +185,7 @@ class LayerSite:
     """Where a model ran stacked layers, found by :func:`find_layer_calls`: ``leaves`` are the
     positions of the stacked parameters among ``jax.tree.leaves(params)`` (``None``: not a
     parameter leaf as given, e.g. a value computed from one), ``treedef`` their tree, ``x`` the
-    input's shape and dtype; ``layer``, ``logical``, ``remat``, ``scan`` as in :class:`LayerCall`."""
+    input's shape and dtype; ``layer``, ``logical``, ``remat``, ``scan``, ``closure`` as in :class:`LayerCall`."""
 
     leaves: tuple
     treedef: Any
@@ -186,11 +194,13 @@ class LayerSite:
     remat: Callable | None
     scan: bool
     x: jax.ShapeDtypeStruct
+    closure: tuple = ()
 
 
-def find_layer_calls(fn: Callable, params: Any, *args: Any) -> list[LayerSite]:
+def find_layer_calls(fn: Callable, params: Any, *args: Any, wrap: Callable | None = None) -> list[LayerSite]:
     """Trace ``fn(params, *args)`` abstractly (nothing is computed) and report each
-    :func:`run_layers` / :func:`scan_blocks` call it makes, in order.
+    :func:`run_layers` / :func:`scan_blocks` call it makes, in order. ``wrap``: a transformation
+    of ``fn`` to trace it under (e.g. JAX's explicit mode), applied outside the recording.
 
     >>> import jax.numpy as jnp
     >>> f = lambda p, x: run_layers(lambda w, h: h * w, p["w"], x).sum() + p["b"]
@@ -206,12 +216,12 @@ def find_layer_calls(fn: Callable, params: Any, *args: Any) -> list[LayerSite]:
             leaves, treedef = jax.tree.flatten(call.params)
             sites.append(LayerSite(tuple(position.get(id(leaf)) for leaf in leaves), treedef, call.layer,
                                    call.logical, call.remat, call.scan,
-                                   jax.ShapeDtypeStruct(call.x.shape, call.x.dtype)))
+                                   jax.ShapeDtypeStruct(call.x.shape, call.x.dtype), call.closure))
             return call.run()
 
         with use_layer_runner(record):
             return fn(p, *a)
 
     abstract = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), t)  # noqa: E731
-    jax.eval_shape(traced, abstract(params), *abstract(args))
+    jax.eval_shape(wrap(traced) if wrap else traced, abstract(params), *abstract(args))
     return sites

@@ -33,18 +33,20 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
 from .mesh import data_axes
-from .rules import resolve
+from .rules import axes_of, resolve
 
-__all__ = ["ModelMeshError", "ModelLoss", "needs_explicit_mesh", "explicit_model_loss", "call_site"]
+__all__ = ["ModelMeshError", "ModelLoss", "needs_explicit_mesh", "explicit_model_loss", "explicit_call", "batch_specs",
+           "call_site"]
 
 # What JAX says when a model pins a sharding by mesh axes under a mesh that does not allow it.
 _SIGNS = ("not under a mesh context", "of type Auto", "AxisType", "Auto or Manual", "`out_sharding`",
@@ -69,6 +71,78 @@ def needs_explicit_mesh(error: BaseException) -> bool:
     return isinstance(error, (ValueError, TypeError, NotImplementedError)) and any(s in text for s in _SIGNS)
 
 
+def explicit_call(fn: Callable, mesh, specs_of: Callable) -> Callable:
+    """``fn(*args)`` run with ``mesh``'s axes ``Explicit`` (those a ``shard_map`` around the call has
+    not made manual), each argument entering in its spec.
+
+    Args:
+      fn: the function of a model's code that pins shardings by mesh axes.
+      mesh: the layout's mesh.
+      specs_of: ``(*args) -> specs``, a tuple with one ``PartitionSpec`` tree per argument; manual
+        axes are dropped from them.
+
+    Returns:
+      The same function, for use under ``jit`` with ``Auto`` axes, or inside a ``shard_map``
+      (a pipeline stage) manual over some axes.
+
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    >>> f = lambda x: jnp.sum(jax.sharding.reshard(x * 2, P(None, "data")))
+    >>> float(jax.jit(explicit_call(f, mesh, lambda x: (P("data", None),)))(jnp.ones((4, 2))))
+    16.0
+    """
+    def run(*args):
+        context = jax.sharding.get_abstract_mesh()
+        manual = set(context.manual_axes) if not context.empty else set()
+        specs = jax.tree.map(lambda sp: _without_axes(sp, manual), specs_of(*args),
+                             is_leaf=lambda x: isinstance(x, PartitionSpec))
+        axes = tuple(a for a in mesh.axis_names if a not in manual)
+        inner = jax.sharding.explicit_axes(fn, axes=axes, in_sharding=specs)
+        if manual:
+            with _auto_axes_of(axes):
+                return inner(*args)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return inner(*args)
+
+    return run
+
+
+@contextlib.contextmanager
+def _auto_axes_of(axes: tuple[str, ...]) -> Iterator[None]:
+    """``jax.sharding.auto_axes(f, out_sharding=...)`` with no ``axes`` means ``axes`` here.
+
+    JAX 0.10 reads a missing ``axes`` as every axis of the context mesh, manual ones too, and then
+    refuses to turn a manual axis into an auto one ("Going from `Manual` AxisType to `Auto` ... is
+    not allowed"). Flax calls it that way (``nnx.Embed(...)(x, out_sharding=...)``), so a model's
+    embedding could not run inside a pipeline stage (manual over ``pipe``). The default is set
+    only while jaxpar traces such a stage."""
+    original = jax.sharding.auto_axes
+
+    def auto_axes(f=None, /, *, axes_=None, **kwargs):
+        return original(f, axes=axes if axes_ is None else axes_, **kwargs)
+
+    def patched(f=None, /, *, axes=None, out_sharding=None):
+        return auto_axes(f, axes_=axes, out_sharding=out_sharding)
+
+    jax.sharding.auto_axes = patched
+    try:
+        yield
+    finally:
+        jax.sharding.auto_axes = original
+
+
+def _without_axes(spec: PartitionSpec, drop: set) -> PartitionSpec:
+    kept = [tuple(a for a in axes_of(e) if a not in drop) for e in spec]
+    return PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
+
+
+def batch_specs(batch: Any, mesh) -> Any:
+    """``P(data axes, None, ...)`` for every leaf of ``batch``: the batch split over the data axes."""
+    axes = data_axes(mesh)
+    return jax.tree.map(lambda a: PartitionSpec(axes, *([None] * (a.ndim - 1))), batch)
+
+
 def explicit_model_loss(loss_of: Callable, own_specs: Any, mesh) -> Callable:
     """``loss_of(params, batch)`` run with ``mesh``'s axes ``Explicit``.
 
@@ -80,15 +154,7 @@ def explicit_model_loss(loss_of: Callable, own_specs: Any, mesh) -> Callable:
     Returns:
       The same function, for use under ``jit`` with ``Auto`` axes.
     """
-    batch_axes = data_axes(mesh)
-
-    def run(params, batch):
-        batch_specs = jax.tree.map(lambda a: PartitionSpec(batch_axes, *([None] * (a.ndim - 1))), batch)
-        inner = jax.sharding.explicit_axes(loss_of, in_sharding=(own_specs, batch_specs))
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return inner(params, batch)
-
-    return run
+    return explicit_call(loss_of, mesh, lambda params, batch: (own_specs, batch_specs(batch, mesh)))
 
 
 class ModelLoss:
@@ -135,8 +201,9 @@ class ModelLoss:
             raise ModelMeshError(
                 f"the model pins shardings by mesh axes (at {call_site(self._refusal)}), which JAX allows only with "
                 "the mesh's axes Explicit. jaxpar runs such a model in its GSPMD program (data, fsdp and tensor "
-                f"axes, ZeRO, accumulation); here it runs inside a shard_map manual over {tuple(manual)} (a pipeline, "
-                "compression, the noise scale, relaxed synchronisation or explicit_dp=True), where it cannot. Drop "
+                "axes, ZeRO, accumulation) and in pipeline stages; here it runs inside a shard_map manual over "
+                f"{tuple(manual)} (compression, the noise scale, relaxed synchronisation or explicit_dp=True), where "
+                "it cannot. Drop "
                 "that option, or pin the model's activations with jaxpar.constrain and logical names instead. "
                 f"JAX said: {_first_line(self._refusal)}") from self._refusal
         return self._explicit(params, batch)

@@ -195,16 +195,3 @@ def test_several_steps_per_call_scan_the_explicit_models_step(reference):
     np.testing.assert_allclose(np.asarray(metrics["loss"]), ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, atol=0.01 * STEPS * LR, rtol=0)
-
-
-@need_devices(8)
-def test_a_pipeline_of_a_layer_list_names_the_list_and_how_its_layers_differ():
-    from jaxpar.pipeline.cut import PipelineCutError
-
-    mesh = jaxpar.make_mesh({"pipe": 2, "data": 4}, devices=jax.devices()[:8])
-    model = lambda: ExplicitTransformer(**{**KW, "layers": 4, "windows": [4, None, 4, None]}, rngs=nnx.Rngs(0))
-    state, layout = jaxpar.init_train_state(model, optax.adam(LR), mesh, Strategy(schedule="1f1b", microbatches=2))
-    step = jaxpar.make_train_step(loss, optax.adam(LR), layout)
-    with pytest.raises(PipelineCutError, match=r"4 blocks in an nnx.List at 'blocks': they differ from layer 0 "
-                                               r"\(layer 1: attn/window: None vs 4; layer 3: attn/window"):
-        step(state, jaxpar.shard_batch(_batch(0), mesh))

@@ -43,16 +43,20 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import PartitionSpec
+
 from ..blocks import find_layer_calls, use_layer_runner, with_remat
-from ..model_mesh import call_site, needs_explicit_mesh
-from ..rules import constrain
+from ..layer_lists import layer_differences
+from ..mesh import data_axes
+from ..model_mesh import batch_specs, call_site, explicit_call, needs_explicit_mesh
+from ..rules import axes_of, constrain
 from .parts import PipelineParts
 
 __all__ = ["ModelCut", "PipelineCutError", "cut_model", "layer_lists"]
@@ -110,41 +114,86 @@ class ModelCut:
         return self.params_treedef.unflatten(leaves)
 
 
-def _site(loss_fn: Callable, graphdef, params: Any, batch: Any):
+def _site(loss_fn: Callable, graphdef, params: Any, batch: Any, explicit: "_Explicit | None"):
     name = getattr(loss_fn, "__name__", repr(loss_fn))
+    run = lambda p, b: loss_fn(nnx.merge(graphdef, p), b)   # noqa: E731
     try:
-        sites = find_layer_calls(lambda p, b: loss_fn(nnx.merge(graphdef, p), b), params, batch)
+        sites = find_layer_calls(run, params, batch, wrap=explicit and explicit.whole)
     except Exception as e:  # noqa: BLE001 - JAX's refusal of a model's mesh-axis pins, said with the model's line
-        if not needs_explicit_mesh(e):
+        if not needs_explicit_mesh(e) or explicit is not None:
             raise
         raise PipelineCutError(
             f"pipeline: loss_fn {name!r} pins shardings by mesh axes (at {call_site(e)}), which JAX allows only with "
-            "the mesh's axes Explicit; jaxpar runs such a model in its GSPMD program, and a pipeline runs each "
-            "stage inside a shard_map, where it cannot." + layer_lists(nnx.merge(graphdef, params))) from e
+            "the mesh's axes Explicit, and no mesh was given to run it with (cut_model(..., mesh=, own_specs=))."
+            + layer_lists(nnx.merge(graphdef, params))) from e
     if len(sites) != 1:
         raise PipelineCutError(
             f"pipeline: loss_fn {name!r} runs stacked layers {len(sites)} times; a pipeline cuts the model at "
             "exactly one stacked-layers call. Run the model's repeated blocks once through "
-            "jaxpar.scan_blocks(self.blocks, x) (blocks built with nnx.vmap and a 'layers' axis), or train "
-            "without a 'pipe' mesh axis." + (layer_lists(nnx.merge(graphdef, params)) if not sites else ""))
+            "jaxpar.scan_blocks(self.blocks, x) (blocks built with nnx.vmap and a 'layers' axis), or a loop over an "
+            "nnx.List of alike layers, or train without a 'pipe' mesh axis."
+            + (layer_lists(nnx.merge(graphdef, params)) if not sites else ""))
     site = sites[0]
     if None in site.leaves:
         raise PipelineCutError(
             f"pipeline: loss_fn {name!r} passes values computed from the parameters (not the parameters "
             "themselves) to its stacked-layers call; pass the stacked module / arrays unchanged so the "
             "pipeline can place each layer's parameters on its stage.")
+    if site.closure:
+        shapes = [tuple(a.shape) for a in site.closure]
+        raise PipelineCutError(
+            f"pipeline: loss_fn {name!r} passes arrays of shapes {shapes} to every layer besides x (e.g. positions or "
+            "a mask: block(x, mask)); a pipeline stage receives only x from the previous stage. Compute them inside "
+            "the layer, or train without a 'pipe' mesh axis.")
     return site
 
 
-def _statics(module: nnx.Module) -> dict[str, Any]:
-    """A module's static settings (numbers, strings, flags) by path."""
-    out = {}
-    for path, node in nnx.iter_graph(module):
-        if isinstance(node, nnx.Module):
-            for k, v in vars(node).items():
-                if isinstance(v, (int, float, str, bool, type(None))) and not k.startswith("_"):
-                    out["/".join(map(str, (*path, k)))] = v
-    return out
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _without(spec: PartitionSpec, drop: set) -> PartitionSpec:
+    kept = [tuple(a for a in axes_of(e) if a not in drop) for e in spec]
+    return PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
+
+
+class _Explicit:
+    """How the parts of a model that pins shardings by mesh axes enter JAX's explicit mode: the
+    outer parameters (gathered over the data axes, as the pipeline holds them), one layer's
+    parameters (its own specs without the ``layers`` entry), activations and micro-batches split
+    over the data axes on their batch dimension."""
+
+    def __init__(self, mesh, own_specs: Any):
+        self.mesh, self.drop = mesh, set(data_axes(mesh))
+        self.own = jax.tree.map(lambda sp: _without(sp, {"pipe"}), own_specs, is_leaf=_is_spec)   # stages hold layers
+
+
+    def whole(self, fn: Callable) -> Callable:
+        return explicit_call(fn, self.mesh, lambda p, b: (self.own, batch_specs(b, self.mesh)))
+
+    def parts(self, cut_split: Callable, pre: Callable, layer: Callable, post: Callable):
+        outer_own, block_own = cut_split(self.own)
+        outer = [_without(sp, self.drop) for sp in outer_own]     # the pipeline gathers them over the data axes
+        one = jax.tree.map(lambda sp: PartitionSpec(*tuple(sp)[1:]), block_own, is_leaf=_is_spec)
+        act = lambda x: batch_specs(x, self.mesh)   # noqa: E731
+        return (explicit_call(pre, self.mesh, lambda o, mb: (outer, act(mb))),
+                self._layer(layer, one, act),
+                explicit_call(post, self.mesh, lambda o, y, mb: (outer, act(y), act(mb))))
+
+    def _layer(self, layer: Callable, one: Any, act: Callable) -> Callable:
+        """The layer in explicit mode, its backward re-running its forward there: a stage runs a
+        layer's backward ticks after its forward, and JAX evaluates an explicit-mode pullback only
+        inside the region that made it, so the stage keeps only ``x`` (full remat of the layer)."""
+        forward = explicit_call(layer, self.mesh, lambda p, x: (one, act(x)))
+        backward = explicit_call(lambda p, x, g: jax.vjp(layer, p, x)[1](g), self.mesh,
+                                 lambda p, x, g: (one, act(x), act(g)))
+
+        @jax.custom_vjp
+        def run(p, x):
+            return forward(p, x)
+
+        run.defvjp(lambda p, x: (forward(p, x), (p, x)), lambda res, g: backward(*res, g))
+        return run
 
 
 def layer_lists(model: nnx.Module) -> str:
@@ -168,33 +217,35 @@ def layer_lists(model: nnx.Module) -> str:
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.List) or not len(node) or not all(isinstance(m, nnx.Module) for m in node):
             continue
-        first, shapes = _statics(node[0]), jax.tree.map(jnp.shape, nnx.state(node[0], nnx.Param))
-        differ = []
-        for i, layer in enumerate(list(node)[1:], 1):
-            other = _statics(layer)
-            keys = [k for k in sorted(set(first) | set(other)) if first.get(k) != other.get(k)]
-            if keys:
-                differ.append(f"layer {i}: {keys[0]}: {other.get(keys[0])!r} vs {first.get(keys[0])!r}")
-            elif jax.tree.map(jnp.shape, nnx.state(layer, nnx.Param)) != shapes:
-                differ.append(f"layer {i}: other parameter shapes")
+        differ = layer_differences(list(node))
         where = "/".join(map(str, path)) or "the model"
         what = ("they differ from layer 0 (" + "; ".join(differ[:3]) + (" ..." if len(differ) > 3 else "") + "), so "
-                "they cannot be stacked: make the layers alike" if differ else "they are alike, so they can be "
-                "stacked")
-        notes.append(f" The model keeps {len(node)} blocks in an nnx.List at {where!r}: {what}, build them with "
+                "they cannot be stacked: make the layers alike, or" if differ else "they are alike, so jaxpar runs "
+                "them stacked under a 'pipe' axis; it could not here:")
+        notes.append(f" The model keeps {len(node)} blocks in an nnx.List at {where!r}: {what} build them with "
                      "nnx.vmap (transform_metadata={nnx.PARTITION_NAME: 'layers'}) and run them with "
-                     "jaxpar.scan_blocks; jaxpar does not cut a Python list of layers into stages.")
+                     "jaxpar.scan_blocks.")
     return "".join(notes)
 
 
-def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any) -> ModelCut:
+def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any, *, mesh=None, own_specs: Any = None) -> ModelCut:
     """Cut ``loss_fn(nnx.merge(graphdef, params), batch)`` at its one stacked-layers call.
 
     ``params``: the parameter tree (arrays or ``ShapeDtypeStruct``s) in the dtype the model
-    runs in; ``batch``: one micro-batch (shapes are enough). See the module docstring.
+    runs in; ``batch``: one micro-batch (shapes are enough). A model that pins shardings by mesh
+    axes (``out_sharding=``, ``jax.reshard``) runs each part in JAX's explicit mode over ``mesh``,
+    its parameters entering in ``own_specs`` (the specs its annotations give, before ZeRO). See the
+    module docstring.
     """
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-    site = _site(loss_fn, graphdef, shapes, batch)
+    try:
+        site = _site(loss_fn, graphdef, shapes, batch, None)
+        explicit = None
+    except PipelineCutError as e:
+        if mesh is None or own_specs is None or not needs_explicit_mesh(e.__cause__ or e):
+            raise
+        explicit = _Explicit(mesh, own_specs)
+        site = _site(loss_fn, graphdef, shapes, batch, explicit)
     params_treedef = jax.tree.structure(params)
     all_leaves = jax.tree.leaves(shapes)
     inside = set(site.leaves)
@@ -212,14 +263,21 @@ def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any) -> ModelCut:
             with use_layer_runner(_stop):
                 loss_fn(model(outer), mb)
         except _Reached as reached:
-            return _batch_first(reached.x)
+            return reached.x
         raise PipelineCutError("pipeline: the loss ran to its end without reaching its stacked layers "
                                "(they are only run for some inputs); the first stage cannot be cut.")
 
     def post(outer, y, mb):
-        with use_layer_runner(lambda call: _batch_first(y)):
+        with use_layer_runner(lambda call: y):
             return loss_fn(model(outer), mb)
 
-    body = with_remat(site.layer, site.remat)
-    parts = PipelineParts(pre=pre, layer=lambda p, x: _batch_first(body(p, _batch_first(x))), post=post)
-    return ModelCut(parts, site.leaves, site.treedef, params_treedef, site.x)
+    layer = site.layer
+    block_leaves = site.leaves
+    cut = ModelCut(None, block_leaves, site.treedef, params_treedef, site.x)
+    if explicit is not None:
+        pre, layer, post = explicit.parts(cut.split, pre, layer, post)
+    body = with_remat(layer, site.remat)
+    parts = PipelineParts(pre=lambda outer, mb: _batch_first(pre(outer, mb)),
+                          layer=lambda p, x: _batch_first(body(p, _batch_first(x))),
+                          post=lambda outer, y, mb: post(outer, _batch_first(y), mb))
+    return replace(cut, parts=parts)

@@ -106,12 +106,15 @@ class StagedCut(NamedTuple):
     model: Any = None
 
 
-def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, params, mbs) -> StagedCut:
+def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, params, mbs, *,
+               own_specs: Any = None) -> StagedCut:
     """Cut ``loss_fn``'s model at its stacked layers for ``params`` (already cast) and the
-    micro-batches ``mbs`` (``[m, rows, ...]``); call it under ``jit`` and the mesh's rules."""
+    micro-batches ``mbs`` (``[m, rows, ...]``); call it under ``jit`` and the mesh's rules.
+    ``own_specs``: the parameters' specs before ZeRO, for a model that pins shardings by mesh
+    axes (:func:`~.cut.cut_model`)."""
     p, v = mesh.shape["pipe"], strategy.virtual_stages
     microbatch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs)
-    cut = cut_model(loss_fn, graphdef, params, microbatch)
+    cut = cut_model(loss_fn, graphdef, params, microbatch, mesh=mesh, own_specs=own_specs)
     outer, blocks = cut.split(params)
     num_layers = jax.tree.leaves(blocks)[0].shape[0]
     stage_layers = _stage_layers(strategy, cut, outer, blocks, microbatch, p * v)
@@ -134,7 +137,7 @@ def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, pa
 
 def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_specs: Any, grad_specs: Any,
                                 strategy, *, num_layers: int | None = None,
-                                replica_axes: tuple[str, ...] = ()) -> Callable:
+                                replica_axes: tuple[str, ...] = (), own_specs: Any = None) -> Callable:
     """``(params, batch) -> (loss, grads)`` through the pipeline executor (call it under ``jit``).
 
     ``loss_fn(model, batch)`` is the user's loss; the model is cut at its stacked layers
@@ -145,6 +148,7 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
     checks the strategy's ``stage_layers`` now rather than at the first call. With
     ``replica_axes`` (a compressed exchange follows) the gradients are each replica's own,
     not reduced over those axes: every leaf gets a leading replica axis sharded over them.
+    ``own_specs`` as in :func:`staged_cut`.
     """
     check_pipeline_strategy(strategy, mesh)
     p, m, v = mesh.shape["pipe"], strategy.microbatches, strategy.virtual_stages
@@ -156,7 +160,7 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
     def loss_and_grad(params, batch):
         params = strategy.cast(params)
         mbs = split_microbatches(batch, m, mesh)
-        cut = staged_cut(loss_fn, graphdef, mesh, param_specs, strategy, params, mbs)
+        cut = staged_cut(loss_fn, graphdef, mesh, param_specs, strategy, params, mbs, own_specs=own_specs)
         run = pipeline_value_and_grad(cut.parts, mesh, rules, program, stage_layers=cut.stage_layers,
                                       replica_axes=replica_axes)
         loss, (g_outer, g_blocks) = run(*cut.stage(params), mbs)

@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..blocks import use_layer_runner
 from ..compat import Setting, raise_problems
-from ..rules import drop_axes, path_str, use_rules
+from ..rules import drop_axes, path_str, resolve, use_rules
 from .buffers import SlotView, Slots, TickIO, put, read_slots, take, take_tree, write_slots
 from .partition import from_stages, to_stages
 from .piped import check_pipeline_strategy, staged_cut
@@ -312,7 +312,8 @@ class _StashingRun:
         p, m, k = mesh.shape[PIPE], strategy.microbatches, strategy.update_every
         mbs = step_microbatches(batches, m, mesh, steps)
         cut = staged_cut(self.loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
-                         jax.tree.map(lambda a: a[:m], mbs))
+                         jax.tree.map(lambda a: a[:m], mbs),
+                         own_specs=resolve(layout.logical, layout.rules, mesh, layout.shapes))
         blocks_ids = set(cut.model.block_leaves)
         outer_names = [nm for i, nm in enumerate(self.flat_paths) if i not in blocks_ids]
         staged = [cut.stage(w) for w in (state.params, *state.versions)]      # the versions stacked per stage

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..batch import check_batch, split_microbatches
 from ..blocks import use_layer_runner
-from ..rules import drop_axes, named_shardings, use_rules
+from ..rules import drop_axes, named_shardings, resolve, use_rules
 from .two_bw import AsyncPipelineError, check_two_bw_step, step_windows
 from .buffers import PipelineState, Slots, put, read_slots, take, take_tree, write_slots
 from .piped import check_pipeline_strategy, staged_cut
@@ -178,10 +178,9 @@ def make_two_bw_steps(loss_fn: Callable, layout, steps: int, apply_update: Calla
       ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
       ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
     """
-    strategy = layout.strategy
+    strategy, mesh = layout.strategy, layout.mesh
     check_steps_per_call(strategy, steps)
     check_two_bw_step(strategy, layout)
-    mesh = layout.mesh
     check_pipeline_strategy(strategy, mesh)
     p, m = mesh.shape[PIPE], strategy.microbatches
     program = lower(pipedream_2bw(p, m, steps))
@@ -195,7 +194,8 @@ def make_two_bw_steps(loss_fn: Callable, layout, steps: int, apply_update: Calla
     def run(state, batches):
         mbs = step_microbatches(batches, m, mesh, steps)
         cut = staged_cut(loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
-                         jax.tree.map(lambda a: a[:m], mbs))
+                         jax.tree.map(lambda a: a[:m], mbs),
+                         own_specs=resolve(layout.logical, layout.rules, mesh, layout.shapes))
         runners = [window_runner(cut.parts, mesh, layout.rules, program, m, cut.stage_layers, first)
                    for first in (True, False)]
 

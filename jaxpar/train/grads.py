@@ -225,7 +225,8 @@ def pipeline_grads(loss_fn: Callable, layout: StateLayout, *, per_replica: bool 
     sizes = dict(mesh.shape)
     axes = tuple(a for a in data_axes(mesh) if sizes[a] > 1) if per_replica else ()
     return make_pipeline_loss_and_grad(loss_fn, layout.graphdef, mesh, layout.rules, layout.params, layout.grads,
-                                       layout.strategy, num_layers=stacked_layers(layout), replica_axes=axes)
+                                       layout.strategy, num_layers=stacked_layers(layout), replica_axes=axes,
+                                       own_specs=resolve(layout.logical, layout.rules, mesh, layout.shapes))
 
 
 class ManualLayout(NamedTuple):

@@ -40,6 +40,7 @@ from ..mesh import replicas
 from ..rules import named_shardings, resolve
 from ..strategy import Strategy
 from ..zero import zero_specs
+from ..layer_lists import stack_layers, stacked_counts
 from ..model_shapes import abstract_model
 from .state import StateLayout, TrainState, optimizer_specs
 
@@ -97,16 +98,18 @@ def state_layout(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransform
 
 def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[StateLayout, Callable]:
     """The layout and an ``init() -> TrainState`` to jit with the layout's shardings."""
+    sizes = dict(mesh.shape)
+    if sizes.get("pipe", 1) > 1:        # a pipeline cuts the layers: an nnx.List of alike layers runs stacked
+        model_fn = _stacking(model_fn)
     graphdef, shapes, logical = abstract_model(model_fn)
     rules = tuple(strategy.rules(mesh))
     base = resolve(logical, rules, mesh, shapes)
-    sizes = dict(mesh.shape)
     params = zero_specs(base, shapes, logical, sizes, strategy.zero, "params")
     grads = zero_specs(base, shapes, logical, sizes, strategy.zero, "grads")
     opt_param = zero_specs(base, shapes, logical, sizes, strategy.zero, "opt")
     opt_shapes, opt_state = optimizer_specs(tx, shapes, opt_param)
     layout = StateLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt_param, opt_state, opt_shapes,
-                         strategy=strategy)
+                         strategy=strategy, layer_lists=stacked_counts(model_fn))
     codec_init = layout.codec_init
     _raise_strategy_problems(strategy, sizes)
     if strategy.sync is not None or replicas(mesh) > 1:
@@ -132,6 +135,12 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
         return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), codec=codec_init(), versions=older)
 
     return layout, init
+
+
+def _stacking(model_fn: Callable[[], nnx.Module]) -> Callable[[], nnx.Module]:
+    def stacked():
+        return stack_layers(model_fn())
+    return stacked
 
 
 def _raise_strategy_problems(strategy: Strategy, sizes: dict) -> None:

@@ -70,7 +70,10 @@ class StateLayout:
     Each optional part of :class:`TrainState` has its specs (``codec``, ``sync``, ``stats``,
     ``versions``: ``PartitionSpec`` trees), its shapes (``*_shapes``) and, for those a restore
     may have to start afresh from the layout alone, its init: ``codec_init()`` and
-    ``sync_init(params)``, each returning the part in its shardings."""
+    ``sync_init(params)``, each returning the part in its shardings. ``layer_lists`` maps the path
+    of each ``nnx.List`` of layers that runs stacked (:func:`jaxpar.stack_layers`, or a pipeline) to
+    its length: :func:`jaxpar.layer_lists.list_form` turns the parameters back into the list's own
+    paths."""
 
     mesh: Mesh
     rules: tuple
@@ -93,6 +96,7 @@ class StateLayout:
     versions: Any = ()       # older weight versions (TrainState.versions): PartitionSpec tree
     versions_shapes: Any = ()
     strategy: Strategy = Strategy()   # what the layout was built for; make_train_step runs this strategy
+    layer_lists: Any = None  # {path: count} of the model's nnx.Lists run stacked (jaxpar.layer_lists.list_form)
 
     def shardings(self) -> TrainState:
         """``TrainState`` of ``NamedSharding``s (for ``jit`` in/out shardings)."""
