@@ -209,3 +209,23 @@ def test_list_and_stacked_forms_convert_back_and_forth_inside_optimizer_states()
     assert jax.tree.structure(back) == jax.tree.structure(opt)
     original = nnx.to_pure_dict(nnx.state(_Net(_chain), nnx.Param))
     np.testing.assert_array_equal(list_form(params, lists)["blocks"][2]["kernel"], original["blocks"][2]["kernel"])
+
+
+@need_devices(8)
+def test_a_checkpoint_of_stacked_layers_restores_bit_exact_and_a_list_layout_is_refused_by_name(tmp_path):
+    from jaxpar.train.checkpoint import Checkpointer, CheckpointMismatchError
+
+    state, layout, _ = _train({"pipe": 2, "data": 2, "tensor": 2}, Strategy(microbatches=2))
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(STEPS, state, layout=layout, wait=True)
+    mesh = jaxpar.make_mesh({"pipe": 2, "data": 4})
+    other = jaxpar.state_layout(_model, optax.adam(LR), mesh, Strategy(microbatches=4))   # stacked, resharded
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        restored = ck.restore(other).state
+    for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(jax.device_get(state))):
+        np.testing.assert_array_equal(a, b)
+    as_list = jaxpar.state_layout(_model, optax.adam(LR), jaxpar.make_mesh({"data": 8}), Strategy())
+    with Checkpointer(tmp_path, async_save=False) as ck, \
+            pytest.raises(CheckpointMismatchError, match=r"keeps the nnx.List layers \['blocks'\] stacked and this "
+                                                         r"run none"):
+        ck.restore(as_list)

@@ -68,7 +68,7 @@ import jax
 
 from .checkpoint_format import FORMAT, READABLE, upgrade_record
 from .checkpoint_parts import fresh_stats, plan_parts, versions_from_params
-from .checkpoint_records import record_layouts, shapes_of
+from .checkpoint_records import layer_lists_note, record_layouts, shapes_of
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer", "Restored", "FORMAT"]
 
@@ -284,7 +284,7 @@ class Checkpointer:
         meta, renames = upgrade_record(meta)
         renames = renames if hasattr(abstract, "_fields") else {}    # a plain tree: Orbax matches it as saved
         plans = plan_parts(meta, abstract, target, where)
-        self._check_tree(step, abstract)
+        self._check_tree(step, abstract, layer_lists_note(meta, target))
         skip = [p.name for p in plans if p.action != "restore"]
         if not skip and not renames:
             args = ocp.args.PyTreeRestore(item=abstract,
@@ -307,7 +307,7 @@ class Checkpointer:
                 warnings.warn(p.message, CheckpointWarning, stacklevel=3)
         return type(abstract)(**state), meta
 
-    def _check_tree(self, step: int, abstract: Any) -> None:
+    def _check_tree(self, step: int, abstract: Any, note: str = "") -> None:
         """Raises :class:`CheckpointMismatchError` when the saved ``params`` or ``opt_state`` are
         another tree than ``abstract``'s (Orbax's restore would fail, or fill what it lacks
         silently); other trees (no such fields) are left to Orbax."""
@@ -321,7 +321,7 @@ class Checkpointer:
             diff = _tree_mismatch(saved[name], getattr(abstract, name))
             if diff is None:
                 continue
-            why = ("another model or model configuration" if name == "params" else
+            why = (note or "another model or model configuration" if name == "params" else
                    "another optimizer, or relaxed synchronisation switched on or off (DiLoCo and EASGD keep an outer "
                    "optimizer's state instead of the optimizer's)")
             raise CheckpointMismatchError(

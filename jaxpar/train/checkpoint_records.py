@@ -137,12 +137,13 @@ def record_layouts(layout: Any, state: Any) -> dict:
 
     Returns:
       ``{"codec_layout": ..., "sync_layout": ..., "versions_layout": ...}`` for the parts
-      ``state`` has; empty without a layout. A part whose shapes are not the layout's is left
+      ``state`` has, and ``layer_lists`` (the ``nnx.List`` s run stacked) where there are any; empty
+      without a layout. A part whose shapes are not the layout's is left
       out (the layout describes another state).
     """
     if layout is None or not hasattr(layout, "strategy"):
         return {}
-    out = {}
+    out = {"layer_lists": stacked_names(layout)} if getattr(layout, "layer_lists", None) else {}
     for part, fn in (("codec", codec_layout), ("sync", sync_layout), ("versions", versions_layout)):
         value = getattr(state, part, ())
         if jax.tree.leaves(value) and shapes_of(value) == shapes_of(getattr(layout, part + "_shapes")):
@@ -150,6 +151,22 @@ def record_layouts(layout: Any, state: Any) -> dict:
             if sig is not None:
                 out[part + "_layout"] = sig
     return out
+
+
+def stacked_names(layout: Any) -> dict:
+    """``{"blocks": 4}``: the paths and lengths of the layout's stacked ``nnx.List`` s (none: ``{}``)."""
+    return {"/".join(map(str, path)): int(n) for path, n in (getattr(layout, "layer_lists", None) or {}).items()}
+
+
+def layer_lists_note(meta: dict, target: Any) -> str:
+    """Why the saved parameters are another tree, when the checkpoint and the target stack other lists."""
+    saved, now = meta.get("layer_lists") or {}, stacked_names(target)
+    if saved == now or not hasattr(target, "strategy"):
+        return ""
+    return (f"the checkpoint keeps the nnx.List layers {sorted(saved) or 'none'} stacked and this run "
+            f"{sorted(now) or 'none'} (jaxpar stacks a list of alike layers under a 'pipe' axis, or where model_fn "
+            "calls jaxpar.stack_layers). Resume with the same choice (a 'pipe' axis, or jaxpar.stack_layers without "
+            "one), or convert the restored parameters with jaxpar.layer_lists.list_form / stacked_form")
 
 
 def same_layout(a: dict, b: dict) -> bool:
