@@ -44,7 +44,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["GATES", "MoEError", "Routing", "MoEStats", "check_options", "capacity", "route", "buffer_slots",
+__all__ = ["GATES", "MoEError", "Routing", "MoEStats", "check_options", "capacity", "route", "top_k_experts", "buffer_slots",
            "routing_stats", "load_balancing_loss", "load_cv", "update_router_bias"]
 
 GATES = ("softmax", "sigmoid")
@@ -121,6 +121,23 @@ def buffer_slots(expert: jax.Array, experts: int) -> jax.Array:
     return slot.reshape(G, k, T).transpose(0, 2, 1)
 
 
+def top_k_experts(scores: jax.Array, k: int) -> jax.Array:
+    """Indices of the ``k`` largest ``scores`` on the last axis, largest first (ties: the lower index).
+
+    ``k`` argmaxes rather than ``jax.lax.top_k``: XLA's SPMD partitioner gathers a TopK's operand over
+    the axes that split its batch, an argmax stays local.
+
+    >>> top_k_experts(jnp.array([[0.1, 0.7, 0.2, 0.7]]), 2).tolist()
+    [[1, 3]]
+    """
+    picked = []
+    for _ in range(k):
+        e = jnp.argmax(scores, axis=-1)
+        picked.append(e)
+        scores = jnp.where(jax.nn.one_hot(e, scores.shape[-1], dtype=bool), -jnp.inf, scores)
+    return jnp.stack(picked, axis=-1).astype(jnp.int32)
+
+
 def _gates(logits: jax.Array, gate: str) -> tuple[jax.Array, jax.Array]:
     """(scores for selection and weights, gate distribution p)."""
     if gate == "softmax":
@@ -153,7 +170,7 @@ def route(x: jax.Array, router: jax.Array, *, top_k: int, gate: str = "softmax",
     logits = jnp.einsum("gtd,de->gte", x.astype(jnp.float32), router.astype(jnp.float32))
     scores, probs = _gates(logits, gate)
     select = scores if bias is None else scores + bias.astype(jnp.float32)
-    _, expert = jax.lax.top_k(jax.lax.stop_gradient(select), top_k)
+    expert = top_k_experts(jax.lax.stop_gradient(select), top_k)
     # a one-hot product rather than a gather: XLA's gather partitioner fails in manual regions
     weight = jnp.sum(jax.nn.one_hot(expert, E, dtype=scores.dtype) * scores[:, :, None, :], axis=-1)
     if normalize:
