@@ -255,6 +255,35 @@ def test_forward_has_two_all_to_alls_and_the_expert_weights_stay_sharded():
         assert len(shards) == 4 and {s.data.nbytes for s in shards} == {args[0][name].nbytes // 4}
 
 
+@need_devices(4)
+def test_micro_batches_with_the_step_load_sum_to_the_whole_batch():
+    """Gradient accumulation, exact: a forward pre-pass sums the micro-batches' loads; each micro-batch's
+    aux and z losses, weighted by its share of the tokens and with ``balance_load`` = that global load,
+    add up to the whole batch's loss and gradients (EP 4, two micro-batches of 4 rows)."""
+    opts = dict(top_k=2, gate="softmax", capacity_factor=1.0)
+    params = make_params(9, D, M, E)
+    x, probe = make_inputs(9, G, T, D)
+    (ref_loss, (_, ref_stats, *_)), ref_grads = reference(params, x, probe, opts)
+
+    def micro_loss(params, x, probe, balance_load):
+        y, stats = moe_apply(params, x, **opts, balance_load=balance_load)
+        share = x.shape[0] / G
+        return jnp.sum(y * probe) + share * (AUX_W * stats.aux_loss + Z_W * stats.z_loss), stats
+
+    mesh, rules = mesh_and_rules({"expert": 4})
+    with jaxpar.use_rules(mesh, rules):
+        forward = jax.jit(lambda p, x: moe_apply(p, x, **opts)[1].load)
+        step = jax.jit(jax.value_and_grad(micro_loss, has_aux=True))
+        micro = [(x[:4], probe[:4]), (x[4:], probe[4:])]
+        load = sum(forward(params, mx) for mx, _ in micro)                 # the pre-pass
+        outs = [step(params, mx, mp, load) for mx, mp in micro]
+        stale = [step(params, mx, mp, None)[0][0] for mx, mp in micro]     # each micro-batch's own load
+    np.testing.assert_array_equal(load, ref_stats.load)
+    np.testing.assert_allclose(sum(o[0][0] for o in outs), ref_loss, **TOL)
+    assert_trees_close(jax.tree.map(lambda *g: sum(g), *[o[1] for o in outs]), ref_grads[0], **TOL)
+    assert abs(float(sum(stale)) - float(ref_loss)) > 1e-4      # without the step's load it is not exact
+
+
 @need_devices(8)
 def test_nested_in_a_pipe_shard_map_matches_one_device():
     opts = dict(top_k=2, gate="softmax", capacity_factor=1.0)

@@ -55,7 +55,8 @@ def shared_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array) -> jax.Array:
 
 
 def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gate: str = "softmax",
-              capacity_factor: float | None = 1.25, normalize: bool = True) -> tuple[jax.Array, MoEStats]:
+              capacity_factor: float | None = 1.25, normalize: bool = True,
+              balance_load: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
     """The MoE layer on ``x[G, T, D]`` (``G`` groups = batch rows, ``T`` tokens each).
 
     Args:
@@ -66,6 +67,8 @@ def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gat
       gate: ``"softmax"`` or ``"sigmoid"``.
       capacity_factor: slots per group and expert ``min(T, ceil(cf * T * top_k / E))``; None: dropless.
       normalize: normalise the top-k combine weights to sum to 1.
+      balance_load: optional ``[E]`` load of the whole step for the aux loss's ``f`` (micro-batches:
+        see :func:`~jaxpar.moe.routing.routing_stats`); by default this call's own load.
 
     Returns:
       ``(y[G, T, D], stats)``; ``y`` is the routed experts' output plus the shared experts'.
@@ -76,7 +79,7 @@ def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gat
     y = dispatch_combine(x, r.expert, r.slot, r.weight, params["w1"], params["w2"], capacity=r.capacity)
     if "shared_w1" in params:
         y = y + shared_mlp(x, params["shared_w1"], params["shared_w2"])
-    return y, routing_stats(r)
+    return y, routing_stats(r, balance_load)
 
 
 def _normal(rngs: nnx.Rngs, shape, logical, std) -> nnx.Param:
@@ -115,5 +118,5 @@ class MoE(nnx.Module):
         names = ("router", "w1", "w2", "shared_w1", "shared_w2", "router_bias")
         return {n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
-        return moe_apply(self.params(), x, **self.options)
+    def __call__(self, x: jax.Array, balance_load: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
+        return moe_apply(self.params(), x, **self.options, balance_load=balance_load)

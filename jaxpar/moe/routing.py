@@ -23,7 +23,7 @@ by position in the sequence. An assignment whose slot in its expert's buffer is 
 
 **Losses** over the ``N`` tokens of the call: the load-balancing loss (Switch / GShard)
 ``aux = E * sum_e f_e * P_e`` with ``f_e = load_e / (N k)`` (the routed fraction, before capacity; no
-gradient) and ``P_e = mean_t p_e(t)``; 1 when balanced. The router z-loss (ST-MoE)
+gradient) and ``P_e = mean_t p_e(t)``; 1 when balanced (:func:`load_balancing_loss`). The router z-loss (ST-MoE)
 ``z = mean_t logsumexp(logits_t)^2``. The router entropy ``mean_t -sum_e p_e log p_e``.
 
 >>> import jax.numpy as jnp
@@ -180,30 +180,37 @@ def route(x: jax.Array, router: jax.Array, *, top_k: int, gate: str = "softmax",
     return Routing(expert.astype(jnp.int32), weight, slot, slot < C, logits, probs, C)
 
 
-def load_balancing_loss(load: jax.Array, probs: jax.Array, top_k: int) -> jax.Array:
-    """``E * sum_e f_e P_e``: ``f_e = load_e / (N k)`` (no gradient), ``P_e`` the mean of ``probs[..., e]``
-    over all ``N`` tokens.
+def load_balancing_loss(load: jax.Array, probs: jax.Array) -> jax.Array:
+    """``E * sum_e f_e P_e``: ``f_e = load_e / sum(load)`` (no gradient; ``sum(load) = N k`` for the
+    call's own load), ``P_e`` the mean of ``probs[..., e]`` over all ``N`` tokens of ``probs``.
 
-    >>> float(load_balancing_loss(jnp.array([2, 2]), jnp.full((1, 4, 2), 0.5), top_k=1))
+    >>> float(load_balancing_loss(jnp.array([2, 2]), jnp.full((1, 4, 2), 0.5)))
     1.0
     """
     E = probs.shape[-1]
-    n_tokens = math.prod(probs.shape[:-1])
-    f = jax.lax.stop_gradient(load.astype(jnp.float32)) / (n_tokens * top_k)
+    load = jax.lax.stop_gradient(load.astype(jnp.float32))
+    f = load / jnp.maximum(jnp.sum(load), 1.0)
     P = jnp.mean(probs.reshape(-1, E), axis=0)
     return E * jnp.sum(f * P)
 
 
-def routing_stats(r: Routing) -> MoEStats:
-    """The :class:`MoEStats` of a routing (means and counts over all its tokens)."""
-    E, k = r.probs.shape[-1], r.expert.shape[-1]
+def routing_stats(r: Routing, balance_load: jax.Array | None = None) -> MoEStats:
+    """The :class:`MoEStats` of a routing (means and counts over all its tokens).
+
+    ``balance_load`` (optional, ``[E]``) replaces the routing's own load in the aux loss's ``f``: the
+    load of a whole step when this call is one of its micro-batches, so that the micro-batches' aux
+    losses weighted by their share of the tokens sum to the whole batch's aux loss, value and
+    gradient (the gradient flows through ``P`` only, which is a mean over tokens).
+    """
+    E = r.probs.shape[-1]
     load = jnp.sum(jax.nn.one_hot(r.expert, E, dtype=jnp.int32), axis=(0, 1, 2))
     dropped = jnp.sum(~r.kept, dtype=jnp.int32)
     z = jnp.mean(jnp.square(jax.nn.logsumexp(r.logits, axis=-1)))
     logp = jnp.log(jnp.maximum(r.probs, jnp.finfo(jnp.float32).tiny))
     entropy = jnp.mean(-jnp.sum(r.probs * logp, axis=-1))
-    return MoEStats(aux_loss=load_balancing_loss(load, r.probs, k), z_loss=z, load=load, dropped=dropped,
-                    drop_rate=dropped / r.kept.size, entropy=entropy)
+    aux = load_balancing_loss(load if balance_load is None else balance_load, r.probs)
+    return MoEStats(aux_loss=aux, z_loss=z, load=load, dropped=dropped, drop_rate=dropped / r.kept.size,
+                    entropy=entropy)
 
 
 def load_cv(load: jax.Array) -> jax.Array:
