@@ -44,6 +44,6 @@ from .routing import (
 __all__ = [
     "EXPERT_AXIS", "GATES", "MOE_LOGICAL", "MoE", "MoEError", "MoEStats", "RouterBias", "Routing",
     "buffer_slots", "capacity", "check_options", "dispatch_combine", "ep_axes", "expert_mlp", "expert_rules",
-    "load_balancing_loss", "load_cv", "moe_apply", "route", "routing_stats", "shared_mlp", "token_axes", "top_k_experts",
-    "update_router_bias",
+    "load_balancing_loss", "load_cv", "moe_apply", "route", "routing_stats", "shared_mlp", "token_axes",
+    "top_k_experts", "update_router_bias",
 ]

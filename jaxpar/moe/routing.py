@@ -1,17 +1,18 @@
 """The router: top-k gates, the capacity rule, the balancing losses and the per-call statistics.
 
 Everything here is plain ``jnp`` on arrays of shape ``[groups, tokens, ...]``: a *group* is a batch
-row (one sequence), which no jaxpar strategy splits, so every quantity below is the same whatever
-axes split the batch (a per-group rule) or is a mean over all the tokens of the call (GSPMD reduces
-it over the devices that split the batch, exactly as one device would).
+row (one sequence), which no jaxpar strategy splits (a context-parallel split of the sequence would:
+it needs groups of ``T / context`` tokens), so every quantity below is either a per-group rule, the
+same whatever axes split the batch, or a mean over all the tokens of the call (GSPMD reduces it over
+the devices that split the batch, as one device would).
 
 **Gates** (``logits = x @ router`` in float32, ``[G, T, E]``):
 
 - ``softmax``: ``scores = softmax(logits)``; the gate distribution ``p = scores``.
 - ``sigmoid`` (DeepSeek-V3): ``scores = sigmoid(logits)``; ``p = scores / sum_e scores``.
 
-The top-k experts of a token are those with the largest ``scores + bias`` (``bias``: the aux-loss-free
-balancing bias, used for the *selection only*, no gradient). Their combine weights are
+The top-k experts of a token are those with the largest ``scores + bias`` (ties: the lower index;
+``bias``: the aux-loss-free balancing bias, used for the *selection only*, no gradient). Their combine weights are
 ``scores[top-k]``, divided by their sum when ``normalize`` (Mixtral, DeepSeek-V3; for softmax this
 equals a softmax over the top-k logits). With ``top_k=1`` and ``normalize`` the weight is 1 and the
 router learns only from the losses: Switch (``normalize=False``) keeps the probability.
@@ -23,8 +24,8 @@ by position in the sequence. An assignment whose slot in its expert's buffer is 
 
 **Losses** over the ``N`` tokens of the call: the load-balancing loss (Switch / GShard)
 ``aux = E * sum_e f_e * P_e`` with ``f_e = load_e / (N k)`` (the routed fraction, before capacity; no
-gradient) and ``P_e = mean_t p_e(t)``; 1 when balanced (:func:`load_balancing_loss`). The router z-loss (ST-MoE)
-``z = mean_t logsumexp(logits_t)^2``. The router entropy ``mean_t -sum_e p_e log p_e``.
+gradient) and ``P_e = mean_t p_e(t)``; 1 when balanced (:func:`load_balancing_loss`). The router
+z-loss (ST-MoE) ``z = mean_t logsumexp(logits_t)^2``. The router entropy ``mean_t -sum_e p_e log p_e``.
 
 >>> import jax.numpy as jnp
 >>> x, router = jnp.ones((1, 4, 2)), jnp.array([[1.0, 0.0, -1.0], [0.0, 0.0, 0.0]])
@@ -44,8 +45,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["GATES", "MoEError", "Routing", "MoEStats", "check_options", "capacity", "route", "top_k_experts", "buffer_slots",
-           "routing_stats", "load_balancing_loss", "load_cv", "update_router_bias"]
+__all__ = ["GATES", "MoEError", "Routing", "MoEStats", "check_options", "capacity", "route", "top_k_experts",
+           "buffer_slots", "routing_stats", "load_balancing_loss", "load_cv", "update_router_bias"]
 
 GATES = ("softmax", "sigmoid")
 
