@@ -1,0 +1,49 @@
+"""Mixture of experts with expert parallelism (EP) over an ``expert`` mesh axis.
+
+- :mod:`jaxpar.moe.routing`: top-k softmax / sigmoid gates, the per-group capacity rule, the
+  load-balancing and z losses, the aux-loss-free bias update and the per-call statistics.
+- :mod:`jaxpar.moe.dispatch`: the dense capacity dispatch, and EP (two ``all_to_all`` over ``expert``
+  in a ``shard_map``) when the rules shard the ``experts`` logical axis.
+- :mod:`jaxpar.moe.layer`: :func:`moe_apply` (a pure function of a parameter dict) and :class:`MoE`.
+
+Without rules (or with ``experts`` unsharded) the layer is one dense computation: the reference that
+every sharded run equals, drops included (capacity is per batch row, which no strategy splits).
+
+>>> import jax, jax.numpy as jnp, jaxpar
+>>> from flax import nnx
+>>> layer = MoE(embed=4, mlp=8, experts=4, top_k=2, capacity_factor=1.0, rngs=nnx.Rngs(0))
+>>> x = jax.random.normal(jax.random.key(1), (4, 6, 4))
+>>> y1, s1 = layer(x)                                        # one device: the reference
+>>> mesh = jaxpar.make_mesh({"expert": 4}, devices=jax.devices()[:4])
+>>> rules = (("batch", "expert"), ("length", None), ("embed", None), ("mlp", None)) + expert_rules(
+...     mesh.axis_names)
+>>> with jaxpar.use_rules(mesh, rules):
+...     y4, s4 = jax.jit(moe_apply, static_argnames=("top_k", "capacity_factor"))(
+...         layer.params(), x, top_k=2, capacity_factor=1.0)
+>>> bool(jnp.allclose(y1, y4, atol=1e-6)), int(s1.dropped) == int(s4.dropped)
+(True, True)
+"""
+from .dispatch import EXPERT_AXIS, dispatch_combine, ep_axes, expert_mlp, expert_rules, token_axes
+from .layer import MOE_LOGICAL, MoE, RouterBias, moe_apply, shared_mlp
+from .routing import (
+    GATES,
+    MoEError,
+    MoEStats,
+    Routing,
+    buffer_slots,
+    capacity,
+    check_options,
+    load_balancing_loss,
+    load_cv,
+    route,
+    routing_stats,
+    top_k_experts,
+    update_router_bias,
+)
+
+__all__ = [
+    "EXPERT_AXIS", "GATES", "MOE_LOGICAL", "MoE", "MoEError", "MoEStats", "RouterBias", "Routing",
+    "buffer_slots", "capacity", "check_options", "dispatch_combine", "ep_axes", "expert_mlp", "expert_rules",
+    "load_balancing_loss", "load_cv", "moe_apply", "route", "routing_stats", "shared_mlp", "token_axes",
+    "top_k_experts", "update_router_bias",
+]

@@ -1,0 +1,157 @@
+"""Dense capacity dispatch, the experts' MLPs, the combine, and expert parallelism (EP) over ``expert``.
+
+The dense layout (GShard): each group's kept choices are written into a buffer
+``[groups, experts, capacity, embed]`` (a one-hot einsum, exact), every expert runs on its ``C`` slots,
+and the outputs are read back weighted by the combine weights.
+
+Under a mesh whose rules shard the ``experts`` logical axis over mesh axes of total size ``E_p > 1``
+(:func:`expert_rules`: ``experts -> expert``), this runs in a ``jax.shard_map`` manual over the expert
+axes and every axis that splits the tokens (the batch's axes, by the ``batch`` rule)::
+
+    x [G/n, T, D] --one-hot--> buffer [G/n, E, C, D] --all_to_all(expert)--> [G/n * E_p, E/E_p, C, D]
+       |                                                                        | local experts
+    y [G/n, T, D] <--combine-- [G/n, E, C, D] <--all_to_all(expert)-- [G/n * E_p, E/E_p, C, D]
+
+``n`` is the number of token shards (the product of the token axes). Each device keeps ``E/E_p``
+experts (weights sharded over ``expert`` on their leading ``experts`` axis, never gathered over it);
+the expert axes also split the batch (EP devices are data parallel for the other layers): when the
+``batch`` rule does not name them, the layer splits the batch over them on entry (a local slice) and
+gathers its output over them on exit (an all-gather of activations). Axes that split no token
+(``tensor``: the experts' ``mlp`` dimension) stay automatic; an axis already manual in the caller (a
+pipeline's ``pipe``) is left alone. Per layer: 2 all-to-alls over ``expert`` forward, 2 backward, of
+``G/n * E * C * D`` elements each per device.
+
+>>> import jax, jax.numpy as jnp
+>>> xe = jnp.ones((1, 2, 3, 4))
+>>> expert_mlp(xe, jnp.ones((2, 4, 5)), jnp.ones((2, 5, 4))).shape
+(1, 2, 3, 4)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from ..rules import axes_of, constrain, current_rules, logical_to_spec
+from .routing import MoEError
+
+__all__ = ["EXPERT_AXIS", "expert_rules", "expert_mlp", "dispatch_combine", "ep_axes", "token_axes"]
+
+EXPERT_AXIS = "expert"
+
+
+def expert_rules(axis_names) -> tuple:
+    """The rule of the ``experts`` logical axis: over ``expert`` when the mesh has it, else replicated.
+
+    >>> expert_rules(("data", "expert")), expert_rules(("data",))
+    ((('experts', 'expert'),), (('experts', None),))
+    """
+    return (("experts", EXPERT_AXIS if EXPERT_AXIS in tuple(axis_names) else None),)
+
+
+def expert_mlp(xe: jax.Array, w1: jax.Array, w2: jax.Array) -> jax.Array:
+    """Every expert's GELU MLP on its buffer: ``xe[G, E, C, D]``, ``w1[E, D, M]``, ``w2[E, M, D]``."""
+    h = jax.nn.gelu(jnp.einsum("gecd,edm->gecm", xe, w1))
+    return jnp.einsum("gecm,emd->gecd", h, w2)
+
+
+def _masks(expert, slot, weight, experts: int, cap: int, dtype):
+    """One-hot dispatch and weighted combine masks ``[G, T, E, C]`` (a slot >= C is all zeros)."""
+    e = jax.nn.one_hot(expert, experts, dtype=dtype)                       # [G, T, k, E]
+    c = jax.nn.one_hot(slot, cap, dtype=dtype)                             # [G, T, k, C]
+    dispatch = jnp.einsum("gtke,gtkc->gtec", e, c)
+    combine = jnp.einsum("gtke,gtkc->gtec", e * weight.astype(dtype)[..., None], c)
+    return dispatch, combine
+
+
+def _local_moe(x, expert, slot, weight, w1, w2, *, cap: int, experts: int, axes: tuple[str, ...]):
+    """Dispatch, experts, combine on one device's tokens; all-to-alls over ``axes`` when given."""
+    dispatch, combine = _masks(expert, slot, weight, experts, cap, x.dtype)
+    xe = jnp.einsum("gtec,gtd->gecd", dispatch, x)
+    if axes:
+        xe = jax.lax.all_to_all(xe, axes, split_axis=1, concat_axis=0, tiled=True)
+        ye = jnp.einsum("gecm,emd->gecd", constrain(jax.nn.gelu(jnp.einsum("gecd,edm->gecm", xe, w1)),
+                                                    (None, None, None, "mlp")), w2)
+        ye = jax.lax.all_to_all(ye, axes, split_axis=0, concat_axis=1, tiled=True)
+    else:
+        ye = expert_mlp(xe, w1, w2)
+    return jnp.einsum("gtec,gecd->gtd", combine, ye)
+
+
+def _sizes(mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def _manual_axes() -> set:
+    return set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
+
+
+def ep_axes(mesh, rules) -> tuple[str, ...]:
+    """The mesh axes (of size > 1, not already manual) that the ``experts`` logical axis is sharded over."""
+    sizes, manual = _sizes(mesh), _manual_axes()
+    spec = logical_to_spec(("experts",), rules, mesh, what="MoE expert weights ('experts' axis)")
+    return tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual)
+
+
+def token_axes(mesh, rules, experts_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes that split the tokens' group dimension inside the EP region: the ``batch`` rule's
+    axes (size > 1, not already manual), then the expert axes it does not name."""
+    sizes, manual = _sizes(mesh), _manual_axes()
+    spec = logical_to_spec(("batch",), rules, mesh, what="MoE tokens ('batch' axis)")
+    batch = tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual)
+    return batch + tuple(a for a in experts_axes if a not in batch)
+
+
+def _check_ep(experts: int, groups: int, ep: tuple[str, ...], tokens: tuple[str, ...], sizes) -> None:
+    e_p, n = math.prod(sizes[a] for a in ep), math.prod(sizes[a] for a in tokens)
+    if experts % e_p:
+        raise MoEError(f"experts={experts} is not divisible by the expert-parallel mesh axes "
+                       f"{', '.join(f'{a}={sizes[a]}' for a in ep)} (total {e_p}): each device keeps experts/E_p "
+                       f"experts. Fix: a number of experts that is a multiple of {e_p}, or a smaller expert axis.")
+    if groups % n:
+        raise MoEError(f"the MoE layer got {groups} groups (batch rows), not divisible by the mesh axes that "
+                       f"split its tokens, {', '.join(f'{a}={sizes[a]}' for a in tokens)} (total {n}). Fix: a "
+                       f"batch that is a multiple of {n}.")
+
+
+def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: jax.Array, w1: jax.Array,
+                     w2: jax.Array, *, capacity: int) -> jax.Array:
+    """The experts' output for tokens ``x[G, T, D]`` routed by ``expert``, ``slot``, ``weight`` (``[G, T, k]``,
+    see :class:`~jaxpar.moe.routing.Routing`), with expert weights ``w1[E, D, M]``, ``w2[E, M, D]``.
+
+    Without rules, or when ``experts`` is not sharded, one dense computation (GSPMD shards it by the
+    arrays' shardings). Otherwise expert parallelism as the module docstring draws it.
+
+    Args:
+      x: tokens.
+      expert, slot, weight: the routing.
+      w1, w2: stacked expert weights.
+      capacity: buffer slots per group and expert.
+
+    Returns:
+      ``[G, T, D]``: ``sum_k weight * expert(x)`` over the kept choices.
+    """
+    E = w1.shape[0]
+    local = dict(cap=capacity, experts=E)
+    ctx = current_rules()
+    if ctx is None:
+        return _local_moe(x, expert, slot, weight, w1, w2, axes=(), **local)
+    mesh, rules = ctx
+    ep = ep_axes(mesh, rules)
+    if not ep:
+        return _local_moe(x, expert, slot, weight, w1, w2, axes=(), **local)
+    tokens = token_axes(mesh, rules, ep)
+    _check_ep(E, x.shape[0], ep, tokens, _sizes(mesh))
+    tok = PartitionSpec(tokens if len(tokens) > 1 else tokens[0])
+    wspec = PartitionSpec(ep if len(ep) > 1 else ep[0])
+
+    def body(x, expert, slot, weight, w1, w2):
+        return _local_moe(x, expert, slot, weight, w1, w2, axes=ep, **local)
+
+    context = jax.sharding.get_abstract_mesh()
+    smap_mesh = context if _manual_axes() else mesh          # nested in a manual region (a pipeline's pipe)
+    return jax.shard_map(body, mesh=smap_mesh, in_specs=(tok, tok, tok, tok, wspec, wspec), out_specs=tok,
+                         axis_names=set(tokens) | set(ep), check_vma=False)(x, expert, slot, weight, w1, w2)

@@ -1,0 +1,122 @@
+"""The MoE layer: a pure function of a parameter dict, and a small Flax NNX module around it.
+
+``moe_apply(params, x)`` routes (:func:`~jaxpar.moe.routing.route`), dispatches to the experts
+(:func:`~jaxpar.moe.dispatch.dispatch_combine`: dense on one device, expert parallel under a mesh
+whose rules shard ``experts``), adds the shared experts and returns ``(y, MoEStats)``. The losses are
+in the statistics, unweighted: the model adds ``aux_weight * stats.aux_loss + z_weight *
+stats.z_loss`` to its loss.
+
+Parameters (logical names in :data:`MOE_LOGICAL`): ``router[D, E]``, expert weights ``w1[E, D, M]`` and
+``w2[E, M, D]`` stacked on a leading ``experts`` axis, optional shared experts ``shared_w1[D, S]``,
+``shared_w2[S, D]`` (an always-on GELU MLP) and the aux-loss-free balancing bias ``router_bias[E]``
+(a :class:`RouterBias` variable, not a ``Param``: the optimizer leaves it alone, the step updates it
+with :func:`~jaxpar.moe.routing.update_router_bias`).
+
+>>> import jax.numpy as jnp
+>>> from flax import nnx
+>>> layer = MoE(embed=4, mlp=8, experts=4, top_k=2, capacity_factor=None, rngs=nnx.Rngs(0))
+>>> layer.w1.shape, layer.w1.out_sharding
+((4, 4, 8), ('experts', 'embed', 'mlp'))
+>>> y, stats = layer(jnp.ones((2, 3, 4)))                 # (batch, length, embed): a group per row
+>>> y.shape, int(stats.load.sum()), int(stats.dropped)    # 2 * 3 tokens, 2 choices each, dropless
+((2, 3, 4), 12, 0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..rules import constrain
+from .dispatch import dispatch_combine
+from .routing import MoEStats, check_options, route, routing_stats
+
+__all__ = ["MOE_LOGICAL", "MoE", "RouterBias", "moe_apply", "shared_mlp"]
+
+#: Logical names of the layer's parameters (a model that stacks layers adds a leading ``layers``).
+MOE_LOGICAL = {
+    "router": ("embed", None), "router_bias": (None,),
+    "w1": ("experts", "embed", "mlp"), "w2": ("experts", "mlp", "embed"),
+    "shared_w1": ("embed", "mlp"), "shared_w2": ("mlp", "embed"),
+}
+
+
+class RouterBias(nnx.Variable):
+    """The aux-loss-free balancing bias: state updated by the step, not by the optimizer."""
+
+
+def shared_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array) -> jax.Array:
+    """The shared experts: one GELU MLP on every token, ``x[G, T, D]``, ``w1[D, S]``, ``w2[S, D]``."""
+    h = constrain(jax.nn.gelu(jnp.einsum("gtd,ds->gts", x, w1)), ("batch", "length", "mlp"))
+    return constrain(jnp.einsum("gts,sd->gtd", h, w2), ("batch", "length", "embed"))
+
+
+def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gate: str = "softmax",
+              capacity_factor: float | None = 1.25, normalize: bool = True,
+              balance_load: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
+    """The MoE layer on ``x[G, T, D]`` (``G`` groups = batch rows, ``T`` tokens each).
+
+    Args:
+      params: ``router``, ``w1``, ``w2``; optionally ``shared_w1`` and ``shared_w2``, and ``router_bias``
+        (selection only, no gradient).
+      x: tokens.
+      top_k: experts per token.
+      gate: ``"softmax"`` or ``"sigmoid"``.
+      capacity_factor: slots per group and expert ``min(T, ceil(cf * T * top_k / E))``; None: dropless.
+      normalize: normalise the top-k combine weights to sum to 1.
+      balance_load: optional ``[E]`` load of the whole step for the aux loss's ``f`` (micro-batches:
+        see :func:`~jaxpar.moe.routing.routing_stats`); by default this call's own load.
+
+    Returns:
+      ``(y[G, T, D], stats)``; ``y`` is the routed experts' output plus the shared experts'.
+    """
+    bias = params.get("router_bias")
+    r = route(x, params["router"], top_k=top_k, gate=gate, capacity_factor=capacity_factor, normalize=normalize,
+              bias=None if bias is None else jax.lax.stop_gradient(bias))
+    y = dispatch_combine(x, r.expert, r.slot, r.weight, params["w1"], params["w2"], capacity=r.capacity)
+    if "shared_w1" in params:
+        y = y + shared_mlp(x, params["shared_w1"], params["shared_w2"])
+    return y, routing_stats(r, balance_load)
+
+
+def _normal(rngs: nnx.Rngs, shape, logical, std) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), out_sharding=logical)
+
+
+class MoE(nnx.Module):
+    """A mixture-of-experts MLP: ``experts`` GELU MLPs ``embed -> mlp -> embed``, top-k routed.
+
+    Args:
+      embed, mlp, experts: sizes ``D``, ``M``, ``E``.
+      top_k, gate, capacity_factor, normalize: as :func:`moe_apply`.
+      shared_mlp: hidden size ``S`` of the shared experts (0: none).
+      router_bias: keep an aux-loss-free balancing bias (:class:`RouterBias`).
+      init_std: standard deviation of the initial weights.
+      rngs: Flax random streams.
+    """
+
+    def __init__(self, embed: int, mlp: int, experts: int, *, top_k: int = 2, gate: str = "softmax",
+                 capacity_factor: float | None = 1.25, normalize: bool = True, shared_mlp: int = 0,
+                 router_bias: bool = False, init_std: float = 0.02, rngs: nnx.Rngs):
+        check_options(experts, top_k, gate, capacity_factor)
+        self.options = dict(top_k=top_k, gate=gate, capacity_factor=capacity_factor, normalize=normalize)
+        D, M, E, S = embed, mlp, experts, shared_mlp
+        with nnx.use_eager_sharding(False):     # jaxpar places the state (as the GPT does)
+            self.router = _normal(rngs, (D, E), MOE_LOGICAL["router"], init_std)
+            self.w1 = _normal(rngs, (E, D, M), MOE_LOGICAL["w1"], init_std)
+            self.w2 = _normal(rngs, (E, M, D), MOE_LOGICAL["w2"], init_std)
+            self.shared_w1 = _normal(rngs, (D, S), MOE_LOGICAL["shared_w1"], init_std) if S else None
+            self.shared_w2 = _normal(rngs, (S, D), MOE_LOGICAL["shared_w2"], init_std) if S else None
+            self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32),
+                                          out_sharding=MOE_LOGICAL["router_bias"]) if router_bias else None
+
+    def params(self) -> dict[str, Any]:
+        """The arrays :func:`moe_apply` takes."""
+        names = ("router", "w1", "w2", "shared_w1", "shared_w2", "router_bias")
+        return {n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}
+
+    def __call__(self, x: jax.Array, balance_load: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
+        return moe_apply(self.params(), x, **self.options, balance_load=balance_load)
