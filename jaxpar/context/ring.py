@@ -12,15 +12,18 @@ unnormalised output in fp32, :func:`~jaxpar.context.blocks.softmax_step`), and p
     step 2:  dev0 K2  dev1 K3  dev2 K0  dev3 K1
     step 3:  dev0 K1  dev1 K2  dev2 K3  dev3 K0
 
-The backward pass (a ``jax.custom_vjp``) rings again, the other way round (to device ``d - 1``): the
-K/V shards travel with their gradient accumulators dK/dV beside them; each device adds its queries'
-contributions (:func:`~jaxpar.context.blocks.softmax_grad_step`, from the forward's logsumexp) to
-the accumulators it holds and keeps its own dQ. After step ``C - 1`` the accumulators sit one device
-after their owner, and one more ``ppermute`` brings them home: ``C - 1`` hops of K/V and ``C`` of
-dK/dV. Only local shards are stored between the passes (``q, k, v, out, logsumexp``). (The reverse
-direction also keeps XLA from merging the backward's K/V hops with the forward's identical ones, which
-would keep all ``C`` forward blocks, the full K/V, alive until the backward; an
-``optimization_barrier`` does not stop that on XLA:CPU.)
+The backward pass (a ``jax.custom_vjp``) rings again: the K/V shards travel the same way with their
+gradient accumulators dK/dV beside them; each device adds its queries' contributions
+(:func:`~jaxpar.context.blocks.softmax_grad_step`, from the forward's logsumexp) to the accumulators
+it holds and keeps its own dQ. After step ``C - 1`` the accumulators sit one device before their
+owner, and one more hop brings them home. Only local shards are stored between the passes
+(``q, k, v, out, logsumexp``).
+
+Each hop sends one buffer (:func:`pack`: the bytes of K, V, the key segment ids and, backward, dK and
+dV), so the forward has ``C - 1`` collective-permutes and the backward ``C``. One buffer also keeps
+XLA from merging the backward's K/V hops with the forward's identical ones, which would keep all of
+the forward's K/V blocks, the full K/V, alive until the backward (an ``optimization_barrier`` does not
+stop that on XLA:CPU).
 
 Each shard is cut into chunks (2 in the balanced layout, 1 in the natural one, see
 :mod:`jaxpar.context.layout`) and every (query chunk, key chunk) pair is one block. A block that the
@@ -54,7 +57,7 @@ from .blocks import allowed, empty_softmax, group_heads, softmax_grad_step, soft
 from .layout import check_length, chunk_index, chunks_per_shard, pair_needed
 from .options import ContextParallelError
 
-__all__ = ["RingSpec", "ring_attention", "ring_forward", "ring_backward"]
+__all__ = ["RingSpec", "ring_attention", "ring_forward", "ring_backward", "pack"]
 
 
 class RingSpec(NamedTuple):
@@ -67,10 +70,32 @@ class RingSpec(NamedTuple):
     balance: bool
 
 
-def _shift(x: Any, spec: RingSpec, direction: int) -> Any:
-    """Every device passes ``x`` (a pytree) to its neighbour ``direction`` (+1 or -1) along the ring:
-    one ``ppermute`` per leaf."""
-    return jax.lax.ppermute(x, spec.axis, [(j, (j + direction) % spec.size) for j in range(spec.size)])
+def pack(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
+    """The arrays of ``tree`` as one flat ``uint8`` buffer (their bytes), and the function that
+    unpacks such a buffer into the same tree (shapes and dtypes).
+
+    >>> buf, unpack = pack((jnp.arange(3.0), jnp.arange(2, dtype=jnp.int32)))
+    >>> buf.shape, unpack(buf)[1]
+    ((20,), Array([0, 1], dtype=int32))
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    buf = jnp.concatenate([jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in leaves])
+
+    def unpack(data: jax.Array) -> Any:
+        out, start = [], 0
+        for x in leaves:
+            n = x.size * x.dtype.itemsize
+            raw = data[start:start + n].reshape(x.shape + ((x.dtype.itemsize,) if x.dtype.itemsize > 1 else ()))
+            out.append(jax.lax.bitcast_convert_type(raw, x.dtype))
+            start += n
+        return jax.tree.unflatten(treedef, out)
+    return buf, unpack
+
+
+def _shift(x: Any, spec: RingSpec) -> Any:
+    """Every device passes ``x`` (a pytree) to the next one on the ring: one ``ppermute`` of one buffer."""
+    buf, unpack = pack(x)
+    return unpack(jax.lax.ppermute(buf, spec.axis, [(j, (j + 1) % spec.size) for j in range(spec.size)]))
 
 
 def _vma(x: Any) -> set:
@@ -131,10 +156,10 @@ class _Blocks(NamedTuple):
                        self.rows(q_seg, a), self.rows(k_seg, b), causal=self.spec.causal)
 
 
-def _blocks(spec: RingSpec, q: jax.Array, t: int, direction: int) -> _Blocks:
-    """The view at step ``t`` of a ring whose K/V move ``direction``: they come from ``me - direction * t``."""
+def _blocks(spec: RingSpec, q: jax.Array, t: int) -> _Blocks:
+    """The view at step ``t``: the K/V held come from device ``me - t``."""
     parts = chunks_per_shard(spec.balance)
-    return _Blocks(parts, q.shape[1] // parts, jax.lax.axis_index(spec.axis), direction * t, spec)
+    return _Blocks(parts, q.shape[1] // parts, jax.lax.axis_index(spec.axis), t, spec)
 
 
 def ring_forward(spec: RingSpec, q, k, v, q_seg=None, k_seg=None) -> tuple[jax.Array, list, jax.Array]:
@@ -151,17 +176,17 @@ def ring_forward(spec: RingSpec, q, k, v, q_seg=None, k_seg=None) -> tuple[jax.A
     """
     parts = chunks_per_shard(spec.balance)
     qg = group_heads(q, k.shape[2])
-    view = _blocks(spec, q, 0, 1)
+    view = _blocks(spec, q, 0)
     states = _varying([empty_softmax(view.rows(qg, a)) for a in range(parts)], q, k, v, view.me)
     kv, pairs = jnp.stack([k, v]), _varying(jnp.int32(0), view.me)
     for t in range(spec.size):
-        view = _blocks(spec, q, t, 1)
+        view = _blocks(spec, q, t)
         for a, b in itertools.product(range(parts), range(parts)):
             step = functools.partial(_forward_block, view, a, b, qg, kv, q_seg, k_seg)
             states[a] = _maybe(view.needed(a, b), step, states[a])
             pairs = pairs + view.needed(a, b)
         if t < spec.size - 1:
-            kv, k_seg = _shift((kv, k_seg), spec, 1)
+            kv, k_seg = _shift((kv, k_seg), spec)
     outs, lses = zip(*(softmax_result(s, q.dtype) for s in states))
     return jnp.concatenate(outs, axis=1), list(lses), pairs
 
@@ -187,19 +212,19 @@ def ring_backward(spec: RingSpec, residuals: tuple, d_out: jax.Array) -> tuple:
     parts = chunks_per_shard(spec.balance)
     qg, dog = group_heads(q, k.shape[2]), group_heads(d_out, k.shape[2]).astype(jnp.float32)
     delta = jnp.einsum("bqhgd,bqhgd->bhgq", dog, group_heads(out, k.shape[2]).astype(jnp.float32))
-    view = _blocks(spec, q, 0, -1)
+    view = _blocks(spec, q, 0)
     deltas = [delta[..., a * view.chunk:(a + 1) * view.chunk] for a in range(parts)]
     dq, dkv = _varying(([jnp.zeros(view.rows(qg, a).shape, jnp.float32) for a in range(parts)],
                         jnp.zeros(kv.shape, jnp.float32)), q, k, v, d_out, view.me)
     for t in range(spec.size):
-        view = _blocks(spec, q, t, -1)
+        view = _blocks(spec, q, t)
         for a, b in itertools.product(range(parts), range(parts)):
             grads = (qg, dog, lses[a], deltas[a])
             step = functools.partial(_backward_block, view, a, b, grads, kv, q_seg, k_seg)
             dq[a], dkv = _maybe(view.needed(a, b), step, (dq[a], dkv))
         if t < spec.size - 1:
-            kv, k_seg, dkv = _shift((kv, k_seg, dkv), spec, -1)
-    dkv = _shift(dkv, spec, -1)                  # the accumulators of device d's K/V sit on d + 1
+            kv, k_seg, dkv = _shift((kv, k_seg, dkv), spec)
+    dkv = _shift(dkv, spec)                      # the accumulators of device d's K/V sit on d - 1
     dq = jnp.concatenate(dq, axis=1).reshape(q.shape)
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None
 

@@ -1,0 +1,234 @@
+"""jaxpar.context: attention under context parallelism (ring, all-gather, Ulysses) against one device.
+
+Every sharded run is compared, values and gradients w.r.t. q, k and v at fp32 1e-5, with
+``reference`` below: plain jnp softmax(QK^T * scale + mask) V on one device, GQA by repeating the
+K/V heads. The balanced runs permute their inputs with ``to_balanced`` (segment ids too) and
+un-permute outputs and gradients with ``from_balanced`` before comparing, so they are checked on the
+natural sequence. One compiled program per case serves both the numbers and the HLO checks.
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import need_devices
+import jaxpar
+from jaxpar import context as cp
+from jaxpar.analysis.hlo import collectives, count
+from jaxpar.context.layout import chunks_per_shard
+from jaxpar.context.ring import RingSpec, ring_forward
+from jaxpar.rules import drop_axes, logical_to_spec, use_rules
+
+B, L, H, D = 2, 32, 8, 4
+RULES = (("batch", "data"), ("length", "context"), ("heads", "tensor"))
+QKV, SEG = ("batch", "length", "heads", None), ("batch", "length")
+
+
+def reference(q, k, v, seg, causal):
+    """softmax(Q K^T / sqrt(D) + mask) V on one device; K/V heads repeated for GQA."""
+    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+    mask = jnp.ones((1, L, L), bool)
+    if causal:
+        mask = mask & jnp.tril(jnp.ones((L, L), bool))[None]
+    if seg is not None:
+        mask = mask & (seg[:, :, None] == seg[:, None, :])
+    s = jnp.where(mask[:, None], s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def inputs(kv_heads, segments, scale=1.0):
+    """q, k, v, the output cotangent w and segment ids (3-4 packed documents a row; row 1 ends in
+    padding, id 0), all in the natural order."""
+    rng = np.random.default_rng(kv_heads)
+    normal = lambda *s: (scale * rng.normal(size=s)).astype(np.float32)  # noqa: E731
+    seg = np.cumsum(rng.random((B, L)) < 0.12, axis=1).astype(np.int32) + 1
+    seg[1, -5:] = 0
+    return normal(B, L, H, D), normal(B, L, kv_heads, D), normal(B, L, kv_heads, D), normal(B, L, H, D), \
+        (seg if segments else None)
+
+
+def attention_vjp(q, k, v, w, *seg, causal):
+    """The attention's output and its gradients w.r.t. q, k, v for the output cotangent w."""
+    out, vjp = jax.vjp(lambda q, k, v: cp.attention(q, k, v, causal=causal, segment_ids=seg[0] if seg else None),
+                       q, k, v)
+    return out, vjp(w)
+
+
+@functools.lru_cache(maxsize=None)
+def expected(kv_heads, causal, segments, scale=1.0):
+    q, k, v, w, seg = inputs(kv_heads, segments, scale)
+    out, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, seg, causal), q, k, v)
+    return np.asarray(out), [np.asarray(g) for g in vjp(w)]
+
+
+class Case(NamedTuple):
+    method: str
+    mesh: tuple          # ((axis, size), ...)
+    causal: bool = True
+    segments: bool = True
+    kv_heads: int = 2
+    balance: bool = True
+    rules: tuple = RULES
+
+    @property
+    def context(self):
+        return dict(self.mesh)["context"]
+
+    def __str__(self):
+        mesh = "x".join(f"{a}{n}" for a, n in self.mesh)
+        return (f"{self.method}-{mesh}-{'causal' if self.causal else 'full'}-{'seg' if self.segments else 'noseg'}"
+                f"-kv{self.kv_heads}-{'bal' if self.balance else 'nat'}")
+
+
+def make_mesh(case):
+    sizes = dict(case.mesh)
+    return jaxpar.make_mesh(sizes, devices=jax.devices()[:int(np.prod(list(sizes.values())))])
+
+
+def placed(case, mesh, arrays):
+    """The arrays, balanced if the case says so, placed by the rules' ``NamedSharding``."""
+    perm = (lambda x: cp.to_balanced(x, 1, case.context)) if case.balance else (lambda x: x)
+    out = []
+    for x in arrays:
+        names = QKV if x.ndim == 4 else SEG
+        if x.ndim == 5:                                   # stacked over pipe
+            names, x = ("pipe",) + QKV, np.stack([perm(y) for y in x])
+        else:
+            x = perm(x)
+        out.append(jax.device_put(x, NamedSharding(mesh, logical_to_spec(names, case.rules, mesh, shape=x.shape))))
+    return out
+
+
+def natural(case, x, axis=1):
+    return np.asarray(cp.from_balanced(x, axis, case.context) if case.balance else x)
+
+
+@functools.lru_cache(maxsize=None)
+def run(case):
+    """(mesh, compiled program, output, gradients) of a case, in the natural order."""
+    mesh = make_mesh(case)
+    q, k, v, w, seg = inputs(case.kv_heads, case.segments)
+    args = placed(case, mesh, [q, k, v, w] + ([seg] if case.segments else []))
+    with use_rules(mesh, case.rules), cp.use_context_parallel(case.method, balance=case.balance):
+        compiled = jax.jit(functools.partial(attention_vjp, causal=case.causal)).lower(*args).compile()
+    out, grads = compiled(*args)
+    return mesh, compiled, natural(case, out), [natural(case, g) for g in grads]
+
+
+def assert_matches(out, grads, want):
+    np.testing.assert_allclose(out, want[0], rtol=1e-5, atol=1e-5)
+    for name, g, e in zip("qkv", grads, want[1]):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=f"d{name}")
+
+
+CASES = [
+    Case("ring", (("context", 2),)),
+    Case("ring", (("context", 8),)),
+    Case("ring", (("context", 4),), causal=False, balance=False),
+    Case("ring", (("context", 8),), segments=False, kv_heads=8, balance=False),
+    Case("all_gather", (("context", 2),), balance=False),
+    Case("all_gather", (("context", 8),)),
+    Case("all_gather", (("context", 4),), causal=False, segments=False, kv_heads=8),
+    Case("ulysses", (("context", 2),)),
+    Case("ulysses", (("context", 8),)),                  # 2 K/V heads < C = 8: repeated 4x
+    Case("ulysses", (("context", 4),), causal=False, segments=False, kv_heads=8, balance=False),
+    Case("ring", (("data", 2), ("context", 4))),
+    Case("all_gather", (("data", 2), ("context", 4)), balance=False),
+    Case("ring", (("context", 4), ("tensor", 2))),
+    Case("ulysses", (("context", 4), ("tensor", 2))),    # 4 heads and 1 K/V head a tensor shard
+]
+
+
+@pytest.mark.parametrize("causal,segments,kv_heads", [(True, True, 2), (False, False, 8), (True, False, 8)])
+def test_one_device_is_the_reference(causal, segments, kv_heads):
+    q, k, v, w, seg = inputs(kv_heads, segments)
+    out, grads = jax.jit(functools.partial(attention_vjp, causal=causal))(q, k, v, w, *([seg] if segments else []))
+    assert_matches(np.asarray(out), [np.asarray(g) for g in grads], expected(kv_heads, causal, segments))
+
+
+@need_devices(8)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_context_parallel_matches_one_device(case):
+    _, _, out, grads = run(case)
+    assert_matches(out, grads, expected(case.kv_heads, case.causal, case.segments))
+
+
+def kv_stack_bytes(case):
+    """Bytes of one device's K and V shards (fp32)."""
+    sizes = dict(case.mesh)
+    return 2 * B // sizes.get("data", 1) * L // case.context * case.kv_heads // sizes.get("tensor", 1) * D * 4
+
+
+def seg_bytes(case):
+    """Bytes of one device's segment ids (int32)."""
+    return B // dict(case.mesh).get("data", 1) * L // case.context * 4
+
+
+@need_devices(8)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_collectives_are_the_methods_over_context_only(case):
+    """Forward + backward program: the method's collectives, all over ``context`` and nothing else.
+
+    ring: forward C-1 hops of one device's K, V (and key segment ids) in one buffer, backward C-1
+    hops of K, V (segment ids), dK, dV and one of dK, dV to bring them home; no all-gather, and no hop
+    carries more than one device's K/V and their gradients. all_gather: K, V (and segment ids) gathered, dK, dV reduce-scattered.
+    ulysses: all-to-alls of q, k, v, out and of their cotangents; segment ids gathered.
+    """
+    mesh, compiled, _, _ = run(case)
+    colls, c, seg = collectives(compiled, mesh), case.context, int(case.segments)
+    assert all(x.axes == ("context",) for x in colls), {(x.kind, x.axes) for x in colls}
+    kinds = {kind: count(colls, kind, axes=("context",)) for kind in ("collective-permute", "all-gather",
+                                                                      "reduce-scatter", "all-to-all", "all-reduce")}
+    want = {"ring": {"collective-permute": 2 * c - 1},
+            "all_gather": {"all-gather": 2 + seg, "reduce-scatter": 2},
+            "ulysses": {"all-to-all": 8, "all-gather": seg}}[case.method]
+    assert kinds == {kind: want.get(kind, 0) for kind in kinds}
+    if case.method == "ring":
+        assert max(x.bytes for x in colls) == 2 * kv_stack_bytes(case) + seg * seg_bytes(case)
+
+
+@need_devices(8)
+@pytest.mark.parametrize("size,segments", [(2, True), (8, False)])
+def test_ring_forward_passes_kv_c_minus_1_times(size, segments):
+    """The forward alone: C-1 collective-permutes over context, each one device's K and V (and key
+    segment ids)."""
+    case = Case("ring", (("context", size),), segments=segments, kv_heads=8)
+    mesh = make_mesh(case)
+    q, k, v, _, seg = inputs(8, segments)
+    args = placed(case, mesh, [q, k, v] + ([seg] if segments else []))
+    with use_rules(mesh, RULES), cp.use_context_parallel("ring", balance=True):
+        compiled = jax.jit(lambda q, k, v, *s: cp.attention(q, k, v, segment_ids=s[0] if s else None)).lower(
+            *args).compile()
+    hop = ("collective-permute", ("context",), kv_stack_bytes(case) + segments * seg_bytes(case))
+    assert [(x.kind, x.axes, x.bytes) for x in collectives(compiled, mesh)] == [hop] * (size - 1)
+
+
+@need_devices(8)
+def test_nested_in_a_shard_map_manual_over_pipe():
+    """Each of 2 pipeline stages (an outer shard_map manual over ``pipe``) runs ring attention over a
+    context axis of 4 on its own inputs, as the pipeline executor would; both match one device."""
+    case = Case("ring", (("pipe", 2), ("context", 4)), kv_heads=2)
+    mesh = make_mesh(case)
+    q, k, v, w, seg = inputs(2, True)
+    stacked = [np.stack([x, 0.5 * x]) for x in (q, k, v, w)]
+    args = placed(case, mesh, stacked + [seg])
+    inner_rules = drop_axes(RULES, ("pipe",))
+
+    def stage(q2, k2, v2, w2, s):
+        with use_rules(mesh, inner_rules):
+            out, grads = attention_vjp(q2[0], k2[0], v2[0], w2[0], s, causal=True)
+        return out[None], tuple(g[None] for g in grads)
+    smap = jax.shard_map(stage, mesh=mesh, in_specs=(P("pipe"),) * 4 + (P(),), out_specs=P("pipe"),
+                         axis_names={"pipe"}, check_vma=False)
+    with use_rules(mesh, RULES), cp.use_context_parallel("ring", balance=True):
+        compiled = jax.jit(smap).lower(*args).compile()
+    out, grads = compiled(*args)
+    for p, scale in enumerate((1.0, 0.5)):
+        assert_matches(natural(case, out[p]), [natural(case, g[p]) for g in grads], expected(2, True, True, scale))
+    colls = collectives(compiled, mesh)
+    assert count(colls, "collective-permute", axes=("context",)) == 2 * 4 - 1 == len(colls)
