@@ -232,3 +232,115 @@ def test_nested_in_a_shard_map_manual_over_pipe():
         assert_matches(natural(case, out[p]), [natural(case, g[p]) for g in grads], expected(2, True, True, scale))
     colls = collectives(compiled, mesh)
     assert count(colls, "collective-permute", axes=("context",)) == 2 * 4 - 1 == len(colls)
+
+
+# ----------------------------------------------------------------------------- balance
+
+
+@need_devices(4)
+@pytest.mark.parametrize("balance", [True, False])
+def test_ring_computes_the_block_pairs_it_counts(balance):
+    """The ring's own tally of the block pairs it runs (not skipped by lax.cond), per device, is what
+    ``ring_block_pairs`` says."""
+    mesh = jaxpar.make_mesh({"context": 4}, devices=jax.devices()[:4])
+    spec = RingSpec("context", 4, True, D ** -0.5, balance)
+    q, k, v, _, _ = inputs(2, False)
+    tally = jax.shard_map(lambda q, k, v: ring_forward(spec, q, k, v)[2][None], mesh=mesh,
+                          in_specs=P(None, "context"), out_specs=P("context"))
+    assert tuple(int(n) for n in jax.jit(tally)(q, k, v)) == cp.ring_block_pairs(L, 4, balance=balance).pairs
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_balanced_ring_work_is_even_and_natural_is_not(size):
+    """Causal ring work per device, in block pairs and in scores (pairs x block^2).
+
+    Balanced: 2C+1 half-size pairs on every device. Natural: device i computes i+1 pairs, so the
+    first and last devices differ C-fold (2x at C = 2), and the busiest device (which sets the step
+    time) does 4C/(2C+1), about 2x, the work of a balanced one.
+    """
+    bal, nat = (cp.ring_block_pairs(L, size, balance=b) for b in (True, False))
+    assert bal == cp.RingWork((2 * size + 1,) * size, L // (2 * size))
+    assert nat == cp.RingWork(tuple(range(1, size + 1)), L // size)
+    scores = lambda w: [p * w.block ** 2 for p in w.pairs]  # noqa: E731
+    assert max(scores(nat)) * (2 * size + 1) == max(scores(bal)) * 4 * size
+    assert cp.ring_block_pairs(L, size, balance=True, causal=False).pairs == (4 * size,) * size
+
+
+def test_balanced_layout_round_trips():
+    np.testing.assert_array_equal(cp.balanced_order(16, 4), [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9])
+    x = np.arange(2 * 16 * 3).reshape(2, 16, 3)
+    for y in (x, jnp.asarray(x)):
+        np.testing.assert_array_equal(cp.from_balanced(cp.to_balanced(y, 1, 4), 1, 4), x)
+    np.testing.assert_array_equal(cp.to_balanced(x, 1, 4)[:, 2], x[:, 14])
+    assert type(cp.to_balanced(x, 1, 4)) is np.ndarray
+
+
+def test_the_setting_is_scoped():
+    assert cp.current_context_parallel() == cp.ContextParallel("ring", False)
+    with cp.use_context_parallel("ulysses", balance=True):
+        with cp.use_context_parallel("all_gather"):
+            assert cp.current_context_parallel() == cp.ContextParallel("all_gather", False)
+        assert cp.current_context_parallel() == cp.ContextParallel("ulysses", True)
+    assert cp.current_context_parallel().method == "ring"
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def trace(mesh_sizes, method, balance, q, k, v, seg=None, rules=RULES):
+    mesh = jaxpar.make_mesh(mesh_sizes, devices=jax.devices()[:int(np.prod(list(mesh_sizes.values())))])
+    with use_rules(mesh, rules), cp.use_context_parallel(method, balance=balance):
+        return jax.eval_shape(lambda q, k, v: cp.attention(q, k, v, segment_ids=seg), q, k, v)
+
+
+def shapes(length=L, heads=H, kv_heads=2):
+    return (jax.ShapeDtypeStruct((B, length, heads, D), jnp.float32),
+            *[jax.ShapeDtypeStruct((B, length, kv_heads, D), jnp.float32)] * 2)
+
+
+@need_devices(8)
+@pytest.mark.parametrize("length,balance,match", [
+    (36, False, r"sequence length 36 is not divisible by 8 \(C = 8 shards.*e\.g\. 40"),
+    (40, True, r"sequence length 40 is not divisible by 16 \(balanced layout, 2\*C = 16 chunks.*turn balance off"),
+])
+def test_a_sequence_the_context_axis_cannot_split_is_refused(length, balance, match):
+    with pytest.raises(cp.ContextParallelError, match=match):
+        trace({"context": 8}, "ring", balance, *shapes(length))
+
+
+@need_devices(8)
+def test_ulysses_refuses_heads_not_divisible_by_the_context_size():
+    with pytest.raises(cp.ContextParallelError, match=r"ulysses.*6 query heads on each device are not divisible "
+                                                      r"by the context axis size 4.*'ring' or 'all_gather'"):
+        trace({"context": 4}, "ulysses", False, *shapes(heads=6, kv_heads=2))
+    with pytest.raises(cp.ContextParallelError, match=r"4 query heads on each device .* size 8"):
+        trace({"context": 8, "tensor": 1}, "ulysses", False, *shapes(heads=4, kv_heads=4))
+
+
+def test_an_unknown_method_is_refused():
+    with pytest.raises(cp.ContextParallelError, match=r"method='ringg' is not a context-parallel method; "
+                                                      r"choose one of \('ring', 'all_gather', 'ulysses'\)"):
+        with cp.use_context_parallel("ringg"):
+            pass
+
+
+@need_devices(8)
+def test_rules_that_do_not_split_the_length_over_context_are_refused():
+    rules = (("batch", "data"), ("length", None), ("heads", "tensor"))
+    with pytest.raises(cp.ContextParallelError, match=r"rules map the logical name 'length' to None.*\('length', "
+                                                      r"'context'\)"):
+        trace({"context": 4}, "ring", False, *shapes(), rules=rules)
+    with pytest.raises(cp.ContextParallelError, match=r"8 query heads over \('tensor',\) \(size 2\), which does "
+                                                      r"not divide the 1 K/V heads"):
+        trace({"context": 4, "tensor": 2}, "ring", False, *shapes(kv_heads=1))
+
+
+def test_inputs_that_do_not_fit_are_refused():
+    q, k, v = shapes()
+    with pytest.raises(cp.AttentionError, match=r"k and v alike"):
+        cp.attention(q, k, jax.ShapeDtypeStruct((B, L, 4, D), jnp.float32))
+    with pytest.raises(cp.AttentionError, match=r"the 3 K/V heads must divide the 8 query heads"):
+        cp.attention(q, *shapes(kv_heads=3)[1:])
+    with pytest.raises(cp.AttentionError, match=r"segment_ids must be integers of shape \[batch, length\] = "
+                                                r"\(2, 32\); got float32\[2, 32\]"):
+        cp.attention(q, k, v, segment_ids=jnp.zeros((B, L)))
