@@ -234,6 +234,46 @@ def test_nested_in_a_shard_map_manual_over_pipe():
     assert count(colls, "collective-permute", axes=("context",)) == 2 * 4 - 1 == len(colls)
 
 
+@need_devices(4)
+def test_ring_in_bfloat16_is_as_close_as_one_device_in_bfloat16():
+    """bf16 q/k/v: output and gradients come back in bf16 and are (within 1.5x) as close to the fp32
+    reference as one device's bf16 attention (the ring's hops carry bf16 K/V and fp32 dK/dV, and it
+    accumulates in fp32)."""
+    case = Case("ring", (("context", 4),))
+    mesh = make_mesh(case)
+    q, k, v, w, seg = inputs(2, True)
+    args = [x.astype(jnp.bfloat16) for x in placed(case, mesh, [q, k, v, w])] + placed(case, mesh, [seg])
+    vjp = jax.jit(functools.partial(attention_vjp, causal=True))
+    with use_rules(mesh, RULES), cp.use_context_parallel("ring", balance=True):
+        out, grads = vjp(*args)
+    one_out, one_grads = vjp(*[jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, w)], seg)
+    assert {out.dtype, *(g.dtype for g in grads)} == {jnp.dtype(jnp.bfloat16)}
+    want = expected(2, True, True)
+    for got, one, ref in zip((out, *grads), (one_out, *one_grads), (want[0], *want[1])):
+        err = np.abs(natural(case, got.astype(jnp.float32)) - ref).max()
+        assert 0 < err <= 1.5 * np.abs(np.asarray(one, np.float32) - ref).max()
+
+
+@need_devices(8)
+def test_ring_temporaries_fall_with_the_context_size():
+    """Compiled forward + backward at length 1024: the ring's per-device temporaries over a context
+    axis of 8 are at most 1/6 of one device's (measured: 0.9 vs 48 MiB) and below the all-gather
+    method's, which holds the whole K/V and a [length / C, length] score matrix (6.3 MiB)."""
+    length, heads, dim = 1024, 2, 16
+
+    def temp_bytes(size, method):
+        mesh = jaxpar.make_mesh({"context": size}, devices=jax.devices()[:size])
+        rules = RULES if size > 1 else (("batch", None), ("length", None), ("heads", None))
+        x = jax.ShapeDtypeStruct((1, length, heads, dim), jnp.float32,
+                                 sharding=NamedSharding(mesh, P(None, "context" if size > 1 else None)))
+        with use_rules(mesh, rules), cp.use_context_parallel(method, balance=True):
+            compiled = jax.jit(functools.partial(attention_vjp, causal=True)).lower(x, x, x, x).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    one, ring, gathered = temp_bytes(1, "ring"), temp_bytes(8, "ring"), temp_bytes(8, "all_gather")
+    assert 6 * ring <= one and ring < gathered, (one, ring, gathered)
+
+
 # ----------------------------------------------------------------------------- balance
 
 

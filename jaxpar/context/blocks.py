@@ -57,7 +57,7 @@ def dense_attention(q, k, v, *, causal: bool, scale: float, q_seg=None, k_seg=No
     """Attention of all of ``q`` to all of ``k``/``v`` with ``jax.nn.dot_product_attention``.
 
     Without positions the tokens are in their natural order and the causal mask is the function's
-    own (``is_causal``: cuDNN's flash attention on GPUs where JAX offers it); segment ids add a
+    own (``is_causal``, which cuDNN's flash attention supports where JAX selects it); segment ids add a
     mask. With positions (a permuted or partial sequence) the whole mask is built from them.
 
     Args:

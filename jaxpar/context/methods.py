@@ -1,7 +1,8 @@
 """``attention(q, k, v)``: one attention function for every strategy, context parallel or not.
 
 Outside a mesh with a ``context`` axis of size > 1 (no :func:`jaxpar.use_rules`, or no such axis) it
-is ``jax.nn.dot_product_attention`` (cuDNN's flash attention on GPUs where JAX provides it). Under
+is ``jax.nn.dot_product_attention`` with its own causal mask, so the kernel is JAX's choice (jax
+0.10 picks XLA's; when its automatic choice picks cuDNN's flash attention, GPUs get it). Under
 one, the ``length`` logical name maps to ``context``, so q/k/v arrive split along the sequence, and
 it opens a ``shard_map`` manual over ``context`` and over the other mesh axes that split q/k/v
 (as :func:`jaxpar.tensor.row_parallel` does; nested in an outer ``shard_map``, e.g. the pipeline's

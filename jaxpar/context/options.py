@@ -77,9 +77,10 @@ _SETTING: contextvars.ContextVar = contextvars.ContextVar("jaxpar_context_parall
 def use_context_parallel(method: str = "ring", *, balance: bool = False) -> Iterator[ContextParallel]:
     """Use ``method`` (and ``balance``) for :func:`jaxpar.context.attention` inside this block.
 
-    It only matters where the mesh of :func:`jaxpar.use_rules` has a ``context`` axis of size > 1;
-    it is read when a function is traced, so open it around ``jax.jit(...)``'s first call (or its
-    ``lower``).
+    It only matters where the mesh of :func:`jaxpar.use_rules` has a ``context`` axis of size > 1.
+    Like the rules, it is read when a function is traced: open it around ``jax.jit(...)``'s first
+    call (or its ``lower``). ``jax.jit`` caches the trace, so a function already traced keeps the
+    method it was traced with; jit a new function to change it.
 
     Args:
       method: one of :data:`METHODS`.
