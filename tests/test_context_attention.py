@@ -19,7 +19,6 @@ from conftest import need_devices
 import jaxpar
 from jaxpar import context as cp
 from jaxpar.analysis.hlo import collectives, count
-from jaxpar.context.layout import chunks_per_shard
 from jaxpar.context.ring import RingSpec, ring_forward
 from jaxpar.rules import drop_axes, logical_to_spec, use_rules
 
@@ -176,7 +175,8 @@ def test_collectives_are_the_methods_over_context_only(case):
 
     ring: forward C-1 hops of one device's K, V (and key segment ids) in one buffer, backward C-1
     hops of K, V (segment ids), dK, dV and one of dK, dV to bring them home; no all-gather, and no hop
-    carries more than one device's K/V and their gradients. all_gather: K, V (and segment ids) gathered, dK, dV reduce-scattered.
+    carries more than one device's K/V and their gradients.
+    all_gather: K, V (and segment ids) gathered, dK, dV reduce-scattered.
     ulysses: all-to-alls of q, k, v, out and of their cotangents; segment ids gathered.
     """
     mesh, compiled, _, _ = run(case)
@@ -206,6 +206,22 @@ def test_ring_forward_passes_kv_c_minus_1_times(size, segments):
             *args).compile()
     hop = ("collective-permute", ("context",), kv_stack_bytes(case) + segments * seg_bytes(case))
     assert [(x.kind, x.axes, x.bytes) for x in collectives(compiled, mesh)] == [hop] * (size - 1)
+
+
+@need_devices(2)
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_inside_a_users_shard_map_over_context_it_runs_on_the_local_shards(method):
+    """Called where ``context`` is already manual (the user's own shard_map), attention runs the
+    method on the shards it is given."""
+    mesh = jaxpar.make_mesh({"context": 2}, devices=jax.devices()[:2])
+    q, k, v, _, seg = inputs(2, True)
+
+    def local(q, k, v, seg):
+        with use_rules(mesh, RULES), cp.use_context_parallel(method):
+            return cp.attention(q, k, v, segment_ids=seg)
+    smap = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "context"),) * 3 + (P(None, "context"),),
+                         out_specs=P(None, "context"), check_vma=False)
+    np.testing.assert_allclose(jax.jit(smap)(q, k, v, seg), expected(2, True, True)[0], rtol=1e-5, atol=1e-5)
 
 
 @need_devices(8)

@@ -146,8 +146,8 @@ class _Blocks(NamedTuple):
         """Whether the pair (query chunk ``a``, key chunk ``b``) has unmasked entries: a Python bool
         where it is the same on every device (no ``lax.cond`` then), else a traced bool."""
         size, balance, causal = self.spec.size, self.spec.balance, self.spec.causal
-        same = {bool(pair_needed(chunk_index(d, a, size, balance), chunk_index((d - self.shift) % size, b, size, balance),
-                                 causal)) for d in range(size)}
+        same = {bool(pair_needed(chunk_index(d, a, size, balance),
+                                 chunk_index((d - self.shift) % size, b, size, balance), causal)) for d in range(size)}
         return same.pop() if len(same) == 1 else pair_needed(self.q_chunk(a), self.k_chunk(b), causal)
 
     def mask(self, a: int, b: int, q_seg: Any, k_seg: Any) -> jax.Array:
