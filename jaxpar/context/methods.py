@@ -10,7 +10,7 @@ over ``pipe``, it uses that region's mesh) and runs the method of
 :func:`jaxpar.context.use_context_parallel`:
 
 - ``ring`` (:mod:`jaxpar.context.ring`): K/V blocks passed around with ``ppermute``, online
-  softmax; the backward rings too. Never holds more than one K/V shard.
+  softmax; the backward rings too. Holds one K/V shard at a time (and the one arriving).
 - ``all_gather``: K/V (and their segment ids) all-gathered over ``context``; each device attends
   with its own queries. Simple; holds the whole K/V.
 - ``ulysses``: an all-to-all turns ``[length / C, heads]`` shards into ``[length, heads / C]``,
