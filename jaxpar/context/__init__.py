@@ -1,0 +1,34 @@
+"""Context parallelism (CP): attention over a sequence split along the ``context`` mesh axis.
+
+A model calls :func:`attention` (``[batch, length, heads, head_dim]``, causal / full masks, packed
+sequences by ``segment_ids``, grouped-query K/V). On one device, or under a mesh without a
+``context`` axis, it is ``jax.nn.dot_product_attention``. Under rules that map ``length`` to a
+``context`` axis of size C > 1 it runs one of three exact methods, chosen by
+:func:`use_context_parallel`: ``ring`` (:mod:`jaxpar.context.ring`), ``all_gather`` or ``ulysses``.
+The balanced layout (:mod:`jaxpar.context.layout`) evens out the causal work; the data pipeline
+permutes the batch with :func:`to_balanced`.
+
+Example::
+
+    >>> import jax, jax.numpy as jnp, jaxpar, jaxpar.context as cp
+    >>> mesh = jaxpar.make_mesh({"context": 4}, devices=jax.devices()[:4])
+    >>> rules = (("batch", None), ("length", "context"), ("heads", None))
+    >>> x = jax.random.normal(jax.random.key(0), (1, 16, 2, 4))
+    >>> with jaxpar.use_rules(mesh, rules), cp.use_context_parallel("ring", balance=True):
+    ...     y = jax.jit(cp.attention)(cp.to_balanced(x, 1, 4), cp.to_balanced(x, 1, 4), cp.to_balanced(x, 1, 4))
+    >>> bool(jnp.allclose(cp.from_balanced(y, 1, 4), cp.attention(x, x, x), atol=1e-6))
+    True
+"""
+
+from .methods import AttentionError, QKV_LOGICAL, attention, ulysses_kv_repeat
+from .layout import RingWork, balanced_order, from_balanced, ring_block_pairs, to_balanced
+from .options import CONTEXT, METHODS, ContextParallel, ContextParallelError, current_context_parallel
+from .options import use_context_parallel
+from .ring import ring_attention
+
+__all__ = [
+    "attention", "AttentionError", "QKV_LOGICAL", "ulysses_kv_repeat",
+    "balanced_order", "to_balanced", "from_balanced", "ring_block_pairs", "RingWork",
+    "CONTEXT", "METHODS", "ContextParallel", "ContextParallelError", "use_context_parallel",
+    "current_context_parallel", "ring_attention",
+]

@@ -1,0 +1,229 @@
+"""``attention(q, k, v)``: one attention function for every strategy, context parallel or not.
+
+Outside a mesh with a ``context`` axis of size > 1 (no :func:`jaxpar.use_rules`, or no such axis) it
+is ``jax.nn.dot_product_attention`` with its own causal mask, so the kernel is JAX's choice (jax
+0.10 picks XLA's; when its automatic choice picks cuDNN's flash attention, GPUs get it). Under
+one, the ``length`` logical name maps to ``context``, so q/k/v arrive split along the sequence, and
+it opens a ``shard_map`` manual over ``context`` and over the other mesh axes that split q/k/v
+(as :func:`jaxpar.tensor.row_parallel` does; nested in an outer ``shard_map``, e.g. the pipeline's
+over ``pipe``, it uses that region's mesh) and runs the method of
+:func:`jaxpar.context.use_context_parallel`:
+
+- ``ring`` (:mod:`jaxpar.context.ring`): K/V blocks passed around with ``ppermute``, online
+  softmax; the backward rings too. Holds one K/V shard at a time (and the one arriving).
+- ``all_gather``: K/V (and their segment ids) all-gathered over ``context``; each device attends
+  with its own queries. Simple; holds the whole K/V.
+- ``ulysses``: an all-to-all turns ``[length / C, heads]`` shards into ``[length, heads / C]``,
+  each device attends over the whole sequence for its heads, and an all-to-all turns the output
+  back. Needs the heads on a device divisible by ``C``; K/V heads are repeated up to a multiple of
+  ``C`` when there are fewer (GQA).
+
+**Masks.** ``causal`` masks keys after the query (by true position, also in the balanced layout).
+``segment_ids`` (``[batch, length]`` ints) packs several sequences into one row: a token attends only
+to tokens with its own id. Padding convention: give padding its own id (e.g. ``0`` with documents
+numbered from ``1``); padding then attends only to padding (no empty softmax row, no NaN) and the
+loss must mask it out. In the balanced layout, permute ``segment_ids`` with
+:func:`jaxpar.context.to_balanced` like the tokens.
+
+Example::
+
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jaxpar.context import use_context_parallel
+    >>> q = k = v = jnp.ones((1, 8, 2, 4))
+    >>> attention(q, k, v).shape                 # no rules: one device
+    (1, 8, 2, 4)
+    >>> mesh = jaxpar.make_mesh({"context": 2}, devices=jax.devices()[:2])
+    >>> rules = (("batch", None), ("length", "context"), ("heads", None))
+    >>> with jaxpar.use_rules(mesh, rules), use_context_parallel("all_gather"):
+    ...     y = jax.jit(attention)(q, k, v)
+    >>> bool(jnp.allclose(y, 1.0))
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from ..rules import axes_of, current_rules, logical_to_spec
+from .blocks import dense_attention
+from .layout import check_length, from_balanced, sequence_positions, shard_positions, to_balanced
+from .options import CONTEXT, ContextParallelError, current_context_parallel
+from .ring import ring_attention
+
+__all__ = ["AttentionError", "QKV_LOGICAL", "attention", "ulysses_kv_repeat"]
+
+#: The logical names of q, k and v (``[batch, length, heads, head_dim]``); k/v share the heads' axes.
+QKV_LOGICAL = ("batch", "length", "heads", None)
+
+
+class AttentionError(ValueError):
+    """The q/k/v or segment ids given to :func:`attention` do not fit together."""
+
+
+class _Call(NamedTuple):
+    size: int
+    causal: bool
+    scale: float
+    balance: bool
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: jax.Array | None = None,
+              scale: float | None = None) -> jax.Array:
+    """Multi-head (or grouped-query) self-attention, context parallel under a ``context`` mesh axis.
+
+    Args:
+      q: queries ``[batch, length, heads, head_dim]``.
+      k, v: keys and values ``[batch, length, kv_heads, head_dim]``; ``kv_heads`` divides ``heads``
+        (query head ``h`` uses K/V head ``h // (heads // kv_heads)``).
+      causal: mask the keys after each query.
+      segment_ids: ``[batch, length]`` integer ids of packed sequences (see the module), or ``None``.
+      scale: the score scale, ``head_dim ** -0.5`` by default.
+
+    Returns:
+      ``[batch, length, heads, head_dim]``, sharded like ``q``.
+
+    Raises:
+      AttentionError: the shapes do not fit together.
+      ContextParallelError: the sequence, the heads or the rules do not fit the context axis.
+    """
+    _check_inputs(q, k, v, segment_ids)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    ctx = current_rules()
+    size = 1 if ctx is None else dict(zip(ctx[0].axis_names, ctx[0].axis_sizes)).get(CONTEXT, 1)
+    if size == 1:
+        return dense_attention(q, k, v, causal=causal, scale=scale, q_seg=segment_ids, k_seg=segment_ids)
+    setting = current_context_parallel()
+    body = functools.partial(_LOCAL[setting.method], _Call(size, causal, scale, setting.balance))
+    if CONTEXT in _manual_axes():                  # already inside a shard_map manual over context
+        check_length(q.shape[1] * size, size, setting.balance)
+        return body(q, k, v, segment_ids)
+    check_length(q.shape[1], size, setting.balance)
+    return _sharded(body, *ctx, q, k, v, segment_ids)
+
+
+def _check_inputs(q, k, v, segment_ids) -> None:
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise AttentionError(f"attention: q, k and v must be [batch, length, heads, head_dim] with k and v alike; "
+                             f"got {shapes}.")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise AttentionError(f"attention: q and k/v must share batch, length and head_dim (self-attention); "
+                             f"got {shapes}.")
+    if q.shape[2] % k.shape[2]:
+        raise AttentionError(f"attention: the {k.shape[2]} K/V heads must divide the {q.shape[2]} query heads "
+                             f"(grouped-query attention); got {shapes}.")
+    if segment_ids is not None and (tuple(segment_ids.shape) != tuple(q.shape[:2])
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise AttentionError(f"attention: segment_ids must be integers of shape [batch, length] = {tuple(q.shape[:2])};"
+                             f" got {segment_ids.dtype}{list(segment_ids.shape)}.")
+
+
+def _manual_axes() -> set:
+    return set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
+def _entry(axes: tuple) -> Any:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _specs(mesh, rules, q, k) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
+    """The ``PartitionSpec`` of q, of k/v and of the segment ids, from the rules."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    q_spec = logical_to_spec(QKV_LOGICAL, rules, mesh, shape=q.shape, what="attention: q")
+    if axes_of(q_spec[1]) != (CONTEXT,):
+        raise ContextParallelError(
+            f"attention: the mesh has a context axis of size {sizes[CONTEXT]} but the rules map the logical name "
+            f"'length' to {q_spec[1]!r}. Context parallelism needs the rule ('length', 'context') (before any other "
+            "'length' rule), or a mesh without a context axis.")
+    heads = axes_of(q_spec[2])
+    if k.shape[2] % math.prod(sizes[a] for a in heads):
+        raise ContextParallelError(
+            f"attention: the rules split the {q.shape[2]} query heads over {heads} (size "
+            f"{math.prod(sizes[a] for a in heads)}), which does not divide the {k.shape[2]} K/V heads. Fix: K/V heads "
+            "divisible by that size (repeat them in the model), or a rule that splits the heads less.")
+    return q_spec, PartitionSpec(q_spec[0], CONTEXT, q_spec[2], None), PartitionSpec(q_spec[0], CONTEXT)
+
+
+def _sharded(body: Callable, mesh, rules, q, k, v, segment_ids) -> jax.Array:
+    """``body`` on the local shards, in a ``shard_map`` manual over every axis that splits q/k/v."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    specs = _specs(mesh, rules, q, k)
+    manual = {a for s in specs for e in s for a in axes_of(e) if sizes[a] > 1} - _manual_axes()
+    q_spec, kv_spec, seg_spec = (PartitionSpec(*(_entry(tuple(a for a in axes_of(e) if a in manual)) for e in s))
+                                 for s in specs)
+    args, in_specs = (q, k, v), (q_spec, kv_spec, kv_spec)
+    if segment_ids is not None:
+        args, in_specs = args + (segment_ids,), in_specs + (seg_spec,)
+    inner = jax.sharding.get_abstract_mesh()
+    smap_mesh = inner if getattr(inner, "manual_axes", ()) else mesh      # nested in a manual region
+
+    def local(q, k, v, *seg):
+        return body(q, k, v, seg[0] if seg else None)
+    return jax.shard_map(local, mesh=smap_mesh, in_specs=in_specs, out_specs=q_spec, axis_names=manual,
+                         check_vma=False)(*args)
+
+
+def _ring_local(call: _Call, q, k, v, seg):
+    return ring_attention(q, k, v, seg, seg, axis_name=CONTEXT, causal=call.causal, scale=call.scale,
+                          balance=call.balance)
+
+
+def _all_gather_local(call: _Call, q, k, v, seg):
+    def gather(x):
+        return None if x is None else jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
+    k, v, k_seg = gather(k), gather(v), gather(seg)
+    if not call.causal:      # a full mask depends on the segments only, not on where the tokens sit
+        return dense_attention(q, k, v, causal=False, scale=call.scale, q_seg=seg, k_seg=k_seg)
+    q_pos = shard_positions(jax.lax.axis_index(CONTEXT), q.shape[1], call.size, call.balance)
+    k_pos = sequence_positions(k.shape[1], call.size, call.balance)
+    return dense_attention(q, k, v, causal=True, scale=call.scale, q_seg=seg, k_seg=k_seg, q_pos=q_pos, k_pos=k_pos)
+
+
+def ulysses_kv_repeat(heads: int, kv_heads: int, size: int) -> int:
+    """How many times Ulysses repeats each K/V head so that ``size`` devices split them evenly.
+
+    Args:
+      heads, kv_heads: the query and K/V heads on one device (after any tensor split).
+      size: the ``context`` axis size C.
+
+    Returns:
+      The smallest ``r`` with ``kv_heads * r`` divisible by ``size`` (it divides the group size).
+
+    Raises:
+      ContextParallelError: ``heads`` is not divisible by ``size``.
+
+    >>> ulysses_kv_repeat(8, 2, 4), ulysses_kv_repeat(8, 8, 4)
+    (2, 1)
+    """
+    if heads % size:
+        raise ContextParallelError(
+            f"attention (ulysses): the {heads} query heads on each device are not divisible by the context axis "
+            f"size {size} (Ulysses gives each device heads / {size} heads). Fix: method 'ring' or 'all_gather', a "
+            f"context size that divides {heads}, or fewer tensor-parallel splits of the heads.")
+    return size // math.gcd(kv_heads, size)
+
+
+def _ulysses_local(call: _Call, q, k, v, seg):
+    repeat = ulysses_kv_repeat(q.shape[2], k.shape[2], call.size)
+    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+
+    def to_heads(x):     # [b, t / C, h, d] -> [b, t, h / C, d]
+        return jax.lax.all_to_all(x, CONTEXT, split_axis=2, concat_axis=1, tiled=True)
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)
+    seg = None if seg is None else jax.lax.all_gather(seg, CONTEXT, axis=1, tiled=True)
+    if call.balance:     # the whole sequence is here: back to the natural order, so is_causal applies
+        q, k, v = (from_balanced(x, 1, call.size) for x in (q, k, v))
+        seg = None if seg is None else from_balanced(seg, 1, call.size)
+    out = dense_attention(q, k, v, causal=call.causal, scale=call.scale, q_seg=seg, k_seg=seg)
+    if call.balance:
+        out = to_balanced(out, 1, call.size)
+    return jax.lax.all_to_all(out, CONTEXT, split_axis=1, concat_axis=2, tiled=True)
+
+
+_LOCAL = {"ring": _ring_local, "all_gather": _all_gather_local, "ulysses": _ulysses_local}

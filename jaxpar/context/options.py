@@ -1,0 +1,101 @@
+"""How :func:`jaxpar.context.attention` parallelises over the ``context`` mesh axis.
+
+The method and the load balancing are a context setting, not arguments of the model's code: a model
+calls ``attention(q, k, v)`` the same way under every strategy, and the train step (or a user) opens
+:func:`use_context_parallel` around the step, as it opens :func:`jaxpar.use_rules`. Outside any
+``use_context_parallel`` block the setting is ``ContextParallel()``: ring attention, not balanced.
+
+``balance=True`` is a contract with the data: the batch's sequence dimension must have been put into
+the balanced (zig-zag) order by :func:`jaxpar.context.to_balanced` (tokens, targets, segment ids and
+positions alike). The attention then computes its masks from the true positions of the tokens each
+device holds. ``balance=False`` (the default) expects the natural order, so a model whose data was not
+permuted is never silently wrong, only unbalanced.
+
+Example::
+
+    >>> with use_context_parallel("ulysses", balance=True):
+    ...     current_context_parallel()
+    ContextParallel(method='ulysses', balance=True)
+    >>> current_context_parallel().method
+    'ring'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Iterator
+
+__all__ = ["CONTEXT", "METHODS", "ContextParallelError", "ContextParallel", "use_context_parallel",
+           "current_context_parallel"]
+
+#: The mesh axis that splits the sequence (the ``length`` logical name maps to it).
+CONTEXT = "context"
+#: The context-parallel attention methods, by name.
+METHODS = ("ring", "all_gather", "ulysses")
+
+
+class ContextParallelError(ValueError):
+    """Context-parallel attention cannot run on these inputs, this mesh or these rules."""
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The context-parallel attention setting.
+
+    Attributes:
+      method: ``"ring"`` (K/V blocks passed around the ``context`` axis with ``ppermute``, online
+        softmax), ``"all_gather"`` (K/V gathered over ``context``) or ``"ulysses"`` (all-to-all of
+        heads and sequence).
+      balance: whether the sequence is in the balanced zig-zag order of
+        :func:`jaxpar.context.balanced_order` (device ``i`` holds chunks ``i`` and ``2C-1-i`` of
+        ``2C``), which evens out the causal work of the ring and the all-gather methods.
+
+    >>> ContextParallel(method="rings")
+    Traceback (most recent call last):
+    ...
+    jaxpar.context.options.ContextParallelError: ContextParallel.method='rings' is not a context-parallel \
+method; choose one of ('ring', 'all_gather', 'ulysses').
+    """
+
+    method: str = "ring"
+    balance: bool = False
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ContextParallelError(f"ContextParallel.method={self.method!r} is not a context-parallel method; "
+                                       f"choose one of {METHODS}.")
+        if not isinstance(self.balance, bool):
+            raise ContextParallelError(f"ContextParallel.balance={self.balance!r} must be True or False.")
+
+
+_SETTING: contextvars.ContextVar = contextvars.ContextVar("jaxpar_context_parallel", default=ContextParallel())
+
+
+@contextlib.contextmanager
+def use_context_parallel(method: str = "ring", *, balance: bool = False) -> Iterator[ContextParallel]:
+    """Use ``method`` (and ``balance``) for :func:`jaxpar.context.attention` inside this block.
+
+    It only matters where the mesh of :func:`jaxpar.use_rules` has a ``context`` axis of size > 1.
+    Like the rules, it is read when a function is traced: open it around ``jax.jit(...)``'s first
+    call (or its ``lower``). ``jax.jit`` caches the trace, so a function already traced keeps the
+    method it was traced with; jit a new function to change it.
+
+    Args:
+      method: one of :data:`METHODS`.
+      balance: the batch is in the order of :func:`jaxpar.context.to_balanced` (see the module).
+
+    Returns:
+      A context manager that yields the :class:`ContextParallel` setting.
+    """
+    token = _SETTING.set(ContextParallel(method, balance))
+    try:
+        yield _SETTING.get()
+    finally:
+        _SETTING.reset(token)
+
+
+def current_context_parallel() -> ContextParallel:
+    """The setting of the innermost :func:`use_context_parallel` block, or ``ContextParallel()``."""
+    return _SETTING.get()
