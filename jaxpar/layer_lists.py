@@ -55,11 +55,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .blocks import LAYERS, scan_blocks
 
-__all__ = ["StackedLayers", "LayerListError", "stack_layers", "stacked_lists", "stacked_counts", "layer_differences", "list_form",
-           "stacked_form"]
+__all__ = ["StackedLayers", "LayerListError", "stack_layers", "stacked_lists", "stacked_counts", "layer_differences",
+           "list_form", "stacked_form", "change_form"]
 
 
 class LayerListError(ValueError):
@@ -289,17 +290,40 @@ def _convert(tree: Any, lists: dict[tuple, int], convert: Callable[[Any, int], A
     return walk(tree, ())
 
 
+def _layer(a: Any, i: int) -> Any:
+    """Layer ``i`` of a stacked leaf (an array, or a ``ShapeDtypeStruct`` whose sharding drops axis 0)."""
+    if isinstance(a, jax.ShapeDtypeStruct):
+        sharding = a.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sharding)
+    return a[i]
+
+
+def _stack(*leaves: Any) -> Any:
+    """The layers' leaves stacked on a new axis 0 (``ShapeDtypeStruct`` s: that axis unsharded)."""
+    a = leaves[0]
+    if isinstance(a, jax.ShapeDtypeStruct):
+        sharding = a.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+        return jax.ShapeDtypeStruct((len(leaves), *a.shape), a.dtype, sharding=sharding)
+    return jnp.stack(leaves)
+
+
 def list_form(tree: Any, lists: dict[tuple, int]) -> Any:
     """``tree`` with each stacked list ``{"layer": {...}}`` (leading axis ``count``) back as ``{0: ..., 1: ...}``.
 
     Args:
-      tree: a pure-dict parameter tree of a stacked model, or a tree holding such trees (optimizer state).
-      lists: :func:`stacked_lists` of the original model.
+      tree: a pure-dict parameter tree of a stacked model, or a tree holding such trees (optimizer
+        state); arrays, or ``ShapeDtypeStruct`` s (their shardings lose the ``layers`` entry).
+      lists: ``{path: count}`` of the stacked lists (``StateLayout.layer_lists``).
 
     Returns:
       The same tree in the list's own layout.
     """
-    return _convert(tree, lists, lambda node, n: {i: jax.tree.map(lambda a: a[i], node["layer"]) for i in range(n)},
+    return _convert(tree, lists, lambda node, n: {i: jax.tree.map(lambda a: _layer(a, i), node["layer"])
+                                                  for i in range(n)},
                     key=lambda node: set(node) == {"layer"})
 
 
@@ -309,6 +333,16 @@ def stacked_form(tree: Any, lists: dict[tuple, int]) -> Any:
     >>> stacked_form({"blocks": {0: {"w": jnp.zeros(2)}, 1: {"w": jnp.ones(2)}}}, {("blocks",): 2})["blocks"]["layer"]["w"].shape
     (2, 2)
     """
-    return _convert(tree, lists, lambda node, n: {"layer": jax.tree.map(lambda *a: jnp.stack(a),
-                                                                        *[node[i] for i in range(n)])},
+    return _convert(tree, lists, lambda node, n: {"layer": jax.tree.map(_stack, *[node[i] for i in range(n)])},
                     key=lambda node: set(node) == set(range(len(node))) and len(node) > 0)
+
+
+def change_form(tree: Any, have: dict[tuple, int], want: dict[tuple, int]) -> Any:
+    """``tree`` with the lists stacked in ``have`` made lists again and those in ``want`` stacked.
+
+    >>> tree = {"blocks": {"layer": {"w": jnp.zeros((3, 2))}}}
+    >>> sorted(change_form(tree, {("blocks",): 3}, {})["blocks"])
+    [0, 1, 2]
+    """
+    return stacked_form(list_form(tree, {p: n for p, n in have.items() if p not in want}),
+                        {p: n for p, n in want.items() if p not in have})

@@ -212,20 +212,38 @@ def test_list_and_stacked_forms_convert_back_and_forth_inside_optimizer_states()
 
 
 @need_devices(8)
-def test_a_checkpoint_of_stacked_layers_restores_bit_exact_and_a_list_layout_is_refused_by_name(tmp_path):
-    from jaxpar.train.checkpoint import Checkpointer, CheckpointMismatchError
+def test_a_checkpoint_of_stacked_layers_restores_as_stacked_or_as_the_list_and_back(tmp_path):
+    """Saved by a pipeline (stacked), restored onto another pipeline mesh, onto DP8 (the list), and saved
+    from DP8 back onto the pipeline: the same values each time, and training goes on from the list."""
+    from jaxpar.train.checkpoint import Checkpointer
 
     state, layout, _ = _train({"pipe": 2, "data": 2, "tensor": 2}, Strategy(microbatches=2))
-    with Checkpointer(tmp_path, async_save=False) as ck:
+    saved = jax.device_get(state)
+    with Checkpointer(tmp_path / "a", async_save=False) as ck:
         ck.save(STEPS, state, layout=layout, wait=True)
-    mesh = jaxpar.make_mesh({"pipe": 2, "data": 4})
-    other = jaxpar.state_layout(_model, optax.adam(LR), mesh, Strategy(microbatches=4))   # stacked, resharded
-    with Checkpointer(tmp_path, async_save=False) as ck:
+    other = jaxpar.state_layout(_model, optax.adam(LR), jaxpar.make_mesh({"pipe": 2, "data": 4}),
+                                Strategy(microbatches=4))
+    with Checkpointer(tmp_path / "a", async_save=False) as ck:
         restored = ck.restore(other).state
-    for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(jax.device_get(state))):
+    for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(saved)):
         np.testing.assert_array_equal(a, b)
-    as_list = jaxpar.state_layout(_model, optax.adam(LR), jaxpar.make_mesh({"data": 8}), Strategy())
-    with Checkpointer(tmp_path, async_save=False) as ck, \
-            pytest.raises(CheckpointMismatchError, match=r"keeps the nnx.List layers \['blocks'\] stacked and this "
-                                                         r"run none"):
-        ck.restore(as_list)
+    dp = jaxpar.make_mesh({"data": 8})
+    as_list = jaxpar.state_layout(_model, optax.adam(LR), dp, Strategy())
+    with Checkpointer(tmp_path / "a", async_save=False) as ck:
+        listed = ck.restore(as_list).state
+    assert sorted(listed.params["blocks"]) == [0, 1, 2, 3]
+    assert listed.params["blocks"][1]["mlp"]["gate"].sharding.spec == as_list.params["blocks"][1]["mlp"]["gate"]
+    want = list_form(saved, layout.layer_lists)
+    for a, b in zip(jax.tree.leaves(jax.device_get(listed)), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+    step = jaxpar.make_train_step(loss, optax.adam(LR), as_list)
+    listed, metrics = step(listed, jaxpar.shard_batch(_batch(STEPS), dp))
+    assert np.isfinite(float(metrics["loss"]))
+    with Checkpointer(tmp_path / "b", async_save=False) as ck:
+        ck.save(STEPS + 1, listed, layout=as_list, wait=True)
+    with Checkpointer(tmp_path / "b", async_save=False) as ck:
+        back = ck.restore(layout).state
+    again = stacked_form(jax.device_get(listed), layout.layer_lists)
+    for a, b in zip(jax.tree.leaves(jax.device_get(back)), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)
+    assert back.params["blocks"]["layer"]["mlp"]["gate"].sharding.spec == layout.params["blocks"]["layer"]["mlp"]["gate"]

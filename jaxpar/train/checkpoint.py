@@ -66,9 +66,10 @@ from typing import Any
 
 import jax
 
+from ..layer_lists import change_form
 from .checkpoint_format import FORMAT, READABLE, upgrade_record
 from .checkpoint_parts import fresh_stats, plan_parts, versions_from_params
-from .checkpoint_records import layer_lists_note, record_layouts, shapes_of
+from .checkpoint_records import record_layouts, saved_lists, shapes_of
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer", "Restored", "FORMAT"]
 
@@ -283,13 +284,25 @@ class Checkpointer:
             raise ValueError(f"it was written in format {meta['format']!r} and this jaxpar reads {', '.join(READABLE)}")
         meta, renames = upgrade_record(meta)
         renames = renames if hasattr(abstract, "_fields") else {}    # a plain tree: Orbax matches it as saved
+        have, want = saved_lists(meta), dict(getattr(target, "layer_lists", None) or {})
+        if not hasattr(target, "strategy") or have == want:
+            return self._restore_as_saved(step, abstract, target, meta, renames), meta
+        # nnx.List layers saved stacked and restored as a list (or the other way): read them as saved
+        state = self._restore_as_saved(step, change_form(abstract, want, have), target, meta, renames)
+        shardings = jax.tree.map(lambda a: a.sharding, abstract)
+        return jax.jit(lambda st: change_form(st, have, want), out_shardings=shardings)(state), meta
+
+    def _restore_as_saved(self, step: int, abstract: Any, target: Any, meta: dict, renames: dict) -> Any:
+        """The state of ``step`` into ``abstract``, the tree as it was saved."""
+        ocp = self._ocp
+        where = f"checkpoint {self.directory / str(step)}"
         plans = plan_parts(meta, abstract, target, where)
-        self._check_tree(step, abstract, layer_lists_note(meta, target))
+        self._check_tree(step, abstract)
         skip = [p.name for p in plans if p.action != "restore"]
         if not skip and not renames:
             args = ocp.args.PyTreeRestore(item=abstract,
                                           restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
-            return self._manager.restore(step, args=ocp.args.Composite(state=args))["state"], meta
+            return self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
         item = abstract._asdict()
         for name in skip:
             del item[name]
@@ -304,10 +317,10 @@ class Checkpointer:
             elif p.action == "fresh":
                 state[p.name] = self._fresh(p.name, abstract, target, state["params"], where)
             if p.message:
-                warnings.warn(p.message, CheckpointWarning, stacklevel=3)
-        return type(abstract)(**state), meta
+                warnings.warn(p.message, CheckpointWarning, stacklevel=4)
+        return type(abstract)(**state)
 
-    def _check_tree(self, step: int, abstract: Any, note: str = "") -> None:
+    def _check_tree(self, step: int, abstract: Any) -> None:
         """Raises :class:`CheckpointMismatchError` when the saved ``params`` or ``opt_state`` are
         another tree than ``abstract``'s (Orbax's restore would fail, or fill what it lacks
         silently); other trees (no such fields) are left to Orbax."""
@@ -321,7 +334,7 @@ class Checkpointer:
             diff = _tree_mismatch(saved[name], getattr(abstract, name))
             if diff is None:
                 continue
-            why = (note or "another model or model configuration" if name == "params" else
+            why = ("another model or model configuration" if name == "params" else
                    "another optimizer, or relaxed synchronisation switched on or off (DiLoCo and EASGD keep an outer "
                    "optimizer's state instead of the optimizer's)")
             raise CheckpointMismatchError(

@@ -143,7 +143,8 @@ def record_layouts(layout: Any, state: Any) -> dict:
     """
     if layout is None or not hasattr(layout, "strategy"):
         return {}
-    out = {"layer_lists": stacked_names(layout)} if getattr(layout, "layer_lists", None) else {}
+    lists = getattr(layout, "layer_lists", None) or {}
+    out = {"layer_lists": [[list(path), int(n)] for path, n in lists.items()]} if lists else {}
     for part, fn in (("codec", codec_layout), ("sync", sync_layout), ("versions", versions_layout)):
         value = getattr(state, part, ())
         if jax.tree.leaves(value) and shapes_of(value) == shapes_of(getattr(layout, part + "_shapes")):
@@ -153,20 +154,9 @@ def record_layouts(layout: Any, state: Any) -> dict:
     return out
 
 
-def stacked_names(layout: Any) -> dict:
-    """``{"blocks": 4}``: the paths and lengths of the layout's stacked ``nnx.List`` s (none: ``{}``)."""
-    return {"/".join(map(str, path)): int(n) for path, n in (getattr(layout, "layer_lists", None) or {}).items()}
-
-
-def layer_lists_note(meta: dict, target: Any) -> str:
-    """Why the saved parameters are another tree, when the checkpoint and the target stack other lists."""
-    saved, now = meta.get("layer_lists") or {}, stacked_names(target)
-    if saved == now or not hasattr(target, "strategy"):
-        return ""
-    return (f"the checkpoint keeps the nnx.List layers {sorted(saved) or 'none'} stacked and this run "
-            f"{sorted(now) or 'none'} (jaxpar stacks a list of alike layers under a 'pipe' axis, or where model_fn "
-            "calls jaxpar.stack_layers). Resume with the same choice (a 'pipe' axis, or jaxpar.stack_layers without "
-            "one), or convert the restored parameters with jaxpar.layer_lists.list_form / stacked_form")
+def saved_lists(meta: dict) -> dict[tuple, int]:
+    """``{path: count}`` of the ``nnx.List`` s a checkpoint keeps stacked (its ``layer_lists`` record)."""
+    return {tuple(path): int(n) for path, n in meta.get("layer_lists") or []}
 
 
 def same_layout(a: dict, b: dict) -> bool:
