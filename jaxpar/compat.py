@@ -64,6 +64,7 @@ FEATURES: tuple[Feature, ...] = (
             lambda s: bool(getattr(s.strategy.compression, "optimizer_momentum", 0.0))),
     Feature("CK", "checkpoint restore and reshard", lambda s: False),
     Feature("MP", "several processes (jax.distributed)", lambda s: False),
+    Feature("CX", "context parallelism (context axis)", lambda s: s.size("context") > 1),
 )
 CODES = tuple(f.code for f in FEATURES)
 _FEATURE = {f.code: f for f in FEATURES}
@@ -76,7 +77,7 @@ LIBRARY_NAMES = {
     "steps_per_call": "steps_per_call",
     "clip_norm": "clip_norm", "noise_scale_every": "noise_scale_every", "pipe": "pipe", "replica": "replica",
     "optimizer": "the optimizer (tx)", "fsdp": "fsdp",
-    "tensor": "tensor", "ramp": "the batch ramp", "ramp_steps": "the batch ramp's steps", "true": "True",
+    "tensor": "tensor", "context": "context", "ramp": "the batch ramp", "ramp_steps": "the batch ramp's steps", "true": "True",
     "false": "False",
 }
 
@@ -149,6 +150,11 @@ REFUSED = {
     ("RS", "1A"): "as CP x RS", ("RS", "NS"): "replicas have their own parameters",
     ("1A", "CN"): "clip before the codec",
     ("SP", "RS"): "the sequence-parallel shard_map does not lower under the replicas' vmap",
+    ("PP", "CX"): "XLA:CPU's collective-permutes wait for every device, so a stage's branch deadlocks",
+    ("2B", "CX"): "as PP x CX", ("ST", "CX"): "as PP x CX",
+    ("EX", "CX"): "context-parallel attention inside the per-layer shard_map", ("CP", "CX"): "the codec's "
+    "exchange reduces over the data axes only", ("LC", "CX"): "as CP x CX", ("1A", "CX"): "as CP x CX",
+    ("RS", "CX"): "as CP x CX", ("NS", "CX"): "as CP x CX",
 }
 
 #: Pairs where some values compose and others are refused: ``{(code, code): (composes, refused)}``.

@@ -255,5 +255,35 @@ def _sequence_parallel_problems(s: Setting) -> list[Problem]:
     return out
 
 
+def _context_problems(s: Setting) -> list[Problem]:
+    """Context parallelism (a ``context`` axis) against what runs the loss in other ``shard_map`` s."""
+    c, st, out = s.size("context"), s.strategy, []
+    if c == 1:
+        return out
+    key, values = "{n[context]}={c}", {"c": c}
+    if s.size("pipe") > 1:
+        code = {"pipedream-2bw": "2B", "pipedream": "ST"}.get(st.schedule, "PP")
+        out.append(Problem((code, "CX"), ("context", "pipe"), key + " with {n[pipe]}={p}: a pipeline stage runs "
+                           "inside its branch of the schedule, and XLA:CPU's collective-permutes (the ring's hops, "
+                           "and XLA's reshards of the split sequence) wait for every device of the mesh, so a "
+                           "stage's branch would deadlock. Use {n[pipe]}=1 with {n[context]} > 1.",
+                           {**values, "p": s.size("pipe")}, "ContextParallelError"))
+    if s.explicit_dp:
+        out.append(Problem(("EX", "CX"), ("explicit_dp", "context"), "{n[explicit_dp]}=True with " + key + ": the "
+                           "explicit per-layer collectives run each layer in a shard_map over the data axes, and "
+                           "context-parallel attention inside it is not supported yet. Use {n[explicit_dp]}=None.",
+                           values, "ExplicitDPError"))
+    inside = [("CP", "compression", "a codec's exchange", st.compression is not None),
+              ("RS", "sync", "relaxed synchronisation", replicas_on(s)),
+              ("NS", "noise_scale_every", "the noise scale", s.noise_scale_every is not None)]
+    for code, field, what, on in inside:
+        if on:
+            out.append(Problem((code, "CX"), (field, "context"), "{n[" + field + "]} with " + key + ": " + what +
+                               " runs the loss per replica inside a shard_map over the data axes and reduces the "
+                               "gradients over them only, not yet over {n[context]}. Drop one of the two.", values,
+                               "ContextParallelError"))
+    return out
+
+
 RULES = (_sequence_parallel_problems, _pipeline_problems, _explicit_dp_problems, _no_flush_problems, _codec_problems,
-          _noise_scale_problems, _ramp_problems)
+         _noise_scale_problems, _ramp_problems, _context_problems)

@@ -35,12 +35,14 @@ __all__ = [
     "batch_axes",
     "replicas",
     "REPLICA",
+    "CONTEXT",
 ]
 
 #: The axes jaxpar's strategies know about, in mesh order (outermost first).
 #: ``pipe`` is outermost (least traffic), ``tensor`` innermost (most traffic).
 STANDARD_AXES = ("pipe", "data", "fsdp", "tensor")
 REPLICA = "replica"   # the outermost axis of relaxed synchronisation (jaxpar.sync), present only when > 1
+CONTEXT = "context"   # the sequence axis of context parallelism (jaxpar.context), beside tensor, only when > 1
 
 
 class MeshError(ValueError):
@@ -51,7 +53,9 @@ class MeshError(ValueError):
 class MeshSpec:
     """Named mesh axis sizes; one size may be -1 ("the rest of the devices").
 
-    ``extra`` holds user-named axes (placed after the standard ones). ``replica > 1`` adds
+    ``extra`` holds user-named axes (placed after the standard ones). ``context > 1`` adds a
+    ``context`` axis just outside ``tensor`` (context parallelism, :mod:`jaxpar.context`: the
+    sequence split over it; its ring traffic is per layer). ``replica > 1`` adds
     an outermost ``replica`` axis: K model replicas, each sharded over the other axes,
     synchronised as :mod:`jaxpar.sync` says (on several hosts give it ``dcn``).
     ``dcn`` gives, per axis, the factor that spans hosts (data-center network);
@@ -65,6 +69,7 @@ class MeshSpec:
     fsdp: int = 1
     tensor: int = 1
     pipe: int = 1
+    context: int = 1
     extra: Mapping[str, int] = field(default_factory=dict)
     dcn: Mapping[str, int] = field(default_factory=dict)
     replica: int = 1
@@ -74,9 +79,12 @@ class MeshSpec:
 
     def requested(self) -> dict[str, int]:
         sizes = {REPLICA: self.replica} if self.replica != 1 else {}
-        sizes.update({"pipe": self.pipe, "data": self.data, "fsdp": self.fsdp, "tensor": self.tensor})
+        sizes.update({"pipe": self.pipe, "data": self.data, "fsdp": self.fsdp})
+        if self.context != 1:
+            sizes[CONTEXT] = self.context
+        sizes["tensor"] = self.tensor
         for name, size in self.extra.items():
-            if name in sizes or name == REPLICA:
+            if name in sizes or name in (REPLICA, CONTEXT):
                 raise MeshError(f"MeshSpec.extra: axis name {name!r} clashes with a standard axis {STANDARD_AXES}; "
                                 "choose another name.")
             sizes[name] = size
@@ -135,8 +143,9 @@ def make_mesh(spec: MeshSpec | Mapping[str, int], devices: Sequence[jax.Device] 
     jaxpar.mesh.MeshError: MeshSpec: axis sizes ... multiply to 3, but there are 4 devices. ...
     """
     if isinstance(spec, Mapping):
-        known = {k: v for k, v in spec.items() if k in STANDARD_AXES + (REPLICA,)}
-        spec = MeshSpec(**known, extra={k: v for k, v in spec.items() if k not in STANDARD_AXES + (REPLICA,)})
+        named = STANDARD_AXES + (REPLICA, CONTEXT)
+        known = {k: v for k, v in spec.items() if k in named}
+        spec = MeshSpec(**known, extra={k: v for k, v in spec.items() if k not in named})
     devices = list(jax.devices() if devices is None else devices)
     sizes = spec.sizes(len(devices))
     names = tuple(sizes)

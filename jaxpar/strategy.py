@@ -23,7 +23,8 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from .mesh import data_axes
+from .context.options import ContextParallel
+from .mesh import CONTEXT, data_axes
 from .pipeline.schedules import canonical_kind
 from .rules import LogicalRules
 from .tensor import tensor_rules
@@ -62,6 +63,12 @@ class Strategy:
     - ``sync``: how the replicas of a ``replica`` mesh axis are kept in step (:mod:`jaxpar.sync`:
       ``diloco(every=50)``, ``easgd(alpha)``, ``stale(max_delay)``, ``backup(backups)``, ...);
       ``None``: synchronous (gradients averaged over ``replica`` every step).
+    - ``context``: how attention runs over a ``context`` mesh axis (context parallelism,
+      :mod:`jaxpar.context`): ``jaxpar.context.ContextParallel(method="ring" | "all_gather" |
+      "ulysses", balance=...)``; ``None``: ring, natural order. The ``length`` of activations is
+      split over ``context`` (and their ``norm_length``, over ``context`` and, with sequence
+      parallelism, ``tensor``). Needs a ``context`` axis > 1, and a model that calls
+      :func:`jaxpar.context.attention` (and, balanced, :func:`jaxpar.context.sequence_order`).
     """
 
     zero: int = 0
@@ -77,6 +84,7 @@ class Strategy:
     update_every: int = 1
     vertical_sync: bool = False
     local_clip: float | None = None
+    context: Any = None
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:
@@ -117,6 +125,9 @@ class Strategy:
                                  "compressed exchange, but compression is None. Set a codec (e.g. "
                                  "compression=jaxpar.compression.topk(0.01)) or clip the averaged gradient with "
                                  "make_train_step(clip_norm=...).")
+        if self.context is not None and not isinstance(self.context, ContextParallel):
+            raise ValueError(f"Strategy.context={self.context!r}: give jaxpar.context.ContextParallel(method=..., "
+                             "balance=...) or None (ring attention in the natural order).")
         if self.sync is not None:
             from .sync import check_sync
 
@@ -126,9 +137,19 @@ class Strategy:
         """Logical rules for this strategy on ``mesh`` (user rules first). With a
         ``pipe`` axis the stacked ``layers`` dimension is split over it (replicated
         when the layer count does not divide)."""
-        pipe = (("layers", "pipe"),) if dict(mesh.shape).get("pipe", 1) > 1 else ()
-        return tuple(self.extra_rules) + pipe + tuple(
+        sizes = dict(mesh.shape)
+        pipe = (("layers", "pipe"),) if sizes.get("pipe", 1) > 1 else ()
+        context = ()
+        if sizes.get(CONTEXT, 1) > 1:     # the sequence over context; the residual stream too (and tensor with SP)
+            norm = (CONTEXT, "tensor") if self.sequence_parallel and sizes.get("tensor", 1) > 1 else CONTEXT
+            context = (("length", CONTEXT), ("norm_length", norm))
+        return tuple(self.extra_rules) + pipe + context + tuple(
             tensor_rules(sequence_parallel=self.sequence_parallel, batch_axes=data_axes(mesh)))
+
+    @property
+    def context_setting(self) -> ContextParallel:
+        """The context-parallel attention setting (ring, natural order, when ``context`` is ``None``)."""
+        return self.context if self.context is not None else ContextParallel()
 
     @property
     def dtype(self) -> Any:
@@ -154,6 +175,9 @@ class Strategy:
                 parts.append(f"{label}{mesh_sizes[axis]}")
                 if axis == "data" and self.zero:
                     parts.append(f"zero{self.zero}")
+        if mesh_sizes.get(CONTEXT, 1) > 1:
+            cp = self.context_setting
+            parts += [f"cp{mesh_sizes[CONTEXT]}", cp.method.replace("_", "")] + (["bal"] if cp.balance else [])
         if self.sequence_parallel:
             parts.append("sp")
         if self.microbatches > 1 and not piped:

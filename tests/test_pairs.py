@@ -172,7 +172,7 @@ DEDICATED: dict[tuple[str, str], list[str]] = {
 #: Several processes (MP): one two-process job runs all these pairs (section 5).
 MP_PAIRS = [("SP", "MP"), ("MB", "MP"), ("BF", "MP"), ("RM", "MP"), ("EX", "MP"), ("PP", "MP"), ("2B", "MP"),
             ("ST", "MP"), ("K", "MP"), ("CP", "MP"), ("LC", "MP"), ("RS", "MP"), ("SN", "MP"), ("NS", "MP"),
-            ("BR", "MP"), ("LL", "MP"), ("1A", "MP")]
+            ("BR", "MP"), ("LL", "MP"), ("1A", "MP"), ("CX", "MP")]
 
 
 def _key(a: str, b: str) -> tuple[str, str]:
@@ -256,7 +256,7 @@ FIELDS = {"Z": ("zero",), "TP": ("tensor",), "SP": ("sequence_parallel",), "MB":
           "2B": ("schedule", "pipe"), "ST": ("schedule", "pipe"), "K": ("steps_per_call",),
           "CP": ("compression",), "LC": ("local_clip",), "RS": ("sync", "replica"), "CN": ("clip_norm",),
           "NS": ("noise_scale_every",), "BR": ("ramp", "ramp_steps"), "1A": ("compression",),
-          "LL": ("optimizer",)}
+          "LL": ("optimizer",), "CX": ("context",)}
 #: Features a Setting cannot express (they are a model, an optimizer, a loop or a launcher choice).
 UNSETTABLE = {"RM", "SN", "LL", "CK", "MP"}
 #: Of those, the features whose refused value a Setting says (LL: an optimizer across stages).
@@ -312,6 +312,8 @@ def _setting_for(pair, *, ramp: str = "fixed") -> Setting:
             kw["ramp_steps"] = (0, 3) if ramp == "fixed" else ()
         elif c == "LL":
             kw["optimizer_across_stages"] = True
+        elif c == "CX":
+            sizes["context"] = 2
     if "replica" in sizes and "compression" not in st:
         st["sync"] = synchronous()             # a Strategy refuses sync with a codec: the replica axis says it
     return Setting(jaxpar.Strategy(**st), sizes, **kw)
@@ -513,6 +515,11 @@ def build(codes, *, schedule: str | None = None) -> Spec:
             s.tx = "lars"
         elif c == "CK":
             s.ckpt = True
+        elif c == "CX":
+            from jaxpar.context import ContextParallel
+
+            sizes["context"] = 2
+            st["context"] = ContextParallel("ring", balance=True)
         elif c != "MP":
             raise ValueError(c)
     if "NS" in codes and "SN" in codes:
@@ -1011,7 +1018,7 @@ def check_pair(spec: Spec, res: Result):
 #: One case per feature in the default run (with the dedicated tests of section 4: NS x PP and
 #: BF x 2BW); the rest in the slow pass.
 FAST = {("Z", "BR"), ("SP", "CP"), ("MB", "RS"), ("LC", "LL"), ("RM", "ST"), ("EX", "CN"), ("K", "SN"),
-        ("TP", "1A"), ("BF", "CK")}
+        ("TP", "1A"), ("BF", "CK"), ("Z", "CX")}
 
 
 def _pair_params():

@@ -230,7 +230,7 @@ YAML_NAMES = {   # the YAML key of each field jaxpar.compat's messages name
     "microbatches": "parallel.microbatches", "compute_dtype": "parallel.compute_dtype", "explicit_dp": "explicit_dp",
     "steps_per_call": "parallel.steps_per_call",
     "clip_norm": "optimizer.clip_norm", "noise_scale_every": "logging.noise_scale.every", "pipe": "mesh.pipe",
-    "replica": "mesh.replica", "tensor": "mesh.tensor", "ramp": "data.batch_ramp",
+    "replica": "mesh.replica", "tensor": "mesh.tensor", "context": "mesh.context", "ramp": "data.batch_ramp",
     "ramp_steps": "data.batch_ramp.steps", "true": "true", "false": "false",
 }
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -114,8 +115,18 @@ def to_balanced(x: Any, axis: int, size: int) -> Any:
     Returns:
       ``x`` gathered along ``axis`` at :func:`balanced_order`.
     """
-    order = balanced_order(x.shape[axis], size)
-    return np.take(x, order, axis) if isinstance(x, np.ndarray) else jnp.take(x, order, axis)
+    if isinstance(x, np.ndarray):
+        return np.take(x, balanced_order(x.shape[axis], size), axis)
+    check_length(x.shape[axis], size, True)
+    return _chunks(x, axis, [c for i in range(size) for c in (i, 2 * size - 1 - i)])
+
+
+def _chunks(x: Any, axis: int, order: list) -> Any:
+    """``x``'s ``len(order)`` equal chunks along ``axis``, concatenated in ``order``: static slices,
+    no gather (XLA's gather partitioner fails inside a ``shard_map``'s manual region)."""
+    n = x.shape[axis] // len(order)
+    take = lambda c: jax.lax.slice_in_dim(x, c * n, (c + 1) * n, axis=axis)   # noqa: E731
+    return jnp.concatenate([take(c) for c in order], axis=axis)
 
 
 def from_balanced(x: Any, axis: int, size: int) -> Any:
@@ -129,8 +140,11 @@ def from_balanced(x: Any, axis: int, size: int) -> Any:
     Returns:
       ``x`` with its sequence axis in the natural order.
     """
-    inverse = np.argsort(balanced_order(x.shape[axis], size))
-    return np.take(x, inverse, axis) if isinstance(x, np.ndarray) else jnp.take(x, inverse, axis)
+    if isinstance(x, np.ndarray):
+        return np.take(x, np.argsort(balanced_order(x.shape[axis], size)), axis)
+    check_length(x.shape[axis], size, True)
+    placed = [c for i in range(size) for c in (i, 2 * size - 1 - i)]
+    return _chunks(x, axis, [placed.index(c) for c in range(2 * size)])
 
 
 def shard_positions(device: Any, shard_length: int, size: int, balance: bool) -> jnp.ndarray:

@@ -53,10 +53,11 @@ from jax.sharding import PartitionSpec
 from ..rules import axes_of, current_rules, logical_to_spec
 from .blocks import dense_attention
 from .layout import check_length, from_balanced, sequence_positions, shard_positions, to_balanced
-from .options import CONTEXT, ContextParallelError, current_context_parallel
+from .options import CONTEXT, ContextParallelError, current_context_parallel, note_context_call
 from .ring import ring_attention
 
-__all__ = ["AttentionError", "QKV_LOGICAL", "attention", "ulysses_kv_repeat"]
+__all__ = ["AttentionError", "QKV_LOGICAL", "attention", "ulysses_kv_repeat", "sequence_order", "in_sequence_order",
+           "context_size"]
 
 #: The logical names of q, k and v (``[batch, length, heads, head_dim]``); k/v share the heads' axes.
 QKV_LOGICAL = ("batch", "length", "heads", None)
@@ -94,10 +95,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, 
     """
     _check_inputs(q, k, v, segment_ids)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    ctx = current_rules()
-    size = 1 if ctx is None else dict(zip(ctx[0].axis_names, ctx[0].axis_sizes)).get(CONTEXT, 1)
+    ctx, size = current_rules(), context_size()
     if size == 1:
         return dense_attention(q, k, v, causal=causal, scale=scale, q_seg=segment_ids, k_seg=segment_ids)
+    note_context_call("attention")
     setting = current_context_parallel()
     body = functools.partial(_LOCAL[setting.method], _Call(size, causal, scale, setting.balance))
     if CONTEXT in _manual_axes():                  # already inside a shard_map manual over context
@@ -105,6 +106,50 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, 
         return body(q, k, v, segment_ids)
     check_length(q.shape[1], size, setting.balance)
     return _sharded(body, *ctx, q, k, v, segment_ids)
+
+
+def context_size() -> int:
+    """The size of the ``context`` axis of the mesh of :func:`jaxpar.use_rules` (1: none, or no rules)."""
+    ctx = current_rules()
+    return 1 if ctx is None else dict(zip(ctx[0].axis_names, ctx[0].axis_sizes)).get(CONTEXT, 1)
+
+
+def sequence_order(length: int):
+    """The order a model's loss lays its sequence out in: ``None`` (the natural order) unless the
+    setting is balanced over a ``context`` axis, then the true positions :func:`balanced_order`.
+
+    A loss that supports the balanced layout permutes its inputs and targets by it along the
+    sequence (``tokens[:, order]``: a local gather, the batch is not split along the sequence yet)
+    and gives the model the positions (position embeddings, RoPE); the mean loss is unchanged. The
+    train step refuses ``balance=True`` for a loss that never asks.
+
+    Args:
+      length: the sequence length.
+
+    Returns:
+      ``None``, or an int array of ``length`` true positions.
+
+    >>> sequence_order(8) is None                # no context axis
+    True
+    """
+    size, setting = context_size(), current_context_parallel()
+    if size == 1 or not setting.balance:
+        return None
+    note_context_call("order")
+    return sequence_positions(length, size, True)
+
+
+def in_sequence_order(x: jax.Array, axis: int = 1) -> jax.Array:
+    """``x`` with its sequence axis ``axis`` in the order of :func:`sequence_order` (unchanged in the
+    natural order): static slices of ``2C`` chunks, no gather, so it also runs inside a pipeline
+    stage. A loss permutes its tokens, targets (and segment ids, position tables) with it.
+
+    >>> in_sequence_order(jnp.arange(4.0)[None]).tolist()   # no context axis: unchanged
+    [[0.0, 1.0, 2.0, 3.0]]
+    """
+    if sequence_order(x.shape[axis]) is None:
+        return x
+    return to_balanced(x, axis, context_size())
 
 
 def _check_inputs(q, k, v, segment_ids) -> None:

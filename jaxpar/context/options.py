@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 __all__ = ["CONTEXT", "METHODS", "ContextParallelError", "ContextParallel", "use_context_parallel",
-           "current_context_parallel"]
+           "current_context_parallel", "ContextCalls", "count_context_calls", "note_context_call"]
 
 #: The mesh axis that splits the sequence (the ``length`` logical name maps to it).
 CONTEXT = "context"
@@ -99,3 +99,42 @@ def use_context_parallel(method: str = "ring", *, balance: bool = False) -> Iter
 def current_context_parallel() -> ContextParallel:
     """The setting of the innermost :func:`use_context_parallel` block, or ``ContextParallel()``."""
     return _SETTING.get()
+
+
+@dataclass
+class ContextCalls:
+    """What a traced function asked of context parallelism: ``attention`` calls that ran over a
+    ``context`` axis, and ``order`` calls (:func:`jaxpar.context.sequence_order`) that laid the
+    sequence out for it. The train step checks them: a model that never calls
+    :func:`jaxpar.context.attention` under a ``context`` axis, or ignores the balanced order, is
+    refused rather than silently gathered or silently wrong."""
+
+    attention: int = 0
+    order: int = 0
+
+
+_CALLS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_context_calls", default=None)
+
+
+@contextlib.contextmanager
+def count_context_calls() -> Iterator[ContextCalls]:
+    """Count the context-parallel calls traced inside this block.
+
+    >>> with count_context_calls() as calls:
+    ...     note_context_call("attention")
+    >>> calls
+    ContextCalls(attention=1, order=0)
+    """
+    calls = ContextCalls()
+    token = _CALLS.set(calls)
+    try:
+        yield calls
+    finally:
+        _CALLS.reset(token)
+
+
+def note_context_call(kind: str) -> None:
+    """Record one ``kind`` call (``"attention"`` or ``"order"``) in the innermost :func:`count_context_calls`."""
+    calls = _CALLS.get()
+    if calls is not None:
+        setattr(calls, kind, getattr(calls, kind) + 1)

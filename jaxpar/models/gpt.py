@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..blocks import run_layers
+from ..context import attention, in_sequence_order, sequence_order
 from ..rules import constrain
 from ..tensor import row_parallel
 
@@ -139,12 +140,7 @@ def block_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     q = constrain(jnp.einsum("bte,ehd->bthd", h, p["wq"]), ("batch", "length", "heads", "kv"))
     k = constrain(jnp.einsum("bte,ehd->bthd", h, p["wk"]), ("batch", "length", "heads", "kv"))
     v = constrain(jnp.einsum("bte,ehd->bthd", h, p["wv"]), ("batch", "length", "heads", "kv"))
-    T = x.shape[1]
-    scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
-    mask = jnp.tril(jnp.ones((T, T), bool))
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    attn = constrain(jnp.einsum("bhts,bshd->bthd", probs, v), ("batch", "length", "heads", "kv"))
+    attn = constrain(attention(q, k, v, causal=True), ("batch", "length", "heads", "kv"))   # context parallel
     x = x + row_parallel("bthd,hde->bte", attn, p["wo"], ("batch", "length", "heads", "kv"),
                          ("heads", "kv", "embed"), res)
     h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"])
@@ -180,8 +176,8 @@ class GPT(nnx.Module):
             self.lnf_bias = _zeros((cfg.embed,), ("embed",))
             self.head = _param(rngs.params(), (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.init_std)
 
-    def embed(self, tokens: jax.Array) -> jax.Array:
-        return embed_apply({"wte": self.wte[...], "wpe": self.wpe[...]}, tokens)
+    def embed(self, tokens: jax.Array, positions: Any = None) -> jax.Array:
+        return embed_apply({"wte": self.wte[...], "wpe": self.wpe[...]}, tokens, positions)
 
     def block_params(self) -> dict[str, jax.Array]:
         return nnx.to_pure_dict(nnx.state(self.blocks))
@@ -190,15 +186,25 @@ class GPT(nnx.Module):
         return head_apply({"lnf_scale": self.lnf_scale[...], "lnf_bias": self.lnf_bias[...],
                            "head": self.head[...]}, x)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = self.embed(tokens)
+    def __call__(self, tokens: jax.Array, positions: Any = None) -> jax.Array:
+        """Logits of ``tokens`` ``[batch, length]``; ``positions``: their true positions (``None``:
+        ``arange``), for a sequence laid out in another order (:func:`jaxpar.context.sequence_order`)."""
+        x = self.embed(tokens, positions)
         x = run_blocks(self.block_params(), x, remat=self.cfg.remat, scan=self.cfg.scan_layers)
         return self.unembed(x)
 
 
 def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean next-token cross-entropy; ``batch = {'tokens': int[B, T], 'targets': int[B, T]}``."""
-    return cross_entropy(model(batch["tokens"]), batch["targets"])
+    """Mean next-token cross-entropy; ``batch = {'tokens': int[B, T], 'targets': int[B, T]}``.
+
+    Under a balanced context-parallel layout the sequence is permuted into its order
+    (:func:`jaxpar.context.sequence_order`) and the model gets the true positions; the mean is the same.
+    """
+    tokens, targets = batch["tokens"], batch["targets"]
+    order = sequence_order(tokens.shape[1])
+    if order is None:
+        return cross_entropy(model(tokens), targets)
+    return cross_entropy(model(in_sequence_order(tokens), positions=order), in_sequence_order(targets))
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -213,10 +219,14 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -picked.mean()
 
 
-def embed_apply(p: dict[str, jax.Array], tokens: jax.Array) -> jax.Array:
-    """Token + position embedding; ``p`` has ``wte`` and ``wpe``."""
+def embed_apply(p: dict[str, jax.Array], tokens: jax.Array, positions: Any = None) -> jax.Array:
+    """Token + position embedding; ``p`` has ``wte`` and ``wpe``; ``positions``: the tokens' true
+    positions (``None``: ``arange``)."""
     wte = constrain(p["wte"], ("vocab", "embed"))    # the compute layout (ZeRO-3: gathered over the data axes)
-    x = jnp.take(wte, tokens, axis=0) + p["wpe"][: tokens.shape[1]]
+    wpe = p["wpe"][: tokens.shape[1]]
+    if positions is not None:       # the balanced context-parallel order (jaxpar.context.sequence_order)
+        wpe = in_sequence_order(wpe, 0)
+    x = jnp.take(wte, tokens, axis=0) + wpe
     return constrain(x, ("batch", "norm_length", "embed"))
 
 

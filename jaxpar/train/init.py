@@ -156,6 +156,7 @@ def raise_table_problems(setting: Setting) -> None:
       setting: what the run asks for.
     """
     from ..compression import CompressionError
+    from ..context import ContextParallelError
     from ..pipeline.stash_versions import StashingError
     from ..pipeline.two_bw import AsyncPipelineError
     from ..sync import SyncError
@@ -164,7 +165,8 @@ def raise_table_problems(setting: Setting) -> None:
 
     raise_problems(setting, {"ExplicitDPError": ExplicitDPError, "NoiseScaleError": NoiseScaleError,
                              "AsyncPipelineError": AsyncPipelineError, "StashingError": StashingError,
-                             "SyncError": SyncError, "CompressionError": CompressionError})
+                             "SyncError": SyncError, "CompressionError": CompressionError,
+                             "ContextParallelError": ContextParallelError})
 
 
 def _two_bw(strategy: Strategy, mesh: Mesh) -> bool:

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..batch import batch_sharding, shard_batch
-from ..rules import named_shardings, use_rules
+from ..rules import named_shardings
 from ..strategy import Strategy
 from .data import make_global_batch
 from .metrics import MetricsWriter, is_main_process
@@ -64,6 +64,7 @@ from .ramp import AdaptiveRamp
 from .report import LogOptions, NonFiniteError, TrainSummary, plot_losses  # re-exported: their former home
 from .report import check_int, merge_log_options, Meter, Progress
 from .grads import model_loss
+from .program import strategy_context
 from .state import StateLayout, layout_strategy
 
 __all__ = ["TrainSummary", "NonFiniteError", "LogOptions", "train", "make_eval_fn", "plot_losses",
@@ -87,7 +88,7 @@ def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy | No
     loss_of_params = model_loss(loss_fn, layout)
 
     def loss_of(params, batch):
-        with use_rules(mesh, layout.rules):
+        with strategy_context(layout):
             return loss_of_params(params, batch)
 
     jitted = jax.jit(loss_of, in_shardings=(named_shardings(layout.params, mesh), batch_sharding(mesh)),

@@ -23,15 +23,41 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import contextlib
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..context import ContextParallelError, count_context_calls, use_context_parallel
+from ..mesh import CONTEXT
 from ..rules import use_rules
 from .state import StateLayout
 
-__all__ = ["TrainStep", "jit_program", "HostStep"]
+__all__ = ["TrainStep", "jit_program", "HostStep", "strategy_context"]
+
+
+@contextlib.contextmanager
+def strategy_context(layout: StateLayout) -> Iterator[None]:
+    """What a step function is traced under: the layout's logical rules and its context-parallel
+    setting. With a ``context`` axis, a loss that never called :func:`jaxpar.context.attention`
+    (XLA would gather the whole sequence for its own attention), or that ignored the balanced
+    order (:func:`jaxpar.context.sequence_order`), is a :class:`~jaxpar.context.ContextParallelError`."""
+    setting, size = layout.strategy.context_setting, dict(layout.mesh.shape).get(CONTEXT, 1)
+    with use_rules(layout.mesh, layout.rules), use_context_parallel(setting.method, balance=setting.balance), \
+            count_context_calls() as calls:
+        yield
+    if size > 1 and not calls.attention:
+        raise ContextParallelError(
+            f"the mesh has a context axis of size {size}, but the loss never called jaxpar.context.attention: its "
+            "sequence would be gathered whole for its own attention, which is not context parallelism. Call "
+            "jaxpar.context.attention(q, k, v, ...) in the model, or drop the context axis.")
+    if size > 1 and setting.balance and not calls.order:
+        raise ContextParallelError(
+            f"Strategy.context={setting!r}: balance=True lays the sequence out zig-zag over the context axis, but "
+            "the loss never asked for that order (jaxpar.context.sequence_order(length)), so its tokens, targets "
+            "and positions would be in the natural order: wrong masks. Permute them by that order in the loss, "
+            "or use balance=False.")
 
 
 class HostStep:
@@ -67,7 +93,7 @@ def jit_program(fn: Callable, layout: StateLayout, batch_sharding: Any, *, donat
     mesh = layout.mesh
 
     def traced(*args):
-        with use_rules(mesh, layout.rules):
+        with strategy_context(layout):
             return fn(*args)
 
     return jax.jit(traced, in_shardings=(layout.shardings(), batch_sharding),
