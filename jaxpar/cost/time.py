@@ -10,10 +10,14 @@ MLP width ``f``, vocabulary ``V``):
   al. (2021, eq. 3): :func:`narayanan_flops` ``= 96Bslh²(1 + s/(6h) + V/(16lh))``.
 * MFU counts the model FLOPs without recomputation; per token that is ``6N + 12lhs`` for
   ``N`` non-embedding parameters (Kaplan et al. 2020 / PaLM appendix B): :func:`flops_per_token`.
+* An MoE layer's forward counts its *active* MLP, ``top_k`` experts of width ``M`` per token, the
+  router ``2shE`` and the shared experts (the capacity's padding slots and the dense dispatch are
+  time, :mod:`jaxpar.cost.roofline`, not model FLOPs).
 
 The collectives of a step (:func:`jaxpar.cost.traffic.comms`) are timed with
 :mod:`jaxpar.cost.collectives` on the links the mesh axis spans (:func:`axis_groups`: mesh
-order ``pipe, data, fsdp, tensor``, ``tensor`` innermost; a group spread over nodes runs
+order ``pipe, data, fsdp, expert, context, tensor``, ``tensor`` innermost, so a ``context`` or
+``expert`` group lies in a node as long as it and the axes inside it fit there; a group spread over nodes runs
 hierarchically: reduce-scatter in the node, the collective across nodes on ``1/p_in`` of the
 bytes, all-gather in the node).
 
@@ -75,18 +79,32 @@ def narayanan_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) 
     return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
 
 
-def _layer_forward(m: ModelSpec) -> float:
+def _layer_forward(m: ModelSpec, moe: bool = False) -> float:
     s, h = m.seq, m.hidden
+    if moe:
+        mlp = 2 * h * (m.top_k * m.expert_mlp + m.shared_mlp) + h * m.experts
+        return 2 * s * (4 * h * h + mlp) + 4 * s * s * h
     return 2 * s * (4 * h * h + 2 * h * m.mlp) + 4 * s * s * h
 
 
 def step_flops(m: ModelSpec, remat: str = "none") -> float:
-    """FLOPs of one training step of the global batch, recomputation included."""
+    """FLOPs of one training step of the global batch, recomputation included.
+
+    >>> from jaxpar.cost.model import gpt
+    >>> dense, moe = gpt(2, 64, 4, 32, 128, 8), gpt(2, 64, 4, 32, 128, 8, experts=8, top_k=1)
+    >>> step_flops(moe) - step_flops(dense) == 8 * 2 * 3 * 2 * 32 * 64 * 8      # top-1: + the router only
+    True
+    """
     if remat not in REMAT:
         raise ValueError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
-    fwd = _layer_forward(m)
-    extra = {"none": 0.0, "selective": 4 * m.seq**2 * m.hidden, "full": fwd}[remat]
-    return m.batch * (m.layers * (3 * fwd + extra) + 6 * m.seq * m.hidden * m.vocab)
+    n_moe = m.moe_layers
+    layers = 0.0
+    for n, moe in ((m.layers - n_moe, False), (n_moe, True)):
+        if n:
+            fwd = _layer_forward(m, moe)
+            extra = {"none": 0.0, "selective": 4 * m.seq**2 * m.hidden, "full": fwd}[remat]
+            layers += n * (3 * fwd + extra)
+    return m.batch * (layers + 6 * m.seq * m.hidden * m.vocab)
 
 
 def model_flops(m: ModelSpec) -> float:
@@ -158,9 +176,11 @@ class Overlap:
     tensor: float = 0.0
     pipeline: float = 0.0
     grads_in_backward: bool = False
+    context: float = 0.0
+    expert: float = 0.0
 
     def __post_init__(self):
-        for k in ("data", "tensor", "pipeline"):
+        for k in ("data", "tensor", "pipeline", "context", "expert"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ValueError(f"Overlap.{k}={v!r}: must be a fraction in [0, 1].")
@@ -197,7 +217,8 @@ class StepTime:
     loss, through the pipeline schedule), exposed ``data`` / ``tensor`` / ``pipeline`` communication,
     ``bubble`` fraction, ``mfu``, bytes per axis, the ``optimizer`` update and the blocks' ``elementwise``
     ops (both memory bound: :func:`update_bytes` and :func:`elementwise_bytes` over the cluster's
-    streaming bandwidth; the latter through the schedule like ``compute``)."""
+    streaming bandwidth; the latter through the schedule like ``compute``), and the exposed ``context``
+    (CP) and ``expert`` (EP all-to-all) communication."""
 
     compute: float
     data: float
@@ -208,10 +229,13 @@ class StepTime:
     bytes_per_axis: dict = field(default_factory=dict)
     optimizer: float = 0.0
     elementwise: float = 0.0
+    context: float = 0.0
+    expert: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.elementwise + self.data + self.tensor + self.pipeline + self.optimizer
+        return (self.compute + self.elementwise + self.data + self.tensor + self.pipeline + self.optimizer
+                + self.context + self.expert)
 
 
 def update_bytes(m: ModelSpec, plan: Plan, grad_bytes: float = 4) -> float:
@@ -250,8 +274,10 @@ def elementwise_bytes(m: ModelSpec, plan: Plan, compute_bytes: float = 2) -> flo
     >>> elementwise_bytes(m, Plan(), 4) == 3 * 16 * 64 * 4 * 4 * (10 * 128 + 2 * 512 + 2 * 8 * 64), round(tp / sp, 2)
     (True, 3.69)
     """
-    rows = m.batch / (plan.data * plan.fsdp)               # sequences per device per step
-    return layer_elementwise_bytes(m, plan, rows, compute_bytes) * (m.layers // plan.pipe)
+    rows = m.batch / plan.batch_split                      # sequences per device per step
+    n_moe = m.moe_layers / plan.pipe
+    dense = layer_elementwise_bytes(m, plan, rows, compute_bytes) * (m.layers // plan.pipe - n_moe)
+    return dense + (layer_elementwise_bytes(m, plan, rows, compute_bytes, True) * n_moe if n_moe else 0.0)
 
 
 def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, b: float) -> tuple[Work, float]:
@@ -259,12 +285,19 @@ def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, 
     seconds of one micro-batch on a device (recomputation included). Per micro-batch a stage runs its
     layers, the first stage also the embedding and the last the head and loss: the step takes ``m`` times
     the busiest stage's micro-batch plus the schedule's bubble, ``m * b / (1 - b)`` times the mean's."""
-    rows = m.batch / (plan.data * plan.fsdp * plan.microbatches)
+    rows = m.batch / (plan.batch_split * plan.microbatches)
     n = m.layers // plan.pipe
+    n_moe = m.moe_layers / plan.pipe          # MoE layers per stage (spread evenly)
     layer = layer_work(m, plan, cluster, dtype, rows, cb)
     forward = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True)
     first, last = end_work(m, plan, cluster, dtype, rows, cb)
     blocks = layer.times(n)
+    backward = n * (layer.total - forward.total)
+    if n_moe:
+        moe = layer_work(m, plan, cluster, dtype, rows, cb, moe=True)
+        moe_fwd = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True, moe=True)
+        blocks = layer.times(n - n_moe) + moe.times(n_moe)
+        backward = (n - n_moe) * (layer.total - forward.total) + n_moe * (moe.total - moe_fwd.total)
     if plan.pipe == 1:
         busiest = blocks + first + last
     else:
@@ -272,7 +305,7 @@ def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, 
     mean = blocks + (first + last).times(1 / plan.pipe)
     mb = plan.microbatches
     step = busiest.times(mb) + mean.times(mb * b / (1 - b))
-    return step, n * (layer.total - forward.total)
+    return step, backward
 
 
 def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloat16", lowering: str = "ideal",
@@ -291,11 +324,12 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     sizes = plan.sizes
     b = bubble(plan.schedule, plan.pipe, plan.microbatches, plan.virtual)
     work, backward = _compute(m, plan, cluster, dtype, cb, b)
-    spent = {"data": 0.0, "tensor": 0.0, "pipeline": 0.0}
+    spent = {"data": 0.0, "tensor": 0.0, "pipeline": 0.0, "context": 0.0, "expert": 0.0}
     grads = 0.0
     cs = comms(m, plan, lowering=lowering, compute_bytes=cb, grad_bytes=gb)
     for c in cs:
-        group = "pipeline" if c.phase == "pipeline" else "tensor" if c.phase in ("tensor", "loss") else "data"
+        group = c.phase if c.phase in ("pipeline", "context", "expert") else \
+            "tensor" if c.phase in ("tensor", "loss") else "data"
         seconds = c.count * comm_time(c, sizes, cluster)
         if group == "data" and c.phase == "grads" and overlap.grads_in_backward:
             grads += seconds
@@ -308,4 +342,4 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     total = work.total + sum(exposed.values()) + opt
     mfu = model_flops(m) / (total * plan.devices * cluster.peak(dtype))
     return StepTime(work.kernels, exposed["data"], exposed["tensor"], exposed["pipeline"], b, mfu,
-                    bytes_per_axis(cs), opt, work.elementwise)
+                    bytes_per_axis(cs), opt, work.elementwise, exposed["context"], exposed["expert"])
