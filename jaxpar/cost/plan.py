@@ -2,13 +2,13 @@
 CP method x ZeRO stage x schedule x micro-batches x remat, those that do not fit dropped with the reason,
 the rest ranked.
 
-Context parallelism (CP) is searched over ``contexts`` and the three methods: by default every divisor
-of the device count for sequences of at least :data:`CONTEXT_MIN_SEQ` tokens, none below (a search-space
-default, not a rule of the model: pass ``contexts=`` to search CP at any length); expert parallelism (EP) over ``experts`` (by default every divisor that divides
-the model's experts; only for an MoE model). A layout that cannot run is *refused* with the reason
-(:attr:`PlanResult.refused`): Ulysses with ``heads % (context * tensor) != 0``, a sequence that the
-context devices do not divide (``2C`` chunks for the balanced layout, which the planner uses; ``C`` for the
-natural order, which it falls back to), experts that the ``expert`` axis does not divide.
+Context parallelism (CP) is searched over ``contexts`` and the three methods: by default every divisor of the
+device count for sequences of at least :data:`CONTEXT_MIN_SEQ` tokens, none below (a search-space default, not
+a rule of the model: pass ``contexts=`` to search CP at any length); expert parallelism (EP) over ``experts``
+(by default every divisor that divides the model's experts; only for an MoE model). A layout that cannot run
+is *refused* with the reason (:attr:`PlanResult.refused`): Ulysses with ``heads % (context * tensor) != 0``, a
+sequence that the context devices do not divide (``2C`` chunks for the balanced layout, which the planner
+uses; ``C`` for the natural order, which it falls back to), experts that the ``expert`` axis does not divide.
 
 For each factorisation and parallel option the cheapest remat policy that fits is kept
 (``none``, then ``selective``, then ``full``: recomputation only adds time), and without a
@@ -176,7 +176,8 @@ def context_problem(m: ModelSpec, context: int, tensor: int, method: str) -> tup
     'ulysses needs heads % (context * tensor) == 0: heads=12, context=8, tensor=1'
     """
     if method == "ulysses" and m.heads % (context * tensor):
-        return True, f"ulysses needs heads % (context * tensor) == 0: heads={m.heads}, context={context}, tensor={tensor}"
+        return True, (f"ulysses needs heads % (context * tensor) == 0: heads={m.heads}, context={context}, "
+                      f"tensor={tensor}")
     if m.seq % (2 * context) == 0:
         return True, None
     if m.seq % context == 0:

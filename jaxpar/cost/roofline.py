@@ -23,15 +23,15 @@ proj       ``rs x h/t x h``                       as qkv
 fc1, fc2   ``rs x h x f/t``, ``rs x f/t x h``     as qkv
 =========  =====================================  =========================================
 
-Under context parallelism (``C`` devices, :mod:`jaxpar.cost.context_experts`) each device holds ``s/C``
-tokens of each sequence: the projections and the MLP run on ``rs/C`` rows, and the attention on the
-method's share of the scores (:func:`~jaxpar.cost.context_experts.score_fraction`, counted whole as the
-dense path counts them): ``C`` blocks of ``s/C`` for the balanced ring (``2C-1`` on the busiest device
-in the natural order), ``s/C x s`` (all-gather), or ``a/C`` heads of ``s x s`` (Ulysses). The ring's
-backward recomputes each block's scores from the logsumexp (one more ``scores`` pass). An MoE layer (``moe=True``) replaces fc1 and fc2 by the router (``rs x h x E``), the dense
-dispatch and combine einsums of :mod:`jaxpar.moe.dispatch` (``(g) E·cap x T x h`` and ``(g) T x E·cap x
-h`` over ``g = r`` groups of ``T = s/C`` tokens; the dispatch mask has no gradient: 2 passes), the
-experts' MLPs on the device's capacity slots (``(E/E_p) g·E_p·cap x h x M/t`` and back: compute
+Under context parallelism (``C`` devices, :mod:`jaxpar.cost.context_experts`) each device holds ``s/C`` tokens
+of each sequence: the projections and the MLP run on ``rs/C`` rows, and the attention on the method's share of
+the scores (:func:`~jaxpar.cost.context_experts.score_fraction`, counted whole as the dense path counts them):
+``C`` blocks of ``s/C`` for the balanced ring (``2C-1`` on the busiest device in the natural order), ``s/C x
+s`` (all-gather), or ``a/C`` heads of ``s x s`` (Ulysses). The ring's backward recomputes each block's scores
+from the logsumexp (one more ``scores`` pass). An MoE layer (``moe=True``) replaces fc1 and fc2 by the router
+(``rs x h x E``), the dense dispatch and combine einsums of :mod:`jaxpar.moe.dispatch` (``(g) E·cap x T x h``
+and ``(g) T x E·cap x h`` over ``g = r`` groups of ``T = s/C`` tokens; the dispatch mask has no gradient: 2
+passes), the experts' MLPs on the device's capacity slots (``(E/E_p) g·E_p·cap x h x M/t`` and back: compute
 proportional to ``cf·T·k`` slots per group, not ``T``) and the shared experts' MLP.
 
 Outside the blocks: the last stage's head (``rs x h x V/t``, not recomputed) and its loss (the
@@ -134,7 +134,8 @@ def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: 
     if plan.context_method == "all_gather":
         return [matmul("scores", heads, s / C, d, s, cb, passes=attn),
                 matmul("context", heads, s / C, s, d, cb, passes=attn)]
-    return [matmul("scores", heads / C, s, d, s, cb, passes=attn), matmul("context", heads / C, s, s, d, cb, passes=attn)]
+    return [matmul("scores", heads / C, s, d, s, cb, passes=attn),
+            matmul("context", heads / C, s, s, d, cb, passes=attn)]
 
 
 def _moe_kernels(m: ModelSpec, plan: Plan, rows: float, tokens: float, cb: float, full: int) -> list[Kernel]:

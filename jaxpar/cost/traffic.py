@@ -135,8 +135,9 @@ GRAD_AXES = BATCH_AXES + ("context",)
 
 
 def _context_expert_comms(add, m: ModelSpec, plan: Plan, kv: float, rows: float, cb: float) -> None:
-    """CP: the method's collectives per layer and micro-batch (:func:`~jaxpar.cost.context_experts.context_collectives`);
-    EP: 4 all-to-alls per MoE layer and micro-batch (:func:`~jaxpar.cost.context_experts.expert_collectives`)."""
+    """CP: the method's collectives per layer and micro-batch
+    (:func:`~jaxpar.cost.context_experts.context_collectives`); EP: 4 all-to-alls per MoE layer and micro-batch
+    (:func:`~jaxpar.cost.context_experts.expert_collectives`)."""
     mb = plan.microbatches
     if plan.context > 1:
         n_layer = (m.layers // plan.pipe) * mb
