@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from .model import ModelSpec
 
-__all__ = ["score_fraction", "context_collectives", "expert_slots", "expert_collectives", "context_score_bytes",
+__all__ = ["score_fraction", "context_collectives", "ring_hops", "expert_slots", "expert_collectives", "context_score_bytes",
            "context_working_bytes", "moe_mlp_bytes", "dense_mlp_bytes"]
 
 
@@ -83,18 +83,31 @@ def context_collectives(method: str, context: int, kv: float, compute_bytes: flo
       remat: the recomputation policy (any but ``none`` re-runs the attention forward).
 
     Returns:
-      ``[(kind, bytes of the result on one device, count)]``.
+      ``[(kind, bytes of the result on one device, count)]``; the ring's are listed forward hops, backward
+      hops, then the last hop (see :func:`ring_hops`).
     """
     redo = remat != "none"
     C = context
     if method == "ring":
-        grads = 2 * kv * 4 / compute_bytes
-        return [("collective-permute", 2 * kv, (C - 1) * (1 + redo)),
-                ("collective-permute", 2 * kv + grads, C - 1),
-                ("collective-permute", grads, 1)]
+        return [(kind, n, count) for kind, n, count, _ in ring_hops(C, kv, compute_bytes, redo)]
     if method == "all_gather":
         return [("all-gather", C * kv, 2 * (1 + redo)), ("reduce-scatter", kv, 2)]
     return [("all-to-all", kv, 4 * (1 + redo) + 4)]
+
+
+def ring_hops(context: int, kv: float, compute_bytes: float, redo: bool) -> list[tuple[str, float, int, str]]:
+    """The ring's permutes of one layer and micro-batch, each with the ring step it can run behind
+    (``forward`` / ``backward``: the blocks of one step, Liu et al. 2023, "Ring Attention with Blockwise
+    Transformers", §3; ``""``: the last hop of the dK/dV accumulators, after the last step).
+
+    >>> ring_hops(4, 10.0, 2, False)
+    [('collective-permute', 20.0, 3, 'forward'), ('collective-permute', 60.0, 3, 'backward'), ('collective-permute', 40.0, 1, '')]
+    """
+    grads = 2 * kv * 4 / compute_bytes
+    C = context
+    return [("collective-permute", 2 * kv, (C - 1) * (1 + redo), "forward"),
+            ("collective-permute", 2 * kv + grads, C - 1, "backward"),
+            ("collective-permute", grads, 1, "")]
 
 
 def expert_slots(m: ModelSpec, rows: float, context: int) -> float:

@@ -55,10 +55,10 @@ from .cluster import Cluster
 from .memory import REMAT, leaf_shard_counts, schedule_stats, sizes_key
 from .model import ModelSpec
 from .parallel import AXES, Plan
-from .roofline import Work, end_work, layer_elementwise_bytes, layer_work
+from .roofline import Work, end_work, kernel_seconds, layer_elementwise_bytes, layer_kernels, layer_work
 from .traffic import Comm, bytes_per_axis, comms
 
-__all__ = ["Overlap", "behind_backward", "StepTime", "flops_per_token", "narayanan_flops", "step_flops", "model_flops",
+__all__ = ["Overlap", "behind_backward", "ring_step_seconds", "StepTime", "flops_per_token", "narayanan_flops", "step_flops", "model_flops",
            "update_bytes", "elementwise_bytes", "axis_groups", "comm_time", "bubble", "step_time"]
 
 
@@ -170,7 +170,9 @@ def bubble(schedule: str, pipe: int, microbatches: int, virtual: int = 1) -> flo
 class Overlap:
     """Fraction of each axis group's collective time hidden behind compute (0 = none), and whether the
     data-axis gradient reductions run behind the last micro-batch's backward (``grads_in_backward``:
-    bucketed DDP; the hidden part is read from the schedule, :func:`behind_backward`)."""
+    bucketed DDP; the hidden part is read from the schedule, :func:`behind_backward`), and whether the
+    ring attention's hops run behind the blocks of their ring step (``ring_behind_blocks``, Liu et al.
+    2023: a hop is exposed as far as it outlasts the step's block compute, :func:`ring_step_seconds`)."""
 
     data: float = 0.0
     tensor: float = 0.0
@@ -178,14 +180,16 @@ class Overlap:
     grads_in_backward: bool = False
     context: float = 0.0
     expert: float = 0.0
+    ring_behind_blocks: bool = False
 
     def __post_init__(self):
         for k in ("data", "tensor", "pipeline", "context", "expert"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ValueError(f"Overlap.{k}={v!r}: must be a fraction in [0, 1].")
-        if not isinstance(self.grads_in_backward, bool):
-            raise ValueError(f"Overlap.grads_in_backward={self.grads_in_backward!r}: must be True or False.")
+        for k in ("grads_in_backward", "ring_behind_blocks"):
+            if not isinstance(getattr(self, k), bool):
+                raise ValueError(f"Overlap.{k}={getattr(self, k)!r}: must be True or False.")
 
 
 def behind_backward(reduce_s: float, backward_s: float, layers: int) -> float:
@@ -308,6 +312,30 @@ def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, 
     return step, backward
 
 
+def ring_step_seconds(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, compute_bytes: float) -> dict:
+    """Seconds of one ring step's blocks on one device, forward and backward: the layer's attention kernels
+    (:func:`~jaxpar.cost.roofline.layer_kernels`' ``scores`` and ``context``) over the ``C`` steps.
+
+    Returns:
+      ``{"forward": s, "backward": s}`` ({} without a ring).
+
+    >>> from jaxpar.cost.cluster import load_cluster
+    >>> from jaxpar.cost.model import gpt
+    >>> s = ring_step_seconds(gpt(2, 64, 4, 4096, 128, 8), Plan(context=4), load_cluster("h100"), "bfloat16", 2)
+    >>> round(s["backward"] / s["forward"], 3)       # the scores again, dP, dV, dQ, dK: 5 matmuls of the 2 forward
+    2.5
+    """
+    if plan.context == 1 or plan.context_method != "ring":
+        return {}
+    rows = m.batch / (plan.batch_split * plan.microbatches)
+    ks = {k.name: k for k in layer_kernels(m, plan, rows, compute_bytes) if k.name in ("scores", "context")}
+    redo = plan.remat != "none"
+    sec = {n: kernel_seconds(k, cluster, dtype) for n, k in ks.items()}
+    forward = sec["scores"] + sec["context"]
+    backward = sum(sec[n] * (ks[n].passes - 1 - redo) for n in ks)
+    return {"forward": forward / plan.context, "backward": backward / plan.context}
+
+
 def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloat16", lowering: str = "ideal",
               overlap: Overlap = Overlap(), grad_bytes: float | None = None) -> StepTime:
     """Predicted seconds per step of ``plan`` on ``cluster`` (see the module doc for what is assumed).
@@ -327,10 +355,11 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     spent = {"data": 0.0, "tensor": 0.0, "pipeline": 0.0, "context": 0.0, "expert": 0.0}
     grads = 0.0
     cs = comms(m, plan, lowering=lowering, compute_bytes=cb, grad_bytes=gb)
+    steps = ring_step_seconds(m, plan, cluster, dtype, cb) if overlap.ring_behind_blocks else {}
     for c in cs:
         group = c.phase if c.phase in ("pipeline", "context", "expert") else \
             "tensor" if c.phase in ("tensor", "loss") else "data"
-        seconds = c.count * comm_time(c, sizes, cluster)
+        seconds = c.count * max(0.0, comm_time(c, sizes, cluster) - steps.get(c.behind, 0.0))
         if group == "data" and c.phase == "grads" and overlap.grads_in_backward:
             grads += seconds
         else:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Mapping
 
-from .context_experts import context_collectives, expert_collectives, expert_slots
+from .context_experts import context_collectives, expert_collectives, expert_slots, ring_hops
 from .memory import leaf_shard_counts, pipe_end, sizes_key, zero_axes
 from .model import Leaf, ModelSpec
 from .parallel import AXES, BATCH_AXES, Plan
@@ -75,6 +75,7 @@ class Comm:
     bytes: float
     count: float
     phase: str
+    behind: str = ""       # the ring's hops: the ring step's blocks they can run behind ("forward" / "backward")
 
     def buffer_bytes(self, sizes: Mapping[str, int]) -> float:
         """The ``n`` of :mod:`jaxpar.cost.collectives`: a reduce-scatter's input is ``p`` results."""
@@ -111,10 +112,10 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
     sizes = plan.sizes
     out: list[Comm] = []
 
-    def add(kind, axes, nbytes, count, phase):
+    def add(kind, axes, nbytes, count, phase, behind=""):
         axes = _axes(sizes, axes)
         if axes and nbytes > 0 and count > 0:
-            out.append(Comm(kind, axes, float(nbytes), count, phase))
+            out.append(Comm(kind, axes, float(nbytes), count, phase, behind))
 
     rows = m.batch / (plan.batch_split * plan.microbatches)        # sequences per device per micro-batch
     seq = m.seq / plan.context                                      # their tokens on this device
@@ -141,7 +142,11 @@ def _context_expert_comms(add, m: ModelSpec, plan: Plan, kv: float, rows: float,
     mb = plan.microbatches
     if plan.context > 1:
         n_layer = (m.layers // plan.pipe) * mb
-        for kind, nbytes, count in context_collectives(plan.context_method, plan.context, kv, cb, plan.remat):
+        if plan.context_method == "ring":
+            for kind, nbytes, count, behind in ring_hops(plan.context, kv, cb, plan.remat != "none"):
+                add(kind, ("context",), nbytes, count * n_layer, "context", behind)
+        for kind, nbytes, count in (context_collectives(plan.context_method, plan.context, kv, cb, plan.remat)
+                                    if plan.context_method != "ring" else ()):
             add(kind, ("context",), nbytes, count * n_layer, "context")
     if m.moe_layers:
         n_moe = m.moe_layers / plan.pipe * mb
