@@ -8,9 +8,12 @@ does, inside the function). Checking the model against compiled programs is done
 * :mod:`~jaxpar.cost.collectives`: ring / tree / recursive doubling-halving / Rabenseifner /
   lower bound (Thakur, Rabenseifner & Gropp 2005), the best algorithm per size.
 * :mod:`~jaxpar.cost.cluster`: nodes, memory, peak FLOP/s, intra- and inter-node links; YAML presets.
-* :mod:`~jaxpar.cost.memory`: ZeRO stages, Korthikanti activations, pipeline in-flight micro-batches,
-  how each parameter is sharded on a mesh.
-* :mod:`~jaxpar.cost.parallel`: :class:`Plan`, one point of the search (mesh sizes, ZeRO, schedule, remat).
+* :mod:`~jaxpar.cost.memory`: ZeRO stages, Korthikanti activations (:mod:`~jaxpar.cost.activations`),
+  pipeline in-flight micro-batches, how each parameter is sharded on a mesh.
+* :mod:`~jaxpar.cost.context_experts`: context parallelism (ring / all-gather / Ulysses: collectives,
+  attention work and memory) and expert parallelism (all-to-alls, the MoE layer's buffers).
+* :mod:`~jaxpar.cost.parallel`: :class:`Plan`, one point of the search (mesh sizes, ZeRO, CP method, schedule,
+  remat).
 * :mod:`~jaxpar.cost.schedule`: bubble and in-flight micro-batches of the pipeline schedules.
 * :mod:`~jaxpar.cost.traffic`: each strategy's collectives per step and mesh axis, for jaxpar's programs
   and for Megatron-LM's (lowering ``megatron``, to compare with published runs).

@@ -123,8 +123,9 @@ def device_argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int,
     for leaf in model.leaves:
         out += padded_bytes(local_shape(leaf, sizes, zero, "params"), 4, layout)
         out += moments * padded_bytes(local_shape(leaf, sizes, zero, "opt"), 4, layout)
-    rows = model.batch // (sizes.get("data", 1) * sizes.get("fsdp", 1))
-    return out + scalars * padded_bytes((), 4, layout) + batch_leaves * padded_bytes((rows, model.seq), 4, layout)
+    rows = model.batch // (sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1))
+    seq = model.seq // sizes.get("context", 1)
+    return out + scalars * padded_bytes((), 4, layout) + batch_leaves * padded_bytes((rows, seq), 4, layout)
 
 
 def saved_per_layer(model: ModelSpec, plan: Plan, rows: float) -> float:

@@ -34,16 +34,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping, NamedTuple
 
+from .activations import REMAT, activation_bytes_per_layer, layer_activations
+from .context_experts import context_working_bytes
 from .model import TENSOR_LOGICAL, Leaf, ModelSpec
 from .schedule import TABLE_LIMIT, closed_form_stats, in_flight, schedule_stats
 
 __all__ = ["BytesPerParam", "PRECISIONS", "REMAT", "zero_state_bytes", "activation_bytes_per_layer",
            "leaf_spec", "zero_dim_of", "zero_axes", "LeafShards", "leaf_shard_counts", "sizes_key", "leaf_shards",
-           "pipe_end", "state_bytes",
+           "pipe_end", "state_bytes", "layer_activations",
            "TABLE_LIMIT", "closed_form_stats", "schedule_stats", "in_flight", "MemoryEstimate", "memory_per_device",
            "argument_bytes", "LayoutError"]
 
-REMAT = ("none", "selective", "full")
 
 
 class LayoutError(ValueError):
@@ -101,36 +102,15 @@ def zero_state_bytes(psi: float, n_d: int, stage: int, *, param_bytes: float = 2
     return {"params": p, "grads": g, "opt": o, "total": p + g + o}
 
 
-def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tensor: int = 1,
-                               sequence_parallel: bool = False, remat: str = "none",
-                               bytes_per_value: float = 2) -> float:
-    """Korthikanti et al. (2022) activation bytes of one transformer layer (see module doc).
-
-    ``bytes_per_value`` scales from the paper's 16-bit activations (2) to fp32 (4).
-
-    >>> activation_bytes_per_layer(2048, 1, 12288, 96) == 2048 * 12288 * (34 + 5 * 96 * 2048 / 12288)
-    True
-    """
-    if remat not in REMAT:
-        raise ValueError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
-    s, b, h, a, t = seq, micro_batch, hidden, heads, tensor
-    attn = 0.0 if remat == "selective" else 5 * a * s / h
-    if remat == "full":
-        per = 2 / (t if sequence_parallel else 1)
-    elif sequence_parallel:
-        per = (34 + attn) / t
-    else:
-        per = 10 + 24 / t + attn / t
-    return s * b * h * per * bytes_per_value / 2
-
-
 # ----------------------------------------------------------------------------- leaves on a mesh
 def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ...]:
     """Mesh axes of each dimension under jaxpar's tensor rules (``mlp, heads, vocab`` -> ``tensor``;
-    ``layers`` -> ``pipe`` when ``pipe > 1``), before ZeRO."""
+    ``layers`` -> ``pipe`` when ``pipe > 1``; ``experts`` -> ``expert``, :func:`jaxpar.moe.expert_rules`),
+    before ZeRO."""
     spec = []
     for dim, (size, name) in enumerate(zip(leaf.shape, leaf.logical)):
-        axis = "tensor" if name in TENSOR_LOGICAL else "pipe" if name == "layers" else None
+        axis = ("tensor" if name in TENSOR_LOGICAL else "pipe" if name == "layers" else
+                "expert" if name == "experts" else None)
         n = sizes.get(axis, 1) if axis else 1
         if n > 1 and size % n:
             raise LayoutError(f"parameter {leaf.name!r} dimension {dim} ({name}) has size {size}, not divisible "
@@ -317,7 +297,8 @@ class MemoryEstimate:
 def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int = 0, microbatches: int = 1,
                       schedule: str = "1f1b", virtual: int = 1, remat: str = "none",
                       sequence_parallel: bool = False, precision: str | BytesPerParam = "mixed",
-                      activation_bytes: float = 2, ends: bool = False) -> MemoryEstimate:
+                      activation_bytes: float = 2, ends: bool = False, context_method: str = "ring",
+                      context_balance: bool = True) -> MemoryEstimate:
     """Predicted peak memory of one device for one plan (see the module doc for the sources).
 
     Each replica's batch ``batch / (data * fsdp)`` is split into ``microbatches``; a
@@ -328,16 +309,26 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
     with the logits. ``ends=True`` (Megatron-LM) puts the embeddings on the first stage and the final norm
     and head on the last (:func:`state_bytes`), and returns the more loaded of the two: the first with
     stage 0's in-flight activations, the last with the same activations (an upper bound) and the logits.
+
+    ``expert`` splits the batch like ``data``; ``context`` splits each sequence (``s / C`` tokens per
+    device) and adds the attention's transient of the layer in flight
+    (:func:`~jaxpar.cost.context_experts.context_working_bytes`); MoE layers (``layers // moe_every``
+    of them, spread evenly over the stages) keep their buffers (:func:`layer_activations`).
     """
     d, f, t, p = (sizes.get(a, 1) for a in ("data", "fsdp", "tensor", "pipe"))
-    replica_batch = model.batch / (d * f)
+    e, C = sizes.get("expert", 1), sizes.get("context", 1)
+    replica_batch = model.batch / (d * f * e)
     mb = replica_batch / microbatches
     flight = in_flight(schedule, p, microbatches, virtual)
-    layers_held = model.layers / p / virtual * flight
-    act = layers_held * activation_bytes_per_layer(model.seq, mb, model.hidden, model.heads, tensor=t,
-                                                   sequence_parallel=sequence_parallel, remat=remat,
-                                                   bytes_per_value=activation_bytes)
-    logits = 2 * model.seq * mb * model.vocab / t * 4
+    kw = dict(remat=remat, sequence_parallel=sequence_parallel, activation_bytes=activation_bytes,
+              context_method=context_method)
+    n_moe = model.moe_layers
+    act = (model.layers - n_moe) / p / virtual * flight * layer_activations(model, sizes, mb, **kw)
+    if n_moe:
+        act += n_moe / p / virtual * flight * layer_activations(model, sizes, mb, moe=True, **kw)
+    if C > 1:
+        act += context_working_bytes(model, mb, t, C, context_method, context_balance, activation_bytes)
+    logits = 2 * model.seq / C * mb * model.vocab / t * 4
     if ends and p > 1:
         first, last = (state_bytes(model, sizes, zero, precision, end=e) for e in ("first", "last"))
         if first["total"] > last["total"] + logits:
@@ -362,5 +353,5 @@ def argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int, *, mom
     for leaf in model.leaves:
         out += param_bytes * leaf.size / leaf_shards(leaf, sizes, zero, "params")
         out += moments * param_bytes * leaf.size / leaf_shards(leaf, sizes, zero, "opt")
-    rows = model.batch / (sizes.get("data", 1) * sizes.get("fsdp", 1))
-    return out + 4 * scalars + batch_leaves * 4 * rows * model.seq
+    rows = model.batch / (sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1))
+    return out + 4 * scalars + batch_leaves * 4 * rows * model.seq / sizes.get("context", 1)

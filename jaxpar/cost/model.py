@@ -13,6 +13,16 @@ Example::
     (163072512, 85017600, 3072)
     >>> leaf = m.leaf("blocks/w1"); leaf.shape, leaf.logical
     ((12, 768, 3072), ('layers', 'embed', 'mlp'))
+
+A mixture-of-experts GPT (:mod:`jaxpar.moe`): every ``moe_every``-th layer's MLP is replaced by
+``experts`` expert MLPs of width ``expert_mlp``, ``top_k`` of them per token, with
+``capacity_factor`` (None: dropless) and optional always-on shared experts (``shared_mlp``)::
+
+    >>> moe = gpt(layers=4, hidden=64, heads=4, seq=32, vocab=128, batch=8, experts=8, top_k=2, moe_every=2)
+    >>> moe.moe_layers, moe.leaf("blocks/moe_w1").shape, moe.leaf("blocks/moe_w1").logical
+    (2, (2, 8, 64, 256), ('layers', 'experts', 'embed', 'mlp'))
+    >>> moe.capacity(32)             # per group of 32 tokens and expert: ceil(1.25 * 32 * 2 / 8)
+    10
 """
 from __future__ import annotations
 
@@ -69,6 +79,12 @@ class ModelSpec:
     leaves: tuple[Leaf, ...] = field(default=(), repr=False)
     name: str = "gpt"
     qkv_inputs: int = 3
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = 1.25
+    moe_every: int = 1
+    expert_mlp: int = 0
+    shared_mlp: int = 0
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
@@ -81,6 +97,26 @@ class ModelSpec:
         _positive_int("ModelSpec", "mlp", self.mlp)
         if self.qkv_inputs not in (1, 3):
             raise ValueError(f"ModelSpec.qkv_inputs={self.qkv_inputs!r}: 3 (separate q, k, v) or 1 (fused).")
+        _check_moe(self)
+        if self.experts and self.expert_mlp == 0:
+            object.__setattr__(self, "expert_mlp", self.mlp)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layers are mixture-of-experts layers (``experts > 0``)."""
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are MoE layers: every ``moe_every``-th, ``layers // moe_every`` (0 if dense)."""
+        return self.layers // self.moe_every if self.experts else 0
+
+    def capacity(self, tokens_per_group: int) -> int:
+        """Buffer slots per group and expert, :func:`jaxpar.moe.capacity`'s rule:
+        ``min(T, ceil(capacity_factor * T * top_k / experts))``, ``T`` when dropless (None)."""
+        if self.capacity_factor is None:
+            return tokens_per_group
+        return min(tokens_per_group, math.ceil(self.capacity_factor * tokens_per_group * self.top_k / self.experts))
 
     @property
     def n_params(self) -> int:
@@ -110,22 +146,58 @@ class ModelSpec:
         return replace(self, batch=batch)
 
 
+def _check_moe(m: ModelSpec) -> None:
+    if isinstance(m.experts, bool) or not isinstance(m.experts, int) or m.experts < 0:
+        raise ValueError(f"ModelSpec.experts={m.experts!r}: 0 (a dense model) or the number of experts per MoE layer.")
+    if not m.experts:
+        return
+    if isinstance(m.top_k, bool) or not isinstance(m.top_k, int) or not 1 <= m.top_k <= m.experts:
+        raise ValueError(f"ModelSpec.top_k={m.top_k!r} must be an int in [1, experts={m.experts}]: a token picks "
+                         "top_k distinct experts.")
+    cf = m.capacity_factor
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf)
+                           or cf <= 0):
+        raise ValueError(f"ModelSpec.capacity_factor={cf!r} must be a finite number > 0 (1.25 is common) or None "
+                         "for dropless routing.")
+    for f in ("moe_every",):
+        _positive_int("ModelSpec", f, getattr(m, f))
+    if m.moe_every > m.layers:
+        raise ValueError(f"ModelSpec.moe_every={m.moe_every} > layers={m.layers}: no layer would be an MoE layer; "
+                         f"choose moe_every <= {m.layers} or experts=0 for a dense model.")
+    for f in ("expert_mlp", "shared_mlp"):
+        v = getattr(m, f)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"ModelSpec.{f}={v!r}: must be an int >= 0 (expert_mlp 0: the model's mlp).")
+
+
 def gpt_param_count(m: ModelSpec) -> int:
     """jaxpar's GPT: untied head, learned positions, biases and norms."""
     h, V, s = m.hidden, m.vocab, m.seq
     return m.layers * (4 * h * h + 2 * h * m.mlp + m.mlp + 6 * h) + 2 * V * h + s * h + 2 * h
 
 
-def _gpt_leaves(layers: int, h: int, heads: int, s: int, V: int, f: int) -> tuple[Leaf, ...]:
+def _gpt_leaves(layers: int, h: int, heads: int, s: int, V: int, f: int, moe: ModelSpec | None = None
+                ) -> tuple[Leaf, ...]:
     L, d = layers, h // heads
+    n_moe = moe.moe_layers if moe is not None else 0
+    D = L - n_moe          # layers with a dense MLP
     blocks = [("ln1_scale", (L, h), ("layers", "embed")), ("ln1_bias", (L, h), ("layers", "embed")),
               ("wq", (L, h, heads, d), ("layers", "embed", "heads", "kv")),
               ("wk", (L, h, heads, d), ("layers", "embed", "heads", "kv")),
               ("wv", (L, h, heads, d), ("layers", "embed", "heads", "kv")),
               ("wo", (L, heads, d, h), ("layers", "heads", "kv", "embed")),
-              ("ln2_scale", (L, h), ("layers", "embed")), ("ln2_bias", (L, h), ("layers", "embed")),
-              ("w1", (L, h, f), ("layers", "embed", "mlp")), ("b1", (L, f), ("layers", "mlp")),
-              ("w2", (L, f, h), ("layers", "mlp", "embed")), ("b2", (L, h), ("layers", "embed"))]
+              ("ln2_scale", (L, h), ("layers", "embed")), ("ln2_bias", (L, h), ("layers", "embed"))]
+    if D:
+        blocks += [("w1", (D, h, f), ("layers", "embed", "mlp")), ("b1", (D, f), ("layers", "mlp")),
+                   ("w2", (D, f, h), ("layers", "mlp", "embed")), ("b2", (D, h), ("layers", "embed"))]
+    if n_moe:       # jaxpar.moe.MOE_LOGICAL, stacked over the MoE layers
+        E, M, S = moe.experts, moe.expert_mlp, moe.shared_mlp
+        blocks += [("moe_router", (n_moe, h, E), ("layers", "embed", None)),
+                   ("moe_w1", (n_moe, E, h, M), ("layers", "experts", "embed", "mlp")),
+                   ("moe_w2", (n_moe, E, M, h), ("layers", "experts", "mlp", "embed"))]
+        if S:
+            blocks += [("moe_shared_w1", (n_moe, h, S), ("layers", "embed", "mlp")),
+                       ("moe_shared_w2", (n_moe, S, h), ("layers", "mlp", "embed"))]
     out = [Leaf("wte", (V, h), ("vocab", "embed")), Leaf("wpe", (s, h), (None, "embed"))]
     out += [Leaf(f"blocks/{n}", shape, lg) for n, shape, lg in blocks]
     out += [Leaf("lnf_scale", (h,), ("embed",)), Leaf("lnf_bias", (h,), ("embed",)),
@@ -134,14 +206,21 @@ def _gpt_leaves(layers: int, h: int, heads: int, s: int, V: int, f: int) -> tupl
 
 
 def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int, mlp: int | None = None,
-        name: str = "gpt") -> ModelSpec:
-    """jaxpar's GPT from numbers (``mlp`` defaults to ``4 * hidden``).
+        name: str = "gpt", *, experts: int = 0, top_k: int = 2, capacity_factor: float | None = 1.25,
+        moe_every: int = 1, expert_mlp: int | None = None, shared_mlp: int = 0) -> ModelSpec:
+    """jaxpar's GPT from numbers (``mlp`` defaults to ``4 * hidden``); ``experts > 0`` makes every
+    ``moe_every``-th layer a mixture of experts (see the module doc; ``expert_mlp`` defaults to ``mlp``).
 
     >>> gpt(layers=2, hidden=32, heads=8, seq=16, vocab=64, batch=16).n_params
     29824
+    >>> moe = gpt(layers=2, hidden=32, heads=8, seq=16, vocab=64, batch=16, experts=4)
+    >>> moe.n_params == 29824 - 2 * (2 * 32 * 128 + 128 + 32) + 2 * (4 * 2 * 32 * 128 + 32 * 4)  # 4 x (w1, w2), router
+    True
     """
-    spec = ModelSpec(layers, hidden, heads, seq, vocab, batch, mlp or 0, name=name)
-    return replace(spec, leaves=_gpt_leaves(layers, hidden, heads, seq, vocab, spec.mlp))
+    spec = ModelSpec(layers, hidden, heads, seq, vocab, batch, mlp or 0, name=name, experts=experts, top_k=top_k,
+                     capacity_factor=capacity_factor, moe_every=moe_every, expert_mlp=expert_mlp or 0,
+                     shared_mlp=shared_mlp)
+    return replace(spec, leaves=_gpt_leaves(layers, hidden, heads, seq, vocab, spec.mlp, spec))
 
 
 def from_gpt_config(cfg: Any, batch: int) -> ModelSpec:
@@ -150,8 +229,22 @@ def from_gpt_config(cfg: Any, batch: int) -> ModelSpec:
     >>> from types import SimpleNamespace
     >>> from_gpt_config(SimpleNamespace(layers=2, embed=32, heads=8, seq_len=16, vocab=64, mlp=None), 16).mlp
     128
+
+    A ``moe`` attribute (a mapping or an object with ``experts``, ``top_k``, ``capacity_factor``, ``every``,
+    optionally ``mlp`` and ``shared_mlp``; as ``model.moe`` of the YAML config) makes it an MoE GPT:
+
+    >>> moe = {"experts": 8, "top_k": 2, "capacity_factor": 1.0, "every": 2}
+    >>> from_gpt_config(SimpleNamespace(layers=2, embed=32, heads=8, seq_len=16, vocab=64, mlp=None, moe=moe),
+    ...                 16).moe_layers
+    1
     """
-    return gpt(cfg.layers, cfg.embed, cfg.heads, cfg.seq_len, cfg.vocab, batch, mlp=cfg.mlp)
+    kw = {}
+    moe = getattr(cfg, "moe", None)
+    if moe:
+        get = moe.get if isinstance(moe, dict) else lambda k, d=None: getattr(moe, k, d)
+        kw = dict(experts=get("experts"), top_k=get("top_k", 2), capacity_factor=get("capacity_factor", 1.25),
+                  moe_every=get("every", 1), expert_mlp=get("mlp", None), shared_mlp=get("shared_mlp", 0) or 0)
+    return gpt(cfg.layers, cfg.embed, cfg.heads, cfg.seq_len, cfg.vocab, batch, mlp=cfg.mlp, **kw)
 
 
 def _path_str(path: tuple) -> str:

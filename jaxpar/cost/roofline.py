@@ -23,6 +23,17 @@ proj       ``rs x h/t x h``                       as qkv
 fc1, fc2   ``rs x h x f/t``, ``rs x f/t x h``     as qkv
 =========  =====================================  =========================================
 
+Under context parallelism (``C`` devices, :mod:`jaxpar.cost.context_experts`) each device holds ``s/C`` tokens
+of each sequence: the projections and the MLP run on ``rs/C`` rows, and the attention on the method's share of
+the scores (:func:`~jaxpar.cost.context_experts.score_fraction`, counted whole as the dense path counts them):
+``C`` blocks of ``s/C`` for the balanced ring (``2C-1`` on the busiest device in the natural order), ``s/C x
+s`` (all-gather), or ``a/C`` heads of ``s x s`` (Ulysses). The ring's backward recomputes each block's scores
+from the logsumexp (one more ``scores`` pass). An MoE layer (``moe=True``) replaces fc1 and fc2 by the router
+(``rs x h x E``), the dense dispatch and combine einsums of :mod:`jaxpar.moe.dispatch` (``(g) E·cap x T x h``
+and ``(g) T x E·cap x h`` over ``g = r`` groups of ``T = s/C`` tokens; the dispatch mask has no gradient: 2
+passes), the experts' MLPs on the device's capacity slots (``(E/E_p) g·E_p·cap x h x M/t`` and back: compute
+proportional to ``cf·T·k`` slots per group, not ``T``) and the shared experts' MLP.
+
 Outside the blocks: the last stage's head (``rs x h x V/t``, not recomputed) and its loss (the
 logits read and their fp32 log-softmax written, and back: ``2·cb + 8`` bytes per logit); the first
 stage's embedding (token and position rows read, their sum written, and back: ``6·rsh`` values).
@@ -43,6 +54,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .cluster import Cluster
+from .context_experts import score_fraction
 from .model import ModelSpec
 from .parallel import Plan
 
@@ -83,28 +95,64 @@ def matmul(name: str, batch: float, m: float, k: float, n: float, compute_bytes:
     return Kernel(name, 2 * batch * m * k * n, compute_bytes * batch * (m * k + k * n + m * n), count, passes)
 
 
-def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float) -> list[Kernel]:
+def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, moe: bool = False) -> list[Kernel]:
     """The matmuls of one layer on one device for a micro-batch of ``rows`` sequences (module doc).
 
     Args:
       m: the model.
-      plan: the plan (its ``tensor`` size and ``remat`` policy are read).
+      plan: the plan (its ``tensor``, ``context`` and ``expert`` sizes, CP method and ``remat`` are read).
       rows: sequences per micro-batch on one device.
       compute_bytes: bytes per value of the activations and weights (2 for bf16 / fp16).
+      moe: an MoE layer of ``m`` (its MLP replaced by the experts').
 
     Returns:
       The :class:`Kernel` list, ``passes`` set for training with ``plan.remat``.
     """
     s, h, f, a, t, cb = m.seq, m.hidden, m.mlp, m.heads, plan.tensor, compute_bytes
-    tokens, heads = rows * s, rows * a / t
+    C = plan.context
+    tokens, heads = rows * s / C, rows * a / t
     full, attn = 3 + (plan.remat == "full"), 3 + (plan.remat != "none")
     q = m.qkv_inputs
-    return [matmul("qkv", 1, tokens, h, 3 * h / (t * q), cb, count=q, passes=full),
-            matmul("scores", heads, s, m.head_dim, s, cb, passes=attn),
-            matmul("context", heads, s, s, m.head_dim, cb, passes=attn),
-            matmul("proj", 1, tokens, h / t, h, cb, passes=full),
-            matmul("fc1", 1, tokens, h, f / t, cb, passes=full),
-            matmul("fc2", 1, tokens, f / t, h, cb, passes=full)]
+    out = [matmul("qkv", 1, tokens, h, 3 * h / (t * q), cb, count=q, passes=full)]
+    out += _attention_kernels(m, plan, heads, cb, attn)
+    out.append(matmul("proj", 1, tokens, h / t, h, cb, passes=full))
+    if moe:
+        return out + _moe_kernels(m, plan, rows, tokens, cb, full)
+    return out + [matmul("fc1", 1, tokens, h, f / t, cb, passes=full),
+                  matmul("fc2", 1, tokens, f / t, h, cb, passes=full)]
+
+
+def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: int) -> list[Kernel]:
+    """``QKᵀ`` and ``AV`` of the device's share of the scores (module doc)."""
+    s, d, C = m.seq, m.head_dim, plan.context
+    if C == 1:
+        return [matmul("scores", heads, s, d, s, cb, passes=attn), matmul("context", heads, s, s, d, cb, passes=attn)]
+    if plan.context_method == "ring":
+        blocks, n = C * C * score_fraction("ring", C, plan.context_balance), s / C
+        return [matmul("scores", heads * blocks, n, d, n, cb, passes=attn + 1),
+                matmul("context", heads * blocks, n, n, d, cb, passes=attn)]
+    if plan.context_method == "all_gather":
+        return [matmul("scores", heads, s / C, d, s, cb, passes=attn),
+                matmul("context", heads, s / C, s, d, cb, passes=attn)]
+    return [matmul("scores", heads / C, s, d, s, cb, passes=attn),
+            matmul("context", heads / C, s, s, d, cb, passes=attn)]
+
+
+def _moe_kernels(m: ModelSpec, plan: Plan, rows: float, tokens: float, cb: float, full: int) -> list[Kernel]:
+    """The MoE MLP's kernels on one device (module doc): ``rows`` groups of ``T = s/C`` tokens."""
+    h, E, M, t = m.hidden, m.experts, m.expert_mlp, plan.tensor
+    T = m.seq / plan.context
+    cap = m.capacity(m.seq // plan.context)
+    ep = plan.expert
+    out = [matmul("router", 1, tokens, h, E, cb, passes=full),
+           matmul("dispatch", rows, E * cap, T, h, cb, passes=full - 1),
+           matmul("expert_fc1", E / ep, rows * ep * cap, h, M / t, cb, passes=full),
+           matmul("expert_fc2", E / ep, rows * ep * cap, M / t, h, cb, passes=full),
+           matmul("combine", rows, T, E * cap, h, cb, passes=full)]
+    if m.shared_mlp:
+        out += [matmul("shared_fc1", 1, tokens, h, m.shared_mlp / t, cb, passes=full),
+                matmul("shared_fc2", 1, tokens, m.shared_mlp / t, h, cb, passes=full)]
+    return out
 
 
 def kernel_seconds(k: Kernel, cluster: Cluster, dtype: str) -> float:
@@ -127,15 +175,20 @@ def kernel_seconds(k: Kernel, cluster: Cluster, dtype: str) -> float:
     return k.count * max(compute, k.bytes / bw if bw > 0 else 0.0)
 
 
-def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float) -> float:
+def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, moe: bool = False) -> float:
     """Bytes one device reads and writes in the memory-bound ops of one layer per micro-batch of ``rows``
     sequences, in training (see :func:`jaxpar.cost.time.elementwise_bytes` for the ops counted).
 
+    Under CP a device has ``s/C`` tokens and its method's share of the softmax
+    (:func:`~jaxpar.cost.context_experts.score_fraction` of ``s^2`` per head); in an MoE layer the
+    GELU runs on the capacity slots (``E·cap/T`` per token, of width ``M/t``) and the shared experts'.
+
     Args:
       m: the model.
-      plan: its ``tensor``, ``sequence_parallel`` and ``remat`` are read.
+      plan: its ``tensor``, ``sequence_parallel``, ``remat`` and CP are read.
       rows: sequences per micro-batch on one device.
       compute_bytes: bytes per activation value (the softmax is counted in fp32).
+      moe: an MoE layer.
 
     Returns:
       Bytes per layer and micro-batch (forward, backward and recomputation).
@@ -145,11 +198,16 @@ def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes
     ...     (10 * 128 + 2 * 512) * 4 + 2 * 8 * 64 * 4)
     True
     """
-    t = plan.tensor
+    t, C = plan.tensor, plan.context
     passes = 3 + (plan.remat == "full")
     resid = 10 * m.hidden / (t if plan.sequence_parallel else 1)
-    softmax = 2 * m.heads * m.seq / t * 4 * (passes + (plan.remat == "selective"))
-    return rows * m.seq * ((resid + 2 * m.mlp / t) * compute_bytes * passes + softmax)
+    mlp = 2 * m.mlp / t
+    if moe:
+        T = m.seq // C
+        mlp = 2 * m.experts * m.capacity(T) / T * m.expert_mlp / t + 2 * m.shared_mlp / t
+    keys = m.seq * C * score_fraction(plan.context_method, C, plan.context_balance)   # scores per query token
+    softmax = 2 * m.heads * keys / t * 4 * (passes + (plan.remat == "selective"))
+    return rows * (m.seq / C) * ((resid + mlp) * compute_bytes * passes + softmax)
 
 
 class Work(NamedTuple):
@@ -172,7 +230,7 @@ class Work(NamedTuple):
 
 
 def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: float, compute_bytes: float, *,
-               forward_only: bool = False) -> Work:
+               forward_only: bool = False, moe: bool = False) -> Work:
     """Seconds of one layer per micro-batch of ``rows`` sequences on one device.
 
     Args:
@@ -180,14 +238,15 @@ def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: flo
       rows: sequences per micro-batch on one device.
       compute_bytes: bytes per value.
       forward_only: the plain forward instead of training (forward, backward, recomputation).
+      moe: an MoE layer.
 
     Returns:
       A :class:`Work`: the matmuls' seconds (:func:`layer_kernels`) and the elementwise ops' seconds.
     """
     kernels = sum(kernel_seconds(k, cluster, dtype) * (1 if forward_only else k.passes)
-                  for k in layer_kernels(m, plan, rows, compute_bytes))
+                  for k in layer_kernels(m, plan, rows, compute_bytes, moe))
     bw = cluster.stream_bandwidth
-    elem = layer_elementwise_bytes(m, plan, rows, compute_bytes) / bw if bw > 0 else 0.0
+    elem = layer_elementwise_bytes(m, plan, rows, compute_bytes, moe) / bw if bw > 0 else 0.0
     if forward_only:
         elem /= 3 + (plan.remat == "full")
     return Work(kernels, elem)
@@ -212,7 +271,7 @@ def end_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: float
     >>> 0 < first.kernels < last.kernels, first.elementwise
     (True, 0.0)
     """
-    tokens, cb, vt = rows * m.seq, compute_bytes, m.vocab / plan.tensor
+    tokens, cb, vt = rows * m.seq / plan.context, compute_bytes, m.vocab / plan.tensor
     head = matmul("head", 1, tokens, m.hidden, vt, cb, passes=3)
     loss = Kernel("loss", 0.0, tokens * vt * (2 * cb + 8))
     embed = Kernel("embedding", 0.0, 6 * tokens * m.hidden * cb)

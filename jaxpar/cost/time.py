@@ -10,10 +10,14 @@ MLP width ``f``, vocabulary ``V``):
   al. (2021, eq. 3): :func:`narayanan_flops` ``= 96Bslh²(1 + s/(6h) + V/(16lh))``.
 * MFU counts the model FLOPs without recomputation; per token that is ``6N + 12lhs`` for
   ``N`` non-embedding parameters (Kaplan et al. 2020 / PaLM appendix B): :func:`flops_per_token`.
+* An MoE layer's forward counts its *active* MLP, ``top_k`` experts of width ``M`` per token, the
+  router ``2shE`` and the shared experts (the capacity's padding slots and the dense dispatch are
+  time, :mod:`jaxpar.cost.roofline`, not model FLOPs).
 
 The collectives of a step (:func:`jaxpar.cost.traffic.comms`) are timed with
 :mod:`jaxpar.cost.collectives` on the links the mesh axis spans (:func:`axis_groups`: mesh
-order ``pipe, data, fsdp, tensor``, ``tensor`` innermost; a group spread over nodes runs
+order ``pipe, data, fsdp, expert, context, tensor``, ``tensor`` innermost, so a ``context`` or
+``expert`` group lies in a node as long as it and the axes inside it fit there; a group spread over nodes runs
 hierarchically: reduce-scatter in the node, the collective across nodes on ``1/p_in`` of the
 bytes, all-gather in the node).
 
@@ -51,10 +55,10 @@ from .cluster import Cluster
 from .memory import REMAT, leaf_shard_counts, schedule_stats, sizes_key
 from .model import ModelSpec
 from .parallel import AXES, Plan
-from .roofline import Work, end_work, layer_elementwise_bytes, layer_work
+from .roofline import Work, end_work, kernel_seconds, layer_elementwise_bytes, layer_kernels, layer_work
 from .traffic import Comm, bytes_per_axis, comms
 
-__all__ = ["Overlap", "behind_backward", "StepTime", "flops_per_token", "narayanan_flops", "step_flops", "model_flops",
+__all__ = ["Overlap", "behind_backward", "ring_step_seconds", "StepTime", "flops_per_token", "narayanan_flops", "step_flops", "model_flops",
            "update_bytes", "elementwise_bytes", "axis_groups", "comm_time", "bubble", "step_time"]
 
 
@@ -75,18 +79,32 @@ def narayanan_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) 
     return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
 
 
-def _layer_forward(m: ModelSpec) -> float:
+def _layer_forward(m: ModelSpec, moe: bool = False) -> float:
     s, h = m.seq, m.hidden
+    if moe:
+        mlp = 2 * h * (m.top_k * m.expert_mlp + m.shared_mlp) + h * m.experts
+        return 2 * s * (4 * h * h + mlp) + 4 * s * s * h
     return 2 * s * (4 * h * h + 2 * h * m.mlp) + 4 * s * s * h
 
 
 def step_flops(m: ModelSpec, remat: str = "none") -> float:
-    """FLOPs of one training step of the global batch, recomputation included."""
+    """FLOPs of one training step of the global batch, recomputation included.
+
+    >>> from jaxpar.cost.model import gpt
+    >>> dense, moe = gpt(2, 64, 4, 32, 128, 8), gpt(2, 64, 4, 32, 128, 8, experts=8, top_k=1)
+    >>> step_flops(moe) - step_flops(dense) == 8 * 2 * 3 * 2 * 32 * 64 * 8      # top-1: + the router only
+    True
+    """
     if remat not in REMAT:
         raise ValueError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
-    fwd = _layer_forward(m)
-    extra = {"none": 0.0, "selective": 4 * m.seq**2 * m.hidden, "full": fwd}[remat]
-    return m.batch * (m.layers * (3 * fwd + extra) + 6 * m.seq * m.hidden * m.vocab)
+    n_moe = m.moe_layers
+    layers = 0.0
+    for n, moe in ((m.layers - n_moe, False), (n_moe, True)):
+        if n:
+            fwd = _layer_forward(m, moe)
+            extra = {"none": 0.0, "selective": 4 * m.seq**2 * m.hidden, "full": fwd}[remat]
+            layers += n * (3 * fwd + extra)
+    return m.batch * (layers + 6 * m.seq * m.hidden * m.vocab)
 
 
 def model_flops(m: ModelSpec) -> float:
@@ -152,20 +170,26 @@ def bubble(schedule: str, pipe: int, microbatches: int, virtual: int = 1) -> flo
 class Overlap:
     """Fraction of each axis group's collective time hidden behind compute (0 = none), and whether the
     data-axis gradient reductions run behind the last micro-batch's backward (``grads_in_backward``:
-    bucketed DDP; the hidden part is read from the schedule, :func:`behind_backward`)."""
+    bucketed DDP; the hidden part is read from the schedule, :func:`behind_backward`), and whether the
+    ring attention's hops run behind the blocks of their ring step (``ring_behind_blocks``, Liu et al.
+    2023: a hop is exposed as far as it outlasts the step's block compute, :func:`ring_step_seconds`)."""
 
     data: float = 0.0
     tensor: float = 0.0
     pipeline: float = 0.0
     grads_in_backward: bool = False
+    context: float = 0.0
+    expert: float = 0.0
+    ring_behind_blocks: bool = False
 
     def __post_init__(self):
-        for k in ("data", "tensor", "pipeline"):
+        for k in ("data", "tensor", "pipeline", "context", "expert"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ValueError(f"Overlap.{k}={v!r}: must be a fraction in [0, 1].")
-        if not isinstance(self.grads_in_backward, bool):
-            raise ValueError(f"Overlap.grads_in_backward={self.grads_in_backward!r}: must be True or False.")
+        for k in ("grads_in_backward", "ring_behind_blocks"):
+            if not isinstance(getattr(self, k), bool):
+                raise ValueError(f"Overlap.{k}={getattr(self, k)!r}: must be True or False.")
 
 
 def behind_backward(reduce_s: float, backward_s: float, layers: int) -> float:
@@ -197,7 +221,8 @@ class StepTime:
     loss, through the pipeline schedule), exposed ``data`` / ``tensor`` / ``pipeline`` communication,
     ``bubble`` fraction, ``mfu``, bytes per axis, the ``optimizer`` update and the blocks' ``elementwise``
     ops (both memory bound: :func:`update_bytes` and :func:`elementwise_bytes` over the cluster's
-    streaming bandwidth; the latter through the schedule like ``compute``)."""
+    streaming bandwidth; the latter through the schedule like ``compute``), and the exposed ``context``
+    (CP) and ``expert`` (EP all-to-all) communication."""
 
     compute: float
     data: float
@@ -208,10 +233,13 @@ class StepTime:
     bytes_per_axis: dict = field(default_factory=dict)
     optimizer: float = 0.0
     elementwise: float = 0.0
+    context: float = 0.0
+    expert: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.elementwise + self.data + self.tensor + self.pipeline + self.optimizer
+        return (self.compute + self.elementwise + self.data + self.tensor + self.pipeline + self.optimizer
+                + self.context + self.expert)
 
 
 def update_bytes(m: ModelSpec, plan: Plan, grad_bytes: float = 4) -> float:
@@ -250,8 +278,10 @@ def elementwise_bytes(m: ModelSpec, plan: Plan, compute_bytes: float = 2) -> flo
     >>> elementwise_bytes(m, Plan(), 4) == 3 * 16 * 64 * 4 * 4 * (10 * 128 + 2 * 512 + 2 * 8 * 64), round(tp / sp, 2)
     (True, 3.69)
     """
-    rows = m.batch / (plan.data * plan.fsdp)               # sequences per device per step
-    return layer_elementwise_bytes(m, plan, rows, compute_bytes) * (m.layers // plan.pipe)
+    rows = m.batch / plan.batch_split                      # sequences per device per step
+    n_moe = m.moe_layers / plan.pipe
+    dense = layer_elementwise_bytes(m, plan, rows, compute_bytes) * (m.layers // plan.pipe - n_moe)
+    return dense + (layer_elementwise_bytes(m, plan, rows, compute_bytes, True) * n_moe if n_moe else 0.0)
 
 
 def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, b: float) -> tuple[Work, float]:
@@ -259,12 +289,19 @@ def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, 
     seconds of one micro-batch on a device (recomputation included). Per micro-batch a stage runs its
     layers, the first stage also the embedding and the last the head and loss: the step takes ``m`` times
     the busiest stage's micro-batch plus the schedule's bubble, ``m * b / (1 - b)`` times the mean's."""
-    rows = m.batch / (plan.data * plan.fsdp * plan.microbatches)
+    rows = m.batch / (plan.batch_split * plan.microbatches)
     n = m.layers // plan.pipe
+    n_moe = m.moe_layers / plan.pipe          # MoE layers per stage (spread evenly)
     layer = layer_work(m, plan, cluster, dtype, rows, cb)
     forward = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True)
     first, last = end_work(m, plan, cluster, dtype, rows, cb)
     blocks = layer.times(n)
+    backward = n * (layer.total - forward.total)
+    if n_moe:
+        moe = layer_work(m, plan, cluster, dtype, rows, cb, moe=True)
+        moe_fwd = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True, moe=True)
+        blocks = layer.times(n - n_moe) + moe.times(n_moe)
+        backward = (n - n_moe) * (layer.total - forward.total) + n_moe * (moe.total - moe_fwd.total)
     if plan.pipe == 1:
         busiest = blocks + first + last
     else:
@@ -272,7 +309,31 @@ def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, 
     mean = blocks + (first + last).times(1 / plan.pipe)
     mb = plan.microbatches
     step = busiest.times(mb) + mean.times(mb * b / (1 - b))
-    return step, n * (layer.total - forward.total)
+    return step, backward
+
+
+def ring_step_seconds(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, compute_bytes: float) -> dict:
+    """Seconds of one ring step's blocks on one device, forward and backward: the layer's attention kernels
+    (:func:`~jaxpar.cost.roofline.layer_kernels`' ``scores`` and ``context``) over the ``C`` steps.
+
+    Returns:
+      ``{"forward": s, "backward": s}`` ({} without a ring).
+
+    >>> from jaxpar.cost.cluster import load_cluster
+    >>> from jaxpar.cost.model import gpt
+    >>> s = ring_step_seconds(gpt(2, 64, 4, 4096, 128, 8), Plan(context=4), load_cluster("h100"), "bfloat16", 2)
+    >>> round(s["backward"] / s["forward"], 3)       # the scores again, dP, dV, dQ, dK: 5 matmuls of the 2 forward
+    2.5
+    """
+    if plan.context == 1 or plan.context_method != "ring":
+        return {}
+    rows = m.batch / (plan.batch_split * plan.microbatches)
+    ks = {k.name: k for k in layer_kernels(m, plan, rows, compute_bytes) if k.name in ("scores", "context")}
+    redo = plan.remat != "none"
+    sec = {n: kernel_seconds(k, cluster, dtype) for n, k in ks.items()}
+    forward = sec["scores"] + sec["context"]
+    backward = sum(sec[n] * (ks[n].passes - 1 - redo) for n in ks)
+    return {"forward": forward / plan.context, "backward": backward / plan.context}
 
 
 def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloat16", lowering: str = "ideal",
@@ -291,12 +352,14 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     sizes = plan.sizes
     b = bubble(plan.schedule, plan.pipe, plan.microbatches, plan.virtual)
     work, backward = _compute(m, plan, cluster, dtype, cb, b)
-    spent = {"data": 0.0, "tensor": 0.0, "pipeline": 0.0}
+    spent = {"data": 0.0, "tensor": 0.0, "pipeline": 0.0, "context": 0.0, "expert": 0.0}
     grads = 0.0
     cs = comms(m, plan, lowering=lowering, compute_bytes=cb, grad_bytes=gb)
+    steps = ring_step_seconds(m, plan, cluster, dtype, cb) if overlap.ring_behind_blocks else {}
     for c in cs:
-        group = "pipeline" if c.phase == "pipeline" else "tensor" if c.phase in ("tensor", "loss") else "data"
-        seconds = c.count * comm_time(c, sizes, cluster)
+        group = c.phase if c.phase in ("pipeline", "context", "expert") else \
+            "tensor" if c.phase in ("tensor", "loss") else "data"
+        seconds = c.count * max(0.0, comm_time(c, sizes, cluster) - steps.get(c.behind, 0.0))
         if group == "data" and c.phase == "grads" and overlap.grads_in_backward:
             grads += seconds
         else:
@@ -308,4 +371,4 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     total = work.total + sum(exposed.values()) + opt
     mfu = model_flops(m) / (total * plan.devices * cluster.peak(dtype))
     return StepTime(work.kernels, exposed["data"], exposed["tensor"], exposed["pipeline"], b, mfu,
-                    bytes_per_axis(cs), opt, work.elementwise)
+                    bytes_per_axis(cs), opt, work.elementwise, exposed["context"], exposed["expert"])

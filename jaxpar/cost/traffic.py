@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Mapping
 
+from .context_experts import context_collectives, expert_collectives, expert_slots, ring_hops
 from .memory import leaf_shard_counts, pipe_end, sizes_key, zero_axes
 from .model import Leaf, ModelSpec
-from .parallel import AXES, Plan
+from .parallel import AXES, BATCH_AXES, Plan
 
 __all__ = ["LOWERINGS", "outer_at_ends", "Comm", "comms", "bytes_per_axis"]
 
@@ -74,6 +75,7 @@ class Comm:
     bytes: float
     count: float
     phase: str
+    behind: str = ""       # the ring's hops: the ring step's blocks they can run behind ("forward" / "backward")
 
     def buffer_bytes(self, sizes: Mapping[str, int]) -> float:
         """The ``n`` of :mod:`jaxpar.cost.collectives`: a reduce-scatter's input is ``p`` results."""
@@ -110,23 +112,49 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
     sizes = plan.sizes
     out: list[Comm] = []
 
-    def add(kind, axes, nbytes, count, phase):
+    def add(kind, axes, nbytes, count, phase, behind=""):
         axes = _axes(sizes, axes)
         if axes and nbytes > 0 and count > 0:
-            out.append(Comm(kind, axes, float(nbytes), count, phase))
+            out.append(Comm(kind, axes, float(nbytes), count, phase, behind))
 
-    rows = m.batch / (plan.data * plan.fsdp * plan.microbatches)   # sequences per device per micro-batch
-    act = rows * m.seq * m.hidden * compute_bytes                   # one activation of the residual stream
+    rows = m.batch / (plan.batch_split * plan.microbatches)        # sequences per device per micro-batch
+    seq = m.seq / plan.context                                      # their tokens on this device
+    act = rows * seq * m.hidden * compute_bytes                     # one activation of the residual stream
     if plan.tensor > 1:
-        _tensor_comms(add, m, plan, act, rows * m.seq * 4, lowering)
+        _tensor_comms(add, m, plan, act, rows * seq * 4, lowering, rows * compute_bytes)
+    if plan.context > 1 or (plan.expert > 1 and m.moe_layers):
+        _context_expert_comms(add, m, plan, act / plan.tensor, rows, compute_bytes)
     if plan.pipe > 1:
         _pipe_comms(add, m, plan, act, lowering, grad_bytes)
-    if _axes(sizes, ("data", "fsdp")):
+    if _axes(sizes, GRAD_AXES):
         out += _data_comms(m, plan, lowering, compute_bytes, grad_bytes)
     return out
 
 
-def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lowering: str) -> None:
+#: The axes over which a parameter's gradient is summed, unless the parameter is split over it.
+GRAD_AXES = BATCH_AXES + ("context",)
+
+
+def _context_expert_comms(add, m: ModelSpec, plan: Plan, kv: float, rows: float, cb: float) -> None:
+    """CP: the method's collectives per layer and micro-batch
+    (:func:`~jaxpar.cost.context_experts.context_collectives`); EP: 4 all-to-alls per MoE layer and micro-batch
+    (:func:`~jaxpar.cost.context_experts.expert_collectives`)."""
+    mb = plan.microbatches
+    if plan.context > 1:
+        n_layer = (m.layers // plan.pipe) * mb
+        if plan.context_method == "ring":
+            for kind, nbytes, count, behind in ring_hops(plan.context, kv, cb, plan.remat != "none"):
+                add(kind, ("context",), nbytes, count * n_layer, "context", behind)
+        for kind, nbytes, count in (context_collectives(plan.context_method, plan.context, kv, cb, plan.remat)
+                                    if plan.context_method != "ring" else ()):
+            add(kind, ("context",), nbytes, count * n_layer, "context")
+    if m.moe_layers:
+        n_moe = m.moe_layers / plan.pipe * mb
+        for kind, nbytes, count in expert_collectives(m, rows, plan.context, cb, plan.remat):
+            add(kind, ("expert",), nbytes, count * n_moe, "expert")
+
+
+def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lowering: str, row_bytes: float) -> None:
     """TP / SP: per layer per micro-batch, then the embedding, the head and the loss (``stats``: fp32
     softmax statistics). With a pipeline the embedding (first stage) and the head (last) are apart:
     the busiest stage, the last, has only the head's.
@@ -135,9 +163,17 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
     TPU compilers; XLA:CPU reduces each of the ``qkv_inputs``). Recomputation (``remat`` other than
     ``none``) runs the layer forward again up to its attention block's output: one more reduction
     (TP) or two all-gathers and one reduce-scatter (SP) per layer; Megatron's full recomputation runs
-    the whole layer forward again (two reductions; two all-gathers and two reduce-scatters)."""
+    the whole layer forward again (two reductions; two all-gathers and two reduce-scatters).
+
+    An MoE layer without SP reduces its experts' row-parallel output (and its input gradient) on the
+    capacity buffer, ``slots * h`` (``row_bytes``: bytes per value times sequences per device), in place of
+    the MLP's activation; under SP the MoE layer is counted as a dense one (an approximation)."""
     t, mb = plan.tensor, plan.microbatches
     n_layer = (m.layers // plan.pipe) * mb
+    moe = 0            # MoE layers whose MLP reductions are on the capacity buffer
+    if m.moe_layers and not plan.sequence_parallel and lowering != "megatron":
+        moe = m.moe_layers / plan.pipe * mb
+        add("all-reduce", ("tensor",), expert_slots(m, 1, plan.context) * row_bytes * m.hidden, 2 * moe, "tensor")
     ends = 1 if plan.pipe > 1 else 2
     cpu = lowering == "xla-cpu"
     if lowering == "megatron":
@@ -146,7 +182,7 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
         redo = 0 if cpu or plan.remat == "none" else 1
     if not plan.sequence_parallel:
         bwd = 1 + m.qkv_inputs if cpu else 2
-        add("all-reduce", ("tensor",), act, (2 + bwd + redo) * n_layer, "tensor")
+        add("all-reduce", ("tensor",), act, (2 + bwd + redo) * n_layer - 2 * moe, "tensor")
         add("all-reduce", ("tensor",), act, ends * mb, "tensor")         # embedding forward, head backward
     else:
         add("all-gather", ("tensor",), act, (4 + (2 if redo else 0)) * n_layer, "tensor")   # 2 fwd, 2 bwd
@@ -219,8 +255,7 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
     cpu = lowering == "xla-cpu"
     sizes = plan.sizes
     d, f, t, mb = plan.data, plan.fsdp, plan.tensor, plan.microbatches
-    layers_dev = m.layers // plan.pipe
-    data_axes = _axes(sizes, ("data", "fsdp"))
+    base_axes = _axes(sizes, ("data", "fsdp"))
     g_axes, p_axes = zero_axes(sizes, plan.zero, "grads"), zero_axes(sizes, plan.zero, "params")
     o_axes = zero_axes(sizes, plan.zero, "opt")
     explicit = t == 1 and plan.pipe == 1 and ((d > 1 and plan.zero >= 2) or f > 1)
@@ -233,8 +268,10 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
     key = sizes_key(sizes)
     for leaf in m.leaves:
         n_p, _, _, local, shardable = leaf_shard_counts(leaf, key, plan.zero)
-        count = layers_dev if leaf.stacked else 1
-        per = local / (layers_dev if leaf.stacked else 1)          # one layer's slice
+        # summed over the axes that split the tokens, except ``expert`` for the experts' own weights
+        data_axes = _axes(sizes, [a for a in GRAD_AXES if not (a == "expert" and "experts" in leaf.logical)])
+        count = leaf.shape[0] // plan.pipe if leaf.stacked else 1       # the device's layers of this leaf
+        per = local / count                                             # one layer's slice
         g = per * grad_bytes * (_sp_grad_scale(m, leaf, t) if cpu and plan.sequence_parallel else 1)
         n_g = math.prod(sizes[a] for a in g_axes) if shardable else 1
         if end is None or leaf.stacked or pipe_end(leaf) == end:      # gradients
@@ -253,10 +290,10 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
             elif explicit and leaf.stacked and shardable:
                 acc("reduce-scatter", g_axes, g / n_g, count, "grads")
                 acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count, "grads")
-            elif len(data_axes) == 2 and plan.zero < 2 and _is_matmul(leaf) and shardable and not (
+            elif len(base_axes) == 2 and plan.zero < 2 and _is_matmul(leaf) and shardable and not (
                     plan.sequence_parallel and _is_row_parallel(leaf)):   # SP: reduced in its region, all at once
                 acc("all-reduce", ("fsdp",), g, count * per_mb, "grads")   # fsdp first, then the shard over data
-                acc("all-reduce", ("data",), g / f, count * per_mb, "grads")
+                acc("all-reduce", set(data_axes) - {"fsdp"}, g / f, count * per_mb, "grads")
             else:
                 acc("all-reduce", data_axes, g, count * per_mb, "grads")
         # parameters: ZeRO-3 / FSDP gathers (forward, and again in the backward for the layers)

@@ -1,0 +1,205 @@
+"""Context parallelism (CP) and expert parallelism (EP) in the cost model: the per-layer collectives,
+the attention work and memory of each CP method, and the MoE layer's kernels and memory.
+
+The runtime is the ground truth (:mod:`jaxpar.context`, :mod:`jaxpar.moe`). Per layer and micro-batch,
+on one device, with ``r`` sequences of ``s`` tokens split over ``C`` context devices, ``t``-way tensor
+parallelism, hidden ``h`` and ``cb`` bytes per value, one shard of K (or V) is
+``kv = r·(s/C)·(h/t)·cb`` bytes:
+
+===========  ===================================  ======================================  ===============
+method       forward                              backward                                recomputation
+===========  ===================================  ======================================  ===============
+ring         ``C-1`` permutes of ``2kv`` (K, V)   ``C-1`` permutes of ``2kv + 2kv·4/cb``  ``C-1`` permutes
+                                                  (K, V and fp32 dK, dV), 1 of ``2kv·4/cb``
+all_gather   2 all-gathers of ``C·kv`` (K, V)     2 reduce-scatters to ``kv`` (dK, dV)    2 all-gathers
+ulysses      4 all-to-alls of ``kv`` (q, k, v in, 4 all-to-alls of ``kv``                 4 all-to-alls
+             the output back)
+===========  ===================================  ======================================  ===============
+
+(bytes as the HLO inventory counts them: the result on one device; "recomputation": any remat policy
+re-runs the attention forward). EP: per MoE layer, 2 all-to-alls over ``expert`` forward and 2 backward
+(2 more under full recomputation), each of the device's capacity buffer ``g·E·cap·h·cb`` bytes
+(``g`` groups = its sequences, ``E`` experts, ``cap`` = :meth:`~jaxpar.cost.model.ModelSpec.capacity` of a
+group of ``s/C`` tokens).
+
+**Attention work per device** (:func:`score_fraction`, of the ``s x s`` scores per head, counted as the
+dense path counts them: the whole square, masked; a kernel that skips the masked half saves the same
+share everywhere): ``1/C`` for every method in the balanced layout (balanced causal: each device does the
+same share; the ring computes ``2C+1`` of the ``4C^2`` blocks of ``s/2C``, half of its ``1/C`` counted
+this way, as the dense path computes twice the causal work; :func:`jaxpar.context.ring_block_pairs`), and
+for all-gather and Ulysses in any layout (they compute their ``[s/C, s]`` or ``[a/C, s, s]`` scores whole).
+The natural-order ring waits for its busiest device, the last, whose ``C`` blocks of ``s/C`` are all
+unmasked but the diagonal one: ``(2C-1)/C^2``, about twice the balanced share.
+
+**Memory per layer** (kept for the backward, Korthikanti et al.'s terms at ``s/C`` tokens): the ring keeps
+no scores (q, k, v, out and the logsumexp only), all-gather keeps ``5·r·(a/t)·s^2/C`` bytes of scores
+(the ``5as/h`` term at ``1/C``) and the gathered K, V (``2·r·(s - s/C)·h/t·cb``), Ulysses the same scores
+at ``a/C`` heads. The transient of the layer in flight (:func:`context_working_bytes`): the ring's two
+fp32 score blocks, the K/V block arriving and the fp32 dK/dV accumulators; all-gather's two fp32
+``[s/C, s]`` score arrays and the whole K, V; Ulysses' two fp32 ``[a/C, s, s]`` arrays.
+
+Example::
+
+    >>> score_fraction("ring", 4, True), score_fraction("ring", 4, False), score_fraction("ring", 1, False)
+    (0.25, 0.4375, 1.0)
+    >>> [(k, n, c) for k, n, c in context_collectives("all_gather", 4, 1000.0, 2, "none")]
+    [('all-gather', 4000.0, 2), ('reduce-scatter', 1000.0, 2)]
+"""
+from __future__ import annotations
+
+from .model import ModelSpec
+
+__all__ = ["score_fraction", "context_collectives", "ring_hops", "expert_slots", "expert_collectives", "context_score_bytes",
+           "context_working_bytes", "moe_mlp_bytes", "dense_mlp_bytes"]
+
+
+def score_fraction(method: str, context: int, balance: bool) -> float:
+    """The attention scores one device computes, as a fraction of the whole ``s x s`` square per head.
+
+    Args:
+      method: ``ring``, ``all_gather`` or ``ulysses``.
+      context: the CP degree ``C``.
+      balance: the balanced (zig-zag) layout.
+
+    Returns:
+      ``(2C-1)/C^2`` for the natural-order ring (its busiest device), ``1/C`` otherwise; 1 without CP.
+    """
+    if context == 1:
+        return 1.0
+    if method == "ring" and not balance:
+        return (2 * context - 1) / (context * context)
+    return 1.0 / context
+
+
+def context_collectives(method: str, context: int, kv: float, compute_bytes: float, remat: str
+                        ) -> list[tuple[str, float, int]]:
+    """The CP collectives of one layer and micro-batch on one device (the module's table).
+
+    Args:
+      method: ``ring``, ``all_gather`` or ``ulysses``.
+      context: the CP degree ``C`` (> 1).
+      kv: bytes of one device's K (or V) shard, ``r·(s/C)·(h/t)·cb``.
+      compute_bytes: ``cb``, bytes per value of K and V (the ring's dK/dV travel in fp32).
+      remat: the recomputation policy (any but ``none`` re-runs the attention forward).
+
+    Returns:
+      ``[(kind, bytes of the result on one device, count)]``; the ring's are listed forward hops, backward
+      hops, then the last hop (see :func:`ring_hops`).
+    """
+    redo = remat != "none"
+    C = context
+    if method == "ring":
+        return [(kind, n, count) for kind, n, count, _ in ring_hops(C, kv, compute_bytes, redo)]
+    if method == "all_gather":
+        return [("all-gather", C * kv, 2 * (1 + redo)), ("reduce-scatter", kv, 2)]
+    return [("all-to-all", kv, 4 * (1 + redo) + 4)]
+
+
+def ring_hops(context: int, kv: float, compute_bytes: float, redo: bool) -> list[tuple[str, float, int, str]]:
+    """The ring's permutes of one layer and micro-batch, each with the ring step it can run behind
+    (``forward`` / ``backward``: the blocks of one step, Liu et al. 2023, "Ring Attention with Blockwise
+    Transformers", §3; ``""``: the last hop of the dK/dV accumulators, after the last step).
+
+    >>> ring_hops(4, 10.0, 2, False)
+    [('collective-permute', 20.0, 3, 'forward'), ('collective-permute', 60.0, 3, 'backward'), ('collective-permute', 40.0, 1, '')]
+    """
+    grads = 2 * kv * 4 / compute_bytes
+    C = context
+    return [("collective-permute", 2 * kv, (C - 1) * (1 + redo), "forward"),
+            ("collective-permute", 2 * kv + grads, C - 1, "backward"),
+            ("collective-permute", grads, 1, "")]
+
+
+def expert_slots(m: ModelSpec, rows: float, context: int) -> float:
+    """Capacity slots of one device's buffer in an MoE layer: ``rows`` groups (sequences; under CP each
+    device's ``s/C`` tokens of a sequence are a group) of ``E * cap`` slots.
+
+    >>> from jaxpar.cost.model import gpt
+    >>> expert_slots(gpt(2, 64, 4, 32, 128, 8, experts=8, top_k=2, capacity_factor=1.0), 2, 1)   # 2 * 8 * 8
+    128
+    """
+    return rows * m.experts * m.capacity(m.seq // context)
+
+
+def expert_collectives(m: ModelSpec, rows: float, context: int, compute_bytes: float, remat: str
+                       ) -> list[tuple[str, float, int]]:
+    """The EP all-to-alls of one MoE layer and micro-batch on one device: 2 forward, 2 backward (and 2
+    recomputed under full recomputation) of the capacity buffer, ``slots·h·cb`` bytes each.
+
+    >>> from jaxpar.cost.model import gpt
+    >>> expert_collectives(gpt(2, 64, 4, 32, 128, 8, experts=8, capacity_factor=1.0), 2, 1, 2, "none")
+    [('all-to-all', 16384, 4)]
+    """
+    return [("all-to-all", expert_slots(m, rows, context) * m.hidden * compute_bytes, 4 + 2 * (remat == "full"))]
+
+
+def context_score_bytes(m: ModelSpec, rows: float, tensor: int, context: int, method: str, remat: str,
+                        bytes_per_value: float) -> float:
+    """Bytes of one layer's attention scores (and all-gather's gathered K/V) kept for the backward under
+    CP (module doc): 0 for the ring and under recomputation.
+
+    >>> from jaxpar.cost.model import gpt
+    >>> m = gpt(2, 64, 4, 32, 128, 8)
+    >>> context_score_bytes(m, 1, 1, 4, "ulysses", "none", 2) == 5 * 4 * 32 * 32 / 4
+    True
+    """
+    if remat != "none" or method == "ring":
+        return 0.0
+    s, a, t = m.seq, m.heads, tensor
+    scores = 5 * rows * a / t * s * s / context * bytes_per_value / 2
+    if method == "all_gather":
+        scores += 2 * rows * (s - s / context) * m.hidden / t * bytes_per_value
+    return scores
+
+
+def context_working_bytes(m: ModelSpec, rows: float, tensor: int, context: int, method: str, balance: bool,
+                          compute_bytes: float) -> float:
+    """The transient bytes of the attention of the one layer in flight under CP (module doc).
+
+    >>> from jaxpar.cost.model import gpt
+    >>> m = gpt(2, 64, 4, 32, 128, 8)
+    >>> context_working_bytes(m, 1, 1, 4, "all_gather", True, 2) == 2 * 4 * 8 * 32 * 4 + 2 * 32 * 64 * 2
+    True
+    """
+    s, a, t, C = m.seq, m.heads, tensor, context
+    kv = rows * s / C * m.hidden / t * compute_bytes
+    if method == "ring":
+        block = s / (2 * C if balance else C)
+        return 2 * rows * a / t * block * block * 4 + 2 * kv + 4 * kv * 4 / compute_bytes
+    if method == "all_gather":
+        return 2 * rows * a / t * (s / C) * s * 4 + 2 * rows * s * m.hidden / t * compute_bytes
+    return 2 * rows * a / (t * C) * s * s * 4 + 4 * kv
+
+
+def dense_mlp_bytes(tokens: float, hidden: int, tensor: int, sequence_parallel: bool,
+                    bytes_per_value: float) -> float:
+    """Korthikanti et al.'s MLP share of a layer's activations: ``sbh(3 + 16/t)`` (``19 sbh / t`` with
+    SP) at 16 bits, scaled to ``bytes_per_value``.
+
+    >>> dense_mlp_bytes(10, 4, 2, False, 2)
+    440.0
+    """
+    per = 19 / tensor if sequence_parallel else 3 + 16 / tensor
+    return tokens * hidden * per * bytes_per_value / 2
+
+
+def moe_mlp_bytes(m: ModelSpec, rows: float, tensor: int, context: int, sequence_parallel: bool,
+                  bytes_per_value: float) -> float:
+    """Bytes an MoE layer's MLP keeps for the backward on one device, in place of :func:`dense_mlp_bytes`:
+    its input (``N·h``, ``/t`` with SP), the dispatch and combine masks (``N·E·cap`` each), the capacity
+    buffers into and out of the experts (``slots·h`` each), the experts' hidden before and after the GELU
+    (``slots·M/t`` each), the shared experts' (``N·S/t`` each) and the router's fp32 logits and
+    probabilities (``2·N·E`` fp32). ``N = rows·s/C`` tokens, ``slots`` = :func:`expert_slots`.
+
+    >>> from jaxpar.cost.model import gpt
+    >>> m = gpt(2, 64, 4, 32, 128, 8, experts=8, top_k=2, capacity_factor=1.0)
+    >>> moe_mlp_bytes(m, 1, 1, 1, False, 2) == 2 * (32 * 64 + 2 * 32 * 8 * 8 + 2 * 64 * 64 + 2 * 64 * 256) + 8 * 32 * 8
+    True
+    """
+    t = tensor
+    n = rows * m.seq / context
+    slots = expert_slots(m, rows, context)
+    cap = m.capacity(m.seq // context)
+    values = (n * m.hidden / (t if sequence_parallel else 1) + 2 * n * m.experts * cap + 2 * slots * m.hidden
+              + 2 * slots * m.expert_mlp / t + 2 * n * m.shared_mlp / t)
+    return values * bytes_per_value + 2 * n * m.experts * 4

@@ -1,0 +1,281 @@
+"""Context parallelism (CP) and expert parallelism (EP) in the cost model and the planner (pure Python).
+
+Every expected number below is derived here from the formulas of docs/planning.md ("CP and EP"), the
+runtime's collectives (jaxpar/context, jaxpar/moe) and the link's alpha and beta, not read from the code.
+"""
+import math
+
+import pytest
+
+from jaxpar import cost
+from jaxpar.cost import collectives as C
+from jaxpar.cost.cluster import cluster_from_dict
+from jaxpar.cost.context_experts import context_working_bytes, score_fraction
+from jaxpar.cost.memory import activation_bytes_per_layer, layer_activations, memory_per_device, state_bytes
+from jaxpar.cost.parallel import Plan
+from jaxpar.cost.plan import PlanError, evaluate
+from jaxpar.cost.roofline import layer_kernels
+from jaxpar.cost.time import Overlap, model_flops, step_time
+from jaxpar.cost.traffic import comms
+
+H100 = cost.load_cluster("h100")
+ALPHA, BETA = 10e-6, 1 / 450e9            # the h100 preset's NVLink: 10 us, 450 GB/s per direction
+SMALL = cost.gpt(layers=2, hidden=64, heads=4, seq=32, vocab=128, batch=16)
+MOE = cost.gpt(layers=4, hidden=64, heads=4, seq=32, vocab=128, batch=16, experts=8, top_k=2, capacity_factor=1.25,
+               moe_every=2)
+
+
+def slow_or_fast(bandwidth_gbps):
+    return cluster_from_dict({"devices_per_node": 8, "device_memory_gib": 80, "peak_tflops": {"bfloat16": 989},
+                              "memory_gbps": 3350, "gemm_half_gflop": 2,
+                              "intra_node": {"alpha_us": 10, "bandwidth_gbps": bandwidth_gbps}}, f"bw{bandwidth_gbps}")
+
+
+def context_comms(model, plan, **kw):
+    return [(c.kind, c.bytes, c.count) for c in comms(model, plan, **kw) if c.phase == "context"]
+
+
+# ----------------------------------------------------------------------------- plans and models
+def test_plan_axes_names_and_backward_compatible_defaults():
+    p = Plan(data=2, expert=2, context=2, context_method="ulysses")
+    assert p.name() == "dp2-ep2-cp2-ulysses" and p.devices == 8 and p.batch_split == 4
+    assert Plan(fsdp=2, context=4, context_balance=False).name() == "fsdp2-cp4-ring-natural"
+    assert list(p.sizes) == ["pipe", "data", "fsdp", "expert", "context", "tensor"]
+    old = Plan(pipe=4, data=2, tensor=8, zero=1, sequence_parallel=True, microbatches=8)
+    assert old.name() == "pp4-1f1b-m8-dp2-zero1-tp8-sp" and old.devices == 64
+    with pytest.raises(ValueError, match=r"Plan.context_method='rings': choose one of ring, all_gather, ulysses"):
+        Plan(context=2, context_method="rings")
+    with pytest.raises(ValueError, match=r"Plan.expert=0: must be a positive int"):
+        Plan(expert=0)
+
+
+def test_moe_model_leaves_and_capacity():
+    # 4 layers, every 2nd an MoE layer: 2 dense MLPs and 2 x 8 experts of width 4 * 64
+    assert MOE.moe_layers == 2 and MOE.expert_mlp == 256
+    assert MOE.leaf("blocks/w1").shape == (2, 64, 256)
+    assert MOE.leaf("blocks/moe_w1").shape == (2, 8, 64, 256)
+    assert MOE.capacity(32) == math.ceil(1.25 * 32 * 2 / 8) == 10
+    assert cost.gpt(2, 64, 4, 32, 128, 16, experts=8, capacity_factor=None).capacity(32) == 32     # dropless
+    # SMALL is the same GPT with its 2 dense layers; MOE adds 2 layers' attention and norms, and 2 MoE MLPs
+    moe_mlp = 8 * 2 * 64 * 256 + 64 * 8                     # 8 experts' w1, w2 and the router
+    assert MOE.n_params == SMALL.n_params + 2 * (4 * 64 * 64 + 4 * 64) + 2 * moe_mlp
+    with pytest.raises(ValueError, match=r"top_k=9 must be an int in \[1, experts=8\]"):
+        cost.gpt(2, 64, 4, 32, 128, 16, experts=8, top_k=9)
+    with pytest.raises(ValueError, match=r"capacity_factor=0 must be a finite number > 0"):
+        cost.gpt(2, 64, 4, 32, 128, 16, experts=8, capacity_factor=0)
+
+
+# ----------------------------------------------------------------------------- collectives
+def test_all_to_all_formula_and_bus_bytes():
+    """Pairwise exchange (Thakur et al. 2005, §3.5): p-1 steps of n/p bytes; nccl-tests' bus factor (p-1)/p."""
+    link = C.Link(ALPHA, BETA)
+    n, p = 2**20, 8
+    assert C.time("all-to-all", n, p, link, "pairwise") == pytest.approx(7 * ALPHA + 7 / 8 * n * BETA)
+    assert C.time("all-to-all", n, p, link, "bruck") == pytest.approx(3 * ALPHA + 3 * n / 2 * BETA)
+    assert C.bus_bytes("all-to-all", n, p) == 7 / 8 * n
+
+
+@pytest.mark.parametrize("remat", ["none", "selective"])
+def test_ring_permutes_per_layer_by_hand(remat):
+    """Ring, CP 4, r = 16 / 2 sequences: C-1 = 3 hops of K, V forward (again under recomputation), 3 of K, V
+    and fp32 dK, dV backward, and one last hop of dK, dV."""
+    plan = Plan(data=2, context=4, remat=remat)
+    kv = (16 / 2) * (32 / 4) * 64 * 2                     # one device's K shard, bf16
+    redo = remat != "none"
+    want = [("collective-permute", 2 * kv, 3 * (1 + redo) * 2),
+            ("collective-permute", 2 * kv + 2 * kv * 2, 3 * 2),
+            ("collective-permute", 2 * kv * 2, 1 * 2)]      # x 2 layers
+    assert context_comms(SMALL, plan) == want
+    seconds = sum(count * (ALPHA + n * BETA) for _, n, count in want)
+    assert step_time(SMALL, plan, H100).context == pytest.approx(seconds)
+
+
+def test_all_gather_and_ulysses_collectives_by_hand():
+    kv = 16 * (32 / 4) * 64 * 2
+    assert context_comms(SMALL, Plan(context=4, context_method="all_gather")) == [
+        ("all-gather", 4 * kv, 2 * 2), ("reduce-scatter", kv, 2 * 2)]
+    assert context_comms(SMALL, Plan(context=4, context_method="ulysses")) == [("all-to-all", kv, 8 * 2)]
+    # 16 all-to-alls of kv over 4 devices: the faster of pairwise and Bruck
+    pairwise, bruck = 3 * ALPHA + 3 / 4 * kv * BETA, 2 * ALPHA + 2 * kv / 2 * BETA
+    t = step_time(SMALL, Plan(context=4, context_method="ulysses"), H100)
+    assert t.context == pytest.approx(16 * min(pairwise, bruck))
+
+
+def test_expert_all_to_alls_by_hand():
+    """EP 4 on an MoE GPT: per MoE layer 2 forward + 2 backward all-to-alls of the capacity buffer
+    G/n * E * cap * D values; G/n = 16 / (2 * 4) rows on a device, cap = 10."""
+    plan = Plan(data=2, expert=4)
+    buffer = (16 / 8) * 8 * 10 * 64 * 2
+    got = [(c.kind, c.axes, c.bytes, c.count) for c in comms(MOE, plan) if c.phase == "expert"]
+    assert got == [("all-to-all", ("expert",), buffer, 4 * 2)]
+    pairwise, bruck = 3 * ALPHA + 3 / 4 * buffer * BETA, 2 * ALPHA + buffer * BETA
+    assert step_time(MOE, plan, H100).expert == pytest.approx(8 * min(pairwise, bruck))
+    full = [c.count for c in comms(MOE, Plan(data=2, expert=4, remat="full")) if c.phase == "expert"]
+    assert full == [6 * 2]                                  # the forward's two run again
+
+
+def test_gradients_are_summed_over_context_and_expert_but_experts_not_over_expert():
+    ops = comms(MOE, Plan(data=2, expert=2, context=2), grad_bytes=4)
+    grads = [c for c in ops if c.phase == "grads"]
+    assert {c.axes for c in grads} == {("data", "expert", "context"), ("data", "context")}
+    expert_leaves = sum(MOE.leaf(n).size for n in ("blocks/moe_w1", "blocks/moe_w2")) / 2    # split over expert
+    assert sum(c.bytes * c.count for c in grads if c.axes == ("data", "context")) == 4 * expert_leaves
+    dense = sum(l.size for l in MOE.leaves) - 2 * expert_leaves
+    assert sum(c.bytes * c.count for c in grads if c.axes == ("data", "expert", "context")) == 4 * dense
+
+
+# ----------------------------------------------------------------------------- compute
+def test_cp_splits_the_tokens_and_the_scores():
+    r, s, h, d = 16, 32, 64, 16
+    k1 = {k.name: k for k in layer_kernels(SMALL, Plan(), r, 2)}
+    for method, frac in (("ring", 1 / 4), ("all_gather", 1 / 4), ("ulysses", 1 / 4)):
+        k4 = {k.name: k for k in layer_kernels(SMALL, Plan(context=4, context_method=method), r, 2)}
+        assert k4["fc1"].flops == k1["fc1"].flops / 4 == 2 * r * s / 4 * h * 256
+        assert k4["scores"].flops == pytest.approx(2 * r * 4 * s * s * d * frac)
+    natural = {k.name: k for k in layer_kernels(SMALL, Plan(context=4, context_balance=False), r, 2)}
+    assert natural["scores"].flops == pytest.approx(2 * r * 4 * 7 * (s / 4) ** 2 * d)   # last device: 2C-1 blocks
+    assert score_fraction("ring", 4, False) == 7 / 16
+    ring = {k.name: k for k in layer_kernels(SMALL, Plan(context=4), r, 2)}
+    assert ring["scores"].passes == 4 and ring["context"].passes == 3       # the backward recomputes the scores
+
+
+def test_moe_compute_scales_with_top_k_and_capacity():
+    rows, T, E, D, M = 16, 32, 8, 64, 256
+    for cf in (1.0, 2.0):
+        m = cost.gpt(4, 64, 4, 32, 128, 16, experts=E, top_k=2, capacity_factor=cf)
+        k = {x.name: x for x in layer_kernels(m, Plan(expert=4), rows / 4, 2, moe=True)}
+        cap = math.ceil(cf * T * 2 / E)
+        assert k["expert_fc1"].flops == 2 * (rows / 4) * E * cap * D * M        # slots = cf * T * k per group
+        assert k["dispatch"].flops == 2 * (rows / 4) * E * cap * T * D and k["dispatch"].passes == 2
+    dense, top1 = cost.gpt(4, 64, 4, 32, 128, 16), cost.gpt(4, 64, 4, 32, 128, 16, experts=8, top_k=1)
+    router = 3 * 2 * 16 * 32 * 64 * 8 * 4                   # the MFU FLOPs: the active expert plus the router
+    assert model_flops(top1) - model_flops(dense) == router
+
+
+# ----------------------------------------------------------------------------- memory
+def test_expert_state_is_a_fraction_of_the_expert_axis_and_of_fsdp():
+    sizes = {"expert": 4, "fsdp": 2}
+    st = state_bytes(MOE, sizes, 0, "mixed")
+    experts = sum(MOE.leaf(n).size for n in ("blocks/moe_w1", "blocks/moe_w2"))
+    per_device = experts / (4 * 2) * 16 + sum(l.size / (2 if l.size > 1 and _fsdp_shardable(l) else 1) * 16
+                                               for l in MOE.leaves if "experts" not in l.logical)
+    assert st["total"] == pytest.approx(per_device)
+    assert state_bytes(MOE, {"expert": 8}, 0)["total"] - state_bytes(MOE, {}, 0)["total"] == pytest.approx(
+        -experts * 16 * 7 / 8)
+
+
+def _fsdp_shardable(leaf):
+    return any(n % 2 == 0 for n, lg in zip(leaf.shape, leaf.logical) if lg != "layers")
+
+
+def test_cp_activations_per_method_by_hand():
+    m = cost.gpt(2, 64, 4, 4096, 128, 8)
+    s, h, a, r = 4096, 64, 4, 2
+    korthikanti_local = s / 8 * r * h * 34                     # no scores, s/C tokens, 16-bit
+    assert layer_activations(m, {"context": 8}, r, context_method="ring") == korthikanti_local
+    scores = 5 * r * a * s * s / 8                             # the 5as/h term at 1/C
+    assert layer_activations(m, {"context": 8}, r, context_method="ulysses") == korthikanti_local + scores
+    kv = 2 * r * (s - s / 8) * h * 2                           # the gathered K, V
+    assert layer_activations(m, {"context": 8}, r, context_method="all_gather") == korthikanti_local + scores + kv
+    assert layer_activations(m, {"context": 8}, r, remat="full") == 2 * s / 8 * r * h
+    assert layer_activations(m, {}, r) == activation_bytes_per_layer(s, r, h, a)       # no CP: unchanged
+    # transients of the layer in flight: the ring's two fp32 blocks of s/2C, K/V arriving, fp32 dK/dV
+    kv8 = r * s / 8 * h * 2
+    assert context_working_bytes(m, r, 1, 8, "ring", True, 2) == 2 * r * a * (s / 16) ** 2 * 4 + 2 * kv8 + 4 * kv8 * 2
+    assert context_working_bytes(m, r, 1, 8, "ulysses", True, 2) == 2 * r * a / 8 * s * s * 4 + 4 * kv8
+
+
+def test_moe_and_cp_memory_of_a_device():
+    mem = memory_per_device(MOE, Plan(expert=4).sizes)
+    assert mem.logits == 2 * 32 * (16 / 4) * 128 * 4            # the expert axis splits the batch
+    cp = memory_per_device(SMALL, Plan(context=4).sizes)
+    assert cp.logits == 2 * 32 / 4 * 16 * 128 * 4
+
+
+# ----------------------------------------------------------------------------- refusals
+def test_refusals_name_the_reason():
+    m = cost.gpt(2, 96, 12, 8192, 128, 16)                      # 12 heads: no Ulysses over 8
+    r = cost.plan(m, H100, contexts=(8,))
+    reasons = {x.plan.name(): x.reason for x in r.refused}
+    assert reasons["cp8-ulysses"] == "ulysses needs heads % (context * tensor) == 0: heads=12, context=8, tensor=1"
+    odd = cost.gpt(2, 96, 12, 8200, 128, 16)                    # 8200 = 8 * 1025: natural order only
+    assert all(not e.plan.context_balance for e in cost.plan(odd, H100, contexts=(8,)).ranked)
+    with pytest.raises(PlanError, match=r"cp16-ring-natural cannot run this model: context=16 does not divide the "
+                                        r"sequence length 8200"):
+        evaluate(odd, Plan(context=16, context_balance=False), H100)
+    six = cost.gpt(2, 64, 4, 32, 128, 16, experts=6)
+    r = cost.plan(six, H100, experts=(1, 4))
+    assert r.refused and all(x.reason == "experts=6 is not divisible by expert=4 (each device keeps experts / expert)"
+                             for x in r.refused)
+    with pytest.raises(PlanError, match=r"no factorisation .* experts=6 is not divisible by expert=4"):
+        cost.plan(six, H100, experts=(4,))
+    dense = cost.plan(SMALL, H100, experts=(1, 2))
+    assert {x.reason for x in dense.refused} == {"expert=2 but the model has no MoE layer (experts=0)"}
+    assert all(e.plan.expert == 1 for e in dense.ranked)
+    with pytest.raises(PlanError, match=r"plan dp4-ep2 cannot run this model: expert=2 but the model has no MoE layer"):
+        evaluate(SMALL, Plan(expert=2, data=4), H100)
+    with pytest.raises(PlanError, match=r"contexts='8': give the degrees to search as positive ints"):
+        cost.plan(SMALL, H100, contexts="8")
+
+
+# ----------------------------------------------------------------------------- the planner
+def test_existing_plans_are_unchanged_and_cp_is_searched_from_8k():
+    gpt2 = cost.gpt(12, 768, 12, 1024, 50304, 64)
+    default, without = cost.plan(gpt2, H100, top=10**6), cost.plan(gpt2, H100, top=10**6, contexts=(1,), experts=(1,))
+    assert [(e.plan.name(), e.time.total) for e in default.ranked] == \
+        [(e.plan.name(), e.time.total) for e in without.ranked]
+    assert default.best.plan.name() == "dp8-zero2" and not default.refused
+
+
+def test_at_2k_cp_loses_to_data_parallelism():
+    """GPT-2 124M, 2k tokens, batch 64, 8 H100: the data axes split the batch into sequences without any
+    per-layer traffic, and the same tokens per device fit without recomputation; CP adds its collectives.
+    The best CP plan is dp4-zero2-cp2 with Ulysses: 12 layers x 8 all-to-alls of K (16 sequences x 1024 tokens
+    x 768 x 2 bytes) over 2 devices, alpha + n/2 beta each."""
+    m = cost.gpt(12, 768, 12, 2048, 50304, 64)
+    r = cost.plan(m, H100, top=10**6, contexts=(1, 2, 4, 8))
+    assert r.best.plan.context == 1
+    best_cp = next(e for e in r.ranked if e.plan.context > 1)
+    assert best_cp.plan.name() == "dp4-zero2-cp2-ulysses"
+    kv = 16 * 1024 * 768 * 2
+    assert best_cp.time.context == pytest.approx(12 * 8 * (ALPHA + kv / 2 * BETA))
+    assert best_cp.time.total > r.best.time.total + best_cp.time.context / 2
+
+
+def test_at_128k_the_ring_over_8_devices_is_chosen():
+    """16 layers, hidden 1920, 15 heads (no tensor split of 15 over 2, 4, 8; no Ulysses), 128k tokens, batch 2,
+    8 H100 (72 GiB usable). Without CP a device holds whole sequences and the dense attention keeps
+    5 a s^2 bytes of scores per layer; with the ring it keeps none, but the ring's blocks are whole: two fp32
+    [a, s/2C, s/2C] arrays in flight. At C = 4 those are 30 GiB and the device also keeps 34 s b h per layer
+    for its 32k tokens: it must recompute; at C = 8 they are 7.5 GiB and nothing is recomputed."""
+    m = cost.gpt(16, 1920, 15, 131072, 32000, 2)
+    s, h, a = 131072, 1920, 15
+    assert 5 * a * s * s > 72 * 2**30                          # one layer's scores without CP
+    block = {C: 2 * a * (s / (2 * C)) ** 2 * 4 for C in (4, 8)}
+    assert block[4] / 2**30 == pytest.approx(30.0) and block[8] / 2**30 == pytest.approx(7.5)
+    assert 16 * 34 * (s / 4) * h + block[4] > 60 * 2**30           # activations of dp2-cp4 alone
+    r = cost.plan(m, H100)
+    best = r.best.plan
+    assert (best.context, best.context_method, best.remat) == (8, "ring", "none")
+    assert all(e.plan.remat != "none" for e in r.ranked if e.plan.context < 8)
+    assert r.ranked[1].time.total > 1.2 * r.best.time.total       # the next plan recomputes
+
+
+@pytest.mark.parametrize("heads,bandwidth,want", [(16, 450, "ring"), (16, 25, "ulysses"),
+                                                  (12, 450, "ring"), (12, 25, "all_gather")])
+def test_ring_ulysses_or_all_gather_by_heads_and_bandwidth(heads, bandwidth, want):
+    """CP 8 at 8k tokens, batch 8, with the ring's hops behind its blocks. A ring step computes the blocks of
+    one K/V shard: on NVLink (450 GB/s) the next shard arrives before they are done, so the ring costs only its
+    recomputed scores and keeps no scores; Ulysses keeps [a/C, s, s] scores and must recompute. On a
+    25 GB/s link the ring's hops (K, V, and fp32 dK, dV backward) outlast the blocks, and the methods that
+    move fewer bytes win: Ulysses where the heads divide, else the all-gather."""
+    m = cost.gpt(12, 1536, heads, 8192, 32000, 8)
+    rows, s, h, C = 8, 8192, 1536, 8
+    kv = rows * s / C * h * 2
+    ring_bytes = 7 * 2 * kv + 7 * (2 * kv + 4 * kv) + 4 * kv       # forward, backward, last hop per layer
+    ulysses_bytes, gather_bytes = 8 * kv * 7 / 8, 2 * C * kv * 7 / 8 + 2 * C * kv * 7 / 8
+    assert ring_bytes > gather_bytes > ulysses_bytes
+    r = cost.plan(m, slow_or_fast(bandwidth), contexts=(8,), overlap=Overlap(ring_behind_blocks=True))
+    assert r.best.plan.context_method == want
+    if heads == 12:
+        assert any(x.plan.context_method == "ulysses" for x in r.refused)
