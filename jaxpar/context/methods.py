@@ -48,7 +48,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..rules import axes_of, current_rules, logical_to_spec
 from .blocks import dense_attention
@@ -149,7 +149,15 @@ def in_sequence_order(x: jax.Array, axis: int = 1) -> jax.Array:
     """
     if sequence_order(x.shape[axis]) is None:
         return x
-    return to_balanced(x, axis, context_size())
+    if _manual_axes():
+        return to_balanced(x, axis, context_size())
+    # the whole sequence permuted on each device, then split: left free, XLA splits the chunks first
+    # and moves them with collective-permutes (9 per chunked array at C = 4)
+    free = [PartitionSpec.UNCONSTRAINED] * x.ndim
+    free[axis] = None
+    whole = NamedSharding(current_rules()[0], PartitionSpec(*free))
+    pin = lambda a: jax.lax.with_sharding_constraint(a, whole)    # noqa: E731
+    return pin(to_balanced(pin(x), axis, context_size()))
 
 
 def _check_inputs(q, k, v, segment_ids) -> None:
