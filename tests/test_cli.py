@@ -252,6 +252,21 @@ def test_explicit_sharding_model_config_trains(tmp_path):
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4]
 
 
+def test_long_context_config_trains_over_a_context_axis(tmp_path):
+    """configs/long_context.yaml trains the GPT on 1,024-token windows with the sequence split over
+    context=4 (ring, balanced) and data=2; a method the context axis cannot run is named by its key."""
+    out = tmp_path / "run"
+    config = str(Path(EXPLICIT).parent / "long_context.yaml")
+    assert main(["train", config, "train.steps=3", "train.log_every=1", "train.eval_batches=1",
+                 f"train.out_dir={out}", "train.progress=none", "optimizer.warmup_steps=0", "train.eval_every=0",
+                 "checkpoint.enabled=false", "logging.tensorboard=false"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert len(losses) == 3 and np.isfinite(losses).all(), losses
+    with pytest.raises(ConfigError, match=r"parallel.context: method='rings' is not a context-parallel method"):
+        check(load_config(config, ["parallel.context.method=rings"]), 8)
+
+
 USER_BAD = [  # (overrides on tests/cli_mlp.yaml, text the error must contain)
     ("model.target=jaxpar.models.mlp:MLPClassifer", "model.target='jaxpar.models.mlp:MLPClassifer': "
      "'jaxpar.models.mlp' has no attribute 'MLPClassifer'; did you mean 'MLPClassifier'"),

@@ -101,12 +101,13 @@ def relabel(err: Exception, owner: str, section: str, fields: Sequence[str], fal
     return msg if f"{section}." in msg else f"{fallback or section}: {msg}"
 
 
-_MESH_AXES = ("data", "fsdp", "tensor", "pipe", "replica")
+_MESH_AXES = ("data", "fsdp", "tensor", "pipe", "replica", "context")
 _PARALLEL_KEYS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
 
 
 def mesh_spec(cfg: MeshConfig) -> MeshSpec:
-    return MeshSpec(data=cfg.data, fsdp=cfg.fsdp, tensor=cfg.tensor, pipe=cfg.pipe, replica=cfg.replica)
+    return MeshSpec(data=cfg.data, fsdp=cfg.fsdp, tensor=cfg.tensor, pipe=cfg.pipe, replica=cfg.replica,
+                    context=cfg.context)
 
 
 def mesh_error(e: MeshError, cfg: MeshConfig) -> str:
@@ -154,6 +155,22 @@ def build_sync(options: Mapping[str, Any]):
         raise ConfigError(f"parallel.sync: {e}") from None
 
 
+def build_context(options: Mapping[str, Any]):
+    """The :class:`jaxpar.context.ContextParallel` of ``parallel.context`` (empty: ``None``)."""
+    if not options:
+        return None
+    from ..context import ContextParallel, ContextParallelError
+
+    unknown = sorted(set(options) - {"method", "balance"})
+    if unknown:
+        raise ConfigError(f"parallel.context has unknown keys {unknown}; it takes method (ring | all_gather | "
+                          "ulysses) and balance (true | false).")
+    try:
+        return ContextParallel(**options)
+    except ContextParallelError as e:
+        raise ConfigError(f"parallel.context: {e}".replace("ContextParallel.", "")) from None
+
+
 def build_strategy(cfg: ParallelConfig) -> Strategy:
     """The :class:`jaxpar.Strategy` of the parallel section; its errors name ``parallel.*`` keys.
     ``parallel.compression.local_clip`` is the strategy's ``local_clip``, not a codec option."""
@@ -169,7 +186,8 @@ def build_strategy(cfg: ParallelConfig) -> Strategy:
         return Strategy(zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, microbatches=cfg.microbatches,
                         compute_dtype=cfg.compute_dtype, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
                         stage_layers=cfg.stage_layers, compression=codec, sync=sync,
-                        update_every=cfg.update_every, vertical_sync=cfg.vertical_sync, local_clip=local_clip)
+                        update_every=cfg.update_every, vertical_sync=cfg.vertical_sync, local_clip=local_clip,
+                        context=build_context(cfg.context))
     except ValueError as e:
         if str(e).startswith("Strategy.local_clip="):
             raise ConfigError(str(e).replace("Strategy.local_clip=", "parallel.compression.local_clip=", 1)) from None

@@ -61,6 +61,7 @@ class MeshConfig:
     tensor: int = 1
     pipe: int = 1
     replica: int = 1                # K model replicas (outermost axis), kept in step by parallel.sync
+    context: int = 1                # context parallelism: the sequence split over a 'context' axis (parallel.context)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ class ParallelConfig:
     compression: dict[str, Any] = field(default_factory=dict)
     # how the mesh.replica replicas synchronise, e.g. {kind: diloco, every: 50}; {} = every step (see jaxpar.sync)
     sync: dict[str, Any] = field(default_factory=dict)
+    # how attention runs over mesh.context: {method: ring | all_gather | ulysses, balance: true}; {} = ring, natural
+    context: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
