@@ -186,3 +186,32 @@ def assert_runs_match(result: RunResult, reference: RunResult, loss_rtol=LOSS_RT
     np.testing.assert_allclose(result.losses, reference.losses, rtol=loss_rtol, err_msg="losses per step")
     assert_grads_close(result.grads, reference.grads)
     assert_params_close(result.params, reference.params, reference.grads, reference.lr, reference.steps)
+
+
+def explicit_one_device(model_fn, loss_fn, batch_fn, lr: float, steps: int):
+    """A model in JAX's explicit-sharding style trained on one device as the style writes it by hand:
+    an Explicit one-device mesh with jaxpar's axis names, optax Adam. ``batch_fn(step)`` gives
+    ``{"tokens": ...}``. Returns ``(losses, final params, first step's gradients)``."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("pipe", "data", "fsdp", "tensor"),
+                             axis_types=(AxisType.Explicit,) * 4)
+    tx = optax.adam(lr)
+    with jax.set_mesh(mesh):
+        graphdef, params = nnx.split(model_fn(), nnx.Param)
+        params = nnx.to_pure_dict(params)
+        opt = tx.init(params)
+
+        @jax.jit
+        def step(params, opt, batch):
+            value, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
+            updates, opt = tx.update(grads, opt, params)
+            return optax.apply_updates(params, updates), opt, value, grads
+
+        losses, first_grads = [], None
+        for i in range(steps):
+            b = jax.device_put(batch_fn(i)["tokens"], NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+            params, opt, value, grads = step(params, opt, {"tokens": b})
+            losses.append(float(value))
+            first_grads = first_grads if first_grads is not None else jax.device_get(grads)
+    return losses, jax.device_get(params), first_grads

@@ -171,8 +171,7 @@ def test_temporaries_fall_with_the_context_axis():
     assert t8 <= t1 / 6, (t1, t8)
 
 
-def _plain_loss(model, batch):        # the GPT without jaxpar.context.attention: XLA's own attention
-    from jaxpar.models.mlp import MLPClassifier  # noqa: F401  (any model: what matters is no attention call)
+def _plain_loss(model, batch):        # a loss that never calls jaxpar.context.attention
     return jnp.mean(model.embed(batch["tokens"]) ** 2)
 
 

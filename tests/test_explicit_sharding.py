@@ -11,13 +11,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar import Strategy
 from jaxpar.model_mesh import ModelMeshError
 
 from conftest import need_devices
+from helpers import explicit_one_device
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from explicit_transformer import ExplicitTransformer, batches, loss  # noqa: E402
@@ -36,29 +37,8 @@ def _batch(step):
 
 @pytest.fixture(scope="module")
 def reference():
-    """One device, written by hand in the style's own terms: an Explicit one-device mesh, optax Adam."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("pipe", "data", "fsdp", "tensor"),
-                             axis_types=(AxisType.Explicit,) * 4)
-    tx = optax.adam(LR)
-    with jax.set_mesh(mesh):
-        model = _model()
-        graphdef, params = nnx.split(model, nnx.Param)
-        params = nnx.to_pure_dict(params)
-        opt = tx.init(params)
-
-        @jax.jit
-        def step(params, opt, batch):
-            value, grads = jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), batch))(params)
-            updates, opt = tx.update(grads, opt, params)
-            return optax.apply_updates(params, updates), opt, value, grads
-
-        losses, first_grads = [], None
-        for i in range(STEPS):
-            b = jax.device_put(_batch(i)["tokens"], NamedSharding(mesh, P(("data", "fsdp"))))
-            params, opt, value, grads = step(params, opt, {"tokens": b})
-            losses.append(float(value))
-            first_grads = first_grads if first_grads is not None else jax.device_get(grads)
-    return losses, jax.device_get(params), first_grads
+    """One device, written by hand in the style's own terms (helpers.explicit_one_device)."""
+    return explicit_one_device(_model, loss, _batch, LR, STEPS)
 
 
 def _train(axes, strategy):

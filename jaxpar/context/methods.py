@@ -149,13 +149,12 @@ def in_sequence_order(x: jax.Array, axis: int = 1) -> jax.Array:
     """
     if sequence_order(x.shape[axis]) is None:
         return x
-    if _manual_axes():
-        return to_balanced(x, axis, context_size())
     # the whole sequence permuted on each device, then split: left free, XLA splits the chunks first
     # and moves them with collective-permutes (9 per chunked array at C = 4)
     free = [PartitionSpec.UNCONSTRAINED] * x.ndim
     free[axis] = None
-    whole = NamedSharding(current_rules()[0], PartitionSpec(*free))
+    inner = jax.sharding.get_abstract_mesh()      # inside a shard_map (a pipeline stage): its mesh
+    whole = NamedSharding(inner if _manual_axes() else current_rules()[0], PartitionSpec(*free))
     pin = lambda a: jax.lax.with_sharding_constraint(a, whole)    # noqa: E731
     return pin(to_balanced(pin(x), axis, context_size()))
 

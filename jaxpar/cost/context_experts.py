@@ -22,14 +22,12 @@ re-runs the attention forward). EP: per MoE layer, 2 all-to-alls over ``expert``
 (``g`` groups = its sequences, ``E`` experts, ``cap`` = :meth:`~jaxpar.cost.model.ModelSpec.capacity` of a
 group of ``s/C`` tokens).
 
-**Attention work per device** (:func:`score_fraction`, of the ``s x s`` scores per head, counted as the
-dense path counts them: the whole square, masked; a kernel that skips the masked half saves the same
-share everywhere): ``1/C`` for every method in the balanced layout (balanced causal: each device does the
-same share; the ring computes ``2C+1`` of the ``4C^2`` blocks of ``s/2C``, half of its ``1/C`` counted
-this way, as the dense path computes twice the causal work; :func:`jaxpar.context.ring_block_pairs`), and
-for all-gather and Ulysses in any layout (they compute their ``[s/C, s]`` or ``[a/C, s, s]`` scores whole).
-The natural-order ring waits for its busiest device, the last, whose ``C`` blocks of ``s/C`` are all
-unmasked but the diagonal one: ``(2C-1)/C^2``, about twice the balanced share.
+**Attention work per device** (:func:`score_fraction`, of the ``s x s`` scores per head, as each method
+computes them): the dense path (``C = 1``), all-gather and Ulysses compute their scores whole, the causal
+mask's half included (``1``, ``[s/C, s]``, ``[a/C, s, s]``: ``1/C``). The ring skips the block pairs the mask
+hides: balanced, every device computes ``2C+1`` blocks of ``s/2C`` (:func:`jaxpar.context.ring_block_pairs`),
+``(2C+1)/4C^2``, about half of ``1/C``; in the natural order the last device computes ``C`` blocks of
+``s/C`` (the diagonal one whole), ``1/C``, and the step waits for it.
 
 **Memory per layer** (kept for the backward, Korthikanti et al.'s terms at ``s/C`` tokens): the ring keeps
 no scores (q, k, v, out and the logsumexp only), all-gather keeps ``5·r·(a/t)·s^2/C`` bytes of scores
@@ -40,8 +38,8 @@ fp32 score blocks, the K/V block arriving and the fp32 dK/dV accumulators; all-g
 
 Example::
 
-    >>> score_fraction("ring", 4, True), score_fraction("ring", 4, False), score_fraction("ring", 1, False)
-    (0.25, 0.4375, 1.0)
+    >>> score_fraction("ring", 4, True), score_fraction("ring", 4, False), score_fraction("all_gather", 4, True)
+    (0.140625, 0.25, 0.25)
     >>> [(k, n, c) for k, n, c in context_collectives("all_gather", 4, 1000.0, 2, "none")]
     [('all-gather', 4000.0, 2), ('reduce-scatter', 1000.0, 2)]
 """
@@ -62,12 +60,14 @@ def score_fraction(method: str, context: int, balance: bool) -> float:
       balance: the balanced (zig-zag) layout.
 
     Returns:
-      ``(2C-1)/C^2`` for the natural-order ring (its busiest device), ``1/C`` otherwise; 1 without CP.
+      ``(2C+1)/4C^2`` for the balanced ring (the causal blocks it skips), ``1/C`` otherwise (the
+      natural-order ring's busiest device, the whole masked ``[s/C, s]`` of all-gather and Ulysses);
+      1 without CP.
     """
     if context == 1:
         return 1.0
-    if method == "ring" and not balance:
-        return (2 * context - 1) / (context * context)
+    if method == "ring" and balance:
+        return (2 * context + 1) / (4 * context * context)
     return 1.0 / context
 
 

@@ -25,8 +25,8 @@ fc1, fc2   ``rs x h x f/t``, ``rs x f/t x h``     as qkv
 
 Under context parallelism (``C`` devices, :mod:`jaxpar.cost.context_experts`) each device holds ``s/C`` tokens
 of each sequence: the projections and the MLP run on ``rs/C`` rows, and the attention on the method's share of
-the scores (:func:`~jaxpar.cost.context_experts.score_fraction`, counted whole as the dense path counts them):
-``C`` blocks of ``s/C`` for the balanced ring (``2C-1`` on the busiest device in the natural order), ``s/C x
+the scores (:func:`~jaxpar.cost.context_experts.score_fraction`, as each method computes them):
+``(2C+1)/4`` blocks of ``s/C`` for the balanced ring (``C`` on the busiest device in the natural order), ``s/C x
 s`` (all-gather), or ``a/C`` heads of ``s x s`` (Ulysses). The ring's backward recomputes each block's scores
 from the logsumexp (one more ``scores`` pass). An MoE layer (``moe=True``) replaces fc1 and fc2 by the router
 (``rs x h x E``), the dense dispatch and combine einsums of :mod:`jaxpar.moe.dispatch` (``(g) E·cap x T x h``
