@@ -43,7 +43,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from .mesh import data_axes
-from .rules import axes_of, resolve
+from .rules import resolve, spec_without
 
 __all__ = ["ModelMeshError", "ModelLoss", "needs_explicit_mesh", "explicit_model_loss", "explicit_call", "batch_specs",
            "call_site"]
@@ -95,7 +95,7 @@ def explicit_call(fn: Callable, mesh, specs_of: Callable) -> Callable:
     def run(*args):
         context = jax.sharding.get_abstract_mesh()
         manual = set(context.manual_axes) if not context.empty else set()
-        specs = jax.tree.map(lambda sp: _without_axes(sp, manual), specs_of(*args),
+        specs = jax.tree.map(lambda sp: spec_without(sp, manual), specs_of(*args),
                              is_leaf=lambda x: isinstance(x, PartitionSpec))
         axes = tuple(a for a in mesh.axis_names if a not in manual)
         inner = jax.sharding.explicit_axes(fn, axes=axes, in_sharding=specs)
@@ -109,8 +109,8 @@ def explicit_call(fn: Callable, mesh, specs_of: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def _auto_axes_of(axes: tuple[str, ...]) -> Iterator[None]:
-    """``jax.sharding.auto_axes(f, out_sharding=...)`` with no ``axes`` means ``axes`` here.
+def _auto_axes_of(default: tuple[str, ...]) -> Iterator[None]:
+    """``jax.sharding.auto_axes(f, out_sharding=...)`` with no ``axes`` means ``default`` here.
 
     JAX 0.10 reads a missing ``axes`` as every axis of the context mesh, manual ones too, and then
     refuses to turn a manual axis into an auto one ("Going from `Manual` AxisType to `Auto` ... is
@@ -119,22 +119,14 @@ def _auto_axes_of(axes: tuple[str, ...]) -> Iterator[None]:
     only while jaxpar traces such a stage."""
     original = jax.sharding.auto_axes
 
-    def auto_axes(f=None, /, *, axes_=None, **kwargs):
-        return original(f, axes=axes if axes_ is None else axes_, **kwargs)
-
     def patched(f=None, /, *, axes=None, out_sharding=None):
-        return auto_axes(f, axes_=axes, out_sharding=out_sharding)
+        return original(f, axes=default if axes is None else axes, out_sharding=out_sharding)
 
     jax.sharding.auto_axes = patched
     try:
         yield
     finally:
         jax.sharding.auto_axes = original
-
-
-def _without_axes(spec: PartitionSpec, drop: set) -> PartitionSpec:
-    kept = [tuple(a for a in axes_of(e) if a not in drop) for e in spec]
-    return PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
 
 
 def batch_specs(batch: Any, mesh) -> Any:

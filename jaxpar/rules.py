@@ -49,6 +49,7 @@ __all__ = [
     "path_str",
     "drop_axes",
     "axes_of",
+    "spec_without",
 ]
 
 LogicalRules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
@@ -270,10 +271,18 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     inner = jax.sharding.get_abstract_mesh()      # inside a shard_map: its mesh, with the manual axes
     if not inner.manual_axes:
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-    manual = set(inner.manual_axes)               # a mesh-axis name of a manual axis: that axis is split already
-    kept = [tuple(a for a in axes_of(e) if a not in manual) for e in spec]
-    spec = PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(inner, spec))
+    # a mesh-axis name of a manual axis: that axis is split already
+    return jax.lax.with_sharding_constraint(x, NamedSharding(inner, spec_without(spec, inner.manual_axes)))
+
+
+def spec_without(spec: PartitionSpec, axes) -> PartitionSpec:
+    """``spec`` with the mesh axes ``axes`` removed from every entry.
+
+    >>> spec_without(PartitionSpec(("data", "fsdp"), "pipe", None), {"fsdp", "pipe"})
+    P('data', None, None)
+    """
+    kept = [tuple(a for a in axes_of(e) if a not in axes) for e in spec]
+    return PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
 
 
 def drop_axes(rules: LogicalRules, axes: Sequence[str]) -> tuple:

@@ -49,14 +49,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
 from jax.sharding import PartitionSpec
 
 from ..blocks import find_layer_calls, use_layer_runner, with_remat
 from ..layer_lists import layer_differences
 from ..mesh import data_axes
 from ..model_mesh import batch_specs, call_site, explicit_call, needs_explicit_mesh
-from ..rules import axes_of, constrain
+from ..rules import constrain, spec_without
 from .parts import PipelineParts
 
 __all__ = ["ModelCut", "PipelineCutError", "cut_model", "layer_lists"]
@@ -152,11 +151,6 @@ def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec)
 
 
-def _without(spec: PartitionSpec, drop: set) -> PartitionSpec:
-    kept = [tuple(a for a in axes_of(e) if a not in drop) for e in spec]
-    return PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
-
-
 class _Explicit:
     """How the parts of a model that pins shardings by mesh axes enter JAX's explicit mode: the
     outer parameters (gathered over the data axes, as the pipeline holds them), one layer's
@@ -165,15 +159,14 @@ class _Explicit:
 
     def __init__(self, mesh, own_specs: Any):
         self.mesh, self.drop = mesh, set(data_axes(mesh))
-        self.own = jax.tree.map(lambda sp: _without(sp, {"pipe"}), own_specs, is_leaf=_is_spec)   # stages hold layers
-
+        self.own = jax.tree.map(lambda sp: spec_without(sp, {"pipe"}), own_specs, is_leaf=_is_spec)   # stages hold layers
 
     def whole(self, fn: Callable) -> Callable:
         return explicit_call(fn, self.mesh, lambda p, b: (self.own, batch_specs(b, self.mesh)))
 
     def parts(self, cut_split: Callable, pre: Callable, layer: Callable, post: Callable):
         outer_own, block_own = cut_split(self.own)
-        outer = [_without(sp, self.drop) for sp in outer_own]     # the pipeline gathers them over the data axes
+        outer = [spec_without(sp, self.drop) for sp in outer_own]     # the pipeline gathers them over the data axes
         one = jax.tree.map(lambda sp: PartitionSpec(*tuple(sp)[1:]), block_own, is_leaf=_is_spec)
         act = lambda x: batch_specs(x, self.mesh)   # noqa: E731
         return (explicit_call(pre, self.mesh, lambda o, mb: (outer, act(mb))),
