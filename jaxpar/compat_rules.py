@@ -261,12 +261,18 @@ def _context_problems(s: Setting) -> list[Problem]:
     if c == 1:
         return out
     key, values = "{n[context]}={c}", {"c": c}
-    if s.size("pipe") > 1:
-        code = {"pipedream-2bw": "2B", "pipedream": "ST"}.get(st.schedule, "PP")
-        out.append(Problem((code, "CX"), ("context", "pipe"), key + " with {n[pipe]}={p}: a pipeline stage runs "
-                           "inside its branch of the schedule, and XLA:CPU's collective-permutes (the ring's hops, "
-                           "and XLA's reshards of the split sequence) wait for every device of the mesh, so a "
-                           "stage's branch would deadlock. Use {n[pipe]}=1 with {n[context]} > 1.",
+    method = st.context.method if st.context is not None else "ring"
+    if s.size("pipe") > 1 and st.schedule in ("pipedream-2bw", "pipedream"):
+        code = "2B" if st.schedule == "pipedream-2bw" else "ST"
+        out.append(Problem((code, "CX"), ("context", "schedule"), key + " with {n[schedule]}={sched!r}: context "
+                           "parallelism runs in flush pipelines only (gpipe, 1f1b, interleaved, zb-h1), with "
+                           "method='all_gather' or 'ulysses'. Use one of those, or {n[context]}=1.",
+                           {**values, "sched": st.schedule}, "ContextParallelError"))
+    elif s.size("pipe") > 1 and method == "ring":
+        out.append(Problem(("PP", "CX"), ("context", "pipe"), key + " with {n[pipe]}={p} and method='ring': the "
+                           "ring's hops (collective-permutes) inside a pipeline stage's branch give wrong results "
+                           "on XLA:CPU (the loss off by 1e-2 in a 1F1B step). Use "
+                           "ContextParallel(method='all_gather' or 'ulysses') with a pipeline, or {n[pipe]}=1.",
                            {**values, "p": s.size("pipe")}, "ContextParallelError"))
     if s.explicit_dp:
         out.append(Problem(("EX", "CX"), ("explicit_dp", "context"), "{n[explicit_dp]}=True with " + key + ": the "

@@ -113,6 +113,10 @@ CASES = {
     "gpt-cp2-ulysses-tp2-dp2": ("gpt", {"data": 2, "context": 2, "tensor": 2},
                                 Strategy(context=ContextParallel("ulysses"))),
     "gpt-cp4-ring-balanced-fsdp2-zero3": ("gpt", {"fsdp": 2, "context": 4}, Strategy(zero=3, context=_ring(balance=True))),
+    "gpt-cp4-allgather-balanced-pipe2-1f1b": ("gpt", {"pipe": 2, "context": 4},
+                                              Strategy(microbatches=2, context=ContextParallel("all_gather", True))),
+    "gpt-cp2-ulysses-dp2-pipe2-1f1b": ("gpt", {"pipe": 2, "data": 2, "context": 2},
+                                       Strategy(microbatches=2, context=ContextParallel("ulysses"))),
     "packed-cp4-ring-balanced": ("packed", {"context": 4}, Strategy(context=_ring(balance=True))),
     "packed-cp2-ulysses-dp2": ("packed", {"data": 2, "context": 2}, Strategy(context=ContextParallel("ulysses"))),
     "packed-cp4-allgather-dp2": ("packed", {"data": 2, "context": 4}, Strategy(context=ContextParallel("all_gather"))),
@@ -203,9 +207,10 @@ def test_shapes_the_context_axis_cannot_split_are_named(axes, strategy, match):
         step(state, jaxpar.shard_batch(_gpt_batch(0, length=24), mesh))
 
 
-def test_context_settings_without_a_context_axis_and_pipelines_are_refused_by_the_table():
+def test_the_ring_in_a_pipeline_is_refused_by_the_table():
     from jaxpar.compat import LIBRARY_NAMES, Setting, problems
 
-    found = problems(Setting(Strategy(microbatches=2), {"pipe": 2, "context": 4}))
+    found = problems(Setting(Strategy(microbatches=2), {"pipe": 2, "context": 4}))      # the ring, by default
     assert [p.features for p in found] == [("PP", "CX")]
-    assert "context=4 with pipe=2" in found[0].render(LIBRARY_NAMES)
+    assert "context=4 with pipe=2 and method='ring'" in found[0].render(LIBRARY_NAMES)
+    assert not problems(Setting(Strategy(microbatches=2, context=ContextParallel("ulysses")), {"pipe": 2, "context": 4}))
