@@ -270,8 +270,8 @@ def _context_problems(s: Setting) -> list[Problem]:
                            {**values, "sched": st.schedule}, "ContextParallelError"))
     elif s.size("pipe") > 1 and method == "ring":
         out.append(Problem(("PP", "CX"), ("context", "pipe"), key + " with {n[pipe]}={p} and method='ring': the "
-                           "ring's hops (collective-permutes) inside a pipeline stage's branch give wrong results "
-                           "on XLA:CPU (the loss off by 1e-2 in a 1F1B step). Use "
+                           "ring inside a pipeline stage gives a wrong loss (measured on XLA:CPU: 1e-2 off in a 1F1B "
+                           "step; the cause is not found yet). Use "
                            "ContextParallel(method='all_gather' or 'ulysses') with a pipeline, or {n[pipe]}=1.",
                            {**values, "p": s.size("pipe")}, "ContextParallelError"))
     if s.explicit_dp:

@@ -23,7 +23,7 @@ def test_print_config_resolves_base_and_overrides(capsys):
     assert main(["train", str(ROOT / "configs" / "tp_sp.yaml"), "--print-config", "optimizer.lr=3e-4"]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert cfg["name"] == "tp_sp" and cfg["train"]["out_dir"] == "runs/tp_sp"
-    assert cfg["mesh"] == {"data": 2, "fsdp": 1, "tensor": 4, "pipe": 1, "replica": 1}   # tp.yaml, base of tp_sp.yaml
+    assert cfg["mesh"] == {"data": 2, "fsdp": 1, "tensor": 4, "pipe": 1, "replica": 1, "context": 1}   # tp.yaml, base
     assert cfg["parallel"]["sequence_parallel"] is True
     assert cfg["model"]["embed"] == 128                                     # quickstart.yaml, two levels up
     assert cfg["optimizer"]["lr"] == pytest.approx(3e-4)
