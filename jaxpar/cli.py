@@ -121,13 +121,18 @@ def run_plan(args: argparse.Namespace) -> int:
         cluster = cost.load_cluster(args.cluster or "h100", num_devices=args.devices)
         model = plan_model(args.config, {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab",
                                                                         "batch")})
-        result = cost.plan(model, cluster, top=args.top, dtype=args.dtype, precision=args.precision)
+        cp = dict(contexts=args.contexts, context_methods=args.context_methods) if args.contexts else {}
+        result = cost.plan(model, cluster, top=args.top, dtype=args.dtype, precision=args.precision, **cp)
     except (cost.ClusterError, cost.PlanError) as e:
         raise ConfigError(str(e)) from None
     print(plan_report(model, cluster, result, args.top, as_json=args.json))
     if args.verify:
         verify_plans(model, cluster, result.ranked[: args.top], target)
     return 0
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{k}", type=int, help=f"model {k} (without --config; --batch also overrides it)")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype for the peak FLOP/s (bfloat16)")
     p.add_argument("--precision", default="mixed", help="bytes per parameter: fp32, mixed, megatron, mixed-fp32-accum")
+    p.add_argument("--contexts", type=_ints, help="context-parallel degrees to search, e.g. 1,2,4,8 (default: all "
+                                                  "divisors from 8k tokens, none below)")
+    p.add_argument("--context-methods", type=lambda v: tuple(v.split(",")), default=("ring", "all_gather", "ulysses"),
+                   help="with --contexts: ring,all_gather,ulysses")
     p.add_argument("--top", type=int, default=10, help="how many plans to show (10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--verify", action="store_true", help="compile the top plans on simulated CPU devices and "

@@ -72,6 +72,18 @@ def test_plan_json_and_table(capsys):
     assert "rank | plan" in out and "considered" in out
 
 
+def test_plan_searches_context_parallel_degrees_and_methods(capsys):
+    """16k tokens, 6 heads, on the calibrated CPU mesh: --contexts 1,2,4,8 ranks the balanced ring over 8
+    devices first (one device cannot hold the scores); Ulysses over 4 or 8 is refused by name (6 heads)."""
+    cluster = str(ROOT / "configs" / "clusters" / "cpu_sim.yaml")
+    assert main(["plan", "--layers", "2", "--hidden", "48", "--heads", "6", "--seq", "16384", "--vocab", "256",
+                 "--batch", "1", "--cluster", cluster, "--contexts", "1,2,4,8", "--dtype", "float32",
+                 "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^\s+1 \| cp8-ring ", out, re.M), out
+    assert "ulysses needs heads % (context * tensor) == 0: heads=6, context=4" in out, out
+
+
 def test_plan_errors_name_the_fix(capsys):
     assert main(["plan", "--layers", "12", "--hidden", "768"]) == 2
     assert "missing --heads, --seq, --vocab, --batch" in capsys.readouterr().err

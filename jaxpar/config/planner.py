@@ -295,4 +295,6 @@ def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: boo
              result.table(top)]
     if result.rejected:
         lines += ["", result.rejected_table(min(top, 5))]
+    if getattr(result, "refused", None):
+        lines += ["", result.refused_table(min(top, 5))]
     return "\n".join(lines)
