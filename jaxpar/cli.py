@@ -178,9 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="compute dtype for the peak FLOP/s (bfloat16)")
     p.add_argument("--precision", default="mixed", help="bytes per parameter: fp32, mixed, megatron, mixed-fp32-accum")
     p.add_argument("--contexts", type=_ints, help="context-parallel degrees to search, e.g. 1,2,4,8 (default: all "
-                                                  "divisors from 8k tokens, none below)")
-    p.add_argument("--context-methods", type=lambda v: tuple(v.split(",")), default=("ring", "all_gather", "ulysses"),
-                   help="with --contexts: ring,all_gather,ulysses")
+                   "divisors from 8k tokens, none below); --context-methods ring,all_gather,ulysses (all)")
+    p.add_argument("--context-methods", type=lambda v: tuple(v.split(",")), default=("ring", "all_gather", "ulysses"))
     p.add_argument("--top", type=int, default=10, help="how many plans to show (10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--verify", action="store_true", help="compile the top plans on simulated CPU devices and "

@@ -79,7 +79,7 @@ def loop_decisions(p, x, *, top_k, gate, capacity_factor, normalize=True):
     G, T, _ = x.shape
     E = p["router"].shape[1]
     C = T if capacity_factor is None else min(T, math.ceil(capacity_factor * T * top_k / E))
-    chosen, kept, y = np.zeros((G, T, top_k), int), np.zeros((G, T, top_k), bool), np.zeros_like(x)
+    chosen, kept = np.zeros((G, T, top_k), int), np.zeros((G, T, top_k), bool)
     for g in range(G):
         for t in range(T):
             logits = x[g, t] @ p["router"]

@@ -278,7 +278,6 @@ class Checkpointer:
         decides, each change with a :class:`CheckpointWarning`; a gradient codec's state saved for
         another layout starts afresh (zero residuals): the documented reshard policy."""
         ocp = self._ocp
-        where = f"checkpoint {self.directory / str(step)}"
         meta = dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
         if meta.get("format", FORMAT) not in READABLE:
             raise ValueError(f"it was written in format {meta['format']!r} and this jaxpar reads {', '.join(READABLE)}")
