@@ -280,12 +280,10 @@ def _convert(tree: Any, lists: dict[tuple, int], convert: Callable[[Any, int], A
         if isinstance(node, dict):
             if path in lists and key(node):
                 return convert(node, lists[path])
-            out = {k: walk(v, path + (k,)) for k, v in node.items()}
-            return out
-        if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
-            return type(node)(walk(v, ()) for v in node)
-        if hasattr(node, "_fields"):                   # optax states are NamedTuples: start again below them
-            return type(node)(*(walk(v, ()) for v in node))
+            return {k: walk(v, path + (k,)) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):            # optax states are (named) tuples: paths start again below
+            items = [walk(v, ()) for v in node]
+            return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
         return node
     return walk(tree, ())
 

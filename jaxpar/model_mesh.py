@@ -43,7 +43,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from .mesh import data_axes
-from .rules import resolve, spec_without
+from .rules import manual_axes, resolve, spec_without
 
 __all__ = ["ModelMeshError", "ModelLoss", "needs_explicit_mesh", "explicit_model_loss", "explicit_call", "batch_specs",
            "call_site"]
@@ -93,8 +93,7 @@ def explicit_call(fn: Callable, mesh, specs_of: Callable) -> Callable:
     16.0
     """
     def run(*args):
-        context = jax.sharding.get_abstract_mesh()
-        manual = set(context.manual_axes) if not context.empty else set()
+        manual = manual_axes()
         specs = jax.tree.map(lambda sp: spec_without(sp, manual), specs_of(*args),
                              is_leaf=lambda x: isinstance(x, PartitionSpec))
         axes = tuple(a for a in mesh.axis_names if a not in manual)
@@ -188,7 +187,7 @@ class ModelLoss:
                         "sequence_parallel False.") from plain
                 own = resolve(lay.logical, lay.rules, lay.mesh, lay.shapes)
                 self._explicit, self._refusal = explicit_model_loss(self._plain, own, lay.mesh), plain
-        manual = jax.sharding.get_abstract_mesh().manual_axes
+        manual = jax.sharding.get_abstract_mesh().manual_axes     # in mesh order, for the message
         if manual:
             raise ModelMeshError(
                 f"the model pins shardings by mesh axes (at {call_site(self._refusal)}), which JAX allows only with "

@@ -50,6 +50,8 @@ __all__ = [
     "drop_axes",
     "axes_of",
     "spec_without",
+    "manual_axes",
+    "shard_map_mesh",
 ]
 
 LogicalRules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
@@ -293,3 +295,19 @@ def drop_axes(rules: LogicalRules, axes: Sequence[str]) -> tuple:
         t = tuple(a for a in axes_of(target) if a not in axes)
         out.append((logical, t if len(t) > 1 else t[0] if t else None))
     return tuple(out)
+
+
+def manual_axes() -> set:
+    """The mesh axes a ``shard_map`` around the current trace has made manual (none outside one).
+
+    >>> manual_axes()
+    set()
+    """
+    return set(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def shard_map_mesh(mesh):
+    """The mesh a ``shard_map`` opened here takes: ``mesh``, or, nested in another ``shard_map``
+    (a pipeline stage), that region's abstract mesh with its manual axes."""
+    inner = jax.sharding.get_abstract_mesh()
+    return inner if inner.manual_axes else mesh

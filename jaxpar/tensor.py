@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from .rules import LogicalRules, axes_of, constrain, current_rules, logical_to_spec
+from .rules import LogicalRules, axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 
 __all__ = ["tensor_rules", "batch_rule", "row_parallel"]
 
@@ -98,26 +98,17 @@ def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logica
     x_full = logical_to_spec(x_logical, rules, mesh)
     w_spec = _tensor_only(logical_to_spec(w_logical, rules, mesh), axis)
     scatter = [d for d, e in enumerate(_tensor_only(out_spec, axis)) if e is not None]
-    if sizes.get(axis, 1) == 1 or not scatter or all(e is None for e in w_spec) or axis in _manual_axes():
+    if sizes.get(axis, 1) == 1 or not scatter or all(e is None for e in w_spec) or axis in manual_axes():
         return constrain(jnp.einsum(eq, x, w), out_logical)
     # Manual over every axis that splits x or the output (the batch's data axes too; see the docstring).
-    manual = ({axis} | {a for e in (*x_full, *out_spec) for a in axes_of(e) if sizes.get(a, 1) > 1}) - _manual_axes()
+    manual = ({axis} | {a for e in (*x_full, *out_spec) for a in axes_of(e) if sizes.get(a, 1) > 1}) - manual_axes()
     x_spec, o_spec = _only(x_full, manual), _only(out_spec, manual)
 
     def local(a, b):   # reduce in fp32 (XLA:CPU cannot clone bf16 all-reduces in shard_map)
         y = jnp.einsum(eq, a, b)
         return jax.lax.psum_scatter(y.astype(jnp.float32), axis, scatter_dimension=scatter[0],
                                     tiled=True).astype(y.dtype)
-    context = jax.sharding.get_abstract_mesh()
-    smap_mesh = context if getattr(context, "manual_axes", ()) else mesh   # nested in a manual region
-    y = jax.shard_map(local, mesh=smap_mesh, in_specs=(x_spec, w_spec), out_specs=o_spec, axis_names=manual,
+    y = jax.shard_map(local, mesh=shard_map_mesh(mesh), in_specs=(x_spec, w_spec), out_specs=o_spec, axis_names=manual,
                       check_vma=False)(x, w)
     return constrain(y, out_logical)
 
-
-def _manual_axes() -> set:
-    try:
-        from jax.sharding import get_abstract_mesh
-        return set(get_abstract_mesh().manual_axes)
-    except Exception:  # noqa: BLE001 - no abstract mesh in context
-        return set()

@@ -215,3 +215,18 @@ def explicit_one_device(model_fn, loss_fn, batch_fn, lr: float, steps: int):
             losses.append(float(value))
             first_grads = first_grads if first_grads is not None else jax.device_get(grads)
     return losses, jax.device_get(params), first_grads
+
+
+def train_steps(model_fn, loss_fn, batch_fn, axes, strategy, lr: float, steps: int):
+    """``steps`` Adam steps of ``model_fn()`` on a mesh of ``axes`` under ``strategy``, batch ``i`` from
+    ``batch_fn(i)``. Returns ``(state, layout, losses, step, mesh)``."""
+    n = int(np.prod(list(axes.values())))
+    mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:n])
+    tx = optax.adam(lr)
+    state, layout = jaxpar.init_train_state(model_fn, tx, mesh, strategy)
+    step = jaxpar.make_train_step(loss_fn, tx, layout)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, jaxpar.shard_batch(batch_fn(i), mesh))
+        losses.append(float(metrics["loss"]))
+    return state, layout, losses, step, mesh

@@ -18,7 +18,7 @@ from jaxpar import Strategy
 from jaxpar.model_mesh import ModelMeshError
 
 from conftest import need_devices
-from helpers import explicit_one_device
+from helpers import explicit_one_device, train_steps
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from explicit_transformer import ExplicitTransformer, batches, loss  # noqa: E402
@@ -42,16 +42,7 @@ def reference():
 
 
 def _train(axes, strategy):
-    n = int(np.prod(list(axes.values())))
-    mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:n])
-    tx = optax.adam(LR)
-    state, layout = jaxpar.init_train_state(_model, tx, mesh, strategy)
-    step = jaxpar.make_train_step(loss, tx, layout)
-    losses = []
-    for i in range(STEPS):
-        state, metrics = step(state, jaxpar.shard_batch(_batch(i), mesh))
-        losses.append(float(metrics["loss"]))
-    return state, layout, losses, step, mesh
+    return train_steps(_model, loss, _batch, axes, strategy, LR, STEPS)
 
 
 CASES = {"dp8": ({"data": 8}, Strategy()),

@@ -19,7 +19,7 @@ from jaxpar.layer_lists import LayerListError, list_form, stack_layers, stacked_
 from jaxpar.pipeline.cut import PipelineCutError
 
 from conftest import need_devices
-from helpers import explicit_one_device
+from helpers import explicit_one_device, train_steps
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from explicit_transformer import ExplicitTransformer, batches, loss  # noqa: E402
@@ -43,16 +43,7 @@ def reference():
 
 
 def _train(axes, strategy, model_fn=_model):
-    n = int(np.prod(list(axes.values())))
-    mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:n])
-    tx = optax.adam(LR)
-    state, layout = jaxpar.init_train_state(model_fn, tx, mesh, strategy)
-    step = jaxpar.make_train_step(loss, tx, layout)
-    losses = []
-    for i in range(STEPS):
-        state, metrics = step(state, jaxpar.shard_batch(_batch(i), mesh))
-        losses.append(float(metrics["loss"]))
-    return state, layout, losses
+    return train_steps(model_fn, loss, _batch, axes, strategy, LR, STEPS)[:3]
 
 
 CASES = {"scan-fsdp4-tp2-zero3": ({"fsdp": 4, "tensor": 2}, Strategy(zero=3), True),

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..rules import axes_of, current_rules, logical_to_spec
+from ..rules import axes_of, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 from .blocks import dense_attention
 from .layout import check_length, from_balanced, sequence_positions, shard_positions, to_balanced
 from .options import CONTEXT, ContextParallelError, current_context_parallel, note_context_call
@@ -101,7 +101,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, 
     note_context_call("attention")
     setting = current_context_parallel()
     body = functools.partial(_LOCAL[setting.method], _Call(size, causal, scale, setting.balance))
-    if CONTEXT in _manual_axes():                  # already inside a shard_map manual over context
+    if CONTEXT in manual_axes():                  # already inside a shard_map manual over context
         check_length(q.shape[1] * size, size, setting.balance)
         return body(q, k, v, segment_ids)
     check_length(q.shape[1], size, setting.balance)
@@ -153,8 +153,7 @@ def in_sequence_order(x: jax.Array, axis: int = 1) -> jax.Array:
     # and moves them with collective-permutes (9 per chunked array at C = 4)
     free = [PartitionSpec.UNCONSTRAINED] * x.ndim
     free[axis] = None
-    inner = jax.sharding.get_abstract_mesh()      # inside a shard_map (a pipeline stage): its mesh
-    whole = NamedSharding(inner if _manual_axes() else current_rules()[0], PartitionSpec(*free))
+    whole = NamedSharding(shard_map_mesh(current_rules()[0]), PartitionSpec(*free))   # in a stage: its mesh
     pin = lambda a: jax.lax.with_sharding_constraint(a, whole)    # noqa: E731
     return pin(to_balanced(pin(x), axis, context_size()))
 
@@ -174,10 +173,6 @@ def _check_inputs(q, k, v, segment_ids) -> None:
                                     or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
         raise AttentionError(f"attention: segment_ids must be integers of shape [batch, length] = {tuple(q.shape[:2])};"
                              f" got {segment_ids.dtype}{list(segment_ids.shape)}.")
-
-
-def _manual_axes() -> set:
-    return set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
 
 def _entry(axes: tuple) -> Any:
@@ -206,18 +201,15 @@ def _sharded(body: Callable, mesh, rules, q, k, v, segment_ids) -> jax.Array:
     """``body`` on the local shards, in a ``shard_map`` manual over every axis that splits q/k/v."""
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     specs = _specs(mesh, rules, q, k)
-    manual = {a for s in specs for e in s for a in axes_of(e) if sizes[a] > 1} - _manual_axes()
+    manual = {a for s in specs for e in s for a in axes_of(e) if sizes[a] > 1} - manual_axes()
     q_spec, kv_spec, seg_spec = (PartitionSpec(*(_entry(tuple(a for a in axes_of(e) if a in manual)) for e in s))
                                  for s in specs)
     args, in_specs = (q, k, v), (q_spec, kv_spec, kv_spec)
     if segment_ids is not None:
         args, in_specs = args + (segment_ids,), in_specs + (seg_spec,)
-    inner = jax.sharding.get_abstract_mesh()
-    smap_mesh = inner if getattr(inner, "manual_axes", ()) else mesh      # nested in a manual region
-
     def local(q, k, v, *seg):
         return body(q, k, v, seg[0] if seg else None)
-    return jax.shard_map(local, mesh=smap_mesh, in_specs=in_specs, out_specs=q_spec, axis_names=manual,
+    return jax.shard_map(local, mesh=shard_map_mesh(mesh), in_specs=in_specs, out_specs=q_spec, axis_names=manual,
                          check_vma=False)(*args)
 
 

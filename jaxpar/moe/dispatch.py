@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ..rules import axes_of, constrain, current_rules, logical_to_spec
+from ..rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 from .routing import MoEError
 
 __all__ = ["EXPERT_AXIS", "expert_rules", "expert_mlp", "dispatch_combine", "ep_axes", "token_axes"]
@@ -85,13 +85,9 @@ def _sizes(mesh) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 
-def _manual_axes() -> set:
-    return set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
-
-
 def ep_axes(mesh, rules) -> tuple[str, ...]:
     """The mesh axes (of size > 1, not already manual) that the ``experts`` logical axis is sharded over."""
-    sizes, manual = _sizes(mesh), _manual_axes()
+    sizes, manual = _sizes(mesh), manual_axes()
     spec = logical_to_spec(("experts",), rules, mesh, what="MoE expert weights ('experts' axis)")
     return tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual)
 
@@ -99,7 +95,7 @@ def ep_axes(mesh, rules) -> tuple[str, ...]:
 def token_axes(mesh, rules, experts_axes: tuple[str, ...]) -> tuple[str, ...]:
     """The mesh axes that split the tokens' group dimension inside the EP region: the ``batch`` rule's
     axes (size > 1, not already manual), then the expert axes it does not name."""
-    sizes, manual = _sizes(mesh), _manual_axes()
+    sizes, manual = _sizes(mesh), manual_axes()
     spec = logical_to_spec(("batch",), rules, mesh, what="MoE tokens ('batch' axis)")
     batch = tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual)
     return batch + tuple(a for a in experts_axes if a not in batch)
@@ -151,7 +147,5 @@ def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: j
     def body(x, expert, slot, weight, w1, w2):
         return _local_moe(x, expert, slot, weight, w1, w2, axes=ep, **local)
 
-    context = jax.sharding.get_abstract_mesh()
-    smap_mesh = context if _manual_axes() else mesh          # nested in a manual region (a pipeline's pipe)
-    return jax.shard_map(body, mesh=smap_mesh, in_specs=(tok, tok, tok, tok, wspec, wspec), out_specs=tok,
+    return jax.shard_map(body, mesh=shard_map_mesh(mesh), in_specs=(tok, tok, tok, tok, wspec, wspec), out_specs=tok,
                          axis_names=set(tokens) | set(ep), check_vma=False)(x, expert, slot, weight, w1, w2)
