@@ -163,7 +163,6 @@ PARTLY = {
                    "optimizers that are not per stage (a global norm, clip_by_global_norm)"),
     ("SP", "BF"): ("on the tensor axis alone", "with a data axis: XLA aborts the compile"),
     ("BR", "K"): ("fixed ramps whose steps are multiples of K", "adaptive ramps, and a ramp step inside a call"),
-    ("PP", "CX"): ("all_gather and ulysses", "ring: a wrong loss inside a stage (XLA:CPU, cause not found)"),
 }
 
 #: Pairs that are alternatives, never both on: one schedule at a time, and a pipeline's

@@ -329,8 +329,7 @@ def _refused_pairs() -> list[tuple[str, str]]:
 
 #: The refused value of the partly-composing pairs.
 PARTLY_REFUSED = {("Z", "1A"): "ZeRO-2", ("ST", "LL"): "clip_by_global_norm / a global-norm optimizer",
-                  ("SP", "BF"): "with a data axis", ("BR", "K"): "a ramp step inside a call",
-                  ("PP", "CX"): "the ring"}
+                  ("SP", "BF"): "with a data axis", ("BR", "K"): "a ramp step inside a call"}
 
 
 def _refusal_params():
@@ -519,8 +518,8 @@ def build(codes, *, schedule: str | None = None) -> Spec:
         elif c == "CX":
             from jaxpar.context import ContextParallel
 
-            sizes["context"] = 2      # with a pipeline: the method that composes (jaxpar.compat.PARTLY)
-            st["context"] = ContextParallel("all_gather" if "PP" in codes else "ring", balance=True)
+            sizes["context"] = 2
+            st["context"] = ContextParallel("ring", balance=True)
         elif c != "MP":
             raise ValueError(c)
     if "NS" in codes and "SN" in codes:

@@ -237,3 +237,16 @@ def test_k_steps_per_call_and_the_noise_scale_compile():
     assert compiled["step"].in_avals[0][1]["tokens"].shape[0] == 5        # 5 stacked batches per call
     job, compiled = _compiled("quickstart.yaml", "mesh.data=4", "logging.noise_scale.every=2")
     assert set(compiled) == {"step", "measure"}
+
+
+@pytest.mark.parametrize("pipe", [1, 2])
+def test_the_ring_hops_by_collective_permute_on_gpus(pipe):
+    """On GPUs a collective-permute pairs sends with receives, so the ring keeps its permutes over
+    context, inside a pipeline stage too (XLA:CPU hops by all-gather there: test_context_train)."""
+    job, compiled = _compiled("long_context.yaml", "model.seq_len=256", f"mesh.pipe={pipe}", f"mesh.data={4 // pipe}",
+                              "parallel.microbatches=2", target="h100:2x8")
+    colls = collectives(compiled["step"], job.mesh)
+    assert _over(colls, "collective-permute", ["context"]), [(c.kind, c.axes) for c in colls]
+    # K/V never gathered (that would be 2 per layer): at most one gather, of the position table or of
+    # the embedding's cotangent for the token table's scatter-add
+    assert len(_over(colls, "all-gather", ["context"])) <= 1, _over(colls, "all-gather", ["context"])

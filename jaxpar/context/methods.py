@@ -72,6 +72,7 @@ class _Call(NamedTuple):
     causal: bool
     scale: float
     balance: bool
+    hop: str = "permute"
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: jax.Array | None = None,
@@ -100,12 +101,21 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, 
         return dense_attention(q, k, v, causal=causal, scale=scale, q_seg=segment_ids, k_seg=segment_ids)
     note_context_call("attention")
     setting = current_context_parallel()
-    body = functools.partial(_LOCAL[setting.method], _Call(size, causal, scale, setting.balance))
+    call = _Call(size, causal, scale, setting.balance, _ring_hop(ctx[0]))
+    body = functools.partial(_LOCAL[setting.method], call)
     if CONTEXT in manual_axes():                  # already inside a shard_map manual over context
         check_length(q.shape[1] * size, size, setting.balance)
         return body(q, k, v, segment_ids)
     check_length(q.shape[1], size, setting.balance)
     return _sharded(body, *ctx, q, k, v, segment_ids)
+
+
+def _ring_hop(mesh) -> str:
+    """How the ring's hops move: ``"gather"`` on XLA:CPU inside a pipeline stage (a ``shard_map``
+    manual over ``pipe``; why: :mod:`jaxpar.context.ring`), else ``"permute"``."""
+    devices = getattr(mesh, "devices", None)
+    on_cpu = devices is not None and devices.flat[0].platform == "cpu"
+    return "gather" if on_cpu and "pipe" in manual_axes() else "permute"
 
 
 def context_size() -> int:
@@ -215,7 +225,7 @@ def _sharded(body: Callable, mesh, rules, q, k, v, segment_ids) -> jax.Array:
 
 def _ring_local(call: _Call, q, k, v, seg):
     return ring_attention(q, k, v, seg, seg, axis_name=CONTEXT, causal=call.causal, scale=call.scale,
-                          balance=call.balance)
+                          balance=call.balance, hop=call.hop)
 
 
 def _all_gather_local(call: _Call, q, k, v, seg):

@@ -25,6 +25,13 @@ XLA from merging the backward's K/V hops with the forward's identical ones, whic
 the forward's K/V blocks, the full K/V, alive until the backward (an ``optimization_barrier`` does not
 stop that on XLA:CPU).
 
+**Hops in a pipeline stage on XLA:CPU.** XLA:CPU runs every collective-permute of a program as one
+rendezvous over all devices. Inside a pipeline stage's conditional, one stage's hops then meet
+another stage's activation transfer and receive its bytes. There, ``hop="gather"`` makes each hop an
+all-gather over the axis from which each device keeps its neighbour's buffer: the same blocks and
+the same arithmetic, ``C`` times the bytes, and a group per ring (GPUs and TPUs pair the sends
+and receives of a collective-permute, so they keep ``hop="permute"``).
+
 Each shard is cut into chunks (2 in the balanced layout, 1 in the natural one, see
 :mod:`jaxpar.context.layout`) and every (query chunk, key chunk) pair is one block. A block that the
 causal mask masks wholly (its key chunk lies after its query chunk) is skipped with ``lax.cond``;
@@ -61,13 +68,14 @@ __all__ = ["RingSpec", "ring_attention", "ring_forward", "ring_backward", "pack"
 
 
 class RingSpec(NamedTuple):
-    """The static part of a ring: the mesh axis, its size, the mask and the layout."""
+    """The static part of a ring: the mesh axis, its size, the mask, the layout and how a hop moves."""
 
     axis: str
     size: int
     causal: bool
     scale: float
     balance: bool
+    hop: str = "permute"
 
 
 def pack(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
@@ -92,9 +100,16 @@ def pack(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
     return buf, unpack
 
 
+HOPS = ("permute", "gather")
+
+
 def _shift(x: Any, spec: RingSpec) -> Any:
-    """Every device passes ``x`` (a pytree) to the next one on the ring: one ``ppermute`` of one buffer."""
+    """Every device passes ``x`` (a pytree) to the next one on the ring: one ``ppermute`` of one
+    buffer, or (``hop="gather"``) one ``all_gather`` of it, keeping the previous device's."""
     buf, unpack = pack(x)
+    if spec.hop == "gather":
+        previous = (jax.lax.axis_index(spec.axis) - 1) % spec.size
+        return unpack(jax.lax.all_gather(buf, spec.axis)[previous])
     return unpack(jax.lax.ppermute(buf, spec.axis, [(j, (j + 1) % spec.size) for j in range(spec.size)]))
 
 
@@ -253,7 +268,8 @@ _ring.defvjp(_ring_fwd, ring_backward)
 
 
 def ring_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, axis_name: str = "context",
-                   causal: bool = True, scale: float | None = None, balance: bool = False) -> jax.Array:
+                   causal: bool = True, scale: float | None = None, balance: bool = False,
+                   hop: str = "permute") -> jax.Array:
     """Ring attention of one device's shards; call it inside a ``shard_map`` manual over ``axis_name``.
 
     Args:
@@ -265,13 +281,17 @@ def ring_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, axis_nam
       causal: the causal mask (by true positions).
       scale: the score scale, ``head_dim ** -0.5`` by default.
       balance: the sequence is in the balanced order of :func:`jaxpar.context.to_balanced`.
+      hop: ``"permute"`` (one ``ppermute`` per hop) or ``"gather"`` (one ``all_gather`` per hop, for
+        XLA:CPU inside a pipeline stage; see the module docstring).
 
     Returns:
       The local output, like ``q``; differentiable (its backward rings too).
     """
+    if hop not in HOPS:
+        raise ContextParallelError(f"ring_attention: hop={hop!r}; use one of {HOPS}.")
     size = jax.lax.axis_size(axis_name)
     check_length(q.shape[1] * size, size, balance)
-    spec = RingSpec(axis_name, size, causal, q.shape[-1] ** -0.5 if scale is None else float(scale), balance)
+    spec = RingSpec(axis_name, size, causal, q.shape[-1] ** -0.5 if scale is None else float(scale), balance, hop)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ContextParallelError("ring_attention: give both q_segment_ids and kv_segment_ids, or neither.")
     return _ring(spec, q, k, v, q_segment_ids, kv_segment_ids)

@@ -77,12 +77,15 @@ def _stop(call):
     raise _Reached(call.x)
 
 
-def _batch_first(x):
-    """``x`` split over the data axes on its batch dimension, the rest whole: the layout of
-    activations between pipeline stages and layers. Left free, XLA may pick another layout
-    inside a stage's branch and move data between layouts with collective-permutes that
-    span every stage (a deadlock inside a branch only one stage runs)."""
-    return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+def _stage_layout(x):
+    """``x`` split over the data axes on its batch dimension and, for ``[batch, length, ...]``
+    activations, by the ``length`` rule on its sequence (over ``context`` under context
+    parallelism, else whole); the rest whole. This is the layout of activations between pipeline
+    stages and layers. Left free, XLA may pick another layout inside a stage's branch and move
+    data between layouts with collective-permutes, which XLA:CPU runs as one rendezvous over
+    every device (a deadlock or a wrong result inside a branch only one stage runs)."""
+    sequence = ("length",) if x.ndim >= 3 else ()
+    return constrain(x, ("batch",) + sequence + (None,) * (x.ndim - 1 - len(sequence)))
 
 
 @dataclass(frozen=True)
@@ -270,7 +273,7 @@ def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any, *, mesh=None
     if explicit is not None:
         pre, layer, post = explicit.parts(cut.split, pre, layer, post)
     body = with_remat(layer, site.remat)
-    parts = PipelineParts(pre=lambda outer, mb: _batch_first(pre(outer, mb)),
-                          layer=lambda p, x: _batch_first(body(p, _batch_first(x))),
-                          post=lambda outer, y, mb: post(outer, _batch_first(y), mb))
+    parts = PipelineParts(pre=lambda outer, mb: _stage_layout(pre(outer, mb)),
+                          layer=lambda p, x: _stage_layout(body(p, _stage_layout(x))),
+                          post=lambda outer, y, mb: post(outer, _stage_layout(y), mb))
     return replace(cut, parts=parts)
