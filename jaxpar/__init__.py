@@ -12,6 +12,7 @@ from .zero import analytic_state_bytes as analytic_state_bytes
 from .train.state import TrainState as TrainState, StateLayout as StateLayout
 from .train.init import init_train_state as init_train_state, state_layout as state_layout
 from .batch import shard_batch as shard_batch
+from .loss_metrics import report_metric as report_metric
 from .train.step import make_train_step as make_train_step, ExplicitDPError as ExplicitDPError
 from .train.state import StrategyMismatchError as StrategyMismatchError
 
@@ -22,5 +23,5 @@ __all__ = [
     "RulesError", "logical_to_spec", "resolve", "named_shardings", "use_rules", "constrain",
     "scan_blocks", "run_layers", "stack_layers", "LayerListError", "Strategy", "tensor_rules", "analytic_state_bytes",
     "TrainState", "StateLayout", "init_train_state", "state_layout", "make_train_step", "ExplicitDPError",
-    "StrategyMismatchError", "shard_batch",
+    "StrategyMismatchError", "shard_batch", "report_metric",
 ]

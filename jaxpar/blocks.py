@@ -216,7 +216,7 @@ def find_layer_calls(fn: Callable, params: Any, *args: Any, wrap: Callable | Non
             leaves, treedef = jax.tree.flatten(call.params)
             sites.append(LayerSite(tuple(position.get(id(leaf)) for leaf in leaves), treedef, call.layer,
                                    call.logical, call.remat, call.scan,
-                                   jax.ShapeDtypeStruct(call.x.shape, call.x.dtype), call.closure))
+                                   jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), call.x), call.closure))
             return call.run()
 
         with use_layer_runner(record):

@@ -65,6 +65,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("CK", "checkpoint restore and reshard", lambda s: False),
     Feature("MP", "several processes (jax.distributed)", lambda s: False),
     Feature("CX", "context parallelism (context axis)", lambda s: s.size("context") > 1),
+    Feature("EP", "expert parallelism (expert axis)", lambda s: s.size("expert") > 1),
 )
 CODES = tuple(f.code for f in FEATURES)
 _FEATURE = {f.code: f for f in FEATURES}
@@ -77,7 +78,7 @@ LIBRARY_NAMES = {
     "steps_per_call": "steps_per_call",
     "clip_norm": "clip_norm", "noise_scale_every": "noise_scale_every", "pipe": "pipe", "replica": "replica",
     "optimizer": "the optimizer (tx)", "fsdp": "fsdp",
-    "tensor": "tensor", "context": "context", "ramp": "the batch ramp", "ramp_steps": "the batch ramp's steps", "true": "True",
+    "tensor": "tensor", "context": "context", "expert": "expert", "ramp": "the batch ramp", "ramp_steps": "the batch ramp's steps", "true": "True",
     "false": "False",
 }
 
@@ -154,6 +155,11 @@ REFUSED = {
     ("EX", "CX"): "context-parallel attention inside the per-layer shard_map", ("CP", "CX"): "the codec's "
     "exchange reduces over the data axes only", ("LC", "CX"): "as CP x CX", ("1A", "CX"): "as CP x CX",
     ("RS", "CX"): "as CP x CX", ("NS", "CX"): "as CP x CX",
+    ("PP", "EP"): "a pipeline sends one activation; the MoE layers carry statistics beside it",
+    ("2B", "EP"): "as PP x EP", ("ST", "EP"): "as PP x EP", ("EX", "EP"): "one activation per layer, reduced over "
+    "the data axes only", ("CP", "EP"): "the codec's exchange reduces over the data axes only", ("LC", "EP"): "as "
+    "CP x EP", ("1A", "EP"): "as CP x EP", ("RS", "EP"): "as CP x EP", ("NS", "EP"): "as CP x EP",
+    ("CX", "EP"): "the dispatch routes whole batch rows",
 }
 
 #: Pairs where some values compose and others are refused: ``{(code, code): (composes, refused)}``.
@@ -162,6 +168,7 @@ PARTLY = {
     ("ST", "LL"): ("LARS / LAMB with per-layer trust ratios (the logical mask)",
                    "optimizers that are not per stage (a global norm, clip_by_global_norm)"),
     ("SP", "BF"): ("on the tensor axis alone", "with a data axis: XLA aborts the compile"),
+    ("BF", "EP"): ("on the expert axis alone", "with a data axis: XLA aborts the compile, as SP x BF"),
     ("BR", "K"): ("fixed ramps whose steps are multiples of K", "adaptive ramps, and a ramp step inside a call"),
 }
 

@@ -284,5 +284,43 @@ def _context_problems(s: Setting) -> list[Problem]:
     return out
 
 
+def _expert_problems(s: Setting) -> list[Problem]:
+    """Expert parallelism (an ``expert`` axis) against what carries one activation per layer, or
+    reduces the gradients over the data axes only."""
+    e, st, out = s.size("expert"), s.strategy, []
+    if e == 1:
+        return out
+    key, values = "{n[expert]}={e}", {"e": e}
+    if s.size("pipe") > 1:
+        code = {"pipedream-2bw": "2B", "pipedream": "ST"}.get(st.schedule, "PP")
+        out.append(Problem((code, "EP"), ("pipe", "expert"), "{n[pipe]}={p} with " + key + ": a pipeline sends one "
+                           "activation between stages, and the MoE layers carry their statistics beside it. Use "
+                           "{n[pipe]}=1 with experts.", {**values, "p": s.size("pipe")}, "MoEError"))
+    if s.explicit_dp:
+        out.append(Problem(("EX", "EP"), ("explicit_dp", "expert"), "{n[explicit_dp]}=True with " + key + ": the "
+                           "explicit per-layer collectives run one activation per layer and reduce over the data "
+                           "axes only. Use {n[explicit_dp]}=None.", values, "MoEError"))
+    if st.compute_dtype == "bfloat16" and s.size("data") * s.size("fsdp") > 1:
+        out.append(Problem(("BF", "EP"), ("compute_dtype", "expert"), "{n[compute_dtype]}='bfloat16' with " + key +
+                           " on a mesh with data axes {d}: XLA aborts while compiling this step ('Invalid binary "
+                           "instruction opcode copy', XLA:CPU with jax 0.10, as sequence parallelism does). Use "
+                           "{n[compute_dtype]}='float32', or bf16 on the expert axis alone.",
+                           {**values, "d": s.size("data") * s.size("fsdp")}, "MoEError"))
+    if s.size("context") > 1:
+        out.append(Problem(("CX", "EP"), ("context", "expert"), "{n[context]}={c} with " + key + ": the MoE "
+                           "dispatch routes whole batch rows, and a context axis splits each row's tokens. Drop one "
+                           "of the two.", {**values, "c": s.size("context")}, "MoEError"))
+    inside = [("CP", "compression", "a codec's exchange", st.compression is not None),
+              ("RS", "sync", "relaxed synchronisation", replicas_on(s)),
+              ("NS", "noise_scale_every", "the noise scale", s.noise_scale_every is not None)]
+    for code, field, what, on in inside:
+        if on:
+            out.append(Problem((code, "EP"), (field, "expert"), "{n[" + field + "]} with " + key + ": " + what +
+                               " runs the loss per replica inside a shard_map over the data axes and reduces the "
+                               "gradients over them only, not over {n[expert]}. Drop one of the two.", values,
+                               "MoEError"))
+    return out
+
+
 RULES = (_sequence_parallel_problems, _pipeline_problems, _explicit_dp_problems, _no_flush_problems, _codec_problems,
-         _noise_scale_problems, _ramp_problems, _context_problems)
+         _noise_scale_problems, _ramp_problems, _context_problems, _expert_problems)

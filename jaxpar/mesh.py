@@ -36,6 +36,7 @@ __all__ = [
     "replicas",
     "REPLICA",
     "CONTEXT",
+    "EXPERT",
 ]
 
 #: The axes jaxpar's strategies know about, in mesh order (outermost first).
@@ -43,6 +44,7 @@ __all__ = [
 STANDARD_AXES = ("pipe", "data", "fsdp", "tensor")
 REPLICA = "replica"   # the outermost axis of relaxed synchronisation (jaxpar.sync), present only when > 1
 CONTEXT = "context"   # the sequence axis of context parallelism (jaxpar.context), beside tensor, only when > 1
+EXPERT = "expert"     # the axis of expert parallelism (jaxpar.moe), inside the data axes, only when > 1
 
 
 class MeshError(ValueError):
@@ -53,7 +55,9 @@ class MeshError(ValueError):
 class MeshSpec:
     """Named mesh axis sizes; one size may be -1 ("the rest of the devices").
 
-    ``extra`` holds user-named axes (placed after the standard ones). ``context > 1`` adds a
+    ``extra`` holds user-named axes (placed after the standard ones). ``expert > 1`` adds an
+    ``expert`` axis just inside ``fsdp`` (expert parallelism, :mod:`jaxpar.moe`: the experts split
+    over it, the batch too, so that its devices are data parallel for the other layers). ``context > 1`` adds a
     ``context`` axis just outside ``tensor`` (context parallelism, :mod:`jaxpar.context`: the
     sequence split over it; its ring traffic is per layer). ``replica > 1`` adds
     an outermost ``replica`` axis: K model replicas, each sharded over the other axes,
@@ -70,6 +74,7 @@ class MeshSpec:
     tensor: int = 1
     pipe: int = 1
     context: int = 1
+    expert: int = 1
     extra: Mapping[str, int] = field(default_factory=dict)
     dcn: Mapping[str, int] = field(default_factory=dict)
     replica: int = 1
@@ -80,11 +85,13 @@ class MeshSpec:
     def requested(self) -> dict[str, int]:
         sizes = {REPLICA: self.replica} if self.replica != 1 else {}
         sizes.update({"pipe": self.pipe, "data": self.data, "fsdp": self.fsdp})
+        if self.expert != 1:
+            sizes[EXPERT] = self.expert
         if self.context != 1:
             sizes[CONTEXT] = self.context
         sizes["tensor"] = self.tensor
         for name, size in self.extra.items():
-            if name in sizes or name in (REPLICA, CONTEXT):
+            if name in sizes or name in (REPLICA, CONTEXT, EXPERT):
                 raise MeshError(f"MeshSpec.extra: axis name {name!r} clashes with a standard axis {STANDARD_AXES}; "
                                 "choose another name.")
             sizes[name] = size
@@ -143,7 +150,7 @@ def make_mesh(spec: MeshSpec | Mapping[str, int], devices: Sequence[jax.Device] 
     jaxpar.mesh.MeshError: MeshSpec: axis sizes ... multiply to 3, but there are 4 devices. ...
     """
     if isinstance(spec, Mapping):
-        named = STANDARD_AXES + (REPLICA, CONTEXT)
+        named = STANDARD_AXES + (REPLICA, CONTEXT, EXPERT)
         known = {k: v for k, v in spec.items() if k in named}
         spec = MeshSpec(**known, extra={k: v for k, v in spec.items() if k not in named})
     devices = list(jax.devices() if devices is None else devices)
@@ -178,8 +185,10 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes that split the global batch: ``replica`` (when present), then :func:`data_axes`."""
-    return ((REPLICA,) if REPLICA in mesh.axis_names else ()) + data_axes(mesh)
+    """The mesh axes that split the global batch: ``replica`` (when present), then :func:`data_axes`,
+    then ``expert`` (when present: expert-parallel devices are data parallel for the other layers)."""
+    expert = (EXPERT,) if EXPERT in mesh.axis_names else ()
+    return ((REPLICA,) if REPLICA in mesh.axis_names else ()) + data_axes(mesh) + expert
 
 
 def replicas(mesh: Mesh) -> int:

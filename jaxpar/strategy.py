@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from .context.options import ContextParallel
-from .mesh import CONTEXT, data_axes
+from .mesh import CONTEXT, EXPERT, data_axes
 from .pipeline.schedules import canonical_kind
 from .rules import LogicalRules
 from .tensor import tensor_rules
@@ -136,15 +136,18 @@ class Strategy:
     def rules(self, mesh) -> LogicalRules:
         """Logical rules for this strategy on ``mesh`` (user rules first). With a
         ``pipe`` axis the stacked ``layers`` dimension is split over it (replicated
-        when the layer count does not divide)."""
+        when the layer count does not divide); with an ``expert`` axis the ``experts`` dimension
+        of MoE weights is split over it, and the batch too."""
         sizes = dict(mesh.shape)
         pipe = (("layers", "pipe"),) if sizes.get("pipe", 1) > 1 else ()
         context = ()
         if sizes.get(CONTEXT, 1) > 1:     # the sequence over context; the residual stream too (and tensor with SP)
             norm = (CONTEXT, "tensor") if self.sequence_parallel and sizes.get("tensor", 1) > 1 else CONTEXT
             context = (("length", CONTEXT), ("norm_length", norm))
-        return tuple(self.extra_rules) + pipe + context + tuple(
-            tensor_rules(sequence_parallel=self.sequence_parallel, batch_axes=data_axes(mesh)))
+        ep = (EXPERT,) if sizes.get(EXPERT, 1) > 1 else ()
+        experts = (("experts", ep[0] if ep else None),)        # MoE weights' expert dimension
+        return tuple(self.extra_rules) + pipe + context + experts + tuple(
+            tensor_rules(sequence_parallel=self.sequence_parallel, batch_axes=data_axes(mesh) + ep))
 
     @property
     def context_setting(self) -> ContextParallel:
@@ -178,6 +181,8 @@ class Strategy:
         if mesh_sizes.get(CONTEXT, 1) > 1:
             cp = self.context_setting
             parts += [f"cp{mesh_sizes[CONTEXT]}", cp.method.replace("_", "")] + (["bal"] if cp.balance else [])
+        if mesh_sizes.get(EXPERT, 1) > 1:
+            parts.append(f"ep{mesh_sizes[EXPERT]}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.microbatches > 1 and not piped:

@@ -23,7 +23,8 @@ def test_print_config_resolves_base_and_overrides(capsys):
     assert main(["train", str(ROOT / "configs" / "tp_sp.yaml"), "--print-config", "optimizer.lr=3e-4"]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert cfg["name"] == "tp_sp" and cfg["train"]["out_dir"] == "runs/tp_sp"
-    assert cfg["mesh"] == {"data": 2, "fsdp": 1, "tensor": 4, "pipe": 1, "replica": 1, "context": 1}   # tp.yaml, base
+    assert cfg["mesh"] == {"data": 2, "fsdp": 1, "tensor": 4, "pipe": 1, "replica": 1, "context": 1,
+                           "expert": 1}   # tp.yaml, base
     assert cfg["parallel"]["sequence_parallel"] is True
     assert cfg["model"]["embed"] == 128                                     # quickstart.yaml, two levels up
     assert cfg["optimizer"]["lr"] == pytest.approx(3e-4)
@@ -265,6 +266,25 @@ def test_long_context_config_trains_over_a_context_axis(tmp_path):
     assert len(losses) == 3 and np.isfinite(losses).all(), losses
     with pytest.raises(ConfigError, match=r"parallel.context: method='rings' is not a context-parallel method"):
         check(load_config(config, ["parallel.context.method=rings"]), 8)
+
+
+def test_moe_config_trains_over_an_expert_axis(tmp_path):
+    """configs/moe.yaml trains the GPT with 8 experts top-2 split over expert=4 x data=2; bad MoE
+    settings and an expert axis that does not divide the experts are named by their keys."""
+    out = tmp_path / "run"
+    config = str(Path(EXPLICIT).parent / "moe.yaml")
+    assert main(["train", config, "train.steps=3", "train.log_every=1", "train.eval_batches=1",
+                 f"train.out_dir={out}", "train.progress=none", "optimizer.warmup_steps=0", "train.eval_every=0",
+                 "checkpoint.enabled=false", "logging.tensorboard=false"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert len(train) == 3 and np.isfinite([r["loss"] for r in train]).all(), train
+    for r in train:             # the step's MoE metrics, logged every step
+        assert 0 <= r["moe/drop_rate"] < 1 and r["moe/load_min"] <= 1 <= r["moe/load_max"] and r["moe/entropy"] > 0
+    with pytest.raises(ConfigError, match=r"model.moe: top_k=9 must be an int in \[1, experts=8\]"):
+        check(load_config(config, ["model.moe.top_k=9"]), 8)
+    with pytest.raises(ConfigError, match=r"model.moe=.*unknown keys \['expert'\]"):
+        check(load_config(config, ["model.moe.expert=8"]), 8)
 
 
 USER_BAD = [  # (overrides on tests/cli_mlp.yaml, text the error must contain)

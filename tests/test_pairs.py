@@ -172,7 +172,7 @@ DEDICATED: dict[tuple[str, str], list[str]] = {
 #: Several processes (MP): one two-process job runs all these pairs (section 5).
 MP_PAIRS = [("SP", "MP"), ("MB", "MP"), ("BF", "MP"), ("RM", "MP"), ("EX", "MP"), ("PP", "MP"), ("2B", "MP"),
             ("ST", "MP"), ("K", "MP"), ("CP", "MP"), ("LC", "MP"), ("RS", "MP"), ("SN", "MP"), ("NS", "MP"),
-            ("BR", "MP"), ("LL", "MP"), ("1A", "MP"), ("CX", "MP")]
+            ("BR", "MP"), ("LL", "MP"), ("1A", "MP"), ("CX", "MP"), ("EP", "MP")]
 
 
 def _key(a: str, b: str) -> tuple[str, str]:
@@ -256,7 +256,7 @@ FIELDS = {"Z": ("zero",), "TP": ("tensor",), "SP": ("sequence_parallel",), "MB":
           "2B": ("schedule", "pipe"), "ST": ("schedule", "pipe"), "K": ("steps_per_call",),
           "CP": ("compression",), "LC": ("local_clip",), "RS": ("sync", "replica"), "CN": ("clip_norm",),
           "NS": ("noise_scale_every",), "BR": ("ramp", "ramp_steps"), "1A": ("compression",),
-          "LL": ("optimizer",), "CX": ("context",)}
+          "LL": ("optimizer",), "CX": ("context",), "EP": ("expert",)}
 #: Features a Setting cannot express (they are a model, an optimizer, a loop or a launcher choice).
 UNSETTABLE = {"RM", "SN", "LL", "CK", "MP"}
 #: Of those, the features whose refused value a Setting says (LL: an optimizer across stages).
@@ -314,6 +314,8 @@ def _setting_for(pair, *, ramp: str = "fixed") -> Setting:
             kw["optimizer_across_stages"] = True
         elif c == "CX":
             sizes["context"] = 2
+        elif c == "EP":
+            sizes["expert"] = 2
     if "replica" in sizes and "compression" not in st:
         st["sync"] = synchronous()             # a Strategy refuses sync with a codec: the replica axis says it
     return Setting(jaxpar.Strategy(**st), sizes, **kw)
@@ -329,7 +331,8 @@ def _refused_pairs() -> list[tuple[str, str]]:
 
 #: The refused value of the partly-composing pairs.
 PARTLY_REFUSED = {("Z", "1A"): "ZeRO-2", ("ST", "LL"): "clip_by_global_norm / a global-norm optimizer",
-                  ("SP", "BF"): "with a data axis", ("BR", "K"): "a ramp step inside a call"}
+                  ("SP", "BF"): "with a data axis", ("BR", "K"): "a ramp step inside a call",
+                  ("BF", "EP"): "with a data axis"}
 
 
 def _refusal_params():
@@ -346,7 +349,7 @@ def test_refusals_name_both_features(pair):
     setting = _setting_for(pair)
     if pair == ("Z", "1A"):
         setting = setting._replace(strategy=dataclasses.replace(setting.strategy, zero=2))
-    if pair == ("SP", "BF"):                     # the refused value: a data axis beside tensor
+    if pair in (("SP", "BF"), ("BF", "EP")):     # the refused value: a data axis beside tensor / expert
         setting = setting._replace(sizes={**setting.sizes, "data": 2})
     assert _both_on(setting, a, b), (pair, setting)
     found = problems(setting)
@@ -520,6 +523,13 @@ def build(codes, *, schedule: str | None = None) -> Spec:
 
             sizes["context"] = 2
             st["context"] = ContextParallel("ring", balance=True)
+        elif c == "EP":      # dropless (no capacity ties); the aux loss is refused with accumulation
+            from jaxpar.models.gpt import MoESettings
+
+            sizes["expert"] = 2
+            aux = 0.0 if "MB" in codes else 0.01
+            s.cfg = dataclasses.replace(s.cfg, mlp=32, moe=MoESettings(experts=4, top_k=2, capacity_factor=None,
+                                                                       aux_weight=aux, z_weight=1e-3))
         elif c != "MP":
             raise ValueError(c)
     if "NS" in codes and "SN" in codes:
@@ -527,8 +537,8 @@ def build(codes, *, schedule: str | None = None) -> Spec:
     if s.ramp:   # the batch doubles after the first call
         s.rows = tuple(ROWS if i < s.k else 2 * ROWS for i in range(s.steps))
     used = math.prod(sizes.values())
-    if {"SP", "BF"} <= set(codes):     # the value that composes: tensor alone (jaxpar.compat.PARTLY)
-        return s
+    if {"SP", "BF"} <= set(codes) or {"BF", "EP"} <= set(codes):   # the value that composes (compat.PARTLY):
+        return s                                                     # tensor / expert alone
     if used < N_DEVICES:                                          # the rest of the devices: data
         sizes["data"] = sizes.get("data", 1) * (N_DEVICES // used)
     return s
@@ -1018,7 +1028,7 @@ def check_pair(spec: Spec, res: Result):
 #: One case per feature in the default run (with the dedicated tests of section 4: NS x PP and
 #: BF x 2BW); the rest in the slow pass.
 FAST = {("Z", "BR"), ("SP", "CP"), ("MB", "RS"), ("LC", "LL"), ("RM", "ST"), ("EX", "CN"), ("K", "SN"),
-        ("TP", "1A"), ("BF", "CK"), ("Z", "CX")}
+        ("TP", "1A"), ("BF", "CK"), ("Z", "CX"), ("TP", "EP")}
 
 
 def _pair_params():

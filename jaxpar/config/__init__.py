@@ -27,7 +27,7 @@ Example::
     >>> from pathlib import Path
     >>> quickstart = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
     >>> load_config(quickstart, ["mesh.tensor=1", "mesh.data=4"]).mesh
-    MeshConfig(data=4, fsdp=2, tensor=1, pipe=1, replica=1, context=1)
+    MeshConfig(data=4, fsdp=2, tensor=1, pipe=1, replica=1, context=1, expert=1)
     >>> load_config(quickstart, ["model.embedd=64"])
     Traceback (most recent call last):
     ...

@@ -41,12 +41,30 @@ class ModelEntry:
 def build_gpt_config(cfg: ModelConfig):
     """The :class:`jaxpar.models.gpt.GPTConfig` of the model section; its errors name ``model.*`` keys."""
     from ..models.gpt import GPTConfig   # the GPT is one example model: imported only when used
+    from ..moe import MoEError
 
+    moe = build_moe(cfg.moe)
     try:
         return GPTConfig(vocab=cfg.vocab, seq_len=cfg.seq_len, embed=cfg.embed, heads=cfg.heads, layers=cfg.layers,
-                         mlp=cfg.mlp, remat=cfg.remat, scan_layers=cfg.scan_layers, init_std=cfg.init_std)
+                         mlp=cfg.mlp, remat=cfg.remat, scan_layers=cfg.scan_layers, init_std=cfg.init_std, moe=moe)
+    except MoEError as e:
+        raise ConfigError(str(e) if str(e).startswith("model.moe") else f"model.moe: {e}") from None
     except ValueError as e:
         raise ConfigError(relabel(e, "GPTConfig", "model", GPT_KEYS)) from None
+
+
+def build_moe(options: Mapping[str, Any]):
+    """The :class:`jaxpar.models.gpt_moe.MoESettings` of ``model.moe`` (empty: ``None``, dense MLPs)."""
+    if not options:
+        return None
+    from ..models.gpt_moe import MoESettings
+
+    known = tuple(f.name for f in dataclasses.fields(MoESettings))
+    unknown = sorted(set(options) - set(known))
+    if unknown or "experts" not in options:
+        raise ConfigError(f"model.moe={dict(options)!r}: " + (f"unknown keys {unknown}; " if unknown else "no 'experts'; ")
+                          + f"it takes {', '.join(known)} (e.g. moe: {{experts: 8, top_k: 2}}).")
+    return MoESettings(**options)
 
 
 def _build_gpt(cfg: ModelConfig, seed: int) -> Callable[[], nnx.Module]:
@@ -101,13 +119,13 @@ def relabel(err: Exception, owner: str, section: str, fields: Sequence[str], fal
     return msg if f"{section}." in msg else f"{fallback or section}: {msg}"
 
 
-_MESH_AXES = ("data", "fsdp", "tensor", "pipe", "replica", "context")
+_MESH_AXES = ("data", "fsdp", "tensor", "pipe", "replica", "context", "expert")
 _PARALLEL_KEYS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
 
 
 def mesh_spec(cfg: MeshConfig) -> MeshSpec:
     return MeshSpec(data=cfg.data, fsdp=cfg.fsdp, tensor=cfg.tensor, pipe=cfg.pipe, replica=cfg.replica,
-                    context=cfg.context)
+                    context=cfg.context, expert=cfg.expert)
 
 
 def mesh_error(e: MeshError, cfg: MeshConfig) -> str:

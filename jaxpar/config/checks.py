@@ -230,8 +230,8 @@ YAML_NAMES = {   # the YAML key of each field jaxpar.compat's messages name
     "microbatches": "parallel.microbatches", "compute_dtype": "parallel.compute_dtype", "explicit_dp": "explicit_dp",
     "steps_per_call": "parallel.steps_per_call",
     "clip_norm": "optimizer.clip_norm", "noise_scale_every": "logging.noise_scale.every", "pipe": "mesh.pipe",
-    "replica": "mesh.replica", "tensor": "mesh.tensor", "context": "mesh.context", "ramp": "data.batch_ramp",
-    "ramp_steps": "data.batch_ramp.steps", "true": "true", "false": "false",
+    "replica": "mesh.replica", "tensor": "mesh.tensor", "context": "mesh.context", "expert": "mesh.expert",
+    "ramp": "data.batch_ramp", "ramp_steps": "data.batch_ramp.steps", "true": "true", "false": "false",
 }
 
 

@@ -45,10 +45,13 @@ class ModelConfig:
     remat: str = "none"
     scan_layers: bool = True
     init_std: float = 0.02
+    # mixture of experts: {experts: 8, top_k: 2, capacity_factor: 1.25 | null, every: 1, aux_weight: 0.01, ...}
+    # (see jaxpar.models.gpt_moe.MoESettings); {} = dense MLPs
+    moe: dict[str, Any] = field(default_factory=dict)
 
 
 #: Keys of the built-in GPT (an error with ``model.target``) and of a user model (an error without it).
-GPT_KEYS = ("vocab", "seq_len", "embed", "heads", "layers", "mlp", "remat", "scan_layers", "init_std")
+GPT_KEYS = ("vocab", "seq_len", "embed", "heads", "layers", "mlp", "remat", "scan_layers", "init_std", "moe")
 USER_MODEL_KEYS = ("target", "kwargs", "loss")
 
 
@@ -62,6 +65,7 @@ class MeshConfig:
     pipe: int = 1
     replica: int = 1                # K model replicas (outermost axis), kept in step by parallel.sync
     context: int = 1                # context parallelism: the sequence split over a 'context' axis (parallel.context)
+    expert: int = 1                 # expert parallelism: model.moe's experts split over an 'expert' axis
 
 
 @dataclass(frozen=True)

@@ -37,12 +37,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..blocks import run_layers
-from ..context import attention, in_sequence_order, sequence_order
+from ..context import in_sequence_order, sequence_order
 from ..rules import constrain
-from ..tensor import row_parallel
+from .gpt_layers import (BLOCK_LOGICAL, RESIDUAL, Blocks, attention_apply, block_apply, layer_norm, mlp_apply, param,
+                         zeros)
+from ..loss_metrics import report_metric
+from ..moe import note_aux_loss
+from .gpt_moe import MoEBlocks, MoESettings, moe_metrics, run_moe_blocks
 
-__all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "run_blocks", "BLOCK_LOGICAL", "REMAT_POLICIES", "lm_loss",
-           "cross_entropy", "embed_apply", "head_apply", "remat_policy"]
+__all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "attention_apply", "mlp_apply", "layer_norm", "run_blocks",
+           "BLOCK_LOGICAL", "RESIDUAL", "REMAT_POLICIES", "lm_loss", "cross_entropy", "embed_apply", "head_apply",
+           "remat_policy", "MoESettings"]
 
 REMAT_POLICIES = ("none", "full", "save-matmuls")
 
@@ -60,6 +65,7 @@ class GPTConfig:
     remat: str = "none"
     scan_layers: bool = True
     init_std: float = 0.02
+    moe: MoESettings | None = None
 
     def __post_init__(self):
         for name in ("vocab", "seq_len", "embed", "heads", "layers"):
@@ -71,6 +77,8 @@ class GPTConfig:
                              "choose embed as a multiple of heads.")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"GPTConfig.remat={self.remat!r}: choose one of {REMAT_POLICIES}.")
+        if self.moe is not None:
+            self.moe.check(self.layers)
 
     @property
     def head_dim(self) -> int:
@@ -79,75 +87,6 @@ class GPTConfig:
     @property
     def mlp_dim(self) -> int:
         return self.mlp or 4 * self.embed
-
-
-def _param(key, shape, logical, std):
-    value = std * jax.random.normal(key, shape, jnp.float32) if std else jnp.ones(shape, jnp.float32)
-    return nnx.Param(value, out_sharding=logical)
-
-
-def _zeros(shape, logical):
-    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=logical)
-
-
-#: Logical names of one block's parameters (the stacked arrays add a leading ``layers``).
-BLOCK_LOGICAL = {
-    "ln1_scale": ("embed",), "ln1_bias": ("embed",),
-    "wq": ("embed", "heads", "kv"), "wk": ("embed", "heads", "kv"), "wv": ("embed", "heads", "kv"),
-    "wo": ("heads", "kv", "embed"),
-    "ln2_scale": ("embed",), "ln2_bias": ("embed",),
-    "w1": ("embed", "mlp"), "b1": ("mlp",), "w2": ("mlp", "embed"), "b2": ("embed",),
-}
-
-
-class Blocks(nnx.Module):
-    """``layers`` decoder blocks, parameters stacked on a leading ``layers`` axis."""
-
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        L, E, H, D, M = cfg.layers, cfg.embed, cfg.heads, cfg.head_dim, cfg.mlp_dim
-        std, out_std = cfg.init_std, cfg.init_std / (2 * L) ** 0.5
-        self.ln1_scale = _param(None, (L, E), ("layers", "embed"), 0)
-        self.ln1_bias = _zeros((L, E), ("layers", "embed"))
-        self.wq = _param(rngs.params(), (L, E, H, D), ("layers", "embed", "heads", "kv"), std)
-        self.wk = _param(rngs.params(), (L, E, H, D), ("layers", "embed", "heads", "kv"), std)
-        self.wv = _param(rngs.params(), (L, E, H, D), ("layers", "embed", "heads", "kv"), std)
-        self.wo = _param(rngs.params(), (L, H, D, E), ("layers", "heads", "kv", "embed"), out_std)
-        self.ln2_scale = _param(None, (L, E), ("layers", "embed"), 0)
-        self.ln2_bias = _zeros((L, E), ("layers", "embed"))
-        self.w1 = _param(rngs.params(), (L, E, M), ("layers", "embed", "mlp"), std)
-        self.b1 = _zeros((L, M), ("layers", "mlp"))
-        self.w2 = _param(rngs.params(), (L, M, E), ("layers", "mlp", "embed"), out_std)
-        self.b2 = _zeros((L, E), ("layers", "embed"))
-
-
-def _layer_norm(x, scale, bias, eps=1e-5):
-    x32 = x.astype(jnp.float32)
-    mean = x32.mean(-1, keepdims=True)
-    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    return ((x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
-
-
-def block_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """One pre-norm decoder block on ``x`` of shape ``(batch, length, embed)``.
-
-    ``p`` maps the names of :class:`Blocks` to one layer's arrays (no ``layers``
-    axis). Megatron pairing: q/k/v and ``w1`` are column-parallel (``heads`` /
-    ``mlp`` sharded), ``wo`` and ``w2`` row-parallel: one reduction per pair.
-    """
-    res = ("batch", "norm_length", "embed")
-    h = _layer_norm(x, p["ln1_scale"], p["ln1_bias"])
-    h = constrain(h, ("batch", "length", "embed"))
-    q = constrain(jnp.einsum("bte,ehd->bthd", h, p["wq"]), ("batch", "length", "heads", "kv"))
-    k = constrain(jnp.einsum("bte,ehd->bthd", h, p["wk"]), ("batch", "length", "heads", "kv"))
-    v = constrain(jnp.einsum("bte,ehd->bthd", h, p["wv"]), ("batch", "length", "heads", "kv"))
-    attn = constrain(attention(q, k, v, causal=True), ("batch", "length", "heads", "kv"))   # context parallel
-    x = x + row_parallel("bthd,hde->bte", attn, p["wo"], ("batch", "length", "heads", "kv"),
-                         ("heads", "kv", "embed"), res)
-    h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"])
-    h = constrain(h, ("batch", "length", "embed"))
-    h = jax.nn.gelu(constrain(jnp.einsum("bte,em->btm", h, p["w1"]) + p["b1"], ("batch", "length", "mlp")))
-    x = x + row_parallel("btm,me->bte", h, p["w2"], ("batch", "length", "mlp"), ("mlp", "embed"), res) + p["b2"]
-    return constrain(x, res)
 
 
 def remat_policy(name: str):
@@ -169,12 +108,12 @@ class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         with nnx.use_eager_sharding(False):
-            self.wte = _param(rngs.params(), (cfg.vocab, cfg.embed), ("vocab", "embed"), cfg.init_std)
-            self.wpe = _param(rngs.params(), (cfg.seq_len, cfg.embed), (None, "embed"), cfg.init_std)
-            self.blocks = Blocks(cfg, rngs=rngs)
-            self.lnf_scale = _param(None, (cfg.embed,), ("embed",), 0)
-            self.lnf_bias = _zeros((cfg.embed,), ("embed",))
-            self.head = _param(rngs.params(), (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.init_std)
+            self.wte = param(rngs.params(), (cfg.vocab, cfg.embed), ("vocab", "embed"), cfg.init_std)
+            self.wpe = param(rngs.params(), (cfg.seq_len, cfg.embed), (None, "embed"), cfg.init_std)
+            self.blocks = MoEBlocks(cfg, rngs=rngs) if cfg.moe is not None else Blocks(cfg, rngs=rngs)
+            self.lnf_scale = param(None, (cfg.embed,), ("embed",), 0)
+            self.lnf_bias = zeros((cfg.embed,), ("embed",))
+            self.head = param(rngs.params(), (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.init_std)
 
     def embed(self, tokens: jax.Array, positions: Any = None) -> jax.Array:
         return embed_apply({"wte": self.wte[...], "wpe": self.wpe[...]}, tokens, positions)
@@ -189,9 +128,18 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: Any = None) -> jax.Array:
         """Logits of ``tokens`` ``[batch, length]``; ``positions``: their true positions (``None``:
         ``arange``), for a sequence laid out in another order (:func:`jaxpar.context.sequence_order`)."""
+        return self.forward(tokens, positions)[0]
+
+    def forward(self, tokens: jax.Array, positions: Any = None) -> tuple[jax.Array, Any]:
+        """``(logits, stats)``: ``stats`` is the MoE layers' :class:`jaxpar.moe.MoEStats` summed over
+        them (``None`` without ``cfg.moe``)."""
         x = self.embed(tokens, positions)
-        x = run_blocks(self.block_params(), x, remat=self.cfg.remat, scan=self.cfg.scan_layers)
-        return self.unembed(x)
+        if self.cfg.moe is None:
+            x = run_blocks(self.block_params(), x, remat=self.cfg.remat, scan=self.cfg.scan_layers)
+            return self.unembed(x), None
+        x, stats = run_moe_blocks(self.cfg.moe, self.block_params(), x, remat=remat_policy(self.cfg.remat),
+                                  scan=self.cfg.scan_layers)
+        return self.unembed(x), stats
 
 
 def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
@@ -199,12 +147,24 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
 
     Under a balanced context-parallel layout the sequence is permuted into its order
     (:func:`jaxpar.context.sequence_order`) and the model gets the true positions; the mean is the same.
+    With ``cfg.moe`` the loss adds ``aux_weight * aux_loss + z_weight * z_loss`` (summed over the MoE
+    layers).
     """
     tokens, targets = batch["tokens"], batch["targets"]
     order = sequence_order(tokens.shape[1])
-    if order is None:
-        return cross_entropy(model(tokens), targets)
-    return cross_entropy(model(in_sequence_order(tokens), positions=order), in_sequence_order(targets))
+    moe = getattr(getattr(model, "cfg", None), "moe", None)
+    if order is None and moe is None:
+        return cross_entropy(model(tokens), targets)        # any model: no positions, no statistics
+    if order is not None:
+        tokens, targets = in_sequence_order(tokens), in_sequence_order(targets)
+    if moe is None:
+        return cross_entropy(model(tokens, positions=order), targets)
+    logits, stats = model.forward(tokens, positions=order)
+    for name, value in moe_metrics(stats, moe.moe_layers(model.cfg.layers)).items():
+        report_metric(name, value)                      # the step's metrics (jaxpar.report_metric)
+    if moe.aux_weight:
+        note_aux_loss()
+    return cross_entropy(logits, targets) + moe.aux_weight * stats.aux_loss + moe.z_weight * stats.z_loss
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -232,7 +192,7 @@ def embed_apply(p: dict[str, jax.Array], tokens: jax.Array, positions: Any = Non
 
 def head_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     """Final norm and the untied head -> float32 logits; ``p`` has ``lnf_scale``, ``lnf_bias`` and ``head``."""
-    x = _layer_norm(x, p["lnf_scale"], p["lnf_bias"])
+    x = layer_norm(x, p["lnf_scale"], p["lnf_bias"])
     x = constrain(x, ("batch", "length", "embed"))
     logits = jnp.einsum("bte,ev->btv", x, p["head"])
     return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))

@@ -35,12 +35,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from ..mesh import EXPERT
 from ..rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 from .routing import MoEError
 
 __all__ = ["EXPERT_AXIS", "expert_rules", "expert_mlp", "dispatch_combine", "ep_axes", "token_axes"]
 
-EXPERT_AXIS = "expert"
+EXPERT_AXIS = EXPERT
 
 
 def expert_rules(axis_names) -> tuple:

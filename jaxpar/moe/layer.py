@@ -24,7 +24,9 @@ with :func:`~jaxpar.moe.routing.update_router_bias`).
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import contextvars
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +36,8 @@ from ..rules import constrain
 from .dispatch import dispatch_combine
 from .routing import MoEStats, check_options, route, routing_stats
 
-__all__ = ["MOE_LOGICAL", "MoE", "RouterBias", "moe_apply", "shared_mlp"]
+__all__ = ["MOE_LOGICAL", "MoE", "MoECalls", "RouterBias", "count_moe_calls", "moe_apply", "note_aux_loss",
+           "shared_mlp"]
 
 #: Logical names of the layer's parameters (a model that stacks layers adds a leading ``layers``).
 MOE_LOGICAL = {
@@ -42,6 +45,41 @@ MOE_LOGICAL = {
     "w1": ("experts", "embed", "mlp"), "w2": ("experts", "mlp", "embed"),
     "shared_w1": ("embed", "mlp"), "shared_w2": ("mlp", "embed"),
 }
+
+
+class MoECalls:
+    """What a traced loss did: how many MoE layers it ran, and whether it used their load-balancing loss."""
+
+    def __init__(self):
+        self.layers, self.aux_loss = 0, False
+
+
+_CALLS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_calls", default=None)
+
+
+@contextlib.contextmanager
+def count_moe_calls() -> Iterator[MoECalls]:
+    """Record the MoE layers run (and :func:`note_aux_loss`) while tracing in this context.
+
+    >>> with count_moe_calls() as calls:
+    ...     note_aux_loss()
+    >>> calls.layers, calls.aux_loss
+    (0, True)
+    """
+    calls = MoECalls()
+    token = _CALLS.set(calls)
+    try:
+        yield calls
+    finally:
+        _CALLS.reset(token)
+
+
+def note_aux_loss() -> None:
+    """A loss says that it adds the load-balancing loss, which is not a mean over micro-batches: the step
+    refuses gradient accumulation then (the load ``f`` would be each micro-batch's own)."""
+    calls = _CALLS.get()
+    if calls is not None:
+        calls.aux_loss = True
 
 
 class RouterBias(nnx.Variable):
@@ -73,6 +111,9 @@ def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gat
     Returns:
       ``(y[G, T, D], stats)``; ``y`` is the routed experts' output plus the shared experts'.
     """
+    calls = _CALLS.get()
+    if calls is not None:
+        calls.layers += 1
     bias = params.get("router_bias")
     r = route(x, params["router"], top_k=top_k, gate=gate, capacity_factor=capacity_factor, normalize=normalize,
               bias=None if bias is None else jax.lax.stop_gradient(bias))

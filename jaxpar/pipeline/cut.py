@@ -242,6 +242,11 @@ def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any, *, mesh=None
             raise
         explicit = _Explicit(mesh, own_specs)
         site = _site(loss_fn, graphdef, shapes, batch, explicit)
+    if not isinstance(site.x, jax.ShapeDtypeStruct):
+        raise PipelineCutError(
+            f"pipeline: the stacked layers carry {jax.tree.structure(site.x)} from layer to layer (e.g. the MoE "
+            "statistics beside the activation: GPTConfig.moe), and a pipeline sends one activation between stages. "
+            "Use pipe=1 for this model.")
     params_treedef = jax.tree.structure(params)
     all_leaves = jax.tree.leaves(shapes)
     inside = set(site.leaves)

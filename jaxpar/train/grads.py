@@ -29,6 +29,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -41,6 +42,7 @@ from ..batch import split_microbatches
 from ..blocks import LAYERS, find_layer_calls, use_layer_runner
 from ..data_parallel import (DataParallelLayers, axis_name, bucketed_all_gather, explicit_by_default, manual_layout,
                              sharded_spec)
+from ..loss_metrics import with_reported_metrics
 from ..mesh import data_axes
 from ..rules import axes_of, drop_axes, named_shardings, path_str, resolve, use_rules
 from ..model_mesh import ModelLoss
@@ -62,33 +64,38 @@ def model_loss(loss_fn: Callable, layout: StateLayout) -> Callable:
     return ModelLoss(lambda params, batch: loss_fn(nnx.merge(graphdef, cast(params)), batch), layout)
 
 
-def accumulate(grad_fn: Callable, params: Any, batch: Any, k: int, *, mesh=None, zeros: Callable = None):
+def accumulate(grad_fn: Callable, params: Any, batch: Any, k: int, *, mesh=None, zeros: Callable = None,
+               has_aux: bool = False):
     """The mean loss and fp32 gradient of ``grad_fn(params, micro-batch)`` over ``k`` micro-batches.
 
     Args:
-      grad_fn: ``(params, batch) -> (loss, grads)``.
+      grad_fn: ``(params, batch) -> (loss, grads)``, or ``((loss, aux), grads)`` with ``has_aux``.
       params: the parameters.
       batch: the batch (global with ``mesh``, one replica's rows without).
       k: the number of micro-batches (1: ``grad_fn`` on the whole batch).
       mesh: the mesh of a global batch (see :func:`jaxpar.batch.split_microbatches`).
       zeros: ``params -> zero gradients`` in the gradients' layout (default ``zeros_like``, fp32).
+      has_aux: ``grad_fn`` also returns an ``aux`` tree (arrays), averaged over the micro-batches.
 
     Returns:
-      ``(loss, grads)``, both fp32.
+      ``(loss, grads)``, both fp32; ``(loss, grads, aux)`` with ``has_aux``.
     """
     f32 = lambda t: jax.tree.map(lambda g: g.astype(jnp.float32), t)   # noqa: E731
+    split = (lambda out: out) if has_aux else (lambda out: ((out[0], {}), out[1]))   # noqa: E731
     if k == 1:
-        loss, grads = grad_fn(params, batch)
-        return loss.astype(jnp.float32), f32(grads)
+        (loss, aux), grads = split(grad_fn(params, batch))
+        done = (loss.astype(jnp.float32), f32(grads))
+        return done + (aux,) if has_aux else done
     zeros = zeros or (lambda p: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), p))
 
     def body(carry, mb):
-        loss, g = grad_fn(params, mb)
-        return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], f32(g))), None
+        (loss, aux), g = split(grad_fn(params, mb))
+        return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], f32(g))), aux
 
-    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros(params)),
-                                    split_microbatches(batch, k, mesh))
-    return loss / k, jax.tree.map(lambda g: g / k, grads)
+    (loss, grads), aux = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros(params)),
+                                      split_microbatches(batch, k, mesh))
+    done = (loss / k, jax.tree.map(lambda g: g / k, grads))
+    return done + (jax.tree.map(lambda a: jnp.mean(a, axis=0), aux),) if has_aux else done
 
 
 def _stacked_paths(layout: StateLayout) -> list[tuple[int, str]]:
@@ -136,14 +143,19 @@ def explicit_data_parallel(asked: bool | None, loss_fn: Callable, params: Any, b
     ran = {i for site in sites for i in site.leaves}
     unrun = [p for i, p in _stacked_paths(layout) if i not in ran]
     pinned = _data_axis_paths(layout, axes)
+    carried = [s.x for s in sites if not isinstance(s.x, jax.ShapeDtypeStruct)]   # (activation, statistics)
     if asked is None:
         platform = mesh.devices.flat[0].platform
-        own = bool(pinned) or merged.explicit       # the model's own shardings: XLA's collectives
+        own = bool(pinned) or merged.explicit or bool(carried)   # XLA's collectives
         return bool(axes and sites and not unrun and not own) and explicit_by_default(sizes, strategy.zero, platform)
     if merged.explicit:
         raise ExplicitDPError("explicit_dp=True: the model pins shardings by mesh axes (out_sharding=, jax.reshard), "
                               "which JAX allows only with the mesh's axes Explicit, and the explicit per-layer "
                               "collectives run it inside a shard_map. Use explicit_dp=None / False.")
+    if carried:
+        raise ExplicitDPError(f"explicit_dp=True: the model's stacked layers carry {jax.tree.structure(carried[0])} "
+                              "from layer to layer (the MoE statistics beside the activation), and the explicit "
+                              "per-layer collectives run one activation. Use explicit_dp=None / False.")
     if pinned:
         raise ExplicitDPError(
             f"explicit_dp=True: the model's own specs shard parameters {pinned[:4]}{' ...' if len(pinned) > 4 else ''} "
@@ -167,13 +179,16 @@ def explicit_data_parallel(asked: bool | None, loss_fn: Callable, params: Any, b
     return True
 
 
-def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | None = False) -> Callable:
+def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | None = False,
+                 with_metrics: bool = False) -> Callable:
     """``(params, batch) -> (loss, grads)``: the averaged gradient in the strategy's layout.
 
     Args:
       loss_fn: ``loss_fn(model, batch) -> scalar``.
       layout: the state's layout (its strategy gives the micro-batches and the dtype).
       explicit_dp: as :func:`explicit_data_parallel`'s ``asked``.
+      with_metrics: also return what the loss reported (:func:`jaxpar.report_metric`), averaged over
+        the micro-batches: ``(loss, grads, metrics)``.
 
     Returns:
       The function; call it under ``jit`` and :func:`jaxpar.use_rules`.
@@ -197,13 +212,14 @@ def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | 
 
         def one(p, b):
             with use_layer_runner(runner if explicit else None):
-                loss, g = jax.value_and_grad(loss_of)(p, b)
-            return loss, jax.lax.with_sharding_constraint(g, grad_shardings)
+                out, g = jax.value_and_grad(with_reported_metrics(loss_of), has_aux=True)(p, b)
+            return out, jax.lax.with_sharding_constraint(g, grad_shardings)
 
         zeros = lambda p: jax.lax.with_sharding_constraint(   # noqa: E731
             jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), p), grad_shardings)
-        loss, g = accumulate(one, params, batch, k, mesh=mesh, zeros=zeros)
-        return loss, jax.lax.with_sharding_constraint(g, grad_shardings)
+        loss, g, metrics = accumulate(one, params, batch, k, mesh=mesh, zeros=zeros, has_aux=True)
+        g = jax.lax.with_sharding_constraint(g, grad_shardings)
+        return (loss, g, metrics) if with_metrics else (loss, g)
 
     return grads
 
@@ -264,7 +280,7 @@ def manual_specs(layout: StateLayout) -> ManualLayout:
                         [p for _, p, _ in lays], [g for _, _, g in lays], p_specs, g_specs)
 
 
-def replica_grads(loss_fn: Callable, layout: StateLayout) -> Callable:
+def replica_grads(loss_fn: Callable, layout: StateLayout, *, with_metrics: bool = False) -> Callable:
     """``(params, batch) -> (loss, grads)``: every data-parallel replica's own gradient on its rows.
 
     One ``shard_map`` manual over the data axes (automatic over ``tensor``): parameters sharded
@@ -274,6 +290,7 @@ def replica_grads(loss_fn: Callable, layout: StateLayout) -> Callable:
     Args:
       loss_fn: the user's loss.
       layout: the state's layout.
+      with_metrics: also return what the loss reported, averaged over micro-batches and replicas.
 
     Returns:
       The function; ``loss`` is the mean over replicas, every gradient leaf ``[replicas, ...]``
@@ -286,9 +303,12 @@ def replica_grads(loss_fn: Callable, layout: StateLayout) -> Callable:
     def local(params, batch):
         with use_rules(mesh, local_rules):
             full = man.treedef.unflatten(bucketed_all_gather(jax.tree.leaves(params), man.dims, man.param_axes))
-            loss, grads = accumulate(jax.value_and_grad(loss_of), full, batch, k)
-        return jax.lax.pmean(loss, axis_name(man.axes)), jax.tree.map(lambda g: g[None], grads)
+            grad_fn = jax.value_and_grad(with_reported_metrics(loss_of), has_aux=True)
+            loss, grads, metrics = accumulate(grad_fn, full, batch, k, has_aux=True)
+        mean = functools.partial(jax.lax.pmean, axis_name=axis_name(man.axes))
+        return mean(loss), jax.tree.map(lambda g: g[None], grads), jax.tree.map(mean, metrics)
 
     rep = jax.tree.map(lambda _: man.replica_spec, layout.shapes)
-    return jax.shard_map(local, mesh=mesh, in_specs=(man.param_specs, man.replica_spec),
-                         out_specs=(PartitionSpec(), rep), axis_names=set(man.axes), check_vma=False)
+    run = jax.shard_map(local, mesh=mesh, in_specs=(man.param_specs, man.replica_spec),
+                        out_specs=(PartitionSpec(), rep, PartitionSpec()), axis_names=set(man.axes), check_vma=False)
+    return run if with_metrics else lambda params, batch: run(params, batch)[:2]

@@ -102,7 +102,8 @@ class MetricsWriter:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for key, tag in TB_TAGS.items():
+            tags = {**TB_TAGS, **{k: k for k in record if "/" in k}}    # a loss's own metrics: their names
+            for key, tag in tags.items():
                 value = record.get(key)
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(tag, value, record["step"])

@@ -30,7 +30,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..context import ContextParallelError, count_context_calls, use_context_parallel
-from ..mesh import CONTEXT
+from ..mesh import CONTEXT, EXPERT
+from ..moe import MoEError, count_moe_calls
 from ..rules import use_rules
 from .state import StateLayout
 
@@ -45,8 +46,9 @@ def strategy_context(layout: StateLayout) -> Iterator[None]:
     order (:func:`jaxpar.context.sequence_order`), is a :class:`~jaxpar.context.ContextParallelError`."""
     setting, size = layout.strategy.context_setting, dict(layout.mesh.shape).get(CONTEXT, 1)
     with use_rules(layout.mesh, layout.rules), use_context_parallel(setting.method, balance=setting.balance), \
-            count_context_calls() as calls:
+            count_context_calls() as calls, count_moe_calls() as moe:
         yield
+    _check_moe(layout, moe)
     if size > 1 and not calls.attention:
         raise ContextParallelError(
             f"the mesh has a context axis of size {size}, but the loss never called jaxpar.context.attention: its "
@@ -58,6 +60,21 @@ def strategy_context(layout: StateLayout) -> Iterator[None]:
             "the loss never asked for that order (jaxpar.context.sequence_order(length)), so its tokens, targets "
             "and positions would be in the natural order: wrong masks. Permute them by that order in the loss, "
             "or use balance=False.")
+
+
+def _check_moe(layout: StateLayout, moe) -> None:
+    """An ``expert`` axis needs MoE layers; the load-balancing loss needs the whole batch at once."""
+    experts, k = dict(layout.mesh.shape).get(EXPERT, 1), layout.strategy.microbatches
+    if experts > 1 and not moe.layers:
+        raise MoEError(f"the mesh has an expert axis of size {experts}, but the loss never ran an MoE layer "
+                       "(jaxpar.moe.moe_apply, jaxpar.moe.MoE, GPTConfig.moe): the axis would only split the batch. "
+                       "Use a model with MoE layers, or put those devices on the data axis.")
+    if moe.aux_loss and k > 1:
+        raise MoEError(f"Strategy.microbatches={k} with a loss that adds the MoE load-balancing loss (e.g. "
+                       "GPTConfig.moe.aux_weight > 0): that loss multiplies the batch's load per expert by its router "
+                       "probabilities, so each micro-batch would use its own load and the sum would differ from one "
+                       "step on the whole batch. Use microbatches=1, or aux_weight=0 (the z-loss is a mean, exact "
+                       "under accumulation).")
 
 
 class HostStep:

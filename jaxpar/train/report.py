@@ -258,7 +258,8 @@ class Meter:
             skipped = bool(m.get("skipped", False)) or int(m.get("skipped_updates", 0)) > 0
             self.losses.append(loss)
             self.window.append({"loss": loss, "grad_norm": gnorm, "lr": float(m.get("lr", float("nan"))),
-                                "skipped": skipped, **{k: float(m[k]) for k in _COMM if k in m}})
+                                "skipped": skipped, **{k: float(m[k]) for k in _COMM if k in m},
+                                **{k: float(v) for k, v in m.items() if "/" in k and getattr(v, "ndim", 0) == 0}})
             if "noise_scale" in m:
                 self.noise_scale.append((s, float(m["noise_scale"])))
             if not (math.isfinite(loss) and math.isfinite(gnorm)):
@@ -308,7 +309,7 @@ class Meter:
         utilisation = self.log.mfu_at(tps, self.devices)
         if utilisation is not None:
             rec["mfu"] = utilisation
-        rec.update({k: _num(w[k]) for w in finite or self.window for k in _COMM if k in w})   # the latest of each
+        rec.update({k: _num(w[k]) for w in finite or self.window for k in w if k in _COMM or "/" in k})  # the latest
         if "replica_bytes" in rec:        # relaxed sync: the window's mean bytes over ``replica`` per step
             rec["replica_bytes"] = sum(w.get("replica_bytes", 0.0) for w in self.window) / len(self.window)
         return rec, last

@@ -201,19 +201,20 @@ def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepO
     if piped:
         grad = pipeline_grads(loss_fn, layout, per_replica=exchange is not None)
     elif exchange is not None:
-        grad = replica_grads(loss_fn, layout)
+        grad = replica_grads(loss_fn, layout, with_metrics=True)
     else:
-        grad = global_grads(loss_fn, layout, explicit_dp=opts.explicit_dp)
+        grad = global_grads(loss_fn, layout, explicit_dp=opts.explicit_dp, with_metrics=True)
     reduce = run_exchange(exchange, layout) if exchange is not None else None
     delayed = piped and strategy.schedule == "pipedream-2bw"
     rule = delayed_update if delayed else apply_update
     replicas_ = manual_specs(layout).replicas if measure else 1
 
     def step(state, batch):
-        loss, grads = grad(state.versions if delayed else state.params, batch)
-        parts, metrics = {}, {}
+        loss, grads, *reported = grad(state.versions if delayed else state.params, batch)
+        parts, metrics = {}, dict(reported[0]) if reported else {}     # what the loss reported (not piped)
         if reduce is not None:
-            grads, codec_state, metrics = reduce(grads, state.codec, state.step)
+            grads, codec_state, exchanged = reduce(grads, state.codec, state.step)
+            metrics = {**metrics, **exchanged}
             parts = {"codec": codec_state} if strategy.compression is not None else {}
         if measure:
             parts["stats"], metrics = _noise_scale_stats(state, batch, metrics, replicas_, opts.noise_scale_ema)

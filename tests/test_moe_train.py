@@ -1,0 +1,159 @@
+"""Expert parallelism in the train step: the GPT with MoE layers (GPTConfig.moe) trained over an
+``expert`` axis matches one device (losses and the first step's gradients, router and aux loss
+included, fp32 1e-5), alone and with data, ZeRO-3 / fsdp and tensor; the compiled step's
+collectives over ``expert`` are the dispatch's all-to-alls; the experts' state is 1/E per device;
+and what cannot run is refused by name."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar import Strategy
+from jaxpar.analysis.hlo import collectives
+from jaxpar.models.gpt import GPT, GPTConfig, MoESettings, lm_loss
+from jaxpar.moe import MoEError
+
+from conftest import need_devices
+
+LR, STEPS, ROWS = 0.1, 3, 8
+MOE = MoESettings(experts=8, top_k=2, capacity_factor=None, aux_weight=0.01, z_weight=1e-3)
+CFG = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, layers=2, mlp=32, moe=MOE)
+
+
+def _batch(i, rows=ROWS):
+    t = np.random.default_rng(i).integers(0, 64, (rows, CFG.seq_len + 1)).astype(np.int32)
+    return {"tokens": t[:, :-1], "targets": t[:, 1:]}
+
+
+def _setup(axes, strategy, cfg=CFG):
+    n = int(np.prod(list(axes.values())))
+    mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:n])
+    state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh, strategy)
+    return mesh, state, jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout)
+
+
+def _train(axes, strategy, cfg=CFG):
+    mesh, state, step = _setup(axes, strategy, cfg)
+    losses = []
+    for i in range(STEPS):
+        state, m = step(state, jaxpar.shard_batch(_batch(i), mesh))
+        losses.append(float(m["loss"]))
+    return np.array(losses), jax.device_get(state.params)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {every: _train({"data": 1}, Strategy(), _every(every)) for every in (1, 2)}
+
+
+def _every(every):
+    return dataclasses.replace(CFG, layers=2 * every, moe=dataclasses.replace(MOE, every=every))
+
+
+CASES = {
+    "ep2": ({"expert": 2}, Strategy(), 1),
+    "ep4-dp2": ({"data": 2, "expert": 4}, Strategy(), 1),
+    "ep8": ({"expert": 8}, Strategy(), 1),
+    "ep2-fsdp2-tp2-zero3": ({"fsdp": 2, "expert": 2, "tensor": 2}, Strategy(zero=3), 1),
+    "ep4-tp2-every2": ({"expert": 4, "tensor": 2}, Strategy(), 2),
+}
+
+
+@need_devices(8)
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_parallel_training_matches_one_device(case, reference):
+    axes, strategy, every = CASES[case]
+    ref_losses, ref_params = reference[every]
+    losses, params = _train(axes, strategy, _every(every))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # SGD, 3 steps of lr 0.1: parameters within 1e-5 relative of one device's (gradients alike)
+    for (path, p), r in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(p, r, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@need_devices(8)
+def test_the_compiled_step_dispatches_with_all_to_alls_and_keeps_the_experts_sharded():
+    """Per MoE layer (the scan's body): 2 all-to-alls over expert forward and 2 backward, each of one
+    device's [G/n, E, C, D] buffer; no all-gather over expert; each device holds 1/E of the experts."""
+    mesh, state, step = _setup({"data": 2, "expert": 4}, Strategy())
+    compiled = step.lower(state, jaxpar.shard_batch(_batch(0), mesh)).compile()
+    rows = [r for r in collectives(compiled.as_text(), mesh) if r.axes and "expert" in r.axes]
+    a2a = [r for r in rows if r.kind == "all-to-all"]
+    assert len(a2a) == 4 and all(r.in_loop and tuple(r.axes) == ("expert",) for r in a2a), a2a
+    groups, capacity = ROWS // 8, CFG.seq_len        # dropless: C = T
+    assert {r.bytes for r in a2a} == {groups * MOE.experts * capacity * CFG.embed * 4}, a2a
+    assert not [r for r in rows if r.kind == "all-gather"], rows
+    for name in ("experts_w1", "experts_w2"):
+        leaf = state.params["blocks"][name]
+        assert {s.data.nbytes for s in leaf.addressable_shards} == {leaf.nbytes // 4}
+
+
+@need_devices(8)
+def test_step_metrics_with_drops_match_one_device():
+    """Capacity 1.0 drops assignments: the step's MoE metrics (drop rate, load min / max / CV, router
+    entropy, the losses) on data 2 x expert 4 equal one device's, so the same assignments dropped."""
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, capacity_factor=1.0))
+    out = []
+    for axes in ({"data": 1}, {"data": 2, "expert": 4}):
+        mesh, state, step = _setup(axes, Strategy(), cfg)
+        out.append(jax.device_get(step(state, jaxpar.shard_batch(_batch(0), mesh))[1]))
+    names = {"moe/drop_rate", "moe/load_min", "moe/load_max", "moe/load_cv", "moe/entropy", "moe/aux_loss",
+             "moe/z_loss"}
+    assert names <= set(out[0]) and out[0]["moe/drop_rate"] > 0.05, out[0]
+    for name in names:
+        np.testing.assert_allclose(out[1][name], out[0][name], rtol=1e-5, err_msg=name)
+
+
+@need_devices(4)
+def test_an_expert_axis_without_moe_layers_is_refused():
+    mesh, state, step = _setup({"expert": 4}, Strategy(), dataclasses.replace(CFG, moe=None))
+    with pytest.raises(MoEError, match="never ran an MoE layer"):
+        step(state, jaxpar.shard_batch(_batch(0), mesh))
+
+
+@need_devices(2)
+def test_the_aux_loss_with_accumulation_is_refused_and_the_z_loss_alone_is_exact():
+    mesh, state, step = _setup({"data": 2}, Strategy(microbatches=2))
+    with pytest.raises(MoEError, match="microbatches=2 with a loss that adds the MoE load-balancing loss"):
+        step(state, jaxpar.shard_batch(_batch(0), mesh))
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, aux_weight=0.0))
+    ref, _ = _train({"data": 1}, Strategy(), cfg)
+    np.testing.assert_allclose(_train({"data": 2}, Strategy(microbatches=2), cfg)[0], ref, rtol=1e-5)
+
+
+@need_devices(4)
+def test_moe_layers_in_a_pipeline_are_refused_by_name():
+    from jaxpar.compat import LIBRARY_NAMES, Setting, problems
+    from jaxpar.pipeline.cut import PipelineCutError
+
+    found = problems(Setting(Strategy(microbatches=2), {"pipe": 2, "expert": 2}))
+    assert [p.features for p in found] == [("PP", "EP")]
+    assert "pipe=2 with expert=2" in found[0].render(LIBRARY_NAMES)
+    mesh, state, step = _setup({"pipe": 2, "data": 2}, Strategy(microbatches=2))     # MoE layers, no expert axis
+    with pytest.raises(PipelineCutError, match="carry .* from layer to layer .* Use pipe=1"):
+        step(state, jaxpar.shard_batch(_batch(0), mesh))
+
+
+@pytest.mark.parametrize("moe, match", [
+    (dict(experts=8, top_k=9), "top_k=9"),
+    (dict(experts=8, capacity_factor=0.0), "capacity_factor"),
+    (dict(experts=8, every=3), "every=3 must divide"),
+])
+def test_bad_moe_settings_are_named(moe, match):
+    with pytest.raises(MoEError, match=match):
+        dataclasses.replace(CFG, moe=MoESettings(**moe))
+
+
+@need_devices(4)
+def test_experts_not_divisible_by_the_expert_axis_are_named():
+    from jaxpar.rules import RulesError
+
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, experts=6))
+    with pytest.raises(RulesError, match=r"'blocks/experts_w1' of shape \(2, 6, 32, 32\).*'experts'.*size 6 is not "
+                                         r"divisible by the mesh axes' total size 4 \(expert=4\)"):
+        _setup({"expert": 4}, Strategy(), cfg)
