@@ -93,9 +93,11 @@ def _pipeline_problems(s: Setting) -> list[Problem]:
         code = {"pipedream-2bw": "2B", "pipedream": "ST"}.get(st.schedule, "PP")
         out.append(Problem(("SP", code), ("sequence_parallel", "pipe"),
                            "{n[sequence_parallel]}={n[true]} with {n[pipe]}={p} is not supported: XLA reorders "
-                           "sequence-parallel activations with collective-permutes that span every pipeline stage, "
-                           "which would deadlock inside a stage's own branch. Use {n[sequence_parallel]}={n[false]} "
-                           "with {n[pipe]} > 1 (tensor parallelism itself works).", {"p": p}))
+                           "sequence-parallel activations with collective-permutes inside a stage's branch, and "
+                           "XLA:CPU runs each collective-permute as one rendezvous of all devices, which the other "
+                           "stages never join (a deadlock: 'Expected 8 threads to join the rendezvous, but only 4 "
+                           "arrived'). Use {n[sequence_parallel]}={n[false]} with {n[pipe]} > 1 (tensor parallelism "
+                           "itself works).", {"p": p}))
     if s.size("replica") > 1 or st.sync is not None:
         if pipeline_schedule(s) in FLUSH_SCHEDULES:
             out.append(Problem(("RS", "PP"), ("sync", "pipe"),
@@ -272,15 +274,22 @@ def _context_problems(s: Setting) -> list[Problem]:
                            "explicit per-layer collectives run each layer in a shard_map over the data axes, and "
                            "context-parallel attention inside it is not supported yet. Use {n[explicit_dp]}=None.",
                            values, "ExplicitDPError"))
+    return out + _per_replica_problems(s, "CX", "context", key, values, "ContextParallelError")
+
+
+def _per_replica_problems(s: Setting, code: str, axis: str, key: str, values: dict, error: str) -> list[Problem]:
+    """A codec, relaxed synchronisation or the noise scale with a mesh axis (``axis``, feature ``code``)
+    that their per-replica ``shard_map`` over the data axes does not reduce over."""
+    st, out = s.strategy, []
     inside = [("CP", "compression", "a codec's exchange", st.compression is not None),
               ("RS", "sync", "relaxed synchronisation", replicas_on(s)),
               ("NS", "noise_scale_every", "the noise scale", s.noise_scale_every is not None)]
-    for code, field, what, on in inside:
+    for other, field, what, on in inside:
         if on:
-            out.append(Problem((code, "CX"), (field, "context"), "{n[" + field + "]} with " + key + ": " + what +
+            out.append(Problem((other, code), (field, axis), "{n[" + field + "]} with " + key + ": " + what +
                                " runs the loss per replica inside a shard_map over the data axes and reduces the "
-                               "gradients over them only, not yet over {n[context]}. Drop one of the two.", values,
-                               "ContextParallelError"))
+                               "gradients over them only, not over {n[" + axis + "]}. Drop one of the two.", values,
+                               error))
     return out
 
 
@@ -310,16 +319,7 @@ def _expert_problems(s: Setting) -> list[Problem]:
         out.append(Problem(("CX", "EP"), ("context", "expert"), "{n[context]}={c} with " + key + ": the MoE "
                            "dispatch routes whole batch rows, and a context axis splits each row's tokens. Drop one "
                            "of the two.", {**values, "c": s.size("context")}, "MoEError"))
-    inside = [("CP", "compression", "a codec's exchange", st.compression is not None),
-              ("RS", "sync", "relaxed synchronisation", replicas_on(s)),
-              ("NS", "noise_scale_every", "the noise scale", s.noise_scale_every is not None)]
-    for code, field, what, on in inside:
-        if on:
-            out.append(Problem((code, "EP"), (field, "expert"), "{n[" + field + "]} with " + key + ": " + what +
-                               " runs the loss per replica inside a shard_map over the data axes and reduces the "
-                               "gradients over them only, not over {n[expert]}. Drop one of the two.", values,
-                               "MoEError"))
-    return out
+    return out + _per_replica_problems(s, "EP", "expert", key, values, "MoEError")
 
 
 RULES = (_sequence_parallel_problems, _pipeline_problems, _explicit_dp_problems, _no_flush_problems, _codec_problems,

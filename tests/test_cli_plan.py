@@ -84,6 +84,17 @@ def test_plan_searches_context_parallel_degrees_and_methods(capsys):
     assert "ulysses needs heads % (context * tensor) == 0: heads=6, context=4" in out, out
 
 
+def test_plan_ranks_expert_parallel_degrees_of_an_moe_config(capsys):
+    """configs/moe.yaml (8 experts): the planner searches expert 1, 2, 4, 8 with the other axes, and the
+    table carries the all-to-all time and bytes over expert."""
+    assert main(["plan", "--config", str(ROOT / "configs" / "moe.yaml"), "--cluster", "cpu_sim", "--dtype", "float32",
+                 "--precision", "fp32", "--top", "400"]) == 0
+    out = capsys.readouterr().out
+    ranked = re.findall(r"^\s+\d+ \| (\S+)", out, re.M)
+    assert {m.group(1) for p in ranked if (m := re.search(r"ep(\d)", p))} == {"2", "4", "8"}, ranked
+    assert any("ep" not in p for p in ranked) and re.search(r"expert:\d", out), out
+
+
 def test_plan_errors_name_the_fix(capsys):
     assert main(["plan", "--layers", "12", "--hidden", "768"]) == 2
     assert "missing --heads, --seq, --vocab, --batch" in capsys.readouterr().err

@@ -56,7 +56,14 @@ def cost_model(cfg: JobConfig, model_fn: Callable | None = None, *, batch: int |
     if m.target is not None:
         return cost.from_nnx(model_fn, layers=layers or 1, hidden=hidden or 1, heads=heads or 1, seq=seq or 1,
                              vocab=vocab or 1, batch=batch, name=m.name)
-    return cost.gpt(m.layers, m.embed, m.heads, m.seq_len, m.vocab, batch, mlp=m.mlp, name=cfg.name)
+    moe = {}
+    if m.moe:             # model.moe (the GPT's MoESettings): its experts, routing and layers
+        from .build import build_moe
+
+        s = build_moe(m.moe)
+        moe = dict(experts=s.experts, top_k=s.top_k, capacity_factor=s.capacity_factor, moe_every=s.every,
+                   shared_mlp=s.shared_mlp)
+    return cost.gpt(m.layers, m.embed, m.heads, m.seq_len, m.vocab, batch, mlp=m.mlp, name=cfg.name, **moe)
 
 
 def plan_model(config: str | None, sizes: Mapping[str, int | None]):
@@ -133,7 +140,9 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
     plan = cost.Plan(pipe=mesh_sizes.get("pipe", 1), data=data, fsdp=mesh_sizes.get("fsdp", 1),
                      tensor=mesh_sizes.get("tensor", 1), zero=strategy.zero if data > 1 else 0,
                      sequence_parallel=strategy.sequence_parallel, schedule=strategy.schedule,
-                     virtual=strategy.virtual_stages, microbatches=strategy.microbatches, remat=remat)
+                     virtual=strategy.virtual_stages, microbatches=strategy.microbatches, remat=remat,
+                     expert=mesh_sizes.get("expert", 1), context=mesh_sizes.get("context", 1),
+                     context_method=strategy.context_setting.method, context_balance=strategy.context_setting.balance)
     n = plan.devices
     cluster = cost.load_cluster(cluster_name)
     cluster = cluster.with_devices(n) if n <= cluster.devices_per_node or n % cluster.devices_per_node == 0 else \

@@ -47,6 +47,7 @@ _MLP = ("w1", "b1", "w2", "b2")
 MOE_BLOCK_LOGICAL = {
     **{k: (None,) + BLOCK_LOGICAL[k] for k in _ATTENTION + _MLP},
     "router": ("embed", None), "experts_w1": ("experts", "embed", "mlp"), "experts_w2": ("experts", "mlp", "embed"),
+    "shared_w1": ("embed", "mlp"), "shared_w2": ("mlp", "embed"),
 }
 
 
@@ -62,6 +63,8 @@ class MoESettings:
       gate: ``"softmax"`` or ``"sigmoid"``.
       aux_weight: weight of the load-balancing loss (summed over the MoE layers) in the loss.
       z_weight: weight of the router z-loss.
+      shared_mlp: hidden size of the shared experts, an MLP every token goes through besides its
+        routed experts (DeepSeek-MoE); 0: none.
     """
 
     experts: int
@@ -71,6 +74,7 @@ class MoESettings:
     gate: str = "softmax"
     aux_weight: float = 0.01
     z_weight: float = 0.0
+    shared_mlp: int = 0
 
     def check(self, layers: int) -> None:
         """Raise :class:`~jaxpar.moe.MoEError` naming the bad setting, its value and the fix."""
@@ -79,10 +83,12 @@ class MoESettings:
             raise MoEError(f"model.moe.every={self.every!r} must divide model.layers={layers}: the layers are grouped "
                            f"every={self.every} at a time (each group ends with the MoE layer). Fix: every in "
                            f"{[d for d in range(1, layers + 1) if layers % d == 0]}.")
-        for name in ("aux_weight", "z_weight"):
+        for name in ("aux_weight", "z_weight", "shared_mlp"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise MoEError(f"model.moe.{name}={value!r} must be a number >= 0.")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+                    name == "shared_mlp" and not isinstance(value, int)):
+                raise MoEError(f"model.moe.{name}={value!r} must be a{'n int' if name == 'shared_mlp' else ' number'} "
+                               ">= 0.")
 
     def moe_layers(self, layers: int) -> int:
         """The number of MoE layers (groups) among ``layers``."""
@@ -113,6 +119,9 @@ class MoEBlocks(nnx.Module):
         self.router = param(rngs.params(), (G, E, X), logical["router"], std)
         self.experts_w1 = param(rngs.params(), (G, X, E, M), logical["experts_w1"], std)
         self.experts_w2 = param(rngs.params(), (G, X, M, E), logical["experts_w2"], out_std)
+        if moe.shared_mlp:
+            self.shared_w1 = param(rngs.params(), (G, E, moe.shared_mlp), logical["shared_w1"], std)
+            self.shared_w2 = param(rngs.params(), (G, moe.shared_mlp, E), logical["shared_w2"], out_std)
 
 
 def empty_stats(experts: int) -> MoEStats:
@@ -132,8 +141,9 @@ def moe_group_apply(settings: MoESettings, p: dict[str, jax.Array], carry: tuple
         if j < settings.every - 1:
             x = mlp_apply({**sub, **{k: p[k][j] for k in _MLP}}, x)
     h = constrain(layer_norm(x, sub["ln2_scale"], sub["ln2_bias"]), ("batch", "length", "embed"))
-    y, own = moe_apply({"router": p["router"], "w1": p["experts_w1"], "w2": p["experts_w2"]}, h,
-                       top_k=settings.top_k, gate=settings.gate, capacity_factor=settings.capacity_factor)
+    moe = {"router": p["router"], "w1": p["experts_w1"], "w2": p["experts_w2"]}
+    moe.update({k: p[k] for k in ("shared_w1", "shared_w2") if k in p})
+    y, own = moe_apply(moe, h, top_k=settings.top_k, gate=settings.gate, capacity_factor=settings.capacity_factor)
     x = constrain(x + y.astype(x.dtype), RESIDUAL)
     return x, jax.tree.map(jnp.add, stats, own)
 

@@ -61,9 +61,10 @@ def check_pipeline_strategy(strategy, mesh) -> None:
     """Errors for what pipelines do not support."""
     if strategy.sequence_parallel and mesh.shape.get("tensor", 1) > 1:
         raise ValueError(f"Strategy(sequence_parallel=True) with pipe={mesh.shape['pipe']} is not supported: XLA "
-                         "reorders sequence-parallel activations with collective-permutes that span every pipeline "
-                         "stage, which would deadlock inside a stage's own branch. Use sequence_parallel=False "
-                         "with pipe > 1 (tensor parallelism itself works).")
+                         "reorders sequence-parallel activations with collective-permutes inside a stage's branch, "
+                         "and XLA:CPU runs each collective-permute as one rendezvous of all devices, which the other "
+                         "stages never join (a deadlock). Use sequence_parallel=False with pipe > 1 (tensor "
+                         "parallelism itself works).")
 
 
 def _whole_over_data_axes(specs: list, mesh) -> list:

@@ -1,0 +1,134 @@
+"""Mixture of experts on the 8 simulated CPU devices: step time of expert parallelism 1/2/4/8 against
+the cost model, and convergence of an MoE GPT against the dense GPT with the same active parameters.
+
+**Speed.** The GPT (embed 64, 4 heads, 2 layers, every MLP an MoE layer of 8 experts of hidden 128,
+top-2, capacity factor 1.25, 128 tokens, 32 sequences per step, fp32, SGD) on ``expert=E x data=8/E``
+for E = 1, 2, 4, 8: the median step time over ``--reps`` rounds in which the four meshes run in turn
+(ratios to E = 1 taken within each round: the machine is noisy), beside the cost model's prediction
+(``jaxpar.cost.plan.evaluate`` on the cpu_sim cluster) and the compiled step's all-to-all bytes.
+
+**Convergence.** ``jaxpar train configs/quickstart.yaml`` (``--steps``, the same batches and tokens)
+for the dense GPT (MLP hidden 512), the MoE GPT (8 experts of hidden 256, top-2: 2 x 256 = 512 active
+MLP hidden per token, the dense GPT's; capacity factor ``--capacity``) with the load-balancing loss
+(weight 0.01) and the same without it (weight 0), on ``data=2 x expert=4``: the final eval loss, the
+load CV over the first and last 25 steps, and the mean drop rate.
+
+Usage::
+
+    python benchmarks/moe.py [--reps 5] [--steps 300] [--capacity 1.25 | null] [--skip-speed] [--json out.json]
+"""
+from __future__ import annotations
+
+import _common  # noqa: F401  (sets up 8 CPU devices first)
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import jaxpar
+from jaxpar.analysis.hlo import collectives
+from jaxpar.cost.cluster import load_cluster
+from jaxpar.cost.model import gpt
+from jaxpar.cost.parallel import Plan
+from jaxpar.cost.plan import evaluate
+from jaxpar.models.gpt import GPT, GPTConfig, MoESettings, lm_loss
+
+from _common import environment, markdown_table, quickstart_run, write_json
+
+CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "cpu_sim.yaml"
+SEQ, ROWS, EMBED, HEADS, LAYERS, EXPERT_MLP, EXPERTS = 128, 32, 64, 4, 2, 128, 8
+
+
+def _step(ep: int):
+    moe = MoESettings(experts=EXPERTS, top_k=2, capacity_factor=1.25, aux_weight=0.01)
+    cfg = GPTConfig(vocab=256, seq_len=SEQ, embed=EMBED, heads=HEADS, layers=LAYERS, mlp=EXPERT_MLP, moe=moe)
+    mesh = jaxpar.make_mesh({"data": 8 // ep, "expert": ep}, devices=jax.devices()[:8])
+    tx = optax.sgd(1e-3)
+    state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh)
+    step = jaxpar.make_train_step(lm_loss, tx, layout)
+    t = np.random.default_rng(0).integers(0, 256, (ROWS, SEQ + 1)).astype(np.int32)
+    batch = jaxpar.shard_batch({"tokens": t[:, :-1], "targets": t[:, 1:]}, mesh)
+    a2a = [c for c in collectives(step.lower(state, batch).compile().as_text(), mesh)
+           if c.kind == "all-to-all" and c.axes and "expert" in c.axes]
+    return [step, state, batch, sum(c.bytes for c in a2a), len(a2a)]
+
+
+def speed(reps: int, cluster) -> list[dict]:
+    eps = (1, 2, 4, 8)
+    runs = {ep: _step(ep) for ep in eps}
+    times = {ep: [] for ep in eps}
+    for _ in range(reps + 1):                      # the first round warms up
+        for ep, run in runs.items():
+            t = time.perf_counter()
+            run[1], metrics = run[0](run[1], run[2])
+            jax.block_until_ready(metrics["loss"])
+            times[ep].append(time.perf_counter() - t)
+    spec = gpt(LAYERS, EMBED, HEADS, SEQ, 256, ROWS, experts=EXPERTS, top_k=2, capacity_factor=1.25,
+               expert_mlp=EXPERT_MLP)
+    rows = []
+    for ep in eps:
+        predicted = evaluate(spec, Plan(data=8 // ep, expert=ep), cluster, dtype="float32", precision="fp32").time.total
+        ratio = [a / b for a, b in zip(times[ep][1:], times[1][1:])]
+        rows.append({"expert": ep, "step_ms": 1e3 * statistics.median(times[ep][1:]),
+                     "vs_ep1": statistics.median(ratio), "predicted_ms": 1e3 * predicted,
+                     "a2a_bytes": runs[ep][3], "a2a_count": runs[ep][4]})
+    pred1 = rows[0]["predicted_ms"]
+    for r in rows:
+        r["predicted_vs_ep1"] = r["predicted_ms"] / pred1
+    return rows
+
+
+def convergence(steps: int, capacity: str) -> list[dict]:
+    base = [f"train.steps={steps}", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"]
+    moe = ["mesh.expert=4", "model.mlp=256", "model.moe.experts=8", "model.moe.top_k=2",
+           f"model.moe.capacity_factor={capacity}"]
+    runs = {"dense (mlp 512)": base + ["mesh.data=8"],
+            "moe 8x256 top-2, aux 0.01": base + moe + ["model.moe.aux_weight=0.01"],
+            "moe 8x256 top-2, aux 0": base + moe + ["model.moe.aux_weight=0.0"]}
+    rows = []
+    for name, overrides in runs.items():
+        train, eval_loss = quickstart_run(overrides, name)
+        row = {"run": name, "eval_loss": eval_loss, "final_train_loss": float(np.mean([r["loss"] for r in train[-25:]]))}
+        if "moe/load_cv" in train[0]:
+            row.update(cv_first=float(np.mean([r["moe/load_cv"] for r in train[:25]])),
+                       cv_last=float(np.mean([r["moe/load_cv"] for r in train[-25:]])),
+                       drop_rate=float(np.mean([r["moe/drop_rate"] for r in train])))
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--capacity", default="1.25", help="the MoE runs' capacity factor (null: dropless)")
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-convergence", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    fast = [] if args.skip_speed else speed(args.reps, load_cluster(CLUSTER))
+    print(environment())
+    if fast:
+        print(markdown_table(["expert x data", "step ms", "vs EP1", "predicted ms", "predicted vs EP1",
+                              "all-to-alls", "all-to-all MiB"],
+                             [[f"{r['expert']} x {8 // r['expert']}", f"{r['step_ms']:.0f}", f"{r['vs_ep1']:.2f}",
+                               f"{r['predicted_ms']:.1f}", f"{r['predicted_vs_ep1']:.2f}", r["a2a_count"],
+                               f"{r['a2a_bytes'] / 2 ** 20:.2f}"] for r in fast]))
+    conv = [] if args.skip_convergence else convergence(args.steps, args.capacity)
+    if conv:
+        fmt = lambda r, k, f: format(r[k], f) if k in r else "-"    # noqa: E731
+        print(markdown_table(["run", "eval loss", "train loss (last 25)", "load CV (first 25)", "load CV (last 25)",
+                              "drop rate"],
+                             [[r["run"], f"{r['eval_loss']:.4f}", f"{r['final_train_loss']:.4f}", fmt(r, "cv_first", ".3f"),
+                               fmt(r, "cv_last", ".3f"), fmt(r, "drop_rate", ".4f")] for r in conv]))
+    write_json(args.json, {"environment": environment(), "speed": fast, "convergence": conv})
+
+
+if __name__ == "__main__":
+    main()
