@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .mesh import batch_axes, data_axes
+from .mesh import REPLICA, batch_axes
 from .rules import path_str
 
 __all__ = ["batch_sharding", "check_batch", "shard_batch", "split_microbatches"]
@@ -68,7 +68,8 @@ def split_microbatches(batch: Any, k: int, mesh=None) -> Any:
     Returns:
       The micro-batches, stacked on a new leading axis. Call it under ``jit``.
     """
-    spec = PartitionSpec(None, data_axes(mesh) or None) if mesh is not None else None
+    rows = tuple(a for a in batch_axes(mesh) if a != REPLICA) if mesh is not None else ()   # data axes, expert
+    spec = PartitionSpec(None, rows or None) if mesh is not None else None
 
     def split(x):
         x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)

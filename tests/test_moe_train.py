@@ -148,14 +148,28 @@ def test_an_expert_axis_without_moe_layers_is_refused():
         step(state, jaxpar.shard_batch(_batch(0), mesh))
 
 
+@need_devices(8)
+@pytest.mark.parametrize("axes, k", [({"data": 1}, 4), ({"data": 2, "expert": 2}, 2)])
+def test_the_aux_loss_with_accumulation_is_the_whole_batchs(axes, k):
+    """Accumulation with the load-balancing loss: the step's forward pre-pass sums the micro-batches'
+    loads per layer, each micro-batch's aux loss uses them, and losses, the aux loss, the load CV and
+    the parameters after 3 steps equal one step on the whole batch on one device."""
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, aux_weight=0.1))
+    ref_losses, ref_params = _train({"data": 1}, Strategy(), cfg)
+    losses, params = _train(axes, Strategy(microbatches=k), cfg)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for (path, p), r in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(p, r, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
 @need_devices(2)
-def test_the_aux_loss_with_accumulation_is_refused_and_the_z_loss_alone_is_exact():
-    mesh, state, step = _setup({"data": 2}, Strategy(microbatches=2))
+def test_the_aux_loss_with_accumulation_and_a_codec_is_refused():
+    """A codec's per-replica gradient runs no load pre-pass: the aux loss with accumulation is refused."""
+    from jaxpar.compression import topk
+
+    mesh, state, step = _setup({"data": 2}, Strategy(microbatches=2, compression=topk(1.0)))
     with pytest.raises(MoEError, match="microbatches=2 with a loss that adds the MoE load-balancing loss"):
         step(state, jaxpar.shard_batch(_batch(0), mesh))
-    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, aux_weight=0.0))
-    ref, _ = _train({"data": 1}, Strategy(), cfg)
-    np.testing.assert_allclose(_train({"data": 2}, Strategy(microbatches=2), cfg)[0], ref, rtol=1e-5)
 
 
 @need_devices(4)

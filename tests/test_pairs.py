@@ -523,13 +523,12 @@ def build(codes, *, schedule: str | None = None) -> Spec:
 
             sizes["context"] = 2
             st["context"] = ContextParallel("ring", balance=True)
-        elif c == "EP":      # dropless (no capacity ties); the aux loss is refused with accumulation
+        elif c == "EP":      # dropless (no capacity ties)
             from jaxpar.models.gpt import MoESettings
 
             sizes["expert"] = 2
-            aux = 0.0 if "MB" in codes else 0.01
             s.cfg = dataclasses.replace(s.cfg, mlp=32, moe=MoESettings(experts=4, top_k=2, capacity_factor=None,
-                                                                       aux_weight=aux, z_weight=1e-3))
+                                                                       aux_weight=0.01, z_weight=1e-3))
         elif c != "MP":
             raise ValueError(c)
     if "NS" in codes and "SN" in codes:
@@ -781,6 +780,8 @@ def _reference(spec: Spec) -> Reference:
     prev = params
     delayed = spec.mode == "delayed"
     m, clip, local = spec.m, spec.step_kw.get("clip_norm"), spec.strategy.get("local_clip")
+    if getattr(spec.cfg.moe, "aux_weight", 0):   # the MoE balancing loss is the whole batch's (the step's pre-pass)
+        m = 1
     every = spec.ns_every
     r_count = spec.sizes.get("data", 1) if (local or every) else 1
     losses, norms, first, updates, bound = [], {}, None, 0, None

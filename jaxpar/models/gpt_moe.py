@@ -25,7 +25,7 @@ jaxpar.moe.routing.MoEError: model.moe.every=3 must divide model.layers=4: the l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +36,8 @@ from ..moe import MoEError, MoEStats, check_options, load_cv, moe_apply
 from ..rules import constrain
 from .gpt_layers import BLOCK_LOGICAL, RESIDUAL, attention_apply, layer_norm, mlp_apply, param, zeros
 
-__all__ = ["MoESettings", "MoEBlocks", "MOE_BLOCK_LOGICAL", "moe_group_apply", "run_moe_blocks", "empty_stats",
-           "moe_metrics"]
+__all__ = ["MoESettings", "MoEBlocks", "MOE_BLOCK_LOGICAL", "LayerLoads", "moe_group_apply", "run_moe_blocks",
+           "empty_stats", "moe_metrics"]
 
 _ATTENTION = ("ln1_scale", "ln1_bias", "wq", "wk", "wv", "wo", "ln2_scale", "ln2_bias")
 _MLP = ("w1", "b1", "w2", "b2")
@@ -131,10 +131,20 @@ def empty_stats(experts: int) -> MoEStats:
                     drop_rate=f32, entropy=f32)
 
 
+class LayerLoads(NamedTuple):
+    """Carried through the groups: the MoE layer's index, each layer's own load ``[layers, E]``, and the
+    whole step's (``None``: this call's own, see :func:`jaxpar.moe.use_step_loads`)."""
+
+    index: jax.Array
+    own: jax.Array
+    step: Any = None
+
+
 def moe_group_apply(settings: MoESettings, p: dict[str, jax.Array], carry: tuple) -> tuple:
-    """One group on ``carry = (x, stats)``: ``every`` attention halves, ``every - 1`` dense MLPs, then
-    the MoE MLP; its statistics are added to ``stats``."""
-    x, stats = carry
+    """One group on ``carry = (x, stats, loads)``: ``every`` attention halves, ``every - 1`` dense MLPs,
+    then the MoE MLP (balanced by the step's load of this layer when ``loads.step`` is given); its
+    statistics are added to ``stats`` and its load recorded in ``loads.own``."""
+    x, stats, loads = carry
     for j in range(settings.every):
         sub = {k: p[k][j] for k in _ATTENTION}
         x = attention_apply(sub, x)
@@ -143,20 +153,32 @@ def moe_group_apply(settings: MoESettings, p: dict[str, jax.Array], carry: tuple
     h = constrain(layer_norm(x, sub["ln2_scale"], sub["ln2_bias"]), ("batch", "length", "embed"))
     moe = {"router": p["router"], "w1": p["experts_w1"], "w2": p["experts_w2"]}
     moe.update({k: p[k] for k in ("shared_w1", "shared_w2") if k in p})
-    y, own = moe_apply(moe, h, top_k=settings.top_k, gate=settings.gate, capacity_factor=settings.capacity_factor)
+    balance = None if loads.step is None else loads.step[loads.index]
+    y, own = moe_apply(moe, h, top_k=settings.top_k, gate=settings.gate, capacity_factor=settings.capacity_factor,
+                       balance_load=balance)
     x = constrain(x + y.astype(x.dtype), RESIDUAL)
-    return x, jax.tree.map(jnp.add, stats, own)
+    loads = loads._replace(index=loads.index + 1, own=loads.own.at[loads.index].set(own.load))
+    return x, jax.tree.map(jnp.add, stats, own), loads
 
 
 def run_moe_blocks(settings: MoESettings, blocks: dict[str, jax.Array], x: jax.Array, *, remat: Any = None,
-                   scan: bool = True) -> tuple[jax.Array, MoEStats]:
-    """Run stacked MoE groups over ``x``; returns ``(x, stats summed over the MoE layers)``."""
+                   scan: bool = True, step_loads: Any = None) -> tuple[jax.Array, MoEStats, jax.Array]:
+    """Run stacked MoE groups over ``x``.
+
+    Returns:
+      ``(x, stats summed over the MoE layers, each layer's load [layers, E])``; with ``step_loads``
+      (``[layers, E]``, the whole step's) the load-balancing losses use it.
+    """
     logical = {k: MOE_BLOCK_LOGICAL[k] for k in blocks}
+    layers = jax.tree.leaves(blocks)[0].shape[0]
+    loads = LayerLoads(jnp.zeros((), jnp.int32), jnp.zeros((layers, settings.experts), jnp.int32), step_loads)
 
     def group(p, carry):
         return moe_group_apply(settings, p, carry)
 
-    return run_layers(group, blocks, (x, empty_stats(settings.experts)), logical=logical, remat=remat, scan=scan)
+    x, stats, loads = run_layers(group, blocks, (x, empty_stats(settings.experts), loads), logical=logical,
+                                 remat=remat, scan=scan)
+    return x, stats, loads.own
 
 
 def moe_metrics(stats: MoEStats, moe_layers: int) -> dict[str, jax.Array]:

@@ -36,8 +36,8 @@ from ..rules import constrain
 from .dispatch import dispatch_combine
 from .routing import MoEStats, check_options, route, routing_stats
 
-__all__ = ["MOE_LOGICAL", "MoE", "MoECalls", "RouterBias", "count_moe_calls", "moe_apply", "note_aux_loss",
-           "shared_mlp"]
+__all__ = ["LAYER_LOADS", "MOE_LOGICAL", "MoE", "MoECalls", "RouterBias", "count_moe_calls", "moe_apply", "note_aux_loss",
+           "shared_mlp", "use_step_loads", "step_loads"]
 
 #: Logical names of the layer's parameters (a model that stacks layers adds a leading ``layers``).
 MOE_LOGICAL = {
@@ -48,10 +48,11 @@ MOE_LOGICAL = {
 
 
 class MoECalls:
-    """What a traced loss did: how many MoE layers it ran, and whether it used their load-balancing loss."""
+    """What a traced loss did: how many MoE layers it ran, whether it used their load-balancing loss, and
+    whether the step gave it the whole step's loads (:func:`use_step_loads`)."""
 
     def __init__(self):
-        self.layers, self.aux_loss = 0, False
+        self.layers, self.aux_loss, self.step_loads = 0, False, False
 
 
 _CALLS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_calls", default=None)
@@ -72,6 +73,34 @@ def count_moe_calls() -> Iterator[MoECalls]:
         yield calls
     finally:
         _CALLS.reset(token)
+
+
+_STEP_LOADS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_step_loads", default=None)
+
+#: The name under which a loss reports (:func:`jaxpar.report_metric`) its MoE layers' loads ``[layers, E]``,
+#: which the step sums over its micro-batches in a forward pre-pass and gives back with :func:`use_step_loads`.
+LAYER_LOADS = "moe/layer_loads"
+
+
+@contextlib.contextmanager
+def use_step_loads(loads: Any) -> Iterator[None]:
+    """Give the losses traced here the whole step's load per MoE layer and expert (``[layers, E]``, from a
+    forward pre-pass over the step's micro-batches): with it a micro-batch's load-balancing loss uses
+    the step's ``f`` (:func:`~jaxpar.moe.routing.routing_stats`' ``balance_load``), and the mean over
+    equal micro-batches is the whole batch's loss, value and gradient."""
+    calls = _CALLS.get()
+    if calls is not None:
+        calls.step_loads = True
+    token = _STEP_LOADS.set(loads)
+    try:
+        yield
+    finally:
+        _STEP_LOADS.reset(token)
+
+
+def step_loads() -> Any:
+    """The whole step's loads of :func:`use_step_loads` (``None`` outside it)."""
+    return _STEP_LOADS.get()
 
 
 def note_aux_loss() -> None:

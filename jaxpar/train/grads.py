@@ -44,6 +44,7 @@ from ..data_parallel import (DataParallelLayers, axis_name, bucketed_all_gather,
                              sharded_spec)
 from ..loss_metrics import with_reported_metrics
 from ..mesh import data_axes
+from ..moe import LAYER_LOADS, use_step_loads
 from ..rules import axes_of, drop_axes, named_shardings, path_str, resolve, use_rules
 from ..model_mesh import ModelLoss
 from .state import StateLayout
@@ -217,11 +218,28 @@ def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | 
 
         zeros = lambda p: jax.lax.with_sharding_constraint(   # noqa: E731
             jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), p), grad_shardings)
-        loss, g, metrics = accumulate(one, params, batch, k, mesh=mesh, zeros=zeros, has_aux=True)
+        with use_step_loads(_step_loads(loss_of, params, batch, k, mesh)):
+            loss, g, metrics = accumulate(one, params, batch, k, mesh=mesh, zeros=zeros, has_aux=True)
         g = jax.lax.with_sharding_constraint(g, grad_shardings)
         return (loss, g, metrics) if with_metrics else (loss, g)
 
     return grads
+
+
+def _step_loads(loss_of: Callable, params: Any, batch: Any, k: int, mesh) -> Any:
+    """The whole step's MoE loads ``[layers, E]`` when accumulating: a forward pre-pass over the ``k``
+    micro-batches summing what the loss reports as :data:`jaxpar.moe.LAYER_LOADS` (``None`` for
+    ``k == 1`` or a loss that reports none). It costs one more forward per step."""
+    if k == 1:
+        return None
+    loads_of = lambda p, b: with_reported_metrics(loss_of)(p, b)[1].get(LAYER_LOADS)   # noqa: E731
+    mbs = split_microbatches(batch, k, mesh)
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs)
+    probe = jax.eval_shape(loads_of, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params), one)
+    if probe is None:
+        return None
+    total, _ = jax.lax.scan(lambda acc, b: (acc + loads_of(params, b), None), jnp.zeros(probe.shape, probe.dtype), mbs)
+    return jax.lax.stop_gradient(total)
 
 
 def pipeline_grads(loss_fn: Callable, layout: StateLayout, *, per_replica: bool = False) -> Callable:

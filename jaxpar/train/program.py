@@ -69,9 +69,10 @@ def _check_moe(layout: StateLayout, moe) -> None:
         raise MoEError(f"the mesh has an expert axis of size {experts}, but the loss never ran an MoE layer "
                        "(jaxpar.moe.moe_apply, jaxpar.moe.MoE, GPTConfig.moe): the axis would only split the batch. "
                        "Use a model with MoE layers, or put those devices on the data axis.")
-    if moe.aux_loss and k > 1:
+    if moe.aux_loss and k > 1 and not moe.step_loads:
         raise MoEError(f"Strategy.microbatches={k} with a loss that adds the MoE load-balancing loss (e.g. "
-                       "GPTConfig.moe.aux_weight > 0): that loss multiplies the batch's load per expert by its router "
+                       "GPTConfig.moe.aux_weight > 0), on a path without the step's load pre-pass (a codec or "
+                       "relaxed synchronisation): that loss multiplies the batch's load per expert by its router "
                        "probabilities, so each micro-batch would use its own load and the sum would differ from one "
                        "step on the whole batch. Use microbatches=1, or aux_weight=0 (the z-loss is a mean, exact "
                        "under accumulation).")
