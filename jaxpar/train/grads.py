@@ -206,6 +206,8 @@ def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | 
     loss_of = model_loss(loss_fn, layout)
     runner = DataParallelLayers(mesh, layout.rules, strategy.zero)
     k = strategy.microbatches
+    routed = any("experts" in tuple(spec) for spec in jax.tree.leaves(        # MoE weights: the loads pre-pass
+        layout.logical, is_leaf=lambda x: isinstance(x, PartitionSpec)))
 
     def grads(params, batch):
         mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype), batch)
@@ -218,7 +220,7 @@ def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | 
 
         zeros = lambda p: jax.lax.with_sharding_constraint(   # noqa: E731
             jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), p), grad_shardings)
-        with use_step_loads(_step_loads(loss_of, params, batch, k, mesh)):
+        with use_step_loads(_step_loads(loss_of, params, batch, k if routed else 1, mesh)):
             loss, g, metrics = accumulate(one, params, batch, k, mesh=mesh, zeros=zeros, has_aux=True)
         g = jax.lax.with_sharding_constraint(g, grad_shardings)
         return (loss, g, metrics) if with_metrics else (loss, g)
