@@ -149,7 +149,7 @@ def test_an_expert_axis_without_moe_layers_is_refused():
 
 
 @need_devices(8)
-@pytest.mark.parametrize("axes, k", [({"data": 1}, 4), ({"data": 2, "expert": 2}, 2)])
+@pytest.mark.parametrize("axes, k", [pytest.param({"data": 1}, 4, marks=pytest.mark.slow), ({"data": 2, "expert": 2}, 2)])
 def test_the_aux_loss_with_accumulation_is_the_whole_batchs(axes, k):
     """Accumulation with the load-balancing loss: the step's forward pre-pass sums the micro-batches'
     loads per layer, each micro-batch's aux loss uses them, and losses, the aux loss, the load CV and

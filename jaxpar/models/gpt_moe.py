@@ -2,8 +2,8 @@
 
 ``GPTConfig(moe=MoESettings(experts=8, top_k=2, capacity_factor=1.25, every=2))`` groups the layers
 ``every`` at a time: a group is ``every`` attention halves, ``every - 1`` dense MLPs and one MoE MLP
-(:func:`jaxpar.moe.moe_apply`), so that the groups are alike and stack on the ``layers`` axis (scans,
-pipelines and ZeRO see ``layers / every`` stacked units). The experts' weights carry the ``experts``
+(:func:`jaxpar.moe.moe_apply`), so that the groups are alike and stack on the ``layers`` axis (scans
+and ZeRO see ``layers / every`` stacked units). The experts' weights carry the ``experts``
 logical axis, which an ``expert`` mesh axis splits (expert parallelism: two all-to-alls per MoE layer
 forward, two backward).
 
