@@ -24,11 +24,12 @@ Outside a collector (a plain call of the loss) :func:`report_metric` does nothin
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager
 
 import jax.numpy as jnp
+
+from .scoped import scoped
 
 __all__ = ["report_metric", "collect_metrics", "with_reported_metrics"]
 
@@ -47,15 +48,9 @@ def report_metric(name: str, value: Any) -> None:
         found[name] = jnp.asarray(value, jnp.float32)
 
 
-@contextlib.contextmanager
-def collect_metrics() -> Iterator[dict[str, Any]]:
+def collect_metrics() -> ContextManager[dict[str, Any]]:
     """Collect what :func:`report_metric` reports while tracing in this context (innermost wins)."""
-    found: dict[str, Any] = {}
-    token = _FOUND.set(found)
-    try:
-        yield found
-    finally:
-        _FOUND.reset(token)
+    return scoped(_FOUND, {})
 
 
 def with_reported_metrics(loss_of: Callable) -> Callable:

@@ -22,10 +22,11 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Iterator
+from typing import ContextManager
+
+from ..scoped import scoped
 
 __all__ = ["CONTEXT", "METHODS", "ContextParallelError", "ContextParallel", "use_context_parallel",
            "current_context_parallel", "ContextCalls", "count_context_calls", "note_context_call"]
@@ -73,8 +74,7 @@ method; choose one of ('ring', 'all_gather', 'ulysses').
 _SETTING: contextvars.ContextVar = contextvars.ContextVar("jaxpar_context_parallel", default=ContextParallel())
 
 
-@contextlib.contextmanager
-def use_context_parallel(method: str = "ring", *, balance: bool = False) -> Iterator[ContextParallel]:
+def use_context_parallel(method: str = "ring", *, balance: bool = False) -> ContextManager[ContextParallel]:
     """Use ``method`` (and ``balance``) for :func:`jaxpar.context.attention` inside this block.
 
     It only matters where the mesh of :func:`jaxpar.use_rules` has a ``context`` axis of size > 1.
@@ -89,11 +89,7 @@ def use_context_parallel(method: str = "ring", *, balance: bool = False) -> Iter
     Returns:
       A context manager that yields the :class:`ContextParallel` setting.
     """
-    token = _SETTING.set(ContextParallel(method, balance))
-    try:
-        yield _SETTING.get()
-    finally:
-        _SETTING.reset(token)
+    return scoped(_SETTING, ContextParallel(method, balance))
 
 
 def current_context_parallel() -> ContextParallel:
@@ -116,8 +112,7 @@ class ContextCalls:
 _CALLS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_context_calls", default=None)
 
 
-@contextlib.contextmanager
-def count_context_calls() -> Iterator[ContextCalls]:
+def count_context_calls() -> ContextManager[ContextCalls]:
     """Count the context-parallel calls traced inside this block.
 
     >>> with count_context_calls() as calls:
@@ -125,12 +120,7 @@ def count_context_calls() -> Iterator[ContextCalls]:
     >>> calls
     ContextCalls(attention=1, order=0)
     """
-    calls = ContextCalls()
-    token = _CALLS.set(calls)
-    try:
-        yield calls
-    finally:
-        _CALLS.reset(token)
+    return scoped(_CALLS, ContextCalls())
 
 
 def note_context_call(kind: str) -> None:

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ..rules import constrain
+from ..scoped import scoped
 from .dispatch import dispatch_combine
 from .routing import MoEStats, check_options, route, routing_stats
 
@@ -58,8 +59,7 @@ class MoECalls:
 _CALLS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_calls", default=None)
 
 
-@contextlib.contextmanager
-def count_moe_calls() -> Iterator[MoECalls]:
+def count_moe_calls() -> ContextManager[MoECalls]:
     """Record the MoE layers run (and :func:`note_aux_loss`) while tracing in this context.
 
     >>> with count_moe_calls() as calls:
@@ -67,12 +67,7 @@ def count_moe_calls() -> Iterator[MoECalls]:
     >>> calls.layers, calls.aux_loss
     (0, True)
     """
-    calls = MoECalls()
-    token = _CALLS.set(calls)
-    try:
-        yield calls
-    finally:
-        _CALLS.reset(token)
+    return scoped(_CALLS, MoECalls())
 
 
 _STEP_LOADS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_step_loads", default=None)
@@ -91,11 +86,8 @@ def use_step_loads(loads: Any) -> Iterator[None]:
     calls = _CALLS.get()
     if calls is not None:
         calls.step_loads = True
-    token = _STEP_LOADS.set(loads)
-    try:
+    with scoped(_STEP_LOADS, loads):
         yield
-    finally:
-        _STEP_LOADS.reset(token)
 
 
 def step_loads() -> Any:

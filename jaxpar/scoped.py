@@ -1,0 +1,27 @@
+"""One helper for the context variables jaxpar sets while a step traces (rules, recorders, settings).
+
+>>> import contextvars
+>>> var = contextvars.ContextVar("example", default=None)
+>>> with scoped(var, [1]) as value:
+...     var.get() is value
+True
+>>> var.get() is None
+True
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator
+
+__all__ = ["scoped"]
+
+
+@contextlib.contextmanager
+def scoped(var: contextvars.ContextVar, value: Any) -> Iterator[Any]:
+    """Set ``var`` to ``value`` inside the block (yielding ``value``), and back to what it was after."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
