@@ -155,8 +155,8 @@ REFUSED = {
     ("EX", "CX"): "context-parallel attention inside the per-layer shard_map", ("CP", "CX"): "the codec's "
     "exchange reduces over the data axes only", ("LC", "CX"): "as CP x CX", ("1A", "CX"): "as CP x CX",
     ("RS", "CX"): "as CP x CX", ("NS", "CX"): "as CP x CX",
-    ("PP", "EP"): "a pipeline sends one activation; the MoE layers carry statistics beside it",
-    ("2B", "EP"): "as PP x EP", ("ST", "EP"): "as PP x EP", ("EX", "EP"): "one activation per layer, reduced over "
+    ("2B", "EP"): "each micro-batch on its own weight version: no whole-step load for the balancing loss",
+    ("ST", "EP"): "as 2B x EP", ("EX", "EP"): "one activation per layer, reduced over "
     "the data axes only", ("CP", "EP"): "the codec's exchange reduces over the data axes only", ("LC", "EP"): "as "
     "CP x EP", ("1A", "EP"): "as CP x EP", ("RS", "EP"): "as CP x EP", ("NS", "EP"): "as CP x EP",
     ("CX", "EP"): "the dispatch routes whole batch rows",

@@ -300,11 +300,13 @@ def _expert_problems(s: Setting) -> list[Problem]:
     if e == 1:
         return out
     key, values = "{n[expert]}={e}", {"e": e}
-    if s.size("pipe") > 1:
-        code = {"pipedream-2bw": "2B", "pipedream": "ST"}.get(st.schedule, "PP")
-        out.append(Problem((code, "EP"), ("pipe", "expert"), "{n[pipe]}={p} with " + key + ": a pipeline sends one "
-                           "activation between stages, and the MoE layers carry their statistics beside it. Use "
-                           "{n[pipe]}=1 with experts.", {**values, "p": s.size("pipe")}, "MoEError"))
+    code = {"pipedream-2bw": "2B", "pipedream": "ST"}.get(st.schedule)
+    if s.size("pipe") > 1 and code:
+        out.append(Problem((code, "EP"), ("schedule", "expert"), "{n[schedule]}={sched!r} with " + key + ": the "
+                           "asynchronous schedules run each micro-batch on its own weight version and report no "
+                           "metrics, so the MoE layers' load-balancing loss has no whole-step load to use. Use a "
+                           "flush schedule (gpipe, 1f1b, interleaved, zb-h1) with experts.",
+                           {**values, "sched": st.schedule}, "MoEError"))
     if s.explicit_dp:
         out.append(Problem(("EX", "EP"), ("explicit_dp", "expert"), "{n[explicit_dp]}=True with " + key + ": the "
                            "explicit per-layer collectives run one activation per layer and reduce over the data "

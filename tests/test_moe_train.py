@@ -59,9 +59,11 @@ def reference():
 
 
 def _config(case):
-    """The test GPT: MoE every layer (``plain``), with shared experts of hidden 16, or every 2nd layer."""
+    """The test GPT: MoE every layer (``plain``; ``deep``: 4 layers), with shared experts of hidden 16, or
+    every 2nd layer."""
     every, shared = (2, 0) if case == "every2" else (1, 16 if case == "shared" else 0)
-    return dataclasses.replace(CFG, layers=2 * every, moe=dataclasses.replace(MOE, every=every, shared_mlp=shared))
+    layers = 4 if case == "deep" else 2 * every
+    return dataclasses.replace(CFG, layers=layers, moe=dataclasses.replace(MOE, every=every, shared_mlp=shared))
 
 
 CASES = {
@@ -70,11 +72,18 @@ CASES = {
     "ep8": ({"expert": 8}, Strategy(), "plain"),
     "ep2-fsdp2-tp2-zero3-shared": ({"fsdp": 2, "expert": 2, "tensor": 2}, Strategy(zero=3), "shared"),
     "ep4-tp2-every2": ({"expert": 4, "tensor": 2}, Strategy(), "every2"),
+    # pipelines: each micro-batch's aux loss uses the step's loads (a forward sweep through the stages first)
+    "ep2-pipe2-dp2-1f1b": ({"pipe": 2, "expert": 2, "data": 2}, Strategy(microbatches=2, schedule="1f1b"), "plain"),
+    "ep2-pipe2-dp2-interleaved": ({"pipe": 2, "expert": 2, "data": 2},
+                                  Strategy(microbatches=2, schedule="interleaved", virtual_stages=2), "deep"),
+    "ep4-pipe2-zb-shared": ({"pipe": 2, "expert": 4}, Strategy(microbatches=2, schedule="zb-h1"), "shared"),
+    "ep2-pipe2-tp2-gpipe-every2": ({"pipe": 2, "expert": 2, "tensor": 2}, Strategy(microbatches=4, schedule="gpipe"),
+                                   "every2"),
 }
 
 
 #: In the default pass (the rest in the slow one, which CI runs too).
-FAST = {"ep4-dp2-shared", "ep2-fsdp2-tp2-zero3-shared"}
+FAST = {"ep4-dp2-shared", "ep2-fsdp2-tp2-zero3-shared", "ep2-pipe2-dp2-1f1b"}
 
 
 @need_devices(8)
@@ -126,19 +135,23 @@ def test_expert_state_per_device_is_one_over_e_as_the_memory_report_says():
 
 
 @need_devices(8)
-def test_step_metrics_with_drops_match_one_device():
+@pytest.mark.parametrize("axes, strategy", [({"data": 2, "expert": 4}, Strategy()),
+                                            ({"pipe": 2, "expert": 2, "data": 2}, Strategy(microbatches=2))])
+def test_step_metrics_with_drops_match_one_device(axes, strategy):
     """Capacity 1.0 drops assignments: the step's MoE metrics (drop rate, load min / max / CV, router
-    entropy, the losses) on data 2 x expert 4 equal one device's, so the same assignments dropped."""
+    entropy, the losses) on data 2 x expert 4, and from a pipeline's last stage, equal one device's, so
+    the same assignments dropped."""
     cfg = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, capacity_factor=1.0))
     out = []
-    for axes in ({"data": 1}, {"data": 2, "expert": 4}):
-        mesh, state, step = _setup(axes, Strategy(), cfg)
+    for ax, st in (({"data": 1}, Strategy()), (axes, strategy)):
+        mesh, state, step = _setup(ax, st, cfg)
         out.append(jax.device_get(step(state, jaxpar.shard_batch(_batch(0), mesh))[1]))
     names = {"moe/drop_rate", "moe/load_min", "moe/load_max", "moe/load_cv", "moe/entropy", "moe/aux_loss",
              "moe/z_loss"}
     assert names <= set(out[0]) and out[0]["moe/drop_rate"] > 0.05, out[0]
     for name in names:
         np.testing.assert_allclose(out[1][name], out[0][name], rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(out[1]["loss"], out[0]["loss"], rtol=1e-5)
 
 
 @need_devices(4)
@@ -172,17 +185,14 @@ def test_the_aux_loss_with_accumulation_and_a_codec_is_refused():
         step(state, jaxpar.shard_batch(_batch(0), mesh))
 
 
-@need_devices(4)
-def test_moe_layers_in_a_pipeline_are_refused_by_name():
+def test_moe_layers_with_an_asynchronous_pipeline_are_refused_by_name():
     from jaxpar.compat import LIBRARY_NAMES, Setting, problems
-    from jaxpar.pipeline.cut import PipelineCutError
 
-    found = problems(Setting(Strategy(microbatches=2), {"pipe": 2, "expert": 2}))
-    assert [p.features for p in found] == [("PP", "EP")]
-    assert "pipe=2 with expert=2" in found[0].render(LIBRARY_NAMES)
-    mesh, state, step = _setup({"pipe": 2, "data": 2}, Strategy(microbatches=2))     # MoE layers, no expert axis
-    with pytest.raises(PipelineCutError, match="carry .* from layer to layer .* Use pipe=1"):
-        step(state, jaxpar.shard_batch(_batch(0), mesh))
+    for schedule, code in (("pipedream-2bw", "2B"), ("pipedream", "ST")):
+        found = problems(Setting(Strategy(microbatches=2, schedule=schedule), {"pipe": 2, "expert": 2}))
+        assert [p.features for p in found] == [(code, "EP")]
+        assert f"schedule={schedule!r} with expert=2" in found[0].render(LIBRARY_NAMES)
+    assert not problems(Setting(Strategy(microbatches=2, schedule="1f1b"), {"pipe": 2, "expert": 2}))
 
 
 @pytest.mark.parametrize("moe, match", [

@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 
 import jax
 
-__all__ = ["Slots", "PipelineState", "TickIO", "SlotView", "take", "take_tree", "put", "read_slots", "write_slots"]
+__all__ = ["Slots", "PipelineState", "TickIO", "SlotView", "take", "take_tree", "put", "put_tree", "read_slots",
+           "write_slots"]
 
 
 class Slots(NamedTuple):
@@ -41,12 +42,13 @@ class PipelineState(NamedTuple):
     """What the tick loop carries: the slotted buffers of :mod:`.program` and the sums."""
 
     res: list          # per stored residual: [n_res, Lmax, ...]
-    inbox_f: Any       # [n_fwd + 1, *x]; the extra slot takes what a non-receiver gets
-    inbox_b: Any       # [n_bwd + 1, *x]
+    inbox_f: Any       # per leaf of the activation x: [n_fwd + 1, *x]; the extra slot takes what a non-receiver gets
+    inbox_b: Any       # per leaf: [n_bwd + 1, *x]
     grads_y: list      # per frontier value: [n_grad, Lmax, ...]: split B's hand-over to W
     g_blocks: Any      # float32 [v, Lmax, ...]
     g_outer: Any       # float32, like ``outer``
     loss: Any          # float32: sum of the micro-batch losses
+    metrics: Any = None  # float32: sums of what the loss reported (jaxpar.report_metric)
 
 
 class TickIO(NamedTuple):
@@ -60,6 +62,7 @@ class TickIO(NamedTuple):
     res: list          # the residual buffers, F having written slot ``res``
     send_b: Any        # cotangent for the previous virtual stage (zeros when none)
     send_f: Any        # activation for the next virtual stage (zeros when none)
+    metrics: Any = None  # F (last): the sums with what the loss reported added
 
 
 class SlotView(NamedTuple):
@@ -75,6 +78,7 @@ class SlotView(NamedTuple):
     loss: Any
     res: list          # res: F writes slot ``res``, B and W read it
     x: Any             # inbox_f[inbox]: F's received activation
+    metrics: Any = None  # the sums of what the loss reported
 
 
 def take(buf, i):
@@ -117,6 +121,20 @@ def put(buf, i, value):
     return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
 
 
+def put_tree(tree, i, values):
+    """Every leaf of ``tree`` with entry ``i`` of its leading axis set to the matching leaf of ``values``.
+
+    Args:
+        tree: a pytree of arrays (an activation's buffers: one per leaf of the activation).
+        i: the index (an int or a traced int32 scalar).
+        values: a pytree like ``tree`` of arrays shaped like its leaves' entries.
+
+    Returns:
+        The updated buffers.
+    """
+    return jax.tree.map(lambda b, v: put(b, i, v), tree, values)
+
+
 def read_slots(st: PipelineState, sl: Slots) -> SlotView:
     """What an action on the slots ``sl`` reads of the state ``st``.
 
@@ -128,9 +146,11 @@ def read_slots(st: PipelineState, sl: Slots) -> SlotView:
         The inbox slots and the chunk's gradient sum at ``sl``, the residual and frontier
         buffers whole, and the sums.
     """
-    return SlotView(x=take(st.inbox_f, sl.inbox), dy=take(st.inbox_b, sl.inbox), dy_out=take(st.inbox_b, sl.dy),
+    return SlotView(x=take_tree(st.inbox_f, sl.inbox), dy=take_tree(st.inbox_b, sl.inbox),
+                    dy_out=take_tree(st.inbox_b, sl.dy),
                     res=st.res, gys=st.grads_y,
-                    g_chunk=take_tree(st.g_blocks, sl.chunk), g_outer=st.g_outer, loss=st.loss)
+                    g_chunk=take_tree(st.g_blocks, sl.chunk), g_outer=st.g_outer, loss=st.loss,
+                    metrics=st.metrics)
 
 
 def write_slots(st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
@@ -148,7 +168,9 @@ def write_slots(st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
     if io.res is not None:
         new = new._replace(res=io.res)
     if io.dy_out is not None:
-        new = new._replace(inbox_b=put(st.inbox_b, sl.dy, io.dy_out))
+        new = new._replace(inbox_b=put_tree(st.inbox_b, sl.dy, io.dy_out))
+    if io.metrics is not None:
+        new = new._replace(metrics=io.metrics)
     if io.gys is not None:
         new = new._replace(grads_y=io.gys)
     if io.g_chunk is not None:

@@ -77,15 +77,33 @@ def _stop(call):
     raise _Reached(call.x)
 
 
-def _stage_layout(x):
-    """``x`` split over the data axes on its batch dimension and, for ``[batch, length, ...]``
-    activations, by the ``length`` rule on its sequence (over ``context`` under context
-    parallelism, else whole); the rest whole. This is the layout of activations between pipeline
-    stages and layers. Left free, XLA may pick another layout inside a stage's branch and move
-    data between layouts with collective-permutes, which XLA:CPU runs as one rendezvous over
-    every device (a deadlock or a wrong result inside a branch only one stage runs)."""
-    sequence = ("length",) if x.ndim >= 3 else ()
-    return constrain(x, ("batch",) + sequence + (None,) * (x.ndim - 1 - len(sequence)))
+def _stage_layout(x, rows: int):
+    """The layout of activations between pipeline stages and layers: each leaf of ``x`` whose leading
+    dimension is the micro-batch's ``rows`` split over the data axes there and, for ``[batch, length,
+    ...]`` leaves, by the ``length`` rule on its sequence (over ``context`` under context
+    parallelism, else whole); the rest whole, as are leaves without the batch (statistics carried
+    beside the activation). Left free, XLA may pick another layout inside a stage's branch and move
+    data between layouts with collective-permutes, which XLA:CPU runs as one rendezvous over every
+    device (a deadlock or a wrong result inside a branch only one stage runs)."""
+    def one(a):
+        if not a.ndim or a.shape[0] != rows:
+            return constrain(a, (None,) * a.ndim)
+        sequence = ("length",) if a.ndim >= 3 else ()
+        return constrain(a, ("batch",) + sequence + (None,) * (a.ndim - 1 - len(sequence)))
+
+    return jax.tree.map(one, x)
+
+
+def _sent(x):
+    """``x`` as the pipeline carries it: integer and boolean leaves as float32 (exact below 2**24).
+    The executor differentiates what it sends between layers and stages, and an integer's
+    cotangent (``float0``) cannot be stored or sent."""
+    return jax.tree.map(lambda a: a if jnp.issubdtype(a.dtype, jnp.inexact) else a.astype(jnp.float32), x)
+
+
+def _received(x, like):
+    """Inverse of :func:`_sent`: each leaf back in the dtype of ``like``'s."""
+    return jax.tree.map(lambda a, t: a if a.dtype == t.dtype else a.astype(t.dtype), x, like)
 
 
 @dataclass(frozen=True)
@@ -97,7 +115,7 @@ class ModelCut:
     block_leaves: tuple[int, ...]      # positions of the blocks' leaves in jax.tree.leaves(params)
     block_treedef: Any
     params_treedef: Any
-    x: jax.ShapeDtypeStruct             # the blocks' input (one micro-batch)
+    x: Any                              # the blocks' input (one micro-batch): ShapeDtypeStructs
 
     def split(self, params: Any) -> tuple[list, Any]:
         """``params -> (outer leaves, blocks tree)``."""
@@ -242,11 +260,6 @@ def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any, *, mesh=None
             raise
         explicit = _Explicit(mesh, own_specs)
         site = _site(loss_fn, graphdef, shapes, batch, explicit)
-    if not isinstance(site.x, jax.ShapeDtypeStruct):
-        raise PipelineCutError(
-            f"pipeline: the stacked layers carry {jax.tree.structure(site.x)} from layer to layer (e.g. the MoE "
-            "statistics beside the activation: GPTConfig.moe), and a pipeline sends one activation between stages. "
-            "Use pipe=1 for this model.")
     params_treedef = jax.tree.structure(params)
     all_leaves = jax.tree.leaves(shapes)
     inside = set(site.leaves)
@@ -278,7 +291,9 @@ def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any, *, mesh=None
     if explicit is not None:
         pre, layer, post = explicit.parts(cut.split, pre, layer, post)
     body = with_remat(layer, site.remat)
-    parts = PipelineParts(pre=lambda outer, mb: _stage_layout(pre(outer, mb)),
-                          layer=lambda p, x: _stage_layout(body(p, _stage_layout(x))),
-                          post=lambda outer, y, mb: post(outer, _stage_layout(y), mb))
+    rows = jax.tree.leaves(batch)[0].shape[0] if jax.tree.leaves(batch) else -1
+    carry, layout = site.x, lambda x: _stage_layout(x, rows)   # noqa: E731
+    parts = PipelineParts(pre=lambda outer, mb: _sent(layout(pre(outer, mb))),
+                          layer=lambda p, x: _sent(layout(body(p, layout(_received(x, carry))))),
+                          post=lambda outer, y, mb: post(outer, layout(_received(y, carry)), mb))
     return replace(cut, parts=parts)

@@ -71,7 +71,8 @@ __all__ = ["pipeline_value_and_grad", "PIPE", "TICKS_SCOPE", "ActionKind", "Slot
 
 
 def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program, *,
-                            stage_layers: Sequence[int], replica_axes: Sequence[str] = ()) -> Callable:
+                            stage_layers: Sequence[int], replica_axes: Sequence[str] = (),
+                            with_metrics: bool = False) -> Callable:
     """Build ``fn(outer, blocks, microbatches) -> (loss, (g_outer, g_blocks))``.
 
     - ``outer``: the parameters of ``parts.pre`` and ``parts.post`` (one tree;
@@ -84,6 +85,8 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
     - ``replica_axes``: data axes over which each replica keeps its own gradients (a
       compressed exchange follows): the program is manual over them too, every gradient
       gets a leading replica axis sharded over them and the loss is the replicas' mean.
+    - ``with_metrics``: also return what ``parts.post`` reported (:func:`jaxpar.report_metric`),
+      averaged over the micro-batches (and replicas): ``(loss, grads, metrics)``.
 
     The loss is the mean of the micro-batch losses; the gradients are those of
     that mean (float32), ``g_blocks`` in the ``blocks`` layout. ``g_outer`` adds
@@ -104,10 +107,11 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
                                  initial_state(program, stage), table.rows)
         g_blocks = jax.tree.map(lambda a: a[:, None], st.g_blocks)
         loss, g_outer = jax.lax.psum(st.loss, PIPE) / stage.m, jax.lax.psum(st.g_outer, PIPE)
+        metrics = jax.tree.map(lambda a: jax.lax.psum(a, PIPE) / stage.m, st.metrics)   # the last stage's sums
         if replica_axes:
             lead = lambda t: jax.tree.map(lambda a: a[None], t)   # noqa: E731
-            return jax.lax.pmean(loss, rep_entry), (lead(g_outer), lead(g_blocks))
-        return loss, (g_outer, g_blocks)
+            return jax.lax.pmean((loss, metrics), rep_entry), (lead(g_outer), lead(g_blocks))
+        return (loss, metrics), (g_outer, g_blocks)
 
     rep, stage_spec, out_outer, out_blocks, mbs_spec = _specs(rep_entry)
     inner_rules = drop_axes(rules, (PIPE, *replica_axes))
@@ -122,7 +126,8 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
                              in_specs=(rep(outer), stage_spec(blocks), mbs_spec(mbs)),
                              out_specs=(P(), (out_outer(outer), out_blocks(blocks))))
         with use_rules(mesh, inner_rules), use_layer_runner(None):
-            return smap(outer, blocks, mbs)
+            (loss, metrics), grads = smap(outer, blocks, mbs)
+        return (loss, grads, metrics) if with_metrics else (loss, grads)
 
     return fn
 

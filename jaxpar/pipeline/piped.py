@@ -28,12 +28,15 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, NamedTuple
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..batch import split_microbatches
+from ..loss_metrics import with_reported_metrics
+from ..moe import LAYER_LOADS, use_step_loads
 from ..mesh import data_axes
 from ..rules import axes_of, named_shardings, without_rules
 from .cut import ModelCut, cut_model
@@ -42,6 +45,7 @@ from .parts import PipelineParts
 from .partition import check_stage_layers, from_stages, layer_costs, partition_layers, to_stages, uniform_layers
 from .program import lower
 from .schedules import get_schedule
+from .sweep import pipeline_forward_sum
 
 __all__ = ["make_pipeline_loss_and_grad", "auto_stage_layers", "check_pipeline_strategy", "staged_cut", "StagedCut"]
 
@@ -138,7 +142,8 @@ def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, pa
 
 def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_specs: Any, grad_specs: Any,
                                 strategy, *, num_layers: int | None = None,
-                                replica_axes: tuple[str, ...] = (), own_specs: Any = None) -> Callable:
+                                replica_axes: tuple[str, ...] = (), own_specs: Any = None,
+                                with_metrics: bool = False, step_loads: bool = False) -> Callable:
     """``(params, batch) -> (loss, grads)`` through the pipeline executor (call it under ``jit``).
 
     ``loss_fn(model, batch)`` is the user's loss; the model is cut at its stacked layers
@@ -149,7 +154,10 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
     checks the strategy's ``stage_layers`` now rather than at the first call. With
     ``replica_axes`` (a compressed exchange follows) the gradients are each replica's own,
     not reduced over those axes: every leaf gets a leading replica axis sharded over them.
-    ``own_specs`` as in :func:`staged_cut`.
+    ``own_specs`` as in :func:`staged_cut`. ``with_metrics``: also return what the loss reported,
+    averaged over the micro-batches: ``(loss, grads, metrics)``. ``step_loads`` (a model with MoE
+    layers, no ``replica_axes``): a forward sweep first sums the step's load per MoE layer
+    (:func:`_step_loads`), which every micro-batch's load-balancing loss then uses.
     """
     check_pipeline_strategy(strategy, mesh)
     p, m, v = mesh.shape["pipe"], strategy.microbatches, strategy.virtual_stages
@@ -162,11 +170,32 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
         params = strategy.cast(params)
         mbs = split_microbatches(batch, m, mesh)
         cut = staged_cut(loss_fn, graphdef, mesh, param_specs, strategy, params, mbs, own_specs=own_specs)
-        run = pipeline_value_and_grad(cut.parts, mesh, rules, program, stage_layers=cut.stage_layers,
-                                      replica_axes=replica_axes)
-        loss, (g_outer, g_blocks) = run(*cut.stage(params), mbs)
+        loads = _step_loads(cut, mesh, rules, strategy, params, mbs) if step_loads and m > 1 else None
+        with use_step_loads(loads) if loads is not None else contextlib.nullcontext():
+            if loads is not None:        # the layers now carry the step's loads: cut again
+                cut = staged_cut(loss_fn, graphdef, mesh, param_specs, strategy, params, mbs, own_specs=own_specs)
+            run = pipeline_value_and_grad(cut.parts, mesh, rules, program, stage_layers=cut.stage_layers,
+                                          replica_axes=replica_axes, with_metrics=True)
+            loss, (g_outer, g_blocks), metrics = run(*cut.stage(params), mbs)
         if replica_axes:     # each replica's own gradients, [R, ...]
-            return loss, jax.vmap(cut.grads)(g_outer, g_blocks)
-        return loss, jax.lax.with_sharding_constraint(cut.grads(g_outer, g_blocks), grad_shardings)
+            grads = jax.vmap(cut.grads)(g_outer, g_blocks)
+        else:
+            grads = jax.lax.with_sharding_constraint(cut.grads(g_outer, g_blocks), grad_shardings)
+        return (loss, grads, metrics) if with_metrics else (loss, grads)
 
     return loss_and_grad
+
+
+def _step_loads(cut: StagedCut, mesh, rules, strategy, params, mbs) -> Any:
+    """The step's MoE load per layer (what the loss reports as :data:`jaxpar.moe.LAYER_LOADS`) summed
+    over the micro-batches by a forward sweep through the stages (:func:`.sweep.pipeline_forward_sum`);
+    ``None`` for a loss that reports none."""
+    loads_of = lambda outer, y, mb: with_reported_metrics(cut.parts.post)(outer, y, mb)[1].get(LAYER_LOADS)  # noqa: E731
+    outer, blocks = cut.stage(params)
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs)
+    x = jax.eval_shape(cut.parts.pre, outer, one)
+    if jax.eval_shape(loads_of, outer, x, one) is None:
+        return None
+    sweep = pipeline_forward_sum(cut.parts, mesh, rules, loads_of, stage_layers=cut.stage_layers,
+                                 chunks=strategy.virtual_stages)
+    return jax.lax.stop_gradient(sweep(outer, blocks, mbs))

@@ -25,13 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .buffers import PipelineState, Slots, SlotView, TickIO, put, read_slots, take, take_tree, write_slots
+from ..loss_metrics import with_reported_metrics
+from .buffers import PipelineState, Slots, SlotView, TickIO, put, put_tree, read_slots, take, take_tree, write_slots
 from .layer_vjp import LayerVJP
 from .parts import PipelineParts
 from .program import Instr, Program
 
 __all__ = ["PIPE", "TICKS_SCOPE", "ActionKind", "TickRow", "TickTable", "tick_table", "Stage",
-           "initial_state", "exchange", "tick", "one_of", "stage_counts"]
+           "initial_state", "exchange", "tick", "one_of", "stage_counts", "zeros_like_tree"]
 
 PIPE = "pipe"
 #: name scope of the tick loop: in the compiled HLO, its ``while``'s ``op_name``
@@ -121,6 +122,11 @@ def _add_at(acc, layer, grads):
     return jax.tree.map(lambda a, d: put(a, layer, take(a, layer) + d.astype(a.dtype)), acc, grads)
 
 
+def zeros_like_tree(tree: Any) -> Any:
+    """Zeros shaped like every leaf of ``tree`` (arrays or ``ShapeDtypeStruct``)."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+
+
 def _accumulate(acc: Any, grads: Any) -> Any:
     """``acc + grads`` leaf by leaf, in ``acc``'s dtypes."""
     return jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, grads)
@@ -151,10 +157,17 @@ class Stage:
         self.index = jax.lax.axis_index(PIPE)
         self.n_layers = take(jnp.asarray(counts.T), self.index)       # [v]: real layers per chunk here
         self.x = jax.eval_shape(parts.pre, outer, take_tree(mbs, 0))
+        self.post = with_reported_metrics(parts.post)        # (loss, what it reported)
+        self.metrics = jax.eval_shape(self.post, outer, self.x, take_tree(mbs, 0))[1]
         self.lv = LayerVJP(parts.layer, take_tree(take_tree(blocks, 0), 0), self.x, split=self.split)
 
     def _cast(self, a):
-        return a.astype(self.x.dtype)
+        """``a`` (a value or cotangent of the activation) in the activation's dtypes, leaf by leaf."""
+        return jax.tree.map(lambda v, like: v.astype(like.dtype), a, self.x)
+
+    def nothing(self):
+        """Zeros shaped like the activation: what a stage that sends nothing sends."""
+        return zeros_like_tree(self.x)
 
     def chunk_params(self, sl: Slots):
         """The layers' parameters an action on ``sl`` uses (one chunk, ``[Lmax, ...]``)."""
@@ -174,8 +187,7 @@ class Stage:
 
     def _unchanged(self, view: SlotView) -> TickIO:
         """No slot written (``None``), the sums as they were; nothing sent."""
-        none = jnp.zeros(self.x.shape, self.x.dtype)
-        return TickIO(None, None, view.g_outer, None, view.loss, None, none, none)
+        return TickIO(None, None, view.g_outer, None, view.loss, None, self.nothing(), self.nothing())
 
     def _each_layer(self, one: Callable, n) -> Callable:
         """A scan step: ``one`` on a real layer, nothing on padding (the item's last entry is
@@ -232,8 +244,8 @@ class Stage:
         return lambda view, sl: action(kind, view, sl)
 
     def forward(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
-        """F: ``pre`` (first), the chunk's layers, then ``post`` (last: keeps d loss / d y
-        and adds its gradient of ``outer``) or a send to the next virtual stage."""
+        """F: ``pre`` (first), the chunk's layers, then ``post`` (last: keeps d loss / d y, adds its
+        gradient of ``outer`` and what the loss reported) or a send to the next virtual stage."""
         n, bp, mb = self.n_layers[sl.chunk], self.chunk_params(sl), take_tree(self.mbs, sl.mb)
         outer = self.outer_params(sl)
         x = self.parts.pre(outer, mb) if kind.first else view.x
@@ -241,8 +253,10 @@ class Stage:
         io = self._unchanged(view)._replace(res=res)
         if not kind.last:
             return io._replace(send_f=self._cast(y))
-        loss, (g_outer, dy) = jax.value_and_grad(self.parts.post, argnums=(0, 1))(outer, y, mb)
-        return io._replace(loss=view.loss + loss.astype(jnp.float32), dy_out=self._cast(dy / self.m),
+        (loss, found), (g_outer, dy) = jax.value_and_grad(self.post, argnums=(0, 1), has_aux=True)(outer, y, mb)
+        return io._replace(loss=view.loss + loss.astype(jnp.float32),
+                           dy_out=self._cast(jax.tree.map(lambda d: d / self.m, dy)),
+                           metrics=jax.tree.map(jnp.add, view.metrics, found),
                            g_outer=jax.tree.map(lambda a, d: a + d.astype(a.dtype) / self.m, view.g_outer, g_outer))
 
     def backward(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
@@ -283,16 +297,18 @@ def initial_state(program: Program, stage: Stage) -> PipelineState:
     f32 = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t)   # noqa: E731
     return PipelineState(
         res=[buf(program.n_res, (lmax, *r.shape), r.dtype) for r in stage.lv.stored],
-        inbox_f=buf(program.n_fwd + 1, x.shape, x.dtype), inbox_b=buf(program.n_bwd + 1, x.shape, x.dtype),
+        inbox_f=jax.tree.map(lambda a: buf(program.n_fwd + 1, a.shape, a.dtype), x),
+        inbox_b=jax.tree.map(lambda a: buf(program.n_bwd + 1, a.shape, a.dtype), x),
         grads_y=[buf(program.n_grad, (lmax, *f.shape), f.dtype) for f in stage.lv.split.frontier]
         if stage.lv.split else [],
-        g_blocks=f32(stage.blocks), g_outer=f32(stage.outer), loss=jnp.zeros((), jnp.float32))
+        g_blocks=f32(stage.blocks), g_outer=f32(stage.outer), loss=jnp.zeros((), jnp.float32),
+        metrics=f32(stage.metrics))
 
 
 def _send(pats: list, pat, x):
     """``x`` along the tick's pairs (``pats[pat - 1]``; 0: nothing moves). ``pat`` is
     the same on every device, so each ``ppermute`` runs on all of them or none."""
-    fns = [jnp.zeros_like] + [lambda y, q=q: jax.lax.ppermute(y, PIPE, q) for q in pats]
+    fns = [zeros_like_tree] + [lambda y, q=q: jax.lax.ppermute(y, PIPE, q) for q in pats]
     return jax.lax.switch(pat, fns, x) if len(fns) > 1 else fns[0](x)
 
 
@@ -310,8 +326,8 @@ def exchange(st: PipelineState, table: TickTable, row: TickRow, s, send_f, send_
     Returns:
         ``st`` with what this stage receives written to its inbox slots.
     """
-    inbox_f = put(st.inbox_f, take(row.fwd_recv, s), _send(table.fwd_pats, row.fwd_pat, send_f))
-    inbox_b = put(st.inbox_b, take(row.bwd_recv, s), _send(table.bwd_pats, row.bwd_pat, send_b))
+    inbox_f = put_tree(st.inbox_f, take(row.fwd_recv, s), _send(table.fwd_pats, row.fwd_pat, send_f))
+    inbox_b = put_tree(st.inbox_b, take(row.bwd_recv, s), _send(table.bwd_pats, row.bwd_pat, send_b))
     return st._replace(inbox_f=inbox_f, inbox_b=inbox_b)
 
 
@@ -333,7 +349,7 @@ def tick(stage: Stage, table: TickTable, branches: list, st: PipelineState, row:
         ``(state after the tick, None)``: a ``lax.scan`` step over the table's rows.
     """
     sl = Slots(*(take(a, stage.index) for a in row.slots))
-    none = jnp.zeros(stage.x.shape, stage.x.dtype)
+    none = stage.nothing()
 
     def act(i):
         def run(st, send_f, send_b):

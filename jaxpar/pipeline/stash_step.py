@@ -145,7 +145,7 @@ def _tick(stage: _StashStage, table, kinds, branches, carry, xs):
     sl = Slots(*(take(a, i) for a in row.slots))
     ver, cur, new = (take(a, i) for a in vrow)
     step = sl.mb // stage.per_step
-    none = jnp.zeros(stage.x.shape, stage.x.dtype)
+    none = stage.nothing()
 
     def act(k):
         def run(st, ws, send_f, send_b):

@@ -206,8 +206,7 @@ def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | 
     loss_of = model_loss(loss_fn, layout)
     runner = DataParallelLayers(mesh, layout.rules, strategy.zero)
     k = strategy.microbatches
-    routed = any("experts" in tuple(spec) for spec in jax.tree.leaves(        # MoE weights: the loads pre-pass
-        layout.logical, is_leaf=lambda x: isinstance(x, PartitionSpec)))
+    routed = has_experts(layout)        # MoE weights: the loads pre-pass
 
     def grads(params, batch):
         mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype), batch)
@@ -244,8 +243,16 @@ def _step_loads(loss_of: Callable, params: Any, batch: Any, k: int, mesh) -> Any
     return jax.lax.stop_gradient(total)
 
 
+def has_experts(layout: StateLayout) -> bool:
+    """Whether the model has MoE weights (an ``experts`` logical axis): a step that accumulates then
+    runs the loads pre-pass (:func:`jaxpar.moe.use_step_loads`)."""
+    return any("experts" in tuple(spec) for spec in jax.tree.leaves(
+        layout.logical, is_leaf=lambda x: isinstance(x, PartitionSpec)))
+
+
 def pipeline_grads(loss_fn: Callable, layout: StateLayout, *, per_replica: bool = False) -> Callable:
-    """``(params, batch) -> (loss, grads)`` through the pipeline executor and the strategy's schedule.
+    """``(params, batch) -> (loss, grads, metrics)`` through the pipeline executor and the strategy's
+    schedule; ``metrics``: what the loss reported, averaged over the micro-batches (and replicas).
 
     Args:
       loss_fn: the user's loss (on the last stage).
@@ -262,7 +269,8 @@ def pipeline_grads(loss_fn: Callable, layout: StateLayout, *, per_replica: bool 
     axes = tuple(a for a in data_axes(mesh) if sizes[a] > 1) if per_replica else ()
     return make_pipeline_loss_and_grad(loss_fn, layout.graphdef, mesh, layout.rules, layout.params, layout.grads,
                                        layout.strategy, num_layers=stacked_layers(layout), replica_axes=axes,
-                                       own_specs=resolve(layout.logical, layout.rules, mesh, layout.shapes))
+                                       own_specs=resolve(layout.logical, layout.rules, mesh, layout.shapes),
+                                       with_metrics=True, step_loads=has_experts(layout) and not per_replica)
 
 
 class ManualLayout(NamedTuple):

@@ -211,7 +211,7 @@ def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepO
 
     def step(state, batch):
         loss, grads, *reported = grad(state.versions if delayed else state.params, batch)
-        parts, metrics = {}, dict(reported[0]) if reported else {}     # what the loss reported (not piped)
+        parts, metrics = {}, dict(reported[0]) if reported else {}     # what the loss reported
         if reduce is not None:
             grads, codec_state, exchanged = reduce(grads, state.codec, state.step)
             metrics = {**metrics, **exchanged}
