@@ -22,9 +22,10 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 __all__ = ["Slots", "PipelineState", "TickIO", "SlotView", "take", "take_tree", "put", "put_tree", "read_slots",
-           "write_slots"]
+           "write_slots", "zeros_like_tree"]
 
 
 class Slots(NamedTuple):
@@ -133,6 +134,11 @@ def put_tree(tree, i, values):
         The updated buffers.
     """
     return jax.tree.map(lambda b, v: put(b, i, v), tree, values)
+
+
+def zeros_like_tree(tree: Any) -> Any:
+    """Zeros shaped like every leaf of ``tree`` (arrays or ``ShapeDtypeStruct``)."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 
 def read_slots(st: PipelineState, sl: Slots) -> SlotView:

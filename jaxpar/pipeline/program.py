@@ -27,11 +27,15 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
+
+import numpy as np
 
 from .schedules import Schedule, validate
 
-__all__ = ["Instr", "Tick", "Program", "lower", "sends", "colour_intervals"]
+__all__ = ["Instr", "Tick", "Program", "lower", "sends", "colour_intervals", "stage_counts", "PIPE"]
+
+PIPE = "pipe"      # the mesh axis of the stages
 
 
 @dataclass(frozen=True)
@@ -205,3 +209,29 @@ def sends(program: Program) -> dict[str, int]:
     return {"forward": sum(len(t.fwd_pairs) for t in program.ticks),
             "backward": sum(len(t.bwd_pairs) for t in program.ticks)}
 
+
+def stage_counts(program: Program, mesh, stage_layers: Sequence[int]) -> np.ndarray:
+    """The layers of each virtual stage as ``[chunk, stage]``, checked against the schedule and mesh.
+
+    Args:
+        program: the lowered schedule.
+        mesh: the mesh (its ``pipe`` axis must have the schedule's stage count).
+        stage_layers: layers of each virtual stage ``k = chunk * p + stage``.
+
+    Returns:
+        ``stage_layers`` as an int32 ``[v, p]`` array.
+
+    Raises:
+        ValueError: naming what does not fit.
+    """
+    sched = program.schedule
+    p, v, pipe = sched.num_stages, sched.num_chunks, dict(mesh.shape).get(PIPE, 1)
+    if pipe != p:
+        raise ValueError(f"the schedule {sched.name!r} has {p} stages but the mesh's {PIPE!r} axis has size "
+                         f"{pipe}; build the schedule with num_stages equal to the pipe axis (mesh axes: "
+                         f"{dict(mesh.shape)}).")
+    counts = np.asarray(stage_layers, np.int32)
+    if counts.shape != (p * v,) or (counts < 1).any():
+        raise ValueError(f"stage_layers={tuple(stage_layers)}: the schedule {sched.name!r} has {p * v} virtual "
+                         f"stages (pipe={p} x chunks={v}); give one positive layer count per virtual stage.")
+    return counts.reshape(v, p)

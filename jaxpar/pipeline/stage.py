@@ -19,22 +19,22 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..loss_metrics import with_reported_metrics
-from .buffers import PipelineState, Slots, SlotView, TickIO, put, put_tree, read_slots, take, take_tree, write_slots
+from .buffers import (PipelineState, Slots, SlotView, TickIO, put, put_tree, read_slots, take, take_tree, write_slots,
+                      zeros_like_tree)
 from .layer_vjp import LayerVJP
 from .parts import PipelineParts
-from .program import Instr, Program
+from .program import PIPE, Instr, Program, stage_counts
 
 __all__ = ["PIPE", "TICKS_SCOPE", "ActionKind", "TickRow", "TickTable", "tick_table", "Stage",
-           "initial_state", "exchange", "tick", "one_of", "stage_counts", "zeros_like_tree"]
+           "initial_state", "exchange", "tick", "one_of", "stage_counts"]
 
-PIPE = "pipe"
 #: name scope of the tick loop: in the compiled HLO, its ``while``'s ``op_name``
 #: ends ``pipeline_ticks/while``
 TICKS_SCOPE = "pipeline_ticks"
@@ -120,11 +120,6 @@ def _set(buf, slot, layer, value):
 def _add_at(acc, layer, grads):
     """``acc`` (``[Lmax, ...]`` per leaf) with ``grads`` added to layer ``layer``, in ``acc``'s dtypes."""
     return jax.tree.map(lambda a, d: put(a, layer, take(a, layer) + d.astype(a.dtype)), acc, grads)
-
-
-def zeros_like_tree(tree: Any) -> Any:
-    """Zeros shaped like every leaf of ``tree`` (arrays or ``ShapeDtypeStruct``)."""
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 
 def _accumulate(acc: Any, grads: Any) -> Any:
@@ -380,30 +375,3 @@ def one_of(kind, kinds: list, act: Callable, carry: tuple) -> tuple:
         if k[0] != "idle":
             carry = jax.lax.cond(kind == i, act(i), lambda *a: a, *carry)
     return carry
-
-
-def stage_counts(program: Program, mesh, stage_layers: Sequence[int]) -> np.ndarray:
-    """The layers of each virtual stage as ``[chunk, stage]``, checked against the schedule and mesh.
-
-    Args:
-        program: the lowered schedule.
-        mesh: the mesh (its ``pipe`` axis must have the schedule's stage count).
-        stage_layers: layers of each virtual stage ``k = chunk * p + stage``.
-
-    Returns:
-        ``stage_layers`` as an int32 ``[v, p]`` array.
-
-    Raises:
-        ValueError: naming what does not fit.
-    """
-    sched = program.schedule
-    p, v, pipe = sched.num_stages, sched.num_chunks, dict(mesh.shape).get(PIPE, 1)
-    if pipe != p:
-        raise ValueError(f"the schedule {sched.name!r} has {p} stages but the mesh's {PIPE!r} axis has size "
-                         f"{pipe}; build the schedule with num_stages equal to the pipe axis (mesh axes: "
-                         f"{dict(mesh.shape)}).")
-    counts = np.asarray(stage_layers, np.int32)
-    if counts.shape != (p * v,) or (counts < 1).any():
-        raise ValueError(f"stage_layers={tuple(stage_layers)}: the schedule {sched.name!r} has {p * v} virtual "
-                         f"stages (pipe={p} x chunks={v}); give one positive layer count per virtual stage.")
-    return counts.reshape(v, p)

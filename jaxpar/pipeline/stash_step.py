@@ -31,9 +31,9 @@ leaf). ``clip_norm`` (global, across stages) is an error.
 
 The train state holds the current version (``params``) and the ``ceil((p-1)/k)`` older ones
 (``versions``, newest first), per stage; so a call starts where a never-draining pipeline would
-be, and a checkpoint resumes bit-exact. Metrics per step: ``loss`` (mean over its ``m``
-micro-batches), ``grad_norm`` (root mean square over the step's updates of the norm of all
-stages' update gradients), ``skipped`` (some stage skipped a non-finite update) and ``lr``.
+be, and a checkpoint resumes bit-exact. Metrics per step: ``loss`` and what the loss reported (means
+over its ``m`` micro-batches), ``grad_norm`` (root mean square over the step's updates of the norm of
+all stages' update gradients), ``skipped`` (some stage skipped a non-finite update) and ``lr``.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 from ..blocks import use_layer_runner
 from ..compat import Setting, raise_problems
 from ..rules import drop_axes, path_str, resolve, use_rules
-from .buffers import SlotView, Slots, TickIO, put, read_slots, take, take_tree, write_slots
+from .buffers import SlotView, Slots, TickIO, put, put_tree, read_slots, take, take_tree, write_slots
 from .partition import from_stages, to_stages
 from .piped import check_pipeline_strategy, staged_cut
 from .schedules import pipedream
@@ -99,10 +99,13 @@ class _StashStage(Stage):
         return self._w[0]
 
     def read(self, st, sl: Slots) -> SlotView:
-        return read_slots(st._replace(loss=take(st.loss, sl.mb // self.per_step)), sl)
+        step = sl.mb // self.per_step           # the loss and the reported metrics are summed per step
+        return read_slots(st._replace(loss=take(st.loss, step), metrics=take_tree(st.metrics, step)), sl)
 
     def write(self, st, sl: Slots, io: TickIO):
-        return write_slots(st, sl, io)._replace(loss=put(st.loss, sl.mb // self.per_step, io.loss))
+        step = sl.mb // self.per_step
+        metrics = st.metrics if io.metrics is None else put_tree(st.metrics, step, io.metrics)
+        return write_slots(st, sl, io)._replace(loss=put(st.loss, step, io.loss), metrics=metrics)
 
     def stash_branch(self, kind: tuple) -> Callable[[_View, Slots], _IO]:
         base, update = self.branch(ActionKind(*kind[:3])), kind[3]
@@ -334,12 +337,13 @@ class _StashingRun:
         stage_loop = functools.partial(self._stage_loop, cut, counts, opt_def, is_block)
         smap = jax.shard_map(stage_loop, mesh=mesh, axis_names={PIPE}, check_vma=False,
                              in_specs=(rep(w_outer), blk(w_blocks), opt_specs, rep(mbs)),
-                             out_specs=((P(), P(), P()), [P(PIPE)] * len(w_outer), blk(w_blocks), opt_out_specs))
+                             out_specs=(P(), [P(PIPE)] * len(w_outer), blk(w_blocks), opt_out_specs))
         with use_rules(mesh, drop_axes(layout.rules, (PIPE,))), use_layer_runner(None):
-            (loss, gsq, skips), o_out, b_out, opt_out = smap(w_outer, w_blocks, opt_in, mbs)
+            (loss, gsq, skips, reported), o_out, b_out, opt_out = smap(w_outer, w_blocks, opt_in, mbs)
         new = self._merged(state, cut, owners, opt_def, is_block, o_out, b_out, opt_out)
-        return new, _metrics(loss / m, jnp.sqrt(gsq / (m // k)), skips if self.skip_nonfinite else None,
-                             self.lr_schedule, state.step, steps, updates=p * (m // k))
+        metrics = _metrics(loss / m, jnp.sqrt(gsq / (m // k)), skips if self.skip_nonfinite else None,
+                           self.lr_schedule, state.step, steps, updates=p * (m // k))
+        return new, {**jax.tree.map(lambda a: a / m, reported), **metrics}     # what the loss reported, per step
 
     def _stage_loop(self, cut, counts, opt_def, is_block: list, w_outer, w_blocks, opt_in, mbs):
         """One stage's program: its weight versions and optimizer state through the table's ticks."""
@@ -353,7 +357,8 @@ class _StashingRun:
         buf = jax.tree.map(lambda a: jnp.zeros((sp.n_slots + 1, *a.shape[1:]), a.dtype), init)
         for j in range(sp.older + 1):           # the state's versions in their first slots
             buf = jax.tree.map(lambda b, a, j=j: put(b, slots[j], a[j]), buf, init)
-        st = initial_state(sp.program, stage)._replace(loss=jnp.zeros((steps,), jnp.float32))
+        per_step = lambda t: jax.tree.map(lambda a: jnp.zeros((steps, *a.shape), jnp.float32), t)   # noqa: E731
+        st = initial_state(sp.program, stage)._replace(loss=per_step(jnp.zeros(())), metrics=per_step(stage.metrics))
         ws = _Weights(buf, opt, jnp.zeros((steps,), jnp.float32), jnp.zeros((steps,), jnp.float32))
         branches = [stage.stash_branch(kd) for kd in self.kinds]
         tick = functools.partial(_tick, stage, self.table, self.kinds, branches)
@@ -361,7 +366,7 @@ class _StashingRun:
             (st, ws), _ = jax.lax.scan(tick, (st, ws), (self.rows, self.vrows))
         final = jnp.asarray(np.array(sp.final, np.int32))[stage.index]
         out = jax.tree.map(lambda b: jnp.stack([take(b, final[j]) for j in range(sp.older + 1)]), ws.w)
-        sums = tuple(jax.lax.psum(a, PIPE) for a in (st.loss, ws.gsq, ws.skips))
+        sums = jax.tree.map(lambda a: jax.lax.psum(a, PIPE), (st.loss, ws.gsq, ws.skips, st.metrics))
         opt_out = [a[None, None] if b else a[None] for a, b in zip(jax.tree.leaves(ws.opt), is_block)]
         return sums, [a[None] for a in out[0]], jax.tree.map(lambda a: a[:, :, None], out[1]), opt_out
 

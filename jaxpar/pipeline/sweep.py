@@ -37,9 +37,9 @@ from jax.sharding import PartitionSpec as P
 
 from ..blocks import use_layer_runner
 from ..rules import drop_axes, use_rules
-from .buffers import put_tree, take, take_tree
+from .buffers import put_tree, take, take_tree, zeros_like_tree
 from .parts import PipelineParts
-from .stage import PIPE, zeros_like_tree
+from .program import PIPE
 
 __all__ = ["pipeline_forward_sum"]
 

@@ -35,7 +35,7 @@ from ..batch import check_batch, split_microbatches
 from ..blocks import use_layer_runner
 from ..rules import drop_axes, named_shardings, resolve, use_rules
 from .two_bw import AsyncPipelineError, check_two_bw_step, step_windows
-from .buffers import PipelineState, Slots, put, read_slots, take, take_tree, write_slots
+from .buffers import PipelineState, Slots, put, put_tree, read_slots, take, take_tree, write_slots
 from .piped import check_pipeline_strategy, staged_cut
 from .program import Program, lower
 from .schedules import pipedream_2bw
@@ -72,37 +72,41 @@ class _TwoVersionStage(Stage):
 
     def read(self, st: PipelineState, sl: Slots):
         a = self._acc(sl)
-        one = st._replace(g_outer=take_tree(st.g_outer, a), loss=take(st.loss, a))
+        one = st._replace(g_outer=take_tree(st.g_outer, a), loss=take(st.loss, a), metrics=take_tree(st.metrics, a))
         return read_slots(one, sl._replace(chunk=a * self.v + sl.chunk))
 
     def write(self, st: PipelineState, sl: Slots, io) -> PipelineState:
         a = self._acc(sl)
         new = write_slots(st, sl._replace(chunk=a * self.v + sl.chunk), io)
+        metrics = st.metrics if io.metrics is None else put_tree(st.metrics, a, io.metrics)
         return new._replace(g_outer=jax.tree.map(lambda b, g: put(b, a, g), st.g_outer, io.g_outer),
-                            loss=put(st.loss, a, io.loss))
+                            loss=put(st.loss, a, io.loss), metrics=metrics)
 
     def initial_state(self, program: Program) -> PipelineState:
         st = initial_state(program, self)
         two = lambda t: jax.tree.map(lambda z: jnp.concatenate([z[None]] * 2), t)   # noqa: E731
         return st._replace(g_blocks=jax.tree.map(lambda z: jnp.concatenate([z, z]), st.g_blocks),
-                           g_outer=two(st.g_outer), loss=two(st.loss))
+                           g_outer=two(st.g_outer), loss=two(st.loss), metrics=two(st.metrics))
 
     def finish(self, st: PipelineState, a):
-        """Step ``window``'s loss and gradients (accumulator ``a``), and ``st`` with it zeroed."""
+        """Step ``window``'s loss, gradients and reported metrics (accumulator ``a``), and ``st`` with it
+        zeroed."""
         v = self.v
         g_blocks = jax.tree.map(lambda b: jax.lax.dynamic_slice_in_dim(b, a * v, v), st.g_blocks)
         out = (jax.lax.psum(take(st.loss, a), PIPE) / self.m, jax.lax.psum(take_tree(st.g_outer, a), PIPE),
-               jax.tree.map(lambda g: g[:, None], g_blocks))
+               jax.tree.map(lambda g: g[:, None], g_blocks),
+               jax.tree.map(lambda b: jax.lax.psum(take(b, a), PIPE) / self.m, st.metrics))
         st = st._replace(
             g_blocks=jax.tree.map(lambda b, g: jax.lax.dynamic_update_slice_in_dim(b, jnp.zeros_like(g), a * v, 0),
                                   st.g_blocks, g_blocks),
             g_outer=jax.tree.map(lambda b: put(b, a, jnp.zeros(b.shape[1:], b.dtype)), st.g_outer),
-            loss=put(st.loss, a, jnp.zeros((), jnp.float32)))
+            loss=put(st.loss, a, jnp.zeros((), jnp.float32)),
+            metrics=jax.tree.map(lambda b: put(b, a, jnp.zeros(b.shape[1:], b.dtype)), st.metrics))
         return out, st
 
 
 def window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, first: bool) -> Callable:
-    """``fn(outer2, blocks2, mbs, state, rows, window) -> ((loss, g_outer, g_blocks), state)``:
+    """``fn(outer2, blocks2, mbs, state, rows, window) -> ((loss, g_outer, g_blocks, metrics), state)``:
     one window's ticks (``rows``) on the versions ``outer2`` / ``blocks2`` (``[2, ...]``:
     ``W(t-1)``, ``W(t)``). ``state`` is every stage's in-flight :class:`PipelineState`
     (leading ``pipe`` axis); ``first``: the window starts from an empty pipeline (``state=None``)."""
@@ -128,7 +132,7 @@ def window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, fi
         g_blocks = jax.tree.map(lambda _: P(None, PIPE), blocks2)
         smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE}, check_vma=False,
                              in_specs=(rep(outer2), two_stage, rep(mbs), per_stage(st), rep(rows), P()),
-                             out_specs=((P(), rep(jax.tree.map(lambda a: a[0], outer2)), g_blocks),
+                             out_specs=((P(), rep(jax.tree.map(lambda a: a[0], outer2)), g_blocks, P()),
                                         P(PIPE) if first else per_stage(st)))
         with use_rules(mesh, inner_rules), use_layer_runner(None):
             return smap(outer2, blocks2, mbs, st, rows, window)
@@ -203,10 +207,10 @@ def make_two_bw_steps(loss_fn: Callable, layout, steps: int, apply_update: Calla
             (o_prev, b_prev), (o_cur, b_cur) = (cut.stage(strategy.cast(w))
                                                 for w in (state.versions, state.params))
             runner = runners[0 if st is None else 1]
-            (loss, g_outer, g_blocks), st = runner(_stack2(o_prev, o_cur), _stack2(b_prev, b_cur), mbs, st, rows, t)
+            (loss, g_outer, g_blocks, found), st = runner(*_stack2((o_prev, b_prev), (o_cur, b_cur)), mbs, st, rows, t)
             grads = jax.lax.with_sharding_constraint(cut.grads(g_outer, g_blocks), grad_shardings)
             state, metrics = update(state, loss, grads)
-            return state, st, metrics
+            return state, st, {**found, **metrics}       # and what the loss reported
 
         state, st, first = window(state, None, rows0, jnp.int32(0))
         if rows_later is None:
