@@ -251,3 +251,69 @@ def test_moe_converges_below_dense_and_the_balancing_loss_evens_the_load():
     off, _ = _quickstart(moe + ["model.moe.capacity_factor=1.25", "model.moe.aux_weight=0"], 100)
     drops = lambda recs: float(np.mean([r["moe/drop_rate"] for r in recs[-50:]]))   # noqa: E731
     assert drops(off) > drops(on), (drops(off), drops(on))
+
+
+def _biased_run(axes, strategy, cfg, steps=STEPS):
+    """``(losses, the router bias, parameters)`` after ``steps`` SGD steps with an aux-loss-free bias of rate 0.05."""
+    from jaxpar.train.router_bias import with_router_bias
+
+    n = int(np.prod(list(axes.values())))
+    mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:n])
+    state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh, strategy)
+    state, layout = with_router_bias(state, layout, (cfg.layers, cfg.moe.experts))
+    step = jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout, router_bias_rate=cfg.moe.bias_rate)
+    losses = []
+    for i in range(steps):
+        state, m = step(state, jaxpar.shard_batch(_batch(i), mesh))
+        losses.append(float(m["loss"]))
+    return np.array(losses), np.asarray(jax.device_get(state.stats["router_bias"])), jax.device_get(state.params)
+
+
+#: Capacity 1.0 (assignments dropped, so the bias changes what is computed), balanced by the bias alone.
+BIASED = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, capacity_factor=1.0, aux_weight=0.0, bias_rate=0.05))
+
+
+@need_devices(8)
+@pytest.mark.parametrize("axes, k", [({"data": 2, "expert": 2}, 2),
+                                     pytest.param({"pipe": 2, "expert": 2, "data": 2}, 2, marks=pytest.mark.slow)])
+def test_the_router_bias_moves_as_on_one_device(axes, k):
+    """Aux-loss-free balancing: each step moves every MoE layer's bias by the step's loads (summed over
+    micro-batches, replicas and pipeline stages), so losses, the bias and the parameters after 3 steps
+    equal one device's on the whole batch."""
+    ref_losses, ref_bias, ref_params = _biased_run({"data": 1}, Strategy(), BIASED)
+    assert np.abs(ref_bias).max() > 0 and set(np.round(np.abs(ref_bias.ravel()) / 0.05, 4)) <= {0.0, 1.0, 2.0, 3.0}
+    losses, bias, params = _biased_run(axes, Strategy(microbatches=k), BIASED)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_array_equal(bias, ref_bias)
+    for (path, p), r in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(p, r, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@need_devices(2)
+def test_router_bias_errors_are_named():
+    from jaxpar.train.router_bias import with_router_bias
+
+    mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    state, layout = jaxpar.init_train_state(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh)
+    step = jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout)        # bias_rate > 0, no bias in the state
+    with pytest.raises(MoEError, match=r"bias_rate=0.05 balances .* this state has none. Add it: .*with_router_bias"):
+        step(state, jaxpar.shard_batch(_batch(0), mesh))
+    with pytest.raises(MoEError, match=r"router_bias_rate=0.01\) on a state without a router bias"):
+        jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout, router_bias_rate=0.01)
+    biased, biased_layout = with_router_bias(state, layout, (2, 8))
+    with pytest.raises(MoEError, match=r"router_bias_rate=0\): the bias step must be a number > 0"):
+        jaxpar.make_train_step(lm_loss, optax.sgd(LR), biased_layout, router_bias_rate=0)
+    with pytest.raises(MoEError, match=r"keeps a router bias .* got no router_bias_rate"):
+        jaxpar.make_train_step(lm_loss, optax.sgd(LR), biased_layout)
+    dense = dataclasses.replace(CFG, moe=None)                            # a bias kept, never read
+    state, layout = jaxpar.init_train_state(lambda: GPT(dense, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh)
+    state, layout = with_router_bias(state, layout, (2, 8))
+    with pytest.raises(MoEError, match=r"keeps a router bias of shape \(2, 8\) .* reported no loads"):
+        jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout, router_bias_rate=0.01)(
+            state, jaxpar.shard_batch(_batch(0), mesh))
+    pipe = jaxpar.make_mesh({"pipe": 2}, devices=jax.devices()[:2])       # weight stashing: refused at build
+    st = Strategy(microbatches=2, schedule="pipedream")
+    state, layout = jaxpar.init_train_state(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), pipe, st)
+    state, layout = with_router_bias(state, layout, (2, 8))
+    with pytest.raises(MoEError, match=r"schedule='pipedream' / sync=None runs steps on older or per-replica"):
+        jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout, router_bias_rate=0.01)

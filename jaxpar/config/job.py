@@ -17,7 +17,8 @@ Example::
     >>> job.strategy.name(dict(job.mesh.shape)), job.updates_per_step
     ('dp2-fsdp2-tp2', 1)
     >>> sorted(job.step_options)
-    ['clip_norm', 'log_lr', 'noise_scale_ema', 'noise_scale_every', 'skip_nonfinite', 'steps_per_call']
+    ['clip_norm', 'log_lr', 'noise_scale_ema', 'noise_scale_every', 'router_bias_rate', 'skip_nonfinite',
+     'steps_per_call']
     >>> layout = job.state_layout()               # traced only: nothing is allocated
     >>> compiled = job.compile(layout)            # the programs train runs, compiled ahead of time
     >>> sorted(compiled), compiled["step"].in_avals[0][1]["tokens"]
@@ -35,7 +36,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..strategy import Strategy
-from .build import build_loss_fn, build_mesh, build_model_fn, build_optimizer, build_strategy, frozen_variance_step
+from .build import (build_gpt_config, build_loss_fn, build_mesh, build_model_fn, build_optimizer, build_strategy,
+                    frozen_variance_step)
 from .checks import check
 from .data import build_data, build_ramp
 from .schema import ConfigError, JobConfig
@@ -76,6 +78,7 @@ class Job:
     checkpoint: Mapping[str, Any] | None = None                    # Checkpointer arguments (None: no checkpoints)
     meta: Mapping[str, Any] = field(default_factory=dict)         # checkpoint_meta's arguments, less the mesh
     gpt_sizes: Mapping[str, int] | None = None                     # the GPT's sizes for MFU (None: another model)
+    router_bias: tuple | None = None          # the MoE router bias's shape (model.moe.bias_rate > 0)
 
     @property
     def steps_per_call(self) -> int:
@@ -93,6 +96,10 @@ class Job:
         from ..train.init import state_layout
 
         layout = state_layout(self.model_fn, self.tx, self.mesh, self.strategy)
+        if self.router_bias is not None:
+            from ..train.router_bias import router_bias_layout
+
+            layout = router_bias_layout(layout, self.router_bias)
         if self.noise_scale_every is None:
             return layout
         from ..train.noise_scale import noise_scale_layout
@@ -101,10 +108,15 @@ class Job:
 
     def init_state(self):
         """``(state, layout)``: the train state created sharded (:func:`jaxpar.init_train_state`), with
-        the noise scale's moving averages when it is measured (they are checkpointed)."""
+        the MoE router bias (``model.moe.bias_rate``) and the noise scale's moving averages when it is
+        measured (they are checkpointed)."""
         from ..train.init import init_train_state
 
         state, layout = init_train_state(self.model_fn, self.tx, self.mesh, self.strategy)
+        if self.router_bias is not None:
+            from ..train.router_bias import with_router_bias
+
+            state, layout = with_router_bias(state, layout, self.router_bias)
         if self.noise_scale_every is None:
             return state, layout
         from ..train.noise_scale import with_noise_scale
@@ -218,8 +230,9 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
     strategy = build_strategy(cfg.parallel)
     model_fn = build_model_fn(cfg.model, cfg.train.seed)
     m, d = cfg.model, cfg.data
+    bias = _router_bias(m)
     base = dict(name=cfg.name, strategy=strategy, model_fn=model_fn, global_batch=d.batch_size,
-                seq_len=m.seq_len, token_batches=d.kind != "import")
+                seq_len=m.seq_len, token_batches=d.kind != "import", router_bias=bias and bias[0])
     if not mesh:
         return Job(loss_fn=build_loss_fn(m), **base)
     per_step = updates_per_step(strategy, dict(device_mesh.shape))
@@ -229,9 +242,17 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
     noise = cfg.logging.noise_scale
     options = dict(clip_norm=cfg.optimizer.clip_norm, log_lr=schedule, skip_nonfinite=True,
                    noise_scale_every=noise.every, noise_scale_ema=noise.ema,
-                   steps_per_call=cfg.parallel.steps_per_call)
+                   steps_per_call=cfg.parallel.steps_per_call, router_bias_rate=bias and bias[1])
     return Job(mesh=device_mesh, tx=tx, log_lr=schedule, updates_per_step=per_step, step_options=options,
                loss_fn=loss_fn, **base, **_data(cfg, data), **_run(cfg))
+
+
+def _router_bias(m) -> tuple | None:
+    """``(shape, rate)`` of the GPT's aux-loss-free balancing bias (``model.moe.bias_rate > 0``), else None."""
+    if m.name != "gpt" or not (m.moe or {}).get("bias_rate"):
+        return None
+    gpt = build_gpt_config(m)
+    return (gpt.layers // gpt.moe.every, gpt.moe.experts), gpt.moe.bias_rate
 
 
 def _data(cfg: JobConfig, read: bool) -> dict:

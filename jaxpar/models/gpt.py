@@ -42,7 +42,7 @@ from ..rules import constrain
 from .gpt_layers import (BLOCK_LOGICAL, RESIDUAL, Blocks, attention_apply, block_apply, layer_norm, mlp_apply, param,
                          zeros)
 from ..loss_metrics import report_metric
-from ..moe import LAYER_LOADS, note_aux_loss, step_loads
+from ..moe import LAYER_LOADS, need_router_bias, note_aux_loss, router_bias, step_loads
 from .gpt_moe import MoEBlocks, MoESettings, moe_metrics, run_moe_blocks
 
 __all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "attention_apply", "mlp_apply", "layer_norm", "run_blocks",
@@ -127,20 +127,23 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: Any = None) -> jax.Array:
         """Logits of ``tokens`` ``[batch, length]``; ``positions``: their true positions (``None``:
-        ``arange``), for a sequence laid out in another order (:func:`jaxpar.context.sequence_order`)."""
-        return self.forward(tokens, positions)[0]
+        ``arange``), for a sequence laid out in another order (:func:`jaxpar.context.sequence_order`).
+        The MoE layers choose experts with the router bias of :func:`jaxpar.moe.use_router_bias`, if any."""
+        return self.forward(tokens, positions, router_bias=router_bias())[0]
 
-    def forward(self, tokens: jax.Array, positions: Any = None, step_loads: Any = None) -> tuple[jax.Array, Any, Any]:
+    def forward(self, tokens: jax.Array, positions: Any = None, step_loads: Any = None,
+                router_bias: Any = None) -> tuple[jax.Array, Any, Any]:
         """``(logits, stats, layer_loads)``: ``stats`` is the MoE layers' :class:`jaxpar.moe.MoEStats`
         summed over them and ``layer_loads`` each one's load ``[layers, E]`` (both ``None`` without
         ``cfg.moe``); ``step_loads``: the whole step's, for the balancing losses (see
-        :func:`jaxpar.moe.use_step_loads`)."""
+        :func:`jaxpar.moe.use_step_loads`); ``router_bias``: each MoE layer's aux-loss-free balancing
+        bias ``[layers, E]`` (:mod:`jaxpar.train.router_bias`)."""
         x = self.embed(tokens, positions)
         if self.cfg.moe is None:
             x = run_blocks(self.block_params(), x, remat=self.cfg.remat, scan=self.cfg.scan_layers)
             return self.unembed(x), None, None
         x, stats, loads = run_moe_blocks(self.cfg.moe, self.block_params(), x, remat=remat_policy(self.cfg.remat),
-                                         scan=self.cfg.scan_layers, step_loads=step_loads)
+                                         scan=self.cfg.scan_layers, step_loads=step_loads, router_bias=router_bias)
         return self.unembed(x), stats, loads
 
 
@@ -151,7 +154,8 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     (:func:`jaxpar.context.sequence_order`) and the model gets the true positions; the mean is the same.
     With ``cfg.moe`` the loss adds ``aux_weight * aux_loss + z_weight * z_loss`` (summed over the MoE
     layers); under :func:`jaxpar.moe.use_step_loads` (the step's pre-pass when it accumulates) the
-    load-balancing loss and the load metrics use the whole step's loads.
+    load-balancing loss and the load metrics use the whole step's loads, and under
+    :func:`jaxpar.moe.use_router_bias` the MoE layers choose experts with the step's router bias.
     """
     tokens, targets = batch["tokens"], batch["targets"]
     order = sequence_order(tokens.shape[1])
@@ -162,8 +166,10 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
         tokens, targets = in_sequence_order(tokens), in_sequence_order(targets)
     if moe is None:
         return cross_entropy(model(tokens, positions=order), targets)
+    if moe.bias_rate:
+        need_router_bias(f"GPTConfig.moe.bias_rate={moe.bias_rate}")
     step = step_loads()             # the whole step's loads, from the step's pre-pass (accumulation)
-    logits, stats, loads = model.forward(tokens, positions=order, step_loads=step)
+    logits, stats, loads = model.forward(tokens, positions=order, step_loads=step, router_bias=router_bias())
     report_metric(LAYER_LOADS, loads)                  # what the step's pre-pass sums (an array: not logged)
     whole = stats if step is None else stats._replace(load=jnp.sum(step, axis=0))
     for name, value in moe_metrics(whole, moe.moe_layers(model.cfg.layers)).items():

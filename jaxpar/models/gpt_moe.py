@@ -65,6 +65,10 @@ class MoESettings:
       z_weight: weight of the router z-loss.
       shared_mlp: hidden size of the shared experts, an MLP every token goes through besides its
         routed experts (DeepSeek-MoE); 0: none.
+      bias_rate: aux-loss-free balancing (DeepSeek-V3): each step moves a per-layer router bias by this
+        much towards balance; 0: off. The train state keeps the bias and the step moves it (``jaxpar
+        train`` does both; the library: :func:`jaxpar.train.router_bias.with_router_bias` and
+        ``make_train_step(..., router_bias_rate=)`` with this rate).
     """
 
     experts: int
@@ -75,6 +79,7 @@ class MoESettings:
     aux_weight: float = 0.01
     z_weight: float = 0.0
     shared_mlp: int = 0
+    bias_rate: float = 0.0
 
     def check(self, layers: int) -> None:
         """Raise :class:`~jaxpar.moe.MoEError` naming the bad setting, its value and the fix."""
@@ -83,7 +88,7 @@ class MoESettings:
             raise MoEError(f"model.moe.every={self.every!r} must divide model.layers={layers}: the layers are grouped "
                            f"every={self.every} at a time (each group ends with the MoE layer). Fix: every in "
                            f"{[d for d in range(1, layers + 1) if layers % d == 0]}.")
-        for name in ("aux_weight", "z_weight", "shared_mlp"):
+        for name in ("aux_weight", "z_weight", "shared_mlp", "bias_rate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
                     name == "shared_mlp" and not isinstance(value, int)):
@@ -132,12 +137,14 @@ def empty_stats(experts: int) -> MoEStats:
 
 
 class LayerLoads(NamedTuple):
-    """Carried through the groups: the MoE layer's index, each layer's own load ``[layers, E]``, and the
-    whole step's (``None``: this call's own, see :func:`jaxpar.moe.use_step_loads`)."""
+    """Carried through the groups: the MoE layer's index, each layer's own load ``[layers, E]``, the
+    whole step's (``None``: this call's own, see :func:`jaxpar.moe.use_step_loads`) and the router bias
+    ``[layers, E]`` (``None``: none; :mod:`jaxpar.train.router_bias`)."""
 
     index: jax.Array
     own: jax.Array
     step: Any = None
+    bias: Any = None
 
 
 def moe_group_apply(settings: MoESettings, p: dict[str, jax.Array], carry: tuple) -> tuple:
@@ -153,6 +160,8 @@ def moe_group_apply(settings: MoESettings, p: dict[str, jax.Array], carry: tuple
     h = constrain(layer_norm(x, sub["ln2_scale"], sub["ln2_bias"]), ("batch", "length", "embed"))
     moe = {"router": p["router"], "w1": p["experts_w1"], "w2": p["experts_w2"]}
     moe.update({k: p[k] for k in ("shared_w1", "shared_w2") if k in p})
+    if loads.bias is not None:
+        moe["router_bias"] = loads.bias[loads.index]
     balance = None if loads.step is None else loads.step[loads.index]
     y, own = moe_apply(moe, h, top_k=settings.top_k, gate=settings.gate, capacity_factor=settings.capacity_factor,
                        balance_load=balance)
@@ -162,16 +171,19 @@ def moe_group_apply(settings: MoESettings, p: dict[str, jax.Array], carry: tuple
 
 
 def run_moe_blocks(settings: MoESettings, blocks: dict[str, jax.Array], x: jax.Array, *, remat: Any = None,
-                   scan: bool = True, step_loads: Any = None) -> tuple[jax.Array, MoEStats, jax.Array]:
+                   scan: bool = True, step_loads: Any = None, router_bias: Any = None
+                   ) -> tuple[jax.Array, MoEStats, jax.Array]:
     """Run stacked MoE groups over ``x``.
 
     Returns:
       ``(x, stats summed over the MoE layers, each layer's load [layers, E])``; with ``step_loads``
-      (``[layers, E]``, the whole step's) the load-balancing losses use it.
+      (``[layers, E]``, the whole step's) the load-balancing losses use it; with ``router_bias``
+      (``[layers, E]``) each layer chooses its experts by ``scores + bias``.
     """
     logical = {k: MOE_BLOCK_LOGICAL[k] for k in blocks}
     layers = jax.tree.leaves(blocks)[0].shape[0]
-    loads = LayerLoads(jnp.zeros((), jnp.int32), jnp.zeros((layers, settings.experts), jnp.int32), step_loads)
+    loads = LayerLoads(jnp.zeros((), jnp.int32), jnp.zeros((layers, settings.experts), jnp.int32), step_loads,
+                       router_bias)
 
     def group(p, carry):
         return moe_group_apply(settings, p, carry)

@@ -35,10 +35,11 @@ from flax import nnx
 from ..rules import constrain
 from ..scoped import scoped
 from .dispatch import dispatch_combine
-from .routing import MoEStats, check_options, route, routing_stats
+from .routing import MoEError, MoEStats, check_options, route, routing_stats
 
 __all__ = ["LAYER_LOADS", "MOE_LOGICAL", "MoE", "MoECalls", "RouterBias", "count_moe_calls", "moe_apply", "note_aux_loss",
-           "shared_mlp", "use_step_loads", "step_loads"]
+           "shared_mlp", "use_step_loads", "step_loads", "use_router_bias", "router_bias",
+           "need_router_bias"]
 
 #: Logical names of the layer's parameters (a model that stacks layers adds a leading ``layers``).
 MOE_LOGICAL = {
@@ -49,11 +50,12 @@ MOE_LOGICAL = {
 
 
 class MoECalls:
-    """What a traced loss did: how many MoE layers it ran, whether it used their load-balancing loss, and
-    whether the step gave it the whole step's loads (:func:`use_step_loads`)."""
+    """What a traced loss did: how many MoE layers it ran, whether it used their load-balancing loss,
+    whether the step gave it the whole step's loads (:func:`use_step_loads`), and whether it read the
+    step's router bias (:func:`router_bias`)."""
 
     def __init__(self):
-        self.layers, self.aux_loss, self.step_loads = 0, False, False
+        self.layers, self.aux_loss, self.step_loads, self.router_bias = 0, False, False, False
 
 
 _CALLS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_calls", default=None)
@@ -93,6 +95,40 @@ def use_step_loads(loads: Any) -> Iterator[None]:
 def step_loads() -> Any:
     """The whole step's loads of :func:`use_step_loads` (``None`` outside it)."""
     return _STEP_LOADS.get()
+
+
+_ROUTER_BIAS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_router_bias", default=None)
+
+
+def use_router_bias(bias: Any) -> ContextManager[None]:
+    """Give the losses traced here the aux-loss-free balancing bias of each MoE layer (``[layers, E]``,
+    kept in the train state and updated by the step: :mod:`jaxpar.train.router_bias`)."""
+    return scoped(_ROUTER_BIAS, bias)
+
+
+def router_bias() -> Any:
+    """The bias of :func:`use_router_bias` (``None`` outside it); the step checks that a loss reads the
+    bias it keeps.
+
+    >>> import jax.numpy as jnp
+    >>> with use_router_bias(jnp.zeros((2, 4))):
+    ...     router_bias().shape
+    (2, 4)
+    """
+    bias = _ROUTER_BIAS.get()
+    calls = _CALLS.get()
+    if calls is not None and bias is not None:
+        calls.router_bias = True
+    return bias
+
+
+def need_router_bias(setting: str) -> None:
+    """A model that balances with a router bias (``setting``: its option, e.g. ``"GPTConfig.moe.bias_rate=0.001"``)
+    says so: inside a step's trace without a bias (:func:`use_router_bias`), an :class:`MoEError` names it."""
+    if _CALLS.get() is not None and _ROUTER_BIAS.get() is None:
+        raise MoEError(f"{setting} balances the experts with a router bias kept in the train state, and this state "
+                       "has none. Add it: state, layout = jaxpar.train.router_bias.with_router_bias(state, layout, "
+                       "(moe_layers, experts), rate=...) (jaxpar train does), or set the rate to 0.")
 
 
 def note_aux_loss() -> None:

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..batch import batch_sharding, shard_batch
+from ..moe import use_router_bias
 from ..rules import named_shardings
 from ..strategy import Strategy
 from .data import make_global_batch
@@ -63,6 +64,7 @@ from .preemption import StopAgreement, StopSignals
 from .ramp import AdaptiveRamp
 from .report import LogOptions, NonFiniteError, TrainSummary, plot_losses  # re-exported: their former home
 from .report import check_int, merge_log_options, Meter, Progress
+from .router_bias import KEY as BIAS, has_router_bias
 from .grads import model_loss
 from .program import strategy_context
 from .state import StateLayout, layout_strategy
@@ -86,16 +88,19 @@ def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy | No
         raise ValueError("make_eval_fn: batches is empty; give at least one eval batch.")
     placed = [shard_batch(b, mesh) for b in batches]   # checked and placed once, reused at every eval
     loss_of_params = model_loss(loss_fn, layout)
+    biased = has_router_bias(layout)       # the MoE layers choose experts with the step's bias
 
-    def loss_of(params, batch):
-        with strategy_context(layout):
+    def loss_of(params, batch, bias):
+        with strategy_context(layout), use_router_bias(bias):
             return loss_of_params(params, batch)
 
-    jitted = jax.jit(loss_of, in_shardings=(named_shardings(layout.params, mesh), batch_sharding(mesh)),
+    jitted = jax.jit(loss_of, in_shardings=(named_shardings(layout.params, mesh), batch_sharding(mesh),
+                                            NamedSharding(mesh, PartitionSpec())),
                      out_shardings=NamedSharding(mesh, PartitionSpec()))
 
     def evaluate(state) -> float:
-        losses = [jitted(state.params, b) for b in placed]
+        bias = state.stats[BIAS] if biased else None
+        losses = [jitted(state.params, b, bias) for b in placed]
         return float(jnp.mean(jnp.stack(losses)))
 
     return evaluate

@@ -33,6 +33,7 @@ from ..context import ContextParallelError, count_context_calls, use_context_par
 from ..mesh import CONTEXT, EXPERT
 from ..moe import MoEError, count_moe_calls
 from ..rules import use_rules
+from .router_bias import has_router_bias
 from .state import StateLayout
 
 __all__ = ["TrainStep", "jit_program", "HostStep", "strategy_context"]
@@ -69,6 +70,10 @@ def _check_moe(layout: StateLayout, moe) -> None:
         raise MoEError(f"the mesh has an expert axis of size {experts}, but the loss never ran an MoE layer "
                        "(jaxpar.moe.moe_apply, jaxpar.moe.MoE, GPTConfig.moe): the axis would only split the batch. "
                        "Use a model with MoE layers, or put those devices on the data axis.")
+    if has_router_bias(layout) and not moe.router_bias:
+        raise MoEError("the train state keeps a router bias (aux-loss-free balancing: with_router_bias), but the loss "
+                       "never read it (jaxpar.moe.router_bias(): the GPT with MoE layers does), so it would move "
+                       "without steering any choice. Read it in the MoE layers, or build the state without it.")
     if moe.aux_loss and k > 1 and not moe.step_loads:
         raise MoEError(f"Strategy.microbatches={k} with a loss that adds the MoE load-balancing loss (e.g. "
                        "GPTConfig.moe.aux_weight > 0), on a path without the step's load pre-pass (a codec or "

@@ -25,10 +25,12 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
+from ..moe import use_router_bias
 from .checkpoint import CheckpointWarning
 from .loop import train
 from .metrics import flops_per_token, is_main_process
 from .report import LogOptions, NonFiniteError
+from .router_bias import KEY as BIAS, has_router_bias
 from .sample import SampleOptions, host_params, write_samples
 
 __all__ = ["RunOptions", "resume", "checkpoint_meta", "gpt_flops_per_token", "train_with_checkpoints"]
@@ -184,8 +186,10 @@ def _finish(summary: Any, state: Any, layout: Any, opts: RunOptions, checkpointe
         print(f"stopped  by {summary.preempted} after step {summary.end_step}; continue with --resume")
     elif opts.samples is not None and opts.samples.count:
         params = host_params(state.params)      # every process: gathering spread parameters is a collective
+        bias = host_params(state.stats[BIAS]) if has_router_bias(layout) else None
         if main:
-            path = write_samples(layout.graphdef, params, first_batch(), out_dir / "samples.txt", opts.samples)
+            with use_router_bias(bias):         # the MoE layers' aux-loss-free balancing bias, if kept
+                path = write_samples(layout.graphdef, params, first_batch(), out_dir / "samples.txt", opts.samples)
             print(f"samples  {path}")
     if main:
         print(f"wrote    {summary.metrics_path}, {summary.plot_path}")

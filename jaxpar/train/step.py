@@ -47,12 +47,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..batch import batch_sharding, check_batch, shard_batch
 from ..compat import Setting
 from ..mesh import batch_axes
+from ..moe import MoEError, use_router_bias
 from ..strategy import Strategy
 from .exchange import compressed_exchange, exact_exchange, measured_exchange, run_exchange
 from .grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
 from .init import raise_table_problems
 from .program import TrainStep, jit_program
 from .report import check_int
+from .router_bias import KEY as BIAS, balanced_bias, check_rate, has_router_bias
 from .state import StateLayout, StrategyMismatchError, layout_strategy
 from .update import Update, apply_update, delayed_update
 
@@ -68,6 +70,7 @@ class StepOptions(NamedTuple):
     noise_scale_every: int | None = None
     noise_scale_ema: float = 0.95
     donate: bool = True
+    router_bias_rate: float | None = None
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout: StateLayout,
@@ -75,7 +78,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
                     log_lr: Callable | None = None, donate: bool = True,
                     explicit_dp: bool | None = None, skip_nonfinite: bool = False,
                     noise_scale_every: int | None = None, noise_scale_ema: float = 0.95,
-                    steps_per_call: int = 1, **removed) -> TrainStep:
+                    steps_per_call: int = 1, router_bias_rate: float | None = None, **removed) -> TrainStep:
     """Build ``step(state, batch) -> (state, metrics)``, jitted with the layout's shardings.
 
     The step runs the strategy the layout was built for (``layout.strategy``, from
@@ -110,6 +113,9 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
         ``batches`` stacked ``[K, B, ...]``, every metric ``[K]``. PipeDream-2BW and weight
         stashing run ``K`` steps of their no-flush pipeline; the other strategies scan their step
         (the same updates as ``K`` calls).
+      router_bias_rate: aux-loss-free MoE balancing: after each step, every MoE layer's router bias
+        (kept in ``state.stats``: create it with :func:`jaxpar.train.router_bias.with_router_bias`) moves
+        by this much towards balance, from the step's loads.
       **removed: options that no longer exist raise a ``TypeError`` that says what replaced them.
 
     Returns:
@@ -119,7 +125,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     _refuse_removed(removed)
     layout_strategy(layout, strategy)      # a strategy other than the layout's raises
     update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, log_lr=log_lr)
-    opts = StepOptions(explicit_dp, steps_per_call, noise_scale_every, noise_scale_ema, donate)
+    opts = StepOptions(explicit_dp, steps_per_call, noise_scale_every, noise_scale_ema, donate, router_bias_rate)
     _check_step(layout, update, opts)
     return _BUILDERS[program_kind(layout.strategy, dict(layout.mesh.shape), steps_per_call)](
         loss_fn, layout, update, opts)
@@ -164,6 +170,14 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
         from ..pipeline.two_bw import check_two_bw_step
 
         check_two_bw_step(strategy, layout)
+    check_rate(layout, opts.router_bias_rate)
+    kind = program_kind(strategy, dict(layout.mesh.shape), opts.steps_per_call)
+    if has_router_bias(layout) and (kind != "per-step" or strategy.schedule == "pipedream-2bw"):
+        raise MoEError(f"the train state keeps a router bias (aux-loss-free balancing: with_router_bias), which "
+                       f"moves by each step's loads, and schedule={strategy.schedule!r} / sync="
+                       f"{getattr(strategy.sync, 'name', None)!r} runs steps on older or per-replica weights "
+                       "(the loads of no single step). Use a flush schedule and synchronous data parallelism, or "
+                       "the load-balancing loss (aux_weight) instead.")
 
 
 def _per_step(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
@@ -208,9 +222,11 @@ def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepO
     delayed = piped and strategy.schedule == "pipedream-2bw"
     rule = delayed_update if delayed else apply_update
     replicas_ = manual_specs(layout).replicas if measure else 1
+    biased = has_router_bias(layout)
 
     def step(state, batch):
-        loss, grads, *reported = grad(state.versions if delayed else state.params, batch)
+        with use_router_bias(state.stats[BIAS] if biased else None):
+            loss, grads, *reported = grad(state.versions if delayed else state.params, batch)
         parts, metrics = {}, dict(reported[0]) if reported else {}     # what the loss reported
         if reduce is not None:
             grads, codec_state, exchanged = reduce(grads, state.codec, state.step)
@@ -218,6 +234,9 @@ def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepO
             parts = {"codec": codec_state} if strategy.compression is not None else {}
         if measure:
             parts["stats"], metrics = _noise_scale_stats(state, batch, metrics, replicas_, opts.noise_scale_ema)
+        if biased:              # aux-loss-free balancing: the bias moves by the step's loads
+            bias = balanced_bias(state.stats[BIAS], metrics, opts.router_bias_rate)
+            parts["stats"] = {**parts.get("stats", state.stats), BIAS: bias}
         return rule(update, state, loss, grads, parts=parts, metrics=metrics)
 
     return step
