@@ -7,15 +7,21 @@ for E = 1, 2, 4, 8: the median step time over ``--reps`` rounds in which the fou
 (ratios to E = 1 taken within each round: the machine is noisy), beside the cost model's prediction
 (``jaxpar.cost.plan.evaluate`` on the cpu_sim cluster) and the compiled step's all-to-all bytes.
 
+**The loads pass.** The exact balancing loss with 4 micro-batches (accumulation on data 2 x expert 4,
+and 1F1B on pipe 2 x expert 2 x data 2) runs a forward pass over the micro-batches first: the step
+time with the aux loss against aux 0 (no pass), as the median of per-round ratios.
+
 **Convergence.** ``jaxpar train configs/quickstart.yaml`` (``--steps``, the same batches and tokens)
 for the dense GPT (MLP hidden 512), the MoE GPT (8 experts of hidden 256, top-2: 2 x 256 = 512 active
 MLP hidden per token, the dense GPT's; capacity factor ``--capacity``) with the load-balancing loss
-(weight 0.01) and the same without it (weight 0), on ``data=2 x expert=4``: the final eval loss, the
-load CV over the first and last 25 steps, and the mean drop rate.
+(weight 0.01), the same without it (weight 0), and without it balanced by the aux-loss-free router bias
+(rate 0.001 and 0.01), on ``data=2 x expert=4``: the final eval loss, the load CV over the first and
+last 25 steps, and the mean drop rate.
 
 Usage::
 
-    python benchmarks/moe.py [--reps 5] [--steps 300] [--capacity 1.25 | null] [--skip-speed] [--json out.json]
+    python benchmarks/moe.py [--reps 5] [--steps 300] [--capacity 1.25 | null] [--skip-speed]
+        [--skip-loads-pass] [--skip-convergence] [--json out.json]
 """
 from __future__ import annotations
 
@@ -45,12 +51,12 @@ CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "cpu_si
 SEQ, ROWS, EMBED, HEADS, LAYERS, EXPERT_MLP, EXPERTS = 128, 32, 64, 4, 2, 128, 8
 
 
-def _step(ep: int):
-    moe = MoESettings(experts=EXPERTS, top_k=2, capacity_factor=1.25, aux_weight=0.01)
+def _step(ep: int, axes: dict | None = None, strategy: jaxpar.Strategy | None = None, aux: float = 0.01):
+    moe = MoESettings(experts=EXPERTS, top_k=2, capacity_factor=1.25, aux_weight=aux)
     cfg = GPTConfig(vocab=256, seq_len=SEQ, embed=EMBED, heads=HEADS, layers=LAYERS, mlp=EXPERT_MLP, moe=moe)
-    mesh = jaxpar.make_mesh({"data": 8 // ep, "expert": ep}, devices=jax.devices()[:8])
+    mesh = jaxpar.make_mesh(axes or {"data": 8 // ep, "expert": ep}, devices=jax.devices()[:8])
     tx = optax.sgd(1e-3)
-    state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh)
+    state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
     step = jaxpar.make_train_step(lm_loss, tx, layout)
     t = np.random.default_rng(0).integers(0, 256, (ROWS, SEQ + 1)).astype(np.int32)
     batch = jaxpar.shard_batch({"tokens": t[:, :-1], "targets": t[:, 1:]}, mesh)
@@ -59,23 +65,44 @@ def _step(ep: int):
     return [step, state, batch, sum(c.bytes for c in a2a), len(a2a)]
 
 
-def speed(reps: int, cluster) -> list[dict]:
-    eps = (1, 2, 4, 8)
-    runs = {ep: _step(ep) for ep in eps}
-    times = {ep: [] for ep in eps}
+def _timed(runs: dict, reps: int) -> dict:
+    """Each run's step times over ``reps`` rounds (the runs in turn each round, after a warm-up round)."""
+    times = {k: [] for k in runs}
     for _ in range(reps + 1):                      # the first round warms up
-        for ep, run in runs.items():
+        for k, run in runs.items():
             t = time.perf_counter()
             run[1], metrics = run[0](run[1], run[2])
             jax.block_until_ready(metrics["loss"])
-            times[ep].append(time.perf_counter() - t)
+            times[k].append(time.perf_counter() - t)
+    return {k: v[1:] for k, v in times.items()}
+
+
+def loads_pass(reps: int) -> list[dict]:
+    """What the exact balancing loss costs when a step splits its batch: 4 micro-batches on data 2 x
+    expert 4 (accumulation: a forward pre-pass) and on pipe 2 x expert 2 x data 2 (1F1B: a forward sweep
+    through the stages), each with the aux loss (the pass runs) against aux 0 (it does not)."""
+    meshes = {"accumulation, data 2 x expert 4": ({"data": 2, "expert": 4}, jaxpar.Strategy(microbatches=4)),
+              "1F1B, pipe 2 x expert 2 x data 2": ({"pipe": 2, "data": 2, "expert": 2},
+                                                   jaxpar.Strategy(microbatches=4, schedule="1f1b"))}
+    runs = {(name, aux): _step(0, axes, strategy, aux) for name, (axes, strategy) in meshes.items() for aux in (0.01, 0.0)}
+    times = _timed(runs, reps)
+    return [{"mesh": name, "with_pass_ms": 1e3 * statistics.median(times[(name, 0.01)]),
+             "without_ms": 1e3 * statistics.median(times[(name, 0.0)]),
+             "ratio": statistics.median(a / b for a, b in zip(times[(name, 0.01)], times[(name, 0.0)]))}
+            for name in meshes]
+
+
+def speed(reps: int, cluster) -> list[dict]:
+    eps = (1, 2, 4, 8)
+    runs = {ep: _step(ep) for ep in eps}
+    times = _timed(runs, reps)
     spec = gpt(LAYERS, EMBED, HEADS, SEQ, 256, ROWS, experts=EXPERTS, top_k=2, capacity_factor=1.25,
                expert_mlp=EXPERT_MLP)
     rows = []
     for ep in eps:
         predicted = evaluate(spec, Plan(data=8 // ep, expert=ep), cluster, dtype="float32", precision="fp32").time.total
-        ratio = [a / b for a, b in zip(times[ep][1:], times[1][1:])]
-        rows.append({"expert": ep, "step_ms": 1e3 * statistics.median(times[ep][1:]),
+        ratio = [a / b for a, b in zip(times[ep], times[1])]
+        rows.append({"expert": ep, "step_ms": 1e3 * statistics.median(times[ep]),
                      "vs_ep1": statistics.median(ratio), "predicted_ms": 1e3 * predicted,
                      "a2a_bytes": runs[ep][3], "a2a_count": runs[ep][4]})
     pred1 = rows[0]["predicted_ms"]
@@ -90,7 +117,11 @@ def convergence(steps: int, capacity: str) -> list[dict]:
            f"model.moe.capacity_factor={capacity}"]
     runs = {"dense (mlp 512)": base + ["mesh.data=8"],
             "moe 8x256 top-2, aux 0.01": base + moe + ["model.moe.aux_weight=0.01"],
-            "moe 8x256 top-2, aux 0": base + moe + ["model.moe.aux_weight=0.0"]}
+            "moe 8x256 top-2, aux 0": base + moe + ["model.moe.aux_weight=0.0"],
+            "moe 8x256 top-2, bias 0.001 (aux 0)": base + moe + ["model.moe.aux_weight=0.0",
+                                                                   "model.moe.bias_rate=0.001"],
+            "moe 8x256 top-2, bias 0.01 (aux 0)": base + moe + ["model.moe.aux_weight=0.0",
+                                                                  "model.moe.bias_rate=0.01"]}
     rows = []
     for name, overrides in runs.items():
         train, eval_loss = quickstart_run(overrides, name)
@@ -110,6 +141,7 @@ def main() -> None:
     ap.add_argument("--capacity", default="1.25", help="the MoE runs' capacity factor (null: dropless)")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-convergence", action="store_true")
+    ap.add_argument("--skip-loads-pass", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
     fast = [] if args.skip_speed else speed(args.reps, load_cluster(CLUSTER))
@@ -120,6 +152,11 @@ def main() -> None:
                              [[f"{r['expert']} x {8 // r['expert']}", f"{r['step_ms']:.0f}", f"{r['vs_ep1']:.2f}",
                                f"{r['predicted_ms']:.1f}", f"{r['predicted_vs_ep1']:.2f}", r["a2a_count"],
                                f"{r['a2a_bytes'] / 2 ** 20:.2f}"] for r in fast]))
+    passes = [] if args.skip_loads_pass else loads_pass(args.reps)
+    if passes:
+        print(markdown_table(["4 micro-batches on", "aux 0.01 (with the loads pass) ms", "aux 0 ms", "ratio"],
+                             [[r["mesh"], f"{r['with_pass_ms']:.0f}", f"{r['without_ms']:.0f}", f"{r['ratio']:.2f}"]
+                              for r in passes]))
     conv = [] if args.skip_convergence else convergence(args.steps, args.capacity)
     if conv:
         fmt = lambda r, k, f: format(r[k], f) if k in r else "-"    # noqa: E731
@@ -127,7 +164,7 @@ def main() -> None:
                               "drop rate"],
                              [[r["run"], f"{r['eval_loss']:.4f}", f"{r['final_train_loss']:.4f}", fmt(r, "cv_first", ".3f"),
                                fmt(r, "cv_last", ".3f"), fmt(r, "drop_rate", ".4f")] for r in conv]))
-    write_json(args.json, {"environment": environment(), "speed": fast, "convergence": conv})
+    write_json(args.json, {"environment": environment(), "speed": fast, "loads_pass": passes, "convergence": conv})
 
 
 if __name__ == "__main__":

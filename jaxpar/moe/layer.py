@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,7 @@ from .routing import MoEError, MoEStats, check_options, route, routing_stats
 
 __all__ = ["LAYER_LOADS", "MOE_LOGICAL", "MoE", "MoECalls", "RouterBias", "count_moe_calls", "moe_apply", "note_aux_loss",
            "shared_mlp", "use_step_loads", "step_loads", "use_router_bias", "router_bias",
-           "need_router_bias"]
+           "need_router_bias", "adds_aux_loss"]
 
 #: Logical names of the layer's parameters (a model that stacks layers adds a leading ``layers``).
 MOE_LOGICAL = {
@@ -120,6 +120,18 @@ def router_bias() -> Any:
     if calls is not None and bias is not None:
         calls.router_bias = True
     return bias
+
+
+def adds_aux_loss(fn: Callable, *args: Any) -> bool:
+    """Whether ``fn(*args)`` (a loss, traced abstractly here) adds the load-balancing loss
+    (:func:`note_aux_loss`): only then does a step that accumulates need the whole step's loads.
+
+    >>> adds_aux_loss(lambda x: x * 2, 1.0)
+    False
+    """
+    with count_moe_calls() as calls:
+        jax.eval_shape(fn, *args)
+    return calls.aux_loss
 
 
 def need_router_bias(setting: str) -> None:

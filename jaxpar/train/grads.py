@@ -44,7 +44,7 @@ from ..data_parallel import (DataParallelLayers, axis_name, bucketed_all_gather,
                              sharded_spec)
 from ..loss_metrics import with_reported_metrics
 from ..mesh import data_axes
-from ..moe import LAYER_LOADS, use_step_loads
+from ..moe import LAYER_LOADS, adds_aux_loss, use_step_loads
 from ..rules import axes_of, drop_axes, named_shardings, path_str, resolve, use_rules
 from ..model_mesh import ModelLoss
 from .state import StateLayout
@@ -230,14 +230,16 @@ def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | 
 def _step_loads(loss_of: Callable, params: Any, batch: Any, k: int, mesh) -> Any:
     """The whole step's MoE loads ``[layers, E]`` when accumulating: a forward pre-pass over the ``k``
     micro-batches summing what the loss reports as :data:`jaxpar.moe.LAYER_LOADS` (``None`` for
-    ``k == 1`` or a loss that reports none). It costs one more forward per step."""
+    ``k == 1``, a loss that reports none, or one that adds no load-balancing loss). It costs one more
+    forward per step."""
     if k == 1:
         return None
     loads_of = lambda p, b: with_reported_metrics(loss_of)(p, b)[1].get(LAYER_LOADS)   # noqa: E731
     mbs = split_microbatches(batch, k, mesh)
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs)
-    probe = jax.eval_shape(loads_of, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params), one)
-    if probe is None:
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    probe = jax.eval_shape(loads_of, shapes, one)
+    if probe is None or not adds_aux_loss(loss_of, shapes, one):    # no balancing loss: the loads are not needed
         return None
     total, _ = jax.lax.scan(lambda acc, b: (acc + loads_of(params, b), None), jnp.zeros(probe.shape, probe.dtype), mbs)
     return jax.lax.stop_gradient(total)
