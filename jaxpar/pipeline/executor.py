@@ -62,6 +62,7 @@ from jax.sharding import PartitionSpec as P
 from ..blocks import use_layer_runner
 from ..rules import drop_axes, use_rules
 from .buffers import PipelineState, Slots, SlotView, TickIO
+from .partition import check_blocks_layout
 from .parts import PipelineParts
 from .program import Program
 from .stage import PIPE, TICKS_SCOPE, ActionKind, Stage, initial_state, stage_counts, tick, tick_table
@@ -117,11 +118,7 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
     inner_rules = drop_axes(rules, (PIPE, *replica_axes))
 
     def fn(outer, blocks, mbs):
-        lead = jax.tree.leaves(blocks)[0].shape[:3]
-        if lead != (v, p, lmax):
-            raise ValueError(f"pipeline blocks must be laid out [chunks={v}, stages={p}, layers={lmax}, ...] for "
-                             f"stage_layers={tuple(stage_layers)}; got leading dims {lead}. Lay them out with "
-                             "jaxpar.pipeline.to_stages(blocks, stage_layers, p, v).")
+        check_blocks_layout(blocks, v, p, lmax, stage_layers)
         smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE, *replica_axes}, check_vma=False,
                              in_specs=(rep(outer), stage_spec(blocks), mbs_spec(mbs)),
                              out_specs=(P(), (out_outer(outer), out_blocks(blocks))))

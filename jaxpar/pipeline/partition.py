@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["partition_layers", "uniform_layers", "check_stage_layers", "stage_cost", "layer_costs", "compiled_flops", "to_stages", "from_stages",
-           "PartitionError"]
+__all__ = ["partition_layers", "uniform_layers", "check_stage_layers", "stage_cost", "layer_costs", "compiled_flops",
+           "to_stages", "from_stages", "check_blocks_layout", "PartitionError"]
 
 
 class PartitionError(ValueError):
@@ -174,3 +174,13 @@ def from_stages(stage_blocks: Any, stage_layers: Sequence[int], num_layers: int)
         return jax.tree.map(lambda a: a.reshape(num_layers, *a.shape[3:]), stage_blocks)
     return jax.tree.map(lambda a: jnp.take(a.reshape(v * p * lmax, *a.shape[3:]), jnp.asarray(pos), axis=0),
                         stage_blocks)
+
+
+def check_blocks_layout(blocks, v: int, p: int, lmax: int, stage_layers) -> None:
+    """A ``ValueError`` unless every block leaf is laid out ``[chunks=v, stages=p, layers=lmax, ...]``
+    (:func:`to_stages`' layout for ``stage_layers``)."""
+    lead = jax.tree.leaves(blocks)[0].shape[:3]
+    if lead != (v, p, lmax):
+        raise ValueError(f"pipeline blocks must be laid out [chunks={v}, stages={p}, layers={lmax}, ...] for "
+                         f"stage_layers={tuple(stage_layers)}; got leading dims {lead}. Lay them out with "
+                         "jaxpar.pipeline.to_stages(blocks, stage_layers, p, v).")

@@ -55,6 +55,7 @@ from .partition import from_stages, to_stages
 from .piped import check_pipeline_strategy, staged_cut
 from .schedules import pipedream
 from .stage import PIPE, TICKS_SCOPE, ActionKind, Stage, exchange, initial_state, one_of, stage_counts, tick_table
+from .stash_optimizer import optimizer_is_per_stage, stacked_block_ids
 from .stash_versions import StashingError, StashProgram, check_stashing, lower_stashed
 
 __all__ = ["make_stashing_step", "check_stashing_step", "optimizer_is_per_stage"]
@@ -202,40 +203,6 @@ def _owners(parts, outer, mb, x, names: list[str], p: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- the optimizer
-def optimizer_is_per_stage(tx: optax.GradientTransformation, shapes: Any, block_ids: set) -> bool:
-    """Whether ``tx`` updates each stage's parameters from their own values and gradients alone:
-    two steps on a small tree of ``shapes``' ranks, whole and split into two stages (block leaves
-    by rows, the other leaves alternately), agree."""
-    leaves, treedef = jax.tree.flatten(shapes)
-    rng = np.random.default_rng(0)
-    small = [np.asarray(rng.normal(size=(2,) * len(a.shape)), np.float32) for a in leaves]
-    grads = [[np.asarray(rng.normal(size=a.shape), np.float32) for a in small] for _ in range(2)]
-    outer_b = {i for n, i in enumerate(i for i in range(len(leaves)) if i not in block_ids) if n % 2}
-
-    def run(sel):
-        params = [a[sel[i]] if i in block_ids else a for i, a in enumerate(small)]
-        state, out = None, None
-        for g in grads:
-            g = [x[sel[i]] if i in block_ids else x * sel[i] for i, x in enumerate(g)]
-            p_tree, g_tree = treedef.unflatten(params), treedef.unflatten(g)
-            state = tx.init(p_tree) if state is None else state
-            upd, state = tx.update(g_tree, state, p_tree)
-            out = treedef.flatten_up_to(optax.apply_updates(p_tree, upd))
-            params = out
-        return out
-
-    every = slice(None)
-    whole = run({i: every if i in block_ids else 1.0 for i in range(len(leaves))})
-    for half, rows in ((0, slice(0, 1)), (1, slice(1, 2))):
-        own = {i: rows if i in block_ids else float((i in outer_b) == bool(half)) for i in range(len(leaves))}
-        got = run(own)
-        for i in range(len(leaves)):
-            ref = whole[i][rows] if i in block_ids else whole[i]
-            if (i in block_ids or own[i]) and not np.allclose(got[i], ref, rtol=1e-5, atol=1e-6):
-                return False
-    return True
-
-
 def _opt_tags(tx, layout) -> list[int]:
     """For each leaf of the optimizer state: the index of the parameter leaf it mirrors, or -1."""
     ids = jax.tree.unflatten(jax.tree.structure(layout.shapes), list(range(len(jax.tree.leaves(layout.shapes)))))
@@ -290,7 +257,7 @@ def make_stashing_step(loss_fn: Callable, tx, layout, steps: int = 1, *, log_lr:
     sp = lower_stashed(pipedream(layout.mesh.shape[PIPE], m, steps), m=m, update_every=strategy.update_every,
                        vertical_sync=strategy.vertical_sync)
     step = _StashingRun(loss_fn, tx, layout, sp, steps, log_lr=log_lr, skip_nonfinite=skip_nonfinite)
-    if not optimizer_is_per_stage(tx, layout.shapes, _stacked_ids(layout)):
+    if not optimizer_is_per_stage(tx, layout.shapes, stacked_block_ids(layout)):
         raise_problems(Setting(strategy, dict(layout.mesh.shape), optimizer_across_stages=True),
                        {"StashingError": StashingError})
     return step.run, sp
@@ -395,9 +362,3 @@ def _metrics(loss, grad_norm, skips, lr_schedule, step, steps: int, updates: int
     if lr_schedule is not None:
         metrics["lr"] = jnp.stack([jnp.asarray(lr_schedule(step + j), jnp.float32) for j in range(steps)])
     return metrics
-
-
-def _stacked_ids(layout) -> set:
-    """Indices of the parameter leaves stacked on ``layers`` (the blocks a pipeline splits)."""
-    flat = jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, P))
-    return {i for i, lg in enumerate(flat) if tuple(lg)[:1] == ("layers",)}

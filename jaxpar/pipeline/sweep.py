@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from ..blocks import use_layer_runner
 from ..rules import drop_axes, use_rules
 from .buffers import put_tree, take, take_tree, zeros_like_tree
+from .partition import check_blocks_layout
 from .parts import PipelineParts
 from .program import PIPE
 
@@ -75,11 +76,7 @@ def pipeline_forward_sum(parts: PipelineParts, mesh, rules, value: Callable, *, 
     inner_rules = drop_axes(rules, (PIPE,))
 
     def fn(outer, blocks, mbs):
-        lead = jax.tree.leaves(blocks)[0].shape[:3]
-        if lead != (v, p, lmax):
-            raise ValueError(f"pipeline blocks must be laid out [chunks={v}, stages={p}, layers={lmax}, ...] for "
-                             f"stage_layers={tuple(stage_layers)}; got leading dims {lead}. Lay them out with "
-                             "jaxpar.pipeline.to_stages(blocks, stage_layers, p, v).")
+        check_blocks_layout(blocks, v, p, lmax, stage_layers)
         specs = (jax.tree.map(lambda _: P(), outer), jax.tree.map(lambda _: P(None, PIPE), blocks),
                  jax.tree.map(lambda _: P(), mbs))
         smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE}, check_vma=False, in_specs=specs, out_specs=P())
