@@ -159,7 +159,6 @@ REFUSED = {
     ("ST", "EP"): "as 2B x EP", ("EX", "EP"): "one activation per layer, reduced over "
     "the data axes only", ("CP", "EP"): "the codec's exchange reduces over the data axes only", ("LC", "EP"): "as "
     "CP x EP", ("1A", "EP"): "as CP x EP", ("RS", "EP"): "as CP x EP", ("NS", "EP"): "as CP x EP",
-    ("CX", "EP"): "the dispatch routes whole batch rows",
 }
 
 #: Pairs where some values compose and others are refused: ``{(code, code): (composes, refused)}``.

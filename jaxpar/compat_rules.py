@@ -317,10 +317,6 @@ def _expert_problems(s: Setting) -> list[Problem]:
                            "instruction opcode copy', XLA:CPU with jax 0.10, as sequence parallelism does). Use "
                            "{n[compute_dtype]}='float32', or bf16 on the expert axis alone.",
                            {**values, "d": s.size("data") * s.size("fsdp")}, "MoEError"))
-    if s.size("context") > 1:
-        out.append(Problem(("CX", "EP"), ("context", "expert"), "{n[context]}={c} with " + key + ": the MoE "
-                           "dispatch routes whole batch rows, and a context axis splits each row's tokens. Drop one "
-                           "of the two.", {**values, "c": s.size("context")}, "MoEError"))
     return out + _per_replica_problems(s, "EP", "expert", key, values, "MoEError")
 
 

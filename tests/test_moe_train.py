@@ -15,6 +15,7 @@ from flax import nnx
 import jaxpar
 from jaxpar import Strategy
 from jaxpar.analysis.hlo import collectives
+from jaxpar.context import ContextParallel
 from jaxpar.models.gpt import GPT, GPTConfig, MoESettings, lm_loss
 from jaxpar.moe import MoEError
 
@@ -59,11 +60,13 @@ def reference():
 
 
 def _config(case):
-    """The test GPT: MoE every layer (``plain``; ``deep``: 4 layers), with shared experts of hidden 16, or
-    every 2nd layer."""
+    """The test GPT: MoE every layer (``plain``; ``deep``: 4 layers; ``drops``: capacity 1.0), with shared
+    experts of hidden 16, or every 2nd layer."""
     every, shared = (2, 0) if case == "every2" else (1, 16 if case == "shared" else 0)
     layers = 4 if case == "deep" else 2 * every
-    return dataclasses.replace(CFG, layers=layers, moe=dataclasses.replace(MOE, every=every, shared_mlp=shared))
+    cf = 1.0 if case == "drops" else MOE.capacity_factor
+    return dataclasses.replace(CFG, layers=layers, moe=dataclasses.replace(MOE, every=every, shared_mlp=shared,
+                                                                           capacity_factor=cf))
 
 
 CASES = {
@@ -79,11 +82,18 @@ CASES = {
     "ep4-pipe2-zb-shared": ({"pipe": 2, "expert": 4}, Strategy(microbatches=2, schedule="zb-h1"), "shared"),
     "ep2-pipe2-tp2-gpipe-every2": ({"pipe": 2, "expert": 2, "tensor": 2}, Strategy(microbatches=4, schedule="gpipe"),
                                    "every2"),
+    # context: the sequence split over it; slots (and drops) follow the true positions in the balanced layout
+    "ep2-cx2-dp2-ring-balanced-drops": ({"context": 2, "expert": 2, "data": 2},
+                                        Strategy(context=ContextParallel("ring", balance=True)), "drops"),
+    "ep2-cx2-tp2-allgather-drops": ({"context": 2, "expert": 2, "tensor": 2},
+                                    Strategy(context=ContextParallel("all_gather")), "drops"),
+    "ep2-cx2-pipe2-ulysses": ({"pipe": 2, "context": 2, "expert": 2},
+                              Strategy(microbatches=2, context=ContextParallel("ulysses")), "plain"),
 }
 
 
 #: In the default pass (the rest in the slow one, which CI runs too).
-FAST = {"ep4-dp2-shared", "ep2-fsdp2-tp2-zero3-shared", "ep2-pipe2-dp2-1f1b"}
+FAST = {"ep4-dp2-shared", "ep2-fsdp2-tp2-zero3-shared", "ep2-pipe2-dp2-1f1b", "ep2-cx2-dp2-ring-balanced-drops"}
 
 
 @need_devices(8)

@@ -57,6 +57,7 @@ from .options import CONTEXT, ContextParallelError, current_context_parallel, no
 from .ring import ring_attention
 
 __all__ = ["AttentionError", "QKV_LOGICAL", "attention", "ulysses_kv_repeat", "sequence_order", "in_sequence_order",
+           "in_natural_order",
            "context_size"]
 
 #: The logical names of q, k and v (``[batch, length, heads, head_dim]``); k/v share the heads' axes.
@@ -157,15 +158,30 @@ def in_sequence_order(x: jax.Array, axis: int = 1) -> jax.Array:
     >>> in_sequence_order(jnp.arange(4.0)[None]).tolist()   # no context axis: unchanged
     [[0.0, 1.0, 2.0, 3.0]]
     """
+    return _reordered(x, axis, to_balanced)
+
+
+def in_natural_order(x: jax.Array, axis: int = 1) -> jax.Array:
+    """The inverse of :func:`in_sequence_order`: ``x``'s sequence axis from the order of
+    :func:`sequence_order` back to the natural one (unchanged in the natural order), by static slices.
+
+    >>> in_natural_order(jnp.arange(4.0)[None]).tolist()    # no context axis: unchanged
+    [[0.0, 1.0, 2.0, 3.0]]
+    """
+    return _reordered(x, axis, from_balanced)
+
+
+def _reordered(x: jax.Array, axis: int, reorder) -> jax.Array:
+    """``reorder(x, axis, C)`` on the whole sequence under the balanced layout, else ``x``. The whole
+    sequence is permuted on each device, then split: left free, XLA splits the chunks first and moves
+    them with collective-permutes (9 per chunked array at C = 4), which a pipeline stage cannot run."""
     if sequence_order(x.shape[axis]) is None:
         return x
-    # the whole sequence permuted on each device, then split: left free, XLA splits the chunks first
-    # and moves them with collective-permutes (9 per chunked array at C = 4)
     free = [PartitionSpec.UNCONSTRAINED] * x.ndim
     free[axis] = None
     whole = NamedSharding(shard_map_mesh(current_rules()[0]), PartitionSpec(*free))   # in a stage: its mesh
     pin = lambda a: jax.lax.with_sharding_constraint(a, whole)    # noqa: E731
-    return pin(to_balanced(pin(x), axis, context_size()))
+    return pin(reorder(pin(x), axis, context_size()))
 
 
 def _check_inputs(q, k, v, segment_ids) -> None:

@@ -45,6 +45,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ..context import in_natural_order, in_sequence_order
+
 __all__ = ["GATES", "MoEError", "Routing", "MoEStats", "check_options", "capacity", "route", "top_k_experts",
            "buffer_slots", "routing_stats", "load_balancing_loss", "load_cv", "update_router_bias"]
 
@@ -177,7 +179,8 @@ def route(x: jax.Array, router: jax.Array, *, top_k: int, gate: str = "softmax",
     if normalize:
         weight = weight / jnp.sum(weight, axis=-1, keepdims=True)
     C = capacity(T, E, top_k, capacity_factor)
-    slot = buffer_slots(expert, E)
+    # slots follow the true positions: under a balanced context-parallel layout, in the natural order
+    slot = in_sequence_order(buffer_slots(in_natural_order(expert), E))
     return Routing(expert.astype(jnp.int32), weight, slot, slot < C, logits, probs, C)
 
 
