@@ -60,11 +60,12 @@ def reference():
 
 
 def _config(case):
-    """The test GPT: MoE every layer (``plain``; ``deep``: 4 layers; ``drops``: capacity 1.0), with shared
-    experts of hidden 16, or every 2nd layer."""
+    """The test GPT: MoE every layer (``plain``; ``deep``: 4 layers; ``drops``: capacity 1.0, C = 4;
+    ``pad``: capacity 1.25, C = 5, padded to 6 over a context axis of 2), with shared experts of hidden
+    16, or every 2nd layer."""
     every, shared = (2, 0) if case == "every2" else (1, 16 if case == "shared" else 0)
     layers = 4 if case == "deep" else 2 * every
-    cf = 1.0 if case == "drops" else MOE.capacity_factor
+    cf = {"drops": 1.0, "pad": 1.25}.get(case, MOE.capacity_factor)
     return dataclasses.replace(CFG, layers=layers, moe=dataclasses.replace(MOE, every=every, shared_mlp=shared,
                                                                            capacity_factor=cf))
 
@@ -85,8 +86,8 @@ CASES = {
     # context: the sequence split over it; slots (and drops) follow the true positions in the balanced layout
     "ep2-cx2-dp2-ring-balanced-drops": ({"context": 2, "expert": 2, "data": 2},
                                         Strategy(context=ContextParallel("ring", balance=True)), "drops"),
-    "ep2-cx2-tp2-allgather-drops": ({"context": 2, "expert": 2, "tensor": 2},
-                                    Strategy(context=ContextParallel("all_gather")), "drops"),
+    "ep2-cx2-tp2-allgather-pad": ({"context": 2, "expert": 2, "tensor": 2},
+                                  Strategy(context=ContextParallel("all_gather")), "pad"),
     "ep2-cx2-pipe2-ulysses": ({"pipe": 2, "context": 2, "expert": 2},
                               Strategy(microbatches=2, context=ContextParallel("ulysses")), "plain"),
 }
@@ -123,6 +124,22 @@ def test_the_compiled_step_dispatches_with_all_to_alls_and_keeps_the_experts_sha
     for name in ("experts_w1", "experts_w2"):
         leaf = state.params["blocks"][name]
         assert {s.data.nbytes for s in leaf.addressable_shards} == {leaf.nbytes // 4}
+
+
+@need_devices(8)
+def test_under_context_parallelism_each_device_runs_the_experts_on_its_share_of_the_slots():
+    """EP x CX: each device's buffer (its part of every row) is reduce-scattered over context along the
+    slots, so the all-to-alls carry C / 2 slots of [G/n, E, C, D] (C = 4 at capacity 1.0) and the
+    outputs come back by an all-gather over context; the buffer is never all-reduced over context."""
+    mesh, state, step = _setup({"context": 2, "expert": 2, "data": 2},
+                               Strategy(context=ContextParallel("ring", balance=True)), _config("drops"))
+    rows = collectives(step.lower(state, jaxpar.shard_batch(_batch(0), mesh)).compile().as_text(), mesh)
+    buffer = ROWS // 4 * MOE.experts * 4 * CFG.embed * 4            # G/n x E x C x D fp32, n = data x expert
+    a2a = [r for r in rows if r.kind == "all-to-all"]
+    assert len(a2a) == 4 and {r.bytes for r in a2a} == {buffer // 2} and {tuple(r.axes) for r in a2a} == {("expert",)}
+    on_context = {(r.kind, r.bytes) for r in rows if r.axes and tuple(r.axes) == ("context",)}
+    assert ("reduce-scatter", buffer // 2) in on_context and ("all-gather", buffer) in on_context, on_context
+    assert ("all-reduce", buffer) not in on_context, on_context
 
 
 @need_devices(8)

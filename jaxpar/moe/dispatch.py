@@ -21,6 +21,12 @@ gathers its output over them on exit (an all-gather of activations). Axes that s
 pipeline's ``pipe``) is left alone. Per layer: 2 all-to-alls over ``expert`` forward, 2 backward, of
 ``G/n * E * C * D`` elements each per device.
 
+Under context parallelism (the ``length`` rule's axes, ``context``: :func:`sequence_axes`) the region is
+manual over them too, and each device holds a part of every row: its buffer, with only its tokens'
+slots filled, is reduce-scattered over them along the slots (``C`` padded to a multiple of their size
+``S``), the all-to-alls carry ``C / S`` slots, each device runs the experts on those, and the outputs
+are all-gathered back over the slots before the combine.
+
 >>> import jax, jax.numpy as jnp
 >>> xe = jnp.ones((1, 2, 3, 4))
 >>> expert_mlp(xe, jnp.ones((2, 4, 5)), jnp.ones((2, 5, 4))).shape
@@ -39,7 +45,7 @@ from ..mesh import EXPERT
 from ..rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 from .routing import MoEError
 
-__all__ = ["EXPERT_AXIS", "expert_rules", "expert_mlp", "dispatch_combine", "ep_axes", "token_axes"]
+__all__ = ["EXPERT_AXIS", "expert_rules", "expert_mlp", "dispatch_combine", "ep_axes", "token_axes", "sequence_axes"]
 
 EXPERT_AXIS = EXPERT
 
@@ -68,10 +74,17 @@ def _masks(expert, slot, weight, experts: int, cap: int, dtype):
     return dispatch, combine
 
 
-def _local_moe(x, expert, slot, weight, w1, w2, *, cap: int, experts: int, axes: tuple[str, ...]):
-    """Dispatch, experts, combine on one device's tokens; all-to-alls over ``axes`` when given."""
+def _local_moe(x, expert, slot, weight, w1, w2, *, cap: int, experts: int, axes: tuple[str, ...],
+               seq: tuple[str, ...] = ()):
+    """Dispatch, experts, combine on one device's tokens; all-to-alls over ``axes`` when given. With
+    ``seq`` (the axes splitting the sequence: context parallelism) each device holds a part of every
+    row: its buffer (only its tokens' slots filled) is summed over ``seq`` and scattered over the slots
+    (``cap`` is a multiple of their size), so each device runs the experts on ``C / size`` slots, and
+    the outputs are gathered back over the slots before the combine."""
     dispatch, combine = _masks(expert, slot, weight, experts, cap, x.dtype)
     xe = jnp.einsum("gtec,gtd->gecd", dispatch, x)
+    if seq:
+        xe = jax.lax.psum_scatter(xe, seq, scatter_dimension=2, tiled=True)
     if axes:
         xe = jax.lax.all_to_all(xe, axes, split_axis=1, concat_axis=0, tiled=True)
         ye = jnp.einsum("gecm,emd->gecd", constrain(jax.nn.gelu(jnp.einsum("gecd,edm->gecm", xe, w1)),
@@ -79,6 +92,8 @@ def _local_moe(x, expert, slot, weight, w1, w2, *, cap: int, experts: int, axes:
         ye = jax.lax.all_to_all(ye, axes, split_axis=0, concat_axis=1, tiled=True)
     else:
         ye = expert_mlp(xe, w1, w2)
+    if seq:
+        ye = jax.lax.all_gather(ye, seq, axis=2, tiled=True)
     return jnp.einsum("gtec,gecd->gtd", combine, ye)
 
 
@@ -100,6 +115,14 @@ def token_axes(mesh, rules, experts_axes: tuple[str, ...]) -> tuple[str, ...]:
     spec = logical_to_spec(("batch",), rules, mesh, what="MoE tokens ('batch' axis)")
     batch = tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual)
     return batch + tuple(a for a in experts_axes if a not in batch)
+
+
+def sequence_axes(mesh, rules, taken: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes that split the tokens' sequence (the ``length`` rule's: ``context`` under context
+    parallelism), of size > 1, not already manual and not among ``taken``."""
+    sizes, manual = _sizes(mesh), manual_axes()
+    spec = logical_to_spec(("length",), rules, mesh, what="MoE tokens ('length' axis)")
+    return tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual and a not in taken)
 
 
 def _check_ep(experts: int, groups: int, ep: tuple[str, ...], tokens: tuple[str, ...], sizes) -> None:
@@ -142,11 +165,17 @@ def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: j
         return _local_moe(x, expert, slot, weight, w1, w2, axes=(), **local)
     tokens = token_axes(mesh, rules, ep)
     _check_ep(E, x.shape[0], ep, tokens, _sizes(mesh))
-    tok = PartitionSpec(tokens if len(tokens) > 1 else tokens[0])
-    wspec = PartitionSpec(ep if len(ep) > 1 else ep[0])
+    seq = sequence_axes(mesh, rules, tokens + ep)
+    if seq:                     # the slots are scattered over the sequence axes: a multiple of their size
+        n = math.prod(_sizes(mesh)[a] for a in seq)
+        local["cap"] = -(-capacity // n) * n
+        slot = jnp.where(slot < capacity, slot, local["cap"])     # the padding slots stay empty
+    entry = lambda axes: axes if len(axes) > 1 else axes[0]    # noqa: E731
+    tok = PartitionSpec(entry(tokens), entry(seq)) if seq else PartitionSpec(entry(tokens))
+    wspec = PartitionSpec(entry(ep))
 
     def body(x, expert, slot, weight, w1, w2):
-        return _local_moe(x, expert, slot, weight, w1, w2, axes=ep, **local)
+        return _local_moe(x, expert, slot, weight, w1, w2, axes=ep, seq=seq, **local)
 
     return jax.shard_map(body, mesh=shard_map_mesh(mesh), in_specs=(tok, tok, tok, tok, wspec, wspec), out_specs=tok,
-                         axis_names=set(tokens) | set(ep), check_vma=False)(x, expert, slot, weight, w1, w2)
+                         axis_names=set(tokens) | set(ep) | set(seq), check_vma=False)(x, expert, slot, weight, w1, w2)
