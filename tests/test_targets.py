@@ -250,3 +250,18 @@ def test_the_ring_hops_by_collective_permute_on_gpus(pipe):
     # K/V never gathered (that would be 2 per layer): at most one gather, of the position table or of
     # the embedding's cotangent for the token table's scatter-add
     assert len(_over(colls, "all-gather", ["context"])) <= 1, _over(colls, "all-gather", ["context"])
+
+
+@pytest.mark.slow
+def test_expert_parallelism_dispatches_with_asynchronous_all_to_alls_on_gpus():
+    """configs/moe.yaml (8 experts over expert=4 x data=2, a router bias) compiles for 8 H100s: per MoE
+    layer its 2 + 2 all-to-alls over expert, asynchronous, each of one device's capacity buffer
+    [G/n, E, C, D], and no gather of the experts' weights over expert."""
+    job, compiled = _compiled("moe.yaml", target="h100:1x8")
+    colls = collectives(compiled["step"], job.mesh)
+    a2a = _over(colls, "all-to-all", ["expert"])
+    rows, experts, embed = 32 // 8, 8, 128                   # G/n rows per device
+    slots = -(-125 * 64 * 2 // (100 * experts))                # C = ceil(1.25 * T * k / E) = 20
+    assert len(a2a) == 4 and all(c.asynchronous and c.in_loop for c in a2a), a2a
+    assert {c.bytes for c in a2a} == {rows * experts * slots * embed * 4}, a2a
+    assert not _over(colls, "all-gather", ["expert"]), [(c.kind, c.axes) for c in colls]
