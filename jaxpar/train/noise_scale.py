@@ -42,7 +42,8 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+
+from .state import has_stats_part, stats_part_layout, with_stats_part
 
 __all__ = ["NoiseScaleError", "KEY", "METRICS", "check_options", "noise_scale_layout", "check_measurable", "grad_sq_estimate", "trace_estimate",
            "init_state", "update", "noise_scale_of", "with_noise_scale", "has_noise_scale", "plot_noise_scale"]
@@ -163,12 +164,7 @@ def with_noise_scale(state, layout) -> tuple[Any, Any]:
     >>> int(state.stats["noise_scale"]["count"]), layout.stats["noise_scale"]["count"]
     (0, P())
     """
-    from jax.sharding import NamedSharding
-
-    layout = noise_scale_layout(layout)
-    values = dict(state.stats) if isinstance(state.stats, dict) else {}
-    values[KEY] = jax.device_put(init_state(), NamedSharding(layout.mesh, PartitionSpec()))
-    return state._replace(stats=values), layout
+    return with_stats_part(state, layout, KEY, init_state())
 
 
 def noise_scale_layout(layout) -> Any:
@@ -181,18 +177,12 @@ def noise_scale_layout(layout) -> Any:
     Returns:
       The layout with ``stats[KEY]``.
     """
-    from dataclasses import replace
-
-    stats = dict(layout.stats) if isinstance(layout.stats, dict) else {}
-    shapes = dict(layout.stats_shapes) if isinstance(layout.stats_shapes, dict) else {}
-    shapes[KEY] = jax.eval_shape(init_state)
-    stats[KEY] = jax.tree.map(lambda _: PartitionSpec(), shapes[KEY])
-    return replace(layout, stats=stats, stats_shapes=shapes)
+    return stats_part_layout(layout, KEY, jax.eval_shape(init_state))
 
 
 def has_noise_scale(layout) -> bool:
     """Whether ``layout`` (a :class:`~jaxpar.train.state.StateLayout`) has a place for the noise-scale state."""
-    return isinstance(layout.stats, dict) and KEY in layout.stats
+    return has_stats_part(layout, KEY)
 
 
 def plot_noise_scale(path: str | Path, steps: Sequence[int], values: Sequence[float], *,

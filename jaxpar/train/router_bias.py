@@ -29,14 +29,13 @@ every mesh, accumulation and pipeline moves the bias as one device does on the w
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
 from ..moe import LAYER_LOADS, MoEError, update_router_bias
+from .state import has_stats_part, stats_part_layout, with_stats_part
 
 __all__ = ["KEY", "with_router_bias", "router_bias_layout", "has_router_bias", "balanced_bias", "check_rate"]
 
@@ -55,11 +54,7 @@ def router_bias_layout(layout: Any, shape: tuple[int, ...]) -> Any:
     Returns:
       The layout with ``stats["router_bias"]``.
     """
-    stats = dict(layout.stats) if isinstance(layout.stats, dict) else {}
-    shapes = dict(layout.stats_shapes) if isinstance(layout.stats_shapes, dict) else {}
-    shapes[KEY] = jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
-    stats[KEY] = PartitionSpec()
-    return replace(layout, stats=stats, stats_shapes=shapes)
+    return stats_part_layout(layout, KEY, jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
 
 
 def with_router_bias(state: Any, layout: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
@@ -81,10 +76,7 @@ def with_router_bias(state: Any, layout: Any, shape: tuple[int, ...]) -> tuple[A
     shape = tuple(shape)
     if len(shape) != 2 or not all(isinstance(n, int) and n >= 1 for n in shape):
         raise MoEError(f"with_router_bias(shape={shape!r}): give (MoE layers, experts), two positive ints.")
-    layout = router_bias_layout(layout, shape)
-    values = dict(state.stats) if isinstance(state.stats, dict) else {}
-    values[KEY] = jax.device_put(jnp.zeros(shape, jnp.float32), NamedSharding(layout.mesh, PartitionSpec()))
-    return state._replace(stats=values), layout
+    return with_stats_part(state, layout, KEY, jnp.zeros(shape, jnp.float32))
 
 
 def check_rate(layout: Any, rate: Any) -> None:
@@ -108,7 +100,7 @@ def check_rate(layout: Any, rate: Any) -> None:
 
 def has_router_bias(layout: Any) -> bool:
     """Whether ``layout`` keeps a router bias (:func:`with_router_bias`)."""
-    return isinstance(layout.stats, dict) and KEY in layout.stats
+    return has_stats_part(layout, KEY)
 
 
 def balanced_bias(bias: jax.Array, metrics: dict, rate: float) -> jax.Array:

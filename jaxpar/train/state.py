@@ -34,7 +34,8 @@ from ..rules import named_shardings
 from ..strategy import Strategy
 from ..zero import analytic_state_bytes
 
-__all__ = ["TrainState", "StateLayout", "optimizer_specs", "layout_strategy", "StrategyMismatchError"]
+__all__ = ["TrainState", "StateLayout", "optimizer_specs", "layout_strategy", "StrategyMismatchError",
+           "stats_part_layout", "with_stats_part", "has_stats_part"]
 
 
 class TrainState(NamedTuple):
@@ -183,3 +184,29 @@ def layout_strategy(layout: StateLayout, strategy: Strategy | None = None) -> St
         f"strategy {layout.strategy.name(sizes)!r} (fields that differ: {', '.join(fields)}). The state's shardings "
         "and parts come from the layout's strategy, so the step runs that one. Pass the same strategy to "
         "init_train_state, or leave make_train_step's strategy out.")
+
+
+def stats_part_layout(layout: StateLayout, key: str, shapes: Any) -> StateLayout:
+    """``layout`` with a replicated part ``stats[key]`` of ``shapes`` (``ShapeDtypeStruct``s), without
+    creating it (ahead-of-time compilation: :meth:`StateLayout.abstract_state` then has it)."""
+    from dataclasses import replace
+
+    stats = dict(layout.stats) if isinstance(layout.stats, dict) else {}
+    stats_shapes = dict(layout.stats_shapes) if isinstance(layout.stats_shapes, dict) else {}
+    stats_shapes[key] = shapes
+    stats[key] = jax.tree.map(lambda _: PartitionSpec(), shapes)
+    return replace(layout, stats=stats, stats_shapes=stats_shapes)
+
+
+def with_stats_part(state: TrainState, layout: StateLayout, key: str, value: Any) -> tuple[TrainState, StateLayout]:
+    """``(state, layout)`` with ``value`` (arrays) as the replicated part ``stats[key]``: a running
+    measurement or a balancing state the step keeps (checkpointed with the rest)."""
+    layout = stats_part_layout(layout, key, jax.eval_shape(lambda: value))
+    values = dict(state.stats) if isinstance(state.stats, dict) else {}
+    values[key] = jax.device_put(value, NamedSharding(layout.mesh, PartitionSpec()))
+    return state._replace(stats=values), layout
+
+
+def has_stats_part(layout: StateLayout, key: str) -> bool:
+    """Whether ``layout`` has a place for ``stats[key]``."""
+    return isinstance(layout.stats, dict) and key in layout.stats
