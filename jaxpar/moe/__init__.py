@@ -24,9 +24,9 @@ every sharded run equals, drops included (capacity is per batch row, which no st
 (True, True)
 """
 from .dispatch import EXPERT_AXIS, dispatch_combine, ep_axes, expert_mlp, expert_rules, token_axes
-from .layer import (LAYER_LOADS, MOE_LOGICAL, MoE, MoECalls, RouterBias, adds_aux_loss, count_moe_calls, moe_apply,
-                    need_router_bias, note_aux_loss, router_bias, shared_mlp, step_loads, use_router_bias,
-                    use_step_loads)
+from .layer import (LAYER_LOADS, MOE_LOGICAL, MoE, MoECalls, RouterBias, count_moe_calls, moe_apply, need_router_bias,
+                    note_aux_loss, reported_loads, router_bias, shared_mlp, step_loads, step_loads_needed,
+                    use_router_bias, use_step_loads)
 from .routing import (
     GATES,
     MoEError,
@@ -46,7 +46,7 @@ from .routing import (
 __all__ = [
     "EXPERT_AXIS", "GATES", "MOE_LOGICAL", "MoE", "MoECalls", "MoEError", "MoEStats", "RouterBias", "Routing",
     "count_moe_calls", "note_aux_loss", "step_loads", "use_step_loads", "LAYER_LOADS", "router_bias", "use_router_bias",
-    "need_router_bias", "adds_aux_loss",
+    "need_router_bias", "reported_loads", "step_loads_needed",
     "buffer_slots", "capacity", "check_options", "dispatch_combine", "ep_axes", "expert_mlp", "expert_rules",
     "load_balancing_loss", "load_cv", "moe_apply", "route", "routing_stats", "shared_mlp", "token_axes",
     "top_k_experts", "update_router_bias",

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..loss_metrics import with_reported_metrics
 from ..rules import constrain
 from ..scoped import scoped
 from .dispatch import dispatch_combine
@@ -39,7 +40,7 @@ from .routing import MoEError, MoEStats, check_options, route, routing_stats
 
 __all__ = ["LAYER_LOADS", "MOE_LOGICAL", "MoE", "MoECalls", "RouterBias", "count_moe_calls", "moe_apply", "note_aux_loss",
            "shared_mlp", "use_step_loads", "step_loads", "use_router_bias", "router_bias",
-           "need_router_bias", "adds_aux_loss"]
+           "need_router_bias", "reported_loads", "step_loads_needed"]
 
 #: Logical names of the layer's parameters (a model that stacks layers adds a leading ``layers``).
 MOE_LOGICAL = {
@@ -122,16 +123,22 @@ def router_bias() -> Any:
     return bias
 
 
-def adds_aux_loss(fn: Callable, *args: Any) -> bool:
-    """Whether ``fn(*args)`` (a loss, traced abstractly here) adds the load-balancing loss
-    (:func:`note_aux_loss`): only then does a step that accumulates need the whole step's loads.
+def reported_loads(fn: Callable) -> Callable:
+    """``(*args) -> what fn(*args) reports as`` :data:`LAYER_LOADS` (``None`` if it reports none)."""
+    return lambda *args: with_reported_metrics(fn)(*args)[1].get(LAYER_LOADS)
 
-    >>> adds_aux_loss(lambda x: x * 2, 1.0)
-    False
+
+def step_loads_needed(fn: Callable, *args: Any) -> Any:
+    """The shape of the loads ``fn(*args)`` (a loss, traced abstractly here) reports as :data:`LAYER_LOADS`
+    when it also adds the load-balancing loss (:func:`note_aux_loss`), else ``None``: only then does a
+    step that splits its batch need the whole step's loads.
+
+    >>> step_loads_needed(lambda x: x * 2, 1.0) is None
+    True
     """
     with count_moe_calls() as calls:
-        jax.eval_shape(fn, *args)
-    return calls.aux_loss
+        loads = jax.eval_shape(reported_loads(fn), *args)
+    return loads if calls.aux_loss else None
 
 
 def need_router_bias(setting: str) -> None:

@@ -35,8 +35,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..batch import split_microbatches
-from ..loss_metrics import with_reported_metrics
-from ..moe import LAYER_LOADS, adds_aux_loss, use_step_loads
+from ..moe import reported_loads, step_loads_needed, use_step_loads
 from ..mesh import data_axes
 from ..rules import axes_of, named_shardings, without_rules
 from .cut import ModelCut, cut_model
@@ -190,12 +189,11 @@ def _step_loads(cut: StagedCut, mesh, rules, strategy, params, mbs) -> Any:
     """The step's MoE load per layer (what the loss reports as :data:`jaxpar.moe.LAYER_LOADS`) summed
     over the micro-batches by a forward sweep through the stages (:func:`.sweep.pipeline_forward_sum`);
     ``None`` for a loss that reports none or adds no load-balancing loss."""
-    loads_of = lambda outer, y, mb: with_reported_metrics(cut.parts.post)(outer, y, mb)[1].get(LAYER_LOADS)  # noqa: E731
     outer, blocks = cut.stage(params)
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs)
     x = jax.eval_shape(cut.parts.pre, outer, one)
-    if jax.eval_shape(loads_of, outer, x, one) is None or not adds_aux_loss(cut.parts.post, outer, x, one):
+    if step_loads_needed(cut.parts.post, outer, x, one) is None:
         return None                     # no loads reported, or no balancing loss that needs them
-    sweep = pipeline_forward_sum(cut.parts, mesh, rules, loads_of, stage_layers=cut.stage_layers,
-                                 chunks=strategy.virtual_stages)
+    sweep = pipeline_forward_sum(cut.parts, mesh, rules, reported_loads(cut.parts.post),
+                                 stage_layers=cut.stage_layers, chunks=strategy.virtual_stages)
     return jax.lax.stop_gradient(sweep(outer, blocks, mbs))

@@ -44,7 +44,7 @@ from ..data_parallel import (DataParallelLayers, axis_name, bucketed_all_gather,
                              sharded_spec)
 from ..loss_metrics import with_reported_metrics
 from ..mesh import data_axes
-from ..moe import LAYER_LOADS, adds_aux_loss, use_step_loads
+from ..moe import reported_loads, step_loads_needed, use_step_loads
 from ..rules import axes_of, drop_axes, named_shardings, path_str, resolve, use_rules
 from ..model_mesh import ModelLoss
 from .state import StateLayout
@@ -234,13 +234,13 @@ def _step_loads(loss_of: Callable, params: Any, batch: Any, k: int, mesh) -> Any
     forward per step."""
     if k == 1:
         return None
-    loads_of = lambda p, b: with_reported_metrics(loss_of)(p, b)[1].get(LAYER_LOADS)   # noqa: E731
     mbs = split_microbatches(batch, k, mesh)
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-    probe = jax.eval_shape(loads_of, shapes, one)
-    if probe is None or not adds_aux_loss(loss_of, shapes, one):    # no balancing loss: the loads are not needed
+    probe = step_loads_needed(loss_of, shapes, one)
+    if probe is None:                   # no loads reported, or no balancing loss that needs them
         return None
+    loads_of = reported_loads(loss_of)
     total, _ = jax.lax.scan(lambda acc, b: (acc + loads_of(params, b), None), jnp.zeros(probe.shape, probe.dtype), mbs)
     return jax.lax.stop_gradient(total)
 
