@@ -158,7 +158,7 @@ COMPOSE = [({"data": 8}, 0), ({"data": 8}, 2), ({"fsdp": 4, "tensor": 2}, 0), ({
 
 
 @pytest.mark.parametrize("name, mesh_i, accum", [pytest.param("qsgd", 0, 1, marks=pytest.mark.slow), ("sign", 1, 2),
-                                                  ("topk", 2, 1), ("powersgd", 3, 2)])
+                                                  ("topk", 2, 1), pytest.param("powersgd", 3, 2, marks=pytest.mark.slow)])
 def test_codecs_train_under_the_strategies(name, mesh_i, accum):
     """Loss falls and stays finite: DP8, ZeRO-2, ZeRO-3 fsdp4 x tensor2, pipe2 x data4 (1F1B),
     with and without accumulation (the full codec x mesh x accumulation matrix is in the slow pass)."""

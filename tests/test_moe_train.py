@@ -94,7 +94,7 @@ CASES = {
 
 
 #: In the default pass (the rest in the slow one, which CI runs too).
-FAST = {"ep2-fsdp2-tp2-zero3-shared", "ep2-pipe2-dp2-1f1b", "ep2-cx2-dp2-ring-balanced-drops"}
+FAST = {"ep2-fsdp2-tp2-zero3-shared", "ep2-cx2-dp2-ring-balanced-drops"}
 
 
 @need_devices(8)
