@@ -22,7 +22,9 @@ Counting every branch on every tick would count each collective ``T`` times;
 * a send switch: the branch whose ``collective-permute`` moves between the stage pairs ``S``
   runs on the ticks whose forward or backward pairs are ``S``. When both switches have a
   branch for the same ``S`` (``p = 2`` with wrap-around), each gets half of the total, so the
-  bytes on ``pipe`` add up (both send the same activation shape).
+  bytes on ``pipe`` add up (both send the same activation shape). A stage counts the branches in
+  which it receives (a collective's bytes are its result on the device; the permute runs on every
+  device, but one that is not a target of ``S`` gets nothing).
 
 The tick loop is found by its trip count, ``T``: known on XLA:CPU and XLA:GPU, read from the
 loop on TPU (:func:`~jaxpar.analysis.loops.while_trip_counts`). The pipelined figure is that of
@@ -100,8 +102,9 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
       plan: the plan it was compiled from (``pipe``, ``schedule``, ``microbatches``, ``virtual``).
 
     Returns:
-      One dict per pipeline stage, ``{conditional name: [fraction of the ticks taking branch i]}``:
-      the ``branch_weights`` of :func:`jaxpar.analysis.loops.trip_counts`.
+      One dict per pipeline stage, ``{conditional name: [fraction of the ticks taking branch i]}``
+      (a send branch: 0 where the stage is not a target): the ``branch_weights`` of
+      :func:`jaxpar.analysis.loops.trip_counts`.
 
     Raises:
       ValueError: the program has no ``while`` loop of the schedule's length, or not one action
@@ -122,7 +125,8 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
     kinds = np.asarray(table.rows.kind)          # [T, p]
     out = []
     for s in range(plan.pipe):
-        w = dict(send_w)
+        w = {name: [x if S is None or any(b == s for _, b in S) else 0.0 for x, S in zip(send_w[name], sends[name])]
+             for name in sends}
         for name, k in zip(actions, active):
             taken = float((kinds[:, s] == k).sum()) / T
             w[name] = [1.0 - taken, taken]

@@ -10,9 +10,11 @@ Two things the compilers add to :func:`jaxpar.cost.memory.argument_bytes` and
   :func:`padded_bytes` takes the smallest padded size over those choices. GPUs store arrays densely.
 * **The peak of the step** (:func:`step_peak_bytes`): the arguments (parameters and optimizer state,
   donated, so the outputs reuse them), the fp32 gradients as sharded, the activations the backward
-  keeps for the layers a stage holds, under ZeRO-3 / FSDP two gathered layers (the one in use and the
-  next), and the larger of two moments' extra: one fp32 copy of the logits (the loss) or, under
-  recomputation, one layer's activations without recomputation (that layer's backward).
+  keeps for the layers a stage holds (:func:`saved_per_layer`: what the compiled layer scan keeps,
+  measured on the GPU compiler), under ZeRO-3 / FSDP two gathered layers (the one in use and the
+  next), under SP the whole-sequence arrays of one layer's backward (:data:`SP_BACKWARD`), and the
+  larger of two moments' extra: one fp32 copy of the logits (the loss) or, under recomputation, one
+  layer's activations without recomputation (that layer's backward).
 
 Example::
 
@@ -28,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from .memory import activation_bytes_per_layer, in_flight, leaf_shard_counts, leaf_spec, sizes_key, zero_axes, \
+from .memory import in_flight, leaf_shard_counts, leaf_spec, sizes_key, zero_axes, \
     zero_dim_of
 from .model import Leaf, ModelSpec
 from .parallel import Plan
@@ -128,9 +130,28 @@ def device_argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int,
     return out + scalars * padded_bytes((), 4, layout) + batch_leaves * padded_bytes((rows, seq), 4, layout)
 
 
+#: fp32 values (in ``sbh``, and ``as^2b`` for the attention scores) that one jaxpar GPT block keeps for
+#: its backward without recomputation, in the compiled layer scan: ``(whole, split, scores)``, where
+#: ``whole`` is split over ``tensor`` only under SP. Measured on the GPU compiler (docs/planning.md §8:
+#: the temporaries of a 4-layer step less those of a 2-layer one, at ``as/h`` = 16 and 32, ``t`` = 1 and 8):
+#: the two layer norms' inputs and statistics (8), the matmuls' and the tanh GELU's values (40), and the
+#: softmax with its causal mask (1.25 ``as^2b``). Korthikanti et al.'s 16-bit count (with dropout) is
+#: ``(5, 12, 2.5)``.
+BLOCK_KEEPS = (8.0, 40.0, 1.25)
+#: Whole-sequence fp32 ``sbh`` values that a layer keeps under SP beyond its split values, without
+#: recomputation or under ``selective`` (measured as :data:`BLOCK_KEEPS` at ``t`` = 8: selective, 8 vs 16
+#: layers, 4.74 ``sbh`` per layer where the split values are 3.25): XLA keeps the row-parallel
+#: products before their reduce-scatter.
+SP_WHOLE = 1.5
+#: Whole-sequence fp32 ``sbh`` arrays that one layer's backward holds under SP (measured as
+#: :data:`BLOCK_KEEPS`: a 2-layer step at ``t`` = 8): the all-gathered inputs of its column-parallel
+#: matmuls and the inputs of its reduce-scatters, forward (recomputed) and backward.
+SP_BACKWARD = 8.0
+
+
 def saved_per_layer(model: ModelSpec, plan: Plan, rows: float) -> float:
-    """fp32 bytes one layer keeps for its backward, per micro-batch of ``rows`` sequences: Korthikanti
-    et al.'s values without recomputation; under ``selective`` (jaxpar saves the matmul outputs: the
+    """fp32 bytes one layer keeps for its backward, per micro-batch of ``rows`` sequences: without
+    recomputation :data:`BLOCK_KEEPS`; under ``selective`` (jaxpar saves the matmul outputs: the
     input, q, k, v, the attention scores and output, the two projections' outputs) ``10 sbh + as^2b``
     values, split over ``tensor`` where the matmul is; under ``full`` the layer's input."""
     s, h, a, t = model.seq, model.hidden, model.heads, plan.tensor
@@ -139,10 +160,11 @@ def saved_per_layer(model: ModelSpec, plan: Plan, rows: float) -> float:
     if plan.remat == "full":
         return 4 * sbh / (t if sp else 1)
     if plan.remat == "selective":
-        whole = 2 / t if sp else 2          # the input and the row-parallel output
+        whole = 2 / t + SP_WHOLE if sp else 2          # the input and the row-parallel output
         return 4 * (sbh * (whole + 8 / t) + a * s * s * rows / t)
-    return activation_bytes_per_layer(s, rows, h, a, tensor=t, sequence_parallel=sp, remat="none",
-                                      bytes_per_value=4)
+    whole, split, scores = BLOCK_KEEPS
+    whole = whole / t + SP_WHOLE if sp else whole
+    return 4 * (sbh * (whole + split / t) + scores * a * s * s * rows / t)
 
 
 def step_peak_bytes(model: ModelSpec, plan: Plan, *, layout: Layout = DENSE) -> float:
@@ -173,6 +195,8 @@ def step_peak_bytes(model: ModelSpec, plan: Plan, *, layout: Layout = DENSE) -> 
     acts = held * saved_per_layer(model, plan, rows)
     working = 0.0 if plan.remat == "none" else saved_per_layer(
         model, Plan(tensor=plan.tensor, sequence_parallel=plan.sequence_parallel), rows)   # one layer recomputed
+    if plan.sequence_parallel and plan.tensor > 1:
+        working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
     logits = 4 * model.seq * rows * model.vocab / plan.tensor
     args = device_argument_bytes(model, sizes, plan.zero, layout=layout)
     return args + grads + acts + max(logits, working) + 2 * gathered

@@ -359,7 +359,7 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     for c in cs:
         group = c.phase if c.phase in ("pipeline", "context", "expert") else \
             "tensor" if c.phase in ("tensor", "loss") else "data"
-        seconds = c.count * max(0.0, comm_time(c, sizes, cluster) - steps.get(c.behind, 0.0))
+        seconds = c.timed * max(0.0, comm_time(c, sizes, cluster) - steps.get(c.behind, 0.0))
         if group == "data" and c.phase == "grads" and overlap.grads_in_backward:
             grads += seconds
         else:

@@ -67,8 +67,10 @@ def outer_at_ends(lowering: str) -> bool:
 @dataclass(frozen=True)
 class Comm:
     """``count`` collectives per step of ``bytes`` each (result on one device, the HLO inventory's
-    convention), over mesh ``axes``; ``phase`` says why (``grads``, ``params``, ``tensor``,
-    ``pipeline``, ``loss``)."""
+    convention: a collective-permute counts where the device receives), over mesh ``axes``; ``phase``
+    says why (``grads``, ``params``, ``tensor``, ``pipeline``, ``loss``); ``runs``: how many the device
+    takes part in, its time, when that differs from ``count`` (a pipeline stage also waits on the sends
+    it makes)."""
 
     kind: str
     axes: tuple[str, ...]
@@ -76,6 +78,12 @@ class Comm:
     count: float
     phase: str
     behind: str = ""       # the ring's hops: the ring step's blocks they can run behind ("forward" / "backward")
+    runs: float | None = None
+
+    @property
+    def timed(self) -> float:
+        """How many the device spends time on: ``runs``, else ``count``."""
+        return self.count if self.runs is None else self.runs
 
     def buffer_bytes(self, sizes: Mapping[str, int]) -> float:
         """The ``n`` of :mod:`jaxpar.cost.collectives`: a reduce-scatter's input is ``p`` results."""
@@ -112,10 +120,10 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
     sizes = plan.sizes
     out: list[Comm] = []
 
-    def add(kind, axes, nbytes, count, phase, behind=""):
+    def add(kind, axes, nbytes, count, phase, behind="", runs=None):
         axes = _axes(sizes, axes)
         if axes and nbytes > 0 and count > 0:
-            out.append(Comm(kind, axes, float(nbytes), count, phase, behind))
+            out.append(Comm(kind, axes, float(nbytes), count, phase, behind, runs))
 
     rows = m.batch / (plan.batch_split * plan.microbatches)        # sequences per device per micro-batch
     seq = m.seq / plan.context                                      # their tokens on this device
@@ -206,19 +214,22 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
 
 
 def _pipe_comms(add, m: ModelSpec, plan: Plan, act: float, lowering: str, grad_bytes: float) -> None:
-    """Activations forward and their gradients backward, per micro-batch and chunk. jaxpar's executor then
-    sums the gradients of the parameters outside the blocks (and the loss) over ``pipe``; Megatron sends
-    ``1/t`` of each activation and all-gathers it over ``tensor``, and sums the tied word embedding's
-    gradient between the first and the last stage (two devices: one transfer of it)."""
-    sends = 2 * plan.microbatches * plan.virtual
+    """Activations forward and their gradients backward, per micro-batch and chunk: the busiest device
+    receives ``2 v m`` of them, ``(2v - 1) m`` with 2 stages (the first stage receives no activation, the
+    last no gradient), and waits on ``2 v m`` sends either way. jaxpar's executor then sums the gradients
+    of the parameters outside the blocks (and the loss) over ``pipe``; Megatron sends ``1/t`` of each
+    activation and all-gathers it over ``tensor``, and sums the tied word embedding's gradient between
+    the first and the last stage (two devices: one transfer of it)."""
+    mv = plan.microbatches * plan.virtual
+    sends, received = 2 * mv, 2 * mv - (plan.microbatches if plan.pipe == 2 else 0)
     t, sp = plan.tensor, plan.sequence_parallel
     if lowering == "megatron":
-        add("collective-permute", ("pipe",), act / t, sends, "pipeline")
+        add("collective-permute", ("pipe",), act / t, received, "pipeline", runs=sends)
         if not sp:
             add("all-gather", ("tensor",), act, sends, "pipeline")
         add("collective-permute", ("pipe",), m.vocab * m.hidden / t * grad_bytes, 1, "pipeline")
         return
-    add("collective-permute", ("pipe",), act / (t if sp else 1), sends, "pipeline")
+    add("collective-permute", ("pipe",), act / (t if sp else 1), received, "pipeline", runs=sends)
     key = sizes_key(plan.sizes)
     outer = sum(leaf_shard_counts(leaf, key, plan.zero)[3] for leaf in m.leaves if not leaf.stacked)
     add("all-reduce", ("pipe",), outer * 4 + 4, 1, "pipeline")        # fp32 gradients and the loss
