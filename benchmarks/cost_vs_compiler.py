@@ -161,10 +161,10 @@ def _inventory(compiled, mesh, plan) -> dict:
 
 def predict(model: cost.ModelSpec, target: str, plan: cost.Plan) -> dict:
     """The cost model's side: bytes per axis, argument bytes and peak bytes on one device."""
-    layout = layout_for_platform("tpu" if target.startswith("tpu") else "cuda")
+    platform = "tpu" if target.startswith("tpu") else "cuda"
     return {"axes": bytes_per_axis(comms(model, plan, lowering="xla", compute_bytes=4, grad_bytes=4)),
-            "arguments": device_argument_bytes(model, plan.sizes, plan.zero, layout=layout),
-            "peak": step_peak_bytes(model, plan, layout=layout)}
+            "arguments": device_argument_bytes(model, plan.sizes, plan.zero, layout=layout_for_platform(platform)),
+            "peak": step_peak_bytes(model, plan, platform=platform)}
 
 
 def _err(p: float, g: float) -> float:
@@ -214,7 +214,7 @@ def summary(rows: list[dict]) -> dict:
 def _capacity(target: str) -> float:
     from jaxpar.targets import parse_target
 
-    return parse_target(target).spec.memory_bytes
+    return parse_target(target).capacity_bytes
 
 
 def main(argv=None) -> int:

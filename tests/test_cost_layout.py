@@ -90,3 +90,62 @@ def test_per_layer_temporaries_match_the_gpu_compiler(remat, tensor, sp):
     got = (temp[16] - temp[8]) / 8
     want = saved_per_layer(gpt(1, h, heads, seq, 64, batch), plan, batch) + 4 * 12 * h * h / tensor
     assert abs(got - want) / want < 0.10, (got, want)
+
+
+@pytest.mark.slow
+def test_the_gpu_compiler_copies_a_stage_residual_buffer_in_the_tick_conditionals():
+    """Why :func:`step_peak_bytes` counts a pipeline stage's residual buffers twice on GPUs: the GPU
+    compiler copies the whole buffer ``[n_res, layers, rows, s, h]`` inside the tick loop's action
+    conditionals (both branches), so the step holds a second one (pipe 2 x tensor 2, 1F1B)."""
+    import re
+
+    from flax import nnx
+
+    from jaxpar.models.gpt import GPT, GPTConfig
+    from jaxpar.targets import parse_target, target_devices
+    from jaxpar.train.cost_check import compile_plan
+
+    cfg = GPTConfig(vocab=64, seq_len=512, embed=512, heads=8, layers=8, remat="full")
+    plan = Plan(pipe=2, tensor=2, microbatches=4, schedule="1f1b", remat="full")
+    _, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), plan, 8, 512,
+                               devices=target_devices(parse_target("h100:1x4")))
+    res = "f32[2,4,2,512,512]"              # 2 slots x 4 layers x 2 rows x 512 x 512: the stored inputs
+    copies = re.findall(rf"= {re.escape(res)}\S* copy\(", compiled.as_text())
+    assert len(copies) >= 2, len(copies)
+
+
+@pytest.mark.parametrize("heads", [4, 8])
+def test_pipeline_stores_are_the_block_vjp_residuals(heads):
+    """:data:`PIPELINE_STORES` is what a stage stores per layer without recomputation: the block's
+    ``jax.vjp`` residuals (counted with ``jax.eval_shape``), at ``as/h`` = 8 and 16, within 1%
+    (the layer norms' per-token statistics are not counted)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpar.cost.layout import stored_per_layer
+    from jaxpar.models.gpt_layers import block_apply
+    from jaxpar.pipeline.layer_vjp import LayerVJP
+
+    s, h = 256, 128
+    d = h // heads
+    shapes = {"ln1_scale": (h,), "ln1_bias": (h,), "wq": (h, heads, d), "wk": (h, heads, d), "wv": (h, heads, d),
+              "wo": (heads, d, h), "ln2_scale": (h,), "ln2_bias": (h,), "w1": (h, 4 * h), "b1": (4 * h,),
+              "w2": (4 * h, h), "b2": (h,)}
+    p = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in shapes.items()}
+    stored = LayerVJP(block_apply, p, jax.ShapeDtypeStruct((1, s, h), jnp.float32)).stored
+    got = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(stored))
+    want = stored_per_layer(gpt(2, h, heads, s, 64, 1), Plan(pipe=2, microbatches=1), 1)
+    assert abs(got - want) / got < 0.01, (got, want)
+
+
+def test_pipeline_peak_counts_the_stored_residuals_twice_on_gpus():
+    """On GPUs a stage's residual buffers are held twice (the copy the previous test shows), on TPUs once."""
+    from jaxpar.cost.layout import layout_for_platform, stored_per_layer
+
+    m, plan = gpt(8, 512, 8, 512, 64, 8), Plan(pipe=2, microbatches=4, schedule="1f1b", remat="full")
+    held = 8 / 2 * 2                                       # 4 layers a stage x 2 micro-batches in flight
+    args = {p: device_argument_bytes(m, plan.sizes, 0, layout=layout_for_platform(p)) for p in ("cuda", "tpu")}
+    gpu, tpu = step_peak_bytes(m, plan, platform="cuda"), step_peak_bytes(m, plan, platform="tpu")
+    assert stored_per_layer(m, plan, 2) == 4 * 512 * 2 * 512              # the layer's input, 2 rows
+    assert gpu - args["cuda"] - (tpu - args["tpu"]) == held * stored_per_layer(m, plan, 2)

@@ -147,6 +147,11 @@ SP_WHOLE = 1.5
 #: :data:`BLOCK_KEEPS`: a 2-layer step at ``t`` = 8): the all-gathered inputs of its column-parallel
 #: matmuls and the inputs of its reduce-scatters, forward (recomputed) and backward.
 SP_BACKWARD = 8.0
+#: fp32 values that a pipeline stage stores per layer and micro-batch without recomputation: the layer's
+#: ``jax.vjp`` residuals (:mod:`jaxpar.pipeline.layer_vjp`), which XLA cannot prune as it does in the
+#: layer scan: ``(whole, split, scores)`` as in :data:`BLOCK_KEEPS` (the layer norms' 8 values and the
+#: input; three fp32 score arrays and the boolean mask). Counted with ``jax.eval_shape``.
+PIPELINE_STORES = (9.0, 27.0, 3.25)
 
 
 def saved_per_layer(model: ModelSpec, plan: Plan, rows: float) -> float:
@@ -167,13 +172,25 @@ def saved_per_layer(model: ModelSpec, plan: Plan, rows: float) -> float:
     return 4 * (sbh * (whole + split / t) + scores * a * s * s * rows / t)
 
 
-def step_peak_bytes(model: ModelSpec, plan: Plan, *, layout: Layout = DENSE) -> float:
+def stored_per_layer(model: ModelSpec, plan: Plan, rows: float) -> float:
+    """fp32 bytes a pipeline stage stores per layer and micro-batch of ``rows`` sequences for the
+    backward: without recomputation :data:`PIPELINE_STORES`, else as :func:`saved_per_layer`."""
+    if plan.remat != "none":
+        return saved_per_layer(model, plan, rows)
+    s, t, sp = model.seq, plan.tensor, plan.sequence_parallel
+    whole, split, scores = PIPELINE_STORES
+    return 4 * (s * rows * model.hidden * (whole / (t if sp else 1) + split / t) + scores * model.heads * s * s * rows / t)
+
+
+def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> float:
     """Predicted ``peak_memory_in_bytes`` of jaxpar's fp32 train step on one device (see the module doc).
 
     Args:
       model: the GPT.
       plan: the plan (mesh sizes, ZeRO stage, SP, pipeline schedule, micro-batches, remat).
-      layout: how the device stores arrays (the arguments are padded; the rest is counted dense).
+      platform: ``"cuda"`` or ``"tpu"``: how the device stores the arguments
+        (:func:`layout_for_platform`; the rest is counted dense), and whether the compiler copies a
+        pipeline stage's residual buffers in the tick's conditionals (the GPU compiler does).
 
     Returns:
       Bytes on the busiest device.
@@ -192,11 +209,14 @@ def step_peak_bytes(model: ModelSpec, plan: Plan, *, layout: Layout = DENSE) -> 
             gathered += 4 * c.local / (model.layers // plan.pipe)      # one layer, gathered
     held = model.layers / plan.pipe / plan.virtual * in_flight(plan.schedule, plan.pipe, plan.microbatches,
                                                                 plan.virtual)
-    acts = held * saved_per_layer(model, plan, rows)
+    if plan.pipe == 1:
+        acts = held * saved_per_layer(model, plan, rows)
+    else:       # the GPU compiler copies the stage's residual buffers in the tick's conditionals; libtpu does not
+        acts = held * stored_per_layer(model, plan, rows) * (2 if platform == "cuda" else 1)
     working = 0.0 if plan.remat == "none" else saved_per_layer(
         model, Plan(tensor=plan.tensor, sequence_parallel=plan.sequence_parallel), rows)   # one layer recomputed
     if plan.sequence_parallel and plan.tensor > 1:
         working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
     logits = 4 * model.seq * rows * model.vocab / plan.tensor
-    args = device_argument_bytes(model, sizes, plan.zero, layout=layout)
+    args = device_argument_bytes(model, sizes, plan.zero, layout=layout_for_platform(platform))
     return args + grads + acts + max(logits, working) + 2 * gathered
