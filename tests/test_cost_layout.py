@@ -1,5 +1,7 @@
-"""The cost model's device layouts and the TP collective counts measured against the GPU / TPU compilers
-(docs/planning.md §8; nothing is compiled here, the compiled figures are constants from those runs)."""
+"""The cost model's device layouts, peaks and TP collective counts against the GPU / TPU compilers
+(docs/planning.md §8). The default pass compiles nothing (the compiled figures are constants from
+those runs); the slow pass compiles small GPTs for h100 to check the per-layer activations and the
+copy of a pipeline stage's residual buffers."""
 import pytest
 
 from jaxpar.cost.layout import DENSE, TPU, device_argument_bytes, local_shape, padded_bytes, step_peak_bytes
