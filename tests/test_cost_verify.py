@@ -34,3 +34,23 @@ def test_plan_verify_compiles_the_top_3_plans_on_64_simulated_devices():
         assert args_err <= 0.02, row                  # state + batch: the ZeRO formulas leaf by leaf
         assert 0.1 < peak_ratio < 10, row             # temporaries: reported, not exact (docs/planning.md)
         assert plan, row
+
+
+@pytest.mark.slow
+def test_plan_verify_target_predicts_the_gpu_compilers_peak(capsys):
+    """``--verify --target h100:1x8``: the top 3 plans of a 1.3B GPT (24 x 2048, sequence 2048, batch 16)
+    are compiled by the GPU compiler, and the compiled-step model predicts each peak within 10%
+    (docs/planning.md §8; these plans are not among its cases) and the arguments exactly."""
+    from jaxpar.cli import main
+
+    assert main(["plan", "--target", "h100:1x8", "--layers", "24", "--hidden", "2048", "--heads", "16", "--seq",
+                 "2048", "--vocab", "50304", "--batch", "16", "--top", "3", "--verify"]) == 0
+    text = capsys.readouterr().out
+    assert "verify   3 plans compiled ahead of time by the cuda compiler for h100:1x8" in text
+    table = text.split("verify   3 plans")[1].splitlines()[3:6]
+    assert len(table) == 3, text
+    for row in table:
+        cells = [c.strip() for c in row.split("|")]
+        args_err, peak_ratio = float(cells[3].rstrip("%")) / 100, float(cells[6])
+        assert args_err <= 1e-4, row
+        assert 0.9 <= peak_ratio <= 1.1, row

@@ -191,39 +191,11 @@ def _compile(job: Any, layout: Any, tgt: Target | None) -> dict:
         raise better from None
 
 
-def predicted_peak(model: Any, plan: Any, planned: float, compute_dtype: str, platform: str) -> float:
-    """The cost model's peak per device beside a compiled step: the compiled-step model
-    (:func:`jaxpar.cost.layout.step_peak_bytes`, measured against the GPU and TPU compilers in
-    docs/planning.md §8) for the fp32 step of a dense GPT without context parallelism, else
-    ``planned`` (the planner's memory estimate).
-
-    Args:
-      model: the cost model's GPT (:class:`jaxpar.cost.ModelSpec`).
-      plan: its :class:`jaxpar.cost.Plan`.
-      planned: the planner's estimate, in bytes.
-      compute_dtype: the strategy's compute dtype.
-      platform: the target's platform (``"cuda"`` or ``"tpu"``).
-
-    Returns:
-      Bytes per device.
-
-    >>> from jaxpar.cost import Plan, gpt
-    >>> m = gpt(2, 64, 4, 32, 128, 8)
-    >>> predicted_peak(m, Plan(data=2), 1.0, "float32", "cuda") > 1.0, predicted_peak(m, Plan(), 1.0, "bfloat16", "cuda")
-    (True, 1.0)
-    """
-    from ..cost.layout import step_peak_bytes
-
-    if compute_dtype != "float32" or plan.context > 1 or plan.expert > 1 or model.moe_layers:
-        return planned
-    return step_peak_bytes(model, plan, platform=platform)
-
-
 def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target | None, cluster: str) -> int:
     from ..analysis.hlo import collectives, collectives_table
     from ..analysis.memory import memory_report
     from ..analysis.sharding_table import sharding_table
-    from .planner import planner_table, planner_view, unpredicted
+    from .planner import planner_table, planner_view, predicted_peak, unpredicted
 
     print("\nparameters (mesh axes per dimension; '-' replicated)")
     print(sharding_table(layout))

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 from ..strategy import Strategy
 from .schema import ConfigError, JobConfig
 
-__all__ = ["PlannerView", "cost_model", "plan_model", "planner_view", "unpredicted", "planner_table",
+__all__ = ["PlannerView", "cost_model", "plan_model", "planner_view", "unpredicted", "predicted_peak", "planner_table",
            "plan_report", "verify_plans"]
 
 
@@ -215,6 +215,36 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
         f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {plan.name()}")])
 
 
+def predicted_peak(model: Any, plan: Any, planned: float, compute_dtype: str, platform: str) -> float:
+    """The cost model's peak per device beside a compiled step: the compiled-step model
+    (:func:`jaxpar.cost.layout.step_peak_bytes`, measured against the GPU and TPU compilers in
+    docs/planning.md §8) for the fp32 step of a dense GPT without context parallelism, else
+    ``planned`` (the planner's memory estimate).
+
+    Args:
+      model: the cost model's GPT (:class:`jaxpar.cost.ModelSpec`).
+      plan: its :class:`jaxpar.cost.Plan`.
+      planned: the planner's estimate, in bytes.
+      compute_dtype: the strategy's compute dtype.
+      platform: the target's platform (``"cuda"`` or ``"tpu"``).
+
+    Returns:
+      Bytes per device.
+
+    >>> from jaxpar.cost import Plan, gpt
+    >>> m = gpt(2, 64, 4, 32, 128, 8)
+    >>> predicted_peak(m, Plan(data=2), 1.0, "float32", "cuda") > 1.0
+    True
+    >>> predicted_peak(m, Plan(), 1.0, "bfloat16", "cuda")      # not the fp32 step: the planner's
+    1.0
+    """
+    from ..cost.layout import step_peak_bytes
+
+    if compute_dtype != "float32" or plan.context > 1 or plan.expert > 1 or model.moe_layers:
+        return planned
+    return step_peak_bytes(model, plan, platform=platform)
+
+
 def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any = None) -> None:
     """``jaxpar plan --verify``: compile each plan's train step ahead of time (jaxpar's GPT, fp32 Adam;
     nothing runs) on simulated CPU devices, or with the real compiler of ``target``, and print
@@ -245,12 +275,14 @@ def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any
         r = compile_and_compare(model, p, devices=devices, lowering=lowering)
         mem = memory_per_device(model, p.sizes, zero=p.zero, microbatches=p.microbatches, schedule=p.schedule,
                                 virtual=p.virtual, remat=p.remat, sequence_parallel=p.sequence_parallel,
-                                precision="fp32", activation_bytes=4)
+                                precision="fp32", activation_bytes=4).total
+        if target is not None:          # the compiled-step model, measured against the target's compiler
+            mem = predicted_peak(model, p, mem, "float32", target.spec.platform)
         a = r["arguments"]
         peak = r["peak_bytes"]
         worst = max((v["error"] for v in r["axes"].values()), default=0.0)
         rows.append([p.name(), format_bytes(a["predicted"]), format_bytes(a["compiled"]), f"{a['error']:.2%}",
-                     format_bytes(mem.total), format_bytes(peak), f"{mem.total / peak:.2f}",
+                     format_bytes(mem), format_bytes(peak), f"{mem / peak:.2f}",
                      " ".join(f"{ax}:{v['predicted'] / v['compiled']:.3f}" if v["compiled"] else f"{ax}:-"
                               for ax, v in r["axes"].items()) or "-", f"{worst:.1%}",
                      f"{time.perf_counter() - t0:.0f}"])
