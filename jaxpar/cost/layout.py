@@ -153,24 +153,26 @@ SP_BACKWARD = 8.0
 #: layer scan: ``(whole, split, scores)`` as in :data:`BLOCK_KEEPS` (the layer norms' 8 values and the
 #: input; three fp32 score arrays and the boolean mask). Counted with ``jax.eval_shape``.
 PIPELINE_STORES = (9.0, 27.0, 3.25)
+#: ``(whole, split, scores)`` per recomputation: ``selective`` keeps the matmul outputs (the input and
+#: the row-parallel output whole; q, k, v, the attention output and the MLP's first product split; the
+#: attention scores), ``full`` the layer's input.
+REMAT_KEEPS = {"none": BLOCK_KEEPS, "selective": (2.0, 8.0, 1.0), "full": (1.0, 0.0, 0.0)}
+
+
+def _layer_bytes(model: ModelSpec, plan: Plan, rows: float, keeps: tuple, sp_whole: float = 0.0) -> float:
+    """fp32 bytes of ``keeps = (whole, split, scores)`` values per layer and micro-batch of ``rows``
+    sequences: ``whole`` split over ``tensor`` only under SP (plus ``sp_whole`` whole-sequence ones),
+    the rest split over ``tensor``."""
+    whole, split, scores = keeps
+    s, t = model.seq, plan.tensor
+    whole = whole / t + sp_whole if plan.sequence_parallel else whole
+    return 4 * (s * rows * model.hidden * (whole + split / t) + scores * model.heads * s * s * rows / t)
 
 
 def saved_per_layer(model: ModelSpec, plan: Plan, rows: float) -> float:
-    """fp32 bytes one layer keeps for its backward, per micro-batch of ``rows`` sequences: without
-    recomputation :data:`BLOCK_KEEPS`; under ``selective`` (jaxpar saves the matmul outputs: the
-    input, q, k, v, the attention scores and output, the two projections' outputs) ``10 sbh + as^2b``
-    values, split over ``tensor`` where the matmul is; under ``full`` the layer's input."""
-    s, h, a, t = model.seq, model.hidden, model.heads, plan.tensor
-    sbh = s * rows * h
-    sp = plan.sequence_parallel
-    if plan.remat == "full":
-        return 4 * sbh / (t if sp else 1)
-    if plan.remat == "selective":
-        whole = 2 / t + SP_WHOLE if sp else 2          # the input and the row-parallel output
-        return 4 * (sbh * (whole + 8 / t) + a * s * s * rows / t)
-    whole, split, scores = BLOCK_KEEPS
-    whole = whole / t + SP_WHOLE if sp else whole
-    return 4 * (sbh * (whole + split / t) + scores * a * s * s * rows / t)
+    """fp32 bytes one layer keeps for its backward, per micro-batch of ``rows`` sequences
+    (:data:`REMAT_KEEPS` for ``plan.remat``; under SP without full recomputation :data:`SP_WHOLE` more)."""
+    return _layer_bytes(model, plan, rows, REMAT_KEEPS[plan.remat], 0.0 if plan.remat == "full" else SP_WHOLE)
 
 
 def stored_per_layer(model: ModelSpec, plan: Plan, rows: float) -> float:
@@ -178,10 +180,7 @@ def stored_per_layer(model: ModelSpec, plan: Plan, rows: float) -> float:
     backward: without recomputation :data:`PIPELINE_STORES`, else as :func:`saved_per_layer`."""
     if plan.remat != "none":
         return saved_per_layer(model, plan, rows)
-    s, t, sp = model.seq, plan.tensor, plan.sequence_parallel
-    whole, split, scores = PIPELINE_STORES
-    sbh = s * rows * model.hidden
-    return 4 * (sbh * (whole / (t if sp else 1) + split / t) + scores * model.heads * s * s * rows / t)
+    return _layer_bytes(model, plan, rows, PIPELINE_STORES)
 
 
 def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> float:
