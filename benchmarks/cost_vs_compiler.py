@@ -37,7 +37,7 @@ from datetime import date  # noqa: E402
 
 from jaxpar import cost  # noqa: E402
 from jaxpar.cost.layout import device_argument_bytes, layout_for_platform, step_peak_bytes  # noqa: E402
-from jaxpar.cost.traffic import bytes_per_axis, comms  # noqa: E402
+from jaxpar.cost.traffic import bytes_per_axis, comms, lowering_for_platform  # noqa: E402
 
 P = cost.Plan
 #: GPT sizes (layers, hidden, heads, seq), vocab 50304: GPT-3 paper's 125M ... 13B, and a 70B.
@@ -69,6 +69,10 @@ CASES = [
     ("6.7B", 16, "tpu-v5p:2x2x4", P(fsdp=16, remat="full")),
     ("2.7B", 16, "tpu-v5p:2x2x4", P(data=2, tensor=8, zero=1, sequence_parallel=True, remat="full")),
     ("1.3B", 32, "tpu-v5p:2x2x4", P(pipe=4, data=4, microbatches=8, schedule="1f1b", remat="full")),
+    ("350M", 16, "tpu-v5e:2x4", P(fsdp=8)),
+    ("125M", 16, "tpu-v5e:2x4", P(data=8, zero=2)),
+    ("125M", 32, "tpu-v5e:4x8", P(data=32, zero=2)),
+    ("125M", 64, "tpu-v5p:4x4x4", P(data=64, zero=2)),
 ]
 
 
@@ -162,7 +166,8 @@ def _inventory(compiled, mesh, plan) -> dict:
 def predict(model: cost.ModelSpec, target: str, plan: cost.Plan) -> dict:
     """The cost model's side: bytes per axis, argument bytes and peak bytes on one device."""
     platform = "tpu" if target.startswith("tpu") else "cuda"
-    return {"axes": bytes_per_axis(comms(model, plan, lowering="xla", compute_bytes=4, grad_bytes=4)),
+    lowering = lowering_for_platform(platform)
+    return {"axes": bytes_per_axis(comms(model, plan, lowering=lowering, compute_bytes=4, grad_bytes=4)),
             "arguments": device_argument_bytes(model, plan.sizes, plan.zero, layout=layout_for_platform(platform)),
             "peak": step_peak_bytes(model, plan, platform=platform)}
 

@@ -349,6 +349,67 @@ def test_a_tpu_program_counts_each_channel_once():
     assert sum(c.bytes for c in scatters) < sum(c.bytes for c in colls if c.kind == "all-gather")
 
 
+def _windowed_loop(kind: str, shard: str, pairs: str) -> str:
+    """A windowed einsum loop's body and condition (the SPMD partitioner's names): each step permutes ``shard``."""
+    return f"""
+%windowed_dot_general_body_{kind} (p: ({shard}, s32[])) -> ({shard}, s32[]) {{
+  %p = ({shard}, s32[]) parameter(0)
+  %buf = {shard} get-tuple-element(%p), index=0
+  %cp_{kind} = {shard} collective-permute(%buf), channel_id=1, source_target_pairs={pairs}
+  %i = s32[] get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = ({shard}, s32[]) tuple(%cp_{kind}, %next)
+}}
+
+%windowed_dot_general_cond_{kind} (q: ({shard}, s32[])) -> pred[] {{
+  %q = ({shard}, s32[]) parameter(0)
+  %qi = s32[] get-tuple-element(%q), index=1
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%qi, %n), direction=LT
+}}
+"""
+
+
+RING = "{{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}"
+WINDOWED = ("HloModule m, num_partitions=8\n" + _windowed_loop("ag", "bf16[16,32]", RING)
+            + _windowed_loop("rs", "f32[8,32]", RING) + f"""
+ENTRY %main (w: bf16[16,32], g: f32[8,32]) -> (f32[8,32], f32[8,32]) {{
+  %w = bf16[16,32]{{1,0}} parameter(0)
+  %first = bf16[16,32]{{1,0}} collective-permute(%w), channel_id=2, source_target_pairs={RING}
+  %zero = s32[] constant(0)
+  %t0 = (bf16[16,32]{{1,0}}, s32[]) tuple(%first, %zero)
+  %ag = (bf16[16,32]{{1,0}}, s32[]) while(%t0), condition=%windowed_dot_general_cond_ag, body=%windowed_dot_general_body_ag
+  %g = f32[8,32]{{1,0}} parameter(1)
+  %t1 = (f32[8,32]{{1,0}}, s32[]) tuple(%g, %zero)
+  %rs = (f32[8,32]{{1,0}}, s32[]) while(%t1), condition=%windowed_dot_general_cond_rs, body=%windowed_dot_general_body_rs
+  %acc = f32[8,32]{{1,0}} get-tuple-element(%rs), index=0
+  %last = f32[8,32]{{1,0}} collective-permute(%acc), channel_id=3, source_target_pairs={RING}
+  %other = f32[8,32]{{1,0}} collective-permute(%g), channel_id=4, source_target_pairs={{{{0,4}},{{4,0}}}}
+  ROOT %out = (f32[8,32]{{1,0}}, f32[8,32]{{1,0}}) tuple(%last, %other)
+}}
+""")
+
+
+def test_a_windowed_einsum_loop_counts_as_the_collective_it_runs(mesh):
+    """A windowed all-gather round a ring of 4 (tensor) counts as one all-gather of 4 shards, a windowed
+    reduce-scatter as one reduce-scatter of its partial sum; their permutes (body, prologue, epilogue) do not
+    count again, and an unrelated permute (over data) still counts."""
+    from jaxpar.analysis.axis_bytes import compiled_bytes_per_axis
+    from jaxpar.analysis.hlo_text import parse_instructions
+    from jaxpar.analysis.windowed import windowed_einsums
+
+    loops = windowed_einsums(parse_instructions(WINDOWED))
+    assert {n: (w.kind, w.permutes) for n, w in loops.items()} == {
+        "ag": ("all-gather", ("cp_ag", "first")), "rs": ("reduce-scatter", ("cp_rs", "last"))}
+    colls = collectives(WINDOWED, mesh)
+    assert [(c.kind, c.bytes, c.axes, c.name, c.asynchronous) for c in colls] == [
+        ("all-gather", 4 * 16 * 32 * 2, ("tensor",), "ag", True),
+        ("reduce-scatter", 8 * 32 * 4, ("tensor",), "rs", True),
+        ("collective-permute", 8 * 32 * 4, ("data",), "other", False)]
+    assert compiled_bytes_per_axis(WINDOWED, mesh) == {"tensor": 4 * 16 * 32 * 2 + 8 * 32 * 4, "data": 8 * 32 * 4}
+
+
 ONE_ALL_REDUCE = """\
 HloModule m
 

@@ -31,6 +31,7 @@ from jaxpar.analysis.hlo_text import (
     tpu_async_roles,
     tpu_reduce_scatters,
 )
+from jaxpar.analysis.windowed import Windowed, windowed_einsums
 from jaxpar.analysis.memory import format_bytes, render_table
 from jaxpar.analysis.replica_groups import (
     axes_of_groups,
@@ -192,7 +193,9 @@ def collectives(compiled: Any, mesh: Any) -> list[Collective]:
     (:func:`~jaxpar.analysis.hlo_text.tpu_async_roles`): it counts at the start.
     libtpu's ``all-reduce-scatter`` fusions (an all-reduce sliced to each partition's
     shard, :func:`~jaxpar.analysis.hlo_text.tpu_reduce_scatters`) count as reduce-scatters,
-    with the bytes of the shard.
+    with the bytes of the shard. A windowed einsum loop (a dot computed round a ring of
+    collective-permutes, :mod:`jaxpar.analysis.windowed`) counts as the one all-gather or
+    reduce-scatter it runs, with that collective's result bytes, in the loop's computation.
     """
     if not hasattr(mesh, "axis_names") or not hasattr(mesh, "devices"):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -204,11 +207,17 @@ def collectives(compiled: Any, mesh: Any) -> list[Collective]:
     done_shapes = {
         _first_operand(i): i.shape for i in instrs if i.opcode.endswith("-done") and _kind(i.opcode[:-5])
     }
-    scatters = tpu_reduce_scatters(instrs)
+    scatters, windowed = tpu_reduce_scatters(instrs), windowed_einsums(instrs)
+    by_name = {i.name: i for i in instrs} if windowed else {}
+    in_window = {p for w in windowed.values() for p in w.permutes}
     found = []
     for instr in instrs:
+        if instr.name in windowed:
+            loop = windowed[instr.name]
+            found.append(_windowed(instr, loop, by_name[loop.buffer], done_shapes, mesh, positions, in_loop))
+            continue
         kind = _kind(instr.opcode)
-        if kind is None or tpu.get(instr.name, "start") != "start":
+        if kind is None or tpu.get(instr.name, "start") != "start" or instr.name in in_window:
             continue
         fused = scatters.get(instr.name)
         found.append(
@@ -223,6 +232,28 @@ def collectives(compiled: Any, mesh: Any) -> list[Collective]:
             )
         )
     return found
+
+
+def _windowed(loop: Instruction, w: Windowed, buffer: Instruction, done_shapes: dict[str, str], mesh: Any,
+              positions: list[int] | None, in_loop: set[str]) -> Collective:
+    """A windowed einsum loop as the collective it runs: its result is the permuted partial sum
+    (reduce-scatter) or the permuted shard times the ring's size (all-gather)."""
+    pairs = source_target_pairs(buffer.rest)
+    ring = _cycle_length(pairs) if w.kind == "all-gather" else 1
+    return Collective(kind=w.kind, bytes=_result_bytes(buffer, "collective-permute", done_shapes) * ring,
+                      axes=_axes(buffer, "collective-permute", mesh, positions), computation=loop.computation,
+                      in_loop=loop.computation in in_loop, name=loop.name, asynchronous=True)
+
+
+def _cycle_length(pairs: list[tuple[int, int]]) -> int:
+    """The length of the ring a permute's ``source_target_pairs`` shift along (the first source's cycle)."""
+    step = dict(pairs)
+    start = node = pairs[0][0]
+    n = 0
+    while True:
+        node, n = step.get(node, start), n + 1
+        if node == start or n > len(pairs):
+            return n
 
 
 def _check_kind(kind: str) -> None:

@@ -195,6 +195,7 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
     from ..analysis.hlo import collectives, collectives_table
     from ..analysis.memory import memory_report
     from ..analysis.sharding_table import sharding_table
+    from ..cost.traffic import lowering_for_platform
     from .planner import planner_table, planner_view, predicted_peak, unpredicted
 
     print("\nparameters (mesh axes per dimension; '-' replicated)")
@@ -203,7 +204,7 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
         print("\ncollectives of the compiled " + ("step" if name == "step" else f"{name} program"))
         colls = collectives(c, job.mesh) if job.mesh.size > 1 else []
         print(collectives_table(colls) if colls else "(none)")
-    lowering = "xla" if tgt else "xla-cpu"
+    lowering = lowering_for_platform(tgt.spec.platform if tgt else "cpu")
     print(planner_table(cfg, compiled["step"], job.mesh, job.strategy, cluster, job.steps_per_call,
                         lowering=lowering))
     if tgt is None:

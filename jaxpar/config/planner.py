@@ -125,8 +125,9 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
       mesh_sizes: the mesh's axis sizes.
       strategy: the config's strategy.
       cluster_name: a cluster preset or YAML path (its devices are set to the mesh's).
-      lowering: the cost model's lowering (:data:`jaxpar.cost.traffic.LOWERINGS`): ``xla-cpu`` for the
-        simulated CPU mesh, ``ideal`` for the GPU and TPU compilers.
+      lowering: the cost model's lowering (:data:`jaxpar.cost.traffic.LOWERINGS`; for a platform,
+        :func:`~jaxpar.cost.traffic.lowering_for_platform`): ``xla-cpu`` for the simulated CPU mesh,
+        ``xla`` and ``xla-tpu`` for the GPU and TPU compilers.
 
     Returns:
       The :class:`PlannerView`, estimated for ``lowering`` with fp32 parameters and moments.
@@ -294,12 +295,14 @@ def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any
 def _verify_devices(n: int, target: Any) -> tuple[list, str, str]:
     """``(devices, where they are, the cost model's lowering)`` for ``verify_plans``."""
     if target is not None:
+        from ..cost.traffic import lowering_for_platform
         from ..targets import target_devices
 
         if target.num_devices != n:
             raise ConfigError(f"--target {target} has {target.num_devices} devices, but the plans are for {n}; "
                               f"give --devices {target.num_devices} or a target of {n} devices.")
-        return target_devices(target), f"by the {target.spec.platform} compiler for {target}", "xla"
+        return (target_devices(target), f"by the {target.spec.platform} compiler for {target}",
+                lowering_for_platform(target.spec.platform))
     if n > 256:
         raise ConfigError(f"--verify simulates the cluster's {n} devices on the CPU; at most 256 (use --devices, "
                           f"or --target to compile for real devices).")

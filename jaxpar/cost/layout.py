@@ -36,7 +36,7 @@ from .model import Leaf, ModelSpec
 from .parallel import Plan
 
 __all__ = ["Layout", "DENSE", "TPU", "layout_for_platform", "padded_bytes", "local_shape",
-           "device_argument_bytes", "step_peak_bytes"]
+           "device_argument_bytes", "saved_per_layer", "stored_per_layer", "bf16_weight_bytes", "step_peak_bytes"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,12 @@ PIPELINE_STORES = (9.0, 27.0, 3.25)
 #: the row-parallel output whole; q, k, v, the attention output and the MLP's first product split; the
 #: attention scores), ``full`` the layer's input.
 REMAT_KEEPS = {"none": BLOCK_KEEPS, "selective": (2.0, 8.0, 1.0), "full": (1.0, 0.0, 0.0)}
+#: :data:`REMAT_KEEPS` for libtpu, measured the same way on tpu-v5e (the peaks of 16 and 8 layers, less
+#: the layers' arguments and gradients; ``as/h`` = 8 and 32, ``t`` = 1 and 4; docs/planning.md §8). libtpu
+#: runs fp32 matmuls at JAX's default precision as bf16 passes: it keeps fewer fp32 values of the
+#: matmuls, the softmax's probabilities also in bf16 (1.5), and a bf16 copy of each layer's matmul
+#: weights as the device holds them (:func:`bf16_weight_bytes`, counted apart).
+TPU_REMAT_KEEPS = {"none": (8.0, 23.0, 1.5), "selective": (2.0, 6.0, 1.0), "full": (1.0, 0.0, 0.0)}
 
 
 def _layer_bytes(model: ModelSpec, plan: Plan, rows: float, keeps: tuple, sp_whole: float = 0.0) -> float:
@@ -169,18 +175,33 @@ def _layer_bytes(model: ModelSpec, plan: Plan, rows: float, keeps: tuple, sp_who
     return 4 * (s * rows * model.hidden * (whole + split / t) + scores * model.heads * s * s * rows / t)
 
 
-def saved_per_layer(model: ModelSpec, plan: Plan, rows: float) -> float:
+def saved_per_layer(model: ModelSpec, plan: Plan, rows: float, platform: str = "cuda") -> float:
     """fp32 bytes one layer keeps for its backward, per micro-batch of ``rows`` sequences
-    (:data:`REMAT_KEEPS` for ``plan.remat``; under SP without full recomputation :data:`SP_WHOLE` more)."""
-    return _layer_bytes(model, plan, rows, REMAT_KEEPS[plan.remat], 0.0 if plan.remat == "full" else SP_WHOLE)
+    (:data:`REMAT_KEEPS`, on ``platform="tpu"`` :data:`TPU_REMAT_KEEPS`, for ``plan.remat``; under SP
+    without full recomputation :data:`SP_WHOLE` more)."""
+    keeps = (TPU_REMAT_KEEPS if platform == "tpu" else REMAT_KEEPS)[plan.remat]
+    return _layer_bytes(model, plan, rows, keeps, 0.0 if plan.remat == "full" else SP_WHOLE)
 
 
-def stored_per_layer(model: ModelSpec, plan: Plan, rows: float) -> float:
+def stored_per_layer(model: ModelSpec, plan: Plan, rows: float, platform: str = "cuda") -> float:
     """fp32 bytes a pipeline stage stores per layer and micro-batch of ``rows`` sequences for the
     backward: without recomputation :data:`PIPELINE_STORES`, else as :func:`saved_per_layer`."""
     if plan.remat != "none":
-        return saved_per_layer(model, plan, rows)
+        return saved_per_layer(model, plan, rows, platform)
     return _layer_bytes(model, plan, rows, PIPELINE_STORES)
+
+
+def bf16_weight_bytes(model: ModelSpec, plan: Plan) -> float:
+    """Bytes of the bf16 copies of the matmul weights that libtpu keeps, one per layer on the device, as
+    the device holds the weights (split over ``tensor`` and ``pipe``, and the ZeRO-3 / FSDP shard).
+
+    >>> from jaxpar.cost.model import gpt
+    >>> bf16_weight_bytes(gpt(2, 32, 8, 16, 64, 16), Plan(fsdp=2)) == 2 * 2 * 12 * 32 * 32 / 2
+    True
+    """
+    key = sizes_key(plan.sizes)
+    return sum(2 * leaf.size / leaf_shard_counts(leaf, key, plan.zero).params
+               for leaf in model.leaves if leaf.stacked and leaf.matmul)
 
 
 def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> float:
@@ -211,13 +232,16 @@ def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> 
     held = model.layers / plan.pipe / plan.virtual * in_flight(plan.schedule, plan.pipe, plan.microbatches,
                                                                 plan.virtual)
     if plan.pipe == 1:
-        acts = held * saved_per_layer(model, plan, rows)
+        acts = held * saved_per_layer(model, plan, rows, platform)
     else:       # the GPU compiler copies the stage's residual buffers in the tick's conditionals; libtpu does not
-        acts = held * stored_per_layer(model, plan, rows) * (2 if platform == "cuda" else 1)
+        acts = held * stored_per_layer(model, plan, rows, platform) * (2 if platform == "cuda" else 1)
+    if platform == "tpu":
+        acts += bf16_weight_bytes(model, plan)
     working = 0.0 if plan.remat == "none" else saved_per_layer(
-        model, Plan(tensor=plan.tensor, sequence_parallel=plan.sequence_parallel), rows)   # one layer recomputed
+        model, Plan(tensor=plan.tensor, sequence_parallel=plan.sequence_parallel), rows, platform)   # one layer recomputed
     if plan.sequence_parallel and plan.tensor > 1:
         working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
-    logits = 4 * model.seq * rows * model.vocab / plan.tensor
+    # the loss's fp32 logits; libtpu also holds two bf16 copies (the head's product and the softmax's gradient)
+    logits = 4 * model.seq * rows * model.vocab / plan.tensor * (2 if platform == "tpu" else 1)
     args = device_argument_bytes(model, sizes, plan.zero, layout=layout_for_platform(platform))
     return args + grads + acts + max(logits, working) + 2 * gathered

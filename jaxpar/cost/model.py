@@ -53,6 +53,13 @@ class Leaf:
     def stacked(self) -> bool:
         return bool(self.logical) and self.logical[0] == "layers"
 
+    @property
+    def matmul(self) -> bool:
+        """A weight that a matmul reads (its gradient is a dot): two or more dimensions besides
+        ``layers``, not a lookup table (first dimension ``vocab``, or unnamed as a position table)."""
+        dims = [n for n in self.logical if n != "layers"]
+        return len(dims) >= 2 and dims[0] not in ("vocab", None)
+
 
 def _positive_int(owner: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -4,13 +4,17 @@ Collectives (:func:`comms`) are listed per step with the bytes the compiled prog
 inventory reports (:mod:`jaxpar.analysis.hlo`: the result of each collective on one device);
 :mod:`jaxpar.cost.time` times them on the links the mesh axis spans.
 
-Four lowerings. ``ideal`` is the textbook program (Megatron TP: 2 all-reduces of the layer's
+Five lowerings. ``ideal`` is the textbook program (Megatron TP: 2 all-reduces of the layer's
 activations forward and 2 backward, the q, k and v input gradients summed before their reduction;
 SP: all-gathers and reduce-scatters in their place; with recomputation the forward's collectives
 up to the attention output run again; DP: all-reduce; ZeRO-2/3 and FSDP: reduce-scatter +
 all-gather; ZeRO-3 gathers every layer twice per micro-batch). ``xla`` is what the GPU and TPU
 compilers make of jaxpar's train step (docs/planning.md §8): ``ideal``, except that under SP the
-column-parallel input gradients are all-reduced, not reduce-scattered. ``xla-cpu`` is what it
+column-parallel input gradients are all-reduced, not reduce-scattered. ``xla-tpu`` is what libtpu
+makes of it: ``xla``, except that ZeRO-3 / FSDP gather each matmul's weight as the matmul reads it,
+in bf16 at JAX's default matmul precision even for fp32 compute (libtpu converts the shard before the
+gather), and that the token table's gradient (the lookup's transpose, a scatter-add) is all-reduced
+whole over the data axes where ZeRO-2/3 and FSDP reduce-scatter the others. ``xla-cpu`` is what it
 compiles to on XLA:CPU, as checked against compiled programs by ``tests/test_cost_compiled.py``
 (gradients that XLA reduces with all-reduce where ``ideal`` uses reduce-scatter, each of q, k and v
 reduced apart, the embedding gathered under SP, ...). ``megatron`` is Megatron-LM's program (Narayanan
@@ -39,12 +43,27 @@ from .memory import leaf_shard_counts, pipe_end, sizes_key, zero_axes
 from .model import Leaf, ModelSpec
 from .parallel import AXES, BATCH_AXES, Plan
 
-__all__ = ["LOWERINGS", "outer_at_ends", "Comm", "comms", "bytes_per_axis"]
+__all__ = ["LOWERINGS", "lowering_for_platform", "outer_at_ends", "Comm", "comms", "bytes_per_axis"]
 
-#: ``ideal``: the textbook program; ``xla``: what jaxpar's train step compiles to with the GPU and TPU
-#: compilers (docs/planning.md §8); ``xla-cpu``: what it compiles to on XLA:CPU; ``megatron``: Megatron-LM's
-#: program (the module doc), for published runs.
-LOWERINGS = ("ideal", "xla", "xla-cpu", "megatron")
+#: ``ideal``: the textbook program; ``xla`` and ``xla-tpu``: what jaxpar's train step compiles to with the GPU
+#: and the TPU compiler (docs/planning.md §8); ``xla-cpu``: what it compiles to on XLA:CPU; ``megatron``:
+#: Megatron-LM's program (the module doc), for published runs.
+LOWERINGS = ("ideal", "xla", "xla-tpu", "xla-cpu", "megatron")
+
+
+def lowering_for_platform(platform: str) -> str:
+    """The lowering that predicts jaxpar's train step compiled for ``platform``.
+
+    Args:
+      platform: a JAX platform name (``cpu``, ``cuda``, ``rocm``, ``tpu``).
+
+    Returns:
+      ``xla-cpu``, ``xla-tpu``, or ``xla`` for the GPU compilers.
+
+    >>> lowering_for_platform("tpu"), lowering_for_platform("cuda")
+    ('xla-tpu', 'xla')
+    """
+    return {"cpu": "xla-cpu", "tpu": "xla-tpu"}.get(platform, "xla")
 
 
 def outer_at_ends(lowering: str) -> bool:
@@ -89,12 +108,6 @@ class Comm:
         """The ``n`` of :mod:`jaxpar.cost.collectives`: a reduce-scatter's input is ``p`` results."""
         p = math.prod(sizes[a] for a in self.axes)
         return self.bytes * p if self.kind == "reduce-scatter" else self.bytes
-
-
-def _is_matmul(leaf: Leaf) -> bool:
-    """A weight read by a matmul (its gradient is a dot): >= 2 non-layer dims, not an embedding table."""
-    dims = [n for n in leaf.logical if n != "layers"]
-    return len(dims) >= 2 and dims[0] not in ("vocab", None)
 
 
 def _is_row_parallel(leaf: Leaf) -> bool:
@@ -204,7 +217,7 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
             add("all-reduce", ("tensor",), wte, 1, "tensor")           # and its gradient
             add("all-gather", ("tensor",), m.seq * m.hidden * 4, 1, "tensor")   # positions' gradient
         else:
-            if lowering == "xla":   # the GPU / TPU compilers all-reduce the column-parallel input gradients
+            if lowering in ("xla", "xla-tpu"):   # the GPU / TPU compilers all-reduce the column-parallel input gradients
                 add("all-reduce", ("tensor",), act, 2 * n_layer, "tensor")
             else:
                 add("reduce-scatter", ("tensor",), act / t, 2 * n_layer, "tensor")
@@ -270,9 +283,9 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
     g_axes, p_axes = zero_axes(sizes, plan.zero, "grads"), zero_axes(sizes, plan.zero, "params")
     o_axes = zero_axes(sizes, plan.zero, "opt")
     explicit = t == 1 and plan.pipe == 1 and ((d > 1 and plan.zero >= 2) or f > 1)
-    pbytes = 4 if cpu else compute_bytes
+    tpu, pbytes = lowering == "xla-tpu", 4 if cpu else compute_bytes
     end = _busiest_end(m, plan) if plan.pipe > 1 else None
-    per_mb = mb if lowering in ("xla", "xla-cpu") and plan.pipe > 1 else 1
+    per_mb = mb if lowering in ("xla", "xla-tpu", "xla-cpu") and plan.pipe > 1 else 1
     groups: dict[tuple, float] = {}
     acc = partial(_accumulate, groups, sizes)
 
@@ -293,7 +306,7 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
                 acc("all-gather", data_axes, group * m.hidden * compute_bytes, mb, "grads")
                 acc("all-gather", data_axes, group * 4, mb, "grads")
             elif not cpu:
-                if shardable and g_axes:
+                if shardable and g_axes and not (tpu and _is_token_table(leaf)):
                     acc("reduce-scatter", g_axes, g / n_g, count * per_mb, "grads")
                     acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count * per_mb, "grads")
                 else:
@@ -301,7 +314,7 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
             elif explicit and leaf.stacked and shardable:
                 acc("reduce-scatter", g_axes, g / n_g, count, "grads")
                 acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count, "grads")
-            elif len(base_axes) == 2 and plan.zero < 2 and _is_matmul(leaf) and shardable and not (
+            elif len(base_axes) == 2 and plan.zero < 2 and leaf.matmul and shardable and not (
                     plan.sequence_parallel and _is_row_parallel(leaf)):   # SP: reduced in its region, all at once
                 acc("all-reduce", ("fsdp",), g, count * per_mb, "grads")   # fsdp first, then the shard over data
                 acc("all-reduce", set(data_axes) - {"fsdp"}, g / f, count * per_mb, "grads")
@@ -310,7 +323,8 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
         # parameters: ZeRO-3 / FSDP gathers (forward, and again in the backward for the layers)
         if p_axes and shardable:
             gathers = (2 if leaf.stacked else 1) * (mb if not cpu else 1)
-            acc("all-gather", p_axes, per * pbytes, count * gathers, "params")
+            nbytes = min(pbytes, 2) if tpu and leaf.matmul else pbytes     # a matmul operand on TPU
+            acc("all-gather", p_axes, per * nbytes, count * gathers, "params")
         # ZeRO-1/2: the updated shard is gathered back over the axes the optimizer state has more;
         # the result is the parameter shard (1/fsdp of the slice with an fsdp axis)
         extra = tuple(a for a in o_axes if a not in p_axes)
