@@ -106,7 +106,7 @@ def measure(model: cost.ModelSpec, target: str, plan: cost.Plan, hlo: str | None
     if hlo:
         with gzip.open(hlo, "wt") as f:
             f.write(compiled.as_text())
-    return {"arguments": rep.argument_bytes, "temp": rep.temp_bytes, "peak": rep.peak_bytes,
+    return {"arguments": rep.argument_bytes, "temp": rep.temp_bytes, "peak": rep.peak_bytes, "xla_peak": rep.xla_peak_bytes,
             "compile_s": round(seconds, 1), **count(compiled, mesh, plan)}
 
 

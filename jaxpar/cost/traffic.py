@@ -13,8 +13,9 @@ compilers make of jaxpar's train step (docs/planning.md §8): ``ideal``, except 
 column-parallel input gradients are all-reduced, not reduce-scattered. ``xla-tpu`` is what libtpu
 makes of it: ``xla``, except that ZeRO-3 / FSDP gather each matmul's weight as the matmul reads it,
 in bf16 at JAX's default matmul precision even for fp32 compute (libtpu converts the shard before the
-gather), and that the token table's gradient (the lookup's transpose, a scatter-add) is all-reduced
-whole over the data axes where ZeRO-2/3 and FSDP reduce-scatter the others. ``xla-cpu`` is what it
+gather), that the token table's gradient (the lookup's transpose, a scatter-add) is all-reduced
+whole over the data axes where ZeRO-2/3 and FSDP reduce-scatter the others, and that under SP a layer's
+backward all-gathers one input fewer (libtpu keeps the forward's gathered copy). ``xla-cpu`` is what it
 compiles to on XLA:CPU, as checked against compiled programs by ``tests/test_cost_compiled.py``
 (gradients that XLA reduces with all-reduce where ``ideal`` uses reduce-scatter, each of q, k and v
 reduced apart, the embedding gathered under SP, ...). ``megatron`` is Megatron-LM's program (Narayanan
@@ -206,7 +207,8 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
         add("all-reduce", ("tensor",), act, (2 + bwd + redo) * n_layer - 2 * moe, "tensor")
         add("all-reduce", ("tensor",), act, ends * mb, "tensor")         # embedding forward, head backward
     else:
-        add("all-gather", ("tensor",), act, (4 + (2 if redo else 0)) * n_layer, "tensor")   # 2 fwd, 2 bwd
+        # 2 forward, 2 backward (libtpu keeps one forward gather for the backward), 2 recomputed
+        add("all-gather", ("tensor",), act, (4 - (lowering == "xla-tpu") + (2 if redo else 0)) * n_layer, "tensor")
         add("reduce-scatter", ("tensor",), act / t, (2 + redo) * n_layer, "tensor")
         if cpu:   # XLA:CPU reduces the column-parallel input gradients with all-reduce
             add("all-reduce", ("tensor",), act, (1 + m.qkv_inputs) * n_layer, "tensor")
