@@ -109,7 +109,8 @@ def measure(model: cost.ModelSpec, target: str, plan: cost.Plan, hlo: str | None
     if hlo:
         with gzip.open(hlo, "wt") as f:
             f.write(compiled.as_text())
-    return {"arguments": rep.argument_bytes, "temp": rep.temp_bytes, "peak": rep.peak_bytes, "xla_peak": rep.xla_peak_bytes,
+    return {"arguments": rep.argument_bytes, "temp": rep.temp_bytes, "peak": rep.peak_bytes,
+            "xla_peak": rep.xla_peak_bytes,
             "compile_s": round(seconds, 1), **count(compiled, mesh, plan)}
 
 
@@ -202,7 +203,8 @@ def table(rows: list[dict], refused: list[tuple[str, str]] = ()) -> str:
         ax = ax or f"not counted ({r['axes_error']})"
         pk = r["peak"]
         live = pk.get("live")
-        live = f"{live / 1e9:.2f} ({_err(pk['predicted'], live):.1%})" if live and live < 0.99 * pk["compiled"] else "same"
+        near = not live or live >= 0.99 * pk["compiled"]
+        live = "same" if near else f"{live / 1e9:.2f} ({_err(pk['predicted'], live):.1%})"
         lines.append(f"| {r['case']} | {ax} | {r['arguments']['error']:.2%} | {pk['predicted'] / 1e9:.2f} / "
                      f"{pk['compiled'] / 1e9:.2f} ({pk['error']:.1%}{'' if pk['fits'] else ', does not fit'}) | "
                      f"{live} | {r['compile_s']} |")

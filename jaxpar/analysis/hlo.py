@@ -31,7 +31,6 @@ from jaxpar.analysis.hlo_text import (
     tpu_async_roles,
     tpu_reduce_scatters,
 )
-from jaxpar.analysis.windowed import Windowed, windowed_einsums
 from jaxpar.analysis.memory import format_bytes, render_table
 from jaxpar.analysis.replica_groups import (
     axes_of_groups,
@@ -40,6 +39,7 @@ from jaxpar.analysis.replica_groups import (
     parse_replica_groups,
     source_target_pairs,
 )
+from jaxpar.analysis.windowed import Windowed, windowed_einsums
 
 __all__ = [
     "KINDS",

@@ -11,10 +11,12 @@ Two things the compilers add to :func:`jaxpar.cost.memory.argument_bytes` and
 * **The peak of the step** (:func:`step_peak_bytes`): the arguments (parameters and optimizer state,
   donated, so the outputs reuse them), the fp32 gradients as sharded, the activations the backward
   keeps for the layers a stage holds (:func:`saved_per_layer`: what the compiled layer scan keeps,
-  measured on the GPU compiler), under ZeRO-3 / FSDP two gathered layers (the one in use and the
-  next), under SP the whole-sequence arrays of one layer's backward (:data:`SP_BACKWARD`), and the
-  larger of two moments' extra: one fp32 copy of the logits (the loss) or, under recomputation, one
-  layer's activations without recomputation (that layer's backward).
+  measured on the GPU compiler and on libtpu, which also keeps a bf16 copy of each layer's matmul
+  weights, :func:`bf16_weight_bytes`), under ZeRO-3 / FSDP two gathered layers (the one in use and
+  the next), under SP the whole-sequence arrays of one layer's backward (:data:`SP_BACKWARD`), and the
+  larger of two moments' extra: the logits (the loss; one fp32 copy, and on TPUs two bf16 copies
+  more) or, under recomputation, one layer's activations without recomputation (that layer's
+  backward).
 
 Example::
 
@@ -157,7 +159,7 @@ PIPELINE_STORES = (9.0, 27.0, 3.25)
 #: the row-parallel output whole; q, k, v, the attention output and the MLP's first product split; the
 #: attention scores), ``full`` the layer's input.
 REMAT_KEEPS = {"none": BLOCK_KEEPS, "selective": (2.0, 8.0, 1.0), "full": (1.0, 0.0, 0.0)}
-#: :data:`REMAT_KEEPS` for libtpu, measured the same way on tpu-v5e (the peaks of 16 and 8 layers, less
+#: :data:`REMAT_KEEPS` for libtpu, measured the same way on tpu-v5e (XLA's live peaks of 16 and 8 layers, less
 #: the layers' arguments and gradients; ``as/h`` = 8 and 32, ``t`` = 1 and 4; docs/planning.md §8). libtpu
 #: runs fp32 matmuls at JAX's default precision as bf16 passes: it keeps fewer fp32 values of the
 #: matmuls, the softmax's probabilities also in bf16 (1.5), and a bf16 copy of each layer's matmul
@@ -205,7 +207,8 @@ def bf16_weight_bytes(model: ModelSpec, plan: Plan) -> float:
 
 
 def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> float:
-    """Predicted ``peak_memory_in_bytes`` of jaxpar's fp32 train step on one device (see the module doc).
+    """Predicted peak bytes of jaxpar's fp32 train step on one device (see the module doc): what the compiled
+    program allocates, arguments + outputs + temporaries - aliased, which on GPUs is XLA's peak as well.
 
     Args:
       model: the GPT.
@@ -237,8 +240,8 @@ def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> 
         acts = held * stored_per_layer(model, plan, rows, platform) * (2 if platform == "cuda" else 1)
     if platform == "tpu":
         acts += bf16_weight_bytes(model, plan)
-    working = 0.0 if plan.remat == "none" else saved_per_layer(
-        model, Plan(tensor=plan.tensor, sequence_parallel=plan.sequence_parallel), rows, platform)   # one layer recomputed
+    one = Plan(tensor=plan.tensor, sequence_parallel=plan.sequence_parallel)
+    working = 0.0 if plan.remat == "none" else saved_per_layer(model, one, rows, platform)   # one layer recomputed
     if plan.sequence_parallel and plan.tensor > 1:
         working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
     # the loss's fp32 logits; libtpu also holds two bf16 copies (the head's product and the softmax's gradient)

@@ -219,7 +219,7 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
             add("all-reduce", ("tensor",), wte, 1, "tensor")           # and its gradient
             add("all-gather", ("tensor",), m.seq * m.hidden * 4, 1, "tensor")   # positions' gradient
         else:
-            if lowering in ("xla", "xla-tpu"):   # the GPU / TPU compilers all-reduce the column-parallel input gradients
+            if lowering in ("xla", "xla-tpu"):   # the GPU / TPU compilers all-reduce column-parallel input gradients
                 add("all-reduce", ("tensor",), act, 2 * n_layer, "tensor")
             else:
                 add("reduce-scatter", ("tensor",), act / t, 2 * n_layer, "tensor")
