@@ -245,7 +245,7 @@ def test_libtpu_gathers_matmul_weights_in_bf16_and_all_reduces_the_token_table()
 def test_libtpus_windowed_einsums_count_as_the_model_predicts(plan, kinds):
     """libtpu computes the large weight-gradient dots of ZeRO-2 and FSDP as windowed einsums (loops that
     pass partial sums, or weight shards, round the ring of 16 chips); counted as the reduce-scatters and
-    all-gathers they run, the data axis is within the 2% the issue sets of ``xla-tpu``'s prediction."""
+    all-gathers they run, the data axis is within 2 % of ``xla-tpu``'s prediction (docs/planning.md §8)."""
     from flax import nnx
 
     from jaxpar.analysis.axis_bytes import compiled_bytes_per_axis
