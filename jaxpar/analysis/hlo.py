@@ -25,8 +25,10 @@ from jaxpar.analysis.hlo_text import (
     KINDS,
     Instruction,
     array_shapes,
+    call_graph,
     called_computations,
     parse_instructions,
+    reached_computations,
     shape_bytes,
     tpu_async_roles,
     tpu_reduce_scatters,
@@ -86,20 +88,9 @@ class Collective:
 
 def _loop_computations(instrs: list[Instruction]) -> set[str]:
     """Computations executed per iteration of some while loop."""
-    edges: dict[str, set[str]] = {}
-    todo = []
-    for instr in instrs:
-        for key, callee in called_computations(instr):
-            edges.setdefault(instr.computation, set()).add(callee)
-            if instr.opcode == "while" and key in ("body", "condition"):
-                todo.append(callee)
-    seen: set[str] = set()
-    while todo:
-        comp = todo.pop()
-        if comp not in seen:
-            seen.add(comp)
-            todo.extend(edges.get(comp, ()))
-    return seen
+    loops = [callee for i in instrs if i.opcode == "while"
+             for key, callee in called_computations(i) if key in ("body", "condition")]
+    return reached_computations(call_graph(instrs), loops)
 
 
 def _async_computations(instrs: list[Instruction]) -> set[str]:

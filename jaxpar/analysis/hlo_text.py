@@ -20,8 +20,8 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["KINDS", "Instruction", "parse_instructions", "called_computations", "branch_computations", "operands",
-           "channel", "shape_bytes", "array_shapes", "custom_call_targets", "tpu_async_roles", "tpu_reduce_scatters"]
+__all__ = ["KINDS", "Instruction", "parse_instructions", "called_computations", "call_graph", "reached_computations",
+           "branch_computations", "operands", "channel", "shape_bytes", "array_shapes", "custom_call_targets", "tpu_async_roles", "tpu_reduce_scatters"]
 
 #: The collective opcodes (an async ``*-start`` / ``*-done`` pair is one of them).
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -168,6 +168,33 @@ def called_computations(instr: Instruction) -> list[tuple[str, str]]:
     [('condition', 'cond'), ('body', 'body')]
     """
     return [(key, name) for key, value in _CALLS.findall(instr.rest) for name in re.findall(r"%?([\w.\-]+)", value)]
+
+
+def call_graph(instrs: list[Instruction]) -> dict[str, set[str]]:
+    """``{computation: the computations its instructions call}``."""
+    calls: dict[str, set[str]] = {}
+    for instr in instrs:
+        for _, callee in called_computations(instr):
+            calls.setdefault(instr.computation, set()).add(callee)
+    return calls
+
+
+def reached_computations(calls: dict[str, set[str]], starts) -> set[str]:
+    """The computations ``starts`` are and every computation they call (in ``calls``, a
+    :func:`call_graph`), directly or not.
+
+    >>> ins = [Instruction("w", "f32[]", "while", "%t), condition=%c, body=%b", "main"),
+    ...        Instruction("f", "f32[]", "fusion", "%x), calls=%fused", "b")]
+    >>> sorted(reached_computations(call_graph(ins), ["b"]))
+    ['b', 'fused']
+    """
+    seen, todo = set(), list(starts)
+    while todo:
+        comp = todo.pop()
+        if comp not in seen:
+            seen.add(comp)
+            todo.extend(calls.get(comp, ()))
+    return seen
 
 
 def branch_computations(instr: Instruction) -> list[str]:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .hlo_text import Instruction, array_shapes, called_computations
+from .hlo_text import Instruction, array_shapes, call_graph, called_computations, reached_computations
 
 __all__ = ["Windowed", "windowed_einsums"]
 
@@ -68,16 +68,6 @@ def _kind(body: str) -> str | None:
     return next((kind for name, kind in _BODIES.items() if name in body), None)
 
 
-def _reachable(start: str, calls: dict[str, set[str]]) -> set[str]:
-    seen, todo = {start}, [start]
-    while todo:
-        for callee in calls.get(todo.pop(), ()):
-            if callee not in seen:
-                seen.add(callee)
-                todo.append(callee)
-    return seen
-
-
 def windowed_einsums(instrs: list[Instruction]) -> dict[str, Windowed]:
     """The windowed einsum loops of a module (see the module doc).
 
@@ -89,20 +79,17 @@ def windowed_einsums(instrs: list[Instruction]) -> dict[str, Windowed]:
       when it is in the loop's computation, belongs to no loop and moves the loop's buffer shape;
       each loop takes at most one, in text order.
     """
-    calls: dict[str, set[str]] = {}
-    for i in instrs:
-        for _, callee in called_computations(i):
-            calls.setdefault(i.computation, set()).add(callee)
-    loops = {i.name: (i, kind) for i in instrs if i.opcode == "while"
+    loops = {i.name: (i, kind, body) for i in instrs if i.opcode == "while"
              for key, body in called_computations(i) if key == "body" and (kind := _kind(body))}
     permutes = [i for i in instrs if i.opcode in _PERMUTES]
+    calls = call_graph(instrs) if loops else {}
     inside: dict[str, list[Instruction]] = {}
-    for name, (loop, _) in loops.items():
-        body = _reachable(dict(called_computations(loop))["body"], calls)
-        inside[name] = [p for p in permutes if p.computation in body]
+    for name, (_, _, body) in loops.items():
+        reached = reached_computations(calls, [body])
+        inside[name] = [p for p in permutes if p.computation in reached]
     taken = {p.name for ps in inside.values() for p in ps}
     out = {}
-    for name, (loop, kind) in loops.items():
+    for name, (loop, kind, _) in loops.items():
         if not inside[name]:
             continue
         buffer = inside[name][0]
