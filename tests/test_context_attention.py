@@ -27,13 +27,20 @@ RULES = (("batch", "data"), ("length", "context"), ("heads", "tensor"))
 QKV, SEG = ("batch", "length", "heads", None), ("batch", "length")
 
 
-def reference(q, k, v, seg, causal):
-    """softmax(Q K^T / sqrt(D) + mask) V on one device; K/V heads repeated for GQA."""
+def reference(q, k, v, seg, causal, window=None, softcap=None):
+    """softmax(cap(Q K^T / sqrt(D)) + mask) V on one device; K/V heads repeated for GQA. The mask:
+    causal, the sliding window (query p sees keys p - window < k, and k < p + window without causal)
+    and the segments; the cap: softcap * tanh(s / softcap)."""
     k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
     mask = jnp.ones((1, L, L), bool)
     if causal:
         mask = mask & jnp.tril(jnp.ones((L, L), bool))[None]
+    if window is not None:
+        gap = np.arange(L)[:, None] - np.arange(L)[None, :]
+        mask = mask & ((gap < window) & (causal | (-gap < window)))[None]
     if seg is not None:
         mask = mask & (seg[:, :, None] == seg[:, None, :])
     s = jnp.where(mask[:, None], s, -jnp.inf)
@@ -59,9 +66,9 @@ def attention_vjp(q, k, v, w, *seg, causal):
 
 
 @functools.lru_cache(maxsize=None)
-def expected(kv_heads, causal, segments, scale=1.0):
+def expected(kv_heads, causal, segments, scale=1.0, window=None, softcap=None):
     q, k, v, w, seg = inputs(kv_heads, segments, scale)
-    out, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, seg, causal), q, k, v)
+    out, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, seg, causal, window, softcap), q, k, v)
     return np.asarray(out), [np.asarray(g) for g in vjp(w)]
 
 
@@ -291,20 +298,133 @@ def test_ring_temporaries_fall_with_the_context_size():
     assert 6 * ring <= one and ring < gathered, (one, ring, gathered)
 
 
+# ----------------------------------------------------------------------------- sliding window, soft-cap
+
+
+BIG = 1 << 30        # a "global" layer's window in a scan over layers
+
+
+def masked_vjp(q, k, v, w, seg, window, *, causal, softcap):
+    """:func:`attention_vjp` with segment ids, a window (static, or traced when given to jit) and a soft-cap."""
+    out, vjp = jax.vjp(lambda q, k, v: cp.attention(q, k, v, causal=causal, segment_ids=seg, window=window,
+                                                    softcap=softcap), q, k, v)
+    return out, vjp(w)
+
+
+class MaskCase(NamedTuple):
+    method: str
+    context: int
+    balance: bool
+    window: int | None
+    traced: bool = False         # the window is an int32 argument of the jitted function
+    softcap: float | None = None
+    causal: bool = True
+
+    def __str__(self):
+        window = "nowin" if self.window is None else f"{'traced' if self.traced else 'static'}{self.window}"
+        return (f"{self.method}-context{self.context}-{'bal' if self.balance else 'nat'}-{window}"
+                f"-cap{self.softcap}-{'causal' if self.causal else 'full'}")
+
+
+MASK_CASES = [            # L = 32: chunks of 4 (balanced, C = 4) to 16 (natural, C = 2)
+    MaskCase("ring", 4, True, 3),
+    MaskCase("ring", 4, False, 3, softcap=2.0),      # steps 0 and 1 of 4: 1 hop forward, 2 backward
+    MaskCase("ring", 4, False, 5, causal=False),     # a window on both sides
+    MaskCase("ring", 2, False, 5, traced=True, softcap=2.0),
+    MaskCase("ring", 2, True, None, softcap=2.0),
+    MaskCase("all_gather", 4, True, 6, traced=True, softcap=2.0),
+    MaskCase("all_gather", 2, False, 3, causal=False),
+    MaskCase("ulysses", 4, True, 3, softcap=2.0),
+    MaskCase("ulysses", 2, False, 6, traced=True),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def run_masked(case):
+    """(mesh, compiled program, output, gradients) of a :class:`MaskCase`, in the natural order."""
+    layout = Case(case.method, (("context", case.context),), balance=case.balance)
+    mesh = make_mesh(layout)
+    q, k, v, w, seg = inputs(2, True)
+    args = placed(layout, mesh, [q, k, v, w, seg]) + ([np.int32(case.window)] if case.traced else [])
+    f = functools.partial(masked_vjp, causal=case.causal, softcap=case.softcap)
+    if not case.traced:
+        f = functools.partial(f, window=case.window)
+    with use_rules(mesh, RULES), cp.use_context_parallel(case.method, balance=case.balance):
+        compiled = jax.jit(f).lower(*args).compile()
+    out, grads = compiled(*args)
+    return mesh, compiled, natural(layout, out), [natural(layout, g) for g in grads]
+
+
+@pytest.mark.parametrize("causal,window,traced,softcap", [
+    (True, 5, False, None), (True, 6, True, 2.0), (False, 5, False, 2.0), (True, None, False, 2.0)])
+def test_one_device_window_and_softcap_are_the_reference(causal, window, traced, softcap):
+    q, k, v, w, seg = inputs(2, True)
+    f = functools.partial(masked_vjp, causal=causal, softcap=softcap)
+    out, grads = jax.jit(f)(q, k, v, w, seg, np.int32(window)) if traced else jax.jit(f, static_argnums=5)(
+        q, k, v, w, seg, window)
+    assert_matches(np.asarray(out), [np.asarray(g) for g in grads], expected(2, causal, True, 1.0, window, softcap))
+
+
+@need_devices(4)
+@pytest.mark.parametrize("case", MASK_CASES, ids=str)
+def test_context_parallel_window_and_softcap_match_one_device(case):
+    mesh, compiled, out, grads = run_masked(case)
+    assert_matches(out, grads, expected(2, case.causal, True, 1.0, case.window, case.softcap))
+    if case.method == "ring" and not case.traced:  # a static window drops the steps no device needs, hops too:
+        # natural, causal, window 3 < chunk 8: steps 0 and 1 (1 hop forward, 1 + 1 home backward); else all C
+        steps = 2 if (case.window, case.balance, case.causal) == (3, False, True) else case.context
+        assert count(collectives(compiled, mesh), "collective-permute", axes=("context",)) == 2 * steps - 1
+
+
+@need_devices(4)
+def test_a_per_layer_window_under_scan():
+    """A model scanning over layers passes each layer's window as a traced int (local 6, global BIG):
+    each layer's output and gradients match one device's with that window (ring, balanced)."""
+    case = Case("ring", (("context", 4),))
+    mesh = make_mesh(case)
+    q, k, v, w, seg = inputs(2, True)
+    args = placed(case, mesh, [q, k, v, w, seg])
+
+    def layers(q, k, v, w, seg, windows):
+        one = functools.partial(masked_vjp, q, k, v, w, seg, causal=True, softcap=None)
+        return jax.lax.scan(lambda c, window: (c, one(window)), None, windows)[1]
+    with use_rules(mesh, RULES), cp.use_context_parallel("ring", balance=True):
+        out, grads = jax.jit(layers)(*args, jnp.asarray([6, BIG], jnp.int32))
+    for i, window in enumerate((6, None)):
+        want = expected(2, True, True, 1.0, window)
+        assert_matches(natural(case, out[i]), [natural(case, g[i]) for g in grads], want)
+
+
+def test_a_sliding_window_skips_the_blocks_it_masks():
+    """L = 32 over C = 4: a window of 3 needs each natural block and the one before it (the causal ring
+    computes 1..4); balanced, device 0 its 2 diagonal blocks and chunk 7's against chunk 6, the others
+    4 of the 9 a device; a window of 1 only the diagonal; a window as long as the sequence all of the
+    causal ones."""
+    assert cp.ring_block_pairs(L, 4, balance=False, window=3) == cp.RingWork((1, 2, 2, 2), 8)
+    assert cp.ring_block_pairs(L, 4, balance=False, window=1).pairs == (1, 1, 1, 1)
+    assert cp.ring_block_pairs(L, 4, balance=True, window=3) == cp.RingWork((3, 4, 4, 4), 4)
+    assert cp.ring_block_pairs(L, 4, balance=True, window=L) == cp.ring_block_pairs(L, 4, balance=True)
+    full = cp.ring_block_pairs(L, 4, balance=False, causal=False, window=5).pairs
+    assert full == (2, 3, 3, 2), full        # both sides: the neighbours' blocks only
+
+
 # ----------------------------------------------------------------------------- balance
 
 
 @need_devices(4)
-@pytest.mark.parametrize("balance", [True, False])
-def test_ring_computes_the_block_pairs_it_counts(balance):
-    """The ring's own tally of the block pairs it runs (not skipped by lax.cond), per device, is what
-    ``ring_block_pairs`` says."""
+@pytest.mark.parametrize("balance,window,traced", [(True, None, False), (False, None, False), (True, 3, False),
+                                                   (False, 3, True), (True, 6, True)])
+def test_ring_computes_the_block_pairs_it_counts(balance, window, traced):
+    """The ring's own tally of the block pairs it runs (not skipped), per device, is what
+    ``ring_block_pairs`` says, also with a static or a traced sliding window."""
     mesh = jaxpar.make_mesh({"context": 4}, devices=jax.devices()[:4])
-    spec = RingSpec("context", 4, True, D ** -0.5, balance)
+    spec = RingSpec("context", 4, True, D ** -0.5, balance, window=None if traced else window)
     q, k, v, _, _ = inputs(2, False)
-    tally = jax.shard_map(lambda q, k, v: ring_forward(spec, q, k, v)[2][None], mesh=mesh,
-                          in_specs=P(None, "context"), out_specs=P("context"))
-    assert tuple(int(n) for n in jax.jit(tally)(q, k, v)) == cp.ring_block_pairs(L, 4, balance=balance).pairs
+    tally = jax.shard_map(lambda q, k, v, *win: ring_forward(spec, q, k, v, window=win[0] if win else None)[2][None],
+                          mesh=mesh, in_specs=(P(None, "context"),) * 3 + ((P(),) if traced else ()),
+                          out_specs=P("context"))
+    counted = jax.jit(tally)(q, k, v, *([np.int32(window)] if traced else []))
+    assert tuple(int(n) for n in counted) == cp.ring_block_pairs(L, 4, balance=balance, window=window).pairs
 
 
 @pytest.mark.parametrize("size", [2, 4, 8])
@@ -401,3 +521,26 @@ def test_inputs_that_do_not_fit_are_refused():
     with pytest.raises(cp.AttentionError, match=r"segment_ids must be integers of shape \[batch, length\] = "
                                                 r"\(2, 32\); got float32\[2, 32\]"):
         cp.attention(q, k, v, segment_ids=jnp.zeros((B, L)))
+
+
+@pytest.mark.parametrize("options,match", [      # options: built in the test (no jax array at collection)
+    (lambda: dict(window=0), r"window=0 is not a positive int.*Fix: window >= 1"),
+    (lambda: dict(window=2.5), r"window must be a positive int or an int scalar array.*got float 2\.5"),
+    (lambda: dict(window=True), r"window must be a positive int.*got bool True"),
+    (lambda: dict(window=jnp.asarray([3, 4])), r"window must be .*got int32\[2\] array"),
+    (lambda: dict(window=jnp.float32(3)), r"window must be .*got float32\[\] array"),
+    (lambda: dict(window=jnp.int32(-2)), r"window=-2 is not positive"),
+    (lambda: dict(softcap=0.0), r"softcap=0\.0 \(float\); the logit soft-cap must be a finite Python number > 0"),
+    (lambda: dict(softcap=float("nan")), r"softcap=nan"),
+    (lambda: dict(softcap=jnp.float32(30.0)), r"softcap=.* \(ArrayImpl\).*Fix: a positive float"),
+])
+def test_a_bad_window_or_softcap_is_refused(options, match):
+    with pytest.raises(cp.AttentionError, match=match):
+        cp.attention(*shapes(), **options())
+    with pytest.raises(cp.ContextParallelError, match="ring_attention: " + match):
+        cp.ring_attention(*shapes(), **options())
+
+
+def test_ring_block_pairs_refuses_a_window_that_is_not_a_positive_int():
+    with pytest.raises(cp.ContextParallelError, match=r"ring_block_pairs: window=0 must be a positive int"):
+        cp.ring_block_pairs(L, 4, balance=True, window=0)

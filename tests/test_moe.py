@@ -1,7 +1,8 @@
 """jaxpar.moe: routing, capacity and losses against an independent loop-over-tokens reference; expert
 parallelism (EP 2/4/8, x DP, x FSDP, x TP, nested in a pipe shard_map) against one device, values and
 gradients at fp32 1e-5, dropped-token masks equal; the collectives in the compiled HLO; the expert
-weights' bytes per device; named errors."""
+weights' bytes per device; named errors. Gated (SwiGLU) experts against Hugging Face Qwen3-MoE's
+formula written token by token, and under EP (x DP, x TP, x context) against one device."""
 import functools
 import math
 
@@ -385,6 +386,7 @@ def test_bias_balancing_evens_the_load():
     (dict(capacity_factor=-1.0), "capacity_factor=-1.0"),
     (dict(capacity_factor=float("nan")), "capacity_factor=nan"),
     (dict(gate="relu"), "gate='relu' is not a known gate; choose one of \\('softmax', 'sigmoid'\\)"),
+    (dict(activation="relu"), "activation='relu' is not a known activation; choose one of \\('gelu', 'silu'\\)"),
 ])
 def test_bad_options_are_named(kwargs, match):
     opts = dict(experts=8, top_k=2, gate="softmax", capacity_factor=1.0) | kwargs
@@ -401,3 +403,120 @@ def test_experts_not_divisible_by_the_expert_axis_and_uneven_batches_are_named()
             jax.jit(functools.partial(moe_apply, top_k=2)).lower(make_params(0, D, M, 6), x)
         with pytest.raises(MoEError, match="got 6 groups .* expert=4 \\(total 4\\)"):
             jax.jit(functools.partial(moe_apply, top_k=2)).lower(make_params(0, D, M, 8), x[:6])
+
+
+# ----------------------------------------------------------------- gated (SwiGLU) experts: w1 gate, w3 up, w2 down
+
+GD, GM, GT = 12, 20, 6          # embed, mlp, tokens per row: unequal, tiny
+
+
+def make_gated(seed, D, M, E, *, shared=0):
+    """Gated expert weights: ``make_params``' plus ``w3`` (and ``shared_w3``), of the same scale."""
+    p = make_params(seed, D, M, E, shared=shared)
+    k = jax.random.split(jax.random.key(1000 + seed), 2)
+    p["w3"] = 0.3 * jax.random.normal(k[0], (E, D, M))
+    if shared:
+        p["shared_w3"] = 0.3 * jax.random.normal(k[1], (D, shared))
+    return p
+
+
+def hf_sparse_moe_block(p, x, *, top_k, normalize, activation):
+    """Hugging Face Qwen3-MoE's ``Qwen3MoeSparseMoeBlock`` for one token, in plain jnp, mapped over the
+    tokens (the router is HF's ``gate.weight.T``, ``w1``/``w3``/``w2`` its experts' ``gate_proj`` /
+    ``up_proj`` / ``down_proj`` transposed): ``probs = softmax(logits, float32)``, ``w, idx = topk(probs,
+    k)``, ``w /= w.sum()`` when ``norm_topk_prob``, ``y = sum_k w_k * down(act(gate(x)) * up(x))``; plus
+    the shared experts, ungated (DeepSeek's), when ``p`` has them."""
+    act = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}[activation]
+
+    def mlp(h, gate, up, down):
+        return (act(h @ gate) * (h @ up)) @ down
+
+    def token(h):
+        probs = jax.nn.softmax((h @ p["router"]).astype(jnp.float32))
+        w, idx = jax.lax.top_k(probs, top_k)
+        w = w / w.sum() if normalize else w
+        y = sum(w[j] * mlp(h, p["w1"][idx[j]], p["w3"][idx[j]], p["w2"][idx[j]]) for j in range(top_k))
+        return y + mlp(h, p["shared_w1"], p["shared_w3"], p["shared_w2"]) if "shared_w1" in p else y
+
+    return jax.vmap(jax.vmap(token))(x)
+
+
+@pytest.mark.parametrize("activation, normalize, shared", [("silu", True, 0), ("silu", False, 7), ("gelu", True, 0)],
+                         ids=["swiglu-norm_topk_prob", "swiglu-raw_probs-shared", "geglu"])
+def test_gated_experts_on_one_device_are_the_hugging_face_formula(activation, normalize, shared):
+    """Dropless, one device: ``moe_apply`` with ``w3`` is Qwen3-MoE's block, output and gradients (x and
+    every weight) within 1e-5."""
+    opts = dict(top_k=2, gate="softmax", capacity_factor=None, normalize=normalize, activation=activation)
+    p = make_gated(11, GD, GM, 5, shared=shared)
+    x, probe = make_inputs(11, 2, GT, GD)
+    y_of = {"jaxpar": lambda p, x: moe_apply(p, x, **opts)[0],
+            "hf": functools.partial(hf_sparse_moe_block, top_k=2, normalize=normalize, activation=activation)}
+    out = {}
+    for name, fn in y_of.items():
+        loss = lambda p, x, fn=fn: jnp.sum(fn(p, x) * probe)      # noqa: E731
+        out[name] = jax.jit(lambda p, x, fn=fn, loss=loss: (fn(p, x), jax.grad(loss, argnums=(0, 1))(p, x)))(p, x)
+    assert_trees_close(out["jaxpar"], out["hf"], **TOL)
+    assert set(out["jaxpar"][1][0]) == set(p) and float(jnp.abs(out["jaxpar"][1][0]["w3"]).max()) > 0
+
+
+GATED_EP_CASES = {      # mesh, capacity factor, shared experts' width, rules put first
+    "ep4-dropless": ({"expert": 4}, None, 0, ()),
+    "data2xexpert2-cf1": ({"data": 2, "expert": 2}, 1.0, 0, ()),
+    "expert2xtensor4-cf1.25-shared": ({"expert": 2, "tensor": 4}, 1.25, 8, ()),
+    "context2xexpert2xtensor2-cf1.25": ({"context": 2, "expert": 2, "tensor": 2}, 1.25, 0, (("length", "context"),)),
+}
+
+
+@pytest.mark.parametrize("name", list(GATED_EP_CASES))
+def test_gated_experts_under_expert_parallelism_match_one_device(name):
+    """SwiGLU experts (w3 split like w1: over ``expert``, and its ``mlp`` over ``tensor``) under EP equal
+    one device: loss, output, stats, routing masks and every gradient at 1e-5; still 2 + 2 all-to-alls."""
+    sizes, cf, shared, first_rules = GATED_EP_CASES[name]
+    need = math.prod(sizes.values())
+    if jax.device_count() < need:
+        pytest.skip(f"needs {need} devices")
+    opts = dict(top_k=2, gate="softmax", capacity_factor=cf, activation="silu")
+    params = make_gated(12, GD, GM, 8, shared=shared)
+    x, probe = make_inputs(12, 8, 8, GD)
+    ref = reference(params, x, probe, opts)
+    mesh, rules = mesh_and_rules(sizes)
+    rules = first_rules + rules
+    xspec = NamedSharding(mesh, P(BATCH_AXES))
+    with jaxpar.use_rules(mesh, rules):
+        specs = param_specs(params, mesh, rules)
+        args = (place(params, specs, mesh), jax.device_put(x, xspec), jax.device_put(probe, xspec))
+        compiled = grad_program(opts).lower(*args).compile()
+        out = compiled(*args)
+    assert specs["w3"] == specs["w1"]
+    assert_trees_close(out, ref, **TOL)
+    (_, (_, stats, _, _, kept)), _ = out
+    assert (int(stats.dropped) == 0) if cf is None else (int(stats.dropped) > 0 and not kept.all())
+    colls = collectives(compiled, mesh)
+    assert count(colls, "all-to-all", axes=("expert",)) == count(colls, "all-to-all") == 4
+    assert not [c for c in colls if c.kind == "all-gather" and (c.axes is None or "expert" in c.axes)]
+
+
+def test_gated_module_adds_w3_and_keeps_the_other_weights():
+    plain = MoE(GD, GM, 5, capacity_factor=None, shared_mlp=7, init_std=0.3, rngs=nnx.Rngs(4))
+    layer = MoE(GD, GM, 5, capacity_factor=None, shared_mlp=7, gated=True, activation="silu", init_std=0.3,
+                rngs=nnx.Rngs(4))
+    p = layer.params()
+    assert set(p) == {"router", "w1", "w2", "w3", "shared_w1", "shared_w2", "shared_w3"}
+    assert p["w3"].shape == (5, GD, GM) and layer.w3.out_sharding == MOE_LOGICAL["w3"] == MOE_LOGICAL["w1"]
+    assert p["shared_w3"].shape == (GD, 7) and MOE_LOGICAL["shared_w3"] == MOE_LOGICAL["shared_w1"]
+    assert_trees_close(plain.params(), {k: p[k] for k in plain.params()}, rtol=0, atol=0)
+    x, _ = make_inputs(13, 2, GT, GD)
+    ref = moe_apply(p, x, top_k=2, capacity_factor=None, activation="silu")
+    assert layer.options["activation"] == "silu" and plain.options["activation"] == "gelu"
+    assert_trees_close(layer(x), ref, rtol=0, atol=0)
+
+
+def test_bad_activation_and_w3_shapes_are_named():
+    p = make_gated(14, GD, GM, 4, shared=3)
+    x, _ = make_inputs(14, 2, GT, GD)
+    with pytest.raises(MoEError, match="activation='tanh' is not a known activation; choose one of"):
+        moe_apply(p, x, activation="tanh")
+    with pytest.raises(MoEError, match=r"params\['w3'\] .* shape \(4, 20, 12\).*params\['w1'\] \(got \(4, 12, 20\)\)"):
+        moe_apply({**p, "w3": p["w2"]}, x)
+    with pytest.raises(MoEError, match=r"params\['shared_w3'\].*params\['shared_w1'\] \(got none\)"):
+        moe_apply({k: v for k, v in p.items() if k != "shared_w1"}, x)

@@ -27,6 +27,8 @@ Example::
     RingWork(pairs=(1, 2, 3, 4), block=4)
     >>> ring_block_pairs(16, 4, balance=True)     # half-size blocks, the same count everywhere
     RingWork(pairs=(9, 9, 9, 9), block=2)
+    >>> ring_block_pairs(16, 4, balance=False, window=3)   # sliding window: its block and the one before
+    RingWork(pairs=(1, 2, 2, 2), block=4)
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import functools
+
 import numpy as np
 
 from .options import ContextParallelError
 
 __all__ = ["balanced_order", "to_balanced", "from_balanced", "check_length", "chunks_per_shard", "chunk_index",
-           "pair_needed", "shard_positions", "sequence_positions", "RingWork", "ring_block_pairs"]
+           "pair_needed", "ring_schedule", "shard_positions", "sequence_positions", "RingWork", "ring_block_pairs"]
 
 
 def check_length(length: int, size: int, balance: bool, what: str = "sequence length") -> int:
@@ -82,10 +86,49 @@ def chunk_index(device: Any, part: int, size: int, balance: bool) -> Any:
     return 2 * size - 1 - device if balance and part == 1 else device
 
 
-def pair_needed(q_chunk: Any, k_chunk: Any, causal: bool) -> Any:
-    """Whether a (query chunk, key chunk) pair has any unmasked entry: always without a causal mask,
-    else when the key chunk does not lie wholly after the query chunk (equal-length chunks)."""
-    return True if not causal else k_chunk <= q_chunk
+def pair_needed(q_chunk: Any, k_chunk: Any, causal: bool, window: Any = None, chunk: int = 1) -> Any:
+    """Whether a (query chunk, key chunk) pair of equal-length chunks has any unmasked entry.
+
+    Causal: the key chunk does not lie wholly after the query chunk. Window: the closest pair of
+    positions, ``(q_chunk - k_chunk) * chunk - (chunk - 1)`` apart, is less than ``window`` apart
+    (without a causal mask, on either side). Works on tracers (chunk indices or a traced window):
+    it returns a Python or NumPy bool when everything is static, else a traced bool.
+
+    Args:
+      q_chunk, k_chunk: the chunks' indices in the sequence.
+      causal: the causal mask.
+      window: the sliding window, or ``None``.
+      chunk: the chunk length (only the window needs it).
+    """
+    need = True if not causal else k_chunk <= q_chunk
+    if window is None:
+        return need
+    gap = (q_chunk - k_chunk) * chunk
+    near = gap - (chunk - 1) < window
+    if not causal:
+        near = near & (gap + (chunk - 1) > -window)
+    return near if need is True else need & near
+
+
+@functools.lru_cache(maxsize=None)
+def ring_schedule(size: int, balance: bool, causal: bool, window: int | None, chunk: int) -> tuple:
+    """The ring's static schedule: ``[t][d][a][b]``, whether device ``d`` at ring step ``t`` (holding
+    the K/V of device ``(d - t) % C``) computes its query chunk ``a`` against key chunk ``b``.
+
+    Args:
+      size: the ``context`` axis size C.
+      balance: the balanced layout (2 chunks a device) or the natural one (1).
+      causal: the causal mask.
+      window: a static sliding window, or ``None``.
+      chunk: the chunk length.
+
+    Returns:
+      Nested tuples of Python bools.
+    """
+    parts = range(chunks_per_shard(balance))
+    return tuple(tuple(tuple(tuple(
+        bool(pair_needed(chunk_index(d, a, size, balance), chunk_index((d - t) % size, b, size, balance), causal,
+                         window, chunk)) for b in parts) for a in parts) for d in range(size)) for t in range(size))
 
 
 def balanced_order(length: int, size: int) -> np.ndarray:
@@ -178,26 +221,32 @@ class RingWork(NamedTuple):
     block: int
 
 
-def ring_block_pairs(length: int, size: int, *, balance: bool, causal: bool = True) -> RingWork:
-    """The block pairs each device's ring attention computes (the rest are skipped by ``lax.cond``).
+def ring_block_pairs(length: int, size: int, *, balance: bool, causal: bool = True,
+                     window: int | None = None) -> RingWork:
+    """The block pairs each device's ring attention computes (the rest are skipped).
 
-    It walks the ring's own schedule with the ring's own test (:func:`chunk_index`,
+    It walks the ring's own schedule with the ring's own test (:func:`ring_schedule`,
     :func:`pair_needed`): at step ``t`` device ``d`` holds the K/V shard of device ``(d - t) % C``,
-    and each of its query chunks meets each chunk of that shard.
+    and each of its query chunks meets each chunk of that shard; a pair that the causal mask or the
+    sliding window masks wholly is skipped.
 
     Args:
       length: the sequence length.
       size: the ``context`` axis size C.
       balance: the balanced layout (blocks of ``length / 2C``) or the natural one (``length / C``).
-      causal: the causal mask (without it every pair is computed).
+      causal: the causal mask (without it and without a window every pair is computed).
+      window: a static sliding window (a Python int >= 1), or ``None``.
 
     Returns:
       A :class:`RingWork`.
+
+    Raises:
+      ContextParallelError: ``window`` is not ``None`` or a positive int.
     """
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1):
+        raise ContextParallelError(f"ring_block_pairs: window={window!r} must be a positive int (a static window) "
+                                   "or None. Fix: pass the window as a Python int >= 1.")
     block = check_length(length, size, balance)
-    parts = range(chunks_per_shard(balance))
-    pairs = tuple(
-        sum(bool(pair_needed(chunk_index(d, a, size, balance), chunk_index((d - t) % size, b, size, balance), causal))
-            for t in range(size) for a in parts for b in parts)
-        for d in range(size))
+    plan = ring_schedule(size, balance, causal, None if window is None else int(window), block)
+    pairs = tuple(sum(sum(map(sum, step[d])) for step in plan) for d in range(size))
     return RingWork(pairs, block)

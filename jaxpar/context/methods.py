@@ -2,11 +2,12 @@
 
 Outside a mesh with a ``context`` axis of size > 1 (no :func:`jaxpar.use_rules`, or no such axis) it
 is ``jax.nn.dot_product_attention`` with its own causal mask, so the kernel is JAX's choice (jax
-0.10 picks XLA's; when its automatic choice picks cuDNN's flash attention, GPUs get it). Under
-one, the ``length`` logical name maps to ``context``, so q/k/v arrive split along the sequence, and
-it opens a ``shard_map`` manual over ``context`` and over the other mesh axes that split q/k/v
-(as :func:`jaxpar.tensor.row_parallel` does; nested in an outer ``shard_map``, e.g. the pipeline's
-over ``pipe``, it uses that region's mesh) and runs the method of
+0.10 picks XLA's; when its automatic choice picks cuDNN's flash attention, GPUs get it); a
+``window`` gives it a mask built from positions, and a ``softcap`` scores of its own (see **Masks**).
+Under one, the ``length`` logical name maps to ``context``, so q/k/v arrive split along the
+sequence, and it opens a ``shard_map`` manual over ``context`` and over the other mesh axes that
+split q/k/v (as :func:`jaxpar.tensor.row_parallel` does; nested in an outer ``shard_map``, e.g. the
+pipeline's over ``pipe``, it uses that region's mesh) and runs the method of
 :func:`jaxpar.context.use_context_parallel`:
 
 - ``ring`` (:mod:`jaxpar.context.ring`): K/V blocks passed around with ``ppermute``, online
@@ -23,7 +24,14 @@ over ``pipe``, it uses that region's mesh) and runs the method of
 to tokens with its own id. Padding convention: give padding its own id (e.g. ``0`` with documents
 numbered from ``1``); padding then attends only to padding (no empty softmax row, no NaN) and the
 loss must mask it out. In the balanced layout, permute ``segment_ids`` with
-:func:`jaxpar.context.to_balanced` like the tokens.
+:func:`jaxpar.context.to_balanced` like the tokens. ``window`` (Mistral's and Gemma's sliding window)
+masks the keys ``window`` or more positions before the query (true positions; without ``causal``,
+also after it): a Python int, or an int32 scalar array that may be traced (a per-layer window
+under ``lax.scan``). Every method applies it; the ring skips the blocks it masks wholly.
+``softcap`` (Gemma-2's ``attn_logit_softcapping``) caps the scores ``s = scale q.k`` to
+``softcap * tanh(s / softcap)`` before the mask; the ring caps its blocks' scores, and the whole-
+sequence attention (one device, ``all_gather``, ``ulysses``) then computes its scores in fp32 with
+:func:`jaxpar.context.blocks.capped_attention` (``jax.nn.dot_product_attention`` has no cap).
 
 Example::
 
@@ -51,7 +59,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..rules import axes_of, current_rules, logical_to_spec, manual_axes, shard_map_mesh
-from .blocks import dense_attention
+from .blocks import check_softcap, check_window, dense_attention
 from .layout import check_length, from_balanced, sequence_positions, shard_positions, to_balanced
 from .options import CONTEXT, ContextParallelError, current_context_parallel, note_context_call
 from .ring import ring_attention
@@ -74,10 +82,12 @@ class _Call(NamedTuple):
     scale: float
     balance: bool
     hop: str = "permute"
+    softcap: float | None = None
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: jax.Array | None = None,
-              scale: float | None = None) -> jax.Array:
+              scale: float | None = None, window: int | jax.Array | None = None,
+              softcap: float | None = None) -> jax.Array:
     """Multi-head (or grouped-query) self-attention, context parallel under a ``context`` mesh axis.
 
     Args:
@@ -87,28 +97,38 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, 
       causal: mask the keys after each query.
       segment_ids: ``[batch, length]`` integer ids of packed sequences (see the module), or ``None``.
       scale: the score scale, ``head_dim ** -0.5`` by default.
+      window: the sliding window: query position ``p`` attends to key positions ``> p - window``
+        (without ``causal`` also ``< p + window``): a Python int >= 1, or an int32 scalar array,
+        which may be traced; or ``None``.
+      softcap: the logit soft-cap (a Python number > 0; scores become ``softcap * tanh(s / softcap)``),
+        or ``None``.
 
     Returns:
       ``[batch, length, heads, head_dim]``, sharded like ``q``.
 
     Raises:
-      AttentionError: the shapes do not fit together.
+      AttentionError: the shapes do not fit together, or a bad ``window`` or ``softcap``.
       ContextParallelError: the sequence, the heads or the rules do not fit the context axis.
     """
     _check_inputs(q, k, v, segment_ids)
+    window, softcap = check_window(window, AttentionError), check_softcap(softcap, AttentionError)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     ctx, size = current_rules(), context_size()
+    local = size > 1 and CONTEXT in manual_axes()     # already inside a shard_map manual over context
+    if isinstance(window, int) and window >= q.shape[1] * (size if local else 1):
+        window = None                                 # wider than the sequence: no window
     if size == 1:
-        return dense_attention(q, k, v, causal=causal, scale=scale, q_seg=segment_ids, k_seg=segment_ids)
+        return dense_attention(q, k, v, causal=causal, scale=scale, q_seg=segment_ids, k_seg=segment_ids,
+                               window=window, softcap=softcap)
     note_context_call("attention")
     setting = current_context_parallel()
-    call = _Call(size, causal, scale, setting.balance, _ring_hop(ctx[0]))
+    call = _Call(size, causal, scale, setting.balance, _ring_hop(ctx[0]), softcap)
     body = functools.partial(_LOCAL[setting.method], call)
-    if CONTEXT in manual_axes():                  # already inside a shard_map manual over context
+    if local:
         check_length(q.shape[1] * size, size, setting.balance)
-        return body(q, k, v, segment_ids)
+        return body(q, k, v, segment_ids, window)
     check_length(q.shape[1], size, setting.balance)
-    return _sharded(body, *ctx, q, k, v, segment_ids)
+    return _sharded(body, *ctx, q, k, v, segment_ids, window)
 
 
 def _ring_hop(mesh) -> str:
@@ -223,8 +243,9 @@ def _specs(mesh, rules, q, k) -> tuple[PartitionSpec, PartitionSpec, PartitionSp
     return q_spec, PartitionSpec(q_spec[0], CONTEXT, q_spec[2], None), PartitionSpec(q_spec[0], CONTEXT)
 
 
-def _sharded(body: Callable, mesh, rules, q, k, v, segment_ids) -> jax.Array:
-    """``body`` on the local shards, in a ``shard_map`` manual over every axis that splits q/k/v."""
+def _sharded(body: Callable, mesh, rules, q, k, v, segment_ids, window) -> jax.Array:
+    """``body`` on the local shards, in a ``shard_map`` manual over every axis that splits q/k/v (an
+    array ``window`` goes in replicated; a static one stays static)."""
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     specs = _specs(mesh, rules, q, k)
     manual = {a for s in specs for e in s for a in axes_of(e) if sizes[a] > 1} - manual_axes()
@@ -233,26 +254,32 @@ def _sharded(body: Callable, mesh, rules, q, k, v, segment_ids) -> jax.Array:
     args, in_specs = (q, k, v), (q_spec, kv_spec, kv_spec)
     if segment_ids is not None:
         args, in_specs = args + (segment_ids,), in_specs + (seg_spec,)
-    def local(q, k, v, *seg):
-        return body(q, k, v, seg[0] if seg else None)
+    traced = window is not None and not isinstance(window, int)
+    if traced:
+        args, in_specs = args + (window,), in_specs + (PartitionSpec(),)
+
+    def local(q, k, v, *rest):
+        seg = rest[0] if segment_ids is not None else None
+        return body(q, k, v, seg, rest[-1] if traced else window)
     return jax.shard_map(local, mesh=shard_map_mesh(mesh), in_specs=in_specs, out_specs=q_spec, axis_names=manual,
                          check_vma=False)(*args)
 
 
-def _ring_local(call: _Call, q, k, v, seg):
+def _ring_local(call: _Call, q, k, v, seg, window):
     return ring_attention(q, k, v, seg, seg, axis_name=CONTEXT, causal=call.causal, scale=call.scale,
-                          balance=call.balance, hop=call.hop)
+                          balance=call.balance, hop=call.hop, window=window, softcap=call.softcap)
 
 
-def _all_gather_local(call: _Call, q, k, v, seg):
+def _all_gather_local(call: _Call, q, k, v, seg, window):
     def gather(x):
         return None if x is None else jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
     k, v, k_seg = gather(k), gather(v), gather(seg)
-    if not call.causal:      # a full mask depends on the segments only, not on where the tokens sit
-        return dense_attention(q, k, v, causal=False, scale=call.scale, q_seg=seg, k_seg=k_seg)
+    if not call.causal and window is None:   # a full mask depends on the segments only, not on where tokens sit
+        return dense_attention(q, k, v, causal=False, scale=call.scale, q_seg=seg, k_seg=k_seg, softcap=call.softcap)
     q_pos = shard_positions(jax.lax.axis_index(CONTEXT), q.shape[1], call.size, call.balance)
     k_pos = sequence_positions(k.shape[1], call.size, call.balance)
-    return dense_attention(q, k, v, causal=True, scale=call.scale, q_seg=seg, k_seg=k_seg, q_pos=q_pos, k_pos=k_pos)
+    return dense_attention(q, k, v, causal=call.causal, scale=call.scale, q_seg=seg, k_seg=k_seg, q_pos=q_pos,
+                           k_pos=k_pos, window=window, softcap=call.softcap)
 
 
 def ulysses_kv_repeat(heads: int, kv_heads: int, size: int) -> int:
@@ -279,7 +306,7 @@ def ulysses_kv_repeat(heads: int, kv_heads: int, size: int) -> int:
     return size // math.gcd(kv_heads, size)
 
 
-def _ulysses_local(call: _Call, q, k, v, seg):
+def _ulysses_local(call: _Call, q, k, v, seg, window):
     repeat = ulysses_kv_repeat(q.shape[2], k.shape[2], call.size)
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
 
@@ -290,7 +317,8 @@ def _ulysses_local(call: _Call, q, k, v, seg):
     if call.balance:     # the whole sequence is here: back to the natural order, so is_causal applies
         q, k, v = (from_balanced(x, 1, call.size) for x in (q, k, v))
         seg = None if seg is None else from_balanced(seg, 1, call.size)
-    out = dense_attention(q, k, v, causal=call.causal, scale=call.scale, q_seg=seg, k_seg=seg)
+    out = dense_attention(q, k, v, causal=call.causal, scale=call.scale, q_seg=seg, k_seg=seg, window=window,
+                          softcap=call.softcap)
     if call.balance:
         out = to_balanced(out, 1, call.size)
     return jax.lax.all_to_all(out, CONTEXT, split_axis=1, concat_axis=2, tiled=True)

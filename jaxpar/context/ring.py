@@ -34,9 +34,16 @@ and receives of a collective-permute, so they keep ``hop="permute"``).
 
 Each shard is cut into chunks (2 in the balanced layout, 1 in the natural one, see
 :mod:`jaxpar.context.layout`) and every (query chunk, key chunk) pair is one block. A block that the
-causal mask masks wholly (its key chunk lies after its query chunk) is skipped with ``lax.cond``;
-the others get their mask from the true positions of their chunks and from the segment ids, which
-travel with K/V. :func:`jaxpar.context.ring_block_pairs` counts the blocks computed.
+causal mask or the sliding ``window`` masks wholly (its key chunk lies after its query chunk, or
+wholly ``window`` or more positions before it) is skipped: statically where the decision is the
+same on every device (no code), else with ``lax.cond`` on the device index (and on a traced window).
+Only the local block is skipped; the hops stay outside any ``lax.cond``. With a static window, the
+steps after the last one at which any device computes a block are left out, hops included (a
+window within one natural-layout shard needs 2 steps of ``C``), and the backward's accumulators go
+home in one ``ppermute``. The computed blocks get their mask from the true positions of their chunks
+and from the segment ids, which travel with K/V; a ``softcap`` caps their scores (the backward
+differentiates through the ``tanh``). :func:`jaxpar.context.ring_block_pairs` counts the blocks
+computed.
 
 Example (inside a ``shard_map`` manual over the axis)::
 
@@ -60,15 +67,18 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .blocks import allowed, empty_softmax, group_heads, softmax_grad_step, softmax_result, softmax_step
-from .layout import check_length, chunk_index, chunks_per_shard, pair_needed
+from .blocks import (allowed, check_softcap, check_window, empty_softmax, group_heads, softmax_grad_step,
+                     softmax_result, softmax_step)
+from .layout import check_length, chunk_index, chunks_per_shard, pair_needed, ring_schedule
 from .options import ContextParallelError
 
 __all__ = ["RingSpec", "ring_attention", "ring_forward", "ring_backward", "pack"]
 
 
 class RingSpec(NamedTuple):
-    """The static part of a ring: the mesh axis, its size, the mask, the layout and how a hop moves."""
+    """The static part of a ring: the mesh axis, its size, the mask, the layout, how a hop moves, a
+    static sliding window (``None``: none, or a traced one given to :func:`ring_forward`) and the
+    logit soft-cap."""
 
     axis: str
     size: int
@@ -76,6 +86,8 @@ class RingSpec(NamedTuple):
     scale: float
     balance: bool
     hop: str = "permute"
+    window: int | None = None
+    softcap: float | None = None
 
 
 def pack(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
@@ -103,14 +115,14 @@ def pack(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
 HOPS = ("permute", "gather")
 
 
-def _shift(x: Any, spec: RingSpec) -> Any:
-    """Every device passes ``x`` (a pytree) to the next one on the ring: one ``ppermute`` of one
-    buffer, or (``hop="gather"``) one ``all_gather`` of it, keeping the previous device's."""
+def _shift(x: Any, spec: RingSpec, by: int = 1) -> Any:
+    """Every device passes ``x`` (a pytree) ``by`` devices on along the ring: one ``ppermute`` of one
+    buffer, or (``hop="gather"``) one ``all_gather`` of it, keeping the one from ``by`` devices back."""
     buf, unpack = pack(x)
     if spec.hop == "gather":
-        previous = (jax.lax.axis_index(spec.axis) - 1) % spec.size
+        previous = (jax.lax.axis_index(spec.axis) - by) % spec.size
         return unpack(jax.lax.all_gather(buf, spec.axis)[previous])
-    return unpack(jax.lax.ppermute(buf, spec.axis, [(j, (j + 1) % spec.size) for j in range(spec.size)]))
+    return unpack(jax.lax.ppermute(buf, spec.axis, [(j, (j + by) % spec.size) for j in range(spec.size)]))
 
 
 def _vma(x: Any) -> set:
@@ -147,6 +159,7 @@ class _Blocks(NamedTuple):
     me: Any
     shift: int          # the K/V held come from device ``me - shift``
     spec: RingSpec
+    window: Any         # None, a static int or a traced int32 scalar
 
     def rows(self, x: Any, part: int) -> Any:
         return None if x is None else x[:, part * self.chunk:(part + 1) * self.chunk]
@@ -159,25 +172,45 @@ class _Blocks(NamedTuple):
 
     def needed(self, a: int, b: int) -> Any:
         """Whether the pair (query chunk ``a``, key chunk ``b``) has unmasked entries: a Python bool
-        where it is the same on every device (no ``lax.cond`` then), else a traced bool."""
-        size, balance, causal = self.spec.size, self.spec.balance, self.spec.causal
-        same = {bool(pair_needed(chunk_index(d, a, size, balance),
-                                 chunk_index((d - self.shift) % size, b, size, balance), causal)) for d in range(size)}
-        return same.pop() if len(same) == 1 else pair_needed(self.q_chunk(a), self.k_chunk(b), causal)
+        where it is the same on every device (no ``lax.cond`` then; with a traced window, only where
+        the causal mask skips it everywhere), else a traced bool."""
+        static = _static_window(self.window)
+        plan = ring_schedule(self.spec.size, self.spec.balance, self.spec.causal, static, self.chunk)[self.shift]
+        same = {plan[d][a][b] for d in range(self.spec.size)}
+        if same == {False} or (len(same) == 1 and static is self.window):
+            return same.pop()
+        return pair_needed(self.q_chunk(a), self.k_chunk(b), self.spec.causal, self.window, self.chunk)
 
     def mask(self, a: int, b: int, q_seg: Any, k_seg: Any) -> jax.Array:
         span = jnp.arange(self.chunk, dtype=jnp.int32)
         return allowed(self.q_chunk(a) * self.chunk + span, self.k_chunk(b) * self.chunk + span,
-                       self.rows(q_seg, a), self.rows(k_seg, b), causal=self.spec.causal)
+                       self.rows(q_seg, a), self.rows(k_seg, b), causal=self.spec.causal, window=self.window)
 
 
-def _blocks(spec: RingSpec, q: jax.Array, t: int) -> _Blocks:
-    """The view at step ``t``: the K/V held come from device ``me - t``."""
+def _static_window(window: Any) -> int | None:
+    """``window`` if it is static (``None`` or an int), else ``None`` (a traced window)."""
+    return window if window is None or isinstance(window, int) else None
+
+
+def _blocks(spec: RingSpec, q: jax.Array, t: int, window: Any = None) -> _Blocks:
+    """The view at step ``t``: the K/V held come from device ``me - t``; ``window`` is the traced
+    window, or ``None`` for ``spec.window``."""
     parts = chunks_per_shard(spec.balance)
-    return _Blocks(parts, q.shape[1] // parts, jax.lax.axis_index(spec.axis), t, spec)
+    return _Blocks(parts, q.shape[1] // parts, jax.lax.axis_index(spec.axis), t, spec,
+                   spec.window if window is None else window)
 
 
-def ring_forward(spec: RingSpec, q, k, v, q_seg=None, k_seg=None) -> tuple[jax.Array, list, jax.Array]:
+def _steps(view: _Blocks) -> int:
+    """How many ring steps compute any block on any device: all ``C`` unless a static window masks
+    the last ones wholly (the steps after them, and their hops, are left out)."""
+    static = _static_window(view.window)
+    if static is None:
+        return view.spec.size
+    plan = ring_schedule(view.spec.size, view.spec.balance, view.spec.causal, static, view.chunk)
+    return 1 + max(t for t, step in enumerate(plan) if any(any(map(any, device)) for device in step))
+
+
+def ring_forward(spec: RingSpec, q, k, v, q_seg=None, k_seg=None, window=None) -> tuple[jax.Array, list, jax.Array]:
     """The ring's forward pass on one device's shards (inside a ``shard_map`` manual over ``spec.axis``).
 
     Args:
@@ -185,22 +218,23 @@ def ring_forward(spec: RingSpec, q, k, v, q_seg=None, k_seg=None) -> tuple[jax.A
       q: the local queries ``[batch, shard_length, heads, head_dim]``.
       k, v: the local keys and values ``[batch, shard_length, kv_heads, head_dim]``.
       q_seg, k_seg: the local segment ids ``[batch, shard_length]`` of the queries and the keys, or ``None``.
+      window: a traced sliding window (an int32 scalar), or ``None`` for ``spec.window``.
 
     Returns:
       ``(out like q, logsumexp per query chunk, number of blocks computed on this device)``.
     """
     parts = chunks_per_shard(spec.balance)
     qg = group_heads(q, k.shape[2])
-    view = _blocks(spec, q, 0)
+    view = _blocks(spec, q, 0, window)
     states = _varying([empty_softmax(view.rows(qg, a)) for a in range(parts)], q, k, v, view.me)
-    kv, pairs = jnp.stack([k, v]), _varying(jnp.int32(0), view.me)
-    for t in range(spec.size):
-        view = _blocks(spec, q, t)
+    kv, pairs, steps = jnp.stack([k, v]), _varying(jnp.int32(0), view.me), _steps(view)
+    for t in range(steps):
+        view = _blocks(spec, q, t, window)
         for a, b in itertools.product(range(parts), range(parts)):
             step = functools.partial(_forward_block, view, a, b, qg, kv, q_seg, k_seg)
             states[a] = _maybe(view.needed(a, b), step, states[a])
             pairs = pairs + view.needed(a, b)
-        if t < spec.size - 1:
+        if t < steps - 1:
             kv, k_seg = _shift((kv, k_seg), spec)
     outs, lses = zip(*(softmax_result(s, q.dtype) for s in states))
     return jnp.concatenate(outs, axis=1), list(lses), pairs
@@ -208,7 +242,8 @@ def ring_forward(spec: RingSpec, q, k, v, q_seg=None, k_seg=None) -> tuple[jax.A
 
 def _forward_block(view: _Blocks, a: int, b: int, qg, kv, q_seg, k_seg, state):
     kb = view.rows(kv[0], b), view.rows(kv[1], b)
-    return softmax_step(state, view.rows(qg, a), *kb, view.mask(a, b, q_seg, k_seg), view.spec.scale)
+    return softmax_step(state, view.rows(qg, a), *kb, view.mask(a, b, q_seg, k_seg), view.spec.scale,
+                        view.spec.softcap)
 
 
 def ring_backward(spec: RingSpec, residuals: tuple, d_out: jax.Array) -> tuple:
@@ -216,32 +251,35 @@ def ring_backward(spec: RingSpec, residuals: tuple, d_out: jax.Array) -> tuple:
 
     Args:
       spec: the :class:`RingSpec`.
-      residuals: ``(q, k, v, q_seg, k_seg, out, logsumexps)`` of the forward pass.
+      residuals: ``(q, k, v, q_seg, k_seg, window, out, logsumexps)`` of the forward pass.
       d_out: the cotangent of ``out``.
 
     Returns:
-      ``(dq, dk, dv, None, None)``: the cotangents of the inputs (none for the segment ids).
+      ``(dq, dk, dv, None, None, None)``: the cotangents of the inputs (none for the segment ids and
+      the window).
     """
-    q, k, v, q_seg, k_seg, out, lses = residuals
+    q, k, v, q_seg, k_seg, window, out, lses = residuals
     kv = jnp.stack([k, v])
     parts = chunks_per_shard(spec.balance)
     qg, dog = group_heads(q, k.shape[2]), group_heads(d_out, k.shape[2]).astype(jnp.float32)
     delta = jnp.einsum("bqhgd,bqhgd->bhgq", dog, group_heads(out, k.shape[2]).astype(jnp.float32))
-    view = _blocks(spec, q, 0)
+    view = _blocks(spec, q, 0, window)
     deltas = [delta[..., a * view.chunk:(a + 1) * view.chunk] for a in range(parts)]
     dq, dkv = _varying(([jnp.zeros(view.rows(qg, a).shape, jnp.float32) for a in range(parts)],
                         jnp.zeros(kv.shape, jnp.float32)), q, k, v, d_out, view.me)
-    for t in range(spec.size):
-        view = _blocks(spec, q, t)
+    steps = _steps(view)
+    for t in range(steps):
+        view = _blocks(spec, q, t, window)
         for a, b in itertools.product(range(parts), range(parts)):
             grads = (qg, dog, lses[a], deltas[a])
             step = functools.partial(_backward_block, view, a, b, grads, kv, q_seg, k_seg)
             dq[a], dkv = _maybe(view.needed(a, b), step, (dq[a], dkv))
-        if t < spec.size - 1:
+        if t < steps - 1:
             kv, k_seg, dkv = _shift((kv, k_seg, dkv), spec)
-    dkv = _shift(dkv, spec)                      # the accumulators of device d's K/V sit on d - 1
+    if (spec.size - steps + 1) % spec.size:      # the accumulators of device d's K/V sit on d + steps - 1
+        dkv = _shift(dkv, spec, spec.size - steps + 1)
     dq = jnp.concatenate(dq, axis=1).reshape(q.shape)
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None, None
 
 
 def _backward_block(view: _Blocks, a: int, b: int, grads: tuple, kv, q_seg, k_seg, carry):
@@ -249,19 +287,19 @@ def _backward_block(view: _Blocks, a: int, b: int, grads: tuple, kv, q_seg, k_se
     dq, dkv = carry
     mask = view.mask(a, b, q_seg, k_seg)
     dq_ab, dk, dv = softmax_grad_step(view.rows(qg, a), view.rows(kv[0], b), view.rows(kv[1], b),
-                                      view.rows(dog, a), lse, delta, mask, view.spec.scale)
+                                      view.rows(dog, a), lse, delta, mask, view.spec.scale, view.spec.softcap)
     keys = slice(b * view.chunk, (b + 1) * view.chunk)
     return dq + dq_ab, dkv.at[:, :, keys].add(jnp.stack([dk, dv]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(spec: RingSpec, q, k, v, q_seg, k_seg):
-    return ring_forward(spec, q, k, v, q_seg, k_seg)[0]
+def _ring(spec: RingSpec, q, k, v, q_seg, k_seg, window):
+    return ring_forward(spec, q, k, v, q_seg, k_seg, window)[0]
 
 
-def _ring_fwd(spec: RingSpec, q, k, v, q_seg, k_seg):
-    out, lses, _ = ring_forward(spec, q, k, v, q_seg, k_seg)
-    return out, (q, k, v, q_seg, k_seg, out, lses)
+def _ring_fwd(spec: RingSpec, q, k, v, q_seg, k_seg, window):
+    out, lses, _ = ring_forward(spec, q, k, v, q_seg, k_seg, window)
+    return out, (q, k, v, q_seg, k_seg, window, out, lses)
 
 
 _ring.defvjp(_ring_fwd, ring_backward)
@@ -269,7 +307,7 @@ _ring.defvjp(_ring_fwd, ring_backward)
 
 def ring_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, axis_name: str = "context",
                    causal: bool = True, scale: float | None = None, balance: bool = False,
-                   hop: str = "permute") -> jax.Array:
+                   hop: str = "permute", window: Any = None, softcap: float | None = None) -> jax.Array:
     """Ring attention of one device's shards; call it inside a ``shard_map`` manual over ``axis_name``.
 
     Args:
@@ -283,15 +321,28 @@ def ring_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, axis_nam
       balance: the sequence is in the balanced order of :func:`jaxpar.context.to_balanced`.
       hop: ``"permute"`` (one ``ppermute`` per hop) or ``"gather"`` (one ``all_gather`` per hop, for
         XLA:CPU inside a pipeline stage; see the module docstring).
+      window: the sliding window (by true positions): a Python int, an int32 scalar array (may be
+        traced), or ``None``.
+      softcap: the logit soft-cap (a Python number > 0), or ``None``.
 
     Returns:
       The local output, like ``q``; differentiable (its backward rings too).
+
+    Raises:
+      ContextParallelError: a bad ``hop``, ``window`` or ``softcap``, segment ids for one side only,
+        or a shard length the layout cannot chunk.
     """
     if hop not in HOPS:
         raise ContextParallelError(f"ring_attention: hop={hop!r}; use one of {HOPS}.")
+    window = check_window(window, ContextParallelError, "ring_attention")
+    softcap = check_softcap(softcap, ContextParallelError, "ring_attention")
     size = jax.lax.axis_size(axis_name)
     check_length(q.shape[1] * size, size, balance)
-    spec = RingSpec(axis_name, size, causal, q.shape[-1] ** -0.5 if scale is None else float(scale), balance, hop)
+    if isinstance(window, int) and window >= q.shape[1] * size:
+        window = None                            # wider than the sequence: no window
+    static = window if isinstance(window, int) else None
+    spec = RingSpec(axis_name, size, causal, q.shape[-1] ** -0.5 if scale is None else float(scale), balance, hop,
+                    static, softcap)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ContextParallelError("ring_attention: give both q_segment_ids and kv_segment_ids, or neither.")
-    return _ring(spec, q, k, v, q_segment_ids, kv_segment_ids)
+    return _ring(spec, q, k, v, q_segment_ids, kv_segment_ids, None if static is not None else window)

@@ -3,7 +3,8 @@
 - :mod:`jaxpar.moe.routing`: top-k softmax / sigmoid gates, the per-group capacity rule, the
   load-balancing and z losses, the aux-loss-free bias update and the per-call statistics.
 - :mod:`jaxpar.moe.dispatch`: the dense capacity dispatch, and EP (two ``all_to_all`` over ``expert``
-  in a ``shard_map``) when the rules shard the ``experts`` logical axis.
+  in a ``shard_map``) when the rules shard the ``experts`` logical axis; the experts' MLPs, plain
+  ``act(x w1) w2`` or gated ``(act(x w1) * (x w3)) w2`` (SwiGLU with ``activation="silu"``).
 - :mod:`jaxpar.moe.layer`: :func:`moe_apply` (a pure function of a parameter dict) and :class:`MoE`.
 
 Without rules (or with ``experts`` unsharded) the layer is one dense computation: the reference that
@@ -23,7 +24,8 @@ every sharded run equals, drops included (capacity is per batch row, which no st
 >>> bool(jnp.allclose(y1, y4, atol=1e-6)), int(s1.dropped) == int(s4.dropped)
 (True, True)
 """
-from .dispatch import EXPERT_AXIS, dispatch_combine, ep_axes, expert_mlp, expert_rules, token_axes
+from .dispatch import (ACTIVATIONS, EXPERT_AXIS, activation_fn, dispatch_combine, ep_axes, expert_mlp, expert_rules,
+                       token_axes)
 from .layer import (LAYER_LOADS, MOE_LOGICAL, MoE, MoECalls, RouterBias, count_moe_calls, moe_apply, need_router_bias,
                     note_aux_loss, reported_loads, router_bias, shared_mlp, step_loads, step_loads_needed,
                     use_router_bias, use_step_loads)
@@ -44,7 +46,7 @@ from .routing import (
 )
 
 __all__ = [
-    "EXPERT_AXIS", "GATES", "MOE_LOGICAL", "MoE", "MoECalls", "MoEError", "MoEStats", "RouterBias", "Routing",
+    "ACTIVATIONS", "activation_fn", "EXPERT_AXIS", "GATES", "MOE_LOGICAL", "MoE", "MoECalls", "MoEError", "MoEStats", "RouterBias", "Routing",
     "count_moe_calls", "note_aux_loss", "step_loads", "use_step_loads", "LAYER_LOADS", "router_bias", "use_router_bias",
     "need_router_bias", "reported_loads", "step_loads_needed",
     "buffer_slots", "capacity", "check_options", "dispatch_combine", "ep_axes", "expert_mlp", "expert_rules",

@@ -27,9 +27,16 @@ slots filled, is reduce-scattered over them along the slots (``C`` padded to a m
 ``S``), the all-to-alls carry ``C / S`` slots, each device runs the experts on those, and the outputs
 are all-gathered back over the slots before the combine.
 
+**The experts** (:func:`expert_mlp`): ``w2(act(x w1))``, or with an up projection ``w3`` (shaped and
+split like ``w1``) the gated MLP of Mixtral, Qwen-MoE and DeepSeek, ``w2(act(x w1) * (x w3))``: ``w1``
+is the gate projection, ``w3`` the up projection, ``w2`` the down projection (Mixtral's names), and
+``act`` one of :data:`ACTIVATIONS` (``"silu"`` with ``w3``: SwiGLU). Every path above runs either.
+
 >>> import jax, jax.numpy as jnp
 >>> xe = jnp.ones((1, 2, 3, 4))
 >>> expert_mlp(xe, jnp.ones((2, 4, 5)), jnp.ones((2, 5, 4))).shape
+(1, 2, 3, 4)
+>>> expert_mlp(xe, jnp.ones((2, 4, 5)), jnp.ones((2, 5, 4)), jnp.ones((2, 4, 5)), activation="silu").shape
 (1, 2, 3, 4)
 """
 
@@ -45,9 +52,33 @@ from ..mesh import EXPERT
 from ..rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 from .routing import MoEError
 
-__all__ = ["EXPERT_AXIS", "expert_rules", "expert_mlp", "dispatch_combine", "ep_axes", "token_axes", "sequence_axes"]
+__all__ = ["ACTIVATIONS", "EXPERT_AXIS", "activation_fn", "expert_rules", "expert_mlp", "dispatch_combine", "ep_axes",
+           "token_axes", "sequence_axes"]
 
 EXPERT_AXIS = EXPERT
+
+#: The experts' activations by name: ``gelu`` is ``jax.nn.gelu`` (its default, tanh-approximate), ``silu``
+#: is ``jax.nn.silu`` (``x * sigmoid(x)``; Hugging Face's ``hidden_act="silu"``).
+ACTIVATIONS = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
+
+
+def activation_fn(activation: str):
+    """The function of an activation's name, or an :class:`~jaxpar.moe.routing.MoEError` naming it.
+
+    Args:
+      activation: a key of :data:`ACTIVATIONS`.
+
+    Returns:
+      The elementwise function.
+
+    >>> activation_fn("relu")
+    Traceback (most recent call last):
+    ...
+    jaxpar.moe.routing.MoEError: activation='relu' is not a known activation; choose one of ('gelu', 'silu').
+    """
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise MoEError(f"activation={activation!r} is not a known activation; choose one of {tuple(ACTIVATIONS)}.")
+    return ACTIVATIONS[activation]
 
 
 def expert_rules(axis_names) -> tuple:
@@ -59,10 +90,27 @@ def expert_rules(axis_names) -> tuple:
     return (("experts", EXPERT_AXIS if EXPERT_AXIS in tuple(axis_names) else None),)
 
 
-def expert_mlp(xe: jax.Array, w1: jax.Array, w2: jax.Array) -> jax.Array:
-    """Every expert's GELU MLP on its buffer: ``xe[G, E, C, D]``, ``w1[E, D, M]``, ``w2[E, M, D]``."""
-    h = jax.nn.gelu(jnp.einsum("gecd,edm->gecm", xe, w1))
-    return jnp.einsum("gecm,emd->gecd", h, w2)
+def _hidden(xe: jax.Array, w1: jax.Array, w3: jax.Array | None, activation: str) -> jax.Array:
+    """``act(xe w1)``, times ``xe w3`` when gated: ``[G, E, C, M]``."""
+    h = activation_fn(activation)(jnp.einsum("gecd,edm->gecm", xe, w1))
+    return h if w3 is None else h * jnp.einsum("gecd,edm->gecm", xe, w3)
+
+
+def expert_mlp(xe: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array | None = None, *,
+               activation: str = "gelu") -> jax.Array:
+    """Every expert's MLP on its buffer ``xe[G, E, C, D]``: ``act(xe w1) w2``, or gated ``(act(xe w1) * (xe w3)) w2``.
+
+    Args:
+      xe: the experts' buffers.
+      w1: ``[E, D, M]``, the gate projection when ``w3`` is given.
+      w2: ``[E, M, D]``, the down projection.
+      w3: optional ``[E, D, M]`` up projection (a gated MLP: SwiGLU with ``activation="silu"``).
+      activation: a key of :data:`ACTIVATIONS`.
+
+    Returns:
+      ``[G, E, C, D]``.
+    """
+    return jnp.einsum("gecm,emd->gecd", _hidden(xe, w1, w3, activation), w2)
 
 
 def _masks(expert, slot, weight, experts: int, cap: int, dtype):
@@ -74,24 +122,23 @@ def _masks(expert, slot, weight, experts: int, cap: int, dtype):
     return dispatch, combine
 
 
-def _local_moe(x, expert, slot, weight, w1, w2, *, cap: int, experts: int, axes: tuple[str, ...],
-               seq: tuple[str, ...] = ()):
-    """Dispatch, experts, combine on one device's tokens; all-to-alls over ``axes`` when given. With
-    ``seq`` (the axes splitting the sequence: context parallelism) each device holds a part of every
-    row: its buffer (only its tokens' slots filled) is summed over ``seq`` and scattered over the slots
-    (``cap`` is a multiple of their size), so each device runs the experts on ``C / size`` slots, and
-    the outputs are gathered back over the slots before the combine."""
+def _local_moe(x, expert, slot, weight, w1, w2, w3=None, *, cap: int, experts: int, axes: tuple[str, ...],
+               seq: tuple[str, ...] = (), activation: str = "gelu"):
+    """Dispatch, experts (:func:`expert_mlp`), combine on one device's tokens; all-to-alls over ``axes``
+    when given. With ``seq`` (the axes splitting the sequence: context parallelism) each device holds a
+    part of every row: its buffer (only its tokens' slots filled) is summed over ``seq`` and scattered
+    over the slots (``cap`` is a multiple of their size), so each device runs the experts on ``C / size``
+    slots, and the outputs are gathered back over the slots before the combine."""
     dispatch, combine = _masks(expert, slot, weight, experts, cap, x.dtype)
     xe = jnp.einsum("gtec,gtd->gecd", dispatch, x)
     if seq:
         xe = jax.lax.psum_scatter(xe, seq, scatter_dimension=2, tiled=True)
     if axes:
         xe = jax.lax.all_to_all(xe, axes, split_axis=1, concat_axis=0, tiled=True)
-        ye = jnp.einsum("gecm,emd->gecd", constrain(jax.nn.gelu(jnp.einsum("gecd,edm->gecm", xe, w1)),
-                                                    (None, None, None, "mlp")), w2)
-        ye = jax.lax.all_to_all(ye, axes, split_axis=0, concat_axis=1, tiled=True)
+        h = constrain(_hidden(xe, w1, w3, activation), (None, None, None, "mlp"))
+        ye = jax.lax.all_to_all(jnp.einsum("gecm,emd->gecd", h, w2), axes, split_axis=0, concat_axis=1, tiled=True)
     else:
-        ye = expert_mlp(xe, w1, w2)
+        ye = expert_mlp(xe, w1, w2, w3, activation=activation)
     if seq:
         ye = jax.lax.all_gather(ye, seq, axis=2, tiled=True)
     return jnp.einsum("gtec,gecd->gtd", combine, ye)
@@ -138,9 +185,11 @@ def _check_ep(experts: int, groups: int, ep: tuple[str, ...], tokens: tuple[str,
 
 
 def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: jax.Array, w1: jax.Array,
-                     w2: jax.Array, *, capacity: int) -> jax.Array:
+                     w2: jax.Array, *, capacity: int, w3: jax.Array | None = None,
+                     activation: str = "gelu") -> jax.Array:
     """The experts' output for tokens ``x[G, T, D]`` routed by ``expert``, ``slot``, ``weight`` (``[G, T, k]``,
-    see :class:`~jaxpar.moe.routing.Routing`), with expert weights ``w1[E, D, M]``, ``w2[E, M, D]``.
+    see :class:`~jaxpar.moe.routing.Routing`), with expert weights ``w1[E, D, M]``, ``w2[E, M, D]`` and
+    optionally ``w3[E, D, M]`` (gated experts, :func:`expert_mlp`).
 
     Without rules, or when ``experts`` is not sharded, one dense computation (GSPMD shards it by the
     arrays' shardings). Otherwise expert parallelism as the module docstring draws it.
@@ -150,19 +199,26 @@ def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: j
       expert, slot, weight: the routing.
       w1, w2: stacked expert weights.
       capacity: buffer slots per group and expert.
+      w3: optional stacked up projections (gated experts; ``w1`` is then the gate), split like ``w1``.
+      activation: a key of :data:`ACTIVATIONS`.
 
     Returns:
       ``[G, T, D]``: ``sum_k weight * expert(x)`` over the kept choices.
     """
+    activation_fn(activation)
+    if w3 is not None and w3.shape != w1.shape:
+        raise MoEError(f"the experts' up projection w3 has shape {tuple(w3.shape)}; it must be shaped like the "
+                       f"gate projection w1, {tuple(w1.shape)} ([experts, embed, mlp]).")
     E = w1.shape[0]
-    local = dict(cap=capacity, experts=E)
+    local = dict(cap=capacity, experts=E, activation=activation)
+    ws = (w1, w2) if w3 is None else (w1, w2, w3)
     ctx = current_rules()
     if ctx is None:
-        return _local_moe(x, expert, slot, weight, w1, w2, axes=(), **local)
+        return _local_moe(x, expert, slot, weight, *ws, axes=(), **local)
     mesh, rules = ctx
     ep = ep_axes(mesh, rules)
     if not ep:
-        return _local_moe(x, expert, slot, weight, w1, w2, axes=(), **local)
+        return _local_moe(x, expert, slot, weight, *ws, axes=(), **local)
     tokens = token_axes(mesh, rules, ep)
     _check_ep(E, x.shape[0], ep, tokens, _sizes(mesh))
     seq = sequence_axes(mesh, rules, tokens + ep)
@@ -174,8 +230,8 @@ def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: j
     tok = PartitionSpec(entry(tokens), entry(seq)) if seq else PartitionSpec(entry(tokens))
     wspec = PartitionSpec(entry(ep))
 
-    def body(x, expert, slot, weight, w1, w2):
-        return _local_moe(x, expert, slot, weight, w1, w2, axes=ep, seq=seq, **local)
+    def body(x, expert, slot, weight, ws):      # ws: (w1, w2[, w3]), each split over ``ep`` on its experts axis
+        return _local_moe(x, expert, slot, weight, *ws, axes=ep, seq=seq, **local)
 
-    return jax.shard_map(body, mesh=shard_map_mesh(mesh), in_specs=(tok, tok, tok, tok, wspec, wspec), out_specs=tok,
-                         axis_names=set(tokens) | set(ep) | set(seq), check_vma=False)(x, expert, slot, weight, w1, w2)
+    return jax.shard_map(body, mesh=shard_map_mesh(mesh), in_specs=(tok, tok, tok, tok, wspec), out_specs=tok,
+                         axis_names=set(tokens) | set(ep) | set(seq), check_vma=False)(x, expert, slot, weight, ws)

@@ -8,9 +8,16 @@ stats.z_loss`` to its loss.
 
 Parameters (logical names in :data:`MOE_LOGICAL`): ``router[D, E]``, expert weights ``w1[E, D, M]`` and
 ``w2[E, M, D]`` stacked on a leading ``experts`` axis, optional shared experts ``shared_w1[D, S]``,
-``shared_w2[S, D]`` (an always-on GELU MLP) and the aux-loss-free balancing bias ``router_bias[E]``
+``shared_w2[S, D]`` (an always-on MLP) and the aux-loss-free balancing bias ``router_bias[E]``
 (a :class:`RouterBias` variable, not a ``Param``: the optimizer leaves it alone, the step updates it
 with :func:`~jaxpar.moe.routing.update_router_bias`).
+
+**Gated experts** (Mixtral, Qwen2/3-MoE, DeepSeek): with ``w3[E, D, M]`` (named and split like ``w1``)
+an expert computes ``(act(x w1) * (x w3)) w2``: ``w1`` is the gate projection, ``w3`` the up projection
+and ``w2`` the down projection (Mixtral's ``w1``/``w3``/``w2``; Hugging Face Qwen3-MoE's ``gate_proj``,
+``up_proj``, ``down_proj``, transposed to ``[in, out]``). ``shared_w3[D, S]`` gates the shared experts
+alike. ``act`` is ``moe_apply``'s ``activation``: ``"gelu"`` (the default) or ``"silu"`` (SwiGLU, what
+those models use). Without ``w3`` an expert is ``act(x w1) w2``.
 
 >>> import jax.numpy as jnp
 >>> from flax import nnx
@@ -35,7 +42,7 @@ from flax import nnx
 from ..loss_metrics import with_reported_metrics
 from ..rules import constrain
 from ..scoped import scoped
-from .dispatch import dispatch_combine
+from .dispatch import activation_fn, dispatch_combine
 from .routing import MoEError, MoEStats, check_options, route, routing_stats
 
 __all__ = ["LAYER_LOADS", "MOE_LOGICAL", "MoE", "MoECalls", "RouterBias", "count_moe_calls", "moe_apply", "note_aux_loss",
@@ -46,7 +53,8 @@ __all__ = ["LAYER_LOADS", "MOE_LOGICAL", "MoE", "MoECalls", "RouterBias", "count
 MOE_LOGICAL = {
     "router": ("embed", None), "router_bias": (None,),
     "w1": ("experts", "embed", "mlp"), "w2": ("experts", "mlp", "embed"),
-    "shared_w1": ("embed", "mlp"), "shared_w2": ("mlp", "embed"),
+    "w3": ("experts", "embed", "mlp"),
+    "shared_w1": ("embed", "mlp"), "shared_w2": ("mlp", "embed"), "shared_w3": ("embed", "mlp"),
 }
 
 
@@ -162,20 +170,45 @@ class RouterBias(nnx.Variable):
     """The aux-loss-free balancing bias: state updated by the step, not by the optimizer."""
 
 
-def shared_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array) -> jax.Array:
-    """The shared experts: one GELU MLP on every token, ``x[G, T, D]``, ``w1[D, S]``, ``w2[S, D]``."""
-    h = constrain(jax.nn.gelu(jnp.einsum("gtd,ds->gts", x, w1)), ("batch", "length", "mlp"))
+def shared_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array | None = None, *,
+               activation: str = "gelu") -> jax.Array:
+    """The shared experts: one MLP on every token, ``act(x w1) w2``, or gated ``(act(x w1) * (x w3)) w2``.
+
+    Args:
+      x: tokens ``[G, T, D]``.
+      w1: ``[D, S]``, the gate projection when ``w3`` is given.
+      w2: ``[S, D]``, the down projection.
+      w3: optional ``[D, S]`` up projection.
+      activation: a key of :data:`~jaxpar.moe.dispatch.ACTIVATIONS`.
+
+    Returns:
+      ``[G, T, D]``.
+    """
+    h = activation_fn(activation)(jnp.einsum("gtd,ds->gts", x, w1))
+    if w3 is not None:
+        h = h * jnp.einsum("gtd,ds->gts", x, w3)
+    h = constrain(h, ("batch", "length", "mlp"))
     return constrain(jnp.einsum("gts,sd->gtd", h, w2), ("batch", "length", "embed"))
+
+
+def _check_params(params: dict[str, jax.Array]) -> None:
+    """An :class:`MoEError` for an up projection without its gate projection or of another shape."""
+    for up, gate in (("w3", "w1"), ("shared_w3", "shared_w1")):
+        if up in params and (gate not in params or params[up].shape != params[gate].shape):
+            got = tuple(params[gate].shape) if gate in params else "none"
+            raise MoEError(f"params[{up!r}] (the up projection of gated experts) has shape {tuple(params[up].shape)}; "
+                           f"it must be shaped like the gate projection params[{gate!r}] (got {got}).")
 
 
 def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gate: str = "softmax",
               capacity_factor: float | None = 1.25, normalize: bool = True,
-              balance_load: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
+              balance_load: jax.Array | None = None, activation: str = "gelu") -> tuple[jax.Array, MoEStats]:
     """The MoE layer on ``x[G, T, D]`` (``G`` groups = batch rows, ``T`` tokens each).
 
     Args:
-      params: ``router``, ``w1``, ``w2``; optionally ``shared_w1`` and ``shared_w2``, and ``router_bias``
-        (selection only, no gradient).
+      params: ``router``, ``w1``, ``w2``, optionally ``w3`` (gated experts: ``w1`` the gate, ``w3`` the up
+        projection); optionally ``shared_w1`` and ``shared_w2`` (and ``shared_w3``: gated), and
+        ``router_bias`` (selection only, no gradient).
       x: tokens.
       top_k: experts per token.
       gate: ``"softmax"`` or ``"sigmoid"``.
@@ -183,19 +216,24 @@ def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gat
       normalize: normalise the top-k combine weights to sum to 1.
       balance_load: optional ``[E]`` load of the whole step for the aux loss's ``f`` (micro-batches:
         see :func:`~jaxpar.moe.routing.routing_stats`); by default this call's own load.
+      activation: the experts' (and shared experts') activation, ``"gelu"`` (``jax.nn.gelu``, tanh
+        approximation) or ``"silu"``.
 
     Returns:
       ``(y[G, T, D], stats)``; ``y`` is the routed experts' output plus the shared experts'.
     """
+    activation_fn(activation)
+    _check_params(params)
     calls = _CALLS.get()
     if calls is not None:
         calls.layers += 1
     bias = params.get("router_bias")
     r = route(x, params["router"], top_k=top_k, gate=gate, capacity_factor=capacity_factor, normalize=normalize,
               bias=None if bias is None else jax.lax.stop_gradient(bias))
-    y = dispatch_combine(x, r.expert, r.slot, r.weight, params["w1"], params["w2"], capacity=r.capacity)
+    y = dispatch_combine(x, r.expert, r.slot, r.weight, params["w1"], params["w2"], capacity=r.capacity,
+                         w3=params.get("w3"), activation=activation)
     if "shared_w1" in params:
-        y = y + shared_mlp(x, params["shared_w1"], params["shared_w2"])
+        y = y + shared_mlp(x, params["shared_w1"], params["shared_w2"], params.get("shared_w3"), activation=activation)
     return y, routing_stats(r, balance_load)
 
 
@@ -204,11 +242,13 @@ def _normal(rngs: nnx.Rngs, shape, logical, std) -> nnx.Param:
 
 
 class MoE(nnx.Module):
-    """A mixture-of-experts MLP: ``experts`` GELU MLPs ``embed -> mlp -> embed``, top-k routed.
+    """A mixture-of-experts MLP: ``experts`` MLPs ``embed -> mlp -> embed``, top-k routed.
 
     Args:
       embed, mlp, experts: sizes ``D``, ``M``, ``E``.
-      top_k, gate, capacity_factor, normalize: as :func:`moe_apply`.
+      top_k, gate, capacity_factor, normalize, activation: as :func:`moe_apply`.
+      gated: gated experts: an up projection ``w3`` (and ``shared_w3`` with shared experts); with
+        ``activation="silu"`` the SwiGLU experts of Mixtral / Qwen3-MoE / DeepSeek.
       shared_mlp: hidden size ``S`` of the shared experts (0: none).
       router_bias: keep an aux-loss-free balancing bias (:class:`RouterBias`).
       init_std: standard deviation of the initial weights.
@@ -217,9 +257,12 @@ class MoE(nnx.Module):
 
     def __init__(self, embed: int, mlp: int, experts: int, *, top_k: int = 2, gate: str = "softmax",
                  capacity_factor: float | None = 1.25, normalize: bool = True, shared_mlp: int = 0,
-                 router_bias: bool = False, init_std: float = 0.02, rngs: nnx.Rngs):
+                 router_bias: bool = False, gated: bool = False, activation: str = "gelu", init_std: float = 0.02,
+                 rngs: nnx.Rngs):
         check_options(experts, top_k, gate, capacity_factor)
-        self.options = dict(top_k=top_k, gate=gate, capacity_factor=capacity_factor, normalize=normalize)
+        activation_fn(activation)
+        self.options = dict(top_k=top_k, gate=gate, capacity_factor=capacity_factor, normalize=normalize,
+                            activation=activation)
         D, M, E, S = embed, mlp, experts, shared_mlp
         with nnx.use_eager_sharding(False):     # jaxpar places the state (as the GPT does)
             self.router = _normal(rngs, (D, E), MOE_LOGICAL["router"], init_std)
@@ -229,10 +272,13 @@ class MoE(nnx.Module):
             self.shared_w2 = _normal(rngs, (S, D), MOE_LOGICAL["shared_w2"], init_std) if S else None
             self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32),
                                           out_sharding=MOE_LOGICAL["router_bias"]) if router_bias else None
+            # drawn last: the other weights are those of the same layer without gating
+            self.w3 = _normal(rngs, (E, D, M), MOE_LOGICAL["w3"], init_std) if gated else None
+            self.shared_w3 = _normal(rngs, (D, S), MOE_LOGICAL["shared_w3"], init_std) if gated and S else None
 
     def params(self) -> dict[str, Any]:
         """The arrays :func:`moe_apply` takes."""
-        names = ("router", "w1", "w2", "shared_w1", "shared_w2", "router_bias")
+        names = ("router", "w1", "w2", "w3", "shared_w1", "shared_w2", "shared_w3", "router_bias")
         return {n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}
 
     def __call__(self, x: jax.Array, balance_load: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:

@@ -17,6 +17,15 @@ The top-k experts of a token are those with the largest ``scores + bias`` (ties:
 equals a softmax over the top-k logits). With ``top_k=1`` and ``normalize`` the weight is 1 and the
 router learns only from the losses: Switch (``normalize=False``) keeps the probability.
 
+This is Hugging Face's Qwen3-MoE / Qwen2-MoE / Mixtral router: ``probs = softmax(x @ router, float32)``,
+``weights, experts = topk(probs, k)``, divided by their sum when ``norm_topk_prob`` (``normalize``),
+and the layer's output ``sum_k weights_k * expert_k(x)``; dropless (``capacity_factor=None``) no choice
+is dropped, so :func:`~jaxpar.moe.layer.moe_apply` is that formula (fp32 round-off aside). On exactly
+equal scores the lower expert index comes first, as in ``jax.lax.top_k`` (and ``torch.topk`` as it runs
+in practice; PyTorch does not document its order on ties). One difference: here the logits are
+computed from ``x`` and ``router`` cast to float32, where Hugging Face multiplies in the model's dtype
+and casts the logits to float32 for the softmax; the two agree for float32 weights and activations.
+
 **Capacity** (GShard, per group and expert): ``C = min(T, ceil(capacity_factor * T * k / E))``, or
 ``C = T`` (dropless: a token picks an expert at most once, so at most ``T`` of a group's choices go
 to one expert). Priority: all first choices of a group before any second choice (choice rank), then

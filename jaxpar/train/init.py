@@ -27,7 +27,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ __all__ = ["init_train_state", "state_layout", "raise_table_problems"]
 
 
 def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
-                     strategy: Strategy = Strategy()) -> tuple[TrainState, StateLayout]:
+                     strategy: Strategy = Strategy(), *, params: Any = None) -> tuple[TrainState, StateLayout]:
     """Create the train state directly in its sharded layout.
 
     ``model_fn()`` builds the model (eager sharding is turned off inside it: jaxpar places the
@@ -61,12 +61,16 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTrans
       mesh: the device mesh.
       strategy: what to do with the mesh axes; the layout records it, and
         :func:`jaxpar.make_train_step` runs it.
+      params: start from these parameters instead of ``model_fn``'s (e.g. :meth:`jaxpar.hf.Checkpoint.load`
+        onto ``state_layout(...).params``); the optimizer state starts fresh.
 
     Returns:
       ``(state, layout)``: the :class:`TrainState`, already sharded, and its :class:`StateLayout`.
     """
     layout, init = _layout_and_init(model_fn, tx, mesh, strategy)
-    return jax.jit(init, out_shardings=layout.shardings())(), layout
+    if params is None:
+        return jax.jit(init, out_shardings=layout.shardings())(), layout
+    return jax.jit(init, out_shardings=layout.shardings())(params), layout
 
 
 def state_layout(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
@@ -126,15 +130,19 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
     if stashed:     # weight stashing keeps the newest older versions of every stage, newest first
         layout = replace(layout, versions=(layout.params,) * stashed, versions_shapes=(layout.shapes,) * stashed)
 
-    def init():
-        with nnx.use_eager_sharding(False):
-            model = model_fn()
-        p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    def init(p=None):
+        p = _model_params(model_fn) if p is None else p
         older = jax.tree.map(jnp.copy, p) if two_bw else ()
         older = tuple(jax.tree.map(jnp.copy, p) for _ in range(stashed)) if stashed else older
         return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), codec=codec_init(), versions=older)
 
     return layout, init
+
+
+def _model_params(model_fn: Callable[[], nnx.Module]) -> Any:
+    with nnx.use_eager_sharding(False):
+        model = model_fn()
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def _stacking(model_fn: Callable[[], nnx.Module]) -> Callable[[], nnx.Module]:
@@ -195,10 +203,8 @@ def _relaxed_layout_and_init(model_fn, tx, layout: StateLayout, strategy: Strate
 
     layout, make = relaxed_layout(layout, tx, strategy)
 
-    def init():
-        with nnx.use_eager_sharding(False):
-            model = model_fn()
-        p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    def init(p=None):
+        p = _model_params(model_fn) if p is None else p
         opt_state, sync = make(p)
         return TrainState(jnp.zeros((), jnp.int32), p, opt_state, sync=sync)
 

@@ -1,0 +1,17 @@
+"""Hugging Face checkpoints in and out: Llama-3, Qwen3, Qwen3-MoE and Gemma-3 text models.
+
+- :func:`open_checkpoint` reads a checkpoint directory's ``config.json`` (either dialect) into a
+  :class:`~jaxpar.models.DecoderConfig` and checks its tensors; :meth:`Checkpoint.load` reads each
+  device's shard straight from the safetensors files into any layout.
+- :func:`export` writes parameters of any layout back, one tensor at a time.
+- :func:`load_tokenizer` loads the checkpoint's ``tokenizer.json``.
+"""
+from .checkpoint import Checkpoint, HFCheckpointError, open_checkpoint
+from .config import FAMILIES, HFConfigError, decoder_config, hf_config_dict, read_config
+from .export import HFExportError, export
+from .files import CheckpointFiles, HFFilesError, write_safetensors
+from .keys import EXPERT_LAYOUTS, TensorMap, tensor_maps
+
+__all__ = ["Checkpoint", "HFCheckpointError", "open_checkpoint", "FAMILIES", "HFConfigError", "decoder_config",
+           "hf_config_dict", "read_config", "HFExportError", "export", "CheckpointFiles", "HFFilesError",
+           "write_safetensors", "EXPERT_LAYOUTS", "TensorMap", "tensor_maps"]

@@ -1,0 +1,158 @@
+"""Writing a :class:`~jaxpar.models.Decoder`'s parameters as a Hugging Face checkpoint.
+
+:func:`export` streams one file tensor at a time: each is gathered from its (sharded) parameter,
+rearranged back to the checkpoint's layout (:func:`jaxpar.hf.boxes.file_tensor`), cast to the
+checkpoint's dtype and written, so the host holds at most one tensor (and its gathered copy).
+Files are cut at ``max_shard_bytes`` with ``model.safetensors.index.json`` beside them, as
+``transformers`` writes them. From an imported checkpoint it keeps what the source had: its
+``config.json``, its tokenizer and generation files, its expert layout, and ``lm_head.weight`` exactly
+when the source stored it; an import followed by an export is byte-identical tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ..models.decoder import DecoderConfig
+from .boxes import file_tensor
+from .checkpoint import Checkpoint, _flatten
+from .config import hf_config_dict
+from .files import DTYPES, INDEX, SAFETENSORS_DTYPE, write_safetensors
+from .keys import stack_counts, tensor_maps
+
+__all__ = ["HFExportError", "export"]
+
+_OWN = ("config.json", INDEX)
+
+
+class HFExportError(ValueError):
+    """An export that would overwrite files, or lacks what it needs to write the checkpoint."""
+
+
+@functools.lru_cache(maxsize=None)
+def _take(n: int, mesh: Any):
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(lambda a, *i: a[i] if i else a, out_shardings=replicated)
+
+
+def _element(array: Any, combo: tuple[int, ...]) -> np.ndarray:
+    """``array[combo]`` on the host, gathered from every process's shards."""
+    mesh = getattr(getattr(array, "sharding", None), "mesh", None)
+    if mesh is None or not isinstance(array, jax.Array):
+        return np.asarray(array)[combo]
+    out = _take(len(combo), mesh)(array, *(np.int32(c) for c in combo))
+    return np.asarray(out.addressable_data(0))
+
+
+def _sources(params: Any, cfg: DecoderConfig, maps: dict) -> dict[str, list]:
+    """``{file key: [(TensorMap, parameter, stacked index), ...]}`` in the maps' order."""
+    flat, counts, out = _flatten(params), stack_counts(cfg), {}
+    for path, m in maps.items():
+        for key, combo in zip(m.keys(counts), _combos(m, counts)):
+            out.setdefault(key, []).append((m, flat[path], combo))
+    return out
+
+
+def _combos(m, counts) -> list[tuple[int, ...]]:
+    import itertools
+    return list(itertools.product(*(range(counts[f]) for f in m.stack)))
+
+
+def _shards(entries: dict[str, tuple], max_bytes: int) -> list[dict[str, tuple]]:
+    files, current, size = [], {}, 0
+    for key, (shape, dtype) in entries.items():
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+        if current and size + nbytes > max_bytes:
+            files, current, size = files + [current], {}, 0
+        current[key], size = (shape, dtype), size + nbytes
+    return files + [current]
+
+
+def _prepare(out: Path, overwrite: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise HFExportError(f"export: {out} is not empty; choose an empty or new directory, or pass "
+                                "overwrite=True (jaxpar export --overwrite) to replace its checkpoint files.")
+        for f in list(out.glob("*.safetensors")) + [out / INDEX]:
+            f.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export(params: Any, out: str | Path, *, source: Checkpoint | None = None, config: DecoderConfig | None = None,
+           family: str | None = None, dtype: str | None = None, max_shard_bytes: int = 5 * 2 ** 30,
+           overwrite: bool = False) -> None:
+    """Write ``params`` (a :class:`~jaxpar.models.Decoder`'s parameter dict, any layout) as a checkpoint.
+
+    Args:
+      params: the parameters (global ``jax.Array``s in any sharding, or host arrays).
+      out: the directory to write.
+      source: the imported checkpoint: its config, dtype, expert layout, head and files are kept.
+      config, family: without ``source``, the model's config and ``model_type`` (``config.json`` is
+        written from them).
+      dtype: the tensors' dtype name (``"bfloat16"``, ``"float32"``); default: the source's, else fp32.
+      max_shard_bytes: the largest safetensors file.
+      overwrite: replace the checkpoint files of a non-empty ``out``.
+
+    Raises:
+      HFExportError: ``out`` is not empty (and not ``overwrite``), or neither ``source`` nor
+        ``config`` and ``family`` are given.
+    """
+    if source is None and (config is None or family is None):
+        raise HFExportError("export: give source= (the imported Checkpoint) or both config= and family=.")
+    cfg = source.config if source is not None else config
+    family = source.family if source is not None else family
+    dtype = dtype or (source.dtype if source is not None else "float32")
+    if dtype not in SAFETENSORS_DTYPE:
+        raise HFExportError(f"export: dtype={dtype!r}; choose one of {sorted(SAFETENSORS_DTYPE)}.")
+    out = Path(out)
+    _prepare(out, overwrite)
+    maps = source.maps if source is not None else tensor_maps(cfg, family)
+    sources = _sources(params, cfg, maps)
+    if source is not None and source.has_lm_head and cfg.tie_embeddings:
+        sources["lm_head.weight"] = sources["model.embed_tokens.weight"]
+    order = [k for k in source.files.order if k in sources] if source is not None else sorted(sources)
+    st = SAFETENSORS_DTYPE[dtype]
+    entries = {k: (sources[k][0][0].file, st) for k in order}
+    _write_files(out, entries, sources, max_shard_bytes, DTYPES[st])
+    if jax.process_index() == 0:
+        _write_config(out, source, cfg, family, dtype)
+
+
+def _write_files(out: Path, entries: dict, sources: dict, max_bytes: int, np_dtype) -> None:
+    shards, weight_map = _shards(entries, max_bytes), {}
+    writer = jax.process_index() == 0
+    for i, shard in enumerate(shards):
+        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = (file_tensor([(m, _element(a, c)) for m, a, c in sources[k]]).astype(np_dtype) for k in shard)
+        if writer:
+            write_safetensors(out / name, shard, tensors)
+        else:
+            for _ in tensors:       # every process takes part in each gather
+                pass
+        weight_map.update({k: name for k in shard})
+    if len(shards) > 1 and writer:
+        total = sum(int(np.prod(s, dtype=np.int64)) * DTYPES[d].itemsize for s, d in entries.values())
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _write_config(out: Path, source: Checkpoint | None, cfg: DecoderConfig, family: str, dtype: str) -> None:
+    if source is None:
+        (out / "config.json").write_text(json.dumps(hf_config_dict(cfg, family, dtype), indent=2, sort_keys=True))
+        return
+    for f in source.path.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in _OWN:
+            shutil.copy2(f, out / f.name)
+    hf = dict(source.hf_config)
+    if dtype != source.dtype:
+        for name in ("dtype", "torch_dtype"):
+            if name in hf or (name == "dtype" and "torch_dtype" not in hf):
+                hf[name] = dtype
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")

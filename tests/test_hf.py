@@ -1,0 +1,270 @@
+"""Hugging Face checkpoints in and out (jaxpar.hf, jaxpar.models.decoder), against ``transformers``.
+
+The checkpoints are tiny random models built locally (tests/hf_fixtures.py), with dimensions chosen
+unequal so that no transpose passes by accident. Parity runs in fp32 at the highest matmul precision
+on both sides.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+import jaxpar
+from jaxpar.hf import (HFCheckpointError, HFConfigError, HFExportError, HFFilesError, export,
+                       open_checkpoint)
+from jaxpar.models import Decoder, decoder_loss
+from jaxpar.train.sample import greedy_generate
+
+hf_fixtures = pytest.importorskip("hf_fixtures")
+pytest.importorskip("transformers")
+
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """``{name: path}``: every family (transformers 5's config dialect), and the variants."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {f: hf_fixtures.build_checkpoint(f, root / f) for f in FAMILIES}
+    out["llama_hub"] = hf_fixtures.build_checkpoint("llama", root / "llama_hub", dialect="hub")
+    out["gemma3_hub"] = hf_fixtures.build_checkpoint("gemma3", root / "gemma3_hub", dialect="hub")
+    out["qwen3_moe_fused"] = hf_fixtures.build_checkpoint("qwen3_moe", root / "moe_fused", experts_layout="fused")
+    return out
+
+
+def one_device(path, **overrides):
+    """The checkpoint on one device: ``(checkpoint, model)``."""
+    ckpt = open_checkpoint(path, **overrides)
+    mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(ckpt.model_fn())
+    specs = jax.tree.map(lambda _: PartitionSpec(), nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    return ckpt, nnx.merge(nnx.graphdef(abstract), ckpt.load(mesh, specs))
+
+
+def tokens_for(vocab, shape, seed=0):
+    return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
+
+
+@pytest.mark.parametrize("name", FAMILIES + ("llama_hub", "gemma3_hub", "qwen3_moe_fused"))
+def test_fp32_logits_match_transformers(ckpts, name):
+    ckpt, model = one_device(ckpts[name])
+    tokens = tokens_for(ckpt.config.vocab, (2, 24))
+    with jax.default_matmul_precision("highest"):
+        ours = np.asarray(jax.jit(lambda t: model(t))(tokens))
+    ref = hf_fixtures.reference_logits(ckpts[name], tokens)
+    assert np.abs(ours - ref).max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_decode_matches_transformers(ckpts, name):
+    ckpt, model = one_device(ckpts[name])
+    prompt = tokens_for(ckpt.config.vocab, (6,), seed=1).tolist()
+    graphdef, params = nnx.split(model, nnx.Param)
+    with jax.default_matmul_precision("highest"):
+        ours = greedy_generate(graphdef, params, [prompt], context=38, new_tokens=32)[0][len(prompt):]
+    assert ours == hf_fixtures.reference_greedy(ckpts[name], prompt, new_tokens=32)
+
+
+def packed_row(docs):
+    """One row holding ``docs``: tokens, targets, segment ids (from 1), positions restarting per
+    document, and a loss mask that drops each document's last target (the next document's first token)."""
+    tokens = np.concatenate(docs)
+    seg = np.concatenate([np.full(len(d), i + 1) for i, d in enumerate(docs)])
+    pos = np.concatenate([np.arange(len(d)) for d in docs])
+    targets = np.concatenate([tokens[1:], [0]])
+    mask = np.concatenate([np.r_[np.ones(len(d) - 1), 0] for d in docs])
+    return {k: jnp.asarray(v[None], jnp.int32 if k != "loss_mask" else jnp.float32) for k, v in
+            {"tokens": tokens, "targets": targets, "segment_ids": seg, "positions": pos, "loss_mask": mask}.items()}
+
+
+@pytest.mark.parametrize("name", ("llama", "gemma3"))
+def test_packed_row_equals_documents_alone(ckpts, name):
+    """Per-token losses of a row of three documents equal ``transformers`` on each document alone."""
+    ckpt, model = one_device(ckpts[name])
+    docs = [tokens_for(ckpt.config.vocab, (n,), seed=n) for n in (7, 11, 6)]
+    row = packed_row(docs)
+    with jax.default_matmul_precision("highest"):
+        logits = model(row["tokens"], row["positions"], row["segment_ids"])
+    logp = jax.nn.log_softmax(logits[0], axis=-1)
+    nll = -np.asarray(jnp.take_along_axis(logp, row["targets"][0][:, None], axis=-1)[:, 0])
+    refs = hf_fixtures.reference_doc_losses(ckpts[name], docs)
+    start = 0
+    for doc, ref in zip(docs, refs):
+        np.testing.assert_allclose(nll[start:start + len(doc) - 1], ref, atol=1e-5)
+        start += len(doc)
+    masked = float(decoder_loss(model, row))
+    np.testing.assert_allclose(masked, np.mean(np.concatenate(refs)), rtol=1e-5)
+
+
+def sha256_tensors(path):
+    files = jaxpar.hf.CheckpointFiles(path)
+    return {k: (files.dtype(k), files.shape(k), hashlib.sha256(files.read(k, ()).tobytes()).hexdigest())
+            for k in files.where}
+
+
+@pytest.mark.parametrize("name", ("llama", "qwen3", "qwen3_moe_fused", "gemma3_hub"))
+def test_round_trip_is_byte_identical(ckpts, name, tmp_path):
+    ckpt, model = one_device(ckpts[name])
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    export(params, tmp_path / "out", source=ckpt)
+    assert sha256_tensors(tmp_path / "out") == sha256_tensors(ckpts[name])
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == ckpt.hf_config
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (ckpts[name] / "tokenizer.json").read_bytes()
+
+
+def test_round_trip_bf16_and_several_files(tmp_path):
+    src = hf_fixtures.build_checkpoint("qwen3", tmp_path / "src", dtype="bfloat16", lm_head_on_disk=True,
+                                       shard_size="40KB")
+    assert (src / "model.safetensors.index.json").is_file()
+    ckpt, model = one_device(src)
+    assert ckpt.dtype == "bfloat16" and ckpt.has_lm_head and ckpt.config.tie_embeddings
+    export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), tmp_path / "out", source=ckpt, max_shard_bytes=40_000)
+    assert sha256_tensors(tmp_path / "out") == sha256_tensors(src)
+    with pytest.raises(HFExportError, match="not empty"):
+        export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), tmp_path / "out", source=ckpt)
+
+
+# ----------------------------------------------------------------------------- bad input
+def _edit_config(src, dst, **changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_unsupported_architecture_lists_the_supported(ckpts, tmp_path):
+    bad = _edit_config(ckpts["llama"], tmp_path / "bad", model_type="mistral")
+    with pytest.raises(HFConfigError, match="'mistral'.*gemma3_text.*llama.*qwen3"):
+        open_checkpoint(bad)
+
+
+def test_shape_mismatch_names_key_and_shapes(ckpts, tmp_path):
+    bad = _edit_config(ckpts["llama"], tmp_path / "bad", intermediate_size=81)
+    with pytest.raises(HFCheckpointError, match=r"mlp\.gate_proj\.weight.*\[80, 48\].*\[81, 48\]"):
+        open_checkpoint(bad)
+
+
+def test_missing_and_unexpected_keys_are_listed(ckpts, tmp_path):
+    bad = _edit_config(ckpts["llama"], tmp_path / "bad", num_hidden_layers=3)
+    with pytest.raises(HFCheckpointError, match=r"missing \['model\.layers\.2\."):
+        open_checkpoint(bad)
+    bad = _edit_config(ckpts["llama"], tmp_path / "bad1", num_hidden_layers=1)
+    with pytest.raises(HFCheckpointError, match=r"unexpected \['model\.layers\.1\."):
+        open_checkpoint(bad)
+
+
+def test_untied_config_without_head_is_named(ckpts, tmp_path):
+    bad = _edit_config(ckpts["qwen3"], tmp_path / "bad", tie_word_embeddings=False)
+    with pytest.raises(HFCheckpointError, match="tie_word_embeddings is false.*no lm_head.weight"):
+        open_checkpoint(bad)
+
+
+def test_tied_config_with_different_head_is_named(ckpts, tmp_path):
+    bad = _edit_config(ckpts["llama"], tmp_path / "bad", tie_word_embeddings=True)
+    with pytest.raises(HFCheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        open_checkpoint(bad)
+
+
+def test_missing_files_and_fields_are_named(ckpts, tmp_path):
+    with pytest.raises(HFConfigError, match="no config.json"):
+        open_checkpoint(tmp_path)
+    bad = _edit_config(ckpts["llama"], tmp_path / "bad", hidden_size=None)
+    with pytest.raises(HFConfigError, match="'hidden_size' is missing"):
+        open_checkpoint(bad)
+    for f in bad.glob("*.safetensors"):
+        f.unlink()
+    (bad / "config.json").write_text((ckpts["llama"] / "config.json").read_text())
+    with pytest.raises(HFFilesError, match="no \\*.safetensors"):
+        open_checkpoint(bad)
+
+
+def test_unsupported_rope_type_is_named(ckpts, tmp_path):
+    bad = _edit_config(ckpts["llama"], tmp_path / "bad", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+                                                                           "factor": 2.0})
+    with pytest.raises(HFConfigError, match="rope type 'yarn'.*'default', 'linear', 'llama3'"):
+        open_checkpoint(bad)
+
+
+# ----------------------------------------------------------------------------- every layout
+LAYOUTS = {      # name: (family, mesh axes, strategy, step options)
+    "dp8": ("llama", {"data": 8}, jaxpar.Strategy(), {}),
+    "fsdp8-zero3": ("llama", {"fsdp": 8}, jaxpar.Strategy(zero=3), {}),
+    "fsdp4-tp2-sp": ("qwen3", {"fsdp": 4, "tensor": 2},     # the vocabulary of 131 does not split over tensor
+                     jaxpar.Strategy(sequence_parallel=True, extra_rules=(("vocab", None),)), {}),
+    "pipe2-dp2-1f1b": ("llama", {"pipe": 2, "data": 2}, jaxpar.Strategy(microbatches=4, schedule="1f1b"), {}),
+    "ep4": ("qwen3_moe", {"data": 2, "expert": 4}, jaxpar.Strategy(), {}),
+    "cp2-ring-packed": ("gemma3", {"data": 2, "context": 2},
+                        jaxpar.Strategy(context=jaxpar.context.ContextParallel("ring", balance=True)), {}),
+}
+
+
+def layout_batch(vocab, packed: bool):
+    """8 rows of 16 tokens; packed: each row holds documents of 5, 7 and 4 tokens."""
+    toks = tokens_for(vocab, (8, 17), seed=3)
+    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:]}
+    if packed:
+        lengths = (5, 7, 4)
+        batch["segment_ids"] = np.tile(np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)]), (8, 1))
+        batch["positions"] = np.tile(np.concatenate([np.arange(n) for n in lengths]), (8, 1))
+        batch["loss_mask"] = np.tile(np.concatenate([np.r_[np.ones(n - 1), 0] for n in lengths]), (8, 1))
+    return {k: jnp.asarray(v, jnp.float32 if k == "loss_mask" else jnp.int32) for k, v in batch.items()}
+
+
+def train_on_layout(path, axes, strategy, batch, steps=3, lr=1e-3):
+    """Load the checkpoint straight into the layout of ``axes`` x ``strategy``, train ``steps`` AdamW
+    steps; returns the helpers' RunResult and the loaded parameters' specs."""
+    from helpers import RunResult, keep_grads
+    import optax
+
+    n = int(np.prod(list(axes.values())))
+    mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:n])
+    ckpt = open_checkpoint(path)
+    tx = optax.chain(keep_grads(), optax.adamw(lr, weight_decay=0.1))
+    layout = jaxpar.state_layout(ckpt.model_fn(), tx, mesh, strategy)
+    params = ckpt.load(mesh, layout.params)
+    state, layout = jaxpar.init_train_state(ckpt.model_fn(), tx, mesh, strategy, params=params)
+    step = jaxpar.make_train_step(decoder_loss, tx, layout, strategy)
+    sharded = jaxpar.shard_batch(batch, mesh)
+    losses, grads = [], None
+    for _ in range(steps):
+        state, metrics = step(state, sharded)
+        losses.append(float(metrics["loss"]))
+        grads = jax.device_get(state.opt_state[0].grads) if grads is None else grads
+    return RunResult(np.array(losses), jax.device_get(state.params), grads, lr, steps), layout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_layout_trains_like_one_device(ckpts, name):
+    """Loaded straight into the layout, three AdamW steps equal one device's: losses, first gradients,
+    parameters (the helpers' fp32 bounds); the forward's logits too, outside a pipeline."""
+    from helpers import assert_runs_match
+
+    family, axes, strategy, _ = LAYOUTS[name]
+    batch = layout_batch(open_checkpoint(ckpts[family]).config.vocab, packed="packed" in name)
+    got, layout = train_on_layout(ckpts[family], axes, strategy, batch)
+    want, _ = train_on_layout(ckpts[family], {"data": 1}, jaxpar.Strategy(), batch)
+    assert_runs_match(got, want)
+    if "pipe" not in axes:
+        ckpt, model = one_device(ckpts[family])
+        ref = np.asarray(jax.jit(lambda t: model(t))(batch["tokens"]))
+        params = ckpt.load(layout.mesh, layout.params)
+        sharded = nnx.merge(nnx.graphdef(model), params)
+        with jaxpar.use_rules(layout.mesh, layout.rules), jaxpar.context.use_context_parallel("ring"):
+            out = np.asarray(jax.jit(lambda t: sharded(t))(jaxpar.shard_batch({"t": batch["tokens"]},
+                                                                                layout.mesh)["t"]))
+        np.testing.assert_allclose(out, ref, atol=1e-5)
