@@ -17,13 +17,28 @@ Qwen3-MoE experts are written per expert (``mlp.experts.{j}.{gate,up,down}_proj.
 Hub has and what transformers 5's ``save_pretrained`` writes) or, with ``experts_layout="fused"``,
 as transformers 5's in-memory tensors: ``mlp.experts.gate_up_proj`` ``[E, 2*I, H]`` (rows ``:I`` are
 expert j's ``gate_proj.weight``, rows ``I:`` its ``up_proj.weight``) and ``mlp.experts.down_proj``
-``[E, H, I]`` (expert j's ``down_proj.weight``). Transformers 5 loads the fused layout too.
+``[E, H, I]`` (expert j's ``down_proj.weight``), the order of transformers 5's ``qwen2_moe`` conversion
+mapping (``MergeModulelist(dim=0)`` then ``Concatenate(dim=1)``). Transformers 5 loads the fused
+layout too (no conversion matches, the keys load as they are). moe_intermediate_size is 28, not 24:
+with 24, ``gate_up_proj`` would be ``[8, 48, 48]``, square in its last two dims.
+
+The references load with ``attn_implementation="eager"`` and ``experts_implementation="eager"``
+(transformers 5's default for experts is ``grouped_mm``, another kernel, which on CPU also rejects
+some shapes) and copy the mmapped weights, so that the logits do not depend on the file layout: the
+v5, hub, fused and sharded forms of one checkpoint give bitwise equal logits.
+
+Scale: with the default init_std 0.02 the logits have std ~0.14, attention is close to uniform and
+the residual stream dominates, so some features act only weakly on the logits (max |change| over
+2x40 tokens: Llama-3 RoPE scaling vs plain RoPE ~4e-3, Gemma-3 softcap 50/30 ~5e-5, Gemma-3 global
+theta ~8e-2, sliding window ~0.8), and the tied Qwen3 model's greedy output repeats one token.
+``init_std=0.1`` or ``0.2`` makes them act strongly (RoPE scaling ~2 to 6, softcap ~7e-3 to 0.2).
 
 torch and transformers are imported inside the functions, so importing this module is cheap.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import os
@@ -51,7 +66,7 @@ MAX_POSITIONS = 128
 #: Qwen3-MoE
 NUM_EXPERTS = 8
 TOP_K = 2
-MOE_INTERMEDIATE = 24
+MOE_INTERMEDIATE = 28     # 2*I = 56 != hidden 48: the fused gate_up_proj [E, 2I, H] is not square
 #: Gemma-3
 SLIDING_WINDOW = 5
 QUERY_PRE_ATTN_SCALAR = 12
@@ -181,12 +196,18 @@ def _family_config(family: str, tie: bool, softcap: bool, special: dict[str, int
 
 
 def _randomize(model, family: str, seed: int, init_std: float) -> None:
-    """Normal(0, init_std) weights; norm weights 1 + 0.1*N(0,1) (Gemma's (1+w) norms: 0.1*N(0,1))."""
+    """Normal(0, init_std) weights; norm weights 1 + 0.1*N(0,1) (Gemma's (1+w) norms: 0.1*N(0,1)).
+
+    Each tensor draws from its own generator, seeded by ``seed`` and the tensor's name, so a tensor
+    has the same value whatever else the model holds (tied or not, any layout).
+    """
+    import zlib
+
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        for name, p in model.named_parameters():
+            gen = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if name.endswith("norm.weight"):
                 value = 0.1 * noise if family == "gemma3" else 1.0 + 0.1 * noise
@@ -393,6 +414,11 @@ def build_checkpoint(family: str, out_dir: str | Path, *, dialect: str = "v5", t
         raise ValueError("lm_head_on_disk=True needs family 'qwen3' with tied embeddings (tie None or True)")
     if "tie_word_embeddings" in overrides:
         raise ValueError("overrides: pass tie=... rather than tie_word_embeddings")
+    if not isinstance(seed, int) or not 0 <= seed < 2**31:
+        raise ValueError(f"seed must be an int in [0, 2**31), got {seed!r}")
+    if not init_std > 0:
+        raise ValueError(f"init_std must be > 0, got {init_std!r}")
+    overrides = copy.deepcopy(overrides)       # the config classes edit rope dicts in place
 
     import torch
     import transformers
@@ -451,8 +477,13 @@ def _load_model(ckpt_dir, dtype: str):
     torch.set_float32_matmul_precision("highest")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    # eager experts too: the plain per-expert loop (the default, grouped_mm, is a different kernel)
     model = AutoModelForCausalLM.from_pretrained(str(ckpt_dir), dtype=getattr(torch, dtype),
-                                                 attn_implementation="eager")
+                                                 attn_implementation="eager", experts_implementation="eager")
+    # fresh (aligned) copies of the mmapped tensors: kernels round alike whatever the file layout
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
     return model.eval()
 
 

@@ -63,7 +63,7 @@ def test_fp32_logits_match_transformers(ckpts, name):
     assert np.abs(ours - ref).max() <= 1e-4
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [pytest.param(f, marks=[] if f == "gemma3" else pytest.mark.slow) for f in FAMILIES])
 def test_greedy_decode_matches_transformers(ckpts, name):
     ckpt, model = one_device(ckpts[name])
     prompt = tokens_for(ckpt.config.vocab, (6,), seed=1).tolist()
@@ -268,3 +268,19 @@ def test_every_layout_trains_like_one_device(ckpts, name):
             out = np.asarray(jax.jit(lambda t: sharded(t))(jaxpar.shard_batch({"t": batch["tokens"]},
                                                                                 layout.mesh)["t"]))
         np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def test_tokenizer_ids_equal_transformers(ckpts):
+    from transformers import AutoTokenizer
+
+    from jaxpar.hf import HFTokenizerError, load_tokenizer
+
+    ours, ref = load_tokenizer(ckpts["llama"]), AutoTokenizer.from_pretrained(ckpts["llama"])
+    text = "The quick brown fox jumps over the lazy dog. Packed rows restart their positions!"
+    assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
+    line = hf_fixtures.corpus_lines()[0]           # the text it was trained on round-trips
+    assert ours.decode(ours.encode(line)) == ref.decode(ref.encode(line, add_special_tokens=False)) == line
+    assert (ours.bos_id, ours.eos_id) == (ref.bos_token_id, ref.eos_token_id)
+    assert ours.encode("a", bos=True, eos=True)[0] == ours.bos_id and ours.encode("a", eos=True)[-1] == ours.eos_id
+    with pytest.raises(HFTokenizerError, match="no tokenizer.json or tokenizer.model"):
+        load_tokenizer(ckpts["llama"] / "nowhere")

@@ -11,7 +11,9 @@ from .config import FAMILIES, HFConfigError, decoder_config, hf_config_dict, rea
 from .export import HFExportError, export
 from .files import CheckpointFiles, HFFilesError, write_safetensors
 from .keys import EXPERT_LAYOUTS, TensorMap, tensor_maps
+from .tokenizer import HFTokenizerError, Tokenizer, load_tokenizer
 
 __all__ = ["Checkpoint", "HFCheckpointError", "open_checkpoint", "FAMILIES", "HFConfigError", "decoder_config",
            "hf_config_dict", "read_config", "HFExportError", "export", "CheckpointFiles", "HFFilesError",
-           "write_safetensors", "EXPERT_LAYOUTS", "TensorMap", "tensor_maps"]
+           "write_safetensors", "EXPERT_LAYOUTS", "TensorMap", "tensor_maps", "HFTokenizerError", "Tokenizer",
+           "load_tokenizer"]

@@ -10,7 +10,7 @@ placed on its devices.
 
 Example (a checkpoint written by :func:`jaxpar.hf.export` from random weights)::
 
-    >>> import jax, tempfile
+    >>> import jax, optax, tempfile
     >>> from flax import nnx
     >>> import jaxpar
     >>> from jaxpar.hf import export, open_checkpoint
@@ -22,10 +22,10 @@ Example (a checkpoint written by :func:`jaxpar.hf.export` from random weights)::
     >>> export(params, out, config=cfg, family="llama")
     >>> ckpt = open_checkpoint(out)
     >>> mesh = jaxpar.make_mesh({"data": 2, "fsdp": 2}, devices=jax.devices()[:4])
-    >>> layout = jaxpar.state_layout(ckpt.model_fn(), jaxpar.optimizers.adamw(1e-3), mesh, jaxpar.Strategy(zero=3))
+    >>> layout = jaxpar.state_layout(ckpt.model_fn(), optax.adamw(1e-3), mesh, jaxpar.Strategy(zero=3))
     >>> loaded = ckpt.load(mesh, layout.params)
     >>> loaded["layers"]["wq"].sharding.spec, bool((loaded["layers"]["wq"] == params["layers"]["wq"]).all())
-    (PartitionSpec(None, None, None, ('fsdp', 'data')), True)
+    (P(None, 'tensor', None, ('fsdp', 'data')), True)
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from ..models.decoder import Decoder, DecoderConfig
 from .boxes import read_box
 from .config import checkpoint_dtype, decoder_config, read_config
 from .files import CheckpointFiles
-from .keys import TensorMap, stack_counts, tensor_maps
+from .keys import TensorMap, flatten_params, nest_params, stack_counts, tensor_maps
 
 __all__ = ["HFCheckpointError", "Checkpoint", "open_checkpoint"]
 
@@ -90,11 +90,11 @@ class Checkpoint:
           The parameter dict, as ``nnx.to_pure_dict(nnx.state(model, nnx.Param))`` has it.
         """
         flat = {}
-        for path, spec in _flatten(specs).items():
+        for path, spec in flatten_params(specs).items():
             m = self.maps[path]
             shape = tuple(stack_counts(self.config)[f] for f in m.stack) + _element_shape(m)
             flat[path] = _global_array(self.files, m, shape, NamedSharding(mesh, spec), dtype)
-        return _unflatten(flat)
+        return nest_params(flat)
 
 
 def _element_shape(m: TensorMap) -> tuple[int, ...]:
@@ -116,21 +116,6 @@ def _global_array(files: CheckpointFiles, m: TensorMap, shape, sharding, dtype) 
         del host
     ordered = [arrays[d] for d in sharding.addressable_devices_indices_map(shape)]
     return jax.make_array_from_single_device_arrays(shape, sharding, ordered)
-
-
-def _flatten(tree: Any) -> dict[tuple, Any]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
-    return {tuple(getattr(k, "key", k) for k in path): leaf for path, leaf in leaves}
-
-
-def _unflatten(flat: dict[tuple, Any]) -> dict:
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = value
-    return out
 
 
 def _check_tensors(files: CheckpointFiles, cfg: DecoderConfig, maps: dict, path: Path) -> None:

@@ -12,6 +12,7 @@ when the source stored it; an import followed by an export is byte-identical ten
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -23,10 +24,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..models.decoder import DecoderConfig
 from .boxes import file_tensor
-from .checkpoint import Checkpoint, _flatten
+from .checkpoint import Checkpoint
 from .config import hf_config_dict
 from .files import DTYPES, INDEX, SAFETENSORS_DTYPE, write_safetensors
-from .keys import stack_counts, tensor_maps
+from .keys import flatten_params, stack_counts, tensor_maps
 
 __all__ = ["HFExportError", "export"]
 
@@ -54,7 +55,7 @@ def _element(array: Any, combo: tuple[int, ...]) -> np.ndarray:
 
 def _sources(params: Any, cfg: DecoderConfig, maps: dict) -> dict[str, list]:
     """``{file key: [(TensorMap, parameter, stacked index), ...]}`` in the maps' order."""
-    flat, counts, out = _flatten(params), stack_counts(cfg), {}
+    flat, counts, out = flatten_params(params), stack_counts(cfg), {}
     for path, m in maps.items():
         for key, combo in zip(m.keys(counts), _combos(m, counts)):
             out.setdefault(key, []).append((m, flat[path], combo))
@@ -62,7 +63,6 @@ def _sources(params: Any, cfg: DecoderConfig, maps: dict) -> dict[str, list]:
 
 
 def _combos(m, counts) -> list[tuple[int, ...]]:
-    import itertools
     return list(itertools.product(*(range(counts[f]) for f in m.stack)))
 
 

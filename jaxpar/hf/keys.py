@@ -12,7 +12,8 @@ writes back the very bytes it read.
 >>> cfg = DecoderConfig(vocab=11, embed=8, layers=2, heads=2, kv_heads=1, head_dim=4, mlp=12)
 >>> m = tensor_maps(cfg, "llama")
 >>> m[("layers", "wq")]
-TensorMap(key='model.layers.{layer}.self_attn.q_proj.weight', file=(8, 8), stack=('layer',), view=(2, 4, 8), perm=None, part=None)
+TensorMap(key='model.layers.{layer}.self_attn.q_proj.weight', file=(8, 8), stack=('layer',), view=(2, 4, 8),
+          perm=None, part=None)
 >>> sorted(file_keys(cfg, "llama", m))[:2]
 ['lm_head.weight', 'model.embed_tokens.weight']
 """
@@ -23,9 +24,12 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+from jax.sharding import PartitionSpec
+
 from ..models.decoder import DecoderConfig
 
-__all__ = ["TensorMap", "tensor_maps", "file_keys", "stack_counts", "EXPERT_LAYOUTS"]
+__all__ = ["TensorMap", "tensor_maps", "file_keys", "stack_counts", "flatten_params", "nest_params", "EXPERT_LAYOUTS"]
 
 #: How a checkpoint stores a layer's experts: one key per expert and projection, or fused 3-D tensors.
 EXPERT_LAYOUTS = ("per_expert", "fused")
@@ -131,3 +135,21 @@ def file_keys(cfg: DecoderConfig, family: str, maps: dict[tuple, TensorMap]) -> 
     """Every key the checkpoint of ``cfg`` holds under ``maps``."""
     counts = stack_counts(cfg)
     return {k for m in maps.values() for k in m.keys(counts)}
+
+
+def flatten_params(tree: Any) -> dict[tuple, Any]:
+    """``{path: leaf}`` of a parameter dict (or a ``PartitionSpec`` tree mirroring it); the paths of
+    :func:`tensor_maps`."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
+    return {tuple(getattr(k, "key", k) for k in path): leaf for path, leaf in leaves}
+
+
+def nest_params(flat: dict[tuple, Any]) -> dict:
+    """The inverse of :func:`flatten_params`."""
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = value
+    return out

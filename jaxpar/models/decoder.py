@@ -24,7 +24,7 @@ Example::
     >>> model(tokens).shape
     (2, 5, 11)
     >>> round(float(decoder_loss(model, {"tokens": tokens, "targets": tokens})), 1)    # about ln 11 at init
-    2.4
+    2.3
 """
 
 from __future__ import annotations
