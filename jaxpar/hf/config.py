@@ -164,11 +164,16 @@ def decoder_config(hf: dict[str, Any], **overrides: Any) -> DecoderConfig:
         qk_norm=model_type != "llama", rope=rope,
         activation=str(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"),
         tie_embeddings=bool(_get(hf, "tie_word_embeddings", family["tie"])))
+    if gemma and hf.get("attn_logit_softcapping") is not None:
+        raise HFConfigError(
+            f"config.json: attn_logit_softcapping={hf['attn_logit_softcapping']!r} with model_type 'gemma3_text': "
+            "transformers' Gemma-3 does not apply it (its attention is never given the cap), so the checkpoint's "
+            "reference outputs are those without it. Set it to null to import the model as transformers runs it.")
     if gemma:
         fields.update(norm_offset=1.0, local_rope=local_rope, embed_scale=True, sandwich_norms=True,
                       sliding_window=int(_get(hf, "sliding_window", 4096)), layer_types=_layer_types(hf, layers),
                       query_scale=float(_get(hf, "query_pre_attn_scalar", 256)) ** -0.5,
-                      attn_softcap=hf.get("attn_logit_softcapping"), final_softcap=hf.get("final_logit_softcapping"))
+                      final_softcap=hf.get("final_logit_softcapping"))
     if model_type == "qwen3_moe":
         fields["moe"] = _moe(hf)
     fields.update(overrides)
