@@ -8,6 +8,8 @@ Usage::
     jaxpar plan [--config CONFIG | --layers L --hidden H --heads A --seq S --vocab V --batch B]
                 [--cluster PRESET|PATH] [--devices N] [--target h100:2x8] [--top K] [--json] [--verify]
     jaxpar inspect CONFIG [key=value ...] [--cluster PRESET|PATH] [--target h100:2x8|tpu-v5e:4x4|...]
+    jaxpar export CONFIG [key=value ...] --hf OUT [--step N] [--overwrite] [--dtype bfloat16|float32]
+    jaxpar sample CONFIG [key=value ...] --prompt TEXT [--tokens N] [--step N]   (jaxpar.config.hf_commands)
 
 Example::
 
@@ -30,6 +32,7 @@ from typing import Sequence
 
 __all__ = ["main", "build_parser", "run_train", "run_schedule", "run_plan", "run_inspect"]
 _DIST = ("coordinator", "num_processes", "process_id", "local_devices", "heartbeat_timeout")
+_OVERRIDES = ("train", "inspect", "export", "sample")       # the commands that take key=value overrides
 
 
 def run_train(config: str, overrides: Sequence[str], *, print_config: bool = False, resume: bool = False,
@@ -54,7 +57,7 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
         print(f"process  {info.describe()}")
         if info.multiprocess:
             catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
-    from .config.describe import describe_data, header_lines, model_line, state_line
+    from .config.describe import describe_data, header_lines, model_label, model_line, state_line
     from .config.job import build_job
     from .train.resume import checkpoint_meta, train_with_checkpoints
 
@@ -64,8 +67,8 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     (out_dir / "config.yaml").write_text(to_yaml(cfg))
     print(f"job      {cfg.name}  ->  {out_dir}")
     print("\n".join(header_lines(job)))
-    state, layout = job.init_state()
-    print(model_line(cfg.model.name if cfg.model.target is None else f"{cfg.model.name} ({cfg.model.target})", layout))
+    state, layout = job.init_state(weights=not job.run.resume)     # a resumed run restores its own weights
+    print(model_line(model_label(cfg.model, job.hf), layout))
     print(state_line(layout))
     line, tokens = describe_data(cfg, job.batch_fn)
     print(line)
@@ -194,14 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", help="cluster preset for the prediction (default: the target's, else cpu_sim)")
     p.add_argument("--target", help="compile with the real compiler of a GPU / TPU target, without the hardware: "
                                     "h100:2x8 (hosts x GPUs), tpu-v5e:4x4, 2xtpu-v5e:16x16 (docs/targets.md)")
+    from .config.hf_commands import add_parsers
+
+    add_parsers(sub)                 # export, sample
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` script; returns the exit status."""
     from .config import ConfigError
+    from .config.hf_commands import run_command
     from .cost import ClusterError, PlanError
     from .distributed import DistributedError
+    from .hf import HFExportError
     from .pipeline.cut import PipelineCutError
     from .rules import RulesError
     from .train.checkpoint import CheckpointError
@@ -210,9 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)   # overrides may follow options: CONFIG --print-config k=v
-    if extra and (args.command not in ("train", "inspect") or any(x.startswith("-") for x in extra)):
+    if extra and (args.command not in _OVERRIDES or any(x.startswith("-") for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command in ("train", "inspect"):
+    if args.command in _OVERRIDES:
         args.overrides = [*args.overrides, *extra]
     try:
         if args.command == "train":
@@ -222,9 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_plan(args)
         if args.command == "inspect":
             return run_inspect(args.config, args.overrides, cluster=args.cluster, target=args.target)
+        if args.command in ("export", "sample"):
+            return run_command(args)
         return run_schedule(args)
     except (ConfigError, ClusterError, PlanError, DistributedError, RulesError, CheckpointError, PipelineCutError,
-            ExplicitDPError, TargetError) as e:
+            ExplicitDPError, TargetError, HFExportError) as e:
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:

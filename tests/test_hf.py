@@ -318,3 +318,49 @@ def test_tokenizer_ids_equal_transformers(ckpts):
     assert ours.encode("a", bos=True, eos=True)[0] == ours.bos_id and ours.encode("a", eos=True)[-1] == ours.eos_id
     with pytest.raises(HFTokenizerError, match="no tokenizer.json or tokenizer.model"):
         load_tokenizer(ckpts["llama"] / "nowhere")
+
+
+@pytest.mark.slow
+def test_round_trip_through_a_jaxpar_checkpoint_on_other_layouts(ckpts, tmp_path):
+    """HF -> jaxpar state on DP2 x FSDP2 x TP2 (ZeRO-3) -> Orbax checkpoint -> restored on pipe2 x DP4 ->
+    HF export: every tensor's bytes, the keys and config.json as the source had them."""
+    import optax
+
+    from jaxpar.train.checkpoint import Checkpointer
+
+    ckpt = open_checkpoint(ckpts["qwen3_moe"])
+    tx = optax.adamw(1e-3)
+    first = jaxpar.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    strategy = jaxpar.Strategy(zero=3, extra_rules=(("vocab", None),))
+    layout = jaxpar.state_layout(ckpt.model_fn(), tx, first, strategy)
+    state, _ = jaxpar.init_train_state(ckpt.model_fn(), tx, first, strategy, params=ckpt.load(first, layout.params))
+    with Checkpointer(tmp_path / "run", every=1) as saver:
+        saver.save(0, state, {"data": {"next_step": 0}}, wait=True)
+    second = jaxpar.make_mesh({"pipe": 2, "data": 4})
+    piped = jaxpar.Strategy(microbatches=4, schedule="1f1b")
+    target = jaxpar.state_layout(ckpt.model_fn(), tx, second, piped)
+    with Checkpointer(tmp_path / "run") as reader:
+        restored = reader.restore(target.abstract_state()).state.params
+    assert restored["layers"]["wq"].sharding.spec[0] == "pipe"
+    export(restored, tmp_path / "out", source=ckpt)
+    assert sha256_tensors(tmp_path / "out") == sha256_tensors(ckpts["qwen3_moe"])
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == ckpt.hf_config
+
+
+def test_two_processes_read_only_their_own_shards(ckpts, tmp_path):
+    """Two processes of 4 devices load a checkpoint onto ZeRO-3 over all 8 (tests/hf_mp_driver.py): each
+    reads exactly the bytes of its own devices' boxes, about half the file; their export is the source's
+    bytes."""
+    from test_multiprocess import PY, free_port, launch, wait_all
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    out = tmp_path / "out"
+    procs = launch(lambda i: [PY, "tests/hf_mp_driver.py", coordinator, "2", str(i), "4", str(ckpts["llama"]),
+                              str(out)], 2, tmp_path / "logs")
+    wait_all(procs, tmp_path / "logs")
+    lines = [line.split() for i in range(2) for line in (tmp_path / "logs" / f"p{i}.log").read_text().splitlines()
+             if line.startswith("bytes ")]
+    assert len(lines) == 2
+    for _, _, read, own, total in lines:
+        assert int(read) == int(own) < 0.6 * int(total)
+    assert sha256_tensors(out) == sha256_tensors(ckpts["llama"])

@@ -12,6 +12,8 @@ Modules, in import order (each imports only those above it):
 
 * :mod:`~jaxpar.config.schema`: the dataclasses of the sections, :class:`ConfigError`, allowed names.
 * :mod:`~jaxpar.config.imports`: ``'pkg.mod:attr'`` / ``'file.py:attr'`` -> the object.
+* :mod:`~jaxpar.config.hf_model`: ``model.hf`` and ``data.tokenizer``: their checks, the checkpoint and
+  tokenizer opened with the errors under the YAML keys.
 * :mod:`~jaxpar.config.build`: sections -> mesh, strategy, optimizer, model factory, loss; the
   model and optimizer registries; library errors relabelled with YAML keys.
 * :mod:`~jaxpar.config.data`: the data section -> batch function and eval batches.
@@ -20,6 +22,8 @@ Modules, in import order (each imports only those above it):
 * :mod:`~jaxpar.config.job`: a config -> the :class:`Job` that ``jaxpar train``, ``inspect`` and
   ``plan`` run (:func:`build_job`: mesh, strategy, model, loss, optimizer, the train step's options, data).
 * :mod:`~jaxpar.config.describe`: the lines the CLI prints about a job.
+* :mod:`~jaxpar.config.hf_commands`: ``jaxpar export`` and ``jaxpar sample`` (a run's weights as a Hugging
+  Face checkpoint, or continuing a prompt).
 * :mod:`~jaxpar.config.planner`: the cost model's view of a config (``jaxpar inspect``, ``jaxpar plan``).
 
 Example::

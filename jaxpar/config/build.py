@@ -330,8 +330,13 @@ def _build_user_model(cfg: ModelConfig, seed: int) -> Callable[[], nnx.Module]:
 
 
 def build_model_fn(cfg: ModelConfig, seed: int = 0) -> Callable[[], nnx.Module]:
-    """A zero-argument model factory for :func:`jaxpar.init_train_state`: the GPT, or ``model.target``
-    called as ``target(**model.kwargs, rngs=nnx.Rngs(seed))``."""
+    """A zero-argument model factory for :func:`jaxpar.init_train_state`: the GPT, ``model.target``
+    called as ``target(**model.kwargs, rngs=nnx.Rngs(seed))``, or ``model.hf``'s decoder (random
+    weights: the job loads the checkpoint's, :meth:`jaxpar.config.Job.init_state`)."""
+    if cfg.hf is not None:
+        from .hf_model import open_hf
+
+        return open_hf(cfg).model_fn(seed)
     if cfg.target is not None:
         return _build_user_model(cfg, seed)
     if cfg.name not in MODELS:
@@ -340,7 +345,12 @@ def build_model_fn(cfg: ModelConfig, seed: int = 0) -> Callable[[], nnx.Module]:
 
 
 def build_loss_fn(cfg: ModelConfig) -> Callable:
-    """``loss(model, batch) -> scalar``: ``model.loss`` for a user model, else the registry's."""
+    """``loss(model, batch) -> scalar``: ``model.loss`` for a user model, :func:`jaxpar.models.decoder_loss`
+    for ``model.hf``, else the registry's."""
+    if cfg.hf is not None:
+        from ..models.decoder import decoder_loss
+
+        return decoder_loss
     if cfg.target is not None:
         if cfg.loss is None:
             raise ConfigError(f"model.loss: missing; with model.target={cfg.target!r} name the loss function.")

@@ -19,6 +19,7 @@ from ..train import data as data_lib
 from .build import (MODELS, OPTIMIZERS, build_gpt_config, build_strategy, build_sync, lr_scaling_problems, mesh_error,
                     mesh_spec)
 from .data import build_ramp
+from .hf_model import hf_problems, tokenizer_problems
 from .imports import call_problem, resolve_import
 from .schema import (DATA_KINDS, LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS, ConfigError,
                      DataConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig)
@@ -172,6 +173,9 @@ def _data_import_problems(p: list[str], d: DataConfig) -> None:
 def _model_problems(p: list[str], cfg: JobConfig) -> Any:
     """Problems of the model section (and how it fits the data); the ``GPTConfig`` or None."""
     m, d, tr = cfg.model, cfg.data, cfg.train
+    p.extend(tokenizer_problems(cfg) + (hf_problems(cfg) if m.hf is not None else []))   # .hf_model
+    if m.hf is not None:
+        return None
     if m.target is not None:
         _user_model_problems(p, m)
         if d.kind != "import":
@@ -185,7 +189,7 @@ def _model_problems(p: list[str], cfg: JobConfig) -> Any:
                      f"built-in model.name={m.name!r} needs none.")
     _at_least(p, "model.mlp", m.mlp, 1)          # GPTConfig leaves mlp unchecked
     gpt = _collect(p, lambda: build_gpt_config(m))
-    if d.kind == "text" and m.vocab < 256:
+    if d.kind == "text" and m.vocab < 256 and d.tokenizer is None:
         p.append(f"model.vocab={m.vocab}: byte-level text (data.kind=text) needs model.vocab >= 256.")
     if d.kind == "text" and tr.eval_batches > 0 and d.eval_fraction <= 0:
         p.append("data.eval_fraction=0 leaves no held-out text; set it > 0 or train.eval_batches=0.")
@@ -348,13 +352,10 @@ def _noise_scale_problems(p: list[str], cfg: JobConfig) -> None:
 def _noise_scale_mesh_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
     """``logging.noise_scale`` against the mesh (what it combines with: :mod:`jaxpar.compat`)."""
     every = cfg.logging.noise_scale.every
-    if every is None:
+    if every is None or sizes.get("data", 1) * sizes.get("fsdp", 1) >= 2:
         return []
-    key = f"logging.noise_scale.every={every}"
-    if sizes.get("data", 1) * sizes.get("fsdp", 1) < 2:
-        return [f"{key}: needs mesh.data x mesh.fsdp >= 2 (each replica's batch must be smaller than the global "
-                "one); set logging.noise_scale.every=null or use more data-parallel devices."]
-    return []
+    return [f"logging.noise_scale.every={every}: needs mesh.data x mesh.fsdp >= 2 (each replica's batch must be "
+            "smaller than the global one); set logging.noise_scale.every=null or use more data-parallel devices."]
 
 
 def check(cfg: JobConfig, num_devices: int | None = None) -> None:
@@ -385,14 +386,13 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> None:
     _choice(p, "train.progress", tr.progress, PROGRESS_MODES)
     _choice(p, "train.on_nonfinite", tr.on_nonfinite, NONFINITE_MODES)
     ck, lg = cfg.checkpoint, cfg.logging
-    _at_least(p, "checkpoint.every", ck.every, 0)
-    _at_least(p, "checkpoint.keep", ck.keep, 1)
+    for key, value, low in (("checkpoint.every", ck.every, 0), ("checkpoint.keep", ck.keep, 1),
+                            ("logging.samples", lg.samples, 0), ("logging.sample_tokens", lg.sample_tokens, 1)):
+        _at_least(p, key, value, low)
     if ck.resume and not ck.enabled:
         p.append("checkpoint.resume=true needs checkpoint.enabled=true (resuming also keeps saving).")
     if lg.peak_flops is not None and lg.peak_flops <= 0:
         p.append(f"logging.peak_flops={lg.peak_flops!r}: must be > 0 (FLOP/s of one device), or null for no MFU.")
-    _at_least(p, "logging.samples", lg.samples, 0)
-    _at_least(p, "logging.sample_tokens", lg.sample_tokens, 1)
     _noise_scale_problems(p, cfg)
     if not p and strategy is not None:
         p.extend(_mesh_problems(cfg, gpt, num_devices))

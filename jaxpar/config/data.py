@@ -1,6 +1,7 @@
-"""The data section -> ``(batch_fn(step) -> host batch, fixed eval batches)``: token windows of text,
-a token file or synthetic sequences for the built-in GPT, or a user's batch function by import path
-(called once for step 0 and checked before the run starts).
+"""The data section -> ``(batch_fn(step) -> host batch, fixed eval batches)``: token windows of text
+(its bytes, or its tokens with ``data.tokenizer``), a token file or synthetic sequences for the
+built-in GPT and ``model.hf``, or a user's batch function by import path (called once for step 0 and
+checked before the run starts).
 """
 
 from __future__ import annotations
@@ -105,15 +106,16 @@ def build_ramp(cfg: DataConfig):
 
 
 def build_data(cfg: DataConfig, *, seq_len: int | None = None, vocab: int | None = None, eval_batches: int,
-               ramp: Any = None) -> tuple[Callable[[int], dict], list[dict]]:
+               ramp: Any = None, tokenizer: Any = None) -> tuple[Callable[[int], dict], list[dict]]:
     """``(batch_fn(step) -> host batch, fixed eval batches)`` for the data section (with
     ``data.batch_ramp``, the batch of step ``t`` has the ramp's size at ``t``).
 
-    ``seq_len`` / ``vocab`` (the GPT's) are needed by the token kinds (text, tokens, synthetic), not by
+    ``seq_len`` / ``vocab`` (the model's) are needed by the token kinds (text, tokens, synthetic), not by
     ``import``. ``ramp``: the ramp of :func:`build_ramp` to read the sizes from (an adaptive ramp
-    changes as it decides); default: a new one.
+    changes as it decides); default: a new one. ``tokenizer``: ``data.tokenizer``'s
+    (:func:`jaxpar.config.hf_model.build_tokenizer`): the text is its tokens, not bytes.
     """
-    batch_fn, evals = _build_data(cfg, seq_len=seq_len, vocab=vocab, eval_batches=eval_batches)
+    batch_fn, evals = _build_data(cfg, seq_len=seq_len, vocab=vocab, eval_batches=eval_batches, tokenizer=tokenizer)
     ramp = build_ramp(cfg) if ramp is None else ramp
     if ramp is None:
         return batch_fn, evals
@@ -122,7 +124,18 @@ def build_data(cfg: DataConfig, *, seq_len: int | None = None, vocab: int | None
     return ramp_batch_fn(batch_fn, ramp), evals
 
 
-def _build_data(cfg: DataConfig, *, seq_len: int | None, vocab: int | None, eval_batches: int
+def _corpus(cfg: DataConfig, tokenizer: Any) -> np.ndarray:
+    """The data as one array: a token file's, the text's bytes, or the text's tokens (each file a document)."""
+    if cfg.kind == "tokens":
+        return data_lib.load_tokens(cfg.paths[0], dtype=cfg.token_dtype)
+    if tokenizer is None:
+        return data_lib.load_bytes(list(cfg.paths) or None, max_bytes=cfg.max_bytes)
+    docs = data_lib.read_documents(list(cfg.paths) or None, max_bytes=cfg.max_bytes)
+    return data_lib.tokenize_documents(docs, tokenizer.encode, bos_id=tokenizer.bos_id if cfg.bos else None,
+                                       eos_id=tokenizer.eos_id if cfg.eos else None)
+
+
+def _build_data(cfg: DataConfig, *, seq_len: int | None, vocab: int | None, eval_batches: int, tokenizer: Any = None
                 ) -> tuple[Callable[[int], dict], list[dict]]:
     if cfg.kind == "import":
         return _import_data(cfg, eval_batches)
@@ -140,23 +153,22 @@ def _build_data(cfg: DataConfig, *, seq_len: int | None, vocab: int | None, eval
         raise ConfigError(f"data.kind=tokens needs exactly one token file in data.paths (a .bin or .npy), "
                           f"got data.paths={list(cfg.paths)}.")
     try:
-        if cfg.kind == "tokens":
-            corpus = data_lib.load_tokens(cfg.paths[0], dtype=cfg.token_dtype)
-        else:
-            corpus = data_lib.load_bytes(list(cfg.paths) or None, max_bytes=cfg.max_bytes)
-        train, held = data_lib.split_holdout(corpus, cfg.eval_fraction)
+        train, held = data_lib.split_holdout(_corpus(cfg, tokenizer), cfg.eval_fraction)
         evals = (data_lib.eval_windows(held, num_batches=eval_batches, **kw) if eval_batches else [])
         data_lib.text_batch(train, 0, seed=cfg.seed, **kw)  # fail now, not mid-run
     except (ValueError, OSError) as e:
+        tok = f", data.tokenizer={cfg.tokenizer!r}" if tokenizer is not None else ""
         raise ConfigError(f"data (data.kind={cfg.kind}, data.paths={list(cfg.paths)}, data.max_bytes="
-                          f"{cfg.max_bytes}, data.eval_fraction={cfg.eval_fraction}): {e}") from None
-    if cfg.kind == "text":
+                          f"{cfg.max_bytes}, data.eval_fraction={cfg.eval_fraction}{tok}): {e}") from None
+    if cfg.kind == "text" and tokenizer is None:
         return partial(data_lib.text_batch, train, seed=cfg.seed, **kw), evals
-    batch_fn = data_lib.token_batch_fn(train, vocab, f"token file {cfg.paths[0]!r}", seed=cfg.seed, **kw)
+    key, where = (("data.paths", f"token file {cfg.paths[0]!r}") if cfg.kind == "tokens" else
+                  ("data.tokenizer", f"the text tokenized by data.tokenizer={cfg.tokenizer!r}"))
+    batch_fn = data_lib.token_batch_fn(train, vocab, where, seed=cfg.seed, **kw)
     try:   # fail now, not mid-run
         batch_fn(0)
         for i, b in enumerate(evals):
-            data_lib.check_token_ids(b, vocab, f"token file {cfg.paths[0]!r}, eval batch {i},")
+            data_lib.check_token_ids(b, vocab, f"{where}, eval batch {i},")
     except ValueError as e:
-        raise ConfigError(f"data.paths: {e}") from None
+        raise ConfigError(f"{key}: {e}") from None
     return batch_fn, evals

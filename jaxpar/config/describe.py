@@ -27,7 +27,7 @@ from .data import describe_batch
 from .job import Job, part_bytes
 from .schema import JobConfig
 
-__all__ = ["header_lines", "model_line", "state_line", "describe_data", "program_lines"]
+__all__ = ["header_lines", "model_label", "model_line", "state_line", "describe_data", "program_lines"]
 
 
 def header_lines(job: Job) -> list[str]:
@@ -44,6 +44,22 @@ def header_lines(job: Job) -> list[str]:
     return [f"devices  {job.mesh.size} x {dev.platform} ({dev.device_kind})" + (f" in {hosts} processes" if hosts > 1 else ""),
             "mesh     " + " x ".join(f"{k}={v}" for k, v in sizes.items()),
             f"strategy {job.strategy.name(sizes)}"]
+
+
+def model_label(m: Any, hf: Any = None) -> str:
+    """How ``jaxpar train`` and ``jaxpar inspect`` name the model: ``model.name``, with ``model.target``
+    or, for ``model.hf``, the checkpoint's family and directory.
+
+    Args:
+      m: the model section.
+      hf: ``model.hf``'s opened checkpoint (:attr:`Job.hf`), if any.
+
+    Returns:
+      The label.
+    """
+    if m.target is not None:
+        return f"{m.name} ({m.target})"
+    return f"{m.name} ({hf.family} from {m.hf})" if hf is not None else m.name
 
 
 def model_line(label: str, layout: Any) -> str:
@@ -124,7 +140,8 @@ def describe_data(cfg: JobConfig, batch_fn: Callable[[int], Any]) -> tuple[str, 
         ramp = ", ".join(f"{b} from step {s}" for b, s in zip(d.batch_ramp["sizes"], d.batch_ramp["steps"]))
         return f"data     {d.kind}: global batch ramp {ramp} (x {seq} tokens for the GPT)", None
     if d.kind != "import":
-        return f"data     {d.kind}: global batch {d.batch_size} x {seq} tokens", gpt_tokens
+        tok = f" tokenized by data.tokenizer={d.tokenizer!r}" if d.tokenizer else ""
+        return f"data     {d.kind}{tok}: global batch {d.batch_size} x {seq} tokens", gpt_tokens
     batch = batch_fn(0)
     line = f"data     {d.kind} {d.target}: global batch {d.batch_size} ({describe_batch(batch)})"
     if cfg.model.target is None:

@@ -107,8 +107,9 @@ def fitting_plan(cfg: JobConfig, target: Target, *, most: int = 64) -> str:
     from ..analysis.memory import format_bytes
     from .planner import cost_model
 
-    if cfg.model.target is not None:
-        return "plan     the cost model plans jaxpar's GPT only (model.target is set): no plan suggested"
+    if cfg.model.target is not None or cfg.model.hf is not None:
+        key = "model.target" if cfg.model.target is not None else "model.hf"
+        return f"plan     the cost model plans jaxpar's GPT only ({key} is set): no plan suggested"
     model, usable = cost_model(cfg), target.capacity_bytes / target.spec.memory_bytes
     k = 1
     while k <= most:
@@ -145,7 +146,7 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
       ConfigError: the config does not fit the target's devices.
       TargetError: the target cannot be built or compiled for.
     """
-    from .describe import header_lines, model_line, program_lines
+    from .describe import header_lines, model_label, model_line, program_lines
     from .job import build_job
 
     tgt = parse_target(target) if target else None
@@ -155,7 +156,7 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
     where = f"the {tgt.spec.platform} compiler for {tgt}" if tgt else "simulated CPU devices"
     print(f"job      {cfg.name} (dry run: compiled ahead of time by {where}, no step runs)")
     print("\n".join(header_lines(job)))
-    print(model_line(cfg.model.name if cfg.model.target is None else cfg.model.target, layout))
+    print(model_line(model_label(cfg.model, job.hf), layout))
     start = time.perf_counter()
     compiled = _compile(job, layout, tgt)
     print(f"compile  {time.perf_counter() - start:.1f} s")

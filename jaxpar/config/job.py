@@ -40,6 +40,7 @@ from .build import (build_gpt_config, build_loss_fn, build_mesh, build_model_fn,
                     frozen_variance_step)
 from .checks import check
 from .data import build_data, build_ramp
+from .hf_model import build_tokenizer, hf_mesh_problems, open_hf
 from .schema import ConfigError, JobConfig
 
 __all__ = ["Job", "build_job", "updates_per_step", "job_devices", "part_bytes"]
@@ -55,7 +56,8 @@ class Job:
     updates per train step (:func:`updates_per_step`). ``token_batches``: the batches are the GPT's
     token windows (``tokens`` / ``targets`` ``[global_batch, seq_len]`` int32), else ``batch_fn``'s.
     ``run``, ``log``, ``checkpoint``, ``meta`` and ``gpt_sizes`` describe ``jaxpar train``'s run
-    (:mod:`jaxpar.train.resume`).
+    (:mod:`jaxpar.train.resume`). ``hf``: ``model.hf``'s opened :class:`jaxpar.hf.Checkpoint`, whose
+    weights the state starts from (None: another model); ``tokenizer``: ``data.tokenizer``'s.
     """
 
     name: str
@@ -79,6 +81,8 @@ class Job:
     meta: Mapping[str, Any] = field(default_factory=dict)         # checkpoint_meta's arguments, less the mesh
     gpt_sizes: Mapping[str, int] | None = None                     # the GPT's sizes for MFU (None: another model)
     router_bias: tuple | None = None          # the MoE router bias's shape (model.moe.bias_rate > 0)
+    hf: Any = None                            # jaxpar.hf.Checkpoint of model.hf
+    tokenizer: Any = None                     # jaxpar.hf.Tokenizer of data.tokenizer
 
     @property
     def steps_per_call(self) -> int:
@@ -106,13 +110,16 @@ class Job:
 
         return noise_scale_layout(layout)
 
-    def init_state(self):
+    def init_state(self, *, weights: bool = True):
         """``(state, layout)``: the train state created sharded (:func:`jaxpar.init_train_state`), with
         the MoE router bias (``model.moe.bias_rate``) and the noise scale's moving averages when it is
-        measured (they are checkpointed)."""
+        measured (they are checkpointed). With ``model.hf`` the parameters are the checkpoint's,
+        read straight into their layout (:meth:`imported_params`), and the optimizer state is fresh;
+        ``weights=False`` leaves them random (a resumed run restores its own)."""
         from ..train.init import init_train_state
 
-        state, layout = init_train_state(self.model_fn, self.tx, self.mesh, self.strategy)
+        params = self.imported_params(self.state_layout()) if self.hf is not None and weights else None
+        state, layout = init_train_state(self.model_fn, self.tx, self.mesh, self.strategy, params=params)
         if self.router_bias is not None:
             from ..train.router_bias import with_router_bias
 
@@ -122,6 +129,10 @@ class Job:
         from ..train.noise_scale import with_noise_scale
 
         return with_noise_scale(state, layout)
+
+    def imported_params(self, layout):
+        """``model.hf``'s weights, each read from the files into its sharding of ``layout.params``."""
+        return self.hf.load(self.mesh, layout.params)
 
     def train_step(self, layout):
         """The train step ``jaxpar train`` runs: :func:`jaxpar.make_train_step` with the job's options."""
@@ -228,11 +239,14 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
         check(cfg, num_devices=jax.device_count() if devices is None else len(devices))
         device_mesh = build_mesh(cfg.mesh, devices)
     strategy = build_strategy(cfg.parallel)
-    model_fn = build_model_fn(cfg.model, cfg.train.seed)
     m, d = cfg.model, cfg.data
+    hf = _open_hf(cfg, dict(device_mesh.shape) if mesh else None)
+    model_fn = hf.model_fn(cfg.train.seed) if hf is not None else build_model_fn(m, cfg.train.seed)
+    vocab, vocab_key = (hf.config.vocab, "model.hf's vocab_size") if hf is not None else (m.vocab, "model.vocab")
+    tokenizer = build_tokenizer(d, m.hf, vocab, vocab_key) if d.tokenizer else None
     bias = _router_bias(m)
-    base = dict(name=cfg.name, strategy=strategy, model_fn=model_fn, global_batch=d.batch_size,
-                seq_len=m.seq_len, token_batches=d.kind != "import", router_bias=bias and bias[0])
+    base = dict(name=cfg.name, strategy=strategy, model_fn=model_fn, global_batch=d.batch_size, hf=hf,
+                seq_len=m.seq_len, token_batches=d.kind != "import", router_bias=bias and bias[0], tokenizer=tokenizer)
     if not mesh:
         return Job(loss_fn=build_loss_fn(m), **base)
     per_step = updates_per_step(strategy, dict(device_mesh.shape))
@@ -244,7 +258,17 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
                    noise_scale_every=noise.every, noise_scale_ema=noise.ema,
                    steps_per_call=cfg.parallel.steps_per_call, router_bias_rate=bias and bias[1])
     return Job(mesh=device_mesh, tx=tx, log_lr=schedule, updates_per_step=per_step, step_options=options,
-               loss_fn=loss_fn, **base, **_data(cfg, data), **_run(cfg))
+               loss_fn=loss_fn, **base, **_data(cfg, data, vocab, tokenizer), **_run(cfg, tokenizer))
+
+
+def _open_hf(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
+    """``model.hf``'s opened checkpoint (None without it), checked against the mesh when there is one."""
+    if cfg.model.hf is None:
+        return None
+    hf = open_hf(cfg.model)
+    if mesh_sizes and (problems := hf_mesh_problems(hf, cfg.model.hf, mesh_sizes.get("tensor", 1))):
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    return hf
 
 
 def _router_bias(m) -> tuple | None:
@@ -255,28 +279,30 @@ def _router_bias(m) -> tuple | None:
     return (gpt.layers // gpt.moe.every, gpt.moe.experts), gpt.moe.bias_rate
 
 
-def _data(cfg: JobConfig, read: bool) -> dict:
+def _data(cfg: JobConfig, read: bool, vocab: int, tokenizer: Any) -> dict:
     """The job's data: ``batch_fn``, ``eval_batches`` and ``ramp`` (without ``read``: ``data.target``'s
-    batch function only, for its shapes)."""
+    batch function only, for its shapes). ``vocab``: the model's; ``tokenizer``: ``data.tokenizer``'s."""
     d, m = cfg.data, cfg.model
     if not read:
         if d.kind != "import":
             return {}
-        return {"batch_fn": build_data(d, seq_len=m.seq_len, vocab=m.vocab, eval_batches=0)[0]}
+        return {"batch_fn": build_data(d, seq_len=m.seq_len, vocab=vocab, eval_batches=0)[0]}
     ramp = build_ramp(d)      # an adaptive ramp decides during the run; batch_fn reads it
-    batch_fn, evals = build_data(d, seq_len=m.seq_len, vocab=m.vocab, eval_batches=cfg.train.eval_batches,
-                                 ramp=ramp)
+    batch_fn, evals = build_data(d, seq_len=m.seq_len, vocab=vocab, eval_batches=cfg.train.eval_batches,
+                                 ramp=ramp, tokenizer=tokenizer)
     return {"batch_fn": batch_fn, "eval_batches": evals, "ramp": ramp}
 
 
-def _run(cfg: JobConfig) -> dict:
-    """The plain settings of ``jaxpar train``'s run: ``run``, ``log``, ``checkpoint``, ``meta``, ``gpt_sizes``."""
+def _run(cfg: JobConfig, tokenizer: Any = None) -> dict:
+    """The plain settings of ``jaxpar train``'s run: ``run``, ``log``, ``checkpoint``, ``meta``, ``gpt_sizes``
+    (the samples decoded by ``tokenizer`` when there is one)."""
     from ..train.resume import RunOptions
     from ..train.sample import SampleOptions
 
     m, tr, ck, lg = cfg.model, cfg.train, cfg.checkpoint, cfg.logging
-    gpt = m.target is None
-    samples = SampleOptions(lg.samples, m.seq_len, lg.sample_tokens, cfg.data.kind == "text") if gpt else None
+    gpt = m.target is None and m.hf is None
+    samples = SampleOptions(lg.samples, m.seq_len, lg.sample_tokens, cfg.data.kind == "text" and tokenizer is None,
+                            tokenizer and tokenizer.decode) if m.target is None else None
     run = RunOptions(steps=tr.steps, out_dir=Path(tr.out_dir), eval_every=tr.eval_every, on_nonfinite=tr.on_nonfinite,
                      steps_per_call=cfg.parallel.steps_per_call, resume=ck.resume, data_seed=cfg.data.seed,
                      samples=samples)

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .checks import check
-from .schema import GPT_KEYS, IMPORT_KEYS, RENAMED, USER_MODEL_KEYS, ConfigError, JobConfig
+from .schema import GPT_KEYS, HF_MODEL_KEYS, IMPORT_KEYS, RENAMED, USER_MODEL_KEYS, ConfigError, JobConfig
 
 __all__ = ["load_config", "merge_layers", "parse_overrides", "to_yaml"]
 
@@ -93,18 +93,25 @@ def parse_overrides(items: Sequence[str]) -> dict:
         raise ConfigError(f"overrides: {str(e).splitlines()[0]}") from None
 
 
-def _last_target(layers: Sequence[tuple[str, Mapping]], section: str) -> int:
-    """Index of the last layer that sets ``<section>.target`` (0 if none)."""
+def _last_target(layers: Sequence[tuple[str, Mapping]], section: str, keys: Sequence[str] = ("target",)) -> int:
+    """Index of the last layer that sets ``<section>.target`` (or another of ``keys``; 0 if none)."""
     return max((i for i, (_, layer) in enumerate(layers)
-                if isinstance(layer.get(section), Mapping) and "target" in layer[section]), default=0)
+                if isinstance(layer.get(section), Mapping) and any(k in layer[section] for k in keys)), default=0)
+
+
+#: What a layer setting ``model.hf`` keeps of the model sections before it: how to train, not the model.
+_HF_INHERITED = ("seq_len", "remat", "scan_layers")
 
 
 def _drop_inherited(layers: Sequence[tuple[str, Mapping]]) -> list[tuple[str, Mapping]]:
-    """Before the last layer that sets ``model.target`` drop the ``model`` sections; before the last
-    that sets ``data.target`` drop ``data.kwargs`` (arguments belong to the target that a layer names)."""
-    model, data, out = _last_target(layers, "model"), _last_target(layers, "data"), []
+    """Before the last layer that sets ``model.target`` drop the ``model`` sections (before one that sets
+    ``model.hf``, all but their ``seq_len``, ``remat`` and ``scan_layers``); before the last that sets
+    ``data.target`` drop ``data.kwargs`` (arguments belong to the target that a layer names)."""
+    model, data, out = _last_target(layers, "model", ("target", "hf")), _last_target(layers, "data"), []
+    keep = _HF_INHERITED if layers and "target" not in (layers[model][1].get("model") or {}) else ()
     for i, (source, layer) in enumerate(layers):
-        layer = {k: v for k, v in layer.items() if not (k == "model" and i < model)}
+        layer = {k: v if k != "model" or i >= model else {n: x for n, x in v.items() if n in keep}
+                 for k, v in layer.items()}
         if i < data and isinstance(layer.get("data"), Mapping) and "kwargs" in layer["data"]:
             layer["data"] = {k: v for k, v in layer["data"].items() if k != "kwargs"}
         out.append((source, layer))
@@ -127,17 +134,34 @@ def _user_model(cfg: JobConfig, sections: Sequence[tuple[str, Mapping]]) -> JobC
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=label))
 
 
+def _hf_model(cfg: JobConfig, sections: Sequence[tuple[str, Mapping]]) -> JobConfig:
+    """Keys beside ``model.hf`` other than :data:`HF_MODEL_KEYS` (in ``sections``, the model sections from
+    the layer that sets it on) are an error naming them; ``model.name`` defaults to the directory's name."""
+    given = [(source, f"model.{k}") for source, section in sections for k in section if k not in HF_MODEL_KEYS]
+    if given:
+        where = "; ".join(f"{source}: {key}" for source, key in given)
+        raise ConfigError(f"{where}: set beside model.hf={cfg.model.hf!r}, whose config.json fixes the model; "
+                          "beside it only model.seq_len (the data's windows), model.remat, model.scan_layers and "
+                          f"model.name (a label) may be set. Remove {', '.join(k for _, k in given)}.")
+    if any("name" in section for _, section in sections):
+        return cfg
+    label = Path(cfg.model.hf).name or "hf"
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=label))
+
+
 def merge_layers(layers: Sequence[tuple[str, Mapping]], name: str = "") -> JobConfig:
     """Merge ``(source, mapping)`` layers, later wins, onto the :class:`JobConfig` schema; then :func:`check`.
 
     A layer that sets ``model.target`` starts the ``model`` section afresh: the model keys of the
     layers before it (e.g. a GPT base config) do not carry over. GPT keys given in that layer or a
-    later one, next to a ``model.target``, are an error that names them. Likewise a layer that sets
-    ``data.target`` drops the ``data.kwargs`` of the layers before it.
+    later one, next to a ``model.target``, are an error that names them. A layer that sets ``model.hf``
+    keeps only ``seq_len``, ``remat`` and ``scan_layers`` of the layers before it, and any other model
+    key from it on is an error. Likewise a layer that sets ``data.target`` drops the ``data.kwargs``
+    of the layers before it.
     """
     for source, layer in layers:
         _check_keys(layer, JobConfig, "", source)
-    fresh = _last_target(layers, "model")
+    fresh = _last_target(layers, "model", ("target", "hf"))
     merged: DictConfig = OmegaConf.structured(JobConfig)
     OmegaConf.set_readonly(merged, False)
     for source, layer in _drop_inherited(layers):
@@ -153,9 +177,11 @@ def merge_layers(layers: Sequence[tuple[str, Mapping]], name: str = "") -> JobCo
         cfg: JobConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(f"config: '{getattr(e, 'full_key', '?')}': {str(e).splitlines()[0]}") from None
-    if cfg.model.target is not None:
-        cfg = _user_model(cfg, [(s, layer["model"]) for s, layer in layers[fresh:]
-                                if isinstance(layer.get("model"), Mapping)])
+    sections = [(s, layer["model"]) for s, layer in layers[fresh:] if isinstance(layer.get("model"), Mapping)]
+    if cfg.model.hf is not None:
+        cfg = _hf_model(cfg, sections)
+    elif cfg.model.target is not None:
+        cfg = _user_model(cfg, sections)
     if not cfg.name and name:
         cfg = dataclasses.replace(cfg, name=name)
     if not cfg.train.out_dir:
@@ -204,8 +230,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
 
 def to_yaml(cfg: JobConfig) -> str:
     """The resolved config as YAML (loadable again with :func:`load_config`); the ``model`` section
-    holds the GPT's keys or the user model's, not both."""
-    data = OmegaConf.to_container(OmegaConf.structured(cfg))
-    for key in GPT_KEYS if cfg.model.target is not None else USER_MODEL_KEYS:
-        data["model"].pop(key)
+    holds the GPT's keys, the user model's or those beside ``model.hf``, not several."""
+    data, m = OmegaConf.to_container(OmegaConf.structured(cfg)), cfg.model
+    keep = HF_MODEL_KEYS if m.hf is not None else ("name", *(USER_MODEL_KEYS if m.target is not None else GPT_KEYS))
+    data["model"] = {k: v for k, v in data["model"].items() if k in keep}
     return OmegaConf.to_yaml(data)

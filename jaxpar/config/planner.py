@@ -42,7 +42,7 @@ def cost_model(cfg: JobConfig, model_fn: Callable | None = None, *, batch: int |
 
     Args:
       cfg: the config.
-      model_fn: the model factory of a model of your own (``Job.model_fn``); the GPT needs none.
+      model_fn: the model factory of a model of your own or of ``model.hf`` (``Job.model_fn``); the GPT needs none.
       batch: the global batch (default ``data.batch_size``).
       layers, hidden, heads, seq, vocab: a model of your own: the sizes the cost model cannot read from
         its parameters (default 1).
@@ -53,7 +53,7 @@ def cost_model(cfg: JobConfig, model_fn: Callable | None = None, *, batch: int |
     from .. import cost
 
     m, batch = cfg.model, batch or cfg.data.batch_size
-    if m.target is not None:
+    if m.target is not None or m.hf is not None:
         return cost.from_nnx(model_fn, layers=layers or 1, hidden=hidden or 1, heads=heads or 1, seq=seq or 1,
                              vocab=vocab or 1, batch=batch, name=m.name)
     moe = {}
@@ -107,8 +107,9 @@ def unpredicted(cfg: JobConfig, strategy: Strategy, mesh_sizes: Mapping[str, int
     """
     from ..cost.parallel import SCHEDULES
 
-    if cfg.model.target is not None:
-        return "the cost model describes the built-in GPT only (model.target is set)"
+    if cfg.model.target is not None or cfg.model.hf is not None:
+        key = "model.target" if cfg.model.target is not None else "model.hf"
+        return f"the cost model describes the built-in GPT only ({key} is set)"
     if mesh_sizes.get("pipe", 1) > 1 and strategy.schedule not in SCHEDULES:
         return (f"the cost model knows the pipeline schedules {', '.join(SCHEDULES)}, not "
                 f"parallel.schedule={strategy.schedule!r}")

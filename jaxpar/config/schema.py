@@ -16,6 +16,7 @@ __all__ = [
     "ConfigError", "ModelConfig", "MeshConfig", "ParallelConfig", "LRScalingConfig", "TrustMaskConfig",
     "OptimizerConfig", "DataConfig",
     "TrainConfig", "CheckpointConfig", "NoiseScaleConfig", "LoggingConfig", "JobConfig", "GPT_KEYS", "USER_MODEL_KEYS",
+    "HF_MODEL_KEYS",
     "LR_SCHEDULES", "DATA_KINDS", "PROGRESS_MODES", "NONFINITE_MODES", "RENAMED", "IMPORT_KEYS",
 ]
 
@@ -26,14 +27,18 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Either the built-in GPT (``name: gpt`` and the :class:`jaxpar.models.gpt.GPTConfig` fields) or a
+    """Either the built-in GPT (``name: gpt`` and the :class:`jaxpar.models.gpt.GPTConfig` fields), a
     model of your own: ``target`` (``'pkg.mod:Class'`` or ``'path/to/file.py:Class'``), called as
     ``target(**kwargs, rngs=nnx.Rngs(train.seed))`` -> ``nnx.Module``, and ``loss`` (``loss(model, batch)
-    -> scalar``). With ``target``, ``name`` is only a label (default: the class name). Under
-    ``mesh.pipe > 1`` the model is cut at its stacked blocks (:mod:`jaxpar.pipeline.cut`)."""
+    -> scalar``), or a Hugging Face checkpoint: ``hf`` (its directory; the model is its
+    :class:`jaxpar.models.Decoder`, started from its weights, with ``remat``, ``scan_layers`` and
+    ``seq_len``, the data's windows, only). With ``target`` or ``hf``, ``name`` is only a label
+    (default: the class's / the directory's name). Under ``mesh.pipe > 1`` the model is cut at its
+    stacked blocks (:mod:`jaxpar.pipeline.cut`)."""
 
     name: str = "gpt"
     target: str | None = None
+    hf: str | None = None           # a Hugging Face checkpoint directory (config.json, *.safetensors)
     kwargs: dict[str, Any] = field(default_factory=dict)
     loss: str | None = None
     vocab: int = 256
@@ -53,6 +58,8 @@ class ModelConfig:
 #: Keys of the built-in GPT (an error with ``model.target``) and of a user model (an error without it).
 GPT_KEYS = ("vocab", "seq_len", "embed", "heads", "layers", "mlp", "remat", "scan_layers", "init_std", "moe")
 USER_MODEL_KEYS = ("target", "kwargs", "loss")
+#: Keys that may stand beside ``model.hf`` (the rest of the model comes from the checkpoint).
+HF_MODEL_KEYS = ("name", "hf", "seq_len", "remat", "scan_layers")
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,9 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """``text``: bytes of ``paths`` (files / globs; empty = Python stdlib sources). ``tokens``: one
+    """``text``: bytes of ``paths`` (files / globs; empty = Python stdlib sources), or with ``tokenizer``
+    (``hf``: the ``model.hf`` checkpoint's; or a directory / ``tokenizer.json`` file) their tokens, each
+    file a document with BOS / EOS only where ``bos`` / ``eos`` say. ``tokens``: one
     pre-tokenized ``.bin`` (``token_dtype``) or ``.npy`` file in ``paths``. ``synthetic``: arithmetic
     token sequences. ``import``: your own ``target(step, *, batch_size, seed, **kwargs) -> dict of arrays``
     (``'pkg.mod:fn'`` or ``'path/to/file.py:fn'``). ``batch_size`` is global."""
@@ -143,6 +152,9 @@ class DataConfig:
     paths: tuple[str, ...] = ()
     max_bytes: int = data_lib.DEFAULT_MAX_BYTES
     token_dtype: str = "uint16"     # kind=tokens, .bin files
+    tokenizer: str | None = None    # kind=text: hf (model.hf's tokenizer) | a directory or tokenizer.json; null: bytes
+    bos: bool = False               # with tokenizer: a BOS token before each document (file)
+    eos: bool = False               # with tokenizer: an EOS token after each document
     target: str | None = None       # kind=import
     kwargs: dict[str, Any] = field(default_factory=dict)   # kind=import
     batch_size: int = 32
@@ -197,7 +209,8 @@ class NoiseScaleConfig:
 class LoggingConfig:
     """Metrics go to ``<train.out_dir>/metrics.jsonl`` and, with ``tensorboard``, to ``<train.out_dir>/tb``.
     ``peak_flops``: peak FLOP/s of one device (e.g. 989e12 for an H100's dense bf16); null: no MFU.
-    ``samples``: greedy text samples of ``sample_tokens`` tokens written at the end (0: none; GPT only)."""
+    ``samples``: greedy text samples of ``sample_tokens`` tokens written at the end (0: none; the GPT and
+    ``model.hf`` only; decoded by ``data.tokenizer`` when there is one)."""
 
     tensorboard: bool = True
     peak_flops: float | None = None

@@ -66,23 +66,28 @@ def _read_element(files: Any, key: str, m: TensorMap, inner: tuple[slice, ...]) 
     return out.transpose(m.perm) if m.perm else out
 
 
-def read_box(files: Any, m: TensorMap, box: tuple[slice, ...]) -> np.ndarray:
-    """The parameter's ``box`` (slices with start and stop, one per axis), in the files' dtype.
+def read_box(files: Any, m: TensorMap, box: tuple[slice, ...], dtype: Any = None) -> np.ndarray:
+    """The parameter's ``box`` (slices with start and stop, one per axis).
 
     Args:
       files: a :class:`~jaxpar.hf.files.CheckpointFiles` (``read(key, box)``).
       m: the parameter's :class:`~jaxpar.hf.keys.TensorMap`.
       box: one slice per axis of the parameter (stacked axes first).
+      dtype: the result's dtype (``None``: the files'). Each file tensor's part is cast as it is
+        copied into the result, so the host holds the result and one part at a time.
     """
     n = len(m.stack)
     outer, inner = box[:n], box[n:]
-    parts = []
-    for combo in itertools.product(*(range(s.start, s.stop) for s in outer)):
-        parts.append(_read_element(files, m.key.format(**dict(zip(m.stack, combo))), m, inner))
     if not n:
-        return parts[0]
-    out = np.stack(parts)
-    return out.reshape(tuple(s.stop - s.start for s in outer) + out.shape[1:])
+        part = _read_element(files, m.key, m, inner)
+        return part if dtype is None else part.astype(dtype)
+    out = None
+    for combo in itertools.product(*(range(s.start, s.stop) for s in outer)):
+        part = _read_element(files, m.key.format(**dict(zip(m.stack, combo))), m, inner)
+        if out is None:
+            out = np.empty(tuple(s.stop - s.start for s in outer) + part.shape, dtype or part.dtype)
+        out[tuple(c - s.start for c, s in zip(combo, outer))] = part
+    return out
 
 
 def file_tensor(elements: list[tuple[TensorMap, np.ndarray]]) -> np.ndarray:

@@ -110,7 +110,7 @@ def _global_array(files: CheckpointFiles, m: TensorMap, shape, sharding, dtype) 
         boxes.setdefault(tuple((s.start, s.stop) for s in box), []).append(device)
     arrays = {}
     for bounds, devices in boxes.items():
-        host = read_box(files, m, tuple(slice(a, b) for a, b in bounds)).astype(dtype)
+        host = read_box(files, m, tuple(slice(a, b) for a, b in bounds), dtype)
         for device in devices:
             arrays[device] = jax.device_put(host, device)
         del host

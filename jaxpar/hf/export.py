@@ -39,18 +39,31 @@ class HFExportError(ValueError):
 
 
 @functools.lru_cache(maxsize=None)
-def _take(n: int, mesh: Any):
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(lambda a, *i: a[i] if i else a, out_shardings=replicated)
+def _take(n: int, mesh: Any, dtype: Any):
+    """``a[i]`` cast to ``dtype``, replicated: every process gathers it."""
+    return jax.jit(lambda a, *i: (a[i] if i else a).astype(dtype), out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def _element(array: Any, combo: tuple[int, ...]) -> np.ndarray:
-    """``array[combo]`` on the host, gathered from every process's shards."""
+def _element(array: Any, combo: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """``array[combo]`` in ``dtype`` on the host. One process: assembled from the devices' shards one at
+    a time, each cast as it is copied in (the host holds the result and one shard). Several processes:
+    gathered (cast first) by every process."""
     mesh = getattr(getattr(array, "sharding", None), "mesh", None)
     if mesh is None or not isinstance(array, jax.Array):
-        return np.asarray(array)[combo]
-    out = _take(len(combo), mesh)(array, *(np.int32(c) for c in combo))
-    return np.asarray(out.addressable_data(0))
+        return np.asarray(array)[combo].astype(dtype)
+    if not array.is_fully_addressable:
+        out = _take(len(combo), mesh, np.dtype(dtype))(array, *(np.int32(c) for c in combo))
+        return np.asarray(out.addressable_data(0))
+    n, shape = len(combo), array.shape[len(combo):]
+    out, done = np.empty(shape, dtype), set()
+    for shard in array.addressable_shards:
+        bounds = [s.indices(d)[:2] for s, d in zip(shard.index, array.shape)]
+        if not all(a <= c < b for c, (a, b) in zip(combo, bounds)) or tuple(bounds[n:]) in done:
+            continue
+        done.add(tuple(bounds[n:]))
+        local = np.asarray(shard.data[tuple(c - a for c, (a, _) in zip(combo, bounds))])
+        out[tuple(slice(a, b) for a, b in bounds[n:])] = local
+    return out
 
 
 def _sources(params: Any, cfg: DecoderConfig, maps: dict) -> dict[str, list]:
@@ -77,13 +90,19 @@ def _shards(entries: dict[str, tuple], max_bytes: int) -> list[dict[str, tuple]]
 
 
 def _prepare(out: Path, overwrite: bool) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise HFExportError(f"export: {out} is not empty; choose an empty or new directory, or pass "
-                                "overwrite=True (jaxpar export --overwrite) to replace its checkpoint files.")
-        for f in list(out.glob("*.safetensors")) + [out / INDEX]:
+    """Refuse a non-empty ``out`` (every process looks before any writes), then clear it (process 0)."""
+    full = out.exists() and any(out.iterdir())
+    if full and not overwrite:
+        raise HFExportError(f"export: {out} is not empty; choose an empty or new directory, or pass "
+                            "overwrite=True (jaxpar export --overwrite) to replace its checkpoint files.")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jaxpar.hf.export")
+    if jax.process_index() == 0:
+        for f in list(out.glob("*.safetensors")) + [out / INDEX] if full else []:
             f.unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
 
 
 def export(params: Any, out: str | Path, *, source: Checkpoint | None = None, config: DecoderConfig | None = None,
@@ -131,7 +150,7 @@ def _write_files(out: Path, entries: dict, sources: dict, max_bytes: int, np_dty
     writer = jax.process_index() == 0
     for i, shard in enumerate(shards):
         name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = (file_tensor([(m, _element(a, c)) for m, a, c in sources[k]]).astype(np_dtype) for k in shard)
+        tensors = (file_tensor([(m, _element(a, c, np_dtype)) for m, a, c in sources[k]]) for k in shard)
         if writer:
             write_safetensors(out / name, shard, tensors)
         else:

@@ -16,6 +16,8 @@ global batch that one process would build.
   Python standard library's own ``.py`` sources, so it exists wherever Python does. The last
   ``eval_fraction`` of the bytes is held out; training windows of ``seq_len + 1``
   bytes are drawn at offsets that depend only on ``(seed, step)``.
+* **Tokenized text**: the same files, each a document, encoded by a tokenizer into one token
+  stream (:func:`tokenize_documents`, in memory); windows as for bytes.
 * **Token files** (nanoGPT style): a pre-tokenized ``.bin`` (raw ``uint16`` by default)
   or ``.npy`` file, memory-mapped (:func:`load_tokens`); windows, offsets and the
   held-out tail work exactly as for bytes.
@@ -48,7 +50,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 __all__ = [
-    "DEFAULT_MAX_BYTES", "stdlib_sources", "expand_paths", "load_bytes", "load_tokens", "token_batch_fn", "check_token_ids",
+    "DEFAULT_MAX_BYTES", "stdlib_sources", "expand_paths", "read_documents", "load_bytes", "tokenize_documents",
+    "load_tokens", "token_batch_fn", "check_token_ids",
     "TOKEN_DTYPES", "split_holdout",
     "text_batch", "eval_windows", "synthetic_batch", "process_rows", "make_global_batch",
 ]
@@ -102,14 +105,15 @@ def expand_paths(patterns: Sequence[str | os.PathLike]) -> list[Path]:
     return out
 
 
-def load_bytes(paths: Sequence[str | os.PathLike] | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
-    """Concatenate files as a ``uint8`` array (files joined by a newline), capped at ``max_bytes``.
+def read_documents(paths: Sequence[str | os.PathLike] | None = None, *,
+                   max_bytes: int = DEFAULT_MAX_BYTES) -> list[bytes]:
+    """The files of :func:`load_bytes`, one ``bytes`` each (a newline appended), ``max_bytes`` in all.
 
     ``paths=None`` (or empty) reads :func:`stdlib_sources` (``max_bytes``). Files are taken in
     order until the cap; the last one is cut, so the result is deterministic.
     """
     if not isinstance(max_bytes, int) or max_bytes < 1:
-        raise ValueError(f"load_bytes(max_bytes={max_bytes!r}): must be a positive int.")
+        raise ValueError(f"read_documents(max_bytes={max_bytes!r}): must be a positive int.")
     files = stdlib_sources(max_bytes) if not paths else expand_paths(paths)
     chunks, total = [], 0
     for f in files:
@@ -118,7 +122,29 @@ def load_bytes(paths: Sequence[str | os.PathLike] | None = None, *, max_bytes: i
         total += len(chunks[-1])
         if total >= max_bytes:
             break
-    return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+    return chunks
+
+
+def load_bytes(paths: Sequence[str | os.PathLike] | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
+    """Concatenate files as a ``uint8`` array (files joined by a newline), capped at ``max_bytes``
+    (:func:`read_documents`, joined)."""
+    return np.frombuffer(b"".join(read_documents(paths, max_bytes=max_bytes)), dtype=np.uint8)
+
+
+def tokenize_documents(documents: Sequence[bytes | str], encode: Callable[[str], Sequence[int]], *,
+                       bos_id: int | None = None, eos_id: int | None = None) -> np.ndarray:
+    """One ``int32`` token stream of ``documents``: each encoded (bytes decoded as UTF-8, invalid bytes
+    replaced), with ``bos_id`` before it and ``eos_id`` after it when given. Batches then take windows
+    of it as of :func:`load_tokens`'s.
+
+    >>> tokenize_documents([b"ab", "c"], lambda text: [ord(ch) for ch in text], bos_id=1, eos_id=2).tolist()
+    [1, 97, 98, 2, 1, 99, 2]
+    """
+    ids: list[int] = []
+    for doc in documents:
+        text = doc.decode("utf-8", "replace") if isinstance(doc, (bytes, bytearray)) else doc
+        ids += ([bos_id] if bos_id is not None else []) + list(encode(text)) + ([eos_id] if eos_id is not None else [])
+    return np.asarray(ids, dtype=np.int32)
 
 
 TOKEN_DTYPES = ("uint16", "uint32", "int32")

@@ -27,7 +27,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +40,15 @@ __all__ = ["greedy_generate", "host_params", "format_samples", "SampleOptions", 
 class SampleOptions(NamedTuple):
     """The text samples written at the end of a run (``jaxpar train``: ``logging.samples`` and
     ``logging.sample_tokens``): ``count`` prompts of the first ``min(16, context // 2)`` tokens of
-    held-out rows, each continued by ``new_tokens`` greedy tokens; ``text``: the tokens are bytes."""
+    held-out rows, each continued by ``new_tokens`` greedy tokens; ``text``: the tokens are bytes;
+    ``decode``: ``ids -> str``, a tokenizer's (e.g. :meth:`jaxpar.hf.Tokenizer.decode`), for token ids
+    that are no bytes (None: written as numbers)."""
 
     count: int
     context: int
     new_tokens: int
     text: bool = True
+    decode: Callable[[list[int]], str] | None = None
 
 
 def host_params(params: Any) -> Any:
@@ -113,13 +116,24 @@ def greedy_generate(graphdef: Any, params: Any, prompts: Sequence[bytes | Sequen
     return rows
 
 
-def format_samples(prompts: Sequence[bytes | Sequence[int]], outputs: Sequence[bytes | Sequence[int]]) -> str:
-    """Human-readable samples: ``--- sample i ---`` headers; bytes decoded as UTF-8 (invalid bytes replaced)."""
+def format_samples(prompts: Sequence[bytes | Sequence[int]], outputs: Sequence[bytes | Sequence[int]],
+                   decode: Callable[[list[int]], str] | None = None) -> str:
+    """Human-readable samples: ``--- sample i ---`` headers; bytes decoded as UTF-8 (invalid bytes replaced),
+    token ids by ``decode`` when given (else written as numbers).
+
+    >>> print(format_samples([[72, 105]], [[72, 105, 33]], decode=lambda ids: "".join(map(chr, ids))))
+    --- sample 0 ---
+    [prompt] 'Hi'
+    Hi!
+    <BLANKLINE>
+    """
     parts = []
     for i, (p, o) in enumerate(zip(prompts, outputs)):
         if isinstance(o, (bytes, bytearray)):
             text = (f"[prompt] {bytes(p).decode('utf-8', 'replace')!r}\n"
                     f"{bytes(o).decode('utf-8', 'replace')}")
+        elif decode is not None:
+            text = f"[prompt] {decode([int(t) for t in p])!r}\n{decode([int(t) for t in o])}"
         else:
             text = f"[prompt] {list(p)}\n{list(o)}"
         parts.append(f"--- sample {i} ---\n{text}\n")
@@ -136,7 +150,7 @@ def write_samples(graphdef: Any, params: Any, batch: Any, path: str | Path, opts
       batch: a batch with a ``tokens`` leaf ``[B, T]`` (e.g. the first eval batch); its first
         ``opts.count`` rows give the prompts.
       path: the file to write.
-      opts: how many samples, the context, the new tokens, bytes or token ids.
+      opts: how many samples, the context, the new tokens, bytes or token ids, how to decode them.
 
     Returns:
       ``path`` as a string.
@@ -162,5 +176,5 @@ def write_samples(graphdef: Any, params: Any, batch: Any, path: str | Path, opts
     plen = max(1, min(16, opts.context // 2))
     prompts = [bytes(r[:plen].astype("uint8")) if opts.text else [int(t) for t in r[:plen]] for r in rows]
     outs = greedy_generate(graphdef, params, prompts, context=opts.context, new_tokens=opts.new_tokens)
-    Path(path).write_text(format_samples(prompts, outs))
+    Path(path).write_text(format_samples(prompts, outs, opts.decode))
     return str(path)
