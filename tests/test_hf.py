@@ -36,6 +36,7 @@ def ckpts(tmp_path_factory):
     out["llama_hub"] = hf_fixtures.build_checkpoint("llama", root / "llama_hub", dialect="hub")
     out["gemma3_hub"] = hf_fixtures.build_checkpoint("gemma3", root / "gemma3_hub", dialect="hub")
     out["qwen3_moe_fused"] = hf_fixtures.build_checkpoint("qwen3_moe", root / "moe_fused", experts_layout="fused")
+    out["llama4"] = hf_fixtures.build_checkpoint("llama", root / "llama4", num_hidden_layers=4)
     out["gemma3_softcap"] = hf_fixtures.build_checkpoint(      # larger weights: the logits' cap matters
         "gemma3", root / "gemma3_softcap", softcap=True, attn_logit_softcapping=None, init_std=0.15)
     return out
@@ -240,6 +241,8 @@ LAYOUTS = {      # name: (family, mesh axes, strategy, step options)
     "fsdp4-tp2-sp": ("qwen3", {"fsdp": 4, "tensor": 2},     # the vocabulary of 131 does not split over tensor
                      jaxpar.Strategy(sequence_parallel=True, extra_rules=(("vocab", None),)), {}),
     "pipe2-dp2-1f1b": ("llama", {"pipe": 2, "data": 2}, jaxpar.Strategy(microbatches=4, schedule="1f1b"), {}),
+    "pipe2-dp2-interleaved": ("llama4", {"pipe": 2, "data": 2},
+                              jaxpar.Strategy(microbatches=4, schedule="interleaved", virtual_stages=2), {}),
     "ep4": ("qwen3_moe", {"data": 2, "expert": 4}, jaxpar.Strategy(), {}),
     "cp2-ring-packed": ("gemma3", {"data": 2, "context": 2},
                         jaxpar.Strategy(context=jaxpar.context.ContextParallel("ring", balance=True)), {}),
@@ -258,27 +261,30 @@ def layout_batch(vocab, packed: bool):
     return {k: jnp.asarray(v, jnp.float32 if k == "loss_mask" else jnp.int32) for k, v in batch.items()}
 
 
-def train_on_layout(path, axes, strategy, batch, steps=3, lr=1e-3):
+def train_on_layout(path, axes, strategy, batch, steps=3, lr=1e-3, grads=True):
     """Load the checkpoint straight into the layout of ``axes`` x ``strategy``, train ``steps`` AdamW
-    steps; returns the helpers' RunResult and the loaded parameters' specs."""
+    steps; returns the helpers' RunResult (``grads``: the first step's gradients, else ``None``) and
+    the layout."""
     from helpers import RunResult, keep_grads
     import optax
 
     n = int(np.prod(list(axes.values())))
     mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:n])
     ckpt = open_checkpoint(path)
-    tx = optax.chain(keep_grads(), optax.adamw(lr, weight_decay=0.1))
+    tx = optax.adamw(lr, weight_decay=0.1)
+    tx = optax.chain(keep_grads(), tx) if grads else tx
     layout = jaxpar.state_layout(ckpt.model_fn(), tx, mesh, strategy)
     params = ckpt.load(mesh, layout.params)
     state, layout = jaxpar.init_train_state(ckpt.model_fn(), tx, mesh, strategy, params=params)
     step = jaxpar.make_train_step(decoder_loss, tx, layout, strategy)
     sharded = jaxpar.shard_batch(batch, mesh)
-    losses, grads = [], None
+    losses = []
     for _ in range(steps):
         state, metrics = step(state, sharded)
         losses.append(float(metrics["loss"]))
-        grads = jax.device_get(state.opt_state[0].grads) if grads is None else grads
-    return RunResult(np.array(losses), jax.device_get(state.params), grads, lr, steps), layout
+        if grads is True:
+            grads = jax.device_get(state.opt_state[0].grads)
+    return RunResult(np.array(losses), jax.device_get(state.params), grads or None, lr, steps), layout
 
 
 @pytest.mark.slow
@@ -364,3 +370,16 @@ def test_two_processes_read_only_their_own_shards(ckpts, tmp_path):
     for _, _, read, own, total in lines:
         assert int(read) == int(own) < 0.6 * int(total)
     assert sha256_tensors(out) == sha256_tensors(ckpts["llama"])
+
+
+@pytest.mark.slow
+def test_relaxed_sync_replicas_start_from_the_checkpoint(ckpts):
+    """DiLoCo's replicas (``replica=2``) each start from the imported weights: the first step's loss is
+    one device's."""
+    from jaxpar.sync import diloco
+
+    batch = layout_batch(131, packed=False)
+    got, layout = train_on_layout(ckpts["llama"], {"replica": 2, "data": 2}, jaxpar.Strategy(sync=diloco(every=2)),
+                                  batch, steps=1, grads=False)
+    want, _ = train_on_layout(ckpts["llama"], {"data": 1}, jaxpar.Strategy(), batch, steps=1, grads=False)
+    np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)

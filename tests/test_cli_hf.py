@@ -1,0 +1,163 @@
+"""Hugging Face checkpoints from the command line: ``configs/hf_finetune.yaml`` trains an imported
+model (``model.hf``) on text tokenized by its tokenizer (``data.tokenizer: hf``), ``jaxpar export``
+writes the run's weights back, ``jaxpar sample`` continues a prompt, and the config errors name keys.
+
+One tiny Llama-3 fixture checkpoint serves every test (``hf_fixtures.build_checkpoint``): weights
+of std 0.2, so that its loss is far from a random model's, and vocab 132 (the fixtures' 131 is odd,
+and the config's mesh has ``tensor=2``). transformers is the independent reference: the loss of
+the run's first step is its loss on the first batch, the export loads in it, and the sample is its
+greedy continuation of the exported weights.
+"""
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hf_fixtures
+from jaxpar.cli import main
+from jaxpar.config import build_data, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs" / "hf_finetune.yaml")
+QUICK = str(ROOT / "configs" / "quickstart.yaml")
+TINY = ["data.batch_size=8", "model.seq_len=16", "data.max_bytes=60000", "train.eval_batches=1", "train.log_every=1",
+        "train.progress=none", "logging.tensorboard=false", "logging.samples=1", "logging.sample_tokens=4",
+        "checkpoint.async_save=false"]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return hf_fixtures.build_checkpoint("llama", tmp_path_factory.mktemp("hf") / "llama", init_std=0.2,
+                                        vocab_size=132)
+
+
+def _args(source, out_dir):
+    return [f"model.hf={source}", f"train.out_dir={out_dir}", *TINY]
+
+
+@pytest.fixture(scope="module")
+def trained(source, tmp_path_factory):
+    """A 3-step fine-tuning run of the fixture; returns its overrides."""
+    args = _args(source, tmp_path_factory.mktemp("run") / "run")
+    assert main(["train", CONFIG, "train.steps=3", *args]) == 0
+    return args
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "hf"
+    assert main(["export", CONFIG, *trained, "--hf", str(out)]) == 0
+    return out
+
+
+def _tensors(d: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _cross_entropy(logits: np.ndarray, targets: np.ndarray) -> float:
+    logits = logits.astype(np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    return float(-np.take_along_axis(logp, targets[..., None], -1).mean())
+
+
+def test_finetune_starts_from_the_checkpoint_weights(source, trained):
+    out = Path(load_config(CONFIG, trained).train.out_dir)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    # the first batch, tokenized by the checkpoint's tokenizer as the run tokenized it
+    from jaxpar.hf import load_tokenizer
+
+    cfg = load_config(CONFIG, trained)
+    batch = build_data(cfg.data, seq_len=16, vocab=132, eval_batches=0, tokenizer=load_tokenizer(source))[0](0)
+    assert batch["tokens"].shape == (8, 16) and batch["tokens"].max() < 128
+    reference = _cross_entropy(hf_fixtures.reference_logits(source, batch["tokens"]), batch["targets"])
+    assert losses[0] == pytest.approx(reference, rel=1e-4)        # the imported weights, not random ones
+    from jaxpar.hf import open_checkpoint
+    from jaxpar.models import decoder_loss
+
+    random_init = float(decoder_loss(open_checkpoint(source).model_fn(0)(), batch))
+    assert abs(random_init - reference) > 0.5
+    samples = (out / "samples.txt").read_text()      # decoded by the tokenizer, not token ids
+    assert samples.startswith("--- sample 0 ---\n[prompt] '") and "[prompt] [" not in samples
+
+
+def test_export_of_the_run_loads_in_transformers(source, exported):
+    from jaxpar.hf import open_checkpoint
+
+    before, after = _tensors(source), _tensors(exported)
+    assert sorted(before) == sorted(after)
+    assert not np.array_equal(before["model.layers.0.self_attn.q_proj.weight"],
+                              after["model.layers.0.self_attn.q_proj.weight"])          # trained
+    assert open_checkpoint(exported).config == open_checkpoint(source).config
+    assert (exported / "tokenizer.json").read_text() == (source / "tokenizer.json").read_text()
+    tokens = np.arange(12, dtype=np.int64)[None] % 128
+    logits = hf_fixtures.reference_logits(exported, tokens)       # transformers loads it
+    assert np.isfinite(logits).all() and not np.allclose(logits, hf_fixtures.reference_logits(source, tokens))
+
+
+def test_export_before_training_is_the_source_byte_for_byte(source, tmp_path, capsys):
+    out = tmp_path / "hf"
+    args = ["export", CONFIG, *_args(source, tmp_path / "fresh"), "--hf", str(out)]
+    assert main(args) == 0
+    assert "the imported weights" in capsys.readouterr().out
+    digest = lambda d: {k: hashlib.sha256(v.tobytes()).hexdigest() for k, v in _tensors(d).items()}   # noqa: E731
+    assert digest(out) == digest(source)
+    assert main(args) == 2                        # OUT is not empty now: refused, without a traceback
+    err = capsys.readouterr().err
+    assert "jaxpar export: error: export:" in err and "is not empty" in err and "--overwrite" in err
+    assert "Traceback" not in err
+
+
+def test_sample_continues_the_prompt_with_the_run_weights(source, trained, exported, capsys):
+    from jaxpar.hf import load_tokenizer
+
+    prompt = "the lazy dog"
+    assert main(["sample", CONFIG, *trained, "--prompt", prompt, "--tokens", "5"]) == 0
+    captured = capsys.readouterr()
+    assert "from step 3 of" in captured.err
+    tok = load_tokenizer(source)
+    ids = tok.encode(prompt)
+    expected = tok.decode(ids + hf_fixtures.reference_greedy(exported, ids, 5))   # the trained weights' greedy
+    assert captured.out == expected + "\n" and captured.out.startswith(prompt)
+
+
+def _big_tokenizer(d: Path) -> int:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    d.mkdir()
+    tok.save(str(d / "tokenizer.json"))
+    return tok.get_vocab_size()
+
+
+def test_config_errors_name_the_key(source, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    size = _big_tokenizer(tmp_path / "tok")
+    cases = [  # (command line, what the error names)
+        (["train", CONFIG, f"model.hf={empty}"], [f"model.hf='{empty}'", "no config.json"]),
+        (["train", CONFIG, f"model.hf={source}", "model.embed=64"], ["model.embed", "beside model.hf"]),
+        (["train", CONFIG, f"model.hf={source}", f"data.tokenizer={tmp_path / 'tok'}", *TINY],
+         ["data.tokenizer=", f"{size} tokens", "vocab_size=132"]),
+        (["train", QUICK, "data.tokenizer=hf"], ["data.tokenizer='hf'", "model.hf is not set"]),
+        (["train", CONFIG, f"model.hf={source}", "data.tokenizer=null"], ["data.kind='text'", "data.tokenizer: hf"]),
+        (["train", CONFIG, f"model.hf={source}", "data.bos=true", "data.tokenizer=null"], ["data.bos=true"]),
+        (["export", QUICK, "--hf", str(tmp_path / "out")], ["jaxpar export: error", "model.hf is not set"]),
+    ]
+    for argv, names in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert all(n in err for n in names) and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "out").exists()
