@@ -138,18 +138,7 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(","))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxpar", description="Declarative SPMD training on JAX meshes.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("train", help="train a model from a YAML config",
-                       description="Train from CONFIG (YAML, may name a 'base:' YAML) with dotted overrides.")
-    p.add_argument("config", help="YAML config file, e.g. configs/quickstart.yaml")
-    p.add_argument("overrides", nargs="*", default=[], metavar="key=value",
-                   help="dotted overrides, e.g. mesh.tensor=2")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest good checkpoint in checkpoint.dir (same as checkpoint.resume=true)")
+def _add_process_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("many processes", "default: detected from SLURM (srun), Open MPI (mpirun) or a "
                              "Kubernetes Indexed Job; else one process. See docs/multihost.md.")
     g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (same on every process)")
@@ -158,6 +147,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--local-devices", type=int, metavar="K", help="simulated CPU devices in this process")
     g.add_argument("--heartbeat-timeout", type=int, metavar="S",
                    help="seconds without heartbeats before a process counts as dead and the job ends (100)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxpar", description="Declarative SPMD training on JAX meshes.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a model from a YAML config",
+                       description="Train from CONFIG (YAML, may name a 'base:' YAML) with dotted overrides.")
+    p.add_argument("config", help="YAML config file, e.g. configs/quickstart.yaml")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, e.g. mesh.tensor=2")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest good checkpoint in checkpoint.dir (same as checkpoint.resume=true)")
+    _add_process_options(p)
 
     p = sub.add_parser("schedule", help="print a pipeline schedule table",
                        description="Build a pipeline schedule and print its tick x stage table.")
@@ -198,7 +201,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="compile with the real compiler of a GPU / TPU target, without the hardware: "
                                     "h100:2x8 (hosts x GPUs), tpu-v5e:4x4, 2xtpu-v5e:16x16 (docs/targets.md)")
     from .config.hf_commands import add_parsers
-
     add_parsers(sub)                 # export, sample
     return parser
 

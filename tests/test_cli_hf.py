@@ -161,3 +161,21 @@ def test_config_errors_name_the_key(source, tmp_path, capsys):
         err = capsys.readouterr().err
         assert all(n in err for n in names) and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_restores_the_run_without_reading_the_import(trained, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from jaxpar.config.job import Job
+
+    run = tmp_path / "run"
+    shutil.copytree(load_config(CONFIG, trained).train.out_dir, run)
+
+    def no_import(self, layout):
+        raise AssertionError("a resumed run restores its own weights: the checkpoint's are not read")
+
+    monkeypatch.setattr(Job, "imported_params", no_import)
+    assert main(["train", CONFIG, *trained, f"train.out_dir={run}", "train.steps=4", "--resume"]) == 0
+    assert "resume   step 3 from" in capsys.readouterr().out
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]

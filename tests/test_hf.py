@@ -383,3 +383,25 @@ def test_relaxed_sync_replicas_start_from_the_checkpoint(ckpts):
                                   batch, steps=1, grads=False)
     want, _ = train_on_layout(ckpts["llama"], {"data": 1}, jaxpar.Strategy(), batch, steps=1, grads=False)
     np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
+
+
+def test_export_under_the_wrong_family_is_named(tmp_path):
+    from jaxpar.models import DecoderConfig
+
+    cfg = DecoderConfig(vocab=16, embed=8, layers=1, heads=2, kv_heads=1, head_dim=4, mlp=12)   # no QK-norm
+    with nnx.use_eager_sharding(False):
+        params = nnx.to_pure_dict(nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    with pytest.raises(HFExportError, match="'qwen3' has qk_norm=True \\(the config has False\\)"):
+        export(params, tmp_path / "out", config=cfg, family="qwen3")
+    with pytest.raises(HFExportError, match="give source= .* or both config= and family="):
+        export(params, tmp_path / "out", config=cfg)
+
+
+def test_kv_heads_that_do_not_divide_the_tensor_axis_are_named(ckpts):
+    """Two K/V heads over tensor=4: the error names the parameter, its heads and the axis."""
+    import optax
+
+    ckpt = open_checkpoint(ckpts["qwen3"])
+    mesh = jaxpar.make_mesh({"data": 2, "tensor": 4})
+    with pytest.raises(jaxpar.RulesError, match=r"layers/wk.*'heads'.*size 2 is not divisible.*tensor=4"):
+        jaxpar.state_layout(ckpt.model_fn(), optax.adamw(1e-3), mesh, jaxpar.Strategy(extra_rules=(("vocab", None),)))

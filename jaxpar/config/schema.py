@@ -38,7 +38,6 @@ class ModelConfig:
 
     name: str = "gpt"
     target: str | None = None
-    hf: str | None = None           # a Hugging Face checkpoint directory (config.json, *.safetensors)
     kwargs: dict[str, Any] = field(default_factory=dict)
     loss: str | None = None
     vocab: int = 256
@@ -53,6 +52,8 @@ class ModelConfig:
     # mixture of experts: {experts: 8, top_k: 2, capacity_factor: 1.25 | null, every: 1, aux_weight: 0.01, ...}
     # (see jaxpar.models.gpt_moe.MoESettings); {} = dense MLPs
     moe: dict[str, Any] = field(default_factory=dict)
+    # a Hugging Face checkpoint directory (config.json, *.safetensors): its Decoder, from its weights
+    hf: str | None = None
 
 
 #: Keys of the built-in GPT (an error with ``model.target``) and of a user model (an error without it).

@@ -3,6 +3,7 @@
 - :func:`open_checkpoint` reads a checkpoint directory's ``config.json`` (either dialect) into a
   :class:`~jaxpar.models.DecoderConfig` and checks its tensors; :meth:`Checkpoint.load` reads each
   device's shard straight from the safetensors files into any layout.
+- :func:`train_state` starts training from a checkpoint (:func:`load`: its weights in a layout).
 - :func:`export` writes parameters of any layout back, one tensor at a time.
 - :func:`load_tokenizer` loads the checkpoint's ``tokenizer.json``.
 """
@@ -11,9 +12,10 @@ from .config import FAMILIES, HFConfigError, decoder_config, hf_config_dict, rea
 from .export import HFExportError, export
 from .files import CheckpointFiles, HFFilesError, write_safetensors
 from .keys import EXPERT_LAYOUTS, TensorMap, tensor_maps
+from .start import load, train_state
 from .tokenizer import HFTokenizerError, Tokenizer, load_tokenizer
 
 __all__ = ["Checkpoint", "HFCheckpointError", "open_checkpoint", "FAMILIES", "HFConfigError", "decoder_config",
            "hf_config_dict", "read_config", "HFExportError", "export", "CheckpointFiles", "HFFilesError",
            "write_safetensors", "EXPERT_LAYOUTS", "TensorMap", "tensor_maps", "HFTokenizerError", "Tokenizer",
-           "load_tokenizer"]
+           "load_tokenizer", "load", "train_state"]

@@ -11,6 +11,7 @@ when the source stored it; an import followed by an export is byte-identical ten
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -25,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..models.decoder import DecoderConfig
 from .boxes import file_tensor
 from .checkpoint import Checkpoint
-from .config import hf_config_dict
+from .config import decoder_config, hf_config_dict
 from .files import DTYPES, INDEX, SAFETENSORS_DTYPE, write_safetensors
 from .keys import flatten_params, stack_counts, tensor_maps
 
@@ -131,6 +132,8 @@ def export(params: Any, out: str | Path, *, source: Checkpoint | None = None, co
     dtype = dtype or (source.dtype if source is not None else "float32")
     if dtype not in SAFETENSORS_DTYPE:
         raise HFExportError(f"export: dtype={dtype!r}; choose one of {sorted(SAFETENSORS_DTYPE)}.")
+    if source is None:
+        _check_family(cfg, family)
     out = Path(out)
     _prepare(out, overwrite)
     maps = source.maps if source is not None else tensor_maps(cfg, family)
@@ -160,6 +163,18 @@ def _write_files(out: Path, entries: dict, sources: dict, max_bytes: int, np_dty
     if len(shards) > 1 and writer:
         total = sum(int(np.prod(s, dtype=np.int64)) * DTYPES[d].itemsize for s, d in entries.values())
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _check_family(cfg: DecoderConfig, family: str) -> None:
+    """The ``config.json`` written for ``family`` must read back as ``cfg``; else name what differs."""
+    keep = {f: getattr(cfg, f) for f in ("remat", "scan_layers", "init_std")}
+    back = decoder_config(hf_config_dict(cfg, family), **keep)
+    differ = {f.name: (getattr(cfg, f.name), getattr(back, f.name)) for f in dataclasses.fields(cfg)
+              if getattr(cfg, f.name) != getattr(back, f.name)}
+    if differ:
+        raise HFExportError(f"export: model_type {family!r} cannot hold this config: {family!r} has "
+                            + ", ".join(f"{k}={b!r} (the config has {a!r})" for k, (a, b) in differ.items())
+                            + ". Export under the family the model was built for.")
 
 
 def _write_config(out: Path, source: Checkpoint | None, cfg: DecoderConfig, family: str, dtype: str) -> None:
