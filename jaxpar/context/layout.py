@@ -33,12 +33,11 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import functools
-
 import numpy as np
 
 from .options import ContextParallelError
