@@ -46,10 +46,24 @@ from flax import nnx
 from .rules import RulesError, path_str
 
 __all__ = ["LayerCall", "LayerSite", "scan_blocks", "run_layers", "use_layer_runner", "find_layer_calls",
-           "with_remat", "LAYERS"]
+           "with_remat", "remat_policy", "REMAT_POLICIES", "LAYERS"]
 
 #: The logical name of the stacked layer axis (axis 0 of every block parameter).
 LAYERS = "layers"
+
+
+#: The models' remat names (``remat=`` of the built-in models' configs).
+REMAT_POLICIES = ("none", "full", "save-matmuls")
+
+
+def remat_policy(name: str):
+    """The ``jax.checkpoint`` policy of a remat name (``None`` for ``"none"``: no remat).
+
+    >>> remat_policy("none") is None, remat_policy("full") is jax.checkpoint_policies.nothing_saveable
+    (True, True)
+    """
+    return {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+            "save-matmuls": jax.checkpoint_policies.checkpoint_dots}[name]
 
 
 def with_remat(fn: Callable, remat: Callable | None = None) -> Callable:

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..blocks import run_layers
+from ..blocks import REMAT_POLICIES, remat_policy, run_layers
 from ..context import in_sequence_order, sequence_order
 from ..rules import constrain
 from .decoder_layers import ACTIVATIONS, Carry, RoPE, layer_apply, rms_norm
@@ -120,6 +120,8 @@ class DecoderConfig:
         if self.heads % self.kv_heads:
             raise ValueError(f"DecoderConfig: kv_heads={self.kv_heads} must divide heads={self.heads} "
                              "(grouped-query attention).")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"DecoderConfig.remat={self.remat!r}: choose one of {REMAT_POLICIES}.")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"DecoderConfig.activation={self.activation!r}: choose one of {sorted(ACTIVATIONS)}.")
         if self.layer_types is not None:
@@ -220,10 +222,8 @@ class Decoder(nnx.Module):
         carry = Carry(x, positions, segment_ids, jnp.zeros((), jnp.int32))
         params = nnx.to_pure_dict(nnx.state(self.layers))
         logical = {k: LAYER_LOGICAL[k] for k in params}
-        policy = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
-                  "save-matmuls": jax.checkpoint_policies.checkpoint_dots}[cfg.remat]
-        carry = run_layers(lambda p, c: layer_apply(cfg, p, c), params, carry, logical=logical, remat=policy,
-                           scan=cfg.scan_layers)
+        carry = run_layers(lambda p, c: layer_apply(cfg, p, c), params, carry, logical=logical,
+                           remat=remat_policy(cfg.remat), scan=cfg.scan_layers)
         x = rms_norm(carry.x, self.norm[...], eps=cfg.norm_eps, offset=cfg.norm_offset)
         x = constrain(x, ("batch", "length", "embed"))
         head = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..blocks import run_layers
+from ..blocks import REMAT_POLICIES, remat_policy, run_layers
 from ..context import in_sequence_order, sequence_order
 from ..rules import constrain
 from .gpt_layers import (BLOCK_LOGICAL, RESIDUAL, Blocks, attention_apply, block_apply, layer_norm, mlp_apply, param,
@@ -48,9 +48,6 @@ from .gpt_moe import MoEBlocks, MoESettings, moe_metrics, run_moe_blocks
 __all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "attention_apply", "mlp_apply", "layer_norm", "run_blocks",
            "BLOCK_LOGICAL", "RESIDUAL", "REMAT_POLICIES", "lm_loss", "cross_entropy", "embed_apply", "head_apply",
            "remat_policy", "MoESettings"]
-
-REMAT_POLICIES = ("none", "full", "save-matmuls")
-
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -87,12 +84,6 @@ class GPTConfig:
     @property
     def mlp_dim(self) -> int:
         return self.mlp or 4 * self.embed
-
-
-def remat_policy(name: str):
-    """The ``jax.checkpoint`` policy of a remat name (``None`` for ``"none"``: no remat)."""
-    return {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
-            "save-matmuls": jax.checkpoint_policies.checkpoint_dots}[name]
 
 
 def run_blocks(blocks: dict[str, jax.Array], x: jax.Array, *, remat: str = "none", scan: bool = True) -> jax.Array:
