@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from .schema import ConfigError
 
-__all__ = ["add_parsers", "run_command", "run_export", "run_sample", "run_weights"]
+__all__ = ["add_parsers", "run_command", "run_export", "run_sample", "RunWeights", "run_weights"]
 
 
 def add_parsers(sub: Any) -> None:
@@ -78,22 +78,34 @@ def _job(config: str, overrides: Sequence[str], command: str):
     return cfg, build_job(cfg, data=False)
 
 
-def run_weights(job: Any, step: int | None = None) -> tuple[Any, Any, str]:
+class RunWeights(NamedTuple):
+    """A run's weights (:func:`run_weights`): ``params`` in ``layout``, ``where`` they came from (in
+    words), and the MoE ``router_bias`` its state keeps (on the host; None: none)."""
+
+    params: Any
+    layout: Any
+    where: str
+    router_bias: Any = None
+
+
+def run_weights(job: Any, step: int | None = None) -> RunWeights:
     """The run's weights: its jaxpar checkpoint of ``step`` (None: the latest good one) restored onto
-    the job's layout, or before it has one, ``model.hf``'s imported weights.
+    the job's layout (the whole train state is read), or before it has one, ``model.hf``'s imported
+    weights (only they are read).
 
     Args:
       job: the run's :class:`~jaxpar.config.job.Job` (built with a mesh).
       step: the checkpoint's step (None: the latest).
 
     Returns:
-      ``(state, layout, where)``: the train state (imported weights: a fresh one), its layout, and
-      where the weights came from, in words.
+      The :class:`RunWeights`.
 
     Raises:
       CheckpointError: ``step`` has no (readable) checkpoint, or the run has none and no ``model.hf``.
     """
     from ..train.checkpoint import CheckpointError
+    from ..train.router_bias import KEY as BIAS, has_router_bias
+    from ..train.sample import host_params
 
     layout = job.state_layout()
     directory = Path(job.checkpoint["directory"]) if job.checkpoint is not None else None
@@ -101,16 +113,18 @@ def run_weights(job: Any, step: int | None = None) -> tuple[Any, Any, str]:
         ckpt = job.checkpointer(layout)
         try:
             if step is not None or ckpt.latest_step() is not None:
-                restored = ckpt.restore(layout, step)
-                return restored.state, layout, f"step {restored.step} of {ckpt.directory}"
+                state = (restored := ckpt.restore(layout, step)).state
+                bias = host_params(state.stats[BIAS]) if has_router_bias(layout) else None
+                return RunWeights(state.params, layout, f"step {restored.step} of {ckpt.directory}", bias)
         finally:
             ckpt.close()
     if job.hf is None or step is not None:
+        which = f" of step {step}" if step is not None else ""
         where = f"in {directory}" if directory is not None else "(checkpoint.enabled=false)"
-        raise CheckpointError(f"no jaxpar checkpoint {where}" + (f" of step {step}" if step is not None else "")
-                              + "; train first (jaxpar train), or point checkpoint.dir at the run's checkpoints.")
-    state, layout = job.init_state()
-    return state, layout, f"the imported weights of model.hf={str(job.hf.path)!r} (no jaxpar checkpoint yet)"
+        raise CheckpointError(f"no jaxpar checkpoint{which} {where}; train first (jaxpar train), or point "
+                              "checkpoint.dir at the run's checkpoints.")
+    where = f"the imported weights of model.hf={str(job.hf.path)!r} (no jaxpar checkpoint yet)"
+    return RunWeights(job.imported_params(layout), layout, where)
 
 
 def run_export(config: str, overrides: Sequence[str], out: str, *, step: int | None = None, overwrite: bool = False,
@@ -128,9 +142,9 @@ def run_export(config: str, overrides: Sequence[str], out: str, *, step: int | N
         raise HFExportError(f"export: {target} is not empty; choose an empty or new directory, or pass --overwrite "
                             "to replace its checkpoint files.")
     _, job = _job(config, overrides, "export")
-    state, _, where = run_weights(job, step)
-    export(state.params, target, source=job.hf, dtype=dtype, overwrite=overwrite)
-    print(f"export   {where} -> {target} ({dtype or job.hf.dtype})")
+    weights = run_weights(job, step)
+    export(weights.params, target, source=job.hf, dtype=dtype, overwrite=overwrite)
+    print(f"export   {weights.where} -> {target} ({dtype or job.hf.dtype})")
     return 0
 
 
@@ -164,8 +178,7 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
       ConfigError: the config is invalid, the prompt encodes to no token, or the run's tokens have no text.
     """
     from ..moe import use_router_bias
-    from ..train.router_bias import KEY as BIAS, has_router_bias
-    from ..train.sample import greedy_generate, host_params
+    from ..train.sample import greedy_generate
 
     cfg, job = _job(config, overrides, "sample")
     encode, decode = _sample_codec(cfg, job)
@@ -176,10 +189,9 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
     new = cfg.logging.sample_tokens if tokens is None else tokens
     if new < 0:
         raise ConfigError(f"jaxpar sample: --tokens {new}: must be >= 0.")
-    state, layout, where = run_weights(job, step)
-    bias = host_params(state.stats[BIAS]) if has_router_bias(layout) else None
-    with use_router_bias(bias):
-        out = greedy_generate(layout.graphdef, state.params, [ids], context=cfg.model.seq_len, new_tokens=new)[0]
-    print(f"sample   {len(ids)} prompt tokens + {new} greedy tokens from {where}", file=sys.stderr)
+    w = run_weights(job, step)
+    with use_router_bias(w.router_bias):
+        out = greedy_generate(w.layout.graphdef, w.params, [ids], context=cfg.model.seq_len, new_tokens=new)[0]
+    print(f"sample   {len(ids)} prompt tokens + {new} greedy tokens from {w.where}", file=sys.stderr)
     print(decode(out))
     return 0

@@ -31,13 +31,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from ..blocks import REMAT_POLICIES
 from .schema import HF_MODEL_KEYS, ConfigError, DataConfig, JobConfig, ModelConfig
 
-__all__ = ["REMAT_POLICIES", "hf_problems", "tokenizer_problems", "open_hf", "hf_mesh_problems", "build_tokenizer",
-           "tokenizer_dir"]
-
-#: ``model.remat`` values of the decoder (those of jaxpar's GPT).
-REMAT_POLICIES = ("none", "full", "save-matmuls")
+__all__ = ["hf_problems", "tokenizer_problems", "open_hf", "hf_mesh_problems", "build_tokenizer", "tokenizer_dir"]
 
 
 def hf_problems(cfg: JobConfig) -> list[str]:

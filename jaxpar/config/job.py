@@ -233,7 +233,9 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
       The job.
 
     Raises:
-      ConfigError: a setting that the library refuses, named by its YAML key.
+      ConfigError: a setting that the library refuses, named by its YAML key; also a ``model.hf``
+        checkpoint that cannot be imported or that ``mesh.tensor`` does not divide, and a
+        ``data.tokenizer`` that cannot be read or does not fit the model's vocabulary.
     """
     if mesh:
         check(cfg, num_devices=jax.device_count() if devices is None else len(devices))
