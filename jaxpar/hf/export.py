@@ -1,8 +1,9 @@
 """Writing a :class:`~jaxpar.models.Decoder`'s parameters as a Hugging Face checkpoint.
 
-:func:`export` streams one file tensor at a time: each is gathered from its (sharded) parameter,
-rearranged back to the checkpoint's layout (:func:`jaxpar.hf.boxes.file_tensor`), cast to the
-checkpoint's dtype and written, so the host holds at most one tensor (and its gathered copy).
+:func:`export` streams one file tensor at a time: each is assembled on the host from its
+parameter's shards (cast to the checkpoint's dtype as each shard is copied in; with several
+processes, gathered), rearranged back to the checkpoint's layout
+(:func:`jaxpar.hf.boxes.file_tensor`) and written, so the host holds about one tensor at a time.
 Files are cut at ``max_shard_bytes`` with ``model.safetensors.index.json`` beside them, as
 ``transformers`` writes them. From an imported checkpoint it keeps what the source had: its
 ``config.json``, its tokenizer and generation files, its expert layout, and ``lm_head.weight`` exactly
