@@ -109,7 +109,7 @@ def _ropes(hf: dict, model_type: str) -> tuple[RoPE, RoPE | None]:
 
 def _refuse(hf: dict, name: str, allowed: Any) -> None:
     value = hf.get(name)
-    if value not in (None, allowed) and not (isinstance(allowed, list) and value == allowed):
+    if value is not None and value != allowed:
         raise HFConfigError(f"config.json: {name}={value!r} is not supported (jaxpar imports {name}={allowed!r}).")
 
 
