@@ -10,6 +10,7 @@ Usage::
     jaxpar inspect CONFIG [key=value ...] [--cluster PRESET|PATH] [--target h100:2x8|tpu-v5e:4x4|...]
     jaxpar export CONFIG [key=value ...] --hf OUT [--step N] [--overwrite] [--dtype bfloat16|float32]
     jaxpar sample CONFIG [key=value ...] --prompt TEXT [--tokens N] [--step N]   (jaxpar.config.hf_commands)
+    jaxpar data prepare|show CONFIG [key=value ...] [--force | --steps A:B]     (jaxpar.config.data_commands)
 
 Example::
 
@@ -32,7 +33,7 @@ from typing import Sequence
 
 __all__ = ["main", "build_parser", "run_train", "run_schedule", "run_plan", "run_inspect"]
 _DIST = ("coordinator", "num_processes", "process_id", "local_devices", "heartbeat_timeout")
-_OVERRIDES = ("train", "inspect", "export", "sample")       # the commands that take key=value overrides
+_OVERRIDES = ("train", "inspect", "export", "sample", "data")       # the commands that take key=value overrides
 
 
 def run_train(config: str, overrides: Sequence[str], *, print_config: bool = False, resume: bool = False,
@@ -57,7 +58,7 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
         print(f"process  {info.describe()}")
         if info.multiprocess:
             catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
-    from .config.describe import describe_data, header_lines, model_label, model_line, state_line
+    from .config.describe import describe_data, header_lines, model_label, model_line, packing_line, state_line
     from .config.job import build_job
     from .train.resume import checkpoint_meta, train_with_checkpoints
 
@@ -74,9 +75,12 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     print(line)
     step, evaluate = job.train_step(layout), job.eval_fn(layout)
     log, ckpt = job.log_options(layout, tokens), job.checkpointer(layout)
-    return train_with_checkpoints(step, state, layout, job.batch_fn, job.run, log, checkpointer=ckpt,
-                                  meta=checkpoint_meta(mesh_sizes=layout.mesh.shape, **job.meta), eval_fn=evaluate,
-                                  eval_batches=job.eval_batches, ramp=job.ramp)
+    status = train_with_checkpoints(step, state, layout, job.batch_fn, job.run, log, checkpointer=ckpt,
+                                    meta=checkpoint_meta(mesh_sizes=layout.mesh.shape, **job.meta), eval_fn=evaluate,
+                                    eval_batches=job.eval_batches, ramp=job.ramp)
+    if line := packing_line(job.batch_fn, cfg.train.steps):       # data.kind=documents: real tokens
+        print(line)
+    return status
 
 
 def run_inspect(config: str, overrides: Sequence[str], *, cluster: str | None = None, target: str | None = None) -> int:
@@ -200,23 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", help="cluster preset for the prediction (default: the target's, else cpu_sim)")
     p.add_argument("--target", help="compile with the real compiler of a GPU / TPU target, without the hardware: "
                                     "h100:2x8 (hosts x GPUs), tpu-v5e:4x4, 2xtpu-v5e:16x16 (docs/targets.md)")
+    from .config.data_commands import add_data_parser
     from .config.hf_commands import add_parsers
     add_parsers(sub)                 # export, sample
+    add_data_parser(sub)             # data prepare, data show
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` script; returns the exit status."""
-    from .config import ConfigError
+    from .config.data_commands import run_data_command
+    from .config.errors import user_errors
     from .config.hf_commands import run_command
-    from .cost import ClusterError, PlanError
-    from .distributed import DistributedError
-    from .hf import HFExportError
-    from .pipeline.cut import PipelineCutError
-    from .rules import RulesError
-    from .train.checkpoint import CheckpointError
-    from .train.step import ExplicitDPError
-    from .targets import TargetError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)   # overrides may follow options: CONFIG --print-config k=v
@@ -234,9 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_inspect(args.config, args.overrides, cluster=args.cluster, target=args.target)
         if args.command in ("export", "sample"):
             return run_command(args)
+        if args.command == "data":
+            return run_data_command(args)
         return run_schedule(args)
-    except (ConfigError, ClusterError, PlanError, DistributedError, RulesError, CheckpointError, PipelineCutError,
-            ExplicitDPError, TargetError, HFExportError) as e:
+    except user_errors() as e:
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:

@@ -15,14 +15,15 @@ from typing import Any, Callable, Sequence
 from ..mesh import MeshError
 from ..pipeline.partition import PartitionError, check_stage_layers, uniform_layers
 from ..pipeline.schedules import get_schedule
-from ..train import data as data_lib
 from .build import (MODELS, OPTIMIZERS, build_gpt_config, build_strategy, build_sync, lr_scaling_problems, mesh_error,
                     mesh_spec)
 from .data import build_ramp
+from .data_checks import data_problems
+from .problems import at_least, choice, collect
 from .hf_model import hf_problems, tokenizer_problems
 from .imports import call_problem, resolve_import
-from .schema import (DATA_KINDS, LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS, ConfigError,
-                     DataConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig)
+from .schema import (LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS, ConfigError,
+                     JobConfig, ModelConfig, OptimizerConfig, ParallelConfig)
 
 __all__ = ["check"]
 
@@ -65,35 +66,16 @@ def _stage_layers_problem(par: ParallelConfig, layers: int | None, p: int) -> st
     return None
 
 
-def _choice(problems: list[str], key: str, value: Any, allowed: Sequence[Any]) -> None:
-    if value not in allowed:
-        problems.append(f"{key}={value!r}: unknown value; allowed: {', '.join(map(str, allowed))}.")
-
-
-def _at_least(problems: list[str], key: str, value: Any, low: float) -> None:
-    if value is not None and value < low:
-        problems.append(f"{key}={value!r}: must be >= {low}.")
-
-
-def _collect(problems: list[str], build: Callable[[], Any]) -> Any:
-    """``build()``, or None with its :class:`ConfigError` appended to ``problems``."""
-    try:
-        return build()
-    except ConfigError as e:
-        problems.append(str(e))
-        return None
-
-
 def _optimizer_problems(p: list[str], opt: OptimizerConfig) -> None:
-    _choice(p, "optimizer.name", opt.name, tuple(OPTIMIZERS))
-    _choice(p, "optimizer.lr_schedule", opt.lr_schedule, LR_SCHEDULES)
+    choice(p, "optimizer.name", opt.name, tuple(OPTIMIZERS))
+    choice(p, "optimizer.lr_schedule", opt.lr_schedule, LR_SCHEDULES)
     if opt.lr <= 0:
         p.append(f"optimizer.lr={opt.lr!r}: must be > 0.")
     for key in ("b1", "b2"):
         if not 0 <= getattr(opt, key) < 1:
             p.append(f"optimizer.{key}={getattr(opt, key)!r}: must be in [0, 1).")
     for key in ("weight_decay", "momentum", "warmup_steps", "eps"):
-        _at_least(p, f"optimizer.{key}", getattr(opt, key), 0)
+        at_least(p, f"optimizer.{key}", getattr(opt, key), 0)
     if not 0 <= opt.min_lr_ratio <= 1:
         p.append(f"optimizer.min_lr_ratio={opt.min_lr_ratio!r}: must be in [0, 1].")
     if opt.clip_norm is not None and opt.clip_norm <= 0:
@@ -114,7 +96,6 @@ def _optimizer_problems(p: list[str], opt: OptimizerConfig) -> None:
                          "write a Python regex searched in the parameter path, e.g. 'ln.*_scale$'.")
 
 
-_RESERVED_DATA_KWARGS = ("step", "batch_size", "seed", "eval", "rows")
 
 
 def _onebit_adam_problems(strategy, opt: OptimizerConfig) -> list[str]:
@@ -138,7 +119,7 @@ def _onebit_adam_problems(strategy, opt: OptimizerConfig) -> list[str]:
 
 def _user_model_problems(p: list[str], m: ModelConfig) -> None:
     """Import paths and call signatures of a user model (nothing is called)."""
-    target = _collect(p, lambda: resolve_import(m.target, "model.target"))
+    target = collect(p, lambda: resolve_import(m.target, "model.target"))
     if target is not None:
         if "rngs" in m.kwargs:
             p.append("model.kwargs.rngs: set by jaxpar (nnx.Rngs(train.seed)); remove it.")
@@ -148,26 +129,10 @@ def _user_model_problems(p: list[str], m: ModelConfig) -> None:
     if m.loss is None:
         p.append(f"model.loss: missing; with model.target={m.target!r} name the loss function, "
                  "'package.module:loss' or 'path/to/file.py:loss', called as loss(model, batch) -> scalar.")
-    elif (loss := _collect(p, lambda: resolve_import(m.loss, "model.loss"))) is not None:
+    elif (loss := collect(p, lambda: resolve_import(m.loss, "model.loss"))) is not None:
         if why := call_problem(loss, None, None):
             p.append(f"model.loss={m.loss!r}: is called as loss(model, batch) -> scalar, which does not fit it: "
                      f"{why}.")
-
-
-def _data_import_problems(p: list[str], d: DataConfig) -> None:
-    if d.target is None:
-        p.append("data.target: missing; data.kind=import needs the batch function, 'package.module:batches' or "
-                 "'path/to/file.py:batches', called as batches(step, batch_size=, seed=, **data.kwargs).")
-        return
-    for key in _RESERVED_DATA_KWARGS:
-        if key in d.kwargs:
-            fix = f"set data.{key} instead" if key in ("batch_size", "seed") else "jaxpar passes it"
-            p.append(f"data.kwargs.{key}: reserved ({fix}); remove it.")
-    if (fn := _collect(p, lambda: resolve_import(d.target, "data.target"))) is not None and not any(
-            k in d.kwargs for k in _RESERVED_DATA_KWARGS):
-        if why := call_problem(fn, 0, batch_size=d.batch_size, seed=d.seed, **d.kwargs):
-            p.append(f"data.target={d.target!r}: is called as batches(step, batch_size=data.batch_size, "
-                     f"seed=data.seed, **data.kwargs), which does not fit it: {why}.")
 
 
 def _model_problems(p: list[str], cfg: JobConfig) -> Any:
@@ -182,13 +147,13 @@ def _model_problems(p: list[str], cfg: JobConfig) -> Any:
             p.append(f"data.kind={d.kind!r} makes token windows of model.seq_len for the built-in GPT; with "
                      f"model.target={m.target!r} use data.kind=import and data.target (your batch function).")
         return None
-    _choice(p, "model.name", m.name, tuple(MODELS))
+    choice(p, "model.name", m.name, tuple(MODELS))
     for key in USER_MODEL_KEYS[1:]:
         if getattr(m, key):
             p.append(f"model.{key}={getattr(m, key)!r}: only used with model.target (a model of your own); the "
                      f"built-in model.name={m.name!r} needs none.")
-    _at_least(p, "model.mlp", m.mlp, 1)          # GPTConfig leaves mlp unchecked
-    gpt = _collect(p, lambda: build_gpt_config(m))
+    at_least(p, "model.mlp", m.mlp, 1)          # GPTConfig leaves mlp unchecked
+    gpt = collect(p, lambda: build_gpt_config(m))
     if d.kind == "text" and m.vocab < 256 and d.tokenizer is None:
         p.append(f"model.vocab={m.vocab}: byte-level text (data.kind=text) needs model.vocab >= 256.")
     if d.kind == "text" and tr.eval_batches > 0 and d.eval_fraction <= 0:
@@ -368,27 +333,20 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> None:
     p: list[str] = []
     par, opt, d, tr = cfg.parallel, cfg.optimizer, cfg.data, cfg.train
     gpt = _model_problems(p, cfg)
-    strategy = _collect(p, lambda: build_strategy(par))
+    strategy = collect(p, lambda: build_strategy(par))
     _optimizer_problems(p, opt)
     if strategy is not None:
         p.extend(_onebit_adam_problems(strategy, opt))
         p.extend(_table_problems(cfg, strategy, num_devices))
-    _choice(p, "data.kind", d.kind, DATA_KINDS)
-    _choice(p, "data.token_dtype", d.token_dtype, data_lib.TOKEN_DTYPES)
-    _at_least(p, "data.batch_size", d.batch_size, 1)
-    _at_least(p, "data.max_bytes", d.max_bytes, 1)
-    if not 0 <= d.eval_fraction < 1:
-        p.append(f"data.eval_fraction={d.eval_fraction!r}: must be in [0, 1).")
-    if d.kind == "import":
-        _data_import_problems(p, d)
+    p.extend(data_problems(cfg))
     for key, low in (("steps", 1), ("log_every", 1), ("eval_every", 0), ("eval_batches", 0), ("devices", 0)):
-        _at_least(p, f"train.{key}", getattr(tr, key), low)
-    _choice(p, "train.progress", tr.progress, PROGRESS_MODES)
-    _choice(p, "train.on_nonfinite", tr.on_nonfinite, NONFINITE_MODES)
+        at_least(p, f"train.{key}", getattr(tr, key), low)
+    choice(p, "train.progress", tr.progress, PROGRESS_MODES)
+    choice(p, "train.on_nonfinite", tr.on_nonfinite, NONFINITE_MODES)
     ck, lg = cfg.checkpoint, cfg.logging
     for key, value, low in (("checkpoint.every", ck.every, 0), ("checkpoint.keep", ck.keep, 1),
                             ("logging.samples", lg.samples, 0), ("logging.sample_tokens", lg.sample_tokens, 1)):
-        _at_least(p, key, value, low)
+        at_least(p, key, value, low)
     if ck.resume and not ck.enabled:
         p.append("checkpoint.resume=true needs checkpoint.enabled=true (resuming also keeps saving).")
     if lg.peak_flops is not None and lg.peak_flops <= 0:

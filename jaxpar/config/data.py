@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..train import data as data_lib
+from .documents import build_documents
 from .imports import resolve_import, takes
 from .schema import DATA_KINDS, ConfigError, DataConfig
 
@@ -110,13 +111,16 @@ def build_data(cfg: DataConfig, *, seq_len: int | None = None, vocab: int | None
     """``(batch_fn(step) -> host batch, fixed eval batches)`` for the data section (with
     ``data.batch_ramp``, the batch of step ``t`` has the ramp's size at ``t``).
 
-    ``seq_len`` / ``vocab`` (the model's) are needed by the token kinds (text, tokens, synthetic), not by
-    ``import``. ``ramp``: the ramp of :func:`build_ramp` to read the sizes from (an adaptive ramp
+    ``seq_len`` / ``vocab`` (the model's) are needed by the token kinds (text, tokens, synthetic,
+    documents), not by ``import``. ``ramp``: the ramp of :func:`build_ramp` to read the sizes from (an adaptive ramp
     changes as it decides); default: a new one. ``tokenizer``: ``data.tokenizer``'s
     (:func:`jaxpar.config.hf_model.build_tokenizer`): the text is its tokens, not bytes.
     """
-    batch_fn, evals = _build_data(cfg, seq_len=seq_len, vocab=vocab, eval_batches=eval_batches, tokenizer=tokenizer)
     ramp = build_ramp(cfg) if ramp is None else ramp
+    if cfg.kind == "documents":   # the packed batches follow the ramp's rows themselves
+        return build_documents(cfg, seq_len=seq_len, vocab=vocab, tokenizer=tokenizer, eval_batches=eval_batches,
+                               ramp=ramp)
+    batch_fn, evals = _build_data(cfg, seq_len=seq_len, vocab=vocab, eval_batches=eval_batches, tokenizer=tokenizer)
     if ramp is None:
         return batch_fn, evals
     from ..train.ramp import ramp_batch_fn

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import jax
@@ -27,7 +28,7 @@ from .data import describe_batch
 from .job import Job, part_bytes
 from .schema import JobConfig
 
-__all__ = ["header_lines", "model_label", "model_line", "state_line", "describe_data", "program_lines"]
+__all__ = ["header_lines", "model_label", "model_line", "state_line", "describe_data", "program_lines", "packing_line"]
 
 
 def header_lines(job: Job) -> list[str]:
@@ -139,6 +140,11 @@ def describe_data(cfg: JobConfig, batch_fn: Callable[[int], Any]) -> tuple[str, 
     if d.batch_ramp:
         ramp = ", ".join(f"{b} from step {s}" for b, s in zip(d.batch_ramp["sizes"], d.batch_ramp["steps"]))
         return f"data     {d.kind}: global batch ramp {ramp} (x {seq} tokens for the GPT)", None
+    if d.kind == "documents":
+        names = ", ".join(f"{Path(str(dict(s)['path'])).name} x{dict(s).get('weight', 1.0):g}" for s in d.sources)
+        return (f"data     documents ({names}), tokenized by data.tokenizer={d.tokenizer!r}"
+                f"{' from data.cache' if d.cache else ' on the fly'}, packed {d.pack}: global batch {d.batch_size} "
+                f"x {seq} tokens"), gpt_tokens
     if d.kind != "import":
         tok = f" tokenized by data.tokenizer={d.tokenizer!r}" if d.tokenizer else ""
         return f"data     {d.kind}{tok}: global batch {d.batch_size} x {seq} tokens", gpt_tokens
@@ -148,3 +154,13 @@ def describe_data(cfg: JobConfig, batch_fn: Callable[[int], Any]) -> tuple[str, 
         return line, gpt_tokens
     tokens = np.asarray(batch.get("tokens", 0))
     return line, int(tokens.size) if tokens.ndim == 2 and tokens.dtype.kind in "iu" else None
+
+
+def packing_line(batches: Any, steps: int, most: int = 1000) -> str | None:
+    """``packing  98.97% non-padding tokens (steps 0-99)``: packed batches' real tokens over the run's first
+    ``min(steps, most)`` steps (planned from the documents' lengths, no token read); ``None`` for batches
+    that are not packed."""
+    if not hasattr(batches, "efficiency"):
+        return None
+    n = min(steps, most)
+    return f"packing  {batches.efficiency(0, n):.2%} non-padding tokens (steps 0-{n - 1})"

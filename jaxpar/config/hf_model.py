@@ -80,9 +80,9 @@ def tokenizer_problems(cfg: JobConfig) -> list[str]:
               f"set data.tokenizer (hf, or a tokenizer's directory) or remove data.{key}."
               for key in ("bos", "eos") if getattr(d, key)]
         return p
-    if d.kind != "text":
-        p.append(f"data.tokenizer={d.tokenizer!r}: tokenizes data.kind=text only (here data.kind={d.kind!r}); "
-                 "remove it, or set data.kind: text.")
+    if d.kind not in ("text", "documents"):
+        p.append(f"data.tokenizer={d.tokenizer!r}: tokenizes data.kind=text or documents only (here data.kind="
+                 f"{d.kind!r}); remove it, or set data.kind: text.")
     if not d.tokenizer:
         p.append("data.tokenizer='': give hf (model.hf's tokenizer) or a directory holding tokenizer.json.")
     elif d.tokenizer == "hf" and cfg.model.hf is None:

@@ -147,7 +147,9 @@ class DataConfig:
     file a document with BOS / EOS only where ``bos`` / ``eos`` say. ``tokens``: one
     pre-tokenized ``.bin`` (``token_dtype``) or ``.npy`` file in ``paths``. ``synthetic``: arithmetic
     token sequences. ``import``: your own ``target(step, *, batch_size, seed, **kwargs) -> dict of arrays``
-    (``'pkg.mod:fn'`` or ``'path/to/file.py:fn'``). ``batch_size`` is global."""
+    (``'pkg.mod:fn'`` or ``'path/to/file.py:fn'``). ``documents``: ``sources`` (JSONL, Parquet, ArrayRecord,
+    Hugging Face ``save_to_disk`` directories, token files) mixed by weight, tokenized by ``tokenizer``
+    (from ``cache``, or on the fly) and packed (:mod:`jaxpar.config.documents`). ``batch_size`` is global."""
 
     kind: str = "text"
     paths: tuple[str, ...] = ()
@@ -164,6 +166,14 @@ class DataConfig:
     # global batch sizes growing during training, e.g. {sizes: [32, 64, 128], steps: [0, 100, 200]}
     # (the first size is batch_size; see jaxpar.train.ramp); {} = batch_size throughout
     batch_ramp: dict[str, Any] = field(default_factory=dict)
+    # kind=documents (jaxpar.config.documents, docs/data.md): sources mixed by weight, packed rows
+    sources: list[dict[str, Any]] = field(default_factory=list)   # [{path, format, text_field, weight}, ...]
+    cache: str | None = None        # the token cache's directory (jaxpar data prepare); null: tokenize on the fly
+    pack: str = "best_fit"          # best_fit | first_fit | none
+    pack_window: int = 64           # rows packed together
+    pack_fill: float = 0.99         # the share of a pack window the documents fill
+    on_malformed: str = "error"     # error | skip (a malformed record is skipped and counted)
+    prefetch: int = 2               # steps built ahead in a background thread
 
 
 @dataclass(frozen=True)
@@ -236,7 +246,7 @@ class JobConfig:
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
-DATA_KINDS = ("synthetic", "text", "tokens", "import")
+DATA_KINDS = ("synthetic", "text", "tokens", "documents", "import")
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
 NONFINITE_MODES = ("skip", "stop")
 #: Keys that were renamed: old dotted key -> new one.

@@ -233,12 +233,16 @@ class Decoder(nnx.Module):
         return constrain(logits, ("batch", "length", "vocab"))
 
 
-def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: Any = None) -> jax.Array:
+def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: Any = None, weights: Any = None) -> jax.Array:
     """Mean next-token cross-entropy over the tokens where ``mask`` is true (all when ``None``); the
     target logit is picked with a one-hot product (a vocabulary split over ``tensor`` needs one
-    all-reduce)."""
+    all-reduce). With ``weights``, the plain mean of ``weights × loss`` over every token (the mask
+    is then not read): weights normalised over a global batch, as :class:`jaxpar.data.PackedBatches`
+    makes them, give the global batch's masked mean however the batch is split."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.sum(logp * jax.nn.one_hot(targets, logits.shape[-1], dtype=logp.dtype), axis=-1)
+    if weights is not None:
+        return jnp.mean(nll * weights.astype(nll.dtype))
     if mask is None:
         return nll.mean()
     mask = mask.astype(nll.dtype)
@@ -249,16 +253,18 @@ def decoder_loss(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy of a :class:`Decoder`.
 
     ``batch``: ``tokens`` and ``targets`` ``[batch, length]``; optionally ``segment_ids`` and
-    ``positions`` (packed rows) and ``loss_mask`` (which targets count: e.g. not across a document
-    boundary, not padding). Under a balanced context-parallel layout the sequence is permuted into
-    its order (:func:`jaxpar.context.sequence_order`) and the model gets the true positions.
+    ``positions`` (packed rows), ``loss_mask`` (which targets count: e.g. not across a document
+    boundary, not padding; the mean is over the batch given) and ``loss_weights`` (the mask scaled
+    over the global batch: the mean is the global batch's under any micro-batching). Under a balanced
+    context-parallel layout the sequence is permuted into its order
+    (:func:`jaxpar.context.sequence_order`) and the model gets the true positions.
     """
     tokens, targets = batch["tokens"], batch["targets"]
     segments, positions, mask = batch.get("segment_ids"), batch.get("positions"), batch.get("loss_mask")
+    weights = batch.get("loss_weights")
     order = sequence_order(tokens.shape[1])
     if order is not None:
         positions = order if positions is None else in_sequence_order(jnp.broadcast_to(positions, tokens.shape))
         tokens, targets = in_sequence_order(tokens), in_sequence_order(targets)
-        segments = None if segments is None else in_sequence_order(segments)
-        mask = None if mask is None else in_sequence_order(mask)
-    return masked_cross_entropy(model(tokens, positions, segments), targets, mask)
+        segments, mask, weights = (None if x is None else in_sequence_order(x) for x in (segments, mask, weights))
+    return masked_cross_entropy(model(tokens, positions, segments), targets, mask, weights)

@@ -12,7 +12,7 @@ from .loop import train as train
 from .report import LogOptions as LogOptions, NonFiniteError as NonFiniteError
 from .checkpoint import Checkpointer as Checkpointer, CheckpointWarning as CheckpointWarning
 from .resume import train_with_checkpoints as train_with_checkpoints
-from .data import make_global_batch as make_global_batch
+from ..data.rows import make_global_batch as make_global_batch
 from .sample import greedy_generate as greedy_generate
 from .noise_scale import (NoiseScaleError as NoiseScaleError, plot_noise_scale as plot_noise_scale,
                           with_noise_scale as with_noise_scale)

@@ -49,6 +49,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..data.rows import make_global_batch, process_rows, select_rows
+from ..data.tokens import TOKEN_DTYPES, map_tokens
+
 __all__ = [
     "DEFAULT_MAX_BYTES", "stdlib_sources", "expand_paths", "read_documents", "load_bytes", "tokenize_documents",
     "load_tokens", "token_batch_fn", "check_token_ids",
@@ -147,37 +150,16 @@ def tokenize_documents(documents: Sequence[bytes | str], encode: Callable[[str],
     return np.asarray(ids, dtype=np.int32)
 
 
-TOKEN_DTYPES = ("uint16", "uint32", "int32")
-
-
 def load_tokens(path: str | os.PathLike, *, dtype: str = "uint16") -> np.ndarray:
-    """A pre-tokenized corpus as a read-only memory map: ``.npy`` (its own dtype) or a raw
-    ``.bin`` of ``dtype`` tokens (nanoGPT's ``train.bin`` is ``uint16``). Nothing is read
-    until batches index it, so the file may be larger than memory.
+    """A pre-tokenized corpus as a read-only memory map (:func:`jaxpar.data.tokens.map_tokens`): ``.npy``
+    (its own dtype) or a raw ``.bin`` of ``dtype`` tokens. The file may be larger than memory.
 
     >>> import tempfile; f = tempfile.NamedTemporaryFile(suffix=".bin", delete=False)
     >>> np.arange(100, dtype=np.uint16).tofile(f.name)
     >>> load_tokens(f.name)[10:13].tolist()
     [10, 11, 12]
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"token file {str(path)!r} not found.")
-    if path.suffix == ".npy":
-        data = np.load(path, mmap_mode="r")
-    elif path.suffix == ".bin":
-        if dtype not in TOKEN_DTYPES:
-            raise ValueError(f"token dtype {dtype!r}: choose one of {TOKEN_DTYPES}.")
-        if path.stat().st_size % np.dtype(dtype).itemsize:
-            raise ValueError(f"token file {str(path)!r}: {path.stat().st_size} bytes is not a whole number of "
-                             f"{dtype} tokens; check the token dtype.")
-        data = np.memmap(path, dtype=dtype, mode="r")
-    else:
-        raise ValueError(f"token file {str(path)!r}: expected a .bin (raw tokens) or .npy file.")
-    if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
-        raise ValueError(f"token file {str(path)!r}: expected a 1-D integer array, got {data.dtype} "
-                         f"of shape {data.shape}.")
-    return data
+    return map_tokens(path, dtype)
 
 
 def check_token_ids(batch: dict[str, np.ndarray], vocab: int, where: str) -> dict[str, np.ndarray]:
@@ -225,7 +207,7 @@ def text_batch(data: np.ndarray, step: int, *, batch_size: int, seq_len: int, se
     _check_len(data, seq_len, "text_batch")
     rng = np.random.default_rng((seed, _TRAIN, step))
     offsets = rng.integers(0, len(data) - seq_len, size=batch_size)   # all rows: cheap, fixes the order
-    return _windows(data, offsets[_select(rows, batch_size)], seq_len)
+    return _windows(data, offsets[select_rows(rows, batch_size)], seq_len)
 
 
 def eval_windows(data: np.ndarray, *, num_batches: int, batch_size: int, seq_len: int) -> list[dict[str, np.ndarray]]:
@@ -246,114 +228,6 @@ def synthetic_batch(step: int, *, batch_size: int, seq_len: int, vocab: int, see
     rng = np.random.default_rng((seed, _EVAL if eval else _TRAIN, step))
     start = rng.integers(0, vocab, size=(batch_size, 1))
     stride = rng.integers(1, 9, size=(batch_size, 1))
-    pick = _select(rows, batch_size)
+    pick = select_rows(rows, batch_size)
     out = ((start[pick] + stride[pick] * np.arange(seq_len + 1)) % vocab).astype(np.int32)
     return {"tokens": out[:, :-1], "targets": out[:, 1:]}
-
-
-# ----------------------------------------------------------------------------- per-process rows
-def process_rows(sharding, batch_size: int) -> np.ndarray:
-    """Sorted global row indices of a ``[batch_size, ...]`` batch held by this process's devices.
-
-    ``sharding`` is the batch's sharding (e.g. :func:`jaxpar.batch.batch_sharding`);
-    only its split of the leading dimension matters. With one process: all rows.
-    This is the order :func:`jax.make_array_from_process_local_data` expects.
-
-    >>> import jax, jaxpar
-    >>> from jaxpar.batch import batch_sharding
-    >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
-    >>> process_rows(batch_sharding(mesh), 8)   # one process: all rows (process 0 of 2 would get 0..3)
-    array([0, 1, 2, 3, 4, 5, 6, 7])
-    """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"process_rows(batch_size={batch_size!r}): must be a positive int.")
-    n = _num_row_shards(sharding)
-    if batch_size % n:
-        raise ValueError(f"process_rows: global batch size {batch_size} is not divisible by the {n} shards of the "
-                         f"batch dimension ({sharding}); use a global batch that is a multiple of {n}.")
-    picked = np.zeros(batch_size, dtype=bool)
-    for index in sharding.addressable_devices_indices_map((batch_size,)).values():
-        picked[index[0] if index else slice(None)] = True
-    return np.flatnonzero(picked)
-
-
-def _num_row_shards(sharding) -> int:
-    """How many distinct pieces ``sharding`` cuts the leading dimension into."""
-    probe = max(len(sharding.device_set), 1)   # a multiple of any split of the leading dim
-    starts = {(idx[0].start or 0) if idx else 0 for idx in sharding.devices_indices_map((probe,)).values()}
-    return len(starts)
-
-
-def _select(rows: Any, batch_size: int) -> np.ndarray | slice:
-    """``rows`` (None | int indices | Sharding) -> an index into ``[batch_size]`` arrays."""
-    if rows is None:
-        return slice(None)
-    if hasattr(rows, "addressable_devices_indices_map"):
-        return process_rows(rows, batch_size)
-    idx = np.asarray(rows)
-    if idx.ndim != 1 or idx.dtype.kind not in "iu" or (idx.size and (idx.min() < 0 or idx.max() >= batch_size)):
-        raise ValueError(f"rows: expected None, a Sharding or a 1-D int array of row indices in "
-                         f"[0, {batch_size}); got {rows!r}.")
-    return idx
-
-
-def _takes_rows(fn: Callable) -> bool:
-    import inspect
-
-    try:
-        return "rows" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def make_global_batch(batch_fn: Callable, step: int, mesh) -> Any:
-    """The global batch of ``step`` on ``mesh``, split over the data axes; each process builds only its rows.
-
-    ``batch_fn(step, rows=...)`` (all batch functions here, and ``functools.partial`` of
-    them) is asked for this process's rows only, which are assembled with
-    :func:`jax.make_array_from_process_local_data`. A ``batch_fn(step)`` without
-    ``rows`` builds the whole host batch and each process keeps its own rows. With
-    one process the result equals ``shard_batch(batch_fn(step), mesh)``.
-
-    >>> from functools import partial
-    >>> import jax, numpy as np, jaxpar
-    >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
-    >>> batch_fn = partial(synthetic_batch, batch_size=16, seq_len=8, vocab=64)
-    >>> batch = make_global_batch(batch_fn, step=3, mesh=mesh)
-    >>> batch["tokens"].shape, batch["tokens"].sharding.spec
-    ((16, 8), P(('data', 'fsdp'),))
-    >>> bool((np.asarray(batch["tokens"]) == batch_fn(3)["tokens"]).all())   # the same rows as one host batch
-    True
-    """
-    import jax
-
-    from ..batch import batch_sharding
-
-    sharding = batch_sharding(mesh)
-    if _takes_rows(batch_fn):
-        local = batch_fn(step, rows=sharding)
-        leaves = jax.tree.leaves(local)
-        if not leaves:
-            raise ValueError("make_global_batch: batch_fn returned an empty batch.")
-        n, held = _num_row_shards(sharding), _num_local_row_shards(sharding)
-        sizes = {int(np.shape(x)[0]) * n // held for x in leaves}
-    else:
-        full = batch_fn(step)
-        sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(full)}
-        if len(sizes) == 1:
-            keep = process_rows(sharding, sizes.copy().pop())
-            local = jax.tree.map(lambda x: np.asarray(x)[keep], full)
-        else:
-            local = full
-    if len(sizes) != 1:
-        raise ValueError(f"make_global_batch: batch leaves have different leading sizes {sorted(sizes)}; "
-                         "they must agree.")
-    size = sizes.pop()
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x),
-                                                                        (size, *np.shape(x)[1:])), local)
-
-
-def _num_local_row_shards(sharding) -> int:
-    probe = max(len(sharding.device_set), 1)
-    starts = {(idx[0].start or 0) if idx else 0 for idx in sharding.addressable_devices_indices_map((probe,)).values()}
-    return len(starts)

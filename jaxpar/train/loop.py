@@ -56,7 +56,7 @@ from ..batch import batch_sharding, shard_batch
 from ..moe import use_router_bias
 from ..rules import named_shardings
 from ..strategy import Strategy
-from .data import make_global_batch
+from ..data.rows import make_global_batch
 from .metrics import MetricsWriter, is_main_process
 from .noise_scale import KEY as NOISE_KEY
 from .noise_scale import noise_scale_of
@@ -174,16 +174,19 @@ class _Run:
     def step(self, state: Any, step: int) -> tuple[Any, Any]:
         """Dispatch step ``step`` (asynchronous, at most ``max_inflight`` ahead of the device).
         Returns the new state and the step's device metrics."""
+        waited = time.perf_counter()
         if self.k == 1:
             batch = make_global_batch(self.batch_fn, step, self.mesh)   # own rows per process, built ahead
         else:               # steps_per_call: the k global batches stacked, [k, B, ...]
             batch = jax.tree.map(lambda *xs: jnp.stack(xs),
                                  *[make_global_batch(self.batch_fn, s, self.mesh) for s in range(step, step + self.k)])
+        waited = time.perf_counter() - waited       # the host's time on the data (none when prefetched)
         self.meter.wait_inflight(self.max_inflight)
         state, metrics = self.step_fn(state, batch)
         rows = jax.tree.leaves(batch)[0].shape[0 if self.k == 1 else 1]
         if isinstance(metrics, dict):
-            metrics = {**metrics, "batch_size": rows if self.k == 1 else [rows] * self.k}
+            metrics = {**metrics, "batch_size": rows if self.k == 1 else [rows] * self.k,
+                       "data_wait": waited if self.k == 1 else [waited / self.k] * self.k}
         self.meter.add(step + self.k, metrics, self.k)
         self.bar.advance(self.k)
         return state, metrics

@@ -32,6 +32,7 @@ __all__ = ["flops_per_token", "mfu", "MetricsWriter", "TB_TAGS", "is_main_proces
 TB_TAGS = {
     "loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "skipped": "train/skipped_steps",
     "step_time": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
+    "data_wait": "perf/data_wait_s",
     "eval_loss": "eval/loss",
 }
 

@@ -111,7 +111,7 @@ _COMM = ("comm_bytes", "comm_ratio", "residual_norm", "replica_grad_norm",      
          "loss_spread", "replica_distance", "replica_bytes", "delay_mean", "modelled_time",   # relaxed sync
          "modelled_time_sync",
          "noise_scale", "grad_sq_small", "grad_sq_big", "noise_trace", "noise_grad_sq",   # noise scale
-         "batch_size")                                                                  # the step's global batch
+         "batch_size", "data_wait")                     # the step's global batch; seconds waiting for it
 
 
 def check_int(owner: str, name: str, value: Any, low: int) -> None:
@@ -310,8 +310,9 @@ class Meter:
         if utilisation is not None:
             rec["mfu"] = utilisation
         rec.update({k: _num(w[k]) for w in finite or self.window for k in w if k in _COMM or "/" in k})  # the latest
-        if "replica_bytes" in rec:        # relaxed sync: the window's mean bytes over ``replica`` per step
-            rec["replica_bytes"] = sum(w.get("replica_bytes", 0.0) for w in self.window) / len(self.window)
+        for key in ("replica_bytes", "data_wait"):      # per step, the window's mean
+            if key in rec:
+                rec[key] = sum(w.get(key, 0.0) for w in self.window) / len(self.window)
         return rec, last
 
     def _progress_line(self, rec: dict, last: dict) -> tuple[str, dict]:
