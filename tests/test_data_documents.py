@@ -4,6 +4,7 @@ and ``jaxpar data show`` prints the same batch digests under every mesh; resumes
 the loss weights give the global batch's masked mean; bad input is named."""
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,7 @@ def test_train_and_resume_continue_the_stream(ckpt, corpus, tmp_path, capsys):
 
 
 def test_bad_input_is_named(ckpt, corpus, tmp_path, capsys):
+    corpus = Path(shutil.copytree(corpus, tmp_path / "corpus"))      # this test edits its files
     def error(*extra) -> str:
         capsys.readouterr()
         assert main(["data", "show", CONFIG, *args(ckpt, corpus, tmp_path, *extra, cache=False)]) == 2
@@ -138,6 +140,27 @@ def test_bad_input_is_named(ckpt, corpus, tmp_path, capsys):
     assert "data.sources[0].colour" in error(f"data.sources=[{{path: {corpus / 'web.jsonl'}, colour: red}}]")
     assert "data.pack='tight'" in error("data.pack=tight")
     assert "data.paths" in error("data.paths=[a.txt]")
-    capsys.readouterr()
-    assert main(["data", "show", CONFIG, *args(ckpt, corpus, tmp_path)]) == 2        # no cache yet
+    (tmp_path / "empty.jsonl").write_text("\n")
+    assert "no documents" in error(f"data.sources=[{{path: {tmp_path / 'empty.jsonl'}}}]").lower()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text((corpus / "web.jsonl").read_text() + '{"text": "cut off\n' + '{"text": "the end"}\n')
+    assert re.search(r"bad\.jsonl.*line 301", error(f"data.sources=[{{path: {bad}}}]"))
+    big = tmp_path / "ids.bin"
+    np.arange(1000, dtype=np.uint16).tofile(big)
+    assert "token id 999" in error(f"data.sources=[{{path: {big}, format: tokens}}]")
+    assert "max_position_embeddings=128" in error("model.seq_len=256")
+    assert "data.repeat" in error("train.steps=100000")
+    capsys.readouterr()                      # malformed records skipped and counted
+    assert main(["train", CONFIG, *args(ckpt, corpus, tmp_path, f"data.sources=[{{path: {bad}}}]", cache=False),
+                 "data.on_malformed=skip", "train.steps=1"]) == 0
+    assert "1 malformed records skipped" in capsys.readouterr().out
+    base = args(ckpt, corpus, tmp_path)
+    assert main(["data", "show", CONFIG, *base]) == 2        # no cache yet
     assert "jaxpar data prepare" in capsys.readouterr().err
+    assert main(["data", "prepare", CONFIG, *base]) == 0
+    assert main(["data", "show", CONFIG, *base, "data.eos=false"]) == 2      # a cache of other options
+    assert "eos=True in the cache, False now" in capsys.readouterr().err
+    web = corpus / "web.jsonl"
+    web.write_text(web.read_text())                          # the corpus changed since the cache
+    assert main(["data", "show", CONFIG, *base]) == 2
+    assert "source differs in files" in capsys.readouterr().err

@@ -107,19 +107,21 @@ def build_ramp(cfg: DataConfig):
 
 
 def build_data(cfg: DataConfig, *, seq_len: int | None = None, vocab: int | None = None, eval_batches: int,
-               ramp: Any = None, tokenizer: Any = None) -> tuple[Callable[[int], dict], list[dict]]:
+               ramp: Any = None, tokenizer: Any = None, steps: int | None = None
+               ) -> tuple[Callable[[int], dict], list[dict]]:
     """``(batch_fn(step) -> host batch, fixed eval batches)`` for the data section (with
     ``data.batch_ramp``, the batch of step ``t`` has the ramp's size at ``t``).
 
     ``seq_len`` / ``vocab`` (the model's) are needed by the token kinds (text, tokens, synthetic,
     documents), not by ``import``. ``ramp``: the ramp of :func:`build_ramp` to read the sizes from (an adaptive ramp
     changes as it decides); default: a new one. ``tokenizer``: ``data.tokenizer``'s
-    (:func:`jaxpar.config.hf_model.build_tokenizer`): the text is its tokens, not bytes.
+    (:func:`jaxpar.config.hf_model.build_tokenizer`): the text is its tokens, not bytes. ``steps``: the
+    run's steps (``data.kind=documents`` refuses a run that would repeat documents without ``data.repeat``).
     """
     ramp = build_ramp(cfg) if ramp is None else ramp
     if cfg.kind == "documents":   # the packed batches follow the ramp's rows themselves
         return build_documents(cfg, seq_len=seq_len, vocab=vocab, tokenizer=tokenizer, eval_batches=eval_batches,
-                               ramp=ramp)
+                               ramp=ramp, steps=steps)
     batch_fn, evals = _build_data(cfg, seq_len=seq_len, vocab=vocab, eval_batches=eval_batches, tokenizer=tokenizer)
     if ramp is None:
         return batch_fn, evals

@@ -163,4 +163,5 @@ def packing_line(batches: Any, steps: int, most: int = 1000) -> str | None:
     if not hasattr(batches, "efficiency"):
         return None
     n = min(steps, most)
-    return f"packing  {batches.efficiency(0, n):.2%} non-padding tokens (steps 0-{n - 1})"
+    skipped = f"; {batches.skipped} malformed records skipped" if batches.skipped else ""
+    return f"packing  {batches.efficiency(0, n):.2%} non-padding tokens (steps 0-{n - 1}){skipped}"

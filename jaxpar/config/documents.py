@@ -146,12 +146,14 @@ def open_stores(d: DataConfig, tokenizer: Any, *, progress: Callable | None = No
 
 
 def build_documents(d: DataConfig, *, seq_len: int, vocab: int, tokenizer: Any, eval_batches: int,
-                    ramp: Any = None, progress: Callable | None = None) -> tuple[PackedBatches, list[dict]]:
+                    ramp: Any = None, steps: int | None = None,
+                    progress: Callable | None = None) -> tuple[PackedBatches, list[dict]]:
     """The packed batches of ``data.sources`` and ``eval_batches`` held-out batches.
 
     Raises:
       ConfigError: a source that cannot be read, token ids outside the model's vocabulary (named with the
-        source), no held-out documents while evaluation is asked for.
+        source), no held-out documents while evaluation is asked for, a run of ``steps`` steps that would
+        draw a source for a second epoch without ``data.repeat``.
     """
     stores = open_stores(d, tokenizer, progress=progress)
     for i, store in enumerate(stores):
@@ -168,4 +170,16 @@ def build_documents(d: DataConfig, *, seq_len: int, vocab: int, tokenizer: Any, 
         data(0)    # fail now, not mid-run
     except DataError as e:
         raise ConfigError(f"data (data.kind=documents): {e}") from None
+    if steps and not d.repeat:
+        _check_one_epoch(d, stores, data.epochs(steps), steps)
     return data, evals
+
+
+def _check_one_epoch(d: DataConfig, stores: list, epochs: Any, steps: int) -> None:
+    over = [(i, e) for i, e in enumerate(epochs) if e > 1.0]
+    if over:
+        what = "; ".join(f"data.sources[{i}] ({stores[i].name}): {e:.2f} epochs of its "
+                         f"{int(stores[i].lengths.sum()):,} tokens" for i, e in over)
+        raise ConfigError(f"the run's {steps} steps would draw documents more than once: {what}. Set data.repeat: "
+                          "true to repeat them (each epoch in a new order), or train fewer steps, or give the "
+                          "source a smaller weight.")

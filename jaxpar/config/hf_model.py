@@ -34,7 +34,7 @@ from typing import Any
 from ..blocks import REMAT_POLICIES
 from .schema import HF_MODEL_KEYS, ConfigError, DataConfig, JobConfig, ModelConfig
 
-__all__ = ["hf_problems", "tokenizer_problems", "open_hf", "hf_mesh_problems", "build_tokenizer", "tokenizer_dir"]
+__all__ = ["hf_problems", "tokenizer_problems", "open_hf", "hf_mesh_problems", "hf_length_problems", "build_tokenizer"]
 
 
 def hf_problems(cfg: JobConfig) -> list[str]:
@@ -130,11 +130,14 @@ def hf_mesh_problems(hf: Any, path: str, tensor: int) -> list[str]:
             for name, size in dims if size % tensor]
 
 
-def tokenizer_dir(value: str, hf: str | None) -> Path:
-    """The directory ``data.tokenizer`` names: ``hf`` -> ``model.hf``; a ``tokenizer.json`` /
-    ``tokenizer.model`` file -> its directory; else the path itself."""
-    path = Path(hf if value == "hf" else value).expanduser()
-    return path.parent if path.name in ("tokenizer.json", "tokenizer.model") and path.is_file() else path
+def hf_length_problems(hf: Any, path: str, seq_len: int) -> list[str]:
+    """A ``model.seq_len`` beyond the checkpoint's ``max_position_embeddings`` (the longest sequence its
+    positions were trained for); none when the config does not say."""
+    most = hf.hf_config.get("max_position_embeddings")
+    if isinstance(most, int) and seq_len > most:
+        return [f"model.seq_len={seq_len}: longer than model.hf={path!r}'s max_position_embeddings={most}, the "
+                f"longest sequence its positions were trained for; use model.seq_len <= {most}."]
+    return []
 
 
 def build_tokenizer(d: DataConfig, hf: str | None, vocab: int, vocab_key: str):
@@ -157,9 +160,10 @@ def build_tokenizer(d: DataConfig, hf: str | None, vocab: int, vocab_key: str):
 
     where = f"data.tokenizer={d.tokenizer!r}" + (f" (model.hf={hf!r})" if d.tokenizer == "hf" else "")
     try:
-        tok = load_tokenizer(tokenizer_dir(d.tokenizer, hf))
+        tok = load_tokenizer(Path(hf if d.tokenizer == "hf" else d.tokenizer).expanduser())
     except HFTokenizerError as e:
-        raise ConfigError(f"{where}: {e} Give a directory holding tokenizer.json, or the file itself.") from None
+        raise ConfigError(f"{where}: {e} Give a tokenizer.json, a SentencePiece .model or a tiktoken .tiktoken "
+                          "file, or a directory holding one.") from None
     if tok.vocab_size > vocab:
         raise ConfigError(f"{where}: the tokenizer has {tok.vocab_size} tokens, more than the model's vocabulary "
                           f"({vocab_key}={vocab}); its ids would be out of range. Use the model's own tokenizer"

@@ -40,7 +40,7 @@ from .build import (build_gpt_config, build_loss_fn, build_mesh, build_model_fn,
                     frozen_variance_step)
 from .checks import check
 from .data import build_data, build_ramp
-from .hf_model import build_tokenizer, hf_mesh_problems, open_hf
+from .hf_model import build_tokenizer, hf_length_problems, hf_mesh_problems, open_hf
 from .schema import ConfigError, JobConfig
 
 __all__ = ["Job", "build_job", "updates_per_step", "job_devices", "part_bytes"]
@@ -268,7 +268,9 @@ def _open_hf(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
     if cfg.model.hf is None:
         return None
     hf = open_hf(cfg.model)
-    if mesh_sizes and (problems := hf_mesh_problems(hf, cfg.model.hf, mesh_sizes.get("tensor", 1))):
+    problems = hf_length_problems(hf, cfg.model.hf, cfg.model.seq_len)
+    problems += hf_mesh_problems(hf, cfg.model.hf, mesh_sizes.get("tensor", 1)) if mesh_sizes else []
+    if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
     return hf
 
@@ -291,7 +293,7 @@ def _data(cfg: JobConfig, read: bool, vocab: int, tokenizer: Any) -> dict:
         return {"batch_fn": build_data(d, seq_len=m.seq_len, vocab=vocab, eval_batches=0)[0]}
     ramp = build_ramp(d)      # an adaptive ramp decides during the run; batch_fn reads it
     batch_fn, evals = build_data(d, seq_len=m.seq_len, vocab=vocab, eval_batches=cfg.train.eval_batches,
-                                 ramp=ramp, tokenizer=tokenizer)
+                                 ramp=ramp, tokenizer=tokenizer, steps=cfg.train.steps)
     return {"batch_fn": batch_fn, "eval_batches": evals, "ramp": ramp}
 
 

@@ -174,6 +174,7 @@ class DataConfig:
     pack_fill: float = 0.99         # the share of a pack window the documents fill
     on_malformed: str = "error"     # error | skip (a malformed record is skipped and counted)
     prefetch: int = 2               # steps built ahead in a background thread
+    repeat: bool = False            # a source may be drawn for more than one epoch (each reshuffled)
 
 
 @dataclass(frozen=True)

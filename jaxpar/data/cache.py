@@ -108,7 +108,7 @@ def open_cache(directory: str | Path, expected: dict) -> CachedTokens:
         detail = "; ".join(_difference(key, meta.get(key), expected[key]) for key in differ)
         raise CacheError(f"token cache {str(directory)!r} was built from other data: {detail}. Build it again with "
                          "`jaxpar data prepare CONFIG`.")
-    return CachedTokens(directory, meta["dtype"])
+    return CachedTokens(directory, meta["dtype"], skipped=int(meta.get("skipped", 0)))
 
 
 def _difference(key: str, found: Any, want: Any) -> str:

@@ -163,6 +163,17 @@ class PackedBatches:
         every = tuple(range(size))
         return [self.rows(i * size, size, every, self.eval_plan, self.eval_ids) for i in range(count)]
 
+    @property
+    def skipped(self) -> int:
+        """Malformed records the sources skipped (``on_malformed="skip"``)."""
+        return sum(int(getattr(s, "skipped", 0)) for s in self.stores)
+
+    def epochs(self, steps: int) -> np.ndarray:
+        """``float[sources]``: the epochs of each source that the first ``steps`` steps draw (the pack
+        windows they touch)."""
+        rows = self.first_row(steps)
+        return self.plan.epochs(-(-rows // self.plan.rows_per_window))
+
     def efficiency(self, start_step: int, steps: int) -> float:
         """Non-padding tokens over all tokens of the batches ``start_step .. start_step + steps - 1``."""
         used = total = 0

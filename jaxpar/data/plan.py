@@ -115,6 +115,10 @@ class StreamPlan:
         upto[-1] = window * self.budget
         return np.diff(upto, prepend=0)
 
+    def epochs(self, windows: int) -> np.ndarray:
+        """``float[sources]``: how many epochs of each source the first ``windows`` windows draw."""
+        return self.source_budget(windows) / np.array([int(c.sum()) for c in self.costs], np.float64)
+
     def epoch_of(self, source: int, window: int) -> int:
         """The epoch of ``source`` that ``window`` starts in (0-based)."""
         return int(self.source_budget(window)[source] // int(self.costs[source].sum()))

@@ -68,11 +68,12 @@ class CachedTokens(_Mapped):
     Args:
       directory: the cache of one source (``tokens.bin``, ``offsets.npy``, ``meta.json``).
       dtype: the tokens' dtype (from ``meta.json``).
+      skipped: the malformed records the cache left out (from ``meta.json``).
     """
 
-    def __init__(self, directory: str | Path, dtype: str):
+    def __init__(self, directory: str | Path, dtype: str, skipped: int = 0):
         directory = Path(directory)
-        self.name = str(directory)
+        self.name, self.skipped = str(directory), skipped
         try:
             self.offsets = np.load(directory / "offsets.npy")
             self.tokens = (np.memmap(directory / "tokens.bin", dtype=dtype, mode="r")
@@ -117,6 +118,11 @@ class LiveTokens:
     @property
     def bytes_read(self) -> int:
         return self.source.bytes_read
+
+    @property
+    def skipped(self) -> int:
+        """Malformed records skipped (``on_malformed="skip"``)."""
+        return self.source.skipped
 
     def prefetch(self, docs: Iterable[int]) -> None:
         """Tokenize ``docs`` not yet kept, in one batch (the reads of a batch's rows call this first)."""
