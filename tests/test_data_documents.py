@@ -164,3 +164,14 @@ def test_bad_input_is_named(ckpt, corpus, tmp_path, capsys):
     web.write_text(web.read_text())                          # the corpus changed since the cache
     assert main(["data", "show", CONFIG, *base]) == 2
     assert "source differs in files" in capsys.readouterr().err
+
+
+def test_inspect_compiles_the_packed_step(ckpt, corpus, tmp_path, capsys):
+    """``jaxpar inspect`` compiles the step on the packed batch's five arrays and loss weights, as train runs it."""
+    from jaxpar.config.job import build_job
+
+    cfg = load_config(CONFIG, args(ckpt, corpus, tmp_path, cache=False))
+    batch = build_job(cfg, data=False).abstract_batch()
+    assert sorted(batch) == sorted(["tokens", "targets", "segment_ids", "positions", "loss_mask", "loss_weights"])
+    assert main(["inspect", CONFIG, *args(ckpt, corpus, tmp_path, cache=False)]) == 0
+    assert "collectives" in capsys.readouterr().out.lower()

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..data.packing import BATCH_KEYS
 from ..strategy import Strategy
 from .build import (build_gpt_config, build_loss_fn, build_mesh, build_model_fn, build_optimizer, build_strategy,
                     frozen_variance_step)
@@ -67,6 +68,7 @@ class Job:
     global_batch: int
     seq_len: int
     token_batches: bool = True
+    packed_batches: bool = False              # data.kind=documents: segment ids, positions, loss mask and weights
     mesh: Any = None
     tx: Any = None
     log_lr: Callable | None = None
@@ -157,8 +159,12 @@ class Job:
         if self.steps_per_call > 1:
             sharding, lead = NamedSharding(self.mesh, PartitionSpec(None, *sharding.spec)), (self.steps_per_call,)
         if self.token_batches:
-            spec = jax.ShapeDtypeStruct((*lead, self.global_batch, self.seq_len), np.int32, sharding=sharding)
-            return {"tokens": spec, "targets": spec}
+            shape = (*lead, self.global_batch, self.seq_len)
+            spec = jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)
+            if not self.packed_batches:
+                return {"tokens": spec, "targets": spec}
+            weights = jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
+            return {**{key: spec for key in BATCH_KEYS}, "loss_weights": weights}
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*lead, *np.shape(a)), np.asarray(a).dtype,
                                                            sharding=sharding), self.batch_fn(0))
 
@@ -248,7 +254,8 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
     tokenizer = build_tokenizer(d, m.hf, vocab, vocab_key) if d.tokenizer else None
     bias = _router_bias(m)
     base = dict(name=cfg.name, strategy=strategy, model_fn=model_fn, global_batch=d.batch_size, hf=hf,
-                seq_len=m.seq_len, token_batches=d.kind != "import", router_bias=bias and bias[0], tokenizer=tokenizer)
+                seq_len=m.seq_len, token_batches=d.kind != "import", packed_batches=d.kind == "documents",
+                router_bias=bias and bias[0], tokenizer=tokenizer)
     if not mesh:
         return Job(loss_fn=build_loss_fn(m), **base)
     per_step = updates_per_step(strategy, dict(device_mesh.shape))
