@@ -41,25 +41,10 @@ step-weighted means, and the worst record; the target is ``<= 2%``. A probe arou
 from the prefetch thread) and ``place`` (putting it on the 8 devices). The runs are one after the other,
 not interleaved: compare step times across them with care.
 
-**Part 3: where a batch's host time goes, alone.** ``PackedBatches._rows`` re-enacted phase by phase
-with ``time.perf_counter`` (its batch checked against ``data(step)`` by ``batch_digest``): ``plan`` (the
-window's pieces and best-fit packing, ``StreamPlan.rows``), ``count`` (the batch's unmasked targets),
-``tokenize`` (``_warm``: a live store encodes the rows' documents in one batch), ``rows`` (``row_arrays``:
-each segment's tokens read into the five arrays), ``stack`` (``np.stack`` and ``loss_weights``); for the
-training shapes also ``place`` (``make_global_batch`` of a ready batch onto the DP2 x FSDP2 x TP2 mesh).
-Both shapes: part 1's (64 x 2048) and part 2's (32 x 128: a pack window every other step). The live
-store's kept documents are dropped first, so documents are tokenized as in a run.
-
-**Part 4: the same phases inside a run.** The runs of part 2 above the threshold (``--instrument
-over``; or ``all``, or ``none``) run again with ``PackedBatches._rows`` replaced by part 3's re-enactment,
-recording the phases of the batches the main thread builds (with prefetch the background thread builds
-them, and only ``get`` / ``place`` are on the wait), beside part 3's numbers (there ``get`` is the sum of
-the phases).
-
 Usage::
 
     python benchmarks/data_loader.py [--dir /tmp/jaxpar-data-bench] [--mb 40] [--seconds 20] [--reps 5]
-                                     [--steps 60] [--instrument over|all|none] [--skip-train] [--json out.json]
+                                     [--steps 60] [--skip-train] [--json out.json]
 """
 
 from __future__ import annotations
@@ -213,6 +198,9 @@ def make_checkpoint(root: Path, tokdir: Path, vocab: int, eos: int, seq_len: int
     path = root / "llama-tiny"
     if (path / "config.json").is_file() and json.loads((path / "config.json").read_text())["vocab_size"] == vocab:
         return path
+    import contextlib
+    import io
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -220,7 +208,8 @@ def make_checkpoint(root: Path, tokdir: Path, vocab: int, eos: int, seq_len: int
     config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=256, vocab_size=vocab, max_position_embeddings=max(seq_len, 2048),
                          bos_token_id=None, eos_token_id=eos, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(path)
+    with contextlib.redirect_stderr(io.StringIO()):        # its progress bar
+        LlamaForCausalLM(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokdir / name, path / name)
     return path
@@ -296,19 +285,15 @@ def train_overrides(ckpt: Path, corpus: Path, out: Path, steps: int) -> list[str
 class Probe:
     """Inside ``jaxpar train``: each step's ``make_global_batch`` split into ``get`` (the batch function:
     building the batch, or taking it from the prefetch thread) and ``place`` (the rest: putting it on the
-    devices); with ``phases``, also ``PackedBatches._rows`` phase by phase (:func:`rows_phases`) where the
-    main thread builds a batch (the prefetch thread's builds are not waited for)."""
+    devices)."""
 
-    def __init__(self, phases: bool = False):
-        self.phases, self.steps, self.rows = phases, [], []
-        self.step = None
+    def __init__(self):
+        self.steps = []
 
     def __enter__(self):
         import inspect
-        import threading
 
         import jaxpar.train.loop as loop
-        from jaxpar.data import PackedBatches
 
         self.loop, self.make_global_batch = loop, loop.make_global_batch
 
@@ -322,7 +307,6 @@ class Probe:
                 return out
 
             takes_rows = "rows" in inspect.signature(batch_fn).parameters
-            self.step = step
             t0 = time.perf_counter()
             out = self.make_global_batch(get if takes_rows else (lambda step: get(step)), step, mesh)
             total = time.perf_counter() - t0
@@ -330,35 +314,18 @@ class Probe:
             return out
 
         loop.make_global_batch = make_global_batch
-        if self.phases:
-            self.cls, self.original_rows = PackedBatches, PackedBatches._rows
-
-            def _rows(data, start, size, pick, plan, ids):
-                batch, phases = rows_phases(data, start, size, pick, plan, ids)
-                if self.step is not None and threading.current_thread() is threading.main_thread():
-                    self.rows.append({"step": self.step, **phases})
-                return batch
-
-            PackedBatches._rows = _rows
         return self
 
     def __exit__(self, *exc):
         self.loop.make_global_batch = self.make_global_batch
-        if self.phases:
-            self.cls._rows = self.original_rows
 
     def means(self, first_step: int = 1) -> dict:
         """Mean seconds per step of each part, over the steps from ``first_step`` (after the compile)."""
-        out = {}
-        for records in (self.steps, self.rows):
-            kept = [r for r in records if r["step"] >= first_step]
-            for key in (k for k in (kept[0] if kept else {}) if k != "step"):
-                out[key] = sum(r[key] for r in kept) / len(kept)
-        return out
+        kept = [r for r in self.steps if r["step"] >= first_step]
+        return {key: sum(r[key] for r in kept) / len(kept) for key in ("total", "get", "place")} if kept else {}
 
 
-def train_run(ckpt: Path, corpus: Path, out: Path, steps: int, cache: Path | None, prefetch: int,
-              phases: bool = False) -> dict:
+def train_run(ckpt: Path, corpus: Path, out: Path, steps: int, cache: Path | None, prefetch: int) -> dict:
     """One ``jaxpar train`` in this process (its output captured); data_wait / step_time of the records
     after the first, and the probe's split of the host's wait."""
     import contextlib
@@ -371,7 +338,7 @@ def train_run(ckpt: Path, corpus: Path, out: Path, steps: int, cache: Path | Non
             f"data.cache={cache if cache is not None else 'null'}", f"data.prefetch={prefetch}"]
     log = io.StringIO()
     t0 = time.perf_counter()
-    with Probe(phases) as probe, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+    with Probe() as probe, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         rc = main(args)
     wall = time.perf_counter() - t0
     if rc != 0:
@@ -390,75 +357,6 @@ def train_run(ckpt: Path, corpus: Path, out: Path, steps: int, cache: Path | Non
             "worst_ratio": max(w / t for _, t, w in rows), "final_loss": train[-1]["loss"],
             "probe_s": probe.means(first_step=train[0]["step"]),
             "records": [{"step": r["step"], "step_time": r["step_time"], "data_wait": r["data_wait"]} for r in train]}
-
-
-# ---------------------------------------------------------------------------------------------- part 3
-
-PHASES = ("plan", "count", "tokenize", "rows", "stack")
-
-
-def rows_phases(data, start: int, size: int, pick, plan, ids) -> tuple[dict, dict]:
-    """``PackedBatches._rows(start, size, pick, plan, ids)`` step by step: ``(batch, seconds of each phase)``."""
-    from jaxpar.data.loader import _unmasked
-    from jaxpar.data.packing import BATCH_KEYS, row_arrays
-
-    t = [time.perf_counter()]
-    planned = plan.rows(start, start + size)
-    t.append(time.perf_counter())
-    counted = sum(_unmasked(pieces, segs) for pieces, segs in planned)
-    t.append(time.perf_counter())
-    chosen = [planned[i] for i in pick]
-    data._warm(chosen, ids)
-    t.append(time.perf_counter())
-
-    def read(source, doc, a, b):
-        return data.stores[source].read(int(ids[source][doc]), a, b)
-
-    arrays = [row_arrays(segs, pieces, data.seq_len, read) for pieces, segs in chosen]
-    t.append(time.perf_counter())
-    batch = {k: np.stack([a[k] for a in arrays]) if arrays else np.zeros((0, data.seq_len), np.int32)
-             for k in BATCH_KEYS}
-    batch["loss_weights"] = batch["loss_mask"].astype(np.float32) * np.float32(size * data.seq_len / max(counted, 1))
-    t.append(time.perf_counter())
-    return batch, {k: b - a for k, a, b in zip(PHASES, t, t[1:])}
-
-
-def rows_breakdown(store, *, seq_len: int, batch_size: int, steps: int, first_step: int, mesh=None) -> dict:
-    """Seconds per batch of each phase of ``PackedBatches._rows`` (all rows of steps ``first_step ..``), and
-    of placing a ready batch on ``mesh``."""
-    from jaxpar.data import PackedBatches, batch_digest
-
-    data = PackedBatches([store], seq_len=seq_len, batch_size=batch_size, seed=0, method="best_fit",
-                         rows_per_window=64, fill=0.99, eval_fraction=0.02, prefetch=0)
-    if hasattr(store, "_kept"):          # tokenize as a run does, not from earlier reads
-        store._kept.clear()
-    data.plan.rows(data.first_row(first_step - 1), data.first_row(first_step))    # the epoch's shuffle: not timed
-    every = tuple(range(batch_size))
-    total = {k: 0.0 for k in (*PHASES, "place")}
-    same, batch = True, None
-    for step in range(first_step, first_step + steps):
-        batch, phases = rows_phases(data, data.first_row(step), batch_size, every, data.plan, data.train_ids)
-        for k, v in phases.items():
-            total[k] += v
-        if step == first_step:
-            same = batch_digest(batch) == batch_digest(data(step))
-    if mesh is not None:
-        import jax
-
-        from jaxpar.data import make_global_batch
-
-        def ready(step, rows=None):
-            return batch
-
-        jax.block_until_ready(make_global_batch(ready, 0, mesh))
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            jax.block_until_ready(make_global_batch(ready, 0, mesh))
-        total["place"] = time.perf_counter() - t0
-    data.close()
-    per = {k: v / steps for k, v in total.items()}
-    per["total"] = sum(per.values())
-    return {"per_batch_s": per, "matches_data": same}
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -488,10 +386,7 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=20.0, help="part 1: seconds of batches over both stores")
     p.add_argument("--reps", type=int, default=5, help="part 1: interleaved rounds")
     p.add_argument("--steps", type=int, default=60, help="part 2: train.steps of each run")
-    p.add_argument("--breakdown-steps", type=int, default=6, help="part 3: batches timed per shape and store")
-    p.add_argument("--skip-train", action="store_true", help="parts 1 and 3 only")
-    p.add_argument("--instrument", choices=("over", "all", "none"), default="over",
-                   help="part 4: run again, probed phase by phase, the runs above --threshold (or all, or none)")
+    p.add_argument("--skip-train", action="store_true", help="part 1 only")
     p.add_argument("--threshold", type=float, default=0.02, help="flag data_wait / step_time above this")
     p.add_argument("--json", default=None, help="write all results here")
     args = p.parse_args(argv)
@@ -588,48 +483,6 @@ def main(argv=None) -> int:
                               "get ms (build / prefetch)", "place ms (onto devices)", "first step s (compile)",
                               "run wall s"], rows), flush=True)
 
-    # ---- part 3
-    import jax
-
-    import jaxpar
-
-    mesh = jaxpar.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, devices=jax.devices()[:8])
-    breakdown = {}
-    for shape, (seq, size, first, on_mesh) in {"64 x 2048": (2048, 64, 1000, False),
-                                               "32 x 128": (128, 32, 5000, True)}.items():
-        for name, store in stores.items():
-            breakdown[f"{name}, {shape}"] = rows_breakdown(store, seq_len=seq, batch_size=size,
-                                                           steps=args.breakdown_steps, first_step=first,
-                                                           mesh=mesh if on_mesh else None)
-    keys = (*PHASES, "place", "total")
-    print(f"\n## Part 3: host ms per batch by phase of PackedBatches._rows (+ placing it on the 8 devices), "
-          f"alone (no training), {args.breakdown_steps} batches each\n")
-    rows = [[name, *(f"{b['per_batch_s'][k] * 1e3:.2f}" if k != "place" or b["per_batch_s"][k] else "-"
-                     for k in keys), str(b["matches_data"])] for name, b in breakdown.items()]
-    print(markdown_table(["store, batch", *keys, "= data(step)"], rows), flush=True)
-
-    # ---- part 4
-    probed = {}
-    todo = [n for n, r in runs.items() if args.instrument == "all" or
-            (args.instrument == "over" and r["ratio"] > args.threshold)]
-    if todo:
-        print(f"\n## Part 4: inside the runs ({'; '.join(todo)}), again: host ms per step, by phase of "
-              f"PackedBatches._rows where the main thread builds the batch, against Part 3's (alone)\n", flush=True)
-        rows = []
-        for name in todo:
-            store, prefetch = name.split(", prefetch=")
-            r = probed[name] = train_run(ckpt, corpus, root / "runs" / f"{store}-p{prefetch}-probed", args.steps,
-                                         train_cache if store == "cache" else None, int(prefetch), phases=True)
-            alone = breakdown[f"{store}, 32 x 128"]["per_batch_s"]
-            ph = r["probe_s"]
-            rows.append([f"{name}: in the run", *(f"{ph[k] * 1e3:.2f}" if k in ph else "-" for k in PHASES),
-                         f"{ph['place'] * 1e3:.2f}", f"{ph['get'] * 1e3:.2f}", f"{r['data_wait_s'] * 1e3:.2f}",
-                         f"{r['step_time_s'] * 1e3:.1f}", f"{r['ratio']:.2%}"])
-            rows.append([f"{store}, 32 x 128: alone", *(f"{alone[k] * 1e3:.2f}" for k in PHASES),
-                         f"{alone['place'] * 1e3:.2f}", f"{sum(alone[k] for k in PHASES) * 1e3:.2f}", "", "", ""])
-        print(markdown_table(["", *PHASES, "place", "get", "data_wait", "step_time", "data_wait / step_time"], rows),
-              flush=True)
-
     # ---- summary
     print("\n## Summary\n")
     c, l = thr["median"]["cache"], thr["median"]["live"]
@@ -646,7 +499,7 @@ def main(argv=None) -> int:
     write_json(args.json, {"env": env, "machine": mach, "config": vars(args), "corpus": info,
                            "open": {"prepare_s": t_prepare, "index_s": t_index, "open_cache_s": t_open_cache,
                                     "live_s": t_live, "tokens": n_tokens},
-                           "throughput": thr, "train": runs, "breakdown": breakdown, "probed": probed})
+                           "throughput": thr, "train": runs})
     return 0
 
 
