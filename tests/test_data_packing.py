@@ -173,3 +173,16 @@ def test_held_out_documents_never_train():
     evals = data.eval_batches(2)
     again, _ = make_data()
     assert [batch_digest(b) for b in evals] == [batch_digest(b) for b in again.eval_batches(2)]
+
+
+def test_loss_weights_give_the_global_masked_mean_under_any_split():
+    data, _ = make_data(batch_size=16, fill=0.6)        # much padding: the rows' real targets differ
+    batch = data(4)
+    mask, weights = batch["loss_mask"].astype(np.float64), batch["loss_weights"].astype(np.float64)
+    loss = np.random.default_rng(0).random(mask.shape)   # any per-token loss
+    exact = (loss * mask).sum() / mask.sum()
+    for k in (2, 4, 8):                                  # micro-batch i takes rows i, i + k, ... (split_microbatches)
+        means = [(loss[i::k] * weights[i::k]).mean() for i in range(k)]
+        assert abs(np.mean(means) - exact) < 1e-6
+        naive = [(loss[i::k] * mask[i::k]).sum() / max(mask[i::k].sum(), 1) for i in range(k)]   # masked_cross_entropy
+        assert abs(np.mean(naive) - exact) > 1e-4       # a mean of micro-batch means is not the global mean

@@ -139,8 +139,8 @@ class Source:
         if self.on_malformed == "skip":
             self.skipped += 1
             return None
-        raise SourceError(f"{where()}: {problem} (open the source with on_malformed='skip' to read such "
-                          "records as None)")
+        raise SourceError(f"{where()}: {problem} (on_malformed='skip', in a config data.on_malformed: skip, "
+                          "skips such records and counts them)")
 
     def _open_file(self, path: Path) -> tuple[int, Any]:
         raise NotImplementedError
