@@ -186,3 +186,9 @@ def test_loss_weights_give_the_global_masked_mean_under_any_split():
         assert abs(np.mean(means) - exact) < 1e-6
         naive = [(loss[i::k] * mask[i::k]).sum() / max(mask[i::k].sum(), 1) for i in range(k)]   # masked_cross_entropy
         assert abs(np.mean(naive) - exact) > 1e-4       # a mean of micro-batch means is not the global mean
+
+
+def test_an_eval_fraction_that_holds_out_nothing_is_named():
+    with pytest.raises(DataError, match=r"eval_fraction=0.001 holds out no tokens of source 1 \(memory"):
+        PackedBatches([ArrayStore([5] * 4000), ArrayStore([5] * 10, base=1)], seq_len=8, batch_size=4,
+                      eval_fraction=0.001)

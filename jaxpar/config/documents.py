@@ -137,12 +137,21 @@ def open_stores(d: DataConfig, tokenizer: Any, *, progress: Callable | None = No
                 meta = expected_meta(source, tokenizer, d.bos, d.eos)
                 stores.append(open_cache(source_cache_dir(d, i), meta))
             else:
-                stores.append(LiveTokens(source, tokenizer, bos=d.bos, eos=d.eos, progress=progress))
+                stores.append(LiveTokens(source, tokenizer, bos=d.bos, eos=d.eos,
+                                         progress=progress or _length_bar(source)))
         except DataError as e:
             raise ConfigError(f"data.sources[{i}] (path {s.get('path')!r}): {e}") from None
         if not len(stores[-1].lengths) or not int(stores[-1].lengths.sum()):
             raise ConfigError(f"data.sources[{i}] (path {s.get('path')!r}): no tokens (an empty source).")
     return stores
+
+
+def _length_bar(source: Any) -> Callable:
+    """A progress bar (on a terminal) over the chunks of the pass that learns a source's lengths."""
+    from tqdm.auto import tqdm
+
+    return lambda chunks: tqdm(chunks, total=-(-len(source) // 1024), desc=f"lengths of {source.name}",
+                               unit="1k docs", leave=False, disable=None)
 
 
 def build_documents(d: DataConfig, *, seq_len: int, vocab: int, tokenizer: Any, eval_batches: int,

@@ -81,8 +81,14 @@ class PackedBatches:
         self.eval_ids = [held for _, held in splits]
         options = dict(seq_len=seq_len, rows_per_window=rows_per_window, fill=fill, method=method, seed=seed)
         self.plan = StreamPlan([s.lengths[ids] for s, ids in zip(self.stores, self.train_ids)], weights, **options)
-        self.eval_plan = (StreamPlan([s.lengths[ids] for s, ids in zip(self.stores, self.eval_ids)], weights,
-                                     shuffle=False, **options) if eval_fraction > 0 else None)
+        self.eval_plan = None
+        if eval_fraction > 0:
+            for i, (store, ids) in enumerate(zip(self.stores, self.eval_ids)):
+                if not int(store.lengths[ids].sum()):
+                    raise DataError(f"eval_fraction={eval_fraction} holds out no tokens of source {i} ({store.name}: "
+                                    f"{len(store.lengths)} documents); raise eval_fraction, or do not evaluate.")
+            self.eval_plan = StreamPlan([s.lengths[ids] for s, ids in zip(self.stores, self.eval_ids)], weights,
+                                        shuffle=False, **options)
         self._prefetch = prefetch
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxpar-data") if prefetch else None
         self._ahead: dict[tuple, Future] = {}
