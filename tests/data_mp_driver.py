@@ -15,7 +15,8 @@ For each step it checks that
   (``n`` tokens, plus the next one where the segment does not end its document), and, where the
   process holds part of the batch only, by well under the whole batch's bytes.
 
-Prints ``mesh <name> <shape> rows <rows>``, ``digest <step> <hex>`` (per mesh and step) and
+A last mesh (``dp_live``) reads the sources tokenized on the fly and checks the digests only.
+Prints ``mesh <name> <shape> rows <rows>``, ``digest <hex>`` (per mesh and step) and
 ``bytes <name> <step> <read> <whole batch>`` lines, and ``OK`` at the end; a failed check exits
 with a message (``SystemExit``).
 """
@@ -43,6 +44,17 @@ def open_stores(spec: dict) -> list:
             for s in spec["sources"]]
 
 
+def live_stores(spec: dict) -> list:
+    """The spec's sources tokenized on the fly (:class:`jaxpar.data.tokens.LiveTokens`), not read from the caches."""
+    from jaxpar.data.sources import open_source
+    from jaxpar.data.tokenizers import load_tokenizer
+    from jaxpar.data.tokens import LiveTokens
+
+    tokenizer = load_tokenizer(spec["tokenizer"], eos_token="</s>")
+    return [LiveTokens(open_source(s["path"], text_field=s["text_field"]), tokenizer, bos=False, eos=True)
+            for s in spec["sources"]]
+
+
 def packed_batches(spec: dict, stores: list):
     """The run's :class:`jaxpar.data.PackedBatches` over ``stores``."""
     from jaxpar.data import PackedBatches
@@ -66,16 +78,32 @@ def planned_bytes(data, stores: list, step: int, rows) -> list[int]:
     return out
 
 
+def check_global(placed: dict, reference: dict, where: str) -> None:
+    """The global batch ``placed``, gathered, is ``reference`` (digest and loss weights); prints its digest."""
+    from jax.experimental import multihost_utils
+
+    from jaxpar.data import batch_digest
+
+    gathered = {k: np.asarray(v) for k, v in multihost_utils.process_allgather(placed, tiled=True).items()}
+    digest, want = batch_digest(gathered), batch_digest(reference)
+    if digest != want:
+        raise SystemExit(f"{where}: the gathered global batch (digest {digest}) differs from one process's batch "
+                         f"of all rows ({want})")
+    if not np.array_equal(gathered["loss_weights"], reference["loss_weights"]):
+        raise SystemExit(f"{where}: the loss weights differ from one process's (they must count the unmasked "
+                         "targets of the whole global batch)")
+    print(f"digest {digest}", flush=True)
+
+
 def main(coordinator: str, num_processes: int, process_id: int, local_devices: int, spec_file: str) -> None:
     info = initialize(coordinator, num_processes, process_id, local_device_count=local_devices,
                       heartbeat_timeout=20, initialization_timeout=120)
     print(f"joined {info.describe()}", flush=True)
     import jax
-    from jax.experimental import multihost_utils
 
     import jaxpar
     from jaxpar.batch import batch_sharding
-    from jaxpar.data import batch_digest, make_global_batch, process_rows
+    from jaxpar.data import make_global_batch, process_rows
 
     me = f"process {process_id}"
     if (jax.process_count(), jax.process_index()) != (num_processes, process_id):
@@ -102,15 +130,7 @@ def main(coordinator: str, num_processes: int, process_id: int, local_devices: i
             before = [s.bytes_read for s in stores]
             placed = make_global_batch(data, step, mesh)
             read = [s.bytes_read - b for s, b in zip(stores, before)]
-            gathered = {k: np.asarray(v) for k, v in multihost_utils.process_allgather(placed, tiled=True).items()}
-            digest, want = batch_digest(gathered), batch_digest(reference[step])
-            if digest != want:
-                raise SystemExit(f"{me}: mesh {name} step {step}: the gathered global batch (digest {digest}) differs "
-                                 f"from one process's batch of all rows ({want})")
-            if not np.array_equal(gathered["loss_weights"], reference[step]["loss_weights"]):
-                raise SystemExit(f"{me}: mesh {name} step {step}: the loss weights differ from one process's "
-                                 "(they must count the unmasked targets of the whole global batch)")
-            print(f"digest {step} {digest}", flush=True)
+            check_global(placed, reference[step], f"{me}: mesh {name} step {step}")
             own = planned_bytes(reference_data, reference_stores, step, rows)
             whole = planned_bytes(reference_data, reference_stores, step, range(BATCH))
             print(f"bytes {name} {step} {sum(read)} {sum(whole)}", flush=True)
@@ -121,6 +141,11 @@ def main(coordinator: str, num_processes: int, process_id: int, local_devices: i
                 raise SystemExit(f"{me}: mesh {name} step {step}: {sum(read)} bytes read for {len(rows)} of "
                                  f"{BATCH} rows, not well below the whole batch's {sum(whole)}")
             read_any = [a + r for a, r in zip(read_any, read)]
+    mesh = jaxpar.make_mesh(jaxpar.MeshSpec(data=-1))      # the text tokenized on the fly: the same batches
+    print(f"mesh dp_live {dict(mesh.shape)} rows {process_rows(batch_sharding(mesh), BATCH).tolist()}", flush=True)
+    data = packed_batches(spec, live_stores(spec))
+    for step in range(STEPS):
+        check_global(make_global_batch(data, step, mesh), reference[step], f"{me}: mesh dp_live step {step}")
     if not all(read_any):
         raise SystemExit(f"{me}: a source was never read ({read_any} bytes per store): the mixture is not checked")
     print("OK", flush=True)

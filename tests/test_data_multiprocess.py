@@ -2,7 +2,7 @@
 of 8): a JSONL + Parquet mixture (weights 3:1), tokenized by a BPE ``tokenizer.json`` into token caches
 (``prepare_cache``), packed by :class:`jaxpar.data.PackedBatches` and placed with
 :func:`jaxpar.data.make_global_batch` on data-parallel, ZeRO-3 x TP, pipeline, context-parallel and hybrid
-DCN meshes (tests/data_mp_driver.py).
+DCN meshes (tests/data_mp_driver.py), and on a data-parallel mesh with the sources tokenized on the fly.
 
 Checked, for steps 0..4 of each mesh: each process's gathered global batch has the digest (and the loss
 weights) of the batch one process builds for all rows; the two processes print the same digests, and
@@ -27,7 +27,7 @@ PROSE = ("the", "a", "river", "mountain", "quietly", "ran", "under", "over", "br
          "north", "south", "window", "old", "new", "song", "road", "cloud", "and", "of")
 CODE = ("def", "return", "self", "if", "else", "for", "in", "range", "x", "y", "value", "items", "append",
         "None", "True", "import", "numpy", "np", "array", "shape")
-MESHES = ("dp", "zero3_tp", "pipe", "context", "hybrid_dcn")
+MESHES = ("dp", "zero3_tp", "pipe", "context", "hybrid_dcn")       # and dp_live: tokenized on the fly
 
 
 def documents(n: int, words: tuple[str, ...], seed: int) -> list[str]:
@@ -68,14 +68,15 @@ def build_caches(root: Path) -> Path:
 
 
 def parse(log: str) -> tuple[dict, list, dict]:
-    """``({mesh: rows}, [(step, digest)], {(mesh, step): (bytes read, whole batch's bytes)})`` of a driver's log."""
+    """``({mesh: rows}, [digest of each mesh and step], {(mesh, step): (bytes read, whole batch's bytes)})`` of a
+    driver's log."""
     rows, digests, read = {}, [], {}
     for line in log.splitlines():
         words = line.split()
         if line.startswith("mesh "):
             rows[words[1]] = json.loads(line.split(" rows ", 1)[1])
         elif line.startswith("digest "):
-            digests.append((int(words[1]), words[2]))
+            digests.append(words[1])
         elif line.startswith("bytes "):
             read[words[1], int(words[2])] = (int(words[3]), int(words[4]))
     return rows, digests, read
@@ -100,9 +101,9 @@ def test_each_process_packs_and_reads_only_its_rows(tmp_path):
         assert log.rstrip().endswith("OK"), log[-3000:]
         assert f"joined process {i} of 2 (explicit flags)" in log
         rows, digests, _ = parsed[i]
-        assert list(rows) == list(MESHES)
+        assert list(rows) == [*MESHES, "dp_live"]
         assert rows["dp"] == list(range(8 * i, 8 * i + 8)) and rows["pipe"] == list(range(BATCH))
-        assert digests == [(step, expected[step]) for _ in MESHES for step in range(STEPS)]
+        assert digests == expected * (len(MESHES) + 1)
     for mesh in MESHES:
         held = [set(parsed[i][0][mesh]) for i in range(2)]
         for step in range(STEPS):
