@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .config.data_commands import add_data_parser
     from .config.hf_commands import add_parsers
     add_parsers(sub)                 # export, sample
-    add_data_parser(sub)             # data prepare, data show
+    add_data_parser(sub, _add_process_options)       # data prepare, data show (several processes too)
     return parser
 
 
@@ -234,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("export", "sample"):
             return run_command(args)
         if args.command == "data":
-            return run_data_command(args)
+            return run_data_command(args, {k: getattr(args, k, None) for k in _DIST})
         return run_schedule(args)
     except user_errors() as e:
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)

@@ -113,3 +113,33 @@ def test_each_process_packs_and_reads_only_its_rows(tmp_path):
                 assert read0 + read1 == whole0 and max(read0, read1) < 0.75 * whole0, (mesh, step, read0, read1)
             else:                                                                  # both hold every row
                 assert held[0] == held[1] == set(range(BATCH)) and read0 == read1 == whole0, (mesh, step)
+
+
+def test_data_show_in_two_processes_prints_one_process_digests(tmp_path):
+    """``jaxpar data show`` run as two processes (``--coordinator``, 4 devices each) prints the digests that
+    one process computes for the config's batches: each process built only its own rows."""
+    import re
+
+    import hf_fixtures
+    from test_multiprocess import PY, free_port, launch, wait_all
+
+    from jaxpar.config import build_data, load_config
+    from jaxpar.data.tokenizers import load_tokenizer
+
+    ckpt = hf_fixtures.build_checkpoint("llama", tmp_path / "llama", vocab_size=132)
+    corpus = tmp_path / "web.jsonl"
+    corpus.write_text("".join(json.dumps({"text": " ".join(hf_fixtures.corpus_lines(k % 9 + 1, k))}) + "\n"
+                              for k in range(200)))
+    args = ["configs/hf_documents.yaml", f"model.hf={ckpt}", f"data.sources=[{{path: {corpus}}}]", "data.cache=null",
+            "model.seq_len=32", "data.batch_size=16", "data.pack_window=8", "mesh.data=8", "mesh.fsdp=1",
+            "mesh.tensor=1", "train.eval_batches=0", "train.steps=10"]
+    coordinator, logs = f"127.0.0.1:{free_port()}", tmp_path / "logs"
+    procs = launch(lambda i: [PY, "-m", "jaxpar.cli", "data", "show", *args, "--steps", "0:3",
+                              "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i),
+                              "--local-devices", "4"], 2, logs)
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / args[0]), args[1:])
+    data, _ = build_data(cfg.data, seq_len=32, vocab=132, eval_batches=0, tokenizer=load_tokenizer(ckpt))
+    expected = [batch_digest(data(step)) for step in range(3)]
+    wait_all(procs, logs, timeout=180)
+    printed = [re.findall(r"sha256 ([0-9a-f]{64})", (logs / f"p{i}.log").read_text()) for i in range(2)]
+    assert printed == [expected, []], (logs / "p0.log").read_text()[-2000:]

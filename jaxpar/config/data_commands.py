@@ -3,7 +3,8 @@
 Usage::
 
     jaxpar data prepare CONFIG [key=value ...] [--force]
-    jaxpar data show CONFIG [key=value ...] [--steps A:B] [--chars N]
+    jaxpar data show CONFIG [key=value ...] [--steps A:B] [--chars N] [--coordinator HOST:PORT --num-processes N
+                     --process-id I --local-devices K]
 
 ``prepare`` tokenizes each text source of ``data.sources`` into ``data.cache``
 (:func:`jaxpar.data.cache.prepare_cache`; a source whose cache is up to date is kept unless
@@ -11,14 +12,15 @@ Usage::
 written as ``<data.cache>/lengths.png``. ``show`` builds the global batches ``A .. B-1`` exactly as
 ``jaxpar train`` would under the config's mesh and overrides, and prints for each its sha256
 (:func:`jaxpar.data.batch_digest`), its packing efficiency and its first row decoded: two meshes
-that print the same digests see the same data.
+that print the same digests see the same data; with several processes (the flags of ``jaxpar train``),
+each builds only its own rows and process 0 prints the gathered batches' digests.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -27,8 +29,9 @@ from .schema import ConfigError
 __all__ = ["add_data_parser", "run_data_command", "run_prepare", "run_show", "length_histogram"]
 
 
-def add_data_parser(sub: Any) -> None:
-    """Add ``data prepare`` and ``data show`` to the ``jaxpar`` parser's subparsers ``sub``."""
+def add_data_parser(sub: Any, add_process_options: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add ``data prepare`` and ``data show`` to the ``jaxpar`` parser's subparsers ``sub``; ``show`` also
+    takes the process options of ``jaxpar train`` (``add_process_options`` adds them)."""
     p = sub.add_parser("data", help="prepare a token cache, or show the batches a run sees",
                        description="Work with data.kind=documents corpora (docs/data.md).")
     inner = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
@@ -41,13 +44,15 @@ def add_data_parser(sub: Any) -> None:
     q.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, as for train")
     q.add_argument("--steps", default="0:4", metavar="A:B", help="the steps A .. B-1 (default 0:4)")
     q.add_argument("--chars", type=int, default=160, metavar="N", help="characters of the decoded row (160)")
+    add_process_options(q)
 
 
-def run_data_command(args: argparse.Namespace) -> int:
-    """``jaxpar data ...`` from its parsed arguments; returns the exit status."""
+def run_data_command(args: argparse.Namespace, dist: dict | None = None) -> int:
+    """``jaxpar data ...`` from its parsed arguments (``dist``: ``show``'s process options); returns the
+    exit status."""
     if args.data_command == "prepare":
         return run_prepare(args.config, args.overrides, force=args.force)
-    return run_show(args.config, args.overrides, steps=_steps(args.steps), chars=args.chars)
+    return run_show(args.config, args.overrides, steps=_steps(args.steps), chars=args.chars, dist=dist)
 
 
 def _steps(text: str) -> range:
@@ -125,23 +130,30 @@ def length_histogram(lengths: np.ndarray, path: str | Path, seq_len: int | None 
     return path
 
 
-def run_show(config: str, overrides: Sequence[str], *, steps: range, chars: int = 160) -> int:
-    """``jaxpar data show``: the global batches of ``steps`` under the config's mesh: digest, packing, a row."""
+def run_show(config: str, overrides: Sequence[str], *, steps: range, chars: int = 160, dist: dict | None = None) -> int:
+    """``jaxpar data show``: the global batches of ``steps`` under the config's mesh: digest, packing, a row.
+
+    With several processes (``dist``: ``--coordinator`` and the rest, or a launcher), each builds its own
+    rows, the batch is gathered, and process 0 prints."""
+    import jax
+
     from ..data import batch_digest, make_global_batch
     from ..distributed import start_processes
     from .job import build_job
     from .load import load_config
 
     cfg = load_config(config, list(overrides))
-    start_processes(devices=cfg.train.devices)
+    start_processes(**{k: v for k, v in (dist or {}).items() if v is not None}, devices=cfg.train.devices)
     job = build_job(cfg)
-    print(f"mesh     {dict(job.mesh.shape)}; data.kind={cfg.data.kind}, seed {cfg.data.seed}")
+    say = print if jax.process_index() == 0 else (lambda *_: None)
+    say(f"mesh     {dict(job.mesh.shape)}, {jax.process_count()} process(es); data.kind={cfg.data.kind}, "
+        f"seed {cfg.data.seed}")
     for step in steps:
         batch = {k: _gather(v) for k, v in make_global_batch(job.batch_fn, step, job.mesh).items()}
         used = float((batch["segment_ids"] > 0).mean()) if "segment_ids" in batch else 1.0
         row = _decode(job.tokenizer, batch["tokens"][0], batch["segment_ids"][0] if "segment_ids" in batch else None)
-        print(f"step {step:>6}  sha256 {batch_digest(batch)}  rows {len(batch['tokens'])}  packing {used:.2%}")
-        print(f"             row 0: {row[:chars]!r}")
+        say(f"step {step:>6}  sha256 {batch_digest(batch)}  rows {len(batch['tokens'])}  packing {used:.2%}")
+        say(f"             row 0: {row[:chars]!r}")
     if hasattr(job.batch_fn, "close"):
         job.batch_fn.close()
     return 0
