@@ -16,7 +16,6 @@ from jaxpar.distributed import initialize
 
 def main(coordinator: str, n: int, pid: int, local: int, path: str, out: str) -> None:
     initialize(coordinator, n, pid, local_device_count=local, heartbeat_timeout=20, initialization_timeout=120)
-    import jax
     import optax
 
     import jaxpar

@@ -12,8 +12,8 @@ import pytest
 
 import hf_fixtures
 from jaxpar.cli import main
-from jaxpar.config import ConfigError, build_data, load_config
-from jaxpar.data import batch_digest, make_global_batch
+from jaxpar.config import build_data, load_config
+from jaxpar.data import batch_digest
 from jaxpar.hf import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..mesh import MeshError
 from ..pipeline.partition import PartitionError, check_stage_layers, uniform_layers
@@ -331,7 +331,7 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> None:
     a user model, loss and data function (imports them, calls nothing).
     """
     p: list[str] = []
-    par, opt, d, tr = cfg.parallel, cfg.optimizer, cfg.data, cfg.train
+    par, opt, tr = cfg.parallel, cfg.optimizer, cfg.train
     gpt = _model_problems(p, cfg)
     strategy = collect(p, lambda: build_strategy(par))
     _optimizer_problems(p, opt)

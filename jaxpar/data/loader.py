@@ -181,13 +181,18 @@ class PackedBatches:
         return self.plan.epochs(-(-rows // self.plan.rows_per_window))
 
     def efficiency(self, start_step: int, steps: int) -> float:
-        """Non-padding tokens over all tokens of the batches ``start_step .. start_step + steps - 1``."""
-        used = total = 0
-        for step in range(start_step, start_step + steps):
-            first, size = self.first_row(step), self.size_at(step)
-            used += sum(n for _, segments in self.plan.rows(first, first + size) for _, _, n in segments)
-            total += size * self.seq_len
-        return used / total
+        """Non-padding tokens over all tokens of the batches ``start_step .. start_step + steps - 1``: the
+        windows they hold whole from their packing stats, the rows of the windows at either end one by one."""
+        first, stop, per = self.first_row(start_step), self.first_row(start_step + steps), self.plan.rows_per_window
+        whole = range(-(-first // per), stop // per)
+        if not whole:
+            return self._row_tokens(first, stop) / ((stop - first) * self.seq_len)
+        used = (self._row_tokens(first, whole.start * per) + self._row_tokens(whole.stop * per, stop)
+                + sum(self.plan.window(g)[2].tokens for g in whole))
+        return used / ((stop - first) * self.seq_len)
+
+    def _row_tokens(self, start: int, stop: int) -> int:
+        return sum(n for _, segments in self.plan.rows(start, stop) for _, _, n in segments)
 
     def close(self) -> None:
         """Stop the prefetch thread."""

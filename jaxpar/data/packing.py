@@ -126,8 +126,7 @@ class _FreeSpace:
 
     def roomiest(self) -> tuple[int, int]:
         room = self.sorted[-1][0]
-        row = min(r for f, r in self.sorted if f == room)     # the lowest such row: deterministic
-        return row, room
+        return self.sorted[bisect.bisect_left(self.sorted, (room, -1))][1], room   # the lowest such row
 
 
 def _tightest_row(free: _FreeSpace, need: int) -> int | None:
