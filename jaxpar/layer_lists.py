@@ -50,6 +50,7 @@ Example::
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Callable
 
 import jax
@@ -68,12 +69,12 @@ class LayerListError(ValueError):
 
 
 def _statics(module: nnx.Module) -> dict[str, Any]:
-    """A module's static settings (numbers, strings, flags) by path."""
+    """A module's static settings (numbers, strings, flags, enum members) by path."""
     out = {}
     for path, node in nnx.iter_graph(module):
         if isinstance(node, nnx.Module):
             for k, v in vars(node).items():
-                if isinstance(v, (int, float, str, bool, type(None))) and not k.startswith("_"):
+                if isinstance(v, (int, float, str, bool, type(None), enum.Enum)) and not k.startswith("_"):
                     out["/".join(map(str, (*path, k)))] = v
     return out
 

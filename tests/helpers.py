@@ -188,10 +188,11 @@ def assert_runs_match(result: RunResult, reference: RunResult, loss_rtol=LOSS_RT
     assert_params_close(result.params, reference.params, reference.grads, reference.lr, reference.steps)
 
 
-def explicit_one_device(model_fn, loss_fn, batch_fn, lr: float, steps: int):
+def explicit_one_device(model_fn, loss_fn, batch_fn, lr: float, steps: int, batch_axes=("data", "fsdp")):
     """A model in JAX's explicit-sharding style trained on one device as the style writes it by hand:
-    an Explicit one-device mesh with jaxpar's axis names, optax Adam. ``batch_fn(step)`` gives
-    ``{"tokens": ...}``. Returns ``(losses, final params, first step's gradients)``."""
+    an Explicit one-device mesh with jaxpar's axis names, optax Adam, the batch on ``batch_axes`` (the
+    axes the model's activations name). ``batch_fn(step)`` gives the batch dict. Returns
+    ``(losses, final params, first step's gradients)``."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("pipe", "data", "fsdp", "tensor"),
@@ -210,8 +211,8 @@ def explicit_one_device(model_fn, loss_fn, batch_fn, lr: float, steps: int):
 
         losses, first_grads = [], None
         for i in range(steps):
-            b = jax.device_put(batch_fn(i)["tokens"], NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
-            params, opt, value, grads = step(params, opt, {"tokens": b})
+            b = jax.device_put(batch_fn(i), NamedSharding(mesh, PartitionSpec(batch_axes)))
+            params, opt, value, grads = step(params, opt, b)
             losses.append(float(value))
             first_grads = first_grads if first_grads is not None else jax.device_get(grads)
     return losses, jax.device_get(params), first_grads

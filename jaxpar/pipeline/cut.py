@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec
 from ..blocks import find_layer_calls, use_layer_runner, with_remat
 from ..layer_lists import layer_differences
 from ..mesh import data_axes
-from ..model_mesh import batch_specs, call_site, explicit_call, needs_explicit_mesh
+from ..model_mesh import batch_specs, call_site, explicit_call, model_batch_axes, needs_explicit_mesh
 from ..rules import constrain, spec_without
 from .parts import PipelineParts
 
@@ -176,31 +176,36 @@ class _Explicit:
     """How the parts of a model that pins shardings by mesh axes enter JAX's explicit mode: the
     outer parameters (gathered over the data axes, as the pipeline holds them), one layer's
     parameters (its own specs without the ``layers`` entry), activations and micro-batches split
-    over the data axes on their batch dimension."""
+    over the data axes the model splits its batch over (:func:`~jaxpar.model_mesh.model_batch_axes`;
+    the others stay ``Auto``) on their batch dimension."""
 
-    def __init__(self, mesh, own_specs: Any):
+    def __init__(self, mesh, own_specs: Any, batch_axes: tuple[str, ...] | None):
         self.mesh, self.drop = mesh, set(data_axes(mesh))
+        batch_axes = data_axes(mesh) if batch_axes is None else batch_axes     # None: nothing traced
         self.own = jax.tree.map(lambda sp: spec_without(sp, {"pipe"}), own_specs, is_leaf=_is_spec)   # stages hold layers
+        self.axes, self.auto = batch_axes, tuple(a for a in data_axes(mesh) if a not in batch_axes)
+
+    def call(self, fn: Callable, specs_of: Callable) -> Callable:
+        return explicit_call(fn, self.mesh, specs_of, self.auto)
 
     def whole(self, fn: Callable) -> Callable:
-        return explicit_call(fn, self.mesh, lambda p, b: (self.own, batch_specs(b, self.mesh)))
+        return self.call(fn, lambda p, b: (self.own, batch_specs(b, self.mesh, self.axes)))
 
     def parts(self, cut_split: Callable, pre: Callable, layer: Callable, post: Callable):
         outer_own, block_own = cut_split(self.own)
         outer = [spec_without(sp, self.drop) for sp in outer_own]     # the pipeline gathers them over the data axes
         one = jax.tree.map(lambda sp: PartitionSpec(*tuple(sp)[1:]), block_own, is_leaf=_is_spec)
-        act = lambda x: batch_specs(x, self.mesh)   # noqa: E731
-        return (explicit_call(pre, self.mesh, lambda o, mb: (outer, act(mb))),
+        act = lambda x: batch_specs(x, self.mesh, self.axes)   # noqa: E731
+        return (self.call(pre, lambda o, mb: (outer, act(mb))),
                 self._layer(layer, one, act),
-                explicit_call(post, self.mesh, lambda o, y, mb: (outer, act(y), act(mb))))
+                self.call(post, lambda o, y, mb: (outer, act(y), act(mb))))
 
     def _layer(self, layer: Callable, one: Any, act: Callable) -> Callable:
         """The layer in explicit mode, its backward re-running its forward there: a stage runs a
         layer's backward ticks after its forward, and JAX evaluates an explicit-mode pullback only
         inside the region that made it, so the stage keeps only ``x`` (full remat of the layer)."""
-        forward = explicit_call(layer, self.mesh, lambda p, x: (one, act(x)))
-        backward = explicit_call(lambda p, x, g: jax.vjp(layer, p, x)[1](g), self.mesh,
-                                 lambda p, x, g: (one, act(x), act(g)))
+        forward = self.call(layer, lambda p, x: (one, act(x)))
+        backward = self.call(lambda p, x, g: jax.vjp(layer, p, x)[1](g), lambda p, x, g: (one, act(x), act(g)))
 
         @jax.custom_vjp
         def run(p, x):
@@ -258,7 +263,9 @@ def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any, *, mesh=None
     except PipelineCutError as e:
         if mesh is None or own_specs is None or not needs_explicit_mesh(e.__cause__ or e):
             raise
-        explicit = _Explicit(mesh, own_specs)
+        whole = lambda p, b: loss_fn(nnx.merge(graphdef, p), b)     # noqa: E731
+        unpiped = jax.tree.map(lambda sp: spec_without(sp, {"pipe"}), own_specs, is_leaf=_is_spec)  # a scan's xs
+        explicit = _Explicit(mesh, own_specs, model_batch_axes(whole, unpiped, shapes, batch, mesh))
         site = _site(loss_fn, graphdef, shapes, batch, explicit)
     params_treedef = jax.tree.structure(params)
     all_leaves = jax.tree.leaves(shapes)

@@ -41,6 +41,7 @@ from ..rules import named_shardings, resolve
 from ..strategy import Strategy
 from ..zero import zero_specs
 from ..layer_lists import stack_layers, stacked_counts
+from ..model_mesh import check_model_axes
 from ..model_shapes import abstract_model
 from .state import StateLayout, TrainState, optimizer_specs
 
@@ -107,6 +108,7 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
         model_fn = _stacking(model_fn)
     graphdef, shapes, logical = abstract_model(model_fn)
     rules = tuple(strategy.rules(mesh))
+    check_model_axes(logical, rules, mesh)
     base = resolve(logical, rules, mesh, shapes)
     params = zero_specs(base, shapes, logical, sizes, strategy.zero, "params")
     grads = zero_specs(base, shapes, logical, sizes, strategy.zero, "grads")
