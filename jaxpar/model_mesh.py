@@ -6,8 +6,9 @@ out_sharding=...)``, ``jax.reshard``), which JAX accepts only under a mesh whose
 jaxpar's step runs with ``Auto`` axes: XLA chooses the collectives that the strategy's shardings
 imply. Such a model's loss runs inside :func:`jax.sharding.explicit_axes` over the layout's mesh:
 its parameters enter in the model's *own* specs (what its annotations say, before ZeRO adds the
-data axes; ZeRO-3's all-gather is the reshard into them), the batch in the strategy's batch
-sharding, and the loss leaves as a replicated scalar. Gradients flow back through the same
+data axes; ZeRO-3's all-gather is the reshard into them), the batch split over the data axes the
+model names (:func:`model_batch_axes`; the others stay ``Auto`` around it), and the loss leaves as
+a replicated scalar. Gradients flow back through the same
 reshards, into the strategy's gradient layout. A model that runs without a mesh is left alone:
 the explicit region is entered only when the plain call fails for want of one.
 

@@ -57,8 +57,11 @@ CASES = {"one-device": ({"data": 1}, Strategy()),
          "dp2-fsdp2-tp2-zero1-accum2": ({"data": 2, "fsdp": 2, "tensor": 2}, Strategy(zero=1, microbatches=2))}
 
 
+SLOW = {"fsdp8-zero3", "dp4-tp2"}      # their parts run in the other cases; the slow pass runs them whole
+
+
 @need_devices(8)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
 def test_the_example_style_model_is_exact_against_one_device(case, reference):
     ref_losses, ref_params, _ = reference
     axes, strategy = CASES[case]
@@ -86,7 +89,8 @@ def _collectives(sharding, axes, strategy):
 
 
 @need_devices(8)
-@pytest.mark.parametrize("axes, strategy", [({"data": 8}, Strategy()), ({"data": 8}, Strategy(zero=3))],
+@pytest.mark.parametrize("axes, strategy", [({"data": 8}, Strategy()),
+                                            pytest.param({"data": 8}, Strategy(zero=3), marks=pytest.mark.slow)],
                          ids=["dp8", "dp8-zero3"])
 def test_data_parallel_collectives_are_a_logical_names_models(axes, strategy):
     """The data axis the model does not name stays automatic around it: the same collectives, per axis
