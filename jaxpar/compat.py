@@ -166,8 +166,6 @@ PARTLY = {
     ("Z", "1A"): ("ZeRO-1", "ZeRO-2/3 and fsdp: 1-bit Adam needs the whole exchanged moment on every replica"),
     ("ST", "LL"): ("LARS / LAMB with per-layer trust ratios (the logical mask)",
                    "optimizers that are not per stage (a global norm, clip_by_global_norm)"),
-    ("SP", "BF"): ("on the tensor axis alone", "with a data axis: XLA aborts the compile"),
-    ("BF", "EP"): ("on the expert axis alone", "with a data axis: XLA aborts the compile, as SP x BF"),
     ("BR", "K"): ("fixed ramps whose steps are multiples of K", "adaptive ramps, and a ramp step inside a call"),
 }
 

@@ -237,7 +237,7 @@ def _ramp_problems(s: Setting) -> list[Problem]:
 
 
 def _sequence_parallel_problems(s: Setting) -> list[Problem]:
-    """Sequence parallelism against replicas and bf16 (both fail inside XLA, not by name)."""
+    """Sequence parallelism against replicas (the shard_map fails inside XLA, not by name)."""
     st, out = s.strategy, []
     if not (st.sequence_parallel and s.size("tensor") > 1):
         return out
@@ -247,13 +247,6 @@ def _sequence_parallel_problems(s: Setting) -> list[Problem]:
                            "sequence-parallel regions' shard_map does not lower under the replicas' vmap (XLA's "
                            "verifier rejects the shapes). Use {n[sequence_parallel]}={n[false]} with replicas.",
                            {"sync": value_name(st.sync or "sync"), "r": s.size("replica")}, "SyncError"))
-    if st.compute_dtype == "bfloat16" and s.size("data") * s.size("fsdp") > 1:
-        out.append(Problem(("SP", "BF"), ("sequence_parallel", "compute_dtype"),
-                           "{n[sequence_parallel]}={n[true]} with {n[compute_dtype]}='bfloat16' on a mesh with data "
-                           "axes {d} and tensor {t}: XLA aborts while compiling this step ('Invalid binary "
-                           "instruction opcode copy', XLA:CPU with jax 0.10). Use {n[compute_dtype]}='float32' or "
-                           "{n[sequence_parallel]}={n[false]} (bf16 with sequence parallelism on the tensor axis "
-                           "alone compiles).", {"d": s.size("data") * s.size("fsdp"), "t": s.size("tensor")}))
     return out
 
 
@@ -311,12 +304,6 @@ def _expert_problems(s: Setting) -> list[Problem]:
         out.append(Problem(("EX", "EP"), ("explicit_dp", "expert"), "{n[explicit_dp]}=True with " + key + ": the "
                            "explicit per-layer collectives run one activation per layer and reduce over the data "
                            "axes only. Use {n[explicit_dp]}=None.", values, "MoEError"))
-    if st.compute_dtype == "bfloat16" and s.size("data") * s.size("fsdp") > 1:
-        out.append(Problem(("BF", "EP"), ("compute_dtype", "expert"), "{n[compute_dtype]}='bfloat16' with " + key +
-                           " on a mesh with data axes {d}: XLA aborts while compiling this step ('Invalid binary "
-                           "instruction opcode copy', XLA:CPU with jax 0.10, as sequence parallelism does). Use "
-                           "{n[compute_dtype]}='float32', or bf16 on the expert axis alone.",
-                           {**values, "d": s.size("data") * s.size("fsdp")}, "MoEError"))
     return out + _per_replica_problems(s, "EP", "expert", key, values, "MoEError")
 
 

@@ -16,10 +16,13 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from .regions import collective_in, enter, reduce_dtype, region_axes, region_spec
 from .rules import LogicalRules, axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 
 __all__ = ["tensor_rules", "batch_rule", "row_parallel"]
@@ -74,7 +77,10 @@ def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logica
     collective in a region that is automatic over an axis splitting its operand
     by first gathering that operand over the axis: a region manual over ``axis``
     only all-gathered every activation over the data axes, reduce-scattered the
-    whole batch and sliced it again.
+    whole batch and sliced it again. The region is opened by :mod:`jaxpar.regions`: manual over the
+    whole mesh when the other axes have size 1; its reduce-scatter moves the activations' dtype (bf16
+    under bf16 compute), or fp32 on CPU where an automatic axis of size > 1 remains (XLA:CPU aborts
+    on bf16 there).
 
     >>> import jax, jax.numpy as jnp, jaxpar
     >>> mesh = jaxpar.make_mesh({"tensor": 2}, devices=jax.devices()[:2])
@@ -101,14 +107,17 @@ def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logica
     if sizes.get(axis, 1) == 1 or not scatter or all(e is None for e in w_spec) or axis in manual_axes():
         return constrain(jnp.einsum(eq, x, w), out_logical)
     # Manual over every axis that splits x or the output (the batch's data axes too; see the docstring).
-    manual = ({axis} | {a for e in (*x_full, *out_spec) for a in axes_of(e) if sizes.get(a, 1) > 1}) - manual_axes()
+    manual = region_axes(mesh, {axis} | {a for e in (*x_full, *out_spec) for a in axes_of(e) if sizes.get(a, 1) > 1})
     x_spec, o_spec = _only(x_full, manual), _only(out_spec, manual)
+    dtype = jnp.result_type(x, w)
+    wire = reduce_dtype(dtype, mesh, manual)      # bf16, or float32 where XLA:CPU needs it (jaxpar.regions)
 
-    def local(a, b):   # reduce in fp32 (XLA:CPU cannot clone bf16 all-reduces in shard_map)
-        y = jnp.einsum(eq, a, b)
-        return jax.lax.psum_scatter(y.astype(jnp.float32), axis, scatter_dimension=scatter[0],
-                                    tiled=True).astype(y.dtype)
-    y = jax.shard_map(local, mesh=shard_map_mesh(mesh), in_specs=(x_spec, w_spec), out_specs=o_spec, axis_names=manual,
+    def local(a, b):
+        y = jnp.einsum(eq, a.astype(dtype), b.astype(dtype))
+        return collective_in(wire, functools.partial(jax.lax.psum_scatter, axis_name=axis,
+                                                     scatter_dimension=scatter[0], tiled=True), y)
+    x, w = enter(x, x_spec, mesh, manual, wire), enter(w, w_spec, mesh, manual, wire)
+    in_specs = (region_spec(x_spec, x.ndim, mesh, manual), region_spec(w_spec, w.ndim, mesh, manual))
+    y = jax.shard_map(local, mesh=shard_map_mesh(mesh), in_specs=in_specs, out_specs=o_spec, axis_names=manual,
                       check_vma=False)(x, w)
     return constrain(y, out_logical)
-

@@ -21,7 +21,7 @@
   exchange with the lossless top-k (1A: ``adamw_frozen_variance``), a checkpoint restored mid-run
   (CK: the resumed run equals the uninterrupted one bit for bit) and two processes (MP: the same
   run on one process). One case per feature runs in the default pass, the rest in the slow one.
-  A partly-composing pair runs its composing value (SP x BF: the tensor axis alone).
+  A partly-composing pair runs its composing value (Z x 1A: ZeRO-1).
 * the cases asked for by name: the noise scale with every flush schedule and with a codec, bf16
   with every schedule, sequence parallelism with accumulation and ZeRO.
 
@@ -331,8 +331,7 @@ def _refused_pairs() -> list[tuple[str, str]]:
 
 #: The refused value of the partly-composing pairs.
 PARTLY_REFUSED = {("Z", "1A"): "ZeRO-2", ("ST", "LL"): "clip_by_global_norm / a global-norm optimizer",
-                  ("SP", "BF"): "with a data axis", ("BR", "K"): "a ramp step inside a call",
-                  ("BF", "EP"): "with a data axis"}
+                  ("BR", "K"): "a ramp step inside a call"}
 
 
 def _refusal_params():
@@ -349,8 +348,6 @@ def test_refusals_name_both_features(pair):
     setting = _setting_for(pair)
     if pair == ("Z", "1A"):
         setting = setting._replace(strategy=dataclasses.replace(setting.strategy, zero=2))
-    if pair in (("SP", "BF"), ("BF", "EP")):     # the refused value: a data axis beside tensor / expert
-        setting = setting._replace(sizes={**setting.sizes, "data": 2})
     assert _both_on(setting, a, b), (pair, setting)
     found = problems(setting)
     mine = [p for p in found if set(p.features) == {a, b}]
@@ -536,8 +533,6 @@ def build(codes, *, schedule: str | None = None) -> Spec:
     if s.ramp:   # the batch doubles after the first call
         s.rows = tuple(ROWS if i < s.k else 2 * ROWS for i in range(s.steps))
     used = math.prod(sizes.values())
-    if {"SP", "BF"} <= set(codes) or {"BF", "EP"} <= set(codes):   # the value that composes (compat.PARTLY):
-        return s                                                     # tensor / expert alone
     if used < N_DEVICES:                                          # the rest of the devices: data
         sizes["data"] = sizes.get("data", 1) * (N_DEVICES // used)
     return s

@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..regions import collective_in, reduce_dtype, region_axes, region_spec
 from ..rules import axes_of, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 from .blocks import check_softcap, check_window, dense_attention
 from .layout import check_length, from_balanced, sequence_positions, shard_positions, to_balanced
@@ -83,6 +84,7 @@ class _Call(NamedTuple):
     balance: bool
     hop: str = "permute"
     softcap: float | None = None
+    wire: Any = None          # the dtype of the all-gather method's K/V (jaxpar.regions.reduce_dtype); None: theirs
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: jax.Array | None = None,
@@ -123,12 +125,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, 
     note_context_call("attention")
     setting = current_context_parallel()
     call = _Call(size, causal, scale, setting.balance, _ring_hop(ctx[0]), softcap)
-    body = functools.partial(_LOCAL[setting.method], call)
     if local:
         check_length(q.shape[1] * size, size, setting.balance)
-        return body(q, k, v, segment_ids, window)
+        call = call._replace(wire=reduce_dtype(q.dtype, ctx[0], ()))     # in the enclosing region
+        return _LOCAL[setting.method](call, q, k, v, segment_ids, window)
     check_length(q.shape[1], size, setting.balance)
-    return _sharded(body, *ctx, q, k, v, segment_ids, window)
+    return _sharded(_LOCAL[setting.method], call, *ctx, q, k, v, segment_ids, window)
 
 
 def _ring_hop(mesh) -> str:
@@ -243,15 +245,17 @@ def _specs(mesh, rules, q, k) -> tuple[PartitionSpec, PartitionSpec, PartitionSp
     return q_spec, PartitionSpec(q_spec[0], CONTEXT, q_spec[2], None), PartitionSpec(q_spec[0], CONTEXT)
 
 
-def _sharded(body: Callable, mesh, rules, q, k, v, segment_ids, window) -> jax.Array:
-    """``body`` on the local shards, in a ``shard_map`` manual over every axis that splits q/k/v (an
-    array ``window`` goes in replicated; a static one stays static)."""
+def _sharded(method: Callable, call: _Call, mesh, rules, q, k, v, segment_ids, window) -> jax.Array:
+    """``method(call, ...)`` on the local shards, in a ``shard_map`` manual over every axis that splits
+    q/k/v (:func:`jaxpar.regions.region_axes`: the whole mesh when the other axes have size 1; an array
+    ``window`` goes in replicated; a static one stays static)."""
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     specs = _specs(mesh, rules, q, k)
-    manual = {a for s in specs for e in s for a in axes_of(e) if sizes[a] > 1} - manual_axes()
+    manual = region_axes(mesh, {a for s in specs for e in s for a in axes_of(e) if sizes[a] > 1})
+    body = functools.partial(method, call._replace(wire=reduce_dtype(q.dtype, mesh, manual)))
     q_spec, kv_spec, seg_spec = (PartitionSpec(*(_entry(tuple(a for a in axes_of(e) if a in manual)) for e in s))
                                  for s in specs)
-    args, in_specs = (q, k, v), (q_spec, kv_spec, kv_spec)
+    args, in_specs = (q, k, v), tuple(region_spec(s, 4, mesh, manual) for s in (q_spec, kv_spec, kv_spec))
     if segment_ids is not None:
         args, in_specs = args + (segment_ids,), in_specs + (seg_spec,)
     traced = window is not None and not isinstance(window, int)
@@ -271,8 +275,11 @@ def _ring_local(call: _Call, q, k, v, seg, window):
 
 
 def _all_gather_local(call: _Call, q, k, v, seg, window):
-    def gather(x):
-        return None if x is None else jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
+    def gather(x):        # K/V in call.wire: its transpose, a reduce-scatter, too (jaxpar.regions)
+        if x is None:
+            return None
+        wire = x.dtype if call.wire is None or not jnp.issubdtype(x.dtype, jnp.floating) else call.wire
+        return collective_in(wire, functools.partial(jax.lax.all_gather, axis_name=CONTEXT, axis=1, tiled=True), x)
     k, v, k_seg = gather(k), gather(v), gather(seg)
     if not call.causal and window is None:   # a full mask depends on the segments only, not on where tokens sit
         return dense_attention(q, k, v, causal=False, scale=call.scale, q_seg=seg, k_seg=k_seg, softcap=call.softcap)

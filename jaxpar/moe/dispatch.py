@@ -17,8 +17,10 @@ experts (weights sharded over ``expert`` on their leading ``experts`` axis, neve
 the expert axes also split the batch (EP devices are data parallel for the other layers): when the
 ``batch`` rule does not name them, the layer splits the batch over them on entry (a local slice) and
 gathers its output over them on exit (an all-gather of activations). Axes that split no token
-(``tensor``: the experts' ``mlp`` dimension) stay automatic; an axis already manual in the caller (a
-pipeline's ``pipe``) is left alone. Per layer: 2 all-to-alls over ``expert`` forward, 2 backward, of
+(``tensor``: the experts' ``mlp`` dimension) stay automatic, unless they all have size 1: then the region
+is manual over the whole mesh (:mod:`jaxpar.regions`; where one of size > 1 stays automatic, on CPU the
+region's bf16 reductions run in fp32); an axis already manual in the caller (a pipeline's ``pipe``) is
+left alone. Per layer: 2 all-to-alls over ``expert`` forward, 2 backward, of
 ``G/n * E * C * D`` elements each per device.
 
 Under context parallelism (the ``length`` rule's axes, ``context``: :func:`sequence_axes`) the region is
@@ -42,6 +44,7 @@ is the gate projection, ``w3`` the up projection, ``w2`` the down projection (Mi
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -49,6 +52,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ..mesh import EXPERT
+from ..regions import collective_in, enter, reduce_dtype, region_axes, region_spec
 from ..rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 from .routing import MoEError
 
@@ -123,16 +127,19 @@ def _masks(expert, slot, weight, experts: int, cap: int, dtype):
 
 
 def _local_moe(x, expert, slot, weight, w1, w2, w3=None, *, cap: int, experts: int, axes: tuple[str, ...],
-               seq: tuple[str, ...] = (), activation: str = "gelu"):
+               seq: tuple[str, ...] = (), activation: str = "gelu", wire=None):
     """Dispatch, experts (:func:`expert_mlp`), combine on one device's tokens; all-to-alls over ``axes``
     when given. With ``seq`` (the axes splitting the sequence: context parallelism) each device holds a
     part of every row: its buffer (only its tokens' slots filled) is summed over ``seq`` and scattered
     over the slots (``cap`` is a multiple of their size), so each device runs the experts on ``C / size``
-    slots, and the outputs are gathered back over the slots before the combine."""
+    slots, and the outputs are gathered back over the slots before the combine; both in ``wire``
+    (:func:`jaxpar.regions.reduce_dtype`; ``None``: the tokens' dtype)."""
     dispatch, combine = _masks(expert, slot, weight, experts, cap, x.dtype)
     xe = jnp.einsum("gtec,gtd->gecd", dispatch, x)
+    wire = x.dtype if wire is None else wire
     if seq:
-        xe = jax.lax.psum_scatter(xe, seq, scatter_dimension=2, tiled=True)
+        xe = collective_in(wire, functools.partial(jax.lax.psum_scatter, axis_name=seq, scatter_dimension=2,
+                                                   tiled=True), xe)
     if axes:
         xe = jax.lax.all_to_all(xe, axes, split_axis=1, concat_axis=0, tiled=True)
         h = constrain(_hidden(xe, w1, w3, activation), (None, None, None, "mlp"))
@@ -140,7 +147,7 @@ def _local_moe(x, expert, slot, weight, w1, w2, w3=None, *, cap: int, experts: i
     else:
         ye = expert_mlp(xe, w1, w2, w3, activation=activation)
     if seq:
-        ye = jax.lax.all_gather(ye, seq, axis=2, tiled=True)
+        ye = collective_in(wire, functools.partial(jax.lax.all_gather, axis_name=seq, axis=2, tiled=True), ye)
     return jnp.einsum("gtec,gecd->gtd", combine, ye)
 
 
@@ -229,9 +236,15 @@ def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: j
     entry = lambda axes: axes if len(axes) > 1 else axes[0]    # noqa: E731
     tok = PartitionSpec(entry(tokens), entry(seq)) if seq else PartitionSpec(entry(tokens))
     wspec = PartitionSpec(entry(ep))
+    manual = region_axes(mesh, tokens + ep + seq)
+    local["wire"] = reduce_dtype(x.dtype, mesh, manual)    # bf16, or float32 where XLA:CPU needs it
+    dtypes = [w.dtype for w in ws]
+    ws = tuple(enter(w, wspec, mesh, manual, local["wire"]) for w in ws)   # unsplit over the token axes
 
     def body(x, expert, slot, weight, ws):      # ws: (w1, w2[, w3]), each split over ``ep`` on its experts axis
+        ws = [w.astype(d) for w, d in zip(ws, dtypes)]
         return _local_moe(x, expert, slot, weight, *ws, axes=ep, seq=seq, **local)
 
-    return jax.shard_map(body, mesh=shard_map_mesh(mesh), in_specs=(tok, tok, tok, tok, wspec), out_specs=tok,
-                         axis_names=set(tokens) | set(ep) | set(seq), check_vma=False)(x, expert, slot, weight, ws)
+    in_specs = (*(region_spec(tok, 2, mesh, manual),) * 4, region_spec(wspec, 3, mesh, manual))
+    return jax.shard_map(body, mesh=shard_map_mesh(mesh), in_specs=in_specs, out_specs=tok, axis_names=manual,
+                         check_vma=False)(x, expert, slot, weight, ws)
