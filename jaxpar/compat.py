@@ -134,8 +134,8 @@ def raise_problems(setting: Setting, errors: Mapping[str, type]) -> None:
 #: The pairs refused whatever the values: ``{(code, code): why}``. Every other pair composes,
 #: and a test compares it with its reference (``tests/test_combinations.py``).
 REFUSED = {
-    ("SP", "PP"): "XLA's sequence-parallel resharding would deadlock inside a pipeline stage",
-    ("SP", "2B"): "as SP x PP", ("SP", "ST"): "as SP x PP",
+    ("SP", "2B"): "the no-flush program runs a different action per stage: SP's collectives would hang",
+    ("SP", "ST"): "as SP x 2B",
     ("EX", "PP"): "a stage's layers run inside the executor", ("EX", "2B"): "as EX x PP",
     ("EX", "ST"): "as EX x PP", ("EX", "CP"): "the codec's exchange is explicit already",
     ("EX", "RS"): "the per-layer shard_map does not lower under the replicas' vmap",

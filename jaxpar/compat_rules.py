@@ -89,15 +89,15 @@ def value_name(v: Any) -> str:
 def _pipeline_problems(s: Setting) -> list[Problem]:
     st, p = s.strategy, s.size("pipe")
     out = []
-    if p > 1 and st.sequence_parallel and s.size("tensor") > 1 and pipeline_schedule(s) != "none":
-        code = {"pipedream-2bw": "2B", "pipedream": "ST"}.get(st.schedule, "PP")
-        out.append(Problem(("SP", code), ("sequence_parallel", "pipe"),
-                           "{n[sequence_parallel]}={n[true]} with {n[pipe]}={p} is not supported: XLA reorders "
-                           "sequence-parallel activations with collective-permutes inside a stage's branch, and "
-                           "XLA:CPU runs each collective-permute as one rendezvous of all devices, which the other "
-                           "stages never join (a deadlock: 'Expected 8 threads to join the rendezvous, but only 4 "
-                           "arrived'). Use {n[sequence_parallel]}={n[false]} with {n[pipe]} > 1 (tensor parallelism "
-                           "itself works).", {"p": p}))
+    no_flush = {"pipedream-2bw": "2B", "pipedream": "ST"}.get(st.schedule)
+    if p > 1 and st.sequence_parallel and s.size("tensor") > 1 and no_flush:
+        out.append(Problem(("SP", no_flush), ("sequence_parallel", "schedule"),
+                           "{n[sequence_parallel]}={n[true]} with {n[schedule]}={sched!r} on {n[pipe]}={p} is not "
+                           "supported: sequence parallelism's collectives sit inside each stage's actions, which "
+                           "only the flush schedules (gpipe, 1f1b, interleaved, zb-h1) run in lockstep (every stage "
+                           "the same action at each tick); the no-flush programs run a different action per stage, "
+                           "and a collective that some stages do not reach hangs. Use a flush schedule, or "
+                           "{n[sequence_parallel]}={n[false]}.", {"p": p, "sched": st.schedule}))
     if s.size("replica") > 1 or st.sync is not None:
         if pipeline_schedule(s) in FLUSH_SCHEDULES:
             out.append(Problem(("RS", "PP"), ("sync", "pipe"),

@@ -95,7 +95,8 @@ PIPE_BAD = [  # (overrides, text the error must contain): pipeline schedule and 
     (["parallel.schedule=interleaved"], "parallel.virtual_stages=1: v (num_chunks) must be >= 2"),
     (["model.layers=3"], "model.layers=3, mesh.pipe=2 x parallel.virtual_stages=1: 3 layers cannot be split evenly"),
     (["model.layers=3", "parallel.stage_layers=[1,1]"], "parallel.stage_layers=(1, 1) must be positive and sum"),
-    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true with mesh.pipe=2 is not supported"),
+    (["parallel.sequence_parallel=true", "parallel.schedule=pipedream-2bw"],
+     "parallel.sequence_parallel=true with parallel.schedule='pipedream-2bw' on mesh.pipe=2 is not supported"),
 ]
 
 

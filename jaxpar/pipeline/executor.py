@@ -62,6 +62,7 @@ from jax.sharding import PartitionSpec as P
 from ..blocks import use_layer_runner
 from ..rules import drop_axes, use_rules
 from .buffers import PipelineState, Slots, SlotView, TickIO
+from .lockstep_stage import LockstepStage, lockstep_state, lockstep_table, lockstep_tick
 from .partition import check_blocks_layout
 from .parts import PipelineParts
 from .program import Program
@@ -73,7 +74,7 @@ __all__ = ["pipeline_value_and_grad", "PIPE", "TICKS_SCOPE", "ActionKind", "Slot
 
 def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program, *,
                             stage_layers: Sequence[int], replica_axes: Sequence[str] = (),
-                            with_metrics: bool = False) -> Callable:
+                            with_metrics: bool = False, lockstep: bool = False) -> Callable:
     """Build ``fn(outer, blocks, microbatches) -> (loss, (g_outer, g_blocks))``.
 
     - ``outer``: the parameters of ``parts.pre`` and ``parts.post`` (one tree;
@@ -88,6 +89,9 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
       gets a leading replica axis sharded over them and the loss is the replicas' mean.
     - ``with_metrics``: also return what ``parts.post`` reported (:func:`jaxpar.report_metric`),
       averaged over the micro-batches (and replicas): ``(loss, grads, metrics)``.
+    - ``lockstep``: ``program`` is a lockstep table (``lower(lockstep(schedule))``, :mod:`.lockstep`)
+      and every stage runs each tick's action, masked where it has none (:mod:`.lockstep_stage`):
+      no collective inside an action is reached by some devices only.
 
     The loss is the mean of the micro-batch losses; the gradients are those of
     that mean (float32), ``g_blocks`` in the ``blocks`` layout. ``g_outer`` adds
@@ -96,16 +100,17 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
     p, v = program.schedule.num_stages, program.schedule.num_chunks
     counts = stage_counts(program, mesh, stage_layers)      # [chunk, stage]
     lmax = int(counts.max())
-    table = tick_table(program)
+    table = lockstep_table(program) if lockstep else tick_table(program)
     replica_axes = tuple(replica_axes)
     rep_entry = (replica_axes if len(replica_axes) > 1 else replica_axes[0]) if replica_axes else None
 
     def body(outer, blocks, mbs):
-        stage = Stage(parts, program, counts, outer, jax.tree.map(lambda a: a[:, 0], blocks), mbs)
+        kind = LockstepStage if lockstep else Stage
+        stage = kind(parts, program, counts, outer, jax.tree.map(lambda a: a[:, 0], blocks), mbs)
         branches = [stage.branch(k) for k in table.kinds]
+        step, start = (lockstep_tick, lockstep_state) if lockstep else (tick, initial_state)
         with jax.named_scope(TICKS_SCOPE):
-            st, _ = jax.lax.scan(functools.partial(tick, stage, table, branches),
-                                 initial_state(program, stage), table.rows)
+            st, _ = jax.lax.scan(functools.partial(step, stage, table, branches), start(program, stage), table.rows)
         g_blocks = jax.tree.map(lambda a: a[:, None], st.g_blocks)
         loss, g_outer = jax.lax.psum(st.loss, PIPE) / stage.m, jax.lax.psum(st.g_outer, PIPE)
         metrics = jax.tree.map(lambda a: jax.lax.psum(a, PIPE) / stage.m, st.metrics)   # the last stage's sums

@@ -40,13 +40,15 @@ from ..mesh import data_axes
 from ..rules import axes_of, named_shardings, without_rules
 from .cut import ModelCut, cut_model
 from .executor import pipeline_value_and_grad
+from .lockstep import lockstep
 from .parts import PipelineParts
 from .partition import check_stage_layers, from_stages, layer_costs, partition_layers, to_stages, uniform_layers
 from .program import lower
 from .schedules import get_schedule
 from .sweep import pipeline_forward_sum
 
-__all__ = ["make_pipeline_loss_and_grad", "auto_stage_layers", "check_pipeline_strategy", "staged_cut", "StagedCut"]
+__all__ = ["make_pipeline_loss_and_grad", "auto_stage_layers", "check_pipeline_strategy", "runs_in_lockstep",
+           "staged_cut", "StagedCut"]
 
 
 def auto_stage_layers(cut: ModelCut, outer: list, blocks: Any, microbatch: Any, stages: int) -> tuple[int, ...]:
@@ -61,13 +63,19 @@ def auto_stage_layers(cut: ModelCut, outer: list, blocks: Any, microbatch: Any, 
 
 
 def check_pipeline_strategy(strategy, mesh) -> None:
-    """Errors for what pipelines do not support."""
+    """Errors for what the no-flush programs (PipeDream-2BW, weight stashing) do not support."""
     if strategy.sequence_parallel and mesh.shape.get("tensor", 1) > 1:
-        raise ValueError(f"Strategy(sequence_parallel=True) with pipe={mesh.shape['pipe']} is not supported: XLA "
-                         "reorders sequence-parallel activations with collective-permutes inside a stage's branch, "
-                         "and XLA:CPU runs each collective-permute as one rendezvous of all devices, which the other "
-                         "stages never join (a deadlock). Use sequence_parallel=False with pipe > 1 (tensor "
-                         "parallelism itself works).")
+        raise ValueError(f"Strategy(sequence_parallel=True) with schedule={strategy.schedule!r} on "
+                         f"pipe={mesh.shape['pipe']} is not supported: sequence parallelism's collectives sit inside "
+                         "each stage's actions, which only the flush schedules (gpipe, 1f1b, interleaved, zb-h1) run "
+                         "in lockstep; the no-flush programs run a different action per stage. Use a flush schedule, "
+                         "or sequence_parallel=False.")
+
+
+def runs_in_lockstep(strategy, mesh) -> bool:
+    """Whether the pipeline runs as a lockstep program (:mod:`.lockstep`): with sequence parallelism on a
+    ``tensor`` axis, whose collectives sit inside every stage's actions."""
+    return bool(strategy.sequence_parallel) and mesh.shape.get("tensor", 1) > 1
 
 
 def _whole_over_data_axes(specs: list, mesh) -> list:
@@ -158,9 +166,10 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
     layers, no ``replica_axes``): a forward sweep first sums the step's load per MoE layer
     (:func:`_step_loads`), which every micro-batch's load-balancing loss then uses.
     """
-    check_pipeline_strategy(strategy, mesh)
     p, m, v = mesh.shape["pipe"], strategy.microbatches, strategy.virtual_stages
-    program = lower(get_schedule(strategy.schedule, p, m, v))
+    in_lockstep = runs_in_lockstep(strategy, mesh)
+    schedule = get_schedule(strategy.schedule, p, m, v)
+    program = lower(lockstep(schedule) if in_lockstep else schedule)
     if num_layers is not None and strategy.stage_layers != "auto":
         check_stage_layers(strategy.stage_layers or uniform_layers(num_layers, p * v), num_layers, p, v)
     grad_shardings = named_shardings(grad_specs, mesh)
@@ -174,7 +183,7 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
             if loads is not None:        # the layers now carry the step's loads: cut again
                 cut = staged_cut(loss_fn, graphdef, mesh, param_specs, strategy, params, mbs, own_specs=own_specs)
             run = pipeline_value_and_grad(cut.parts, mesh, rules, program, stage_layers=cut.stage_layers,
-                                          replica_axes=replica_axes, with_metrics=True)
+                                          replica_axes=replica_axes, with_metrics=True, lockstep=in_lockstep)
             loss, (g_outer, g_blocks), metrics = run(*cut.stage(params), mbs)
         if replica_axes:     # each replica's own gradients, [R, ...]
             grads = jax.vmap(cut.grads)(g_outer, g_blocks)
