@@ -83,6 +83,9 @@ CASES = {
     "ep4-pipe2-zb-shared": ({"pipe": 2, "expert": 4}, Strategy(microbatches=2, schedule="zb-h1"), "shared"),
     "ep2-pipe2-tp2-gpipe-every2": ({"pipe": 2, "expert": 2, "tensor": 2}, Strategy(microbatches=4, schedule="gpipe"),
                                    "every2"),
+    # sequence parallelism: the schedule and the loads' sweep run in lockstep (jaxpar.pipeline.lockstep)
+    "ep2-pipe2-tp2-sp-1f1b": ({"pipe": 2, "expert": 2, "tensor": 2},
+                              Strategy(microbatches=2, schedule="1f1b", sequence_parallel=True), "plain"),
     # context: the sequence split over it; slots (and drops) follow the true positions in the balanced layout
     "ep2-cx2-dp2-ring-balanced-drops": ({"context": 2, "expert": 2, "data": 2},
                                         Strategy(context=ContextParallel("ring", balance=True)), "drops"),

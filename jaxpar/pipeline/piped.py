@@ -204,5 +204,6 @@ def _step_loads(cut: StagedCut, mesh, rules, strategy, params, mbs) -> Any:
     if step_loads_needed(cut.parts.post, outer, x, one) is None:
         return None                     # no loads reported, or no balancing loss that needs them
     sweep = pipeline_forward_sum(cut.parts, mesh, rules, reported_loads(cut.parts.post),
-                                 stage_layers=cut.stage_layers, chunks=strategy.virtual_stages)
+                                 stage_layers=cut.stage_layers, chunks=strategy.virtual_stages,
+                                 lockstep=runs_in_lockstep(strategy, mesh))
     return jax.lax.stop_gradient(sweep(outer, blocks, mbs))

@@ -46,7 +46,7 @@ __all__ = ["pipeline_forward_sum"]
 
 
 def pipeline_forward_sum(parts: PipelineParts, mesh, rules, value: Callable, *, stage_layers: Sequence[int],
-                         chunks: int = 1) -> Callable:
+                         chunks: int = 1, lockstep: bool = False) -> Callable:
     """Build ``fn(outer, blocks, microbatches) -> sum over micro-batches of value(outer, y, mb)``.
 
     Args:
@@ -56,6 +56,10 @@ def pipeline_forward_sum(parts: PipelineParts, mesh, rules, value: Callable, *, 
       value: ``value(outer, y, mb) -> pytree of arrays`` on the last virtual stage's output ``y``.
       stage_layers: layers of each virtual stage ``k = chunk * p + stage``.
       chunks: virtual stages per device (interleaved schedules).
+      lockstep: every stage runs every tick's item, ``pre``, its padding layers and ``value``, with
+        their results masked (``jnp.where``) rather than skipped by a conditional whose predicate
+        differs between the stages: the layers' collectives (sequence parallelism) are then reached
+        by every device (as :mod:`.lockstep_stage` does for the pipeline's ticks).
 
     Returns:
       The function, with the arguments of :func:`~.executor.pipeline_value_and_grad`'s; its result is
@@ -66,7 +70,7 @@ def pipeline_forward_sum(parts: PipelineParts, mesh, rules, value: Callable, *, 
     lmax = int(counts.max())
 
     def body(outer, blocks, mbs):
-        sweep = _Sweep(parts, value, counts, outer, jax.tree.map(lambda a: a[:, 0], blocks), mbs)
+        sweep = _Sweep(parts, value, counts, outer, jax.tree.map(lambda a: a[:, 0], blocks), mbs, lockstep)
         ticks = (v - 1) * sweep.period + sweep.m + p - 1
         carry = (zeros_like_tree(sweep.x), jax.tree.map(lambda a: jnp.zeros((sweep.m + 1, *a.shape), a.dtype),
                                                         sweep.x), zeros_like_tree(sweep.out))
@@ -86,11 +90,18 @@ def pipeline_forward_sum(parts: PipelineParts, mesh, rules, value: Callable, *, 
     return fn
 
 
+def _masked(pred, yes: Callable, no: Callable, *args):
+    """``lax.cond``'s result computed without a conditional: both branches run, ``jnp.where`` picks."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), yes(*args), no(*args))
+
+
 class _Sweep:
     """One device's share of the sweep, traced inside the ``shard_map`` (see the module docstring)."""
 
-    def __init__(self, parts: PipelineParts, value: Callable, counts: np.ndarray, outer: Any, blocks: Any, mbs: Any):
+    def __init__(self, parts: PipelineParts, value: Callable, counts: np.ndarray, outer: Any, blocks: Any, mbs: Any,
+                 lockstep: bool = False):
         self.parts, self.value, self.outer, self.blocks, self.mbs = parts, value, outer, blocks, mbs
+        self.cond = _masked if lockstep else jax.lax.cond
         self.v, self.p = counts.shape
         self.m = jax.tree.leaves(mbs)[0].shape[0]
         self.period, self.lmax = max(self.m, self.p), int(counts.max())
@@ -111,7 +122,7 @@ class _Sweep:
         n, bp = self.n_layers[c], take_tree(self.blocks, c)
 
         def one(h, item):
-            return jax.lax.cond(item[1] < n, lambda h: self.parts.layer(item[0], h), lambda h: h, h), None
+            return self.cond(item[1] < n, lambda h: self.parts.layer(item[0], h), lambda h: h, h), None
 
         return jax.lax.scan(one, h, (bp, jnp.arange(self.lmax)))[0]
 
@@ -120,19 +131,19 @@ class _Sweep:
         the inbox), the chunk's layers, and on the last virtual stage ``value`` added to ``total``."""
         s, mb = self.s, take_tree(self.mbs, j)
         kept = jax.tree.map(lambda w, x: jnp.where(s == 0, take(w, j), x), wrap, inbox)
-        h = jax.lax.cond((s == 0) & (c == 0), lambda: self.parts.pre(self.outer, mb), lambda: kept)
+        h = self.cond((s == 0) & (c == 0), lambda: self.parts.pre(self.outer, mb), lambda: kept)
         y = self.chunk(c, h)
         last = (s == self.p - 1) & (c == self.v - 1)
         add = lambda t: jax.tree.map(jnp.add, t, self.value(self.outer, y, mb))   # noqa: E731
-        return y, jax.lax.cond(last, add, lambda t: t, total)
+        return y, self.cond(last, add, lambda t: t, total)
 
     def tick(self, carry, t):
         """Tick ``t``: this stage's item, then the send to the next stage; the first stage keeps what
         the last one sends for the next chunk (slot ``m``: discarded)."""
         inbox, wrap, total = carry
         valid, c, j = self.item(t - self.s)
-        y, total = jax.lax.cond(valid, lambda tot: self.run(c, j, inbox, wrap, tot),
-                                lambda tot: (zeros_like_tree(self.x), tot), total)
+        y, total = self.cond(valid, lambda tot: self.run(c, j, inbox, wrap, tot),
+                             lambda tot: (zeros_like_tree(self.x), tot), total)
         received = jax.lax.ppermute(y, PIPE, [(k, (k + 1) % self.p) for k in range(self.p)])
         sent, c_sent, j_sent = self.item(t - (self.p - 1))             # what the last stage ran
         keep = (self.s == 0) & sent & (c_sent < self.v - 1)
