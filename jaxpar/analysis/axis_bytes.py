@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from ..cost.parallel import Plan
+from ..pipeline.lockstep import lockstep
 from ..pipeline.program import lower
 from ..pipeline.schedules import get_schedule
 from .hlo import Collective, collectives, partition_positions
@@ -110,10 +111,13 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
       ValueError: the program has no ``while`` loop of the schedule's length, or not one action
         conditional per action kind that is not idle.
     """
+    from ..pipeline.lockstep_stage import lockstep_table
     from ..pipeline.stage import tick_table
 
-    program = lower(get_schedule(plan.schedule, plan.pipe, plan.microbatches, plan.virtual))
-    table, ticks = tick_table(program), program.ticks
+    schedule = get_schedule(plan.schedule, plan.pipe, plan.microbatches, plan.virtual)
+    in_lockstep = plan.sequence_parallel and plan.tensor > 1      # as jaxpar.pipeline.piped.runs_in_lockstep
+    program = lower(lockstep(schedule) if in_lockstep else schedule)
+    table, ticks = (lockstep_table if in_lockstep else tick_table)(program), program.ticks
     T = len(ticks)
     by_comp, conds = _tick_loop(compiled if isinstance(compiled, str) else compiled.as_text(), T, plan)
     sends, actions = _tick_conditionals(conds, by_comp, _stage_of_partition(compiled, mesh))
@@ -122,7 +126,8 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
         raise ValueError(f"plan {plan.name()}: the tick loop has {len(actions)} action conditionals, expected one per "
                          f"action kind that is not idle ({len(active)}); has the executor changed?")
     send_w = _send_weights(sends, ticks)
-    kinds = np.asarray(table.rows.kind)          # [T, p]
+    kinds = np.asarray(table.rows.kind)          # [T, p]; a lockstep table: [T], every stage the tick's kind
+    kinds = np.repeat(kinds[:, None], plan.pipe, axis=1) if kinds.ndim == 1 else kinds
     out = []
     for s in range(plan.pipe):
         w = {name: [x if S is None or any(b == s for _, b in S) else 0.0 for x, S in zip(send_w[name], sends[name])]
@@ -156,11 +161,10 @@ def _tick_conditionals(conds: list, by_comp: dict[str, list],
     sends, actions = {}, []
     for sw in conds:
         branches = branch_computations(sw)
-        permutes = [_permutes(b, by_comp) for b in branches]
-        if any(permutes):
-            sends[sw.name] = [frozenset((stage_of[a], stage_of[b]) for ins in ps
-                                        for a, b in source_target_pairs(ins.rest)) if ps else None
-                              for ps in permutes]
+        moves = [frozenset((stage_of[a], stage_of[b]) for ins in _permutes(b, by_comp)
+                           for a, b in source_target_pairs(ins.rest) if stage_of[a] != stage_of[b]) for b in branches]
+        if any(moves):      # a permute inside an action (sequence parallelism's) moves nothing between stages
+            sends[sw.name] = [m or None for m in moves]
         elif len(branches) == 2:
             actions.append(sw.name)           # chained, so in the text in the order of ``kinds``
     return sends, actions
