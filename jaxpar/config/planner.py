@@ -24,7 +24,7 @@ from ..strategy import Strategy
 from .schema import ConfigError, JobConfig
 
 __all__ = ["PlannerView", "cost_model", "plan_model", "planner_view", "unpredicted", "predicted_peak", "planner_table",
-           "plan_report", "verify_plans"]
+           "plan_report", "verify_plans", "plan_overrides"]
 
 
 class PlannerView(NamedTuple):
@@ -92,6 +92,33 @@ def plan_model(config: str | None, sizes: Mapping[str, int | None]):
         raise ConfigError(f"jaxpar plan needs --config CONFIG or the model's sizes; missing "
                           f"{', '.join('--' + k for k in missing)}.")
     return cost.gpt(sizes["layers"], sizes["hidden"], sizes["heads"], sizes["seq"], sizes["vocab"], sizes["batch"])
+
+
+def plan_overrides(plan: Any) -> list[str]:
+    """The dotted overrides that make a config run a :class:`jaxpar.cost.Plan` (``jaxpar train CONFIG
+    *overrides``): its mesh, strategy and recomputation (``selective`` is the GPT's ``save-matmuls``).
+
+    Args:
+      plan: the plan (e.g. ``jaxpar.cost.plan(...).best.plan``).
+
+    Returns:
+      ``key=value`` strings.
+
+    >>> from jaxpar.cost import Plan
+    >>> plan_overrides(Plan(pipe=2, data=4, microbatches=8, schedule="interleaved", virtual=2))[-4:]
+    ['parallel.schedule=interleaved', 'parallel.virtual_stages=2', 'parallel.stage_layers=null', 'model.remat=none']
+    """
+    from ..cost.parallel import AXES
+
+    remat = {"none": "none", "full": "full"}.get(plan.remat, "save-matmuls")
+    out = [f"mesh.{a}={getattr(plan, a)}" for a in AXES] + ["mesh.replica=1"]
+    out += [f"parallel.zero={plan.zero}", f"parallel.sequence_parallel={str(plan.sequence_parallel).lower()}",
+            f"parallel.microbatches={plan.microbatches}", f"parallel.schedule={plan.schedule}",
+            f"parallel.virtual_stages={plan.virtual}", "parallel.stage_layers=null"]
+    if plan.context > 1:
+        out += [f"parallel.context.method={plan.context_method}",
+                f"parallel.context.balance={str(plan.context_balance).lower()}"]
+    return out + [f"model.remat={remat}"]
 
 
 def unpredicted(cfg: JobConfig, strategy: Strategy, mesh_sizes: Mapping[str, int]) -> str | None:

@@ -21,7 +21,9 @@ does, inside the function). Checking the model against compiled programs is done
 * :mod:`~jaxpar.cost.time`: FLOPs, the step through the pipeline schedule, the collectives' time and
   what the schedule hides of them.
 * :mod:`~jaxpar.cost.model`: a model from numbers or from an NNX model.
-* :mod:`~jaxpar.cost.plan`: enumerate, reject what does not fit (with the reason), rank.
+* :mod:`~jaxpar.cost.table`: a plan as the compatibility table's setting (:mod:`jaxpar.compat`, pure Python
+  too), and why the table refuses it.
+* :mod:`~jaxpar.cost.plan`: enumerate, reject what the table refuses or does not fit (with the reason), rank.
 
 Example::
 

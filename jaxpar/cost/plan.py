@@ -1,6 +1,7 @@
 """The planner: every ``pipe x data x fsdp x expert x context x tensor`` factorisation of the cluster x
 CP method x ZeRO stage x schedule x micro-batches x remat, those that do not fit dropped with the reason,
-the rest ranked.
+the candidates the compatibility table refuses (:mod:`jaxpar.cost.table`) and those that do not fit
+dropped with the reason, the rest ranked.
 
 Context parallelism (CP) is searched over ``contexts`` and the three methods: by default every divisor of the
 device count for sequences of at least :data:`CONTEXT_MIN_SEQ` tokens, none below (a search-space default, not
@@ -36,6 +37,7 @@ from .cluster import Cluster
 from .memory import LayoutError, MemoryEstimate, memory_per_device
 from .model import ModelSpec
 from .parallel import CONTEXT_METHODS, Plan
+from .table import REFUSED_PREFIX, plan_refusal
 from .time import Overlap, StepTime, step_time
 from .traffic import outer_at_ends
 
@@ -263,6 +265,7 @@ class _Search(NamedTuple):
     overlap: Overlap
     lowering: str
     memory_fraction: float
+    fixed: dict | None = None
 
     @property
     def usable(self) -> float:
@@ -270,8 +273,12 @@ class _Search(NamedTuple):
 
     def best(self, base: Plan, opt: dict) -> tuple[Estimate | None, list[Rejected], int]:
         """The cheapest remat (and fewest accumulation steps) of ``base`` + ``opt`` that fits, the
-        candidates rejected on the way, and how many were considered."""
+        candidates rejected on the way, and how many were considered; none if the table refuses it."""
         accum = opt.pop("accum", [opt.get("microbatches", 1)])
+        cand = replace(base, **{**opt, "microbatches": accum[0]})
+        why = plan_refusal(cand, dtype=self.dtype, fixed=self.fixed)   # the table reads no remat, no accumulation
+        if why:
+            return None, [Rejected(cand, why)], 1
         rejected, considered = [], 0
         for mb in accum:
             for remat in ("none", "selective", "full"):
@@ -310,24 +317,30 @@ def _methods(value) -> tuple[str, ...]:
 
 def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfloat16", precision: str = "mixed",
          overlap: Overlap = Overlap(), memory_fraction: float = 0.9, schedules=("gpipe", "1f1b", "interleaved", "zb-h1"),
-         lowering: str = "ideal", contexts=None, context_methods=CONTEXT_METHODS, experts=None) -> PlanResult:
+         lowering: str = "ideal", contexts=None, context_methods=CONTEXT_METHODS, experts=None,
+         fixed=None) -> PlanResult:
     """Rank every plan of ``model`` on ``cluster`` (see the module doc); raises :class:`PlanError`
     with the reasons when none is possible or none fits.
 
     ``contexts``: the CP degrees to search (None: every divisor of the device count when ``model.seq >=``
     :data:`CONTEXT_MIN_SEQ`, else none; ``(1,)``: no CP);
     ``context_methods``: the CP methods; ``experts``: the EP degrees (None: every divisor that divides
-    the model's experts, ``(1,)`` for a dense model)."""
+    the model's experts, ``(1,)`` for a dense model); ``fixed``: the run's settings no plan chooses (a codec,
+    ``clip_norm``, ...: :func:`jaxpar.cost.table.plan_setting`), with which the table checks each candidate."""
     if not isinstance(model, ModelSpec):
         raise PlanError(f"model must be a jaxpar.cost.ModelSpec (e.g. jaxpar.cost.gpt(...)), got {type(model).__name__}.")
     if not 0 < memory_fraction <= 1:
         raise PlanError(f"memory_fraction={memory_fraction!r}: must be in (0, 1], e.g. 0.9.")
     cluster.peak(dtype)
+    try:
+        plan_refusal(Plan(), dtype=dtype, fixed=fixed)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
     n = cluster.num_devices
     cs = _degrees("contexts", contexts, _divisors(n) if model.seq >= CONTEXT_MIN_SEQ else [1])
     es = _degrees("experts", experts, [e for e in _divisors(n) if model.is_moe and model.experts % e == 0] or [1])
     methods = _methods(context_methods)
-    search = _Search(model, cluster, dtype, precision, overlap, lowering, memory_fraction)
+    search = _Search(model, cluster, dtype, precision, overlap, lowering, memory_fraction, fixed)
     ranked, rejected, refused, considered = [], [], [], 0
     shape_reasons = []
     for p, d, f, e, c, t in mesh_factorisations(n, cs, es):
@@ -361,6 +374,10 @@ def _nothing(model: ModelSpec, cluster: Cluster, n: int, rejected, refused, shap
         raise PlanError(f"no factorisation pipe x data x fsdp x expert x context x tensor of the cluster's {n} "
                         f"devices fits the model's sizes: {reasons}. Fix: use a device count whose factors divide "
                         "the batch, heads and layers (e.g. a power of 2), or change the model / batch.")
+    if all(r.reason.startswith(REFUSED_PREFIX) for r in rejected):
+        first = rejected[0]
+        raise PlanError(f"every plan of {n} x {cluster.name} that fits the model's sizes is refused by the "
+                        f"compatibility table; the first, {first.plan.name()}: {first.reason[len(REFUSED_PREFIX):]}")
     smallest = min(rejected, key=lambda r: _needed(r.reason))
     raise PlanError(f"the model ({model.n_params / 1e9:.2f} B parameters, batch {model.batch}) fits on no plan "
                     f"of {n} x {cluster.name} ({format_bytes(cluster.memory_bytes)} each): the smallest, "
