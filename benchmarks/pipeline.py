@@ -15,9 +15,14 @@ For each schedule (GPipe, 1F1B, interleaved v=2, ZB-H1) at p=4 stages x DP2 on
   rows (equal: one iteration per tick); ``busy``: the share of (tick, stage)
   slots doing F/B/W: idle slots run the empty switch branch, no compute.
 
+With ``--sp``: sequence parallelism inside the pipeline (a lockstep program,
+docs/pipeline.md#lockstep-programs) against the same schedule without it (the per-stage
+program), on pipe2 x data2 x tensor2: the paired step-time ratio and the temporaries' ratio.
+
 Usage::
 
     python benchmarks/pipeline.py [--reps 7] [--steps 2] [--json out.json]
+    python benchmarks/pipeline.py --sp [--ms 4,8] [--kinds 1f1b,gpipe]
 """
 from __future__ import annotations
 
@@ -92,6 +97,52 @@ def bench(cfg, m, rows, reps, steps, p=4, kinds=KINDS):
     return rows_out
 
 
+def bench_sp(cfg, m, rows, reps, steps, kinds=KINDS):
+    """SP inside each schedule (lockstep) against the schedule without SP, pipe2 x data2 x tensor2."""
+    from jaxpar.pipeline.lockstep import lockstep
+
+    tx, out = _common.make_tx(), []
+    for kind, v in kinds:
+        variants = {}
+        for sp in (False, True):
+            bs = BenchStrategy(kind, {"pipe": 2, "data": 2, "tensor": 2})
+            mesh = bs.make_mesh()
+            strat = jaxpar.Strategy(microbatches=m, schedule=kind, virtual_stages=v, sequence_parallel=sp)
+            state, layout = jaxpar.init_train_state(lambda: _common.GPT(cfg, rngs=_common.nnx.Rngs(0)), tx, mesh,
+                                                    strat)
+            step, batch = jaxpar.make_train_step(lm_loss, tx, layout, strat), jaxpar.shard_batch(
+                make_batch(cfg, m * rows), mesh)
+            temp = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+            state, _ = _timed(step, state, batch, 1)           # warm up
+            variants[sp] = [step, state, batch, temp, []]
+        ratios = []
+        for r in range(reps):
+            for sp in ((False, True) if r % 2 == 0 else (True, False)):
+                step, state, batch, _, times = variants[sp]
+                variants[sp][1], t = _timed(step, state, batch, steps)
+                times.append(t)
+            ratios.append(variants[True][4][-1] / variants[False][4][-1])
+        table = lockstep(get_schedule(kind, 2, m, v))
+        out.append({"schedule": kind, "m": m, "plain_ms": statistics.median(variants[False][4]) * 1e3,
+                    "sp_ms": statistics.median(variants[True][4]) * 1e3, "ratio": statistics.median(ratios),
+                    "temp_ratio": variants[True][3] / variants[False][3],
+                    "ticks": f"{num_ticks(table)} / {num_ticks(get_schedule(kind, 2, m, v))}"})
+    return out
+
+
+def main_sp(args, cfg):
+    kinds = [(k, v) for k, v in KINDS if k in args.kinds.split(",")]
+    results = []
+    for m in map(int, args.ms.split(",")):
+        results += bench_sp(cfg, m, args.rows, args.reps, args.steps, kinds)
+        print(f"m={m} done", flush=True)
+    headers = ["schedule", "m", "no SP ms", "SP (lockstep) ms", "SP / no SP (paired)", "temp SP / no SP",
+               "ticks lockstep / table"]
+    print(markdown_table(headers, [[r["schedule"], r["m"], f"{r['plain_ms']:.1f}", f"{r['sp_ms']:.1f}",
+                                    f"{r['ratio']:.3f}", f"{r['temp_ratio']:.2f}", r["ticks"]] for r in results]))
+    write_json(args.json, {"env": environment(), "results": results})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
@@ -100,10 +151,13 @@ def main():
     ap.add_argument("--ms", default="4,8,16")
     ap.add_argument("--kinds", default=",".join(k for k, _ in KINDS), help="schedules to time against DP8")
     ap.add_argument("--json")
+    ap.add_argument("--sp", action="store_true", help="SP inside the pipeline vs the same schedule without it")
     args = ap.parse_args()
     kinds = [(k, v) for k, v in KINDS if k in args.kinds.split(",")]
     cfg = GPTConfig(vocab=256, seq_len=64, embed=128, heads=4, layers=8)
     print(environment())
+    if args.sp:
+        return main_sp(args, cfg)
     results = []
     for m in map(int, args.ms.split(",")):
         results += bench(cfg, m, args.rows, args.reps, args.steps, kinds=kinds)

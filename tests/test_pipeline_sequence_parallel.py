@@ -81,3 +81,23 @@ def test_the_lockstep_executor_equals_the_per_stage_program_with_uneven_stages(k
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     np.testing.assert_allclose(o1, o0, rtol=1e-5)
     np.testing.assert_allclose(b1, b0, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind, v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("gpipe", 1)])
+def test_the_cost_models_lockstep_closed_forms_are_the_tables(kind, v):
+    """jaxpar.cost reads lockstep tables up to p*m*v = 256 and closed forms above: they agree wherever both
+    are computed. Each stage runs vm + p - 1 F ticks and as many B ticks (what the cost model's traffic
+    counts), and 1F1B / interleaved keep the bubble of their usual table."""
+    from collections import Counter
+
+    from jaxpar.cost.schedule import lockstep_closed_form, schedule_stats
+
+    for p in (2, 3, 4, 8):
+        for m in (p, p + 1, 2 * p, 4 * p):
+            if (kind == "interleaved" and m % p) or p * m * v > 256:
+                continue
+            assert schedule_stats(kind, p, m, v, True) == pytest.approx(lockstep_closed_form(kind, p, m, v))
+            ticks = Counter(next(a.kind for a in row if a) for row in lockstep(get_schedule(kind, p, m, v)).table)
+            assert ticks["F"] == ticks["B"] == m * v + p - 1, (p, m, ticks)
+            if kind in ("1f1b", "interleaved"):
+                assert schedule_stats(kind, p, m, v, True)[0] == pytest.approx(schedule_stats(kind, p, m, v)[0])

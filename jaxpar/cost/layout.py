@@ -35,6 +35,7 @@ from typing import Mapping
 from .memory import in_flight, leaf_shard_counts, leaf_spec, sizes_key, zero_axes, \
     zero_dim_of
 from .model import Leaf, ModelSpec
+from .schedule import runs_in_lockstep
 from .parallel import Plan
 
 __all__ = ["Layout", "DENSE", "TPU", "layout_for_platform", "padded_bytes", "local_shape",
@@ -233,7 +234,7 @@ def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> 
         if leaf.stacked and c.shardable and zero_axes(sizes, plan.zero, "params"):
             gathered += 4 * c.local / (model.layers // plan.pipe)      # one layer, gathered
     held = model.layers / plan.pipe / plan.virtual * in_flight(plan.schedule, plan.pipe, plan.microbatches,
-                                                                plan.virtual)
+                                                                plan.virtual, runs_in_lockstep(plan))
     if plan.pipe == 1:
         acts = held * saved_per_layer(model, plan, rows, platform)
     else:       # the GPU compiler copies the stage's residual buffers in the tick's conditionals; libtpu does not

@@ -319,7 +319,8 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
     e, C = sizes.get("expert", 1), sizes.get("context", 1)
     replica_batch = model.batch / (d * f * e)
     mb = replica_batch / microbatches
-    flight = in_flight(schedule, p, microbatches, virtual)
+    lockstep = sequence_parallel and sizes.get("tensor", 1) > 1 and not ends       # jaxpar's executor, not Megatron's
+    flight = in_flight(schedule, p, microbatches, virtual, lockstep)
     kw = dict(remat=remat, sequence_parallel=sequence_parallel, activation_bytes=activation_bytes,
               context_method=context_method)
     n_moe = model.moe_layers

@@ -5,16 +5,25 @@ table is built) up to ``p * m * v =`` :data:`TABLE_LIMIT`, from closed forms abo
 ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(vm+p-1)`` for interleaved, ``(p-1)/(3m+p-1)`` for
 ZB-H1; stage 0 holds ``m``, ``p``, ``min(2(p-1) + (v-1)p + 1, vm)`` and ``p`` micro-batches' activations.
 
+With ``lockstep=True`` (sequence parallelism in a pipeline: :mod:`jaxpar.pipeline.lockstep`) the
+table is the lockstep re-timing, every tick as long as its kind (F = 1, B = 2 or B = W = 1) on every
+stage; above the limit, the closed forms the tables follow: GPipe, 1F1B and interleaved keep their
+bubble, ZB-H1's is ``2(p-1)/(3m+2(p-1))``; stage 0 holds ``min(2p-1, m)`` micro-batches (1F1B,
+ZB-H1), as many as without lockstep otherwise.
+
 Example::
 
     >>> schedule_stats("interleaved", 4, 8, 2)
     (0.15789473684210525, 11)
+    >>> schedule_stats("1f1b", 4, 8, 1, lockstep=True)
+    (0.2727272727272727, 7)
 """
 from __future__ import annotations
 
 from functools import lru_cache
 
-__all__ = ["TABLE_LIMIT", "closed_form_stats", "schedule_stats", "in_flight"]
+__all__ = ["TABLE_LIMIT", "closed_form_stats", "lockstep_closed_form", "schedule_stats", "runs_in_lockstep",
+           "in_flight"]
 
 
 #: Largest ``p * m * v`` whose bubble and in-flight count are read from the built table; above it
@@ -41,8 +50,30 @@ def closed_form_stats(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int
     raise ValueError(f"schedule={kind!r}: choose gpipe, 1f1b, interleaved or zb-h1.")
 
 
+def lockstep_closed_form(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int]:
+    """Bubble and stage 0's peak in-flight pairs of a lockstep table, in closed form (see the module doc).
+
+    >>> lockstep_closed_form("gpipe", 4, 8) == closed_form_stats("gpipe", 4, 8)
+    True
+    """
+    bubble, peak = closed_form_stats(kind, p, m, v)
+    if kind == "zb-h1":
+        bubble = 2 * (p - 1) / (3 * m + 2 * (p - 1))
+    return bubble, min(2 * p - 1, m) if kind in ("1f1b", "zb-h1") else peak
+
+
+def _lockstep_stats(kind: str, p: int, m: int, v: int) -> tuple[float, int]:
+    from ..pipeline.lockstep import lockstep
+    from ..pipeline.schedules import get_schedule, peak_in_flight
+
+    s = lockstep(get_schedule(kind, p, m, v))
+    cost = {"F": 1, "B": 1 if s.split_backward else 2, "W": 1}
+    span = sum(cost[next(a.kind for a in row if a is not None)] for row in s.table)
+    return 1 - v * m * 3 / span, peak_in_flight(s)[0]
+
+
 @lru_cache(maxsize=4096)
-def schedule_stats(kind: str, p: int, m: int, v: int) -> tuple[float, int]:
+def schedule_stats(kind: str, p: int, m: int, v: int, lockstep: bool = False) -> tuple[float, int]:
     """Bubble fraction and stage 0's peak in-flight (micro-batch, chunk) pairs of a schedule (cached).
 
     Read from the built schedule table (:mod:`jaxpar.pipeline.schedules`) up to ``p * m * v =``
@@ -53,6 +84,7 @@ def schedule_stats(kind: str, p: int, m: int, v: int) -> tuple[float, int]:
       p: pipeline stages.
       m: micro-batches.
       v: virtual stages (chunks) per device.
+      lockstep: the lockstep re-timing of the table (sequence parallelism inside the pipeline).
 
     Returns:
       ``(bubble fraction, peak in-flight pairs)``.
@@ -60,6 +92,8 @@ def schedule_stats(kind: str, p: int, m: int, v: int) -> tuple[float, int]:
     >>> schedule_stats("1f1b", 4, 8, 1)
     (0.2727272727272727, 4)
     """
+    if lockstep:
+        return lockstep_closed_form(kind, p, m, v) if p * m * v > TABLE_LIMIT else _lockstep_stats(kind, p, m, v)
     if p * m * v > TABLE_LIMIT:
         return closed_form_stats(kind, p, m, v)
     from ..pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight
@@ -68,7 +102,13 @@ def schedule_stats(kind: str, p: int, m: int, v: int) -> tuple[float, int]:
     return float(bubble_fraction(s)), peak_in_flight(s)[0]
 
 
-def in_flight(schedule: str, pipe: int, microbatches: int, virtual: int = 1) -> int:
+def runs_in_lockstep(plan) -> bool:
+    """Whether a plan's pipeline runs as a lockstep program: sequence parallelism on a tensor axis
+    (as :func:`jaxpar.pipeline.piped.runs_in_lockstep` decides for a strategy)."""
+    return bool(plan.sequence_parallel) and plan.tensor > 1
+
+
+def in_flight(schedule: str, pipe: int, microbatches: int, virtual: int = 1, lockstep: bool = False) -> int:
     """Peak (micro-batch, chunk) pairs whose activations a stage holds (1 without a pipeline).
 
     >>> in_flight("gpipe", 4, 8), in_flight("1f1b", 4, 8), in_flight("interleaved", 4, 8, 2)
@@ -76,4 +116,4 @@ def in_flight(schedule: str, pipe: int, microbatches: int, virtual: int = 1) -> 
     """
     if pipe == 1:
         return 1
-    return schedule_stats(schedule, pipe, microbatches, virtual)[1]
+    return schedule_stats(schedule, pipe, microbatches, virtual, lockstep)[1]

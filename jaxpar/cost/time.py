@@ -53,6 +53,7 @@ from typing import Mapping
 from . import collectives as C
 from .cluster import Cluster
 from .memory import REMAT, leaf_shard_counts, schedule_stats, sizes_key
+from .schedule import runs_in_lockstep
 from .model import ModelSpec
 from .parallel import AXES, Plan
 from .roofline import Work, end_work, kernel_seconds, layer_elementwise_bytes, layer_kernels, layer_work
@@ -157,13 +158,14 @@ def comm_time(c: Comm, sizes: Mapping[str, int], cluster: Cluster) -> float:
     return C.time(c.kind, n, p_in * p_out, inter)
 
 
-def bubble(schedule: str, pipe: int, microbatches: int, virtual: int = 1) -> float:
-    """Bubble fraction of the schedule table (:func:`jaxpar.pipeline.schedules.bubble_fraction`).
+def bubble(schedule: str, pipe: int, microbatches: int, virtual: int = 1, lockstep: bool = False) -> float:
+    """Bubble fraction of the schedule table (:func:`jaxpar.pipeline.schedules.bubble_fraction`); of its
+    lockstep re-timing with ``lockstep`` (sequence parallelism in the pipeline, :mod:`.schedule`).
 
     >>> bubble("1f1b", 4, 8), bubble("gpipe", 1, 8)
     (0.2727272727272727, 0.0)
     """
-    return 0.0 if pipe == 1 else schedule_stats(schedule, pipe, microbatches, virtual)[0]
+    return 0.0 if pipe == 1 else schedule_stats(schedule, pipe, microbatches, virtual, lockstep)[0]
 
 
 @dataclass(frozen=True)
@@ -350,7 +352,8 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     gb = cb if grad_bytes is None else grad_bytes
     cluster.peak(dtype)
     sizes = plan.sizes
-    b = bubble(plan.schedule, plan.pipe, plan.microbatches, plan.virtual)
+    b = bubble(plan.schedule, plan.pipe, plan.microbatches, plan.virtual,
+               lockstep=runs_in_lockstep(plan) and lowering != "megatron")     # Megatron-LM's runs interleave
     work, backward = _compute(m, plan, cluster, dtype, cb, b)
     spent = {"data": 0.0, "tensor": 0.0, "pipeline": 0.0, "context": 0.0, "expert": 0.0}
     grads = 0.0

@@ -43,6 +43,7 @@ from .context_experts import context_collectives, expert_collectives, expert_slo
 from .memory import leaf_shard_counts, pipe_end, sizes_key, zero_axes
 from .model import Leaf, ModelSpec
 from .parallel import AXES, BATCH_AXES, Plan
+from .schedule import runs_in_lockstep
 
 __all__ = ["LOWERINGS", "lowering_for_platform", "outer_at_ends", "Comm", "comms", "bytes_per_axis"]
 
@@ -189,14 +190,21 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
 
     An MoE layer without SP reduces its experts' row-parallel output (and its input gradient) on the
     capacity buffer, ``slots * h`` (``row_bytes``: bytes per value times sequences per device), in place of
-    the MLP's activation; under SP the MoE layer is counted as a dense one (an approximation)."""
+    the MLP's activation; under SP the MoE layer is counted as a dense one (an approximation).
+
+    A lockstep pipeline (SP with ``pipe`` > 1, :func:`~.schedule.runs_in_lockstep`) runs every tick's
+    action on every stage, masked in its bubble: ``vm + p - 1`` forwards and as many backwards of each
+    chunk, each F with ``pre`` and ``post``, so both ends' reductions on every stage."""
     t, mb = plan.tensor, plan.microbatches
+    lock = plan.pipe > 1 and runs_in_lockstep(plan) and lowering != "megatron"
+    if lock:
+        mb = (plan.microbatches * plan.virtual + plan.pipe - 1) / plan.virtual
     n_layer = (m.layers // plan.pipe) * mb
     moe = 0            # MoE layers whose MLP reductions are on the capacity buffer
     if m.moe_layers and not plan.sequence_parallel and lowering != "megatron":
         moe = m.moe_layers / plan.pipe * mb
         add("all-reduce", ("tensor",), expert_slots(m, 1, plan.context) * row_bytes * m.hidden, 2 * moe, "tensor")
-    ends = 1 if plan.pipe > 1 else 2
+    ends = 1 if plan.pipe > 1 and not lock else 2
     cpu = lowering == "xla-cpu"
     if lowering == "megatron":
         redo = 2 if plan.remat == "full" else 0
@@ -244,7 +252,9 @@ def _pipe_comms(add, m: ModelSpec, plan: Plan, act: float, lowering: str, grad_b
             add("all-gather", ("tensor",), act, sends, "pipeline")
         add("collective-permute", ("pipe",), m.vocab * m.hidden / t * grad_bytes, 1, "pipeline")
         return
-    add("collective-permute", ("pipe",), act / (t if sp else 1), received, "pipeline", runs=sends)
+    # jaxpar's stages send the whole activation, SP or not (measured: the compiled H100 step of
+    # configs/megatron.yaml moves as many bytes over pipe with SP as without)
+    add("collective-permute", ("pipe",), act, received, "pipeline", runs=sends)
     key = sizes_key(plan.sizes)
     outer = sum(leaf_shard_counts(leaf, key, plan.zero)[3] for leaf in m.leaves if not leaf.stacked)
     add("all-reduce", ("pipe",), outer * 4 + 4, 1, "pipeline")        # fp32 gradients and the loss

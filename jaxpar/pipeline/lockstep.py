@@ -11,22 +11,24 @@ conditional is the tick's kind (the same on every device), and a stage that has 
 kind to do runs it on a spare slot with its effects masked (:mod:`.lockstep_stage`). So every
 collective inside an action is reached by every device.
 
-:func:`lockstep` re-times a flush schedule tick by tick. Every stage whose next action is of the
-tick's kind and ready runs it, and the kind is the one that lets the most stages act (ties: F,
-then the kind of the earliest unfinished action in the original table). The earliest unfinished
-action is always ready, so the re-timing never deadlocks. A stage may also
-run its next forward ahead of a pending backward or W (within its *room*: ``peak + p - 1 - s``
-micro-batches in flight, ``peak`` the original table's), so that 1F1B's steady state is not
-halved. Forwards keep their order, and backwards and W keep theirs; dependencies are checked by
-:func:`~jaxpar.pipeline.table.validate`.
+:func:`lockstep` re-times a flush schedule tick by tick. The kinds take turns (F, B, W, F, ...;
+a kind that no stage can run is passed over), and every stage whose next action is of the tick's
+kind and ready runs it. Some kind always can: the earliest unfinished action of the original table
+is ready, so the re-timing never deadlocks. A stage may also run its next forward ahead of a
+pending backward or W (within its *room*: ``peak + p - 1 - s`` micro-batches in flight, ``peak``
+the original table's), so that its forwards fill the F ticks. Forwards keep their order, and
+backwards and W keep theirs; dependencies are checked by :func:`~jaxpar.pipeline.table.validate`.
+Counting an F as 1 and a B as 2, 1F1B and interleaved keep their bubble, ``(p-1)/(vm+p-1)``, with
+up to ``2p-1`` micro-batches in flight on stage 0 (1F1B: ``p``); ZB-H1's becomes
+``2(p-1)/(3m+2(p-1))``; GPipe is unchanged.
 
 Example:
     >>> from jaxpar.pipeline.schedules import one_f_one_b, num_ticks, peak_in_flight
     >>> s = lockstep(one_f_one_b(2, 4))
     >>> [sorted({a.kind for a in row if a}) for row in s.table][:4]
-    [['F'], ['F'], ['F'], ['B']]
+    [['F'], ['F'], ['B'], ['F']]
     >>> num_ticks(s), peak_in_flight(s)
-    (11, (3, 1))
+    (10, (3, 1))
 """
 from __future__ import annotations
 
@@ -54,24 +56,26 @@ def lockstep(schedule: Schedule) -> Schedule:
     if is_lockstep(schedule):
         return schedule
     p, v = schedule.num_stages, schedule.num_chunks
-    when = {(s, a): t for t, row in enumerate(schedule.table) for s, a in enumerate(row) if a is not None}
+    total = sum(a is not None for row in schedule.table for a in row)
     orders = [stage_actions(schedule, s) for s in range(p)]
     room = [_peak_in_flight(orders[s]) + p - 1 - s for s in range(p)]
     done: set = set()
-    table = []
-    while len(done) < len(when):
-        first = {}                       # per kind: the earliest original tick of an unfinished action
-        for (s, a), t in when.items():
-            if (s, a) not in done:
-                first[a.kind] = min(t, first.get(a.kind, t))
-        rows = {k: [_next_of(k, orders[s], s, done, p, v, room[s]) for s in range(p)] for k in first}
-        row = rows[max(rows, key=lambda k: (sum(a is not None for a in rows[k]), k == "F", -first[k]))]
+    table, kind = [], "W"
+    while len(done) < total:
+        for kind in _AFTER[kind]:        # the next kind in F -> B -> W -> F that some stage can run
+            row = [_next_of(kind, orders[s], s, done, p, v, room[s]) for s in range(p)]
+            if any(a is not None for a in row):
+                break
         done.update((s, a) for s, a in enumerate(row) if a is not None)
         table.append(row)
     out = Schedule(f"{schedule.name} (lockstep)", p, schedule.num_microbatches, v, table,
                    schedule.split_backward)
     validate(out)
     return out
+
+
+#: The kinds to try after a tick of each kind, in order: F, B and W take turns.
+_AFTER = {"F": ("B", "W", "F"), "B": ("W", "F", "B"), "W": ("F", "B", "W")}
 
 
 def _peak_in_flight(order: list[Action]) -> int:
