@@ -1,16 +1,20 @@
 """Read compiled programs: collectives inventory (hlo.py; mesh-axis attribution of replica groups in
 replica_groups.py; the HLO text itself in hlo_text.py), how often each computation runs (loops.py:
 while loops' trip counts, known or read from the loop), per-device
-memory (memory.py), and bytes per step per mesh axis for comparison with the cost model (axis_bytes.py,
+memory (memory.py), collectives inside device-dependent branches (device_branches.py: a taint analysis
+from ``partition-id``), and bytes per step per mesh axis for comparison with the cost model (axis_bytes.py,
 imported on its own: it reads pipeline schedules).
 
 These modules import nothing from jaxpar.train, jaxpar.config or the CLI.
 """
+from .device_branches import BranchCollective as BranchCollective
+from .device_branches import device_dependent_collectives as device_dependent_collectives
 from .hlo import Collective as Collective, collectives as collectives, collectives_table as collectives_table
 from .hlo import count as count, summarize as summarize
 from .loops import trip_counts as trip_counts, while_trip_counts as while_trip_counts
 from .memory import MemoryReport as MemoryReport, memory_report as memory_report, memory_table as memory_table
 from .memory import format_bytes as format_bytes
 
-__all__ = ["Collective", "collectives", "collectives_table", "count", "summarize", "trip_counts", "while_trip_counts",
-           "MemoryReport", "memory_report", "memory_table", "format_bytes"]
+__all__ = ["BranchCollective", "device_dependent_collectives", "Collective", "collectives", "collectives_table",
+           "count", "summarize", "trip_counts", "while_trip_counts", "MemoryReport", "memory_report", "memory_table",
+           "format_bytes"]
