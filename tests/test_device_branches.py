@@ -287,6 +287,7 @@ def test_the_lockstep_program_of_sequence_parallelism_has_no_device_dependent_co
 
 
 @need_devices(8)
+@pytest.mark.slow
 def test_the_per_stage_program_has_collectives_inside_its_stage_branches():
     """Without SP the pipeline runs the per-stage program (one cond per action on the stage index):
     measured 17, the tensor all-reduces of the blocks and the data-axis reduction / gathers of a stage's

@@ -57,7 +57,7 @@ CASES = {"one-device": ({"data": 1}, Strategy()),
          "dp2-fsdp2-tp2-zero1-accum2": ({"data": 2, "fsdp": 2, "tensor": 2}, Strategy(zero=1, microbatches=2))}
 
 
-SLOW = {"fsdp8-zero3", "dp4-tp2"}      # their parts run in the other cases; the slow pass runs them whole
+SLOW = {"dp8", "fsdp8-zero3", "fsdp4-tp2", "dp4-tp2"}   # their axes run in the other cases; the slow pass runs them
 
 
 @need_devices(8)
@@ -102,6 +102,7 @@ def test_data_parallel_collectives_are_a_logical_names_models(axes, strategy):
 
 
 @need_devices(8)
+@pytest.mark.slow
 def test_fsdp_collectives_differ_from_a_logical_names_model_only_in_the_embedding_lookup():
     """FSDP8: every weight is all-gathered and every gradient all-reduced over ``fsdp`` as for the
     logical-names model, but for two things the model's own specs decide. The embedding: the model

@@ -22,7 +22,7 @@ Example:
     >>> from jaxpar.pipeline.lockstep import lockstep
     >>> table = lockstep_table(lower(lockstep(get_schedule("1f1b", 2, 4))))
     >>> [k.op for k in table.kinds], table.rows.kind.shape, table.rows.acts.shape
-    (['B', 'F'], (11,), (11, 2))
+    (['B', 'F'], (10,), (10, 2))
 """
 from __future__ import annotations
 
