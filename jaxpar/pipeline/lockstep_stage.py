@@ -156,14 +156,10 @@ class LockstepStage(Stage):
 
     def backward(self, view: SlotView, sl: Slots, flags: StageFlags) -> TickIO:
         """B on every stage: the chunk's pullbacks (the weight gradients masked), then ``pre``'s."""
-        bp, mb, n = self.chunk_params(sl), take_tree(self.mbs, sl.mb), self.n_layers[sl.chunk]
-        io = self._unchanged(view)
-        if self.split:
-            dx, gys = self.backward_layers(bp, view.res, sl.res, view.dy, n, view.gys, gslot=sl.grad)
-            io = io._replace(gys=gys)
-        else:
-            dx, g_chunk = self.backward_layers(bp, view.res, sl.res, view.dy, n, view.g_chunk)
-            io = io._replace(g_chunk=_pick(flags.acts, g_chunk, view.g_chunk))
+        dx, io = self.chunk_backward(view, sl)        # a split B's frontier goes to the spare slot when idle
+        if not self.split:
+            io = io._replace(g_chunk=_pick(flags.acts, io.g_chunk, view.g_chunk))
+        mb = take_tree(self.mbs, sl.mb)
         _, pull = jax.vjp(lambda q: self.parts.pre(q, mb), self.outer)
         added = jax.tree.map(lambda a, d: a + d.astype(a.dtype), view.g_outer, pull(self._cast(dx))[0])
         return io._replace(send_b=self._cast(dx), g_outer=_pick(flags.acts & flags.first, added, view.g_outer))

@@ -257,18 +257,22 @@ class Stage:
     def backward(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
         """B: the stored pullbacks in reverse on the received cotangent, then ``pre``'s
         pullback into the gradient of ``outer`` (first) or a send to the previous virtual stage."""
-        bp, mb, n = self.chunk_params(sl), take_tree(self.mbs, sl.mb), self.n_layers[sl.chunk]
-        io = self._unchanged(view)
-        if self.split:
-            dx, gys = self.backward_layers(bp, view.res, sl.res, view.dy, n, view.gys, gslot=sl.grad)
-            io = io._replace(gys=gys)
-        else:
-            dx, g_chunk = self.backward_layers(bp, view.res, sl.res, view.dy, n, view.g_chunk)
-            io = io._replace(g_chunk=g_chunk)
+        dx, io = self.chunk_backward(view, sl)
+        mb = take_tree(self.mbs, sl.mb)
         if not kind.first:
             return io._replace(send_b=self._cast(dx))
         _, pull = jax.vjp(lambda q: self.parts.pre(q, mb), self.outer_params(sl))
         return io._replace(g_outer=_accumulate(view.g_outer, pull(self._cast(dx))[0]))
+
+    def chunk_backward(self, view: SlotView, sl: Slots) -> tuple[Any, TickIO]:
+        """The chunk's pullbacks on ``sl``: ``(dx, io)``, ``io`` with the chunk's weight gradients
+        added (fused) or its frontier written (split)."""
+        bp, n, io = self.chunk_params(sl), self.n_layers[sl.chunk], self._unchanged(view)
+        if self.split:
+            dx, gys = self.backward_layers(bp, view.res, sl.res, view.dy, n, view.gys, gslot=sl.grad)
+            return dx, io._replace(gys=gys)
+        dx, g_chunk = self.backward_layers(bp, view.res, sl.res, view.dy, n, view.g_chunk)
+        return dx, io._replace(g_chunk=g_chunk)
 
     def weights(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
         """W (split backward): the chunk's weight gradients from the cotangents B kept."""
