@@ -255,6 +255,7 @@ def test_explicit_sharding_model_config_trains(tmp_path):
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4]
 
 
+@pytest.mark.slow      # the context-parallel paths train in tests/test_context_train.py's default cases
 def test_long_context_config_trains_over_a_context_axis(tmp_path):
     """configs/long_context.yaml trains the GPT on 1,024-token windows with the sequence split over
     context=4 (ring, balanced) and data=2; a method the context axis cannot run is named by its key."""
@@ -295,6 +296,7 @@ def test_megatron_config_compiles_for_h100(capsys):
     assert "bytes over tensor per step" in out and "fits" in out
 
 
+@pytest.mark.slow      # the expert-parallel paths train in tests/test_moe_train.py's default cases
 def test_moe_config_trains_over_an_expert_axis(tmp_path):
     """configs/moe.yaml trains the GPT with 8 experts top-2 split over expert=4 x data=2; bad MoE
     settings and an expert axis that does not divide the experts are named by their keys."""

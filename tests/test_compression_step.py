@@ -51,7 +51,12 @@ def _data_collectives(compiled, mesh):
     return out
 
 
-@pytest.mark.parametrize("name", list(CODECS))
+# one codec per payload kind in the default pass (quantised, sparse, low rank); every codec in the slow one
+WIRE_DEFAULT = {"qsgd", "topk", "powersgd"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in WIRE_DEFAULT else [pytest.mark.slow])
+                                  for n in CODECS])
 def test_wire_bytes_in_the_compiled_step(name):
     """The data-axis collectives carry the codec's payload (bytes: u8) and the sizes its plan
     predicts (+-1%); against the fp32 exchange the ratio is the codec's."""
@@ -98,10 +103,13 @@ def reference():
     return {zero: run({"data": 8}, jaxpar.Strategy(zero=zero), steps=2) for zero in (0, 2)}
 
 
-# sign: the exact steps; on DP8 in the slow pass (tests/test_onebit_adam.py checks them on DP8 against AdamW)
+# the default pass: PowerSGD at full rank on DP8, top-k 100 % under ZeRO-2; the rest (sign's exact
+# steps too: tests/test_onebit_adam.py checks them on DP8 against AdamW) in the slow pass
+LOSSLESS_DEFAULT = {("powersgd-full", 0), ("topk-1", 2)}
+
+
 @pytest.mark.parametrize("codec, zero", [
-    pytest.param(codec, zero, id=f"{name}-{zero}", marks=[pytest.mark.slow] if (name, zero) == ("sign-before-start", 0)
-                 else [])
+    pytest.param(codec, zero, id=f"{name}-{zero}", marks=[] if (name, zero) in LOSSLESS_DEFAULT else [pytest.mark.slow])
     for name, codec in [("powersgd-full", powersgd(rank=64, min_compression_rate=0)), ("topk-1", topk(1.0)),
                         ("sign-before-start", sign(start_step=100))] for zero in (0, 2)])
 def test_lossless_settings_match_the_uncompressed_step(reference, zero, codec):
@@ -238,8 +246,12 @@ def _setup(sizes, codec):
     return state, layout, step, batches
 
 
-# onebit keeps sign's state (residual, server): in the slow pass
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n == "onebit" else [])
+# the default pass: an error-feedback residual (sign), a low-rank warm start (powersgd), a compressed
+# optimizer moment (topk-1bit-adam); the others keep the same kinds of state: in the slow pass
+STATEFUL_DEFAULT = {"sign", "powersgd", "topk-1bit-adam"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in STATEFUL_DEFAULT else [pytest.mark.slow])
                                   for n in STATEFUL])
 def test_codec_state_is_checkpointed_bit_exactly(name, tmp_path):
     """3 steps, save, 3 more = restore the save into a fresh process state, 3 more: identical."""

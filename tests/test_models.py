@@ -151,7 +151,8 @@ def test_user_model_with_flax_partitioning_annotations():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params, ref_params)
 
 
-@pytest.mark.parametrize("explicit_dp", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["explicit", "xla"])
+@pytest.mark.slow
+@pytest.mark.parametrize("explicit_dp", [True, False], ids=["explicit", "xla"])
 def test_remat_lowers_temporaries_on_both_data_parallel_paths(explicit_dp):
     """The model's remat policy is honoured also inside jaxpar's explicit FSDP layer wrapper."""
     from helpers import compile_step

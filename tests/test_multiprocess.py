@@ -227,6 +227,7 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step(victim, tmp_path):
     assert resumed == reference                                    # bit-identical, before and after the stop
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_during_start_up(tmp_path):
     """A SIGTERM before the loop starts (compilation) is not lost to JAX's preemption notifier:
     both processes stop after the first step with a checkpoint of it and exit 0."""
@@ -238,7 +239,8 @@ def test_sigterm_to_one_process_during_start_up(tmp_path):
 
 
 # ----------------------------------------------------------------------------- failure of a peer
-@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)], ids=["worker", "coordinator"])
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker", "coordinator"])
 def test_killed_process_ends_the_other_in_bounded_time(victim, tmp_path):
     heartbeat, bound = 10, 60.0
     port = free_port()

@@ -239,7 +239,8 @@ def test_k_steps_per_call_and_the_noise_scale_compile():
     assert set(compiled) == {"step", "measure"}
 
 
-@pytest.mark.parametrize("pipe", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.slow
+@pytest.mark.parametrize("pipe", [1, 2])
 def test_the_ring_hops_by_collective_permute_on_gpus(pipe):
     """On GPUs a collective-permute pairs sends with receives, so the ring keeps its permutes over
     context, inside a pipeline stage too (XLA:CPU hops by all-gather there: test_context_train)."""

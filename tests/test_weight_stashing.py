@@ -211,7 +211,7 @@ def test_stashing_equals_per_stage_reference(p, opt, m, k, vsync, steps):
 
 FSDP2 = {"pipe": 2, "fsdp": 2, "data": 2}
 SHARDED = [  # mesh, zero, optimizer, m, update_every, steps per call
-    pytest.param(FSDP2, 0, "sgd", 2, 1, 2, id="fsdp2-data2-sgd-K2"),
+    pytest.param(FSDP2, 0, "sgd", 2, 1, 2, id="fsdp2-data2-sgd-K2", marks=pytest.mark.slow),
     pytest.param({"pipe": 2, "data": 4}, 1, "adam", 4, 2, 1, id="zero1-adam-k2", marks=pytest.mark.slow),
     pytest.param({"pipe": 2, "fsdp": 2, "tensor": 2}, 3, "adam", 2, 1, 1, id="zero3-fsdp2-tensor2-adam",
                  marks=pytest.mark.slow),
