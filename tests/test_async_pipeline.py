@@ -154,7 +154,8 @@ def _stacked(batches):
 
 
 @pytest.mark.parametrize("opt", ["sgd", pytest.param("adam", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("p,k", [(2, 4), pytest.param(4, 8, marks=pytest.mark.slow)])
+@pytest.mark.slow      # the flushed 2BW reference test and the no-flush resume run in the default pass
+@pytest.mark.parametrize("p,k", [(2, 4), (4, 8)])
 def test_no_flush_program_equals_delayed_gradient_reference(p, k, opt):
     """Acceptance 1 for the no-flush program (steps_per_call=k, the optimizer between windows):
     8 steps (two calls of 4 at p=2, one of 8 at p=4) equal sequential delayed-gradient SGD / Adam."""

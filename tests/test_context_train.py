@@ -130,7 +130,8 @@ CASES = {
 #: In the slow pass (CI runs it too): a second case of what the default pass already runs.
 SLOW = {"gpt-cp2-ring-dp2-pipe2-gpipe", "gpt-cp2-ulysses-dp2-pipe2-1f1b", "gpt-cp2-ring",
         "gpt-cp4-allgather-balanced-pipe2-1f1b", "gpt-cp8-ring-balanced",
-        "gpt-cp4-ring-balanced-pipe2-1f1b", "packed-cp4-allgather-dp2", "packed-cp4-ring-balanced"}
+        "gpt-cp4-ring-balanced-pipe2-1f1b", "packed-cp4-allgather-dp2", "packed-cp4-ring-balanced",
+        "gpt-cp2-ulysses-tp2-dp2"}
 
 
 @need_devices(8)
