@@ -197,8 +197,8 @@ PIPELINES = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n == "1f1b" else [])   # in 1f1b-zero3
-                                  for n in PIPELINES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in ("1f1b", "interleaved") else [])
+                                  for n in PIPELINES])   # 1f1b in 1f1b-zero3; interleaved in tests/test_pipeline.py
 def test_user_model_pipelined_matches_single_device(name, reference):
     """pipe=2 x data=2 x tensor=2 with the user's own loss function."""
     got = train({"pipe": 2, "data": 2, "tensor": 2}, jaxpar.Strategy(**PIPELINES[name]))

@@ -167,7 +167,8 @@ def test_diloco_communicates_over_replica_only_at_sync_steps():
 PATTERN = [[0, 1, 2, 0], [2, 0, 1, 1], [1, 2, 0, 2]]
 
 
-@pytest.mark.parametrize("mode", ["ssp", pytest.param("async", marks=pytest.mark.slow)])
+@pytest.mark.slow      # delays and backups run in the default pass's exact-equality test of relaxed sync
+@pytest.mark.parametrize("mode", ["ssp", "async"])
 def test_stale_gradients_match_a_sequential_reference(mode):
     steps = 4
     state, losses, metrics = train({"replica": K, "data": 2}, stale(2, pattern=PATTERN, mode=mode), steps=steps)
