@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from ..cost.parallel import Plan
+from ..cost.schedule import runs_in_lockstep
 from ..pipeline.lockstep import lockstep
 from ..pipeline.program import lower
 from ..pipeline.schedules import get_schedule
@@ -115,7 +116,7 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
     from ..pipeline.stage import tick_table
 
     schedule = get_schedule(plan.schedule, plan.pipe, plan.microbatches, plan.virtual)
-    in_lockstep = plan.sequence_parallel and plan.tensor > 1      # as jaxpar.pipeline.piped.runs_in_lockstep
+    in_lockstep = runs_in_lockstep(plan)
     program = lower(lockstep(schedule) if in_lockstep else schedule)
     table, ticks = (lockstep_table if in_lockstep else tick_table)(program), program.ticks
     T = len(ticks)
