@@ -17,8 +17,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .mesh import REPLICA, batch_axes
-from .rules import path_str
+from jaxpar.mesh import REPLICA, batch_axes
+from jaxpar.rules import path_str
 
 __all__ = ["batch_sharding", "check_batch", "shard_batch", "split_microbatches"]
 

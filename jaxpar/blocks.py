@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .rules import RulesError, path_str
+from jaxpar.rules import RulesError, path_str
 
 __all__ = ["LayerCall", "LayerSite", "scan_blocks", "run_layers", "use_layer_runner", "find_layer_calls",
            "with_remat", "remat_policy", "REMAT_POLICIES", "LAYERS"]

@@ -44,8 +44,8 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     after SIGTERM / SIGINT (a checkpoint of the current step is saved), 1 when a
     non-finite loss stops the run (``train.on_nonfinite=stop``).
     """
-    from .config import load_config, to_yaml
-    from .distributed import start_processes
+    from jaxpar.config import load_config, to_yaml
+    from jaxpar.distributed import start_processes
 
     cfg = load_config(config, [*overrides, *(["checkpoint.resume=true"] if resume else [])])
     if print_config:
@@ -53,14 +53,14 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
         return 0
     info = start_processes(**(dist or {}), devices=cfg.train.devices)   # jax.distributed, then the devices
     if info.multiprocess or info.method == "k8s":
-        from .train.preemption import catch_stop_signals
+        from jaxpar.train.preemption import catch_stop_signals
 
         print(f"process  {info.describe()}")
         if info.multiprocess:
             catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
-    from .config.describe import describe_data, header_lines, model_label, model_line, packing_line, state_line
-    from .config.job import build_job
-    from .train.resume import checkpoint_meta, train_with_checkpoints
+    from jaxpar.config.describe import describe_data, header_lines, model_label, model_line, packing_line, state_line
+    from jaxpar.config.job import build_job
+    from jaxpar.train.resume import checkpoint_meta, train_with_checkpoints
 
     job = build_job(cfg)
     out_dir = Path(cfg.train.out_dir)
@@ -89,21 +89,21 @@ def run_inspect(config: str, overrides: Sequence[str], *, cluster: str | None = 
     and print its shardings, collectives and memory next to the cost model's prediction
     (:func:`jaxpar.config.inspection.inspect_config`). No step runs. Returns 3 when a target's
     memory is too small."""
-    from .config import load_config
-    from .config.inspection import inspect_config
+    from jaxpar.config import load_config
+    from jaxpar.config.inspection import inspect_config
 
     return inspect_config(load_config(config, list(overrides)), cluster=cluster, target=target)
 
 
 def run_schedule(args: argparse.Namespace) -> int:
     """``jaxpar schedule``: print a pipeline schedule table, its bubble and peak in-flight micro-batches."""
-    from .pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight, to_text
+    from jaxpar.pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight, to_text
 
     s = get_schedule(args.kind, args.stages, args.microbatches, args.virtual)
     print(to_text(s))
     print(f"bubble fraction {bubble_fraction(s):.4f}; peak in-flight micro-batches per stage {peak_in_flight(s)}")
     if args.png:
-        from .pipeline.render import render_png
+        from jaxpar.pipeline.render import render_png
 
         print(f"wrote {render_png(s, args.png, timed=args.timed)}")
     return 0
@@ -113,13 +113,13 @@ def run_plan(args: argparse.Namespace) -> int:
     """``jaxpar plan``: rank every plan of the model on the cluster (:func:`jaxpar.cost.plan`);
     ``--verify`` compiles the top plans (on simulated CPU devices, or with ``--target``'s real
     compiler) and compares memory and bytes."""
-    from . import cost
-    from .config import ConfigError
-    from .config.planner import plan_model, plan_report, verify_plans
+    from jaxpar import cost
+    from jaxpar.config import ConfigError
+    from jaxpar.config.planner import plan_model, plan_report, verify_plans
 
     target = None
     if args.target:
-        from .targets import parse_target
+        from jaxpar.targets import parse_target
 
         target = parse_target(args.target)
         args.cluster = args.cluster or target.spec.cluster
@@ -204,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", help="cluster preset for the prediction (default: the target's, else cpu_sim)")
     p.add_argument("--target", help="compile with the real compiler of a GPU / TPU target, without the hardware: "
                                     "h100:2x8 (hosts x GPUs), tpu-v5e:4x4, 2xtpu-v5e:16x16 (docs/targets.md)")
-    from .config.data_commands import add_data_parser
-    from .config.hf_commands import add_parsers
+    from jaxpar.config.data_commands import add_data_parser
+    from jaxpar.config.hf_commands import add_parsers
     add_parsers(sub)                 # export, sample
     add_data_parser(sub, _add_process_options)       # data prepare, data show (several processes too)
     return parser
@@ -213,9 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` script; returns the exit status."""
-    from .config.data_commands import run_data_command
-    from .config.errors import user_errors
-    from .config.hf_commands import run_command
+    from jaxpar.config.data_commands import run_data_command
+    from jaxpar.config.errors import user_errors
+    from jaxpar.config.hf_commands import run_command
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)   # overrides may follow options: CONFIG --print-config k=v

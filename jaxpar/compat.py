@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Mapping, NamedTuple
 
-from .compat_rules import FLUSH_SCHEDULES, RULES, Problem, Setting, pipeline_schedule, replicas_on
+from jaxpar.compat_rules import FLUSH_SCHEDULES, RULES, Problem, Setting, pipeline_schedule, replicas_on
 
 __all__ = ["Feature", "FEATURES", "CODES", "Setting", "Problem", "problems", "raise_problems", "pair_status",
            "REFUSED", "PARTLY", "ALTERNATIVES", "LIBRARY_NAMES", "all_pairs"]

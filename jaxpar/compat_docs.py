@@ -8,7 +8,7 @@ Example:
 """
 from __future__ import annotations
 
-from .compat import CODES, FEATURES, PARTLY, REFUSED, all_pairs, pair_status
+from jaxpar.compat import CODES, FEATURES, PARTLY, REFUSED, all_pairs, pair_status
 
 __all__ = ["markdown_table"]
 

@@ -47,11 +47,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from .mesh import data_axes
-from .blocks import with_remat
-from .rules import axes_of, drop_axes, resolve, use_rules
-from .vjp_residuals import join_pullback, split_pullback
-from .zero import zero_axes, zero_dim
+from jaxpar.mesh import data_axes
+from jaxpar.blocks import with_remat
+from jaxpar.rules import axes_of, drop_axes, resolve, use_rules
+from jaxpar.vjp_residuals import join_pullback, split_pullback
+from jaxpar.zero import zero_axes, zero_dim
 
 __all__ = ["data_parallel_block", "DataParallelLayers", "manual_layout", "explicit_by_default",
            "bucketed_all_gather", "bucketed_reduce_scatter", "axis_name", "sharded_spec", "unflatten_leaf"]

@@ -277,7 +277,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             "initialize() must run before anything touches JAX's backend (jax.devices(), a computation, "
             "device_put, ...); call it first thing in the program.")
     if local_device_count is not None:
-        from .mesh import use_devices
+        from jaxpar.mesh import use_devices
 
         platform = use_devices(local_device_count, detect=False)   # simulate unless JAX_PLATFORMS says otherwise
         if platform != "cpu":
@@ -336,7 +336,7 @@ def setup_devices(n: int) -> None:
       >>> import jax
       >>> setup_devices(jax.device_count())   # the backend is up with that many devices: nothing to do
     """
-    from .mesh import use_devices
+    from jaxpar.mesh import use_devices
 
     if n <= 0:
         return

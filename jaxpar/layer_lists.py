@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .blocks import LAYERS, scan_blocks
+from jaxpar.blocks import LAYERS, scan_blocks
 
 __all__ = ["StackedLayers", "LayerListError", "stack_layers", "stacked_lists", "stacked_counts", "layer_differences",
            "list_form", "stacked_form", "change_form"]

@@ -29,7 +29,7 @@ from typing import Any, Callable, ContextManager
 
 import jax.numpy as jnp
 
-from .scoped import scoped
+from jaxpar.scoped import scoped
 
 __all__ = ["report_metric", "collect_metrics", "with_reported_metrics"]
 

@@ -43,8 +43,8 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from .mesh import data_axes
-from .rules import axes_of, manual_axes, path_str, resolve, spec_without
+from jaxpar.mesh import data_axes
+from jaxpar.rules import axes_of, manual_axes, path_str, resolve, spec_without
 
 __all__ = ["ModelMeshError", "ModelLoss", "needs_explicit_mesh", "explicit_model_loss", "explicit_call", "batch_specs",
            "model_batch_axes", "check_model_axes", "call_site"]

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from .blocks import LAYERS
-from .rules import path_str
+from jaxpar.blocks import LAYERS
+from jaxpar.rules import path_str
 
 __all__ = ["LR_SCALING_RULES", "MaskError", "scaled_lr", "trust_mask", "stacked_axes",
            "scale_by_layer_trust_ratio", "lars", "lamb", "scale_by_adam_frozen_variance", "adamw_frozen_variance"]

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from .rules import axes_of, manual_axes
+from jaxpar.rules import axes_of, manual_axes
 
 __all__ = ["region_axes", "region_spec", "automatic_axes", "reduce_dtype", "collective_in", "enter"]
 

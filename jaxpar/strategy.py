@@ -23,12 +23,12 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from .context.options import ContextParallel
-from .mesh import CONTEXT, EXPERT, data_axes
-from .pipeline.schedules import canonical_kind
-from .rules import LogicalRules
-from .tensor import tensor_rules
-from .zero import ZERO_STAGES
+from jaxpar.context.options import ContextParallel
+from jaxpar.mesh import CONTEXT, EXPERT, data_axes
+from jaxpar.pipeline.schedules import canonical_kind
+from jaxpar.rules import LogicalRules
+from jaxpar.tensor import tensor_rules
+from jaxpar.zero import ZERO_STAGES
 
 __all__ = ["Strategy", "COMPUTE_DTYPES"]
 
@@ -112,7 +112,7 @@ class Strategy:
         if self.stage_layers is not None and self.stage_layers != "auto":
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.compression is not None:
-            from .compression import check_codec
+            from jaxpar.compression import check_codec
 
             check_codec(self.compression)
         if self.local_clip is not None:
@@ -129,7 +129,7 @@ class Strategy:
             raise ValueError(f"Strategy.context={self.context!r}: give jaxpar.context.ContextParallel(method=..., "
                              "balance=...) or None (ring attention in the natural order).")
         if self.sync is not None:
-            from .sync import check_sync
+            from jaxpar.sync import check_sync
 
             check_sync(self.sync)          # with a codec: refused by the table (jaxpar.compat), at init
 

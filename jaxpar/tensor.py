@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from .regions import collective_in, enter, reduce_dtype, region_axes, region_spec
-from .rules import LogicalRules, axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
+from jaxpar.regions import collective_in, enter, reduce_dtype, region_axes, region_spec
+from jaxpar.rules import LogicalRules, axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 
 __all__ = ["tensor_rules", "batch_rule", "row_parallel"]
 

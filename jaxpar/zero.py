@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import jax
 from jax.sharding import PartitionSpec
 
-from .rules import axes_of
+from jaxpar.rules import axes_of
 
 
 __all__ = ["ZERO_STAGES", "zero_axes", "zero_dim", "add_zero_axes", "zero_specs", "spec_shards", "analytic_state_bytes"]

@@ -48,15 +48,15 @@ from typing import Any
 
 import numpy as np
 
-from ..cost.parallel import Plan
-from ..cost.schedule import runs_in_lockstep
-from ..pipeline.lockstep import lockstep
-from ..pipeline.program import lower
-from ..pipeline.schedules import get_schedule
-from .hlo import Collective, collectives, partition_positions
-from .hlo_text import branch_computations, called_computations, parse_instructions
-from .loops import trip_counts, while_trip_counts
-from .replica_groups import source_target_pairs
+from jaxpar.cost.parallel import Plan
+from jaxpar.cost.schedule import runs_in_lockstep
+from jaxpar.pipeline.lockstep import lockstep
+from jaxpar.pipeline.program import lower
+from jaxpar.pipeline.schedules import get_schedule
+from jaxpar.analysis.hlo import Collective, collectives, partition_positions
+from jaxpar.analysis.hlo_text import branch_computations, called_computations, parse_instructions
+from jaxpar.analysis.loops import trip_counts, while_trip_counts
+from jaxpar.analysis.replica_groups import source_target_pairs
 
 __all__ = ["compiled_bytes_per_axis", "stage_branch_weights"]
 
@@ -112,8 +112,8 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
       ValueError: the program has no ``while`` loop of the schedule's length, or not one action
         conditional per action kind that is not idle.
     """
-    from ..pipeline.lockstep_stage import lockstep_table
-    from ..pipeline.stage import tick_table
+    from jaxpar.pipeline.lockstep_stage import lockstep_table
+    from jaxpar.pipeline.stage import tick_table
 
     schedule = get_schedule(plan.schedule, plan.pipe, plan.microbatches, plan.virtual)
     in_lockstep = runs_in_lockstep(plan)

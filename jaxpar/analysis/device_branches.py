@@ -73,7 +73,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Union
 
-from .hlo_text import (
+from jaxpar.analysis.hlo_text import (
     KINDS,
     Instruction,
     branch_computations,
@@ -84,7 +84,7 @@ from .hlo_text import (
     tpu_async_roles,
     tpu_reduce_scatters,
 )
-from .replica_groups import parse_replica_groups
+from jaxpar.analysis.replica_groups import parse_replica_groups
 
 __all__ = ["BranchCollective", "device_dependent_collectives", "device_dependent_conditionals", "taints"]
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 
-from .hlo_text import Instruction, branch_computations, called_computations, operands, parse_instructions
+from jaxpar.analysis.hlo_text import Instruction, branch_computations, called_computations, operands, parse_instructions
 
 __all__ = ["while_trip_counts", "trip_counts"]
 

@@ -47,10 +47,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .hlo_text import (KINDS, Instruction, called_computations, channel, custom_call_targets, operands,
+from jaxpar.analysis.hlo_text import (KINDS, Instruction, called_computations, channel, custom_call_targets, operands,
                        parse_instructions, shape_bytes, tpu_async_roles, tpu_reduce_scatters)
-from .loops import trip_counts, while_trip_counts
-from .memory import format_bytes, render_table
+from jaxpar.analysis.loops import trip_counts, while_trip_counts
+from jaxpar.analysis.memory import format_bytes, render_table
 
 __all__ = ["AsyncCollective", "SyncCollective", "OverlapReport", "overlap", "overlap_table", "dims"]
 

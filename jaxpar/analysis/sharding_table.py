@@ -32,8 +32,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from ..rules import path_str
-from .memory import format_bytes, render_table
+from jaxpar.rules import path_str
+from jaxpar.analysis.memory import format_bytes, render_table
 
 __all__ = ["sharding_table", "spec_str"]
 

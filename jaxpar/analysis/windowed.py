@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .hlo_text import Instruction, array_shapes, call_graph, called_computations, reached_computations
+from jaxpar.analysis.hlo_text import Instruction, array_shapes, call_graph, called_computations, reached_computations
 
 __all__ = ["Windowed", "windowed_einsums"]
 

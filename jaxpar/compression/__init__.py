@@ -3,11 +3,11 @@
 Declare it on the strategy: ``Strategy(compression=jaxpar.compression.powersgd(rank=4))``
 (or ``parallel.compression: {kind: powersgd, rank: 4}`` in YAML).
 """
-from .base import BaseCodec, CompressionError, check_codec
-from .codecs import Codec, cast, onebit, qsgd, sign, terngrad
-from .exchange import ExchangePlan, exchange_plan
-from .powersgd import PowerSGD, powersgd
-from .sparse import Sparsifier, randomk, topk
+from jaxpar.compression.base import BaseCodec, CompressionError, check_codec
+from jaxpar.compression.codecs import Codec, cast, onebit, qsgd, sign, terngrad
+from jaxpar.compression.exchange import ExchangePlan, exchange_plan
+from jaxpar.compression.powersgd import PowerSGD, powersgd
+from jaxpar.compression.sparse import Sparsifier, randomk, topk
 
 __all__ = ["BaseCodec", "Codec", "CompressionError", "qsgd", "terngrad", "sign", "onebit", "cast", "topk",
            "randomk", "powersgd", "Sparsifier", "PowerSGD", "ExchangePlan", "exchange_plan", "check_codec",

@@ -38,8 +38,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from .base import BaseCodec, CompressionError, check_start
-from .packing import pack_bits, payload_bytes, unpack_bits
+from jaxpar.compression.base import BaseCodec, CompressionError, check_start
+from jaxpar.compression.packing import pack_bits, payload_bytes, unpack_bits
 
 __all__ = ["Codec", "qsgd", "terngrad", "sign", "onebit", "cast"]
 

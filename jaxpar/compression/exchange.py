@@ -53,12 +53,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..data_parallel import axis_name, unflatten_leaf
-from .base import CompressionError
-from .codecs import Codec
-from .packing import from_bytes, to_bytes
-from .powersgd import PowerSGD
-from .sparse import Sparsifier
+from jaxpar.data_parallel import axis_name, unflatten_leaf
+from jaxpar.compression.base import CompressionError
+from jaxpar.compression.codecs import Codec
+from jaxpar.compression.packing import from_bytes, to_bytes
+from jaxpar.compression.powersgd import PowerSGD
+from jaxpar.compression.sparse import Sparsifier
 
 __all__ = ["ExchangePlan", "exchange_plan"]
 

@@ -30,7 +30,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from .base import BaseCodec, CompressionError
+from jaxpar.compression.base import BaseCodec, CompressionError
 
 __all__ = ["PowerSGD", "powersgd", "orthonormalize"]
 

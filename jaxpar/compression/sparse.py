@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from .base import BaseCodec, CompressionError, check_start
+from jaxpar.compression.base import BaseCodec, CompressionError, check_start
 
 __all__ = ["Sparsifier", "topk", "randomk"]
 

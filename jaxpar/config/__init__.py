@@ -40,14 +40,14 @@ Example::
 
 from __future__ import annotations
 
-from .build import (MODELS, OPTIMIZERS, ModelEntry, build_gpt_config, build_loss_fn, build_lr_schedule, build_mesh,
+from jaxpar.config.build import (MODELS, OPTIMIZERS, ModelEntry, build_gpt_config, build_loss_fn, build_lr_schedule, build_mesh,
                     build_model_fn, build_optimizer, build_strategy, frozen_variance_step)
-from .checks import check
-from .data import build_data, build_ramp, describe_batch
-from .imports import resolve_import
-from .job import Job, build_job
-from .load import load_config, merge_layers, parse_overrides, to_yaml
-from .schema import (DATA_KINDS, GPT_KEYS, LR_SCHEDULES, NONFINITE_MODES, USER_MODEL_KEYS, CheckpointConfig,
+from jaxpar.config.checks import check
+from jaxpar.config.data import build_data, build_ramp, describe_batch
+from jaxpar.config.imports import resolve_import
+from jaxpar.config.job import Job, build_job
+from jaxpar.config.load import load_config, merge_layers, parse_overrides, to_yaml
+from jaxpar.config.schema import (DATA_KINDS, GPT_KEYS, LR_SCHEDULES, NONFINITE_MODES, USER_MODEL_KEYS, CheckpointConfig,
                      ConfigError, DataConfig, JobConfig, LoggingConfig, MeshConfig, ModelConfig, OptimizerConfig,
                      ParallelConfig, TrainConfig)
 

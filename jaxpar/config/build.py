@@ -17,11 +17,11 @@ from typing import Any, Callable, Mapping, Sequence
 import optax
 from flax import nnx
 
-from .. import optimizers as opt_lib
-from ..mesh import MeshError, MeshSpec, make_mesh
-from ..strategy import Strategy
-from .imports import resolve_import
-from .schema import GPT_KEYS, ConfigError, LRScalingConfig, MeshConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from jaxpar import optimizers as opt_lib
+from jaxpar.mesh import MeshError, MeshSpec, make_mesh
+from jaxpar.strategy import Strategy
+from jaxpar.config.imports import resolve_import
+from jaxpar.config.schema import GPT_KEYS, ConfigError, LRScalingConfig, MeshConfig, ModelConfig, OptimizerConfig, ParallelConfig
 
 __all__ = [
     "ModelEntry", "MODELS", "OPTIMIZERS", "build_gpt_config", "build_mesh", "build_strategy", "build_lr_schedule",
@@ -40,8 +40,8 @@ class ModelEntry:
 
 def build_gpt_config(cfg: ModelConfig):
     """The :class:`jaxpar.models.gpt.GPTConfig` of the model section; its errors name ``model.*`` keys."""
-    from ..models.gpt import GPTConfig   # the GPT is one example model: imported only when used
-    from ..moe import MoEError
+    from jaxpar.models.gpt import GPTConfig   # the GPT is one example model: imported only when used
+    from jaxpar.moe import MoEError
 
     moe = build_moe(cfg.moe)
     try:
@@ -57,7 +57,7 @@ def build_moe(options: Mapping[str, Any]):
     """The :class:`jaxpar.models.gpt_moe.MoESettings` of ``model.moe`` (empty: ``None``, dense MLPs)."""
     if not options:
         return None
-    from ..models.gpt_moe import MoESettings
+    from jaxpar.models.gpt_moe import MoESettings
 
     known = tuple(f.name for f in dataclasses.fields(MoESettings))
     unknown = sorted(set(options) - set(known))
@@ -68,14 +68,14 @@ def build_moe(options: Mapping[str, Any]):
 
 
 def _build_gpt(cfg: ModelConfig, seed: int) -> Callable[[], nnx.Module]:
-    from ..models.gpt import GPT
+    from jaxpar.models.gpt import GPT
 
     gpt_cfg = build_gpt_config(cfg)
     return lambda: GPT(gpt_cfg, rngs=nnx.Rngs(seed))
 
 
 def _gpt_loss() -> Callable:
-    from ..models.gpt import lm_loss
+    from jaxpar.models.gpt import lm_loss
 
     return lm_loss
 
@@ -145,7 +145,7 @@ def build_codec(options: Mapping[str, Any]):
     """The codec of ``parallel.compression`` (``{kind: ..., **options}``; empty: ``None``)."""
     if not options:
         return None
-    from ..compression import CODECS, CompressionError, make_codec
+    from jaxpar.compression import CODECS, CompressionError, make_codec
 
     opts = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
     if "kind" not in opts:
@@ -161,7 +161,7 @@ def build_sync(options: Mapping[str, Any]):
     """The kind of ``parallel.sync`` (``{kind: ..., **options}``; empty: ``None``)."""
     if not options:
         return None
-    from ..sync import SYNC_KINDS, SyncError, make_sync
+    from jaxpar.sync import SYNC_KINDS, SyncError, make_sync
 
     opts = {k: tuple(map(tuple, v)) if k == "pattern" and v is not None else v for k, v in options.items()}
     if "kind" not in opts:
@@ -177,7 +177,7 @@ def build_context(options: Mapping[str, Any]):
     """The :class:`jaxpar.context.ContextParallel` of ``parallel.context`` (empty: ``None``)."""
     if not options:
         return None
-    from ..context import ContextParallel, ContextParallelError
+    from jaxpar.context import ContextParallel, ContextParallelError
 
     unknown = sorted(set(options) - {"method", "balance"})
     if unknown:
@@ -262,7 +262,7 @@ def build_trust_mask(cfg: OptimizerConfig, model_fn: Callable[[], nnx.Module] | 
     tm = cfg.trust_mask
     if model_fn is None:
         return None, lambda params: opt_lib.trust_mask(params, exclude=tm.exclude, include=tm.include)
-    from ..model_shapes import abstract_model
+    from jaxpar.model_shapes import abstract_model
 
     _, shapes, logical = abstract_model(model_fn)
     try:
@@ -334,7 +334,7 @@ def build_model_fn(cfg: ModelConfig, seed: int = 0) -> Callable[[], nnx.Module]:
     called as ``target(**model.kwargs, rngs=nnx.Rngs(seed))``, or ``model.hf``'s decoder (random
     weights: the job loads the checkpoint's, :meth:`jaxpar.config.Job.init_state`)."""
     if cfg.hf is not None:
-        from .hf_model import open_hf
+        from jaxpar.config.hf_model import open_hf
 
         return open_hf(cfg).model_fn(seed)
     if cfg.target is not None:
@@ -348,7 +348,7 @@ def build_loss_fn(cfg: ModelConfig) -> Callable:
     """``loss(model, batch) -> scalar``: ``model.loss`` for a user model, :func:`jaxpar.models.decoder_loss`
     for ``model.hf``, else the registry's."""
     if cfg.hf is not None:
-        from ..models.decoder import decoder_loss
+        from jaxpar.models.decoder import decoder_loss
 
         return decoder_loss
     if cfg.target is not None:

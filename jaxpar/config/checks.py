@@ -12,17 +12,17 @@ import math
 import re
 from typing import Any
 
-from ..mesh import MeshError
-from ..pipeline.partition import PartitionError, check_stage_layers, uniform_layers
-from ..pipeline.schedules import get_schedule
-from .build import (MODELS, OPTIMIZERS, build_gpt_config, build_strategy, build_sync, lr_scaling_problems, mesh_error,
+from jaxpar.mesh import MeshError
+from jaxpar.pipeline.partition import PartitionError, check_stage_layers, uniform_layers
+from jaxpar.pipeline.schedules import get_schedule
+from jaxpar.config.build import (MODELS, OPTIMIZERS, build_gpt_config, build_strategy, build_sync, lr_scaling_problems, mesh_error,
                     mesh_spec)
-from .data import build_ramp
-from .data_checks import data_problems
-from .problems import at_least, choice, collect
-from .hf_model import hf_problems, tokenizer_problems
-from .imports import call_problem, resolve_import
-from .schema import (LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS, ConfigError,
+from jaxpar.config.data import build_ramp
+from jaxpar.config.data_checks import data_problems
+from jaxpar.config.problems import at_least, choice, collect
+from jaxpar.config.hf_model import hf_problems, tokenizer_problems
+from jaxpar.config.imports import call_problem, resolve_import
+from jaxpar.config.schema import (LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS, ConfigError,
                      JobConfig, ModelConfig, OptimizerConfig, ParallelConfig)
 
 __all__ = ["check"]
@@ -207,7 +207,7 @@ YAML_NAMES = {   # the YAML key of each field jaxpar.compat's messages name
 def _table_problems(cfg: JobConfig, strategy: Any, num_devices: int | None) -> list[str]:
     """The compatibility table's refusals (:mod:`jaxpar.compat`) of this config, under its YAML keys
     (a ``-1`` mesh size the device count cannot resolve counts as 1)."""
-    from ..compat import Setting, problems
+    from jaxpar.compat import Setting, problems
 
     try:
         sizes = _mesh_sizes(cfg, num_devices)
@@ -224,7 +224,7 @@ def _table_problems(cfg: JobConfig, strategy: Any, num_devices: int | None) -> l
 
 def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
     """``data.batch_ramp``: well formed, and every size divisible like ``data.batch_size``."""
-    from ..train.ramp import RampError
+    from jaxpar.train.ramp import RampError
 
     try:
         ramp = build_ramp(cfg.data)
@@ -251,7 +251,7 @@ def _two_bw_problems(par: ParallelConfig, p: int) -> list[str]:
 
 def _schedule_kind(par: ParallelConfig) -> str | None:
     """``parallel.schedule``'s canonical name (aliases resolved); ``None`` if unknown (reported by the strategy)."""
-    from ..pipeline.schedules import canonical_kind
+    from jaxpar.pipeline.schedules import canonical_kind
 
     try:
         return canonical_kind(par.schedule)
@@ -293,7 +293,7 @@ def _sync_problems(par, sizes) -> list[str]:
     """``parallel.sync`` against ``mesh.replica`` (and the kinds' own limits)."""
     if not par.sync:
         return []
-    from ..sync import SyncError, check_sync
+    from jaxpar.sync import SyncError, check_sync
 
     try:
         sync = build_sync(par.sync)

@@ -11,10 +11,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..train import data as data_lib
-from .documents import build_documents
-from .imports import resolve_import, takes
-from .schema import DATA_KINDS, ConfigError, DataConfig
+from jaxpar.train import data as data_lib
+from jaxpar.config.documents import build_documents
+from jaxpar.config.imports import resolve_import, takes
+from jaxpar.config.schema import DATA_KINDS, ConfigError, DataConfig
 
 __all__ = ["build_data", "build_ramp", "describe_batch"]
 
@@ -75,7 +75,7 @@ def build_ramp(cfg: DataConfig):
     ``None`` when empty."""
     if not cfg.batch_ramp:
         return None
-    from ..train.ramp import AdaptiveRamp, BatchRamp, RampError
+    from jaxpar.train.ramp import AdaptiveRamp, BatchRamp, RampError
 
     r = cfg.batch_ramp
     adaptive = r.get("adaptive", False)
@@ -125,7 +125,7 @@ def build_data(cfg: DataConfig, *, seq_len: int | None = None, vocab: int | None
     batch_fn, evals = _build_data(cfg, seq_len=seq_len, vocab=vocab, eval_batches=eval_batches, tokenizer=tokenizer)
     if ramp is None:
         return batch_fn, evals
-    from ..train.ramp import ramp_batch_fn
+    from jaxpar.train.ramp import ramp_batch_fn
 
     return ramp_batch_fn(batch_fn, ramp), evals
 

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from ..data.tokens import TOKEN_DTYPES
-from .documents import documents_problems
-from .imports import call_problem, resolve_import
-from .problems import at_least, choice, collect
-from .schema import DATA_KINDS, DataConfig, JobConfig
+from jaxpar.data.tokens import TOKEN_DTYPES
+from jaxpar.config.documents import documents_problems
+from jaxpar.config.imports import call_problem, resolve_import
+from jaxpar.config.problems import at_least, choice, collect
+from jaxpar.config.schema import DATA_KINDS, DataConfig, JobConfig
 
 __all__ = ["data_problems"]
 

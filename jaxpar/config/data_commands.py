@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .schema import ConfigError
+from jaxpar.config.schema import ConfigError
 
 __all__ = ["add_data_parser", "run_data_command", "run_prepare", "run_show", "length_histogram"]
 
@@ -67,11 +67,11 @@ def _steps(text: str) -> range:
 
 def run_prepare(config: str, overrides: Sequence[str], *, force: bool = False) -> int:
     """``jaxpar data prepare``: each text source's token cache, then the summary and the histogram."""
-    from ..data import DataError
-    from ..data.cache import expected_meta, open_cache, prepare_cache
-    from .documents import open_source_of, source_cache_dir
-    from .job import build_job
-    from .load import load_config
+    from jaxpar.data import DataError
+    from jaxpar.data.cache import expected_meta, open_cache, prepare_cache
+    from jaxpar.config.documents import open_source_of, source_cache_dir
+    from jaxpar.config.job import build_job
+    from jaxpar.config.load import load_config
 
     cfg = load_config(config, list(overrides))
     d = cfg.data
@@ -137,10 +137,10 @@ def run_show(config: str, overrides: Sequence[str], *, steps: range, chars: int 
     rows, the batch is gathered, and process 0 prints."""
     import jax
 
-    from ..data import batch_digest, make_global_batch
-    from ..distributed import start_processes
-    from .job import build_job
-    from .load import load_config
+    from jaxpar.data import batch_digest, make_global_batch
+    from jaxpar.distributed import start_processes
+    from jaxpar.config.job import build_job
+    from jaxpar.config.load import load_config
 
     cfg = load_config(config, list(overrides))
     start_processes(**{k: v for k, v in (dist or {}).items() if v is not None}, devices=cfg.train.devices)

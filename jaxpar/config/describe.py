@@ -24,9 +24,9 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from .data import describe_batch
-from .job import Job, part_bytes
-from .schema import JobConfig
+from jaxpar.config.data import describe_batch
+from jaxpar.config.job import Job, part_bytes
+from jaxpar.config.schema import JobConfig
 
 __all__ = ["header_lines", "model_label", "model_line", "state_line", "describe_data", "program_lines", "packing_line"]
 
@@ -85,7 +85,7 @@ def state_line(layout: Any) -> str:
     Returns:
       The line.
     """
-    from ..analysis.memory import format_bytes
+    from jaxpar.analysis.memory import format_bytes
 
     nbytes, parts = layout.analytic_bytes(), part_bytes(layout)
     names = {"codec": "codec state", "sync": "relaxed-sync state"}

@@ -28,11 +28,11 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from ..data import DataError, PackedBatches
-from ..data.cache import expected_meta, open_cache
-from ..data.packing import PACK_METHODS
-from ..data.tokens import TOKEN_DTYPES, LiveTokens, TokenFile
-from .schema import ConfigError, DataConfig, JobConfig
+from jaxpar.data import DataError, PackedBatches
+from jaxpar.data.cache import expected_meta, open_cache
+from jaxpar.data.packing import PACK_METHODS
+from jaxpar.data.tokens import TOKEN_DTYPES, LiveTokens, TokenFile
+from jaxpar.config.schema import ConfigError, DataConfig, JobConfig
 
 __all__ = ["SOURCE_KEYS", "MALFORMED_MODES", "documents_problems", "source_cache_dir", "open_source_of",
            "open_stores", "build_documents"]
@@ -112,7 +112,7 @@ def source_cache_dir(d: DataConfig, index: int) -> Path:
 
 def open_source_of(d: DataConfig, index: int) -> Any:
     """``data.sources[index]`` opened as a :class:`jaxpar.data.sources.Source` (a text source)."""
-    from ..data.sources import open_source
+    from jaxpar.data.sources import open_source
 
     s = dict(d.sources[index])
     return open_source(s["path"], format=s.get("format"), text_field=s.get("text_field", "text"),

@@ -13,16 +13,16 @@ def user_errors() -> tuple[type[Exception], ...]:
     >>> DataError in user_errors()
     True
     """
-    from ..cost import ClusterError, PlanError
-    from ..data import DataError
-    from ..distributed import DistributedError
-    from ..hf import HFExportError
-    from ..pipeline.cut import PipelineCutError
-    from ..rules import RulesError
-    from ..targets import TargetError
-    from ..train.checkpoint import CheckpointError
-    from ..train.step import ExplicitDPError
-    from .schema import ConfigError
+    from jaxpar.cost import ClusterError, PlanError
+    from jaxpar.data import DataError
+    from jaxpar.distributed import DistributedError
+    from jaxpar.hf import HFExportError
+    from jaxpar.pipeline.cut import PipelineCutError
+    from jaxpar.rules import RulesError
+    from jaxpar.targets import TargetError
+    from jaxpar.train.checkpoint import CheckpointError
+    from jaxpar.train.step import ExplicitDPError
+    from jaxpar.config.schema import ConfigError
 
     return (ConfigError, ClusterError, PlanError, DistributedError, RulesError, CheckpointError, PipelineCutError,
             ExplicitDPError, TargetError, HFExportError, DataError)

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
-from .schema import ConfigError
+from jaxpar.config.schema import ConfigError
 
 __all__ = ["add_parsers", "run_command", "run_export", "run_sample", "RunWeights", "run_weights"]
 
@@ -62,9 +62,9 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _job(config: str, overrides: Sequence[str], command: str):
     """``(cfg, job)`` of the run's config, on its devices (the data is not read)."""
-    from ..distributed import start_processes
-    from .job import build_job
-    from .load import load_config
+    from jaxpar.distributed import start_processes
+    from jaxpar.config.job import build_job
+    from jaxpar.config.load import load_config
 
     cfg = load_config(config, list(overrides))
     if command == "export" and cfg.model.hf is None:
@@ -103,9 +103,9 @@ def run_weights(job: Any, step: int | None = None) -> RunWeights:
     Raises:
       CheckpointError: ``step`` has no (readable) checkpoint, or the run has none and no ``model.hf``.
     """
-    from ..train.checkpoint import CheckpointError
-    from ..train.router_bias import KEY as BIAS, has_router_bias
-    from ..train.sample import host_params
+    from jaxpar.train.checkpoint import CheckpointError
+    from jaxpar.train.router_bias import KEY as BIAS, has_router_bias
+    from jaxpar.train.sample import host_params
 
     layout = job.state_layout()
     directory = Path(job.checkpoint["directory"]) if job.checkpoint is not None else None
@@ -135,7 +135,7 @@ def run_export(config: str, overrides: Sequence[str], out: str, *, step: int | N
       ConfigError: the config is invalid, or has no ``model.hf``.
       HFExportError: ``out`` is not empty (and not ``overwrite``).
     """
-    from ..hf import HFExportError, export
+    from jaxpar.hf import HFExportError, export
 
     target = Path(out)
     if target.is_dir() and any(target.iterdir()) and not overwrite:     # before a restore that may take long
@@ -154,7 +154,7 @@ def _sample_codec(cfg: Any, job: Any):
     if tok is None and job.hf is not None:
         from dataclasses import replace
 
-        from .hf_model import build_tokenizer
+        from jaxpar.config.hf_model import build_tokenizer
 
         try:
             tok = build_tokenizer(replace(cfg.data, tokenizer="hf"), cfg.model.hf, job.hf.config.vocab,
@@ -177,8 +177,8 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
     Raises:
       ConfigError: the config is invalid, the prompt encodes to no token, or the run's tokens have no text.
     """
-    from ..moe import use_router_bias
-    from ..train.sample import greedy_generate
+    from jaxpar.moe import use_router_bias
+    from jaxpar.train.sample import greedy_generate
 
     cfg, job = _job(config, overrides, "sample")
     encode, decode = _sample_codec(cfg, job)

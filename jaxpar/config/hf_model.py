@@ -31,8 +31,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ..blocks import REMAT_POLICIES
-from .schema import HF_MODEL_KEYS, ConfigError, DataConfig, JobConfig, ModelConfig
+from jaxpar.blocks import REMAT_POLICIES
+from jaxpar.config.schema import HF_MODEL_KEYS, ConfigError, DataConfig, JobConfig, ModelConfig
 
 __all__ = ["hf_problems", "tokenizer_problems", "open_hf", "hf_mesh_problems", "hf_length_problems", "build_tokenizer"]
 
@@ -103,7 +103,7 @@ def open_hf(m: ModelConfig):
     Raises:
       ConfigError: the checkpoint cannot be imported; the message names ``model.hf`` and keeps jaxpar.hf's.
     """
-    from ..hf import HFCheckpointError, HFConfigError, HFFilesError, open_checkpoint
+    from jaxpar.hf import HFCheckpointError, HFConfigError, HFFilesError, open_checkpoint
 
     try:
         return open_checkpoint(m.hf, remat=m.remat, scan_layers=m.scan_layers)
@@ -156,7 +156,7 @@ def build_tokenizer(d: DataConfig, hf: str | None, vocab: int, vocab_key: str):
       ConfigError: no tokenizer there, more tokens than the model's vocabulary, or a BOS / EOS asked for
         that the tokenizer lacks; the message names ``data.tokenizer`` (or ``data.bos`` / ``data.eos``).
     """
-    from ..hf import HFTokenizerError, load_tokenizer
+    from jaxpar.hf import HFTokenizerError, load_tokenizer
 
     where = f"data.tokenizer={d.tokenizer!r}" + (f" (model.hf={hf!r})" if d.tokenizer == "hf" else "")
     try:

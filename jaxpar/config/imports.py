@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from .schema import ConfigError
+from jaxpar.config.schema import ConfigError
 
 __all__ = ["resolve_import", "call_problem", "takes"]
 

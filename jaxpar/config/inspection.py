@@ -21,10 +21,10 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from ..mesh import MeshError, MeshSpec
-from ..targets import Target, TargetError, compile_error, parse_target, target_devices
-from .build import mesh_spec
-from .schema import ConfigError, JobConfig
+from jaxpar.mesh import MeshError, MeshSpec
+from jaxpar.targets import Target, TargetError, compile_error, parse_target, target_devices
+from jaxpar.config.build import mesh_spec
+from jaxpar.config.schema import ConfigError, JobConfig
 
 __all__ = ["inspect_config", "target_mesh_problem", "fit_lines", "fitting_plan", "DOES_NOT_FIT", "parse_target"]
 
@@ -76,7 +76,7 @@ def fit_lines(report: Any, target: Target, predicted: float | None = None) -> tu
     Returns:
       ``(fits, lines)``.
     """
-    from ..analysis.memory import format_bytes
+    from jaxpar.analysis.memory import format_bytes
 
     need, cap = report.required_bytes, target.capacity_bytes
     share = "" if target.spec.platform != "cuda" else \
@@ -103,9 +103,9 @@ def fitting_plan(cfg: JobConfig, target: Target, *, most: int = 64) -> str:
     Returns:
       A line naming the devices, the plan and its predicted memory, or why none fits.
     """
-    from .. import cost
-    from ..analysis.memory import format_bytes
-    from .planner import cost_model
+    from jaxpar import cost
+    from jaxpar.analysis.memory import format_bytes
+    from jaxpar.config.planner import cost_model
 
     if cfg.model.target is not None or cfg.model.hf is not None:
         key = "model.target" if cfg.model.target is not None else "model.hf"
@@ -146,8 +146,8 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
       ConfigError: the config does not fit the target's devices.
       TargetError: the target cannot be built or compiled for.
     """
-    from .describe import header_lines, model_label, model_line, program_lines
-    from .job import build_job
+    from jaxpar.config.describe import header_lines, model_label, model_line, program_lines
+    from jaxpar.config.job import build_job
 
     tgt = parse_target(target) if target else None
     devices = _devices(cfg, tgt)
@@ -168,8 +168,8 @@ def _devices(cfg: JobConfig, tgt: Target | None) -> list:
     if tgt is None:
         import jax
 
-        from ..distributed import setup_devices
-        from .job import job_devices
+        from jaxpar.distributed import setup_devices
+        from jaxpar.config.job import job_devices
 
         n = job_devices(cfg)
         setup_devices(n)
@@ -193,11 +193,11 @@ def _compile(job: Any, layout: Any, tgt: Target | None) -> dict:
 
 
 def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target | None, cluster: str) -> int:
-    from ..analysis.hlo import collectives, collectives_table
-    from ..analysis.memory import memory_report
-    from ..analysis.sharding_table import sharding_table
-    from ..cost.traffic import lowering_for_platform
-    from .planner import planner_table, planner_view, predicted_peak, unpredicted
+    from jaxpar.analysis.hlo import collectives, collectives_table
+    from jaxpar.analysis.memory import memory_report
+    from jaxpar.analysis.sharding_table import sharding_table
+    from jaxpar.cost.traffic import lowering_for_platform
+    from jaxpar.config.planner import planner_table, planner_view, predicted_peak, unpredicted
 
     print("\nparameters (mesh axes per dimension; '-' replicated)")
     print(sharding_table(layout))

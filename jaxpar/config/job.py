@@ -35,14 +35,14 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..data.packing import BATCH_KEYS
-from ..strategy import Strategy
-from .build import (build_gpt_config, build_loss_fn, build_mesh, build_model_fn, build_optimizer, build_strategy,
+from jaxpar.data.packing import BATCH_KEYS
+from jaxpar.strategy import Strategy
+from jaxpar.config.build import (build_gpt_config, build_loss_fn, build_mesh, build_model_fn, build_optimizer, build_strategy,
                     frozen_variance_step)
-from .checks import check
-from .data import build_data, build_ramp
-from .hf_model import build_tokenizer, hf_length_problems, hf_mesh_problems, open_hf
-from .schema import ConfigError, JobConfig
+from jaxpar.config.checks import check
+from jaxpar.config.data import build_data, build_ramp
+from jaxpar.config.hf_model import build_tokenizer, hf_length_problems, hf_mesh_problems, open_hf
+from jaxpar.config.schema import ConfigError, JobConfig
 
 __all__ = ["Job", "build_job", "updates_per_step", "job_devices", "part_bytes"]
 
@@ -99,16 +99,16 @@ class Job:
     def state_layout(self):
         """The train state's layout (:func:`jaxpar.state_layout`, plus the noise scale's state when it
         is measured), without creating the state."""
-        from ..train.init import state_layout
+        from jaxpar.train.init import state_layout
 
         layout = state_layout(self.model_fn, self.tx, self.mesh, self.strategy)
         if self.router_bias is not None:
-            from ..train.router_bias import router_bias_layout
+            from jaxpar.train.router_bias import router_bias_layout
 
             layout = router_bias_layout(layout, self.router_bias)
         if self.noise_scale_every is None:
             return layout
-        from ..train.noise_scale import noise_scale_layout
+        from jaxpar.train.noise_scale import noise_scale_layout
 
         return noise_scale_layout(layout)
 
@@ -118,17 +118,17 @@ class Job:
         measured (they are checkpointed). With ``model.hf`` the parameters are the checkpoint's,
         read straight into their layout (:meth:`imported_params`), and the optimizer state is fresh;
         ``weights=False`` leaves them random (a resumed run restores its own)."""
-        from ..train.init import init_train_state
+        from jaxpar.train.init import init_train_state
 
         params = self.imported_params(self.state_layout()) if self.hf is not None and weights else None
         state, layout = init_train_state(self.model_fn, self.tx, self.mesh, self.strategy, params=params)
         if self.router_bias is not None:
-            from ..train.router_bias import with_router_bias
+            from jaxpar.train.router_bias import with_router_bias
 
             state, layout = with_router_bias(state, layout, self.router_bias)
         if self.noise_scale_every is None:
             return state, layout
-        from ..train.noise_scale import with_noise_scale
+        from jaxpar.train.noise_scale import with_noise_scale
 
         return with_noise_scale(state, layout)
 
@@ -138,7 +138,7 @@ class Job:
 
     def train_step(self, layout):
         """The train step ``jaxpar train`` runs: :func:`jaxpar.make_train_step` with the job's options."""
-        from ..train.step import make_train_step
+        from jaxpar.train.step import make_train_step
 
         return make_train_step(self.loss_fn, self.tx, layout, self.strategy, **self.step_options)
 
@@ -146,14 +146,14 @@ class Job:
         """``state -> eval loss`` over the job's eval batches (None without them)."""
         if not self.eval_batches:
             return None
-        from ..train.loop import make_eval_fn
+        from jaxpar.train.loop import make_eval_fn
 
         return make_eval_fn(self.loss_fn, layout, self.strategy, self.eval_batches)
 
     def abstract_batch(self):
         """``ShapeDtypeStruct``s of what one call of the train step takes: a global batch split over
         the data axes, or with ``steps_per_call`` K the K batches stacked ``[K, B, ...]``."""
-        from ..batch import batch_sharding
+        from jaxpar.batch import batch_sharding
 
         sharding, lead = batch_sharding(self.mesh), ()
         if self.steps_per_call > 1:
@@ -183,8 +183,8 @@ class Job:
     def log_options(self, layout, tokens_per_batch: int | None):
         """The loop's :class:`~jaxpar.train.report.LogOptions`: the job's settings, its title, and the
         FLOPs per token of jaxpar's GPT for MFU."""
-        from ..train.report import LogOptions
-        from ..train.resume import gpt_flops_per_token
+        from jaxpar.train.report import LogOptions
+        from jaxpar.train.resume import gpt_flops_per_token
 
         flops = None      # FLOPs per token: known for the GPT; for a model of your own there is no MFU
         if self.gpt_sizes is not None:
@@ -197,7 +197,7 @@ class Job:
         with the state's ``layout`` its saves record the layout of the state's feature parts."""
         if self.checkpoint is None:
             return None
-        from ..train.checkpoint import Checkpointer
+        from jaxpar.train.checkpoint import Checkpointer
 
         return Checkpointer(**self.checkpoint, layout=layout)
 
@@ -307,8 +307,8 @@ def _data(cfg: JobConfig, read: bool, vocab: int, tokenizer: Any) -> dict:
 def _run(cfg: JobConfig, tokenizer: Any = None) -> dict:
     """The plain settings of ``jaxpar train``'s run: ``run``, ``log``, ``checkpoint``, ``meta``, ``gpt_sizes``
     (the samples decoded by ``tokenizer`` when there is one)."""
-    from ..train.resume import RunOptions
-    from ..train.sample import SampleOptions
+    from jaxpar.train.resume import RunOptions
+    from jaxpar.train.sample import SampleOptions
 
     m, tr, ck, lg = cfg.model, cfg.train, cfg.checkpoint, cfg.logging
     gpt = m.target is None and m.hf is None
@@ -357,7 +357,7 @@ def part_bytes(layout) -> dict[str, int]:
       ``{"codec": ..., "sync": ...}``: the codec's residuals and relaxed synchronisation's
       replicas (or history) on one device, each 0 without the part.
     """
-    from ..zero import spec_shards
+    from jaxpar.zero import spec_shards
 
     sizes = dict(layout.mesh.shape)
     out = {}

@@ -15,8 +15,8 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .checks import check
-from .schema import GPT_KEYS, HF_MODEL_KEYS, IMPORT_KEYS, RENAMED, USER_MODEL_KEYS, ConfigError, JobConfig
+from jaxpar.config.checks import check
+from jaxpar.config.schema import GPT_KEYS, HF_MODEL_KEYS, IMPORT_KEYS, RENAMED, USER_MODEL_KEYS, ConfigError, JobConfig
 
 __all__ = ["load_config", "merge_layers", "parse_overrides", "to_yaml"]
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from ..strategy import Strategy
-from .schema import ConfigError, JobConfig
+from jaxpar.strategy import Strategy
+from jaxpar.config.schema import ConfigError, JobConfig
 
 __all__ = ["PlannerView", "cost_model", "plan_model", "planner_view", "unpredicted", "predicted_peak", "planner_table",
            "plan_report", "verify_plans", "plan_overrides"]
@@ -50,7 +50,7 @@ def cost_model(cfg: JobConfig, model_fn: Callable | None = None, *, batch: int |
     Returns:
       The model spec.
     """
-    from .. import cost
+    from jaxpar import cost
 
     m, batch = cfg.model, batch or cfg.data.batch_size
     if m.target is not None or m.hf is not None:
@@ -58,7 +58,7 @@ def cost_model(cfg: JobConfig, model_fn: Callable | None = None, *, batch: int |
                              vocab=vocab or 1, batch=batch, name=m.name)
     moe = {}
     if m.moe:             # model.moe (the GPT's MoESettings): its experts, routing and layers
-        from .build import build_moe
+        from jaxpar.config.build import build_moe
 
         s = build_moe(m.moe)
         moe = dict(experts=s.experts, top_k=s.top_k, capacity_factor=s.capacity_factor, moe_every=s.every,
@@ -80,9 +80,9 @@ def plan_model(config: str | None, sizes: Mapping[str, int | None]):
     Raises:
       ConfigError: no config and a size missing.
     """
-    from .. import cost
-    from .job import build_job
-    from .load import load_config
+    from jaxpar import cost
+    from jaxpar.config.job import build_job
+    from jaxpar.config.load import load_config
 
     if config:
         cfg = load_config(config, [])
@@ -108,7 +108,7 @@ def plan_overrides(plan: Any) -> list[str]:
     >>> plan_overrides(Plan(pipe=2, data=4, microbatches=8, schedule="interleaved", virtual=2))[-4:]
     ['parallel.schedule=interleaved', 'parallel.virtual_stages=2', 'parallel.stage_layers=null', 'model.remat=none']
     """
-    from ..cost.parallel import AXES
+    from jaxpar.cost.parallel import AXES
 
     remat = {"none": "none", "full": "full"}.get(plan.remat, "save-matmuls")
     out = [f"mesh.{a}={getattr(plan, a)}" for a in AXES] + ["mesh.replica=1"]
@@ -132,7 +132,7 @@ def unpredicted(cfg: JobConfig, strategy: Strategy, mesh_sizes: Mapping[str, int
     Returns:
       The reason, or None.
     """
-    from ..cost.parallel import SCHEDULES
+    from jaxpar.cost.parallel import SCHEDULES
 
     if cfg.model.target is not None or cfg.model.hf is not None:
         key = "model.target" if cfg.model.target is not None else "model.hf"
@@ -160,8 +160,8 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
     Returns:
       The :class:`PlannerView`, estimated for ``lowering`` with fp32 parameters and moments.
     """
-    from .. import cost
-    from ..cost.plan import evaluate
+    from jaxpar import cost
+    from jaxpar.cost.plan import evaluate
 
     model = cost_model(cfg)
     remat = {"none": "none", "full": "full"}.get(cfg.model.remat, "selective")
@@ -203,8 +203,8 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
     Returns:
       The heading, the table and the predicted step time (or why there is none), as text.
     """
-    from ..analysis.axis_bytes import compiled_bytes_per_axis
-    from ..analysis.memory import format_bytes, memory_report, render_table
+    from jaxpar.analysis.axis_bytes import compiled_bytes_per_axis
+    from jaxpar.analysis.memory import format_bytes, memory_report, render_table
 
     sizes = dict(mesh.shape)
     rep = memory_report(compiled)
@@ -222,8 +222,8 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
                  ["peak (the larger of args + outputs + temps - aliased and XLA's)", "-",
                   format_bytes(rep.required_bytes), "-"]]
         return "\n".join(lines + [render_table(headers, rows, right=right), f"time     not predicted: {why}"])
-    from ..cost.memory import argument_bytes
-    from ..cost.traffic import bytes_per_axis, comms
+    from jaxpar.cost.memory import argument_bytes
+    from jaxpar.cost.traffic import bytes_per_axis, comms
 
     model, plan, est = view
     act = 2 if strategy.compute_dtype == "bfloat16" else 4
@@ -267,7 +267,7 @@ def predicted_peak(model: Any, plan: Any, planned: float, compute_dtype: str, pl
     >>> predicted_peak(m, Plan(), 1.0, "bfloat16", "cuda")      # not the fp32 step: the planner's
     1.0
     """
-    from ..cost.layout import step_peak_bytes
+    from jaxpar.cost.layout import step_peak_bytes
 
     if compute_dtype != "float32" or plan.context > 1 or plan.expert > 1 or model.moe_layers:
         return planned
@@ -290,9 +290,9 @@ def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any
     """
     import time
 
-    from ..analysis.memory import format_bytes, render_table
-    from ..cost.memory import memory_per_device
-    from ..train.cost_check import compile_and_compare
+    from jaxpar.analysis.memory import format_bytes, render_table
+    from jaxpar.cost.memory import memory_per_device
+    from jaxpar.train.cost_check import compile_and_compare
 
     devices, where, lowering = _verify_devices(cluster.num_devices, target)
     print(f"\nverify   {len(estimates)} plans compiled ahead of time {where} (jaxpar's GPT, "
@@ -323,8 +323,8 @@ def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any
 def _verify_devices(n: int, target: Any) -> tuple[list, str, str]:
     """``(devices, where they are, the cost model's lowering)`` for ``verify_plans``."""
     if target is not None:
-        from ..cost.traffic import lowering_for_platform
-        from ..targets import target_devices
+        from jaxpar.cost.traffic import lowering_for_platform
+        from jaxpar.targets import target_devices
 
         if target.num_devices != n:
             raise ConfigError(f"--target {target} has {target.num_devices} devices, but the plans are for {n}; "
@@ -336,7 +336,7 @@ def _verify_devices(n: int, target: Any) -> tuple[list, str, str]:
                           f"or --target to compile for real devices).")
     import jax
 
-    from ..distributed import setup_devices
+    from jaxpar.distributed import setup_devices
 
     setup_devices(n)
     return jax.devices()[:n], f"on {n} simulated CPU devices", "xla-cpu"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from .schema import ConfigError
+from jaxpar.config.schema import ConfigError
 
 __all__ = ["choice", "at_least", "collect"]
 

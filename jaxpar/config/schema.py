@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..train import data as data_lib
+from jaxpar.train import data as data_lib
 
 __all__ = [
     "ConfigError", "ModelConfig", "MeshConfig", "ParallelConfig", "LRScalingConfig", "TrustMaskConfig",

@@ -20,12 +20,12 @@ Example::
     True
 """
 
-from .methods import (AttentionError, QKV_LOGICAL, attention, context_size, in_natural_order, in_sequence_order,
+from jaxpar.context.methods import (AttentionError, QKV_LOGICAL, attention, context_size, in_natural_order, in_sequence_order,
                       sequence_order, ulysses_kv_repeat)
-from .layout import RingWork, balanced_order, from_balanced, ring_block_pairs, to_balanced
-from .options import CONTEXT, METHODS, ContextParallel, ContextParallelError, current_context_parallel
-from .options import ContextCalls, count_context_calls, note_context_call, use_context_parallel
-from .ring import ring_attention
+from jaxpar.context.layout import RingWork, balanced_order, from_balanced, ring_block_pairs, to_balanced
+from jaxpar.context.options import CONTEXT, METHODS, ContextParallel, ContextParallelError, current_context_parallel
+from jaxpar.context.options import ContextCalls, count_context_calls, note_context_call, use_context_parallel
+from jaxpar.context.ring import ring_attention
 
 __all__ = [
     "attention", "AttentionError", "QKV_LOGICAL", "ulysses_kv_repeat", "sequence_order", "in_sequence_order", "in_natural_order",

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .options import ContextParallelError
+from jaxpar.context.options import ContextParallelError
 
 __all__ = ["balanced_order", "to_balanced", "from_balanced", "check_length", "chunks_per_shard", "chunk_index",
            "pair_needed", "ring_schedule", "shard_positions", "sequence_positions", "RingWork", "ring_block_pairs"]

@@ -58,12 +58,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..regions import collective_in, reduce_dtype, region_axes, region_spec
-from ..rules import axes_of, current_rules, logical_to_spec, manual_axes, shard_map_mesh
-from .blocks import check_softcap, check_window, dense_attention
-from .layout import check_length, from_balanced, sequence_positions, shard_positions, to_balanced
-from .options import CONTEXT, ContextParallelError, current_context_parallel, note_context_call
-from .ring import ring_attention
+from jaxpar.regions import collective_in, reduce_dtype, region_axes, region_spec
+from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, shard_map_mesh
+from jaxpar.context.blocks import check_softcap, check_window, dense_attention
+from jaxpar.context.layout import check_length, from_balanced, sequence_positions, shard_positions, to_balanced
+from jaxpar.context.options import CONTEXT, ContextParallelError, current_context_parallel, note_context_call
+from jaxpar.context.ring import ring_attention
 
 __all__ = ["AttentionError", "QKV_LOGICAL", "attention", "ulysses_kv_repeat", "sequence_order", "in_sequence_order",
            "in_natural_order",

@@ -26,7 +26,7 @@ import contextvars
 from dataclasses import dataclass
 from typing import ContextManager
 
-from ..scoped import scoped
+from jaxpar.scoped import scoped
 
 __all__ = ["CONTEXT", "METHODS", "ContextParallelError", "ContextParallel", "use_context_parallel",
            "current_context_parallel", "ContextCalls", "count_context_calls", "note_context_call"]

@@ -67,10 +67,10 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .blocks import (allowed, check_softcap, check_window, empty_softmax, group_heads, softmax_grad_step,
+from jaxpar.context.blocks import (allowed, check_softcap, check_window, empty_softmax, group_heads, softmax_grad_step,
                      softmax_result, softmax_step)
-from .layout import check_length, chunk_index, chunks_per_shard, pair_needed, ring_schedule
-from .options import ContextParallelError
+from jaxpar.context.layout import check_length, chunk_index, chunks_per_shard, pair_needed, ring_schedule
+from jaxpar.context.options import ContextParallelError
 
 __all__ = ["RingSpec", "ring_attention", "ring_forward", "ring_backward", "pack"]
 

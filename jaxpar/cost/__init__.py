@@ -33,14 +33,14 @@ Example::
     >>> result.best.plan.name()
     'dp8-zero2'
 """
-from .cluster import Cluster, ClusterError, load_cluster, presets
-from .collectives import Link
-from .memory import PRECISIONS, BytesPerParam, activation_bytes_per_layer, memory_per_device, zero_state_bytes
-from .model import Leaf, ModelSpec, from_gpt_config, from_nnx, gpt
-from .parallel import Plan
-from .plan import Estimate, PlanError, PlanResult, plan
-from .time import Overlap, flops_per_token, narayanan_flops, step_flops, step_time
-from .traffic import comms
+from jaxpar.cost.cluster import Cluster, ClusterError, load_cluster, presets
+from jaxpar.cost.collectives import Link
+from jaxpar.cost.memory import PRECISIONS, BytesPerParam, activation_bytes_per_layer, memory_per_device, zero_state_bytes
+from jaxpar.cost.model import Leaf, ModelSpec, from_gpt_config, from_nnx, gpt
+from jaxpar.cost.parallel import Plan
+from jaxpar.cost.plan import Estimate, PlanError, PlanResult, plan
+from jaxpar.cost.time import Overlap, flops_per_token, narayanan_flops, step_flops, step_time
+from jaxpar.cost.traffic import comms
 
 __all__ = ["Cluster", "ClusterError", "load_cluster", "presets", "Link", "PRECISIONS", "BytesPerParam",
            "activation_bytes_per_layer", "memory_per_device", "zero_state_bytes", "Leaf", "ModelSpec",

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .context_experts import context_score_bytes, dense_mlp_bytes, moe_mlp_bytes
-from .model import ModelSpec
+from jaxpar.cost.context_experts import context_score_bytes, dense_mlp_bytes, moe_mlp_bytes
+from jaxpar.cost.model import ModelSpec
 
 __all__ = ["REMAT", "activation_bytes_per_layer", "layer_activations"]
 

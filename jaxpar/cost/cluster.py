@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from .collectives import Link
+from jaxpar.cost.collectives import Link
 
 __all__ = ["Cluster", "ClusterError", "PRESET_DIR", "presets", "load_cluster", "cluster_from_dict"]
 

@@ -45,7 +45,7 @@ Example::
 """
 from __future__ import annotations
 
-from .model import ModelSpec
+from jaxpar.cost.model import ModelSpec
 
 __all__ = ["score_fraction", "context_collectives", "ring_hops", "expert_slots", "expert_collectives", "context_score_bytes",
            "context_working_bytes", "moe_mlp_bytes", "dense_mlp_bytes"]

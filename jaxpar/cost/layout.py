@@ -32,11 +32,11 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from .memory import in_flight, leaf_shard_counts, leaf_spec, sizes_key, zero_axes, \
+from jaxpar.cost.memory import in_flight, leaf_shard_counts, leaf_spec, sizes_key, zero_axes, \
     zero_dim_of
-from .model import Leaf, ModelSpec
-from .schedule import runs_in_lockstep
-from .parallel import Plan
+from jaxpar.cost.model import Leaf, ModelSpec
+from jaxpar.cost.schedule import runs_in_lockstep
+from jaxpar.cost.parallel import Plan
 
 __all__ = ["Layout", "DENSE", "TPU", "layout_for_platform", "padded_bytes", "local_shape",
            "device_argument_bytes", "saved_per_layer", "stored_per_layer", "bf16_weight_bytes", "step_peak_bytes"]

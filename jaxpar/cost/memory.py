@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping, NamedTuple
 
-from .activations import REMAT, activation_bytes_per_layer, layer_activations
-from .context_experts import context_working_bytes
-from .model import TENSOR_LOGICAL, Leaf, ModelSpec
-from .schedule import TABLE_LIMIT, closed_form_stats, in_flight, schedule_stats
+from jaxpar.cost.activations import REMAT, activation_bytes_per_layer, layer_activations
+from jaxpar.cost.context_experts import context_working_bytes
+from jaxpar.cost.model import TENSOR_LOGICAL, Leaf, ModelSpec
+from jaxpar.cost.schedule import TABLE_LIMIT, closed_form_stats, in_flight, schedule_stats
 
 __all__ = ["BytesPerParam", "PRECISIONS", "REMAT", "zero_state_bytes", "activation_bytes_per_layer",
            "leaf_spec", "zero_dim_of", "zero_axes", "LeafShards", "leaf_shard_counts", "sizes_key", "leaf_shards",

@@ -274,7 +274,7 @@ def from_nnx(model_fn: Callable[[], Any], *, layers: int, hidden: int, heads: in
     """
     import jax
 
-    from ..model_shapes import abstract_model
+    from jaxpar.model_shapes import abstract_model
 
     _, shapes, logical = abstract_model(model_fn)
     flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]

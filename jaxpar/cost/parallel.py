@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .memory import REMAT
+from jaxpar.cost.memory import REMAT
 
 __all__ = ["AXES", "BATCH_AXES", "SCHEDULES", "CONTEXT_METHODS", "Plan"]
 

@@ -32,14 +32,14 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple
 
-from ..analysis.memory import format_bytes, render_table
-from .cluster import Cluster
-from .memory import LayoutError, MemoryEstimate, memory_per_device
-from .model import ModelSpec
-from .parallel import CONTEXT_METHODS, Plan
-from .table import REFUSED_PREFIX, plan_refusal
-from .time import Overlap, StepTime, step_time
-from .traffic import outer_at_ends
+from jaxpar.analysis.memory import format_bytes, render_table
+from jaxpar.cost.cluster import Cluster
+from jaxpar.cost.memory import LayoutError, MemoryEstimate, memory_per_device
+from jaxpar.cost.model import ModelSpec
+from jaxpar.cost.parallel import CONTEXT_METHODS, Plan
+from jaxpar.cost.table import REFUSED_PREFIX, plan_refusal
+from jaxpar.cost.time import Overlap, StepTime, step_time
+from jaxpar.cost.traffic import outer_at_ends
 
 __all__ = ["CONTEXT_MIN_SEQ", "PlanError", "Estimate", "Rejected", "PlanResult", "plan", "factorisations",
            "mesh_factorisations", "context_problem", "expert_problem", "evaluate"]

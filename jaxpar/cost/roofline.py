@@ -53,10 +53,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .cluster import Cluster
-from .context_experts import score_fraction
-from .model import ModelSpec
-from .parallel import Plan
+from jaxpar.cost.cluster import Cluster
+from jaxpar.cost.context_experts import score_fraction
+from jaxpar.cost.model import ModelSpec
+from jaxpar.cost.parallel import Plan
 
 __all__ = ["Kernel", "matmul", "layer_kernels", "kernel_seconds", "layer_elementwise_bytes", "Work", "layer_work",
            "end_work"]

@@ -63,8 +63,8 @@ def lockstep_closed_form(kind: str, p: int, m: int, v: int = 1) -> tuple[float, 
 
 
 def _lockstep_stats(kind: str, p: int, m: int, v: int) -> tuple[float, int]:
-    from ..pipeline.lockstep import lockstep
-    from ..pipeline.schedules import get_schedule, peak_in_flight
+    from jaxpar.pipeline.lockstep import lockstep
+    from jaxpar.pipeline.schedules import get_schedule, peak_in_flight
 
     s = lockstep(get_schedule(kind, p, m, v))
     cost = {"F": 1, "B": 1 if s.split_backward else 2, "W": 1}
@@ -96,7 +96,7 @@ def schedule_stats(kind: str, p: int, m: int, v: int, lockstep: bool = False) ->
         return lockstep_closed_form(kind, p, m, v) if p * m * v > TABLE_LIMIT else _lockstep_stats(kind, p, m, v)
     if p * m * v > TABLE_LIMIT:
         return closed_form_stats(kind, p, m, v)
-    from ..pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight
+    from jaxpar.pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight
 
     s = get_schedule(kind, p, m, v)
     return float(bubble_fraction(s)), peak_in_flight(s)[0]

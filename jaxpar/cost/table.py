@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple
 
-from ..compat import LIBRARY_NAMES, Problem, Setting, problems
+from jaxpar.compat import LIBRARY_NAMES, Problem, Setting, problems
 
 __all__ = ["PlanStrategy", "STRATEGY_FIELDS", "SETTING_FIELDS", "REFUSED_PREFIX", "plan_setting", "plan_problems",
            "plan_refusal"]

@@ -50,14 +50,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Mapping
 
-from . import collectives as C
-from .cluster import Cluster
-from .memory import REMAT, leaf_shard_counts, schedule_stats, sizes_key
-from .schedule import runs_in_lockstep
-from .model import ModelSpec
-from .parallel import AXES, Plan
-from .roofline import Work, end_work, kernel_seconds, layer_elementwise_bytes, layer_kernels, layer_work
-from .traffic import Comm, bytes_per_axis, comms
+from jaxpar.cost import collectives as C
+from jaxpar.cost.cluster import Cluster
+from jaxpar.cost.memory import REMAT, leaf_shard_counts, schedule_stats, sizes_key
+from jaxpar.cost.schedule import runs_in_lockstep
+from jaxpar.cost.model import ModelSpec
+from jaxpar.cost.parallel import AXES, Plan
+from jaxpar.cost.roofline import Work, end_work, kernel_seconds, layer_elementwise_bytes, layer_kernels, layer_work
+from jaxpar.cost.traffic import Comm, bytes_per_axis, comms
 
 __all__ = ["Overlap", "behind_backward", "ring_step_seconds", "StepTime", "flops_per_token", "narayanan_flops", "step_flops", "model_flops",
            "update_bytes", "elementwise_bytes", "axis_groups", "comm_time", "bubble", "step_time"]

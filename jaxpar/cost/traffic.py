@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Mapping
 
-from .context_experts import context_collectives, expert_collectives, expert_slots, ring_hops
-from .memory import leaf_shard_counts, pipe_end, sizes_key, zero_axes
-from .model import Leaf, ModelSpec
-from .parallel import AXES, BATCH_AXES, Plan
-from .schedule import runs_in_lockstep
+from jaxpar.cost.context_experts import context_collectives, expert_collectives, expert_slots, ring_hops
+from jaxpar.cost.memory import leaf_shard_counts, pipe_end, sizes_key, zero_axes
+from jaxpar.cost.model import Leaf, ModelSpec
+from jaxpar.cost.parallel import AXES, BATCH_AXES, Plan
+from jaxpar.cost.schedule import runs_in_lockstep
 
 __all__ = ["LOWERINGS", "lowering_for_platform", "outer_at_ends", "Comm", "comms", "bytes_per_axis"]
 

@@ -9,12 +9,12 @@ prepare``), :mod:`~jaxpar.data.packing` and :mod:`~jaxpar.data.plan` (which piec
 :mod:`~jaxpar.data.rows` (each process's rows of a global batch).
 """
 
-from .errors import CacheError as CacheError, DataError as DataError, SourceError as SourceError
-from .errors import TokenizerError as TokenizerError
-from .loader import PackedBatches as PackedBatches, batch_digest as batch_digest
-from .packing import PACK_METHODS as PACK_METHODS
-from .plan import StreamPlan as StreamPlan, split_documents as split_documents
-from .rows import make_global_batch as make_global_batch, process_rows as process_rows
+from jaxpar.data.errors import CacheError as CacheError, DataError as DataError, SourceError as SourceError
+from jaxpar.data.errors import TokenizerError as TokenizerError
+from jaxpar.data.loader import PackedBatches as PackedBatches, batch_digest as batch_digest
+from jaxpar.data.packing import PACK_METHODS as PACK_METHODS
+from jaxpar.data.plan import StreamPlan as StreamPlan, split_documents as split_documents
+from jaxpar.data.rows import make_global_batch as make_global_batch, process_rows as process_rows
 
 __all__ = ["DataError", "SourceError", "TokenizerError", "CacheError", "PackedBatches", "batch_digest",
            "PACK_METHODS", "StreamPlan", "split_documents", "make_global_batch", "process_rows"]

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CacheError
-from .tokens import CachedTokens, document_ids
+from jaxpar.data.errors import CacheError
+from jaxpar.data.tokens import CachedTokens, document_ids
 
 __all__ = ["prepare_cache", "open_cache", "expected_meta", "CACHE_VERSION"]
 

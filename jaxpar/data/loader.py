@@ -35,10 +35,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import DataError
-from .packing import BATCH_KEYS, row_arrays
-from .plan import StreamPlan, split_documents
-from .rows import select_rows
+from jaxpar.data.errors import DataError
+from jaxpar.data.packing import BATCH_KEYS, row_arrays
+from jaxpar.data.plan import StreamPlan, split_documents
+from jaxpar.data.rows import select_rows
 
 __all__ = ["PackedBatches", "batch_digest"]
 

@@ -32,8 +32,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import DataError
-from .packing import PACK_METHODS, PackStats, Segment, pack_window
+from jaxpar.data.errors import DataError
+from jaxpar.data.packing import PACK_METHODS, PackStats, Segment, pack_window
 
 __all__ = ["StreamPlan", "split_documents", "PlannedRow"]
 

@@ -94,7 +94,7 @@ def make_global_batch(batch_fn: Callable, step: int, mesh) -> Any:
     """
     import jax
 
-    from ..batch import batch_sharding
+    from jaxpar.batch import batch_sharding
 
     sharding = batch_sharding(mesh)
     if _takes_rows(batch_fn):

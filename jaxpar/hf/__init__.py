@@ -7,13 +7,13 @@
 - :func:`export` writes parameters of any layout back, one tensor at a time.
 - :func:`load_tokenizer` loads the checkpoint's ``tokenizer.json``.
 """
-from .checkpoint import Checkpoint, HFCheckpointError, open_checkpoint
-from .config import FAMILIES, HFConfigError, decoder_config, hf_config_dict, read_config
-from .export import HFExportError, export
-from .files import CheckpointFiles, HFFilesError, write_safetensors
-from .keys import EXPERT_LAYOUTS, TensorMap, tensor_maps
-from .start import load, train_state
-from .tokenizer import HFTokenizerError, Tokenizer, load_tokenizer
+from jaxpar.hf.checkpoint import Checkpoint, HFCheckpointError, open_checkpoint
+from jaxpar.hf.config import FAMILIES, HFConfigError, decoder_config, hf_config_dict, read_config
+from jaxpar.hf.export import HFExportError, export
+from jaxpar.hf.files import CheckpointFiles, HFFilesError, write_safetensors
+from jaxpar.hf.keys import EXPERT_LAYOUTS, TensorMap, tensor_maps
+from jaxpar.hf.start import load, train_state
+from jaxpar.hf.tokenizer import HFTokenizerError, Tokenizer, load_tokenizer
 
 __all__ = ["Checkpoint", "HFCheckpointError", "open_checkpoint", "FAMILIES", "HFConfigError", "decoder_config",
            "hf_config_dict", "read_config", "HFExportError", "export", "CheckpointFiles", "HFFilesError",

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .keys import TensorMap
+from jaxpar.hf.keys import TensorMap
 
 __all__ = ["read_box", "file_tensor", "view_groups"]
 

@@ -39,11 +39,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from ..models.decoder import Decoder, DecoderConfig
-from .boxes import read_box
-from .config import checkpoint_dtype, decoder_config, read_config
-from .files import CheckpointFiles
-from .keys import TensorMap, flatten_params, nest_params, stack_counts, tensor_maps
+from jaxpar.models.decoder import Decoder, DecoderConfig
+from jaxpar.hf.boxes import read_box
+from jaxpar.hf.config import checkpoint_dtype, decoder_config, read_config
+from jaxpar.hf.files import CheckpointFiles
+from jaxpar.hf.keys import TensorMap, flatten_params, nest_params, stack_counts, tensor_maps
 
 __all__ = ["HFCheckpointError", "Checkpoint", "open_checkpoint"]
 

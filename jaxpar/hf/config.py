@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..models.decoder import DecoderConfig, DecoderMoE, RoPE
+from jaxpar.models.decoder import DecoderConfig, DecoderMoE, RoPE
 
 __all__ = ["HFConfigError", "FAMILIES", "decoder_config", "hf_config_dict", "read_config", "checkpoint_dtype"]
 

@@ -24,12 +24,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..models.decoder import DecoderConfig
-from .boxes import file_tensor
-from .checkpoint import Checkpoint
-from .config import decoder_config, hf_config_dict
-from .files import DTYPES, INDEX, SAFETENSORS_DTYPE, write_safetensors
-from .keys import flatten_params, stack_counts, tensor_maps
+from jaxpar.models.decoder import DecoderConfig
+from jaxpar.hf.boxes import file_tensor
+from jaxpar.hf.checkpoint import Checkpoint
+from jaxpar.hf.config import decoder_config, hf_config_dict
+from jaxpar.hf.files import DTYPES, INDEX, SAFETENSORS_DTYPE, write_safetensors
+from jaxpar.hf.keys import flatten_params, stack_counts, tensor_maps
 
 __all__ = ["HFExportError", "export"]
 

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from ..models.decoder import DecoderConfig
+from jaxpar.models.decoder import DecoderConfig
 
 __all__ = ["TensorMap", "tensor_maps", "file_keys", "stack_counts", "flatten_params", "nest_params", "EXPERT_LAYOUTS"]
 

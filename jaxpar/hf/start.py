@@ -26,9 +26,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..strategy import Strategy
-from ..train.init import init_train_state, state_layout
-from .checkpoint import Checkpoint, open_checkpoint
+from jaxpar.strategy import Strategy
+from jaxpar.train.init import init_train_state, state_layout
+from jaxpar.hf.checkpoint import Checkpoint, open_checkpoint
 
 __all__ = ["load", "train_state"]
 

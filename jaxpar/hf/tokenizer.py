@@ -7,7 +7,7 @@ tiktoken ranks file) with its ``tokenizer_config.json``; ``HFTokenizerError`` is
 
 from __future__ import annotations
 
-from ..data.errors import TokenizerError as HFTokenizerError
-from ..data.tokenizers import Tokenizer, load_tokenizer
+from jaxpar.data.errors import TokenizerError as HFTokenizerError
+from jaxpar.data.tokenizers import Tokenizer, load_tokenizer
 
 __all__ = ["HFTokenizerError", "Tokenizer", "load_tokenizer"]

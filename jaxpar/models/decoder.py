@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..blocks import REMAT_POLICIES, remat_policy, run_layers
-from ..context import in_sequence_order, sequence_order
-from ..rules import constrain
-from .decoder_layers import ACTIVATIONS, Carry, RoPE, layer_apply, rms_norm
+from jaxpar.blocks import REMAT_POLICIES, remat_policy, run_layers
+from jaxpar.context import in_sequence_order, sequence_order
+from jaxpar.rules import constrain
+from jaxpar.models.decoder_layers import ACTIVATIONS, Carry, RoPE, layer_apply, rms_norm
 
 __all__ = ["DecoderConfig", "DecoderMoE", "Decoder", "RoPE", "LAYER_LOGICAL", "decoder_loss", "masked_cross_entropy"]
 

@@ -36,14 +36,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..blocks import REMAT_POLICIES, remat_policy, run_layers
-from ..context import in_sequence_order, sequence_order
-from ..rules import constrain
-from .gpt_layers import (BLOCK_LOGICAL, RESIDUAL, Blocks, attention_apply, block_apply, layer_norm, mlp_apply, param,
+from jaxpar.blocks import REMAT_POLICIES, remat_policy, run_layers
+from jaxpar.context import in_sequence_order, sequence_order
+from jaxpar.rules import constrain
+from jaxpar.models.gpt_layers import (BLOCK_LOGICAL, RESIDUAL, Blocks, attention_apply, block_apply, layer_norm, mlp_apply, param,
                          zeros)
-from ..loss_metrics import report_metric
-from ..moe import LAYER_LOADS, need_router_bias, note_aux_loss, router_bias, step_loads
-from .gpt_moe import MoEBlocks, MoESettings, moe_metrics, run_moe_blocks
+from jaxpar.loss_metrics import report_metric
+from jaxpar.moe import LAYER_LOADS, need_router_bias, note_aux_loss, router_bias, step_loads
+from jaxpar.models.gpt_moe import MoEBlocks, MoESettings, moe_metrics, run_moe_blocks
 
 __all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "attention_apply", "mlp_apply", "layer_norm", "run_blocks",
            "BLOCK_LOGICAL", "RESIDUAL", "REMAT_POLICIES", "lm_loss", "cross_entropy", "embed_apply", "head_apply",

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..context import attention
-from ..rules import constrain
-from ..tensor import row_parallel
+from jaxpar.context import attention
+from jaxpar.rules import constrain
+from jaxpar.tensor import row_parallel
 
 __all__ = ["BLOCK_LOGICAL", "RESIDUAL", "Blocks", "attention_apply", "block_apply", "layer_norm", "mlp_apply",
            "param", "zeros"]

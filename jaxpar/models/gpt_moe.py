@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..blocks import run_layers
-from ..moe import MoEError, MoEStats, check_options, load_cv, moe_apply
-from ..rules import constrain
-from .gpt_layers import BLOCK_LOGICAL, RESIDUAL, attention_apply, layer_norm, mlp_apply, param, zeros
+from jaxpar.blocks import run_layers
+from jaxpar.moe import MoEError, MoEStats, check_options, load_cv, moe_apply
+from jaxpar.rules import constrain
+from jaxpar.models.gpt_layers import BLOCK_LOGICAL, RESIDUAL, attention_apply, layer_norm, mlp_apply, param, zeros
 
 __all__ = ["MoESettings", "MoEBlocks", "MOE_BLOCK_LOGICAL", "LayerLoads", "moe_group_apply", "run_moe_blocks",
            "empty_stats", "moe_metrics"]

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..rules import constrain
+from jaxpar.rules import constrain
 
 __all__ = ["MLPClassifier", "classifier_loss"]
 

@@ -24,12 +24,12 @@ every sharded run equals, drops included (capacity is per batch row, which no st
 >>> bool(jnp.allclose(y1, y4, atol=1e-6)), int(s1.dropped) == int(s4.dropped)
 (True, True)
 """
-from .dispatch import (ACTIVATIONS, EXPERT_AXIS, activation_fn, dispatch_combine, ep_axes, expert_mlp, expert_rules,
+from jaxpar.moe.dispatch import (ACTIVATIONS, EXPERT_AXIS, activation_fn, dispatch_combine, ep_axes, expert_mlp, expert_rules,
                        token_axes)
-from .layer import (LAYER_LOADS, MOE_LOGICAL, MoE, MoECalls, RouterBias, count_moe_calls, moe_apply, need_router_bias,
+from jaxpar.moe.layer import (LAYER_LOADS, MOE_LOGICAL, MoE, MoECalls, RouterBias, count_moe_calls, moe_apply, need_router_bias,
                     note_aux_loss, reported_loads, router_bias, shared_mlp, step_loads, step_loads_needed,
                     use_router_bias, use_step_loads)
-from .routing import (
+from jaxpar.moe.routing import (
     GATES,
     MoEError,
     MoEStats,

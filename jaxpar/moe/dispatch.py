@@ -51,10 +51,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ..mesh import EXPERT
-from ..regions import collective_in, enter, reduce_dtype, region_axes, region_spec
-from ..rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
-from .routing import MoEError
+from jaxpar.mesh import EXPERT
+from jaxpar.regions import collective_in, enter, reduce_dtype, region_axes, region_spec
+from jaxpar.rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
+from jaxpar.moe.routing import MoEError
 
 __all__ = ["ACTIVATIONS", "EXPERT_AXIS", "activation_fn", "expert_rules", "expert_mlp", "dispatch_combine", "ep_axes",
            "token_axes", "sequence_axes"]

@@ -39,11 +39,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..loss_metrics import with_reported_metrics
-from ..rules import constrain
-from ..scoped import scoped
-from .dispatch import activation_fn, dispatch_combine
-from .routing import MoEError, MoEStats, check_options, route, routing_stats
+from jaxpar.loss_metrics import with_reported_metrics
+from jaxpar.rules import constrain
+from jaxpar.scoped import scoped
+from jaxpar.moe.dispatch import activation_fn, dispatch_combine
+from jaxpar.moe.routing import MoEError, MoEStats, check_options, route, routing_stats
 
 __all__ = ["LAYER_LOADS", "MOE_LOGICAL", "MoE", "MoECalls", "RouterBias", "count_moe_calls", "moe_apply", "note_aux_loss",
            "shared_mlp", "use_step_loads", "step_loads", "use_router_bias", "router_bias",

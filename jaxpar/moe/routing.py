@@ -54,7 +54,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..context import in_natural_order, in_sequence_order
+from jaxpar.context import in_natural_order, in_sequence_order
 
 __all__ = ["GATES", "MoEError", "Routing", "MoEStats", "check_options", "capacity", "route", "top_k_experts",
            "buffer_slots", "routing_stats", "load_balancing_loss", "load_cv", "update_router_bias"]

@@ -7,16 +7,16 @@ the cut of any model at its stacked blocks (cut.py -> parts.py), the pipelined l
 a train step (piped.py, loaded by ``make_train_step`` only when ``pipe > 1``), Gantt charts
 (render.py), PipeDream-2BW's delayed-gradient rule with its no-flush table (two_bw.py) and
 PipeDream's weight stashing: its version rule and slots (stash_versions.py) and its train step (stash_step.py)."""
-from .executor import pipeline_value_and_grad as pipeline_value_and_grad
-from .partition import (PartitionError as PartitionError, from_stages as from_stages, layer_costs as layer_costs,
+from jaxpar.pipeline.executor import pipeline_value_and_grad as pipeline_value_and_grad
+from jaxpar.pipeline.partition import (PartitionError as PartitionError, from_stages as from_stages, layer_costs as layer_costs,
                         partition_layers as partition_layers, to_stages as to_stages,
                         uniform_layers as uniform_layers)
-from .parts import PipelineParts as PipelineParts
-from .program import Program as Program, lower as lower, sends as sends
-from .schedules import (Action as Action, Schedule as Schedule, ScheduleError as ScheduleError,
+from jaxpar.pipeline.parts import PipelineParts as PipelineParts
+from jaxpar.pipeline.program import Program as Program, lower as lower, sends as sends
+from jaxpar.pipeline.schedules import (Action as Action, Schedule as Schedule, ScheduleError as ScheduleError,
                         bubble_fraction as bubble_fraction, get_schedule as get_schedule,
                         peak_in_flight as peak_in_flight, to_text as to_text, validate as validate)
-from .schedules import pipedream as pipedream, pipedream_2bw as pipedream_2bw
+from jaxpar.pipeline.schedules import pipedream as pipedream, pipedream_2bw as pipedream_2bw
 
 __all__ = ["Action", "Schedule", "ScheduleError", "bubble_fraction", "get_schedule", "peak_in_flight",
            "to_text", "validate", "Program", "lower", "sends", "pipeline_value_and_grad", "PipelineParts",

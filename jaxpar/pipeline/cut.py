@@ -51,12 +51,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from ..blocks import find_layer_calls, use_layer_runner, with_remat
-from ..layer_lists import layer_differences
-from ..mesh import data_axes
-from ..model_mesh import batch_specs, call_site, explicit_call, model_batch_axes, needs_explicit_mesh
-from ..rules import constrain, spec_without
-from .parts import PipelineParts
+from jaxpar.blocks import find_layer_calls, use_layer_runner, with_remat
+from jaxpar.layer_lists import layer_differences
+from jaxpar.mesh import data_axes
+from jaxpar.model_mesh import batch_specs, call_site, explicit_call, model_batch_axes, needs_explicit_mesh
+from jaxpar.rules import constrain, spec_without
+from jaxpar.pipeline.parts import PipelineParts
 
 __all__ = ["ModelCut", "PipelineCutError", "cut_model", "layer_lists"]
 

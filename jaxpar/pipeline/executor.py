@@ -59,14 +59,14 @@ from typing import Callable, Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ..blocks import use_layer_runner
-from ..rules import drop_axes, use_rules
-from .buffers import PipelineState, Slots, SlotView, TickIO
-from .lockstep_stage import LockstepStage, lockstep_state, lockstep_table, lockstep_tick
-from .partition import check_blocks_layout
-from .parts import PipelineParts
-from .program import Program
-from .stage import PIPE, TICKS_SCOPE, ActionKind, Stage, initial_state, stage_counts, tick, tick_table
+from jaxpar.blocks import use_layer_runner
+from jaxpar.rules import drop_axes, use_rules
+from jaxpar.pipeline.buffers import PipelineState, Slots, SlotView, TickIO
+from jaxpar.pipeline.lockstep_stage import LockstepStage, lockstep_state, lockstep_table, lockstep_tick
+from jaxpar.pipeline.partition import check_blocks_layout
+from jaxpar.pipeline.parts import PipelineParts
+from jaxpar.pipeline.program import Program
+from jaxpar.pipeline.stage import PIPE, TICKS_SCOPE, ActionKind, Stage, initial_state, stage_counts, tick, tick_table
 
 __all__ = ["pipeline_value_and_grad", "PIPE", "TICKS_SCOPE", "ActionKind", "Slots", "PipelineState", "SlotView",
            "TickIO"]

@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import jax
 
-from ..split_backward import split_backward
-from ..vjp_residuals import join_pullback, split_pullback
+from jaxpar.split_backward import split_backward
+from jaxpar.vjp_residuals import join_pullback, split_pullback
 
 __all__ = ["LayerVJP"]
 

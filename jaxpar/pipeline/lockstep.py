@@ -32,7 +32,7 @@ Example:
 """
 from __future__ import annotations
 
-from .table import Action, Schedule, dependencies, stage_actions, validate
+from jaxpar.pipeline.table import Action, Schedule, dependencies, stage_actions, validate
 
 __all__ = ["lockstep", "is_lockstep"]
 

@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .buffers import PipelineState, Slots, SlotView, TickIO, take, take_tree
-from .program import Program
-from .stage import ActionKind, Stage, exchange, initial_state, one_of
+from jaxpar.pipeline.buffers import PipelineState, Slots, SlotView, TickIO, take, take_tree
+from jaxpar.pipeline.program import Program
+from jaxpar.pipeline.stage import ActionKind, Stage, exchange, initial_state, one_of
 
 __all__ = ["StageFlags", "LockstepRow", "lockstep_table", "LockstepStage", "lockstep_state", "lockstep_tick"]
 

@@ -34,18 +34,18 @@ from typing import Any, Callable, NamedTuple
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..batch import split_microbatches
-from ..moe import reported_loads, step_loads_needed, use_step_loads
-from ..mesh import data_axes
-from ..rules import axes_of, named_shardings, without_rules
-from .cut import ModelCut, cut_model
-from .executor import pipeline_value_and_grad
-from .lockstep import lockstep
-from .parts import PipelineParts
-from .partition import check_stage_layers, from_stages, layer_costs, partition_layers, to_stages, uniform_layers
-from .program import lower
-from .schedules import get_schedule
-from .sweep import pipeline_forward_sum
+from jaxpar.batch import split_microbatches
+from jaxpar.moe import reported_loads, step_loads_needed, use_step_loads
+from jaxpar.mesh import data_axes
+from jaxpar.rules import axes_of, named_shardings, without_rules
+from jaxpar.pipeline.cut import ModelCut, cut_model
+from jaxpar.pipeline.executor import pipeline_value_and_grad
+from jaxpar.pipeline.lockstep import lockstep
+from jaxpar.pipeline.parts import PipelineParts
+from jaxpar.pipeline.partition import check_stage_layers, from_stages, layer_costs, partition_layers, to_stages, uniform_layers
+from jaxpar.pipeline.program import lower
+from jaxpar.pipeline.schedules import get_schedule
+from jaxpar.pipeline.sweep import pipeline_forward_sum
 
 __all__ = ["make_pipeline_loss_and_grad", "auto_stage_layers", "check_pipeline_strategy", "runs_in_lockstep",
            "staged_cut", "StagedCut"]

@@ -31,7 +31,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .schedules import Schedule, validate
+from jaxpar.pipeline.schedules import Schedule, validate
 
 __all__ = ["Instr", "Tick", "Program", "lower", "sends", "colour_intervals", "stage_counts", "PIPE"]
 

@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..loss_metrics import with_reported_metrics
-from .buffers import (PipelineState, Slots, SlotView, TickIO, put, put_tree, read_slots, take, take_tree, write_slots,
+from jaxpar.loss_metrics import with_reported_metrics
+from jaxpar.pipeline.buffers import (PipelineState, Slots, SlotView, TickIO, put, put_tree, read_slots, take, take_tree, write_slots,
                       zeros_like_tree)
-from .layer_vjp import LayerVJP
-from .parts import PipelineParts
-from .program import PIPE, Instr, Program, stage_counts
+from jaxpar.pipeline.layer_vjp import LayerVJP
+from jaxpar.pipeline.parts import PipelineParts
+from jaxpar.pipeline.program import PIPE, Instr, Program, stage_counts
 
 __all__ = ["PIPE", "TICKS_SCOPE", "ActionKind", "TickRow", "TickTable", "tick_table", "Stage",
            "initial_state", "exchange", "tick", "one_of", "stage_counts"]

@@ -47,16 +47,16 @@ import optax
 from jax.extend.core import Literal
 from jax.sharding import PartitionSpec as P
 
-from ..blocks import use_layer_runner
-from ..compat import Setting, raise_problems
-from ..rules import drop_axes, path_str, resolve, use_rules
-from .buffers import SlotView, Slots, TickIO, put, put_tree, read_slots, take, take_tree, write_slots
-from .partition import from_stages, to_stages
-from .piped import check_pipeline_strategy, staged_cut
-from .schedules import pipedream
-from .stage import PIPE, TICKS_SCOPE, ActionKind, Stage, exchange, initial_state, one_of, stage_counts, tick_table
-from .stash_optimizer import optimizer_is_per_stage, stacked_block_ids
-from .stash_versions import StashingError, StashProgram, check_stashing, lower_stashed
+from jaxpar.blocks import use_layer_runner
+from jaxpar.compat import Setting, raise_problems
+from jaxpar.rules import drop_axes, path_str, resolve, use_rules
+from jaxpar.pipeline.buffers import SlotView, Slots, TickIO, put, put_tree, read_slots, take, take_tree, write_slots
+from jaxpar.pipeline.partition import from_stages, to_stages
+from jaxpar.pipeline.piped import check_pipeline_strategy, staged_cut
+from jaxpar.pipeline.schedules import pipedream
+from jaxpar.pipeline.stage import PIPE, TICKS_SCOPE, ActionKind, Stage, exchange, initial_state, one_of, stage_counts, tick_table
+from jaxpar.pipeline.stash_optimizer import optimizer_is_per_stage, stacked_block_ids
+from jaxpar.pipeline.stash_versions import StashingError, StashProgram, check_stashing, lower_stashed
 
 __all__ = ["make_stashing_step", "check_stashing_step", "optimizer_is_per_stage"]
 
@@ -219,7 +219,7 @@ def _opt_tags(tx, layout) -> list[int]:
 def check_stashing_step(strategy, layout) -> None:
     """:func:`~.stashing.check_stashing` plus what the train step needs: a state with the older versions."""
     check_stashing(strategy, layout.mesh.shape)
-    from .stash_versions import older_versions
+    from jaxpar.pipeline.stash_versions import older_versions
 
     n = older_versions(layout.mesh.shape["pipe"], strategy.update_every)
     if not isinstance(layout.versions, tuple) or len(layout.versions) != n:
@@ -247,7 +247,7 @@ def make_stashing_step(loss_fn: Callable, tx, layout, steps: int = 1, *, log_lr:
       ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
       ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
     """
-    from .two_bw_steps import check_steps_per_call
+    from jaxpar.pipeline.two_bw_steps import check_steps_per_call
 
     strategy = layout.strategy
     check_steps_per_call(strategy, steps)
@@ -276,7 +276,7 @@ class _StashingRun:
 
     def run(self, state, batches):
         """``steps`` optimizer steps: ``(state, batches [steps, B, ...]) -> (state, metrics [steps])``."""
-        from .two_bw_steps import step_microbatches
+        from jaxpar.pipeline.two_bw_steps import step_microbatches
 
         layout, strategy, steps, mesh = self.layout, self.layout.strategy, self.steps, self.layout.mesh
         p, m, k = mesh.shape[PIPE], strategy.microbatches, strategy.update_every

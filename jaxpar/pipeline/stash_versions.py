@@ -38,9 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from .program import Program, colour_intervals, lower
-from .schedules import Schedule, canonical_kind
-from .table import check_int
+from jaxpar.pipeline.program import Program, colour_intervals, lower
+from jaxpar.pipeline.schedules import Schedule, canonical_kind
+from jaxpar.pipeline.table import check_int
 
 __all__ = ["STASHING", "StashingError", "version", "older_versions", "weight_versions", "StashProgram",
            "lower_stashed", "update_ticks", "is_stashing", "check_stashing"]

@@ -35,12 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..blocks import use_layer_runner
-from ..rules import drop_axes, use_rules
-from .buffers import put_tree, take, take_tree, zeros_like_tree
-from .partition import check_blocks_layout
-from .parts import PipelineParts
-from .program import PIPE
+from jaxpar.blocks import use_layer_runner
+from jaxpar.rules import drop_axes, use_rules
+from jaxpar.pipeline.buffers import put_tree, take, take_tree, zeros_like_tree
+from jaxpar.pipeline.partition import check_blocks_layout
+from jaxpar.pipeline.parts import PipelineParts
+from jaxpar.pipeline.program import PIPE
 
 __all__ = ["pipeline_forward_sum"]
 

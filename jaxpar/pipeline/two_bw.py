@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .program import colour_intervals
-from .schedules import Schedule, canonical_kind
+from jaxpar.pipeline.program import colour_intervals
+from jaxpar.pipeline.schedules import Schedule, canonical_kind
 
 __all__ = ["AsyncPipelineError", "TWO_BW", "is_two_bw", "step_windows", "weight_versions", "check_two_bw",
            "check_two_bw_step"]

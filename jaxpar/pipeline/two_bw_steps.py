@@ -31,15 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..batch import check_batch, split_microbatches
-from ..blocks import use_layer_runner
-from ..rules import drop_axes, named_shardings, resolve, use_rules
-from .two_bw import AsyncPipelineError, check_two_bw_step, step_windows
-from .buffers import PipelineState, Slots, put, put_tree, read_slots, take, take_tree, write_slots
-from .piped import check_pipeline_strategy, staged_cut
-from .program import Program, lower
-from .schedules import pipedream_2bw
-from .stage import PIPE, TICKS_SCOPE, Stage, initial_state, stage_counts, tick, tick_table
+from jaxpar.batch import check_batch, split_microbatches
+from jaxpar.blocks import use_layer_runner
+from jaxpar.rules import drop_axes, named_shardings, resolve, use_rules
+from jaxpar.pipeline.two_bw import AsyncPipelineError, check_two_bw_step, step_windows
+from jaxpar.pipeline.buffers import PipelineState, Slots, put, put_tree, read_slots, take, take_tree, write_slots
+from jaxpar.pipeline.piped import check_pipeline_strategy, staged_cut
+from jaxpar.pipeline.program import Program, lower
+from jaxpar.pipeline.schedules import pipedream_2bw
+from jaxpar.pipeline.stage import PIPE, TICKS_SCOPE, Stage, initial_state, stage_counts, tick, tick_table
 
 __all__ = ["make_two_bw_steps", "check_steps_per_call", "check_stacked_batches", "window_runner",
            "step_microbatches", "TICKS_SCOPE", "WINDOWS_SCOPE"]

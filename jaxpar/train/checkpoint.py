@@ -66,10 +66,10 @@ from typing import Any
 
 import jax
 
-from ..layer_lists import change_form
-from .checkpoint_format import FORMAT, READABLE, upgrade_record
-from .checkpoint_parts import fresh_stats, plan_parts, versions_from_params
-from .checkpoint_records import record_layouts, saved_lists, shapes_of
+from jaxpar.layer_lists import change_form
+from jaxpar.train.checkpoint_format import FORMAT, READABLE, upgrade_record
+from jaxpar.train.checkpoint_parts import fresh_stats, plan_parts, versions_from_params
+from jaxpar.train.checkpoint_records import record_layouts, saved_lists, shapes_of
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer", "Restored", "FORMAT"]
 

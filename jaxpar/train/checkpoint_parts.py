@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from .checkpoint_records import codec_layout, describe_codec, describe_versions, same_layout, shapes_of, versions_layout
+from jaxpar.train.checkpoint_records import codec_layout, describe_codec, describe_versions, same_layout, shapes_of, versions_layout
 
 __all__ = ["PARTS", "PartPlan", "plan_parts", "fresh_stats", "versions_from_params"]
 

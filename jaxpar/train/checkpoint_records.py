@@ -80,8 +80,8 @@ def codec_layout(layout: Any) -> dict | None:
     """
     if not jax.tree.leaves(layout.codec_shapes):
         return None
-    from ..compression import PowerSGD
-    from .compressed import compression_plan     # compression loads only when used
+    from jaxpar.compression import PowerSGD
+    from jaxpar.train.compressed import compression_plan     # compression loads only when used
 
     strategy = layout.strategy
     codec = strategy.compression

@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ..blocks import LAYERS
-from ..compression import ExchangePlan, exchange_plan
-from ..data_parallel import axis_name, manual_layout
-from .state import StateLayout
+from jaxpar.blocks import LAYERS
+from jaxpar.compression import ExchangePlan, exchange_plan
+from jaxpar.data_parallel import axis_name, manual_layout
+from jaxpar.train.state import StateLayout
 
 __all__ = ["compression_plan", "compression_state"]
 

@@ -25,17 +25,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..analysis.axis_bytes import compiled_bytes_per_axis
-from ..analysis.memory import memory_report
-from ..batch import batch_sharding
-from ..cost.memory import argument_bytes
-from ..cost.model import ModelSpec
-from ..cost.parallel import Plan
-from ..cost.traffic import bytes_per_axis, comms
-from ..mesh import make_mesh
-from ..strategy import Strategy
-from .init import state_layout
-from .step import make_train_step
+from jaxpar.analysis.axis_bytes import compiled_bytes_per_axis
+from jaxpar.analysis.memory import memory_report
+from jaxpar.batch import batch_sharding
+from jaxpar.cost.memory import argument_bytes
+from jaxpar.cost.model import ModelSpec
+from jaxpar.cost.parallel import Plan
+from jaxpar.cost.traffic import bytes_per_axis, comms
+from jaxpar.mesh import make_mesh
+from jaxpar.strategy import Strategy
+from jaxpar.train.init import state_layout
+from jaxpar.train.step import make_train_step
 
 __all__ = ["compare", "compile_plan", "compile_and_compare"]
 
@@ -98,7 +98,7 @@ def compile_plan(model_fn: Callable, plan: Plan, batch: int, seq: int, *, device
                         microbatches=plan.microbatches, schedule=plan.schedule, virtual_stages=plan.virtual)
     tx = optax.adamw(1e-3, weight_decay=0.1) if tx is None else tx
     if loss_fn is None:
-        from ..models.gpt import lm_loss as loss_fn
+        from jaxpar.models.gpt import lm_loss as loss_fn
     layout = state_layout(model_fn, tx, mesh, strategy)
     step = make_train_step(loss_fn, tx, layout, strategy)
     spec = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sharding(mesh))
@@ -122,7 +122,7 @@ def compile_and_compare(model: ModelSpec, plan: Plan, *, devices: Sequence | Non
     if model_fn is None:
         from flax import nnx
 
-        from ..models.gpt import GPT, GPTConfig
+        from jaxpar.models.gpt import GPT, GPTConfig
 
         remat = {"selective": "save-matmuls"}.get(plan.remat, plan.remat)
         cfg = GPTConfig(vocab=model.vocab, seq_len=model.seq, embed=model.hidden, heads=model.heads,

@@ -49,8 +49,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..data.rows import make_global_batch, process_rows, select_rows
-from ..data.tokens import TOKEN_DTYPES, map_tokens
+from jaxpar.data.rows import make_global_batch, process_rows, select_rows
+from jaxpar.data.tokens import TOKEN_DTYPES, map_tokens
 
 __all__ = [
     "DEFAULT_MAX_BYTES", "stdlib_sources", "expand_paths", "read_documents", "load_bytes", "tokenize_documents",

@@ -43,9 +43,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..data_parallel import axis_name, bucketed_reduce_scatter
-from .grads import ManualLayout, manual_specs
-from .state import StateLayout
+from jaxpar.data_parallel import axis_name, bucketed_reduce_scatter
+from jaxpar.train.grads import ManualLayout, manual_specs
+from jaxpar.train.state import StateLayout
 
 __all__ = ["Exchange", "exact_exchange", "compressed_exchange", "measured_exchange", "run_exchange", "clip_replica"]
 

@@ -38,16 +38,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from ..batch import split_microbatches
-from ..blocks import LAYERS, find_layer_calls, use_layer_runner
-from ..data_parallel import (DataParallelLayers, axis_name, bucketed_all_gather, explicit_by_default, manual_layout,
+from jaxpar.batch import split_microbatches
+from jaxpar.blocks import LAYERS, find_layer_calls, use_layer_runner
+from jaxpar.data_parallel import (DataParallelLayers, axis_name, bucketed_all_gather, explicit_by_default, manual_layout,
                              sharded_spec)
-from ..loss_metrics import with_reported_metrics
-from ..mesh import data_axes
-from ..moe import reported_loads, step_loads_needed, use_step_loads
-from ..rules import axes_of, drop_axes, named_shardings, path_str, resolve, use_rules
-from ..model_mesh import ModelLoss
-from .state import StateLayout
+from jaxpar.loss_metrics import with_reported_metrics
+from jaxpar.mesh import data_axes
+from jaxpar.moe import reported_loads, step_loads_needed, use_step_loads
+from jaxpar.rules import axes_of, drop_axes, named_shardings, path_str, resolve, use_rules
+from jaxpar.model_mesh import ModelLoss
+from jaxpar.train.state import StateLayout
 
 __all__ = ["model_loss", "accumulate", "global_grads", "pipeline_grads", "replica_grads", "explicit_data_parallel",
            "stacked_layers", "ManualLayout", "manual_specs", "ExplicitDPError"]
@@ -196,7 +196,7 @@ def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | 
     """
     mesh, strategy = layout.mesh, layout.strategy
     if strategy.compression is not None:
-        from ..compression import CompressionError
+        from jaxpar.compression import CompressionError
 
         raise CompressionError(
             f"global_grads on a layout with compression={strategy.compression.name!r}: this gradient is reduced "
@@ -264,7 +264,7 @@ def pipeline_grads(loss_fn: Callable, layout: StateLayout, *, per_replica: bool 
     Returns:
       The function; call it under ``jit`` and :func:`jaxpar.use_rules`.
     """
-    from ..pipeline.piped import make_pipeline_loss_and_grad   # pipelines load only when used
+    from jaxpar.pipeline.piped import make_pipeline_loss_and_grad   # pipelines load only when used
 
     mesh = layout.mesh
     sizes = dict(mesh.shape)

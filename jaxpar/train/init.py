@@ -35,15 +35,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from ..compat import Setting, raise_problems
-from ..mesh import replicas
-from ..rules import named_shardings, resolve
-from ..strategy import Strategy
-from ..zero import zero_specs
-from ..layer_lists import stack_layers, stacked_counts
-from ..model_mesh import check_model_axes
-from ..model_shapes import abstract_model
-from .state import StateLayout, TrainState, optimizer_specs
+from jaxpar.compat import Setting, raise_problems
+from jaxpar.mesh import replicas
+from jaxpar.rules import named_shardings, resolve
+from jaxpar.strategy import Strategy
+from jaxpar.zero import zero_specs
+from jaxpar.layer_lists import stack_layers, stacked_counts
+from jaxpar.model_mesh import check_model_axes
+from jaxpar.model_shapes import abstract_model
+from jaxpar.train.state import StateLayout, TrainState, optimizer_specs
 
 __all__ = ["init_train_state", "state_layout", "raise_table_problems"]
 
@@ -121,7 +121,7 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
     if strategy.sync is not None or replicas(mesh) > 1:
         return _relaxed_layout_and_init(model_fn, tx, layout, strategy)
     if strategy.compression is not None:
-        from .compressed import compression_state   # compression loads only when used
+        from jaxpar.train.compressed import compression_state   # compression loads only when used
 
         make_codec, codec_specs, codec_shapes = compression_state(strategy.compression, layout, strategy.zero)
         codec_init = jax.jit(make_codec, out_shardings=named_shardings(codec_specs, mesh))
@@ -165,13 +165,13 @@ def raise_table_problems(setting: Setting) -> None:
     Args:
       setting: what the run asks for.
     """
-    from ..compression import CompressionError
-    from ..context import ContextParallelError
-    from ..pipeline.stash_versions import StashingError
-    from ..pipeline.two_bw import AsyncPipelineError
-    from ..sync import SyncError
-    from .grads import ExplicitDPError
-    from .noise_scale import NoiseScaleError
+    from jaxpar.compression import CompressionError
+    from jaxpar.context import ContextParallelError
+    from jaxpar.pipeline.stash_versions import StashingError
+    from jaxpar.pipeline.two_bw import AsyncPipelineError
+    from jaxpar.sync import SyncError
+    from jaxpar.train.grads import ExplicitDPError
+    from jaxpar.train.noise_scale import NoiseScaleError
 
     raise_problems(setting, {"ExplicitDPError": ExplicitDPError, "NoiseScaleError": NoiseScaleError,
                              "AsyncPipelineError": AsyncPipelineError, "StashingError": StashingError,
@@ -181,7 +181,7 @@ def raise_table_problems(setting: Setting) -> None:
 
 def _two_bw(strategy: Strategy, mesh: Mesh) -> bool:
     """Whether the state keeps PipeDream-2BW's second weight version (errors for settings it cannot run)."""
-    from ..pipeline.two_bw import check_two_bw, is_two_bw
+    from jaxpar.pipeline.two_bw import check_two_bw, is_two_bw
 
     if strategy.schedule != "pipedream-2bw":
         return False
@@ -193,7 +193,7 @@ def _stashed(strategy: Strategy, mesh: Mesh) -> int:
     """Older weight versions the state keeps for PipeDream weight stashing (0: another schedule)."""
     if strategy.schedule != "pipedream":
         return 0
-    from ..pipeline.stash_versions import check_stashing, older_versions
+    from jaxpar.pipeline.stash_versions import check_stashing, older_versions
 
     check_stashing(strategy, mesh.shape)
     return older_versions(mesh.shape["pipe"], strategy.update_every)
@@ -201,7 +201,7 @@ def _stashed(strategy: Strategy, mesh: Mesh) -> int:
 
 def _relaxed_layout_and_init(model_fn, tx, layout: StateLayout, strategy: Strategy) -> tuple[StateLayout, Callable]:
     """The state of K replicas (``replica`` axis; :mod:`jaxpar.train.relaxed`)."""
-    from .relaxed import relaxed_layout   # relaxed synchronisation loads only when used
+    from jaxpar.train.relaxed import relaxed_layout   # relaxed synchronisation loads only when used
 
     layout, make = relaxed_layout(layout, tx, strategy)
 

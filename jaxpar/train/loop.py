@@ -52,22 +52,22 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..batch import batch_sharding, shard_batch
-from ..moe import use_router_bias
-from ..rules import named_shardings
-from ..strategy import Strategy
-from ..data.rows import make_global_batch
-from .metrics import MetricsWriter, is_main_process
-from .noise_scale import KEY as NOISE_KEY
-from .noise_scale import noise_scale_of
-from .preemption import StopAgreement, StopSignals
-from .ramp import AdaptiveRamp
-from .report import LogOptions, NonFiniteError, TrainSummary, plot_losses  # re-exported: their former home
-from .report import check_int, merge_log_options, Meter, Progress
-from .router_bias import KEY as BIAS, has_router_bias
-from .grads import model_loss
-from .program import strategy_context
-from .state import StateLayout, layout_strategy
+from jaxpar.batch import batch_sharding, shard_batch
+from jaxpar.moe import use_router_bias
+from jaxpar.rules import named_shardings
+from jaxpar.strategy import Strategy
+from jaxpar.data.rows import make_global_batch
+from jaxpar.train.metrics import MetricsWriter, is_main_process
+from jaxpar.train.noise_scale import KEY as NOISE_KEY
+from jaxpar.train.noise_scale import noise_scale_of
+from jaxpar.train.preemption import StopAgreement, StopSignals
+from jaxpar.train.ramp import AdaptiveRamp
+from jaxpar.train.report import LogOptions, NonFiniteError, TrainSummary, plot_losses  # re-exported: their former home
+from jaxpar.train.report import check_int, merge_log_options, Meter, Progress
+from jaxpar.train.router_bias import KEY as BIAS, has_router_bias
+from jaxpar.train.grads import model_loss
+from jaxpar.train.program import strategy_context
+from jaxpar.train.state import StateLayout, layout_strategy
 
 __all__ = ["TrainSummary", "NonFiniteError", "LogOptions", "train", "make_eval_fn", "plot_losses",
            "NONFINITE_MODES"]
@@ -304,7 +304,7 @@ class _Run:
         points = earlier + self.meter.noise_scale
         if not points:
             return None
-        from .noise_scale import plot_noise_scale
+        from jaxpar.train.noise_scale import plot_noise_scale
 
         return plot_noise_scale(Path(self.log.out_dir) / "noise_scale.png", [s for s, _ in points],
                                 [v for _, v in points], title=f"{self.log.title}: gradient noise scale")

@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from .state import has_stats_part, stats_part_layout, with_stats_part
+from jaxpar.train.state import has_stats_part, stats_part_layout, with_stats_part
 
 __all__ = ["NoiseScaleError", "KEY", "METRICS", "check_options", "noise_scale_layout", "check_measurable", "grad_sq_estimate", "trace_estimate",
            "init_state", "update", "noise_scale_of", "with_noise_scale", "has_noise_scale", "plot_noise_scale"]

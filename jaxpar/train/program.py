@@ -29,12 +29,12 @@ from typing import Any, Callable, Iterator, Mapping
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..context import ContextParallelError, count_context_calls, use_context_parallel
-from ..mesh import CONTEXT, EXPERT
-from ..moe import MoEError, count_moe_calls
-from ..rules import use_rules
-from .router_bias import has_router_bias
-from .state import StateLayout
+from jaxpar.context import ContextParallelError, count_context_calls, use_context_parallel
+from jaxpar.mesh import CONTEXT, EXPERT
+from jaxpar.moe import MoEError, count_moe_calls
+from jaxpar.rules import use_rules
+from jaxpar.train.router_bias import has_router_bias
+from jaxpar.train.state import StateLayout
 
 __all__ = ["TrainStep", "jit_program", "HostStep", "strategy_context"]
 

@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ..mesh import REPLICA, data_axes, replicas
-from ..rules import named_shardings
-from ..strategy import Strategy
-from ..zero import spec_shards
-from ..sync import DiLoCo, EASGD, Stale, SyncError, check_sync, synchronous
-from .state import StateLayout, optimizer_specs
+from jaxpar.mesh import REPLICA, data_axes, replicas
+from jaxpar.rules import named_shardings
+from jaxpar.strategy import Strategy
+from jaxpar.zero import spec_shards
+from jaxpar.sync import DiLoCo, EASGD, Stale, SyncError, check_sync, synchronous
+from jaxpar.train.state import StateLayout, optimizer_specs
 
 __all__ = ["relaxed_layout", "replica_bytes", "split_replicas", "is_local"]
 

@@ -10,15 +10,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ..batch import batch_sharding, check_batch
-from ..mesh import REPLICA, replicas
-from ..rules import named_shardings, use_rules
-from ..sync import Backup, DiLoCo, Stale, check_sync, synchronous
-from .grads import global_grads
-from .program import TrainStep, jit_program
-from .relaxed import is_local, replica_bytes, split_replicas
-from .state import StateLayout, TrainState
-from .update import Update, apply_update
+from jaxpar.batch import batch_sharding, check_batch
+from jaxpar.mesh import REPLICA, replicas
+from jaxpar.rules import named_shardings, use_rules
+from jaxpar.sync import Backup, DiLoCo, Stale, check_sync, synchronous
+from jaxpar.train.grads import global_grads
+from jaxpar.train.program import TrainStep, jit_program
+from jaxpar.train.relaxed import is_local, replica_bytes, split_replicas
+from jaxpar.train.state import StateLayout, TrainState
+from jaxpar.train.update import Update, apply_update
 
 __all__ = ["relaxed_train_step", "global_step", "local_steps", "run_local_steps"]
 
@@ -40,7 +40,7 @@ def relaxed_train_step(loss_fn: Callable, layout: StateLayout, update: Update, *
       The :class:`~jaxpar.train.program.TrainStep`; its programs are ``"step"`` (and ``"outer"``,
       ``"warm"`` for the kinds whose replicas train on their own).
     """
-    from .grads import ExplicitDPError
+    from jaxpar.train.grads import ExplicitDPError
 
     strategy, mesh = layout.strategy, layout.mesh
     sync = strategy.sync or synchronous()

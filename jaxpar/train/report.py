@@ -34,8 +34,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from ..analysis.memory import format_bytes
-from .metrics import MetricsWriter, mfu
+from jaxpar.analysis.memory import format_bytes
+from jaxpar.train.metrics import MetricsWriter, mfu
 
 __all__ = ["LogOptions", "TrainSummary", "NonFiniteError", "plot_losses", "Progress", "Meter", "check_int",
            "merge_log_options"]

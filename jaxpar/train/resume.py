@@ -25,13 +25,13 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from ..moe import use_router_bias
-from .checkpoint import CheckpointWarning
-from .loop import train
-from .metrics import flops_per_token, is_main_process
-from .report import LogOptions, NonFiniteError
-from .router_bias import KEY as BIAS, has_router_bias
-from .sample import SampleOptions, host_params, write_samples
+from jaxpar.moe import use_router_bias
+from jaxpar.train.checkpoint import CheckpointWarning
+from jaxpar.train.loop import train
+from jaxpar.train.metrics import flops_per_token, is_main_process
+from jaxpar.train.report import LogOptions, NonFiniteError
+from jaxpar.train.router_bias import KEY as BIAS, has_router_bias
+from jaxpar.train.sample import SampleOptions, host_params, write_samples
 
 __all__ = ["RunOptions", "resume", "checkpoint_meta", "gpt_flops_per_token", "train_with_checkpoints"]
 

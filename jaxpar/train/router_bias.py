@@ -34,8 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..moe import LAYER_LOADS, MoEError, update_router_bias
-from .state import has_stats_part, stats_part_layout, with_stats_part
+from jaxpar.moe import LAYER_LOADS, MoEError, update_router_bias
+from jaxpar.train.state import has_stats_part, stats_part_layout, with_stats_part
 
 __all__ = ["KEY", "with_router_bias", "router_bias_layout", "has_router_bias", "balanced_bias", "check_rate"]
 

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..rules import named_shardings
-from ..strategy import Strategy
-from ..zero import analytic_state_bytes
+from jaxpar.rules import named_shardings
+from jaxpar.strategy import Strategy
+from jaxpar.zero import analytic_state_bytes
 
 __all__ = ["TrainState", "StateLayout", "optimizer_specs", "layout_strategy", "StrategyMismatchError",
            "stats_part_layout", "with_stats_part", "has_stats_part"]

@@ -44,19 +44,19 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..batch import batch_sharding, check_batch, shard_batch
-from ..compat import Setting
-from ..mesh import batch_axes
-from ..moe import MoEError, use_router_bias
-from ..strategy import Strategy
-from .exchange import compressed_exchange, exact_exchange, measured_exchange, run_exchange
-from .grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
-from .init import raise_table_problems
-from .program import TrainStep, jit_program
-from .report import check_int
-from .router_bias import KEY as BIAS, balanced_bias, check_rate, has_router_bias
-from .state import StateLayout, StrategyMismatchError, layout_strategy
-from .update import Update, apply_update, delayed_update
+from jaxpar.batch import batch_sharding, check_batch, shard_batch
+from jaxpar.compat import Setting
+from jaxpar.mesh import batch_axes
+from jaxpar.moe import MoEError, use_router_bias
+from jaxpar.strategy import Strategy
+from jaxpar.train.exchange import compressed_exchange, exact_exchange, measured_exchange, run_exchange
+from jaxpar.train.grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
+from jaxpar.train.init import raise_table_problems
+from jaxpar.train.program import TrainStep, jit_program
+from jaxpar.train.report import check_int
+from jaxpar.train.router_bias import KEY as BIAS, balanced_bias, check_rate, has_router_bias
+from jaxpar.train.state import StateLayout, StrategyMismatchError, layout_strategy
+from jaxpar.train.update import Update, apply_update, delayed_update
 
 __all__ = ["make_train_step", "StepOptions", "ExplicitDPError", "StrategyMismatchError", "batch_sharding",
            "check_batch", "shard_batch"]
@@ -163,11 +163,11 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
                                  steps_per_call=opts.steps_per_call, clip_norm=update.clip_norm,
                                  noise_scale_every=opts.noise_scale_every))
     if opts.noise_scale_every is not None:
-        from .noise_scale import check_measurable   # the noise scale loads only when used
+        from jaxpar.train.noise_scale import check_measurable   # the noise scale loads only when used
 
         check_measurable(layout, opts.noise_scale_every, opts.noise_scale_ema)
     if strategy.schedule == "pipedream-2bw":
-        from ..pipeline.two_bw import check_two_bw_step
+        from jaxpar.pipeline.two_bw import check_two_bw_step
 
         check_two_bw_step(strategy, layout)
     check_rate(layout, opts.router_bias_rate)
@@ -249,7 +249,7 @@ def _exchange(layout: StateLayout, measure: bool):
         return None
     man = manual_specs(layout)
     if strategy.compression is not None:
-        from .compressed import compression_plan   # compression loads only when used
+        from jaxpar.train.compressed import compression_plan   # compression loads only when used
 
         inner = compressed_exchange(compression_plan(strategy.compression, layout, strategy.zero),
                                     strategy.local_clip)
@@ -260,7 +260,7 @@ def _exchange(layout: StateLayout, measure: bool):
 
 def _noise_scale_stats(state, batch, metrics: dict, replicas_: int, ema: float) -> tuple[dict, dict]:
     """The noise scale's moving averages after this step's two squared norms, and the metrics."""
-    from .noise_scale import KEY, update as update_noise_scale
+    from jaxpar.train.noise_scale import KEY, update as update_noise_scale
 
     metrics = dict(metrics)
     sq_small, sq_big = metrics.pop("grad_sq_small"), metrics.pop("grad_sq_big")
@@ -271,7 +271,7 @@ def _noise_scale_stats(state, batch, metrics: dict, replicas_: int, ema: float) 
 
 def _stashing(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
     """Weight stashing: each stage applies ``tx`` to its own weights inside the pipeline."""
-    from ..pipeline.stash_step import make_stashing_step   # pipelines load only when used
+    from jaxpar.pipeline.stash_step import make_stashing_step   # pipelines load only when used
 
     run, program = make_stashing_step(loss_fn, update.tx, layout, opts.steps_per_call, log_lr=update.log_lr,
                                       skip_nonfinite=update.skip_nonfinite)
@@ -280,7 +280,7 @@ def _stashing(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -
 
 def _no_flush(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
     """``steps_per_call`` PipeDream-2BW steps of the no-flush pipeline, the update between them."""
-    from ..pipeline.two_bw_steps import make_two_bw_steps
+    from jaxpar.pipeline.two_bw_steps import make_two_bw_steps
 
     run, program = make_two_bw_steps(loss_fn, layout, opts.steps_per_call, partial(apply_update, update))
     return _stacked_steps(run, layout, opts, program)
@@ -289,7 +289,7 @@ def _no_flush(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -
 def _stacked_steps(run: Callable, layout: StateLayout, opts: StepOptions, program) -> TrainStep:
     """The step of a program that runs ``opts.steps_per_call`` optimizer steps on stacked batches
     ``[K, B, ...]`` (metrics ``[K]``); with ``K = 1`` it takes one batch and returns one step's metrics."""
-    from ..pipeline.two_bw_steps import check_stacked_batches
+    from jaxpar.pipeline.two_bw_steps import check_stacked_batches
 
     mesh, m, k = layout.mesh, layout.strategy.microbatches, opts.steps_per_call
     if k == 1:
@@ -307,7 +307,7 @@ def _stacked_steps(run: Callable, layout: StateLayout, opts: StepOptions, progra
 
 
 def _replicas(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
-    from .relaxed_steps import relaxed_train_step   # relaxed synchronisation loads only when used
+    from jaxpar.train.relaxed_steps import relaxed_train_step   # relaxed synchronisation loads only when used
 
     return relaxed_train_step(loss_fn, layout, update, explicit_dp=opts.explicit_dp, donate=opts.donate)
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .state import TrainState
+from jaxpar.train.state import TrainState
 
 __all__ = ["Update", "apply_update", "delayed_update"]
 

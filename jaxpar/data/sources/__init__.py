@@ -29,10 +29,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import SourceError
-from .base import ON_MALFORMED, Source
-from .columnar import ArrayRecordSource, HfDiskSource, ParquetSource, save_to_disk_files
-from .jsonl import JsonlSource
+from jaxpar.data.errors import SourceError
+from jaxpar.data.sources.base import ON_MALFORMED, Source
+from jaxpar.data.sources.columnar import ArrayRecordSource, HfDiskSource, ParquetSource, save_to_disk_files
+from jaxpar.data.sources.jsonl import JsonlSource
 
 __all__ = ["FORMATS", "Source", "open_source"]
 

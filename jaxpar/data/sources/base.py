@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SourceError
+from jaxpar.data.errors import SourceError
 
 __all__ = ["ON_MALFORMED", "Source", "field_text"]
 

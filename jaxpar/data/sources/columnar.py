@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import SourceError
-from .base import Source, field_text
+from jaxpar.data.errors import SourceError
+from jaxpar.data.sources.base import Source, field_text
 
 __all__ = ["ROW_GROUP_CACHE", "ParquetSource", "ArrayRecordSource", "HfDiskSource", "save_to_disk_files"]
 

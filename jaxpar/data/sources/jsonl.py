@@ -21,8 +21,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..errors import SourceError
-from .base import Source, field_text
+from jaxpar.data.errors import SourceError
+from jaxpar.data.sources.base import Source, field_text
 
 __all__ = ["SNAPSHOT_INTERVAL", "LineFile", "JsonlSource", "line_starts"]
 
