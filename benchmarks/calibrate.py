@@ -282,7 +282,7 @@ def spearman(a, b) -> float:
 # ----------------------------------------------------------------------------- ranking (acceptance 4)
 def predicted_step_times(cluster) -> dict[str, dict]:
     from jaxpar import cost
-    from jaxpar.cost.plan import evaluate
+    from jaxpar.cost.planner import evaluate
 
     from _common import STRATEGIES
 

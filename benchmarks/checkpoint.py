@@ -37,9 +37,9 @@ from flax import nnx
 
 from jaxpar import Strategy, make_mesh
 from jaxpar.models.gpt import GPT, GPTConfig, lm_loss
-from jaxpar.train.checkpoint import Checkpointer
-from jaxpar.train.init import init_train_state
-from jaxpar.train.step import make_train_step, shard_batch
+from jaxpar.run.checkpoint import Checkpointer
+from jaxpar.step.init import init_train_state
+from jaxpar.step.compose import make_train_step, shard_batch
 
 
 def _dir_bytes(path: Path) -> int:

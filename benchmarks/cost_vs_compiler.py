@@ -2,15 +2,15 @@
 
 For each (GPT, plan, target) case, compiles jaxpar's train step (fp32 parameters, fp32 Adam, fp32
 compute) for the target's abstract devices with the target's own compiler (deviceless AOT,
-:mod:`jaxpar.targets`; nothing runs) and sets beside it the cost model's prediction:
+:mod:`jaxpar.devices.targets`; nothing runs) and sets beside it the cost model's prediction:
 
 * bytes per step per mesh axis: :func:`jaxpar.cost.traffic.comms` (``xla`` lowering) against the
   compiled collectives counted through the loops
   (:func:`jaxpar.analysis.axis_bytes.compiled_bytes_per_axis`);
-* argument bytes: :func:`jaxpar.cost.layout.device_argument_bytes` with the target's layout
-  (:func:`jaxpar.cost.layout.layout_for_platform`) against ``memory_analysis()``;
-* peak bytes: :func:`jaxpar.cost.layout.step_peak_bytes` against what the program allocates on a device
-  (arguments + outputs + temporaries - aliased, :attr:`jaxpar.analysis.memory.MemoryReport.peak_bytes`),
+* argument bytes: :func:`jaxpar.cost.device_bytes.device_argument_bytes` with the target's layout
+  (:func:`jaxpar.cost.device_bytes.layout_for_platform`) against ``memory_analysis()``;
+* peak bytes: :func:`jaxpar.cost.device_bytes.step_peak_bytes` against what the program allocates on a device
+  (arguments + outputs + temporaries - aliased, :attr:`jaxpar.analysis.compiled_memory.MemoryReport.peak_bytes`),
   with XLA's own peak of live bytes (``peak_memory_in_bytes``) beside it: the two agree on GPUs, and libtpu's
   allocation is 5-33 % above its live peak.
 
@@ -39,7 +39,7 @@ import time  # noqa: E402
 from datetime import date  # noqa: E402
 
 from jaxpar import cost  # noqa: E402
-from jaxpar.cost.layout import device_argument_bytes, layout_for_platform, step_peak_bytes  # noqa: E402
+from jaxpar.cost.device_bytes import device_argument_bytes, layout_for_platform, step_peak_bytes  # noqa: E402
 from jaxpar.cost.traffic import bytes_per_axis, comms, lowering_for_platform  # noqa: E402
 
 P = cost.Plan
@@ -93,10 +93,10 @@ def measure(model: cost.ModelSpec, target: str, plan: cost.Plan, hlo: str | None
     path to write the compiled program's HLO text to (gzip)."""
     from flax import nnx
 
-    from jaxpar.analysis.memory import memory_report
+    from jaxpar.analysis.compiled_memory import memory_report
     from jaxpar.models.gpt import GPT, GPTConfig
-    from jaxpar.targets import parse_target, target_devices
-    from jaxpar.train.cost_check import compile_plan
+    from jaxpar.devices.targets import parse_target, target_devices
+    from jaxpar.step.cost_check import compile_plan
 
     remat = {"selective": "save-matmuls"}.get(plan.remat, plan.remat)
     cfg = GPTConfig(vocab=model.vocab, seq_len=model.seq, embed=model.hidden, heads=model.heads,
@@ -139,7 +139,7 @@ def count(compiled, mesh, plan: cost.Plan) -> dict:
 def recount(target: str, plan: cost.Plan, path: str) -> dict:
     """:func:`count` from a case's HLO text (a deviceless program: partition ``i`` is ``mesh.devices.flat[i]``)."""
     from jaxpar.mesh import make_mesh
-    from jaxpar.targets import parse_target, target_devices
+    from jaxpar.devices.targets import parse_target, target_devices
 
     mesh = make_mesh({k: v for k, v in plan.sizes.items() if v > 1} or {"data": 1},
                      devices=target_devices(parse_target(target)))
@@ -224,7 +224,7 @@ def summary(rows: list[dict]) -> dict:
 
 
 def _capacity(target: str) -> float:
-    from jaxpar.targets import parse_target
+    from jaxpar.devices.targets import parse_target
 
     return parse_target(target).capacity_bytes
 

@@ -293,7 +293,7 @@ class Probe:
     def __enter__(self):
         import inspect
 
-        import jaxpar.train.loop as loop
+        import jaxpar.run.loop as loop
 
         self.loop, self.make_global_batch = loop, loop.make_global_batch
 

@@ -26,7 +26,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxpar.models.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-from jaxpar.train.data import load_bytes, split_holdout, text_batch  # noqa: E402
+from jaxpar.data.windows import load_bytes, split_holdout, text_batch  # noqa: E402
 
 
 def main():

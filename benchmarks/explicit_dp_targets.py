@@ -4,7 +4,7 @@ For each target and each strategy where ``explicit_dp`` applies (DP, ZeRO-1/2/3,
 devices), builds the GPT train step of ``configs/quickstart.yaml`` (grown: 4 layers, embed 512, 8 heads,
 256 tokens, batch 16; ``--set`` changes it) with ``make_train_step(explicit_dp=True)`` and with
 ``explicit_dp=False`` (XLA's SPMD partitioner inserts the data-axis collectives), compiles both ahead of
-time for the target's real compiler (deviceless: :mod:`jaxpar.targets`; ``cpu``: 8 simulated CPU
+time for the target's real compiler (deviceless: :mod:`jaxpar.devices.targets`; ``cpu``: 8 simulated CPU
 devices) and compares what the compiler made of them:
 
 * the collectives per kind and mesh axes: instructions and bytes per step (loop bodies times their
@@ -14,7 +14,7 @@ devices) and compares what the compiler made of them:
   no FLOPs under them (synchronous, or async with nothing to overlap: *exposed*);
 * compile time and peak memory per device.
 
-``default`` is what ``explicit_dp=None`` picks today (:func:`jaxpar.data_parallel.explicit_by_default`).
+``default`` is what ``explicit_dp=None`` picks today (:func:`jaxpar.parallel.data_parallel.explicit_by_default`).
 
 Usage::
 
@@ -34,13 +34,13 @@ from pathlib import Path
 import jax
 
 from jaxpar.analysis.hlo import collectives
-from jaxpar.analysis.memory import format_bytes, memory_report
+from jaxpar.analysis.compiled_memory import format_bytes, memory_report
 from jaxpar.analysis.overlap import overlap
 from jaxpar.config import load_config
 from jaxpar.config.job import build_job
-from jaxpar.data_parallel import explicit_by_default
-from jaxpar.targets import parse_target, target_devices
-from jaxpar.train.step import make_train_step
+from jaxpar.parallel.data_parallel import explicit_by_default
+from jaxpar.devices.targets import parse_target, target_devices
+from jaxpar.step.compose import make_train_step
 
 from _common import environment, markdown_table, write_json
 

@@ -32,11 +32,11 @@ from flax import nnx
 import jaxpar
 from jaxpar.analysis.hlo import collectives
 from jaxpar.analysis.loops import trip_counts
-from jaxpar.compression import cast, onebit, powersgd, qsgd, randomk, sign, terngrad, topk
+from jaxpar.parallel.compression import cast, onebit, powersgd, qsgd, randomk, sign, terngrad, topk
 from jaxpar.cost.collectives import Link
 from jaxpar.cost.collectives import time as coll_time
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.train.compressed import compression_plan
+from jaxpar.step.compressed import compression_plan
 
 from _common import copy_state, environment, make_batch, markdown_table, write_json
 
@@ -62,7 +62,7 @@ def codec_seconds(codec, n: int, reps: int = 5) -> float:
     """Median time of encode + decode of ``n`` values on one device (jitted)."""
     if codec is None:
         return 0.0
-    plan = jaxpar.compression.exchange_plan(codec, [(n,)], dims=[None], grad_axes=[()], stacked=[False],
+    plan = jaxpar.parallel.compression.exchange_plan(codec, [(n,)], dims=[None], grad_axes=[()], stacked=[False],
                                             mesh_sizes={"data": 8})
     x = jax.random.normal(jax.random.key(0), (plan.flat_size,))
     if codec.kind == "quantize":

@@ -1,4 +1,4 @@
-"""Host overhead of the training loop: ``jaxpar.train.loop.train`` vs the jitted step in a bare loop.
+"""Host overhead of the training loop: ``jaxpar.run.loop.train`` vs the jitted step in a bare loop.
 
 Both run the same config (``configs/quickstart.yaml`` + overrides, 8 simulated CPU
 devices) with the same compiled step, in one process:
@@ -38,11 +38,11 @@ from pathlib import Path
 import jax
 
 from jaxpar import config as C
-from jaxpar.train.checkpoint import Checkpointer
-from jaxpar.train.loop import LogOptions, train
-from jaxpar.train.metrics import flops_per_token
-from jaxpar.train.init import init_train_state
-from jaxpar.train.step import make_train_step, shard_batch
+from jaxpar.run.checkpoint import Checkpointer
+from jaxpar.run.loop import LogOptions, train
+from jaxpar.run.sinks import flops_per_token
+from jaxpar.step.init import init_train_state
+from jaxpar.step.compose import make_train_step, shard_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,7 +29,7 @@ import sys
 import time
 
 import jaxpar
-from jaxpar.analysis.memory import format_bytes, memory_report
+from jaxpar.analysis.compiled_memory import format_bytes, memory_report
 from jaxpar.models.gpt import lm_loss
 
 from _common import STRATEGIES, BenchStrategy, GPTConfig, abstract_batch, build, environment, markdown_table, \

@@ -12,7 +12,7 @@ from the same sharded state on the same sharded batch:
   pin XLA shards its gradients like the optimizer state (a ZeRO-2 program).
 * ``jaxpar``: ``jaxpar.make_train_step`` with its default ``explicit_dp=None``:
   explicit per-layer data-parallel collectives where
-  ``jaxpar.data_parallel.explicit_by_default`` says so (ZeRO-2/3 / FSDP without
+  ``jaxpar.parallel.data_parallel.explicit_by_default`` says so (ZeRO-2/3 / FSDP without
   tensor parallelism), XLA's otherwise.
 * ``jaxpar-noexp``: ``make_train_step(..., explicit_dp=False)``.
 

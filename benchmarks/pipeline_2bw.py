@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import jaxpar
 from jaxpar.mesh import batch_axes
 from jaxpar.models.gpt import lm_loss
-from jaxpar.pipeline.schedules import num_ticks, pipedream, pipedream_2bw
+from jaxpar.parallel.pipeline.schedules import num_ticks, pipedream, pipedream_2bw
 
 from _common import GPTConfig, environment, make_batch, make_tx, markdown_table, write_json
 

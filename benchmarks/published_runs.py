@@ -39,7 +39,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from jaxpar import cost
-from jaxpar.cost.plan import evaluate
+from jaxpar.cost.planner import evaluate
 from jaxpar.cost.time import Overlap, narayanan_flops
 
 SEQ, VOCAB = 2048, 51200

@@ -4,17 +4,26 @@ from jaxpar.mesh import MeshSpec as MeshSpec, MeshError as MeshError, make_mesh 
 from jaxpar.mesh import simulate_cpu_devices as simulate_cpu_devices, use_devices as use_devices, data_axes as data_axes
 from jaxpar.rules import RulesError as RulesError, logical_to_spec as logical_to_spec, resolve as resolve
 from jaxpar.rules import named_shardings as named_shardings, use_rules as use_rules, constrain as constrain
-from jaxpar.blocks import scan_blocks as scan_blocks, run_layers as run_layers
-from jaxpar.layer_lists import stack_layers as stack_layers, LayerListError as LayerListError
+from jaxpar.adapters.blocks import scan_blocks as scan_blocks, run_layers as run_layers
+from jaxpar.adapters.layer_lists import stack_layers as stack_layers, LayerListError as LayerListError
 from jaxpar.strategy import Strategy as Strategy
-from jaxpar.tensor import tensor_rules as tensor_rules
-from jaxpar.zero import analytic_state_bytes as analytic_state_bytes
-from jaxpar.train.state import TrainState as TrainState, StateLayout as StateLayout
-from jaxpar.train.init import init_train_state as init_train_state, state_layout as state_layout
+from jaxpar.parallel.tensor import tensor_rules as tensor_rules
+from jaxpar.parallel.zero import analytic_state_bytes as analytic_state_bytes
+from jaxpar.step.state import TrainState as TrainState, StateLayout as StateLayout
+from jaxpar.step.init import init_train_state as init_train_state, state_layout as state_layout
 from jaxpar.batch import shard_batch as shard_batch
-from jaxpar.loss_metrics import report_metric as report_metric
-from jaxpar.train.step import make_train_step as make_train_step, ExplicitDPError as ExplicitDPError
-from jaxpar.train.state import StrategyMismatchError as StrategyMismatchError
+from jaxpar.adapters.loss_metrics import report_metric as report_metric
+from jaxpar.step.compose import make_train_step as make_train_step, ExplicitDPError as ExplicitDPError
+from jaxpar.step.state import StrategyMismatchError as StrategyMismatchError
+from jaxpar.step.program import TrainStep as TrainStep
+from jaxpar.step.noise_scale import (NoiseScaleError as NoiseScaleError, plot_noise_scale as plot_noise_scale,
+                                     with_noise_scale as with_noise_scale)
+from jaxpar.data.rows import make_global_batch as make_global_batch
+from jaxpar.run import (AdaptiveRamp as AdaptiveRamp, BatchRamp as BatchRamp, Checkpointer as Checkpointer,
+                        CheckpointWarning as CheckpointWarning, LogOptions as LogOptions,
+                        NonFiniteError as NonFiniteError, greedy_generate as greedy_generate,
+                        ramp_batch_fn as ramp_batch_fn, train as train,
+                        train_with_checkpoints as train_with_checkpoints)
 
 __version__ = "0.1.0"
 
@@ -23,5 +32,26 @@ __all__ = [
     "RulesError", "logical_to_spec", "resolve", "named_shardings", "use_rules", "constrain",
     "scan_blocks", "run_layers", "stack_layers", "LayerListError", "Strategy", "tensor_rules", "analytic_state_bytes",
     "TrainState", "StateLayout", "init_train_state", "state_layout", "make_train_step", "ExplicitDPError",
-    "StrategyMismatchError", "shard_batch", "report_metric",
+    "StrategyMismatchError", "shard_batch", "report_metric", "TrainStep", "NoiseScaleError", "plot_noise_scale",
+    "with_noise_scale", "make_global_batch", "AdaptiveRamp", "BatchRamp", "Checkpointer", "CheckpointWarning",
+    "LogOptions", "NonFiniteError", "greedy_generate", "ramp_batch_fn", "train", "train_with_checkpoints",
+    "compression_plan", "replica_bytes",
 ]
+
+#: Names whose modules load only when used: compression and relaxed synchronisation stay out of
+#: ``import jaxpar``.
+_FEATURE_EXPORTS = {"compression_plan": "jaxpar.step.compressed", "replica_bytes": "jaxpar.step.relaxed"}
+
+
+def __getattr__(name):
+    if name in _FEATURE_EXPORTS:
+        import importlib
+
+        value = getattr(importlib.import_module(_FEATURE_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_FEATURE_EXPORTS))

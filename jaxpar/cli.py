@@ -45,7 +45,7 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     non-finite loss stops the run (``train.on_nonfinite=stop``).
     """
     from jaxpar.config import load_config, to_yaml
-    from jaxpar.distributed import start_processes
+    from jaxpar.devices.distributed import start_processes
 
     cfg = load_config(config, [*overrides, *(["checkpoint.resume=true"] if resume else [])])
     if print_config:
@@ -53,14 +53,14 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
         return 0
     info = start_processes(**(dist or {}), devices=cfg.train.devices)   # jax.distributed, then the devices
     if info.multiprocess or info.method == "k8s":
-        from jaxpar.train.preemption import catch_stop_signals
+        from jaxpar.run.preemption import catch_stop_signals
 
         print(f"process  {info.describe()}")
         if info.multiprocess:
             catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
     from jaxpar.config.describe import describe_data, header_lines, model_label, model_line, packing_line, state_line
     from jaxpar.config.job import build_job
-    from jaxpar.train.resume import checkpoint_meta, train_with_checkpoints
+    from jaxpar.run.resume import checkpoint_meta, train_with_checkpoints
 
     job = build_job(cfg)
     out_dir = Path(cfg.train.out_dir)
@@ -97,29 +97,29 @@ def run_inspect(config: str, overrides: Sequence[str], *, cluster: str | None = 
 
 def run_schedule(args: argparse.Namespace) -> int:
     """``jaxpar schedule``: print a pipeline schedule table, its bubble and peak in-flight micro-batches."""
-    from jaxpar.pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight, to_text
+    from jaxpar.parallel.pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight, to_text
 
     s = get_schedule(args.kind, args.stages, args.microbatches, args.virtual)
     print(to_text(s))
     print(f"bubble fraction {bubble_fraction(s):.4f}; peak in-flight micro-batches per stage {peak_in_flight(s)}")
     if args.png:
-        from jaxpar.pipeline.render import render_png
+        from jaxpar.parallel.pipeline.render import render_png
 
         print(f"wrote {render_png(s, args.png, timed=args.timed)}")
     return 0
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """``jaxpar plan``: rank every plan of the model on the cluster (:func:`jaxpar.cost.plan`);
+    """``jaxpar plan``: rank every plan of the model on the cluster (:func:`jaxpar.cost.planner`);
     ``--verify`` compiles the top plans (on simulated CPU devices, or with ``--target``'s real
     compiler) and compares memory and bytes."""
     from jaxpar import cost
     from jaxpar.config import ConfigError
-    from jaxpar.config.planner import plan_model, plan_report, verify_plans
+    from jaxpar.config.plan_command import plan_model, plan_report, verify_plans
 
     target = None
     if args.target:
-        from jaxpar.targets import parse_target
+        from jaxpar.devices.targets import parse_target
 
         target = parse_target(args.target)
         args.cluster = args.cluster or target.spec.cluster

@@ -42,9 +42,9 @@ __all__ = [
 #: The axes jaxpar's strategies know about, in mesh order (outermost first).
 #: ``pipe`` is outermost (least traffic), ``tensor`` innermost (most traffic).
 STANDARD_AXES = ("pipe", "data", "fsdp", "tensor")
-REPLICA = "replica"   # the outermost axis of relaxed synchronisation (jaxpar.sync), present only when > 1
-CONTEXT = "context"   # the sequence axis of context parallelism (jaxpar.context), beside tensor, only when > 1
-EXPERT = "expert"     # the axis of expert parallelism (jaxpar.moe), inside the data axes, only when > 1
+REPLICA = "replica"   # the outermost axis of relaxed synchronisation (jaxpar.parallel.sync), present only when > 1
+CONTEXT = "context"   # the sequence axis of context parallelism (jaxpar.parallel.context), beside tensor, only when > 1
+EXPERT = "expert"     # the axis of expert parallelism (jaxpar.parallel.moe), inside the data axes, only when > 1
 
 
 class MeshError(ValueError):
@@ -56,12 +56,12 @@ class MeshSpec:
     """Named mesh axis sizes; one size may be -1 ("the rest of the devices").
 
     ``extra`` holds user-named axes (placed after the standard ones). ``expert > 1`` adds an
-    ``expert`` axis just inside ``fsdp`` (expert parallelism, :mod:`jaxpar.moe`: the experts split
+    ``expert`` axis just inside ``fsdp`` (expert parallelism, :mod:`jaxpar.parallel.moe`: the experts split
     over it, the batch too, so that its devices are data parallel for the other layers). ``context > 1`` adds a
-    ``context`` axis just outside ``tensor`` (context parallelism, :mod:`jaxpar.context`: the
+    ``context`` axis just outside ``tensor`` (context parallelism, :mod:`jaxpar.parallel.context`: the
     sequence split over it; its ring traffic is per layer). ``replica > 1`` adds
     an outermost ``replica`` axis: K model replicas, each sharded over the other axes,
-    synchronised as :mod:`jaxpar.sync` says (on several hosts give it ``dcn``).
+    synchronised as :mod:`jaxpar.parallel.sync` says (on several hosts give it ``dcn``).
     ``dcn`` gives, per axis, the factor that spans hosts (data-center network);
     the rest of the axis is within a host (ICI). Only used with several processes.
 
@@ -236,7 +236,7 @@ def use_devices(n_simulated: int = 8, *, detect: bool = True) -> str:
     """Use the accelerators when there are any, else simulate ``n_simulated`` CPU devices.
 
     The one place that decides between real devices and simulated CPU devices
-    (notebooks, the CLI, :func:`jaxpar.distributed.initialize`). Call it before
+    (notebooks, the CLI, :func:`jaxpar.devices.distributed.initialize`). Call it before
     anything touches JAX's backend; it never starts the backend itself. In order:
 
     1. the backend is already up: its platform (``simulate_cpu_devices`` checks the count);

@@ -8,10 +8,10 @@
   ``masked``, ``scale_by_learning_rate``, ``trace``) and :func:`scale_by_layer_trust_ratio`.
   Unlike optax's, the weight decay **and** the trust ratio are masked off for biases and
   normalisation scales by default (:func:`trust_mask`), and the trust ratio of stacked
-  blocks (a leading ``layers`` axis, :mod:`jaxpar.blocks`) is computed per layer.
+  blocks (a leading ``layers`` axis, :mod:`jaxpar.adapters.blocks`) is computed per layer.
 * :func:`adamw_frozen_variance` (:func:`scale_by_adam_frozen_variance`): AdamW whose second
   moment freezes after a number of updates, the optimizer of 1-bit Adam (Tang et al. 2021;
-  ``jaxpar.compression.sign(optimizer_momentum=..., start_step=...)``, docs/compression.md).
+  ``jaxpar.parallel.compression.sign(optimizer_momentum=..., start_step=...)``, docs/compression.md).
 
 Which parameters count as "matrices" comes from their logical axis names: the rank of a
 parameter without its leading ``layers`` axes (a stacked LayerNorm scale ``('layers',
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from jaxpar.blocks import LAYERS
+from jaxpar.adapters.blocks import LAYERS
 from jaxpar.rules import path_str
 
 __all__ = ["LR_SCALING_RULES", "MaskError", "scaled_lr", "trust_mask", "stacked_axes",
@@ -284,7 +284,7 @@ def adamw_frozen_variance(learning_rate: optax.ScalarOrSchedule, freeze_step: in
                           b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
                           mask: Mask = None) -> optax.GradientTransformation:
     """``optax.adamw`` with :func:`scale_by_adam_frozen_variance`: the optimizer of 1-bit Adam,
-    with ``compression=sign(optimizer_momentum=b1, start_step=freeze_step)`` (:mod:`jaxpar.compression`).
+    with ``compression=sign(optimizer_momentum=b1, start_step=freeze_step)`` (:mod:`jaxpar.parallel.compression`).
 
     >>> import jax.numpy as jnp, optax
     >>> p, g = jnp.ones(3), jnp.array([0.1, -0.2, 0.3])

@@ -23,12 +23,12 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxpar.context.options import ContextParallel
+from jaxpar.parallel.context.options import ContextParallel
 from jaxpar.mesh import CONTEXT, EXPERT, data_axes
-from jaxpar.pipeline.schedules import canonical_kind
+from jaxpar.parallel.pipeline.schedules import canonical_kind
 from jaxpar.rules import LogicalRules
-from jaxpar.tensor import tensor_rules
-from jaxpar.zero import ZERO_STAGES
+from jaxpar.parallel.tensor import tensor_rules
+from jaxpar.parallel.zero import ZERO_STAGES
 
 __all__ = ["Strategy", "COMPUTE_DTYPES"]
 
@@ -47,28 +47,28 @@ class Strategy:
     - ``compute_dtype``: ``'float32'`` or ``'bfloat16'`` (fp32 master weights).
     - ``extra_rules``: user rules placed *before* jaxpar's (first match wins).
     - ``schedule`` (``pipe > 1``): ``'gpipe'``, ``'1f1b'``, ``'interleaved'``, ``'zb-h1'``,
-      ``'pipedream-2bw'`` or ``'pipedream'`` (weight stashing, :mod:`jaxpar.pipeline.stash_versions`).
+      ``'pipedream-2bw'`` or ``'pipedream'`` (weight stashing, :mod:`jaxpar.parallel.pipeline.stash_versions`).
     - ``update_every`` / ``vertical_sync`` (``'pipedream'`` only): each stage updates its weights
       after every ``update_every`` of its backwards; with ``vertical_sync`` every stage runs a
       micro-batch on the version stage 0 used for it.
     - ``virtual_stages``: model chunks per pipeline stage (``interleaved`` only).
     - ``stage_layers``: layers of each virtual stage (uneven pipelines, e.g. from
-      :func:`jaxpar.pipeline.partition_layers`); ``None`` splits evenly; ``'auto'``
+      :func:`jaxpar.parallel.pipeline.partition_layers`); ``None`` splits evenly; ``'auto'``
       balances the compiled FLOPs of the layers, the embedding and the head.
-    - ``compression``: a codec of :mod:`jaxpar.compression` (``qsgd()``, ``powersgd(rank=4)``,
+    - ``compression``: a codec of :mod:`jaxpar.parallel.compression` (``qsgd()``, ``powersgd(rank=4)``,
       ...) for the gradient exchange over the data axes, once per step; ``None``: exact.
     - ``local_clip`` (with ``compression``): each replica's gradient is clipped to this global
       norm before it enters the codec (Deep Gradient Compression's local gradient clipping), so
       released error-feedback residual is not clipped away after the exchange.
-    - ``sync``: how the replicas of a ``replica`` mesh axis are kept in step (:mod:`jaxpar.sync`:
+    - ``sync``: how the replicas of a ``replica`` mesh axis are kept in step (:mod:`jaxpar.parallel.sync`:
       ``diloco(every=50)``, ``easgd(alpha)``, ``stale(max_delay)``, ``backup(backups)``, ...);
       ``None``: synchronous (gradients averaged over ``replica`` every step).
     - ``context``: how attention runs over a ``context`` mesh axis (context parallelism,
-      :mod:`jaxpar.context`): ``jaxpar.context.ContextParallel(method="ring" | "all_gather" |
+      :mod:`jaxpar.parallel.context`): ``jaxpar.parallel.context.ContextParallel(method="ring" | "all_gather" |
       "ulysses", balance=...)``; ``None``: ring, natural order. The ``length`` of activations is
       split over ``context`` (and their ``norm_length``, over ``context`` and, with sequence
       parallelism, ``tensor``). Needs a ``context`` axis > 1, and a model that calls
-      :func:`jaxpar.context.attention` (and, balanced, :func:`jaxpar.context.sequence_order`).
+      :func:`jaxpar.parallel.context.attention` (and, balanced, :func:`jaxpar.parallel.context.sequence_order`).
     """
 
     zero: int = 0
@@ -112,7 +112,7 @@ class Strategy:
         if self.stage_layers is not None and self.stage_layers != "auto":
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.compression is not None:
-            from jaxpar.compression import check_codec
+            from jaxpar.parallel.compression import check_codec
 
             check_codec(self.compression)
         if self.local_clip is not None:
@@ -123,15 +123,15 @@ class Strategy:
             if self.compression is None:
                 raise ValueError(f"Strategy.local_clip={self.local_clip!r} clips each replica's gradient before a "
                                  "compressed exchange, but compression is None. Set a codec (e.g. "
-                                 "compression=jaxpar.compression.topk(0.01)) or clip the averaged gradient with "
+                                 "compression=jaxpar.parallel.compression.topk(0.01)) or clip the averaged gradient with "
                                  "make_train_step(clip_norm=...).")
         if self.context is not None and not isinstance(self.context, ContextParallel):
-            raise ValueError(f"Strategy.context={self.context!r}: give jaxpar.context.ContextParallel(method=..., "
+            raise ValueError(f"Strategy.context={self.context!r}: give jaxpar.parallel.context.ContextParallel(method=..., "
                              "balance=...) or None (ring attention in the natural order).")
         if self.sync is not None:
-            from jaxpar.sync import check_sync
+            from jaxpar.parallel.sync import check_sync
 
-            check_sync(self.sync)          # with a codec: refused by the table (jaxpar.compat), at init
+            check_sync(self.sync)          # with a codec: refused by the table (jaxpar.compat.table), at init
 
     def rules(self, mesh) -> LogicalRules:
         """Logical rules for this strategy on ``mesh`` (user rules first). With a

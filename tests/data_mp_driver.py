@@ -4,7 +4,7 @@
     python tests/data_mp_driver.py COORDINATOR NUM_PROCESSES PROCESS_ID LOCAL_DEVICES SPEC
 
 ``SPEC`` is a JSON file written by the test: the tokenizer's directory and, per source, its file,
-text field, token cache and weight. The process joins the job with :func:`jaxpar.distributed.initialize`,
+text field, token cache and weight. The process joins the job with :func:`jaxpar.devices.distributed.initialize`,
 opens the token caches (checked against the sources and the tokenizer) and, for several meshes, builds
 steps ``0 .. STEPS - 1`` of :class:`jaxpar.data.PackedBatches` with :func:`jaxpar.data.make_global_batch`.
 For each step it checks that
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.distributed import initialize
+from jaxpar.devices.distributed import initialize
 
 #: The batches every process (and the test's one-process reference) builds.
 SEQ_LEN, BATCH, SEED, ROWS_PER_WINDOW, STEPS = 64, 16, 7, 8, 5

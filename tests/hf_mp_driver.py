@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from jaxpar.distributed import initialize
+from jaxpar.devices.distributed import initialize
 
 
 def main(coordinator: str, n: int, pid: int, local: int, path: str, out: str) -> None:

@@ -116,8 +116,8 @@ def _compile(target: str, **plan):
 
     from jaxpar.cost.parallel import Plan
     from jaxpar.models.gpt import GPT, GPTConfig
-    from jaxpar.targets import parse_target, target_devices
-    from jaxpar.train.cost_check import compile_plan
+    from jaxpar.devices.targets import parse_target, target_devices
+    from jaxpar.step.cost_check import compile_plan
 
     cfg = GPTConfig(vocab=512, seq_len=64, embed=128, heads=4, layers=2)
     plan = Plan(**plan)

@@ -12,12 +12,12 @@ from flax import nnx
 import jaxpar
 from jaxpar.config import ConfigError, load_config
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.pipeline.two_bw import AsyncPipelineError, step_windows, weight_versions
-from jaxpar.pipeline.metrics import bubble_fraction
-from jaxpar.pipeline.two_bw_steps import TICKS_SCOPE, WINDOWS_SCOPE
-from jaxpar.pipeline.program import lower
-from jaxpar.pipeline.schedules import get_schedule, num_ticks, one_f_one_b, pipedream_2bw
-from jaxpar.train.checkpoint import Checkpointer
+from jaxpar.parallel.pipeline.two_bw import AsyncPipelineError, step_windows, weight_versions
+from jaxpar.parallel.pipeline.schedule_stats import bubble_fraction
+from jaxpar.parallel.pipeline.two_bw_steps import TICKS_SCOPE, WINDOWS_SCOPE
+from jaxpar.parallel.pipeline.instructions import lower
+from jaxpar.parallel.pipeline.schedules import get_schedule, num_ticks, one_f_one_b, pipedream_2bw
+from jaxpar.run.checkpoint import Checkpointer
 
 from helpers import make_batch
 from test_cli import QUICK
@@ -331,7 +331,7 @@ def test_train_loop_runs_k_steps_per_call_and_resumes(tmp_path):
     the program called by hand (bit for bit)."""
     import json
 
-    from jaxpar.train.loop import LogOptions, train
+    from jaxpar.run.loop import LogOptions, train
 
     tx, k = optax.sgd(0.5), 4
     batches = _batches()

@@ -23,11 +23,11 @@ import jaxpar
 from jaxpar.cli import main
 from jaxpar.config import ConfigError, load_config
 from jaxpar.models.gpt import GPT, GPTConfig, lm_loss
-from jaxpar.train.checkpoint import CheckpointError, Checkpointer, CheckpointWarning
-from jaxpar.train.data import synthetic_batch
-from jaxpar.train.loop import NonFiniteError, train
-from jaxpar.train.metrics import flops_per_token
-from jaxpar.train.sample import greedy_generate
+from jaxpar.run.checkpoint import CheckpointError, Checkpointer, CheckpointWarning
+from jaxpar.data.windows import synthetic_batch
+from jaxpar.run.loop import NonFiniteError, train
+from jaxpar.run.sinks import flops_per_token
+from jaxpar.run.sample import greedy_generate
 
 from conftest import need_devices
 
@@ -210,7 +210,7 @@ def _messages(caught) -> list[str]:
 @need_devices(8)
 def test_resume_with_noise_scale_switched_off_or_on(tmp_path):
     """The model and optimizer state restore; the measurements are dropped (or start at zero), with a warning."""
-    from jaxpar.train.noise_scale import with_noise_scale
+    from jaxpar.step.noise_scale import with_noise_scale
 
     on, on_layout = with_noise_scale(*_mlp({"data": 8}))
     off, off_layout = _mlp({"data": 8})
@@ -235,7 +235,7 @@ def test_resume_with_noise_scale_switched_off_or_on(tmp_path):
 def test_resume_with_relaxed_sync_switched_off_or_on(tmp_path):
     """stale(2) keeps the optimizer's layout: its replicas' history is dropped (or starts from the restored
     parameters). DiLoCo's outer optimizer is another optimizer state: a named error, not a fallback."""
-    from jaxpar.sync import diloco, stale
+    from jaxpar.parallel.sync import diloco, stale
 
     on, on_layout = _mlp({"replica": 4, "data": 2}, sync=stale(2))
     off, off_layout = _mlp({"data": 8})
@@ -365,7 +365,7 @@ def test_nonfinite_step_is_skipped_and_reported(tmp_path):
 def test_nonfinite_step_with_compression_prints_its_nan_residual(tmp_path):
     """A skipped step of a compressed exchange: its residual norm is NaN, and the progress line
     says so instead of failing to format it (it raised ValueError once)."""
-    from jaxpar.compression import sign
+    from jaxpar.parallel.compression import sign
 
     mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
     strategy = jaxpar.Strategy(compression=sign())

@@ -17,11 +17,11 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.compression import topk
+from jaxpar.parallel.compression import topk
 from jaxpar.models.mlp import MLPClassifier, classifier_loss
-from jaxpar.sync import diloco, stale
-from jaxpar.train.checkpoint import CheckpointError, Checkpointer, CheckpointWarning
-from jaxpar.train.checkpoint_format import FORMAT
+from jaxpar.parallel.sync import diloco, stale
+from jaxpar.run.checkpoint import CheckpointError, Checkpointer, CheckpointWarning
+from jaxpar.run.checkpoint_format import FORMAT
 
 from conftest import need_devices
 

@@ -10,7 +10,7 @@ import yaml
 from jaxpar.cli import main
 from jaxpar.config import (ConfigError, build_data, build_lr_schedule, build_optimizer, check, load_config,
                            parse_overrides, resolve_import, to_yaml)
-from jaxpar.train import data as D
+from jaxpar.data import windows as D
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs" / "quickstart.yaml")
@@ -397,7 +397,7 @@ def test_import_data_eval_batches():
 # ----------------------------------------------------------------------------- one job for train and inspect
 def _step_arguments(monkeypatch, argv):
     """What ``main(argv)`` passes to ``make_train_step`` (stopped right there: nothing compiles or runs)."""
-    import jaxpar.train.step as step_module
+    import jaxpar.step.compose as step_module
 
     class Stop(Exception):
         pass

@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.compression import (CompressionError, cast, exchange_plan, make_codec, onebit, powersgd, qsgd,
+from jaxpar.parallel.compression import (CompressionError, cast, exchange_plan, make_codec, onebit, powersgd, qsgd,
                                 randomk, sign, terngrad, topk)
-from jaxpar.compression.packing import from_bytes, pack_bits, to_bytes, unpack_bits
+from jaxpar.parallel.compression.bits import from_bytes, pack_bits, to_bytes, unpack_bits
 
 DRAWS = 2000
 
@@ -298,7 +298,7 @@ def test_wire_bytes_formulas():
     (lambda: topk(0.1, partitioned="yes"), ["topk(partitioned='yes')", "True or False"]),
     (lambda: make_codec("zip"), ["kind='zip'", "powersgd"]),
     (lambda: make_codec("topk", ratio=0.1, rank=3), ["kind='topk'", "rank"]),
-    (lambda: jaxpar.Strategy(compression="qsgd"), ["compression='qsgd'", "jaxpar.compression"]),
+    (lambda: jaxpar.Strategy(compression="qsgd"), ["compression='qsgd'", "jaxpar.parallel.compression"]),
     (lambda: exchange_plan(qsgd(), [(4,)], dims=[None], grad_axes=[()], stacked=[False],
                            mesh_sizes={"data": 1, "tensor": 8}), ["no data axis", "Remove parallel.compression"]),
 ])

@@ -12,10 +12,10 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.analysis.hlo import collectives
-from jaxpar.compression import (CompressionError, cast, onebit, powersgd, qsgd, randomk, sign, terngrad, topk)
+from jaxpar.parallel.compression import (CompressionError, cast, onebit, powersgd, qsgd, randomk, sign, terngrad, topk)
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.train.checkpoint import Checkpointer, CheckpointWarning
-from jaxpar.train.compressed import compression_plan
+from jaxpar.run.checkpoint import Checkpointer, CheckpointWarning
+from jaxpar.step.compressed import compression_plan
 
 from helpers import flat, grad_atol, make_batch, mesh_for, run, setup
 
@@ -123,7 +123,7 @@ def test_lossless_settings_match_the_uncompressed_step(reference, zero, codec):
 def test_local_clip_clips_each_replica_before_the_codec():
     """``Strategy(local_clip=c)``: each replica's gradient is scaled to norm <= c before the (here
     lossless) codec, then averaged: against each replica's gradient on one device, clipped by hand."""
-    from jaxpar.train.grads import global_grads
+    from jaxpar.step.grads import global_grads
 
     batch = make_batch()
     mesh1, state1, layout1, _ = setup({}, jaxpar.Strategy())
@@ -223,7 +223,7 @@ def test_compression_errors_name_the_fix():
     _, plain = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh_for({"data": 8}))
     with pytest.raises(jaxpar.StrategyMismatchError, match="init_train_state.*fields that differ: compression"):
         jaxpar.make_train_step(lm_loss, optax.sgd(0.1), plain, jaxpar.Strategy(compression=sign()))
-    from jaxpar.train.grads import global_grads
+    from jaxpar.step.grads import global_grads
     with pytest.raises(CompressionError, match="silently ignored.*make_train_step"):
         global_grads(lm_loss, layout)
 

@@ -1,4 +1,4 @@
-"""jaxpar.context: attention under context parallelism (ring, all-gather, Ulysses) against one device.
+"""jaxpar.parallel.context: attention under context parallelism (ring, all-gather, Ulysses) against one device.
 
 Every sharded run is compared, values and gradients w.r.t. q, k and v at fp32 1e-5, with
 ``reference`` below: plain jnp softmax(QK^T * scale + mask) V on one device, GQA by repeating the
@@ -17,9 +17,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import need_devices
 import jaxpar
-from jaxpar import context as cp
+from jaxpar.parallel import context as cp
 from jaxpar.analysis.hlo import collectives, count
-from jaxpar.context.ring import RingSpec, ring_forward
+from jaxpar.parallel.context.ring import RingSpec, ring_forward
 from jaxpar.rules import drop_axes, logical_to_spec, use_rules
 
 B, L, H, D = 2, 32, 8, 4

@@ -1,4 +1,4 @@
-"""Context parallelism in the train step: the GPT (jaxpar.context.attention) and a small model of a
+"""Context parallelism in the train step: the GPT (jaxpar.parallel.context.attention) and a small model of a
 user's own (GQA, packed sequences, a full mask) trained over a ``context`` axis match one device
 (losses and the first step's gradients, fp32 1e-5), alone and with data, ZeRO-3 / fsdp and tensor;
 the compiled step's collectives are the method's; its temporaries fall with C; and what cannot run
@@ -14,7 +14,7 @@ from flax import nnx
 import jaxpar
 from jaxpar import Strategy
 from jaxpar.analysis.hlo import collectives
-from jaxpar.context import ContextParallel, ContextParallelError, attention, in_sequence_order, sequence_order
+from jaxpar.parallel.context import ContextParallel, ContextParallelError, attention, in_sequence_order, sequence_order
 from jaxpar.models.gpt import GPT, GPTConfig, lm_loss
 
 from conftest import need_devices
@@ -34,7 +34,7 @@ def _gpt_batch(i, rows=8, length=32):
 
 class Packed(nnx.Module):
     """A user's own model: token embedding, one GQA attention layer over packed sequences (``segment_ids``,
-    no causal mask), learned positions, a head. It lays its sequence out by jaxpar.context's order."""
+    no causal mask), learned positions, a head. It lays its sequence out by jaxpar.parallel.context's order."""
 
     def __init__(self, rngs):
         init = nnx.initializers.normal(0.1)
@@ -73,8 +73,8 @@ MODELS = {"gpt": (_gpt, lm_loss, _gpt_batch), "packed": (lambda: Packed(nnx.Rngs
 def _train(model, axes, strategy):
     """Three SGD steps' losses, and the first batch's gradient at the initial parameters (computed by
     the step's own gradient function, traced as the step traces it)."""
-    from jaxpar.train.grads import global_grads
-    from jaxpar.train.program import strategy_context
+    from jaxpar.step.grads import global_grads
+    from jaxpar.step.program import strategy_context
 
     model_fn, loss_fn, batch_fn = MODELS[model]
     n = int(np.prod(list(axes.values())))
@@ -186,13 +186,13 @@ def test_temporaries_fall_with_the_context_axis():
     assert t8 <= t1 / 6, (t1, t8)
 
 
-def _plain_loss(model, batch):        # a loss that never calls jaxpar.context.attention
+def _plain_loss(model, batch):        # a loss that never calls jaxpar.parallel.context.attention
     return jnp.mean(model.embed(batch["tokens"]) ** 2)
 
 
 @need_devices(4)
 @pytest.mark.parametrize("loss_fn, strategy, match", [
-    (_plain_loss, Strategy(), "never called jaxpar.context.attention"),
+    (_plain_loss, Strategy(), "never called jaxpar.parallel.context.attention"),
     (lambda m, b: jnp.mean(attention(*(m.embed(b["tokens"])[:, :, None],) * 3)), Strategy(context=_ring(balance=True)),
      "never asked for that order"),
 ])
@@ -222,7 +222,7 @@ def test_shapes_the_context_axis_cannot_split_are_named(axes, strategy, match):
 def test_the_ring_in_a_pipeline_stage_hops_by_all_gather_on_cpu():
     """XLA:CPU runs every collective-permute as one rendezvous over all devices, so inside a stage's
     conditional the ring's hops would meet the other stage's activation transfer: there each hop is
-    an all-gather over context (jaxpar.context.ring, ``hop``); the only permutes left are over pipe."""
+    an all-gather over context (jaxpar.parallel.context.ring, ``hop``); the only permutes left are over pipe."""
     compiled, mesh = _compiled({"pipe": 2, "context": 4}, Strategy(microbatches=2, context=_ring(balance=True)))
     rows = collectives(compiled.as_text(), mesh)
     permutes = {tuple(r.axes) for r in rows if r.kind == "collective-permute"}

@@ -13,7 +13,7 @@ from jaxpar.cost.cluster import cluster_from_dict
 from jaxpar.cost.context_experts import context_working_bytes, score_fraction
 from jaxpar.cost.memory import activation_bytes_per_layer, layer_activations, memory_per_device, state_bytes
 from jaxpar.cost.parallel import Plan
-from jaxpar.cost.plan import PlanError, evaluate
+from jaxpar.cost.planner import PlanError, evaluate
 from jaxpar.cost.roofline import layer_kernels
 from jaxpar.cost.time import Overlap, model_flops, step_time
 from jaxpar.cost.traffic import comms

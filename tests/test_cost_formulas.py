@@ -11,7 +11,7 @@ from jaxpar.cost.memory import (PRECISIONS, activation_bytes_per_layer, closed_f
                                 zero_state_bytes)
 from jaxpar.cost.model import gpt
 from jaxpar.cost.time import narayanan_flops, step_flops
-from jaxpar.pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight
+from jaxpar.parallel.pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight
 
 GB = 1e9
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,10 +159,10 @@ def test_cost_modules_import_no_jax():
     code = f"""
 import sys, types
 root = {str(ROOT / 'jaxpar')!r}
-for name, path in (("jaxpar", root), ("jaxpar.pipeline", root + "/pipeline"), ("jaxpar.analysis", root + "/analysis")):
+for name, path in (("jaxpar", root), ("jaxpar.parallel.pipeline", root + "/pipeline"), ("jaxpar.analysis", root + "/analysis")):
     mod = types.ModuleType(name); mod.__path__ = [path]; sys.modules[name] = mod
-import jaxpar.cost, jaxpar.cost.plan, jaxpar.analysis.loops, jaxpar.analysis.axis_bytes
-r = jaxpar.cost.plan(jaxpar.cost.gpt(2, 32, 8, 16, 64, 16), jaxpar.cost.load_cluster("h100"))
+import jaxpar.cost, jaxpar.cost.planner, jaxpar.analysis.loops, jaxpar.analysis.axis_bytes
+r = jaxpar.cost.planner(jaxpar.cost.gpt(2, 32, 8, 16, 64, 16), jaxpar.cost.load_cluster("h100"))
 bad = sorted(m for m in sys.modules if m == "jax" or m.startswith(("jax.", "flax", "optax")))
 assert not bad, bad
 print("ok", r.best.plan.name())

@@ -11,7 +11,7 @@ import pytest
 
 from jaxpar import cost
 from jaxpar.cost.memory import memory_per_device, state_bytes
-from jaxpar.cost.plan import evaluate
+from jaxpar.cost.planner import evaluate
 from jaxpar.cost.roofline import end_work, kernel_seconds, layer_kernels, layer_work, matmul
 from jaxpar.cost.time import Overlap, behind_backward, step_time
 from jaxpar.cost.traffic import comms

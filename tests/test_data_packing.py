@@ -8,7 +8,7 @@ import pytest
 
 from jaxpar.data import DataError, PackedBatches, StreamPlan, batch_digest
 from jaxpar.data.packing import pack_window
-from jaxpar.train.ramp import BatchRamp
+from jaxpar.run.ramp import BatchRamp
 
 
 class ArrayStore:

@@ -30,7 +30,7 @@ from jaxpar.analysis.device_branches import (
 from jaxpar.analysis.hlo import collectives
 from jaxpar.batch import batch_sharding
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.targets import parse_target, target_devices
+from jaxpar.devices.targets import parse_target, target_devices
 
 from conftest import need_devices
 from helpers import compile_step

@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar import Strategy
-from jaxpar.model_mesh import ModelMeshError
-from jaxpar.pipeline.cut import PipelineCutError
+from jaxpar.adapters.mesh_axes import ModelMeshError
+from jaxpar.parallel.pipeline.cut import PipelineCutError
 
 from conftest import need_devices
 from helpers import explicit_one_device, train_steps

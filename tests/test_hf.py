@@ -20,7 +20,7 @@ import jaxpar
 from jaxpar.hf import (HFCheckpointError, HFConfigError, HFExportError, HFFilesError, export,
                        open_checkpoint)
 from jaxpar.models import Decoder, decoder_loss
-from jaxpar.train.sample import greedy_generate
+from jaxpar.run.sample import greedy_generate
 
 hf_fixtures = pytest.importorskip("hf_fixtures")
 pytest.importorskip("transformers")
@@ -245,7 +245,7 @@ LAYOUTS = {      # name: (family, mesh axes, strategy, step options)
                               jaxpar.Strategy(microbatches=4, schedule="interleaved", virtual_stages=2), {}),
     "ep4": ("qwen3_moe", {"data": 2, "expert": 4}, jaxpar.Strategy(), {}),
     "cp2-ring-packed": ("gemma3", {"data": 2, "context": 2},
-                        jaxpar.Strategy(context=jaxpar.context.ContextParallel("ring", balance=True)), {}),
+                        jaxpar.Strategy(context=jaxpar.parallel.context.ContextParallel("ring", balance=True)), {}),
 }
 
 
@@ -304,7 +304,7 @@ def test_every_layout_trains_like_one_device(ckpts, name):
         ref = np.asarray(jax.jit(lambda t: model(t))(batch["tokens"]))
         params = ckpt.load(layout.mesh, layout.params)
         sharded = nnx.merge(nnx.graphdef(model), params)
-        with jaxpar.use_rules(layout.mesh, layout.rules), jaxpar.context.use_context_parallel("ring"):
+        with jaxpar.use_rules(layout.mesh, layout.rules), jaxpar.parallel.context.use_context_parallel("ring"):
             out = np.asarray(jax.jit(lambda t: sharded(t))(jaxpar.shard_batch({"t": batch["tokens"]},
                                                                                 layout.mesh)["t"]))
         np.testing.assert_allclose(out, ref, atol=1e-5)
@@ -332,7 +332,7 @@ def test_round_trip_through_a_jaxpar_checkpoint_on_other_layouts(ckpts, tmp_path
     HF export: every tensor's bytes, the keys and config.json as the source had them."""
     import optax
 
-    from jaxpar.train.checkpoint import Checkpointer
+    from jaxpar.run.checkpoint import Checkpointer
 
     ckpt = open_checkpoint(ckpts["qwen3_moe"])
     tx = optax.adamw(1e-3)
@@ -376,7 +376,7 @@ def test_two_processes_read_only_their_own_shards(ckpts, tmp_path):
 def test_relaxed_sync_replicas_start_from_the_checkpoint(ckpts):
     """DiLoCo's replicas (``replica=2``) each start from the imported weights: the first step's loss is
     one device's."""
-    from jaxpar.sync import diloco
+    from jaxpar.parallel.sync import diloco
 
     batch = layout_batch(131, packed=False)
     got, layout = train_on_layout(ckpts["llama"], {"replica": 2, "data": 2}, jaxpar.Strategy(sync=diloco(every=2)),

@@ -16,7 +16,7 @@ from jaxpar.analysis.hlo import (
     shape_bytes,
     summarize,
 )
-from jaxpar.analysis.memory import MemoryReport, format_bytes, memory_report, memory_table
+from jaxpar.analysis.compiled_memory import MemoryReport, format_bytes, memory_report, memory_table
 
 from conftest import need_devices
 
@@ -327,8 +327,8 @@ def test_a_tpu_program_counts_each_channel_once():
     from jaxpar.analysis.hlo_text import channel, parse_instructions, tpu_async_roles
     from jaxpar.cost.parallel import Plan
     from jaxpar.models.gpt import GPT, GPTConfig
-    from jaxpar.targets import parse_target, target_devices
-    from jaxpar.train.cost_check import compile_plan
+    from jaxpar.devices.targets import parse_target, target_devices
+    from jaxpar.step.cost_check import compile_plan
 
     cfg = GPTConfig(vocab=512, seq_len=64, embed=128, heads=4, layers=2)
     mesh, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), Plan(fsdp=8), 16, 64,

@@ -15,9 +15,9 @@ from flax import nnx
 import jaxpar
 from jaxpar import Strategy
 from jaxpar.analysis.hlo import collectives
-from jaxpar.context import ContextParallel
+from jaxpar.parallel.context import ContextParallel
 from jaxpar.models.gpt import GPT, GPTConfig, MoESettings, lm_loss
-from jaxpar.moe import MoEError
+from jaxpar.parallel.moe import MoEError
 
 from conftest import need_devices
 
@@ -83,7 +83,7 @@ CASES = {
     "ep4-pipe2-zb-shared": ({"pipe": 2, "expert": 4}, Strategy(microbatches=2, schedule="zb-h1"), "shared"),
     "ep2-pipe2-tp2-gpipe-every2": ({"pipe": 2, "expert": 2, "tensor": 2}, Strategy(microbatches=4, schedule="gpipe"),
                                    "every2"),
-    # sequence parallelism: the schedule and the loads' sweep run in lockstep (jaxpar.pipeline.lockstep)
+    # sequence parallelism: the schedule and the loads' sweep run in lockstep (jaxpar.parallel.pipeline.lockstep)
     "ep2-pipe2-tp2-sp-1f1b": ({"pipe": 2, "expert": 2, "tensor": 2},
                               Strategy(microbatches=2, schedule="1f1b", sequence_parallel=True), "plain"),
     # context: the sequence split over it; slots (and drops) follow the true positions in the balanced layout
@@ -148,7 +148,7 @@ def test_under_context_parallelism_each_device_runs_the_experts_on_its_share_of_
 @need_devices(8)
 def test_expert_state_per_device_is_one_over_e_as_the_memory_report_says():
     """Adam on data 2 x expert 4: each device holds exactly 1/4 of the experts' parameters and of each
-    moment, and the layout's analytic bytes (jaxpar.zero's formulas, the memory report's) equal the
+    moment, and the layout's analytic bytes (jaxpar.parallel.zero's formulas, the memory report's) equal the
     bytes the devices hold, leaf by leaf summed."""
     mesh = jaxpar.make_mesh({"data": 2, "expert": 4}, devices=jax.devices()[:8])
     state, layout = jaxpar.init_train_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), optax.adam(1e-3), mesh, Strategy())
@@ -209,7 +209,7 @@ def test_the_aux_loss_with_accumulation_is_the_whole_batchs(axes, k):
 @need_devices(2)
 def test_the_aux_loss_with_accumulation_and_a_codec_is_refused():
     """A codec's per-replica gradient runs no load pre-pass: the aux loss with accumulation is refused."""
-    from jaxpar.compression import topk
+    from jaxpar.parallel.compression import topk
 
     mesh, state, step = _setup({"data": 2}, Strategy(microbatches=2, compression=topk(1.0)))
     with pytest.raises(MoEError, match="microbatches=2 with a loss that adds the MoE load-balancing loss"):
@@ -217,7 +217,7 @@ def test_the_aux_loss_with_accumulation_and_a_codec_is_refused():
 
 
 def test_moe_layers_with_an_asynchronous_pipeline_are_refused_by_name():
-    from jaxpar.compat import LIBRARY_NAMES, Setting, problems
+    from jaxpar.compat.table import LIBRARY_NAMES, Setting, problems
 
     for schedule, code in (("pipedream-2bw", "2B"), ("pipedream", "ST")):
         found = problems(Setting(Strategy(microbatches=2, schedule=schedule), {"pipe": 2, "expert": 2}))
@@ -285,7 +285,7 @@ def test_moe_converges_below_dense_and_the_balancing_loss_evens_the_load():
 
 def _biased_run(axes, strategy, cfg, steps=STEPS):
     """``(losses, the router bias, parameters)`` after ``steps`` SGD steps with an aux-loss-free bias of rate 0.05."""
-    from jaxpar.train.router_bias import with_router_bias
+    from jaxpar.step.router_bias import with_router_bias
 
     n = int(np.prod(list(axes.values())))
     mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:n])
@@ -321,7 +321,7 @@ def test_the_router_bias_moves_as_on_one_device(axes, k):
 
 @need_devices(2)
 def test_router_bias_errors_are_named():
-    from jaxpar.train.router_bias import with_router_bias
+    from jaxpar.step.router_bias import with_router_bias
 
     mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
     state, layout = jaxpar.init_train_state(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh)

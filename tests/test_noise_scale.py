@@ -19,9 +19,9 @@ from jaxpar.config.checks import check
 from jaxpar.config.schema import ConfigError, JobConfig, LoggingConfig, MeshConfig, NoiseScaleConfig, ParallelConfig
 from jaxpar.models import GPT, lm_loss
 from jaxpar.models.mlp import MLPClassifier, classifier_loss
-from jaxpar.train import noise_scale as ns
-from jaxpar.train.checkpoint import Checkpointer, CheckpointWarning
-from jaxpar.train.loop import LogOptions, train
+from jaxpar.step import noise_scale as ns
+from jaxpar.run.checkpoint import Checkpointer, CheckpointWarning
+from jaxpar.run.loop import LogOptions, train
 
 from conftest import need_devices
 from helpers import CFG, make_batch, mesh_for

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from jaxpar.analysis.overlap import dims, overlap, overlap_table
-from jaxpar.train.resume import gpt_flops_per_token
+from jaxpar.run.resume import gpt_flops_per_token
 
 ADD = """%add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
@@ -326,7 +326,7 @@ def test_xla_cpu_makes_every_collective_synchronous():
 
 
 def _target(name):
-    from jaxpar.targets import parse_target, target_devices
+    from jaxpar.devices.targets import parse_target, target_devices
 
     return target_devices(parse_target(name))
 

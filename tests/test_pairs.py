@@ -1,11 +1,11 @@
-"""The walk of the compatibility table (:mod:`jaxpar.compat`): every pair of features has an answer.
+"""The walk of the compatibility table (:mod:`jaxpar.compat.table`): every pair of features has an answer.
 
-* :func:`test_every_pair_has_an_answer`: each pair of :func:`jaxpar.compat.all_pairs` is refused,
+* :func:`test_every_pair_has_an_answer`: each pair of :func:`jaxpar.compat.table.all_pairs` is refused,
   or composes and :data:`COMPOSES_TESTS` names the tests that compare it with its reference
   (single-device for synchronous features, the sequential reference for PipeDream-2BW and weight
   stashing; for lossy codecs the lossless codec's run of the pair plus the codec's own tests).
 * :func:`test_refusals_name_both_features`: for every refused pair (and the refused values of the
-  partly-composing ones), a setting with both features on gets a :class:`~jaxpar.compat.Problem`
+  partly-composing ones), a setting with both features on gets a :class:`~jaxpar.compat.table.Problem`
   of that pair whose message names both fields; :func:`test_each_problem_is_a_refused_pair_that_is_on`:
   no rule names a pair the table says composes, or a feature that is off.
 * :func:`test_pair_matches_its_reference`: one harness for the composing pairs that had no test:
@@ -17,7 +17,7 @@
   codec ``topk(1.0)`` (CP), ``local_clip`` (LC), synchronous replicas (RS: the reference is data
   parallelism), ``clip_norm`` (CN), ``skip_nonfinite`` with a NaN step (SN), the noise scale every
   2 steps (NS: its measured norms against the replicas' gradients materialised here), a fixed batch
-  ramp through :func:`jaxpar.train.loop.train` (BR), per-layer LARS (LL), 1-bit Adam's moment
+  ramp through :func:`jaxpar.run.loop.train` (BR), per-layer LARS (LL), 1-bit Adam's moment
   exchange with the lossless top-k (1A: ``adamw_frozen_variance``), a checkpoint restored mid-run
   (CK: the resumed run equals the uninterrupted one bit for bit) and two processes (MP: the same
   run on one process). One case per feature runs in the default pass, the rest in the slow one.
@@ -48,8 +48,8 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar import compat
-from jaxpar.compat import LIBRARY_NAMES, Setting, pair_status, problems
+from jaxpar.compat import table as compat
+from jaxpar.compat.table import LIBRARY_NAMES, Setting, pair_status, problems
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -249,7 +249,7 @@ def _feature(code: str) -> compat.Feature:
     return compat.FEATURES[compat.CODES.index(code)]
 
 
-#: The fields of :class:`~jaxpar.compat.Setting` each feature is asked with (a message about the
+#: The fields of :class:`~jaxpar.compat.table.Setting` each feature is asked with (a message about the
 #: pair names one of each feature's fields).
 FIELDS = {"Z": ("zero",), "TP": ("tensor",), "SP": ("sequence_parallel",), "MB": ("microbatches",),
           "BF": ("compute_dtype",), "EX": ("explicit_dp",), "PP": ("schedule", "pipe"),
@@ -265,8 +265,8 @@ REFUSED_VALUE_SETTABLE = {"LL"}
 
 def _setting_for(pair, *, ramp: str = "fixed") -> Setting:
     """The smallest :class:`Setting` with both features of ``pair`` on (where a Setting can say so)."""
-    from jaxpar.compression import topk
-    from jaxpar.sync import synchronous
+    from jaxpar.parallel.compression import topk
+    from jaxpar.parallel.sync import synchronous
 
     codes = set(pair)
     st: dict[str, Any] = {}
@@ -374,7 +374,7 @@ def _probe_settings():
 
 
 def _topk():
-    from jaxpar.compression import topk
+    from jaxpar.parallel.compression import topk
 
     return topk(0.01)
 
@@ -459,8 +459,8 @@ class Spec:
 
 def build(codes, *, schedule: str | None = None) -> Spec:
     """The run of ``codes``' features together (see the module docstring for each feature)."""
-    from jaxpar.compression import topk
-    from jaxpar.sync import synchronous
+    from jaxpar.parallel.compression import topk
+    from jaxpar.parallel.sync import synchronous
 
     codes = tuple(codes)
     s = Spec(codes)
@@ -516,7 +516,7 @@ def build(codes, *, schedule: str | None = None) -> Spec:
         elif c == "CK":
             s.ckpt = True
         elif c == "CX":
-            from jaxpar.context import ContextParallel
+            from jaxpar.parallel.context import ContextParallel
 
             sizes["context"] = 2
             st["context"] = ContextParallel("ring", balance=True)
@@ -615,14 +615,14 @@ class Result:
 
 
 def execute(spec: Spec, mesh=None) -> Result:
-    """Run ``spec`` through :func:`jaxpar.train.loop.train` (the loop users run)."""
+    """Run ``spec`` through :func:`jaxpar.run.loop.train` (the loop users run)."""
     import jax
     import optax
 
     from helpers import keep_grads
-    from jaxpar.train.checkpoint import Checkpointer
-    from jaxpar.train.loop import train
-    from jaxpar.train.noise_scale import with_noise_scale
+    from jaxpar.run.checkpoint import Checkpointer
+    from jaxpar.run.loop import train
+    from jaxpar.step.noise_scale import with_noise_scale
 
     model_fn = _model_fn(spec.cfg, spec.remat)
     if mesh is None:
@@ -854,9 +854,9 @@ def _frozen_bound(bound, g, adam, rtol, atol_rel, *, b1=0.9, b2=0.999, eps=None,
 def _logical(cfg):
     """The logical names of the GPT's parameters (per-layer LARS)."""
     try:
-        from jaxpar.model_shapes import abstract_model
+        from jaxpar.adapters.shapes import abstract_model
     except ImportError:          # where it was before
-        from jaxpar.train.state import abstract_model
+        from jaxpar.step.state import abstract_model
 
     return abstract_model(_model_fn(cfg))[2]
 
@@ -1054,7 +1054,7 @@ def _measuring_and_plain_step(spec: Spec):
     import optax
 
     from helpers import keep_grads
-    from jaxpar.train.noise_scale import with_noise_scale
+    from jaxpar.step.noise_scale import with_noise_scale
 
     model_fn = _model_fn(spec.cfg)
     mesh = jaxpar.make_mesh(spec.sizes, devices=jax.devices()[:math.prod(spec.sizes.values())])
@@ -1108,7 +1108,7 @@ def test_noise_scale_with_a_codec(ratio):
     equal the exact ones (the uncompressed measuring run's and the materialised replicas'), and
     the measuring step's update is the plain step's. Lossy (top-k 10%): the first step's norms
     (same parameters) are still the exact ones: ``grad_sq_big`` comes from an exact all-reduce."""
-    from jaxpar.compression import topk
+    from jaxpar.parallel.compression import topk
 
     spec = build(("CP", "NS"))
     spec.strategy["compression"] = topk(ratio)
@@ -1197,7 +1197,7 @@ def _mp_main(coordinator: str, num_processes: str, process_id: str, local: str, 
     run :func:`execute` of each pair's other feature on the global mesh; process 0 writes the results."""
     import pickle
 
-    from jaxpar.distributed import initialize
+    from jaxpar.devices.distributed import initialize
 
     initialize(coordinator, int(num_processes), int(process_id), local_device_count=int(local),
                heartbeat_timeout=30, initialization_timeout=120)

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.pipeline import partition as P
-from jaxpar.pipeline import program as G
-from jaxpar.pipeline.schedules import get_schedule, num_ticks, peak_in_flight
+from jaxpar.parallel.pipeline import partition as P
+from jaxpar.parallel.pipeline import program as G
+from jaxpar.parallel.pipeline.schedules import get_schedule, num_ticks, peak_in_flight
 
 
 def _brute(costs, k, first, last):

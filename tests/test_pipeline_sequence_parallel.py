@@ -1,5 +1,5 @@
 """Sequence parallelism inside pipelines: the flush schedules run as lockstep programs (every stage
-the tick's action, masked where it has none: jaxpar.pipeline.lockstep), so SP's all-gathers and
+the tick's action, masked where it has none: jaxpar.parallel.pipeline.lockstep), so SP's all-gathers and
 reduce-scatters over ``tensor`` inside the stages' actions are reached by every device. Each schedule
 on tensor2 x pipe2 x data2 equals one device; the lockstep executor equals the per-stage program."""
 
@@ -10,11 +10,11 @@ import pytest
 
 import jaxpar
 from jaxpar.models import GPTConfig
-from jaxpar.pipeline import PipelineParts, get_schedule, lower, to_stages
-from jaxpar.pipeline.executor import pipeline_value_and_grad
-from jaxpar.pipeline.lockstep import is_lockstep, lockstep
-from jaxpar.pipeline.partition import from_stages
-from jaxpar.pipeline.schedules import num_ticks, peak_in_flight, stage_actions
+from jaxpar.parallel.pipeline import PipelineParts, get_schedule, lower, to_stages
+from jaxpar.parallel.pipeline.executor import pipeline_value_and_grad
+from jaxpar.parallel.pipeline.lockstep import is_lockstep, lockstep
+from jaxpar.parallel.pipeline.partition import from_stages
+from jaxpar.parallel.pipeline.schedules import num_ticks, peak_in_flight, stage_actions
 
 from conftest import need_devices
 from helpers import run

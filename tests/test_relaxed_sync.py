@@ -1,4 +1,4 @@
-"""Relaxed synchronisation (jaxpar.sync) on the ``replica`` axis: exact reductions, the
+"""Relaxed synchronisation (jaxpar.parallel.sync) on the ``replica`` axis: exact reductions, the
 collectives of the compiled programs, delayed / masked semantics against one-device references,
 composition with inner strategies, checkpoints and errors.
 
@@ -17,9 +17,9 @@ import jaxpar
 from jaxpar.analysis.hlo import collectives
 from jaxpar.config import ConfigError, check, load_config
 from jaxpar.models import GPT, lm_loss
-from jaxpar.sync import SyncError, backup, diloco, easgd, local_sgd, stale, synchronous
-from jaxpar.train.checkpoint import Checkpointer, CheckpointWarning
-from jaxpar.train.relaxed import replica_bytes
+from jaxpar.parallel.sync import SyncError, backup, diloco, easgd, local_sgd, stale, synchronous
+from jaxpar.run.checkpoint import Checkpointer, CheckpointWarning
+from jaxpar.step.relaxed import replica_bytes
 
 from helpers import CFG, make_batch
 
@@ -297,7 +297,7 @@ def test_bad_input_names_the_option_and_the_fix():
         jaxpar.init_train_state(model_fn, optax.sgd(LR), mesh, jaxpar.Strategy(sync=backup(4)))
     with pytest.raises(SyncError, match=r"needs a 'replica' mesh axis of size >= 2.*replica=1"):
         jaxpar.init_train_state(model_fn, optax.sgd(LR), jaxpar.make_mesh({"data": 8}), jaxpar.Strategy(sync=local_sgd(4)))
-    from jaxpar.compression import qsgd
+    from jaxpar.parallel.compression import qsgd
 
     with pytest.raises(SyncError, match=r"Strategy.compression='qsgd.*Strategy.sync='diloco-h4' on replica=2"):
         jaxpar.init_train_state(model_fn, optax.sgd(LR), jaxpar.make_mesh({"replica": 2, "data": 4}),

@@ -5,8 +5,8 @@ from fractions import Fraction
 
 import pytest
 
-from jaxpar.pipeline import schedules as S
-from jaxpar.pipeline.schedules import (
+from jaxpar.parallel.pipeline import schedules as S
+from jaxpar.parallel.pipeline.schedules import (
     Action, Schedule, ScheduleError, bubble_fraction, get_schedule, gpipe, interleaved_1f1b, makespan,
     num_ticks, one_f_one_b, peak_in_flight, stage_actions, tick_bubble_fraction, timeline, to_text,
     validate, zero_bubble_h1,
@@ -239,7 +239,7 @@ def test_to_text():
 @pytest.mark.parametrize("kind,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
 def test_render_png(tmp_path, kind, v, timed):
     matplotlib = pytest.importorskip("matplotlib")
-    from jaxpar.pipeline.render import render_png
+    from jaxpar.parallel.pipeline.render import render_png
 
     backend = matplotlib.get_backend()
     out = render_png(get_schedule(kind, 4, 8, v), tmp_path / f"{kind}.png", timed=timed)

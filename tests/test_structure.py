@@ -8,8 +8,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxpar"
 
 #: Packages that import nothing from the layers above them.
-LOWER_LAYERS = ("jaxpar.pipeline", "jaxpar.compression", "jaxpar.sync", "jaxpar.cost", "jaxpar.analysis")
-UPPER = ("jaxpar.train", "jaxpar.config", "jaxpar.cli")
+LOWER_LAYERS = ("jaxpar.parallel.pipeline", "jaxpar.parallel.compression", "jaxpar.parallel.sync", "jaxpar.cost", "jaxpar.analysis")
+UPPER = ("jaxpar.step", "jaxpar.run", "jaxpar.config", "jaxpar.cli")
 MAX_MODULE, MAX_FUNCTION, MAX_CLI = 400, 60, 250
 
 
@@ -121,7 +121,25 @@ def test_modules_and_functions_are_small():
 def test_make_train_step_is_one_composition():
     """No feature is special-cased in ``make_train_step``: it checks the table, builds the update
     and the options, and hands them to the builder of the program's shape."""
-    tree = ast.parse(MODULES["jaxpar.train.step"].read_text())
+    tree = ast.parse(MODULES["jaxpar.step.compose"].read_text())
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "make_train_step")
     branches = [n for n in ast.walk(fn) if isinstance(n, (ast.If, ast.IfExp, ast.Match))]
     assert not branches, [ast.unparse(b.test) for b in branches if hasattr(b, "test")]
+
+
+#: File names that several packages may each have, because each is the same kind of thing there:
+#: the package's errors, and the base class of its plug-ins.
+SAME_KIND = {"__init__.py", "errors.py", "base.py"}
+
+
+def test_the_top_of_the_package_holds_the_core_only():
+    top = sorted(p.name for p in ROOT.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 8, f"{len(top)} modules at the top of jaxpar/: {top}"
+
+
+def test_no_two_modules_share_a_file_name():
+    seen: dict[str, list[str]] = {}
+    for path in MODULES.values():
+        if path.name not in SAME_KIND:
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT.parent)))
+    assert not {n: ps for n, ps in seen.items() if len(ps) > 1}, {n: ps for n, ps in seen.items() if len(ps) > 1}

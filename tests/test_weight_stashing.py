@@ -10,12 +10,12 @@ from flax import nnx
 import jaxpar
 from jaxpar.config import ConfigError, load_config
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.pipeline.metrics import bubble_fraction
-from jaxpar.pipeline.schedules import gpipe, num_ticks, one_f_one_b, pipedream
-from jaxpar.pipeline.stash_step import TICKS_SCOPE
-from jaxpar.pipeline.stash_versions import (StashingError, lower_stashed, older_versions, update_ticks, version,
+from jaxpar.parallel.pipeline.schedule_stats import bubble_fraction
+from jaxpar.parallel.pipeline.schedules import gpipe, num_ticks, one_f_one_b, pipedream
+from jaxpar.parallel.pipeline.stash_step import TICKS_SCOPE
+from jaxpar.parallel.pipeline.stash_versions import (StashingError, lower_stashed, older_versions, update_ticks, version,
                                       weight_versions)
-from jaxpar.train.checkpoint import Checkpointer, CheckpointWarning
+from jaxpar.run.checkpoint import Checkpointer, CheckpointWarning
 
 from helpers import make_batch
 from test_async_pipeline import _assert_trees_close, _trip_counts
@@ -410,7 +410,7 @@ def test_stashing_in_yaml():
 
 
 def test_gantt_chart_marks_the_updates(tmp_path):
-    from jaxpar.pipeline.render import render_png
+    from jaxpar.parallel.pipeline.render import render_png
 
     s = pipedream(4, 4, 2)
     path = render_png(s, tmp_path / "pipedream.png", step_size=4, updates=update_ticks(s, 2))

@@ -6,7 +6,7 @@
 bytes per step, comparable with :func:`jaxpar.cost.traffic.bytes_per_axis`; a collective
 over several mesh axes counts for each of them.
 
-A pipelined step needs one more count. The pipeline executor (:mod:`jaxpar.pipeline.executor`)
+A pipelined step needs one more count. The pipeline executor (:mod:`jaxpar.parallel.pipeline.executor`)
 runs the lowered schedule as one ``while`` loop of ``T`` ticks. At each tick a chain of boolean
 conditionals, one per action kind that is not idle (in the order of the tick table's
 ``kinds``), runs the stage's action, and two switches pick the tick's forward and backward
@@ -50,9 +50,9 @@ import numpy as np
 
 from jaxpar.cost.parallel import Plan
 from jaxpar.cost.schedule import runs_in_lockstep
-from jaxpar.pipeline.lockstep import lockstep
-from jaxpar.pipeline.program import lower
-from jaxpar.pipeline.schedules import get_schedule
+from jaxpar.parallel.pipeline.lockstep import lockstep
+from jaxpar.parallel.pipeline.instructions import lower
+from jaxpar.parallel.pipeline.schedules import get_schedule
 from jaxpar.analysis.hlo import Collective, collectives, partition_positions
 from jaxpar.analysis.hlo_text import branch_computations, called_computations, parse_instructions
 from jaxpar.analysis.loops import trip_counts, while_trip_counts
@@ -112,8 +112,8 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
       ValueError: the program has no ``while`` loop of the schedule's length, or not one action
         conditional per action kind that is not idle.
     """
-    from jaxpar.pipeline.lockstep_stage import lockstep_table
-    from jaxpar.pipeline.stage import tick_table
+    from jaxpar.parallel.pipeline.lockstep_stage import lockstep_table
+    from jaxpar.parallel.pipeline.stage import tick_table
 
     schedule = get_schedule(plan.schedule, plan.pipe, plan.microbatches, plan.virtual)
     in_lockstep = runs_in_lockstep(plan)

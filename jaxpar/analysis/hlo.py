@@ -33,7 +33,7 @@ from jaxpar.analysis.hlo_text import (
     tpu_async_roles,
     tpu_reduce_scatters,
 )
-from jaxpar.analysis.memory import format_bytes, render_table
+from jaxpar.analysis.compiled_memory import format_bytes, render_table
 from jaxpar.analysis.replica_groups import (
     axes_of_groups,
     axes_of_pairs,

@@ -50,7 +50,7 @@ from typing import Any
 from jaxpar.analysis.hlo_text import (KINDS, Instruction, called_computations, channel, custom_call_targets, operands,
                        parse_instructions, shape_bytes, tpu_async_roles, tpu_reduce_scatters)
 from jaxpar.analysis.loops import trip_counts, while_trip_counts
-from jaxpar.analysis.memory import format_bytes, render_table
+from jaxpar.analysis.compiled_memory import format_bytes, render_table
 
 __all__ = ["AsyncCollective", "SyncCollective", "OverlapReport", "overlap", "overlap_table", "dims"]
 

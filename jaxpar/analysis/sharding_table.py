@@ -33,7 +33,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from jaxpar.rules import path_str
-from jaxpar.analysis.memory import format_bytes, render_table
+from jaxpar.analysis.compiled_memory import format_bytes, render_table
 
 __all__ = ["sharding_table", "spec_str"]
 
@@ -62,7 +62,7 @@ def sharding_table(layout: Any) -> str:
       layout: a :class:`~jaxpar.StateLayout` (``jaxpar.state_layout`` or ``init_train_state``).
 
     Returns:
-      The table as text (:func:`jaxpar.analysis.memory.render_table`), one row per parameter.
+      The table as text (:func:`jaxpar.analysis.compiled_memory.render_table`), one row per parameter.
     """
     is_spec = lambda x: isinstance(x, PartitionSpec) or x is None   # noqa: E731
     flat = lambda t: [(path_str(p), v) for p, v in jax.tree_util.tree_flatten_with_path(t, is_leaf=is_spec)[0]]  # noqa: E731

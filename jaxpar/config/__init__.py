@@ -16,7 +16,7 @@ Modules, in import order (each imports only those above it):
   tokenizer opened with the errors under the YAML keys.
 * :mod:`~jaxpar.config.build`: sections -> mesh, strategy, optimizer, model factory, loss; the
   model and optimizer registries; library errors relabelled with YAML keys.
-* :mod:`~jaxpar.config.data`: the data section -> batch function and eval batches.
+* :mod:`~jaxpar.config.data_section`: the data section -> batch function and eval batches.
 * :mod:`~jaxpar.config.checks`: :func:`check`, every impossible setting at once.
 * :mod:`~jaxpar.config.load`: YAML, ``base:``, overrides, merging -> a checked :class:`JobConfig`.
 * :mod:`~jaxpar.config.job`: a config -> the :class:`Job` that ``jaxpar train``, ``inspect`` and
@@ -24,7 +24,7 @@ Modules, in import order (each imports only those above it):
 * :mod:`~jaxpar.config.describe`: the lines the CLI prints about a job.
 * :mod:`~jaxpar.config.hf_commands`: ``jaxpar export`` and ``jaxpar sample`` (a run's weights as a Hugging
   Face checkpoint, or continuing a prompt).
-* :mod:`~jaxpar.config.planner`: the cost model's view of a config (``jaxpar inspect``, ``jaxpar plan``).
+* :mod:`~jaxpar.config.plan_command`: the cost model's view of a config (``jaxpar inspect``, ``jaxpar plan``).
 
 Example::
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 from jaxpar.config.build import (MODELS, OPTIMIZERS, ModelEntry, build_gpt_config, build_loss_fn, build_lr_schedule, build_mesh,
                     build_model_fn, build_optimizer, build_strategy, frozen_variance_step)
 from jaxpar.config.checks import check
-from jaxpar.config.data import build_data, build_ramp, describe_batch
+from jaxpar.config.data_section import build_data, build_ramp, describe_batch
 from jaxpar.config.imports import resolve_import
 from jaxpar.config.job import Job, build_job
 from jaxpar.config.load import load_config, merge_layers, parse_overrides, to_yaml

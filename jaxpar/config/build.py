@@ -4,7 +4,7 @@ of built-in models and optimizers.
 
 The library checks its own objects; their errors are relabelled here with the YAML keys
 (``GPTConfig.heads`` -> ``model.heads``, ``Strategy.virtual_stages`` -> ``parallel.virtual_stages``).
-The data section is built by :mod:`jaxpar.config.data`.
+The data section is built by :mod:`jaxpar.config.data_section`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class ModelEntry:
 def build_gpt_config(cfg: ModelConfig):
     """The :class:`jaxpar.models.gpt.GPTConfig` of the model section; its errors name ``model.*`` keys."""
     from jaxpar.models.gpt import GPTConfig   # the GPT is one example model: imported only when used
-    from jaxpar.moe import MoEError
+    from jaxpar.parallel.moe import MoEError
 
     moe = build_moe(cfg.moe)
     try:
@@ -145,7 +145,7 @@ def build_codec(options: Mapping[str, Any]):
     """The codec of ``parallel.compression`` (``{kind: ..., **options}``; empty: ``None``)."""
     if not options:
         return None
-    from jaxpar.compression import CODECS, CompressionError, make_codec
+    from jaxpar.parallel.compression import CODECS, CompressionError, make_codec
 
     opts = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
     if "kind" not in opts:
@@ -161,7 +161,7 @@ def build_sync(options: Mapping[str, Any]):
     """The kind of ``parallel.sync`` (``{kind: ..., **options}``; empty: ``None``)."""
     if not options:
         return None
-    from jaxpar.sync import SYNC_KINDS, SyncError, make_sync
+    from jaxpar.parallel.sync import SYNC_KINDS, SyncError, make_sync
 
     opts = {k: tuple(map(tuple, v)) if k == "pattern" and v is not None else v for k, v in options.items()}
     if "kind" not in opts:
@@ -174,10 +174,10 @@ def build_sync(options: Mapping[str, Any]):
 
 
 def build_context(options: Mapping[str, Any]):
-    """The :class:`jaxpar.context.ContextParallel` of ``parallel.context`` (empty: ``None``)."""
+    """The :class:`jaxpar.parallel.context.ContextParallel` of ``parallel.context`` (empty: ``None``)."""
     if not options:
         return None
-    from jaxpar.context import ContextParallel, ContextParallelError
+    from jaxpar.parallel.context import ContextParallel, ContextParallelError
 
     unknown = sorted(set(options) - {"method", "balance"})
     if unknown:
@@ -262,7 +262,7 @@ def build_trust_mask(cfg: OptimizerConfig, model_fn: Callable[[], nnx.Module] | 
     tm = cfg.trust_mask
     if model_fn is None:
         return None, lambda params: opt_lib.trust_mask(params, exclude=tm.exclude, include=tm.include)
-    from jaxpar.model_shapes import abstract_model
+    from jaxpar.adapters.shapes import abstract_model
 
     _, shapes, logical = abstract_model(model_fn)
     try:

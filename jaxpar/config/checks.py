@@ -13,11 +13,11 @@ import re
 from typing import Any
 
 from jaxpar.mesh import MeshError
-from jaxpar.pipeline.partition import PartitionError, check_stage_layers, uniform_layers
-from jaxpar.pipeline.schedules import get_schedule
+from jaxpar.parallel.pipeline.partition import PartitionError, check_stage_layers, uniform_layers
+from jaxpar.parallel.pipeline.schedules import get_schedule
 from jaxpar.config.build import (MODELS, OPTIMIZERS, build_gpt_config, build_strategy, build_sync, lr_scaling_problems, mesh_error,
                     mesh_spec)
-from jaxpar.config.data import build_ramp
+from jaxpar.config.data_section import build_ramp
 from jaxpar.config.data_checks import data_problems
 from jaxpar.config.problems import at_least, choice, collect
 from jaxpar.config.hf_model import hf_problems, tokenizer_problems
@@ -193,7 +193,7 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
     return problems + _ramp_problems(cfg, dp * k, f"mesh.data x mesh.fsdp{rep} x parallel.microbatches = {dp * k}")
 
 
-YAML_NAMES = {   # the YAML key of each field jaxpar.compat's messages name
+YAML_NAMES = {   # the YAML key of each field jaxpar.compat.table's messages name
     "zero": "parallel.zero", "sequence_parallel": "parallel.sequence_parallel", "schedule": "parallel.schedule",
     "compression": "parallel.compression", "sync": "parallel.sync", "local_clip": "parallel.compression.local_clip",
     "microbatches": "parallel.microbatches", "compute_dtype": "parallel.compute_dtype", "explicit_dp": "explicit_dp",
@@ -205,9 +205,9 @@ YAML_NAMES = {   # the YAML key of each field jaxpar.compat's messages name
 
 
 def _table_problems(cfg: JobConfig, strategy: Any, num_devices: int | None) -> list[str]:
-    """The compatibility table's refusals (:mod:`jaxpar.compat`) of this config, under its YAML keys
+    """The compatibility table's refusals (:mod:`jaxpar.compat.table`) of this config, under its YAML keys
     (a ``-1`` mesh size the device count cannot resolve counts as 1)."""
-    from jaxpar.compat import Setting, problems
+    from jaxpar.compat.table import Setting, problems
 
     try:
         sizes = _mesh_sizes(cfg, num_devices)
@@ -224,7 +224,7 @@ def _table_problems(cfg: JobConfig, strategy: Any, num_devices: int | None) -> l
 
 def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
     """``data.batch_ramp``: well formed, and every size divisible like ``data.batch_size``."""
-    from jaxpar.train.ramp import RampError
+    from jaxpar.run.ramp import RampError
 
     try:
         ramp = build_ramp(cfg.data)
@@ -242,7 +242,7 @@ def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
 
 
 def _two_bw_problems(par: ParallelConfig, p: int) -> list[str]:
-    """``parallel.schedule: pipedream-2bw`` needs a pipeline (what it combines with: :mod:`jaxpar.compat`)."""
+    """``parallel.schedule: pipedream-2bw`` needs a pipeline (what it combines with: :mod:`jaxpar.compat.table`)."""
     if _schedule_kind(par) != "pipedream-2bw" or p > 1:
         return []
     return [f"parallel.schedule={par.schedule!r} needs mesh.pipe > 1 (got mesh.pipe={p}): PipeDream-2BW is a "
@@ -251,7 +251,7 @@ def _two_bw_problems(par: ParallelConfig, p: int) -> list[str]:
 
 def _schedule_kind(par: ParallelConfig) -> str | None:
     """``parallel.schedule``'s canonical name (aliases resolved); ``None`` if unknown (reported by the strategy)."""
-    from jaxpar.pipeline.schedules import canonical_kind
+    from jaxpar.parallel.pipeline.schedules import canonical_kind
 
     try:
         return canonical_kind(par.schedule)
@@ -260,7 +260,7 @@ def _schedule_kind(par: ParallelConfig) -> str | None:
 
 
 def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
-    """``parallel.steps_per_call = K > 1``: the loop's intervals multiples of ``K`` (pairs: :mod:`jaxpar.compat`)."""
+    """``parallel.steps_per_call = K > 1``: the loop's intervals multiples of ``K`` (pairs: :mod:`jaxpar.compat.table`)."""
     k = cfg.parallel.steps_per_call
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         return [f"parallel.steps_per_call={k!r}: must be an int >= 1 (optimizer steps per compiled call)."]
@@ -293,7 +293,7 @@ def _sync_problems(par, sizes) -> list[str]:
     """``parallel.sync`` against ``mesh.replica`` (and the kinds' own limits)."""
     if not par.sync:
         return []
-    from jaxpar.sync import SyncError, check_sync
+    from jaxpar.parallel.sync import SyncError, check_sync
 
     try:
         sync = build_sync(par.sync)
@@ -315,7 +315,7 @@ def _noise_scale_problems(p: list[str], cfg: JobConfig) -> None:
 
 
 def _noise_scale_mesh_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
-    """``logging.noise_scale`` against the mesh (what it combines with: :mod:`jaxpar.compat`)."""
+    """``logging.noise_scale`` against the mesh (what it combines with: :mod:`jaxpar.compat.table`)."""
     every = cfg.logging.noise_scale.every
     if every is None or sizes.get("data", 1) * sizes.get("fsdp", 1) >= 2:
         return []

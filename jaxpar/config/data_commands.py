@@ -138,7 +138,7 @@ def run_show(config: str, overrides: Sequence[str], *, steps: range, chars: int 
     import jax
 
     from jaxpar.data import batch_digest, make_global_batch
-    from jaxpar.distributed import start_processes
+    from jaxpar.devices.distributed import start_processes
     from jaxpar.config.job import build_job
     from jaxpar.config.load import load_config
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from jaxpar.config.data import describe_batch
+from jaxpar.config.data_section import describe_batch
 from jaxpar.config.job import Job, part_bytes
 from jaxpar.config.schema import JobConfig
 
@@ -85,7 +85,7 @@ def state_line(layout: Any) -> str:
     Returns:
       The line.
     """
-    from jaxpar.analysis.memory import format_bytes
+    from jaxpar.analysis.compiled_memory import format_bytes
 
     nbytes, parts = layout.analytic_bytes(), part_bytes(layout)
     names = {"codec": "codec state", "sync": "relaxed-sync state"}

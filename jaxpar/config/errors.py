@@ -15,13 +15,13 @@ def user_errors() -> tuple[type[Exception], ...]:
     """
     from jaxpar.cost import ClusterError, PlanError
     from jaxpar.data import DataError
-    from jaxpar.distributed import DistributedError
+    from jaxpar.devices.distributed import DistributedError
     from jaxpar.hf import HFExportError
-    from jaxpar.pipeline.cut import PipelineCutError
+    from jaxpar.parallel.pipeline.cut import PipelineCutError
     from jaxpar.rules import RulesError
-    from jaxpar.targets import TargetError
-    from jaxpar.train.checkpoint import CheckpointError
-    from jaxpar.train.step import ExplicitDPError
+    from jaxpar.devices.targets import TargetError
+    from jaxpar.run.checkpoint import CheckpointError
+    from jaxpar.step.compose import ExplicitDPError
     from jaxpar.config.schema import ConfigError
 
     return (ConfigError, ClusterError, PlanError, DistributedError, RulesError, CheckpointError, PipelineCutError,

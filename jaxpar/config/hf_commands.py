@@ -14,7 +14,7 @@ Usage::
 
 ``export`` writes ``OUT`` with :func:`jaxpar.hf.export` from the imported checkpoint (its config,
 tokenizer and generation files kept; ``--dtype``: the tensors' dtype, default the source's); it
-needs ``model.hf``. ``sample`` continues the prompt greedily (:func:`jaxpar.train.sample.greedy_generate`,
+needs ``model.hf``. ``sample`` continues the prompt greedily (:func:`jaxpar.run.sample.greedy_generate`,
 a window of ``model.seq_len`` tokens) and prints the text, decoded by ``data.tokenizer`` or else
 ``model.hf``'s tokenizer (a byte-level GPT: bytes); where the weights came from goes to stderr.
 """
@@ -62,7 +62,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _job(config: str, overrides: Sequence[str], command: str):
     """``(cfg, job)`` of the run's config, on its devices (the data is not read)."""
-    from jaxpar.distributed import start_processes
+    from jaxpar.devices.distributed import start_processes
     from jaxpar.config.job import build_job
     from jaxpar.config.load import load_config
 
@@ -103,9 +103,9 @@ def run_weights(job: Any, step: int | None = None) -> RunWeights:
     Raises:
       CheckpointError: ``step`` has no (readable) checkpoint, or the run has none and no ``model.hf``.
     """
-    from jaxpar.train.checkpoint import CheckpointError
-    from jaxpar.train.router_bias import KEY as BIAS, has_router_bias
-    from jaxpar.train.sample import host_params
+    from jaxpar.run.checkpoint import CheckpointError
+    from jaxpar.step.router_bias import KEY as BIAS, has_router_bias
+    from jaxpar.run.sample import host_params
 
     layout = job.state_layout()
     directory = Path(job.checkpoint["directory"]) if job.checkpoint is not None else None
@@ -177,8 +177,8 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
     Raises:
       ConfigError: the config is invalid, the prompt encodes to no token, or the run's tokens have no text.
     """
-    from jaxpar.moe import use_router_bias
-    from jaxpar.train.sample import greedy_generate
+    from jaxpar.parallel.moe import use_router_bias
+    from jaxpar.run.sample import greedy_generate
 
     cfg, job = _job(config, overrides, "sample")
     encode, decode = _sample_codec(cfg, job)

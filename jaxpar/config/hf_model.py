@@ -31,7 +31,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from jaxpar.blocks import REMAT_POLICIES
+from jaxpar.adapters.blocks import REMAT_POLICIES
 from jaxpar.config.schema import HF_MODEL_KEYS, ConfigError, DataConfig, JobConfig, ModelConfig
 
 __all__ = ["hf_problems", "tokenizer_problems", "open_hf", "hf_mesh_problems", "hf_length_problems", "build_tokenizer"]

@@ -1,6 +1,6 @@
 """``jaxpar inspect``: compile a config's train step ahead of time and say what it needs.
 
-On the simulated CPU mesh by default; with a target (:mod:`jaxpar.targets`: ``h100:2x8``,
+On the simulated CPU mesh by default; with a target (:mod:`jaxpar.devices.targets`: ``h100:2x8``,
 ``tpu-v5e:4x4``) with the real GPU or TPU compiler, without the hardware. It prints the mesh, the
 parameters' shardings, the collectives per mesh axis (bytes, async or not), the memory per device
 against the device's capacity (fits / does not fit, and the plan that would), the compile time, and
@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from jaxpar.mesh import MeshError, MeshSpec
-from jaxpar.targets import Target, TargetError, compile_error, parse_target, target_devices
+from jaxpar.devices.targets import Target, TargetError, compile_error, parse_target, target_devices
 from jaxpar.config.build import mesh_spec
 from jaxpar.config.schema import ConfigError, JobConfig
 
@@ -69,14 +69,14 @@ def fit_lines(report: Any, target: Target, predicted: float | None = None) -> tu
     """Whether the compiled program fits the target's device memory, as printable lines.
 
     Args:
-      report: the program's :class:`~jaxpar.analysis.memory.MemoryReport`.
+      report: the program's :class:`~jaxpar.analysis.compiled_memory.MemoryReport`.
       target: the target.
       predicted: the cost model's peak per device (None: not predicted).
 
     Returns:
       ``(fits, lines)``.
     """
-    from jaxpar.analysis.memory import format_bytes
+    from jaxpar.analysis.compiled_memory import format_bytes
 
     need, cap = report.required_bytes, target.capacity_bytes
     share = "" if target.spec.platform != "cuda" else \
@@ -104,8 +104,8 @@ def fitting_plan(cfg: JobConfig, target: Target, *, most: int = 64) -> str:
       A line naming the devices, the plan and its predicted memory, or why none fits.
     """
     from jaxpar import cost
-    from jaxpar.analysis.memory import format_bytes
-    from jaxpar.config.planner import cost_model
+    from jaxpar.analysis.compiled_memory import format_bytes
+    from jaxpar.config.plan_command import cost_model
 
     if cfg.model.target is not None or cfg.model.hf is not None:
         key = "model.target" if cfg.model.target is not None else "model.hf"
@@ -168,7 +168,7 @@ def _devices(cfg: JobConfig, tgt: Target | None) -> list:
     if tgt is None:
         import jax
 
-        from jaxpar.distributed import setup_devices
+        from jaxpar.devices.distributed import setup_devices
         from jaxpar.config.job import job_devices
 
         n = job_devices(cfg)
@@ -194,10 +194,10 @@ def _compile(job: Any, layout: Any, tgt: Target | None) -> dict:
 
 def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target | None, cluster: str) -> int:
     from jaxpar.analysis.hlo import collectives, collectives_table
-    from jaxpar.analysis.memory import memory_report
+    from jaxpar.analysis.compiled_memory import memory_report
     from jaxpar.analysis.sharding_table import sharding_table
     from jaxpar.cost.traffic import lowering_for_platform
-    from jaxpar.config.planner import planner_table, planner_view, predicted_peak, unpredicted
+    from jaxpar.config.plan_command import planner_table, planner_view, predicted_peak, unpredicted
 
     print("\nparameters (mesh axes per dimension; '-' replicated)")
     print(sharding_table(layout))

@@ -40,7 +40,7 @@ from jaxpar.strategy import Strategy
 from jaxpar.config.build import (build_gpt_config, build_loss_fn, build_mesh, build_model_fn, build_optimizer, build_strategy,
                     frozen_variance_step)
 from jaxpar.config.checks import check
-from jaxpar.config.data import build_data, build_ramp
+from jaxpar.config.data_section import build_data, build_ramp
 from jaxpar.config.hf_model import build_tokenizer, hf_length_problems, hf_mesh_problems, open_hf
 from jaxpar.config.schema import ConfigError, JobConfig
 
@@ -57,7 +57,7 @@ class Job:
     updates per train step (:func:`updates_per_step`). ``token_batches``: the batches are the GPT's
     token windows (``tokens`` / ``targets`` ``[global_batch, seq_len]`` int32), else ``batch_fn``'s.
     ``run``, ``log``, ``checkpoint``, ``meta`` and ``gpt_sizes`` describe ``jaxpar train``'s run
-    (:mod:`jaxpar.train.resume`). ``hf``: ``model.hf``'s opened :class:`jaxpar.hf.Checkpoint`, whose
+    (:mod:`jaxpar.run.resume`). ``hf``: ``model.hf``'s opened :class:`jaxpar.hf.Checkpoint`, whose
     weights the state starts from (None: another model); ``tokenizer``: ``data.tokenizer``'s.
     """
 
@@ -77,7 +77,7 @@ class Job:
     batch_fn: Callable[[int], Any] | None = None
     eval_batches: Sequence[Any] = ()
     ramp: Any = None
-    run: Any = None                          # jaxpar.train.resume.RunOptions
+    run: Any = None                          # jaxpar.run.resume.RunOptions
     log: Mapping[str, Any] = field(default_factory=dict)          # LogOptions fields
     checkpoint: Mapping[str, Any] | None = None                    # Checkpointer arguments (None: no checkpoints)
     meta: Mapping[str, Any] = field(default_factory=dict)         # checkpoint_meta's arguments, less the mesh
@@ -99,16 +99,16 @@ class Job:
     def state_layout(self):
         """The train state's layout (:func:`jaxpar.state_layout`, plus the noise scale's state when it
         is measured), without creating the state."""
-        from jaxpar.train.init import state_layout
+        from jaxpar.step.init import state_layout
 
         layout = state_layout(self.model_fn, self.tx, self.mesh, self.strategy)
         if self.router_bias is not None:
-            from jaxpar.train.router_bias import router_bias_layout
+            from jaxpar.step.router_bias import router_bias_layout
 
             layout = router_bias_layout(layout, self.router_bias)
         if self.noise_scale_every is None:
             return layout
-        from jaxpar.train.noise_scale import noise_scale_layout
+        from jaxpar.step.noise_scale import noise_scale_layout
 
         return noise_scale_layout(layout)
 
@@ -118,17 +118,17 @@ class Job:
         measured (they are checkpointed). With ``model.hf`` the parameters are the checkpoint's,
         read straight into their layout (:meth:`imported_params`), and the optimizer state is fresh;
         ``weights=False`` leaves them random (a resumed run restores its own)."""
-        from jaxpar.train.init import init_train_state
+        from jaxpar.step.init import init_train_state
 
         params = self.imported_params(self.state_layout()) if self.hf is not None and weights else None
         state, layout = init_train_state(self.model_fn, self.tx, self.mesh, self.strategy, params=params)
         if self.router_bias is not None:
-            from jaxpar.train.router_bias import with_router_bias
+            from jaxpar.step.router_bias import with_router_bias
 
             state, layout = with_router_bias(state, layout, self.router_bias)
         if self.noise_scale_every is None:
             return state, layout
-        from jaxpar.train.noise_scale import with_noise_scale
+        from jaxpar.step.noise_scale import with_noise_scale
 
         return with_noise_scale(state, layout)
 
@@ -138,7 +138,7 @@ class Job:
 
     def train_step(self, layout):
         """The train step ``jaxpar train`` runs: :func:`jaxpar.make_train_step` with the job's options."""
-        from jaxpar.train.step import make_train_step
+        from jaxpar.step.compose import make_train_step
 
         return make_train_step(self.loss_fn, self.tx, layout, self.strategy, **self.step_options)
 
@@ -146,7 +146,7 @@ class Job:
         """``state -> eval loss`` over the job's eval batches (None without them)."""
         if not self.eval_batches:
             return None
-        from jaxpar.train.loop import make_eval_fn
+        from jaxpar.run.loop import make_eval_fn
 
         return make_eval_fn(self.loss_fn, layout, self.strategy, self.eval_batches)
 
@@ -181,10 +181,10 @@ class Job:
         return {name: program.compile() for name, program in lowered.items()}
 
     def log_options(self, layout, tokens_per_batch: int | None):
-        """The loop's :class:`~jaxpar.train.report.LogOptions`: the job's settings, its title, and the
+        """The loop's :class:`~jaxpar.run.report.LogOptions`: the job's settings, its title, and the
         FLOPs per token of jaxpar's GPT for MFU."""
-        from jaxpar.train.report import LogOptions
-        from jaxpar.train.resume import gpt_flops_per_token
+        from jaxpar.run.report import LogOptions
+        from jaxpar.run.resume import gpt_flops_per_token
 
         flops = None      # FLOPs per token: known for the GPT; for a model of your own there is no MFU
         if self.gpt_sizes is not None:
@@ -193,11 +193,11 @@ class Job:
                           tokens_per_batch=tokens_per_batch, flops_per_token=flops)
 
     def checkpointer(self, layout=None):
-        """A :class:`~jaxpar.train.checkpoint.Checkpointer` for the run (None: checkpoints are off);
+        """A :class:`~jaxpar.run.checkpoint.Checkpointer` for the run (None: checkpoints are off);
         with the state's ``layout`` its saves record the layout of the state's feature parts."""
         if self.checkpoint is None:
             return None
-        from jaxpar.train.checkpoint import Checkpointer
+        from jaxpar.run.checkpoint import Checkpointer
 
         return Checkpointer(**self.checkpoint, layout=layout)
 
@@ -307,8 +307,8 @@ def _data(cfg: JobConfig, read: bool, vocab: int, tokenizer: Any) -> dict:
 def _run(cfg: JobConfig, tokenizer: Any = None) -> dict:
     """The plain settings of ``jaxpar train``'s run: ``run``, ``log``, ``checkpoint``, ``meta``, ``gpt_sizes``
     (the samples decoded by ``tokenizer`` when there is one)."""
-    from jaxpar.train.resume import RunOptions
-    from jaxpar.train.sample import SampleOptions
+    from jaxpar.run.resume import RunOptions
+    from jaxpar.run.sample import SampleOptions
 
     m, tr, ck, lg = cfg.model, cfg.train, cfg.checkpoint, cfg.logging
     gpt = m.target is None and m.hf is None
@@ -320,7 +320,7 @@ def _run(cfg: JobConfig, tokenizer: Any = None) -> dict:
     log = dict(log_every=tr.log_every, out_dir=Path(tr.out_dir), progress=tr.progress, tensorboard=lg.tensorboard,
                peak_flops=lg.peak_flops)
     checkpoint = dict(directory=ck.dir, every=ck.every, keep=ck.keep, async_save=ck.async_save) if ck.enabled else None
-    meta = {"name": cfg.name, "seed": tr.seed, "model": m.name,      # jaxpar.train.resume.checkpoint_meta's
+    meta = {"name": cfg.name, "seed": tr.seed, "model": m.name,      # jaxpar.run.resume.checkpoint_meta's
             "data": {"kind": cfg.data.kind, "seed": cfg.data.seed, "batch_size": cfg.data.batch_size}}
     sizes = dict(vocab=m.vocab, seq_len=m.seq_len, embed=m.embed, layers=m.layers) if gpt else None
     return dict(run=run, log=log, checkpoint=checkpoint, meta=meta, gpt_sizes=sizes)
@@ -357,7 +357,7 @@ def part_bytes(layout) -> dict[str, int]:
       ``{"codec": ..., "sync": ...}``: the codec's residuals and relaxed synchronisation's
       replicas (or history) on one device, each 0 without the part.
     """
-    from jaxpar.zero import spec_shards
+    from jaxpar.parallel.zero import spec_shards
 
     sizes = dict(layout.mesh.shape)
     out = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxpar.train import data as data_lib
+from jaxpar.data import windows as data_lib
 
 __all__ = [
     "ConfigError", "ModelConfig", "MeshConfig", "ParallelConfig", "LRScalingConfig", "TrustMaskConfig",
@@ -34,7 +34,7 @@ class ModelConfig:
     :class:`jaxpar.models.Decoder`, started from its weights, with ``remat``, ``scan_layers`` and
     ``seq_len``, the data's windows, only). With ``target`` or ``hf``, ``name`` is only a label
     (default: the class's / the directory's name). Under ``mesh.pipe > 1`` the model is cut at its
-    stacked blocks (:mod:`jaxpar.pipeline.cut`)."""
+    stacked blocks (:mod:`jaxpar.parallel.pipeline.cut`)."""
 
     name: str = "gpt"
     target: str | None = None
@@ -90,9 +90,9 @@ class ParallelConfig:
     steps_per_call: int = 1         # optimizer steps per compiled call (pipedream / pipedream-2bw: no flush between)
     virtual_stages: int = 1         # interleaved: model chunks per stage
     stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (uneven); null = even
-    # gradient codec over the data axes, e.g. {kind: powersgd, rank: 4}; {} = exact (see jaxpar.compression)
+    # gradient codec over the data axes, e.g. {kind: powersgd, rank: 4}; {} = exact (see jaxpar.parallel.compression)
     compression: dict[str, Any] = field(default_factory=dict)
-    # how the mesh.replica replicas synchronise, e.g. {kind: diloco, every: 50}; {} = every step (see jaxpar.sync)
+    # how the mesh.replica replicas synchronise, e.g. {kind: diloco, every: 50}; {} = every step (see jaxpar.parallel.sync)
     sync: dict[str, Any] = field(default_factory=dict)
     # how attention runs over mesh.context: {method: ring | all_gather | ulysses, balance: true}; {} = ring, natural
     context: dict[str, Any] = field(default_factory=dict)
@@ -164,7 +164,7 @@ class DataConfig:
     seed: int = 0
     eval_fraction: float = 0.05
     # global batch sizes growing during training, e.g. {sizes: [32, 64, 128], steps: [0, 100, 200]}
-    # (the first size is batch_size; see jaxpar.train.ramp); {} = batch_size throughout
+    # (the first size is batch_size; see jaxpar.run.ramp); {} = batch_size throughout
     batch_ramp: dict[str, Any] = field(default_factory=dict)
     # kind=documents (jaxpar.config.documents, docs/data.md): sources mixed by weight, packed rows
     sources: list[dict[str, Any]] = field(default_factory=list)   # [{path, format, text_field, weight}, ...]
@@ -211,7 +211,7 @@ class CheckpointConfig:
 class NoiseScaleConfig:
     """The gradient noise scale ``B_simple`` (McCandlish et al. 2018) measured every ``every`` steps from
     each data-parallel replica's gradient and the global one (null: never), with moving averages of
-    decay ``ema`` (:mod:`jaxpar.train.noise_scale`); logged as ``noise_scale`` and ``noise_scale.png``."""
+    decay ``ema`` (:mod:`jaxpar.step.noise_scale`); logged as ``noise_scale`` and ``noise_scale.png``."""
 
     every: int | None = None
     ema: float = 0.95

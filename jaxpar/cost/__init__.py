@@ -3,7 +3,7 @@
 Pure Python + NumPy: no module of this package imports JAX (only :func:`~jaxpar.cost.model.from_nnx`
 does, inside the function). Checking the model against compiled programs is done elsewhere:
 :mod:`jaxpar.analysis.axis_bytes` reads the bytes per mesh axis of a compiled step and
-:mod:`jaxpar.train.cost_check` compiles a plan's train step and compares.
+:mod:`jaxpar.step.cost_check` compiles a plan's train step and compares.
 
 * :mod:`~jaxpar.cost.collectives`: ring / tree / recursive doubling-halving / Rabenseifner /
   lower bound (Thakur, Rabenseifner & Gropp 2005), the best algorithm per size.
@@ -21,9 +21,9 @@ does, inside the function). Checking the model against compiled programs is done
 * :mod:`~jaxpar.cost.time`: FLOPs, the step through the pipeline schedule, the collectives' time and
   what the schedule hides of them.
 * :mod:`~jaxpar.cost.model`: a model from numbers or from an NNX model.
-* :mod:`~jaxpar.cost.table`: a plan as the compatibility table's setting (:mod:`jaxpar.compat`, pure Python
+* :mod:`~jaxpar.cost.refusals`: a plan as the compatibility table's setting (:mod:`jaxpar.compat.table`, pure Python
   too), and why the table refuses it.
-* :mod:`~jaxpar.cost.plan`: enumerate, reject what the table refuses or does not fit (with the reason), rank.
+* :mod:`~jaxpar.cost.planner`: enumerate, reject what the table refuses or does not fit (with the reason), rank.
 
 Example::
 
@@ -38,7 +38,7 @@ from jaxpar.cost.collectives import Link
 from jaxpar.cost.memory import PRECISIONS, BytesPerParam, activation_bytes_per_layer, memory_per_device, zero_state_bytes
 from jaxpar.cost.model import Leaf, ModelSpec, from_gpt_config, from_nnx, gpt
 from jaxpar.cost.parallel import Plan
-from jaxpar.cost.plan import Estimate, PlanError, PlanResult, plan
+from jaxpar.cost.planner import Estimate, PlanError, PlanResult, plan
 from jaxpar.cost.time import Overlap, flops_per_token, narayanan_flops, step_flops, step_time
 from jaxpar.cost.traffic import comms
 

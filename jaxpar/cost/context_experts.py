@@ -1,7 +1,7 @@
 """Context parallelism (CP) and expert parallelism (EP) in the cost model: the per-layer collectives,
 the attention work and memory of each CP method, and the MoE layer's kernels and memory.
 
-The runtime is the ground truth (:mod:`jaxpar.context`, :mod:`jaxpar.moe`). Per layer and micro-batch,
+The runtime is the ground truth (:mod:`jaxpar.parallel.context`, :mod:`jaxpar.parallel.moe`). Per layer and micro-batch,
 on one device, with ``r`` sequences of ``s`` tokens split over ``C`` context devices, ``t``-way tensor
 parallelism, hidden ``h`` and ``cb`` bytes per value, one shard of K (or V) is
 ``kv = r·(s/C)·(h/t)·cb`` bytes:
@@ -25,7 +25,7 @@ group of ``s/C`` tokens).
 **Attention work per device** (:func:`score_fraction`, of the ``s x s`` scores per head, as each method
 computes them): the dense path (``C = 1``), all-gather and Ulysses compute their scores whole, the causal
 mask's half included (``1``, ``[s/C, s]``, ``[a/C, s, s]``: ``1/C``). The ring skips the block pairs the mask
-hides: balanced, every device computes ``2C+1`` blocks of ``s/2C`` (:func:`jaxpar.context.ring_block_pairs`),
+hides: balanced, every device computes ``2C+1`` blocks of ``s/2C`` (:func:`jaxpar.parallel.context.ring_block_pairs`),
 ``(2C+1)/4C^2``, about half of ``1/C``; in the natural order the last device computes ``C`` blocks of
 ``s/C`` (the diagonal one whole), ``1/C``, and the step waits for it.
 

@@ -15,7 +15,7 @@ Sources:
   5as/(ht))`` (TP), ``sbh/t·(34 + 5as/h)`` (TP + SP), the ``5as/h`` term dropped by selective
   recomputation, ``2sbh`` (``/t`` with SP) with full recomputation (only each layer's input).
 * Pipelines: a stage keeps the activations of ``peak_in_flight`` (micro-batch, chunk) pairs
-  of its own layers, read from the schedule tables (:mod:`jaxpar.pipeline.schedules`):
+  of its own layers, read from the schedule tables (:mod:`jaxpar.parallel.pipeline.schedules`):
   ``m`` for GPipe, ``p`` on the first stage for 1F1B and ZB-H1.
 
 Example::
@@ -105,7 +105,7 @@ def zero_state_bytes(psi: float, n_d: int, stage: int, *, param_bytes: float = 2
 # ----------------------------------------------------------------------------- leaves on a mesh
 def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ...]:
     """Mesh axes of each dimension under jaxpar's tensor rules (``mlp, heads, vocab`` -> ``tensor``;
-    ``layers`` -> ``pipe`` when ``pipe > 1``; ``experts`` -> ``expert``, :func:`jaxpar.moe.expert_rules`),
+    ``layers`` -> ``pipe`` when ``pipe > 1``; ``experts`` -> ``expert``, :func:`jaxpar.parallel.moe.expert_rules`),
     before ZeRO."""
     spec = []
     for dim, (size, name) in enumerate(zip(leaf.shape, leaf.logical)):
@@ -120,7 +120,7 @@ def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ..
 
 
 def zero_dim_of(leaf: Leaf, spec, sizes: Mapping[str, int]) -> int | None:
-    """The dimension ZeRO / FSDP splits (as :func:`jaxpar.zero.zero_dim`): the largest one that is not
+    """The dimension ZeRO / FSDP splits (as :func:`jaxpar.parallel.zero.zero_dim`): the largest one that is not
     ``layers``, not split by ``spec`` (:func:`leaf_spec`) and divisible by ``data * fsdp``; None if none."""
     n = sizes.get("fsdp", 1) * sizes.get("data", 1)
     for d in sorted(range(len(leaf.shape)), key=lambda d: -leaf.shape[d]):
@@ -130,7 +130,7 @@ def zero_dim_of(leaf: Leaf, spec, sizes: Mapping[str, int]) -> int | None:
 
 
 def zero_axes(sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str, ...]:
-    """The mesh axes over which ZeRO / FSDP shards ``kind`` of a parameter (as :mod:`jaxpar.zero`).
+    """The mesh axes over which ZeRO / FSDP shards ``kind`` of a parameter (as :mod:`jaxpar.parallel.zero`).
 
     ``fsdp`` shards everything; ``data`` shards the optimizer state from stage 1, the
     gradients from stage 2 and the parameters from stage 3.
@@ -206,7 +206,7 @@ def sizes_key(sizes: Mapping[str, int]) -> tuple:
 
 
 def leaf_shards(leaf: Leaf, sizes: Mapping[str, int], stage: int, kind: str) -> int:
-    """Into how many pieces ``kind`` ('params' | 'grads' | 'opt') of ``leaf`` is cut (as :mod:`jaxpar.zero`).
+    """Into how many pieces ``kind`` ('params' | 'grads' | 'opt') of ``leaf`` is cut (as :mod:`jaxpar.parallel.zero`).
 
     >>> from jaxpar.cost.model import gpt
     >>> w1 = gpt(2, 32, 8, 16, 64, 16).leaf("blocks/w1")

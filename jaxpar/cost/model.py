@@ -14,7 +14,7 @@ Example::
     >>> leaf = m.leaf("blocks/w1"); leaf.shape, leaf.logical
     ((12, 768, 3072), ('layers', 'embed', 'mlp'))
 
-A mixture-of-experts GPT (:mod:`jaxpar.moe`): every ``moe_every``-th layer's MLP is replaced by
+A mixture-of-experts GPT (:mod:`jaxpar.parallel.moe`): every ``moe_every``-th layer's MLP is replaced by
 ``experts`` expert MLPs of width ``expert_mlp``, ``top_k`` of them per token, with
 ``capacity_factor`` (None: dropless) and optional always-on shared experts (``shared_mlp``)::
 
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 __all__ = ["Leaf", "ModelSpec", "gpt", "from_nnx", "from_gpt_config", "TENSOR_LOGICAL"]
 
-#: Logical names jaxpar's tensor rules shard over ``tensor`` (:func:`jaxpar.tensor.tensor_rules`).
+#: Logical names jaxpar's tensor rules shard over ``tensor`` (:func:`jaxpar.parallel.tensor.tensor_rules`).
 TENSOR_LOGICAL = ("mlp", "heads", "vocab")
 
 
@@ -119,7 +119,7 @@ class ModelSpec:
         return self.layers // self.moe_every if self.experts else 0
 
     def capacity(self, tokens_per_group: int) -> int:
-        """Buffer slots per group and expert, :func:`jaxpar.moe.capacity`'s rule:
+        """Buffer slots per group and expert, :func:`jaxpar.parallel.moe.capacity`'s rule:
         ``min(T, ceil(capacity_factor * T * top_k / experts))``, ``T`` when dropless (None)."""
         if self.capacity_factor is None:
             return tokens_per_group
@@ -197,7 +197,7 @@ def _gpt_leaves(layers: int, h: int, heads: int, s: int, V: int, f: int, moe: Mo
     if D:
         blocks += [("w1", (D, h, f), ("layers", "embed", "mlp")), ("b1", (D, f), ("layers", "mlp")),
                    ("w2", (D, f, h), ("layers", "mlp", "embed")), ("b2", (D, h), ("layers", "embed"))]
-    if n_moe:       # jaxpar.moe.MOE_LOGICAL, stacked over the MoE layers
+    if n_moe:       # jaxpar.parallel.moe.MOE_LOGICAL, stacked over the MoE layers
         E, M, S = moe.experts, moe.expert_mlp, moe.shared_mlp
         blocks += [("moe_router", (n_moe, h, E), ("layers", "embed", None)),
                    ("moe_w1", (n_moe, E, h, M), ("layers", "experts", "embed", "mlp")),
@@ -274,7 +274,7 @@ def from_nnx(model_fn: Callable[[], Any], *, layers: int, hidden: int, heads: in
     """
     import jax
 
-    from jaxpar.model_shapes import abstract_model
+    from jaxpar.adapters.shapes import abstract_model
 
     _, shapes, logical = abstract_model(model_fn)
     flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]

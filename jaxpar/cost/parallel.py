@@ -4,7 +4,7 @@
 devices each axis has (mesh order :data:`AXES`), the ZeRO stage, sequence parallelism, context
 parallelism (CP: its degree and attention method), expert parallelism (EP), the pipeline schedule and
 the recomputation policy. :mod:`jaxpar.cost.traffic`, :mod:`jaxpar.cost.time` and
-:mod:`jaxpar.cost.plan` read it.
+:mod:`jaxpar.cost.planner` read it.
 
 **Mesh order** ``pipe, data, fsdp, expert, context, tensor`` (outermost first): the more an axis moves
 per step and the more often it blocks the layer, the further in (on the faster, intra-node links of
@@ -37,7 +37,7 @@ __all__ = ["AXES", "BATCH_AXES", "SCHEDULES", "CONTEXT_METHODS", "Plan"]
 AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
 #: The axes that split the batch's sequences (``context`` splits each sequence instead).
 BATCH_AXES = ("data", "fsdp", "expert")
-#: The context-parallel attention methods (:data:`jaxpar.context.METHODS`).
+#: The context-parallel attention methods (:data:`jaxpar.parallel.context.METHODS`).
 CONTEXT_METHODS = ("ring", "all_gather", "ulysses")
 #: The pipeline schedules the cost model knows.
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")

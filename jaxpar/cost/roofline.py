@@ -29,7 +29,7 @@ the scores (:func:`~jaxpar.cost.context_experts.score_fraction`, as each method 
 ``(2C+1)/4`` blocks of ``s/C`` for the balanced ring (``C`` on the busiest device in the natural order), ``s/C x
 s`` (all-gather), or ``a/C`` heads of ``s x s`` (Ulysses). The ring's backward recomputes each block's scores
 from the logsumexp (one more ``scores`` pass). An MoE layer (``moe=True``) replaces fc1 and fc2 by the router
-(``rs x h x E``), the dense dispatch and combine einsums of :mod:`jaxpar.moe.dispatch` (``(g) E·cap x T x h``
+(``rs x h x E``), the dense dispatch and combine einsums of :mod:`jaxpar.parallel.moe.dispatch` (``(g) E·cap x T x h``
 and ``(g) T x E·cap x h`` over ``g = r`` groups of ``T = s/C`` tokens; the dispatch mask has no gradient: 2
 passes), the experts' MLPs on the device's capacity slots (``(E/E_p) g·E_p·cap x h x M/t`` and back: compute
 proportional to ``cf·T·k`` slots per group, not ``T``) and the shared experts' MLP.

@@ -1,11 +1,11 @@
 """Pipeline schedules as the cost model reads them: bubble fraction and in-flight micro-batches.
 
-Read from the schedule tables of :mod:`jaxpar.pipeline.schedules` (imported, with JAX, only when a
+Read from the schedule tables of :mod:`jaxpar.parallel.pipeline.schedules` (imported, with JAX, only when a
 table is built) up to ``p * m * v =`` :data:`TABLE_LIMIT`, from closed forms above it:
 ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(vm+p-1)`` for interleaved, ``(p-1)/(3m+p-1)`` for
 ZB-H1; stage 0 holds ``m``, ``p``, ``min(2(p-1) + (v-1)p + 1, vm)`` and ``p`` micro-batches' activations.
 
-With ``lockstep=True`` (sequence parallelism in a pipeline: :mod:`jaxpar.pipeline.lockstep`) the
+With ``lockstep=True`` (sequence parallelism in a pipeline: :mod:`jaxpar.parallel.pipeline.lockstep`) the
 table is the lockstep re-timing, every tick as long as its kind (F = 1, B = 2 or B = W = 1) on every
 stage; above the limit, the closed forms the tables follow: GPipe, 1F1B and interleaved keep their
 bubble, ZB-H1's is ``2(p-1)/(3m+2(p-1))``; stage 0 holds ``min(2p-1, m)`` micro-batches (1F1B,
@@ -63,8 +63,8 @@ def lockstep_closed_form(kind: str, p: int, m: int, v: int = 1) -> tuple[float, 
 
 
 def _lockstep_stats(kind: str, p: int, m: int, v: int) -> tuple[float, int]:
-    from jaxpar.pipeline.lockstep import lockstep
-    from jaxpar.pipeline.schedules import get_schedule, peak_in_flight
+    from jaxpar.parallel.pipeline.lockstep import lockstep
+    from jaxpar.parallel.pipeline.schedules import get_schedule, peak_in_flight
 
     s = lockstep(get_schedule(kind, p, m, v))
     cost = {"F": 1, "B": 1 if s.split_backward else 2, "W": 1}
@@ -76,7 +76,7 @@ def _lockstep_stats(kind: str, p: int, m: int, v: int) -> tuple[float, int]:
 def schedule_stats(kind: str, p: int, m: int, v: int, lockstep: bool = False) -> tuple[float, int]:
     """Bubble fraction and stage 0's peak in-flight (micro-batch, chunk) pairs of a schedule (cached).
 
-    Read from the built schedule table (:mod:`jaxpar.pipeline.schedules`) up to ``p * m * v =``
+    Read from the built schedule table (:mod:`jaxpar.parallel.pipeline.schedules`) up to ``p * m * v =``
     :data:`TABLE_LIMIT`, from :func:`closed_form_stats` above it.
 
     Args:
@@ -96,7 +96,7 @@ def schedule_stats(kind: str, p: int, m: int, v: int, lockstep: bool = False) ->
         return lockstep_closed_form(kind, p, m, v) if p * m * v > TABLE_LIMIT else _lockstep_stats(kind, p, m, v)
     if p * m * v > TABLE_LIMIT:
         return closed_form_stats(kind, p, m, v)
-    from jaxpar.pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight
+    from jaxpar.parallel.pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight
 
     s = get_schedule(kind, p, m, v)
     return float(bubble_fraction(s)), peak_in_flight(s)[0]
@@ -104,7 +104,7 @@ def schedule_stats(kind: str, p: int, m: int, v: int, lockstep: bool = False) ->
 
 def runs_in_lockstep(plan) -> bool:
     """Whether a plan's pipeline runs as a lockstep program: sequence parallelism on a tensor axis
-    (as :func:`jaxpar.pipeline.piped.runs_in_lockstep` decides for a strategy)."""
+    (as :func:`jaxpar.parallel.pipeline.piped.runs_in_lockstep` decides for a strategy)."""
     return bool(plan.sequence_parallel) and plan.tensor > 1
 
 

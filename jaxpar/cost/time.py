@@ -159,7 +159,7 @@ def comm_time(c: Comm, sizes: Mapping[str, int], cluster: Cluster) -> float:
 
 
 def bubble(schedule: str, pipe: int, microbatches: int, virtual: int = 1, lockstep: bool = False) -> float:
-    """Bubble fraction of the schedule table (:func:`jaxpar.pipeline.schedules.bubble_fraction`); of its
+    """Bubble fraction of the schedule table (:func:`jaxpar.parallel.pipeline.schedules.bubble_fraction`); of its
     lockstep re-timing with ``lockstep`` (sequence parallelism in the pipeline, :mod:`.schedule`).
 
     >>> bubble("1f1b", 4, 8), bubble("gpipe", 1, 8)

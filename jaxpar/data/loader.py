@@ -2,7 +2,7 @@
 
 :class:`PackedBatches` turns token stores (:mod:`jaxpar.data.tokens`) into the batches of a run.
 Global batch ``k`` holds the global rows that follow those of the steps before it (``k × batch_size``,
-or what a batch ramp's sizes add up to), planned by :class:`jaxpar.data.plan.StreamPlan` from the
+or what a batch ramp's sizes add up to), planned by :class:`jaxpar.data.row_plan.StreamPlan` from the
 documents' lengths alone; a process materialises only its own rows (``rows=``, as
 :func:`jaxpar.data.rows.make_global_batch` asks), so only their tokens are read.
 
@@ -37,7 +37,7 @@ import numpy as np
 
 from jaxpar.data.errors import DataError
 from jaxpar.data.packing import BATCH_KEYS, row_arrays
-from jaxpar.data.plan import StreamPlan, split_documents
+from jaxpar.data.row_plan import StreamPlan, split_documents
 from jaxpar.data.rows import select_rows
 
 __all__ = ["PackedBatches", "batch_digest"]
@@ -65,7 +65,7 @@ class PackedBatches:
       rows_per_window: rows packed together.
       fill: the share of each window the documents fill (the packing methods).
       eval_fraction: the share of each source's documents held out for evaluation.
-      ramp: a batch ramp (:mod:`jaxpar.train.ramp`: ``size_at(step)``, ``tokens_before(step, 1)``), or ``None``.
+      ramp: a batch ramp (:mod:`jaxpar.run.ramp`: ``size_at(step)``, ``tokens_before(step, 1)``), or ``None``.
       prefetch: how many steps ahead a background thread builds.
     """
 

@@ -7,7 +7,7 @@
 - :func:`export` writes parameters of any layout back, one tensor at a time.
 - :func:`load_tokenizer` loads the checkpoint's ``tokenizer.json``.
 """
-from jaxpar.hf.checkpoint import Checkpoint, HFCheckpointError, open_checkpoint
+from jaxpar.hf.reader import Checkpoint, HFCheckpointError, open_checkpoint
 from jaxpar.hf.config import FAMILIES, HFConfigError, decoder_config, hf_config_dict, read_config
 from jaxpar.hf.export import HFExportError, export
 from jaxpar.hf.files import CheckpointFiles, HFFilesError, write_safetensors

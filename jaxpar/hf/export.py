@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.models.decoder import DecoderConfig
 from jaxpar.hf.boxes import file_tensor
-from jaxpar.hf.checkpoint import Checkpoint
+from jaxpar.hf.reader import Checkpoint
 from jaxpar.hf.config import decoder_config, hf_config_dict
 from jaxpar.hf.files import DTYPES, INDEX, SAFETENSORS_DTYPE, write_safetensors
 from jaxpar.hf.keys import flatten_params, stack_counts, tensor_maps

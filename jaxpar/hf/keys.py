@@ -4,7 +4,7 @@ Every parameter has a :class:`TensorMap`: the key template of the file tensors i
 template fields that become its leading axes (``layer``; ``layer`` and ``expert`` for experts
 stored one per key), and how one file tensor becomes one element: a part of it (the gate or up half
 of a fused ``gate_up_proj``), a row-major reshape (``q_proj [heads * head_dim, embed]`` as
-``[heads, head_dim, embed]``) and a transpose (the experts, which :func:`jaxpar.moe.moe_apply`
+``[heads, head_dim, embed]``) and a transpose (the experts, which :func:`jaxpar.parallel.moe.moe_apply`
 holds as ``[in, out]``). These are exact rearrangements: values are never changed, so an export
 writes back the very bytes it read.
 

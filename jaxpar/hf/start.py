@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxpar.strategy import Strategy
-from jaxpar.train.init import init_train_state, state_layout
-from jaxpar.hf.checkpoint import Checkpoint, open_checkpoint
+from jaxpar.step.init import init_train_state, state_layout
+from jaxpar.hf.reader import Checkpoint, open_checkpoint
 
 __all__ = ["load", "train_state"]
 

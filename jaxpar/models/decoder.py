@@ -2,10 +2,10 @@
 
 One module covers the four families; :class:`DecoderConfig` says what differs (``jaxpar.hf``
 reads it from a checkpoint's ``config.json``). The layers' parameters are stacked on a leading
-``layers`` axis and run by :func:`jaxpar.blocks.run_layers`, with logical names only, so every
+``layers`` axis and run by :func:`jaxpar.adapters.blocks.run_layers`, with logical names only, so every
 strategy applies: data, ZeRO / FSDP, tensor (+ sequence) parallelism, pipelines, context parallelism
-(attention is :func:`jaxpar.context.attention`, with Gemma-3's sliding window) and expert
-parallelism (Qwen3-MoE's experts are :func:`jaxpar.moe.moe_apply`'s gated experts).
+(attention is :func:`jaxpar.parallel.context.attention`, with Gemma-3's sliding window) and expert
+parallelism (Qwen3-MoE's experts are :func:`jaxpar.parallel.moe.moe_apply`'s gated experts).
 
 Packed rows: a batch may carry ``segment_ids`` (documents numbered from 1, 0 = padding) and
 ``positions`` that restart per document; attention stays within a document and RoPE sees each
@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.blocks import REMAT_POLICIES, remat_policy, run_layers
-from jaxpar.context import in_sequence_order, sequence_order
+from jaxpar.adapters.blocks import REMAT_POLICIES, remat_policy, run_layers
+from jaxpar.parallel.context import in_sequence_order, sequence_order
 from jaxpar.rules import constrain
 from jaxpar.models.decoder_layers import ACTIVATIONS, Carry, RoPE, layer_apply, rms_norm
 
@@ -137,7 +137,7 @@ class DecoderConfig:
 
     @property
     def activation_kind(self) -> str:
-        """The activation as :func:`jaxpar.moe.moe_apply` names it."""
+        """The activation as :func:`jaxpar.parallel.moe.moe_apply` names it."""
         return "silu" if self.activation == "silu" else "gelu"
 
     def replace(self, **changes: Any) -> "DecoderConfig":
@@ -257,7 +257,7 @@ def decoder_loss(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:
     boundary, not padding; the mean is over the batch given) and ``loss_weights`` (the mask scaled
     over the global batch: the mean is the global batch's under any micro-batching). Under a balanced
     context-parallel layout the sequence is permuted into its order
-    (:func:`jaxpar.context.sequence_order`) and the model gets the true positions.
+    (:func:`jaxpar.parallel.context.sequence_order`) and the model gets the true positions.
     """
     tokens, targets = batch["tokens"], batch["targets"]
     segments, positions, mask = batch.get("segment_ids"), batch.get("positions"), batch.get("loss_mask")

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.context import attention
-from jaxpar.moe import moe_apply
+from jaxpar.parallel.context import attention
+from jaxpar.parallel.moe import moe_apply
 from jaxpar.rules import constrain
-from jaxpar.tensor import row_parallel
+from jaxpar.parallel.tensor import row_parallel
 
 __all__ = ["RoPE", "Carry", "rms_norm", "rope_frequencies", "apply_rope", "attention_half", "mlp_half", "layer_apply",
            "RESIDUAL", "ACTIVATIONS"]

@@ -1,7 +1,7 @@
 """A GPT-style decoder (causal attention, pre-norm) annotated with logical axes.
 
 The blocks' parameters are stacked along a leading ``layers`` axis and run by
-:func:`jaxpar.blocks.run_layers` (a ``jax.lax.scan``, so compile time does not grow
+:func:`jaxpar.adapters.blocks.run_layers` (a ``jax.lax.scan``, so compile time does not grow
 with depth, or a Python loop with ``scan_layers=False``), which is where the
 strategy takes over: explicit data parallelism per layer, or the pipeline cut.
 :func:`block_apply` is the pure function of one block.
@@ -36,13 +36,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.blocks import REMAT_POLICIES, remat_policy, run_layers
-from jaxpar.context import in_sequence_order, sequence_order
+from jaxpar.adapters.blocks import REMAT_POLICIES, remat_policy, run_layers
+from jaxpar.parallel.context import in_sequence_order, sequence_order
 from jaxpar.rules import constrain
 from jaxpar.models.gpt_layers import (BLOCK_LOGICAL, RESIDUAL, Blocks, attention_apply, block_apply, layer_norm, mlp_apply, param,
                          zeros)
-from jaxpar.loss_metrics import report_metric
-from jaxpar.moe import LAYER_LOADS, need_router_bias, note_aux_loss, router_bias, step_loads
+from jaxpar.adapters.loss_metrics import report_metric
+from jaxpar.parallel.moe import LAYER_LOADS, need_router_bias, note_aux_loss, router_bias, step_loads
 from jaxpar.models.gpt_moe import MoEBlocks, MoESettings, moe_metrics, run_moe_blocks
 
 __all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "attention_apply", "mlp_apply", "layer_norm", "run_blocks",
@@ -88,7 +88,7 @@ class GPTConfig:
 
 def run_blocks(blocks: dict[str, jax.Array], x: jax.Array, *, remat: str = "none", scan: bool = True) -> jax.Array:
     """Run stacked blocks (each array has a leading ``layers`` axis) over ``x`` with
-    :func:`jaxpar.blocks.run_layers`."""
+    :func:`jaxpar.adapters.blocks.run_layers`."""
     logical = {k: BLOCK_LOGICAL[k] for k in blocks}
     return run_layers(block_apply, blocks, x, logical=logical, remat=remat_policy(remat), scan=scan)
 
@@ -118,17 +118,17 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: Any = None) -> jax.Array:
         """Logits of ``tokens`` ``[batch, length]``; ``positions``: their true positions (``None``:
-        ``arange``), for a sequence laid out in another order (:func:`jaxpar.context.sequence_order`).
-        The MoE layers choose experts with the router bias of :func:`jaxpar.moe.use_router_bias`, if any."""
+        ``arange``), for a sequence laid out in another order (:func:`jaxpar.parallel.context.sequence_order`).
+        The MoE layers choose experts with the router bias of :func:`jaxpar.parallel.moe.use_router_bias`, if any."""
         return self.forward(tokens, positions, router_bias=router_bias())[0]
 
     def forward(self, tokens: jax.Array, positions: Any = None, step_loads: Any = None,
                 router_bias: Any = None) -> tuple[jax.Array, Any, Any]:
-        """``(logits, stats, layer_loads)``: ``stats`` is the MoE layers' :class:`jaxpar.moe.MoEStats`
+        """``(logits, stats, layer_loads)``: ``stats`` is the MoE layers' :class:`jaxpar.parallel.moe.MoEStats`
         summed over them and ``layer_loads`` each one's load ``[layers, E]`` (both ``None`` without
         ``cfg.moe``); ``step_loads``: the whole step's, for the balancing losses (see
-        :func:`jaxpar.moe.use_step_loads`); ``router_bias``: each MoE layer's aux-loss-free balancing
-        bias ``[layers, E]`` (:mod:`jaxpar.train.router_bias`)."""
+        :func:`jaxpar.parallel.moe.use_step_loads`); ``router_bias``: each MoE layer's aux-loss-free balancing
+        bias ``[layers, E]`` (:mod:`jaxpar.step.router_bias`)."""
         x = self.embed(tokens, positions)
         if self.cfg.moe is None:
             x = run_blocks(self.block_params(), x, remat=self.cfg.remat, scan=self.cfg.scan_layers)
@@ -142,11 +142,11 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy; ``batch = {'tokens': int[B, T], 'targets': int[B, T]}``.
 
     Under a balanced context-parallel layout the sequence is permuted into its order
-    (:func:`jaxpar.context.sequence_order`) and the model gets the true positions; the mean is the same.
+    (:func:`jaxpar.parallel.context.sequence_order`) and the model gets the true positions; the mean is the same.
     With ``cfg.moe`` the loss adds ``aux_weight * aux_loss + z_weight * z_loss`` (summed over the MoE
-    layers); under :func:`jaxpar.moe.use_step_loads` (the step's pre-pass when it accumulates) the
+    layers); under :func:`jaxpar.parallel.moe.use_step_loads` (the step's pre-pass when it accumulates) the
     load-balancing loss and the load metrics use the whole step's loads, and under
-    :func:`jaxpar.moe.use_router_bias` the MoE layers choose experts with the step's router bias.
+    :func:`jaxpar.parallel.moe.use_router_bias` the MoE layers choose experts with the step's router bias.
     """
     tokens, targets = batch["tokens"], batch["targets"]
     order = sequence_order(tokens.shape[1])
@@ -187,7 +187,7 @@ def embed_apply(p: dict[str, jax.Array], tokens: jax.Array, positions: Any = Non
     positions (``None``: ``arange``)."""
     wte = constrain(p["wte"], ("vocab", "embed"))    # the compute layout (ZeRO-3: gathered over the data axes)
     wpe = p["wpe"][: tokens.shape[1]]
-    if positions is not None:       # the balanced context-parallel order (jaxpar.context.sequence_order)
+    if positions is not None:       # the balanced context-parallel order (jaxpar.parallel.context.sequence_order)
         wpe = in_sequence_order(wpe, 0)
     x = jnp.take(wte, tokens, axis=0) + wpe
     return constrain(x, ("batch", "norm_length", "embed"))

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.context import attention
+from jaxpar.parallel.context import attention
 from jaxpar.rules import constrain
-from jaxpar.tensor import row_parallel
+from jaxpar.parallel.tensor import row_parallel
 
 __all__ = ["BLOCK_LOGICAL", "RESIDUAL", "Blocks", "attention_apply", "block_apply", "layer_norm", "mlp_apply",
            "param", "zeros"]

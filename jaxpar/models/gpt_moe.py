@@ -2,7 +2,7 @@
 
 ``GPTConfig(moe=MoESettings(experts=8, top_k=2, capacity_factor=1.25, every=2))`` groups the layers
 ``every`` at a time: a group is ``every`` attention halves, ``every - 1`` dense MLPs and one MoE MLP
-(:func:`jaxpar.moe.moe_apply`), so that the groups are alike and stack on the ``layers`` axis (scans
+(:func:`jaxpar.parallel.moe.moe_apply`), so that the groups are alike and stack on the ``layers`` axis (scans
 and ZeRO see ``layers / every`` stacked units). The experts' weights carry the ``experts``
 logical axis, which an ``expert`` mesh axis splits (expert parallelism: two all-to-alls per MoE layer
 forward, two backward).
@@ -19,7 +19,7 @@ expert, the dropped assignments, the router entropy), and the GPT's ``lm_loss`` 
 >>> MoESettings(experts=4, every=3).check(layers=4)
 Traceback (most recent call last):
 ...
-jaxpar.moe.routing.MoEError: model.moe.every=3 must divide model.layers=4: the layers are grouped every=3 at a time (...
+jaxpar.parallel.moe.routing.MoEError: model.moe.every=3 must divide model.layers=4: the layers are grouped every=3 at a time (...
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.blocks import run_layers
-from jaxpar.moe import MoEError, MoEStats, check_options, load_cv, moe_apply
+from jaxpar.adapters.blocks import run_layers
+from jaxpar.parallel.moe import MoEError, MoEStats, check_options, load_cv, moe_apply
 from jaxpar.rules import constrain
 from jaxpar.models.gpt_layers import BLOCK_LOGICAL, RESIDUAL, attention_apply, layer_norm, mlp_apply, param, zeros
 
@@ -67,7 +67,7 @@ class MoESettings:
         routed experts (DeepSeek-MoE); 0: none.
       bias_rate: aux-loss-free balancing (DeepSeek-V3): each step moves a per-layer router bias by this
         much towards balance; 0: off. The train state keeps the bias and the step moves it (``jaxpar
-        train`` does both; the library: :func:`jaxpar.train.router_bias.with_router_bias` and
+        train`` does both; the library: :func:`jaxpar.step.router_bias.with_router_bias` and
         ``make_train_step(..., router_bias_rate=)`` with this rate).
     """
 
@@ -82,7 +82,7 @@ class MoESettings:
     bias_rate: float = 0.0
 
     def check(self, layers: int) -> None:
-        """Raise :class:`~jaxpar.moe.MoEError` naming the bad setting, its value and the fix."""
+        """Raise :class:`~jaxpar.parallel.moe.MoEError` naming the bad setting, its value and the fix."""
         check_options(self.experts, self.top_k, self.gate, self.capacity_factor)
         if not isinstance(self.every, int) or self.every < 1 or layers % self.every:
             raise MoEError(f"model.moe.every={self.every!r} must divide model.layers={layers}: the layers are grouped "
@@ -138,8 +138,8 @@ def empty_stats(experts: int) -> MoEStats:
 
 class LayerLoads(NamedTuple):
     """Carried through the groups: the MoE layer's index, each layer's own load ``[layers, E]``, the
-    whole step's (``None``: this call's own, see :func:`jaxpar.moe.use_step_loads`) and the router bias
-    ``[layers, E]`` (``None``: none; :mod:`jaxpar.train.router_bias`)."""
+    whole step's (``None``: this call's own, see :func:`jaxpar.parallel.moe.use_step_loads`) and the router bias
+    ``[layers, E]`` (``None``: none; :mod:`jaxpar.step.router_bias`)."""
 
     index: jax.Array
     own: jax.Array

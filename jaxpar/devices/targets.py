@@ -1,0 +1,350 @@
+"""Real GPU and TPU targets without the hardware: device descriptions as data, and their devices.
+
+XLA's GPU and TPU compilers run on a machine with neither (deviceless ahead-of-time compilation):
+given a description of the device and a topology, :func:`jax.experimental.topologies.get_topology_desc`
+returns abstract devices; a ``Mesh`` over them, and ``jax.jit(f).lower(abstract args).compile()``,
+builds the real executable, with the real collective combining, async collectives, latency-hiding
+scheduler and memory assignment. Only running it needs the hardware.
+
+A :class:`Target` is a preset (``configs/targets/*.yaml``: :func:`presets`) and a topology, written
+as a string (:func:`parse_target`):
+
+* ``h100:2x8``: 2 hosts x 8 GPUs (``h100:8`` = ``h100:1x8``; ``h100`` = one host of the preset's
+  ``gpus_per_host``);
+* ``tpu-v5e:4x4``, ``tpu-v5p:2x2x4``: the chips of one slice (libtpu's topology);
+  ``2xtpu-v5e:16x16``: two such slices.
+
+The compilers come with an optional extra, ``pip install 'jaxpar[targets]'`` (docs/targets.md);
+without it :func:`target_devices` raises a :class:`TargetError` that says so.
+
+Example:
+    >>> t = parse_target("h100:2x8")
+    >>> t.num_devices, t.num_hosts, t.spec.platform, str(t)
+    (16, 2, 'cuda', 'h100:2x8')
+    >>> parse_target("2xtpu-v5e:4x4").num_devices
+    32
+    >>> round(t.capacity_bytes / 2**30, 1)      # what JAX lets a program use: 75% of 79.1 GiB by default
+    59.3
+    >>> parse_target("h101:8")
+    Traceback (most recent call last):
+    ...
+    jaxpar.devices.targets.TargetError: target 'h101:8': unknown device 'h101'; presets: a100-80gb, b200, h100, h200, tpu-v5e, tpu-v5p, tpu-v6e (configs/targets/), or the path of a target YAML file.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["TargetError", "DeviceSpec", "Target", "PRESET_DIR", "presets", "load_spec", "parse_target",
+           "gpu_target_config", "target_devices", "compile_error", "EXTRA"]
+
+#: Where the preset YAML files live (``configs/targets`` of the repository).
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "targets"
+#: The optional dependencies that bring the compilers.
+EXTRA = "pip install 'jaxpar[targets]'"
+#: JAX's default share of a GPU's memory that a process may use (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
+GPU_MEM_FRACTION = 0.75
+
+
+class TargetError(ValueError):
+    """A target that cannot be built or compiled for: the message names the value and the fix."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One kind of device, as a preset describes it (``configs/targets/<name>.yaml``).
+
+    Attributes:
+      name: the preset's name (``h100``, ``tpu-v5e``).
+      platform: ``cuda`` or ``tpu``.
+      device: the device kind the runtime reports (``NVIDIA H100 80GB HBM3``).
+      memory_bytes: the device memory.
+      cluster: the cost model's cluster preset (``configs/clusters/``) for this device.
+      sources: where the numbers come from.
+      gpu: the GPU compiler's device description (``cuda``): compute capability, cores, bandwidth...
+      gpus_per_host: GPUs per host (``cuda``).
+      topology_name: libtpu's name of the chip (``tpu``: ``v5e``).
+      chips_per_host_bounds: chips per host (``tpu``).
+    """
+
+    name: str
+    platform: str
+    device: str
+    memory_bytes: int
+    cluster: str
+    sources: tuple[str, ...] = ()
+    gpu: Mapping[str, Any] = field(default_factory=dict)
+    gpus_per_host: int = 8
+    topology_name: str = ""
+    chips_per_host_bounds: tuple[int, ...] = (2, 2, 1)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A device kind and a topology (see the module docstring).
+
+    Attributes:
+      spec: the device kind.
+      shape: ``(hosts, gpus per host)`` for GPUs; the chip grid of one slice for TPUs.
+      slices: TPU slices (1 for GPUs).
+    """
+
+    spec: DeviceSpec
+    shape: tuple[int, ...]
+    slices: int = 1
+
+    def __str__(self) -> str:
+        prefix = f"{self.slices}x" if self.slices > 1 else ""
+        return f"{prefix}{self.spec.name}:{'x'.join(map(str, self.shape))}"
+
+    @property
+    def num_devices(self) -> int:
+        """The devices of the whole target."""
+        return math.prod(self.shape) * self.slices
+
+    @property
+    def num_hosts(self) -> int:
+        """The hosts (processes) the target's devices belong to."""
+        if self.spec.platform == "cuda":
+            return self.shape[0]
+        return self.slices * max(1, math.prod(self.shape) // math.prod(self.spec.chips_per_host_bounds))
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The memory one program may use on a device: on GPUs JAX's preallocated share
+        (``XLA_PYTHON_CLIENT_MEM_FRACTION``, default 0.75), on TPUs the whole HBM."""
+        if self.spec.platform != "cuda":
+            return self.spec.memory_bytes
+        return int(self.spec.memory_bytes * _mem_fraction())
+
+
+def _mem_fraction() -> float:
+    text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    try:
+        return float(text) if text else GPU_MEM_FRACTION
+    except ValueError:
+        raise TargetError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={text!r} is not a number; set it to a fraction such as "
+                          f"0.9, or unset it (JAX's default, {GPU_MEM_FRACTION}).") from None
+
+
+def presets() -> dict[str, Path]:
+    """``{preset name: YAML path}`` of ``configs/targets/`` (the file stem is the name).
+
+    Returns:
+      The presets, sorted by name.
+    """
+    return {p.stem: p for p in sorted(PRESET_DIR.glob("*.yaml"))} if PRESET_DIR.is_dir() else {}
+
+
+def load_spec(name: str | Path, *, where: str = "") -> DeviceSpec:
+    """The :class:`DeviceSpec` of a preset name or a YAML file.
+
+    Args:
+      name: a preset (:func:`presets`) or the path of a target YAML file.
+      where: the text that named it, for errors (default: ``name``).
+
+    Returns:
+      The device spec.
+
+    Raises:
+      TargetError: an unknown preset, or a file without the fields a spec needs.
+    """
+    import yaml
+
+    path = presets().get(str(name)) or Path(name)
+    if not path.is_file():
+        raise TargetError(f"target {where or name!r}: unknown device {str(name)!r}; presets: "
+                          f"{', '.join(presets())} (configs/targets/), or the path of a target YAML file.")
+    d = yaml.safe_load(path.read_text()) or {}
+    known = {f for f in DeviceSpec.__dataclass_fields__}
+    missing = [k for k in ("name", "platform", "device", "memory_bytes", "cluster") if k not in d]
+    unknown = sorted(set(d) - known)
+    if missing or unknown or d.get("platform") not in ("cuda", "tpu"):
+        raise TargetError(f"target file {path}: needs name, platform (cuda or tpu), device, memory_bytes and cluster; "
+                          f"missing {missing}, unknown keys {unknown}, platform={d.get('platform')!r}.")
+    d["sources"] = tuple(d.get("sources", ()))
+    d["chips_per_host_bounds"] = tuple(d.get("chips_per_host_bounds", (2, 2, 1)))
+    return DeviceSpec(**d)
+
+
+_TARGET = re.compile(r"^(?:(\d+)x(?=\D))?([^:]+?)(?::(\d+(?:x\d+)*))?$")
+
+
+def parse_target(text: str) -> Target:
+    """The :class:`Target` a string names (grammar in the module docstring).
+
+    Args:
+      text: ``DEVICE[:TOPOLOGY]`` with an optional ``Nx`` prefix (TPU slices), or a YAML path.
+
+    Returns:
+      The target.
+
+    Raises:
+      TargetError: an unknown device, or a topology that does not fit it.
+    """
+    m = _TARGET.match(text.strip())
+    if not m:
+        raise TargetError(f"target {text!r}: write DEVICE[:TOPOLOGY], e.g. h100:2x8 (2 hosts x 8 GPUs), "
+                          f"tpu-v5e:4x4, or 2xtpu-v5e:16x16 (2 slices).")
+    slices, name, topo = m.groups()
+    spec = load_spec(name, where=text)
+    shape = tuple(int(s) for s in topo.split("x")) if topo else ()
+    if spec.platform == "cuda":
+        return Target(spec, _gpu_shape(text, spec, shape, int(slices or 1)))
+    return Target(spec, _tpu_shape(text, spec, shape), int(slices or 1))
+
+
+def _gpu_shape(text: str, spec: DeviceSpec, shape: tuple[int, ...], slices: int) -> tuple[int, int]:
+    if slices != 1:
+        raise TargetError(f"target {text!r}: the Nx prefix counts TPU slices; for GPUs write HOSTSxGPUS, "
+                          f"e.g. {spec.name}:{slices}x{spec.gpus_per_host}.")
+    shape = shape or (1, spec.gpus_per_host)
+    shape = (1, *shape) if len(shape) == 1 else shape
+    if len(shape) != 2 or min(shape) < 1:
+        raise TargetError(f"target {text!r}: a GPU topology is HOSTSxGPUS (e.g. {spec.name}:2x8) or GPUS "
+                          f"(one host), got {'x'.join(map(str, shape))}.")
+    return shape
+
+
+def _tpu_shape(text: str, spec: DeviceSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if not shape:
+        raise TargetError(f"target {text!r}: a TPU target needs its chip topology, e.g. {spec.name}:4x4 "
+                          f"(libtpu's {spec.topology_name}:4x4).")
+    return shape
+
+
+def gpu_target_config(spec: DeviceSpec) -> str:
+    """The GPU compiler's device description (a ``GpuTargetConfigProto`` in text form) of a spec.
+
+    Args:
+      spec: a ``cuda`` device spec.
+
+    Returns:
+      The text proto that ``get_topology_desc(target_config=...)`` takes.
+    """
+    g = spec.gpu
+    major, minor = g["compute_capability"]
+    dnn = list(g.get("dnn_version", (9, 0, 0))) + [0, 0]
+    fields = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
+                  shared_memory_per_core=g["shared_memory_per_core"], threads_per_core_limit=2048,
+                  core_count=g["core_count"], fpus_per_core=g["fpus_per_core"], block_dim_limit_x=2147483647,
+                  block_dim_limit_y=65535, block_dim_limit_z=65535, memory_bandwidth=g["memory_bandwidth"],
+                  l2_cache_size=g["l2_cache_size"], clock_rate_ghz=g["clock_rate_ghz"],
+                  device_memory_size=spec.memory_bytes,
+                  shared_memory_per_block_optin=g["shared_memory_per_block_optin"],
+                  registers_per_core_limit=65536, registers_per_block_limit=65536)
+    body = "\n".join(f"  {k}: {v}" for k, v in fields.items())
+    return (f"gpu_device_info {{\n{body}\n  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
+            f'platform_name: "CUDA"\ndnn_version_info {{ major: {dnn[0]} minor: {dnn[1]} patch: {dnn[2]} }}\n'
+            f'device_description_str: "{spec.device}"\n')
+
+
+def target_devices(target: Target) -> list[Any]:
+    """The target's abstract devices (compile-only: a ``Mesh`` over them compiles, nothing runs).
+
+    Args:
+      target: the target.
+
+    Returns:
+      The devices, host-major (a GPU target's first ``gpus_per_host`` are host 0's).
+
+    Raises:
+      TargetError: the compilers are not installed (the ``targets`` extra) or reject the topology.
+    """
+    key = (str(target), repr(target.spec))
+    if key not in _DEVICES:
+        _DEVICES[key] = _devices(target)
+    return list(_DEVICES[key])
+
+
+_DEVICES: dict[tuple, tuple] = {}       # a topology's devices, made once per process
+
+
+def _devices(target: Target) -> tuple:
+    _check_plugin(target.spec.platform)
+    from jax.experimental import topologies
+
+    spec = target.spec
+    try:
+        if spec.platform == "cuda":
+            hosts, per_host = target.shape
+            topo = topologies.get_topology_desc(platform="cuda", topology_name=spec.name,
+                                                target_config=gpu_target_config(spec), topology=f"1x{hosts}x{per_host}")
+        else:
+            name = f"{spec.topology_name}:{'x'.join(map(str, target.shape))}"
+            topo = topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=target.slices,
+                                                chips_per_host_bounds=spec.chips_per_host_bounds)
+    except Exception as e:      # the compilers' own errors name no jaxpar setting
+        if "topology not implemented for cuda" in str(e):
+            raise TargetError(f"target {target}: JAX started its backends before the CUDA plugin could be set up "
+                              f"for compiling without a GPU; set JAX_PLATFORMS=cpu before starting Python "
+                              f"(the plugin then skips its check for a CUDA runtime).") from None
+        raise TargetError(f"target {target}: the {spec.platform} compiler rejected the topology: "
+                          f"{str(e).splitlines()[0]}. Check the topology against docs/targets.md.") from None
+    return tuple(topo.devices)
+
+
+_PLUGIN = {"cuda": ("jax_plugins.xla_cuda12", "jax-cuda12-plugin"), "tpu": ("libtpu", "libtpu")}
+
+
+def _check_plugin(platform: str) -> None:
+    import importlib.metadata as md
+    import importlib.util
+
+    import jax
+
+    module, dist = _PLUGIN[platform]
+    if not jax.config.jax_platforms:    # deviceless: this process runs nothing on the target's platform
+        jax.config.update("jax_platforms", "cpu")     # (and the CUDA plugin then skips its runtime check)
+    if platform == "tpu":
+        _quiet_libtpu()
+    if importlib.util.find_spec(module) is None:
+        raise TargetError(f"compiling for {platform} targets needs {dist}, which is not installed: {EXTRA} "
+                          f"(docs/targets.md).")
+    if platform == "cuda" and md.version(dist) != jax.__version__:
+        raise TargetError(f"{dist}=={md.version(dist)} is installed beside jax=={jax.__version__}; the plugin must "
+                          f"match jax exactly: {EXTRA}, or pip install {dist}=={jax.__version__}.")
+
+
+def _quiet_libtpu() -> None:
+    """Settings for libtpu compiling on a machine that is no TPU host (unless the environment has its own):
+    several processes may compile at once (else a machine-wide lock file), and no query of the cloud
+    metadata server for this host's TPU workers (it fails here and prints errors)."""
+    import jax
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if jax.config.jax_platforms == "cpu":       # deviceless: this process uses no TPU of its own
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+
+def compile_error(target: Target, error: Exception) -> TargetError | None:
+    """A :class:`TargetError` for a compiler error that jaxpar can explain (None: it cannot).
+
+    Args:
+      target: the target compiled for.
+      error: what ``.compile()`` raised.
+
+    Returns:
+      The error to raise instead, naming the value and the fix, or None.
+    """
+    text = str(error)
+    if "ptxas too old" in text or "Unsupported .version" in text or "not defined for option 'gpu-name'" in text:
+        import importlib.metadata as md
+
+        major, minor = target.spec.gpu["compute_capability"]
+        try:
+            nvcc = md.version("nvidia-cuda-nvcc-cu12")
+        except md.PackageNotFoundError:
+            nvcc = "not installed"
+        return TargetError(f"target {target}: ptxas (nvidia-cuda-nvcc-cu12 {nvcc}) is too old for compute "
+                           f"capability {major}.{minor} ({target.spec.device}); install a newer one: "
+                           f"pip install -U nvidia-cuda-nvcc-cu12.")
+    if "No PTX compilation provider" in text or "Couldn't find a suitable version of ptxas" in text:
+        return TargetError(f"target {target}: no ptxas to compile for {target.spec.device}: {EXTRA} "
+                           f"(it brings nvidia-cuda-nvcc-cu12).")
+    return None

@@ -1,0 +1,364 @@
+"""The PipeDream weight-stashing train step: per-stage updates inside the pipeline's tick loop.
+
+:func:`make_stashing_step` (``make_train_step`` with ``Strategy(schedule='pipedream')``) runs
+:func:`~jaxpar.parallel.pipeline.schedules.pipedream` ``(p, m, K)`` (``K = steps_per_call`` optimizer
+steps, one tick loop) with the rule of :mod:`jaxpar.parallel.pipeline.stash_versions`. Inside the
+``shard_map`` (manual over ``pipe``) every stage carries:
+
+* a buffer of weight versions, ``[n_slots + 1, ...]`` (its layers and its own copy of the
+  parameters around the blocks, ``outer``); the lowering (:func:`~.stashing.lower_stashed`)
+  gives each (tick, stage) the slot F / B read and, after an update, the slots it reads and
+  writes, assigned by interval colouring like the executor's residual slots;
+* its own optimizer state (the stage's rows of the block leaves, its copy of ``outer``'s).
+
+A backward whose micro-batch ends an ``update_every`` group runs, in the same conditional,
+``tx.update`` on the stage's gradient (the group's mean) and writes the new version. The
+gradient is reduced over the data axes by XLA inside the stage (those axes stay automatic):
+the accumulator is replicated over them, so each backward's weight gradient is all-reduced
+over the stage's data devices before it is added, and the update reads the reduced sum.
+With ``fsdp`` or ZeRO the version buffer and the optimizer state follow the parameters'
+sharding over those axes (XLA's sharding propagation from the state's inputs; no constraint
+is added, and ``tests/test_weight_stashing.py`` checks the per-device bytes), and XLA gathers
+a version for each action.
+
+``outer`` leaves belong to the stage that reads them: those read before the blocks (``pre``)
+to stage 0, those read after (``post``) to stage ``p - 1`` (a leaf read by neither follows
+stage 0); a leaf read by both (tied embeddings) is an error. Every stage updates its copy, and
+the train state keeps the owner's. The optimizer must update each stage's parameters from
+their own values and gradients alone (SGD, Adam, AdamW...): :func:`optimizer_is_per_stage`
+probes it and names one that does not (global-norm clipping, a trust ratio over a whole stacked
+leaf). ``clip_norm`` (global, across stages) is an error.
+
+The train state holds the current version (``params``) and the ``ceil((p-1)/k)`` older ones
+(``versions``, newest first), per stage; so a call starts where a never-draining pipeline would
+be, and a checkpoint resumes bit-exact. Metrics per step: ``loss`` and what the loss reported (means
+over its ``m`` micro-batches), ``grad_norm`` (root mean square over the step's updates of the norm of
+all stages' update gradients), ``skipped`` (some stage skipped a non-finite update) and ``lr``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.extend.core import Literal
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.adapters.blocks import use_layer_runner
+from jaxpar.compat.table import Setting, raise_problems
+from jaxpar.rules import drop_axes, path_str, resolve, use_rules
+from jaxpar.parallel.pipeline.buffers import SlotView, Slots, TickIO, put, put_tree, read_slots, take, take_tree, write_slots
+from jaxpar.parallel.pipeline.partition import from_stages, to_stages
+from jaxpar.parallel.pipeline.piped import check_pipeline_strategy, staged_cut
+from jaxpar.parallel.pipeline.schedules import pipedream
+from jaxpar.parallel.pipeline.stage import PIPE, TICKS_SCOPE, ActionKind, Stage, exchange, initial_state, one_of, stage_counts, tick_table
+from jaxpar.parallel.pipeline.stash_optimizer import optimizer_is_per_stage, stacked_block_ids
+from jaxpar.parallel.pipeline.stash_versions import StashingError, StashProgram, check_stashing, lower_stashed
+
+__all__ = ["make_stashing_step", "check_stashing_step", "optimizer_is_per_stage"]
+
+
+class _View(NamedTuple):
+    base: SlotView
+    w_use: Any      # (outer, blocks [1, Lmax, ...]): the version F / B reads
+    w_cur: Any      # the newest version (an update's input)
+    opt: Any
+
+
+class _IO(NamedTuple):
+    base: TickIO
+    w_new: Any
+    opt: Any
+    gsq: Any        # squared norm of the update's gradient (0 without an update)
+    skip: Any
+
+
+class _Weights(NamedTuple):
+    w: Any          # (outer [n_slots + 1, ...], blocks [n_slots + 1, 1, Lmax, ...]); the last slot discards
+    opt: Any
+    gsq: Any        # [K] per optimizer step
+    skips: Any      # [K]
+
+
+class _StashStage(Stage):
+    """A stage of the stashing table: F / B on the version the tick reads; an update after the
+    backward that ends an ``update_every`` group; losses summed per optimizer step."""
+
+    def __init__(self, parts, program, counts, w0, mbs, *, m, k, tx, cut, cast, skip_nonfinite):
+        super().__init__(parts, program, counts, w0[0], w0[1], mbs)
+        self.m, self.per_step = k, m         # gradients: the mean over an update's k micro-batches
+        self.tx, self.cut, self.cast, self.skip_nonfinite = tx, cut, cast, skip_nonfinite
+        self._w = w0
+
+    def chunk_params(self, sl: Slots):
+        return take_tree(self._w[1], sl.chunk)
+
+    def outer_params(self, sl: Slots):
+        return self._w[0]
+
+    def read(self, st, sl: Slots) -> SlotView:
+        step = sl.mb // self.per_step           # the loss and the reported metrics are summed per step
+        return read_slots(st._replace(loss=take(st.loss, step), metrics=take_tree(st.metrics, step)), sl)
+
+    def write(self, st, sl: Slots, io: TickIO):
+        step = sl.mb // self.per_step
+        metrics = st.metrics if io.metrics is None else put_tree(st.metrics, step, io.metrics)
+        return write_slots(st, sl, io)._replace(loss=put(st.loss, step, io.loss), metrics=metrics)
+
+    def stash_branch(self, kind: tuple) -> Callable[[_View, Slots], _IO]:
+        base, update = self.branch(ActionKind(*kind[:3])), kind[3]
+        zero = jnp.zeros((), jnp.float32)
+
+        def run(view: _View, sl: Slots) -> _IO:
+            self._w = self.cast(view.w_use)
+            io = base(view.base, sl)
+            if not update:
+                return _IO(io, view.w_cur, view.opt, zero, zero)
+            w_new, opt, gsq, skip = self._update(view.w_cur, view.opt, io.g_outer, io.g_chunk)
+            io = io._replace(g_chunk=jax.tree.map(jnp.zeros_like, io.g_chunk),
+                             g_outer=jax.tree.map(jnp.zeros_like, io.g_outer))
+            return _IO(io, w_new, opt, gsq, skip)
+
+        return run
+
+    def _update(self, w_cur, opt, g_outer, g_chunk):
+        """The stage's optimizer step on its newest version (one chunk: ``[Lmax, ...]`` layers)."""
+        params = self.cut.merge(list(w_cur[0]), take_tree(w_cur[1], 0))
+        grads = self.cut.merge(list(g_outer), g_chunk)
+        updates, new_opt = self.tx.update(grads, opt, params)
+        new = optax.apply_updates(params, updates)
+        gsq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+        skip = jnp.zeros((), jnp.float32)
+        if self.skip_nonfinite:
+            ok = jnp.isfinite(gsq)
+            new, new_opt = jax.tree.map(lambda a, b: jnp.where(ok, a, b), (new, new_opt), (params, opt))
+            skip = jnp.logical_not(ok).astype(jnp.float32)
+        outer, blocks = self.cut.split(new)
+        return (outer, jax.tree.map(lambda a: a[None], blocks)), new_opt, gsq, skip
+
+
+def _tick(stage: _StashStage, table, kinds, branches, carry, xs):
+    """A tick as :func:`.stage.tick` runs it, with the stage's versions: the action reads
+    version ``ver``; an update reads ``cur`` and writes ``new``."""
+    st, ws = carry
+    row, vrow = xs
+    i = stage.index
+    sl = Slots(*(take(a, i) for a in row.slots))
+    ver, cur, new = (take(a, i) for a in vrow)
+    step = sl.mb // stage.per_step
+    none = stage.nothing()
+
+    def act(k):
+        def run(st, ws, send_f, send_b):
+            io = branches[k](_View(stage.read(st, sl), take_tree(ws.w, ver), take_tree(ws.w, cur), ws.opt), sl)
+            if kinds[k][3]:
+                ws = _Weights(jax.tree.map(lambda b, x: put(b, new, x), ws.w, io.w_new), io.opt,
+                              ws.gsq.at[step].add(io.gsq), ws.skips.at[step].add(io.skip))
+            return stage.write(st, sl, io.base), ws, io.base.send_f, io.base.send_b
+        return run
+
+    st, ws, send_f, send_b = one_of(take(row.kind, i), kinds, act, (st, ws, none, none))
+    return (exchange(st, table, row, i, send_f, send_b), ws), None
+
+
+def _branch_table(sp: StashProgram):
+    """The program's :func:`.stage.tick_table` with one branch per (op, first, last, update)."""
+    table = tick_table(sp.program)
+    keys = [[(*ActionKind.of(ins), bool(sp.update[t][s])) for s, ins in enumerate(tick.instrs)]
+            for t, tick in enumerate(sp.program.ticks)]
+    kinds = sorted({k for row in keys for k in row})
+    rows = table.rows._replace(kind=np.array([[kinds.index(k) for k in row] for row in keys], np.int32))
+    vrows = tuple(np.array(x, np.int32) for x in (sp.ver, sp.cur, sp.new))
+    return table, kinds, rows, vrows
+
+
+# ----------------------------------------------------------------------------- outer ownership
+def _used_inputs(fn, args, n: int) -> list[bool]:
+    """Which of the first ``n`` flattened inputs of ``fn(*args)`` its result depends on (dead code
+    removed; an equation counts whole)."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    live = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(o in live for o in eqn.outvars):
+            live.update(v for v in eqn.invars if not isinstance(v, Literal))
+    return [v in live for v in jaxpr.invars[:n]]
+
+
+def _owners(parts, outer, mb, x, names: list[str], p: int) -> list[int]:
+    """The stage owning each ``outer`` leaf: 0 (read by ``pre`` or by nothing) or ``p - 1``."""
+    shape = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)   # noqa: E731
+    pre = _used_inputs(parts.pre, (shape(outer), shape(mb)), len(outer))
+    post = _used_inputs(parts.post, (shape(outer), x, shape(mb)), len(outer))
+    both = [nm for nm, a, b in zip(names, pre, post) if a and b]
+    if both:
+        raise StashingError(
+            f"schedule='pipedream': parameters {both[:4]} are read both before the stacked blocks (stage 0) and "
+            "after them (the last stage), e.g. tied embeddings or a skip connection around the blocks; weight "
+            "stashing keeps one version per stage, so such a leaf would get two. Untie them, or use "
+            "schedule='pipedream-2bw' / '1f1b'.")
+    return [p - 1 if b else 0 for b in post]
+
+
+# ----------------------------------------------------------------------------- the optimizer
+def _opt_tags(tx, layout) -> list[int]:
+    """For each leaf of the optimizer state: the index of the parameter leaf it mirrors, or -1."""
+    ids = jax.tree.unflatten(jax.tree.structure(layout.shapes), list(range(len(jax.tree.leaves(layout.shapes)))))
+    tags = jax.tree.leaves(optax.tree_map_params(tx, lambda _, i: i, layout.opt_shapes, ids,
+                                                 transform_non_params=lambda _: -1))
+    shapes, params = jax.tree.leaves(layout.opt_shapes), jax.tree.leaves(layout.shapes)
+    if len(tags) != len(shapes) or any(t >= 0 and shapes[n].shape != params[t].shape for n, t in enumerate(tags)):
+        raise StashingError("schedule='pipedream': the optimizer state has leaves that mirror a parameter but not "
+                            "its shape (factored statistics?), so it cannot be split per pipeline stage. Use an "
+                            "optimizer whose state is element-wise (sgd, adam, adamw), or schedule='1f1b'.")
+    return tags
+
+
+def check_stashing_step(strategy, layout) -> None:
+    """:func:`~.stashing.check_stashing` plus what the train step needs: a state with the older versions."""
+    check_stashing(strategy, layout.mesh.shape)
+    from jaxpar.parallel.pipeline.stash_versions import older_versions
+
+    n = older_versions(layout.mesh.shape["pipe"], strategy.update_every)
+    if not isinstance(layout.versions, tuple) or len(layout.versions) != n:
+        raise StashingError(
+            f"make_train_step with schedule='pipedream', but the layout keeps no {n} older weight versions "
+            "(TrainState.versions): the state was made for another schedule or update_every. Create it with "
+            "init_train_state(..., strategy) using this same strategy.")
+
+
+# ----------------------------------------------------------------------------- the step
+def make_stashing_step(loss_fn: Callable, tx, layout, steps: int = 1, *, log_lr: Callable | None = None,
+                       skip_nonfinite: bool = False) -> tuple[Callable, StashProgram]:
+    """``steps`` optimizer steps of weight stashing in one program (see the module docstring): each
+    stage applies ``tx`` to its own weights inside the pipeline.
+
+    Args:
+      loss_fn: the user's loss (on the last stage).
+      tx: the optimizer, applied per stage (:func:`optimizer_is_per_stage`).
+      layout: the train state's layout (its strategy: ``schedule='pipedream'``).
+      steps: optimizer steps per call.
+      log_lr: ``step -> learning rate``, logged as ``metrics["lr"]``.
+      skip_nonfinite: a stage whose update gradient is not finite keeps its weights.
+
+    Returns:
+      ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
+      ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
+    """
+    from jaxpar.parallel.pipeline.two_bw_steps import check_steps_per_call
+
+    strategy = layout.strategy
+    check_steps_per_call(strategy, steps)
+    check_stashing_step(strategy, layout)
+    check_pipeline_strategy(strategy, layout.mesh)
+    m = strategy.microbatches
+    sp = lower_stashed(pipedream(layout.mesh.shape[PIPE], m, steps), m=m, update_every=strategy.update_every,
+                       vertical_sync=strategy.vertical_sync)
+    step = _StashingRun(loss_fn, tx, layout, sp, steps, log_lr=log_lr, skip_nonfinite=skip_nonfinite)
+    if not optimizer_is_per_stage(tx, layout.shapes, stacked_block_ids(layout)):
+        raise_problems(Setting(strategy, dict(layout.mesh.shape), optimizer_across_stages=True),
+                       {"StashingError": StashingError})
+    return step.run, sp
+
+
+class _StashingRun:
+    """The ``run(state, batches)`` of :func:`make_stashing_step`: the state split per stage, every
+    stage's tick loop in a ``shard_map`` over ``pipe``, and the state merged back."""
+
+    def __init__(self, loss_fn, tx, layout, sp: StashProgram, steps: int, *, log_lr, skip_nonfinite: bool):
+        self.loss_fn, self.tx, self.layout, self.sp, self.steps = loss_fn, tx, layout, sp, steps
+        self.lr_schedule, self.skip_nonfinite = log_lr, skip_nonfinite
+        self.table, self.kinds, self.rows, self.vrows = _branch_table(sp)
+        self.flat_paths = [path_str(pth) for pth, _ in jax.tree_util.tree_flatten_with_path(layout.shapes)[0]]
+        self.tags = _opt_tags(tx, layout)
+
+    def run(self, state, batches):
+        """``steps`` optimizer steps: ``(state, batches [steps, B, ...]) -> (state, metrics [steps])``."""
+        from jaxpar.parallel.pipeline.two_bw_steps import step_microbatches
+
+        layout, strategy, steps, mesh = self.layout, self.layout.strategy, self.steps, self.layout.mesh
+        p, m, k = mesh.shape[PIPE], strategy.microbatches, strategy.update_every
+        mbs = step_microbatches(batches, m, mesh, steps)
+        cut = staged_cut(self.loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
+                         jax.tree.map(lambda a: a[:m], mbs),
+                         own_specs=resolve(layout.logical, layout.rules, mesh, layout.shapes))
+        blocks_ids = set(cut.model.block_leaves)
+        outer_names = [nm for i, nm in enumerate(self.flat_paths) if i not in blocks_ids]
+        staged = [cut.stage(w) for w in (state.params, *state.versions)]      # the versions stacked per stage
+        w_outer = [jnp.stack(a) for a in zip(*(o for o, _ in staged))]
+        w_blocks = jax.tree.map(lambda *a: jnp.stack(a), *(b for _, b in staged))
+        mb0 = jax.tree.map(lambda a: a[0], mbs)
+        x = jax.eval_shape(cut.parts.pre, strategy.cast([a[0] for a in w_outer]), mb0)
+        owners = _owners(cut.parts, [a[0] for a in w_outer], mb0, x, outer_names, p)
+        counts = stage_counts(self.sp.program, mesh, cut.stage_layers)
+        opt_leaves, opt_def = jax.tree.flatten(state.opt_state)
+        is_block = [t >= 0 and t in blocks_ids for t in self.tags]
+        opt_in = [to_stages(a, cut.stage_layers, p) if b else a for a, b in zip(opt_leaves, is_block)]
+
+        rep = lambda t: jax.tree.map(lambda _: P(), t)                         # noqa: E731
+        blk = lambda t: jax.tree.map(lambda _: P(None, None, PIPE), t)         # noqa: E731
+        opt_specs = [P(None, PIPE) if b else P() for b in is_block]
+        opt_out_specs = [P(None, PIPE) if b else P(PIPE) for b in is_block]
+        stage_loop = functools.partial(self._stage_loop, cut, counts, opt_def, is_block)
+        smap = jax.shard_map(stage_loop, mesh=mesh, axis_names={PIPE}, check_vma=False,
+                             in_specs=(rep(w_outer), blk(w_blocks), opt_specs, rep(mbs)),
+                             out_specs=(P(), [P(PIPE)] * len(w_outer), blk(w_blocks), opt_out_specs))
+        with use_rules(mesh, drop_axes(layout.rules, (PIPE,))), use_layer_runner(None):
+            (loss, gsq, skips, reported), o_out, b_out, opt_out = smap(w_outer, w_blocks, opt_in, mbs)
+        new = self._merged(state, cut, owners, opt_def, is_block, o_out, b_out, opt_out)
+        metrics = _metrics(loss / m, jnp.sqrt(gsq / (m // k)), skips if self.skip_nonfinite else None,
+                           self.lr_schedule, state.step, steps, updates=p * (m // k))
+        return new, {**jax.tree.map(lambda a: a / m, reported), **metrics}     # what the loss reported, per step
+
+    def _stage_loop(self, cut, counts, opt_def, is_block: list, w_outer, w_blocks, opt_in, mbs):
+        """One stage's program: its weight versions and optimizer state through the table's ticks."""
+        sp, strategy, steps = self.sp, self.layout.strategy, self.steps
+        init = (w_outer, jax.tree.map(lambda a: a[:, :, 0], w_blocks))
+        opt = opt_def.unflatten([a[0, 0] if b else a for a, b in zip(opt_in, is_block)])
+        stage = _StashStage(cut.parts, sp.program, counts, strategy.cast(take_tree(init, 0)), mbs,
+                            m=strategy.microbatches, k=strategy.update_every, tx=self.tx, cut=cut.model,
+                            cast=strategy.cast, skip_nonfinite=self.skip_nonfinite)
+        slots = jnp.asarray(np.array(sp.init, np.int32))[stage.index]
+        buf = jax.tree.map(lambda a: jnp.zeros((sp.n_slots + 1, *a.shape[1:]), a.dtype), init)
+        for j in range(sp.older + 1):           # the state's versions in their first slots
+            buf = jax.tree.map(lambda b, a, j=j: put(b, slots[j], a[j]), buf, init)
+        per_step = lambda t: jax.tree.map(lambda a: jnp.zeros((steps, *a.shape), jnp.float32), t)   # noqa: E731
+        st = initial_state(sp.program, stage)._replace(loss=per_step(jnp.zeros(())), metrics=per_step(stage.metrics))
+        ws = _Weights(buf, opt, jnp.zeros((steps,), jnp.float32), jnp.zeros((steps,), jnp.float32))
+        branches = [stage.stash_branch(kd) for kd in self.kinds]
+        tick = functools.partial(_tick, stage, self.table, self.kinds, branches)
+        with jax.named_scope(TICKS_SCOPE):
+            (st, ws), _ = jax.lax.scan(tick, (st, ws), (self.rows, self.vrows))
+        final = jnp.asarray(np.array(sp.final, np.int32))[stage.index]
+        out = jax.tree.map(lambda b: jnp.stack([take(b, final[j]) for j in range(sp.older + 1)]), ws.w)
+        sums = jax.tree.map(lambda a: jax.lax.psum(a, PIPE), (st.loss, ws.gsq, ws.skips, st.metrics))
+        opt_out = [a[None, None] if b else a[None] for a, b in zip(jax.tree.leaves(ws.opt), is_block)]
+        return sums, [a[None] for a in out[0]], jax.tree.map(lambda a: a[:, :, None], out[1]), opt_out
+
+    def _merged(self, state, cut, owners: list, opt_def, is_block: list, o_out, b_out, opt_out):
+        """The new train state: each version's owners' outer leaves and all stages' blocks, and the optimizer's."""
+        blocks_ids = set(cut.model.block_leaves)
+        outer_pos = {pi: j for j, pi in enumerate(i for i in range(len(self.flat_paths)) if i not in blocks_ids)}
+        versions = [cut.grads([a[owners[n], j] for n, a in enumerate(o_out)], jax.tree.map(lambda a: a[j], b_out))
+                    for j in range(self.sp.older + 1)]
+        L = jax.tree.leaves(cut.model.split(self.layout.shapes)[1])[0].shape[0]
+        opt_state = opt_def.unflatten([
+            from_stages(a, cut.stage_layers, L) if b else (a[owners[outer_pos[t]]] if t >= 0 else a[0])
+            for a, b, t in zip(opt_out, is_block, self.tags)])
+        return state._replace(step=state.step + self.steps, params=versions[0], opt_state=opt_state,
+                              versions=tuple(versions[1:]))
+
+
+def _metrics(loss, grad_norm, skips, lr_schedule, step, steps: int, updates: int) -> dict:
+    """Per-step metrics ``[steps]``: ``loss``, ``grad_norm``, ``lr`` (with a schedule) and, with
+    ``skips`` (non-finite stage updates dropped, of the step's ``updates``): ``skipped`` (every
+    stage update of the step dropped: no weight changed) and ``skipped_updates`` (how many)."""
+    metrics = {"loss": loss, "grad_norm": grad_norm}
+    if skips is not None:
+        metrics["skipped"] = skips >= updates
+        metrics["skipped_updates"] = skips.astype(jnp.int32)
+    if lr_schedule is not None:
+        metrics["lr"] = jnp.stack([jnp.asarray(lr_schedule(step + j), jnp.float32) for j in range(steps)])
+    return metrics

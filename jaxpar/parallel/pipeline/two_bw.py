@@ -1,0 +1,119 @@
+"""Pipelines without flushes: PipeDream-2BW's update rule, its no-flush table read as
+optimizer steps, and the weight versions each stage holds.
+
+PipeDream-2BW (Narayanan et al. 2021) accumulates the gradient of ``m`` micro-batches and
+applies it one step late (``t``: optimizer step, ``W(-1) = W(0)``)::
+
+    W(t+1) = W(t) - update(grad f_t(W(t-1)))
+
+Every micro-batch of step ``t`` runs its forward and backward on ``W(t-1)``, which exists
+since the end of step ``t-2``. So step ``t``'s forwards may start while step ``t-1``'s
+backwards still run: the pipeline never drains, and a stage holds two versions (``W(t-1)``
+for step ``t``, ``W(t)`` for step ``t+1``). :func:`~jaxpar.parallel.pipeline.schedules.pipedream_2bw`
+writes that steady state as a table; :func:`step_windows` cuts it into optimizer steps and
+:func:`weight_versions` counts the versions a stage holds (interval colouring, like the
+executor's residual slots).
+
+The train step (``Strategy(schedule='pipedream-2bw')``) keeps ``W(t-1)`` in
+``TrainState.versions`` and computes each step's gradient there, then updates ``W(t)``; with
+``steps_per_call=K`` it runs ``K`` steps of the no-flush table in one program, the updates
+between the step windows (:mod:`jaxpar.parallel.pipeline.two_bw_steps`).
+
+Example:
+    >>> from jaxpar.parallel.pipeline.schedules import pipedream_2bw
+    >>> s = pipedream_2bw(4, 8, steps=3)
+    >>> [end - start for start, end in step_windows(4, 8, 3)]   # the fill once, then m F + m B per step
+    [22, 16, 16]
+    >>> weight_versions(s, m=8)     # per stage (the last one finishes a step before it starts the next)
+    (2, 2, 2, 1)
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from jaxpar.parallel.pipeline.instructions import colour_intervals
+from jaxpar.parallel.pipeline.schedules import Schedule, canonical_kind
+
+__all__ = ["AsyncPipelineError", "TWO_BW", "is_two_bw", "step_windows", "weight_versions", "check_two_bw",
+           "check_two_bw_step"]
+
+TWO_BW = "pipedream-2bw"
+
+
+class AsyncPipelineError(ValueError):
+    """A PipeDream-2BW setting that cannot run (names the field, the value and the fix)."""
+
+
+def is_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> bool:
+    """Whether ``strategy`` runs PipeDream-2BW on a mesh of ``mesh_sizes`` (a pipeline is there).
+
+    >>> from jaxpar import Strategy
+    >>> is_two_bw(Strategy(schedule="2bw", microbatches=2), {"pipe": 2}), is_two_bw(Strategy(), {"pipe": 2})
+    (True, False)
+    """
+    return canonical_kind(strategy.schedule) == TWO_BW and dict(mesh_sizes).get("pipe", 1) > 1
+
+
+def step_windows(p: int, m: int, steps: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ticks of each optimizer step in ``pipedream_2bw(p, m, steps)``.
+
+    Step ``t``'s update (``W(t+1)``) follows tick ``end - 1`` of window ``t``: the last
+    backward of step ``t``'s micro-batches on stage 0. The first window holds the fill
+    (``2m + 2(p-1)`` ticks), every later one ``2m`` ticks; the last also holds the drain.
+
+    >>> step_windows(2, 2, 3)
+    [(0, 6), (6, 10), (10, 14)]
+    """
+    lag = 2 * p - 2
+    return [(0 if t == 0 else 2 * t * m + lag, 2 * (t + 1) * m + lag) for t in range(steps)]
+
+
+def weight_versions(schedule: Schedule, m: int) -> tuple[int, ...]:
+    """Weight versions each stage must hold when micro-batch ``i`` runs on version ``i // m``:
+    a version lives from its first action on the stage to its last (interval colouring).
+
+    >>> from jaxpar.parallel.pipeline.schedules import one_f_one_b
+    >>> weight_versions(one_f_one_b(4, 8), m=8)     # a flush: one version at a time
+    (1, 1, 1, 1)
+    """
+    p = schedule.num_stages
+    span: list[dict[int, list[int]]] = [{} for _ in range(p)]
+    for t, row in enumerate(schedule.table):
+        for s, a in enumerate(row):
+            if a is not None:
+                lo_hi = span[s].setdefault(a.microbatch // m, [t, t])
+                lo_hi[0], lo_hi[1] = min(lo_hi[0], t), max(lo_hi[1], t)
+    return tuple(colour_intervals((v, lo, hi) for v, (lo, hi) in span[s].items())[1] for s in range(p))
+
+
+def check_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> None:
+    """Errors for PipeDream-2BW settings that cannot run (``strategy.schedule`` is 2BW); what it
+    combines with is in :mod:`jaxpar.compat.table`.
+
+    >>> from jaxpar import Strategy
+    >>> check_two_bw(Strategy(schedule="pipedream-2bw", microbatches=2), {"data": 2})
+    Traceback (most recent call last):
+    ...
+    jaxpar.parallel.pipeline.two_bw.AsyncPipelineError: Strategy.schedule='pipedream-2bw' needs a 'pipe' mesh axis > 1 ...
+    """
+    sizes = dict(mesh_sizes)
+    p, m = sizes.get("pipe", 1), strategy.microbatches
+    if p <= 1:
+        raise AsyncPipelineError(
+            f"Strategy.schedule='pipedream-2bw' needs a 'pipe' mesh axis > 1 (mesh {sizes}): it is a pipeline "
+            "schedule whose one-step-late gradient lets the pipeline run without flushes. Add mesh.pipe, or use "
+            "schedule='1f1b' (ignored without a pipeline).")
+    if m < p:
+        raise AsyncPipelineError(
+            f"Strategy.microbatches={m} with schedule='pipedream-2bw' and pipe={p}: 2BW needs microbatches >= pipe "
+            f"(1F1B's steady state with two weight versions); use microbatches >= {p}.")
+
+
+def check_two_bw_step(strategy, layout) -> None:
+    """:func:`check_two_bw` plus what the train step needs: a state with the second version."""
+    check_two_bw(strategy, layout.mesh.shape)
+    if not layout.versions:
+        raise AsyncPipelineError(
+            "make_train_step with schedule='pipedream-2bw', but the layout has no second weight version "
+            "(TrainState.versions): the state was made for another schedule. Create it with "
+            "init_train_state(..., strategy) using this same strategy.")
