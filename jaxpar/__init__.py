@@ -1,11 +1,17 @@
-"""jaxpar: declarative SPMD parallelism for Flax NNX models on JAX meshes."""
+"""jaxpar: declarative SPMD parallelism for Flax NNX models on JAX meshes.
 
-from jaxpar.mesh import MeshSpec as MeshSpec, MeshError as MeshError, make_mesh as make_mesh
+The names a user needs sit here: the mesh and its rules, the strategy, the train state and step, the
+run around it (``train``, ``Checkpointer``), and every error class (:mod:`jaxpar.errors`).
+"""
+
+from jaxpar import errors as errors
+from jaxpar.errors import *  # noqa: F401,F403  (every error class, listed in jaxpar.errors.__all__)
+from jaxpar.mesh import MeshSpec as MeshSpec, make_mesh as make_mesh
 from jaxpar.mesh import simulate_cpu_devices as simulate_cpu_devices, use_devices as use_devices, data_axes as data_axes
-from jaxpar.rules import RulesError as RulesError, logical_to_spec as logical_to_spec, resolve as resolve
+from jaxpar.rules import logical_to_spec as logical_to_spec, resolve as resolve
 from jaxpar.rules import named_shardings as named_shardings, use_rules as use_rules, constrain as constrain
 from jaxpar.adapters.blocks import scan_blocks as scan_blocks, run_layers as run_layers
-from jaxpar.adapters.layer_lists import stack_layers as stack_layers, LayerListError as LayerListError
+from jaxpar.adapters.layer_lists import stack_layers as stack_layers
 from jaxpar.strategy import Strategy as Strategy
 from jaxpar.parallel.tensor import tensor_rules as tensor_rules
 from jaxpar.parallel.zero import analytic_state_bytes as analytic_state_bytes
@@ -13,29 +19,24 @@ from jaxpar.step.state import TrainState as TrainState, StateLayout as StateLayo
 from jaxpar.step.init import init_train_state as init_train_state, state_layout as state_layout
 from jaxpar.batch import shard_batch as shard_batch
 from jaxpar.adapters.loss_metrics import report_metric as report_metric
-from jaxpar.step.compose import make_train_step as make_train_step, ExplicitDPError as ExplicitDPError
-from jaxpar.step.state import StrategyMismatchError as StrategyMismatchError
+from jaxpar.step.compose import make_train_step as make_train_step
 from jaxpar.step.program import TrainStep as TrainStep
-from jaxpar.step.noise_scale import (NoiseScaleError as NoiseScaleError, plot_noise_scale as plot_noise_scale,
-                                     with_noise_scale as with_noise_scale)
+from jaxpar.step.noise_scale import plot_noise_scale as plot_noise_scale, with_noise_scale as with_noise_scale
 from jaxpar.data.rows import make_global_batch as make_global_batch
 from jaxpar.run import (AdaptiveRamp as AdaptiveRamp, BatchRamp as BatchRamp, Checkpointer as Checkpointer,
-                        CheckpointWarning as CheckpointWarning, LogOptions as LogOptions,
-                        NonFiniteError as NonFiniteError, greedy_generate as greedy_generate,
-                        ramp_batch_fn as ramp_batch_fn, train as train,
-                        train_with_checkpoints as train_with_checkpoints)
+                        LogOptions as LogOptions, greedy_generate as greedy_generate, ramp_batch_fn as ramp_batch_fn,
+                        train as train, train_with_checkpoints as train_with_checkpoints)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MeshSpec", "MeshError", "make_mesh", "simulate_cpu_devices", "use_devices", "data_axes",
-    "RulesError", "logical_to_spec", "resolve", "named_shardings", "use_rules", "constrain",
-    "scan_blocks", "run_layers", "stack_layers", "LayerListError", "Strategy", "tensor_rules", "analytic_state_bytes",
-    "TrainState", "StateLayout", "init_train_state", "state_layout", "make_train_step", "ExplicitDPError",
-    "StrategyMismatchError", "shard_batch", "report_metric", "TrainStep", "NoiseScaleError", "plot_noise_scale",
-    "with_noise_scale", "make_global_batch", "AdaptiveRamp", "BatchRamp", "Checkpointer", "CheckpointWarning",
-    "LogOptions", "NonFiniteError", "greedy_generate", "ramp_batch_fn", "train", "train_with_checkpoints",
-    "compression_plan", "replica_bytes",
+    "MeshSpec", "make_mesh", "simulate_cpu_devices", "use_devices", "data_axes",
+    "logical_to_spec", "resolve", "named_shardings", "use_rules", "constrain",
+    "scan_blocks", "run_layers", "stack_layers", "Strategy", "tensor_rules", "analytic_state_bytes",
+    "TrainState", "StateLayout", "init_train_state", "state_layout", "make_train_step", "shard_batch",
+    "report_metric", "TrainStep", "plot_noise_scale", "with_noise_scale", "make_global_batch", "AdaptiveRamp",
+    "BatchRamp", "Checkpointer", "LogOptions", "greedy_generate", "ramp_batch_fn", "train",
+    "train_with_checkpoints", "compression_plan", "replica_bytes", "errors", *errors.__all__,
 ]
 
 #: Names whose modules load only when used: compression and relaxed synchronisation stay out of

@@ -22,6 +22,7 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
+from jaxpar.errors import MeshError
 
 __all__ = [
     "STANDARD_AXES",
@@ -45,10 +46,6 @@ STANDARD_AXES = ("pipe", "data", "fsdp", "tensor")
 REPLICA = "replica"   # the outermost axis of relaxed synchronisation (jaxpar.parallel.sync), present only when > 1
 CONTEXT = "context"   # the sequence axis of context parallelism (jaxpar.parallel.context), beside tensor, only when > 1
 EXPERT = "expert"     # the axis of expert parallelism (jaxpar.parallel.moe), inside the data axes, only when > 1
-
-
-class MeshError(ValueError):
-    """A mesh cannot be built from the given sizes or devices."""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.adapters.blocks import LAYERS
 from jaxpar.rules import path_str
+from jaxpar.errors import MaskError
 
 __all__ = ["LR_SCALING_RULES", "MaskError", "scaled_lr", "trust_mask", "stacked_axes",
            "scale_by_layer_trust_ratio", "lars", "lamb", "scale_by_adam_frozen_variance", "adamw_frozen_variance"]
@@ -55,10 +56,6 @@ __all__ = ["LR_SCALING_RULES", "MaskError", "scaled_lr", "trust_mask", "stacked_
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 
 Mask = Any   # a tree of bools mirroring the params, or ``params -> such a tree``
-
-
-class MaskError(ValueError):
-    """A trust-ratio / weight-decay mask names no parameter, or does not fit the parameters."""
 
 
 def scaled_lr(lr: float, batch: int, base_batch: int, rule: str = "linear") -> float:

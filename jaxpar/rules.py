@@ -35,6 +35,7 @@ from typing import Any, Iterator, Sequence
 import jax
 import jax.numpy as jnp  # noqa: F401  (the docstring examples use it)
 from jax.sharding import NamedSharding, PartitionSpec
+from jaxpar.errors import RulesError
 
 __all__ = [
     "LogicalRules",
@@ -55,10 +56,6 @@ __all__ = [
 ]
 
 LogicalRules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
-
-
-class RulesError(ValueError):
-    """A logical annotation cannot be mapped onto the mesh."""
 
 
 def path_str(path: Sequence[Any]) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from jaxpar.data import sources
 from jaxpar.data.sources import jsonl as sources_jsonl
-from jaxpar.data.errors import SourceError
+from jaxpar.errors import SourceError
 from jaxpar.data.sources import FORMATS, open_source
 from jaxpar.data.sources.jsonl import LineFile
 

@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 
-from jaxpar.data.errors import DataError, TokenizerError
+from jaxpar.errors import DataError, TokenizerError
 from jaxpar.data.tokenizers import CL100K_PATTERN, Tokenizer, load_tokenizer
 
 KINDS = ("tokenizers", "sentencepiece", "tiktoken")

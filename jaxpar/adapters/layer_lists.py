@@ -59,13 +59,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.adapters.blocks import LAYERS, scan_blocks
+from jaxpar.errors import LayerListError
 
 __all__ = ["StackedLayers", "LayerListError", "stack_layers", "stacked_lists", "stacked_counts", "layer_differences",
            "list_form", "stacked_form", "change_form"]
-
-
-class LayerListError(ValueError):
-    """An ``nnx.List`` of layers cannot be stacked, or its stacked form was used in a way a list allows."""
 
 
 def _statics(module: nnx.Module) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.mesh import data_axes
 from jaxpar.rules import axes_of, manual_axes, path_str, resolve, spec_without
+from jaxpar.errors import ModelMeshError
 
 __all__ = ["ModelMeshError", "ModelLoss", "needs_explicit_mesh", "explicit_model_loss", "explicit_call", "batch_specs",
            "model_batch_axes", "check_model_axes", "call_site"]
@@ -52,10 +53,6 @@ __all__ = ["ModelMeshError", "ModelLoss", "needs_explicit_mesh", "explicit_model
 # What JAX says when a model pins a sharding by mesh axes under a mesh that does not allow it.
 _SIGNS = ("not under a mesh context", "of type Auto", "AxisType", "Auto or Manual", "`out_sharding`",
           "out_sharding=", "explicit mesh", "Explicit axes")
-
-
-class ModelMeshError(ValueError):
-    """A model that pins shardings by mesh axes cannot run where jaxpar asked it to."""
 
 
 def check_model_axes(logical: Any, rules, mesh) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxpar.data import windows as data_lib
+from jaxpar.errors import ConfigError
 
 __all__ = [
     "ConfigError", "ModelConfig", "MeshConfig", "ParallelConfig", "LRScalingConfig", "TrustMaskConfig",
@@ -19,10 +20,6 @@ __all__ = [
     "HF_MODEL_KEYS",
     "LR_SCHEDULES", "DATA_KINDS", "PROGRESS_MODES", "NONFINITE_MODES", "RENAMED", "IMPORT_KEYS",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration is invalid; the message names the key (e.g. ``mesh.tensor``)."""
 
 
 @dataclass(frozen=True)

@@ -37,15 +37,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from jaxpar.cost.collectives import Link
+from jaxpar.errors import ClusterError
 
 __all__ = ["Cluster", "ClusterError", "PRESET_DIR", "presets", "load_cluster", "cluster_from_dict"]
 
 #: Where the preset YAML files live (``configs/clusters`` of the repository).
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
-
-
-class ClusterError(ValueError):
-    """A cluster description is invalid; the message names the field and the fix."""
 
 
 @dataclass(frozen=True)

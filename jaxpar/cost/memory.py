@@ -38,6 +38,7 @@ from jaxpar.cost.activations import REMAT, activation_bytes_per_layer, layer_act
 from jaxpar.cost.context_experts import context_working_bytes
 from jaxpar.cost.model import TENSOR_LOGICAL, Leaf, ModelSpec
 from jaxpar.cost.schedule import TABLE_LIMIT, closed_form_stats, in_flight, schedule_stats
+from jaxpar.errors import LayoutError
 
 __all__ = ["BytesPerParam", "PRECISIONS", "REMAT", "zero_state_bytes", "activation_bytes_per_layer",
            "leaf_spec", "zero_dim_of", "zero_axes", "LeafShards", "leaf_shard_counts", "sizes_key", "leaf_shards",
@@ -45,10 +46,6 @@ __all__ = ["BytesPerParam", "PRECISIONS", "REMAT", "zero_state_bytes", "activati
            "TABLE_LIMIT", "closed_form_stats", "schedule_stats", "in_flight", "MemoryEstimate", "memory_per_device",
            "argument_bytes", "LayoutError"]
 
-
-
-class LayoutError(ValueError):
-    """A parameter cannot be laid out on the mesh (a size does not divide)."""
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from jaxpar.cost.parallel import CONTEXT_METHODS, Plan
 from jaxpar.cost.refusals import REFUSED_PREFIX, plan_refusal
 from jaxpar.cost.time import Overlap, StepTime, step_time
 from jaxpar.cost.traffic import outer_at_ends
+from jaxpar.errors import PlanError
 
 __all__ = ["CONTEXT_MIN_SEQ", "PlanError", "Estimate", "Rejected", "PlanResult", "plan", "factorisations",
            "mesh_factorisations", "context_problem", "expert_problem", "evaluate"]
@@ -48,10 +49,6 @@ __all__ = ["CONTEXT_MIN_SEQ", "PlanError", "Estimate", "Rejected", "PlanResult",
 #: recipes (16k and 64k tokens) are where CP is used in practice; at 2k the model would pick CP 2 for
 #: GPT-3 on 1,024 A100s (docs/planning.md, "CP and EP"), against the published layouts.
 CONTEXT_MIN_SEQ = 8192
-
-
-class PlanError(ValueError):
-    """No plan exists (bad sizes, or nothing fits); the message says why and what to change."""
 
 
 @dataclass(frozen=True)

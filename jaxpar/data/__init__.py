@@ -9,8 +9,8 @@ prepare``), :mod:`~jaxpar.data.packing` and :mod:`~jaxpar.data.row_plan` (which 
 :mod:`~jaxpar.data.rows` (each process's rows of a global batch).
 """
 
-from jaxpar.data.errors import CacheError as CacheError, DataError as DataError, SourceError as SourceError
-from jaxpar.data.errors import TokenizerError as TokenizerError
+from jaxpar.errors import CacheError as CacheError, DataError as DataError, SourceError as SourceError
+from jaxpar.errors import TokenizerError as TokenizerError
 from jaxpar.data.loader import PackedBatches as PackedBatches, batch_digest as batch_digest
 from jaxpar.data.packing import PACK_METHODS as PACK_METHODS
 from jaxpar.data.row_plan import StreamPlan as StreamPlan, split_documents as split_documents

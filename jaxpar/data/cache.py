@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpar.data.errors import CacheError
+from jaxpar.errors import CacheError
 from jaxpar.data.tokens import CachedTokens, document_ids
 
 __all__ = ["prepare_cache", "open_cache", "expected_meta", "CACHE_VERSION"]

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxpar.data.errors import DataError
+from jaxpar.errors import DataError
 from jaxpar.data.packing import BATCH_KEYS, row_arrays
 from jaxpar.data.row_plan import StreamPlan, split_documents
 from jaxpar.data.rows import select_rows

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxpar.data.errors import DataError
+from jaxpar.errors import DataError
 
 __all__ = ["PACK_METHODS", "Segment", "PackStats", "pack_window", "row_arrays", "BATCH_KEYS"]
 

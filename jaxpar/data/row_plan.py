@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxpar.data.errors import DataError
+from jaxpar.errors import DataError
 from jaxpar.data.packing import PACK_METHODS, PackStats, Segment, pack_window
 
 __all__ = ["StreamPlan", "split_documents", "PlannedRow"]

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from jaxpar.data.errors import TokenizerError
+from jaxpar.errors import TokenizerError
 
 __all__ = ["CL100K_PATTERN", "KINDS", "Tokenizer", "load_tokenizer"]
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from jaxpar.data.errors import CacheError, SourceError
+from jaxpar.errors import CacheError, SourceError
 
 __all__ = ["TOKEN_DTYPES", "CachedTokens", "LiveTokens", "TokenFile", "document_ids", "map_tokens"]
 

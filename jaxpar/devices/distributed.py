@@ -38,6 +38,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Mapping
+from jaxpar.errors import DistributedError
 
 __all__ = ["DistributedError", "ClusterInfo", "resolve", "initialize", "split_devices", "setup_devices",
            "start_processes", "ENV_HINTS"]
@@ -50,10 +51,6 @@ ENV_HINTS = {
 }
 _METHODS = {"single": "single process", "explicit": "explicit flags", "slurm": "SLURM", "ompi": "Open MPI",
             "k8s": "Kubernetes"}
-
-
-class DistributedError(ValueError):
-    """Inconsistent or incomplete multi-process settings (the message names the flag / variable and the fix)."""
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+from jaxpar.errors import TargetError
 
 __all__ = ["TargetError", "DeviceSpec", "Target", "PRESET_DIR", "presets", "load_spec", "parse_target",
            "gpu_target_config", "target_devices", "compile_error", "EXTRA"]
@@ -48,10 +49,6 @@ PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "targets"
 EXTRA = "pip install 'jaxpar[targets]'"
 #: JAX's default share of a GPU's memory that a process may use (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
 GPU_MEM_FRACTION = 0.75
-
-
-class TargetError(ValueError):
-    """A target that cannot be built or compiled for: the message names the value and the fix."""
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxpar.models.decoder import DecoderConfig, DecoderMoE, RoPE
+from jaxpar.errors import HFConfigError
 
 __all__ = ["HFConfigError", "FAMILIES", "decoder_config", "hf_config_dict", "read_config", "checkpoint_dtype"]
-
-
-class HFConfigError(ValueError):
-    """A ``config.json`` that jaxpar cannot import: it names the field, the value and what is supported."""
 
 
 #: The supported ``model_type`` values, with their ``architectures`` entry and the defaults of

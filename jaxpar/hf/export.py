@@ -30,14 +30,11 @@ from jaxpar.hf.reader import Checkpoint
 from jaxpar.hf.config import decoder_config, hf_config_dict
 from jaxpar.hf.files import DTYPES, INDEX, SAFETENSORS_DTYPE, write_safetensors
 from jaxpar.hf.keys import flatten_params, stack_counts, tensor_maps
+from jaxpar.errors import HFExportError
 
 __all__ = ["HFExportError", "export"]
 
 _OWN = ("config.json", INDEX)
-
-
-class HFExportError(ValueError):
-    """An export that would overwrite files, or lacks what it needs to write the checkpoint."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,6 +25,7 @@ from typing import Iterable, Iterator
 
 import ml_dtypes
 import numpy as np
+from jaxpar.errors import HFFilesError
 
 __all__ = ["HFFilesError", "CheckpointFiles", "write_safetensors", "DTYPES", "SAFETENSORS_DTYPE"]
 
@@ -34,10 +35,6 @@ DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.d
 #: ``config.json`` dtype names -> safetensors dtype names.
 SAFETENSORS_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
 INDEX = "model.safetensors.index.json"
-
-
-class HFFilesError(ValueError):
-    """The checkpoint's files are missing, unreadable or disagree with its index."""
 
 
 def _header(path: Path) -> dict:

@@ -44,12 +44,9 @@ from jaxpar.hf.boxes import read_box
 from jaxpar.hf.config import checkpoint_dtype, decoder_config, read_config
 from jaxpar.hf.files import CheckpointFiles
 from jaxpar.hf.keys import TensorMap, flatten_params, nest_params, stack_counts, tensor_maps
+from jaxpar.errors import HFCheckpointError
 
 __all__ = ["HFCheckpointError", "Checkpoint", "open_checkpoint"]
-
-
-class HFCheckpointError(ValueError):
-    """The checkpoint's tensors do not match its config: missing or unexpected keys, a shape, the head."""
 
 
 def _experts_layout(files: CheckpointFiles) -> str:

@@ -2,12 +2,12 @@
 
 :func:`load_tokenizer` reads a checkpoint directory's ``tokenizer.json`` (or ``tokenizer.model``, or a
 tiktoken ranks file) with its ``tokenizer_config.json``; ``HFTokenizerError`` is
-:class:`jaxpar.data.errors.TokenizerError`.
+:class:`jaxpar.errors.TokenizerError`.
 """
 
 from __future__ import annotations
 
-from jaxpar.data.errors import TokenizerError as HFTokenizerError
+from jaxpar.errors import TokenizerError as HFTokenizerError
 from jaxpar.data.tokenizers import Tokenizer, load_tokenizer
 
 __all__ = ["HFTokenizerError", "Tokenizer", "load_tokenizer"]

@@ -70,22 +70,9 @@ from jaxpar.adapters.layer_lists import change_form
 from jaxpar.run.checkpoint_format import FORMAT, READABLE, upgrade_record
 from jaxpar.run.checkpoint_parts import fresh_stats, plan_parts, versions_from_params
 from jaxpar.run.checkpoint_records import record_layouts, saved_lists, shapes_of
+from jaxpar.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer", "Restored", "FORMAT"]
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint (the message names the directory and what was found there)."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint is readable but its parameters or optimizer state are another tree than the
-    target's (the message names the part and the differences); no older checkpoint is tried."""
-
-
-class CheckpointWarning(UserWarning):
-    """A checkpoint was unreadable and an older one is used instead, or a part of the state it
-    holds was dropped or started afresh (the message says which and why)."""
 
 
 @dataclass

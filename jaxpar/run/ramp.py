@@ -35,12 +35,9 @@ import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
+from jaxpar.errors import RampError
 
 __all__ = ["BatchRamp", "AdaptiveRamp", "RampError", "ramp_batch_fn"]
-
-
-class RampError(ValueError):
-    """A batch ramp that cannot be run."""
 
 
 @dataclass(frozen=True)

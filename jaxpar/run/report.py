@@ -36,15 +36,12 @@ import jax
 
 from jaxpar.analysis.compiled_memory import format_bytes
 from jaxpar.run.sinks import MetricsWriter, mfu
+from jaxpar.errors import NonFiniteError
 
 __all__ = ["LogOptions", "TrainSummary", "NonFiniteError", "plot_losses", "Progress", "Meter", "check_int",
            "merge_log_options"]
 
 _PROGRESS_MODES = ("auto", "bar", "lines", "none")
-
-
-class NonFiniteError(FloatingPointError):
-    """A step's loss or gradient norm was NaN / inf and the run was told to stop (or could not skip it)."""
 
 
 @dataclass

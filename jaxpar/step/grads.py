@@ -48,13 +48,10 @@ from jaxpar.parallel.moe import reported_loads, step_loads_needed, use_step_load
 from jaxpar.rules import axes_of, drop_axes, named_shardings, path_str, resolve, use_rules
 from jaxpar.adapters.mesh_axes import ModelLoss
 from jaxpar.step.state import StateLayout
+from jaxpar.errors import ExplicitDPError
 
 __all__ = ["model_loss", "accumulate", "global_grads", "pipeline_grads", "replica_grads", "explicit_data_parallel",
            "stacked_layers", "ManualLayout", "manual_specs", "ExplicitDPError"]
-
-
-class ExplicitDPError(ValueError):
-    """``explicit_dp=True`` was asked where jaxpar cannot make the data-axis collectives explicit."""
 
 
 def model_loss(loss_fn: Callable, layout: StateLayout) -> Callable:

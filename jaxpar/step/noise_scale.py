@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.step.state import has_stats_part, stats_part_layout, with_stats_part
+from jaxpar.errors import NoiseScaleError
 
 __all__ = ["NoiseScaleError", "KEY", "METRICS", "check_options", "noise_scale_layout", "check_measurable", "grad_sq_estimate", "trace_estimate",
            "init_state", "update", "noise_scale_of", "with_noise_scale", "has_noise_scale", "plot_noise_scale"]
@@ -52,10 +53,6 @@ __all__ = ["NoiseScaleError", "KEY", "METRICS", "check_options", "noise_scale_la
 KEY = "noise_scale"
 #: The metrics a measuring step reports (logged by :mod:`jaxpar.run.report`).
 METRICS = ("noise_scale", "grad_sq_small", "grad_sq_big", "noise_trace", "noise_grad_sq")
-
-
-class NoiseScaleError(ValueError):
-    """A gradient-noise-scale measurement that cannot be made as asked (the message names the option and the fix)."""
 
 
 def check_options(every: Any, ema: Any, owner: str = "make_train_step") -> None:

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxpar.rules import named_shardings
 from jaxpar.strategy import Strategy
 from jaxpar.parallel.zero import analytic_state_bytes
+from jaxpar.errors import StrategyMismatchError
 
 __all__ = ["TrainState", "StateLayout", "optimizer_specs", "layout_strategy", "StrategyMismatchError",
            "stats_part_layout", "with_stats_part", "has_stats_part"]
@@ -139,10 +140,6 @@ def optimizer_specs(tx: optax.GradientTransformation, shapes: Any, param_like_sp
                                   transform_non_params=lambda _: PartitionSpec(),
                                   is_leaf=lambda x: isinstance(x, PartitionSpec))
     return opt_shapes, specs
-
-
-class StrategyMismatchError(ValueError):
-    """``make_train_step`` was given another strategy than the one its layout was built for."""
 
 
 def _fingerprint(value: Any) -> Any:

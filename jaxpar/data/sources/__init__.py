@@ -29,7 +29,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxpar.data.errors import SourceError
+from jaxpar.errors import SourceError
 from jaxpar.data.sources.base import ON_MALFORMED, Source
 from jaxpar.data.sources.columnar import ArrayRecordSource, HfDiskSource, ParquetSource, save_to_disk_files
 from jaxpar.data.sources.jsonl import JsonlSource

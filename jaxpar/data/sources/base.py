@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpar.data.errors import SourceError
+from jaxpar.errors import SourceError
 
 __all__ = ["ON_MALFORMED", "Source", "field_text"]
 

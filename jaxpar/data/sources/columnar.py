@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxpar.data.errors import SourceError
+from jaxpar.errors import SourceError
 from jaxpar.data.sources.base import Source, field_text
 
 __all__ = ["ROW_GROUP_CACHE", "ParquetSource", "ArrayRecordSource", "HfDiskSource", "save_to_disk_files"]

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from jaxpar.data.errors import SourceError
+from jaxpar.errors import SourceError
 from jaxpar.data.sources.base import Source, field_text
 
 __all__ = ["SNAPSHOT_INTERVAL", "LineFile", "JsonlSource", "line_starts"]

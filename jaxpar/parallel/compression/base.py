@@ -22,12 +22,9 @@ Example::
 from __future__ import annotations
 
 from typing import Any
+from jaxpar.errors import CompressionError
 
 __all__ = ["BaseCodec", "CompressionError", "check_codec", "check_start"]
-
-
-class CompressionError(ValueError):
-    """A compression option or combination that cannot work (the message names it and the fix)."""
 
 
 class BaseCodec:

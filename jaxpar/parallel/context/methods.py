@@ -64,6 +64,7 @@ from jaxpar.parallel.context.attention import check_softcap, check_window, dense
 from jaxpar.parallel.context.zigzag import check_length, from_balanced, sequence_positions, shard_positions, to_balanced
 from jaxpar.parallel.context.options import CONTEXT, ContextParallelError, current_context_parallel, note_context_call
 from jaxpar.parallel.context.ring import ring_attention
+from jaxpar.errors import AttentionError
 
 __all__ = ["AttentionError", "QKV_LOGICAL", "attention", "ulysses_kv_repeat", "sequence_order", "in_sequence_order",
            "in_natural_order",
@@ -71,10 +72,6 @@ __all__ = ["AttentionError", "QKV_LOGICAL", "attention", "ulysses_kv_repeat", "s
 
 #: The logical names of q, k and v (``[batch, length, heads, head_dim]``); k/v share the heads' axes.
 QKV_LOGICAL = ("batch", "length", "heads", None)
-
-
-class AttentionError(ValueError):
-    """The q/k/v or segment ids given to :func:`attention` do not fit together."""
 
 
 class _Call(NamedTuple):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import ContextManager
 
 from jaxpar.adapters.scoped import scoped
+from jaxpar.errors import ContextParallelError
 
 __all__ = ["CONTEXT", "METHODS", "ContextParallelError", "ContextParallel", "use_context_parallel",
            "current_context_parallel", "ContextCalls", "count_context_calls", "note_context_call"]
@@ -35,10 +36,6 @@ __all__ = ["CONTEXT", "METHODS", "ContextParallelError", "ContextParallel", "use
 CONTEXT = "context"
 #: The context-parallel attention methods, by name.
 METHODS = ("ring", "all_gather", "ulysses")
-
-
-class ContextParallelError(ValueError):
-    """Context-parallel attention cannot run on these inputs, this mesh or these rules."""
 
 
 @dataclass(frozen=True)

@@ -55,15 +55,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.parallel.context import in_natural_order, in_sequence_order
+from jaxpar.errors import MoEError
 
 __all__ = ["GATES", "MoEError", "Routing", "MoEStats", "check_options", "capacity", "route", "top_k_experts",
            "buffer_slots", "routing_stats", "load_balancing_loss", "load_cv", "update_router_bias"]
 
 GATES = ("softmax", "sigmoid")
-
-
-class MoEError(ValueError):
-    """A mixture-of-experts layer got options or a mesh it cannot run with."""
 
 
 class Routing(NamedTuple):

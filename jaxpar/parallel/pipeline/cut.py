@@ -57,12 +57,9 @@ from jaxpar.mesh import data_axes
 from jaxpar.adapters.mesh_axes import batch_specs, call_site, explicit_call, model_batch_axes, needs_explicit_mesh
 from jaxpar.rules import constrain, spec_without
 from jaxpar.parallel.pipeline.parts import PipelineParts
+from jaxpar.errors import PipelineCutError
 
 __all__ = ["ModelCut", "PipelineCutError", "cut_model", "layer_lists"]
-
-
-class PipelineCutError(ValueError):
-    """The model cannot be cut into pipeline stages as it is written."""
 
 
 class _Reached(Exception):

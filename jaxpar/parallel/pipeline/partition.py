@@ -21,13 +21,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxpar.errors import PartitionError
 
 __all__ = ["partition_layers", "uniform_layers", "check_stage_layers", "stage_cost", "layer_costs", "compiled_flops",
            "to_stages", "from_stages", "check_blocks_layout", "PartitionError"]
-
-
-class PartitionError(ValueError):
-    """Layers cannot be split over the stages as asked."""
 
 
 def uniform_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:

@@ -41,15 +41,12 @@ from typing import Mapping
 from jaxpar.parallel.pipeline.instructions import Program, colour_intervals, lower
 from jaxpar.parallel.pipeline.schedules import Schedule, canonical_kind
 from jaxpar.parallel.pipeline.tick_table import check_int
+from jaxpar.errors import StashingError
 
 __all__ = ["STASHING", "StashingError", "version", "older_versions", "weight_versions", "StashProgram",
            "lower_stashed", "update_ticks", "is_stashing", "check_stashing"]
 
 STASHING = "pipedream"
-
-
-class StashingError(ValueError):
-    """A weight-stashing setting that cannot run (names the field, the value and the fix)."""
 
 
 def version(p: int, stage: int, i: int, update_every: int = 1, vertical_sync: bool = False) -> int:

@@ -35,12 +35,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
+from jaxpar.errors import ScheduleError
 
 __all__ = ["Action", "Schedule", "ScheduleError", "validate", "stage_actions", "num_ticks"]
-
-
-class ScheduleError(ValueError):
-    """A schedule table is illegal (missing/duplicate action or broken dependency)."""
 
 
 def check_int(name: str, value, minimum: int) -> int:

@@ -33,15 +33,12 @@ from typing import Mapping
 
 from jaxpar.parallel.pipeline.instructions import colour_intervals
 from jaxpar.parallel.pipeline.schedules import Schedule, canonical_kind
+from jaxpar.errors import AsyncPipelineError
 
 __all__ = ["AsyncPipelineError", "TWO_BW", "is_two_bw", "step_windows", "weight_versions", "check_two_bw",
            "check_two_bw_step"]
 
 TWO_BW = "pipedream-2bw"
-
-
-class AsyncPipelineError(ValueError):
-    """A PipeDream-2BW setting that cannot run (names the field, the value and the fix)."""
 
 
 def is_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> bool:

@@ -35,13 +35,10 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import optax
+from jaxpar.errors import SyncError
 
 __all__ = ["SyncError", "Synchronous", "DiLoCo", "EASGD", "Stale", "Backup", "synchronous", "diloco",
            "local_sgd", "easgd", "stale", "backup", "SYNC_KINDS", "make_sync", "check_sync"]
-
-
-class SyncError(ValueError):
-    """A synchronisation kind was asked with an option it cannot take, or on a mesh it cannot use."""
 
 
 def _int(name: str, option: str, value: Any, low: int, example: str) -> int:
