@@ -24,12 +24,28 @@ __all__ = ["batch_sharding", "check_batch", "shard_batch", "split_microbatches"]
 
 
 def batch_sharding(mesh) -> NamedSharding:
-    """Leading (batch) dimension split over the data axes (and ``replica``), the rest replicated."""
+    """Leading (batch) dimension split over the data axes (and ``replica``), the rest replicated.
+
+    Args:
+      mesh: the mesh.
+
+    Returns:
+      A ``NamedSharding`` on ``mesh``.
+    """
     return NamedSharding(mesh, PartitionSpec(batch_axes(mesh) or None))
 
 
 def check_batch(batch: Any, mesh, microbatches: int = 1) -> int:
-    """Check every leaf's leading dim is divisible by data axes x micro-batches; return it."""
+    """Check every leaf's leading dim is divisible by data axes x micro-batches; return it.
+
+    Args:
+      batch: a pytree of arrays with a leading batch dimension.
+      mesh: the mesh whose data axes split the batch.
+      microbatches: the number of micro-batches each replica's rows are split into.
+
+    Returns:
+      The global batch size (the leaves' common leading size).
+    """
     n = math.prod(mesh.shape[a] for a in batch_axes(mesh))
     sizes = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
@@ -50,7 +66,15 @@ def check_batch(batch: Any, mesh, microbatches: int = 1) -> int:
 
 
 def shard_batch(batch: Any, mesh) -> Any:
-    """Place a host batch (numpy / jax arrays) on the mesh, split over the data axes."""
+    """Place a host batch (numpy / jax arrays) on the mesh, split over the data axes.
+
+    Args:
+      batch: a pytree of host arrays with a leading batch dimension.
+      mesh: the mesh.
+
+    Returns:
+      The same pytree of ``jax.Array``s, split over the data axes.
+    """
     check_batch(batch, mesh)
     return jax.device_put(batch, batch_sharding(mesh))
 

@@ -31,12 +31,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["main", "build_parser", "run_train", "run_schedule", "run_plan", "run_inspect"]
+__all__ = ["main", "build_parser"]
 _DIST = ("coordinator", "num_processes", "process_id", "local_devices", "heartbeat_timeout")
 _OVERRIDES = ("train", "inspect", "export", "sample", "data")       # the commands that take key=value overrides
 
 
-def run_train(config: str, overrides: Sequence[str], *, print_config: bool = False, resume: bool = False,
+def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = False, resume: bool = False,
               dist: dict | None = None) -> int:
     """``jaxpar train``: load + check the config, build the job, train, summarise.
 
@@ -77,13 +77,13 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     log, ckpt = job.log_options(layout, tokens), job.checkpointer(layout)
     status = train_with_checkpoints(step, state, layout, job.batch_fn, job.run, log, checkpointer=ckpt,
                                     meta=checkpoint_meta(mesh_sizes=layout.mesh.shape, **job.meta), eval_fn=evaluate,
-                                    eval_batches=job.eval_batches, ramp=job.ramp)
+                                    eval_batches=job.eval_batches, ramp=job.ramp, lr_schedule=job.log_lr)
     if line := packing_line(job.batch_fn, cfg.train.steps):       # data.kind=documents: real tokens
         print(line)
     return status
 
 
-def run_inspect(config: str, overrides: Sequence[str], *, cluster: str | None = None, target: str | None = None) -> int:
+def _run_inspect(config: str, overrides: Sequence[str], *, cluster: str | None = None, target: str | None = None) -> int:
     """``jaxpar inspect``: compile the config's train step ahead of time, exactly as ``jaxpar train``
     would run it, on simulated CPU devices or with a target's real compiler (``--target h100:2x8``),
     and print its shardings, collectives and memory next to the cost model's prediction
@@ -95,27 +95,13 @@ def run_inspect(config: str, overrides: Sequence[str], *, cluster: str | None = 
     return inspect_config(load_config(config, list(overrides)), cluster=cluster, target=target)
 
 
-def run_schedule(args: argparse.Namespace) -> int:
-    """``jaxpar schedule``: print a pipeline schedule table, its bubble and peak in-flight micro-batches."""
-    from jaxpar.parallel.pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight, to_text
-
-    s = get_schedule(args.kind, args.stages, args.microbatches, args.virtual)
-    print(to_text(s))
-    print(f"bubble fraction {bubble_fraction(s):.4f}; peak in-flight micro-batches per stage {peak_in_flight(s)}")
-    if args.png:
-        from jaxpar.parallel.pipeline.render import render_png
-
-        print(f"wrote {render_png(s, args.png, timed=args.timed)}")
-    return 0
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    """``jaxpar plan``: rank every plan of the model on the cluster (:func:`jaxpar.cost.planner`);
+def _run_plan(args: argparse.Namespace) -> int:
+    """``jaxpar plan``: rank every plan of the model on the cluster (:func:`jaxpar.cost.plan`);
     ``--verify`` compiles the top plans (on simulated CPU devices, or with ``--target``'s real
     compiler) and compares memory and bytes."""
     from jaxpar import cost
     from jaxpar.config import ConfigError
-    from jaxpar.config.plan_command import plan_model, plan_report, verify_plans
+    from jaxpar.config.plan_command import plan_dtype, plan_model, plan_report, verify_plans
 
     target = None
     if args.target:
@@ -128,8 +114,9 @@ def run_plan(args: argparse.Namespace) -> int:
         cluster = cost.load_cluster(args.cluster or "h100", num_devices=args.devices)
         model = plan_model(args.config, {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab",
                                                                         "batch")})
+        dtype = plan_dtype(args.config, args.dtype, cluster)
         cp = dict(contexts=args.contexts, context_methods=args.context_methods) if args.contexts else {}
-        result = cost.plan(model, cluster, top=args.top, dtype=args.dtype, precision=args.precision, **cp)
+        result = cost.plan(model, cluster, top=args.top, dtype=dtype, precision=args.precision, **cp)
     except (cost.ClusterError, cost.PlanError) as e:
         raise ConfigError(str(e)) from None
     print(plan_report(model, cluster, result, args.top, as_json=args.json))
@@ -154,6 +141,9 @@ def _add_process_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``jaxpar`` command's argument parser, every command included."""
+    from jaxpar.config.schedule_command import add_schedule_parser
+
     parser = argparse.ArgumentParser(prog="jaxpar", description="Declarative SPMD training on JAX meshes.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -166,14 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the latest good checkpoint in checkpoint.dir (same as checkpoint.resume=true)")
     _add_process_options(p)
 
-    p = sub.add_parser("schedule", help="print a pipeline schedule table",
-                       description="Build a pipeline schedule and print its tick x stage table.")
-    p.add_argument("--kind", required=True, help="gpipe, 1f1b, interleaved or zb-h1")
-    p.add_argument("--stages", type=int, required=True, help="pipeline stages p")
-    p.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
-    p.add_argument("--virtual", type=int, default=1, help="model chunks per stage (interleaved only)")
-    p.add_argument("--png", help="also write a Gantt chart PNG here")
-    p.add_argument("--timed", action="store_true", help="PNG: draw the cost-model timeline, not unit ticks")
+    add_schedule_parser(sub)
 
     p = sub.add_parser("plan", help="rank parallel plans with the cost model (nothing runs)",
                        description="Enumerate pipe x data x fsdp x tensor x ZeRO x schedule x micro-batches x "
@@ -185,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="number of devices (default: the preset's)")
     for k in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
         p.add_argument(f"--{k}", type=int, help=f"model {k} (without --config; --batch also overrides it)")
-    p.add_argument("--dtype", default="bfloat16", help="compute dtype for the peak FLOP/s (bfloat16)")
+    p.add_argument("--dtype", help="compute dtype of the peak FLOP/s (default: the config's, else bfloat16)")
     p.add_argument("--precision", default="mixed", help="bytes per parameter: fp32, mixed, megatron, mixed-fp32-accum")
     p.add_argument("--contexts", type=_ints, help="context-parallel degrees to search, e.g. 1,2,4,8 (default: all "
                    "divisors from 8k tokens, none below); --context-methods ring,all_gather,ulysses (all)")
@@ -212,8 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``jaxpar`` script; returns the exit status."""
+    """Entry point of the ``jaxpar`` script.
+
+    Args:
+      argv: the arguments after ``jaxpar`` (None: ``sys.argv[1:]``).
+
+    Returns:
+      The exit status: 0 ok, 2 an invalid config or arguments (one line on stderr).
+    """
     from jaxpar.config.data_commands import run_data_command
+    from jaxpar.config.schedule_command import run_schedule
     from jaxpar.config.errors import user_errors
     from jaxpar.config.hf_commands import run_command
 
@@ -225,12 +216,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         if args.command == "train":
-            return run_train(args.config, args.overrides, print_config=args.print_config, resume=args.resume,
+            return _run_train(args.config, args.overrides, print_config=args.print_config, resume=args.resume,
                              dist={k: getattr(args, k) for k in _DIST})
         if args.command == "plan":
-            return run_plan(args)
+            return _run_plan(args)
         if args.command == "inspect":
-            return run_inspect(args.config, args.overrides, cluster=args.cluster, target=args.target)
+            return _run_inspect(args.config, args.overrides, cluster=args.cluster, target=args.target)
         if args.command in ("export", "sample"):
             return run_command(args)
         if args.command == "data":

@@ -14,14 +14,15 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["JaxparError", "MeshError", "MaskError", "RulesError", "LayerListError", "ModelMeshError",
+__all__ = ["JaxparError", "MeshError", "StrategyError", "MaskError", "RulesError", "LayerListError", "ModelMeshError",
            "CompressionError", "AttentionError", "ContextParallelError", "MoEError", "PipelineCutError",
            "PartitionError", "StashingError", "ScheduleError", "AsyncPipelineError", "SyncError",
            "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "RampError", "NonFiniteError",
+           "LoopError",
            "ExplicitDPError", "NoiseScaleError", "StrategyMismatchError", "DataError", "SourceError",
            "TokenizerError", "CacheError", "HFConfigError", "HFExportError", "HFFilesError",
            "HFCheckpointError", "ClusterError", "LayoutError", "PlanError", "DistributedError", "TargetError",
-           "ConfigError"]
+           "ConfigError", "UnusedAxisWarning"]
 
 
 class JaxparError(ValueError):
@@ -33,6 +34,10 @@ class JaxparError(ValueError):
 
 class MeshError(JaxparError):
     """A mesh cannot be built from the given sizes or devices."""
+
+
+class StrategyError(JaxparError):
+    """A :class:`~jaxpar.Strategy` field with a value it does not take (a ZeRO stage, a dtype, a count)."""
 
 
 class MaskError(JaxparError):
@@ -62,7 +67,7 @@ class CompressionError(JaxparError):
 
 
 class AttentionError(JaxparError):
-    """The q/k/v or segment ids given to :func:`attention` do not fit together."""
+    """The q/k/v or segment ids given to :func:`jaxpar.parallel.context.attention` do not fit together."""
 
 
 class ContextParallelError(JaxparError):
@@ -114,12 +119,22 @@ class CheckpointWarning(UserWarning):
     holds was dropped or started afresh (the message says which and why)."""
 
 
+class UnusedAxisWarning(UserWarning):
+    """A mesh axis of size > 1 splits nothing (e.g. ``tensor`` over a model without tensor-parallel
+    annotations): its devices repeat each other's work. The message names the axis, its size and the fix."""
+
+
 class RampError(JaxparError):
     """A batch ramp that cannot be run."""
 
 
 class NonFiniteError(JaxparError, FloatingPointError):
     """A step's loss or gradient norm was NaN / inf and the run was told to stop (or could not skip it)."""
+
+
+class LoopError(JaxparError):
+    """Options of the training loop that do not fit together: an interval (``steps``, ``log_every``,
+    ...) that ``steps_per_call`` does not divide."""
 
 
 class ExplicitDPError(JaxparError):

@@ -95,7 +95,14 @@ class MeshSpec:
         return sizes
 
     def sizes(self, num_devices: int) -> dict[str, int]:
-        """Resolve -1 and check that the product equals ``num_devices``."""
+        """Resolve -1 and check that the product equals ``num_devices``.
+
+        Args:
+          num_devices: the number of devices the mesh spans.
+
+        Returns:
+          Axis name -> size, every axis present.
+        """
         sizes = self.requested()
         for name, size in sizes.items():
             if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or (size < 1 and size != -1):
@@ -137,6 +144,14 @@ def make_mesh(spec: MeshSpec | Mapping[str, int], devices: Sequence[jax.Device] 
     ``dcn[axis]`` (across hosts) x the rest (within a host), so that the fast
     in-host links carry the inner axes.
 
+    Args:
+      spec: a ``MeshSpec``, or axis name -> size (missing axes are 1; one size may be -1).
+      devices: the devices to lay out; all of ``jax.devices()`` when ``None``.
+      axis_type: the ``AxisType`` of every axis (``Auto``: GSPMD propagation).
+
+    Returns:
+      The mesh.
+
     >>> import jax
     >>> mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
     >>> mesh.axis_names, mesh.devices.shape
@@ -144,7 +159,7 @@ def make_mesh(spec: MeshSpec | Mapping[str, int], devices: Sequence[jax.Device] 
     >>> make_mesh({"data": 3}, devices=jax.devices()[:4])
     Traceback (most recent call last):
     ...
-    jaxpar.mesh.MeshError: MeshSpec: axis sizes ... multiply to 3, but there are 4 devices. ...
+    jaxpar.errors.MeshError: MeshSpec: axis sizes ... multiply to 3, but there are 4 devices. ...
     """
     if isinstance(spec, Mapping):
         named = STANDARD_AXES + (REPLICA, CONTEXT, EXPERT)
@@ -177,19 +192,40 @@ def make_mesh(spec: MeshSpec | Mapping[str, int], devices: Sequence[jax.Device] 
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The data-parallel axes of one model replica (``data`` and ``fsdp``, when present)."""
+    """The data-parallel axes of one model replica (``data`` and ``fsdp``, when present).
+
+    Args:
+      mesh: the mesh.
+
+    Returns:
+      The axis names, in mesh order.
+    """
     return tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes that split the global batch: ``replica`` (when present), then :func:`data_axes`,
-    then ``expert`` (when present: expert-parallel devices are data parallel for the other layers)."""
+    then ``expert`` (when present: expert-parallel devices are data parallel for the other layers).
+
+    Args:
+      mesh: the mesh.
+
+    Returns:
+      The axis names.
+    """
     expert = (EXPERT,) if EXPERT in mesh.axis_names else ()
     return ((REPLICA,) if REPLICA in mesh.axis_names else ()) + data_axes(mesh) + expert
 
 
 def replicas(mesh: Mesh) -> int:
-    """The size of the ``replica`` axis (1 without it)."""
+    """The size of the ``replica`` axis (1 without it).
+
+    Args:
+      mesh: the mesh.
+
+    Returns:
+      The number of replicas.
+    """
     return dict(mesh.shape).get(REPLICA, 1)
 
 
@@ -199,6 +235,9 @@ def simulate_cpu_devices(n: int) -> None:
     With ``JAX_PLATFORMS`` unset it also selects the ``cpu`` platform (environment and
     live flag). Raises ``RuntimeError`` if the backend is already up with a different
     count (the count cannot change after initialisation; restart the process).
+
+    Args:
+      n: the number of CPU devices.
 
     Once the backend is up, asking for the count it has is a no-op, and any other count
     is an error:
@@ -244,7 +283,12 @@ def use_devices(n_simulated: int = 8, *, detect: bool = True) -> str:
        skips this step, so only an explicit ``JAX_PLATFORMS`` wins over simulation;
     4. otherwise: ``n_simulated`` CPU devices (:func:`simulate_cpu_devices`).
 
-    Returns the platform name (``"cpu"`` when simulating).
+    Args:
+      n_simulated: the number of CPU devices to simulate when there is no accelerator.
+      detect: look for an installed accelerator (step 3).
+
+    Returns:
+      The platform name (``"cpu"`` when simulating).
 
     >>> use_devices(8)    # here: no accelerator, so 8 simulated CPU devices
     'cpu'

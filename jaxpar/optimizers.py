@@ -61,6 +61,15 @@ Mask = Any   # a tree of bools mirroring the params, or ``params -> such a tree`
 def scaled_lr(lr: float, batch: int, base_batch: int, rule: str = "linear") -> float:
     """The peak learning rate for global batch ``batch``, given ``lr`` tuned at ``base_batch``.
 
+    Args:
+      lr: the peak learning rate tuned at ``base_batch``.
+      batch: the global batch size (sequences).
+      base_batch: the global batch ``lr`` was tuned at.
+      rule: ``"linear"`` (``lr x batch / base_batch``), ``"sqrt"`` or ``"none"``.
+
+    Returns:
+      The peak learning rate.
+
     >>> scaled_lr(3e-4, batch=64, base_batch=256, rule="linear")
     7.5e-05
     >>> scaled_lr(3e-4, 64, 256, rule="none")
@@ -96,6 +105,13 @@ def _leading_layers(names: tuple) -> int:
 def stacked_axes(params: Any, logical: Any = None) -> dict[str, int]:
     """``{path: k}``: how many leading axes of each parameter index stacked layers (named
     ``'layers'`` in ``logical``, a tree of logical names mirroring ``params``); 0 without ``logical``.
+
+    Args:
+      params: the parameters (a pytree of arrays).
+      logical: a mirroring tree of logical names, or ``None``.
+
+    Returns:
+      Parameter path -> the number of leading stacked-layer axes.
 
     >>> import jax.numpy as jnp
     >>> logical = {"ln": ("layers", "embed"), "w": ("embed", "mlp")}
@@ -137,6 +153,15 @@ def trust_mask(params: Any, logical: Any = None, *, exclude: Sequence[str] = (),
     ``exclude``: regexes searched in the path (``'blocks/ln1_scale'``) that force ``True`` /
     ``False`` (``exclude`` wins); a pattern that matches no parameter raises :class:`MaskError`.
 
+    Args:
+      params: the parameters (a pytree of arrays).
+      logical: a mirroring tree of logical names, or ``None`` (the arrays' rank decides).
+      exclude: path regexes forced to ``False``.
+      include: path regexes forced to ``True``.
+
+    Returns:
+      A tree of bools mirroring ``params``.
+
     >>> import jax.numpy as jnp
     >>> p = {"emb": jnp.ones((16, 8)), "ln": jnp.ones((2, 8)), "w": jnp.ones((2, 8, 8))}
     >>> trust_mask(p, {"emb": ("vocab", "embed"), "ln": ("layers", "embed"), "w": ("layers", "embed", "mlp")})
@@ -165,6 +190,14 @@ def scale_by_layer_trust_ratio(logical: Any = None, *, trust_coefficient: float 
     (:func:`stacked_axes`); without ``logical``, over whole leaves, as optax does. Each norm is
     computed once (optax's ``safe_norm`` computes it twice, which doubles the all-reduces of a
     sharded leaf); the values equal optax's with ``min_norm=0``.
+
+    Args:
+      logical: the params' logical names, or ``None`` (norms over whole leaves).
+      trust_coefficient: ``c``.
+      eps: added to ``||u||``.
+
+    Returns:
+      The ``optax.GradientTransformation``.
 
     >>> import jax.numpy as jnp
     >>> w = jnp.stack([jnp.ones(4), 2 * jnp.ones(4)])          # two stacked layers
@@ -202,6 +235,19 @@ def lars(learning_rate: optax.ScalarOrSchedule, *, weight_decay: float = 0.0, mo
     ``logical``: the params' logical names (e.g. ``StateLayout.logical``); ``mask``: a tree
     of bools or a function of the params.
 
+    Args:
+      learning_rate: a scalar or an optax schedule.
+      weight_decay: ``wd``.
+      momentum: the momentum of ``v``.
+      nesterov: Nesterov momentum.
+      trust_coefficient: scales the trust ratio.
+      eps: added to ``||u||``.
+      logical: the params' logical names (e.g. ``StateLayout.logical``), or ``None``.
+      mask: a tree of bools or a function of the params; default :func:`trust_mask`.
+
+    Returns:
+      The ``optax.GradientTransformation``.
+
     >>> import jax.numpy as jnp
     >>> p = {"w": jnp.full((2, 2), 3.0), "b": jnp.ones(2)}
     >>> tx = lars(0.1, trust_coefficient=0.5)
@@ -227,6 +273,18 @@ def lamb(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 
     (per layer for stacked blocks), masked-out ones (biases, norm scales) ``u = r``; then
     ``w -= lr u``. ``optax.lamb`` masks only the decay and applies the trust ratio everywhere.
 
+    Args:
+      learning_rate: a scalar or an optax schedule.
+      b1: Adam's first-moment decay.
+      b2: Adam's second-moment decay.
+      eps: added to ``sqrt(v_hat)``.
+      weight_decay: ``wd``.
+      logical: the params' logical names, or ``None``.
+      mask: a tree of bools or a function of the params; default :func:`trust_mask`.
+
+    Returns:
+      The ``optax.GradientTransformation``.
+
     >>> import jax.numpy as jnp
     >>> p = {"w": jnp.full((2, 2), 3.0), "b": jnp.ones(2)}
     >>> tx = lamb(0.1)
@@ -249,6 +307,15 @@ def scale_by_adam_frozen_variance(freeze_step: int, *, b1: float = 0.9, b2: floa
     (1-bit Adam, Tang et al. 2021: from then on only the first moment, a linear function of the
     gradients, is exchanged compressed). Before it, the same numbers as ``optax.scale_by_adam``;
     the state is optax's ``ScaleByAdamState``, so checkpoints of either restore into the other.
+
+    Args:
+      freeze_step: the number of updates after which the second moment is frozen.
+      b1: the first-moment decay.
+      b2: the second-moment decay.
+      eps: added to ``sqrt(nu_hat)``.
+
+    Returns:
+      The ``optax.GradientTransformation``.
 
     >>> import jax.numpy as jnp
     >>> tx = scale_by_adam_frozen_variance(1, b2=0.5)
@@ -282,6 +349,18 @@ def adamw_frozen_variance(learning_rate: optax.ScalarOrSchedule, freeze_step: in
                           mask: Mask = None) -> optax.GradientTransformation:
     """``optax.adamw`` with :func:`scale_by_adam_frozen_variance`: the optimizer of 1-bit Adam,
     with ``compression=sign(optimizer_momentum=b1, start_step=freeze_step)`` (:mod:`jaxpar.parallel.compression`).
+
+    Args:
+      learning_rate: a scalar or an optax schedule.
+      freeze_step: the number of updates after which the second moment is frozen.
+      b1: the first-moment decay.
+      b2: the second-moment decay.
+      eps: added to ``sqrt(nu_hat)``.
+      weight_decay: the decoupled weight decay.
+      mask: which parameters decay: a tree of bools or a function of the params.
+
+    Returns:
+      The ``optax.GradientTransformation``.
 
     >>> import jax.numpy as jnp, optax
     >>> p, g = jnp.ones(3), jnp.array([0.1, -0.2, 0.3])

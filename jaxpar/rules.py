@@ -59,7 +59,14 @@ LogicalRules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 
 
 def path_str(path: Sequence[Any]) -> str:
-    """``jax.tree_util`` key path -> ``'blocks/attn/wq'``."""
+    """``jax.tree_util`` key path -> ``'blocks/attn/wq'``.
+
+    Args:
+      path: a key path.
+
+    Returns:
+      The path joined with ``/``.
+    """
     parts = []
     for k in path:
         for attr in ("key", "name", "idx"):
@@ -74,6 +81,12 @@ def path_str(path: Sequence[Any]) -> str:
 def axes_of(entry) -> tuple[str, ...]:
     """One rule target or ``PartitionSpec`` entry (``None``, ``"data"``, ``("data", "fsdp")``) as a
     tuple of mesh axis names.
+
+    Args:
+      entry: a rule target or ``PartitionSpec`` entry.
+
+    Returns:
+      The mesh axis names.
 
     >>> axes_of(None), axes_of("data"), axes_of(["fsdp", "data"])
     ((), ('data',), ('fsdp', 'data'))
@@ -101,8 +114,15 @@ def logical_to_spec(logical: Sequence[str | None], rules: LogicalRules, mesh, *,
                     shape: Sequence[int] | None = None, what: str = "array") -> PartitionSpec:
     """Map one tuple of logical names to a ``PartitionSpec`` over ``mesh``.
 
-    ``shape`` (optional) enables the divisibility check; ``what`` names the
-    array in error messages (e.g. the parameter path).
+    Args:
+      logical: one logical name (or ``None``) per dimension.
+      rules: the logical rules.
+      mesh: the mesh (its axis sizes).
+      shape: the array's shape, for the divisibility check (optional).
+      what: the array's name in error messages (e.g. the parameter path).
+
+    Returns:
+      The ``PartitionSpec``.
     """
     sizes = _mesh_sizes(mesh)
     logical = tuple(logical)
@@ -125,35 +145,40 @@ def logical_to_spec(logical: Sequence[str | None], rules: LogicalRules, mesh, *,
         if own:
             out.append(_own_axes(name, candidates[0], dim, used, sizes, shape, what))
             continue
-        problems = []
-        for axes in candidates:
-            unknown = [a for a in axes if a not in sizes]
-            if unknown:
-                raise RulesError(f"{what}: rule ({name!r}, {axes}) names mesh axes {unknown} that the mesh "
-                                 f"does not have; mesh axes are {tuple(sizes)}.")
-            clash = [a for a in axes if a in used]
-            if clash:
-                problems.append(f"rule ({name!r}, {axes}) reuses mesh axis {clash[0]!r}, already used by "
-                                f"dimension {used[clash[0]]}")
-                continue
-            total = math.prod(sizes[a] for a in axes)
-            if shape is not None and shape[dim] % total:
-                problems.append(f"rule ({name!r}, {axes}): dimension {dim} of size {shape[dim]} is not "
-                                f"divisible by the mesh axes' total size {total} "
-                                f"({', '.join(f'{a}={sizes[a]}' for a in axes)})")
-                continue
-            for a in axes:
-                used[a] = dim
-            out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-            break
-        else:
-            shape_txt = f" of shape {tuple(shape)}" if shape is not None else ""
-            raise RulesError(
-                f"{what}{shape_txt}: no rule fits logical name {name!r} (dimension {dim}): "
-                + "; ".join(problems)
-                + f". Fix: change the size to a multiple of the mesh axes, change the mesh, or add a "
-                  f"fallback rule after it such as ({name!r}, None).")
+        out.append(_first_fitting(name, candidates, dim, used, sizes, shape, what))
     return PartitionSpec(*out)
+
+
+def _first_fitting(name: Any, candidates: list, dim: int, used: dict[str, int], sizes: dict[str, int],
+                   shape: Sequence[int] | None, what: str) -> Any:
+    """The first rule target of ``name`` that fits dimension ``dim`` (its axes recorded in ``used``),
+    or an error that lists why none does."""
+    problems = []
+    for axes in candidates:
+        unknown = [a for a in axes if a not in sizes]
+        if unknown:
+            raise RulesError(f"{what}: rule ({name!r}, {axes}) names mesh axes {unknown} that the mesh "
+                             f"does not have; mesh axes are {tuple(sizes)}.")
+        clash = [a for a in axes if a in used]
+        if clash:
+            problems.append(f"rule ({name!r}, {axes}) reuses mesh axis {clash[0]!r}, already used by "
+                            f"dimension {used[clash[0]]}")
+            continue
+        total = math.prod(sizes[a] for a in axes)
+        if shape is not None and shape[dim] % total:
+            problems.append(f"rule ({name!r}, {axes}): dimension {dim} of size {shape[dim]} is not "
+                            f"divisible by the mesh axes' total size {total} "
+                            f"({', '.join(f'{a}={sizes[a]}' for a in axes)})")
+            continue
+        for a in axes:
+            used[a] = dim
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+    shape_txt = f" of shape {tuple(shape)}" if shape is not None else ""
+    raise RulesError(
+        f"{what}{shape_txt}: no rule fits logical name {name!r} (dimension {dim}): "
+        + "; ".join(problems)
+        + f". Fix: change the size to a multiple of the mesh axes, change the mesh, or add a "
+          f"fallback rule after it such as ({name!r}, None).")
 
 
 def _own_axes(name: Any, axes: tuple[str, ...], dim: int, used: dict[str, int], sizes: dict[str, int],
@@ -186,6 +211,15 @@ def resolve(logical_tree: Any, rules: LogicalRules, mesh, shapes: Any = None) ->
 
     ``shapes`` is an optional mirroring pytree of arrays / ``ShapeDtypeStruct``s
     used for divisibility checks and error messages.
+
+    Args:
+      logical_tree: a pytree of logical specs.
+      rules: the logical rules.
+      mesh: the mesh.
+      shapes: a mirroring pytree of arrays or ``ShapeDtypeStruct``s, or ``None``.
+
+    Returns:
+      The mirroring pytree of ``PartitionSpec``s.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(logical_tree, is_leaf=_is_spec)
     shape_leaves = [None] * len(flat)
@@ -202,7 +236,15 @@ def resolve(logical_tree: Any, rules: LogicalRules, mesh, shapes: Any = None) ->
 
 
 def named_shardings(spec_tree: Any, mesh) -> Any:
-    """A pytree of ``PartitionSpec`` -> the same tree of ``NamedSharding`` on ``mesh``."""
+    """A pytree of ``PartitionSpec`` -> the same tree of ``NamedSharding`` on ``mesh``.
+
+    Args:
+      spec_tree: a pytree of ``PartitionSpec``s.
+      mesh: the mesh.
+
+    Returns:
+      The mirroring pytree of ``NamedSharding``s.
+    """
     return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree,
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
@@ -213,6 +255,10 @@ _RULES: contextvars.ContextVar = contextvars.ContextVar("jaxpar_rules", default=
 @contextlib.contextmanager
 def use_rules(mesh, rules: LogicalRules) -> Iterator[None]:
     """Make ``(mesh, rules)`` the context for :func:`constrain` (activation sharding).
+
+    Args:
+      mesh: the mesh.
+      rules: the logical rules.
 
     >>> import jax, jax.numpy as jnp, jaxpar
     >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
@@ -259,6 +305,13 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     ``nn.with_logical_constraint`` without rules): the same model code runs on one
     device, in a notebook or under any jaxpar strategy, which installs the rules.
 
+    Args:
+      x: the activation.
+      logical: one logical name (or ``None``) per dimension of ``x``.
+
+    Returns:
+      ``x`` with a sharding constraint (or ``x`` itself, outside :func:`use_rules`).
+
     >>> constrain(jnp.ones((2, 3)), ("batch", "embed")).shape
     (2, 3)
     """
@@ -277,6 +330,13 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
 def spec_without(spec: PartitionSpec, axes) -> PartitionSpec:
     """``spec`` with the mesh axes ``axes`` removed from every entry.
 
+    Args:
+      spec: the ``PartitionSpec``.
+      axes: the mesh axes to remove.
+
+    Returns:
+      The ``PartitionSpec``, one entry per entry of ``spec``.
+
     >>> spec_without(PartitionSpec(("data", "fsdp"), "pipe", None), {"fsdp", "pipe"})
     P('data', None, None)
     """
@@ -286,7 +346,15 @@ def spec_without(spec: PartitionSpec, axes) -> PartitionSpec:
 
 def drop_axes(rules: LogicalRules, axes: Sequence[str]) -> tuple:
     """The same rules with ``axes`` removed from every target (for code that runs
-    manual over those axes inside ``shard_map``)."""
+    manual over those axes inside ``shard_map``).
+
+    Args:
+      rules: the logical rules.
+      axes: the mesh axes to remove.
+
+    Returns:
+      The rules, as a tuple of pairs.
+    """
     out = []
     for logical, target in rules:
         t = tuple(a for a in axes_of(target) if a not in axes)
@@ -305,6 +373,13 @@ def manual_axes() -> set:
 
 def shard_map_mesh(mesh):
     """The mesh a ``shard_map`` opened here takes: ``mesh``, or, nested in another ``shard_map``
-    (a pipeline stage), that region's abstract mesh with its manual axes."""
+    (a pipeline stage), that region's abstract mesh with its manual axes.
+
+    Args:
+      mesh: the concrete mesh.
+
+    Returns:
+      The mesh (concrete or abstract) to pass to ``shard_map``.
+    """
     inner = jax.sharding.get_abstract_mesh()
     return inner if inner.manual_axes else mesh

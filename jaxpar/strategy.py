@@ -27,6 +27,7 @@ from jaxpar.parallel.context.options import ContextParallel
 from jaxpar.mesh import CONTEXT, EXPERT, data_axes
 from jaxpar.parallel.pipeline.schedules import canonical_kind
 from jaxpar.rules import LogicalRules
+from jaxpar.errors import StrategyError
 from jaxpar.parallel.tensor import tensor_rules
 from jaxpar.parallel.zero import ZERO_STAGES
 
@@ -88,27 +89,27 @@ class Strategy:
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:
-            raise ValueError(f"Strategy.zero={self.zero!r}: choose one of {ZERO_STAGES}.")
+            raise StrategyError(f"Strategy.zero={self.zero!r}: choose one of {ZERO_STAGES}.")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
-            raise ValueError(f"Strategy.microbatches={self.microbatches!r}: must be a positive int.")
+            raise StrategyError(f"Strategy.microbatches={self.microbatches!r}: must be a positive int.")
         if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"Strategy.compute_dtype={self.compute_dtype!r}: choose one of "
-                             f"{tuple(COMPUTE_DTYPES)}.")
+            raise StrategyError(f"Strategy.compute_dtype={self.compute_dtype!r}: choose one of "
+                                f"{tuple(COMPUTE_DTYPES)}.")
         object.__setattr__(self, "schedule", canonical_kind(self.schedule))
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
-            raise ValueError(f"Strategy.virtual_stages={self.virtual_stages!r}: must be a positive int.")
+            raise StrategyError(f"Strategy.virtual_stages={self.virtual_stages!r}: must be a positive int.")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
-            raise ValueError(f"Strategy.virtual_stages={self.virtual_stages} needs schedule='interleaved' "
-                             f"(got {self.schedule!r}); the other schedules run one chunk per stage.")
+            raise StrategyError(f"Strategy.virtual_stages={self.virtual_stages} needs schedule='interleaved' "
+                                f"(got {self.schedule!r}); the other schedules run one chunk per stage.")
         if isinstance(self.update_every, bool) or not isinstance(self.update_every, int) or self.update_every < 1:
-            raise ValueError(f"Strategy.update_every={self.update_every!r}: must be a positive int (backwards per "
-                             "stage update, schedule='pipedream').")
+            raise StrategyError(f"Strategy.update_every={self.update_every!r}: must be a positive int (backwards per "
+                                "stage update, schedule='pipedream').")
         if not isinstance(self.vertical_sync, bool):
-            raise ValueError(f"Strategy.vertical_sync={self.vertical_sync!r}: must be True or False.")
+            raise StrategyError(f"Strategy.vertical_sync={self.vertical_sync!r}: must be True or False.")
         if (self.update_every != 1 or self.vertical_sync) and self.schedule != "pipedream":
-            raise ValueError(f"Strategy.update_every={self.update_every}, vertical_sync={self.vertical_sync} are "
-                             f"weight-stashing options, but schedule={self.schedule!r} flushes the pipeline every "
-                             "step (one weight version): use schedule='pipedream', or drop them.")
+            raise StrategyError(f"Strategy.update_every={self.update_every}, vertical_sync={self.vertical_sync} are "
+                                f"weight-stashing options, but schedule={self.schedule!r} flushes the pipeline every "
+                                "step (one weight version): use schedule='pipedream', or drop them.")
         if self.stage_layers is not None and self.stage_layers != "auto":
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.compression is not None:
@@ -118,16 +119,16 @@ class Strategy:
         if self.local_clip is not None:
             if isinstance(self.local_clip, bool) or not isinstance(self.local_clip, (int, float)) \
                     or not self.local_clip > 0:
-                raise ValueError(f"Strategy.local_clip={self.local_clip!r}: the norm each replica's gradient is "
-                                 "clipped to must be a positive number, e.g. local_clip=1.0.")
+                raise StrategyError(f"Strategy.local_clip={self.local_clip!r}: the norm each replica's gradient is "
+                                    "clipped to must be a positive number, e.g. local_clip=1.0.")
             if self.compression is None:
-                raise ValueError(f"Strategy.local_clip={self.local_clip!r} clips each replica's gradient before a "
-                                 "compressed exchange, but compression is None. Set a codec (e.g. "
-                                 "compression=jaxpar.parallel.compression.topk(0.01)) or clip the averaged gradient with "
-                                 "make_train_step(clip_norm=...).")
+                raise StrategyError(f"Strategy.local_clip={self.local_clip!r} clips each replica's gradient before a "
+                                    "compressed exchange, but compression is None. Set a codec (e.g. compression="
+                                    "jaxpar.parallel.compression.topk(0.01)) or clip the averaged gradient with "
+                                    "make_train_step(clip_norm=...).")
         if self.context is not None and not isinstance(self.context, ContextParallel):
-            raise ValueError(f"Strategy.context={self.context!r}: give jaxpar.parallel.context.ContextParallel(method=..., "
-                             "balance=...) or None (ring attention in the natural order).")
+            raise StrategyError(f"Strategy.context={self.context!r}: give jaxpar.parallel.context.ContextParallel("
+                                "method=..., balance=...) or None (ring attention in the natural order).")
         if self.sync is not None:
             from jaxpar.parallel.sync import check_sync
 
@@ -137,7 +138,14 @@ class Strategy:
         """Logical rules for this strategy on ``mesh`` (user rules first). With a
         ``pipe`` axis the stacked ``layers`` dimension is split over it (replicated
         when the layer count does not divide); with an ``expert`` axis the ``experts`` dimension
-        of MoE weights is split over it, and the batch too."""
+        of MoE weights is split over it, and the batch too.
+
+        Args:
+          mesh: the mesh the rules map onto.
+
+        Returns:
+          The logical rules, an ordered tuple of ``(logical, mesh axis | tuple | None)`` pairs.
+        """
         sizes = dict(mesh.shape)
         pipe = (("layers", "pipe"),) if sizes.get("pipe", 1) > 1 else ()
         context = ()
@@ -159,12 +167,26 @@ class Strategy:
         return COMPUTE_DTYPES[self.compute_dtype]
 
     def cast(self, params: Any) -> Any:
-        """``params`` in the compute dtype (fp32 parameters are returned as they are)."""
+        """``params`` in the compute dtype (fp32 parameters are returned as they are).
+
+        Args:
+          params: a pytree of parameters.
+
+        Returns:
+          The same pytree, floating leaves in ``compute_dtype``.
+        """
         dtype = self.dtype
         return params if dtype == jnp.float32 else jax.tree.map(lambda a: a.astype(dtype), params)
 
     def name(self, mesh_sizes: Mapping[str, int]) -> str:
-        """Short label such as ``'dp2-fsdp2-tp2'``."""
+        """Short label such as ``'dp2-fsdp2-tp2'``.
+
+        Args:
+          mesh_sizes: mesh axis name -> size.
+
+        Returns:
+          The label.
+        """
         parts = [f"r{mesh_sizes['replica']}"] if mesh_sizes.get("replica", 1) > 1 else []
         piped = mesh_sizes.get("pipe", 1) > 1
         if piped:

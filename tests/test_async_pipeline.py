@@ -14,7 +14,7 @@ from jaxpar.config import ConfigError, load_config
 from jaxpar.models import GPT, GPTConfig, lm_loss
 from jaxpar.parallel.pipeline.two_bw import AsyncPipelineError, step_windows, weight_versions
 from jaxpar.parallel.pipeline.schedule_stats import bubble_fraction
-from jaxpar.parallel.pipeline.two_bw_steps import TICKS_SCOPE, WINDOWS_SCOPE
+from jaxpar.step.no_flush_steps import TICKS_SCOPE, WINDOWS_SCOPE
 from jaxpar.parallel.pipeline.instructions import lower
 from jaxpar.parallel.pipeline.schedules import get_schedule, num_ticks, one_f_one_b, pipedream_2bw
 from jaxpar.run.checkpoint import Checkpointer
@@ -357,7 +357,7 @@ def test_train_loop_runs_k_steps_per_call_and_resumes(tmp_path):
                            log=LogOptions(log_every=k, progress="none"))
     for a, b in zip(jax.tree.leaves(jax.device_get(resumed)), jax.tree.leaves(jax.device_get(by_hand))):
         assert np.array_equal(a, b)
-    for kw, match in [(dict(steps=6), "steps=6 is not a multiple of 4"),
+    for kw, match in [(dict(steps=6), "steps=6 is not a multiple of steps_per_call=4"),
                       (dict(steps=8, log=LogOptions(log_every=2, progress="none")), "log_every=2"),
                       (dict(steps=8, steps_per_call=0), "steps_per_call")]:
         with pytest.raises(ValueError, match=match):

@@ -11,6 +11,7 @@ from jaxpar.cli import main
 from jaxpar.config import (ConfigError, build_data, build_lr_schedule, build_optimizer, check, load_config,
                            parse_overrides, resolve_import, to_yaml)
 from jaxpar.data import windows as D
+from jaxpar.step.state import part_options
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs" / "quickstart.yaml")
@@ -424,7 +425,7 @@ def test_inspect_builds_the_step_that_train_runs(monkeypatch, tmp_path):
             f"train.out_dir={tmp_path}"]
     t_loss, t_layout, t_strategy, t_options = _step_arguments(monkeypatch, ["train", QUICK, *over])
     i_loss, i_layout, i_strategy, i_options = _step_arguments(monkeypatch, ["inspect", QUICK, *over])
-    assert t_options["noise_scale_every"] == 4 and t_options["noise_scale_ema"] == 0.9
+    assert part_options(t_layout, "noise_scale") == part_options(i_layout, "noise_scale") == (4, 0.9)
     assert t_options["clip_norm"] == 0.5 and t_options["skip_nonfinite"] is True and "lr_schedule" not in t_options
     assert {k: v for k, v in i_options.items() if k != "log_lr"} == {k: v for k, v in t_options.items() if k != "log_lr"}
     assert [float(i_options["log_lr"](t)) for t in (0, 10, 99)] == [float(t_options["log_lr"](t)) for t in (0, 10, 99)]

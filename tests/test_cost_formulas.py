@@ -159,10 +159,11 @@ def test_cost_modules_import_no_jax():
     code = f"""
 import sys, types
 root = {str(ROOT / 'jaxpar')!r}
-for name, path in (("jaxpar", root), ("jaxpar.parallel.pipeline", root + "/pipeline"), ("jaxpar.analysis", root + "/analysis")):
+for name, path in (("jaxpar", root), ("jaxpar.parallel", root + "/parallel"),
+                   ("jaxpar.parallel.pipeline", root + "/parallel/pipeline"), ("jaxpar.analysis", root + "/analysis")):
     mod = types.ModuleType(name); mod.__path__ = [path]; sys.modules[name] = mod
 import jaxpar.cost, jaxpar.cost.planner, jaxpar.analysis.loops, jaxpar.analysis.axis_bytes
-r = jaxpar.cost.planner(jaxpar.cost.gpt(2, 32, 8, 16, 64, 16), jaxpar.cost.load_cluster("h100"))
+r = jaxpar.cost.plan(jaxpar.cost.gpt(2, 32, 8, 16, 64, 16), jaxpar.cost.load_cluster("h100"))
 bad = sorted(m for m in sys.modules if m == "jax" or m.startswith(("jax.", "flax", "optax")))
 assert not bad, bad
 print("ok", r.best.plan.name())

@@ -290,8 +290,8 @@ def _biased_run(axes, strategy, cfg, steps=STEPS):
     n = int(np.prod(list(axes.values())))
     mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:n])
     state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh, strategy)
-    state, layout = with_router_bias(state, layout, (cfg.layers, cfg.moe.experts))
-    step = jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout, router_bias_rate=cfg.moe.bias_rate)
+    state, layout = with_router_bias(state, layout, (cfg.layers, cfg.moe.experts), rate=cfg.moe.bias_rate)
+    step = jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout)
     losses = []
     for i in range(steps):
         state, m = step(state, jaxpar.shard_batch(_batch(i), mesh))
@@ -330,20 +330,40 @@ def test_router_bias_errors_are_named():
         step(state, jaxpar.shard_batch(_batch(0), mesh))
     with pytest.raises(MoEError, match=r"router_bias_rate=0.01\) on a state without a router bias"):
         jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout, router_bias_rate=0.01)
-    biased, biased_layout = with_router_bias(state, layout, (2, 8))
-    with pytest.raises(MoEError, match=r"router_bias_rate=0\): the bias step must be a number > 0"):
-        jaxpar.make_train_step(lm_loss, optax.sgd(LR), biased_layout, router_bias_rate=0)
-    with pytest.raises(MoEError, match=r"keeps a router bias .* got no router_bias_rate"):
-        jaxpar.make_train_step(lm_loss, optax.sgd(LR), biased_layout)
+    with pytest.raises(MoEError, match=r"with_router_bias\(rate=0\): the bias step must be a number > 0"):
+        with_router_bias(state, layout, (2, 8), rate=0)
+    biased, biased_layout = with_router_bias(state, layout, (2, 8), rate=0.01)
+    with pytest.raises(MoEError, match=r"router_bias_rate=0.02\) for a router bias added with rate=0.01"):
+        jaxpar.make_train_step(lm_loss, optax.sgd(LR), biased_layout, router_bias_rate=0.02)   # given twice
+    _, no_rate = with_router_bias(state, layout, (2, 8))
+    with pytest.raises(MoEError, match=r"added without its rate: give it there"):
+        jaxpar.make_train_step(lm_loss, optax.sgd(LR), no_rate)
     dense = dataclasses.replace(CFG, moe=None)                            # a bias kept, never read
     state, layout = jaxpar.init_train_state(lambda: GPT(dense, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh)
-    state, layout = with_router_bias(state, layout, (2, 8))
+    state, layout = with_router_bias(state, layout, (2, 8), rate=0.01)
     with pytest.raises(MoEError, match=r"keeps a router bias of shape \(2, 8\) .* reported no loads"):
-        jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout, router_bias_rate=0.01)(
-            state, jaxpar.shard_batch(_batch(0), mesh))
+        jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout)(state, jaxpar.shard_batch(_batch(0), mesh))
     pipe = jaxpar.make_mesh({"pipe": 2}, devices=jax.devices()[:2])       # weight stashing: refused at build
     st = Strategy(microbatches=2, schedule="pipedream")
     state, layout = jaxpar.init_train_state(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), pipe, st)
-    state, layout = with_router_bias(state, layout, (2, 8))
+    state, layout = with_router_bias(state, layout, (2, 8), rate=0.01)
     with pytest.raises(MoEError, match=r"schedule='pipedream' / sync=None runs steps on older or per-replica"):
-        jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout, router_bias_rate=0.01)
+        jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout)
+
+
+@need_devices(2)
+def test_the_router_bias_rate_of_the_config_layer_still_works():
+    """``make_train_step(router_bias_rate=)`` (jaxpar.config's call) for a bias added without a rate runs the
+    same step as ``with_router_bias(..., rate=)``."""
+    from jaxpar.step.router_bias import with_router_bias
+
+    mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    runs = []
+    for rate, keyword in ((0.05, None), (None, 0.05)):
+        state, layout = jaxpar.init_train_state(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh)
+        state, layout = with_router_bias(state, layout, (2, 8), rate=rate)
+        step = jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout, router_bias_rate=keyword)
+        state, _ = step(state, jaxpar.shard_batch(_batch(0), mesh))
+        runs.append(np.asarray(jax.device_get(state.stats["router_bias"])))
+    assert np.abs(runs[0]).max() > 0
+    np.testing.assert_array_equal(runs[0], runs[1])

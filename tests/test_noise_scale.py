@@ -60,8 +60,9 @@ def test_estimate_matches_analytic_noise_scale_of_linear_regression():
     analytic = (d * (1.0 + sigma2) + 1.0) / 1.0
     mesh = mesh_for({"data": 8})
     tx = optax.sgd(0.0)
-    state, layout = ns.with_noise_scale(*jaxpar.init_train_state(lambda: LinearModel(d, nnx.Rngs(0)), tx, mesh))
-    step = jaxpar.make_train_step(linreg_loss, tx, layout, noise_scale_every=1, noise_scale_ema=0.995)
+    state, layout = ns.with_noise_scale(*jaxpar.init_train_state(lambda: LinearModel(d, nnx.Rngs(0)), tx, mesh),
+                                        every=1, ema=0.995)
+    step = jaxpar.make_train_step(linreg_loss, tx, layout)
     rng = np.random.default_rng(0)
     for _ in range(steps):
         x = rng.normal(size=(batch, d)).astype(np.float32)
@@ -92,8 +93,8 @@ def test_measured_norms_equal_materialised_per_replica_gradients(zero):
     mesh, strategy = mesh_for({"data": 8}), jaxpar.Strategy(zero=zero)
     tx = optax.adamw(1e-3)
     state, layout = ns.with_noise_scale(*jaxpar.init_train_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), tx, mesh,
-                                                                 strategy))
-    step = jaxpar.make_train_step(lm_loss, tx, layout, strategy, noise_scale_every=1, noise_scale_ema=0.9)
+                                                                 strategy), every=1, ema=0.9)
+    step = jaxpar.make_train_step(lm_loss, tx, layout, strategy)
     host_batch = make_batch()
     params = jax.device_get(state.params)
     sq_small, sq_big, b_small = _per_replica_reference(layout, params, host_batch, 8)
@@ -111,8 +112,8 @@ def _mlp_run(d: str, steps: int, every: int = 1):
     mesh = _mesh({"data": 2})
     tx = optax.adam(0.05)
     model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))  # noqa
-    state, layout = ns.with_noise_scale(*jaxpar.init_train_state(model_fn, tx, mesh))
-    step = jaxpar.make_train_step(classifier_loss, tx, layout, noise_scale_every=every, noise_scale_ema=0.8)
+    state, layout = ns.with_noise_scale(*jaxpar.init_train_state(model_fn, tx, mesh), every=every, ema=0.8)
+    step = jaxpar.make_train_step(classifier_loss, tx, layout)
 
     def batch_fn(i):
         x = np.random.default_rng(i).normal(size=(8, 4)).astype(np.float32)
@@ -177,10 +178,13 @@ def test_bad_options_give_named_errors():
             jaxpar.make_train_step(classifier_loss, tx, layout, noise_scale_every=every, noise_scale_ema=ema)
     with pytest.raises(ns.NoiseScaleError, match="with_noise_scale"):            # no place in the state
         jaxpar.make_train_step(classifier_loss, tx, plain, noise_scale_every=10)
+    for every, ema, match in [(0, 0.9, r"with_noise_scale\(every=0\)"), (10, 1.0, r"with_noise_scale\(ema=1.0\)")]:
+        with pytest.raises(ns.NoiseScaleError, match=match):
+            ns.with_noise_scale(plain_state, plain, every=every, ema=ema)
     one = _mesh({"data": 1, "tensor": 2})
-    _, single = ns.with_noise_scale(*jaxpar.init_train_state(model_fn, tx, one))
+    _, single = ns.with_noise_scale(*jaxpar.init_train_state(model_fn, tx, one), every=10)
     with pytest.raises(ns.NoiseScaleError, match="no data axis"):
-        jaxpar.make_train_step(classifier_loss, tx, single, noise_scale_every=10)
+        jaxpar.make_train_step(classifier_loss, tx, single)
     bad = {"logging": LoggingConfig(noise_scale=NoiseScaleConfig(every=0, ema=1.5))}
     with pytest.raises(ConfigError, match=r"logging\.noise_scale\.every=0.*\n.*logging\.noise_scale\.ema=1\.5"):
         check(JobConfig(**bad), num_devices=8)
@@ -188,3 +192,23 @@ def test_bad_options_give_named_errors():
                       parallel=ParallelConfig(microbatches=2, schedule="pipedream-2bw"))
     with pytest.raises(ConfigError, match=r"logging\.noise_scale\.every=10 with parallel\.schedule='pipedream-2bw'"):
         check(piped, num_devices=8)
+
+
+def test_the_noise_scale_is_switched_on_in_one_place():
+    """``with_noise_scale(..., every=, ema=)`` switches the measurement on; the step reads it from the state's
+    part, refuses it given twice, and ``make_train_step(noise_scale_every=)`` (jaxpar.config's call) for a
+    part added without ``every`` builds the same programs."""
+    mesh = _mesh({"data": 2})
+    tx = optax.sgd(0.1)
+    model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))  # noqa
+    plain_state, plain = jaxpar.init_train_state(model_fn, tx, mesh)
+    _, layout = ns.with_noise_scale(plain_state, plain, every=2, ema=0.8)
+    assert ns.step_measure(layout) == ns.Measure(2, 0.8)
+    assert sorted(jaxpar.make_train_step(classifier_loss, tx, layout).programs) == ["measure", "step"]
+    with pytest.raises(ns.NoiseScaleError, match=r"added with every=2, ema=0.8: the options are the state part's"):
+        jaxpar.make_train_step(classifier_loss, tx, layout, noise_scale_every=2)
+    _, kept_only = ns.with_noise_scale(plain_state, plain)          # the averages kept, nothing measured
+    assert sorted(jaxpar.make_train_step(classifier_loss, tx, kept_only).programs) == ["step"]
+    older = jaxpar.make_train_step(classifier_loss, tx, kept_only, noise_scale_every=2, noise_scale_ema=0.8)
+    assert sorted(older.programs) == ["measure", "step"]
+    assert ns.noise_scale_layout(plain, every=2, ema=0.8).part_options == layout.part_options

@@ -360,6 +360,45 @@ def test_refusals_name_both_features(pair):
         assert "{" not in text and "}" not in text, text       # every placeholder filled
 
 
+def _refused_setting(pair, *, ramp: str = "fixed") -> Setting:
+    """:func:`_setting_for` with the refused value of a partly-composing pair (Z x 1A: ZeRO-2)."""
+    setting = _setting_for(pair, ramp=ramp)
+    if pair == ("Z", "1A"):
+        setting = setting._replace(strategy=dataclasses.replace(setting.strategy, zero=2))
+    if ramp == "adaptive":
+        setting = setting._replace(noise_scale_every=None)
+    return setting
+
+
+def _raising_params():
+    return _refusal_params() + [pytest.param(("BR", "K"), "adaptive", id="BR-K-adaptive")]
+
+
+@pytest.mark.parametrize("pair,ramp", [(p.values[0], "fixed") if len(p.values) == 1 else p.values
+                                       for p in _raising_params()],
+                         ids=[p.id for p in _raising_params()])
+def test_refusals_raise_their_declared_class(pair, ramp):
+    """Every problem of a refused pair (and of the refused values of a partly-composing one) declares
+    a :class:`~jaxpar.errors.JaxparError` subclass, and :func:`~jaxpar.compat.table.raise_problems`
+    raises the setting's first problem as exactly that class, with the library's message. The first
+    problem is the pair's own, or, for a part of a codec (LC, 1A: ``compat.IMPLIES``), the same
+    refusal of the whole codec (CP), whose class the part's copy keeps."""
+    setting = _refused_setting(pair, ramp=ramp)
+    found = problems(setting)
+    mine = [p for p in found if set(p.features) == set(pair)]
+    assert mine, f"{pair}: problems() gives {[p.features for p in found]}"
+    for p in mine:
+        assert issubclass(p.error, jaxpar.JaxparError) and p.error is not jaxpar.JaxparError, (pair, p.error)
+    with pytest.raises(jaxpar.JaxparError) as err:
+        compat.raise_problems(setting)
+    assert type(err.value) is found[0].error, (pair, type(err.value), found[0].error)
+    assert str(err.value) == found[0].render(LIBRARY_NAMES)
+    if set(found[0].features) != set(pair):
+        wholes = {compat.IMPLIES[c][0] if c in compat.IMPLIES else c for c in pair}
+        assert set(found[0].features) == wholes, (pair, found[0].features)
+    assert type(err.value) is mine[0].error, (pair, type(err.value), mine[0].error)
+
+
 # Every Problem that a setting gets is a refused (or partly refused) pair, both of whose features
 # are on: otherwise the table and the rules disagree.
 def _probe_settings():
@@ -744,8 +783,6 @@ def _ref_strategy(spec):
 
 def _ref_step_kw(spec):
     kw = {k: v for k, v in spec.step_kw.items() if k in ("clip_norm", "noise_scale_every")}
-    if spec.k > 1 and spec.nan_step is not None and spec.mode == "delayed":
-        kw["steps_per_call"] = spec.k             # 2BW's skip rule differs with K > 1
     return kw
 
 
@@ -807,8 +844,8 @@ def _reference(spec: Spec) -> Reference:
         losses.append(loss)
         norm = math.sqrt(_tree_sq(g))
         if spec.nan_step is not None and not (math.isfinite(loss) and math.isfinite(norm)):
-            if delayed and spec.k > 1:
-                prev = params                     # 2BW, K > 1: a skipped step sets W(t+1) = W(t)
+            if delayed:
+                prev = params                     # 2BW: a skipped step keeps W(t) and makes it the older version
             continue
         if clip is not None:
             g = jax.tree.map(lambda a: np.float32(a * min(1.0, clip / (norm + 1e-6))), g)

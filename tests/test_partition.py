@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxpar.parallel.pipeline import partition as P
-from jaxpar.parallel.pipeline import program as G
+from jaxpar.parallel.pipeline import instructions as G
 from jaxpar.parallel.pipeline.schedules import get_schedule, num_ticks, peak_in_flight
 
 

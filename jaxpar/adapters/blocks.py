@@ -45,8 +45,8 @@ from flax import nnx
 
 from jaxpar.rules import RulesError, path_str
 
-__all__ = ["LayerCall", "LayerSite", "scan_blocks", "run_layers", "use_layer_runner", "find_layer_calls",
-           "with_remat", "remat_policy", "REMAT_POLICIES", "LAYERS"]
+__all__ = ["LayerCall", "LayerSite", "scan_blocks", "run_layers", "use_layer_runner", "current_layer_runner",
+           "find_layer_calls", "with_remat", "remat_policy", "REMAT_POLICIES", "LAYERS"]
 
 #: The logical name of the stacked layer axis (axis 0 of every block parameter).
 LAYERS = "layers"
@@ -59,6 +59,12 @@ REMAT_POLICIES = ("none", "full", "save-matmuls")
 def remat_policy(name: str):
     """The ``jax.checkpoint`` policy of a remat name (``None`` for ``"none"``: no remat).
 
+    Args:
+      name: ``"none"``, ``"full"`` (save nothing) or ``"save-matmuls"`` (save dot results).
+
+    Returns:
+      The policy, or ``None``.
+
     >>> remat_policy("none") is None, remat_policy("full") is jax.checkpoint_policies.nothing_saveable
     (True, True)
     """
@@ -68,6 +74,13 @@ def remat_policy(name: str):
 
 def with_remat(fn: Callable, remat: Callable | None = None) -> Callable:
     """``fn`` under the ``jax.checkpoint`` policy ``remat`` (``None``: ``fn`` itself, no remat).
+
+    Args:
+      fn: the function.
+      remat: a ``jax.checkpoint`` policy, or ``None``.
+
+    Returns:
+      The function to call.
 
     >>> with_remat(abs) is abs
     True
@@ -102,7 +115,14 @@ class LayerCall:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.params)
 
     def run(self, body: Callable | None = None) -> jax.Array:
-        """Apply ``body`` (default: the layer under its remat policy) to every layer in turn."""
+        """Apply ``body`` (default: the layer under its remat policy) to every layer in turn.
+
+        Args:
+          body: ``body(layer_params, x) -> y``, or ``None``.
+
+        Returns:
+          The last layer's output.
+        """
         body = body or with_remat(self.layer, self.remat)
         if self.scan:
             return jax.lax.scan(lambda h, p: (body(p, h), None), self.x, self.params)[0]
@@ -120,6 +140,9 @@ def use_layer_runner(runner: Callable[[LayerCall], jax.Array] | None) -> Iterato
     """Let ``runner(call) -> y`` run every :func:`run_layers` / :func:`scan_blocks` call in this
     context (``None``: the plain scan). Strategies use it; models never need to.
 
+    Args:
+      runner: ``runner(call: LayerCall) -> y``, or ``None``.
+
     >>> import jax.numpy as jnp
     >>> with use_layer_runner(lambda call: call.x * 0):
     ...     run_layers(lambda p, x: x + p, jnp.ones((3,)), jnp.ones((2,))).tolist()
@@ -132,14 +155,31 @@ def use_layer_runner(runner: Callable[[LayerCall], jax.Array] | None) -> Iterato
         _RUNNER.reset(token)
 
 
+def current_layer_runner() -> Callable | None:
+    """The layer runner in effect (:func:`use_layer_runner`), for a runner that hands calls on to it.
+
+    Returns:
+      ``runner(call) -> y``, or ``None`` (the plain scan).
+    """
+    return _RUNNER.get()
+
+
 def run_layers(layer: Callable, params: Any, x: jax.Array, *, logical: Any = None,
                remat: Callable | None = None, scan: bool = True, closure: tuple = ()) -> jax.Array:
     """Run ``layer(layer_params, x) -> y`` over stacked ``params`` (leading ``layers`` axis).
 
-    ``logical``: one layer's logical names (a tree mirroring ``params``, no ``layers``
-    axis; ``None``: unannotated, replicated); ``remat``: a ``jax.checkpoint`` policy
-    (``None``: no remat); ``scan=False`` unrolls the loop; ``closure``: the arrays ``layer`` reads
-    besides its arguments (see :class:`LayerCall`).
+    Args:
+      layer: ``layer(layer_params, x) -> y``.
+      params: the stacked parameters.
+      x: the first layer's input, batch first.
+      logical: one layer's logical names (a tree mirroring ``params``, no ``layers`` axis;
+        ``None``: unannotated, replicated).
+      remat: a ``jax.checkpoint`` policy (``None``: no remat).
+      scan: ``False`` unrolls the loop.
+      closure: the arrays ``layer`` reads besides its arguments (see :class:`LayerCall`).
+
+    Returns:
+      The last layer's output.
 
     >>> import jax.numpy as jnp
     >>> run_layers(lambda w, x: x * w, jnp.array([2.0, 3.0]), jnp.ones((2,))).tolist()
@@ -176,7 +216,18 @@ def scan_blocks(blocks: nnx.Module, x: jax.Array, *, remat: Callable | None = No
                 layer_args: tuple = (), layer_kwargs: dict | None = None) -> jax.Array:
     """Run the stacked NNX module ``blocks`` (built with ``nnx.vmap``) layer by layer on ``x``:
     ``x = block_i(x, *layer_args, **layer_kwargs)`` for every layer ``i``. See the module docstring;
-    ``remat`` and ``scan`` as in :func:`run_layers`. ``blocks`` must hold only ``nnx.Param`` state."""
+    ``remat`` and ``scan`` as in :func:`run_layers`. ``blocks`` must hold only ``nnx.Param`` state.
+
+    Args:
+      blocks: the stacked module.
+      x: the first layer's input, batch first.
+      remat: a ``jax.checkpoint`` policy, or ``None`` (no remat).
+      scan: ``False`` unrolls the loop.
+      layer_args, layer_kwargs: further arguments of every layer's call.
+
+    Returns:
+      The last layer's output.
+    """
     graphdef, state, rest = nnx.split(blocks, nnx.Param, ...)
     if jax.tree.leaves(rest):
         kinds = sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))})
@@ -215,6 +266,15 @@ def find_layer_calls(fn: Callable, params: Any, *args: Any, wrap: Callable | Non
     """Trace ``fn(params, *args)`` abstractly (nothing is computed) and report each
     :func:`run_layers` / :func:`scan_blocks` call it makes, in order. ``wrap``: a transformation
     of ``fn`` to trace it under (e.g. JAX's explicit mode), applied outside the recording.
+
+    Args:
+      fn: ``fn(params, *args)``, the model's forward or loss.
+      params: its parameters (arrays or ``ShapeDtypeStruct`` s).
+      *args: its other arguments.
+      wrap: ``fn -> fn'``, or ``None``.
+
+    Returns:
+      One :class:`LayerSite` per call.
 
     >>> import jax.numpy as jnp
     >>> f = lambda p, x: run_layers(lambda w, h: h * w, p["w"], x).sum() + p["b"]

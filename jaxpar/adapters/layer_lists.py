@@ -45,7 +45,7 @@ Example::
     >>> stack_layers(Net(nnx.Rngs(0)))(x)
     Traceback (most recent call last):
     ...
-    jaxpar.adapters.layer_lists.LayerListError: stacked layers at 'blocks': the output of layer 0 is used outside the chain x = block(x) (e.g. changed before the next layer, or kept for a skip connection); ...
+    jaxpar.errors.LayerListError: stacked layers at 'blocks': the output of layer 0 is used outside the chain x = block(x) (e.g. changed before the next layer, or kept for a skip connection); ...
 """
 
 from __future__ import annotations
@@ -225,6 +225,12 @@ class StackedLayers(nnx.Module):
 def stacked_lists(model: nnx.Module) -> dict[tuple, int]:
     """The ``nnx.List`` s of alike layers that :func:`stack_layers` would stack: ``{path: count}``.
 
+    Args:
+      model: an NNX model.
+
+    Returns:
+      Each stackable list's path and length.
+
     >>> class Net(nnx.Module):
     ...     def __init__(self, rngs):
     ...         self.blocks = nnx.List([nnx.Linear(2, 2, rngs=rngs) for _ in range(4)])
@@ -260,6 +266,12 @@ def stack_layers(model: nnx.Module) -> nnx.Module:
 
 def stacked_counts(model_fn: Callable[[], nnx.Module]) -> dict[tuple, int]:
     """``{path: count}`` of the :class:`StackedLayers` in the model ``model_fn()`` builds (traced only).
+
+    Args:
+      model_fn: builds the model.
+
+    Returns:
+      Each stacked list's path and layer count.
 
     >>> class Net(nnx.Module):
     ...     def __init__(self, rngs):
@@ -326,6 +338,13 @@ def list_form(tree: Any, lists: dict[tuple, int]) -> Any:
 def stacked_form(tree: Any, lists: dict[tuple, int]) -> Any:
     """Inverse of :func:`list_form`: ``{0: ..., 1: ...}`` stacked into ``{"layer": {...}}``.
 
+    Args:
+      tree: a pure-dict parameter tree (or a tree holding such trees) with the lists as lists.
+      lists: ``{path: count}`` of the lists to stack.
+
+    Returns:
+      The tree with those lists stacked.
+
     >>> stacked_form({"blocks": {0: {"w": jnp.zeros(2)}, 1: {"w": jnp.ones(2)}}}, {("blocks",): 2})["blocks"]["layer"]["w"].shape
     (2, 2)
     """
@@ -335,6 +354,14 @@ def stacked_form(tree: Any, lists: dict[tuple, int]) -> Any:
 
 def change_form(tree: Any, have: dict[tuple, int], want: dict[tuple, int]) -> Any:
     """``tree`` with the lists stacked in ``have`` made lists again and those in ``want`` stacked.
+
+    Args:
+      tree: a pure-dict parameter tree (or a tree holding such trees).
+      have: ``{path: count}`` of the lists stacked in ``tree``.
+      want: ``{path: count}`` of the lists to have stacked.
+
+    Returns:
+      The tree in the ``want`` form.
 
     >>> tree = {"blocks": {"layer": {"w": jnp.zeros((3, 2))}}}
     >>> sorted(change_form(tree, {("blocks",): 3}, {})["blocks"])

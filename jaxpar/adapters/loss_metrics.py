@@ -54,8 +54,14 @@ def collect_metrics() -> ContextManager[dict[str, Any]]:
 
 
 def with_reported_metrics(loss_of: Callable) -> Callable:
-    """``(*args) -> (loss, reported metrics)``: ``loss_of`` traced inside :func:`collect_metrics`, for
-    ``jax.value_and_grad(..., has_aux=True)``."""
+    """``loss_of`` traced inside :func:`collect_metrics`, for ``jax.value_and_grad(..., has_aux=True)``.
+
+    Args:
+      loss_of: ``loss_of(*args) -> scalar loss``; may call :func:`report_metric`.
+
+    Returns:
+      ``run(*args) -> (loss, metrics)``: the loss and a dict of what it reported (name -> fp32 array).
+    """
     def run(*args):
         with collect_metrics() as found:
             loss = loss_of(*args)

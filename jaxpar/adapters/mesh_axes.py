@@ -162,7 +162,16 @@ def _auto_axes_of(default: tuple[str, ...]) -> Iterator[None]:
 
 def batch_specs(batch: Any, mesh, axes: tuple[str, ...] | None = None) -> Any:
     """``P(axes, None, ...)`` for every leaf of ``batch``: the batch split over ``axes`` (default:
-    the mesh's data axes)."""
+    the mesh's data axes).
+
+    Args:
+      batch: a pytree of arrays, batch first.
+      mesh: the mesh.
+      axes: the mesh axes of the batch dimension, or ``None``.
+
+    Returns:
+      A tree of ``PartitionSpec`` s mirroring ``batch``.
+    """
     axes = data_axes(mesh) if axes is None else axes
     return jax.tree.map(lambda a: PartitionSpec(axes or None, *([None] * (a.ndim - 1))), batch)
 
@@ -310,7 +319,14 @@ def _refuses_sharding(error: BaseException) -> bool:
 
 def call_site(error: BaseException) -> str:
     """The model's line that raised ``error``: the one JAX names ("This error occurs at source:
-    ..."), else the innermost frame of the traceback outside JAX, Flax and jaxpar."""
+    ..."), else the innermost frame of the traceback outside JAX, Flax and jaxpar.
+
+    Args:
+      error: the exception.
+
+    Returns:
+      ``"file:line (function)"`` or JAX's text for it; ``"an unknown line"`` when there is none.
+    """
     text = str(error)
     mark = "This error occurs at source:"
     if mark in text:

@@ -19,7 +19,15 @@ __all__ = ["scoped"]
 
 @contextlib.contextmanager
 def scoped(var: contextvars.ContextVar, value: Any) -> Iterator[Any]:
-    """Set ``var`` to ``value`` inside the block (yielding ``value``), and back to what it was after."""
+    """Set ``var`` to ``value`` inside the block, and back to what it was after.
+
+    Args:
+      var: the context variable to set.
+      value: its value inside the block.
+
+    Yields:
+      ``value``.
+    """
     token = var.set(value)
     try:
         yield value

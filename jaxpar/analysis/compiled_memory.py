@@ -28,6 +28,12 @@ def format_bytes(n: float) -> str:
     Below 1 KiB whole bytes, above one decimal of the largest unit that keeps the
     number under 1024 (``KiB`` ... ``PiB``). Accepts Python and NumPy numbers.
 
+    Args:
+      n: a number of bytes (may be negative or fractional).
+
+    Returns:
+      The text, e.g. ``"1.5 MiB"``.
+
     >>> [format_bytes(n) for n in (512, 4096, 1536 * 1024, 2.5 * 2**30)]
     ['512 B', '4.0 KiB', '1.5 MiB', '2.5 GiB']
     """
@@ -87,7 +93,14 @@ class MemoryReport:
 
 
 def memory_report(compiled: Any) -> MemoryReport:
-    """Read ``compiled.memory_analysis()`` into a :class:`MemoryReport`."""
+    """Read ``compiled.memory_analysis()`` into a :class:`MemoryReport`.
+
+    Args:
+      compiled: a ``jax.stages.Compiled``.
+
+    Returns:
+      Its per-device :class:`MemoryReport`.
+    """
     analyse = getattr(compiled, "memory_analysis", None)
     if analyse is None:
         raise TypeError(f"compiled must be a jax.stages.Compiled, got {type(compiled).__name__}")
@@ -115,7 +128,15 @@ def _analytic_cells(name: str, report: MemoryReport, analytic: Mapping[str, floa
 
 def memory_table(rows: Mapping[str, MemoryReport], analytic: Mapping[str, float] | None = None) -> str:
     """Aligned table of reports; with ``analytic`` (expected argument bytes per
-    device, by row name) adds the expectation and the measured/analytic ratio."""
+    device, by row name) adds the expectation and the measured/analytic ratio.
+
+    Args:
+      rows: report by row name.
+      analytic: expected argument bytes per device by row name, or ``None`` (no such columns).
+
+    Returns:
+      The table's text.
+    """
     for name, report in rows.items():
         if not isinstance(report, MemoryReport):
             raise ValueError(f"rows[{name!r}] must be a MemoryReport, got {type(report).__name__}")

@@ -187,6 +187,13 @@ def collectives(compiled: Any, mesh: Any) -> list[Collective]:
     with the bytes of the shard. A windowed einsum loop (a dot computed round a ring of
     collective-permutes, :mod:`jaxpar.analysis.windowed`) counts as the one all-gather or
     reduce-scatter it runs, with that collective's result bytes, in the loop's computation.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` or its HLO text.
+      mesh: the ``jax.sharding.Mesh`` it was compiled for.
+
+    Returns:
+      One :class:`Collective` per collective.
     """
     if not hasattr(mesh, "axis_names") or not hasattr(mesh, "devices"):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -258,7 +265,14 @@ def _axes_key(axes: tuple[str, ...] | None) -> tuple:
 
 def summarize(colls: Iterable[Collective]) -> list[dict]:
     """Group by (kind, axes, in_loop): dicts with those keys plus count, bytes and ``asynchronous``
-    (how many of the count are async)."""
+    (how many of the count are async).
+
+    Args:
+      colls: collectives, e.g. of :func:`collectives`.
+
+    Returns:
+      The group dicts, by kind (:data:`KINDS` order), axes and ``in_loop``.
+    """
     groups: dict[tuple, dict] = {}
     for c in colls:
         key = (c.kind, c.axes, c.in_loop)
@@ -284,7 +298,14 @@ def _table_row(row: dict) -> list[str]:
 
 
 def collectives_table(colls: Iterable[Collective]) -> str:
-    """Printable table of :func:`summarize` (axes ``?``: no subset of mesh axes; ``-``: none)."""
+    """Printable table of :func:`summarize` (axes ``?``: no subset of mesh axes; ``-``: none).
+
+    Args:
+      colls: collectives, e.g. of :func:`collectives`.
+
+    Returns:
+      The table's text.
+    """
     rows = [_table_row(r) for r in summarize(colls)]
     return render_table(["kind", "axes", "in loop", "async", "count", "bytes"], rows,
                         right=[False, False, False, False, True, True])
@@ -294,7 +315,17 @@ def count(
     colls: Iterable[Collective], kind: str, axes: str | Sequence[str] | None = None, in_loop: bool | None = None
 ) -> int:
     """Number of ``kind`` collectives, optionally only over exactly ``axes``
-    (any order) and/or only inside (``in_loop=True``) or outside loops."""
+    (any order) and/or only inside (``in_loop=True``) or outside loops.
+
+    Args:
+      colls: collectives, e.g. of :func:`collectives`.
+      kind: one of :data:`KINDS`.
+      axes: a mesh axis name or names, or ``None``: any axes.
+      in_loop: ``True`` / ``False``: only those inside / outside loops; ``None``: both.
+
+    Returns:
+      The count.
+    """
     _check_kind(kind)
     wanted = None if axes is None else frozenset([axes] if isinstance(axes, str) else axes)
     return sum(

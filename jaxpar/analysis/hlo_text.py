@@ -57,6 +57,12 @@ def _num_elements(dims: str) -> int:
 def array_shapes(shape: str) -> list[str]:
     """The arrays of an HLO shape string, without layouts.
 
+    Args:
+      shape: an HLO shape, an array or a tuple.
+
+    Returns:
+      One ``"dtype[dims]"`` per array.
+
     >>> array_shapes("(f32[8,128]{1,0}, s8[4]{0:T(128)})")
     ['f32[8,128]', 's8[4]']
     """
@@ -65,6 +71,12 @@ def array_shapes(shape: str) -> list[str]:
 
 def shape_bytes(shape: str) -> int:
     """Bytes of an HLO shape string, summing tuple elements.
+
+    Args:
+      shape: an HLO shape, e.g. ``"f32[8,128]{1,0}"`` or a tuple of them.
+
+    Returns:
+      Bytes (sub-byte types rounded up per array).
 
     >>> shape_bytes("f32[8,128]{1,0}"), shape_bytes("(bf16[2], s8[4,4])")
     (4096, 20)
@@ -171,7 +183,14 @@ def called_computations(instr: Instruction) -> list[tuple[str, str]]:
 
 
 def call_graph(instrs: list[Instruction]) -> dict[str, set[str]]:
-    """``{computation: the computations its instructions call}``."""
+    """``{computation: the computations its instructions call}``.
+
+    Args:
+      instrs: the instructions of a program (:func:`parse_instructions`).
+
+    Returns:
+      The callees of each calling computation.
+    """
     calls: dict[str, set[str]] = {}
     for instr in instrs:
         for _, callee in called_computations(instr):
@@ -182,6 +201,13 @@ def call_graph(instrs: list[Instruction]) -> dict[str, set[str]]:
 def reached_computations(calls: dict[str, set[str]], starts) -> set[str]:
     """The computations ``starts`` are and every computation they call (in ``calls``, a
     :func:`call_graph`), directly or not.
+
+    Args:
+      calls: a :func:`call_graph`.
+      starts: computation names.
+
+    Returns:
+      The set of names, ``starts`` included.
 
     >>> ins = [Instruction("w", "f32[]", "while", "%t), condition=%c, body=%b", "main"),
     ...        Instruction("f", "f32[]", "fusion", "%x), calls=%fused", "b")]
@@ -204,6 +230,12 @@ def branch_computations(instr: Instruction) -> list[str]:
     rewrites ``lax.cond``'s two-branch index conditional) has the false branch as branch 0 and
     the true one as branch 1, the order of ``lax.cond``'s index.
 
+    Args:
+      instr: a ``conditional`` instruction.
+
+    Returns:
+      Its branch computations' names, branch 0 first.
+
     >>> branch_computations(Instruction("c", "f32[]", "conditional", "%p, %a, %b), "
     ...                                 "true_computation=%act, false_computation=%skip", "body"))
     ['skip', 'act']
@@ -217,6 +249,12 @@ def branch_computations(instr: Instruction) -> list[str]:
 
 def operands(rest: str) -> list[str]:
     """Operand names of an instruction's ``rest`` (what follows ``opcode(``; typed operands allowed).
+
+    Args:
+      rest: an :class:`Instruction`'s ``rest``.
+
+    Returns:
+      The operand names, without ``%``.
 
     >>> operands("f32[2]{0} %a, %b), to_apply=%add"), operands("3)")
     (['a', 'b'], ['3'])
@@ -233,14 +271,28 @@ def operands(rest: str) -> list[str]:
 
 
 def channel(instr: Instruction) -> str | None:
-    """The ``channel_id`` of a collective, or ``None``."""
+    """The ``channel_id`` of a collective, or ``None``.
+
+    Args:
+      instr: an instruction.
+
+    Returns:
+      The id as text, or ``None`` when it has none.
+    """
     match = re.search(r"\bchannel_id=(\d+)", instr.rest)
     return match.group(1) if match else None
 
 
 def custom_call_targets(text: str) -> dict[str, str]:
     """``{custom-call instruction name: custom_call_target}`` (read from the raw text:
-    :func:`parse_instructions` blanks string literals)."""
+    :func:`parse_instructions` blanks string literals).
+
+    Args:
+      text: the HLO text.
+
+    Returns:
+      The target of each custom call.
+    """
     out = {}
     for line in text.splitlines():
         if "custom_call_target=" in line and (m := _INSTR.match(line)) and (t := _TARGET.search(line)):

@@ -128,6 +128,12 @@ class OverlapReport:
 def dims(shape: str) -> list[int]:
     """The dimensions of an HLO array shape (the first array of a tuple).
 
+    Args:
+      shape: an HLO shape.
+
+    Returns:
+      The dimension sizes (bounds of dynamic dimensions as given).
+
     >>> dims("f32[8,128]{1,0}"), dims("(bf16[2,3]{1,0}, s8[16]{0})"), dims("f32[]")
     ([8, 128], [2, 3], [])
     """

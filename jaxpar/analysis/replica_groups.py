@@ -37,7 +37,16 @@ __all__ = ["iota_replica_groups", "parse_replica_groups", "source_target_pairs",
 def iota_replica_groups(
     group_shape: Sequence[int], reshape_dims: Sequence[int], perm: Sequence[int] | None = None
 ) -> list[list[int]]:
-    """Expand XLA's iota list ``[G,S]<=[reshape_dims]T(perm)`` into G groups of S ids."""
+    """Expand XLA's iota list ``[G,S]<=[reshape_dims]T(perm)`` into G groups of S ids.
+
+    Args:
+      group_shape: ``[G, S]``.
+      reshape_dims: the dimensions the iota ``0 .. G*S-1`` is reshaped to.
+      perm: the transpose of those dimensions, or ``None`` (none).
+
+    Returns:
+      G lists of S partition ids.
+    """
     if len(group_shape) != 2:
         raise ValueError(f"group_shape must be [num_groups, group_size], got {list(group_shape)}")
     if math.prod(group_shape) != math.prod(reshape_dims):
@@ -117,6 +126,12 @@ def parse_replica_groups(text: str) -> list[list[int]] | None:
     Returns ``[]`` for an empty or absent list (meaning: all devices) and
     ``None`` for a form this parser does not know (e.g. ``maximal_mesh``).
 
+    Args:
+      text: the attribute text (an instruction's ``rest``).
+
+    Returns:
+      The groups of ids, ``[]`` or ``None`` as above.
+
     >>> parse_replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)")
     [[0, 4], [1, 5], [2, 6], [3, 7]]
     """
@@ -133,7 +148,14 @@ def parse_replica_groups(text: str) -> list[list[int]] | None:
 
 
 def source_target_pairs(text: str) -> list[tuple[int, int]]:
-    """``(source, target)`` ids of a collective-permute's attribute text; ``[]`` if absent."""
+    """``(source, target)`` ids of a collective-permute's attribute text; ``[]`` if absent.
+
+    Args:
+      text: the attribute text (an instruction's ``rest``).
+
+    Returns:
+      The pairs, in order.
+    """
     match = re.search(r"source_target_pairs=\{((?:\s*\{\s*\d+\s*,\s*\d+\s*\}\s*,?)*)\}", text)
     if not match:
         return []
@@ -160,7 +182,16 @@ def _axis_subset_groups(shape: tuple[int, ...], names: tuple[str, ...]) -> list[
 def axes_of_groups(groups: list[list[int]], shape, names) -> tuple[str, ...] | None:
     """The mesh axes whose groups these are; for groups that split an axis (XLA
     decomposes some reshardings into pairwise exchanges along part of an axis),
-    the smallest set of axes whose groups each of them lies within."""
+    the smallest set of axes whose groups each of them lies within.
+
+    Args:
+      groups: the replica groups, as mesh positions.
+      shape: the mesh's shape.
+      names: its axis names.
+
+    Returns:
+      The axes in mesh order (``()`` for device-local groups), or ``None`` when none fits.
+    """
     wanted = frozenset(frozenset(g) for g in groups)
     subsets = _axis_subset_groups(tuple(shape), tuple(names))
     for axes, induced in subsets:
@@ -173,7 +204,16 @@ def axes_of_groups(groups: list[list[int]], shape, names) -> tuple[str, ...] | N
 
 
 def axes_of_pairs(pairs: list[tuple[int, int]], shape, names) -> tuple[str, ...] | None:
-    """The mesh axes along which some source and target differ (``None`` if an id is off the mesh)."""
+    """The mesh axes along which some source and target differ (``None`` if an id is off the mesh).
+
+    Args:
+      pairs: ``(source, target)`` mesh positions.
+      shape: the mesh's shape.
+      names: its axis names.
+
+    Returns:
+      The axes in mesh order.
+    """
     size = math.prod(shape)
     if any(not (0 <= i < size) for pair in pairs for i in pair):
         return None

@@ -1,10 +1,12 @@
 """The one table of what combines: every pair of features either composes or is refused here.
 
 A :class:`Setting` is what a run asks for (the strategy, the mesh sizes, the step's and the
-loop's options). :func:`problems` runs the rules of :mod:`jaxpar.compat.settings` and returns the :class:`Problem`\\ s of a setting: each names the
-two features, the fields and the values, and says what to do. The library raises them
-(:func:`raise_problems`, from ``init_train_state`` and ``make_train_step``); the config layer
-(:func:`jaxpar.config.check`) renders the same problems with YAML keys instead of parameter
+loop's options). :func:`problems` runs the rules of :mod:`jaxpar.compat.settings` and returns the
+:class:`Problem`\\ s of a setting: each names the two features, the fields and the values, says what
+to do, and carries the :class:`~jaxpar.errors.JaxparError` subclass it is raised as. :func:`needs`
+does the same for what one feature needs on its own (:mod:`jaxpar.compat.needs`). The library
+raises them (:func:`raise_problems`, from ``init_train_state`` and ``make_train_step``); the config
+layer (:func:`jaxpar.config.check`) renders the same problems with YAML keys instead of parameter
 names; ``docs/strategies.md``'s table is generated from :data:`FEATURES` and :func:`pair_status`
 (:mod:`jaxpar.compat.markdown`).
 
@@ -16,18 +18,21 @@ Example:
     [('ST', 'CP')]
     >>> print(problems(s)[0].render(LIBRARY_NAMES))     # doctest: +ELLIPSIS
     Strategy.compression='topk...' with schedule='pipedream': each stage updates inside the pipeline...
+    >>> problems(s)[0].error.__name__
+    'StashingError'
     >>> pair_status("PP", "NS")
     'composes'
 """
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Mapping, NamedTuple
+from typing import Callable, NamedTuple
 
+from jaxpar.compat.needs import NEEDS
 from jaxpar.compat.settings import FLUSH_SCHEDULES, RULES, Problem, Setting, pipeline_schedule, replicas_on
 
-__all__ = ["Feature", "FEATURES", "CODES", "Setting", "Problem", "problems", "raise_problems", "pair_status",
-           "REFUSED", "PARTLY", "ALTERNATIVES", "LIBRARY_NAMES", "all_pairs"]
+__all__ = ["Feature", "FEATURES", "CODES", "Setting", "Problem", "problems", "needs", "raise_problems",
+           "pair_status", "REFUSED", "PARTLY", "ALTERNATIVES", "LIBRARY_NAMES", "all_pairs"]
 
 
 class Feature(NamedTuple):
@@ -74,12 +79,15 @@ _FEATURE = {f.code: f for f in FEATURES}
 LIBRARY_NAMES = {
     "zero": "Strategy.zero", "sequence_parallel": "Strategy.sequence_parallel", "schedule": "schedule",
     "compression": "Strategy.compression", "sync": "Strategy.sync", "local_clip": "Strategy.local_clip",
-    "microbatches": "Strategy.microbatches", "compute_dtype": "Strategy.compute_dtype", "explicit_dp": "explicit_dp",
-    "steps_per_call": "steps_per_call",
-    "clip_norm": "clip_norm", "noise_scale_every": "noise_scale_every", "pipe": "pipe", "replica": "replica",
-    "optimizer": "the optimizer (tx)", "fsdp": "fsdp",
-    "tensor": "tensor", "context": "context", "expert": "expert", "ramp": "the batch ramp", "ramp_steps": "the batch ramp's steps", "true": "True",
-    "false": "False",
+    "microbatches": "Strategy.microbatches", "update_every": "Strategy.update_every",
+    "compute_dtype": "Strategy.compute_dtype", "explicit_dp": "explicit_dp", "steps_per_call": "steps_per_call",
+    "clip_norm": "clip_norm", "noise_scale_every": "noise_scale_every", "optimizer": "the optimizer (tx)",
+    "pipe": "pipe", "pipe_axis": "a 'pipe' mesh axis", "replica": "replica", "data": "data", "fsdp": "fsdp",
+    "tensor": "tensor", "context": "context", "expert": "expert",
+    "ramp": "the batch ramp", "ramp_steps": "the batch ramp's steps",
+    "steps": "steps", "start": "the start step", "log_every": "log_every", "eval_every": "eval_every",
+    "checkpoint_every": "the checkpointer's every", "stop_check_every": "stop_check_every",
+    "true": "True", "false": "False", "none": "None",
 }
 
 
@@ -118,17 +126,31 @@ def problems(setting: Setting) -> list[Problem]:
     return found + _parts_of(setting, found)
 
 
-def raise_problems(setting: Setting, errors: Mapping[str, type]) -> None:
-    """Raise the first problem of ``setting`` with its error class and the library's names.
+def needs(setting: Setting) -> list[Problem]:
+    """What a feature of ``setting`` needs and does not get (:data:`jaxpar.compat.needs.NEEDS`).
 
     Args:
       setting: what the run asks for.
-      errors: the error classes by name (``{"ExplicitDPError": ExplicitDPError, ...}``); a
-        problem whose class is not given raises ``ValueError``.
+
+    Returns:
+      The :class:`Problem`\\ s of one feature each (``features`` holds one code), in the rules' order.
     """
-    found = problems(setting)
+    return [p for rule in NEEDS for p in rule(setting)]
+
+
+def raise_problems(setting: Setting) -> None:
+    """Raise the first problem of ``setting`` (a refused pair, then a feature's own need), as its
+    :attr:`Problem.error` class with the library's names (:data:`LIBRARY_NAMES`).
+
+    Args:
+      setting: what the run asks for.
+
+    Raises:
+      JaxparError: the subclass the problem declares (``SyncError``, ``StashingError``, ...).
+    """
+    found = problems(setting) + needs(setting)
     if found:
-        raise errors.get(found[0].error, ValueError)(found[0].render(LIBRARY_NAMES))
+        raise found[0].error(found[0].render(LIBRARY_NAMES))
 
 
 #: The pairs refused whatever the values: ``{(code, code): why}``. Every other pair composes,

@@ -14,8 +14,10 @@ Modules, in import order (each imports only those above it):
 * :mod:`~jaxpar.config.imports`: ``'pkg.mod:attr'`` / ``'file.py:attr'`` -> the object.
 * :mod:`~jaxpar.config.hf_model`: ``model.hf`` and ``data.tokenizer``: their checks, the checkpoint and
   tokenizer opened with the errors under the YAML keys.
-* :mod:`~jaxpar.config.build`: sections -> mesh, strategy, optimizer, model factory, loss; the
-  model and optimizer registries; library errors relabelled with YAML keys.
+* :mod:`~jaxpar.config.build`: sections -> mesh, strategy, model factory, loss; the model
+  registry; library errors relabelled with YAML keys.
+* :mod:`~jaxpar.config.optimizer_section`: the optimizer section -> optimizer and learning-rate
+  schedule; the optimizer registry.
 * :mod:`~jaxpar.config.data_section`: the data section -> batch function and eval batches.
 * :mod:`~jaxpar.config.checks`: :func:`check`, every impossible setting at once.
 * :mod:`~jaxpar.config.load`: YAML, ``base:``, overrides, merging -> a checked :class:`JobConfig`.
@@ -35,18 +37,19 @@ Example::
     >>> load_config(quickstart, ["model.embedd=64"])
     Traceback (most recent call last):
     ...
-    jaxpar.config.schema.ConfigError: overrides: unknown key 'model.embedd'; allowed keys under 'model': ...
+    jaxpar.errors.ConfigError: overrides: unknown key 'model.embedd'; allowed keys under 'model': ...
 """
 
 from __future__ import annotations
 
-from jaxpar.config.build import (MODELS, OPTIMIZERS, ModelEntry, build_gpt_config, build_loss_fn, build_lr_schedule, build_mesh,
-                    build_model_fn, build_optimizer, build_strategy, frozen_variance_step)
+from jaxpar.config.build import (MODELS, ModelEntry, build_gpt_config, build_loss_fn, build_mesh, build_model_fn,
+                                 build_strategy)
 from jaxpar.config.checks import check
 from jaxpar.config.data_section import build_data, build_ramp, describe_batch
 from jaxpar.config.imports import resolve_import
 from jaxpar.config.job import Job, build_job
 from jaxpar.config.load import load_config, merge_layers, parse_overrides, to_yaml
+from jaxpar.config.optimizer_section import OPTIMIZERS, build_lr_schedule, build_optimizer, frozen_variance_step
 from jaxpar.config.schema import (DATA_KINDS, GPT_KEYS, LR_SCHEDULES, NONFINITE_MODES, USER_MODEL_KEYS, CheckpointConfig,
                      ConfigError, DataConfig, JobConfig, LoggingConfig, MeshConfig, ModelConfig, OptimizerConfig,
                      ParallelConfig, TrainConfig)

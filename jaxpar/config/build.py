@@ -1,10 +1,10 @@
 """Builders: config sections -> the library's own objects (``GPTConfig``, ``Strategy``, a ``Mesh``,
-an optax optimizer and learning-rate schedule, a model factory and its loss), and the registries
-of built-in models and optimizers.
+a model factory and its loss), and the registry of built-in models.
 
 The library checks its own objects; their errors are relabelled here with the YAML keys
 (``GPTConfig.heads`` -> ``model.heads``, ``Strategy.virtual_stages`` -> ``parallel.virtual_stages``).
-The data section is built by :mod:`jaxpar.config.data_section`.
+The optimizer section is built by :mod:`jaxpar.config.optimizer_section`, the data section by
+:mod:`jaxpar.config.data_section`.
 """
 
 from __future__ import annotations
@@ -14,18 +14,15 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-import optax
 from flax import nnx
 
-from jaxpar import optimizers as opt_lib
 from jaxpar.mesh import MeshError, MeshSpec, make_mesh
 from jaxpar.strategy import Strategy
 from jaxpar.config.imports import resolve_import
-from jaxpar.config.schema import GPT_KEYS, ConfigError, LRScalingConfig, MeshConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from jaxpar.config.schema import GPT_KEYS, ConfigError, MeshConfig, ModelConfig, ParallelConfig
 
 __all__ = [
-    "ModelEntry", "MODELS", "OPTIMIZERS", "build_gpt_config", "build_mesh", "build_strategy", "build_lr_schedule",
-    "peak_lr", "lr_scaling_problems", "build_trust_mask", "build_optimizer", "build_model_fn", "build_loss_fn",
+    "ModelEntry", "MODELS", "build_gpt_config", "build_mesh", "build_strategy", "build_model_fn", "build_loss_fn",
     "relabel", "mesh_spec", "mesh_error",
 ]
 
@@ -39,7 +36,14 @@ class ModelEntry:
 
 
 def build_gpt_config(cfg: ModelConfig):
-    """The :class:`jaxpar.models.gpt.GPTConfig` of the model section; its errors name ``model.*`` keys."""
+    """The GPT's config of the model section; its errors name ``model.*`` keys.
+
+    Args:
+      cfg: the ``model`` section.
+
+    Returns:
+      A :class:`jaxpar.models.gpt.GPTConfig` (with ``model.moe``'s settings, if any).
+    """
     from jaxpar.models.gpt import GPTConfig   # the GPT is one example model: imported only when used
     from jaxpar.parallel.moe import MoEError
 
@@ -80,38 +84,22 @@ def _gpt_loss() -> Callable:
     return lm_loss
 
 
-def _adamw(c: OptimizerConfig, lr, **_):
-    return optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay)
-
-
-def _adam(c: OptimizerConfig, lr, **_):
-    return optax.adam(lr, b1=c.b1, b2=c.b2, eps=c.eps)
-
-
-def _sgd(c: OptimizerConfig, lr, **_):
-    return optax.sgd(lr, momentum=c.momentum or None)
-
-
-def _lars(c: OptimizerConfig, lr, *, logical=None, mask=None):
-    return opt_lib.lars(lr, weight_decay=c.weight_decay, momentum=c.momentum, trust_coefficient=c.trust_coefficient,
-                        eps=c.eps, logical=logical, mask=mask)
-
-
-def _lamb(c: OptimizerConfig, lr, *, logical=None, mask=None):
-    return opt_lib.lamb(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, logical=logical, mask=mask)
-
-
 MODELS: dict[str, ModelEntry] = {"gpt": ModelEntry(_build_gpt, _gpt_loss)}
-#: ``name -> fn(cfg, lr, *, logical=None, mask=None) -> optax.GradientTransformation`` (``logical``:
-#: the params' logical names; ``mask``: :func:`jaxpar.optimizers.trust_mask`'s tree; both for lars / lamb).
-OPTIMIZERS: dict[str, Callable] = {"adamw": _adamw, "adam": _adam, "sgd": _sgd, "lars": _lars, "lamb": _lamb}
-#: Optimizers that apply ``weight_decay`` themselves (the others get ``add_decayed_weights`` in front).
-_OWN_DECAY = ("adamw", "lars", "lamb")
 
 
 def relabel(err: Exception, owner: str, section: str, fields: Sequence[str], fallback: str | None = None) -> str:
-    """The library's message with ``Owner.field`` and bare ``field=`` turned into ``section.field``;
-    prefixed with ``fallback`` (default ``section``) when it names no key of the section."""
+    """A library error's message in YAML keys.
+
+    Args:
+      err: the library's error.
+      owner: the class its message names (``"GPTConfig"``).
+      section: the YAML section (``"model"``).
+      fields: the section's keys.
+      fallback: the prefix when the message names no key of the section (default ``section``).
+
+    Returns:
+      The message with ``Owner.field`` and bare ``field=`` turned into ``section.field``.
+    """
     msg = re.sub(rf"^{re.escape(owner)}:\s*", "", str(err))
     for f in sorted(fields, key=len, reverse=True):
         msg = re.sub(rf"(?<![\w.]){re.escape(owner)}\.{f}\b", f"{section}.{f}", msg)
@@ -124,17 +112,42 @@ _PARALLEL_KEYS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
 
 
 def mesh_spec(cfg: MeshConfig) -> MeshSpec:
+    """The mesh section as a :class:`jaxpar.mesh.MeshSpec`.
+
+    Args:
+      cfg: the ``mesh`` section.
+
+    Returns:
+      The spec, unchecked.
+    """
     return MeshSpec(data=cfg.data, fsdp=cfg.fsdp, tensor=cfg.tensor, pipe=cfg.pipe, replica=cfg.replica,
                     context=cfg.context, expert=cfg.expert)
 
 
 def mesh_error(e: MeshError, cfg: MeshConfig) -> str:
+    """A mesh error's message in ``mesh.*`` keys.
+
+    Args:
+      e: the error of :func:`jaxpar.mesh.make_mesh`.
+      cfg: the ``mesh`` section (its sizes are named when the message names no key).
+
+    Returns:
+      The message.
+    """
     given = ", ".join(f"mesh.{a}={getattr(cfg, a)}" for a in _MESH_AXES)
     return relabel(e, "MeshSpec", "mesh", _MESH_AXES, f"mesh ({given})")
 
 
 def build_mesh(cfg: MeshConfig, devices: Sequence[Any] | None = None):
-    """``jax.sharding.Mesh`` from the mesh section (``devices``: default all)."""
+    """The device mesh of the mesh section.
+
+    Args:
+      cfg: the ``mesh`` section.
+      devices: the devices to lay out (default: all of JAX's).
+
+    Returns:
+      A ``jax.sharding.Mesh``; its errors name ``mesh.*`` keys.
+    """
     try:
         return make_mesh(mesh_spec(cfg), devices)
     except MeshError as e:
@@ -190,8 +203,15 @@ def build_context(options: Mapping[str, Any]):
 
 
 def build_strategy(cfg: ParallelConfig) -> Strategy:
-    """The :class:`jaxpar.Strategy` of the parallel section; its errors name ``parallel.*`` keys.
-    ``parallel.compression.local_clip`` is the strategy's ``local_clip``, not a codec option."""
+    """The strategy of the parallel section; its errors name ``parallel.*`` keys.
+
+    Args:
+      cfg: the ``parallel`` section (``compression.local_clip`` is the strategy's ``local_clip``,
+        not a codec option).
+
+    Returns:
+      A :class:`jaxpar.Strategy` with its codec, sync kind and context parallelism.
+    """
     options = dict(cfg.compression or {})
     local_clip = options.pop("local_clip", None)
     if local_clip is not None and not options:
@@ -213,105 +233,6 @@ def build_strategy(cfg: ParallelConfig) -> Strategy:
         raise ConfigError(relabel(e, "Strategy", "parallel", _PARALLEL_KEYS, fallback)) from None
 
 
-def lr_scaling_problems(cfg: LRScalingConfig) -> list[str]:
-    """What is wrong with ``optimizer.lr_scaling`` (empty: nothing)."""
-    p = []
-    if cfg.rule not in opt_lib.LR_SCALING_RULES:
-        p.append(f"optimizer.lr_scaling.rule={cfg.rule!r}: unknown rule; allowed: "
-                 f"{', '.join(opt_lib.LR_SCALING_RULES)} (lr x B/base_batch, lr x sqrt(B/base_batch), lr).")
-    if isinstance(cfg.base_batch, bool) or not isinstance(cfg.base_batch, int) or cfg.base_batch <= 0:
-        p.append(f"optimizer.lr_scaling.base_batch={cfg.base_batch!r}: must be a positive int, the global batch "
-                 "size at which optimizer.lr was tuned (e.g. 256).")
-    return p
-
-
-def peak_lr(cfg: OptimizerConfig, global_batch: int | None = None) -> float:
-    """``optimizer.lr`` scaled by ``optimizer.lr_scaling`` to ``global_batch`` (``data.batch_size``)."""
-    if problems := lr_scaling_problems(cfg.lr_scaling):
-        raise ConfigError(" ".join(problems))
-    rule = cfg.lr_scaling.rule
-    if rule == "none":
-        return cfg.lr
-    if global_batch is None:
-        raise ConfigError(f"optimizer.lr_scaling.rule={rule!r} scales optimizer.lr by the global batch, which "
-                          "was not given: call build_optimizer / build_lr_schedule with global_batch="
-                          "data.batch_size, or set optimizer.lr_scaling.rule=none.")
-    return opt_lib.scaled_lr(cfg.lr, global_batch, cfg.lr_scaling.base_batch, rule)
-
-
-def build_lr_schedule(cfg: OptimizerConfig, total_steps: int, global_batch: int | None = None) -> Callable:
-    """Linear warm-up from 0 over ``warmup_steps`` to the peak :func:`peak_lr` (``optimizer.lr`` scaled to
-    ``global_batch`` by ``optimizer.lr_scaling``), then constant / cosine / linear decay to ``min_lr_ratio``
-    times the peak."""
-    peak = peak_lr(cfg, global_batch)
-    warm = min(cfg.warmup_steps, total_steps)
-    rest = max(1, total_steps - warm)
-    end = peak * cfg.min_lr_ratio
-    after = {"constant": lambda: optax.constant_schedule(peak),
-             "cosine": lambda: optax.cosine_decay_schedule(peak, rest, alpha=cfg.min_lr_ratio),
-             "linear": lambda: optax.linear_schedule(peak, end, rest)}[cfg.lr_schedule]()
-    if warm == 0:
-        return after
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
-
-
-def build_trust_mask(cfg: OptimizerConfig, model_fn: Callable[[], nnx.Module] | None = None):
-    """``(logical, mask)`` for lars / lamb: the model's logical names and :func:`jaxpar.optimizers.trust_mask`
-    with ``optimizer.trust_mask`` (checked against the model's parameters, not built); without ``model_fn``
-    ``(None, mask function)``, checked when the optimizer is initialised."""
-    tm = cfg.trust_mask
-    if model_fn is None:
-        return None, lambda params: opt_lib.trust_mask(params, exclude=tm.exclude, include=tm.include)
-    from jaxpar.adapters.shapes import abstract_model
-
-    _, shapes, logical = abstract_model(model_fn)
-    try:
-        return logical, opt_lib.trust_mask(shapes, logical, exclude=tm.exclude, include=tm.include)
-    except opt_lib.MaskError as e:
-        key = "exclude" if str(e).startswith("trust_mask exclude") else "include"
-        msg = re.sub(r"^trust_mask \w+: ", "", str(e))
-        raise ConfigError(f"optimizer.trust_mask.{key}={list(getattr(tm, key))!r}: {msg}") from None
-
-
-def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int | None = None,
-                    model_fn: Callable[[], nnx.Module] | None = None,
-                    updates_per_step: int = 1,
-                    freeze_variance_step: int | None = None) -> tuple[optax.GradientTransformation, Callable]:
-    """``(tx, lr_schedule)``. Clipping is done by the train step (``clip_norm``), not by ``tx``.
-
-    ``global_batch`` (``data.batch_size``): needed by ``optimizer.lr_scaling``; the schedule (logged as
-    ``lr``) is the scaled one. ``model_fn``: lets lars / lamb read the parameters' logical names (stacked
-    layers, :func:`build_trust_mask`) and check ``optimizer.trust_mask`` now; without it the mask is
-    taken from the arrays' ranks. ``updates_per_step``: how often ``tx`` is applied per train step
-    (PipeDream weight stashing: ``microbatches / update_every`` per stage); its schedule then reads
-    the step, ``count // updates_per_step``, so every update of step ``t`` uses the logged ``lr(t)``.
-    ``freeze_variance_step`` (1-bit Adam, :func:`frozen_variance_step`): adam / adamw whose second moment
-    stops changing after that many updates (:func:`jaxpar.optimizers.adamw_frozen_variance`)."""
-    if cfg.name not in OPTIMIZERS:
-        raise ConfigError(f"optimizer.name={cfg.name!r}: unknown optimizer; allowed: {', '.join(OPTIMIZERS)}.")
-    schedule = build_lr_schedule(cfg, total_steps, global_batch)
-    logical, mask = build_trust_mask(cfg, model_fn) if cfg.name in ("lars", "lamb") else (None, None)
-    inner = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
-    if freeze_variance_step is not None:
-        if cfg.name not in ("adam", "adamw"):
-            raise ConfigError(f"optimizer.name={cfg.name!r}: 1-bit Adam (parallel.compression.optimizer_momentum) "
-                              "compresses Adam's first moment; use optimizer.name: adamw or adam.")
-        tx = opt_lib.adamw_frozen_variance(inner, freeze_variance_step, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                                           weight_decay=cfg.weight_decay if cfg.name == "adamw" else 0.0)
-    else:
-        tx = OPTIMIZERS[cfg.name](cfg, inner, logical=logical, mask=mask)
-    if cfg.name not in _OWN_DECAY and cfg.weight_decay:
-        tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay), tx)
-    return tx, schedule
-
-
-def frozen_variance_step(strategy: Strategy) -> int | None:
-    """The step at which Adam's second moment freezes: the codec's ``start_step`` when it compresses
-    Adam's first moment (``optimizer_momentum``, 1-bit Adam), else ``None``."""
-    codec = strategy.compression
-    return codec.start_step if getattr(codec, "optimizer_momentum", 0.0) else None
-
-
 def _build_user_model(cfg: ModelConfig, seed: int) -> Callable[[], nnx.Module]:
     target, kwargs = resolve_import(cfg.target, "model.target"), dict(cfg.kwargs)
 
@@ -330,9 +251,17 @@ def _build_user_model(cfg: ModelConfig, seed: int) -> Callable[[], nnx.Module]:
 
 
 def build_model_fn(cfg: ModelConfig, seed: int = 0) -> Callable[[], nnx.Module]:
-    """A zero-argument model factory for :func:`jaxpar.init_train_state`: the GPT, ``model.target``
-    called as ``target(**model.kwargs, rngs=nnx.Rngs(seed))``, or ``model.hf``'s decoder (random
-    weights: the job loads the checkpoint's, :meth:`jaxpar.config.Job.init_state`)."""
+    """The model factory of the model section.
+
+    Args:
+      cfg: the ``model`` section.
+      seed: the parameters' random seed (``train.seed``).
+
+    Returns:
+      A zero-argument factory for :func:`jaxpar.init_train_state`: the GPT, ``model.target`` called
+      as ``target(**model.kwargs, rngs=nnx.Rngs(seed))``, or ``model.hf``'s decoder (random
+      weights: the job loads the checkpoint's, :meth:`jaxpar.config.Job.init_state`).
+    """
     if cfg.hf is not None:
         from jaxpar.config.hf_model import open_hf
 
@@ -345,8 +274,15 @@ def build_model_fn(cfg: ModelConfig, seed: int = 0) -> Callable[[], nnx.Module]:
 
 
 def build_loss_fn(cfg: ModelConfig) -> Callable:
-    """``loss(model, batch) -> scalar``: ``model.loss`` for a user model, :func:`jaxpar.models.decoder_loss`
-    for ``model.hf``, else the registry's."""
+    """The loss of the model section.
+
+    Args:
+      cfg: the ``model`` section.
+
+    Returns:
+      ``loss(model, batch) -> scalar``: ``model.loss`` for a user model,
+      :func:`jaxpar.models.decoder_loss` for ``model.hf``, else the registry's.
+    """
     if cfg.hf is not None:
         from jaxpar.models.decoder import decoder_loss
 

@@ -2,12 +2,16 @@
 
 It builds the library's objects (``GPTConfig``, ``Strategy``, ``MeshSpec``, the pipeline schedule,
 the stage partition) and reports their errors under the YAML keys; it resolves the import paths of a
-user model, loss and data function and checks their signatures (nothing is called). Only checks that
-span sections (batch size vs. mesh axes, model sizes vs. ``mesh.tensor``) are written out here.
+user model, loss and data function and checks their signatures (nothing is called). The combinations
+of features, and what each feature needs, are the library's: the problems of the compatibility table
+(:mod:`jaxpar.compat`) rendered with :data:`YAML_NAMES`. Only checks that span sections (batch size
+vs. mesh axes, model sizes vs. ``mesh.tensor``) and the YAML's own keys, types and paths are written
+out here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -15,8 +19,8 @@ from typing import Any
 from jaxpar.mesh import MeshError
 from jaxpar.parallel.pipeline.partition import PartitionError, check_stage_layers, uniform_layers
 from jaxpar.parallel.pipeline.schedules import get_schedule
-from jaxpar.config.build import (MODELS, OPTIMIZERS, build_gpt_config, build_strategy, build_sync, lr_scaling_problems, mesh_error,
-                    mesh_spec)
+from jaxpar.config.build import MODELS, build_gpt_config, build_strategy, build_sync, mesh_error, mesh_spec
+from jaxpar.config.optimizer_section import OPTIMIZERS, lr_scaling_problems
 from jaxpar.config.data_section import build_ramp
 from jaxpar.config.data_checks import data_problems
 from jaxpar.config.problems import at_least, choice, collect
@@ -25,7 +29,7 @@ from jaxpar.config.imports import call_problem, resolve_import
 from jaxpar.config.schema import (LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS, ConfigError,
                      JobConfig, ModelConfig, OptimizerConfig, ParallelConfig)
 
-__all__ = ["check"]
+__all__ = ["check", "table_setting", "YAML_NAMES"]
 
 
 def _mesh_sizes(cfg: JobConfig, num_devices: int | None) -> dict[str, int]:
@@ -175,10 +179,7 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
             if why:
                 problems.append(why)
     problems += _sync_problems(par, sizes)
-    problems += _two_bw_problems(par, p)
-    problems += _stashing_problems(cfg, sizes)
     problems += _steps_per_call_problems(cfg)
-    problems += _noise_scale_mesh_problems(cfg, sizes)
     t, dp, k = sizes["tensor"], sizes["data"] * sizes["fsdp"] * sizes.get("replica", 1), par.microbatches
     if gpt is not None:
         dims = [("model.heads", gpt.heads), ("model.mlp (default 4 x model.embed)", gpt.mlp_dim),
@@ -193,33 +194,62 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
     return problems + _ramp_problems(cfg, dp * k, f"mesh.data x mesh.fsdp{rep} x parallel.microbatches = {dp * k}")
 
 
-YAML_NAMES = {   # the YAML key of each field jaxpar.compat.table's messages name
+#: The YAML key of each field that the compatibility table's messages name (the library's names:
+#: :data:`jaxpar.compat.table.LIBRARY_NAMES`, the same keys).
+YAML_NAMES = {
     "zero": "parallel.zero", "sequence_parallel": "parallel.sequence_parallel", "schedule": "parallel.schedule",
     "compression": "parallel.compression", "sync": "parallel.sync", "local_clip": "parallel.compression.local_clip",
-    "microbatches": "parallel.microbatches", "compute_dtype": "parallel.compute_dtype", "explicit_dp": "explicit_dp",
-    "steps_per_call": "parallel.steps_per_call",
-    "clip_norm": "optimizer.clip_norm", "noise_scale_every": "logging.noise_scale.every", "pipe": "mesh.pipe",
-    "replica": "mesh.replica", "tensor": "mesh.tensor", "context": "mesh.context", "expert": "mesh.expert",
-    "ramp": "data.batch_ramp", "ramp_steps": "data.batch_ramp.steps", "true": "true", "false": "false",
+    "microbatches": "parallel.microbatches", "update_every": "parallel.update_every",
+    "compute_dtype": "parallel.compute_dtype", "explicit_dp": "explicit_dp",
+    "steps_per_call": "parallel.steps_per_call", "clip_norm": "optimizer.clip_norm",
+    "noise_scale_every": "logging.noise_scale.every", "optimizer": "optimizer.name",
+    "pipe": "mesh.pipe", "pipe_axis": "mesh.pipe", "replica": "mesh.replica", "data": "mesh.data",
+    "fsdp": "mesh.fsdp", "tensor": "mesh.tensor", "context": "mesh.context", "expert": "mesh.expert",
+    "ramp": "data.batch_ramp", "ramp_steps": "data.batch_ramp.steps",
+    "steps": "train.steps", "log_every": "train.log_every", "eval_every": "train.eval_every",
+    "checkpoint_every": "checkpoint.every", "true": "true", "false": "false", "none": "null",
 }
 
 
+def table_setting(cfg: JobConfig, strategy: Any, sizes: dict[str, int]) -> Any:
+    """The compatibility table's :class:`~jaxpar.compat.table.Setting` of a config.
+
+    Args:
+      cfg: the config.
+      strategy: its :class:`~jaxpar.Strategy` (``build_strategy(cfg.parallel)``).
+      sizes: its mesh sizes.
+
+    Returns:
+      The setting: the strategy, the mesh, and the step's and the loop's options the table reads.
+    """
+    from jaxpar.compat.table import Setting
+
+    ramp = cfg.data.batch_ramp or {}
+    kind = None if not ramp else ("adaptive" if ramp.get("adaptive") else "fixed")
+    k = cfg.parallel.steps_per_call
+    intervals = (("steps", cfg.train.steps), ("log_every", cfg.train.log_every),
+                 ("eval_every", cfg.train.eval_every), ("checkpoint_every", cfg.checkpoint.every))
+    return Setting(strategy, sizes, steps_per_call=k if isinstance(k, int) and k >= 1 else 1,
+                   clip_norm=cfg.optimizer.clip_norm, noise_scale_every=cfg.logging.noise_scale.every,
+                   ramp=kind, ramp_steps=tuple(s for s in ramp.get("steps") or () if isinstance(s, int)),
+                   intervals=tuple((key, v) for key, v in intervals if isinstance(v, int)))
+
+
 def _table_problems(cfg: JobConfig, strategy: Any, num_devices: int | None) -> list[str]:
-    """The compatibility table's refusals (:mod:`jaxpar.compat.table`) of this config, under its YAML keys
-    (a ``-1`` mesh size the device count cannot resolve counts as 1)."""
-    from jaxpar.compat.table import Setting, problems
+    """The compatibility table's refusals and needs (:mod:`jaxpar.compat.table`) of this config, under
+    its YAML keys. A ``-1`` mesh size that no device count resolves counts as 1 for the pairs (fewer
+    features on); the needs then wait for the device count."""
+    from jaxpar.compat.table import needs, problems
 
     try:
         sizes = _mesh_sizes(cfg, num_devices)
     except ConfigError:
         return []          # the mesh itself is reported elsewhere
-    ramp = cfg.data.batch_ramp or {}
-    kind = None if not ramp else ("adaptive" if ramp.get("adaptive") else "fixed")
-    k = cfg.parallel.steps_per_call
-    setting = Setting(strategy, sizes, steps_per_call=k if isinstance(k, int) and k >= 1 else 1,
-                      clip_norm=cfg.optimizer.clip_norm, noise_scale_every=cfg.logging.noise_scale.every,
-                      ramp=kind, ramp_steps=tuple(s for s in ramp.get("steps") or () if isinstance(s, int)))
-    return [p.render(YAML_NAMES) for p in problems(setting)]
+    setting = table_setting(cfg, strategy, sizes)
+    found = problems(setting)
+    if num_devices is not None or -1 not in dataclasses.astuple(cfg.mesh):
+        found += needs(setting)
+    return [p.render(YAML_NAMES) for p in found]
 
 
 def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
@@ -241,52 +271,12 @@ def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
     return []
 
 
-def _two_bw_problems(par: ParallelConfig, p: int) -> list[str]:
-    """``parallel.schedule: pipedream-2bw`` needs a pipeline (what it combines with: :mod:`jaxpar.compat.table`)."""
-    if _schedule_kind(par) != "pipedream-2bw" or p > 1:
-        return []
-    return [f"parallel.schedule={par.schedule!r} needs mesh.pipe > 1 (got mesh.pipe={p}): PipeDream-2BW is a "
-            "pipeline schedule (gradients one step late). Set mesh.pipe, or parallel.schedule: 1f1b."]
-
-
-def _schedule_kind(par: ParallelConfig) -> str | None:
-    """``parallel.schedule``'s canonical name (aliases resolved); ``None`` if unknown (reported by the strategy)."""
-    from jaxpar.parallel.pipeline.schedules import canonical_kind
-
-    try:
-        return canonical_kind(par.schedule)
-    except ValueError:
-        return None
-
-
 def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
-    """``parallel.steps_per_call = K > 1``: the loop's intervals multiples of ``K`` (pairs: :mod:`jaxpar.compat.table`)."""
+    """``parallel.steps_per_call``'s type (what it needs of the loop's intervals: :mod:`jaxpar.compat.needs`)."""
     k = cfg.parallel.steps_per_call
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         return [f"parallel.steps_per_call={k!r}: must be an int >= 1 (optimizer steps per compiled call)."]
-    if k == 1 or _schedule_kind(cfg.parallel) not in ("pipedream-2bw", "pipedream"):
-        return []
-    return [f"{key}={value} is not a multiple of parallel.steps_per_call={k}: the loop logs, evaluates, checkpoints "
-           f"and stops only between calls of {k} steps. Make it a multiple of {k}."
-           for key, value in (("train.steps", cfg.train.steps), ("train.log_every", cfg.train.log_every),
-                              ("train.eval_every", cfg.train.eval_every), ("checkpoint.every", cfg.checkpoint.every))
-           if value % k]
-
-
-def _stashing_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
-    """``parallel.schedule: pipedream`` (weight stashing): a pipeline, update_every dividing the micro-batches."""
-    par, p = cfg.parallel, sizes["pipe"]
-    if _schedule_kind(par) != "pipedream":
-        return []
-    key = f"parallel.schedule={par.schedule!r}"
-    if p <= 1:
-        return [f"{key} needs mesh.pipe > 1 (got mesh.pipe={p}): weight stashing is a pipeline schedule (each "
-                "stage updates its own weights). Set mesh.pipe, or parallel.schedule: 1f1b."]
-    out = []
-    if par.microbatches % par.update_every:
-        out.append(f"parallel.update_every={par.update_every} does not divide parallel.microbatches="
-                   f"{par.microbatches} ({key} updates each stage after every update_every of its backwards).")
-    return out
+    return []
 
 
 def _sync_problems(par, sizes) -> list[str]:
@@ -314,21 +304,16 @@ def _noise_scale_problems(p: list[str], cfg: JobConfig) -> None:
                  "measurement (0: none; e.g. 0.95).")
 
 
-def _noise_scale_mesh_problems(cfg: JobConfig, sizes: dict[str, int]) -> list[str]:
-    """``logging.noise_scale`` against the mesh (what it combines with: :mod:`jaxpar.compat.table`)."""
-    every = cfg.logging.noise_scale.every
-    if every is None or sizes.get("data", 1) * sizes.get("fsdp", 1) >= 2:
-        return []
-    return [f"logging.noise_scale.every={every}: needs mesh.data x mesh.fsdp >= 2 (each replica's batch must be "
-            "smaller than the global one); set logging.noise_scale.every=null or use more data-parallel devices."]
-
-
 def check(cfg: JobConfig, num_devices: int | None = None) -> None:
     """Raise :class:`ConfigError` listing every impossible setting (with ``num_devices``: also the mesh).
 
     Builds the library's objects (``GPTConfig``, ``Strategy``, ``MeshSpec``, the pipeline schedule,
     the stage partition) and reports their errors under the YAML keys; resolves the import paths of
     a user model, loss and data function (imports them, calls nothing).
+
+    Args:
+      cfg: the loaded config.
+      num_devices: the device count the mesh must fill (None: the mesh is not checked).
     """
     p: list[str] = []
     par, opt, tr = cfg.parallel, cfg.optimizer, cfg.train

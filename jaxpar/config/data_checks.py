@@ -15,7 +15,14 @@ _RESERVED_DATA_KWARGS = ("step", "batch_size", "seed", "eval", "rows")
 
 
 def data_problems(cfg: JobConfig) -> list[str]:
-    """What is wrong with ``cfg.data`` (and how it fits the model, for ``data.kind: documents``)."""
+    """What is wrong with ``cfg.data`` (and how it fits the model, for ``data.kind: documents``).
+
+    Args:
+      cfg: the whole config.
+
+    Returns:
+      One line per problem, each naming its YAML key; empty when there is none.
+    """
     d, p = cfg.data, []
     choice(p, "data.kind", d.kind, DATA_KINDS)
     choice(p, "data.token_dtype", d.token_dtype, TOKEN_DTYPES)

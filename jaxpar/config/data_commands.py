@@ -31,7 +31,12 @@ __all__ = ["add_data_parser", "run_data_command", "run_prepare", "run_show", "le
 
 def add_data_parser(sub: Any, add_process_options: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add ``data prepare`` and ``data show`` to the ``jaxpar`` parser's subparsers ``sub``; ``show`` also
-    takes the process options of ``jaxpar train`` (``add_process_options`` adds them)."""
+    takes the process options of ``jaxpar train`` (``add_process_options`` adds them).
+
+    Args:
+      sub: the subparsers of the ``jaxpar`` parser (``add_subparsers()``'s result).
+      add_process_options: adds ``jaxpar train``'s process options (``--coordinator`` ...) to a parser.
+    """
     p = sub.add_parser("data", help="prepare a token cache, or show the batches a run sees",
                        description="Work with data.kind=documents corpora (docs/data.md).")
     inner = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
@@ -49,7 +54,15 @@ def add_data_parser(sub: Any, add_process_options: Callable[[argparse.ArgumentPa
 
 def run_data_command(args: argparse.Namespace, dist: dict | None = None) -> int:
     """``jaxpar data ...`` from its parsed arguments (``dist``: ``show``'s process options); returns the
-    exit status."""
+    exit status.
+
+    Args:
+      args: the parsed arguments (``data_command``: ``prepare`` or ``show``).
+      dist: ``show``'s process options (None: one process, or a launcher's environment).
+
+    Returns:
+      The exit status.
+    """
     if args.data_command == "prepare":
         return run_prepare(args.config, args.overrides, force=args.force)
     return run_show(args.config, args.overrides, steps=_steps(args.steps), chars=args.chars, dist=dist)
@@ -66,7 +79,16 @@ def _steps(text: str) -> range:
 
 
 def run_prepare(config: str, overrides: Sequence[str], *, force: bool = False) -> int:
-    """``jaxpar data prepare``: each text source's token cache, then the summary and the histogram."""
+    """``jaxpar data prepare``: each text source's token cache, then the summary and the histogram.
+
+    Args:
+      config: the YAML config file.
+      overrides: dotted ``key=value`` overrides.
+      force: tokenize again even where a cache is up to date.
+
+    Returns:
+      The exit status (0).
+    """
     from jaxpar.data import DataError
     from jaxpar.data.cache import expected_meta, open_cache, prepare_cache
     from jaxpar.config.documents import open_source_of, source_cache_dir
@@ -108,7 +130,16 @@ def _percentiles(lengths: np.ndarray) -> str:
 
 
 def length_histogram(lengths: np.ndarray, path: str | Path, seq_len: int | None = None) -> Path:
-    """A PNG histogram of documents' token lengths (log-spaced bins), with ``seq_len`` marked when given."""
+    """A PNG histogram of documents' token lengths (log-spaced bins), with ``seq_len`` marked when given.
+
+    Args:
+      lengths: each document's token count.
+      path: the PNG file to write.
+      seq_len: the model's sequence length, drawn as a line (None: none).
+
+    Returns:
+      ``path`` as a :class:`~pathlib.Path`.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,7 +165,18 @@ def run_show(config: str, overrides: Sequence[str], *, steps: range, chars: int 
     """``jaxpar data show``: the global batches of ``steps`` under the config's mesh: digest, packing, a row.
 
     With several processes (``dist``: ``--coordinator`` and the rest, or a launcher), each builds its own
-    rows, the batch is gathered, and process 0 prints."""
+    rows, the batch is gathered, and process 0 prints.
+
+    Args:
+      config: the YAML config file.
+      overrides: dotted ``key=value`` overrides.
+      steps: the global steps whose batches are shown.
+      chars: characters of each decoded row.
+      dist: the process options (None: one process, or a launcher's environment).
+
+    Returns:
+      The exit status (0).
+    """
     import jax
 
     from jaxpar.data import batch_digest, make_global_batch

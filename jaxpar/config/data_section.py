@@ -20,7 +20,14 @@ __all__ = ["build_data", "build_ramp", "describe_batch"]
 
 
 def describe_batch(batch: Any) -> str:
-    """``"['x']: float32[32, 16], ['y']: int32[32]"``: the leaves of a host batch."""
+    """``"['x']: float32[32, 16], ['y']: int32[32]"``: the leaves of a host batch.
+
+    Args:
+      batch: a host batch (a pytree of arrays).
+
+    Returns:
+      One ``path: dtype[shape]`` entry per leaf, comma-separated.
+    """
     import jax
 
     leaves = jax.tree_util.tree_leaves_with_path(batch)
@@ -72,7 +79,14 @@ _FIXED_KEYS, _ADAPTIVE_KEYS = {"sizes", "steps"}, {"sizes", "adaptive", "every",
 def build_ramp(cfg: DataConfig):
     """The ramp of ``data.batch_ramp``: a :class:`~jaxpar.run.ramp.BatchRamp` (``{sizes, steps}``), an
     :class:`~jaxpar.run.ramp.AdaptiveRamp` (``{sizes, adaptive: true, every, factor, start}``), or
-    ``None`` when empty."""
+    ``None`` when empty.
+
+    Args:
+      cfg: the data section; its ``batch_ramp``'s first size must equal ``batch_size``.
+
+    Returns:
+      The ramp, or None.
+    """
     if not cfg.batch_ramp:
         return None
     from jaxpar.run.ramp import AdaptiveRamp, BatchRamp, RampError
@@ -109,14 +123,24 @@ def build_ramp(cfg: DataConfig):
 def build_data(cfg: DataConfig, *, seq_len: int | None = None, vocab: int | None = None, eval_batches: int,
                ramp: Any = None, tokenizer: Any = None, steps: int | None = None
                ) -> tuple[Callable[[int], dict], list[dict]]:
-    """``(batch_fn(step) -> host batch, fixed eval batches)`` for the data section (with
-    ``data.batch_ramp``, the batch of step ``t`` has the ramp's size at ``t``).
+    """The batch function and eval batches of the data section.
 
-    ``seq_len`` / ``vocab`` (the model's) are needed by the token kinds (text, tokens, synthetic,
-    documents), not by ``import``. ``ramp``: the ramp of :func:`build_ramp` to read the sizes from (an adaptive ramp
-    changes as it decides); default: a new one. ``tokenizer``: ``data.tokenizer``'s
-    (:func:`jaxpar.config.hf_model.build_tokenizer`): the text is its tokens, not bytes. ``steps``: the
-    run's steps (``data.kind=documents`` refuses a run that would repeat documents without ``data.repeat``).
+    Args:
+      cfg: the data section.
+      seq_len: the model's sequence length; needed by the token kinds (text, tokens, synthetic,
+        documents), not by ``import``.
+      vocab: the model's vocabulary size; likewise.
+      eval_batches: how many fixed eval batches.
+      ramp: the ramp of :func:`build_ramp` to read the sizes from (an adaptive ramp changes as it
+        decides); default: a new one.
+      tokenizer: ``data.tokenizer``'s (:func:`jaxpar.config.hf_model.build_tokenizer`): the text is its
+        tokens, not bytes.
+      steps: the run's steps (``data.kind=documents`` refuses a run that would repeat documents
+        without ``data.repeat``).
+
+    Returns:
+      ``(batch_fn(step) -> host batch, eval batches)``; with ``data.batch_ramp``, the batch of step
+      ``t`` has the ramp's size at ``t``.
     """
     ramp = build_ramp(cfg) if ramp is None else ramp
     if cfg.kind == "documents":   # the packed batches follow the ramp's rows themselves

@@ -23,12 +23,14 @@ from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxpar.config.data_section import describe_batch
-from jaxpar.config.job import Job, part_bytes
+from jaxpar.config.job import Job
 from jaxpar.config.schema import JobConfig
 
-__all__ = ["header_lines", "model_label", "model_line", "state_line", "describe_data", "program_lines", "packing_line"]
+__all__ = ["header_lines", "model_label", "model_line", "state_line", "describe_data", "program_lines", "packing_line",
+           "part_bytes"]
 
 
 def header_lines(job: Job) -> list[str]:
@@ -159,9 +161,39 @@ def describe_data(cfg: JobConfig, batch_fn: Callable[[int], Any]) -> tuple[str, 
 def packing_line(batches: Any, steps: int, most: int = 1000) -> str | None:
     """``packing  98.97% non-padding tokens (steps 0-99)``: packed batches' real tokens over the run's first
     ``min(steps, most)`` steps (planned from the documents' lengths, no token read); ``None`` for batches
-    that are not packed."""
+    that are not packed.
+
+    Args:
+      batches: the job's batches (a :class:`jaxpar.data.PackedBatches`, or anything else).
+      steps: the run's steps.
+      most: the most steps planned.
+
+    Returns:
+      The line, or None.
+    """
     if not hasattr(batches, "efficiency"):
         return None
     n = min(steps, most)
     skipped = f"; {batches.skipped} malformed records skipped" if batches.skipped else ""
     return f"packing  {batches.efficiency(0, n):.2%} non-padding tokens (steps 0-{n - 1}){skipped}"
+
+
+def part_bytes(layout) -> dict[str, int]:
+    """Bytes per device of the state parts a codec or relaxed synchronisation adds.
+
+    Args:
+      layout: the train state's :class:`~jaxpar.StateLayout`.
+
+    Returns:
+      ``{"codec": ..., "sync": ...}``: the codec's residuals and relaxed synchronisation's
+      replicas (or history) on one device, each 0 without the part.
+    """
+    from jaxpar.parallel.zero import spec_shards
+
+    sizes = dict(layout.mesh.shape)
+    out = {}
+    for name in ("codec", "sync"):
+        specs = jax.tree.leaves(getattr(layout, name), is_leaf=lambda x: isinstance(x, PartitionSpec))
+        out[name] = sum(a.size * a.dtype.itemsize // spec_shards(spec, sizes)
+                        for a, spec in zip(jax.tree.leaves(getattr(layout, name + "_shapes")), specs))
+    return out

@@ -44,7 +44,14 @@ _TEXT_FORMATS = ("jsonl", "parquet", "arrayrecord", "hf_disk")
 
 
 def documents_problems(cfg: JobConfig) -> list[str]:
-    """What is wrong with a ``data.kind: documents`` section (and its model), without reading a file."""
+    """What is wrong with a ``data.kind: documents`` section (and its model), without reading a file.
+
+    Args:
+      cfg: the whole config.
+
+    Returns:
+      One line per problem, naming its YAML key; empty when there is none (or another ``data.kind``).
+    """
     d, m = cfg.data, cfg.model
     if d.kind != "documents":
         return [f"data.sources: only read by data.kind=documents (here data.kind={d.kind!r}); remove it or set "
@@ -103,7 +110,15 @@ def _source_problems(i: int, s: dict, d: DataConfig) -> list[str]:
 
 
 def source_cache_dir(d: DataConfig, index: int) -> Path:
-    """The cache directory of ``data.sources[index]``: ``<data.cache>/<index>-<name of its path>``."""
+    """The cache directory of ``data.sources[index]``: ``<data.cache>/<index>-<name of its path>``.
+
+    Args:
+      d: the data section.
+      index: the source's index in ``data.sources``.
+
+    Returns:
+      The directory (it may not exist yet).
+    """
     path = dict(d.sources[index])["path"]
     first = path[0] if isinstance(path, (list, tuple)) else path
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(first)).name.split("*")[0]).strip("._") or "source"
@@ -111,7 +126,15 @@ def source_cache_dir(d: DataConfig, index: int) -> Path:
 
 
 def open_source_of(d: DataConfig, index: int) -> Any:
-    """``data.sources[index]`` opened as a :class:`jaxpar.data.sources.Source` (a text source)."""
+    """``data.sources[index]`` opened as a :class:`jaxpar.data.sources.Source` (a text source).
+
+    Args:
+      d: the data section.
+      index: the source's index in ``data.sources``.
+
+    Returns:
+      The opened source.
+    """
     from jaxpar.data.sources import open_source
 
     s = dict(d.sources[index])
@@ -121,6 +144,14 @@ def open_source_of(d: DataConfig, index: int) -> Any:
 
 def open_stores(d: DataConfig, tokenizer: Any, *, progress: Callable | None = None) -> list[Any]:
     """One token store per source: its cache (``data.cache``), its text tokenized on the fly, or its token file.
+
+    Args:
+      d: the data section.
+      tokenizer: ``data.tokenizer``'s, for the text sources.
+      progress: wraps the chunks of a text source's length pass (e.g. ``tqdm``); None: a bar on a terminal.
+
+    Returns:
+      The stores, in the order of ``data.sources``.
 
     Raises:
       ConfigError: a source, cache or token file that cannot be used; the message names ``data.sources[i]``.
@@ -158,6 +189,19 @@ def build_documents(d: DataConfig, *, seq_len: int, vocab: int, tokenizer: Any, 
                     ramp: Any = None, steps: int | None = None,
                     progress: Callable | None = None) -> tuple[PackedBatches, list[dict]]:
     """The packed batches of ``data.sources`` and ``eval_batches`` held-out batches.
+
+    Args:
+      d: the data section (``kind: documents``).
+      seq_len: the model's sequence length (the rows' length).
+      vocab: the model's vocabulary size (token ids must be below it).
+      tokenizer: ``data.tokenizer``'s, for the text sources.
+      eval_batches: how many held-out batches.
+      ramp: a batch ramp whose sizes the batches follow (None: ``data.batch_size``).
+      steps: the run's steps (None: not checked against the sources' epochs).
+      progress: as for :func:`open_stores`.
+
+    Returns:
+      ``(batches, eval batches)``: the :class:`jaxpar.data.PackedBatches` and the held-out host batches.
 
     Raises:
       ConfigError: a source that cannot be read, token ids outside the model's vocabulary (named with the

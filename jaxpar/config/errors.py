@@ -1,7 +1,10 @@
-"""The errors that jaxpar's commands report as a usage error (exit status 2, one line on stderr): a
-config, data, mesh, rule, checkpoint or target that jaxpar has named as wrong, with the fix."""
+"""The errors that jaxpar's commands report as a usage error (exit status 2, one line on stderr): every
+:class:`~jaxpar.errors.JaxparError`, an input (a config, data, mesh, rule, checkpoint, target or a
+combination of features) that jaxpar has named as wrong, with the fix."""
 
 from __future__ import annotations
+
+from jaxpar.errors import JaxparError
 
 __all__ = ["user_errors"]
 
@@ -9,20 +12,15 @@ __all__ = ["user_errors"]
 def user_errors() -> tuple[type[Exception], ...]:
     """The exception classes a command prints as ``jaxpar COMMAND: error: ...``.
 
-    >>> from jaxpar.data import DataError
-    >>> DataError in user_errors()
-    True
-    """
-    from jaxpar.cost import ClusterError, PlanError
-    from jaxpar.data import DataError
-    from jaxpar.devices.distributed import DistributedError
-    from jaxpar.hf import HFExportError
-    from jaxpar.parallel.pipeline.cut import PipelineCutError
-    from jaxpar.rules import RulesError
-    from jaxpar.devices.targets import TargetError
-    from jaxpar.run.checkpoint import CheckpointError
-    from jaxpar.step.compose import ExplicitDPError
-    from jaxpar.config.schema import ConfigError
+    Returns:
+      ``(JaxparError,)``: the base of every error jaxpar raises (:mod:`jaxpar.errors`); anything else
+      (a bug, an error of JAX or of the user's own code) keeps its traceback.
 
-    return (ConfigError, ClusterError, PlanError, DistributedError, RulesError, CheckpointError, PipelineCutError,
-            ExplicitDPError, TargetError, HFExportError, DataError)
+    Example:
+      >>> from jaxpar.errors import DataError, SyncError
+      >>> issubclass(DataError, user_errors()) and issubclass(SyncError, user_errors())
+      True
+      >>> issubclass(KeyError, user_errors())
+      False
+    """
+    return (JaxparError,)

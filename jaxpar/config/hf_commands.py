@@ -32,7 +32,11 @@ __all__ = ["add_parsers", "run_command", "run_export", "run_sample", "RunWeights
 
 
 def add_parsers(sub: Any) -> None:
-    """Add the ``export`` and ``sample`` subcommands to the ``jaxpar`` parser's subparsers ``sub``."""
+    """Add the ``export`` and ``sample`` subcommands to the ``jaxpar`` parser's subparsers ``sub``.
+
+    Args:
+      sub: the subparsers of the ``jaxpar`` parser.
+    """
     p = sub.add_parser("export", help="write a run's weights as a Hugging Face checkpoint (model.hf)",
                        description="Restore CONFIG's run (its latest jaxpar checkpoint, or --step N; before any, "
                                    "model.hf's imported weights) and write them as a Hugging Face checkpoint.")
@@ -53,7 +57,14 @@ def add_parsers(sub: Any) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """``jaxpar export`` / ``jaxpar sample`` from their parsed arguments; returns the exit status."""
+    """``jaxpar export`` / ``jaxpar sample`` from their parsed arguments; returns the exit status.
+
+    Args:
+      args: the parsed arguments (``command``: ``export`` or ``sample``).
+
+    Returns:
+      The exit status.
+    """
     if args.command == "export":
         return run_export(args.config, args.overrides, args.hf, step=args.step, overwrite=args.overwrite,
                           dtype=args.dtype)
@@ -131,6 +142,17 @@ def run_export(config: str, overrides: Sequence[str], out: str, *, step: int | N
                dtype: str | None = None) -> int:
     """``jaxpar export``: the run's weights (:func:`run_weights`) -> a Hugging Face checkpoint in ``out``.
 
+    Args:
+      config: the run's YAML config (or ``<train.out_dir>/config.yaml``).
+      overrides: dotted ``key=value`` overrides.
+      out: the directory to write (new or empty).
+      step: the jaxpar checkpoint of that step (None: the latest good one).
+      overwrite: replace the checkpoint files of a non-empty ``out``.
+      dtype: the tensors' dtype, ``"bfloat16"`` or ``"float32"`` (None: the source's).
+
+    Returns:
+      The exit status (0).
+
     Raises:
       ConfigError: the config is invalid, or has no ``model.hf``.
       HFExportError: ``out`` is not empty (and not ``overwrite``).
@@ -173,6 +195,16 @@ def _sample_codec(cfg: Any, job: Any):
 def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: int | None = None,
                step: int | None = None) -> int:
     """``jaxpar sample``: ``prompt`` continued greedily by the run's weights (:func:`run_weights`), printed.
+
+    Args:
+      config: the run's YAML config (or ``<train.out_dir>/config.yaml``).
+      overrides: dotted ``key=value`` overrides.
+      prompt: the text to continue.
+      tokens: new tokens (None: ``logging.sample_tokens``).
+      step: the jaxpar checkpoint of that step (None: the latest good one).
+
+    Returns:
+      The exit status (0).
 
     Raises:
       ConfigError: the config is invalid, the prompt encodes to no token, or the run's tokens have no text.

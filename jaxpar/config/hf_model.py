@@ -22,7 +22,7 @@ Example::
     >>> open_hf(ModelConfig(hf="/nonexistent"))
     Traceback (most recent call last):
     ...
-    jaxpar.config.schema.ConfigError: model.hf='/nonexistent': /nonexistent: no config.json; ...
+    jaxpar.errors.ConfigError: model.hf='/nonexistent': /nonexistent: no config.json; ...
 """
 
 from __future__ import annotations
@@ -132,7 +132,16 @@ def hf_mesh_problems(hf: Any, path: str, tensor: int) -> list[str]:
 
 def hf_length_problems(hf: Any, path: str, seq_len: int) -> list[str]:
     """A ``model.seq_len`` beyond the checkpoint's ``max_position_embeddings`` (the longest sequence its
-    positions were trained for); none when the config does not say."""
+    positions were trained for); none when the config does not say.
+
+    Args:
+      hf: the opened checkpoint.
+      path: ``model.hf`` (for the message).
+      seq_len: ``model.seq_len``.
+
+    Returns:
+      The problems (at most one).
+    """
     most = hf.hf_config.get("max_position_embeddings")
     if isinstance(most, int) and seq_len > most:
         return [f"model.seq_len={seq_len}: longer than model.hf={path!r}'s max_position_embeddings={most}, the "

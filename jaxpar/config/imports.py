@@ -44,6 +44,13 @@ def resolve_import(value: Any, key: str) -> Any:
 
     Errors name ``key`` and ``value`` and say what went wrong: malformed, module or file not
     found, the import failed, attribute missing, not callable.
+
+    Args:
+      value: the import path (a string).
+      key: the YAML key it came from (named in errors).
+
+    Returns:
+      The object.
     """
     form = "expected 'package.module:attribute' or 'path/to/file.py:attribute'"
     if not isinstance(value, str) or ":" not in value:
@@ -80,7 +87,16 @@ def resolve_import(value: Any, key: str) -> Any:
 
 
 def call_problem(fn: Callable, *args: Any, **kwargs: Any) -> str | None:
-    """Why ``fn(*args, **kwargs)`` cannot bind to ``fn``'s signature, or None (also when it has none)."""
+    """Why ``fn(*args, **kwargs)`` cannot bind to ``fn``'s signature, or None (also when it has none).
+
+    Args:
+      fn: the function.
+      *args: the positional arguments it would get.
+      **kwargs: the keyword arguments it would get.
+
+    Returns:
+      The binding error's message, or None.
+    """
     if isinstance(fn, type) and fn.__init__ is not object.__init__:
         fn, args = fn.__init__, (None, *args)     # a class: its __init__ (nnx's metaclass hides it)
     try:
@@ -95,6 +111,15 @@ def call_problem(fn: Callable, *args: Any, **kwargs: Any) -> str | None:
 
 
 def takes(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` takes a parameter called ``name``.
+
+    Args:
+      fn: a callable.
+      name: the parameter's name.
+
+    Returns:
+      True if its signature has it (False also when it has no signature).
+    """
     try:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):

@@ -26,7 +26,8 @@ from jaxpar.devices.targets import Target, TargetError, compile_error, parse_tar
 from jaxpar.config.build import mesh_spec
 from jaxpar.config.schema import ConfigError, JobConfig
 
-__all__ = ["inspect_config", "target_mesh_problem", "fit_lines", "fitting_plan", "DOES_NOT_FIT", "parse_target"]
+__all__ = ["inspect_config", "target_mesh_problem", "fit_lines", "fitting_plan", "DOES_NOT_FIT", "parse_target",
+           "job_devices"]
 
 #: ``jaxpar inspect --target``'s exit status when the program does not fit the device's memory.
 DOES_NOT_FIT = 3
@@ -164,12 +165,32 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
     return _report(cfg, job, layout, compiled, tgt, cluster or (tgt.spec.cluster if tgt else "cpu_sim"))
 
 
+def job_devices(cfg: JobConfig) -> int:
+    """The devices the config trains on: ``train.devices``, else the product of its mesh sizes.
+
+    Args:
+      cfg: the config.
+
+    Returns:
+      The device count.
+
+    Raises:
+      ConfigError: ``train.devices=0`` and a ``-1`` mesh axis: the count is unknown.
+    """
+    if cfg.train.devices > 0:
+        return cfg.train.devices
+    sizes = [getattr(cfg.mesh, a) for a in ("data", "fsdp", "tensor", "pipe")]
+    if any(s == -1 for s in sizes):
+        raise ConfigError("jaxpar inspect: mesh has a -1 axis and train.devices=0, so the device count is unknown; "
+                          "set train.devices=N (e.g. train.devices=8) or give every mesh axis a size.")
+    return int(math.prod(sizes))
+
+
 def _devices(cfg: JobConfig, tgt: Target | None) -> list:
     if tgt is None:
         import jax
 
         from jaxpar.devices.distributed import setup_devices
-        from jaxpar.config.job import job_devices
 
         n = job_devices(cfg)
         setup_devices(n)

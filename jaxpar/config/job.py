@@ -17,8 +17,7 @@ Example::
     >>> job.strategy.name(dict(job.mesh.shape)), job.updates_per_step
     ('dp2-fsdp2-tp2', 1)
     >>> sorted(job.step_options)
-    ['clip_norm', 'log_lr', 'noise_scale_ema', 'noise_scale_every', 'router_bias_rate', 'skip_nonfinite',
-     'steps_per_call']
+    ['clip_norm', 'log_lr', 'skip_nonfinite', 'steps_per_call']
     >>> layout = job.state_layout()               # traced only: nothing is allocated
     >>> compiled = job.compile(layout)            # the programs train runs, compiled ahead of time
     >>> sorted(compiled), compiled["step"].in_avals[0][1]["tokens"]
@@ -37,14 +36,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.data.packing import BATCH_KEYS
 from jaxpar.strategy import Strategy
-from jaxpar.config.build import (build_gpt_config, build_loss_fn, build_mesh, build_model_fn, build_optimizer, build_strategy,
-                    frozen_variance_step)
+from jaxpar.config.build import build_gpt_config, build_loss_fn, build_mesh, build_model_fn, build_strategy
 from jaxpar.config.checks import check
 from jaxpar.config.data_section import build_data, build_ramp
 from jaxpar.config.hf_model import build_tokenizer, hf_length_problems, hf_mesh_problems, open_hf
+from jaxpar.config.optimizer_section import build_optimizer, frozen_variance_step
 from jaxpar.config.schema import ConfigError, JobConfig
 
-__all__ = ["Job", "build_job", "updates_per_step", "job_devices", "part_bytes"]
+__all__ = ["Job", "build_job", "updates_per_step"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,8 @@ class Job:
     checkpoint: Mapping[str, Any] | None = None                    # Checkpointer arguments (None: no checkpoints)
     meta: Mapping[str, Any] = field(default_factory=dict)         # checkpoint_meta's arguments, less the mesh
     gpt_sizes: Mapping[str, int] | None = None                     # the GPT's sizes for MFU (None: another model)
-    router_bias: tuple | None = None          # the MoE router bias's shape (model.moe.bias_rate > 0)
+    router_bias: tuple | None = None          # the MoE router bias's (shape, rate) (model.moe.bias_rate > 0)
+    noise_scale: tuple | None = None          # (every, ema) of the noise-scale measurement (logging.noise_scale)
     hf: Any = None                            # jaxpar.hf.Checkpoint of model.hf
     tokenizer: Any = None                     # jaxpar.hf.Tokenizer of data.tokenizer
 
@@ -94,7 +94,7 @@ class Job:
     @property
     def noise_scale_every(self) -> int | None:
         """Every how many steps the train step measures the noise scale (None: never)."""
-        return self.step_options.get("noise_scale_every")
+        return self.noise_scale[0] if self.noise_scale else None
 
     def state_layout(self):
         """The train state's layout (:func:`jaxpar.state_layout`, plus the noise scale's state when it
@@ -105,19 +105,27 @@ class Job:
         if self.router_bias is not None:
             from jaxpar.step.router_bias import router_bias_layout
 
-            layout = router_bias_layout(layout, self.router_bias)
-        if self.noise_scale_every is None:
+            shape, rate = self.router_bias
+            layout = router_bias_layout(layout, shape, rate=rate)
+        if self.noise_scale is None:
             return layout
         from jaxpar.step.noise_scale import noise_scale_layout
 
-        return noise_scale_layout(layout)
+        every, ema = self.noise_scale
+        return noise_scale_layout(layout, every=every, ema=ema)
 
     def init_state(self, *, weights: bool = True):
-        """``(state, layout)``: the train state created sharded (:func:`jaxpar.init_train_state`), with
-        the MoE router bias (``model.moe.bias_rate``) and the noise scale's moving averages when it is
-        measured (they are checkpointed). With ``model.hf`` the parameters are the checkpoint's,
-        read straight into their layout (:meth:`imported_params`), and the optimizer state is fresh;
-        ``weights=False`` leaves them random (a resumed run restores its own)."""
+        """The train state created sharded (:func:`jaxpar.init_train_state`), with the MoE router bias
+        (``model.moe.bias_rate``) and the noise scale's moving averages when it is measured (they are
+        checkpointed). With ``model.hf`` the parameters are the checkpoint's, read straight into their
+        layout (:meth:`imported_params`), and the optimizer state is fresh.
+
+        Args:
+          weights: False leaves the parameters random also with ``model.hf`` (a resumed run restores its own).
+
+        Returns:
+          ``(state, layout)``.
+        """
         from jaxpar.step.init import init_train_state
 
         params = self.imported_params(self.state_layout()) if self.hf is not None and weights else None
@@ -125,25 +133,48 @@ class Job:
         if self.router_bias is not None:
             from jaxpar.step.router_bias import with_router_bias
 
-            state, layout = with_router_bias(state, layout, self.router_bias)
-        if self.noise_scale_every is None:
+            shape, rate = self.router_bias
+            state, layout = with_router_bias(state, layout, shape, rate=rate)
+        if self.noise_scale is None:
             return state, layout
         from jaxpar.step.noise_scale import with_noise_scale
 
-        return with_noise_scale(state, layout)
+        every, ema = self.noise_scale
+        return with_noise_scale(state, layout, every=every, ema=ema)
 
     def imported_params(self, layout):
-        """``model.hf``'s weights, each read from the files into its sharding of ``layout.params``."""
+        """``model.hf``'s weights, each read from the files into its sharding.
+
+        Args:
+          layout: the train state's layout (:meth:`state_layout`, or the one :meth:`init_state` returns).
+
+        Returns:
+          The parameters, a tree like ``layout.params``, sharded as it says.
+        """
         return self.hf.load(self.mesh, layout.params)
 
     def train_step(self, layout):
-        """The train step ``jaxpar train`` runs: :func:`jaxpar.make_train_step` with the job's options."""
+        """The train step ``jaxpar train`` runs.
+
+        Args:
+          layout: the train state's layout (:meth:`state_layout`, or the one :meth:`init_state` returns).
+
+        Returns:
+          :func:`jaxpar.make_train_step`'s step with the job's loss, optimizer, strategy and options.
+        """
         from jaxpar.step.compose import make_train_step
 
         return make_train_step(self.loss_fn, self.tx, layout, self.strategy, **self.step_options)
 
     def eval_fn(self, layout):
-        """``state -> eval loss`` over the job's eval batches (None without them)."""
+        """The eval function of the job's eval batches.
+
+        Args:
+          layout: the train state's layout (:meth:`state_layout`, or the one :meth:`init_state` returns).
+
+        Returns:
+          ``evaluate(state) -> mean loss`` over the eval batches; None without them.
+        """
         if not self.eval_batches:
             return None
         from jaxpar.run.loop import make_eval_fn
@@ -171,6 +202,9 @@ class Job:
     def compile(self, layout) -> dict[str, Any]:
         """The programs of :meth:`train_step`, compiled ahead of time from abstract state (nothing runs).
 
+        Args:
+          layout: the train state's layout (:meth:`state_layout`, or the one :meth:`init_state` returns).
+
         Returns:
           ``{name: compiled}`` for every program the step runs: ``"step"`` (with ``steps_per_call`` K:
           the program of K steps on K stacked batches), ``"measure"`` (the step that also measures the
@@ -181,8 +215,16 @@ class Job:
         return {name: program.compile() for name, program in lowered.items()}
 
     def log_options(self, layout, tokens_per_batch: int | None):
-        """The loop's :class:`~jaxpar.run.report.LogOptions`: the job's settings, its title, and the
-        FLOPs per token of jaxpar's GPT for MFU."""
+        """The loop's logging options.
+
+        Args:
+          layout: the train state's layout (:meth:`state_layout`, or the one :meth:`init_state` returns).
+          tokens_per_batch: tokens per global batch, for tokens/s and MFU (None: not fixed).
+
+        Returns:
+          A :class:`~jaxpar.run.report.LogOptions`: the job's settings, its title, and the FLOPs per
+          token of jaxpar's GPT for MFU (None for a model of your own).
+        """
         from jaxpar.run.report import LogOptions
         from jaxpar.run.resume import gpt_flops_per_token
 
@@ -193,8 +235,15 @@ class Job:
                           tokens_per_batch=tokens_per_batch, flops_per_token=flops)
 
     def checkpointer(self, layout=None):
-        """A :class:`~jaxpar.run.checkpoint.Checkpointer` for the run (None: checkpoints are off);
-        with the state's ``layout`` its saves record the layout of the state's feature parts."""
+        """The run's checkpointer.
+
+        Args:
+          layout: the train state's layout (its saves then record the layout of the state's feature
+            parts), or None.
+
+        Returns:
+          A :class:`~jaxpar.run.checkpoint.Checkpointer`, or None when checkpoints are off.
+        """
         if self.checkpoint is None:
             return None
         from jaxpar.run.checkpoint import Checkpointer
@@ -255,7 +304,7 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
     bias = _router_bias(m)
     base = dict(name=cfg.name, strategy=strategy, model_fn=model_fn, global_batch=d.batch_size, hf=hf,
                 seq_len=m.seq_len, token_batches=d.kind != "import", packed_batches=d.kind == "documents",
-                router_bias=bias and bias[0], tokenizer=tokenizer)
+                router_bias=bias, tokenizer=tokenizer)
     if not mesh:
         return Job(loss_fn=build_loss_fn(m), **base)
     per_step = updates_per_step(strategy, dict(device_mesh.shape))
@@ -264,10 +313,9 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
     loss_fn = build_loss_fn(m)
     noise = cfg.logging.noise_scale
     options = dict(clip_norm=cfg.optimizer.clip_norm, log_lr=schedule, skip_nonfinite=True,
-                   noise_scale_every=noise.every, noise_scale_ema=noise.ema,
-                   steps_per_call=cfg.parallel.steps_per_call, router_bias_rate=bias and bias[1])
+                   steps_per_call=cfg.parallel.steps_per_call)
     return Job(mesh=device_mesh, tx=tx, log_lr=schedule, updates_per_step=per_step, step_options=options,
-               loss_fn=loss_fn, **base, **_data(cfg, data, vocab, tokenizer), **_run(cfg, tokenizer))
+               loss_fn=loss_fn, noise_scale=(noise.every, noise.ema) if noise.every is not None else None, **base, **_data(cfg, data, vocab, tokenizer), **_run(cfg, tokenizer))
 
 
 def _open_hf(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
@@ -324,45 +372,3 @@ def _run(cfg: JobConfig, tokenizer: Any = None) -> dict:
             "data": {"kind": cfg.data.kind, "seed": cfg.data.seed, "batch_size": cfg.data.batch_size}}
     sizes = dict(vocab=m.vocab, seq_len=m.seq_len, embed=m.embed, layers=m.layers) if gpt else None
     return dict(run=run, log=log, checkpoint=checkpoint, meta=meta, gpt_sizes=sizes)
-
-
-def job_devices(cfg: JobConfig) -> int:
-    """The devices the config trains on: ``train.devices``, else the product of its mesh sizes.
-
-    Args:
-      cfg: the config.
-
-    Returns:
-      The device count.
-
-    Raises:
-      ConfigError: ``train.devices=0`` and a ``-1`` mesh axis: the count is unknown.
-    """
-    if cfg.train.devices > 0:
-        return cfg.train.devices
-    sizes = [getattr(cfg.mesh, a) for a in ("data", "fsdp", "tensor", "pipe")]
-    if any(s == -1 for s in sizes):
-        raise ConfigError("jaxpar inspect: mesh has a -1 axis and train.devices=0, so the device count is unknown; "
-                          "set train.devices=N (e.g. train.devices=8) or give every mesh axis a size.")
-    return int(np.prod(sizes))
-
-
-def part_bytes(layout) -> dict[str, int]:
-    """Bytes per device of the state parts a codec or relaxed synchronisation adds.
-
-    Args:
-      layout: the train state's :class:`~jaxpar.StateLayout`.
-
-    Returns:
-      ``{"codec": ..., "sync": ...}``: the codec's residuals and relaxed synchronisation's
-      replicas (or history) on one device, each 0 without the part.
-    """
-    from jaxpar.parallel.zero import spec_shards
-
-    sizes = dict(layout.mesh.shape)
-    out = {}
-    for name in ("codec", "sync"):
-        specs = jax.tree.leaves(getattr(layout, name), is_leaf=lambda x: isinstance(x, PartitionSpec))
-        out[name] = sum(a.size * a.dtype.itemsize // spec_shards(spec, sizes)
-                        for a, spec in zip(jax.tree.leaves(getattr(layout, name + "_shapes")), specs))
-    return out

@@ -80,7 +80,14 @@ def _absolute_imports(layer: dict, base: Path) -> dict:
 
 
 def parse_overrides(items: Sequence[str]) -> dict:
-    """``["mesh.tensor=2", "optimizer.lr=3e-4"]`` -> nested dict (values parsed as YAML)."""
+    """``["mesh.tensor=2", "optimizer.lr=3e-4"]`` -> nested dict (values parsed as YAML).
+
+    Args:
+      items: ``key=value`` strings with dotted keys (``base`` is not allowed).
+
+    Returns:
+      The nested dict, e.g. ``{"mesh": {"tensor": 2}}``; a malformed item raises :class:`ConfigError`.
+    """
     for item in items:
         key = item.split("=", 1)[0].strip()
         if "=" not in item or not key:
@@ -158,6 +165,13 @@ def merge_layers(layers: Sequence[tuple[str, Mapping]], name: str = "") -> JobCo
     keeps only ``seq_len``, ``remat`` and ``scan_layers`` of the layers before it, and any other model
     key from it on is an error. Likewise a layer that sets ``data.target`` drops the ``data.kwargs``
     of the layers before it.
+
+    Args:
+      layers: ``(source, mapping)`` pairs, base first; ``source`` names the layer in errors.
+      name: the config's name when no layer sets one (default ``out_dir``: ``runs/<name>``).
+
+    Returns:
+      The checked :class:`JobConfig`.
     """
     for source, layer in layers:
         _check_keys(layer, JobConfig, "", source)
@@ -220,6 +234,13 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
 
     A ``.py`` file in an import path (``model.target: vit.py:ViT``) is relative to the YAML file
     that names it; in an override, to the working directory. The resolved config holds it absolute.
+
+    Args:
+      path: the YAML file.
+      overrides: dotted ``key=value`` strings (:func:`parse_overrides`), applied last.
+
+    Returns:
+      The checked :class:`JobConfig`; a problem raises :class:`ConfigError`.
     """
     path = Path(path)
     layers = _yaml_chain(path)
@@ -230,7 +251,14 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
 
 def to_yaml(cfg: JobConfig) -> str:
     """The resolved config as YAML (loadable again with :func:`load_config`); the ``model`` section
-    holds the GPT's keys, the user model's or those beside ``model.hf``, not several."""
+    holds the GPT's keys, the user model's or those beside ``model.hf``, not several.
+
+    Args:
+      cfg: a resolved config.
+
+    Returns:
+      The YAML text.
+    """
     data, m = OmegaConf.to_container(OmegaConf.structured(cfg)), cfg.model
     keep = HF_MODEL_KEYS if m.hf is not None else ("name", *(USER_MODEL_KEYS if m.target is not None else GPT_KEYS))
     data["model"] = {k: v for k, v in data["model"].items() if k in keep}

@@ -23,8 +23,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 from jaxpar.strategy import Strategy
 from jaxpar.config.schema import ConfigError, JobConfig
 
-__all__ = ["PlannerView", "cost_model", "plan_model", "planner_view", "unpredicted", "predicted_peak", "planner_table",
-           "plan_report", "verify_plans", "plan_overrides"]
+__all__ = ["PlannerView", "cost_model", "plan_model", "plan_dtype", "planner_view", "unpredicted", "predicted_peak",
+           "planner_table", "plan_report", "verify_plans", "plan_overrides"]
 
 
 class PlannerView(NamedTuple):
@@ -94,12 +94,40 @@ def plan_model(config: str | None, sizes: Mapping[str, int | None]):
     return cost.gpt(sizes["layers"], sizes["hidden"], sizes["heads"], sizes["seq"], sizes["vocab"], sizes["batch"])
 
 
+def plan_dtype(config: str | None, dtype: str | None, cluster: Any) -> str:
+    """``jaxpar plan``'s compute dtype (the cluster's peak FLOP/s of that dtype): ``--dtype`` when given,
+    else the config's ``parallel.compute_dtype``, else ``bfloat16``.
+
+    Args:
+      config: the config file (None: none).
+      dtype: ``--dtype`` (None: not given).
+      cluster: the :class:`jaxpar.cost.Cluster` planned on.
+
+    Returns:
+      The dtype.
+
+    Raises:
+      ConfigError: the config's dtype is one the cluster has no peak FLOP/s for (an explicit ``--dtype``
+        is left to the planner, which names the cluster's dtypes).
+    """
+    from jaxpar.config.load import load_config
+
+    if dtype or not config:
+        return dtype or "bfloat16"
+    dtype = load_config(config, []).parallel.compute_dtype
+    if dtype not in cluster.peak_flops:
+        raise ConfigError(f"{config}: parallel.compute_dtype is {dtype}, and cluster {cluster.name!r} has peak "
+                          f"FLOP/s for {', '.join(cluster.peak_flops)} only; pass --dtype "
+                          f"{next(iter(cluster.peak_flops))} to plan in that dtype, or choose another --cluster.")
+    return dtype
+
+
 def plan_overrides(plan: Any) -> list[str]:
     """The dotted overrides that make a config run a :class:`jaxpar.cost.Plan` (``jaxpar train CONFIG
     *overrides``): its mesh, strategy and recomputation (``selective`` is the GPT's ``save-matmuls``).
 
     Args:
-      plan: the plan (e.g. ``jaxpar.cost.planner(...).best.plan``).
+      plan: the plan (e.g. ``jaxpar.cost.plan(...).best.plan``).
 
     Returns:
       ``key=value`` strings.
@@ -348,7 +376,7 @@ def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: boo
     Args:
       model: the cost model's model.
       cluster: the cluster.
-      result: :func:`jaxpar.cost.planner`'s result.
+      result: :func:`jaxpar.cost.plan`'s result.
       top: how many plans to show.
       as_json: JSON instead of tables.
 

@@ -18,11 +18,14 @@ does, inside the function). Checking the model against compiled programs is done
 * :mod:`~jaxpar.cost.traffic`: each strategy's collectives per step and mesh axis, for jaxpar's programs
   and for Megatron-LM's (lowering ``megatron``, to compare with published runs).
 * :mod:`~jaxpar.cost.roofline`: each kernel of a layer on the device's roofline.
-* :mod:`~jaxpar.cost.time`: FLOPs, the step through the pipeline schedule, the collectives' time and
-  what the schedule hides of them.
+* :mod:`~jaxpar.cost.flops`: FLOPs per token and per step (Narayanan et al.'s count, and the model's own).
+* :mod:`~jaxpar.cost.time`: the step through the pipeline schedule, the collectives' time and what the
+  schedule hides of them.
 * :mod:`~jaxpar.cost.model`: a model from numbers or from an NNX model.
 * :mod:`~jaxpar.cost.refusals`: a plan as the compatibility table's setting (:mod:`jaxpar.compat.table`, pure Python
   too), and why the table refuses it.
+* :mod:`~jaxpar.cost.layouts`: the mesh factorisations of a cluster, and why a context / expert size
+  cannot run.
 * :mod:`~jaxpar.cost.planner`: enumerate, reject what the table refuses or does not fit (with the reason), rank.
 
 Example::

@@ -1,6 +1,9 @@
 """Activation bytes per layer: Korthikanti et al. (2022), and the terms context and expert parallelism change.
 
-:func:`activation_bytes_per_layer` is the paper's Table 2 (see :mod:`jaxpar.cost.memory`'s module doc);
+:func:`activation_bytes_per_layer` is the paper's Table 2: bytes per layer with 16-bit activations,
+sequence ``s``, micro-batch ``b``, hidden ``h``, ``a`` heads, ``t``-way tensor parallelism: ``sbh(34 +
+5as/h)`` (none), ``sbh(10 + 24/t + 5as/(ht))`` (TP), ``sbh/t·(34 + 5as/h)`` (TP + SP), the ``5as/h``
+term dropped by selective recomputation, ``2sbh`` (``/t`` with SP) with full recomputation;
 :func:`layer_activations` applies it at ``s / context`` tokens with the CP method's attention scores and,
 for an MoE layer, the MoE MLP's buffers (:mod:`jaxpar.cost.context_experts`). Both are re-exported by
 :mod:`jaxpar.cost.memory`.
@@ -8,6 +11,9 @@ for an MoE layer, the MoE MLP's buffers (:mod:`jaxpar.cost.context_experts`). Bo
 Example::
 
     >>> activation_bytes_per_layer(2048, 1, 12288, 96, remat="full") == 2 * 2048 * 12288
+    True
+    >>> activation_bytes_per_layer(seq=2048, micro_batch=1, hidden=12288, heads=96, tensor=8,
+    ...                            sequence_parallel=True, remat="selective") == 2048 * 12288 * 34 / 8
     True
 """
 from __future__ import annotations
@@ -25,9 +31,22 @@ REMAT = ("none", "selective", "full")
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tensor: int = 1,
                                sequence_parallel: bool = False, remat: str = "none",
                                bytes_per_value: float = 2) -> float:
-    """Korthikanti et al. (2022) activation bytes of one transformer layer (:mod:`jaxpar.cost.memory`'s module doc).
+    """Korthikanti et al. (2022) activation bytes of one transformer layer (``docs/planning.md`` §3).
 
     ``bytes_per_value`` scales from the paper's 16-bit activations (2) to fp32 (4).
+
+    Args:
+      seq: the sequence length ``s``.
+      micro_batch: sequences per micro-batch ``b``.
+      hidden: the hidden size ``h``.
+      heads: attention heads ``a``.
+      tensor: the tensor-parallel size ``t``.
+      sequence_parallel: Megatron's sequence parallelism (the norms and dropouts split over ``t``).
+      remat: ``"none"``, ``"selective"`` or ``"full"`` recomputation.
+      bytes_per_value: bytes per activation value.
+
+    Returns:
+      Bytes per device.
 
     >>> activation_bytes_per_layer(2048, 1, 12288, 96) == 2048 * 12288 * (34 + 5 * 96 * 2048 / 12288)
     True
@@ -53,6 +72,19 @@ def layer_activations(model: ModelSpec, sizes: Mapping[str, int], rows: float, *
     terms at ``s / context`` tokens, the attention scores of the CP method
     (:func:`jaxpar.cost.context_experts.context_score_bytes`) and, for an MoE layer (``moe``), the MoE
     MLP's buffers (:func:`~jaxpar.cost.context_experts.moe_mlp_bytes`) in place of the dense MLP's.
+
+    Args:
+      model: the model.
+      sizes: mesh axis name -> size.
+      rows: sequences per micro-batch on one device.
+      remat: ``"none"``, ``"selective"`` or ``"full"``.
+      sequence_parallel: Megatron's sequence parallelism.
+      activation_bytes: bytes per activation value.
+      context_method: ``"ring"``, ``"all-gather"`` or ``"ulysses"``.
+      moe: the layer is an MoE layer.
+
+    Returns:
+      Bytes per device.
 
     >>> from jaxpar.cost.model import gpt
     >>> m = gpt(2, 64, 4, 32, 128, 8)

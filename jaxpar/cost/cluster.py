@@ -85,6 +85,12 @@ class Cluster:
         """``efficiency * w / (w + gemm_half_flops)`` for a matmul of ``w`` FLOPs: small matmuls
         (small micro-batches, thin tensor-parallel shards) reach less of the peak.
 
+        Args:
+          gemm_flops: the FLOPs ``w`` of one matmul.
+
+        Returns:
+          The fraction of the peak reached.
+
         >>> load_cluster("h100").matmul_efficiency(2e9)        # at the half point: half of 0.5
         0.25
         """
@@ -106,7 +112,14 @@ class Cluster:
         return self.devices_per_node * self.nodes
 
     def peak(self, dtype: str) -> float:
-        """Peak FLOP/s of one device for ``dtype``."""
+        """Peak FLOP/s of one device for ``dtype``.
+
+        Args:
+          dtype: ``"fp32"``, ``"bf16"``, ...
+
+        Returns:
+          FLOP/s.
+        """
         if dtype not in self.peak_flops:
             raise ClusterError(f"cluster {self.name!r} has no peak_tflops.{dtype}; it has "
                                f"{', '.join(self.peak_flops)}. Add it to the preset or choose one of those.")
@@ -114,6 +127,12 @@ class Cluster:
 
     def with_devices(self, num_devices: int) -> "Cluster":
         """The same hardware with ``num_devices`` devices (whole nodes, or part of one node).
+
+        Args:
+          num_devices: the device count.
+
+        Returns:
+          The resized :class:`Cluster`.
 
         >>> load_cluster("h100").with_devices(1024).nodes
         128
@@ -175,7 +194,15 @@ _KEYS = {"name", "description", "sources", "devices_per_node", "nodes", "device_
 
 
 def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
-    """A :class:`Cluster` from a preset's mapping (keys in the module doc; ``fit`` is kept as a record only)."""
+    """A :class:`Cluster` from a preset's mapping (keys in the module doc; ``fit`` is kept as a record only).
+
+    Args:
+      d: the preset's keys and values.
+      name: the cluster's name.
+
+    Returns:
+      The :class:`Cluster`.
+    """
     if not isinstance(d, Mapping):
         raise ClusterError(f"cluster {name!r}: expected a mapping of keys {sorted(_KEYS)}, got {type(d).__name__}.")
     name = str(d.get("name", name))
@@ -215,7 +242,16 @@ def presets() -> dict[str, Path]:
 
 
 def load_cluster(preset: str | Path, *, nodes: int | None = None, num_devices: int | None = None) -> Cluster:
-    """Read a preset by name (:func:`presets`) or a YAML path; ``nodes`` / ``num_devices`` resize it."""
+    """Read a preset by name (:func:`presets`) or a YAML path; ``nodes`` / ``num_devices`` resize it.
+
+    Args:
+      preset: a preset name or the path of a YAML file.
+      nodes: the node count, or ``None`` for the preset's.
+      num_devices: the device count, or ``None``.
+
+    Returns:
+      The :class:`Cluster`.
+    """
     import yaml
 
     known = presets()

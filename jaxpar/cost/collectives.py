@@ -111,7 +111,17 @@ class Link:
     @classmethod
     def from_bandwidth(cls, alpha: float, bandwidth: float, reduce_bandwidth: float | None = None,
                        shared_memory: bool = False) -> "Link":
-        """``bandwidth`` in bytes/s (one direction, per device); ``reduce_bandwidth`` bytes/s reduced."""
+        """``bandwidth`` in bytes/s (one direction, per device); ``reduce_bandwidth`` bytes/s reduced.
+
+        Args:
+          alpha: seconds per message.
+          bandwidth: bytes/s sent.
+          reduce_bandwidth: bytes/s reduced, or ``None`` (no reduction cost).
+          shared_memory: the processes share memory (one node's devices).
+
+        Returns:
+          The :class:`Link`.
+        """
         for name, value in (("bandwidth", bandwidth), ("reduce_bandwidth", reduce_bandwidth)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value <= 0):
@@ -141,7 +151,16 @@ def _pow2_below(p: int) -> int:
 def time(kind: str, n: float, p: int, link: Link, algorithm: str = "best") -> float:
     """Seconds for one ``kind`` collective of ``n`` bytes over ``p`` processes on ``link``.
 
-    ``algorithm='best'`` is the fastest of :data:`ALGORITHMS` (the bound excluded).
+    Args:
+      kind: one of :data:`KINDS`.
+      n: bytes of the whole buffer of one process.
+      p: the number of processes.
+      link: the link.
+      algorithm: one of ``ALGORITHMS[kind]``, or ``"best"``: the fastest of :data:`ALGORITHMS`
+        (the bound excluded).
+
+    Returns:
+      Seconds.
 
     >>> time("all-gather", 8 * 2**20, 8, Link(1e-5, 1e-10), "ring") == 7e-5 + 7 / 8 * 8 * 2**20 * 1e-10
     True
@@ -154,6 +173,11 @@ def time(kind: str, n: float, p: int, link: Link, algorithm: str = "best") -> fl
                          f"{', '.join(ALGORITHMS[kind] + SHARED_MEMORY_ALGORITHMS[kind])} or 'best'.")
     if p == 1:
         return 0.0
+    return _formula(kind, algorithm, n, p, link)
+
+
+def _formula(kind: str, algorithm: str, n: float, p: int, link: Link) -> float:
+    """Seconds of one (checked) algorithm over ``p > 1`` processes: the table of the module doc."""
     a, b, g = link.alpha, link.beta, link.gamma
     if algorithm in ("one-shot", "two-shot"):
         frac = (p - 1) / p
@@ -202,6 +226,15 @@ def algorithm_times(kind: str, n: float, p: int, link: Link) -> dict[str, float]
     """``{algorithm: seconds}`` for every algorithm of ``kind`` on ``link`` (the lower bound included,
     except on a shared-memory link).
 
+    Args:
+      kind: one of :data:`KINDS`.
+      n: bytes of the whole buffer of one process.
+      p: the number of processes.
+      link: the link.
+
+    Returns:
+      Algorithm name -> seconds.
+
     >>> sorted(algorithm_times("reduce-scatter", 1024, 4, Link(1e-6, 1e-9)))
     ['lower-bound', 'recursive-halving', 'ring']
     >>> sorted(algorithm_times("all-reduce", 1024, 4, Link(1e-6, 1e-9, shared_memory=True)))
@@ -214,6 +247,15 @@ def algorithm_times(kind: str, n: float, p: int, link: Link) -> dict[str, float]
 
 def best(kind: str, n: float, p: int, link: Link) -> tuple[str, float]:
     """``(algorithm, seconds)`` of the fastest algorithm for this size, as NCCL / MPICH pick by size.
+
+    Args:
+      kind: one of :data:`KINDS`.
+      n: bytes of the whole buffer of one process.
+      p: the number of processes.
+      link: the link.
+
+    Returns:
+      The algorithm's name and its seconds.
 
     >>> best("all-gather", 2**30, 6, Link(1e-6, 1e-9))[0]      # not a power of 2: no recursive doubling
     'bruck'
@@ -234,6 +276,14 @@ def _best(kind: str, n: float, p: int, link: Link) -> tuple[str, float]:
 
 def bus_bytes(kind: str, n: float, p: int) -> float:
     """Bytes each process must send at least (nccl-tests' bus bandwidth factor times ``n``).
+
+    Args:
+      kind: one of :data:`KINDS`.
+      n: bytes of the whole buffer of one process.
+      p: the number of processes.
+
+    Returns:
+      Bytes.
 
     >>> bus_bytes("all-reduce", 1000, 4), bus_bytes("all-gather", 1000, 4)
     (1500.0, 750.0)

@@ -100,6 +100,15 @@ def ring_hops(context: int, kv: float, compute_bytes: float, redo: bool) -> list
     (``forward`` / ``backward``: the blocks of one step, Liu et al. 2023, "Ring Attention with Blockwise
     Transformers", §3; ``""``: the last hop of the dK/dV accumulators, after the last step).
 
+    Args:
+      context: the ring's size ``C``.
+      kv: bytes of one K/V block.
+      compute_bytes: bytes per value of the gradients' accumulators.
+      redo: the forward's hops run again in the backward (recomputation).
+
+    Returns:
+      ``(kind, bytes, count, step)`` per group of permutes.
+
     >>> ring_hops(4, 10.0, 2, False)
     [('collective-permute', 20.0, 3, 'forward'), ('collective-permute', 60.0, 3, 'backward'), ('collective-permute', 40.0, 1, '')]
     """
@@ -114,6 +123,14 @@ def expert_slots(m: ModelSpec, rows: float, context: int) -> float:
     """Capacity slots of one device's buffer in an MoE layer: ``rows`` groups (sequences; under CP each
     device's ``s/C`` tokens of a sequence are a group) of ``E * cap`` slots.
 
+    Args:
+      m: the model.
+      rows: sequences per micro-batch on one device.
+      context: the context-parallel size ``C``.
+
+    Returns:
+      The number of slots.
+
     >>> from jaxpar.cost.model import gpt
     >>> expert_slots(gpt(2, 64, 4, 32, 128, 8, experts=8, top_k=2, capacity_factor=1.0), 2, 1)   # 2 * 8 * 8
     128
@@ -126,6 +143,16 @@ def expert_collectives(m: ModelSpec, rows: float, context: int, compute_bytes: f
     """The EP all-to-alls of one MoE layer and micro-batch on one device: 2 forward, 2 backward (and 2
     recomputed under full recomputation) of the capacity buffer, ``slots·h·cb`` bytes each.
 
+    Args:
+      m: the model.
+      rows: sequences per micro-batch on one device.
+      context: the context-parallel size.
+      compute_bytes: bytes per value.
+      remat: ``"none"``, ``"selective"`` or ``"full"``.
+
+    Returns:
+      ``(kind, bytes, count)`` per group of collectives.
+
     >>> from jaxpar.cost.model import gpt
     >>> expert_collectives(gpt(2, 64, 4, 32, 128, 8, experts=8, capacity_factor=1.0), 2, 1, 2, "none")
     [('all-to-all', 16384, 4)]
@@ -137,6 +164,18 @@ def context_score_bytes(m: ModelSpec, rows: float, tensor: int, context: int, me
                         bytes_per_value: float) -> float:
     """Bytes of one layer's attention scores (and all-gather's gathered K/V) kept for the backward under
     CP (module doc): 0 for the ring and under recomputation.
+
+    Args:
+      m: the model.
+      rows: sequences per micro-batch on one device.
+      tensor: the tensor-parallel size.
+      context: the context-parallel size.
+      method: ``"ring"``, ``"all-gather"`` or ``"ulysses"``.
+      remat: ``"none"``, ``"selective"`` or ``"full"``.
+      bytes_per_value: bytes per value.
+
+    Returns:
+      Bytes per device.
 
     >>> from jaxpar.cost.model import gpt
     >>> m = gpt(2, 64, 4, 32, 128, 8)
@@ -155,6 +194,18 @@ def context_score_bytes(m: ModelSpec, rows: float, tensor: int, context: int, me
 def context_working_bytes(m: ModelSpec, rows: float, tensor: int, context: int, method: str, balance: bool,
                           compute_bytes: float) -> float:
     """The transient bytes of the attention of the one layer in flight under CP (module doc).
+
+    Args:
+      m: the model.
+      rows: sequences per micro-batch on one device.
+      tensor: the tensor-parallel size.
+      context: the context-parallel size.
+      method: ``"ring"``, ``"all-gather"`` or ``"ulysses"``.
+      balance: the zigzag load balance.
+      compute_bytes: bytes per value.
+
+    Returns:
+      Bytes per device.
 
     >>> from jaxpar.cost.model import gpt
     >>> m = gpt(2, 64, 4, 32, 128, 8)
@@ -176,6 +227,16 @@ def dense_mlp_bytes(tokens: float, hidden: int, tensor: int, sequence_parallel: 
     """Korthikanti et al.'s MLP share of a layer's activations: ``sbh(3 + 16/t)`` (``19 sbh / t`` with
     SP) at 16 bits, scaled to ``bytes_per_value``.
 
+    Args:
+      tokens: ``sb``, tokens per micro-batch on one device.
+      hidden: the hidden size ``h``.
+      tensor: the tensor-parallel size ``t``.
+      sequence_parallel: Megatron's sequence parallelism.
+      bytes_per_value: bytes per value.
+
+    Returns:
+      Bytes per device.
+
     >>> dense_mlp_bytes(10, 4, 2, False, 2)
     440.0
     """
@@ -190,6 +251,17 @@ def moe_mlp_bytes(m: ModelSpec, rows: float, tensor: int, context: int, sequence
     buffers into and out of the experts (``slots·h`` each), the experts' hidden before and after the GELU
     (``slots·M/t`` each), the shared experts' (``N·S/t`` each) and the router's fp32 logits and
     probabilities (``2·N·E`` fp32). ``N = rows·s/C`` tokens, ``slots`` = :func:`expert_slots`.
+
+    Args:
+      m: the model.
+      rows: sequences per micro-batch on one device.
+      tensor: the tensor-parallel size ``t``.
+      context: the context-parallel size ``C``.
+      sequence_parallel: Megatron's sequence parallelism.
+      bytes_per_value: bytes per value.
+
+    Returns:
+      Bytes per device.
 
     >>> from jaxpar.cost.model import gpt
     >>> m = gpt(2, 64, 4, 32, 128, 8, experts=8, top_k=2, capacity_factor=1.0)

@@ -59,6 +59,12 @@ TPU = Layout("tpu", minor=128, second=8)
 def layout_for_platform(platform: str) -> Layout:
     """The layout of ``platform`` (``"tpu"``: :data:`TPU`; ``"cuda"``, ``"cpu"``: :data:`DENSE`).
 
+    Args:
+      platform: ``"tpu"``, ``"cuda"`` or ``"cpu"``.
+
+    Returns:
+      The :class:`Layout`.
+
     >>> layout_for_platform("tpu").minor, layout_for_platform("cuda").minor
     (128, 0)
     """
@@ -101,6 +107,15 @@ def padded_bytes(shape: tuple[int, ...], itemsize: int, layout: Layout) -> int:
 def local_shape(leaf: Leaf, sizes: Mapping[str, int], stage: int, kind: str) -> tuple[int, ...]:
     """The shape of one device's piece of ``kind`` (``params``, ``grads``, ``opt``) of ``leaf``.
 
+    Args:
+      leaf: the parameter.
+      sizes: mesh axis name -> size.
+      stage: the ZeRO stage.
+      kind: ``"params"``, ``"grads"`` or ``"opt"``.
+
+    Returns:
+      The local shape.
+
     >>> from jaxpar.cost.model import gpt
     >>> local_shape(gpt(2, 32, 8, 16, 64, 16).leaf("blocks/w1"), {"data": 4, "tensor": 2}, 1, "opt")
     (2, 8, 64)
@@ -117,6 +132,18 @@ def device_argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int,
                           moments: int = 2, batch_leaves: int = 2, scalars: int = 2) -> float:
     """:func:`jaxpar.cost.memory.argument_bytes` (fp32 parameters and ``moments`` moments, int32 counters and
     batch) with each array stored in ``layout``.
+
+    Args:
+      model: the model.
+      sizes: mesh axis name -> size.
+      zero: the ZeRO stage.
+      layout: the storage layout.
+      moments: optimizer moments per parameter.
+      batch_leaves: the number of batch arrays.
+      scalars: the number of int32 counters.
+
+    Returns:
+      Bytes per device.
 
     >>> from jaxpar.cost.memory import argument_bytes
     >>> from jaxpar.cost.model import gpt
@@ -181,14 +208,34 @@ def _layer_bytes(model: ModelSpec, plan: Plan, rows: float, keeps: tuple, sp_who
 def saved_per_layer(model: ModelSpec, plan: Plan, rows: float, platform: str = "cuda") -> float:
     """fp32 bytes one layer keeps for its backward, per micro-batch of ``rows`` sequences
     (:data:`REMAT_KEEPS`, on ``platform="tpu"`` :data:`TPU_REMAT_KEEPS`, for ``plan.remat``; under SP
-    without full recomputation :data:`SP_WHOLE` more)."""
+    without full recomputation :data:`SP_WHOLE` more).
+
+    Args:
+      model: the model.
+      plan: the plan.
+      rows: sequences per micro-batch.
+      platform: ``"cuda"``, ``"tpu"`` or ``"cpu"``.
+
+    Returns:
+      Bytes per device.
+    """
     keeps = (TPU_REMAT_KEEPS if platform == "tpu" else REMAT_KEEPS)[plan.remat]
     return _layer_bytes(model, plan, rows, keeps, 0.0 if plan.remat == "full" else SP_WHOLE)
 
 
 def stored_per_layer(model: ModelSpec, plan: Plan, rows: float, platform: str = "cuda") -> float:
     """fp32 bytes a pipeline stage stores per layer and micro-batch of ``rows`` sequences for the
-    backward: without recomputation :data:`PIPELINE_STORES`, else as :func:`saved_per_layer`."""
+    backward: without recomputation :data:`PIPELINE_STORES`, else as :func:`saved_per_layer`.
+
+    Args:
+      model: the model.
+      plan: the plan.
+      rows: sequences per micro-batch.
+      platform: ``"cuda"``, ``"tpu"`` or ``"cpu"``.
+
+    Returns:
+      Bytes per device.
+    """
     if plan.remat != "none":
         return saved_per_layer(model, plan, rows, platform)
     return _layer_bytes(model, plan, rows, PIPELINE_STORES)
@@ -197,6 +244,13 @@ def stored_per_layer(model: ModelSpec, plan: Plan, rows: float, platform: str = 
 def bf16_weight_bytes(model: ModelSpec, plan: Plan) -> float:
     """Bytes of the bf16 copies of the matmul weights that libtpu keeps, one per layer on the device, as
     the device holds the weights (split over ``tensor`` and ``pipe``, and the ZeRO-3 / FSDP shard).
+
+    Args:
+      model: the model.
+      plan: the plan.
+
+    Returns:
+      Bytes per device.
 
     >>> from jaxpar.cost.model import gpt
     >>> bf16_weight_bytes(gpt(2, 32, 8, 16, 64, 16), Plan(fsdp=2)) == 2 * 2 * 12 * 32 * 32 / 2

@@ -1,31 +1,16 @@
 """Memory per device: training state per ZeRO stage, activations per layer, pipeline in-flight micro-batches.
 
-Sources:
-
-* ZeRO (Rajbhandari et al. 2020, §5 and Table 1): with ``Ψ`` parameters, ``K`` bytes of
-  optimizer state per parameter and ``N_d`` data-parallel ranks, mixed-precision training
-  holds ``(2 + 2 + K)Ψ`` (DP), ``(2 + 2)Ψ + KΨ/N_d`` (ZeRO-1), ``2Ψ + (2 + K)Ψ/N_d``
-  (ZeRO-2), ``(2 + 2 + K)Ψ/N_d`` (ZeRO-3). :data:`PRECISIONS` names the per-parameter
-  bytes: ``fp32`` (4 + 4 + 8: jaxpar's fp32 Adam, 12 held across steps), ``mixed`` (2 + 2 + 12
-  = 16, ZeRO's), ``megatron`` (2 + 4 + 12 = 18, fp32 gradients), ``mixed-fp32-accum``
-  (2 + 6 + 12 = 20, the Ultra-Scale Playbook's bf16 gradients plus an fp32 accumulator).
-* Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", §4, Table 2),
-  bytes per layer with 16-bit activations, sequence ``s``, micro-batch ``b``, hidden ``h``,
-  ``a`` heads, ``t``-way tensor parallelism: ``sbh(34 + 5as/h)`` (none), ``sbh(10 + 24/t +
-  5as/(ht))`` (TP), ``sbh/t·(34 + 5as/h)`` (TP + SP), the ``5as/h`` term dropped by selective
-  recomputation, ``2sbh`` (``/t`` with SP) with full recomputation (only each layer's input).
-* Pipelines: a stage keeps the activations of ``peak_in_flight`` (micro-batch, chunk) pairs
-  of its own layers, read from the schedule tables (:mod:`jaxpar.parallel.pipeline.schedules`):
-  ``m`` for GPipe, ``p`` on the first stage for 1F1B and ZB-H1.
+The formulas and their sources are in ``docs/planning.md`` §3: ZeRO's training state per stage
+(Rajbhandari et al. 2020, Table 1), Korthikanti et al.'s activations per layer (2022, Table 2;
+:mod:`jaxpar.cost.activations`) and a pipeline stage's in-flight micro-batches, read from the
+schedule tables (:mod:`jaxpar.cost.schedule`). :data:`PRECISIONS` names the bytes per parameter
+(weights + gradients + optimizer state): ``fp32`` 4 + 4 + 8, ``mixed`` 2 + 2 + 12 (ZeRO's),
+``megatron`` 2 + 4 + 12, ``mixed-fp32-accum`` 2 + 6 + 12.
 
 Example::
 
-    >>> gb = 1e9
-    >>> [round(zero_state_bytes(7.5e9, 64, s)["total"] / gb, 3) for s in (0, 1, 2, 3)]
+    >>> [round(zero_state_bytes(7.5e9, 64, s)["total"] / 1e9, 3) for s in (0, 1, 2, 3)]
     [120.0, 31.406, 16.641, 1.875]
-    >>> activation_bytes_per_layer(seq=2048, micro_batch=1, hidden=12288, heads=96, tensor=8,
-    ...                            sequence_parallel=True, remat="selective") == 2048 * 12288 * 34 / 8
-    True
 """
 from __future__ import annotations
 
@@ -45,7 +30,6 @@ __all__ = ["BytesPerParam", "PRECISIONS", "REMAT", "zero_state_bytes", "activati
            "pipe_end", "state_bytes", "layer_activations",
            "TABLE_LIMIT", "closed_form_stats", "schedule_stats", "in_flight", "MemoryEstimate", "memory_per_device",
            "argument_bytes", "LayoutError"]
-
 
 
 @dataclass(frozen=True)
@@ -87,6 +71,17 @@ def zero_state_bytes(psi: float, n_d: int, stage: int, *, param_bytes: float = 2
                      opt_bytes: float = 12) -> dict[str, float]:
     """ZeRO's closed forms (paper Table 1): bytes per device of parameters, gradients, optimizer state.
 
+    Args:
+      psi: the parameter count.
+      n_d: the data-parallel size.
+      stage: the ZeRO stage (0 to 3).
+      param_bytes: bytes per parameter.
+      grad_bytes: bytes per gradient.
+      opt_bytes: bytes of optimizer state per parameter (Adam in mixed precision: 12).
+
+    Returns:
+      ``{'params', 'grads', 'opt', 'total'}``: bytes per device.
+
     >>> zero_state_bytes(1e9, 1, 0)["total"] / 1e9          # 16 bytes per parameter
     16.0
     """
@@ -103,7 +98,15 @@ def zero_state_bytes(psi: float, n_d: int, stage: int, *, param_bytes: float = 2
 def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ...]:
     """Mesh axes of each dimension under jaxpar's tensor rules (``mlp, heads, vocab`` -> ``tensor``;
     ``layers`` -> ``pipe`` when ``pipe > 1``; ``experts`` -> ``expert``, :func:`jaxpar.parallel.moe.expert_rules`),
-    before ZeRO."""
+    before ZeRO.
+
+    Args:
+      leaf: the parameter.
+      sizes: mesh axis name -> size.
+
+    Returns:
+      Per dimension, its mesh axes.
+    """
     spec = []
     for dim, (size, name) in enumerate(zip(leaf.shape, leaf.logical)):
         axis = ("tensor" if name in TENSOR_LOGICAL else "pipe" if name == "layers" else
@@ -118,7 +121,16 @@ def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ..
 
 def zero_dim_of(leaf: Leaf, spec, sizes: Mapping[str, int]) -> int | None:
     """The dimension ZeRO / FSDP splits (as :func:`jaxpar.parallel.zero.zero_dim`): the largest one that is not
-    ``layers``, not split by ``spec`` (:func:`leaf_spec`) and divisible by ``data * fsdp``; None if none."""
+    ``layers``, not split by ``spec`` (:func:`leaf_spec`) and divisible by ``data * fsdp``; None if none.
+
+    Args:
+      leaf: the parameter.
+      spec: its :func:`leaf_spec`.
+      sizes: mesh axis name -> size.
+
+    Returns:
+      The dimension index, or ``None``.
+    """
     n = sizes.get("fsdp", 1) * sizes.get("data", 1)
     for d in sorted(range(len(leaf.shape)), key=lambda d: -leaf.shape[d]):
         if leaf.logical[d] != "layers" and not spec[d] and leaf.shape[d] % n == 0:
@@ -129,12 +141,10 @@ def zero_dim_of(leaf: Leaf, spec, sizes: Mapping[str, int]) -> int | None:
 def zero_axes(sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str, ...]:
     """The mesh axes over which ZeRO / FSDP shards ``kind`` of a parameter (as :mod:`jaxpar.parallel.zero`).
 
-    ``fsdp`` shards everything; ``data`` shards the optimizer state from stage 1, the
-    gradients from stage 2 and the parameters from stage 3.
-
     Args:
       sizes: mesh axis sizes, e.g. ``{"data": 4, "fsdp": 2}`` (missing axes have size 1).
-      stage: the ZeRO stage (0 to 3).
+      stage: the ZeRO stage (0 to 3): ``data`` shards the optimizer state from stage 1, the gradients
+        from stage 2 and the parameters from stage 3; ``fsdp`` shards everything.
       kind: ``"params"``, ``"grads"`` or ``"opt"``.
 
     Returns:
@@ -204,6 +214,15 @@ def sizes_key(sizes: Mapping[str, int]) -> tuple:
 
 def leaf_shards(leaf: Leaf, sizes: Mapping[str, int], stage: int, kind: str) -> int:
     """Into how many pieces ``kind`` ('params' | 'grads' | 'opt') of ``leaf`` is cut (as :mod:`jaxpar.parallel.zero`).
+
+    Args:
+      leaf: the parameter.
+      sizes: mesh axis name -> size.
+      stage: the ZeRO stage.
+      kind: ``"params"``, ``"grads"`` or ``"opt"``.
+
+    Returns:
+      The number of pieces.
 
     >>> from jaxpar.cost.model import gpt
     >>> w1 = gpt(2, 32, 8, 16, 64, 16).leaf("blocks/w1")
@@ -298,19 +317,33 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
                       context_balance: bool = True) -> MemoryEstimate:
     """Predicted peak memory of one device for one plan (see the module doc for the sources).
 
-    Each replica's batch ``batch / (data * fsdp)`` is split into ``microbatches``; a
-    pipeline stage holds ``layers / pipe`` layers and the schedule's in-flight micro-batches.
-    Logits: ``2 * s * b * vocab / t`` fp32 values (logits and their log-softmax) on the last stage.
-
-    ``ends=False`` (jaxpar's pipeline executor) counts every parameter outside the blocks on every stage,
-    with the logits. ``ends=True`` (Megatron-LM) puts the embeddings on the first stage and the final norm
-    and head on the last (:func:`state_bytes`), and returns the more loaded of the two: the first with
-    stage 0's in-flight activations, the last with the same activations (an upper bound) and the logits.
-
-    ``expert`` splits the batch like ``data``; ``context`` splits each sequence (``s / C`` tokens per
-    device) and adds the attention's transient of the layer in flight
+    Each replica's batch ``batch / (data * fsdp * expert)`` is split into ``microbatches``; a pipeline
+    stage holds ``layers / pipe`` layers and the schedule's in-flight micro-batches; the last stage the
+    logits, ``2 * s * b * vocab / t`` fp32 values (logits and their log-softmax). ``context`` splits each
+    sequence (``s / C`` tokens per device) and adds the attention's transient of the layer in flight
     (:func:`~jaxpar.cost.context_experts.context_working_bytes`); MoE layers (``layers // moe_every``
     of them, spread evenly over the stages) keep their buffers (:func:`layer_activations`).
+
+    Args:
+      model: the model.
+      sizes: mesh axis name -> size.
+      zero: the ZeRO stage.
+      microbatches: micro-batches per step.
+      schedule: the pipeline schedule.
+      virtual: virtual stages per device.
+      remat: ``"none"``, ``"selective"`` or ``"full"``.
+      sequence_parallel: Megatron's sequence parallelism.
+      precision: a name in :data:`PRECISIONS` or a :class:`BytesPerParam`.
+      activation_bytes: bytes per activation value.
+      ends: ``False`` (jaxpar's pipeline executor): every parameter outside the blocks on every stage,
+        with the logits. ``True`` (Megatron-LM): the embeddings on the first stage, the final norm and
+        head on the last (:func:`state_bytes`); the more loaded of the two is returned, the first with
+        stage 0's in-flight activations, the last with the same (an upper bound) and the logits.
+      context_method: ``"ring"``, ``"all-gather"`` or ``"ulysses"``.
+      context_balance: the zigzag load balance.
+
+    Returns:
+      The :class:`MemoryEstimate`.
     """
     d, f, t, p = (sizes.get(a, 1) for a in ("data", "fsdp", "tensor", "pipe"))
     e, C = sizes.get("expert", 1), sizes.get("context", 1)
@@ -342,6 +375,18 @@ def argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int, *, mom
     optimizer moments per parameter (Adam: 2) sharded per ZeRO stage, ``scalars`` int32 counters
     (step, Adam's count) and ``batch_leaves`` int32 ``[batch / (data * fsdp), seq]`` batch arrays.
     This is what ``compiled.memory_analysis().argument_size_in_bytes`` reports.
+
+    Args:
+      model: the model.
+      sizes: mesh axis name -> size.
+      zero: the ZeRO stage.
+      moments: optimizer moments per parameter.
+      param_bytes: bytes per parameter.
+      batch_leaves: the number of batch arrays.
+      scalars: the number of int32 counters.
+
+    Returns:
+      Bytes per device.
 
     >>> from jaxpar.cost.model import gpt
     >>> argument_bytes(gpt(2, 32, 8, 16, 64, 16), {"data": 8}, 0)    # 12 Psi + 2 counters + batch

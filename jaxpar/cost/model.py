@@ -120,7 +120,14 @@ class ModelSpec:
 
     def capacity(self, tokens_per_group: int) -> int:
         """Buffer slots per group and expert, :func:`jaxpar.parallel.moe.capacity`'s rule:
-        ``min(T, ceil(capacity_factor * T * top_k / experts))``, ``T`` when dropless (None)."""
+        ``min(T, ceil(capacity_factor * T * top_k / experts))``, ``T`` when dropless (None).
+
+        Args:
+          tokens_per_group: ``T``, the tokens of one routing group.
+
+        Returns:
+          The number of slots.
+        """
         if self.capacity_factor is None:
             return tokens_per_group
         return min(tokens_per_group, math.ceil(self.capacity_factor * tokens_per_group * self.top_k / self.experts))
@@ -143,13 +150,28 @@ class ModelSpec:
         return self.hidden // self.heads
 
     def leaf(self, name: str) -> Leaf:
-        """The leaf called ``name`` (e.g. ``'blocks/w1'``)."""
+        """The leaf called ``name`` (e.g. ``'blocks/w1'``).
+
+        Args:
+          name: the leaf's path.
+
+        Returns:
+          The :class:`Leaf`.
+        """
         for l in self.leaves:
             if l.name == name:
                 return l
         raise KeyError(f"ModelSpec has no leaf {name!r}; leaves: {', '.join(l.name for l in self.leaves)}")
 
     def with_batch(self, batch: int) -> "ModelSpec":
+        """This model with another global batch.
+
+        Args:
+          batch: the global batch in sequences.
+
+        Returns:
+          The same model with that batch.
+        """
         return replace(self, batch=batch)
 
 
@@ -218,6 +240,25 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int, 
     """jaxpar's GPT from numbers (``mlp`` defaults to ``4 * hidden``); ``experts > 0`` makes every
     ``moe_every``-th layer a mixture of experts (see the module doc; ``expert_mlp`` defaults to ``mlp``).
 
+    Args:
+      layers: transformer layers.
+      hidden: the hidden size.
+      heads: attention heads.
+      seq: the sequence length.
+      vocab: the vocabulary size.
+      batch: the global batch in sequences.
+      mlp: the MLP's hidden size, or ``None`` for ``4 * hidden``.
+      name: the model's name.
+      experts: experts per MoE layer (0: dense).
+      top_k: experts per token.
+      capacity_factor: buffer slots per expert relative to an even split; ``None``: dropless.
+      moe_every: every how many layers one is MoE.
+      expert_mlp: one expert's MLP size, or ``None`` for ``mlp``.
+      shared_mlp: the shared experts' MLP size (0: none).
+
+    Returns:
+      The :class:`ModelSpec`.
+
     >>> gpt(layers=2, hidden=32, heads=8, seq=16, vocab=64, batch=16).n_params
     29824
     >>> moe = gpt(layers=2, hidden=32, heads=8, seq=16, vocab=64, batch=16, experts=4)
@@ -232,6 +273,13 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int, 
 
 def from_gpt_config(cfg: Any, batch: int) -> ModelSpec:
     """From a :class:`jaxpar.models.gpt.GPTConfig` (read by attribute; nothing imported).
+
+    Args:
+      cfg: a ``GPTConfig`` or any object with its attributes.
+      batch: the global batch in sequences.
+
+    Returns:
+      The :class:`ModelSpec`.
 
     >>> from types import SimpleNamespace
     >>> from_gpt_config(SimpleNamespace(layers=2, embed=32, heads=8, seq_len=16, vocab=64, mlp=None), 16).mlp
@@ -264,6 +312,20 @@ def from_nnx(model_fn: Callable[[], Any], *, layers: int, hidden: int, heads: in
 
     ``model_fn`` builds the model (as for :func:`jaxpar.init_train_state`); the sizes that the
     parameters do not tell (context, batch, ...) are given. Imports JAX.
+
+    Args:
+      model_fn: builds the NNX model, with no arguments.
+      layers: transformer layers.
+      hidden: the hidden size.
+      heads: attention heads.
+      seq: the sequence length.
+      vocab: the vocabulary size.
+      batch: the global batch in sequences.
+      mlp: the MLP's hidden size, or ``None`` for ``4 * hidden``.
+      name: the model's name.
+
+    Returns:
+      The :class:`ModelSpec`, its leaves read from the model.
 
     >>> from flax import nnx
     >>> from jaxpar.models.gpt import GPT, GPTConfig

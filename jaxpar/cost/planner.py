@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 from jaxpar.analysis.compiled_memory import format_bytes, render_table
 from jaxpar.cost.cluster import Cluster
+from jaxpar.cost.layouts import (context_problem, divisors, expert_problem, factorisations,
+                                   mesh_factorisations, shape_problem)
 from jaxpar.cost.memory import LayoutError, MemoryEstimate, memory_per_device
 from jaxpar.cost.model import ModelSpec
 from jaxpar.cost.parallel import CONTEXT_METHODS, Plan
@@ -86,14 +88,22 @@ class PlanResult:
     rejected: list[Rejected] = field(default_factory=list)
     considered: int = 0
     refused: list[Rejected] = field(default_factory=list)
+    top: int = 10
 
     @property
     def best(self) -> Estimate:
         return self.ranked[0]
 
-    def table(self, top: int = 10) -> str:
-        """Printable ranked table (``cp`` and ``ep`` columns when a listed plan has those axes)."""
-        shown = self.ranked[:top]
+    def table(self, top: int | None = None) -> str:
+        """Printable ranked table (``cp`` and ``ep`` columns when a listed plan has those axes).
+
+        Args:
+          top: how many plans, fastest first (default: ``plan(top=...)``).
+
+        Returns:
+          The table's text.
+        """
+        shown = self.ranked[:self.top if top is None else top]
         extra = [(k, k[:2] if k != "expert" else "ep") for k in ("context", "expert")
                  if any(getattr(e.plan, k) > 1 for e in shown)]
         rows = []
@@ -109,103 +119,51 @@ class PlanResult:
                    + [label for _, label in extra] + ["update", "bubble", "MFU", "memory", "bytes per axis"])
         return render_table(headers, rows, right=[True, False] + [True] * (10 + len(extra)) + [False])
 
-    def rejected_table(self, top: int = 10) -> str:
-        rows = [[r.plan.name() if r.plan else "-", r.reason] for r in self.rejected[:top]]
+    def rejected_table(self, top: int | None = None) -> str:
+        """The plans that do not fit, with the reason.
+
+        Args:
+          top: how many, in the order they were found (default: ``plan(top=...)``).
+
+        Returns:
+          The table's text.
+        """
+        shown = self.rejected[:self.top if top is None else top]
+        rows = [[r.plan.name() if r.plan else "-", r.reason] for r in shown]
         return render_table(["rejected plan", "reason"], rows, right=[False, False])
 
-    def refused_table(self, top: int = 10) -> str:
-        """The plans that cannot run (CP / EP sizes), with the reason."""
-        rows = [[r.plan.name() if r.plan else "-", r.reason] for r in self.refused[:top]]
+    def refused_table(self, top: int | None = None) -> str:
+        """The plans that cannot run (CP / EP sizes), with the reason.
+
+        Args:
+          top: how many, in the order they were found (default: ``plan(top=...)``).
+
+        Returns:
+          The table's text.
+        """
+        shown = self.refused[:self.top if top is None else top]
+        rows = [[r.plan.name() if r.plan else "-", r.reason] for r in shown]
         return render_table(["refused plan", "reason"], rows, right=[False, False])
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def factorisations(n: int) -> list[tuple[int, int, int, int]]:
-    """Every ``(pipe, data, fsdp, tensor)`` with product ``n``.
-
-    >>> len(factorisations(8)), factorisations(2)
-    (20, [(1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 1), (2, 1, 1, 1)])
-    """
-    return [(p, d, f, n // (p * d * f)) for p in _divisors(n) for d in _divisors(n // p)
-            for f in _divisors(n // (p * d))]
-
-
-def mesh_factorisations(n: int, contexts=(1,), experts=(1,)) -> list[tuple[int, int, int, int, int, int]]:
-    """Every ``(pipe, data, fsdp, expert, context, tensor)`` with product ``n``, ``expert`` in ``experts`` and
-    ``context`` in ``contexts`` (in that order: the plans without CP / EP first).
-
-    >>> len(mesh_factorisations(8)), len(mesh_factorisations(8, contexts=(1, 2, 4, 8)))
-    (20, 35)
-    >>> mesh_factorisations(4, contexts=(4,), experts=(1, 2))
-    [(1, 1, 1, 1, 4, 1)]
-    """
-    return [(p, d, f, e, c, t) for e in experts if n % e == 0 for c in contexts if (n // e) % c == 0
-            for p, d, f, t in factorisations(n // (e * c))]
-
-
-def _shape_problem(m: ModelSpec, p: int, d: int, f: int, t: int, e: int = 1) -> str | None:
-    for name, size in (("heads", m.heads), ("mlp", m.mlp), ("vocab", m.vocab)) + (
-            (("expert_mlp", m.expert_mlp),) if m.is_moe else ()):
-        if size % t:
-            return f"tensor={t} does not divide model {name}={size}"
-    if m.layers % p:
-        return f"pipe={p} does not divide model layers={m.layers}"
-    if m.moe_layers % p:
-        return f"pipe={p} does not divide the model's {m.moe_layers} MoE layers"
-    if m.batch % (d * f * e):
-        return (f"data*fsdp={d * f} does not divide the global batch={m.batch}" if e == 1 else
-                f"data*fsdp*expert={d * f * e} does not divide the global batch={m.batch}")
-    return None
-
-
-def context_problem(m: ModelSpec, context: int, tensor: int, method: str) -> tuple[bool, str | None]:
-    """Whether ``context`` devices can run ``method`` on ``m``: ``(balanced layout, reason it cannot or None)``.
-
-    The balanced layout needs the sequence divisible by ``2C``, the natural order by ``C``; Ulysses needs
-    the heads on a device (after the tensor split) divisible by ``C``.
-
-    >>> from jaxpar.cost.model import gpt
-    >>> m = gpt(2, 96, 12, 1000, 64, 8)
-    >>> context_problem(m, 4, 1, "ring"), context_problem(m, 8, 1, "ring")[0]
-    ((True, None), False)
-    >>> context_problem(m, 8, 1, "ulysses")[1]
-    'ulysses needs heads % (context * tensor) == 0: heads=12, context=8, tensor=1'
-    """
-    if method == "ulysses" and m.heads % (context * tensor):
-        return True, (f"ulysses needs heads % (context * tensor) == 0: heads={m.heads}, context={context}, "
-                      f"tensor={tensor}")
-    if m.seq % (2 * context) == 0:
-        return True, None
-    if m.seq % context == 0:
-        return False, None
-    return False, f"context={context} does not divide the sequence length {m.seq} (seq % context != 0)"
-
-
-def expert_problem(m: ModelSpec, expert: int) -> str | None:
-    """Why an ``expert`` axis of this size cannot run ``m`` (None if it can).
-
-    >>> from jaxpar.cost.model import gpt
-    >>> expert_problem(gpt(2, 32, 8, 16, 64, 16), 2)
-    'expert=2 but the model has no MoE layer (experts=0)'
-    """
-    if expert == 1:
-        return None
-    if not m.is_moe:
-        return f"expert={expert} but the model has no MoE layer (experts=0)"
-    if m.experts % expert:
-        return f"experts={m.experts} is not divisible by expert={expert} (each device keeps experts / expert)"
-    return None
 
 
 def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16", precision: str = "mixed",
              overlap: Overlap = Overlap(), memory_fraction: float = 0.9, lowering: str = "ideal",
              grad_bytes: float | None = None) -> Estimate:
-    """Time and memory of one plan (no search); ``grad_bytes`` as :func:`jaxpar.cost.time.step_time`'s.
-    Raises :class:`PlanError` when the plan's CP / EP cannot run the model (:func:`context_problem`,
-    :func:`expert_problem`)."""
+    """Time and memory of one plan (no search).
+
+    Args:
+      m: the model.
+      p: the plan.
+      cluster: the cluster.
+      dtype, precision, overlap, memory_fraction, lowering: as for :func:`plan`.
+      grad_bytes: as for :func:`jaxpar.cost.time.step_time`.
+
+    Returns:
+      The :class:`Estimate`.
+
+    Raises:
+      PlanError: the plan's CP / EP cannot run the model (:func:`context_problem`, :func:`expert_problem`).
+    """
     why = expert_problem(m, p.expert) or (context_problem(m, p.context, p.tensor, p.context_method)[1]
                                           if p.context > 1 else None)
     if why is None and p.context > 1 and p.context_balance and m.seq % (2 * p.context):
@@ -296,6 +254,33 @@ class _Search(NamedTuple):
                                                f"({self.memory_fraction:g} of {format_bytes(c.memory_bytes)})"))
         return None, rejected, considered
 
+    def run(self, n: int, cs: list[int], es: list[int], methods: tuple[str, ...], schedules) -> tuple:
+        """Every candidate of :func:`plan` on ``n`` devices: ``(ranked, rejected, refused, considered,
+        shape reasons)``, the ranked ones not yet sorted."""
+        model = self.model
+        ranked, rejected, refused, considered = [], [], [], 0
+        shape_reasons = []
+        for p, d, f, e, c, t in mesh_factorisations(n, cs, es):
+            problem = shape_problem(model, p, d, f, t, e)
+            if problem:
+                shape_reasons.append(problem)
+                continue
+            for method in methods if c > 1 else ("ring",):
+                balance, why = context_problem(model, c, t, method) if c > 1 else (True, None)
+                base = Plan(pipe=p, data=d, fsdp=f, tensor=t, expert=e, context=c, context_method=method,
+                            context_balance=balance)
+                why = expert_problem(model, e) or why
+                if why:
+                    refused.append(Rejected(base, why))
+                    continue
+                for opt in _options(model, p, d, f, t, schedules, e):
+                    best, rej, k = self.best(base, opt)
+                    rejected += rej
+                    considered += k
+                    if best:
+                        ranked.append(best)
+        return ranked, rejected, refused, considered, shape_reasons
+
 
 def _degrees(name: str, value, default: list[int]) -> list[int]:
     if value is None:
@@ -316,14 +301,32 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
          overlap: Overlap = Overlap(), memory_fraction: float = 0.9, schedules=("gpipe", "1f1b", "interleaved", "zb-h1"),
          lowering: str = "ideal", contexts=None, context_methods=CONTEXT_METHODS, experts=None,
          fixed=None) -> PlanResult:
-    """Rank every plan of ``model`` on ``cluster`` (see the module doc); raises :class:`PlanError`
-    with the reasons when none is possible or none fits.
+    """Rank every plan of ``model`` on ``cluster`` (see the module doc).
 
-    ``contexts``: the CP degrees to search (None: every divisor of the device count when ``model.seq >=``
-    :data:`CONTEXT_MIN_SEQ`, else none; ``(1,)``: no CP);
-    ``context_methods``: the CP methods; ``experts``: the EP degrees (None: every divisor that divides
-    the model's experts, ``(1,)`` for a dense model); ``fixed``: the run's settings no plan chooses (a codec,
-    ``clip_norm``, ...: :func:`jaxpar.cost.refusals.plan_setting`), with which the table checks each candidate."""
+    Args:
+      model: the model.
+      cluster: the cluster.
+      top: how many plans the result's tables print by default; every plan that fits is ranked.
+      dtype: the compute dtype.
+      precision: the bytes per parameter, gradient and optimizer state: a key of
+        :data:`jaxpar.cost.memory.PRECISIONS`.
+      overlap: what communication hides behind compute.
+      memory_fraction: the share of each device's memory a plan may use, in (0, 1].
+      schedules: the pipeline schedules to search.
+      lowering: the program the traffic is counted for, one of :data:`jaxpar.cost.traffic.LOWERINGS`.
+      contexts: the CP degrees to search (None: every divisor of the device count when ``model.seq >=``
+        :data:`CONTEXT_MIN_SEQ`, else none; ``(1,)``: no CP).
+      context_methods: the CP methods.
+      experts: the EP degrees (None: every divisor that divides the model's experts, ``(1,)`` for a dense model).
+      fixed: the run's settings no plan chooses (a codec, ``clip_norm``, ...:
+        :func:`jaxpar.cost.refusals.plan_setting`), with which the table checks each candidate.
+
+    Returns:
+      The :class:`PlanResult`.
+
+    Raises:
+      PlanError: with the reasons, when no plan is possible or none fits.
+    """
     if not isinstance(model, ModelSpec):
         raise PlanError(f"model must be a jaxpar.cost.ModelSpec (e.g. jaxpar.cost.gpt(...)), got {type(model).__name__}.")
     if not 0 < memory_fraction <= 1:
@@ -334,35 +337,15 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
     except ValueError as err:
         raise PlanError(str(err)) from None
     n = cluster.num_devices
-    cs = _degrees("contexts", contexts, _divisors(n) if model.seq >= CONTEXT_MIN_SEQ else [1])
-    es = _degrees("experts", experts, [e for e in _divisors(n) if model.is_moe and model.experts % e == 0] or [1])
+    cs = _degrees("contexts", contexts, divisors(n) if model.seq >= CONTEXT_MIN_SEQ else [1])
+    es = _degrees("experts", experts, [e for e in divisors(n) if model.is_moe and model.experts % e == 0] or [1])
     methods = _methods(context_methods)
     search = _Search(model, cluster, dtype, precision, overlap, lowering, memory_fraction, fixed)
-    ranked, rejected, refused, considered = [], [], [], 0
-    shape_reasons = []
-    for p, d, f, e, c, t in mesh_factorisations(n, cs, es):
-        problem = _shape_problem(model, p, d, f, t, e)
-        if problem:
-            shape_reasons.append(problem)
-            continue
-        for method in methods if c > 1 else ("ring",):
-            balance, why = context_problem(model, c, t, method) if c > 1 else (True, None)
-            base = Plan(pipe=p, data=d, fsdp=f, tensor=t, expert=e, context=c, context_method=method,
-                        context_balance=balance)
-            why = expert_problem(model, e) or why
-            if why:
-                refused.append(Rejected(base, why))
-                continue
-            for opt in _options(model, p, d, f, t, schedules, e):
-                best, rej, k = search.best(base, opt)
-                rejected += rej
-                considered += k
-                if best:
-                    ranked.append(best)
+    ranked, rejected, refused, considered, shape_reasons = search.run(n, cs, es, methods, schedules)
     if not ranked:
         _nothing(model, cluster, n, rejected, refused, shape_reasons)
     ranked.sort(key=lambda e: e.time.total)
-    return PlanResult(ranked, rejected, considered, refused)
+    return PlanResult(ranked, rejected, considered, refused, top)
 
 
 def _nothing(model: ModelSpec, cluster: Cluster, n: int, rejected, refused, shape_reasons) -> None:

@@ -225,7 +225,14 @@ class Work(NamedTuple):
         return Work(self.kernels + other.kernels, self.elementwise + other.elementwise)
 
     def times(self, k: float) -> "Work":
-        """This work ``k`` times."""
+        """This work ``k`` times.
+
+        Args:
+          k: the factor.
+
+        Returns:
+          The scaled :class:`Work`.
+        """
         return Work(self.kernels * k, self.elementwise * k)
 
 

@@ -36,6 +36,15 @@ def closed_form_stats(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int
     ``(p-1)/(m+p-1)`` (GPipe, 1F1B), ``(p-1)/(vm+p-1)`` (interleaved), ``(p-1)/(3m+p-1)`` (ZB-H1);
     peaks ``m``, ``p``, ``min(2(p-1) + (v-1)p + 1, vm)``, ``p``.
 
+    Args:
+      kind: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``.
+      p: pipeline stages.
+      m: micro-batches.
+      v: virtual stages per device.
+
+    Returns:
+      ``(bubble fraction, peak in-flight pairs)``.
+
     >>> closed_form_stats("1f1b", 4, 8)
     (0.2727272727272727, 4)
     """
@@ -52,6 +61,15 @@ def closed_form_stats(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int
 
 def lockstep_closed_form(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int]:
     """Bubble and stage 0's peak in-flight pairs of a lockstep table, in closed form (see the module doc).
+
+    Args:
+      kind: the schedule.
+      p: pipeline stages.
+      m: micro-batches.
+      v: virtual stages per device.
+
+    Returns:
+      ``(bubble fraction, peak in-flight pairs)``.
 
     >>> lockstep_closed_form("gpipe", 4, 8) == closed_form_stats("gpipe", 4, 8)
     True
@@ -104,12 +122,29 @@ def schedule_stats(kind: str, p: int, m: int, v: int, lockstep: bool = False) ->
 
 def runs_in_lockstep(plan) -> bool:
     """Whether a plan's pipeline runs as a lockstep program: sequence parallelism on a tensor axis
-    (as :func:`jaxpar.parallel.pipeline.piped.runs_in_lockstep` decides for a strategy)."""
+    (as :func:`jaxpar.parallel.pipeline.piped.runs_in_lockstep` decides for a strategy).
+
+    Args:
+      plan: a :class:`~jaxpar.cost.parallel.Plan`.
+
+    Returns:
+      Whether it runs in lockstep.
+    """
     return bool(plan.sequence_parallel) and plan.tensor > 1
 
 
 def in_flight(schedule: str, pipe: int, microbatches: int, virtual: int = 1, lockstep: bool = False) -> int:
     """Peak (micro-batch, chunk) pairs whose activations a stage holds (1 without a pipeline).
+
+    Args:
+      schedule: the schedule.
+      pipe: pipeline stages.
+      microbatches: micro-batches per step.
+      virtual: virtual stages per device.
+      lockstep: the lockstep program (:func:`runs_in_lockstep`).
+
+    Returns:
+      The number of pairs.
 
     >>> in_flight("gpipe", 4, 8), in_flight("1f1b", 4, 8), in_flight("interleaved", 4, 8, 2)
     (8, 4, 11)

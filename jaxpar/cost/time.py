@@ -1,18 +1,6 @@
 """Time of one training step: kernels on the roofline through the pipeline schedule, collectives per mesh axis.
 
-FLOPs (per step, global batch ``B`` sequences of ``s`` tokens, ``l`` layers, hidden ``h``,
-MLP width ``f``, vocabulary ``V``):
-
-* a layer's forward is ``2s(4h² + 2hf) + 4s²h`` per sequence (projections and MLP, then
-  ``QKᵀ`` and ``AV``); training is 3 forwards (backward = 2); full recomputation adds one
-  more forward of the layers, selective recomputation the ``4s²h`` attention part; the
-  logits cost ``2shV`` forward. With ``f = 4h`` and full recomputation this is Narayanan et
-  al. (2021, eq. 3): :func:`narayanan_flops` ``= 96Bslh²(1 + s/(6h) + V/(16lh))``.
-* MFU counts the model FLOPs without recomputation; per token that is ``6N + 12lhs`` for
-  ``N`` non-embedding parameters (Kaplan et al. 2020 / PaLM appendix B): :func:`flops_per_token`.
-* An MoE layer's forward counts its *active* MLP, ``top_k`` experts of width ``M`` per token, the
-  router ``2shE`` and the shared experts (the capacity's padding slots and the dense dispatch are
-  time, :mod:`jaxpar.cost.roofline`, not model FLOPs).
+The FLOPs are counted in :mod:`jaxpar.cost.flops` (re-exported here).
 
 The collectives of a step (:func:`jaxpar.cost.traffic.comms`) are timed with
 :mod:`jaxpar.cost.collectives` on the links the mesh axis spans (:func:`axis_groups`: mesh
@@ -35,14 +23,6 @@ after the pipeline flush). ``Overlap(grads_in_backward=True)`` is bucketed DDP: 
 reduction starts when the last micro-batch's backward has produced it, and hides behind the rest of
 that backward (:func:`behind_backward`). Fractions (``Overlap(data=0.8)``) hide a given share of an
 axis group's collectives.
-
-Example::
-
-    >>> from jaxpar.cost.model import gpt
-    >>> m = gpt(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, batch=1536)
-    >>> f = step_flops(m, remat="full")
-    >>> abs(f / narayanan_flops(1536, 2048, 96, 12288, 51200) - 1) < 1e-12
-    True
 """
 from __future__ import annotations
 
@@ -52,7 +32,8 @@ from typing import Mapping
 
 from jaxpar.cost import collectives as C
 from jaxpar.cost.cluster import Cluster
-from jaxpar.cost.memory import REMAT, leaf_shard_counts, schedule_stats, sizes_key
+from jaxpar.cost.flops import flops_per_token, model_flops, narayanan_flops, step_flops
+from jaxpar.cost.memory import leaf_shard_counts, schedule_stats, sizes_key
 from jaxpar.cost.schedule import runs_in_lockstep
 from jaxpar.cost.model import ModelSpec
 from jaxpar.cost.parallel import AXES, Plan
@@ -61,56 +42,6 @@ from jaxpar.cost.traffic import Comm, bytes_per_axis, comms
 
 __all__ = ["Overlap", "behind_backward", "ring_step_seconds", "StepTime", "flops_per_token", "narayanan_flops", "step_flops", "model_flops",
            "update_bytes", "elementwise_bytes", "axis_groups", "comm_time", "bubble", "step_time"]
-
-
-# ----------------------------------------------------------------------------- FLOPs
-def flops_per_token(n_params: float, layers: int, hidden: int, seq: int) -> float:
-    """Training FLOPs per token ``6N + 12·l·h·s`` (``N``: parameters without embeddings).
-
-    >>> flops_per_token(85e6, 12, 768, 1024) == 6 * 85e6 + 12 * 12 * 768 * 1024
-    True
-    """
-    return 6 * n_params + 12 * layers * hidden * seq
-
-
-def narayanan_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """FLOPs per iteration with full recomputation, Narayanan et al. (2021) eq. (3):
-    ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``."""
-    B, s, l, h, V = batch, seq, layers, hidden, vocab
-    return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
-
-
-def _layer_forward(m: ModelSpec, moe: bool = False) -> float:
-    s, h = m.seq, m.hidden
-    if moe:
-        mlp = 2 * h * (m.top_k * m.expert_mlp + m.shared_mlp) + h * m.experts
-        return 2 * s * (4 * h * h + mlp) + 4 * s * s * h
-    return 2 * s * (4 * h * h + 2 * h * m.mlp) + 4 * s * s * h
-
-
-def step_flops(m: ModelSpec, remat: str = "none") -> float:
-    """FLOPs of one training step of the global batch, recomputation included.
-
-    >>> from jaxpar.cost.model import gpt
-    >>> dense, moe = gpt(2, 64, 4, 32, 128, 8), gpt(2, 64, 4, 32, 128, 8, experts=8, top_k=1)
-    >>> step_flops(moe) - step_flops(dense) == 8 * 2 * 3 * 2 * 32 * 64 * 8      # top-1: + the router only
-    True
-    """
-    if remat not in REMAT:
-        raise ValueError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
-    n_moe = m.moe_layers
-    layers = 0.0
-    for n, moe in ((m.layers - n_moe, False), (n_moe, True)):
-        if n:
-            fwd = _layer_forward(m, moe)
-            extra = {"none": 0.0, "selective": 4 * m.seq**2 * m.hidden, "full": fwd}[remat]
-            layers += n * (3 * fwd + extra)
-    return m.batch * (layers + 6 * m.seq * m.hidden * m.vocab)
-
-
-def model_flops(m: ModelSpec) -> float:
-    """FLOPs of one step without recomputation (the numerator of MFU)."""
-    return step_flops(m, "none")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -131,6 +62,14 @@ def _groups(sizes: tuple[tuple[str, int], ...], axes: tuple[str, ...], per_node:
 def axis_groups(sizes: Mapping[str, int], axes: tuple[str, ...], per_node: int) -> tuple[int, int]:
     """``(p_in, p_out)``: devices of one group of ``axes`` inside a node, and nodes it spans.
 
+    Args:
+      sizes: the mesh axis sizes by name (absent: 1).
+      axes: the group's axes.
+      per_node: devices per node.
+
+    Returns:
+      ``(p_in, p_out)``.
+
     >>> axis_groups({"pipe": 4, "data": 2, "tensor": 8}, ("tensor",), 8), axis_groups({"pipe": 4, "data": 2, "tensor": 8}, ("data",), 8)
     ((8, 1), (1, 2))
     """
@@ -138,7 +77,16 @@ def axis_groups(sizes: Mapping[str, int], axes: tuple[str, ...], per_node: int) 
 
 
 def comm_time(c: Comm, sizes: Mapping[str, int], cluster: Cluster) -> float:
-    """Seconds of one collective ``c`` (the best algorithm on each level)."""
+    """Seconds of one collective ``c`` (the best algorithm on each level).
+
+    Args:
+      c: the collective.
+      sizes: the mesh axis sizes by name.
+      cluster: the cluster (its links and devices per node).
+
+    Returns:
+      Seconds.
+    """
     n = c.buffer_bytes(sizes)
     p_in, p_out = axis_groups(sizes, c.axes, cluster.devices_per_node)
     intra, inter = cluster.intra, cluster.inter
@@ -161,6 +109,16 @@ def comm_time(c: Comm, sizes: Mapping[str, int], cluster: Cluster) -> float:
 def bubble(schedule: str, pipe: int, microbatches: int, virtual: int = 1, lockstep: bool = False) -> float:
     """Bubble fraction of the schedule table (:func:`jaxpar.parallel.pipeline.schedules.bubble_fraction`); of its
     lockstep re-timing with ``lockstep`` (sequence parallelism in the pipeline, :mod:`.schedule`).
+
+    Args:
+      schedule: the schedule's name.
+      pipe: pipeline stages.
+      microbatches: micro-batches per step.
+      virtual: virtual stages per device.
+      lockstep: time the lockstep re-timing.
+
+    Returns:
+      The fraction, in [0, 1) (0 without a pipeline).
 
     >>> bubble("1f1b", 4, 8), bubble("gpipe", 1, 8)
     (0.2727272727272727, 0.0)
@@ -249,6 +207,14 @@ def update_bytes(m: ModelSpec, plan: Plan, grad_bytes: float = 4) -> float:
     optimizer state it holds (ZeRO shards it), fp32 master weights and two Adam moments read and
     written (``2 * (4 + 8)``) and the gradient read (``grad_bytes``).
 
+    Args:
+      m: the model.
+      plan: the plan.
+      grad_bytes: bytes of a gradient element.
+
+    Returns:
+      Bytes.
+
     >>> from jaxpar.cost.model import gpt
     >>> m = gpt(2, 32, 8, 16, 64, 16)
     >>> update_bytes(m, Plan(data=8)) == 28 * m.n_params, update_bytes(m, Plan(data=8, zero=1)) < 28 * m.n_params / 7
@@ -272,6 +238,14 @@ def elementwise_bytes(m: ModelSpec, plan: Plan, compute_bytes: float = 2) -> flo
     selective the softmax's. Tensor parallelism splits the MLP (``f/t``) and the softmax (heads,
     ``a/t``) but repeats the ``10h`` of the residual stream on every tensor device; sequence
     parallelism splits that too (``10h/t``).
+
+    Args:
+      m: the model.
+      plan: the plan.
+      compute_bytes: bytes of an activation element.
+
+    Returns:
+      Bytes.
 
     >>> from jaxpar.cost.model import gpt
     >>> m = gpt(4, 128, 8, 64, 256, 16)
@@ -318,6 +292,11 @@ def ring_step_seconds(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, co
     """Seconds of one ring step's blocks on one device, forward and backward: the layer's attention kernels
     (:func:`~jaxpar.cost.roofline.layer_kernels`' ``scores`` and ``context``) over the ``C`` steps.
 
+    Args:
+      m, plan, cluster: the model, the plan and the cluster.
+      dtype: the compute dtype.
+      compute_bytes: bytes of an activation element.
+
     Returns:
       ``{"forward": s, "backward": s}`` ({} without a ring).
 
@@ -341,6 +320,19 @@ def ring_step_seconds(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, co
 def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloat16", lowering: str = "ideal",
               overlap: Overlap = Overlap(), grad_bytes: float | None = None) -> StepTime:
     """Predicted seconds per step of ``plan`` on ``cluster`` (see the module doc for what is assumed).
+
+    Args:
+      m: the model.
+      plan: the plan.
+      cluster: the cluster.
+      dtype: the compute dtype (``"float32"``: 4-byte activations, else 2).
+      lowering: one of :data:`jaxpar.cost.traffic.LOWERINGS` (``"megatron"``: the pipeline's runs
+        interleave, no lockstep).
+      overlap: what communication hides behind compute.
+      grad_bytes: bytes of a gradient element (``None``: the activations').
+
+    Returns:
+      The :class:`StepTime`.
 
     >>> from jaxpar.cost.cluster import load_cluster
     >>> from jaxpar.cost.model import gpt

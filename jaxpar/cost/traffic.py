@@ -107,7 +107,14 @@ class Comm:
         return self.count if self.runs is None else self.runs
 
     def buffer_bytes(self, sizes: Mapping[str, int]) -> float:
-        """The ``n`` of :mod:`jaxpar.cost.collectives`: a reduce-scatter's input is ``p`` results."""
+        """The ``n`` of :mod:`jaxpar.cost.collectives`: a reduce-scatter's input is ``p`` results.
+
+        Args:
+          sizes: mesh axis name -> size.
+
+        Returns:
+          Bytes.
+        """
         p = math.prod(sizes[a] for a in self.axes)
         return self.bytes * p if self.kind == "reduce-scatter" else self.bytes
 
@@ -125,6 +132,16 @@ def _axes(sizes: Mapping[str, int], names) -> tuple[str, ...]:
 def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: float = 2,
           grad_bytes: float = 2) -> list[Comm]:
     """The collectives of one step on one device of the busiest stage (see the module doc).
+
+    Args:
+      m: the model.
+      plan: the plan.
+      lowering: one of :data:`LOWERINGS` (``"megatron"``: Megatron-LM's programs).
+      compute_bytes: bytes per activation value.
+      grad_bytes: bytes per gradient value.
+
+    Returns:
+      The :class:`Comm` list.
 
     >>> from jaxpar.cost.model import gpt
     >>> [(c.kind, c.axes, c.bytes, c.count) for c in comms(gpt(2, 32, 8, 16, 64, 16), Plan(data=8), grad_bytes=4)]
@@ -360,7 +377,14 @@ def _sp_grad_scale(m: ModelSpec, leaf: Leaf, t: int) -> float:
 
 
 def bytes_per_axis(cs: list[Comm]) -> dict[str, float]:
-    """Bytes per step per mesh axis (a collective over several axes counts for each of them)."""
+    """Bytes per step per mesh axis (a collective over several axes counts for each of them).
+
+    Args:
+      cs: the collectives, as :func:`comms` returns them.
+
+    Returns:
+      Mesh axis name -> bytes.
+    """
     out: dict[str, float] = {}
     for c in cs:
         for a in c.axes:

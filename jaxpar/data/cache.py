@@ -43,7 +43,16 @@ CACHE_VERSION = 1
 
 
 def expected_meta(source: Any, tokenizer: Any, bos: bool, eos: bool) -> dict:
-    """What a cache of ``source`` under ``tokenizer`` must record (``meta.json`` less its counts)."""
+    """What a cache of ``source`` under ``tokenizer`` must record (``meta.json`` less its counts).
+
+    Args:
+      source: the text source (its ``fingerprint()``).
+      tokenizer: the tokenizer (its ``fingerprint()``).
+      bos, eos: whether BOS / EOS are added to each document.
+
+    Returns:
+      The dict to compare with ``meta.json``.
+    """
     return {"version": CACHE_VERSION, "source": source.fingerprint(), "tokenizer": tokenizer.fingerprint(),
             "bos": bool(bos), "eos": bool(eos)}
 
@@ -93,6 +102,13 @@ def prepare_cache(source: Any, tokenizer: Any, directory: str | Path, *, bos: bo
 
 def open_cache(directory: str | Path, expected: dict) -> CachedTokens:
     """The cache at ``directory``, checked against ``expected`` (:func:`expected_meta`).
+
+    Args:
+      directory: the cache's directory (``meta.json`` and the token files).
+      expected: what its ``meta.json`` must record.
+
+    Returns:
+      The :class:`CachedTokens` store.
 
     Raises:
       CacheError: no cache there, or one built from other sources, tokenizer or BOS / EOS (named).

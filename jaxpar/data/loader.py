@@ -45,7 +45,14 @@ __all__ = ["PackedBatches", "batch_digest"]
 
 def batch_digest(batch: dict[str, np.ndarray]) -> str:
     """sha256 over a batch's ``tokens``, ``targets``, ``segment_ids``, ``positions`` and ``loss_mask``
-    (those it has; each as ``int32``, C order): equal digests, equal batches."""
+    (those it has; each as ``int32``, C order): equal digests, equal batches.
+
+    Args:
+      batch: a batch's arrays.
+
+    Returns:
+      The hex digest.
+    """
     h = hashlib.sha256()
     for key in (k for k in BATCH_KEYS if k in batch):
         h.update(np.ascontiguousarray(np.asarray(batch[key]), np.int32).tobytes())
@@ -95,11 +102,25 @@ class PackedBatches:
         self._lock, self._ahead_lock = threading.RLock(), threading.Lock()
 
     def size_at(self, step: int) -> int:
-        """The global batch size of ``step``."""
+        """The global batch size of ``step``.
+
+        Args:
+          step: the step.
+
+        Returns:
+          Its number of rows.
+        """
         return self.ramp.size_at(step) if self.ramp is not None else self.batch_size
 
     def first_row(self, step: int) -> int:
-        """The global row that begins step ``step``'s batch."""
+        """The global row that begins step ``step``'s batch.
+
+        Args:
+          step: the step.
+
+        Returns:
+          The row's global index.
+        """
         return self.ramp.tokens_before(step, 1) if self.ramp is not None else step * self.batch_size
 
     def __call__(self, step: int, rows: Any = None) -> dict[str, np.ndarray]:
@@ -130,7 +151,18 @@ class PackedBatches:
 
     def rows(self, start: int, size: int, pick: Sequence[int], plan: StreamPlan | None = None,
              ids: Sequence[np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        """Rows ``pick`` of the ``size`` global rows from ``start`` (the mask weights count all of them)."""
+        """Rows ``pick`` of the ``size`` global rows from ``start`` (the mask weights count all of them).
+
+        Args:
+          start: the global index of the batch's first row.
+          size: the batch's rows.
+          pick: the indices (in ``0 .. size - 1``) of the rows wanted.
+          plan: the row plan, or ``None``: the training plan.
+          ids: each source's document ids the plan indexes, or ``None``: the training documents.
+
+        Returns:
+          The batch's arrays, ``[len(pick), seq_len]`` each.
+        """
         with self._lock:        # the prefetch thread and the caller share the plan's caches and the stores
             return self._rows(start, size, pick, plan or self.plan, self.train_ids if ids is None else ids)
 
@@ -162,7 +194,15 @@ class PackedBatches:
                 self.stores[source].prefetch(docs)
 
     def eval_batches(self, count: int, batch_size: int | None = None) -> list[dict[str, np.ndarray]]:
-        """``count`` fixed batches of the held-out documents (their own order, packed alike)."""
+        """``count`` fixed batches of the held-out documents (their own order, packed alike).
+
+        Args:
+          count: how many batches.
+          batch_size: rows per batch, or ``None``: the training batch size.
+
+        Returns:
+          The batches, the same on every call.
+        """
         if self.eval_plan is None:
             raise DataError("no held-out documents: set eval_fraction > 0 to evaluate.")
         size = batch_size or self.batch_size
@@ -176,13 +216,28 @@ class PackedBatches:
 
     def epochs(self, steps: int) -> np.ndarray:
         """``float[sources]``: the epochs of each source that the first ``steps`` steps draw (the pack
-        windows they touch)."""
+        windows they touch).
+
+        Args:
+          steps: the number of steps from step 0.
+
+        Returns:
+          The epochs, one per source.
+        """
         rows = self.first_row(steps)
         return self.plan.epochs(-(-rows // self.plan.rows_per_window))
 
     def efficiency(self, start_step: int, steps: int) -> float:
         """Non-padding tokens over all tokens of the batches ``start_step .. start_step + steps - 1``: the
-        windows they hold whole from their packing stats, the rows of the windows at either end one by one."""
+        windows they hold whole from their packing stats, the rows of the windows at either end one by one.
+
+        Args:
+          start_step: the first step.
+          steps: how many steps.
+
+        Returns:
+          The share, in ``[0, 1]``.
+        """
         first, stop, per = self.first_row(start_step), self.first_row(start_step + steps), self.plan.rows_per_window
         whole = range(-(-first // per), stop // per)
         if not whole:

@@ -56,6 +56,11 @@ class PackStats:
     split_pieces: int = 0
 
     def add(self, other: "PackStats") -> None:
+        """Add ``other``'s counts to these, in place.
+
+        Args:
+          other: the stats of another window.
+        """
         self.tokens += other.tokens
         self.capacity += other.capacity
         self.split_pieces += other.split_pieces

@@ -45,6 +45,14 @@ def split_documents(n_docs: int, eval_fraction: float, seed: int) -> tuple[np.nd
     """``(train ids, held-out ids)`` of ``n_docs`` documents: ``round(eval_fraction × n_docs)`` of them,
     drawn with ``seed``, are held out (the same for every mesh and process count), both sorted.
 
+    Args:
+      n_docs: the number of documents.
+      eval_fraction: the share held out, in ``[0, 1)``.
+      seed: the draw's seed.
+
+    Returns:
+      The two sorted ``int64`` id arrays.
+
     >>> [a.tolist() for a in split_documents(10, 0.2, seed=0)]
     [[1, 2, 3, 4, 5, 6, 7, 8], [0, 9]]
     """
@@ -110,17 +118,39 @@ class StreamPlan:
         return tuple(int(x.sum()) for x in self.lengths)
 
     def source_budget(self, window: int) -> np.ndarray:
-        """``int64[sources]``: how much of each source's stream precedes ``window`` (tokens, or pieces)."""
+        """``int64[sources]``: how much of each source's stream precedes ``window`` (tokens, or pieces).
+
+        Args:
+          window: a window index.
+
+        Returns:
+          The budget per source.
+        """
         upto = np.floor(window * self.budget * self.cum_weights).astype(np.int64)
         upto[-1] = window * self.budget
         return np.diff(upto, prepend=0)
 
     def epochs(self, windows: int) -> np.ndarray:
-        """``float[sources]``: how many epochs of each source the first ``windows`` windows draw."""
+        """``float[sources]``: how many epochs of each source the first ``windows`` windows draw.
+
+        Args:
+          windows: the number of windows from window 0.
+
+        Returns:
+          The epochs, one per source.
+        """
         return self.source_budget(windows) / np.array([int(c.sum()) for c in self.costs], np.float64)
 
     def epoch_of(self, source: int, window: int) -> int:
-        """The epoch of ``source`` that ``window`` starts in (0-based)."""
+        """The epoch of ``source`` that ``window`` starts in (0-based).
+
+        Args:
+          source: the source's index.
+          window: a window index.
+
+        Returns:
+          The epoch.
+        """
         return int(self.source_budget(window)[source] // int(self.costs[source].sum()))
 
     def _epoch(self, source: int, epoch: int) -> _Epoch:
@@ -135,7 +165,14 @@ class StreamPlan:
         return self._epochs[key]
 
     def window_pieces(self, window: int) -> np.ndarray:
-        """``int64[n, 5]`` pieces ``(source, doc, start, length, doc_length)`` of ``window``, in stream order."""
+        """``int64[n, 5]`` pieces ``(source, doc, start, length, doc_length)`` of ``window``, in stream order.
+
+        Args:
+          window: a window index.
+
+        Returns:
+          The pieces.
+        """
         lo, hi = self.source_budget(window), self.source_budget(window + 1)
         parts = [self._pieces(s, int(a), int(b)) for s, (a, b) in enumerate(zip(lo, hi)) if b > a]
         return np.concatenate(parts) if parts else np.zeros((0, 5), np.int64)
@@ -170,7 +207,14 @@ class StreamPlan:
         return np.asarray(out, np.int64).reshape(-1, 5)
 
     def window(self, window: int) -> tuple[np.ndarray, list[list[Segment]], PackStats]:
-        """``(pieces, segments per row, stats)`` of a pack window (the last few are kept)."""
+        """``(pieces, segments per row, stats)`` of a pack window (the last few are kept).
+
+        Args:
+          window: a window index.
+
+        Returns:
+          The pieces (:meth:`window_pieces`), each row's segments, and the packing's :class:`PackStats`.
+        """
         if window not in self._windows:
             pieces = self.window_pieces(window)
             rows, stats = pack_window(pieces, rows=self.rows_per_window, seq_len=self.seq_len, method=self.method)
@@ -180,7 +224,14 @@ class StreamPlan:
         return self._windows[window]
 
     def rows(self, start: int, stop: int) -> list[PlannedRow]:
-        """The global rows ``start .. stop - 1``: each ``(its window's pieces, its segments)``."""
+        """The global rows ``start .. stop - 1``: each ``(its window's pieces, its segments)``.
+
+        Args:
+          start, stop: the global row range.
+
+        Returns:
+          One :data:`PlannedRow` per row.
+        """
         out = []
         for i in range(start, stop):
             g, r = divmod(i, self.rows_per_window)

@@ -23,6 +23,13 @@ def process_rows(sharding, batch_size: int) -> np.ndarray:
     only its split of the leading dimension matters. With one process: all rows.
     This is the order :func:`jax.make_array_from_process_local_data` expects.
 
+    Args:
+      sharding: the batch's sharding.
+      batch_size: the global batch's rows.
+
+    Returns:
+      ``int64`` row indices.
+
     >>> import jax, jaxpar
     >>> from jaxpar.batch import batch_sharding
     >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
@@ -50,6 +57,13 @@ def _num_row_shards(sharding) -> int:
 
 def select_rows(rows: Any, batch_size: int) -> np.ndarray | slice:
     """``rows`` (None | int indices | Sharding) -> an index into ``[batch_size]`` arrays.
+
+    Args:
+      rows: ``None`` (all rows), 1-D int row indices, or the batch's sharding (this process's rows).
+      batch_size: the global batch's rows.
+
+    Returns:
+      ``slice(None)``, or the row indices.
 
     >>> select_rows(None, 4), select_rows(np.array([2, 3]), 4).tolist()
     (slice(None, None, None), [2, 3])
@@ -80,6 +94,14 @@ def make_global_batch(batch_fn: Callable, step: int, mesh) -> Any:
     :func:`jax.make_array_from_process_local_data`. A ``batch_fn(step)`` without
     ``rows`` builds the whole host batch and each process keeps its own rows. With
     one process the result equals ``shard_batch(batch_fn(step), mesh)``.
+
+    Args:
+      batch_fn: ``batch_fn(step, rows=None)`` or ``batch_fn(step)``: a pytree of ``[batch, ...]`` arrays.
+      step: the step.
+      mesh: the mesh.
+
+    Returns:
+      The batch as global ``jax.Array`` s, sharded by :func:`jaxpar.batch.batch_sharding`.
 
     >>> import jax, numpy as np, jaxpar
     >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])

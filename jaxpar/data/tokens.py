@@ -37,7 +37,16 @@ TOKEN_DTYPES = ("uint16", "uint32", "int32")
 
 def document_ids(texts: Iterable[str | None], encode_batch: Callable[[list[str]], list[list[int]]], *,
                  bos_id: int | None, eos_id: int | None) -> list[np.ndarray]:
-    """Each text's ids with BOS / EOS where given; a skipped (``None``) record is an empty document."""
+    """Each text's ids with BOS / EOS where given; a skipped (``None``) record is an empty document.
+
+    Args:
+      texts: the texts; ``None`` for a skipped record.
+      encode_batch: the tokenizer's batch encoder.
+      bos_id, eos_id: the ids added before / after each document, or ``None`` (none).
+
+    Returns:
+      One ``int32`` array per text.
+    """
     texts = list(texts)
     present = [t for t in texts if t is not None]
     encoded = iter(encode_batch(present) if present else [])
@@ -125,7 +134,11 @@ class LiveTokens:
         return self.source.skipped
 
     def prefetch(self, docs: Iterable[int]) -> None:
-        """Tokenize ``docs`` not yet kept, in one batch (the reads of a batch's rows call this first)."""
+        """Tokenize ``docs`` not yet kept, in one batch (the reads of a batch's rows call this first).
+
+        Args:
+          docs: document ids.
+        """
         todo = sorted({int(d) for d in docs} - set(self._kept))
         for doc, ids in zip(todo, self._encode(self.source.texts(todo)) if todo else []):
             self._kept[doc] = ids
@@ -133,7 +146,15 @@ class LiveTokens:
             self._kept.popitem(last=False)
 
     def read(self, doc: int, start: int, stop: int) -> np.ndarray:
-        """Tokens ``start .. stop - 1`` of document ``doc``."""
+        """Tokens ``start .. stop - 1`` of document ``doc``.
+
+        Args:
+          doc: the document id.
+          start, stop: the token range.
+
+        Returns:
+          ``int32`` tokens (BOS / EOS included as configured).
+        """
         if doc not in self._kept:
             self.prefetch([doc])
         self._kept.move_to_end(doc)
@@ -169,6 +190,13 @@ class TokenFile(_Mapped):
 def map_tokens(path: str | Path, dtype: str = "uint16") -> np.ndarray:
     """A pre-tokenized file as a read-only memory map: ``.npy`` (its own dtype) or a raw ``.bin`` of
     ``dtype`` tokens (nanoGPT's ``train.bin`` is ``uint16``). Nothing is read until it is indexed.
+
+    Args:
+      path: a ``.npy`` or ``.bin`` file.
+      dtype: the token type of a ``.bin`` file, one of :data:`TOKEN_DTYPES`.
+
+    Returns:
+      The 1-D tokens (a ``np.memmap``).
 
     Raises:
       SourceError: no such file, another suffix, a size that is not whole tokens, not 1-D integers.

@@ -72,6 +72,12 @@ def stdlib_sources(max_bytes: int | None = None) -> list[Path]:
     With ``max_bytes``, every k-th file of that list (k chosen so the total is
     about ``max_bytes``): a small, deterministic subset drawn from the whole
     library rather than its alphabetical head.
+
+    Args:
+      max_bytes: about how many bytes in all, or ``None`` (every file).
+
+    Returns:
+      The files' paths.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [f for f in root.rglob("*.py") if not _SKIP_DIRS.intersection(f.relative_to(root).parts[:-1])]
@@ -90,6 +96,12 @@ def expand_paths(patterns: Sequence[str | os.PathLike]) -> list[Path]:
 
     A directory stands for every file below it. Raises ``ValueError`` naming a
     pattern that matches no file.
+
+    Args:
+      patterns: file or directory paths and glob patterns.
+
+    Returns:
+      The files, in pattern order (duplicates kept).
     """
     out: list[Path] = []
     for pattern in patterns:
@@ -114,6 +126,13 @@ def read_documents(paths: Sequence[str | os.PathLike] | None = None, *,
 
     ``paths=None`` (or empty) reads :func:`stdlib_sources` (``max_bytes``). Files are taken in
     order until the cap; the last one is cut, so the result is deterministic.
+
+    Args:
+      paths: files, directories or globs (:func:`expand_paths`), or ``None``.
+      max_bytes: the cap on the bytes read.
+
+    Returns:
+      One ``bytes`` per file read.
     """
     if not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"read_documents(max_bytes={max_bytes!r}): must be a positive int.")
@@ -130,7 +149,15 @@ def read_documents(paths: Sequence[str | os.PathLike] | None = None, *,
 
 def load_bytes(paths: Sequence[str | os.PathLike] | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
     """Concatenate files as a ``uint8`` array (files joined by a newline), capped at ``max_bytes``
-    (:func:`read_documents`, joined)."""
+    (:func:`read_documents`, joined).
+
+    Args:
+      paths: files, directories or globs (:func:`expand_paths`), or ``None``: the standard library's sources.
+      max_bytes: the cap on the bytes read.
+
+    Returns:
+      ``uint8[n]``, ``n <= max_bytes``.
+    """
     return np.frombuffer(b"".join(read_documents(paths, max_bytes=max_bytes)), dtype=np.uint8)
 
 
@@ -139,6 +166,14 @@ def tokenize_documents(documents: Sequence[bytes | str], encode: Callable[[str],
     """One ``int32`` token stream of ``documents``: each encoded (bytes decoded as UTF-8, invalid bytes
     replaced), with ``bos_id`` before it and ``eos_id`` after it when given. Batches then take windows
     of it as of :func:`load_tokens`'s.
+
+    Args:
+      documents: the documents' text (``bytes`` or ``str``).
+      encode: text -> token ids.
+      bos_id, eos_id: the ids added before / after each document, or ``None`` (none).
+
+    Returns:
+      ``int32[n]``.
 
     >>> tokenize_documents([b"ab", "c"], lambda text: [ord(ch) for ch in text], bos_id=1, eos_id=2).tolist()
     [1, 97, 98, 2, 1, 99, 2]
@@ -154,6 +189,13 @@ def load_tokens(path: str | os.PathLike, *, dtype: str = "uint16") -> np.ndarray
     """A pre-tokenized corpus as a read-only memory map (:func:`jaxpar.data.tokens.map_tokens`): ``.npy``
     (its own dtype) or a raw ``.bin`` of ``dtype`` tokens. The file may be larger than memory.
 
+    Args:
+      path: a ``.npy`` or ``.bin`` file.
+      dtype: the token type of a ``.bin`` file, one of :data:`TOKEN_DTYPES`.
+
+    Returns:
+      The 1-D tokens (a ``np.memmap``).
+
     >>> import tempfile; f = tempfile.NamedTemporaryFile(suffix=".bin", delete=False)
     >>> np.arange(100, dtype=np.uint16).tofile(f.name)
     >>> load_tokens(f.name)[10:13].tolist()
@@ -163,7 +205,16 @@ def load_tokens(path: str | os.PathLike, *, dtype: str = "uint16") -> np.ndarray
 
 
 def check_token_ids(batch: dict[str, np.ndarray], vocab: int, where: str) -> dict[str, np.ndarray]:
-    """``batch`` unchanged, or a clear error if a token id is outside ``[0, vocab)``."""
+    """``batch`` unchanged, or a clear error if a token id is outside ``[0, vocab)``.
+
+    Args:
+      batch: a batch with ``tokens`` and ``targets``.
+      vocab: the model's vocabulary size.
+      where: what the batch is, for the error message (e.g. ``"data.train, batch 3,"``).
+
+    Returns:
+      ``batch``.
+    """
     lo = min(int(batch[k].min(initial=0)) for k in ("tokens", "targets"))
     hi = max(int(batch[k].max(initial=0)) for k in ("tokens", "targets"))
     if lo < 0 or hi >= vocab:
@@ -173,14 +224,32 @@ def check_token_ids(batch: dict[str, np.ndarray], vocab: int, where: str) -> dic
 
 
 def token_batch_fn(data: np.ndarray, vocab: int, where: str, **kw: Any) -> Callable:
-    """``text_batch`` over token ids with :func:`check_token_ids` on every batch."""
+    """``text_batch`` over token ids with :func:`check_token_ids` on every batch.
+
+    Args:
+      data: the token stream.
+      vocab: the model's vocabulary size.
+      where: the data's name in the error message.
+      **kw: :func:`text_batch`'s keywords (``batch_size``, ``seq_len``, ``seed``).
+
+    Returns:
+      ``batch(step, rows=None, **override)``: ``kw`` updated by ``override``.
+    """
     def batch(step: int, rows: Any = None, **override: Any) -> dict[str, np.ndarray]:
         return check_token_ids(text_batch(data, step, rows=rows, **{**kw, **override}), vocab, f"{where}, batch {step},")
     return batch
 
 
 def split_holdout(data: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """``(train, held_out)``: the last ``eval_fraction`` of ``data`` is held out (no overlap)."""
+    """``(train, held_out)``: the last ``eval_fraction`` of ``data`` is held out (no overlap).
+
+    Args:
+      data: a byte or token stream.
+      eval_fraction: the share held out, in ``[0, 1)``.
+
+    Returns:
+      The two views of ``data``.
+    """
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"split_holdout(eval_fraction={eval_fraction!r}): must be in [0, 1).")
     cut = len(data) - int(round(len(data) * eval_fraction))
@@ -203,6 +272,17 @@ def text_batch(data: np.ndarray, step: int, *, batch_size: int, seq_len: int, se
     """Training batch ``step``: ``batch_size`` windows at offsets drawn from ``(seed, step)`` only.
 
     ``rows`` selects global rows (see the module docstring); only those windows are read.
+
+    Args:
+      data: a byte or token stream of at least ``seq_len + 1`` items.
+      step: the step.
+      batch_size: the global batch's rows.
+      seq_len: tokens per row.
+      seed: the offsets' seed.
+      rows: ``None``, row indices, or the batch's sharding.
+
+    Returns:
+      ``{"tokens", "targets"}``: ``int32[rows, seq_len]`` each.
     """
     _check_len(data, seq_len, "text_batch")
     rng = np.random.default_rng((seed, _TRAIN, step))
@@ -211,7 +291,17 @@ def text_batch(data: np.ndarray, step: int, *, batch_size: int, seq_len: int, se
 
 
 def eval_windows(data: np.ndarray, *, num_batches: int, batch_size: int, seq_len: int) -> list[dict[str, np.ndarray]]:
-    """``num_batches`` fixed batches of windows spread evenly over ``data`` (the held-out split)."""
+    """``num_batches`` fixed batches of windows spread evenly over ``data`` (the held-out split).
+
+    Args:
+      data: the held-out byte or token stream.
+      num_batches: how many batches.
+      batch_size: rows per batch.
+      seq_len: tokens per row.
+
+    Returns:
+      The batches, ``{"tokens", "targets"}`` of ``int32[batch_size, seq_len]`` each.
+    """
     _check_len(data, seq_len, "eval_windows")
     n = num_batches * batch_size
     offsets = np.linspace(0, len(data) - seq_len - 1, n).astype(np.int64)
@@ -224,6 +314,18 @@ def synthetic_batch(step: int, *, batch_size: int, seq_len: int, vocab: int, see
 
     ``eval=True`` draws from a separate stream (same distribution, other rows).
     ``rows`` selects global rows (see the module docstring).
+
+    Args:
+      step: the step.
+      batch_size: the global batch's rows.
+      seq_len: tokens per row.
+      vocab: the vocabulary size.
+      seed: the draw's seed.
+      eval: draw from the evaluation stream.
+      rows: ``None``, row indices, or the batch's sharding.
+
+    Returns:
+      ``{"tokens", "targets"}``: ``int32[rows, seq_len]`` each.
     """
     rng = np.random.default_rng((seed, _EVAL if eval else _TRAIN, step))
     start = rng.integers(0, vocab, size=(batch_size, 1))

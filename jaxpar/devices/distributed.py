@@ -29,7 +29,7 @@ first thing. Who it is comes from :func:`resolve`, which touches nothing::
     >>> resolve(num_processes=2, process_id=0, environ={})
     Traceback (most recent call last):
     ...
-    jaxpar.devices.distributed.DistributedError: no coordinator address for 2 processes (explicit flags): pass --coordinator ...
+    jaxpar.errors.DistributedError: no coordinator address for 2 processes (explicit flags): pass --coordinator ...
 """
 
 from __future__ import annotations
@@ -181,11 +181,17 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
             *, environ: Mapping[str, str] | None = None) -> ClusterInfo:
     """Combine explicit values with the launcher's environment; raise :class:`DistributedError` if inconsistent.
 
-    Explicit values win; ``JAX_COORDINATOR_ADDRESS`` supplies a missing coordinator.
-    Never touches JAX.
+    Explicit values win; ``JAX_COORDINATOR_ADDRESS`` supplies a missing coordinator. Never touches JAX.
 
-    >>> resolve("127.0.0.1:1234", 2, 1, environ={}).describe()
-    'process 1 of 2 (explicit flags), coordinator 127.0.0.1:1234'
+    Args:
+      coordinator: process 0's ``HOST:PORT`` (``--coordinator``), or None.
+      num_processes: the number of processes in the job (``--num-processes``), or None.
+      process_id: this process's id, ``0..num_processes-1`` (``--process-id``), or None.
+      environ: the environment to read (default ``os.environ``).
+
+    Returns:
+      This process's :class:`ClusterInfo`; ``method="single"`` with neither values nor a launcher.
+
     >>> resolve(environ={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
     ...                  "SLURM_STEP_NODELIST": "gpu[03-04]", "SLURM_STEP_NUM_NODES": "2"}).describe()
     'process 1 of 2 (SLURM), coordinator gpu03:61447'
@@ -231,7 +237,18 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
 
 
 def split_devices(total: int, num_processes: int) -> int:
-    """Per-process CPU device count for ``total`` simulated devices over ``num_processes`` processes."""
+    """Simulated CPU devices per process.
+
+    Args:
+      total: the devices of all processes together (``train.devices``).
+      num_processes: the number of processes; it must divide ``total``.
+
+    Returns:
+      ``total // num_processes``.
+
+    Raises:
+      DistributedError: ``num_processes`` does not divide ``total``.
+    """
     if total % num_processes:
         raise DistributedError(f"train.devices={total} (all processes together) is not divisible by "
                                f"{num_processes} processes; set train.devices to a multiple of {num_processes} "
@@ -246,13 +263,17 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                ) -> ClusterInfo:
     """Join the job (see :func:`resolve`); a single process only sets the CPU device count. Call before any JAX use.
 
-    ``local_device_count``: simulate that many CPU devices in this process
-    (:func:`jaxpar.mesh.use_devices` with ``detect=False``: sets ``jax_num_cpu_devices`` and the
-    ``cpu`` platform; an error if ``JAX_PLATFORMS`` names an accelerator). ``cpu_collectives``:
-    ``jax_cpu_collectives_implementation`` ("gloo", "mpi" or None). Timeouts in
-    seconds: a process that stops sending heartbeats for ``heartbeat_timeout`` is
-    declared dead and every other process ends; ``initialization_timeout`` bounds the
-    wait for all processes to connect.
+    Args:
+      coordinator, num_processes, process_id: explicit values, as in :func:`resolve`.
+      local_device_count: simulate that many CPU devices in this process (:func:`jaxpar.mesh.use_devices`
+        with ``detect=False``: ``jax_num_cpu_devices`` and the ``cpu`` platform; an error if
+        ``JAX_PLATFORMS`` names an accelerator).
+      cpu_collectives: ``jax_cpu_collectives_implementation``: "gloo", "mpi" or None.
+      heartbeat_timeout: seconds without heartbeats before a process is declared dead (every other one ends).
+      initialization_timeout, shutdown_timeout: seconds to wait for all processes to connect / to stop.
+
+    Returns:
+      This process's :class:`ClusterInfo`.
     """
     import jax
     from jax._src import xla_bridge

@@ -28,7 +28,7 @@ Example:
     >>> parse_target("h101:8")
     Traceback (most recent call last):
     ...
-    jaxpar.devices.targets.TargetError: target 'h101:8': unknown device 'h101'; presets: a100-80gb, b200, h100, h200, tpu-v5e, tpu-v5p, tpu-v6e (configs/targets/), or the path of a target YAML file.
+    jaxpar.errors.TargetError: target 'h101:8': unknown device 'h101'; presets: a100-80gb, b200, h100, h200, tpu-v5e, tpu-v5p, tpu-v6e (configs/targets/), or the path of a target YAML file.
 """
 from __future__ import annotations
 
@@ -41,12 +41,14 @@ from typing import Any, Mapping
 from jaxpar.errors import TargetError
 
 __all__ = ["TargetError", "DeviceSpec", "Target", "PRESET_DIR", "presets", "load_spec", "parse_target",
-           "gpu_target_config", "target_devices", "compile_error", "EXTRA"]
+           "gpu_target_config", "target_devices", "compile_error", "EXTRA", "EXTRA_EDITABLE"]
 
 #: Where the preset YAML files live (``configs/targets`` of the repository).
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "targets"
 #: The optional dependencies that bring the compilers.
 EXTRA = "pip install 'jaxpar[targets]'"
+#: The same from a checkout of the repository.
+EXTRA_EDITABLE = "pip install -e '.[targets]'"
 #: JAX's default share of a GPU's memory that a process may use (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
 GPU_MEM_FRACTION = 0.75
 
@@ -290,7 +292,6 @@ _PLUGIN = {"cuda": ("jax_plugins.xla_cuda12", "jax-cuda12-plugin"), "tpu": ("lib
 
 def _check_plugin(platform: str) -> None:
     import importlib.metadata as md
-    import importlib.util
 
     import jax
 
@@ -299,12 +300,28 @@ def _check_plugin(platform: str) -> None:
         jax.config.update("jax_platforms", "cpu")     # (and the CUDA plugin then skips its runtime check)
     if platform == "tpu":
         _quiet_libtpu()
-    if importlib.util.find_spec(module) is None:
-        raise TargetError(f"compiling for {platform} targets needs {dist}, which is not installed: {EXTRA} "
-                          f"(docs/targets.md).")
-    if platform == "cuda" and md.version(dist) != jax.__version__:
-        raise TargetError(f"{dist}=={md.version(dist)} is installed beside jax=={jax.__version__}; the plugin must "
+    missing = TargetError(f"compiling for {platform} targets needs {dist}, which is not installed: {EXTRA} "
+                          f"(the 'targets' extra; from a checkout: {EXTRA_EDITABLE}; docs/targets.md).")
+    if not _installed(module):
+        raise missing
+    try:
+        version = md.version(dist) if platform == "cuda" else jax.__version__
+    except md.PackageNotFoundError:     # the module without its distribution (another jax_plugins package)
+        raise missing from None
+    if version != jax.__version__:
+        raise TargetError(f"{dist}=={version} is installed beside jax=={jax.__version__}; the plugin must "
                           f"match jax exactly: {EXTRA}, or pip install {dist}=={jax.__version__}.")
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported; a dotted name whose parent package is missing (a plain install
+    has no ``jax_plugins``) makes ``find_spec`` raise instead of returning None."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ModuleNotFoundError, ValueError):
+        return False
 
 
 def _quiet_libtpu() -> None:

@@ -31,6 +31,13 @@ __all__ = ["read_box", "file_tensor", "view_groups"]
 def view_groups(taken: tuple[int, ...], view: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Which consecutive axes of ``view`` each axis of ``taken`` splits into (row-major reshape).
 
+    Args:
+      taken: the file tensor's shape (after ``part``).
+      view: the shape it is reshaped to.
+
+    Returns:
+      One tuple of ``view`` axes per axis of ``taken``.
+
     >>> view_groups((6, 4), (2, 3, 4))
     [(0, 1), (2,)]
     """
@@ -75,6 +82,9 @@ def read_box(files: Any, m: TensorMap, box: tuple[slice, ...], dtype: Any = None
       box: one slice per axis of the parameter (stacked axes first).
       dtype: the result's dtype (``None``: the files'). Each file tensor's part is cast as it is
         copied into the result, so the host holds the result and one part at a time.
+
+    Returns:
+      The box's values, ``[stop - start for each slice]``.
     """
     n = len(m.stack)
     outer, inner = box[:n], box[n:]
@@ -92,7 +102,15 @@ def read_box(files: Any, m: TensorMap, box: tuple[slice, ...], dtype: Any = None
 
 def file_tensor(elements: list[tuple[TensorMap, np.ndarray]]) -> np.ndarray:
     """A file tensor from the elements that take parts of it (one, or the gate and up halves of a
-    fused ``gate_up_proj``): each transposed back and reshaped to its part, then joined in order."""
+    fused ``gate_up_proj``): each transposed back and reshaped to its part, then joined in order.
+
+    Args:
+      elements: ``(map, element)`` pairs: the parameter's :class:`~jaxpar.hf.keys.TensorMap` and its
+        element for this file tensor.
+
+    Returns:
+      The file tensor, of shape ``map.file``.
+    """
     parts = []
     for m, element in sorted(elements, key=lambda e: e[0].part[1] if e[0].part else 0):
         if m.perm:

@@ -17,7 +17,7 @@ Example::
     >>> decoder_config({"model_type": "gpt2"})
     Traceback (most recent call last):
     ...
-    jaxpar.hf.config.HFConfigError: config.json: model_type 'gpt2' is not supported; jaxpar imports ...
+    jaxpar.errors.HFConfigError: config.json: model_type 'gpt2' is not supported; jaxpar imports ...
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ _ROPE_KINDS = ("default", "linear", "llama3")
 def read_config(path: str | Path) -> dict[str, Any]:
     """The ``config.json`` of a checkpoint directory, as a dict.
 
+    Args:
+      path: the checkpoint directory.
+
+    Returns:
+      The parsed ``config.json``.
+
     Raises:
       HFConfigError: the directory has no ``config.json``, or it is not JSON.
     """
@@ -60,7 +66,14 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 
 def checkpoint_dtype(hf: dict[str, Any]) -> str:
-    """The checkpoint's dtype name (``dtype``, or the Hub's ``torch_dtype``; ``float32`` if neither)."""
+    """The checkpoint's dtype name (``dtype``, or the Hub's ``torch_dtype``; ``float32`` if neither).
+
+    Args:
+      hf: a parsed ``config.json``.
+
+    Returns:
+      The dtype's name, e.g. ``"bfloat16"``.
+    """
     return str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
 
 

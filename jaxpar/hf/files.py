@@ -78,14 +78,37 @@ class CheckpointFiles:
         self._open: dict[str, object] = {}
 
     def shape(self, key: str) -> tuple[int, ...]:
+        """The tensor's shape.
+
+        Args:
+          key: the tensor's name.
+
+        Returns:
+          Its shape.
+        """
         return tuple(self.info[key]["shape"])
 
     def dtype(self, key: str) -> str:
-        """The tensor's safetensors dtype name (``"BF16"``, ``"F32"``, ...)."""
+        """The tensor's safetensors dtype name (``"BF16"``, ``"F32"``, ...).
+
+        Args:
+          key: the tensor's name.
+
+        Returns:
+          The dtype's name.
+        """
         return self.info[key]["dtype"]
 
     def read(self, key: str, box: tuple[slice, ...]) -> np.ndarray:
-        """The ``box`` (one slice per axis) of tensor ``key``, in its own dtype."""
+        """The ``box`` (one slice per axis) of tensor ``key``, in its own dtype.
+
+        Args:
+          key: the tensor's name.
+          box: one slice per axis, or ``()``: the whole tensor.
+
+        Returns:
+          The values.
+        """
         from safetensors import safe_open
 
         name = self.where[key]

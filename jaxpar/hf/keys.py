@@ -56,7 +56,14 @@ class TensorMap:
     part: tuple[int, int, int] | None = None
 
     def keys(self, counts: dict[str, int]) -> list[str]:
-        """Every file key, for ``counts`` of the stacked fields (e.g. ``{"layer": 4}``)."""
+        """Every file key, for ``counts`` of the stacked fields (e.g. ``{"layer": 4}``).
+
+        Args:
+          counts: the size of each field in :attr:`stack`.
+
+        Returns:
+          The keys, last field fastest.
+        """
         ranges = [range(counts[f]) for f in self.stack]
         return [self.key.format(**dict(zip(self.stack, c))) for c in itertools.product(*ranges)]
 
@@ -127,25 +134,55 @@ def tensor_maps(cfg: DecoderConfig, family: str, experts_layout: str = "per_expe
 
 
 def stack_counts(cfg: DecoderConfig) -> dict[str, int]:
-    """The sizes of the stacked template fields."""
+    """The sizes of the stacked template fields.
+
+    Args:
+      cfg: the model's config.
+
+    Returns:
+      ``{"layer": layers, "expert": experts (0 without MoE)}``.
+    """
     return {"layer": cfg.layers, "expert": cfg.moe.experts if cfg.moe else 0}
 
 
 def file_keys(cfg: DecoderConfig, family: str, maps: dict[tuple, TensorMap]) -> set[str]:
-    """Every key the checkpoint of ``cfg`` holds under ``maps``."""
+    """Every key the checkpoint of ``cfg`` holds under ``maps``.
+
+    Args:
+      cfg: the model's config.
+      family: the checkpoint's ``model_type`` (``maps`` is already that family's).
+      maps: the parameters' maps (:func:`tensor_maps`).
+
+    Returns:
+      The set of keys.
+    """
     counts = stack_counts(cfg)
     return {k for m in maps.values() for k in m.keys(counts)}
 
 
 def flatten_params(tree: Any) -> dict[tuple, Any]:
     """``{path: leaf}`` of a parameter dict (or a ``PartitionSpec`` tree mirroring it); the paths of
-    :func:`tensor_maps`."""
+    :func:`tensor_maps`.
+
+    Args:
+      tree: a nested dict of parameters or of ``PartitionSpec`` s.
+
+    Returns:
+      The leaves by key path.
+    """
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
     return {tuple(getattr(k, "key", k) for k in path): leaf for path, leaf in leaves}
 
 
 def nest_params(flat: dict[tuple, Any]) -> dict:
-    """The inverse of :func:`flatten_params`."""
+    """The inverse of :func:`flatten_params`.
+
+    Args:
+      flat: leaves by key path.
+
+    Returns:
+      The nested dict.
+    """
     out: dict = {}
     for path, value in flat.items():
         node = out

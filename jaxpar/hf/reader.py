@@ -71,7 +71,14 @@ class Checkpoint:
 
     def model_fn(self, seed: int = 0) -> Callable[[], Decoder]:
         """``() -> Decoder`` of this config (random weights), for :func:`jaxpar.state_layout` /
-        :func:`jaxpar.init_train_state`; :meth:`load` supplies the checkpoint's weights."""
+        :func:`jaxpar.init_train_state`; :meth:`load` supplies the checkpoint's weights.
+
+        Args:
+          seed: the seed of the random weights.
+
+        Returns:
+          The model factory.
+        """
         cfg = self.config
         return lambda: Decoder(cfg, rngs=nnx.Rngs(seed))
 

@@ -141,7 +141,14 @@ class DecoderConfig:
         return "silu" if self.activation == "silu" else "gelu"
 
     def replace(self, **changes: Any) -> "DecoderConfig":
-        """A copy with ``changes`` (e.g. ``remat="full"``)."""
+        """A copy with ``changes`` (e.g. ``remat="full"``).
+
+        Args:
+          **changes: new values of fields, by name.
+
+        Returns:
+          The new config.
+        """
         return dataclasses.replace(self, **changes)
 
 
@@ -238,7 +245,17 @@ def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: Any = None
     target logit is picked with a one-hot product (a vocabulary split over ``tensor`` needs one
     all-reduce). With ``weights``, the plain mean of ``weights × loss`` over every token (the mask
     is then not read): weights normalised over a global batch, as :class:`jaxpar.data.PackedBatches`
-    makes them, give the global batch's masked mean however the batch is split."""
+    makes them, give the global batch's masked mean however the batch is split.
+
+    Args:
+      logits: ``[batch, length, vocab]``.
+      targets: int ``[batch, length]``.
+      mask: ``[batch, length]``, true where a target counts, or ``None``.
+      weights: ``[batch, length]`` loss weights, or ``None``.
+
+    Returns:
+      The scalar loss.
+    """
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.sum(logp * jax.nn.one_hot(targets, logits.shape[-1], dtype=logp.dtype), axis=-1)
     if weights is not None:
@@ -258,6 +275,13 @@ def decoder_loss(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:
     over the global batch: the mean is the global batch's under any micro-batching). Under a balanced
     context-parallel layout the sequence is permuted into its order
     (:func:`jaxpar.parallel.context.sequence_order`) and the model gets the true positions.
+
+    Args:
+      model: the decoder.
+      batch: the arrays above.
+
+    Returns:
+      The scalar loss (fp32).
     """
     tokens, targets = batch["tokens"], batch["targets"]
     segments, positions, mask = batch.get("segment_ids"), batch.get("positions"), batch.get("loss_mask")

@@ -66,6 +66,13 @@ class RoPE:
 def rope_frequencies(rope: RoPE, head_dim: int) -> np.ndarray:
     """The inverse frequencies ``[head_dim / 2]`` (fp32), as ``transformers``' RoPE initialisers.
 
+    Args:
+      rope: the RoPE settings.
+      head_dim: the rotated dimension.
+
+    Returns:
+      ``float32[head_dim // 2]``.
+
     >>> rope_frequencies(RoPE(theta=100.0), 4).tolist()
     [1.0, 0.10000000149011612]
     """
@@ -88,7 +95,16 @@ def rope_frequencies(rope: RoPE, head_dim: int) -> np.ndarray:
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotate ``x[batch, length, heads, head_dim]`` by ``positions[batch, length]`` (the halves form:
-    ``x * cos + rotate_half(x) * sin``, with cos and sin in ``x``'s dtype, as ``transformers``)."""
+    ``x * cos + rotate_half(x) * sin``, with cos and sin in ``x``'s dtype, as ``transformers``).
+
+    Args:
+      x: ``[batch, length, heads, head_dim]``.
+      positions: int ``[batch, length]``.
+      inv_freq: ``float32[head_dim // 2]`` (:func:`rope_frequencies`).
+
+    Returns:
+      The rotated ``x``, its shape and dtype.
+    """
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq          # [b, t, d/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
@@ -99,7 +115,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, offset: float = 0.0) -> jax.Array:
     """RMS norm over the last axis in fp32. ``offset=0``: ``w * n`` in ``x``'s dtype (Llama, Qwen);
-    ``offset=1``: ``n * (1 + w)`` in fp32 (Gemma), both returned in ``x``'s dtype."""
+    ``offset=1``: ``n * (1 + w)`` in fp32 (Gemma), both returned in ``x``'s dtype.
+
+    Args:
+      x: ``[..., features]``.
+      weight: ``[features]``.
+      eps: added to the mean square.
+      offset: ``0.0`` or ``1.0``, as above.
+
+    Returns:
+      The normalised ``x``, its shape and dtype.
+    """
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
     if offset:
@@ -119,7 +145,16 @@ class Carry(NamedTuple):
 
 
 def attention_half(cfg: Any, p: dict[str, jax.Array], carry: Carry) -> jax.Array:
-    """``x + attention(norm(x))`` for one layer (``cfg``: a :class:`~jaxpar.models.DecoderConfig`)."""
+    """``x + attention(norm(x))`` for one layer (``cfg``: a :class:`~jaxpar.models.DecoderConfig`).
+
+    Args:
+      cfg: the model's config.
+      p: one layer's parameters.
+      carry: the layer's input.
+
+    Returns:
+      The new residual stream ``[batch, length, embed]``.
+    """
     x, norm = carry.x, _norm(cfg)
     h = constrain(norm(x, p["attn_norm"]), ("batch", "length", "embed"))
     q = constrain(jnp.einsum("bte,hde->bthd", h, p["wq"]), ("batch", "length", "heads", "kv"))
@@ -144,7 +179,16 @@ def attention_half(cfg: Any, p: dict[str, jax.Array], carry: Carry) -> jax.Array
 
 
 def mlp_half(cfg: Any, p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """``x + mlp(norm(x))``: the gated MLP ``down(act(gate(h)) * up(h))``, or the routed experts."""
+    """``x + mlp(norm(x))``: the gated MLP ``down(act(gate(h)) * up(h))``, or the routed experts.
+
+    Args:
+      cfg: the model's config.
+      p: one layer's parameters.
+      x: the residual stream ``[batch, length, embed]``.
+
+    Returns:
+      The new residual stream, ``x``'s shape.
+    """
     norm = _norm(cfg)
     h = constrain(norm(x, p["mlp_norm"]), ("batch", "length", "embed"))
     if cfg.moe is not None:
@@ -164,7 +208,16 @@ def mlp_half(cfg: Any, p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
 
 
 def layer_apply(cfg: Any, p: dict[str, jax.Array], carry: Carry) -> Carry:
-    """One decoder layer on ``carry``: its parameters ``p`` have no ``layers`` axis."""
+    """One decoder layer on ``carry``: its parameters ``p`` have no ``layers`` axis.
+
+    Args:
+      cfg: the model's config (a :class:`~jaxpar.models.DecoderConfig`).
+      p: the layer's parameters.
+      carry: the layer's input.
+
+    Returns:
+      The carry for the next layer (``index`` advanced).
+    """
     x = mlp_half(cfg, p, attention_half(cfg, p, carry))
     return carry._replace(x=x, index=carry.index + 1)
 

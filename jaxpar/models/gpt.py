@@ -42,7 +42,7 @@ from jaxpar.rules import constrain
 from jaxpar.models.gpt_layers import (BLOCK_LOGICAL, RESIDUAL, Blocks, attention_apply, block_apply, layer_norm, mlp_apply, param,
                          zeros)
 from jaxpar.adapters.loss_metrics import report_metric
-from jaxpar.parallel.moe import LAYER_LOADS, need_router_bias, note_aux_loss, router_bias, step_loads
+from jaxpar.parallel.moe import need_router_bias, router_bias
 from jaxpar.models.gpt_moe import MoEBlocks, MoESettings, moe_metrics, run_moe_blocks
 
 __all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "attention_apply", "mlp_apply", "layer_norm", "run_blocks",
@@ -87,8 +87,17 @@ class GPTConfig:
 
 
 def run_blocks(blocks: dict[str, jax.Array], x: jax.Array, *, remat: str = "none", scan: bool = True) -> jax.Array:
-    """Run stacked blocks (each array has a leading ``layers`` axis) over ``x`` with
-    :func:`jaxpar.adapters.blocks.run_layers`."""
+    """Run stacked blocks over ``x`` with :func:`jaxpar.adapters.blocks.run_layers`.
+
+    Args:
+      blocks: the blocks' parameters by name (``BLOCK_LOGICAL``'s keys), each with a leading ``layers`` axis.
+      x: the residual stream ``[batch, length, embed]``.
+      remat: a name in ``REMAT_POLICIES`` (``"none"``: keep every activation).
+      scan: True: one ``jax.lax.scan`` over the layers; False: a Python loop.
+
+    Returns:
+      ``x`` after every block, its shape.
+    """
     logical = {k: BLOCK_LOGICAL[k] for k in blocks}
     return run_layers(block_apply, blocks, x, logical=logical, remat=remat_policy(remat), scan=scan)
 
@@ -107,12 +116,29 @@ class GPT(nnx.Module):
             self.head = param(rngs.params(), (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.init_std)
 
     def embed(self, tokens: jax.Array, positions: Any = None) -> jax.Array:
+        """Token + position embedding (:func:`embed_apply` of this model's tables).
+
+        Args:
+          tokens: int ``[batch, length]``.
+          positions: the tokens' true positions (``None``: ``arange``).
+
+        Returns:
+          The residual stream ``[batch, length, embed]``.
+        """
         return embed_apply({"wte": self.wte[...], "wpe": self.wpe[...]}, tokens, positions)
 
     def block_params(self) -> dict[str, jax.Array]:
         return nnx.to_pure_dict(nnx.state(self.blocks))
 
     def unembed(self, x: jax.Array) -> jax.Array:
+        """Final norm and head (:func:`head_apply` of this model's parameters).
+
+        Args:
+          x: the residual stream ``[batch, length, embed]``.
+
+        Returns:
+          float32 logits ``[batch, length, vocab]``.
+        """
         return head_apply({"lnf_scale": self.lnf_scale[...], "lnf_bias": self.lnf_bias[...],
                            "head": self.head[...]}, x)
 
@@ -122,31 +148,44 @@ class GPT(nnx.Module):
         The MoE layers choose experts with the router bias of :func:`jaxpar.parallel.moe.use_router_bias`, if any."""
         return self.forward(tokens, positions, router_bias=router_bias())[0]
 
-    def forward(self, tokens: jax.Array, positions: Any = None, step_loads: Any = None,
-                router_bias: Any = None) -> tuple[jax.Array, Any, Any]:
-        """``(logits, stats, layer_loads)``: ``stats`` is the MoE layers' :class:`jaxpar.parallel.moe.MoEStats`
-        summed over them and ``layer_loads`` each one's load ``[layers, E]`` (both ``None`` without
-        ``cfg.moe``); ``step_loads``: the whole step's, for the balancing losses (see
-        :func:`jaxpar.parallel.moe.use_step_loads`); ``router_bias``: each MoE layer's aux-loss-free balancing
-        bias ``[layers, E]`` (:mod:`jaxpar.step.router_bias`)."""
+    def forward(self, tokens: jax.Array, positions: Any = None, router_bias: Any = None) -> tuple[jax.Array, Any]:
+        """Logits and the MoE layers' statistics.
+
+        Args:
+          tokens: int ``[batch, length]``.
+          positions: the tokens' true positions (``None``: ``arange``).
+          router_bias: each MoE layer's aux-loss-free balancing bias ``[layers, E]``
+            (:mod:`jaxpar.step.router_bias`), or None.
+
+        Returns:
+          ``(logits, stats)``: float32 logits ``[batch, length, vocab]``, and the MoE layers'
+          :class:`jaxpar.parallel.moe.MoEStats` summed over them (``None`` without ``cfg.moe``).
+        """
         x = self.embed(tokens, positions)
         if self.cfg.moe is None:
             x = run_blocks(self.block_params(), x, remat=self.cfg.remat, scan=self.cfg.scan_layers)
-            return self.unembed(x), None, None
-        x, stats, loads = run_moe_blocks(self.cfg.moe, self.block_params(), x, remat=remat_policy(self.cfg.remat),
-                                         scan=self.cfg.scan_layers, step_loads=step_loads, router_bias=router_bias)
-        return self.unembed(x), stats, loads
+            return self.unembed(x), None
+        x, stats = run_moe_blocks(self.cfg.moe, self.block_params(), x, remat=remat_policy(self.cfg.remat),
+                                  scan=self.cfg.scan_layers, router_bias=router_bias)
+        return self.unembed(x), stats
 
 
 def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean next-token cross-entropy; ``batch = {'tokens': int[B, T], 'targets': int[B, T]}``.
+    """Mean next-token cross-entropy of a model on a batch.
 
     Under a balanced context-parallel layout the sequence is permuted into its order
     (:func:`jaxpar.parallel.context.sequence_order`) and the model gets the true positions; the mean is the same.
     With ``cfg.moe`` the loss adds ``aux_weight * aux_loss + z_weight * z_loss`` (summed over the MoE
-    layers); under :func:`jaxpar.parallel.moe.use_step_loads` (the step's pre-pass when it accumulates) the
-    load-balancing loss and the load metrics use the whole step's loads, and under
-    :func:`jaxpar.parallel.moe.use_router_bias` the MoE layers choose experts with the step's router bias.
+    layers; inside a train step the layers balance with the whole step's loads themselves:
+    :mod:`jaxpar.parallel.moe.balance`), and under :func:`jaxpar.parallel.moe.use_router_bias` the MoE
+    layers choose experts with the step's router bias.
+
+    Args:
+      model: a :class:`GPT` (or any model ``model(tokens) -> logits``).
+      batch: ``{'tokens': int[B, T], 'targets': int[B, T]}``.
+
+    Returns:
+      The scalar float32 loss (plus the MoE losses with ``cfg.moe``).
     """
     tokens, targets = batch["tokens"], batch["targets"]
     order = sequence_order(tokens.shape[1])
@@ -159,15 +198,13 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return cross_entropy(model(tokens, positions=order), targets)
     if moe.bias_rate:
         need_router_bias(f"GPTConfig.moe.bias_rate={moe.bias_rate}")
-    step = step_loads()             # the whole step's loads, from the step's pre-pass (accumulation)
-    logits, stats, loads = model.forward(tokens, positions=order, step_loads=step, router_bias=router_bias())
-    report_metric(LAYER_LOADS, loads)                  # what the step's pre-pass sums (an array: not logged)
-    whole = stats if step is None else stats._replace(load=jnp.sum(step, axis=0))
-    for name, value in moe_metrics(whole, moe.moe_layers(model.cfg.layers)).items():
+    logits, stats = model.forward(tokens, positions=order, router_bias=router_bias())
+    for name, value in moe_metrics(stats, moe.moe_layers(model.cfg.layers)).items():
         report_metric(name, value)                      # the step's metrics (jaxpar.report_metric)
+    loss = cross_entropy(logits, targets)
     if moe.aux_weight:
-        note_aux_loss()
-    return cross_entropy(logits, targets) + moe.aux_weight * stats.aux_loss + moe.z_weight * stats.z_loss
+        loss = loss + moe.aux_weight * stats.aux_loss
+    return loss + moe.z_weight * stats.z_loss if moe.z_weight else loss
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -176,6 +213,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     The target logit is picked with a one-hot product rather than a gather, so a
     vocabulary sharded over ``tensor`` reduces with one all-reduce (and XLA's
     gather partitioner, which fails inside a pipeline's manual region, is avoided).
+
+    Args:
+      logits: ``[..., vocab]``.
+      targets: integer class ids, ``logits``' shape without ``vocab``.
+
+    Returns:
+      The scalar mean over every position.
     """
     logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.sum(logp * jax.nn.one_hot(targets, logits.shape[-1], dtype=logp.dtype), axis=-1)
@@ -183,8 +227,17 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def embed_apply(p: dict[str, jax.Array], tokens: jax.Array, positions: Any = None) -> jax.Array:
-    """Token + position embedding; ``p`` has ``wte`` and ``wpe``; ``positions``: the tokens' true
-    positions (``None``: ``arange``)."""
+    """Token + position embedding.
+
+    Args:
+      p: ``{"wte": [vocab, embed], "wpe": [seq_len, embed]}``.
+      tokens: int ``[batch, length]``.
+      positions: the tokens' true positions (``None``: ``arange``); when given, the position table
+        is laid out in :func:`jaxpar.parallel.context.sequence_order`.
+
+    Returns:
+      The residual stream ``[batch, length, embed]``.
+    """
     wte = constrain(p["wte"], ("vocab", "embed"))    # the compute layout (ZeRO-3: gathered over the data axes)
     wpe = p["wpe"][: tokens.shape[1]]
     if positions is not None:       # the balanced context-parallel order (jaxpar.parallel.context.sequence_order)
@@ -194,7 +247,15 @@ def embed_apply(p: dict[str, jax.Array], tokens: jax.Array, positions: Any = Non
 
 
 def head_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """Final norm and the untied head -> float32 logits; ``p`` has ``lnf_scale``, ``lnf_bias`` and ``head``."""
+    """Final norm and the untied head.
+
+    Args:
+      p: ``{"lnf_scale": [embed], "lnf_bias": [embed], "head": [embed, vocab]}``.
+      x: the residual stream ``[batch, length, embed]``.
+
+    Returns:
+      float32 logits ``[batch, length, vocab]``.
+    """
     x = layer_norm(x, p["lnf_scale"], p["lnf_bias"])
     x = constrain(x, ("batch", "length", "embed"))
     logits = jnp.einsum("bte,ev->btv", x, p["head"])

@@ -27,13 +27,31 @@ __all__ = ["BLOCK_LOGICAL", "RESIDUAL", "Blocks", "attention_apply", "block_appl
 
 
 def param(key, shape, logical, std):
-    """An ``nnx.Param`` of ``std``-scaled normal values (ones when ``std`` is 0) with logical names."""
+    """An ``nnx.Param`` of ``std``-scaled normal values (ones when ``std`` is 0) with logical names.
+
+    Args:
+      key: a PRNG key.
+      shape: the shape.
+      logical: one logical axis name per dimension.
+      std: the standard deviation, or 0 (ones).
+
+    Returns:
+      The fp32 ``nnx.Param``.
+    """
     value = std * jax.random.normal(key, shape, jnp.float32) if std else jnp.ones(shape, jnp.float32)
     return nnx.Param(value, out_sharding=logical)
 
 
 def zeros(shape, logical):
-    """An ``nnx.Param`` of zeros with logical names."""
+    """An ``nnx.Param`` of zeros with logical names.
+
+    Args:
+      shape: the shape.
+      logical: one logical axis name per dimension.
+
+    Returns:
+      The fp32 ``nnx.Param``.
+    """
     return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=logical)
 
 
@@ -68,7 +86,16 @@ class Blocks(nnx.Module):
 
 
 def layer_norm(x, scale, bias, eps=1e-5):
-    """Layer norm over the last axis in fp32, returned in ``x``'s dtype."""
+    """Layer norm over the last axis in fp32, returned in ``x``'s dtype.
+
+    Args:
+      x: ``[..., features]``.
+      scale, bias: ``[features]``.
+      eps: added to the variance.
+
+    Returns:
+      The normalised ``x``, its shape and dtype.
+    """
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
@@ -81,6 +108,13 @@ def block_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     ``p`` maps the names of :class:`Blocks` to one layer's arrays (no ``layers``
     axis). Megatron pairing: q/k/v and ``w1`` are column-parallel (``heads`` /
     ``mlp`` sharded), ``wo`` and ``w2`` row-parallel: one reduction per pair.
+
+    Args:
+      p: one layer's parameters.
+      x: ``[batch, length, embed]``.
+
+    Returns:
+      The block's output, ``x``'s shape.
     """
     return mlp_apply(p, attention_apply(p, x))
 
@@ -90,7 +124,15 @@ RESIDUAL = ("batch", "norm_length", "embed")
 
 
 def attention_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """The attention half of a block: ``x + attention(ln1(x))`` (``ln1_*``, ``wq``, ``wk``, ``wv``, ``wo``)."""
+    """The attention half of a block: ``x + attention(ln1(x))`` (``ln1_*``, ``wq``, ``wk``, ``wv``, ``wo``).
+
+    Args:
+      p: one layer's parameters.
+      x: ``[batch, length, embed]``.
+
+    Returns:
+      The new residual stream, ``x``'s shape.
+    """
     h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
     h = constrain(h, ("batch", "length", "embed"))
     q = constrain(jnp.einsum("bte,ehd->bthd", h, p["wq"]), ("batch", "length", "heads", "kv"))
@@ -102,7 +144,15 @@ def attention_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
 
 
 def mlp_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """The MLP half of a block: ``x + mlp(ln2(x))`` (``ln2_*``, ``w1``, ``b1``, ``w2``, ``b2``)."""
+    """The MLP half of a block: ``x + mlp(ln2(x))`` (``ln2_*``, ``w1``, ``b1``, ``w2``, ``b2``).
+
+    Args:
+      p: one layer's parameters.
+      x: ``[batch, length, embed]``.
+
+    Returns:
+      The new residual stream, ``x``'s shape.
+    """
     h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
     h = constrain(h, ("batch", "length", "embed"))
     h = jax.nn.gelu(constrain(jnp.einsum("bte,em->btm", h, p["w1"]) + p["b1"], ("batch", "length", "mlp")))

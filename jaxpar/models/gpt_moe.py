@@ -10,7 +10,9 @@ forward, two backward).
 The groups carry the routing statistics beside the residual stream; :func:`run_moe_blocks` returns
 their sums over the MoE layers (:class:`MoEStats`: the load-balancing and z losses, the load per
 expert, the dropped assignments, the router entropy), and the GPT's ``lm_loss`` adds
-``aux_weight * aux_loss + z_weight * z_loss``.
+``aux_weight * aux_loss + z_weight * z_loss``. Inside a train step the MoE layers report their loads
+and balance with the whole step's themselves (:mod:`jaxpar.parallel.moe.balance`): the model has no
+part in it.
 
 >>> import jax.numpy as jnp
 >>> s = MoESettings(experts=4, top_k=2, every=2)
@@ -19,7 +21,7 @@ expert, the dropped assignments, the router entropy), and the GPT's ``lm_loss`` 
 >>> MoESettings(experts=4, every=3).check(layers=4)
 Traceback (most recent call last):
 ...
-jaxpar.parallel.moe.routing.MoEError: model.moe.every=3 must divide model.layers=4: the layers are grouped every=3 at a time (...
+jaxpar.errors.MoEError: model.moe.every=3 must divide model.layers=4: the layers are grouped every=3 at a time (...
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from jaxpar.parallel.moe import MoEError, MoEStats, check_options, load_cv, moe_
 from jaxpar.rules import constrain
 from jaxpar.models.gpt_layers import BLOCK_LOGICAL, RESIDUAL, attention_apply, layer_norm, mlp_apply, param, zeros
 
-__all__ = ["MoESettings", "MoEBlocks", "MOE_BLOCK_LOGICAL", "LayerLoads", "moe_group_apply", "run_moe_blocks",
+__all__ = ["MoESettings", "MoEBlocks", "MOE_BLOCK_LOGICAL", "LayerBias", "moe_group_apply", "run_moe_blocks",
            "empty_stats", "moe_metrics"]
 
 _ATTENTION = ("ln1_scale", "ln1_bias", "wq", "wk", "wv", "wo", "ln2_scale", "ln2_bias")
@@ -67,8 +69,8 @@ class MoESettings:
         routed experts (DeepSeek-MoE); 0: none.
       bias_rate: aux-loss-free balancing (DeepSeek-V3): each step moves a per-layer router bias by this
         much towards balance; 0: off. The train state keeps the bias and the step moves it (``jaxpar
-        train`` does both; the library: :func:`jaxpar.step.router_bias.with_router_bias` and
-        ``make_train_step(..., router_bias_rate=)`` with this rate).
+        train`` does both; the library: :func:`jaxpar.step.router_bias.with_router_bias` with
+        ``rate=`` this rate).
     """
 
     experts: int
@@ -82,7 +84,14 @@ class MoESettings:
     bias_rate: float = 0.0
 
     def check(self, layers: int) -> None:
-        """Raise :class:`~jaxpar.parallel.moe.MoEError` naming the bad setting, its value and the fix."""
+        """Check the settings against the model's depth.
+
+        Args:
+          layers: the model's ``layers``; ``every`` must divide it.
+
+        Raises:
+          MoEError: naming the bad setting, its value and the fix.
+        """
         check_options(self.experts, self.top_k, self.gate, self.capacity_factor)
         if not isinstance(self.every, int) or self.every < 1 or layers % self.every:
             raise MoEError(f"model.moe.every={self.every!r} must divide model.layers={layers}: the layers are grouped "
@@ -96,7 +105,14 @@ class MoESettings:
                                ">= 0.")
 
     def moe_layers(self, layers: int) -> int:
-        """The number of MoE layers (groups) among ``layers``."""
+        """The number of MoE layers (groups) among ``layers``.
+
+        Args:
+          layers: the model's ``layers``.
+
+        Returns:
+          ``layers // every``.
+        """
         return layers // self.every
 
 
@@ -130,28 +146,41 @@ class MoEBlocks(nnx.Module):
 
 
 def empty_stats(experts: int) -> MoEStats:
-    """Zero statistics: the start of the sum over MoE layers."""
+    """Zero statistics: the start of the sum over MoE layers.
+
+    Args:
+      experts: routed experts per MoE layer (the length of ``load``).
+
+    Returns:
+      A :class:`MoEStats` of fp32 / int32 zeros, ``load`` of shape ``[experts]``.
+    """
     f32 = jnp.zeros((), jnp.float32)
     return MoEStats(aux_loss=f32, z_loss=f32, load=jnp.zeros((experts,), jnp.int32), dropped=jnp.zeros((), jnp.int32),
                     drop_rate=f32, entropy=f32)
 
 
-class LayerLoads(NamedTuple):
-    """Carried through the groups: the MoE layer's index, each layer's own load ``[layers, E]``, the
-    whole step's (``None``: this call's own, see :func:`jaxpar.parallel.moe.use_step_loads`) and the router bias
-    ``[layers, E]`` (``None``: none; :mod:`jaxpar.step.router_bias`)."""
+class LayerBias(NamedTuple):
+    """Carried through the groups: the MoE layer's index and the router bias ``[layers, E]`` it reads its
+    row of (:mod:`jaxpar.step.router_bias`)."""
 
     index: jax.Array
-    own: jax.Array
-    step: Any = None
-    bias: Any = None
+    bias: jax.Array
 
 
 def moe_group_apply(settings: MoESettings, p: dict[str, jax.Array], carry: tuple) -> tuple:
-    """One group on ``carry = (x, stats, loads)``: ``every`` attention halves, ``every - 1`` dense MLPs,
-    then the MoE MLP (balanced by the step's load of this layer when ``loads.step`` is given); its
-    statistics are added to ``stats`` and its load recorded in ``loads.own``."""
-    x, stats, loads = carry
+    """One group: ``every`` attention halves, ``every - 1`` dense MLPs, then the MoE MLP.
+
+    Args:
+      settings: the MoE settings.
+      p: one group's parameters (:data:`MOE_BLOCK_LOGICAL`'s keys, without the ``layers`` axis).
+      carry: ``(x, stats)``, or ``(x, stats, LayerBias)`` with a router bias; ``x`` is the residual
+        stream ``[batch, length, embed]``.
+
+    Returns:
+      The carry after the group: the MoE layer's statistics added to ``stats``, the bias's index
+      moved to the next layer.
+    """
+    x, stats, *bias = carry
     for j in range(settings.every):
         sub = {k: p[k][j] for k in _ATTENTION}
         x = attention_apply(sub, x)
@@ -160,44 +189,53 @@ def moe_group_apply(settings: MoESettings, p: dict[str, jax.Array], carry: tuple
     h = constrain(layer_norm(x, sub["ln2_scale"], sub["ln2_bias"]), ("batch", "length", "embed"))
     moe = {"router": p["router"], "w1": p["experts_w1"], "w2": p["experts_w2"]}
     moe.update({k: p[k] for k in ("shared_w1", "shared_w2") if k in p})
-    if loads.bias is not None:
-        moe["router_bias"] = loads.bias[loads.index]
-    balance = None if loads.step is None else loads.step[loads.index]
-    y, own = moe_apply(moe, h, top_k=settings.top_k, gate=settings.gate, capacity_factor=settings.capacity_factor,
-                       balance_load=balance)
+    if bias:
+        moe["router_bias"] = bias[0].bias[bias[0].index]
+        bias = [bias[0]._replace(index=bias[0].index + 1)]
+    y, own = moe_apply(moe, h, top_k=settings.top_k, gate=settings.gate, capacity_factor=settings.capacity_factor)
     x = constrain(x + y.astype(x.dtype), RESIDUAL)
-    loads = loads._replace(index=loads.index + 1, own=loads.own.at[loads.index].set(own.load))
-    return x, jax.tree.map(jnp.add, stats, own), loads
+    return (x, jax.tree.map(jnp.add, stats, own), *bias)
 
 
 def run_moe_blocks(settings: MoESettings, blocks: dict[str, jax.Array], x: jax.Array, *, remat: Any = None,
-                   scan: bool = True, step_loads: Any = None, router_bias: Any = None
-                   ) -> tuple[jax.Array, MoEStats, jax.Array]:
+                   scan: bool = True, router_bias: Any = None) -> tuple[jax.Array, MoEStats]:
     """Run stacked MoE groups over ``x``.
 
+    Args:
+      settings: the MoE settings.
+      blocks: the groups' stacked parameters.
+      x: the residual stream.
+      remat: the ``jax.checkpoint`` policy.
+      scan: scan the groups (``False``: unrolled).
+      router_bias: ``[layers, E]``: each layer chooses its experts by ``scores + bias`` (``None``: none).
+
     Returns:
-      ``(x, stats summed over the MoE layers, each layer's load [layers, E])``; with ``step_loads``
-      (``[layers, E]``, the whole step's) the load-balancing losses use it; with ``router_bias``
-      (``[layers, E]``) each layer chooses its experts by ``scores + bias``.
+      ``(x, stats summed over the MoE layers)``.
     """
     logical = {k: MOE_BLOCK_LOGICAL[k] for k in blocks}
-    layers = jax.tree.leaves(blocks)[0].shape[0]
-    loads = LayerLoads(jnp.zeros((), jnp.int32), jnp.zeros((layers, settings.experts), jnp.int32), step_loads,
-                       router_bias)
+    carry = (x, empty_stats(settings.experts))
+    if router_bias is not None:
+        carry += (LayerBias(jnp.zeros((), jnp.int32), router_bias),)
 
     def group(p, carry):
         return moe_group_apply(settings, p, carry)
 
-    x, stats, loads = run_layers(group, blocks, (x, empty_stats(settings.experts), loads), logical=logical,
-                                 remat=remat, scan=scan)
-    return x, stats, loads.own
+    x, stats, *_ = run_layers(group, blocks, carry, logical=logical, remat=remat, scan=scan)
+    return x, stats
 
 
 def moe_metrics(stats: MoEStats, moe_layers: int) -> dict[str, jax.Array]:
-    """The step's MoE metrics from the statistics summed over ``moe_layers`` layers: the means per
-    layer of the losses, the drop rate and the router entropy (nats), and the load per expert pooled
-    over the layers as a multiple of the mean load (``load_min``, ``load_max``: 1 when balanced) with
-    its coefficient of variation ``load_cv`` (std / mean).
+    """The step's MoE metrics from the statistics summed over the MoE layers.
+
+    Args:
+      stats: the statistics summed over the MoE layers (:func:`run_moe_blocks`).
+      moe_layers: how many MoE layers were summed.
+
+    Returns:
+      ``{"moe/<name>": scalar}``: the means per layer of the losses, the drop rate and the router
+      entropy (nats), and the load per expert pooled over the layers as a multiple of the mean load
+      (``load_min``, ``load_max``: 1 when balanced) with its coefficient of variation ``load_cv``
+      (std / mean).
 
     >>> s = empty_stats(2)._replace(load=jnp.array([3, 1]), drop_rate=jnp.float32(0.5))
     >>> {k: round(float(v), 3) for k, v in moe_metrics(s, 2).items()}["moe/load_max"]

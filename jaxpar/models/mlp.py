@@ -54,6 +54,14 @@ class MLPClassifier(nnx.Module):
 
 
 def classifier_loss(model, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean softmax cross-entropy; ``batch = {'x': f32[B, F], 'y': int[B]}``."""
+    """Mean softmax cross-entropy; ``batch = {'x': f32[B, F], 'y': int[B]}``.
+
+    Args:
+      model: the classifier (``model(x)`` gives ``f32[B, classes]`` logits).
+      batch: the inputs and labels.
+
+    Returns:
+      The scalar loss.
+    """
     logp = jax.nn.log_softmax(model(batch["x"]), axis=-1)
     return -jnp.take_along_axis(logp, batch["y"][:, None], axis=-1).mean()

@@ -1,26 +1,20 @@
 """Explicit data-parallel gradient reduction per layer (DP, ZeRO-1/2/3 / FSDP).
 
-XLA's partitioner is free to lower a gradient reduction as it likes (on CPU it
-emits all-reduce + slice, never reduce-scatter). jaxpar makes the data-axis
-collectives of each repeated block explicit instead: the block runs inside a
-``shard_map`` that is manual over the data axes (``data``, ``fsdp``) and
-automatic over the rest (``tensor``), wrapped in a ``custom_vjp`` so that
+XLA's partitioner is free to lower a gradient reduction as it likes (on CPU it emits all-reduce +
+slice, never reduce-scatter). jaxpar makes the data-axis collectives of each repeated block explicit
+instead: the block runs inside a ``shard_map`` that is manual over the data axes (``data``, ``fsdp``)
+and automatic over the rest (``tensor``), wrapped in a ``custom_vjp`` so that
 
-* forward: parameters sharded over data axes (ZeRO-3 / FSDP) are all-gathered
-  (and not kept for the backward: they are gathered again there);
-* backward: each layer's weight gradient is reduced as soon as it is computed,
-  inside the backward loop: reduce-scatter onto the ZeRO-2/3 gradient shards,
-  all-reduce (``psum``) over the data axes that keep full gradients (DP, ZeRO-1).
+* forward: parameters sharded over data axes (ZeRO-3 / FSDP) are all-gathered (and not kept for the
+  backward: they are gathered again there);
+* backward: each layer's weight gradient is reduced as soon as it is computed, inside the backward
+  loop: reduce-scatter onto the ZeRO-2/3 gradient shards, all-reduce (``psum``) over the data axes
+  that keep full gradients (DP, ZeRO-1).
 
-Each of these is one collective per layer over a flat buffer of all its leaves
-(:func:`bucketed_all_gather`, :func:`bucketed_reduce_scatter`), as in FSDP:
-XLA:CPU combines neither all-gathers nor reduce-scatters, and each collective is
-a rendezvous of every device. Residuals of the forward are kept per device (a
-leading axis over the data axes), so nothing is recomputed beyond the re-gather
-and pure data movement; the gathered weights are not among them (the backward
-gathers them again). Gathers are issued in the compute dtype (bf16 under mixed
-precision; XLA:CPU converts bf16 collectives to fp32 itself); gradients are
-reduced in fp32.
+Each is one collective per layer over a flat buffer of its leaves (:func:`bucketed_all_gather`,
+:func:`bucketed_reduce_scatter`). Residuals are kept per device (a leading axis over the data axes),
+the gathered weights excepted: only the re-gather and data movement are recomputed. Gathers run in
+the compute dtype (XLA:CPU turns bf16 collectives into fp32); gradients are reduced in fp32.
 
 Example::
 
@@ -121,6 +115,14 @@ def bucketed_all_gather(xs: list, dims: list, axes: list) -> list:
     """``all_gather(x, axes, axis=d, tiled=True)`` for every leaf, as one collective per
     group of leaves with the same axes and dtype (one flat buffer, as in FSDP).
 
+    Args:
+      xs: the local shards.
+      dims: per leaf, the dimension to gather.
+      axes: per leaf, the mesh axes to gather over.
+
+    Returns:
+      The gathered leaves, in order.
+
     XLA:CPU does not combine all-gathers, and every collective pays a rendezvous of
     all devices, so per-leaf gathers cost far more than the bytes they move.
     Call it inside a ``shard_map`` that is manual over ``axes``::
@@ -158,6 +160,14 @@ def bucketed_reduce_scatter(gs: list, dims: list, axes: list) -> list:
         >>> gw, gb = scatter(jnp.ones((4, 2)), jnp.ones(3))      # every device: ones
         >>> gw.tolist(), gb.tolist()                             # gw summed over data, gb as it was
         ([[2.0, 2.0], [2.0, 2.0], [2.0, 2.0], [2.0, 2.0]], [1.0, 1.0, 1.0])
+
+    Args:
+      gs: the local gradients.
+      dims: per leaf, the dimension to scatter.
+      axes: per leaf, the mesh axes to sum and scatter over (empty: as it is).
+
+    Returns:
+      The summed shards, in order.
     """
     out, dims = list(gs), _normalised(dims, gs)
     for ax, idx in _buckets(gs, axes):
@@ -205,7 +215,18 @@ def explicit_by_default(mesh_sizes, zero: int, platform: str = "cpu") -> bool:
 
 def manual_layout(logical: Any, shapes: Any, mesh, rules, zero: int) -> Any:
     """Per leaf ``(dim, param_axes, grad_axes)``: the ZeRO dimension (or None) and
-    the data axes that shard parameters / gradients on it."""
+    the data axes that shard parameters / gradients on it.
+
+    Args:
+      logical: the parameters' logical names.
+      shapes: the mirroring tree of shapes.
+      mesh: the mesh.
+      rules: the logical rules.
+      zero: the ZeRO stage.
+
+    Returns:
+      The mirroring tree of ``(dim, param_axes, grad_axes)``.
+    """
     sizes = dict(mesh.shape)
     base = resolve(logical, rules, mesh, shapes)
     p_axes, g_axes = zero_axes(sizes, zero, "params"), zero_axes(sizes, zero, "grads")
@@ -307,7 +328,20 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
     """Wrap ``fn(params, x) -> y`` (x: batch-leading activations) with explicit
     per-layer data-parallel collectives; see the module docstring. ``remat`` is
     the model's ``jax.checkpoint`` policy for the layer (``None``: save everything but
-    pure data movement); what it does not save is recomputed in the backward."""
+    pure data movement); what it does not save is recomputed in the backward.
+
+    Args:
+      fn: the layer, ``fn(params, x) -> y``.
+      logical: the layer parameters' logical names.
+      mesh: the mesh.
+      rules: the logical rules.
+      zero: the ZeRO stage.
+      shapes: the layer parameters' shapes.
+      remat: a ``jax.checkpoint`` policy, or ``None``.
+
+    Returns:
+      ``fn`` with the same signature, its collectives explicit.
+    """
     axes = data_axes(mesh)
     axes = tuple(a for a in axes if mesh.shape[a] > 1)
     if not axes:

@@ -49,7 +49,7 @@ def region_axes(mesh, axes: Iterable[str]) -> set[str]:
     """The axes a region asked to be manual over ``axes`` makes manual.
 
     Args:
-      mesh: the mesh of the rules (:func:`jaxpar.current_rules`).
+      mesh: the mesh of the rules (:func:`jaxpar.rules.current_rules`).
       axes: the axes the region needs manual.
 
     Returns:

@@ -17,19 +17,29 @@ Example::
 from __future__ import annotations
 
 import functools
+import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxpar.errors import UnusedAxisWarning
 from jaxpar.parallel.regions import collective_in, enter, reduce_dtype, region_axes, region_spec
 from jaxpar.rules import LogicalRules, axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 
-__all__ = ["tensor_rules", "batch_rule", "row_parallel"]
+__all__ = ["tensor_rules", "batch_rule", "row_parallel", "warn_unsplit_tensor_axis"]
 
 
 def batch_rule(batch_axes: tuple[str, ...]) -> tuple[str, tuple[str, ...] | None]:
-    """The rule that splits the batch over the data axes."""
+    """The rule that splits the batch over the data axes.
+
+    Args:
+      batch_axes: the mesh axes that split the batch, e.g. ``("data", "fsdp")``; empty: none.
+
+    Returns:
+      ``("batch", batch_axes)``, or ``("batch", None)`` when ``batch_axes`` is empty.
+    """
     return ("batch", batch_axes or None)
 
 
@@ -38,6 +48,14 @@ def tensor_rules(*, sequence_parallel: bool = False, batch_axes: tuple[str, ...]
 
     With a ``tensor`` axis of size 1 these rules shard nothing, so they are the
     default for every strategy.
+
+    Args:
+      sequence_parallel: also shard the residual / norm region over the sequence
+        (``norm_length`` -> ``tensor``).
+      batch_axes: the mesh axes that split the batch (:func:`batch_rule`).
+
+    Returns:
+      The ordered ``(logical name, mesh axis or None)`` rules.
     """
     return (
         batch_rule(batch_axes),
@@ -51,6 +69,41 @@ def tensor_rules(*, sequence_parallel: bool = False, batch_axes: tuple[str, ...]
         ("classes", None),
         ("layers", None),
     )
+
+
+def warn_unsplit_tensor_axis(param_specs: Any, mesh: Any, *, axis: str = "tensor") -> bool:
+    """Warn (:class:`jaxpar.errors.UnusedAxisWarning`) when the mesh's ``axis`` has size > 1 and no
+    parameter is split over it: a model without tensor-parallel annotations then runs the same
+    computation on every device of a ``tensor`` group, and the strategy's name (``...-tp2``) says otherwise.
+
+    Args:
+      param_specs: the parameters' ``PartitionSpec`` tree over mesh axes (``StateLayout.params``).
+      mesh: the device mesh (a ``jax.sharding.Mesh``, abstract devices too).
+      axis: the tensor-parallel mesh axis (as :func:`row_parallel`'s ``axis``).
+
+    Returns:
+      True when it warned.
+
+    Example:
+      >>> import jax, warnings, jaxpar
+      >>> mesh = jaxpar.make_mesh({"data": 4, "tensor": 2}, devices=jax.devices()[:8])
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     warn_unsplit_tensor_axis({"w": PartitionSpec("data", None)}, mesh)
+      True
+      >>> warn_unsplit_tensor_axis({"w": PartitionSpec(None, "tensor")}, mesh)
+      False
+    """
+    size = dict(mesh.shape).get(axis, 1)
+    specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if size <= 1 or any(axis in axes_of(e) for s in specs if isinstance(s, PartitionSpec) for e in s):
+        return False
+    warnings.warn(
+        f"mesh axis {axis!r} has size {size}, but no parameter is split over it: every device of a {axis!r} group "
+        f"holds the same parameters and repeats the same computation. Give the parameters logical names that "
+        f"tensor_rules() maps to {axis!r} (mlp, heads, vocab: e.g. nnx.with_partitioning(init, ('embed', 'mlp'))), "
+        f"or set mesh.{axis}=1 and give those devices to data or fsdp.", UnusedAxisWarning, stacklevel=2)
+    return True
 
 
 def _tensor_only(spec: PartitionSpec, axis: str) -> PartitionSpec:
@@ -69,18 +122,20 @@ def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logica
                  out_logical: tuple, *, axis: str = "tensor") -> jax.Array:
     """Row-parallel contraction ``einsum(eq, x, w)`` whose output is constrained to ``out_logical``.
 
-    When the contracted dimension is sharded over ``axis`` and the output is
-    sharded over ``axis`` too (sequence parallelism), the reduction is an
-    explicit reduce-scatter (``psum_scatter`` in a ``shard_map`` manual over
-    ``axis`` and the axes that split the batch); otherwise the einsum is left to
-    XLA (an all-reduce). The batch axes are manual too because XLA partitions a
-    collective in a region that is automatic over an axis splitting its operand
-    by first gathering that operand over the axis: a region manual over ``axis``
-    only all-gathered every activation over the data axes, reduce-scattered the
-    whole batch and sliced it again. The region is opened by :mod:`jaxpar.parallel.regions`: manual over the
-    whole mesh when the other axes have size 1; its reduce-scatter moves the activations' dtype (bf16
-    under bf16 compute), or fp32 on CPU where an automatic axis of size > 1 remains (XLA:CPU aborts
-    on bf16 there).
+    When the contracted dimension is sharded over ``axis`` and the output is sharded over ``axis``
+    too (sequence parallelism), the reduction is an explicit reduce-scatter (``psum_scatter`` in a
+    ``shard_map`` manual over ``axis`` and the axes that split the batch, opened by
+    :mod:`jaxpar.parallel.regions`); otherwise the einsum is left to XLA (an all-reduce). The
+    reduce-scatter moves the activations' dtype (fp32 on CPU where an automatic axis > 1 remains).
+
+    Args:
+      eq: the einsum equation, ``x``'s subscripts then ``w``'s (``"btm,me->bte"``).
+      x, w: the activation and the weight.
+      x_logical, w_logical, out_logical: the logical axis names of ``x``, ``w`` and the output.
+      axis: the tensor-parallel mesh axis.
+
+    Returns:
+      ``einsum(eq, x, w)``, sharded as ``out_logical`` says.
 
     >>> import jax, jax.numpy as jnp, jaxpar
     >>> mesh = jaxpar.make_mesh({"tensor": 2}, devices=jax.devices()[:2])
@@ -106,7 +161,7 @@ def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logica
     scatter = [d for d, e in enumerate(_tensor_only(out_spec, axis)) if e is not None]
     if sizes.get(axis, 1) == 1 or not scatter or all(e is None for e in w_spec) or axis in manual_axes():
         return constrain(jnp.einsum(eq, x, w), out_logical)
-    # Manual over every axis that splits x or the output (the batch's data axes too; see the docstring).
+    # Manual over every axis that splits x or the output: the batch's data axes too (XLA would gather them first).
     manual = region_axes(mesh, {axis} | {a for e in (*x_full, *out_spec) for a in axes_of(e) if sizes.get(a, 1) > 1})
     x_spec, o_spec = _only(x_full, manual), _only(out_spec, manual)
     dtype = jnp.result_type(x, w)

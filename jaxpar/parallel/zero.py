@@ -34,7 +34,16 @@ _ZERO_AXES = ("fsdp", "data")      # the axes ZeRO shards over
 
 
 def zero_axes(mesh_sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str, ...]:
-    """Mesh axes over which state of ``kind`` ('params' | 'grads' | 'opt') is sharded."""
+    """Mesh axes over which state of ``kind`` ('params' | 'grads' | 'opt') is sharded.
+
+    Args:
+      mesh_sizes: mesh axis name -> size.
+      stage: the ZeRO stage (0 to 3).
+      kind: ``'params'``, ``'grads'`` or ``'opt'``.
+
+    Returns:
+      The mesh axis names (``fsdp`` first), empty when not sharded.
+    """
     if stage not in ZERO_STAGES:
         raise ValueError(f"zero stage={stage!r}: choose one of {ZERO_STAGES}.")
     if kind not in _FIRST_STAGE:
@@ -48,7 +57,15 @@ def zero_axes(mesh_sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str
 
 
 def spec_shards(spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> int:
-    """How many pieces ``spec`` cuts an array into."""
+    """How many pieces ``spec`` cuts an array into.
+
+    Args:
+      spec: the ``PartitionSpec``.
+      mesh_sizes: mesh axis name -> size.
+
+    Returns:
+      The product of the sizes of the axes ``spec`` uses.
+    """
     return math.prod(mesh_sizes[a] for e in spec for a in axes_of(e))
 
 
@@ -65,6 +82,17 @@ def add_zero_axes(spec: PartitionSpec, shape: Sequence[int], logical: Sequence[s
     added again; the others go on a free dimension, else minor on the dimension the
     model already split over a ZeRO axis, else nowhere (the leaf stays replicated over
     them).
+
+    Args:
+      spec: the leaf's ``PartitionSpec``.
+      shape: the leaf's shape.
+      logical: the leaf's logical names.
+      axes: the ZeRO axes to add.
+      mesh_sizes: mesh axis name -> size.
+      exclude: logical names never sharded.
+
+    Returns:
+      The ``PartitionSpec``.
 
     >>> sizes = {"data": 2, "fsdp": 2, "tensor": 2}
     >>> add_zero_axes(PartitionSpec(None, "fsdp"), (8, 16), (None, None), ("fsdp", "data"), sizes)
@@ -92,7 +120,18 @@ def add_zero_axes(spec: PartitionSpec, shape: Sequence[int], logical: Sequence[s
 
 def zero_dim(shape: Sequence[int], logical: Sequence[str | None], spec: PartitionSpec,
              mesh_sizes: Mapping[str, int], exclude: tuple[str, ...] = ("layers",)) -> int | None:
-    """The dimension ZeRO shards for this leaf, or ``None`` when none fits."""
+    """The dimension ZeRO shards for this leaf, or ``None`` when none fits.
+
+    Args:
+      shape: the leaf's shape.
+      logical: the leaf's logical names.
+      spec: the leaf's ``PartitionSpec`` before ZeRO.
+      mesh_sizes: mesh axis name -> size.
+      exclude: logical names never sharded.
+
+    Returns:
+      The dimension index, or ``None``.
+    """
     entries = list(spec) + [None] * (len(shape) - len(spec))
     used = {a for e in entries for a in axes_of(e)}
     n = math.prod(mesh_sizes.get(a, 1) for a in _ZERO_AXES if a not in used)
@@ -106,7 +145,19 @@ def zero_dim(shape: Sequence[int], logical: Sequence[str | None], spec: Partitio
 
 def zero_specs(base_specs: Any, shapes: Any, logical: Any, mesh_sizes: Mapping[str, int], stage: int,
                kind: str) -> Any:
-    """Apply :func:`add_zero_axes` to every leaf of a parameter-shaped tree."""
+    """Apply :func:`add_zero_axes` to every leaf of a parameter-shaped tree.
+
+    Args:
+      base_specs: a tree of ``PartitionSpec``s before ZeRO.
+      shapes: the mirroring tree of shapes (arrays or ``ShapeDtypeStruct``s).
+      logical: the mirroring tree of logical names.
+      mesh_sizes: mesh axis name -> size.
+      stage: the ZeRO stage.
+      kind: ``'params'``, ``'grads'`` or ``'opt'``.
+
+    Returns:
+      The mirroring tree of ``PartitionSpec``s.
+    """
     axes = zero_axes(mesh_sizes, stage, kind)
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     return jax.tree.map(lambda s, a, lg: add_zero_axes(s, a.shape, tuple(lg), axes, mesh_sizes),
@@ -120,6 +171,17 @@ def analytic_state_bytes(shapes: Any, param_specs: Any, opt_specs: Any, mesh_siz
     The ZeRO formulas (DP ``12Ψ``, ZeRO-1/2 ``4Ψ + 8Ψ/N``, ZeRO-3 ``12Ψ/N``)
     applied leaf by leaf: a leaf that cannot be split keeps its full size.
     Returns ``{'params', 'opt', 'total', 'psi', 'psi_unsharded'}``.
+
+    Args:
+      shapes: a tree of arrays or ``ShapeDtypeStruct``s (the parameters).
+      param_specs: the mirroring tree of parameter ``PartitionSpec``s.
+      opt_specs: the mirroring tree of optimizer-state ``PartitionSpec``s.
+      mesh_sizes: mesh axis name -> size.
+      param_bytes: bytes per parameter element.
+      opt_bytes: bytes of optimizer state per parameter element.
+
+    Returns:
+      ``{'params', 'opt', 'total', 'psi', 'psi_unsharded'}``: bytes per device, and the parameter counts.
     """
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     out = {"params": 0.0, "opt": 0.0, "psi": 0, "psi_unsharded": 0}

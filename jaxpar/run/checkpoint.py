@@ -1,31 +1,25 @@
-"""Orbax checkpoints of a :class:`TrainState` plus a small JSON record, restorable onto any mesh.
+"""Orbax checkpoints of a :class:`~jaxpar.step.state.TrainState` plus a small JSON record, restorable onto any mesh.
 
 One checkpoint is a directory ``<dir>/<step>/`` with two items: ``state`` (the
 train state's arrays, written by every process for its own shards) and ``meta``
 (JSON: the step, the data iterator state, seeds, the config name, ...).
 
-* **Async and atomic.** :meth:`Checkpointer.save` copies the arrays to host and
-  returns; a background thread writes them into ``<step>.orbax-checkpoint-tmp-*``
-  and renames it to ``<step>`` only when complete. A crash mid-save leaves the
-  temporary directory (ignored, removed by the next :class:`Checkpointer`), never a
-  half-written ``<step>``. The last ``keep`` checkpoints are kept.
+* **Async and atomic.** :meth:`Checkpointer.save` copies the arrays to host and returns; a
+  background thread writes them into ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>``
+  only when complete. A crash mid-save leaves the temporary directory (ignored, removed by the next
+  :class:`Checkpointer`), never a half-written ``<step>``. The last ``keep`` checkpoints are kept.
 * **Resharding restore.** :meth:`Checkpointer.restore` reads into a target of
-  ``ShapeDtypeStruct(..., sharding=...)`` (``layout.abstract_state()``): a state
-  saved under ``fsdp=8`` restores under ``data=2 x tensor=4`` or on 4 devices.
+  ``ShapeDtypeStruct(..., sharding=...)`` (``layout.abstract_state()``): a state saved under
+  ``fsdp=8`` restores under ``data=2 x tensor=4`` or on 4 devices.
 * **Fallback.** A latest checkpoint that cannot be read (a truncated or deleted
   file, a step that disagrees with its record) is reported with a
   :class:`CheckpointWarning` naming the step and the reason; the previous one is
-  used. No readable checkpoint at all raises :class:`CheckpointError` naming the directory.
-  Parameters or an optimizer state saved in another tree than the target's (another model,
-  or relaxed synchronisation's outer optimizer switched on or off) raise
-  :class:`CheckpointMismatchError` naming the part: every checkpoint of the run would fail alike.
-* **Features switched on or off.** The state a feature keeps (a gradient codec's residuals
-  in ``codec``, relaxed synchronisation's replicas in ``sync``, measurements in ``stats``, a pipeline
-  schedule's older weight versions in ``versions``) is dropped when the target keeps none, and
-  started afresh when the checkpoint has none, or has it in other shapes or, when both the save
-  and the restore had the :class:`~jaxpar.step.state.StateLayout`, for another layout (the
-  gradient packing of another ZeRO stage or data axes; weight stashing's stages): each with a
-  :class:`CheckpointWarning` saying what was dropped or started afresh
+  used. No readable checkpoint at all raises :class:`CheckpointError` naming the directory;
+  parameters or an optimizer state of another tree than the target's raise
+  :class:`CheckpointMismatchError` (every checkpoint of the run would fail alike).
+* **Features switched on or off.** A feature's state part (``codec``, ``sync``, ``stats``,
+  ``versions``) is dropped when the target keeps none, and started afresh when the checkpoint has
+  none or has it in other shapes or for another layout, each with a :class:`CheckpointWarning`
   (:mod:`jaxpar.run.checkpoint_parts`, :mod:`jaxpar.run.checkpoint_records`).
 
 Example::
@@ -62,7 +56,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -94,17 +88,19 @@ def _reason(e: BaseException) -> str:
 class Checkpointer:
     """Save / restore train states under ``directory`` with an Orbax ``CheckpointManager``.
 
-    ``every``: :meth:`should_save` is true every ``every`` steps (0: never; the
-    caller still saves at the end). ``keep``: how many of the newest checkpoints
-    to keep. ``async_save``: write in a background thread (the arrays are copied
-    to host before :meth:`save` returns, so the caller may donate them). ``layout``: the
-    :class:`~jaxpar.step.state.StateLayout` of the states :meth:`save` is given when it is not
-    told one (:meth:`restore` of a layout sets it too); with it, a record says which layout the
-    codec state and older weight versions were saved for.
+    ``every``: :meth:`should_save` is true every ``every`` steps (0: never; the caller still saves
+    at the end). ``keep``: how many of the newest checkpoints to keep. ``async_save``: write in a
+    background thread (the arrays are copied to host before :meth:`save` returns, so the caller may
+    donate them). ``layout``: the :class:`~jaxpar.step.state.StateLayout` of the states :meth:`save`
+    is given when it is not told one (:meth:`restore` of a layout sets it too); with it, a record
+    says which layout the codec state and older weight versions were saved for. ``lr_schedule``: the
+    run's learning-rate schedule (``step -> lr``, settable later); with it, a record holds the
+    learning rate of the step it resumes at (``schedule.lr``), so a resume under another schedule
+    can say what changed (:func:`jaxpar.run.resume.resume`).
     """
 
     def __init__(self, directory: str | Path, *, every: int = 0, keep: int = 3, async_save: bool = True,
-                 layout: Any = None):
+                 layout: Any = None, lr_schedule: Callable[[int], Any] | None = None):
         for name, value, low in (("every", every, 0), ("keep", keep, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"Checkpointer({name}={value!r}): must be an int >= {low}.")
@@ -113,7 +109,7 @@ class Checkpointer:
         self._ocp = ocp
         self.directory = Path(directory).absolute()
         self.every, self.keep, self.async_save = every, keep, async_save
-        self.layout = layout
+        self.layout, self.lr_schedule = layout, lr_schedule
         # Partial saves of a crashed run: removed here, synchronously (Orbax's own cleanup runs in a
         # thread that can outlive a process ending right after, e.g. on a failed resume).
         self.removed_partial: list[str] = []
@@ -151,20 +147,33 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def should_save(self, step: int) -> bool:
-        """True every ``every`` steps (never for ``every=0``)."""
+        """Whether to checkpoint at a step.
+
+        Args:
+          step: the step just trained.
+
+        Returns:
+          True every ``every`` steps (never for ``every=0`` or step 0).
+        """
         return bool(self.every) and step > 0 and step % self.every == 0
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Any, meta: dict | None = None, *, wait: bool = False,
              layout: Any = None) -> bool:
-        """Checkpoint ``state`` at ``step`` with the JSON record ``meta`` (plus ``step``, ``format``, ``time``).
+        """Checkpoint a state with its JSON record.
 
-        Returns False (and writes nothing) when a good checkpoint of ``step`` already
-        exists. ``wait=True`` blocks until it is on disk. ``layout``: the state's
-        :class:`~jaxpar.step.state.StateLayout` (default: :attr:`layout`); the record then
-        says which layout the codec state and older weight versions are laid out for
-        (``codec_layout``, ``sync_layout``, ``versions_layout``), so that a restore under another one starts
-        them afresh. Without one the record has shapes only.
+        Args:
+          step: the step; the checkpoint is ``<directory>/<step>``.
+          state: the train state (its arrays are on the host before this returns).
+          meta: the JSON record (``step``, ``format`` and ``time`` are added).
+          wait: block until it is on disk.
+          layout: the state's :class:`~jaxpar.step.state.StateLayout` (default: the checkpointer's
+            ``layout``); the record then says which layout the codec state and older weight versions
+            are laid out for (``codec_layout``, ``sync_layout``, ``versions_layout``), so that a
+            restore under another one starts them afresh. Without one the record has shapes only.
+
+        Returns:
+          True, or False (nothing written) when a good checkpoint of ``step`` already exists.
         """
         ocp = self._ocp
         existing = set(self._manager.all_steps())
@@ -184,6 +193,8 @@ class Checkpointer:
         if hasattr(state, "versions"):  # older weight versions (PipeDream-2BW's W(t-1)): a restore compares them
             record["versions_shapes"] = shapes_of(state.versions)
         record.update(record_layouts(layout if layout is not None else self.layout, state))
+        if self.lr_schedule is not None:     # the learning rate the run goes on with from this step
+            record["schedule"] = {**record.get("schedule", {}), "lr": float(self.lr_schedule(step))}
         t0 = time.perf_counter()
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                          meta=ocp.args.JsonSave(record)), force=True)
@@ -211,13 +222,20 @@ class Checkpointer:
     def restore(self, target: Any, step: int | None = None) -> Restored:
         """Restore the newest readable checkpoint (or exactly ``step``) into ``target``'s shardings.
 
-        ``target`` is a :class:`~jaxpar.step.state.StateLayout` (its
-        ``abstract_state()`` is used) or a tree of ``jax.ShapeDtypeStruct`` with
-        shardings. Unreadable newer checkpoints are reported with a
-        :class:`CheckpointWarning` and passed over; with ``step`` given, an
-        unreadable one raises. Raises :class:`CheckpointError` when none is readable,
-        :class:`CheckpointMismatchError` when the parameters or optimizer state are
-        another tree than the target's. A layout given becomes :attr:`layout`.
+        Unreadable newer checkpoints are reported with a :class:`CheckpointWarning` and passed
+        over. A layout given becomes the checkpointer's ``layout``.
+
+        Args:
+          target: a :class:`~jaxpar.step.state.StateLayout` (its ``abstract_state()`` is used) or
+            a tree of ``jax.ShapeDtypeStruct`` with shardings.
+          step: restore exactly this step (an unreadable one raises); None: the newest readable.
+
+        Returns:
+          A :class:`Restored`: the state, its JSON record, and the newer steps passed over.
+
+        Raises:
+          CheckpointError: no checkpoint is readable, or ``step`` is missing or unreadable.
+          CheckpointMismatchError: the parameters or optimizer state are another tree than the target's.
         """
         abstract = target.abstract_state() if hasattr(target, "abstract_state") else target
         steps = self.steps()

@@ -4,7 +4,10 @@ Format 2 (written now) records each optional part of the train state under its o
 ``codec`` (a gradient codec's state) and ``sync`` (relaxed synchronisation's replicas or
 history), beside ``stats`` and ``versions``. Format 1 kept the first two in one ``comm`` part,
 told apart by its record: :func:`upgrade_record` says which part a format-1 ``comm`` is, so
-that :class:`~jaxpar.run.checkpoint.Checkpointer` restores it there.
+that :class:`~jaxpar.run.checkpoint.Checkpointer` restores it there. A record of ``jaxpar train`` also
+holds ``schedule``: the run's ``train.steps`` (``steps``) and the learning rate of the step it resumes
+at (``lr``), which :func:`jaxpar.run.resume.resume` compares; records written before it have none and
+restore alike.
 
 Example::
 

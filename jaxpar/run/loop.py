@@ -53,6 +53,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.batch import batch_sharding, shard_batch
+from jaxpar.compat.table import Setting, raise_problems
+from jaxpar.errors import RampError
 from jaxpar.parallel.moe import use_router_bias
 from jaxpar.rules import named_shardings
 from jaxpar.strategy import Strategy
@@ -79,8 +81,16 @@ def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy | No
                  batches: Sequence[Any] = ()) -> Callable[[Any], float]:
     """``evaluate(state) -> mean loss`` over fixed host ``batches`` (forward only, jitted once).
 
-    The model runs as in training: same layout, logical rules and compute dtype (the layout's
-    strategy; a ``strategy`` given must be that one).
+    The model runs as in training: same layout, logical rules and compute dtype.
+
+    Args:
+      loss_fn: the train step's ``loss_fn(model, batch)``.
+      layout: the train state's :class:`~jaxpar.step.state.StateLayout` (mesh, shardings, strategy).
+      strategy: None (the layout's strategy), or that same strategy.
+      batches: host batches, non-empty; placed on the mesh once and reused at every eval.
+
+    Returns:
+      ``evaluate(state) -> float``: the mean loss over ``batches`` of ``state.params``.
     """
     layout_strategy(layout, strategy)
     mesh = layout.mesh
@@ -106,31 +116,18 @@ def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy | No
     return evaluate
 
 
-def _check_ramp_and_calls(state: Any, ramp: Any, k: Any, **values: Any) -> None:
-    """``train(ramp=AdaptiveRamp)`` needs a measured noise scale; ``train(steps_per_call=k)``: an int >= 1
-    dividing every interval (the loop acts between calls), and no adaptive ramp."""
+def _check_ramp_and_calls(state: Any, ramp: Any, k: Any, **intervals: int) -> None:
+    """``train(ramp=AdaptiveRamp)`` needs a measured noise scale; ``steps_per_call`` with the ramp and
+    the loop's intervals are checked by the compatibility table (:func:`jaxpar.compat.table.raise_problems`:
+    these rules read the loop's settings only, so the setting holds the default strategy and no mesh)."""
     if isinstance(ramp, AdaptiveRamp) and not (isinstance(state.stats, dict) and NOISE_KEY in state.stats):
-        raise ValueError("train(ramp=AdaptiveRamp(...)): the batch grows toward the measured gradient noise scale, "
-                         "but the state measures none; build it with jaxpar.step.noise_scale.with_noise_scale and "
-                         "the step with make_train_step(..., noise_scale_every=k).")
+        raise RampError("train(ramp=AdaptiveRamp(...)): the batch grows toward the measured gradient noise scale, "
+                        "but the state measures none; build it with jaxpar.with_noise_scale and the step with "
+                        "make_train_step(..., noise_scale_every=k).")
     check_int("train", "steps_per_call", k, 1)
-    if k == 1:
-        return
-    if isinstance(ramp, AdaptiveRamp):
-        raise ValueError(f"train(steps_per_call={k}) with an adaptive batch ramp: the batch can change only between "
-                         "calls; use a fixed ramp, or steps_per_call=1.")
-    inside = [s for s in getattr(ramp, "steps", ()) if s % k]
-    if inside:
-        raise ValueError(f"train(steps_per_call={k}) with a batch ramp whose sizes change at steps {list(ramp.steps)}: "
-                         f"step {inside[0]} falls inside a call of {k} steps, whose batches are stacked and must "
-                         f"have one size. Make every ramp step a multiple of {k}.")
-    names = {"steps": "steps", "start": "the start step", "log_every": "log_every", "eval_every": "eval_every",
-             "checkpoint_every": "the checkpointer's every", "stop_check_every": "stop_check_every"}
-    for key, value in values.items():
-        if value % k:
-            raise ValueError(f"train(steps_per_call={k}): {names[key]}={value} is not a multiple of {k}; each call "
-                             f"runs {k} optimizer steps and the loop logs, evaluates, checkpoints and stops only "
-                             f"between calls. Make it a multiple of {k}.")
+    kind = "adaptive" if isinstance(ramp, AdaptiveRamp) else "fixed" if ramp is not None else None
+    raise_problems(Setting(Strategy(), {}, steps_per_call=k, ramp=kind, ramp_steps=tuple(getattr(ramp, "steps", ())),
+                           intervals=tuple(intervals.items())))
 
 
 def _checked_train_args(state: Any, log: LogOptions, *, steps: int, start_step: int | None, eval_every: int,
@@ -328,32 +325,35 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
           handle_signals: bool = True, max_inflight: int = 2, stop_check_every: int | None = None,
           ramp: Any = None, steps_per_call: int = 1, log: LogOptions | None = None,
           **log_options: Any) -> tuple[Any, TrainSummary]:
-    """Run ``steps`` train steps from ``start_step`` (default: ``int(state.step)``).
+    """Run ``steps`` train steps from ``start_step``; log, evaluate, checkpoint, stop on a signal.
 
-    ``batch_fn(step)``: the host batch of global step ``step`` (placed with
-    :func:`jaxpar.shard_batch`). ``step_fn(state, batch) -> (state, metrics)``, metrics
-    ``loss``, ``grad_norm`` and optionally ``lr`` and ``skipped``. ``eval_fn(state)``
-    runs every ``eval_every`` steps (0: only at the end). ``log``: a :class:`LogOptions`;
-    its fields may also be given directly (``log_every=1, out_dir="runs/x"``), overriding
-    ``log``'s. With ``start_step > 0`` the records of ``out_dir`` up to it are kept.
+    Args:
+      step_fn: ``step_fn(state, batch) -> (state, metrics)``; metrics ``loss``, ``grad_norm``, optionally ``lr``, ``skipped``.
+      state: the train state (``state.step`` is the default start step).
+      batch_fn: ``batch_fn(step)``: the host batch of global step ``step`` (placed with :func:`jaxpar.shard_batch`).
+      mesh: the mesh the batches are placed on.
+      steps: how many steps to run (>= 1).
+      start_step: the first step (default ``int(state.step)``); > 0 keeps ``out_dir``'s records up to it.
+      eval_fn: ``eval_fn(state) -> float`` (e.g. :func:`make_eval_fn`), or None.
+      eval_every: evaluate every this many steps (0: only at the end).
+      checkpointer: a :class:`~jaxpar.run.checkpoint.Checkpointer`: saves at its interval, at the end and on a stop.
+      checkpoint_meta: saved with each checkpoint, plus ``{"data": {"next_step": step}}``.
+      on_nonfinite: ``"stop"`` raises :class:`NonFiniteError` at the first NaN / inf loss or grad norm;
+        ``"skip"`` reports it and goes on (the step function must have skipped the update).
+      handle_signals: False leaves SIGTERM / SIGINT alone.
+      max_inflight: wait for step ``i - max_inflight`` before dispatching step ``i`` (unbounded, XLA:CPU can deadlock).
+      stop_check_every: how often several processes agree on stopping (default ``log_every``; a host
+        barrier, ~0.7 ms); the same in every process.
+      ramp: an :class:`~jaxpar.run.ramp.AdaptiveRamp` (the one ``batch_fn`` reads: :func:`~jaxpar.run.ramp.ramp_batch_fn`)
+        decides every ``ramp.every`` steps from the noise scale; into ``batch_ramp`` records and
+        ``meta["batch_ramp"]`` (restore with ``ramp.load_state_dict``). None for a fixed ramp.
+      steps_per_call: ``k`` optimizer steps per ``step_fn`` call (``make_train_step(..., steps_per_call=k)``):
+        batches stacked ``[k, B, ...]``, metrics ``[k]``; steps and intervals multiples of ``k``.
+      log: a :class:`LogOptions` (default ``LogOptions()``).
+      **log_options: :class:`LogOptions` fields given directly (``log_every=1``), overriding ``log``'s.
 
-    ``checkpointer`` saves at its interval, at the end and on SIGTERM / SIGINT, with
-    ``checkpoint_meta`` plus ``{"data": {"next_step": step}}``. ``on_nonfinite="stop"``
-    raises :class:`NonFiniteError` at the first NaN / inf loss or grad norm; ``"skip"``
-    reports it and goes on (the step function must have skipped it). ``max_inflight``:
-    the host waits for step ``i - max_inflight`` before dispatching step ``i`` (unbounded,
-    XLA:CPU can deadlock on collectives). ``stop_check_every`` (default ``log_every``):
-    with several processes, how often they agree on stopping (a host-only barrier,
-    ~0.7 ms); every process must pass the same value. ``handle_signals=False`` leaves
-    SIGTERM / SIGINT alone. ``ramp``: an :class:`~jaxpar.run.ramp.AdaptiveRamp` (the one
-    ``batch_fn`` reads, :func:`~jaxpar.run.ramp.ramp_batch_fn`) decides after every
-    ``ramp.every`` steps from the state's noise scale; its decisions go into ``batch_ramp``
-    records and the checkpoints' ``meta["batch_ramp"]`` (restore them with
-    ``ramp.load_state_dict`` before resuming). A fixed ramp needs no ``ramp`` argument.
-    ``steps_per_call=k``: each call of ``step_fn`` runs ``k`` optimizer steps
-    (``make_train_step(..., steps_per_call=k)``): it gets the ``k`` batches stacked (every leaf
-    ``[k, B, ...]``) and returns metrics with a leading ``k``; ``steps``, the start step and
-    the log, eval and checkpoint intervals must be multiples of ``k``.
+    Returns:
+      ``(state, summary)``: the final state and a :class:`TrainSummary`.
 
     Example::
 

@@ -90,6 +90,9 @@ class StopSignals:
     :func:`catch_stop_signals` counts as received. On exit the previous handlers come back,
     except the early catcher, which lasts until the loop starts, not after it.
 
+    Args:
+      enabled: False (or off the main thread): install nothing; ``received`` stays None.
+
     Example::
 
         >>> with StopSignals() as signals:
@@ -130,6 +133,9 @@ def coordination_client() -> Any:
     ``jax.experimental.multihost_utils.sync_global_devices`` is a device collective (it would wait
     for the device), while the stop agreement must stay on the host. Orbax and
     ``multihost_utils`` itself read the same private ``global_state.client``.
+
+    Returns:
+      The client of ``jax.distributed``'s global state, or None when ``jax.process_count() == 1``.
     """
     if jax.process_count() == 1:
         return None
@@ -150,7 +156,10 @@ class StopAgreement:
     barrier and lists ``jaxpar/stop/<call>/<step>/``. Keys are only written before
     the barrier, so every process reads the same set: all stop after the same step.
     Host only (no device sync). One process: the local signal, nothing else.
-    ``client``: the coordination client (default: :func:`coordination_client`).
+
+    Args:
+      every: agree every this many steps (the ``step`` values given to :meth:`check`).
+      client: the coordination client (default: :func:`coordination_client`; None with one process).
 
     Example::
 
@@ -168,8 +177,16 @@ class StopAgreement:
         self.processes: list[int] = []        # who was signalled (several processes only)
 
     def check(self, step: int, local: str | None, due: bool = False) -> str | None:
-        """The signal that stops every process after ``step`` (None: go on). Every process must call it
-        with the same ``step`` and ``due`` (agree now even off the ``every`` grid)."""
+        """The signal that stops every process after ``step``; every process calls it with the same ``step``.
+
+        Args:
+          step: the step just finished.
+          local: the signal this process received (``"SIGTERM"`` / ``"SIGINT"``), or None.
+          due: agree now even off the ``every`` grid (the same in every process).
+
+        Returns:
+          The name of the stopping signal (the lowest signalled process's), or None: go on.
+        """
         if self.client is None:
             return local
         if step % self.every and not due:

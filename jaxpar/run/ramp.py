@@ -13,7 +13,7 @@ the size is a function of the step alone, a run resumed mid-ramp draws the same 
     >>> BatchRamp(sizes=(32, 40), steps=(0, 10)).check_divisible(16, "data x fsdp = 16")
     Traceback (most recent call last):
     ...
-    jaxpar.run.ramp.RampError: batch ramp: size 40 (from step 10) is not divisible by data x fsdp = 16; every size of the ramp must be a multiple of 16.
+    jaxpar.errors.RampError: batch ramp: size 40 (from step 10) is not divisible by data x fsdp = 16; every size of the ramp must be a multiple of 16.
 
 An :class:`AdaptiveRamp` grows the batch toward the measured gradient noise scale
 (McCandlish et al. 2018: the critical batch is about ``B_simple``): every ``every`` steps
@@ -42,7 +42,12 @@ __all__ = ["BatchRamp", "AdaptiveRamp", "RampError", "ramp_batch_fn"]
 
 @dataclass(frozen=True)
 class BatchRamp:
-    """Global batch ``sizes[i]`` from step ``steps[i]`` on (``steps[0] == 0``, increasing)."""
+    """Global batch ``sizes[i]`` from step ``steps[i]`` on.
+
+    Args:
+      sizes: the global batch sizes, positive ints.
+      steps: the step each size starts at: ``steps[0] == 0``, strictly increasing, one per size.
+    """
 
     sizes: tuple[int, ...]
     steps: tuple[int, ...]
@@ -63,11 +68,26 @@ class BatchRamp:
             raise RampError(f"batch ramp: sizes {list(sizes)} must be positive.")
 
     def size_at(self, step: int) -> int:
-        """The global batch size of ``step``."""
+        """The global batch size of ``step``.
+
+        Args:
+          step: a global step.
+
+        Returns:
+          The size of the last segment starting at or before ``step``.
+        """
         return self.sizes[bisect.bisect_right(self.steps, step) - 1]
 
     def tokens_before(self, step: int, seq_len: int) -> int:
-        """Tokens of the steps ``0 .. step - 1``."""
+        """Tokens of the steps ``0 .. step - 1``.
+
+        Args:
+          step: the first step not counted.
+          seq_len: tokens per row.
+
+        Returns:
+          The sum over those steps of their batch size times ``seq_len``.
+        """
         total = 0
         for i, (start, size) in enumerate(zip(self.steps, self.sizes)):
             end = min(step, self.steps[i + 1] if i + 1 < len(self.steps) else step)
@@ -75,7 +95,12 @@ class BatchRamp:
         return total
 
     def check_divisible(self, n: int, what: str) -> None:
-        """Raise :class:`RampError` if a size is not a multiple of ``n`` (``what`` names ``n``)."""
+        """Raise :class:`RampError` if a size is not a multiple of ``n``.
+
+        Args:
+          n: the divisor (e.g. the batch axes' device count).
+          what: names ``n`` in the message (``"data x fsdp = 16"``).
+        """
         for start, size in zip(self.steps, self.sizes):
             if size % n:
                 raise RampError(f"batch ramp: size {size} (from step {start}) is not divisible by {what}; every "
@@ -96,6 +121,12 @@ class AdaptiveRamp:
     compiled once per size reached (at most ``len(sizes)``). :meth:`state_dict` /
     :meth:`load_state_dict`: the decisions, kept in the checkpoint's record by
     :func:`jaxpar.run.loop.train`.
+
+    Args:
+      sizes: the allowed global batch sizes, strictly increasing; the run starts at ``sizes[0]``.
+      every: decide every this many steps.
+      factor: the target batch is ``factor x B_simple``.
+      start: the first step a decision is made.
     """
 
     def __init__(self, sizes: tuple[int, ...], every: int, *, factor: float = 1.0, start: int = 0):
@@ -119,27 +150,61 @@ class AdaptiveRamp:
         return self._ramp
 
     def size_at(self, step: int) -> int:
-        """The global batch size of ``step`` (by the decisions made so far)."""
+        """The global batch size of ``step`` (by the decisions made so far).
+
+        Args:
+          step: a global step.
+
+        Returns:
+          The batch size.
+        """
         return self._ramp.size_at(step)
 
     def tokens_before(self, step: int, seq_len: int) -> int:
-        """Tokens of the steps ``0 .. step - 1`` (by the decisions made so far)."""
+        """Tokens of the steps ``0 .. step - 1`` (by the decisions made so far).
+
+        Args:
+          step: the first step not counted.
+          seq_len: tokens per row.
+
+        Returns:
+          The token count.
+        """
         return self._ramp.tokens_before(step, seq_len)
 
     def check_divisible(self, n: int, what: str) -> None:
-        """Raise :class:`RampError` if an allowed size is not a multiple of ``n`` (``what`` names ``n``)."""
+        """Raise :class:`RampError` if an allowed size is not a multiple of ``n``.
+
+        Args:
+          n: the divisor (e.g. the batch axes' device count).
+          what: names ``n`` in the message.
+        """
         for size in self.sizes:
             if size % n:
                 raise RampError(f"batch ramp: allowed size {size} is not divisible by {what}; every size of the "
                                 f"ramp must be a multiple of {n}.")
 
     def due(self, done: int) -> bool:
-        """Whether a decision is made after ``done`` steps."""
+        """Whether a decision is made after ``done`` steps.
+
+        Args:
+          done: the steps finished.
+
+        Returns:
+          True at multiples of ``every`` from ``max(start, 1)`` on.
+        """
         return done >= max(self.start, 1) and done % self.every == 0
 
     def decide(self, done: int, noise_scale: float) -> int | None:
-        """After ``done`` steps, with the measured ``noise_scale``: the new size from step ``done`` on,
-        or ``None`` (no growth, or no finite positive measurement yet)."""
+        """Decide the batch size from step ``done`` on; earlier decisions from ``done`` on are dropped.
+
+        Args:
+          done: the steps finished.
+          noise_scale: the measured ``B_simple``, in batch rows.
+
+        Returns:
+          The new size, or None (no growth, or no finite positive measurement yet).
+        """
         steps, sizes = self._ramp.steps, self._ramp.sizes
         keep = bisect.bisect_left(steps, done)    # decisions from `done` on are superseded (a rerun of those steps)
         steps, sizes = steps[:keep], sizes[:keep]
@@ -152,11 +217,19 @@ class AdaptiveRamp:
         return None
 
     def state_dict(self) -> dict:
-        """The decisions, ``{"decisions": [[step, size], ...]}`` (JSON)."""
+        """The decisions, for the checkpoint's record.
+
+        Returns:
+          ``{"decisions": [[step, size], ...]}`` (JSON).
+        """
         return {"decisions": [[t, b] for t, b in zip(self._ramp.steps, self._ramp.sizes)]}
 
     def load_state_dict(self, state: dict | None) -> None:
-        """Restore :meth:`state_dict` (``None``: no decisions yet); sizes outside ``sizes`` are an error."""
+        """Restore the decisions of :meth:`state_dict`.
+
+        Args:
+          state: a :meth:`state_dict` (None: no decisions yet); sizes outside ``sizes`` raise :class:`RampError`.
+        """
         pairs = (state or {}).get("decisions") or [[0, self.sizes[0]]]
         steps, sizes = tuple(int(t) for t, _ in pairs), tuple(int(b) for _, b in pairs)
         bad = sorted(set(sizes) - set(self.sizes))
@@ -171,8 +244,16 @@ class AdaptiveRamp:
 
 
 def ramp_batch_fn(make: Callable[..., Any], ramp: BatchRamp | AdaptiveRamp) -> Callable:
-    """``batch_fn(step, rows=None)`` calling ``make(step, batch_size=ramp.size_at(step), rows=rows)``
-    (``rows`` only if ``make`` takes it: see :func:`jaxpar.data.windows.make_global_batch`)."""
+    """A ``batch_fn`` that asks ``make`` for the ramp's batch size of each step.
+
+    Args:
+      make: ``make(step, batch_size=..., [rows=...])``: the host batch of a step.
+      ramp: a :class:`BatchRamp` or :class:`AdaptiveRamp`.
+
+    Returns:
+      ``batch_fn(step, rows=None)`` calling ``make(step, batch_size=ramp.size_at(step), rows=rows)``
+      (``rows`` only if ``make`` takes it: see :func:`jaxpar.data.rows.make_global_batch`), else ``batch_fn(step)``.
+    """
     takes_rows = "rows" in inspect.signature(make).parameters
 
     def batch_fn(step: int, rows: Any = None):

@@ -1,26 +1,10 @@
 """Reporting for :func:`jaxpar.run.loop.train`: options, progress, metrics records, summary, plot.
 
-* :class:`LogOptions`: how a run reports (``log_every``, ``out_dir``, progress mode,
-  TensorBoard, loss plot, tokens/s and MFU inputs); ``train()`` also takes its fields
-  as keywords.
-* :class:`TrainSummary`: what a ``train()`` call did (losses, timings, skipped and
-  checkpointed steps), with a one-line :meth:`~TrainSummary.line`.
-* :func:`plot_losses`: the ``loss.png`` curve.
-* :class:`Progress` (tqdm bar or lines) and :class:`Meter` (fetch step metrics at log points,
-  checks them for NaN / inf, writes ``train`` and ``nonfinite`` records, times steps):
-  used by the loop only.
-
-Example:
-
-    >>> opts = LogOptions(log_every=5, out_dir="runs/demo", progress="lines")
-    >>> opts.log_every, opts.progress, opts.plot
-    (5, 'lines', True)
-    >>> opts.mfu_at(1000.0, devices=1) is None     # MFU needs flops_per_token and peak_flops
-    True
-    >>> LogOptions(progress="fancy")
-    Traceback (most recent call last):
-    ...
-    ValueError: LogOptions(progress='fancy'): choose one of 'auto', 'bar', 'lines', 'none'.
+:class:`LogOptions` (how a run reports; ``train()`` also takes its fields as keywords),
+:class:`TrainSummary` (what a call did: losses, timings, skipped and checkpointed steps, one
+:meth:`~TrainSummary.line`), :func:`plot_losses` (the ``loss.png`` curve). :class:`Progress` (tqdm
+bar or lines) and :class:`Meter` (fetches step metrics at log points, checks them for NaN / inf,
+writes ``train`` and ``nonfinite`` records, times steps) serve the loop only.
 """
 
 from __future__ import annotations
@@ -46,10 +30,7 @@ _PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
 @dataclass
 class TrainSummary:
-    """What a :func:`~jaxpar.run.loop.train` call did.
-
-    Losses are host floats; paths are ``None`` without ``out_dir``.
-    """
+    """What a :func:`~jaxpar.run.loop.train` call did (losses: host floats; paths: ``None`` without ``out_dir``)."""
 
     start_step: int
     end_step: int
@@ -83,7 +64,18 @@ class TrainSummary:
 
 def plot_losses(path: str | Path, steps: Sequence[int], losses: Sequence[float],
                 evals: Sequence[tuple[int, float]] = (), *, title: str = "training loss") -> str:
-    """Write a loss-curve PNG (train per step, eval as markers) with the Agg canvas; return the path."""
+    """Write a loss-curve PNG (train per step, eval as markers) with the Agg canvas.
+
+    Args:
+      path: the PNG file to write.
+      steps: the step of each train loss.
+      losses: the train losses (nats / token), one per step.
+      evals: ``(step, eval_loss)`` pairs, drawn as markers.
+      title: the plot's title.
+
+    Returns:
+      ``path`` as a string.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -105,14 +97,20 @@ def plot_losses(path: str | Path, steps: Sequence[int], losses: Sequence[float],
 
 #: Metrics of a compressed gradient exchange, logged when the step reports them.
 _COMM = ("comm_bytes", "comm_ratio", "residual_norm", "replica_grad_norm",             # compression
-         "loss_spread", "replica_distance", "replica_bytes", "delay_mean", "modelled_time",   # relaxed sync
-         "modelled_time_sync",
+         "loss_spread", "replica_distance", "replica_bytes", "delay_mean", "modelled_time", "modelled_time_sync",
          "noise_scale", "grad_sq_small", "grad_sq_big", "noise_trace", "noise_grad_sq",   # noise scale
          "batch_size", "data_wait")                     # the step's global batch; seconds waiting for it
 
 
 def check_int(owner: str, name: str, value: Any, low: int) -> None:
-    """Raise ``ValueError`` naming ``owner(name=value)`` unless ``value`` is an int >= ``low``."""
+    """Raise ``ValueError`` naming ``owner(name=value)`` unless ``value`` is an int >= ``low``.
+
+    Args:
+      owner: the function or class named in the message.
+      name: the argument's name.
+      value: the value to check (a bool is not an int here).
+      low: the smallest value allowed.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{owner}({name}={value!r}): must be an int >= {low}.")
 
@@ -142,8 +140,13 @@ class LogOptions:
 
     Example::
 
-        >>> LogOptions(log_every=50, out_dir="runs/demo", progress="lines").log_every
-        50
+        >>> opts = LogOptions(log_every=5, out_dir="runs/demo", progress="lines")
+        >>> opts.mfu_at(1000.0, devices=1) is None     # MFU needs flops_per_token and peak_flops
+        True
+        >>> LogOptions(progress="fancy")
+        Traceback (most recent call last):
+        ...
+        ValueError: LogOptions(progress='fancy'): choose one of 'auto', 'bar', 'lines', 'none'.
     """
 
     log_every: int = 10
@@ -164,7 +167,15 @@ class LogOptions:
                              f"{', '.join(map(repr, _PROGRESS_MODES))}.")
 
     def mfu_at(self, tokens_per_s: float | None, devices: int) -> float | None:
-        """MFU at ``tokens_per_s`` on ``devices`` (None without tokens/s, ``flops_per_token`` or ``peak_flops``)."""
+        """MFU at ``tokens_per_s`` on ``devices``.
+
+        Args:
+          tokens_per_s: the measured throughput (None: unknown).
+          devices: how many devices ran it.
+
+        Returns:
+          The MFU as a fraction, or None without tokens/s, ``flops_per_token`` or ``peak_flops``.
+        """
         if not (tokens_per_s and self.flops_per_token and self.peak_flops):
             return None
         return mfu(tokens_per_s, self.flops_per_token, peak_flops=self.peak_flops, devices=devices)
@@ -174,7 +185,15 @@ _LOG_FIELDS = tuple(f.name for f in fields(LogOptions))
 
 
 def merge_log_options(log: LogOptions | None, direct: dict[str, Any]) -> LogOptions:
-    """``log`` (default ``LogOptions()``) with the logging options given to ``train()`` directly."""
+    """``log`` with the logging options given to ``train()`` directly.
+
+    Args:
+      log: a :class:`LogOptions`, or None for ``LogOptions()``.
+      direct: :class:`LogOptions` field names and values; an unknown name raises ``TypeError``.
+
+    Returns:
+      A :class:`LogOptions`: ``log`` with ``direct``'s fields replaced.
+    """
     unknown = [name for name in direct if name not in _LOG_FIELDS]
     if unknown:
         raise TypeError(f"train() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the "
@@ -185,7 +204,14 @@ def merge_log_options(log: LogOptions | None, direct: dict[str, Any]) -> LogOpti
 
 
 class Progress:
-    """tqdm bar on a terminal, plain lines otherwise (or nothing)."""
+    """tqdm bar on a terminal, plain lines otherwise (or nothing).
+
+    Args:
+      mode: ``"auto"`` (a bar on a terminal, else lines), ``"bar"``, ``"lines"`` or ``"none"``.
+      total: the last step.
+      initial: the step the bar starts at.
+      print_fn: prints a line in ``"lines"`` mode.
+    """
 
     def __init__(self, mode: str, total: int, initial: int, print_fn: Callable[[str], None]):
         if mode == "auto":
@@ -197,10 +223,21 @@ class Progress:
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
     def advance(self, steps: int = 1) -> None:
+        """Move the bar on.
+
+        Args:
+          steps: how many steps.
+        """
         if self.bar is not None:
             self.bar.update(steps)
 
     def log(self, text: str, postfix: dict | None = None) -> None:
+        """Print a line above the bar (or as a plain line in ``"lines"`` mode).
+
+        Args:
+          text: the line.
+          postfix: values shown after the bar (None: those shown stay).
+        """
         if self.bar is not None:
             if postfix:
                 self.bar.set_postfix(postfix, refresh=False)
@@ -215,7 +252,17 @@ class Progress:
 
 class Meter:
     """The metrics of one :func:`~jaxpar.run.loop.train` call: fetched from the device at log and
-    checkpoint points, checked for non-finite values, written as records and progress lines, and timed."""
+    checkpoint points, checked for non-finite values, written as records and progress lines, and timed.
+
+    Args:
+      writer: where the records go.
+      bar: where the progress lines go.
+      log: the run's :class:`LogOptions`.
+      on_nonfinite: ``"stop"`` or ``"skip"``, as in ``train()``.
+      start: the first step of the call.
+      end: the last step of the call.
+      devices: the mesh's device count (for MFU).
+    """
 
     def __init__(self, writer: MetricsWriter, bar: Progress, log: LogOptions, *, on_nonfinite: str,
                  start: int, end: int, devices: int):
@@ -232,13 +279,23 @@ class Meter:
         self.timed_s, self.timed_steps = 0.0, 0  # time and steps after the first (eval excluded)
 
     def wait_inflight(self, max_inflight: int) -> None:
-        """Block until at most ``max_inflight - 1`` dispatched steps are unfinished."""
+        """Block until at most ``max_inflight - 1`` dispatched steps are unfinished.
+
+        Args:
+          max_inflight: the most steps dispatched ahead of the device.
+        """
         if len(self.pending) >= max_inflight:
             jax.block_until_ready(self.pending[-max_inflight][1])
 
     def add(self, done: int, metrics: Any, steps: int = 1) -> None:
-        """The device metrics of the step ending at ``done``; with ``steps > 1``, of the ``steps`` steps
-        ending there (every metric has a leading axis of that length)."""
+        """Keep the device metrics of the step ending at ``done`` until the next fetch.
+
+        Args:
+          done: the step count after these steps.
+          metrics: the step function's device metrics.
+          steps: with ``steps > 1``, the metrics of the ``steps`` steps ending at ``done`` (every metric
+            has a leading axis of that length).
+        """
         self.pending.append((done, metrics, steps))
 
     def fetch(self) -> None:
@@ -280,7 +337,12 @@ class Meter:
                      "skipped (params and optimizer state unchanged)")
 
     def record(self, done: int, now: float) -> None:
-        """The ``train`` record and progress line of the steps fetched since the last one, ending at ``now``."""
+        """Write the ``train`` record and progress line of the steps fetched since the last one.
+
+        Args:
+          done: the step count at this point.
+          now: ``time.perf_counter()`` when those steps finished.
+        """
         dt = (now - self.t_mark) / (done - self.mark_step)
         first = self.first_step_time is None
         if first:

@@ -33,7 +33,8 @@ from jaxpar.run.report import LogOptions, NonFiniteError
 from jaxpar.step.router_bias import KEY as BIAS, has_router_bias
 from jaxpar.run.sample import SampleOptions, host_params, write_samples
 
-__all__ = ["RunOptions", "resume", "checkpoint_meta", "gpt_flops_per_token", "train_with_checkpoints"]
+__all__ = ["RunOptions", "resume", "schedule_change", "checkpoint_meta", "gpt_flops_per_token",
+           "train_with_checkpoints"]
 
 
 class RunOptions(NamedTuple):
@@ -56,15 +57,19 @@ class RunOptions(NamedTuple):
     samples: SampleOptions | None = None
 
 
-def resume(checkpointer: Any, layout: Any, *, ramp: Any = None, data_seed: int | None = None) -> tuple[Any, int]:
+def resume(checkpointer: Any, layout: Any, *, ramp: Any = None, data_seed: int | None = None,
+           steps: int | None = None, lr_schedule: Callable[[int], Any] | None = None) -> tuple[Any, int]:
     """Restore the latest good checkpoint; print one warning per unreadable newer one, and one when
-    it was written with another data seed.
+    it was written with another data seed; warn (:class:`CheckpointWarning`) when it was written by a
+    run of another length, whose learning-rate schedule differs (:func:`schedule_change`).
 
     Args:
       checkpointer: the run's :class:`~jaxpar.run.checkpoint.Checkpointer` (closed when the restore fails).
       layout: the train state's layout (the restore target).
       ramp: an adaptive batch ramp, given its decisions so far (``load_state_dict``); other ramps are left.
       data_seed: this run's data seed, compared with the checkpoint's.
+      steps: this run's ``train.steps`` (the schedule's length), compared with the checkpoint's (None: not).
+      lr_schedule: this run's learning-rate schedule (``step -> lr``), for the warning's numbers.
 
     Returns:
       ``(state, next_step)``.
@@ -86,8 +91,55 @@ def resume(checkpointer: Any, layout: Any, *, ramp: Any = None, data_seed: int |
     if saved_seed != data_seed:
         print(f"jaxpar train: warning: the checkpoint was written with data.seed={saved_seed}, this run has "
               f"data.seed={data_seed}: the data order differs from the original run.", file=sys.stderr)
+    change = schedule_change(restored.meta, start, steps, lr_schedule) if steps is not None and start < steps else None
+    if change:
+        warnings.warn(change, CheckpointWarning, stacklevel=2)
     print(f"resume   step {start} from {restored.path}")
     return restored.state, start
+
+
+def schedule_change(record: Mapping[str, Any], step: int, steps: int,
+                    lr_schedule: Callable[[int], Any] | None = None) -> str | None:
+    """What changes when a run of ``steps`` steps resumes at ``step`` from a checkpoint whose record
+    (``schedule``: its run's ``steps`` and the learning rate ``lr`` at ``step``) is another schedule's.
+
+    Args:
+      record: the checkpoint's JSON record (one without ``schedule``, from before it was recorded: no change).
+      step: the step the run resumes at.
+      steps: this run's ``train.steps``.
+      lr_schedule: this run's learning-rate schedule (None: the message leaves out the learning rates).
+
+    Returns:
+      The warning's text, or None when the checkpoint's run had the same length.
+
+    Example:
+      >>> text = schedule_change({"schedule": {"steps": 100, "lr": 1e-4}}, 90, 200, lambda s: 5e-4)
+      >>> text[:text.index(",")]
+      'checkpoint step 90 was written by a run with train.steps=100; this run has train.steps=200'
+      >>> text[text.index("at step 90"):text.index(" To")]
+      'at step 90 the learning rate is 0.0005 now, 0.0001 in the original run.'
+      >>> schedule_change({"schedule": {"steps": 200}}, 90, 200), schedule_change({}, 90, 200)
+      (None, None)
+    """
+    saved = (record.get("schedule") or {}).get("steps")
+    if saved is None or int(saved) == int(steps):
+        return None
+    old_lr, new_lr = record["schedule"].get("lr"), None if lr_schedule is None else float(lr_schedule(step))
+    rates, jump = "", ""
+    if new_lr is not None and old_lr is not None:
+        if abs(new_lr - old_lr) <= 1e-6 * max(abs(new_lr), abs(old_lr)):
+            rates = f": at step {step} the learning rate is still {new_lr:.3g}, and it decays differently from there"
+        else:
+            rates = f": at step {step} the learning rate is {new_lr:.3g} now, {old_lr:.3g} in the original run"
+            jump = f" (the learning rate jumps at step {step})"
+    if saved > step:
+        fix = (f"To continue the original schedule, resume with train.steps={saved}; to change its length on "
+               f"purpose, keep train.steps={steps}{jump}.")
+    else:
+        fix = f"The original schedule ended at step {saved}; to train on, keep train.steps={steps}{jump}."
+    return (f"checkpoint step {step} was written by a run with train.steps={saved}; this run has "
+            f"train.steps={steps}, and the learning-rate schedule (warm-up and decay) follows train.steps{rates}. "
+            f"{fix}")
 
 
 def checkpoint_meta(name: str, mesh_sizes: Mapping[str, int], *, seed: int, model: str,
@@ -127,7 +179,8 @@ def gpt_flops_per_token(n_params: int, *, vocab: int, seq_len: int, embed: int, 
 def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Callable[[int], Any],
                            opts: RunOptions, log: LogOptions, *, checkpointer: Any = None,
                            meta: dict | None = None, eval_fn: Callable | None = None,
-                           eval_batches: Sequence = (), ramp: Any = None) -> int:
+                           eval_batches: Sequence = (), ramp: Any = None,
+                           lr_schedule: Callable[[int], Any] | None = None) -> int:
     """Resume (``opts.resume``), run :func:`jaxpar.run.loop.train` with checkpoints and metrics, then
     write ``summary.json`` and the samples and print where everything went.
 
@@ -143,14 +196,20 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
       eval_fn: ``state -> eval loss`` (None: no evaluation).
       eval_batches: the fixed eval batches (the samples' prompts come from the first).
       ramp: the batch ramp ``batch_fn`` reads, if any.
+      lr_schedule: the learning-rate schedule (``step -> lr``, ``Job.log_lr``): each checkpoint records its
+        length (``opts.steps``) and the learning rate it resumes with, and a resume under another length warns.
 
     Returns:
       The exit status: 0, also after a stop signal (a checkpoint is saved) or when the checkpoint
       is already at ``opts.steps``; 1 when a non-finite loss stopped the run.
     """
     start = 0
+    if checkpointer is not None:      # the schedule's length and the learning rate at each checkpoint
+        meta = {**(meta or {}), "schedule": {"steps": int(opts.steps)}}
+        checkpointer.lr_schedule = lr_schedule or checkpointer.lr_schedule
     if opts.resume:
-        state, start = resume(checkpointer, layout, ramp=ramp, data_seed=opts.data_seed)
+        state, start = resume(checkpointer, layout, ramp=ramp, data_seed=opts.data_seed, steps=opts.steps,
+                              lr_schedule=lr_schedule)
         if start >= opts.steps:
             print(f"done     the checkpoint is at step {start} >= train.steps={opts.steps}; nothing to do")
             checkpointer.close()

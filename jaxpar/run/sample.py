@@ -57,6 +57,12 @@ def host_params(params: Any) -> Any:
     Fully addressable arrays: :func:`jax.device_get`. Otherwise one jitted identity
     with a replicated output (an all-gather over every device of the mesh, a collective:
     every process must call this with the same tree), then this process's copy.
+
+    Args:
+      params: a pytree of (possibly sharded, possibly multi-process) arrays.
+
+    Returns:
+      The same tree with NumPy arrays holding the full values.
     """
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -75,12 +81,21 @@ def host_params(params: Any) -> Any:
 
 def greedy_generate(graphdef: Any, params: Any, prompts: Sequence[bytes | Sequence[int]], *, context: int,
                     new_tokens: int) -> list[list[int]] | list[bytes]:
-    """Extend each prompt by ``new_tokens`` argmax tokens; returns bytes for ``bytes`` prompts, else token lists.
+    """Extend each prompt by ``new_tokens`` argmax tokens.
 
-    ``graphdef`` / ``params`` are the model's (``layout.graphdef``, ``state.params``, or
-    :func:`host_params` of them); the model maps ``int32[B, T<=context] -> logits[B, T, vocab]``
-    causally. With parameters spread over several processes every process must call it
-    (see :func:`host_params`); each decodes on its first local device and gets the same tokens.
+    The model maps ``int32[B, T<=context] -> logits[B, T, vocab]`` causally. With parameters spread
+    over several processes every process must call it (see :func:`host_params`); each decodes on its
+    first local device and gets the same tokens.
+
+    Args:
+      graphdef: the model's graph definition (``layout.graphdef``).
+      params: its parameters (``state.params``, or :func:`host_params` of them).
+      prompts: ``bytes`` prompts, or token-id lists; each at least one token.
+      context: the window of last tokens the model sees (>= 1); one compilation serves every position.
+      new_tokens: how many tokens to add (>= 0).
+
+    Returns:
+      Each prompt followed by its new tokens: ``bytes`` for ``bytes`` prompts, else lists of ints.
     """
     if context < 1 or new_tokens < 0:
         raise ValueError(f"greedy_generate(context={context!r}, new_tokens={new_tokens!r}): context must be "
@@ -118,8 +133,16 @@ def greedy_generate(graphdef: Any, params: Any, prompts: Sequence[bytes | Sequen
 
 def format_samples(prompts: Sequence[bytes | Sequence[int]], outputs: Sequence[bytes | Sequence[int]],
                    decode: Callable[[list[int]], str] | None = None) -> str:
-    """Human-readable samples: ``--- sample i ---`` headers; bytes decoded as UTF-8 (invalid bytes replaced),
-    token ids by ``decode`` when given (else written as numbers).
+    """Human-readable samples: ``--- sample i ---`` headers, the prompt, then the output.
+
+    Args:
+      prompts: the prompts, ``bytes`` or token-id lists.
+      outputs: the prompts with their continuations, as :func:`greedy_generate` returns them.
+      decode: ``ids -> str`` for token ids (None: written as numbers); bytes are decoded as UTF-8
+        (invalid bytes replaced).
+
+    Returns:
+      The text, one block per sample.
 
     >>> print(format_samples([[72, 105]], [[72, 105, 33]], decode=lambda ids: "".join(map(chr, ids))))
     --- sample 0 ---

@@ -38,7 +38,17 @@ TB_TAGS = {
 
 
 def flops_per_token(n_params: int, *, layers: int, seq_len: int, embed: int) -> float:
-    """Training (forward + backward) FLOPs per token: ``6 N + 12 L T d`` (see the module docstring)."""
+    """Training (forward + backward) FLOPs per token: ``6 N + 12 L T d`` (see the module docstring).
+
+    Args:
+      n_params: ``N``, the parameters in matrix multiplies (no embedding tables; an untied head counts).
+      layers: ``L``, the attention layers.
+      seq_len: ``T``, tokens per sequence.
+      embed: ``d``, the attention width (heads x head size).
+
+    Returns:
+      FLOPs per token.
+    """
     for name, value in (("n_params", n_params), ("layers", layers), ("seq_len", seq_len), ("embed", embed)):
         if value < 0:
             raise ValueError(f"flops_per_token({name}={value!r}): must be >= 0.")
@@ -46,14 +56,28 @@ def flops_per_token(n_params: int, *, layers: int, seq_len: int, embed: int) -> 
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, *, peak_flops: float, devices: int) -> float:
-    """Model FLOPs utilisation: achieved model FLOP/s over ``devices x peak_flops`` (peak of one device)."""
+    """Model FLOPs utilisation: achieved model FLOP/s over ``devices x peak_flops``.
+
+    Args:
+      tokens_per_s: the measured throughput, all devices together.
+      flops_per_tok: training FLOPs per token (:func:`flops_per_token`).
+      peak_flops: the peak FLOP/s of one device.
+      devices: how many devices ran it.
+
+    Returns:
+      The MFU as a fraction (0.284 is 28.4 %).
+    """
     if peak_flops <= 0 or devices < 1:
         raise ValueError(f"mfu(peak_flops={peak_flops!r}, devices={devices!r}): both must be positive.")
     return tokens_per_s * flops_per_tok / (peak_flops * devices)
 
 
 def is_main_process() -> bool:
-    """``jax.process_index() == 0``: the one process that logs and writes files."""
+    """Whether this is the one process that logs and writes files.
+
+    Returns:
+      ``jax.process_index() == 0``.
+    """
     import jax
 
     return jax.process_index() == 0
@@ -62,10 +86,12 @@ def is_main_process() -> bool:
 class MetricsWriter:
     """``metrics.jsonl`` (one JSON object per line) and optionally TensorBoard scalars under ``<out_dir>/tb``.
 
-    ``resume_step``: continue an earlier run's files: JSONL records after that
-    step (written by a run that died before its next checkpoint) are dropped and
-    TensorBoard events after it are purged. ``enabled=False`` writes nothing
-    (processes other than 0).
+    Args:
+      out_dir: the folder of ``metrics.jsonl`` and ``tb/`` (None: write nothing).
+      tensorboard: also write TensorBoard scalars (tags from :data:`TB_TAGS`).
+      resume_step: continue an earlier run's files: JSONL records after that step (written by a run that
+        died before its next checkpoint) are dropped and TensorBoard events after it are purged.
+      enabled: False writes nothing (processes other than 0).
     """
 
     def __init__(self, out_dir: str | Path | None, *, tensorboard: bool = False, resume_step: int | None = None,
@@ -97,7 +123,11 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(self.tb_dir), purge_step=resume_step + 1 if resume_step else None)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` (needs ``step``) to the JSONL file and its numbers to TensorBoard."""
+        """Append ``record`` to the JSONL file and its numbers to TensorBoard.
+
+        Args:
+          record: a JSON-able dict with a ``step``; keys with a ``/`` also become TensorBoard tags.
+        """
         if self._file is None:
             return
         self._file.write(json.dumps(record) + "\n")

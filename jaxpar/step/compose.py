@@ -48,13 +48,15 @@ from jaxpar.batch import batch_sharding, check_batch, shard_batch
 from jaxpar.compat.table import Setting
 from jaxpar.mesh import batch_axes
 from jaxpar.parallel.moe import MoEError, use_router_bias
+from jaxpar.step.balancing import finish as finish_moe
 from jaxpar.strategy import Strategy
 from jaxpar.step.exchange import compressed_exchange, exact_exchange, measured_exchange, run_exchange
 from jaxpar.step.grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
 from jaxpar.step.init import raise_table_problems
 from jaxpar.step.program import TrainStep, jit_program
 from jaxpar.run.report import check_int
-from jaxpar.step.router_bias import KEY as BIAS, balanced_bias, check_rate, has_router_bias
+from jaxpar.step.noise_scale import step_measure
+from jaxpar.step.router_bias import KEY as BIAS, has_router_bias, step_rate
 from jaxpar.step.state import StateLayout, StrategyMismatchError, layout_strategy
 from jaxpar.step.update import Update, apply_update, delayed_update
 
@@ -77,7 +79,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
                     strategy: Strategy | None = None, *, clip_norm: float | None = None,
                     log_lr: Callable | None = None, donate: bool = True,
                     explicit_dp: bool | None = None, skip_nonfinite: bool = False,
-                    noise_scale_every: int | None = None, noise_scale_ema: float = 0.95,
+                    noise_scale_every: int | None = None, noise_scale_ema: float | None = None,
                     steps_per_call: int = 1, router_bias_rate: float | None = None, **removed) -> TrainStep:
     """Build ``step(state, batch) -> (state, metrics)``, jitted with the layout's shardings.
 
@@ -85,7 +87,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     :func:`jaxpar.init_train_state`). ``explicit_dp=True`` makes the data-axis collectives of
     the model's stacked blocks explicit (:mod:`jaxpar.parallel.data_parallel`; an :class:`ExplicitDPError`
     says why where it cannot), ``False`` leaves them to XLA, and ``None`` (default) decides
-    (:func:`explicit_data_parallel`). With a ``pipe`` mesh axis the step runs the strategy's
+    (:func:`~jaxpar.step.grads.explicit_data_parallel`). With a ``pipe`` mesh axis the step runs the strategy's
     pipeline schedule on the model, cut at its stacked blocks (:mod:`jaxpar.parallel.pipeline.cut`),
     with ``loss_fn`` on the last stage.
 
@@ -104,18 +106,17 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
       skip_nonfinite: a step whose loss or gradient norm is NaN / inf keeps the params and
         optimizer state unchanged (the step counter still advances) and reports
         ``metrics["skipped"] = True``.
-      noise_scale_every: every ``k``-th step (``state.step % k == 0``) runs a second program that
-        also measures the gradient noise scale (:mod:`jaxpar.step.noise_scale`), with moving
-        averages of decay ``noise_scale_ema`` in ``state.stats`` (create the state with
-        :func:`jaxpar.step.noise_scale.with_noise_scale`).
-      noise_scale_ema: see ``noise_scale_every``.
+      noise_scale_every: the older spelling of ``with_noise_scale(state, layout, every=k)``, which
+        switches the gradient noise scale on (:mod:`jaxpar.step.noise_scale`: every ``k``-th step runs
+        a second program that also measures it); kept for a state part added without ``every``.
+      noise_scale_ema: likewise, ``with_noise_scale(..., ema=)``.
       steps_per_call: ``K``: ``step(state, batches)`` runs ``K`` optimizer steps in one program,
         ``batches`` stacked ``[K, B, ...]``, every metric ``[K]``. PipeDream-2BW and weight
         stashing run ``K`` steps of their no-flush pipeline; the other strategies scan their step
         (the same updates as ``K`` calls).
-      router_bias_rate: aux-loss-free MoE balancing: after each step, every MoE layer's router bias
-        (kept in ``state.stats``: create it with :func:`jaxpar.step.router_bias.with_router_bias`) moves
-        by this much towards balance, from the step's loads.
+      router_bias_rate: the older spelling of ``with_router_bias(state, layout, shape, rate=)``
+        (aux-loss-free MoE balancing: after each step, every MoE layer's router bias moves by the
+        rate towards balance, from the step's loads); kept for a bias added without its rate.
       **removed: options that no longer exist raise a ``TypeError`` that says what replaced them.
 
     Returns:
@@ -125,7 +126,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     _refuse_removed(removed)
     layout_strategy(layout, strategy)      # a strategy other than the layout's raises
     update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, log_lr=log_lr)
-    opts = StepOptions(explicit_dp, steps_per_call, noise_scale_every, noise_scale_ema, donate, router_bias_rate)
+    every, ema = step_measure(layout, noise_scale_every, noise_scale_ema) or (None, 0.95)   # the part's options
+    opts = StepOptions(explicit_dp, steps_per_call, every, ema, donate, step_rate(layout, router_bias_rate))
     _check_step(layout, update, opts)
     return _BUILDERS[program_kind(layout.strategy, dict(layout.mesh.shape), steps_per_call)](
         loss_fn, layout, update, opts)
@@ -170,7 +172,6 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
         from jaxpar.parallel.pipeline.two_bw import check_two_bw_step
 
         check_two_bw_step(strategy, layout)
-    check_rate(layout, opts.router_bias_rate)
     kind = program_kind(strategy, dict(layout.mesh.shape), opts.steps_per_call)
     if has_router_bias(layout) and (kind != "per-step" or strategy.schedule == "pipedream-2bw"):
         raise MoEError(f"the train state keeps a router bias (aux-loss-free balancing: with_router_bias), which "
@@ -234,9 +235,9 @@ def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepO
             parts = {"codec": codec_state} if strategy.compression is not None else {}
         if measure:
             parts["stats"], metrics = _noise_scale_stats(state, batch, metrics, replicas_, opts.noise_scale_ema)
-        if biased:              # aux-loss-free balancing: the bias moves by the step's loads
-            bias = balanced_bias(state.stats[BIAS], metrics, opts.router_bias_rate)
-            parts["stats"] = {**parts.get("stats", state.stats), BIAS: bias}
+        stats, metrics = finish_moe(parts.get("stats", state.stats), metrics, opts.router_bias_rate)   # MoE's part
+        if biased:
+            parts["stats"] = stats
         return rule(update, state, loss, grads, parts=parts, metrics=metrics)
 
     return step
@@ -271,7 +272,7 @@ def _noise_scale_stats(state, batch, metrics: dict, replicas_: int, ema: float) 
 
 def _stashing(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
     """Weight stashing: each stage applies ``tx`` to its own weights inside the pipeline."""
-    from jaxpar.parallel.pipeline.stash_step import make_stashing_step   # pipelines load only when used
+    from jaxpar.step.stashing_step import make_stashing_step   # pipelines load only when used
 
     run, program = make_stashing_step(loss_fn, update.tx, layout, opts.steps_per_call, log_lr=update.log_lr,
                                       skip_nonfinite=update.skip_nonfinite)
@@ -280,7 +281,7 @@ def _stashing(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -
 
 def _no_flush(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
     """``steps_per_call`` PipeDream-2BW steps of the no-flush pipeline, the update between them."""
-    from jaxpar.parallel.pipeline.two_bw_steps import make_two_bw_steps
+    from jaxpar.step.no_flush_steps import make_two_bw_steps
 
     run, program = make_two_bw_steps(loss_fn, layout, opts.steps_per_call, partial(apply_update, update))
     return _stacked_steps(run, layout, opts, program)
@@ -289,7 +290,7 @@ def _no_flush(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -
 def _stacked_steps(run: Callable, layout: StateLayout, opts: StepOptions, program) -> TrainStep:
     """The step of a program that runs ``opts.steps_per_call`` optimizer steps on stacked batches
     ``[K, B, ...]`` (metrics ``[K]``); with ``K = 1`` it takes one batch and returns one step's metrics."""
-    from jaxpar.parallel.pipeline.two_bw_steps import check_stacked_batches
+    from jaxpar.step.no_flush_steps import check_stacked_batches
 
     mesh, m, k = layout.mesh, layout.strategy.microbatches, opts.steps_per_call
     if k == 1:

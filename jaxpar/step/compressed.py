@@ -42,7 +42,16 @@ __all__ = ["compression_plan", "compression_state"]
 
 
 def compression_plan(codec, layout: StateLayout, zero: int) -> ExchangePlan:
-    """The exchange of ``layout``'s gradients over its mesh's data axes with ``codec``."""
+    """The exchange of ``layout``'s gradients over its mesh's data axes with ``codec``.
+
+    Args:
+      codec: the codec (e.g. :func:`~jaxpar.parallel.compression.qsgd`), as in ``Strategy(compression=...)``.
+      layout: the state's layout (shapes, logical names, rules, mesh).
+      zero: the ZeRO stage (which gradients are sharded over the data axes).
+
+    Returns:
+      The :class:`~jaxpar.parallel.compression.ExchangePlan`.
+    """
     mesh = layout.mesh
     lays = jax.tree_util.tree_structure(layout.shapes).flatten_up_to(
         manual_layout(layout.logical, layout.shapes, mesh, layout.rules, zero))
@@ -58,8 +67,18 @@ def _replica_spec(plan: ExchangePlan) -> PartitionSpec:
 
 
 def compression_state(codec, layout: StateLayout, zero: int) -> tuple[Callable, Any, Any]:
-    """``(init, specs, shapes)`` of the per-replica codec state: ``init()`` (under ``jit``)
-    makes it, every leaf with a leading replica axis sharded over the data axes."""
+    """The per-replica codec state (``TrainState.codec``): how to make it, its specs and shapes.
+
+    Args:
+      codec: the codec, as in ``Strategy(compression=...)``.
+      layout: the state's layout.
+      zero: the ZeRO stage.
+
+    Returns:
+      ``(init, specs, shapes)``: ``init()`` (under ``jit``) makes the state, every leaf with a leading
+      replica axis sharded over the data axes; ``specs``: its ``PartitionSpec`` tree; ``shapes``: its
+      ``jax.ShapeDtypeStruct`` tree.
+    """
     plan = compression_plan(codec, layout, zero)
     spec = _replica_spec(plan)
 

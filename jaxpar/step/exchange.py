@@ -1,4 +1,4 @@
-"""The gradient exchange of a step whose gradients are each replica's own (:func:`replica_grads`).
+"""The gradient exchange of a step whose gradients are each replica's own (:func:`~jaxpar.step.grads.replica_grads`).
 
 An :class:`Exchange` turns every replica's gradient (inside a ``shard_map`` manual over the data
 axes) into the averaged gradient in the strategy's gradient layout:

@@ -44,9 +44,10 @@ from jaxpar.parallel.data_parallel import (DataParallelLayers, axis_name, bucket
                              sharded_spec)
 from jaxpar.adapters.loss_metrics import with_reported_metrics
 from jaxpar.mesh import data_axes
-from jaxpar.parallel.moe import reported_loads, step_loads_needed, use_step_loads
+from jaxpar.parallel.moe import balanced, use_step_loads
 from jaxpar.rules import axes_of, drop_axes, named_shardings, path_str, resolve, use_rules
 from jaxpar.adapters.mesh_axes import ModelLoss
+from jaxpar.step.balancing import refuse_unbalanced, whole_step_loads
 from jaxpar.step.state import StateLayout
 from jaxpar.errors import ExplicitDPError
 
@@ -55,9 +56,17 @@ __all__ = ["model_loss", "accumulate", "global_grads", "pipeline_grads", "replic
 
 
 def model_loss(loss_fn: Callable, layout: StateLayout) -> Callable:
-    """``(params, batch) -> loss``: the model rebuilt from ``params`` cast to the strategy's
-    compute dtype, scored by ``loss_fn(model, batch)``; a model that pins shardings by mesh axes
-    runs with the mesh's axes Explicit (:class:`~jaxpar.adapters.mesh_axes.ModelLoss`)."""
+    """The loss as a function of the parameters.
+
+    Args:
+      loss_fn: ``loss_fn(model, batch) -> scalar``.
+      layout: the state's layout (graph definition and strategy).
+
+    Returns:
+      ``(params, batch) -> loss``: the model rebuilt from ``params`` cast to the strategy's compute
+      dtype, scored by ``loss_fn``; a model that pins shardings by mesh axes runs with the mesh's
+      axes Explicit (:class:`~jaxpar.adapters.mesh_axes.ModelLoss`).
+    """
     graphdef, cast = layout.graphdef, layout.strategy.cast
     return ModelLoss(lambda params, batch: loss_fn(nnx.merge(graphdef, cast(params)), batch), layout)
 
@@ -109,7 +118,14 @@ def _data_axis_paths(layout: StateLayout, axes: list[str]) -> list[str]:
 
 
 def stacked_layers(layout: StateLayout) -> int | None:
-    """The length of the ``layers`` axis of the stacked parameters (``None``: none, or several)."""
+    """The length of the ``layers`` axis of the stacked parameters.
+
+    Args:
+      layout: the state's layout.
+
+    Returns:
+      The length, or ``None`` when no parameter is stacked on ``layers`` or the lengths differ.
+    """
     shapes = jax.tree.leaves(layout.shapes)
     sizes = {shapes[i].shape[0] for i, _ in _stacked_paths(layout)}
     return sizes.pop() if len(sizes) == 1 else None
@@ -200,14 +216,13 @@ def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | 
             "exactly by XLA, so the codec would be silently ignored. Use make_train_step, which runs the "
             "compressed exchange (replica_grads, then jaxpar.step.exchange.compressed_exchange).")
     grad_shardings = named_shardings(layout.grads, mesh)
-    loss_of = model_loss(loss_fn, layout)
+    loss_of = balanced(model_loss(loss_fn, layout))      # the MoE layers report and read their loads
     runner = DataParallelLayers(mesh, layout.rules, strategy.zero)
     k = strategy.microbatches
-    routed = has_experts(layout)        # MoE weights: the loads pre-pass
 
     def grads(params, batch):
         mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype), batch)
-        explicit = explicit_data_parallel(explicit_dp, loss_fn, params, mb, layout)
+        explicit = explicit_data_parallel(explicit_dp, balanced(loss_fn), params, mb, layout)
 
         def one(p, b):
             with use_layer_runner(runner if explicit else None):
@@ -216,37 +231,12 @@ def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | 
 
         zeros = lambda p: jax.lax.with_sharding_constraint(   # noqa: E731
             jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), p), grad_shardings)
-        with use_step_loads(_step_loads(loss_of, params, batch, k if routed else 1, mesh)):
+        with use_step_loads(whole_step_loads(loss_of, params, batch, k, mesh)):
             loss, g, metrics = accumulate(one, params, batch, k, mesh=mesh, zeros=zeros, has_aux=True)
         g = jax.lax.with_sharding_constraint(g, grad_shardings)
         return (loss, g, metrics) if with_metrics else (loss, g)
 
     return grads
-
-
-def _step_loads(loss_of: Callable, params: Any, batch: Any, k: int, mesh) -> Any:
-    """The whole step's MoE loads ``[layers, E]`` when accumulating: a forward pre-pass over the ``k``
-    micro-batches summing what the loss reports as :data:`jaxpar.parallel.moe.LAYER_LOADS` (``None`` for
-    ``k == 1``, a loss that reports none, or one that adds no load-balancing loss). It costs one more
-    forward per step."""
-    if k == 1:
-        return None
-    mbs = split_microbatches(batch, k, mesh)
-    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs)
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-    probe = step_loads_needed(loss_of, shapes, one)
-    if probe is None:                   # no loads reported, or no balancing loss that needs them
-        return None
-    loads_of = reported_loads(loss_of)
-    total, _ = jax.lax.scan(lambda acc, b: (acc + loads_of(params, b), None), jnp.zeros(probe.shape, probe.dtype), mbs)
-    return jax.lax.stop_gradient(total)
-
-
-def has_experts(layout: StateLayout) -> bool:
-    """Whether the model has MoE weights (an ``experts`` logical axis): a step that accumulates then
-    runs the loads pre-pass (:func:`jaxpar.parallel.moe.use_step_loads`)."""
-    return any("experts" in tuple(spec) for spec in jax.tree.leaves(
-        layout.logical, is_leaf=lambda x: isinstance(x, PartitionSpec)))
 
 
 def pipeline_grads(loss_fn: Callable, layout: StateLayout, *, per_replica: bool = False) -> Callable:
@@ -269,7 +259,7 @@ def pipeline_grads(loss_fn: Callable, layout: StateLayout, *, per_replica: bool 
     return make_pipeline_loss_and_grad(loss_fn, layout.graphdef, mesh, layout.rules, layout.params, layout.grads,
                                        layout.strategy, num_layers=stacked_layers(layout), replica_axes=axes,
                                        own_specs=resolve(layout.logical, layout.rules, mesh, layout.shapes),
-                                       with_metrics=True, step_loads=has_experts(layout) and not per_replica)
+                                       with_metrics=True)
 
 
 class ManualLayout(NamedTuple):
@@ -293,7 +283,14 @@ class ManualLayout(NamedTuple):
 
 
 def manual_specs(layout: StateLayout) -> ManualLayout:
-    """The :class:`ManualLayout` of ``layout`` over its data axes of size > 1."""
+    """The state's layout inside a ``shard_map`` manual over the data axes.
+
+    Args:
+      layout: the state's layout.
+
+    Returns:
+      The :class:`ManualLayout` over the mesh's data axes of size > 1.
+    """
     mesh = layout.mesh
     sizes = dict(mesh.shape)
     axes = tuple(a for a in data_axes(mesh) if sizes[a] > 1)
@@ -325,11 +322,13 @@ def replica_grads(loss_fn: Callable, layout: StateLayout, *, with_metrics: bool 
     """
     mesh, k = layout.mesh, layout.strategy.microbatches
     man = manual_specs(layout)
-    loss_of, local_rules = model_loss(loss_fn, layout), drop_axes(layout.rules, man.axes)
+    loss_of, local_rules = balanced(model_loss(loss_fn, layout)), drop_axes(layout.rules, man.axes)
 
     def local(params, batch):
         with use_rules(mesh, local_rules):
             full = man.treedef.unflatten(bucketed_all_gather(jax.tree.leaves(params), man.dims, man.param_axes))
+            mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype), batch)
+            refuse_unbalanced(loss_of, full, mb, k)          # no loads pre-pass on this path
             grad_fn = jax.value_and_grad(with_reported_metrics(loss_of), has_aux=True)
             loss, grads, metrics = accumulate(grad_fn, full, batch, k, has_aux=True)
         mean = functools.partial(jax.lax.pmean, axis_name=axis_name(man.axes))

@@ -39,6 +39,7 @@ from jaxpar.compat.table import Setting, raise_problems
 from jaxpar.mesh import replicas
 from jaxpar.rules import named_shardings, resolve
 from jaxpar.strategy import Strategy
+from jaxpar.parallel.tensor import warn_unsplit_tensor_axis
 from jaxpar.parallel.zero import zero_specs
 from jaxpar.adapters.layer_lists import stack_layers, stacked_counts
 from jaxpar.adapters.mesh_axes import check_model_axes
@@ -111,6 +112,7 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
     check_model_axes(logical, rules, mesh)
     base = resolve(logical, rules, mesh, shapes)
     params = zero_specs(base, shapes, logical, sizes, strategy.zero, "params")
+    warn_unsplit_tensor_axis(params, mesh)
     grads = zero_specs(base, shapes, logical, sizes, strategy.zero, "grads")
     opt_param = zero_specs(base, shapes, logical, sizes, strategy.zero, "opt")
     opt_shapes, opt_state = optimizer_specs(tx, shapes, opt_param)
@@ -160,23 +162,13 @@ def _raise_strategy_problems(strategy: Strategy, sizes: dict) -> None:
 
 def raise_table_problems(setting: Setting) -> None:
     """Raise the first refusal of the compatibility table (:func:`jaxpar.compat.table.raise_problems`)
-    with the error class its feature owns (``SyncError``, ``StashingError``, ...).
+    as the :class:`~jaxpar.errors.JaxparError` subclass its problem declares (``SyncError``,
+    ``StashingError``, ``MoEError``, ...).
 
     Args:
       setting: what the run asks for.
     """
-    from jaxpar.parallel.compression import CompressionError
-    from jaxpar.parallel.context import ContextParallelError
-    from jaxpar.parallel.pipeline.stash_versions import StashingError
-    from jaxpar.parallel.pipeline.two_bw import AsyncPipelineError
-    from jaxpar.parallel.sync import SyncError
-    from jaxpar.step.grads import ExplicitDPError
-    from jaxpar.step.noise_scale import NoiseScaleError
-
-    raise_problems(setting, {"ExplicitDPError": ExplicitDPError, "NoiseScaleError": NoiseScaleError,
-                             "AsyncPipelineError": AsyncPipelineError, "StashingError": StashingError,
-                             "SyncError": SyncError, "CompressionError": CompressionError,
-                             "ContextParallelError": ContextParallelError})
+    raise_problems(setting)
 
 
 def _two_bw(strategy: Strategy, mesh: Mesh) -> bool:

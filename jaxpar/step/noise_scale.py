@@ -19,7 +19,8 @@ sequences for a language model; times the sequence length for tokens).
 
 Here: the pure estimators, the running state kept in ``TrainState.stats["noise_scale"]``
 (:func:`with_noise_scale`: checkpointed with the rest of the state) and a PNG of the
-estimate over training. ``make_train_step(..., noise_scale_every=k)`` measures inside the step:
+estimate over training. The measurement is switched on in one place,
+``with_noise_scale(state, layout, every=k)``, and the step measures inside itself:
 every ``k``-th step runs a second program whose exchange is
 :func:`jaxpar.step.exchange.measured_exchange` (each replica's own gradient, then the average),
 with any flush pipeline schedule and any gradient codec; :func:`check_measurable` says where it cannot.
@@ -38,15 +39,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jaxpar.step.state import has_stats_part, stats_part_layout, with_stats_part
+from jaxpar.step.state import has_stats_part, part_options, stats_part_layout, with_stats_part
 from jaxpar.errors import NoiseScaleError
 
-__all__ = ["NoiseScaleError", "KEY", "METRICS", "check_options", "noise_scale_layout", "check_measurable", "grad_sq_estimate", "trace_estimate",
+__all__ = ["NoiseScaleError", "KEY", "METRICS", "Measure", "step_measure", "check_options", "noise_scale_layout", "check_measurable", "grad_sq_estimate", "trace_estimate",
            "init_state", "update", "noise_scale_of", "with_noise_scale", "has_noise_scale", "plot_noise_scale"]
 
 #: The key of the noise-scale state in ``TrainState.stats``.
@@ -55,20 +56,63 @@ KEY = "noise_scale"
 METRICS = ("noise_scale", "grad_sq_small", "grad_sq_big", "noise_trace", "noise_grad_sq")
 
 
-def check_options(every: Any, ema: Any, owner: str = "make_train_step") -> None:
+class Measure(NamedTuple):
+    """How often the step measures (every ``every`` steps) and the moving averages' decay ``ema``."""
+
+    every: int
+    ema: float = 0.95
+
+
+def step_measure(layout, every: Any = None, ema: Any = None) -> Measure | None:
+    """What the step measures: the options the state's part was added with (:func:`with_noise_scale`);
+    ``None``: nothing.
+
+    Args:
+      layout: the state's layout.
+      every: ``make_train_step(noise_scale_every=)``, accepted only for a part added without ``every``
+        (the configuration layer's older spelling).
+      ema: ``make_train_step(noise_scale_ema=)``, with ``every`` (``None``: 0.95; without ``every``
+        it has no effect, as the configuration layer passes it).
+
+    Returns:
+      The :class:`Measure`, or ``None``.
+
+    Raises:
+      NoiseScaleError: options given twice, or bad ones.
+    """
+    kept = part_options(layout, KEY)
+    if kept is not None and (every is not None or ema is not None):
+        raise NoiseScaleError(f"make_train_step(noise_scale_every={every}, noise_scale_ema={ema}) for a noise-scale "
+                              f"state added with every={kept.every}, ema={kept.ema}: the options are the state part's "
+                              "(with_noise_scale(state, layout, every=, ema=)); leave them out of make_train_step.")
+    if kept is not None:
+        return kept
+    if every is None:        # the older spelling: an ema without every measured nothing, as before
+        return None
+    return Measure(every, 0.95 if ema is None else ema)
+
+
+def check_options(every: Any, ema: Any, owner: str = "make_train_step",
+                  names: tuple[str, str] = ("noise_scale_every", "noise_scale_ema")) -> None:
     """Raise :class:`NoiseScaleError` unless ``every`` is an int >= 1 and ``ema`` a float in [0, 1).
+
+    Args:
+      every: measure every that many steps.
+      ema: the moving averages' decay.
+      owner: the function named in the error.
+      names: the names of ``every`` and ``ema`` there.
 
     >>> check_options(10, 0.95)
     >>> check_options(0, 0.95)
     Traceback (most recent call last):
     ...
-    jaxpar.step.noise_scale.NoiseScaleError: make_train_step(noise_scale_every=0): must be an int >= 1 ...
+    jaxpar.errors.NoiseScaleError: make_train_step(noise_scale_every=0): must be an int >= 1 ...
     """
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise NoiseScaleError(f"{owner}(noise_scale_every={every!r}): must be an int >= 1 (measure every that many "
+        raise NoiseScaleError(f"{owner}({names[0]}={every!r}): must be an int >= 1 (measure every that many "
                               "steps), or None to measure nothing.")
     if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 <= ema < 1:
-        raise NoiseScaleError(f"{owner}(noise_scale_ema={ema!r}): must be a float in [0, 1), the decay of the moving "
+        raise NoiseScaleError(f"{owner}({names[1]}={ema!r}): must be a float in [0, 1), the decay of the moving "
                               "averages of tr(Σ) and |G|² per measurement (0: no averaging; e.g. 0.95).")
 
 
@@ -97,7 +141,15 @@ def check_measurable(layout, every: Any, ema: Any) -> None:
 
 
 def grad_sq_estimate(sq_small, sq_big, b_small, b_big):
-    """Unbiased ``|G|²`` from the squared gradient norms at batch sizes ``b_small < b_big``.
+    """Unbiased ``|G|²`` from the squared gradient norms at two batch sizes.
+
+    Args:
+      sq_small: the squared gradient norm at batch size ``b_small`` (a mean over replicas).
+      sq_big: the squared gradient norm at batch size ``b_big``.
+      b_small, b_big: the two batch sizes, ``b_small < b_big`` (rows).
+
+    Returns:
+      ``(b_big sq_big - b_small sq_small) / (b_big - b_small)``, the type of the inputs.
 
     >>> grad_sq_estimate(5.0, 2.0, 4, 16)
     1.0
@@ -107,6 +159,14 @@ def grad_sq_estimate(sq_small, sq_big, b_small, b_big):
 
 def trace_estimate(sq_small, sq_big, b_small, b_big):
     """Unbiased ``tr(Σ)`` (per-example gradient covariance) from the same two squared norms.
+
+    Args:
+      sq_small: the squared gradient norm at batch size ``b_small`` (a mean over replicas).
+      sq_big: the squared gradient norm at batch size ``b_big``.
+      b_small, b_big: the two batch sizes, ``b_small < b_big`` (rows).
+
+    Returns:
+      ``(sq_small - sq_big) / (1 / b_small - 1 / b_big)``, the type of the inputs.
 
     >>> trace_estimate(5.0, 2.0, 4, 16)
     16.0
@@ -125,17 +185,32 @@ def init_state() -> dict:
 
 
 def noise_scale_of(state: dict):
-    """``B_simple`` of a running state: the ratio of the moving averages (NaN before any measurement)."""
+    """``B_simple`` of a running state.
+
+    Args:
+      state: the running state (:func:`init_state`, :func:`update`).
+
+    Returns:
+      A float32 scalar: the ratio of the moving averages, in batch rows (NaN before any measurement).
+    """
     return jnp.where(state["count"] > 0, state["ema_trace"] / state["ema_grad_sq"], jnp.nan)
 
 
 def update(state: dict, sq_small, sq_big, b_small: int, b_big: int, ema: float) -> tuple[dict, dict]:
-    """Fold one measurement into the moving averages; ``(state, metrics)``.
+    """Fold one measurement into the moving averages.
 
-    ``sq_small``: mean over the replicas of each replica's squared gradient norm (batch
-    ``b_small``); ``sq_big``: the squared norm of the global gradient (batch ``b_big``).
-    ``metrics``: :data:`METRICS`; ``noise_trace`` and ``noise_grad_sq`` are the bias-corrected
-    averages (divided by ``1 - ema**count``), ``noise_scale`` their ratio."""
+    Args:
+      state: the running state (:func:`init_state`).
+      sq_small: mean over the replicas of each replica's squared gradient norm (batch ``b_small``).
+      sq_big: the squared norm of the global gradient (batch ``b_big``).
+      b_small, b_big: one replica's batch and the global batch (rows).
+      ema: the moving averages' decay per measurement, in [0, 1).
+
+    Returns:
+      ``(state, metrics)``: the new running state, and float32 scalars named :data:`METRICS`;
+      ``noise_trace`` and ``noise_grad_sq`` are the bias-corrected averages (divided by
+      ``1 - ema**count``), ``noise_scale`` their ratio.
+    """
     sq_small, sq_big = jnp.asarray(sq_small, jnp.float32), jnp.asarray(sq_big, jnp.float32)
     trace = trace_estimate(sq_small, sq_big, b_small, b_big)
     grad_sq = grad_sq_estimate(sq_small, sq_big, b_small, b_big)
@@ -148,44 +223,82 @@ def update(state: dict, sq_small, sq_big, b_small: int, b_big: int, ema: float) 
     return new, metrics
 
 
-def with_noise_scale(state, layout) -> tuple[Any, Any]:
+def with_noise_scale(state, layout, *, every: int | None = None, ema: float = 0.95) -> tuple[Any, Any]:
     """``(state, layout)`` with a fresh noise-scale state in ``TrainState.stats[KEY]`` (replicated
-    scalars): call it after :func:`jaxpar.init_train_state` and before restoring a checkpoint.
+    scalars), measured by the step every ``every`` steps: call it after :func:`jaxpar.init_train_state`
+    and before restoring a checkpoint; ``make_train_step`` reads ``every`` and ``ema`` from the layout.
+
+    Args:
+      state: the train state.
+      layout: its layout.
+      every: measure every that many steps (the step runs a second program then). ``None`` keeps
+        the averages without measuring (a resumed run that stops measuring), or leaves ``every`` to
+        ``make_train_step(noise_scale_every=)``, the configuration layer's older spelling.
+      ema: the moving averages' decay per measurement, in [0, 1).
+
+    Returns:
+      The state and layout with the part.
 
     >>> import jax, optax, jaxpar
     >>> from flax import nnx
     >>> from jaxpar.models.mlp import MLPClassifier
     >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
     >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
-    >>> state, layout = with_noise_scale(*jaxpar.init_train_state(model_fn, optax.sgd(0.1), mesh))
-    >>> int(state.stats["noise_scale"]["count"]), layout.stats["noise_scale"]["count"]
-    (0, P())
+    >>> state, layout = with_noise_scale(*jaxpar.init_train_state(model_fn, optax.sgd(0.1), mesh), every=10)
+    >>> int(state.stats["noise_scale"]["count"]), layout.stats["noise_scale"]["count"], step_measure(layout)
+    (0, P(), Measure(every=10, ema=0.95))
     """
-    return with_stats_part(state, layout, KEY, init_state())
+    return with_stats_part(state, layout, KEY, init_state(), _options(every, ema, "with_noise_scale"))
 
 
-def noise_scale_layout(layout) -> Any:
+def _options(every: Any, ema: Any, owner: str) -> Measure | None:
+    if every is None:
+        return None
+    check_options(every, ema, owner, names=("every", "ema"))
+    return Measure(every, ema)
+
+
+def noise_scale_layout(layout, *, every: int | None = None, ema: float = 0.95) -> Any:
     """``layout`` with a place for the noise-scale state (replicated scalars), without creating it
     (for ahead-of-time compilation: :meth:`~jaxpar.step.state.StateLayout.abstract_state` then has it).
 
     Args:
       layout: the train state's :class:`~jaxpar.step.state.StateLayout`.
+      every: as in :func:`with_noise_scale`.
+      ema: as in :func:`with_noise_scale`.
 
     Returns:
       The layout with ``stats[KEY]``.
     """
-    return stats_part_layout(layout, KEY, jax.eval_shape(init_state))
+    return stats_part_layout(layout, KEY, jax.eval_shape(init_state), _options(every, ema, "noise_scale_layout"))
 
 
 def has_noise_scale(layout) -> bool:
-    """Whether ``layout`` (a :class:`~jaxpar.step.state.StateLayout`) has a place for the noise-scale state."""
+    """Whether a layout has a place for the noise-scale state.
+
+    Args:
+      layout: a :class:`~jaxpar.step.state.StateLayout`.
+
+    Returns:
+      True when it has ``stats[KEY]``.
+    """
     return has_stats_part(layout, KEY)
 
 
 def plot_noise_scale(path: str | Path, steps: Sequence[int], values: Sequence[float], *,
                      batch: int | None = None, title: str = "gradient noise scale") -> str:
-    """Write a PNG of ``B_simple`` over training (log scale where all values are positive;
-    ``batch``: the global batch as a dashed line); return the path."""
+    """Write a PNG of ``B_simple`` over training (log scale where all values are positive).
+
+    Args:
+      path: the PNG file to write.
+      steps: the steps of the measurements.
+      values: ``B_simple`` at those steps; non-finite ones are left out.
+      batch: the global batch, drawn as a dashed line (``None``: none).
+      title: the plot's title.
+
+    Returns:
+      ``path`` as a string.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

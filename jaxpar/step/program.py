@@ -41,10 +41,18 @@ __all__ = ["TrainStep", "jit_program", "HostStep", "strategy_context"]
 
 @contextlib.contextmanager
 def strategy_context(layout: StateLayout) -> Iterator[None]:
-    """What a step function is traced under: the layout's logical rules and its context-parallel
-    setting. With a ``context`` axis, a loss that never called :func:`jaxpar.parallel.context.attention`
-    (XLA would gather the whole sequence for its own attention), or that ignored the balanced
-    order (:func:`jaxpar.parallel.context.sequence_order`), is a :class:`~jaxpar.parallel.context.ContextParallelError`."""
+    """What a step function is traced under: the layout's logical rules and its context-parallel setting.
+
+    Args:
+      layout: the state's layout (mesh, rules, strategy).
+
+    Raises:
+      ContextParallelError: on leaving the block, with a ``context`` axis, for a loss that never called
+        :func:`jaxpar.parallel.context.attention` (XLA would gather the whole sequence for its own
+        attention), or that ignored the balanced order (:func:`jaxpar.parallel.context.sequence_order`).
+      MoEError: on leaving the block, for an ``expert`` axis without MoE layers, or a router bias
+        kept in the state that the loss never read.
+    """
     setting, size = layout.strategy.context_setting, dict(layout.mesh.shape).get(CONTEXT, 1)
     with use_rules(layout.mesh, layout.rules), use_context_parallel(setting.method, balance=setting.balance), \
             count_context_calls() as calls, count_moe_calls() as moe:
@@ -64,8 +72,9 @@ def strategy_context(layout: StateLayout) -> Iterator[None]:
 
 
 def _check_moe(layout: StateLayout, moe) -> None:
-    """An ``expert`` axis needs MoE layers; the load-balancing loss needs the whole batch at once."""
-    experts, k = dict(layout.mesh.shape).get(EXPERT, 1), layout.strategy.microbatches
+    """An ``expert`` axis needs MoE layers; a router bias kept in the state must be read. (The
+    load-balancing loss under micro-batches is the gradient's part: :mod:`jaxpar.step.balancing`.)"""
+    experts = dict(layout.mesh.shape).get(EXPERT, 1)
     if experts > 1 and not moe.layers:
         raise MoEError(f"the mesh has an expert axis of size {experts}, but the loss never ran an MoE layer "
                        "(jaxpar.parallel.moe.moe_apply, jaxpar.parallel.moe.MoE, GPTConfig.moe): the axis would only split the batch. "
@@ -74,13 +83,6 @@ def _check_moe(layout: StateLayout, moe) -> None:
         raise MoEError("the train state keeps a router bias (aux-loss-free balancing: with_router_bias), but the loss "
                        "never read it (jaxpar.parallel.moe.router_bias(): the GPT with MoE layers does), so it would move "
                        "without steering any choice. Read it in the MoE layers, or build the state without it.")
-    if moe.aux_loss and k > 1 and not moe.step_loads:
-        raise MoEError(f"Strategy.microbatches={k} with a loss that adds the MoE load-balancing loss (e.g. "
-                       "GPTConfig.moe.aux_weight > 0), on a path without the step's load pre-pass (a codec or "
-                       "relaxed synchronisation): that loss multiplies the batch's load per expert by its router "
-                       "probabilities, so each micro-batch would use its own load and the sum would differ from one "
-                       "step on the whole batch. Use microbatches=1, or aux_weight=0 (the z-loss is a mean, exact "
-                       "under accumulation).")
 
 
 class HostStep:
@@ -92,23 +94,39 @@ class HostStep:
         self._array, self._step = None, None
 
     def read(self, state) -> int:
-        """The step number of ``state``."""
+        """The step number of a state.
+
+        Args:
+          state: a train state.
+
+        Returns:
+          ``state.step`` as an int (counted on the host for the state last returned).
+        """
         return self._step if state.step is self._array else int(jax.device_get(state.step))
 
     def advance(self, new_state, step: int) -> None:
-        """Record that ``new_state`` (just returned) is at ``step``."""
+        """Record the step number of the state just returned.
+
+        Args:
+          new_state: the state the step function returned.
+          step: its step number.
+        """
         self._array, self._step = new_state.step, step
 
 
-def jit_program(fn: Callable, layout: StateLayout, batch_sharding: Any, *, donate: bool) -> Callable:
+def jit_program(fn: Callable, layout: StateLayout, batch_sharding: Any, *, donate: bool,
+                metrics_sharding: Any = None) -> Callable:
     """``jax.jit`` of ``fn(state, batch) -> (state, metrics)`` with the layout's shardings, traced
-    under the layout's logical rules.
+    under the layout's logical rules (:func:`strategy_context`).
 
     Args:
       fn: the step function.
       layout: the state's layout (shardings of the state in and out).
-      batch_sharding: the batch's sharding.
+      batch_sharding: the batch's sharding; ``None``: ``fn`` takes the state alone,
+        ``fn(state) -> (state, metrics)`` (relaxed synchronisation's outer step).
       donate: donate the input state.
+      metrics_sharding: the metrics' sharding (a prefix of their tree); ``None``: replicated.
+        Per-replica metrics stay sharded over ``replica``, so a program need not gather them.
 
     Returns:
       The jitted function (``.lower`` for ahead-of-time compilation).
@@ -119,8 +137,9 @@ def jit_program(fn: Callable, layout: StateLayout, batch_sharding: Any, *, donat
         with strategy_context(layout):
             return fn(*args)
 
-    return jax.jit(traced, in_shardings=(layout.shardings(), batch_sharding),
-                   out_shardings=(layout.shardings(), NamedSharding(mesh, PartitionSpec())),
+    ins = (layout.shardings(),) if batch_sharding is None else (layout.shardings(), batch_sharding)
+    metrics = NamedSharding(mesh, PartitionSpec()) if metrics_sharding is None else metrics_sharding
+    return jax.jit(traced, in_shardings=ins, out_shardings=(layout.shardings(), metrics),
                    donate_argnums=(0,) if donate else ())
 
 
@@ -158,12 +177,27 @@ class TrainStep:
         return self.programs["step"]
 
     def lower(self, *args, **kwargs):
-        """``programs["step"].lower(...)``: the usual program, for ahead-of-time compilation."""
+        """The usual program lowered, for ahead-of-time compilation.
+
+        Args:
+          *args: as the program's, ``(state, batch)`` (arrays or ``jax.ShapeDtypeStruct``\\ s).
+          **kwargs: passed to ``programs["step"].lower``.
+
+        Returns:
+          The ``jax.stages.Lowered`` program.
+        """
         return self.programs["step"].lower(*args, **kwargs)
 
     def lower_all(self, state, batch) -> dict[str, Any]:
-        """Every program lowered, ``{name: jax.stages.Lowered}``, for ahead-of-time compilation
-        (``state`` and ``batch`` may be ``jax.ShapeDtypeStruct``\\ s)."""
+        """Every program lowered, for ahead-of-time compilation.
+
+        Args:
+          state: the train state (or its ``jax.ShapeDtypeStruct``\\ s).
+          batch: a batch (or its ``jax.ShapeDtypeStruct``\\ s); unused by the state-only programs.
+
+        Returns:
+          ``{name: jax.stages.Lowered}``.
+        """
         return {name: p.lower(state) if name in self.state_only else p.lower(state, batch)
                 for name, p in self.programs.items()}
 

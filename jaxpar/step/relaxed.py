@@ -47,12 +47,32 @@ def _stack_shapes(shapes: Any, n: int) -> Any:
 
 
 def is_local(sync) -> bool:
-    """Whether the replicas of ``sync`` train on their own between syncs (DiLoCo, local SGD, EASGD)."""
+    """Whether the replicas of a sync kind train on their own between syncs.
+
+    Args:
+      sync: the strategy's sync kind (:mod:`jaxpar.parallel.sync`).
+
+    Returns:
+      True for DiLoCo (local SGD too) and EASGD.
+    """
     return isinstance(sync, (DiLoCo, EASGD))
 
 
 def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation, strategy: Strategy) -> tuple[StateLayout, Callable]:
-    """The layout of a replicated train state and ``make(params) -> (opt_state, sync)``."""
+    """The layout of a replicated train state.
+
+    Args:
+      layout: the layout of one replica's state (:func:`jaxpar.state_layout`).
+      tx: the optimizer (each replica's inner one, for the local kinds).
+      strategy: the strategy (its ``sync``; None: synchronous).
+
+    Returns:
+      ``(layout, make)``: the layout with the sync kind's optimizer state and ``sync`` part, and
+      ``make(params) -> (opt_state, sync)`` that builds them from the parameters.
+
+    Raises:
+      SyncError: the sync kind does not fit the ``replica`` axis, or the mesh has a pipeline.
+    """
     mesh, sync = layout.mesh, strategy.sync or synchronous()
     k = replicas(mesh)
     check_sync(sync, k)
@@ -96,7 +116,14 @@ def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation, strate
 
 def replica_bytes(layout: StateLayout) -> int:
     """Bytes per device of one model's worth of fp32 values in the parameters' layout: the
-    buffer of each all-reduce over ``replica`` (gradients every step, or parameters at a sync)."""
+    buffer of each all-reduce over ``replica`` (gradients every step, or parameters at a sync).
+
+    Args:
+      layout: the train state's layout (its shapes, parameter specs and mesh).
+
+    Returns:
+      The bytes on one device.
+    """
     sizes = dict(layout.mesh.shape)
     return sum(4 * a.size // spec_shards(spec, sizes)
                for a, spec in zip(jax.tree.leaves(layout.shapes), jax.tree.leaves(layout.params, is_leaf=_is_spec)))

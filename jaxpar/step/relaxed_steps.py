@@ -1,6 +1,12 @@
 """The train step of K replicas on the ``replica`` axis (:mod:`jaxpar.step.relaxed`): one program
 per step for the kinds that average gradients (``sync``, ``stale``, ``backup``), and an inner + a
-sync program for the kinds whose replicas train on their own (``diloco``, ``local_sgd``, ``easgd``)."""
+sync program for the kinds whose replicas train on their own (``diloco``, ``local_sgd``, ``easgd``).
+
+Every program is :func:`~jaxpar.step.program.jit_program`'s (the layout's shardings, rules and
+checks); the inner programs keep their per-replica metrics sharded over ``replica`` (no gather),
+and the sync program takes the state alone. ``grad_norm`` is :mod:`jaxpar.step.update`'s: the
+norm of the averaged gradient, or the root mean square of the replicas' norms where each replica
+updates on its own gradient."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -12,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.batch import batch_sharding, check_batch
 from jaxpar.mesh import REPLICA, replicas
-from jaxpar.rules import named_shardings, use_rules
+from jaxpar.rules import named_shardings
 from jaxpar.parallel.sync import Backup, DiLoCo, Stale, check_sync, synchronous
 from jaxpar.step.grads import global_grads
 from jaxpar.step.program import TrainStep, jit_program
@@ -21,8 +27,6 @@ from jaxpar.step.state import StateLayout, TrainState
 from jaxpar.step.update import Update, apply_update
 
 __all__ = ["relaxed_train_step", "global_step", "local_steps", "run_local_steps"]
-
-_is_spec = lambda x: isinstance(x, P)   # noqa: E731
 
 
 def relaxed_train_step(loss_fn: Callable, layout: StateLayout, update: Update, *, explicit_dp, donate: bool,
@@ -127,16 +131,17 @@ def global_step(loss_fn, layout: StateLayout, sync, update: Update, *, donate: b
 
 def _one_by_one(update: Update, state, losses, grads, layout):
     """Asynchronous parameter server: each replica's gradient is applied on its own, in replica
-    order, on the newest parameters (K optimizer updates per step; ``step`` advances by one)."""
+    order, on the newest parameters (K optimizer updates per step; ``step`` advances by one).
+    ``grad_norm``: the root mean square of the K updates' gradient norms (:mod:`jaxpar.step.update`)."""
     k = losses.shape[0]
-    new, metrics, skipped = state, None, []
+    new, metrics, skipped, sq = state, {}, [], []
     for r in range(k):
         g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x[r], grads),
                                              named_shardings(layout.grads, layout.mesh))
-        new, m = apply_update(update, new._replace(step=state.step), losses[r], g)
-        skipped.append(m.pop("skipped", jnp.bool_(False)))
-        metrics = m if metrics is None else {**m, "grad_norm": jnp.maximum(metrics["grad_norm"], m["grad_norm"])}
-    metrics["loss"] = jnp.mean(losses)
+        new, metrics = apply_update(update, new._replace(step=state.step), losses[r], g)
+        skipped.append(metrics.pop("skipped", jnp.bool_(False)))
+        sq.append(jnp.square(metrics["grad_norm"]))
+    metrics.update(loss=jnp.mean(losses), grad_norm=jnp.sqrt(jnp.mean(jnp.stack(sq))))
     if update.skip_nonfinite:    # skipped: no update applied; skipped_updates: the replicas' updates left out
         metrics["skipped"] = jnp.all(jnp.stack(skipped))
         metrics["skipped_updates"] = jnp.sum(jnp.stack(skipped).astype(jnp.int32))
@@ -176,10 +181,8 @@ class _LocalPrograms:
 
     def inner(self, state: TrainState, batch):
         """Every replica's own optimizer step, no collective over ``replica``."""
-        mesh, k = self.mesh, self.k
-        with use_rules(mesh, self.layout.rules):
-            p, o, m = jax.vmap(self.one, in_axes=(None, 0, 0, 0), spmd_axis_name=REPLICA)(
-                state.step, state.sync["params"], state.sync["opt"], split_replicas(batch, k, mesh))
+        p, o, m = jax.vmap(self.one, in_axes=(None, 0, 0, 0), spmd_axis_name=REPLICA)(
+            state.step, state.sync["params"], state.sync["opt"], split_replicas(batch, self.k, self.mesh))
         metrics = self.replica_metrics(state.step, m["loss"], m)
         return TrainState(state.step + 1, state.params, state.opt_state, sync={"params": p, "opt": o}), metrics
 
@@ -187,30 +190,27 @@ class _LocalPrograms:
         """Before ``start_step``: synchronous. The replicas' gradients are averaged (an all-reduce
         over ``replica``) and each replica applies the same update, so they stay identical."""
         layout, mesh, k = self.layout, self.mesh, self.k
-        with use_rules(mesh, layout.rules):
-            losses, grads = jax.vmap(self.lg, spmd_axis_name=REPLICA)(state.sync["params"],
-                                                                      split_replicas(batch, k, mesh))
-            mean = _weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), grads, layout.grads, mesh)
+        losses, grads = jax.vmap(self.lg, spmd_axis_name=REPLICA)(state.sync["params"], split_replicas(batch, k, mesh))
+        mean = _weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), grads, layout.grads, mesh)
 
-            def apply(p, o):
-                new, m = apply_update(self.inner_update, TrainState(state.step, p, o), jnp.mean(losses), mean)
-                return new.params, new.opt_state, m
+        def apply(p, o):
+            new, m = apply_update(self.inner_update, TrainState(state.step, p, o), jnp.mean(losses), mean)
+            return new.params, new.opt_state, m
 
-            p, o, m = jax.vmap(apply, spmd_axis_name=REPLICA)(state.sync["params"], state.sync["opt"])
-            center = _any_replica(p, self.rep_specs, layout.params, mesh)
+        p, o, m = jax.vmap(apply, spmd_axis_name=REPLICA)(state.sync["params"], state.sync["opt"])
+        center = _any_replica(p, self.rep_specs, layout.params, mesh)
         metrics = self.replica_metrics(state.step, losses, m)
         return TrainState(state.step + 1, center, state.opt_state, sync={"params": p, "opt": o}), metrics
 
     def outer(self, state: TrainState):
         """The sync: the replicas' mean moves the center (DiLoCo's outer step, or EASGD's elastic pull)."""
         mesh, k = self.mesh, self.k
-        with use_rules(mesh, self.layout.rules):
-            mean = _weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), state.sync["params"], self.layout.params, mesh)
-            if isinstance(self.sync, DiLoCo):
-                center, opt_state, reps = self._diloco_outer(state, mean)
-            else:
-                center, opt_state, reps = self._easgd_outer(state, mean)
-            reps = jax.lax.with_sharding_constraint(reps, named_shardings(self.rep_specs, mesh))
+        mean = _weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), state.sync["params"], self.layout.params, mesh)
+        if isinstance(self.sync, DiLoCo):
+            center, opt_state, reps = self._diloco_outer(state, mean)
+        else:
+            center, opt_state, reps = self._easgd_outer(state, mean)
+        reps = jax.lax.with_sharding_constraint(reps, named_shardings(self.rep_specs, mesh))
         dist = jax.vmap(lambda r: optax.tree.norm(jax.tree.map(jnp.subtract, r, mean)), spmd_axis_name=REPLICA)(
             state.sync["params"])
         return (TrainState(state.step, center, opt_state, sync={"params": reps, "opt": state.sync["opt"]}),
@@ -248,16 +248,15 @@ def local_steps(loss_fn, layout: StateLayout, sync, update: Update, *, donate: b
       ``{"step": inner, "outer": sync program, "warm": synchronous program before
       ``start_step`` (only with one)}``, run by :func:`run_local_steps`.
     """
-    mesh, log_lr = layout.mesh, update.log_lr
+    mesh = layout.mesh
     local = _LocalPrograms(loss_fn, layout, sync, update)
-    shardings, per_replica = layout.shardings(), NamedSharding(mesh, P(REPLICA))
-    msh = {"replica": per_replica, **({"lr": NamedSharding(mesh, P())} if log_lr is not None else {})}
-    jit = lambda fn, ins, outs: jax.jit(fn, in_shardings=ins, out_shardings=(shardings, outs),   # noqa: E731
-                                        donate_argnums=(0,) if donate else ())
-    programs = {"step": jit(local.inner, (shardings, batch_sharding(mesh)), msh),
-                "outer": jit(local.outer, (shardings,), {"replica_distance": per_replica})}
+    per_replica = NamedSharding(mesh, P(REPLICA))       # per-replica metrics: no gather over ``replica``
+    msh = {"replica": per_replica, **({"lr": NamedSharding(mesh, P())} if update.log_lr is not None else {})}
+    programs = {"step": jit_program(local.inner, layout, batch_sharding(mesh), donate=donate, metrics_sharding=msh),
+                "outer": jit_program(local.outer, layout, None, donate=donate,      # the state alone
+                                     metrics_sharding={"replica_distance": per_replica})}
     if getattr(sync, "start_step", 0):
-        programs["warm"] = jit(local.warm, (shardings, batch_sharding(mesh)), msh)
+        programs["warm"] = jit_program(local.warm, layout, batch_sharding(mesh), donate=donate, metrics_sharding=msh)
     return programs
 
 
@@ -293,10 +292,11 @@ def run_local_steps(sync, layout: StateLayout) -> Callable:
 
 @jax.jit
 def _replica_summary(rep: dict) -> dict:
-    """The step's metrics from the per-replica ones, in one program: each program with a
+    """The step's metrics from the per-replica ones (``grad_norm``: the root mean square of the
+    replicas' update norms, as :mod:`jaxpar.step.update` defines it), in one program: each program with a
     collective that is dispatched while the step may still run adds to the XLA:CPU rendezvous
     that, with 8 simulated devices on 2 cores, was seen to time out (one program, not five)."""
-    out = {"loss": jnp.mean(rep["loss"]), "grad_norm": jnp.mean(rep["grad_norm"]),
+    out = {"loss": jnp.mean(rep["loss"]), "grad_norm": jnp.sqrt(jnp.mean(jnp.square(rep["grad_norm"]))),
            "loss_spread": jnp.max(rep["loss"]) - jnp.min(rep["loss"])}
     if "skipped" in rep:
         out["skipped"] = jnp.any(rep["skipped"])

@@ -1,6 +1,7 @@
 """Aux-loss-free load balancing (DeepSeek-V3) in the train step: a router bias per MoE layer, kept in
-``TrainState.stats["router_bias"]`` and moved towards balance after every step
-(``make_train_step(..., router_bias_rate=rate)``).
+``TrainState.stats["router_bias"]`` and moved towards balance after every step. It is switched on in
+one place: ``with_router_bias(state, layout, shape, rate=rate)`` adds the bias and its rate to the
+state, and ``make_train_step`` reads the rate from there.
 
 The bias is added to the router's scores to choose the experts only: it has no gradient and does
 not enter the combine weights (:func:`jaxpar.parallel.moe.route`). The step traces the loss under
@@ -19,8 +20,8 @@ every mesh, accumulation and pipeline moves the bias as one device does on the w
 >>> cfg = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2, moe=MoESettings(experts=4, bias_rate=0.001))
 >>> mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
 >>> state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh)
->>> state, layout = with_router_bias(state, layout, (2, 4))      # 2 MoE layers, 4 experts
->>> step = jaxpar.make_train_step(lm_loss, optax.sgd(0.1), layout, router_bias_rate=0.001)
+>>> state, layout = with_router_bias(state, layout, (2, 4), rate=0.001)      # 2 MoE layers, 4 experts
+>>> step = jaxpar.make_train_step(lm_loss, optax.sgd(0.1), layout)
 >>> tokens = jnp.arange(32).reshape(4, 8)
 >>> state, metrics = step(state, {"tokens": tokens, "targets": tokens})
 >>> bias = np.asarray(state.stats["router_bias"])       # +-rate: below / above the mean load
@@ -35,71 +36,101 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.parallel.moe import LAYER_LOADS, MoEError, update_router_bias
-from jaxpar.step.state import has_stats_part, stats_part_layout, with_stats_part
+from jaxpar.step.state import has_stats_part, part_options, stats_part_layout, with_stats_part
 
-__all__ = ["KEY", "with_router_bias", "router_bias_layout", "has_router_bias", "balanced_bias", "check_rate"]
+__all__ = ["KEY", "with_router_bias", "router_bias_layout", "has_router_bias", "balanced_bias", "step_rate"]
 
 #: The key of the router bias in ``TrainState.stats``.
 KEY = "router_bias"
 
 
-def router_bias_layout(layout: Any, shape: tuple[int, ...]) -> Any:
+def _checked(shape: Any, rate: Any) -> tuple[tuple[int, ...], Any]:
+    shape = tuple(shape)
+    if len(shape) != 2 or not all(isinstance(n, int) and n >= 1 for n in shape):
+        raise MoEError(f"with_router_bias(shape={shape!r}): give (MoE layers, experts), two positive ints.")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
+        raise MoEError(f"with_router_bias(rate={rate!r}): the bias step must be a number > 0 (DeepSeek-V3: 0.001).")
+    return shape, rate
+
+
+def router_bias_layout(layout: Any, shape: tuple[int, ...], *, rate: float | None = None) -> Any:
     """``layout`` with a place for the router bias (replicated), without creating it (ahead-of-time
     compilation: :meth:`~jaxpar.step.state.StateLayout.abstract_state` then has it).
 
     Args:
       layout: the train state's :class:`~jaxpar.step.state.StateLayout`.
       shape: ``(MoE layers, experts)``.
+      rate: the bias step per train step, as in :func:`with_router_bias`.
 
     Returns:
       The layout with ``stats["router_bias"]``.
     """
-    return stats_part_layout(layout, KEY, jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
+    shape, rate = _checked(shape, rate)
+    return stats_part_layout(layout, KEY, jax.ShapeDtypeStruct(shape, jnp.float32), rate)
 
 
-def with_router_bias(state: Any, layout: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
-    """``(state, layout)`` with a zero router bias of ``shape`` in ``stats`` (replicated): call it after
-    :func:`jaxpar.init_train_state` and before restoring a checkpoint, and give the step its rate
-    (``make_train_step(..., router_bias_rate=)``).
+def with_router_bias(state: Any, layout: Any, shape: tuple[int, ...], *, rate: float | None = None
+                     ) -> tuple[Any, Any]:
+    """``(state, layout)`` with a zero router bias of ``shape`` in ``stats`` (replicated), moved by
+    ``rate`` towards balance after every step: call it after :func:`jaxpar.init_train_state` and
+    before restoring a checkpoint; ``make_train_step`` reads the rate from the layout.
 
     Args:
       state: the train state.
       layout: its layout.
       shape: ``(MoE layers, experts)`` (the GPT: ``(layers // moe.every, moe.experts)``).
+      rate: the bias step per train step (DeepSeek-V3: 0.001). ``None`` is kept only for
+        ``make_train_step(router_bias_rate=)``, the configuration layer's older spelling.
 
     Returns:
       The state and layout with ``stats["router_bias"] = zeros(shape)``.
 
     Raises:
-      MoEError: naming a bad shape.
+      MoEError: naming a bad shape or rate.
     """
-    shape = tuple(shape)
-    if len(shape) != 2 or not all(isinstance(n, int) and n >= 1 for n in shape):
-        raise MoEError(f"with_router_bias(shape={shape!r}): give (MoE layers, experts), two positive ints.")
-    return with_stats_part(state, layout, KEY, jnp.zeros(shape, jnp.float32))
+    shape, rate = _checked(shape, rate)
+    return with_stats_part(state, layout, KEY, jnp.zeros(shape, jnp.float32), rate)
 
 
-def check_rate(layout: Any, rate: Any) -> None:
-    """The step's ``router_bias_rate`` against the layout: a rate > 0 exactly when the state keeps a bias.
+def step_rate(layout: Any, keyword: Any = None) -> float | None:
+    """The rate the step moves the router bias by: the one the state's part was added with
+    (:func:`with_router_bias`); ``None`` without a bias.
+
+    Args:
+      layout: the state's layout.
+      keyword: ``make_train_step(router_bias_rate=)``, accepted only for a part added without a rate.
+
+    Returns:
+      The rate, or ``None``.
 
     Raises:
-      MoEError: naming the rate and the fix.
+      MoEError: a rate given twice, none at all, a bad one, or one for a state without a bias.
     """
-    kept = has_router_bias(layout)
-    if rate is None and kept:
-        raise MoEError("the train state keeps a router bias (with_router_bias) and make_train_step got no "
-                       "router_bias_rate: give the bias step per train step (DeepSeek-V3: 0.001).")
-    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
-        raise MoEError(f"make_train_step(router_bias_rate={rate!r}): the bias step must be a number > 0 (DeepSeek-V3: "
-                       "0.001), or None without a router bias.")
-    if rate is not None and not kept:
-        raise MoEError(f"make_train_step(router_bias_rate={rate}) on a state without a router bias: add it with "
-                       "state, layout = jaxpar.step.router_bias.with_router_bias(state, layout, (moe_layers, "
-                       "experts)) before building the step.")
+    kept, rate = has_router_bias(layout), part_options(layout, KEY)
+    if keyword is not None and not kept:
+        raise MoEError(f"make_train_step(router_bias_rate={keyword}) on a state without a router bias: add it with its "
+                       "rate, state, layout = jaxpar.step.router_bias.with_router_bias(state, layout, (moe_layers, "
+                       "experts), rate=...), and leave router_bias_rate out.")
+    if keyword is not None and rate is not None:
+        raise MoEError(f"make_train_step(router_bias_rate={keyword}) for a router bias added with rate={rate}: the rate "
+                       "is the state part's (with_router_bias(..., rate=)); leave router_bias_rate out.")
+    if keyword is not None:
+        return _checked((1, 1), keyword)[1]
+    if kept and rate is None:
+        raise MoEError("the train state keeps a router bias (with_router_bias) added without its rate: give it there, "
+                       "with_router_bias(state, layout, (moe_layers, experts), rate=0.001).")
+    return rate
 
 
 def has_router_bias(layout: Any) -> bool:
-    """Whether ``layout`` keeps a router bias (:func:`with_router_bias`)."""
+    """Whether a layout keeps a router bias (:func:`with_router_bias`).
+
+    Args:
+      layout: the state's layout.
+
+    Returns:
+      True when it has ``stats[KEY]``.
+    """
     return has_stats_part(layout, KEY)
 
 

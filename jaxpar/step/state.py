@@ -17,7 +17,7 @@ Example::
     >>> layout_strategy(layout, Strategy(zero=1))
     Traceback (most recent call last):
     ...
-    jaxpar.step.state.StrategyMismatchError: make_train_step(strategy='fsdp2'), but the layout was built ...
+    jaxpar.errors.StrategyMismatchError: make_train_step(strategy='fsdp2'), but the layout was built ...
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from jaxpar.parallel.zero import analytic_state_bytes
 from jaxpar.errors import StrategyMismatchError
 
 __all__ = ["TrainState", "StateLayout", "optimizer_specs", "layout_strategy", "StrategyMismatchError",
-           "stats_part_layout", "with_stats_part", "has_stats_part"]
+           "stats_part_layout", "with_stats_part", "has_stats_part", "part_options"]
 
 
 class TrainState(NamedTuple):
@@ -75,7 +75,8 @@ class StateLayout:
     ``sync_init(params)``, each returning the part in its shardings. ``layer_lists`` maps the path
     of each ``nnx.List`` of layers that runs stacked (:func:`jaxpar.stack_layers`, or a pipeline) to
     its length: :func:`jaxpar.adapters.layer_lists.list_form` turns the parameters back into the list's own
-    paths."""
+    paths. ``part_options`` holds the options each ``stats`` part was switched on with (the router
+bias's rate, the noise scale's period), which the step reads from there: :func:`part_options`."""
 
     mesh: Mesh
     rules: tuple
@@ -99,6 +100,7 @@ class StateLayout:
     versions_shapes: Any = ()
     strategy: Strategy = Strategy()   # what the layout was built for; make_train_step runs this strategy
     layer_lists: Any = None  # {path: count} of the model's nnx.Lists run stacked (jaxpar.adapters.layer_lists.list_form)
+    part_options: tuple = ()  # ((stats key, options), ...): the options a part was added with (part_options())
 
     def shardings(self) -> TrainState:
         """``TrainState`` of ``NamedSharding``s (for ``jit`` in/out shardings)."""
@@ -183,27 +185,74 @@ def layout_strategy(layout: StateLayout, strategy: Strategy | None = None) -> St
         "init_train_state, or leave make_train_step's strategy out.")
 
 
-def stats_part_layout(layout: StateLayout, key: str, shapes: Any) -> StateLayout:
+def stats_part_layout(layout: StateLayout, key: str, shapes: Any, options: Any = None) -> StateLayout:
     """``layout`` with a replicated part ``stats[key]`` of ``shapes`` (``ShapeDtypeStruct``s), without
-    creating it (ahead-of-time compilation: :meth:`StateLayout.abstract_state` then has it)."""
+    creating it (ahead-of-time compilation: :meth:`StateLayout.abstract_state` then has it).
+
+    Args:
+      layout: the layout.
+      key: the part's name in ``stats``.
+      shapes: its ``ShapeDtypeStruct`` tree.
+      options: what the step does with the part (hashable; ``None``: nothing), read back with
+        :func:`part_options`.
+
+    Returns:
+      The layout with the part.
+    """
     from dataclasses import replace
 
     stats = dict(layout.stats) if isinstance(layout.stats, dict) else {}
     stats_shapes = dict(layout.stats_shapes) if isinstance(layout.stats_shapes, dict) else {}
     stats_shapes[key] = shapes
     stats[key] = jax.tree.map(lambda _: PartitionSpec(), shapes)
-    return replace(layout, stats=stats, stats_shapes=stats_shapes)
+    kept = tuple((k, o) for k, o in layout.part_options if k != key)
+    return replace(layout, stats=stats, stats_shapes=stats_shapes,
+                   part_options=kept + (((key, options),) if options is not None else ()))
 
 
-def with_stats_part(state: TrainState, layout: StateLayout, key: str, value: Any) -> tuple[TrainState, StateLayout]:
+def with_stats_part(state: TrainState, layout: StateLayout, key: str, value: Any,
+                    options: Any = None) -> tuple[TrainState, StateLayout]:
     """``(state, layout)`` with ``value`` (arrays) as the replicated part ``stats[key]``: a running
-    measurement or a balancing state the step keeps (checkpointed with the rest)."""
-    layout = stats_part_layout(layout, key, jax.eval_shape(lambda: value))
+    measurement or a balancing state the step keeps (checkpointed with the rest); ``options`` as in
+    :func:`stats_part_layout`.
+
+    Args:
+      state: the train state.
+      layout: its layout.
+      key: the part's name in ``stats``.
+      value: the part's arrays.
+      options: the part's options, or ``None``.
+
+    Returns:
+      The state and layout with the part.
+    """
+    layout = stats_part_layout(layout, key, jax.eval_shape(lambda: value), options)
     values = dict(state.stats) if isinstance(state.stats, dict) else {}
     values[key] = jax.device_put(value, NamedSharding(layout.mesh, PartitionSpec()))
     return state._replace(stats=values), layout
 
 
 def has_stats_part(layout: StateLayout, key: str) -> bool:
-    """Whether ``layout`` has a place for ``stats[key]``."""
+    """Whether a layout has a place for a state part.
+
+    Args:
+      layout: the state's layout.
+      key: the part's key in ``TrainState.stats``.
+
+    Returns:
+      True when ``layout.stats`` has ``key``.
+    """
     return isinstance(layout.stats, dict) and key in layout.stats
+
+
+def part_options(layout: StateLayout, key: str) -> Any:
+    """The options the part ``stats[key]`` was added with (``None``: none, or no such part).
+
+    Args:
+      layout: the layout.
+      key: the part's name in ``stats``.
+
+    Returns:
+      The options given to :func:`stats_part_layout` / :func:`with_stats_part`.
+    """
+    return dict(layout.part_options).get(key) if has_stats_part(layout, key) else None

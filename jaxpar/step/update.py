@@ -1,10 +1,31 @@
 """The optimizer update of every train step: clip, optax, skip a non-finite step, log the lr.
 
-:func:`apply_update` is the one update; the rules that change *when* it applies or *with which
-weights* wrap it: :func:`delayed_update` (PipeDream-2BW: the gradient at ``W(t-1)`` updates
-``W(t)``, which becomes the older version). Weight stashing updates each stage inside the
-pipeline (:mod:`jaxpar.parallel.pipeline.stash_step`) and DiLoCo / EASGD add an outer step
-(:mod:`jaxpar.step.relaxed_steps`); both call :func:`apply_update` for the inner update.
+:func:`apply_update` is the one update; every program calls it for each optimizer update it
+applies. The rules that change *when* it applies or *with which weights* wrap it or call it:
+
+* :func:`delayed` / :func:`delayed_update` (PipeDream-2BW): the gradient at ``W(t-1)`` updates
+  ``W(t)``, which becomes the older version; the one-step program and the no-flush program of
+  ``K`` steps (:mod:`jaxpar.step.no_flush_steps`) both wrap their update with
+  :func:`delayed`, so they agree on every step, a skipped one included;
+* weight stashing (:mod:`jaxpar.step.stashing_step`) calls :func:`apply_update` for each
+  stage's update inside the pipeline (no ``clip_norm``: a global clip spans the stages);
+* relaxed synchronisation (:mod:`jaxpar.step.relaxed_steps`) calls it once per step on the
+  replicas' (masked) mean gradient, once per replica in turn (the asynchronous parameter server),
+  or as each replica's inner update (DiLoCo / local SGD / EASGD, whose outer step is their own).
+
+**Metrics.** ``metrics["grad_norm"]`` is, in every program, the global L2 norm (over every
+parameter, all stages) of the gradient an optimizer update receives, before clipping. Where a
+step applies several updates, each on its own gradient (the replicas of DiLoCo / local SGD /
+EASGD, the asynchronous parameter server, weight stashing with ``update_every`` below
+``microbatches``), it is the root mean square of those norms, ``sqrt(mean_u |g_u|^2)``. With one
+update per step (data parallelism, ZeRO, pipelines, 2BW, compressed or relaxed averaging: the
+update receives the averaged gradient) that is the averaged gradient's norm, so with one replica
+and one stage every program reports the same number. The root mean square, not the norm of the
+replicas' mean: no update receives that mean when replicas update on their own, and it would cost
+an all-reduce of a model's worth over ``replica`` in a program that must not communicate (the
+root mean square needs ``K`` scalars). ``loss`` is the step's loss (the mean over its updates),
+``skipped`` (with ``skip_nonfinite``) whether the step changed no weight, ``lr`` (with
+``log_lr``) the logged learning rate.
 
 Example:
     >>> import jax.numpy as jnp, optax
@@ -21,6 +42,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -29,7 +51,7 @@ import optax
 
 from jaxpar.step.state import TrainState
 
-__all__ = ["Update", "apply_update", "delayed_update"]
+__all__ = ["Update", "apply_update", "delayed", "delayed_update"]
 
 
 class Update(NamedTuple):
@@ -39,7 +61,8 @@ class Update(NamedTuple):
       tx: the optax optimizer.
       clip_norm: clip the gradient to this global norm first (``None``: no clipping).
       skip_nonfinite: a step whose loss or gradient norm is not finite keeps every part of the
-        state as it was (the step counter still advances) and reports ``skipped``.
+        state as it was (the step counter still advances; under :func:`delayed` the older
+        version still becomes ``W(t)``) and reports ``skipped``.
       log_lr: ``step -> learning rate``, logged as ``metrics["lr"]`` (the update follows ``tx``).
     """
 
@@ -64,7 +87,8 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
       metrics: more metrics of the step (an exchange's, a measurement's).
 
     Returns:
-      ``(new state, metrics)``; metrics hold ``loss``, ``grad_norm``, ``skipped`` (with
+      ``(new state, metrics)``; metrics hold ``loss``, ``grad_norm`` (the global norm of
+      ``grads``, before clipping: see the module docstring), ``skipped`` (with
       ``skip_nonfinite``) and ``lr`` (with ``log_lr``).
     """
     gnorm = optax.tree.norm(grads)
@@ -86,9 +110,37 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
     return new, out
 
 
+def delayed(apply: Callable) -> Callable:
+    """PipeDream-2BW's update rule around an update ``apply(state, loss, grads, **kw) -> (state,
+    metrics)`` (:func:`apply_update` with its options bound): the gradient, taken at ``W(t-1) =
+    state.versions``, updates ``W(t) = state.params``, and ``W(t)`` becomes the older version.
+
+    A skipped step (``skip_nonfinite``) keeps the parameters and the optimizer state
+    (``W(t+1) = W(t)``), and ``W(t)`` still becomes the older version, so after it both versions
+    are ``W(t)`` and the next step's gradient is taken there. Keeping ``W(t-1)`` instead (as if
+    the step had never run) cannot hold in the no-flush pipeline: when step ``t``'s gradient is
+    found non-finite, the first micro-batches of step ``t+1`` have already run their forwards
+    (and, on the later stages, backwards) on ``W(t)``, so its gradient must be taken at ``W(t)``;
+    the one-step program follows the same rule, so ``steps_per_call=1`` and ``K`` give the same
+    states.
+
+    Args:
+      apply: the update, ``(state, loss, grads, **kw) -> (state, metrics)``.
+
+    Returns:
+      The delayed update, with ``apply``'s signature.
+    """
+    def rule(state: TrainState, loss: jax.Array, grads: Any, **kw) -> tuple[TrainState, dict]:
+        new, metrics = apply(state, loss, grads, **kw)
+        return new._replace(versions=state.params), metrics       # W(t) becomes the older version
+
+    return rule
+
+
 def delayed_update(update: Update, state: TrainState, loss: jax.Array, grads: Any, **kw) -> tuple[TrainState, dict]:
-    """PipeDream-2BW's rule: ``grads`` (taken at ``W(t-1) = state.versions``) update ``W(t)``,
-    and ``W(t)`` becomes the older version (a skipped step keeps both as they were).
+    """:func:`apply_update` under PipeDream-2BW's rule (:func:`delayed`): ``grads`` (taken at
+    ``W(t-1) = state.versions``) update ``W(t)``, and ``W(t)`` becomes the older version, on a
+    skipped step too.
 
     Args:
       update: the options (:class:`Update`).
@@ -100,8 +152,4 @@ def delayed_update(update: Update, state: TrainState, loss: jax.Array, grads: An
     Returns:
       ``(new state, metrics)``.
     """
-    new, metrics = apply_update(update, state, loss, grads, **kw)
-    older = state.params
-    if update.skip_nonfinite:
-        older = jax.tree.map(lambda w, o: jnp.where(metrics["skipped"], o, w), state.params, state.versions)
-    return new._replace(versions=older), metrics
+    return delayed(functools.partial(apply_update, update))(state, loss, grads, **kw)

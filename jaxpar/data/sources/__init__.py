@@ -59,7 +59,7 @@ def open_source(path: PathLike | Sequence[PathLike], *, format: str | None = Non
             ``"meta.body"`` reaches into a nested object or struct column.
         on_malformed: ``"error"`` raises on a record that cannot be parsed (naming the file and
             line); ``"skip"`` reads it as ``None``, so document numbers never shift, and counts
-            it in :attr:`Source.skipped`.
+            it in the source's ``skipped`` count.
 
     Returns:
         The source (indexed; no text read yet).

@@ -109,7 +109,14 @@ class LineFile:
         return len(self.starts) - 1
 
     def read(self, start: int, stop: int) -> bytes:
-        """The bytes ``start..stop-1`` of the (decompressed) data."""
+        """The bytes ``start..stop-1`` of the (decompressed) data.
+
+        Args:
+          start, stop: the byte range.
+
+        Returns:
+          The bytes.
+        """
         if self.compressed:
             data = self._read_compressed(start, stop)
         else:
@@ -121,7 +128,14 @@ class LineFile:
         return data
 
     def line_number(self, offset: int) -> int:
-        """The 1-based line number (blank lines counted) of the line starting at ``offset``."""
+        """The 1-based line number (blank lines counted) of the line starting at ``offset``.
+
+        Args:
+          offset: a line's first byte.
+
+        Returns:
+          The line number.
+        """
         return 1 + sum(self.read(first, min(first + BLOCK, offset)).count(b"\n") for first in range(0, offset, BLOCK))
 
     def _indexing_blocks(self, fh: BinaryIO) -> Iterator[bytes]:

@@ -20,6 +20,13 @@ CODECS = {"qsgd": qsgd, "terngrad": terngrad, "sign": sign, "onebit": onebit, "c
 def make_codec(kind: str, **options):
     """A codec by name (``kind``) with keyword options, as in YAML's ``parallel.compression``.
 
+    Args:
+      kind: a key of :data:`CODECS`.
+      **options: the factory's keyword options.
+
+    Returns:
+      The codec.
+
     >>> make_codec("powersgd", rank=2).rank
     2
     """

@@ -29,7 +29,15 @@ __all__ = ["pack_bits", "unpack_bits", "to_bytes", "from_bytes", "payload_bytes"
 
 def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
     """``codes`` (``[..., n]``, values < 2**bits) packed ``8 // bits`` per byte (``n`` a
-    multiple of that), first code in the lowest bits."""
+    multiple of that), first code in the lowest bits.
+
+    Args:
+      codes: ``[..., n]`` integer codes.
+      bits: bits per code: 1, 2, 4 or 8.
+
+    Returns:
+      ``uint8[..., n * bits // 8]``.
+    """
     per = 8 // bits
     c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
     shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
@@ -37,7 +45,16 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
 
 
 def unpack_bits(packed: jax.Array, bits: int, n: int) -> jax.Array:
-    """Inverse of :func:`pack_bits`: ``[..., n]`` codes as ``uint8``."""
+    """Inverse of :func:`pack_bits`: ``[..., n]`` codes as ``uint8``.
+
+    Args:
+      packed: ``uint8[..., m]``, of :func:`pack_bits`.
+      bits: bits per code.
+      n: the number of codes (at most ``m * 8 // bits``).
+
+    Returns:
+      ``uint8[..., n]``.
+    """
     per = 8 // bits
     shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
     mask = jnp.uint8((1 << bits) - 1)
@@ -51,18 +68,40 @@ def _as_bytes(a: jax.Array) -> jax.Array:
 
 
 def to_bytes(payload: dict[str, jax.Array]) -> jax.Array:
-    """Every array of ``payload`` (leading row axis) as bytes, concatenated per row: ``uint8[rows, B]``."""
+    """Every array of ``payload`` (leading row axis) as bytes, concatenated per row: ``uint8[rows, B]``.
+
+    Args:
+      payload: arrays by name, each ``[rows, ...]``.
+
+    Returns:
+      The bytes, arrays in sorted name order.
+    """
     return jnp.concatenate([_as_bytes(payload[k]) for k in sorted(payload)], axis=1)
 
 
 def payload_bytes(template: Any) -> int:
-    """Bytes per row of a payload (arrays or ``ShapeDtypeStruct``s with a leading row axis)."""
+    """Bytes per row of a payload (arrays or ``ShapeDtypeStruct``s with a leading row axis).
+
+    Args:
+      template: arrays or ``ShapeDtypeStruct`` s by name.
+
+    Returns:
+      The bytes.
+    """
     return sum(int(a.size // a.shape[0]) * jnp.dtype(a.dtype).itemsize for a in template.values())
 
 
 def from_bytes(wire: jax.Array, template: Any) -> dict[str, jax.Array]:
     """Inverse of :func:`to_bytes`; ``template`` gives each array's shape (after the row
-    axis, which is taken from ``wire``) and dtype."""
+    axis, which is taken from ``wire``) and dtype.
+
+    Args:
+      wire: ``uint8[rows, B]``, of :func:`to_bytes`.
+      template: the payload's arrays or ``ShapeDtypeStruct`` s by name (any leading size).
+
+    Returns:
+      The payload, ``[rows, ...]`` arrays by name.
+    """
     rows, out, start = wire.shape[0], {}, 0
     for k in sorted(template):
         t = template[k]

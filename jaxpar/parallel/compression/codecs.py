@@ -60,22 +60,54 @@ class Codec(BaseCodec):
     start_step: int = 0      # steps before it: the exact (uncompressed) exchange
 
     def init(self, n: int) -> dict:
+        """The codec's own state: none.
+
+        Args:
+          n: the values exchanged.
+
+        Returns:
+          ``{}``.
+        """
         return {}
 
     def row_bytes(self, k: int) -> int:
-        """Payload bytes of one row of ``k`` values."""
+        """Payload bytes of one row of ``k`` values.
+
+        Args:
+          k: values per row (a multiple of ``block``).
+
+        Returns:
+          The bytes.
+        """
         shapes = jax.eval_shape(self.encode, jax.ShapeDtypeStruct((1, k), jnp.float32), jax.random.key(0))
         return payload_bytes(shapes)
 
     def padded(self, n: int, replicas: int) -> int:
-        """``n`` rounded up to ``replicas`` rows of a multiple of ``block``."""
+        """``n`` rounded up to ``replicas`` rows of a multiple of ``block``.
+
+        Args:
+          n: the values exchanged.
+          replicas: the devices the mean is over.
+
+        Returns:
+          The padded count.
+        """
         unit = replicas * self.block
         return -(-n // unit) * unit
 
     def wire_bytes(self, n: int, replicas: int, *, scatter: bool = False) -> int:
         """Bytes one device sends for the mean of ``n`` values over ``replicas`` devices: an
         all-to-all of its ``replicas - 1`` foreign rows, then (not for ``scatter``, the
-        reduce-scatter half) an all-gather of its own re-encoded row to the others."""
+        reduce-scatter half) an all-gather of its own re-encoded row to the others.
+
+        Args:
+          n: the values exchanged.
+          replicas: the devices the mean is over.
+          scatter: only the reduce-scatter half.
+
+        Returns:
+          The bytes.
+        """
         k = self.padded(n, replicas) // replicas
         return (replicas - 1) * self.row_bytes(k) * (1 if scatter else 2)
 
@@ -97,7 +129,16 @@ def _uniform(key, shape):
 def qsgd(*, levels: int = 127, bucket: int = 512, error_feedback: bool = False) -> Codec:
     """QSGD (Alistarh et al. 2017): per bucket the 2-norm, then ``|x| / norm * levels``
     stochastically rounded to an int8 code. Unbiased; variance at most
-    ``min(b / s**2, sqrt(b) / s) * ||v||**2`` per bucket of ``b`` values."""
+    ``min(b / s**2, sqrt(b) / s) * ||v||**2`` per bucket of ``b`` values.
+
+    Args:
+      levels: quantization levels ``s``, 1 ... 127.
+      bucket: values per norm (``b``).
+      error_feedback: keep each replica's compression error and add it to its next gradient.
+
+    Returns:
+      The :class:`Codec`.
+    """
     if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
         raise CompressionError(f"qsgd(levels={levels!r}): int8 codes hold 1 ... 127 levels; "
                                "use e.g. levels=127 (or 15 for 4-bit-like precision).")
@@ -122,7 +163,16 @@ def qsgd(*, levels: int = 127, bucket: int = 512, error_feedback: bool = False) 
 def terngrad(*, bucket: int = 512, clip: float | None = 2.5, error_feedback: bool = False) -> Codec:
     """TernGrad (Wen et al. 2017): values clipped at ``clip`` standard deviations of their
     bucket (``None``: no clipping), then ``scale * t`` with ``t`` in {-1, 0, +1} drawn so that
-    the mean is the (clipped) value; 2-bit codes packed 4 per byte, one fp32 scale per bucket."""
+    the mean is the (clipped) value; 2-bit codes packed 4 per byte, one fp32 scale per bucket.
+
+    Args:
+      bucket: values per scale.
+      clip: the clip in standard deviations, or ``None``.
+      error_feedback: keep each replica's compression error and add it to its next gradient.
+
+    Returns:
+      The :class:`Codec`.
+    """
     _check_bucket("terngrad", bucket)
     if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
         raise CompressionError(f"terngrad(clip={clip!r}): the clip is a positive number of standard "
@@ -165,12 +215,21 @@ def sign(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.
          optimizer_momentum: float | None = None, start_step: int = 0) -> Codec:
     """Scaled sign (EF-SignSGD, Karimireddy et al. 2019): ``sign(v) * ||v||_1 / b`` per bucket of
     ``b`` values, signs packed 8 per byte. Biased: use it with error feedback (the default).
-    ``momentum=m``: each replica compresses its momentum ``u = m u + g`` instead of ``g``
-    (dist-EF-SGDM, Zheng et al. 2019); use it with plain SGD (no optimizer momentum).
-    ``optimizer_momentum=b1`` (1-bit Adam, Tang et al. 2021): each replica compresses Adam's first
-    moment ``b1 m + (1 - b1) g`` (``m``: the last exchanged one), from ``start_step`` on; use it with
-    :func:`jaxpar.optimizers.adamw_frozen_variance` (``freeze_step=start_step``) and no clipping after
-    the exchange (``Strategy(local_clip=...)`` instead). ``start_step``: exact steps before compression."""
+
+    Args:
+      bucket: values per scale (``b``).
+      error_feedback: keep each replica's compression error and add it to its next gradient.
+      momentum: ``m > 0``: each replica compresses its momentum ``u = m u + g`` instead of ``g``
+        (dist-EF-SGDM, Zheng et al. 2019); use it with plain SGD (no optimizer momentum).
+      optimizer_momentum: ``b1`` (1-bit Adam, Tang et al. 2021): each replica compresses Adam's first
+        moment ``b1 m + (1 - b1) g`` (``m``: the last exchanged one), from ``start_step`` on; use it with
+        :func:`jaxpar.optimizers.adamw_frozen_variance` (``freeze_step=start_step``) and no clipping
+        after the exchange (``Strategy(local_clip=...)`` instead). ``None``: not.
+      start_step: exact (uncompressed) steps before compression.
+
+    Returns:
+      The :class:`Codec`.
+    """
     _check_bucket("sign", bucket)
     momentum = _check_momentum("sign", momentum)
     start_step, optimizer_momentum = check_start("sign", start_step, optimizer_momentum, momentum)
@@ -193,7 +252,15 @@ def onebit(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 
            optimizer_momentum: float | None = None, start_step: int = 0) -> Codec:
     """1-bit SGD (Seide et al. 2014): one bit per value (``v >= 0``), decoded as the mean of
     the bucket's non-negative or of its negative values (two fp32 per bucket), with error feedback.
-    ``momentum``, ``optimizer_momentum``, ``start_step``: as for :func:`sign`."""
+
+    Args:
+      bucket: values per pair of means.
+      error_feedback: keep each replica's compression error and add it to its next gradient.
+      momentum, optimizer_momentum, start_step: as for :func:`sign`.
+
+    Returns:
+      The :class:`Codec`.
+    """
     _check_bucket("onebit", bucket)
     momentum = _check_momentum("onebit", momentum)
     start_step, optimizer_momentum = check_start("onebit", start_step, optimizer_momentum, momentum)
@@ -222,7 +289,16 @@ _CASTS = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float8_e4m3fn": jnp
 
 def cast(dtype: str = "bfloat16", *, bucket: int = 512, error_feedback: bool = False) -> Codec:
     """Values cast to a narrower float (round to nearest). 8-bit floats are scaled per bucket
-    so that the bucket's largest magnitude maps to the format's largest finite value."""
+    so that the bucket's largest magnitude maps to the format's largest finite value.
+
+    Args:
+      dtype: ``"bfloat16"``, ``"float16"``, ``"float8_e4m3fn"`` or ``"float8_e5m2"``.
+      bucket: values per scale (8-bit floats).
+      error_feedback: keep each replica's compression error and add it to its next gradient.
+
+    Returns:
+      The :class:`Codec`.
+    """
     if dtype not in _CASTS:
         raise CompressionError(f"cast(dtype={dtype!r}): choose one of {tuple(_CASTS)}.")
     _check_bucket("cast", bucket)

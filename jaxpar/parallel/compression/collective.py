@@ -1,26 +1,24 @@
-"""Compressed gradient exchange over the data axes, run inside a ``shard_map`` that is
-manual over them (XLA quantizes no all-reduce or reduce-scatter itself).
+"""Compressed gradient exchange over the data axes, run inside a ``shard_map`` that is manual over them.
 
-Every replica holds its full local gradient. The leaves are laid out as one buffer of
-``N`` rows (``N`` replicas): row ``i`` of a leaf whose gradient is sharded over all data
-axes (ZeRO-2/3, ``fsdp``) is replica ``i``'s shard; the other leaves are flattened,
-padded and cut into ``N`` rows. Then, per codec family:
+Every replica holds its full local gradient. The leaves are laid out as one buffer of ``N`` rows
+(``N`` replicas): row ``i`` of a leaf whose gradient is sharded over all data axes (ZeRO-2/3,
+``fsdp``) is replica ``i``'s shard; the other leaves are flattened, padded and cut into ``N`` rows.
+Then, per codec family:
 
-* quantizers (:mod:`.codecs`): encode the rows, **all-to-all** (replica ``i`` receives
-  every replica's row ``i``), decode and average in fp32: the compressed
-  **reduce-scatter**. Sharded leaves stop there; for the others the averaged row is
-  re-encoded and **all-gathered** (torchft's scheme). With error feedback the first
-  encoding's error stays with the replica (``residual``) and the second's with the row's
-  owner (``server``, as in DeepSpeed's 1-bit Adam).
-* top-k: **all-gather** of ``(values, int32 indices)``, scatter-add; random-k: indices
-  agree on every replica, so one **all-reduce** of the ``k`` values; partitioned top-k:
-  all-gather of the indices, then an all-reduce of the values at all of them. The rest is
-  accumulated locally (``residual``; ``velocity`` with momentum correction).
-* PowerSGD (:mod:`.powersgd`): per weight matrix, two **all-reduces** (``P`` with the
-  uncompressed leaves, then ``Q``), ``Q`` kept per replica, residual per leaf.
+* quantizers (:mod:`.codecs`): encode the rows, **all-to-all** (replica ``i`` receives every
+  replica's row ``i``), decode and average in fp32: the compressed **reduce-scatter**. Sharded
+  leaves stop there; for the others the averaged row is re-encoded and **all-gathered** (torchft's
+  scheme). With error feedback the first encoding's error stays with the replica (``residual``)
+  and the second's with the row's owner (``server``, as in DeepSpeed's 1-bit Adam).
+* top-k: **all-gather** of ``(values, int32 indices)``, scatter-add; random-k: indices agree on
+  every replica, so one **all-reduce** of the ``k`` values; partitioned top-k: all-gather of the
+  indices, then an all-reduce of the values at all of them. The rest is accumulated locally
+  (``residual``; ``velocity`` with momentum correction).
+* PowerSGD (:mod:`.powersgd`): per weight matrix, two **all-reduces** (``P`` with the uncompressed
+  leaves, then ``Q``), ``Q`` kept per replica, residual per leaf.
 
-The state of one replica is a dict of arrays (no replica axis); the train step stacks
-the replicas' states on a leading axis sharded over the data axes.
+The state of one replica is a dict of arrays (no replica axis); the train step stacks the
+replicas' states on a leading axis sharded over the data axes.
 
 Example::
 
@@ -159,7 +157,14 @@ class ExchangePlan:
 
     # ------------------------------------------------------------------ bytes
     def wire_bytes(self, step: int | None = None) -> int:
-        """Bytes each device sends per step (ring algorithms; at ``step`` for schedules that change)."""
+        """Bytes each device sends per step (ring algorithms; at ``step`` for schedules that change).
+
+        Args:
+          step: the step, or ``None`` (after any schedule's changes).
+
+        Returns:
+          The bytes.
+        """
         c, n, (ks, kr, _) = self.codec, self.replicas, self.widths
         if step is not None and step < c.start_step:
             return self.uncompressed_bytes()
@@ -180,9 +185,17 @@ class ExchangePlan:
 
     # ------------------------------------------------------------------ the exchange
     def exchange(self, leaves: list, state: dict, step) -> tuple[list, dict, dict]:
-        """``(averaged leaves, new state, stats)``; call inside a ``shard_map`` manual over
-        :attr:`axes`. Leaves come in as this replica's full fp32 gradients and leave in their
-        gradient layout (sharded leaves: this replica's shard)."""
+        """The replicas' mean gradient; call inside a ``shard_map`` manual over :attr:`axes`.
+
+        Args:
+          leaves: this replica's full fp32 gradients.
+          state: this replica's exchange state (:meth:`init`).
+          step: the step (traced).
+
+        Returns:
+          ``(averaged leaves, new state, stats)``: the leaves in their gradient layout (sharded leaves:
+          this replica's shard); ``stats``: ``{"residual_norm"}``, the replicas' RMS of the residuals' norms.
+        """
         c = self.codec
         index = jax.lax.axis_index(axis_name(self.axes))
         if isinstance(c, PowerSGD):
@@ -356,9 +369,16 @@ def exchange_plan(codec, shapes: list, *, dims: list, grad_axes: list, stacked: 
                   mesh_sizes: dict) -> ExchangePlan:
     """An :class:`ExchangePlan` over the data axes of ``mesh_sizes`` larger than 1.
 
-    ``shapes``: each gradient leaf's shape; ``dims`` / ``grad_axes``: its ZeRO dimension and
-    the data axes its gradient is sharded over (:func:`jaxpar.parallel.data_parallel.manual_layout`);
-    ``stacked``: whether its axis 0 is the stacked ``layers`` axis (PowerSGD compresses each layer).
+    Args:
+      codec: a codec of :mod:`jaxpar.parallel.compression`.
+      shapes: each gradient leaf's shape.
+      dims, grad_axes: each leaf's ZeRO dimension and the data axes its gradient is sharded over
+        (:func:`jaxpar.parallel.data_parallel.manual_layout`).
+      stacked: whether each leaf's axis 0 is the stacked ``layers`` axis (PowerSGD compresses each layer).
+      mesh_sizes: the mesh's axis sizes by name.
+
+    Returns:
+      The plan.
     """
     axes = tuple(a for a in ("fsdp", "data") if mesh_sizes.get(a, 1) > 1)
     if not axes:

@@ -50,7 +50,15 @@ class PowerSGD(BaseCodec):
 
     def matrix(self, shape: tuple, stacked: bool) -> tuple[int, int, int, int] | None:
         """``(batch, n, m, r)`` of a leaf compressed as ``batch`` matrices ``n x m`` of rank
-        ``r``, or ``None`` for a leaf sent uncompressed."""
+        ``r``, or ``None`` for a leaf sent uncompressed.
+
+        Args:
+          shape: the leaf's shape.
+          stacked: whether its axis 0 is the stacked ``layers`` axis.
+
+        Returns:
+          ``(batch, n, m, r)`` (``n``: axis 0 of a matrix, ``m``: the product of the others), or ``None``.
+        """
         batch, rest = (shape[0], shape[1:]) if stacked else (1, tuple(shape))
         if len(rest) < 2:
             return None
@@ -61,13 +69,32 @@ class PowerSGD(BaseCodec):
         return batch, n, m, r
 
     def init_q(self, key, matrix: tuple[int, int, int, int]) -> jax.Array:
+        """A random first ``Q`` of a matrix.
+
+        Args:
+          key: a PRNG key.
+          matrix: ``(batch, n, m, r)``, of :meth:`matrix`.
+
+        Returns:
+          ``f32[batch, m, r]``, standard normal.
+        """
         batch, _, m, r = matrix
         return jax.random.normal(key, (batch, m, r), jnp.float32)
 
     def compress(self, ms: list, qs: list, plain: list, mean: Callable) -> tuple[list, list, list]:
         """``(approximations, new Qs, averaged plain leaves)`` of matrices ``ms`` (``[b, n, m]``)
         with ``qs`` (``[b, m, r]``); ``mean`` averages a flat fp32 vector over the replicas
-        (called twice: for ``P`` with the plain leaves, then for ``Q``)."""
+        (called twice: for ``P`` with the plain leaves, then for ``Q``).
+
+        Args:
+          ms: ``f32[b, n, m]`` matrices (gradient plus residual).
+          qs: their ``Q`` s.
+          plain: the leaves sent uncompressed.
+          mean: ``f32[k] -> f32[k]``, the mean over the replicas.
+
+        Returns:
+          The three lists.
+        """
         ps = [jnp.einsum("bnm,bmr->bnr", m, q) for m, q in zip(ms, qs)]
         flat = mean(_concat(ps + [p.reshape(-1) for p in plain]))
         pieces = _split(flat, [p.shape for p in ps] + [p.shape for p in plain])
@@ -78,7 +105,16 @@ class PowerSGD(BaseCodec):
         return approx, qs, plain
 
     def wire_bytes(self, shapes: list, stacked: list, replicas: int) -> int:
-        """Bytes one device sends for the two ring all-reduces (``P`` plus the plain leaves, then ``Q``)."""
+        """Bytes one device sends for the two ring all-reduces (``P`` plus the plain leaves, then ``Q``).
+
+        Args:
+          shapes: the gradient leaves' shapes.
+          stacked: whether each leaf's axis 0 is the stacked ``layers`` axis.
+          replicas: the devices the mean is over.
+
+        Returns:
+          The bytes.
+        """
         first = second = 0
         for s, st in zip(shapes, stacked):
             mat = self.matrix(tuple(s), st)
@@ -97,6 +133,12 @@ def orthonormalize(p: jax.Array) -> jax.Array:
 
     Plain array operations on purpose: LAPACK's QR inside a program whose devices wait in
     collectives can starve XLA:CPU's thread pool (a deadlock with 8 simulated devices).
+
+    Args:
+      p: ``[b, n, r]``.
+
+    Returns:
+      ``p``'s shape, orthonormal columns.
 
     >>> import jax, jax.numpy as jnp
     >>> q = orthonormalize(jax.random.normal(jax.random.key(0), (2, 16, 4)))
@@ -132,7 +174,19 @@ def _split(flat: jax.Array, shapes: list) -> list:
 def powersgd(rank: int = 4, *, warm_start: bool = True, start_step: int = 0,
              min_compression_rate: float = 2.0, seed: int = 0) -> PowerSGD:
     """PowerSGD of rank ``rank`` (see the module docstring). Before ``start_step`` gradients
-    are averaged uncompressed; ``warm_start=False`` draws a fresh ``Q`` every step."""
+    are averaged uncompressed; ``warm_start=False`` draws a fresh ``Q`` every step.
+
+    Args:
+      rank: the rank ``r``, >= 1.
+      warm_start: keep ``Q`` from step to step.
+      start_step: exact (uncompressed) steps before compression.
+      min_compression_rate: a matrix is compressed only if that shrinks it at least this many times
+        (0: every matrix).
+      seed: the seed of the first ``Q``.
+
+    Returns:
+      The :class:`PowerSGD` codec.
+    """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise CompressionError(f"powersgd(rank={rank!r}): the rank must be an int >= 1, e.g. rank=4.")
     if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:

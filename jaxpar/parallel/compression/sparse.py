@@ -77,22 +77,56 @@ class Sparsifier(BaseCodec):
         return tuple(self.warmup) + (self.ratio,)
 
     def k(self, n: int, density: float | None = None, replicas: int = 1) -> int:
-        """Entries each replica picks out of ``n`` (partitioned: out of its ``n / replicas``)."""
+        """Entries each replica picks out of ``n`` (partitioned: out of its ``n / replicas``).
+
+        Args:
+          n: the values exchanged.
+          density: the share sent, or ``None``: ``ratio``.
+          replicas: the devices the mean is over.
+
+        Returns:
+          ``k``, at least 1.
+        """
         k = max(1, min(n, math.ceil((self.ratio if density is None else density) * n)))
         return min(k, n // replicas) if self.partitioned else k
 
     def stage(self, step) -> jax.Array:
-        """Index into :attr:`densities` at ``step`` (traced)."""
+        """Index into :attr:`densities` at ``step`` (traced).
+
+        Args:
+          step: the step (traced).
+
+        Returns:
+          An ``int32`` scalar.
+        """
         if not self.warmup:
             return jnp.zeros((), jnp.int32)
         return jnp.minimum(step // self.warmup_steps, len(self.warmup)).astype(jnp.int32)
 
     def init(self, n: int) -> dict:
+        """The codec's own state: the velocity with momentum correction.
+
+        Args:
+          n: the values exchanged.
+
+        Returns:
+          ``{"velocity": f32[n]}``, or ``{}`` without momentum.
+        """
         return {"velocity": jnp.zeros((n,), jnp.float32)} if self.momentum else {}
 
     def indices(self, v: jax.Array, key, k: int, weight: jax.Array | None = None) -> jax.Array:
         """Which ``k`` entries of ``v`` to send (random-k: ``key`` must agree on every replica;
-        top-k: the largest ``|v| * weight``)."""
+        top-k: the largest ``|v| * weight``).
+
+        Args:
+          v: ``f32[n]``.
+          key: a PRNG key (random-k).
+          k: how many.
+          weight: ``f32[n]`` ranking weights (top-k), or ``None``.
+
+        Returns:
+          ``int32[k]``.
+        """
         if self.name == "randomk":    # a random offset, stride n // k: every index equally likely, O(k) to draw
             n = v.shape[0]
             offset = jax.random.randint(key, (), 0, n)
@@ -101,18 +135,46 @@ class Sparsifier(BaseCodec):
         return jax.lax.top_k(score, k)[1].astype(jnp.int32)
 
     def encode(self, v: jax.Array, key, density: float | None = None) -> dict:
+        """The payload of ``v``: the values at :meth:`indices`.
+
+        Args:
+          v: ``f32[n]``.
+          key: a PRNG key (random-k).
+          density: the share sent, or ``None``: ``ratio``.
+
+        Returns:
+          ``{"values": f32[k], "indices": int32[k]}``.
+        """
         idx = self.indices(v, key, self.k(v.shape[0], density))
         return {"values": v[idx], "indices": idx}
 
     def decode(self, payload: dict, n: int) -> jax.Array:
-        """Dense ``f32[n]`` from a payload; leading replica axes are summed (scatter-add)."""
+        """Dense ``f32[n]`` from a payload; leading replica axes are summed (scatter-add).
+
+        Args:
+          payload: ``values`` and ``indices``, ``[..., k]`` each.
+          n: the values exchanged.
+
+        Returns:
+          ``f32[n]``.
+        """
         out = jnp.zeros((n,), jnp.float32)
         return out.at[payload["indices"].reshape(-1)].add(payload["values"].reshape(-1).astype(jnp.float32))
 
     def wire_bytes(self, n: int, replicas: int, *, density: float | None = None, scatter: bool = False) -> int:
         """Bytes one device sends: top-k all-gathers ``k`` (fp32 value, int32 index) pairs to the
         ``replicas - 1`` others; random-k all-reduces ``k`` fp32 values (a ring: ``2 (N-1)/N`` of
-        them). The reduce-scatter half costs the same (each replica needs every value)."""
+        them). The reduce-scatter half costs the same (each replica needs every value).
+
+        Args:
+          n: the values exchanged.
+          replicas: the devices the mean is over.
+          density: the share sent, or ``None``: ``ratio``.
+          scatter: only the reduce-scatter half (the same bytes).
+
+        Returns:
+          The bytes.
+        """
         k = self.k(n, density, replicas)
         if self.name == "randomk":
             return round(2 * (replicas - 1) / replicas * 4 * k)
@@ -152,9 +214,21 @@ def topk(ratio: float, *, momentum: float = 0.0, warmup: tuple = (), warmup_step
          optimizer_momentum: float | None = None, start_step: int = 0, partitioned: bool = False,
          precondition: float | None = None) -> Sparsifier:
     """Send each replica's ``ceil(ratio * n)`` largest-magnitude values; accumulate the rest.
-    ``optimizer_momentum``, ``start_step``: as for :func:`jaxpar.parallel.compression.sign` (1-bit Adam's
-    scheme with top-k on Adam's first moment). ``partitioned``, ``precondition``: see the module
-    docstring. What passes the 300-step test of docs/compression.md::
+
+    Args:
+      ratio: the share of the values sent, in (0, 1].
+      momentum: DGC's momentum correction, in [0, 1) (0: none).
+      warmup: densities in (0, 1] used before ``ratio``, each for ``warmup_steps`` steps.
+      warmup_steps: steps per warm-up density.
+      optimizer_momentum, start_step: as for :func:`jaxpar.parallel.compression.sign` (1-bit Adam's
+        scheme with top-k on Adam's first moment).
+      partitioned: replica ``i`` picks among the entries ``j = i mod N`` (see the module docstring).
+      precondition: Adam's ``b2``: rank by Adam's step size (see the module docstring); ``None``: by magnitude.
+
+    Returns:
+      The :class:`Sparsifier`.
+
+    What passes the 300-step test of docs/compression.md::
 
         topk(0.01, optimizer_momentum=0.9, start_step=60, partitioned=True, precondition=0.95)
     """
@@ -178,6 +252,17 @@ def topk(ratio: float, *, momentum: float = 0.0, warmup: tuple = (), warmup_step
 def randomk(ratio: float, *, momentum: float = 0.0, warmup: tuple = (), warmup_steps: int = 0,
             seed: int = 0) -> Sparsifier:
     """Send ``ceil(ratio * n)`` values at indices drawn from ``seed`` and the step (the same on
-    every replica); accumulate the rest."""
+    every replica); accumulate the rest.
+
+    Args:
+      ratio: the share of the values sent, in (0, 1].
+      momentum: DGC's momentum correction, in [0, 1) (0: none).
+      warmup: densities in (0, 1] used before ``ratio``, each for ``warmup_steps`` steps.
+      warmup_steps: steps per warm-up density.
+      seed: the indices' seed.
+
+    Returns:
+      The :class:`Sparsifier`.
+    """
     _check("randomk", ratio, momentum, tuple(warmup), warmup_steps)
     return Sparsifier("randomk", float(ratio), float(momentum), tuple(warmup), warmup_steps, seed)

@@ -50,6 +50,9 @@ def allowed(q_pos: Any, k_pos: Any, q_seg: Any, k_seg: Any, *, causal: bool, win
       causal: keys after the query are masked.
       window: the sliding window (an int or an int scalar array), or ``None``: keys ``window`` or
         more positions before the query are masked (and, without ``causal``, as far after it).
+
+    Returns:
+      The mask, true where the pair may attend.
     """
     mask = jnp.ones((1, len(q_pos), len(k_pos)), bool)
     if causal:
@@ -96,6 +99,14 @@ def check_window(window: Any, error: type = ValueError, what: str = "attention")
 
 def check_softcap(softcap: Any, error: type = ValueError, what: str = "attention") -> float | None:
     """``softcap`` checked: ``None`` or a finite Python number > 0 (returned as a ``float``).
+
+    Args:
+      softcap: the value to check.
+      error: the exception class raised.
+      what: the caller, for the error message.
+
+    Returns:
+      ``float(softcap)``, or ``None``.
 
     >>> check_softcap(50), check_softcap(None)
     (50.0, None)
@@ -167,7 +178,15 @@ def capped_attention(q, k, v, mask, scale: float, softcap: float) -> jax.Array:
 
 def group_heads(q: jax.Array, kv_heads: int) -> jax.Array:
     """``[b, t, heads, d]`` -> ``[b, t, kv_heads, heads // kv_heads, d]`` (query head ``h`` -> K/V head
-    ``h // group``)."""
+    ``h // group``).
+
+    Args:
+      q: queries ``[b, t, heads, d]``, ``heads`` a multiple of ``kv_heads``.
+      kv_heads: the K/V heads.
+
+    Returns:
+      The grouped queries.
+    """
     b, t, h, d = q.shape
     return q.reshape(b, t, kv_heads, h // kv_heads, d)
 
@@ -182,7 +201,14 @@ class Softmax(NamedTuple):
 
 
 def empty_softmax(q: jax.Array) -> Softmax:
-    """The state before any key block, for grouped queries ``q`` ``[b, t, kv_heads, group, d]``."""
+    """The state before any key block, for grouped queries ``q`` ``[b, t, kv_heads, group, d]``.
+
+    Args:
+      q: the grouped queries.
+
+    Returns:
+      The :class:`Softmax`: ``o`` and ``l`` zero, ``m`` the mask value.
+    """
     b, t, hk, g, d = q.shape
     m = jnp.full((b, hk, g, t), MASK_VALUE, jnp.float32)
     return Softmax(jnp.zeros((b, hk, g, t, d), jnp.float32), m, jnp.zeros_like(m))
@@ -216,6 +242,9 @@ def softmax_step(state: Softmax, q, k, v, mask, scale: float, softcap: float | N
       mask: ``[b or 1, tq, tk]`` from :func:`allowed`.
       scale: the score scale.
       softcap: the logit soft-cap, or ``None``.
+
+    Returns:
+      The updated :class:`Softmax`.
     """
     s = _scores(q, k, mask, scale, softcap)
     m = jnp.maximum(state.m, s.max(-1))
@@ -226,7 +255,15 @@ def softmax_step(state: Softmax, q, k, v, mask, scale: float, softcap: float | N
 
 
 def softmax_result(state: Softmax, dtype) -> tuple[jax.Array, jax.Array]:
-    """``(out [b, t, heads, d] in dtype, logsumexp [b, kv_heads, group, t] fp32)`` of a finished state."""
+    """``(out [b, t, heads, d] in dtype, logsumexp [b, kv_heads, group, t] fp32)`` of a finished state.
+
+    Args:
+      state: the :class:`Softmax` after the last key block.
+      dtype: the output's dtype.
+
+    Returns:
+      The output and the logsumexp of the (scaled, capped) scores.
+    """
     b, hk, g, t, d = state.o.shape
     out = (state.o / state.l[..., None]).transpose(0, 3, 1, 2, 4).reshape(b, t, hk * g, d)
     return out.astype(dtype), state.m + jnp.log(state.l)

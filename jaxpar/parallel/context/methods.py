@@ -174,6 +174,13 @@ def in_sequence_order(x: jax.Array, axis: int = 1) -> jax.Array:
     natural order): static slices of ``2C`` chunks, no gather, so it also runs inside a pipeline
     stage. A loss permutes its tokens, targets (and segment ids, position tables) with it.
 
+    Args:
+      x: an array with a sequence axis.
+      axis: the sequence axis.
+
+    Returns:
+      ``x`` reordered, its shape.
+
     >>> in_sequence_order(jnp.arange(4.0)[None]).tolist()   # no context axis: unchanged
     [[0.0, 1.0, 2.0, 3.0]]
     """
@@ -183,6 +190,13 @@ def in_sequence_order(x: jax.Array, axis: int = 1) -> jax.Array:
 def in_natural_order(x: jax.Array, axis: int = 1) -> jax.Array:
     """The inverse of :func:`in_sequence_order`: ``x``'s sequence axis from the order of
     :func:`sequence_order` back to the natural one (unchanged in the natural order), by static slices.
+
+    Args:
+      x: an array with a sequence axis in the order of :func:`sequence_order`.
+      axis: the sequence axis.
+
+    Returns:
+      ``x`` reordered, its shape.
 
     >>> in_natural_order(jnp.arange(4.0)[None]).tolist()    # no context axis: unchanged
     [[0.0, 1.0, 2.0, 3.0]]

@@ -53,7 +53,7 @@ class ContextParallel:
     >>> ContextParallel(method="rings")
     Traceback (most recent call last):
     ...
-    jaxpar.parallel.context.options.ContextParallelError: ContextParallel.method='rings' is not a context-parallel \
+    jaxpar.errors.ContextParallelError: ContextParallel.method='rings' is not a context-parallel \
 method; choose one of ('ring', 'all_gather', 'ulysses').
     """
 
@@ -121,7 +121,11 @@ def count_context_calls() -> ContextManager[ContextCalls]:
 
 
 def note_context_call(kind: str) -> None:
-    """Record one ``kind`` call (``"attention"`` or ``"order"``) in the innermost :func:`count_context_calls`."""
+    """Record one ``kind`` call (``"attention"`` or ``"order"``) in the innermost :func:`count_context_calls`.
+
+    Args:
+      kind: ``"attention"`` or ``"order"``.
+    """
     calls = _CALLS.get()
     if calls is not None:
         setattr(calls, kind, getattr(calls, kind) + 1)

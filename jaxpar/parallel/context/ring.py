@@ -94,6 +94,12 @@ def pack(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
     """The arrays of ``tree`` as one flat ``uint8`` buffer (their bytes), and the function that
     unpacks such a buffer into the same tree (shapes and dtypes).
 
+    Args:
+      tree: a pytree of arrays.
+
+    Returns:
+      ``(buffer, unpack)``: ``uint8[total bytes]``, leaves in tree order, and ``unpack(buffer) -> tree``.
+
     >>> buf, unpack = pack((jnp.arange(3.0), jnp.arange(2, dtype=jnp.int32)))
     >>> buf.shape, unpack(buf)[1]
     ((20,), Array([0, 1], dtype=int32))

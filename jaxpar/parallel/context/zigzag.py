@@ -72,7 +72,14 @@ def check_length(length: int, size: int, balance: bool, what: str = "sequence le
 
 
 def chunks_per_shard(balance: bool) -> int:
-    """How many chunks of the sequence each context device holds: 2 balanced, 1 natural."""
+    """How many chunks of the sequence each context device holds: 2 balanced, 1 natural.
+
+    Args:
+      balance: the balanced (zig-zag) layout.
+
+    Returns:
+      2 or 1.
+    """
     return 2 if balance else 1
 
 
@@ -81,6 +88,15 @@ def chunk_index(device: Any, part: int, size: int, balance: bool) -> Any:
 
     Balanced: part 0 is chunk ``device`` and part 1 chunk ``2C-1-device`` (of ``2C``); natural:
     chunk ``device`` (of ``C``).
+
+    Args:
+      device: the device's index on the context axis (an int or a tracer).
+      part: 0 or 1.
+      size: the context axis size ``C``.
+      balance: the balanced (zig-zag) layout.
+
+    Returns:
+      The chunk's index in the sequence.
     """
     return 2 * size - 1 - device if balance and part == 1 else device
 
@@ -98,6 +114,9 @@ def pair_needed(q_chunk: Any, k_chunk: Any, causal: bool, window: Any = None, ch
       causal: the causal mask.
       window: the sliding window, or ``None``.
       chunk: the chunk length (only the window needs it).
+
+    Returns:
+      A bool, static or traced.
     """
     need = True if not causal else k_chunk <= q_chunk
     if window is None:
@@ -208,7 +227,16 @@ def shard_positions(device: Any, shard_length: int, size: int, balance: bool) ->
 
 
 def sequence_positions(length: int, size: int, balance: bool) -> np.ndarray:
-    """The true positions of a whole sequence as it is laid out: :func:`balanced_order` or ``arange``."""
+    """The true positions of a whole sequence as it is laid out: :func:`balanced_order` or ``arange``.
+
+    Args:
+      length: the sequence length.
+      size: the context axis size.
+      balance: the balanced (zig-zag) layout.
+
+    Returns:
+      ``int[length]``.
+    """
     return balanced_order(length, size) if balance else np.arange(length)
 
 

@@ -6,6 +6,8 @@
   in a ``shard_map``) when the rules shard the ``experts`` logical axis; the experts' MLPs, plain
   ``act(x w1) w2`` or gated ``(act(x w1) * (x w3)) w2`` (SwiGLU with ``activation="silu"``).
 - :mod:`jaxpar.parallel.moe.layer`: :func:`moe_apply` (a pure function of a parameter dict) and :class:`MoE`.
+- :mod:`jaxpar.parallel.moe.balance`: inside a train step each layer reports its load and balances with
+  the whole step's (micro-batches, pipelines), with nothing in the user's loss.
 
 Without rules (or with ``experts`` unsharded) the layer is one dense computation: the reference that
 every sharded run equals, drops included (capacity is per batch row, which no strategy splits).
@@ -26,9 +28,10 @@ every sharded run equals, drops included (capacity is per batch row, which no st
 """
 from jaxpar.parallel.moe.dispatch import (ACTIVATIONS, EXPERT_AXIS, activation_fn, dispatch_combine, ep_axes, expert_mlp, expert_rules,
                        token_axes)
-from jaxpar.parallel.moe.layer import (LAYER_LOADS, MOE_LOGICAL, MoE, MoECalls, RouterBias, count_moe_calls, moe_apply, need_router_bias,
-                    note_aux_loss, reported_loads, router_bias, shared_mlp, step_loads, step_loads_needed,
-                    use_router_bias, use_step_loads)
+from jaxpar.parallel.moe.balance import (LAYER_LOADS, Balance, Probe, balanced, prepass_loads, probe, reported_loads,
+                                         step_loads, use_step_loads)
+from jaxpar.parallel.moe.layer import (MOE_LOGICAL, MoE, MoECalls, RouterBias, count_moe_calls, moe_apply, need_router_bias,
+                                       router_bias, shared_mlp, use_router_bias)
 from jaxpar.parallel.moe.routing import (
     GATES,
     MoEError,
@@ -47,8 +50,8 @@ from jaxpar.parallel.moe.routing import (
 
 __all__ = [
     "ACTIVATIONS", "activation_fn", "EXPERT_AXIS", "GATES", "MOE_LOGICAL", "MoE", "MoECalls", "MoEError", "MoEStats", "RouterBias", "Routing",
-    "count_moe_calls", "note_aux_loss", "step_loads", "use_step_loads", "LAYER_LOADS", "router_bias", "use_router_bias",
-    "need_router_bias", "reported_loads", "step_loads_needed",
+    "count_moe_calls", "step_loads", "use_step_loads", "LAYER_LOADS", "router_bias", "use_router_bias",
+    "need_router_bias", "reported_loads", "Balance", "Probe", "balanced", "prepass_loads", "probe",
     "buffer_slots", "capacity", "check_options", "dispatch_combine", "ep_axes", "expert_mlp", "expert_rules",
     "load_balancing_loss", "load_cv", "moe_apply", "route", "routing_stats", "shared_mlp", "token_axes",
     "top_k_experts", "update_router_bias",

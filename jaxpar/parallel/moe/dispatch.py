@@ -78,7 +78,7 @@ def activation_fn(activation: str):
     >>> activation_fn("relu")
     Traceback (most recent call last):
     ...
-    jaxpar.parallel.moe.routing.MoEError: activation='relu' is not a known activation; choose one of ('gelu', 'silu').
+    jaxpar.errors.MoEError: activation='relu' is not a known activation; choose one of ('gelu', 'silu').
     """
     if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise MoEError(f"activation={activation!r} is not a known activation; choose one of {tuple(ACTIVATIONS)}.")
@@ -87,6 +87,12 @@ def activation_fn(activation: str):
 
 def expert_rules(axis_names) -> tuple:
     """The rule of the ``experts`` logical axis: over ``expert`` when the mesh has it, else replicated.
+
+    Args:
+      axis_names: the mesh's axis names.
+
+    Returns:
+      A rules tuple of one pair, ``("experts", "expert" | None)``.
 
     >>> expert_rules(("data", "expert")), expert_rules(("data",))
     ((('experts', 'expert'),), (('experts', None),))
@@ -156,15 +162,31 @@ def _sizes(mesh) -> dict[str, int]:
 
 
 def ep_axes(mesh, rules) -> tuple[str, ...]:
-    """The mesh axes (of size > 1, not already manual) that the ``experts`` logical axis is sharded over."""
+    """The mesh axes (of size > 1, not already manual) that the ``experts`` logical axis is sharded over.
+
+    Args:
+      mesh: the mesh.
+      rules: the logical rules in use.
+
+    Returns:
+      The axis names; empty: no expert parallelism.
+    """
     sizes, manual = _sizes(mesh), manual_axes()
     spec = logical_to_spec(("experts",), rules, mesh, what="MoE expert weights ('experts' axis)")
     return tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual)
 
 
 def token_axes(mesh, rules, experts_axes: tuple[str, ...]) -> tuple[str, ...]:
-    """The mesh axes that split the tokens' group dimension inside the EP region: the ``batch`` rule's
-    axes (size > 1, not already manual), then the expert axes it does not name."""
+    """The mesh axes that split the tokens' group dimension inside the EP region.
+
+    Args:
+      mesh: the mesh.
+      rules: the logical rules in use.
+      experts_axes: the expert axes (:func:`ep_axes`).
+
+    Returns:
+      The ``batch`` rule's axes (size > 1, not already manual), then the expert axes it does not name.
+    """
     sizes, manual = _sizes(mesh), manual_axes()
     spec = logical_to_spec(("batch",), rules, mesh, what="MoE tokens ('batch' axis)")
     batch = tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual)
@@ -173,7 +195,16 @@ def token_axes(mesh, rules, experts_axes: tuple[str, ...]) -> tuple[str, ...]:
 
 def sequence_axes(mesh, rules, taken: tuple[str, ...]) -> tuple[str, ...]:
     """The mesh axes that split the tokens' sequence (the ``length`` rule's: ``context`` under context
-    parallelism), of size > 1, not already manual and not among ``taken``."""
+    parallelism).
+
+    Args:
+      mesh: the mesh.
+      rules: the logical rules in use.
+      taken: axes already used by the region (token and expert axes), left out.
+
+    Returns:
+      The axis names of size > 1, not already manual and not in ``taken``.
+    """
     sizes, manual = _sizes(mesh), manual_axes()
     spec = logical_to_spec(("length",), rules, mesh, what="MoE tokens ('length' axis)")
     return tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual and a not in taken)

@@ -31,23 +31,21 @@ those models use). Without ``w3`` an expert is ``act(x w1) w2``.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, ContextManager
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.adapters.loss_metrics import with_reported_metrics
-from jaxpar.rules import constrain
 from jaxpar.adapters.scoped import scoped
+from jaxpar.parallel.moe.balance import site_balance
+from jaxpar.rules import constrain
 from jaxpar.parallel.moe.dispatch import activation_fn, dispatch_combine
 from jaxpar.parallel.moe.routing import MoEError, MoEStats, check_options, route, routing_stats
 
-__all__ = ["LAYER_LOADS", "MOE_LOGICAL", "MoE", "MoECalls", "RouterBias", "count_moe_calls", "moe_apply", "note_aux_loss",
-           "shared_mlp", "use_step_loads", "step_loads", "use_router_bias", "router_bias",
-           "need_router_bias", "reported_loads", "step_loads_needed"]
+__all__ = ["MOE_LOGICAL", "MoE", "MoECalls", "RouterBias", "count_moe_calls", "moe_apply", "shared_mlp",
+           "use_router_bias", "router_bias", "need_router_bias"]
 
 #: Logical names of the layer's parameters (a model that stacks layers adds a leading ``layers``).
 MOE_LOGICAL = {
@@ -59,59 +57,43 @@ MOE_LOGICAL = {
 
 
 class MoECalls:
-    """What a traced loss did: how many MoE layers it ran, whether it used their load-balancing loss,
-    whether the step gave it the whole step's loads (:func:`use_step_loads`), and whether it read the
-    step's router bias (:func:`router_bias`)."""
+    """What a traced loss did: how many MoE layers it ran, and whether it read the step's router bias
+    (:func:`router_bias`)."""
 
     def __init__(self):
-        self.layers, self.aux_loss, self.step_loads, self.router_bias = 0, False, False, False
+        self.layers, self.router_bias = 0, False
 
 
 _CALLS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_calls", default=None)
 
 
 def count_moe_calls() -> ContextManager[MoECalls]:
-    """Record the MoE layers run (and :func:`note_aux_loss`) while tracing in this context.
+    """Record the MoE layers run while tracing in this context.
 
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> layer = MoE(embed=4, mlp=8, experts=4, top_k=1, capacity_factor=None, rngs=nnx.Rngs(0))
     >>> with count_moe_calls() as calls:
-    ...     note_aux_loss()
-    >>> calls.layers, calls.aux_loss
-    (0, True)
+    ...     _ = layer(jnp.ones((1, 2, 4)))
+    >>> calls.layers
+    1
     """
     return scoped(_CALLS, MoECalls())
-
-
-_STEP_LOADS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_step_loads", default=None)
-
-#: The name under which a loss reports (:func:`jaxpar.report_metric`) its MoE layers' loads ``[layers, E]``,
-#: which the step sums over its micro-batches in a forward pre-pass and gives back with :func:`use_step_loads`.
-LAYER_LOADS = "moe/layer_loads"
-
-
-@contextlib.contextmanager
-def use_step_loads(loads: Any) -> Iterator[None]:
-    """Give the losses traced here the whole step's load per MoE layer and expert (``[layers, E]``, from a
-    forward pre-pass over the step's micro-batches): with it a micro-batch's load-balancing loss uses
-    the step's ``f`` (:func:`~jaxpar.parallel.moe.routing.routing_stats`' ``balance_load``), and the mean over
-    equal micro-batches is the whole batch's loss, value and gradient."""
-    calls = _CALLS.get()
-    if calls is not None:
-        calls.step_loads = True
-    with scoped(_STEP_LOADS, loads):
-        yield
-
-
-def step_loads() -> Any:
-    """The whole step's loads of :func:`use_step_loads` (``None`` outside it)."""
-    return _STEP_LOADS.get()
 
 
 _ROUTER_BIAS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_router_bias", default=None)
 
 
 def use_router_bias(bias: Any) -> ContextManager[None]:
-    """Give the losses traced here the aux-loss-free balancing bias of each MoE layer (``[layers, E]``,
-    kept in the train state and updated by the step: :mod:`jaxpar.step.router_bias`)."""
+    """Give the losses traced in this context the aux-loss-free balancing bias of each MoE layer.
+
+    Args:
+      bias: ``[layers, E]``, kept in the train state and updated by the step
+        (:mod:`jaxpar.step.router_bias`); ``None``: no bias.
+
+    Returns:
+      A context manager (:func:`router_bias` reads the bias inside it).
+    """
     return scoped(_ROUTER_BIAS, bias)
 
 
@@ -131,39 +113,19 @@ def router_bias() -> Any:
     return bias
 
 
-def reported_loads(fn: Callable) -> Callable:
-    """``(*args) -> what fn(*args) reports as`` :data:`LAYER_LOADS` (``None`` if it reports none)."""
-    return lambda *args: with_reported_metrics(fn)(*args)[1].get(LAYER_LOADS)
-
-
-def step_loads_needed(fn: Callable, *args: Any) -> Any:
-    """The shape of the loads ``fn(*args)`` (a loss, traced abstractly here) reports as :data:`LAYER_LOADS`
-    when it also adds the load-balancing loss (:func:`note_aux_loss`), else ``None``: only then does a
-    step that splits its batch need the whole step's loads.
-
-    >>> step_loads_needed(lambda x: x * 2, 1.0) is None
-    True
-    """
-    with count_moe_calls() as calls:
-        loads = jax.eval_shape(reported_loads(fn), *args)
-    return loads if calls.aux_loss else None
-
-
 def need_router_bias(setting: str) -> None:
-    """A model that balances with a router bias (``setting``: its option, e.g. ``"GPTConfig.moe.bias_rate=0.001"``)
-    says so: inside a step's trace without a bias (:func:`use_router_bias`), an :class:`MoEError` names it."""
+    """A model that balances with a router bias says so by calling this while it traces.
+
+    Args:
+      setting: the model's option that asks for the bias, e.g. ``"GPTConfig.moe.bias_rate=0.001"``.
+
+    Raises:
+      MoEError: inside a step's trace without a bias (:func:`use_router_bias`), naming ``setting``.
+    """
     if _CALLS.get() is not None and _ROUTER_BIAS.get() is None:
         raise MoEError(f"{setting} balances the experts with a router bias kept in the train state, and this state "
                        "has none. Add it: state, layout = jaxpar.step.router_bias.with_router_bias(state, layout, "
                        "(moe_layers, experts), rate=...) (jaxpar train does), or set the rate to 0.")
-
-
-def note_aux_loss() -> None:
-    """A loss says that it adds the load-balancing loss, which is not a mean over micro-batches: the step
-    refuses gradient accumulation then (the load ``f`` would be each micro-batch's own)."""
-    calls = _CALLS.get()
-    if calls is not None:
-        calls.aux_loss = True
 
 
 class RouterBias(nnx.Variable):
@@ -215,7 +177,9 @@ def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gat
       capacity_factor: slots per group and expert ``min(T, ceil(cf * T * top_k / E))``; None: dropless.
       normalize: normalise the top-k combine weights to sum to 1.
       balance_load: optional ``[E]`` load of the whole step for the aux loss's ``f`` (micro-batches:
-        see :func:`~jaxpar.parallel.moe.routing.routing_stats`); by default this call's own load.
+        see :func:`~jaxpar.parallel.moe.routing.routing_stats`); by default, inside a train step, the
+        step's load of this call (:mod:`jaxpar.parallel.moe.balance`: the call also reports its own
+        load there), else this call's own load.
       activation: the experts' (and shared experts') activation, ``"gelu"`` (``jax.nn.gelu``, tanh
         approximation) or ``"silu"``.
 
@@ -234,7 +198,10 @@ def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gat
                          w3=params.get("w3"), activation=activation)
     if "shared_w1" in params:
         y = y + shared_mlp(x, params["shared_w1"], params["shared_w2"], params.get("shared_w3"), activation=activation)
-    return y, routing_stats(r, balance_load)
+    step_load, tap, record = site_balance(params["router"].shape[-1])
+    stats = routing_stats(r, step_load if balance_load is None else balance_load)
+    record(stats.load)
+    return y, stats if tap is None else stats._replace(aux_loss=stats.aux_loss + tap)
 
 
 def _normal(rngs: nnx.Rngs, shape, logical, std) -> nnx.Param:

@@ -87,12 +87,21 @@ class MoEStats(NamedTuple):
 
 
 def check_options(experts: int, top_k: int, gate: str, capacity_factor: float | None) -> None:
-    """Raise :class:`MoEError` naming the bad option, its value and the fix.
+    """Check the router's options.
+
+    Args:
+      experts: routed experts, a positive int.
+      top_k: experts per token, an int in ``[1, experts]``.
+      gate: one of :data:`GATES`.
+      capacity_factor: a finite number > 0, or None (dropless).
+
+    Raises:
+      MoEError: naming the bad option, its value and the fix.
 
     >>> check_options(8, 9, "softmax", 1.0)
     Traceback (most recent call last):
     ...
-    jaxpar.parallel.moe.routing.MoEError: top_k=9 must be an int in [1, experts=8]: a token picks top_k distinct experts.
+    jaxpar.errors.MoEError: top_k=9 must be an int in [1, experts=8]: a token picks top_k distinct experts.
     """
     if not isinstance(experts, int) or experts < 1:
         raise MoEError(f"experts={experts!r} must be a positive int.")
@@ -109,7 +118,16 @@ def check_options(experts: int, top_k: int, gate: str, capacity_factor: float | 
 
 
 def capacity(tokens_per_group: int, experts: int, top_k: int, capacity_factor: float | None) -> int:
-    """Buffer slots per group and expert: ``min(T, ceil(cf * T * k / E))``; ``T`` when ``cf`` is None.
+    """Buffer slots per group and expert.
+
+    Args:
+      tokens_per_group: ``T``, the tokens of one group (batch row).
+      experts: ``E``.
+      top_k: ``k``, experts per token.
+      capacity_factor: ``cf``; None: dropless.
+
+    Returns:
+      ``min(T, ceil(cf * T * k / E))``; ``T`` when ``cf`` is None.
 
     >>> capacity(8, 4, 2, 1.0), capacity(8, 4, 2, 1.25), capacity(8, 4, 2, None)
     (4, 5, 8)
@@ -120,8 +138,16 @@ def capacity(tokens_per_group: int, experts: int, top_k: int, capacity_factor: f
 
 
 def buffer_slots(expert: jax.Array, experts: int) -> jax.Array:
-    """Slot of each choice in its expert's buffer: how many choices of the same group, ranked before it
-    (lower choice rank, then earlier position), went to the same expert. ``expert``: int ``[G, T, k]``."""
+    """Slot of each choice in its expert's buffer.
+
+    Args:
+      expert: int ``[G, T, k]``, the chosen experts in choice-rank order.
+      experts: ``E``.
+
+    Returns:
+      int32 ``[G, T, k]``: how many choices of the same group, ranked before it (lower choice rank,
+      then earlier position), went to the same expert.
+    """
     G, T, k = expert.shape
     onehot = jax.nn.one_hot(expert, experts, dtype=jnp.int32)              # [G, T, k, E]
     ranked = onehot.transpose(0, 2, 1, 3).reshape(G, k * T, experts)      # rank-major, then position
@@ -135,6 +161,13 @@ def top_k_experts(scores: jax.Array, k: int) -> jax.Array:
 
     ``k`` argmaxes rather than ``jax.lax.top_k``: XLA's SPMD partitioner gathers a TopK's operand over
     the axes that split its batch, an argmax stays local.
+
+    Args:
+      scores: ``[..., E]``.
+      k: how many to pick.
+
+    Returns:
+      int32 ``[..., k]``.
 
     >>> top_k_experts(jnp.array([[0.1, 0.7, 0.2, 0.7]]), 2).tolist()
     [[1, 3]]
@@ -191,8 +224,16 @@ def route(x: jax.Array, router: jax.Array, *, top_k: int, gate: str = "softmax",
 
 
 def load_balancing_loss(load: jax.Array, probs: jax.Array) -> jax.Array:
-    """``E * sum_e f_e P_e``: ``f_e = load_e / sum(load)`` (no gradient; ``sum(load) = N k`` for the
-    call's own load), ``P_e`` the mean of ``probs[..., e]`` over all ``N`` tokens of ``probs``.
+    """The load-balancing loss ``E * sum_e f_e P_e`` (1 when balanced).
+
+    Args:
+      load: ``[E]`` assignments per expert; ``f_e = load_e / sum(load)`` (no gradient;
+        ``sum(load) = N k`` for the call's own load).
+      probs: the gate distribution ``[..., E]``; ``P_e`` is the mean of ``probs[..., e]`` over all
+        ``N`` tokens.
+
+    Returns:
+      A float32 scalar.
 
     >>> float(load_balancing_loss(jnp.array([2, 2]), jnp.full((1, 4, 2), 0.5)))
     1.0
@@ -207,10 +248,15 @@ def load_balancing_loss(load: jax.Array, probs: jax.Array) -> jax.Array:
 def routing_stats(r: Routing, balance_load: jax.Array | None = None) -> MoEStats:
     """The :class:`MoEStats` of a routing (means and counts over all its tokens).
 
-    ``balance_load`` (optional, ``[E]``) replaces the routing's own load in the aux loss's ``f``: the
-    load of a whole step when this call is one of its micro-batches, so that the micro-batches' aux
-    losses weighted by their share of the tokens sum to the whole batch's aux loss, value and
-    gradient (the gradient flows through ``P`` only, which is a mean over tokens).
+    Args:
+      r: the routing (:func:`route`).
+      balance_load: optional ``[E]``, replaces the routing's own load in the aux loss's ``f``: the
+        load of a whole step when this call is one of its micro-batches, so that the micro-batches'
+        aux losses weighted by their share of the tokens sum to the whole batch's aux loss, value and
+        gradient (the gradient flows through ``P`` only, which is a mean over tokens).
+
+    Returns:
+      A :class:`MoEStats`.
     """
     E = r.probs.shape[-1]
     load = jnp.sum(jax.nn.one_hot(r.expert, E, dtype=jnp.int32), axis=(0, 1, 2))
@@ -226,6 +272,12 @@ def routing_stats(r: Routing, balance_load: jax.Array | None = None) -> MoEStats
 def load_cv(load: jax.Array) -> jax.Array:
     """Coefficient of variation of the per-expert load, ``std / mean`` (0 when balanced).
 
+    Args:
+      load: ``[E]`` (any numeric dtype).
+
+    Returns:
+      A float32 scalar.
+
     >>> float(load_cv(jnp.array([1, 3])))
     0.5
     """
@@ -238,6 +290,14 @@ def update_router_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Arr
 
     Apply it outside the gradient, once per optimizer step, with the step's *global* load (summed over
     its micro-batches): under-loaded experts get a larger bias, so are picked more often.
+
+    Args:
+      bias: ``[..., E]``, the current bias.
+      load: the step's load, ``bias``' shape.
+      rate: how far each step moves the bias.
+
+    Returns:
+      The new bias, ``bias``' shape and dtype.
 
     >>> update_router_bias(jnp.zeros(3), jnp.array([1, 2, 6]), 0.1).tolist()
     [0.10000000149011612, 0.10000000149011612, -0.10000000149011612]

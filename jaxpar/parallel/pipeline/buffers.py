@@ -1,7 +1,7 @@
 """The slotted buffers a pipeline stage carries through its tick loop, and one action's view of them.
 
 Each stage holds its in-flight values in buffers with a leading slot axis, sized by the
-lowered program (:mod:`.program`): the residuals of the forwards waiting for their
+lowered program (:mod:`.instructions`): the residuals of the forwards waiting for their
 backward, the inboxes of activations and cotangents received from the neighbouring
 stages, and the split backward's frontier kept for W. An action reads one slot of the
 inboxes and the residual and frontier buffers whole (a :class:`SlotView`), and hands back
@@ -29,7 +29,7 @@ __all__ = ["Slots", "PipelineState", "TickIO", "SlotView", "take", "take_tree", 
 
 
 class Slots(NamedTuple):
-    """One stage's instruction at one tick (int32; ``[ticks, p]`` in the table). See :class:`.Instr`."""
+    """One stage's instruction at one tick (int32; ``[ticks, p]`` in the table). See :class:`~.instructions.Instr`."""
 
     mb: Any      # micro-batch
     chunk: Any   # which of the device's ``v`` chunks
@@ -40,7 +40,7 @@ class Slots(NamedTuple):
 
 
 class PipelineState(NamedTuple):
-    """What the tick loop carries: the slotted buffers of :mod:`.program` and the sums."""
+    """What the tick loop carries: the slotted buffers of :mod:`.instructions` and the sums."""
 
     res: list          # per stored residual: [n_res, Lmax, ...]
     inbox_f: Any       # per leaf of the activation x: [n_fwd + 1, *x]; the extra slot takes what a non-receiver gets
@@ -137,7 +137,14 @@ def put_tree(tree, i, values):
 
 
 def zeros_like_tree(tree: Any) -> Any:
-    """Zeros shaped like every leaf of ``tree`` (arrays or ``ShapeDtypeStruct``)."""
+    """Zeros shaped like every leaf of ``tree``.
+
+    Args:
+        tree: a pytree of arrays or ``ShapeDtypeStruct``s.
+
+    Returns:
+        The same tree of zero arrays, each leaf's shape and dtype.
+    """
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 

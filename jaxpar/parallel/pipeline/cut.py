@@ -115,14 +115,29 @@ class ModelCut:
     x: Any                              # the blocks' input (one micro-batch): ShapeDtypeStructs
 
     def split(self, params: Any) -> tuple[list, Any]:
-        """``params -> (outer leaves, blocks tree)``."""
+        """Split a parameter tree.
+
+        Args:
+          params: a tree of the cut model's structure (parameters or gradients).
+
+        Returns:
+          ``(outer, blocks)``: the leaves outside the stacked blocks (a list), and the blocks' tree.
+        """
         leaves = self.params_treedef.flatten_up_to(params)
         inside = set(self.block_leaves)
         outer = [leaf for i, leaf in enumerate(leaves) if i not in inside]
         return outer, self.block_treedef.unflatten([leaves[i] for i in self.block_leaves])
 
     def merge(self, outer: list, blocks: Any) -> Any:
-        """Inverse of :meth:`split`."""
+        """Inverse of :meth:`split`.
+
+        Args:
+          outer: the leaves outside the blocks.
+          blocks: the blocks' tree.
+
+        Returns:
+          The parameter tree.
+        """
         leaves: list = [None] * self.params_treedef.num_leaves
         for i, leaf in zip(self.block_leaves, self.block_treedef.flatten_up_to(blocks)):
             leaves[i] = leaf
@@ -245,14 +260,18 @@ def layer_lists(model: nnx.Module) -> str:
 
 
 def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any, *, mesh=None, own_specs: Any = None) -> ModelCut:
-    """Cut ``loss_fn(nnx.merge(graphdef, params), batch)`` at its one stacked-layers call.
+    """Cut ``loss_fn(nnx.merge(graphdef, params), batch)`` at its one stacked-layers call (see the module docstring).
 
-    ``params``: the parameter tree (arrays or ``ShapeDtypeStruct``s) in the dtype the model
-    runs in; ``batch``: one micro-batch (shapes are enough). A model that pins shardings by mesh
-    axes (``out_sharding=``, ``jax.reshard``) runs each part in JAX's explicit mode over ``mesh``,
-    its parameters entering in ``own_specs`` (the specs its annotations give, before ZeRO). See the
-    module docstring.
-    """
+    Args:
+      loss_fn: the user's ``loss_fn(model, batch) -> loss``.
+      graphdef: the model's graph definition.
+      params: the parameter tree (arrays or ``ShapeDtypeStruct``s) in the dtype the model runs in.
+      batch: one micro-batch (shapes are enough).
+      mesh: a model pinning shardings by mesh axes (``out_sharding=``, ``jax.reshard``) runs in explicit mode over it.
+      own_specs: with ``mesh``: the specs the model's annotations give its parameters (before ZeRO).
+
+    Returns:
+      The :class:`ModelCut`: its ``parts`` and how ``params`` splits into ``outer`` and ``blocks``."""
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     try:
         site = _site(loss_fn, graphdef, shapes, batch, None)
@@ -269,8 +288,7 @@ def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any, *, mesh=None
     inside = set(site.leaves)
 
     def model(outer: list):
-        """The model with ``outer`` and zero placeholders for the blocks (unused: the
-        stacked-layers call is intercepted before it reads them)."""
+        """The model with ``outer`` and zero placeholders for the blocks (intercepted before they are read)."""
         rest, leaves = iter(outer), []
         for i in range(len(all_leaves)):
             leaves.append(jnp.zeros(all_leaves[i].shape, all_leaves[i].dtype) if i in inside else next(rest))

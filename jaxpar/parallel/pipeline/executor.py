@@ -1,7 +1,7 @@
 """Run any valid schedule table as one SPMD program: ``shard_map`` manual over ``pipe``.
 
 Each device holds its stages' layers (``[v, Lmax, ...]``: ``v`` chunks of at most
-``Lmax`` layers). A ``lax.scan`` runs the lowered table (:mod:`.program`) tick by
+``Lmax`` layers). A ``lax.scan`` runs the lowered table (:mod:`.instructions`) tick by
 tick; at each tick every device runs the action of its row, one boolean ``lax.cond``
 per action kind (idle stages compute nothing in bubbles):
 
@@ -75,27 +75,27 @@ __all__ = ["pipeline_value_and_grad", "PIPE", "TICKS_SCOPE", "ActionKind", "Slot
 def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program, *,
                             stage_layers: Sequence[int], replica_axes: Sequence[str] = (),
                             with_metrics: bool = False, lockstep: bool = False) -> Callable:
-    """Build ``fn(outer, blocks, microbatches) -> (loss, (g_outer, g_blocks))``.
+    """Build the pipelined loss-and-grad of a batch of micro-batches: a ``shard_map`` manual over ``pipe``.
 
-    - ``outer``: the parameters of ``parts.pre`` and ``parts.post`` (one tree;
-      replicated over ``pipe``).
-    - ``blocks``: every block parameter as ``[v, p, Lmax, ...]`` (chunk, stage,
-      layer), sharded ``P(None, 'pipe', ...)``; see :func:`jaxpar.parallel.pipeline.partition.to_stages`.
-    - ``microbatches``: the batch pytree as ``[m, rows, ...]``.
-    - ``stage_layers``: layers of each virtual stage ``k = chunk * p + stage``;
-      layers beyond a stage's count are padding and are skipped at run time.
-    - ``replica_axes``: data axes over which each replica keeps its own gradients (a
-      compressed exchange follows): the program is manual over them too, every gradient
-      gets a leading replica axis sharded over them and the loss is the replicas' mean.
-    - ``with_metrics``: also return what ``parts.post`` reported (:func:`jaxpar.report_metric`),
-      averaged over the micro-batches (and replicas): ``(loss, grads, metrics)``.
-    - ``lockstep``: ``program`` is a lockstep table (``lower(lockstep(schedule))``, :mod:`.lockstep`)
-      and every stage runs each tick's action, masked where it has none (:mod:`.lockstep_stage`):
-      no collective inside an action is reached by some devices only.
+    Args:
+        parts: the model's ``pre``, ``layer`` and ``post``.
+        mesh: the mesh; its other axes stay automatic inside a stage.
+        rules: the logical rules (``pipe`` and ``replica_axes`` are dropped inside).
+        program: the lowered schedule (:func:`~jaxpar.parallel.pipeline.instructions.lower`).
+        stage_layers: layers of each virtual stage ``k = chunk * p + stage``; padding layers are skipped.
+        replica_axes: data axes over which each replica keeps its own gradients (a compressed exchange follows):
+            manual too; every gradient gets a leading replica axis sharded over them; the loss is their mean.
+        with_metrics: also return what ``parts.post`` reported (:func:`jaxpar.report_metric`), averaged.
+        lockstep: ``program`` is a lockstep table (``lower(lockstep(schedule))``, :mod:`.lockstep`): every stage
+            runs each tick's action, masked where it has none (:mod:`.lockstep_stage`), so no collective inside
+            an action is reached by some devices only.
 
-    The loss is the mean of the micro-batch losses; the gradients are those of
-    that mean (float32), ``g_blocks`` in the ``blocks`` layout. ``g_outer`` adds
-    ``pre``'s and ``post``'s gradients (tied weights get both).
+    Returns:
+        ``fn(outer, blocks, microbatches) -> (loss, (g_outer, g_blocks))``, or ``(loss, grads, metrics)``.
+        ``outer``: ``pre``'s and ``post``'s parameters (one tree, replicated over ``pipe``); ``blocks``:
+        ``[v, p, Lmax, ...]`` per leaf, sharded ``P(None, 'pipe', ...)`` (:func:`~.partition.to_stages`);
+        ``microbatches``: ``[m, rows, ...]``. The loss is the mean of the micro-batch losses, the gradients
+        (float32) those of that mean; ``g_outer`` adds ``pre``'s and ``post``'s (tied weights get both).
     """
     p, v = program.schedule.num_stages, program.schedule.num_chunks
     counts = stage_counts(program, mesh, stage_layers)      # [chunk, stage]

@@ -188,7 +188,15 @@ def _lower_row(schedule: Schedule, row, slot: list, n_fwd: int, n_bwd: int) -> T
 
 
 def lower(schedule: Schedule) -> Program:
-    """Validate ``schedule`` and lower it to a :class:`Program`."""
+    """Validate ``schedule`` and lower it to a :class:`Program`.
+
+    Args:
+        schedule: a schedule table (validated here).
+
+    Returns:
+        Its :class:`Program`: each tick's per-stage :class:`Instr` with buffer slots, the sends, and the
+        slot count of each buffer.
+    """
     validate(schedule)
     p = schedule.num_stages
     buffers = _waiting_intervals(schedule, _action_ticks(schedule))
@@ -202,9 +210,16 @@ def lower(schedule: Schedule) -> Program:
 def sends(program: Program) -> dict[str, int]:
     """Point-to-point transfers per step: ``{'forward': n, 'backward': n}``.
 
-    >>> from jaxpar.parallel.pipeline.schedules import one_f_one_b
-    >>> sends(lower(one_f_one_b(4, 8)))      # m * (p - 1) each way
-    {'forward': 24, 'backward': 24}
+    Args:
+        program: a lowered schedule.
+
+    Returns:
+        ``{'forward': n, 'backward': n}``: the activations and cotangents sent between stages.
+
+    Example:
+        >>> from jaxpar.parallel.pipeline.schedules import one_f_one_b
+        >>> sends(lower(one_f_one_b(4, 8)))      # m * (p - 1) each way
+        {'forward': 24, 'backward': 24}
     """
     return {"forward": sum(len(t.fwd_pairs) for t in program.ticks),
             "backward": sum(len(t.bwd_pairs) for t in program.ticks)}

@@ -56,10 +56,27 @@ class LayerVJP:
                       if split else None)
 
     def forward(self, p, x):
-        """``(y, stored residuals)`` of one layer; an error if they differ from the probe's."""
+        """One layer's forward, keeping its pullback's residuals.
+
+        Args:
+            p: the layer's parameters.
+            x: its input.
+
+        Returns:
+            ``(y, stored)``: the output and the residuals to keep (a list, shaped as ``self.stored``);
+            a ``RuntimeError`` if they differ from the probe's.
+        """
         y, pullback = jax.vjp(self.layer, p, x)
         return y, split_pullback(pullback, p, like=self.layout)[0]
 
     def pullback(self, p, stored):
-        """The layer's pullback ``dy -> (dp, dx)`` from its parameters and stored residuals."""
+        """The layer's pullback, rebuilt.
+
+        Args:
+            p: the layer's parameters (not stored: passed back in).
+            stored: the residuals :meth:`forward` returned.
+
+        Returns:
+            ``dy -> (dp, dx)``.
+        """
         return join_pullback(self.layout, stored, p)

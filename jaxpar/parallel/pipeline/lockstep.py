@@ -38,7 +38,14 @@ __all__ = ["lockstep", "is_lockstep"]
 
 
 def is_lockstep(schedule: Schedule) -> bool:
-    """Whether every tick of ``schedule`` holds one kind of action."""
+    """Whether every tick of ``schedule`` holds one kind of action.
+
+    Args:
+        schedule: a schedule table.
+
+    Returns:
+        True if no tick mixes F, B and W.
+    """
     return all(len({a.kind for a in row if a is not None}) <= 1 for row in schedule.table)
 
 

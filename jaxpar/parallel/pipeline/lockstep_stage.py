@@ -112,7 +112,15 @@ def lockstep_table(program: Program) -> LockstepTable:
 
 
 def lockstep_state(program: Program, stage: Stage) -> PipelineState:
-    """The buffers before the first tick, with the spare residual and frontier slots."""
+    """The buffers before the first tick, with the spare residual and frontier slots.
+
+    Args:
+        program: the lowered lockstep program.
+        stage: the stage.
+
+    Returns:
+        The :class:`~.buffers.PipelineState` of zeros, one extra residual and frontier slot each.
+    """
     spare = replace(program, n_res=program.n_res + 1, n_grad=program.n_grad + 1 if program.n_grad else 0)
     return initial_state(spare, stage)
 
@@ -137,11 +145,27 @@ class LockstepStage(Stage):
         return masked
 
     def branch(self, kind: ActionKind) -> Callable[[SlotView, Slots, StageFlags], TickIO]:
-        """The masked action of ``kind``: ``(view, slots, flags) -> TickIO``."""
+        """The masked action of a kind.
+
+        Args:
+            kind: the tick's :class:`~.stage.ActionKind` (its op: F, B or W).
+
+        Returns:
+            ``(view, slots, flags) -> TickIO``.
+        """
         return {"F": self.forward, "B": self.backward, "W": self.weights}[kind.op]
 
     def forward(self, view: SlotView, sl: Slots, flags: StageFlags) -> TickIO:
-        """F on every stage: ``pre`` or the received activation, the chunk's layers, ``post``."""
+        """F on every stage: ``pre`` or the received activation, the chunk's layers, ``post``.
+
+        Args:
+            view: what the action reads (:class:`~.buffers.SlotView`).
+            sl: this stage's slots at the tick (spare slots when it has no action).
+            flags: this stage's :class:`StageFlags` at the tick.
+
+        Returns:
+            The :class:`~.buffers.TickIO` to write and send.
+        """
         n, bp, mb, outer = self.n_layers[sl.chunk], self.chunk_params(sl), take_tree(self.mbs, sl.mb), self.outer
         x = _pick(flags.first, self._cast(self.parts.pre(outer, mb)), view.x)
         y, res = self.forward_layers(bp, x, n, view.res, sl.res)
@@ -155,7 +179,16 @@ class LockstepStage(Stage):
             g_outer=_pick(keep, added, view.g_outer))
 
     def backward(self, view: SlotView, sl: Slots, flags: StageFlags) -> TickIO:
-        """B on every stage: the chunk's pullbacks (the weight gradients masked), then ``pre``'s."""
+        """B on every stage: the chunk's pullbacks (the weight gradients masked), then ``pre``'s.
+
+        Args:
+            view: what the action reads (:class:`~.buffers.SlotView`).
+            sl: this stage's slots at the tick (spare slots when it has no action).
+            flags: this stage's :class:`StageFlags` at the tick.
+
+        Returns:
+            The :class:`~.buffers.TickIO` to write and send.
+        """
         dx, io = self.chunk_backward(view, sl)        # a split B's frontier goes to the spare slot when idle
         if not self.split:
             io = io._replace(g_chunk=_pick(flags.acts, io.g_chunk, view.g_chunk))
@@ -165,7 +198,16 @@ class LockstepStage(Stage):
         return io._replace(send_b=self._cast(dx), g_outer=_pick(flags.acts & flags.first, added, view.g_outer))
 
     def weights(self, view: SlotView, sl: Slots, flags: StageFlags) -> TickIO:
-        """W on every stage: the chunk's weight gradients, masked."""
+        """W on every stage: the chunk's weight gradients, masked.
+
+        Args:
+            view: what the action reads (:class:`~.buffers.SlotView`).
+            sl: this stage's slots at the tick (spare slots when it has no action).
+            flags: this stage's :class:`StageFlags` at the tick.
+
+        Returns:
+            The :class:`~.buffers.TickIO` to write and send.
+        """
         g_chunk = self.weight_layers(self.chunk_params(sl), view.res, view.gys, sl.res, sl.grad,
                                      self.n_layers[sl.chunk], view.g_chunk)
         return self._unchanged(view)._replace(g_chunk=_pick(flags.acts, g_chunk, view.g_chunk))

@@ -28,7 +28,14 @@ __all__ = ["partition_layers", "uniform_layers", "check_stage_layers", "stage_co
 
 
 def uniform_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """``num_layers / num_stages`` layers per stage; an error names the sizes if it does not divide.
+    """``num_layers / num_stages`` layers per stage; a :class:`PartitionError` names the sizes if it does not divide.
+
+    Args:
+        num_layers: the model's layers.
+        num_stages: the virtual stages (``pipe x virtual_stages``).
+
+    Returns:
+        One equal layer count per stage.
 
     >>> uniform_layers(8, 4)
     (2, 2, 2, 2)
@@ -43,7 +50,17 @@ def uniform_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
 
 def stage_cost(costs: Sequence[float], stage_layers: Sequence[int], first_extra: float = 0.0,
                last_extra: float = 0.0) -> tuple[float, ...]:
-    """Cost of each stage under a partition (extras on the first / last stage)."""
+    """Cost of each stage under a partition.
+
+    Args:
+        costs: each layer's cost.
+        stage_layers: layers per stage, in order.
+        first_extra: added to the first stage (the embedding).
+        last_extra: added to the last stage (the head and loss).
+
+    Returns:
+        One cost per stage.
+    """
     out, start = [], 0
     for k, n in enumerate(stage_layers):
         c = float(sum(costs[start:start + n]))
@@ -58,9 +75,16 @@ def partition_layers(costs: Sequence[float], num_stages: int, *, first_extra: fl
                      last_extra: float = 0.0) -> tuple[int, ...]:
     """Layers per stage (contiguous, each >= 1) minimising the slowest stage's cost.
 
-    ``costs[i]`` is layer ``i``'s cost (e.g. forward + backward seconds or
-    FLOPs); ``first_extra`` / ``last_extra`` add the embedding / head. Exact
-    dynamic programme, O(num_stages * L^2). Ties prefer earlier stages lighter.
+    Exact dynamic programme, O(num_stages * L^2). Ties prefer earlier stages lighter.
+
+    Args:
+        costs: ``costs[i]`` is layer ``i``'s cost (e.g. forward + backward seconds or FLOPs).
+        num_stages: the stages, at most ``len(costs)``.
+        first_extra: the embedding's cost, on the first stage.
+        last_extra: the head's cost, on the last stage.
+
+    Returns:
+        Layers per stage, summing to ``len(costs)``.
     """
     L = len(costs)
     if num_stages < 1 or L < num_stages:
@@ -91,8 +115,15 @@ def partition_layers(costs: Sequence[float], num_stages: int, *, first_extra: fl
 
 
 def compiled_flops(fn: Callable, *args: Any) -> float:
-    """FLOPs of ``jax.jit(fn)(*args)`` from XLA's compiled cost analysis (``args`` may be
-    abstract ``ShapeDtypeStruct`` values)."""
+    """FLOPs of ``jax.jit(fn)(*args)`` from XLA's compiled cost analysis.
+
+    Args:
+        fn: the function to compile.
+        *args: its arguments (may be abstract ``ShapeDtypeStruct`` values).
+
+    Returns:
+        The ``flops`` entry of the cost analysis (0.0 if there is none).
+    """
     analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
     if isinstance(analysis, (list, tuple)):
         analysis = analysis[0]
@@ -100,12 +131,19 @@ def compiled_flops(fn: Callable, *args: Any) -> float:
 
 
 def layer_costs(parts: Any, outer: Any, layer: Any, batch: Any) -> tuple[float, float, float]:
-    """``(layer, first_extra, last_extra)``: forward + backward FLOPs of one layer, of what runs
-    before the layers (``parts.pre``, e.g. the embedding) and after them (``parts.post``: head +
-    loss), for one micro-batch (all arguments abstract shapes; ``parts`` is a
-    :class:`jaxpar.parallel.pipeline.parts.PipelineParts`, ``outer`` the parameters of pre and post).
+    """Forward + backward FLOPs of one layer, of ``parts.pre`` and of ``parts.post``, for one micro-batch.
 
     Feed them to :func:`partition_layers` as ``([layer] * L, stages, first_extra=, last_extra=)``.
+
+    Args:
+        parts: a :class:`jaxpar.parallel.pipeline.parts.PipelineParts`.
+        outer: the parameters of ``pre`` and ``post`` (abstract shapes suffice, as for all arguments).
+        layer: one layer's parameters.
+        batch: one micro-batch.
+
+    Returns:
+        ``(layer, first_extra, last_extra)``: the FLOPs of one layer, of what runs before the layers
+        (e.g. the embedding) and of what runs after them (head + loss).
     """
     x = jax.eval_shape(parts.pre, outer, batch)
 
@@ -119,7 +157,17 @@ def layer_costs(parts: Any, outer: Any, layer: Any, batch: Any) -> tuple[float, 
 
 
 def check_stage_layers(stage_layers: Sequence[int], num_layers: int, p: int, v: int = 1) -> np.ndarray:
-    """``stage_layers`` as an array, or an error naming the counts, ``pipe x virtual_stages`` and the layers."""
+    """``stage_layers`` checked: a :class:`PartitionError` names the counts, ``pipe x virtual_stages`` and the layers.
+
+    Args:
+        stage_layers: layers per virtual stage, each >= 1.
+        num_layers: the model's layers (their sum).
+        p: pipeline stages.
+        v: virtual stages (chunks) per device.
+
+    Returns:
+        ``stage_layers`` as an int array of length ``p * v``.
+    """
     counts = np.asarray(stage_layers, int)
     if counts.ndim != 1 or len(counts) != p * v:
         raise PartitionError(f"stage_layers={tuple(stage_layers)} has {len(counts)} entries; the pipeline "
@@ -153,6 +201,15 @@ def to_stages(blocks: Any, stage_layers: Sequence[int], p: int, v: int = 1) -> A
     (virtual stage ``k = chunk * p + stage`` holds layers ``k*n .. k*n+n-1``);
     a gather (padding repeats a layer, which the executor skips) otherwise.
 
+    Args:
+        blocks: a pytree of block parameters, each leaf ``[L, ...]`` in the model's layer order.
+        stage_layers: layers per virtual stage, ``p * v`` counts summing to ``L``.
+        p: pipeline stages.
+        v: virtual stages (chunks) per device.
+
+    Returns:
+        The same tree, each leaf ``[v, p, Lmax, ...]`` (chunk, stage, layer).
+
     >>> to_stages({"w": jnp.arange(6)}, (1, 2, 2, 1), p=4)["w"].tolist()
     [[[0, 0], [1, 2], [3, 4], [5, 5]]]
     """
@@ -164,7 +221,16 @@ def to_stages(blocks: Any, stage_layers: Sequence[int], p: int, v: int = 1) -> A
 
 
 def from_stages(stage_blocks: Any, stage_layers: Sequence[int], num_layers: int) -> Any:
-    """Inverse of :func:`to_stages` for gradients: ``[v, p, Lmax, ...] -> [L, ...]`` (padding dropped)."""
+    """Inverse of :func:`to_stages` for gradients (padding dropped).
+
+    Args:
+        stage_blocks: a pytree, each leaf ``[v, p, Lmax, ...]``.
+        stage_layers: layers per virtual stage, as given to :func:`to_stages`.
+        num_layers: ``L``, the model's layers.
+
+    Returns:
+        The same tree, each leaf ``[L, ...]`` in the model's layer order.
+    """
     v, p = jax.tree.leaves(stage_blocks)[0].shape[:2]
     counts, lmax, _, pos = _positions(stage_layers, num_layers, p, v)
     if (counts == lmax).all():
@@ -174,8 +240,15 @@ def from_stages(stage_blocks: Any, stage_layers: Sequence[int], num_layers: int)
 
 
 def check_blocks_layout(blocks, v: int, p: int, lmax: int, stage_layers) -> None:
-    """A ``ValueError`` unless every block leaf is laid out ``[chunks=v, stages=p, layers=lmax, ...]``
-    (:func:`to_stages`' layout for ``stage_layers``)."""
+    """A ``ValueError`` unless every block leaf is laid out as :func:`to_stages` lays it out.
+
+    Args:
+        blocks: the block parameters (or gradients) as given to the executor.
+        v: chunks per device.
+        p: pipeline stages.
+        lmax: the most layers of a virtual stage.
+        stage_layers: layers per virtual stage (named in the message).
+    """
     lead = jax.tree.leaves(blocks)[0].shape[:3]
     if lead != (v, p, lmax):
         raise ValueError(f"pipeline blocks must be laid out [chunks={v}, stages={p}, layers={lmax}, ...] for "

@@ -28,21 +28,25 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.batch import split_microbatches
-from jaxpar.parallel.moe import reported_loads, step_loads_needed, use_step_loads
+from jaxpar.errors import MoEError
+from jaxpar.parallel.moe import balanced, probe, reported_loads, use_step_loads
 from jaxpar.mesh import data_axes
-from jaxpar.rules import axes_of, named_shardings, without_rules
+from jaxpar.rules import axes_of, named_shardings, spec_without, without_rules
+from jaxpar.adapters.mesh_axes import explicit_model_loss, model_batch_axes, needs_explicit_mesh
 from jaxpar.parallel.pipeline.cut import ModelCut, cut_model
 from jaxpar.parallel.pipeline.executor import pipeline_value_and_grad
 from jaxpar.parallel.pipeline.lockstep import lockstep
 from jaxpar.parallel.pipeline.parts import PipelineParts
-from jaxpar.parallel.pipeline.partition import check_stage_layers, from_stages, layer_costs, partition_layers, to_stages, uniform_layers
+from jaxpar.parallel.pipeline.partition import (check_stage_layers, from_stages, layer_costs, partition_layers,
+                                                to_stages, uniform_layers)
 from jaxpar.parallel.pipeline.instructions import lower
 from jaxpar.parallel.pipeline.schedules import get_schedule
 from jaxpar.parallel.pipeline.sweep import pipeline_forward_sum
@@ -53,7 +57,18 @@ __all__ = ["make_pipeline_loss_and_grad", "auto_stage_layers", "check_pipeline_s
 
 def auto_stage_layers(cut: ModelCut, outer: list, blocks: Any, microbatch: Any, stages: int) -> tuple[int, ...]:
     """Layers per virtual stage balancing the compiled FLOPs of one of the model's own layers,
-    of what runs before the layers (first stage) and after them (last stage)."""
+    of what runs before the layers (first stage) and after them (last stage).
+
+    Args:
+      cut: the model cut at its stacked layers.
+      outer: the parameters outside the stacked layers (``cut.split``'s first part).
+      blocks: the stacked layers' parameters, leading axis ``L``.
+      microbatch: one micro-batch (arrays or shapes).
+      stages: the number of virtual stages, ``pipe * virtual_stages``.
+
+    Returns:
+      Layers per virtual stage, summing to ``L``.
+    """
     abstract = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)   # noqa: E731
     layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), blocks)
     with without_rules():
@@ -63,7 +78,15 @@ def auto_stage_layers(cut: ModelCut, outer: list, blocks: Any, microbatch: Any, 
 
 
 def check_pipeline_strategy(strategy, mesh) -> None:
-    """Errors for what the no-flush programs (PipeDream-2BW, weight stashing) do not support."""
+    """Errors for what the no-flush programs (PipeDream-2BW, weight stashing) do not support.
+
+    Args:
+      strategy: the strategy, with a no-flush schedule.
+      mesh: the mesh, with a ``pipe`` axis.
+
+    Raises:
+      ValueError: sequence parallelism on a ``tensor`` axis of size > 1.
+    """
     if strategy.sequence_parallel and mesh.shape.get("tensor", 1) > 1:
         raise ValueError(f"Strategy(sequence_parallel=True) with schedule={strategy.schedule!r} on "
                          f"pipe={mesh.shape['pipe']} is not supported: sequence parallelism's collectives sit inside "
@@ -73,8 +96,16 @@ def check_pipeline_strategy(strategy, mesh) -> None:
 
 
 def runs_in_lockstep(strategy, mesh) -> bool:
-    """Whether the pipeline runs as a lockstep program (:mod:`.lockstep`): with sequence parallelism on a
-    ``tensor`` axis, whose collectives sit inside every stage's actions."""
+    """Whether the pipeline runs as a lockstep program (:mod:`.lockstep`).
+
+    Args:
+      strategy: the strategy.
+      mesh: the mesh.
+
+    Returns:
+      True with sequence parallelism on a ``tensor`` axis of size > 1, whose collectives sit inside
+      every stage's actions.
+    """
     return bool(strategy.sequence_parallel) and mesh.shape.get("tensor", 1) > 1
 
 
@@ -120,10 +151,22 @@ class StagedCut(NamedTuple):
 
 def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, params, mbs, *,
                own_specs: Any = None) -> StagedCut:
-    """Cut ``loss_fn``'s model at its stacked layers for ``params`` (already cast) and the
-    micro-batches ``mbs`` (``[m, rows, ...]``); call it under ``jit`` and the mesh's rules.
-    ``own_specs``: the parameters' specs before ZeRO, for a model that pins shardings by mesh
-    axes (:func:`~.cut.cut_model`)."""
+    """Cut ``loss_fn``'s model at its stacked layers; call it under ``jit`` and the mesh's rules.
+
+    Args:
+      loss_fn: the (balanced) loss ``loss_fn(model, batch)``.
+      graphdef: the model's NNX graph definition.
+      mesh: the mesh, with a ``pipe`` axis.
+      param_specs: the parameters' ``PartitionSpec`` tree.
+      strategy: the strategy (virtual stages, ``stage_layers``).
+      params: the parameters, already cast to the compute dtype.
+      mbs: the micro-batches, ``[m, rows, ...]``.
+      own_specs: the parameters' specs before ZeRO, for a model that pins shardings by mesh axes
+        (:func:`~.cut.cut_model`).
+
+    Returns:
+      A :class:`StagedCut`.
+    """
     p, v = mesh.shape["pipe"], strategy.virtual_stages
     microbatch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs)
     cut = cut_model(loss_fn, graphdef, params, microbatch, mesh=mesh, own_specs=own_specs)
@@ -150,21 +193,30 @@ def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, pa
 def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_specs: Any, grad_specs: Any,
                                 strategy, *, num_layers: int | None = None,
                                 replica_axes: tuple[str, ...] = (), own_specs: Any = None,
-                                with_metrics: bool = False, step_loads: bool = False) -> Callable:
-    """``(params, batch) -> (loss, grads)`` through the pipeline executor (call it under ``jit``).
+                                with_metrics: bool = False) -> Callable:
+    """The loss and gradient through the pipeline executor (call it under ``jit``).
 
-    ``loss_fn(model, batch)`` is the user's loss; the model is cut at its stacked layers
-    (:mod:`jaxpar.parallel.pipeline.cut`). The blocks' parameters (``[L, ...]``, ``layers`` split over
-    ``pipe``) are laid out per stage (``[v, p, Lmax, ...]``; free for an even split with one
-    chunk, a resharding otherwise), the batch is cut into the strategy's micro-batches and
-    the schedule runs; gradients come back in ``grad_specs``. ``num_layers`` (if known)
-    checks the strategy's ``stage_layers`` now rather than at the first call. With
-    ``replica_axes`` (a compressed exchange follows) the gradients are each replica's own,
-    not reduced over those axes: every leaf gets a leading replica axis sharded over them.
-    ``own_specs`` as in :func:`staged_cut`. ``with_metrics``: also return what the loss reported,
-    averaged over the micro-batches: ``(loss, grads, metrics)``. ``step_loads`` (a model with MoE
-    layers, no ``replica_axes``): a forward sweep first sums the step's load per MoE layer
-    (:func:`_step_loads`), which every micro-batch's load-balancing loss then uses.
+    The model is cut at its stacked layers (:mod:`jaxpar.parallel.pipeline.cut`); the blocks'
+    parameters (``[L, ...]``, ``layers`` split over ``pipe``) are laid out per stage (``[v, p, Lmax, ...]``;
+    free for an even split with one chunk), the batch is cut into micro-batches and the schedule runs.
+    A loss whose MoE balancing loss counts (:mod:`jaxpar.parallel.moe.balance`) gets the step's loads,
+    summed over the micro-batches by a forward sweep first (:func:`_step_loads`).
+
+    Args:
+      loss_fn: the user's ``loss_fn(model, batch)``, on the last stage.
+      graphdef: the model's NNX graph definition.
+      mesh: the mesh, with a ``pipe`` axis.
+      rules: the logical rules.
+      param_specs, grad_specs: the parameters' and gradients' ``PartitionSpec`` trees.
+      strategy: the :class:`~jaxpar.Strategy` (schedule, micro-batches, virtual stages, dtype).
+      num_layers: the stacked layers, if known: checks ``strategy.stage_layers`` now, not at the first call.
+      replica_axes: data axes the gradients are not reduced over (a compressed exchange follows): each
+        leaf gets a leading replica axis sharded over them.
+      own_specs: as in :func:`staged_cut`.
+      with_metrics: also return what the loss reported, averaged over the micro-batches.
+
+    Returns:
+      ``(params, batch) -> (loss, grads)``, or ``(loss, grads, metrics)`` with ``with_metrics``.
     """
     p, m, v = mesh.shape["pipe"], strategy.microbatches, strategy.virtual_stages
     in_lockstep = runs_in_lockstep(strategy, mesh)
@@ -173,15 +225,16 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
     if num_layers is not None and strategy.stage_layers != "auto":
         check_stage_layers(strategy.stage_layers or uniform_layers(num_layers, p * v), num_layers, p, v)
     grad_shardings = named_shardings(grad_specs, mesh)
+    loss_fn = balanced(loss_fn)          # the MoE layers report and read their loads
 
     def loss_and_grad(params, batch):
         params = strategy.cast(params)
         mbs = split_microbatches(batch, m, mesh)
-        cut = staged_cut(loss_fn, graphdef, mesh, param_specs, strategy, params, mbs, own_specs=own_specs)
-        loads = _step_loads(cut, mesh, rules, strategy, params, mbs) if step_loads and m > 1 else None
-        with use_step_loads(loads) if loads is not None else contextlib.nullcontext():
-            if loads is not None:        # the layers now carry the step's loads: cut again
-                cut = staged_cut(loss_fn, graphdef, mesh, param_specs, strategy, params, mbs, own_specs=own_specs)
+        need = _needs_step_loads(loss_fn, graphdef, params, mbs, replica_axes, mesh, own_specs) if m > 1 else None
+        with use_step_loads(None if need is None else jnp.zeros(need.shape, jnp.float32)):
+            cut = staged_cut(loss_fn, graphdef, mesh, param_specs, strategy, params, mbs, own_specs=own_specs)
+            loads = None if need is None else _step_loads(cut, mesh, rules, strategy, params, mbs)
+        with use_step_loads(loads):      # the layers carry the step's loads (placeholders above: same shapes)
             run = pipeline_value_and_grad(cut.parts, mesh, rules, program, stage_layers=cut.stage_layers,
                                           replica_axes=replica_axes, with_metrics=True, lockstep=in_lockstep)
             loss, (g_outer, g_blocks), metrics = run(*cut.stage(params), mbs)
@@ -194,15 +247,44 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
     return loss_and_grad
 
 
-def _step_loads(cut: StagedCut, mesh, rules, strategy, params, mbs) -> Any:
-    """The step's MoE load per layer (what the loss reports as :data:`jaxpar.parallel.moe.LAYER_LOADS`) summed
-    over the micro-batches by a forward sweep through the stages (:func:`.sweep.pipeline_forward_sum`);
-    ``None`` for a loss that reports none or adds no load-balancing loss."""
-    outer, blocks = cut.stage(params)
+def _needs_step_loads(loss_fn: Callable, graphdef, params, mbs, replica_axes: tuple, mesh,
+                      own_specs: Any) -> Any:
+    """The shape of the step's loads when the balanced ``loss_fn`` uses its MoE layers' balancing loss
+    (``None``: no MoE layer, or no balancing loss); an :class:`MoEError` where the step cannot make
+    it exact (per-replica gradients; a use other than a sum with constant weights). A model that pins
+    shardings by mesh axes is probed in JAX's explicit mode, as :func:`~jaxpar.parallel.pipeline.cut.cut_model`
+    runs it."""
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs)
-    x = jax.eval_shape(cut.parts.pre, outer, one)
-    if step_loads_needed(cut.parts.post, outer, x, one) is None:
-        return None                     # no loads reported, or no balancing loss that needs them
+    whole = lambda p, b: loss_fn(nnx.merge(graphdef, p), b)     # noqa: E731
+    try:
+        found = probe(whole, params, one)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        if own_specs is None or not needs_explicit_mesh(e):
+            raise
+        own = jax.tree.map(lambda sp: spec_without(sp, {"pipe"}), own_specs,
+                           is_leaf=lambda x: isinstance(x, PartitionSpec))
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        axes = model_batch_axes(whole, own, shapes, one, mesh)
+        found = probe(explicit_model_loss(whole, own, mesh, axes), params, one)
+    if not found.aux_used:
+        return None
+    if replica_axes:
+        raise MoEError(f"Strategy.microbatches={jax.tree.leaves(mbs)[0].shape[0]} with a loss that adds the MoE "
+                       "load-balancing loss, on a path without the step's load pre-pass (a codec's per-replica "
+                       "gradients): each micro-batch would balance with its own load. Use microbatches=1, or "
+                       "leave the aux loss out.")
+    if not found.linear:
+        raise MoEError("a pipeline: the loss uses its MoE layers' load-balancing loss (stats.aux_loss) other than as "
+                       "a sum with constant weights (e.g. squared, or scaled by a value of the batch); each "
+                       "micro-batch balances with the whole step's load, so the step makes exactly `loss + w * "
+                       "aux_loss` (w a constant) the whole batch's. Add the aux loss that way, or use microbatches=1.")
+    return found.loads
+
+
+def _step_loads(cut: StagedCut, mesh, rules, strategy, params, mbs) -> Any:
+    """The step's MoE load per layer (what the balanced loss reports as :data:`jaxpar.parallel.moe.LAYER_LOADS`)
+    summed over the micro-batches by a forward sweep through the stages (:func:`.sweep.pipeline_forward_sum`)."""
+    outer, blocks = cut.stage(params)
     sweep = pipeline_forward_sum(cut.parts, mesh, rules, reported_loads(cut.parts.post),
                                  stage_layers=cut.stage_layers, chunks=strategy.virtual_stages,
                                  lockstep=runs_in_lockstep(strategy, mesh))

@@ -32,25 +32,35 @@ def _lighten(hex_color: str, amount: float) -> tuple[float, float, float]:
 
 def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120, step_size: int | None = None,
                boundaries: Sequence[int] = (), updates: Sequence[tuple[int, int]] = ()) -> str:
-    """Write a Gantt chart of ``schedule`` to ``path`` (PNG) and return the path.
+    """Write a Gantt chart of ``schedule`` to ``path`` (PNG).
 
     Rows are stages (stage 0 on top), boxes are actions labelled with the
-    micro-batch (``3`` or ``3.1`` with the chunk for interleaved). ``timed=False``
-    draws the unit-tick table; ``timed=True`` draws the cost-model timeline
-    (fused B twice as wide), whose idle share is the title's bubble fraction.
-    ``step_size=m`` draws every other optimizer step's micro-batches (``i // m`` odd) lighter,
-    and ``boundaries`` draws a dashed line before each of those ticks (the updates of a
-    schedule without flushes, :func:`jaxpar.parallel.pipeline.two_bw.step_windows`). ``updates``:
-    ``(stage, tick)`` pairs drawn as a red bar at the end of that tick on that stage (weight
-    stashing's per-stage updates, :func:`jaxpar.parallel.pipeline.stash_versions.update_ticks`; unit-tick charts).
+    micro-batch (``3`` or ``3.1`` with the chunk for interleaved).
 
-    >>> import os, shutil, tempfile
-    >>> from jaxpar.parallel.pipeline.schedules import one_f_one_b
-    >>> d = tempfile.mkdtemp()
-    >>> path = render_png(one_f_one_b(2, 4), os.path.join(d, "1f1b.png"), timed=True)
-    >>> os.path.basename(path), os.path.getsize(path) > 0
-    ('1f1b.png', True)
-    >>> shutil.rmtree(d)
+    Args:
+        schedule: the schedule table.
+        path: the PNG file to write.
+        timed: False draws the unit-tick table; True the cost-model timeline (fused B twice as wide),
+            whose idle share is the title's bubble fraction.
+        dpi: the image's resolution (an int >= 10).
+        step_size: ``m`` draws every other optimizer step's micro-batches (``i // m`` odd) lighter.
+        boundaries: ticks before which a dashed line is drawn (the updates of a schedule without flushes,
+            :func:`jaxpar.parallel.pipeline.two_bw.step_windows`).
+        updates: ``(stage, tick)`` pairs drawn as a red bar at the end of that tick on that stage (weight
+            stashing's per-stage updates, :func:`jaxpar.parallel.pipeline.stash_versions.update_ticks`;
+            unit-tick charts).
+
+    Returns:
+        ``path`` as a string.
+
+    Example:
+        >>> import os, shutil, tempfile
+        >>> from jaxpar.parallel.pipeline.schedules import one_f_one_b
+        >>> d = tempfile.mkdtemp()
+        >>> path = render_png(one_f_one_b(2, 4), os.path.join(d, "1f1b.png"), timed=True)
+        >>> os.path.basename(path), os.path.getsize(path) > 0
+        ('1f1b.png', True)
+        >>> shutil.rmtree(d)
     """
     if not isinstance(schedule, Schedule):
         raise ValueError(f"schedule must be a Schedule, got {type(schedule).__name__}")

@@ -34,16 +34,31 @@ __all__ = ["duration", "timeline", "makespan", "bubble_fraction", "tick_bubble_f
 
 
 def duration(a: Action, split_backward: bool) -> int:
-    """Cost of ``a`` in the bubble model: F=1, W=1, B=1 when split, B=2 when fused (B+W)."""
+    """Cost of ``a`` in the bubble model: F=1, W=1, B=1 when split, B=2 when fused (B+W).
+
+    Args:
+        a: the action.
+        split_backward: whether the schedule splits B and W.
+
+    Returns:
+        Its length in time units.
+    """
     return 2 if a.kind == "B" and not split_backward else 1
 
 
 def timeline(s: Schedule) -> tuple[tuple[tuple[int, int, Action], ...], ...]:
     """Per stage, ``(start, end, action)`` after replaying each device's order with :func:`duration`.
 
-    >>> from jaxpar.parallel.pipeline.schedules import gpipe
-    >>> timeline(gpipe(1, 1))
-    (((0, 1, Action(kind='F', microbatch=0, chunk=0)), (1, 3, Action(kind='B', microbatch=0, chunk=0))),)
+    Args:
+        s: the schedule table.
+
+    Returns:
+        One tuple per stage of ``(start, end, action)``, ``end`` exclusive.
+
+    Example:
+        >>> from jaxpar.parallel.pipeline.schedules import gpipe
+        >>> timeline(gpipe(1, 1))
+        (((0, 1, Action(kind='F', microbatch=0, chunk=0)), (1, 3, Action(kind='B', microbatch=0, chunk=0))),)
     """
     validate(s)
     orders = [stage_actions(s, st) for st in range(s.num_stages)]
@@ -54,7 +69,14 @@ def timeline(s: Schedule) -> tuple[tuple[tuple[int, int, Action], ...], ...]:
 
 
 def makespan(s: Schedule) -> int:
-    """Total time of one step under the :func:`duration` cost model."""
+    """Total time of one step under the :func:`duration` cost model.
+
+    Args:
+        s: the schedule table.
+
+    Returns:
+        The latest end of any stage's :func:`timeline`.
+    """
     return max(end for stage in timeline(s) for _, end, _ in stage)
 
 
@@ -63,6 +85,13 @@ def bubble_fraction(s: Schedule, exact: bool = False):
 
     ``exact=True`` returns a :class:`fractions.Fraction`:
     ``bubble_fraction(gpipe(4, 8), exact=True) == Fraction(3, 11)``.
+
+    Args:
+        s: the schedule table.
+        exact: return a :class:`fractions.Fraction` instead of a float.
+
+    Returns:
+        The idle share, in ``[0, 1)``.
     """
     tl = timeline(s)
     span = max(end for stage in tl for _, end, _ in stage)
@@ -72,7 +101,15 @@ def bubble_fraction(s: Schedule, exact: bool = False):
 
 
 def tick_bubble_fraction(s: Schedule, exact: bool = False):
-    """Idle cells / all cells of the unit-tick table (every action one tick)."""
+    """Idle cells / all cells of the unit-tick table (every action one tick).
+
+    Args:
+        s: the schedule table.
+        exact: return a :class:`fractions.Fraction` instead of a float.
+
+    Returns:
+        The idle share of the table's cells.
+    """
     idle = sum(a is None for row in s.table for a in row)
     frac = Fraction(idle, max(1, len(s.table) * s.num_stages))
     return frac if exact else float(frac)
@@ -85,6 +122,13 @@ def peak_in_flight(s: Schedule, until: str = "B") -> tuple[int, ...]:
     also counts micro-batches still waiting for their W (which needs only the
     smaller inputs/output-grads); for fused schedules both agree.
     ``peak_in_flight(one_f_one_b(4, 8)) == (4, 3, 2, 1)``.
+
+    Args:
+        s: the schedule table.
+        until: ``'B'`` or ``'W'``: the action that releases a micro-batch.
+
+    Returns:
+        One peak count per stage.
     """
     if until not in ("B", "W"):
         raise ValueError(f"until must be 'B' or 'W', got {until!r}")
@@ -102,11 +146,18 @@ def peak_in_flight(s: Schedule, until: str = "B") -> tuple[int, ...]:
 def to_text(s: Schedule) -> str:
     """Grid with one row per stage, one column per tick (``F3``, ``B3``, ``W3``, ``F3.1``, ``.``).
 
-    >>> from jaxpar.parallel.pipeline.schedules import gpipe
-    >>> print(to_text(gpipe(2, 1)))
-    gpipe p=2 m=1 v=1 ticks=4 bubble=0.5000 peak_in_flight=(1, 1)
-    s0 | F0 .  .  B0
-    s1 | .  F0 B0 .
+    Args:
+        s: the schedule table.
+
+    Returns:
+        A header line (name, sizes, ticks, bubble, peak in flight), then one line per stage.
+
+    Example:
+        >>> from jaxpar.parallel.pipeline.schedules import gpipe
+        >>> print(to_text(gpipe(2, 1)))
+        gpipe p=2 m=1 v=1 ticks=4 bubble=0.5000 peak_in_flight=(1, 1)
+        s0 | F0 .  .  B0
+        s1 | .  F0 B0 .
     """
     chunks = s.num_chunks > 1
     cells = [["." if a is None else a.label(chunks) for a in row] for row in s.table]

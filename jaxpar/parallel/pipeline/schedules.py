@@ -74,8 +74,16 @@ def _need_m_ge_p(fn: str, p: int, m: int) -> None:
 def gpipe(p: int, m: int) -> Schedule:
     """GPipe: every stage runs all forwards, then all backwards (B in micro-batch order).
 
-    >>> num_ticks(gpipe(2, 2)), peak_in_flight(gpipe(2, 2))
-    (6, (2, 2))
+    Args:
+        p: pipeline stages.
+        m: micro-batches.
+
+    Returns:
+        The validated :class:`Schedule`.
+
+    Example:
+        >>> num_ticks(gpipe(2, 2)), peak_in_flight(gpipe(2, 2))
+        (6, (2, 2))
     """
     _check_pm(p, m)
     orders = [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(p)]
@@ -96,8 +104,16 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     Stage ``s`` runs ``p-s-1`` warm-up forwards, then alternates F and B, then
     drains the remaining B's, so at most ``p-s`` micro-batches are in flight.
 
-    >>> bubble_fraction(one_f_one_b(4, 4), exact=True)
-    Fraction(3, 7)
+    Args:
+        p: pipeline stages.
+        m: micro-batches (>= ``p``).
+
+    Returns:
+        The validated :class:`Schedule`.
+
+    Example:
+        >>> bubble_fraction(one_f_one_b(4, 4), exact=True)
+        Fraction(3, 7)
     """
     _check_pm(p, m)
     _need_m_ge_p("one_f_one_b", p, m)
@@ -111,8 +127,17 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     backwards in the mirrored chunk order. Stage ``s`` warms up with
     ``min((p-s-1)*2 + (v-1)*p, m*v)`` forwards, then alternates F and B.
 
-    >>> bubble_fraction(interleaved_1f1b(4, 8, 2), exact=True)
-    Fraction(3, 19)
+    Args:
+        p: pipeline stages (devices).
+        m: micro-batches, a multiple of ``p``.
+        v: chunks (virtual stages) per device, >= 2.
+
+    Returns:
+        The validated :class:`Schedule`.
+
+    Example:
+        >>> bubble_fraction(interleaved_1f1b(4, 8, 2), exact=True)
+        Fraction(3, 19)
     """
     _check_pm(p, m)
     check_int("v (num_chunks)", v, 2)
@@ -144,8 +169,16 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     so at most ``p`` micro-batches per stage await their W (1F1B's peak).
     Bubble: ``(p-1)/(3m+p-1)`` vs 1F1B's ``(p-1)/(m+p-1)``. Needs ``m >= p``.
 
-    >>> bubble_fraction(zero_bubble_h1(4, 8), exact=True)
-    Fraction(1, 9)
+    Args:
+        p: pipeline stages.
+        m: micro-batches (>= ``p``).
+
+    Returns:
+        The validated :class:`Schedule` (split backward: B and W actions).
+
+    Example:
+        >>> bubble_fraction(zero_bubble_h1(4, 8), exact=True)
+        Fraction(1, 9)
     """
     _check_pm(p, m)
     _need_m_ge_p("zero_bubble_h1", p, m)
@@ -172,8 +205,17 @@ def pipedream_2bw(p: int, m: int, steps: int = 1) -> Schedule:
     the weights ``W(t-1)`` (the gradient is one step late), and at most two versions are alive
     on a stage. ``steps=1`` is one step alone (as long as 1F1B with a flush).
 
-    >>> [num_ticks(pipedream_2bw(4, 8, k)) for k in (1, 2, 3)]     # 2m + 2(p-1), then + 2m per step
-    [22, 38, 54]
+    Args:
+        p: pipeline stages.
+        m: micro-batches per optimizer step (>= ``p``).
+        steps: optimizer steps in the table.
+
+    Returns:
+        The validated :class:`Schedule` of ``m * steps`` micro-batches.
+
+    Example:
+        >>> [num_ticks(pipedream_2bw(4, 8, k)) for k in (1, 2, 3)]     # 2m + 2(p-1), then + 2m per step
+        [22, 38, 54]
     """
     _check_pm(p, m)
     check_int("steps", steps, 1)
@@ -192,8 +234,17 @@ def pipedream(p: int, m: int, steps: int = 1) -> Schedule:
     used (:mod:`jaxpar.parallel.pipeline.stash_versions`). Stage ``s`` runs ``F(i)`` at tick ``2i + s`` and
     ``B(i)`` at tick ``2i + 2p - 1 - s``: right after ``B(i - (p - s))``, as in 1F1B.
 
-    >>> [num_ticks(pipedream(4, 2, k)) for k in (1, 2, 3)]     # 2m + 2(p-1), then + 2m per step
-    [10, 14, 18]
+    Args:
+        p: pipeline stages.
+        m: micro-batches per optimizer step.
+        steps: optimizer steps in the table.
+
+    Returns:
+        The validated :class:`Schedule` of ``m * steps`` micro-batches.
+
+    Example:
+        >>> [num_ticks(pipedream(4, 2, k)) for k in (1, 2, 3)]     # 2m + 2(p-1), then + 2m per step
+        [10, 14, 18]
     """
     _check_pm(p, m)
     check_int("steps", steps, 1)
@@ -215,8 +266,15 @@ def _no_flush(name: str, p: int, n: int) -> Schedule:
 def canonical_kind(kind: str) -> str:
     """A schedule name or alias -> one of :data:`SCHEDULE_KINDS`; unknown names raise.
 
-    >>> canonical_kind("one_f_one_b")
-    '1f1b'
+    Args:
+        kind: a name of :data:`SCHEDULE_KINDS` or an alias (``"one_f_one_b"``, ``"zbh1"``, ``"2bw"``, ...), any case.
+
+    Returns:
+        The canonical name.
+
+    Example:
+        >>> canonical_kind("one_f_one_b")
+        '1f1b'
     """
     key = _ALIASES.get(kind.lower()) if isinstance(kind, str) else None
     if key is None:
@@ -226,7 +284,17 @@ def canonical_kind(kind: str) -> str:
 
 
 def get_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Build a schedule by name: ``get_schedule('1f1b', 4, 8)``, ``get_schedule('interleaved', 4, 8, v=2)``."""
+    """Build a schedule by name: ``get_schedule('1f1b', 4, 8)``, ``get_schedule('interleaved', 4, 8, v=2)``.
+
+    Args:
+        kind: a schedule name or alias (:func:`canonical_kind`).
+        p: pipeline stages.
+        m: micro-batches (per optimizer step for the PipeDream kinds, which build one step).
+        v: chunks per device; only ``"interleaved"`` takes ``v != 1``.
+
+    Returns:
+        The validated :class:`Schedule`.
+    """
     key = canonical_kind(kind)
     if key == "interleaved":
         return interleaved_1f1b(p, m, v)

@@ -78,14 +78,32 @@ class BackwardSplit:
     dots: tuple[int, int]
 
     def inputs(self, params, stored, g) -> tuple[Any, list]:
-        """B: ``(dx, frontier)``."""
+        """B: the input cotangent, and what W needs of B's work.
+
+        Args:
+            params: the layer's parameters.
+            stored: its stored residuals.
+            g: the output cotangent.
+
+        Returns:
+            ``(dx, frontier)``: ``dx`` shaped like the input; ``frontier`` a list shaped as ``self.frontier``.
+        """
         args = [*jax.tree.leaves(params), *stored, *jax.tree.leaves(g)]
         out = jax.core.eval_jaxpr(self.b.jaxpr, self.b.consts, *args)
         n = self.x_tree.num_leaves
         return jax.tree.unflatten(self.x_tree, out[:n]), list(out[n:])
 
     def weights(self, params, stored, frontier) -> Any:
-        """W: the weight gradients ``dp`` (the structure of ``params``)."""
+        """W: the weight gradients.
+
+        Args:
+            params: the layer's parameters.
+            stored: its stored residuals.
+            frontier: what :meth:`inputs` returned beside ``dx``.
+
+        Returns:
+            ``dp``, in the structure of ``params``.
+        """
         out = jax.core.eval_jaxpr(self.w.jaxpr, self.w.consts, *jax.tree.leaves(params), *stored, *frontier)
         return jax.tree.unflatten(self.p_tree, out)
 
@@ -93,8 +111,15 @@ class BackwardSplit:
 def split_backward(backward: Callable, params, stored: list, g) -> BackwardSplit:
     """Cut ``backward(params, stored, g) -> (dp, dx)`` into B and W (see the module docstring).
 
-    ``params``, ``stored``, ``g``: arrays or ``ShapeDtypeStruct`` of the shapes it will be called
-    with (``stored``: a list, e.g. :func:`jaxpar.parallel.pipeline.vjp_residuals.split_pullback`'s)."""
+    Args:
+        backward: the pullback as a function of the parameters, stored residuals and cotangent.
+        params: arrays or ``ShapeDtypeStruct`` of the shapes it will be called with.
+        stored: likewise, a list (e.g. :func:`jaxpar.parallel.pipeline.vjp_residuals.split_pullback`'s).
+        g: likewise, the output cotangent.
+
+    Returns:
+        The :class:`BackwardSplit`.
+    """
     closed, (dp_shape, dx_shape) = jax.make_jaxpr(backward, return_shape=True)(params, stored, g)
     jaxpr = closed.jaxpr
     p_tree, x_tree = jax.tree.structure(dp_shape), jax.tree.structure(dx_shape)

@@ -1,4 +1,4 @@
-"""Whether an optimizer can run per pipeline stage, as weight stashing runs it (:mod:`.stash_step`).
+"""Whether an optimizer can run per pipeline stage, as weight stashing runs it (:mod:`jaxpar.step.stashing_step`).
 
 Weight stashing updates each stage's parameters inside the pipeline, with the stage's own optimizer
 state: right only for an optimizer that updates every parameter from its own values and gradients
@@ -27,7 +27,16 @@ __all__ = ["optimizer_is_per_stage", "stacked_block_ids"]
 def optimizer_is_per_stage(tx: optax.GradientTransformation, shapes: Any, block_ids: set) -> bool:
     """Whether ``tx`` updates each stage's parameters from their own values and gradients alone:
     two steps on a small tree of ``shapes``' ranks, whole and split into two stages (block leaves
-    by rows, the other leaves alternately), agree."""
+    by rows, the other leaves alternately), agree.
+
+    Args:
+        tx: the optimizer.
+        shapes: the parameters' shapes (a tree of ``ShapeDtypeStruct``s or arrays); only ranks are read.
+        block_ids: indices of the flattened leaves stacked on ``layers`` (:func:`stacked_block_ids`).
+
+    Returns:
+        True when the whole and the split runs agree (to ``rtol=1e-5``).
+    """
     leaves, treedef = jax.tree.flatten(shapes)
     rng = np.random.default_rng(0)
     small = [np.asarray(rng.normal(size=(2,) * len(a.shape)), np.float32) for a in leaves]
@@ -59,6 +68,13 @@ def optimizer_is_per_stage(tx: optax.GradientTransformation, shapes: Any, block_
 
 
 def stacked_block_ids(layout) -> set:
-    """Indices of the parameter leaves stacked on ``layers`` (the blocks a pipeline splits)."""
+    """The parameter leaves stacked on ``layers`` (the blocks a pipeline splits).
+
+    Args:
+        layout: the train state's layout (its ``logical`` names).
+
+    Returns:
+        The indices, among the flattened parameter leaves, of those whose first logical name is ``layers``.
+    """
     flat = jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, P))
     return {i for i, lg in enumerate(flat) if tuple(lg)[:1] == ("layers",)}

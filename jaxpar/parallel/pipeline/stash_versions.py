@@ -50,8 +50,18 @@ STASHING = "pipedream"
 
 
 def version(p: int, stage: int, i: int, update_every: int = 1, vertical_sync: bool = False) -> int:
-    """``v_s(i)`` relative to the versions a call starts from (``0``: ``state.params``,
-    ``-j``: ``state.versions[j - 1]``): ``floor((i - d_s) / k)``; see the module docstring.
+    """``v_s(i)``, the version F(i) and B(i) read on a stage: ``floor((i - d_s) / k)``; see the module docstring.
+
+    Args:
+        p: the number of stages.
+        stage: the stage ``s``.
+        i: the micro-batch, counted from the call's first.
+        update_every: ``k``, backwards per update.
+        vertical_sync: every stage reads the version stage 0 reads (``d_s = p - 1``).
+
+    Returns:
+        The version relative to those a call starts from: ``0`` is ``state.params``, ``-j``
+        is ``state.versions[j - 1]``.
 
     >>> [version(2, 0, i) for i in range(4)], [version(2, 0, i, update_every=2) for i in range(4)]
     ([-1, 0, 1, 2], [-1, 0, 0, 1])
@@ -61,7 +71,14 @@ def version(p: int, stage: int, i: int, update_every: int = 1, vertical_sync: bo
 
 
 def older_versions(p: int, update_every: int = 1) -> int:
-    """Older versions the train state keeps beside ``params``: ``ceil((p - 1) / k)``.
+    """Older versions the train state keeps beside ``params``.
+
+    Args:
+        p: the number of stages.
+        update_every: ``k``, backwards per update.
+
+    Returns:
+        ``ceil((p - 1) / k)``.
 
     >>> older_versions(4), older_versions(4, update_every=2), older_versions(2, update_every=4)
     (3, 2, 1)
@@ -125,7 +142,16 @@ def _intervals(schedule: Schedule, stage: int, k: int, vertical_sync: bool, keep
 
 def weight_versions(schedule: Schedule, update_every: int = 1, vertical_sync: bool = False) -> tuple[int, ...]:
     """Weight versions each stage holds at once when it runs ``schedule`` with stashing
-    (interval colouring of :func:`_intervals`, like the executor's residual slots)."""
+    (interval colouring of the versions' live ticks, like the executor's residual slots).
+
+    Args:
+        schedule: a no-flush 1F1B table (:func:`~jaxpar.parallel.pipeline.schedules.pipedream`).
+        update_every: backwards per update; it must divide the table's micro-batches.
+        vertical_sync: every stage reads the version stage 0 reads.
+
+    Returns:
+        The number of versions per stage, ``(stage 0, ..., stage p - 1)``.
+    """
     _check_table(schedule, update_every)
     return tuple(colour_intervals((v, lo, hi) for v, (lo, hi) in
                                   _intervals(schedule, s, update_every, vertical_sync, None).items())[1]
@@ -133,7 +159,15 @@ def weight_versions(schedule: Schedule, update_every: int = 1, vertical_sync: bo
 
 
 def update_ticks(schedule: Schedule, update_every: int = 1) -> list[tuple[int, int]]:
-    """``(stage, tick)`` of every update (after the tick's backward), for a Gantt chart."""
+    """Where the updates run, for a Gantt chart.
+
+    Args:
+        schedule: a no-flush 1F1B table.
+        update_every: backwards per update.
+
+    Returns:
+        ``(stage, tick)`` of every update (it runs after the tick's backward).
+    """
     return [(s, t) for t, row in enumerate(schedule.table) for s, a in enumerate(row)
             if a is not None and a.kind == "B" and (a.microbatch + 1) % update_every == 0]
 
@@ -160,9 +194,20 @@ class StashProgram:
 
 
 def lower_stashed(schedule: Schedule, *, m: int, update_every: int = 1, vertical_sync: bool = False) -> StashProgram:
-    """Lower ``schedule`` (a no-flush 1F1B table; ``m`` micro-batches per optimizer step) with
-    version slots; errors name a table that is not 1F1B's order or an ``update_every`` that
-    does not divide ``m``."""
+    """Lower a no-flush 1F1B table with version slots.
+
+    Args:
+        schedule: the table (:func:`~jaxpar.parallel.pipeline.schedules.pipedream`).
+        m: micro-batches per optimizer step; it divides the table's micro-batches.
+        update_every: backwards per update; it divides ``m``.
+        vertical_sync: every stage reads the version stage 0 reads.
+
+    Returns:
+        The :class:`StashProgram`: the lowered table and its version slots.
+
+    Raises:
+        StashingError: the table is not in 1F1B's order, or ``update_every`` does not divide ``m``.
+    """
     program = lower(schedule)
     k, p = update_every, schedule.num_stages
     _check_table(schedule, k)
@@ -192,7 +237,15 @@ def lower_stashed(schedule: Schedule, *, m: int, update_every: int = 1, vertical
 
 
 def is_stashing(strategy, mesh_sizes: Mapping[str, int]) -> bool:
-    """Whether ``strategy`` runs PipeDream weight stashing on a mesh of ``mesh_sizes``."""
+    """Whether a strategy runs PipeDream weight stashing.
+
+    Args:
+        strategy: the :class:`~jaxpar.strategy.Strategy`.
+        mesh_sizes: the mesh's axis sizes.
+
+    Returns:
+        True for ``schedule='pipedream'`` with a ``pipe`` axis > 1.
+    """
     return canonical_kind(strategy.schedule) == STASHING and dict(mesh_sizes).get("pipe", 1) > 1
 
 
@@ -200,11 +253,19 @@ def check_stashing(strategy, mesh_sizes: Mapping[str, int]) -> None:
     """Errors for weight-stashing settings that cannot run (``strategy.schedule`` is ``'pipedream'``);
     what it combines with is in :mod:`jaxpar.compat.table`.
 
+    Args:
+        strategy: the :class:`~jaxpar.strategy.Strategy`.
+        mesh_sizes: the mesh's axis sizes.
+
+    Raises:
+        StashingError: no ``pipe`` axis > 1, ``update_every`` does not divide ``microbatches``, or
+            ``virtual_stages`` is not 1.
+
     >>> from jaxpar import Strategy
     >>> check_stashing(Strategy(schedule="pipedream", microbatches=4, update_every=3), {"pipe": 2})
     Traceback (most recent call last):
     ...
-    jaxpar.parallel.pipeline.stash_versions.StashingError: Strategy.update_every=3 does not divide Strategy.microbatches=4...
+    jaxpar.errors.StashingError: Strategy.update_every=3 does not divide Strategy.microbatches=4...
     """
     sizes = dict(mesh_sizes)
     p, m, k = sizes.get("pipe", 1), strategy.microbatches, strategy.update_every

@@ -28,7 +28,7 @@ Example (one stage, one micro-batch, written by hand):
     >>> validate(Schedule("bad", 1, 1, 1, [[Action("B", 0)], [Action("F", 0)]]))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    jaxpar.parallel.pipeline.tick_table.ScheduleError: tick 0, stage 0: B(mb=0, chunk=0) runs before its dependency F(mb=0, ...
+    jaxpar.errors.ScheduleError: tick 0, stage 0: B(mb=0, chunk=0) runs before its dependency F(mb=0, ...
 """
 from __future__ import annotations
 
@@ -64,7 +64,14 @@ class Action:
         check_int("chunk", self.chunk, 0)
 
     def label(self, with_chunk: bool = False) -> str:
-        """Compact cell text: ``F3`` or, with the chunk, ``F3.1``."""
+        """Compact cell text: ``F3`` or, with the chunk, ``F3.1``.
+
+        Args:
+            with_chunk: append ``.chunk`` (interleaved schedules).
+
+        Returns:
+            ``F3`` or, with the chunk, ``F3.1``.
+        """
         return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if with_chunk else "")
 
     def __str__(self) -> str:
@@ -150,8 +157,12 @@ def validate(s: Schedule) -> None:
     chunk) appears exactly once on the device owning that virtual stage, and
     every dependency ran at a strictly earlier tick.
 
-    >>> from jaxpar.parallel.pipeline.schedules import gpipe
-    >>> validate(gpipe(2, 3))  # returns None when legal
+    Args:
+        s: the schedule table.
+
+    Example:
+        >>> from jaxpar.parallel.pipeline.schedules import gpipe
+        >>> validate(gpipe(2, 3))  # returns None when legal
     """
     if not isinstance(s, Schedule):
         raise ScheduleError(f"expected a Schedule, got {type(s).__name__}")
@@ -198,7 +209,15 @@ def validate(s: Schedule) -> None:
 
 # ----------------------------------------------------------------------------- reading the table
 def stage_actions(s: Schedule, stage: int) -> list[Action]:
-    """Actions of one device in tick order: ``stage_actions(gpipe(2, 1), 0) == [F0, B0]``."""
+    """Actions of one device in tick order: ``stage_actions(gpipe(2, 1), 0) == [F0, B0]``.
+
+    Args:
+        s: the schedule table.
+        stage: the device's stage index.
+
+    Returns:
+        Its actions, idle ticks left out.
+    """
     check_int("stage", stage, 0)
     if stage >= s.num_stages:
         raise ValueError(f"stage must be < num_stages={s.num_stages}, got stage={stage}")
@@ -206,5 +225,12 @@ def stage_actions(s: Schedule, stage: int) -> list[Action]:
 
 
 def num_ticks(s: Schedule) -> int:
-    """Number of table rows (unit-time ticks): ``num_ticks(gpipe(4, 8)) == 22``."""
+    """Number of table rows (unit-time ticks): ``num_ticks(gpipe(4, 8)) == 22``.
+
+    Args:
+        s: the schedule table.
+
+    Returns:
+        ``len(s.table)``.
+    """
     return len(s.table)

@@ -15,9 +15,11 @@ writes that steady state as a table; :func:`step_windows` cuts it into optimizer
 executor's residual slots).
 
 The train step (``Strategy(schedule='pipedream-2bw')``) keeps ``W(t-1)`` in
-``TrainState.versions`` and computes each step's gradient there, then updates ``W(t)``; with
+``TrainState.versions`` and computes each step's gradient there, then updates ``W(t)``
+(:func:`jaxpar.step.update.delayed`: ``W(t)`` becomes the older version, after a skipped
+non-finite step too); with
 ``steps_per_call=K`` it runs ``K`` steps of the no-flush table in one program, the updates
-between the step windows (:mod:`jaxpar.parallel.pipeline.two_bw_steps`).
+between the step windows (:mod:`jaxpar.step.no_flush_steps`).
 
 Example:
     >>> from jaxpar.parallel.pipeline.schedules import pipedream_2bw
@@ -42,7 +44,14 @@ TWO_BW = "pipedream-2bw"
 
 
 def is_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> bool:
-    """Whether ``strategy`` runs PipeDream-2BW on a mesh of ``mesh_sizes`` (a pipeline is there).
+    """Whether a strategy runs PipeDream-2BW.
+
+    Args:
+      strategy: the :class:`~jaxpar.strategy.Strategy`.
+      mesh_sizes: the mesh's axis sizes.
+
+    Returns:
+      True for the 2BW schedule (any of its names) with a ``pipe`` axis > 1.
 
     >>> from jaxpar import Strategy
     >>> is_two_bw(Strategy(schedule="2bw", microbatches=2), {"pipe": 2}), is_two_bw(Strategy(), {"pipe": 2})
@@ -58,6 +67,14 @@ def step_windows(p: int, m: int, steps: int) -> list[tuple[int, int]]:
     backward of step ``t``'s micro-batches on stage 0. The first window holds the fill
     (``2m + 2(p-1)`` ticks), every later one ``2m`` ticks; the last also holds the drain.
 
+    Args:
+      p: the number of stages.
+      m: micro-batches per optimizer step.
+      steps: optimizer steps in the table.
+
+    Returns:
+      One ``(start, end)`` per step.
+
     >>> step_windows(2, 2, 3)
     [(0, 6), (6, 10), (10, 14)]
     """
@@ -68,6 +85,13 @@ def step_windows(p: int, m: int, steps: int) -> list[tuple[int, int]]:
 def weight_versions(schedule: Schedule, m: int) -> tuple[int, ...]:
     """Weight versions each stage must hold when micro-batch ``i`` runs on version ``i // m``:
     a version lives from its first action on the stage to its last (interval colouring).
+
+    Args:
+      schedule: the table (:func:`~jaxpar.parallel.pipeline.schedules.pipedream_2bw`, or any other).
+      m: micro-batches per optimizer step.
+
+    Returns:
+      The number of versions per stage, ``(stage 0, ..., stage p - 1)``.
 
     >>> from jaxpar.parallel.pipeline.schedules import one_f_one_b
     >>> weight_versions(one_f_one_b(4, 8), m=8)     # a flush: one version at a time
@@ -87,11 +111,18 @@ def check_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> None:
     """Errors for PipeDream-2BW settings that cannot run (``strategy.schedule`` is 2BW); what it
     combines with is in :mod:`jaxpar.compat.table`.
 
+    Args:
+      strategy: the strategy (its ``microbatches``).
+      mesh_sizes: the mesh's axis sizes.
+
+    Raises:
+      AsyncPipelineError: no ``pipe`` axis > 1, or fewer micro-batches than stages.
+
     >>> from jaxpar import Strategy
     >>> check_two_bw(Strategy(schedule="pipedream-2bw", microbatches=2), {"data": 2})
     Traceback (most recent call last):
     ...
-    jaxpar.parallel.pipeline.two_bw.AsyncPipelineError: Strategy.schedule='pipedream-2bw' needs a 'pipe' mesh axis > 1 ...
+    jaxpar.errors.AsyncPipelineError: Strategy.schedule='pipedream-2bw' needs a 'pipe' mesh axis > 1 ...
     """
     sizes = dict(mesh_sizes)
     p, m = sizes.get("pipe", 1), strategy.microbatches
@@ -107,7 +138,15 @@ def check_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> None:
 
 
 def check_two_bw_step(strategy, layout) -> None:
-    """:func:`check_two_bw` plus what the train step needs: a state with the second version."""
+    """:func:`check_two_bw` plus what the train step needs: a state with the second version.
+
+    Args:
+      strategy: the strategy (``schedule='pipedream-2bw'``).
+      layout: the train state's layout (its mesh and ``versions``).
+
+    Raises:
+      AsyncPipelineError: the strategy cannot run on this mesh, or the state has no second version.
+    """
     check_two_bw(strategy, layout.mesh.shape)
     if not layout.versions:
         raise AsyncPipelineError(

@@ -44,11 +44,17 @@ class ResidualLayout:
 
 def split_pullback(pullback: Callable, params: Any, *,
                    like: Optional[ResidualLayout] = None) -> tuple[list, ResidualLayout]:
-    """``(stored leaves, layout)`` of ``pullback``: every leaf that is not a leaf of ``params``.
+    """Split ``pullback`` into its leaves that are not leaves of ``params``, and where the others go.
 
-    Call it where ``jax.vjp`` ran, with the same ``params`` object(s) passed to
-    it (identity, not value, decides). ``like``: the layout of an earlier trace of
-    the same function; an error if this one differs (stored leaves would be misread).
+    Args:
+        pullback: the pullback ``jax.vjp`` returned.
+        params: the same ``params`` object(s) passed to ``jax.vjp`` (identity, not value, decides);
+            call it where ``jax.vjp`` ran.
+        like: the layout of an earlier trace of the same function; a ``RuntimeError`` if this one
+            differs (stored leaves would be misread).
+
+    Returns:
+        ``(stored, layout)``: the leaves to keep (a list) and the :class:`ResidualLayout`.
     """
     leaves, tree = jax.tree.flatten(pullback)
     position = {id(q): i for i, q in enumerate(jax.tree.leaves(params))}
@@ -64,7 +70,16 @@ def split_pullback(pullback: Callable, params: Any, *,
 
 
 def join_pullback(layout: ResidualLayout, stored: Sequence, params: Any) -> Callable:
-    """Inverse of :func:`split_pullback`: the pullback, with ``params`` put back in."""
+    """Inverse of :func:`split_pullback`: the pullback, with ``params`` put back in.
+
+    Args:
+        layout: the :class:`ResidualLayout` :func:`split_pullback` returned.
+        stored: its stored leaves, in order.
+        params: the parameters (the same structure as at the split; may be new values).
+
+    Returns:
+        The pullback, ``dy -> cotangents of jax.vjp's primals``.
+    """
     if len(stored) != len(layout.stored):
         raise ValueError(f"join_pullback: got {len(stored)} stored residuals; the layout has "
                          f"{len(layout.stored)}. Pass the list split_pullback returned, in its order.")

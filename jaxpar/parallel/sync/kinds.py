@@ -25,7 +25,7 @@ and a resumed run draws the same ones.
     >>> stale(max_delay=-1)
     Traceback (most recent call last):
     ...
-    jaxpar.parallel.sync.kinds.SyncError: stale(max_delay=-1): the largest delay in steps must be an int >= 0, e.g. max_delay=4.
+    jaxpar.errors.SyncError: stale(max_delay=-1): the largest delay in steps must be an int >= 0, e.g. max_delay=4.
 """
 from __future__ import annotations
 
@@ -114,7 +114,15 @@ class Stale:
         return f"stale-s{self.max_delay}" + ("-async" if self.mode == "async" else "")
 
     def delays(self, step: jax.Array, replicas: int) -> jax.Array:
-        """int32 ``[replicas]``: this step's delays, clipped to ``step`` (no version before the first)."""
+        """int32 ``[replicas]``: this step's delays, clipped to ``step`` (no version before the first).
+
+        Args:
+          step: the step (traced).
+          replicas: the replica axis size.
+
+        Returns:
+          The delays in steps.
+        """
         if self.pattern is not None:
             table = jnp.asarray(self.pattern, jnp.int32)
             d = table[step % table.shape[0]]
@@ -147,7 +155,15 @@ class Backup:
     def times(self, step: jax.Array, replicas: int) -> jax.Array:
         """float32 ``[replicas]``: this step's modelled compute time of each replica (mean step = 1).
         ``lognormal``: ``exp(sigma * z - sigma**2 / 2)``; ``spike``: 1, or ``slowdown`` with
-        probability ``p``."""
+        probability ``p``.
+
+        Args:
+          step: the step (traced).
+          replicas: the replica axis size.
+
+        Returns:
+          The times.
+        """
         key = jax.random.fold_in(jax.random.key(self.seed), step)
         if self.straggler == "lognormal":
             z = jax.random.normal(key, (replicas,), jnp.float32)
@@ -164,10 +180,22 @@ def synchronous() -> Synchronous:
 def diloco(every: int = 50, *, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
            outer: optax.GradientTransformation | None = None, start_step: int = 0) -> DiLoCo:
     """DiLoCo (Douillard et al. 2023): ``every`` inner steps per replica, then the outer step
-    ``outer.update(outer_params - mean(replicas))``. ``outer`` (an optax transformation)
-    replaces the default Nesterov SGD(``outer_lr``, ``outer_momentum``). Before ``start_step``
-    the replicas train synchronously (gradients averaged every step), as DiLoCo starts from a
-    pretrained model and post-local SGD (Lin et al. 2020) from a synchronous phase."""
+    ``outer.update(outer_params - mean(replicas))``.
+
+    Args:
+      every: inner steps between syncs (H), >= 1.
+      outer_lr: the default outer optimizer's learning rate, > 0.
+      outer_momentum: its momentum, in [0, 1) (0: none).
+      nesterov: Nesterov momentum.
+      outer: an optax transformation that replaces the default Nesterov SGD(``outer_lr``,
+        ``outer_momentum``), or ``None``.
+      start_step: synchronous steps (gradients averaged every step) before the first inner phase,
+        as DiLoCo starts from a pretrained model and post-local SGD (Lin et al. 2020) from a
+        synchronous phase.
+
+    Returns:
+      The :class:`DiLoCo` kind.
+    """
     every = _int("diloco", "every", every, 1, "the inner steps between syncs (H) must be an int >= 1, e.g. every=50.")
     start_step = _int("diloco", "start_step", start_step, 0, "the synchronous steps before the first inner phase "
                       "must be an int >= 0, e.g. start_step=100.")
@@ -188,13 +216,30 @@ def diloco(every: int = 50, *, outer_lr: float = 0.7, outer_momentum: float = 0.
 
 def local_sgd(every: int = 10, *, start_step: int = 0) -> DiLoCo:
     """Local SGD / periodic model averaging: DiLoCo with an outer SGD of lr 1 and no momentum
-    (``start_step``: post-local SGD, synchronous before it)."""
+    (``start_step``: post-local SGD, synchronous before it).
+
+    Args:
+      every: inner steps between averages, >= 1.
+      start_step: synchronous steps before the first inner phase.
+
+    Returns:
+      The :class:`DiLoCo` kind, named ``local_sgd``.
+    """
     s = diloco(every, outer_lr=1.0, outer_momentum=0.0, nesterov=False, start_step=start_step)
     return DiLoCo(s.every, s.outer, s.outer_options, "local_sgd", s.start_step)
 
 
 def easgd(alpha: float = 0.1, every: int = 1) -> EASGD:
-    """Elastic averaging SGD (Zhang et al. 2015), synchronous form, every ``every`` steps."""
+    """Elastic averaging SGD (Zhang et al. 2015), synchronous form, every ``every`` steps.
+
+    Args:
+      alpha: the moving rate, in [0, 1] (0: independent replicas); ``alpha * replicas <= 1`` keeps the
+        centre stable.
+      every: steps between elastic updates (tau), >= 1.
+
+    Returns:
+      The :class:`EASGD` kind.
+    """
     alpha = _float("easgd", "alpha", alpha, 0.0, 1.0, "the moving rate must lie in [0, 1], e.g. alpha=0.1 "
                    "(0: independent replicas); alpha x replicas <= 1 keeps the centre stable.")
     every = _int("easgd", "every", every, 1, "the steps between elastic updates (tau) must be an int >= 1.")
@@ -203,7 +248,19 @@ def easgd(alpha: float = 0.1, every: int = 1) -> EASGD:
 
 def stale(max_delay: int = 4, *, pattern=None, mode: str = "ssp", seed: int = 0) -> Stale:
     """Bounded staleness: replica ``r`` computes its gradient on the parameters of ``delay_r``
-    steps ago, ``delay_r`` uniform in ``0..max_delay`` each step (or ``pattern[step % len][r]``)."""
+    steps ago, ``delay_r`` uniform in ``0..max_delay`` each step (or ``pattern[step % len][r]``).
+
+    Args:
+      max_delay: the largest delay in steps, >= 0.
+      pattern: a table of delays, one row per step (cycled) and one column per replica, each in
+        ``0..max_delay``; or ``None``: drawn.
+      mode: ``"ssp"`` (delayed gradients averaged, one update per step) or ``"async"`` (each replica's
+        gradient applied in turn on the newest parameters).
+      seed: the draws' seed, >= 0.
+
+    Returns:
+      The :class:`Stale` kind.
+    """
     max_delay = _int("stale", "max_delay", max_delay, 0, "the largest delay in steps must be an int >= 0, "
                      "e.g. max_delay=4.")
     if mode not in ("ssp", "async"):
@@ -223,7 +280,19 @@ def stale(max_delay: int = 4, *, pattern=None, mode: str = "ssp", seed: int = 0)
 def backup(backups: int = 1, *, straggler: str = "lognormal", sigma: float = 0.5, p: float = 0.1,
            slowdown: float = 4.0, seed: int = 0) -> Backup:
     """Backup workers: the update averages the ``K - backups`` replicas that the straggler model
-    says finished first (``lognormal(sigma)`` or ``spike(p, slowdown)`` compute times)."""
+    says finished first (``lognormal(sigma)`` or ``spike(p, slowdown)`` compute times).
+
+    Args:
+      backups: the backup replicas, >= 0 and smaller than the replica axis.
+      straggler: ``"lognormal"`` or ``"spike"``.
+      sigma: the lognormal spread, in [0, 10].
+      p: the probability of a slow step (``spike``), in [0, 1].
+      slowdown: a slow step's time factor (``spike``), >= 1.
+      seed: the draws' seed, >= 0.
+
+    Returns:
+      The :class:`Backup` kind.
+    """
     backups = _int("backup", "backups", backups, 0, "the number of backup replicas must be an int >= 0 and "
                    "smaller than the replica axis.")
     if straggler not in STRAGGLERS:
@@ -239,7 +308,14 @@ SYNC_KINDS = {"sync": synchronous, "diloco": diloco, "local_sgd": local_sgd, "ea
 
 
 def make_sync(options: Mapping[str, Any]):
-    """A kind from a mapping such as ``{"kind": "diloco", "every": 50}`` (YAML ``parallel.sync``)."""
+    """A kind from a mapping such as ``{"kind": "diloco", "every": 50}`` (YAML ``parallel.sync``).
+
+    Args:
+      options: ``kind`` (a key of :data:`SYNC_KINDS`) and its factory's keyword options (not ``outer``).
+
+    Returns:
+      The kind.
+    """
     options = dict(options)
     kind = options.pop("kind", None)
     if kind not in SYNC_KINDS:
@@ -255,7 +331,12 @@ def make_sync(options: Mapping[str, Any]):
 
 def check_sync(sync: Any, replica_size: int | None = None) -> None:
     """Raise :class:`SyncError` if ``sync`` is not a kind of this module, or cannot run on
-    ``replica_size`` replicas."""
+    ``replica_size`` replicas.
+
+    Args:
+      sync: the value of ``Strategy(sync=...)``.
+      replica_size: the ``replica`` mesh axis size, or ``None`` (not checked against a mesh).
+    """
     if not isinstance(sync, (Synchronous, DiLoCo, EASGD, Stale, Backup)):
         raise SyncError(f"Strategy.sync={sync!r}: use a kind of jaxpar.parallel.sync (synchronous(), diloco(every=50), "
                         "local_sgd(), easgd(alpha), stale(max_delay), backup(backups)).")

@@ -9,8 +9,9 @@ ticks, the fill) is one tick loop, the ``K - 1`` later ones (``2m`` ticks each) 
 windows around a ``2m``-tick loop. Between windows the in-flight state (residual and inbox
 slots, the next step's partial gradient and loss) stays on its stage, and the optimizer
 applies step ``t``'s gradient: ``W(t+1) = W(t) - update(grad f_t(W(t-1)))``, outside the
-manual region, so every optax optimizer, ``clip_norm`` and ``lr_schedule`` work as in the
-one-step train step. A micro-batch of step ``t`` reads ``W(t-1)``; during window ``t`` a stage
+manual region, with the one-step train step's update and rule (:func:`jaxpar.step.update.delayed`),
+so every optax optimizer, ``clip_norm``, ``log_lr`` and ``skip_nonfinite`` work as there, and a
+skipped step leaves the same state. A micro-batch of step ``t`` reads ``W(t-1)``; during window ``t`` a stage
 holds ``W(t-1)`` and ``W(t)`` (the train state's ``versions`` and ``params``).
 
 A call starts and ends with an empty pipeline: one fill and one drain per ``K`` steps, and
@@ -40,6 +41,7 @@ from jaxpar.parallel.pipeline.piped import check_pipeline_strategy, staged_cut
 from jaxpar.parallel.pipeline.instructions import Program, lower
 from jaxpar.parallel.pipeline.schedules import pipedream_2bw
 from jaxpar.parallel.pipeline.stage import PIPE, TICKS_SCOPE, Stage, initial_state, stage_counts, tick, tick_table
+from jaxpar.step.update import delayed
 
 __all__ = ["make_two_bw_steps", "check_steps_per_call", "check_stacked_batches", "window_runner",
            "step_microbatches", "TICKS_SCOPE", "WINDOWS_SCOPE"]
@@ -106,10 +108,23 @@ class _TwoVersionStage(Stage):
 
 
 def window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, first: bool) -> Callable:
-    """``fn(outer2, blocks2, mbs, state, rows, window) -> ((loss, g_outer, g_blocks, metrics), state)``:
-    one window's ticks (``rows``) on the versions ``outer2`` / ``blocks2`` (``[2, ...]``:
-    ``W(t-1)``, ``W(t)``). ``state`` is every stage's in-flight :class:`PipelineState`
-    (leading ``pipe`` axis); ``first``: the window starts from an empty pipeline (``state=None``)."""
+    """The function that runs one step window of the no-flush table.
+
+    Args:
+      parts: the model's ``pre``, ``layer`` and ``post``.
+      mesh: the device mesh (with a ``pipe`` axis).
+      rules: the logical rules (``pipe`` is dropped inside the ``shard_map``).
+      program: the lowered table.
+      m: micro-batches per optimizer step.
+      stage_layers: layers of each virtual stage (:func:`stage_counts`).
+      first: the window starts from an empty pipeline (its ``state`` is None).
+
+    Returns:
+      ``fn(outer2, blocks2, mbs, state, rows, window) -> ((loss, g_outer, g_blocks, metrics), state)``:
+      one window's ticks (``rows``) on the versions ``outer2`` / ``blocks2`` (``[2, ...]``:
+      ``W(t-1)``, ``W(t)``); ``state`` is every stage's in-flight
+      :class:`~jaxpar.parallel.pipeline.buffers.PipelineState` (leading ``pipe`` axis).
+    """
     counts = stage_counts(program, mesh, stage_layers)
     table = tick_table(program)
 
@@ -152,7 +167,15 @@ def _windows_rows(program: Program, p: int, m: int, steps: int):
 
 def check_steps_per_call(strategy, steps) -> None:
     """Errors for ``steps_per_call`` of the no-flush programs (PipeDream-2BW and weight stashing;
-    ``make_train_step`` scans the step of any other schedule)."""
+    ``make_train_step`` scans the step of any other schedule).
+
+    Args:
+      strategy: the strategy (its ``schedule``).
+      steps: ``steps_per_call``.
+
+    Raises:
+      AsyncPipelineError: ``steps`` is not an int >= 1, or is > 1 with another schedule.
+    """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise AsyncPipelineError(f"steps_per_call={steps!r}: give an int >= 1 (optimizer steps per call).")
     if steps > 1 and strategy.schedule not in ("pipedream-2bw", "pipedream"):
@@ -174,9 +197,11 @@ def make_two_bw_steps(loss_fn: Callable, layout, steps: int, apply_update: Calla
       loss_fn: the user's loss (on the last stage).
       layout: the train state's layout (its strategy: ``schedule='pipedream-2bw'``).
       steps: optimizer steps per call.
-      apply_update: ``(state, loss, grads) -> (state, metrics)``, the train step's update; after
-        it ``W(t)`` becomes the older version (a skipped step too: the next step's micro-batches
-        have already run on ``W(t)``).
+      apply_update: ``(state, loss, grads) -> (state, metrics)``, the train step's update
+        (:func:`~jaxpar.step.update.apply_update` with its options); it runs under
+        :func:`~jaxpar.step.update.delayed`, PipeDream-2BW's rule of the one-step program too:
+        ``W(t)`` becomes the older version, on a skipped step as well (the next step's first
+        micro-batches have already run on ``W(t)``).
 
     Returns:
       ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
@@ -191,9 +216,7 @@ def make_two_bw_steps(loss_fn: Callable, layout, steps: int, apply_update: Calla
     rows0, rows_later = _windows_rows(program, p, m, steps)
     grad_shardings = named_shardings(layout.grads, mesh)
 
-    def update(state, loss, grads):
-        new, metrics = apply_update(state, loss, grads)
-        return new._replace(versions=state.params), metrics    # W(t) becomes the older version
+    update = delayed(apply_update)      # the one-step program's rule: W(t) becomes the older version
 
     def run(state, batches):
         mbs = step_microbatches(batches, m, mesh, steps)
@@ -229,14 +252,35 @@ def make_two_bw_steps(loss_fn: Callable, layout, steps: int, apply_update: Calla
 
 
 def step_microbatches(batches: Any, m: int, mesh, steps: int) -> Any:
-    """The ``steps`` stacked global batches (``[steps, B, ...]``) as ``steps * m`` micro-batches, step by step."""
+    """Stacked global batches as micro-batches, step by step.
+
+    Args:
+      batches: ``steps`` global batches stacked, ``[steps, B, ...]`` per leaf.
+      m: micro-batches per step.
+      mesh: the device mesh (its data axes split each micro-batch).
+      steps: the number of stacked batches.
+
+    Returns:
+      The ``steps * m`` micro-batches, ``[steps * m, B / m, ...]`` per leaf, step 0's first.
+    """
     mbs = [split_microbatches(jax.tree.map(lambda a, j=j: a[j], batches), m, mesh) for j in range(steps)]
     return jax.tree.map(lambda *a: jnp.concatenate(a), *mbs)
 
 
 def check_stacked_batches(batches: Any, mesh, m: int, steps: int) -> None:
     """Check ``steps`` stacked global batches: every leaf ``[steps, B, ...]``, ``B`` divisible by the
-    data axes times ``m`` micro-batches (an :class:`AsyncPipelineError` or ``ValueError`` says what)."""
+    data axes times ``m`` micro-batches.
+
+    Args:
+      batches: the stacked batches (arrays or ``ShapeDtypeStruct``s).
+      mesh: the device mesh.
+      m: micro-batches per step.
+      steps: ``steps_per_call``.
+
+    Raises:
+      AsyncPipelineError: a leaf's leading size is not ``steps``.
+      ValueError: ``B`` does not split into the data axes times ``m``.
+    """
     leads = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(batches)}
     if leads != {steps}:
         raise AsyncPipelineError(

@@ -6,13 +6,15 @@ steps, one tick loop) with the rule of :mod:`jaxpar.parallel.pipeline.stash_vers
 ``shard_map`` (manual over ``pipe``) every stage carries:
 
 * a buffer of weight versions, ``[n_slots + 1, ...]`` (its layers and its own copy of the
-  parameters around the blocks, ``outer``); the lowering (:func:`~.stashing.lower_stashed`)
-  gives each (tick, stage) the slot F / B read and, after an update, the slots it reads and
-  writes, assigned by interval colouring like the executor's residual slots;
+  parameters around the blocks, ``outer``); the lowering
+  (:func:`~jaxpar.parallel.pipeline.stash_versions.lower_stashed`) gives each (tick, stage) the
+  slot F / B read and, after an update, the slots it reads and writes, assigned by interval
+  colouring like the executor's residual slots;
 * its own optimizer state (the stage's rows of the block leaves, its copy of ``outer``'s).
 
-A backward whose micro-batch ends an ``update_every`` group runs, in the same conditional,
-``tx.update`` on the stage's gradient (the group's mean) and writes the new version. The
+A backward whose micro-batch ends an ``update_every`` group runs, in the same conditional, the
+train step's one update (:func:`jaxpar.step.update.apply_update`: ``tx`` and the skip rule) on the
+stage's gradient (the group's mean) and writes the new version. The
 gradient is reduced over the data axes by XLA inside the stage (those axes stay automatic):
 the accumulator is replicated over them, so each backward's weight gradient is all-reduced
 over the stage's data devices before it is added, and the update reads the reduced sum.
@@ -32,8 +34,10 @@ leaf). ``clip_norm`` (global, across stages) is an error.
 The train state holds the current version (``params``) and the ``ceil((p-1)/k)`` older ones
 (``versions``, newest first), per stage; so a call starts where a never-draining pipeline would
 be, and a checkpoint resumes bit-exact. Metrics per step: ``loss`` and what the loss reported (means
-over its ``m`` micro-batches), ``grad_norm`` (root mean square over the step's updates of the norm of
-all stages' update gradients), ``skipped`` (some stage skipped a non-finite update) and ``lr``.
+over its ``m`` micro-batches), ``grad_norm`` (as defined in :mod:`jaxpar.step.update`: the root mean
+square, over the step's ``m / update_every`` updates, of the global norm of an update's gradient, all
+stages' parts; with one update per step, that gradient's norm), ``skipped`` (every stage skipped
+its non-finite update: no weight changed), ``skipped_updates`` and ``lr``.
 """
 from __future__ import annotations
 
@@ -57,6 +61,8 @@ from jaxpar.parallel.pipeline.schedules import pipedream
 from jaxpar.parallel.pipeline.stage import PIPE, TICKS_SCOPE, ActionKind, Stage, exchange, initial_state, one_of, stage_counts, tick_table
 from jaxpar.parallel.pipeline.stash_optimizer import optimizer_is_per_stage, stacked_block_ids
 from jaxpar.parallel.pipeline.stash_versions import StashingError, StashProgram, check_stashing, lower_stashed
+from jaxpar.step.state import TrainState
+from jaxpar.step.update import Update, apply_update
 
 __all__ = ["make_stashing_step", "check_stashing_step", "optimizer_is_per_stage"]
 
@@ -90,7 +96,8 @@ class _StashStage(Stage):
     def __init__(self, parts, program, counts, w0, mbs, *, m, k, tx, cut, cast, skip_nonfinite):
         super().__init__(parts, program, counts, w0[0], w0[1], mbs)
         self.m, self.per_step = k, m         # gradients: the mean over an update's k micro-batches
-        self.tx, self.cut, self.cast, self.skip_nonfinite = tx, cut, cast, skip_nonfinite
+        self.cut, self.cast = cut, cast
+        self.update = Update(tx, skip_nonfinite=skip_nonfinite)   # no global clip: it spans the stages
         self._w = w0
 
     def chunk_params(self, sl: Slots):
@@ -125,23 +132,21 @@ class _StashStage(Stage):
         return run
 
     def _update(self, w_cur, opt, g_outer, g_chunk):
-        """The stage's optimizer step on its newest version (one chunk: ``[Lmax, ...]`` layers)."""
+        """The stage's optimizer step on its newest version (one chunk: ``[Lmax, ...]`` layers):
+        :func:`~jaxpar.step.update.apply_update` on the stage's parameters, which sees no loss (the
+        last stage's), so a non-finite gradient norm alone skips it. Returns the new version, the
+        optimizer state, the squared norm of the update's gradient and whether it was skipped."""
         params = self.cut.merge(list(w_cur[0]), take_tree(w_cur[1], 0))
         grads = self.cut.merge(list(g_outer), g_chunk)
-        updates, new_opt = self.tx.update(grads, opt, params)
-        new = optax.apply_updates(params, updates)
-        gsq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
-        skip = jnp.zeros((), jnp.float32)
-        if self.skip_nonfinite:
-            ok = jnp.isfinite(gsq)
-            new, new_opt = jax.tree.map(lambda a, b: jnp.where(ok, a, b), (new, new_opt), (params, opt))
-            skip = jnp.logical_not(ok).astype(jnp.float32)
-        outer, blocks = self.cut.split(new)
-        return (outer, jax.tree.map(lambda a: a[None], blocks)), new_opt, gsq, skip
+        new, m = apply_update(self.update, TrainState(jnp.zeros((), jnp.int32), params, opt),
+                              jnp.zeros((), jnp.float32), grads)
+        skip = m["skipped"].astype(jnp.float32) if "skipped" in m else jnp.zeros((), jnp.float32)
+        outer, blocks = self.cut.split(new.params)
+        return (outer, jax.tree.map(lambda a: a[None], blocks)), new.opt_state, jnp.square(m["grad_norm"]), skip
 
 
 def _tick(stage: _StashStage, table, kinds, branches, carry, xs):
-    """A tick as :func:`.stage.tick` runs it, with the stage's versions: the action reads
+    """A tick as :func:`jaxpar.parallel.pipeline.stage.tick` runs it, with the stage's versions: the action reads
     version ``ver``; an update reads ``cur`` and writes ``new``."""
     st, ws = carry
     row, vrow = xs
@@ -165,7 +170,7 @@ def _tick(stage: _StashStage, table, kinds, branches, carry, xs):
 
 
 def _branch_table(sp: StashProgram):
-    """The program's :func:`.stage.tick_table` with one branch per (op, first, last, update)."""
+    """The program's :func:`jaxpar.parallel.pipeline.stage.tick_table` with one branch per (op, first, last, update)."""
     table = tick_table(sp.program)
     keys = [[(*ActionKind.of(ins), bool(sp.update[t][s])) for s, ins in enumerate(tick.instrs)]
             for t, tick in enumerate(sp.program.ticks)]
@@ -217,7 +222,16 @@ def _opt_tags(tx, layout) -> list[int]:
 
 
 def check_stashing_step(strategy, layout) -> None:
-    """:func:`~.stashing.check_stashing` plus what the train step needs: a state with the older versions."""
+    """:func:`~jaxpar.parallel.pipeline.stash_versions.check_stashing` plus what the train step needs: a
+    state with the older versions.
+
+    Args:
+      strategy: the strategy (``schedule='pipedream'``).
+      layout: the train state's layout (its mesh and ``versions``).
+
+    Raises:
+      StashingError: the strategy cannot stash on this mesh, or the state keeps another number of versions.
+    """
     check_stashing(strategy, layout.mesh.shape)
     from jaxpar.parallel.pipeline.stash_versions import older_versions
 
@@ -247,7 +261,7 @@ def make_stashing_step(loss_fn: Callable, tx, layout, steps: int = 1, *, log_lr:
       ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
       ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
     """
-    from jaxpar.parallel.pipeline.two_bw_steps import check_steps_per_call
+    from jaxpar.step.no_flush_steps import check_steps_per_call
 
     strategy = layout.strategy
     check_steps_per_call(strategy, steps)
@@ -258,8 +272,7 @@ def make_stashing_step(loss_fn: Callable, tx, layout, steps: int = 1, *, log_lr:
                        vertical_sync=strategy.vertical_sync)
     step = _StashingRun(loss_fn, tx, layout, sp, steps, log_lr=log_lr, skip_nonfinite=skip_nonfinite)
     if not optimizer_is_per_stage(tx, layout.shapes, stacked_block_ids(layout)):
-        raise_problems(Setting(strategy, dict(layout.mesh.shape), optimizer_across_stages=True),
-                       {"StashingError": StashingError})
+        raise_problems(Setting(strategy, dict(layout.mesh.shape), optimizer_across_stages=True))
     return step.run, sp
 
 
@@ -276,7 +289,7 @@ class _StashingRun:
 
     def run(self, state, batches):
         """``steps`` optimizer steps: ``(state, batches [steps, B, ...]) -> (state, metrics [steps])``."""
-        from jaxpar.parallel.pipeline.two_bw_steps import step_microbatches
+        from jaxpar.step.no_flush_steps import step_microbatches
 
         layout, strategy, steps, mesh = self.layout, self.layout.strategy, self.steps, self.layout.mesh
         p, m, k = mesh.shape[PIPE], strategy.microbatches, strategy.update_every

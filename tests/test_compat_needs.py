@@ -1,0 +1,109 @@
+"""The compatibility table in one place (:mod:`jaxpar.compat`): the library and the config layer
+raise the same :class:`~jaxpar.compat.table.Problem`, rendered with two name maps.
+
+* :func:`test_config_and_library_render_one_problem`: each rule the config layer used to restate
+  under YAML names (PipeDream-2BW and weight stashing need a pipe axis, ``update_every`` divides the
+  micro-batches, the noise scale needs a data axis, ``steps_per_call`` divides the loop's intervals)
+  is now one problem of :func:`jaxpar.compat.table.needs`: the config's setting and the library's
+  give the same Problem (features, fields, template, values, class), :func:`jaxpar.config.check`
+  prints it with :data:`~jaxpar.config.checks.YAML_NAMES`, and :func:`~jaxpar.compat.table.raise_problems`
+  raises it as its class with :data:`~jaxpar.compat.table.LIBRARY_NAMES`.
+* :func:`test_init_train_state_raises_the_declared_class`: ``init_train_state`` raises the table's
+  class (MoEError for experts under PipeDream-2BW, not a plain ValueError) and the table's message.
+* :func:`test_commands_report_every_jaxpar_error`: the CLI's usage errors are :class:`~jaxpar.JaxparError`.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.compat.table import LIBRARY_NAMES, Setting, needs, problems, raise_problems
+from jaxpar.config.build import build_strategy, mesh_spec
+from jaxpar.config.checks import YAML_NAMES, check, table_setting
+from jaxpar.config.schema import (CheckpointConfig, ConfigError, JobConfig, LoggingConfig, MeshConfig,
+                                  NoiseScaleConfig, ParallelConfig, TrainConfig)
+
+#: name: (the config, the library's setting of the same run minus the strategy and mesh, the class).
+CASES = {
+    "2B-needs-pipe": (JobConfig(mesh=MeshConfig(data=8), parallel=ParallelConfig(schedule="pipedream-2bw",
+                                                                                microbatches=2)),
+                      {}, jaxpar.AsyncPipelineError),
+    "ST-needs-pipe": (JobConfig(mesh=MeshConfig(data=8), parallel=ParallelConfig(schedule="pipedream",
+                                                                                microbatches=2)),
+                      {}, jaxpar.StashingError),
+    "ST-update-every": (JobConfig(mesh=MeshConfig(pipe=2, data=4),
+                                  parallel=ParallelConfig(schedule="pipedream", microbatches=4, update_every=3)),
+                        {}, jaxpar.StashingError),
+    "NS-needs-data": (JobConfig(mesh=MeshConfig(tensor=8),
+                                logging=LoggingConfig(noise_scale=NoiseScaleConfig(every=10))),
+                      {"noise_scale_every": 10}, jaxpar.NoiseScaleError),
+    "K-intervals": (JobConfig(parallel=ParallelConfig(steps_per_call=4), mesh=MeshConfig(data=8),
+                              train=TrainConfig(steps=8, log_every=6), checkpoint=CheckpointConfig(every=8)),
+                    {"steps_per_call": 4, "intervals": (("steps", 8), ("log_every", 6))}, jaxpar.LoopError),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_config_and_library_render_one_problem(name):
+    cfg, options, error = CASES[name]
+    strategy, sizes = build_strategy(cfg.parallel), mesh_spec(cfg.mesh).sizes(8)
+    library = needs(Setting(strategy, sizes, **options))
+    config = needs(table_setting(cfg, strategy, sizes))
+    assert len(library) == 1 and library == config, (library, config)
+    problem = library[0]
+    assert problem.error is error and len(problem.features) == 1
+    with pytest.raises(ConfigError) as err:
+        check(cfg, num_devices=8)
+    assert problem.render(YAML_NAMES) in str(err.value)
+    with pytest.raises(error) as raised:
+        raise_problems(Setting(strategy, sizes, **options))
+    assert type(raised.value) is error and str(raised.value) == problem.render(LIBRARY_NAMES)
+    assert problem.render(YAML_NAMES) != problem.render(LIBRARY_NAMES)      # the names differ, not the rule
+    for text in (problem.render(YAML_NAMES), problem.render(LIBRARY_NAMES)):
+        assert "{" not in text and "}" not in text, text
+
+
+def test_every_yaml_name_has_a_library_name():
+    """The two name maps cover the same fields (a field missing from one would print its bare key)."""
+    assert set(YAML_NAMES) <= set(LIBRARY_NAMES), sorted(set(YAML_NAMES) - set(LIBRARY_NAMES))
+    missing = set(LIBRARY_NAMES) - set(YAML_NAMES)
+    assert missing == {"start", "stop_check_every"}, sorted(missing)    # loop arguments without a YAML key
+
+
+def _init(sizes, strategy):
+    from jaxpar.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2)
+    n = 1
+    for v in sizes.values():
+        n *= v
+    mesh = jaxpar.make_mesh(sizes, devices=jax.devices()[:n])
+    return jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh, strategy)
+
+
+@pytest.mark.parametrize("sizes,strategy,error", [
+    ({"pipe": 2, "expert": 2}, jaxpar.Strategy(schedule="pipedream-2bw", microbatches=2), jaxpar.MoEError),
+    ({"pipe": 2, "context": 2}, jaxpar.Strategy(schedule="pipedream", microbatches=2), jaxpar.ContextParallelError),
+    ({"data": 2}, jaxpar.Strategy(schedule="pipedream-2bw", microbatches=2), jaxpar.AsyncPipelineError),
+], ids=["2B-EP", "ST-CX", "2B-needs-pipe"])
+def test_init_train_state_raises_the_declared_class(sizes, strategy, error):
+    found = (problems(Setting(strategy, sizes)) + needs(Setting(strategy, sizes)))[0]
+    assert found.error is error
+    with pytest.raises(error, match=re.escape(found.render(LIBRARY_NAMES))) as raised:
+        _init(sizes, strategy)
+    assert type(raised.value) is error
+
+
+def test_commands_report_every_jaxpar_error():
+    from jaxpar.config.errors import user_errors
+
+    for name in jaxpar.errors.__all__:
+        cls = getattr(jaxpar.errors, name)
+        if issubclass(cls, Exception) and not issubclass(cls, Warning):
+            assert issubclass(cls, user_errors()), name
+    assert not issubclass(RuntimeError, user_errors())
