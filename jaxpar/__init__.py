@@ -39,20 +39,15 @@ __all__ = [
     "train_with_checkpoints", "compression_plan", "replica_bytes", "errors", *errors.__all__,
 ]
 
-#: Names whose modules load only when used: compression and relaxed synchronisation stay out of
-#: ``import jaxpar``.
-_FEATURE_EXPORTS = {"compression_plan": "jaxpar.step.compressed", "replica_bytes": "jaxpar.step.relaxed"}
-
 
 def __getattr__(name):
-    if name in _FEATURE_EXPORTS:
-        import importlib
+    """``compression_plan`` and ``replica_bytes`` load their modules only when used (:mod:`jaxpar.step`)."""
+    from jaxpar import step
 
-        value = getattr(importlib.import_module(_FEATURE_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
+    if name in ("compression_plan", "replica_bytes"):
+        return getattr(step, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_FEATURE_EXPORTS))
+    return sorted(set(globals()) | {"compression_plan", "replica_bytes"})

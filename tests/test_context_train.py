@@ -176,6 +176,7 @@ def test_the_compiled_step_runs_the_methods_collectives_over_context(method):
         assert kinds.get("all-to-all", 0) >= 8, kinds
 
 
+@pytest.mark.slow
 @need_devices(8)
 def test_temporaries_fall_with_the_context_axis():
     """At a fixed sequence (1024 tokens), the compiled step's temporaries on one device of CP 8 (ring,

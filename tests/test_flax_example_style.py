@@ -89,6 +89,7 @@ def _collectives(sharding, axes, strategy):
 
 
 @need_devices(8)
+@pytest.mark.slow
 @pytest.mark.parametrize("axes, strategy", [({"data": 8}, Strategy()),
                                             pytest.param({"data": 8}, Strategy(zero=3), marks=pytest.mark.slow)],
                          ids=["dp8", "dp8-zero3"])

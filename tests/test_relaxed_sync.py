@@ -119,6 +119,7 @@ def _replica_rows(r):
     return jax.tree.map(lambda x: x.reshape(K, -1, *x.shape[1:])[r], BATCH)
 
 
+@pytest.mark.slow
 def test_easgd_with_zero_alpha_gives_independent_runs():
     steps = 3
     state, _, _ = train({"replica": K, "data": 2}, easgd(0.0), steps=steps)

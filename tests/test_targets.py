@@ -107,6 +107,7 @@ def test_configs_compile_for_gpu_and_tpu(capsys, config, target):
     assert "collectives of the compiled step" in out and "async" in out
 
 
+@pytest.mark.slow
 def test_a_model_too_big_is_reported_with_the_plan_that_fits(capsys):
     """A 65B GPT with FSDP on 8 H100s: compiled, reported as not fitting (exit status 3), with the
     amount and the cost model's plan that would fit."""
