@@ -1,4 +1,4 @@
-"""Step-time cost of measuring the gradient noise scale every 10 steps (issue 13: at most 2 %).
+"""Step-time cost of measuring the gradient noise scale every 10 steps (target: at most 2 %).
 
 For each strategy (8 simulated CPU devices) three steps train the same GPT from copies of the
 same sharded state on the same sharded batch:

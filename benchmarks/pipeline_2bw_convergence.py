@@ -5,7 +5,7 @@ so equal steps = equal tokens) on 8 simulated devices as pipe=4 x data=2, the mo
 (one per stage), 4 micro-batches: ``1f1b``; ``pipedream-2bw`` (the gradient one step late:
 ``W(t+1) = W(t) - update(grad f_t(W(t-1)))``); ``pipedream`` (weight stashing, each stage
 updating once per step, ``update_every=4``). Final loss = mean of the last 20 steps' logged
-losses; ``ratio`` = the schedule's / 1F1B's (acceptance: <= 1.03); ``step time`` = median
+losses; ``ratio`` = the schedule's / 1F1B's (target: <= 1.03); ``step time`` = median
 seconds per step after the first, and its ratio to 1F1B's in the same invocation.
 ``--lr``, ``--warmup`` and ``--clip`` set the recipe for every schedule (weight stashing takes
 no global-norm clipping, so it runs with ``--clip 0`` only).

@@ -29,7 +29,7 @@ STEPS = 8
 # ----------------------------------------------------------------------------- the table
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 8)])
 def test_2bw_table_has_no_flush_after_the_first_step(p, m):
-    """Acceptance 2: every step after the first takes m F + m B ticks per stage, no idle cell,
+    """Every step after the first takes m F + m B ticks per stage, no idle cell,
     and touches only its own step's and the next step's micro-batches (versions W(t-1), W(t))."""
     steps = 5
     s = pipedream_2bw(p, m, steps)
@@ -110,7 +110,7 @@ def _assert_trees_close(got, ref, rtol=1e-5, atol=1e-7) -> int:
 @pytest.mark.parametrize("opt", ["sgd", pytest.param("adam", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("p", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_2bw_equals_delayed_gradient_reference(p, opt):
-    """Acceptance 1: 8 steps of pipe=p x data=8/p 2BW equal sequential delayed-gradient SGD / Adam."""
+    """8 steps of pipe=p x data=8/p 2BW equal sequential delayed-gradient SGD / Adam."""
     tx = optax.sgd(0.5) if opt == "sgd" else optax.adam(1e-2)
     batches = _batches()
     ref_losses, ref_params, ref_prev = _reference(tx, batches)
@@ -157,7 +157,7 @@ def _stacked(batches):
 @pytest.mark.slow      # the flushed 2BW reference test and the no-flush resume run in the default pass
 @pytest.mark.parametrize("p,k", [(2, 4), (4, 8)])
 def test_no_flush_program_equals_delayed_gradient_reference(p, k, opt):
-    """Acceptance 1 for the no-flush program (steps_per_call=k, the optimizer between windows):
+    """The no-flush program (steps_per_call=k, the optimizer between windows):
     8 steps (two calls of 4 at p=2, one of 8 at p=4) equal sequential delayed-gradient SGD / Adam."""
     tx = optax.sgd(0.5) if opt == "sgd" else optax.adam(1e-2)
     batches = _batches()
@@ -185,7 +185,7 @@ def _trip_counts(hlo: str, scope: str) -> list[int]:
 
 @pytest.mark.parametrize("p,m", [(2, 2), pytest.param(4, 4, marks=pytest.mark.slow)])
 def test_no_flush_program_runs_the_table_ticks(p, m):
-    """Acceptance 2 on the compiled program: one tick loop of 2m + 2(p-1) ticks (the first step,
+    """On the compiled program: one tick loop of 2m + 2(p-1) ticks (the first step,
     with the fill), then a loop over the k-1 later steps around a tick loop of 2m ticks: the
     table's windows, and in all exactly the table's ticks."""
     k = 4 if p == 2 else 3
@@ -229,7 +229,7 @@ def _undelayed_losses(tx, batches, cfg=ACFG):
 
 @pytest.mark.slow      # ~27 s: in CI's slow pass, for the default suite's time
 def test_2bw_holds_two_versions_in_the_compiled_step():
-    """Acceptance 3: the compiled 2BW step's arguments are 1F1B's plus one more copy of the
+    """The compiled 2BW step's arguments are 1F1B's plus one more copy of the
     stage's parameters (two versions per stage), and its temporaries are 1F1B's."""
     tx = optax.sgd(0.1)
     mesh, state, layout, step = _two_bw(2, tx)
@@ -366,7 +366,7 @@ def test_train_loop_runs_k_steps_per_call_and_resumes(tmp_path):
 
 @pytest.mark.slow        # four compiles, ~90 s on 2 cores
 def test_no_flush_program_memory_is_flat_in_m():
-    """Acceptance 3 for the K-step program: same micro-batch size, m = 4 -> 16, its temporaries
+    """The K-step program: same micro-batch size, m = 4 -> 16, its temporaries
     grow <= 1.25x (at most p micro-batches' residuals live, as in 1F1B: with this model GPipe's
     grow >= 2.5x, tests/test_pipeline.py), and it holds 1F1B's arguments plus one version."""
     import jax.numpy as jnp

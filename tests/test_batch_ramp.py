@@ -79,7 +79,7 @@ def test_resume_mid_ramp_after_sigkill_is_bit_identical(tmp_path):
 
 @pytest.mark.slow
 def test_ramp_matches_decay_at_equal_tokens_and_the_noise_scale_grows(tmp_path):
-    """Issue 13's experiment, as benchmarked (benchmarks/large_batch.py, docs/benchmarks.md section
+    """The batch-ramp experiment, as benchmarked (benchmarks/large_batch.py, docs/benchmarks.md section
     10): a batch ramp at a constant learning rate ends within 3% of the cosine-decayed batch-32 run
     (eval loss, same tokens, fewer steps); the measured noise scale grows over training."""
     import json

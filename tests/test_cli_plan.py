@@ -35,7 +35,7 @@ def test_inspect_prints_shardings_collectives_and_memory_next_to_the_model(inspe
     row = next(line for line in out.splitlines() if line.startswith("blocks/w1 "))
     assert re.search(r"\(layers, embed, mlp\)\s*\|\s*\(-, fsdp, tensor\)", row), row
     assert "collectives of the compiled step" in out and "all-reduce | tensor" in out
-    # predicted vs compiled, per device: bytes per mesh axis and arguments agree (acceptance 3's tolerances)
+    # predicted vs compiled, per device: bytes per mesh axis and arguments agree
     for what, tol in (("bytes over data per step", 0.05), ("bytes over fsdp per step", 0.05),
                       ("bytes over tensor per step", 0.05), ("arguments (state + batch)", 0.02)):
         line = next(x for x in out.splitlines() if x.startswith(what))

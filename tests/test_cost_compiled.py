@@ -1,4 +1,4 @@
-"""The cost model agrees with the compiled program (acceptance 3): for the strategies of the equivalence
+"""The cost model agrees with the compiled program: for the strategies of the equivalence
 matrix on 8 simulated devices (test GPT), predicted bytes per mesh axis (``xla-cpu`` lowering) equal the
 compiled collectives inventory (loops counted by trip count) within 5%, and predicted argument bytes equal
 ``memory_analysis()`` within 2%. Temporaries are not predicted for this backend (printed only).

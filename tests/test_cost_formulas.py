@@ -1,4 +1,4 @@
-"""jaxpar.cost against published tables and hand-computed values (pure Python; acceptance 1 and 2)."""
+"""jaxpar.cost against published tables and hand-computed values (pure Python)."""
 import math
 import subprocess
 import sys
@@ -17,7 +17,7 @@ GB = 1e9
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# ----------------------------------------------------------------------------- acceptance 1
+# ----------------------------------------------------------------------------- published tables
 # ZeRO (Rajbhandari et al. 2020) Table 1, Psi = 7.5B, K = 12, GB per device: DP, P_os, P_os+g, P_os+g+p.
 ZERO_TABLE_1 = {1: (120, 120, 120, 120), 4: (120, 52.5, 41.3, 30), 16: (120, 35.6, 21.6, 7.5),
                 64: (120, 31.4, 16.6, 1.88), 256: (120, 30.4, 15.4, 0.47), 1024: (120, 30.1, 15.1, 0.12)}
@@ -82,7 +82,7 @@ def test_korthikanti_activations():
     assert activation_bytes_per_layer(s, b, h, a, remat="full") == 2 * s * b * h
 
 
-# ----------------------------------------------------------------------------- acceptance 2
+# ----------------------------------------------------------------------------- collectives
 LINK = C.Link(alpha=5e-6, beta=1e-10, gamma=2e-11)
 SIZES = [2**10, 2**16, 2**20, 2**26, 2**30]
 PS = [2, 8, 64, 1000]

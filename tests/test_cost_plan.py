@@ -1,4 +1,4 @@
-"""The planner's known answers (acceptance 5) and its errors on bad input (acceptance 7); pure Python."""
+"""The planner's known answers and its errors on bad input; pure Python."""
 import pytest
 
 from jaxpar import cost
@@ -44,7 +44,7 @@ def test_memory_drives_rejection_and_remat():
     assert any("needs" in x.reason for x in r.rejected)
 
 
-# ----------------------------------------------------------------------------- acceptance 7
+# ----------------------------------------------------------------------------- bad input
 def test_device_count_that_does_not_factor():
     with pytest.raises(PlanError, match=r"no factorisation .* 7 devices .*heads=12.*Fix"):
         cost.plan(GPT2, cost.load_cluster("h100", num_devices=7))

@@ -1,4 +1,4 @@
-"""``jaxpar plan --verify`` (acceptance 6): the top 3 plans of a ~1B-parameter GPT on a 64-device cluster
+"""``jaxpar plan --verify``: the top 3 plans of a ~1B-parameter GPT on a 64-device cluster
 are compiled ahead of time on 64 simulated CPU devices (nothing runs) and predicted vs compiled memory is
 reported. Its own process: the test session has 8 devices, this needs 64 before JAX starts."""
 import os

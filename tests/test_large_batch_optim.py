@@ -1,4 +1,4 @@
-"""Large-batch optimizers (issue 13): masked LARS / LAMB, learning-rate scaling rules, their errors.
+"""Large-batch optimizers: masked LARS / LAMB, learning-rate scaling rules, their errors.
 
 * LARS and LAMB against a hand-written numpy reference over 3 steps (rtol 1e-5): biases and
   norm scales get neither weight decay nor a trust ratio; stacked layers get one trust ratio

@@ -1,4 +1,4 @@
-"""Issue 45, item 2: ``jaxpar plan --config`` plans in the config's compute dtype unless ``--dtype``
+"""``jaxpar plan --config`` plans in the config's compute dtype unless ``--dtype``
 says otherwise (docs/planning.md's ``jaxpar plan --config configs/quickstart.yaml --cluster cpu_sim``
 failed: ``--dtype`` defaulted to bfloat16, which cpu_sim has no peak FLOP/s for)."""
 import json

@@ -1,4 +1,4 @@
-"""Issue 45, item 4: resuming with another ``train.steps`` changes the learning-rate schedule
+"""Resuming with another ``train.steps`` changes the learning-rate schedule
 (warm-up and decay follow ``train.steps``): every checkpoint records the schedule's length and the
 learning rate it resumes with, and a resume under another length warns with both learning rates
 (:class:`jaxpar.errors.CheckpointWarning`). A checkpoint without the record still restores, quietly.

@@ -1,4 +1,4 @@
-"""Issue 45, item 1: a GPU target without the ``targets`` extra is a named :class:`TargetError`, from
+"""A GPU target without the ``targets`` extra is a named :class:`TargetError`, from
 the library, from ``jaxpar inspect --target`` and in notebooks/05_planning.ipynb's last cell.
 
 The extra is installed here, so a plain install is simulated: ``importlib.util.find_spec`` of the

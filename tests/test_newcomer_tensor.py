@@ -1,4 +1,4 @@
-"""Issue 45, item 3: a ``tensor`` axis of size > 1 that no parameter is split over warns
+"""A ``tensor`` axis of size > 1 that no parameter is split over warns
 (:func:`jaxpar.parallel.tensor.warn_unsplit_tensor_axis`, :class:`jaxpar.errors.UnusedAxisWarning`).
 
 A model without tensor-parallel annotations (plain ``nnx.Linear``) on ``data=2 x fsdp=2 x tensor=2``

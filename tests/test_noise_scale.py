@@ -1,4 +1,4 @@
-"""The gradient noise scale (issue 13): the estimator against an analytic value, the data-parallel
+"""The gradient noise scale: the estimator against an analytic value, the data-parallel
 measurement against explicitly materialised per-replica gradients, the moving averages through a
 checkpoint, the logged metrics and PNG, and the errors for bad options."""
 import json

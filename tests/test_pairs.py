@@ -217,7 +217,7 @@ def _test_functions(path: str) -> frozenset:
 
 
 def test_every_pair_has_an_answer():
-    """Acceptance: every pair of the table is refused (a named error) or composes and is compared
+    """Every pair of the table is refused (a named error) or composes and is compared
     with its reference by a test that exists. ``partly``: both (the refused values are in
     :func:`test_refusals_name_both_features`); ``alternatives``: never both on."""
     statuses = {}

@@ -331,7 +331,7 @@ def test_bad_sync_config_names_the_key(overrides, words):
 
 @pytest.mark.slow
 def test_relaxed_training_converges(tmp_path):
-    """Acceptance 4 on the quickstart job (300 steps, replica=4 x data=2), as benchmarked
+    """On the quickstart job (300 steps, replica=4 x data=2), as benchmarked
     (benchmarks/relaxed_sync.py, docs/benchmarks.md section 8): DiLoCo H = 20 after 100 synchronous
     steps ends within 5% of synchronous DP; one backup of four keeps the loss within 1% and cuts the
     modelled time; a delay of up to 4 steps costs more than none."""

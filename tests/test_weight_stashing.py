@@ -30,7 +30,7 @@ SEED = 100   # see _batches
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 2)])
 @pytest.mark.parametrize("k", [1, 2])
 def test_table_has_no_flush_and_at_most_p_minus_s_versions(p, m, k):
-    """Acceptance 2 and 3 on the table: every step after the first adds exactly m F + m B ticks per
+    """On the table: every step after the first adds exactly m F + m B ticks per
     stage (no idle cell), and stage s holds at most p - s versions (every stage at most p with
     vertical sync); m < p is allowed (the version rule does not depend on m)."""
     if m % k:
@@ -199,7 +199,7 @@ CASES = [  # p, optimizer, m, update_every, vertical sync, steps per call
 
 @pytest.mark.parametrize("p,opt,m,k,vsync,steps", CASES)
 def test_stashing_equals_per_stage_reference(p, opt, m, k, vsync, steps):
-    """Acceptance 1: 4 optimizer steps of pipe=p x data=8/p weight stashing equal the per-stage
+    """4 optimizer steps of pipe=p x data=8/p weight stashing equal the per-stage
     one-device reference (losses, the newest version and the older ones kept), rtol 1e-5."""
     tx = optax.sgd(0.5) if opt == "sgd" else optax.adam(1e-2)
     batches = _batches(4 if steps < 3 else 6)
@@ -261,7 +261,7 @@ def test_stashing_is_not_the_flushed_step():
 
 
 def test_compiled_program_runs_the_table_ticks():
-    """Acceptance 2 on the compiled program: one tick loop of the table's 2mK + 2(p-1) ticks for K
+    """On the compiled program: one tick loop of the table's 2mK + 2(p-1) ticks for K
     optimizer steps (2m per step after the first), and 1F1B's per-step count with K = 1."""
     p, m, k = 2, 2, 2                                  # the program of the fsdp2-data2-sgd-K2 case
     mesh, state, _, step = _setup(p, optax.sgd(0.5), m, steps=k, sizes=FSDP2)
