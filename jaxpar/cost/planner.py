@@ -128,9 +128,7 @@ class PlanResult:
         Returns:
           The table's text.
         """
-        shown = self.rejected[:self.top if top is None else top]
-        rows = [[r.plan.name() if r.plan else "-", r.reason] for r in shown]
-        return render_table(["rejected plan", "reason"], rows, right=[False, False])
+        return self._reasons("rejected plan", self.rejected, top)
 
     def refused_table(self, top: int | None = None) -> str:
         """The plans that cannot run (CP / EP sizes), with the reason.
@@ -141,9 +139,11 @@ class PlanResult:
         Returns:
           The table's text.
         """
-        shown = self.refused[:self.top if top is None else top]
-        rows = [[r.plan.name() if r.plan else "-", r.reason] for r in shown]
-        return render_table(["refused plan", "reason"], rows, right=[False, False])
+        return self._reasons("refused plan", self.refused, top)
+
+    def _reasons(self, title: str, found: list[Rejected], top: int | None) -> str:
+        rows = [[r.plan.name() if r.plan else "-", r.reason] for r in found[:self.top if top is None else top]]
+        return render_table([title, "reason"], rows, right=[False, False])
 
 
 def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16", precision: str = "mixed",

@@ -59,7 +59,7 @@ from jaxpar.rules import constrain, spec_without
 from jaxpar.parallel.pipeline.parts import PipelineParts
 from jaxpar.errors import PipelineCutError
 
-__all__ = ["ModelCut", "PipelineCutError", "cut_model", "layer_lists"]
+__all__ = ["ModelCut", "PipelineCutError", "cut_model", "explicit_whole_loss", "layer_lists"]
 
 
 class _Reached(Exception):
@@ -184,6 +184,32 @@ def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec)
 
 
+def _explicit_mode(loss_fn: Callable, graphdef, shapes: Any, batch: Any, mesh, own_specs: Any) -> "_Explicit":
+    """How a model that pins shardings by mesh axes runs: its batch axes decided by an abstract trace."""
+    whole = lambda p, b: loss_fn(nnx.merge(graphdef, p), b)     # noqa: E731
+    unpiped = jax.tree.map(lambda sp: spec_without(sp, {"pipe"}), own_specs, is_leaf=_is_spec)  # a scan's xs
+    return _Explicit(mesh, own_specs, model_batch_axes(whole, unpiped, shapes, batch, mesh))
+
+
+def explicit_whole_loss(loss_fn: Callable, graphdef, shapes: Any, batch: Any, mesh, own_specs: Any) -> Callable:
+    """The whole model's loss ``(params, batch) -> loss`` in JAX's explicit mode, as :func:`cut_model` runs a
+    model that pins shardings by mesh axes.
+
+    Args:
+      loss_fn: the user's ``loss_fn(model, batch)``.
+      graphdef: the model's NNX graph definition.
+      shapes: the parameters' shapes (``jax.ShapeDtypeStruct`` tree).
+      batch: one micro-batch's shapes.
+      mesh: the mesh.
+      own_specs: the specs the model's annotations give its parameters (before ZeRO).
+
+    Returns:
+      The loss, for use under ``jit`` with ``Auto`` axes.
+    """
+    explicit = _explicit_mode(loss_fn, graphdef, shapes, batch, mesh, own_specs)
+    return explicit.whole(lambda p, b: loss_fn(nnx.merge(graphdef, p), b))
+
+
 class _Explicit:
     """How the parts of a model that pins shardings by mesh axes enter JAX's explicit mode: the
     outer parameters (gathered over the data axes, as the pipeline holds them), one layer's
@@ -279,9 +305,7 @@ def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any, *, mesh=None
     except PipelineCutError as e:
         if mesh is None or own_specs is None or not needs_explicit_mesh(e.__cause__ or e):
             raise
-        whole = lambda p, b: loss_fn(nnx.merge(graphdef, p), b)     # noqa: E731
-        unpiped = jax.tree.map(lambda sp: spec_without(sp, {"pipe"}), own_specs, is_leaf=_is_spec)  # a scan's xs
-        explicit = _Explicit(mesh, own_specs, model_batch_axes(whole, unpiped, shapes, batch, mesh))
+        explicit = _explicit_mode(loss_fn, graphdef, shapes, batch, mesh, own_specs)
         site = _site(loss_fn, graphdef, shapes, batch, explicit)
     params_treedef = jax.tree.structure(params)
     all_leaves = jax.tree.leaves(shapes)

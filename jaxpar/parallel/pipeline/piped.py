@@ -39,9 +39,9 @@ from jaxpar.batch import split_microbatches
 from jaxpar.errors import MoEError
 from jaxpar.parallel.moe import balanced, probe, reported_loads, use_step_loads
 from jaxpar.mesh import data_axes
-from jaxpar.rules import axes_of, named_shardings, spec_without, without_rules
-from jaxpar.adapters.mesh_axes import explicit_model_loss, model_batch_axes, needs_explicit_mesh
-from jaxpar.parallel.pipeline.cut import ModelCut, cut_model
+from jaxpar.rules import axes_of, named_shardings, without_rules
+from jaxpar.adapters.mesh_axes import needs_explicit_mesh
+from jaxpar.parallel.pipeline.cut import ModelCut, cut_model, explicit_whole_loss
 from jaxpar.parallel.pipeline.executor import pipeline_value_and_grad
 from jaxpar.parallel.pipeline.lockstep import lockstep
 from jaxpar.parallel.pipeline.parts import PipelineParts
@@ -261,11 +261,8 @@ def _needs_step_loads(loss_fn: Callable, graphdef, params, mbs, replica_axes: tu
     except (ValueError, TypeError, NotImplementedError) as e:
         if own_specs is None or not needs_explicit_mesh(e):
             raise
-        own = jax.tree.map(lambda sp: spec_without(sp, {"pipe"}), own_specs,
-                           is_leaf=lambda x: isinstance(x, PartitionSpec))
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-        axes = model_batch_axes(whole, own, shapes, one, mesh)
-        found = probe(explicit_model_loss(whole, own, mesh, axes), params, one)
+        found = probe(explicit_whole_loss(loss_fn, graphdef, shapes, one, mesh, own_specs), params, one)
     if not found.aux_used:
         return None
     if replica_axes:
