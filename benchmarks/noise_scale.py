@@ -3,9 +3,10 @@
 For each strategy (8 simulated CPU devices) three steps train the same GPT from copies of the
 same sharded state on the same sharded batch:
 
-* ``plain``: ``jaxpar.make_train_step`` without the measurement;
-* ``every10``: ``make_train_step(..., noise_scale_every=10)``: the measuring program on one step in ten;
-* ``every1``: ``noise_scale_every=1``: the measuring program alone (its own cost per step).
+* ``plain``: ``jaxpar.make_train_step`` on the state without the noise-scale part (no measurement);
+* ``every10``: the state with ``with_noise_scale(state, layout, every=10)``: the measuring program on
+  one step in ten;
+* ``every1``: ``with_noise_scale(..., every=1)``: the measuring program alone (its own cost per step).
 
 Timing: compile and warm up all three (a full cycle of 10 steps each), then ``--reps`` rounds;
 in each round every variant runs ``--steps`` steps (a multiple of 10, so each block holds the
@@ -44,11 +45,11 @@ BENCHED = ("DP8", "ZeRO-2 (data=8)", "ZeRO-3 (data=8)", "DP2xFSDP2xTP2")
 
 def bench_strategy(bs, cfg, batch_size, steps, reps):
     mesh, strategy, state, layout, tx = build(cfg, bs)
-    state, layout = with_noise_scale(state, layout)
+    parts = {v: with_noise_scale(state, layout, every=EVERY[v]) if EVERY[v] else (state, layout) for v in VARIANTS}
     batch = jaxpar.shard_batch(make_batch(cfg, batch_size), mesh)
-    fns = {v: jaxpar.make_train_step(lm_loss, tx, layout, strategy, noise_scale_every=EVERY[v]) for v in VARIANTS}
-    states = {v: copy_state(state) for v in VARIANTS}
-    del state
+    fns = {v: jaxpar.make_train_step(lm_loss, tx, parts[v][1], strategy) for v in VARIANTS}
+    states = {v: copy_state(parts[v][0]) for v in VARIANTS}
+    del state, parts
     warm_s = {}
     for v in VARIANTS:
         t0 = time.perf_counter()

@@ -122,8 +122,8 @@ def _adaptive_run(d, steps: int, *, factor: float, restore: int | None = None):
     mesh = jaxpar.make_mesh({"data": 4}, devices=jax.devices()[:4])
     tx = optax.sgd(0.2)
     model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))  # noqa
-    state, layout = with_noise_scale(*jaxpar.init_train_state(model_fn, tx, mesh))
-    step = jaxpar.make_train_step(classifier_loss, tx, layout, noise_scale_every=1, noise_scale_ema=0.5)
+    state, layout = with_noise_scale(*jaxpar.init_train_state(model_fn, tx, mesh), every=1, ema=0.5)
+    step = jaxpar.make_train_step(classifier_loss, tx, layout)
     ramp = AdaptiveRamp((8, 16, 32, 64), every=3, factor=factor)
 
     def make(i, *, batch_size):

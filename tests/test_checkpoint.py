@@ -212,7 +212,7 @@ def test_resume_with_noise_scale_switched_off_or_on(tmp_path):
     """The model and optimizer state restore; the measurements are dropped (or start at zero), with a warning."""
     from jaxpar.step.noise_scale import with_noise_scale
 
-    on, on_layout = with_noise_scale(*_mlp({"data": 8}))
+    on, on_layout = with_noise_scale(*_mlp({"data": 8}), every=1)
     off, off_layout = _mlp({"data": 8})
     on, off = _bumped(on), _bumped(off)
     with Checkpointer(tmp_path / "on", async_save=False) as ck:

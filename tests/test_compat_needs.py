@@ -4,10 +4,14 @@ raise the same :class:`~jaxpar.compat.table.Problem`, rendered with two name map
 * :func:`test_config_and_library_render_one_problem`: each rule the config layer used to restate
   under YAML names (PipeDream-2BW and weight stashing need a pipe axis, ``update_every`` divides the
   micro-batches, the noise scale needs a data axis, ``steps_per_call`` divides the loop's intervals)
-  is now one problem of :func:`jaxpar.compat.table.needs`: the config's setting and the library's
+  and each the library wrote out of the table (a codec needs a data axis, a sync kind its replicas
+  and backup fewer spares than replicas) is now one problem of :func:`jaxpar.compat.table.needs`:
+  the config's setting and the library's
   give the same Problem (features, fields, template, values, class), :func:`jaxpar.config.check`
   prints it with :data:`~jaxpar.config.checks.YAML_NAMES`, and :func:`~jaxpar.compat.table.raise_problems`
   raises it as its class with :data:`~jaxpar.compat.table.LIBRARY_NAMES`.
+* :func:`test_requirements_list_every_need`: the needs that docs/strategies.md lists
+  (:data:`jaxpar.compat.needs.REQUIREMENTS`) are the rules', one case each.
 * :func:`test_init_train_state_raises_the_declared_class`: ``init_train_state`` raises the table's
   class (MoEError for experts under PipeDream-2BW, not a plain ValueError) and the table's message.
 * :func:`test_commands_report_every_jaxpar_error`: the CLI's usage errors are :class:`~jaxpar.JaxparError`.
@@ -22,9 +26,12 @@ import pytest
 from flax import nnx
 
 import jaxpar
+from jaxpar.compat.needs import REQUIREMENTS
 from jaxpar.compat.table import LIBRARY_NAMES, Setting, needs, problems, raise_problems
 from jaxpar.config.build import build_strategy, mesh_spec
 from jaxpar.config.checks import YAML_NAMES, check, table_setting
+from jaxpar.parallel.compression import qsgd
+from jaxpar.parallel.sync import backup, diloco, synchronous
 from jaxpar.config.schema import (CheckpointConfig, ConfigError, JobConfig, LoggingConfig, MeshConfig,
                                   NoiseScaleConfig, ParallelConfig, TrainConfig)
 
@@ -42,6 +49,14 @@ CASES = {
     "NS-needs-data": (JobConfig(mesh=MeshConfig(tensor=8),
                                 logging=LoggingConfig(noise_scale=NoiseScaleConfig(every=10))),
                       {"noise_scale_every": 10}, jaxpar.NoiseScaleError),
+    "CP-needs-data": (JobConfig(mesh=MeshConfig(tensor=8), parallel=ParallelConfig(compression={"kind": "qsgd"})),
+                      {}, jaxpar.CompressionError),
+    "RS-needs-replicas": (JobConfig(mesh=MeshConfig(data=8),
+                                    parallel=ParallelConfig(sync={"kind": "diloco", "every": 5})),
+                          {}, jaxpar.SyncError),
+    "RS-backups": (JobConfig(mesh=MeshConfig(replica=4, data=2),
+                             parallel=ParallelConfig(sync={"kind": "backup", "backups": 4})),
+                   {}, jaxpar.SyncError),
     "K-intervals": (JobConfig(parallel=ParallelConfig(steps_per_call=4), mesh=MeshConfig(data=8),
                               train=TrainConfig(steps=8, log_every=6), checkpoint=CheckpointConfig(every=8)),
                     {"steps_per_call": 4, "intervals": (("steps", 8), ("log_every", 6))}, jaxpar.LoopError),
@@ -68,6 +83,16 @@ def test_config_and_library_render_one_problem(name):
         assert "{" not in text and "}" not in text, text
 
 
+def test_requirements_list_every_need():
+    """docs/strategies.md's list of needs (:data:`jaxpar.compat.needs.REQUIREMENTS`) is the rules': one
+    case of :data:`CASES` per line, of that feature and class, in the rules' order."""
+    got = []
+    for cfg, options, _ in CASES.values():
+        strategy, sizes = build_strategy(cfg.parallel), mesh_spec(cfg.mesh).sizes(8)
+        got += [(p.features[0], p.error) for p in needs(Setting(strategy, sizes, **options))]
+    assert got == [(code, error) for code, _, error in REQUIREMENTS]
+
+
 def test_every_yaml_name_has_a_library_name():
     """The two name maps cover the same fields (a field missing from one would print its bare key)."""
     assert set(YAML_NAMES) <= set(LIBRARY_NAMES), sorted(set(YAML_NAMES) - set(LIBRARY_NAMES))
@@ -90,7 +115,11 @@ def _init(sizes, strategy):
     ({"pipe": 2, "expert": 2}, jaxpar.Strategy(schedule="pipedream-2bw", microbatches=2), jaxpar.MoEError),
     ({"pipe": 2, "context": 2}, jaxpar.Strategy(schedule="pipedream", microbatches=2), jaxpar.ContextParallelError),
     ({"data": 2}, jaxpar.Strategy(schedule="pipedream-2bw", microbatches=2), jaxpar.AsyncPipelineError),
-], ids=["2B-EP", "ST-CX", "2B-needs-pipe"])
+    ({"tensor": 2}, jaxpar.Strategy(compression=qsgd()), jaxpar.CompressionError),
+    ({"data": 2}, jaxpar.Strategy(sync=diloco(2)), jaxpar.SyncError),
+    ({"replica": 2, "data": 2}, jaxpar.Strategy(sync=backup(2)), jaxpar.SyncError),
+    ({"pipe": 2, "replica": 2}, jaxpar.Strategy(microbatches=2, sync=synchronous()), jaxpar.SyncError),
+], ids=["2B-EP", "ST-CX", "2B-needs-pipe", "CP-needs-data", "RS-needs-replicas", "RS-backups", "RS-PP"])
 def test_init_train_state_raises_the_declared_class(sizes, strategy, error):
     found = (problems(Setting(strategy, sizes)) + needs(Setting(strategy, sizes)))[0]
     assert found.error is error

@@ -300,7 +300,7 @@ def test_wire_bytes_formulas():
     (lambda: make_codec("topk", ratio=0.1, rank=3), ["kind='topk'", "rank"]),
     (lambda: jaxpar.Strategy(compression="qsgd"), ["compression='qsgd'", "jaxpar.parallel.compression"]),
     (lambda: exchange_plan(qsgd(), [(4,)], dims=[None], grad_axes=[()], stacked=[False],
-                           mesh_sizes={"data": 1, "tensor": 8}), ["no data axis", "Remove parallel.compression"]),
+                           mesh_sizes={"data": 1, "tensor": 8}), ["no data axis", "Remove Strategy.compression"]),
 ])
 def test_bad_input_names_option_and_fix(make, words):
     with pytest.raises(CompressionError) as e:

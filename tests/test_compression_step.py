@@ -211,7 +211,7 @@ def _trains(name, sizes, zero, accum, steps=8, local_clip=None):
 
 def test_compression_errors_name_the_fix():
     cfg = GPTConfig(vocab=64, seq_len=8, embed=32, heads=4, layers=2)
-    with pytest.raises(CompressionError, match="no data axis.*Remove parallel.compression"):
+    with pytest.raises(CompressionError, match="no data axis.*Remove Strategy.compression"):
         jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1),
                                 jaxpar.make_mesh({"tensor": 2}, devices=jax.devices()[:2]),
                                 jaxpar.Strategy(compression=qsgd()))

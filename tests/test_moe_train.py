@@ -321,23 +321,24 @@ def test_the_router_bias_moves_as_on_one_device(axes, k):
 
 @need_devices(2)
 def test_router_bias_errors_are_named():
-    from jaxpar.step.router_bias import with_router_bias
+    from jaxpar.step.router_bias import KEY, router_bias_layout, with_router_bias
+    from jaxpar.step.state import part_options
 
     mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
     state, layout = jaxpar.init_train_state(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh)
     step = jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout)        # bias_rate > 0, no bias in the state
     with pytest.raises(MoEError, match=r"bias_rate=0.05 balances .* this state has none. Add it: .*with_router_bias"):
         step(state, jaxpar.shard_batch(_batch(0), mesh))
-    with pytest.raises(MoEError, match=r"router_bias_rate=0.01\) on a state without a router bias"):
-        jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout, router_bias_rate=0.01)
-    with pytest.raises(MoEError, match=r"with_router_bias\(rate=0\): the bias step must be a number > 0"):
-        with_router_bias(state, layout, (2, 8), rate=0)
+    for rate in (0, -0.01, None, True):
+        with pytest.raises(MoEError, match=rf"with_router_bias\(rate={rate}\): the bias step must be a number > 0"):
+            with_router_bias(state, layout, (2, 8), rate=rate)
+        with pytest.raises(MoEError, match=rf"router_bias_layout\(rate={rate}\): the bias step must be a number > 0"):
+            router_bias_layout(layout, (2, 8), rate=rate)
+    with pytest.raises(TypeError, match="rate"):                # the rate is required: no bias without it
+        with_router_bias(state, layout, (2, 8))
     biased, biased_layout = with_router_bias(state, layout, (2, 8), rate=0.01)
-    with pytest.raises(MoEError, match=r"router_bias_rate=0.02\) for a router bias added with rate=0.01"):
-        jaxpar.make_train_step(lm_loss, optax.sgd(LR), biased_layout, router_bias_rate=0.02)   # given twice
-    _, no_rate = with_router_bias(state, layout, (2, 8))
-    with pytest.raises(MoEError, match=r"added without its rate: give it there"):
-        jaxpar.make_train_step(lm_loss, optax.sgd(LR), no_rate)
+    assert part_options(biased_layout, KEY) == 0.01 and part_options(layout, KEY) is None
+    assert router_bias_layout(layout, (2, 8), rate=0.01).part_options == biased_layout.part_options
     dense = dataclasses.replace(CFG, moe=None)                            # a bias kept, never read
     state, layout = jaxpar.init_train_state(lambda: GPT(dense, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh)
     state, layout = with_router_bias(state, layout, (2, 8), rate=0.01)
@@ -352,18 +353,15 @@ def test_router_bias_errors_are_named():
 
 
 @need_devices(2)
-def test_the_router_bias_rate_of_the_config_layer_still_works():
-    """``make_train_step(router_bias_rate=)`` (jaxpar.config's call) for a bias added without a rate runs the
-    same step as ``with_router_bias(..., rate=)``."""
+def test_the_router_bias_rate_is_the_parts_only():
+    """``make_train_step(router_bias_rate=)`` was removed, with or without a bias in the state: a TypeError
+    that names ``with_router_bias``, where the rate is given."""
     from jaxpar.step.router_bias import with_router_bias
 
     mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
-    runs = []
-    for rate, keyword in ((0.05, None), (None, 0.05)):
-        state, layout = jaxpar.init_train_state(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh)
-        state, layout = with_router_bias(state, layout, (2, 8), rate=rate)
-        step = jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout, router_bias_rate=keyword)
-        state, _ = step(state, jaxpar.shard_batch(_batch(0), mesh))
-        runs.append(np.asarray(jax.device_get(state.stats["router_bias"])))
-    assert np.abs(runs[0]).max() > 0
-    np.testing.assert_array_equal(runs[0], runs[1])
+    state, layout = jaxpar.init_train_state(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh)
+    _, biased = with_router_bias(state, layout, (2, 8), rate=0.05)
+    for on in (layout, biased):
+        with pytest.raises(TypeError, match=r"make_train_step\(router_bias_rate=\.\.\.\) was removed.*"
+                                            r"with_router_bias\(state, layout, shape, rate=\.\.\.\)"):
+            jaxpar.make_train_step(lm_loss, optax.sgd(LR), on, router_bias_rate=0.05)

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
+from jaxpar.step.state import part_options
 from jaxpar.config.checks import check
 from jaxpar.config.schema import ConfigError, JobConfig, LoggingConfig, MeshConfig, NoiseScaleConfig, ParallelConfig
 from jaxpar.models import GPT, lm_loss
@@ -156,7 +157,7 @@ def test_checkpoint_without_stats_restores_with_fresh_moving_averages():
     mesh = _mesh({"data": 2})
     tx = optax.sgd(0.1)
     model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))  # noqa
-    state, layout = ns.with_noise_scale(*jaxpar.init_train_state(model_fn, tx, mesh))
+    state, layout = ns.with_noise_scale(*jaxpar.init_train_state(model_fn, tx, mesh), every=1)
     with tempfile.TemporaryDirectory() as d, Checkpointer(d, async_save=False) as ck:
         ck.save(1, _OldState(state.step + 1, state.params, state.opt_state), {}, wait=True)
         with warnings.catch_warnings():
@@ -170,21 +171,19 @@ def test_bad_options_give_named_errors():
     tx = optax.sgd(0.1)
     model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))  # noqa
     plain_state, plain = jaxpar.init_train_state(model_fn, tx, mesh)
-    _, layout = ns.with_noise_scale(plain_state, plain)
-    for every, ema, match in [(0, 0.9, "noise_scale_every=0"), (-3, 0.9, "noise_scale_every=-3"),
-                              (2.5, 0.9, "noise_scale_every=2.5"), (True, 0.9, "noise_scale_every=True"),
-                              (10, 1.0, "noise_scale_ema=1.0"), (10, -0.1, "noise_scale_ema=-0.1")]:
-        with pytest.raises(ns.NoiseScaleError, match=match):
-            jaxpar.make_train_step(classifier_loss, tx, layout, noise_scale_every=every, noise_scale_ema=ema)
-    with pytest.raises(ns.NoiseScaleError, match="with_noise_scale"):            # no place in the state
-        jaxpar.make_train_step(classifier_loss, tx, plain, noise_scale_every=10)
-    for every, ema, match in [(0, 0.9, r"with_noise_scale\(every=0\)"), (10, 1.0, r"with_noise_scale\(ema=1.0\)")]:
-        with pytest.raises(ns.NoiseScaleError, match=match):
+    for every, ema, match in [(0, 0.9, r"every=0\)"), (-3, 0.9, r"every=-3\)"), (2.5, 0.9, r"every=2.5\)"),
+                              (True, 0.9, r"every=True\)"), (None, 0.9, r"every=None\)"),
+                              (10, 1.0, r"ema=1.0\)"), (10, -0.1, r"ema=-0.1\)")]:
+        with pytest.raises(ns.NoiseScaleError, match=r"with_noise_scale\(" + match):
             ns.with_noise_scale(plain_state, plain, every=every, ema=ema)
+        with pytest.raises(ns.NoiseScaleError, match=r"noise_scale_layout\(" + match):
+            ns.noise_scale_layout(plain, every=every, ema=ema)
+    with pytest.raises(TypeError, match="every"):                       # every is required: no part without it
+        ns.with_noise_scale(plain_state, plain)
     one = _mesh({"data": 1, "tensor": 2})
     _, single = ns.with_noise_scale(*jaxpar.init_train_state(model_fn, tx, one), every=10)
-    with pytest.raises(ns.NoiseScaleError, match="no data axis"):
-        jaxpar.make_train_step(classifier_loss, tx, single)
+    with pytest.raises(ns.NoiseScaleError, match=r"noise_scale_every=10: the mesh has no data axis"):
+        jaxpar.make_train_step(classifier_loss, tx, single)      # the table's need (jaxpar.compat.needs)
     bad = {"logging": LoggingConfig(noise_scale=NoiseScaleConfig(every=0, ema=1.5))}
     with pytest.raises(ConfigError, match=r"logging\.noise_scale\.every=0.*\n.*logging\.noise_scale\.ema=1\.5"):
         check(JobConfig(**bad), num_devices=8)
@@ -195,20 +194,21 @@ def test_bad_options_give_named_errors():
 
 
 def test_the_noise_scale_is_switched_on_in_one_place():
-    """``with_noise_scale(..., every=, ema=)`` switches the measurement on; the step reads it from the state's
-    part, refuses it given twice, and ``make_train_step(noise_scale_every=)`` (jaxpar.config's call) for a
-    part added without ``every`` builds the same programs."""
+    """``with_noise_scale(..., every=, ema=)`` switches the measurement on and the step reads it from the
+    state's part; a state without the part measures nothing; the keywords make_train_step no longer takes
+    raise a TypeError that names ``with_noise_scale``."""
     mesh = _mesh({"data": 2})
     tx = optax.sgd(0.1)
     model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))  # noqa
     plain_state, plain = jaxpar.init_train_state(model_fn, tx, mesh)
     _, layout = ns.with_noise_scale(plain_state, plain, every=2, ema=0.8)
-    assert ns.step_measure(layout) == ns.Measure(2, 0.8)
+    assert part_options(layout, ns.KEY) == ns.Measure(2, 0.8)
     assert sorted(jaxpar.make_train_step(classifier_loss, tx, layout).programs) == ["measure", "step"]
-    with pytest.raises(ns.NoiseScaleError, match=r"added with every=2, ema=0.8: the options are the state part's"):
-        jaxpar.make_train_step(classifier_loss, tx, layout, noise_scale_every=2)
-    _, kept_only = ns.with_noise_scale(plain_state, plain)          # the averages kept, nothing measured
-    assert sorted(jaxpar.make_train_step(classifier_loss, tx, kept_only).programs) == ["step"]
-    older = jaxpar.make_train_step(classifier_loss, tx, kept_only, noise_scale_every=2, noise_scale_ema=0.8)
-    assert sorted(older.programs) == ["measure", "step"]
+    assert part_options(plain, ns.KEY) is None
+    assert sorted(jaxpar.make_train_step(classifier_loss, tx, plain).programs) == ["step"]
+    for keyword, fix in (("noise_scale_every", r"with_noise_scale\(state, layout, every=k\)"),
+                         ("noise_scale_ema", r"with_noise_scale\(state, layout, every=k, ema=\.\.\.\)")):
+        for on in (plain, layout):                  # refused with or without the part
+            with pytest.raises(TypeError, match=rf"make_train_step\({keyword}=\.\.\.\) was removed.*{fix}"):
+                jaxpar.make_train_step(classifier_loss, tx, on, **{keyword: 2 if keyword.endswith("every") else 0.8})
     assert ns.noise_scale_layout(plain, every=2, ema=0.8).part_options == layout.part_options

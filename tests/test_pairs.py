@@ -453,6 +453,7 @@ class Spec:
     sizes: dict = dataclasses.field(default_factory=dict)
     strategy: dict = dataclasses.field(default_factory=dict)
     step_kw: dict = dataclasses.field(default_factory=dict)
+    ns_every: int | None = None   # measure the noise scale every that many steps (with_noise_scale(every=))
     tx: str = "adamw"             # adamw | lars | frozen (1-bit Adam's adamw_frozen_variance)
     cfg: Any = PCFG
     remat: str = "none"
@@ -484,10 +485,6 @@ class Spec:
     def replicas(self) -> int:
         """Data-parallel replicas (the data axes)."""
         return self.sizes.get("data", 1) * self.sizes.get("fsdp", 1)
-
-    @property
-    def ns_every(self):
-        return self.step_kw.get("noise_scale_every")
 
     def setting(self) -> Setting:
         return Setting(jaxpar.Strategy(**self.strategy), self.sizes, explicit_dp=self.step_kw.get("explicit_dp"),
@@ -547,7 +544,7 @@ def build(codes, *, schedule: str | None = None) -> Spec:
             kw["skip_nonfinite"] = True
             s.nan_step = 1
         elif c == "NS":
-            kw["noise_scale_every"] = 2
+            s.ns_every = 2
         elif c == "BR":
             s.ramp = True
         elif c == "LL":
@@ -670,8 +667,8 @@ def execute(spec: Spec, mesh=None) -> Result:
     strategy = jaxpar.Strategy(**spec.strategy)
     tx = optax.chain(keep_grads(), make_tx(spec, _logical(spec.cfg)))
     state, layout = jaxpar.init_train_state(model_fn, tx, mesh, strategy)
-    if spec.ns_every:
-        state, layout = with_noise_scale(state, layout)
+    if spec.ns_every:          # the measurement's option is the state part's, not make_train_step's
+        state, layout = with_noise_scale(state, layout, every=spec.ns_every)
     step = jaxpar.make_train_step(_loss_fn(spec.nan_step is not None), tx, layout, strategy, **spec.step_kw)
     k = spec.k
 
@@ -760,8 +757,8 @@ def _reference_cached(key):
 
 def reference(spec: Spec) -> Reference:
     """The one-device run of what ``spec`` means (cached over the fields that change the numbers)."""
-    fields = dict(codes=(), strategy=_ref_strategy(spec), step_kw=_ref_step_kw(spec), tx=spec.tx, cfg=spec.cfg,
-                  steps=spec.steps, rows=spec.rows, nan_step=spec.nan_step,
+    fields = dict(codes=(), strategy=_ref_strategy(spec), step_kw=_ref_step_kw(spec), ns_every=spec.ns_every,
+                  tx=spec.tx, cfg=spec.cfg, steps=spec.steps, rows=spec.rows, nan_step=spec.nan_step,
                   sizes=_ref_sizes(spec))
     key = tuple((k, _freeze(v)) for k, v in fields.items())
     return _reference_cached(key)
@@ -782,7 +779,7 @@ def _ref_strategy(spec):
 
 
 def _ref_step_kw(spec):
-    kw = {k: v for k, v in spec.step_kw.items() if k in ("clip_norm", "noise_scale_every")}
+    kw = {k: v for k, v in spec.step_kw.items() if k in ("clip_norm",)}
     return kw
 
 
@@ -1097,14 +1094,15 @@ def _measuring_and_plain_step(spec: Spec):
     mesh = jaxpar.make_mesh(spec.sizes, devices=jax.devices()[:math.prod(spec.sizes.values())])
     strategy = jaxpar.Strategy(**spec.strategy)
     tx = optax.chain(keep_grads(), make_tx(spec))
-    state, layout = with_noise_scale(*jaxpar.init_train_state(model_fn, tx, mesh, strategy))
+    state, layout = jaxpar.init_train_state(model_fn, tx, mesh, strategy)
+    measured, measured_layout = with_noise_scale(state, layout, every=1)     # the same params, plus the part
     loss = _loss_fn(False)
-    measure = jaxpar.make_train_step(loss, tx, layout, strategy, noise_scale_every=1, donate=False)
+    measure = jaxpar.make_train_step(loss, tx, measured_layout, strategy, donate=False)
     plain = jaxpar.make_train_step(loss, tx, layout, strategy, donate=False)
     batch = jaxpar.shard_batch(host_batch(spec, 0), mesh)
     out = []
-    for step in (measure, plain):
-        new, metrics = step(state, batch)
+    for step, start in ((measure, measured), (plain, state)):
+        new, metrics = step(start, batch)
         out.append((_host_tree(metrics), _host_tree(new.params), _host_tree(new.opt_state[0].grads)))
     return out
 

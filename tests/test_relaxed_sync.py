@@ -19,7 +19,7 @@ from jaxpar.config import ConfigError, check, load_config
 from jaxpar.models import GPT, lm_loss
 from jaxpar.parallel.sync import SyncError, backup, diloco, easgd, local_sgd, stale, synchronous
 from jaxpar.run.checkpoint import Checkpointer, CheckpointWarning
-from jaxpar.step.relaxed import replica_bytes
+from jaxpar.step.replica_mean import replica_bytes
 
 from helpers import CFG, make_batch
 
@@ -189,6 +189,7 @@ def test_stale_gradients_match_a_sequential_reference(mode):
     assert_trees(state.params, p, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.slow      # the default pass checks backup's masked mean as a part (tests/test_step_parts.py)
 def test_backup_workers_drop_exactly_the_slowest_replicas():
     steps, b = 3, 2
     state, _, metrics = train({"replica": K, "data": 2}, backup(b, sigma=0.8, seed=3), steps=steps)

@@ -8,13 +8,26 @@ Example:
 """
 from __future__ import annotations
 
+from jaxpar.compat.needs import REQUIREMENTS
 from jaxpar.compat.table import CODES, FEATURES, PARTLY, REFUSED, all_pairs, pair_status
 
-__all__ = ["markdown_table"]
+__all__ = ["markdown_table", "markdown_needs"]
+
+
+def markdown_needs() -> str:
+    """What a feature needs on its own (:data:`jaxpar.compat.needs.REQUIREMENTS`) as Markdown.
+
+    Returns:
+      A sentence and a table: feature, what it needs, the error class it is refused with.
+    """
+    rows = [f"| {code} | {what} | `{error.__name__}` |" for code, what, error in REQUIREMENTS]
+    return "\n".join(["What a feature needs on its own (`jaxpar.compat.needs`; refused with a named error, "
+                      "like a pair):", "", "| feature | needs | error |", "|---|---|---|"] + rows) + "\n"
 
 
 def markdown_table() -> str:
-    """The table as Markdown: the features, the grid of pairs, and why each refused pair is refused.
+    """The table as Markdown: the features, the grid of pairs, why each refused pair is refused,
+    and what each feature needs on its own (:func:`markdown_needs`).
 
     Returns:
       The text ``docs/strategies.md`` holds between its ``compat-table`` markers.
@@ -36,7 +49,7 @@ def markdown_table() -> str:
     summary = (f"{len(pairs)} pairs: {count['composes']} compose (✓), {count['refused']} are refused with a named "
                f"error (✗), {count['partly']} compose for some values (◐), {count['alternatives']} are "
                "alternatives (—).")
-    return "\n".join(rows + ["", summary, ""] + grid + [""] + refused + [""] + partly) + "\n"
+    return "\n".join(rows + ["", summary, ""] + grid + [""] + refused + [""] + partly + [""]) + "\n" + markdown_needs()
 
 
 def _write_docs(path: str = "docs/strategies.md") -> None:

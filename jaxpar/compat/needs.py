@@ -2,7 +2,9 @@
 
 A refused pair (:data:`jaxpar.compat.settings.RULES`) names two features; a rule here names one
 feature and the setting it cannot run without (a ``pipe`` axis for the no-flush schedules, a data
-axis for the noise scale, loop intervals that are multiples of ``steps_per_call``). Each gives a
+axis for the noise scale and for a codec, the replicas of a sync kind, loop intervals that are
+multiples of ``steps_per_call``). :data:`REQUIREMENTS` says the same in words, for
+``docs/strategies.md``. Each rule gives a
 :class:`~jaxpar.compat.settings.Problem` whose ``features`` hold that one code, so the library raises
 it (:func:`jaxpar.compat.table.raise_problems`) and the config layer renders it with YAML keys, as
 it does the pairs.
@@ -15,10 +17,10 @@ Example:
 """
 from __future__ import annotations
 
-from jaxpar.compat.settings import Problem, Setting
-from jaxpar.errors import AsyncPipelineError, LoopError, NoiseScaleError, StashingError
+from jaxpar.compat.settings import Problem, Setting, value_name
+from jaxpar.errors import AsyncPipelineError, CompressionError, LoopError, NoiseScaleError, StashingError, SyncError
 
-__all__ = ["NEEDS", "INTERVALS"]
+__all__ = ["NEEDS", "INTERVALS", "REQUIREMENTS"]
 
 #: The loop's intervals that ``steps_per_call`` must divide (:attr:`Setting.intervals`' keys).
 INTERVALS = ("steps", "start", "log_every", "eval_every", "checkpoint_every", "stop_check_every")
@@ -60,6 +62,39 @@ def _noise_scale_needs(s: Setting) -> list[Problem]:
                     {"every": every, "d": s.size("data"), "f": s.size("fsdp")}, NoiseScaleError)]
 
 
+def _codec_needs(s: Setting) -> list[Problem]:
+    """A codec compresses the gradient exchange over the data axes: it needs one of size > 1."""
+    codec = s.strategy.compression
+    if codec is None or s.size("data") > 1 or s.size("fsdp") > 1:
+        return []
+    return [Problem(("CP",), ("compression", "data", "fsdp"),
+                    "{n[compression]}={c} on a mesh with no data axis of size > 1 ({n[data]}={d}, {n[fsdp]}={f}): "
+                    "there is no gradient exchange to compress. Remove {n[compression]}, or add data-parallel "
+                    "devices ({n[data]} or {n[fsdp]} > 1).",
+                    {"c": value_name(codec), "d": s.size("data"), "f": s.size("fsdp")}, CompressionError)]
+
+
+def _sync_needs(s: Setting) -> list[Problem]:
+    """A sync kind needs its replicas: at least its ``min_replicas``, and more than backup's spares."""
+    sync, r = s.strategy.sync, s.size("replica")
+    if sync is None:
+        return []
+    least, values = getattr(sync, "min_replicas", 1), {"sync": value_name(sync), "r": r}
+    if r < least:
+        return [Problem(("RS",), ("sync", "replica"),
+                        "{n[sync]}={sync} needs {n[replica_axis]} of size >= {least}, but the mesh has "
+                        "{n[replica]}={r}: the kind averages the replicas' gradients or parameters over that axis. "
+                        "Set {n[replica]} >= {least} (e.g. {n[replica]}=4 with {n[data]}=2), or drop {n[sync]}.",
+                        {**values, "least": least}, SyncError)]
+    spares = getattr(sync, "backups", None)
+    if spares is not None and spares >= r:
+        return [Problem(("RS",), ("sync", "replica"),
+                        "{n[sync]}=backup(backups={b}) on {n[replica]}={r}: the backups must be smaller than the "
+                        "replica axis ({r}), so that at least one replica's gradient is averaged; use backups < "
+                        "{r}, e.g. backups={e}.", {**values, "b": spares, "e": r // 4 or 1}, SyncError)]
+    return []
+
+
 def _calls_needs(s: Setting) -> list[Problem]:
     """``steps_per_call`` K: the loop acts only between calls, so each of its intervals is a multiple of K."""
     k = s.steps_per_call
@@ -73,5 +108,20 @@ def _calls_needs(s: Setting) -> list[Problem]:
                     "it a multiple of {k}.", {"value": value, "k": k}, LoopError)]
 
 
-NEEDS = (_pipeline_needs, _noise_scale_needs, _calls_needs)
+NEEDS = (_pipeline_needs, _noise_scale_needs, _codec_needs, _sync_needs, _calls_needs)
 """The rules of one feature each, in the order :func:`jaxpar.compat.table.needs` runs them."""
+
+#: What each rule of :data:`NEEDS` asks, in words, in their order: ``(feature code, what it needs,
+#: error class)``, one line per problem a rule can give (``docs/strategies.md`` lists them;
+#: ``tests/test_compat_needs.py`` checks each against a setting that lacks it).
+REQUIREMENTS = (
+    ("2B", "a pipe axis > 1", AsyncPipelineError),
+    ("ST", "a pipe axis > 1", StashingError),
+    ("ST", "update_every divides microbatches", StashingError),
+    ("NS", "a data axis > 1 (data x fsdp >= 2)", NoiseScaleError),
+    ("CP", "a data axis > 1 (data x fsdp >= 2)", CompressionError),
+    ("RS", "replica >= the sync kind's minimum (2; synchronous: 1)", SyncError),
+    ("RS", "backup(backups): backups < replica", SyncError),
+    ("K", "the loop's intervals (steps, start, log_every, eval_every, checkpoint every, stop_check_every) "
+          "multiples of steps_per_call", LoopError),
+)

@@ -27,7 +27,7 @@ class Setting(NamedTuple):
       explicit_dp: ``make_train_step(explicit_dp=...)``.
       steps_per_call: optimizer steps per call.
       clip_norm: ``make_train_step(clip_norm=...)``.
-      noise_scale_every: ``make_train_step(noise_scale_every=...)``.
+      noise_scale_every: the noise-scale part's ``with_noise_scale(state, layout, every=...)``.
       ramp: ``None``, ``"fixed"`` or ``"adaptive"`` (the loop's batch ramp), with ``ramp_steps``.
       ramp_steps: the steps at which a fixed ramp changes the batch size.
       optimizer_across_stages: the optimizer's update of a parameter reads other parameters or

@@ -19,7 +19,7 @@ from typing import Any
 from jaxpar.mesh import MeshError
 from jaxpar.parallel.pipeline.partition import PartitionError, check_stage_layers, uniform_layers
 from jaxpar.parallel.pipeline.schedules import get_schedule
-from jaxpar.config.build import MODELS, build_gpt_config, build_strategy, build_sync, mesh_error, mesh_spec
+from jaxpar.config.build import MODELS, build_gpt_config, build_strategy, mesh_error, mesh_spec
 from jaxpar.config.optimizer_section import OPTIMIZERS, lr_scaling_problems
 from jaxpar.config.data_section import build_ramp
 from jaxpar.config.data_checks import data_problems
@@ -178,7 +178,6 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
         for why in (_schedule_problem(par, p), _stage_layers_problem(par, gpt.layers if gpt else None, p)):
             if why:
                 problems.append(why)
-    problems += _sync_problems(par, sizes)
     problems += _steps_per_call_problems(cfg)
     t, dp, k = sizes["tensor"], sizes["data"] * sizes["fsdp"] * sizes.get("replica", 1), par.microbatches
     if gpt is not None:
@@ -203,8 +202,8 @@ YAML_NAMES = {
     "compute_dtype": "parallel.compute_dtype", "explicit_dp": "explicit_dp",
     "steps_per_call": "parallel.steps_per_call", "clip_norm": "optimizer.clip_norm",
     "noise_scale_every": "logging.noise_scale.every", "optimizer": "optimizer.name",
-    "pipe": "mesh.pipe", "pipe_axis": "mesh.pipe", "replica": "mesh.replica", "data": "mesh.data",
-    "fsdp": "mesh.fsdp", "tensor": "mesh.tensor", "context": "mesh.context", "expert": "mesh.expert",
+    "pipe": "mesh.pipe", "pipe_axis": "mesh.pipe", "replica": "mesh.replica", "replica_axis": "mesh.replica",
+    "data": "mesh.data", "fsdp": "mesh.fsdp", "tensor": "mesh.tensor", "context": "mesh.context", "expert": "mesh.expert",
     "ramp": "data.batch_ramp", "ramp_steps": "data.batch_ramp.steps",
     "steps": "train.steps", "log_every": "train.log_every", "eval_every": "train.eval_every",
     "checkpoint_every": "checkpoint.every", "true": "true", "false": "false", "none": "null",
@@ -276,20 +275,6 @@ def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
     k = cfg.parallel.steps_per_call
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         return [f"parallel.steps_per_call={k!r}: must be an int >= 1 (optimizer steps per compiled call)."]
-    return []
-
-
-def _sync_problems(par, sizes) -> list[str]:
-    """``parallel.sync`` against ``mesh.replica`` (and the kinds' own limits)."""
-    if not par.sync:
-        return []
-    from jaxpar.parallel.sync import SyncError, check_sync
-
-    try:
-        sync = build_sync(par.sync)
-        check_sync(sync, sizes.get("replica", 1))
-    except (ConfigError, SyncError) as e:
-        return [f"parallel.sync with mesh.replica={sizes.get('replica', 1)}: {e}"]
     return []
 
 

@@ -20,7 +20,7 @@ train state's arrays, written by every process for its own shards) and ``meta``
 * **Features switched on or off.** A feature's state part (``codec``, ``sync``, ``stats``,
   ``versions``) is dropped when the target keeps none, and started afresh when the checkpoint has
   none or has it in other shapes or for another layout, each with a :class:`CheckpointWarning`
-  (:mod:`jaxpar.run.checkpoint_parts`, :mod:`jaxpar.run.checkpoint_records`).
+  (each a :class:`~jaxpar.run.state_parts.StatePart`: :mod:`jaxpar.run.state_parts`).
 
 Example::
 
@@ -61,9 +61,9 @@ from typing import Any, Callable
 import jax
 
 from jaxpar.adapters.layer_lists import change_form
-from jaxpar.run.checkpoint_format import FORMAT, READABLE, upgrade_record
-from jaxpar.run.checkpoint_parts import fresh_stats, plan_parts, versions_from_params
-from jaxpar.run.checkpoint_records import record_layouts, saved_lists, shapes_of
+from jaxpar.run.checkpoint_format import (FORMAT, READABLE, lists_record, record_layouts, record_shapes, saved_lists,
+                                          upgrade_record)
+from jaxpar.run.state_parts import plan_parts
 from jaxpar.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer", "Restored", "FORMAT"]
@@ -184,15 +184,9 @@ class Checkpointer:
         if step in existing:                     # an unreadable one passed over by restore(): replace it
             self._manager.delete(step)
             self._bad.discard(step)
-        record = {**(meta or {}), "step": int(step), "format": FORMAT, "time": time.time()}
-        for part in ("codec", "sync"):     # their shapes: a restore onto other replicas sees them
-            if jax.tree.leaves(getattr(state, part, ())):
-                record[f"{part}_shapes"] = shapes_of(getattr(state, part))
-        if hasattr(state, "stats"):    # running measurements (TrainState.stats): a restore compares them
-            record["stats_shapes"] = shapes_of(state.stats)
-        if hasattr(state, "versions"):  # older weight versions (PipeDream-2BW's W(t-1)): a restore compares them
-            record["versions_shapes"] = shapes_of(state.versions)
-        record.update(record_layouts(layout if layout is not None else self.layout, state))
+        layout = layout if layout is not None else self.layout
+        record = {**(meta or {}), "step": int(step), "format": FORMAT, "time": time.time(),
+                  **record_shapes(state), **lists_record(layout), **record_layouts(layout, state)}
         if self.lr_schedule is not None:     # the learning rate the run goes on with from this step
             record["schedule"] = {**record.get("schedule", {}), "lr": float(self.lr_schedule(step))}
         t0 = time.perf_counter()
@@ -279,7 +273,7 @@ class Checkpointer:
 
     def _restore_one(self, step: int, abstract: Any, target: Any) -> tuple[Any, dict]:
         """The state and record of ``step``. The optional parts (``codec``, ``sync``, ``stats``, ``versions``)
-        are restored, dropped or started afresh as :func:`~jaxpar.run.checkpoint_parts.plan_parts`
+        are restored, dropped or started afresh as :func:`~jaxpar.run.state_parts.plan_parts`
         decides, each change with a :class:`CheckpointWarning`; a gradient codec's state saved for
         another layout starts afresh (zero residuals): the documented reshard policy."""
         ocp = self._ocp
@@ -319,7 +313,7 @@ class Checkpointer:
             if p.action in ("empty", "drop"):
                 state[p.name] = getattr(abstract, p.name)          # no leaves: the target's own empty part
             elif p.action == "fresh":
-                state[p.name] = self._fresh(p.name, abstract, target, state["params"], where)
+                state[p.name] = p.part.fresh(abstract, state["params"], target, where)
             if p.message:
                 warnings.warn(p.message, CheckpointWarning, stacklevel=4)
         return type(abstract)(**state)
@@ -345,20 +339,6 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)}: {what} saved as another tree than this run's ({diff}): "
                 f"{why}. It cannot be restored, and no older checkpoint is tried (they share it). Resume with the "
                 "settings the checkpoint was saved with, or start a new run.")
-
-    def _fresh(self, name: str, abstract: Any, target: Any, params: Any, where: str) -> Any:
-        """A part started afresh: zero measurements, ``W(t-1) = W(t)``, or the layout's
-        ``codec_init()`` / ``sync_init(params)``."""
-        if name == "stats":
-            return fresh_stats(abstract.stats)
-        if name == "versions":
-            return versions_from_params(abstract.versions, params)
-        init = getattr(target, f"{name}_init", None)
-        if init is None:
-            what = "the gradient codec's state" if name == "codec" else "relaxed synchronisation's replicas"
-            raise CheckpointMismatchError(f"{where}: {what} cannot be restored into this target and has to start "
-                                          "afresh, which needs the StateLayout: call restore(layout).")
-        return init() if name == "codec" else init(params)
 
 
 def _key(k: Any) -> str:

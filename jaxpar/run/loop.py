@@ -122,8 +122,8 @@ def _check_ramp_and_calls(state: Any, ramp: Any, k: Any, **intervals: int) -> No
     these rules read the loop's settings only, so the setting holds the default strategy and no mesh)."""
     if isinstance(ramp, AdaptiveRamp) and not (isinstance(state.stats, dict) and NOISE_KEY in state.stats):
         raise RampError("train(ramp=AdaptiveRamp(...)): the batch grows toward the measured gradient noise scale, "
-                        "but the state measures none; build it with jaxpar.with_noise_scale and the step with "
-                        "make_train_step(..., noise_scale_every=k).")
+                        "but the state measures none; build it with state, layout = jaxpar.with_noise_scale(state, "
+                        "layout, every=k) before make_train_step.")
     check_int("train", "steps_per_call", k, 1)
     kind = "adaptive" if isinstance(ramp, AdaptiveRamp) else "fixed" if ramp is not None else None
     raise_problems(Setting(Strategy(), {}, steps_per_call=k, ramp=kind, ramp_steps=tuple(getattr(ramp, "steps", ())),
@@ -295,7 +295,7 @@ class _Run:
         return summary
 
     def _plot_noise_scale(self) -> str | None:
-        """``noise_scale.png`` (with ``make_train_step(noise_scale_every=...)``): earlier runs' records, then this call's."""
+        """``noise_scale.png`` (a state with ``with_noise_scale(..., every=k)``): earlier records, then this call's."""
         earlier = [(r["step"], r["noise_scale"]) for r in self.writer.history
                    if r.get("kind") == "train" and "noise_scale" in r]
         points = earlier + self.meter.noise_scale

@@ -388,7 +388,7 @@ class Meter:
             extra += f" dist {_fmt(rec['replica_distance'], '.3g')}" if "replica_distance" in rec else ""
             extra += (f" modelled {_fmt(rec['modelled_time'], '.2f')} vs {_fmt(rec['modelled_time_sync'], '.2f')} sync"
                       if "modelled_time" in rec else "")
-        if "noise_scale" in rec:    # the gradient noise scale (make_train_step(noise_scale_every=...))
+        if "noise_scale" in rec:    # the gradient noise scale (a state with with_noise_scale(..., every=k))
             extra += f"  B_noise {rec['noise_scale']:.4g}" if isinstance(rec["noise_scale"], float) else ""
         extra += " (incl. compile)" if rec["includes_compile"] else ""
         text = (f"step {rec['step']:>6}/{self.end}  loss {loss_text}  grad_norm {last['grad_norm']:.3f}  "

@@ -1,8 +1,11 @@
 """The train step: the state, its layout, and the step composed from gradient, exchange and update.
 
-The step is composed from grads.py (gradient kinds), exchange.py (exact / compressed / measured
-exchanges), update.py (the optimizer update, PipeDream-2BW's delayed one) and program.py (the
-jitted programs, :class:`TrainStep`); init.py builds the sharded state and its layout.
+compose.py composes the step from grads.py (gradient kinds), exchange.py (exact / compressed /
+measured exchanges over the data axes), replica_mean.py (the replicas' gradient, masked mean and
+update over ``replica``), update.py (the optimizer update, PipeDream-2BW's delayed one) and
+program.py (the jitted programs, :class:`TrainStep`); stashing_step.py and no_flush_steps.py are
+PipeDream's no-flush programs, local_steps.py DiLoCo / local SGD / EASGD's inner and outer
+programs; init.py builds the sharded state and its layout.
 """
 from jaxpar.step.state import StateLayout as StateLayout, TrainState as TrainState
 from jaxpar.step.init import init_train_state as init_train_state, state_layout as state_layout
@@ -17,7 +20,7 @@ __all__ = ["StateLayout", "TrainState", "init_train_state", "state_layout", "mak
 
 #: Re-exported names whose modules load only when used: compression and relaxed synchronisation
 #: stay out of ``import jaxpar``; ``from jaxpar.step import X`` loads them.
-_FEATURE_EXPORTS = {"compression_plan": "jaxpar.step.compressed", "replica_bytes": "jaxpar.step.relaxed"}
+_FEATURE_EXPORTS = {"compression_plan": "jaxpar.step.compressed", "replica_bytes": "jaxpar.step.replica_mean"}
 
 
 def __getattr__(name):

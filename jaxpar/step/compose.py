@@ -1,20 +1,31 @@
 """One train step for any strategy and any NNX model, composed from small parts.
 
 ``make_train_step(loss_fn, tx, layout)`` runs the strategy the layout was built for. It checks
-the compatibility table (:mod:`jaxpar.compat.table`), then builds the program of the strategy's shape
-(:func:`program_kind`) from four parts:
+the compatibility table (:mod:`jaxpar.compat.table`), then composes the step from parts:
 
-* the **gradient** (:mod:`jaxpar.step.grads`): XLA's GSPMD program or explicit per-layer
-  collectives (:func:`~jaxpar.step.grads.global_grads`), the pipeline executor running the
-  schedule table (:func:`~jaxpar.step.grads.pipeline_grads`), or each data-parallel replica's own
-  gradient (:func:`~jaxpar.step.grads.replica_grads`), accumulated over the micro-batches;
-* the **exchange** (:mod:`jaxpar.step.exchange`) of per-replica gradients: exact, a codec's, or
-  measured (the gradient noise scale, every ``k`` steps in a second program);
-* the **update** (:mod:`jaxpar.step.update`): clip, optax, skip a non-finite step, log the lr;
-  PipeDream-2BW's one-step delay; weight stashing's per-stage updates inside the pipeline; the
-  outer step of DiLoCo / EASGD (:mod:`jaxpar.step.relaxed_steps`);
-* the **program** (:mod:`jaxpar.step.program`): one ``jax.jit`` with the layout's shardings and
-  rules, wrapped in a :class:`~jaxpar.step.program.TrainStep` that picks the program per step.
+* the **gradient** (:func:`_gradient`): XLA's GSPMD program or explicit per-layer collectives
+  (:func:`~jaxpar.step.grads.global_grads`), the pipeline executor running the schedule table
+  (:func:`~jaxpar.step.grads.pipeline_grads`, at ``W(t-1)`` for PipeDream-2BW), each
+  data-parallel replica's own gradient (:func:`~jaxpar.step.grads.replica_grads`), or each
+  ``replica``'s (:func:`~jaxpar.step.replica_mean.replica_gradient`, at delayed parameters for
+  ``stale``), accumulated over the micro-batches;
+* the **exchange** (:func:`_exchange`): exact (inside the gradient), a codec's or measured
+  (:mod:`jaxpar.step.exchange`), or the replicas' masked mean over ``replica``
+  (:func:`~jaxpar.step.replica_mean.replica_exchange`: synchronous, ``stale``, ``backup``);
+* the **update** (:func:`_rule`): the one :func:`~jaxpar.step.update.apply_update` (clip, optax,
+  skip a non-finite step, log the lr), under PipeDream-2BW's version swap
+  (:func:`~jaxpar.step.update.delayed`), or per replica (the asynchronous parameter server);
+* the **state parts** that follow a step: the noise scale's measurement, MoE's loads and router
+  bias (:mod:`jaxpar.step.balancing`), a codec's state, ``stale``'s history;
+* the **program** (:mod:`jaxpar.step.program`): :func:`~jaxpar.step.program.jit_program`, the
+  one ``jax.jit`` with the layout's shardings and rules, in a
+  :class:`~jaxpar.step.program.TrainStep` that picks the program per step.
+
+Two strategies put the update inside a larger program (:func:`program_kind`): PipeDream's
+no-flush pipelines (weight stashing, and 2BW over several steps per call), whose stages read
+older weight versions and call the one update inside the pipeline, and DiLoCo / local SGD /
+EASGD (:mod:`jaxpar.step.local_steps`), whose replicas run the one update on their own and an
+outer rule moves the center.
 
 Example::
 
@@ -50,14 +61,16 @@ from jaxpar.mesh import batch_axes
 from jaxpar.parallel.moe import MoEError, use_router_bias
 from jaxpar.step.balancing import finish as finish_moe
 from jaxpar.strategy import Strategy
+from jaxpar.parallel.sync import synchronous
 from jaxpar.step.exchange import compressed_exchange, exact_exchange, measured_exchange, run_exchange
 from jaxpar.step.grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
 from jaxpar.step.init import raise_table_problems
 from jaxpar.step.program import TrainStep, jit_program
+from jaxpar.step.relaxed import is_local
 from jaxpar.run.report import check_int
-from jaxpar.step.noise_scale import step_measure
-from jaxpar.step.router_bias import KEY as BIAS, has_router_bias, step_rate
-from jaxpar.step.state import StateLayout, StrategyMismatchError, layout_strategy
+from jaxpar.step.noise_scale import KEY as NOISE_SCALE
+from jaxpar.step.router_bias import KEY as BIAS
+from jaxpar.step.state import StateLayout, StrategyMismatchError, has_stats_part, layout_strategy, part_options
 from jaxpar.step.update import Update, apply_update, delayed_update
 
 __all__ = ["make_train_step", "StepOptions", "ExplicitDPError", "StrategyMismatchError", "batch_sharding",
@@ -79,8 +92,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
                     strategy: Strategy | None = None, *, clip_norm: float | None = None,
                     log_lr: Callable | None = None, donate: bool = True,
                     explicit_dp: bool | None = None, skip_nonfinite: bool = False,
-                    noise_scale_every: int | None = None, noise_scale_ema: float | None = None,
-                    steps_per_call: int = 1, router_bias_rate: float | None = None, **removed) -> TrainStep:
+                    steps_per_call: int = 1, **removed) -> TrainStep:
     """Build ``step(state, batch) -> (state, metrics)``, jitted with the layout's shardings.
 
     The step runs the strategy the layout was built for (``layout.strategy``, from
@@ -106,17 +118,10 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
       skip_nonfinite: a step whose loss or gradient norm is NaN / inf keeps the params and
         optimizer state unchanged (the step counter still advances) and reports
         ``metrics["skipped"] = True``.
-      noise_scale_every: the older spelling of ``with_noise_scale(state, layout, every=k)``, which
-        switches the gradient noise scale on (:mod:`jaxpar.step.noise_scale`: every ``k``-th step runs
-        a second program that also measures it); kept for a state part added without ``every``.
-      noise_scale_ema: likewise, ``with_noise_scale(..., ema=)``.
       steps_per_call: ``K``: ``step(state, batches)`` runs ``K`` optimizer steps in one program,
         ``batches`` stacked ``[K, B, ...]``, every metric ``[K]``. PipeDream-2BW and weight
         stashing run ``K`` steps of their no-flush pipeline; the other strategies scan their step
         (the same updates as ``K`` calls).
-      router_bias_rate: the older spelling of ``with_router_bias(state, layout, shape, rate=)``
-        (aux-loss-free MoE balancing: after each step, every MoE layer's router bias moves by the
-        rate towards balance, from the step's loads); kept for a bias added without its rate.
       **removed: options that no longer exist raise a ``TypeError`` that says what replaced them.
 
     Returns:
@@ -126,11 +131,11 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     _refuse_removed(removed)
     layout_strategy(layout, strategy)      # a strategy other than the layout's raises
     update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, log_lr=log_lr)
-    every, ema = step_measure(layout, noise_scale_every, noise_scale_ema) or (None, 0.95)   # the part's options
-    opts = StepOptions(explicit_dp, steps_per_call, every, ema, donate, step_rate(layout, router_bias_rate))
+    every, ema = part_options(layout, NOISE_SCALE) or (None, 0.95)   # the state parts carry their options
+    opts = StepOptions(explicit_dp, steps_per_call, every, ema, donate, part_options(layout, BIAS))
     _check_step(layout, update, opts)
-    return _BUILDERS[program_kind(layout.strategy, dict(layout.mesh.shape), steps_per_call)](
-        loss_fn, layout, update, opts)
+    return _program(program_kind(layout.strategy, dict(layout.mesh.shape), steps_per_call), loss_fn, layout,
+                    update, opts)
 
 
 def program_kind(strategy: Strategy, mesh_sizes: dict, steps_per_call: int = 1) -> str:
@@ -142,18 +147,30 @@ def program_kind(strategy: Strategy, mesh_sizes: dict, steps_per_call: int = 1) 
       steps_per_call: optimizer steps per call.
 
     Returns:
-      ``'stashing'`` (weight stashing: each stage updates inside the pipeline), ``'no-flush'``
-      (several PipeDream-2BW steps in one program), ``'replicas'`` (relaxed synchronisation over
-      ``replica``) or ``'per-step'`` (one gradient, one exchange, one update per step; K steps
-      per call scanned in one program).
+      ``'versioned-pipeline'`` (weight stashing, or several PipeDream-2BW steps: a no-flush
+      pipeline whose stages read older weight versions and run the update inside it),
+      ``'local'`` (DiLoCo / local SGD / EASGD: each replica's inner update, then an outer rule)
+      or ``'per-step'`` (one gradient, one exchange, one update per step, over replicas too; K
+      steps per call scanned in one program).
     """
     if strategy.schedule == "pipedream":
-        return "stashing"
+        return "versioned-pipeline"
     if steps_per_call != 1 and strategy.schedule == "pipedream-2bw" and mesh_sizes.get("pipe", 1) > 1:
-        return "no-flush"
-    if strategy.sync is not None or mesh_sizes.get("replica", 1) > 1:
-        return "replicas"
+        return "versioned-pipeline"
+    if is_local(strategy.sync):
+        return "local"
     return "per-step"
+
+
+def _program(kind: str, loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
+    """The step's programs for its shape (:func:`program_kind`)."""
+    if kind == "local":             # each replica's own update, then the outer rule
+        from jaxpar.step.local_steps import local_train_step   # relaxed synchronisation loads only when used
+
+        return local_train_step(loss_fn, layout, update, donate=opts.donate)
+    if kind == "versioned-pipeline":    # the update runs inside the pipeline, per stage or between steps
+        return _versioned_pipeline(loss_fn, layout, update, opts)
+    return _per_step(loss_fn, layout, update, opts)
 
 
 def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
@@ -164,16 +181,11 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
     raise_table_problems(Setting(strategy, dict(layout.mesh.shape), explicit_dp=opts.explicit_dp,
                                  steps_per_call=opts.steps_per_call, clip_norm=update.clip_norm,
                                  noise_scale_every=opts.noise_scale_every))
-    if opts.noise_scale_every is not None:
-        from jaxpar.step.noise_scale import check_measurable   # the noise scale loads only when used
-
-        check_measurable(layout, opts.noise_scale_every, opts.noise_scale_ema)
     if strategy.schedule == "pipedream-2bw":
         from jaxpar.parallel.pipeline.two_bw import check_two_bw_step
 
         check_two_bw_step(strategy, layout)
-    kind = program_kind(strategy, dict(layout.mesh.shape), opts.steps_per_call)
-    if has_router_bias(layout) and (kind != "per-step" or strategy.schedule == "pipedream-2bw"):
+    if has_stats_part(layout, BIAS) and (_replicated(layout) or strategy.schedule in ("pipedream", "pipedream-2bw")):
         raise MoEError(f"the train state keeps a router bias (aux-loss-free balancing: with_router_bias), which "
                        f"moves by each step's loads, and schedule={strategy.schedule!r} / sync="
                        f"{getattr(strategy.sync, 'name', None)!r} runs steps on older or per-replica weights "
@@ -209,45 +221,66 @@ def scan_steps(step: Callable) -> Callable:
 
 
 def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions, *, measure: bool):
-    """``step(state, batch) -> (state, metrics)``: gradient (at ``W(t-1)`` for PipeDream-2BW), exchange, update."""
-    strategy, mesh = layout.strategy, layout.mesh
-    piped = dict(mesh.shape).get("pipe", 1) > 1
-    exchange = _exchange(layout, measure)
-    if piped:
-        grad = pipeline_grads(loss_fn, layout, per_replica=exchange is not None)
-    elif exchange is not None:
-        grad = replica_grads(loss_fn, layout, with_metrics=True)
-    else:
-        grad = global_grads(loss_fn, layout, explicit_dp=opts.explicit_dp, with_metrics=True)
-    reduce = run_exchange(exchange, layout) if exchange is not None else None
-    delayed = piped and strategy.schedule == "pipedream-2bw"
-    rule = delayed_update if delayed else apply_update
+    """``step(state, batch) -> (state, metrics)``: the gradient, the exchange and the update of
+    the layout's strategy (:func:`_gradient`, :func:`_exchange`, :func:`_rule`), and the state
+    parts that follow the step (the noise scale when ``measure``, MoE's loads and router bias)."""
+    gradient, exchange, rule = _gradient(loss_fn, layout, opts, measure), _exchange(layout, measure), \
+        _rule(layout, update)
     replicas_ = manual_specs(layout).replicas if measure else 1
-    biased = has_router_bias(layout)
+    biased = has_stats_part(layout, BIAS)
 
     def step(state, batch):
         with use_router_bias(state.stats[BIAS] if biased else None):
-            loss, grads, *reported = grad(state.versions if delayed else state.params, batch)
-        parts, metrics = {}, dict(reported[0]) if reported else {}     # what the loss reported
-        if reduce is not None:
-            grads, codec_state, exchanged = reduce(grads, state.codec, state.step)
-            metrics = {**metrics, **exchanged}
-            parts = {"codec": codec_state} if strategy.compression is not None else {}
+            loss, grads, metrics = gradient(state, batch)
+        loss, grads, parts, exchanged = exchange(state, loss, grads)
+        metrics = {**metrics, **exchanged}
         if measure:
             parts["stats"], metrics = _noise_scale_stats(state, batch, metrics, replicas_, opts.noise_scale_ema)
         stats, metrics = finish_moe(parts.get("stats", state.stats), metrics, opts.router_bias_rate)   # MoE's part
         if biased:
             parts["stats"] = stats
-        return rule(update, state, loss, grads, parts=parts, metrics=metrics)
+        return rule(state, loss, grads, parts=parts, metrics=metrics)
 
     return step
 
 
-def _exchange(layout: StateLayout, measure: bool):
-    """The exchange of the program (``None``: XLA's exact one, inside the gradient)."""
+def _replicated(layout: StateLayout) -> bool:
+    """Whether the state holds replicas on a ``replica`` axis (relaxed synchronisation)."""
+    return layout.strategy.sync is not None or dict(layout.mesh.shape).get("replica", 1) > 1
+
+
+def _gradient(loss_fn: Callable, layout: StateLayout, opts: StepOptions, measure: bool) -> Callable:
+    """``gradient(state, batch) -> (loss, grads, metrics)``: the replicas' own gradients on a
+    ``replica`` axis, the pipeline's (at ``W(t-1)`` for PipeDream-2BW), each data-parallel
+    replica's (for a codec or a measurement), or the global one."""
     strategy = layout.strategy
+    if _replicated(layout):
+        from jaxpar.step.replica_mean import replica_gradient
+
+        return replica_gradient(loss_fn, layout, strategy.sync or synchronous())
+    per_replica = strategy.compression is not None or measure
+    if dict(layout.mesh.shape).get("pipe", 1) > 1:
+        grad = pipeline_grads(loss_fn, layout, per_replica=per_replica)
+        read = (lambda s: s.versions) if strategy.schedule == "pipedream-2bw" else (lambda s: s.params)
+        return lambda state, batch: grad(read(state), batch)
+    if per_replica:
+        grad = replica_grads(loss_fn, layout, with_metrics=True)
+    else:
+        grad = global_grads(loss_fn, layout, explicit_dp=opts.explicit_dp, with_metrics=True)
+    return lambda state, batch: grad(state.params, batch)
+
+
+def _exchange(layout: StateLayout, measure: bool) -> Callable:
+    """``exchange(state, loss, grads) -> (loss, grads, parts, metrics)``: the replicas' (masked)
+    mean over ``replica``, a codec's or a measured exchange over the data axes, or none (XLA's
+    exact one is inside the gradient); ``parts``: the state parts it changed (a codec's state)."""
+    strategy = layout.strategy
+    if _replicated(layout):
+        from jaxpar.step.replica_mean import replica_exchange
+
+        return replica_exchange(strategy.sync or synchronous(), layout)
     if strategy.compression is None and not measure:
-        return None
+        return lambda state, loss, grads: (loss, grads, {}, {})
     man = manual_specs(layout)
     if strategy.compression is not None:
         from jaxpar.step.compressed import compression_plan   # compression loads only when used
@@ -256,7 +289,27 @@ def _exchange(layout: StateLayout, measure: bool):
                                     strategy.local_clip)
     else:
         inner = exact_exchange(man)
-    return measured_exchange(inner, man) if measure else inner
+    reduce = run_exchange(measured_exchange(inner, man) if measure else inner, layout)
+
+    def exchange(state, loss, grads):
+        grads, codec_state, metrics = reduce(grads, state.codec, state.step)
+        return loss, grads, ({"codec": codec_state} if strategy.compression is not None else {}), metrics
+
+    return exchange
+
+
+def _rule(layout: StateLayout, update: Update) -> Callable:
+    """``rule(state, loss, grads, *, parts, metrics) -> (state, metrics)``: the one update
+    (:func:`~jaxpar.step.update.apply_update`), under PipeDream-2BW's version swap, or over
+    replicas (asynchronously one by one; ``stale`` keeping its history)."""
+    strategy = layout.strategy
+    if _replicated(layout):
+        from jaxpar.step.replica_mean import replica_rule
+
+        return replica_rule(strategy.sync or synchronous(), update, layout)
+    if strategy.schedule == "pipedream-2bw" and dict(layout.mesh.shape).get("pipe", 1) > 1:
+        return partial(delayed_update, update)
+    return partial(apply_update, update)
 
 
 def _noise_scale_stats(state, batch, metrics: dict, replicas_: int, ema: float) -> tuple[dict, dict]:
@@ -270,20 +323,18 @@ def _noise_scale_stats(state, batch, metrics: dict, replicas_: int, ema: float) 
     return {**state.stats, KEY: stats}, {**metrics, **measured}
 
 
-def _stashing(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
-    """Weight stashing: each stage applies ``tx`` to its own weights inside the pipeline."""
-    from jaxpar.step.stashing_step import make_stashing_step   # pipelines load only when used
+def _versioned_pipeline(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
+    """PipeDream's no-flush programs, ``steps_per_call`` steps each: weight stashing (each stage
+    updates its own weights inside the pipeline, micro-batches reading the version their forward
+    used) or PipeDream-2BW (two versions, the update between steps); both call the one update."""
+    if layout.strategy.schedule == "pipedream":
+        from jaxpar.step.stashing_step import make_stashing_step   # pipelines load only when used
 
-    run, program = make_stashing_step(loss_fn, update.tx, layout, opts.steps_per_call, log_lr=update.log_lr,
-                                      skip_nonfinite=update.skip_nonfinite)
-    return _stacked_steps(run, layout, opts, program)
+        run, program = make_stashing_step(loss_fn, layout, update, opts.steps_per_call)
+    else:
+        from jaxpar.step.no_flush_steps import make_two_bw_steps
 
-
-def _no_flush(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
-    """``steps_per_call`` PipeDream-2BW steps of the no-flush pipeline, the update between them."""
-    from jaxpar.step.no_flush_steps import make_two_bw_steps
-
-    run, program = make_two_bw_steps(loss_fn, layout, opts.steps_per_call, partial(apply_update, update))
+        run, program = make_two_bw_steps(loss_fn, layout, update, opts.steps_per_call)
     return _stacked_steps(run, layout, opts, program)
 
 
@@ -307,20 +358,20 @@ def _stacked_steps(run: Callable, layout: StateLayout, opts: StepOptions, progra
                      pipeline_program=program)
 
 
-def _replicas(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
-    from jaxpar.step.relaxed_steps import relaxed_train_step   # relaxed synchronisation loads only when used
-
-    return relaxed_train_step(loss_fn, layout, update, explicit_dp=opts.explicit_dp, donate=opts.donate)
-
-
-_BUILDERS = {"per-step": _per_step, "stashing": _stashing, "no-flush": _no_flush, "replicas": _replicas}
-
-
 def _refuse_removed(removed: dict) -> None:
     if "lr_schedule" in removed:
         raise TypeError("make_train_step(lr_schedule=...) was removed: it only logged metrics['lr'] and never "
                         "changed the updates, which follow tx. Build tx with the schedule (e.g. "
                         "optax.adamw(schedule)) and pass log_lr=schedule to log it.")
+    moved = {"noise_scale_every": "with_noise_scale(state, layout, every=k)",
+             "noise_scale_ema": "with_noise_scale(state, layout, every=k, ema=...)",
+             "router_bias_rate": "with_router_bias(state, layout, shape, rate=...)"}
+    named = sorted(set(removed) & set(moved))
+    if named:
+        name = named[0]
+        raise TypeError(f"make_train_step({name}=...) was removed: the option belongs to its state part. Give it "
+                        f"there, {moved[name]} (jaxpar.step.noise_scale / jaxpar.step.router_bias), and leave it "
+                        "out of make_train_step.")
     if removed:
         raise TypeError(f"make_train_step got unexpected keyword arguments {sorted(removed)}.")
 

@@ -41,7 +41,7 @@ from jaxpar.parallel.pipeline.piped import check_pipeline_strategy, staged_cut
 from jaxpar.parallel.pipeline.instructions import Program, lower
 from jaxpar.parallel.pipeline.schedules import pipedream_2bw
 from jaxpar.parallel.pipeline.stage import PIPE, TICKS_SCOPE, Stage, initial_state, stage_counts, tick, tick_table
-from jaxpar.step.update import delayed
+from jaxpar.step.update import Update, apply_update, delayed
 
 __all__ = ["make_two_bw_steps", "check_steps_per_call", "check_stacked_batches", "window_runner",
            "step_microbatches", "TICKS_SCOPE", "WINDOWS_SCOPE"]
@@ -189,19 +189,18 @@ def _stack2(a, b):
     return jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)
 
 
-def make_two_bw_steps(loss_fn: Callable, layout, steps: int, apply_update: Callable) -> tuple[Callable, Program]:
+def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> tuple[Callable, Program]:
     """``steps`` PipeDream-2BW optimizer steps of the no-flush table in one program (see the module
     docstring).
 
     Args:
       loss_fn: the user's loss (on the last stage).
       layout: the train state's layout (its strategy: ``schedule='pipedream-2bw'``).
-      steps: optimizer steps per call.
-      apply_update: ``(state, loss, grads) -> (state, metrics)``, the train step's update
-        (:func:`~jaxpar.step.update.apply_update` with its options); it runs under
+      update: the train step's update options; :func:`~jaxpar.step.update.apply_update` runs under
         :func:`~jaxpar.step.update.delayed`, PipeDream-2BW's rule of the one-step program too:
         ``W(t)`` becomes the older version, on a skipped step as well (the next step's first
         micro-batches have already run on ``W(t)``).
+      steps: optimizer steps per call.
 
     Returns:
       ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
@@ -216,7 +215,7 @@ def make_two_bw_steps(loss_fn: Callable, layout, steps: int, apply_update: Calla
     rows0, rows_later = _windows_rows(program, p, m, steps)
     grad_shardings = named_shardings(layout.grads, mesh)
 
-    update = delayed(apply_update)      # the one-step program's rule: W(t) becomes the older version
+    rule = delayed(functools.partial(apply_update, update))      # the one-step program's rule: W(t) becomes the older version
 
     def run(state, batches):
         mbs = step_microbatches(batches, m, mesh, steps)
@@ -232,7 +231,7 @@ def make_two_bw_steps(loss_fn: Callable, layout, steps: int, apply_update: Calla
             runner = runners[0 if st is None else 1]
             (loss, g_outer, g_blocks, found), st = runner(*_stack2((o_prev, b_prev), (o_cur, b_cur)), mbs, st, rows, t)
             grads = jax.lax.with_sharding_constraint(cut.grads(g_outer, g_blocks), grad_shardings)
-            state, metrics = update(state, loss, grads)
+            state, metrics = rule(state, loss, grads)
             return state, st, {**found, **metrics}       # and what the loss reported
 
         state, st, first = window(state, None, rows0, jnp.int32(0))

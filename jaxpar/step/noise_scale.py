@@ -23,7 +23,7 @@ estimate over training. The measurement is switched on in one place,
 ``with_noise_scale(state, layout, every=k)``, and the step measures inside itself:
 every ``k``-th step runs a second program whose exchange is
 :func:`jaxpar.step.exchange.measured_exchange` (each replica's own gradient, then the average),
-with any flush pipeline schedule and any gradient codec; :func:`check_measurable` says where it cannot.
+with any flush pipeline schedule and any gradient codec; it needs a data axis (:mod:`jaxpar.compat.needs`).
 
 Example::
 
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jaxpar.step.state import has_stats_part, part_options, stats_part_layout, with_stats_part
 from jaxpar.errors import NoiseScaleError
 
-__all__ = ["NoiseScaleError", "KEY", "METRICS", "Measure", "step_measure", "check_options", "noise_scale_layout", "check_measurable", "grad_sq_estimate", "trace_estimate",
+__all__ = ["NoiseScaleError", "KEY", "METRICS", "Measure", "check_options", "noise_scale_layout", "grad_sq_estimate", "trace_estimate",
            "init_state", "update", "noise_scale_of", "with_noise_scale", "has_noise_scale", "plot_noise_scale"]
 
 #: The key of the noise-scale state in ``TrainState.stats``.
@@ -63,37 +63,8 @@ class Measure(NamedTuple):
     ema: float = 0.95
 
 
-def step_measure(layout, every: Any = None, ema: Any = None) -> Measure | None:
-    """What the step measures: the options the state's part was added with (:func:`with_noise_scale`);
-    ``None``: nothing.
-
-    Args:
-      layout: the state's layout.
-      every: ``make_train_step(noise_scale_every=)``, accepted only for a part added without ``every``
-        (the configuration layer's older spelling).
-      ema: ``make_train_step(noise_scale_ema=)``, with ``every`` (``None``: 0.95; without ``every``
-        it has no effect, as the configuration layer passes it).
-
-    Returns:
-      The :class:`Measure`, or ``None``.
-
-    Raises:
-      NoiseScaleError: options given twice, or bad ones.
-    """
-    kept = part_options(layout, KEY)
-    if kept is not None and (every is not None or ema is not None):
-        raise NoiseScaleError(f"make_train_step(noise_scale_every={every}, noise_scale_ema={ema}) for a noise-scale "
-                              f"state added with every={kept.every}, ema={kept.ema}: the options are the state part's "
-                              "(with_noise_scale(state, layout, every=, ema=)); leave them out of make_train_step.")
-    if kept is not None:
-        return kept
-    if every is None:        # the older spelling: an ema without every measured nothing, as before
-        return None
-    return Measure(every, 0.95 if ema is None else ema)
-
-
-def check_options(every: Any, ema: Any, owner: str = "make_train_step",
-                  names: tuple[str, str] = ("noise_scale_every", "noise_scale_ema")) -> None:
+def check_options(every: Any, ema: Any, owner: str = "with_noise_scale",
+                  names: tuple[str, str] = ("every", "ema")) -> None:
     """Raise :class:`NoiseScaleError` unless ``every`` is an int >= 1 and ``ema`` a float in [0, 1).
 
     Args:
@@ -102,42 +73,21 @@ def check_options(every: Any, ema: Any, owner: str = "make_train_step",
       owner: the function named in the error.
       names: the names of ``every`` and ``ema`` there.
 
+    Raises:
+      NoiseScaleError: naming the bad option and what it must be.
+
     >>> check_options(10, 0.95)
     >>> check_options(0, 0.95)
     Traceback (most recent call last):
     ...
-    jaxpar.errors.NoiseScaleError: make_train_step(noise_scale_every=0): must be an int >= 1 ...
+    jaxpar.errors.NoiseScaleError: with_noise_scale(every=0): must be an int >= 1 ...
     """
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise NoiseScaleError(f"{owner}({names[0]}={every!r}): must be an int >= 1 (measure every that many "
-                              "steps), or None to measure nothing.")
+                              "steps); to measure nothing, build the state without the noise-scale part.")
     if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 <= ema < 1:
         raise NoiseScaleError(f"{owner}({names[1]}={ema!r}): must be a float in [0, 1), the decay of the moving "
                               "averages of tr(Σ) and |G|² per measurement (0: no averaging; e.g. 0.95).")
-
-
-def check_measurable(layout, every: Any, ema: Any) -> None:
-    """Raise :class:`NoiseScaleError` where ``make_train_step(noise_scale_every=every,
-    noise_scale_ema=ema)`` cannot measure on ``layout``: bad options, no data axis, no place in
-    the state (the features it does not combine with are in :mod:`jaxpar.compat.table`).
-
-    Args:
-      layout: the state's :class:`~jaxpar.step.state.StateLayout` (its strategy and mesh).
-      every: measure every ``every`` steps.
-      ema: the moving averages' decay.
-    """
-    check_options(every, ema)
-    sizes = dict(layout.mesh.shape)
-    axes = [a for a in ("data", "fsdp") if sizes.get(a, 1) > 1]
-    why = None
-    if not axes:
-        why = (f"the mesh {sizes} has no data axis ('data' or 'fsdp') of size > 1, so each replica's batch is the "
-               "global batch and the two-batch estimate is undefined; use a mesh with data > 1")
-    elif not has_noise_scale(layout):
-        why = ("the train state has no place for the moving averages; create it with "
-               "state, layout = jaxpar.step.noise_scale.with_noise_scale(*jaxpar.init_train_state(...))")
-    if why:
-        raise NoiseScaleError(f"make_train_step(noise_scale_every={every}): {why}.")
 
 
 def grad_sq_estimate(sq_small, sq_big, b_small, b_big):
@@ -223,7 +173,7 @@ def update(state: dict, sq_small, sq_big, b_small: int, b_big: int, ema: float) 
     return new, metrics
 
 
-def with_noise_scale(state, layout, *, every: int | None = None, ema: float = 0.95) -> tuple[Any, Any]:
+def with_noise_scale(state, layout, *, every: int, ema: float = 0.95) -> tuple[Any, Any]:
     """``(state, layout)`` with a fresh noise-scale state in ``TrainState.stats[KEY]`` (replicated
     scalars), measured by the step every ``every`` steps: call it after :func:`jaxpar.init_train_state`
     and before restoring a checkpoint; ``make_train_step`` reads ``every`` and ``ema`` from the layout.
@@ -231,13 +181,16 @@ def with_noise_scale(state, layout, *, every: int | None = None, ema: float = 0.
     Args:
       state: the train state.
       layout: its layout.
-      every: measure every that many steps (the step runs a second program then). ``None`` keeps
-        the averages without measuring (a resumed run that stops measuring), or leaves ``every`` to
-        ``make_train_step(noise_scale_every=)``, the configuration layer's older spelling.
+      every: measure every that many steps (the step runs a second program then); required. A run
+        that measures nothing builds its state without this part (a checkpoint's measurements are
+        then dropped, with a warning).
       ema: the moving averages' decay per measurement, in [0, 1).
 
     Returns:
       The state and layout with the part.
+
+    Raises:
+      NoiseScaleError: naming a bad ``every`` or ``ema``.
 
     >>> import jax, optax, jaxpar
     >>> from flax import nnx
@@ -245,30 +198,32 @@ def with_noise_scale(state, layout, *, every: int | None = None, ema: float = 0.
     >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
     >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
     >>> state, layout = with_noise_scale(*jaxpar.init_train_state(model_fn, optax.sgd(0.1), mesh), every=10)
-    >>> int(state.stats["noise_scale"]["count"]), layout.stats["noise_scale"]["count"], step_measure(layout)
+    >>> int(state.stats["noise_scale"]["count"]), layout.stats["noise_scale"]["count"], part_options(layout, KEY)
     (0, P(), Measure(every=10, ema=0.95))
     """
     return with_stats_part(state, layout, KEY, init_state(), _options(every, ema, "with_noise_scale"))
 
 
-def _options(every: Any, ema: Any, owner: str) -> Measure | None:
-    if every is None:
-        return None
-    check_options(every, ema, owner, names=("every", "ema"))
+def _options(every: Any, ema: Any, owner: str) -> Measure:
+    """The part's :class:`Measure`, checked (``owner``: the function named in an error)."""
+    check_options(every, ema, owner)
     return Measure(every, ema)
 
 
-def noise_scale_layout(layout, *, every: int | None = None, ema: float = 0.95) -> Any:
+def noise_scale_layout(layout, *, every: int, ema: float = 0.95) -> Any:
     """``layout`` with a place for the noise-scale state (replicated scalars), without creating it
     (for ahead-of-time compilation: :meth:`~jaxpar.step.state.StateLayout.abstract_state` then has it).
 
     Args:
       layout: the train state's :class:`~jaxpar.step.state.StateLayout`.
-      every: as in :func:`with_noise_scale`.
+      every: as in :func:`with_noise_scale` (required).
       ema: as in :func:`with_noise_scale`.
 
     Returns:
       The layout with ``stats[KEY]``.
+
+    Raises:
+      NoiseScaleError: naming a bad ``every`` or ``ema``.
     """
     return stats_part_layout(layout, KEY, jax.eval_shape(init_state), _options(every, ema, "noise_scale_layout"))
 

@@ -33,8 +33,8 @@ from jaxpar.parallel.context import ContextParallelError, count_context_calls, u
 from jaxpar.mesh import CONTEXT, EXPERT
 from jaxpar.parallel.moe import MoEError, count_moe_calls
 from jaxpar.rules import use_rules
-from jaxpar.step.router_bias import has_router_bias
-from jaxpar.step.state import StateLayout
+from jaxpar.step.router_bias import KEY as BIAS
+from jaxpar.step.state import StateLayout, has_stats_part
 
 __all__ = ["TrainStep", "jit_program", "HostStep", "strategy_context"]
 
@@ -79,7 +79,7 @@ def _check_moe(layout: StateLayout, moe) -> None:
         raise MoEError(f"the mesh has an expert axis of size {experts}, but the loss never ran an MoE layer "
                        "(jaxpar.parallel.moe.moe_apply, jaxpar.parallel.moe.MoE, GPTConfig.moe): the axis would only split the batch. "
                        "Use a model with MoE layers, or put those devices on the data axis.")
-    if has_router_bias(layout) and not moe.router_bias:
+    if has_stats_part(layout, BIAS) and not moe.router_bias:
         raise MoEError("the train state keeps a router bias (aux-loss-free balancing: with_router_bias), but the loss "
                        "never read it (jaxpar.parallel.moe.router_bias(): the GPT with MoE layers does), so it would move "
                        "without steering any choice. Read it in the MoE layers, or build the state without it.")

@@ -26,14 +26,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpar.compat.table import Setting, raise_problems
 from jaxpar.mesh import REPLICA, data_axes, replicas
 from jaxpar.rules import named_shardings
 from jaxpar.strategy import Strategy
-from jaxpar.parallel.zero import spec_shards
-from jaxpar.parallel.sync import DiLoCo, EASGD, Stale, SyncError, check_sync, synchronous
+from jaxpar.parallel.sync import DiLoCo, EASGD, Stale, synchronous
 from jaxpar.step.state import StateLayout, optimizer_specs
 
-__all__ = ["relaxed_layout", "replica_bytes", "split_replicas", "is_local"]
+__all__ = ["relaxed_layout", "split_replicas", "is_local"]
 
 _is_spec = lambda x: isinstance(x, P)   # noqa: E731
 
@@ -71,14 +71,13 @@ def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation, strate
       ``make(params) -> (opt_state, sync)`` that builds them from the parameters.
 
     Raises:
-      SyncError: the sync kind does not fit the ``replica`` axis, or the mesh has a pipeline.
+      JaxparError: the compatibility table's refusal of ``strategy`` on the layout's mesh
+        (:func:`jaxpar.compat.table.raise_problems`), as its class: ``SyncError`` where the sync
+        kind does not fit the ``replica`` axis or the mesh has a flush pipeline.
     """
     mesh, sync = layout.mesh, strategy.sync or synchronous()
     k = replicas(mesh)
-    check_sync(sync, k)
-    if dict(mesh.shape).get("pipe", 1) > 1:
-        raise SyncError(f"sync {sync.name!r} with pipe={mesh.shape['pipe']} on replica={k}: pipelined replicas are "
-                        "not supported yet; use data / fsdp / tensor inside each replica (mesh pipe=1).")
+    raise_problems(Setting(strategy, dict(mesh.shape)))     # init_train_state has run it; a direct call has not
     inner_shapes, inner_specs = optimizer_specs(tx, layout.shapes, layout.opt_param_specs)
     if isinstance(sync, DiLoCo):
         opt_shapes, opt_specs = optimizer_specs(sync.outer, layout.shapes, layout.opt_param_specs)
@@ -112,21 +111,6 @@ def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation, strate
     new = replace(layout, opt_state=opt_specs, opt_shapes=opt_shapes, sync=part, sync_shapes=part_shapes,
                   sync_init=sync_init)
     return new, make
-
-
-def replica_bytes(layout: StateLayout) -> int:
-    """Bytes per device of one model's worth of fp32 values in the parameters' layout: the
-    buffer of each all-reduce over ``replica`` (gradients every step, or parameters at a sync).
-
-    Args:
-      layout: the train state's layout (its shapes, parameter specs and mesh).
-
-    Returns:
-      The bytes on one device.
-    """
-    sizes = dict(layout.mesh.shape)
-    return sum(4 * a.size // spec_shards(spec, sizes)
-               for a, spec in zip(jax.tree.leaves(layout.shapes), jax.tree.leaves(layout.params, is_leaf=_is_spec)))
 
 
 def split_replicas(batch: Any, k: int, mesh) -> Any:

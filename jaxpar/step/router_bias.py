@@ -38,39 +38,43 @@ import jax.numpy as jnp
 from jaxpar.parallel.moe import LAYER_LOADS, MoEError, update_router_bias
 from jaxpar.step.state import has_stats_part, part_options, stats_part_layout, with_stats_part
 
-__all__ = ["KEY", "with_router_bias", "router_bias_layout", "has_router_bias", "balanced_bias", "step_rate"]
+__all__ = ["KEY", "with_router_bias", "router_bias_layout", "has_router_bias", "balanced_bias"]
 
 #: The key of the router bias in ``TrainState.stats``.
 KEY = "router_bias"
 
 
-def _checked(shape: Any, rate: Any) -> tuple[tuple[int, ...], Any]:
+def _checked(shape: Any, rate: Any, owner: str = "with_router_bias") -> tuple[tuple[int, ...], float]:
+    """``(shape, rate)`` checked (``owner``: the function named in an error)."""
     shape = tuple(shape)
     if len(shape) != 2 or not all(isinstance(n, int) and n >= 1 for n in shape):
-        raise MoEError(f"with_router_bias(shape={shape!r}): give (MoE layers, experts), two positive ints.")
-    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
-        raise MoEError(f"with_router_bias(rate={rate!r}): the bias step must be a number > 0 (DeepSeek-V3: 0.001).")
+        raise MoEError(f"{owner}(shape={shape!r}): give (MoE layers, experts), two positive ints.")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+        raise MoEError(f"{owner}(rate={rate!r}): the bias step must be a number > 0 (DeepSeek-V3: 0.001); a "
+                       "model that does not balance with a bias is built without this part.")
     return shape, rate
 
 
-def router_bias_layout(layout: Any, shape: tuple[int, ...], *, rate: float | None = None) -> Any:
+def router_bias_layout(layout: Any, shape: tuple[int, ...], *, rate: float) -> Any:
     """``layout`` with a place for the router bias (replicated), without creating it (ahead-of-time
     compilation: :meth:`~jaxpar.step.state.StateLayout.abstract_state` then has it).
 
     Args:
       layout: the train state's :class:`~jaxpar.step.state.StateLayout`.
       shape: ``(MoE layers, experts)``.
-      rate: the bias step per train step, as in :func:`with_router_bias`.
+      rate: the bias step per train step, as in :func:`with_router_bias` (required).
 
     Returns:
       The layout with ``stats["router_bias"]``.
+
+    Raises:
+      MoEError: naming a bad shape or rate.
     """
-    shape, rate = _checked(shape, rate)
+    shape, rate = _checked(shape, rate, "router_bias_layout")
     return stats_part_layout(layout, KEY, jax.ShapeDtypeStruct(shape, jnp.float32), rate)
 
 
-def with_router_bias(state: Any, layout: Any, shape: tuple[int, ...], *, rate: float | None = None
-                     ) -> tuple[Any, Any]:
+def with_router_bias(state: Any, layout: Any, shape: tuple[int, ...], *, rate: float) -> tuple[Any, Any]:
     """``(state, layout)`` with a zero router bias of ``shape`` in ``stats`` (replicated), moved by
     ``rate`` towards balance after every step: call it after :func:`jaxpar.init_train_state` and
     before restoring a checkpoint; ``make_train_step`` reads the rate from the layout.
@@ -79,8 +83,7 @@ def with_router_bias(state: Any, layout: Any, shape: tuple[int, ...], *, rate: f
       state: the train state.
       layout: its layout.
       shape: ``(MoE layers, experts)`` (the GPT: ``(layers // moe.every, moe.experts)``).
-      rate: the bias step per train step (DeepSeek-V3: 0.001). ``None`` is kept only for
-        ``make_train_step(router_bias_rate=)``, the configuration layer's older spelling.
+      rate: the bias step per train step, a number > 0 (DeepSeek-V3: 0.001); required.
 
     Returns:
       The state and layout with ``stats["router_bias"] = zeros(shape)``.
@@ -90,36 +93,6 @@ def with_router_bias(state: Any, layout: Any, shape: tuple[int, ...], *, rate: f
     """
     shape, rate = _checked(shape, rate)
     return with_stats_part(state, layout, KEY, jnp.zeros(shape, jnp.float32), rate)
-
-
-def step_rate(layout: Any, keyword: Any = None) -> float | None:
-    """The rate the step moves the router bias by: the one the state's part was added with
-    (:func:`with_router_bias`); ``None`` without a bias.
-
-    Args:
-      layout: the state's layout.
-      keyword: ``make_train_step(router_bias_rate=)``, accepted only for a part added without a rate.
-
-    Returns:
-      The rate, or ``None``.
-
-    Raises:
-      MoEError: a rate given twice, none at all, a bad one, or one for a state without a bias.
-    """
-    kept, rate = has_router_bias(layout), part_options(layout, KEY)
-    if keyword is not None and not kept:
-        raise MoEError(f"make_train_step(router_bias_rate={keyword}) on a state without a router bias: add it with its "
-                       "rate, state, layout = jaxpar.step.router_bias.with_router_bias(state, layout, (moe_layers, "
-                       "experts), rate=...), and leave router_bias_rate out.")
-    if keyword is not None and rate is not None:
-        raise MoEError(f"make_train_step(router_bias_rate={keyword}) for a router bias added with rate={rate}: the rate "
-                       "is the state part's (with_router_bias(..., rate=)); leave router_bias_rate out.")
-    if keyword is not None:
-        return _checked((1, 1), keyword)[1]
-    if kept and rate is None:
-        raise MoEError("the train state keeps a router bias (with_router_bias) added without its rate: give it there, "
-                       "with_router_bias(state, layout, (moe_layers, experts), rate=0.001).")
-    return rate
 
 
 def has_router_bias(layout: Any) -> bool:

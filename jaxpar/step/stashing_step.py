@@ -244,18 +244,18 @@ def check_stashing_step(strategy, layout) -> None:
 
 
 # ----------------------------------------------------------------------------- the step
-def make_stashing_step(loss_fn: Callable, tx, layout, steps: int = 1, *, log_lr: Callable | None = None,
-                       skip_nonfinite: bool = False) -> tuple[Callable, StashProgram]:
+def make_stashing_step(loss_fn: Callable, layout, update: Update, steps: int = 1) -> tuple[Callable, StashProgram]:
     """``steps`` optimizer steps of weight stashing in one program (see the module docstring): each
     stage applies ``tx`` to its own weights inside the pipeline.
 
     Args:
       loss_fn: the user's loss (on the last stage).
-      tx: the optimizer, applied per stage (:func:`optimizer_is_per_stage`).
       layout: the train state's layout (its strategy: ``schedule='pipedream'``).
+      update: the update's options (:class:`~jaxpar.step.update.Update`): ``tx`` is applied per
+        stage (:func:`optimizer_is_per_stage`); with ``skip_nonfinite`` a stage whose update
+        gradient is not finite keeps its weights; ``log_lr`` is logged as ``metrics["lr"]``;
+        ``clip_norm`` is refused by the compatibility table (a global norm spans the stages).
       steps: optimizer steps per call.
-      log_lr: ``step -> learning rate``, logged as ``metrics["lr"]``.
-      skip_nonfinite: a stage whose update gradient is not finite keeps its weights.
 
     Returns:
       ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
@@ -270,8 +270,9 @@ def make_stashing_step(loss_fn: Callable, tx, layout, steps: int = 1, *, log_lr:
     m = strategy.microbatches
     sp = lower_stashed(pipedream(layout.mesh.shape[PIPE], m, steps), m=m, update_every=strategy.update_every,
                        vertical_sync=strategy.vertical_sync)
-    step = _StashingRun(loss_fn, tx, layout, sp, steps, log_lr=log_lr, skip_nonfinite=skip_nonfinite)
-    if not optimizer_is_per_stage(tx, layout.shapes, stacked_block_ids(layout)):
+    step = _StashingRun(loss_fn, update.tx, layout, sp, steps, log_lr=update.log_lr,
+                        skip_nonfinite=update.skip_nonfinite)
+    if not optimizer_is_per_stage(update.tx, layout.shapes, stacked_block_ids(layout)):
         raise_problems(Setting(strategy, dict(layout.mesh.shape), optimizer_across_stages=True))
     return step.run, sp
 

@@ -9,7 +9,7 @@ applies. The rules that change *when* it applies or *with which weights* wrap it
   :func:`delayed`, so they agree on every step, a skipped one included;
 * weight stashing (:mod:`jaxpar.step.stashing_step`) calls :func:`apply_update` for each
   stage's update inside the pipeline (no ``clip_norm``: a global clip spans the stages);
-* relaxed synchronisation (:mod:`jaxpar.step.relaxed_steps`) calls it once per step on the
+* relaxed synchronisation (:mod:`jaxpar.step.local_steps`) calls it once per step on the
   replicas' (masked) mean gradient, once per replica in turn (the asynchronous parameter server),
   or as each replica's inner update (DiLoCo / local SGD / EASGD, whose outer step is their own).
 

@@ -51,6 +51,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxpar.compat.table import Setting, raise_problems
 from jaxpar.parallel.data_parallel import axis_name, unflatten_leaf
 from jaxpar.parallel.compression.base import CompressionError
 from jaxpar.parallel.compression.codecs import Codec
@@ -381,10 +382,9 @@ def exchange_plan(codec, shapes: list, *, dims: list, grad_axes: list, stacked: 
       The plan.
     """
     axes = tuple(a for a in ("fsdp", "data") if mesh_sizes.get(a, 1) > 1)
-    if not axes:
-        raise CompressionError(f"compression={getattr(codec, 'name', codec)!r} on a mesh {dict(mesh_sizes)} with "
-                               "no data axis ('data' or 'fsdp') larger than 1: there is no gradient exchange to "
-                               "compress. Remove parallel.compression or add data-parallel devices.")
+    if not axes:        # the table's need of a codec (CompressionError), for a call without init_train_state
+        from jaxpar.strategy import Strategy     # jaxpar.strategy imports this package
+        raise_problems(Setting(Strategy(compression=codec), dict(mesh_sizes)))
     order = [a for ga in grad_axes for a in ga]
     if any(set(ga) == set(axes) for ga in grad_axes):
         axes = next(tuple(ga) for ga in grad_axes if set(ga) == set(axes))   # the gradients' own order

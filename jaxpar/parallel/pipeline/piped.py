@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.batch import split_microbatches
+from jaxpar.compat.table import Setting, raise_problems
 from jaxpar.errors import MoEError
 from jaxpar.parallel.moe import balanced, probe, reported_loads, use_step_loads
 from jaxpar.mesh import data_axes
@@ -78,21 +79,20 @@ def auto_stage_layers(cut: ModelCut, outer: list, blocks: Any, microbatch: Any, 
 
 
 def check_pipeline_strategy(strategy, mesh) -> None:
-    """Errors for what the no-flush programs (PipeDream-2BW, weight stashing) do not support.
+    """Errors for what the no-flush programs (PipeDream-2BW, weight stashing) do not support: the
+    compatibility table's refusals of ``strategy`` on ``mesh`` (:func:`jaxpar.compat.table.raise_problems`;
+    sequence parallelism on a ``tensor`` axis > 1 is its SP x 2B / SP x ST pair). ``make_train_step``
+    runs the table first; this guards the no-flush step builders called on their own.
 
     Args:
       strategy: the strategy, with a no-flush schedule.
       mesh: the mesh, with a ``pipe`` axis.
 
     Raises:
-      ValueError: sequence parallelism on a ``tensor`` axis of size > 1.
+      JaxparError: the table's first refusal, as its class (``AsyncPipelineError`` /
+        ``StashingError``: sequence parallelism with PipeDream-2BW / weight stashing).
     """
-    if strategy.sequence_parallel and mesh.shape.get("tensor", 1) > 1:
-        raise ValueError(f"Strategy(sequence_parallel=True) with schedule={strategy.schedule!r} on "
-                         f"pipe={mesh.shape['pipe']} is not supported: sequence parallelism's collectives sit inside "
-                         "each stage's actions, which only the flush schedules (gpipe, 1f1b, interleaved, zb-h1) run "
-                         "in lockstep; the no-flush programs run a different action per stage. Use a flush schedule, "
-                         "or sequence_parallel=False.")
+    raise_problems(Setting(strategy, dict(mesh.shape)))
 
 
 def runs_in_lockstep(strategy, mesh) -> bool:

@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from jaxpar.compat.table import Setting, raise_problems
 from jaxpar.parallel.pipeline.instructions import Program, colour_intervals, lower
 from jaxpar.parallel.pipeline.schedules import Schedule, canonical_kind
 from jaxpar.parallel.pipeline.tick_table import check_int
@@ -250,8 +251,9 @@ def is_stashing(strategy, mesh_sizes: Mapping[str, int]) -> bool:
 
 
 def check_stashing(strategy, mesh_sizes: Mapping[str, int]) -> None:
-    """Errors for weight-stashing settings that cannot run (``strategy.schedule`` is ``'pipedream'``);
-    what it combines with is in :mod:`jaxpar.compat.table`.
+    """Errors for weight-stashing settings that cannot run (``strategy.schedule`` is ``'pipedream'``):
+    the compatibility table's refusals and needs (:func:`jaxpar.compat.table.raise_problems`: a
+    ``pipe`` axis > 1, ``update_every`` dividing ``microbatches``, and what stashing combines with).
 
     Args:
         strategy: the :class:`~jaxpar.strategy.Strategy`.
@@ -259,7 +261,7 @@ def check_stashing(strategy, mesh_sizes: Mapping[str, int]) -> None:
 
     Raises:
         StashingError: no ``pipe`` axis > 1, ``update_every`` does not divide ``microbatches``, or
-            ``virtual_stages`` is not 1.
+            ``virtual_stages`` is not 1 (another refusal of the table as its own class).
 
     >>> from jaxpar import Strategy
     >>> check_stashing(Strategy(schedule="pipedream", microbatches=4, update_every=3), {"pipe": 2})
@@ -267,17 +269,7 @@ def check_stashing(strategy, mesh_sizes: Mapping[str, int]) -> None:
     ...
     jaxpar.errors.StashingError: Strategy.update_every=3 does not divide Strategy.microbatches=4...
     """
-    sizes = dict(mesh_sizes)
-    p, m, k = sizes.get("pipe", 1), strategy.microbatches, strategy.update_every
-    if p <= 1:
-        raise StashingError(
-            f"Strategy.schedule='pipedream' needs a 'pipe' mesh axis > 1 (mesh {sizes}): weight stashing is a "
-            "pipeline schedule whose stages update their own weights. Add mesh.pipe, or use schedule='1f1b'.")
-    if m % k:
-        raise StashingError(
-            f"Strategy.update_every={k} does not divide Strategy.microbatches={m}: each stage updates after every "
-            f"{k} of its backwards and a step holds {m}; use update_every in "
-            f"{[d for d in range(1, m + 1) if m % d == 0]}.")
+    raise_problems(Setting(strategy, dict(mesh_sizes)))     # init_train_state / make_train_step have run it already
     if strategy.virtual_stages != 1:
         raise StashingError(f"Strategy.virtual_stages={strategy.virtual_stages} with schedule='pipedream': "
                             "weight stashing runs one chunk per stage; use virtual_stages=1.")

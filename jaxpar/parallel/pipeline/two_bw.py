@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from jaxpar.compat.table import Setting, raise_problems
 from jaxpar.parallel.pipeline.instructions import colour_intervals
 from jaxpar.parallel.pipeline.schedules import Schedule, canonical_kind
 from jaxpar.errors import AsyncPipelineError
@@ -108,29 +109,27 @@ def weight_versions(schedule: Schedule, m: int) -> tuple[int, ...]:
 
 
 def check_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> None:
-    """Errors for PipeDream-2BW settings that cannot run (``strategy.schedule`` is 2BW); what it
-    combines with is in :mod:`jaxpar.compat.table`.
+    """Errors for PipeDream-2BW settings that cannot run (``strategy.schedule`` is 2BW): the
+    compatibility table's refusals and needs (:func:`jaxpar.compat.table.raise_problems`: 2BW needs
+    a ``pipe`` axis > 1, and what it combines with), then the schedule's own shape.
 
     Args:
       strategy: the strategy (its ``microbatches``).
       mesh_sizes: the mesh's axis sizes.
 
     Raises:
-      AsyncPipelineError: no ``pipe`` axis > 1, or fewer micro-batches than stages.
+      AsyncPipelineError: no ``pipe`` axis > 1, or fewer micro-batches than stages (another refusal
+        of the table as its own class).
 
     >>> from jaxpar import Strategy
     >>> check_two_bw(Strategy(schedule="pipedream-2bw", microbatches=2), {"data": 2})
     Traceback (most recent call last):
     ...
-    jaxpar.errors.AsyncPipelineError: Strategy.schedule='pipedream-2bw' needs a 'pipe' mesh axis > 1 ...
+    jaxpar.errors.AsyncPipelineError: schedule='pipedream-2bw' needs a 'pipe' mesh axis > 1 (got pipe=1)...
     """
     sizes = dict(mesh_sizes)
+    raise_problems(Setting(strategy, sizes))      # init_train_state / make_train_step have run it already
     p, m = sizes.get("pipe", 1), strategy.microbatches
-    if p <= 1:
-        raise AsyncPipelineError(
-            f"Strategy.schedule='pipedream-2bw' needs a 'pipe' mesh axis > 1 (mesh {sizes}): it is a pipeline "
-            "schedule whose one-step-late gradient lets the pipeline run without flushes. Add mesh.pipe, or use "
-            "schedule='1f1b' (ignored without a pipeline).")
     if m < p:
         raise AsyncPipelineError(
             f"Strategy.microbatches={m} with schedule='pipedream-2bw' and pipe={p}: 2BW needs microbatches >= pipe "

@@ -329,22 +329,14 @@ def make_sync(options: Mapping[str, Any]):
     return SYNC_KINDS[kind](**options)
 
 
-def check_sync(sync: Any, replica_size: int | None = None) -> None:
-    """Raise :class:`SyncError` if ``sync`` is not a kind of this module, or cannot run on
-    ``replica_size`` replicas.
+def check_sync(sync: Any) -> None:
+    """Raise :class:`SyncError` if ``sync`` is not a kind of this module. (What a kind needs of the
+    mesh, a ``replica`` axis of ``min_replicas`` and more replicas than ``backups``, is the
+    compatibility table's: :mod:`jaxpar.compat.needs`.)
 
     Args:
       sync: the value of ``Strategy(sync=...)``.
-      replica_size: the ``replica`` mesh axis size, or ``None`` (not checked against a mesh).
     """
     if not isinstance(sync, (Synchronous, DiLoCo, EASGD, Stale, Backup)):
         raise SyncError(f"Strategy.sync={sync!r}: use a kind of jaxpar.parallel.sync (synchronous(), diloco(every=50), "
                         "local_sgd(), easgd(alpha), stale(max_delay), backup(backups)).")
-    if replica_size is None:
-        return
-    if replica_size < sync.min_replicas:
-        raise SyncError(f"sync {sync.name!r} needs a 'replica' mesh axis of size >= {sync.min_replicas}, but the "
-                        f"mesh has replica={replica_size}. Set mesh replica=K (e.g. MeshSpec(replica=4, data=2)).")
-    if isinstance(sync, Backup) and sync.backups >= replica_size:
-        raise SyncError(f"backup(backups={sync.backups}): must be smaller than the replica axis ({replica_size}), "
-                        f"so that at least one replica's gradient is averaged; e.g. backups={replica_size // 4 or 1}.")

@@ -1,12 +1,15 @@
-"""The train step of K replicas on the ``replica`` axis (:mod:`jaxpar.step.relaxed`): one program
-per step for the kinds that average gradients (``sync``, ``stale``, ``backup``), and an inner + a
-sync program for the kinds whose replicas train on their own (``diloco``, ``local_sgd``, ``easgd``).
+"""The train step of replicas that train on their own between syncs: DiLoCo, local SGD and
+EASGD (:mod:`jaxpar.parallel.sync`) on the ``replica`` axis (:mod:`jaxpar.step.relaxed`).
 
-Every program is :func:`~jaxpar.step.program.jit_program`'s (the layout's shardings, rules and
-checks); the inner programs keep their per-replica metrics sharded over ``replica`` (no gather),
-and the sync program takes the state alone. ``grad_norm`` is :mod:`jaxpar.step.update`'s: the
-norm of the averaged gradient, or the root mean square of the replicas' norms where each replica
-updates on its own gradient."""
+Its update has two levels: the *inner* program is the one
+:func:`~jaxpar.step.update.apply_update` on each replica's own gradient and optimizer state (no
+collective over ``replica``); every ``sync.every`` steps the *outer* rule moves the center from
+the replicas' mean (DiLoCo's outer optimizer on the pseudo-gradient, or EASGD's elastic pull), a
+program that takes the state alone. Before ``start_step`` a *warm* program keeps the replicas
+synchronous. Every program is :func:`~jaxpar.step.program.jit_program`'s; the inner programs keep
+their per-replica metrics sharded over ``replica`` (no gather). ``grad_norm`` is
+:mod:`jaxpar.step.update`'s: the root mean square of the replicas' norms. (The kinds that average
+gradients every step are the per-step composition's parts: :mod:`jaxpar.step.replica_mean`.)"""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -19,133 +22,35 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.batch import batch_sharding, check_batch
 from jaxpar.mesh import REPLICA, replicas
 from jaxpar.rules import named_shardings
-from jaxpar.parallel.sync import Backup, DiLoCo, Stale, check_sync, synchronous
+from jaxpar.parallel.sync import DiLoCo
 from jaxpar.step.grads import global_grads
 from jaxpar.step.program import TrainStep, jit_program
-from jaxpar.step.relaxed import is_local, replica_bytes, split_replicas
+from jaxpar.step.relaxed import split_replicas
+from jaxpar.step.replica_mean import replica_bytes, weighted_sum
 from jaxpar.step.state import StateLayout, TrainState
 from jaxpar.step.update import Update, apply_update
 
-__all__ = ["relaxed_train_step", "global_step", "local_steps", "run_local_steps"]
+__all__ = ["local_train_step", "local_steps", "run_local_steps"]
 
 
-def relaxed_train_step(loss_fn: Callable, layout: StateLayout, update: Update, *, explicit_dp, donate: bool,
-                       ) -> TrainStep:
-    """The step of ``layout.strategy.sync`` over the ``replica`` axis.
+def local_train_step(loss_fn: Callable, layout: StateLayout, update: Update, *, donate: bool) -> TrainStep:
+    """The step of DiLoCo / local SGD / EASGD (``layout.strategy.sync``) over the ``replica`` axis.
 
     Args:
       loss_fn: the user's loss.
       layout: the relaxed layout (from :func:`jaxpar.init_train_state` on a ``replica`` mesh).
-      update: the update's options (the inner update for DiLoCo / EASGD).
-      explicit_dp: ``True`` is refused (inside replicas XLA places the data-axis collectives).
+      update: the inner update's options.
       donate: donate the input state.
 
     Returns:
-      The :class:`~jaxpar.step.program.TrainStep`; its programs are ``"step"`` (and ``"outer"``,
-      ``"warm"`` for the kinds whose replicas train on their own).
+      The :class:`~jaxpar.step.program.TrainStep`; its programs are ``"step"`` (the inner one),
+      ``"outer"`` (the sync) and, with a ``start_step``, ``"warm"``.
     """
-    from jaxpar.step.grads import ExplicitDPError
-
     strategy, mesh = layout.strategy, layout.mesh
-    sync = strategy.sync or synchronous()
-    check_sync(sync, replicas(mesh))
-    if explicit_dp:
-        raise ExplicitDPError(f"explicit_dp=True with sync {sync.name!r}: inside replicas the data-axis collectives "
-                              "are left to XLA (jaxpar's per-layer shard_map does not lower under the replicas' "
-                              "vmap for every ZeRO layout). Use explicit_dp=None or False.")
-    check = lambda batch: check_batch(batch, mesh, strategy.microbatches)   # noqa: E731
-    if is_local(sync):
-        return TrainStep(local_steps(loss_fn, layout, sync, update, donate=donate), check_batch=check,
-                         run=run_local_steps(sync, layout), batch_sharding=batch_sharding(mesh), state_only=("outer",))
-    return TrainStep(global_step(loss_fn, layout, sync, update, donate=donate), check_batch=check,
-                     batch_sharding=batch_sharding(mesh))
-
-
-def _weighted_sum(w: jax.Array, tree: Any, specs: Any, mesh) -> Any:
-    """``sum_r w[r] * tree[r]`` (an all-reduce over ``replica``), constrained to ``specs``."""
-    out = jax.tree.map(lambda x: jnp.tensordot(w, x, axes=(0, 0)), tree)
-    return jax.lax.with_sharding_constraint(out, named_shardings(specs, mesh))
-
-
-def _replica_weights(sync, step, k: int) -> tuple[jax.Array, dict]:
-    """The weight of each replica's gradient in the mean, and the kind's metrics."""
-    if not isinstance(sync, Backup):
-        return jnp.full((k,), 1.0 / k, jnp.float32), {}
-    times = sync.times(step, k)
-    n = k - sync.backups
-    rank = jnp.argsort(jnp.argsort(times, stable=True), stable=True)   # 0 = fastest; ties by index
-    used = rank < n
-    ordered = jnp.sort(times)
-    return jnp.where(used, 1.0 / n, 0.0).astype(jnp.float32), {
-        "modelled_time": ordered[n - 1], "modelled_time_sync": ordered[-1], "replica_times": times,
-        "replica_used": used}
-
-
-def global_step(loss_fn, layout: StateLayout, sync, update: Update, *, donate: bool) -> dict:
-    """One program per step: per-replica gradients (on delayed parameters for ``stale``), their
-    (masked) mean over ``replica``, one optimizer update (``mode='async'``: one per replica, in turn).
-
-    Args:
-      loss_fn: the user's loss.
-      layout: the relaxed layout (:func:`jaxpar.step.relaxed.relaxed_layout`).
-      sync: the sync kind (synchronous, ``stale`` or ``backup``).
-      update: the update's options.
-      donate: donate the input state.
-
-    Returns:
-      ``{"step": the jitted program}``.
-    """
-    mesh, k = layout.mesh, replicas(layout.mesh)
-    lg = global_grads(loss_fn, layout)
-    delayed = isinstance(sync, Stale) and sync.max_delay > 0
-    asynchronous = isinstance(sync, Stale) and sync.mode == "async"
-    nbytes = replica_bytes(layout)
-
-    def step(state: TrainState, batch):
-        b = split_replicas(batch, k, mesh)
-        if delayed:
-            delays = sync.delays(state.step, k)
-            hist = state.sync["history"]
-            # the parameters of ``d`` steps ago: the newest for d = 0, else history[d - 1] (no copy of all)
-            older = lambda d: jax.tree.map(lambda p, h: jnp.where(d == 0, p, h[jnp.maximum(d, 1) - 1]),  # noqa: E731
-                                           state.params, hist)
-            losses, grads = jax.vmap(lambda d, bb: lg(older(d), bb), spmd_axis_name=REPLICA)(delays, b)
-        else:
-            losses, grads = jax.vmap(lg, in_axes=(None, 0), spmd_axis_name=REPLICA)(state.params, b)
-        w, extra = _replica_weights(sync, state.step, k)
-        if asynchronous:
-            new, metrics = _one_by_one(update, state, losses, grads, layout)
-        else:
-            loss = jnp.dot(w, losses)
-            new, metrics = apply_update(update, state, loss, _weighted_sum(w, grads, layout.grads, mesh))
-        if delayed:
-            metrics["delay_mean"] = jnp.mean(delays.astype(jnp.float32))
-            hist = jax.tree.map(lambda p, h: jnp.concatenate([p[None], h[:-1]]), state.params, state.sync["history"])
-            new = new._replace(sync={"history": hist})
-        metrics.update(extra, loss_spread=jnp.max(losses) - jnp.min(losses),
-                       replica_bytes=jnp.float32(nbytes * (k > 1)))
-        return new, metrics
-
-    return {"step": jit_program(step, layout, batch_sharding(mesh), donate=donate)}
-
-
-def _one_by_one(update: Update, state, losses, grads, layout):
-    """Asynchronous parameter server: each replica's gradient is applied on its own, in replica
-    order, on the newest parameters (K optimizer updates per step; ``step`` advances by one).
-    ``grad_norm``: the root mean square of the K updates' gradient norms (:mod:`jaxpar.step.update`)."""
-    k = losses.shape[0]
-    new, metrics, skipped, sq = state, {}, [], []
-    for r in range(k):
-        g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x[r], grads),
-                                             named_shardings(layout.grads, layout.mesh))
-        new, metrics = apply_update(update, new._replace(step=state.step), losses[r], g)
-        skipped.append(metrics.pop("skipped", jnp.bool_(False)))
-        sq.append(jnp.square(metrics["grad_norm"]))
-    metrics.update(loss=jnp.mean(losses), grad_norm=jnp.sqrt(jnp.mean(jnp.stack(sq))))
-    if update.skip_nonfinite:    # skipped: no update applied; skipped_updates: the replicas' updates left out
-        metrics["skipped"] = jnp.all(jnp.stack(skipped))
-        metrics["skipped_updates"] = jnp.sum(jnp.stack(skipped).astype(jnp.int32))
-    return new._replace(step=state.step + 1), metrics
+    return TrainStep(local_steps(loss_fn, layout, strategy.sync, update, donate=donate),
+                     check_batch=lambda batch: check_batch(batch, mesh, strategy.microbatches),
+                     run=run_local_steps(strategy.sync, layout), batch_sharding=batch_sharding(mesh),
+                     state_only=("outer",))
 
 
 def _any_replica(reps: Any, rep_specs: Any, specs: Any, mesh) -> Any:
@@ -191,7 +96,7 @@ class _LocalPrograms:
         over ``replica``) and each replica applies the same update, so they stay identical."""
         layout, mesh, k = self.layout, self.mesh, self.k
         losses, grads = jax.vmap(self.lg, spmd_axis_name=REPLICA)(state.sync["params"], split_replicas(batch, k, mesh))
-        mean = _weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), grads, layout.grads, mesh)
+        mean = weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), grads, layout.grads, mesh)
 
         def apply(p, o):
             new, m = apply_update(self.inner_update, TrainState(state.step, p, o), jnp.mean(losses), mean)
@@ -205,7 +110,7 @@ class _LocalPrograms:
     def outer(self, state: TrainState):
         """The sync: the replicas' mean moves the center (DiLoCo's outer step, or EASGD's elastic pull)."""
         mesh, k = self.mesh, self.k
-        mean = _weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), state.sync["params"], self.layout.params, mesh)
+        mean = weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), state.sync["params"], self.layout.params, mesh)
         if isinstance(self.sync, DiLoCo):
             center, opt_state, reps = self._diloco_outer(state, mean)
         else:

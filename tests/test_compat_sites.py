@@ -1,0 +1,97 @@
+"""The lower-level checks that can be called without ``init_train_state`` / ``make_train_step`` raise
+the compatibility table's problem (:mod:`jaxpar.compat`), not a message of their own: the class the
+problem declares and its message with the library's names (:data:`~jaxpar.compat.table.LIBRARY_NAMES`).
+
+* :func:`~jaxpar.parallel.pipeline.piped.check_pipeline_strategy` (the no-flush step builders):
+  sequence parallelism with PipeDream-2BW / weight stashing (the SP x 2B / SP x ST pairs);
+* :func:`~jaxpar.parallel.pipeline.two_bw.check_two_bw` and
+  :func:`~jaxpar.parallel.pipeline.stash_versions.check_stashing`: a ``pipe`` axis, ``update_every``;
+* :func:`~jaxpar.parallel.compression.exchange_plan`: a codec needs a data axis;
+* :func:`~jaxpar.step.relaxed.relaxed_layout`: pipelined replicas (RS x PP), a sync kind's replicas.
+"""
+from __future__ import annotations
+
+import types
+
+import jax
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.compat.table import LIBRARY_NAMES, Setting, needs, problems
+from jaxpar.parallel.compression import exchange_plan, qsgd
+from jaxpar.parallel.pipeline.piped import check_pipeline_strategy
+from jaxpar.parallel.pipeline.stash_versions import check_stashing
+from jaxpar.parallel.pipeline.two_bw import check_two_bw
+from jaxpar.parallel.sync import diloco, synchronous
+
+S = jaxpar.Strategy
+SP_2B = S(schedule="pipedream-2bw", microbatches=2, sequence_parallel=True)
+SP_ST = S(schedule="pipedream", microbatches=2, sequence_parallel=True)
+
+
+def _mesh_like(sizes):
+    return types.SimpleNamespace(shape=dict(sizes))
+
+
+def _plan(codec, sizes):
+    return exchange_plan(codec, [(4,)], dims=[None], grad_axes=[()], stacked=[False], mesh_sizes=sizes)
+
+
+#: name: (the call, the setting it checks, the class).
+SITES = {
+    "piped-SP-2B": (lambda: check_pipeline_strategy(SP_2B, _mesh_like({"pipe": 2, "tensor": 2})),
+                    Setting(SP_2B, {"pipe": 2, "tensor": 2}), jaxpar.AsyncPipelineError),
+    "piped-SP-ST": (lambda: check_pipeline_strategy(SP_ST, _mesh_like({"pipe": 2, "tensor": 2})),
+                    Setting(SP_ST, {"pipe": 2, "tensor": 2}), jaxpar.StashingError),
+    "two_bw-needs-pipe": (lambda: check_two_bw(S(schedule="pipedream-2bw", microbatches=2), {"data": 2}),
+                          Setting(S(schedule="pipedream-2bw", microbatches=2), {"data": 2}),
+                          jaxpar.AsyncPipelineError),
+    "stash-needs-pipe": (lambda: check_stashing(S(schedule="pipedream", microbatches=2), {"data": 2}),
+                         Setting(S(schedule="pipedream", microbatches=2), {"data": 2}), jaxpar.StashingError),
+    "stash-update-every": (lambda: check_stashing(S(schedule="pipedream", microbatches=4, update_every=3),
+                                                  {"pipe": 2}),
+                           Setting(S(schedule="pipedream", microbatches=4, update_every=3), {"pipe": 2}),
+                           jaxpar.StashingError),
+    "codec-needs-data": (lambda: _plan(qsgd(), {"data": 1, "tensor": 8}),
+                         Setting(S(compression=qsgd()), {"data": 1, "tensor": 8}), jaxpar.CompressionError),
+}
+
+
+def _check(call, setting, error):
+    found = problems(setting) + needs(setting)
+    assert found and found[0].error is error, [(p.features, p.error) for p in found]
+    with pytest.raises(jaxpar.JaxparError) as raised:
+        call()
+    assert type(raised.value) is error
+    assert str(raised.value) == found[0].render(LIBRARY_NAMES)
+
+
+@pytest.mark.parametrize("name", list(SITES))
+def test_lower_level_checks_raise_the_table_problem(name):
+    _check(*SITES[name])
+
+
+def _layout(sizes):
+    from jaxpar.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2)
+    n = 1
+    for v in sizes.values():
+        n *= v
+    mesh = jaxpar.make_mesh(sizes, devices=jax.devices()[:n])
+    return jaxpar.state_layout(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh, S(microbatches=2))
+
+
+@pytest.mark.parametrize("sizes,strategy", [
+    ({"pipe": 2}, S(microbatches=2, sync=synchronous())),
+    ({"data": 2}, S(microbatches=2, sync=diloco(2))),
+], ids=["RS-PP", "RS-needs-replicas"])
+def test_relaxed_layout_raises_the_table_problem(sizes, strategy):
+    """``relaxed_layout`` called on a layout made without the sync kind (``init_train_state`` with it
+    would refuse first)."""
+    from jaxpar.step.relaxed import relaxed_layout
+
+    layout = _layout(sizes)
+    _check(lambda: relaxed_layout(layout, optax.sgd(0.1), strategy), Setting(strategy, sizes), jaxpar.SyncError)
