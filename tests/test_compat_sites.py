@@ -6,7 +6,8 @@ problem declares and its message with the library's names (:data:`~jaxpar.compat
   sequence parallelism with PipeDream-2BW / weight stashing (the SP x 2B / SP x ST pairs);
 * :func:`~jaxpar.parallel.pipeline.two_bw.check_two_bw` and
   :func:`~jaxpar.parallel.pipeline.stash_versions.check_stashing`: a ``pipe`` axis, ``update_every``;
-* :func:`~jaxpar.parallel.compression.exchange_plan`: a codec needs a data axis;
+* :func:`~jaxpar.parallel.compression.exchange_plan`: a codec needs a data axis; 1-bit Adam with
+  gradients sharded over it (the Z x 1A pair);
 * :func:`~jaxpar.step.relaxed.relaxed_layout`: pipelined replicas (RS x PP), a sync kind's replicas.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.compat.table import LIBRARY_NAMES, Setting, needs, problems
-from jaxpar.parallel.compression import exchange_plan, qsgd
+from jaxpar.parallel.compression import exchange_plan, qsgd, topk
 from jaxpar.parallel.pipeline.piped import check_pipeline_strategy
 from jaxpar.parallel.pipeline.stash_versions import check_stashing
 from jaxpar.parallel.pipeline.two_bw import check_two_bw
@@ -29,6 +30,9 @@ from jaxpar.parallel.sync import diloco, synchronous
 S = jaxpar.Strategy
 SP_2B = S(schedule="pipedream-2bw", microbatches=2, sequence_parallel=True)
 SP_ST = S(schedule="pipedream", microbatches=2, sequence_parallel=True)
+
+
+ONEBIT_ADAM = topk(0.1, optimizer_momentum=0.9, start_step=5)
 
 
 def _mesh_like(sizes):
@@ -56,6 +60,9 @@ SITES = {
                            jaxpar.StashingError),
     "codec-needs-data": (lambda: _plan(qsgd(), {"data": 1, "tensor": 8}),
                          Setting(S(compression=qsgd()), {"data": 1, "tensor": 8}), jaxpar.CompressionError),
+    "onebit-adam-sharded": (lambda: exchange_plan(ONEBIT_ADAM, [(8, 4)], dims=[0], grad_axes=[("data",)],
+                                                  stacked=[False], mesh_sizes={"data": 4}, zero=3),
+                            Setting(S(compression=ONEBIT_ADAM, zero=3), {"data": 4}), jaxpar.CompressionError),
 }
 
 

@@ -44,7 +44,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxpar.mesh import data_axes
-from jaxpar.rules import axes_of, manual_axes, path_str, resolve, spec_without
+from jaxpar.rules import axes_of, manual_axes, path_str, spec_without
 from jaxpar.errors import ModelMeshError
 
 __all__ = ["ModelMeshError", "ModelLoss", "needs_explicit_mesh", "explicit_model_loss", "explicit_call", "batch_specs",
@@ -243,15 +243,19 @@ class ModelLoss:
 
     Args:
       loss_of: ``(params, batch) -> scalar``.
-      layout: the state's :class:`~jaxpar.StateLayout`.
+      mesh: the state's mesh.
+      own_specs: ``() -> `` the parameters' specs as the model annotates them (before ZeRO), asked
+        for only when the model needs the explicit mesh.
+      sequence_parallel: the strategy's sequence parallelism (refused with such a model: its rule
+        is on logical names the model does not use).
 
     Calling it returns the loss; it raises :class:`ModelMeshError` where the model cannot run with
     an explicit mesh (inside jaxpar's ``shard_map`` programs), naming the model's call site.
     :attr:`explicit` says whether a call has needed the explicit mesh.
     """
 
-    def __init__(self, loss_of: Callable, layout: Any):
-        self._plain, self._layout = loss_of, layout
+    def __init__(self, loss_of: Callable, mesh, own_specs: Callable[[], Any], *, sequence_parallel: bool = False):
+        self._plain, self._mesh, self._own_specs, self._sp = loss_of, mesh, own_specs, sequence_parallel
         self._explicit: Callable | None = None
         self._refusal: BaseException | None = None      # what JAX said of the plain call
         self.batch_axes: tuple[str, ...] = ()            # the data axes the model splits its batch over
@@ -267,17 +271,16 @@ class ModelLoss:
             except Exception as plain:  # noqa: BLE001 - only JAX's mesh-context refusals are handled
                 if not needs_explicit_mesh(plain):
                     raise
-                lay = self._layout
-                if lay.strategy.sequence_parallel:
+                if self._sp:
                     raise ModelMeshError(
                         f"sequence_parallel=True, but the model pins its activations by mesh axes itself (at "
                         f"{call_site(plain)}): jaxpar's sequence parallelism is a rule on its logical names "
                         "('norm_length'), which this model does not use, so it would be ignored. Pin the residual "
                         "stream to P(batch, 'tensor', None) in the model where you want it split, and leave "
                         "sequence_parallel False.") from plain
-                own = resolve(lay.logical, lay.rules, lay.mesh, lay.shapes)
-                self.batch_axes = model_batch_axes(self._plain, own, params, batch, lay.mesh)
-                self._explicit = explicit_model_loss(self._plain, own, lay.mesh, self.batch_axes)   # None: all
+                own = self._own_specs()
+                self.batch_axes = model_batch_axes(self._plain, own, params, batch, self._mesh)
+                self._explicit = explicit_model_loss(self._plain, own, self._mesh, self.batch_axes)   # None: all
                 self._refusal = plain
         manual = jax.sharding.get_abstract_mesh().manual_axes     # in mesh order, for the message
         if manual:
@@ -297,7 +300,7 @@ class ModelLoss:
             raise self._conflict(e) from e
 
     def _conflict(self, error: BaseException) -> ModelMeshError:
-        mesh = self._layout.mesh
+        mesh = self._mesh
         axes = data_axes(mesh)
         tried = ("no split of the batch over them (all, some or none, each batch array's first dimension) traces "
                  f"with the model's annotations; it ran with P({axes}) here") if self.batch_axes is None else (

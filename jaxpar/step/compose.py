@@ -182,7 +182,7 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
                                  steps_per_call=opts.steps_per_call, clip_norm=update.clip_norm,
                                  noise_scale_every=opts.noise_scale_every))
     if strategy.schedule == "pipedream-2bw":
-        from jaxpar.parallel.pipeline.two_bw import check_two_bw_step
+        from jaxpar.step.no_flush_steps import check_two_bw_step   # pipelines load only when used
 
         check_two_bw_step(strategy, layout)
     if has_stats_part(layout, BIAS) and (_replicated(layout) or strategy.schedule in ("pipedream", "pipedream-2bw")):

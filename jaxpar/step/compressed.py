@@ -59,7 +59,7 @@ def compression_plan(codec, layout: StateLayout, zero: int) -> ExchangePlan:
     logical = jax.tree_util.tree_structure(layout.shapes).flatten_up_to(layout.logical)
     stacked = [tuple(lg)[:1] == (LAYERS,) for lg in logical]
     return exchange_plan(codec, shapes, dims=[d for d, _, _ in lays], grad_axes=[g for _, _, g in lays],
-                         stacked=stacked, mesh_sizes=dict(mesh.shape))
+                         stacked=stacked, mesh_sizes=dict(mesh.shape), zero=zero)
 
 
 def _replica_spec(plan: ExchangePlan) -> PartitionSpec:

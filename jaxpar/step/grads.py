@@ -45,7 +45,7 @@ from jaxpar.parallel.data_parallel import (DataParallelLayers, axis_name, bucket
 from jaxpar.adapters.loss_metrics import with_reported_metrics
 from jaxpar.mesh import data_axes
 from jaxpar.parallel.moe import balanced, use_step_loads
-from jaxpar.rules import axes_of, drop_axes, named_shardings, path_str, resolve, use_rules
+from jaxpar.rules import axes_of, drop_axes, named_shardings, path_str, use_rules
 from jaxpar.adapters.mesh_axes import ModelLoss
 from jaxpar.step.balancing import refuse_unbalanced, whole_step_loads
 from jaxpar.step.state import StateLayout
@@ -68,7 +68,12 @@ def model_loss(loss_fn: Callable, layout: StateLayout) -> Callable:
       axes Explicit (:class:`~jaxpar.adapters.mesh_axes.ModelLoss`).
     """
     graphdef, cast = layout.graphdef, layout.strategy.cast
-    return ModelLoss(lambda params, batch: loss_fn(nnx.merge(graphdef, cast(params)), batch), layout)
+    return _model_loss(lambda params, batch: loss_fn(nnx.merge(graphdef, cast(params)), batch), layout)
+
+
+def _model_loss(loss_of: Callable, layout: StateLayout) -> ModelLoss:
+    """``loss_of`` that runs with the mesh's axes Explicit where the model pins shardings by mesh axes."""
+    return ModelLoss(loss_of, layout.mesh, layout.model_specs, sequence_parallel=layout.strategy.sequence_parallel)
 
 
 def accumulate(grad_fn: Callable, params: Any, batch: Any, k: int, *, mesh=None, zeros: Callable = None,
@@ -112,7 +117,7 @@ def _stacked_paths(layout: StateLayout) -> list[tuple[int, str]]:
 
 def _data_axis_paths(layout: StateLayout, axes: list[str]) -> list[str]:
     """The parameters whose own specs (before ZeRO) already use one of the data ``axes``."""
-    base = resolve(layout.logical, layout.rules, layout.mesh, layout.shapes)
+    base = layout.model_specs()
     flat = jax.tree_util.tree_flatten_with_path(base, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
     return [path_str(path) for path, spec in flat if any(a in axes for e in spec for a in axes_of(e))]
 
@@ -152,7 +157,7 @@ def explicit_data_parallel(asked: bool | None, loss_fn: Callable, params: Any, b
         return False
     sizes = dict(mesh.shape)
     axes = [a for a in data_axes(mesh) if sizes[a] > 1]
-    merged = ModelLoss(lambda p, b: loss_fn(nnx.merge(layout.graphdef, p), b), layout)   # p: in the compute dtype
+    merged = _model_loss(lambda p, b: loss_fn(nnx.merge(layout.graphdef, p), b), layout)   # p: in the compute dtype
     sites = find_layer_calls(merged, strategy.cast(params), batch)
     ran = {i for site in sites for i in site.leaves}
     unrun = [p for i, p in _stacked_paths(layout) if i not in ran]
@@ -258,7 +263,7 @@ def pipeline_grads(loss_fn: Callable, layout: StateLayout, *, per_replica: bool 
     axes = tuple(a for a in data_axes(mesh) if sizes[a] > 1) if per_replica else ()
     return make_pipeline_loss_and_grad(loss_fn, layout.graphdef, mesh, layout.rules, layout.params, layout.grads,
                                        layout.strategy, num_layers=stacked_layers(layout), replica_axes=axes,
-                                       own_specs=resolve(layout.logical, layout.rules, mesh, layout.shapes),
+                                       own_specs=layout.model_specs(),
                                        with_metrics=True)
 
 

@@ -34,8 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.batch import check_batch, split_microbatches
 from jaxpar.adapters.blocks import use_layer_runner
-from jaxpar.rules import drop_axes, named_shardings, resolve, use_rules
-from jaxpar.parallel.pipeline.two_bw import AsyncPipelineError, check_two_bw_step, step_windows
+from jaxpar.rules import drop_axes, named_shardings, use_rules
+from jaxpar.parallel.pipeline.two_bw import AsyncPipelineError, check_two_bw, step_windows
 from jaxpar.parallel.pipeline.buffers import PipelineState, Slots, put, put_tree, read_slots, take, take_tree, write_slots
 from jaxpar.parallel.pipeline.piped import check_pipeline_strategy, staged_cut
 from jaxpar.parallel.pipeline.instructions import Program, lower
@@ -43,7 +43,7 @@ from jaxpar.parallel.pipeline.schedules import pipedream_2bw
 from jaxpar.parallel.pipeline.stage import PIPE, TICKS_SCOPE, Stage, initial_state, stage_counts, tick, tick_table
 from jaxpar.step.update import Update, apply_update, delayed
 
-__all__ = ["make_two_bw_steps", "check_steps_per_call", "check_stacked_batches", "window_runner",
+__all__ = ["make_two_bw_steps", "check_two_bw_step", "check_steps_per_call", "check_stacked_batches", "window_runner",
            "step_microbatches", "TICKS_SCOPE", "WINDOWS_SCOPE"]
 
 #: name scope of the loop over the later windows (in the compiled HLO, its ``while``'s ``op_name``
@@ -165,6 +165,25 @@ def _windows_rows(program: Program, p: int, m: int, steps: int):
     return first, later
 
 
+def check_two_bw_step(strategy, layout) -> None:
+    """:func:`~jaxpar.parallel.pipeline.two_bw.check_two_bw` plus what the train step needs: a
+    state with the second version.
+
+    Args:
+      strategy: the strategy (``schedule='pipedream-2bw'``).
+      layout: the train state's layout (its mesh and ``versions``).
+
+    Raises:
+      AsyncPipelineError: the strategy cannot run on this mesh, or the state has no second version.
+    """
+    check_two_bw(strategy, layout.mesh.shape)
+    if not layout.versions:
+        raise AsyncPipelineError(
+            "make_train_step with schedule='pipedream-2bw', but the layout has no second weight version "
+            "(TrainState.versions): the state was made for another schedule. Create it with "
+            "init_train_state(..., strategy) using this same strategy.")
+
+
 def check_steps_per_call(strategy, steps) -> None:
     """Errors for ``steps_per_call`` of the no-flush programs (PipeDream-2BW and weight stashing;
     ``make_train_step`` scans the step of any other schedule).
@@ -221,7 +240,7 @@ def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> 
         mbs = step_microbatches(batches, m, mesh, steps)
         cut = staged_cut(loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
                          jax.tree.map(lambda a: a[:m], mbs),
-                         own_specs=resolve(layout.logical, layout.rules, mesh, layout.shapes))
+                         own_specs=layout.model_specs())
         runners = [window_runner(cut.parts, mesh, layout.rules, program, m, cut.stage_layers, first)
                    for first in (True, False)]
 

@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.adapters.blocks import use_layer_runner
 from jaxpar.compat.table import Setting, raise_problems
-from jaxpar.rules import drop_axes, path_str, resolve, use_rules
+from jaxpar.rules import drop_axes, path_str, use_rules
 from jaxpar.parallel.pipeline.buffers import SlotView, Slots, TickIO, put, put_tree, read_slots, take, take_tree, write_slots
 from jaxpar.parallel.pipeline.partition import from_stages, to_stages
 from jaxpar.parallel.pipeline.piped import check_pipeline_strategy, staged_cut
@@ -272,7 +272,7 @@ def make_stashing_step(loss_fn: Callable, layout, update: Update, steps: int = 1
                        vertical_sync=strategy.vertical_sync)
     step = _StashingRun(loss_fn, update.tx, layout, sp, steps, log_lr=update.log_lr,
                         skip_nonfinite=update.skip_nonfinite)
-    if not optimizer_is_per_stage(update.tx, layout.shapes, stacked_block_ids(layout)):
+    if not optimizer_is_per_stage(update.tx, layout.shapes, stacked_block_ids(layout.logical)):
         raise_problems(Setting(strategy, dict(layout.mesh.shape), optimizer_across_stages=True))
     return step.run, sp
 
@@ -297,7 +297,7 @@ class _StashingRun:
         mbs = step_microbatches(batches, m, mesh, steps)
         cut = staged_cut(self.loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
                          jax.tree.map(lambda a: a[:m], mbs),
-                         own_specs=resolve(layout.logical, layout.rules, mesh, layout.shapes))
+                         own_specs=layout.model_specs())
         blocks_ids = set(cut.model.block_leaves)
         outer_names = [nm for i, nm in enumerate(self.flat_paths) if i not in blocks_ids]
         staged = [cut.stage(w) for w in (state.params, *state.versions)]      # the versions stacked per stage

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.rules import named_shardings
+from jaxpar.rules import named_shardings, resolve
 from jaxpar.strategy import Strategy
 from jaxpar.parallel.zero import analytic_state_bytes
 from jaxpar.errors import StrategyMismatchError
@@ -108,6 +108,12 @@ bias's rate, the noise scale's period), which the step reads from there: :func:`
                           named_shardings(self.params, self.mesh), named_shardings(self.opt_state, self.mesh),
                           named_shardings(self.codec, self.mesh), named_shardings(self.sync, self.mesh),
                           named_shardings(self.stats, self.mesh), named_shardings(self.versions, self.mesh))
+
+    def model_specs(self) -> Any:
+        """The parameters' ``PartitionSpec``\ s as the model annotates them (its logical names under
+        the layout's rules), before ZeRO / FSDP shard them further: what a model that pins its own
+        shardings, and a pipeline stage, run the parameters in."""
+        return resolve(self.logical, self.rules, self.mesh, self.shapes)
 
     def abstract_state(self) -> TrainState:
         """``TrainState`` of ``ShapeDtypeStruct(..., sharding=...)``: a restore target."""

@@ -53,7 +53,6 @@ import jax.numpy as jnp
 
 from jaxpar.compat.table import Setting, raise_problems
 from jaxpar.parallel.data_parallel import axis_name, unflatten_leaf
-from jaxpar.parallel.compression.base import CompressionError
 from jaxpar.parallel.compression.codecs import Codec
 from jaxpar.parallel.compression.bits import from_bytes, to_bytes
 from jaxpar.parallel.compression.powersgd import PowerSGD
@@ -367,7 +366,7 @@ def _own_slice(full: jax.Array, d: int, axes: tuple[str, ...]) -> jax.Array:
 
 
 def exchange_plan(codec, shapes: list, *, dims: list, grad_axes: list, stacked: list,
-                  mesh_sizes: dict) -> ExchangePlan:
+                  mesh_sizes: dict, zero: int = 0) -> ExchangePlan:
     """An :class:`ExchangePlan` over the data axes of ``mesh_sizes`` larger than 1.
 
     Args:
@@ -377,14 +376,18 @@ def exchange_plan(codec, shapes: list, *, dims: list, grad_axes: list, stacked: 
         (:func:`jaxpar.parallel.data_parallel.manual_layout`).
       stacked: whether each leaf's axis 0 is the stacked ``layers`` axis (PowerSGD compresses each layer).
       mesh_sizes: the mesh's axis sizes by name.
+      zero: the ZeRO stage; gradients sharded over the data axes count as ZeRO-2 where it is lower.
 
     Returns:
       The plan.
+
+    Raises:
+      CompressionError: the table's refusal (no data axis; 1-bit Adam with sharded gradients).
     """
+    from jaxpar.strategy import Strategy     # jaxpar.strategy imports this package
+    table = lambda z: raise_problems(Setting(Strategy(compression=codec, zero=z), dict(mesh_sizes)))  # noqa: E731
+    table(zero)         # the table's rules of a codec, for a call without init_train_state: a data axis, ...
     axes = tuple(a for a in ("fsdp", "data") if mesh_sizes.get(a, 1) > 1)
-    if not axes:        # the table's need of a codec (CompressionError), for a call without init_train_state
-        from jaxpar.strategy import Strategy     # jaxpar.strategy imports this package
-        raise_problems(Setting(Strategy(compression=codec), dict(mesh_sizes)))
     order = [a for ga in grad_axes for a in ga]
     if any(set(ga) == set(axes) for ga in grad_axes):
         axes = next(tuple(ga) for ga in grad_axes if set(ga) == set(axes))   # the gradients' own order
@@ -392,9 +395,6 @@ def exchange_plan(codec, shapes: list, *, dims: list, grad_axes: list, stacked: 
         axes = tuple(sorted(axes, key=lambda a: order.index(a) if a in order else len(order)))
     plan = ExchangePlan(codec, axes, math.prod(mesh_sizes[a] for a in axes), tuple(tuple(s) for s in shapes),
                         tuple(dims), tuple(tuple(a) for a in grad_axes), tuple(stacked))
-    if getattr(codec, "optimizer_momentum", 0.0) and any(plan.scattered):
-        raise CompressionError(f"compression={codec.name}(optimizer_momentum={codec.optimizer_momentum}) with "
-                               f"gradients sharded over {'/'.join(axes)} (ZeRO-2/3 or fsdp): 1-bit Adam needs the "
-                               "whole exchanged moment on every replica. Use zero <= 1 and put the replicas on "
-                               "the data axis (fsdp = 1), or a codec without optimizer_momentum.")
+    if any(plan.scattered) and getattr(codec, "optimizer_momentum", 0.0):
+        table(max(zero, 2))     # ... and 1-bit Adam x gradients sharded over the data axes (ZeRO-2/3)
     return plan

@@ -67,14 +67,14 @@ def optimizer_is_per_stage(tx: optax.GradientTransformation, shapes: Any, block_
     return True
 
 
-def stacked_block_ids(layout) -> set:
+def stacked_block_ids(logical) -> set:
     """The parameter leaves stacked on ``layers`` (the blocks a pipeline splits).
 
     Args:
-        layout: the train state's layout (its ``logical`` names).
+        logical: the parameters' logical names (a pytree of ``PartitionSpec``\ s; the layout's ``logical``).
 
     Returns:
         The indices, among the flattened parameter leaves, of those whose first logical name is ``layers``.
     """
-    flat = jax.tree.leaves(layout.logical, is_leaf=lambda x: isinstance(x, P))
+    flat = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, P))
     return {i for i, lg in enumerate(flat) if tuple(lg)[:1] == ("layers",)}

@@ -38,8 +38,7 @@ from jaxpar.parallel.pipeline.instructions import colour_intervals
 from jaxpar.parallel.pipeline.schedules import Schedule, canonical_kind
 from jaxpar.errors import AsyncPipelineError
 
-__all__ = ["AsyncPipelineError", "TWO_BW", "is_two_bw", "step_windows", "weight_versions", "check_two_bw",
-           "check_two_bw_step"]
+__all__ = ["AsyncPipelineError", "TWO_BW", "is_two_bw", "step_windows", "weight_versions", "check_two_bw"]
 
 TWO_BW = "pipedream-2bw"
 
@@ -134,21 +133,3 @@ def check_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> None:
         raise AsyncPipelineError(
             f"Strategy.microbatches={m} with schedule='pipedream-2bw' and pipe={p}: 2BW needs microbatches >= pipe "
             f"(1F1B's steady state with two weight versions); use microbatches >= {p}.")
-
-
-def check_two_bw_step(strategy, layout) -> None:
-    """:func:`check_two_bw` plus what the train step needs: a state with the second version.
-
-    Args:
-      strategy: the strategy (``schedule='pipedream-2bw'``).
-      layout: the train state's layout (its mesh and ``versions``).
-
-    Raises:
-      AsyncPipelineError: the strategy cannot run on this mesh, or the state has no second version.
-    """
-    check_two_bw(strategy, layout.mesh.shape)
-    if not layout.versions:
-        raise AsyncPipelineError(
-            "make_train_step with schedule='pipedream-2bw', but the layout has no second weight version "
-            "(TrainState.versions): the state was made for another schedule. Create it with "
-            "init_train_state(..., strategy) using this same strategy.")
