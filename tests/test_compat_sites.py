@@ -2,17 +2,14 @@
 the compatibility table's problem (:mod:`jaxpar.compat`), not a message of their own: the class the
 problem declares and its message with the library's names (:data:`~jaxpar.compat.table.LIBRARY_NAMES`).
 
-* :func:`~jaxpar.parallel.pipeline.piped.check_pipeline_strategy` (the no-flush step builders):
-  sequence parallelism with PipeDream-2BW / weight stashing (the SP x 2B / SP x ST pairs);
 * :func:`~jaxpar.parallel.pipeline.two_bw.check_two_bw` and
-  :func:`~jaxpar.parallel.pipeline.stash_versions.check_stashing`: a ``pipe`` axis, ``update_every``;
+  :func:`~jaxpar.parallel.pipeline.stash_versions.check_stashing` (the no-flush step builders):
+  sequence parallelism (the SP x 2B / SP x ST pairs), a ``pipe`` axis, ``update_every``;
 * :func:`~jaxpar.parallel.compression.exchange_plan`: a codec needs a data axis; 1-bit Adam with
   gradients sharded over it (the Z x 1A pair);
 * :func:`~jaxpar.step.relaxed.relaxed_layout`: pipelined replicas (RS x PP), a sync kind's replicas.
 """
 from __future__ import annotations
-
-import types
 
 import jax
 import optax
@@ -22,7 +19,6 @@ from flax import nnx
 import jaxpar
 from jaxpar.compat.table import LIBRARY_NAMES, Setting, needs, problems
 from jaxpar.parallel.compression import exchange_plan, qsgd, topk
-from jaxpar.parallel.pipeline.piped import check_pipeline_strategy
 from jaxpar.parallel.pipeline.stash_versions import check_stashing
 from jaxpar.parallel.pipeline.two_bw import check_two_bw
 from jaxpar.parallel.sync import diloco, synchronous
@@ -35,19 +31,15 @@ SP_ST = S(schedule="pipedream", microbatches=2, sequence_parallel=True)
 ONEBIT_ADAM = topk(0.1, optimizer_momentum=0.9, start_step=5)
 
 
-def _mesh_like(sizes):
-    return types.SimpleNamespace(shape=dict(sizes))
-
-
 def _plan(codec, sizes):
     return exchange_plan(codec, [(4,)], dims=[None], grad_axes=[()], stacked=[False], mesh_sizes=sizes)
 
 
 #: name: (the call, the setting it checks, the class).
 SITES = {
-    "piped-SP-2B": (lambda: check_pipeline_strategy(SP_2B, _mesh_like({"pipe": 2, "tensor": 2})),
+    "piped-SP-2B": (lambda: check_two_bw(SP_2B, {"pipe": 2, "tensor": 2}),
                     Setting(SP_2B, {"pipe": 2, "tensor": 2}), jaxpar.AsyncPipelineError),
-    "piped-SP-ST": (lambda: check_pipeline_strategy(SP_ST, _mesh_like({"pipe": 2, "tensor": 2})),
+    "piped-SP-ST": (lambda: check_stashing(SP_ST, {"pipe": 2, "tensor": 2}),
                     Setting(SP_ST, {"pipe": 2, "tensor": 2}), jaxpar.StashingError),
     "two_bw-needs-pipe": (lambda: check_two_bw(S(schedule="pipedream-2bw", microbatches=2), {"data": 2}),
                           Setting(S(schedule="pipedream-2bw", microbatches=2), {"data": 2}),

@@ -56,12 +56,12 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.batch import batch_sharding, check_batch, shard_batch
+from jaxpar.compat.settings import replicas_on
 from jaxpar.compat.table import Setting
 from jaxpar.mesh import batch_axes
 from jaxpar.parallel.moe import MoEError, use_router_bias
 from jaxpar.step.balancing import finish as finish_moe
 from jaxpar.strategy import Strategy
-from jaxpar.parallel.sync import synchronous
 from jaxpar.step.exchange import compressed_exchange, exact_exchange, measured_exchange, run_exchange
 from jaxpar.step.grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
 from jaxpar.step.init import raise_table_problems
@@ -222,10 +222,16 @@ def scan_steps(step: Callable) -> Callable:
 
 def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions, *, measure: bool):
     """``step(state, batch) -> (state, metrics)``: the gradient, the exchange and the update of
-    the layout's strategy (:func:`_gradient`, :func:`_exchange`, :func:`_rule`), and the state
+    the layout's strategy (:func:`_gradient`, :func:`_exchange`, :func:`_rule`; over ``replica``:
+    :func:`~jaxpar.step.replica_mean.replica_parts`), and the state
     parts that follow the step (the noise scale when ``measure``, MoE's loads and router bias)."""
-    gradient, exchange, rule = _gradient(loss_fn, layout, opts, measure), _exchange(layout, measure), \
-        _rule(layout, update)
+    if _replicated(layout):
+        from jaxpar.step.replica_mean import replica_parts   # relaxed synchronisation loads only when used
+
+        gradient, exchange, rule = replica_parts(loss_fn, layout, update)
+    else:
+        gradient, exchange, rule = _gradient(loss_fn, layout, opts, measure), _exchange(layout, measure), \
+            _rule(layout, update)
     replicas_ = manual_specs(layout).replicas if measure else 1
     biased = has_stats_part(layout, BIAS)
 
@@ -245,19 +251,14 @@ def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepO
 
 
 def _replicated(layout: StateLayout) -> bool:
-    """Whether the state holds replicas on a ``replica`` axis (relaxed synchronisation)."""
-    return layout.strategy.sync is not None or dict(layout.mesh.shape).get("replica", 1) > 1
+    """Whether the state holds replicas on a ``replica`` axis (the table's relaxed synchronisation)."""
+    return replicas_on(Setting(layout.strategy, dict(layout.mesh.shape)))
 
 
 def _gradient(loss_fn: Callable, layout: StateLayout, opts: StepOptions, measure: bool) -> Callable:
-    """``gradient(state, batch) -> (loss, grads, metrics)``: the replicas' own gradients on a
-    ``replica`` axis, the pipeline's (at ``W(t-1)`` for PipeDream-2BW), each data-parallel
-    replica's (for a codec or a measurement), or the global one."""
+    """``gradient(state, batch) -> (loss, grads, metrics)``: the pipeline's (at ``W(t-1)`` for
+    PipeDream-2BW), each data-parallel replica's (for a codec or a measurement), or the global one."""
     strategy = layout.strategy
-    if _replicated(layout):
-        from jaxpar.step.replica_mean import replica_gradient
-
-        return replica_gradient(loss_fn, layout, strategy.sync or synchronous())
     per_replica = strategy.compression is not None or measure
     if dict(layout.mesh.shape).get("pipe", 1) > 1:
         grad = pipeline_grads(loss_fn, layout, per_replica=per_replica)
@@ -271,14 +272,10 @@ def _gradient(loss_fn: Callable, layout: StateLayout, opts: StepOptions, measure
 
 
 def _exchange(layout: StateLayout, measure: bool) -> Callable:
-    """``exchange(state, loss, grads) -> (loss, grads, parts, metrics)``: the replicas' (masked)
-    mean over ``replica``, a codec's or a measured exchange over the data axes, or none (XLA's
-    exact one is inside the gradient); ``parts``: the state parts it changed (a codec's state)."""
+    """``exchange(state, loss, grads) -> (loss, grads, parts, metrics)``: a codec's or a measured
+    exchange over the data axes, or none (XLA's exact one is inside the gradient); ``parts``: the
+    state parts it changed (a codec's state)."""
     strategy = layout.strategy
-    if _replicated(layout):
-        from jaxpar.step.replica_mean import replica_exchange
-
-        return replica_exchange(strategy.sync or synchronous(), layout)
     if strategy.compression is None and not measure:
         return lambda state, loss, grads: (loss, grads, {}, {})
     man = manual_specs(layout)
@@ -300,13 +297,8 @@ def _exchange(layout: StateLayout, measure: bool) -> Callable:
 
 def _rule(layout: StateLayout, update: Update) -> Callable:
     """``rule(state, loss, grads, *, parts, metrics) -> (state, metrics)``: the one update
-    (:func:`~jaxpar.step.update.apply_update`), under PipeDream-2BW's version swap, or over
-    replicas (asynchronously one by one; ``stale`` keeping its history)."""
+    (:func:`~jaxpar.step.update.apply_update`), or under PipeDream-2BW's version swap."""
     strategy = layout.strategy
-    if _replicated(layout):
-        from jaxpar.step.replica_mean import replica_rule
-
-        return replica_rule(strategy.sync or synchronous(), update, layout)
     if strategy.schedule == "pipedream-2bw" and dict(layout.mesh.shape).get("pipe", 1) > 1:
         return partial(delayed_update, update)
     return partial(apply_update, update)

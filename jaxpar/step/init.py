@@ -35,8 +35,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxpar.compat.settings import replicas_on
 from jaxpar.compat.table import Setting, raise_problems
-from jaxpar.mesh import replicas
 from jaxpar.rules import named_shardings, resolve
 from jaxpar.strategy import Strategy
 from jaxpar.parallel.tensor import warn_unsplit_tensor_axis
@@ -120,7 +120,7 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
                          strategy=strategy, layer_lists=stacked_counts(model_fn))
     codec_init = layout.codec_init
     _raise_strategy_problems(strategy, sizes)
-    if strategy.sync is not None or replicas(mesh) > 1:
+    if replicas_on(Setting(strategy, sizes)):
         return _relaxed_layout_and_init(model_fn, tx, layout, strategy)
     if strategy.compression is not None:
         from jaxpar.step.compressed import compression_state   # compression loads only when used

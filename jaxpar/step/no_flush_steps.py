@@ -37,7 +37,7 @@ from jaxpar.adapters.blocks import use_layer_runner
 from jaxpar.rules import drop_axes, named_shardings, use_rules
 from jaxpar.parallel.pipeline.two_bw import AsyncPipelineError, check_two_bw, step_windows
 from jaxpar.parallel.pipeline.buffers import PipelineState, Slots, put, put_tree, read_slots, take, take_tree, write_slots
-from jaxpar.parallel.pipeline.piped import check_pipeline_strategy, staged_cut
+from jaxpar.parallel.pipeline.piped import staged_cut
 from jaxpar.parallel.pipeline.instructions import Program, lower
 from jaxpar.parallel.pipeline.schedules import pipedream_2bw
 from jaxpar.parallel.pipeline.stage import PIPE, TICKS_SCOPE, Stage, initial_state, stage_counts, tick, tick_table
@@ -228,7 +228,6 @@ def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> 
     strategy, mesh = layout.strategy, layout.mesh
     check_steps_per_call(strategy, steps)
     check_two_bw_step(strategy, layout)
-    check_pipeline_strategy(strategy, mesh)
     p, m = mesh.shape[PIPE], strategy.microbatches
     program = lower(pipedream_2bw(p, m, steps))
     rows0, rows_later = _windows_rows(program, p, m, steps)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxpar.mesh import REPLICA, replicas
-from jaxpar.parallel.sync import Backup, Stale
+from jaxpar.parallel.sync import Backup, Stale, synchronous
 from jaxpar.parallel.zero import spec_shards
 from jaxpar.rules import named_shardings
 from jaxpar.step.grads import global_grads
@@ -43,7 +43,23 @@ from jaxpar.step.relaxed import split_replicas
 from jaxpar.step.state import StateLayout, TrainState
 from jaxpar.step.update import Update, apply_update
 
-__all__ = ["replica_gradient", "replica_exchange", "replica_rule", "weighted_sum", "replica_bytes"]
+__all__ = ["replica_parts", "replica_gradient", "replica_exchange", "replica_rule", "weighted_sum", "replica_bytes"]
+
+
+def replica_parts(loss_fn: Callable, layout: StateLayout, update: Update) -> tuple[Callable, Callable, Callable]:
+    """The gradient, exchange and update of ``layout.strategy.sync`` (synchronous without one).
+
+    Args:
+      loss_fn: the user's loss.
+      layout: the relaxed layout.
+      update: the update's options.
+
+    Returns:
+      ``(gradient, exchange, rule)``: :func:`replica_gradient`, :func:`replica_exchange` and
+      :func:`replica_rule` of the sync kind.
+    """
+    sync = layout.strategy.sync or synchronous()
+    return replica_gradient(loss_fn, layout, sync), replica_exchange(sync, layout), replica_rule(sync, update, layout)
 
 
 def weighted_sum(w: jax.Array, tree: Any, specs: Any, mesh) -> Any:

@@ -56,7 +56,7 @@ from jaxpar.compat.table import Setting, raise_problems
 from jaxpar.rules import drop_axes, path_str, use_rules
 from jaxpar.parallel.pipeline.buffers import SlotView, Slots, TickIO, put, put_tree, read_slots, take, take_tree, write_slots
 from jaxpar.parallel.pipeline.partition import from_stages, to_stages
-from jaxpar.parallel.pipeline.piped import check_pipeline_strategy, staged_cut
+from jaxpar.parallel.pipeline.piped import staged_cut
 from jaxpar.parallel.pipeline.schedules import pipedream
 from jaxpar.parallel.pipeline.stage import PIPE, TICKS_SCOPE, ActionKind, Stage, exchange, initial_state, one_of, stage_counts, tick_table
 from jaxpar.parallel.pipeline.stash_optimizer import optimizer_is_per_stage, stacked_block_ids
@@ -266,7 +266,6 @@ def make_stashing_step(loss_fn: Callable, layout, update: Update, steps: int = 1
     strategy = layout.strategy
     check_steps_per_call(strategy, steps)
     check_stashing_step(strategy, layout)
-    check_pipeline_strategy(strategy, layout.mesh)
     m = strategy.microbatches
     sp = lower_stashed(pipedream(layout.mesh.shape[PIPE], m, steps), m=m, update_every=strategy.update_every,
                        vertical_sync=strategy.vertical_sync)

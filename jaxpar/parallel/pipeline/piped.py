@@ -36,7 +36,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.batch import split_microbatches
-from jaxpar.compat.table import Setting, raise_problems
 from jaxpar.errors import MoEError
 from jaxpar.parallel.moe import balanced, probe, reported_loads, use_step_loads
 from jaxpar.mesh import data_axes
@@ -52,7 +51,7 @@ from jaxpar.parallel.pipeline.instructions import lower
 from jaxpar.parallel.pipeline.schedules import get_schedule
 from jaxpar.parallel.pipeline.sweep import pipeline_forward_sum
 
-__all__ = ["make_pipeline_loss_and_grad", "auto_stage_layers", "check_pipeline_strategy", "runs_in_lockstep",
+__all__ = ["make_pipeline_loss_and_grad", "auto_stage_layers", "runs_in_lockstep",
            "staged_cut", "StagedCut"]
 
 
@@ -76,23 +75,6 @@ def auto_stage_layers(cut: ModelCut, outer: list, blocks: Any, microbatch: Any, 
         cost, first, last = layer_costs(cut.parts, abstract(outer), layer, abstract(microbatch))
     return partition_layers([cost] * jax.tree.leaves(blocks)[0].shape[0], stages, first_extra=first,
                             last_extra=last)
-
-
-def check_pipeline_strategy(strategy, mesh) -> None:
-    """Errors for what the no-flush programs (PipeDream-2BW, weight stashing) do not support: the
-    compatibility table's refusals of ``strategy`` on ``mesh`` (:func:`jaxpar.compat.table.raise_problems`;
-    sequence parallelism on a ``tensor`` axis > 1 is its SP x 2B / SP x ST pair). ``make_train_step``
-    runs the table first; this guards the no-flush step builders called on their own.
-
-    Args:
-      strategy: the strategy, with a no-flush schedule.
-      mesh: the mesh, with a ``pipe`` axis.
-
-    Raises:
-      JaxparError: the table's first refusal, as its class (``AsyncPipelineError`` /
-        ``StashingError``: sequence parallelism with PipeDream-2BW / weight stashing).
-    """
-    raise_problems(Setting(strategy, dict(mesh.shape)))
 
 
 def runs_in_lockstep(strategy, mesh) -> bool:
