@@ -15,12 +15,15 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.mesh import REPLICA, batch_axes
 from jaxpar.rules import path_str
 
-__all__ = ["batch_sharding", "check_batch", "shard_batch", "split_microbatches"]
+__all__ = ["batch_sharding", "check_batch", "check_stacked_batches", "shard_batch", "split_microbatches",
+           "step_microbatches"]
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -100,3 +103,41 @@ def split_microbatches(batch: Any, k: int, mesh=None) -> Any:
         return x if spec is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     return jax.tree.map(split, batch)
+
+
+def step_microbatches(batches: Any, m: int, mesh, steps: int) -> Any:
+    """Stacked global batches as micro-batches, step by step.
+
+    Args:
+      batches: ``steps`` global batches stacked, ``[steps, B, ...]`` per leaf.
+      m: micro-batches per step.
+      mesh: the device mesh (its data axes split each micro-batch).
+      steps: the number of stacked batches.
+
+    Returns:
+      The ``steps * m`` micro-batches, ``[steps * m, B / m, ...]`` per leaf, step 0's first.
+    """
+    mbs = [split_microbatches(jax.tree.map(lambda a, j=j: a[j], batches), m, mesh) for j in range(steps)]
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *mbs)
+
+
+def check_stacked_batches(batches: Any, mesh, m: int, steps: int) -> None:
+    """Check ``steps`` stacked global batches (``make_train_step(steps_per_call=steps)``): every
+    leaf ``[steps, B, ...]``, ``B`` divisible by the data axes times ``m`` micro-batches.
+
+    Args:
+      batches: the stacked batches (arrays or ``ShapeDtypeStruct``s).
+      mesh: the device mesh.
+      m: micro-batches per step.
+      steps: ``steps_per_call``.
+
+    Raises:
+      ValueError: a leaf's leading size is not ``steps``, or ``B`` does not split into the data axes times ``m``.
+    """
+    leads = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(batches)}
+    if leads != {steps}:
+        raise ValueError(
+            f"steps_per_call={steps}: every batch leaf must be [steps={steps}, batch, ...] (one global batch per "
+            f"optimizer step, stacked), got leading sizes {sorted(leads, key=str)}. Stack {steps} batches, "
+            "e.g. jax.tree.map(lambda *b: np.stack(b), *batches).")
+    check_batch(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batches), mesh, m)

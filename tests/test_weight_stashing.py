@@ -12,7 +12,7 @@ from jaxpar.config import ConfigError, load_config
 from jaxpar.models import GPT, GPTConfig, lm_loss
 from jaxpar.parallel.pipeline.schedule_stats import bubble_fraction
 from jaxpar.parallel.pipeline.schedules import gpipe, num_ticks, one_f_one_b, pipedream
-from jaxpar.step.stashing_step import TICKS_SCOPE
+from jaxpar.parallel.pipeline.stage import TICKS_SCOPE
 from jaxpar.parallel.pipeline.stash_versions import (StashingError, lower_stashed, older_versions, update_ticks, version,
                                       weight_versions)
 from jaxpar.run.checkpoint import Checkpointer, CheckpointWarning

@@ -55,7 +55,7 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.batch import batch_sharding, check_batch, shard_batch
+from jaxpar.batch import batch_sharding, check_batch, check_stacked_batches, shard_batch
 from jaxpar.compat.settings import replicas_on
 from jaxpar.compat.table import Setting
 from jaxpar.mesh import batch_axes
@@ -182,9 +182,9 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
                                  steps_per_call=opts.steps_per_call, clip_norm=update.clip_norm,
                                  noise_scale_every=opts.noise_scale_every))
     if strategy.schedule == "pipedream-2bw":
-        from jaxpar.step.no_flush_steps import check_two_bw_step   # pipelines load only when used
+        from jaxpar.step.versioned_pipeline import check_versioned_state   # pipelines load only when used
 
-        check_two_bw_step(strategy, layout)
+        check_versioned_state(strategy, layout)
     if has_stats_part(layout, BIAS) and (_replicated(layout) or strategy.schedule in ("pipedream", "pipedream-2bw")):
         raise MoEError(f"the train state keeps a router bias (aux-loss-free balancing: with_router_bias), which "
                        f"moves by each step's loads, and schedule={strategy.schedule!r} / sync="
@@ -316,25 +316,18 @@ def _noise_scale_stats(state, batch, metrics: dict, replicas_: int, ema: float) 
 
 
 def _versioned_pipeline(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
-    """PipeDream's no-flush programs, ``steps_per_call`` steps each: weight stashing (each stage
-    updates its own weights inside the pipeline, micro-batches reading the version their forward
-    used) or PipeDream-2BW (two versions, the update between steps); both call the one update."""
-    if layout.strategy.schedule == "pipedream":
-        from jaxpar.step.stashing_step import make_stashing_step   # pipelines load only when used
+    """PipeDream's no-flush program, ``steps_per_call`` steps each: stages that read the weight
+    version the schedule names, the one update per stage inside the pipeline (weight stashing) or
+    on the whole model between steps (2BW)."""
+    from jaxpar.step.versioned_pipeline import make_versioned_pipeline   # pipelines load only when used
 
-        run, program = make_stashing_step(loss_fn, layout, update, opts.steps_per_call)
-    else:
-        from jaxpar.step.no_flush_steps import make_two_bw_steps
-
-        run, program = make_two_bw_steps(loss_fn, layout, update, opts.steps_per_call)
+    run, program = make_versioned_pipeline(loss_fn, layout, update, opts.steps_per_call)
     return _stacked_steps(run, layout, opts, program)
 
 
 def _stacked_steps(run: Callable, layout: StateLayout, opts: StepOptions, program) -> TrainStep:
     """The step of a program that runs ``opts.steps_per_call`` optimizer steps on stacked batches
     ``[K, B, ...]`` (metrics ``[K]``); with ``K = 1`` it takes one batch and returns one step's metrics."""
-    from jaxpar.step.no_flush_steps import check_stacked_batches
-
     mesh, m, k = layout.mesh, layout.strategy.microbatches, opts.steps_per_call
     if k == 1:
         def one(state, batch):

@@ -1,6 +1,7 @@
-"""PipeDream-2BW without flushes: ``K`` optimizer steps of the no-flush table in one program.
+"""PipeDream-2BW's update placement in the no-flush program: the whole model between step windows.
 
-:func:`make_two_bw_steps` (``make_train_step(..., steps_per_call=K)``) builds
+:func:`make_two_bw_steps` (``make_train_step(..., steps_per_call=K)``, through
+:func:`~jaxpar.step.versioned_pipeline.make_versioned_pipeline`) builds
 ``step(state, batches) -> (state, metrics)``: ``batches`` holds ``K`` global batches (every
 leaf ``[K, B, ...]``), ``metrics`` one value per step (``loss`` ``[K]``...). The program runs
 :func:`~jaxpar.parallel.pipeline.schedules.pipedream_2bw` ``(p, m, steps=K)`` cut into its optimizer
@@ -12,7 +13,9 @@ applies step ``t``'s gradient: ``W(t+1) = W(t) - update(grad f_t(W(t-1)))``, out
 manual region, with the one-step train step's update and rule (:func:`jaxpar.step.update.delayed`),
 so every optax optimizer, ``clip_norm``, ``log_lr`` and ``skip_nonfinite`` work as there, and a
 skipped step leaves the same state. A micro-batch of step ``t`` reads ``W(t-1)``; during window ``t`` a stage
-holds ``W(t-1)`` and ``W(t)`` (the train state's ``versions`` and ``params``).
+holds ``W(t-1)`` and ``W(t)`` (the train state's ``versions`` and ``params``), the slots the
+version table (:func:`~jaxpar.parallel.pipeline.two_bw.version_rows`) names for the versioned
+stage (:mod:`jaxpar.parallel.pipeline.versioned_stage`).
 
 A call starts and ends with an empty pipeline: one fill and one drain per ``K`` steps, and
 the train state (and its checkpoints) is the one-step 2BW state.
@@ -25,86 +28,47 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.batch import check_batch, split_microbatches
+from jaxpar.batch import step_microbatches
 from jaxpar.adapters.blocks import use_layer_runner
 from jaxpar.rules import drop_axes, named_shardings, use_rules
-from jaxpar.parallel.pipeline.two_bw import AsyncPipelineError, check_two_bw, step_windows
-from jaxpar.parallel.pipeline.buffers import PipelineState, Slots, put, put_tree, read_slots, take, take_tree, write_slots
+from jaxpar.parallel.pipeline.two_bw import step_windows, version_rows
+from jaxpar.parallel.pipeline.buffers import PipelineState, put, take, take_tree
 from jaxpar.parallel.pipeline.piped import staged_cut
 from jaxpar.parallel.pipeline.instructions import Program, lower
 from jaxpar.parallel.pipeline.schedules import pipedream_2bw
-from jaxpar.parallel.pipeline.stage import PIPE, TICKS_SCOPE, Stage, initial_state, stage_counts, tick, tick_table
+from jaxpar.parallel.pipeline.stage import PIPE, stage_counts
+from jaxpar.parallel.pipeline.versioned_stage import StageWeights, VersionedStage, VersionRows, run_ticks, \
+    versioned_table
 from jaxpar.step.update import Update, apply_update, delayed
 
-__all__ = ["make_two_bw_steps", "check_two_bw_step", "check_steps_per_call", "check_stacked_batches", "window_runner",
-           "step_microbatches", "TICKS_SCOPE", "WINDOWS_SCOPE"]
+__all__ = ["make_two_bw_steps", "window_runner", "WINDOWS_SCOPE"]
 
 #: name scope of the loop over the later windows (in the compiled HLO, its ``while``'s ``op_name``
 #: ends ``pipeline_windows/while``; the tick loops' end ``TICKS_SCOPE/while``, as in the executor)
 WINDOWS_SCOPE = "pipeline_windows"
 
 
-class _TwoVersionStage(Stage):
-    """A stage of the no-flush table: micro-batch ``i`` (step ``i // m``) reads version
-    ``i // m - window`` (0: ``W(t-1)``, 1: ``W(t)``) and adds into accumulator ``(i // m) % 2``."""
-
-    def __init__(self, parts, program: Program, counts, outer2, blocks2, mbs, m: int, window):
-        super().__init__(parts, program, counts, take_tree(outer2, 0), take_tree(blocks2, 0), mbs)
-        self.m, self.outer2, self.blocks2, self.window = m, outer2, blocks2, window
-        self.v = program.schedule.num_chunks
-
-    def _version(self, sl: Slots):
-        return jnp.clip(sl.mb // self.m - self.window, 0, 1)
-
-    def _acc(self, sl: Slots):
-        return (sl.mb // self.m) % 2
-
-    def chunk_params(self, sl: Slots):
-        return take_tree(take_tree(self.blocks2, self._version(sl)), sl.chunk)
-
-    def outer_params(self, sl: Slots):
-        return take_tree(self.outer2, self._version(sl))
-
-    def read(self, st: PipelineState, sl: Slots):
-        a = self._acc(sl)
-        one = st._replace(g_outer=take_tree(st.g_outer, a), loss=take(st.loss, a), metrics=take_tree(st.metrics, a))
-        return read_slots(one, sl._replace(chunk=a * self.v + sl.chunk))
-
-    def write(self, st: PipelineState, sl: Slots, io) -> PipelineState:
-        a = self._acc(sl)
-        new = write_slots(st, sl._replace(chunk=a * self.v + sl.chunk), io)
-        metrics = st.metrics if io.metrics is None else put_tree(st.metrics, a, io.metrics)
-        return new._replace(g_outer=jax.tree.map(lambda b, g: put(b, a, g), st.g_outer, io.g_outer),
-                            loss=put(st.loss, a, io.loss), metrics=metrics)
-
-    def initial_state(self, program: Program) -> PipelineState:
-        st = initial_state(program, self)
-        two = lambda t: jax.tree.map(lambda z: jnp.concatenate([z[None]] * 2), t)   # noqa: E731
-        return st._replace(g_blocks=jax.tree.map(lambda z: jnp.concatenate([z, z]), st.g_blocks),
-                           g_outer=two(st.g_outer), loss=two(st.loss), metrics=two(st.metrics))
-
-    def finish(self, st: PipelineState, a):
-        """Step ``window``'s loss, gradients and reported metrics (accumulator ``a``), and ``st`` with it
-        zeroed."""
-        v = self.v
-        g_blocks = jax.tree.map(lambda b: jax.lax.dynamic_slice_in_dim(b, a * v, v), st.g_blocks)
-        out = (jax.lax.psum(take(st.loss, a), PIPE) / self.m, jax.lax.psum(take_tree(st.g_outer, a), PIPE),
-               jax.tree.map(lambda g: g[:, None], g_blocks),
-               jax.tree.map(lambda b: jax.lax.psum(take(b, a), PIPE) / self.m, st.metrics))
-        st = st._replace(
-            g_blocks=jax.tree.map(lambda b, g: jax.lax.dynamic_update_slice_in_dim(b, jnp.zeros_like(g), a * v, 0),
-                                  st.g_blocks, g_blocks),
-            g_outer=jax.tree.map(lambda b: put(b, a, jnp.zeros(b.shape[1:], b.dtype)), st.g_outer),
-            loss=put(st.loss, a, jnp.zeros((), jnp.float32)),
-            metrics=jax.tree.map(lambda b: put(b, a, jnp.zeros(b.shape[1:], b.dtype)), st.metrics))
-        return out, st
+def _finish(stage: VersionedStage, st: PipelineState, a):
+    """Step ``window``'s loss, gradients and reported metrics (accumulator ``a``), and ``st`` with it
+    zeroed."""
+    v, m = stage.v, stage.per_step
+    g_blocks = jax.tree.map(lambda b: jax.lax.dynamic_slice_in_dim(b, a * v, v), st.g_blocks)
+    out = (jax.lax.psum(take(st.loss, a), PIPE) / m, jax.lax.psum(take_tree(st.g_outer, a), PIPE),
+           jax.tree.map(lambda g: g[:, None], g_blocks),
+           jax.tree.map(lambda b: jax.lax.psum(take(b, a), PIPE) / m, st.metrics))
+    st = st._replace(
+        g_blocks=jax.tree.map(lambda b, g: jax.lax.dynamic_update_slice_in_dim(b, jnp.zeros_like(g), a * v, 0),
+                              st.g_blocks, g_blocks),
+        g_outer=jax.tree.map(lambda b: put(b, a, jnp.zeros(b.shape[1:], b.dtype)), st.g_outer),
+        loss=put(st.loss, a, jnp.zeros((), jnp.float32)),
+        metrics=jax.tree.map(lambda b: put(b, a, jnp.zeros(b.shape[1:], b.dtype)), st.metrics))
+    return out, st
 
 
 def window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, first: bool) -> Callable:
@@ -120,88 +84,50 @@ def window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, fi
       first: the window starts from an empty pipeline (its ``state`` is None).
 
     Returns:
-      ``fn(outer2, blocks2, mbs, state, rows, window) -> ((loss, g_outer, g_blocks, metrics), state)``:
-      one window's ticks (``rows``) on the versions ``outer2`` / ``blocks2`` (``[2, ...]``:
-      ``W(t-1)``, ``W(t)``); ``state`` is every stage's in-flight
-      :class:`~jaxpar.parallel.pipeline.buffers.PipelineState` (leading ``pipe`` axis).
+      ``fn(outer2, blocks2, mbs, state, rows, vrows, window) -> ((loss, g_outer, g_blocks, metrics),
+      state)``: one window's ticks (``rows``, their version rows ``vrows``) on the versions
+      ``outer2`` / ``blocks2`` (``[2, ...]``: ``W(t-1)``, ``W(t)``); ``state`` is every stage's
+      in-flight :class:`~jaxpar.parallel.pipeline.buffers.PipelineState` (leading ``pipe`` axis).
     """
     counts = stage_counts(program, mesh, stage_layers)
-    table = tick_table(program)
+    table, kinds, _ = versioned_table(program, None)
 
-    def body(outer2, blocks2, mbs, st, rows, window):
-        stage = _TwoVersionStage(parts, program, counts, outer2, jax.tree.map(lambda a: a[:, :, 0], blocks2),
-                                 mbs, m, window)
+    def body(outer2, blocks2, mbs, st, rows, vrows, window):
+        w = (outer2, jax.tree.map(lambda a: a[:, :, 0], blocks2))
+        stage = VersionedStage(parts, program, counts, take_tree(w, 0), mbs, per_update=m, per_step=m,
+                               accumulators=2, sums=2, cast=lambda t: t)      # the versions come cast
         st = stage.initial_state(program) if first else jax.tree.map(lambda a: a[0], st)
-        branches = [stage.branch(k) for k in table.kinds]
-        with jax.named_scope(TICKS_SCOPE):
-            st, _ = jax.lax.scan(functools.partial(tick, stage, table, branches), st, rows)
-        out, st = stage.finish(st, window % 2)
+        no_update = jnp.zeros((2,), jnp.float32)
+        st, _ = run_ticks(stage, table, kinds, st, StageWeights(w, (), no_update, no_update), rows, vrows)
+        out, st = _finish(stage, st, window % 2)
         return out, jax.tree.map(lambda a: a[None], st)
 
     rep = lambda t: jax.tree.map(lambda _: P(), t)                  # noqa: E731
     per_stage = lambda t: jax.tree.map(lambda _: P(PIPE), t)        # noqa: E731
     inner_rules = drop_axes(rules, (PIPE,))
 
-    def fn(outer2, blocks2, mbs, st, rows, window):
+    def fn(outer2, blocks2, mbs, st, rows, vrows, window):
         two_stage = jax.tree.map(lambda _: P(None, None, PIPE), blocks2)
         g_blocks = jax.tree.map(lambda _: P(None, PIPE), blocks2)
         smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE}, check_vma=False,
-                             in_specs=(rep(outer2), two_stage, rep(mbs), per_stage(st), rep(rows), P()),
+                             in_specs=(rep(outer2), two_stage, rep(mbs), per_stage(st), rep(rows), rep(vrows), P()),
                              out_specs=((P(), rep(jax.tree.map(lambda a: a[0], outer2)), g_blocks, P()),
                                         P(PIPE) if first else per_stage(st)))
         with use_rules(mesh, inner_rules), use_layer_runner(None):
-            return smap(outer2, blocks2, mbs, st, rows, window)
+            return smap(outer2, blocks2, mbs, st, rows, vrows, window)
 
     return fn
 
 
 def _windows_rows(program: Program, p: int, m: int, steps: int):
-    """The table's rows cut at the step windows: the first window's, and the later ones
-    stacked ``[steps - 1, 2m, ...]``."""
-    rows = tick_table(program).rows
+    """The table's rows and version rows cut at the step windows: the first window's, and the
+    later ones stacked ``[steps - 1, 2m, ...]``."""
+    _, _, rows = versioned_table(program, None)
+    both = (rows, VersionRows(*version_rows(program, m, steps)))
     (lo, hi), rest = step_windows(p, m, steps)[0], step_windows(p, m, steps)[1:]
-    first = jax.tree.map(lambda a: a[lo:hi], rows)
-    later = jax.tree.map(lambda a: a[hi:].reshape(steps - 1, 2 * m, *a.shape[1:]), rows) if rest else None
+    first = jax.tree.map(lambda a: a[lo:hi], both)
+    later = jax.tree.map(lambda a: a[hi:].reshape(steps - 1, 2 * m, *a.shape[1:]), both) if rest else None
     return first, later
-
-
-def check_two_bw_step(strategy, layout) -> None:
-    """:func:`~jaxpar.parallel.pipeline.two_bw.check_two_bw` plus what the train step needs: a
-    state with the second version.
-
-    Args:
-      strategy: the strategy (``schedule='pipedream-2bw'``).
-      layout: the train state's layout (its mesh and ``versions``).
-
-    Raises:
-      AsyncPipelineError: the strategy cannot run on this mesh, or the state has no second version.
-    """
-    check_two_bw(strategy, layout.mesh.shape)
-    if not layout.versions:
-        raise AsyncPipelineError(
-            "make_train_step with schedule='pipedream-2bw', but the layout has no second weight version "
-            "(TrainState.versions): the state was made for another schedule. Create it with "
-            "init_train_state(..., strategy) using this same strategy.")
-
-
-def check_steps_per_call(strategy, steps) -> None:
-    """Errors for ``steps_per_call`` of the no-flush programs (PipeDream-2BW and weight stashing;
-    ``make_train_step`` scans the step of any other schedule).
-
-    Args:
-      strategy: the strategy (its ``schedule``).
-      steps: ``steps_per_call``.
-
-    Raises:
-      AsyncPipelineError: ``steps`` is not an int >= 1, or is > 1 with another schedule.
-    """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise AsyncPipelineError(f"steps_per_call={steps!r}: give an int >= 1 (optimizer steps per call).")
-    if steps > 1 and strategy.schedule not in ("pipedream-2bw", "pipedream"):
-        raise AsyncPipelineError(
-            f"steps_per_call={steps} with schedule={strategy.schedule!r}: this no-flush program runs "
-            "schedule='pipedream-2bw' or 'pipedream'; build the step with jaxpar.make_train_step, which scans "
-            "the step of any other schedule.")
 
 
 def _stack2(a, b):
@@ -226,8 +152,6 @@ def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> 
       ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
     """
     strategy, mesh = layout.strategy, layout.mesh
-    check_steps_per_call(strategy, steps)
-    check_two_bw_step(strategy, layout)
     p, m = mesh.shape[PIPE], strategy.microbatches
     program = lower(pipedream_2bw(p, m, steps))
     rows0, rows_later = _windows_rows(program, p, m, steps)
@@ -247,7 +171,7 @@ def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> 
             (o_prev, b_prev), (o_cur, b_cur) = (cut.stage(strategy.cast(w))
                                                 for w in (state.versions, state.params))
             runner = runners[0 if st is None else 1]
-            (loss, g_outer, g_blocks, found), st = runner(*_stack2((o_prev, b_prev), (o_cur, b_cur)), mbs, st, rows, t)
+            (loss, g_outer, g_blocks, found), st = runner(*_stack2((o_prev, b_prev), (o_cur, b_cur)), mbs, st, *rows, t)
             grads = jax.lax.with_sharding_constraint(cut.grads(g_outer, g_blocks), grad_shardings)
             state, metrics = rule(state, loss, grads)
             return state, st, {**found, **metrics}       # and what the loss reported
@@ -266,42 +190,3 @@ def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> 
         return state, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
 
     return run, program
-
-
-def step_microbatches(batches: Any, m: int, mesh, steps: int) -> Any:
-    """Stacked global batches as micro-batches, step by step.
-
-    Args:
-      batches: ``steps`` global batches stacked, ``[steps, B, ...]`` per leaf.
-      m: micro-batches per step.
-      mesh: the device mesh (its data axes split each micro-batch).
-      steps: the number of stacked batches.
-
-    Returns:
-      The ``steps * m`` micro-batches, ``[steps * m, B / m, ...]`` per leaf, step 0's first.
-    """
-    mbs = [split_microbatches(jax.tree.map(lambda a, j=j: a[j], batches), m, mesh) for j in range(steps)]
-    return jax.tree.map(lambda *a: jnp.concatenate(a), *mbs)
-
-
-def check_stacked_batches(batches: Any, mesh, m: int, steps: int) -> None:
-    """Check ``steps`` stacked global batches: every leaf ``[steps, B, ...]``, ``B`` divisible by the
-    data axes times ``m`` micro-batches.
-
-    Args:
-      batches: the stacked batches (arrays or ``ShapeDtypeStruct``s).
-      mesh: the device mesh.
-      m: micro-batches per step.
-      steps: ``steps_per_call``.
-
-    Raises:
-      AsyncPipelineError: a leaf's leading size is not ``steps``.
-      ValueError: ``B`` does not split into the data axes times ``m``.
-    """
-    leads = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(batches)}
-    if leads != {steps}:
-        raise AsyncPipelineError(
-            f"steps_per_call={steps}: every batch leaf must be [steps={steps}, batch, ...] (one global batch per "
-            f"optimizer step, stacked), got leading sizes {sorted(leads, key=str)}. Stack {steps} batches, "
-            "e.g. jax.tree.map(lambda *b: np.stack(b), *batches).")
-    check_batch(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batches), mesh, m)

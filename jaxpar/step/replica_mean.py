@@ -41,7 +41,7 @@ from jaxpar.rules import named_shardings
 from jaxpar.step.grads import global_grads
 from jaxpar.step.relaxed import split_replicas
 from jaxpar.step.state import StateLayout, TrainState
-from jaxpar.step.update import Update, apply_update
+from jaxpar.step.update import Update, apply_update, updates_metrics
 
 __all__ = ["replica_parts", "replica_gradient", "replica_exchange", "replica_rule", "weighted_sum", "replica_bytes"]
 
@@ -201,15 +201,13 @@ def _one_by_one(update: Update, state, losses, grads, layout, metrics: dict):
     order, on the newest parameters (K optimizer updates per step; ``step`` advances by one).
     ``grad_norm``: the root mean square of the K updates' gradient norms (:mod:`jaxpar.step.update`)."""
     k = losses.shape[0]
-    new, out, skipped, sq = state, {}, [], []
+    new, skipped, sq = state, [], []
     for r in range(k):
         g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x[r], grads),
                                              named_shardings(layout.grads, layout.mesh))
         new, out = apply_update(update, new._replace(step=state.step), losses[r], g)
-        skipped.append(out.pop("skipped", jnp.bool_(False)))
+        skipped.append(out.get("skipped", jnp.bool_(False)))
         sq.append(jnp.square(out["grad_norm"]))
-    out.update(metrics, loss=jnp.mean(losses), grad_norm=jnp.sqrt(jnp.mean(jnp.stack(sq))))
-    if update.skip_nonfinite:    # skipped: no update applied; skipped_updates: the replicas' updates left out
-        out["skipped"] = jnp.all(jnp.stack(skipped))
-        out["skipped_updates"] = jnp.sum(jnp.stack(skipped).astype(jnp.int32))
+    out = {**metrics, **updates_metrics(update, state.step, jnp.mean(losses), jnp.sum(jnp.stack(sq)), k,
+                                        jnp.sum(jnp.stack(skipped).astype(jnp.int32)))}
     return new._replace(step=state.step + 1), out

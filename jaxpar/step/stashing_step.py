@@ -1,8 +1,10 @@
-"""The PipeDream weight-stashing train step: per-stage updates inside the pipeline's tick loop.
+"""Weight stashing's update placement in the no-flush program: per-stage updates inside the tick loop.
 
-:func:`make_stashing_step` (``make_train_step`` with ``Strategy(schedule='pipedream')``) runs
+:func:`make_stashing_step` (``make_train_step`` with ``Strategy(schedule='pipedream')``, through
+:func:`~jaxpar.step.versioned_pipeline.make_versioned_pipeline`) runs
 :func:`~jaxpar.parallel.pipeline.schedules.pipedream` ``(p, m, K)`` (``K = steps_per_call`` optimizer
-steps, one tick loop) with the rule of :mod:`jaxpar.parallel.pipeline.stash_versions`. Inside the
+steps, one tick loop) with the rule of :mod:`jaxpar.parallel.pipeline.stash_versions`, on the
+versioned stage (:mod:`jaxpar.parallel.pipeline.versioned_stage`). Inside the
 ``shard_map`` (manual over ``pipe``) every stage carries:
 
 * a buffer of weight versions, ``[n_slots + 1, ...]`` (its layers and its own copy of the
@@ -42,7 +44,7 @@ its non-finite update: no weight changed), ``skipped_updates`` and ``lr``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -52,132 +54,36 @@ from jax.extend.core import Literal
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.adapters.blocks import use_layer_runner
+from jaxpar.batch import step_microbatches
 from jaxpar.compat.table import Setting, raise_problems
 from jaxpar.rules import drop_axes, path_str, use_rules
-from jaxpar.parallel.pipeline.buffers import SlotView, Slots, TickIO, put, put_tree, read_slots, take, take_tree, write_slots
+from jaxpar.parallel.pipeline.buffers import put, take, take_tree
 from jaxpar.parallel.pipeline.partition import from_stages, to_stages
 from jaxpar.parallel.pipeline.piped import staged_cut
 from jaxpar.parallel.pipeline.schedules import pipedream
-from jaxpar.parallel.pipeline.stage import PIPE, TICKS_SCOPE, ActionKind, Stage, exchange, initial_state, one_of, stage_counts, tick_table
+from jaxpar.parallel.pipeline.stage import PIPE, stage_counts
 from jaxpar.parallel.pipeline.stash_optimizer import optimizer_is_per_stage, stacked_block_ids
-from jaxpar.parallel.pipeline.stash_versions import StashingError, StashProgram, check_stashing, lower_stashed
+from jaxpar.parallel.pipeline.stash_versions import StashingError, StashProgram, lower_stashed
+from jaxpar.parallel.pipeline.versioned_stage import StageWeights, VersionedStage, VersionRows, run_ticks, \
+    versioned_table
 from jaxpar.step.state import TrainState
-from jaxpar.step.update import Update, apply_update
+from jaxpar.step.update import Update, apply_update, updates_metrics
 
-__all__ = ["make_stashing_step", "check_stashing_step", "optimizer_is_per_stage"]
-
-
-class _View(NamedTuple):
-    base: SlotView
-    w_use: Any      # (outer, blocks [1, Lmax, ...]): the version F / B reads
-    w_cur: Any      # the newest version (an update's input)
-    opt: Any
+__all__ = ["make_stashing_step", "optimizer_is_per_stage"]
 
 
-class _IO(NamedTuple):
-    base: TickIO
-    w_new: Any
-    opt: Any
-    gsq: Any        # squared norm of the update's gradient (0 without an update)
-    skip: Any
-
-
-class _Weights(NamedTuple):
-    w: Any          # (outer [n_slots + 1, ...], blocks [n_slots + 1, 1, Lmax, ...]); the last slot discards
-    opt: Any
-    gsq: Any        # [K] per optimizer step
-    skips: Any      # [K]
-
-
-class _StashStage(Stage):
-    """A stage of the stashing table: F / B on the version the tick reads; an update after the
-    backward that ends an ``update_every`` group; losses summed per optimizer step."""
-
-    def __init__(self, parts, program, counts, w0, mbs, *, m, k, tx, cut, cast, skip_nonfinite):
-        super().__init__(parts, program, counts, w0[0], w0[1], mbs)
-        self.m, self.per_step = k, m         # gradients: the mean over an update's k micro-batches
-        self.cut, self.cast = cut, cast
-        self.update = Update(tx, skip_nonfinite=skip_nonfinite)   # no global clip: it spans the stages
-        self._w = w0
-
-    def chunk_params(self, sl: Slots):
-        return take_tree(self._w[1], sl.chunk)
-
-    def outer_params(self, sl: Slots):
-        return self._w[0]
-
-    def read(self, st, sl: Slots) -> SlotView:
-        step = sl.mb // self.per_step           # the loss and the reported metrics are summed per step
-        return read_slots(st._replace(loss=take(st.loss, step), metrics=take_tree(st.metrics, step)), sl)
-
-    def write(self, st, sl: Slots, io: TickIO):
-        step = sl.mb // self.per_step
-        metrics = st.metrics if io.metrics is None else put_tree(st.metrics, step, io.metrics)
-        return write_slots(st, sl, io)._replace(loss=put(st.loss, step, io.loss), metrics=metrics)
-
-    def stash_branch(self, kind: tuple) -> Callable[[_View, Slots], _IO]:
-        base, update = self.branch(ActionKind(*kind[:3])), kind[3]
-        zero = jnp.zeros((), jnp.float32)
-
-        def run(view: _View, sl: Slots) -> _IO:
-            self._w = self.cast(view.w_use)
-            io = base(view.base, sl)
-            if not update:
-                return _IO(io, view.w_cur, view.opt, zero, zero)
-            w_new, opt, gsq, skip = self._update(view.w_cur, view.opt, io.g_outer, io.g_chunk)
-            io = io._replace(g_chunk=jax.tree.map(jnp.zeros_like, io.g_chunk),
-                             g_outer=jax.tree.map(jnp.zeros_like, io.g_outer))
-            return _IO(io, w_new, opt, gsq, skip)
-
-        return run
-
-    def _update(self, w_cur, opt, g_outer, g_chunk):
-        """The stage's optimizer step on its newest version (one chunk: ``[Lmax, ...]`` layers):
-        :func:`~jaxpar.step.update.apply_update` on the stage's parameters, which sees no loss (the
-        last stage's), so a non-finite gradient norm alone skips it. Returns the new version, the
-        optimizer state, the squared norm of the update's gradient and whether it was skipped."""
-        params = self.cut.merge(list(w_cur[0]), take_tree(w_cur[1], 0))
-        grads = self.cut.merge(list(g_outer), g_chunk)
-        new, m = apply_update(self.update, TrainState(jnp.zeros((), jnp.int32), params, opt),
-                              jnp.zeros((), jnp.float32), grads)
-        skip = m["skipped"].astype(jnp.float32) if "skipped" in m else jnp.zeros((), jnp.float32)
-        outer, blocks = self.cut.split(new.params)
-        return (outer, jax.tree.map(lambda a: a[None], blocks)), new.opt_state, jnp.square(m["grad_norm"]), skip
-
-
-def _tick(stage: _StashStage, table, kinds, branches, carry, xs):
-    """A tick as :func:`jaxpar.parallel.pipeline.stage.tick` runs it, with the stage's versions: the action reads
-    version ``ver``; an update reads ``cur`` and writes ``new``."""
-    st, ws = carry
-    row, vrow = xs
-    i = stage.index
-    sl = Slots(*(take(a, i) for a in row.slots))
-    ver, cur, new = (take(a, i) for a in vrow)
-    step = sl.mb // stage.per_step
-    none = stage.nothing()
-
-    def act(k):
-        def run(st, ws, send_f, send_b):
-            io = branches[k](_View(stage.read(st, sl), take_tree(ws.w, ver), take_tree(ws.w, cur), ws.opt), sl)
-            if kinds[k][3]:
-                ws = _Weights(jax.tree.map(lambda b, x: put(b, new, x), ws.w, io.w_new), io.opt,
-                              ws.gsq.at[step].add(io.gsq), ws.skips.at[step].add(io.skip))
-            return stage.write(st, sl, io.base), ws, io.base.send_f, io.base.send_b
-        return run
-
-    st, ws, send_f, send_b = one_of(take(row.kind, i), kinds, act, (st, ws, none, none))
-    return (exchange(st, table, row, i, send_f, send_b), ws), None
-
-
-def _branch_table(sp: StashProgram):
-    """The program's :func:`jaxpar.parallel.pipeline.stage.tick_table` with one branch per (op, first, last, update)."""
-    table = tick_table(sp.program)
-    keys = [[(*ActionKind.of(ins), bool(sp.update[t][s])) for s, ins in enumerate(tick.instrs)]
-            for t, tick in enumerate(sp.program.ticks)]
-    kinds = sorted({k for row in keys for k in row})
-    rows = table.rows._replace(kind=np.array([[kinds.index(k) for k in row] for row in keys], np.int32))
-    vrows = tuple(np.array(x, np.int32) for x in (sp.ver, sp.cur, sp.new))
-    return table, kinds, rows, vrows
+def _stage_update(update: Update, cut, w_cur, opt, g_outer, g_chunk):
+    """A stage's optimizer step on its newest version (one chunk: ``[Lmax, ...]`` layers):
+    :func:`~jaxpar.step.update.apply_update` on the stage's parameters, which sees no loss (the
+    last stage's), so a non-finite gradient norm alone skips it. Returns the new version, the
+    optimizer state, the squared norm of the update's gradient and whether it was skipped."""
+    params = cut.merge(list(w_cur[0]), take_tree(w_cur[1], 0))
+    grads = cut.merge(list(g_outer), g_chunk)
+    new, m = apply_update(update, TrainState(jnp.zeros((), jnp.int32), params, opt), jnp.zeros((), jnp.float32),
+                          grads)
+    skip = m["skipped"].astype(jnp.float32) if "skipped" in m else jnp.zeros((), jnp.float32)
+    outer, blocks = cut.split(new.params)
+    return (outer, jax.tree.map(lambda a: a[None], blocks)), new.opt_state, jnp.square(m["grad_norm"]), skip
 
 
 # ----------------------------------------------------------------------------- outer ownership
@@ -221,28 +127,6 @@ def _opt_tags(tx, layout) -> list[int]:
     return tags
 
 
-def check_stashing_step(strategy, layout) -> None:
-    """:func:`~jaxpar.parallel.pipeline.stash_versions.check_stashing` plus what the train step needs: a
-    state with the older versions.
-
-    Args:
-      strategy: the strategy (``schedule='pipedream'``).
-      layout: the train state's layout (its mesh and ``versions``).
-
-    Raises:
-      StashingError: the strategy cannot stash on this mesh, or the state keeps another number of versions.
-    """
-    check_stashing(strategy, layout.mesh.shape)
-    from jaxpar.parallel.pipeline.stash_versions import older_versions
-
-    n = older_versions(layout.mesh.shape["pipe"], strategy.update_every)
-    if not isinstance(layout.versions, tuple) or len(layout.versions) != n:
-        raise StashingError(
-            f"make_train_step with schedule='pipedream', but the layout keeps no {n} older weight versions "
-            "(TrainState.versions): the state was made for another schedule or update_every. Create it with "
-            "init_train_state(..., strategy) using this same strategy.")
-
-
 # ----------------------------------------------------------------------------- the step
 def make_stashing_step(loss_fn: Callable, layout, update: Update, steps: int = 1) -> tuple[Callable, StashProgram]:
     """``steps`` optimizer steps of weight stashing in one program (see the module docstring): each
@@ -261,16 +145,11 @@ def make_stashing_step(loss_fn: Callable, layout, update: Update, steps: int = 1
       ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
       ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
     """
-    from jaxpar.step.no_flush_steps import check_steps_per_call
-
     strategy = layout.strategy
-    check_steps_per_call(strategy, steps)
-    check_stashing_step(strategy, layout)
     m = strategy.microbatches
     sp = lower_stashed(pipedream(layout.mesh.shape[PIPE], m, steps), m=m, update_every=strategy.update_every,
                        vertical_sync=strategy.vertical_sync)
-    step = _StashingRun(loss_fn, update.tx, layout, sp, steps, log_lr=update.log_lr,
-                        skip_nonfinite=update.skip_nonfinite)
+    step = _StashingRun(loss_fn, update, layout, sp, steps)
     if not optimizer_is_per_stage(update.tx, layout.shapes, stacked_block_ids(layout.logical)):
         raise_problems(Setting(strategy, dict(layout.mesh.shape), optimizer_across_stages=True))
     return step.run, sp
@@ -280,17 +159,15 @@ class _StashingRun:
     """The ``run(state, batches)`` of :func:`make_stashing_step`: the state split per stage, every
     stage's tick loop in a ``shard_map`` over ``pipe``, and the state merged back."""
 
-    def __init__(self, loss_fn, tx, layout, sp: StashProgram, steps: int, *, log_lr, skip_nonfinite: bool):
-        self.loss_fn, self.tx, self.layout, self.sp, self.steps = loss_fn, tx, layout, sp, steps
-        self.lr_schedule, self.skip_nonfinite = log_lr, skip_nonfinite
-        self.table, self.kinds, self.rows, self.vrows = _branch_table(sp)
+    def __init__(self, loss_fn, update: Update, layout, sp: StashProgram, steps: int):
+        self.loss_fn, self.update, self.layout, self.sp, self.steps = loss_fn, update, layout, sp, steps
+        self.table, self.kinds, self.rows = versioned_table(sp.program, sp.update)
+        self.vrows = VersionRows(*(np.array(x, np.int32) for x in (sp.ver, sp.cur, sp.new)))
         self.flat_paths = [path_str(pth) for pth, _ in jax.tree_util.tree_flatten_with_path(layout.shapes)[0]]
-        self.tags = _opt_tags(tx, layout)
+        self.tags = _opt_tags(update.tx, layout)
 
     def run(self, state, batches):
         """``steps`` optimizer steps: ``(state, batches [steps, B, ...]) -> (state, metrics [steps])``."""
-        from jaxpar.step.no_flush_steps import step_microbatches
-
         layout, strategy, steps, mesh = self.layout, self.layout.strategy, self.steps, self.layout.mesh
         p, m, k = mesh.shape[PIPE], strategy.microbatches, strategy.update_every
         mbs = step_microbatches(batches, m, mesh, steps)
@@ -321,8 +198,9 @@ class _StashingRun:
         with use_rules(mesh, drop_axes(layout.rules, (PIPE,))), use_layer_runner(None):
             (loss, gsq, skips, reported), o_out, b_out, opt_out = smap(w_outer, w_blocks, opt_in, mbs)
         new = self._merged(state, cut, owners, opt_def, is_block, o_out, b_out, opt_out)
-        metrics = _metrics(loss / m, jnp.sqrt(gsq / (m // k)), skips if self.skip_nonfinite else None,
-                           self.lr_schedule, state.step, steps, updates=p * (m // k))
+        per_step = [updates_metrics(self.update, state.step + j, loss[j] / m, gsq[j], m // k, skips[j], of=p * (m // k))
+                    for j in range(steps)]      # grad_norm: the RMS over the step's updates of their global norm
+        metrics = jax.tree.map(lambda *a: jnp.stack(a), *per_step)
         return new, {**jax.tree.map(lambda a: a / m, reported), **metrics}     # what the loss reported, per step
 
     def _stage_loop(self, cut, counts, opt_def, is_block: list, w_outer, w_blocks, opt_in, mbs):
@@ -330,20 +208,18 @@ class _StashingRun:
         sp, strategy, steps = self.sp, self.layout.strategy, self.steps
         init = (w_outer, jax.tree.map(lambda a: a[:, :, 0], w_blocks))
         opt = opt_def.unflatten([a[0, 0] if b else a for a, b in zip(opt_in, is_block)])
-        stage = _StashStage(cut.parts, sp.program, counts, strategy.cast(take_tree(init, 0)), mbs,
-                            m=strategy.microbatches, k=strategy.update_every, tx=self.tx, cut=cut.model,
-                            cast=strategy.cast, skip_nonfinite=self.skip_nonfinite)
+        per_stage = Update(self.update.tx, skip_nonfinite=self.update.skip_nonfinite)   # no global clip: it spans the stages
+        update = functools.partial(_stage_update, per_stage, cut.model)
+        stage = VersionedStage(cut.parts, sp.program, counts, strategy.cast(take_tree(init, 0)), mbs,
+                               per_update=strategy.update_every, per_step=strategy.microbatches, accumulators=1,
+                               sums=steps, cast=strategy.cast, update=update)
         slots = jnp.asarray(np.array(sp.init, np.int32))[stage.index]
         buf = jax.tree.map(lambda a: jnp.zeros((sp.n_slots + 1, *a.shape[1:]), a.dtype), init)
         for j in range(sp.older + 1):           # the state's versions in their first slots
             buf = jax.tree.map(lambda b, a, j=j: put(b, slots[j], a[j]), buf, init)
-        per_step = lambda t: jax.tree.map(lambda a: jnp.zeros((steps, *a.shape), jnp.float32), t)   # noqa: E731
-        st = initial_state(sp.program, stage)._replace(loss=per_step(jnp.zeros(())), metrics=per_step(stage.metrics))
-        ws = _Weights(buf, opt, jnp.zeros((steps,), jnp.float32), jnp.zeros((steps,), jnp.float32))
-        branches = [stage.stash_branch(kd) for kd in self.kinds]
-        tick = functools.partial(_tick, stage, self.table, self.kinds, branches)
-        with jax.named_scope(TICKS_SCOPE):
-            (st, ws), _ = jax.lax.scan(tick, (st, ws), (self.rows, self.vrows))
+        per_step = jnp.zeros((steps,), jnp.float32)
+        st, ws = run_ticks(stage, self.table, self.kinds, stage.initial_state(sp.program),
+                           StageWeights(buf, opt, per_step, per_step), self.rows, self.vrows)
         final = jnp.asarray(np.array(sp.final, np.int32))[stage.index]
         out = jax.tree.map(lambda b: jnp.stack([take(b, final[j]) for j in range(sp.older + 1)]), ws.w)
         sums = jax.tree.map(lambda a: jax.lax.psum(a, PIPE), (st.loss, ws.gsq, ws.skips, st.metrics))
@@ -363,15 +239,3 @@ class _StashingRun:
         return state._replace(step=state.step + self.steps, params=versions[0], opt_state=opt_state,
                               versions=tuple(versions[1:]))
 
-
-def _metrics(loss, grad_norm, skips, lr_schedule, step, steps: int, updates: int) -> dict:
-    """Per-step metrics ``[steps]``: ``loss``, ``grad_norm``, ``lr`` (with a schedule) and, with
-    ``skips`` (non-finite stage updates dropped, of the step's ``updates``): ``skipped`` (every
-    stage update of the step dropped: no weight changed) and ``skipped_updates`` (how many)."""
-    metrics = {"loss": loss, "grad_norm": grad_norm}
-    if skips is not None:
-        metrics["skipped"] = skips >= updates
-        metrics["skipped_updates"] = skips.astype(jnp.int32)
-    if lr_schedule is not None:
-        metrics["lr"] = jnp.stack([jnp.asarray(lr_schedule(step + j), jnp.float32) for j in range(steps)])
-    return metrics

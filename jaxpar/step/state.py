@@ -110,7 +110,7 @@ bias's rate, the noise scale's period), which the step reads from there: :func:`
                           named_shardings(self.stats, self.mesh), named_shardings(self.versions, self.mesh))
 
     def model_specs(self) -> Any:
-        """The parameters' ``PartitionSpec``\ s as the model annotates them (its logical names under
+        """The parameters' ``PartitionSpec`` values, as the model annotates them (its logical names under
         the layout's rules), before ZeRO / FSDP shard them further: what a model that pins its own
         shardings, and a pipeline stage, run the parameters in."""
         return resolve(self.logical, self.rules, self.mesh, self.shapes)

@@ -5,10 +5,10 @@ applies. The rules that change *when* it applies or *with which weights* wrap it
 
 * :func:`delayed` / :func:`delayed_update` (PipeDream-2BW): the gradient at ``W(t-1)`` updates
   ``W(t)``, which becomes the older version; the one-step program and the no-flush program of
-  ``K`` steps (:mod:`jaxpar.step.no_flush_steps`) both wrap their update with
+  ``K`` steps (:mod:`jaxpar.step.versioned_pipeline`) both wrap their update with
   :func:`delayed`, so they agree on every step, a skipped one included;
-* weight stashing (:mod:`jaxpar.step.stashing_step`) calls :func:`apply_update` for each
-  stage's update inside the pipeline (no ``clip_norm``: a global clip spans the stages);
+* weight stashing (the same no-flush program) calls :func:`apply_update` for each stage's
+  update inside the pipeline (no ``clip_norm``: a global clip spans the stages);
 * relaxed synchronisation (:mod:`jaxpar.step.local_steps`) calls it once per step on the
   replicas' (masked) mean gradient, once per replica in turn (the asynchronous parameter server),
   or as each replica's inner update (DiLoCo / local SGD / EASGD, whose outer step is their own).
@@ -24,8 +24,9 @@ and one stage every program reports the same number. The root mean square, not t
 replicas' mean: no update receives that mean when replicas update on their own, and it would cost
 an all-reduce of a model's worth over ``replica`` in a program that must not communicate (the
 root mean square needs ``K`` scalars). ``loss`` is the step's loss (the mean over its updates),
-``skipped`` (with ``skip_nonfinite``) whether the step changed no weight, ``lr`` (with
-``log_lr``) the logged learning rate.
+``skipped`` (with ``skip_nonfinite``) whether the step changed no weight, ``skipped_updates`` (a
+step of several updates) how many were left out, ``lr`` (with ``log_lr``) the logged learning
+rate. :func:`updates_metrics` is that definition for a step of several updates.
 
 Example:
     >>> import jax.numpy as jnp, optax
@@ -51,7 +52,7 @@ import optax
 
 from jaxpar.step.state import TrainState
 
-__all__ = ["Update", "apply_update", "delayed", "delayed_update"]
+__all__ = ["Update", "apply_update", "updates_metrics", "delayed", "delayed_update"]
 
 
 class Update(NamedTuple):
@@ -108,6 +109,41 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
     if update.log_lr is not None:
         out["lr"] = jnp.asarray(update.log_lr(state.step), jnp.float32)
     return new, out
+
+
+def updates_metrics(update: Update, step, loss: jax.Array, sq_norms: jax.Array, updates: int,
+                    skipped_updates: jax.Array | None = None, of: int | None = None) -> dict:
+    """The metrics of a step that applies several updates, each on its own gradient (see the
+    module docstring): what :func:`apply_update` reports for one.
+
+    Args:
+      update: the options (:class:`Update`): ``skipped`` with ``skip_nonfinite``, ``lr`` with ``log_lr``.
+      step: the step number (for ``lr``).
+      loss: the step's loss.
+      sq_norms: the sum over the step's updates of their gradients' squared global norms.
+      updates: how many updates ``sq_norms`` sums.
+      skipped_updates: how many of the step's updates were skipped (with ``skip_nonfinite``).
+      of: how many updates ``skipped_updates`` counts among (default ``updates``; weight
+        stashing counts each stage's part of an update).
+
+    Returns:
+      ``loss``, ``grad_norm`` (the root mean square of the updates' norms), with
+      ``skip_nonfinite`` ``skipped`` (every update skipped: no weight changed) and
+      ``skipped_updates``, and with ``log_lr`` ``lr``.
+
+    >>> import jax.numpy as jnp, optax
+    >>> m = updates_metrics(Update(optax.sgd(0.1), skip_nonfinite=True), 0, jnp.float32(2.0),
+    ...                     jnp.float32(3.0 ** 2 + 4.0 ** 2), 2, jnp.int32(1))
+    >>> round(float(m["grad_norm"]), 4), bool(m["skipped"]), int(m["skipped_updates"])
+    (3.5355, False, 1)
+    """
+    out = {"loss": loss, "grad_norm": jnp.sqrt(sq_norms / updates)}
+    if update.skip_nonfinite:
+        out["skipped"] = skipped_updates >= (of or updates)
+        out["skipped_updates"] = jnp.asarray(skipped_updates).astype(jnp.int32)
+    if update.log_lr is not None:
+        out["lr"] = jnp.asarray(update.log_lr(step), jnp.float32)
+    return out
 
 
 def delayed(apply: Callable) -> Callable:

@@ -4,8 +4,8 @@ A :class:`Stage` holds one device's chunks of layers and runs the actions F / B 
 of its buffers (:mod:`.buffers`); :func:`tick` runs one row of the table
 (:func:`~jaxpar.parallel.pipeline.tick_arrays.tick_table`, re-exported here): the stage's action
 (one boolean ``lax.cond`` per action kind, :func:`one_of`), then the sends (:func:`exchange`).
-The executor (:mod:`.executor`), the no-flush 2BW program (:mod:`jaxpar.step.no_flush_steps`) and weight
-stashing (:mod:`jaxpar.step.stashing_step`) scan :func:`tick` over the table's rows.
+The executor (:mod:`.executor`) scans :func:`tick` over the table's rows; PipeDream's no-flush
+programs run the same actions on weight versions (:mod:`.versioned_stage`).
 """
 from __future__ import annotations
 

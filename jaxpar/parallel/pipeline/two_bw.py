@@ -19,7 +19,8 @@ The train step (``Strategy(schedule='pipedream-2bw')``) keeps ``W(t-1)`` in
 (:func:`jaxpar.step.update.delayed`: ``W(t)`` becomes the older version, after a skipped
 non-finite step too); with
 ``steps_per_call=K`` it runs ``K`` steps of the no-flush table in one program, the updates
-between the step windows (:mod:`jaxpar.step.no_flush_steps`).
+between the step windows (:mod:`jaxpar.step.no_flush_steps`), each action reading the version
+:func:`version_rows` names.
 
 Example:
     >>> from jaxpar.parallel.pipeline.schedules import pipedream_2bw
@@ -33,12 +34,15 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import numpy as np
+
 from jaxpar.compat.table import Setting, raise_problems
-from jaxpar.parallel.pipeline.instructions import colour_intervals
+from jaxpar.parallel.pipeline.instructions import Program, colour_intervals
 from jaxpar.parallel.pipeline.schedules import Schedule, canonical_kind
 from jaxpar.errors import AsyncPipelineError
 
-__all__ = ["AsyncPipelineError", "TWO_BW", "is_two_bw", "step_windows", "weight_versions", "check_two_bw"]
+__all__ = ["AsyncPipelineError", "TWO_BW", "is_two_bw", "step_windows", "version_rows", "weight_versions",
+           "check_two_bw"]
 
 TWO_BW = "pipedream-2bw"
 
@@ -80,6 +84,36 @@ def step_windows(p: int, m: int, steps: int) -> list[tuple[int, int]]:
     """
     lag = 2 * p - 2
     return [(0 if t == 0 else 2 * t * m + lag, 2 * (t + 1) * m + lag) for t in range(steps)]
+
+
+def version_rows(program: Program, m: int, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The version slot each action of the no-flush 2BW table reads, per tick and stage.
+
+    During step window ``t`` a stage holds ``W(t-1)`` (slot 0) and ``W(t)`` (slot 1); a
+    micro-batch ``i`` of step ``i // m`` reads ``W(i // m - 1)``, slot ``i // m - t`` (an idle
+    cell reads slot 0). No action updates (the model is updated between windows).
+
+    Args:
+      program: the lowered :func:`~jaxpar.parallel.pipeline.schedules.pipedream_2bw` table.
+      m: micro-batches per optimizer step.
+      steps: optimizer steps in the table.
+
+    Returns:
+      ``(ver, cur, new)``, int32 ``[ticks, p]`` each (``cur`` and ``new`` zero: no update).
+
+    >>> from jaxpar.parallel.pipeline.instructions import lower
+    >>> from jaxpar.parallel.pipeline.schedules import pipedream_2bw
+    >>> ver, _, _ = version_rows(lower(pipedream_2bw(2, 2, 2)), m=2, steps=2)
+    >>> ver[:, 0].tolist()      # stage 0: step 1's forward in window 0 reads W(0) (slot 1), the rest W(t-1)
+    [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
+    """
+    p = program.schedule.num_stages
+    window = np.zeros(len(program.ticks), np.int64)
+    for t, (lo, hi) in enumerate(step_windows(p, m, steps)):
+        window[lo:hi] = t
+    mb = np.array([[i.microbatch for i in tick.instrs] for tick in program.ticks])
+    ver = np.clip(mb // m - window[:, None], 0, 1).astype(np.int32)
+    return ver, np.zeros_like(ver), np.zeros_like(ver)
 
 
 def weight_versions(schedule: Schedule, m: int) -> tuple[int, ...]:
