@@ -3,8 +3,9 @@
 compose.py composes the step from grads.py (gradient kinds), exchange.py (exact / compressed /
 measured exchanges over the data axes), replica_mean.py (the replicas' gradient, masked mean and
 update over ``replica``), update.py (the optimizer update, PipeDream-2BW's delayed one) and
-program.py (the jitted programs, :class:`TrainStep`); versioned_pipeline.py is PipeDream's no-flush
-program (its update per stage in stashing_step.py, or between steps in no_flush_steps.py), local_steps.py DiLoCo / local SGD / EASGD's inner and outer
+program.py (the jitted programs, :class:`TrainStep`); stashing_step.py and no_flush_steps.py place
+the update of PipeDream's no-flush program (:mod:`jaxpar.parallel.pipeline.versioned_stage`) per
+stage in the tick loop or on the whole model between steps, local_steps.py DiLoCo / local SGD / EASGD's inner and outer
 programs; init.py builds the sharded state and its layout.
 """
 from jaxpar.step.state import StateLayout as StateLayout, TrainState as TrainState

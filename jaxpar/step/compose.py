@@ -182,9 +182,9 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
                                  steps_per_call=opts.steps_per_call, clip_norm=update.clip_norm,
                                  noise_scale_every=opts.noise_scale_every))
     if strategy.schedule == "pipedream-2bw":
-        from jaxpar.step.versioned_pipeline import check_versioned_state   # pipelines load only when used
+        from jaxpar.parallel.pipeline.versioned_stage import check_versioned_state   # pipelines load only when used
 
-        check_versioned_state(strategy, layout)
+        check_versioned_state(strategy, dict(layout.mesh.shape), layout.versions)
     if has_stats_part(layout, BIAS) and (_replicated(layout) or strategy.schedule in ("pipedream", "pipedream-2bw")):
         raise MoEError(f"the train state keeps a router bias (aux-loss-free balancing: with_router_bias), which "
                        f"moves by each step's loads, and schedule={strategy.schedule!r} / sync="
@@ -316,12 +316,20 @@ def _noise_scale_stats(state, batch, metrics: dict, replicas_: int, ema: float) 
 
 
 def _versioned_pipeline(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
-    """PipeDream's no-flush program, ``steps_per_call`` steps each: stages that read the weight
-    version the schedule names, the one update per stage inside the pipeline (weight stashing) or
-    on the whole model between steps (2BW)."""
-    from jaxpar.step.versioned_pipeline import make_versioned_pipeline   # pipelines load only when used
+    """PipeDream's no-flush program (:mod:`jaxpar.parallel.pipeline.versioned_stage`),
+    ``steps_per_call`` steps each: stages that read the weight version the schedule names, the one
+    update per stage inside the pipeline (weight stashing) or on the whole model between steps (2BW)."""
+    from jaxpar.parallel.pipeline.versioned_stage import check_versioned_state   # pipelines load only when used
 
-    run, program = make_versioned_pipeline(loss_fn, layout, update, opts.steps_per_call)
+    check_versioned_state(layout.strategy, dict(layout.mesh.shape), layout.versions)
+    if layout.strategy.schedule == "pipedream":
+        from jaxpar.step.stashing_step import make_stashing_step
+
+        run, program = make_stashing_step(loss_fn, layout, update, opts.steps_per_call)
+    else:
+        from jaxpar.step.no_flush_steps import make_two_bw_steps
+
+        run, program = make_two_bw_steps(loss_fn, layout, update, opts.steps_per_call)
     return _stacked_steps(run, layout, opts, program)
 
 

@@ -1,7 +1,6 @@
 """PipeDream-2BW's update placement in the no-flush program: the whole model between step windows.
 
-:func:`make_two_bw_steps` (``make_train_step(..., steps_per_call=K)``, through
-:func:`~jaxpar.step.versioned_pipeline.make_versioned_pipeline`) builds
+:func:`make_two_bw_steps` (``make_train_step(..., steps_per_call=K)``) builds
 ``step(state, batches) -> (state, metrics)``: ``batches`` holds ``K`` global batches (every
 leaf ``[K, B, ...]``), ``metrics`` one value per step (``loss`` ``[K]``...). The program runs
 :func:`~jaxpar.parallel.pipeline.schedules.pipedream_2bw` ``(p, m, steps=K)`` cut into its optimizer

@@ -1,7 +1,6 @@
 """Weight stashing's update placement in the no-flush program: per-stage updates inside the tick loop.
 
-:func:`make_stashing_step` (``make_train_step`` with ``Strategy(schedule='pipedream')``, through
-:func:`~jaxpar.step.versioned_pipeline.make_versioned_pipeline`) runs
+:func:`make_stashing_step` (``make_train_step`` with ``Strategy(schedule='pipedream')``) runs
 :func:`~jaxpar.parallel.pipeline.schedules.pipedream` ``(p, m, K)`` (``K = steps_per_call`` optimizer
 steps, one tick loop) with the rule of :mod:`jaxpar.parallel.pipeline.stash_versions`, on the
 versioned stage (:mod:`jaxpar.parallel.pipeline.versioned_stage`). Inside the

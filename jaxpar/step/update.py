@@ -5,7 +5,7 @@ applies. The rules that change *when* it applies or *with which weights* wrap it
 
 * :func:`delayed` / :func:`delayed_update` (PipeDream-2BW): the gradient at ``W(t-1)`` updates
   ``W(t)``, which becomes the older version; the one-step program and the no-flush program of
-  ``K`` steps (:mod:`jaxpar.step.versioned_pipeline`) both wrap their update with
+  ``K`` steps (:mod:`jaxpar.step.no_flush_steps`) both wrap their update with
   :func:`delayed`, so they agree on every step, a skipped one included;
 * weight stashing (the same no-flush program) calls :func:`apply_update` for each stage's
   update inside the pipeline (no ``clip_norm``: a global clip spans the stages);

@@ -11,8 +11,8 @@ a forward-only pass through the stages (sweep.py), the pipelined loss-and-grad o
 PipeDream-2BW's delayed-gradient rule with its no-flush table (two_bw.py), and PipeDream's weight
 stashing: its version rule and slots (stash_versions.py) and which optimizers it can run per stage
 (stash_optimizer.py); the stage both run, which reads the weight version a table names
-(versioned_stage.py). Their train step is one program in :mod:`jaxpar.step`
-(:mod:`jaxpar.step.versioned_pipeline`)."""
+(versioned_stage.py: one program for both); where their update runs is in :mod:`jaxpar.step`
+(:mod:`jaxpar.step.no_flush_steps`, :mod:`jaxpar.step.stashing_step`)."""
 from jaxpar.parallel.pipeline.executor import pipeline_value_and_grad as pipeline_value_and_grad
 from jaxpar.parallel.pipeline.partition import (PartitionError as PartitionError, from_stages as from_stages, layer_costs as layer_costs,
                         partition_layers as partition_layers, to_stages as to_stages,

@@ -1,27 +1,40 @@
-"""The stage of PipeDream's no-flush programs: every action reads one weight version, named by a table.
+"""PipeDream's no-flush pipelines as one program: stages whose actions read the weight version a table names.
 
-PipeDream-2BW and weight stashing run one program (:mod:`jaxpar.step.versioned_pipeline`): a
-no-flush table whose stages keep a buffer of weight versions, ``(outer [V, ...], blocks [V, v,
-Lmax, ...])``, and three int32 tables ``[ticks, p]`` (:class:`VersionRows`) say, per tick and stage,
-which version slot the action reads (``ver``) and, for an action that ends an update, which slot
-the update reads (``cur``) and writes (``new``). The schedules fill them in:
+PipeDream-2BW with ``steps_per_call`` > 1 and weight stashing (``schedule='pipedream'``) run ``K``
+optimizer steps of a table that never drains, as one program: every stage keeps a buffer of
+weight versions, ``(outer [V, ...], blocks [V, v, Lmax, ...])``, and runs the table's ticks on a
+:class:`VersionedStage`. Three int32 tables ``[ticks, p]`` (:class:`VersionRows`) say, per tick and
+stage, which version slot the action reads (``ver``) and, for an action that ends an update,
+which slot the update reads (``cur``) and writes (``new``). The schedules fill them in, and say
+*where the update runs*; both call the train step's one update
+(:func:`~jaxpar.step.update.apply_update`):
 
 * PipeDream-2BW (:func:`~jaxpar.parallel.pipeline.two_bw.version_rows`): two versions, ``W(t-1)``
-  and ``W(t)`` during step window ``t``; no action updates (the whole model is updated between
-  windows, outside the tick loop).
+  and ``W(t)`` during step window ``t``; no action updates: the whole model is updated between
+  windows, outside the tick loop, under 2BW's rule (:mod:`jaxpar.step.no_flush_steps`), so every
+  optax optimizer and ``clip_norm`` work;
 * weight stashing (:func:`~jaxpar.parallel.pipeline.stash_versions.lower_stashed`): a stage's
   versions in slots assigned by interval colouring; the backward that ends an ``update_every``
   group runs the stage's own update (:class:`StageUpdate`) in the same conditional and writes the
-  new version.
+  new version (:mod:`jaxpar.step.stashing_step`).
 
 Gradients are summed per *accumulator* (``(i // per_step) % accumulators`` for micro-batch ``i``:
 2BW keeps two, since the next step's first backwards run before this step's update), the loss and
-what the loss reported per *sum slot* (``(i // per_step) % sums``: the step, or 2BW's two).
+what the loss reported per *sum slot* (``(i // per_step) % sums``: the step, or 2BW's two). The
+metrics are :mod:`jaxpar.step.update`'s (with several updates per step,
+:func:`~jaxpar.step.update.updates_metrics`), per step.
+
+Example:
+    >>> from jaxpar import Strategy
+    >>> check_versioned_state(Strategy(schedule="pipedream", microbatches=2), {"pipe": 4}, ())
+    Traceback (most recent call last):
+    ...
+    jaxpar.errors.StashingError: make_train_step with schedule='pipedream', but the layout keeps no 3 older ...
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +45,11 @@ from jaxpar.parallel.pipeline.buffers import PipelineState, Slots, SlotView, Tic
 from jaxpar.parallel.pipeline.instructions import Program
 from jaxpar.parallel.pipeline.stage import TICKS_SCOPE, ActionKind, Stage, TickTable, exchange, initial_state, \
     one_of, tick_table
+from jaxpar.parallel.pipeline.stash_versions import StashingError, check_stashing, older_versions
+from jaxpar.parallel.pipeline.two_bw import AsyncPipelineError, check_two_bw
 
-__all__ = ["VersionRows", "StageWeights", "StageUpdate", "VersionedStage", "versioned_table", "run_ticks"]
+__all__ = ["VersionRows", "StageWeights", "StageUpdate", "VersionedStage", "versioned_table", "run_ticks",
+           "check_versioned_state"]
 
 
 class VersionRows(NamedTuple):
@@ -281,3 +297,33 @@ def run_ticks(stage: VersionedStage, table: TickTable, kinds: list, st: Pipeline
     with jax.named_scope(TICKS_SCOPE):
         (st, ws), _ = jax.lax.scan(functools.partial(_tick, stage, table, kinds, branches), (st, ws), (rows, vrows))
     return st, ws
+
+
+def check_versioned_state(strategy, mesh_sizes: Mapping[str, int], versions: Any) -> None:
+    """The schedule's own checks (:func:`~jaxpar.parallel.pipeline.two_bw.check_two_bw`,
+    :func:`~jaxpar.parallel.pipeline.stash_versions.check_stashing`) and the state's versions: one
+    older version for 2BW, ``ceil((pipe - 1) / update_every)`` for weight stashing.
+
+    Args:
+      strategy: the strategy (``schedule='pipedream-2bw'`` or ``'pipedream'``).
+      mesh_sizes: the mesh's axis sizes.
+      versions: the train state's older versions (its layout's ``versions``).
+
+    Raises:
+      AsyncPipelineError / StashingError: the strategy cannot run on this mesh, or the state keeps
+        other versions than the schedule reads.
+    """
+    sizes = dict(mesh_sizes)
+    if strategy.schedule == "pipedream":
+        check_stashing(strategy, sizes)
+        n = older_versions(sizes["pipe"], strategy.update_every)
+        ok, error = isinstance(versions, tuple) and len(versions) == n, StashingError
+        kept, made_for = f"{n} older weight versions", "another schedule or update_every"
+    else:
+        check_two_bw(strategy, sizes)
+        ok, error = bool(versions) and not isinstance(versions, tuple), AsyncPipelineError
+        kept, made_for = "second weight version", "another schedule"
+    if not ok:
+        raise error(f"make_train_step with schedule={strategy.schedule!r}, but the layout keeps no {kept} "
+                    f"(TrainState.versions): the state was made for {made_for}. Create it with "
+                    "init_train_state(..., strategy) using this same strategy.")
