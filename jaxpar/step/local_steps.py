@@ -12,7 +12,6 @@ their per-replica metrics sharded over ``replica`` (no gather). ``grad_norm`` is
 gradients every step are the per-step composition's parts: :mod:`jaxpar.step.replica_mean`.)"""
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -50,7 +49,7 @@ def local_train_step(loss_fn: Callable, layout: StateLayout, update: Update, *, 
     strategy, mesh = layout.strategy, layout.mesh
     return TrainStep(local_steps(loss_fn, layout, strategy.sync, update, donate=donate),
                      check_batch=lambda batch: check_batch(batch, mesh, strategy.microbatches),
-                     run=run_local_steps(strategy.sync, layout, update), batch_sharding=batch_sharding(mesh),
+                     run=run_local_steps(strategy.sync, layout), batch_sharding=batch_sharding(mesh),
                      state_only=("outer",))
 
 
@@ -166,7 +165,7 @@ def local_steps(loss_fn, layout: StateLayout, sync, update: Update, *, donate: b
     return programs
 
 
-def run_local_steps(sync, layout: StateLayout, update: Update) -> Callable:
+def run_local_steps(sync, layout: StateLayout) -> Callable:
     """``run(programs, state, batch, step) -> (state, metrics)`` for :func:`local_steps`' programs:
     the inner program (or the synchronous ``warm`` one before ``sync.start_step``), then the sync
     program after every ``sync.every``-th step.
@@ -174,21 +173,18 @@ def run_local_steps(sync, layout: StateLayout, update: Update) -> Callable:
     Args:
       sync: the sync kind.
       layout: the relaxed layout.
-      update: the inner update's options (the step's metrics report its ``skipped`` as
-        :func:`~jaxpar.step.update.updates_metrics` does).
 
     Returns:
       The runner, for :class:`~jaxpar.step.program.TrainStep` (``run=``).
     """
     every, start, nbytes = sync.every, getattr(sync, "start_step", 0), replica_bytes(layout)
-    summary = jax.jit(functools.partial(_replica_summary, update._replace(log_lr=None)))   # lr: the inner program's
 
     def run(programs, state: TrainState, batch, count: int):
         warming = count < start
         state, m = programs["warm" if warming else "step"](state, batch)
         count += 1
         metrics = {k: v for k, v in m.items() if k != "replica"}
-        metrics.update(summary(m["replica"]), replica_bytes=0.0)
+        metrics.update(_replica_summary(m["replica"]), replica_bytes=0.0)
         if warming:   # the gradients' all-reduce over ``replica``, as in synchronous data parallelism
             metrics["replica_bytes"] = float(nbytes)
         elif (count - start) % every == 0:
@@ -199,7 +195,8 @@ def run_local_steps(sync, layout: StateLayout, update: Update) -> Callable:
     return run
 
 
-def _replica_summary(update: Update, rep: dict) -> dict:
+@jax.jit
+def _replica_summary(rep: dict) -> dict:
     """The step's metrics from the per-replica ones (:func:`~jaxpar.step.update.updates_metrics`:
     ``grad_norm`` the root mean square of the replicas' update norms, ``skipped`` every replica's
     update skipped) and the spread of their losses. It is one program of its own, run after the
@@ -208,5 +205,5 @@ def _replica_summary(update: Update, rep: dict) -> dict:
     the XLA:CPU rendezvous that, with 8 simulated devices on 2 cores, was seen to time out."""
     k = rep["loss"].shape[0]
     skipped = jnp.sum(rep["skipped"].astype(jnp.int32)) if "skipped" in rep else None
-    out = updates_metrics(update, 0, jnp.mean(rep["loss"]), jnp.sum(jnp.square(rep["grad_norm"])), k, skipped)
+    out = updates_metrics(jnp.mean(rep["loss"]), jnp.sum(jnp.square(rep["grad_norm"])), k, skipped)
     return {**out, "loss_spread": jnp.max(rep["loss"]) - jnp.min(rep["loss"])}

@@ -197,7 +197,9 @@ class _StashingRun:
         with use_rules(mesh, drop_axes(layout.rules, (PIPE,))), use_layer_runner(None):
             (loss, gsq, skips, reported), o_out, b_out, opt_out = smap(w_outer, w_blocks, opt_in, mbs)
         new = self._merged(state, cut, owners, opt_def, is_block, o_out, b_out, opt_out)
-        per_step = [updates_metrics(self.update, state.step + j, loss[j] / m, gsq[j], m // k, skips[j], of=p * (m // k))
+        upd = self.update
+        per_step = [updates_metrics(loss[j] / m, gsq[j], m // k, skips[j] if upd.skip_nonfinite else None,
+                                    of=p * (m // k), lr=None if upd.log_lr is None else upd.log_lr(state.step + j))
                     for j in range(steps)]      # grad_norm: the RMS over the step's updates of their global norm
         metrics = jax.tree.map(lambda *a: jnp.stack(a), *per_step)
         return new, {**jax.tree.map(lambda a: a / m, reported), **metrics}     # what the loss reported, per step

@@ -111,38 +111,37 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
     return new, out
 
 
-def updates_metrics(update: Update, step, loss: jax.Array, sq_norms: jax.Array, updates: int,
-                    skipped_updates: jax.Array | None = None, of: int | None = None) -> dict:
+def updates_metrics(loss: jax.Array, sq_norms: jax.Array, updates: int, skipped_updates: jax.Array | None = None,
+                    of: int | None = None, lr: Any = None) -> dict:
     """The metrics of a step that applies several updates, each on its own gradient (see the
     module docstring): what :func:`apply_update` reports for one.
 
     Args:
-      update: the options (:class:`Update`): ``skipped`` with ``skip_nonfinite``, ``lr`` with ``log_lr``.
-      step: the step number (for ``lr``).
       loss: the step's loss.
       sq_norms: the sum over the step's updates of their gradients' squared global norms.
       updates: how many updates ``sq_norms`` sums.
-      skipped_updates: how many of the step's updates were skipped (with ``skip_nonfinite``).
+      skipped_updates: how many of the step's updates were skipped (``None``: the step does not
+        skip, ``skip_nonfinite=False``).
       of: how many updates ``skipped_updates`` counts among (default ``updates``; weight
         stashing counts each stage's part of an update).
+      lr: the logged learning rate (``None``: not logged).
 
     Returns:
       ``loss``, ``grad_norm`` (the root mean square of the updates' norms), with
-      ``skip_nonfinite`` ``skipped`` (every update skipped: no weight changed) and
-      ``skipped_updates``, and with ``log_lr`` ``lr``.
+      ``skipped_updates`` given ``skipped`` (every update skipped: no weight changed) and
+      ``skipped_updates``, and with ``lr`` given ``lr``.
 
-    >>> import jax.numpy as jnp, optax
-    >>> m = updates_metrics(Update(optax.sgd(0.1), skip_nonfinite=True), 0, jnp.float32(2.0),
-    ...                     jnp.float32(3.0 ** 2 + 4.0 ** 2), 2, jnp.int32(1))
+    >>> import jax.numpy as jnp
+    >>> m = updates_metrics(jnp.float32(2.0), jnp.float32(3.0 ** 2 + 4.0 ** 2), 2, jnp.int32(1))
     >>> round(float(m["grad_norm"]), 4), bool(m["skipped"]), int(m["skipped_updates"])
     (3.5355, False, 1)
     """
     out = {"loss": loss, "grad_norm": jnp.sqrt(sq_norms / updates)}
-    if update.skip_nonfinite:
+    if skipped_updates is not None:
         out["skipped"] = skipped_updates >= (of or updates)
         out["skipped_updates"] = jnp.asarray(skipped_updates).astype(jnp.int32)
-    if update.log_lr is not None:
-        out["lr"] = jnp.asarray(update.log_lr(step), jnp.float32)
+    if lr is not None:
+        out["lr"] = jnp.asarray(lr, jnp.float32)
     return out
 
 
