@@ -46,7 +46,7 @@ from jaxpar.parallel.pipeline.versioned_stage import StageWeights, VersionedStag
     versioned_table
 from jaxpar.step.update import Update, apply_update, delayed
 
-__all__ = ["make_two_bw_steps", "window_runner", "WINDOWS_SCOPE"]
+__all__ = ["make_two_bw_steps", "WINDOWS_SCOPE"]
 
 #: name scope of the loop over the later windows (in the compiled HLO, its ``while``'s ``op_name``
 #: ends ``pipeline_windows/while``; the tick loops' end ``TICKS_SCOPE/while``, as in the executor)
@@ -70,7 +70,7 @@ def _finish(stage: VersionedStage, st: PipelineState, a):
     return out, st
 
 
-def window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, first: bool) -> Callable:
+def _window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, first: bool) -> Callable:
     """The function that runs one step window of the no-flush table.
 
     Args:
@@ -149,6 +149,8 @@ def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> 
     Returns:
       ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
       ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
+      ``make_train_step`` has checked the layout
+      (:func:`~jaxpar.parallel.pipeline.versioned_stage.check_versioned_state`).
     """
     strategy, mesh = layout.strategy, layout.mesh
     p, m = mesh.shape[PIPE], strategy.microbatches
@@ -163,7 +165,7 @@ def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> 
         cut = staged_cut(loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
                          jax.tree.map(lambda a: a[:m], mbs),
                          own_specs=layout.model_specs())
-        runners = [window_runner(cut.parts, mesh, layout.rules, program, m, cut.stage_layers, first)
+        runners = [_window_runner(cut.parts, mesh, layout.rules, program, m, cut.stage_layers, first)
                    for first in (True, False)]
 
         def window(state, st, rows, t):

@@ -143,6 +143,8 @@ def make_stashing_step(loss_fn: Callable, layout, update: Update, steps: int = 1
     Returns:
       ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
       ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
+      ``make_train_step`` has checked the layout
+      (:func:`~jaxpar.parallel.pipeline.versioned_stage.check_versioned_state`).
     """
     strategy = layout.strategy
     m = strategy.microbatches
