@@ -181,7 +181,7 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
     raise_table_problems(Setting(strategy, dict(layout.mesh.shape), explicit_dp=opts.explicit_dp,
                                  steps_per_call=opts.steps_per_call, clip_norm=update.clip_norm,
                                  noise_scale_every=opts.noise_scale_every))
-    if strategy.schedule == "pipedream-2bw":
+    if strategy.schedule in ("pipedream", "pipedream-2bw"):       # the versions the state keeps
         from jaxpar.parallel.pipeline.versioned_stage import check_versioned_state   # pipelines load only when used
 
         check_versioned_state(strategy, dict(layout.mesh.shape), layout.versions)
@@ -319,11 +319,8 @@ def _versioned_pipeline(loss_fn, layout: StateLayout, update: Update, opts: Step
     """PipeDream's no-flush program (:mod:`jaxpar.parallel.pipeline.versioned_stage`),
     ``steps_per_call`` steps each: stages that read the weight version the schedule names, the one
     update per stage inside the pipeline (weight stashing) or on the whole model between steps (2BW)."""
-    from jaxpar.parallel.pipeline.versioned_stage import check_versioned_state   # pipelines load only when used
-
-    check_versioned_state(layout.strategy, dict(layout.mesh.shape), layout.versions)
-    if layout.strategy.schedule == "pipedream":
-        from jaxpar.step.stashing_step import make_stashing_step
+    if layout.strategy.schedule == "pipedream":      # make_train_step has checked the state's versions
+        from jaxpar.step.stashing_step import make_stashing_step   # pipelines load only when used
 
         run, program = make_stashing_step(loss_fn, layout, update, opts.steps_per_call)
     else:

@@ -70,7 +70,8 @@ def _finish(stage: VersionedStage, st: PipelineState, a):
     return out, st
 
 
-def _window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, first: bool) -> Callable:
+def _window_runner(parts, mesh, rules, program: Program, table, kinds: list, m: int, stage_layers,
+                   first: bool) -> Callable:
     """The function that runs one step window of the no-flush table.
 
     Args:
@@ -78,6 +79,8 @@ def _window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, f
       mesh: the device mesh (with a ``pipe`` axis).
       rules: the logical rules (``pipe`` is dropped inside the ``shard_map``).
       program: the lowered table.
+      table, kinds: its tick table and branch kinds
+        (:func:`~jaxpar.parallel.pipeline.versioned_stage.versioned_table`).
       m: micro-batches per optimizer step.
       stage_layers: layers of each virtual stage (:func:`stage_counts`).
       first: the window starts from an empty pipeline (its ``state`` is None).
@@ -89,7 +92,6 @@ def _window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, f
       in-flight :class:`~jaxpar.parallel.pipeline.buffers.PipelineState` (leading ``pipe`` axis).
     """
     counts = stage_counts(program, mesh, stage_layers)
-    table, kinds, _ = versioned_table(program, None)
 
     def body(outer2, blocks2, mbs, st, rows, vrows, window):
         w = (outer2, jax.tree.map(lambda a: a[:, :, 0], blocks2))
@@ -118,12 +120,11 @@ def _window_runner(parts, mesh, rules, program: Program, m: int, stage_layers, f
     return fn
 
 
-def _windows_rows(program: Program, p: int, m: int, steps: int):
+def _windows_rows(program: Program, rows, p: int, m: int, steps: int):
     """The table's rows and version rows cut at the step windows: the first window's, and the
     later ones stacked ``[steps - 1, 2m, ...]``."""
-    _, _, rows = versioned_table(program, None)
     both = (rows, VersionRows(*version_rows(program, m, steps)))
-    (lo, hi), rest = step_windows(p, m, steps)[0], step_windows(p, m, steps)[1:]
+    (lo, hi), *rest = step_windows(p, m, steps)
     first = jax.tree.map(lambda a: a[lo:hi], both)
     later = jax.tree.map(lambda a: a[hi:].reshape(steps - 1, 2 * m, *a.shape[1:]), both) if rest else None
     return first, later
@@ -155,7 +156,8 @@ def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> 
     strategy, mesh = layout.strategy, layout.mesh
     p, m = mesh.shape[PIPE], strategy.microbatches
     program = lower(pipedream_2bw(p, m, steps))
-    rows0, rows_later = _windows_rows(program, p, m, steps)
+    table, kinds, rows = versioned_table(program, None)
+    rows0, rows_later = _windows_rows(program, rows, p, m, steps)
     grad_shardings = named_shardings(layout.grads, mesh)
 
     rule = delayed(functools.partial(apply_update, update))      # the one-step program's rule: W(t) becomes the older version
@@ -165,7 +167,8 @@ def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> 
         cut = staged_cut(loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
                          jax.tree.map(lambda a: a[:m], mbs),
                          own_specs=layout.model_specs())
-        runners = [_window_runner(cut.parts, mesh, layout.rules, program, m, cut.stage_layers, first)
+        runners = [_window_runner(cut.parts, mesh, layout.rules, program, table, kinds, m, cut.stage_layers,
+                                  first)
                    for first in (True, False)]
 
         def window(state, st, rows, t):
