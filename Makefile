@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
 
-# The GPU and TPU compilers (jaxpar.devices.targets, docs/targets.md): ~440 MB, for the tests and
+# The GPU and TPU compilers (jaxpar.devices._targets, docs/targets.md): ~440 MB, for the tests and
 # `jaxpar inspect --target`; `make train` does not need them.
 TARGETS := $(VENV)/.targets-installed
 

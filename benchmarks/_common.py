@@ -27,9 +27,9 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar.models.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-from jaxpar.step.state import TrainState  # noqa: E402
-from jaxpar.step.compose import batch_sharding  # noqa: E402
+from jaxpar.models import GPT, GPTConfig, lm_loss  # noqa: E402
+from jaxpar.step import TrainState  # noqa: E402
+from jaxpar.step._compose import batch_sharding  # noqa: E402
 
 __all__ = [
     "BenchStrategy", "STRATEGIES", "make_tx", "build", "make_batch", "abstract_batch",

@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 
 import jaxpar
-from jaxpar.analysis.hlo import collectives
+from jaxpar.analysis import collectives
 
 from _common import copy_state, environment, make_hand_step, markdown_table, write_json
 

@@ -2,7 +2,7 @@
 
 What is measured (8 simulated XLA:CPU devices, one ``data`` axis, ``shard_map`` programs):
 
-* each collective of :mod:`jaxpar.cost.collectives` -- all-reduce, all-gather, reduce-scatter,
+* each collective of :mod:`jaxpar.cost._collectives` -- all-reduce, all-gather, reduce-scatter,
   all-to-all, collective-permute (a ring shift) -- over a sweep of buffer sizes ``n`` (the
   cost model's convention: the all-reduce / reduce-scatter input, the all-gather output,
   the all-to-all send buffer, the permute message; bytes per device). To leave out the
@@ -21,7 +21,7 @@ Fits:
 * per collective, ``t = alpha + n * beta`` by least squares over the sweep (recorded in the
   preset's ``fit`` section with the relative residuals);
 * one shared-memory link ``(alpha, beta, gamma)`` for the preset: the values for which the cost
-  model's own prediction (:func:`jaxpar.cost.collectives.time`, best one-shot algorithm per size)
+  model's own prediction (:func:`jaxpar.cost.collective_time`, best one-shot algorithm per size)
   is closest to the measurements of all-reduce, all-gather, reduce-scatter and permute, by robust
   least squares on ``log t`` (scipy); its residuals are recorded too. All-to-all is fitted on its
   own only (its timings did not repeat from run to run here);
@@ -254,7 +254,7 @@ def link_fit(meas: dict, p: int = 8, shared_memory: bool = True) -> dict:
     closest to the measurements (least squares on log time)."""
     from scipy.optimize import least_squares
 
-    from jaxpar.cost import collectives as C
+    from jaxpar.cost import _collectives as C
 
     pts = [(kind, n, t) for kind, rows in meas.items() if kind in LINK_KINDS for n, t in rows]
 
@@ -285,7 +285,7 @@ def spearman(a, b) -> float:
 # ----------------------------------------------------------------------------- ranking
 def predicted_step_times(cluster) -> dict[str, dict]:
     from jaxpar import cost
-    from jaxpar.cost.planner import evaluate
+    from jaxpar.cost import evaluate
 
     from _common import STRATEGIES
 
@@ -373,7 +373,7 @@ def rank_correlations(pred: dict, measured: dict) -> tuple[float, float]:
 def load_preset(preset: str | Path = DEFAULT_PRESET):
     from jaxpar import cost
 
-    return cost.cluster.cluster_from_dict(__import__("yaml").safe_load(Path(preset).read_text()), "cpu_sim")
+    return cost._cluster.cluster_from_dict(__import__("yaml").safe_load(Path(preset).read_text()), "cpu_sim")
 
 
 def doc_spearman(preset: str | Path = DEFAULT_PRESET, doc: str | Path = DOC) -> tuple[float, float, str]:
@@ -400,7 +400,7 @@ def preset_yaml(env: dict, fits: dict, lf: dict, net: dict, compute: dict, reps:
         f"nproc {env['nproc']}, load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min): "
         f"the machine was shared, the numbers are noisy\"",
         f"  - \"link: shared memory (one rendezvous, then each device reads its peers' buffers: one-shot "
-        f"collectives); alpha, beta, gamma for which jaxpar.cost.collectives.time (best algorithm per size, p = 8) "
+        f"collectives); alpha, beta, gamma for which jaxpar.cost.collective_time (best algorithm per size, p = 8) "
         f"is closest to {len(LINK_KINDS) * len(SIZES)} measurements of {len(LINK_KINDS)} collectives x {len(SIZES)} "
         f"sizes (all-to-all left out: its timings were not reproducible; its own fit is under fit:) "
         f"(1 KiB .. 16 MiB per device; robust least squares on log time); median |relative residual| "
@@ -519,7 +519,7 @@ def main(argv=None) -> int:
 
     from jaxpar import cost
 
-    cluster = cost.cluster.cluster_from_dict(__import__("yaml").safe_load(text), "cpu_sim")
+    cluster = cost._cluster.cluster_from_dict(__import__("yaml").safe_load(text), "cpu_sim")
     pred, measured, source, rho = ranking(cluster, args.overhead_json)
     print(f"\ntotal wall time {time.perf_counter() - t_all:.0f} s")
     write_json(args.json, {"env": env, "load": [load, load_end], "measured_us": meas, "fits": fits,

@@ -36,10 +36,10 @@ import jax
 from flax import nnx
 
 from jaxpar import Strategy, make_mesh
-from jaxpar.models.gpt import GPT, GPTConfig, lm_loss
-from jaxpar.run.checkpoint import Checkpointer
-from jaxpar.step.init import init_train_state
-from jaxpar.step.compose import make_train_step, shard_batch
+from jaxpar.models import GPT, GPTConfig, lm_loss
+from jaxpar.run import Checkpointer
+from jaxpar.step import init_train_state
+from jaxpar.step import make_train_step, shard_batch
 
 
 def _dir_bytes(path: Path) -> int:

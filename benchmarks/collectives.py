@@ -1,7 +1,7 @@
 """Cost of single collectives on this backend, and of per-leaf vs flat-buffer collectives.
 
 Why jaxpar's explicit data-parallel path runs one all-gather / reduce-scatter per
-layer over a flat buffer (``jaxpar.parallel.data_parallel.bucketed_*``) instead of one per
+layer over a flat buffer (``jaxpar.parallel._data_parallel.bucketed_*``) instead of one per
 parameter leaf. All programs are ``shard_map``s over a ``data`` axis of the 8
 simulated CPU devices:
 
@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.parallel.data_parallel import bucketed_all_gather, bucketed_reduce_scatter
+from jaxpar.parallel import bucketed_all_gather, bucketed_reduce_scatter
 from flax import nnx
 
-from jaxpar.models.gpt import GPT, GPTConfig
+from jaxpar.models import GPT, GPTConfig
 
 
 def block_leaves():

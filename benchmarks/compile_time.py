@@ -25,7 +25,7 @@ import time
 import jax
 
 import jaxpar
-from jaxpar.models.gpt import lm_loss
+from jaxpar.models import lm_loss
 
 from _common import BenchStrategy, GPTConfig, abstract_batch, build, environment, markdown_table, write_json
 

@@ -11,7 +11,7 @@ fp32, SGD) is compiled
   turn (the ratios to the ring are taken within each round: the machine is noisy); above
   ``--time-max`` tokens only the ring runs (the others' [T/8, T] or [1, T, T] scores on 8 devices
   would take more host memory than this machine has) and the others are compiled only;
-* the planner's predicted step time of each method (``jaxpar.cost.planner.evaluate`` on cpu_sim).
+* the planner's predicted step time of each method (``jaxpar.cost._planner.evaluate`` on cpu_sim).
 
 Usage::
 
@@ -33,11 +33,11 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.parallel.context import ContextParallel
-from jaxpar.cost.cluster import load_cluster
-from jaxpar.cost.model import gpt
-from jaxpar.cost.parallel import Plan
-from jaxpar.cost.planner import evaluate
-from jaxpar.models.gpt import GPT, GPTConfig, lm_loss
+from jaxpar.cost import load_cluster
+from jaxpar.cost import gpt
+from jaxpar.cost import Plan
+from jaxpar.cost import evaluate
+from jaxpar.models import GPT, GPTConfig, lm_loss
 
 from _common import environment, markdown_table, write_json
 

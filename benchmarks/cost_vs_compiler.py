@@ -2,15 +2,15 @@
 
 For each (GPT, plan, target) case, compiles jaxpar's train step (fp32 parameters, fp32 Adam, fp32
 compute) for the target's abstract devices with the target's own compiler (deviceless AOT,
-:mod:`jaxpar.devices.targets`; nothing runs) and sets beside it the cost model's prediction:
+:mod:`jaxpar.devices._targets`; nothing runs) and sets beside it the cost model's prediction:
 
-* bytes per step per mesh axis: :func:`jaxpar.cost.traffic.comms` (``xla`` lowering) against the
+* bytes per step per mesh axis: :func:`jaxpar.cost.comms` (``xla`` lowering) against the
   compiled collectives counted through the loops
-  (:func:`jaxpar.analysis.axis_bytes.compiled_bytes_per_axis`);
-* argument bytes: :func:`jaxpar.cost.device_bytes.device_argument_bytes` with the target's layout
-  (:func:`jaxpar.cost.device_bytes.layout_for_platform`) against ``memory_analysis()``;
-* peak bytes: :func:`jaxpar.cost.device_bytes.step_peak_bytes` against what the program allocates on a device
-  (arguments + outputs + temporaries - aliased, :attr:`jaxpar.analysis.compiled_memory.MemoryReport.peak_bytes`),
+  (:func:`jaxpar.analysis._axis_bytes.compiled_bytes_per_axis`);
+* argument bytes: :func:`jaxpar.cost.device_argument_bytes` with the target's layout
+  (:func:`jaxpar.cost._device_bytes.layout_for_platform`) against ``memory_analysis()``;
+* peak bytes: :func:`jaxpar.cost.step_peak_bytes` against what the program allocates on a device
+  (arguments + outputs + temporaries - aliased, :attr:`jaxpar.analysis._compiled_memory.MemoryReport.peak_bytes`),
   with XLA's own peak of live bytes (``peak_memory_in_bytes``) beside it: the two agree on GPUs, and libtpu's
   allocation is 5-33 % above its live peak.
 
@@ -39,8 +39,10 @@ import time  # noqa: E402
 from datetime import date  # noqa: E402
 
 from jaxpar import cost  # noqa: E402
-from jaxpar.cost.device_bytes import device_argument_bytes, layout_for_platform, step_peak_bytes  # noqa: E402
-from jaxpar.cost.traffic import bytes_per_axis, comms, lowering_for_platform  # noqa: E402
+from jaxpar.cost import device_argument_bytes, step_peak_bytes
+from jaxpar.cost._device_bytes import layout_for_platform  # noqa: E402
+from jaxpar.cost import comms
+from jaxpar.cost._traffic import bytes_per_axis, lowering_for_platform  # noqa: E402
 
 P = cost.Plan
 #: GPT sizes (layers, hidden, heads, seq), vocab 50304: GPT-3 paper's 125M ... 13B, and a 70B.
@@ -93,10 +95,10 @@ def measure(model: cost.ModelSpec, target: str, plan: cost.Plan, hlo: str | None
     path to write the compiled program's HLO text to (gzip)."""
     from flax import nnx
 
-    from jaxpar.analysis.compiled_memory import memory_report
-    from jaxpar.models.gpt import GPT, GPTConfig
-    from jaxpar.devices.targets import parse_target, target_devices
-    from jaxpar.step.cost_check import compile_plan
+    from jaxpar.analysis import memory_report
+    from jaxpar.models import GPT, GPTConfig
+    from jaxpar.devices import parse_target, target_devices
+    from jaxpar.step import compile_plan
 
     remat = {"selective": "save-matmuls"}.get(plan.remat, plan.remat)
     cfg = GPTConfig(vocab=model.vocab, seq_len=model.seq, embed=model.hidden, heads=model.heads,
@@ -128,7 +130,7 @@ def _measure_or_refusal(model: cost.ModelSpec, target: str, plan: cost.Plan, hlo
 def count(compiled, mesh, plan: cost.Plan) -> dict:
     """The compiled side's collectives: ``axes`` (bytes per mesh axis; ``axes_error`` when they cannot
     be counted) and ``inventory`` (bytes by kind and axes) of ``compiled`` (or its HLO text)."""
-    from jaxpar.analysis.axis_bytes import compiled_bytes_per_axis
+    from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
 
     try:
         return {"axes": compiled_bytes_per_axis(compiled, mesh, plan), "inventory": _inventory(compiled, mesh, plan)}
@@ -139,7 +141,7 @@ def count(compiled, mesh, plan: cost.Plan) -> dict:
 def recount(target: str, plan: cost.Plan, path: str) -> dict:
     """:func:`count` from a case's HLO text (a deviceless program: partition ``i`` is ``mesh.devices.flat[i]``)."""
     from jaxpar.mesh import make_mesh
-    from jaxpar.devices.targets import parse_target, target_devices
+    from jaxpar.devices import parse_target, target_devices
 
     mesh = make_mesh({k: v for k, v in plan.sizes.items() if v > 1} or {"data": 1},
                      devices=target_devices(parse_target(target)))
@@ -150,9 +152,9 @@ def recount(target: str, plan: cost.Plan, path: str) -> dict:
 def _inventory(compiled, mesh, plan) -> dict:
     """Bytes per step by (kind, axes), loops counted by trip count; for a pipelined plan, on the device
     of the stage that moves the most bytes (the tick loop's branches weighted as in ``axes``)."""
-    from jaxpar.analysis.axis_bytes import stage_branch_weights
-    from jaxpar.analysis.hlo import collectives
-    from jaxpar.analysis.loops import trip_counts
+    from jaxpar.analysis._axis_bytes import stage_branch_weights
+    from jaxpar.analysis import collectives
+    from jaxpar.analysis import trip_counts
 
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     colls = collectives(compiled, mesh)
@@ -224,7 +226,7 @@ def summary(rows: list[dict]) -> dict:
 
 
 def _capacity(target: str) -> float:
-    from jaxpar.devices.targets import parse_target
+    from jaxpar.devices import parse_target
 
     return parse_target(target).capacity_bytes
 

@@ -14,9 +14,9 @@ the same arguments).
 fill 0.99, 2% held out, no prefetch) builds whole global batches, ``data(step)``, of 64 rows of 2048
 tokens, from
 
-* ``cache``: :func:`jaxpar.data.cache.prepare_cache` of the corpus, opened by ``open_cache``
+* ``cache``: :func:`jaxpar.data._cache.prepare_cache` of the corpus, opened by ``open_cache``
   (memory-mapped; just written, so its pages are in the page cache), and
-* ``live``: :class:`jaxpar.data.tokens.LiveTokens` (``bos=False, eos=True``): the text tokenized as it is
+* ``live``: :class:`jaxpar.data.LiveTokens` (``bos=False, eos=True``): the text tokenized as it is
   read. A live store keeps its last 4,096 documents, so it stays within the corpus's first epoch (later
   epochs of a small corpus would find many documents kept); the cache may go on.
 
@@ -293,7 +293,7 @@ class Probe:
     def __enter__(self):
         import inspect
 
-        import jaxpar.run.loop as loop
+        import jaxpar.run._loop as loop
 
         self.loop, self.make_global_batch = loop, loop.make_global_batch
 
@@ -391,10 +391,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write all results here")
     args = p.parse_args(argv)
 
-    from jaxpar.data.cache import expected_meta, open_cache, prepare_cache
+    from jaxpar.data._cache import expected_meta, open_cache, prepare_cache
     from jaxpar.data.sources import open_source
-    from jaxpar.data.tokenizers import load_tokenizer
-    from jaxpar.data.tokens import LiveTokens
+    from jaxpar.data import load_tokenizer
+    from jaxpar.data import LiveTokens
 
     root = Path(args.dir)
     env, mach = environment(), machine()

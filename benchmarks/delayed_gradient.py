@@ -25,8 +25,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxpar.models.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-from jaxpar.data.windows import load_bytes, split_holdout, text_batch  # noqa: E402
+from jaxpar.models import GPT, GPTConfig, lm_loss  # noqa: E402
+from jaxpar.data._windows import load_bytes, split_holdout, text_batch  # noqa: E402
 
 
 def main():

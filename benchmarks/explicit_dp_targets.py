@@ -4,17 +4,17 @@ For each target and each strategy where ``explicit_dp`` applies (DP, ZeRO-1/2/3,
 devices), builds the GPT train step of ``configs/quickstart.yaml`` (grown: 4 layers, embed 512, 8 heads,
 256 tokens, batch 16; ``--set`` changes it) with ``make_train_step(explicit_dp=True)`` and with
 ``explicit_dp=False`` (XLA's SPMD partitioner inserts the data-axis collectives), compiles both ahead of
-time for the target's real compiler (deviceless: :mod:`jaxpar.devices.targets`; ``cpu``: 8 simulated CPU
+time for the target's real compiler (deviceless: :mod:`jaxpar.devices._targets`; ``cpu``: 8 simulated CPU
 devices) and compares what the compiler made of them:
 
 * the collectives per kind and mesh axes: instructions and bytes per step (loop bodies times their
   trip counts), how many are async (a start / done pair the scheduler can overlap);
-* the compute scheduled under the async collectives (:mod:`jaxpar.analysis.overlap`): dot / convolution
+* the compute scheduled under the async collectives (:mod:`jaxpar.analysis._overlap`): dot / convolution
   FLOPs under at least one async collective, as a fraction of the step's; the bytes of collectives with
   no FLOPs under them (synchronous, or async with nothing to overlap: *exposed*);
 * compile time and peak memory per device.
 
-``default`` is what ``explicit_dp=None`` picks today (:func:`jaxpar.parallel.data_parallel.explicit_by_default`).
+``default`` is what ``explicit_dp=None`` picks today (:func:`jaxpar.parallel.explicit_by_default`).
 
 Usage::
 
@@ -33,14 +33,14 @@ from pathlib import Path
 
 import jax
 
-from jaxpar.analysis.hlo import collectives
-from jaxpar.analysis.compiled_memory import format_bytes, memory_report
-from jaxpar.analysis.overlap import overlap
+from jaxpar.analysis import collectives
+from jaxpar.analysis import format_bytes, memory_report
+from jaxpar.analysis._overlap import overlap
 from jaxpar.config import load_config
-from jaxpar.config.job import build_job
-from jaxpar.parallel.data_parallel import explicit_by_default
-from jaxpar.devices.targets import parse_target, target_devices
-from jaxpar.step.compose import make_train_step
+from jaxpar.config import build_job
+from jaxpar.parallel import explicit_by_default
+from jaxpar.devices import parse_target, target_devices
+from jaxpar.step import make_train_step
 
 from _common import environment, markdown_table, write_json
 

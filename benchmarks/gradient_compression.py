@@ -8,7 +8,7 @@ Per codec, on the quickstart-sized GPT over 8 simulated CPU devices (DP8, one ex
 * **step time** against the uncompressed step (DP8, XLA's all-reduce), rotated rounds, the
   median per-round ratio (these machines are noisy: ratios are taken in one run);
 * **modelled exchange time** for the same codec on GPT-2 124M (ψ = 124M fp32 gradients) over
-  8 and 64 workers at 10 and 100 Gb/s, from the α-β formulas of :mod:`jaxpar.cost.collectives`
+  8 and 64 workers at 10 and 100 Gb/s, from the α-β formulas of :mod:`jaxpar.cost._collectives`
   (α = 10 µs; ring all-reduce / all-gather, pairwise all-to-all), against the fp32 ring all-reduce.
   The codec's own compute is not in it: on an accelerator it is a few passes over the gradient.
 
@@ -30,13 +30,13 @@ import optax
 from flax import nnx
 
 import jaxpar
-from jaxpar.analysis.hlo import collectives
-from jaxpar.analysis.loops import trip_counts
+from jaxpar.analysis import collectives
+from jaxpar.analysis import trip_counts
 from jaxpar.parallel.compression import cast, onebit, powersgd, qsgd, randomk, sign, terngrad, topk
-from jaxpar.cost.collectives import Link
-from jaxpar.cost.collectives import time as coll_time
+from jaxpar.cost import Link
+from jaxpar.cost._collectives import time as coll_time
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.step.compressed import compression_plan
+from jaxpar.step import compression_plan
 
 from _common import copy_state, environment, make_batch, markdown_table, write_json
 

@@ -73,7 +73,7 @@ def write_checkpoint(path: Path, hf: dict) -> int:
     import ml_dtypes
 
     from jaxpar.hf import decoder_config, tensor_maps, write_safetensors
-    from jaxpar.hf.keys import stack_counts
+    from jaxpar.hf._keys import stack_counts
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf))

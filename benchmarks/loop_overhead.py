@@ -1,4 +1,4 @@
-"""Host overhead of the training loop: ``jaxpar.run.loop.train`` vs the jitted step in a bare loop.
+"""Host overhead of the training loop: ``jaxpar.run._loop.train`` vs the jitted step in a bare loop.
 
 Both run the same config (``configs/quickstart.yaml`` + overrides, 8 simulated CPU
 devices) with the same compiled step, in one process:
@@ -38,11 +38,11 @@ from pathlib import Path
 import jax
 
 from jaxpar import config as C
-from jaxpar.run.checkpoint import Checkpointer
-from jaxpar.run.loop import LogOptions, train
-from jaxpar.run.sinks import flops_per_token
-from jaxpar.step.init import init_train_state
-from jaxpar.step.compose import make_train_step, shard_batch
+from jaxpar.run import Checkpointer
+from jaxpar.run import LogOptions, train
+from jaxpar.run._sinks import flops_per_token
+from jaxpar.step import init_train_state
+from jaxpar.step import make_train_step, shard_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 

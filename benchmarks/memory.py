@@ -29,8 +29,8 @@ import sys
 import time
 
 import jaxpar
-from jaxpar.analysis.compiled_memory import format_bytes, memory_report
-from jaxpar.models.gpt import lm_loss
+from jaxpar.analysis import format_bytes, memory_report
+from jaxpar.models import lm_loss
 
 from _common import STRATEGIES, BenchStrategy, GPTConfig, abstract_batch, build, environment, markdown_table, \
     write_json

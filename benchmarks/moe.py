@@ -5,7 +5,7 @@ the cost model, and convergence of an MoE GPT against the dense GPT with the sam
 top-2, capacity factor 1.25, 128 tokens, 32 sequences per step, fp32, SGD) on ``expert=E x data=8/E``
 for E = 1, 2, 4, 8: the median step time over ``--reps`` rounds in which the four meshes run in turn
 (ratios to E = 1 taken within each round: the machine is noisy), beside the cost model's prediction
-(``jaxpar.cost.planner.evaluate`` on the cpu_sim cluster) and the compiled step's all-to-all bytes.
+(``jaxpar.cost._planner.evaluate`` on the cpu_sim cluster) and the compiled step's all-to-all bytes.
 
 **The loads pass.** The exact balancing loss with 4 micro-batches (accumulation on data 2 x expert 4,
 and 1F1B on pipe 2 x expert 2 x data 2) runs a forward pass over the micro-batches first: the step
@@ -38,12 +38,13 @@ import optax
 from flax import nnx
 
 import jaxpar
-from jaxpar.analysis.hlo import collectives
-from jaxpar.cost.cluster import load_cluster
-from jaxpar.cost.model import gpt
-from jaxpar.cost.parallel import Plan
-from jaxpar.cost.planner import evaluate
-from jaxpar.models.gpt import GPT, GPTConfig, MoESettings, lm_loss
+from jaxpar.analysis import collectives
+from jaxpar.cost import load_cluster
+from jaxpar.cost import gpt
+from jaxpar.cost import Plan
+from jaxpar.cost import evaluate
+from jaxpar.models import GPT, GPTConfig, lm_loss
+from jaxpar.models import MoESettings
 
 from _common import environment, markdown_table, quickstart_run, write_json
 

@@ -33,8 +33,8 @@ import time
 import jax
 
 import jaxpar
-from jaxpar.models.gpt import lm_loss
-from jaxpar.step.noise_scale import with_noise_scale
+from jaxpar.models import lm_loss
+from jaxpar.step import with_noise_scale
 
 from _common import STRATEGIES, GPTConfig, build, copy_state, environment, make_batch, markdown_table, write_json
 

@@ -12,7 +12,7 @@ from the same sharded state on the same sharded batch:
   pin XLA shards its gradients like the optimizer state (a ZeRO-2 program).
 * ``jaxpar``: ``jaxpar.make_train_step`` with its default ``explicit_dp=None``:
   explicit per-layer data-parallel collectives where
-  ``jaxpar.parallel.data_parallel.explicit_by_default`` says so (ZeRO-2/3 / FSDP without
+  ``jaxpar.parallel._data_parallel.explicit_by_default`` says so (ZeRO-2/3 / FSDP without
   tensor parallelism), XLA's otherwise.
 * ``jaxpar-noexp``: ``make_train_step(..., explicit_dp=False)``.
 
@@ -40,8 +40,8 @@ import time
 import jax
 
 import jaxpar
-from jaxpar.analysis.hlo import collectives, collectives_table
-from jaxpar.models.gpt import lm_loss
+from jaxpar.analysis import collectives, collectives_table
+from jaxpar.models import lm_loss
 
 from _common import STRATEGIES, GPTConfig, build, copy_state, environment, make_batch, make_hand_step, \
     markdown_table, write_json

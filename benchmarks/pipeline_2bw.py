@@ -34,8 +34,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxpar
 from jaxpar.mesh import batch_axes
-from jaxpar.models.gpt import lm_loss
-from jaxpar.parallel.pipeline.schedules import num_ticks, pipedream, pipedream_2bw
+from jaxpar.models import lm_loss
+from jaxpar.parallel.pipeline import pipedream, pipedream_2bw
+from jaxpar.parallel.pipeline._schedules import num_ticks
 
 from _common import GPTConfig, environment, make_batch, make_tx, markdown_table, write_json
 

@@ -1,8 +1,8 @@
 """The cost model's step time against published large runs: Megatron-LM's GPTs on A100s.
 
-For each published run, the model (:func:`jaxpar.cost.time.step_time`, lowering ``megatron``,
+For each published run, the model (:func:`jaxpar.cost.step_time`, lowering ``megatron``,
 cluster preset ``a100_80gb``) predicts the step time; the predicted TFLOP/s per GPU is the FLOPs the
-paper counts (Narayanan et al. 2021, eq. 3: :func:`jaxpar.cost.time.narayanan_flops`) over the
+paper counts (Narayanan et al. 2021, eq. 3: :func:`jaxpar.cost.narayanan_flops`) over the
 predicted time and the GPUs. Printed per run: published and predicted TFLOP/s per GPU, the error,
 the predicted bytes per GPU of weights + gradients + optimizer state (mixed precision, the busiest
 pipeline stage, stage-aware embedding and head) and in all (with activations), and the mean absolute
@@ -39,8 +39,8 @@ import sys
 from dataclasses import dataclass, replace
 
 from jaxpar import cost
-from jaxpar.cost.planner import evaluate
-from jaxpar.cost.time import Overlap, narayanan_flops
+from jaxpar.cost import evaluate
+from jaxpar.cost import Overlap, narayanan_flops
 
 SEQ, VOCAB = 2048, 51200
 T1 = "Narayanan et al. 2021, Table 1"

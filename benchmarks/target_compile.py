@@ -1,7 +1,7 @@
 """Compiling a config's train step for real GPU / TPU targets on this machine: time and what it finds.
 
-For each config and target, builds the job ``jaxpar train`` runs (``jaxpar.config.job.build_job``)
-over the target's abstract devices (``jaxpar.devices.targets``), compiles every program of its train step
+For each config and target, builds the job ``jaxpar train`` runs (``jaxpar.config._job.build_job``)
+over the target's abstract devices (``jaxpar.devices._targets``), compiles every program of its train step
 ahead of time with the target's real compiler, and reports the compile time (median of ``--reps``,
 caches cleared before each), the peak memory per device against the device's capacity, and the
 collectives (how many the compiler made async). The same config on 8 simulated CPU devices is the
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import jax
 
-from jaxpar.analysis.hlo import collectives
-from jaxpar.analysis.compiled_memory import format_bytes, memory_report
+from jaxpar.analysis import collectives
+from jaxpar.analysis import format_bytes, memory_report
 from jaxpar.config import load_config
-from jaxpar.config.job import build_job
-from jaxpar.devices.targets import parse_target, target_devices
+from jaxpar.config import build_job
+from jaxpar.devices import parse_target, target_devices
 
 from _common import environment, markdown_table, write_json
 

@@ -10,19 +10,19 @@ from jaxpar.mesh import MeshSpec as MeshSpec, make_mesh as make_mesh
 from jaxpar.mesh import simulate_cpu_devices as simulate_cpu_devices, use_devices as use_devices, data_axes as data_axes
 from jaxpar.rules import logical_to_spec as logical_to_spec, resolve as resolve
 from jaxpar.rules import named_shardings as named_shardings, use_rules as use_rules, constrain as constrain
-from jaxpar.adapters.blocks import scan_blocks as scan_blocks, run_layers as run_layers
-from jaxpar.adapters.layer_lists import stack_layers as stack_layers
+from jaxpar.adapters._blocks import scan_blocks as scan_blocks, run_layers as run_layers
+from jaxpar.adapters._layer_lists import stack_layers as stack_layers
 from jaxpar.strategy import Strategy as Strategy
-from jaxpar.parallel.tensor import tensor_rules as tensor_rules
-from jaxpar.parallel.zero import analytic_state_bytes as analytic_state_bytes
-from jaxpar.step.state import TrainState as TrainState, StateLayout as StateLayout
-from jaxpar.step.init import init_train_state as init_train_state, state_layout as state_layout
+from jaxpar.parallel._tensor import tensor_rules as tensor_rules
+from jaxpar.parallel._zero import analytic_state_bytes as analytic_state_bytes
+from jaxpar.step._state import TrainState as TrainState, StateLayout as StateLayout
+from jaxpar.step._init import init_train_state as init_train_state, state_layout as state_layout
 from jaxpar.batch import shard_batch as shard_batch
-from jaxpar.adapters.loss_metrics import report_metric as report_metric
-from jaxpar.step.compose import make_train_step as make_train_step
-from jaxpar.step.program import TrainStep as TrainStep
-from jaxpar.step.noise_scale import plot_noise_scale as plot_noise_scale, with_noise_scale as with_noise_scale
-from jaxpar.data.rows import make_global_batch as make_global_batch
+from jaxpar.adapters._loss_metrics import report_metric as report_metric
+from jaxpar.step._compose import make_train_step as make_train_step
+from jaxpar.step._program import TrainStep as TrainStep
+from jaxpar.step._noise_scale import plot_noise_scale as plot_noise_scale, with_noise_scale as with_noise_scale
+from jaxpar.data._rows import make_global_batch as make_global_batch
 from jaxpar.run import (AdaptiveRamp as AdaptiveRamp, BatchRamp as BatchRamp, Checkpointer as Checkpointer,
                         LogOptions as LogOptions, greedy_generate as greedy_generate, ramp_batch_fn as ramp_batch_fn,
                         train as train, train_with_checkpoints as train_with_checkpoints)

@@ -9,8 +9,8 @@ Usage::
                 [--cluster PRESET|PATH] [--devices N] [--target h100:2x8] [--top K] [--json] [--verify]
     jaxpar inspect CONFIG [key=value ...] [--cluster PRESET|PATH] [--target h100:2x8|tpu-v5e:4x4|...]
     jaxpar export CONFIG [key=value ...] --hf OUT [--step N] [--overwrite] [--dtype bfloat16|float32]
-    jaxpar sample CONFIG [key=value ...] --prompt TEXT [--tokens N] [--step N]   (jaxpar.config.hf_commands)
-    jaxpar data prepare|show CONFIG [key=value ...] [--force | --steps A:B]     (jaxpar.config.data_commands)
+    jaxpar sample CONFIG [key=value ...] --prompt TEXT [--tokens N] [--step N]   (jaxpar.config._hf_commands)
+    jaxpar data prepare|show CONFIG [key=value ...] [--force | --steps A:B]     (jaxpar.config._data_commands)
 
 Example::
 
@@ -21,7 +21,7 @@ Example::
 
 ``main(argv)`` returns the exit status (0 ok, 2 invalid config / arguments), so it
 can be called in-process: ``main(["train", "configs/quickstart.yaml", "train.steps=3"])``.
-A thin shell: :func:`jaxpar.config.job.build_job` builds what ``train``, ``inspect`` and ``plan`` run.
+A thin shell: :func:`jaxpar.config.build_job` builds what ``train``, ``inspect`` and ``plan`` run.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     non-finite loss stops the run (``train.on_nonfinite=stop``).
     """
     from jaxpar.config import load_config, to_yaml
-    from jaxpar.devices.distributed import start_processes
+    from jaxpar.devices._distributed import start_processes
 
     cfg = load_config(config, [*overrides, *(["checkpoint.resume=true"] if resume else [])])
     if print_config:
@@ -53,14 +53,14 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
         return 0
     info = start_processes(**(dist or {}), devices=cfg.train.devices)   # jax.distributed, then the devices
     if info.multiprocess or info.method == "k8s":
-        from jaxpar.run.preemption import catch_stop_signals
+        from jaxpar.run._preemption import catch_stop_signals
 
         print(f"process  {info.describe()}")
         if info.multiprocess:
             catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
-    from jaxpar.config.describe import describe_data, header_lines, model_label, model_line, packing_line, state_line
-    from jaxpar.config.job import build_job
-    from jaxpar.run.resume import checkpoint_meta, train_with_checkpoints
+    from jaxpar.config._describe import describe_data, header_lines, model_label, model_line, packing_line, state_line
+    from jaxpar.config._job import build_job
+    from jaxpar.run._resume import checkpoint_meta, train_with_checkpoints
 
     job = build_job(cfg)
     out_dir = Path(cfg.train.out_dir)
@@ -87,10 +87,10 @@ def _run_inspect(config: str, overrides: Sequence[str], *, cluster: str | None =
     """``jaxpar inspect``: compile the config's train step ahead of time, exactly as ``jaxpar train``
     would run it, on simulated CPU devices or with a target's real compiler (``--target h100:2x8``),
     and print its shardings, collectives and memory next to the cost model's prediction
-    (:func:`jaxpar.config.inspection.inspect_config`). No step runs. Returns 3 when a target's
+    (:func:`jaxpar.config._inspection.inspect_config`). No step runs. Returns 3 when a target's
     memory is too small."""
     from jaxpar.config import load_config
-    from jaxpar.config.inspection import inspect_config
+    from jaxpar.config._inspection import inspect_config
 
     return inspect_config(load_config(config, list(overrides)), cluster=cluster, target=target)
 
@@ -101,11 +101,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     compiler) and compares memory and bytes."""
     from jaxpar import cost
     from jaxpar.config import ConfigError
-    from jaxpar.config.plan_command import plan_dtype, plan_model, plan_report, verify_plans
+    from jaxpar.config._plan_command import plan_dtype, plan_model, plan_report, verify_plans
 
     target = None
     if args.target:
-        from jaxpar.devices.targets import parse_target
+        from jaxpar.devices._targets import parse_target
 
         target = parse_target(args.target)
         args.cluster = args.cluster or target.spec.cluster
@@ -142,7 +142,7 @@ def _add_process_options(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``jaxpar`` command's argument parser, every command included."""
-    from jaxpar.config.schedule_command import add_schedule_parser
+    from jaxpar.config._schedule_command import add_schedule_parser
 
     parser = argparse.ArgumentParser(prog="jaxpar", description="Declarative SPMD training on JAX meshes.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -187,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", help="cluster preset for the prediction (default: the target's, else cpu_sim)")
     p.add_argument("--target", help="compile with the real compiler of a GPU / TPU target, without the hardware: "
                                     "h100:2x8 (hosts x GPUs), tpu-v5e:4x4, 2xtpu-v5e:16x16 (docs/targets.md)")
-    from jaxpar.config.data_commands import add_data_parser
-    from jaxpar.config.hf_commands import add_parsers
+    from jaxpar.config._data_commands import add_data_parser
+    from jaxpar.config._hf_commands import add_parsers
     add_parsers(sub)                 # export, sample
     add_data_parser(sub, _add_process_options)       # data prepare, data show (several processes too)
     return parser
@@ -203,10 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
       The exit status: 0 ok, 2 an invalid config or arguments (one line on stderr).
     """
-    from jaxpar.config.data_commands import run_data_command
-    from jaxpar.config.schedule_command import run_schedule
-    from jaxpar.config.errors import user_errors
-    from jaxpar.config.hf_commands import run_command
+    from jaxpar.config._data_commands import run_data_command
+    from jaxpar.config._schedule_command import run_schedule
+    from jaxpar.config._errors import user_errors
+    from jaxpar.config._hf_commands import run_command
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)   # overrides may follow options: CONFIG --print-config k=v

@@ -272,7 +272,7 @@ def use_devices(n_simulated: int = 8, *, detect: bool = True) -> str:
     """Use the accelerators when there are any, else simulate ``n_simulated`` CPU devices.
 
     The one place that decides between real devices and simulated CPU devices
-    (notebooks, the CLI, :func:`jaxpar.devices.distributed.initialize`). Call it before
+    (notebooks, the CLI, :func:`jaxpar.devices.initialize`). Call it before
     anything touches JAX's backend; it never starts the backend itself. In order:
 
     1. the backend is already up: its platform (``simulate_cpu_devices`` checks the count);

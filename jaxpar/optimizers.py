@@ -8,7 +8,7 @@
   ``masked``, ``scale_by_learning_rate``, ``trace``) and :func:`scale_by_layer_trust_ratio`.
   Unlike optax's, the weight decay **and** the trust ratio are masked off for biases and
   normalisation scales by default (:func:`trust_mask`), and the trust ratio of stacked
-  blocks (a leading ``layers`` axis, :mod:`jaxpar.adapters.blocks`) is computed per layer.
+  blocks (a leading ``layers`` axis, :mod:`jaxpar.adapters._blocks`) is computed per layer.
 * :func:`adamw_frozen_variance` (:func:`scale_by_adam_frozen_variance`): AdamW whose second
   moment freezes after a number of updates, the optimizer of 1-bit Adam (Tang et al. 2021;
   ``jaxpar.parallel.compression.sign(optimizer_momentum=..., start_step=...)``, docs/compression.md).
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from jaxpar.adapters.blocks import LAYERS
+from jaxpar.adapters._blocks import LAYERS
 from jaxpar.rules import path_str
 from jaxpar.errors import MaskError
 

@@ -23,13 +23,13 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxpar.parallel.context.options import ContextParallel
+from jaxpar.parallel.context._options import ContextParallel
 from jaxpar.mesh import CONTEXT, EXPERT, data_axes
-from jaxpar.parallel.pipeline.schedules import canonical_kind
+from jaxpar.parallel.pipeline._schedules import canonical_kind
 from jaxpar.rules import LogicalRules
 from jaxpar.errors import StrategyError
-from jaxpar.parallel.tensor import tensor_rules
-from jaxpar.parallel.zero import ZERO_STAGES
+from jaxpar.parallel._tensor import tensor_rules
+from jaxpar.parallel._zero import ZERO_STAGES
 
 __all__ = ["Strategy", "COMPUTE_DTYPES"]
 
@@ -48,7 +48,7 @@ class Strategy:
     - ``compute_dtype``: ``'float32'`` or ``'bfloat16'`` (fp32 master weights).
     - ``extra_rules``: user rules placed *before* jaxpar's (first match wins).
     - ``schedule`` (``pipe > 1``): ``'gpipe'``, ``'1f1b'``, ``'interleaved'``, ``'zb-h1'``,
-      ``'pipedream-2bw'`` or ``'pipedream'`` (weight stashing, :mod:`jaxpar.parallel.pipeline.stash_versions`).
+      ``'pipedream-2bw'`` or ``'pipedream'`` (weight stashing, :mod:`jaxpar.parallel.pipeline._stash_versions`).
     - ``update_every`` / ``vertical_sync`` (``'pipedream'`` only): each stage updates its weights
       after every ``update_every`` of its backwards; with ``vertical_sync`` every stage runs a
       micro-batch on the version stage 0 used for it.
@@ -132,7 +132,7 @@ class Strategy:
         if self.sync is not None:
             from jaxpar.parallel.sync import check_sync
 
-            check_sync(self.sync)          # with a codec: refused by the table (jaxpar.compat.table), at init
+            check_sync(self.sync)          # with a codec: refused by the table (jaxpar.compat._table), at init
 
     def rules(self, mesh) -> LogicalRules:
         """Logical rules for this strategy on ``mesh`` (user rules first). With a

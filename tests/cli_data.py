@@ -2,7 +2,7 @@
 
 ``classes(step, *, batch_size, seed, eval=False, features, classes)``: noisy copies of ``classes``
 fixed random prototypes, labelled by prototype; a pure function of ``(seed, step, eval)``.
-The batch matches :func:`jaxpar.models.mlp.classifier_loss`: ``{'x': f32[B, features], 'y': i32[B]}``.
+The batch matches :func:`jaxpar.models.classifier_loss`: ``{'x': f32[B, features], 'y': i32[B]}``.
 """
 import numpy as np
 

@@ -4,7 +4,7 @@
     python tests/data_mp_driver.py COORDINATOR NUM_PROCESSES PROCESS_ID LOCAL_DEVICES SPEC
 
 ``SPEC`` is a JSON file written by the test: the tokenizer's directory and, per source, its file,
-text field, token cache and weight. The process joins the job with :func:`jaxpar.devices.distributed.initialize`,
+text field, token cache and weight. The process joins the job with :func:`jaxpar.devices.initialize`,
 opens the token caches (checked against the sources and the tokenizer) and, for several meshes, builds
 steps ``0 .. STEPS - 1`` of :class:`jaxpar.data.PackedBatches` with :func:`jaxpar.data.make_global_batch`.
 For each step it checks that
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.devices.distributed import initialize
+from jaxpar.devices import initialize
 
 #: The batches every process (and the test's one-process reference) builds.
 SEQ_LEN, BATCH, SEED, ROWS_PER_WINDOW, STEPS = 64, 16, 7, 8, 5
@@ -34,9 +34,9 @@ SEQ_LEN, BATCH, SEED, ROWS_PER_WINDOW, STEPS = 64, 16, 7, 8, 5
 
 def open_stores(spec: dict) -> list:
     """Fresh store objects of the spec's token caches (their ``bytes_read`` start at 0)."""
-    from jaxpar.data.cache import expected_meta, open_cache
+    from jaxpar.data._cache import expected_meta, open_cache
     from jaxpar.data.sources import open_source
-    from jaxpar.data.tokenizers import load_tokenizer
+    from jaxpar.data import load_tokenizer
 
     tokenizer = load_tokenizer(spec["tokenizer"], eos_token="</s>")
     return [open_cache(s["cache"], expected_meta(open_source(s["path"], text_field=s["text_field"]), tokenizer,
@@ -45,10 +45,10 @@ def open_stores(spec: dict) -> list:
 
 
 def live_stores(spec: dict) -> list:
-    """The spec's sources tokenized on the fly (:class:`jaxpar.data.tokens.LiveTokens`), not read from the caches."""
+    """The spec's sources tokenized on the fly (:class:`jaxpar.data.LiveTokens`), not read from the caches."""
     from jaxpar.data.sources import open_source
-    from jaxpar.data.tokenizers import load_tokenizer
-    from jaxpar.data.tokens import LiveTokens
+    from jaxpar.data import load_tokenizer
+    from jaxpar.data import LiveTokens
 
     tokenizer = load_tokenizer(spec["tokenizer"], eos_token="</s>")
     return [LiveTokens(open_source(s["path"], text_field=s["text_field"]), tokenizer, bos=False, eos=True)

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from jaxpar.devices.distributed import initialize
+from jaxpar.devices import initialize
 
 
 def main(coordinator: str, n: int, pid: int, local: int, path: str, out: str) -> None:
@@ -20,8 +20,8 @@ def main(coordinator: str, n: int, pid: int, local: int, path: str, out: str) ->
 
     import jaxpar
     from jaxpar.hf import export, open_checkpoint
-    from jaxpar.hf.files import DTYPES
-    from jaxpar.hf.keys import flatten_params
+    from jaxpar.hf._files import DTYPES
+    from jaxpar.hf._keys import flatten_params
 
     ckpt = open_checkpoint(path)
     mesh = jaxpar.make_mesh({"fsdp": -1})

@@ -3,7 +3,7 @@
     python tests/mp_driver.py COORDINATOR NUM_PROCESSES PROCESS_ID LOCAL_DEVICES
     python tests/mp_driver.py env NUM_PROCESSES PROCESS_ID LOCAL_DEVICES   # who is who: from the environment
 
-Joins the job with :func:`jaxpar.devices.distributed.initialize`, then, for several meshes and
+Joins the job with :func:`jaxpar.devices.initialize`, then, for several meshes and
 both data sources, checks that this process builds only its own rows of the global
 batch and that the assembled global batch equals the batch one process builds.
 Prints ``rows <process> <mesh> <n>`` lines and ``OK`` at the end.
@@ -13,7 +13,7 @@ from functools import partial
 
 import numpy as np
 
-from jaxpar.devices.distributed import initialize
+from jaxpar.devices import initialize
 
 
 def main(coordinator: str, num_processes: int, process_id: int, local_devices: int) -> None:
@@ -24,8 +24,8 @@ def main(coordinator: str, num_processes: int, process_id: int, local_devices: i
     from jax.experimental import multihost_utils
 
     import jaxpar
-    from jaxpar.data import windows as D
-    from jaxpar.step.compose import batch_sharding
+    from jaxpar.data import _windows as D
+    from jaxpar.step._compose import batch_sharding
 
     if (jax.process_count(), jax.process_index()) != (num_processes, process_id):
         raise SystemExit(f"joined as process {jax.process_index()} of {jax.process_count()}, expected "

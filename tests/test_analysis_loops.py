@@ -1,5 +1,5 @@
-"""How often each computation runs (jaxpar.analysis.loops) and the pipelined step's bytes per axis
-(jaxpar.analysis.axis_bytes): while loops' trip counts read from the loop when the compiler writes none
+"""How often each computation runs (jaxpar.analysis._loops) and the pipelined step's bytes per axis
+(jaxpar.analysis._axis_bytes): while loops' trip counts read from the loop when the compiler writes none
 (libtpu), the GPU compiler's predicate conditionals in the branch order of ``lax.cond``, then real
 programs compiled for TPU and GPU targets (deviceless, seconds each)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 import jax
 import pytest
 
-from jaxpar.analysis.loops import trip_counts, while_trip_counts
+from jaxpar.analysis import trip_counts, while_trip_counts
 
 ADD = """%add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
@@ -114,10 +114,10 @@ def _compile(target: str, **plan):
     """A 2-layer GPT (width 128, vocab 512, 64 tokens, batch 16) train step compiled for ``target``."""
     from flax import nnx
 
-    from jaxpar.cost.parallel import Plan
-    from jaxpar.models.gpt import GPT, GPTConfig
-    from jaxpar.devices.targets import parse_target, target_devices
-    from jaxpar.step.cost_check import compile_plan
+    from jaxpar.cost import Plan
+    from jaxpar.models import GPT, GPTConfig
+    from jaxpar.devices import parse_target, target_devices
+    from jaxpar.step import compile_plan
 
     cfg = GPTConfig(vocab=512, seq_len=64, embed=128, heads=4, layers=2)
     plan = Plan(**plan)
@@ -131,8 +131,8 @@ def _compile(target: str, **plan):
 def test_a_tpu_data_parallel_step_reduces_every_gradient_once():
     """libtpu writes no trip count: the layer loop's all-reduce of one layer's gradients counts once per
     layer, so the data axis carries every fp32 gradient once (and the loss)."""
-    from jaxpar.analysis.axis_bytes import compiled_bytes_per_axis
-    from jaxpar.analysis.hlo import collectives
+    from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
+    from jaxpar.analysis import collectives
 
     mesh, compiled, plan, n_params = _compile("tpu-v5e:2x4", data=8)
     assert "known_trip_count" not in compiled.as_text()
@@ -149,8 +149,8 @@ def test_a_pipelined_step_is_counted_on_gpu_and_tpu(target):
     stage runs its forward and its backward on 4 of the 10 ticks, and receives 4 activations of one
     sequence over ``pipe`` (stage 1 forward, stage 0 backward) besides the all-reduce of the outer
     gradients."""
-    from jaxpar.analysis.axis_bytes import compiled_bytes_per_axis, stage_branch_weights
-    from jaxpar.analysis.hlo import collectives
+    from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis, stage_branch_weights
+    from jaxpar.analysis import collectives
 
     mesh, compiled, plan, _ = _compile(target, pipe=2, data=4, microbatches=4, schedule="1f1b")
     if target.startswith("h100"):

@@ -12,13 +12,14 @@ from flax import nnx
 import jaxpar
 from jaxpar.config import ConfigError, load_config
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.parallel.pipeline.two_bw import AsyncPipelineError, step_windows, weight_versions
-from jaxpar.parallel.pipeline.schedule_stats import bubble_fraction
-from jaxpar.parallel.pipeline.stage import TICKS_SCOPE
-from jaxpar.step.no_flush_steps import WINDOWS_SCOPE
-from jaxpar.parallel.pipeline.instructions import lower
-from jaxpar.parallel.pipeline.schedules import get_schedule, num_ticks, one_f_one_b, pipedream_2bw
-from jaxpar.run.checkpoint import Checkpointer
+from jaxpar.parallel.pipeline._two_bw import AsyncPipelineError, step_windows, two_bw_versions
+from jaxpar.parallel.pipeline import bubble_fraction
+from jaxpar.parallel.pipeline._stage import TICKS_SCOPE
+from jaxpar.step._no_flush_steps import WINDOWS_SCOPE
+from jaxpar.parallel.pipeline import lower
+from jaxpar.parallel.pipeline import get_schedule, pipedream_2bw
+from jaxpar.parallel.pipeline._schedules import num_ticks, one_f_one_b
+from jaxpar.run import Checkpointer
 
 from helpers import make_batch
 from test_cli import QUICK
@@ -41,8 +42,8 @@ def test_2bw_table_has_no_flush_after_the_first_step(p, m):
         assert {a.microbatch // m for a in cells if a} <= {t, t + 1}
         if 0 < t < steps - 1:
             assert hi - lo == 2 * m and None not in cells
-    assert weight_versions(s, m)[0] == 2 and max(weight_versions(s, m)) == 2
-    assert weight_versions(one_f_one_b(p, m), m) == (1,) * p
+    assert two_bw_versions(s, m)[0] == 2 and max(two_bw_versions(s, m)) == 2
+    assert two_bw_versions(one_f_one_b(p, m), m) == (1,) * p
     # the bubble shrinks as steps grow: the fill is paid once
     assert [bubble_fraction(pipedream_2bw(p, m, k)) for k in (1, 4, 16)] == sorted(
         [bubble_fraction(pipedream_2bw(p, m, k)) for k in (1, 4, 16)], reverse=True)
@@ -332,7 +333,7 @@ def test_train_loop_runs_k_steps_per_call_and_resumes(tmp_path):
     the program called by hand (bit for bit)."""
     import json
 
-    from jaxpar.run.loop import LogOptions, train
+    from jaxpar.run import LogOptions, train
 
     tx, k = optax.sgd(0.5), 4
     batches = _batches()

@@ -1,4 +1,4 @@
-"""Batch-size ramps (``data.batch_ramp``, :mod:`jaxpar.run.ramp`): the batch of each step, the
+"""Batch-size ramps (``data.batch_ramp``, :mod:`jaxpar.run._ramp`): the batch of each step, the
 records, errors, and a real ``jaxpar train`` killed with SIGKILL mid-ramp and resumed, bit-identical
 to an uninterrupted run."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxpar.config import ConfigError, build_data, check, load_config
-from jaxpar.run.ramp import BatchRamp, RampError, ramp_batch_fn
+from jaxpar.run import BatchRamp, ramp_batch_fn
+from jaxpar.run._ramp import RampError
 
 from test_compression_train import ARGS, EVERY, QUICK, STEPS, _kill_after_checkpoint, _records, _run, final_states
 
@@ -113,11 +114,11 @@ def _adaptive_run(d, steps: int, *, factor: float, restore: int | None = None):
     from flax import nnx
 
     import jaxpar
-    from jaxpar.models.mlp import MLPClassifier, classifier_loss
-    from jaxpar.run.checkpoint import Checkpointer
-    from jaxpar.run.loop import LogOptions, train
-    from jaxpar.step.noise_scale import with_noise_scale
-    from jaxpar.run.ramp import AdaptiveRamp
+    from jaxpar.models import MLPClassifier, classifier_loss
+    from jaxpar.run import Checkpointer
+    from jaxpar.run import LogOptions, train
+    from jaxpar.step import with_noise_scale
+    from jaxpar.run import AdaptiveRamp
 
     mesh = jaxpar.make_mesh({"data": 4}, devices=jax.devices()[:4])
     tx = optax.sgd(0.2)
@@ -168,7 +169,7 @@ def test_adaptive_ramp_follows_the_noise_scale_and_resumes_bit_exact(tmp_path):
 
 
 def test_adaptive_ramp_rule_state_and_errors():
-    from jaxpar.run.ramp import AdaptiveRamp
+    from jaxpar.run import AdaptiveRamp
 
     r = AdaptiveRamp((16, 32, 64, 128), every=5, factor=2.0, start=10)
     assert not r.due(5) and r.due(10) and not r.due(12)

@@ -2,7 +2,7 @@
 
 The MoE GPT of tests/test_moe_train.py (8 experts, top-2, dropless) in bf16 over ``data 2 x expert 4``
 (the expert region manual over the whole mesh) and over ``data 2 x expert 2 x tensor 2`` (``tensor``
-stays automatic around the expert region, so on CPU its reductions run in fp32: :mod:`jaxpar.parallel.regions`).
+stays automatic around the expert region, so on CPU its reductions run in fp32: :mod:`jaxpar.parallel._regions`).
 The tolerances are those of tests/test_bf16_sequence_parallel.py, derived there: each first-step
 gradient leaf at most 2x as far (L2) from the fp32 gradient as the one-device bf16 run's (measured
 1.17x and 1.53x, blocks/ln2_bias and lnf_bias), every step's loss within 5e-4 of the one-device bf16
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.models.gpt import GPTConfig, MoESettings
+from jaxpar.models import GPTConfig
+from jaxpar.models import MoESettings
 
 from conftest import need_devices
 from test_bf16_sequence_parallel import BF16, assert_no_worse_than_one_device, train

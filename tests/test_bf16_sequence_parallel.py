@@ -2,7 +2,7 @@
 bf16 can, and keeps its sequence-parallel collectives in bf16 where the hardware can.
 
 XLA:CPU aborts on bf16 reductions in partly manual ``shard_map`` s (tests/test_xla_cpu_reproducers.py);
-:mod:`jaxpar.parallel.regions` makes the sequence-parallel region manual over the whole mesh where the other
+:mod:`jaxpar.parallel._regions` makes the sequence-parallel region manual over the whole mesh where the other
 axes have size 1, and widens its reductions to fp32 on CPU only where an automatic axis of size > 1
 remains.
 
@@ -38,11 +38,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.analysis.hlo import collectives
-from jaxpar.analysis.hlo_text import parse_instructions
+from jaxpar.analysis import collectives
+from jaxpar.analysis._hlo_text import parse_instructions
 from jaxpar.models import GPT, lm_loss
-from jaxpar.parallel.regions import reduce_dtype, region_axes
-from jaxpar.parallel.tensor import row_parallel, tensor_rules
+from jaxpar.parallel._regions import reduce_dtype, region_axes
+from jaxpar.parallel import row_parallel, tensor_rules
 
 from conftest import need_devices
 from helpers import CFG, GLOBAL_BATCH, LR, abstract_batch, flat, keep_grads, make_batch
@@ -143,7 +143,7 @@ def test_a_region_that_leaves_data_automatic_reduces_in_fp32_on_cpu():
 def test_the_sequence_parallel_reduce_scatter_stays_bf16_on_gpu(rules_batch):
     """Compiled for 8 H100s without them: the sequence-parallel reduce-scatter over ``tensor`` moves
     bf16, also where a CPU would widen it (``data`` automatic)."""
-    from jaxpar.devices.targets import parse_target, target_devices
+    from jaxpar.devices import parse_target, target_devices
 
     mesh = jaxpar.make_mesh({"data": 2, "tensor": 4}, devices=target_devices(parse_target("h100:1x8")))
     rules = ((("batch", rules_batch),) + tuple(tensor_rules(sequence_parallel=True))[1:])
@@ -160,7 +160,7 @@ def test_the_bf16_sequence_parallel_step_with_data_compiles_for_gpu_in_bf16():
     gathers), and the region's backward all-gathers over ``tensor`` (the transposes of its
     reduce-scatters) are bf16 activations."""
     from jaxpar.batch import batch_sharding
-    from jaxpar.devices.targets import parse_target, target_devices
+    from jaxpar.devices import parse_target, target_devices
 
     mesh = jaxpar.make_mesh({"data": 2, "tensor": 4}, devices=target_devices(parse_target("h100:1x8")))
     strategy, tx = jaxpar.Strategy(sequence_parallel=True, **BF16), optax.adamw(LR)

@@ -6,7 +6,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis import collectives
-from jaxpar.parallel.data_parallel import bucketed_all_gather, bucketed_reduce_scatter
+from jaxpar.parallel import bucketed_all_gather, bucketed_reduce_scatter
 
 from helpers import mesh_for
 
@@ -86,7 +86,7 @@ E = 32
 def _residuals(block, dtype=jnp.float32, remat=None):
     """Per-device residuals that data_parallel_block keeps for the backward (fsdp=8, ZeRO-3)."""
     from helpers import setup
-    from jaxpar.parallel.data_parallel import data_parallel_block
+    from jaxpar.parallel import data_parallel_block
     from jaxpar.rules import use_rules
     mesh, _, layout, _ = setup({"fsdp": 8})
     shapes = {"w": jax.ShapeDtypeStruct((E, 3 * E), dtype)}

@@ -25,7 +25,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.analysis.hlo import collectives
+from jaxpar.analysis import collectives
 from jaxpar.rules import path_str
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +113,7 @@ def test_user_model_bf16_compute_trains():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_explicit_by_default_for_fsdp_in_any_compute_dtype(dtype):
     """The stacked blocks are found in the compute dtype too (the step casts the parameters first)."""
-    from jaxpar.step.grads import explicit_data_parallel
+    from jaxpar.step._grads import explicit_data_parallel
     strategy = jaxpar.Strategy(compute_dtype=dtype)
     state, layout = jaxpar.init_train_state(model_fn(), optax.sgd(LR), jaxpar.make_mesh({"fsdp": 8}), strategy)
     assert explicit_data_parallel(None, pa.loss, state.params, pa.batches(0, batch_size=BATCH), layout)
@@ -208,8 +208,8 @@ def test_user_model_pipelined_matches_single_device(name, reference):
 def test_auto_stage_layers_measure_the_users_layers():
     """'auto' balances the compiled cost of the user's own layer against what runs before and
     after the blocks: a heavy head (many classes) gets fewer layers on the last stage."""
-    from jaxpar.parallel.pipeline.cut import cut_model
-    from jaxpar.parallel.pipeline.piped import auto_stage_layers
+    from jaxpar.parallel.pipeline._cut import cut_model
+    from jaxpar.parallel.pipeline._piped import auto_stage_layers
 
     def stages(**kw):
         mesh = jaxpar.make_mesh({"pipe": 4, "data": 2})
@@ -235,9 +235,9 @@ def test_explicit_dp_is_not_the_default_on_gpu_and_tpu(target):
     """On the GPU and TPU compilers XLA's own data-parallel collectives are combined and scheduled
     under compute (docs/explicit_dp.md): explicit_dp=None leaves them to XLA there, for the same
     FSDP model that is explicit by default on CPU (the test above)."""
-    from jaxpar.devices.targets import parse_target, target_devices
-    from jaxpar.step.grads import explicit_data_parallel
-    from jaxpar.step.init import state_layout
+    from jaxpar.devices import parse_target, target_devices
+    from jaxpar.step._grads import explicit_data_parallel
+    from jaxpar.step import state_layout
 
     mesh = jaxpar.make_mesh({"fsdp": 8}, devices=target_devices(parse_target(target)))
     layout = state_layout(model_fn(), optax.sgd(LR), mesh, jaxpar.Strategy())

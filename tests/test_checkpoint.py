@@ -22,12 +22,13 @@ from flax import nnx
 import jaxpar
 from jaxpar.cli import main
 from jaxpar.config import ConfigError, load_config
-from jaxpar.models.gpt import GPT, GPTConfig, lm_loss
-from jaxpar.run.checkpoint import CheckpointError, Checkpointer, CheckpointWarning
-from jaxpar.data.windows import synthetic_batch
-from jaxpar.run.loop import NonFiniteError, train
-from jaxpar.run.sinks import flops_per_token
-from jaxpar.run.sample import greedy_generate
+from jaxpar.models import GPT, GPTConfig, lm_loss
+from jaxpar.run import Checkpointer, CheckpointWarning
+from jaxpar.run._checkpoint import CheckpointError
+from jaxpar.data._windows import synthetic_batch
+from jaxpar.run import NonFiniteError, train
+from jaxpar.run._sinks import flops_per_token
+from jaxpar.run import greedy_generate
 
 from conftest import need_devices
 
@@ -192,7 +193,7 @@ def test_no_checkpoint_errors_name_the_directory(tmp_path):
 # ----------------------------------------------------------------------------- a feature switched off or on at resume
 def _mlp(sizes: dict, tx=TX, **strategy):
     """``(state, layout)`` of a tiny MLP (only the initialisation compiles)."""
-    from jaxpar.models.mlp import MLPClassifier
+    from jaxpar.models import MLPClassifier
 
     model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))  # noqa: E731
     return jaxpar.init_train_state(model_fn, tx, jaxpar.make_mesh(sizes), jaxpar.Strategy(**strategy))
@@ -210,7 +211,7 @@ def _messages(caught) -> list[str]:
 @need_devices(8)
 def test_resume_with_noise_scale_switched_off_or_on(tmp_path):
     """The model and optimizer state restore; the measurements are dropped (or start at zero), with a warning."""
-    from jaxpar.step.noise_scale import with_noise_scale
+    from jaxpar.step import with_noise_scale
 
     on, on_layout = with_noise_scale(*_mlp({"data": 8}), every=1)
     off, off_layout = _mlp({"data": 8})

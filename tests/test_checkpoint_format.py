@@ -18,10 +18,11 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.parallel.compression import topk
-from jaxpar.models.mlp import MLPClassifier, classifier_loss
+from jaxpar.models import MLPClassifier, classifier_loss
 from jaxpar.parallel.sync import diloco, stale
-from jaxpar.run.checkpoint import CheckpointError, Checkpointer, CheckpointWarning
-from jaxpar.run.checkpoint_format import FORMAT
+from jaxpar.run import Checkpointer, CheckpointWarning
+from jaxpar.run._checkpoint import CheckpointError
+from jaxpar.run._checkpoint_format import FORMAT
 
 from conftest import need_devices
 

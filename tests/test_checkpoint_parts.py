@@ -1,4 +1,4 @@
-"""The optional parts of a train state as one protocol (:mod:`jaxpar.run.state_parts`): every optional
+"""The optional parts of a train state as one protocol (:mod:`jaxpar.run._state_parts`): every optional
 field of ``TrainState`` has exactly one ``StatePart``; on real small states (a tiny MLP with a codec,
 relaxed synchronisation or the noise scale; a two-stage GPT with weight stashing), each part's plan
 gives each of its four actions, its record is what a checkpoint writes, and ``fresh`` starts it as a
@@ -16,14 +16,14 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.errors import CheckpointMismatchError
-from jaxpar.models.gpt import GPT, GPTConfig
-from jaxpar.models.mlp import MLPClassifier
+from jaxpar.models import GPT, GPTConfig
+from jaxpar.models import MLPClassifier
 from jaxpar.parallel.compression import topk
 from jaxpar.parallel.sync import stale
-from jaxpar.run.checkpoint_format import record_layouts, record_shapes
-from jaxpar.run.state_parts import STATE_PARTS, PartPlan, StatePart, plan_parts, shapes_of
-from jaxpar.step.noise_scale import with_noise_scale
-from jaxpar.step.state import StateLayout, TrainState
+from jaxpar.run._checkpoint_format import record_layouts, record_shapes
+from jaxpar.run._state_parts import STATE_PARTS, PartPlan, StatePart, plan_parts, shapes_of
+from jaxpar.step import with_noise_scale
+from jaxpar.step import StateLayout, TrainState
 
 from conftest import need_devices
 

@@ -10,8 +10,8 @@ import yaml
 from jaxpar.cli import main
 from jaxpar.config import (ConfigError, build_data, build_lr_schedule, build_optimizer, check, load_config,
                            parse_overrides, resolve_import, to_yaml)
-from jaxpar.data import windows as D
-from jaxpar.step.state import part_options
+from jaxpar.data import _windows as D
+from jaxpar.step._state import part_options
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs" / "quickstart.yaml")
@@ -208,7 +208,7 @@ def test_user_model_trains_from_yaml(overrides, strategy, tmp_path, capsys):
     assert main(["train", MLP, f"train.out_dir={out}", *overrides]) == 0
     text = capsys.readouterr().out
     assert f"strategy {strategy}" in text
-    assert "model    MLPClassifier (jaxpar.models.mlp:MLPClassifier): 9,060 parameters" in text
+    assert "model    MLPClassifier (jaxpar.models._mlp:MLPClassifier): 9,060 parameters" in text
     assert "global batch 16 (['x']: float32[16, 16], ['y']: int32[16])" in text
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
@@ -318,20 +318,20 @@ def test_moe_config_trains_over_an_expert_axis(tmp_path):
 
 
 USER_BAD = [  # (overrides on tests/cli_mlp.yaml, text the error must contain)
-    ("model.target=jaxpar.models.mlp:MLPClassifer", "model.target='jaxpar.models.mlp:MLPClassifer': "
-     "'jaxpar.models.mlp' has no attribute 'MLPClassifer'; did you mean 'MLPClassifier'"),
+    ("model.target=jaxpar.models._mlp:MLPClassifer", "model.target='jaxpar.models._mlp:MLPClassifer': "
+     "'jaxpar.models._mlp' has no attribute 'MLPClassifer'; did you mean 'MLPClassifier'"),
     ("model.target=no_such_pkg.models:Net", "model.target='no_such_pkg.models:Net': module 'no_such_pkg.models' "
      "not found"),
-    ("model.target=jaxpar.models.mlp", "model.target='jaxpar.models.mlp': expected 'package.module:attribute'"),
-    ("model.target=jaxpar.models.mlp:__doc__", "'__doc__' is not callable (it is of type str)"),
+    ("model.target=jaxpar.models._mlp", "model.target='jaxpar.models._mlp': expected 'package.module:attribute'"),
+    ("model.target=jaxpar.models._mlp:__doc__", "'__doc__' is not callable (it is of type str)"),
     (f"model.target={TESTS}/no_such_file.py:Net", "no_such_file.py' not found"),
     ("model.kwargs.width=3", "model.kwargs={'features': 16, 'embed': 32, 'mlp': 64, 'classes': 4, 'depth': 2, "
-     "'width': 3}: model.target='jaxpar.models.mlp:MLPClassifier' is called as target(**model.kwargs, "
+     "'width': 3}: model.target='jaxpar.models._mlp:MLPClassifier' is called as target(**model.kwargs, "
      "rngs=nnx.Rngs(train.seed)), which does not fit it: got an unexpected keyword argument 'width'"),
-    ("model.loss=jaxpar.models.mlp:classifier_los", "model.loss='jaxpar.models.mlp:classifier_los': "
-     "'jaxpar.models.mlp' has no attribute 'classifier_los'; did you mean 'classifier_loss'"),
+    ("model.loss=jaxpar.models._mlp:classifier_los", "model.loss='jaxpar.models._mlp:classifier_los': "
+     "'jaxpar.models._mlp' has no attribute 'classifier_los'; did you mean 'classifier_loss'"),
     ("model.loss=null", "model.loss: missing"),
-    ("model.loss=jaxpar.models.mlp:MLPClassifier", "model.loss='jaxpar.models.mlp:MLPClassifier': is called as "
+    ("model.loss=jaxpar.models._mlp:MLPClassifier", "model.loss='jaxpar.models._mlp:MLPClassifier': is called as "
      "loss(model, batch) -> scalar, which does not fit it"),
     ("model.layers=4", "overrides: model.layers: keys of the built-in GPT, but model.target="),
     ("data.kind=text", "data.kind='text' makes token windows of model.seq_len for the built-in GPT"),
@@ -398,7 +398,7 @@ def test_import_data_eval_batches():
 # ----------------------------------------------------------------------------- one job for train and inspect
 def _step_arguments(monkeypatch, argv):
     """What ``main(argv)`` passes to ``make_train_step`` (stopped right there: nothing compiles or runs)."""
-    import jaxpar.step.compose as step_module
+    import jaxpar.step._compose as step_module
 
     class Stop(Exception):
         pass

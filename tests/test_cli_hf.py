@@ -166,7 +166,7 @@ def test_config_errors_name_the_key(source, tmp_path, capsys):
 def test_resume_restores_the_run_without_reading_the_import(trained, tmp_path, monkeypatch, capsys):
     import shutil
 
-    from jaxpar.config.job import Job
+    from jaxpar.config import Job
 
     run = tmp_path / "run"
     shutil.copytree(load_config(CONFIG, trained).train.out_dir, run)

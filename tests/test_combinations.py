@@ -1,6 +1,6 @@
 """Combinations of features that used to pass silently: each is now honoured or refused by name.
 
-Tiny MLP classifier (:mod:`jaxpar.models.mlp`) on the 8 simulated CPU devices; each test fails on
+Tiny MLP classifier (:mod:`jaxpar.models._mlp`) on the 8 simulated CPU devices; each test fails on
 the code where the combination was silent.
 """
 import jax
@@ -12,11 +12,11 @@ from flax import nnx
 import jaxpar
 from jaxpar.parallel.compression import qsgd
 from jaxpar.config import ConfigError, check, load_config
-from jaxpar.models.mlp import MLPClassifier, classifier_loss
+from jaxpar.models import MLPClassifier, classifier_loss
 from jaxpar.parallel.sync import SyncError, stale
-from jaxpar.run.loop import train
-from jaxpar.run.ramp import BatchRamp
-from jaxpar.step.compose import StrategyMismatchError
+from jaxpar.run import train
+from jaxpar.run import BatchRamp
+from jaxpar.step._compose import StrategyMismatchError
 
 QUICK = "configs/quickstart.yaml"
 
@@ -112,7 +112,7 @@ def test_async_stale_reports_a_skip_of_any_replica(tmp_path):
     assert not bool(metrics["skipped"]) and int(metrics["skipped_updates"]) == 1    # replica 1's update applied
     after = jax.device_get(new.params["out"]["kernel"])
     assert np.isfinite(after).all() and not np.array_equal(after, jax.device_get(state.params["out"]["kernel"]))
-    from jaxpar.run.loop import LogOptions
+    from jaxpar.run import LogOptions
 
     _, summary = train(step, state, lambda i: b, mesh=mesh, steps=2, on_nonfinite="skip",
                        log=LogOptions(out_dir=str(tmp_path), progress="none", tensorboard=False, plot=False))
@@ -144,18 +144,18 @@ def test_a_ramp_step_inside_a_call_is_a_config_problem():
 
 
 def test_the_docs_table_is_the_compat_table():
-    """docs/strategies.md's table is generated from jaxpar.compat.table (python -m jaxpar.compat.markdown)."""
+    """docs/strategies.md's table is generated from jaxpar.compat._table (python -m jaxpar.compat._markdown)."""
     from pathlib import Path
 
-    from jaxpar.compat.markdown import markdown_table
+    from jaxpar.compat._markdown import markdown_table
 
     assert markdown_table() in Path("docs/strategies.md").read_text()
 
 
 def test_the_library_and_the_config_raise_the_same_refusal():
     """One table: the library's error and the config's problem are the same message with other names."""
-    from jaxpar.compat.table import LIBRARY_NAMES, Setting, problems
-    from jaxpar.parallel.pipeline.stash_versions import StashingError
+    from jaxpar.compat import LIBRARY_NAMES, Setting, problems
+    from jaxpar.parallel.pipeline._stash_versions import StashingError
 
     strategy = jaxpar.Strategy(schedule="pipedream", microbatches=2, compression=qsgd())
     (problem,) = problems(Setting(strategy, {"pipe": 2, "data": 4}))

@@ -1,17 +1,19 @@
 """The compatibility table in one place (:mod:`jaxpar.compat`): the library and the config layer
-raise the same :class:`~jaxpar.compat.table.Problem`, rendered with two name maps.
+raise the same :class:`~jaxpar.compat.Problem`, rendered with two name maps.
 
 * :func:`test_config_and_library_render_one_problem`: each rule the config layer used to restate
   under YAML names (PipeDream-2BW and weight stashing need a pipe axis, ``update_every`` divides the
   micro-batches, the noise scale needs a data axis, ``steps_per_call`` divides the loop's intervals)
   and each the library wrote out of the table (a codec needs a data axis, a sync kind its replicas
-  and backup fewer spares than replicas) is now one problem of :func:`jaxpar.compat.table.needs`:
+  and backup fewer spares than replicas) is now one problem of :func:`jaxpar.compat.needs`:
   the config's setting and the library's
   give the same Problem (features, fields, template, values, class), :func:`jaxpar.config.check`
-  prints it with :data:`~jaxpar.config.checks.YAML_NAMES`, and :func:`~jaxpar.compat.table.raise_problems`
-  raises it as its class with :data:`~jaxpar.compat.table.LIBRARY_NAMES`.
+  prints it with :data:`~jaxpar.config._checks.YAML_NAMES`, and :func:`~jaxpar.compat.raise_problems`
+  raises it as its class with :data:`~jaxpar.compat.LIBRARY_NAMES`.
+* :func:`test_a_yaml_router_bias_is_refused_with_the_yaml_names`: ``model.moe.bias_rate`` is the table's
+  router bias (RB): its refused pairs are the library's problems, printed with the YAML keys.
 * :func:`test_requirements_list_every_need`: the needs that docs/strategies.md lists
-  (:data:`jaxpar.compat.needs.REQUIREMENTS`) are the rules', one case each.
+  (:data:`jaxpar.compat._needs.REQUIREMENTS`) are the rules', one case each.
 * :func:`test_init_train_state_raises_the_declared_class`: ``init_train_state`` raises the table's
   class (MoEError for experts under PipeDream-2BW, not a plain ValueError) and the table's message.
 * :func:`test_commands_report_every_jaxpar_error`: the CLI's usage errors are :class:`~jaxpar.JaxparError`.
@@ -26,14 +28,17 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.compat.needs import REQUIREMENTS
-from jaxpar.compat.table import LIBRARY_NAMES, Setting, needs, problems, raise_problems
-from jaxpar.config.build import build_strategy, mesh_spec
-from jaxpar.config.checks import YAML_NAMES, check, table_setting
+from jaxpar.compat._needs import REQUIREMENTS
+from jaxpar.compat import LIBRARY_NAMES, Setting, needs, problems, raise_problems
+from jaxpar.config import build_strategy
+from jaxpar.config._build import mesh_spec
+from jaxpar.config import check
+from jaxpar.config._checks import YAML_NAMES, table_setting
 from jaxpar.parallel.compression import qsgd
 from jaxpar.parallel.sync import backup, diloco, synchronous
-from jaxpar.config.schema import (CheckpointConfig, ConfigError, JobConfig, LoggingConfig, MeshConfig,
-                                  NoiseScaleConfig, ParallelConfig, TrainConfig)
+from jaxpar.config import (CheckpointConfig, ConfigError, JobConfig, LoggingConfig, MeshConfig, ModelConfig,
+                           ParallelConfig, TrainConfig)
+from jaxpar.config._schema import NoiseScaleConfig
 
 #: name: (the config, the library's setting of the same run minus the strategy and mesh, the class).
 CASES = {
@@ -84,7 +89,7 @@ def test_config_and_library_render_one_problem(name):
 
 
 def test_requirements_list_every_need():
-    """docs/strategies.md's list of needs (:data:`jaxpar.compat.needs.REQUIREMENTS`) is the rules': one
+    """docs/strategies.md's list of needs (:data:`jaxpar.compat._needs.REQUIREMENTS`) is the rules': one
     case of :data:`CASES` per line, of that feature and class, in the rules' order."""
     got = []
     for cfg, options, _ in CASES.values():
@@ -98,6 +103,31 @@ def test_every_yaml_name_has_a_library_name():
     assert set(YAML_NAMES) <= set(LIBRARY_NAMES), sorted(set(YAML_NAMES) - set(LIBRARY_NAMES))
     missing = set(LIBRARY_NAMES) - set(YAML_NAMES)
     assert missing == {"start", "stop_check_every"}, sorted(missing)    # loop arguments without a YAML key
+
+
+@pytest.mark.parametrize("parallel, mesh, code", [
+    (ParallelConfig(schedule="pipedream", microbatches=2), MeshConfig(pipe=2, data=4), "ST"),
+    (ParallelConfig(schedule="pipedream-2bw", microbatches=2), MeshConfig(pipe=2, data=4), "2B"),
+    (ParallelConfig(sync={"kind": "diloco", "every": 5}), MeshConfig(replica=2, data=4), "RS"),
+], ids=["ST", "2B", "RS"])
+def test_a_yaml_router_bias_is_refused_with_the_yaml_names(parallel, mesh, code):
+    """``model.moe.bias_rate`` (the job adds a router bias) is the table's RB: a config with a no-flush
+    schedule or replicas gets the library's Problem (class MoEError), printed with the YAML keys; a
+    rate of 0 adds no bias and is not refused."""
+    moe = {"experts": 4, "top_k": 2, "bias_rate": 0.001}
+    cfg = JobConfig(model=ModelConfig(moe=moe), mesh=mesh, parallel=parallel)
+    strategy, sizes = build_strategy(cfg.parallel), mesh_spec(cfg.mesh).sizes(8)
+    library = problems(Setting(strategy, sizes, router_bias_rate=0.001))
+    assert [p for p in problems(table_setting(cfg, strategy, sizes)) if "RB" in p.features] == library
+    assert [set(p.features) for p in library] == [{code, "RB"}] and library[0].error is jaxpar.MoEError
+    text = library[0].render(YAML_NAMES)
+    assert text.startswith("model.moe.bias_rate=0.001 with ") and "model.moe.aux_weight" in text, text
+    with pytest.raises(ConfigError) as err:
+        check(cfg, num_devices=8)
+    assert text in str(err.value)
+    off = JobConfig(model=ModelConfig(moe={**moe, "bias_rate": 0.0}), mesh=mesh, parallel=parallel)
+    assert table_setting(off, strategy, sizes).router_bias_rate is None
+    assert not [p for p in problems(table_setting(off, strategy, sizes)) if "RB" in p.features]
 
 
 def _init(sizes, strategy):
@@ -129,7 +159,7 @@ def test_init_train_state_raises_the_declared_class(sizes, strategy, error):
 
 
 def test_commands_report_every_jaxpar_error():
-    from jaxpar.config.errors import user_errors
+    from jaxpar.config._errors import user_errors
 
     for name in jaxpar.errors.__all__:
         cls = getattr(jaxpar.errors, name)

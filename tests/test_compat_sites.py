@@ -1,13 +1,15 @@
 """The lower-level checks that can be called without ``init_train_state`` / ``make_train_step`` raise
 the compatibility table's problem (:mod:`jaxpar.compat`), not a message of their own: the class the
-problem declares and its message with the library's names (:data:`~jaxpar.compat.table.LIBRARY_NAMES`).
+problem declares and its message with the library's names (:data:`~jaxpar.compat.LIBRARY_NAMES`).
 
-* :func:`~jaxpar.parallel.pipeline.two_bw.check_two_bw` and
-  :func:`~jaxpar.parallel.pipeline.stash_versions.check_stashing` (the no-flush step builders):
+* :func:`~jaxpar.parallel.pipeline._two_bw.check_two_bw` and
+  :func:`~jaxpar.parallel.pipeline._stash_versions.check_stashing` (the no-flush step builders):
   sequence parallelism (the SP x 2B / SP x ST pairs), a ``pipe`` axis, ``update_every``;
 * :func:`~jaxpar.parallel.compression.exchange_plan`: a codec needs a data axis; 1-bit Adam with
   gradients sharded over it (the Z x 1A pair);
-* :func:`~jaxpar.step.relaxed.relaxed_layout`: pipelined replicas (RS x PP), a sync kind's replicas.
+* :func:`~jaxpar.step._relaxed.relaxed_layout`: pipelined replicas (RS x PP), a sync kind's replicas;
+* :func:`~jaxpar.step.router_bias_layout` (and ``with_router_bias``): a router bias with weight
+  stashing or replicas (the ST x RB / RS x RB pairs).
 """
 from __future__ import annotations
 
@@ -17,10 +19,10 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.compat.table import LIBRARY_NAMES, Setting, needs, problems
+from jaxpar.compat import LIBRARY_NAMES, Setting, needs, problems
 from jaxpar.parallel.compression import exchange_plan, qsgd, topk
-from jaxpar.parallel.pipeline.stash_versions import check_stashing
-from jaxpar.parallel.pipeline.two_bw import check_two_bw
+from jaxpar.parallel.pipeline._stash_versions import check_stashing
+from jaxpar.parallel.pipeline._two_bw import check_two_bw
 from jaxpar.parallel.sync import diloco, synchronous
 
 S = jaxpar.Strategy
@@ -55,7 +57,19 @@ SITES = {
     "onebit-adam-sharded": (lambda: exchange_plan(ONEBIT_ADAM, [(8, 4)], dims=[0], grad_axes=[("data",)],
                                                   stacked=[False], mesh_sizes={"data": 4}, zero=3),
                             Setting(S(compression=ONEBIT_ADAM, zero=3), {"data": 4}), jaxpar.CompressionError),
+    "router-bias-ST": (lambda: _bias_layout({"pipe": 2}, S(schedule="pipedream", microbatches=2)),
+                       Setting(S(schedule="pipedream", microbatches=2), {"pipe": 2}, router_bias_rate=0.01),
+                       jaxpar.MoEError),
+    "router-bias-RS": (lambda: _bias_layout({"replica": 2}, S(sync=synchronous())),
+                       Setting(S(sync=synchronous()), {"replica": 2}, router_bias_rate=0.01), jaxpar.MoEError),
 }
+
+
+def _bias_layout(sizes, strategy):
+    """``router_bias_layout`` on a layout of ``strategy`` (traced only)."""
+    from jaxpar.step import router_bias_layout
+
+    return router_bias_layout(_layout(sizes, strategy), (2, 4), rate=0.01)
 
 
 def _check(call, setting, error):
@@ -72,7 +86,7 @@ def test_lower_level_checks_raise_the_table_problem(name):
     _check(*SITES[name])
 
 
-def _layout(sizes):
+def _layout(sizes, strategy=S(microbatches=2)):
     from jaxpar.models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2)
@@ -80,7 +94,7 @@ def _layout(sizes):
     for v in sizes.values():
         n *= v
     mesh = jaxpar.make_mesh(sizes, devices=jax.devices()[:n])
-    return jaxpar.state_layout(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh, S(microbatches=2))
+    return jaxpar.state_layout(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh, strategy)
 
 
 @pytest.mark.parametrize("sizes,strategy", [
@@ -90,7 +104,7 @@ def _layout(sizes):
 def test_relaxed_layout_raises_the_table_problem(sizes, strategy):
     """``relaxed_layout`` called on a layout made without the sync kind (``init_train_state`` with it
     would refuse first)."""
-    from jaxpar.step.relaxed import relaxed_layout
+    from jaxpar.step._relaxed import relaxed_layout
 
     layout = _layout(sizes)
     _check(lambda: relaxed_layout(layout, optax.sgd(0.1), strategy), Setting(strategy, sizes), jaxpar.SyncError)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 from jaxpar.parallel.compression import (CompressionError, cast, exchange_plan, make_codec, onebit, powersgd, qsgd,
                                 randomk, sign, terngrad, topk)
-from jaxpar.parallel.compression.bits import from_bytes, pack_bits, to_bytes, unpack_bits
+from jaxpar.parallel.compression._bits import from_bytes, pack_bits, to_bytes, unpack_bits
 
 DRAWS = 2000
 

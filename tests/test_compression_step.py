@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.analysis.hlo import collectives
+from jaxpar.analysis import collectives
 from jaxpar.parallel.compression import (CompressionError, cast, onebit, powersgd, qsgd, randomk, sign, terngrad, topk)
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.run.checkpoint import Checkpointer, CheckpointWarning
-from jaxpar.step.compressed import compression_plan
+from jaxpar.run import Checkpointer, CheckpointWarning
+from jaxpar.step import compression_plan
 
 from helpers import flat, grad_atol, make_batch, mesh_for, run, setup
 
@@ -123,7 +123,7 @@ def test_lossless_settings_match_the_uncompressed_step(reference, zero, codec):
 def test_local_clip_clips_each_replica_before_the_codec():
     """``Strategy(local_clip=c)``: each replica's gradient is scaled to norm <= c before the (here
     lossless) codec, then averaged: against each replica's gradient on one device, clipped by hand."""
-    from jaxpar.step.grads import global_grads
+    from jaxpar.step._grads import global_grads
 
     batch = make_batch()
     mesh1, state1, layout1, _ = setup({}, jaxpar.Strategy())
@@ -151,7 +151,7 @@ def test_local_clip_errors_name_the_fix():
     with pytest.raises(ValueError, match="compression is None.*clip_norm"):
         jaxpar.Strategy(local_clip=1.0)
     from jaxpar.config import ConfigError, load_config
-    from jaxpar.config.build import build_strategy
+    from jaxpar.config import build_strategy
     with pytest.raises(ConfigError, match="parallel.compression.local_clip=-1.*positive"):
         build_strategy(load_config(CONFIGS / "topk.yaml", ["parallel.compression.local_clip=-1"]).parallel)
     with pytest.raises(ConfigError, match="names none.*kind: topk"):
@@ -223,7 +223,7 @@ def test_compression_errors_name_the_fix():
     _, plain = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh_for({"data": 8}))
     with pytest.raises(jaxpar.StrategyMismatchError, match="init_train_state.*fields that differ: compression"):
         jaxpar.make_train_step(lm_loss, optax.sgd(0.1), plain, jaxpar.Strategy(compression=sign()))
-    from jaxpar.step.grads import global_grads
+    from jaxpar.step._grads import global_grads
     with pytest.raises(CompressionError, match="silently ignored.*make_train_step"):
         global_grads(lm_loss, layout)
 

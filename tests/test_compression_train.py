@@ -89,8 +89,8 @@ def final_states(outs: list[Path], extra) -> list:
     import jax
 
     from jaxpar.config import build_mesh, build_model_fn, build_optimizer
-    from jaxpar.run.checkpoint import Checkpointer
-    from jaxpar.step.init import init_train_state
+    from jaxpar.run import Checkpointer
+    from jaxpar.step import init_train_state
 
     cfg = load_config(QUICK, [*ARGS, *extra])
     tx, _ = build_optimizer(cfg.optimizer, cfg.train.steps)

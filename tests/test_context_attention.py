@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from conftest import need_devices
 import jaxpar
 from jaxpar.parallel import context as cp
-from jaxpar.analysis.hlo import collectives, count
-from jaxpar.parallel.context.ring import RingSpec, ring_forward
+from jaxpar.analysis import collectives, count
+from jaxpar.parallel.context._ring import RingSpec, ring_forward
 from jaxpar.rules import drop_axes, logical_to_spec, use_rules
 
 B, L, H, D = 2, 32, 8, 4

@@ -13,9 +13,9 @@ from flax import nnx
 
 import jaxpar
 from jaxpar import Strategy
-from jaxpar.analysis.hlo import collectives
+from jaxpar.analysis import collectives
 from jaxpar.parallel.context import ContextParallel, ContextParallelError, attention, in_sequence_order, sequence_order
-from jaxpar.models.gpt import GPT, GPTConfig, lm_loss
+from jaxpar.models import GPT, GPTConfig, lm_loss
 
 from conftest import need_devices
 
@@ -73,8 +73,8 @@ MODELS = {"gpt": (_gpt, lm_loss, _gpt_batch), "packed": (lambda: Packed(nnx.Rngs
 def _train(model, axes, strategy):
     """Three SGD steps' losses, and the first batch's gradient at the initial parameters (computed by
     the step's own gradient function, traced as the step traces it)."""
-    from jaxpar.step.grads import global_grads
-    from jaxpar.step.program import strategy_context
+    from jaxpar.step._grads import global_grads
+    from jaxpar.step._program import strategy_context
 
     model_fn, loss_fn, batch_fn = MODELS[model]
     n = int(np.prod(list(axes.values())))
@@ -223,7 +223,7 @@ def test_shapes_the_context_axis_cannot_split_are_named(axes, strategy, match):
 def test_the_ring_in_a_pipeline_stage_hops_by_all_gather_on_cpu():
     """XLA:CPU runs every collective-permute as one rendezvous over all devices, so inside a stage's
     conditional the ring's hops would meet the other stage's activation transfer: there each hop is
-    an all-gather over context (jaxpar.parallel.context.ring, ``hop``); the only permutes left are over pipe."""
+    an all-gather over context (jaxpar.parallel.context._ring, ``hop``); the only permutes left are over pipe."""
     compiled, mesh = _compiled({"pipe": 2, "context": 4}, Strategy(microbatches=2, context=_ring(balance=True)))
     rows = collectives(compiled.as_text(), mesh)
     permutes = {tuple(r.axes) for r in rows if r.kind == "collective-permute"}

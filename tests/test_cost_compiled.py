@@ -4,7 +4,7 @@ compiled collectives inventory (loops counted by trip count) within 5%, and pred
 ``memory_analysis()`` within 2%. Temporaries are not predicted for this backend (printed only).
 
 Pipelined plans (``PIPED``) are compared the same way: the tick loop's switches are counted by how often
-the schedule takes each branch (:func:`jaxpar.analysis.axis_bytes.stage_branch_weights`), on the busiest stage's device, axis by axis.
+the schedule takes each branch (:func:`jaxpar.analysis._axis_bytes.stage_branch_weights`), on the busiest stage's device, axis by axis.
 Pipelines with ZeRO-3 / FSDP inside a stage are not covered (docs/planning.md §5 says why).
 
 The steps are compiled from abstract state (nothing runs). The default run compiles five plans
@@ -12,8 +12,8 @@ The steps are compiled from abstract state (nothing runs). The default run compi
 """
 import pytest
 
-from jaxpar.cost.model import gpt
-from jaxpar.cost.parallel import Plan
+from jaxpar.cost import gpt
+from jaxpar.cost import Plan
 
 from test_equivalence import STRATEGIES
 
@@ -28,7 +28,7 @@ _cache = {}
 
 def compared(name):
     if name not in _cache:
-        from jaxpar.step.cost_check import compile_and_compare
+        from jaxpar.step import compile_and_compare
 
         if name in PIPED:
             plan = PIPED[name]

@@ -8,15 +8,18 @@ import math
 import pytest
 
 from jaxpar import cost
-from jaxpar.cost import collectives as C
-from jaxpar.cost.cluster import cluster_from_dict
-from jaxpar.cost.context_experts import context_working_bytes, score_fraction
-from jaxpar.cost.memory import activation_bytes_per_layer, layer_activations, memory_per_device, state_bytes
-from jaxpar.cost.parallel import Plan
-from jaxpar.cost.planner import PlanError, evaluate
-from jaxpar.cost.roofline import layer_kernels
-from jaxpar.cost.time import Overlap, model_flops, step_time
-from jaxpar.cost.traffic import comms
+from jaxpar.cost import _collectives as C
+from jaxpar.cost import cluster_from_dict
+from jaxpar.cost._context_experts import context_working_bytes, score_fraction
+from jaxpar.cost import activation_bytes_per_layer, memory_per_device
+from jaxpar.cost._memory import layer_activations, state_bytes
+from jaxpar.cost import Plan
+from jaxpar.cost import PlanError
+from jaxpar.cost import evaluate
+from jaxpar.cost._roofline import layer_kernels
+from jaxpar.cost import Overlap, step_time
+from jaxpar.cost._time import model_flops
+from jaxpar.cost import comms
 
 H100 = cost.load_cluster("h100")
 ALPHA, BETA = 10e-6, 1 / 450e9            # the h100 preset's NVLink: 10 us, 450 GB/s per direction

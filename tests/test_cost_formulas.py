@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from jaxpar.cost import collectives as C
-from jaxpar.cost.memory import (PRECISIONS, activation_bytes_per_layer, closed_form_stats, schedule_stats,
-                                zero_state_bytes)
-from jaxpar.cost.model import gpt
-from jaxpar.cost.time import narayanan_flops, step_flops
-from jaxpar.parallel.pipeline.schedules import bubble_fraction, get_schedule, peak_in_flight
+from jaxpar.cost import _collectives as C
+from jaxpar.cost import PRECISIONS, activation_bytes_per_layer, zero_state_bytes
+from jaxpar.cost._memory import closed_form_stats, schedule_stats
+from jaxpar.cost import gpt
+from jaxpar.cost import narayanan_flops, step_flops
+from jaxpar.parallel.pipeline import bubble_fraction, get_schedule, peak_in_flight
 
 GB = 1e9
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +153,7 @@ def test_small_sizes_recursive_doubling_large_sizes_ring_or_rabenseifner(p):
 
 def test_cost_modules_import_no_jax():
     """The modules of jaxpar/cost (and the pure pipeline tables / analysis helpers they use), and the HLO
-    readers that compare compiled programs with them (jaxpar.analysis.loops, jaxpar.analysis.axis_bytes), load
+    readers that compare compiled programs with them (jaxpar.analysis._loops, jaxpar.analysis._axis_bytes), load
     without JAX. ``import jaxpar.cost`` would run jaxpar/__init__.py, which imports JAX, so a fresh interpreter
     registers the parent packages as empty namespace packages and imports jaxpar.cost by itself."""
     code = f"""
@@ -162,7 +162,7 @@ root = {str(ROOT / 'jaxpar')!r}
 for name, path in (("jaxpar", root), ("jaxpar.parallel", root + "/parallel"),
                    ("jaxpar.parallel.pipeline", root + "/parallel/pipeline"), ("jaxpar.analysis", root + "/analysis")):
     mod = types.ModuleType(name); mod.__path__ = [path]; sys.modules[name] = mod
-import jaxpar.cost, jaxpar.cost.planner, jaxpar.analysis.loops, jaxpar.analysis.axis_bytes
+import jaxpar.cost, jaxpar.cost._planner, jaxpar.analysis._loops, jaxpar.analysis._axis_bytes
 r = jaxpar.cost.plan(jaxpar.cost.gpt(2, 32, 8, 16, 64, 16), jaxpar.cost.load_cluster("h100"))
 bad = sorted(m for m in sys.modules if m == "jax" or m.startswith(("jax.", "flax", "optax")))
 assert not bad, bad
@@ -215,7 +215,8 @@ def test_cpu_sim_preset_is_calibrated_and_shared():
     ("memory_gbps", -1, r"memory_gbps=-1 must be a number >= 0"),
 ])
 def test_bad_shared_compute_and_memory_bandwidth(key, value, match):
-    from jaxpar.cost.cluster import ClusterError, cluster_from_dict
+    from jaxpar.cost import ClusterError
+    from jaxpar.cost import cluster_from_dict
 
     d = {"devices_per_node": 8, "device_memory_gib": 80, "peak_tflops": {"bfloat16": 989},
          "intra_node": {"alpha_us": 10, "bandwidth_gbps": 450}, key: value}
@@ -225,8 +226,9 @@ def test_bad_shared_compute_and_memory_bandwidth(key, value, match):
 
 def test_optimizer_update_is_memory_bound_and_sharded_by_zero():
     from jaxpar import cost
-    from jaxpar.cost.parallel import Plan
-    from jaxpar.cost.time import step_time, update_bytes
+    from jaxpar.cost import Plan
+    from jaxpar.cost import step_time
+    from jaxpar.cost._time import update_bytes
 
     m = cost.gpt(12, 768, 12, 1024, 50304, 64)
     h = cost.load_cluster("h100")
@@ -239,8 +241,9 @@ def test_elementwise_term_repeats_the_residual_stream_under_tp_and_splits_it_und
     """Per token and layer, forward: 10h (norms, residual adds) + 2f (bias, GELU) values in the compute
     dtype and 2·a·s fp32 softmax values; training moves 3x that. TP splits f and a, SP also h."""
     from jaxpar import cost
-    from jaxpar.cost.parallel import Plan
-    from jaxpar.cost.time import elementwise_bytes, step_time
+    from jaxpar.cost import Plan
+    from jaxpar.cost import step_time
+    from jaxpar.cost._time import elementwise_bytes
 
     m = gpt(4, 128, 8, 64, 256, 16)
     h, f, a, s, tokens = 128, 512, 8, 64, 16 * 64 * 4

@@ -4,11 +4,13 @@ those runs); the slow pass compiles small GPTs for h100 to check the per-layer a
 copy of a pipeline stage's residual buffers."""
 import pytest
 
-from jaxpar.cost.device_bytes import DENSE, TPU, device_argument_bytes, local_shape, padded_bytes, step_peak_bytes
-from jaxpar.cost.memory import argument_bytes
-from jaxpar.cost.model import gpt
-from jaxpar.cost.parallel import Plan
-from jaxpar.cost.traffic import bytes_per_axis, comms
+from jaxpar.cost import device_argument_bytes, step_peak_bytes
+from jaxpar.cost._device_bytes import DENSE, TPU, local_shape, padded_bytes
+from jaxpar.cost._memory import argument_bytes
+from jaxpar.cost import gpt
+from jaxpar.cost import Plan
+from jaxpar.cost import comms
+from jaxpar.cost._traffic import bytes_per_axis
 
 
 def test_tpu_argument_bytes_equal_the_compiled_tiled_layout():
@@ -86,11 +88,11 @@ def test_per_layer_temporaries_match_the_gpu_compiler(remat, tensor, sp):
     the compiler keeps 9% less than they say without recomputation at ``t`` = 1, 7% at ``t`` = 4."""
     from flax import nnx
 
-    from jaxpar.analysis.compiled_memory import memory_report
-    from jaxpar.cost.device_bytes import saved_per_layer
-    from jaxpar.models.gpt import GPT, GPTConfig
-    from jaxpar.devices.targets import parse_target, target_devices
-    from jaxpar.step.cost_check import compile_plan
+    from jaxpar.analysis import memory_report
+    from jaxpar.cost._device_bytes import saved_per_layer
+    from jaxpar.models import GPT, GPTConfig
+    from jaxpar.devices import parse_target, target_devices
+    from jaxpar.step import compile_plan
 
     h, heads, seq, batch = 512, 8, 512, 2
     plan = Plan(tensor=tensor, sequence_parallel=sp, remat=remat)
@@ -120,7 +122,7 @@ def test_tpu_keeps_and_weight_copies_match_libtpus_layers(case):
     """:data:`TPU_REMAT_KEEPS` and one bf16 copy of the layer's matmul weights against what libtpu's peak
     grows by per layer (the constants above; one sequence per device); :data:`REMAT_KEEPS`, the GPU
     compiler's, would be 9-18 % high without recomputation."""
-    from jaxpar.cost.device_bytes import bf16_weight_bytes, saved_per_layer
+    from jaxpar.cost._device_bytes import bf16_weight_bytes, saved_per_layer
 
     remat, t, h, s = case
     m, plan = gpt(1, h, 8, s, 512, 8 // t), Plan(data=8 // t, tensor=t, remat=remat)
@@ -135,10 +137,10 @@ def test_tpu_layer_constants_are_libtpus(case):
     less 8, per layer, less the layer's arguments and fp32 gradients as the model counts them."""
     from flax import nnx
 
-    from jaxpar.cost.device_bytes import bf16_weight_bytes, saved_per_layer
-    from jaxpar.models.gpt import GPT, GPTConfig
-    from jaxpar.devices.targets import parse_target, target_devices
-    from jaxpar.step.cost_check import compile_plan
+    from jaxpar.cost._device_bytes import bf16_weight_bytes, saved_per_layer
+    from jaxpar.models import GPT, GPTConfig
+    from jaxpar.devices import parse_target, target_devices
+    from jaxpar.step import compile_plan
 
     remat, t, h, s = case
     plan, batch = Plan(data=8 // t, tensor=t, remat=remat), 8 // t
@@ -165,9 +167,9 @@ def test_the_gpu_compiler_copies_a_stage_residual_buffer_in_the_tick_conditional
 
     from flax import nnx
 
-    from jaxpar.models.gpt import GPT, GPTConfig
-    from jaxpar.devices.targets import parse_target, target_devices
-    from jaxpar.step.cost_check import compile_plan
+    from jaxpar.models import GPT, GPTConfig
+    from jaxpar.devices import parse_target, target_devices
+    from jaxpar.step import compile_plan
 
     cfg = GPTConfig(vocab=64, seq_len=512, embed=512, heads=8, layers=8, remat="full")
     plan = Plan(pipe=2, tensor=2, microbatches=4, schedule="1f1b", remat="full")
@@ -187,9 +189,9 @@ def test_pipeline_stores_are_the_block_vjp_residuals(heads):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxpar.cost.device_bytes import stored_per_layer
-    from jaxpar.models.gpt_layers import block_apply
-    from jaxpar.parallel.pipeline.layer_vjp import LayerVJP
+    from jaxpar.cost._device_bytes import stored_per_layer
+    from jaxpar.models._gpt_layers import block_apply
+    from jaxpar.parallel.pipeline._layer_vjp import LayerVJP
 
     s, h = 256, 128
     d = h // heads
@@ -205,7 +207,7 @@ def test_pipeline_stores_are_the_block_vjp_residuals(heads):
 
 def test_pipeline_peak_counts_the_stored_residuals_twice_on_gpus():
     """On GPUs a stage's residual buffers are held twice (the copy the previous test shows), on TPUs once."""
-    from jaxpar.cost.device_bytes import bf16_weight_bytes, layout_for_platform, saved_per_layer, stored_per_layer
+    from jaxpar.cost._device_bytes import bf16_weight_bytes, layout_for_platform, saved_per_layer, stored_per_layer
 
     m, plan = gpt(8, 512, 8, 512, 64, 8), Plan(pipe=2, microbatches=4, schedule="1f1b", remat="full")
     held = 8 / 2 * 2                                       # 4 layers a stage x 2 micro-batches in flight
@@ -248,12 +250,12 @@ def test_libtpus_windowed_einsums_count_as_the_model_predicts(plan, kinds):
     all-gathers they run, the data axis is within 2 % of ``xla-tpu``'s prediction (docs/planning.md §8)."""
     from flax import nnx
 
-    from jaxpar.analysis.axis_bytes import compiled_bytes_per_axis
-    from jaxpar.analysis.hlo_text import parse_instructions
-    from jaxpar.analysis.windowed import windowed_einsums
-    from jaxpar.models.gpt import GPT, GPTConfig
-    from jaxpar.devices.targets import parse_target, target_devices
-    from jaxpar.step.cost_check import compile_plan
+    from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
+    from jaxpar.analysis._hlo_text import parse_instructions
+    from jaxpar.analysis._windowed import windowed_einsums
+    from jaxpar.models import GPT, GPTConfig
+    from jaxpar.devices import parse_target, target_devices
+    from jaxpar.step import compile_plan
 
     hidden = 768 if plan.zero else 1024
     cfg = GPTConfig(vocab=50304, seq_len=1024, embed=hidden, heads=hidden // 64, layers=2)

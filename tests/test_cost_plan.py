@@ -2,9 +2,10 @@
 import pytest
 
 from jaxpar import cost
-from jaxpar.cost.cluster import ClusterError, cluster_from_dict
-from jaxpar.cost.collectives import Link
-from jaxpar.cost.planner import PlanError
+from jaxpar.cost import ClusterError
+from jaxpar.cost import cluster_from_dict
+from jaxpar.cost import Link
+from jaxpar.cost import PlanError
 
 GPT3 = cost.gpt(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, batch=1536)
 GPT2 = cost.gpt(layers=12, hidden=768, heads=12, seq=1024, vocab=50304, batch=64)

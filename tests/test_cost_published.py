@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from jaxpar import cost
-from jaxpar.cost.memory import memory_per_device, state_bytes
-from jaxpar.cost.planner import evaluate
-from jaxpar.cost.roofline import end_work, kernel_seconds, layer_kernels, layer_work, matmul
-from jaxpar.cost.time import Overlap, behind_backward, step_time
-from jaxpar.cost.traffic import comms
+from jaxpar.cost import memory_per_device
+from jaxpar.cost._memory import state_bytes
+from jaxpar.cost import evaluate
+from jaxpar.cost._roofline import end_work, kernel_seconds, layer_kernels, layer_work, matmul
+from jaxpar.cost import Overlap, step_time
+from jaxpar.cost._time import behind_backward
+from jaxpar.cost import comms
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "published_runs.py"
 _SPEC = importlib.util.spec_from_file_location("published_runs", _PATH)

@@ -169,7 +169,7 @@ def test_bad_input_is_named(ckpt, corpus, tmp_path, capsys):
 
 def test_inspect_compiles_the_packed_step(ckpt, corpus, tmp_path, capsys):
     """``jaxpar inspect`` compiles the step on the packed batch's five arrays and loss weights, as train runs it."""
-    from jaxpar.config.job import build_job
+    from jaxpar.config import build_job
 
     cfg = load_config(CONFIG, args(ckpt, corpus, tmp_path, cache=False))
     batch = build_job(cfg, data=False).abstract_batch()

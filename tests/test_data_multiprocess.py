@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.data import batch_digest
-from jaxpar.data.cache import prepare_cache
+from jaxpar.data._cache import prepare_cache
 from jaxpar.data.sources import open_source
-from jaxpar.data.tokenizers import load_tokenizer
+from jaxpar.data import load_tokenizer
 
 from data_mp_driver import BATCH, STEPS, open_stores, packed_batches
 
@@ -124,7 +124,7 @@ def test_data_show_in_two_processes_prints_one_process_digests(tmp_path):
     from test_multiprocess import PY, free_port, launch, wait_all
 
     from jaxpar.config import build_data, load_config
-    from jaxpar.data.tokenizers import load_tokenizer
+    from jaxpar.data import load_tokenizer
 
     ckpt = hf_fixtures.build_checkpoint("llama", tmp_path / "llama", vocab_size=132)
     corpus = tmp_path / "web.jsonl"

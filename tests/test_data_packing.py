@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxpar.data import DataError, PackedBatches, StreamPlan, batch_digest
-from jaxpar.data.packing import pack_window
-from jaxpar.run.ramp import BatchRamp
+from jaxpar.data._packing import pack_window
+from jaxpar.run import BatchRamp
 
 
 class ArrayStore:

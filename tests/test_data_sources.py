@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from jaxpar.data import sources
-from jaxpar.data.sources import jsonl as sources_jsonl
+from jaxpar.data.sources import _jsonl as sources_jsonl
 from jaxpar.errors import SourceError
 from jaxpar.data.sources import FORMATS, open_source
-from jaxpar.data.sources.jsonl import LineFile
+from jaxpar.data.sources._jsonl import LineFile
 
 KINDS = ("jsonl", "jsonl_gz", "parquet", "arrayrecord", "hf_disk")
 

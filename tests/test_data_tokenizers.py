@@ -1,4 +1,4 @@
-"""jaxpar.data.tokenizers against the reference libraries, on ~1 MB of the standard library's sources.
+"""jaxpar.data._tokenizers against the reference libraries, on ~1 MB of the standard library's sources.
 
 The three tokenizer files are built offline, once per session: a byte-level BPE ``tokenizer.json``
 trained with ``tokenizers``, a SentencePiece ``.model`` trained with ``sentencepiece``, and a tiktoken
@@ -15,7 +15,8 @@ from unittest import mock
 import pytest
 
 from jaxpar.errors import DataError, TokenizerError
-from jaxpar.data.tokenizers import CL100K_PATTERN, Tokenizer, load_tokenizer
+from jaxpar.data import Tokenizer, load_tokenizer
+from jaxpar.data._tokenizers import CL100K_PATTERN
 
 KINDS = ("tokenizers", "sentencepiece", "tiktoken")
 CORPUS_BYTES = 1_000_000
@@ -276,7 +277,7 @@ def test_wrong_options(built, tmp_path):
 
 def test_hf_names_are_the_data_names():
     import jaxpar.hf
-    import jaxpar.hf.tokenizer
+    import jaxpar.hf._tokenizer
 
-    assert jaxpar.hf.Tokenizer is jaxpar.hf.tokenizer.Tokenizer is Tokenizer
-    assert jaxpar.hf.load_tokenizer is jaxpar.hf.tokenizer.load_tokenizer is load_tokenizer
+    assert jaxpar.hf.Tokenizer is jaxpar.hf._tokenizer.Tokenizer is Tokenizer
+    assert jaxpar.hf.load_tokenizer is jaxpar.hf._tokenizer.load_tokenizer is load_tokenizer

@@ -1,4 +1,4 @@
-"""Collectives inside device-dependent branches (jaxpar.analysis.device_branches).
+"""Collectives inside device-dependent branches (jaxpar.analysis._device_branches).
 
 Hand-written HLO pins each rule of the taint analysis (tuples, loops, both conditional forms, calls,
 async pairs, uniform collectives); jitted ``shard_map`` programs check it on XLA:CPU's HLO; the GPT's
@@ -21,16 +21,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.analysis.device_branches import (
-    BranchCollective,
-    device_dependent_collectives,
-    device_dependent_conditionals,
-    taints,
-)
-from jaxpar.analysis.hlo import collectives
+from jaxpar.analysis import BranchCollective, device_dependent_collectives
+from jaxpar.analysis._device_branches import device_dependent_conditionals, taints
+from jaxpar.analysis import collectives
 from jaxpar.batch import batch_sharding
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.devices.targets import parse_target, target_devices
+from jaxpar.devices import parse_target, target_devices
 
 from conftest import need_devices
 from helpers import compile_step

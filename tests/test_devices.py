@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxpar import mesh as M
-from jaxpar.analysis.compiled_memory import format_bytes
+from jaxpar.analysis import format_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,7 +128,7 @@ def test_format_bytes():
 def test_distributed_initialize_uses_the_same_decision(fresh, monkeypatch):
     from jax._src import xla_bridge
 
-    from jaxpar.devices import distributed as dist
+    from jaxpar.devices import _distributed as dist
 
     for name in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_", "JOB_COMPLETION"))]:
         monkeypatch.delenv(name)

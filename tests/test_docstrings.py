@@ -48,7 +48,7 @@ def module_names() -> list[str]:
 
 
 def module_name(path: Path) -> str:
-    """``.../jaxpar/run/loop.py`` -> ``jaxpar.run.loop``; ``.../parallel/pipeline/__init__.py`` -> ``jaxpar.parallel.pipeline``."""
+    """``.../jaxpar/run/loop.py`` -> ``jaxpar.run._loop``; ``.../parallel/pipeline/__init__.py`` -> ``jaxpar.parallel.pipeline``."""
     parts = ("jaxpar",) + path.relative_to(PACKAGE_DIR).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -285,7 +285,7 @@ def test_cross_references_resolve():
 def test_the_walk_finds_references():
     refs = references()
     assert len(refs) > 50
-    assert ("jaxpar.cost", (), "~jaxpar.cost.collectives") in refs
-    assert resolves("jaxpar.cost", (), "~jaxpar.cost.collectives")
+    assert ("jaxpar.cost", (), "~jaxpar.cost._collectives") in refs
+    assert resolves("jaxpar.cost", (), "~jaxpar.cost._collectives")
     assert resolves("jaxpar.cost", (), "ValueError")
     assert not resolves("jaxpar.cost", (), "jaxpar.cost.no_such_module")

@@ -36,7 +36,7 @@ def module_names() -> list[str]:
 
 
 def module_name(path: Path) -> str:
-    """``.../jaxpar/run/loop.py`` -> ``jaxpar.run.loop``; ``.../parallel/pipeline/__init__.py`` -> ``jaxpar.parallel.pipeline``."""
+    """``.../jaxpar/run/loop.py`` -> ``jaxpar.run._loop``; ``.../parallel/pipeline/__init__.py`` -> ``jaxpar.parallel.pipeline``."""
     parts = ("jaxpar",) + path.relative_to(PACKAGE_DIR).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -68,5 +68,5 @@ def test_no_docstring_example_is_skipped():
 
 def test_the_walk_finds_the_modules():
     """The parametrization above really covers the package (a broken walk would test nothing)."""
-    assert {"jaxpar", "jaxpar.mesh", "jaxpar.run.loop", "jaxpar.parallel.pipeline.schedules"} <= set(MODULES)
+    assert {"jaxpar", "jaxpar.mesh", "jaxpar.run._loop", "jaxpar.parallel.pipeline._schedules"} <= set(MODULES)
     assert {module_name(p) for p in PACKAGE_DIR.rglob("*.py")} == set(MODULES)

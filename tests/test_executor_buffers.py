@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import pytest
 
 import jaxpar
-from jaxpar.models.gpt import block_apply, cross_entropy, embed_apply, head_apply
+from jaxpar.models._gpt import block_apply, cross_entropy, embed_apply, head_apply
 from jaxpar.parallel.pipeline import PipelineParts, get_schedule, lower, pipeline_value_and_grad, to_stages
-from jaxpar.parallel.pipeline.executor import TICKS_SCOPE
-from jaxpar.parallel.pipeline.layer_vjp import LayerVJP as _LayerVJP
+from jaxpar.parallel.pipeline._executor import TICKS_SCOPE
+from jaxpar.parallel.pipeline._layer_vjp import LayerVJP as _LayerVJP
 
 from conftest import need_devices
 from test_split_backward import E, T, V, _block

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar import Strategy
-from jaxpar.adapters.mesh_axes import ModelMeshError
+from jaxpar.adapters import ModelMeshError
 
 from conftest import need_devices
 from helpers import explicit_one_device, train_steps
@@ -78,7 +78,7 @@ def test_explicit_style_model_is_exact_against_one_device(case, reference):
 
 
 def _collectives(axes, strategy):
-    from jaxpar.analysis.hlo import collectives
+    from jaxpar.analysis import collectives
 
     n = int(np.prod(list(axes.values())))
     mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:n])
@@ -110,7 +110,7 @@ def test_collectives_are_the_strategys():
 @need_devices(8)
 def test_where_the_model_cannot_run_the_error_is_jaxpars_and_names_its_line():
     from jaxpar.parallel.compression import qsgd
-    from jaxpar.step.grads import ExplicitDPError
+    from jaxpar.step._grads import ExplicitDPError
 
     mesh = jaxpar.make_mesh({"data": 8}, devices=jax.devices()[:8])
     batch = jaxpar.shard_batch(_batch(0), mesh)
@@ -128,7 +128,7 @@ def test_where_the_model_cannot_run_the_error_is_jaxpars_and_names_its_line():
 def test_checkpoint_restores_onto_another_mesh_and_training_goes_on(tmp_path):
     """Saved under DP2 x FSDP2 x TP2 (ZeRO-3), restored under FSDP4 x TP2: the same values, and the
     next step's loss is the one the first mesh computes."""
-    from jaxpar.run.checkpoint import Checkpointer
+    from jaxpar.run import Checkpointer
 
     state, layout, _, step, mesh = _train({"data": 2, "fsdp": 2, "tensor": 2}, Strategy(zero=3))
     with Checkpointer(tmp_path, async_save=False) as ck:

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from jaxpar.config import build_job, load_config
-from jaxpar.run.checkpoint import Checkpointer
+from jaxpar.run import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs" / "quickstart.yaml")

@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar import Strategy
-from jaxpar.adapters.mesh_axes import ModelMeshError
-from jaxpar.parallel.pipeline.cut import PipelineCutError
+from jaxpar.adapters import ModelMeshError
+from jaxpar.parallel.pipeline._cut import PipelineCutError
 
 from conftest import need_devices
 from helpers import explicit_one_device, train_steps
@@ -76,7 +76,7 @@ def test_the_example_style_model_is_exact_against_one_device(case, reference):
 
 
 def _collectives(sharding, axes, strategy):
-    from jaxpar.analysis.hlo import collectives
+    from jaxpar.analysis import collectives
 
     mesh = jaxpar.make_mesh(axes)
     state, layout = jaxpar.init_train_state(_model(sharding), optax.adam(LR), mesh, strategy)

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (jaxpar.hf, jaxpar.models.decoder), against ``transformers``.
+"""Hugging Face checkpoints in and out (jaxpar.hf, jaxpar.models._decoder), against ``transformers``.
 
 The checkpoints are tiny random models built locally (tests/hf_fixtures.py), with dimensions chosen
 unequal so that no transpose passes by accident. Parity runs in fp32 at the highest matmul precision
@@ -20,7 +20,7 @@ import jaxpar
 from jaxpar.hf import (HFCheckpointError, HFConfigError, HFExportError, HFFilesError, export,
                        open_checkpoint)
 from jaxpar.models import Decoder, decoder_loss
-from jaxpar.run.sample import greedy_generate
+from jaxpar.run import greedy_generate
 
 hf_fixtures = pytest.importorskip("hf_fixtures")
 pytest.importorskip("transformers")
@@ -332,7 +332,7 @@ def test_round_trip_through_a_jaxpar_checkpoint_on_other_layouts(ckpts, tmp_path
     HF export: every tensor's bytes, the keys and config.json as the source had them."""
     import optax
 
-    from jaxpar.run.checkpoint import Checkpointer
+    from jaxpar.run import Checkpointer
 
     ckpt = open_checkpoint(ckpts["qwen3_moe"])
     tx = optax.adamw(1e-3)

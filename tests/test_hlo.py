@@ -6,17 +6,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.analysis.hlo import (
-    Collective,
-    collectives,
-    collectives_table,
-    count,
-    iota_replica_groups,
-    parse_replica_groups,
-    shape_bytes,
-    summarize,
-)
-from jaxpar.analysis.compiled_memory import MemoryReport, format_bytes, memory_report, memory_table
+from jaxpar.analysis import Collective, collectives, collectives_table, count, summarize
+from jaxpar.analysis._hlo import iota_replica_groups, parse_replica_groups, shape_bytes
+from jaxpar.analysis import MemoryReport, format_bytes, memory_report, memory_table
 
 from conftest import need_devices
 
@@ -281,7 +273,7 @@ ENTRY %main (e0: bf16[64,256], x: f32[8,32]) -> bf16[512,256] {
 
 
 def test_a_tpu_async_collective_chain_counts_once_at_its_start():
-    from jaxpar.analysis.loops import trip_counts
+    from jaxpar.analysis import trip_counts
 
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     colls = collectives(TPU_CHAIN, mesh)
@@ -324,11 +316,11 @@ def test_a_tpu_program_counts_each_channel_once():
     counted once, at its start."""
     from flax import nnx
 
-    from jaxpar.analysis.hlo_text import channel, parse_instructions, tpu_async_roles
-    from jaxpar.cost.parallel import Plan
-    from jaxpar.models.gpt import GPT, GPTConfig
-    from jaxpar.devices.targets import parse_target, target_devices
-    from jaxpar.step.cost_check import compile_plan
+    from jaxpar.analysis._hlo_text import channel, parse_instructions, tpu_async_roles
+    from jaxpar.cost import Plan
+    from jaxpar.models import GPT, GPTConfig
+    from jaxpar.devices import parse_target, target_devices
+    from jaxpar.step import compile_plan
 
     cfg = GPTConfig(vocab=512, seq_len=64, embed=128, heads=4, layers=2)
     mesh, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), Plan(fsdp=8), 16, 64,
@@ -395,9 +387,9 @@ def test_a_windowed_einsum_loop_counts_as_the_collective_it_runs(mesh):
     """A windowed all-gather round a ring of 4 (tensor) counts as one all-gather of 4 shards, a windowed
     reduce-scatter as one reduce-scatter of its partial sum; their permutes (body, prologue, epilogue) do not
     count again, and an unrelated permute (over data) still counts."""
-    from jaxpar.analysis.axis_bytes import compiled_bytes_per_axis
-    from jaxpar.analysis.hlo_text import parse_instructions
-    from jaxpar.analysis.windowed import windowed_einsums
+    from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
+    from jaxpar.analysis._hlo_text import parse_instructions
+    from jaxpar.analysis._windowed import windowed_einsums
 
     loops = windowed_einsums(parse_instructions(WINDOWED))
     assert {n: (w.kind, w.permutes) for n, w in loops.items()} == {

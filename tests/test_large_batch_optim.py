@@ -23,12 +23,12 @@ from jax.sharding import PartitionSpec
 
 import jaxpar
 from jaxpar import optimizers as O
-from jaxpar.analysis.hlo import collectives, count
-from jaxpar.adapters.blocks import run_layers
+from jaxpar.analysis import collectives, count
+from jaxpar.adapters import run_layers
 from jaxpar.config import ConfigError, build_lr_schedule, build_model_fn, build_optimizer, load_config
 from jaxpar.rules import constrain
-from jaxpar.run.loop import LogOptions, train
-from jaxpar.adapters.shapes import abstract_model
+from jaxpar.run import LogOptions, train
+from jaxpar.adapters import abstract_model
 
 from conftest import need_devices
 from helpers import (GRAD_RTOL, PARAM_ATOL, PARAM_RTOL, adam_atol, assert_grads_close, flat, grad_atol,

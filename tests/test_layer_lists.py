@@ -15,8 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar import Strategy
-from jaxpar.adapters.layer_lists import LayerListError, list_form, stack_layers, stacked_form, stacked_lists
-from jaxpar.parallel.pipeline.cut import PipelineCutError
+from jaxpar.adapters import LayerListError, stack_layers
+from jaxpar.adapters import list_form, stacked_form
+from jaxpar.adapters._layer_lists import stacked_lists
+from jaxpar.parallel.pipeline._cut import PipelineCutError
 
 from conftest import need_devices
 from helpers import explicit_one_device, train_steps
@@ -189,7 +191,7 @@ def test_list_and_stacked_forms_convert_back_and_forth_inside_optimizer_states()
 def test_a_checkpoint_of_stacked_layers_restores_as_stacked_or_as_the_list_and_back(tmp_path):
     """Saved by a pipeline (stacked), restored onto another pipeline mesh, onto DP8 (the list), and saved
     from DP8 back onto the pipeline: the same values each time, and training goes on from the list."""
-    from jaxpar.run.checkpoint import Checkpointer
+    from jaxpar.run import Checkpointer
 
     state, layout, _ = _train({"pipe": 2, "data": 2, "tensor": 2}, Strategy(microbatches=2))
     saved = jax.device_get(state)

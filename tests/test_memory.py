@@ -6,8 +6,8 @@ import jax
 import pytest
 
 import jaxpar
-from jaxpar.analysis.compiled_memory import memory_report
-from jaxpar.parallel.zero import zero_dim
+from jaxpar.analysis import memory_report
+from jaxpar.parallel import zero_dim
 
 from helpers import CFG, GLOBAL_BATCH, compile_step
 

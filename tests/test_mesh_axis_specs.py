@@ -12,7 +12,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import jaxpar
 from jaxpar import RulesError, Strategy, logical_to_spec
-from jaxpar.parallel.zero import add_zero_axes
+from jaxpar.parallel import add_zero_axes
 
 from conftest import need_devices
 
@@ -113,7 +113,7 @@ def test_mesh_axis_model_trains_exactly_without_rules(axes, zero):
 
 @need_devices(8)
 def test_explicit_dp_is_refused_for_a_model_that_splits_over_data_axes_itself():
-    from jaxpar.step.grads import ExplicitDPError
+    from jaxpar.step._grads import ExplicitDPError
 
     mesh = jaxpar.make_mesh({"fsdp": 8}, devices=jax.devices()[:8])
     tx = optax.adam(1e-2)

@@ -16,12 +16,12 @@ from flax import nnx
 
 import jaxpar
 from conftest import need_devices
-from jaxpar.analysis.hlo import collectives, count
+from jaxpar.analysis import collectives, count
 from jaxpar.parallel.moe import (MOE_LOGICAL, MoE, MoEError, capacity, expert_rules, load_cv, moe_apply, route,
                         update_router_bias)
 from jaxpar.rules import logical_to_spec
-from jaxpar.parallel.tensor import tensor_rules
-from jaxpar.parallel.zero import add_zero_axes
+from jaxpar.parallel import tensor_rules
+from jaxpar.parallel import add_zero_axes
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 AUX_W, Z_W = 0.3, 0.1
@@ -332,7 +332,7 @@ def test_a_batch_rule_without_the_expert_axis_still_matches():
 def test_expert_parameters_and_adam_state_per_device_are_one_over_ep():
     """jaxpar's sharded init with the rule ``experts -> expert`` (data2 x expert4): each device holds
     exactly ``2 * (E / E_p) * D * M * 4`` bytes of expert weights, and the same of each Adam moment."""
-    from jaxpar.step.init import init_train_state
+    from jaxpar.step import init_train_state
     mesh = jaxpar.make_mesh({"data": 2, "expert": 4}, devices=jax.devices()[:8])
     strategy = jaxpar.Strategy(extra_rules=expert_rules(mesh.axis_names))
     state, _ = init_train_state(lambda: MoE(D, M, E, shared_mlp=8, rngs=nnx.Rngs(0)), optax.adam(1e-3), mesh,

@@ -14,10 +14,12 @@ from flax import nnx
 
 import jaxpar
 from jaxpar import Strategy
-from jaxpar.analysis.hlo import collectives
+from jaxpar.analysis import collectives
 from jaxpar.parallel.context import ContextParallel
-from jaxpar.models.gpt import GPT, GPTConfig, MoESettings, lm_loss
+from jaxpar.models import GPT, GPTConfig, lm_loss
+from jaxpar.models import MoESettings
 from jaxpar.parallel.moe import MoEError
+from jaxpar.parallel.sync import synchronous
 
 from conftest import need_devices
 
@@ -83,7 +85,7 @@ CASES = {
     "ep4-pipe2-zb-shared": ({"pipe": 2, "expert": 4}, Strategy(microbatches=2, schedule="zb-h1"), "shared"),
     "ep2-pipe2-tp2-gpipe-every2": ({"pipe": 2, "expert": 2, "tensor": 2}, Strategy(microbatches=4, schedule="gpipe"),
                                    "every2"),
-    # sequence parallelism: the schedule and the loads' sweep run in lockstep (jaxpar.parallel.pipeline.lockstep)
+    # sequence parallelism: the schedule and the loads' sweep run in lockstep (jaxpar.parallel.pipeline._lockstep)
     "ep2-pipe2-tp2-sp-1f1b": ({"pipe": 2, "expert": 2, "tensor": 2},
                               Strategy(microbatches=2, schedule="1f1b", sequence_parallel=True), "plain"),
     # context: the sequence split over it; slots (and drops) follow the true positions in the balanced layout
@@ -148,7 +150,7 @@ def test_under_context_parallelism_each_device_runs_the_experts_on_its_share_of_
 @need_devices(8)
 def test_expert_state_per_device_is_one_over_e_as_the_memory_report_says():
     """Adam on data 2 x expert 4: each device holds exactly 1/4 of the experts' parameters and of each
-    moment, and the layout's analytic bytes (jaxpar.parallel.zero's formulas, the memory report's) equal the
+    moment, and the layout's analytic bytes (jaxpar.parallel._zero's formulas, the memory report's) equal the
     bytes the devices hold, leaf by leaf summed."""
     mesh = jaxpar.make_mesh({"data": 2, "expert": 4}, devices=jax.devices()[:8])
     state, layout = jaxpar.init_train_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), optax.adam(1e-3), mesh, Strategy())
@@ -217,7 +219,7 @@ def test_the_aux_loss_with_accumulation_and_a_codec_is_refused():
 
 
 def test_moe_layers_with_an_asynchronous_pipeline_are_refused_by_name():
-    from jaxpar.compat.table import LIBRARY_NAMES, Setting, problems
+    from jaxpar.compat import LIBRARY_NAMES, Setting, problems
 
     for schedule, code in (("pipedream-2bw", "2B"), ("pipedream", "ST")):
         found = problems(Setting(Strategy(microbatches=2, schedule=schedule), {"pipe": 2, "expert": 2}))
@@ -285,7 +287,7 @@ def test_moe_converges_below_dense_and_the_balancing_loss_evens_the_load():
 
 def _biased_run(axes, strategy, cfg, steps=STEPS):
     """``(losses, the router bias, parameters)`` after ``steps`` SGD steps with an aux-loss-free bias of rate 0.05."""
-    from jaxpar.step.router_bias import with_router_bias
+    from jaxpar.step import with_router_bias
 
     n = int(np.prod(list(axes.values())))
     mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:n])
@@ -321,8 +323,9 @@ def test_the_router_bias_moves_as_on_one_device(axes, k):
 
 @need_devices(2)
 def test_router_bias_errors_are_named():
-    from jaxpar.step.router_bias import KEY, router_bias_layout, with_router_bias
-    from jaxpar.step.state import part_options
+    from jaxpar.step import router_bias_layout, with_router_bias
+    from jaxpar.step._router_bias import KEY
+    from jaxpar.step._state import part_options
 
     mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
     state, layout = jaxpar.init_train_state(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh)
@@ -344,19 +347,50 @@ def test_router_bias_errors_are_named():
     state, layout = with_router_bias(state, layout, (2, 8), rate=0.01)
     with pytest.raises(MoEError, match=r"keeps a router bias of shape \(2, 8\) .* reported no loads"):
         jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout)(state, jaxpar.shard_batch(_batch(0), mesh))
-    pipe = jaxpar.make_mesh({"pipe": 2}, devices=jax.devices()[:2])       # weight stashing: refused at build
-    st = Strategy(microbatches=2, schedule="pipedream")
-    state, layout = jaxpar.init_train_state(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), pipe, st)
-    state, layout = with_router_bias(state, layout, (2, 8), rate=0.01)
-    with pytest.raises(MoEError, match=r"schedule='pipedream' / sync=None runs steps on older or per-replica"):
-        jaxpar.make_train_step(lm_loss, optax.sgd(LR), layout)
+
+
+@need_devices(2)
+@pytest.mark.parametrize("sizes, strategy, code", [
+    ({"pipe": 2}, Strategy(microbatches=2, schedule="pipedream"), "ST"),
+    ({"pipe": 2}, Strategy(microbatches=2, schedule="pipedream-2bw"), "2B"),
+    ({"replica": 2}, Strategy(sync=synchronous()), "RS"),
+], ids=["ST", "2B", "RS"])
+def test_a_router_bias_without_one_load_per_step_is_refused_by_the_table(sizes, strategy, code):
+    """Weight stashing, PipeDream-2BW and replicas have no one load per step to move the bias by: the
+    compatibility table's RB pair (class MoEError, a message naming both options and the fix) is
+    raised by ``with_router_bias`` and ``router_bias_layout``, and by ``make_train_step`` for a layout
+    that got the part some other way."""
+    import re
+
+    import jax.numpy as jnp
+
+    from jaxpar.compat import LIBRARY_NAMES, Setting, problems
+    from jaxpar.step import router_bias_layout, with_router_bias
+    from jaxpar.step._router_bias import KEY
+    from jaxpar.step._state import with_stats_part
+
+    found = problems(Setting(strategy, sizes, router_bias_rate=0.01))
+    assert [set(p.features) for p in found] == [{code, "RB"}] and found[0].error is MoEError
+    text = found[0].render(LIBRARY_NAMES)
+    assert "with_router_bias(rate)=0.01 with " in text and ("schedule=" in text or "Strategy.sync=" in text)
+    assert "synchronous data parallelism" in text and "MoESettings.aux_weight" in text, text
+    mesh = jaxpar.make_mesh(sizes, devices=jax.devices()[:2])
+    state, layout = jaxpar.init_train_state(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh, strategy)
+    for call in (lambda: with_router_bias(state, layout, (2, 8), rate=0.01),
+                 lambda: router_bias_layout(layout, (2, 8), rate=0.01)):
+        with pytest.raises(MoEError, match=re.escape(text)):
+            call()
+    _, biased = with_stats_part(state, layout, KEY, jnp.zeros((2, 8)), 0.01)    # the part, past with_router_bias
+    with pytest.raises(MoEError, match=re.escape(text)):
+        jaxpar.make_train_step(lm_loss, optax.sgd(LR), biased)
+    assert not problems(Setting(Strategy(microbatches=2, schedule="1f1b"), {"pipe": 2}, router_bias_rate=0.01))
 
 
 @need_devices(2)
 def test_the_router_bias_rate_is_the_parts_only():
     """``make_train_step(router_bias_rate=)`` was removed, with or without a bias in the state: a TypeError
     that names ``with_router_bias``, where the rate is given."""
-    from jaxpar.step.router_bias import with_router_bias
+    from jaxpar.step import with_router_bias
 
     mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
     state, layout = jaxpar.init_train_state(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh)

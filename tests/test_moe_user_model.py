@@ -1,7 +1,7 @@
 """A user's own model with jaxpar.parallel.moe layers and a plain loss (cross-entropy + w * the layers'
 aux loss, no protocol): under 4 micro-batches and under a 1F1B pipeline (pipe=2) its losses,
 gradients and parameters equal one device's on the whole batch (the layers report their loads and
-balance with the step's: jaxpar.parallel.moe.balance); a loss the step cannot make exact is refused
+balance with the step's: jaxpar.parallel.moe._balance); a loss the step cannot make exact is refused
 by name (MoEError)."""
 import jax
 import jax.numpy as jnp
@@ -167,3 +167,15 @@ def test_the_aux_loss_with_micro_batches_and_a_codec_is_refused_by_name():
     state, layout = jaxpar.init_train_state(lambda: Direct(nnx.Rngs(0)), optax.sgd(LR), mesh, strategy)
     with pytest.raises(MoEError, match="microbatches=2 with a loss that adds the MoE load-balancing loss"):
         jaxpar.make_train_step(loss, optax.sgd(LR), layout)(state, jaxpar.shard_batch(_batch(0), mesh))
+
+
+def test_a_layer_that_keeps_its_own_router_bias_is_refused_by_name():
+    """``MoE(router_bias=True)`` keeps the bias in the layer, which the step would never move: init_train_state
+    refuses it with the fix (the aux loss), where a generic non-Param error would not say why."""
+    class Biased(nnx.Module):
+        def __init__(self, rngs):
+            self.moe = MoE(D, M, E, top_k=2, capacity_factor=None, router_bias=True, rngs=rngs)
+
+    mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    with pytest.raises(MoEError, match=r"MoE\(router_bias=True\).* build the layers with router_bias=False"):
+        jaxpar.init_train_state(lambda: Biased(nnx.Rngs(0)), optax.sgd(LR), mesh)

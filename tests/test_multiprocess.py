@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxpar.devices import distributed as dist
+from jaxpar.devices import _distributed as dist
 from jaxpar.cli import main
-from jaxpar.devices.distributed import DistributedError, resolve
+from jaxpar.devices import DistributedError, resolve
 
 from conftest import TEST_XLA_FLAGS
 
@@ -374,7 +374,7 @@ def test_open_mpi_and_kubernetes_detection():
 
 # ----------------------------------------------------------------------------- one process, same batches
 def test_rows_pick_the_same_rows_of_the_global_batch():
-    from jaxpar.data import windows as D
+    from jaxpar.data import _windows as D
 
     corpus = D.load_bytes(max_bytes=50_000)
     idx = np.array([5, 0, 9])
@@ -393,8 +393,9 @@ def test_global_batch_on_one_process_equals_shard_batch(spec):
     from functools import partial
 
     import jaxpar
-    from jaxpar.data import windows as D
-    from jaxpar.step.compose import batch_sharding, shard_batch
+    from jaxpar.data import _windows as D
+    from jaxpar.step import shard_batch
+    from jaxpar.step._compose import batch_sharding
 
     mesh = jaxpar.make_mesh(jaxpar.MeshSpec(**spec))
     assert D.process_rows(batch_sharding(mesh), 16).tolist() == list(range(16))

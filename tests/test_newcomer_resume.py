@@ -84,7 +84,7 @@ def test_resume_before_the_end_names_the_original_length_and_same_length_is_quie
 
 def test_schedule_change_words_an_unchanged_learning_rate():
     """At the end of the warm-up both schedules are at the peak: no jump, but another decay."""
-    from jaxpar.run.resume import schedule_change
+    from jaxpar.run._resume import schedule_change
 
     text = schedule_change({"schedule": {"steps": 4, "lr": 0.01}}, 2, 10, lambda step: 0.01)
     assert "at step 2 the learning rate is still 0.01, and it decays differently from there" in text
@@ -108,16 +108,16 @@ def test_checkpoint_from_before_the_record_restores_quietly(first_run, tmp_path)
 @need_devices(4)
 def test_format1_checkpoint_restores_and_has_no_schedule_change(tmp_path):
     """tests/data/checkpoint_format1 (no ``schedule`` record, no ``data``) restores with a Checkpointer that
-    records a schedule, and :func:`jaxpar.run.resume.schedule_change` finds nothing to say about it."""
+    records a schedule, and :func:`jaxpar.run._resume.schedule_change` finds nothing to say about it."""
     import jax
     import optax
     from flax import nnx
 
     import jaxpar
-    from jaxpar.models.mlp import MLPClassifier
+    from jaxpar.models import MLPClassifier
     from jaxpar.parallel.compression import topk
-    from jaxpar.run.checkpoint import Checkpointer
-    from jaxpar.run.resume import schedule_change
+    from jaxpar.run import Checkpointer
+    from jaxpar.run._resume import schedule_change
 
     shutil.copytree(TESTS / "data" / "checkpoint_format1" / "codec", tmp_path / "codec")
     mesh = jaxpar.make_mesh({"data": 4}, devices=jax.devices()[:4])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jaxpar.cli import main
-from jaxpar.devices import targets
+from jaxpar.devices import _targets as targets
 from jaxpar.errors import TargetError
 
 ROOT = Path(__file__).resolve().parents[1]

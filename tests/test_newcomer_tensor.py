@@ -1,5 +1,5 @@
 """A ``tensor`` axis of size > 1 that no parameter is split over warns
-(:func:`jaxpar.parallel.tensor.warn_unsplit_tensor_axis`, :class:`jaxpar.errors.UnusedAxisWarning`).
+(:func:`jaxpar.parallel._tensor.warn_unsplit_tensor_axis`, :class:`jaxpar.errors.UnusedAxisWarning`).
 
 A model without tensor-parallel annotations (plain ``nnx.Linear``) on ``data=2 x fsdp=2 x tensor=2``
 trains as ``dp2-fsdp2-tp2`` with every device of a ``tensor`` pair holding the same parameters."""
@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar.errors import UnusedAxisWarning
-from jaxpar.models.mlp import MLPClassifier
-from jaxpar.parallel.tensor import warn_unsplit_tensor_axis
+from jaxpar.models import MLPClassifier
+from jaxpar.parallel._tensor import warn_unsplit_tensor_axis
 
 from conftest import need_devices
 

@@ -15,14 +15,15 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.step.state import part_options
-from jaxpar.config.checks import check
-from jaxpar.config.schema import ConfigError, JobConfig, LoggingConfig, MeshConfig, NoiseScaleConfig, ParallelConfig
+from jaxpar.step._state import part_options
+from jaxpar.config import check
+from jaxpar.config import ConfigError, JobConfig, LoggingConfig, MeshConfig, ParallelConfig
+from jaxpar.config._schema import NoiseScaleConfig
 from jaxpar.models import GPT, lm_loss
-from jaxpar.models.mlp import MLPClassifier, classifier_loss
-from jaxpar.step import noise_scale as ns
-from jaxpar.run.checkpoint import Checkpointer, CheckpointWarning
-from jaxpar.run.loop import LogOptions, train
+from jaxpar.models import MLPClassifier, classifier_loss
+from jaxpar.step import _noise_scale as ns
+from jaxpar.run import Checkpointer, CheckpointWarning
+from jaxpar.run import LogOptions, train
 
 from conftest import need_devices
 from helpers import CFG, make_batch, mesh_for
@@ -183,7 +184,7 @@ def test_bad_options_give_named_errors():
     one = _mesh({"data": 1, "tensor": 2})
     _, single = ns.with_noise_scale(*jaxpar.init_train_state(model_fn, tx, one), every=10)
     with pytest.raises(ns.NoiseScaleError, match=r"noise_scale_every=10: the mesh has no data axis"):
-        jaxpar.make_train_step(classifier_loss, tx, single)      # the table's need (jaxpar.compat.needs)
+        jaxpar.make_train_step(classifier_loss, tx, single)      # the table's need (jaxpar.compat._needs)
     bad = {"logging": LoggingConfig(noise_scale=NoiseScaleConfig(every=0, ema=1.5))}
     with pytest.raises(ConfigError, match=r"logging\.noise_scale\.every=0.*\n.*logging\.noise_scale\.ema=1\.5"):
         check(JobConfig(**bad), num_devices=8)

@@ -14,7 +14,7 @@ from jaxpar.parallel.compression import CompressionError, onebit, sign, topk
 from jaxpar.config import ConfigError, check, load_config
 from jaxpar.models import GPT, GPTConfig, lm_loss
 from jaxpar.optimizers import adamw_frozen_variance
-from jaxpar.step.compressed import compression_plan
+from jaxpar.step import compression_plan
 
 from helpers import assert_params_close, flat, keep_grads, make_batch, mesh_for
 

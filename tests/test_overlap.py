@@ -1,4 +1,4 @@
-"""Compute scheduled under asynchronous collectives (jaxpar.analysis.overlap): hand-written HLO with
+"""Compute scheduled under asynchronous collectives (jaxpar.analysis._overlap): hand-written HLO with
 exact counts (GPU start / done pairs, async wrappers, libtpu's async collective fusions, while loops,
 FLOPs of dots, convolutions and cuBLAS gemms), then real programs compiled for CPU and an H100."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxpar.analysis.overlap import dims, overlap, overlap_table
-from jaxpar.run.resume import gpt_flops_per_token
+from jaxpar.analysis._overlap import dims, overlap, overlap_table
+from jaxpar.run._resume import gpt_flops_per_token
 
 ADD = """%add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
@@ -306,7 +306,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _compiled(devices, *overrides):
     """The quickstart GPT (2 layers) train step on 8 devices of data parallelism, compiled for ``devices``."""
     from jaxpar.config import load_config
-    from jaxpar.config.job import build_job
+    from jaxpar.config import build_job
 
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["train.devices=0", "model.layers=2", "mesh.data=8",
                                                             "mesh.fsdp=1", "mesh.tensor=1", *overrides])
@@ -326,7 +326,7 @@ def test_xla_cpu_makes_every_collective_synchronous():
 
 
 def _target(name):
-    from jaxpar.devices.targets import parse_target, target_devices
+    from jaxpar.devices import parse_target, target_devices
 
     return target_devices(parse_target(name))
 
@@ -346,8 +346,8 @@ def test_an_h100_step_overlaps_the_layers_gradient_all_reduce_with_their_backwar
 
 def test_a_tpu_step_counts_its_layer_loop_from_the_condition():
     """libtpu writes no known_trip_count: the layer loops' 2 trips are read from the loops themselves
-    (jaxpar.analysis.loops.while_trip_counts, which overlap uses)."""
-    from jaxpar.analysis.loops import while_trip_counts
+    (jaxpar.analysis._loops.while_trip_counts, which overlap uses)."""
+    from jaxpar.analysis import while_trip_counts
 
     compiled, gpt_flops = _compiled(_target("tpu-v5e:2x4"))
     text = compiled.as_text()

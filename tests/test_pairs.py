@@ -1,11 +1,11 @@
-"""The walk of the compatibility table (:mod:`jaxpar.compat.table`): every pair of features has an answer.
+"""The walk of the compatibility table (:mod:`jaxpar.compat._table`): every pair of features has an answer.
 
-* :func:`test_every_pair_has_an_answer`: each pair of :func:`jaxpar.compat.table.all_pairs` is refused,
+* :func:`test_every_pair_has_an_answer`: each pair of :func:`jaxpar.compat.all_pairs` is refused,
   or composes and :data:`COMPOSES_TESTS` names the tests that compare it with its reference
   (single-device for synchronous features, the sequential reference for PipeDream-2BW and weight
   stashing; for lossy codecs the lossless codec's run of the pair plus the codec's own tests).
 * :func:`test_refusals_name_both_features`: for every refused pair (and the refused values of the
-  partly-composing ones), a setting with both features on gets a :class:`~jaxpar.compat.table.Problem`
+  partly-composing ones), a setting with both features on gets a :class:`~jaxpar.compat.Problem`
   of that pair whose message names both fields; :func:`test_each_problem_is_a_refused_pair_that_is_on`:
   no rule names a pair the table says composes, or a feature that is off.
 * :func:`test_pair_matches_its_reference`: one harness for the composing pairs that had no test:
@@ -17,10 +17,14 @@
   codec ``topk(1.0)`` (CP), ``local_clip`` (LC), synchronous replicas (RS: the reference is data
   parallelism), ``clip_norm`` (CN), ``skip_nonfinite`` with a NaN step (SN), the noise scale every
   2 steps (NS: its measured norms against the replicas' gradients materialised here), a fixed batch
-  ramp through :func:`jaxpar.run.loop.train` (BR), per-layer LARS (LL), 1-bit Adam's moment
+  ramp through :func:`jaxpar.run.train` (BR), per-layer LARS (LL), 1-bit Adam's moment
   exchange with the lossless top-k (1A: ``adamw_frozen_variance``), a checkpoint restored mid-run
-  (CK: the resumed run equals the uninterrupted one bit for bit) and two processes (MP: the same
-  run on one process). One case per feature runs in the default pass, the rest in the slow one.
+  (CK: the resumed run equals the uninterrupted one bit for bit), two processes (MP: the same
+  run on one process), the MoE GPT over an expert axis of 2 (EP) and aux-loss-free balancing
+  (RB: the MoE GPT at capacity 1.0 without the aux loss, ``with_router_bias`` at :data:`RB_RATE`;
+  the reference moves the bias after every step by the sign rule on that step's loads, and the
+  run's bias must equal it exactly). One case per feature runs in the default pass, the rest in the
+  slow one.
   A partly-composing pair runs its composing value (Z x 1A: ZeRO-1).
 * the cases asked for by name: the noise scale with every flush schedule and with a codec, bf16
   with every schedule, sequence parallelism with accumulation and ZeRO.
@@ -48,8 +52,8 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.compat import table as compat
-from jaxpar.compat.table import LIBRARY_NAMES, Setting, pair_status, problems
+from jaxpar.compat import _table as compat
+from jaxpar.compat import LIBRARY_NAMES, Setting, pair_status, problems
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,7 +176,7 @@ DEDICATED: dict[tuple[str, str], list[str]] = {
 #: Several processes (MP): one two-process job runs all these pairs (section 5).
 MP_PAIRS = [("SP", "MP"), ("MB", "MP"), ("BF", "MP"), ("RM", "MP"), ("EX", "MP"), ("PP", "MP"), ("2B", "MP"),
             ("ST", "MP"), ("K", "MP"), ("CP", "MP"), ("LC", "MP"), ("RS", "MP"), ("SN", "MP"), ("NS", "MP"),
-            ("BR", "MP"), ("LL", "MP"), ("1A", "MP"), ("CX", "MP"), ("EP", "MP")]
+            ("BR", "MP"), ("LL", "MP"), ("1A", "MP"), ("CX", "MP"), ("EP", "MP"), ("RB", "MP")]
 
 
 def _key(a: str, b: str) -> tuple[str, str]:
@@ -249,14 +253,16 @@ def _feature(code: str) -> compat.Feature:
     return compat.FEATURES[compat.CODES.index(code)]
 
 
-#: The fields of :class:`~jaxpar.compat.table.Setting` each feature is asked with (a message about the
+#: The fields of :class:`~jaxpar.compat.Setting` each feature is asked with (a message about the
 #: pair names one of each feature's fields).
 FIELDS = {"Z": ("zero",), "TP": ("tensor",), "SP": ("sequence_parallel",), "MB": ("microbatches",),
           "BF": ("compute_dtype",), "EX": ("explicit_dp",), "PP": ("schedule", "pipe"),
           "2B": ("schedule", "pipe"), "ST": ("schedule", "pipe"), "K": ("steps_per_call",),
           "CP": ("compression",), "LC": ("local_clip",), "RS": ("sync", "replica"), "CN": ("clip_norm",),
           "NS": ("noise_scale_every",), "BR": ("ramp", "ramp_steps"), "1A": ("compression",),
-          "LL": ("optimizer",), "CX": ("context",), "EP": ("expert",)}
+          "LL": ("optimizer",), "CX": ("context",), "EP": ("expert",), "RB": ("router_bias_rate",)}
+#: The router bias's rate (RB: ``with_router_bias(..., rate=)``), in the settings and the runs.
+RB_RATE = 0.05
 #: Features a Setting cannot express (they are a model, an optimizer, a loop or a launcher choice).
 UNSETTABLE = {"RM", "SN", "LL", "CK", "MP"}
 #: Of those, the features whose refused value a Setting says (LL: an optimizer across stages).
@@ -316,6 +322,8 @@ def _setting_for(pair, *, ramp: str = "fixed") -> Setting:
             sizes["context"] = 2
         elif c == "EP":
             sizes["expert"] = 2
+        elif c == "RB":
+            kw["router_bias_rate"] = RB_RATE
     if "replica" in sizes and "compression" not in st:
         st["sync"] = synchronous()             # a Strategy refuses sync with a codec: the replica axis says it
     return Setting(jaxpar.Strategy(**st), sizes, **kw)
@@ -379,7 +387,7 @@ def _raising_params():
                          ids=[p.id for p in _raising_params()])
 def test_refusals_raise_their_declared_class(pair, ramp):
     """Every problem of a refused pair (and of the refused values of a partly-composing one) declares
-    a :class:`~jaxpar.errors.JaxparError` subclass, and :func:`~jaxpar.compat.table.raise_problems`
+    a :class:`~jaxpar.errors.JaxparError` subclass, and :func:`~jaxpar.compat.raise_problems`
     raises the setting's first problem as exactly that class, with the library's message. The first
     problem is the pair's own, or, for a part of a codec (LC, 1A: ``compat.IMPLIES``), the same
     refusal of the whole codec (CP), whose class the part's copy keeps."""
@@ -430,9 +438,13 @@ def test_each_problem_is_a_refused_pair_that_is_on(setting):
 
 
 # ========================================================== 3. the harness for composing pairs
-from jaxpar.models import GPTConfig  # noqa: E402
+from jaxpar.models import GPTConfig, MoESettings  # noqa: E402
 
 PCFG = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2)
+#: RB: aux-loss-free balancing alone (no aux loss) at rate :data:`RB_RATE` (the router's softmax scores
+#: are ~1/4), 4 experts, top 2, capacity 1.0 (C = 4 of a row's 8 tokens x 2 choices: assignments are
+#: dropped), so the bias changes which experts the tokens go to and which of them are dropped.
+RB_MOE = MoESettings(experts=4, top_k=2, capacity_factor=1.0, aux_weight=0.0, z_weight=1e-3, bias_rate=RB_RATE)
 ROWS = 16
 LR = 1e-3
 CLIP = 0.15         # clip_norm: the first gradient's norm is 0.62 (0.22 after local clips), so it clips
@@ -464,6 +476,16 @@ class Spec:
     ramp: bool = False
 
     @property
+    def bias_rate(self) -> float | None:
+        """The router bias's rate (RB: ``with_router_bias``), ``None`` without it."""
+        return getattr(self.cfg.moe, "bias_rate", 0.0) or None
+
+    @property
+    def bias_shape(self) -> tuple[int, int]:
+        """``(MoE layers, experts)`` of the GPT's router bias."""
+        return self.cfg.layers // self.cfg.moe.every, self.cfg.moe.experts
+
+    @property
     def k(self) -> int:
         return self.step_kw.get("steps_per_call", 1)
 
@@ -490,7 +512,8 @@ class Spec:
         return Setting(jaxpar.Strategy(**self.strategy), self.sizes, explicit_dp=self.step_kw.get("explicit_dp"),
                        steps_per_call=self.k, clip_norm=self.step_kw.get("clip_norm"),
                        noise_scale_every=self.ns_every, ramp="fixed" if self.ramp else None,
-                       ramp_steps=tuple(i for i in range(1, self.steps) if self.rows[i] != self.rows[i - 1]))
+                       ramp_steps=tuple(i for i in range(1, self.steps) if self.rows[i] != self.rows[i - 1]),
+                       router_bias_rate=self.bias_rate)
 
 
 def build(codes, *, schedule: str | None = None) -> Spec:
@@ -557,15 +580,19 @@ def build(codes, *, schedule: str | None = None) -> Spec:
             sizes["context"] = 2
             st["context"] = ContextParallel("ring", balance=True)
         elif c == "EP":      # dropless (no capacity ties)
-            from jaxpar.models.gpt import MoESettings
+            from jaxpar.models import MoESettings
 
             sizes["expert"] = 2
             s.cfg = dataclasses.replace(s.cfg, mlp=32, moe=MoESettings(experts=4, top_k=2, capacity_factor=None,
                                                                        aux_weight=0.01, z_weight=1e-3))
+        elif c == "RB":      # after EP: the bias alone balances, at a capacity that drops
+            s.cfg = dataclasses.replace(s.cfg, mlp=32, moe=RB_MOE)
         elif c != "MP":
             raise ValueError(c)
     if "NS" in codes and "SN" in codes:
         s.steps, s.rows, s.nan_step = 4, (ROWS,) * 4, 2          # a measuring step is skipped
+    if "RB" in codes and "SN" in codes:     # 3 steps move the bias (+-rate each), so it ends away from 0
+        s.steps, s.rows = 4, (ROWS,) * 4
     if s.ramp:   # the batch doubles after the first call
         s.rows = tuple(ROWS if i < s.k else 2 * ROWS for i in range(s.steps))
     used = math.prod(sizes.values())
@@ -647,18 +674,18 @@ class Result:
     grads: Any                   # the first step's gradient as the optimizer got it (None: not recorded)
     metrics: list                # one dict per optimizer step
     stats: Any = None
-    resumed: Any = None          # CK: (losses after the restore, params) of the resumed run
+    resumed: Any = None          # CK: (losses after the restore, params, stats with RB) of the resumed run
 
 
 def execute(spec: Spec, mesh=None) -> Result:
-    """Run ``spec`` through :func:`jaxpar.run.loop.train` (the loop users run)."""
+    """Run ``spec`` through :func:`jaxpar.run.train` (the loop users run)."""
     import jax
     import optax
 
     from helpers import keep_grads
-    from jaxpar.run.checkpoint import Checkpointer
-    from jaxpar.run.loop import train
-    from jaxpar.step.noise_scale import with_noise_scale
+    from jaxpar.run import Checkpointer
+    from jaxpar.run import train
+    from jaxpar.step import with_noise_scale, with_router_bias
 
     model_fn = _model_fn(spec.cfg, spec.remat)
     if mesh is None:
@@ -669,6 +696,8 @@ def execute(spec: Spec, mesh=None) -> Result:
     state, layout = jaxpar.init_train_state(model_fn, tx, mesh, strategy)
     if spec.ns_every:          # the measurement's option is the state part's, not make_train_step's
         state, layout = with_noise_scale(state, layout, every=spec.ns_every)
+    if spec.bias_rate:         # as is the router bias's rate
+        state, layout = with_router_bias(state, layout, spec.bias_shape, rate=spec.bias_rate)
     step = jaxpar.make_train_step(_loss_fn(spec.nan_step is not None), tx, layout, strategy, **spec.step_kw)
     k = spec.k
 
@@ -701,8 +730,9 @@ def execute(spec: Spec, mesh=None) -> Result:
                 restored = ck.restore(layout).state
             again = []
             restored, _ = train(recorder(again, [None]), restored, batch_fn, steps=spec.steps - cut, **loop)
-            resumed = (np.array([float(m["loss"]) for m in again]), _host_tree(restored.params))
-    stats = _host_tree(state.stats) if spec.ns_every else None
+            resumed = (np.array([float(m["loss"]) for m in again]), _host_tree(restored.params),
+                       _host_tree(restored.stats) if spec.bias_rate else None)
+    stats = _host_tree(state.stats) if spec.ns_every or spec.bias_rate else None
     return Result(np.array([float(m["loss"]) for m in records]), _host_tree(state.params), first[0] if first else None,
                   records, stats, resumed)
 
@@ -716,11 +746,15 @@ class Reference:
     norms: dict                  # step -> (mean over replicas of |g_r|^2, |mean g_r|^2)
     updates: int                 # optimizer updates applied (per stage for stashing)
     bound: Any = None            # frozen-variance Adam: the per-element parameter bound (_frozen_bound)
+    bias: Any = None             # RB: the router bias after the run
 
 
 @functools.lru_cache(maxsize=None)
 def _grad_fn(cfg, dtype: str, nan: bool):
-    """``(params, batch) -> (loss, grads)`` on one device, the parameters cast to ``dtype``."""
+    """``(params, batch) -> (loss, grads)`` on one device, the parameters cast to ``dtype``. With a
+    router bias (RB: ``cfg.moe.bias_rate``): ``(params, bias, batch) -> ((loss, loads), grads)``, the
+    MoE layers choosing their experts with ``bias`` and ``loads`` each one's load per expert
+    ``[layers, E]``, as the GPT reports them inside a step (:func:`jaxpar.parallel.moe.balanced`)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -728,7 +762,25 @@ def _grad_fn(cfg, dtype: str, nan: bool):
     graphdef = nnx.graphdef(_model_fn(cfg)())
     loss_fn = _loss_fn(nan)
     cast = (lambda p: p) if dtype == "float32" else (lambda p: jax.tree.map(lambda a: a.astype(jnp.bfloat16), p))
-    return jax.jit(jax.value_and_grad(lambda p, b: loss_fn(nnx.merge(graphdef, cast(p)), b)))
+    if not getattr(cfg.moe, "bias_rate", 0.0):
+        return jax.jit(jax.value_and_grad(lambda p, b: loss_fn(nnx.merge(graphdef, cast(p)), b)))
+    from jaxpar.adapters._loss_metrics import with_reported_metrics
+    from jaxpar.parallel.moe import LAYER_LOADS, balanced, use_router_bias
+
+    def biased(p, bias, b):
+        with use_router_bias(bias):
+            loss, found = with_reported_metrics(balanced(lambda q, x: loss_fn(nnx.merge(graphdef, cast(q)), x)))(p, b)
+        return loss, found[LAYER_LOADS]
+
+    return jax.jit(jax.value_and_grad(biased, has_aux=True))
+
+
+def _moved_bias(bias, loads, rate):
+    """The router bias after a step of ``loads`` ``[layers, E]`` (summed over the step's micro-batches
+    and replicas): each layer's row by the sign rule, :func:`jaxpar.parallel.moe.update_router_bias`."""
+    from jaxpar.parallel.moe import update_router_bias
+
+    return np.stack([np.asarray(update_router_bias(b, load, rate)) for b, load in zip(bias, loads)])
 
 
 def _init_params(cfg):
@@ -811,20 +863,25 @@ def _reference(spec: Spec) -> Reference:
     m, clip, local = spec.m, spec.step_kw.get("clip_norm"), spec.strategy.get("local_clip")
     if getattr(spec.cfg.moe, "aux_weight", 0):   # the MoE balancing loss is the whole batch's (the step's pre-pass)
         m = 1
-    every = spec.ns_every
+    every, rate = spec.ns_every, spec.bias_rate
+    bias = np.zeros(spec.bias_shape, np.float32) if rate else None       # RB: moved after every step
     r_count = spec.sizes.get("data", 1) if (local or every) else 1
     losses, norms, first, updates, bound = [], {}, None, 0, None
     for t in range(spec.steps):
         batch = host_batch(spec, t)
         rows = spec.rows[t]
         w = prev if delayed else params
-        per, loss = [], 0.0
+        per, loss, loads = [], 0.0, 0.0
         for r in range(r_count):        # each replica's rows, contiguous; its micro-batches, strided
             mine = {k: v[r * rows // r_count:(r + 1) * rows // r_count] for k, v in batch.items()}
             gs = []
             for j in range(m):
                 mb = {k: v[j::m] for k, v in mine.items()}
-                lj, gj = grad(w, mb)
+                if rate:
+                    (lj, lo), gj = grad(w, bias, mb)
+                    loads = loads + np.asarray(lo)        # counts: the sum is exact
+                else:
+                    lj, gj = grad(w, mb)
                 loss += float(lj) / (m * r_count)
                 gs.append(jax.device_get(gj))
             per.append(_mean(gs))
@@ -843,7 +900,9 @@ def _reference(spec: Spec) -> Reference:
         if spec.nan_step is not None and not (math.isfinite(loss) and math.isfinite(norm)):
             if delayed:
                 prev = params                     # 2BW: a skipped step keeps W(t) and makes it the older version
-            continue
+            continue                              # (and the router bias: the skipped step changes no state)
+        if rate:
+            bias = _moved_bias(bias, loads, rate)
         if clip is not None:
             g = jax.tree.map(lambda a: np.float32(a * min(1.0, clip / (norm + 1e-6))), g)
         if first is None:
@@ -853,7 +912,7 @@ def _reference(spec: Spec) -> Reference:
             bound = _frozen_bound(bound, g, opt[0], *_grad_tolerance(spec))
         prev, params = params, jax.device_get(optax.apply_updates(params, u))
         updates += 1
-    return Reference(np.array(losses), params, first, norms, updates, bound if spec.tx == "frozen" else None)
+    return Reference(np.array(losses), params, first, norms, updates, bound if spec.tx == "frozen" else None, bias)
 
 
 def _frozen_bound(bound, g, adam, rtol, atol_rel, *, b1=0.9, b2=0.999, eps=None, freeze=1):
@@ -888,9 +947,9 @@ def _frozen_bound(bound, g, adam, rtol, atol_rel, *, b1=0.9, b2=0.999, eps=None,
 def _logical(cfg):
     """The logical names of the GPT's parameters (per-layer LARS)."""
     try:
-        from jaxpar.adapters.shapes import abstract_model
+        from jaxpar.adapters import abstract_model
     except ImportError:          # where it was before
-        from jaxpar.step.state import abstract_model
+        from jaxpar.step._state import abstract_model
 
     return abstract_model(_model_fn(cfg))[2]
 
@@ -1048,17 +1107,34 @@ def check_pair(spec: Spec, res: Result):
         assert [t for t, m in enumerate(steps) if "grad_sq_big" in m] == list(range(0, spec.steps, spec.ns_every))
         assert int(res.stats["noise_scale"]["count"]) == len(measured)
     if spec.ckpt:                     # the resumed run is the uninterrupted one, bit for bit
-        losses, params = res.resumed
+        losses, params, stats = res.resumed
         np.testing.assert_array_equal(losses, res.losses[spec.k:])
         for key, p in _flat(params).items():
             np.testing.assert_array_equal(p, _flat(res.params)[key], err_msg=key)
+        if spec.bias_rate:
+            np.testing.assert_array_equal(stats["router_bias"], res.stats["router_bias"], err_msg="resumed bias")
+    if spec.bias_rate:
+        _check_router_bias(spec, res, ref, what)
+
+
+def _check_router_bias(spec: Spec, res: Result, ref: Reference, what: str):
+    """RB: the bias after the run is the one-device one exactly (it moves by the sign of each step's
+    loads: counts, equal on every mesh), it moved, and it changed the computation (the one-device run
+    without it has other losses)."""
+    bias = res.stats["router_bias"]
+    np.testing.assert_array_equal(bias, ref.bias, err_msg=f"{what}: the router bias")
+    assert np.abs(bias).max() > 0, f"{what}: the router bias did not move"
+    plain = reference(dataclasses.replace(spec, cfg=dataclasses.replace(
+        spec.cfg, moe=dataclasses.replace(spec.cfg.moe, bias_rate=0.0))))
+    assert not np.allclose(ref.losses, plain.losses, rtol=1e-6, atol=0, equal_nan=True), \
+        f"{what}: the bias changed no loss ({ref.losses} without it: {plain.losses})"
 
 
 # ------------------------------------------------------------------------------ the pairs
 #: One case per feature in the default run (with the dedicated tests of section 4: NS x PP and
 #: BF x 2BW); the rest in the slow pass.
 FAST = {("SP", "CP"), ("MB", "RS"), ("LC", "LL"), ("RM", "ST"), ("EX", "CN"), ("K", "SN"),
-        ("TP", "1A"), ("BF", "CK"), ("Z", "CX"), ("TP", "EP")}
+        ("TP", "1A"), ("BF", "CK"), ("Z", "CX"), ("TP", "EP"), ("CP", "RB")}
 
 
 def _pair_params():
@@ -1088,7 +1164,7 @@ def _measuring_and_plain_step(spec: Spec):
     import optax
 
     from helpers import keep_grads
-    from jaxpar.step.noise_scale import with_noise_scale
+    from jaxpar.step import with_noise_scale
 
     model_fn = _model_fn(spec.cfg)
     mesh = jaxpar.make_mesh(spec.sizes, devices=jax.devices()[:math.prod(spec.sizes.values())])
@@ -1232,7 +1308,7 @@ def _mp_main(coordinator: str, num_processes: str, process_id: str, local: str, 
     run :func:`execute` of each pair's other feature on the global mesh; process 0 writes the results."""
     import pickle
 
-    from jaxpar.devices.distributed import initialize
+    from jaxpar.devices import initialize
 
     initialize(coordinator, int(num_processes), int(process_id), local_device_count=int(local),
                heartbeat_timeout=30, initialization_timeout=120)

@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.parallel.pipeline import partition as P
-from jaxpar.parallel.pipeline import instructions as G
-from jaxpar.parallel.pipeline.schedules import get_schedule, num_ticks, peak_in_flight
+from jaxpar.parallel.pipeline import _partition as P
+from jaxpar.parallel.pipeline import _instructions as G
+from jaxpar.parallel.pipeline import get_schedule, peak_in_flight
+from jaxpar.parallel.pipeline._schedules import num_ticks
 
 
 def _brute(costs, k, first, last):
@@ -79,7 +80,7 @@ def test_lowered_program_buffers(kind, p, m, v):
 
 @pytest.mark.parametrize("mod", [P, G], ids=lambda m: m.__name__)
 def test_module_doctests(mod):
-    """The examples in the docstrings run and hold (3 in partition.py, 4 in program.py today)."""
+    """The examples in the docstrings run and hold (3 in _partition.py, 4 in _program.py today)."""
     result = doctest.testmod(mod)
     assert result.attempted > 0, f"no doctest examples found in {mod.__name__}"
     assert result.failed == 0, result

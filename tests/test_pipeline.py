@@ -10,12 +10,12 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.parallel.pipeline.partition import PartitionError
-from jaxpar.parallel.pipeline.instructions import lower, sends
-from jaxpar.parallel.pipeline.schedules import get_schedule
+from jaxpar.parallel.pipeline import PartitionError
+from jaxpar.parallel.pipeline import lower, sends
+from jaxpar.parallel.pipeline import get_schedule
 from jaxpar.rules import path_str
-from jaxpar.parallel.pipeline.piped import auto_stage_layers, make_pipeline_loss_and_grad
-from jaxpar.step.grads import global_grads
+from jaxpar.parallel.pipeline._piped import auto_stage_layers, make_pipeline_loss_and_grad
+from jaxpar.step._grads import global_grads
 
 from helpers import make_batch, run
 from test_equivalence import assert_same
@@ -182,7 +182,7 @@ def test_sends_are_neighbour_permutes_matching_the_table(kind, v):
     # embedding / head gradients (replicated over pipe) and scalars (loss, norms).
     # Interleaved chunks also re-lay the block parameters (stored in model layer order)
     # once per step: an all-to-all of the parameters and one of the gradients.
-    from jaxpar.analysis.hlo import collectives
+    from jaxpar.analysis import collectives
     colls = collectives(hlo, mesh)
     assert all(c.axes is not None for c in colls), [c for c in colls if c.axes is None]
     over_pipe = [c for c in colls if "pipe" in c.axes and c.kind != "collective-permute"]
@@ -242,7 +242,7 @@ def test_strategy_rejects_bad_pipeline_fields():
 
 def test_auto_stage_layers_balance_compiled_flops():
     """'auto' moves layers off the stage that also runs an expensive head (large vocabulary)."""
-    from jaxpar.parallel.pipeline.cut import cut_model
+    from jaxpar.parallel.pipeline._cut import cut_model
 
     def stages(cfg):
         _, state, layout = _layout({"pipe": 4, "data": 2}, jaxpar.Strategy(microbatches=4, stage_layers="auto"), cfg)
@@ -255,7 +255,7 @@ def test_auto_stage_layers_balance_compiled_flops():
 
 
 def test_schedule_stages_must_match_the_pipe_axis():
-    from jaxpar.models import gpt
+    from jaxpar.models import _gpt as gpt
     from jaxpar.parallel.pipeline import PipelineParts, pipeline_value_and_grad
     parts = PipelineParts(pre=lambda outer, mb: gpt.embed_apply(outer, mb["tokens"]), layer=gpt.block_apply,
                           post=lambda outer, y, mb: gpt.cross_entropy(gpt.head_apply(outer, y), mb["targets"]))
@@ -268,7 +268,7 @@ def test_schedule_stages_must_match_the_pipe_axis():
 def test_pipelined_checkpoint_restores_onto_other_meshes(tmp_path):
     """A state saved under pipe=4 x data=2 (layers split over pipe) restores under
     data=4 x tensor=2 and under pipe=2 x fsdp=4 with identical values."""
-    from jaxpar.run.checkpoint import Checkpointer
+    from jaxpar.run import Checkpointer
     _, state, layout = _layout({"pipe": 4, "data": 2}, jaxpar.Strategy(microbatches=4))
     state = state._replace(step=jnp.full_like(state.step, 7))
     with Checkpointer(tmp_path / "ck", keep=1, async_save=False) as ck:

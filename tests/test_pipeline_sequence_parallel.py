@@ -1,5 +1,5 @@
 """Sequence parallelism inside pipelines: the flush schedules run as lockstep programs (every stage
-the tick's action, masked where it has none: jaxpar.parallel.pipeline.lockstep), so SP's all-gathers and
+the tick's action, masked where it has none: jaxpar.parallel.pipeline._lockstep), so SP's all-gathers and
 reduce-scatters over ``tensor`` inside the stages' actions are reached by every device. Each schedule
 on tensor2 x pipe2 x data2 equals one device; the lockstep executor equals the per-stage program."""
 
@@ -11,10 +11,11 @@ import pytest
 import jaxpar
 from jaxpar.models import GPTConfig
 from jaxpar.parallel.pipeline import PipelineParts, get_schedule, lower, to_stages
-from jaxpar.parallel.pipeline.executor import pipeline_value_and_grad
-from jaxpar.parallel.pipeline.lockstep import is_lockstep, lockstep
-from jaxpar.parallel.pipeline.partition import from_stages
-from jaxpar.parallel.pipeline.schedules import num_ticks, peak_in_flight, stage_actions
+from jaxpar.parallel.pipeline import pipeline_value_and_grad
+from jaxpar.parallel.pipeline._lockstep import is_lockstep, lockstep
+from jaxpar.parallel.pipeline import from_stages
+from jaxpar.parallel.pipeline import peak_in_flight
+from jaxpar.parallel.pipeline._schedules import num_ticks, stage_actions
 
 from conftest import need_devices
 from helpers import run
@@ -90,7 +91,7 @@ def test_the_cost_models_lockstep_closed_forms_are_the_tables(kind, v):
     counts), and 1F1B / interleaved keep the bubble of their usual table."""
     from collections import Counter
 
-    from jaxpar.cost.schedule import lockstep_closed_form, schedule_stats
+    from jaxpar.cost._schedule import lockstep_closed_form, schedule_stats
 
     for p in (2, 3, 4, 8):
         for m in (p, p + 1, 2 * p, 4 * p):

@@ -9,12 +9,12 @@ import pytest
 
 from jaxpar import cost
 from jaxpar.cli import main
-from jaxpar.compat.table import LIBRARY_NAMES, problems
+from jaxpar.compat import LIBRARY_NAMES, problems
 from jaxpar.config import load_config
-from jaxpar.config.plan_command import cost_model, plan_overrides
-from jaxpar.cost.parallel import Plan
-from jaxpar.cost.planner import PlanError
-from jaxpar.cost.refusals import REFUSED_PREFIX, PlanStrategy, plan_refusal, plan_setting
+from jaxpar.config._plan_command import cost_model, plan_overrides
+from jaxpar.cost import Plan
+from jaxpar.cost import PlanError
+from jaxpar.cost._refusals import REFUSED_PREFIX, PlanStrategy, plan_refusal, plan_setting
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs" / "quickstart.yaml")

@@ -14,12 +14,12 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.analysis.hlo import collectives
+from jaxpar.analysis import collectives
 from jaxpar.config import ConfigError, check, load_config
 from jaxpar.models import GPT, lm_loss
 from jaxpar.parallel.sync import SyncError, backup, diloco, easgd, local_sgd, stale, synchronous
-from jaxpar.run.checkpoint import Checkpointer, CheckpointWarning
-from jaxpar.step.replica_mean import replica_bytes
+from jaxpar.run import Checkpointer, CheckpointWarning
+from jaxpar.step import replica_bytes
 
 from helpers import CFG, make_batch
 

@@ -5,12 +5,9 @@ from fractions import Fraction
 
 import pytest
 
-from jaxpar.parallel.pipeline import schedules as S
-from jaxpar.parallel.pipeline.schedules import (
-    Action, Schedule, ScheduleError, bubble_fraction, get_schedule, gpipe, interleaved_1f1b, makespan,
-    num_ticks, one_f_one_b, peak_in_flight, stage_actions, tick_bubble_fraction, timeline, to_text,
-    validate, zero_bubble_h1,
-)
+from jaxpar.parallel.pipeline import _schedules as S
+from jaxpar.parallel.pipeline import Action, Schedule, ScheduleError, bubble_fraction, get_schedule, peak_in_flight, to_text, validate
+from jaxpar.parallel.pipeline._schedules import gpipe, interleaved_1f1b, makespan, num_ticks, one_f_one_b, stage_actions, tick_bubble_fraction, timeline, zero_bubble_h1
 
 PM = [(p, k * p) for p in (2, 4) for k in (1, 2, 4)]
 
@@ -239,7 +236,7 @@ def test_to_text():
 @pytest.mark.parametrize("kind,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
 def test_render_png(tmp_path, kind, v, timed):
     matplotlib = pytest.importorskip("matplotlib")
-    from jaxpar.parallel.pipeline.render import render_png
+    from jaxpar.parallel.pipeline._render import render_png
 
     backend = matplotlib.get_backend()
     out = render_png(get_schedule(kind, 4, 8, v), tmp_path / f"{kind}.png", timed=timed)

@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.analysis.hlo import collectives, count
+from jaxpar.analysis import collectives, count
 from jaxpar.models import lm_loss
-from jaxpar.parallel.zero import zero_dim
+from jaxpar.parallel import zero_dim
 
 from helpers import CFG, compile_step, make_batch, setup
 

@@ -13,12 +13,12 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.models.mlp import MLPClassifier, classifier_loss
+from jaxpar.models import MLPClassifier, classifier_loss
 from jaxpar.parallel.sync import backup, stale
-from jaxpar.step.grads import global_grads, replica_grads
-from jaxpar.step.replica_mean import replica_exchange, replica_rule
-from jaxpar.step.state import TrainState
-from jaxpar.step.update import Update, apply_update, delayed
+from jaxpar.step._grads import global_grads, replica_grads
+from jaxpar.step._replica_mean import replica_exchange, replica_rule
+from jaxpar.step import TrainState
+from jaxpar.step._update import Update, apply_update, delayed
 
 K = 4
 TX = optax.sgd(0.5)

@@ -121,15 +121,15 @@ def test_modules_and_functions_are_small():
 def test_make_train_step_is_one_composition():
     """No feature is special-cased in ``make_train_step``: it checks the table, builds the update
     and the options, and hands them to the builder of the program's shape."""
-    tree = ast.parse(MODULES["jaxpar.step.compose"].read_text())
+    tree = ast.parse(MODULES["jaxpar.step._compose"].read_text())
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "make_train_step")
     branches = [n for n in ast.walk(fn) if isinstance(n, (ast.If, ast.IfExp, ast.Match))]
     assert not branches, [ast.unparse(b.test) for b in branches if hasattr(b, "test")]
 
 
 #: File names that several packages may each have, because each is the same kind of thing there:
-#: the package's errors, and the base class of its plug-ins.
-SAME_KIND = {"__init__.py", "errors.py", "base.py"}
+#: the package's API, its errors, and the base class of its plug-ins.
+SAME_KIND = {"__init__.py", "_errors.py", "_base.py"}
 
 
 def test_the_top_of_the_package_holds_the_core_only():
@@ -143,3 +143,39 @@ def test_no_two_modules_share_a_file_name():
         if path.name not in SAME_KIND:
             seen.setdefault(path.name, []).append(str(path.relative_to(ROOT.parent)))
     assert not {n: ps for n, ps in seen.items() if len(ps) > 1}, {n: ps for n, ps in seen.items() if len(ps) > 1}
+
+
+def test_a_package_is_its_api_and_its_modules_are_private():
+    """Optax's layout: a package's ``__init__`` is its API (an explicit ``__all__``); every module inside a
+    package is private (``_name.py``); only the core (``mesh``, ``rules``, ``strategy``, ...) sits at the top."""
+    public = [str(p.relative_to(ROOT.parent)) for p in MODULES.values()
+              if p.parent != ROOT and p.name != "__init__.py" and not p.name.startswith("_")]
+    no_api = [m for m, p in MODULES.items() if p.name == "__init__.py" and "__all__" not in p.read_text()]
+    assert not public and not no_api, {"public modules inside packages": public, "packages without __all__": no_api}
+
+
+def _user_code() -> dict[str, str]:
+    """The code a user reads and copies: examples, notebooks' code cells, and the Python blocks of the
+    README and docs/."""
+    import json
+    import re
+
+    repo = ROOT.parent
+    code = {str(p.relative_to(repo)): p.read_text() for p in (repo / "examples").rglob("*.py")}
+    for nb in (repo / "notebooks").glob("*.ipynb"):
+        cells = json.loads(nb.read_text())["cells"]
+        code[str(nb.relative_to(repo))] = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    for md in [repo / "README.md", *(repo / "docs").glob("*.md")]:
+        code[str(md.relative_to(repo))] = "\n".join(re.findall(r"```python\n(.*?)```", md.read_text(), re.S))
+    return {where: text for where, text in code.items() if text}
+
+
+def test_user_code_imports_the_public_api_only():
+    """Examples, notebooks, the README and docs/ import jaxpar's packages, never a private module."""
+    import re
+
+    code = _user_code()
+    assert len(code) > 10 and any(k.endswith(".ipynb") for k in code), sorted(code)
+    found = [f"{where}: {m.group(0)}" for where, text in code.items()
+             for m in re.finditer(r"(?:from|import) jaxpar(?:\.\w+)*\._\w+", text)]
+    assert not found, found

@@ -1,4 +1,4 @@
-"""Compiling for real GPU and TPU targets without the hardware (jaxpar.devices.targets, ``jaxpar inspect --target``).
+"""Compiling for real GPU and TPU targets without the hardware (jaxpar.devices._targets, ``jaxpar inspect --target``).
 
 The real compilers come with the ``targets`` extra (``pip install 'jaxpar[targets]'``), which
 ``make test`` and CI install: a missing extra fails here, it is not skipped. Each case compiles
@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from jaxpar.analysis.hlo import collectives, parse_instructions
+from jaxpar.analysis import collectives
+from jaxpar.analysis._hlo import parse_instructions
 from jaxpar.cli import main
 from jaxpar.config import ConfigError, load_config
-from jaxpar.config.job import build_job
-from jaxpar.devices.targets import TargetError, load_spec, parse_target, presets, target_devices
+from jaxpar.config import build_job
+from jaxpar.devices import TargetError, load_spec, parse_target, presets, target_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

@@ -7,7 +7,7 @@ import pytest
 import jaxpar
 from jaxpar.cli import main
 from jaxpar.config import ConfigError, DataConfig, build_data
-from jaxpar.data import windows as D
+from jaxpar.data import _windows as D
 
 from test_cli import QUICK
 

@@ -1,6 +1,6 @@
 """PipeDream-2BW's rule for a skipped (non-finite) step is one rule: the one-step program
 (``steps_per_call=1``) and the no-flush program of ``K`` steps give the same states over a run
-whose middle step has a NaN loss (jaxpar.step.update.delayed).
+whose middle step has a NaN loss (jaxpar.step._update.delayed).
 
 Mesh: pipe=2 x data=4 (8 simulated devices), test GPT (2 layers), 2 micro-batches, Adam.
 """

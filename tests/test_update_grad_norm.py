@@ -1,4 +1,4 @@
-"""``metrics["grad_norm"]`` means one thing in every program (jaxpar.step.update): the global norm
+"""``metrics["grad_norm"]`` means one thing in every program (jaxpar.step._update): the global norm
 of the gradient an optimizer update receives, before clipping; the root mean square of those norms
 where a step applies several updates (replicas that update on their own, the asynchronous
 parameter server). Checked on the first step against one-device gradients.

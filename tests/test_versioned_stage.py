@@ -6,12 +6,12 @@ import pytest
 
 import jaxpar
 from jaxpar.errors import AsyncPipelineError, StashingError
-from jaxpar.parallel.pipeline.instructions import lower
-from jaxpar.parallel.pipeline.schedules import pipedream, pipedream_2bw
-from jaxpar.parallel.pipeline.stash_versions import lower_stashed, older_versions
-from jaxpar.parallel.pipeline.two_bw import step_windows, version_rows
-from jaxpar.parallel.pipeline.versioned_stage import check_versioned_state, versioned_table
-from jaxpar.step.update import updates_metrics
+from jaxpar.parallel.pipeline import lower
+from jaxpar.parallel.pipeline import pipedream, pipedream_2bw
+from jaxpar.parallel.pipeline._stash_versions import lower_stashed, older_versions
+from jaxpar.parallel.pipeline._two_bw import step_windows, version_rows
+from jaxpar.parallel.pipeline._versioned_stage import check_versioned_state, versioned_table
+from jaxpar.step._update import updates_metrics
 
 
 @pytest.mark.parametrize("p,m,steps", [(2, 2, 3), (4, 4, 2), (4, 8, 3)])

@@ -10,12 +10,13 @@ from flax import nnx
 import jaxpar
 from jaxpar.config import ConfigError, load_config
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.parallel.pipeline.schedule_stats import bubble_fraction
-from jaxpar.parallel.pipeline.schedules import gpipe, num_ticks, one_f_one_b, pipedream
-from jaxpar.parallel.pipeline.stage import TICKS_SCOPE
-from jaxpar.parallel.pipeline.stash_versions import (StashingError, lower_stashed, older_versions, update_ticks, version,
-                                      weight_versions)
-from jaxpar.run.checkpoint import Checkpointer, CheckpointWarning
+from jaxpar.parallel.pipeline import bubble_fraction
+from jaxpar.parallel.pipeline import pipedream
+from jaxpar.parallel.pipeline._schedules import gpipe, num_ticks, one_f_one_b
+from jaxpar.parallel.pipeline._stage import TICKS_SCOPE
+from jaxpar.parallel.pipeline._stash_versions import (StashingError, lower_stashed, older_versions, update_ticks, version,
+                                                      stashed_versions)
+from jaxpar.run import Checkpointer, CheckpointWarning
 
 from helpers import make_batch
 from test_async_pipeline import _assert_trees_close, _trip_counts
@@ -43,9 +44,9 @@ def test_table_has_no_flush_and_at_most_p_minus_s_versions(p, m, k):
     assert steady and all(a is not None for row in steady for a in row)
     assert bubble_fraction(pipedream(p, m, 16)) < bubble_fraction(pipedream(p, m, 4)) < bubble_fraction(
         pipedream(p, m, 1))
-    got = weight_versions(s, update_every=k)
+    got = stashed_versions(s, update_every=k)
     assert all(n <= p - st for st, n in enumerate(got)) and got[-1] == 1 and got[0] == older_versions(p, k) + 1
-    assert max(weight_versions(s, update_every=k, vertical_sync=True)) <= p
+    assert max(stashed_versions(s, update_every=k, vertical_sync=True)) <= p
     sp = lower_stashed(s, m=m, update_every=k)
     assert sp.n_slots == older_versions(p, k) + 1 == max(got)      # what the compiled program holds per stage
     assert len(update_ticks(s, k)) == p * m * steps // k
@@ -410,7 +411,7 @@ def test_stashing_in_yaml():
 
 
 def test_gantt_chart_marks_the_updates(tmp_path):
-    from jaxpar.parallel.pipeline.render import render_png
+    from jaxpar.parallel.pipeline._render import render_png
 
     s = pipedream(4, 4, 2)
     path = render_png(s, tmp_path / "pipedream.png", step_size=4, updates=update_ticks(s, 2))
@@ -423,7 +424,7 @@ def test_yaml_schedule_reads_the_step_not_the_update_count():
     step ``t`` uses the logged ``lr(t)``, and warm-up and decay last as many steps as configured."""
     import jax.numpy as jnp
 
-    from jaxpar.config.job import updates_per_step
+    from jaxpar.config._job import updates_per_step
     from jaxpar.config import build_optimizer, build_strategy
     from test_cli import QUICK
 

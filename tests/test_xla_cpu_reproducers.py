@@ -1,4 +1,4 @@
-"""Reproducers of an upstream XLA:CPU bug that jaxpar works around (:mod:`jaxpar.parallel.regions`), in JAX alone.
+"""Reproducers of an upstream XLA:CPU bug that jaxpar works around (:mod:`jaxpar.parallel._regions`), in JAX alone.
 
 XLA:CPU (jax 0.10) aborts the process while compiling a bf16 reduction inside a *partly manual*
 ``jax.shard_map`` (manual over some mesh axes, ``axis_names={...}``, automatic over the others):
@@ -14,7 +14,7 @@ CPU devices, mesh ``data 2 x tensor 4`` (both axes automatic), region manual ove
 - a ``psum`` where the only automatic axis has size 1 (mesh ``data 1 x tensor 8``).
 
 They are ``xfail(strict=True)``: they document the bug, and they will XPASS (and fail the suite)
-once XLA:CPU compiles them; then :mod:`jaxpar.parallel.regions` can stop widening bf16 reductions on CPU.
+once XLA:CPU compiles them; then :mod:`jaxpar.parallel._regions` can stop widening bf16 reductions on CPU.
 The controls (:func:`test_what_jaxpar_relies_on_compiles`) are what the workaround stands on: the
 same reductions compile in fp32 and in fp16 with ``data`` automatic, and in bf16 in a region manual
 over the whole mesh; a bf16 ``all_gather`` without its transpose compiles too.
@@ -82,7 +82,7 @@ class OtherFailure(Exception):
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="upstream XLA:CPU bug (jax 0.10): a bf16 reduction in a partly manual shard_map aborts the "
-                   "compile ('Invalid binary instruction opcode copy'); jaxpar.parallel.regions works around it. This "
+                   "compile ('Invalid binary instruction opcode copy'); jaxpar.parallel._regions works around it. This "
                    "XPASSes once XLA:CPU compiles it.")
 @pytest.mark.parametrize("case", list(ABORTS))
 def test_bf16_reduction_in_a_partly_manual_region_compiles(case):

@@ -1,2 +1,18 @@
-"""How jaxpar reads a user's Flax NNX model: its layers (``blocks``, ``layer_lists``), the mesh axes its
-own annotations name (``mesh_axes``), its shapes, the metrics its loss reports and scoped options."""
+"""How jaxpar reads a user's Flax NNX model: its layers (scanned blocks, lists of layers), the mesh axes
+its own annotations name, its shapes, and the metrics its loss reports.
+
+>>> from jaxpar.adapters import REMAT_POLICIES
+>>> "full" in REMAT_POLICIES
+True
+"""
+from jaxpar.adapters._blocks import (REMAT_POLICIES as REMAT_POLICIES, remat_policy as remat_policy,
+                                     run_layers as run_layers, scan_blocks as scan_blocks)
+from jaxpar.adapters._layer_lists import (LayerListError as LayerListError, StackedLayers as StackedLayers,
+                                          list_form as list_form, stack_layers as stack_layers,
+                                          stacked_form as stacked_form)
+from jaxpar.adapters._loss_metrics import report_metric as report_metric
+from jaxpar.adapters._mesh_axes import ModelMeshError as ModelMeshError
+from jaxpar.adapters._shapes import abstract_model as abstract_model
+
+__all__ = ["REMAT_POLICIES", "remat_policy", "run_layers", "scan_blocks", "LayerListError", "StackedLayers",
+           "list_form", "stack_layers", "stacked_form", "report_metric", "ModelMeshError", "abstract_model"]

@@ -1,19 +1,19 @@
-"""Read compiled programs: collectives inventory (hlo.py; mesh-axis attribution of replica groups in
-replica_groups.py; the HLO text itself in hlo_text.py), how often each computation runs (loops.py:
+"""Read compiled programs: collectives inventory (_hlo.py; mesh-axis attribution of replica groups in
+_replica_groups.py; the HLO text itself in _hlo_text.py), how often each computation runs (_loops.py:
 while loops' trip counts, known or read from the loop), per-device
-memory (memory.py), collectives inside device-dependent branches (device_branches.py: a taint analysis
-from ``partition-id``), and bytes per step per mesh axis for comparison with the cost model (axis_bytes.py,
+memory (_compiled_memory.py), collectives inside device-dependent branches (_device_branches.py: a taint analysis
+from ``partition-id``), and bytes per step per mesh axis for comparison with the cost model (_axis_bytes.py,
 imported on its own: it reads pipeline schedules).
 
 These modules import nothing from jaxpar.step, jaxpar.run, jaxpar.config or the CLI.
 """
-from jaxpar.analysis.device_branches import BranchCollective as BranchCollective
-from jaxpar.analysis.device_branches import device_dependent_collectives as device_dependent_collectives
-from jaxpar.analysis.hlo import Collective as Collective, collectives as collectives, collectives_table as collectives_table
-from jaxpar.analysis.hlo import count as count, summarize as summarize
-from jaxpar.analysis.loops import trip_counts as trip_counts, while_trip_counts as while_trip_counts
-from jaxpar.analysis.compiled_memory import MemoryReport as MemoryReport, memory_report as memory_report, memory_table as memory_table
-from jaxpar.analysis.compiled_memory import format_bytes as format_bytes
+from jaxpar.analysis._device_branches import BranchCollective as BranchCollective
+from jaxpar.analysis._device_branches import device_dependent_collectives as device_dependent_collectives
+from jaxpar.analysis._hlo import Collective as Collective, collectives as collectives, collectives_table as collectives_table
+from jaxpar.analysis._hlo import count as count, summarize as summarize
+from jaxpar.analysis._loops import trip_counts as trip_counts, while_trip_counts as while_trip_counts
+from jaxpar.analysis._compiled_memory import MemoryReport as MemoryReport, memory_report as memory_report, memory_table as memory_table
+from jaxpar.analysis._compiled_memory import format_bytes as format_bytes
 
 __all__ = ["BranchCollective", "device_dependent_collectives", "Collective", "collectives", "collectives_table",
            "count", "summarize", "trip_counts", "while_trip_counts", "MemoryReport", "memory_report", "memory_table",

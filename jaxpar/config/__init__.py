@@ -10,23 +10,23 @@ that span sections (batch size vs. mesh axes, model sizes vs. ``mesh.tensor``) l
 
 Modules, in import order (each imports only those above it):
 
-* :mod:`~jaxpar.config.schema`: the dataclasses of the sections, :class:`ConfigError`, allowed names.
-* :mod:`~jaxpar.config.imports`: ``'pkg.mod:attr'`` / ``'file.py:attr'`` -> the object.
-* :mod:`~jaxpar.config.hf_model`: ``model.hf`` and ``data.tokenizer``: their checks, the checkpoint and
+* :mod:`~jaxpar.config._schema`: the dataclasses of the sections, :class:`ConfigError`, allowed names.
+* :mod:`~jaxpar.config._imports`: ``'pkg.mod:attr'`` / ``'file.py:attr'`` -> the object.
+* :mod:`~jaxpar.config._hf_model`: ``model.hf`` and ``data.tokenizer``: their checks, the checkpoint and
   tokenizer opened with the errors under the YAML keys.
-* :mod:`~jaxpar.config.build`: sections -> mesh, strategy, model factory, loss; the model
+* :mod:`~jaxpar.config._build`: sections -> mesh, strategy, model factory, loss; the model
   registry; library errors relabelled with YAML keys.
-* :mod:`~jaxpar.config.optimizer_section`: the optimizer section -> optimizer and learning-rate
+* :mod:`~jaxpar.config._optimizer_section`: the optimizer section -> optimizer and learning-rate
   schedule; the optimizer registry.
-* :mod:`~jaxpar.config.data_section`: the data section -> batch function and eval batches.
-* :mod:`~jaxpar.config.checks`: :func:`check`, every impossible setting at once.
-* :mod:`~jaxpar.config.load`: YAML, ``base:``, overrides, merging -> a checked :class:`JobConfig`.
-* :mod:`~jaxpar.config.job`: a config -> the :class:`Job` that ``jaxpar train``, ``inspect`` and
+* :mod:`~jaxpar.config._data_section`: the data section -> batch function and eval batches.
+* :mod:`~jaxpar.config._checks`: :func:`check`, every impossible setting at once.
+* :mod:`~jaxpar.config._load`: YAML, ``base:``, overrides, merging -> a checked :class:`JobConfig`.
+* :mod:`~jaxpar.config._job`: a config -> the :class:`Job` that ``jaxpar train``, ``inspect`` and
   ``plan`` run (:func:`build_job`: mesh, strategy, model, loss, optimizer, the train step's options, data).
-* :mod:`~jaxpar.config.describe`: the lines the CLI prints about a job.
-* :mod:`~jaxpar.config.hf_commands`: ``jaxpar export`` and ``jaxpar sample`` (a run's weights as a Hugging
+* :mod:`~jaxpar.config._describe`: the lines the CLI prints about a job.
+* :mod:`~jaxpar.config._hf_commands`: ``jaxpar export`` and ``jaxpar sample`` (a run's weights as a Hugging
   Face checkpoint, or continuing a prompt).
-* :mod:`~jaxpar.config.plan_command`: the cost model's view of a config (``jaxpar inspect``, ``jaxpar plan``).
+* :mod:`~jaxpar.config._plan_command`: the cost model's view of a config (``jaxpar inspect``, ``jaxpar plan``).
 
 Example::
 
@@ -42,17 +42,17 @@ Example::
 
 from __future__ import annotations
 
-from jaxpar.config.build import (MODELS, ModelEntry, build_gpt_config, build_loss_fn, build_mesh, build_model_fn,
-                                 build_strategy)
-from jaxpar.config.checks import check
-from jaxpar.config.data_section import build_data, build_ramp, describe_batch
-from jaxpar.config.imports import resolve_import
-from jaxpar.config.job import Job, build_job
-from jaxpar.config.load import load_config, merge_layers, parse_overrides, to_yaml
-from jaxpar.config.optimizer_section import OPTIMIZERS, build_lr_schedule, build_optimizer, frozen_variance_step
-from jaxpar.config.schema import (DATA_KINDS, GPT_KEYS, LR_SCHEDULES, NONFINITE_MODES, USER_MODEL_KEYS, CheckpointConfig,
-                     ConfigError, DataConfig, JobConfig, LoggingConfig, MeshConfig, ModelConfig, OptimizerConfig,
-                     ParallelConfig, TrainConfig)
+from jaxpar.config._build import (MODELS, ModelEntry, build_gpt_config, build_loss_fn, build_mesh, build_model_fn,
+                                  build_strategy)
+from jaxpar.config._checks import check
+from jaxpar.config._data_section import build_data, build_ramp, describe_batch
+from jaxpar.config._imports import resolve_import
+from jaxpar.config._job import Job, build_job
+from jaxpar.config._load import load_config, merge_layers, parse_overrides, to_yaml
+from jaxpar.config._optimizer_section import OPTIMIZERS, build_lr_schedule, build_optimizer, frozen_variance_step
+from jaxpar.config._schema import (DATA_KINDS, GPT_KEYS, LR_SCHEDULES, NONFINITE_MODES, USER_MODEL_KEYS, CheckpointConfig,
+                                   ConfigError, DataConfig, JobConfig, LoggingConfig, MeshConfig, ModelConfig, OptimizerConfig,
+                                   ParallelConfig, TrainConfig)
 
 __all__ = [
     "ConfigError", "ModelConfig", "MeshConfig", "ParallelConfig", "OptimizerConfig", "DataConfig",

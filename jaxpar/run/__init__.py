@@ -1,10 +1,10 @@
 """A training run around the step: the loop, checkpoints, preemption, reports, ramps and samples."""
-from jaxpar.run.loop import train as train
-from jaxpar.run.report import LogOptions as LogOptions, NonFiniteError as NonFiniteError
-from jaxpar.run.checkpoint import Checkpointer as Checkpointer, CheckpointWarning as CheckpointWarning
-from jaxpar.run.resume import train_with_checkpoints as train_with_checkpoints
-from jaxpar.run.sample import greedy_generate as greedy_generate
-from jaxpar.run.ramp import AdaptiveRamp as AdaptiveRamp, BatchRamp as BatchRamp, ramp_batch_fn as ramp_batch_fn
+from jaxpar.run._loop import train as train
+from jaxpar.run._report import LogOptions as LogOptions, NonFiniteError as NonFiniteError
+from jaxpar.run._checkpoint import Checkpointer as Checkpointer, CheckpointWarning as CheckpointWarning
+from jaxpar.run._resume import train_with_checkpoints as train_with_checkpoints
+from jaxpar.run._sample import greedy_generate as greedy_generate
+from jaxpar.run._ramp import AdaptiveRamp as AdaptiveRamp, BatchRamp as BatchRamp, ramp_batch_fn as ramp_batch_fn
 
 __all__ = ["train", "LogOptions", "NonFiniteError", "Checkpointer", "CheckpointWarning", "train_with_checkpoints",
            "greedy_generate", "AdaptiveRamp", "BatchRamp", "ramp_batch_fn"]

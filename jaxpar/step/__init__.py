@@ -1,27 +1,29 @@
 """The train step: the state, its layout, and the step composed from gradient, exchange and update.
 
-compose.py composes the step from grads.py (gradient kinds), exchange.py (exact / compressed /
-measured exchanges over the data axes), replica_mean.py (the replicas' gradient, masked mean and
-update over ``replica``), update.py (the optimizer update, PipeDream-2BW's delayed one) and
-program.py (the jitted programs, :class:`TrainStep`); stashing_step.py and no_flush_steps.py place
-the update of PipeDream's no-flush program (:mod:`jaxpar.parallel.pipeline.versioned_stage`) per
-stage in the tick loop or on the whole model between steps, local_steps.py DiLoCo / local SGD / EASGD's inner and outer
-programs; init.py builds the sharded state and its layout.
+_compose.py composes the step from _grads.py (gradient kinds), _exchange.py (exact / compressed /
+measured exchanges over the data axes), _replica_mean.py (the replicas' gradient, masked mean and
+update over ``replica``), _update.py (the optimizer update, PipeDream-2BW's delayed one) and
+_program.py (the jitted programs, :class:`TrainStep`); _stashing_step.py and _no_flush_steps.py place
+the update of PipeDream's no-flush program (:mod:`jaxpar.parallel.pipeline._versioned_stage`) per
+stage in the tick loop or on the whole model between steps, _local_steps.py DiLoCo / local SGD / EASGD's inner and outer
+programs; _init.py builds the sharded state and its layout.
 """
-from jaxpar.step.state import StateLayout as StateLayout, TrainState as TrainState
-from jaxpar.step.init import init_train_state as init_train_state, state_layout as state_layout
-from jaxpar.step.compose import make_train_step as make_train_step, shard_batch as shard_batch
-from jaxpar.step.program import TrainStep as TrainStep
-from jaxpar.step.noise_scale import (NoiseScaleError as NoiseScaleError, plot_noise_scale as plot_noise_scale,
-                                     with_noise_scale as with_noise_scale)
+from jaxpar.step._state import StateLayout as StateLayout, TrainState as TrainState
+from jaxpar.step._init import init_train_state as init_train_state, state_layout as state_layout
+from jaxpar.step._compose import make_train_step as make_train_step, shard_batch as shard_batch
+from jaxpar.step._program import TrainStep as TrainStep
+from jaxpar.step._noise_scale import (NoiseScaleError as NoiseScaleError, plot_noise_scale as plot_noise_scale,
+                                      with_noise_scale as with_noise_scale)
+from jaxpar.step._router_bias import router_bias_layout as router_bias_layout, with_router_bias as with_router_bias
 
 __all__ = ["StateLayout", "TrainState", "init_train_state", "state_layout", "make_train_step", "shard_batch",
-           "TrainStep", "NoiseScaleError", "plot_noise_scale", "with_noise_scale", "compression_plan",
-           "replica_bytes"]
+           "TrainStep", "NoiseScaleError", "plot_noise_scale", "with_noise_scale", "router_bias_layout",
+           "with_router_bias", "compression_plan", "replica_bytes", "compile_plan", "compile_and_compare"]
 
-#: Re-exported names whose modules load only when used: compression and relaxed synchronisation
-#: stay out of ``import jaxpar``; ``from jaxpar.step import X`` loads them.
-_FEATURE_EXPORTS = {"compression_plan": "jaxpar.step.compressed", "replica_bytes": "jaxpar.step.replica_mean"}
+#: Re-exported names whose modules load only when used: compression, relaxed synchronisation and the
+#: cost model's check stay out of ``import jaxpar``; ``from jaxpar.step import X`` loads them.
+_FEATURE_EXPORTS = {"compression_plan": "jaxpar.step._compressed", "replica_bytes": "jaxpar.step._replica_mean",
+                    "compile_plan": "jaxpar.step._cost_check", "compile_and_compare": "jaxpar.step._cost_check"}
 
 
 def __getattr__(name):

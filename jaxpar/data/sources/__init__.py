@@ -5,8 +5,8 @@
 (line offsets, row group sizes, memory-mapped Arrow files) and reads the texts asked for, by
 number (:meth:`Source.texts`) or in order (:meth:`Source.iter_texts`). Several files of one
 format are one source, their documents numbered file after file. The formats live in
-:mod:`~jaxpar.data.sources.jsonl` and :mod:`~jaxpar.data.sources.columnar` (Parquet, ArrayRecord, Arrow), the shared base in
-:mod:`~jaxpar.data.sources.base`.
+:mod:`~jaxpar.data.sources._jsonl` and :mod:`~jaxpar.data.sources._columnar` (Parquet, ArrayRecord, Arrow), the shared base in
+:mod:`~jaxpar.data.sources._base`.
 
 >>> import pathlib, tempfile
 >>> tmp = tempfile.TemporaryDirectory()
@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxpar.errors import SourceError
-from jaxpar.data.sources.base import ON_MALFORMED, Source
-from jaxpar.data.sources.columnar import ArrayRecordSource, HfDiskSource, ParquetSource, save_to_disk_files
-from jaxpar.data.sources.jsonl import JsonlSource
+from jaxpar.data.sources._base import ON_MALFORMED, Source
+from jaxpar.data.sources._columnar import ArrayRecordSource, HfDiskSource, ParquetSource, save_to_disk_files
+from jaxpar.data.sources._jsonl import JsonlSource
 
 __all__ = ["FORMATS", "Source", "open_source"]
 

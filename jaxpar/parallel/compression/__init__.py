@@ -3,11 +3,11 @@
 Declare it on the strategy: ``Strategy(compression=jaxpar.parallel.compression.powersgd(rank=4))``
 (or ``parallel.compression: {kind: powersgd, rank: 4}`` in YAML).
 """
-from jaxpar.parallel.compression.base import BaseCodec, CompressionError, check_codec
-from jaxpar.parallel.compression.codecs import Codec, cast, onebit, qsgd, sign, terngrad
-from jaxpar.parallel.compression.collective import ExchangePlan, exchange_plan
-from jaxpar.parallel.compression.powersgd import PowerSGD, powersgd
-from jaxpar.parallel.compression.sparse import Sparsifier, randomk, topk
+from jaxpar.parallel.compression._base import BaseCodec, CompressionError, check_codec
+from jaxpar.parallel.compression._codecs import Codec, cast, onebit, qsgd, sign, terngrad
+from jaxpar.parallel.compression._collective import ExchangePlan, exchange_plan
+from jaxpar.parallel.compression._powersgd import PowerSGD, powersgd
+from jaxpar.parallel.compression._sparse import Sparsifier, randomk, topk
 
 __all__ = ["BaseCodec", "Codec", "CompressionError", "qsgd", "terngrad", "sign", "onebit", "cast", "topk",
            "randomk", "powersgd", "Sparsifier", "PowerSGD", "ExchangePlan", "exchange_plan", "check_codec",

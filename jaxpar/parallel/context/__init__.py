@@ -4,8 +4,8 @@ A model calls :func:`attention` (``[batch, length, heads, head_dim]``, causal / 
 sequences by ``segment_ids``, grouped-query K/V). On one device, or under a mesh without a
 ``context`` axis, it is ``jax.nn.dot_product_attention``. Under rules that map ``length`` to a
 ``context`` axis of size C > 1 it runs one of three exact methods, chosen by
-:func:`use_context_parallel`: ``ring`` (:mod:`jaxpar.parallel.context.ring`), ``all_gather`` or ``ulysses``.
-The balanced layout (:mod:`jaxpar.parallel.context.zigzag`) evens out the causal work; the data pipeline
+:func:`use_context_parallel`: ``ring`` (:mod:`jaxpar.parallel.context._ring`), ``all_gather`` or ``ulysses``.
+The balanced layout (:mod:`jaxpar.parallel.context._zigzag`) evens out the causal work; the data pipeline
 permutes the batch with :func:`to_balanced`.
 
 Example::
@@ -20,12 +20,12 @@ Example::
     True
 """
 
-from jaxpar.parallel.context.methods import (AttentionError, QKV_LOGICAL, attention, context_size, in_natural_order, in_sequence_order,
-                      sequence_order, ulysses_kv_repeat)
-from jaxpar.parallel.context.zigzag import RingWork, balanced_order, from_balanced, ring_block_pairs, to_balanced
-from jaxpar.parallel.context.options import CONTEXT, METHODS, ContextParallel, ContextParallelError, current_context_parallel
-from jaxpar.parallel.context.options import ContextCalls, count_context_calls, note_context_call, use_context_parallel
-from jaxpar.parallel.context.ring import ring_attention
+from jaxpar.parallel.context._methods import (AttentionError, QKV_LOGICAL, attention, context_size, in_natural_order, in_sequence_order,
+                                              sequence_order, ulysses_kv_repeat)
+from jaxpar.parallel.context._zigzag import RingWork, balanced_order, from_balanced, ring_block_pairs, to_balanced
+from jaxpar.parallel.context._options import CONTEXT, METHODS, ContextParallel, ContextParallelError, current_context_parallel
+from jaxpar.parallel.context._options import ContextCalls, count_context_calls, note_context_call, use_context_parallel
+from jaxpar.parallel.context._ring import ring_attention
 
 __all__ = [
     "attention", "AttentionError", "QKV_LOGICAL", "ulysses_kv_repeat", "sequence_order", "in_sequence_order", "in_natural_order",

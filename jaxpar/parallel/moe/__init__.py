@@ -1,12 +1,12 @@
 """Mixture of experts with expert parallelism (EP) over an ``expert`` mesh axis.
 
-- :mod:`jaxpar.parallel.moe.routing`: top-k softmax / sigmoid gates, the per-group capacity rule, the
+- :mod:`jaxpar.parallel.moe._routing`: top-k softmax / sigmoid gates, the per-group capacity rule, the
   load-balancing and z losses, the aux-loss-free bias update and the per-call statistics.
-- :mod:`jaxpar.parallel.moe.dispatch`: the dense capacity dispatch, and EP (two ``all_to_all`` over ``expert``
+- :mod:`jaxpar.parallel.moe._dispatch`: the dense capacity dispatch, and EP (two ``all_to_all`` over ``expert``
   in a ``shard_map``) when the rules shard the ``experts`` logical axis; the experts' MLPs, plain
   ``act(x w1) w2`` or gated ``(act(x w1) * (x w3)) w2`` (SwiGLU with ``activation="silu"``).
-- :mod:`jaxpar.parallel.moe.layer`: :func:`moe_apply` (a pure function of a parameter dict) and :class:`MoE`.
-- :mod:`jaxpar.parallel.moe.balance`: inside a train step each layer reports its load and balances with
+- :mod:`jaxpar.parallel.moe._layer`: :func:`moe_apply` (a pure function of a parameter dict) and :class:`MoE`.
+- :mod:`jaxpar.parallel.moe._balance`: inside a train step each layer reports its load and balances with
   the whole step's (micro-batches, pipelines), with nothing in the user's loss.
 
 Without rules (or with ``experts`` unsharded) the layer is one dense computation: the reference that
@@ -26,13 +26,13 @@ every sharded run equals, drops included (capacity is per batch row, which no st
 >>> bool(jnp.allclose(y1, y4, atol=1e-6)), int(s1.dropped) == int(s4.dropped)
 (True, True)
 """
-from jaxpar.parallel.moe.dispatch import (ACTIVATIONS, EXPERT_AXIS, activation_fn, dispatch_combine, ep_axes, expert_mlp, expert_rules,
-                       token_axes)
-from jaxpar.parallel.moe.balance import (LAYER_LOADS, Balance, Probe, balanced, prepass_loads, probe, reported_loads,
-                                         step_loads, use_step_loads)
-from jaxpar.parallel.moe.layer import (MOE_LOGICAL, MoE, MoECalls, RouterBias, count_moe_calls, moe_apply, need_router_bias,
-                                       router_bias, shared_mlp, use_router_bias)
-from jaxpar.parallel.moe.routing import (
+from jaxpar.parallel.moe._dispatch import (ACTIVATIONS, EXPERT_AXIS, activation_fn, dispatch_combine, ep_axes, expert_mlp, expert_rules,
+                                           token_axes)
+from jaxpar.parallel.moe._balance import (LAYER_LOADS, Balance, Probe, balanced, prepass_loads, probe, reported_loads,
+                                          step_loads, use_step_loads)
+from jaxpar.parallel.moe._layer import (MOE_LOGICAL, MoE, MoECalls, RouterBias, count_moe_calls, moe_apply, need_router_bias,
+                                        router_bias, shared_mlp, use_router_bias)
+from jaxpar.parallel.moe._routing import (
     GATES,
     MoEError,
     MoEStats,

@@ -10,8 +10,8 @@ time those would save (seeded straggler times). See ``docs/relaxed_sync.md``.
     >>> jaxpar.Strategy(sync=diloco(every=20)).name({"replica": 4, "data": 2})
     'r4-dp2-diloco-h20'
 """
-from jaxpar.parallel.sync.kinds import (SYNC_KINDS, Backup, DiLoCo, EASGD, Stale, SyncError, Synchronous, backup, check_sync, diloco,
-                    easgd, local_sgd, make_sync, stale, synchronous)
+from jaxpar.parallel.sync._kinds import (SYNC_KINDS, Backup, DiLoCo, EASGD, Stale, SyncError, Synchronous, backup, check_sync, diloco,
+                                         easgd, local_sgd, make_sync, stale, synchronous)
 
 __all__ = ["SYNC_KINDS", "Backup", "DiLoCo", "EASGD", "Stale", "SyncError", "Synchronous", "backup", "check_sync",
            "diloco", "easgd", "local_sgd", "make_sync", "stale", "synchronous"]

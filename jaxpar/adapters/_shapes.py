@@ -1,0 +1,51 @@
+"""A model's parameter shapes and logical annotations, traced without allocating anything."""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from flax import nnx
+
+from jaxpar.errors import MoEError
+
+__all__ = ["abstract_model"]
+
+
+def abstract_model(model_fn: Callable[[], nnx.Module]):
+    """The model's structure, parameter shapes and logical annotations, without allocating it.
+
+    Args:
+      model_fn: builds the NNX model (every variable an ``nnx.Param``); it is only traced.
+
+    Returns:
+      ``(graphdef, shapes, logical)``: the ``nnx`` graph definition, a pure dict of
+      ``ShapeDtypeStruct`` and one of ``PartitionSpec`` over logical names.
+
+    Raises:
+      MoEError: MoE layers that keep their router bias in the layer (``MoE(router_bias=True)``).
+      ValueError: other state that is not an ``nnx.Param``.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jaxpar.models._mlp import MLPClassifier
+      >>> _, shapes, logical = abstract_model(lambda: MLPClassifier(4, 8, 8, 3, depth=1, rngs=nnx.Rngs(0)))
+      >>> shapes["inp"]["kernel"].shape, logical["inp"]["kernel"]
+      ((4, 8), P(None, 'embed'))
+    """
+    with nnx.use_eager_sharding(False):
+        abs_model = nnx.eval_shape(model_fn)
+    graphdef, abs_params, rest = nnx.split(abs_model, nnx.Param, ...)
+    kinds = sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))})
+    if "RouterBias" in kinds:
+        raise MoEError("init_train_state: the model's MoE layers keep their router bias in the layer "
+                       "(jaxpar.parallel.moe.MoE(router_bias=True)), where only a hand-written loop moves it "
+                       "(jaxpar.parallel.moe.update_router_bias). jaxpar's step keeps the bias in the train state "
+                       "(jaxpar.step.with_router_bias), which the GPT reads (GPTConfig.moe.bias_rate) and a "
+                       "user's MoE layer does not: build the layers with router_bias=False and balance them with "
+                       "the load-balancing loss (the MoEStats.aux_loss they return).")
+    if kinds:
+        raise ValueError(f"init_train_state: the model has non-Param state ({kinds}); jaxpar trains models whose "
+                         "state is all nnx.Param. Keep RNG streams and counters outside the module.")
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(abs_params))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(abs_params))
+    return graphdef, shapes, logical

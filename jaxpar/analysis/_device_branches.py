@@ -1,0 +1,362 @@
+"""Collectives inside device-dependent branches of a compiled program: a taint analysis of its HLO.
+
+A ``conditional`` whose branch index (or predicate) differs between devices runs a branch on some
+devices only. A collective in such a branch waits for peers that never reach it: XLA:CPU hangs,
+and on GPUs it is undefined behaviour (NCCL may deadlock or pair the wrong calls). jaxpar's
+per-stage pipeline program branches on the stage index (``axis_index('pipe')``); its lockstep
+programs branch on the tick's kind only, the same on every device. This module checks a compiled
+program for the first kind of branch holding a collective.
+
+Method (over ``compiled.as_text()``, the optimised, SPMD-partitioned module):
+
+* **Sources.** ``partition-id`` and ``replica-id`` are tainted: every device-dependent value of an
+  SPMD program derives from them (``axis_index`` lowers to arithmetic on ``partition-id``, or to a
+  table indexed by it).
+* **Values.** A value's taint mirrors its shape: a bool for an array, one taint per element for a
+  tuple (a loop-invariant stage index hoisted into one element of a ``while`` tuple leaves the tick
+  counter beside it clean). An instruction's result is tainted when an operand is;
+  ``tuple`` / ``get-tuple-element`` build and pick elements.
+* **Calls.** Parameter ``k`` of a computation joins what each of its call sites passes: operand
+  ``k`` of a ``call``, ``fusion``, ``async-start`` or ``custom-call``; the initial tuple and the body's
+  result of a ``while`` (its body and condition); operand ``k + 1`` for branch ``k`` of a
+  ``conditional``; all operands (collapsed) for a ``to_apply`` reduction. A call's result is its
+  callee's root; a ``while``'s result joins its initial tuple and its body's root, and is tainted
+  whole when its condition is; a ``conditional``'s result joins its branches' roots, and is tainted
+  whole when its branch index is (which branch ran differs between devices). Async ``-start`` /
+  ``-update`` / ``-done`` and other instructions pass their operands' taint on.
+* **Collectives.** An ``all-reduce`` or ``all-gather`` whose one replica group holds every device
+  gives every device the same value: its result is clean. Other collectives pass taint on.
+* **Fixed point.** All of this is applied to every instruction of the module, in text order, until
+  nothing changes (taints only grow, so loops converge in a few passes).
+
+A ``conditional`` whose branch index is tainted is **device-dependent** (a ``while`` whose condition
+is tainted, too: its trip count differs). Every collective (the ``KINDS`` of
+:mod:`jaxpar.analysis._hlo_text` and their async ``-start`` forms; a plain all-reduce of libtpu's
+``all-reduce-scatter`` fusions counts as a reduce-scatter; of libtpu's async collective fusion chains
+only the start) in the computations its branches reach, through calls, fusions, async wrappers and
+nested control flow, is reported once, for the innermost such conditional. Forms the compilers
+write: ``branch_computations={...}`` (XLA:CPU, libtpu), ``true_computation`` / ``false_computation``
+(the GPU compiler's predicate form), collectives in fusions and ``async-start`` wrappers,
+``*-start`` / ``*-done`` pairs.
+
+Only values derived from the device's id are tracked: a branch on data that differs between devices
+(a sharded input) is not flagged. The analysis is conservative otherwise: a value that mixes a
+tainted one in stays tainted (e.g. an all-reduce over one mesh axis only).
+
+Example:
+    >>> hlo = '''HloModule m, num_partitions=2
+    ... %add (a: f32[], b: f32[]) -> f32[] {
+    ...   %a = f32[] parameter(0)
+    ...   %b = f32[] parameter(1)
+    ...   ROOT %s = f32[] add(%a, %b)
+    ... }
+    ... %reduce (p: f32[4]) -> f32[4] {
+    ...   %p = f32[4]{0} parameter(0)
+    ...   ROOT %ar = f32[4]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
+    ... }
+    ... %skip (q: f32[4]) -> f32[4] {
+    ...   ROOT %q = f32[4]{0} parameter(0)
+    ... }
+    ... ENTRY %main (x: f32[4]) -> f32[4] {
+    ...   %x = f32[4]{0} parameter(0)
+    ...   %id = u32[] partition-id()
+    ...   %zero = u32[] constant(0)
+    ...   %first = pred[] compare(%id, %zero), direction=EQ
+    ...   ROOT %c = f32[4]{0} conditional(%first, %x, %x), true_computation=%reduce, false_computation=%skip
+    ... }'''
+    >>> device_dependent_collectives(hlo)
+    [BranchCollective(name='ar', kind='all-reduce', conditional='c', computation='reduce', branch='reduce')]
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Union
+
+from jaxpar.analysis._hlo_text import (
+    KINDS,
+    Instruction,
+    branch_computations,
+    called_computations,
+    operands,
+    parse_instructions,
+    reached_computations,
+    tpu_async_roles,
+    tpu_reduce_scatters,
+)
+from jaxpar.analysis._replica_groups import parse_replica_groups
+
+__all__ = ["BranchCollective", "device_dependent_collectives", "device_dependent_conditionals", "taints"]
+
+#: A value's taint: a bool for an array, a tuple of taints for a tuple.
+Taint = Union[bool, tuple]
+
+_SOURCES = ("partition-id", "replica-id")
+_POSITIONAL = ("call", "fusion", "async-start", "custom-call")
+_ROOT = re.compile(r"^\s+ROOT\s+%?([\w.\-]+)\s*=", re.M)
+_MORE_CALLS = re.compile(r"\b(called_computations|select|scatter)=(\{[^}]*\}|%[\w.\-]+)")
+_INDEX = re.compile(r"\bindex=(\d+)")
+
+
+@dataclass(frozen=True)
+class BranchCollective:
+    """A collective that only the devices taking one branch of a device-dependent conditional reach.
+
+    Attributes:
+      name: the collective instruction (an async collective's ``-start``).
+      kind: one of :data:`~jaxpar.analysis._hlo_text.KINDS`.
+      conditional: the device-dependent ``conditional`` (or ``while``) instruction.
+      computation: the computation the collective is in.
+      branch: the branch computation of ``conditional`` that reaches it (the body, for a ``while``).
+    """
+
+    name: str
+    kind: str
+    conditional: str
+    computation: str
+    branch: str
+
+
+# ----------------------------------------------------------------------------- the lattice
+
+
+def _any(t: Taint) -> bool:
+    return any(_any(e) for e in t) if isinstance(t, tuple) else bool(t)
+
+
+def _norm(t: Taint) -> Taint:
+    if not isinstance(t, tuple):
+        return bool(t)
+    t = tuple(_norm(e) for e in t)
+    if all(e is True for e in t) and t:
+        return True
+    return False if not _any(t) else t
+
+
+def _join(a: Taint, b: Taint) -> Taint:
+    if a is False or b is True:
+        return b
+    if b is False or a is True:
+        return a
+    if len(a) != len(b):
+        return True if _any(a) or _any(b) else False
+    return _norm(tuple(_join(x, y) for x, y in zip(a, b)))
+
+
+def _element(t: Taint, i: int) -> Taint:
+    return t[i] if isinstance(t, tuple) and i < len(t) else bool(t) if not isinstance(t, tuple) else _any(t)
+
+
+def _join_all(ts) -> Taint:
+    out: Taint = False
+    for t in ts:
+        out = _join(out, t)
+    return out
+
+
+# ----------------------------------------------------------------------------- the module
+
+
+class _Module:
+    """An HLO module's instructions, roots and parameters, and the taint of each value."""
+
+    def __init__(self, text: str):
+        self.instrs = parse_instructions(text)
+        self.by_name = {i.name: i for i in self.instrs}
+        self.roots = {self.by_name[n].computation: n for n in _ROOT.findall(text) if n in self.by_name}
+        self.ops = {i.name: operands(i.rest) for i in self.instrs}
+        self.calls = {i.name: _calls(i) for i in self.instrs}
+        match = re.search(r"\bnum_partitions=(\d+)", text.split("\n", 1)[0])
+        self.partitions = int(match.group(1)) if match else 0
+        self.taint: dict[str, Taint] = {}
+        self.params: dict[tuple[str, int | None], Taint] = {}
+
+    def of(self, name: str) -> Taint:
+        return self.taint.get(name, False)
+
+    def root(self, comp: str) -> Taint:
+        return self.of(self.roots.get(comp, ""))
+
+    def feed(self, comp: str, k: int | None, t: Taint) -> bool:
+        """Join ``t`` into parameter ``k`` of ``comp`` (``None``: every parameter); True if it grew."""
+        old = self.params.get((comp, k), False)
+        new = _join(old, t)
+        self.params[(comp, k)] = new
+        return new != old
+
+    def param(self, instr: Instruction) -> Taint:
+        k = self.ops[instr.name][0] if self.ops[instr.name] else "0"
+        return _join(self.params.get((instr.computation, int(k) if k.isdigit() else 0), False),
+                     self.params.get((instr.computation, None), False))
+
+
+def _calls(instr: Instruction) -> list[tuple[str, str]]:
+    """``called_computations`` plus the attributes it does not read (custom calls, select-and-scatter)."""
+    more = [(key, name) for key, value in _MORE_CALLS.findall(instr.rest) for name in re.findall(r"%([\w.\-]+)", value)]
+    return called_computations(instr) + more
+
+
+def _uniform(m: _Module, instr: Instruction) -> bool:
+    """An all-reduce or all-gather over one group of every device: the same result everywhere."""
+    if instr.opcode.removesuffix("-start") not in ("all-reduce", "all-gather") or not m.partitions:
+        return False
+    try:
+        groups = parse_replica_groups(instr.rest)
+    except ValueError:
+        return False
+    return groups is not None and (groups == [] or (len(groups) == 1 and len(groups[0]) == m.partitions))
+
+
+def _result(m: _Module, instr: Instruction) -> Taint:
+    """The taint of ``instr``'s result, from its operands' and its callees' current taints."""
+    op, ops = instr.opcode, [m.of(o) for o in m.ops[instr.name]]
+    callees = [c for _, c in m.calls[instr.name]]
+    if op in _SOURCES:
+        return True
+    if op == "parameter":
+        return m.param(instr)
+    if op == "tuple":
+        return _norm(tuple(ops))
+    if op == "get-tuple-element":
+        index = _INDEX.search(instr.rest)
+        return _element(ops[0], int(index.group(1))) if ops and index else _any(_join_all(ops))
+    if op == "while":
+        body = next((c for k, c in m.calls[instr.name] if k == "body"), "")
+        cond = next((c for k, c in m.calls[instr.name] if k == "condition"), "")
+        return True if _any(m.root(cond)) else _join(_join_all(ops), m.root(body))
+    if op == "conditional":
+        roots = _join_all(m.root(b) for b in branch_computations(instr))
+        return True if ops and _any(ops[0]) else roots
+    if op in ("call", "fusion") and callees:
+        return m.root(callees[0])
+    if _uniform(m, instr):
+        return False
+    return _any(_join_all(ops + [m.root(c) for c in callees]))
+
+
+def _branch_operands(instr: Instruction) -> list[tuple[str, int]]:
+    """``(branch computation, index of the operand it is passed)`` of a ``conditional``: a predicate
+    conditional passes operand 1 to its true computation and operand 2 to its false one."""
+    calls = dict(called_computations(instr))
+    if "true_computation" in calls:
+        return [(calls["true_computation"], 1), (calls.get("false_computation", ""), 2)]
+    return [(b, j + 1) for j, b in enumerate(branch_computations(instr))]
+
+
+def _feed_callees(m: _Module, instr: Instruction) -> bool:
+    """Pass ``instr``'s operand taints to its callees' parameters; True if one grew."""
+    ops = [m.of(o) for o in m.ops[instr.name]]
+    grew = False
+    if instr.opcode == "while":
+        into = _join(ops[0] if ops else False, m.root(next((c for k, c in m.calls[instr.name] if k == "body"), "")))
+        for _, callee in m.calls[instr.name]:
+            grew |= m.feed(callee, 0, into)
+    elif instr.opcode == "conditional":
+        for branch, k in _branch_operands(instr):
+            grew |= m.feed(branch, 0, ops[k] if k < len(ops) else False)
+    elif instr.opcode in _POSITIONAL:
+        for _, callee in m.calls[instr.name]:
+            for k, t in enumerate(ops):
+                grew |= m.feed(callee, k, t)
+    else:
+        for _, callee in m.calls[instr.name]:
+            grew |= m.feed(callee, None, _any(_join_all(ops)))
+    return grew
+
+
+def _analyse(text: str) -> _Module:
+    m = _Module(text)
+    changed = True
+    while changed:
+        changed = False
+        for instr in m.instrs:
+            changed |= _feed_callees(m, instr)
+            old = m.of(instr.name)
+            new = _join(old, _result(m, instr))
+            if new != old:
+                m.taint[instr.name] = new
+                changed = True
+    return m
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _hlo_text(compiled_or_text: Any) -> str:
+    if isinstance(compiled_or_text, str):
+        return compiled_or_text
+    as_text = getattr(compiled_or_text, "as_text", None)
+    if as_text is None:
+        raise TypeError(f"device_dependent_collectives takes a jax.stages.Compiled or HLO text, "
+                        f"got {type(compiled_or_text).__name__}")
+    return as_text()
+
+
+def taints(compiled_or_text: Any) -> dict[str, Taint]:
+    """The tainted values of a module (see the module docstring).
+
+    Args:
+      compiled_or_text: a ``jax.stages.Compiled`` or HLO module text.
+
+    Returns:
+      ``{instruction name: taint}`` for every instruction whose result derives (in part) from
+      ``partition-id`` / ``replica-id``: ``True``, or a tuple of per-element taints.
+    """
+    return {k: v for k, v in _analyse(_hlo_text(compiled_or_text)).taint.items() if _any(v)}
+
+
+def _dependent(m: _Module) -> list[tuple[Instruction, list[str]]]:
+    """The device-dependent conditionals and whiles of ``m``, with the computations they choose between."""
+    out = []
+    for i in m.instrs:
+        ops = m.ops[i.name]
+        if i.opcode == "conditional" and ops and _any(m.of(ops[0])):
+            out.append((i, branch_computations(i)))
+        elif i.opcode == "while":
+            calls = dict(m.calls[i.name])
+            if _any(m.root(calls.get("condition", ""))):
+                out.append((i, [calls.get("body", "")]))
+    return out
+
+
+def device_dependent_conditionals(compiled_or_text: Any) -> list[str]:
+    """The ``conditional`` (and ``while``) instructions whose branch index (condition) depends on the device.
+
+    Args:
+      compiled_or_text: a ``jax.stages.Compiled`` or HLO module text.
+
+    Returns:
+      Their names, in text order.
+    """
+    return [i.name for i, _ in _dependent(_analyse(_hlo_text(compiled_or_text)))]
+
+
+def device_dependent_collectives(compiled_or_text: Any) -> list[BranchCollective]:
+    """Every collective inside a branch of a device-dependent conditional (see the module docstring).
+
+    Args:
+      compiled_or_text: a ``jax.stages.Compiled`` or HLO module text (XLA:CPU, GPU or libtpu).
+
+    Returns:
+      One :class:`BranchCollective` per collective, in text order of the conditionals (innermost
+      first: HLO text prints callees before callers); ``[]`` when every collective is reached by
+      every device that reaches its computation's caller.
+    """
+    text = _hlo_text(compiled_or_text)
+    m = _analyse(text)
+    graph: dict[str, set[str]] = {}
+    for i in m.instrs:
+        graph.setdefault(i.computation, set()).update(c for _, c in m.calls[i.name])
+    tpu, scatters = tpu_async_roles(text, m.instrs), tpu_reduce_scatters(m.instrs)
+    colls = [i for i in m.instrs if i.opcode.removesuffix("-start") in KINDS and tpu.get(i.name, "start") == "start"]
+    found, seen = [], set()
+    for cond, branches in _dependent(m):
+        branch_of = {}
+        for branch in reversed(branches):        # a computation two branches reach: the first one's
+            branch_of.update(dict.fromkeys(reached_computations(graph, [branch]), branch))
+        for i in colls:
+            if i.computation in branch_of and i.name not in seen:
+                seen.add(i.name)
+                kind = "reduce-scatter" if i.name in scatters else i.opcode.removesuffix("-start")
+                found.append(BranchCollective(i.name, kind, cond.name, i.computation, branch_of[i.computation]))
+    return found

@@ -1,0 +1,333 @@
+"""Semantic checks: :func:`check` lists every impossible setting of a :class:`JobConfig`.
+
+It builds the library's objects (``GPTConfig``, ``Strategy``, ``MeshSpec``, the pipeline schedule,
+the stage partition) and reports their errors under the YAML keys; it resolves the import paths of a
+user model, loss and data function and checks their signatures (nothing is called). The combinations
+of features, and what each feature needs, are the library's: the problems of the compatibility table
+(:mod:`jaxpar.compat`) rendered with :data:`YAML_NAMES`. Only checks that span sections (batch size
+vs. mesh axes, model sizes vs. ``mesh.tensor``) and the YAML's own keys, types and paths are written
+out here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+from jaxpar.mesh import MeshError
+from jaxpar.parallel.pipeline._partition import PartitionError, check_stage_layers, uniform_layers
+from jaxpar.parallel.pipeline._schedules import get_schedule
+from jaxpar.config._build import MODELS, build_gpt_config, build_strategy, mesh_error, mesh_spec
+from jaxpar.config._optimizer_section import OPTIMIZERS, lr_scaling_problems
+from jaxpar.config._data_section import build_ramp
+from jaxpar.config._data_checks import data_problems
+from jaxpar.config._problems import at_least, choice, collect
+from jaxpar.config._hf_model import hf_problems, tokenizer_problems
+from jaxpar.config._imports import call_problem, resolve_import
+from jaxpar.config._schema import (LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS, ConfigError,
+                                   JobConfig, ModelConfig, OptimizerConfig, ParallelConfig)
+
+__all__ = ["check", "table_setting", "YAML_NAMES"]
+
+
+def _mesh_sizes(cfg: JobConfig, num_devices: int | None) -> dict[str, int]:
+    """``MeshSpec.sizes`` (checked against ``num_devices``; without it only the sizes themselves)."""
+    spec = mesh_spec(cfg.mesh)
+    try:
+        if num_devices is None:
+            known = math.prod(s for s in spec.requested().values() if isinstance(s, int) and s > 0)
+            return spec.sizes(known)      # -1 resolves to 1 here: callers must not use it
+        return spec.sizes(num_devices)
+    except MeshError as e:
+        devices = (f" (train.devices={cfg.train.devices}; 0 = the devices JAX has)"
+                   if num_devices is not None else "")
+        raise ConfigError(mesh_error(e, cfg.mesh) + devices) from None
+
+
+def _schedule_problem(par: ParallelConfig, p: int) -> str | None:
+    try:
+        get_schedule(par.schedule, p, par.microbatches, par.virtual_stages)
+    except ValueError as e:
+        return (f"parallel.schedule={par.schedule!r} with mesh.pipe={p}, parallel.microbatches={par.microbatches}, "
+                f"parallel.virtual_stages={par.virtual_stages}: {e}")
+    return None
+
+
+def _stage_layers_problem(par: ParallelConfig, layers: int | None, p: int) -> str | None:
+    """``uniform_layers`` / ``check_stage_layers`` relabelled; ``layers=None`` (a user model): count only."""
+    v = par.virtual_stages
+    try:
+        if par.stage_layers is not None:
+            check_stage_layers(par.stage_layers, sum(par.stage_layers) if layers is None else layers, p, v)
+        elif layers is not None:
+            uniform_layers(layers, p * v)
+    except PartitionError as e:
+        msg = re.sub(r"(?<![\w.])stage_layers\b", "parallel.stage_layers", str(e))
+        model = f"model.layers={layers}, " if layers is not None else ""
+        return f"{model}mesh.pipe={p} x parallel.virtual_stages={v}: {msg}"
+    return None
+
+
+def _optimizer_problems(p: list[str], opt: OptimizerConfig) -> None:
+    choice(p, "optimizer.name", opt.name, tuple(OPTIMIZERS))
+    choice(p, "optimizer.lr_schedule", opt.lr_schedule, LR_SCHEDULES)
+    if opt.lr <= 0:
+        p.append(f"optimizer.lr={opt.lr!r}: must be > 0.")
+    for key in ("b1", "b2"):
+        if not 0 <= getattr(opt, key) < 1:
+            p.append(f"optimizer.{key}={getattr(opt, key)!r}: must be in [0, 1).")
+    for key in ("weight_decay", "momentum", "warmup_steps", "eps"):
+        at_least(p, f"optimizer.{key}", getattr(opt, key), 0)
+    if not 0 <= opt.min_lr_ratio <= 1:
+        p.append(f"optimizer.min_lr_ratio={opt.min_lr_ratio!r}: must be in [0, 1].")
+    if opt.clip_norm is not None and opt.clip_norm <= 0:
+        p.append(f"optimizer.clip_norm={opt.clip_norm!r}: must be > 0, or null for no clipping.")
+    p.extend(lr_scaling_problems(opt.lr_scaling))
+    if opt.trust_coefficient <= 0:
+        p.append(f"optimizer.trust_coefficient={opt.trust_coefficient!r}: must be > 0 (LARS: e.g. 0.001).")
+    for key in ("include", "exclude"):
+        patterns = getattr(opt.trust_mask, key)
+        if patterns and opt.name not in ("lars", "lamb"):
+            p.append(f"optimizer.trust_mask.{key}={list(patterns)!r}: only used by optimizer.name=lars or lamb "
+                     f"(here {opt.name!r}); remove it or choose one of them.")
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                p.append(f"optimizer.trust_mask.{key}: {pattern!r} is not a valid regular expression ({e}); "
+                         "write a Python regex searched in the parameter path, e.g. 'ln.*_scale$'.")
+
+
+
+
+def _onebit_adam_problems(strategy, opt: OptimizerConfig) -> list[str]:
+    """``parallel.compression.optimizer_momentum`` (1-bit Adam): Adam with that b1, no clip after the exchange."""
+    b1 = getattr(strategy.compression, "optimizer_momentum", 0.0)
+    if not b1:
+        return []
+    key, p = f"parallel.compression.optimizer_momentum={b1}", []
+    if opt.name not in ("adam", "adamw"):
+        p.append(f"{key} compresses Adam's first moment (1-bit Adam), but optimizer.name={opt.name!r}; use "
+                 "optimizer.name: adamw (or adam).")
+    elif opt.b1 != b1:
+        p.append(f"{key} but optimizer.b1={opt.b1}: Adam's first moment must be the one compressed; set both to "
+                 "the same value.")
+    b2 = getattr(strategy.compression, "precondition", 0.0)
+    if b2 and opt.name in ("adam", "adamw") and opt.b2 != b2:
+        p.append(f"parallel.compression.precondition={b2} but optimizer.b2={opt.b2}: top-k ranks Adam's moment by "
+                 "Adam's own second moment; set both to the same value.")
+    return p
+
+
+def _user_model_problems(p: list[str], m: ModelConfig) -> None:
+    """Import paths and call signatures of a user model (nothing is called)."""
+    target = collect(p, lambda: resolve_import(m.target, "model.target"))
+    if target is not None:
+        if "rngs" in m.kwargs:
+            p.append("model.kwargs.rngs: set by jaxpar (nnx.Rngs(train.seed)); remove it.")
+        elif why := call_problem(target, **m.kwargs, rngs=None):
+            p.append(f"model.kwargs={m.kwargs}: model.target={m.target!r} is called as "
+                     f"target(**model.kwargs, rngs=nnx.Rngs(train.seed)), which does not fit it: {why}.")
+    if m.loss is None:
+        p.append(f"model.loss: missing; with model.target={m.target!r} name the loss function, "
+                 "'package.module:loss' or 'path/to/file.py:loss', called as loss(model, batch) -> scalar.")
+    elif (loss := collect(p, lambda: resolve_import(m.loss, "model.loss"))) is not None:
+        if why := call_problem(loss, None, None):
+            p.append(f"model.loss={m.loss!r}: is called as loss(model, batch) -> scalar, which does not fit it: "
+                     f"{why}.")
+
+
+def _model_problems(p: list[str], cfg: JobConfig) -> Any:
+    """Problems of the model section (and how it fits the data); the ``GPTConfig`` or None."""
+    m, d, tr = cfg.model, cfg.data, cfg.train
+    p.extend(tokenizer_problems(cfg) + (hf_problems(cfg) if m.hf is not None else []))   # .hf_model
+    if m.hf is not None:
+        return None
+    if m.target is not None:
+        _user_model_problems(p, m)
+        if d.kind != "import":
+            p.append(f"data.kind={d.kind!r} makes token windows of model.seq_len for the built-in GPT; with "
+                     f"model.target={m.target!r} use data.kind=import and data.target (your batch function).")
+        return None
+    choice(p, "model.name", m.name, tuple(MODELS))
+    for key in USER_MODEL_KEYS[1:]:
+        if getattr(m, key):
+            p.append(f"model.{key}={getattr(m, key)!r}: only used with model.target (a model of your own); the "
+                     f"built-in model.name={m.name!r} needs none.")
+    at_least(p, "model.mlp", m.mlp, 1)          # GPTConfig leaves mlp unchecked
+    gpt = collect(p, lambda: build_gpt_config(m))
+    if d.kind == "text" and m.vocab < 256 and d.tokenizer is None:
+        p.append(f"model.vocab={m.vocab}: byte-level text (data.kind=text) needs model.vocab >= 256.")
+    if d.kind == "text" and tr.eval_batches > 0 and d.eval_fraction <= 0:
+        p.append("data.eval_fraction=0 leaves no held-out text; set it > 0 or train.eval_batches=0.")
+    return gpt
+
+
+def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[str]:
+    """Checks across sections that need the mesh sizes (with ``num_devices``: also their product)."""
+    try:
+        sizes = _mesh_sizes(cfg, num_devices)
+    except ConfigError as e:
+        return [str(e)]
+    if num_devices is None and -1 in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.pipe, cfg.mesh.replica):
+        return []  # the rest needs the device count
+    problems, par, p = [], cfg.parallel, sizes["pipe"]
+    if p > 1:
+        for why in (_schedule_problem(par, p), _stage_layers_problem(par, gpt.layers if gpt else None, p)):
+            if why:
+                problems.append(why)
+    problems += _steps_per_call_problems(cfg)
+    t, dp, k = sizes["tensor"], sizes["data"] * sizes["fsdp"] * sizes.get("replica", 1), par.microbatches
+    if gpt is not None:
+        dims = [("model.heads", gpt.heads), ("model.mlp (default 4 x model.embed)", gpt.mlp_dim),
+                ("model.vocab", gpt.vocab)]
+        if par.sequence_parallel:
+            dims.append(("model.seq_len (sequence parallel)", gpt.seq_len))
+        problems += [f"{key}={size} is not divisible by mesh.tensor={t}." for key, size in dims if size % t]
+    rep = " x mesh.replica" if sizes.get("replica", 1) > 1 else ""
+    if cfg.data.batch_size % (dp * k):
+        problems.append(f"data.batch_size={cfg.data.batch_size} is not divisible by mesh.data x mesh.fsdp{rep} x "
+                        f"parallel.microbatches = {dp * k}.")
+    return problems + _ramp_problems(cfg, dp * k, f"mesh.data x mesh.fsdp{rep} x parallel.microbatches = {dp * k}")
+
+
+#: The YAML key of each field that the compatibility table's messages name (the library's names:
+#: :data:`jaxpar.compat.LIBRARY_NAMES`, the same keys).
+YAML_NAMES = {
+    "zero": "parallel.zero", "sequence_parallel": "parallel.sequence_parallel", "schedule": "parallel.schedule",
+    "compression": "parallel.compression", "sync": "parallel.sync", "local_clip": "parallel.compression.local_clip",
+    "microbatches": "parallel.microbatches", "update_every": "parallel.update_every",
+    "compute_dtype": "parallel.compute_dtype", "explicit_dp": "explicit_dp",
+    "steps_per_call": "parallel.steps_per_call", "clip_norm": "optimizer.clip_norm",
+    "noise_scale_every": "logging.noise_scale.every", "optimizer": "optimizer.name",
+    "pipe": "mesh.pipe", "pipe_axis": "mesh.pipe", "replica": "mesh.replica", "replica_axis": "mesh.replica",
+    "data": "mesh.data", "fsdp": "mesh.fsdp", "tensor": "mesh.tensor", "context": "mesh.context", "expert": "mesh.expert",
+    "ramp": "data.batch_ramp", "ramp_steps": "data.batch_ramp.steps",
+    "steps": "train.steps", "log_every": "train.log_every", "eval_every": "train.eval_every",
+    "checkpoint_every": "checkpoint.every", "router_bias_rate": "model.moe.bias_rate",
+    "aux_weight": "model.moe.aux_weight", "true": "true", "false": "false", "none": "null",
+}
+
+
+def table_setting(cfg: JobConfig, strategy: Any, sizes: dict[str, int]) -> Any:
+    """The compatibility table's :class:`~jaxpar.compat.Setting` of a config.
+
+    Args:
+      cfg: the config.
+      strategy: its :class:`~jaxpar.Strategy` (``build_strategy(cfg.parallel)``).
+      sizes: its mesh sizes.
+
+    Returns:
+      The setting: the strategy, the mesh, the step's and the loop's options the table reads, and
+      the router bias's rate (``model.moe.bias_rate`` > 0 of the GPT: the job adds the bias).
+    """
+    from jaxpar.compat._table import Setting
+
+    ramp = cfg.data.batch_ramp or {}
+    kind = None if not ramp else ("adaptive" if ramp.get("adaptive") else "fixed")
+    k = cfg.parallel.steps_per_call
+    intervals = (("steps", cfg.train.steps), ("log_every", cfg.train.log_every),
+                 ("eval_every", cfg.train.eval_every), ("checkpoint_every", cfg.checkpoint.every))
+    bias = (cfg.model.moe or {}).get("bias_rate") if cfg.model.name == "gpt" else None   # the job adds a bias then
+    on = isinstance(bias, (int, float)) and not isinstance(bias, bool) and bias > 0
+    return Setting(strategy, sizes, steps_per_call=k if isinstance(k, int) and k >= 1 else 1,
+                   clip_norm=cfg.optimizer.clip_norm, noise_scale_every=cfg.logging.noise_scale.every,
+                   ramp=kind, ramp_steps=tuple(s for s in ramp.get("steps") or () if isinstance(s, int)),
+                   intervals=tuple((key, v) for key, v in intervals if isinstance(v, int)),
+                   router_bias_rate=bias if on else None)
+
+
+def _table_problems(cfg: JobConfig, strategy: Any, num_devices: int | None) -> list[str]:
+    """The compatibility table's refusals and needs (:mod:`jaxpar.compat._table`) of this config, under
+    its YAML keys. A ``-1`` mesh size that no device count resolves counts as 1 for the pairs (fewer
+    features on); the needs then wait for the device count."""
+    from jaxpar.compat._table import needs, problems
+
+    try:
+        sizes = _mesh_sizes(cfg, num_devices)
+    except ConfigError:
+        return []          # the mesh itself is reported elsewhere
+    setting = table_setting(cfg, strategy, sizes)
+    found = problems(setting)
+    if num_devices is not None or -1 not in dataclasses.astuple(cfg.mesh):
+        found += needs(setting)
+    return [p.render(YAML_NAMES) for p in found]
+
+
+def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
+    """``data.batch_ramp``: well formed, and every size divisible like ``data.batch_size``."""
+    from jaxpar.run._ramp import RampError
+
+    try:
+        ramp = build_ramp(cfg.data)
+        if ramp is not None:
+            ramp.check_divisible(n, what)
+        if cfg.data.batch_ramp.get("adaptive") and cfg.logging.noise_scale.every is None:
+            return [f"data.batch_ramp.adaptive=true grows the batch toward the measured gradient noise scale, but "
+                    f"logging.noise_scale.every is not set; measure it, e.g. logging.noise_scale: {{every: "
+                    f"{min(10, ramp.every)}}} (at most data.batch_ramp.every={ramp.every})."]
+    except ConfigError as e:
+        return [str(e)]
+    except RampError as e:
+        return [f"data.batch_ramp: {str(e).removeprefix('batch ramp: ')}"]
+    return []
+
+
+def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
+    """``parallel.steps_per_call``'s type (what it needs of the loop's intervals: :mod:`jaxpar.compat._needs`)."""
+    k = cfg.parallel.steps_per_call
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        return [f"parallel.steps_per_call={k!r}: must be an int >= 1 (optimizer steps per compiled call)."]
+    return []
+
+
+def _noise_scale_problems(p: list[str], cfg: JobConfig) -> None:
+    """``logging.noise_scale.every`` / ``ema`` themselves."""
+    ns = cfg.logging.noise_scale
+    if ns.every is not None and (isinstance(ns.every, bool) or not isinstance(ns.every, int) or ns.every < 1):
+        p.append(f"logging.noise_scale.every={ns.every!r}: must be an int >= 1 (measure every that many steps), "
+                 "or null to measure nothing.")
+    if not 0 <= ns.ema < 1:
+        p.append(f"logging.noise_scale.ema={ns.ema!r}: must be in [0, 1), the decay of the moving averages per "
+                 "measurement (0: none; e.g. 0.95).")
+
+
+def check(cfg: JobConfig, num_devices: int | None = None) -> None:
+    """Raise :class:`ConfigError` listing every impossible setting (with ``num_devices``: also the mesh).
+
+    Builds the library's objects (``GPTConfig``, ``Strategy``, ``MeshSpec``, the pipeline schedule,
+    the stage partition) and reports their errors under the YAML keys; resolves the import paths of
+    a user model, loss and data function (imports them, calls nothing).
+
+    Args:
+      cfg: the loaded config.
+      num_devices: the device count the mesh must fill (None: the mesh is not checked).
+    """
+    p: list[str] = []
+    par, opt, tr = cfg.parallel, cfg.optimizer, cfg.train
+    gpt = _model_problems(p, cfg)
+    strategy = collect(p, lambda: build_strategy(par))
+    _optimizer_problems(p, opt)
+    if strategy is not None:
+        p.extend(_onebit_adam_problems(strategy, opt))
+        p.extend(_table_problems(cfg, strategy, num_devices))
+    p.extend(data_problems(cfg))
+    for key, low in (("steps", 1), ("log_every", 1), ("eval_every", 0), ("eval_batches", 0), ("devices", 0)):
+        at_least(p, f"train.{key}", getattr(tr, key), low)
+    choice(p, "train.progress", tr.progress, PROGRESS_MODES)
+    choice(p, "train.on_nonfinite", tr.on_nonfinite, NONFINITE_MODES)
+    ck, lg = cfg.checkpoint, cfg.logging
+    for key, value, low in (("checkpoint.every", ck.every, 0), ("checkpoint.keep", ck.keep, 1),
+                            ("logging.samples", lg.samples, 0), ("logging.sample_tokens", lg.sample_tokens, 1)):
+        at_least(p, key, value, low)
+    if ck.resume and not ck.enabled:
+        p.append("checkpoint.resume=true needs checkpoint.enabled=true (resuming also keeps saving).")
+    if lg.peak_flops is not None and lg.peak_flops <= 0:
+        p.append(f"logging.peak_flops={lg.peak_flops!r}: must be > 0 (FLOP/s of one device), or null for no MFU.")
+    _noise_scale_problems(p, cfg)
+    if not p and strategy is not None:
+        p.extend(_mesh_problems(cfg, gpt, num_devices))
+    if p:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(p))

@@ -1,0 +1,217 @@
+"""``jaxpar data prepare`` and ``jaxpar data show``: a corpus tokenized once, and the batches a run sees.
+
+Usage::
+
+    jaxpar data prepare CONFIG [key=value ...] [--force]
+    jaxpar data show CONFIG [key=value ...] [--steps A:B] [--chars N] [--coordinator HOST:PORT --num-processes N
+                     --process-id I --local-devices K]
+
+``prepare`` tokenizes each text source of ``data.sources`` into ``data.cache``
+(:func:`jaxpar.data._cache.prepare_cache`; a source whose cache is up to date is kept unless
+``--force``) and prints a summary: documents, tokens, skipped records, and the length histogram,
+written as ``<data.cache>/lengths.png``. ``show`` builds the global batches ``A .. B-1`` exactly as
+``jaxpar train`` would under the config's mesh and overrides, and prints for each its sha256
+(:func:`jaxpar.data.batch_digest`), its packing efficiency and its first row decoded: two meshes
+that print the same digests see the same data; with several processes (the flags of ``jaxpar train``),
+each builds only its own rows and process 0 prints the gathered batches' digests.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from jaxpar.config._schema import ConfigError
+
+__all__ = ["add_data_parser", "run_data_command", "run_prepare", "run_show", "length_histogram"]
+
+
+def add_data_parser(sub: Any, add_process_options: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add ``data prepare`` and ``data show`` to the ``jaxpar`` parser's subparsers ``sub``; ``show`` also
+    takes the process options of ``jaxpar train`` (``add_process_options`` adds them).
+
+    Args:
+      sub: the subparsers of the ``jaxpar`` parser (``add_subparsers()``'s result).
+      add_process_options: adds ``jaxpar train``'s process options (``--coordinator`` ...) to a parser.
+    """
+    p = sub.add_parser("data", help="prepare a token cache, or show the batches a run sees",
+                       description="Work with data.kind=documents corpora (docs/data.md).")
+    inner = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    q = inner.add_parser("prepare", help="tokenize data.sources into data.cache, once")
+    q.add_argument("config", help="YAML config file")
+    q.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, as for train")
+    q.add_argument("--force", action="store_true", help="tokenize again even where the cache is up to date")
+    q = inner.add_parser("show", help="print each global batch's sha256, packing efficiency and a decoded row")
+    q.add_argument("config", help="YAML config file")
+    q.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, as for train")
+    q.add_argument("--steps", default="0:4", metavar="A:B", help="the steps A .. B-1 (default 0:4)")
+    q.add_argument("--chars", type=int, default=160, metavar="N", help="characters of the decoded row (160)")
+    add_process_options(q)
+
+
+def run_data_command(args: argparse.Namespace, dist: dict | None = None) -> int:
+    """``jaxpar data ...`` from its parsed arguments (``dist``: ``show``'s process options); returns the
+    exit status.
+
+    Args:
+      args: the parsed arguments (``data_command``: ``prepare`` or ``show``).
+      dist: ``show``'s process options (None: one process, or a launcher's environment).
+
+    Returns:
+      The exit status.
+    """
+    if args.data_command == "prepare":
+        return run_prepare(args.config, args.overrides, force=args.force)
+    return run_show(args.config, args.overrides, steps=_steps(args.steps), chars=args.chars, dist=dist)
+
+
+def _steps(text: str) -> range:
+    try:
+        a, b = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--steps {text!r}: expected A:B, e.g. --steps 0:4 (the steps A .. B-1).") from None
+    if not 0 <= a < b:
+        raise ConfigError(f"--steps {text!r}: need 0 <= A < B.")
+    return range(a, b)
+
+
+def run_prepare(config: str, overrides: Sequence[str], *, force: bool = False) -> int:
+    """``jaxpar data prepare``: each text source's token cache, then the summary and the histogram.
+
+    Args:
+      config: the YAML config file.
+      overrides: dotted ``key=value`` overrides.
+      force: tokenize again even where a cache is up to date.
+
+    Returns:
+      The exit status (0).
+    """
+    from jaxpar.data import DataError
+    from jaxpar.data._cache import expected_meta, open_cache, prepare_cache
+    from jaxpar.config._documents import open_source_of, source_cache_dir
+    from jaxpar.config._job import build_job
+    from jaxpar.config._load import load_config
+
+    cfg = load_config(config, list(overrides))
+    d = cfg.data
+    if d.kind != "documents" or d.cache is None:
+        raise ConfigError(f"jaxpar data prepare: needs data.kind=documents and data.cache (the directory to write); "
+                          f"here data.kind={d.kind!r}, data.cache={d.cache!r}.")
+    tokenizer = build_job(cfg, mesh=False, data=False).tokenizer
+    lengths = []
+    for i, entry in enumerate(d.sources):
+        if dict(entry).get("format") == "tokens":
+            print(f"source {i}  {dict(entry)['path']}: a token file, read as it is")
+            continue
+        source, directory = open_source_of(d, i), source_cache_dir(d, i)
+        try:
+            store = None if force else open_cache(directory, expected_meta(source, tokenizer, d.bos, d.eos))
+        except DataError:
+            store = None
+        state = "up to date"
+        if store is None:
+            meta = prepare_cache(source, tokenizer, directory, bos=d.bos, eos=d.eos)
+            store, state = open_cache(directory, meta), f"{meta['skipped']} malformed records skipped"
+        lengths.append(store.lengths)
+        print(f"source {i}  {source.name} -> {directory}: {len(store.lengths):,} documents, "
+              f"{int(store.lengths.sum()):,} tokens ({state})")
+    if lengths:
+        png = length_histogram(np.concatenate(lengths), Path(d.cache) / "lengths.png", cfg.model.seq_len)
+        print(f"lengths  {_percentiles(np.concatenate(lengths))}; histogram -> {png}")
+    return 0
+
+
+def _percentiles(lengths: np.ndarray) -> str:
+    q = np.percentile(lengths, [10, 50, 90, 99]).astype(int)
+    return f"documents' tokens: p10 {q[0]}, median {q[1]}, p90 {q[2]}, p99 {q[3]}, max {int(lengths.max())}"
+
+
+def length_histogram(lengths: np.ndarray, path: str | Path, seq_len: int | None = None) -> Path:
+    """A PNG histogram of documents' token lengths (log-spaced bins), with ``seq_len`` marked when given.
+
+    Args:
+      lengths: each document's token count.
+      path: the PNG file to write.
+      seq_len: the model's sequence length, drawn as a line (None: none).
+
+    Returns:
+      ``path`` as a :class:`~pathlib.Path`.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bins = np.geomspace(1, max(2, int(lengths.max())) + 1, 50)
+    ax.hist(np.maximum(lengths, 1), bins=bins)
+    ax.set(xscale="log", xlabel="tokens per document", ylabel="documents",
+           title=f"{len(lengths):,} documents, {int(lengths.sum()):,} tokens")
+    if seq_len:
+        ax.axvline(seq_len, color="k", linestyle="--", label=f"seq_len {seq_len}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_show(config: str, overrides: Sequence[str], *, steps: range, chars: int = 160, dist: dict | None = None) -> int:
+    """``jaxpar data show``: the global batches of ``steps`` under the config's mesh: digest, packing, a row.
+
+    With several processes (``dist``: ``--coordinator`` and the rest, or a launcher), each builds its own
+    rows, the batch is gathered, and process 0 prints.
+
+    Args:
+      config: the YAML config file.
+      overrides: dotted ``key=value`` overrides.
+      steps: the global steps whose batches are shown.
+      chars: characters of each decoded row.
+      dist: the process options (None: one process, or a launcher's environment).
+
+    Returns:
+      The exit status (0).
+    """
+    import jax
+
+    from jaxpar.data import batch_digest, make_global_batch
+    from jaxpar.devices._distributed import start_processes
+    from jaxpar.config._job import build_job
+    from jaxpar.config._load import load_config
+
+    cfg = load_config(config, list(overrides))
+    start_processes(**{k: v for k, v in (dist or {}).items() if v is not None}, devices=cfg.train.devices)
+    job = build_job(cfg)
+    say = print if jax.process_index() == 0 else (lambda *_: None)
+    say(f"mesh     {dict(job.mesh.shape)}, {jax.process_count()} process(es); data.kind={cfg.data.kind}, "
+        f"seed {cfg.data.seed}")
+    for step in steps:
+        batch = {k: _gather(v) for k, v in make_global_batch(job.batch_fn, step, job.mesh).items()}
+        used = float((batch["segment_ids"] > 0).mean()) if "segment_ids" in batch else 1.0
+        row = _decode(job.tokenizer, batch["tokens"][0], batch["segment_ids"][0] if "segment_ids" in batch else None)
+        say(f"step {step:>6}  sha256 {batch_digest(batch)}  rows {len(batch['tokens'])}  packing {used:.2%}")
+        say(f"             row 0: {row[:chars]!r}")
+    if hasattr(job.batch_fn, "close"):
+        job.batch_fn.close()
+    return 0
+
+
+def _gather(value: Any) -> np.ndarray:
+    import jax
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return np.asarray(value)
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+
+
+def _decode(tokenizer: Any, tokens: np.ndarray, segments: np.ndarray | None) -> str:
+    ids = tokens[segments > 0] if segments is not None else tokens
+    if tokenizer is None:
+        return bytes(int(t) % 256 for t in ids).decode("utf-8", "replace")
+    return tokenizer.decode([int(t) for t in ids])

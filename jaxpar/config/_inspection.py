@@ -1,0 +1,245 @@
+"""``jaxpar inspect``: compile a config's train step ahead of time and say what it needs.
+
+On the simulated CPU mesh by default; with a target (:mod:`jaxpar.devices._targets`: ``h100:2x8``,
+``tpu-v5e:4x4``) with the real GPU or TPU compiler, without the hardware. It prints the mesh, the
+parameters' shardings, the collectives per mesh axis (bytes, async or not), the memory per device
+against the device's capacity (fits / does not fit, and the plan that would), the compile time, and
+the cost model's prediction beside each number.
+
+Example::
+
+    >>> from pathlib import Path
+    >>> from jaxpar.config import load_config
+    >>> cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml", ["train.devices=0"])
+    >>> target_mesh_problem(cfg, parse_target("h100:2x8"))
+    "target h100:2x8 has 16 devices, but the config's mesh pipe=1 x data=2 x fsdp=2 x tensor=2 has 8: choose a target of 8 devices (e.g. h100:1x8) or resize the mesh (e.g. mesh.data=4), or set one axis to -1."
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from typing import Any
+
+from jaxpar.mesh import MeshError, MeshSpec
+from jaxpar.devices._targets import Target, TargetError, compile_error, parse_target, target_devices
+from jaxpar.config._build import mesh_spec
+from jaxpar.config._schema import ConfigError, JobConfig
+
+__all__ = ["inspect_config", "target_mesh_problem", "fit_lines", "fitting_plan", "DOES_NOT_FIT", "parse_target",
+           "job_devices"]
+
+#: ``jaxpar inspect --target``'s exit status when the program does not fit the device's memory.
+DOES_NOT_FIT = 3
+
+
+def target_mesh_problem(cfg: JobConfig, target: Target) -> str | None:
+    """Why the config's mesh cannot run on the target's devices (None: it can).
+
+    Args:
+      cfg: the config.
+      target: the target.
+
+    Returns:
+      The problem, naming both counts and the fix, or None.
+    """
+    spec: MeshSpec = mesh_spec(cfg.mesh)
+    n = target.num_devices
+    if cfg.train.devices not in (0, n):
+        return (f"target {target} has {n} devices, but train.devices={cfg.train.devices}: set train.devices=0 "
+                f"(or {n}), or choose a target of {cfg.train.devices} devices.")
+    try:
+        spec.sizes(n)
+        return None
+    except MeshError:
+        pass
+    sizes = {a: getattr(cfg.mesh, a) for a in ("pipe", "data", "fsdp", "tensor")}
+    have = math.prod(sizes.values()) * max(1, cfg.mesh.replica)
+    if -1 in sizes.values():
+        return (f"target {target} has {n} devices, which the config's fixed mesh axes "
+                f"{', '.join(f'mesh.{a}={v}' for a, v in sizes.items() if v != -1)} do not divide: resize them.")
+    example = f"{target.spec.name}:1x{have}" if target.spec.platform == "cuda" else "a slice of that many chips"
+    others = have // sizes["data"]                 # the devices of every axis but data
+    fix = f" (e.g. mesh.data={n // others})" if n % others == 0 else ""
+    return (f"target {target} has {n} devices, but the config's mesh "
+            f"{' x '.join(f'{a}={v}' for a, v in sizes.items())} has {have}: choose a target of {have} devices "
+            f"(e.g. {example}) or resize the mesh{fix}, or set one axis to -1.")
+
+
+def fit_lines(report: Any, target: Target, predicted: float | None = None) -> tuple[bool, list[str]]:
+    """Whether the compiled program fits the target's device memory, as printable lines.
+
+    Args:
+      report: the program's :class:`~jaxpar.analysis.MemoryReport`.
+      target: the target.
+      predicted: the cost model's peak per device (None: not predicted).
+
+    Returns:
+      ``(fits, lines)``.
+    """
+    from jaxpar.analysis._compiled_memory import format_bytes
+
+    need, cap = report.required_bytes, target.capacity_bytes
+    share = "" if target.spec.platform != "cuda" else \
+        f" ({cap / target.spec.memory_bytes:.0%} of {format_bytes(target.spec.memory_bytes)}: XLA_PYTHON_CLIENT_MEM_FRACTION)"
+    pred = f"; the cost model predicted {format_bytes(predicted)}" if predicted else ""
+    lines = [f"memory   per device: peak {format_bytes(need)} (arguments {format_bytes(report.argument_bytes)}, "
+             f"temporaries {format_bytes(report.temp_bytes)}, XLA's peak "
+             f"{format_bytes(report.xla_peak_bytes or 0)}){pred}",
+             f"capacity {format_bytes(cap)} usable on {target.spec.device}{share}"]
+    if need <= cap:
+        return True, lines + [f"fits     with {format_bytes(cap - need)} to spare ({need / cap:.0%} used)"]
+    return False, lines + [f"DOES NOT FIT by {format_bytes(need - cap)} ({need / cap:.0%} of the capacity)"]
+
+
+def fitting_plan(cfg: JobConfig, target: Target, *, most: int = 64) -> str:
+    """The cost model's best plan of the config's GPT that fits: on the target's devices, else on the
+    fewest multiples of them (up to ``most`` times as many) that hold it.
+
+    Args:
+      cfg: the config.
+      target: the target.
+      most: the largest multiple of the target's devices to try.
+
+    Returns:
+      A line naming the devices, the plan and its predicted memory, or why none fits.
+    """
+    from jaxpar import cost
+    from jaxpar.analysis._compiled_memory import format_bytes
+    from jaxpar.config._plan_command import cost_model
+
+    if cfg.model.target is not None or cfg.model.hf is not None:
+        key = "model.target" if cfg.model.target is not None else "model.hf"
+        return f"plan     the cost model plans jaxpar's GPT only ({key} is set): no plan suggested"
+    model, usable = cost_model(cfg), target.capacity_bytes / target.spec.memory_bytes
+    k = 1
+    while k <= most:
+        n = target.num_devices * k
+        cluster = replace(cost.load_cluster(target.spec.cluster, num_devices=n),
+                          memory_bytes=float(target.spec.memory_bytes))
+        try:
+            best = cost.plan(model, cluster, top=1, precision="fp32", memory_fraction=usable).ranked[0]
+        except cost.PlanError:
+            k *= 2
+            continue
+        p = best.plan
+        knobs = f"zero={p.zero}, remat={p.remat}, microbatches={p.microbatches}" + \
+            (f", schedule={p.schedule}" if p.pipe > 1 else "")
+        where = "these devices" if k == 1 else f"{n} x {target.spec.device} ({k} times the target's devices)"
+        return (f"plan     the cost model's best plan that fits on {where}: {p.name()} ({knobs}), predicted "
+                f"{format_bytes(best.memory.total)} per device")
+    return (f"plan     no plan of the cost model fits even {most} times the target's devices "
+            f"({target.num_devices * most} x {target.spec.device}) at global batch {model.batch}")
+
+
+def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | None = None) -> int:
+    """Compile the config's train step and print the report (see the module docstring).
+
+    Args:
+      cfg: the config.
+      cluster: the cost model's cluster preset (default: the target's, else ``cpu_sim``).
+      target: a target string (None: the simulated CPU mesh).
+
+    Returns:
+      The exit status: 0, or :data:`DOES_NOT_FIT` when a target's memory is too small.
+
+    Raises:
+      ConfigError: the config does not fit the target's devices.
+      TargetError: the target cannot be built or compiled for.
+    """
+    from jaxpar.config._describe import header_lines, model_label, model_line, program_lines
+    from jaxpar.config._job import build_job
+
+    tgt = parse_target(target) if target else None
+    devices = _devices(cfg, tgt)
+    job = build_job(cfg, devices, data=False)
+    layout = job.state_layout()
+    where = f"the {tgt.spec.platform} compiler for {tgt}" if tgt else "simulated CPU devices"
+    print(f"job      {cfg.name} (dry run: compiled ahead of time by {where}, no step runs)")
+    print("\n".join(header_lines(job)))
+    print(model_line(model_label(cfg.model, job.hf), layout))
+    start = time.perf_counter()
+    compiled = _compile(job, layout, tgt)
+    print(f"compile  {time.perf_counter() - start:.1f} s")
+    print("\n".join(program_lines(job, compiled)))
+    return _report(cfg, job, layout, compiled, tgt, cluster or (tgt.spec.cluster if tgt else "cpu_sim"))
+
+
+def job_devices(cfg: JobConfig) -> int:
+    """The devices the config trains on: ``train.devices``, else the product of its mesh sizes.
+
+    Args:
+      cfg: the config.
+
+    Returns:
+      The device count.
+
+    Raises:
+      ConfigError: ``train.devices=0`` and a ``-1`` mesh axis: the count is unknown.
+    """
+    if cfg.train.devices > 0:
+        return cfg.train.devices
+    sizes = [getattr(cfg.mesh, a) for a in ("data", "fsdp", "tensor", "pipe")]
+    if any(s == -1 for s in sizes):
+        raise ConfigError("jaxpar inspect: mesh has a -1 axis and train.devices=0, so the device count is unknown; "
+                          "set train.devices=N (e.g. train.devices=8) or give every mesh axis a size.")
+    return int(math.prod(sizes))
+
+
+def _devices(cfg: JobConfig, tgt: Target | None) -> list:
+    if tgt is None:
+        import jax
+
+        from jaxpar.devices._distributed import setup_devices
+
+        n = job_devices(cfg)
+        setup_devices(n)
+        return jax.devices()[:n]
+    problem = target_mesh_problem(cfg, tgt)
+    if problem:
+        raise ConfigError(problem)
+    return target_devices(tgt)
+
+
+def _compile(job: Any, layout: Any, tgt: Target | None) -> dict:
+    try:
+        return job.compile(layout)
+    except TargetError:
+        raise
+    except Exception as e:         # the compiler's own error: jaxpar says what it means where it can
+        better = compile_error(tgt, e) if tgt else None
+        if better is None:
+            raise
+        raise better from None
+
+
+def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target | None, cluster: str) -> int:
+    from jaxpar.analysis._hlo import collectives, collectives_table
+    from jaxpar.analysis._compiled_memory import memory_report
+    from jaxpar.analysis._sharding_table import sharding_table
+    from jaxpar.cost._traffic import lowering_for_platform
+    from jaxpar.config._plan_command import planner_table, planner_view, predicted_peak, unpredicted
+
+    print("\nparameters (mesh axes per dimension; '-' replicated)")
+    print(sharding_table(layout))
+    for name, c in compiled.items():
+        print("\ncollectives of the compiled " + ("step" if name == "step" else f"{name} program"))
+        colls = collectives(c, job.mesh) if job.mesh.size > 1 else []
+        print(collectives_table(colls) if colls else "(none)")
+    lowering = lowering_for_platform(tgt.spec.platform if tgt else "cpu")
+    print(planner_table(cfg, compiled["step"], job.mesh, job.strategy, cluster, job.steps_per_call,
+                        lowering=lowering))
+    if tgt is None:
+        return 0
+    sizes = dict(job.mesh.shape)
+    predicted = None
+    if unpredicted(cfg, job.strategy, sizes) is None:
+        view = planner_view(cfg, sizes, job.strategy, cluster, lowering=lowering)
+        predicted = predicted_peak(view.model, view.plan, view.estimate.memory.total, job.strategy.compute_dtype,
+                                   tgt.spec.platform)
+    fits, lines = fit_lines(memory_report(compiled["step"]), tgt, predicted)
+    print("\n" + "\n".join(lines))
+    if fits:
+        return 0
+    print(fitting_plan(cfg, tgt))
+    return DOES_NOT_FIT

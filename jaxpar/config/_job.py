@@ -1,0 +1,374 @@
+"""The job builder: one config -> what ``jaxpar train``, ``jaxpar inspect`` and ``jaxpar plan`` run.
+
+:func:`build_job` builds the mesh, the strategy, the model and its loss, the optimizer and its
+learning-rate schedule, the train step's options and the data once, into a :class:`Job`; the
+commands take what they need from it, so ``inspect`` compiles exactly the step that ``train``
+runs (:meth:`Job.train_step`, :meth:`Job.abstract_batch`, :meth:`Job.compile`). A :class:`Job`
+holds library objects and plain values; the config object is read only here (and in
+:mod:`jaxpar.cli`).
+
+Example::
+
+    >>> from pathlib import Path
+    >>> from jaxpar.config import load_config
+    >>> quickstart = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+    >>> cfg = load_config(quickstart, ["model.layers=1", "model.embed=32", "model.seq_len=16"])
+    >>> job = build_job(cfg, data=False)          # no data read: the batches are the GPT's token windows
+    >>> job.strategy.name(dict(job.mesh.shape)), job.updates_per_step
+    ('dp2-fsdp2-tp2', 1)
+    >>> sorted(job.step_options)
+    ['clip_norm', 'log_lr', 'skip_nonfinite', 'steps_per_call']
+    >>> layout = job.state_layout()               # traced only: nothing is allocated
+    >>> compiled = job.compile(layout)            # the programs train runs, compiled ahead of time
+    >>> sorted(compiled), compiled["step"].in_avals[0][1]["tokens"]
+    (['step'], ShapedArray(int32[32,16]))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.data._packing import BATCH_KEYS
+from jaxpar.strategy import Strategy
+from jaxpar.config._build import build_gpt_config, build_loss_fn, build_mesh, build_model_fn, build_strategy
+from jaxpar.config._checks import check
+from jaxpar.config._data_section import build_data, build_ramp
+from jaxpar.config._hf_model import build_tokenizer, hf_length_problems, hf_mesh_problems, open_hf
+from jaxpar.config._optimizer_section import build_optimizer, frozen_variance_step
+from jaxpar.config._schema import ConfigError, JobConfig
+
+__all__ = ["Job", "build_job", "updates_per_step"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a config builds: library objects and plain values (see the module docstring).
+
+    ``mesh``, ``tx`` and ``log_lr`` (the learning-rate schedule, logged as ``lr``) are ``None`` for a
+    job built without devices (``build_job(..., mesh=False)``: ``jaxpar plan`` needs the model only).
+    ``step_options``: :func:`jaxpar.make_train_step`'s keyword options. ``updates_per_step``: optimizer
+    updates per train step (:func:`updates_per_step`). ``token_batches``: the batches are the GPT's
+    token windows (``tokens`` / ``targets`` ``[global_batch, seq_len]`` int32), else ``batch_fn``'s.
+    ``run``, ``log``, ``checkpoint``, ``meta`` and ``gpt_sizes`` describe ``jaxpar train``'s run
+    (:mod:`jaxpar.run._resume`). ``hf``: ``model.hf``'s opened :class:`jaxpar.hf.Checkpoint`, whose
+    weights the state starts from (None: another model); ``tokenizer``: ``data.tokenizer``'s.
+    """
+
+    name: str
+    strategy: Strategy
+    model_fn: Callable[[], Any]
+    loss_fn: Callable
+    global_batch: int
+    seq_len: int
+    token_batches: bool = True
+    packed_batches: bool = False              # data.kind=documents: segment ids, positions, loss mask and weights
+    mesh: Any = None
+    tx: Any = None
+    log_lr: Callable | None = None
+    updates_per_step: int = 1
+    step_options: Mapping[str, Any] = field(default_factory=dict)
+    batch_fn: Callable[[int], Any] | None = None
+    eval_batches: Sequence[Any] = ()
+    ramp: Any = None
+    run: Any = None                          # jaxpar.run._resume.RunOptions
+    log: Mapping[str, Any] = field(default_factory=dict)          # LogOptions fields
+    checkpoint: Mapping[str, Any] | None = None                    # Checkpointer arguments (None: no checkpoints)
+    meta: Mapping[str, Any] = field(default_factory=dict)         # checkpoint_meta's arguments, less the mesh
+    gpt_sizes: Mapping[str, int] | None = None                     # the GPT's sizes for MFU (None: another model)
+    router_bias: tuple | None = None          # the MoE router bias's (shape, rate) (model.moe.bias_rate > 0)
+    noise_scale: tuple | None = None          # (every, ema) of the noise-scale measurement (logging.noise_scale)
+    hf: Any = None                            # jaxpar.hf.Checkpoint of model.hf
+    tokenizer: Any = None                     # jaxpar.hf.Tokenizer of data.tokenizer
+
+    @property
+    def steps_per_call(self) -> int:
+        """Optimizer steps per call of the train step (``parallel.steps_per_call``)."""
+        return self.step_options.get("steps_per_call", 1)
+
+    @property
+    def noise_scale_every(self) -> int | None:
+        """Every how many steps the train step measures the noise scale (None: never)."""
+        return self.noise_scale[0] if self.noise_scale else None
+
+    def state_layout(self):
+        """The train state's layout (:func:`jaxpar.state_layout`, plus the noise scale's state when it
+        is measured), without creating the state."""
+        from jaxpar.step._init import state_layout
+
+        layout = state_layout(self.model_fn, self.tx, self.mesh, self.strategy)
+        if self.router_bias is not None:
+            from jaxpar.step._router_bias import router_bias_layout
+
+            shape, rate = self.router_bias
+            layout = router_bias_layout(layout, shape, rate=rate)
+        if self.noise_scale is None:
+            return layout
+        from jaxpar.step._noise_scale import noise_scale_layout
+
+        every, ema = self.noise_scale
+        return noise_scale_layout(layout, every=every, ema=ema)
+
+    def init_state(self, *, weights: bool = True):
+        """The train state created sharded (:func:`jaxpar.init_train_state`), with the MoE router bias
+        (``model.moe.bias_rate``) and the noise scale's moving averages when it is measured (they are
+        checkpointed). With ``model.hf`` the parameters are the checkpoint's, read straight into their
+        layout (:meth:`imported_params`), and the optimizer state is fresh.
+
+        Args:
+          weights: False leaves the parameters random also with ``model.hf`` (a resumed run restores its own).
+
+        Returns:
+          ``(state, layout)``.
+        """
+        from jaxpar.step._init import init_train_state
+
+        params = self.imported_params(self.state_layout()) if self.hf is not None and weights else None
+        state, layout = init_train_state(self.model_fn, self.tx, self.mesh, self.strategy, params=params)
+        if self.router_bias is not None:
+            from jaxpar.step._router_bias import with_router_bias
+
+            shape, rate = self.router_bias
+            state, layout = with_router_bias(state, layout, shape, rate=rate)
+        if self.noise_scale is None:
+            return state, layout
+        from jaxpar.step._noise_scale import with_noise_scale
+
+        every, ema = self.noise_scale
+        return with_noise_scale(state, layout, every=every, ema=ema)
+
+    def imported_params(self, layout):
+        """``model.hf``'s weights, each read from the files into its sharding.
+
+        Args:
+          layout: the train state's layout (:meth:`state_layout`, or the one :meth:`init_state` returns).
+
+        Returns:
+          The parameters, a tree like ``layout.params``, sharded as it says.
+        """
+        return self.hf.load(self.mesh, layout.params)
+
+    def train_step(self, layout):
+        """The train step ``jaxpar train`` runs.
+
+        Args:
+          layout: the train state's layout (:meth:`state_layout`, or the one :meth:`init_state` returns).
+
+        Returns:
+          :func:`jaxpar.make_train_step`'s step with the job's loss, optimizer, strategy and options.
+        """
+        from jaxpar.step._compose import make_train_step
+
+        return make_train_step(self.loss_fn, self.tx, layout, self.strategy, **self.step_options)
+
+    def eval_fn(self, layout):
+        """The eval function of the job's eval batches.
+
+        Args:
+          layout: the train state's layout (:meth:`state_layout`, or the one :meth:`init_state` returns).
+
+        Returns:
+          ``evaluate(state) -> mean loss`` over the eval batches; None without them.
+        """
+        if not self.eval_batches:
+            return None
+        from jaxpar.run._loop import make_eval_fn
+
+        return make_eval_fn(self.loss_fn, layout, self.strategy, self.eval_batches)
+
+    def abstract_batch(self):
+        """``ShapeDtypeStruct``s of what one call of the train step takes: a global batch split over
+        the data axes, or with ``steps_per_call`` K the K batches stacked ``[K, B, ...]``."""
+        from jaxpar.batch import batch_sharding
+
+        sharding, lead = batch_sharding(self.mesh), ()
+        if self.steps_per_call > 1:
+            sharding, lead = NamedSharding(self.mesh, PartitionSpec(None, *sharding.spec)), (self.steps_per_call,)
+        if self.token_batches:
+            shape = (*lead, self.global_batch, self.seq_len)
+            spec = jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)
+            if not self.packed_batches:
+                return {"tokens": spec, "targets": spec}
+            weights = jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
+            return {**{key: spec for key in BATCH_KEYS}, "loss_weights": weights}
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*lead, *np.shape(a)), np.asarray(a).dtype,
+                                                           sharding=sharding), self.batch_fn(0))
+
+    def compile(self, layout) -> dict[str, Any]:
+        """The programs of :meth:`train_step`, compiled ahead of time from abstract state (nothing runs).
+
+        Args:
+          layout: the train state's layout (:meth:`state_layout`, or the one :meth:`init_state` returns).
+
+        Returns:
+          ``{name: compiled}`` for every program the step runs: ``"step"`` (with ``steps_per_call`` K:
+          the program of K steps on K stacked batches), ``"measure"`` (the step that also measures the
+          noise scale), and relaxed sync's ``"warm"`` and ``"outer"`` (the replicas' sync; it takes
+          the state only).
+        """
+        lowered = self.train_step(layout).lower_all(layout.abstract_state(), self.abstract_batch())
+        return {name: program.compile() for name, program in lowered.items()}
+
+    def log_options(self, layout, tokens_per_batch: int | None):
+        """The loop's logging options.
+
+        Args:
+          layout: the train state's layout (:meth:`state_layout`, or the one :meth:`init_state` returns).
+          tokens_per_batch: tokens per global batch, for tokens/s and MFU (None: not fixed).
+
+        Returns:
+          A :class:`~jaxpar.run.LogOptions`: the job's settings, its title, and the FLOPs per
+          token of jaxpar's GPT for MFU (None for a model of your own).
+        """
+        from jaxpar.run._report import LogOptions
+        from jaxpar.run._resume import gpt_flops_per_token
+
+        flops = None      # FLOPs per token: known for the GPT; for a model of your own there is no MFU
+        if self.gpt_sizes is not None:
+            flops = gpt_flops_per_token(sum(a.size for a in jax.tree.leaves(layout.shapes)), **self.gpt_sizes)
+        return LogOptions(**self.log, title=f"{self.name}: {self.strategy.name(dict(self.mesh.shape))}",
+                          tokens_per_batch=tokens_per_batch, flops_per_token=flops)
+
+    def checkpointer(self, layout=None):
+        """The run's checkpointer.
+
+        Args:
+          layout: the train state's layout (its saves then record the layout of the state's feature
+            parts), or None.
+
+        Returns:
+          A :class:`~jaxpar.run.Checkpointer`, or None when checkpoints are off.
+        """
+        if self.checkpoint is None:
+            return None
+        from jaxpar.run._checkpoint import Checkpointer
+
+        return Checkpointer(**self.checkpoint, layout=layout)
+
+
+def updates_per_step(strategy: Strategy, mesh_sizes: Mapping[str, int]) -> int:
+    """Optimizer updates per train step.
+
+    Args:
+      strategy: the job's strategy.
+      mesh_sizes: the resolved mesh's axis sizes (a ``-1`` in the config already replaced).
+
+    Returns:
+      ``microbatches / update_every`` for PipeDream weight stashing (``schedule='pipedream'`` on a
+      pipeline: every stage updates that often per step), else 1.
+
+    Example:
+      >>> updates_per_step(Strategy(schedule="pipedream", microbatches=4, update_every=2), {"pipe": 2, "data": 4})
+      2
+      >>> updates_per_step(Strategy(schedule="pipedream", microbatches=4), {"data": 8})
+      1
+    """
+    if strategy.schedule == "pipedream" and mesh_sizes.get("pipe", 1) > 1:
+        return max(1, strategy.microbatches // strategy.update_every)
+    return 1
+
+
+def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: bool = True, data: bool = True) -> Job:
+    """The :class:`Job` of a loaded config.
+
+    Args:
+      cfg: the config (:func:`jaxpar.config.load_config`).
+      devices: the mesh's devices (default: all of JAX's); the config is checked against JAX's device count.
+      mesh: build the mesh, the optimizer and the step's options; ``False`` (``jaxpar plan``): the
+        model, loss and strategy only, without devices.
+      data: read the data (batch function, eval batches, batch ramp); ``False`` (``jaxpar inspect``):
+        only a ``data.target`` of your own is built, for the batch shapes.
+
+    Returns:
+      The job.
+
+    Raises:
+      ConfigError: a setting that the library refuses, named by its YAML key; also a ``model.hf``
+        checkpoint that cannot be imported or that ``mesh.tensor`` does not divide, and a
+        ``data.tokenizer`` that cannot be read or does not fit the model's vocabulary.
+    """
+    if mesh:
+        check(cfg, num_devices=jax.device_count() if devices is None else len(devices))
+        device_mesh = build_mesh(cfg.mesh, devices)
+    strategy = build_strategy(cfg.parallel)
+    m, d = cfg.model, cfg.data
+    hf = _open_hf(cfg, dict(device_mesh.shape) if mesh else None)
+    model_fn = hf.model_fn(cfg.train.seed) if hf is not None else build_model_fn(m, cfg.train.seed)
+    vocab, vocab_key = (hf.config.vocab, "model.hf's vocab_size") if hf is not None else (m.vocab, "model.vocab")
+    tokenizer = build_tokenizer(d, m.hf, vocab, vocab_key) if d.tokenizer else None
+    bias = _router_bias(m)
+    base = dict(name=cfg.name, strategy=strategy, model_fn=model_fn, global_batch=d.batch_size, hf=hf,
+                seq_len=m.seq_len, token_batches=d.kind != "import", packed_batches=d.kind == "documents",
+                router_bias=bias, tokenizer=tokenizer)
+    if not mesh:
+        return Job(loss_fn=build_loss_fn(m), **base)
+    per_step = updates_per_step(strategy, dict(device_mesh.shape))
+    tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=d.batch_size, model_fn=model_fn,
+                                   updates_per_step=per_step, freeze_variance_step=frozen_variance_step(strategy))
+    loss_fn = build_loss_fn(m)
+    noise = cfg.logging.noise_scale
+    options = dict(clip_norm=cfg.optimizer.clip_norm, log_lr=schedule, skip_nonfinite=True,
+                   steps_per_call=cfg.parallel.steps_per_call)
+    return Job(mesh=device_mesh, tx=tx, log_lr=schedule, updates_per_step=per_step, step_options=options,
+               loss_fn=loss_fn, noise_scale=(noise.every, noise.ema) if noise.every is not None else None, **base, **_data(cfg, data, vocab, tokenizer), **_run(cfg, tokenizer))
+
+
+def _open_hf(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
+    """``model.hf``'s opened checkpoint (None without it), checked against the mesh when there is one."""
+    if cfg.model.hf is None:
+        return None
+    hf = open_hf(cfg.model)
+    problems = hf_length_problems(hf, cfg.model.hf, cfg.model.seq_len)
+    problems += hf_mesh_problems(hf, cfg.model.hf, mesh_sizes.get("tensor", 1)) if mesh_sizes else []
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    return hf
+
+
+def _router_bias(m) -> tuple | None:
+    """``(shape, rate)`` of the GPT's aux-loss-free balancing bias (``model.moe.bias_rate > 0``), else None."""
+    if m.name != "gpt" or not (m.moe or {}).get("bias_rate"):
+        return None
+    gpt = build_gpt_config(m)
+    return (gpt.layers // gpt.moe.every, gpt.moe.experts), gpt.moe.bias_rate
+
+
+def _data(cfg: JobConfig, read: bool, vocab: int, tokenizer: Any) -> dict:
+    """The job's data: ``batch_fn``, ``eval_batches`` and ``ramp`` (without ``read``: ``data.target``'s
+    batch function only, for its shapes). ``vocab``: the model's; ``tokenizer``: ``data.tokenizer``'s."""
+    d, m = cfg.data, cfg.model
+    if not read:
+        if d.kind != "import":
+            return {}
+        return {"batch_fn": build_data(d, seq_len=m.seq_len, vocab=vocab, eval_batches=0)[0]}
+    ramp = build_ramp(d)      # an adaptive ramp decides during the run; batch_fn reads it
+    batch_fn, evals = build_data(d, seq_len=m.seq_len, vocab=vocab, eval_batches=cfg.train.eval_batches,
+                                 ramp=ramp, tokenizer=tokenizer, steps=cfg.train.steps)
+    return {"batch_fn": batch_fn, "eval_batches": evals, "ramp": ramp}
+
+
+def _run(cfg: JobConfig, tokenizer: Any = None) -> dict:
+    """The plain settings of ``jaxpar train``'s run: ``run``, ``log``, ``checkpoint``, ``meta``, ``gpt_sizes``
+    (the samples decoded by ``tokenizer`` when there is one)."""
+    from jaxpar.run._resume import RunOptions
+    from jaxpar.run._sample import SampleOptions
+
+    m, tr, ck, lg = cfg.model, cfg.train, cfg.checkpoint, cfg.logging
+    gpt = m.target is None and m.hf is None
+    samples = SampleOptions(lg.samples, m.seq_len, lg.sample_tokens, cfg.data.kind == "text" and tokenizer is None,
+                            tokenizer and tokenizer.decode) if m.target is None else None
+    run = RunOptions(steps=tr.steps, out_dir=Path(tr.out_dir), eval_every=tr.eval_every, on_nonfinite=tr.on_nonfinite,
+                     steps_per_call=cfg.parallel.steps_per_call, resume=ck.resume, data_seed=cfg.data.seed,
+                     samples=samples)
+    log = dict(log_every=tr.log_every, out_dir=Path(tr.out_dir), progress=tr.progress, tensorboard=lg.tensorboard,
+               peak_flops=lg.peak_flops)
+    checkpoint = dict(directory=ck.dir, every=ck.every, keep=ck.keep, async_save=ck.async_save) if ck.enabled else None
+    meta = {"name": cfg.name, "seed": tr.seed, "model": m.name,      # jaxpar.run._resume.checkpoint_meta's
+            "data": {"kind": cfg.data.kind, "seed": cfg.data.seed, "batch_size": cfg.data.batch_size}}
+    sizes = dict(vocab=m.vocab, seq_len=m.seq_len, embed=m.embed, layers=m.layers) if gpt else None
+    return dict(run=run, log=log, checkpoint=checkpoint, meta=meta, gpt_sizes=sizes)

@@ -1,0 +1,195 @@
+"""The optimizer section -> an optax optimizer and its learning-rate schedule, and the registry of
+built-in optimizers (``optimizer.name``).
+
+The learning rate is ``optimizer.lr`` scaled to the global batch by ``optimizer.lr_scaling``
+(:func:`peak_lr`), warmed up and decayed (:func:`build_lr_schedule`); lars / lamb take a trust-ratio
+mask checked against the model's parameters (:func:`build_trust_mask`). Errors name the YAML keys.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import optax
+from flax import nnx
+
+from jaxpar import optimizers as opt_lib
+from jaxpar.strategy import Strategy
+from jaxpar.config._schema import ConfigError, LRScalingConfig, OptimizerConfig
+
+__all__ = ["OPTIMIZERS", "lr_scaling_problems", "peak_lr", "build_lr_schedule", "build_trust_mask", "build_optimizer",
+           "frozen_variance_step"]
+
+
+def _adamw(c: OptimizerConfig, lr, **_):
+    return optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay)
+
+
+def _adam(c: OptimizerConfig, lr, **_):
+    return optax.adam(lr, b1=c.b1, b2=c.b2, eps=c.eps)
+
+
+def _sgd(c: OptimizerConfig, lr, **_):
+    return optax.sgd(lr, momentum=c.momentum or None)
+
+
+def _lars(c: OptimizerConfig, lr, *, logical=None, mask=None):
+    return opt_lib.lars(lr, weight_decay=c.weight_decay, momentum=c.momentum, trust_coefficient=c.trust_coefficient,
+                        eps=c.eps, logical=logical, mask=mask)
+
+
+def _lamb(c: OptimizerConfig, lr, *, logical=None, mask=None):
+    return opt_lib.lamb(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, logical=logical, mask=mask)
+
+
+#: ``name -> fn(cfg, lr, *, logical=None, mask=None) -> optax.GradientTransformation`` (``logical``:
+#: the params' logical names; ``mask``: :func:`jaxpar.optimizers.trust_mask`'s tree; both for lars / lamb).
+OPTIMIZERS: dict[str, Callable] = {"adamw": _adamw, "adam": _adam, "sgd": _sgd, "lars": _lars, "lamb": _lamb}
+#: Optimizers that apply ``weight_decay`` themselves (the others get ``add_decayed_weights`` in front).
+_OWN_DECAY = ("adamw", "lars", "lamb")
+
+
+def lr_scaling_problems(cfg: LRScalingConfig) -> list[str]:
+    """What is wrong with ``optimizer.lr_scaling``.
+
+    Args:
+      cfg: the ``optimizer.lr_scaling`` section.
+
+    Returns:
+      One line per problem, naming its key (empty: nothing).
+    """
+    p = []
+    if cfg.rule not in opt_lib.LR_SCALING_RULES:
+        p.append(f"optimizer.lr_scaling.rule={cfg.rule!r}: unknown rule; allowed: "
+                 f"{', '.join(opt_lib.LR_SCALING_RULES)} (lr x B/base_batch, lr x sqrt(B/base_batch), lr).")
+    if isinstance(cfg.base_batch, bool) or not isinstance(cfg.base_batch, int) or cfg.base_batch <= 0:
+        p.append(f"optimizer.lr_scaling.base_batch={cfg.base_batch!r}: must be a positive int, the global batch "
+                 "size at which optimizer.lr was tuned (e.g. 256).")
+    return p
+
+
+def peak_lr(cfg: OptimizerConfig, global_batch: int | None = None) -> float:
+    """The peak learning rate.
+
+    Args:
+      cfg: the ``optimizer`` section.
+      global_batch: ``data.batch_size``; needed unless ``optimizer.lr_scaling.rule`` is ``none``.
+
+    Returns:
+      ``optimizer.lr`` scaled by ``optimizer.lr_scaling`` to ``global_batch``.
+    """
+    if problems := lr_scaling_problems(cfg.lr_scaling):
+        raise ConfigError(" ".join(problems))
+    rule = cfg.lr_scaling.rule
+    if rule == "none":
+        return cfg.lr
+    if global_batch is None:
+        raise ConfigError(f"optimizer.lr_scaling.rule={rule!r} scales optimizer.lr by the global batch, which "
+                          "was not given: call build_optimizer / build_lr_schedule with global_batch="
+                          "data.batch_size, or set optimizer.lr_scaling.rule=none.")
+    return opt_lib.scaled_lr(cfg.lr, global_batch, cfg.lr_scaling.base_batch, rule)
+
+
+def build_lr_schedule(cfg: OptimizerConfig, total_steps: int, global_batch: int | None = None) -> Callable:
+    """The learning-rate schedule of the optimizer section.
+
+    Args:
+      cfg: the ``optimizer`` section.
+      total_steps: ``train.steps``.
+      global_batch: ``data.batch_size`` (for ``optimizer.lr_scaling``).
+
+    Returns:
+      ``step -> lr``: a linear warm-up from 0 over ``warmup_steps`` to the peak :func:`peak_lr`,
+      then constant / cosine / linear decay to ``min_lr_ratio`` times the peak.
+    """
+    peak = peak_lr(cfg, global_batch)
+    warm = min(cfg.warmup_steps, total_steps)
+    rest = max(1, total_steps - warm)
+    end = peak * cfg.min_lr_ratio
+    after = {"constant": lambda: optax.constant_schedule(peak),
+             "cosine": lambda: optax.cosine_decay_schedule(peak, rest, alpha=cfg.min_lr_ratio),
+             "linear": lambda: optax.linear_schedule(peak, end, rest)}[cfg.lr_schedule]()
+    if warm == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
+
+
+def build_trust_mask(cfg: OptimizerConfig, model_fn: Callable[[], nnx.Module] | None = None):
+    """The trust-ratio mask of lars / lamb.
+
+    Args:
+      cfg: the ``optimizer`` section (its ``trust_mask``).
+      model_fn: the model factory, traced only (None: the mask is checked when the optimizer is initialised).
+
+    Returns:
+      ``(logical, mask)``: the model's logical names and :func:`jaxpar.optimizers.trust_mask` with
+      ``optimizer.trust_mask``, checked against the model's parameters; without ``model_fn``
+      ``(None, mask function)``.
+    """
+    tm = cfg.trust_mask
+    if model_fn is None:
+        return None, lambda params: opt_lib.trust_mask(params, exclude=tm.exclude, include=tm.include)
+    from jaxpar.adapters._shapes import abstract_model
+
+    _, shapes, logical = abstract_model(model_fn)
+    try:
+        return logical, opt_lib.trust_mask(shapes, logical, exclude=tm.exclude, include=tm.include)
+    except opt_lib.MaskError as e:
+        key = "exclude" if str(e).startswith("trust_mask exclude") else "include"
+        msg = re.sub(r"^trust_mask \w+: ", "", str(e))
+        raise ConfigError(f"optimizer.trust_mask.{key}={list(getattr(tm, key))!r}: {msg}") from None
+
+
+def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int | None = None,
+                    model_fn: Callable[[], nnx.Module] | None = None,
+                    updates_per_step: int = 1,
+                    freeze_variance_step: int | None = None) -> tuple[optax.GradientTransformation, Callable]:
+    """The optimizer. Clipping is done by the train step (``clip_norm``), not by ``tx``.
+
+    Args:
+      cfg: the ``optimizer`` section.
+      total_steps: ``train.steps`` (the schedule's length).
+      global_batch: ``data.batch_size``: needed by ``optimizer.lr_scaling``.
+      model_fn: lets lars / lamb read the parameters' logical names (stacked layers,
+        :func:`build_trust_mask`) and check ``optimizer.trust_mask`` now; without it the mask is
+        taken from the arrays' ranks.
+      updates_per_step: how often ``tx`` is applied per train step (PipeDream weight stashing:
+        ``microbatches / update_every`` per stage); its schedule then reads the step,
+        ``count // updates_per_step``, so every update of step ``t`` uses the logged ``lr(t)``.
+      freeze_variance_step: 1-bit Adam (:func:`frozen_variance_step`): adam / adamw whose second moment
+        stops changing after that many updates (:func:`jaxpar.optimizers.adamw_frozen_variance`).
+
+    Returns:
+      ``(tx, lr_schedule)``; the schedule (logged as ``lr``) is the scaled one.
+    """
+    if cfg.name not in OPTIMIZERS:
+        raise ConfigError(f"optimizer.name={cfg.name!r}: unknown optimizer; allowed: {', '.join(OPTIMIZERS)}.")
+    schedule = build_lr_schedule(cfg, total_steps, global_batch)
+    logical, mask = build_trust_mask(cfg, model_fn) if cfg.name in ("lars", "lamb") else (None, None)
+    inner = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
+    if freeze_variance_step is not None:
+        if cfg.name not in ("adam", "adamw"):
+            raise ConfigError(f"optimizer.name={cfg.name!r}: 1-bit Adam (parallel.compression.optimizer_momentum) "
+                              "compresses Adam's first moment; use optimizer.name: adamw or adam.")
+        tx = opt_lib.adamw_frozen_variance(inner, freeze_variance_step, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                           weight_decay=cfg.weight_decay if cfg.name == "adamw" else 0.0)
+    else:
+        tx = OPTIMIZERS[cfg.name](cfg, inner, logical=logical, mask=mask)
+    if cfg.name not in _OWN_DECAY and cfg.weight_decay:
+        tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay), tx)
+    return tx, schedule
+
+
+def frozen_variance_step(strategy: Strategy) -> int | None:
+    """The step at which Adam's second moment freezes (1-bit Adam).
+
+    Args:
+      strategy: the strategy (its ``compression`` codec).
+
+    Returns:
+      The codec's ``start_step`` when it compresses Adam's first moment (``optimizer_momentum``),
+      else None.
+    """
+    codec = strategy.compression
+    return codec.start_step if getattr(codec, "optimizer_momentum", 0.0) else None

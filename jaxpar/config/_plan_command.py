@@ -1,0 +1,400 @@
+"""The cost model's view of a config, for ``jaxpar inspect`` and ``jaxpar plan --config``: the
+config's model as a :class:`jaxpar.cost.ModelSpec`, its mesh and strategy as a
+:class:`jaxpar.cost.Plan` with the cost model's estimate, and the table that sets that prediction
+beside a compiled train step.
+
+Example::
+
+    >>> from pathlib import Path
+    >>> from jaxpar.config import build_strategy, load_config
+    >>> cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
+    >>> cost_model(cfg).n_params > 0, cost_model(cfg, batch=8).batch
+    (True, 8)
+    >>> view = planner_view(cfg, {"data": 2, "fsdp": 2, "tensor": 2}, build_strategy(cfg.parallel), "cpu_sim")
+    >>> view.plan.name(), view.estimate.time.total > 0
+    ('dp2-fsdp2-tp2', True)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+from jaxpar.strategy import Strategy
+from jaxpar.config._schema import ConfigError, JobConfig
+
+__all__ = ["PlannerView", "cost_model", "plan_model", "plan_dtype", "planner_view", "unpredicted", "predicted_peak",
+           "planner_table", "plan_report", "verify_plans", "plan_overrides"]
+
+
+class PlannerView(NamedTuple):
+    """The cost model's description of a config's job: ``model``, ``plan`` and its ``estimate``."""
+
+    model: Any
+    plan: Any
+    estimate: Any
+
+
+def cost_model(cfg: JobConfig, model_fn: Callable | None = None, *, batch: int | None = None,
+               layers: int | None = None, hidden: int | None = None, heads: int | None = None,
+               seq: int | None = None, vocab: int | None = None):
+    """The :class:`jaxpar.cost.ModelSpec` of the config's model and global batch.
+
+    Args:
+      cfg: the config.
+      model_fn: the model factory of a model of your own or of ``model.hf`` (``Job.model_fn``); the GPT needs none.
+      batch: the global batch (default ``data.batch_size``).
+      layers, hidden, heads, seq, vocab: a model of your own: the sizes the cost model cannot read from
+        its parameters (default 1).
+
+    Returns:
+      The model spec.
+    """
+    from jaxpar import cost
+
+    m, batch = cfg.model, batch or cfg.data.batch_size
+    if m.target is not None or m.hf is not None:
+        return cost.from_nnx(model_fn, layers=layers or 1, hidden=hidden or 1, heads=heads or 1, seq=seq or 1,
+                             vocab=vocab or 1, batch=batch, name=m.name)
+    moe = {}
+    if m.moe:             # model.moe (the GPT's MoESettings): its experts, routing and layers
+        from jaxpar.config._build import build_moe
+
+        s = build_moe(m.moe)
+        moe = dict(experts=s.experts, top_k=s.top_k, capacity_factor=s.capacity_factor, moe_every=s.every,
+                   shared_mlp=s.shared_mlp)
+    return cost.gpt(m.layers, m.embed, m.heads, m.seq_len, m.vocab, batch, mlp=m.mlp, name=cfg.name, **moe)
+
+
+def plan_model(config: str | None, sizes: Mapping[str, int | None]):
+    """``jaxpar plan``'s model: that of ``--config`` (its global batch unless ``sizes['batch']``), else
+    jaxpar's GPT of the sizes given.
+
+    Args:
+      config: the config file (None: none).
+      sizes: ``layers``, ``hidden``, ``heads``, ``seq``, ``vocab``, ``batch`` (None where not given).
+
+    Returns:
+      The :class:`jaxpar.cost.ModelSpec`.
+
+    Raises:
+      ConfigError: no config and a size missing.
+    """
+    from jaxpar import cost
+    from jaxpar.config._job import build_job
+    from jaxpar.config._load import load_config
+
+    if config:
+        cfg = load_config(config, [])
+        return cost_model(cfg, build_job(cfg, mesh=False, data=False).model_fn, **sizes)
+    missing = [k for k, v in sizes.items() if not v]
+    if missing:
+        raise ConfigError(f"jaxpar plan needs --config CONFIG or the model's sizes; missing "
+                          f"{', '.join('--' + k for k in missing)}.")
+    return cost.gpt(sizes["layers"], sizes["hidden"], sizes["heads"], sizes["seq"], sizes["vocab"], sizes["batch"])
+
+
+def plan_dtype(config: str | None, dtype: str | None, cluster: Any) -> str:
+    """``jaxpar plan``'s compute dtype (the cluster's peak FLOP/s of that dtype): ``--dtype`` when given,
+    else the config's ``parallel.compute_dtype``, else ``bfloat16``.
+
+    Args:
+      config: the config file (None: none).
+      dtype: ``--dtype`` (None: not given).
+      cluster: the :class:`jaxpar.cost.Cluster` planned on.
+
+    Returns:
+      The dtype.
+
+    Raises:
+      ConfigError: the config's dtype is one the cluster has no peak FLOP/s for (an explicit ``--dtype``
+        is left to the planner, which names the cluster's dtypes).
+    """
+    from jaxpar.config._load import load_config
+
+    if dtype or not config:
+        return dtype or "bfloat16"
+    dtype = load_config(config, []).parallel.compute_dtype
+    if dtype not in cluster.peak_flops:
+        raise ConfigError(f"{config}: parallel.compute_dtype is {dtype}, and cluster {cluster.name!r} has peak "
+                          f"FLOP/s for {', '.join(cluster.peak_flops)} only; pass --dtype "
+                          f"{next(iter(cluster.peak_flops))} to plan in that dtype, or choose another --cluster.")
+    return dtype
+
+
+def plan_overrides(plan: Any) -> list[str]:
+    """The dotted overrides that make a config run a :class:`jaxpar.cost.Plan` (``jaxpar train CONFIG
+    *overrides``): its mesh, strategy and recomputation (``selective`` is the GPT's ``save-matmuls``).
+
+    Args:
+      plan: the plan (e.g. ``jaxpar.cost.plan(...).best.plan``).
+
+    Returns:
+      ``key=value`` strings.
+
+    >>> from jaxpar.cost import Plan
+    >>> plan_overrides(Plan(pipe=2, data=4, microbatches=8, schedule="interleaved", virtual=2))[-4:]
+    ['parallel.schedule=interleaved', 'parallel.virtual_stages=2', 'parallel.stage_layers=null', 'model.remat=none']
+    """
+    from jaxpar.cost._parallel import AXES
+
+    remat = {"none": "none", "full": "full"}.get(plan.remat, "save-matmuls")
+    out = [f"mesh.{a}={getattr(plan, a)}" for a in AXES] + ["mesh.replica=1"]
+    out += [f"parallel.zero={plan.zero}", f"parallel.sequence_parallel={str(plan.sequence_parallel).lower()}",
+            f"parallel.microbatches={plan.microbatches}", f"parallel.schedule={plan.schedule}",
+            f"parallel.virtual_stages={plan.virtual}", "parallel.stage_layers=null"]
+    if plan.context > 1:
+        out += [f"parallel.context.method={plan.context_method}",
+                f"parallel.context.balance={str(plan.context_balance).lower()}"]
+    return out + [f"model.remat={remat}"]
+
+
+def unpredicted(cfg: JobConfig, strategy: Strategy, mesh_sizes: Mapping[str, int]) -> str | None:
+    """Why the cost model predicts nothing for this job (None: it does).
+
+    Args:
+      cfg: the config.
+      strategy: its strategy.
+      mesh_sizes: the mesh's axis sizes.
+
+    Returns:
+      The reason, or None.
+    """
+    from jaxpar.cost._parallel import SCHEDULES
+
+    if cfg.model.target is not None or cfg.model.hf is not None:
+        key = "model.target" if cfg.model.target is not None else "model.hf"
+        return f"the cost model describes the built-in GPT only ({key} is set)"
+    if mesh_sizes.get("pipe", 1) > 1 and strategy.schedule not in SCHEDULES:
+        return (f"the cost model knows the pipeline schedules {', '.join(SCHEDULES)}, not "
+                f"parallel.schedule={strategy.schedule!r}")
+    return None
+
+
+def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strategy, cluster_name: str, *,
+                 lowering: str = "xla-cpu") -> PlannerView:
+    """The cost model's plan and estimate for the config's GPT on its mesh (see :func:`unpredicted`
+    for the jobs it does not describe).
+
+    Args:
+      cfg: the config.
+      mesh_sizes: the mesh's axis sizes.
+      strategy: the config's strategy.
+      cluster_name: a cluster preset or YAML path (its devices are set to the mesh's).
+      lowering: the cost model's lowering (:data:`jaxpar.cost._traffic.LOWERINGS`; for a platform,
+        :func:`~jaxpar.cost._traffic.lowering_for_platform`): ``xla-cpu`` for the simulated CPU mesh,
+        ``xla`` and ``xla-tpu`` for the GPU and TPU compilers.
+
+    Returns:
+      The :class:`PlannerView`, estimated for ``lowering`` with fp32 parameters and moments.
+    """
+    from jaxpar import cost
+    from jaxpar.cost._planner import evaluate
+
+    model = cost_model(cfg)
+    remat = {"none": "none", "full": "full"}.get(cfg.model.remat, "selective")
+    data = mesh_sizes.get("data", 1)
+    plan = cost.Plan(pipe=mesh_sizes.get("pipe", 1), data=data, fsdp=mesh_sizes.get("fsdp", 1),
+                     tensor=mesh_sizes.get("tensor", 1), zero=strategy.zero if data > 1 else 0,
+                     sequence_parallel=strategy.sequence_parallel, schedule=strategy.schedule,
+                     virtual=strategy.virtual_stages, microbatches=strategy.microbatches, remat=remat,
+                     expert=mesh_sizes.get("expert", 1), context=mesh_sizes.get("context", 1),
+                     context_method=strategy.context_setting.method, context_balance=strategy.context_setting.balance)
+    n = plan.devices
+    cluster = cost.load_cluster(cluster_name)
+    cluster = cluster.with_devices(n) if n <= cluster.devices_per_node or n % cluster.devices_per_node == 0 else \
+        cost.load_cluster(cluster_name, nodes=1)
+    dtype = "float32" if strategy.compute_dtype == "float32" else "bfloat16"
+    if dtype not in cluster.peak_flops:
+        dtype = next(iter(cluster.peak_flops))
+    return PlannerView(model, plan, evaluate(model, plan, cluster, dtype=dtype, precision="fp32", lowering=lowering))
+
+
+def _ratio(p: float, g: float) -> str:
+    return f"{p / g:.3f}" if g else ("-" if not p else "inf")
+
+
+def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, cluster: str,
+                  steps_per_call: int = 1, *, lowering: str = "xla-cpu") -> str:
+    """``jaxpar inspect``'s table: the cost model's bytes per axis, arguments, temporaries and peak
+    next to the compiled step's, per device (for a pipelined plan, counted on the busiest stage).
+
+    Args:
+      cfg: the config.
+      compiled: the compiled train step.
+      mesh: its mesh.
+      strategy: the config's strategy.
+      cluster: the cluster preset (or YAML path) of the prediction.
+      steps_per_call: optimizer steps per call of ``compiled`` (its bytes per axis are divided by it).
+      lowering: the cost model's lowering (see :func:`planner_view`).
+
+    Returns:
+      The heading, the table and the predicted step time (or why there is none), as text.
+    """
+    from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
+    from jaxpar.analysis._compiled_memory import format_bytes, memory_report, render_table
+
+    sizes = dict(mesh.shape)
+    rep = memory_report(compiled)
+    why = unpredicted(cfg, strategy, sizes)
+    view = planner_view(cfg, sizes, strategy, cluster, lowering=lowering) if why is None else None
+    got = compiled_bytes_per_axis(compiled, mesh, view and view.plan) if mesh.size > 1 else {}
+    got = {a: g / steps_per_call for a, g in got.items()}
+    lines = [f"\nplanner  cost model (jaxpar.cost, lowering {lowering}, cluster {cluster}) vs the compiled step, "
+             "per device"]
+    headers, right = ["", "predicted", "compiled", "predicted / compiled"], [False, True, True, True]
+    if view is None:
+        rows = [[f"bytes over {a} per step", "-", format_bytes(g), "-"] for a, g in sorted(got.items())]
+        rows += [["arguments (state + batch)", "-", format_bytes(rep.argument_bytes), "-"],
+                 ["temporaries", "-", format_bytes(rep.temp_bytes), "-"],
+                 ["peak (the larger of args + outputs + temps - aliased and XLA's)", "-",
+                  format_bytes(rep.required_bytes), "-"]]
+        return "\n".join(lines + [render_table(headers, rows, right=right), f"time     not predicted: {why}"])
+    from jaxpar.cost._memory import argument_bytes
+    from jaxpar.cost._traffic import bytes_per_axis, comms
+
+    model, plan, est = view
+    act = 2 if strategy.compute_dtype == "bfloat16" else 4
+    pred = bytes_per_axis(comms(model, plan, lowering=lowering, compute_bytes=act, grad_bytes=4))
+    args, mem, t = argument_bytes(model, plan.sizes, plan.zero), est.memory, est.time
+    rows = [[f"bytes over {a} per step", format_bytes(pred.get(a, 0.0)), format_bytes(got.get(a, 0.0)),
+             _ratio(pred.get(a, 0.0), got.get(a, 0.0))] for a in sorted(set(pred) | set(got))]
+    temps = mem.activations + mem.logits
+    rows += [["arguments (state + batch)", format_bytes(args), format_bytes(rep.argument_bytes),
+              _ratio(args, rep.argument_bytes)],
+             ["temporaries (model: activations + logits)", format_bytes(temps), format_bytes(rep.temp_bytes),
+              _ratio(temps, rep.temp_bytes)],
+             ["peak (the larger of args + outputs + temps - aliased and XLA's)", format_bytes(mem.total),
+              format_bytes(rep.required_bytes), _ratio(mem.total, rep.required_bytes)]]
+    return "\n".join(lines + [render_table(headers, rows, right=right), (
+        f"time     predicted {t.total * 1e3:.1f} ms per step on {cluster} (compute {t.compute * 1e3:.1f}, "
+        f"data {t.data * 1e3:.1f}, tensor {t.tensor * 1e3:.1f}, pipeline {t.pipeline * 1e3:.1f}, update "
+        f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {plan.name()}")])
+
+
+def predicted_peak(model: Any, plan: Any, planned: float, compute_dtype: str, platform: str) -> float:
+    """The cost model's peak per device beside a compiled step: the compiled-step model
+    (:func:`jaxpar.cost.step_peak_bytes`, measured against the GPU and TPU compilers in
+    docs/planning.md §8) for the fp32 step of a dense GPT without context parallelism, else
+    ``planned`` (the planner's memory estimate).
+
+    Args:
+      model: the cost model's GPT (:class:`jaxpar.cost.ModelSpec`).
+      plan: its :class:`jaxpar.cost.Plan`.
+      planned: the planner's estimate, in bytes.
+      compute_dtype: the strategy's compute dtype.
+      platform: the target's platform (``"cuda"`` or ``"tpu"``).
+
+    Returns:
+      Bytes per device.
+
+    >>> from jaxpar.cost import Plan, gpt
+    >>> m = gpt(2, 64, 4, 32, 128, 8)
+    >>> predicted_peak(m, Plan(data=2), 1.0, "float32", "cuda") > 1.0
+    True
+    >>> predicted_peak(m, Plan(), 1.0, "bfloat16", "cuda")      # not the fp32 step: the planner's
+    1.0
+    """
+    from jaxpar.cost._device_bytes import step_peak_bytes
+
+    if compute_dtype != "float32" or plan.context > 1 or plan.expert > 1 or model.moe_layers:
+        return planned
+    return step_peak_bytes(model, plan, platform=platform)
+
+
+def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any = None) -> None:
+    """``jaxpar plan --verify``: compile each plan's train step ahead of time (jaxpar's GPT, fp32 Adam;
+    nothing runs) on simulated CPU devices, or with the real compiler of ``target``, and print
+    predicted vs compiled argument bytes, peak memory and bytes per mesh axis.
+
+    Args:
+      model: the cost model's GPT.
+      cluster: the cluster (its device count is simulated; at most 256).
+      estimates: the ranked plans' estimates.
+      target: a :class:`jaxpar.devices.Target` with the cluster's device count (None: the CPU).
+
+    Raises:
+      ConfigError: more than 256 simulated devices.
+    """
+    import time
+
+    from jaxpar.analysis._compiled_memory import format_bytes, render_table
+    from jaxpar.cost._memory import memory_per_device
+    from jaxpar.step._cost_check import compile_and_compare
+
+    devices, where, lowering = _verify_devices(cluster.num_devices, target)
+    print(f"\nverify   {len(estimates)} plans compiled ahead of time {where} (jaxpar's GPT, "
+          f"fp32 parameters and Adam moments; the prediction below uses the same precision)")
+    rows = []
+    for e in estimates:
+        p = e.plan
+        t0 = time.perf_counter()
+        r = compile_and_compare(model, p, devices=devices, lowering=lowering)
+        mem = memory_per_device(model, p.sizes, zero=p.zero, microbatches=p.microbatches, schedule=p.schedule,
+                                virtual=p.virtual, remat=p.remat, sequence_parallel=p.sequence_parallel,
+                                precision="fp32", activation_bytes=4).total
+        if target is not None:          # the compiled-step model, measured against the target's compiler
+            mem = predicted_peak(model, p, mem, "float32", target.spec.platform)
+        a = r["arguments"]
+        peak = r["peak_bytes"]
+        worst = max((v["error"] for v in r["axes"].values()), default=0.0)
+        rows.append([p.name(), format_bytes(a["predicted"]), format_bytes(a["compiled"]), f"{a['error']:.2%}",
+                     format_bytes(mem), format_bytes(peak), f"{mem / peak:.2f}",
+                     " ".join(f"{ax}:{v['predicted'] / v['compiled']:.3f}" if v["compiled"] else f"{ax}:-"
+                              for ax, v in r["axes"].items()) or "-", f"{worst:.1%}",
+                     f"{time.perf_counter() - t0:.0f}"])
+    print(render_table(["plan", "args predicted", "args compiled", "args error", "peak predicted", "peak compiled",
+                        "peak ratio", f"bytes per axis predicted/compiled ({lowering})", "worst axis error",
+                        "compile s"], rows, right=[False] + [True] * 6 + [False, True, True]))
+
+
+def _verify_devices(n: int, target: Any) -> tuple[list, str, str]:
+    """``(devices, where they are, the cost model's lowering)`` for ``verify_plans``."""
+    if target is not None:
+        from jaxpar.cost._traffic import lowering_for_platform
+        from jaxpar.devices._targets import target_devices
+
+        if target.num_devices != n:
+            raise ConfigError(f"--target {target} has {target.num_devices} devices, but the plans are for {n}; "
+                              f"give --devices {target.num_devices} or a target of {n} devices.")
+        return (target_devices(target), f"by the {target.spec.platform} compiler for {target}",
+                lowering_for_platform(target.spec.platform))
+    if n > 256:
+        raise ConfigError(f"--verify simulates the cluster's {n} devices on the CPU; at most 256 (use --devices, "
+                          f"or --target to compile for real devices).")
+    import jax
+
+    from jaxpar.devices._distributed import setup_devices
+
+    setup_devices(n)
+    return jax.devices()[:n], f"on {n} simulated CPU devices", "xla-cpu"
+
+
+def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: bool = False) -> str:
+    """``jaxpar plan``'s output: the model, the cluster and the ranked and rejected plans.
+
+    Args:
+      model: the cost model's model.
+      cluster: the cluster.
+      result: :func:`jaxpar.cost.plan`'s result.
+      top: how many plans to show.
+      as_json: JSON instead of tables.
+
+    Returns:
+      The text.
+    """
+    if as_json:
+        return json.dumps({"cluster": cluster.name, "devices": cluster.num_devices, "model": model.name,
+                           "parameters": model.n_params, "considered": result.considered,
+                           "ranked": [e.row() for e in result.ranked[:top]],
+                           "rejected": [{"plan": r.plan.name() if r.plan else None, "reason": r.reason}
+                                        for r in result.rejected[:top]]}, indent=2)
+    lines = [f"model    {model.name}: {model.n_params:,} parameters, batch {model.batch} x {model.seq}",
+             f"cluster  {cluster.name}: {cluster.num_devices} devices ({cluster.nodes} x {cluster.devices_per_node})",
+             f"plans    {result.considered} considered, {len(result.ranked)} fit, {len(result.rejected)} rejected",
+             result.table(top)]
+    if result.rejected:
+        lines += ["", result.rejected_table(min(top, 5))]
+    if getattr(result, "refused", None):
+        lines += ["", result.refused_table(min(top, 5))]
+    return "\n".join(lines)

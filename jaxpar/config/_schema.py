@@ -1,0 +1,253 @@
+"""The config schema: one frozen dataclass per YAML section, the keys of the built-in GPT and of a
+model of your own, and the allowed names of the fields that take one of a few values.
+
+The dataclasses hold plain values only; :mod:`jaxpar.config._checks` checks them and
+:mod:`jaxpar.config._build` turns them into the library's objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxpar.data import _windows as data_lib
+from jaxpar.errors import ConfigError
+
+__all__ = [
+    "ConfigError", "ModelConfig", "MeshConfig", "ParallelConfig", "LRScalingConfig", "TrustMaskConfig",
+    "OptimizerConfig", "DataConfig",
+    "TrainConfig", "CheckpointConfig", "NoiseScaleConfig", "LoggingConfig", "JobConfig", "GPT_KEYS", "USER_MODEL_KEYS",
+    "HF_MODEL_KEYS",
+    "LR_SCHEDULES", "DATA_KINDS", "PROGRESS_MODES", "NONFINITE_MODES", "RENAMED", "IMPORT_KEYS",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Either the built-in GPT (``name: gpt`` and the :class:`jaxpar.models.GPTConfig` fields), a
+    model of your own: ``target`` (``'pkg.mod:Class'`` or ``'path/to/file.py:Class'``), called as
+    ``target(**kwargs, rngs=nnx.Rngs(train.seed))`` -> ``nnx.Module``, and ``loss`` (``loss(model, batch)
+    -> scalar``), or a Hugging Face checkpoint: ``hf`` (its directory; the model is its
+    :class:`jaxpar.models.Decoder`, started from its weights, with ``remat``, ``scan_layers`` and
+    ``seq_len``, the data's windows, only). With ``target`` or ``hf``, ``name`` is only a label
+    (default: the class's / the directory's name). Under ``mesh.pipe > 1`` the model is cut at its
+    stacked blocks (:mod:`jaxpar.parallel.pipeline._cut`)."""
+
+    name: str = "gpt"
+    target: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    loss: str | None = None
+    vocab: int = 256
+    seq_len: int = 64
+    embed: int = 64
+    heads: int = 4
+    layers: int = 2
+    mlp: int | None = None          # None: 4 * embed
+    remat: str = "none"
+    scan_layers: bool = True
+    init_std: float = 0.02
+    # mixture of experts: {experts: 8, top_k: 2, capacity_factor: 1.25 | null, every: 1, aux_weight: 0.01, ...}
+    # (see jaxpar.models._gpt_moe.MoESettings); {} = dense MLPs
+    moe: dict[str, Any] = field(default_factory=dict)
+    # a Hugging Face checkpoint directory (config.json, *.safetensors): its Decoder, from its weights
+    hf: str | None = None
+
+
+#: Keys of the built-in GPT (an error with ``model.target``) and of a user model (an error without it).
+GPT_KEYS = ("vocab", "seq_len", "embed", "heads", "layers", "mlp", "remat", "scan_layers", "init_std", "moe")
+USER_MODEL_KEYS = ("target", "kwargs", "loss")
+#: Keys that may stand beside ``model.hf`` (the rest of the model comes from the checkpoint).
+HF_MODEL_KEYS = ("name", "hf", "seq_len", "remat", "scan_layers")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes; one may be -1 (the rest of the devices)."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    pipe: int = 1
+    replica: int = 1                # K model replicas (outermost axis), kept in step by parallel.sync
+    context: int = 1                # context parallelism: the sequence split over a 'context' axis (parallel.context)
+    expert: int = 1                 # expert parallelism: model.moe's experts split over an 'expert' axis
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """See :class:`jaxpar.Strategy`."""
+
+    zero: int = 0
+    sequence_parallel: bool = False
+    microbatches: int = 1           # accumulation steps; with mesh.pipe > 1 the pipeline's micro-batches
+    compute_dtype: str = "float32"
+    schedule: str = "1f1b"          # PIPELINE schedule (pipe > 1): gpipe|1f1b|interleaved|zb-h1|pipedream-2bw|pipedream
+    update_every: int = 1           # pipedream (weight stashing): each stage updates after every k of its backwards
+    vertical_sync: bool = False     # pipedream: every stage runs a micro-batch on the version stage 0 used
+    steps_per_call: int = 1         # optimizer steps per compiled call (pipedream / pipedream-2bw: no flush between)
+    virtual_stages: int = 1         # interleaved: model chunks per stage
+    stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (uneven); null = even
+    # gradient codec over the data axes, e.g. {kind: powersgd, rank: 4}; {} = exact (see jaxpar.parallel.compression)
+    compression: dict[str, Any] = field(default_factory=dict)
+    # how the mesh.replica replicas synchronise, e.g. {kind: diloco, every: 50}; {} = every step (see jaxpar.parallel.sync)
+    sync: dict[str, Any] = field(default_factory=dict)
+    # how attention runs over mesh.context: {method: ring | all_gather | ulysses, balance: true}; {} = ring, natural
+    context: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LRScalingConfig:
+    """The peak ``optimizer.lr`` was tuned at ``base_batch``; with ``data.batch_size = B`` it becomes
+    ``lr * B / base_batch`` (``linear``, Goyal et al.), ``lr * sqrt(B / base_batch)`` (``sqrt``) or
+    stays (``none``). Warm-up and decay apply to the scaled peak (see :func:`jaxpar.optimizers.scaled_lr`)."""
+
+    rule: str = "none"              # linear | sqrt | none
+    base_batch: int = 256
+
+
+@dataclass(frozen=True)
+class TrustMaskConfig:
+    """``lars`` / ``lamb``: which parameters get weight decay and a trust ratio. Default: those of
+    rank >= 2 per layer (not biases, not norm scales); ``include`` / ``exclude``: regexes searched
+    in the parameter path (``blocks/ln1_scale``) forcing them in / out (see :func:`jaxpar.optimizers.trust_mask`)."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """``adamw`` decays weights decoupled; ``adam`` / ``sgd`` add ``weight_decay * w`` to the gradient.
+    ``lars`` (``momentum``, ``trust_coefficient``) and ``lamb`` (``b1``, ``b2``, ``eps``) decay and scale
+    by the trust ratio only the parameters of ``trust_mask`` (:mod:`jaxpar.optimizers`)."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9           # sgd only (0 = plain SGD)
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"     # after warm-up: constant | cosine | linear (to min_lr_ratio * lr)
+    min_lr_ratio: float = 0.1
+    clip_norm: float | None = 1.0   # None: no clipping
+    lr_scaling: LRScalingConfig = field(default_factory=LRScalingConfig)
+    trust_coefficient: float = 0.001   # lars only (lamb: 1)
+    trust_mask: TrustMaskConfig = field(default_factory=TrustMaskConfig)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``text``: bytes of ``paths`` (files / globs; empty = Python stdlib sources), or with ``tokenizer``
+    (``hf``: the ``model.hf`` checkpoint's; or a directory / ``tokenizer.json`` file) their tokens, each
+    file a document with BOS / EOS only where ``bos`` / ``eos`` say. ``tokens``: one
+    pre-tokenized ``.bin`` (``token_dtype``) or ``.npy`` file in ``paths``. ``synthetic``: arithmetic
+    token sequences. ``import``: your own ``target(step, *, batch_size, seed, **kwargs) -> dict of arrays``
+    (``'pkg.mod:fn'`` or ``'path/to/file.py:fn'``). ``documents``: ``sources`` (JSONL, Parquet, ArrayRecord,
+    Hugging Face ``save_to_disk`` directories, token files) mixed by weight, tokenized by ``tokenizer``
+    (from ``cache``, or on the fly) and packed (:mod:`jaxpar.config._documents`). ``batch_size`` is global."""
+
+    kind: str = "text"
+    paths: tuple[str, ...] = ()
+    max_bytes: int = data_lib.DEFAULT_MAX_BYTES
+    token_dtype: str = "uint16"     # kind=tokens, .bin files
+    tokenizer: str | None = None    # kind=text: hf (model.hf's tokenizer) | a directory or tokenizer.json; null: bytes
+    bos: bool = False               # with tokenizer: a BOS token before each document (file)
+    eos: bool = False               # with tokenizer: an EOS token after each document
+    target: str | None = None       # kind=import
+    kwargs: dict[str, Any] = field(default_factory=dict)   # kind=import
+    batch_size: int = 32
+    seed: int = 0
+    eval_fraction: float = 0.05
+    # global batch sizes growing during training, e.g. {sizes: [32, 64, 128], steps: [0, 100, 200]}
+    # (the first size is batch_size; see jaxpar.run._ramp); {} = batch_size throughout
+    batch_ramp: dict[str, Any] = field(default_factory=dict)
+    # kind=documents (jaxpar.config._documents, docs/data.md): sources mixed by weight, packed rows
+    sources: list[dict[str, Any]] = field(default_factory=list)   # [{path, format, text_field, weight}, ...]
+    cache: str | None = None        # the token cache's directory (jaxpar data prepare); null: tokenize on the fly
+    pack: str = "best_fit"          # best_fit | first_fit | none
+    pack_window: int = 64           # rows packed together
+    pack_fill: float = 0.99         # the share of a pack window the documents fill
+    on_malformed: str = "error"     # error | skip (a malformed record is skipped and counted)
+    prefetch: int = 2               # steps built ahead in a background thread
+    repeat: bool = False            # a source may be drawn for more than one epoch (each reshuffled)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """``devices > 0``: simulate that many CPU devices; 0: use the devices JAX has.
+    ``eval_every=0``: evaluate only at the end; ``eval_batches=0``: never. ``out_dir`` empty: ``runs/<name>``."""
+
+    steps: int = 100
+    log_every: int = 10
+    eval_every: int = 0
+    eval_batches: int = 4
+    seed: int = 0
+    devices: int = 0
+    out_dir: str = ""
+    progress: str = "auto"          # auto | bar | lines | none
+    on_nonfinite: str = "skip"      # skip: drop the update of a step with a non-finite loss / grad norm; stop: error
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints. ``dir`` empty: ``<train.out_dir>/checkpoints``. A checkpoint is written every
+    ``every`` steps (0: only at the end), at the end, and on SIGTERM / SIGINT; the last ``keep`` are kept.
+    ``resume`` (or ``jaxpar train --resume``) continues from the latest good checkpoint in ``dir``."""
+
+    enabled: bool = True
+    dir: str = ""
+    every: int = 0
+    keep: int = 3
+    async_save: bool = True         # write in a background thread (``async`` is a Python keyword)
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class NoiseScaleConfig:
+    """The gradient noise scale ``B_simple`` (McCandlish et al. 2018) measured every ``every`` steps from
+    each data-parallel replica's gradient and the global one (null: never), with moving averages of
+    decay ``ema`` (:mod:`jaxpar.step._noise_scale`); logged as ``noise_scale`` and ``noise_scale.png``."""
+
+    every: int | None = None
+    ema: float = 0.95
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Metrics go to ``<train.out_dir>/metrics.jsonl`` and, with ``tensorboard``, to ``<train.out_dir>/tb``.
+    ``peak_flops``: peak FLOP/s of one device (e.g. 989e12 for an H100's dense bf16); null: no MFU.
+    ``samples``: greedy text samples of ``sample_tokens`` tokens written at the end (0: none; the GPT and
+    ``model.hf`` only; decoded by ``data.tokenizer`` when there is one)."""
+
+    tensorboard: bool = True
+    peak_flops: float | None = None
+    samples: int = 3
+    sample_tokens: int = 64
+    noise_scale: NoiseScaleConfig = field(default_factory=NoiseScaleConfig)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """The whole job. ``name`` defaults to the config file's stem."""
+
+    name: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+LR_SCHEDULES = ("constant", "cosine", "linear")
+DATA_KINDS = ("synthetic", "text", "tokens", "documents", "import")
+PROGRESS_MODES = ("auto", "bar", "lines", "none")
+NONFINITE_MODES = ("skip", "stop")
+#: Keys that were renamed: old dotted key -> new one.
+RENAMED = {"optimizer.schedule": "optimizer.lr_schedule"}
+#: Keys holding ``module:attr`` import paths (a ``.py`` module part is a file, relative to the config file).
+IMPORT_KEYS = (("model", "target"), ("model", "loss"), ("data", "target"))

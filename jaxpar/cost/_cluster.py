@@ -1,0 +1,273 @@
+"""A cluster as the cost model sees it: nodes of devices, their memory and peak FLOP/s, two link classes.
+
+Devices inside a node talk over the *intra-node* link (NVLink, TPU ICI, or the shared memory
+of the simulated CPU mesh), nodes over the *inter-node* link (InfiniBand, data-center
+network). Each link is an α-β-γ :class:`~jaxpar.cost.Link`; bandwidths are per
+device and per direction.
+
+Presets are YAML files in ``configs/clusters/`` (each states its sources); :func:`presets`
+lists them, :func:`load_cluster` reads a preset name or a path. Keys::
+
+    name, description, sources: [...]
+    devices_per_node, nodes, device_memory_gib
+    peak_tflops: {bfloat16: ..., float32: ...}     # dense, per device
+    efficiency: 0.5                                 # achieved / peak FLOP/s of a large matmul
+    gemm_half_gflop: 2                              # a matmul of this size reaches half of it (0: off)
+    memory_gbps: 3350                               # device memory bandwidth (0: memory-bound work is free)
+    memory_efficiency: 1                            # achieved / memory_gbps of a streaming kernel
+    shared_compute: 1                               # > 1: a node's devices share its compute (the simulated
+                                                    # CPU mesh): k < devices_per_node devices each run
+                                                    # min(devices_per_node / k, shared_compute) x faster
+                                                    # (FLOP/s only: memory_gbps stays as measured)
+    intra_node: {alpha_us: ..., bandwidth_gbps: ..., reduce_gbps: ...}   # GB/s = 1e9 bytes/s
+                                                    # shared_memory: true -> one-shot collectives
+    inter_node: {alpha_us: ..., bandwidth_gbps: ...}
+
+Example::
+
+    >>> c = load_cluster("h100", nodes=2)
+    >>> c.num_devices, c.devices_per_node, round(c.intra.beta * 450e9, 6)
+    (16, 8, 1.0)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from jaxpar.cost._collectives import Link
+from jaxpar.errors import ClusterError
+
+__all__ = ["Cluster", "ClusterError", "PRESET_DIR", "presets", "load_cluster", "cluster_from_dict"]
+
+#: Where the preset YAML files live (``configs/clusters`` of the repository).
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes x devices with memory, peak FLOP/s per dtype, compute efficiency and two links."""
+
+    name: str
+    devices_per_node: int
+    nodes: int
+    memory_bytes: float
+    peak_flops: Mapping[str, float]
+    intra: Link
+    inter: Link
+    efficiency: float = 0.5
+    gemm_half_flops: float = 0.0
+    memory_bandwidth: float = 0.0
+    memory_efficiency: float = 1.0
+    shared_compute: float = 1.0
+    description: str = ""
+    sources: tuple[str, ...] = field(default=(), repr=False)
+
+    def __post_init__(self):
+        for f in ("devices_per_node", "nodes"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ClusterError(f"cluster {self.name!r}: {f}={v!r} must be a positive int.")
+        _positive(self.name, "device_memory_gib", self.memory_bytes / 2**30)
+        if not self.peak_flops:
+            raise ClusterError(f"cluster {self.name!r}: peak_tflops is empty; give e.g. {{bfloat16: 989}}.")
+        for k, v in self.peak_flops.items():
+            _positive(self.name, f"peak_tflops.{k}", v)
+        if not 0 < self.efficiency <= 1:
+            raise ClusterError(f"cluster {self.name!r}: efficiency={self.efficiency!r} must be in (0, 1] "
+                               "(achieved / peak FLOP/s, e.g. 0.5).")
+        if not 0 < self.memory_efficiency <= 1:
+            raise ClusterError(f"cluster {self.name!r}: memory_efficiency={self.memory_efficiency!r} must be in "
+                               "(0, 1] (achieved / memory_gbps of a streaming kernel, e.g. 0.85).")
+
+    def matmul_efficiency(self, gemm_flops: float) -> float:
+        """``efficiency * w / (w + gemm_half_flops)`` for a matmul of ``w`` FLOPs: small matmuls
+        (small micro-batches, thin tensor-parallel shards) reach less of the peak.
+
+        Args:
+          gemm_flops: the FLOPs ``w`` of one matmul.
+
+        Returns:
+          The fraction of the peak reached.
+
+        >>> load_cluster("h100").matmul_efficiency(2e9)        # at the half point: half of 0.5
+        0.25
+        """
+        if self.gemm_half_flops <= 0:
+            return self.efficiency
+        return self.efficiency * gemm_flops / (gemm_flops + self.gemm_half_flops)
+
+    @property
+    def stream_bandwidth(self) -> float:
+        """Bytes/s a memory-bound kernel moves: ``memory_bandwidth * memory_efficiency`` (0: not modelled).
+
+        >>> load_cluster("h100").stream_bandwidth == 3350e9
+        True
+        """
+        return self.memory_bandwidth * self.memory_efficiency
+
+    @property
+    def num_devices(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s of one device for ``dtype``.
+
+        Args:
+          dtype: ``"fp32"``, ``"bf16"``, ...
+
+        Returns:
+          FLOP/s.
+        """
+        if dtype not in self.peak_flops:
+            raise ClusterError(f"cluster {self.name!r} has no peak_tflops.{dtype}; it has "
+                               f"{', '.join(self.peak_flops)}. Add it to the preset or choose one of those.")
+        return self.peak_flops[dtype]
+
+    def with_devices(self, num_devices: int) -> "Cluster":
+        """The same hardware with ``num_devices`` devices (whole nodes, or part of one node).
+
+        Args:
+          num_devices: the device count.
+
+        Returns:
+          The resized :class:`Cluster`.
+
+        >>> load_cluster("h100").with_devices(1024).nodes
+        128
+        """
+        if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+            raise ClusterError(f"num_devices={num_devices!r}: must be a positive int.")
+        if num_devices <= self.devices_per_node:
+            peaks = self.peak_flops
+            if self.shared_compute > 1 and self.nodes == 1:      # the node's compute, split over fewer devices
+                f = min(self.devices_per_node / num_devices, self.shared_compute)
+                peaks = {k: v * f for k, v in peaks.items()}
+            return replace(self, devices_per_node=num_devices, nodes=1, peak_flops=peaks)
+        if num_devices % self.devices_per_node:
+            raise ClusterError(f"num_devices={num_devices} is not a whole number of {self.name!r} nodes of "
+                               f"{self.devices_per_node} devices; use a multiple of {self.devices_per_node}.")
+        return replace(self, nodes=num_devices // self.devices_per_node)
+
+
+def _positive(name: str, field_name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ClusterError(f"cluster {name!r}: {field_name}={value!r} must be a positive number.")
+    return float(value)
+
+
+def _nonneg(name: str, field_name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ClusterError(f"cluster {name!r}: {field_name}={value!r} must be a number >= 0.")
+    return float(value)
+
+
+def _link(name: str, key: str, d: Any) -> Link:
+    if not isinstance(d, Mapping):
+        raise ClusterError(f"cluster {name!r}: {key} must be a mapping with alpha_us and bandwidth_gbps; got {d!r}.")
+    unknown = set(d) - {"alpha_us", "bandwidth_gbps", "reduce_gbps", "shared_memory"}
+    if unknown:
+        raise ClusterError(f"cluster {name!r}: unknown key(s) {sorted(unknown)} under {key}; allowed: alpha_us, "
+                           "bandwidth_gbps, reduce_gbps, shared_memory.")
+    shm = d.get("shared_memory", False)
+    if not isinstance(shm, bool):
+        raise ClusterError(f"cluster {name!r}: {key}.shared_memory={shm!r} must be true or false.")
+    for k in ("alpha_us", "bandwidth_gbps"):
+        if k not in d:
+            raise ClusterError(f"cluster {name!r}: {key}.{k} is missing.")
+    alpha = d["alpha_us"]
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
+        raise ClusterError(f"cluster {name!r}: {key}.alpha_us={alpha!r} must be a number >= 0 (microseconds).")
+    bw = d["bandwidth_gbps"]
+    if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
+        raise ClusterError(f"cluster {name!r}: {key}.bandwidth_gbps={bw!r} must be a positive number of GB/s "
+                           "(1e9 bytes/s per device and direction), e.g. 50 for 400 Gb/s.")
+    red = d.get("reduce_gbps")
+    red = None if red is None else _positive(name, f"{key}.reduce_gbps", red) * 1e9
+    return Link.from_bandwidth(alpha * 1e-6, bw * 1e9, red, shm)
+
+
+_KEYS = {"name", "description", "sources", "devices_per_node", "nodes", "device_memory_gib", "peak_tflops",
+         "efficiency", "gemm_half_gflop", "memory_gbps", "memory_efficiency", "shared_compute", "intra_node",
+         "inter_node", "fit"}
+
+
+def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
+    """A :class:`Cluster` from a preset's mapping (keys in the module doc; ``fit`` is kept as a record only).
+
+    Args:
+      d: the preset's keys and values.
+      name: the cluster's name.
+
+    Returns:
+      The :class:`Cluster`.
+    """
+    if not isinstance(d, Mapping):
+        raise ClusterError(f"cluster {name!r}: expected a mapping of keys {sorted(_KEYS)}, got {type(d).__name__}.")
+    name = str(d.get("name", name))
+    unknown = set(d) - _KEYS
+    if unknown:
+        raise ClusterError(f"cluster {name!r}: unknown key(s) {sorted(unknown)}; allowed: {', '.join(sorted(_KEYS))}.")
+    for k in ("devices_per_node", "device_memory_gib", "peak_tflops", "intra_node"):
+        if k not in d:
+            raise ClusterError(f"cluster {name!r}: {k} is missing.")
+    peaks = d["peak_tflops"]
+    if not isinstance(peaks, Mapping) or not peaks:
+        raise ClusterError(f"cluster {name!r}: peak_tflops must map dtypes to TFLOP/s, e.g. {{bfloat16: 989}}.")
+    shared = d.get("shared_compute", 1)
+    if isinstance(shared, bool) or not isinstance(shared, (int, float)) or not math.isfinite(shared) or shared < 1:
+        raise ClusterError(f"cluster {name!r}: shared_compute={shared!r} must be a number >= 1 (1: devices do not "
+                           "share compute; s: one device alone runs up to s times faster).")
+    intra = _link(name, "intra_node", d["intra_node"])
+    inter = _link(name, "inter_node", d["inter_node"]) if "inter_node" in d else intra
+    return Cluster(name=name, devices_per_node=d["devices_per_node"], nodes=d.get("nodes", 1),
+                   memory_bytes=_positive(name, "device_memory_gib", d["device_memory_gib"]) * 2**30,
+                   peak_flops={k: _positive(name, f"peak_tflops.{k}", v) * 1e12 for k, v in peaks.items()},
+                   intra=intra, inter=inter, efficiency=d.get("efficiency", 0.5),
+                   gemm_half_flops=_nonneg(name, "gemm_half_gflop", d.get("gemm_half_gflop", 0)) * 1e9,
+                   memory_bandwidth=_nonneg(name, "memory_gbps", d.get("memory_gbps", 0)) * 1e9,
+                   memory_efficiency=d.get("memory_efficiency", 1.0),
+                   shared_compute=float(shared),
+                   description=str(d.get("description", "")), sources=tuple(d.get("sources", ())))
+
+
+def presets() -> dict[str, Path]:
+    """``{preset name: YAML path}`` of ``configs/clusters/`` (the file stem is the name).
+
+    >>> {"h100", "tpu_v5e", "cpu_sim"} <= set(presets())
+    True
+    """
+    return {p.stem: p for p in sorted(PRESET_DIR.glob("*.yaml"))} if PRESET_DIR.is_dir() else {}
+
+
+def load_cluster(preset: str | Path, *, nodes: int | None = None, num_devices: int | None = None) -> Cluster:
+    """Read a preset by name (:func:`presets`) or a YAML path; ``nodes`` / ``num_devices`` resize it.
+
+    Args:
+      preset: a preset name or the path of a YAML file.
+      nodes: the node count, or ``None`` for the preset's.
+      num_devices: the device count, or ``None``.
+
+    Returns:
+      The :class:`Cluster`.
+    """
+    import yaml
+
+    known = presets()
+    path = known.get(str(preset))
+    if path is None:
+        path = Path(preset)
+        if path.suffix not in (".yaml", ".yml") or not path.is_file():
+            raise ClusterError(f"unknown cluster preset {str(preset)!r}; presets: {', '.join(known) or 'none'} "
+                               f"(in {PRESET_DIR}), or give the path of a cluster YAML file.")
+    with open(path) as fh:
+        data = yaml.safe_load(fh)
+    c = cluster_from_dict(data, name=path.stem)
+    if nodes is not None:
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise ClusterError(f"nodes={nodes!r}: must be a positive int.")
+        c = replace(c, nodes=nodes)
+    if num_devices is not None:
+        c = c.with_devices(num_devices)
+    return c

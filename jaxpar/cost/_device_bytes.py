@@ -1,0 +1,305 @@
+"""Bytes of jaxpar's train step on a real device: tiled layouts, and the peak with temporaries.
+
+Two things the compilers add to :func:`jaxpar.cost._memory.argument_bytes` and
+:func:`jaxpar.cost.memory_per_device` (docs/planning.md §8 measures both):
+
+* **Tiled layouts.** The TPU compiler stores an array of 4-byte values in tiles of ``8 x 128``
+  over the two dimensions it lays out innermost (``T(8,128)``; a second-innermost dimension
+  shorter than 8 gets a tile of its next power of two, ``T(2,128)``), a vector in tiles of 128,
+  and a scalar in one tile of 128. It picks the two innermost dimensions to pad the least, so
+  :func:`padded_bytes` takes the smallest padded size over those choices. GPUs store arrays densely.
+* **The peak of the step** (:func:`step_peak_bytes`): the arguments (parameters and optimizer state,
+  donated, so the outputs reuse them), the fp32 gradients as sharded, the activations the backward
+  keeps for the layers a stage holds (:func:`saved_per_layer`: what the compiled layer scan keeps,
+  measured on the GPU compiler and on libtpu, which also keeps a bf16 copy of each layer's matmul
+  weights, :func:`bf16_weight_bytes`), under ZeRO-3 / FSDP two gathered layers (the one in use and
+  the next), under SP the whole-sequence arrays of one layer's backward (:data:`SP_BACKWARD`), and the
+  larger of two moments' extra: the logits (the loss; one fp32 copy, and on TPUs two bf16 copies
+  more) or, under recomputation, one layer's activations without recomputation (that layer's
+  backward).
+
+Example::
+
+    >>> padded_bytes((2, 96, 4, 24), 4, TPU) == 4 * 2 * 128 * 4 * 24    # 96 innermost, 24 second
+    True
+    >>> padded_bytes((2, 96, 4, 24), 4, DENSE)
+    73728
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from jaxpar.cost._memory import in_flight, leaf_shard_counts, leaf_spec, sizes_key, zero_axes, \
+    zero_dim_of
+from jaxpar.cost._model import Leaf, ModelSpec
+from jaxpar.cost._schedule import runs_in_lockstep
+from jaxpar.cost._parallel import Plan
+
+__all__ = ["Layout", "DENSE", "TPU", "layout_for_platform", "padded_bytes", "local_shape",
+           "device_argument_bytes", "saved_per_layer", "stored_per_layer", "bf16_weight_bytes", "step_peak_bytes"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a device stores an array: tiles of ``second x minor`` elements of 4 bytes (``minor = 0``: dense).
+    ``second`` scales with the item size (``8 * 4 / itemsize``: 16 rows of 2-byte values)."""
+
+    name: str
+    minor: int = 0
+    second: int = 0
+
+
+DENSE = Layout("dense")
+TPU = Layout("tpu", minor=128, second=8)
+
+
+def layout_for_platform(platform: str) -> Layout:
+    """The layout of ``platform`` (``"tpu"``: :data:`TPU`; ``"cuda"``, ``"cpu"``: :data:`DENSE`).
+
+    Args:
+      platform: ``"tpu"``, ``"cuda"`` or ``"cpu"``.
+
+    Returns:
+      The :class:`Layout`.
+
+    >>> layout_for_platform("tpu").minor, layout_for_platform("cuda").minor
+    (128, 0)
+    """
+    return TPU if platform == "tpu" else DENSE
+
+
+def _ceil(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def padded_bytes(shape: tuple[int, ...], itemsize: int, layout: Layout) -> int:
+    """Bytes of an array of ``shape`` stored in ``layout`` (the least padding over the choice of its two
+    innermost dimensions; see the module doc).
+
+    Args:
+      shape: the array's shape on one device.
+      itemsize: bytes per element.
+      layout: the device's :class:`Layout`.
+
+    Returns:
+      Its bytes with padding.
+
+    >>> padded_bytes((), 4, TPU), padded_bytes((96,), 4, TPU), padded_bytes((2, 96), 4, TPU)
+    (512, 512, 1024)
+    """
+    if not layout.minor:
+        return itemsize * math.prod(shape)
+    if len(shape) <= 1:
+        return itemsize * _ceil(shape[0] if shape else 1, layout.minor)
+    tile2 = max(1, layout.second * 4 // itemsize)
+    best = None
+    for i, j in itertools.permutations(range(len(shape)), 2):
+        rest = math.prod(d for k, d in enumerate(shape) if k not in (i, j))
+        second = min(tile2, 1 << max(0, shape[j] - 1).bit_length())
+        n = rest * _ceil(shape[i], layout.minor) * _ceil(shape[j], second)
+        best = n if best is None else min(best, n)
+    return itemsize * best
+
+
+def local_shape(leaf: Leaf, sizes: Mapping[str, int], stage: int, kind: str) -> tuple[int, ...]:
+    """The shape of one device's piece of ``kind`` (``params``, ``grads``, ``opt``) of ``leaf``.
+
+    Args:
+      leaf: the parameter.
+      sizes: mesh axis name -> size.
+      stage: the ZeRO stage.
+      kind: ``"params"``, ``"grads"`` or ``"opt"``.
+
+    Returns:
+      The local shape.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> local_shape(gpt(2, 32, 8, 16, 64, 16).leaf("blocks/w1"), {"data": 4, "tensor": 2}, 1, "opt")
+    (2, 8, 64)
+    """
+    spec = leaf_spec(leaf, sizes)
+    shape = [n // math.prod(sizes[a] for a in axes) for n, axes in zip(leaf.shape, spec)]
+    d = zero_dim_of(leaf, spec, sizes)
+    if d is not None:
+        shape[d] //= math.prod(sizes[a] for a in zero_axes(sizes, stage, kind)) or 1
+    return tuple(shape)
+
+
+def device_argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int, *, layout: Layout = DENSE,
+                          moments: int = 2, batch_leaves: int = 2, scalars: int = 2) -> float:
+    """:func:`jaxpar.cost._memory.argument_bytes` (fp32 parameters and ``moments`` moments, int32 counters and
+    batch) with each array stored in ``layout``.
+
+    Args:
+      model: the model.
+      sizes: mesh axis name -> size.
+      zero: the ZeRO stage.
+      layout: the storage layout.
+      moments: optimizer moments per parameter.
+      batch_leaves: the number of batch arrays.
+      scalars: the number of int32 counters.
+
+    Returns:
+      Bytes per device.
+
+    >>> from jaxpar.cost._memory import argument_bytes
+    >>> from jaxpar.cost._model import gpt
+    >>> m = gpt(2, 32, 8, 16, 64, 16)
+    >>> device_argument_bytes(m, {"data": 8}, 0) == argument_bytes(m, {"data": 8}, 0)
+    True
+    """
+    out = 0.0
+    for leaf in model.leaves:
+        out += padded_bytes(local_shape(leaf, sizes, zero, "params"), 4, layout)
+        out += moments * padded_bytes(local_shape(leaf, sizes, zero, "opt"), 4, layout)
+    rows = model.batch // (sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1))
+    seq = model.seq // sizes.get("context", 1)
+    return out + scalars * padded_bytes((), 4, layout) + batch_leaves * padded_bytes((rows, seq), 4, layout)
+
+
+#: fp32 values (in ``sbh``, and ``as^2b`` for the attention scores) that one jaxpar GPT block keeps for
+#: its backward without recomputation, in the compiled layer scan: ``(whole, split, scores)``, where
+#: ``whole`` is split over ``tensor`` only under SP. Measured on the GPU compiler (docs/planning.md §8:
+#: the temporaries of a 4-layer step less those of a 2-layer one, at ``as/h`` = 16 and 32, ``t`` = 1 and 8,
+#: h = s = 2048; within 2 % of the compiled peaks of the 12- to 24-layer cases there):
+#: the two layer norms' inputs and statistics (8), the matmuls' and the tanh GELU's values (40), and the
+#: softmax with its causal mask (1.25 ``as^2b``). Korthikanti et al.'s 16-bit count (with dropout) is
+#: ``(5, 12, 2.5)``.
+BLOCK_KEEPS = (8.0, 40.0, 1.25)
+#: Whole-sequence fp32 ``sbh`` values that a layer keeps under SP beyond its split values, without
+#: recomputation or under ``selective`` (measured as :data:`BLOCK_KEEPS` at ``t`` = 8: selective, 8 vs 16
+#: layers, 4.74 ``sbh`` per layer where the split values are 3.25): XLA keeps the row-parallel
+#: products before their reduce-scatter.
+SP_WHOLE = 1.5
+#: Whole-sequence fp32 ``sbh`` arrays that one layer's backward holds under SP (measured as
+#: :data:`BLOCK_KEEPS`: a 2-layer step at ``t`` = 8): the all-gathered inputs of its column-parallel
+#: matmuls and the inputs of its reduce-scatters, forward (recomputed) and backward.
+SP_BACKWARD = 8.0
+#: fp32 values that a pipeline stage stores per layer and micro-batch without recomputation: the layer's
+#: ``jax.vjp`` residuals (:mod:`jaxpar.parallel.pipeline._layer_vjp`), which XLA cannot prune as it does in the
+#: layer scan: ``(whole, split, scores)`` as in :data:`BLOCK_KEEPS` (the layer norms' 8 values and the
+#: input; three fp32 score arrays and the boolean mask). Counted with ``jax.eval_shape``.
+PIPELINE_STORES = (9.0, 27.0, 3.25)
+#: ``(whole, split, scores)`` per recomputation: ``selective`` keeps the matmul outputs (the input and
+#: the row-parallel output whole; q, k, v, the attention output and the MLP's first product split; the
+#: attention scores), ``full`` the layer's input.
+REMAT_KEEPS = {"none": BLOCK_KEEPS, "selective": (2.0, 8.0, 1.0), "full": (1.0, 0.0, 0.0)}
+#: :data:`REMAT_KEEPS` for libtpu, measured the same way on tpu-v5e (XLA's live peaks of 16 and 8 layers, less
+#: the layers' arguments and gradients; ``as/h`` = 8 and 32, ``t`` = 1 and 4; docs/planning.md §8). libtpu
+#: runs fp32 matmuls at JAX's default precision as bf16 passes: it keeps fewer fp32 values of the
+#: matmuls, the softmax's probabilities also in bf16 (1.5), and a bf16 copy of each layer's matmul
+#: weights as the device holds them (:func:`bf16_weight_bytes`, counted apart).
+TPU_REMAT_KEEPS = {"none": (8.0, 23.0, 1.5), "selective": (2.0, 6.0, 1.0), "full": (1.0, 0.0, 0.0)}
+
+
+def _layer_bytes(model: ModelSpec, plan: Plan, rows: float, keeps: tuple, sp_whole: float = 0.0) -> float:
+    """fp32 bytes of ``keeps = (whole, split, scores)`` values per layer and micro-batch of ``rows``
+    sequences: ``whole`` split over ``tensor`` only under SP (plus ``sp_whole`` whole-sequence ones),
+    the rest split over ``tensor``."""
+    whole, split, scores = keeps
+    s, t = model.seq, plan.tensor
+    whole = whole / t + sp_whole if plan.sequence_parallel else whole
+    return 4 * (s * rows * model.hidden * (whole + split / t) + scores * model.heads * s * s * rows / t)
+
+
+def saved_per_layer(model: ModelSpec, plan: Plan, rows: float, platform: str = "cuda") -> float:
+    """fp32 bytes one layer keeps for its backward, per micro-batch of ``rows`` sequences
+    (:data:`REMAT_KEEPS`, on ``platform="tpu"`` :data:`TPU_REMAT_KEEPS`, for ``plan.remat``; under SP
+    without full recomputation :data:`SP_WHOLE` more).
+
+    Args:
+      model: the model.
+      plan: the plan.
+      rows: sequences per micro-batch.
+      platform: ``"cuda"``, ``"tpu"`` or ``"cpu"``.
+
+    Returns:
+      Bytes per device.
+    """
+    keeps = (TPU_REMAT_KEEPS if platform == "tpu" else REMAT_KEEPS)[plan.remat]
+    return _layer_bytes(model, plan, rows, keeps, 0.0 if plan.remat == "full" else SP_WHOLE)
+
+
+def stored_per_layer(model: ModelSpec, plan: Plan, rows: float, platform: str = "cuda") -> float:
+    """fp32 bytes a pipeline stage stores per layer and micro-batch of ``rows`` sequences for the
+    backward: without recomputation :data:`PIPELINE_STORES`, else as :func:`saved_per_layer`.
+
+    Args:
+      model: the model.
+      plan: the plan.
+      rows: sequences per micro-batch.
+      platform: ``"cuda"``, ``"tpu"`` or ``"cpu"``.
+
+    Returns:
+      Bytes per device.
+    """
+    if plan.remat != "none":
+        return saved_per_layer(model, plan, rows, platform)
+    return _layer_bytes(model, plan, rows, PIPELINE_STORES)
+
+
+def bf16_weight_bytes(model: ModelSpec, plan: Plan) -> float:
+    """Bytes of the bf16 copies of the matmul weights that libtpu keeps, one per layer on the device, as
+    the device holds the weights (split over ``tensor`` and ``pipe``, and the ZeRO-3 / FSDP shard).
+
+    Args:
+      model: the model.
+      plan: the plan.
+
+    Returns:
+      Bytes per device.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> bf16_weight_bytes(gpt(2, 32, 8, 16, 64, 16), Plan(fsdp=2)) == 2 * 2 * 12 * 32 * 32 / 2
+    True
+    """
+    key = sizes_key(plan.sizes)
+    return sum(2 * leaf.size / leaf_shard_counts(leaf, key, plan.zero).params
+               for leaf in model.leaves if leaf.stacked and leaf.matmul)
+
+
+def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> float:
+    """Predicted peak bytes of jaxpar's fp32 train step on one device (see the module doc): what the compiled
+    program allocates, arguments + outputs + temporaries - aliased, which on GPUs is XLA's peak as well.
+
+    Args:
+      model: the GPT.
+      plan: the plan (mesh sizes, ZeRO stage, SP, pipeline schedule, micro-batches, remat).
+      platform: ``"cuda"`` or ``"tpu"``: how the device stores the arguments
+        (:func:`layout_for_platform`; the rest is counted dense), and whether the compiler copies a
+        pipeline stage's residual buffers in the tick's conditionals (the GPU compiler does).
+
+    Returns:
+      Bytes on the busiest device.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> step_peak_bytes(gpt(2, 32, 8, 16, 64, 16), Plan(data=2)) > 0
+    True
+    """
+    sizes, key = plan.sizes, sizes_key(plan.sizes)
+    rows = model.batch / (plan.data * plan.fsdp * plan.microbatches)
+    grads = gathered = 0.0
+    for leaf in model.leaves:
+        c = leaf_shard_counts(leaf, key, plan.zero)
+        grads += 4 * leaf.size / c.grads
+        if leaf.stacked and c.shardable and zero_axes(sizes, plan.zero, "params"):
+            gathered += 4 * c.local / (model.layers // plan.pipe)      # one layer, gathered
+    held = model.layers / plan.pipe / plan.virtual * in_flight(plan.schedule, plan.pipe, plan.microbatches,
+                                                                plan.virtual, runs_in_lockstep(plan))
+    if plan.pipe == 1:
+        acts = held * saved_per_layer(model, plan, rows, platform)
+    else:       # the GPU compiler copies the stage's residual buffers in the tick's conditionals; libtpu does not
+        acts = held * stored_per_layer(model, plan, rows, platform) * (2 if platform == "cuda" else 1)
+    if platform == "tpu":
+        acts += bf16_weight_bytes(model, plan)
+    one = Plan(tensor=plan.tensor, sequence_parallel=plan.sequence_parallel)
+    working = 0.0 if plan.remat == "none" else saved_per_layer(model, one, rows, platform)   # one layer recomputed
+    if plan.sequence_parallel and plan.tensor > 1:
+        working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
+    # the loss's fp32 logits; libtpu also holds two bf16 copies (the head's product and the softmax's gradient)
+    logits = 4 * model.seq * rows * model.vocab / plan.tensor * (2 if platform == "tpu" else 1)
+    args = device_argument_bytes(model, sizes, plan.zero, layout=layout_for_platform(platform))
+    return args + grads + acts + max(logits, working) + 2 * gathered

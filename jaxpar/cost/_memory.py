@@ -1,0 +1,400 @@
+"""Memory per device: training state per ZeRO stage, activations per layer, pipeline in-flight micro-batches.
+
+The formulas and their sources are in ``docs/planning.md`` §3: ZeRO's training state per stage
+(Rajbhandari et al. 2020, Table 1), Korthikanti et al.'s activations per layer (2022, Table 2;
+:mod:`jaxpar.cost._activations`) and a pipeline stage's in-flight micro-batches, read from the
+schedule tables (:mod:`jaxpar.cost._schedule`). :data:`PRECISIONS` names the bytes per parameter
+(weights + gradients + optimizer state): ``fp32`` 4 + 4 + 8, ``mixed`` 2 + 2 + 12 (ZeRO's),
+``megatron`` 2 + 4 + 12, ``mixed-fp32-accum`` 2 + 6 + 12.
+
+Example::
+
+    >>> [round(zero_state_bytes(7.5e9, 64, s)["total"] / 1e9, 3) for s in (0, 1, 2, 3)]
+    [120.0, 31.406, 16.641, 1.875]
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Mapping, NamedTuple
+
+from jaxpar.cost._activations import REMAT, activation_bytes_per_layer, layer_activations
+from jaxpar.cost._context_experts import context_working_bytes
+from jaxpar.cost._model import TENSOR_LOGICAL, Leaf, ModelSpec
+from jaxpar.cost._schedule import TABLE_LIMIT, closed_form_stats, in_flight, schedule_stats
+from jaxpar.errors import LayoutError
+
+__all__ = ["BytesPerParam", "PRECISIONS", "REMAT", "zero_state_bytes", "activation_bytes_per_layer",
+           "leaf_spec", "zero_dim_of", "zero_axes", "LeafShards", "leaf_shard_counts", "sizes_key", "leaf_shards",
+           "pipe_end", "state_bytes", "layer_activations",
+           "TABLE_LIMIT", "closed_form_stats", "schedule_stats", "in_flight", "MemoryEstimate", "memory_per_device",
+           "argument_bytes", "LayoutError"]
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Bytes per parameter of the weights, the gradients and the optimizer state (``k`` = their sum)."""
+
+    param: float
+    grad: float
+    opt: float
+
+    @property
+    def k(self) -> float:
+        return self.param + self.grad + self.opt
+
+
+PRECISIONS = {
+    "fp32": BytesPerParam(4, 4, 8),
+    "mixed": BytesPerParam(2, 2, 12),
+    "megatron": BytesPerParam(2, 4, 12),
+    "mixed-fp32-accum": BytesPerParam(2, 6, 12),
+}
+
+
+def _precision(precision: str | BytesPerParam) -> BytesPerParam:
+    if isinstance(precision, BytesPerParam):
+        return precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: choose one of {', '.join(PRECISIONS)} or pass a "
+                         "BytesPerParam(param, grad, opt).")
+    return PRECISIONS[precision]
+
+
+def _check_stage(stage) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero stage={stage!r}: choose 0 (plain data parallel), 1, 2 or 3.")
+
+
+def zero_state_bytes(psi: float, n_d: int, stage: int, *, param_bytes: float = 2, grad_bytes: float = 2,
+                     opt_bytes: float = 12) -> dict[str, float]:
+    """ZeRO's closed forms (paper Table 1): bytes per device of parameters, gradients, optimizer state.
+
+    Args:
+      psi: the parameter count.
+      n_d: the data-parallel size.
+      stage: the ZeRO stage (0 to 3).
+      param_bytes: bytes per parameter.
+      grad_bytes: bytes per gradient.
+      opt_bytes: bytes of optimizer state per parameter (Adam in mixed precision: 12).
+
+    Returns:
+      ``{'params', 'grads', 'opt', 'total'}``: bytes per device.
+
+    >>> zero_state_bytes(1e9, 1, 0)["total"] / 1e9          # 16 bytes per parameter
+    16.0
+    """
+    _check_stage(stage)
+    if isinstance(n_d, bool) or not isinstance(n_d, int) or n_d < 1:
+        raise ValueError(f"n_d={n_d!r}: the number of data-parallel ranks must be a positive int.")
+    p = psi * param_bytes / (n_d if stage >= 3 else 1)
+    g = psi * grad_bytes / (n_d if stage >= 2 else 1)
+    o = psi * opt_bytes / (n_d if stage >= 1 else 1)
+    return {"params": p, "grads": g, "opt": o, "total": p + g + o}
+
+
+# ----------------------------------------------------------------------------- leaves on a mesh
+def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ...]:
+    """Mesh axes of each dimension under jaxpar's tensor rules (``mlp, heads, vocab`` -> ``tensor``;
+    ``layers`` -> ``pipe`` when ``pipe > 1``; ``experts`` -> ``expert``, :func:`jaxpar.parallel.moe.expert_rules`),
+    before ZeRO.
+
+    Args:
+      leaf: the parameter.
+      sizes: mesh axis name -> size.
+
+    Returns:
+      Per dimension, its mesh axes.
+    """
+    spec = []
+    for dim, (size, name) in enumerate(zip(leaf.shape, leaf.logical)):
+        axis = ("tensor" if name in TENSOR_LOGICAL else "pipe" if name == "layers" else
+                "expert" if name == "experts" else None)
+        n = sizes.get(axis, 1) if axis else 1
+        if n > 1 and size % n:
+            raise LayoutError(f"parameter {leaf.name!r} dimension {dim} ({name}) has size {size}, not divisible "
+                              f"by {axis}={n}; choose {axis} dividing {size}.")
+        spec.append((axis,) if n > 1 else ())
+    return tuple(spec)
+
+
+def zero_dim_of(leaf: Leaf, spec, sizes: Mapping[str, int]) -> int | None:
+    """The dimension ZeRO / FSDP splits (as :func:`jaxpar.parallel.zero_dim`): the largest one that is not
+    ``layers``, not split by ``spec`` (:func:`leaf_spec`) and divisible by ``data * fsdp``; None if none.
+
+    Args:
+      leaf: the parameter.
+      spec: its :func:`leaf_spec`.
+      sizes: mesh axis name -> size.
+
+    Returns:
+      The dimension index, or ``None``.
+    """
+    n = sizes.get("fsdp", 1) * sizes.get("data", 1)
+    for d in sorted(range(len(leaf.shape)), key=lambda d: -leaf.shape[d]):
+        if leaf.logical[d] != "layers" and not spec[d] and leaf.shape[d] % n == 0:
+            return d
+    return None
+
+
+def zero_axes(sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str, ...]:
+    """The mesh axes over which ZeRO / FSDP shards ``kind`` of a parameter (as :mod:`jaxpar.parallel._zero`).
+
+    Args:
+      sizes: mesh axis sizes, e.g. ``{"data": 4, "fsdp": 2}`` (missing axes have size 1).
+      stage: the ZeRO stage (0 to 3): ``data`` shards the optimizer state from stage 1, the gradients
+        from stage 2 and the parameters from stage 3; ``fsdp`` shards everything.
+      kind: ``"params"``, ``"grads"`` or ``"opt"``.
+
+    Returns:
+      The axes in mesh order (``fsdp`` before ``data``); ``()`` when nothing is sharded.
+
+    >>> zero_axes({"data": 4, "fsdp": 2}, 1, "grads"), zero_axes({"data": 4}, 2, "grads")
+    (('fsdp',), ('data',))
+    """
+    first = {"opt": 1, "grads": 2, "params": 3}[kind]
+    axes = ("fsdp",) if sizes.get("fsdp", 1) > 1 else ()
+    return axes + (("data",) if sizes.get("data", 1) > 1 and stage >= first else ())
+
+
+class LeafShards(NamedTuple):
+    """How one parameter is cut on a mesh (:func:`leaf_shard_counts`)."""
+
+    params: int        # pieces the parameter is cut into
+    grads: int         # pieces its gradient is cut into
+    opt: int           # pieces its optimizer state is cut into
+    local: float       # elements on one device after the tensor / pipe split, before ZeRO
+    shardable: bool    # whether ZeRO / FSDP can split it (a dimension divides data * fsdp)
+
+
+@lru_cache(maxsize=1 << 16)
+def leaf_shard_counts(leaf: Leaf, key: tuple, stage: int) -> LeafShards:
+    """Shard counts of ``leaf``'s parameters, gradients and optimizer state on a mesh (cached).
+
+    Args:
+      leaf: the parameter.
+      key: the mesh sizes as :func:`sizes_key` returns them (hashable, for the cache).
+      stage: the ZeRO stage (0 to 3).
+
+    Returns:
+      A :class:`LeafShards`; ``params`` / ``grads`` / ``opt`` count the tensor and pipe split
+      times the ZeRO axes' sizes (:func:`zero_axes`) when the leaf is shardable.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> w1 = gpt(2, 32, 8, 16, 64, 16).leaf("blocks/w1")
+    >>> leaf_shard_counts(w1, sizes_key({"data": 4, "tensor": 2}), 1)
+    LeafShards(params=2, grads=2, opt=8, local=4096.0, shardable=True)
+    """
+    s = dict(key)
+    spec = leaf_spec(leaf, s)
+    base = math.prod(s[a] for dim in spec for a in dim)
+    shardable = zero_dim_of(leaf, spec, s) is not None
+    out = []
+    for kind in ("params", "grads", "opt"):
+        axes = zero_axes(s, stage, kind)
+        out.append(base * (math.prod(s[a] for a in axes) if axes and shardable else 1))
+    return LeafShards(out[0], out[1], out[2], leaf.size / base, shardable)
+
+
+def sizes_key(sizes: Mapping[str, int]) -> tuple:
+    """The mesh sizes as a sorted, hashable key (axes of size 1 left out), for :func:`leaf_shard_counts`.
+
+    Args:
+      sizes: mesh axis sizes.
+
+    Returns:
+      ``((axis, size), ...)`` sorted by axis name, sizes > 1 only.
+
+    >>> sizes_key({"tensor": 2, "data": 4, "pipe": 1})
+    (('data', 4), ('tensor', 2))
+    """
+    return tuple(sorted((a, v) for a, v in sizes.items() if v > 1))
+
+
+def leaf_shards(leaf: Leaf, sizes: Mapping[str, int], stage: int, kind: str) -> int:
+    """Into how many pieces ``kind`` ('params' | 'grads' | 'opt') of ``leaf`` is cut (as :mod:`jaxpar.parallel._zero`).
+
+    Args:
+      leaf: the parameter.
+      sizes: mesh axis name -> size.
+      stage: the ZeRO stage.
+      kind: ``"params"``, ``"grads"`` or ``"opt"``.
+
+    Returns:
+      The number of pieces.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> w1 = gpt(2, 32, 8, 16, 64, 16).leaf("blocks/w1")
+    >>> [leaf_shards(w1, {"data": 4, "tensor": 2}, 1, k) for k in ("params", "grads", "opt")]
+    [2, 2, 8]
+    """
+    return leaf_shard_counts(leaf, sizes_key(sizes), stage)[("params", "grads", "opt").index(kind)]
+
+
+def pipe_end(leaf: Leaf) -> str | None:
+    """Which end of a pipeline runs a parameter outside the blocks: ``first`` for the embedding tables
+    (indexed by token or position), ``last`` for the final norm and the head; None for a block's.
+
+    Args:
+      leaf: the parameter.
+
+    Returns:
+      ``"first"``, ``"last"`` or None.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> [pipe_end(gpt(2, 32, 8, 16, 64, 16).leaf(n)) for n in ("wte", "wpe", "blocks/w1", "lnf_scale", "head")]
+    ['first', 'first', None, 'last', 'last']
+    """
+    if leaf.stacked:
+        return None
+    return "first" if leaf.logical and leaf.logical[0] in ("vocab", None) else "last"
+
+
+def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,
+                precision: str | BytesPerParam = "mixed", end: str | None = None) -> dict[str, float]:
+    """Per-device bytes of parameters, gradients and optimizer state, leaf by leaf (ZeRO's formulas
+    where every leaf divides; a leaf that cannot be split keeps its full size).
+
+    Args:
+      model: the model.
+      sizes: mesh axis sizes.
+      stage: the ZeRO stage (0 to 3).
+      precision: bytes per parameter (:data:`PRECISIONS` or a :class:`BytesPerParam`).
+      end: None: every device holds all the parameters outside the blocks (jaxpar's pipeline executor);
+        ``"first"`` / ``"last"``: a device of that pipeline stage holds only that end's
+        (:func:`pipe_end`; Megatron-LM's placement). Ignored without a pipeline.
+
+    Returns:
+      ``{"params", "grads", "opt", "total"}`` in bytes.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> m = gpt(2, 32, 8, 16, 64, 16)
+    >>> [round(state_bytes(m, {"pipe": 2}, 0, end=e)["total"]) for e in (None, "first", "last")]
+    [275968, 242176, 235008]
+    """
+    _check_stage(stage)
+    bp = _precision(precision)
+    if not model.leaves:
+        n_d = sizes.get("data", 1) * sizes.get("fsdp", 1)
+        t, p = sizes.get("tensor", 1), sizes.get("pipe", 1)
+        out = zero_state_bytes(model.n_params / (t * p), n_d, 3 if sizes.get("fsdp", 1) > 1 else stage,
+                               param_bytes=bp.param, grad_bytes=bp.grad, opt_bytes=bp.opt)
+        return out
+    out = {"params": 0.0, "grads": 0.0, "opt": 0.0}
+    key = sizes_key(sizes)
+    for leaf in model.leaves:
+        if end is not None and sizes.get("pipe", 1) > 1 and pipe_end(leaf) not in (None, end):
+            continue
+        sp, sg, so, _, _ = leaf_shard_counts(leaf, key, stage)
+        out["params"] += bp.param * leaf.size / sp
+        out["grads"] += bp.grad * leaf.size / sg
+        out["opt"] += bp.opt * leaf.size / so
+    out["total"] = out["params"] + out["grads"] + out["opt"]
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device (the busiest pipeline stage): state, activations, logits; ``total`` their sum."""
+
+    params: float
+    grads: float
+    opt: float
+    activations: float
+    logits: float
+    in_flight: int
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.opt + self.activations + self.logits
+
+
+def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int = 0, microbatches: int = 1,
+                      schedule: str = "1f1b", virtual: int = 1, remat: str = "none",
+                      sequence_parallel: bool = False, precision: str | BytesPerParam = "mixed",
+                      activation_bytes: float = 2, ends: bool = False, context_method: str = "ring",
+                      context_balance: bool = True) -> MemoryEstimate:
+    """Predicted peak memory of one device for one plan (see the module doc for the sources).
+
+    Each replica's batch ``batch / (data * fsdp * expert)`` is split into ``microbatches``; a pipeline
+    stage holds ``layers / pipe`` layers and the schedule's in-flight micro-batches; the last stage the
+    logits, ``2 * s * b * vocab / t`` fp32 values (logits and their log-softmax). ``context`` splits each
+    sequence (``s / C`` tokens per device) and adds the attention's transient of the layer in flight
+    (:func:`~jaxpar.cost._context_experts.context_working_bytes`); MoE layers (``layers // moe_every``
+    of them, spread evenly over the stages) keep their buffers (:func:`layer_activations`).
+
+    Args:
+      model: the model.
+      sizes: mesh axis name -> size.
+      zero: the ZeRO stage.
+      microbatches: micro-batches per step.
+      schedule: the pipeline schedule.
+      virtual: virtual stages per device.
+      remat: ``"none"``, ``"selective"`` or ``"full"``.
+      sequence_parallel: Megatron's sequence parallelism.
+      precision: a name in :data:`PRECISIONS` or a :class:`BytesPerParam`.
+      activation_bytes: bytes per activation value.
+      ends: ``False`` (jaxpar's pipeline executor): every parameter outside the blocks on every stage,
+        with the logits. ``True`` (Megatron-LM): the embeddings on the first stage, the final norm and
+        head on the last (:func:`state_bytes`); the more loaded of the two is returned, the first with
+        stage 0's in-flight activations, the last with the same (an upper bound) and the logits.
+      context_method: ``"ring"``, ``"all-gather"`` or ``"ulysses"``.
+      context_balance: the zigzag load balance.
+
+    Returns:
+      The :class:`MemoryEstimate`.
+    """
+    d, f, t, p = (sizes.get(a, 1) for a in ("data", "fsdp", "tensor", "pipe"))
+    e, C = sizes.get("expert", 1), sizes.get("context", 1)
+    replica_batch = model.batch / (d * f * e)
+    mb = replica_batch / microbatches
+    lockstep = sequence_parallel and sizes.get("tensor", 1) > 1 and not ends       # jaxpar's executor, not Megatron's
+    flight = in_flight(schedule, p, microbatches, virtual, lockstep)
+    kw = dict(remat=remat, sequence_parallel=sequence_parallel, activation_bytes=activation_bytes,
+              context_method=context_method)
+    n_moe = model.moe_layers
+    act = (model.layers - n_moe) / p / virtual * flight * layer_activations(model, sizes, mb, **kw)
+    if n_moe:
+        act += n_moe / p / virtual * flight * layer_activations(model, sizes, mb, moe=True, **kw)
+    if C > 1:
+        act += context_working_bytes(model, mb, t, C, context_method, context_balance, activation_bytes)
+    logits = 2 * model.seq / C * mb * model.vocab / t * 4
+    if ends and p > 1:
+        first, last = (state_bytes(model, sizes, zero, precision, end=e) for e in ("first", "last"))
+        if first["total"] > last["total"] + logits:
+            return MemoryEstimate(first["params"], first["grads"], first["opt"], act, 0.0, flight)
+        return MemoryEstimate(last["params"], last["grads"], last["opt"], act, logits, flight)
+    st = state_bytes(model, sizes, zero, precision)
+    return MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight)
+
+
+def argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int, *, moments: int = 2,
+                   param_bytes: int = 4, batch_leaves: int = 2, scalars: int = 2) -> float:
+    """Bytes of jaxpar's train-step arguments on one device: fp32 parameters, ``moments`` fp32
+    optimizer moments per parameter (Adam: 2) sharded per ZeRO stage, ``scalars`` int32 counters
+    (step, Adam's count) and ``batch_leaves`` int32 ``[batch / (data * fsdp), seq]`` batch arrays.
+    This is what ``compiled.memory_analysis().argument_size_in_bytes`` reports.
+
+    Args:
+      model: the model.
+      sizes: mesh axis name -> size.
+      zero: the ZeRO stage.
+      moments: optimizer moments per parameter.
+      param_bytes: bytes per parameter.
+      batch_leaves: the number of batch arrays.
+      scalars: the number of int32 counters.
+
+    Returns:
+      Bytes per device.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> argument_bytes(gpt(2, 32, 8, 16, 64, 16), {"data": 8}, 0)    # 12 Psi + 2 counters + batch
+    358152.0
+    """
+    out = 0.0
+    for leaf in model.leaves:
+        out += param_bytes * leaf.size / leaf_shards(leaf, sizes, zero, "params")
+        out += moments * param_bytes * leaf.size / leaf_shards(leaf, sizes, zero, "opt")
+    rows = model.batch / (sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1))
+    return out + 4 * scalars + batch_leaves * 4 * rows * model.seq / sizes.get("context", 1)

@@ -1,0 +1,351 @@
+"""What the cost model knows of a model: sizes, and its parameters as leaves with logical axes.
+
+:func:`gpt` describes jaxpar's GPT (:mod:`jaxpar.models._gpt`) from numbers, leaf by leaf;
+:func:`from_nnx` reads any Flax NNX model through ``jax.eval_shape`` (JAX is imported only
+inside that function). The leaves let :mod:`jaxpar.cost._memory` shard each parameter the
+way jaxpar does (tensor rules, ZeRO's largest divisible dimension), so small arrays that
+stay replicated are counted exactly.
+
+Example::
+
+    >>> m = gpt(layers=12, hidden=768, heads=12, seq=1024, vocab=50304, batch=16)
+    >>> m.n_params, m.n_layer_params, m.mlp
+    (163072512, 85017600, 3072)
+    >>> leaf = m.leaf("blocks/w1"); leaf.shape, leaf.logical
+    ((12, 768, 3072), ('layers', 'embed', 'mlp'))
+
+A mixture-of-experts GPT (:mod:`jaxpar.parallel.moe`): every ``moe_every``-th layer's MLP is replaced by
+``experts`` expert MLPs of width ``expert_mlp``, ``top_k`` of them per token, with
+``capacity_factor`` (None: dropless) and optional always-on shared experts (``shared_mlp``)::
+
+    >>> moe = gpt(layers=4, hidden=64, heads=4, seq=32, vocab=128, batch=8, experts=8, top_k=2, moe_every=2)
+    >>> moe.moe_layers, moe.leaf("blocks/moe_w1").shape, moe.leaf("blocks/moe_w1").logical
+    (2, (2, 8, 64, 256), ('layers', 'experts', 'embed', 'mlp'))
+    >>> moe.capacity(32)             # per group of 32 tokens and expert: ceil(1.25 * 32 * 2 / 8)
+    10
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+__all__ = ["Leaf", "ModelSpec", "gpt", "from_nnx", "from_gpt_config", "TENSOR_LOGICAL"]
+
+#: Logical names jaxpar's tensor rules shard over ``tensor`` (:func:`jaxpar.parallel.tensor_rules`).
+TENSOR_LOGICAL = ("mlp", "heads", "vocab")
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One parameter array: ``name`` (path), ``shape`` and one logical name (or None) per dimension.
+    A leaf whose first logical name is ``layers`` is *stacked*: one slice per layer."""
+
+    name: str
+    shape: tuple[int, ...]
+    logical: tuple[str | None, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def stacked(self) -> bool:
+        return bool(self.logical) and self.logical[0] == "layers"
+
+    @property
+    def matmul(self) -> bool:
+        """A weight that a matmul reads (its gradient is a dot): two or more dimensions besides
+        ``layers``, not a lookup table (first dimension ``vocab``, or unnamed as a position table)."""
+        dims = [n for n in self.logical if n != "layers"]
+        return len(dims) >= 2 and dims[0] not in ("vocab", None)
+
+
+def _positive_int(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}.{name}={value!r}: must be a positive int.")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Sizes of a transformer (``hidden`` = model width, ``seq`` = context, ``batch`` = global
+    batch in sequences) and its parameter ``leaves``.
+
+    ``qkv_inputs``: how many projections read the attention input (3 for jaxpar's separate
+    ``wq, wk, wv``; 1 for a fused QKV); under tensor parallelism XLA all-reduces each one's
+    input gradient separately, so it sets the backward's tensor all-reduces per layer.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    batch: int
+    mlp: int = 0
+    leaves: tuple[Leaf, ...] = field(default=(), repr=False)
+    name: str = "gpt"
+    qkv_inputs: int = 3
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = 1.25
+    moe_every: int = 1
+    expert_mlp: int = 0
+    shared_mlp: int = 0
+
+    def __post_init__(self):
+        for f in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
+            _positive_int("ModelSpec", f, getattr(self, f))
+        if self.hidden % self.heads:
+            raise ValueError(f"ModelSpec: hidden={self.hidden} is not divisible by heads={self.heads}; "
+                             "choose hidden as a multiple of heads.")
+        if self.mlp == 0:
+            object.__setattr__(self, "mlp", 4 * self.hidden)
+        _positive_int("ModelSpec", "mlp", self.mlp)
+        if self.qkv_inputs not in (1, 3):
+            raise ValueError(f"ModelSpec.qkv_inputs={self.qkv_inputs!r}: 3 (separate q, k, v) or 1 (fused).")
+        _check_moe(self)
+        if self.experts and self.expert_mlp == 0:
+            object.__setattr__(self, "expert_mlp", self.mlp)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layers are mixture-of-experts layers (``experts > 0``)."""
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are MoE layers: every ``moe_every``-th, ``layers // moe_every`` (0 if dense)."""
+        return self.layers // self.moe_every if self.experts else 0
+
+    def capacity(self, tokens_per_group: int) -> int:
+        """Buffer slots per group and expert, :func:`jaxpar.parallel.moe.capacity`'s rule:
+        ``min(T, ceil(capacity_factor * T * top_k / experts))``, ``T`` when dropless (None).
+
+        Args:
+          tokens_per_group: ``T``, the tokens of one routing group.
+
+        Returns:
+          The number of slots.
+        """
+        if self.capacity_factor is None:
+            return tokens_per_group
+        return min(tokens_per_group, math.ceil(self.capacity_factor * tokens_per_group * self.top_k / self.experts))
+
+    @property
+    def n_params(self) -> int:
+        """All parameters (from the leaves; without leaves the GPT formula)."""
+        return sum(l.size for l in self.leaves) if self.leaves else gpt_param_count(self)
+
+    @property
+    def n_layer_params(self) -> int:
+        """Parameters of the stacked blocks (all layers)."""
+        if self.leaves:
+            return sum(l.size for l in self.leaves if l.stacked)
+        h, f = self.hidden, self.mlp
+        return self.layers * (4 * h * h + 2 * h * f + f + 6 * h)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def leaf(self, name: str) -> Leaf:
+        """The leaf called ``name`` (e.g. ``'blocks/w1'``).
+
+        Args:
+          name: the leaf's path.
+
+        Returns:
+          The :class:`Leaf`.
+        """
+        for l in self.leaves:
+            if l.name == name:
+                return l
+        raise KeyError(f"ModelSpec has no leaf {name!r}; leaves: {', '.join(l.name for l in self.leaves)}")
+
+    def with_batch(self, batch: int) -> "ModelSpec":
+        """This model with another global batch.
+
+        Args:
+          batch: the global batch in sequences.
+
+        Returns:
+          The same model with that batch.
+        """
+        return replace(self, batch=batch)
+
+
+def _check_moe(m: ModelSpec) -> None:
+    if isinstance(m.experts, bool) or not isinstance(m.experts, int) or m.experts < 0:
+        raise ValueError(f"ModelSpec.experts={m.experts!r}: 0 (a dense model) or the number of experts per MoE layer.")
+    if not m.experts:
+        return
+    if isinstance(m.top_k, bool) or not isinstance(m.top_k, int) or not 1 <= m.top_k <= m.experts:
+        raise ValueError(f"ModelSpec.top_k={m.top_k!r} must be an int in [1, experts={m.experts}]: a token picks "
+                         "top_k distinct experts.")
+    cf = m.capacity_factor
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf)
+                           or cf <= 0):
+        raise ValueError(f"ModelSpec.capacity_factor={cf!r} must be a finite number > 0 (1.25 is common) or None "
+                         "for dropless routing.")
+    for f in ("moe_every",):
+        _positive_int("ModelSpec", f, getattr(m, f))
+    if m.moe_every > m.layers:
+        raise ValueError(f"ModelSpec.moe_every={m.moe_every} > layers={m.layers}: no layer would be an MoE layer; "
+                         f"choose moe_every <= {m.layers} or experts=0 for a dense model.")
+    for f in ("expert_mlp", "shared_mlp"):
+        v = getattr(m, f)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"ModelSpec.{f}={v!r}: must be an int >= 0 (expert_mlp 0: the model's mlp).")
+
+
+def gpt_param_count(m: ModelSpec) -> int:
+    """jaxpar's GPT: untied head, learned positions, biases and norms."""
+    h, V, s = m.hidden, m.vocab, m.seq
+    return m.layers * (4 * h * h + 2 * h * m.mlp + m.mlp + 6 * h) + 2 * V * h + s * h + 2 * h
+
+
+def _gpt_leaves(layers: int, h: int, heads: int, s: int, V: int, f: int, moe: ModelSpec | None = None
+                ) -> tuple[Leaf, ...]:
+    L, d = layers, h // heads
+    n_moe = moe.moe_layers if moe is not None else 0
+    D = L - n_moe          # layers with a dense MLP
+    blocks = [("ln1_scale", (L, h), ("layers", "embed")), ("ln1_bias", (L, h), ("layers", "embed")),
+              ("wq", (L, h, heads, d), ("layers", "embed", "heads", "kv")),
+              ("wk", (L, h, heads, d), ("layers", "embed", "heads", "kv")),
+              ("wv", (L, h, heads, d), ("layers", "embed", "heads", "kv")),
+              ("wo", (L, heads, d, h), ("layers", "heads", "kv", "embed")),
+              ("ln2_scale", (L, h), ("layers", "embed")), ("ln2_bias", (L, h), ("layers", "embed"))]
+    if D:
+        blocks += [("w1", (D, h, f), ("layers", "embed", "mlp")), ("b1", (D, f), ("layers", "mlp")),
+                   ("w2", (D, f, h), ("layers", "mlp", "embed")), ("b2", (D, h), ("layers", "embed"))]
+    if n_moe:       # jaxpar.parallel.moe.MOE_LOGICAL, stacked over the MoE layers
+        E, M, S = moe.experts, moe.expert_mlp, moe.shared_mlp
+        blocks += [("moe_router", (n_moe, h, E), ("layers", "embed", None)),
+                   ("moe_w1", (n_moe, E, h, M), ("layers", "experts", "embed", "mlp")),
+                   ("moe_w2", (n_moe, E, M, h), ("layers", "experts", "mlp", "embed"))]
+        if S:
+            blocks += [("moe_shared_w1", (n_moe, h, S), ("layers", "embed", "mlp")),
+                       ("moe_shared_w2", (n_moe, S, h), ("layers", "mlp", "embed"))]
+    out = [Leaf("wte", (V, h), ("vocab", "embed")), Leaf("wpe", (s, h), (None, "embed"))]
+    out += [Leaf(f"blocks/{n}", shape, lg) for n, shape, lg in blocks]
+    out += [Leaf("lnf_scale", (h,), ("embed",)), Leaf("lnf_bias", (h,), ("embed",)),
+            Leaf("head", (h, V), ("embed", "vocab"))]
+    return tuple(out)
+
+
+def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int, mlp: int | None = None,
+        name: str = "gpt", *, experts: int = 0, top_k: int = 2, capacity_factor: float | None = 1.25,
+        moe_every: int = 1, expert_mlp: int | None = None, shared_mlp: int = 0) -> ModelSpec:
+    """jaxpar's GPT from numbers (``mlp`` defaults to ``4 * hidden``); ``experts > 0`` makes every
+    ``moe_every``-th layer a mixture of experts (see the module doc; ``expert_mlp`` defaults to ``mlp``).
+
+    Args:
+      layers: transformer layers.
+      hidden: the hidden size.
+      heads: attention heads.
+      seq: the sequence length.
+      vocab: the vocabulary size.
+      batch: the global batch in sequences.
+      mlp: the MLP's hidden size, or ``None`` for ``4 * hidden``.
+      name: the model's name.
+      experts: experts per MoE layer (0: dense).
+      top_k: experts per token.
+      capacity_factor: buffer slots per expert relative to an even split; ``None``: dropless.
+      moe_every: every how many layers one is MoE.
+      expert_mlp: one expert's MLP size, or ``None`` for ``mlp``.
+      shared_mlp: the shared experts' MLP size (0: none).
+
+    Returns:
+      The :class:`ModelSpec`.
+
+    >>> gpt(layers=2, hidden=32, heads=8, seq=16, vocab=64, batch=16).n_params
+    29824
+    >>> moe = gpt(layers=2, hidden=32, heads=8, seq=16, vocab=64, batch=16, experts=4)
+    >>> moe.n_params == 29824 - 2 * (2 * 32 * 128 + 128 + 32) + 2 * (4 * 2 * 32 * 128 + 32 * 4)  # 4 x (w1, w2), router
+    True
+    """
+    spec = ModelSpec(layers, hidden, heads, seq, vocab, batch, mlp or 0, name=name, experts=experts, top_k=top_k,
+                     capacity_factor=capacity_factor, moe_every=moe_every, expert_mlp=expert_mlp or 0,
+                     shared_mlp=shared_mlp)
+    return replace(spec, leaves=_gpt_leaves(layers, hidden, heads, seq, vocab, spec.mlp, spec))
+
+
+def from_gpt_config(cfg: Any, batch: int) -> ModelSpec:
+    """From a :class:`jaxpar.models.GPTConfig` (read by attribute; nothing imported).
+
+    Args:
+      cfg: a ``GPTConfig`` or any object with its attributes.
+      batch: the global batch in sequences.
+
+    Returns:
+      The :class:`ModelSpec`.
+
+    >>> from types import SimpleNamespace
+    >>> from_gpt_config(SimpleNamespace(layers=2, embed=32, heads=8, seq_len=16, vocab=64, mlp=None), 16).mlp
+    128
+
+    A ``moe`` attribute (a mapping or an object with ``experts``, ``top_k``, ``capacity_factor``, ``every``,
+    optionally ``mlp`` and ``shared_mlp``; as ``model.moe`` of the YAML config) makes it an MoE GPT:
+
+    >>> moe = {"experts": 8, "top_k": 2, "capacity_factor": 1.0, "every": 2}
+    >>> from_gpt_config(SimpleNamespace(layers=2, embed=32, heads=8, seq_len=16, vocab=64, mlp=None, moe=moe),
+    ...                 16).moe_layers
+    1
+    """
+    kw = {}
+    moe = getattr(cfg, "moe", None)
+    if moe:
+        get = moe.get if isinstance(moe, dict) else lambda k, d=None: getattr(moe, k, d)
+        kw = dict(experts=get("experts"), top_k=get("top_k", 2), capacity_factor=get("capacity_factor", 1.25),
+                  moe_every=get("every", 1), expert_mlp=get("mlp", None), shared_mlp=get("shared_mlp", 0) or 0)
+    return gpt(cfg.layers, cfg.embed, cfg.heads, cfg.seq_len, cfg.vocab, batch, mlp=cfg.mlp, **kw)
+
+
+def _path_str(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def from_nnx(model_fn: Callable[[], Any], *, layers: int, hidden: int, heads: int, seq: int, vocab: int,
+             batch: int, mlp: int | None = None, name: str = "model") -> ModelSpec:
+    """Parameters and logical axes of an NNX model, read with ``jax.eval_shape`` (nothing allocated).
+
+    ``model_fn`` builds the model (as for :func:`jaxpar.init_train_state`); the sizes that the
+    parameters do not tell (context, batch, ...) are given. Imports JAX.
+
+    Args:
+      model_fn: builds the NNX model, with no arguments.
+      layers: transformer layers.
+      hidden: the hidden size.
+      heads: attention heads.
+      seq: the sequence length.
+      vocab: the vocabulary size.
+      batch: the global batch in sequences.
+      mlp: the MLP's hidden size, or ``None`` for ``4 * hidden``.
+      name: the model's name.
+
+    Returns:
+      The :class:`ModelSpec`, its leaves read from the model.
+
+    >>> from flax import nnx
+    >>> from jaxpar.models._gpt import GPT, GPTConfig
+    >>> cfg = GPTConfig(vocab=64, seq_len=16, embed=32, heads=8, layers=2)
+    >>> m = from_nnx(lambda: GPT(cfg, rngs=nnx.Rngs(0)), layers=2, hidden=32, heads=8, seq=16, vocab=64, batch=16)
+    >>> m.n_params == gpt(2, 32, 8, 16, 64, 16).n_params, m.leaf("blocks/wq").logical
+    (True, ('layers', 'embed', 'heads', 'kv'))
+    """
+    import jax
+
+    from jaxpar.adapters._shapes import abstract_model
+
+    _, shapes, logical = abstract_model(model_fn)
+    flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    flat_logical = jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: isinstance(x, tuple) or x is None)[0]
+    by_path = {_path_str(p): (tuple(lg) if lg is not None else ()) for p, lg in flat_logical}
+    leaves = []
+    for path, a in flat_shapes:
+        key = _path_str(path)
+        lg = tuple(by_path.get(key, ())) or (None,) * len(a.shape)
+        leaves.append(Leaf(key, tuple(int(d) for d in a.shape), lg + (None,) * (len(a.shape) - len(lg))))
+    spec = ModelSpec(layers, hidden, heads, seq, vocab, batch, mlp or 0, name=name)
+    return replace(spec, leaves=tuple(leaves))

@@ -1,0 +1,120 @@
+"""A parallel plan: the mesh sizes of one point of the planner's search and what runs on them.
+
+:class:`Plan` is the cost model's counterpart of :class:`jaxpar.Strategy` plus the mesh: how many
+devices each axis has (mesh order :data:`AXES`), the ZeRO stage, sequence parallelism, context
+parallelism (CP: its degree and attention method), expert parallelism (EP), the pipeline schedule and
+the recomputation policy. :mod:`jaxpar.cost._traffic`, :mod:`jaxpar.cost._time` and
+:mod:`jaxpar.cost._planner` read it.
+
+**Mesh order** ``pipe, data, fsdp, expert, context, tensor`` (outermost first): the more an axis moves
+per step and the more often it blocks the layer, the further in (on the faster, intra-node links of
+:func:`jaxpar.cost._time.axis_groups`). ``tensor`` moves the activations 4 times per layer on the
+critical path; ``context`` moves K/V every layer (ring: ``C - 1`` hops; Ulysses: 8 all-to-alls);
+``expert`` moves the MoE layers' capacity buffers (4 all-to-alls per MoE layer); ``fsdp`` / ``data``
+reduce the gradients once per step, ``pipe`` sends one activation per micro-batch and stage. It is
+Megatron-Core's order (``tp-cp-ep-dp-pp``, innermost first, ``RankGenerator``) with jaxpar's
+``fsdp`` beside ``data``. ``expert`` and ``context`` also split the batch's tokens (EP devices are data
+parallel for the other layers; CP devices hold a slice of every sequence), so the gradients of the
+parameters they do not split are reduced over them too.
+
+Example::
+
+    >>> Plan(data=8, zero=2).name(), Plan(data=8, zero=2).devices
+    ('dp8-zero2', 8)
+    >>> p = Plan(data=2, expert=2, context=2, context_method="ulysses")
+    >>> p.name(), p.devices, p.batch_split, p.sizes["context"]
+    ('dp2-ep2-cp2-ulysses', 8, 4, 2)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxpar.cost._memory import REMAT
+
+__all__ = ["AXES", "BATCH_AXES", "SCHEDULES", "CONTEXT_METHODS", "Plan"]
+
+#: The mesh axes in mesh order (outermost first, ``tensor`` innermost; see the module doc).
+AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
+#: The axes that split the batch's sequences (``context`` splits each sequence instead).
+BATCH_AXES = ("data", "fsdp", "expert")
+#: The context-parallel attention methods (:data:`jaxpar.parallel.context.METHODS`).
+CONTEXT_METHODS = ("ring", "all_gather", "ulysses")
+#: The pipeline schedules the cost model knows.
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One point of the search: mesh sizes and what to do with them (as :class:`jaxpar.Strategy`)."""
+
+    pipe: int = 1
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual: int = 1
+    microbatches: int = 1
+    remat: str = "none"
+    expert: int = 1
+    context: int = 1
+    context_method: str = "ring"
+    context_balance: bool = True
+
+    def __post_init__(self):
+        for a in AXES + ("virtual", "microbatches"):
+            v = getattr(self, a)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Plan.{a}={v!r}: must be a positive int.")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"Plan.zero={self.zero!r}: choose 0, 1, 2 or 3.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Plan.schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+        if self.remat not in REMAT:
+            raise ValueError(f"Plan.remat={self.remat!r}: choose one of {', '.join(REMAT)}.")
+        if self.context_method not in CONTEXT_METHODS:
+            raise ValueError(f"Plan.context_method={self.context_method!r}: choose one of "
+                             f"{', '.join(CONTEXT_METHODS)}.")
+        if not isinstance(self.context_balance, bool):
+            raise ValueError(f"Plan.context_balance={self.context_balance!r}: must be True or False.")
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+    @property
+    def devices(self) -> int:
+        return self.pipe * self.data * self.fsdp * self.expert * self.context * self.tensor
+
+    @property
+    def batch_split(self) -> int:
+        """Into how many parts the global batch's sequences are split (``data * fsdp * expert``)."""
+        return self.data * self.fsdp * self.expert
+
+    def name(self) -> str:
+        """Short label in :meth:`jaxpar.Strategy.name`'s style, plus the remat policy.
+
+        >>> Plan(pipe=4, data=2, tensor=8, zero=1, sequence_parallel=True, microbatches=8).name()
+        'pp4-1f1b-m8-dp2-zero1-tp8-sp'
+        >>> Plan(fsdp=2, context=4, context_balance=False).name()
+        'fsdp2-cp4-ring-natural'
+        """
+        parts = []
+        if self.pipe > 1:
+            parts += [f"pp{self.pipe}", self.schedule] + ([f"v{self.virtual}"] if self.virtual > 1 else [])
+            parts += [f"m{self.microbatches}"]
+        for axis, label in (("data", "dp"), ("fsdp", "fsdp"), ("expert", "ep"), ("context", "cp"), ("tensor", "tp")):
+            if getattr(self, axis) > 1:
+                parts.append(f"{label}{getattr(self, axis)}")
+                if axis == "data" and self.zero:
+                    parts.append(f"zero{self.zero}")
+                if axis == "context":
+                    parts += [self.context_method] + ([] if self.context_balance else ["natural"])
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.microbatches > 1 and self.pipe == 1:
+            parts.append(f"accum{self.microbatches}")
+        if self.remat != "none":
+            parts.append(f"remat-{self.remat}")
+        return "-".join(parts) or "single"

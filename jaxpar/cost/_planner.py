@@ -1,0 +1,374 @@
+"""The planner: every ``pipe x data x fsdp x expert x context x tensor`` factorisation of the cluster x
+CP method x ZeRO stage x schedule x micro-batches x remat, those that do not fit dropped with the reason,
+the candidates the compatibility table refuses (:mod:`jaxpar.cost._refusals`) and those that do not fit
+dropped with the reason, the rest ranked.
+
+Context parallelism (CP) is searched over ``contexts`` and the three methods: by default every divisor of the
+device count for sequences of at least :data:`CONTEXT_MIN_SEQ` tokens, none below (a search-space default, not
+a rule of the model: pass ``contexts=`` to search CP at any length); expert parallelism (EP) over ``experts``
+(by default every divisor that divides the model's experts; only for an MoE model). A layout that cannot run
+is *refused* with the reason (:attr:`PlanResult.refused`): Ulysses with ``heads % (context * tensor) != 0``, a
+sequence that the context devices do not divide (``2C`` chunks for the balanced layout, which the planner
+uses; ``C`` for the natural order, which it falls back to), experts that the ``expert`` axis does not divide.
+
+For each factorisation and parallel option the cheapest remat policy that fits is kept
+(``none``, then ``selective``, then ``full``: recomputation only adds time), and without a
+pipeline the fewest accumulation micro-batches that fit. Usable memory is
+``cluster memory x memory_fraction`` (the rest: workspace, fragmentation, the framework).
+
+Example::
+
+    >>> from jaxpar.cost._cluster import load_cluster
+    >>> from jaxpar.cost._model import gpt
+    >>> result = plan(gpt(12, 768, 12, 1024, 50304, 64), load_cluster("h100"), top=3)
+    >>> result.best.plan.tensor, result.best.plan.pipe
+    (1, 1)
+    >>> print(result.table(2))      # doctest: +ELLIPSIS
+    rank | plan ...
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import NamedTuple
+
+from jaxpar.analysis._compiled_memory import format_bytes, render_table
+from jaxpar.cost._cluster import Cluster
+from jaxpar.cost._layouts import (context_problem, divisors, expert_problem, factorisations,
+                                  mesh_factorisations, shape_problem)
+from jaxpar.cost._memory import LayoutError, MemoryEstimate, memory_per_device
+from jaxpar.cost._model import ModelSpec
+from jaxpar.cost._parallel import CONTEXT_METHODS, Plan
+from jaxpar.cost._refusals import REFUSED_PREFIX, plan_refusal
+from jaxpar.cost._time import Overlap, StepTime, step_time
+from jaxpar.cost._traffic import outer_at_ends
+from jaxpar.errors import PlanError
+
+__all__ = ["CONTEXT_MIN_SEQ", "PlanError", "Estimate", "Rejected", "PlanResult", "plan", "factorisations",
+           "mesh_factorisations", "context_problem", "expert_problem", "evaluate"]
+
+#: The shortest sequence for which :func:`plan` searches CP degrees by default. NeMo's long-context
+#: recipes (16k and 64k tokens) are where CP is used in practice; at 2k the model would pick CP 2 for
+#: GPT-3 on 1,024 A100s (docs/planning.md, "CP and EP"), against the published layouts.
+CONTEXT_MIN_SEQ = 8192
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A plan with its predicted time, memory per device and whether it fits."""
+
+    plan: Plan
+    time: StepTime
+    memory: MemoryEstimate
+    fits: bool
+
+    def row(self) -> dict:
+        """Plain values for ``--json``."""
+        t, mem = self.time, self.memory
+        return {"plan": self.plan.name(), **asdict(self.plan), "step_s": t.total, "compute_s": t.compute,
+                "data_s": t.data, "tensor_s": t.tensor, "pipeline_s": t.pipeline, "optimizer_s": t.optimizer,
+                "context_s": t.context, "expert_s": t.expert,
+                "elementwise_s": t.elementwise, "bubble": t.bubble,
+                "mfu": t.mfu, "memory_bytes": mem.total, "state_bytes": mem.params + mem.grads + mem.opt,
+                "activation_bytes": mem.activations + mem.logits, "bytes_per_axis": t.bytes_per_axis}
+
+
+@dataclass(frozen=True)
+class Rejected:
+    plan: Plan | None
+    reason: str
+
+
+@dataclass
+class PlanResult:
+    """Ranked estimates (fastest first), the rejected plans (do not fit) and the refused ones (cannot run:
+    CP / EP sizes), with their reasons."""
+
+    ranked: list[Estimate]
+    rejected: list[Rejected] = field(default_factory=list)
+    considered: int = 0
+    refused: list[Rejected] = field(default_factory=list)
+    top: int = 10
+
+    @property
+    def best(self) -> Estimate:
+        return self.ranked[0]
+
+    def table(self, top: int | None = None) -> str:
+        """Printable ranked table (``cp`` and ``ep`` columns when a listed plan has those axes).
+
+        Args:
+          top: how many plans, fastest first (default: ``plan(top=...)``).
+
+        Returns:
+          The table's text.
+        """
+        shown = self.ranked[:self.top if top is None else top]
+        extra = [(k, k[:2] if k != "expert" else "ep") for k in ("context", "expert")
+                 if any(getattr(e.plan, k) > 1 for e in shown)]
+        rows = []
+        for i, e in enumerate(shown, 1):
+            t, mem = e.time, e.memory
+            axes = " ".join(f"{a}:{format_bytes(b)}" for a, b in sorted(t.bytes_per_axis.items()))
+            rows.append([str(i), e.plan.name(), f"{t.total * 1e3:.1f}", f"{t.compute * 1e3:.1f}",
+                         f"{t.elementwise * 1e3:.1f}", f"{t.data * 1e3:.1f}", f"{t.tensor * 1e3:.1f}",
+                         f"{t.pipeline * 1e3:.1f}"] + [f"{getattr(t, k) * 1e3:.1f}" for k, _ in extra] + [
+                         f"{t.optimizer * 1e3:.1f}",
+                         f"{t.bubble:.3f}", f"{t.mfu:.3f}", format_bytes(mem.total), axes or "-"])
+        headers = (["rank", "plan", "step ms", "compute", "elementwise", "data", "tensor", "pipe"]
+                   + [label for _, label in extra] + ["update", "bubble", "MFU", "memory", "bytes per axis"])
+        return render_table(headers, rows, right=[True, False] + [True] * (10 + len(extra)) + [False])
+
+    def rejected_table(self, top: int | None = None) -> str:
+        """The plans that do not fit, with the reason.
+
+        Args:
+          top: how many, in the order they were found (default: ``plan(top=...)``).
+
+        Returns:
+          The table's text.
+        """
+        return self._reasons("rejected plan", self.rejected, top)
+
+    def refused_table(self, top: int | None = None) -> str:
+        """The plans that cannot run (CP / EP sizes), with the reason.
+
+        Args:
+          top: how many, in the order they were found (default: ``plan(top=...)``).
+
+        Returns:
+          The table's text.
+        """
+        return self._reasons("refused plan", self.refused, top)
+
+    def _reasons(self, title: str, found: list[Rejected], top: int | None) -> str:
+        rows = [[r.plan.name() if r.plan else "-", r.reason] for r in found[:self.top if top is None else top]]
+        return render_table([title, "reason"], rows, right=[False, False])
+
+
+def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16", precision: str = "mixed",
+             overlap: Overlap = Overlap(), memory_fraction: float = 0.9, lowering: str = "ideal",
+             grad_bytes: float | None = None) -> Estimate:
+    """Time and memory of one plan (no search).
+
+    Args:
+      m: the model.
+      p: the plan.
+      cluster: the cluster.
+      dtype, precision, overlap, memory_fraction, lowering: as for :func:`plan`.
+      grad_bytes: as for :func:`jaxpar.cost.step_time`.
+
+    Returns:
+      The :class:`Estimate`.
+
+    Raises:
+      PlanError: the plan's CP / EP cannot run the model (:func:`context_problem`, :func:`expert_problem`).
+    """
+    why = expert_problem(m, p.expert) or (context_problem(m, p.context, p.tensor, p.context_method)[1]
+                                          if p.context > 1 else None)
+    if why is None and p.context > 1 and p.context_balance and m.seq % (2 * p.context):
+        why = f"the balanced layout needs seq % (2 * context) == 0: seq={m.seq}, context={p.context}"
+    if why:
+        raise PlanError(f"plan {p.name()} cannot run this model: {why}.")
+    mem = _memory(m, p, dtype, precision, lowering)
+    t = step_time(m, p, cluster, dtype=dtype, overlap=overlap, lowering=lowering, grad_bytes=grad_bytes)
+    return Estimate(p, t, mem, mem.total <= cluster.memory_bytes * memory_fraction)
+
+
+def _memory(m: ModelSpec, p: Plan, dtype: str, precision: str, lowering: str = "ideal"):
+    return memory_per_device(m, p.sizes, zero=p.zero, microbatches=p.microbatches, schedule=p.schedule,
+                             virtual=p.virtual, remat=p.remat, sequence_parallel=p.sequence_parallel,
+                             precision=precision, activation_bytes=4 if dtype == "float32" else 2,
+                             ends=outer_at_ends(lowering), context_method=p.context_method,
+                             context_balance=p.context_balance)
+
+
+def _options(m: ModelSpec, p: int, d: int, f: int, t: int, schedules, e: int = 1) -> list[dict]:
+    replica = m.batch // (d * f * e)
+    zeros = (0, 1, 2, 3) if d > 1 else (0,)
+    sps = (False, True) if t > 1 else (False,)
+    out = []
+    if p == 1:
+        accum = [k for k in (1, 2, 4, 8, 16, 32, 64) if replica % k == 0]
+        for z in zeros:
+            for sp in sps:
+                out.append(dict(zero=z, sequence_parallel=sp, accum=accum))
+        return out
+    for z in zeros:
+        for sp in sps:
+            for sched in schedules:
+                for k in (1, 2, 4, 8):
+                    mb = p * k
+                    if replica % mb:
+                        continue
+                    if sched == "interleaved":
+                        if m.layers % (2 * p):
+                            continue
+                        out.append(dict(zero=z, sequence_parallel=sp, schedule=sched, virtual=2, microbatches=mb))
+                    else:
+                        out.append(dict(zero=z, sequence_parallel=sp, schedule=sched, microbatches=mb))
+    return out
+
+
+class _Search(NamedTuple):
+    """The settings one search evaluates every candidate with."""
+
+    model: ModelSpec
+    cluster: Cluster
+    dtype: str
+    precision: str
+    overlap: Overlap
+    lowering: str
+    memory_fraction: float
+    fixed: dict | None = None
+
+    @property
+    def usable(self) -> float:
+        return self.cluster.memory_bytes * self.memory_fraction
+
+    def best(self, base: Plan, opt: dict) -> tuple[Estimate | None, list[Rejected], int]:
+        """The cheapest remat (and fewest accumulation steps) of ``base`` + ``opt`` that fits, the
+        candidates rejected on the way, and how many were considered; none if the table refuses it."""
+        accum = opt.pop("accum", [opt.get("microbatches", 1)])
+        cand = replace(base, **{**opt, "microbatches": accum[0]})
+        why = plan_refusal(cand, dtype=self.dtype, fixed=self.fixed)   # the table reads no remat, no accumulation
+        if why:
+            return None, [Rejected(cand, why)], 1
+        rejected, considered = [], 0
+        for mb in accum:
+            for remat in ("none", "selective", "full"):
+                considered += 1
+                cand = replace(base, remat=remat, **{**opt, "microbatches": mb})
+                try:     # memory first: a plan that does not fit needs no step time (most of the search)
+                    mem = _memory(self.model, cand, self.dtype, self.precision, self.lowering)
+                    if mem.total <= self.usable:
+                        t = step_time(self.model, cand, self.cluster, dtype=self.dtype, overlap=self.overlap,
+                                      lowering=self.lowering)
+                        return Estimate(cand, t, mem, True), rejected, considered
+                except LayoutError as err:
+                    rejected.append(Rejected(cand, str(err)))
+                    break
+                c = self.cluster
+                rejected.append(Rejected(cand, f"needs {format_bytes(mem.total)} per device > "
+                                               f"{format_bytes(self.usable)} usable "
+                                               f"({self.memory_fraction:g} of {format_bytes(c.memory_bytes)})"))
+        return None, rejected, considered
+
+    def run(self, n: int, cs: list[int], es: list[int], methods: tuple[str, ...], schedules) -> tuple:
+        """Every candidate of :func:`plan` on ``n`` devices: ``(ranked, rejected, refused, considered,
+        shape reasons)``, the ranked ones not yet sorted."""
+        model = self.model
+        ranked, rejected, refused, considered = [], [], [], 0
+        shape_reasons = []
+        for p, d, f, e, c, t in mesh_factorisations(n, cs, es):
+            problem = shape_problem(model, p, d, f, t, e)
+            if problem:
+                shape_reasons.append(problem)
+                continue
+            for method in methods if c > 1 else ("ring",):
+                balance, why = context_problem(model, c, t, method) if c > 1 else (True, None)
+                base = Plan(pipe=p, data=d, fsdp=f, tensor=t, expert=e, context=c, context_method=method,
+                            context_balance=balance)
+                why = expert_problem(model, e) or why
+                if why:
+                    refused.append(Rejected(base, why))
+                    continue
+                for opt in _options(model, p, d, f, t, schedules, e):
+                    best, rej, k = self.best(base, opt)
+                    rejected += rej
+                    considered += k
+                    if best:
+                        ranked.append(best)
+        return ranked, rejected, refused, considered, shape_reasons
+
+
+def _degrees(name: str, value, default: list[int]) -> list[int]:
+    if value is None:
+        return default
+    if (isinstance(value, (str, bytes)) or not hasattr(value, "__iter__")
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)):
+        raise PlanError(f"{name}={value!r}: give the degrees to search as positive ints, e.g. {name}=(1, 2, 4, 8).")
+    return sorted(set(value))
+
+
+def _methods(value) -> tuple[str, ...]:
+    if isinstance(value, str) or not value or not set(value) <= set(CONTEXT_METHODS):
+        raise PlanError(f"context_methods={value!r}: choose some of {CONTEXT_METHODS}, e.g. ('ring', 'ulysses').")
+    return tuple(value)
+
+
+def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfloat16", precision: str = "mixed",
+         overlap: Overlap = Overlap(), memory_fraction: float = 0.9, schedules=("gpipe", "1f1b", "interleaved", "zb-h1"),
+         lowering: str = "ideal", contexts=None, context_methods=CONTEXT_METHODS, experts=None,
+         fixed=None) -> PlanResult:
+    """Rank every plan of ``model`` on ``cluster`` (see the module doc).
+
+    Args:
+      model: the model.
+      cluster: the cluster.
+      top: how many plans the result's tables print by default; every plan that fits is ranked.
+      dtype: the compute dtype.
+      precision: the bytes per parameter, gradient and optimizer state: a key of
+        :data:`jaxpar.cost.PRECISIONS`.
+      overlap: what communication hides behind compute.
+      memory_fraction: the share of each device's memory a plan may use, in (0, 1].
+      schedules: the pipeline schedules to search.
+      lowering: the program the traffic is counted for, one of :data:`jaxpar.cost._traffic.LOWERINGS`.
+      contexts: the CP degrees to search (None: every divisor of the device count when ``model.seq >=``
+        :data:`CONTEXT_MIN_SEQ`, else none; ``(1,)``: no CP).
+      context_methods: the CP methods.
+      experts: the EP degrees (None: every divisor that divides the model's experts, ``(1,)`` for a dense model).
+      fixed: the run's settings no plan chooses (a codec, ``clip_norm``, ...:
+        :func:`jaxpar.cost._refusals.plan_setting`), with which the table checks each candidate.
+
+    Returns:
+      The :class:`PlanResult`.
+
+    Raises:
+      PlanError: with the reasons, when no plan is possible or none fits.
+    """
+    if not isinstance(model, ModelSpec):
+        raise PlanError(f"model must be a jaxpar.cost.ModelSpec (e.g. jaxpar.cost.gpt(...)), got {type(model).__name__}.")
+    if not 0 < memory_fraction <= 1:
+        raise PlanError(f"memory_fraction={memory_fraction!r}: must be in (0, 1], e.g. 0.9.")
+    cluster.peak(dtype)
+    try:
+        plan_refusal(Plan(), dtype=dtype, fixed=fixed)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    n = cluster.num_devices
+    cs = _degrees("contexts", contexts, divisors(n) if model.seq >= CONTEXT_MIN_SEQ else [1])
+    es = _degrees("experts", experts, [e for e in divisors(n) if model.is_moe and model.experts % e == 0] or [1])
+    methods = _methods(context_methods)
+    search = _Search(model, cluster, dtype, precision, overlap, lowering, memory_fraction, fixed)
+    ranked, rejected, refused, considered, shape_reasons = search.run(n, cs, es, methods, schedules)
+    if not ranked:
+        _nothing(model, cluster, n, rejected, refused, shape_reasons)
+    ranked.sort(key=lambda e: e.time.total)
+    return PlanResult(ranked, rejected, considered, refused, top)
+
+
+def _nothing(model: ModelSpec, cluster: Cluster, n: int, rejected, refused, shape_reasons) -> None:
+    if not rejected:
+        reasons = "; ".join((sorted(set(shape_reasons)) + sorted({r.reason for r in refused}))[:6])
+        raise PlanError(f"no factorisation pipe x data x fsdp x expert x context x tensor of the cluster's {n} "
+                        f"devices fits the model's sizes: {reasons}. Fix: use a device count whose factors divide "
+                        "the batch, heads and layers (e.g. a power of 2), or change the model / batch.")
+    if all(r.reason.startswith(REFUSED_PREFIX) for r in rejected):
+        first = rejected[0]
+        raise PlanError(f"every plan of {n} x {cluster.name} that fits the model's sizes is refused by the "
+                        f"compatibility table; the first, {first.plan.name()}: {first.reason[len(REFUSED_PREFIX):]}")
+    smallest = min(rejected, key=lambda r: _needed(r.reason))
+    raise PlanError(f"the model ({model.n_params / 1e9:.2f} B parameters, batch {model.batch}) fits on no plan "
+                    f"of {n} x {cluster.name} ({format_bytes(cluster.memory_bytes)} each): the smallest, "
+                    f"{smallest.plan.name() if smallest.plan else '-'}, {smallest.reason}. Fix: more devices "
+                    f"(--devices / nodes), a smaller batch, or devices with more memory.")
+
+
+def _needed(reason: str) -> float:
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "PiB": 2**50}
+    parts = reason.split()
+    try:
+        return float(parts[1]) * units[parts[2]]
+    except (IndexError, ValueError, KeyError):
+        return math.inf

@@ -1,0 +1,286 @@
+"""Seconds of one transformer layer's kernels on one device, each on the device's roofline.
+
+Every kernel of a GPT block is timed on its own: a matmul of ``w`` FLOPs that reads and writes
+``n`` bytes takes ``max(w / (peak * efficiency(w)), n / stream_bandwidth)``
+(:meth:`~jaxpar.cost._cluster.Cluster.matmul_efficiency`,
+:attr:`~jaxpar.cost._cluster.Cluster.stream_bandwidth`): a large, square matmul is compute bound at
+the device's matmul efficiency, a thin one (the attention's ``QKᵀ`` and ``AV`` with the head
+dimension as the inner size) reads and writes about as many bytes as it does FLOPs and is memory
+bound, and a small one does not fill the device. The norms, residual adds, GELU and softmax move
+bytes only (:func:`layer_elementwise_bytes`).
+
+Kernels of one layer forward, per micro-batch of ``r`` sequences of ``s`` tokens on one of ``t``
+tensor devices (``h`` hidden, ``f`` MLP width, ``a`` heads of ``d = h/a``):
+
+=========  =====================================  =========================================
+kernel     shape ``(batch) M x K x N``            passes in training
+=========  =====================================  =========================================
+qkv        ``rs x h x 3h/t`` (``qkv_inputs`` of   forward, 2 backward; full recomputation +1
+           them, each ``1/qkv_inputs`` of N)
+scores     ``(ra/t) s x d x s``                   the same; selective recomputation +1 too
+context    ``(ra/t) s x s x d``                   as scores
+proj       ``rs x h/t x h``                       as qkv
+fc1, fc2   ``rs x h x f/t``, ``rs x f/t x h``     as qkv
+=========  =====================================  =========================================
+
+Under context parallelism (``C`` devices, :mod:`jaxpar.cost._context_experts`) each device holds ``s/C`` tokens
+of each sequence: the projections and the MLP run on ``rs/C`` rows, and the attention on the method's share of
+the scores (:func:`~jaxpar.cost._context_experts.score_fraction`, as each method computes them):
+``(2C+1)/4`` blocks of ``s/C`` for the balanced ring (``C`` on the busiest device in the natural order), ``s/C x
+s`` (all-gather), or ``a/C`` heads of ``s x s`` (Ulysses). The ring's backward recomputes each block's scores
+from the logsumexp (one more ``scores`` pass). An MoE layer (``moe=True``) replaces fc1 and fc2 by the router
+(``rs x h x E``), the dense dispatch and combine einsums of :mod:`jaxpar.parallel.moe._dispatch` (``(g) E·cap x T x h``
+and ``(g) T x E·cap x h`` over ``g = r`` groups of ``T = s/C`` tokens; the dispatch mask has no gradient: 2
+passes), the experts' MLPs on the device's capacity slots (``(E/E_p) g·E_p·cap x h x M/t`` and back: compute
+proportional to ``cf·T·k`` slots per group, not ``T``) and the shared experts' MLP.
+
+Outside the blocks: the last stage's head (``rs x h x V/t``, not recomputed) and its loss (the
+logits read and their fp32 log-softmax written, and back: ``2·cb + 8`` bytes per logit); the first
+stage's embedding (token and position rows read, their sum written, and back: ``6·rsh`` values).
+
+Example::
+
+    >>> from jaxpar.cost._cluster import load_cluster
+    >>> from jaxpar.cost._model import gpt
+    >>> m, c = gpt(24, 2304, 24, 2048, 51200, 512), load_cluster("a100_80gb")
+    >>> k = {x.name: x for x in layer_kernels(m, Plan(), 16, 2)}
+    >>> k["fc1"].flops == 2 * 16 * 2048 * 2304 * 9216, kernel_seconds(k["scores"], c, "bfloat16") > \\
+    ...     k["scores"].flops / (c.peak("bfloat16") * c.efficiency)          # memory bound at d = 96
+    (True, True)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from jaxpar.cost._cluster import Cluster
+from jaxpar.cost._context_experts import score_fraction
+from jaxpar.cost._model import ModelSpec
+from jaxpar.cost._parallel import Plan
+
+__all__ = ["Kernel", "matmul", "layer_kernels", "kernel_seconds", "layer_elementwise_bytes", "Work", "layer_work",
+           "end_work"]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """``count`` launches of a kernel of ``flops`` FLOPs that reads and writes ``bytes`` bytes,
+    run ``passes`` times per training step of one micro-batch (forward, backward, recomputation)."""
+
+    name: str
+    flops: float
+    bytes: float
+    count: int = 1
+    passes: int = 1
+
+
+def matmul(name: str, batch: float, m: float, k: float, n: float, compute_bytes: float, *, count: int = 1,
+           passes: int = 1) -> Kernel:
+    """A (batched) matmul ``[batch, m, k] x [batch, k, n]``: ``2·batch·m·k·n`` FLOPs, its two operands
+    read and its result written once.
+
+    Args:
+      name: a label.
+      batch, m, k, n: the shape.
+      compute_bytes: bytes per value.
+      count: launches of it (e.g. separate q, k and v projections).
+      passes: runs per training step of one micro-batch.
+
+    Returns:
+      The :class:`Kernel`.
+
+    >>> matmul("x", 1, 4, 8, 2, 2).flops, matmul("x", 1, 4, 8, 2, 2).bytes
+    (128, 112)
+    """
+    return Kernel(name, 2 * batch * m * k * n, compute_bytes * batch * (m * k + k * n + m * n), count, passes)
+
+
+def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, moe: bool = False) -> list[Kernel]:
+    """The matmuls of one layer on one device for a micro-batch of ``rows`` sequences (module doc).
+
+    Args:
+      m: the model.
+      plan: the plan (its ``tensor``, ``context`` and ``expert`` sizes, CP method and ``remat`` are read).
+      rows: sequences per micro-batch on one device.
+      compute_bytes: bytes per value of the activations and weights (2 for bf16 / fp16).
+      moe: an MoE layer of ``m`` (its MLP replaced by the experts').
+
+    Returns:
+      The :class:`Kernel` list, ``passes`` set for training with ``plan.remat``.
+    """
+    s, h, f, a, t, cb = m.seq, m.hidden, m.mlp, m.heads, plan.tensor, compute_bytes
+    C = plan.context
+    tokens, heads = rows * s / C, rows * a / t
+    full, attn = 3 + (plan.remat == "full"), 3 + (plan.remat != "none")
+    q = m.qkv_inputs
+    out = [matmul("qkv", 1, tokens, h, 3 * h / (t * q), cb, count=q, passes=full)]
+    out += _attention_kernels(m, plan, heads, cb, attn)
+    out.append(matmul("proj", 1, tokens, h / t, h, cb, passes=full))
+    if moe:
+        return out + _moe_kernels(m, plan, rows, tokens, cb, full)
+    return out + [matmul("fc1", 1, tokens, h, f / t, cb, passes=full),
+                  matmul("fc2", 1, tokens, f / t, h, cb, passes=full)]
+
+
+def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: int) -> list[Kernel]:
+    """``QKᵀ`` and ``AV`` of the device's share of the scores (module doc)."""
+    s, d, C = m.seq, m.head_dim, plan.context
+    if C == 1:
+        return [matmul("scores", heads, s, d, s, cb, passes=attn), matmul("context", heads, s, s, d, cb, passes=attn)]
+    if plan.context_method == "ring":
+        blocks, n = C * C * score_fraction("ring", C, plan.context_balance), s / C
+        return [matmul("scores", heads * blocks, n, d, n, cb, passes=attn + 1),
+                matmul("context", heads * blocks, n, n, d, cb, passes=attn)]
+    if plan.context_method == "all_gather":
+        return [matmul("scores", heads, s / C, d, s, cb, passes=attn),
+                matmul("context", heads, s / C, s, d, cb, passes=attn)]
+    return [matmul("scores", heads / C, s, d, s, cb, passes=attn),
+            matmul("context", heads / C, s, s, d, cb, passes=attn)]
+
+
+def _moe_kernels(m: ModelSpec, plan: Plan, rows: float, tokens: float, cb: float, full: int) -> list[Kernel]:
+    """The MoE MLP's kernels on one device (module doc): ``rows`` groups of ``T = s/C`` tokens."""
+    h, E, M, t = m.hidden, m.experts, m.expert_mlp, plan.tensor
+    T = m.seq / plan.context
+    cap = m.capacity(m.seq // plan.context)
+    ep = plan.expert
+    out = [matmul("router", 1, tokens, h, E, cb, passes=full),
+           matmul("dispatch", rows, E * cap, T, h, cb, passes=full - 1),
+           matmul("expert_fc1", E / ep, rows * ep * cap, h, M / t, cb, passes=full),
+           matmul("expert_fc2", E / ep, rows * ep * cap, M / t, h, cb, passes=full),
+           matmul("combine", rows, T, E * cap, h, cb, passes=full)]
+    if m.shared_mlp:
+        out += [matmul("shared_fc1", 1, tokens, h, m.shared_mlp / t, cb, passes=full),
+                matmul("shared_fc2", 1, tokens, m.shared_mlp / t, h, cb, passes=full)]
+    return out
+
+
+def kernel_seconds(k: Kernel, cluster: Cluster, dtype: str) -> float:
+    """Seconds of one pass of ``k`` (all its launches) on the roofline of ``cluster`` (module doc).
+
+    Args:
+      k: the kernel.
+      cluster: its peak FLOP/s, matmul efficiency and streaming bandwidth are read.
+      dtype: the compute dtype (picks the peak).
+
+    Returns:
+      ``count * max(flops / (peak * efficiency(flops)), bytes / stream_bandwidth)``.
+
+    >>> from jaxpar.cost._cluster import load_cluster
+    >>> kernel_seconds(Kernel("loss", 0.0, 3350e9), load_cluster("h100"), "bfloat16")
+    1.0
+    """
+    compute = k.flops / (cluster.peak(dtype) * cluster.matmul_efficiency(k.flops)) if k.flops > 0 else 0.0
+    bw = cluster.stream_bandwidth
+    return k.count * max(compute, k.bytes / bw if bw > 0 else 0.0)
+
+
+def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, moe: bool = False) -> float:
+    """Bytes one device reads and writes in the memory-bound ops of one layer per micro-batch of ``rows``
+    sequences, in training (see :func:`jaxpar.cost._time.elementwise_bytes` for the ops counted).
+
+    Under CP a device has ``s/C`` tokens and its method's share of the softmax
+    (:func:`~jaxpar.cost._context_experts.score_fraction` of ``s^2`` per head); in an MoE layer the
+    GELU runs on the capacity slots (``E·cap/T`` per token, of width ``M/t``) and the shared experts'.
+
+    Args:
+      m: the model.
+      plan: its ``tensor``, ``sequence_parallel``, ``remat`` and CP are read.
+      rows: sequences per micro-batch on one device.
+      compute_bytes: bytes per activation value (the softmax is counted in fp32).
+      moe: an MoE layer.
+
+    Returns:
+      Bytes per layer and micro-batch (forward, backward and recomputation).
+
+    >>> from jaxpar.cost._model import gpt
+    >>> layer_elementwise_bytes(gpt(4, 128, 8, 64, 256, 16), Plan(), 1, 4) == 3 * 64 * (
+    ...     (10 * 128 + 2 * 512) * 4 + 2 * 8 * 64 * 4)
+    True
+    """
+    t, C = plan.tensor, plan.context
+    passes = 3 + (plan.remat == "full")
+    resid = 10 * m.hidden / (t if plan.sequence_parallel else 1)
+    mlp = 2 * m.mlp / t
+    if moe:
+        T = m.seq // C
+        mlp = 2 * m.experts * m.capacity(T) / T * m.expert_mlp / t + 2 * m.shared_mlp / t
+    keys = m.seq * C * score_fraction(plan.context_method, C, plan.context_balance)   # scores per query token
+    softmax = 2 * m.heads * keys / t * 4 * (passes + (plan.remat == "selective"))
+    return rows * (m.seq / C) * ((resid + mlp) * compute_bytes * passes + softmax)
+
+
+class Work(NamedTuple):
+    """Seconds per micro-batch: ``kernels`` (matmuls, the embedding and the loss) and ``elementwise``
+    (the blocks' memory-bound ops)."""
+
+    kernels: float
+    elementwise: float
+
+    @property
+    def total(self) -> float:
+        return self.kernels + self.elementwise
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.kernels + other.kernels, self.elementwise + other.elementwise)
+
+    def times(self, k: float) -> "Work":
+        """This work ``k`` times.
+
+        Args:
+          k: the factor.
+
+        Returns:
+          The scaled :class:`Work`.
+        """
+        return Work(self.kernels * k, self.elementwise * k)
+
+
+def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: float, compute_bytes: float, *,
+               forward_only: bool = False, moe: bool = False) -> Work:
+    """Seconds of one layer per micro-batch of ``rows`` sequences on one device.
+
+    Args:
+      m, plan, cluster, dtype: the model, plan, cluster and compute dtype.
+      rows: sequences per micro-batch on one device.
+      compute_bytes: bytes per value.
+      forward_only: the plain forward instead of training (forward, backward, recomputation).
+      moe: an MoE layer.
+
+    Returns:
+      A :class:`Work`: the matmuls' seconds (:func:`layer_kernels`) and the elementwise ops' seconds.
+    """
+    kernels = sum(kernel_seconds(k, cluster, dtype) * (1 if forward_only else k.passes)
+                  for k in layer_kernels(m, plan, rows, compute_bytes, moe))
+    bw = cluster.stream_bandwidth
+    elem = layer_elementwise_bytes(m, plan, rows, compute_bytes, moe) / bw if bw > 0 else 0.0
+    if forward_only:
+        elem /= 3 + (plan.remat == "full")
+    return Work(kernels, elem)
+
+
+def end_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: float,
+             compute_bytes: float) -> tuple[Work, Work]:
+    """Seconds per micro-batch of what the first pipeline stage runs before the blocks (the embedding)
+    and the last after them (the head and the loss), in training (module doc).
+
+    Args:
+      m, plan, cluster, dtype: the model, plan, cluster and compute dtype.
+      rows: sequences per micro-batch on one device.
+      compute_bytes: bytes per value.
+
+    Returns:
+      ``(first, last)`` as :class:`Work` (all of it in ``kernels``).
+
+    >>> from jaxpar.cost._cluster import load_cluster
+    >>> from jaxpar.cost._model import gpt
+    >>> first, last = end_work(gpt(2, 32, 8, 16, 64, 16), Plan(), load_cluster("h100"), "bfloat16", 2, 2)
+    >>> 0 < first.kernels < last.kernels, first.elementwise
+    (True, 0.0)
+    """
+    tokens, cb, vt = rows * m.seq / plan.context, compute_bytes, m.vocab / plan.tensor
+    head = matmul("head", 1, tokens, m.hidden, vt, cb, passes=3)
+    loss = Kernel("loss", 0.0, tokens * vt * (2 * cb + 8))
+    embed = Kernel("embedding", 0.0, 6 * tokens * m.hidden * cb)
+    last = kernel_seconds(head, cluster, dtype) * head.passes + kernel_seconds(loss, cluster, dtype)
+    return Work(kernel_seconds(embed, cluster, dtype), 0.0), Work(last, 0.0)

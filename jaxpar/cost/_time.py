@@ -1,0 +1,369 @@
+"""Time of one training step: kernels on the roofline through the pipeline schedule, collectives per mesh axis.
+
+The FLOPs are counted in :mod:`jaxpar.cost._flops` (re-exported here).
+
+The collectives of a step (:func:`jaxpar.cost.comms`) are timed with
+:mod:`jaxpar.cost._collectives` on the links the mesh axis spans (:func:`axis_groups`: mesh
+order ``pipe, data, fsdp, expert, context, tensor``, ``tensor`` innermost, so a ``context`` or
+``expert`` group lies in a node as long as it and the axes inside it fit there; a group spread over nodes runs
+hierarchically: reduce-scatter in the node, the collective across nodes on ``1/p_in`` of the
+bytes, all-gather in the node).
+
+Compute: every kernel of a layer (the matmuls, on the device's roofline) and the blocks' memory-bound
+ops run per micro-batch (:mod:`jaxpar.cost._roofline`); a pipeline stage runs its layers, the first
+stage also the embedding and the last the head and loss. The step takes ``m`` micro-batches of the
+busiest stage plus the schedule's bubble on the mean stage: ``m·T_busiest + m·T_mean·b/(1-b)``, ``b``
+the bubble fraction of the schedule table (:func:`bubble`; ``(p-1)/(m+p-1)`` for 1F1B, so equal
+stages give the familiar ``T/(1-b)``). The optimizer update is memory bound: :func:`update_bytes`
+over the streaming bandwidth (ZeRO-1/2/3 and FSDP update only their shard).
+
+Overlap (:class:`Overlap`): by default *nothing* overlaps (XLA:CPU runs collectives synchronously,
+jaxpar's pipeline sends are on the critical path, Megatron-LM's 2021 data-parallel reduction runs
+after the pipeline flush). ``Overlap(grads_in_backward=True)`` is bucketed DDP: each layer's gradient
+reduction starts when the last micro-batch's backward has produced it, and hides behind the rest of
+that backward (:func:`behind_backward`). Fractions (``Overlap(data=0.8)``) hide a given share of an
+axis group's collectives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Mapping
+
+from jaxpar.cost import _collectives as C
+from jaxpar.cost._cluster import Cluster
+from jaxpar.cost._flops import flops_per_token, model_flops, narayanan_flops, step_flops
+from jaxpar.cost._memory import leaf_shard_counts, schedule_stats, sizes_key
+from jaxpar.cost._schedule import runs_in_lockstep
+from jaxpar.cost._model import ModelSpec
+from jaxpar.cost._parallel import AXES, Plan
+from jaxpar.cost._roofline import Work, end_work, kernel_seconds, layer_elementwise_bytes, layer_kernels, layer_work
+from jaxpar.cost._traffic import Comm, bytes_per_axis, comms
+
+__all__ = ["Overlap", "behind_backward", "ring_step_seconds", "StepTime", "flops_per_token", "narayanan_flops", "step_flops", "model_flops",
+           "update_bytes", "elementwise_bytes", "axis_groups", "comm_time", "bubble", "step_time"]
+
+
+# ----------------------------------------------------------------------------- timing
+@lru_cache(maxsize=65536)
+def _groups(sizes: tuple[tuple[str, int], ...], axes: tuple[str, ...], per_node: int) -> tuple[int, int]:
+    s = dict(sizes)
+    strides, stride = {}, 1
+    for a in reversed(AXES):
+        strides[a] = stride
+        stride *= s.get(a, 1)
+    offsets = [0]
+    for a in axes:
+        offsets = [o + i * strides[a] for o in offsets for i in range(s[a])]
+    p_in = sum(1 for o in offsets if o < per_node)
+    return p_in, len(offsets) // max(p_in, 1)
+
+
+def axis_groups(sizes: Mapping[str, int], axes: tuple[str, ...], per_node: int) -> tuple[int, int]:
+    """``(p_in, p_out)``: devices of one group of ``axes`` inside a node, and nodes it spans.
+
+    Args:
+      sizes: the mesh axis sizes by name (absent: 1).
+      axes: the group's axes.
+      per_node: devices per node.
+
+    Returns:
+      ``(p_in, p_out)``.
+
+    >>> axis_groups({"pipe": 4, "data": 2, "tensor": 8}, ("tensor",), 8), axis_groups({"pipe": 4, "data": 2, "tensor": 8}, ("data",), 8)
+    ((8, 1), (1, 2))
+    """
+    return _groups(tuple(sorted((a, sizes.get(a, 1)) for a in AXES)), tuple(axes), per_node)
+
+
+def comm_time(c: Comm, sizes: Mapping[str, int], cluster: Cluster) -> float:
+    """Seconds of one collective ``c`` (the best algorithm on each level).
+
+    Args:
+      c: the collective.
+      sizes: the mesh axis sizes by name.
+      cluster: the cluster (its links and devices per node).
+
+    Returns:
+      Seconds.
+    """
+    n = c.buffer_bytes(sizes)
+    p_in, p_out = axis_groups(sizes, c.axes, cluster.devices_per_node)
+    intra, inter = cluster.intra, cluster.inter
+    if c.kind == "collective-permute":
+        return C.time(c.kind, n, 2, intra if p_out == 1 else inter)
+    if p_out == 1:
+        return C.time(c.kind, n, p_in, intra)
+    if p_in == 1:
+        return C.time(c.kind, n, p_out, inter)
+    if c.kind == "all-reduce":
+        return (C.time("reduce-scatter", n, p_in, intra) + C.time("all-reduce", n / p_in, p_out, inter)
+                + C.time("all-gather", n, p_in, intra))
+    if c.kind == "all-gather":
+        return C.time("all-gather", n / p_in, p_out, inter) + C.time("all-gather", n, p_in, intra)
+    if c.kind == "reduce-scatter":
+        return C.time("reduce-scatter", n, p_in, intra) + C.time("reduce-scatter", n / p_in, p_out, inter)
+    return C.time(c.kind, n, p_in * p_out, inter)
+
+
+def bubble(schedule: str, pipe: int, microbatches: int, virtual: int = 1, lockstep: bool = False) -> float:
+    """Bubble fraction of the schedule table (:func:`jaxpar.parallel.pipeline.bubble_fraction`); of its
+    lockstep re-timing with ``lockstep`` (sequence parallelism in the pipeline, :mod:`._schedule`).
+
+    Args:
+      schedule: the schedule's name.
+      pipe: pipeline stages.
+      microbatches: micro-batches per step.
+      virtual: virtual stages per device.
+      lockstep: time the lockstep re-timing.
+
+    Returns:
+      The fraction, in [0, 1) (0 without a pipeline).
+
+    >>> bubble("1f1b", 4, 8), bubble("gpipe", 1, 8)
+    (0.2727272727272727, 0.0)
+    """
+    return 0.0 if pipe == 1 else schedule_stats(schedule, pipe, microbatches, virtual, lockstep)[0]
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Fraction of each axis group's collective time hidden behind compute (0 = none), and whether the
+    data-axis gradient reductions run behind the last micro-batch's backward (``grads_in_backward``:
+    bucketed DDP; the hidden part is read from the schedule, :func:`behind_backward`), and whether the
+    ring attention's hops run behind the blocks of their ring step (``ring_behind_blocks``, Liu et al.
+    2023: a hop is exposed as far as it outlasts the step's block compute, :func:`ring_step_seconds`)."""
+
+    data: float = 0.0
+    tensor: float = 0.0
+    pipeline: float = 0.0
+    grads_in_backward: bool = False
+    context: float = 0.0
+    expert: float = 0.0
+    ring_behind_blocks: bool = False
+
+    def __post_init__(self):
+        for k in ("data", "tensor", "pipeline", "context", "expert"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ValueError(f"Overlap.{k}={v!r}: must be a fraction in [0, 1].")
+        for k in ("grads_in_backward", "ring_behind_blocks"):
+            if not isinstance(getattr(self, k), bool):
+                raise ValueError(f"Overlap.{k}={getattr(self, k)!r}: must be True or False.")
+
+
+def behind_backward(reduce_s: float, backward_s: float, layers: int) -> float:
+    """Exposed seconds of ``reduce_s`` of gradient reductions that start layer by layer as the last
+    micro-batch's backward (``backward_s`` over ``layers`` equal layers) completes each layer's gradient,
+    one at a time on the network: the last layer's share is always exposed, and the rest as far as the
+    reductions outrun the backward.
+
+    Args:
+      reduce_s: seconds of the gradient reductions, one after another.
+      backward_s: seconds of the last micro-batch's backward on the device (recomputation included).
+      layers: layers on the device (one bucket each).
+
+    Returns:
+      Exposed seconds: ``max(reduce_s / layers, reduce_s - (layers - 1) / layers * backward_s)``.
+
+    >>> behind_backward(1.0, 4.0, 4), behind_backward(4.0, 1.0, 4)
+    (0.25, 3.25)
+    """
+    if reduce_s <= 0:
+        return 0.0
+    n = max(layers, 1)
+    return max(reduce_s / n, reduce_s - (n - 1) / n * backward_s)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per step: ``compute`` (the kernels of :mod:`jaxpar.cost._roofline`: matmuls, embedding and
+    loss, through the pipeline schedule), exposed ``data`` / ``tensor`` / ``pipeline`` communication,
+    ``bubble`` fraction, ``mfu``, bytes per axis, the ``optimizer`` update and the blocks' ``elementwise``
+    ops (both memory bound: :func:`update_bytes` and :func:`elementwise_bytes` over the cluster's
+    streaming bandwidth; the latter through the schedule like ``compute``), and the exposed ``context``
+    (CP) and ``expert`` (EP all-to-all) communication."""
+
+    compute: float
+    data: float
+    tensor: float
+    pipeline: float
+    bubble: float
+    mfu: float
+    bytes_per_axis: dict = field(default_factory=dict)
+    optimizer: float = 0.0
+    elementwise: float = 0.0
+    context: float = 0.0
+    expert: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.elementwise + self.data + self.tensor + self.pipeline + self.optimizer
+                + self.context + self.expert)
+
+
+def update_bytes(m: ModelSpec, plan: Plan, grad_bytes: float = 4) -> float:
+    """Bytes one device reads and writes in the optimizer update: for each parameter element whose
+    optimizer state it holds (ZeRO shards it), fp32 master weights and two Adam moments read and
+    written (``2 * (4 + 8)``) and the gradient read (``grad_bytes``).
+
+    Args:
+      m: the model.
+      plan: the plan.
+      grad_bytes: bytes of a gradient element.
+
+    Returns:
+      Bytes.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> m = gpt(2, 32, 8, 16, 64, 16)
+    >>> update_bytes(m, Plan(data=8)) == 28 * m.n_params, update_bytes(m, Plan(data=8, zero=1)) < 28 * m.n_params / 7
+    (True, True)
+    """
+    key = sizes_key(plan.sizes)
+    held = sum(leaf.size / leaf_shard_counts(leaf, key, plan.zero)[2] for leaf in m.leaves) if m.leaves else \
+        m.n_params / plan.devices
+    return held * (2 * (4 + 8) + grad_bytes)
+
+
+def elementwise_bytes(m: ModelSpec, plan: Plan, compute_bytes: float = 2) -> float:
+    """Bytes one device reads and writes per step in the memory-bound ops of the blocks.
+
+    Per token and layer, forward: the two layer norms (read and write the residual stream,
+    ``2h`` each) and the two residual adds (two reads, one write: ``3h`` each), ``10h`` in all;
+    the MLP's bias and GELU (``2f``); the attention softmax with its scale and causal mask over
+    ``a·s`` fp32 scores (``2·a·s`` values of 4 bytes). Training moves three times the forward's
+    bytes (the backward of each op reads its input and the incoming gradient and writes the
+    outgoing one; as for the FLOPs, backward = 2 forwards); full recomputation adds a forward,
+    selective the softmax's. Tensor parallelism splits the MLP (``f/t``) and the softmax (heads,
+    ``a/t``) but repeats the ``10h`` of the residual stream on every tensor device; sequence
+    parallelism splits that too (``10h/t``).
+
+    Args:
+      m: the model.
+      plan: the plan.
+      compute_bytes: bytes of an activation element.
+
+    Returns:
+      Bytes.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> m = gpt(4, 128, 8, 64, 256, 16)
+    >>> tp = elementwise_bytes(m, Plan(tensor=8), 4)
+    >>> sp = elementwise_bytes(m, Plan(tensor=8, sequence_parallel=True), 4)
+    >>> elementwise_bytes(m, Plan(), 4) == 3 * 16 * 64 * 4 * 4 * (10 * 128 + 2 * 512 + 2 * 8 * 64), round(tp / sp, 2)
+    (True, 3.69)
+    """
+    rows = m.batch / plan.batch_split                      # sequences per device per step
+    n_moe = m.moe_layers / plan.pipe
+    dense = layer_elementwise_bytes(m, plan, rows, compute_bytes) * (m.layers // plan.pipe - n_moe)
+    return dense + (layer_elementwise_bytes(m, plan, rows, compute_bytes, True) * n_moe if n_moe else 0.0)
+
+
+def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, b: float) -> tuple[Work, float]:
+    """The kernels' and elementwise seconds of a step through the pipeline schedule, and the backward
+    seconds of one micro-batch on a device (recomputation included). Per micro-batch a stage runs its
+    layers, the first stage also the embedding and the last the head and loss: the step takes ``m`` times
+    the busiest stage's micro-batch plus the schedule's bubble, ``m * b / (1 - b)`` times the mean's."""
+    rows = m.batch / (plan.batch_split * plan.microbatches)
+    n = m.layers // plan.pipe
+    n_moe = m.moe_layers / plan.pipe          # MoE layers per stage (spread evenly)
+    layer = layer_work(m, plan, cluster, dtype, rows, cb)
+    forward = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True)
+    first, last = end_work(m, plan, cluster, dtype, rows, cb)
+    blocks = layer.times(n)
+    backward = n * (layer.total - forward.total)
+    if n_moe:
+        moe = layer_work(m, plan, cluster, dtype, rows, cb, moe=True)
+        moe_fwd = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True, moe=True)
+        blocks = layer.times(n - n_moe) + moe.times(n_moe)
+        backward = (n - n_moe) * (layer.total - forward.total) + n_moe * (moe.total - moe_fwd.total)
+    if plan.pipe == 1:
+        busiest = blocks + first + last
+    else:
+        busiest = max(blocks + first, blocks + last, key=lambda w: w.total)
+    mean = blocks + (first + last).times(1 / plan.pipe)
+    mb = plan.microbatches
+    step = busiest.times(mb) + mean.times(mb * b / (1 - b))
+    return step, backward
+
+
+def ring_step_seconds(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, compute_bytes: float) -> dict:
+    """Seconds of one ring step's blocks on one device, forward and backward: the layer's attention kernels
+    (:func:`~jaxpar.cost._roofline.layer_kernels`' ``scores`` and ``context``) over the ``C`` steps.
+
+    Args:
+      m, plan, cluster: the model, the plan and the cluster.
+      dtype: the compute dtype.
+      compute_bytes: bytes of an activation element.
+
+    Returns:
+      ``{"forward": s, "backward": s}`` ({} without a ring).
+
+    >>> from jaxpar.cost._cluster import load_cluster
+    >>> from jaxpar.cost._model import gpt
+    >>> s = ring_step_seconds(gpt(2, 64, 4, 4096, 128, 8), Plan(context=4), load_cluster("h100"), "bfloat16", 2)
+    >>> round(s["backward"] / s["forward"], 3)       # the scores again, dP, dV, dQ, dK: 5 matmuls of the 2 forward
+    2.5
+    """
+    if plan.context == 1 or plan.context_method != "ring":
+        return {}
+    rows = m.batch / (plan.batch_split * plan.microbatches)
+    ks = {k.name: k for k in layer_kernels(m, plan, rows, compute_bytes) if k.name in ("scores", "context")}
+    redo = plan.remat != "none"
+    sec = {n: kernel_seconds(k, cluster, dtype) for n, k in ks.items()}
+    forward = sec["scores"] + sec["context"]
+    backward = sum(sec[n] * (ks[n].passes - 1 - redo) for n in ks)
+    return {"forward": forward / plan.context, "backward": backward / plan.context}
+
+
+def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloat16", lowering: str = "ideal",
+              overlap: Overlap = Overlap(), grad_bytes: float | None = None) -> StepTime:
+    """Predicted seconds per step of ``plan`` on ``cluster`` (see the module doc for what is assumed).
+
+    Args:
+      m: the model.
+      plan: the plan.
+      cluster: the cluster.
+      dtype: the compute dtype (``"float32"``: 4-byte activations, else 2).
+      lowering: one of :data:`jaxpar.cost._traffic.LOWERINGS` (``"megatron"``: the pipeline's runs
+        interleave, no lockstep).
+      overlap: what communication hides behind compute.
+      grad_bytes: bytes of a gradient element (``None``: the activations').
+
+    Returns:
+      The :class:`StepTime`.
+
+    >>> from jaxpar.cost._cluster import load_cluster
+    >>> from jaxpar.cost._model import gpt
+    >>> t = step_time(gpt(12, 768, 12, 1024, 50304, 64), Plan(data=8), load_cluster("h100"))
+    >>> 0 < t.mfu < 0.5, t.tensor
+    (True, 0.0)
+    """
+    cb = 4 if dtype == "float32" else 2
+    gb = cb if grad_bytes is None else grad_bytes
+    cluster.peak(dtype)
+    sizes = plan.sizes
+    b = bubble(plan.schedule, plan.pipe, plan.microbatches, plan.virtual,
+               lockstep=runs_in_lockstep(plan) and lowering != "megatron")     # Megatron-LM's runs interleave
+    work, backward = _compute(m, plan, cluster, dtype, cb, b)
+    spent = {"data": 0.0, "tensor": 0.0, "pipeline": 0.0, "context": 0.0, "expert": 0.0}
+    grads = 0.0
+    cs = comms(m, plan, lowering=lowering, compute_bytes=cb, grad_bytes=gb)
+    steps = ring_step_seconds(m, plan, cluster, dtype, cb) if overlap.ring_behind_blocks else {}
+    for c in cs:
+        group = c.phase if c.phase in ("pipeline", "context", "expert") else \
+            "tensor" if c.phase in ("tensor", "loss") else "data"
+        seconds = c.timed * max(0.0, comm_time(c, sizes, cluster) - steps.get(c.behind, 0.0))
+        if group == "data" and c.phase == "grads" and overlap.grads_in_backward:
+            grads += seconds
+        else:
+            spent[group] += seconds
+    exposed = {k: v * (1 - getattr(overlap, k)) for k, v in spent.items()}
+    exposed["data"] += behind_backward(grads, backward, m.layers // plan.pipe)
+    bw = cluster.stream_bandwidth
+    opt = update_bytes(m, plan, gb) / bw if bw > 0 else 0.0
+    total = work.total + sum(exposed.values()) + opt
+    mfu = model_flops(m) / (total * plan.devices * cluster.peak(dtype))
+    return StepTime(work.kernels, exposed["data"], exposed["tensor"], exposed["pipeline"], b, mfu,
+                    bytes_per_axis(cs), opt, work.elementwise, exposed["context"], exposed["expert"])

@@ -1,0 +1,392 @@
+"""Each strategy's collectives per training step: what moves over which mesh axis, and how much.
+
+Collectives (:func:`comms`) are listed per step with the bytes the compiled program's
+inventory reports (:mod:`jaxpar.analysis._hlo`: the result of each collective on one device);
+:mod:`jaxpar.cost._time` times them on the links the mesh axis spans.
+
+Five lowerings. ``ideal`` is the textbook program (Megatron TP: 2 all-reduces of the layer's
+activations forward and 2 backward, the q, k and v input gradients summed before their reduction;
+SP: all-gathers and reduce-scatters in their place; with recomputation the forward's collectives
+up to the attention output run again; DP: all-reduce; ZeRO-2/3 and FSDP: reduce-scatter +
+all-gather; ZeRO-3 gathers every layer twice per micro-batch). ``xla`` is what the GPU and TPU
+compilers make of jaxpar's train step (docs/planning.md §8): ``ideal``, except that under SP the
+column-parallel input gradients are all-reduced, not reduce-scattered. ``xla-tpu`` is what libtpu
+makes of it: ``xla``, except that ZeRO-3 / FSDP gather each matmul's weight as the matmul reads it,
+in bf16 at JAX's default matmul precision even for fp32 compute (libtpu converts the shard before the
+gather), that the token table's gradient (the lookup's transpose, a scatter-add) is all-reduced
+whole over the data axes where ZeRO-2/3 and FSDP reduce-scatter the others, and that under SP a layer's
+backward all-gathers one input fewer (libtpu keeps the forward's gathered copy). ``xla-cpu`` is what it
+compiles to on XLA:CPU, as checked against compiled programs by ``tests/test_cost_compiled.py``
+(gradients that XLA reduces with all-reduce where ``ideal`` uses reduce-scatter, each of q, k and v
+reduced apart, the embedding gathered under SP, ...). ``megatron`` is Megatron-LM's program (Narayanan
+et al. 2021), not jaxpar's, for comparing with published runs: ``ideal``, except that full recomputation
+runs both of the layer's forward reductions again; a pipeline send carries ``1/t`` of the activation
+over ``pipe`` and all-gathers it over ``tensor`` (the scatter/gather of §4.1 of the paper; under SP the
+activation is already split); the embedding sits on the first stage and the head on the last only
+(:func:`outer_at_ends`), and only the tied word embedding's gradient is summed between the two.
+
+Example::
+
+    >>> from jaxpar.cost._model import gpt
+    >>> from jaxpar.cost._parallel import Plan
+    >>> bytes_per_axis(comms(gpt(2, 32, 8, 16, 64, 16), Plan(data=2, tensor=4)))
+    {'tensor': 83968.0, 'data': 16256.0}
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Mapping
+
+from jaxpar.cost._context_experts import context_collectives, expert_collectives, expert_slots, ring_hops
+from jaxpar.cost._memory import leaf_shard_counts, pipe_end, sizes_key, zero_axes
+from jaxpar.cost._model import Leaf, ModelSpec
+from jaxpar.cost._parallel import AXES, BATCH_AXES, Plan
+from jaxpar.cost._schedule import runs_in_lockstep
+
+__all__ = ["LOWERINGS", "lowering_for_platform", "outer_at_ends", "Comm", "comms", "bytes_per_axis"]
+
+#: ``ideal``: the textbook program; ``xla`` and ``xla-tpu``: what jaxpar's train step compiles to with the GPU
+#: and the TPU compiler (docs/planning.md §8); ``xla-cpu``: what it compiles to on XLA:CPU; ``megatron``:
+#: Megatron-LM's program (the module doc), for published runs.
+LOWERINGS = ("ideal", "xla", "xla-tpu", "xla-cpu", "megatron")
+
+
+def lowering_for_platform(platform: str) -> str:
+    """The lowering that predicts jaxpar's train step compiled for ``platform``.
+
+    Args:
+      platform: a JAX platform name (``cpu``, ``cuda``, ``rocm``, ``tpu``).
+
+    Returns:
+      ``xla-cpu``, ``xla-tpu``, or ``xla`` for the GPU compilers.
+
+    >>> lowering_for_platform("tpu"), lowering_for_platform("cuda")
+    ('xla-tpu', 'xla')
+    """
+    return {"cpu": "xla-cpu", "tpu": "xla-tpu"}.get(platform, "xla")
+
+
+def outer_at_ends(lowering: str) -> bool:
+    """Whether the program of ``lowering`` keeps the embedding on the first pipeline stage and the head on
+    the last only (Megatron-LM) rather than every parameter outside the blocks on every stage (jaxpar's
+    executor replicates them over ``pipe``).
+
+    Args:
+      lowering: one of :data:`LOWERINGS`.
+
+    Returns:
+      True for ``megatron``.
+
+    >>> outer_at_ends("megatron"), outer_at_ends("xla")
+    (True, False)
+    """
+    return lowering == "megatron"
+
+
+@dataclass(frozen=True)
+class Comm:
+    """``count`` collectives per step of ``bytes`` each (result on one device, the HLO inventory's
+    convention: a collective-permute counts where the device receives), over mesh ``axes``; ``phase``
+    says why (``grads``, ``params``, ``tensor``, ``pipeline``, ``loss``); ``runs``: how many the device
+    takes part in, its time, when that differs from ``count`` (a pipeline stage also waits on the sends
+    it makes)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: float
+    count: float
+    phase: str
+    behind: str = ""       # the ring's hops: the ring step's blocks they can run behind ("forward" / "backward")
+    runs: float | None = None
+
+    @property
+    def timed(self) -> float:
+        """How many the device spends time on: ``runs``, else ``count``."""
+        return self.count if self.runs is None else self.runs
+
+    def buffer_bytes(self, sizes: Mapping[str, int]) -> float:
+        """The ``n`` of :mod:`jaxpar.cost._collectives`: a reduce-scatter's input is ``p`` results.
+
+        Args:
+          sizes: mesh axis name -> size.
+
+        Returns:
+          Bytes.
+        """
+        p = math.prod(sizes[a] for a in self.axes)
+        return self.bytes * p if self.kind == "reduce-scatter" else self.bytes
+
+
+def _is_row_parallel(leaf: Leaf) -> bool:
+    """A row-parallel weight (``wo``, ``w2``): its tensor-split dimension is the contracted input."""
+    dims = [n for n in leaf.logical if n != "layers"]
+    return len(dims) >= 2 and dims[0] in ("heads", "mlp")
+
+
+def _axes(sizes: Mapping[str, int], names) -> tuple[str, ...]:
+    return tuple(a for a in AXES if a in names and sizes.get(a, 1) > 1)
+
+
+def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: float = 2,
+          grad_bytes: float = 2) -> list[Comm]:
+    """The collectives of one step on one device of the busiest stage (see the module doc).
+
+    Args:
+      m: the model.
+      plan: the plan.
+      lowering: one of :data:`LOWERINGS` (``"megatron"``: Megatron-LM's programs).
+      compute_bytes: bytes per activation value.
+      grad_bytes: bytes per gradient value.
+
+    Returns:
+      The :class:`Comm` list.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> [(c.kind, c.axes, c.bytes, c.count) for c in comms(gpt(2, 32, 8, 16, 64, 16), Plan(data=8), grad_bytes=4)]
+    [('all-reduce', ('data',), 18688.0, 1), ('all-reduce', ('data',), 50304.0, 2)]
+    """
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering={lowering!r}: choose one of {', '.join(LOWERINGS)}.")
+    sizes = plan.sizes
+    out: list[Comm] = []
+
+    def add(kind, axes, nbytes, count, phase, behind="", runs=None):
+        axes = _axes(sizes, axes)
+        if axes and nbytes > 0 and count > 0:
+            out.append(Comm(kind, axes, float(nbytes), count, phase, behind, runs))
+
+    rows = m.batch / (plan.batch_split * plan.microbatches)        # sequences per device per micro-batch
+    seq = m.seq / plan.context                                      # their tokens on this device
+    act = rows * seq * m.hidden * compute_bytes                     # one activation of the residual stream
+    if plan.tensor > 1:
+        _tensor_comms(add, m, plan, act, rows * seq * 4, lowering, rows * compute_bytes)
+    if plan.context > 1 or (plan.expert > 1 and m.moe_layers):
+        _context_expert_comms(add, m, plan, act / plan.tensor, rows, compute_bytes)
+    if plan.pipe > 1:
+        _pipe_comms(add, m, plan, act, lowering, grad_bytes)
+    if _axes(sizes, GRAD_AXES):
+        out += _data_comms(m, plan, lowering, compute_bytes, grad_bytes)
+    return out
+
+
+#: The axes over which a parameter's gradient is summed, unless the parameter is split over it.
+GRAD_AXES = BATCH_AXES + ("context",)
+
+
+def _context_expert_comms(add, m: ModelSpec, plan: Plan, kv: float, rows: float, cb: float) -> None:
+    """CP: the method's collectives per layer and micro-batch
+    (:func:`~jaxpar.cost._context_experts.context_collectives`); EP: 4 all-to-alls per MoE layer and micro-batch
+    (:func:`~jaxpar.cost._context_experts.expert_collectives`)."""
+    mb = plan.microbatches
+    if plan.context > 1:
+        n_layer = (m.layers // plan.pipe) * mb
+        if plan.context_method == "ring":
+            for kind, nbytes, count, behind in ring_hops(plan.context, kv, cb, plan.remat != "none"):
+                add(kind, ("context",), nbytes, count * n_layer, "context", behind)
+        for kind, nbytes, count in (context_collectives(plan.context_method, plan.context, kv, cb, plan.remat)
+                                    if plan.context_method != "ring" else ()):
+            add(kind, ("context",), nbytes, count * n_layer, "context")
+    if m.moe_layers:
+        n_moe = m.moe_layers / plan.pipe * mb
+        for kind, nbytes, count in expert_collectives(m, rows, plan.context, cb, plan.remat):
+            add(kind, ("expert",), nbytes, count * n_moe, "expert")
+
+
+def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lowering: str, row_bytes: float) -> None:
+    """TP / SP: per layer per micro-batch, then the embedding, the head and the loss (``stats``: fp32
+    softmax statistics). With a pipeline the embedding (first stage) and the head (last) are apart:
+    the busiest stage, the last, has only the head's.
+
+    Backward, the input gradients of q, k and v are summed on the device before one reduction (GPU and
+    TPU compilers; XLA:CPU reduces each of the ``qkv_inputs``). Recomputation (``remat`` other than
+    ``none``) runs the layer forward again up to its attention block's output: one more reduction
+    (TP) or two all-gathers and one reduce-scatter (SP) per layer; Megatron's full recomputation runs
+    the whole layer forward again (two reductions; two all-gathers and two reduce-scatters).
+
+    An MoE layer without SP reduces its experts' row-parallel output (and its input gradient) on the
+    capacity buffer, ``slots * h`` (``row_bytes``: bytes per value times sequences per device), in place of
+    the MLP's activation; under SP the MoE layer is counted as a dense one (an approximation).
+
+    A lockstep pipeline (SP with ``pipe`` > 1, :func:`~._schedule.runs_in_lockstep`) runs every tick's
+    action on every stage, masked in its bubble: ``vm + p - 1`` forwards and as many backwards of each
+    chunk, each F with ``pre`` and ``post``, so both ends' reductions on every stage."""
+    t, mb = plan.tensor, plan.microbatches
+    lock = plan.pipe > 1 and runs_in_lockstep(plan) and lowering != "megatron"
+    if lock:
+        mb = (plan.microbatches * plan.virtual + plan.pipe - 1) / plan.virtual
+    n_layer = (m.layers // plan.pipe) * mb
+    moe = 0            # MoE layers whose MLP reductions are on the capacity buffer
+    if m.moe_layers and not plan.sequence_parallel and lowering != "megatron":
+        moe = m.moe_layers / plan.pipe * mb
+        add("all-reduce", ("tensor",), expert_slots(m, 1, plan.context) * row_bytes * m.hidden, 2 * moe, "tensor")
+    ends = 1 if plan.pipe > 1 and not lock else 2
+    cpu = lowering == "xla-cpu"
+    if lowering == "megatron":
+        redo = 2 if plan.remat == "full" else 0
+    else:
+        redo = 0 if cpu or plan.remat == "none" else 1
+    if not plan.sequence_parallel:
+        bwd = 1 + m.qkv_inputs if cpu else 2
+        add("all-reduce", ("tensor",), act, (2 + bwd + redo) * n_layer - 2 * moe, "tensor")
+        add("all-reduce", ("tensor",), act, ends * mb, "tensor")         # embedding forward, head backward
+    else:
+        # 2 forward, 2 backward (libtpu keeps one forward gather for the backward), 2 recomputed
+        add("all-gather", ("tensor",), act, (4 - (lowering == "xla-tpu") + (2 if redo else 0)) * n_layer, "tensor")
+        add("reduce-scatter", ("tensor",), act / t, (2 + redo) * n_layer, "tensor")
+        if cpu:   # XLA:CPU reduces the column-parallel input gradients with all-reduce
+            add("all-reduce", ("tensor",), act, (1 + m.qkv_inputs) * n_layer, "tensor")
+            add("all-gather", ("tensor",), act, mb, "tensor")          # the head's input
+            add("all-reduce", ("tensor",), act, mb, "tensor")          # the head's input gradient
+            wte = m.vocab * m.hidden * 4
+            add("all-gather", ("tensor",), wte, mb, "tensor")          # the embedding table, gathered
+            add("all-reduce", ("tensor",), wte, 1, "tensor")           # and its gradient
+            add("all-gather", ("tensor",), m.seq * m.hidden * 4, 1, "tensor")   # positions' gradient
+        else:
+            if lowering in ("xla", "xla-tpu"):   # the GPU / TPU compilers all-reduce column-parallel input gradients
+                add("all-reduce", ("tensor",), act, 2 * n_layer, "tensor")
+            else:
+                add("reduce-scatter", ("tensor",), act / t, 2 * n_layer, "tensor")
+            add("all-gather", ("tensor",), act, mb, "tensor")
+            add("reduce-scatter", ("tensor",), act / t, 2 * mb, "tensor")
+    add("all-reduce", ("tensor",), stats, 4 * mb, "loss")               # vocab-parallel cross-entropy
+
+
+def _pipe_comms(add, m: ModelSpec, plan: Plan, act: float, lowering: str, grad_bytes: float) -> None:
+    """Activations forward and their gradients backward, per micro-batch and chunk: the busiest device
+    receives ``2 v m`` of them, ``(2v - 1) m`` with 2 stages (the first stage receives no activation, the
+    last no gradient), and waits on ``2 v m`` sends either way. jaxpar's executor then sums the gradients
+    of the parameters outside the blocks (and the loss) over ``pipe``; Megatron sends ``1/t`` of each
+    activation and all-gathers it over ``tensor``, and sums the tied word embedding's gradient between
+    the first and the last stage (two devices: one transfer of it)."""
+    mv = plan.microbatches * plan.virtual
+    sends, received = 2 * mv, 2 * mv - (plan.microbatches if plan.pipe == 2 else 0)
+    t, sp = plan.tensor, plan.sequence_parallel
+    if lowering == "megatron":
+        add("collective-permute", ("pipe",), act / t, received, "pipeline", runs=sends)
+        if not sp:
+            add("all-gather", ("tensor",), act, sends, "pipeline")
+        add("collective-permute", ("pipe",), m.vocab * m.hidden / t * grad_bytes, 1, "pipeline")
+        return
+    # jaxpar's stages send the whole activation, SP or not (measured: the compiled H100 step of
+    # configs/megatron.yaml moves as many bytes over pipe with SP as without)
+    add("collective-permute", ("pipe",), act, received, "pipeline", runs=sends)
+    key = sizes_key(plan.sizes)
+    outer = sum(leaf_shard_counts(leaf, key, plan.zero)[3] for leaf in m.leaves if not leaf.stacked)
+    add("all-reduce", ("pipe",), outer * 4 + 4, 1, "pipeline")        # fp32 gradients and the loss
+
+
+def _is_token_table(leaf: Leaf) -> bool:
+    return not leaf.stacked and len(leaf.logical) == 2 and leaf.logical == ("vocab", "embed")
+
+
+def _busiest_end(m: ModelSpec, plan: Plan) -> str:
+    """The pipeline end whose parameters outside the blocks have the most gradient elements here."""
+    key = sizes_key(plan.sizes)
+    size = {"first": 0.0, "last": 0.0}
+    for leaf in m.leaves:
+        if not leaf.stacked:
+            size[pipe_end(leaf)] += leaf_shard_counts(leaf, key, plan.zero)[3]
+    return max(size, key=size.get)
+
+
+def _accumulate(groups: dict, sizes: Mapping[str, int], kind: str, axes, nbytes: float, count: float,
+                phase: str) -> None:
+    """Add ``nbytes`` to the group of collectives ``(kind, axes, count, phase)`` (axes of size 1 dropped)."""
+    axes = _axes(sizes, axes)
+    if axes and nbytes > 0:
+        key = (kind, axes, count, phase)
+        groups[key] = groups.get(key, 0.0) + nbytes
+
+
+def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, grad_bytes: float) -> list[Comm]:
+    """Data axes: gradient reductions and ZeRO / FSDP parameter gathers. In a pipeline a device reduces
+    the gradients of its own blocks and of one end's outer parameters (the busiest end); the XLA
+    compilers (CPU, GPU and TPU: lowerings ``xla-cpu`` and ``xla``) do so inside every backward action
+    of the tick loop, i.e. once per micro-batch."""
+    cpu = lowering == "xla-cpu"
+    sizes = plan.sizes
+    d, f, t, mb = plan.data, plan.fsdp, plan.tensor, plan.microbatches
+    base_axes = _axes(sizes, ("data", "fsdp"))
+    g_axes, p_axes = zero_axes(sizes, plan.zero, "grads"), zero_axes(sizes, plan.zero, "params")
+    o_axes = zero_axes(sizes, plan.zero, "opt")
+    explicit = t == 1 and plan.pipe == 1 and ((d > 1 and plan.zero >= 2) or f > 1)
+    tpu, pbytes = lowering == "xla-tpu", 4 if cpu else compute_bytes
+    end = _busiest_end(m, plan) if plan.pipe > 1 else None
+    per_mb = mb if lowering in ("xla", "xla-tpu", "xla-cpu") and plan.pipe > 1 else 1
+    groups: dict[tuple, float] = {}
+    acc = partial(_accumulate, groups, sizes)
+
+    key = sizes_key(sizes)
+    for leaf in m.leaves:
+        n_p, _, _, local, shardable = leaf_shard_counts(leaf, key, plan.zero)
+        # summed over the axes that split the tokens, except ``expert`` for the experts' own weights
+        data_axes = _axes(sizes, [a for a in GRAD_AXES if not (a == "expert" and "experts" in leaf.logical)])
+        count = leaf.shape[0] // plan.pipe if leaf.stacked else 1       # the device's layers of this leaf
+        per = local / count                                             # one layer's slice
+        g = per * grad_bytes * (_sp_grad_scale(m, leaf, t) if cpu and plan.sequence_parallel else 1)
+        n_g = math.prod(sizes[a] for a in g_axes) if shardable else 1
+        if end is None or leaf.stacked or pipe_end(leaf) == end:      # gradients
+            if cpu and end is not None and _is_token_table(leaf):
+                # the lookup's transpose (a scatter-add) in the executor's manual region is replicated over
+                # the data axes: XLA gathers the output cotangent and the token ids instead of reducing the table
+                group = m.batch / mb * m.seq                     # tokens of a micro-batch, whole data group
+                acc("all-gather", data_axes, group * m.hidden * compute_bytes, mb, "grads")
+                acc("all-gather", data_axes, group * 4, mb, "grads")
+            elif not cpu:
+                if shardable and g_axes and not (tpu and _is_token_table(leaf)):
+                    acc("reduce-scatter", g_axes, g / n_g, count * per_mb, "grads")
+                    acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count * per_mb, "grads")
+                else:
+                    acc("all-reduce", data_axes, g, count * per_mb, "grads")
+            elif explicit and leaf.stacked and shardable:
+                acc("reduce-scatter", g_axes, g / n_g, count, "grads")
+                acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count, "grads")
+            elif len(base_axes) == 2 and plan.zero < 2 and leaf.matmul and shardable and not (
+                    plan.sequence_parallel and _is_row_parallel(leaf)):   # SP: reduced in its region, all at once
+                acc("all-reduce", ("fsdp",), g, count * per_mb, "grads")   # fsdp first, then the shard over data
+                acc("all-reduce", set(data_axes) - {"fsdp"}, g / f, count * per_mb, "grads")
+            else:
+                acc("all-reduce", data_axes, g, count * per_mb, "grads")
+        # parameters: ZeRO-3 / FSDP gathers (forward, and again in the backward for the layers)
+        if p_axes and shardable:
+            gathers = (2 if leaf.stacked else 1) * (mb if not cpu else 1)
+            nbytes = min(pbytes, 2) if tpu and leaf.matmul else pbytes     # a matmul operand on TPU
+            acc("all-gather", p_axes, per * nbytes, count * gathers, "params")
+        # ZeRO-1/2: the updated shard is gathered back over the axes the optimizer state has more;
+        # the result is the parameter shard (1/fsdp of the slice with an fsdp axis)
+        extra = tuple(a for a in o_axes if a not in p_axes)
+        if extra and shardable:
+            acc("all-gather", extra, per * (4 if cpu else compute_bytes) * (leaf.size / local) / n_p, count, "params")
+    return [Comm(kind, axes, nbytes, count, phase) for (kind, axes, count, phase), nbytes in groups.items()]
+
+
+def _sp_grad_scale(m: ModelSpec, leaf: Leaf, t: int) -> float:
+    """Size of ``leaf``'s data-axis gradient reduction under SP on XLA:CPU, relative to its tensor shard:
+    the vocab-parallel embedding table is gathered over ``tensor`` before the lookup, so its gradient
+    is formed (and reduced over the data axes) at full size (``t``); the position embedding's gradient
+    comes out split over the sequence like the residual stream (``1/t``)."""
+    if leaf.stacked or t == 1 or not leaf.logical:
+        return 1.0
+    if leaf.logical[0] == "vocab" and len(leaf.shape) == 2 and leaf.logical[1] == "embed":
+        return float(t)
+    if leaf.logical == (None, "embed") and leaf.shape[0] == m.seq and m.seq % t == 0:
+        return 1.0 / t
+    return 1.0
+
+
+def bytes_per_axis(cs: list[Comm]) -> dict[str, float]:
+    """Bytes per step per mesh axis (a collective over several axes counts for each of them).
+
+    Args:
+      cs: the collectives, as :func:`comms` returns them.
+
+    Returns:
+      Mesh axis name -> bytes.
+    """
+    out: dict[str, float] = {}
+    for c in cs:
+        for a in c.axes:
+            out[a] = out.get(a, 0.0) + c.bytes * c.count
+    return out

@@ -1,0 +1,178 @@
+"""Megatron-style tensor parallelism (+ sequence parallelism) as logical rules.
+
+Column-parallel layers shard their output features (``mlp``, ``heads``,
+``vocab``) over ``tensor``; the row-parallel layer that follows shards its input
+features the same way, so each pair needs one reduction of the residual stream.
+Without sequence parallelism that reduction is an all-reduce; with it, the
+residual / norm region is sharded over the sequence (``norm_length`` ->
+``tensor``) and the reduction becomes a reduce-scatter, paired with an
+all-gather before the next column-parallel layer.
+
+Example::
+
+    >>> dict(tensor_rules(sequence_parallel=True))["norm_length"]
+    'tensor'
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxpar.errors import UnusedAxisWarning
+from jaxpar.parallel._regions import collective_in, enter, reduce_dtype, region_axes, region_spec
+from jaxpar.rules import LogicalRules, axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
+
+__all__ = ["tensor_rules", "batch_rule", "row_parallel", "warn_unsplit_tensor_axis"]
+
+
+def batch_rule(batch_axes: tuple[str, ...]) -> tuple[str, tuple[str, ...] | None]:
+    """The rule that splits the batch over the data axes.
+
+    Args:
+      batch_axes: the mesh axes that split the batch, e.g. ``("data", "fsdp")``; empty: none.
+
+    Returns:
+      ``("batch", batch_axes)``, or ``("batch", None)`` when ``batch_axes`` is empty.
+    """
+    return ("batch", batch_axes or None)
+
+
+def tensor_rules(*, sequence_parallel: bool = False, batch_axes: tuple[str, ...] = ("data", "fsdp")) -> LogicalRules:
+    """Rules for jaxpar's logical names under Megatron TP on the ``tensor`` axis.
+
+    With a ``tensor`` axis of size 1 these rules shard nothing, so they are the
+    default for every strategy.
+
+    Args:
+      sequence_parallel: also shard the residual / norm region over the sequence
+        (``norm_length`` -> ``tensor``).
+      batch_axes: the mesh axes that split the batch (:func:`batch_rule`).
+
+    Returns:
+      The ordered ``(logical name, mesh axis or None)`` rules.
+    """
+    return (
+        batch_rule(batch_axes),
+        ("length", None),
+        ("norm_length", "tensor" if sequence_parallel else None),
+        ("embed", None),
+        ("mlp", "tensor"),
+        ("heads", "tensor"),
+        ("kv", None),
+        ("vocab", "tensor"),
+        ("classes", None),
+        ("layers", None),
+    )
+
+
+def warn_unsplit_tensor_axis(param_specs: Any, mesh: Any, *, axis: str = "tensor") -> bool:
+    """Warn (:class:`jaxpar.errors.UnusedAxisWarning`) when the mesh's ``axis`` has size > 1 and no
+    parameter is split over it: a model without tensor-parallel annotations then runs the same
+    computation on every device of a ``tensor`` group, and the strategy's name (``...-tp2``) says otherwise.
+
+    Args:
+      param_specs: the parameters' ``PartitionSpec`` tree over mesh axes (``StateLayout.params``).
+      mesh: the device mesh (a ``jax.sharding.Mesh``, abstract devices too).
+      axis: the tensor-parallel mesh axis (as :func:`row_parallel`'s ``axis``).
+
+    Returns:
+      True when it warned.
+
+    Example:
+      >>> import jax, warnings, jaxpar
+      >>> mesh = jaxpar.make_mesh({"data": 4, "tensor": 2}, devices=jax.devices()[:8])
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     warn_unsplit_tensor_axis({"w": PartitionSpec("data", None)}, mesh)
+      True
+      >>> warn_unsplit_tensor_axis({"w": PartitionSpec(None, "tensor")}, mesh)
+      False
+    """
+    size = dict(mesh.shape).get(axis, 1)
+    specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if size <= 1 or any(axis in axes_of(e) for s in specs if isinstance(s, PartitionSpec) for e in s):
+        return False
+    warnings.warn(
+        f"mesh axis {axis!r} has size {size}, but no parameter is split over it: every device of a {axis!r} group "
+        f"holds the same parameters and repeats the same computation. Give the parameters logical names that "
+        f"tensor_rules() maps to {axis!r} (mlp, heads, vocab: e.g. nnx.with_partitioning(init, ('embed', 'mlp'))), "
+        f"or set mesh.{axis}=1 and give those devices to data or fsdp.", UnusedAxisWarning, stacklevel=2)
+    return True
+
+
+def _tensor_only(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    return PartitionSpec(*(axis if axis in axes_of(e) else None for e in spec))
+
+
+def _only(spec: PartitionSpec, axes: set) -> PartitionSpec:
+    """``spec`` keeping only the mesh ``axes`` in each entry."""
+    def keep(e):
+        kept = tuple(a for a in axes_of(e) if a in axes)
+        return kept if len(kept) > 1 else kept[0] if kept else None
+    return PartitionSpec(*(keep(e) for e in spec))
+
+
+def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logical: tuple,
+                 out_logical: tuple, *, axis: str = "tensor") -> jax.Array:
+    """Row-parallel contraction ``einsum(eq, x, w)`` whose output is constrained to ``out_logical``.
+
+    When the contracted dimension is sharded over ``axis`` and the output is sharded over ``axis``
+    too (sequence parallelism), the reduction is an explicit reduce-scatter (``psum_scatter`` in a
+    ``shard_map`` manual over ``axis`` and the axes that split the batch, opened by
+    :mod:`jaxpar.parallel._regions`); otherwise the einsum is left to XLA (an all-reduce). The
+    reduce-scatter moves the activations' dtype (fp32 on CPU where an automatic axis > 1 remains).
+
+    Args:
+      eq: the einsum equation, ``x``'s subscripts then ``w``'s (``"btm,me->bte"``).
+      x, w: the activation and the weight.
+      x_logical, w_logical, out_logical: the logical axis names of ``x``, ``w`` and the output.
+      axis: the tensor-parallel mesh axis.
+
+    Returns:
+      ``einsum(eq, x, w)``, sharded as ``out_logical`` says.
+
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> mesh = jaxpar.make_mesh({"tensor": 2}, devices=jax.devices()[:2])
+    >>> h, w2 = jnp.ones((2, 4, 8)), jnp.ones((8, 3))
+    >>> f = jax.jit(lambda h, w2: row_parallel("btm,me->bte", h, w2, ("batch", "length", "mlp"),
+    ...                                        ("mlp", "embed"), ("batch", "norm_length", "embed")))
+    >>> with jaxpar.use_rules(mesh, tensor_rules(sequence_parallel=True)):
+    ...     y = f(h, w2)
+    ...     hlo = f.lower(h, w2).compile().as_text()
+    >>> y.sharding.spec, bool(jnp.allclose(y, jnp.einsum("btm,me->bte", h, w2)))
+    (P(None, 'tensor'), True)
+    >>> "reduce-scatter" in hlo               # sequence parallel: a reduce-scatter, not an all-reduce
+    True
+    """
+    ctx = current_rules()
+    if ctx is None:
+        return jnp.einsum(eq, x, w)
+    mesh, rules = ctx
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    out_spec = logical_to_spec(out_logical, rules, mesh)
+    x_full = logical_to_spec(x_logical, rules, mesh)
+    w_spec = _tensor_only(logical_to_spec(w_logical, rules, mesh), axis)
+    scatter = [d for d, e in enumerate(_tensor_only(out_spec, axis)) if e is not None]
+    if sizes.get(axis, 1) == 1 or not scatter or all(e is None for e in w_spec) or axis in manual_axes():
+        return constrain(jnp.einsum(eq, x, w), out_logical)
+    # Manual over every axis that splits x or the output: the batch's data axes too (XLA would gather them first).
+    manual = region_axes(mesh, {axis} | {a for e in (*x_full, *out_spec) for a in axes_of(e) if sizes.get(a, 1) > 1})
+    x_spec, o_spec = _only(x_full, manual), _only(out_spec, manual)
+    dtype = jnp.result_type(x, w)
+    wire = reduce_dtype(dtype, mesh, manual)      # bf16, or float32 where XLA:CPU needs it (jaxpar.parallel._regions)
+
+    def local(a, b):
+        y = jnp.einsum(eq, a.astype(dtype), b.astype(dtype))
+        return collective_in(wire, functools.partial(jax.lax.psum_scatter, axis_name=axis,
+                                                     scatter_dimension=scatter[0], tiled=True), y)
+    x, w = enter(x, x_spec, mesh, manual, wire), enter(w, w_spec, mesh, manual, wire)
+    in_specs = (region_spec(x_spec, x.ndim, mesh, manual), region_spec(w_spec, w.ndim, mesh, manual))
+    y = jax.shard_map(local, mesh=shard_map_mesh(mesh), in_specs=in_specs, out_specs=o_spec, axis_names=manual,
+                      check_vma=False)(x, w)
+    return constrain(y, out_logical)

@@ -1,0 +1,281 @@
+"""Dense capacity dispatch, the experts' MLPs, the combine, and expert parallelism (EP) over ``expert``.
+
+The dense layout (GShard): each group's kept choices are written into a buffer
+``[groups, experts, capacity, embed]`` (a one-hot einsum, exact), every expert runs on its ``C`` slots,
+and the outputs are read back weighted by the combine weights.
+
+Under a mesh whose rules shard the ``experts`` logical axis over mesh axes of total size ``E_p > 1``
+(:func:`expert_rules`: ``experts -> expert``), this runs in a ``jax.shard_map`` manual over the expert
+axes and every axis that splits the tokens (the batch's axes, by the ``batch`` rule)::
+
+    x [G/n, T, D] --one-hot--> buffer [G/n, E, C, D] --all_to_all(expert)--> [G/n * E_p, E/E_p, C, D]
+       |                                                                        | local experts
+    y [G/n, T, D] <--combine-- [G/n, E, C, D] <--all_to_all(expert)-- [G/n * E_p, E/E_p, C, D]
+
+``n`` is the number of token shards (the product of the token axes). Each device keeps ``E/E_p``
+experts (weights sharded over ``expert`` on their leading ``experts`` axis, never gathered over it);
+the expert axes also split the batch (EP devices are data parallel for the other layers): when the
+``batch`` rule does not name them, the layer splits the batch over them on entry (a local slice) and
+gathers its output over them on exit (an all-gather of activations). Axes that split no token
+(``tensor``: the experts' ``mlp`` dimension) stay automatic, unless they all have size 1: then the region
+is manual over the whole mesh (:mod:`jaxpar.parallel._regions`; where one of size > 1 stays automatic, on CPU the
+region's bf16 reductions run in fp32); an axis already manual in the caller (a pipeline's ``pipe``) is
+left alone. Per layer: 2 all-to-alls over ``expert`` forward, 2 backward, of
+``G/n * E * C * D`` elements each per device.
+
+Under context parallelism (the ``length`` rule's axes, ``context``: :func:`sequence_axes`) the region is
+manual over them too, and each device holds a part of every row: its buffer, with only its tokens'
+slots filled, is reduce-scattered over them along the slots (``C`` padded to a multiple of their size
+``S``), the all-to-alls carry ``C / S`` slots, each device runs the experts on those, and the outputs
+are all-gathered back over the slots before the combine.
+
+**The experts** (:func:`expert_mlp`): ``w2(act(x w1))``, or with an up projection ``w3`` (shaped and
+split like ``w1``) the gated MLP of Mixtral, Qwen-MoE and DeepSeek, ``w2(act(x w1) * (x w3))``: ``w1``
+is the gate projection, ``w3`` the up projection, ``w2`` the down projection (Mixtral's names), and
+``act`` one of :data:`ACTIVATIONS` (``"silu"`` with ``w3``: SwiGLU). Every path above runs either.
+
+>>> import jax, jax.numpy as jnp
+>>> xe = jnp.ones((1, 2, 3, 4))
+>>> expert_mlp(xe, jnp.ones((2, 4, 5)), jnp.ones((2, 5, 4))).shape
+(1, 2, 3, 4)
+>>> expert_mlp(xe, jnp.ones((2, 4, 5)), jnp.ones((2, 5, 4)), jnp.ones((2, 4, 5)), activation="silu").shape
+(1, 2, 3, 4)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxpar.mesh import EXPERT
+from jaxpar.parallel._regions import collective_in, enter, reduce_dtype, region_axes, region_spec
+from jaxpar.rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
+from jaxpar.parallel.moe._routing import MoEError
+
+__all__ = ["ACTIVATIONS", "EXPERT_AXIS", "activation_fn", "expert_rules", "expert_mlp", "dispatch_combine", "ep_axes",
+           "token_axes", "sequence_axes"]
+
+EXPERT_AXIS = EXPERT
+
+#: The experts' activations by name: ``gelu`` is ``jax.nn.gelu`` (its default, tanh-approximate), ``silu``
+#: is ``jax.nn.silu`` (``x * sigmoid(x)``; Hugging Face's ``hidden_act="silu"``).
+ACTIVATIONS = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
+
+
+def activation_fn(activation: str):
+    """The function of an activation's name, or an :class:`~jaxpar.parallel.moe.MoEError` naming it.
+
+    Args:
+      activation: a key of :data:`ACTIVATIONS`.
+
+    Returns:
+      The elementwise function.
+
+    >>> activation_fn("relu")
+    Traceback (most recent call last):
+    ...
+    jaxpar.errors.MoEError: activation='relu' is not a known activation; choose one of ('gelu', 'silu').
+    """
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise MoEError(f"activation={activation!r} is not a known activation; choose one of {tuple(ACTIVATIONS)}.")
+    return ACTIVATIONS[activation]
+
+
+def expert_rules(axis_names) -> tuple:
+    """The rule of the ``experts`` logical axis: over ``expert`` when the mesh has it, else replicated.
+
+    Args:
+      axis_names: the mesh's axis names.
+
+    Returns:
+      A rules tuple of one pair, ``("experts", "expert" | None)``.
+
+    >>> expert_rules(("data", "expert")), expert_rules(("data",))
+    ((('experts', 'expert'),), (('experts', None),))
+    """
+    return (("experts", EXPERT_AXIS if EXPERT_AXIS in tuple(axis_names) else None),)
+
+
+def _hidden(xe: jax.Array, w1: jax.Array, w3: jax.Array | None, activation: str) -> jax.Array:
+    """``act(xe w1)``, times ``xe w3`` when gated: ``[G, E, C, M]``."""
+    h = activation_fn(activation)(jnp.einsum("gecd,edm->gecm", xe, w1))
+    return h if w3 is None else h * jnp.einsum("gecd,edm->gecm", xe, w3)
+
+
+def expert_mlp(xe: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array | None = None, *,
+               activation: str = "gelu") -> jax.Array:
+    """Every expert's MLP on its buffer ``xe[G, E, C, D]``: ``act(xe w1) w2``, or gated ``(act(xe w1) * (xe w3)) w2``.
+
+    Args:
+      xe: the experts' buffers.
+      w1: ``[E, D, M]``, the gate projection when ``w3`` is given.
+      w2: ``[E, M, D]``, the down projection.
+      w3: optional ``[E, D, M]`` up projection (a gated MLP: SwiGLU with ``activation="silu"``).
+      activation: a key of :data:`ACTIVATIONS`.
+
+    Returns:
+      ``[G, E, C, D]``.
+    """
+    return jnp.einsum("gecm,emd->gecd", _hidden(xe, w1, w3, activation), w2)
+
+
+def _masks(expert, slot, weight, experts: int, cap: int, dtype):
+    """One-hot dispatch and weighted combine masks ``[G, T, E, C]`` (a slot >= C is all zeros)."""
+    e = jax.nn.one_hot(expert, experts, dtype=dtype)                       # [G, T, k, E]
+    c = jax.nn.one_hot(slot, cap, dtype=dtype)                             # [G, T, k, C]
+    dispatch = jnp.einsum("gtke,gtkc->gtec", e, c)
+    combine = jnp.einsum("gtke,gtkc->gtec", e * weight.astype(dtype)[..., None], c)
+    return dispatch, combine
+
+
+def _local_moe(x, expert, slot, weight, w1, w2, w3=None, *, cap: int, experts: int, axes: tuple[str, ...],
+               seq: tuple[str, ...] = (), activation: str = "gelu", wire=None):
+    """Dispatch, experts (:func:`expert_mlp`), combine on one device's tokens; all-to-alls over ``axes``
+    when given. With ``seq`` (the axes splitting the sequence: context parallelism) each device holds a
+    part of every row: its buffer (only its tokens' slots filled) is summed over ``seq`` and scattered
+    over the slots (``cap`` is a multiple of their size), so each device runs the experts on ``C / size``
+    slots, and the outputs are gathered back over the slots before the combine; both in ``wire``
+    (:func:`jaxpar.parallel._regions.reduce_dtype`; ``None``: the tokens' dtype)."""
+    dispatch, combine = _masks(expert, slot, weight, experts, cap, x.dtype)
+    xe = jnp.einsum("gtec,gtd->gecd", dispatch, x)
+    wire = x.dtype if wire is None else wire
+    if seq:
+        xe = collective_in(wire, functools.partial(jax.lax.psum_scatter, axis_name=seq, scatter_dimension=2,
+                                                   tiled=True), xe)
+    if axes:
+        xe = jax.lax.all_to_all(xe, axes, split_axis=1, concat_axis=0, tiled=True)
+        h = constrain(_hidden(xe, w1, w3, activation), (None, None, None, "mlp"))
+        ye = jax.lax.all_to_all(jnp.einsum("gecm,emd->gecd", h, w2), axes, split_axis=0, concat_axis=1, tiled=True)
+    else:
+        ye = expert_mlp(xe, w1, w2, w3, activation=activation)
+    if seq:
+        ye = collective_in(wire, functools.partial(jax.lax.all_gather, axis_name=seq, axis=2, tiled=True), ye)
+    return jnp.einsum("gtec,gecd->gtd", combine, ye)
+
+
+def _sizes(mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def ep_axes(mesh, rules) -> tuple[str, ...]:
+    """The mesh axes (of size > 1, not already manual) that the ``experts`` logical axis is sharded over.
+
+    Args:
+      mesh: the mesh.
+      rules: the logical rules in use.
+
+    Returns:
+      The axis names; empty: no expert parallelism.
+    """
+    sizes, manual = _sizes(mesh), manual_axes()
+    spec = logical_to_spec(("experts",), rules, mesh, what="MoE expert weights ('experts' axis)")
+    return tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual)
+
+
+def token_axes(mesh, rules, experts_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes that split the tokens' group dimension inside the EP region.
+
+    Args:
+      mesh: the mesh.
+      rules: the logical rules in use.
+      experts_axes: the expert axes (:func:`ep_axes`).
+
+    Returns:
+      The ``batch`` rule's axes (size > 1, not already manual), then the expert axes it does not name.
+    """
+    sizes, manual = _sizes(mesh), manual_axes()
+    spec = logical_to_spec(("batch",), rules, mesh, what="MoE tokens ('batch' axis)")
+    batch = tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual)
+    return batch + tuple(a for a in experts_axes if a not in batch)
+
+
+def sequence_axes(mesh, rules, taken: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes that split the tokens' sequence (the ``length`` rule's: ``context`` under context
+    parallelism).
+
+    Args:
+      mesh: the mesh.
+      rules: the logical rules in use.
+      taken: axes already used by the region (token and expert axes), left out.
+
+    Returns:
+      The axis names of size > 1, not already manual and not in ``taken``.
+    """
+    sizes, manual = _sizes(mesh), manual_axes()
+    spec = logical_to_spec(("length",), rules, mesh, what="MoE tokens ('length' axis)")
+    return tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual and a not in taken)
+
+
+def _check_ep(experts: int, groups: int, ep: tuple[str, ...], tokens: tuple[str, ...], sizes) -> None:
+    e_p, n = math.prod(sizes[a] for a in ep), math.prod(sizes[a] for a in tokens)
+    if experts % e_p:
+        raise MoEError(f"experts={experts} is not divisible by the expert-parallel mesh axes "
+                       f"{', '.join(f'{a}={sizes[a]}' for a in ep)} (total {e_p}): each device keeps experts/E_p "
+                       f"experts. Fix: a number of experts that is a multiple of {e_p}, or a smaller expert axis.")
+    if groups % n:
+        raise MoEError(f"the MoE layer got {groups} groups (batch rows), not divisible by the mesh axes that "
+                       f"split its tokens, {', '.join(f'{a}={sizes[a]}' for a in tokens)} (total {n}). Fix: a "
+                       f"batch that is a multiple of {n}.")
+
+
+def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: jax.Array, w1: jax.Array,
+                     w2: jax.Array, *, capacity: int, w3: jax.Array | None = None,
+                     activation: str = "gelu") -> jax.Array:
+    """The experts' output for tokens ``x[G, T, D]`` routed by ``expert``, ``slot``, ``weight`` (``[G, T, k]``,
+    see :class:`~jaxpar.parallel.moe.Routing`), with expert weights ``w1[E, D, M]``, ``w2[E, M, D]`` and
+    optionally ``w3[E, D, M]`` (gated experts, :func:`expert_mlp`).
+
+    Without rules, or when ``experts`` is not sharded, one dense computation (GSPMD shards it by the
+    arrays' shardings). Otherwise expert parallelism as the module docstring draws it.
+
+    Args:
+      x: tokens.
+      expert, slot, weight: the routing.
+      w1, w2: stacked expert weights.
+      capacity: buffer slots per group and expert.
+      w3: optional stacked up projections (gated experts; ``w1`` is then the gate), split like ``w1``.
+      activation: a key of :data:`ACTIVATIONS`.
+
+    Returns:
+      ``[G, T, D]``: ``sum_k weight * expert(x)`` over the kept choices.
+    """
+    activation_fn(activation)
+    if w3 is not None and w3.shape != w1.shape:
+        raise MoEError(f"the experts' up projection w3 has shape {tuple(w3.shape)}; it must be shaped like the "
+                       f"gate projection w1, {tuple(w1.shape)} ([experts, embed, mlp]).")
+    E = w1.shape[0]
+    local = dict(cap=capacity, experts=E, activation=activation)
+    ws = (w1, w2) if w3 is None else (w1, w2, w3)
+    ctx = current_rules()
+    if ctx is None:
+        return _local_moe(x, expert, slot, weight, *ws, axes=(), **local)
+    mesh, rules = ctx
+    ep = ep_axes(mesh, rules)
+    if not ep:
+        return _local_moe(x, expert, slot, weight, *ws, axes=(), **local)
+    tokens = token_axes(mesh, rules, ep)
+    _check_ep(E, x.shape[0], ep, tokens, _sizes(mesh))
+    seq = sequence_axes(mesh, rules, tokens + ep)
+    if seq:                     # the slots are scattered over the sequence axes: a multiple of their size
+        n = math.prod(_sizes(mesh)[a] for a in seq)
+        local["cap"] = -(-capacity // n) * n
+        slot = jnp.where(slot < capacity, slot, local["cap"])     # the padding slots stay empty
+    entry = lambda axes: axes if len(axes) > 1 else axes[0]    # noqa: E731
+    tok = PartitionSpec(entry(tokens), entry(seq)) if seq else PartitionSpec(entry(tokens))
+    wspec = PartitionSpec(entry(ep))
+    manual = region_axes(mesh, tokens + ep + seq)
+    local["wire"] = reduce_dtype(x.dtype, mesh, manual)    # bf16, or float32 where XLA:CPU needs it
+    dtypes = [w.dtype for w in ws]
+    ws = tuple(enter(w, wspec, mesh, manual, local["wire"]) for w in ws)   # unsplit over the token axes
+
+    def body(x, expert, slot, weight, ws):      # ws: (w1, w2[, w3]), each split over ``ep`` on its experts axis
+        ws = [w.astype(d) for w, d in zip(ws, dtypes)]
+        return _local_moe(x, expert, slot, weight, *ws, axes=ep, seq=seq, **local)
+
+    in_specs = (*(region_spec(tok, 2, mesh, manual),) * 4, region_spec(wspec, 3, mesh, manual))
+    return jax.shard_map(body, mesh=shard_map_mesh(mesh), in_specs=in_specs, out_specs=tok, axis_names=manual,
+                         check_vma=False)(x, expert, slot, weight, ws)

@@ -1,0 +1,191 @@
+"""The slotted buffers a pipeline stage carries through its tick loop, and one action's view of them.
+
+Each stage holds its in-flight values in buffers with a leading slot axis, sized by the
+lowered program (:mod:`._instructions`): the residuals of the forwards waiting for their
+backward, the inboxes of activations and cotangents received from the neighbouring
+stages, and the split backward's frontier kept for W. An action reads one slot of the
+inboxes and the residual and frontier buffers whole (a :class:`SlotView`), and hands back
+what it writes (a :class:`TickIO`); :func:`write_slots` puts that into the state
+(:class:`PipelineState`). The indices are traced (they come from the table's row for the
+tick), so every read and write is a ``dynamic_slice`` / ``dynamic_update_slice``.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> buf = jnp.zeros((3, 2))
+    >>> put(buf, 1, jnp.ones(2)).tolist()
+    [[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
+    >>> take(jnp.arange(6).reshape(3, 2), 2).tolist()
+    [4, 5]
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Slots", "PipelineState", "TickIO", "SlotView", "take", "take_tree", "put", "put_tree", "read_slots",
+           "write_slots", "zeros_like_tree"]
+
+
+class Slots(NamedTuple):
+    """One stage's instruction at one tick (int32; ``[ticks, p]`` in the table). See :class:`~._instructions.Instr`."""
+
+    mb: Any      # micro-batch
+    chunk: Any   # which of the device's ``v`` chunks
+    res: Any     # residual slot
+    inbox: Any   # F: inbox_f slot read; B: inbox_b slot read
+    dy: Any      # F (last): inbox_b slot written with d loss / d y
+    grad: Any    # grads_y slot: B (split) writes, W reads
+
+
+class PipelineState(NamedTuple):
+    """What the tick loop carries: the slotted buffers of :mod:`._instructions` and the sums."""
+
+    res: list          # per stored residual: [n_res, Lmax, ...]
+    inbox_f: Any       # per leaf of the activation x: [n_fwd + 1, *x]; the extra slot takes what a non-receiver gets
+    inbox_b: Any       # per leaf: [n_bwd + 1, *x]
+    grads_y: list      # per frontier value: [n_grad, Lmax, ...]: split B's hand-over to W
+    g_blocks: Any      # float32 [v, Lmax, ...]
+    g_outer: Any       # float32, like ``outer``
+    loss: Any          # float32: sum of the micro-batch losses
+    metrics: Any = None  # float32: sums of what the loss reported (jaxpar.report_metric)
+
+
+class TickIO(NamedTuple):
+    """What an action hands back: the slots it writes (``None``: left alone), the sums and the sends."""
+
+    dy_out: Any        # -> inbox_b[dy]: F (last) writes d loss / d y
+    g_chunk: Any       # -> g_blocks[chunk]
+    g_outer: Any
+    gys: list          # the frontier buffers, B (split) having written slot ``grad``
+    loss: Any
+    res: list          # the residual buffers, F having written slot ``res``
+    send_b: Any        # cotangent for the previous virtual stage (zeros when none)
+    send_f: Any        # activation for the next virtual stage (zeros when none)
+    metrics: Any = None  # F (last): the sums with what the loss reported added
+
+
+class SlotView(NamedTuple):
+    """What an action reads: one slot of the inboxes and of the gradient sum, and the
+    residual and frontier buffers whole (the layer loops index them at the action's slot, so
+    no slot is copied out or back)."""
+
+    dy: Any            # inbox_b[inbox]: B's received cotangent
+    dy_out: Any        # inbox_b[dy]
+    g_chunk: Any       # g_blocks[chunk]
+    g_outer: Any
+    gys: list          # grads_y: B (split) writes slot ``grad``, W reads it
+    loss: Any
+    res: list          # res: F writes slot ``res``, B and W read it
+    x: Any             # inbox_f[inbox]: F's received activation
+    metrics: Any = None  # the sums of what the loss reported
+
+
+def take(buf, i):
+    """Entry ``i`` of ``buf`` along its leading axis.
+
+    Args:
+        buf: an array.
+        i: the index (an int or a traced int32 scalar).
+
+    Returns:
+        ``buf[i]``.
+    """
+    return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+
+
+def take_tree(tree, i):
+    """Entry ``i`` of every leaf of ``tree`` along its leading axis.
+
+    Args:
+        tree: a pytree of arrays with a common leading axis.
+        i: the index (an int or a traced int32 scalar).
+
+    Returns:
+        ``tree`` with each leaf ``a`` replaced by ``a[i]``.
+    """
+    return jax.tree.map(lambda a: take(a, i), tree)
+
+
+def put(buf, i, value):
+    """``buf`` with entry ``i`` of its leading axis set to ``value`` (cast to ``buf``'s dtype).
+
+    Args:
+        buf: an array.
+        i: the index (an int or a traced int32 scalar).
+        value: an array shaped like ``buf[i]``.
+
+    Returns:
+        The updated buffer (in place inside a loop).
+    """
+    return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
+
+
+def put_tree(tree, i, values):
+    """Every leaf of ``tree`` with entry ``i`` of its leading axis set to the matching leaf of ``values``.
+
+    Args:
+        tree: a pytree of arrays (an activation's buffers: one per leaf of the activation).
+        i: the index (an int or a traced int32 scalar).
+        values: a pytree like ``tree`` of arrays shaped like its leaves' entries.
+
+    Returns:
+        The updated buffers.
+    """
+    return jax.tree.map(lambda b, v: put(b, i, v), tree, values)
+
+
+def zeros_like_tree(tree: Any) -> Any:
+    """Zeros shaped like every leaf of ``tree``.
+
+    Args:
+        tree: a pytree of arrays or ``ShapeDtypeStruct``s.
+
+    Returns:
+        The same tree of zero arrays, each leaf's shape and dtype.
+    """
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+
+
+def read_slots(st: PipelineState, sl: Slots) -> SlotView:
+    """What an action on the slots ``sl`` reads of the state ``st``.
+
+    Args:
+        st: the stage's buffers and sums.
+        sl: the action's slots at this tick.
+
+    Returns:
+        The inbox slots and the chunk's gradient sum at ``sl``, the residual and frontier
+        buffers whole, and the sums.
+    """
+    return SlotView(x=take_tree(st.inbox_f, sl.inbox), dy=take_tree(st.inbox_b, sl.inbox),
+                    dy_out=take_tree(st.inbox_b, sl.dy),
+                    res=st.res, gys=st.grads_y,
+                    g_chunk=take_tree(st.g_blocks, sl.chunk), g_outer=st.g_outer, loss=st.loss,
+                    metrics=st.metrics)
+
+
+def write_slots(st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
+    """The state ``st`` with what an action on the slots ``sl`` hands back written.
+
+    Args:
+        st: the stage's buffers and sums.
+        sl: the action's slots at this tick.
+        io: what the action returns; a ``None`` field leaves its buffer as it was.
+
+    Returns:
+        ``st`` with the written slots and the action's sums (``g_outer``, ``loss``).
+    """
+    new = st._replace(g_outer=io.g_outer, loss=io.loss)
+    if io.res is not None:
+        new = new._replace(res=io.res)
+    if io.dy_out is not None:
+        new = new._replace(inbox_b=put_tree(st.inbox_b, sl.dy, io.dy_out))
+    if io.metrics is not None:
+        new = new._replace(metrics=io.metrics)
+    if io.gys is not None:
+        new = new._replace(grads_y=io.gys)
+    if io.g_chunk is not None:
+        new = new._replace(g_blocks=jax.tree.map(lambda a, g: put(a, sl.chunk, g), st.g_blocks, io.g_chunk))
+    return new

@@ -1,0 +1,147 @@
+"""Run any valid schedule table as one SPMD program: ``shard_map`` manual over ``pipe``.
+
+Each device holds its stages' layers (``[v, Lmax, ...]``: ``v`` chunks of at most
+``Lmax`` layers). A ``lax.scan`` runs the lowered table (:mod:`._instructions`) tick by
+tick; at each tick every device runs the action of its row, one boolean ``lax.cond``
+per action kind (idle stages compute nothing in bubbles):
+
+* **F**: ``pre`` (virtual stage 0), the chunk's layers with one ``jax.vjp`` each
+  (each layer's residuals to ``[slot, layer]`` of buffers sized by the table's peak
+  in-flight count, not by ``m``), then ``post`` and ``d loss / d y`` (last virtual
+  stage) or a send.
+* **B**: the stored vjps in reverse on the received cotangent, accumulating the
+  weight gradients (fused); or, split (zero-bubble), only the part of each layer's
+  pullback that the input cotangent needs, keeping what the weight gradients read
+  (the *frontier*, :mod:`jaxpar.parallel.pipeline._split_backward`) for **W**, which runs the rest; then
+  ``pre``'s vjp (virtual stage 0) or a send.
+
+An action reads a :class:`~._buffers.SlotView` (one slot of the inboxes, the residual and
+frontier buffers whole) and returns what it writes and sends (a :class:`~._buffers.TickIO`);
+its conditional updates the buffers (:class:`~._buffers.PipelineState`) in place, and the
+layer loops index them at ``[slot, layer]``, so no slot is copied out or back
+(an index ``switch`` over the kinds would copy every buffer it passes through).
+The stage, its actions and the tick live in :mod:`._stage`. Then ``ppermute`` sends
+activations forward and cotangents backward between the stages that send at that
+tick (wrap-around ``p-1 -> 0`` for interleaved chunks): one ``ppermute`` per
+distinct set of pairs, chosen by a ``lax.switch`` whose index is the same on every
+device. The other mesh axes stay automatic, so data / ZeRO / tensor parallelism
+work inside a stage. ``pre`` and ``post`` add into one gradient of ``outer``,
+summed over ``pipe`` once at the end. The result equals the non-pipelined run.
+
+Example::
+
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jaxpar.parallel.pipeline import PipelineParts, get_schedule, lower, to_stages
+    >>> parts = PipelineParts(pre=lambda o, mb: mb["x"] * o["scale"],
+    ...                       layer=lambda w, x: jnp.tanh(x @ w),
+    ...                       post=lambda o, y, mb: jnp.mean((y - mb["y"]) ** 2))
+    >>> mesh = jaxpar.make_mesh({"pipe": 2}, devices=jax.devices()[:2])
+    >>> fn = pipeline_value_and_grad(parts, mesh, (), lower(get_schedule("1f1b", 2, 4)), stage_layers=(2, 2))
+    >>> outer, blocks = {"scale": jnp.ones(())}, 0.5 * jnp.ones((4, 3, 3))      # 4 stacked layers
+    >>> mbs = {"x": jnp.ones((4, 2, 3)), "y": jnp.zeros((4, 2, 3))}             # 4 micro-batches of 2 rows
+    >>> loss, (g_outer, g_blocks) = jax.jit(fn)(outer, to_stages(blocks, (2, 2), p=2), mbs)
+    >>> def plain(o, w, mb):                                                   # the same loss on one device
+    ...     h = mb["x"] * o["scale"]
+    ...     for i in range(4):
+    ...         h = jnp.tanh(h @ w[i])
+    ...     return jnp.mean((h - mb["y"]) ** 2)
+    >>> g_ref = jax.grad(plain)(outer, blocks, mbs)
+    >>> g_blocks.shape, bool(jnp.allclose(loss, plain(outer, blocks, mbs)))
+    ((1, 2, 2, 3, 3), True)
+    >>> bool(jnp.allclose(g_outer["scale"], g_ref["scale"], rtol=1e-5))
+    True
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.adapters._blocks import use_layer_runner
+from jaxpar.rules import drop_axes, use_rules
+from jaxpar.parallel.pipeline._buffers import PipelineState, Slots, SlotView, TickIO
+from jaxpar.parallel.pipeline._lockstep_stage import LockstepStage, lockstep_state, lockstep_table, lockstep_tick
+from jaxpar.parallel.pipeline._partition import check_blocks_layout
+from jaxpar.parallel.pipeline._parts import PipelineParts
+from jaxpar.parallel.pipeline._instructions import Program
+from jaxpar.parallel.pipeline._stage import PIPE, TICKS_SCOPE, ActionKind, Stage, initial_state, stage_counts, tick, tick_table
+
+__all__ = ["pipeline_value_and_grad", "PIPE", "TICKS_SCOPE", "ActionKind", "Slots", "PipelineState", "SlotView",
+           "TickIO"]
+
+
+def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program, *,
+                            stage_layers: Sequence[int], replica_axes: Sequence[str] = (),
+                            with_metrics: bool = False, lockstep: bool = False) -> Callable:
+    """Build the pipelined loss-and-grad of a batch of micro-batches: a ``shard_map`` manual over ``pipe``.
+
+    Args:
+        parts: the model's ``pre``, ``layer`` and ``post``.
+        mesh: the mesh; its other axes stay automatic inside a stage.
+        rules: the logical rules (``pipe`` and ``replica_axes`` are dropped inside).
+        program: the lowered schedule (:func:`~jaxpar.parallel.pipeline.lower`).
+        stage_layers: layers of each virtual stage ``k = chunk * p + stage``; padding layers are skipped.
+        replica_axes: data axes over which each replica keeps its own gradients (a compressed exchange follows):
+            manual too; every gradient gets a leading replica axis sharded over them; the loss is their mean.
+        with_metrics: also return what ``parts.post`` reported (:func:`jaxpar.report_metric`), averaged.
+        lockstep: ``program`` is a lockstep table (``lower(lockstep(schedule))``, :mod:`._lockstep`): every stage
+            runs each tick's action, masked where it has none (:mod:`._lockstep_stage`), so no collective inside
+            an action is reached by some devices only.
+
+    Returns:
+        ``fn(outer, blocks, microbatches) -> (loss, (g_outer, g_blocks))``, or ``(loss, grads, metrics)``.
+        ``outer``: ``pre``'s and ``post``'s parameters (one tree, replicated over ``pipe``); ``blocks``:
+        ``[v, p, Lmax, ...]`` per leaf, sharded ``P(None, 'pipe', ...)`` (:func:`~._partition.to_stages`);
+        ``microbatches``: ``[m, rows, ...]``. The loss is the mean of the micro-batch losses, the gradients
+        (float32) those of that mean; ``g_outer`` adds ``pre``'s and ``post``'s (tied weights get both).
+    """
+    p, v = program.schedule.num_stages, program.schedule.num_chunks
+    counts = stage_counts(program, mesh, stage_layers)      # [chunk, stage]
+    lmax = int(counts.max())
+    table = lockstep_table(program) if lockstep else tick_table(program)
+    replica_axes = tuple(replica_axes)
+    rep_entry = (replica_axes if len(replica_axes) > 1 else replica_axes[0]) if replica_axes else None
+
+    def body(outer, blocks, mbs):
+        kind = LockstepStage if lockstep else Stage
+        stage = kind(parts, program, counts, outer, jax.tree.map(lambda a: a[:, 0], blocks), mbs)
+        branches = [stage.branch(k) for k in table.kinds]
+        step, start = (lockstep_tick, lockstep_state) if lockstep else (tick, initial_state)
+        with jax.named_scope(TICKS_SCOPE):
+            st, _ = jax.lax.scan(functools.partial(step, stage, table, branches), start(program, stage), table.rows)
+        g_blocks = jax.tree.map(lambda a: a[:, None], st.g_blocks)
+        loss, g_outer = jax.lax.psum(st.loss, PIPE) / stage.m, jax.lax.psum(st.g_outer, PIPE)
+        metrics = jax.tree.map(lambda a: jax.lax.psum(a, PIPE) / stage.m, st.metrics)   # the last stage's sums
+        if replica_axes:
+            lead = lambda t: jax.tree.map(lambda a: a[None], t)   # noqa: E731
+            return jax.lax.pmean((loss, metrics), rep_entry), (lead(g_outer), lead(g_blocks))
+        return (loss, metrics), (g_outer, g_blocks)
+
+    rep, stage_spec, out_outer, out_blocks, mbs_spec = _specs(rep_entry)
+    inner_rules = drop_axes(rules, (PIPE, *replica_axes))
+
+    def fn(outer, blocks, mbs):
+        check_blocks_layout(blocks, v, p, lmax, stage_layers)
+        smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE, *replica_axes}, check_vma=False,
+                             in_specs=(rep(outer), stage_spec(blocks), mbs_spec(mbs)),
+                             out_specs=(P(), (out_outer(outer), out_blocks(blocks))))
+        with use_rules(mesh, inner_rules), use_layer_runner(None):
+            (loss, metrics), grads = smap(outer, blocks, mbs)
+        return (loss, grads, metrics) if with_metrics else (loss, grads)
+
+    return fn
+
+
+def _specs(rep_entry) -> tuple[Callable, ...]:
+    """The ``shard_map`` specs as functions of a tree: ``(replicated, blocks in, g_outer out,
+    g_blocks out, micro-batches in)``; ``rep_entry``: the replica axes' entry, or ``None``."""
+    stage_spec = lambda t: jax.tree.map(lambda _: P(None, PIPE), t)   # noqa: E731
+    rep = lambda t: jax.tree.map(lambda _: P(), t)                    # noqa: E731
+    if rep_entry is None:
+        return rep, stage_spec, rep, stage_spec, rep
+    out_outer = lambda t: jax.tree.map(lambda _: P(rep_entry), t)               # noqa: E731
+    out_blocks = lambda t: jax.tree.map(lambda _: P(rep_entry, None, PIPE), t)  # noqa: E731
+    mbs_spec = lambda t: jax.tree.map(lambda _: P(None, rep_entry), t)          # noqa: E731
+    return rep, stage_spec, out_outer, out_blocks, mbs_spec

@@ -1,0 +1,254 @@
+"""A training run with checkpoints, as ``jaxpar train`` runs it: resume from the latest good
+checkpoint, train with checkpoints and metrics (:func:`jaxpar.run.train`), then write
+``summary.json`` and the text samples.
+
+Plain values only: :class:`RunOptions` holds the run's settings (the CLI fills it from
+``train.*``, ``checkpoint.resume`` and ``logging.samples``, :func:`jaxpar.config.build_job`),
+:class:`~jaxpar.run.LogOptions` how it reports, and a
+:class:`~jaxpar.run.Checkpointer` where its checkpoints go.
+:func:`checkpoint_meta` is what each checkpoint records beside the state, and
+:func:`gpt_flops_per_token` the FLOPs per token of jaxpar's GPT for MFU.
+
+Example::
+
+    >>> gpt_flops_per_token(10_000, vocab=16, seq_len=8, embed=32, layers=2)   # 6 x (10,000 - 24 x 32) + 12 L T d
+    61536.0
+    >>> checkpoint_meta("demo", {"data": 8}, seed=0, model="gpt", data={"kind": "text", "seed": 0, "batch_size": 32})
+    {'config': 'demo', 'seed': 0, 'model': 'gpt', 'mesh': {'data': 8}, 'data': {'kind': 'text', 'seed': 0, 'batch_size': 32}}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+from jaxpar.parallel.moe import use_router_bias
+from jaxpar.run._checkpoint import CheckpointWarning
+from jaxpar.run._loop import train
+from jaxpar.run._sinks import flops_per_token, is_main_process
+from jaxpar.run._report import LogOptions, NonFiniteError
+from jaxpar.step._router_bias import KEY as BIAS, has_router_bias
+from jaxpar.run._sample import SampleOptions, host_params, write_samples
+
+__all__ = ["RunOptions", "resume", "schedule_change", "checkpoint_meta", "gpt_flops_per_token",
+           "train_with_checkpoints"]
+
+
+class RunOptions(NamedTuple):
+    """The settings of a training run with checkpoints.
+
+    ``steps``: the run ends after this step (``train.steps``; a resumed run does the rest).
+    ``out_dir``: where ``summary.json`` and ``samples.txt`` go. ``eval_every``, ``on_nonfinite``,
+    ``steps_per_call``: as for :func:`jaxpar.run.train`. ``resume``: continue from the
+    checkpointer's latest good checkpoint. ``data_seed``: the run's data seed (a checkpoint written
+    with another one is resumed with a warning). ``samples``: text samples at the end (None: none).
+    """
+
+    steps: int
+    out_dir: str | Path
+    eval_every: int = 0
+    on_nonfinite: str = "skip"
+    steps_per_call: int = 1
+    resume: bool = False
+    data_seed: int = 0
+    samples: SampleOptions | None = None
+
+
+def resume(checkpointer: Any, layout: Any, *, ramp: Any = None, data_seed: int | None = None,
+           steps: int | None = None, lr_schedule: Callable[[int], Any] | None = None) -> tuple[Any, int]:
+    """Restore the latest good checkpoint; print one warning per unreadable newer one, and one when
+    it was written with another data seed; warn (:class:`CheckpointWarning`) when it was written by a
+    run of another length, whose learning-rate schedule differs (:func:`schedule_change`).
+
+    Args:
+      checkpointer: the run's :class:`~jaxpar.run.Checkpointer` (closed when the restore fails).
+      layout: the train state's layout (the restore target).
+      ramp: an adaptive batch ramp, given its decisions so far (``load_state_dict``); other ramps are left.
+      data_seed: this run's data seed, compared with the checkpoint's.
+      steps: this run's ``train.steps`` (the schedule's length), compared with the checkpoint's (None: not).
+      lr_schedule: this run's learning-rate schedule (``step -> lr``), for the warning's numbers.
+
+    Returns:
+      ``(state, next_step)``.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointWarning)   # reported below, one line each
+            restored = checkpointer.restore(layout)
+    except BaseException:
+        checkpointer.close()          # Orbax's background threads must finish before the interpreter exits
+        raise
+    for s, reason in restored.skipped:
+        print(f"jaxpar train: warning: checkpoint step {s} in {checkpointer.directory} is unreadable, using step "
+              f"{restored.step} instead: {reason}", file=sys.stderr)
+    start = int(restored.meta["data"]["next_step"])
+    if hasattr(ramp, "load_state_dict"):      # an adaptive ramp's decisions so far
+        ramp.load_state_dict(restored.meta.get("batch_ramp"))
+    saved_seed = restored.meta.get("data", {}).get("seed", data_seed)
+    if saved_seed != data_seed:
+        print(f"jaxpar train: warning: the checkpoint was written with data.seed={saved_seed}, this run has "
+              f"data.seed={data_seed}: the data order differs from the original run.", file=sys.stderr)
+    change = schedule_change(restored.meta, start, steps, lr_schedule) if steps is not None and start < steps else None
+    if change:
+        warnings.warn(change, CheckpointWarning, stacklevel=2)
+    print(f"resume   step {start} from {restored.path}")
+    return restored.state, start
+
+
+def schedule_change(record: Mapping[str, Any], step: int, steps: int,
+                    lr_schedule: Callable[[int], Any] | None = None) -> str | None:
+    """What changes when a run of ``steps`` steps resumes at ``step`` from a checkpoint whose record
+    (``schedule``: its run's ``steps`` and the learning rate ``lr`` at ``step``) is another schedule's.
+
+    Args:
+      record: the checkpoint's JSON record (one without ``schedule``, from before it was recorded: no change).
+      step: the step the run resumes at.
+      steps: this run's ``train.steps``.
+      lr_schedule: this run's learning-rate schedule (None: the message leaves out the learning rates).
+
+    Returns:
+      The warning's text, or None when the checkpoint's run had the same length.
+
+    Example:
+      >>> text = schedule_change({"schedule": {"steps": 100, "lr": 1e-4}}, 90, 200, lambda s: 5e-4)
+      >>> text[:text.index(",")]
+      'checkpoint step 90 was written by a run with train.steps=100; this run has train.steps=200'
+      >>> text[text.index("at step 90"):text.index(" To")]
+      'at step 90 the learning rate is 0.0005 now, 0.0001 in the original run.'
+      >>> schedule_change({"schedule": {"steps": 200}}, 90, 200), schedule_change({}, 90, 200)
+      (None, None)
+    """
+    saved = (record.get("schedule") or {}).get("steps")
+    if saved is None or int(saved) == int(steps):
+        return None
+    old_lr, new_lr = record["schedule"].get("lr"), None if lr_schedule is None else float(lr_schedule(step))
+    rates, jump = "", ""
+    if new_lr is not None and old_lr is not None:
+        if abs(new_lr - old_lr) <= 1e-6 * max(abs(new_lr), abs(old_lr)):
+            rates = f": at step {step} the learning rate is still {new_lr:.3g}, and it decays differently from there"
+        else:
+            rates = f": at step {step} the learning rate is {new_lr:.3g} now, {old_lr:.3g} in the original run"
+            jump = f" (the learning rate jumps at step {step})"
+    if saved > step:
+        fix = (f"To continue the original schedule, resume with train.steps={saved}; to change its length on "
+               f"purpose, keep train.steps={steps}{jump}.")
+    else:
+        fix = f"The original schedule ended at step {saved}; to train on, keep train.steps={steps}{jump}."
+    return (f"checkpoint step {step} was written by a run with train.steps={saved}; this run has "
+            f"train.steps={steps}, and the learning-rate schedule (warm-up and decay) follows train.steps{rates}. "
+            f"{fix}")
+
+
+def checkpoint_meta(name: str, mesh_sizes: Mapping[str, int], *, seed: int, model: str,
+                    data: Mapping[str, Any]) -> dict:
+    """What every checkpoint of the run records beside the state (the loop adds ``data.next_step``).
+
+    Args:
+      name: the job's name.
+      mesh_sizes: the mesh's axis sizes.
+      seed: the model's initialisation seed.
+      model: the model's name.
+      data: the data's description (kind, seed, batch size).
+
+    Returns:
+      The meta dict.
+    """
+    return {"config": name, "seed": seed, "model": model, "mesh": dict(mesh_sizes), "data": dict(data)}
+
+
+def gpt_flops_per_token(n_params: int, *, vocab: int, seq_len: int, embed: int, layers: int) -> float:
+    """Training FLOPs per token of jaxpar's GPT (for MFU): :func:`jaxpar.run._sinks.flops_per_token`
+    of its parameters without the token and position embeddings.
+
+    Args:
+      n_params: all the model's parameters.
+      vocab: the vocabulary (rows of the token embedding).
+      seq_len: the context (rows of the position embedding).
+      embed: the model width.
+      layers: the number of blocks.
+
+    Returns:
+      FLOPs per token of a training step.
+    """
+    return flops_per_token(n_params - (vocab + seq_len) * embed, layers=layers, seq_len=seq_len, embed=embed)
+
+
+def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Callable[[int], Any],
+                           opts: RunOptions, log: LogOptions, *, checkpointer: Any = None,
+                           meta: dict | None = None, eval_fn: Callable | None = None,
+                           eval_batches: Sequence = (), ramp: Any = None,
+                           lr_schedule: Callable[[int], Any] | None = None) -> int:
+    """Resume (``opts.resume``), run :func:`jaxpar.run.train` with checkpoints and metrics, then
+    write ``summary.json`` and the samples and print where everything went.
+
+    Args:
+      step: the train step (:func:`jaxpar.make_train_step`).
+      state: the fresh train state (replaced by the checkpoint's when resuming).
+      layout: its layout.
+      batch_fn: ``step -> host batch``.
+      opts: the run's settings.
+      log: how the loop reports (:class:`~jaxpar.run.LogOptions`).
+      checkpointer: where checkpoints go (None: none); closed at the end.
+      meta: what each checkpoint records (:func:`checkpoint_meta`).
+      eval_fn: ``state -> eval loss`` (None: no evaluation).
+      eval_batches: the fixed eval batches (the samples' prompts come from the first).
+      ramp: the batch ramp ``batch_fn`` reads, if any.
+      lr_schedule: the learning-rate schedule (``step -> lr``, ``Job.log_lr``): each checkpoint records its
+        length (``opts.steps``) and the learning rate it resumes with, and a resume under another length warns.
+
+    Returns:
+      The exit status: 0, also after a stop signal (a checkpoint is saved) or when the checkpoint
+      is already at ``opts.steps``; 1 when a non-finite loss stopped the run.
+    """
+    start = 0
+    if checkpointer is not None:      # the schedule's length and the learning rate at each checkpoint
+        meta = {**(meta or {}), "schedule": {"steps": int(opts.steps)}}
+        checkpointer.lr_schedule = lr_schedule or checkpointer.lr_schedule
+    if opts.resume:
+        state, start = resume(checkpointer, layout, ramp=ramp, data_seed=opts.data_seed, steps=opts.steps,
+                              lr_schedule=lr_schedule)
+        if start >= opts.steps:
+            print(f"done     the checkpoint is at step {start} >= train.steps={opts.steps}; nothing to do")
+            checkpointer.close()
+            return 0
+    if log.peak_flops and log.flops_per_token is None:
+        print("mfu      not reported: FLOPs per token are known only for the built-in GPT (logging.peak_flops)")
+    try:
+        state, summary = train(step, state, batch_fn, mesh=layout.mesh, steps=opts.steps - start,
+                               start_step=start, eval_fn=eval_fn, eval_every=opts.eval_every,
+                               checkpointer=checkpointer, checkpoint_meta=meta, on_nonfinite=opts.on_nonfinite,
+                               ramp=ramp, steps_per_call=opts.steps_per_call, log=log)
+    except NonFiniteError as e:
+        print(f"jaxpar train: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if checkpointer is not None:
+            checkpointer.close()
+    _finish(summary, state, layout, opts, checkpointer, lambda: eval_batches[0] if eval_batches else batch_fn(0))
+    return 0
+
+
+def _finish(summary: Any, state: Any, layout: Any, opts: RunOptions, checkpointer: Any,
+            first_batch: Callable[[], Any]) -> None:
+    """``summary.json``, the samples (unless preempted) and the closing lines."""
+    main, out_dir = is_main_process(), Path(opts.out_dir)
+    if main:
+        (out_dir / "summary.json").write_text(json.dumps(
+            {k: v for k, v in vars(summary).items() if k not in ("losses", "evals")}, indent=2) + "\n")
+    print(f"done     {summary.line()}")
+    if summary.checkpoint_steps:
+        print(f"saved    checkpoints of steps {summary.checkpoint_steps} in {checkpointer.directory}")
+    if summary.preempted:
+        print(f"stopped  by {summary.preempted} after step {summary.end_step}; continue with --resume")
+    elif opts.samples is not None and opts.samples.count:
+        params = host_params(state.params)      # every process: gathering spread parameters is a collective
+        bias = host_params(state.stats[BIAS]) if has_router_bias(layout) else None
+        if main:
+            with use_router_bias(bias):         # the MoE layers' aux-loss-free balancing bias, if kept
+                path = write_samples(layout.graphdef, params, first_batch(), out_dir / "samples.txt", opts.samples)
+            print(f"samples  {path}")
+    if main:
+        print(f"wrote    {summary.metrics_path}, {summary.plot_path}")

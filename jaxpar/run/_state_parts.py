@@ -1,0 +1,396 @@
+"""The optional parts of a train state, one protocol for all: what a checkpoint records of each
+part, and what a restore does with it (used by :mod:`jaxpar.run._checkpoint`).
+
+``TrainState.codec`` (a gradient codec's per-replica state), ``sync`` (relaxed synchronisation's
+replicas or stale history), ``stats`` (running measurements) and ``versions`` (a pipeline
+schedule's older weight versions) exist only with the feature that keeps them. Each is a
+:class:`StatePart` of :data:`STATE_PARTS`:
+
+* a save records its shapes (``<name>_shapes``) and, given the layout, the layout its values are
+  laid out for (``<name>_layout``: :meth:`StatePart.record`), as :mod:`jaxpar.run._checkpoint_format` writes;
+* a restore compares that record with the target's (:meth:`StatePart.plan`, :func:`plan_parts`):
+  the part is restored, dropped (the run keeps none), or started afresh (the run keeps one the
+  checkpoint has not, or one of other shapes or layout: :meth:`StatePart.fresh`), with a message
+  for the warning.
+
+Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxpar.step._state import TrainState
+    >>> abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}, ())
+    >>> [part.name for part in STATE_PARTS]
+    ['codec', 'sync', 'stats', 'versions']
+    >>> plans = plan_parts({"codec_shapes": {"residual": [4, 2]}}, abstract, abstract, "checkpoint 7")
+    >>> [(p.name, p.action) for p in plans]
+    [('codec', 'drop'), ('sync', 'empty'), ('stats', 'empty'), ('versions', 'empty')]
+    >>> print(plans[0].message[:80])
+    checkpoint 7: the gradient codec's state saved with it is dropped (shapes {'resi
+    >>> STATE_PARTS[3].describe({"schedule": "pipedream", "pipe": 2, "update_every": 1, "stage_layers": None})
+    "schedule='pipedream', pipe=2, update_every=1, stage_layers=None"
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from jaxpar.errors import CheckpointMismatchError
+from jaxpar.run._codec_record import codec_layout, describe_codec, same_codec_layout
+
+__all__ = ["StatePart", "PartPlan", "STATE_PARTS", "plan_parts", "shapes_of"]
+
+_RESTORED = "Parameters and optimizer state are restored."
+
+
+def shapes_of(tree: Any) -> Any:
+    """JSON-able shapes of a pytree of arrays.
+
+    Args:
+      tree: a pytree whose leaves have a ``shape``.
+
+    Returns:
+      The tree with every leaf's shape as a list of ints (tuples as lists), as JSON reads it back.
+    """
+    return json.loads(json.dumps(jax.tree.map(lambda a: list(a.shape), tree, is_leaf=lambda x: hasattr(x, "shape"))))
+
+
+def _is_layout(target: Any) -> bool:
+    return hasattr(target, "abstract_state") and hasattr(target, "strategy")
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """What a restore does with one optional part.
+
+    Attributes:
+      part: the :class:`StatePart`.
+      action: ``"restore"`` (read from the checkpoint), ``"empty"`` (neither side has one),
+        ``"drop"`` (the checkpoint has one, the target none) or ``"fresh"`` (the target's is
+        started afresh: :meth:`StatePart.fresh`).
+      message: the warning to give, or ``None``.
+    """
+
+    part: StatePart
+    action: str
+    message: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The part's name: the ``TrainState`` field."""
+        return self.part.name
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """One optional part of a :class:`~jaxpar.step.TrainState`: what a checkpoint records of
+    it and what a restore does with it. The four are :data:`STATE_PARTS`.
+
+    Attributes:
+      name: the ``TrainState`` field (``"codec"``, ``"sync"``, ``"stats"``, ``"versions"``);
+        the record's keys are ``<name>_shapes`` and ``<name>_layout``.
+      what: the part in words, for the messages.
+      shapes_always: a save records the part's shapes even when it keeps none (``[]``).
+    """
+
+    name: str
+    what: str
+    shapes_always: bool = False
+
+    def record(self, layout: Any) -> dict | None:
+        """What a checkpoint records of the layout the part's values are laid out for.
+
+        Args:
+          layout: a :class:`~jaxpar.step.StateLayout`.
+
+        Returns:
+          The ``<name>_layout`` record, or ``None`` where there is nothing to record.
+        """
+        return None
+
+    def describe(self, record: dict | None) -> str:
+        """A ``<name>_layout`` record in words, for the messages.
+
+        Args:
+          record: the record, or ``None``.
+
+        Returns:
+          Its entries as ``key=value``, or ``"an unrecorded layout"``.
+        """
+        return ", ".join(f"{k}={v}" for k, v in record.items()) if record else "an unrecorded layout"
+
+    def same_layout(self, old: dict, new: dict) -> bool:
+        """Whether two ``<name>_layout`` records place the part's values alike.
+
+        Args:
+          old: the checkpoint's record.
+          new: the target's.
+
+        Returns:
+          Whether the values saved for ``old`` belong where ``new`` reads them (here: equal records).
+        """
+        return old == new
+
+    def plan(self, meta: dict, abstract_part: Any, target: Any, where: str) -> PartPlan:
+        """What a restore does with the part.
+
+        Args:
+          meta: the checkpoint's JSON record (``<name>_shapes``, ``<name>_layout``, ...).
+          abstract_part: the target's part (``ShapeDtypeStruct`` s; no leaves: the run keeps none).
+          target: what ``restore`` was given: a ``StateLayout`` (its layout records are compared)
+            or the abstract state itself (shapes compared only).
+          where: the checkpoint, for the messages.
+
+        Returns:
+          A :class:`PartPlan`: ``empty`` or ``drop`` when the target keeps none, else
+          ``restore`` or ``fresh``; the ones that change something carry a message.
+        """
+        if jax.tree.leaves(abstract_part):
+            return self._kept(meta, abstract_part, target, where)
+        if not meta.get(f"{self.name}_shapes"):
+            return PartPlan(self, "empty")
+        return PartPlan(self, "drop", f"{where}: {self._dropped(meta, target)}. {_RESTORED}")
+
+    def fresh(self, abstract: Any, params: Any, target: Any, where: str) -> Any:
+        """The part started afresh (a plan's ``fresh``), in the target's shapes and shardings.
+
+        Args:
+          abstract: the target's abstract ``TrainState``.
+          params: the restored parameters.
+          target: what ``restore`` was given (a ``StateLayout``, or ``abstract``).
+          where: the checkpoint, for the messages.
+
+        Returns:
+          The part's arrays.
+
+        Raises:
+          CheckpointMismatchError: the part starts from the layout's init, and ``target`` is none.
+        """
+        raise NotImplementedError
+
+    def _kept(self, meta: dict, part: Any, target: Any, where: str) -> PartPlan:
+        """The plan when the target keeps the part (``restore`` or ``fresh``)."""
+        raise NotImplementedError
+
+    def _dropped(self, meta: dict, target: Any) -> str:
+        """Why the part saved is dropped (the target keeps none), without the checkpoint's name."""
+        raise NotImplementedError
+
+    def _layout_init(self, target: Any, where: str) -> Any:
+        """The layout's ``<name>_init``, which starts the part afresh."""
+        init = getattr(target, f"{self.name}_init", None)
+        if init is None:
+            raise CheckpointMismatchError(f"{where}: {self.what} cannot be restored into this target and has to start "
+                                          "afresh, which needs the StateLayout: call restore(layout).")
+        return init
+
+
+_CODEC_FRESH = ("its residuals {} from zero (and 1-bit Adam's exchanged moment, step count and top-k's ranking "
+                "second moment)")
+
+
+@dataclass(frozen=True)
+class CodecPart(StatePart):
+    """``TrainState.codec``: a gradient codec's per-replica state; afresh: the layout's ``codec_init()``."""
+
+    name: str = "codec"
+    what: str = "the gradient codec's state"
+
+    def record(self, layout: Any) -> dict | None:
+        return codec_layout(layout)
+
+    def describe(self, record: dict | None) -> str:
+        return describe_codec(record)
+
+    def same_layout(self, old: dict, new: dict) -> bool:
+        return same_codec_layout(old, new)
+
+    def fresh(self, abstract: Any, params: Any, target: Any, where: str) -> Any:
+        return self._layout_init(target, where)()
+
+    def _dropped(self, meta: dict, target: Any) -> str:
+        old = meta.get("codec_layout")
+        about = self.describe(old) if old else f"shapes {meta.get('codec_shapes')}"
+        return f"{self.what} saved with it is dropped ({about}): this run keeps none (no compression, or a codec " \
+               "that keeps none)"
+
+    def _kept(self, meta: dict, part: Any, target: Any, where: str) -> PartPlan:
+        saved, old = meta.get("codec_shapes"), meta.get("codec_layout")
+        new = self.record(target) if _is_layout(target) else None
+        fresh = _CODEC_FRESH.format("restart")
+        if not saved:
+            return PartPlan(self, "fresh", (
+                f"{where}: the checkpoint has no gradient codec state (saved without compression, or with a codec that "
+                f"keeps none); this run has {self.describe(new)}: {_CODEC_FRESH.format('start')}. {_RESTORED}"))
+        if saved != shapes_of(part):
+            return PartPlan(self, "fresh", (
+                f"{where}: {self.what} was saved with shapes {saved} and this layout needs {shapes_of(part)} "
+                f"(another number of replicas, or another codec): {fresh}. {_RESTORED}"))
+        if old and new and not self.same_layout(old, new):
+            return PartPlan(self, "fresh", (
+                f"{where}: {self.what} was saved for {self.describe(old)} and this run has {self.describe(new)}: the "
+                f"same shapes, but its entries belong to other replicas or gradient coordinates (another exchange, "
+                f"packing or codec): {fresh}. {_RESTORED}"))
+        return PartPlan(self, "restore")
+
+
+_SYNC_FRESH = ("the replicas (jaxpar.parallel.sync) restart from the restored parameters, with fresh inner optimizer "
+               "states")
+
+
+@dataclass(frozen=True)
+class SyncPart(StatePart):
+    """``TrainState.sync``: relaxed synchronisation's replicas or stale history; afresh: the layout's
+    ``sync_init(params)``. Replicas of any relaxed synchronisation are laid out alike."""
+
+    name: str = "sync"
+    what: str = "relaxed synchronisation's replicas"
+
+    def record(self, layout: Any) -> dict | None:
+        if not jax.tree.leaves(layout.sync_shapes):
+            return None
+        return {"sync": getattr(layout.strategy.sync, "name", None) or "synchronous"}
+
+    def describe(self, record: dict | None) -> str:
+        return f"Strategy.sync={record.get('sync')}" if record else "an unrecorded layout"
+
+    def same_layout(self, old: dict, new: dict) -> bool:
+        return True
+
+    def _dropped(self, meta: dict, target: Any) -> str:
+        old = meta.get("sync_layout")
+        about = f" ({self.describe(old)})" if old else ""
+        return f"{self.what} saved with it are dropped{about}: this run keeps none (no Strategy.sync and no replica " \
+               "axis)"
+
+    def _kept(self, meta: dict, part: Any, target: Any, where: str) -> PartPlan:
+        saved = meta.get("sync_shapes")
+        if not saved:
+            return PartPlan(self, "fresh", f"{where}: the checkpoint has no replica state (saved without relaxed "
+                                           f"synchronisation): {_SYNC_FRESH}. {_RESTORED}")
+        if saved != shapes_of(part):
+            return PartPlan(self, "fresh", (
+                f"{where}: relaxed synchronisation's state was saved with shapes {saved} and this layout needs "
+                f"{shapes_of(part)} (another number of replicas, or another sync kind): {_SYNC_FRESH}. {_RESTORED}"))
+        return PartPlan(self, "restore")
+
+    def fresh(self, abstract: Any, params: Any, target: Any, where: str) -> Any:
+        return self._layout_init(target, where)(params)
+
+
+def _names(shapes: Any) -> str:
+    return ", ".join(shapes) if isinstance(shapes, dict) else str(shapes)
+
+
+@dataclass(frozen=True)
+class StatsPart(StatePart):
+    """``TrainState.stats``: running measurements; afresh: zeros. Checkpoints from before the part
+    existed (no ``stats_shapes`` in the record) start them afresh without a warning."""
+
+    name: str = "stats"
+    what: str = "the running measurements"
+    shapes_always: bool = True
+
+    def fresh(self, abstract: Any, params: Any, target: Any, where: str) -> Any:
+        return jax.tree.map(lambda a: jax.device_put(jax.numpy.zeros(a.shape, a.dtype), a.sharding), abstract.stats)
+
+    def _dropped(self, meta: dict, target: Any) -> str:
+        return f"{self.what} saved with it ({_names(meta.get('stats_shapes'))}) are dropped: this run measures none"
+
+    def _kept(self, meta: dict, part: Any, target: Any, where: str) -> PartPlan:
+        saved, shapes = meta.get("stats_shapes"), shapes_of(part)
+        if saved == shapes:
+            return PartPlan(self, "restore")
+        if "stats_shapes" not in meta:
+            return PartPlan(self, "fresh")
+        if not saved:
+            return PartPlan(self, "fresh", f"{where}: the checkpoint has no running measurements (saved without "
+                                           f"them): the measurements ({_names(shapes)}) restart from zero.")
+        return PartPlan(self, "fresh", f"{where}: {self.what} were saved with shapes {saved} and this layout has "
+                                       f"{shapes}: they restart from zero.")
+
+
+_EQUAL = "they resume equal to the current weights, W(t-1) = W(t), as at step 0."
+
+
+@dataclass(frozen=True)
+class VersionsPart(StatePart):
+    """``TrainState.versions``: a pipeline schedule's older weight versions; afresh: copies of the
+    restored parameters, ``W(t-1) = W(t)``, as at step 0.
+
+    The record: ``{"schedule"}`` for PipeDream-2BW (its ``W(t-1)`` is the whole model's previous
+    weights); for weight stashing, whose older versions are each stage's own, also ``pipe``,
+    ``update_every`` and ``stage_layers``, which must all agree."""
+
+    name: str = "versions"
+    what: str = "the older weight versions"
+    shapes_always: bool = True
+
+    def record(self, layout: Any) -> dict | None:
+        if not jax.tree.leaves(layout.versions_shapes):
+            return None
+        s = layout.strategy
+        out = {"schedule": s.schedule}
+        if s.schedule == "pipedream":
+            out.update(pipe=int(dict(layout.mesh.shape).get("pipe", 1)), update_every=s.update_every,
+                       stage_layers=json.loads(json.dumps(s.stage_layers)))     # tuples as lists
+        return out
+
+    def describe(self, record: dict | None) -> str:
+        if not record:
+            return "an unrecorded layout"
+        return ", ".join([f"schedule={record['schedule']!r}"] + [f"{k}={v}" for k, v in record.items()
+                                                                  if k != "schedule"])
+
+    def fresh(self, abstract: Any, params: Any, target: Any, where: str) -> Any:
+        versions = abstract.versions
+        if not jax.tree.leaves(versions):
+            return versions
+        def copy(v):
+            return jax.tree.map(lambda a, p: jax.device_put(jax.numpy.copy(p), a.sharding), v, params)
+
+        if jax.tree.structure(versions) == jax.tree.structure(params):     # PipeDream-2BW's W(t-1)
+            return copy(versions)
+        return tuple(copy(v) for v in versions)                           # weight stashing's, newest first
+
+    def _dropped(self, meta: dict, target: Any) -> str:
+        old = meta.get("versions_layout")
+        schedule = f" ({target.strategy.schedule!r})" if _is_layout(target) else ""
+        about = f" ({self.describe(old)})" if old else ""
+        return f"{self.what} saved with it{about} are dropped: this run's pipeline schedule{schedule} keeps none"
+
+    def _kept(self, meta: dict, part: Any, target: Any, where: str) -> PartPlan:
+        saved, old = meta.get("versions_shapes"), meta.get("versions_layout")
+        if not saved or saved != shapes_of(part):
+            return PartPlan(self, "fresh", f"{where}: no older weight versions of this layout saved (another "
+                                           f"pipeline schedule); {_EQUAL}")
+        new = self.record(target) if _is_layout(target) else None
+        if old and new and not self.same_layout(old, new):
+            return PartPlan(self, "fresh", (
+                f"{where}: {self.what} were saved for {self.describe(old)} and this run has {self.describe(new)}: the "
+                f"same shapes, but each stage's older versions are its own stage's and update interval's, so {_EQUAL}"))
+        return PartPlan(self, "restore")
+
+
+#: The optional parts of a :class:`~jaxpar.step.TrainState`, in its field order.
+STATE_PARTS: tuple[StatePart, ...] = (CodecPart(), SyncPart(), StatsPart(), VersionsPart())
+
+
+def plan_parts(meta: dict, abstract: Any, target: Any, where: str) -> list[PartPlan]:
+    """What a restore does with each optional part of ``abstract`` (:meth:`StatePart.plan`).
+
+    Args:
+      meta: the checkpoint's record (``codec_shapes``, ``codec_layout``, ...).
+      abstract: the restore target's abstract state (a ``TrainState`` of ``ShapeDtypeStruct``).
+      target: what ``restore`` was given: a ``StateLayout`` (its layout records are compared)
+        or the abstract state itself (shapes compared only).
+      where: the checkpoint, for the messages.
+
+    Returns:
+      One :class:`PartPlan` per part that ``abstract`` has.
+    """
+    fields = getattr(abstract, "_fields", ())
+    return [part.plan(meta, getattr(abstract, part.name), target, where) for part in STATE_PARTS
+            if part.name in fields]

@@ -1,0 +1,362 @@
+"""One train step for any strategy and any NNX model, composed from small parts.
+
+``make_train_step(loss_fn, tx, layout)`` runs the strategy the layout was built for. It checks
+the compatibility table (:mod:`jaxpar.compat._table`), then composes the step from parts:
+
+* the **gradient** (:func:`_gradient`): XLA's GSPMD program or explicit per-layer collectives
+  (:func:`~jaxpar.step._grads.global_grads`), the pipeline executor running the schedule table
+  (:func:`~jaxpar.step._grads.pipeline_grads`, at ``W(t-1)`` for PipeDream-2BW), each
+  data-parallel replica's own gradient (:func:`~jaxpar.step._grads.replica_grads`), or each
+  ``replica``'s (:func:`~jaxpar.step._replica_mean.replica_gradient`, at delayed parameters for
+  ``stale``), accumulated over the micro-batches;
+* the **exchange** (:func:`_exchange`): exact (inside the gradient), a codec's or measured
+  (:mod:`jaxpar.step._exchange`), or the replicas' masked mean over ``replica``
+  (:func:`~jaxpar.step._replica_mean.replica_exchange`: synchronous, ``stale``, ``backup``);
+* the **update** (:func:`_rule`): the one :func:`~jaxpar.step._update.apply_update` (clip, optax,
+  skip a non-finite step, log the lr), under PipeDream-2BW's version swap
+  (:func:`~jaxpar.step._update.delayed`), or per replica (the asynchronous parameter server);
+* the **state parts** that follow a step: the noise scale's measurement, MoE's loads and router
+  bias (:mod:`jaxpar.step._balancing`), a codec's state, ``stale``'s history;
+* the **program** (:mod:`jaxpar.step._program`): :func:`~jaxpar.step._program.jit_program`, the
+  one ``jax.jit`` with the layout's shardings and rules, in a
+  :class:`~jaxpar.step.TrainStep` that picks the program per step.
+
+Two strategies put the update inside a larger program (:func:`program_kind`): PipeDream's
+no-flush pipelines (weight stashing, and 2BW over several steps per call), whose stages read
+older weight versions and call the one update inside the pipeline, and DiLoCo / local SGD /
+EASGD (:mod:`jaxpar.step._local_steps`), whose replicas run the one update on their own and an
+outer rule moves the center.
+
+Example::
+
+    >>> import jax, numpy as np, optax, jaxpar
+    >>> from flax import nnx
+    >>> from jaxpar.models._mlp import MLPClassifier, classifier_loss
+    >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    >>> tx, strategy = optax.sgd(0.1), jaxpar.Strategy(zero=1)
+    >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
+    >>> state, layout = jaxpar.init_train_state(model_fn, tx, mesh, strategy)
+    >>> step = make_train_step(classifier_loss, tx, layout, strategy, clip_norm=1.0)
+    >>> batch = {"x": np.ones((8, 4), np.float32), "y": np.zeros(8, np.int32)}   # split over ``data``
+    >>> state, metrics = step(state, batch)
+    >>> int(state.step), sorted(metrics)
+    (1, ['grad_norm', 'loss'])
+    >>> state, again = step(state, batch)
+    >>> float(again["loss"]) < float(metrics["loss"])
+    True
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, NamedTuple
+
+import jax
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.batch import batch_sharding, check_batch, check_stacked_batches, shard_batch
+from jaxpar.compat._settings import replicas_on
+from jaxpar.compat._table import Setting
+from jaxpar.mesh import batch_axes
+from jaxpar.parallel.moe import use_router_bias
+from jaxpar.step._balancing import finish as finish_moe
+from jaxpar.strategy import Strategy
+from jaxpar.step._exchange import compressed_exchange, exact_exchange, measured_exchange, run_exchange
+from jaxpar.step._grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
+from jaxpar.step._init import raise_table_problems
+from jaxpar.step._program import TrainStep, jit_program
+from jaxpar.step._relaxed import is_local
+from jaxpar.run._report import check_int
+from jaxpar.step._noise_scale import KEY as NOISE_SCALE
+from jaxpar.step._router_bias import KEY as BIAS
+from jaxpar.step._state import StateLayout, StrategyMismatchError, has_stats_part, layout_strategy, part_options
+from jaxpar.step._update import Update, apply_update, delayed_update
+
+__all__ = ["make_train_step", "StepOptions", "ExplicitDPError", "StrategyMismatchError", "batch_sharding",
+           "check_batch", "shard_batch"]
+
+
+class StepOptions(NamedTuple):
+    """``make_train_step``'s options that shape the programs (the update's are :class:`~._update.Update`)."""
+
+    explicit_dp: bool | None = None
+    steps_per_call: int = 1
+    noise_scale_every: int | None = None
+    noise_scale_ema: float = 0.95
+    donate: bool = True
+    router_bias_rate: float | None = None
+
+
+def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout: StateLayout,
+                    strategy: Strategy | None = None, *, clip_norm: float | None = None,
+                    log_lr: Callable | None = None, donate: bool = True,
+                    explicit_dp: bool | None = None, skip_nonfinite: bool = False,
+                    steps_per_call: int = 1, **removed) -> TrainStep:
+    """Build ``step(state, batch) -> (state, metrics)``, jitted with the layout's shardings.
+
+    The step runs the strategy the layout was built for (``layout.strategy``, from
+    :func:`jaxpar.init_train_state`). ``explicit_dp=True`` makes the data-axis collectives of
+    the model's stacked blocks explicit (:mod:`jaxpar.parallel._data_parallel`; an :class:`ExplicitDPError`
+    says why where it cannot), ``False`` leaves them to XLA, and ``None`` (default) decides
+    (:func:`~jaxpar.step._grads.explicit_data_parallel`). With a ``pipe`` mesh axis the step runs the strategy's
+    pipeline schedule on the model, cut at its stacked blocks (:mod:`jaxpar.parallel.pipeline._cut`),
+    with ``loss_fn`` on the last stage.
+
+    Args:
+      loss_fn: ``loss_fn(model, batch) -> scalar`` on the NNX model.
+      tx: the optax optimizer the state was created with; its own learning rate (and schedule)
+        drives the updates.
+      layout: the :class:`~jaxpar.StateLayout` from :func:`jaxpar.init_train_state`.
+      strategy: optional; when given it must be the layout's strategy (a
+        :class:`StrategyMismatchError` names both otherwise).
+      clip_norm: clip the averaged gradient to this global norm (``None``: no clipping).
+      log_lr: ``step -> learning rate``, logged as ``metrics["lr"]``; it is only logged (the
+        updates follow ``tx``).
+      donate: donate the input state's buffers.
+      explicit_dp: as above.
+      skip_nonfinite: a step whose loss or gradient norm is NaN / inf keeps the params and
+        optimizer state unchanged (the step counter still advances) and reports
+        ``metrics["skipped"] = True``.
+      steps_per_call: ``K``: ``step(state, batches)`` runs ``K`` optimizer steps in one program,
+        ``batches`` stacked ``[K, B, ...]``, every metric ``[K]``. PipeDream-2BW and weight
+        stashing run ``K`` steps of their no-flush pipeline; the other strategies scan their step
+        (the same updates as ``K`` calls).
+      **removed: options that no longer exist raise a ``TypeError`` that says what replaced them.
+
+    Returns:
+      The :class:`~jaxpar.step.TrainStep` (``step.lower`` for ahead-of-time compilation,
+      ``step.programs`` for every program it runs).
+    """
+    _refuse_removed(removed)
+    layout_strategy(layout, strategy)      # a strategy other than the layout's raises
+    update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, log_lr=log_lr)
+    every, ema = part_options(layout, NOISE_SCALE) or (None, 0.95)   # the state parts carry their options
+    opts = StepOptions(explicit_dp, steps_per_call, every, ema, donate, part_options(layout, BIAS))
+    _check_step(layout, update, opts)
+    return _program(program_kind(layout.strategy, dict(layout.mesh.shape), steps_per_call), loss_fn, layout,
+                    update, opts)
+
+
+def program_kind(strategy: Strategy, mesh_sizes: dict, steps_per_call: int = 1) -> str:
+    """Which program shape a step of ``strategy`` runs.
+
+    Args:
+      strategy: the layout's strategy.
+      mesh_sizes: the mesh's axis sizes.
+      steps_per_call: optimizer steps per call.
+
+    Returns:
+      ``'versioned-pipeline'`` (weight stashing, or several PipeDream-2BW steps: a no-flush
+      pipeline whose stages read older weight versions and run the update inside it),
+      ``'local'`` (DiLoCo / local SGD / EASGD: each replica's inner update, then an outer rule)
+      or ``'per-step'`` (one gradient, one exchange, one update per step, over replicas too; K
+      steps per call scanned in one program).
+    """
+    if strategy.schedule == "pipedream":
+        return "versioned-pipeline"
+    if steps_per_call != 1 and strategy.schedule == "pipedream-2bw" and mesh_sizes.get("pipe", 1) > 1:
+        return "versioned-pipeline"
+    if is_local(strategy.sync):
+        return "local"
+    return "per-step"
+
+
+def _program(kind: str, loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
+    """The step's programs for its shape (:func:`program_kind`)."""
+    if kind == "local":             # each replica's own update, then the outer rule
+        from jaxpar.step._local_steps import local_train_step   # relaxed synchronisation loads only when used
+
+        return local_train_step(loss_fn, layout, update, donate=opts.donate)
+    if kind == "versioned-pipeline":    # the update runs inside the pipeline, per stage or between steps
+        return _versioned_pipeline(loss_fn, layout, update, opts)
+    return _per_step(loss_fn, layout, update, opts)
+
+
+def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
+    """``steps_per_call``'s value, the compatibility table's refusals for this step
+    (:mod:`jaxpar.compat._table`), then the checks of the options' own values."""
+    strategy = layout.strategy
+    check_int("make_train_step", "steps_per_call", opts.steps_per_call, 1)
+    raise_table_problems(Setting(strategy, dict(layout.mesh.shape), explicit_dp=opts.explicit_dp,
+                                 steps_per_call=opts.steps_per_call, clip_norm=update.clip_norm,
+                                 noise_scale_every=opts.noise_scale_every, router_bias_rate=opts.router_bias_rate))
+    if strategy.schedule in ("pipedream", "pipedream-2bw"):       # the versions the state keeps
+        from jaxpar.parallel.pipeline._versioned_stage import check_versioned_state   # pipelines load only when used
+
+        check_versioned_state(strategy, dict(layout.mesh.shape), layout.versions)
+
+
+def _per_step(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
+    """One gradient, one exchange and one update per step; with the noise scale, a second program
+    measures every ``noise_scale_every`` steps; with ``steps_per_call`` K, one program scans K steps."""
+    mesh, strategy = layout.mesh, layout.strategy
+    step = _step_fn(loss_fn, layout, update, opts, measure=False)
+    if opts.steps_per_call != 1:
+        return _stacked_steps(scan_steps(step), layout, opts, None)
+    programs = {"step": jit_program(step, layout, batch_sharding(mesh), donate=opts.donate)}
+    choose = None
+    if opts.noise_scale_every is not None:
+        measure = _step_fn(loss_fn, layout, update, opts, measure=True)
+        programs["measure"] = jit_program(measure, layout, batch_sharding(mesh), donate=opts.donate)
+        every = opts.noise_scale_every
+        choose = lambda s: "measure" if s % every == 0 else "step"   # noqa: E731
+    check = lambda batch: check_batch(batch, mesh, strategy.microbatches)   # noqa: E731
+    return TrainStep(programs, check_batch=check, choose=choose, batch_sharding=batch_sharding(mesh))
+
+
+def scan_steps(step: Callable) -> Callable:
+    """``run(state, batches)``: ``step`` over the stacked batches ``[K, B, ...]`` in one ``lax.scan``
+    (metrics ``[K]``), the same K optimizer steps as K calls."""
+    def run(state, batches):
+        return jax.lax.scan(step, state, batches)
+
+    return run
+
+
+def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions, *, measure: bool):
+    """``step(state, batch) -> (state, metrics)``: the gradient, the exchange and the update of
+    the layout's strategy (:func:`_gradient`, :func:`_exchange`, :func:`_rule`; over ``replica``:
+    :func:`~jaxpar.step._replica_mean.replica_parts`), and the state
+    parts that follow the step (the noise scale when ``measure``, MoE's loads and router bias)."""
+    if _replicated(layout):
+        from jaxpar.step._replica_mean import replica_parts   # relaxed synchronisation loads only when used
+
+        gradient, exchange, rule = replica_parts(loss_fn, layout, update)
+    else:
+        gradient, exchange, rule = _gradient(loss_fn, layout, opts, measure), _exchange(layout, measure), \
+            _rule(layout, update)
+    replicas_ = manual_specs(layout).replicas if measure else 1
+    biased = has_stats_part(layout, BIAS)
+
+    def step(state, batch):
+        with use_router_bias(state.stats[BIAS] if biased else None):
+            loss, grads, metrics = gradient(state, batch)
+        loss, grads, parts, exchanged = exchange(state, loss, grads)
+        metrics = {**metrics, **exchanged}
+        if measure:
+            parts["stats"], metrics = _noise_scale_stats(state, batch, metrics, replicas_, opts.noise_scale_ema)
+        stats, metrics = finish_moe(parts.get("stats", state.stats), metrics, opts.router_bias_rate)   # MoE's part
+        if biased:
+            parts["stats"] = stats
+        return rule(state, loss, grads, parts=parts, metrics=metrics)
+
+    return step
+
+
+def _replicated(layout: StateLayout) -> bool:
+    """Whether the state holds replicas on a ``replica`` axis (the table's relaxed synchronisation)."""
+    return replicas_on(Setting(layout.strategy, dict(layout.mesh.shape)))
+
+
+def _gradient(loss_fn: Callable, layout: StateLayout, opts: StepOptions, measure: bool) -> Callable:
+    """``gradient(state, batch) -> (loss, grads, metrics)``: the pipeline's (at ``W(t-1)`` for
+    PipeDream-2BW), each data-parallel replica's (for a codec or a measurement), or the global one."""
+    strategy = layout.strategy
+    per_replica = strategy.compression is not None or measure
+    if dict(layout.mesh.shape).get("pipe", 1) > 1:
+        grad = pipeline_grads(loss_fn, layout, per_replica=per_replica)
+        read = (lambda s: s.versions) if strategy.schedule == "pipedream-2bw" else (lambda s: s.params)
+        return lambda state, batch: grad(read(state), batch)
+    if per_replica:
+        grad = replica_grads(loss_fn, layout, with_metrics=True)
+    else:
+        grad = global_grads(loss_fn, layout, explicit_dp=opts.explicit_dp, with_metrics=True)
+    return lambda state, batch: grad(state.params, batch)
+
+
+def _exchange(layout: StateLayout, measure: bool) -> Callable:
+    """``exchange(state, loss, grads) -> (loss, grads, parts, metrics)``: a codec's or a measured
+    exchange over the data axes, or none (XLA's exact one is inside the gradient); ``parts``: the
+    state parts it changed (a codec's state)."""
+    strategy = layout.strategy
+    if strategy.compression is None and not measure:
+        return lambda state, loss, grads: (loss, grads, {}, {})
+    man = manual_specs(layout)
+    if strategy.compression is not None:
+        from jaxpar.step._compressed import compression_plan   # compression loads only when used
+
+        inner = compressed_exchange(compression_plan(strategy.compression, layout, strategy.zero),
+                                    strategy.local_clip)
+    else:
+        inner = exact_exchange(man)
+    reduce = run_exchange(measured_exchange(inner, man) if measure else inner, layout)
+
+    def exchange(state, loss, grads):
+        grads, codec_state, metrics = reduce(grads, state.codec, state.step)
+        return loss, grads, ({"codec": codec_state} if strategy.compression is not None else {}), metrics
+
+    return exchange
+
+
+def _rule(layout: StateLayout, update: Update) -> Callable:
+    """``rule(state, loss, grads, *, parts, metrics) -> (state, metrics)``: the one update
+    (:func:`~jaxpar.step._update.apply_update`), or under PipeDream-2BW's version swap."""
+    strategy = layout.strategy
+    if strategy.schedule == "pipedream-2bw" and dict(layout.mesh.shape).get("pipe", 1) > 1:
+        return partial(delayed_update, update)
+    return partial(apply_update, update)
+
+
+def _noise_scale_stats(state, batch, metrics: dict, replicas_: int, ema: float) -> tuple[dict, dict]:
+    """The noise scale's moving averages after this step's two squared norms, and the metrics."""
+    from jaxpar.step._noise_scale import KEY, update as update_noise_scale
+
+    metrics = dict(metrics)
+    sq_small, sq_big = metrics.pop("grad_sq_small"), metrics.pop("grad_sq_big")
+    b_big = jax.tree.leaves(batch)[0].shape[0]
+    stats, measured = update_noise_scale(state.stats[KEY], sq_small, sq_big, b_big // replicas_, b_big, ema)
+    return {**state.stats, KEY: stats}, {**metrics, **measured}
+
+
+def _versioned_pipeline(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
+    """PipeDream's no-flush program (:mod:`jaxpar.parallel.pipeline._versioned_stage`),
+    ``steps_per_call`` steps each: stages that read the weight version the schedule names, the one
+    update per stage inside the pipeline (weight stashing) or on the whole model between steps (2BW)."""
+    if layout.strategy.schedule == "pipedream":      # make_train_step has checked the state's versions
+        from jaxpar.step._stashing_step import make_stashing_step   # pipelines load only when used
+
+        run, program = make_stashing_step(loss_fn, layout, update, opts.steps_per_call)
+    else:
+        from jaxpar.step._no_flush_steps import make_two_bw_steps
+
+        run, program = make_two_bw_steps(loss_fn, layout, update, opts.steps_per_call)
+    return _stacked_steps(run, layout, opts, program)
+
+
+def _stacked_steps(run: Callable, layout: StateLayout, opts: StepOptions, program) -> TrainStep:
+    """The step of a program that runs ``opts.steps_per_call`` optimizer steps on stacked batches
+    ``[K, B, ...]`` (metrics ``[K]``); with ``K = 1`` it takes one batch and returns one step's metrics."""
+    mesh, m, k = layout.mesh, layout.strategy.microbatches, opts.steps_per_call
+    if k == 1:
+        def one(state, batch):
+            new, metrics = run(state, jax.tree.map(lambda a: a[None], batch))
+            return new, jax.tree.map(lambda a: a[0], metrics)
+
+        return TrainStep({"step": jit_program(one, layout, batch_sharding(mesh), donate=opts.donate)},
+                         check_batch=lambda b: check_batch(b, mesh, m), batch_sharding=batch_sharding(mesh),
+                         pipeline_program=program)
+    stacked = NamedSharding(mesh, PartitionSpec(None, batch_axes(mesh) or None))
+    return TrainStep({"step": jit_program(run, layout, stacked, donate=opts.donate)},
+                     check_batch=lambda b: check_stacked_batches(b, mesh, m, k), batch_sharding=stacked,
+                     pipeline_program=program)
+
+
+def _refuse_removed(removed: dict) -> None:
+    if "lr_schedule" in removed:
+        raise TypeError("make_train_step(lr_schedule=...) was removed: it only logged metrics['lr'] and never "
+                        "changed the updates, which follow tx. Build tx with the schedule (e.g. "
+                        "optax.adamw(schedule)) and pass log_lr=schedule to log it.")
+    moved = {"noise_scale_every": "with_noise_scale(state, layout, every=k)",
+             "noise_scale_ema": "with_noise_scale(state, layout, every=k, ema=...)",
+             "router_bias_rate": "with_router_bias(state, layout, shape, rate=...)"}
+    named = sorted(set(removed) & set(moved))
+    if named:
+        name = named[0]
+        raise TypeError(f"make_train_step({name}=...) was removed: the option belongs to its state part. Give it "
+                        f"there, {moved[name]} (jaxpar.step.with_noise_scale / jaxpar.step.with_router_bias), and leave it "
+                        "out of make_train_step.")
+    if removed:
+        raise TypeError(f"make_train_step got unexpected keyword arguments {sorted(removed)}.")
+
+

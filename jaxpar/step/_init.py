@@ -1,0 +1,205 @@
+"""The train state created already sharded: ``eval_shape`` -> shardings -> ``jit(out_shardings=...)``.
+
+No full copy of the parameters or optimizer state ever sits on one device. Each feature that
+keeps state adds its part to the layout here: a codec's residuals (``codec``, :mod:`._compressed`),
+the replicas of relaxed synchronisation (``sync``, :mod:`._relaxed`), older weight versions of
+the PipeDream schedules (``versions``); running measurements are added by
+:func:`jaxpar.step.with_noise_scale` (``stats``).
+
+Example::
+
+    >>> import jax, optax
+    >>> from flax import nnx
+    >>> from jaxpar import MeshSpec, Strategy, make_mesh
+    >>> from jaxpar.models._mlp import MLPClassifier
+    >>> mesh = make_mesh(MeshSpec(fsdp=2), devices=jax.devices()[:2])
+    >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
+    >>> state, layout = init_train_state(model_fn, optax.adamw(1e-3), mesh, Strategy())
+    >>> layout.logical["up"][0]["kernel"], state.params["up"][0]["kernel"].sharding.spec
+    (P('embed', 'mlp'), P('fsdp', 'tensor'))
+    >>> state.opt_state[0].mu["up"][0]["kernel"].sharding.spec     # Adam moments: the same layout
+    P('fsdp', 'tensor')
+    >>> target = layout.abstract_state()   # ShapeDtypeStruct(..., sharding=...) tree for Orbax restore
+    >>> target.params["up"][0]["kernel"]
+    ShapeDtypeStruct(shape=(8, 8), dtype=float32, sharding=NamedSharding(...spec=P('fsdp', 'tensor')...))
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxpar.compat._settings import replicas_on
+from jaxpar.compat._table import Setting, raise_problems
+from jaxpar.rules import named_shardings, resolve
+from jaxpar.strategy import Strategy
+from jaxpar.parallel._tensor import warn_unsplit_tensor_axis
+from jaxpar.parallel._zero import zero_specs
+from jaxpar.adapters._layer_lists import stack_layers, stacked_counts
+from jaxpar.adapters._mesh_axes import check_model_axes
+from jaxpar.adapters._shapes import abstract_model
+from jaxpar.step._state import StateLayout, TrainState, optimizer_specs
+
+__all__ = ["init_train_state", "state_layout", "raise_table_problems"]
+
+
+def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
+                     strategy: Strategy = Strategy(), *, params: Any = None) -> tuple[TrainState, StateLayout]:
+    """Create the train state directly in its sharded layout.
+
+    ``model_fn()`` builds the model (eager sharding is turned off inside it: jaxpar places the
+    state). Parameters are annotated with logical names via ``nnx.with_partitioning`` /
+    ``out_sharding`` metadata.
+
+    Args:
+      model_fn: builds the NNX model (every variable an ``nnx.Param``).
+      tx: the optax optimizer.
+      mesh: the device mesh.
+      strategy: what to do with the mesh axes; the layout records it, and
+        :func:`jaxpar.make_train_step` runs it.
+      params: start from these parameters instead of ``model_fn``'s (e.g. :meth:`jaxpar.hf.Checkpoint.load`
+        onto ``state_layout(...).params``); the optimizer state starts fresh.
+
+    Returns:
+      ``(state, layout)``: the :class:`TrainState`, already sharded, and its :class:`StateLayout`.
+    """
+    layout, init = _layout_and_init(model_fn, tx, mesh, strategy)
+    if params is None:
+        return jax.jit(init, out_shardings=layout.shardings())(), layout
+    return jax.jit(init, out_shardings=layout.shardings())(params), layout
+
+
+def state_layout(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
+                 strategy: Strategy = Strategy()) -> StateLayout:
+    """The :class:`StateLayout` that :func:`init_train_state` builds, without creating the state.
+
+    Args:
+      model_fn: builds the NNX model; it is only traced (``eval_shape``).
+      tx: the optax optimizer.
+      mesh: the device mesh (abstract devices of a compile target work too).
+      strategy: what to do with the mesh axes.
+
+    Returns:
+      The layout; ``layout.abstract_state()`` is a restore or ahead-of-time compile target.
+
+    Example:
+      >>> import jax, optax
+      >>> from flax import nnx
+      >>> from jaxpar import Strategy, make_mesh
+      >>> from jaxpar.models._mlp import MLPClassifier
+      >>> mesh = make_mesh({"data": 2}, devices=jax.devices()[:2])
+      >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
+      >>> layout = state_layout(model_fn, optax.sgd(0.1), mesh, Strategy(zero=3))
+      >>> layout.strategy.zero, layout.params["up"][0]["kernel"]
+      (3, P('data', 'tensor'))
+    """
+    return _layout_and_init(model_fn, tx, mesh, strategy)[0]
+
+
+def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[StateLayout, Callable]:
+    """The layout and an ``init() -> TrainState`` to jit with the layout's shardings."""
+    sizes = dict(mesh.shape)
+    if sizes.get("pipe", 1) > 1:        # a pipeline cuts the layers: an nnx.List of alike layers runs stacked
+        model_fn = _stacking(model_fn)
+    graphdef, shapes, logical = abstract_model(model_fn)
+    rules = tuple(strategy.rules(mesh))
+    check_model_axes(logical, rules, mesh)
+    base = resolve(logical, rules, mesh, shapes)
+    params = zero_specs(base, shapes, logical, sizes, strategy.zero, "params")
+    warn_unsplit_tensor_axis(params, mesh)
+    grads = zero_specs(base, shapes, logical, sizes, strategy.zero, "grads")
+    opt_param = zero_specs(base, shapes, logical, sizes, strategy.zero, "opt")
+    opt_shapes, opt_state = optimizer_specs(tx, shapes, opt_param)
+    layout = StateLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt_param, opt_state, opt_shapes,
+                         strategy=strategy, layer_lists=stacked_counts(model_fn))
+    codec_init = layout.codec_init
+    _raise_strategy_problems(strategy, sizes)
+    if replicas_on(Setting(strategy, sizes)):
+        return _relaxed_layout_and_init(model_fn, tx, layout, strategy)
+    if strategy.compression is not None:
+        from jaxpar.step._compressed import compression_state   # compression loads only when used
+
+        make_codec, codec_specs, codec_shapes = compression_state(strategy.compression, layout, strategy.zero)
+        codec_init = jax.jit(make_codec, out_shardings=named_shardings(codec_specs, mesh))
+        layout = replace(layout, codec=codec_specs, codec_shapes=codec_shapes, codec_init=codec_init)
+    two_bw, stashed = _two_bw(strategy, mesh), _stashed(strategy, mesh)
+    if two_bw:      # PipeDream-2BW keeps W(t-1) beside W(t), in the same layout
+        layout = replace(layout, versions=layout.params, versions_shapes=layout.shapes)
+    if stashed:     # weight stashing keeps the newest older versions of every stage, newest first
+        layout = replace(layout, versions=(layout.params,) * stashed, versions_shapes=(layout.shapes,) * stashed)
+
+    def init(p=None):
+        p = _model_params(model_fn) if p is None else p
+        older = jax.tree.map(jnp.copy, p) if two_bw else ()
+        older = tuple(jax.tree.map(jnp.copy, p) for _ in range(stashed)) if stashed else older
+        return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), codec=codec_init(), versions=older)
+
+    return layout, init
+
+
+def _model_params(model_fn: Callable[[], nnx.Module]) -> Any:
+    with nnx.use_eager_sharding(False):
+        model = model_fn()
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _stacking(model_fn: Callable[[], nnx.Module]) -> Callable[[], nnx.Module]:
+    def stacked():
+        return stack_layers(model_fn())
+    return stacked
+
+
+def _raise_strategy_problems(strategy: Strategy, sizes: dict) -> None:
+    """The compatibility table's refusals of the strategy on this mesh (:mod:`jaxpar.compat._table`)."""
+    raise_table_problems(Setting(strategy, sizes))
+
+
+def raise_table_problems(setting: Setting) -> None:
+    """Raise the first refusal of the compatibility table (:func:`jaxpar.compat.raise_problems`)
+    as the :class:`~jaxpar.errors.JaxparError` subclass its problem declares (``SyncError``,
+    ``StashingError``, ``MoEError``, ...).
+
+    Args:
+      setting: what the run asks for.
+    """
+    raise_problems(setting)
+
+
+def _two_bw(strategy: Strategy, mesh: Mesh) -> bool:
+    """Whether the state keeps PipeDream-2BW's second weight version (errors for settings it cannot run)."""
+    from jaxpar.parallel.pipeline._two_bw import check_two_bw, is_two_bw
+
+    if strategy.schedule != "pipedream-2bw":
+        return False
+    check_two_bw(strategy, mesh.shape)
+    return is_two_bw(strategy, mesh.shape)
+
+
+def _stashed(strategy: Strategy, mesh: Mesh) -> int:
+    """Older weight versions the state keeps for PipeDream weight stashing (0: another schedule)."""
+    if strategy.schedule != "pipedream":
+        return 0
+    from jaxpar.parallel.pipeline._stash_versions import check_stashing, older_versions
+
+    check_stashing(strategy, mesh.shape)
+    return older_versions(mesh.shape["pipe"], strategy.update_every)
+
+
+def _relaxed_layout_and_init(model_fn, tx, layout: StateLayout, strategy: Strategy) -> tuple[StateLayout, Callable]:
+    """The state of K replicas (``replica`` axis; :mod:`jaxpar.step._relaxed`)."""
+    from jaxpar.step._relaxed import relaxed_layout   # relaxed synchronisation loads only when used
+
+    layout, make = relaxed_layout(layout, tx, strategy)
+
+    def init(p=None):
+        p = _model_params(model_fn) if p is None else p
+        opt_state, sync = make(p)
+        return TrainState(jnp.zeros((), jnp.int32), p, opt_state, sync=sync)
+
+    return layout, init

@@ -1,0 +1,209 @@
+"""The train step of replicas that train on their own between syncs: DiLoCo, local SGD and
+EASGD (:mod:`jaxpar.parallel.sync`) on the ``replica`` axis (:mod:`jaxpar.step._relaxed`).
+
+Its update has two levels: the *inner* program is the one
+:func:`~jaxpar.step._update.apply_update` on each replica's own gradient and optimizer state (no
+collective over ``replica``); every ``sync.every`` steps the *outer* rule moves the center from
+the replicas' mean (DiLoCo's outer optimizer on the pseudo-gradient, or EASGD's elastic pull), a
+program that takes the state alone. Before ``start_step`` a *warm* program keeps the replicas
+synchronous. Every program is :func:`~jaxpar.step._program.jit_program`'s; the inner programs keep
+their per-replica metrics sharded over ``replica`` (no gather). ``grad_norm`` is
+:mod:`jaxpar.step._update`'s: the root mean square of the replicas' norms. (The kinds that average
+gradients every step are the per-step composition's parts: :mod:`jaxpar.step._replica_mean`.)"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar.batch import batch_sharding, check_batch
+from jaxpar.mesh import REPLICA, replicas
+from jaxpar.rules import named_shardings
+from jaxpar.parallel.sync import DiLoCo
+from jaxpar.step._grads import global_grads
+from jaxpar.step._program import TrainStep, jit_program
+from jaxpar.step._relaxed import split_replicas
+from jaxpar.step._replica_mean import replica_bytes, weighted_sum
+from jaxpar.step._state import StateLayout, TrainState
+from jaxpar.step._update import Update, apply_update, updates_metrics
+
+__all__ = ["local_train_step", "local_steps", "run_local_steps"]
+
+
+def local_train_step(loss_fn: Callable, layout: StateLayout, update: Update, *, donate: bool) -> TrainStep:
+    """The step of DiLoCo / local SGD / EASGD (``layout.strategy.sync``) over the ``replica`` axis.
+
+    Args:
+      loss_fn: the user's loss.
+      layout: the relaxed layout (from :func:`jaxpar.init_train_state` on a ``replica`` mesh).
+      update: the inner update's options.
+      donate: donate the input state.
+
+    Returns:
+      The :class:`~jaxpar.step.TrainStep`; its programs are ``"step"`` (the inner one),
+      ``"outer"`` (the sync) and, with a ``start_step``, ``"warm"``.
+    """
+    strategy, mesh = layout.strategy, layout.mesh
+    return TrainStep(local_steps(loss_fn, layout, strategy.sync, update, donate=donate),
+                     check_batch=lambda batch: check_batch(batch, mesh, strategy.microbatches),
+                     run=run_local_steps(strategy.sync, layout), batch_sharding=batch_sharding(mesh),
+                     state_only=("outer",))
+
+
+def _any_replica(reps: Any, rep_specs: Any, specs: Any, mesh) -> Any:
+    """Replicas known to be identical -> the parameters, with no communication: each device keeps
+    its own replica's shard (a ``shard_map`` manual over ``replica`` that declares the result
+    replicated over it, which holds because every replica computed the same update)."""
+    take = jax.shard_map(lambda r: jax.tree.map(lambda x: x[0], r), mesh=mesh, in_specs=P(REPLICA),
+                         out_specs=P(), axis_names={REPLICA}, check_vma=False)    # inner axes stay automatic
+    return jax.lax.with_sharding_constraint(take(reps), named_shardings(specs, mesh))
+
+
+class _LocalPrograms:
+    """The programs of :func:`local_steps` (``inner``, ``warm``, ``outer``) for one layout, sync
+    kind and inner update."""
+
+    def __init__(self, loss_fn, layout: StateLayout, sync, update: Update):
+        self.layout, self.sync, self.mesh, self.k = layout, sync, layout.mesh, replicas(layout.mesh)
+        self.lg = global_grads(loss_fn, layout)
+        self.rep_specs = layout.sync["params"]
+        self.log_lr, self.inner_update = update.log_lr, update._replace(log_lr=None)
+
+    def one(self, step, p, o, b):
+        """One replica's inner optimizer step on its own batch."""
+        loss, grads = self.lg(p, b)
+        new, m = apply_update(self.inner_update, TrainState(step, p, o), loss, grads)
+        return new.params, new.opt_state, m
+
+    def replica_metrics(self, step, losses, m) -> dict:
+        """Per-replica ``[K]`` metrics (no gather over ``replica``) and the step's learning rate."""
+        rep = {"loss": losses, "grad_norm": m["grad_norm"], **({"skipped": m["skipped"]} if "skipped" in m else {})}
+        lr = {"lr": jnp.asarray(self.log_lr(step), jnp.float32)} if self.log_lr is not None else {}
+        return {"replica": rep, **lr}
+
+    def inner(self, state: TrainState, batch):
+        """Every replica's own optimizer step, no collective over ``replica``."""
+        p, o, m = jax.vmap(self.one, in_axes=(None, 0, 0, 0), spmd_axis_name=REPLICA)(
+            state.step, state.sync["params"], state.sync["opt"], split_replicas(batch, self.k, self.mesh))
+        metrics = self.replica_metrics(state.step, m["loss"], m)
+        return TrainState(state.step + 1, state.params, state.opt_state, sync={"params": p, "opt": o}), metrics
+
+    def warm(self, state: TrainState, batch):
+        """Before ``start_step``: synchronous. The replicas' gradients are averaged (an all-reduce
+        over ``replica``) and each replica applies the same update, so they stay identical."""
+        layout, mesh, k = self.layout, self.mesh, self.k
+        losses, grads = jax.vmap(self.lg, spmd_axis_name=REPLICA)(state.sync["params"], split_replicas(batch, k, mesh))
+        mean = weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), grads, layout.grads, mesh)
+
+        def apply(p, o):
+            new, m = apply_update(self.inner_update, TrainState(state.step, p, o), jnp.mean(losses), mean)
+            return new.params, new.opt_state, m
+
+        p, o, m = jax.vmap(apply, spmd_axis_name=REPLICA)(state.sync["params"], state.sync["opt"])
+        center = _any_replica(p, self.rep_specs, layout.params, mesh)
+        metrics = self.replica_metrics(state.step, losses, m)
+        return TrainState(state.step + 1, center, state.opt_state, sync={"params": p, "opt": o}), metrics
+
+    def outer(self, state: TrainState):
+        """The sync: the replicas' mean moves the center (DiLoCo's outer step, or EASGD's elastic pull)."""
+        mesh, k = self.mesh, self.k
+        mean = weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), state.sync["params"], self.layout.params, mesh)
+        if isinstance(self.sync, DiLoCo):
+            center, opt_state, reps = self._diloco_outer(state, mean)
+        else:
+            center, opt_state, reps = self._easgd_outer(state, mean)
+        reps = jax.lax.with_sharding_constraint(reps, named_shardings(self.rep_specs, mesh))
+        dist = jax.vmap(lambda r: optax.tree.norm(jax.tree.map(jnp.subtract, r, mean)), spmd_axis_name=REPLICA)(
+            state.sync["params"])
+        return (TrainState(state.step, center, opt_state, sync={"params": reps, "opt": state.sync["opt"]}),
+                {"replica_distance": dist})
+
+    def _diloco_outer(self, state: TrainState, mean):
+        """DiLoCo: the outer optimizer's step on the pseudo-gradient; every replica restarts from the center."""
+        delta = jax.tree.map(jnp.subtract, state.params, mean)       # the pseudo-gradient
+        updates, opt = self.sync.outer.update(delta, state.opt_state, state.params)
+        center = optax.apply_updates(state.params, updates)
+        reps = jax.tree.map(lambda c: jnp.broadcast_to(c, (self.k, *c.shape)), center)
+        return center, opt, reps
+
+    def _easgd_outer(self, state: TrainState, mean):
+        """EASGD (Zhang et al. 2015): the center and the replicas pulled toward each other."""
+        reps, alpha, k = state.sync["params"], self.sync.alpha, self.k
+        diff = jax.tree.map(lambda r, c: r - c, reps, state.params)
+        center = jax.tree.map(lambda c, r, c0: c + alpha * k * (r - c0), state.params, mean, state.params)
+        reps = jax.tree.map(lambda r, d: r - alpha * d, reps, diff)
+        return center, state.opt_state, reps
+
+
+def local_steps(loss_fn, layout: StateLayout, sync, update: Update, *, donate: bool) -> dict:
+    """DiLoCo / local SGD / EASGD: the inner program (each replica its own optimizer step, no
+    collective over ``replica``) every step, and the sync program every ``sync.every`` steps.
+
+    Args:
+      loss_fn: the user's loss.
+      layout: the relaxed layout.
+      sync: the sync kind (``diloco``, ``local_sgd`` or ``easgd``).
+      update: the inner update's options.
+      donate: donate the input state.
+
+    Returns:
+      ``{"step": inner, "outer": sync program, "warm": synchronous program before
+      ``start_step`` (only with one)}``, run by :func:`run_local_steps`.
+    """
+    mesh = layout.mesh
+    local = _LocalPrograms(loss_fn, layout, sync, update)
+    per_replica = NamedSharding(mesh, P(REPLICA))       # per-replica metrics: no gather over ``replica``
+    msh = {"replica": per_replica, **({"lr": NamedSharding(mesh, P())} if update.log_lr is not None else {})}
+    programs = {"step": jit_program(local.inner, layout, batch_sharding(mesh), donate=donate, metrics_sharding=msh),
+                "outer": jit_program(local.outer, layout, None, donate=donate,      # the state alone
+                                     metrics_sharding={"replica_distance": per_replica})}
+    if getattr(sync, "start_step", 0):
+        programs["warm"] = jit_program(local.warm, layout, batch_sharding(mesh), donate=donate, metrics_sharding=msh)
+    return programs
+
+
+def run_local_steps(sync, layout: StateLayout) -> Callable:
+    """``run(programs, state, batch, step) -> (state, metrics)`` for :func:`local_steps`' programs:
+    the inner program (or the synchronous ``warm`` one before ``sync.start_step``), then the sync
+    program after every ``sync.every``-th step.
+
+    Args:
+      sync: the sync kind.
+      layout: the relaxed layout.
+
+    Returns:
+      The runner, for :class:`~jaxpar.step.TrainStep` (``run=``).
+    """
+    every, start, nbytes = sync.every, getattr(sync, "start_step", 0), replica_bytes(layout)
+
+    def run(programs, state: TrainState, batch, count: int):
+        warming = count < start
+        state, m = programs["warm" if warming else "step"](state, batch)
+        count += 1
+        metrics = {k: v for k, v in m.items() if k != "replica"}
+        metrics.update(_replica_summary(m["replica"]), replica_bytes=0.0)
+        if warming:   # the gradients' all-reduce over ``replica``, as in synchronous data parallelism
+            metrics["replica_bytes"] = float(nbytes)
+        elif (count - start) % every == 0:
+            state, synced = programs["outer"](state)
+            metrics.update(replica_distance=jnp.mean(synced["replica_distance"]), replica_bytes=float(nbytes))
+        return state, metrics
+
+    return run
+
+
+@jax.jit
+def _replica_summary(rep: dict) -> dict:
+    """The step's metrics from the per-replica ones (:func:`~jaxpar.step._update.updates_metrics`:
+    ``grad_norm`` the root mean square of the replicas' update norms, ``skipped`` every replica's
+    update skipped) and the spread of their losses. It is one program of its own, run after the
+    step: the inner program must not communicate over ``replica``, and one program, not five,
+    because each program with a collective that is dispatched while the step may still run adds to
+    the XLA:CPU rendezvous that, with 8 simulated devices on 2 cores, was seen to time out."""
+    k = rep["loss"].shape[0]
+    skipped = jnp.sum(rep["skipped"].astype(jnp.int32)) if "skipped" in rep else None
+    out = updates_metrics(jnp.mean(rep["loss"]), jnp.sum(jnp.square(rep["grad_norm"])), k, skipped)
+    return {**out, "loss_spread": jnp.max(rep["loss"]) - jnp.min(rep["loss"])}

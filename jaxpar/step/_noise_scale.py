@@ -1,0 +1,276 @@
+"""The gradient noise scale ``B_simple = tr(Σ) / |G|²`` (McCandlish et al. 2018), estimated from two batch sizes.
+
+McCandlish, Kaplan, Amodei and the OpenAI Dota team, *An Empirical Model of Large-Batch
+Training* (arXiv:1812.06162), §2.2 and appendix A.1. ``G`` is the true gradient and ``Σ`` the
+per-example gradient covariance; the gradient ``G_B`` of a batch of ``B`` examples drawn
+independently has ``E|G_B|² = |G|² + tr(Σ) / B``. With the squared norms of gradients of two
+batch sizes ``B_small < B_big`` the unbiased estimators are::
+
+    |G|²  ≈  (B_big |G_big|² − B_small |G_small|²) / (B_big − B_small)
+    tr(Σ) ≈  (|G_small|² − |G_big|²) / (1 / B_small − 1 / B_big)
+
+In data-parallel training over ``N`` replicas ``B_small = B / N`` (one replica's batch) and
+``B_big = B`` (the global batch); ``|G_small|²`` is the mean over the replicas of each
+replica's squared gradient norm (``N`` draws: less variance than one). Each estimate alone is
+noisy (``|G|²`` can come out negative), so, as in the paper, exponential moving averages of
+``tr(Σ)`` and ``|G|²`` are kept separately (:func:`update`, bias-corrected like Adam's
+moments) and ``B_simple`` is their ratio. ``B_simple`` is in the units of ``B`` (batch rows:
+sequences for a language model; times the sequence length for tokens).
+
+Here: the pure estimators, the running state kept in ``TrainState.stats["noise_scale"]``
+(:func:`with_noise_scale`: checkpointed with the rest of the state) and a PNG of the
+estimate over training. The measurement is switched on in one place,
+``with_noise_scale(state, layout, every=k)``, and the step measures inside itself:
+every ``k``-th step runs a second program whose exchange is
+:func:`jaxpar.step._exchange.measured_exchange` (each replica's own gradient, then the average),
+with any flush pipeline schedule and any gradient codec; it needs a data axis (:mod:`jaxpar.compat._needs`).
+
+Example::
+
+    >>> state = init_state()
+    >>> state, m = update(state, sq_small=5.0, sq_big=2.0, b_small=4, b_big=16, ema=0.9)
+    >>> round(float(m["noise_grad_sq"]), 3), round(float(m["noise_trace"]), 3)   # (16*2 - 4*5) / 12, 3 / (1/4 - 1/16)
+    (1.0, 16.0)
+    >>> round(float(m["noise_scale"]), 3)                                        # B_simple = 16 / 1
+    16.0
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.step._state import has_stats_part, part_options, stats_part_layout, with_stats_part
+from jaxpar.errors import NoiseScaleError
+
+__all__ = ["NoiseScaleError", "KEY", "METRICS", "Measure", "check_options", "noise_scale_layout", "grad_sq_estimate", "trace_estimate",
+           "init_state", "update", "noise_scale_of", "with_noise_scale", "has_noise_scale", "plot_noise_scale"]
+
+#: The key of the noise-scale state in ``TrainState.stats``.
+KEY = "noise_scale"
+#: The metrics a measuring step reports (logged by :mod:`jaxpar.run._report`).
+METRICS = ("noise_scale", "grad_sq_small", "grad_sq_big", "noise_trace", "noise_grad_sq")
+
+
+class Measure(NamedTuple):
+    """How often the step measures (every ``every`` steps) and the moving averages' decay ``ema``."""
+
+    every: int
+    ema: float = 0.95
+
+
+def check_options(every: Any, ema: Any, owner: str = "with_noise_scale",
+                  names: tuple[str, str] = ("every", "ema")) -> None:
+    """Raise :class:`NoiseScaleError` unless ``every`` is an int >= 1 and ``ema`` a float in [0, 1).
+
+    Args:
+      every: measure every that many steps.
+      ema: the moving averages' decay.
+      owner: the function named in the error.
+      names: the names of ``every`` and ``ema`` there.
+
+    Raises:
+      NoiseScaleError: naming the bad option and what it must be.
+
+    >>> check_options(10, 0.95)
+    >>> check_options(0, 0.95)
+    Traceback (most recent call last):
+    ...
+    jaxpar.errors.NoiseScaleError: with_noise_scale(every=0): must be an int >= 1 ...
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise NoiseScaleError(f"{owner}({names[0]}={every!r}): must be an int >= 1 (measure every that many "
+                              "steps); to measure nothing, build the state without the noise-scale part.")
+    if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 <= ema < 1:
+        raise NoiseScaleError(f"{owner}({names[1]}={ema!r}): must be a float in [0, 1), the decay of the moving "
+                              "averages of tr(Σ) and |G|² per measurement (0: no averaging; e.g. 0.95).")
+
+
+def grad_sq_estimate(sq_small, sq_big, b_small, b_big):
+    """Unbiased ``|G|²`` from the squared gradient norms at two batch sizes.
+
+    Args:
+      sq_small: the squared gradient norm at batch size ``b_small`` (a mean over replicas).
+      sq_big: the squared gradient norm at batch size ``b_big``.
+      b_small, b_big: the two batch sizes, ``b_small < b_big`` (rows).
+
+    Returns:
+      ``(b_big sq_big - b_small sq_small) / (b_big - b_small)``, the type of the inputs.
+
+    >>> grad_sq_estimate(5.0, 2.0, 4, 16)
+    1.0
+    """
+    return (b_big * sq_big - b_small * sq_small) / (b_big - b_small)
+
+
+def trace_estimate(sq_small, sq_big, b_small, b_big):
+    """Unbiased ``tr(Σ)`` (per-example gradient covariance) from the same two squared norms.
+
+    Args:
+      sq_small: the squared gradient norm at batch size ``b_small`` (a mean over replicas).
+      sq_big: the squared gradient norm at batch size ``b_big``.
+      b_small, b_big: the two batch sizes, ``b_small < b_big`` (rows).
+
+    Returns:
+      ``(sq_small - sq_big) / (1 / b_small - 1 / b_big)``, the type of the inputs.
+
+    >>> trace_estimate(5.0, 2.0, 4, 16)
+    16.0
+    """
+    return (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big)
+
+
+def init_state() -> dict:
+    """The running state before any measurement: the two moving averages and the number of measurements.
+
+    >>> sorted(init_state())
+    ['count', 'ema_grad_sq', 'ema_trace']
+    """
+    return {"ema_trace": jnp.zeros((), jnp.float32), "ema_grad_sq": jnp.zeros((), jnp.float32),
+            "count": jnp.zeros((), jnp.int32)}
+
+
+def noise_scale_of(state: dict):
+    """``B_simple`` of a running state.
+
+    Args:
+      state: the running state (:func:`init_state`, :func:`update`).
+
+    Returns:
+      A float32 scalar: the ratio of the moving averages, in batch rows (NaN before any measurement).
+    """
+    return jnp.where(state["count"] > 0, state["ema_trace"] / state["ema_grad_sq"], jnp.nan)
+
+
+def update(state: dict, sq_small, sq_big, b_small: int, b_big: int, ema: float) -> tuple[dict, dict]:
+    """Fold one measurement into the moving averages.
+
+    Args:
+      state: the running state (:func:`init_state`).
+      sq_small: mean over the replicas of each replica's squared gradient norm (batch ``b_small``).
+      sq_big: the squared norm of the global gradient (batch ``b_big``).
+      b_small, b_big: one replica's batch and the global batch (rows).
+      ema: the moving averages' decay per measurement, in [0, 1).
+
+    Returns:
+      ``(state, metrics)``: the new running state, and float32 scalars named :data:`METRICS`;
+      ``noise_trace`` and ``noise_grad_sq`` are the bias-corrected averages (divided by
+      ``1 - ema**count``), ``noise_scale`` their ratio.
+    """
+    sq_small, sq_big = jnp.asarray(sq_small, jnp.float32), jnp.asarray(sq_big, jnp.float32)
+    trace = trace_estimate(sq_small, sq_big, b_small, b_big)
+    grad_sq = grad_sq_estimate(sq_small, sq_big, b_small, b_big)
+    new = {"ema_trace": ema * state["ema_trace"] + (1 - ema) * trace,
+           "ema_grad_sq": ema * state["ema_grad_sq"] + (1 - ema) * grad_sq,
+           "count": state["count"] + 1}
+    correction = 1 - jnp.float32(ema) ** new["count"].astype(jnp.float32)
+    metrics = {"noise_scale": noise_scale_of(new), "grad_sq_small": sq_small, "grad_sq_big": sq_big,
+               "noise_trace": new["ema_trace"] / correction, "noise_grad_sq": new["ema_grad_sq"] / correction}
+    return new, metrics
+
+
+def with_noise_scale(state, layout, *, every: int, ema: float = 0.95) -> tuple[Any, Any]:
+    """``(state, layout)`` with a fresh noise-scale state in ``TrainState.stats[KEY]`` (replicated
+    scalars), measured by the step every ``every`` steps: call it after :func:`jaxpar.init_train_state`
+    and before restoring a checkpoint; ``make_train_step`` reads ``every`` and ``ema`` from the layout.
+
+    Args:
+      state: the train state.
+      layout: its layout.
+      every: measure every that many steps (the step runs a second program then); required. A run
+        that measures nothing builds its state without this part (a checkpoint's measurements are
+        then dropped, with a warning).
+      ema: the moving averages' decay per measurement, in [0, 1).
+
+    Returns:
+      The state and layout with the part.
+
+    Raises:
+      NoiseScaleError: naming a bad ``every`` or ``ema``.
+
+    >>> import jax, optax, jaxpar
+    >>> from flax import nnx
+    >>> from jaxpar.models._mlp import MLPClassifier
+    >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
+    >>> state, layout = with_noise_scale(*jaxpar.init_train_state(model_fn, optax.sgd(0.1), mesh), every=10)
+    >>> int(state.stats["noise_scale"]["count"]), layout.stats["noise_scale"]["count"], part_options(layout, KEY)
+    (0, P(), Measure(every=10, ema=0.95))
+    """
+    return with_stats_part(state, layout, KEY, init_state(), _options(every, ema, "with_noise_scale"))
+
+
+def _options(every: Any, ema: Any, owner: str) -> Measure:
+    """The part's :class:`Measure`, checked (``owner``: the function named in an error)."""
+    check_options(every, ema, owner)
+    return Measure(every, ema)
+
+
+def noise_scale_layout(layout, *, every: int, ema: float = 0.95) -> Any:
+    """``layout`` with a place for the noise-scale state (replicated scalars), without creating it
+    (for ahead-of-time compilation: :meth:`~jaxpar.step._state.StateLayout.abstract_state` then has it).
+
+    Args:
+      layout: the train state's :class:`~jaxpar.step.StateLayout`.
+      every: as in :func:`with_noise_scale` (required).
+      ema: as in :func:`with_noise_scale`.
+
+    Returns:
+      The layout with ``stats[KEY]``.
+
+    Raises:
+      NoiseScaleError: naming a bad ``every`` or ``ema``.
+    """
+    return stats_part_layout(layout, KEY, jax.eval_shape(init_state), _options(every, ema, "noise_scale_layout"))
+
+
+def has_noise_scale(layout) -> bool:
+    """Whether a layout has a place for the noise-scale state.
+
+    Args:
+      layout: a :class:`~jaxpar.step.StateLayout`.
+
+    Returns:
+      True when it has ``stats[KEY]``.
+    """
+    return has_stats_part(layout, KEY)
+
+
+def plot_noise_scale(path: str | Path, steps: Sequence[int], values: Sequence[float], *,
+                     batch: int | None = None, title: str = "gradient noise scale") -> str:
+    """Write a PNG of ``B_simple`` over training (log scale where all values are positive).
+
+    Args:
+      path: the PNG file to write.
+      steps: the steps of the measurements.
+      values: ``B_simple`` at those steps; non-finite ones are left out.
+      batch: the global batch, drawn as a dashed line (``None``: none).
+      title: the plot's title.
+
+    Returns:
+      ``path`` as a string.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    pts = [(s, v) for s, v in zip(steps, values) if isinstance(v, (int, float)) and math.isfinite(v)]
+    ax.plot([s for s, _ in pts], [v for _, v in pts], "o-", ms=3, lw=1.2, label="B_simple = tr(Σ) / |G|² (EMA)")
+    if batch:
+        ax.axhline(batch, ls="--", color="gray", lw=1, label=f"global batch {batch}")
+    if pts and all(v > 0 for _, v in pts):
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("noise scale (examples)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(str(path))
+    return str(path)

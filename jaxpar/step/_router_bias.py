@@ -1,0 +1,144 @@
+"""Aux-loss-free load balancing (DeepSeek-V3) in the train step: a router bias per MoE layer, kept in
+``TrainState.stats["router_bias"]`` and moved towards balance after every step. It is switched on in
+one place: ``with_router_bias(state, layout, shape, rate=rate)`` adds the bias and its rate to the
+state, and ``make_train_step`` reads the rate from there.
+
+The bias is added to the router's scores to choose the experts only: it has no gradient and does
+not enter the combine weights (:func:`jaxpar.parallel.moe.route`). The step traces the loss under
+:func:`jaxpar.parallel.moe.use_router_bias` (the GPT's MoE layers read it with :func:`jaxpar.parallel.moe.router_bias`),
+then moves each layer's bias by ``rate`` towards balance:
+
+    b_e <- b_e + rate * sign(mean(load) - load_e)          (jaxpar.parallel.moe.update_router_bias)
+
+from that layer's load over the whole step: what the loss reports as :data:`jaxpar.parallel.moe.LAYER_LOADS`,
+averaged over micro-batches, replicas and pipeline micro-batches (a mean: the sign is the sum's). So
+every mesh, accumulation and pipeline moves the bias as one device does on the whole batch. What has
+no one load per step (PipeDream's no-flush schedules, replicas) is refused by the compatibility
+table (its feature RB, :mod:`jaxpar.compat._table`), here and in ``make_train_step``.
+
+>>> import jax, jax.numpy as jnp, numpy as np, optax, jaxpar
+>>> from flax import nnx
+>>> from jaxpar.models._gpt import GPT, GPTConfig, MoESettings, lm_loss
+>>> cfg = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2, moe=MoESettings(experts=4, bias_rate=0.001))
+>>> mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
+>>> state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh)
+>>> state, layout = with_router_bias(state, layout, (2, 4), rate=0.001)      # 2 MoE layers, 4 experts
+>>> step = jaxpar.make_train_step(lm_loss, optax.sgd(0.1), layout)
+>>> tokens = jnp.arange(32).reshape(4, 8)
+>>> state, metrics = step(state, {"tokens": tokens, "targets": tokens})
+>>> bias = np.asarray(state.stats["router_bias"])       # +-rate: below / above the mean load
+>>> bias.shape, sorted({round(float(b), 6) for b in bias.ravel()}) in ([-0.001, 0.001], [-0.001, 0.0, 0.001])
+((2, 4), True)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.compat import Setting, raise_problems
+from jaxpar.parallel.moe import LAYER_LOADS, MoEError, update_router_bias
+from jaxpar.step._state import has_stats_part, part_options, stats_part_layout, with_stats_part
+
+__all__ = ["KEY", "with_router_bias", "router_bias_layout", "has_router_bias", "balanced_bias"]
+
+#: The key of the router bias in ``TrainState.stats``.
+KEY = "router_bias"
+
+
+def _checked(shape: Any, rate: Any, owner: str = "with_router_bias") -> tuple[tuple[int, ...], float]:
+    """``(shape, rate)`` checked (``owner``: the function named in an error)."""
+    shape = tuple(shape)
+    if len(shape) != 2 or not all(isinstance(n, int) and n >= 1 for n in shape):
+        raise MoEError(f"{owner}(shape={shape!r}): give (MoE layers, experts), two positive ints.")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+        raise MoEError(f"{owner}(rate={rate!r}): the bias step must be a number > 0 (DeepSeek-V3: 0.001); a "
+                       "model that does not balance with a bias is built without this part.")
+    return shape, rate
+
+
+def _refuse_unbalanceable(layout: Any, rate: float) -> None:
+    """Raise the compatibility table's refusal of a router bias on ``layout``'s strategy and mesh (the RB
+    pairs of :mod:`jaxpar.compat._table`: no-flush schedules, replicas), as its class (``MoEError``)."""
+    raise_problems(Setting(layout.strategy, dict(layout.mesh.shape), router_bias_rate=rate))
+
+
+def router_bias_layout(layout: Any, shape: tuple[int, ...], *, rate: float) -> Any:
+    """``layout`` with a place for the router bias (replicated), without creating it (ahead-of-time
+    compilation: :meth:`~jaxpar.step._state.StateLayout.abstract_state` then has it).
+
+    Args:
+      layout: the train state's :class:`~jaxpar.step.StateLayout`.
+      shape: ``(MoE layers, experts)``.
+      rate: the bias step per train step, as in :func:`with_router_bias` (required).
+
+    Returns:
+      The layout with ``stats["router_bias"]``.
+
+    Raises:
+      MoEError: naming a bad shape or rate, or a strategy that cannot move the bias (the
+        compatibility table's RB pairs: PipeDream's no-flush schedules, replicas).
+    """
+    shape, rate = _checked(shape, rate, "router_bias_layout")
+    _refuse_unbalanceable(layout, rate)
+    return stats_part_layout(layout, KEY, jax.ShapeDtypeStruct(shape, jnp.float32), rate)
+
+
+def with_router_bias(state: Any, layout: Any, shape: tuple[int, ...], *, rate: float) -> tuple[Any, Any]:
+    """``(state, layout)`` with a zero router bias of ``shape`` in ``stats`` (replicated), moved by
+    ``rate`` towards balance after every step: call it after :func:`jaxpar.init_train_state` and
+    before restoring a checkpoint; ``make_train_step`` reads the rate from the layout.
+
+    Args:
+      state: the train state.
+      layout: its layout.
+      shape: ``(MoE layers, experts)`` (the GPT: ``(layers // moe.every, moe.experts)``).
+      rate: the bias step per train step, a number > 0 (DeepSeek-V3: 0.001); required.
+
+    Returns:
+      The state and layout with ``stats["router_bias"] = zeros(shape)``.
+
+    Raises:
+      MoEError: naming a bad shape or rate, or a strategy that cannot move the bias (the
+        compatibility table's RB pairs: PipeDream's no-flush schedules, replicas).
+    """
+    shape, rate = _checked(shape, rate)
+    _refuse_unbalanceable(layout, rate)
+    return with_stats_part(state, layout, KEY, jnp.zeros(shape, jnp.float32), rate)
+
+
+def has_router_bias(layout: Any) -> bool:
+    """Whether a layout keeps a router bias (:func:`with_router_bias`).
+
+    Args:
+      layout: the state's layout.
+
+    Returns:
+      True when it has ``stats[KEY]``.
+    """
+    return has_stats_part(layout, KEY)
+
+
+def balanced_bias(bias: jax.Array, metrics: dict, rate: float) -> jax.Array:
+    """The bias after a step whose metrics hold the loss's reported loads, ``metrics[LAYER_LOADS]``.
+
+    Args:
+      bias: ``stats["router_bias"]`` before the step, ``[layers, E]``.
+      metrics: the step's metrics (what the loss reported, averaged).
+      rate: the bias step.
+
+    Returns:
+      Each layer's bias moved by ``rate`` towards balance.
+
+    Raises:
+      MoEError: the loss reported no loads, or loads of another shape than the bias.
+    """
+    loads = metrics.get(LAYER_LOADS)
+    if loads is None or tuple(loads.shape) != tuple(bias.shape):
+        got = "no loads" if loads is None else f"loads of shape {tuple(loads.shape)}"
+        raise MoEError(f"the train state keeps a router bias of shape {tuple(bias.shape)} (with_router_bias), but the "
+                       f"loss reported {got} ({LAYER_LOADS!r}). A loss that balances with the bias reads it in its MoE "
+                       "layers (jaxpar.parallel.moe.router_bias()) and reports each layer's load per expert [layers, E] with "
+                       "jaxpar.report_metric (the GPT with MoE layers does both); else build the state without it.")
+    return jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias, loads, rate)

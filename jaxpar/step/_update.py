@@ -1,0 +1,190 @@
+"""The optimizer update of every train step: clip, optax, skip a non-finite step, log the lr.
+
+:func:`apply_update` is the one update; every program calls it for each optimizer update it
+applies. The rules that change *when* it applies or *with which weights* wrap it or call it:
+
+* :func:`delayed` / :func:`delayed_update` (PipeDream-2BW): the gradient at ``W(t-1)`` updates
+  ``W(t)``, which becomes the older version; the one-step program and the no-flush program of
+  ``K`` steps (:mod:`jaxpar.step._no_flush_steps`) both wrap their update with
+  :func:`delayed`, so they agree on every step, a skipped one included;
+* weight stashing (the same no-flush program) calls :func:`apply_update` for each stage's
+  update inside the pipeline (no ``clip_norm``: a global clip spans the stages);
+* relaxed synchronisation (:mod:`jaxpar.step._local_steps`) calls it once per step on the
+  replicas' (masked) mean gradient, once per replica in turn (the asynchronous parameter server),
+  or as each replica's inner update (DiLoCo / local SGD / EASGD, whose outer step is their own).
+
+**Metrics.** ``metrics["grad_norm"]`` is, in every program, the global L2 norm (over every
+parameter, all stages) of the gradient an optimizer update receives, before clipping. Where a
+step applies several updates, each on its own gradient (the replicas of DiLoCo / local SGD /
+EASGD, the asynchronous parameter server, weight stashing with ``update_every`` below
+``microbatches``), it is the root mean square of those norms, ``sqrt(mean_u |g_u|^2)``. With one
+update per step (data parallelism, ZeRO, pipelines, 2BW, compressed or relaxed averaging: the
+update receives the averaged gradient) that is the averaged gradient's norm, so with one replica
+and one stage every program reports the same number. The root mean square, not the norm of the
+replicas' mean: no update receives that mean when replicas update on their own, and it would cost
+an all-reduce of a model's worth over ``replica`` in a program that must not communicate (the
+root mean square needs ``K`` scalars). ``loss`` is the step's loss (the mean over its updates),
+``skipped`` (with ``skip_nonfinite``) whether the step changed no weight, ``skipped_updates`` (a
+step of several updates) how many were left out, ``lr`` (with ``log_lr``) the logged learning
+rate. :func:`updates_metrics` is that definition for a step of several updates.
+
+Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from jaxpar.step._state import TrainState
+    >>> tx = optax.sgd(0.5)
+    >>> state = TrainState(jnp.int32(0), {"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
+    >>> upd = Update(tx, clip_norm=1.0, skip_nonfinite=True, log_lr=lambda step: 0.5)
+    >>> new, m = apply_update(upd, state, jnp.float32(1.0), {"w": jnp.array([3.0, 4.0])})
+    >>> [round(float(w), 4) for w in new.params["w"]], float(m["grad_norm"]), bool(m["skipped"]), float(m["lr"])
+    ([0.7, 0.6], 5.0, False, 0.5)
+    >>> new, m = apply_update(upd, state, jnp.float32(jnp.nan), {"w": jnp.array([3.0, 4.0])})
+    >>> new.params["w"].tolist(), int(new.step), bool(m["skipped"])
+    ([1.0, 1.0], 1, True)
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxpar.step._state import TrainState
+
+__all__ = ["Update", "apply_update", "updates_metrics", "delayed", "delayed_update"]
+
+
+class Update(NamedTuple):
+    """The options of the update.
+
+    Attributes:
+      tx: the optax optimizer.
+      clip_norm: clip the gradient to this global norm first (``None``: no clipping).
+      skip_nonfinite: a step whose loss or gradient norm is not finite keeps every part of the
+        state as it was (the step counter still advances; under :func:`delayed` the older
+        version still becomes ``W(t)``) and reports ``skipped``.
+      log_lr: ``step -> learning rate``, logged as ``metrics["lr"]`` (the update follows ``tx``).
+    """
+
+    tx: optax.GradientTransformation
+    clip_norm: float | None = None
+    skip_nonfinite: bool = False
+    log_lr: Callable | None = None
+
+
+def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any, *,
+                 parts: dict | None = None, metrics: dict | None = None) -> tuple[TrainState, dict]:
+    """One optimizer step on ``state`` from ``grads``.
+
+    Args:
+      update: the options (:class:`Update`).
+      state: the train state before the step.
+      loss: the step's loss (a scalar).
+      grads: the gradient, in the parameters' tree.
+      parts: the state parts the step itself changed (``{"codec": ..., "stats": ...}``: a codec's
+        residuals, running measurements); they are kept, or rolled back with the rest when the
+        step is skipped.
+      metrics: more metrics of the step (an exchange's, a measurement's).
+
+    Returns:
+      ``(new state, metrics)``; metrics hold ``loss``, ``grad_norm`` (the global norm of
+      ``grads``, before clipping: see the module docstring), ``skipped`` (with
+      ``skip_nonfinite``) and ``lr`` (with ``log_lr``).
+    """
+    gnorm = optax.tree.norm(grads)
+    if update.clip_norm is not None:
+        scale = jnp.minimum(1.0, update.clip_norm / (gnorm + 1e-6))
+        grads = jax.tree.map(lambda g: g * scale, grads)
+    updates, opt_state = update.tx.update(grads, state.opt_state, state.params)
+    new = state._replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                         opt_state=opt_state, **(parts or {}))
+    out = {"loss": loss, "grad_norm": gnorm, **(metrics or {})}
+    if update.skip_nonfinite:
+        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        changed = ("params", "opt_state", *(parts or {}))
+        new = new._replace(**{f: jax.tree.map(lambda n, o: jnp.where(ok, n, o), getattr(new, f), getattr(state, f))
+                              for f in changed})
+        out["skipped"] = jnp.logical_not(ok)
+    if update.log_lr is not None:
+        out["lr"] = jnp.asarray(update.log_lr(state.step), jnp.float32)
+    return new, out
+
+
+def updates_metrics(loss: jax.Array, sq_norms: jax.Array, updates: int, skipped_updates: jax.Array | None = None,
+                    of: int | None = None, lr: Any = None) -> dict:
+    """The metrics of a step that applies several updates, each on its own gradient (see the
+    module docstring): what :func:`apply_update` reports for one.
+
+    Args:
+      loss: the step's loss.
+      sq_norms: the sum over the step's updates of their gradients' squared global norms.
+      updates: how many updates ``sq_norms`` sums.
+      skipped_updates: how many of the step's updates were skipped (``None``: the step does not
+        skip, ``skip_nonfinite=False``).
+      of: how many updates ``skipped_updates`` counts among (default ``updates``; weight
+        stashing counts each stage's part of an update).
+      lr: the logged learning rate (``None``: not logged).
+
+    Returns:
+      ``loss``, ``grad_norm`` (the root mean square of the updates' norms), with
+      ``skipped_updates`` given ``skipped`` (every update skipped: no weight changed) and
+      ``skipped_updates``, and with ``lr`` given ``lr``.
+
+    >>> import jax.numpy as jnp
+    >>> m = updates_metrics(jnp.float32(2.0), jnp.float32(3.0 ** 2 + 4.0 ** 2), 2, jnp.int32(1))
+    >>> round(float(m["grad_norm"]), 4), bool(m["skipped"]), int(m["skipped_updates"])
+    (3.5355, False, 1)
+    """
+    out = {"loss": loss, "grad_norm": jnp.sqrt(sq_norms / updates)}
+    if skipped_updates is not None:
+        out["skipped"] = skipped_updates >= (of or updates)
+        out["skipped_updates"] = jnp.asarray(skipped_updates).astype(jnp.int32)
+    if lr is not None:
+        out["lr"] = jnp.asarray(lr, jnp.float32)
+    return out
+
+
+def delayed(apply: Callable) -> Callable:
+    """PipeDream-2BW's update rule around an update ``apply(state, loss, grads, **kw) -> (state,
+    metrics)`` (:func:`apply_update` with its options bound): the gradient, taken at ``W(t-1) =
+    state.versions``, updates ``W(t) = state.params``, and ``W(t)`` becomes the older version.
+
+    A skipped step (``skip_nonfinite``) keeps the parameters and the optimizer state
+    (``W(t+1) = W(t)``), and ``W(t)`` still becomes the older version, so after it both versions
+    are ``W(t)`` and the next step's gradient is taken there. Keeping ``W(t-1)`` instead (as if
+    the step had never run) cannot hold in the no-flush pipeline: when step ``t``'s gradient is
+    found non-finite, the first micro-batches of step ``t+1`` have already run their forwards
+    (and, on the later stages, backwards) on ``W(t)``, so its gradient must be taken at ``W(t)``;
+    the one-step program follows the same rule, so ``steps_per_call=1`` and ``K`` give the same
+    states.
+
+    Args:
+      apply: the update, ``(state, loss, grads, **kw) -> (state, metrics)``.
+
+    Returns:
+      The delayed update, with ``apply``'s signature.
+    """
+    def rule(state: TrainState, loss: jax.Array, grads: Any, **kw) -> tuple[TrainState, dict]:
+        new, metrics = apply(state, loss, grads, **kw)
+        return new._replace(versions=state.params), metrics       # W(t) becomes the older version
+
+    return rule
+
+
+def delayed_update(update: Update, state: TrainState, loss: jax.Array, grads: Any, **kw) -> tuple[TrainState, dict]:
+    """:func:`apply_update` under PipeDream-2BW's rule (:func:`delayed`): ``grads`` (taken at
+    ``W(t-1) = state.versions``) update ``W(t)``, and ``W(t)`` becomes the older version, on a
+    skipped step too.
+
+    Args:
+      update: the options (:class:`Update`).
+      state: the train state; ``versions`` holds ``W(t-1)``.
+      loss: the step's loss.
+      grads: the gradient at ``W(t-1)``.
+      **kw: ``parts`` / ``metrics``, as for :func:`apply_update`.
+
+    Returns:
+      ``(new state, metrics)``.
+    """
+    return delayed(functools.partial(apply_update, update))(state, loss, grads, **kw)
