@@ -179,3 +179,19 @@ def test_user_code_imports_the_public_api_only():
     found = [f"{where}: {m.group(0)}" for where, text in code.items()
              for m in re.finditer(r"(?:from|import) jaxpar(?:\.\w+)*\._\w+", text)]
     assert not found, found
+
+
+def test_user_code_imports_names_the_packages_have():
+    """Every ``from jaxpar... import name`` of the examples, notebooks and docs names something public
+    the package has (the notebooks run in the slow pass only; a renamed or unexported name fails here)."""
+    import importlib.util
+    import re
+
+    missing = []
+    for where, text in _user_code().items():
+        for m in re.finditer(r"^[ \t]*from (jaxpar(?:\.\w+)*) import (\([^)]*\)|[^\n#]+)", text, re.M):
+            package = importlib.import_module(m.group(1))
+            names = [n.split(" as ")[0].strip() for n in m.group(2).strip("() \n").split(",") if n.strip()]
+            missing += [f"{where}: {m.group(1)}.{n}" for n in names if n.startswith("_") or not (
+                hasattr(package, n) or importlib.util.find_spec(f"{m.group(1)}.{n}") is not None)]
+    assert not missing, missing
