@@ -17,11 +17,11 @@ from flax import nnx
 import jaxpar
 from conftest import need_devices
 from jaxpar.analysis import collectives, count
-from jaxpar.parallel.moe import (MOE_LOGICAL, MoE, MoEError, capacity, expert_rules, load_cv, moe_apply, route,
-                        update_router_bias)
+from jaxpar.adapters._loss_metrics import with_reported_metrics
+from jaxpar.parallel import add_zero_axes, tensor_rules
+from jaxpar.parallel.moe import (MOE_LOGICAL, MoE, MoEError, balanced, capacity, expert_rules, load_cv, moe_apply, route,
+                                 update_router_bias, use_router_bias)
 from jaxpar.rules import logical_to_spec
-from jaxpar.parallel import tensor_rules
-from jaxpar.parallel import add_zero_axes
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 AUX_W, Z_W = 0.3, 0.1
@@ -352,13 +352,18 @@ def test_module_is_moe_apply_on_its_parameters():
     layer = MoE(D, M, E, top_k=2, gate="sigmoid", capacity_factor=1.0, shared_mlp=4, router_bias=True,
                 rngs=nnx.Rngs(3))
     assert layer.w1.out_sharding == ("experts", "embed", "mlp") and layer.router.out_sharding == ("embed", None)
-    assert "router_bias" not in nnx.state(layer, nnx.Param)          # state, not trained by the optimizer
+    assert "router_bias" not in layer.params() and not jax.tree.leaves(nnx.state(layer, nnx.Not(nnx.Param)))
     x, _ = make_inputs(7, 2, T, D)
-    y, stats = layer(x)
+    y, stats = layer(x)                                   # outside a step: no bias
     ref = moe_apply(layer.params(), x, top_k=2, gate="sigmoid", capacity_factor=1.0)
     assert_trees_close((y, stats), ref, rtol=0, atol=0)
-    layer.router_bias[...] = update_router_bias(layer.router_bias[...], stats.load, 0.01)   # what the step does
-    np.testing.assert_allclose(layer.router_bias[...], 0.01 * np.sign(np.mean(stats.load) - np.asarray(stats.load)))
+    bias = jnp.asarray(np.random.default_rng(0).normal(size=(2, E)), jnp.float32)
+    with use_router_bias(bias):                           # in a step: each call reads its site's row
+        (y1, y2), _ = with_reported_metrics(balanced(lambda v: (layer(v)[0], layer(v)[0])))(x)
+    for got, row in ((y1, bias[0]), (y2, bias[1])):
+        want = moe_apply({**layer.params(), "router_bias": row}, x, top_k=2, gate="sigmoid", capacity_factor=1.0)[0]
+        assert_trees_close(got, want, rtol=0, atol=0)
+    assert not np.allclose(y1, y2) and not np.allclose(y1, y)
 
 
 def test_bias_balancing_evens_the_load():

@@ -12,7 +12,8 @@ from flax import nnx
 
 import jaxpar
 from jaxpar import Strategy
-from jaxpar.parallel.moe import MoE, MoEError
+import jaxpar.step
+from jaxpar.parallel.moe import MoE, MoEError, moe_apply, update_router_bias
 
 from conftest import need_devices
 
@@ -169,13 +170,117 @@ def test_the_aux_loss_with_micro_batches_and_a_codec_is_refused_by_name():
         jaxpar.make_train_step(loss, optax.sgd(LR), layout)(state, jaxpar.shard_batch(_batch(0), mesh))
 
 
-def test_a_layer_that_keeps_its_own_router_bias_is_refused_by_name():
-    """``MoE(router_bias=True)`` keeps the bias in the layer, which the step would never move: init_train_state
-    refuses it with the fix (the aux loss), where a generic non-Param error would not say why."""
-    class Biased(nnx.Module):
-        def __init__(self, rngs):
-            self.moe = MoE(D, M, E, top_k=2, capacity_factor=None, router_bias=True, rngs=rngs)
 
+# ---------------------------------------------------------------- aux-loss-free balancing in the user's layers
+RATE, BIASED_MOE = 0.05, dict(top_k=2, capacity_factor=1.0)    # capacity 1.0 drops: the bias changes the outputs
+
+
+class BiasedBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.moe = MoE(D, M, E, **BIASED_MOE, router_bias=True, rngs=rngs)
+
+    __call__ = Block.__call__
+
+
+class BiasedStacked(Stacked):
+    """:class:`Stacked` with biased blocks."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Param(0.5 * jax.random.normal(rngs.params(), (V, D)), out_sharding=("vocab", "embed"))
+
+        @nnx.split_rngs(splits=2)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stack(r):
+            return BiasedBlock(r)
+
+        self.blocks = stack(rngs)
+        self.head = nnx.Param(0.5 * jax.random.normal(rngs.params(), (D, V)), out_sharding=("embed", "vocab"))
+
+
+class BiasedDirect(Direct):
+    """:class:`Direct` with layers that balance with the router bias."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Param(0.5 * jax.random.normal(rngs.params(), (V, D)), out_sharding=("vocab", "embed"))
+        self.moe1 = MoE(D, M, E, **BIASED_MOE, router_bias=True, rngs=rngs)
+        self.moe2 = MoE(D, M, E, **BIASED_MOE, router_bias=True, rngs=rngs)
+        self.head = nnx.Param(0.5 * jax.random.normal(rngs.params(), (D, V)), out_sharding=("embed", "vocab"))
+
+
+def _layer_params(params):
+    """Each MoE layer's parameters, in the order the forward runs them."""
+    if "blocks" in params:
+        return [jax.tree.map(lambda a: a[i], params["blocks"]["moe"]) for i in range(2)]
+    return [params["moe1"], params["moe2"]]
+
+
+def _by_hand(params, rate):
+    """One device, written out: each layer routes with its row of the bias (moe_apply's params), SGD on
+    the plain loss, then each row moves by the sign rule on that layer's load of the whole batch."""
+    def loss_of(p, bias, batch):
+        x, aux, loads = jnp.take(p["embed"], batch["tokens"], axis=0), 0.0, []
+        for lp, row in zip(_layer_params(p), bias):
+            y, stats = moe_apply({**lp, "router_bias": row}, x, **BIASED_MOE)
+            x, aux = x + y, aux + stats.aux_loss
+            loads.append(stats.load)
+        return cross_entropy(x @ p["head"], batch["targets"]) + AUX * aux, jnp.stack(loads)
+
+    grad = jax.jit(jax.value_and_grad(loss_of, has_aux=True))
+    bias, losses = jnp.zeros((2, E), jnp.float32), []
+    for i in range(STEPS):
+        (value, loads), g = grad(params, bias, _batch(i))
+        params = jax.tree.map(lambda p, d: p - LR * d, params, g)
+        bias = jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias, loads, rate)
+        losses.append(float(value))
+    return np.array(losses), np.asarray(bias), params
+
+
+def _biased_train(cls, axes, strategy):
+    n = int(np.prod(list(axes.values())))
+    mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:n])
+    state, layout = jaxpar.init_train_state(lambda: cls(nnx.Rngs(0)), optax.sgd(LR), mesh, strategy)
+    start = jax.device_get(state.params)
+    state, layout = jaxpar.step.with_router_bias(state, layout, (2, E), rate=RATE)
+    step, losses = jaxpar.make_train_step(loss, optax.sgd(LR), layout), []
+    for i in range(STEPS):
+        state, metrics = step(state, jaxpar.shard_batch(_batch(i), mesh))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), np.asarray(jax.device_get(state.stats["router_bias"])), start, jax.device_get(state.params)
+
+
+BIASED_CASES = {"direct-dp2-accumulate2": (BiasedDirect, {"data": 2}, Strategy(microbatches=2)),
+                "stacked-dp2-accumulate2": (BiasedStacked, {"data": 2}, Strategy(microbatches=2)),
+                "stacked-1f1b-pipe2": pytest.param(BiasedStacked, {"pipe": 2}, Strategy(microbatches=2, schedule="1f1b"),
+                                                   marks=pytest.mark.slow)}
+
+
+@need_devices(2)
+@pytest.mark.parametrize("cls, axes, strategy", [BIASED_CASES[k] for k in BIASED_CASES], ids=list(BIASED_CASES))
+def test_layers_with_router_bias_move_it_as_by_hand(cls, axes, strategy):
+    """``MoE(router_bias=True)`` layers read their rows of the train state's bias (one per MoE call, in
+    the forward's order: called directly, or stacked through scan_blocks and a pipeline's stages), and
+    the step moves it by each step's whole-batch loads: losses, the bias (exactly) and the parameters
+    after 3 SGD steps equal the one-device computation written out by hand."""
+    losses, bias, start, params = _biased_train(cls, axes, strategy)
+    ref_losses, ref_bias, ref_params = _by_hand(start, RATE)
+    plain_losses, _, _ = _by_hand(start, 0.0)
+    assert np.abs(ref_bias).max() > 0 and not np.allclose(ref_losses, plain_losses, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_array_equal(bias, ref_bias)
+    for (path, p), r, s in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params),
+                               jax.tree.leaves(start)):
+        scale = float(np.abs(r - s).max())
+        np.testing.assert_allclose(p - s, r - s, rtol=1e-5, atol=1e-5 * scale + 2e-7 * float(np.abs(s).max()),
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_bias_of_fewer_rows_than_layers_is_refused_by_name():
     mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    with pytest.raises(MoEError, match=r"MoE\(router_bias=True\).* build the layers with router_bias=False"):
-        jaxpar.init_train_state(lambda: Biased(nnx.Rngs(0)), optax.sgd(LR), mesh)
+    state, layout = jaxpar.init_train_state(lambda: BiasedDirect(nnx.Rngs(0)), optax.sgd(LR), mesh)
+    state, layout = jaxpar.step.with_router_bias(state, layout, (1, E), rate=RATE)
+    step = jaxpar.make_train_step(loss, optax.sgd(LR), layout)
+    with pytest.raises(MoEError, match=r"at least 2 MoE layers .* bias has 1 rows .* shape \(MoE layers, experts\)"):
+        step(state, jaxpar.shard_batch(_batch(0), mesh))
+    state, layout = jaxpar.init_train_state(lambda: BiasedDirect(nnx.Rngs(0)), optax.sgd(LR), mesh)
+    with pytest.raises(MoEError, match=r"MoE\(router_bias=True\) balances .*with_router_bias.* router_bias=False"):
+        jaxpar.make_train_step(loss, optax.sgd(LR), layout)(state, jaxpar.shard_batch(_batch(0), mesh))

@@ -6,8 +6,6 @@ from typing import Callable
 import jax
 from flax import nnx
 
-from jaxpar.errors import MoEError
-
 __all__ = ["abstract_model"]
 
 
@@ -22,8 +20,7 @@ def abstract_model(model_fn: Callable[[], nnx.Module]):
       ``ShapeDtypeStruct`` and one of ``PartitionSpec`` over logical names.
 
     Raises:
-      MoEError: MoE layers that keep their router bias in the layer (``MoE(router_bias=True)``).
-      ValueError: other state that is not an ``nnx.Param``.
+      ValueError: state that is not an ``nnx.Param``.
 
     Example:
       >>> from flax import nnx
@@ -36,13 +33,6 @@ def abstract_model(model_fn: Callable[[], nnx.Module]):
         abs_model = nnx.eval_shape(model_fn)
     graphdef, abs_params, rest = nnx.split(abs_model, nnx.Param, ...)
     kinds = sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))})
-    if "RouterBias" in kinds:
-        raise MoEError("init_train_state: the model's MoE layers keep their router bias in the layer "
-                       "(jaxpar.parallel.moe.MoE(router_bias=True)), where only a hand-written loop moves it "
-                       "(jaxpar.parallel.moe.update_router_bias). jaxpar's step keeps the bias in the train state "
-                       "(jaxpar.step.with_router_bias), which the GPT reads (GPTConfig.moe.bias_rate) and a "
-                       "user's MoE layer does not: build the layers with router_bias=False and balance them with "
-                       "the load-balancing loss (the MoEStats.aux_loss they return).")
     if kinds:
         raise ValueError(f"init_train_state: the model has non-Param state ({kinds}); jaxpar trains models whose "
                          "state is all nnx.Param. Keep RNG streams and counters outside the module.")

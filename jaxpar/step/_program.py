@@ -81,8 +81,9 @@ def _check_moe(layout: StateLayout, moe) -> None:
                        "Use a model with MoE layers, or put those devices on the data axis.")
     if has_stats_part(layout, BIAS) and not moe.router_bias:
         raise MoEError("the train state keeps a router bias (aux-loss-free balancing: with_router_bias), but the loss "
-                       "never read it (jaxpar.parallel.moe.router_bias(): the GPT with MoE layers does), so it would move "
-                       "without steering any choice. Read it in the MoE layers, or build the state without it.")
+                       "never read it, so it would move without steering any choice. Build the MoE layers with "
+                       "jaxpar.parallel.moe.MoE(..., router_bias=True) (GPTConfig.moe.bias_rate does), or build the "
+                       "state without it.")
 
 
 class HostStep:

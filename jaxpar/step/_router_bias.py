@@ -138,7 +138,7 @@ def balanced_bias(bias: jax.Array, metrics: dict, rate: float) -> jax.Array:
     if loads is None or tuple(loads.shape) != tuple(bias.shape):
         got = "no loads" if loads is None else f"loads of shape {tuple(loads.shape)}"
         raise MoEError(f"the train state keeps a router bias of shape {tuple(bias.shape)} (with_router_bias), but the "
-                       f"loss reported {got} ({LAYER_LOADS!r}). A loss that balances with the bias reads it in its MoE "
-                       "layers (jaxpar.parallel.moe.router_bias()) and reports each layer's load per expert [layers, E] with "
-                       "jaxpar.report_metric (the GPT with MoE layers does both); else build the state without it.")
+                       f"loss reported {got} ({LAYER_LOADS!r}): one row per MoE call of the forward. Give with_router_bias "
+                       "the shape (MoE layers, experts) of the model's MoE(router_bias=True) layers (the GPT's: "
+                       "(layers // moe.every, experts)), or build the state without it.")
     return jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias, loads, rate)

@@ -49,8 +49,8 @@ from jaxpar.adapters._loss_metrics import collect_metrics, report_metric, with_r
 from jaxpar.adapters._scoped import scoped
 from jaxpar.errors import MoEError
 
-__all__ = ["LAYER_LOADS", "Balance", "Probe", "balanced", "use_step_loads", "step_loads", "site_balance", "probe",
-           "reported_loads", "prepass_loads"]
+__all__ = ["LAYER_LOADS", "Balance", "Probe", "balanced", "use_step_loads", "step_loads", "use_router_bias",
+           "step_bias", "site_balance", "probe", "reported_loads", "prepass_loads"]
 
 #: The name under which a balanced loss reports its MoE layers' loads ``[sites, E]``.
 LAYER_LOADS = "moe/layer_loads"
@@ -85,6 +85,36 @@ def step_loads() -> Any:
     return _BALANCE.get().step
 
 
+_ROUTER_BIAS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_router_bias", default=None)
+
+
+def use_router_bias(bias: Any) -> ContextManager[None]:
+    """Give the losses traced in this context the aux-loss-free balancing bias of each MoE layer.
+
+    Args:
+      bias: ``[layers, E]``, one row per MoE call in the order the forward runs them (the sites of
+        :func:`balanced`), kept in the train state and moved by the step
+        (:mod:`jaxpar.step._router_bias`); ``None``: no bias.
+
+    Returns:
+      A context manager (:func:`jaxpar.parallel.moe.router_bias` reads the bias inside it).
+    """
+    return scoped(_ROUTER_BIAS, bias)
+
+
+def step_bias() -> Any:
+    """The bias of :func:`use_router_bias` (``None`` outside it), as it is: reading it marks nothing."""
+    return _ROUTER_BIAS.get()
+
+
+def _bias_rows(bias: Any, base: int, n: int) -> None:
+    """A :class:`MoEError` when the sites ``base .. base + n - 1`` have no row in the bias."""
+    if base + n > bias.shape[0]:
+        raise MoEError(f"the loss runs at least {base + n} MoE layers that balance with the router bias, and the "
+                       f"train state's bias has {bias.shape[0]} rows (shape {tuple(bias.shape)}): give "
+                       "with_router_bias the shape (MoE layers, experts), one row per MoE call the forward makes.")
+
+
 class _Trace:
     """One trace of a balanced loss: the sites' loads found so far (``None``: a site inside stacked
     layers, filled when they return) and the balance it was traced under."""
@@ -116,46 +146,50 @@ class _Slot:
     def __init__(self, extra: dict | None, experts: list, calls: int = 0):
         self.extra, self.experts, self.loads, self.calls = extra, experts, [], calls
 
-    def take(self, experts: int) -> tuple[Any, Any]:
+    def take(self, experts: int) -> tuple[Any, Any, Any]:
         j = len(self.experts)
         self.experts.append(experts)
         if self.extra is None:                       # counting the calls of one layer
-            return None, None
+            return None, None, None
         at = self.extra["index"] * self.calls + j
-        step, taps = self.extra.get("step"), self.extra.get("taps")
-        load = None if step is None else jax.lax.dynamic_slice(step, (0, at * experts), (1, experts))[0]
-        return load, None if taps is None else jax.lax.dynamic_slice(taps, (0, at), (1, 1))[0, 0]
+        row = lambda flat: None if flat is None else jax.lax.dynamic_slice(flat, (0, at * experts), (1, experts))[0]   # noqa: E731
+        taps = self.extra.get("taps")
+        return (row(self.extra.get("step")), None if taps is None else jax.lax.dynamic_slice(taps, (0, at), (1, 1))[0, 0],
+                row(self.extra.get("bias")))
 
 
 _SLOT: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_slot", default=None)
 
 
-def site_balance(experts: int) -> tuple[Any, Any, Callable[[jax.Array], None]]:
+def site_balance(experts: int) -> tuple[Any, Any, Callable[[jax.Array], None], Any]:
     """Take the next site for an MoE call.
 
     Args:
       experts: the call's number of experts.
 
     Returns:
-      ``(balance_load, tap, record)``: the step's load of its site ``[E]`` (``None``: its own), the
-      zero its balancing loss adds (``None``: none), and ``record(load)`` to report its load.
-      Outside a balanced loss: ``(None, None, a no-op)``.
+      ``(balance_load, tap, record, bias)``: the step's load of its site ``[E]`` (``None``: its own),
+      the zero its balancing loss adds (``None``: none), ``record(load)`` to report its load, and
+      its row ``[E]`` of the router bias (:func:`use_router_bias`; ``None``: none). Outside a
+      balanced loss: ``(None, None, a no-op, None)``.
     """
     slot = _SLOT.get()
     if slot is not None:
-        load, tap = slot.take(experts)
-        return load, tap, slot.loads.append
+        load, tap, bias = slot.take(experts)
+        return load, tap, slot.loads.append, bias
     trace = _TRACE.get()
     if trace is None:
-        return None, None, lambda load: None
+        return None, None, lambda load: None, None
     site = trace.reserve(1, experts)
-    b = trace.balance
+    b, bias = trace.balance, step_bias()
     pick = lambda rows: None if rows is None else rows[site]   # noqa: E731
+    if bias is not None:
+        _bias_rows(bias, site, 1)
 
     def record(load):
         trace.loads[site] = load
 
-    return pick(b.step), pick(b.taps), record
+    return pick(b.step), pick(b.taps), record, pick(bias)
 
 
 def _slotted(layer: Callable, calls: int) -> Callable:
@@ -201,6 +235,9 @@ def _runner(trace: _Trace, inner: Callable | None) -> Callable:
             extra["step"] = trace.rows(b.step, base, n).reshape(1, n * e)
         if b.taps is not None:
             extra["taps"] = trace.rows(b.taps, base, n).reshape(1, n)
+        if step_bias() is not None:
+            _bias_rows(step_bias(), base, n)
+            extra["bias"] = trace.rows(step_bias(), base, n).reshape(1, n * e)
         y, extra = plain(LayerCall(_slotted(call.layer, m), call.params, call.logical, (call.x, extra), call.remat,
                                    call.scan, call.closure))
         own = extra["own"].reshape(n, e)

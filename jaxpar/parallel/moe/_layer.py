@@ -9,8 +9,9 @@ stats.z_loss`` to its loss.
 Parameters (logical names in :data:`MOE_LOGICAL`): ``router[D, E]``, expert weights ``w1[E, D, M]`` and
 ``w2[E, M, D]`` stacked on a leading ``experts`` axis, optional shared experts ``shared_w1[D, S]``,
 ``shared_w2[S, D]`` (an always-on MLP) and the aux-loss-free balancing bias ``router_bias[E]``
-(a :class:`RouterBias` variable, not a ``Param``: the optimizer leaves it alone, the step updates it
-with :func:`~jaxpar.parallel.moe.update_router_bias`).
+(selection only). A layer built with ``router_bias=True`` keeps no bias of its own: inside a train
+step it reads its row of the bias the train state keeps (:func:`jaxpar.step.with_router_bias`, one
+row per MoE call in the order the forward runs them), which the step moves by the step's loads.
 
 **Gated experts** (Mixtral, Qwen2/3-MoE, DeepSeek): with ``w3[E, D, M]`` (named and split like ``w1``)
 an expert computes ``(act(x w1) * (x w3)) w2``: ``w1`` is the gate projection, ``w3`` the up projection
@@ -39,13 +40,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.adapters._scoped import scoped
-from jaxpar.parallel.moe._balance import site_balance
+from jaxpar.parallel.moe._balance import site_balance, step_bias
 from jaxpar.rules import constrain
 from jaxpar.parallel.moe._dispatch import activation_fn, dispatch_combine
 from jaxpar.parallel.moe._routing import MoEError, MoEStats, check_options, route, routing_stats
 
-__all__ = ["MOE_LOGICAL", "MoE", "MoECalls", "RouterBias", "count_moe_calls", "moe_apply", "shared_mlp",
-           "use_router_bias", "router_bias", "need_router_bias"]
+__all__ = ["MOE_LOGICAL", "MoE", "MoECalls", "count_moe_calls", "moe_apply", "shared_mlp",
+           "router_bias", "need_router_bias"]
 
 #: Logical names of the layer's parameters (a model that stacks layers adds a leading ``layers``).
 MOE_LOGICAL = {
@@ -81,55 +82,37 @@ def count_moe_calls() -> ContextManager[MoECalls]:
     return scoped(_CALLS, MoECalls())
 
 
-_ROUTER_BIAS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_router_bias", default=None)
-
-
-def use_router_bias(bias: Any) -> ContextManager[None]:
-    """Give the losses traced in this context the aux-loss-free balancing bias of each MoE layer.
-
-    Args:
-      bias: ``[layers, E]``, kept in the train state and updated by the step
-        (:mod:`jaxpar.step._router_bias`); ``None``: no bias.
-
-    Returns:
-      A context manager (:func:`router_bias` reads the bias inside it).
-    """
-    return scoped(_ROUTER_BIAS, bias)
-
-
 def router_bias() -> Any:
-    """The bias of :func:`use_router_bias` (``None`` outside it); the step checks that a loss reads the
+    """The bias of :func:`~jaxpar.parallel.moe.use_router_bias` (``None`` outside it); the step checks that a loss reads the
     bias it keeps.
 
     >>> import jax.numpy as jnp
+    >>> from jaxpar.parallel.moe import use_router_bias
     >>> with use_router_bias(jnp.zeros((2, 4))):
     ...     router_bias().shape
     (2, 4)
     """
-    bias = _ROUTER_BIAS.get()
+    bias = step_bias()
     calls = _CALLS.get()
     if calls is not None and bias is not None:
         calls.router_bias = True
     return bias
 
 
-def need_router_bias(setting: str) -> None:
+def need_router_bias(setting: str, off: str = "set the rate to 0") -> None:
     """A model that balances with a router bias says so by calling this while it traces.
 
     Args:
       setting: the model's option that asks for the bias, e.g. ``"GPTConfig.moe.bias_rate=0.001"``.
+      off: how to turn that option off, for the message.
 
     Raises:
-      MoEError: inside a step's trace without a bias (:func:`use_router_bias`), naming ``setting``.
+      MoEError: inside a step's trace without a bias (:func:`~jaxpar.parallel.moe.use_router_bias`), naming ``setting``.
     """
-    if _CALLS.get() is not None and _ROUTER_BIAS.get() is None:
+    if _CALLS.get() is not None and step_bias() is None:
         raise MoEError(f"{setting} balances the experts with a router bias kept in the train state, and this state "
                        "has none. Add it: state, layout = jaxpar.step.with_router_bias(state, layout, "
-                       "(moe_layers, experts), rate=...) (jaxpar train does), or set the rate to 0.")
-
-
-class RouterBias(nnx.Variable):
-    """The aux-loss-free balancing bias: state updated by the step, not by the optimizer."""
+                       f"(moe_layers, experts), rate=...) (jaxpar train does), or {off}.")
 
 
 def shared_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array | None = None, *,
@@ -164,7 +147,8 @@ def _check_params(params: dict[str, jax.Array]) -> None:
 
 def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gate: str = "softmax",
               capacity_factor: float | None = 1.25, normalize: bool = True,
-              balance_load: jax.Array | None = None, activation: str = "gelu") -> tuple[jax.Array, MoEStats]:
+              balance_load: jax.Array | None = None, activation: str = "gelu",
+              router_bias: bool = False) -> tuple[jax.Array, MoEStats]:
     """The MoE layer on ``x[G, T, D]`` (``G`` groups = batch rows, ``T`` tokens each).
 
     Args:
@@ -182,6 +166,9 @@ def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gat
         load there), else this call's own load.
       activation: the experts' (and shared experts') activation, ``"gelu"`` (``jax.nn.gelu``, tanh
         approximation) or ``"silu"``.
+      router_bias: choose the experts by ``scores + bias`` with this call's row of the router bias
+        the train state keeps (:func:`jaxpar.step.with_router_bias`; inside a step that has none, an
+        :class:`MoEError`); outside a step, no bias. ``params["router_bias"]``, if given, is used instead.
 
     Returns:
       ``(y[G, T, D], stats)``; ``y`` is the routed experts' output plus the shared experts'.
@@ -191,14 +178,19 @@ def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gat
     calls = _CALLS.get()
     if calls is not None:
         calls.layers += 1
+    step_load, tap, record, site_bias = site_balance(params["router"].shape[-1])
     bias = params.get("router_bias")
+    if router_bias and bias is None:
+        need_router_bias("MoE(router_bias=True)", "build the layers with router_bias=False")
+        bias = site_bias
+        if calls is not None and bias is not None:
+            calls.router_bias = True
     r = route(x, params["router"], top_k=top_k, gate=gate, capacity_factor=capacity_factor, normalize=normalize,
               bias=None if bias is None else jax.lax.stop_gradient(bias))
     y = dispatch_combine(x, r.expert, r.slot, r.weight, params["w1"], params["w2"], capacity=r.capacity,
                          w3=params.get("w3"), activation=activation)
     if "shared_w1" in params:
         y = y + shared_mlp(x, params["shared_w1"], params["shared_w2"], params.get("shared_w3"), activation=activation)
-    step_load, tap, record = site_balance(params["router"].shape[-1])
     stats = routing_stats(r, step_load if balance_load is None else balance_load)
     record(stats.load)
     return y, stats if tap is None else stats._replace(aux_loss=stats.aux_loss + tap)
@@ -217,7 +209,8 @@ class MoE(nnx.Module):
       gated: gated experts: an up projection ``w3`` (and ``shared_w3`` with shared experts); with
         ``activation="silu"`` the SwiGLU experts of Mixtral / Qwen3-MoE / DeepSeek.
       shared_mlp: hidden size ``S`` of the shared experts (0: none).
-      router_bias: keep an aux-loss-free balancing bias (:class:`RouterBias`).
+      router_bias: balance the experts with the router bias the train state keeps (aux-loss-free:
+        :func:`jaxpar.step.with_router_bias`), this layer's row of it (see :func:`moe_apply`).
       init_std: standard deviation of the initial weights.
       rngs: Flax random streams.
     """
@@ -229,7 +222,7 @@ class MoE(nnx.Module):
         check_options(experts, top_k, gate, capacity_factor)
         activation_fn(activation)
         self.options = dict(top_k=top_k, gate=gate, capacity_factor=capacity_factor, normalize=normalize,
-                            activation=activation)
+                            activation=activation, router_bias=router_bias)
         D, M, E, S = embed, mlp, experts, shared_mlp
         with nnx.use_eager_sharding(False):     # jaxpar places the state (as the GPT does)
             self.router = _normal(rngs, (D, E), MOE_LOGICAL["router"], init_std)
@@ -237,15 +230,13 @@ class MoE(nnx.Module):
             self.w2 = _normal(rngs, (E, M, D), MOE_LOGICAL["w2"], init_std)
             self.shared_w1 = _normal(rngs, (D, S), MOE_LOGICAL["shared_w1"], init_std) if S else None
             self.shared_w2 = _normal(rngs, (S, D), MOE_LOGICAL["shared_w2"], init_std) if S else None
-            self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32),
-                                          out_sharding=MOE_LOGICAL["router_bias"]) if router_bias else None
             # drawn last: the other weights are those of the same layer without gating
             self.w3 = _normal(rngs, (E, D, M), MOE_LOGICAL["w3"], init_std) if gated else None
             self.shared_w3 = _normal(rngs, (D, S), MOE_LOGICAL["shared_w3"], init_std) if gated and S else None
 
     def params(self) -> dict[str, Any]:
         """The arrays :func:`moe_apply` takes."""
-        names = ("router", "w1", "w2", "w3", "shared_w1", "shared_w2", "shared_w3", "router_bias")
+        names = ("router", "w1", "w2", "w3", "shared_w1", "shared_w2", "shared_w3")
         return {n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}
 
     def __call__(self, x: jax.Array, balance_load: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
