@@ -20,9 +20,15 @@ from conftest import need_devices
 V, D, M, E, T, ROWS, LR, STEPS, AUX = 32, 16, 16, 4, 8, 16, 0.1, 3, 0.1
 
 
+#: The MoE layers' options (the biased models below change them).
+MOE_KW = dict(top_k=2, capacity_factor=None)
+
+
 class Block(nnx.Module):
+    MOE_KW = MOE_KW
+
     def __init__(self, rngs):
-        self.moe = MoE(D, M, E, top_k=2, capacity_factor=None, rngs=rngs)
+        self.moe = MoE(D, M, E, **self.MOE_KW, rngs=rngs)
 
     def __call__(self, carry):
         x, aux = carry
@@ -32,14 +38,16 @@ class Block(nnx.Module):
 
 class Stacked(nnx.Module):
     """An embedding, 2 MoE blocks stacked with nnx.vmap and run by jaxpar.scan_blocks, a head."""
+    BLOCK = Block
 
     def __init__(self, rngs):
         self.embed = nnx.Param(0.5 * jax.random.normal(rngs.params(), (V, D)), out_sharding=("vocab", "embed"))
+        block = self.BLOCK
 
         @nnx.split_rngs(splits=2)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stack(r):
-            return Block(r)
+            return block(r)
 
         self.blocks = stack(rngs)
         self.head = nnx.Param(0.5 * jax.random.normal(rngs.params(), (D, V)), out_sharding=("embed", "vocab"))
@@ -52,11 +60,12 @@ class Stacked(nnx.Module):
 
 class Direct(nnx.Module):
     """An embedding, 2 MoE layers called one after the other, a head."""
+    MOE_KW = MOE_KW
 
     def __init__(self, rngs):
         self.embed = nnx.Param(0.5 * jax.random.normal(rngs.params(), (V, D)), out_sharding=("vocab", "embed"))
-        self.moe1 = MoE(D, M, E, top_k=2, capacity_factor=None, rngs=rngs)
-        self.moe2 = MoE(D, M, E, top_k=2, capacity_factor=None, rngs=rngs)
+        self.moe1 = MoE(D, M, E, **self.MOE_KW, rngs=rngs)
+        self.moe2 = MoE(D, M, E, **self.MOE_KW, rngs=rngs)
         self.head = nnx.Param(0.5 * jax.random.normal(rngs.params(), (D, V)), out_sharding=("embed", "vocab"))
 
     def __call__(self, tokens):
@@ -175,36 +184,18 @@ def test_the_aux_loss_with_micro_batches_and_a_codec_is_refused_by_name():
 RATE, BIASED_MOE = 0.05, dict(top_k=2, capacity_factor=1.0)    # capacity 1.0 drops: the bias changes the outputs
 
 
-class BiasedBlock(nnx.Module):
-    def __init__(self, rngs):
-        self.moe = MoE(D, M, E, **BIASED_MOE, router_bias=True, rngs=rngs)
-
-    __call__ = Block.__call__
+class BiasedBlock(Block):
+    MOE_KW = {**BIASED_MOE, "router_bias": True}
 
 
 class BiasedStacked(Stacked):
-    """:class:`Stacked` with biased blocks."""
-
-    def __init__(self, rngs):
-        self.embed = nnx.Param(0.5 * jax.random.normal(rngs.params(), (V, D)), out_sharding=("vocab", "embed"))
-
-        @nnx.split_rngs(splits=2)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stack(r):
-            return BiasedBlock(r)
-
-        self.blocks = stack(rngs)
-        self.head = nnx.Param(0.5 * jax.random.normal(rngs.params(), (D, V)), out_sharding=("embed", "vocab"))
+    """:class:`Stacked` of blocks whose layers balance with the router bias."""
+    BLOCK = BiasedBlock
 
 
 class BiasedDirect(Direct):
     """:class:`Direct` with layers that balance with the router bias."""
-
-    def __init__(self, rngs):
-        self.embed = nnx.Param(0.5 * jax.random.normal(rngs.params(), (V, D)), out_sharding=("vocab", "embed"))
-        self.moe1 = MoE(D, M, E, **BIASED_MOE, router_bias=True, rngs=rngs)
-        self.moe2 = MoE(D, M, E, **BIASED_MOE, router_bias=True, rngs=rngs)
-        self.head = nnx.Param(0.5 * jax.random.normal(rngs.params(), (D, V)), out_sharding=("embed", "vocab"))
+    MOE_KW = {**BIASED_MOE, "router_bias": True}
 
 
 def _layer_params(params):
