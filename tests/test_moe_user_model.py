@@ -266,7 +266,8 @@ def test_layers_with_router_bias_move_it_as_by_hand(cls, axes, strategy):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-def test_a_bias_of_fewer_rows_than_layers_is_refused_by_name():
+def test_a_bias_the_layers_cannot_read_is_refused_by_name():
+    """Fewer rows than MoE calls, no bias for layers built to read one, a bias no layer reads."""
     mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
     state, layout = jaxpar.init_train_state(lambda: BiasedDirect(nnx.Rngs(0)), optax.sgd(LR), mesh)
     state, layout = jaxpar.step.with_router_bias(state, layout, (1, E), rate=RATE)
@@ -275,4 +276,8 @@ def test_a_bias_of_fewer_rows_than_layers_is_refused_by_name():
         step(state, jaxpar.shard_batch(_batch(0), mesh))
     state, layout = jaxpar.init_train_state(lambda: BiasedDirect(nnx.Rngs(0)), optax.sgd(LR), mesh)
     with pytest.raises(MoEError, match=r"MoE\(router_bias=True\) balances .*with_router_bias.* router_bias=False"):
+        jaxpar.make_train_step(loss, optax.sgd(LR), layout)(state, jaxpar.shard_batch(_batch(0), mesh))
+    state, layout = jaxpar.init_train_state(lambda: Direct(nnx.Rngs(0)), optax.sgd(LR), mesh)   # layers without
+    state, layout = jaxpar.step.with_router_bias(state, layout, (2, E), rate=RATE)
+    with pytest.raises(MoEError, match=r"never read it, .*moe\.MoE\(\.\.\., router_bias=True\)"):
         jaxpar.make_train_step(loss, optax.sgd(LR), layout)(state, jaxpar.shard_batch(_batch(0), mesh))

@@ -82,7 +82,7 @@ def _check_moe(layout: StateLayout, moe) -> None:
     if has_stats_part(layout, BIAS) and not moe.router_bias:
         raise MoEError("the train state keeps a router bias (aux-loss-free balancing: with_router_bias), but the loss "
                        "never read it, so it would move without steering any choice. Build the MoE layers with "
-                       "jaxpar.parallel.moe.MoE(..., router_bias=True) (GPTConfig.moe.bias_rate does), or build the "
+                       "jaxpar.parallel.moe.MoE(..., router_bias=True) (the GPT: GPTConfig.moe.bias_rate > 0), or build the "
                        "state without it.")
 
 
