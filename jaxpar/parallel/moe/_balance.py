@@ -235,9 +235,9 @@ def _runner(trace: _Trace, inner: Callable | None) -> Callable:
             extra["step"] = trace.rows(b.step, base, n).reshape(1, n * e)
         if b.taps is not None:
             extra["taps"] = trace.rows(b.taps, base, n).reshape(1, n)
-        if step_bias() is not None:
-            _bias_rows(step_bias(), base, n)
-            extra["bias"] = trace.rows(step_bias(), base, n).reshape(1, n * e)
+        if (bias := step_bias()) is not None:
+            _bias_rows(bias, base, n)
+            extra["bias"] = trace.rows(bias, base, n).reshape(1, n * e)
         y, extra = plain(LayerCall(_slotted(call.layer, m), call.params, call.logical, (call.x, extra), call.remat,
                                    call.scan, call.closure))
         own = extra["own"].reshape(n, e)
