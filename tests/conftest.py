@@ -1,4 +1,8 @@
-"""Root test configuration: 8 simulated CPU devices, set once before any backend use.
+"""Root test configuration: 8 simulated CPU devices, set once before any backend use; the tiers.
+
+The tiers (docs/testing.md): unmarked tests are ``make test``'s; ``slow`` ones run in every CI run;
+``exhaustive`` ones in one share of three per CI run (``--share K/3``). tests/tiers.py moves cases
+between them; ``JAXPAR_TEST_REPORT=DIR`` writes each test's wall time and compiles (the cost report).
 
 Compiled programs are shared through JAX's persistent compilation cache, in a fresh directory
 per test session (removed at exit): many tests build the same train step or the same sharded
@@ -35,6 +39,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ.get("JAXPAR_TEST_COMPILATION_CACHE", "1") != "0":
@@ -58,8 +63,37 @@ jax.config.update("jax_num_cpu_devices", 8)
 import pytest  # noqa: E402
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: slower tests, not in the default run")
+def pytest_addoption(parser):
+    parser.addoption("--share", default=None, metavar="K/N",
+                     help="run share K (0-based) of N of the tests marked exhaustive (CI: docs/testing.md)")
+
+
+def _share(config) -> tuple[int, int] | None:
+    text = config.getoption("--share")
+    if text is None:
+        return None
+    try:
+        k, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--share {text}: expected K/N, e.g. --share 1/3") from None
+    if not 0 <= k < n:
+        raise pytest.UsageError(f"--share {text}: K must be in 0..N-1")
+    return k, n
+
+
+def share_of(nodeid: str, n: int) -> int:
+    """The share (0..n-1) an exhaustive test belongs to: a stable hash of its id."""
+    return zlib.crc32(nodeid.encode()) % n
+
+
+def tier_of(item) -> str:
+    """``fast`` (``make test``), ``slow`` (CI, every run) or ``exhaustive`` (CI, one share a run)."""
+    return next((m for m in ("slow", "exhaustive") if item.get_closest_marker(m)), "fast")
+
+
+def pytest_report_header(config):
+    share = _share(config)
+    return None if share is None else f"exhaustive tier: share {share[0]} of {share[1]} (--share {share[0]}/{share[1]})"
 
 
 def need_devices(n: int):
@@ -80,6 +114,78 @@ HEAVIEST_FIRST = (
 )
 
 
+def _apply_tiers(items):
+    """Mark what tests/tiers.py moves: a function's cases beyond ``FAST_CASES`` and the ``MOVED`` tests
+    are exhaustive, the ``SLOW`` tests slow. A name there that matches none of the collected tests is
+    an error when every file it names was collected."""
+    from tiers import FAST_CASES, MOVED, SLOW
+
+    seen = set()
+    for item in items:
+        function, _, case = item.nodeid.partition("[")
+        if function in FAST_CASES:
+            seen.add(function)
+            if case[:-1] not in FAST_CASES[function]:
+                item.add_marker(pytest.mark.exhaustive)
+        if item.nodeid in MOVED:
+            seen.add(item.nodeid)
+            item.add_marker(pytest.mark.exhaustive)
+        if item.nodeid in SLOW:
+            seen.add(item.nodeid)
+            item.add_marker(pytest.mark.slow)
+    named = {*FAST_CASES, *MOVED, *SLOW}
+    files = {i.nodeid.split("::")[0] for i in items}
+    stale = [n for n in named - seen if n.split("::")[0] in files]
+    if stale and all(n.split("::")[0] in files for n in named):
+        raise pytest.UsageError(f"tests/tiers.py names tests that do not exist: {sorted(stale)}")
+
+
+@pytest.hookimpl(tryfirst=True)         # before -m deselects by the markers this adds
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: the rest keep their order
+    _apply_tiers(items)
+    share = _share(config)
+    if share is not None:
+        other = {i for i in items if tier_of(i) == "exhaustive" and share_of(i.nodeid, share[1]) != share[0]}
+        if other:
+            config.hook.pytest_deselected(items=list(other))
+            items[:] = [i for i in items if i not in other]
+
+
+# --- cost report: JAXPAR_TEST_REPORT=DIR writes one JSON line per test (wall time, compiles) ---------------
+_COUNTED = {"/jax/compilation_cache/compile_requests_use_cache": "compiles",
+            "/jax/compilation_cache/cache_hits": "cache_hits",
+            "/jax/compilation_cache/cache_misses": "cache_misses"}
+_TIMED = {"/jax/core/compile/backend_compile_duration": "compile_s",
+          "/jax/core/compile/jaxpr_trace_duration": "trace_s"}
+_test_cost: dict = {}
+
+
+def _count_event(event, **_):
+    if event in _COUNTED:
+        _test_cost[_COUNTED[event]] = _test_cost.get(_COUNTED[event], 0) + 1
+
+
+def _time_event(event, seconds, **_):
+    if event in _TIMED:
+        _test_cost[_TIMED[event]] = _test_cost.get(_TIMED[event], 0.0) + seconds
+
+
+if os.environ.get("JAXPAR_TEST_REPORT"):
+    jax.monitoring.register_event_listener(_count_event)
+    jax.monitoring.register_event_duration_secs_listener(_time_event)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        import json
+        import time
+        _test_cost.clear()
+        start = time.perf_counter()
+        yield
+        record = {"test": item.nodeid, "wall_s": round(time.perf_counter() - start, 3),
+                  "tier": tier_of(item), **_test_cost}
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        os.makedirs(os.environ["JAXPAR_TEST_REPORT"], exist_ok=True)
+        with open(os.path.join(os.environ["JAXPAR_TEST_REPORT"], f"{worker}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -141,7 +141,7 @@ def test_a_tpu_data_parallel_step_reduces_every_gradient_once():
     assert compiled_bytes_per_axis(compiled, mesh) == {"data": 4 * n_params + 4}
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("target", ["h100:1x8", "tpu-v5p:2x2x2"])
 def test_a_pipelined_step_is_counted_on_gpu_and_tpu(target):
     """1F1B, 2 stages x 4 micro-batches, 10 ticks. The GPU compiler rewrites the tick loop's action

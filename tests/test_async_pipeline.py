@@ -109,8 +109,8 @@ def _assert_trees_close(got, ref, rtol=1e-5, atol=1e-7) -> int:
     return loose
 
 
-@pytest.mark.parametrize("opt", ["sgd", pytest.param("adam", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("p", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("opt", ["sgd", pytest.param("adam", marks=pytest.mark.exhaustive)])
+@pytest.mark.parametrize("p", [2, pytest.param(4, marks=pytest.mark.exhaustive)])
 def test_2bw_equals_delayed_gradient_reference(p, opt):
     """8 steps of pipe=p x data=8/p 2BW equal sequential delayed-gradient SGD / Adam."""
     tx = optax.sgd(0.5) if opt == "sgd" else optax.adam(1e-2)
@@ -122,7 +122,7 @@ def test_2bw_equals_delayed_gradient_reference(p, opt):
     assert not np.allclose(losses[2:], _undelayed_losses(tx, batches)[2:], rtol=1e-3)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_2bw_with_zero3_fsdp_and_tensor_equals_delayed_gradient_reference():
     """2BW composes with ZeRO-3 and tensor parallelism on the other axes (pipe2 x fsdp2 x tensor2):
     the same reference, and both weight versions stay sharded over fsdp."""
@@ -155,8 +155,8 @@ def _stacked(batches):
     return jax.tree.map(lambda *b: np.stack(b), *batches)
 
 
-@pytest.mark.parametrize("opt", ["sgd", pytest.param("adam", marks=pytest.mark.slow)])
-@pytest.mark.slow      # the flushed 2BW reference test and the no-flush resume run in the default pass
+@pytest.mark.parametrize("opt", ["sgd", pytest.param("adam", marks=pytest.mark.exhaustive)])
+@pytest.mark.exhaustive      # the flushed 2BW reference test and the no-flush resume run in the default pass
 @pytest.mark.parametrize("p,k", [(2, 4), (4, 8)])
 def test_no_flush_program_equals_delayed_gradient_reference(p, k, opt):
     """The no-flush program (steps_per_call=k, the optimizer between windows):
@@ -185,7 +185,7 @@ def _trip_counts(hlo: str, scope: str) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("p,m", [(2, 2), pytest.param(4, 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("p,m", [(2, 2), pytest.param(4, 4, marks=pytest.mark.exhaustive)])
 def test_no_flush_program_runs_the_table_ticks(p, m):
     """On the compiled program: one tick loop of 2m + 2(p-1) ticks (the first step,
     with the fill), then a loop over the k-1 later steps around a tick loop of 2m ticks: the
@@ -229,7 +229,7 @@ def _undelayed_losses(tx, batches, cfg=ACFG):
     return np.array(losses)
 
 
-@pytest.mark.slow      # ~27 s: in CI's slow pass, for the default suite's time
+@pytest.mark.exhaustive      # ~27 s: in the exhaustive tier, for the default suite's time
 def test_2bw_holds_two_versions_in_the_compiled_step():
     """The compiled 2BW step's arguments are 1F1B's plus one more copy of the
     stage's parameters (two versions per stage), and its temporaries are 1F1B's."""
@@ -290,7 +290,7 @@ def test_2bw_in_yaml():
 
 
 # ----------------------------------------------------------------------------- checkpoints
-@pytest.mark.slow   # 25 s; test_train_loop_runs_k_steps_per_call_and_resumes resumes 2BW bit-exactly by default
+@pytest.mark.exhaustive   # 25 s; test_train_loop_runs_k_steps_per_call_and_resumes resumes 2BW bit-exactly by default
 def test_2bw_resumes_bit_exact(tmp_path):
     """Saved after 4 steps and resumed, 4 more steps give exactly the uninterrupted run's
     weights and older version (W(t-1) is part of the checkpoint)."""
@@ -366,7 +366,7 @@ def test_train_loop_runs_k_steps_per_call_and_resumes(tmp_path):
             train(step, fresh(), lambda t: batches[t], mesh=mesh, **{"steps_per_call": k, **kw})
 
 
-@pytest.mark.slow        # four compiles, ~90 s on 2 cores
+@pytest.mark.exhaustive        # four compiles, ~90 s on 2 cores
 def test_no_flush_program_memory_is_flat_in_m():
     """The K-step program: same micro-batch size, m = 4 -> 16, its temporaries
     grow <= 1.25x (at most p micro-batches' residuals live, as in 1F1B: with this model GPipe's

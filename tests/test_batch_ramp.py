@@ -57,7 +57,7 @@ def test_bad_ramps_name_the_key(ramp, words):
         BatchRamp((16, 8), (0, 0))
 
 
-@pytest.mark.slow      # three CLI runs in subprocesses; tests/test_faults.py kills and resumes in the default run
+@pytest.mark.exhaustive      # three CLI runs in subprocesses; tests/test_faults.py kills and resumes in the default run
 def test_resume_mid_ramp_after_sigkill_is_bit_identical(tmp_path):
     ref = tmp_path / "ref"
     r = _run(ref, RAMP)
@@ -78,7 +78,7 @@ def test_resume_mid_ramp_after_sigkill_is_bit_identical(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_ramp_matches_decay_at_equal_tokens_and_the_noise_scale_grows(tmp_path):
     """The batch-ramp experiment, as benchmarked (benchmarks/large_batch.py, docs/benchmarks.md section
     10): a batch ramp at a constant learning rate ends within 3% of the cosine-decayed batch-32 run

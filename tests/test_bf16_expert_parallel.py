@@ -25,7 +25,7 @@ MOE = MoESettings(experts=8, top_k=2, capacity_factor=None, aux_weight=0.01, z_w
 CFG = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, layers=2, mlp=32, moe=MOE)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @need_devices(8)
 def test_bf16_expert_parallel_with_data_trains_like_one_device_bf16():
     bf16 = jaxpar.Strategy(**BF16)

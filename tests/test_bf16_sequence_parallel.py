@@ -84,7 +84,7 @@ def assert_no_worse_than_one_device(run, one, fp32):
 
 
 @need_devices(8)
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_bf16_sequence_parallel_with_data_trains_like_one_device_bf16():
     sp = jaxpar.Strategy(sequence_parallel=True, **BF16)
     run = train({"data": 2, "tensor": 4}, sp)

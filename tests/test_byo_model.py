@@ -89,12 +89,12 @@ MATRIX = {
 }
 
 
-# The slow pass (CI) runs these; ZeRO-3, FSDP x TP, DP x ZeRO-2 x FSDP x TP and the GPT's matrix
+# The exhaustive tier (CI, a third a run) runs these; ZeRO-3, FSDP x TP, DP x ZeRO-2 x FSDP x TP and the GPT's matrix
 # (tests/test_equivalence.py) cover the same reductions.
 SLOW = {"zero1", "zero2", "fsdp8", "dp2-tp4"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in MATRIX])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.exhaustive] if n in SLOW else []) for n in MATRIX])
 def test_user_model_matches_single_device(name, reference):
     sizes, kw = MATRIX[name]
     got = train(sizes, jaxpar.Strategy(**kw))
@@ -197,7 +197,7 @@ PIPELINES = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in ("1f1b", "interleaved") else [])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.exhaustive] if n in ("1f1b", "interleaved") else [])
                                   for n in PIPELINES])   # 1f1b in 1f1b-zero3; interleaved in tests/test_pipeline.py
 def test_user_model_pipelined_matches_single_device(name, reference):
     """pipe=2 x data=2 x tensor=2 with the user's own loss function."""

@@ -75,7 +75,7 @@ def finite(tree) -> bool:
 
 # ----------------------------------------------------------------------------- resharding
 @need_devices(8)
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_restore_onto_other_meshes_and_strategies(tmp_path):
     state, layout, step = build({"fsdp": 8}, zero=3)
     for i in range(2):

@@ -225,8 +225,8 @@ BYO = str(ROOT / "configs" / "byo_model.yaml")    # examples/patch_attention.py 
 BYO_PIPE = ["mesh.pipe=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "parallel.microbatches=4"]
 
 
-# the pipelined variant in the slow pass: tests/test_byo_model.py runs the user's model pipelined in process
-@pytest.mark.parametrize("overrides", [[], pytest.param(BYO_PIPE, marks=pytest.mark.slow)],
+# the pipelined variant in the exhaustive tier: tests/test_byo_model.py runs the user's model pipelined in process
+@pytest.mark.parametrize("overrides", [[], pytest.param(BYO_PIPE, marks=pytest.mark.exhaustive)],
                          ids=["dp2-zero3-fsdp2-tp2", "pipe2-dp2-tp2"])
 def test_byo_model_config_trains(overrides, tmp_path):
     """configs/byo_model.yaml trains the example's own model with its own loss, also as a pipeline."""
@@ -256,7 +256,7 @@ def test_explicit_sharding_model_config_trains(tmp_path):
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4]
 
 
-@pytest.mark.slow      # the context-parallel paths train in tests/test_context_train.py's default cases
+@pytest.mark.exhaustive      # the context-parallel paths train in tests/test_context_train.py's default cases
 def test_long_context_config_trains_over_a_context_axis(tmp_path):
     """configs/long_context.yaml trains the GPT on 1,024-token windows with the sequence split over
     context=4 (ring, balanced) and data=2; a method the context axis cannot run is named by its key."""
@@ -285,7 +285,7 @@ def test_megatron_config_trains_with_sequence_parallelism_inside_the_pipeline(tm
     assert len(losses) == 4 and np.isfinite(losses).all() and losses[-1] < losses[0], losses
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_megatron_config_compiles_for_h100(capsys):
     """The same layout on 16 H100s (pipe2 x data2 x tensor4), compiled deviceless: SP's all-gathers and
     reduce-scatters over tensor, the stages' sends over pipe, and the cost model's table beside it."""
@@ -297,7 +297,7 @@ def test_megatron_config_compiles_for_h100(capsys):
     assert "bytes over tensor per step" in out and "fits" in out
 
 
-@pytest.mark.slow      # the expert-parallel paths train in tests/test_moe_train.py's default cases
+@pytest.mark.exhaustive      # the expert-parallel paths train in tests/test_moe_train.py's default cases
 def test_moe_config_trains_over_an_expert_axis(tmp_path):
     """configs/moe.yaml trains the GPT with 8 experts top-2 split over expert=4 x data=2; bad MoE
     settings and an expert axis that does not divide the experts are named by their keys."""

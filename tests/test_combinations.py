@@ -68,7 +68,7 @@ def test_lr_schedule_is_refused_and_log_lr_only_logs():
     np.testing.assert_array_equal(jax.device_get(a.params["out"]["kernel"]), jax.device_get(b_.params["out"]["kernel"]))
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_explicit_dp_runs_inside_several_steps_per_call():
     """explicit_dp=True with steps_per_call=2 scans the explicit program (its per-layer collectives,
     not XLA's), and its two steps are two calls of the one-step program."""

@@ -88,6 +88,23 @@ def test_deterministic_codecs_error(codec):
         assert bool(jnp.all(jnp.sign(y) == jnp.where(x >= 0, 1.0, -1.0)))
 
 
+@pytest.mark.parametrize("codec", [sign(bucket=64), onebit(bucket=64)], ids=lambda c: c.name)
+def test_sign_codecs_decode_to_their_bucket_scales(codec):
+    """Scaled sign: ``|y|`` is the bucket's mean ``|x|``; 1-bit SGD: the mean of the bucket's
+    non-negative values where ``x >= 0``, of its negative ones elsewhere (fp32 round-off)."""
+    x = jax.random.normal(jax.random.key(2), (2, 256))
+    y = np.asarray(codec.decode(codec.encode(x, jax.random.key(0)))).reshape(-1, 64)
+    v = np.asarray(x, np.float64).reshape(-1, 64)
+    if codec.name == "sign":
+        want = np.sign(v + (v == 0)) * np.mean(np.abs(v), axis=1, keepdims=True)
+    else:
+        pos = v >= 0
+        hi = (v * pos).sum(1, keepdims=True) / pos.sum(1, keepdims=True)
+        lo = (v * ~pos).sum(1, keepdims=True) / (~pos).sum(1, keepdims=True)
+        want = np.where(pos, hi, lo)
+    np.testing.assert_allclose(y, want, rtol=1e-5)
+
+
 def test_payloads_are_packed():
     k = 4096
     assert qsgd(bucket=512).row_bytes(k) == k + 4 * 8                 # int8 codes + fp32 norms

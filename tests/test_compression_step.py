@@ -51,11 +51,11 @@ def _data_collectives(compiled, mesh):
     return out
 
 
-# one codec per payload kind in the default pass (quantised, sparse, low rank); every codec in the slow one
+# one codec per payload kind in the default pass (quantised, sparse, low rank); every codec in the exhaustive tier
 WIRE_DEFAULT = {"qsgd", "topk", "powersgd"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in WIRE_DEFAULT else [pytest.mark.slow])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in WIRE_DEFAULT else [pytest.mark.exhaustive])
                                   for n in CODECS])
 def test_wire_bytes_in_the_compiled_step(name):
     """The data-axis collectives carry the codec's payload (bytes: u8) and the sizes its plan
@@ -104,12 +104,12 @@ def reference():
 
 
 # the default pass: PowerSGD at full rank on DP8, top-k 100 % under ZeRO-2; the rest (sign's exact
-# steps too: tests/test_onebit_adam.py checks them on DP8 against AdamW) in the slow pass
+# steps too: tests/test_onebit_adam.py checks them on DP8 against AdamW) in the exhaustive tier
 LOSSLESS_DEFAULT = {("powersgd-full", 0), ("topk-1", 2)}
 
 
 @pytest.mark.parametrize("codec, zero", [
-    pytest.param(codec, zero, id=f"{name}-{zero}", marks=[] if (name, zero) in LOSSLESS_DEFAULT else [pytest.mark.slow])
+    pytest.param(codec, zero, id=f"{name}-{zero}", marks=[] if (name, zero) in LOSSLESS_DEFAULT else [pytest.mark.exhaustive])
     for name, codec in [("powersgd-full", powersgd(rank=64, min_compression_rate=0)), ("topk-1", topk(1.0)),
                         ("sign-before-start", sign(start_step=100))] for zero in (0, 2)])
 def test_lossless_settings_match_the_uncompressed_step(reference, zero, codec):
@@ -165,15 +165,15 @@ def test_local_clip_errors_name_the_fix():
 COMPOSE = [({"data": 8}, 0), ({"data": 8}, 2), ({"fsdp": 4, "tensor": 2}, 0), ({"pipe": 2, "data": 4}, 0)]
 
 
-@pytest.mark.parametrize("name, mesh_i, accum", [pytest.param("qsgd", 0, 1, marks=pytest.mark.slow), ("sign", 1, 2),
-                                                  ("topk", 2, 1), pytest.param("powersgd", 3, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name, mesh_i, accum", [pytest.param("qsgd", 0, 1, marks=pytest.mark.exhaustive), ("sign", 1, 2),
+                                                  ("topk", 2, 1), pytest.param("powersgd", 3, 2, marks=pytest.mark.exhaustive)])
 def test_codecs_train_under_the_strategies(name, mesh_i, accum):
     """Loss falls and stays finite: DP8, ZeRO-2, ZeRO-3 fsdp4 x tensor2, pipe2 x data4 (1F1B),
-    with and without accumulation (the full codec x mesh x accumulation matrix is in the slow pass)."""
+    with and without accumulation (the full codec x mesh x accumulation matrix is in the exhaustive tier)."""
     _trains(name, *COMPOSE[mesh_i], accum)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("mesh_i", range(len(COMPOSE)))
 @pytest.mark.parametrize("name", list(CODECS))
@@ -181,7 +181,7 @@ def test_codec_strategy_matrix(name, mesh_i, accum):
     _trains(name, *COMPOSE[mesh_i], accum)
 
 
-@pytest.mark.slow      # local clipping itself runs in the default pass (test_local_clip_clips_each_replica_...)
+@pytest.mark.exhaustive      # local clipping itself runs in the default pass (test_local_clip_clips_each_replica_...)
 @pytest.mark.parametrize("mesh_i", [2, 3], ids=["zero3-fsdp4-tp2", "pipe2-data4"])
 def test_local_clip_trains_under_zero3_and_pipelines(mesh_i):
     """Each replica's norm is taken over its whole gradient (sharded over ``tensor`` / ``pipe``)."""
@@ -248,11 +248,11 @@ def _setup(sizes, codec):
 
 
 # the default pass: an error-feedback residual (sign), a low-rank warm start (powersgd), a compressed
-# optimizer moment (topk-1bit-adam); the others keep the same kinds of state: in the slow pass
+# optimizer moment (topk-1bit-adam); the others keep the same kinds of state: in the exhaustive tier
 STATEFUL_DEFAULT = {"sign", "powersgd", "topk-1bit-adam"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in STATEFUL_DEFAULT else [pytest.mark.slow])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in STATEFUL_DEFAULT else [pytest.mark.exhaustive])
                                   for n in STATEFUL])
 def test_codec_state_is_checkpointed_bit_exactly(name, tmp_path):
     """3 steps, save, 3 more = restore the save into a fresh process state, 3 more: identical."""

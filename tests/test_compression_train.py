@@ -103,10 +103,10 @@ def final_states(outs: list[Path], extra) -> list:
     return states
 
 
-# three CLI runs in subprocesses per codec: in the slow pass. The default run checks each stateful
+# three CLI runs in subprocesses per codec: in the exhaustive tier. The default run checks each stateful
 # codec's checkpoint in-process (test_compression_step.py::test_codec_state_is_checkpointed_bit_exactly)
 # and a SIGKILL resume without a codec (tests/test_faults.py).
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("name", ["powersgd", "topk-momentum", "sign"])
 def test_exact_resume_after_sigkill_with_stateful_codecs(name, tmp_path):
     _exact_resume(name, tmp_path)
@@ -134,7 +134,7 @@ def test_bad_compression_config_names_the_key(override, words):
         assert w in str(e.value)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_compressed_training_converges_like_uncompressed(tmp_path):
     """300 steps of the quickstart GPT on 8 replicas with SGD + momentum, no weight decay
     (benchmarks/compression_convergence.py): int8 QSGD and PowerSGD rank 4 end within 3% of the
@@ -159,7 +159,7 @@ ONEBIT_ADAM = "1-bit Adam (sign + EF from step 60) + local clip"
 TOPK_ADAM = "top-k 1% partitioned + preconditioned on Adam's moment (from step 60) + local clip"
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_onebit_adam_converges_like_uncompressed_adamw(tmp_path):
     """The quickstart's AdamW for 300 steps on 8 replicas: 1-bit Adam (60 exact steps, then Adam's
     first moment as packed signs with error feedback, each replica clipped before the codec) ends

@@ -127,7 +127,7 @@ CASES = {
 }
 
 
-#: In the slow pass (CI runs it too): a second case of what the default pass already runs.
+#: In the exhaustive tier: a second case of what the default pass already runs.
 SLOW = {"gpt-cp2-ring-dp2-pipe2-gpipe", "gpt-cp2-ulysses-dp2-pipe2-1f1b", "gpt-cp2-ring",
         "gpt-cp4-allgather-balanced-pipe2-1f1b", "gpt-cp8-ring-balanced",
         "gpt-cp4-ring-balanced-pipe2-1f1b", "packed-cp4-allgather-dp2", "packed-cp4-ring-balanced",
@@ -135,7 +135,7 @@ SLOW = {"gpt-cp2-ring-dp2-pipe2-gpipe", "gpt-cp2-ulysses-dp2-pipe2-1f1b", "gpt-c
 
 
 @need_devices(8)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.exhaustive) if c in SLOW else c for c in CASES])
 def test_context_parallel_training_matches_one_device(case, references):
     model, axes, strategy = CASES[case]
     ref_losses, ref_grads = references[model]
@@ -176,7 +176,7 @@ def test_the_compiled_step_runs_the_methods_collectives_over_context(method):
         assert kinds.get("all-to-all", 0) >= 8, kinds
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @need_devices(8)
 def test_temporaries_fall_with_the_context_axis():
     """At a fixed sequence (1024 tokens), the compiled step's temporaries on one device of CP 8 (ring,

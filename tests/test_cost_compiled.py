@@ -8,7 +8,7 @@ the schedule takes each branch (:func:`jaxpar.analysis._axis_bytes.stage_branch_
 Pipelines with ZeRO-3 / FSDP inside a stage are not covered (docs/planning.md §5 says why).
 
 The steps are compiled from abstract state (nothing runs). The default run compiles five plans
-(about 10-20 s each on this 2-core machine); the others are in the slow pass.
+(about 10-20 s each on this 2-core machine); the others are in the exhaustive tier.
 """
 import pytest
 
@@ -39,7 +39,7 @@ def compared(name):
     return _cache[name]
 
 
-CASES = [pytest.param(n, marks=[] if n in DEFAULT else [pytest.mark.slow]) for n in (*STRATEGIES, *PIPED)]
+CASES = [pytest.param(n, marks=[] if n in DEFAULT else [pytest.mark.exhaustive]) for n in (*STRATEGIES, *PIPED)]
 
 
 @pytest.mark.parametrize("name", CASES)

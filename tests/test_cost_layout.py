@@ -1,6 +1,6 @@
 """The cost model's device layouts, peaks and TP collective counts against the GPU / TPU compilers
 (docs/planning.md §8). The default pass compiles nothing (the compiled figures are constants from
-those runs); the slow pass compiles small GPTs for h100 to check the per-layer activations and the
+those runs); the exhaustive tier compiles small GPTs for h100 to check the per-layer activations and the
 copy of a pipeline stage's residual buffers."""
 import pytest
 
@@ -77,7 +77,7 @@ def test_peak_adds_temporaries_to_the_arguments():
     assert abs(full - 2155308440) / 2155308440 < 0.02
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("remat, tensor, sp", [("none", 1, False), ("selective", 1, False), ("full", 1, False),
                                                ("none", 4, False), ("selective", 4, True)])
 def test_per_layer_temporaries_match_the_gpu_compiler(remat, tensor, sp):
@@ -130,7 +130,7 @@ def test_tpu_keeps_and_weight_copies_match_libtpus_layers(case):
     assert abs(got / 1e6 - TPU_LAYER_MB[case]) / TPU_LAYER_MB[case] < 0.03, got / 1e6
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("case", [("none", 1, 1024, 1024), ("selective", 4, 1024, 1024)])
 def test_tpu_layer_constants_are_libtpus(case):
     """Measures two of :data:`TPU_LAYER_MB` again: libtpu's peak (``peak_memory_in_bytes``) for 16 layers
@@ -158,7 +158,7 @@ def test_tpu_layer_constants_are_libtpus(case):
     assert abs(got / 1e6 - TPU_LAYER_MB[case]) / TPU_LAYER_MB[case] < 0.01, got / 1e6
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_the_gpu_compiler_copies_a_stage_residual_buffer_in_the_tick_conditionals():
     """Why :func:`step_peak_bytes` counts a pipeline stage's residual buffers twice on GPUs: the GPU
     compiler copies the whole buffer ``[n_res, layers, rows, s, h]`` inside the tick loop's action
@@ -241,7 +241,7 @@ def test_libtpu_gathers_matmul_weights_in_bf16_and_all_reduces_the_token_table()
     assert gpu - got == pytest.approx(2 * 2 * 12 * 1024 * 1024 * 2 + table / 2 - table * 15 / 16)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("plan, kinds", [(Plan(data=16, zero=2), {"reduce-scatter"}),
                                          (Plan(fsdp=16), {"all-gather", "reduce-scatter"})])
 def test_libtpus_windowed_einsums_count_as_the_model_predicts(plan, kinds):

@@ -15,7 +15,7 @@ ARGS = ["plan", "--layers", "16", "--hidden", "2048", "--heads", "16", "--seq", 
         "--batch", "64", "--cluster", "h100", "--devices", "64", "--top", "3", "--verify"]
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_plan_verify_compiles_the_top_3_plans_on_64_simulated_devices():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
@@ -36,7 +36,7 @@ def test_plan_verify_compiles_the_top_3_plans_on_64_simulated_devices():
         assert plan, row
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_plan_verify_target_predicts_the_gpu_compilers_peak(capsys):
     """``--verify --target h100:1x8``: the top 3 plans of a 1.3B GPT (24 x 2048, sequence 2048, batch 16)
     are compiled by the GPU compiler, and the compiled-step model predicts each peak within 10%

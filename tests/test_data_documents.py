@@ -93,7 +93,7 @@ def test_prepare_then_show_the_same_batches_on_every_mesh(ckpt, corpus, tmp_path
         assert shown(capsys, [*ramp, *mesh], "37:39") == reference, mesh
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_train_and_resume_continue_the_stream(ckpt, corpus, tmp_path, capsys):
     base = args(ckpt, corpus, tmp_path, cache=False)
     assert main(["train", CONFIG, *base, "train.steps=3", "checkpoint.every=2"]) == 0

@@ -5,7 +5,7 @@ async pairs, uniform collectives); jitted ``shard_map`` programs check it on XLA
 train step checks the pipeline programs: the lockstep program of sequence parallelism (pipe2 x data2
 x tensor2, 1F1B) has none, the per-stage program has some, all over axes inside one stage. The slow
 tests compile the bf16 sequence-parallel step for an H100 and a TPU v5e target (deviceless) and check
-the same there, printing each program's peak memory (``pytest -m slow -s``).
+the same there, printing each program's peak memory (``pytest -m exhaustive -s``).
 """
 from __future__ import annotations
 
@@ -283,7 +283,7 @@ def test_the_lockstep_program_of_sequence_parallelism_has_no_device_dependent_co
 
 
 @need_devices(8)
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_the_per_stage_program_has_collectives_inside_its_stage_branches():
     """Without SP the pipeline runs the per-stage program (one cond per action on the stage index):
     measured 17, the tensor all-reduces of the blocks and the data-axis reduction / gathers of a stage's
@@ -296,7 +296,7 @@ def test_the_per_stage_program_has_collectives_inside_its_stage_branches():
     assert {axes[f.name] for f in found} >= {("tensor",), ("data",)}
 
 
-# ----------------------------------------------------------------------------- deviceless targets (slow)
+# ----------------------------------------------------------------------------- deviceless targets (exhaustive)
 TARGET_CFG = GPTConfig(vocab=256, seq_len=64, embed=128, heads=8, layers=4)
 TARGET_BATCH = 32
 LAYOUTS = {"pipe2xdata2xtensor4": {"pipe": 2, "data": 2, "tensor": 4}, "data4xtensor4": {"data": 4, "tensor": 4}}
@@ -318,7 +318,7 @@ def _over(colls, kind, axis):
     return [c for c in colls if c.kind == kind and c.axes == (axis,)]
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("target", ["h100:2x8", "tpu-v5e:4x4"])
 def test_bf16_sequence_parallelism_on_targets_has_no_device_dependent_collective(target, layout):
@@ -337,7 +337,7 @@ def test_bf16_sequence_parallelism_on_targets_has_no_device_dependent_collective
         assert _over(colls, "collective-permute", "pipe"), colls
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("target", ["h100:2x8", "tpu-v5e:4x4"])
 def test_the_per_stage_program_is_found_in_the_gpu_and_tpu_compilers_hlo(target):
     """The analysis reads the GPU compiler's predicate conditionals and async pairs and libtpu's HLO:

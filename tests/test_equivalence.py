@@ -38,14 +38,14 @@ def assert_same(result, reference):
     assert_runs_match(result, reference)
 
 
-# Accumulation with every strategy runs in the slow pass (CI runs it); the default run keeps it
+# Accumulation with every strategy runs in the exhaustive tier; the default run keeps it
 # for SP with ZeRO-2 on all axes (tests/test_byo_model.py keeps ZeRO-3 with accumulation). Without
 # accumulation the default run keeps DP, ZeRO-3, TP with SP and the product of all axes (whose parts
-# the slow pass runs one by one).
+# the exhaustive tier runs one by one).
 ACCUM_DEFAULT = {"dp2-zero2-fsdp2-tp2-sp"}
 NOACCUM_DEFAULT = {"dp8", "zero3", "tp8-sp", "dp2-zero2-fsdp2-tp2-sp"}
 CASES = [pytest.param(name, accum, id=f"{name}-{'accum2' if accum == 2 else 'noaccum'}",
-                      marks=[] if name in (ACCUM_DEFAULT if accum == 2 else NOACCUM_DEFAULT) else [pytest.mark.slow])
+                      marks=[] if name in (ACCUM_DEFAULT if accum == 2 else NOACCUM_DEFAULT) else [pytest.mark.exhaustive])
          for name in STRATEGIES for accum in (1, 2)]
 
 

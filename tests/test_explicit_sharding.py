@@ -54,13 +54,13 @@ CASES = {"dp8": ({"data": 8}, Strategy()),
          "dp2-fsdp2-tp2-zero3-accum2": ({"data": 2, "fsdp": 2, "tensor": 2}, Strategy(zero=3, microbatches=2))}
 
 
-#: In the slow pass: ZeRO-1/2 and FSDP alone (DP, ZeRO-3 and all axes with accumulation run in the default
+#: In the exhaustive tier: ZeRO-1/2 and FSDP alone (DP, ZeRO-3 and all axes with accumulation run in the default
 #: pass; tests/test_flax_example_style.py runs FSDP x TP there with Flax's example style).
 SLOW = {"zero1", "zero2", "fsdp8", "fsdp4-tp2"}
 
 
 @need_devices(8)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.exhaustive) if c in SLOW else c for c in CASES])
 def test_explicit_style_model_is_exact_against_one_device(case, reference):
     ref_losses, ref_params, _ = reference
     axes, strategy = CASES[case]

@@ -57,11 +57,11 @@ CASES = {"one-device": ({"data": 1}, Strategy()),
          "dp2-fsdp2-tp2-zero1-accum2": ({"data": 2, "fsdp": 2, "tensor": 2}, Strategy(zero=1, microbatches=2))}
 
 
-SLOW = {"dp8", "fsdp8-zero3", "fsdp4-tp2", "dp4-tp2"}   # their axes run in the other cases; the slow pass runs them
+SLOW = {"dp8", "fsdp8-zero3", "fsdp4-tp2", "dp4-tp2"}   # their axes run in the other cases; the exhaustive tier runs them
 
 
 @need_devices(8)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.exhaustive) if c in SLOW else c for c in CASES])
 def test_the_example_style_model_is_exact_against_one_device(case, reference):
     ref_losses, ref_params, _ = reference
     axes, strategy = CASES[case]
@@ -89,9 +89,9 @@ def _collectives(sharding, axes, strategy):
 
 
 @need_devices(8)
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("axes, strategy", [({"data": 8}, Strategy()),
-                                            pytest.param({"data": 8}, Strategy(zero=3), marks=pytest.mark.slow)],
+                                            pytest.param({"data": 8}, Strategy(zero=3), marks=pytest.mark.exhaustive)],
                          ids=["dp8", "dp8-zero3"])
 def test_data_parallel_collectives_are_a_logical_names_models(axes, strategy):
     """The data axis the model does not name stays automatic around it: the same collectives, per axis
@@ -103,7 +103,7 @@ def test_data_parallel_collectives_are_a_logical_names_models(axes, strategy):
 
 
 @need_devices(8)
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_fsdp_collectives_differ_from_a_logical_names_model_only_in_the_embedding_lookup():
     """FSDP8: every weight is all-gathered and every gradient all-reduced over ``fsdp`` as for the
     logical-names model, but for two things the model's own specs decide. The embedding: the model

@@ -66,7 +66,7 @@ def test_fp32_logits_match_transformers(ckpts, name):
     assert np.abs(ours - ref).max() <= 1e-4
 
 
-@pytest.mark.parametrize("name", [pytest.param(f, marks=[] if f == "gemma3" else pytest.mark.slow) for f in FAMILIES])
+@pytest.mark.parametrize("name", [pytest.param(f, marks=[] if f == "gemma3" else pytest.mark.exhaustive) for f in FAMILIES])
 def test_greedy_decode_matches_transformers(ckpts, name):
     ckpt, model = one_device(ckpts[name])
     prompt = tokens_for(ckpt.config.vocab, (6,), seed=1).tolist()
@@ -287,7 +287,7 @@ def train_on_layout(path, axes, strategy, batch, steps=3, lr=1e-3, grads=True):
     return RunResult(np.array(losses), jax.device_get(state.params), grads or None, lr, steps), layout
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_layout_trains_like_one_device(ckpts, name):
     """Loaded straight into the layout, three AdamW steps equal one device's: losses, first gradients,
@@ -326,7 +326,7 @@ def test_tokenizer_ids_equal_transformers(ckpts):
         load_tokenizer(ckpts["llama"] / "nowhere")
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_round_trip_through_a_jaxpar_checkpoint_on_other_layouts(ckpts, tmp_path):
     """HF -> jaxpar state on DP2 x FSDP2 x TP2 (ZeRO-3) -> Orbax checkpoint -> restored on pipe2 x DP4 ->
     HF export: every tensor's bytes, the keys and config.json as the source had them."""
@@ -372,7 +372,7 @@ def test_two_processes_read_only_their_own_shards(ckpts, tmp_path):
     assert sha256_tensors(out) == sha256_tensors(ckpts["llama"])
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_relaxed_sync_replicas_start_from_the_checkpoint(ckpts):
     """DiLoCo's replicas (``replica=2``) each start from the imported weights: the first step's loss is
     one device's."""

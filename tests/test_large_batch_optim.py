@@ -282,7 +282,7 @@ def sharded_masked_leaves(layout) -> list[str]:
 
 
 @need_devices(8)
-@pytest.mark.parametrize("name", [pytest.param("dp8", marks=pytest.mark.slow), "zero3", "tp2-dp4"])
+@pytest.mark.parametrize("name", [pytest.param("dp8", marks=pytest.mark.exhaustive), "zero3", "tp2-dp4"])
 def test_trust_ratio_collectives(name):
     """The trust ratio's norms of sharded leaves add small all-reduces and nothing else.
 

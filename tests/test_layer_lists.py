@@ -55,7 +55,7 @@ CASES = {"scan-fsdp4-tp2-zero3": ({"fsdp": 4, "tensor": 2}, Strategy(zero=3), Tr
 
 
 @need_devices(8)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.startswith("interleaved") else c
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.exhaustive) if c.startswith("interleaved") else c
                                   for c in CASES])
 def test_stacked_list_is_exact_against_the_list_on_one_device(case, reference):
     ref_losses, ref_params = reference

@@ -66,12 +66,12 @@ def test_mlp_classifier_matches_single_device(sizes, zero, specs, mlp_reference)
         assert (layout.params["up"][i]["kernel"], layout.params["down"][i]["kernel"]) == specs
 
 
-# One policy per mesh in the default run, the other two in the slow pass.
+# One policy per mesh in the default run, the other two in the exhaustive tier.
 @pytest.mark.parametrize("remat, sizes", [
     pytest.param("full", {"fsdp": 8}, id="full-fsdp8-explicit"),
     pytest.param("save-matmuls", {"data": 2, "tensor": 4}, id="save-matmuls-dp2-tp4"),
-    pytest.param("full", {"data": 2, "tensor": 4}, id="full-dp2-tp4", marks=pytest.mark.slow),
-    pytest.param("save-matmuls", {"fsdp": 8}, id="save-matmuls-fsdp8-explicit", marks=pytest.mark.slow)])
+    pytest.param("full", {"data": 2, "tensor": 4}, id="full-dp2-tp4", marks=pytest.mark.exhaustive),
+    pytest.param("save-matmuls", {"fsdp": 8}, id="save-matmuls-fsdp8-explicit", marks=pytest.mark.exhaustive)])
 def test_remat_policies_do_not_change_numbers(remat, sizes):
     """Losses, first-step gradients and parameters after 3 AdamW steps (tolerances: helpers.adam_atol)."""
     base = cached_run(sizes)
@@ -151,7 +151,7 @@ def test_user_model_with_flax_partitioning_annotations():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params, ref_params)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("explicit_dp", [True, False], ids=["explicit", "xla"])
 def test_remat_lowers_temporaries_on_both_data_parallel_paths(explicit_dp):
     """The model's remat policy is honoured also inside jaxpar's explicit FSDP layer wrapper."""

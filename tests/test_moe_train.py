@@ -98,12 +98,12 @@ CASES = {
 }
 
 
-#: In the default pass (the rest in the slow one, which CI runs too).
+#: In the default pass (the rest in the exhaustive tier).
 FAST = {"ep2-fsdp2-tp2-zero3-shared", "ep2-cx2-dp2-ring-balanced-drops"}
 
 
 @need_devices(8)
-@pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
+@pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.exhaustive) for c in CASES])
 def test_expert_parallel_training_matches_one_device(case, reference):
     axes, strategy, model = CASES[case]
     ref_losses, ref_params = reference(model)
@@ -169,7 +169,7 @@ def test_expert_state_per_device_is_one_over_e_as_the_memory_report_says():
 @need_devices(8)
 @pytest.mark.parametrize("axes, strategy", [
     ({"data": 2, "expert": 4}, Strategy()),
-    pytest.param({"pipe": 2, "expert": 2, "data": 2}, Strategy(microbatches=2), marks=pytest.mark.slow)])
+    pytest.param({"pipe": 2, "expert": 2, "data": 2}, Strategy(microbatches=2), marks=pytest.mark.exhaustive)])
 def test_step_metrics_with_drops_match_one_device(axes, strategy):
     """Capacity 1.0 drops assignments: the step's MoE metrics (drop rate, load min / max / CV, router
     entropy, the losses) on data 2 x expert 4, and from a pipeline's last stage, equal one device's, so
@@ -195,7 +195,7 @@ def test_an_expert_axis_without_moe_layers_is_refused():
 
 
 @need_devices(8)
-@pytest.mark.parametrize("axes, k", [pytest.param({"data": 1}, 4, marks=pytest.mark.slow), ({"data": 2, "expert": 2}, 2)])
+@pytest.mark.parametrize("axes, k", [pytest.param({"data": 1}, 4, marks=pytest.mark.exhaustive), ({"data": 2, "expert": 2}, 2)])
 def test_the_aux_loss_with_accumulation_is_the_whole_batchs(axes, k):
     """Accumulation with the load-balancing loss: the step's forward pre-pass sums the micro-batches'
     loads per layer, each micro-batch's aux loss uses them, and losses, the aux loss, the load CV and
@@ -267,7 +267,7 @@ def _quickstart(overrides, steps):
     return [r for r in records if r["kind"] == "train"], next(r["eval_loss"] for r in records if r["kind"] == "eval")
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @need_devices(8)
 def test_moe_converges_below_dense_and_the_balancing_loss_evens_the_load():
     """The quickstart at equal tokens (400 steps): the dropless 8-expert top-2 MoE GPT (experts of hidden
@@ -307,7 +307,7 @@ BIASED = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, capacity_factor=1
 
 @need_devices(8)
 @pytest.mark.parametrize("axes, k", [({"data": 2, "expert": 2}, 2),
-                                     pytest.param({"pipe": 2, "expert": 2, "data": 2}, 2, marks=pytest.mark.slow)])
+                                     pytest.param({"pipe": 2, "expert": 2, "data": 2}, 2, marks=pytest.mark.exhaustive)])
 def test_the_router_bias_moves_as_on_one_device(axes, k):
     """Aux-loss-free balancing: each step moves every MoE layer's bias by the step's loads (summed over
     micro-batches, replicas and pipeline stages), so losses, the bias and the parameters after 3 steps

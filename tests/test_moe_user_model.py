@@ -241,9 +241,9 @@ def _biased_train(cls, axes, strategy):
 
 BIASED_CASES = {"direct-dp2-accumulate2": (BiasedDirect, {"data": 2}, Strategy(microbatches=2)),
                 "stacked-dp2-accumulate2": pytest.param(BiasedStacked, {"data": 2}, Strategy(microbatches=2),
-                                                        marks=pytest.mark.slow),
+                                                        marks=pytest.mark.exhaustive),
                 "stacked-1f1b-pipe2": pytest.param(BiasedStacked, {"pipe": 2}, Strategy(microbatches=2, schedule="1f1b"),
-                                                   marks=pytest.mark.slow)}
+                                                   marks=pytest.mark.exhaustive)}
 
 
 @need_devices(2)

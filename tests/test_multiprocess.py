@@ -93,8 +93,8 @@ CASES = {  # config, overrides: DP over 8 devices; ZeRO-3 (fsdp2 x data2) x TP2
 }
 
 
-# ZeRO-3 x TP (cross-process all-gathers and reduce-scatters) in the default run, plain DP in the slow one
-@pytest.mark.parametrize("case", [pytest.param("dp", marks=pytest.mark.slow), "zero3_tp"])
+# ZeRO-3 x TP (cross-process all-gathers and reduce-scatters) in the default run, plain DP in the exhaustive tier
+@pytest.mark.parametrize("case", [pytest.param("dp", marks=pytest.mark.exhaustive), "zero3_tp"])
 def test_two_processes_match_one_process(case, tmp_path):
     config, extra = CASES[case]
     steps = ["train.steps=5"]
@@ -200,7 +200,7 @@ def all_losses(out_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
-@pytest.mark.slow   # 90 s; the start-up variant below checks the same agreement in the default run
+@pytest.mark.exhaustive   # 90 s; the start-up variant below checks the same agreement in the default run
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker", "coordinator"])
 def test_sigterm_to_one_process_stops_all_at_the_same_step(victim, tmp_path):
     """A SIGTERM to one process only (one evicted pod): both stop after the same step, save one checkpoint
@@ -227,7 +227,7 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step(victim, tmp_path):
     assert resumed == reference                                    # bit-identical, before and after the stop
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_sigterm_to_one_process_during_start_up(tmp_path):
     """A SIGTERM before the loop starts (compilation) is not lost to JAX's preemption notifier:
     both processes stop after the first step with a checkpoint of it and exit 0."""
@@ -239,7 +239,7 @@ def test_sigterm_to_one_process_during_start_up(tmp_path):
 
 
 # ----------------------------------------------------------------------------- failure of a peer
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker", "coordinator"])
 def test_killed_process_ends_the_other_in_bounded_time(victim, tmp_path):
     heartbeat, bound = 10, 60.0

@@ -31,12 +31,12 @@ EXPECTED = {
 }
 
 
-#: 30-60 s each on 2 busy cores: in the slow pass, which CI runs (make test-all too)
+#: 30-60 s each on 2 busy cores: in the exhaustive tier (CI runs a third a run; make test-all all)
 SLOW = {"01_meshes_and_strategies.ipynb", "02_pipelines.ipynb", "03_compression.ipynb", "04_relaxed_sync.ipynb",
         "05_planning.ipynb", "06_large_batch.ipynb"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in EXPECTED])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.exhaustive) if n in SLOW else n for n in EXPECTED])
 def test_notebook_executes(name, tmp_path):
     nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     env_before = os.environ.get("XLA_FLAGS")

@@ -53,8 +53,8 @@ def test_before_start_step_it_is_adamw_with_the_exact_exchange():
 
 
 @pytest.mark.parametrize("codec, ratio", [
-    (sign, 0.033), pytest.param(onebit, 0.035, marks=pytest.mark.slow), (functools.partial(topk, 0.01), 0.08),
-    pytest.param(functools.partial(topk, 0.01, partitioned=True, precondition=0.999), 0.12, marks=pytest.mark.slow)],
+    (sign, 0.033), pytest.param(onebit, 0.035, marks=pytest.mark.exhaustive), (functools.partial(topk, 0.01), 0.08),
+    pytest.param(functools.partial(topk, 0.01, partitioned=True, precondition=0.999), 0.12, marks=pytest.mark.exhaustive)],
     ids=["sign", "onebit", "topk", "topk-partitioned-preconditioned"])
 def test_adam_first_moment_is_the_exchanged_compressed_moment(codec, ratio):
     """From ``start_step`` on, every replica holds the same exchanged moment, Adam's first moment equals
@@ -82,7 +82,7 @@ def test_adam_first_moment_is_the_exchanged_compressed_moment(codec, ratio):
 
 
 @pytest.mark.parametrize("sizes, zero", [({"data": 8}, 1),
-                                         pytest.param({"pipe": 2, "data": 4}, 0, marks=pytest.mark.slow)],
+                                         pytest.param({"pipe": 2, "data": 4}, 0, marks=pytest.mark.exhaustive)],
                          ids=["zero1", "pipe2-data4"])
 def test_onebit_adam_trains_under_zero1_and_pipelines(sizes, zero):
     kw = dict(microbatches=2) if "pipe" in sizes else {}

@@ -331,7 +331,7 @@ def _target(name):
     return target_devices(parse_target(name))
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_an_h100_step_overlaps_the_layers_gradient_all_reduce_with_their_backward():
     compiled, gpt_flops = _compiled(_target("h100:1x8"))
     r = overlap(compiled)

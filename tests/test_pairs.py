@@ -24,7 +24,7 @@
   (RB: the MoE GPT at capacity 1.0 without the aux loss, ``with_router_bias`` at :data:`RB_RATE`;
   the reference moves the bias after every step by the sign rule on that step's loads, and the
   run's bias must equal it exactly). One case per feature runs in the default pass, the rest in the
-  slow one.
+  exhaustive tier.
   A partly-composing pair runs its composing value (Z x 1A: ZeRO-1).
 * the cases asked for by name: the noise scale with every flush schedule and with a codec, bf16
   with every schedule, sequence parallelism with accumulation and ZeRO.
@@ -1132,7 +1132,7 @@ def _check_router_bias(spec: Spec, res: Result, ref: Reference, what: str):
 
 # ------------------------------------------------------------------------------ the pairs
 #: One case per feature in the default run (with the dedicated tests of section 4: NS x PP and
-#: BF x 2BW); the rest in the slow pass.
+#: BF x 2BW); the rest in the exhaustive tier.
 FAST = {("SP", "CP"), ("MB", "RS"), ("LC", "LL"), ("RM", "ST"), ("EX", "CN"), ("K", "SN"),
         ("TP", "1A"), ("BF", "CK"), ("Z", "CX"), ("TP", "EP"), ("CP", "RB")}
 
@@ -1140,7 +1140,7 @@ FAST = {("SP", "CP"), ("MB", "RS"), ("LC", "LL"), ("RM", "ST"), ("EX", "CN"), ("
 def _pair_params():
     out = []
     for pair in _harness_pairs():
-        marks = [] if pair in FAST else [pytest.mark.slow]
+        marks = [] if pair in FAST else [pytest.mark.exhaustive]
         out.append(pytest.param(pair, id=f"{pair[0]}-{pair[1]}", marks=marks))
     return out
 
@@ -1199,7 +1199,7 @@ def _assert_same_update(spec: Spec):
     np.testing.assert_allclose(float(m1["grad_norm"]) ** 2, float(m1["grad_sq_big"]), rtol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("schedule", FLUSH)
 def test_noise_scale_with_a_flush_pipeline(schedule):
     """pipe 2 x data 4: the measured ``grad_sq_small`` / ``grad_sq_big`` equal the squared norms of the
@@ -1212,7 +1212,7 @@ def test_noise_scale_with_a_flush_pipeline(schedule):
     _assert_same_update(spec)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("ratio", [1.0, 0.1], ids=["lossless", "topk-0.1"])
 def test_noise_scale_with_a_codec(ratio):
     """DP8 with top-k: lossless (ratio 1): the run is the exact one-device run, the measured norms
@@ -1243,7 +1243,7 @@ SCHEDULES = {"1f1b": ("PP", "1f1b"), "gpipe": ("PP", "gpipe"), "interleaved": ("
              "zb-h1": ("PP", "zb-h1"), "pipedream-2bw": ("2B", None), "pipedream": ("ST", None)}
 
 
-@pytest.mark.parametrize("schedule", [pytest.param(s, marks=[] if s == "pipedream-2bw" else [pytest.mark.slow])
+@pytest.mark.parametrize("schedule", [pytest.param(s, marks=[] if s == "pipedream-2bw" else [pytest.mark.exhaustive])
                                       for s in SCHEDULES])
 def test_bf16_under_every_schedule(schedule):
     """bf16 compute with fp32 master weights on pipe 2 x data 4, against the one-device bf16 run of
@@ -1257,7 +1257,7 @@ def test_bf16_under_every_schedule(schedule):
     assert {np.asarray(a).dtype for a in _flat(res.params).values()} == {np.dtype("float32")}
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("zero", [1, 3])
 def test_sequence_parallel_with_accumulation_and_zero(zero):
     """data 4 x tensor 2, sequence parallelism, 2 micro-batches, ZeRO-1 / ZeRO-3: the one-device run."""
@@ -1269,7 +1269,7 @@ def test_sequence_parallel_with_accumulation_and_zero(zero):
 
 # ================================================================ 5. several processes (MP)
 def _mp_params():
-    return [pytest.param(p, id=f"{p[0]}-{p[1]}", marks=[] if p == ("PP", "MP") else [pytest.mark.slow])
+    return [pytest.param(p, id=f"{p[0]}-{p[1]}", marks=[] if p == ("PP", "MP") else [pytest.mark.exhaustive])
             for p in MP_PAIRS]
 
 

@@ -61,7 +61,7 @@ def assert_grads_equal(got, ref, rtol=1e-4, atol=1e-7):
 
 
 # To keep the default suite under its time budget, one case per schedule runs by default and the
-# rest are marked slow (run by `make test-all` and CI's second pass): GPipe at p = 2 (no table of
+# rest are marked exhaustive (`make test-all`; CI runs a third of them a run): GPipe at p = 2 (no table of
 # p = 4 differs for it but in length), 1F1B at p = 4, m = 8 (warm-up, steady state and cool-down;
 # m = p has no steady state), interleaved and ZB-H1 at p = m = 4. The composed tests below run
 # p = 2 for 1F1B and interleaved, and p = 4 for ZB-H1 with an uneven partition.
@@ -72,7 +72,7 @@ def _slow(kind, p, m):
     return (kind, p, m) not in DEFAULT
 
 
-CASES = [pytest.param(kind, p, m, id=f"{kind}-p{p}-m{m}", marks=[pytest.mark.slow] if _slow(kind, p, m) else [])
+CASES = [pytest.param(kind, p, m, id=f"{kind}-p{p}-m{m}", marks=[pytest.mark.exhaustive] if _slow(kind, p, m) else [])
          for kind in ("gpipe", "1f1b", "interleaved", "zb-h1") for p in (2, 4) for m in (p, 2 * p, 4 * p)]
 
 
@@ -93,7 +93,7 @@ def test_remat_policies_inside_the_pipeline(remat):
     assert_grads_equal(got, _reference(16))
 
 
-COMPOSED = {     # pp2-dp2-tp2 in the slow pass: the interleaved case runs the same mesh
+COMPOSED = {     # pp2-dp2-tp2 in the exhaustive tier: the interleaved case runs the same mesh
     "pp2-dp2-tp2": ({"pipe": 2, "data": 2, "tensor": 2}, {"microbatches": 4}),
     "pp2-zero3fsdp2-tp2": ({"pipe": 2, "fsdp": 2, "tensor": 2}, {"microbatches": 4, "zero": 3}),
     "pp2-interleaved-dp2-tp2": ({"pipe": 2, "data": 2, "tensor": 2},
@@ -108,7 +108,7 @@ def reference8():
     return run({}, jaxpar.Strategy(), cfg=PCFG)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n == "pp2-dp2-tp2" else [])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.exhaustive] if n == "pp2-dp2-tp2" else [])
                                   for n in COMPOSED])
 def test_composed_pipeline_trains_like_single_device(name, reference8):
     """3 AdamW steps through make_train_step: pipe x DP x TP, pipe x ZeRO-3 x TP, an uneven partition."""
@@ -130,10 +130,10 @@ def _temp_bytes(kind, m, rows=2):
 MEM_CFG = GPTConfig(vocab=64, seq_len=64, embed=32, heads=4, layers=8)
 
 
-@pytest.mark.parametrize("kind", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["1f1b", pytest.param("gpipe", marks=pytest.mark.exhaustive)])
 def test_1f1b_memory_is_bounded_and_gpipe_grows(kind):
     """Same micro-batch size, m = 4 -> 16: 1F1B's temporaries grow <= 1.25x, GPipe's >= 2.5x (the
-    measurement sees the stored activations; slow pass)."""
+    measurement sees the stored activations; exhaustive tier)."""
     t4, t16 = _temp_bytes(kind, 4)[0], _temp_bytes(kind, 16)[0]
     growth = f"{kind} temp {t4} -> {t16} ({t16 / t4:.2f}x)"
     if kind == "1f1b":

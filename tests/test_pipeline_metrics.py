@@ -52,8 +52,8 @@ def _run(sizes, strategy, steps_per_call=1):
 @need_devices(8)
 @pytest.mark.parametrize("strategy, steps_per_call", [
     (jaxpar.Strategy(microbatches=2, schedule="1f1b"), 1),
-    pytest.param(jaxpar.Strategy(microbatches=2, schedule="pipedream-2bw"), STEPS, marks=pytest.mark.slow),
-    pytest.param(jaxpar.Strategy(microbatches=2, schedule="pipedream"), 1, marks=pytest.mark.slow),
+    pytest.param(jaxpar.Strategy(microbatches=2, schedule="pipedream-2bw"), STEPS, marks=pytest.mark.exhaustive),
+    pytest.param(jaxpar.Strategy(microbatches=2, schedule="pipedream"), 1, marks=pytest.mark.exhaustive),
 ])
 def test_pipelined_steps_return_what_the_loss_reports(strategy, steps_per_call):
     ref = _run({"data": 1}, jaxpar.Strategy())

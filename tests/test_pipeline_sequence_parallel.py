@@ -34,7 +34,7 @@ def reference():
 
 
 @need_devices(8)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n != "1f1b" else [])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.exhaustive] if n != "1f1b" else [])
                                   for n in SCHEDULES])
 def test_sequence_parallelism_in_a_pipeline_equals_one_device(name, reference):
     """3 AdamW steps: losses within 1e-5, the first gradients and the parameters within the usual bounds."""

@@ -132,7 +132,7 @@ PICKS = {"pipe": lambda p: p.pipe > 1, "sp": lambda p: p.sequence_parallel,
          "pipe-sp": lambda p: p.pipe > 1 and p.sequence_parallel}
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("pick", PICKS)
 def test_best_pipelined_and_sequence_parallel_plans_train(pick, tmp_path, capsys):
     """The best plan of the same case with a pipeline, with SP, and with both, trains too."""

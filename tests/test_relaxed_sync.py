@@ -119,7 +119,7 @@ def _replica_rows(r):
     return jax.tree.map(lambda x: x.reshape(K, -1, *x.shape[1:])[r], BATCH)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_easgd_with_zero_alpha_gives_independent_runs():
     steps = 3
     state, _, _ = train({"replica": K, "data": 2}, easgd(0.0), steps=steps)
@@ -168,7 +168,7 @@ def test_diloco_communicates_over_replica_only_at_sync_steps():
 PATTERN = [[0, 1, 2, 0], [2, 0, 1, 1], [1, 2, 0, 2]]
 
 
-@pytest.mark.slow      # delays and backups run in the default pass's exact-equality test of relaxed sync
+@pytest.mark.exhaustive      # delays and backups run in the default pass's exact-equality test of relaxed sync
 @pytest.mark.parametrize("mode", ["ssp", "async"])
 def test_stale_gradients_match_a_sequential_reference(mode):
     steps = 4
@@ -189,7 +189,7 @@ def test_stale_gradients_match_a_sequential_reference(mode):
     assert_trees(state.params, p, rtol=2e-5, atol=1e-6)
 
 
-@pytest.mark.slow      # the default pass checks backup's masked mean as a part (tests/test_step_parts.py)
+@pytest.mark.exhaustive      # the default pass checks backup's masked mean as a part (tests/test_step_parts.py)
 def test_backup_workers_drop_exactly_the_slowest_replicas():
     steps, b = 3, 2
     state, _, metrics = train({"replica": K, "data": 2}, backup(b, sigma=0.8, seed=3), steps=steps)
@@ -224,7 +224,7 @@ def test_diloco_composes_with_inner_strategies(diloco_dp, sizes, kw):
     assert_trees(state.sync["params"], diloco_dp[0].sync["params"], rtol=1e-4, atol=2 * 1e-3 * 3)
 
 
-@pytest.mark.parametrize("sync", [diloco(2), pytest.param(stale(2, pattern=PATTERN), marks=pytest.mark.slow)],
+@pytest.mark.parametrize("sync", [diloco(2), pytest.param(stale(2, pattern=PATTERN), marks=pytest.mark.exhaustive)],
                          ids=["diloco", "stale"])
 def test_resume_mid_run_is_bit_exact(tmp_path, sync):
     sizes, tx = {"replica": K, "data": 2}, optax.adam(1e-3)
@@ -330,7 +330,7 @@ def test_bad_sync_config_names_the_key(overrides, words):
         assert w in str(e.value), (w, str(e.value))
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_relaxed_training_converges(tmp_path):
     """On the quickstart job (300 steps, replica=4 x data=2), as benchmarked
     (benchmarks/relaxed_sync.py, docs/benchmarks.md section 8): DiLoCo H = 20 after 100 synchronous

@@ -91,7 +91,7 @@ def _program_dots(kind: str, mesh, m: int = 4, p: int = 2) -> tuple[int, int, fl
     return len(re.findall(r"= [^=\n]*\bdot\(", hlo)), b_branches, float(loss), grads
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @need_devices(2)
 def test_zb_h1_w_runs_only_the_weight_matmuls_and_agrees_with_1f1b():
     mesh = jaxpar.make_mesh({"pipe": 2}, devices=jax.devices()[:2])

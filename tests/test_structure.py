@@ -183,7 +183,7 @@ def test_user_code_imports_the_public_api_only():
 
 def test_user_code_imports_names_the_packages_have():
     """Every ``from jaxpar... import name`` of the examples, notebooks and docs names something public
-    the package has (the notebooks run in the slow pass only; a renamed or unexported name fails here)."""
+    the package has (the notebooks run in the exhaustive tier only; a renamed or unexported name fails here)."""
     import importlib.util
     import re
 

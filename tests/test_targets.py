@@ -98,7 +98,7 @@ def test_quickstart_compiles_for_h100(capsys):
     assert "fits     with" in out and "capacity 59.3 GiB usable" in out
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("config, target", [("quickstart.yaml", "tpu-v5e:2x4"), ("gpt124m_gpu.yaml", "h100:1x8"),
                                             ("gpt124m_gpu.yaml", "tpu-v5e:2x4")])
 def test_configs_compile_for_gpu_and_tpu(capsys, config, target):
@@ -108,7 +108,7 @@ def test_configs_compile_for_gpu_and_tpu(capsys, config, target):
     assert "collectives of the compiled step" in out and "async" in out
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_a_model_too_big_is_reported_with_the_plan_that_fits(capsys):
     """A 65B GPT with FSDP on 8 H100s: compiled, reported as not fitting (exit status 3), with the
     amount and the cost model's plan that would fit."""
@@ -120,7 +120,7 @@ def test_a_model_too_big_is_reported_with_the_plan_that_fits(capsys):
     assert "the cost model's best plan that fits on" in out and "times the target's devices" in out
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_a_7b_model_on_64_gpus_in_8_processes(capsys):
     rc, out, _ = _inspect(capsys, "gpt124m_gpu.yaml", "h100:8x8", "model.layers=32", "model.embed=4096",
                           "model.heads=32", "model.seq_len=2048", "model.vocab=32000", "data.batch_size=64",
@@ -178,7 +178,7 @@ def test_zero3_gathers_and_scatters_over_data_asynchronously():
 PIPELINES = ["gpipe", "1f1b", "interleaved", "zb-h1", "pipedream-2bw", "pipedream"]
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("schedule", PIPELINES)
 def test_pipelines_send_over_pipe(schedule):
     virtual = ["parallel.virtual_stages=2", "model.layers=4"] if schedule == "interleaved" else []
@@ -189,7 +189,7 @@ def test_pipelines_send_over_pipe(schedule):
     assert _over(colls, "collective-permute", ["pipe"]), [(c.kind, c.axes) for c in colls]
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("overrides, kinds", [
     (["mesh.data=8", "mesh.tensor=2"], {"all-reduce"}),
     (["mesh.data=8", "mesh.tensor=2", "parallel.sequence_parallel=true"], {"all-gather", "reduce-scatter"}),
@@ -207,7 +207,7 @@ def _dtypes(compiled, colls):
     return {c.name: set(re.findall(r"\b([a-z]+\d*)\[", shapes[c.name])) for c in colls}
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("config", ["topk.yaml", "onebit_adam.yaml", "powersgd.yaml"])
 def test_compression_sends_the_packed_codes(config):
     """Over the data axis a compressed step moves the codec's codes: packed bytes (u8) for top-k and
@@ -225,14 +225,14 @@ def test_compression_sends_the_packed_codes(config):
         assert codes and all(kinds[c.name] == {"f32"} for c in colls if c not in codes and c.kind != "all-reduce"), kinds
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_relaxed_sync_syncs_over_the_replica_axis():
     job, compiled = _compiled("diloco.yaml", "mesh.replica=8")
     assert not [c for c in collectives(compiled["step"], job.mesh) if c.axes and "replica" in c.axes]
     assert [c for c in collectives(compiled["outer"], job.mesh) if c.axes and "replica" in c.axes]
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_k_steps_per_call_and_the_noise_scale_compile():
     job, compiled = _compiled("quickstart.yaml", "parallel.steps_per_call=5", "mesh.pipe=2", "mesh.data=4", "mesh.tensor=1",
                               "parallel.schedule=pipedream-2bw", "parallel.microbatches=2")
@@ -241,7 +241,7 @@ def test_k_steps_per_call_and_the_noise_scale_compile():
     assert set(compiled) == {"step", "measure"}
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("pipe", [1, 2])
 def test_the_ring_hops_by_collective_permute_on_gpus(pipe):
     """On GPUs a collective-permute pairs sends with receives, so the ring keeps its permutes over
@@ -255,7 +255,7 @@ def test_the_ring_hops_by_collective_permute_on_gpus(pipe):
     assert len(_over(colls, "all-gather", ["context"])) <= 1, _over(colls, "all-gather", ["context"])
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_expert_parallelism_dispatches_with_asynchronous_all_to_alls_on_gpus():
     """configs/moe.yaml (8 experts over expert=4 x data=2, a router bias) compiles for 8 H100s: per MoE
     layer its 2 + 2 all-to-alls over expert, asynchronous, each of one device's capacity buffer

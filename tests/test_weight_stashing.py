@@ -189,12 +189,12 @@ def _assert_matches(opt, losses, state, ref_losses, ref_versions):
 
 
 CASES = [  # p, optimizer, m, update_every, vertical sync, steps per call
-    # pipe 2 x data 4, SGD, K = 2: in the slow pass; the default run has it on pipe 2 x fsdp 2 x data 2 (below)
-    pytest.param(2, "sgd", 2, 1, False, 2, id="p2-sgd", marks=pytest.mark.slow),
-    pytest.param(2, "adam", 4, 2, True, 1, id="p2-adam-k2-vsync", marks=pytest.mark.slow),   # default: resume test
-    pytest.param(4, "sgd", 4, 1, False, 3, id="p4-sgd", marks=pytest.mark.slow),
-    pytest.param(4, "adam", 4, 1, False, 1, id="p4-adam", marks=pytest.mark.slow),
-    pytest.param(4, "sgd", 4, 2, True, 2, id="p4-sgd-k2-vsync", marks=pytest.mark.slow),
+    # pipe 2 x data 4, SGD, K = 2: in the exhaustive tier; the default run has it on pipe 2 x fsdp 2 x data 2 (below)
+    pytest.param(2, "sgd", 2, 1, False, 2, id="p2-sgd", marks=pytest.mark.exhaustive),
+    pytest.param(2, "adam", 4, 2, True, 1, id="p2-adam-k2-vsync", marks=pytest.mark.exhaustive),   # default: resume test
+    pytest.param(4, "sgd", 4, 1, False, 3, id="p4-sgd", marks=pytest.mark.exhaustive),
+    pytest.param(4, "adam", 4, 1, False, 1, id="p4-adam", marks=pytest.mark.exhaustive),
+    pytest.param(4, "sgd", 4, 2, True, 2, id="p4-sgd-k2-vsync", marks=pytest.mark.exhaustive),
 ]
 
 
@@ -212,10 +212,10 @@ def test_stashing_equals_per_stage_reference(p, opt, m, k, vsync, steps):
 
 FSDP2 = {"pipe": 2, "fsdp": 2, "data": 2}
 SHARDED = [  # mesh, zero, optimizer, m, update_every, steps per call
-    pytest.param(FSDP2, 0, "sgd", 2, 1, 2, id="fsdp2-data2-sgd-K2", marks=pytest.mark.slow),
-    pytest.param({"pipe": 2, "data": 4}, 1, "adam", 4, 2, 1, id="zero1-adam-k2", marks=pytest.mark.slow),
+    pytest.param(FSDP2, 0, "sgd", 2, 1, 2, id="fsdp2-data2-sgd-K2", marks=pytest.mark.exhaustive),
+    pytest.param({"pipe": 2, "data": 4}, 1, "adam", 4, 2, 1, id="zero1-adam-k2", marks=pytest.mark.exhaustive),
     pytest.param({"pipe": 2, "fsdp": 2, "tensor": 2}, 3, "adam", 2, 1, 1, id="zero3-fsdp2-tensor2-adam",
-                 marks=pytest.mark.slow),
+                 marks=pytest.mark.exhaustive),
 ]
 
 
@@ -235,7 +235,7 @@ def test_stashing_with_sharded_weights_equals_per_stage_reference(sizes, zero, o
         assert all("fsdp" in str(v["blocks"]["w1"].sharding.spec) for v in state.versions)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_stashing_memory_shrinks_with_fsdp():
     """FSDP shards what weight stashing holds: per device, the compiled step's arguments (current
     version, older versions, Adam's state) are 1/4 with fsdp=4 of what data=4 holds (to the few
@@ -272,7 +272,7 @@ def test_compiled_program_runs_the_table_ticks():
 
 
 # ----------------------------------------------------------------------------- checkpoints
-@pytest.mark.slow      # ~30 s: in CI's slow pass; the cross-schedule checkpoint test stays in the default run
+@pytest.mark.exhaustive      # ~30 s: in the exhaustive tier; the cross-schedule checkpoint test stays in the default run
 def test_stashing_resumes_bit_exact(tmp_path):
     """Saved after 2 steps and resumed, 2 more give exactly the uninterrupted run's newest and
     older versions and optimizer state (the stash and each stage's state are in the checkpoint);

@@ -1,0 +1,131 @@
+"""Choose the fast tier's cases and the ``slow`` tests from a measured run (docs/testing.md §1).
+
+Reads coverage data recorded with per-test contexts and the cost report of the same run, and writes
+``tests/tiers.py``:
+
+* every test function the fast tier runs keeps at least one case in it, and the fast tier keeps
+  covering every line of ``jaxpar/`` it covered: a greedy cover of those lines, by lines gained per
+  second, over the cases of functions with several fast cases;
+* the other fast cases become ``exhaustive``;
+* the lines only ``exhaustive`` tests reach are covered in every CI run by ``slow`` tests, chosen the
+  same way among them.
+
+    .venv/bin/python tests/tools/select_tiers.py --data A/.coverage B/.coverage --report /tmp/cost
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from cost_report import load  # noqa: E402
+from coverage_tiers import lines_by_test  # noqa: E402
+
+
+#: A case that costs less (wall seconds in the measured run) stays in the fast tier.
+MOVE_ABOVE_S = 1.0
+
+
+def function_of(test: str) -> str:
+    return re.sub(r"\[.*\]$", "", test)
+
+
+def case_of(test: str) -> str:
+    m = re.search(r"\[(.*)\]$", test)
+    return m.group(1) if m else ""
+
+
+def greedy_cover(target: set, candidates: list[str], lines: dict, cost: dict, covered: set) -> list[str]:
+    """Tests of ``candidates`` that cover ``target - covered``, by new lines per second."""
+    chosen, covered = [], set(covered)
+    left = {t: (lines.get(t, set()) & target) - covered for t in candidates}
+    while True:
+        best = max(left, key=lambda t: len(left[t]) / max(cost[t], 0.05), default=None)
+        if best is None or not left[best]:
+            return chosen
+        chosen.append(best)
+        covered |= left.pop(best)
+        for t in left:
+            left[t] -= covered
+
+
+def select(lines: dict, records: dict, moved: dict) -> tuple[dict, list]:
+    cost = {t: r["wall_s"] for t, r in records.items()}
+    fast = [t for t, r in records.items() if r["tier"] == "fast" and t not in moved]
+    functions = collections.defaultdict(list)
+    for t in fast:
+        functions[function_of(t)].append(t)
+    kept = [cases[0] for cases in functions.values() if len(cases) == 1]
+    covered = set().union(*(lines.get(t, set()) for t in kept))
+    target = set().union(*(lines.get(t, set()) for t in fast))
+    several = [t for cases in functions.values() if len(cases) > 1 for t in cases]
+    kept += [t for t in several if cost[t] < MOVE_ABOVE_S]     # moving them would save nothing
+    covered = set().union(*(lines.get(t, set()) for t in kept))
+    kept += greedy_cover(target, [t for t in several if t not in kept], lines, cost, covered)
+    for fn, cases in functions.items():
+        if len(cases) > 1 and not set(cases) & set(kept):
+            kept.append(min(cases, key=lambda t: cost[t]))
+    fast_cases = {fn: sorted(case_of(t) for t in cases if t in kept)
+                  for fn, cases in sorted(functions.items()) if len(cases) > 1 and not set(cases) <= set(kept)}
+    covered = set().union(*(lines.get(t, set()) for t in kept))
+    everything = set().union(*lines.values())
+    rest = [t for t, r in records.items() if r["tier"] == "exhaustive" or t in moved]
+    slow = sorted(greedy_cover(everything, rest, lines, cost, covered))
+    return fast_cases, slow
+
+
+HEADER = '''"""The tiers chosen from a measured run (docs/testing.md §1), written by tests/tools/select_tiers.py.
+
+``FAST_CASES``: for a test function with several cases, the cases ``make test`` runs; its other cases
+are ``exhaustive``. ``MOVED`` (written by hand, kept by the script): heavy tests whose behaviour a
+cheaper fast test also checks, each with the reason. ``SLOW``: tests outside ``make test`` that CI
+runs every time (the only ones to reach some lines of ``jaxpar/``). tests/conftest.py applies all
+three; a name that matches no test is an error when the whole suite is collected.
+"""
+'''
+
+
+def render(fast_cases: dict, slow: list, moved: dict) -> str:
+    out = [HEADER, "MOVED = {"]
+    for test, reason in moved.items():
+        out.append(f"    {test!r}:\n        {reason!r},")
+    out.append("}\n\nFAST_CASES = {")
+    for fn, cases in fast_cases.items():
+        out.append(f"    {fn!r}: {cases!r},")
+    out.append("}\n\nSLOW = [")
+    out += [f"    {t!r}," for t in slow]
+    out.append("]\n")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", nargs="+", required=True)
+    p.add_argument("--report", nargs="+", required=True)
+    p.add_argument("--out", default="tests/tiers.py")
+    args = p.parse_args(argv)
+    lines = collections.defaultdict(set)
+    for f in args.data:
+        for t, ls in lines_by_test(f)[0].items():
+            lines[t] |= ls
+    records = {r["test"]: r for folder in args.report for r in load(folder)}
+    for r in records.values():
+        if r["tier"] == "slow":        # a report from before the exhaustive marker
+            r["tier"] = "exhaustive"
+    sys.path.insert(0, "tests")
+    from tiers import MOVED
+
+    fast_cases, slow = select(lines, records, MOVED)
+    with open(args.out, "w") as f:
+        f.write(render(fast_cases, slow, MOVED))
+    moved = [t for t, r in records.items() if r["tier"] == "fast" and function_of(t) in fast_cases
+             and case_of(t) not in fast_cases[function_of(t)]]
+    print(f"{len(moved)} fast cases become exhaustive ({sum(records[t]['wall_s'] for t in moved):.0f} s); "
+          f"{len(slow)} slow tests ({sum(records[t]['wall_s'] for t in slow):.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
