@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-all bench clean
+.PHONY: install train test test-all ci-share bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -32,6 +32,11 @@ test: $(STAMP) $(TARGETS)
 
 test-all: $(STAMP) $(TARGETS)
 	$(BIN)/python -m pytest -q $(PARALLEL) -m ""
+
+# the share of the exhaustive tier CI runs at HEAD; BASE=<the landed commit the session started from> says
+# whether HEAD runs the next one (docs/testing.md)
+ci-share:
+	@.ci/share $(BASE)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

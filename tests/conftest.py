@@ -145,6 +145,11 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: the rest keep their order
     _apply_tiers(items)
+    if os.environ.get("JAXPAR_TEST_REPORT"):       # every collected test's tier, for tests/tools/coverage_tiers.py
+        import json
+        os.makedirs(os.environ["JAXPAR_TEST_REPORT"], exist_ok=True)
+        with open(os.path.join(os.environ["JAXPAR_TEST_REPORT"], "tiers.json"), "w") as f:
+            json.dump({i.nodeid: tier_of(i) for i in items}, f)
     share = _share(config)
     if share is not None:
         other = {i for i in items if tier_of(i) == "exhaustive" and share_of(i.nodeid, share[1]) != share[0]}
