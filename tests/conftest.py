@@ -115,10 +115,10 @@ HEAVIEST_FIRST = (
 
 
 def _apply_tiers(items):
-    """Mark what tests/tiers.py moves: a function's cases beyond ``FAST_CASES`` and the ``MOVED`` tests
-    are exhaustive, the ``SLOW`` tests slow. A name there that matches none of the collected tests is
-    an error when every file it names was collected."""
-    from tiers import FAST_CASES, MOVED, SLOW
+    """Mark what tests/tiers.py moves: a function's cases beyond ``FAST_CASES``, the ``MOVED`` and the
+    ``COVERED_ELSEWHERE`` tests are exhaustive, the ``SLOW`` tests slow. A name there that matches none
+    of the collected tests is an error when every file it names was collected."""
+    from tiers import COVERED_ELSEWHERE, FAST_CASES, MOVED, SLOW
 
     seen = set()
     for item in items:
@@ -127,13 +127,13 @@ def _apply_tiers(items):
             seen.add(function)
             if case[:-1] not in FAST_CASES[function]:
                 item.add_marker(pytest.mark.exhaustive)
-        if item.nodeid in MOVED:
+        if item.nodeid in MOVED or item.nodeid in COVERED_ELSEWHERE:
             seen.add(item.nodeid)
             item.add_marker(pytest.mark.exhaustive)
         if item.nodeid in SLOW:
             seen.add(item.nodeid)
             item.add_marker(pytest.mark.slow)
-    named = {*FAST_CASES, *MOVED, *SLOW}
+    named = {*FAST_CASES, *MOVED, *COVERED_ELSEWHERE, *SLOW}
     files = {i.nodeid.split("::")[0] for i in items}
     stale = [n for n in named - seen if n.split("::")[0] in files]
     if stale and all(n.split("::")[0] in files for n in named):

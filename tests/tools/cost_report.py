@@ -3,7 +3,7 @@
 see tests/conftest.py) and prints the tiers' worker-seconds, the files and the top tests by cost.
 
     JAXPAR_TEST_REPORT=/tmp/cost .venv/bin/python -m pytest -n auto --maxprocesses=4 --dist loadfile -m ""
-    .venv/bin/python tests/tools/cost_report.py /tmp/cost --top 30
+    .venv/bin/python tests/tools/cost_report.py /tmp/cost [MORE ...] --top 30
 """
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ def _row(name: str, c) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("folder")
+    p.add_argument("folders", nargs="+")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--files", type=int, default=30)
     args = p.parse_args(argv)
-    records = load(args.folder)
+    records = [r for folder in args.folders for r in load(folder)]
     head = "| {} | tests | wall s | compiles | cache misses | compile s |\n|---|---:|---:|---:|---:|---:|"
     print(head.format("tier"))
     for tier, c in sorted(by_key(records, lambda r: r["tier"]).items()):

@@ -26,6 +26,10 @@ from coverage_tiers import lines_by_test  # noqa: E402
 
 #: A case that costs less (wall seconds in the measured run) stays in the fast tier.
 MOVE_ABOVE_S = 1.0
+#: The fast tier's budget in worker-seconds (two xdist workers: about 6:20 of wall time), and the
+#: cost from which a test whose lines the rest of the fast tier runs may leave it to fit the budget.
+FAST_BUDGET_S = 760
+HEAVY_S = 3.0
 
 
 def function_of(test: str) -> str:
@@ -51,8 +55,26 @@ def greedy_cover(target: set, candidates: list[str], lines: dict, cost: dict, co
             left[t] -= covered
 
 
-def select(lines: dict, records: dict, moved: dict) -> tuple[dict, list]:
-    cost = {t: r["wall_s"] for t, r in records.items()}
+def covered_elsewhere(kept: list, lines: dict, records: dict, cost: dict, moved: dict) -> list[str]:
+    """Heavy fast tests every line of which other fast tests run, heaviest first, until the fast tier
+    fits :data:`FAST_BUDGET_S`. Stay: a test that compiles nothing in process (its work is in
+    subprocesses, whose lines no test context names) and a test a ``MOVED`` reason names."""
+    named = set(re.findall(r"test_\w+", " ".join(moved.values())))
+    runs = collections.Counter(line for t in kept for line in lines.get(t, ()))
+    total, out = sum(cost[t] for t in kept), []
+    for t in sorted(kept, key=lambda t: -cost[t]):
+        if total <= FAST_BUDGET_S or cost[t] < HEAVY_S:
+            break
+        if function_of(t).split("::")[-1] in named or not records[t].get("compiles", 0):
+            continue
+        if lines.get(t) and all(runs[line] > 1 for line in lines[t]):
+            out.append(t)
+            total -= cost[t]
+            runs.subtract(lines[t])
+    return sorted(out)
+
+
+def select(lines: dict, records: dict, moved: dict, cost: dict) -> tuple[dict, list, list]:
     fast = [t for t, r in records.items() if r["tier"] == "fast" and t not in moved]
     functions = collections.defaultdict(list)
     for t in fast:
@@ -69,32 +91,38 @@ def select(lines: dict, records: dict, moved: dict) -> tuple[dict, list]:
             kept.append(min(cases, key=lambda t: cost[t]))
     fast_cases = {fn: sorted(case_of(t) for t in cases if t in kept)
                   for fn, cases in sorted(functions.items()) if len(cases) > 1 and not set(cases) <= set(kept)}
+    elsewhere = covered_elsewhere(kept, lines, records, cost, moved)
+    kept = [t for t in kept if t not in elsewhere]
     covered = set().union(*(lines.get(t, set()) for t in kept))
     everything = set().union(*lines.values())
-    rest = [t for t, r in records.items() if r["tier"] == "exhaustive" or t in moved]
+    rest = [t for t, r in records.items() if r["tier"] == "exhaustive" or t in moved or t in elsewhere]
     slow = sorted(greedy_cover(everything, rest, lines, cost, covered))
-    return fast_cases, slow
+    return fast_cases, elsewhere, slow
 
 
 HEADER = '''"""The tiers chosen from a measured run (docs/testing.md §1), written by tests/tools/select_tiers.py.
 
 ``FAST_CASES``: for a test function with several cases, the cases ``make test`` runs; its other cases
 are ``exhaustive``. ``MOVED`` (written by hand, kept by the script): heavy tests whose behaviour a
-cheaper fast test also checks, each with the reason. ``SLOW``: tests outside ``make test`` that CI
-runs every time (the only ones to reach some lines of ``jaxpar/``). tests/conftest.py applies all
-three; a name that matches no test is an error when the whole suite is collected.
+cheaper fast test also checks, each with the reason. ``COVERED_ELSEWHERE``: heavy tests every line of
+which other fast tests run, moved heaviest first until the fast tier fits its budget; ``exhaustive``.
+``SLOW``: tests outside ``make test`` that CI runs every time (the only ones to reach some lines of
+``jaxpar/``). tests/conftest.py applies them; a name that matches no test is an error when the whole
+suite is collected.
 """
 '''
 
 
-def render(fast_cases: dict, slow: list, moved: dict) -> str:
+def render(fast_cases: dict, elsewhere: list, slow: list, moved: dict) -> str:
     out = [HEADER, "MOVED = {"]
     for test, reason in moved.items():
         out.append(f"    {test!r}:\n        {reason!r},")
     out.append("}\n\nFAST_CASES = {")
     for fn, cases in fast_cases.items():
         out.append(f"    {fn!r}: {cases!r},")
-    out.append("}\n\nSLOW = [")
+    out.append("}\n\nCOVERED_ELSEWHERE = [")
+    out += [f"    {t!r}," for t in elsewhere]
+    out.append("]\n\nSLOW = [")
     out += [f"    {t!r}," for t in slow]
     out.append("]\n")
     return "\n".join(out)
@@ -104,6 +132,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", nargs="+", required=True)
     p.add_argument("--report", nargs="+", required=True)
+    p.add_argument("--costs", nargs="*", default=[], help="later cost reports: their wall times replace the "
+                                                          "measured run's (e.g. a run without coverage)")
     p.add_argument("--out", default="tests/tiers.py")
     args = p.parse_args(argv)
     lines = collections.defaultdict(set)
@@ -117,13 +147,16 @@ def main(argv=None) -> int:
     sys.path.insert(0, "tests")
     from tiers import MOVED
 
-    fast_cases, slow = select(lines, records, MOVED)
+    cost = {t: r["wall_s"] for t, r in records.items()}
+    cost.update({r["test"]: r["wall_s"] for folder in args.costs for r in load(folder) if r["test"] in cost})
+    fast_cases, elsewhere, slow = select(lines, records, MOVED, cost)
     with open(args.out, "w") as f:
-        f.write(render(fast_cases, slow, MOVED))
+        f.write(render(fast_cases, elsewhere, slow, MOVED))
     moved = [t for t, r in records.items() if r["tier"] == "fast" and function_of(t) in fast_cases
              and case_of(t) not in fast_cases[function_of(t)]]
-    print(f"{len(moved)} fast cases become exhaustive ({sum(records[t]['wall_s'] for t in moved):.0f} s); "
-          f"{len(slow)} slow tests ({sum(records[t]['wall_s'] for t in slow):.0f} s)")
+    print(f"{len(moved)} fast cases become exhaustive ({sum(cost[t] for t in moved):.0f} s); "
+          f"{len(elsewhere)} heavy tests covered elsewhere ({sum(cost[t] for t in elsewhere):.0f} s); "
+          f"{len(slow)} slow tests ({sum(cost[t] for t in slow):.0f} s)")
     return 0
 
 
