@@ -101,16 +101,17 @@ def need_devices(n: int):
     return pytest.mark.skipif(jax.device_count() < n, reason=f"needs {n} devices, have {jax.device_count()}")
 
 
-#: The heaviest test files (by test time in an idle run on 2 cores, 2026-11-23), run first.
+#: The heaviest test files, run first (docs/testing.md §3, 2026-11-26): first those whose single longest
+#: test is long (the convergence runs of CI's second pass: MoE 442 s, compression 431 s, relaxed
+#: synchronisation 251 s, two processes 246 s, batch ramp 169 s, under coverage), then by total time.
 #: ``make test`` hands out whole files in collection order (``--dist loadfile --no-loadscope-reorder``),
-#: so a long file cannot be handed out last, whatever xdist's own order (by number of tests) would do.
-#: Measured once against that order it made no difference (15:53 vs 15:51; the two workers ended
-#: about 20 s apart either way): a guard for the tail as files grow, not a speed-up.
+#: so a long file cannot be handed out last, whatever xdist's own order (by number of tests) would do:
+#: at the end of a pass the other worker would wait for it.
 HEAVIEST_FIRST = (
-    "test_pairs.py", "test_targets.py", "test_pipeline.py", "test_compression_step.py", "test_relaxed_sync.py",
-    "test_byo_model.py", "test_notebooks.py", "test_equivalence.py", "test_checkpoint.py", "test_models.py",
-    "test_async_pipeline.py", "test_multiprocess.py", "test_weight_stashing.py", "test_cli.py",
-    "test_signatures.py", "test_faults.py", "test_doctests.py",
+    "test_moe_train.py", "test_compression_train.py", "test_pairs.py", "test_relaxed_sync.py", "test_batch_ramp.py",
+    "test_compression_step.py", "test_targets.py", "test_cost_layout.py", "test_checkpoint.py", "test_byo_model.py",
+    "test_multiprocess.py", "test_notebooks.py", "test_pipeline.py", "test_moe.py", "test_cli.py",
+    "test_async_pipeline.py", "test_context_attention.py", "test_context_train.py", "test_doctests.py",
 )
 
 
