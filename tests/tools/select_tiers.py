@@ -55,17 +55,18 @@ def greedy_cover(target: set, candidates: list[str], lines: dict, cost: dict, co
             left[t] -= covered
 
 
-def covered_elsewhere(kept: list, lines: dict, records: dict, cost: dict, moved: dict) -> list[str]:
+def covered_elsewhere(kept: list, lines: dict, records: dict, cost: dict, moved: dict, keep: dict) -> list[str]:
     """Heavy fast tests every line of which other fast tests run, heaviest first, until the fast tier
     fits :data:`FAST_BUDGET_S`. Stay: a test that compiles nothing in process (its work is in
-    subprocesses, whose lines no test context names) and a test a ``MOVED`` reason names."""
+    subprocesses, whose lines no test context names), a test a ``MOVED`` reason names, and the
+    ``KEEP`` tests (those that catch docs/testing.md §6's bugs: lines run are not assertions made)."""
     named = set(re.findall(r"test_\w+", " ".join(moved.values())))
     runs = collections.Counter(line for t in kept for line in lines.get(t, ()))
     total, out = sum(cost[t] for t in kept), []
     for t in sorted(kept, key=lambda t: -cost[t]):
         if total <= FAST_BUDGET_S or cost[t] < HEAVY_S:
             break
-        if function_of(t).split("::")[-1] in named or not records[t].get("compiles", 0):
+        if function_of(t).split("::")[-1] in named or t in keep or not records[t].get("compiles", 0):
             continue
         if lines.get(t) and all(runs[line] > 1 for line in lines[t]):
             out.append(t)
@@ -74,7 +75,7 @@ def covered_elsewhere(kept: list, lines: dict, records: dict, cost: dict, moved:
     return sorted(out)
 
 
-def select(lines: dict, records: dict, moved: dict, cost: dict) -> tuple[dict, list, list]:
+def select(lines: dict, records: dict, moved: dict, cost: dict, keep: dict) -> tuple[dict, list, list]:
     fast = [t for t, r in records.items() if r["tier"] == "fast" and t not in moved]
     functions = collections.defaultdict(list)
     for t in fast:
@@ -91,7 +92,7 @@ def select(lines: dict, records: dict, moved: dict, cost: dict) -> tuple[dict, l
             kept.append(min(cases, key=lambda t: cost[t]))
     fast_cases = {fn: sorted(case_of(t) for t in cases if t in kept)
                   for fn, cases in sorted(functions.items()) if len(cases) > 1 and not set(cases) <= set(kept)}
-    elsewhere = covered_elsewhere(kept, lines, records, cost, moved)
+    elsewhere = covered_elsewhere(kept, lines, records, cost, moved, keep)
     kept = [t for t in kept if t not in elsewhere]
     covered = set().union(*(lines.get(t, set()) for t in kept))
     everything = set().union(*lines.values())
@@ -102,8 +103,8 @@ def select(lines: dict, records: dict, moved: dict, cost: dict) -> tuple[dict, l
 
 HEADER = '''"""The tiers chosen from a measured run (docs/testing.md §1), written by tests/tools/select_tiers.py.
 
-``FAST_CASES``: for a test function with several cases, the cases ``make test`` runs; its other cases
-are ``exhaustive``. ``MOVED`` (written by hand, kept by the script): heavy tests whose behaviour a
+``KEEP`` (by hand): fast tests that stay fast, with the bug each catches. ``FAST_CASES``: for a test
+function with several cases, the cases ``make test`` runs; its other cases are ``exhaustive``. ``MOVED`` (written by hand, kept by the script): heavy tests whose behaviour a
 cheaper fast test also checks, each with the reason. ``COVERED_ELSEWHERE``: heavy tests every line of
 which other fast tests run, moved heaviest first until the fast tier fits its budget; ``exhaustive``.
 ``SLOW``: tests outside ``make test`` that CI runs every time (the only ones to reach some lines of
@@ -113,8 +114,11 @@ suite is collected.
 '''
 
 
-def render(fast_cases: dict, elsewhere: list, slow: list, moved: dict) -> str:
-    out = [HEADER, "MOVED = {"]
+def render(fast_cases: dict, elsewhere: list, slow: list, moved: dict, keep: dict) -> str:
+    out = [HEADER, "KEEP = {"]
+    for test, reason in keep.items():
+        out.append(f"    {test!r}:\n        {reason!r},")
+    out.append("}\n\nMOVED = {")
     for test, reason in moved.items():
         out.append(f"    {test!r}:\n        {reason!r},")
     out.append("}\n\nFAST_CASES = {")
@@ -145,13 +149,13 @@ def main(argv=None) -> int:
         if r["tier"] == "slow":        # a report from before the exhaustive marker
             r["tier"] = "exhaustive"
     sys.path.insert(0, "tests")
-    from tiers import MOVED
+    from tiers import KEEP, MOVED
 
     cost = {t: r["wall_s"] for t, r in records.items()}
     cost.update({r["test"]: r["wall_s"] for folder in args.costs for r in load(folder) if r["test"] in cost})
-    fast_cases, elsewhere, slow = select(lines, records, MOVED, cost)
+    fast_cases, elsewhere, slow = select(lines, records, MOVED, cost, KEEP)
     with open(args.out, "w") as f:
-        f.write(render(fast_cases, elsewhere, slow, MOVED))
+        f.write(render(fast_cases, elsewhere, slow, MOVED, KEEP))
     moved = [t for t, r in records.items() if r["tier"] == "fast" and function_of(t) in fast_cases
              and case_of(t) not in fast_cases[function_of(t)]]
     print(f"{len(moved)} fast cases become exhaustive ({sum(cost[t] for t in moved):.0f} s); "
