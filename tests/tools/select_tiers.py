@@ -7,10 +7,14 @@ Reads coverage data recorded with per-test contexts and the cost report of the s
   covering every line of ``jaxpar/`` it covered: a greedy cover of those lines, by lines gained per
   second, over the cases of functions with several fast cases;
 * the other fast cases become ``exhaustive``;
+* while the fast tier costs more than ``FAST_BUDGET_S``, the heaviest tests every line of which other
+  fast tests run become ``exhaustive`` too (``COVERED_ELSEWHERE``; not those ``KEEP`` or a ``MOVED``
+  reason names, nor subprocess tests);
 * the lines only ``exhaustive`` tests reach are covered in every CI run by ``slow`` tests, chosen the
   same way among them.
 
-    .venv/bin/python tests/tools/select_tiers.py --data A/.coverage B/.coverage --report /tmp/cost
+    .venv/bin/python tests/tools/select_tiers.py --data A/.coverage B/.coverage --report /tmp/cost \
+        [--costs /tmp/plain-run]
 """
 from __future__ import annotations
 
