@@ -1,6 +1,7 @@
 """The tiers chosen from a measured run (docs/testing.md §1), written by tests/tools/select_tiers.py.
 
-``KEEP`` (by hand): fast tests that stay fast, with the bug each catches. ``FAST_CASES``: for a test
+``KEEP`` (by hand): fast tests that stay fast, with the bug each catches (the compiled-collective
+checks among them: a misplaced collective keeps every number equal). ``FAST_CASES``: for a test
 function with several cases, the cases ``make test`` runs; its other cases are ``exhaustive``. ``MOVED`` (written by hand, kept by the script): heavy tests whose behaviour a
 cheaper fast test also checks, each with the reason. ``COVERED_ELSEWHERE``: heavy tests every line of
 which other fast tests run, moved heaviest first until the fast tier fits its budget; ``exhaustive``.
@@ -16,6 +17,18 @@ KEEP = {
         "a dropped data-parallel all-reduce, in a user's model (docs/testing.md §6)",
     'tests/test_compression_step.py::test_codec_state_is_checkpointed_bit_exactly[topk-1bit-adam]':
         'a codec state part lost through a checkpoint (docs/testing.md §6)',
+    'tests/test_byo_model.py::test_zero3_signature_is_one_flat_gather_and_reduce_scatter_per_layer':
+        "the compiled collectives of ZeRO-3 on a user's model: a misplaced gather keeps the numbers",
+    'tests/test_explicit_sharding.py::test_collectives_are_the_strategys':
+        'the compiled collectives of explicit sharding: a misplaced collective keeps the numbers',
+    'tests/test_signatures.py::test_explicit_zero2_over_two_data_axes_is_one_reduce_scatter_per_layer':
+        'the compiled reduce-scatters of ZeRO-2: a misplaced collective keeps the numbers',
+    'tests/test_signatures.py::test_megatron_forward_collectives_per_block[tp+sp]':
+        "the compiled collectives of Megatron's sequence parallelism: a misplaced collective keeps the numbers",
+    'tests/test_device_branches.py::test_the_lockstep_program_of_sequence_parallelism_has_no_device_dependent_collective':
+        'a device-dependent collective (a hang on a real cluster) that equal numbers on the CPU cannot show',
+    'tests/test_signatures.py::test_dp_all_reduces_gradients_and_gathers_nothing':
+        'the compiled collectives of data parallelism: a stray gather keeps the numbers',
 }
 
 MOVED = {
@@ -112,38 +125,51 @@ FAST_CASES = {
 
 COVERED_ELSEWHERE = [
     'tests/test_bf16_sequence_parallel.py::test_the_bf16_sequence_parallel_step_with_data_compiles_for_gpu_in_bf16',
+    'tests/test_byo_model.py::test_auto_stage_layers_measure_the_users_layers',
+    'tests/test_checkpoint.py::test_nonfinite_step_is_skipped_and_reported',
     'tests/test_cli.py::test_train_end_to_end_in_process',
     'tests/test_compression_step.py::test_codecs_train_under_the_strategies[topk-2-1]',
     'tests/test_compression_step.py::test_local_clip_clips_each_replica_before_the_codec',
     'tests/test_compression_step.py::test_lossless_settings_match_the_uncompressed_step[topk-1-2]',
     'tests/test_compression_step.py::test_restore_onto_other_replicas_resets_the_codec_state_with_a_warning',
     'tests/test_compression_train.py::test_train_prints_and_logs_wire_bytes',
-    'tests/test_context_train.py::test_context_parallel_training_matches_one_device[packed-cp2-ulysses-dp2]',
     'tests/test_context_train.py::test_the_ring_in_a_pipeline_stage_hops_by_all_gather_on_cpu',
+    'tests/test_equivalence.py::test_strategy_matches_single_device[tp8-sp-noaccum]',
+    'tests/test_equivalence.py::test_xla_managed_data_parallel_matches',
     'tests/test_executor_buffers.py::test_no_residual_slot_is_copied_in_the_tick_loop[zb-h1]',
     'tests/test_explicit_sharding.py::test_checkpoint_restores_onto_another_mesh_and_training_goes_on',
+    'tests/test_explicit_sharding.py::test_explicit_style_model_is_exact_against_one_device[dp2-fsdp2-tp2-zero3-accum2]',
     'tests/test_flax_example_style.py::test_the_example_style_model_is_exact_against_one_device[one-device]',
     'tests/test_layer_lists.py::test_stacked_list_is_exact_against_the_list_on_one_device[scan-fsdp4-tp2-zero3]',
+    'tests/test_mesh_rules.py::test_batch_not_divisible_by_data_axes',
     'tests/test_models.py::test_remat_policies_do_not_change_numbers[save-matmuls-dp2-tp4]',
+    'tests/test_moe.py::test_one_device_matches_a_loop_over_tokens[top_k=2-gate=sigmoid-capacity_factor=None]',
     'tests/test_moe_train.py::test_step_metrics_with_drops_match_one_device[axes0-strategy0]',
     'tests/test_moe_train.py::test_the_aux_loss_with_accumulation_is_the_whole_batchs[axes1-2]',
     'tests/test_moe_train.py::test_the_compiled_step_dispatches_with_all_to_alls_and_keeps_the_experts_sharded',
+    'tests/test_moe_user_model.py::test_a_plain_loss_equals_one_device[direct-accumulate4]',
+    'tests/test_newcomer_resume.py::test_resume_before_the_end_names_the_original_length_and_same_length_is_quiet',
+    'tests/test_noise_scale.py::test_measured_norms_equal_materialised_per_replica_gradients[dp8]',
+    'tests/test_onebit_adam.py::test_adam_first_moment_is_the_exchanged_compressed_moment[sign]',
     'tests/test_onebit_adam.py::test_before_start_step_it_is_adamw_with_the_exact_exchange',
     'tests/test_pairs.py::test_bf16_under_every_schedule[pipedream-2bw]',
     'tests/test_pipeline.py::test_1f1b_memory_is_bounded_and_gpipe_grows[1f1b]',
     'tests/test_pipeline.py::test_composed_pipeline_trains_like_single_device[pp2-interleaved-dp2-tp2]',
+    'tests/test_pipeline.py::test_remat_policies_inside_the_pipeline[full]',
     'tests/test_pipeline.py::test_schedule_matches_single_device[zb-h1-p4-m4]',
     'tests/test_pipeline.py::test_sends_are_neighbour_permutes_matching_the_table[1f1b-1]',
     'tests/test_pipeline_metrics.py::test_pipelined_steps_return_what_the_loss_reports[strategy0-1]',
     'tests/test_plan_compat.py::test_top_plan_of_a_cpu_mesh_case_trains',
     'tests/test_readme.py::test_readme_api_example_runs',
     'tests/test_relaxed_sync.py::test_diloco_composes_with_inner_strategies[tp2]',
+    'tests/test_relaxed_sync.py::test_restore_onto_another_number_of_replicas_restarts_them_from_the_outer_params',
     'tests/test_relaxed_sync.py::test_synchronous_replicas_equal_data_parallelism',
     'tests/test_split_backward.py::test_gpt_block_b_plus_w_is_the_pullback_and_each_matmul_runs_once',
     'tests/test_targets.py::test_zero3_gathers_and_scatters_over_data_asynchronously',
+    'tests/test_token_files.py::test_train_on_a_token_file',
     'tests/test_two_bw_skip.py::test_no_flush_program_gives_the_one_step_programs_states[3]',
     'tests/test_two_bw_skip.py::test_one_step_program_skips_and_makes_the_newest_version_the_older_one',
-    'tests/test_update_grad_norm.py::test_replicas_that_update_on_their_own_report_the_rms_of_their_norms[async]',
+    'tests/test_update_grad_norm.py::test_one_update_per_step_reports_the_norm_of_the_averaged_gradient[sync-replicas]',
     'tests/test_weight_stashing.py::test_checkpoint_of_another_schedule_restores_into_stashing_and_back',
 ]
 

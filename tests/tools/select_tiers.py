@@ -81,11 +81,15 @@ def covered_elsewhere(kept: list, lines: dict, records: dict, cost: dict, moved:
     return sorted(out)
 
 
-def select(lines: dict, records: dict, moved: dict, cost: dict, keep: dict) -> tuple[dict, list, list]:
+def select(lines: dict, records: dict, moved: dict, cost: dict, keep: dict,
+           cases: dict | None = None) -> tuple[dict, list, list]:
+    """The tiers; ``cases`` (a ``FAST_CASES``) fixes the fast cases and refits only the budget."""
     fast = [t for t, r in records.items() if r["tier"] == "fast" and t not in moved]
     functions = collections.defaultdict(list)
     for t in fast:
         functions[function_of(t)].append(t)
+    if cases is not None:
+        return refit(cases, functions, lines, records, moved, cost, keep)
     kept = [cases[0] for cases in functions.values() if len(cases) == 1]
     target = set().union(*(lines.get(t, set()) for t in fast))
     several = [t for cases in functions.values() if len(cases) > 1 for t in cases]
@@ -97,6 +101,18 @@ def select(lines: dict, records: dict, moved: dict, cost: dict, keep: dict) -> t
             kept.append(min(cases, key=lambda t: cost[t]))
     fast_cases = {fn: sorted(case_of(t) for t in cases if t in kept)
                   for fn, cases in sorted(functions.items()) if len(cases) > 1 and not set(cases) <= set(kept)}
+    return fit_budget(fast_cases, kept, lines, records, moved, cost, keep)
+
+
+def refit(cases: dict, functions: dict, lines: dict, records: dict, moved: dict, cost: dict,
+          keep: dict) -> tuple[dict, list, list]:
+    """The fast tier of ``cases`` fitted to the budget again, from newer costs."""
+    kept = [t for fn, ts in functions.items() for t in ts if fn not in cases or case_of(t) in cases[fn]]
+    return fit_budget(cases, kept, lines, records, moved, cost, keep)
+
+
+def fit_budget(fast_cases: dict, kept: list, lines: dict, records: dict, moved: dict, cost: dict,
+               keep: dict) -> tuple[dict, list, list]:
     elsewhere = covered_elsewhere(kept, lines, records, cost, moved, keep)
     kept = [t for t in kept if t not in elsewhere]
     covered = set().union(*(lines.get(t, set()) for t in kept))
@@ -108,7 +124,8 @@ def select(lines: dict, records: dict, moved: dict, cost: dict, keep: dict) -> t
 
 HEADER = '''"""The tiers chosen from a measured run (docs/testing.md §1), written by tests/tools/select_tiers.py.
 
-``KEEP`` (by hand): fast tests that stay fast, with the bug each catches. ``FAST_CASES``: for a test
+``KEEP`` (by hand): fast tests that stay fast, with the bug each catches (the compiled-collective
+checks among them: a misplaced collective keeps every number equal). ``FAST_CASES``: for a test
 function with several cases, the cases ``make test`` runs; its other cases are ``exhaustive``. ``MOVED`` (written by hand, kept by the script): heavy tests whose behaviour a
 cheaper fast test also checks, each with the reason. ``COVERED_ELSEWHERE``: heavy tests every line of
 which other fast tests run, moved heaviest first until the fast tier fits its budget; ``exhaustive``.
@@ -144,6 +161,8 @@ def main(argv=None) -> int:
     p.add_argument("--costs", nargs="*", default=[], help="later cost reports: their wall times replace the "
                                                           "measured run's (e.g. a run without coverage)")
     p.add_argument("--out", default="tests/tiers.py")
+    p.add_argument("--refit", action="store_true", help="keep tests/tiers.py's FAST_CASES; choose only "
+                                                        "COVERED_ELSEWHERE and SLOW again")
     args = p.parse_args(argv)
     lines = collections.defaultdict(set)
     for f in args.data:
@@ -154,11 +173,11 @@ def main(argv=None) -> int:
         if r["tier"] == "slow":        # a report from before the exhaustive marker
             r["tier"] = "exhaustive"
     sys.path.insert(0, "tests")
-    from tiers import KEEP, MOVED
+    from tiers import FAST_CASES, KEEP, MOVED
 
     cost = {t: r["wall_s"] for t, r in records.items()}
     cost.update({r["test"]: r["wall_s"] for folder in args.costs for r in load(folder) if r["test"] in cost})
-    fast_cases, elsewhere, slow = select(lines, records, MOVED, cost, KEEP)
+    fast_cases, elsewhere, slow = select(lines, records, MOVED, cost, KEEP, FAST_CASES if args.refit else None)
     with open(args.out, "w") as f:
         f.write(render(fast_cases, elsewhere, slow, MOVED, KEEP))
     moved = [t for t, r in records.items() if r["tier"] == "fast" and function_of(t) in fast_cases
