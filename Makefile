@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-all ci-share bench clean
+.PHONY: install targets train test test-all ci-share bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -11,18 +11,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
 
-# The GPU and TPU compilers (jaxpar.devices._targets, docs/targets.md): ~440 MB, for the tests and
-# `jaxpar inspect --target`; `make train` does not need them.
-TARGETS := $(VENV)/.targets-installed
+# The GPU and TPU compilers (docs/targets.md): ~440 MB, for the tests and `jaxpar inspect --target`;
+# `make train` does not need them. They go into a directory of their own, off sys.path
+# (.venv/jaxpar-targets: jaxpar.devices.targets_dir), so that `import jax` does not load them.
+TARGETS := $(VENV)/.jaxpar-targets-installed
 
-$(TARGETS): $(STAMP) pyproject.toml
-	$(BIN)/pip install -q -e ".[test,targets]"
+$(TARGETS): $(STAMP)
+	cmd="$$($(BIN)/python -c 'from jaxpar.devices import install_command; print(install_command())')" && eval "$$cmd -q"
 	touch $(TARGETS)
 
 install: $(STAMP)
 
+targets: $(TARGETS)
+
 train: $(STAMP)
-	$(BIN)/jaxpar train configs/quickstart.yaml
+	$(BIN)/jaxpar train configs/quickstart.yaml $(ARGS)
 
 # one pytest worker per core (at most 4), a test file per worker: the compiles are single-threaded
 PARALLEL := -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder

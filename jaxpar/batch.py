@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.mesh import REPLICA, batch_axes
 from jaxpar.rules import path_str
+from jaxpar.errors import BatchError
 
 __all__ = ["batch_sharding", "check_batch", "check_stacked_batches", "shard_batch", "split_microbatches",
            "step_microbatches"]
@@ -48,23 +49,31 @@ def check_batch(batch: Any, mesh, microbatches: int = 1) -> int:
 
     Returns:
       The global batch size (the leaves' common leading size).
+
+    Raises:
+      BatchError: no leaf, a scalar leaf, leaves of different leading sizes, or a size that the data
+        axes x ``microbatches`` do not divide.
     """
     n = math.prod(mesh.shape[a] for a in batch_axes(mesh))
     sizes = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if not getattr(leaf, "shape", ()):
-            raise ValueError(f"batch leaf {path_str(path)!r} is a scalar; every batch leaf needs a leading "
+            raise BatchError(f"batch leaf {path_str(path)!r} is a scalar; every batch leaf needs a leading "
                              "batch dimension.")
         b = leaf.shape[0]
         sizes.add(b)
         if b % (n * microbatches):
             axes = ", ".join(f"{a}={mesh.shape[a]}" for a in batch_axes(mesh))
-            raise ValueError(
+            raise BatchError(
                 f"batch leaf {path_str(path)!r}: global batch size {b} is not divisible by the data axes "
                 f"({axes}; product {n}) x microbatches ({microbatches}) = {n * microbatches}. Use a global "
                 f"batch that is a multiple of {n * microbatches}.")
     if len(sizes) > 1:
-        raise ValueError(f"batch leaves have different leading sizes {sorted(sizes)}; they must agree.")
+        raise BatchError(f"batch leaves have different leading sizes {sorted(sizes)}; give every leaf the same "
+                         "global batch size.")
+    if not sizes:
+        raise BatchError(f"batch={batch!r} holds no arrays; give a pytree of arrays with a leading batch dimension, "
+                         "e.g. {'x': x[B, ...], 'y': y[B]}.")
     return sizes.pop()
 
 
@@ -132,11 +141,11 @@ def check_stacked_batches(batches: Any, mesh, m: int, steps: int) -> None:
       steps: ``steps_per_call``.
 
     Raises:
-      ValueError: a leaf's leading size is not ``steps``, or ``B`` does not split into the data axes times ``m``.
+      BatchError: a leaf's leading size is not ``steps``, or ``B`` does not split into the data axes times ``m``.
     """
     leads = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(batches)}
     if leads != {steps}:
-        raise ValueError(
+        raise BatchError(
             f"steps_per_call={steps}: every batch leaf must be [steps={steps}, batch, ...] (one global batch per "
             f"optimizer step, stacked), got leading sizes {sorted(leads, key=str)}. Stack {steps} batches, "
             "e.g. jax.tree.map(lambda *b: np.stack(b), *batches).")

@@ -2,8 +2,9 @@
 
 Usage::
 
-    jaxpar train CONFIG [key=value ...] [--print-config] [--resume]
+    jaxpar train CONFIG [key=value ...] [--print-config] [--resume | --overwrite]
                  [--coordinator HOST:PORT --num-processes N --process-id I] [--local-devices K]
+    jaxpar check CONFIG [key=value ...]        (every check, nothing compiled; jaxpar.config._check_command)
     jaxpar schedule --kind 1f1b --stages 4 --microbatches 8 [--virtual V] [--png PATH] [--timed]
     jaxpar plan [--config CONFIG | --layers L --hidden H --heads A --seq S --vocab V --batch B]
                 [--cluster PRESET|PATH] [--devices N] [--target h100:2x8] [--top K] [--json] [--verify]
@@ -16,7 +17,8 @@ Example::
 
     $ jaxpar train configs/quickstart.yaml train.steps=50 optimizer.lr=1e-3
     $ jaxpar train configs/tp.yaml --print-config
-    $ jaxpar train configs/quickstart.yaml --resume          # continue from the latest checkpoint
+    $ jaxpar train configs/quickstart.yaml train.steps=600 --resume   # continue from the latest checkpoint
+    $ jaxpar train configs/quickstart.yaml --overwrite       # a new run; the earlier one moves aside
     $ jaxpar schedule --kind interleaved --stages 4 --microbatches 8 --virtual 2
 
 ``main(argv)`` returns the exit status (0 ok, 2 invalid config / arguments), so it
@@ -33,25 +35,33 @@ from typing import Sequence
 
 __all__ = ["main", "build_parser"]
 _DIST = ("coordinator", "num_processes", "process_id", "local_devices", "heartbeat_timeout")
-_OVERRIDES = ("train", "inspect", "export", "sample", "data")       # the commands that take key=value overrides
+_OVERRIDES = ("train", "check", "inspect", "export", "sample", "data")       # the commands that take key=value overrides
 
 
 def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = False, resume: bool = False,
-              dist: dict | None = None) -> int:
-    """``jaxpar train``: load + check the config, build the job, train, summarise.
+              overwrite: bool = False, dist: dict | None = None) -> int:
+    """``jaxpar train``: load + check the config, claim the run directory, build the job, train, summarise.
 
-    ``resume`` (``--resume``) sets ``checkpoint.resume=true``. Exit status 0 also
-    after SIGTERM / SIGINT (a checkpoint of the current step is saved), 1 when a
-    non-finite loss stops the run (``train.on_nonfinite=stop``).
+    ``resume`` (``--resume``) sets ``checkpoint.resume=true``; else a ``train.out_dir`` that holds another run
+    is refused before anything is written, or moved aside with ``overwrite`` (``--overwrite``:
+    :func:`jaxpar.run._run_directory.claim_run_directory`). Exit status 0 also after SIGTERM / SIGINT (a
+    checkpoint of the current step is saved), 1 when a non-finite loss stops the run (``train.on_nonfinite=stop``).
     """
-    from jaxpar.config import load_config, to_yaml
+    from jaxpar.config import ConfigError, load_config, to_yaml
     from jaxpar.devices._distributed import start_processes
+    from jaxpar.run._run_directory import claim_run_directory
 
     cfg = load_config(config, [*overrides, *(["checkpoint.resume=true"] if resume else [])])
     if print_config:
         print(to_yaml(cfg), end="")
         return 0
+    if overwrite and cfg.checkpoint.resume:
+        raise ConfigError("jaxpar train: --overwrite starts a new run (the earlier one moved aside) and --resume "
+                          "(checkpoint.resume=true) continues the earlier one; give one of them.")
     info = start_processes(**(dist or {}), devices=cfg.train.devices)   # jax.distributed, then the devices
+    out_dir = Path(cfg.train.out_dir)
+    if not cfg.checkpoint.resume:             # before anything is built or written
+        claim_run_directory(out_dir, cfg.checkpoint.dir if cfg.checkpoint.enabled else None, overwrite=overwrite)
     if info.multiprocess or info.method == "k8s":
         from jaxpar.run._preemption import catch_stop_signals
 
@@ -63,9 +73,6 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     from jaxpar.run._resume import checkpoint_meta, train_with_checkpoints
 
     job = build_job(cfg)
-    out_dir = Path(cfg.train.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(to_yaml(cfg))
     print(f"job      {cfg.name}  ->  {out_dir}")
     print("\n".join(header_lines(job)))
     state, layout = job.init_state(weights=not job.run.resume)     # a resumed run restores its own weights
@@ -77,7 +84,8 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     log, ckpt = job.log_options(layout, tokens), job.checkpointer(layout)
     status = train_with_checkpoints(step, state, layout, job.batch_fn, job.run, log, checkpointer=ckpt,
                                     meta=checkpoint_meta(mesh_sizes=layout.mesh.shape, **job.meta), eval_fn=evaluate,
-                                    eval_batches=job.eval_batches, ramp=job.ramp, lr_schedule=job.log_lr)
+                                    eval_batches=job.eval_batches, ramp=job.ramp, lr_schedule=job.log_lr,
+                                    config_text=to_yaml(cfg))
     if line := packing_line(job.batch_fn, cfg.train.steps):       # data.kind=documents: real tokens
         print(line)
     return status
@@ -154,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest good checkpoint in checkpoint.dir (same as checkpoint.resume=true)")
+    p.add_argument("--overwrite", action="store_true", help="start a new run where train.out_dir holds another: "
+                   "move that run (its files and checkpoints) aside to <train.out_dir>.old-N first; nothing is deleted")
     _add_process_options(p)
 
     add_schedule_parser(sub)
@@ -187,8 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", help="cluster preset for the prediction (default: the target's, else cpu_sim)")
     p.add_argument("--target", help="compile with the real compiler of a GPU / TPU target, without the hardware: "
                                     "h100:2x8 (hosts x GPUs), tpu-v5e:4x4, 2xtpu-v5e:16x16 (docs/targets.md)")
+    from jaxpar.config._check_command import add_check_parser
     from jaxpar.config._data_commands import add_data_parser
     from jaxpar.config._hf_commands import add_parsers
+    add_check_parser(sub)
     add_parsers(sub)                 # export, sample
     add_data_parser(sub, _add_process_options)       # data prepare, data show (several processes too)
     return parser
@@ -217,9 +229,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _run_train(args.config, args.overrides, print_config=args.print_config, resume=args.resume,
-                             dist={k: getattr(args, k) for k in _DIST})
+                             overwrite=args.overwrite, dist={k: getattr(args, k) for k in _DIST})
         if args.command == "plan":
             return _run_plan(args)
+        if args.command == "check":
+            from jaxpar.config._check_command import run_check
+            return run_check(args)
         if args.command == "inspect":
             return _run_inspect(args.config, args.overrides, cluster=args.cluster, target=args.target)
         if args.command in ("export", "sample"):

@@ -17,12 +17,13 @@ from __future__ import annotations
 __all__ = ["JaxparError", "MeshError", "StrategyError", "MaskError", "RulesError", "LayerListError", "ModelMeshError",
            "CompressionError", "AttentionError", "ContextParallelError", "MoEError", "PipelineCutError",
            "PartitionError", "StashingError", "ScheduleError", "AsyncPipelineError", "SyncError",
-           "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "RampError", "NonFiniteError",
-           "LoopError",
+           "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "RunDirectoryError", "RampError",
+           "NonFiniteError", "LoopError", "GenerationError",
            "ExplicitDPError", "NoiseScaleError", "StrategyMismatchError", "DataError", "SourceError",
            "TokenizerError", "CacheError", "HFConfigError", "HFExportError", "HFFilesError",
            "HFCheckpointError", "ClusterError", "LayoutError", "PlanError", "DistributedError", "TargetError",
-           "ConfigError", "UnusedAxisWarning"]
+           "ConfigError", "UnusedAxisWarning", "BatchError", "OptimizerError", "BackendStartedError",
+           "ModelStateError", "ModelConfigError", "StepError", "CompatError", "CostModelError", "AnalysisError"]
 
 
 class JaxparError(ValueError):
@@ -34,6 +35,17 @@ class JaxparError(ValueError):
 
 class MeshError(JaxparError):
     """A mesh cannot be built from the given sizes or devices."""
+
+
+class BackendStartedError(MeshError, RuntimeError):
+    """JAX's backend already runs with another device count than asked; the count cannot change in a
+    running process (the message names both counts and how to start with the right one)."""
+
+
+class BatchError(JaxparError):
+    """A batch that does not fit the mesh or the step: a scalar leaf, leaves of different leading
+    sizes, a global batch that the data axes x micro-batches do not divide, or stacked batches of
+    another count than ``steps_per_call``."""
 
 
 class StrategyError(JaxparError):
@@ -48,6 +60,16 @@ class RulesError(JaxparError):
     """A logical annotation cannot be mapped onto the mesh."""
 
 
+class OptimizerError(JaxparError):
+    """An optimizer option out of its range (a learning rate, ``b1`` / ``b2``, ``eps``, ``weight_decay``,
+    ``momentum``, a trust coefficient: negative, NaN, a bool), an unknown learning-rate scaling rule, or
+    an update called without what it needs (the message names the function, the option and the fix)."""
+
+
+class CompatError(JaxparError):
+    """A feature code that the compatibility table (:mod:`jaxpar.compat`) does not hold."""
+
+
 # The user's model.
 
 
@@ -57,6 +79,16 @@ class LayerListError(JaxparError):
 
 class ModelMeshError(JaxparError):
     """A model that pins shardings by mesh axes cannot run where jaxpar asked it to."""
+
+
+class ModelStateError(JaxparError):
+    """A model holds state that jaxpar does not train (variables other than ``nnx.Param``: RNG streams,
+    caches, counters); the message names their kinds and where to keep them."""
+
+
+class ModelConfigError(JaxparError):
+    """A field of one of jaxpar's model configs (:class:`~jaxpar.models.GPTConfig`,
+    :class:`~jaxpar.models.DecoderConfig`) with a value the model cannot be built with."""
 
 
 # The parallel strategies.
@@ -91,7 +123,9 @@ class StashingError(JaxparError):
 
 
 class ScheduleError(JaxparError):
-    """A schedule table is illegal (missing/duplicate action or broken dependency)."""
+    """A pipeline schedule that cannot be built or run: an unknown kind, stage / micro-batch / chunk
+    counts it does not take, a table that is illegal (a missing or duplicate action, a broken
+    dependency), or a mesh whose ``pipe`` axis is not the table's stage count."""
 
 
 class AsyncPipelineError(JaxparError):
@@ -106,7 +140,8 @@ class SyncError(JaxparError):
 
 
 class CheckpointError(JaxparError, RuntimeError):
-    """No usable checkpoint (the message names the directory and what was found there)."""
+    """No usable checkpoint (the message names the directory and what was found there), or a
+    :class:`~jaxpar.run.Checkpointer` option it cannot take."""
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -117,6 +152,12 @@ class CheckpointMismatchError(CheckpointError):
 class CheckpointWarning(UserWarning):
     """A checkpoint was unreadable and an older one is used instead, or a part of the state it
     holds was dropped or started afresh (the message says which and why)."""
+
+
+class RunDirectoryError(JaxparError):
+    """A run directory (``train.out_dir``, ``checkpoint.dir``) holds another run's checkpoints or metrics, and a
+    new run there would mix with it: the message names the directory, what it holds and the choices
+    (``--resume``, another ``train.out_dir``, ``--overwrite``)."""
 
 
 class UnusedAxisWarning(UserWarning):
@@ -133,12 +174,24 @@ class NonFiniteError(JaxparError, FloatingPointError):
 
 
 class LoopError(JaxparError):
-    """Options of the training loop that do not fit together: an interval (``steps``, ``log_every``,
-    ...) that ``steps_per_call`` does not divide."""
+    """Options of the training loop, its logging or its metrics that it cannot run with (an int below its
+    minimum, an unknown mode), or that do not fit together: an interval (``steps``, ``log_every``, ...) that
+    ``steps_per_call`` does not divide."""
+
+
+class GenerationError(JaxparError):
+    """A greedy decode (:func:`~jaxpar.greedy_generate`) that cannot run as asked: an empty prompt, a count
+    below its minimum, or a prompt plus continuation longer than the model's maximum positions (the
+    message names the lengths and the fix)."""
 
 
 class ExplicitDPError(JaxparError):
     """``explicit_dp=True`` was asked where jaxpar cannot make the data-axis collectives explicit."""
+
+
+class StepError(JaxparError):
+    """An option of :func:`~jaxpar.make_train_step` that it cannot take: ``clip_norm`` that is not a finite
+    number > 0, a keyword that does not exist (or moved to a state part)."""
 
 
 class NoiseScaleError(JaxparError):
@@ -192,6 +245,18 @@ class HFCheckpointError(JaxparError):
 
 class ClusterError(JaxparError):
     """A cluster description is invalid; the message names the field and the fix."""
+
+
+class CostModelError(JaxparError):
+    """An input of the cost model it cannot take: a :class:`~jaxpar.cost.ModelSpec`, ``Link`` or
+    ``Overlap`` field, a collective's kind, algorithm, size or process count, a recomputation policy or
+    a precision name (the message names the field, the value and what it takes)."""
+
+
+class AnalysisError(JaxparError):
+    """An input that the analysis of compiled programs (:mod:`jaxpar.analysis`) cannot read: not a compiled
+    program or HLO text, a program of another mesh or shape than asked, an HLO construct it does not parse,
+    or an unknown collective kind."""
 
 
 class LayoutError(JaxparError):

@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
-from jaxpar.errors import MeshError
+from jaxpar.errors import BackendStartedError, MeshError
 
 __all__ = [
     "STANDARD_AXES",
@@ -233,8 +233,9 @@ def simulate_cpu_devices(n: int) -> None:
     """Make JAX show ``n`` CPU devices. Call before anything touches the backend.
 
     With ``JAX_PLATFORMS`` unset it also selects the ``cpu`` platform (environment and
-    live flag). Raises ``RuntimeError`` if the backend is already up with a different
-    count (the count cannot change after initialisation; restart the process).
+    live flag). Raises :class:`~jaxpar.errors.BackendStartedError` (a ``RuntimeError`` too) if the
+    backend is already up with a different count (the count cannot change after initialisation;
+    restart the process).
 
     Args:
       n: the number of CPU devices.
@@ -249,14 +250,14 @@ def simulate_cpu_devices(n: int) -> None:
     >>> simulate_cpu_devices(4)
     Traceback (most recent call last):
     ...
-    RuntimeError: simulate_cpu_devices(4): the JAX backend is already initialised with 8 device(s). ...
+    jaxpar.errors.BackendStartedError: simulate_cpu_devices(4): the JAX backend is already initialised with 8 ...
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"simulate_cpu_devices(n={n!r}): n must be a positive int, e.g. 8.")
+        raise MeshError(f"simulate_cpu_devices(n={n!r}): n must be a positive int, e.g. 8.")
     if _backend_initialized():
         have = jax.device_count()
         if have != n:
-            raise RuntimeError(
+            raise BackendStartedError(
                 f"simulate_cpu_devices({n}): the JAX backend is already initialised with {have} "
                 f"device(s). Call simulate_cpu_devices before any JAX computation (or set "
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting Python), "
@@ -294,8 +295,8 @@ def use_devices(n_simulated: int = 8, *, detect: bool = True) -> str:
     'cpu'
     """
     if isinstance(n_simulated, bool) or not isinstance(n_simulated, int) or n_simulated < 1:
-        raise ValueError(f"use_devices(n_simulated={n_simulated!r}): must be a positive int "
-                         "(the CPU devices to simulate when there is no accelerator), e.g. 8.")
+        raise MeshError(f"use_devices(n_simulated={n_simulated!r}): must be a positive int "
+                        "(the CPU devices to simulate when there is no accelerator), e.g. 8.")
     if _backend_initialized():
         platform = jax.default_backend()
         if platform != "cpu":

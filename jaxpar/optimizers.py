@@ -12,6 +12,9 @@
 * :func:`adamw_frozen_variance` (:func:`scale_by_adam_frozen_variance`): AdamW whose second
   moment freezes after a number of updates, the optimizer of 1-bit Adam (Tang et al. 2021;
   ``jaxpar.parallel.compression.sign(optimizer_momentum=..., start_step=...)``, docs/compression.md).
+* :func:`hyperparameter_problem` / :func:`check_hyperparameters`: the range of each option
+  (:data:`HYPERPARAMETERS`); every optimizer here checks its options when it is built, and the YAML's
+  ``optimizer`` section reports the same problems under its keys.
 
 Which parameters count as "matrices" comes from their logical axis names: the rank of a
 parameter without its leading ``layers`` axes (a stacked LayerNorm scale ``('layers',
@@ -37,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from typing import Any, Sequence
 
@@ -47,15 +51,71 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.adapters._blocks import LAYERS
 from jaxpar.rules import path_str
-from jaxpar.errors import MaskError
+from jaxpar.errors import MaskError, OptimizerError
 
-__all__ = ["LR_SCALING_RULES", "MaskError", "scaled_lr", "trust_mask", "stacked_axes",
-           "scale_by_layer_trust_ratio", "lars", "lamb", "scale_by_adam_frozen_variance", "adamw_frozen_variance"]
+__all__ = ["LR_SCALING_RULES", "HYPERPARAMETERS", "MaskError", "OptimizerError", "hyperparameter_problem",
+           "check_hyperparameters", "scaled_lr", "trust_mask", "stacked_axes", "scale_by_layer_trust_ratio", "lars",
+           "lamb", "scale_by_adam_frozen_variance", "adamw_frozen_variance"]
 
 #: ``linear``: lr x B / B0 (Goyal et al.); ``sqrt``: lr x sqrt(B / B0); ``none``: lr.
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 
 Mask = Any   # a tree of bools mirroring the params, or ``params -> such a tree``
+
+#: ``name -> (holds, what it must be)``: the range of each optimizer option, checked on finite real numbers
+#: (a ``learning_rate`` or ``weight_decay`` that is an optax schedule is not checked).
+HYPERPARAMETERS = {
+    "learning_rate": (lambda v: v > 0, "a finite number > 0"),
+    "b1": (lambda v: 0 <= v < 1, "a decay in [0, 1)"),
+    "b2": (lambda v: 0 <= v < 1, "a decay in [0, 1)"),
+    "momentum": (lambda v: 0 <= v < 1, "a decay in [0, 1)"),
+    "eps": (lambda v: v >= 0, "a finite number >= 0"),
+    "weight_decay": (lambda v: v >= 0, "a finite number >= 0 (0: no decay)"),
+    "trust_coefficient": (lambda v: v > 0, "a finite number > 0 (LARS: e.g. 0.001)"),
+}
+
+
+def hyperparameter_problem(name: str, value: Any) -> str | None:
+    """What is wrong with an optimizer option's value.
+
+    Args:
+      name: a key of :data:`HYPERPARAMETERS` (``"learning_rate"``, ``"b1"``, ``"eps"``, ...).
+      value: its value: a real number (a 0-d array counts); ``learning_rate`` and ``weight_decay`` may
+        also be optax schedules.
+
+    Returns:
+      ``"must be ..."`` naming the range (a bool, NaN and inf are out of every range), or None.
+
+    >>> hyperparameter_problem("b2", 1.0), hyperparameter_problem("eps", 1e-8)
+    ('must be a decay in [0, 1)', None)
+    """
+    holds, what = HYPERPARAMETERS[name]
+    if (callable(value) and name in ("learning_rate", "weight_decay")) or isinstance(value, jax.core.Tracer):
+        return None          # an optax schedule; a traced value is checked where it is concrete
+    if not isinstance(value, bool) and getattr(value, "shape", None) == ():
+        value = value.item()               # a 0-d numpy / jax array
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or not holds(value):
+        return f"must be {what}"
+    return None
+
+
+def check_hyperparameters(owner: str, **values: Any) -> None:
+    """Raise :class:`OptimizerError` naming ``owner(name=value)`` for the first option out of its range.
+
+    Args:
+      owner: the function named in the message (``"lamb"``).
+      **values: options by their :data:`HYPERPARAMETERS` names.
+
+    >>> check_hyperparameters("lamb", learning_rate=-0.1)
+    Traceback (most recent call last):
+    ...
+    jaxpar.errors.OptimizerError: lamb(learning_rate=-0.1): must be a finite number > 0.
+    """
+    for name, value in values.items():
+        why = hyperparameter_problem(name, value)
+        if why is not None:
+            raise OptimizerError(f"{owner}({name}={value!r}): {why}.")
 
 
 def scaled_lr(lr: float, batch: int, base_batch: int, rule: str = "linear") -> float:
@@ -70,16 +130,23 @@ def scaled_lr(lr: float, batch: int, base_batch: int, rule: str = "linear") -> f
     Returns:
       The peak learning rate.
 
+    Raises:
+      OptimizerError: an unknown ``rule``, a batch that is not a positive int, or an ``lr`` out of
+        :data:`HYPERPARAMETERS`' range.
+
     >>> scaled_lr(3e-4, batch=64, base_batch=256, rule="linear")
     7.5e-05
     >>> scaled_lr(3e-4, 64, 256, rule="none")
     0.0003
     """
     if rule not in LR_SCALING_RULES:
-        raise ValueError(f"scaled_lr(rule={rule!r}): unknown rule; choose one of {', '.join(LR_SCALING_RULES)}.")
+        raise OptimizerError(f"scaled_lr(rule={rule!r}): unknown rule; choose one of {', '.join(LR_SCALING_RULES)}.")
     for name, value in (("batch", batch), ("base_batch", base_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"scaled_lr({name}={value!r}): must be a positive int (a number of examples).")
+            raise OptimizerError(f"scaled_lr({name}={value!r}): must be a positive int (a number of examples).")
+    if (why := hyperparameter_problem("learning_rate", lr)) is not None or callable(lr):
+        raise OptimizerError(f"scaled_lr(lr={lr!r}): {why or 'must be a finite number > 0'}; scale the peak, then "
+                             "build the schedule from it.")
     ratio = batch / base_batch
     return lr * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
 
@@ -205,6 +272,7 @@ def scale_by_layer_trust_ratio(logical: Any = None, *, trust_coefficient: float 
     >>> tx.update({"w": jnp.ones((2, 4))}, tx.init({"w": w}), {"w": w})[0]["w"][:, 0].tolist()
     [1.0, 2.0]
     """
+    check_hyperparameters("scale_by_layer_trust_ratio", trust_coefficient=trust_coefficient, eps=eps)
     names = _logical_by_path(logical) if logical is not None else {}
 
     def one(path, update, param):
@@ -217,8 +285,8 @@ def scale_by_layer_trust_ratio(logical: Any = None, *, trust_coefficient: float 
 
     def update_fn(updates, state, params=None):
         if params is None:
-            raise ValueError("scale_by_layer_trust_ratio: call tx.update(updates, state, params); "
-                             "the trust ratio needs the params.")
+            raise OptimizerError("scale_by_layer_trust_ratio: call tx.update(updates, state, params); "
+                                 "the trust ratio needs the params.")
         return jax.tree_util.tree_map_with_path(one, updates, params), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
@@ -255,6 +323,8 @@ def lars(learning_rate: optax.ScalarOrSchedule, *, weight_decay: float = 0.0, mo
     >>> u["w"][0, 0].item(), u["b"][0].item()          # w: -0.1 * 0.5 * 6 / 2 x 1;  b: -0.1 x 1
     (-0.15000000596046448, -0.10000000149011612)
     """
+    check_hyperparameters("lars", learning_rate=learning_rate, weight_decay=weight_decay, momentum=momentum,
+                          trust_coefficient=trust_coefficient, eps=eps)
     m = _mask_fn(mask, logical)
     return optax.chain(
         optax.add_decayed_weights(weight_decay, mask=m),
@@ -292,6 +362,7 @@ def lamb(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 
     >>> round(u["w"][0, 0].item(), 5), round(u["b"][0].item(), 5)    # w: -0.1 x 6 / 2;  b: -0.1 x ~1
     (-0.3, -0.1)
     """
+    check_hyperparameters("lamb", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     m = _mask_fn(mask, logical)
     return optax.chain(
         optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
@@ -326,8 +397,9 @@ def scale_by_adam_frozen_variance(freeze_step: int, *, b1: float = 0.9, b2: floa
     [0.5, 2.0]
     """
     if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-        raise ValueError(f"scale_by_adam_frozen_variance(freeze_step={freeze_step!r}): the number of updates "
-                         "before Adam's second moment is frozen must be an int >= 1.")
+        raise OptimizerError(f"scale_by_adam_frozen_variance(freeze_step={freeze_step!r}): the number of updates "
+                             "before Adam's second moment is frozen must be an int >= 1.")
+    check_hyperparameters("scale_by_adam_frozen_variance", b1=b1, b2=b2, eps=eps)
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
 
     def update_fn(updates, state, params=None):
@@ -368,6 +440,7 @@ def adamw_frozen_variance(learning_rate: optax.ScalarOrSchedule, freeze_step: in
     >>> bool(jnp.allclose(a.update(g, a.init(p), p)[0], b.update(g, b.init(p), p)[0]))   # before freeze_step
     True
     """
+    check_hyperparameters("adamw_frozen_variance", learning_rate=learning_rate, weight_decay=weight_decay)
     return optax.chain(
         scale_by_adam_frozen_variance(freeze_step, b1=b1, b2=b2, eps=eps),
         optax.add_decayed_weights(weight_decay, mask=mask),

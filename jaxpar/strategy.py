@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -88,15 +89,18 @@ class Strategy:
     context: Any = None
 
     def __post_init__(self):
-        if self.zero not in ZERO_STAGES:
+        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise StrategyError(f"Strategy.zero={self.zero!r}: choose one of {ZERO_STAGES}.")
-        if not isinstance(self.microbatches, int) or self.microbatches < 1:
-            raise StrategyError(f"Strategy.microbatches={self.microbatches!r}: must be a positive int.")
+        if not isinstance(self.sequence_parallel, bool):
+            raise StrategyError(f"Strategy.sequence_parallel={self.sequence_parallel!r}: must be True or False.")
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise StrategyError(f"Strategy.microbatches={self.microbatches!r}: must be a positive int (gradient "
+                                "accumulation steps per train step; with a pipeline, its micro-batches).")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise StrategyError(f"Strategy.compute_dtype={self.compute_dtype!r}: choose one of "
                                 f"{tuple(COMPUTE_DTYPES)}.")
         object.__setattr__(self, "schedule", canonical_kind(self.schedule))
-        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+        if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise StrategyError(f"Strategy.virtual_stages={self.virtual_stages!r}: must be a positive int.")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise StrategyError(f"Strategy.virtual_stages={self.virtual_stages} needs schedule='interleaved' "
@@ -111,7 +115,14 @@ class Strategy:
                                 f"weight-stashing options, but schedule={self.schedule!r} flushes the pipeline every "
                                 "step (one weight version): use schedule='pipedream', or drop them.")
         if self.stage_layers is not None and self.stage_layers != "auto":
-            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+            layers = self.stage_layers
+            if not isinstance(layers, str) and hasattr(layers, "__iter__"):
+                layers = tuple(layers)
+            if not isinstance(layers, tuple) or not all(
+                    isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1 for n in layers):
+                raise StrategyError(f"Strategy.stage_layers={self.stage_layers!r}: give one positive int per virtual "
+                                    "stage (e.g. (3, 5)), 'auto' (balance the compiled FLOPs) or None (split evenly).")
+            object.__setattr__(self, "stage_layers", layers)
         if self.compression is not None:
             from jaxpar.parallel.compression import check_codec
 

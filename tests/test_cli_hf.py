@@ -108,13 +108,30 @@ def test_export_before_training_is_the_source_byte_for_byte(source, tmp_path, ca
     out = tmp_path / "hf"
     args = ["export", CONFIG, *_args(source, tmp_path / "fresh"), "--hf", str(out)]
     assert main(args) == 0
-    assert "the imported weights" in capsys.readouterr().out
+    assert "export   the imported weights of model.hf=" in capsys.readouterr().err
     digest = lambda d: {k: hashlib.sha256(v.tobytes()).hexdigest() for k, v in _tensors(d).items()}   # noqa: E731
     assert digest(out) == digest(source)
     assert main(args) == 2                        # OUT is not empty now: refused, without a traceback
     err = capsys.readouterr().err
     assert "jaxpar export: error: export:" in err and "is not empty" in err and "--overwrite" in err
     assert "Traceback" not in err
+
+
+def test_export_after_a_second_run_writes_its_weights(trained, exported, tmp_path, capsys):
+    """A new run in the first run's directory (``--overwrite`` moves the first aside) is the run that
+    ``jaxpar export`` reads, and it says so: the step and the directory."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(load_config(CONFIG, trained).train.out_dir, run)
+    again = [*trained, f"train.out_dir={run}", "train.steps=3", "data.seed=1", "logging.samples=0"]   # new batches
+    assert main(["train", CONFIG, *again, "--overwrite"]) == 0
+    out = tmp_path / "hf"
+    assert main(["export", CONFIG, *again, "--hf", str(out)]) == 0
+    assert f"export   step 3 of {run / 'checkpoints'} (saved " in capsys.readouterr().err
+    first, second = _tensors(exported), _tensors(out)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert sorted(first) == sorted(second) and not np.array_equal(first[key], second[key])
 
 
 def test_sample_continues_the_prompt_with_the_run_weights(source, trained, exported, capsys):

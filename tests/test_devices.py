@@ -85,7 +85,7 @@ def test_cuda_visible_devices_can_hide_every_gpu(monkeypatch):
 def test_backend_already_up():
     assert jax.device_count() == 8                     # start the backend (conftest: 8 CPU devices)
     assert M.use_devices(8) == "cpu"                   # conftest: 8 CPU devices, nothing to change
-    with pytest.raises(RuntimeError, match="already initialised with 8 device"):
+    with pytest.raises(M.BackendStartedError, match="already initialised with 8 device"):
         M.use_devices(4)
 
 

@@ -41,7 +41,7 @@ def test_mesh_errors():
 
 
 def test_simulate_cpu_devices_after_init_is_clear():
-    with pytest.raises(RuntimeError, match="already initialised with 8 device"):
+    with pytest.raises(jaxpar.BackendStartedError, match="already initialised with 8 device"):
         jaxpar.simulate_cpu_devices(4)
     jaxpar.simulate_cpu_devices(8)   # same count: fine
 

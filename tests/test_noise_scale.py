@@ -210,6 +210,6 @@ def test_the_noise_scale_is_switched_on_in_one_place():
     for keyword, fix in (("noise_scale_every", r"with_noise_scale\(state, layout, every=k\)"),
                          ("noise_scale_ema", r"with_noise_scale\(state, layout, every=k, ema=\.\.\.\)")):
         for on in (plain, layout):                  # refused with or without the part
-            with pytest.raises(TypeError, match=rf"make_train_step\({keyword}=\.\.\.\) was removed.*{fix}"):
+            with pytest.raises(jaxpar.StepError, match=rf"make_train_step\({keyword}=\.\.\.\) was removed.*{fix}"):
                 jaxpar.make_train_step(classifier_loss, tx, on, **{keyword: 2 if keyword.endswith("every") else 0.8})
     assert ns.noise_scale_layout(plain, every=2, ema=0.8).part_options == layout.part_options

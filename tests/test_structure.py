@@ -1,5 +1,6 @@
 """The package's shape, read from its source with ``ast``: one-way layers, no import cycle (imports
-inside functions included), no private name used across modules, and small modules and functions."""
+inside functions included), no private name used across modules, and short functions (a module is the size
+of its concept: no line cap)."""
 import ast
 import pathlib
 
@@ -10,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxpar"
 #: Packages that import nothing from the layers above them.
 LOWER_LAYERS = ("jaxpar.parallel.pipeline", "jaxpar.parallel.compression", "jaxpar.parallel.sync", "jaxpar.cost", "jaxpar.analysis")
 UPPER = ("jaxpar.step", "jaxpar.run", "jaxpar.config", "jaxpar.cli")
-MAX_MODULE, MAX_FUNCTION, MAX_CLI = 400, 60, 250
+MAX_FUNCTION = 60
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -108,14 +109,12 @@ def test_the_cost_model_imports_no_jax_at_import_time():
     assert not found, found
 
 
-def test_modules_and_functions_are_small():
-    big = [f"{p.relative_to(ROOT.parent)}: {n} lines" for p in MODULES.values()
-           if (n := p.read_text().count("\n")) > (MAX_CLI if p.name == "cli.py" and p.parent == ROOT else MAX_MODULE)]
+def test_functions_are_short():
     long = [f"{p.relative_to(ROOT.parent)}:{node.name}: {node.end_lineno - node.lineno + 1} lines"
             for p in MODULES.values() for node in ast.walk(ast.parse(p.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION]
-    assert not big and not long, big + long
+    assert not long, long
 
 
 def test_make_train_step_is_one_composition():

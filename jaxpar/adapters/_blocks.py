@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.rules import RulesError, path_str
+from jaxpar.errors import ModelStateError
 
 __all__ = ["LayerCall", "LayerSite", "scan_blocks", "run_layers", "use_layer_runner", "current_layer_runner",
            "find_layer_calls", "with_remat", "remat_policy", "REMAT_POLICIES", "LAYERS"]
@@ -231,8 +232,8 @@ def scan_blocks(blocks: nnx.Module, x: jax.Array, *, remat: Callable | None = No
     graphdef, state, rest = nnx.split(blocks, nnx.Param, ...)
     if jax.tree.leaves(rest):
         kinds = sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))})
-        raise ValueError(f"scan_blocks: the blocks hold non-Param state {kinds}; stacked blocks may hold only "
-                         "nnx.Param variables (keep RNG streams, caches and counters outside them).")
+        raise ModelStateError(f"scan_blocks: the blocks hold non-Param state {kinds}; stacked blocks may hold only "
+                              "nnx.Param variables (keep RNG streams, caches and counters outside them).")
     logical = _layer_logical(state)
 
     kwargs = dict(layer_kwargs or {})

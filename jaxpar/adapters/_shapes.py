@@ -6,6 +6,8 @@ from typing import Callable
 import jax
 from flax import nnx
 
+from jaxpar.errors import ModelStateError
+
 __all__ = ["abstract_model"]
 
 
@@ -34,8 +36,8 @@ def abstract_model(model_fn: Callable[[], nnx.Module]):
     graphdef, abs_params, rest = nnx.split(abs_model, nnx.Param, ...)
     kinds = sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))})
     if kinds:
-        raise ValueError(f"init_train_state: the model has non-Param state ({kinds}); jaxpar trains models whose "
-                         "state is all nnx.Param. Keep RNG streams and counters outside the module.")
+        raise ModelStateError(f"init_train_state: the model has non-Param state ({kinds}); jaxpar trains models whose "
+                              "state is all nnx.Param. Keep RNG streams and counters outside the module.")
     logical = nnx.to_pure_dict(nnx.get_partition_spec(abs_params))
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(abs_params))
     return graphdef, shapes, logical

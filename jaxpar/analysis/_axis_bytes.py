@@ -57,6 +57,7 @@ from jaxpar.analysis._hlo import Collective, collectives, partition_positions
 from jaxpar.analysis._hlo_text import branch_computations, called_computations, parse_instructions
 from jaxpar.analysis._loops import trip_counts, while_trip_counts
 from jaxpar.analysis._replica_groups import source_target_pairs
+from jaxpar.errors import AnalysisError
 
 __all__ = ["compiled_bytes_per_axis", "stage_branch_weights"]
 
@@ -124,8 +125,8 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
     sends, actions = _tick_conditionals(conds, by_comp, _stage_of_partition(compiled, mesh))
     active = [k for k, kind in enumerate(table.kinds) if kind.op != "idle"]
     if len(actions) != len(active):
-        raise ValueError(f"plan {plan.name()}: the tick loop has {len(actions)} action conditionals, expected one per "
-                         f"action kind that is not idle ({len(active)}); has the executor changed?")
+        raise AnalysisError(f"plan {plan.name()}: the tick loop has {len(actions)} action conditionals, expected "
+                            f"one per action kind that is not idle ({len(active)}); has the executor changed?")
     send_w = _send_weights(sends, ticks)
     kinds = np.asarray(table.rows.kind)          # [T, p]; a lockstep table: [T], every stage the tick's kind
     kinds = np.repeat(kinds[:, None], plan.pipe, axis=1) if kinds.ndim == 1 else kinds
@@ -150,8 +151,8 @@ def _tick_loop(text: str, T: int, plan: Plan) -> tuple[dict[str, list], list]:
     bodies = {c for ins in instrs if ins.opcode == "while" and trips.get(ins.name) == T
               for key, c in called_computations(ins) if key == "body"}
     if not bodies:
-        raise ValueError(f"plan {plan.name()}: no while loop of {T} ticks (the schedule's length) in the compiled "
-                         "program; is it a jaxpar pipelined train step?")
+        raise AnalysisError(f"plan {plan.name()}: no while loop of {T} ticks (the schedule's length) in the compiled "
+                            "program; is it a jaxpar pipelined train step?")
     return by_comp, [ins for b in bodies for ins in by_comp.get(b, ()) if ins.opcode == "conditional"]
 
 

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jaxpar.errors import AnalysisError
+
 __all__ = ["MemoryReport", "memory_report", "memory_table", "format_bytes"]
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
@@ -38,7 +40,7 @@ def format_bytes(n: float) -> str:
     ['512 B', '4.0 KiB', '1.5 MiB', '2.5 GiB']
     """
     if isinstance(n, bool) or not isinstance(n, numbers.Real) or math.isnan(n):
-        raise ValueError(f"format_bytes(n={n!r}): n must be a number of bytes (an int or float), e.g. 4096.")
+        raise AnalysisError(f"format_bytes(n={n!r}): n must be a number of bytes (an int or float), e.g. 4096.")
     sign = "-" if n < 0 else ""
     value = abs(float(n))
     if value < 1024:
@@ -103,10 +105,11 @@ def memory_report(compiled: Any) -> MemoryReport:
     """
     analyse = getattr(compiled, "memory_analysis", None)
     if analyse is None:
-        raise TypeError(f"compiled must be a jax.stages.Compiled, got {type(compiled).__name__}")
+        raise AnalysisError(f"compiled must be a jax.stages.Compiled (jax.jit(f).lower(*args).compile()), got "
+                            f"{type(compiled).__name__}")
     stats = analyse()
     if stats is None:
-        raise ValueError("compiled.memory_analysis() returned None: this backend reports no memory figures")
+        raise AnalysisError("compiled.memory_analysis() returned None: this backend reports no memory figures")
     return MemoryReport(
         argument_bytes=int(stats.argument_size_in_bytes),
         output_bytes=int(stats.output_size_in_bytes),
@@ -139,10 +142,10 @@ def memory_table(rows: Mapping[str, MemoryReport], analytic: Mapping[str, float]
     """
     for name, report in rows.items():
         if not isinstance(report, MemoryReport):
-            raise ValueError(f"rows[{name!r}] must be a MemoryReport, got {type(report).__name__}")
+            raise AnalysisError(f"rows[{name!r}] must be a MemoryReport, got {type(report).__name__}")
     for name, value in (analytic or {}).items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
-            raise ValueError(f"analytic[{name!r}] must be a non-negative number of bytes, got {value!r}")
+            raise AnalysisError(f"analytic[{name!r}] must be a non-negative number of bytes, got {value!r}")
     headers = ["name", "arguments", "outputs", "temps", "peak"]
     if analytic is not None:
         headers += ["analytic args", "measured/analytic"]

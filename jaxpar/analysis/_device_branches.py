@@ -85,6 +85,7 @@ from jaxpar.analysis._hlo_text import (
     tpu_reduce_scatters,
 )
 from jaxpar.analysis._replica_groups import parse_replica_groups
+from jaxpar.errors import AnalysisError
 
 __all__ = ["BranchCollective", "device_dependent_collectives", "device_dependent_conditionals", "taints"]
 
@@ -287,8 +288,8 @@ def _hlo_text(compiled_or_text: Any) -> str:
         return compiled_or_text
     as_text = getattr(compiled_or_text, "as_text", None)
     if as_text is None:
-        raise TypeError(f"device_dependent_collectives takes a jax.stages.Compiled or HLO text, "
-                        f"got {type(compiled_or_text).__name__}")
+        raise AnalysisError(f"device_dependent_collectives takes a jax.stages.Compiled (jax.jit(f).lower(*args)"
+                            f".compile()) or its HLO text (compiled.as_text()), got {type(compiled_or_text).__name__}")
     return as_text()
 
 

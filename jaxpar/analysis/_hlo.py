@@ -42,6 +42,7 @@ from jaxpar.analysis._replica_groups import (
     source_target_pairs,
 )
 from jaxpar.analysis._windowed import Windowed, windowed_einsums
+from jaxpar.errors import AnalysisError
 
 __all__ = [
     "KINDS",
@@ -127,7 +128,8 @@ def _hlo_text(compiled: Any) -> str:
         return compiled
     as_text = getattr(compiled, "as_text", None)
     if as_text is None:
-        raise TypeError(f"compiled must be a jax.stages.Compiled or HLO text, got {type(compiled).__name__}")
+        raise AnalysisError(f"compiled must be a jax.stages.Compiled (jax.jit(f).lower(*args).compile()) or its HLO "
+                            f"text (compiled.as_text()), got {type(compiled).__name__}")
     return as_text()
 
 
@@ -157,7 +159,7 @@ def partition_positions(compiled: Any, mesh: Any) -> list[int] | None:
 def _check_partitions(text: str, mesh: Any) -> None:
     match = re.search(r"\bnum_partitions=(\d+)", text.split("\n", 1)[0])
     if match and int(match.group(1)) > 1 and int(match.group(1)) != mesh.devices.size:
-        raise ValueError(
+        raise AnalysisError(
             f"mesh has {mesh.devices.size} devices but the program has num_partitions={match.group(1)}"
         )
 
@@ -196,7 +198,8 @@ def collectives(compiled: Any, mesh: Any) -> list[Collective]:
       One :class:`Collective` per collective.
     """
     if not hasattr(mesh, "axis_names") or not hasattr(mesh, "devices"):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise AnalysisError(f"mesh must be the jax.sharding.Mesh the program was compiled for, got "
+                            f"{type(mesh).__name__}")
     text = _hlo_text(compiled)
     _check_partitions(text, mesh)
     positions = None if isinstance(compiled, str) else partition_positions(compiled, mesh)
@@ -256,7 +259,7 @@ def _cycle_length(pairs: list[tuple[int, int]]) -> int:
 
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+        raise AnalysisError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
 
 
 def _axes_key(axes: tuple[str, ...] | None) -> tuple:

@@ -20,6 +20,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from jaxpar.errors import AnalysisError
+
 __all__ = ["KINDS", "Instruction", "parse_instructions", "called_computations", "call_graph", "reached_computations",
            "branch_computations", "operands", "channel", "shape_bytes", "array_shapes", "custom_call_targets", "tpu_async_roles", "tpu_reduce_scatters"]
 
@@ -44,13 +46,13 @@ def _dtype_bits(dtype: str) -> int:
     match = _F8_OR_SMALLER.fullmatch(dtype)
     if match:
         return int(match.group(1))
-    raise ValueError(f"shape has unknown element type {dtype!r}")
+    raise AnalysisError(f"shape has unknown element type {dtype!r}")
 
 
 def _num_elements(dims: str) -> int:
     sizes = [d.strip().lstrip("<=") for d in dims.split(",") if d.strip()]
     if any(not s.isdigit() for s in sizes):
-        raise ValueError(f"shape has non-static dimensions [{dims}]")
+        raise AnalysisError(f"shape has non-static dimensions [{dims}]")
     return math.prod(int(s) for s in sizes)
 
 
@@ -83,7 +85,7 @@ def shape_bytes(shape: str) -> int:
     """
     arrays = _ARRAY_SHAPE.findall(shape)
     if not arrays and shape.strip() not in ("()", "token[]"):
-        raise ValueError(f"shape {shape!r} is not an HLO shape")
+        raise AnalysisError(f"shape {shape!r} is not an HLO shape")
     return sum(math.ceil(_num_elements(dims) * _dtype_bits(dtype) / 8) for dtype, dims in arrays)
 
 
@@ -126,7 +128,7 @@ def _split_shape(text: str) -> tuple[str, str]:
         depth += {"(": 1, ")": -1}.get(ch, 0)
         if depth == 0:
             return text[: i + 1], text[i + 1 :]
-    raise ValueError(f"unbalanced tuple shape in {text[:80]!r}")
+    raise AnalysisError(f"unbalanced tuple shape in {text[:80]!r}")
 
 
 def parse_instructions(text: str) -> list[Instruction]:

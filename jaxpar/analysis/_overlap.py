@@ -51,6 +51,7 @@ from jaxpar.analysis._hlo_text import (KINDS, Instruction, called_computations, 
                                        parse_instructions, shape_bytes, tpu_async_roles, tpu_reduce_scatters)
 from jaxpar.analysis._loops import trip_counts, while_trip_counts
 from jaxpar.analysis._compiled_memory import format_bytes, render_table
+from jaxpar.errors import AnalysisError
 
 __all__ = ["AsyncCollective", "SyncCollective", "OverlapReport", "overlap", "overlap_table", "dims"]
 
@@ -139,7 +140,7 @@ def dims(shape: str) -> list[int]:
     """
     match = re.search(r"[a-z][a-z0-9]*\[([^\]]*)\]", shape)
     if match is None:
-        raise ValueError(f"shape {shape!r} has no array")
+        raise AnalysisError(f"shape {shape!r} has no array")
     return [int(d.strip().lstrip("<=")) for d in match.group(1).split(",") if d.strip()]
 
 
@@ -203,7 +204,7 @@ class _Module:
     def operand_dims(self, ins: Instruction, i: int) -> list[int]:
         ops = operands(ins.rest)
         if i >= len(ops) or ops[i] not in self.by_name:
-            raise ValueError(f"{ins.opcode} {ins.name!r}: operand {i} has no known shape in the HLO text")
+            raise AnalysisError(f"{ins.opcode} {ins.name!r}: operand {i} has no known shape in the HLO text")
         return dims(self.by_name[ops[i]].shape)
 
     def flops(self, ins: Instruction) -> float:

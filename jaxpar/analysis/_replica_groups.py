@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxpar.errors import AnalysisError
+
 __all__ = ["iota_replica_groups", "parse_replica_groups", "source_target_pairs", "axes_of_groups", "axes_of_pairs"]
 
 
@@ -48,12 +50,12 @@ def iota_replica_groups(
       G lists of S partition ids.
     """
     if len(group_shape) != 2:
-        raise ValueError(f"group_shape must be [num_groups, group_size], got {list(group_shape)}")
+        raise AnalysisError(f"group_shape must be [num_groups, group_size], got {list(group_shape)}")
     if math.prod(group_shape) != math.prod(reshape_dims):
-        raise ValueError(f"group_shape {list(group_shape)} and reshape_dims {list(reshape_dims)} differ in size")
+        raise AnalysisError(f"group_shape {list(group_shape)} and reshape_dims {list(reshape_dims)} differ in size")
     perm = list(range(len(reshape_dims))) if perm is None else list(perm)
     if sorted(perm) != list(range(len(reshape_dims))):
-        raise ValueError(f"perm {perm} is not a permutation of the {len(reshape_dims)} reshape_dims")
+        raise AnalysisError(f"perm {perm} is not a permutation of the {len(reshape_dims)} reshape_dims")
     ids = np.arange(math.prod(reshape_dims)).reshape(reshape_dims).transpose(perm)
     return ids.reshape(group_shape).tolist()
 
@@ -87,7 +89,7 @@ def _mesh_axis_refs(text: str, names: list[str]) -> list[tuple[int, int | None, 
     for part in filter(None, (p.strip() for p in text.split(","))):
         match = re.fullmatch(r"'?([^':]+)'?(?::\((\d+)\)(\d+))?", part)
         if not match or match.group(1) not in names:
-            raise ValueError(f"replica_groups names unknown mesh axis {part!r}")
+            raise AnalysisError(f"replica_groups names unknown mesh axis {part!r}")
         pre, size = match.group(2), match.group(3)
         refs.append((names.index(match.group(1)), int(pre) if pre else None, int(size) if size else None))
     return refs
@@ -97,7 +99,7 @@ def _mesh_axes_groups(axes_text: str, device_ids: str | None, refs_text: str) ->
     """Expand ``mesh[...] , device_ids=(...) {axes}`` (XLA's MeshAxesReplicaGroupList)."""
     pairs = [re.fullmatch(r"\s*'?([^'=]+)'?=(\d+)\s*", p) for p in axes_text.split(",")]
     if not all(pairs):
-        raise ValueError(f"replica_groups mesh {axes_text!r} is not name=size pairs")
+        raise AnalysisError(f"replica_groups mesh {axes_text!r} is not name=size pairs")
     names, sizes = [p.group(1) for p in pairs], [int(p.group(2)) for p in pairs]
     refs = _mesh_axis_refs(refs_text, names)
     dims: list[int] = []

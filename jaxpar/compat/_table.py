@@ -30,6 +30,7 @@ from typing import Callable, NamedTuple
 
 from jaxpar.compat._needs import NEEDS
 from jaxpar.compat._settings import FLUSH_SCHEDULES, RULES, Problem, Setting, pipeline_schedule, replicas_on
+from jaxpar.errors import CompatError
 
 __all__ = ["Feature", "FEATURES", "CODES", "Setting", "Problem", "problems", "needs", "raise_problems",
            "pair_status", "REFUSED", "PARTLY", "ALTERNATIVES", "LIBRARY_NAMES", "all_pairs"]
@@ -217,7 +218,7 @@ def pair_status(a: str, b: str) -> str:
     """
     for code in (a, b):
         if code not in CODES:
-            raise ValueError(f"pair_status: unknown feature {code!r}; the features are {CODES}.")
+            raise CompatError(f"pair_status: unknown feature {code!r}; the features are {CODES}.")
     for status, table in (("refused", REFUSED), ("partly", PARTLY), ("alternatives", ALTERNATIVES)):
         if (a, b) in table or (b, a) in table:
             return status

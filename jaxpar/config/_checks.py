@@ -1,8 +1,10 @@
 """Semantic checks: :func:`check` lists every impossible setting of a :class:`JobConfig`.
 
 It builds the library's objects (``GPTConfig``, ``Strategy``, ``MeshSpec``, the pipeline schedule,
-the stage partition) and reports their errors under the YAML keys; it resolves the import paths of a
-user model, loss and data function and checks their signatures (nothing is called). The combinations
+the stage partition) and reports their errors under the YAML keys, as it does the library's ranges of
+the optimizer's options (:func:`jaxpar.optimizers.hyperparameter_problem`) and of ``clip_norm``
+(:func:`jaxpar.step._update.clip_norm_problem`, what ``make_train_step`` checks); it resolves the
+import paths of a user model, loss and data function and checks their signatures (nothing is called). The combinations
 of features, and what each feature needs, are the library's: the problems of the compatibility table
 (:mod:`jaxpar.compat`) rendered with :data:`YAML_NAMES`. Only checks that span sections (batch size
 vs. mesh axes, model sizes vs. ``mesh.tensor``) and the YAML's own keys, types and paths are written
@@ -17,6 +19,8 @@ import re
 from typing import Any
 
 from jaxpar.mesh import MeshError
+from jaxpar.optimizers import hyperparameter_problem
+from jaxpar.step._update import clip_norm_problem
 from jaxpar.parallel.pipeline._partition import PartitionError, check_stage_layers, uniform_layers
 from jaxpar.parallel.pipeline._schedules import get_schedule
 from jaxpar.config._build import MODELS, build_gpt_config, build_strategy, mesh_error, mesh_spec
@@ -70,23 +74,23 @@ def _stage_layers_problem(par: ParallelConfig, layers: int | None, p: int) -> st
     return None
 
 
+#: ``optimizer.*`` key -> the name :func:`jaxpar.optimizers.hyperparameter_problem` checks it under.
+_HYPERPARAMETER_KEYS = {"lr": "learning_rate", "b1": "b1", "b2": "b2", "eps": "eps", "weight_decay": "weight_decay",
+                        "momentum": "momentum", "trust_coefficient": "trust_coefficient"}
+
+
 def _optimizer_problems(p: list[str], opt: OptimizerConfig) -> None:
     choice(p, "optimizer.name", opt.name, tuple(OPTIMIZERS))
     choice(p, "optimizer.lr_schedule", opt.lr_schedule, LR_SCHEDULES)
-    if opt.lr <= 0:
-        p.append(f"optimizer.lr={opt.lr!r}: must be > 0.")
-    for key in ("b1", "b2"):
-        if not 0 <= getattr(opt, key) < 1:
-            p.append(f"optimizer.{key}={getattr(opt, key)!r}: must be in [0, 1).")
-    for key in ("weight_decay", "momentum", "warmup_steps", "eps"):
-        at_least(p, f"optimizer.{key}", getattr(opt, key), 0)
+    for key, name in _HYPERPARAMETER_KEYS.items():          # the library's ranges (jaxpar.optimizers)
+        if (why := hyperparameter_problem(name, getattr(opt, key))) is not None:
+            p.append(f"optimizer.{key}={getattr(opt, key)!r}: {why}.")
+    at_least(p, "optimizer.warmup_steps", opt.warmup_steps, 0)
     if not 0 <= opt.min_lr_ratio <= 1:
         p.append(f"optimizer.min_lr_ratio={opt.min_lr_ratio!r}: must be in [0, 1].")
-    if opt.clip_norm is not None and opt.clip_norm <= 0:
-        p.append(f"optimizer.clip_norm={opt.clip_norm!r}: must be > 0, or null for no clipping.")
+    if (why := clip_norm_problem(opt.clip_norm)) is not None:                # make_train_step's check
+        p.append(f"optimizer.clip_norm={opt.clip_norm!r}: {why.replace('None', 'null')}.")
     p.extend(lr_scaling_problems(opt.lr_scaling))
-    if opt.trust_coefficient <= 0:
-        p.append(f"optimizer.trust_coefficient={opt.trust_coefficient!r}: must be > 0 (LARS: e.g. 0.001).")
     for key in ("include", "exclude"):
         patterns = getattr(opt.trust_mask, key)
         if patterns and opt.name not in ("lars", "lamb"):
@@ -156,7 +160,6 @@ def _model_problems(p: list[str], cfg: JobConfig) -> Any:
         if getattr(m, key):
             p.append(f"model.{key}={getattr(m, key)!r}: only used with model.target (a model of your own); the "
                      f"built-in model.name={m.name!r} needs none.")
-    at_least(p, "model.mlp", m.mlp, 1)          # GPTConfig leaves mlp unchecked
     gpt = collect(p, lambda: build_gpt_config(m))
     if d.kind == "text" and m.vocab < 256 and d.tokenizer is None:
         p.append(f"model.vocab={m.vocab}: byte-level text (data.kind=text) needs model.vocab >= 256.")

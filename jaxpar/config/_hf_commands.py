@@ -16,7 +16,8 @@ Usage::
 tokenizer and generation files kept; ``--dtype``: the tensors' dtype, default the source's); it
 needs ``model.hf``. ``sample`` continues the prompt greedily (:func:`jaxpar.run.greedy_generate`,
 a window of ``model.seq_len`` tokens) and prints the text, decoded by ``data.tokenizer`` or else
-``model.hf``'s tokenizer (a byte-level GPT: bytes); where the weights came from goes to stderr.
+``model.hf``'s tokenizer (a byte-level GPT: bytes). Both say on stderr which weights they read: the
+checkpoint's step, directory and save time, or the imported checkpoint's directory.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def run_weights(job: Any, step: int | None = None) -> RunWeights:
             if step is not None or ckpt.latest_step() is not None:
                 state = (restored := ckpt.restore(layout, step)).state
                 bias = host_params(state.stats[BIAS]) if has_router_bias(layout) else None
-                return RunWeights(state.params, layout, f"step {restored.step} of {ckpt.directory}", bias)
+                return RunWeights(state.params, layout, _checkpoint_words(restored, ckpt.directory), bias)
         finally:
             ckpt.close()
     if job.hf is None or step is not None:
@@ -136,6 +137,15 @@ def run_weights(job: Any, step: int | None = None) -> RunWeights:
                               "checkpoint.dir at the run's checkpoints.")
     where = f"the imported weights of model.hf={str(job.hf.path)!r} (no jaxpar checkpoint yet)"
     return RunWeights(job.imported_params(layout), layout, where)
+
+
+def _checkpoint_words(restored: Any, directory: Path) -> str:
+    """``step N of DIR (saved YYYY-MM-DD HH:MM:SS)``: which run's checkpoint was read."""
+    import time
+
+    saved = restored.meta.get("time")
+    when = f" (saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(saved))})" if saved else ""
+    return f"step {restored.step} of {directory}{when}"
 
 
 def run_export(config: str, overrides: Sequence[str], out: str, *, step: int | None = None, overwrite: bool = False,
@@ -155,18 +165,21 @@ def run_export(config: str, overrides: Sequence[str], out: str, *, step: int | N
 
     Raises:
       ConfigError: the config is invalid, or has no ``model.hf``.
-      HFExportError: ``out`` is not empty (and not ``overwrite``).
+      HFExportError: ``out`` is a file, or is not empty (and not ``overwrite``).
     """
     from jaxpar.hf import HFExportError, export
 
     target = Path(out)
-    if target.is_dir() and any(target.iterdir()) and not overwrite:     # before a restore that may take long
+    if target.exists() and not target.is_dir():                          # before a restore that may take long
+        raise HFExportError(f"export: --hf {target} is a file, not a directory; name a new or empty directory "
+                            "(the checkpoint is config.json and *.safetensors files written into it).")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise HFExportError(f"export: {target} is not empty; choose an empty or new directory, or pass --overwrite "
                             "to replace its checkpoint files.")
     _, job = _job(config, overrides, "export")
     weights = run_weights(job, step)
+    print(f"export   {weights.where} -> {target} ({dtype or job.hf.dtype})", file=sys.stderr)
     export(weights.params, target, source=job.hf, dtype=dtype, overwrite=overwrite)
-    print(f"export   {weights.where} -> {target} ({dtype or job.hf.dtype})")
     return 0
 
 

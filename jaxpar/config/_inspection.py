@@ -16,6 +16,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import replace
@@ -165,11 +166,12 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
     return _report(cfg, job, layout, compiled, tgt, cluster or (tgt.spec.cluster if tgt else "cpu_sim"))
 
 
-def job_devices(cfg: JobConfig) -> int:
+def job_devices(cfg: JobConfig, command: str = "inspect") -> int:
     """The devices the config trains on: ``train.devices``, else the product of its mesh sizes.
 
     Args:
       cfg: the config.
+      command: the ``jaxpar`` command named in an error.
 
     Returns:
       The device count.
@@ -179,10 +181,10 @@ def job_devices(cfg: JobConfig) -> int:
     """
     if cfg.train.devices > 0:
         return cfg.train.devices
-    sizes = [getattr(cfg.mesh, a) for a in ("data", "fsdp", "tensor", "pipe")]
+    sizes = dataclasses.astuple(cfg.mesh)          # every axis: data, fsdp, tensor, pipe, replica, context, expert
     if any(s == -1 for s in sizes):
-        raise ConfigError("jaxpar inspect: mesh has a -1 axis and train.devices=0, so the device count is unknown; "
-                          "set train.devices=N (e.g. train.devices=8) or give every mesh axis a size.")
+        raise ConfigError(f"jaxpar {command}: mesh has a -1 axis and train.devices=0, so the device count is "
+                          "unknown; set train.devices=N (e.g. train.devices=8) or give every mesh axis a size.")
     return int(math.prod(sizes))
 
 

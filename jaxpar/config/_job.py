@@ -322,6 +322,12 @@ def _open_hf(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
     """``model.hf``'s opened checkpoint (None without it), checked against the mesh when there is one."""
     if cfg.model.hf is None:
         return None
+    where = Path(cfg.model.hf)
+    if not where.is_dir():
+        what = "is a file, not a directory" if where.exists() else "does not exist"
+        raise ConfigError(f"model.hf={cfg.model.hf!r}: {where.absolute()} {what}; give the directory of a Hugging Face "
+                          "checkpoint (config.json and *.safetensors files), e.g. one downloaded with "
+                          "`huggingface-cli download MODEL --local-dir DIR`.")
     hf = open_hf(cfg.model)
     problems = hf_length_problems(hf, cfg.model.hf, cfg.model.seq_len)
     problems += hf_mesh_problems(hf, cfg.model.hf, mesh_sizes.get("tensor", 1)) if mesh_sizes else []

@@ -22,6 +22,7 @@ from typing import Mapping
 
 from jaxpar.cost._context_experts import context_score_bytes, dense_mlp_bytes, moe_mlp_bytes
 from jaxpar.cost._model import ModelSpec
+from jaxpar.errors import CostModelError
 
 __all__ = ["REMAT", "activation_bytes_per_layer", "layer_activations"]
 
@@ -52,7 +53,7 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     True
     """
     if remat not in REMAT:
-        raise ValueError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
+        raise CostModelError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
     s, b, h, a, t = seq, micro_batch, hidden, heads, tensor
     attn = 0.0 if remat == "selective" else 5 * a * s / h
     if remat == "full":

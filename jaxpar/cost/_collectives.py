@@ -64,6 +64,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+from jaxpar.errors import CostModelError
+
 __all__ = ["Link", "KINDS", "ALGORITHMS", "SHARED_MEMORY_ALGORITHMS", "time", "best", "algorithm_times", "bus_bytes"]
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
@@ -105,8 +107,8 @@ class Link:
         for name in ("alpha", "beta", "gamma"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"Link.{name}={value!r}: must be a finite number >= 0 (seconds"
-                                 f"{' per message' if name == 'alpha' else ' per byte'}).")
+                raise CostModelError(f"Link.{name}={value!r}: must be a finite number >= 0 (seconds"
+                                     f"{' per message' if name == 'alpha' else ' per byte'}).")
 
     @classmethod
     def from_bandwidth(cls, alpha: float, bandwidth: float, reduce_bandwidth: float | None = None,
@@ -125,19 +127,19 @@ class Link:
         for name, value in (("bandwidth", bandwidth), ("reduce_bandwidth", reduce_bandwidth)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value <= 0):
-                raise ValueError(f"Link.from_bandwidth({name}={value!r}): must be a positive number of bytes/s, "
-                                 f"e.g. 50e9 for 50 GB/s.")
+                raise CostModelError(f"Link.from_bandwidth({name}={value!r}): must be a positive number of bytes/s, "
+                                     f"e.g. 50e9 for 50 GB/s.")
         return cls(alpha, 1.0 / bandwidth, 0.0 if reduce_bandwidth is None else 1.0 / reduce_bandwidth,
                    bool(shared_memory))
 
 
 def _check(kind: str, n: float, p: int) -> None:
     if kind not in ALGORITHMS:
-        raise ValueError(f"kind={kind!r}: choose one of {', '.join(KINDS)}.")
+        raise CostModelError(f"kind={kind!r}: choose one of {', '.join(KINDS)}.")
     if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
-        raise ValueError(f"n={n!r}: the buffer size must be a number of bytes >= 0.")
+        raise CostModelError(f"n={n!r}: the buffer size must be a number of bytes >= 0.")
     if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-        raise ValueError(f"p={p!r}: the number of processes must be a positive int.")
+        raise CostModelError(f"p={p!r}: the number of processes must be a positive int.")
 
 
 def _lg(p: int) -> int:
@@ -169,8 +171,8 @@ def time(kind: str, n: float, p: int, link: Link, algorithm: str = "best") -> fl
     if algorithm == "best":
         return _best(kind, n, p, link)[1]
     if algorithm not in ALGORITHMS[kind] + SHARED_MEMORY_ALGORITHMS[kind]:
-        raise ValueError(f"algorithm={algorithm!r} is not an algorithm of {kind}; choose one of "
-                         f"{', '.join(ALGORITHMS[kind] + SHARED_MEMORY_ALGORITHMS[kind])} or 'best'.")
+        raise CostModelError(f"algorithm={algorithm!r} is not an algorithm of {kind}; choose one of "
+                             f"{', '.join(ALGORITHMS[kind] + SHARED_MEMORY_ALGORITHMS[kind])} or 'best'.")
     if p == 1:
         return 0.0
     return _formula(kind, algorithm, n, p, link)

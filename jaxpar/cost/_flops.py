@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from jaxpar.cost._activations import REMAT
 from jaxpar.cost._model import ModelSpec
+from jaxpar.errors import CostModelError
 
 __all__ = ["flops_per_token", "narayanan_flops", "step_flops", "model_flops"]
 
@@ -83,7 +84,7 @@ def step_flops(m: ModelSpec, remat: str = "none") -> float:
     True
     """
     if remat not in REMAT:
-        raise ValueError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
+        raise CostModelError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
     n_moe = m.moe_layers
     layers = 0.0
     for n, moe in ((m.layers - n_moe, False), (n_moe, True)):

@@ -23,7 +23,7 @@ from jaxpar.cost._activations import REMAT, activation_bytes_per_layer, layer_ac
 from jaxpar.cost._context_experts import context_working_bytes
 from jaxpar.cost._model import TENSOR_LOGICAL, Leaf, ModelSpec
 from jaxpar.cost._schedule import TABLE_LIMIT, closed_form_stats, in_flight, schedule_stats
-from jaxpar.errors import LayoutError
+from jaxpar.errors import CostModelError, LayoutError
 
 __all__ = ["BytesPerParam", "PRECISIONS", "REMAT", "zero_state_bytes", "activation_bytes_per_layer",
            "leaf_spec", "zero_dim_of", "zero_axes", "LeafShards", "leaf_shard_counts", "sizes_key", "leaf_shards",
@@ -57,14 +57,14 @@ def _precision(precision: str | BytesPerParam) -> BytesPerParam:
     if isinstance(precision, BytesPerParam):
         return precision
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: choose one of {', '.join(PRECISIONS)} or pass a "
-                         "BytesPerParam(param, grad, opt).")
+        raise CostModelError(f"precision={precision!r}: choose one of {', '.join(PRECISIONS)} or pass a "
+                             "BytesPerParam(param, grad, opt).")
     return PRECISIONS[precision]
 
 
 def _check_stage(stage) -> None:
     if stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero stage={stage!r}: choose 0 (plain data parallel), 1, 2 or 3.")
+        raise CostModelError(f"zero stage={stage!r}: choose 0 (plain data parallel), 1, 2 or 3.")
 
 
 def zero_state_bytes(psi: float, n_d: int, stage: int, *, param_bytes: float = 2, grad_bytes: float = 2,
@@ -87,7 +87,7 @@ def zero_state_bytes(psi: float, n_d: int, stage: int, *, param_bytes: float = 2
     """
     _check_stage(stage)
     if isinstance(n_d, bool) or not isinstance(n_d, int) or n_d < 1:
-        raise ValueError(f"n_d={n_d!r}: the number of data-parallel ranks must be a positive int.")
+        raise CostModelError(f"n_d={n_d!r}: the number of data-parallel ranks must be a positive int.")
     p = psi * param_bytes / (n_d if stage >= 3 else 1)
     g = psi * grad_bytes / (n_d if stage >= 2 else 1)
     o = psi * opt_bytes / (n_d if stage >= 1 else 1)

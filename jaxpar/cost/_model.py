@@ -30,6 +30,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from jaxpar.errors import CostModelError
+
 __all__ = ["Leaf", "ModelSpec", "gpt", "from_nnx", "from_gpt_config", "TENSOR_LOGICAL"]
 
 #: Logical names jaxpar's tensor rules shard over ``tensor`` (:func:`jaxpar.parallel.tensor_rules`).
@@ -63,7 +65,7 @@ class Leaf:
 
 def _positive_int(owner: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}.{name}={value!r}: must be a positive int.")
+        raise CostModelError(f"{owner}.{name}={value!r}: must be a positive int.")
 
 
 @dataclass(frozen=True)
@@ -97,13 +99,13 @@ class ModelSpec:
         for f in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
             _positive_int("ModelSpec", f, getattr(self, f))
         if self.hidden % self.heads:
-            raise ValueError(f"ModelSpec: hidden={self.hidden} is not divisible by heads={self.heads}; "
-                             "choose hidden as a multiple of heads.")
+            raise CostModelError(f"ModelSpec: hidden={self.hidden} is not divisible by heads={self.heads}; "
+                                 "choose hidden as a multiple of heads.")
         if self.mlp == 0:
             object.__setattr__(self, "mlp", 4 * self.hidden)
         _positive_int("ModelSpec", "mlp", self.mlp)
         if self.qkv_inputs not in (1, 3):
-            raise ValueError(f"ModelSpec.qkv_inputs={self.qkv_inputs!r}: 3 (separate q, k, v) or 1 (fused).")
+            raise CostModelError(f"ModelSpec.qkv_inputs={self.qkv_inputs!r}: 3 (separate q, k, v) or 1 (fused).")
         _check_moe(self)
         if self.experts and self.expert_mlp == 0:
             object.__setattr__(self, "expert_mlp", self.mlp)
@@ -177,26 +179,27 @@ class ModelSpec:
 
 def _check_moe(m: ModelSpec) -> None:
     if isinstance(m.experts, bool) or not isinstance(m.experts, int) or m.experts < 0:
-        raise ValueError(f"ModelSpec.experts={m.experts!r}: 0 (a dense model) or the number of experts per MoE layer.")
+        raise CostModelError(f"ModelSpec.experts={m.experts!r}: 0 (a dense model) or the number of experts per "
+                             "MoE layer.")
     if not m.experts:
         return
     if isinstance(m.top_k, bool) or not isinstance(m.top_k, int) or not 1 <= m.top_k <= m.experts:
-        raise ValueError(f"ModelSpec.top_k={m.top_k!r} must be an int in [1, experts={m.experts}]: a token picks "
-                         "top_k distinct experts.")
+        raise CostModelError(f"ModelSpec.top_k={m.top_k!r} must be an int in [1, experts={m.experts}]: a token picks "
+                             "top_k distinct experts.")
     cf = m.capacity_factor
     if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf)
                            or cf <= 0):
-        raise ValueError(f"ModelSpec.capacity_factor={cf!r} must be a finite number > 0 (1.25 is common) or None "
-                         "for dropless routing.")
+        raise CostModelError(f"ModelSpec.capacity_factor={cf!r} must be a finite number > 0 (1.25 is common) or None "
+                             "for dropless routing.")
     for f in ("moe_every",):
         _positive_int("ModelSpec", f, getattr(m, f))
     if m.moe_every > m.layers:
-        raise ValueError(f"ModelSpec.moe_every={m.moe_every} > layers={m.layers}: no layer would be an MoE layer; "
-                         f"choose moe_every <= {m.layers} or experts=0 for a dense model.")
+        raise CostModelError(f"ModelSpec.moe_every={m.moe_every} > layers={m.layers}: no layer would be an MoE layer; "
+                             f"choose moe_every <= {m.layers} or experts=0 for a dense model.")
     for f in ("expert_mlp", "shared_mlp"):
         v = getattr(m, f)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"ModelSpec.{f}={v!r}: must be an int >= 0 (expert_mlp 0: the model's mlp).")
+            raise CostModelError(f"ModelSpec.{f}={v!r}: must be an int >= 0 (expert_mlp 0: the model's mlp).")
 
 
 def gpt_param_count(m: ModelSpec) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxpar.cost._memory import REMAT
+from jaxpar.errors import PlanError
 
 __all__ = ["AXES", "BATCH_AXES", "SCHEDULES", "CONTEXT_METHODS", "Plan"]
 
@@ -66,18 +67,20 @@ class Plan:
         for a in AXES + ("virtual", "microbatches"):
             v = getattr(self, a)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Plan.{a}={v!r}: must be a positive int.")
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"Plan.zero={self.zero!r}: choose 0, 1, 2 or 3.")
+                raise PlanError(f"Plan.{a}={v!r}: must be a positive int (1: the axis is not used).")
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"Plan.zero={self.zero!r}: choose 0, 1, 2 or 3.")
+        if not isinstance(self.sequence_parallel, bool):
+            raise PlanError(f"Plan.sequence_parallel={self.sequence_parallel!r}: must be True or False.")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"Plan.schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+            raise PlanError(f"Plan.schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}.")
         if self.remat not in REMAT:
-            raise ValueError(f"Plan.remat={self.remat!r}: choose one of {', '.join(REMAT)}.")
+            raise PlanError(f"Plan.remat={self.remat!r}: choose one of {', '.join(REMAT)}.")
         if self.context_method not in CONTEXT_METHODS:
-            raise ValueError(f"Plan.context_method={self.context_method!r}: choose one of "
-                             f"{', '.join(CONTEXT_METHODS)}.")
+            raise PlanError(f"Plan.context_method={self.context_method!r}: choose one of "
+                            f"{', '.join(CONTEXT_METHODS)}.")
         if not isinstance(self.context_balance, bool):
-            raise ValueError(f"Plan.context_balance={self.context_balance!r}: must be True or False.")
+            raise PlanError(f"Plan.context_balance={self.context_balance!r}: must be True or False.")
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Mapping, NamedTuple
 
 from jaxpar.compat._table import LIBRARY_NAMES, Problem, Setting, problems
+from jaxpar.errors import PlanError
 
 __all__ = ["PlanStrategy", "STRATEGY_FIELDS", "SETTING_FIELDS", "REFUSED_PREFIX", "plan_setting", "plan_problems",
            "plan_refusal"]
@@ -76,8 +77,8 @@ def plan_setting(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any]
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(STRATEGY_FIELDS) - set(SETTING_FIELDS))
     if unknown:
-        raise ValueError(f"fixed={fixed!r}: unknown key(s) {', '.join(unknown)}; the table reads the strategy's "
-                         f"{', '.join(STRATEGY_FIELDS)} and the options {', '.join(SETTING_FIELDS)}.")
+        raise PlanError(f"fixed={fixed!r}: unknown key(s) {', '.join(unknown)}; the table reads the strategy's "
+                        f"{', '.join(STRATEGY_FIELDS)} and the options {', '.join(SETTING_FIELDS)}.")
     strategy = PlanStrategy(zero=plan.zero, sequence_parallel=plan.sequence_parallel, schedule=plan.schedule,
                             microbatches=plan.microbatches, compute_dtype=fixed.pop("compute_dtype", dtype),
                             **{k: fixed.pop(k) for k in STRATEGY_FIELDS[1:] if k in fixed})

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from jaxpar.errors import ScheduleError
+
 __all__ = ["TABLE_LIMIT", "closed_form_stats", "lockstep_closed_form", "schedule_stats", "runs_in_lockstep",
            "in_flight"]
 
@@ -56,7 +58,7 @@ def closed_form_stats(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int
         return (p - 1) / (3 * m + p - 1), min(p, m)
     if kind == "interleaved":
         return (p - 1) / (v * m + p - 1), min(2 * (p - 1) + (v - 1) * p + 1, v * m)
-    raise ValueError(f"schedule={kind!r}: choose gpipe, 1f1b, interleaved or zb-h1.")
+    raise ScheduleError(f"schedule={kind!r}: choose gpipe, 1f1b, interleaved or zb-h1.")
 
 
 def lockstep_closed_form(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int]:

@@ -39,6 +39,7 @@ from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import AXES, Plan
 from jaxpar.cost._roofline import Work, end_work, kernel_seconds, layer_elementwise_bytes, layer_kernels, layer_work
 from jaxpar.cost._traffic import Comm, bytes_per_axis, comms
+from jaxpar.errors import CostModelError
 
 __all__ = ["Overlap", "behind_backward", "ring_step_seconds", "StepTime", "flops_per_token", "narayanan_flops", "step_flops", "model_flops",
            "update_bytes", "elementwise_bytes", "axis_groups", "comm_time", "bubble", "step_time"]
@@ -146,10 +147,10 @@ class Overlap:
         for k in ("data", "tensor", "pipeline", "context", "expert"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-                raise ValueError(f"Overlap.{k}={v!r}: must be a fraction in [0, 1].")
+                raise CostModelError(f"Overlap.{k}={v!r}: must be a fraction in [0, 1].")
         for k in ("grads_in_backward", "ring_behind_blocks"):
             if not isinstance(getattr(self, k), bool):
-                raise ValueError(f"Overlap.{k}={getattr(self, k)!r}: must be True or False.")
+                raise CostModelError(f"Overlap.{k}={getattr(self, k)!r}: must be True or False.")
 
 
 def behind_backward(reduce_s: float, backward_s: float, layers: int) -> float:

@@ -44,6 +44,7 @@ from jaxpar.cost._memory import leaf_shard_counts, pipe_end, sizes_key, zero_axe
 from jaxpar.cost._model import Leaf, ModelSpec
 from jaxpar.cost._parallel import AXES, BATCH_AXES, Plan
 from jaxpar.cost._schedule import runs_in_lockstep
+from jaxpar.errors import CostModelError
 
 __all__ = ["LOWERINGS", "lowering_for_platform", "outer_at_ends", "Comm", "comms", "bytes_per_axis"]
 
@@ -148,7 +149,7 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
     [('all-reduce', ('data',), 18688.0, 1), ('all-reduce', ('data',), 50304.0, 2)]
     """
     if lowering not in LOWERINGS:
-        raise ValueError(f"lowering={lowering!r}: choose one of {', '.join(LOWERINGS)}.")
+        raise CostModelError(f"lowering={lowering!r}: choose one of {', '.join(LOWERINGS)}.")
     sizes = plan.sizes
     out: list[Comm] = []
 

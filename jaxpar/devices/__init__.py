@@ -9,9 +9,11 @@ from jaxpar.devices._distributed import (ClusterInfo as ClusterInfo, Distributed
                                          initialize as initialize, resolve as resolve, setup_devices as setup_devices,
                                          split_devices as split_devices, start_processes as start_processes)
 from jaxpar.devices._targets import (DeviceSpec as DeviceSpec, Target as Target, TargetError as TargetError,
-                                     compile_error as compile_error, gpu_target_config as gpu_target_config, load_spec as load_spec, parse_target as parse_target,
-                                     presets as presets, target_devices as target_devices)
+                                     compile_error as compile_error, gpu_target_config as gpu_target_config,
+                                     install_command as install_command, load_spec as load_spec,
+                                     parse_target as parse_target, presets as presets, target_devices as target_devices,
+                                     target_requirements as target_requirements, targets_dir as targets_dir)
 
-__all__ = ["DeviceSpec", "Target", "TargetError", "compile_error", "gpu_target_config", "load_spec", "parse_target", "presets",
-           "target_devices", "ClusterInfo", "DistributedError", "initialize", "resolve", "setup_devices",
-           "split_devices", "start_processes"]
+__all__ = ["DeviceSpec", "Target", "TargetError", "compile_error", "gpu_target_config", "install_command", "load_spec",
+           "parse_target", "presets", "target_devices", "target_requirements", "targets_dir", "ClusterInfo",
+           "DistributedError", "initialize", "resolve", "setup_devices", "split_devices", "start_processes"]

@@ -14,8 +14,11 @@ as a string (:func:`parse_target`):
 * ``tpu-v5e:4x4``, ``tpu-v5p:2x2x4``: the chips of one slice (libtpu's topology);
   ``2xtpu-v5e:16x16``: two such slices.
 
-The compilers come with an optional extra, ``pip install 'jaxpar[targets]'`` (docs/targets.md);
-without it :func:`target_devices` raises a :class:`TargetError` that says so.
+The compilers live in a directory of their own, off ``sys.path`` (:func:`targets_dir`; ``make targets``
+or :func:`install_command` installs them): installed beside jax, every ``import jax`` would load them
+and print their errors for the hardware that is not there. :func:`target_devices` loads them into the
+process on the first target (JAX's plugin start-up, done on demand); without them it raises a
+:class:`TargetError` that gives the command.
 
 Example:
     >>> t = parse_target("h100:2x8")
@@ -32,23 +35,26 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import shlex
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 from jaxpar.errors import TargetError
 
 __all__ = ["TargetError", "DeviceSpec", "Target", "PRESET_DIR", "presets", "load_spec", "parse_target",
-           "gpu_target_config", "target_devices", "compile_error", "EXTRA", "EXTRA_EDITABLE"]
+           "gpu_target_config", "target_devices", "compile_error", "targets_dir", "target_requirements",
+           "install_command", "TARGETS_DIR_ENV"]
 
 #: Where the preset YAML files live (``configs/targets`` of the repository).
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "targets"
-#: The optional dependencies that bring the compilers.
-EXTRA = "pip install 'jaxpar[targets]'"
-#: The same from a checkout of the repository.
-EXTRA_EDITABLE = "pip install -e '.[targets]'"
+#: The environment variable that moves the compilers' directory (:func:`targets_dir`).
+TARGETS_DIR_ENV = "JAXPAR_TARGETS_DIR"
 #: JAX's default share of a GPU's memory that a process may use (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
 GPU_MEM_FRACTION = 0.75
 
@@ -242,8 +248,50 @@ def gpu_target_config(spec: DeviceSpec) -> str:
             f'device_description_str: "{spec.device}"\n')
 
 
+def targets_dir() -> Path:
+    """The directory the compilers are installed in: ``$JAXPAR_TARGETS_DIR``, else ``jaxpar-targets`` in the
+    Python environment (``.venv/jaxpar-targets`` of a checkout). It is not on ``sys.path``: the first
+    target puts it there (last), in the process that asks for it only.
+
+    Returns:
+      The directory (it may not exist).
+    """
+    return Path(os.environ.get(TARGETS_DIR_ENV) or Path(sys.prefix) / "jaxpar-targets")
+
+
+def target_requirements() -> list[str]:
+    """The compilers' packages for the installed jax: its CUDA 12 plugin (the same version; the CUDA
+    runtime wheels are not needed to compile), ``ptxas`` (12.8 or newer knows B200's sm_100) and the
+    libtpu of jax's own ``tpu`` extra.
+
+    Returns:
+      Requirement strings, for ``pip install --no-deps --target``.
+    """
+    import importlib.metadata as md
+
+    import jax
+
+    try:
+        extras = md.requires("jax") or []
+    except md.PackageNotFoundError:
+        extras = []
+    libtpu = next((r.split(";")[0].replace(" ", "") for r in extras
+                   if r.startswith("libtpu") and 'extra == "tpu"' in r), "libtpu")
+    return [f"jax-cuda12-plugin=={jax.__version__}", f"jax-cuda12-pjrt=={jax.__version__}",
+            "nvidia-cuda-nvcc-cu12>=12.8,<13", libtpu]
+
+
+def install_command() -> str:
+    """The shell command that installs the compilers into :func:`targets_dir`, with this Python's pip."""
+    args = [sys.executable, "-m", "pip", "install", "--no-deps", "--upgrade", "--target", str(targets_dir()),
+            *target_requirements()]
+    return shlex.join(args)
+
+
 def target_devices(target: Target) -> list[Any]:
     """The target's abstract devices (compile-only: a ``Mesh`` over them compiles, nothing runs).
+
+    The first target of a platform loads its compiler (:func:`targets_dir`) into this process.
 
     Args:
       target: the target.
@@ -252,7 +300,7 @@ def target_devices(target: Target) -> list[Any]:
       The devices, host-major (a GPU target's first ``gpus_per_host`` are host 0's).
 
     Raises:
-      TargetError: the compilers are not installed (the ``targets`` extra) or reject the topology.
+      TargetError: the compilers are not installed (:func:`install_command`) or reject the topology.
     """
     key = (str(target), repr(target.spec))
     if key not in _DEVICES:
@@ -265,18 +313,24 @@ _DEVICES: dict[tuple, tuple] = {}       # a topology's devices, made once per pr
 
 def _devices(target: Target) -> tuple:
     _check_plugin(target.spec.platform)
+    with _without_no_hardware_notes():
+        if target.spec.platform == "cuda":
+            _start_cuda_plugin()
+        return tuple(_topology(target).devices)
+
+
+def _topology(target: Target) -> Any:
     from jax.experimental import topologies
 
     spec = target.spec
     try:
         if spec.platform == "cuda":
             hosts, per_host = target.shape
-            topo = topologies.get_topology_desc(platform="cuda", topology_name=spec.name,
+            return topologies.get_topology_desc(platform="cuda", topology_name=spec.name,
                                                 target_config=gpu_target_config(spec), topology=f"1x{hosts}x{per_host}")
-        else:
-            name = f"{spec.topology_name}:{'x'.join(map(str, target.shape))}"
-            topo = topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=target.slices,
-                                                chips_per_host_bounds=spec.chips_per_host_bounds)
+        name = f"{spec.topology_name}:{'x'.join(map(str, target.shape))}"
+        return topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=target.slices,
+                                            chips_per_host_bounds=spec.chips_per_host_bounds)
     except Exception as e:      # the compilers' own errors name no jaxpar setting
         if "topology not implemented for cuda" in str(e):
             raise TargetError(f"target {target}: JAX started its backends before the CUDA plugin could be set up "
@@ -284,7 +338,6 @@ def _devices(target: Target) -> tuple:
                               f"(the plugin then skips its check for a CUDA runtime).") from None
         raise TargetError(f"target {target}: the {spec.platform} compiler rejected the topology: "
                           f"{str(e).splitlines()[0]}. Check the topology against docs/targets.md.") from None
-    return tuple(topo.devices)
 
 
 _PLUGIN = {"cuda": ("jax_plugins.xla_cuda12", "jax-cuda12-plugin"), "tpu": ("libtpu", "libtpu")}
@@ -300,8 +353,10 @@ def _check_plugin(platform: str) -> None:
         jax.config.update("jax_platforms", "cpu")     # (and the CUDA plugin then skips its runtime check)
     if platform == "tpu":
         _quiet_libtpu()
-    missing = TargetError(f"compiling for {platform} targets needs {dist}, which is not installed: {EXTRA} "
-                          f"(the 'targets' extra; from a checkout: {EXTRA_EDITABLE}; docs/targets.md).")
+    _use_targets_dir()
+    missing = TargetError(f"compiling for {platform} targets needs {dist}, which is not installed in {targets_dir()} "
+                          f"(${TARGETS_DIR_ENV}, default jaxpar-targets in the Python environment): "
+                          f"{install_command()} (from a checkout: make targets; docs/targets.md).")
     if not _installed(module):
         raise missing
     try:
@@ -310,7 +365,22 @@ def _check_plugin(platform: str) -> None:
         raise missing from None
     if version != jax.__version__:
         raise TargetError(f"{dist}=={version} is installed beside jax=={jax.__version__}; the plugin must "
-                          f"match jax exactly: {EXTRA}, or pip install {dist}=={jax.__version__}.")
+                          f"match jax exactly: {install_command()}")
+
+
+def _use_targets_dir() -> None:
+    """Put :func:`targets_dir` on ``sys.path``, last (so it shadows nothing), once; after JAX has looked
+    for plugins (its first backend or topology does, once), which would otherwise find the CUDA plugin
+    there, start it and fail (no CUDA runtime), as at an ``import jax`` beside it."""
+    import importlib
+
+    from jax._src import xla_bridge
+
+    path = str(targets_dir())
+    if os.path.isdir(path) and path not in sys.path:
+        xla_bridge._discover_and_register_pjrt_plugins()
+        sys.path.append(path)
+        importlib.invalidate_caches()
 
 
 def _installed(module: str) -> bool:
@@ -322,6 +392,73 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ModuleNotFoundError, ValueError):
         return False
+
+
+def _start_cuda_plugin() -> None:
+    """What JAX's start-up does for a CUDA plugin installed beside it, done now: register the plugin (its
+    compiler and topologies), the custom calls of its GPU kernels (cuSOLVER, ...), and the ``ptxas`` of
+    nvidia-cuda-nvcc-cu12. Nothing to do where JAX found the plugin itself."""
+    import importlib
+
+    from jax._src import lib
+    from jax._src.lib import xla_client
+
+    if xla_client.pjrt_plugin_loaded("cuda"):
+        return
+    try:
+        importlib.import_module("jax_plugins.xla_cuda12").initialize()
+        _register_gpu_kernels()
+    except Exception as e:      # a broken or partial install: the plugin's own error names no fix
+        raise TargetError(f"the CUDA plugin in {targets_dir()} did not start: {str(e).splitlines()[0]}; "
+                          f"install it again: {install_command()}") from None
+    if lib.cuda_path is None:   # JAX looked for nvidia-cuda-nvcc-cu12 at import, before it was on sys.path
+        lib.cuda_path = lib._cuda_path()
+
+
+def _register_gpu_kernels() -> None:
+    """Register the CUDA custom calls that ``import jax`` registers when the plugin is importable then:
+    jaxlib's GPU kernel modules, imported again with it on ``sys.path``."""
+    import importlib
+
+    import jax
+    from jaxlib import gpu_linalg, gpu_prng, gpu_rnn, gpu_solver, gpu_sparse, gpu_triton
+
+    for module in (gpu_rnn, gpu_triton):        # these register their kernels when imported
+        importlib.reload(module)
+    for module in (gpu_linalg, gpu_prng, gpu_solver, gpu_sparse):
+        importlib.reload(module)
+        for name, value, api_version in module.registrations()["CUDA"]:
+            jax.ffi.register_ffi_target(name, value, platform="CUDA", api_version=api_version)
+        for name in getattr(module, "batch_partitionable_targets", list)():
+            jax.ffi.register_ffi_target_as_batch_partitionable(name)
+
+
+#: The compilers' notices that this machine has no GPU / TPU (harmless: compiling needs none), written by
+#: their native logging straight to the stderr file descriptor while they load.
+_NO_HARDWARE_NOTES = re.compile(r"All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+                                r"|cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine"
+                                r"|Failed to find host bounds for accelerator type")
+
+
+@contextlib.contextmanager
+def _without_no_hardware_notes():
+    """Hold back what is written to file descriptor 2 meanwhile; then write it out less the
+    :data:`_NO_HARDWARE_NOTES` lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not _NO_HARDWARE_NOTES.search(line))
+            if kept:
+                os.write(2, kept.encode())
 
 
 def _quiet_libtpu() -> None:
@@ -359,6 +496,6 @@ def compile_error(target: Target, error: Exception) -> TargetError | None:
                            f"capability {major}.{minor} ({target.spec.device}); install a newer one: "
                            f"pip install -U nvidia-cuda-nvcc-cu12.")
     if "No PTX compilation provider" in text or "Couldn't find a suitable version of ptxas" in text:
-        return TargetError(f"target {target}: no ptxas to compile for {target.spec.device}: {EXTRA} "
+        return TargetError(f"target {target}: no ptxas to compile for {target.spec.device}: {install_command()} "
                            f"(it brings nvidia-cuda-nvcc-cu12).")
     return None

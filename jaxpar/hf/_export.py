@@ -89,7 +89,10 @@ def _shards(entries: dict[str, tuple], max_bytes: int) -> list[dict[str, tuple]]
 
 
 def _prepare(out: Path, overwrite: bool) -> None:
-    """Refuse a non-empty ``out`` (every process looks before any writes), then clear it (process 0)."""
+    """Refuse a file or a non-empty ``out`` (every process looks before any writes), then clear it (process 0)."""
+    if out.exists() and not out.is_dir():
+        raise HFExportError(f"export: {out} is a file, not a directory; name a new or empty directory (the "
+                            "checkpoint is config.json and *.safetensors files written into it).")
     full = out.exists() and any(out.iterdir())
     if full and not overwrite:
         raise HFExportError(f"export: {out} is not empty; choose an empty or new directory, or pass "
@@ -120,7 +123,7 @@ def export(params: Any, out: str | Path, *, source: Checkpoint | None = None, co
       overwrite: replace the checkpoint files of a non-empty ``out``.
 
     Raises:
-      HFExportError: ``out`` is not empty (and not ``overwrite``), or neither ``source`` nor
+      HFExportError: ``out`` is a file or is not empty (and not ``overwrite``), or neither ``source`` nor
         ``config`` and ``family`` are given.
     """
     if source is None and (config is None or family is None):

@@ -24,6 +24,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from jaxpar.rules import axes_of
+from jaxpar.errors import StrategyError
 
 
 __all__ = ["ZERO_STAGES", "zero_axes", "zero_dim", "add_zero_axes", "zero_specs", "spec_shards", "analytic_state_bytes"]
@@ -45,9 +46,9 @@ def zero_axes(mesh_sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str
       The mesh axis names (``fsdp`` first), empty when not sharded.
     """
     if stage not in ZERO_STAGES:
-        raise ValueError(f"zero stage={stage!r}: choose one of {ZERO_STAGES}.")
+        raise StrategyError(f"zero stage={stage!r}: choose one of {ZERO_STAGES}.")
     if kind not in _FIRST_STAGE:
-        raise ValueError(f"kind={kind!r}: choose one of {tuple(_FIRST_STAGE)}.")
+        raise StrategyError(f"kind={kind!r}: choose one of {tuple(_FIRST_STAGE)}.")
     axes = []
     if mesh_sizes.get("fsdp", 1) > 1:
         axes.append("fsdp")

@@ -7,7 +7,7 @@ train state's arrays, written by every process for its own shards) and ``meta``
 * **Async and atomic.** :meth:`Checkpointer.save` copies the arrays to host and returns; a
   background thread writes them into ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>``
   only when complete. A crash mid-save leaves the temporary directory (ignored, removed by the next
-  :class:`Checkpointer`), never a half-written ``<step>``. The last ``keep`` checkpoints are kept.
+  :class:`Checkpointer`), never a half-written ``<step>``. The last ``keep`` of the run are kept.
 * **Resharding restore.** :meth:`Checkpointer.restore` reads into a target of
   ``ShapeDtypeStruct(..., sharding=...)`` (``layout.abstract_state()``): a state saved under
   ``fsdp=8`` restores under ``data=2 x tensor=4`` or on 4 devices.
@@ -64,6 +64,7 @@ from jaxpar.adapters._layer_lists import change_form
 from jaxpar.run._checkpoint_format import (FORMAT, READABLE, lists_record, record_layouts, record_shapes, saved_lists,
                                            upgrade_record)
 from jaxpar.run._state_parts import plan_parts
+from jaxpar.run._run_directory import refuse_later_steps
 from jaxpar.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer", "Restored", "FORMAT"]
@@ -103,7 +104,7 @@ class Checkpointer:
                  layout: Any = None, lr_schedule: Callable[[int], Any] | None = None):
         for name, value, low in (("every", every, 0), ("keep", keep, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"Checkpointer({name}={value!r}): must be an int >= {low}.")
+                raise CheckpointError(f"Checkpointer({name}={value!r}): must be an int >= {low}.")
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
@@ -117,11 +118,8 @@ class Checkpointer:
             for tmp in sorted(self.directory.glob("*.orbax-checkpoint-tmp*")):
                 shutil.rmtree(tmp, ignore_errors=True)
                 self.removed_partial.append(tmp.name)
-        options = ocp.CheckpointManagerOptions(
-            preservation_policy=ocp.checkpoint_managers.LatestN(keep),
-            enable_async_checkpointing=async_save,
-            create=True,
-        )
+        options = ocp.CheckpointManagerOptions(preservation_policy=ocp.checkpoint_managers.LatestN(keep),
+                                               enable_async_checkpointing=async_save, create=True)
         # Arrays are written by replica 0 of each shard. Orbax's default on CPU ("replica-parallel")
         # slices replicated shards with small jitted programs: ~80 compilations (seconds) at the first save.
         arrays = ocp.type_handlers.create_type_handler_registry(
@@ -145,6 +143,18 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         steps = self.steps()
         return steps[-1] if steps else None
+
+    def steps_after(self, step: int, steps: Any = None) -> list[int]:
+        """The good checkpoints after ``step`` (those :meth:`restore` found unreadable left out).
+
+        Args:
+          step: a step.
+          steps: the steps on disk (None: :meth:`steps`).
+
+        Returns:
+          Their steps, oldest first.
+        """
+        return sorted(s for s in (self.steps() if steps is None else steps) if s > step and s not in self._bad)
 
     def should_save(self, step: int) -> bool:
         """Whether to checkpoint at a step.
@@ -173,14 +183,23 @@ class Checkpointer:
             restore under another one starts them afresh. Without one the record has shapes only.
 
         Returns:
-          True, or False (nothing written) when a good checkpoint of ``step`` already exists.
+          True, or False (nothing written, a :class:`CheckpointWarning` naming the step and the directory)
+          when a good checkpoint of ``step`` exists; one :meth:`restore` found unreadable is replaced.
+
+        Raises:
+          RunDirectoryError: good checkpoints of later steps exist (another run's, which ``keep`` would prune).
         """
         ocp = self._ocp
         existing = set(self._manager.all_steps())
         if step in existing and step not in self._bad:
+            warnings.warn(f"checkpoint of step {step} not saved: {self.directory / str(step)} already holds a "
+                          f"checkpoint of step {step}, which is kept. To keep both, save into another directory.",
+                          CheckpointWarning, stacklevel=2)
             if wait:
                 self.wait()
             return False
+        refuse_later_steps(f"Checkpointer.save(step={step})", self.directory, self.steps_after(step, existing),
+                           self.keep)
         if step in existing:                     # an unreadable one passed over by restore(): replace it
             self._manager.delete(step)
             self._bad.discard(step)
@@ -251,8 +270,8 @@ class Checkpointer:
             try:
                 state, meta = self._restore_one(s, abstract, target)
                 if meta.get("step") != s or int(jax.device_get(state.step)) != s:
-                    raise ValueError(f"the record says step {meta.get('step')!r} and the state says step "
-                                     f"{int(jax.device_get(state.step))}, the directory says {s}")
+                    raise CheckpointError(f"the record says step {meta.get('step')!r} and the state says step "
+                                          f"{int(jax.device_get(state.step))}, the directory says {s}")
             except CheckpointMismatchError:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure means this checkpoint is unusable
@@ -279,7 +298,8 @@ class Checkpointer:
         ocp = self._ocp
         meta = dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
         if meta.get("format", FORMAT) not in READABLE:
-            raise ValueError(f"it was written in format {meta['format']!r} and this jaxpar reads {', '.join(READABLE)}")
+            raise CheckpointError(f"it was written in format {meta['format']!r} and this jaxpar reads "
+                                  f"{', '.join(READABLE)}")
         meta, renames = upgrade_record(meta)
         renames = renames if hasattr(abstract, "_fields") else {}    # a plain tree: Orbax matches it as saved
         have, want = saved_lists(meta), dict(getattr(target, "layer_lists", None) or {})

@@ -54,7 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.batch import batch_sharding, shard_batch
 from jaxpar.compat._table import Setting, raise_problems
-from jaxpar.errors import RampError
+from jaxpar.errors import LoopError, RampError
 from jaxpar.parallel.moe import use_router_bias
 from jaxpar.rules import named_shardings
 from jaxpar.strategy import Strategy
@@ -64,6 +64,7 @@ from jaxpar.step._noise_scale import KEY as NOISE_KEY
 from jaxpar.step._noise_scale import noise_scale_of
 from jaxpar.run._preemption import StopAgreement, StopSignals
 from jaxpar.run._ramp import AdaptiveRamp
+from jaxpar.run._run_directory import refuse_later_steps
 from jaxpar.run._report import LogOptions, NonFiniteError, TrainSummary, plot_losses  # re-exported: their former home
 from jaxpar.run._report import check_int, merge_log_options, Meter, Progress
 from jaxpar.step._router_bias import KEY as BIAS, has_router_bias
@@ -95,7 +96,7 @@ def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy | No
     layout_strategy(layout, strategy)
     mesh = layout.mesh
     if not batches:
-        raise ValueError("make_eval_fn: batches is empty; give at least one eval batch.")
+        raise LoopError("make_eval_fn: batches is empty; give at least one eval batch.")
     placed = [shard_batch(b, mesh) for b in batches]   # checked and placed once, reused at every eval
     loss_of_params = model_loss(loss_fn, layout)
     biased = has_router_bias(layout)       # the MoE layers choose experts with the step's bias
@@ -139,8 +140,11 @@ def _checked_train_args(state: Any, log: LogOptions, *, steps: int, start_step: 
                              ("stop_check_every", stop_check_every, 1)):
         check_int("train", name, value, low)
     if on_nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"train(on_nonfinite={on_nonfinite!r}): choose one of {', '.join(NONFINITE_MODES)}.")
+        raise LoopError(f"train(on_nonfinite={on_nonfinite!r}): choose one of {', '.join(NONFINITE_MODES)}.")
     start = int(state.step) if start_step is None else int(start_step)
+    if hasattr(checkpointer, "steps_after"):      # before any step: keep prunes no other run's checkpoints
+        refuse_later_steps(f"train(start_step={start})", checkpointer.directory, checkpointer.steps_after(start),
+                           checkpointer.keep)
     _check_ramp_and_calls(state, ramp, steps_per_call, steps=steps, start=start, log_every=log.log_every,
                           eval_every=eval_every, checkpoint_every=getattr(checkpointer, "every", 0),
                           stop_check_every=stop_check_every)
@@ -336,14 +340,14 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
       start_step: the first step (default ``int(state.step)``); > 0 keeps ``out_dir``'s records up to it.
       eval_fn: ``eval_fn(state) -> float`` (e.g. :func:`make_eval_fn`), or None.
       eval_every: evaluate every this many steps (0: only at the end).
-      checkpointer: a :class:`~jaxpar.run.Checkpointer`: saves at its interval, at the end and on a stop.
+      checkpointer: a :class:`~jaxpar.run.Checkpointer` (no checkpoint after the start step): saves at its
+        interval, at the end and on a stop.
       checkpoint_meta: saved with each checkpoint, plus ``{"data": {"next_step": step}}``.
       on_nonfinite: ``"stop"`` raises :class:`NonFiniteError` at the first NaN / inf loss or grad norm;
         ``"skip"`` reports it and goes on (the step function must have skipped the update).
       handle_signals: False leaves SIGTERM / SIGINT alone.
       max_inflight: wait for step ``i - max_inflight`` before dispatching step ``i`` (unbounded, XLA:CPU can deadlock).
-      stop_check_every: how often several processes agree on stopping (default ``log_every``; a host
-        barrier, ~0.7 ms); the same in every process.
+      stop_check_every: how often the processes agree on stopping (the same in all; default ``log_every``; ~0.7 ms).
       ramp: an :class:`~jaxpar.run.AdaptiveRamp` (the one ``batch_fn`` reads: :func:`~jaxpar.run.ramp_batch_fn`)
         decides every ``ramp.every`` steps from the noise scale; into ``batch_ramp`` records and
         ``meta["batch_ramp"]`` (restore with ``ramp.load_state_dict``). None for a fixed ramp.

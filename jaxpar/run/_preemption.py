@@ -31,6 +31,8 @@ from typing import Any
 
 import jax
 
+from jaxpar.errors import DistributedError
+
 __all__ = ["catch_stop_signals", "StopSignals", "StopAgreement", "coordination_client"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -196,7 +198,7 @@ class StopAgreement:
         try:
             self.client.wait_at_barrier("jaxpar_stop", self.BARRIER_TIMEOUT_S * 1000)
         except Exception as e:  # noqa: BLE001 - JaxRuntimeError from the coordination service
-            raise RuntimeError(f"train: step {step}: the processes could not agree on stopping (a peer died or "
+            raise DistributedError(f"train: step {step}: the processes could not agree on stopping (a peer died or "
                                f"did not reach step {step} within {self.BARRIER_TIMEOUT_S} s): {e}") from e
         entries = self.client.key_value_dir_get(f"{self.prefix}/{step}/")
         found = sorted((int(key.rstrip("/").rsplit("/", 1)[-1]), value) for key, value in entries)

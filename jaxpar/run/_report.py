@@ -20,7 +20,7 @@ import jax
 
 from jaxpar.analysis._compiled_memory import format_bytes
 from jaxpar.run._sinks import MetricsWriter, mfu
-from jaxpar.errors import NonFiniteError
+from jaxpar.errors import LoopError, NonFiniteError
 
 __all__ = ["LogOptions", "TrainSummary", "NonFiniteError", "plot_losses", "Progress", "Meter", "check_int",
            "merge_log_options"]
@@ -103,7 +103,7 @@ _COMM = ("comm_bytes", "comm_ratio", "residual_norm", "replica_grad_norm",      
 
 
 def check_int(owner: str, name: str, value: Any, low: int) -> None:
-    """Raise ``ValueError`` naming ``owner(name=value)`` unless ``value`` is an int >= ``low``.
+    """Raise :class:`~jaxpar.errors.LoopError` naming ``owner(name=value)`` unless ``value`` is an int >= ``low``.
 
     Args:
       owner: the function or class named in the message.
@@ -112,7 +112,7 @@ def check_int(owner: str, name: str, value: Any, low: int) -> None:
       low: the smallest value allowed.
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{owner}({name}={value!r}): must be an int >= {low}.")
+        raise LoopError(f"{owner}({name}={value!r}): must be an int >= {low}.")
 
 
 def _num(x: float) -> float | str:
@@ -146,7 +146,7 @@ class LogOptions:
         >>> LogOptions(progress="fancy")
         Traceback (most recent call last):
         ...
-        ValueError: LogOptions(progress='fancy'): choose one of 'auto', 'bar', 'lines', 'none'.
+        jaxpar.errors.LoopError: LogOptions(progress='fancy'): choose one of 'auto', 'bar', 'lines', 'none'.
     """
 
     log_every: int = 10
@@ -163,8 +163,13 @@ class LogOptions:
     def __post_init__(self) -> None:
         check_int("LogOptions", "log_every", self.log_every, 1)
         if self.progress not in _PROGRESS_MODES:
-            raise ValueError(f"LogOptions(progress={self.progress!r}): choose one of "
+            raise LoopError(f"LogOptions(progress={self.progress!r}): choose one of "
                              f"{', '.join(map(repr, _PROGRESS_MODES))}.")
+        for name in ("peak_flops", "flops_per_token"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise LoopError(f"LogOptions({name}={value!r}): must be a finite number > 0 (None: no MFU).")
 
     def mfu_at(self, tokens_per_s: float | None, devices: int) -> float | None:
         """MFU at ``tokens_per_s`` on ``devices``.
@@ -189,17 +194,17 @@ def merge_log_options(log: LogOptions | None, direct: dict[str, Any]) -> LogOpti
 
     Args:
       log: a :class:`LogOptions`, or None for ``LogOptions()``.
-      direct: :class:`LogOptions` field names and values; an unknown name raises ``TypeError``.
+      direct: :class:`LogOptions` field names and values; an unknown name raises :class:`~jaxpar.errors.LoopError`.
 
     Returns:
       A :class:`LogOptions`: ``log`` with ``direct``'s fields replaced.
     """
     unknown = [name for name in direct if name not in _LOG_FIELDS]
     if unknown:
-        raise TypeError(f"train() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the "
+        raise LoopError(f"train() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the "
                         f"logging options it also takes directly are {', '.join(_LOG_FIELDS)}.")
     if log is not None and not isinstance(log, LogOptions):
-        raise TypeError(f"train(log={log!r}): expected a LogOptions (or None), got {type(log).__name__}.")
+        raise LoopError(f"train(log={log!r}): expected a LogOptions (or None), got {type(log).__name__}.")
     return replace(log if log is not None else LogOptions(), **direct)
 
 

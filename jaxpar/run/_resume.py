@@ -6,8 +6,11 @@ Plain values only: :class:`RunOptions` holds the run's settings (the CLI fills i
 ``train.*``, ``checkpoint.resume`` and ``logging.samples``, :func:`jaxpar.config.build_job`),
 :class:`~jaxpar.run.LogOptions` how it reports, and a
 :class:`~jaxpar.run.Checkpointer` where its checkpoints go.
+
 :func:`checkpoint_meta` is what each checkpoint records beside the state, and
-:func:`gpt_flops_per_token` the FLOPs per token of jaxpar's GPT for MFU.
+:func:`gpt_flops_per_token` the FLOPs per token of jaxpar's GPT for MFU. A run directory holds one
+run: a new run (no ``resume``) into a ``train.out_dir`` that holds another run's records or
+checkpoints is refused before anything is written (:func:`~jaxpar.run._run_directory.claim_run_directory`).
 
 Example::
 
@@ -25,11 +28,13 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
+from jaxpar.errors import RunDirectoryError
 from jaxpar.parallel.moe import use_router_bias
 from jaxpar.run._checkpoint import CheckpointWarning
 from jaxpar.run._loop import train
 from jaxpar.run._sinks import flops_per_token, is_main_process
 from jaxpar.run._report import LogOptions, NonFiniteError
+from jaxpar.run._run_directory import claim_run_directory
 from jaxpar.step._router_bias import KEY as BIAS, has_router_bias
 from jaxpar.run._sample import SampleOptions, host_params, write_samples
 
@@ -180,9 +185,10 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
                            opts: RunOptions, log: LogOptions, *, checkpointer: Any = None,
                            meta: dict | None = None, eval_fn: Callable | None = None,
                            eval_batches: Sequence = (), ramp: Any = None,
-                           lr_schedule: Callable[[int], Any] | None = None) -> int:
-    """Resume (``opts.resume``), run :func:`jaxpar.run.train` with checkpoints and metrics, then
-    write ``summary.json`` and the samples and print where everything went.
+                           lr_schedule: Callable[[int], Any] | None = None, config_text: str | None = None) -> int:
+    """Resume (``opts.resume``; else a new run, in directories that hold no other run:
+    :func:`~jaxpar.run._run_directory.claim_run_directory`), run :func:`jaxpar.run.train` with
+    checkpoints and metrics, then write ``summary.json`` and the samples and print where everything went.
 
     Args:
       step: the train step (:func:`jaxpar.make_train_step`).
@@ -198,22 +204,23 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
       ramp: the batch ramp ``batch_fn`` reads, if any.
       lr_schedule: the learning-rate schedule (``step -> lr``, ``Job.log_lr``): each checkpoint records its
         length (``opts.steps``) and the learning rate it resumes with, and a resume under another length warns.
+      config_text: the run's config (YAML), written to ``<out_dir>/config.yaml`` once the run starts
+        training: after a resume succeeded, never when it fails or finds nothing to do (None: not written).
 
     Returns:
       The exit status: 0, also after a stop signal (a checkpoint is saved) or when the checkpoint
       is already at ``opts.steps``; 1 when a non-finite loss stopped the run.
+
+    Raises:
+      RunDirectoryError: a new run (not ``opts.resume``) whose ``out_dir`` or checkpoint directory holds
+        another run's records or checkpoints (the checkpointer is closed, nothing is written).
     """
-    start = 0
     if checkpointer is not None:      # the schedule's length and the learning rate at each checkpoint
         meta = {**(meta or {}), "schedule": {"steps": int(opts.steps)}}
         checkpointer.lr_schedule = lr_schedule or checkpointer.lr_schedule
-    if opts.resume:
-        state, start = resume(checkpointer, layout, ramp=ramp, data_seed=opts.data_seed, steps=opts.steps,
-                              lr_schedule=lr_schedule)
-        if start >= opts.steps:
-            print(f"done     the checkpoint is at step {start} >= train.steps={opts.steps}; nothing to do")
-            checkpointer.close()
-            return 0
+    if (started := _start(state, layout, opts, checkpointer, ramp, lr_schedule, config_text)) is None:
+        return 0
+    state, start = started
     if log.peak_flops and log.flops_per_token is None:
         print("mfu      not reported: FLOPs per token are known only for the built-in GPT (logging.peak_flops)")
     try:
@@ -229,6 +236,33 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
             checkpointer.close()
     _finish(summary, state, layout, opts, checkpointer, lambda: eval_batches[0] if eval_batches else batch_fn(0))
     return 0
+
+
+def _start(state: Any, layout: Any, opts: RunOptions, checkpointer: Any, ramp: Any, lr_schedule: Any,
+           config_text: str | None) -> tuple[Any, int] | None:
+    """``(state, start step)``: the checkpoint's (``opts.resume``; None when it is at ``opts.steps`` already),
+    or a new run's in directories that hold no other; then ``config.yaml``. The checkpointer is closed when
+    the run does not start."""
+    start = 0
+    if opts.resume:
+        state, start = resume(checkpointer, layout, ramp=ramp, data_seed=opts.data_seed, steps=opts.steps,
+                              lr_schedule=lr_schedule)
+        if start >= opts.steps:
+            print(f"done     the checkpoint is at step {start} >= train.steps={opts.steps}; nothing to do. To train "
+                  f"further, run again with train.steps=N --resume, N > {start} (e.g. train.steps={2 * start}).")
+            checkpointer.close()
+            return None
+    else:
+        try:
+            claim_run_directory(opts.out_dir, getattr(checkpointer, "directory", None))
+        except RunDirectoryError:
+            if checkpointer is not None:
+                checkpointer.close()
+            raise
+    if config_text is not None and is_main_process():
+        Path(opts.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(opts.out_dir) / "config.yaml").write_text(config_text)
+    return state, start
 
 
 def _finish(summary: Any, state: Any, layout: Any, opts: RunOptions, checkpointer: Any,

@@ -26,6 +26,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxpar.errors import LoopError
+
 __all__ = ["flops_per_token", "mfu", "MetricsWriter", "TB_TAGS", "is_main_process"]
 
 #: JSONL record key -> TensorBoard tag.
@@ -51,7 +53,7 @@ def flops_per_token(n_params: int, *, layers: int, seq_len: int, embed: int) -> 
     """
     for name, value in (("n_params", n_params), ("layers", layers), ("seq_len", seq_len), ("embed", embed)):
         if value < 0:
-            raise ValueError(f"flops_per_token({name}={value!r}): must be >= 0.")
+            raise LoopError(f"flops_per_token({name}={value!r}): must be >= 0.")
     return 6.0 * n_params + 12.0 * layers * seq_len * embed
 
 
@@ -68,7 +70,7 @@ def mfu(tokens_per_s: float, flops_per_tok: float, *, peak_flops: float, devices
       The MFU as a fraction (0.284 is 28.4 %).
     """
     if peak_flops <= 0 or devices < 1:
-        raise ValueError(f"mfu(peak_flops={peak_flops!r}, devices={devices!r}): both must be positive.")
+        raise LoopError(f"mfu(peak_flops={peak_flops!r}, devices={devices!r}): both must be positive.")
     return tokens_per_s * flops_per_tok / (peak_flops * devices)
 
 

@@ -71,7 +71,8 @@ from jaxpar.run._report import check_int
 from jaxpar.step._noise_scale import KEY as NOISE_SCALE
 from jaxpar.step._router_bias import KEY as BIAS
 from jaxpar.step._state import StateLayout, StrategyMismatchError, has_stats_part, layout_strategy, part_options
-from jaxpar.step._update import Update, apply_update, delayed_update
+from jaxpar.step._update import Update, apply_update, clip_norm_problem, delayed_update
+from jaxpar.errors import StepError
 
 __all__ = ["make_train_step", "StepOptions", "ExplicitDPError", "StrategyMismatchError", "batch_sharding",
            "check_batch", "shard_batch"]
@@ -122,13 +123,21 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
         ``batches`` stacked ``[K, B, ...]``, every metric ``[K]``. PipeDream-2BW and weight
         stashing run ``K`` steps of their no-flush pipeline; the other strategies scan their step
         (the same updates as ``K`` calls).
-      **removed: options that no longer exist raise a ``TypeError`` that says what replaced them.
+      **removed: options that no longer exist raise a :class:`~jaxpar.errors.StepError` that says
+        what replaced them.
 
     Returns:
       The :class:`~jaxpar.step.TrainStep` (``step.lower`` for ahead-of-time compilation,
       ``step.programs`` for every program it runs).
+
+    Raises:
+      StepError: ``clip_norm`` is not None or a finite number > 0, ``loss_fn`` / ``log_lr`` is not a
+        function, a flag is not a bool, or a keyword does not exist.
+      LoopError: ``steps_per_call`` is not an int >= 1.
     """
     _refuse_removed(removed)
+    _check_options(loss_fn, clip_norm=clip_norm, log_lr=log_lr, donate=donate, explicit_dp=explicit_dp,
+                   skip_nonfinite=skip_nonfinite)
     layout_strategy(layout, strategy)      # a strategy other than the layout's raises
     update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, log_lr=log_lr)
     every, ema = part_options(layout, NOISE_SCALE) or (None, 0.95)   # the state parts carry their options
@@ -342,9 +351,24 @@ def _stacked_steps(run: Callable, layout: StateLayout, opts: StepOptions, progra
                      pipeline_program=program)
 
 
+def _check_options(loss_fn: Callable, *, clip_norm, log_lr, donate, explicit_dp, skip_nonfinite) -> None:
+    """The values of ``make_train_step``'s own options (:class:`~jaxpar.errors.StepError` names the first bad one)."""
+    if not callable(loss_fn):
+        raise StepError(f"make_train_step(loss_fn={loss_fn!r}): must be a function loss_fn(model, batch) -> scalar.")
+    if (why := clip_norm_problem(clip_norm)) is not None:
+        raise StepError(f"make_train_step(clip_norm={clip_norm!r}): {why}.")
+    if log_lr is not None and not callable(log_lr):
+        raise StepError(f"make_train_step(log_lr={log_lr!r}): must be a function step -> learning rate (e.g. the "
+                        "optax schedule tx was built with), or None to log none.")
+    for name, value, allowed in (("donate", donate, (True, False)), ("skip_nonfinite", skip_nonfinite, (True, False)),
+                                 ("explicit_dp", explicit_dp, (True, False, None))):
+        if not any(value is a for a in allowed):
+            raise StepError(f"make_train_step({name}={value!r}): must be " + " or ".join(map(str, allowed)) + ".")
+
+
 def _refuse_removed(removed: dict) -> None:
     if "lr_schedule" in removed:
-        raise TypeError("make_train_step(lr_schedule=...) was removed: it only logged metrics['lr'] and never "
+        raise StepError("make_train_step(lr_schedule=...) was removed: it only logged metrics['lr'] and never "
                         "changed the updates, which follow tx. Build tx with the schedule (e.g. "
                         "optax.adamw(schedule)) and pass log_lr=schedule to log it.")
     moved = {"noise_scale_every": "with_noise_scale(state, layout, every=k)",
@@ -353,10 +377,10 @@ def _refuse_removed(removed: dict) -> None:
     named = sorted(set(removed) & set(moved))
     if named:
         name = named[0]
-        raise TypeError(f"make_train_step({name}=...) was removed: the option belongs to its state part. Give it "
+        raise StepError(f"make_train_step({name}=...) was removed: the option belongs to its state part. Give it "
                         f"there, {moved[name]} (jaxpar.step.with_noise_scale / jaxpar.step.with_router_bias), and leave it "
                         "out of make_train_step.")
     if removed:
-        raise TypeError(f"make_train_step got unexpected keyword arguments {sorted(removed)}.")
+        raise StepError(f"make_train_step got unexpected keyword arguments {sorted(removed)}.")
 
 

@@ -36,6 +36,7 @@ from jaxpar.mesh import make_mesh
 from jaxpar.strategy import Strategy
 from jaxpar.step._init import state_layout
 from jaxpar.step._compose import make_train_step
+from jaxpar.errors import MeshError
 
 __all__ = ["compare", "compile_plan", "compile_and_compare"]
 
@@ -91,8 +92,8 @@ def compile_plan(model_fn: Callable, plan: Plan, batch: int, seq: int, *, device
     n = plan.devices
     devices = jax.devices()[:n] if devices is None else devices
     if len(devices) < n:
-        raise ValueError(f"plan {plan.name()} needs {n} devices, have {len(devices)}; simulate more CPU devices "
-                         f"(jaxpar.mesh.use_devices({n}) before JAX starts).")
+        raise MeshError(f"plan {plan.name()} needs {n} devices, have {len(devices)}; simulate more CPU devices "
+                        f"(jaxpar.mesh.use_devices({n}) before JAX starts).")
     mesh = make_mesh({k: v for k, v in plan.sizes.items() if v > 1} or {"data": 1}, devices=devices)
     strategy = Strategy(zero=plan.zero if plan.data > 1 else 0, sequence_parallel=plan.sequence_parallel,
                         microbatches=plan.microbatches, schedule=plan.schedule, virtual_stages=plan.virtual)

@@ -44,6 +44,8 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -52,7 +54,7 @@ import optax
 
 from jaxpar.step._state import TrainState
 
-__all__ = ["Update", "apply_update", "updates_metrics", "delayed", "delayed_update"]
+__all__ = ["Update", "clip_norm_problem", "apply_update", "updates_metrics", "delayed", "delayed_update"]
 
 
 class Update(NamedTuple):
@@ -71,6 +73,29 @@ class Update(NamedTuple):
     clip_norm: float | None = None
     skip_nonfinite: bool = False
     log_lr: Callable | None = None
+
+
+def clip_norm_problem(clip_norm: Any) -> str | None:
+    """What is wrong with a ``clip_norm``: a norm of 0 would freeze the model and a negative one would
+    flip the gradient (gradient ascent), so only a finite number > 0 clips.
+
+    Args:
+      clip_norm: the global norm the gradient is clipped to (a 0-d array counts), or None (no clipping).
+
+    Returns:
+      ``"must be ..."`` naming what it takes, or None.
+
+    >>> clip_norm_problem(1.0), clip_norm_problem(None), clip_norm_problem(-1.0)[:30]
+    (None, None, 'must be a finite number > 0 (t')
+    """
+    if clip_norm is None:
+        return None
+    if not isinstance(clip_norm, bool) and getattr(clip_norm, "shape", None) == ():
+        clip_norm = clip_norm.item()                # a 0-d numpy / jax array
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real) or not math.isfinite(clip_norm) \
+            or clip_norm <= 0:
+        return "must be a finite number > 0 (the global gradient norm to clip to, e.g. 1.0), or None for no clipping"
+    return None
 
 
 def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any, *,

@@ -32,6 +32,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from jaxpar.parallel.pipeline._schedules import Schedule, validate
+from jaxpar.errors import PartitionError, ScheduleError
 
 __all__ = ["Instr", "Tick", "Program", "lower", "sends", "colour_intervals", "stage_counts", "PIPE"]
 
@@ -242,11 +243,11 @@ def stage_counts(program: Program, mesh, stage_layers: Sequence[int]) -> np.ndar
     sched = program.schedule
     p, v, pipe = sched.num_stages, sched.num_chunks, dict(mesh.shape).get(PIPE, 1)
     if pipe != p:
-        raise ValueError(f"the schedule {sched.name!r} has {p} stages but the mesh's {PIPE!r} axis has size "
-                         f"{pipe}; build the schedule with num_stages equal to the pipe axis (mesh axes: "
-                         f"{dict(mesh.shape)}).")
+        raise ScheduleError(f"the schedule {sched.name!r} has {p} stages but the mesh's {PIPE!r} axis has size "
+                            f"{pipe}; build the schedule with num_stages equal to the pipe axis (mesh axes: "
+                            f"{dict(mesh.shape)}).")
     counts = np.asarray(stage_layers, np.int32)
     if counts.shape != (p * v,) or (counts < 1).any():
-        raise ValueError(f"stage_layers={tuple(stage_layers)}: the schedule {sched.name!r} has {p * v} virtual "
-                         f"stages (pipe={p} x chunks={v}); give one positive layer count per virtual stage.")
+        raise PartitionError(f"stage_layers={tuple(stage_layers)}: the schedule {sched.name!r} has {p * v} virtual "
+                             f"stages (pipe={p} x chunks={v}); give one positive layer count per virtual stage.")
     return counts.reshape(v, p)

@@ -36,6 +36,7 @@ import numpy as np
 from jaxpar.parallel.pipeline._buffers import PipelineState, Slots, SlotView, TickIO, take, take_tree
 from jaxpar.parallel.pipeline._instructions import Program
 from jaxpar.parallel.pipeline._stage import ActionKind, Stage, exchange, initial_state, one_of
+from jaxpar.errors import ScheduleError
 
 __all__ = ["StageFlags", "LockstepRow", "lockstep_table", "LockstepStage", "lockstep_state", "lockstep_tick"]
 
@@ -83,8 +84,9 @@ def lockstep_table(program: Program) -> LockstepTable:
     ticks = program.ticks
     ops = [{i.op for i in t.instrs} - {"idle"} for t in ticks]
     if any(len(o) != 1 for o in ops):
-        raise ValueError(f"schedule {program.schedule.name!r} is not a lockstep table (a tick holds the kinds "
-                         f"{sorted(next(o for o in ops if len(o) != 1))}); re-time it with jaxpar.parallel.pipeline.lockstep.")
+        raise ScheduleError(f"schedule {program.schedule.name!r} is not a lockstep table (a tick holds the kinds "
+                            f"{sorted(next(o for o in ops if len(o) != 1))}); re-time it with "
+                            "jaxpar.parallel.pipeline.lockstep.")
     kinds = sorted({ActionKind(o.pop()) for o in ops})
     fwd_pats = sorted({t.fwd_pairs for t in ticks if t.fwd_pairs})
     bwd_pats = sorted({t.bwd_pairs for t in ticks if t.bwd_pairs})

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from jaxpar.errors import PartitionError
 
 __all__ = ["partition_layers", "uniform_layers", "check_stage_layers", "stage_cost", "layer_costs", "compiled_flops",
@@ -251,6 +252,6 @@ def check_blocks_layout(blocks, v: int, p: int, lmax: int, stage_layers) -> None
     """
     lead = jax.tree.leaves(blocks)[0].shape[:3]
     if lead != (v, p, lmax):
-        raise ValueError(f"pipeline blocks must be laid out [chunks={v}, stages={p}, layers={lmax}, ...] for "
-                         f"stage_layers={tuple(stage_layers)}; got leading dims {lead}. Lay them out with "
-                         "jaxpar.parallel.pipeline.to_stages(blocks, stage_layers, p, v).")
+        raise PartitionError(f"pipeline blocks must be laid out [chunks={v}, stages={p}, layers={lmax}, ...] for "
+                             f"stage_layers={tuple(stage_layers)}; got leading dims {lead}. Lay them out with "
+                             "jaxpar.parallel.pipeline.to_stages(blocks, stage_layers, p, v).")

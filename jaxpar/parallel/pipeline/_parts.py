@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from jaxpar.errors import PipelineCutError
+
 __all__ = ["PipelineParts"]
 
 
@@ -41,5 +43,5 @@ class PipelineParts:
         for name in ("pre", "layer", "post"):
             value = getattr(self, name)
             if not callable(value):
-                raise TypeError(f"PipelineParts({name}={value!r}): {name} must be a function; see the "
-                                "class docstring for each part's signature.")
+                raise PipelineCutError(f"PipelineParts({name}={value!r}): {name} must be a function; see the "
+                                       "class docstring for each part's signature.")

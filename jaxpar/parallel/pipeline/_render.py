@@ -18,6 +18,7 @@ import os
 from typing import Sequence
 
 from jaxpar.parallel.pipeline._schedules import Schedule, bubble_fraction, num_ticks, peak_in_flight, timeline
+from jaxpar.errors import ScheduleError
 
 __all__ = ["render_png", "ACTION_COLORS"]
 
@@ -63,9 +64,9 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120,
         >>> shutil.rmtree(d)
     """
     if not isinstance(schedule, Schedule):
-        raise ValueError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+        raise ScheduleError(f"schedule must be a Schedule, got {type(schedule).__name__}")
     if isinstance(dpi, bool) or not isinstance(dpi, int) or dpi < 10:
-        raise ValueError(f"dpi must be an int >= 10, got dpi={dpi!r}")
+        raise ScheduleError(f"dpi must be an int >= 10, got dpi={dpi!r}")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from jaxpar.parallel.pipeline._tick_table import Action, Schedule, num_ticks, simulate, stage_actions, validate
+from jaxpar.errors import ScheduleError
 
 __all__ = ["duration", "timeline", "makespan", "bubble_fraction", "tick_bubble_fraction", "peak_in_flight",
            "to_text"]
@@ -131,7 +132,7 @@ def peak_in_flight(s: Schedule, until: str = "B") -> tuple[int, ...]:
         One peak count per stage.
     """
     if until not in ("B", "W"):
-        raise ValueError(f"until must be 'B' or 'W', got {until!r}")
+        raise ScheduleError(f"until must be 'B' or 'W', got {until!r}")
     release = "W" if until == "W" and s.split_backward else "B"
     peaks = []
     for st in range(s.num_stages):

@@ -67,8 +67,8 @@ def _check_pm(p, m) -> None:
 
 def _need_m_ge_p(fn: str, p: int, m: int) -> None:
     if m < p:
-        raise ValueError(f"{fn} needs m >= p, got m={m} micro-batches for p={p} stages; "
-                         f"use m >= {p} (more micro-batches per step) or gpipe(p, m), which accepts any m")
+        raise ScheduleError(f"{fn} needs m >= p, got m={m} micro-batches for p={p} stages; "
+                            f"use m >= {p} (more micro-batches per step) or gpipe(p, m), which accepts any m")
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -142,8 +142,8 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     _check_pm(p, m)
     check_int("v (num_chunks)", v, 2)
     if m % p:
-        raise ValueError(f"interleaved_1f1b needs m divisible by p, got m={m}, p={p}; "
-                         f"use m={m + (-m) % p} (a multiple of {p})")
+        raise ScheduleError(f"interleaved_1f1b needs m divisible by p, got m={m}, p={p}; "
+                            f"use m={m + (-m) % p} (a multiple of {p})")
     total, group = m * v, p * v
 
     def fwd(k: int, forward: bool) -> Action:
@@ -220,9 +220,10 @@ def pipedream_2bw(p: int, m: int, steps: int = 1) -> Schedule:
     _check_pm(p, m)
     check_int("steps", steps, 1)
     if m < p:
-        raise ValueError(f"pipedream_2bw needs m >= p, got m={m} micro-batches for p={p} stages: it runs 1F1B's "
-                         f"steady state, whose stages hold micro-batches of at most two steps (two weight "
-                         f"versions) only when a step has enough of them; use m >= {p} (more micro-batches per step)")
+        raise ScheduleError(f"pipedream_2bw needs m >= p, got m={m} micro-batches for p={p} stages: it runs 1F1B's "
+                            f"steady state, whose stages hold micro-batches of at most two steps (two weight "
+                            f"versions) only when a step has enough of them; use m >= {p} (more micro-batches per "
+                            "step)")
     return _no_flush("pipedream-2bw", p, m * steps)
 
 
@@ -278,8 +279,8 @@ def canonical_kind(kind: str) -> str:
     """
     key = _ALIASES.get(kind.lower()) if isinstance(kind, str) else None
     if key is None:
-        raise ValueError(f"unknown schedule kind {kind!r}; allowed kinds: {', '.join(SCHEDULE_KINDS)} "
-                         f"(aliases: {', '.join(sorted(set(_ALIASES) - set(SCHEDULE_KINDS)))})")
+        raise ScheduleError(f"unknown schedule kind {kind!r}; allowed kinds: {', '.join(SCHEDULE_KINDS)} "
+                            f"(aliases: {', '.join(sorted(set(_ALIASES) - set(SCHEDULE_KINDS)))})")
     return key
 
 
@@ -299,6 +300,6 @@ def get_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     if key == "interleaved":
         return interleaved_1f1b(p, m, v)
     if v != 1:
-        raise ValueError(f"v={v!r} virtual chunks only applies to kind 'interleaved'; use v=1 for {kind!r}")
+        raise ScheduleError(f"v={v!r} virtual chunks only applies to kind 'interleaved'; use v=1 for {kind!r}")
     return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1, "pipedream-2bw": pipedream_2bw,
             "pipedream": pipedream}[key](p, m)

@@ -71,7 +71,7 @@ def stacked_block_ids(logical) -> set:
     """The parameter leaves stacked on ``layers`` (the blocks a pipeline splits).
 
     Args:
-        logical: the parameters' logical names (a pytree of ``PartitionSpec``\ s; the layout's ``logical``).
+        logical: the parameters' logical names (a pytree of ``PartitionSpec`` objects; the layout's ``logical``).
 
     Returns:
         The indices, among the flattened parameter leaves, of those whose first logical name is ``layers``.

@@ -111,7 +111,7 @@ def _check_table(schedule: Schedule, k: int) -> None:
         raise StashingError(f"weight stashing runs one chunk per stage with a fused backward; the table "
                             f"{schedule.name!r} has num_chunks={schedule.num_chunks}, split_backward="
                             f"{schedule.split_backward}. Use jaxpar.parallel.pipeline._schedules.pipedream(p, m, steps).")
-    check_int("update_every", k, 1)
+    check_int("update_every", k, 1, StashingError)
     if schedule.num_microbatches % k:
         raise StashingError(f"update_every={k} does not divide the table's {schedule.num_microbatches} "
                             f"micro-batches; use an update_every that divides the micro-batches per step.")

@@ -40,12 +40,12 @@ from jaxpar.errors import ScheduleError
 __all__ = ["Action", "Schedule", "ScheduleError", "validate", "stage_actions", "num_ticks"]
 
 
-def check_int(name: str, value, minimum: int) -> int:
-    """``value`` if it is an int (not a bool) ``>= minimum``, else a ValueError naming ``name``."""
+def check_int(name: str, value, minimum: int, error: type[Exception] = ScheduleError) -> int:
+    """``value`` if it is an int (not a bool) ``>= minimum``, else ``error`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+        raise error(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
+        raise error(f"{name} must be >= {minimum}, got {name}={value}")
     return value
 
 
@@ -59,7 +59,7 @@ class Action:
 
     def __post_init__(self):
         if self.kind not in ("F", "B", "W"):
-            raise ValueError(f"Action kind must be 'F', 'B' or 'W', got {self.kind!r}")
+            raise ScheduleError(f"Action kind must be 'F', 'B' or 'W', got {self.kind!r}")
         check_int("microbatch", self.microbatch, 0)
         check_int("chunk", self.chunk, 0)
 
@@ -220,7 +220,7 @@ def stage_actions(s: Schedule, stage: int) -> list[Action]:
     """
     check_int("stage", stage, 0)
     if stage >= s.num_stages:
-        raise ValueError(f"stage must be < num_stages={s.num_stages}, got stage={stage}")
+        raise ScheduleError(f"stage must be < num_stages={s.num_stages}, got stage={stage}")
     return [row[stage] for row in s.table if row[stage] is not None]
 
 

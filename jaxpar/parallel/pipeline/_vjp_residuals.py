@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 
+from jaxpar.errors import PipelineCutError
+
 __all__ = ["ResidualLayout", "split_pullback", "join_pullback"]
 
 
@@ -62,10 +64,10 @@ def split_pullback(pullback: Callable, params: Any, *,
     stored = [leaf for leaf, i in zip(leaves, from_params) if i is None]
     layout = ResidualLayout(tree, from_params, tuple((tuple(r.shape), r.dtype) for r in stored))
     if like is not None and (layout.from_params, layout.stored) != (like.from_params, like.stored):
-        raise RuntimeError("split_pullback: the residuals differ between two traces of the same function, so "
-                           "stored residuals could be misread. Make the function's inputs opaque residuals "
-                           "(jax.lax.optimization_barrier on them) or recompute them (remat 'full'), and "
-                           "please report the function.")
+        raise PipelineCutError("split_pullback: the residuals differ between two traces of the same function, so "
+                               "stored residuals could be misread. Make the function's inputs opaque residuals "
+                               "(jax.lax.optimization_barrier on them) or recompute them (remat 'full'), and "
+                               "please report the function.")
     return stored, layout
 
 
@@ -81,8 +83,8 @@ def join_pullback(layout: ResidualLayout, stored: Sequence, params: Any) -> Call
         The pullback, ``dy -> cotangents of jax.vjp's primals``.
     """
     if len(stored) != len(layout.stored):
-        raise ValueError(f"join_pullback: got {len(stored)} stored residuals; the layout has "
-                         f"{len(layout.stored)}. Pass the list split_pullback returned, in its order.")
+        raise PipelineCutError(f"join_pullback: got {len(stored)} stored residuals; the layout has "
+                               f"{len(layout.stored)}. Pass the list split_pullback returned, in its order.")
     whole, it = jax.tree.leaves(params), iter(stored)
     leaves = [next(it) if i is None else whole[i] for i in layout.from_params]
     return jax.tree.unflatten(layout.tree, leaves)
