@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ from jaxpar.models._gpt_layers import (BLOCK_LOGICAL, RESIDUAL, Blocks, attentio
 from jaxpar.adapters._loss_metrics import report_metric
 from jaxpar.parallel.moe import need_router_bias, router_bias
 from jaxpar.models._gpt_moe import MoEBlocks, MoESettings, moe_metrics, run_moe_blocks
+from jaxpar.errors import ModelConfigError
 
 __all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "attention_apply", "mlp_apply", "layer_norm", "run_blocks",
            "BLOCK_LOGICAL", "RESIDUAL", "REMAT_POLICIES", "lm_loss", "cross_entropy", "embed_apply", "head_apply",
@@ -65,15 +67,24 @@ class GPTConfig:
     moe: MoESettings | None = None
 
     def __post_init__(self):
-        for name in ("vocab", "seq_len", "embed", "heads", "layers"):
+        for name in ("vocab", "seq_len", "embed", "heads", "layers", "mlp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name}={value!r}: must be a positive int.")
+            if (name != "mlp" or value is not None) and (isinstance(value, bool) or not isinstance(value, int)
+                                                         or value < 1):
+                raise ModelConfigError(f"GPTConfig.{name}={value!r}: must be a positive int"
+                                       + (" (or None: 4 x embed)." if name == "mlp" else "."))
         if self.embed % self.heads:
-            raise ValueError(f"GPTConfig: embed={self.embed} is not divisible by heads={self.heads}; "
-                             "choose embed as a multiple of heads.")
+            raise ModelConfigError(f"GPTConfig: embed={self.embed} is not divisible by heads={self.heads}; "
+                                   "choose embed as a multiple of heads.")
         if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"GPTConfig.remat={self.remat!r}: choose one of {REMAT_POLICIES}.")
+            raise ModelConfigError(f"GPTConfig.remat={self.remat!r}: choose one of {REMAT_POLICIES}.")
+        if not isinstance(self.scan_layers, bool):
+            raise ModelConfigError(f"GPTConfig.scan_layers={self.scan_layers!r}: must be True (one lax.scan over "
+                                   "the layers) or False (a Python loop).")
+        std = self.init_std
+        if isinstance(std, bool) or not isinstance(std, (int, float)) or not math.isfinite(std) or std < 0:
+            raise ModelConfigError(f"GPTConfig.init_std={std!r}: must be a finite number >= 0 (the weights' "
+                                   "initial standard deviation, e.g. 0.02).")
         if self.moe is not None:
             self.moe.check(self.layers)
 
