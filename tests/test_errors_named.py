@@ -34,8 +34,6 @@ BEING_CONVERTED = {
     "jaxpar/data/_rows.py": 5,
     "jaxpar/data/_windows.py": 5,
     "jaxpar/data/sources/_base.py": 2,
-    "jaxpar/models/_decoder.py": 7,
-    "jaxpar/run/_sample.py": 2,
 }
 
 

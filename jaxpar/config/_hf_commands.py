@@ -236,7 +236,9 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
         raise ConfigError(f"jaxpar sample: --tokens {new}: must be >= 0.")
     w = run_weights(job, step)
     with use_router_bias(w.router_bias):
-        out = greedy_generate(w.layout.graphdef, w.params, [ids], context=cfg.model.seq_len, new_tokens=new)[0]
+        most = job.hf.hf_config.get("max_position_embeddings") if job.hf is not None else None
+        out = greedy_generate(w.layout.graphdef, w.params, [ids], new_tokens=new, context=cfg.model.seq_len,
+                              max_positions=most)[0]
     print(f"sample   {len(ids)} prompt tokens + {new} greedy tokens from {w.where}", file=sys.stderr)
     print(decode(out))
     return 0

@@ -11,6 +11,10 @@ Packed rows: a batch may carry ``segment_ids`` (documents numbered from 1, 0 = p
 ``positions`` that restart per document; attention stays within a document and RoPE sees each
 document's own positions, so a row of three documents gives each the logits it gets alone.
 
+Decoding: :meth:`Decoder.decode` runs new tokens against a :class:`KVCache` of the earlier ones'
+keys and values (:meth:`Decoder.init_cache`), with the same layer code; its logits are those of
+:meth:`Decoder.__call__` over the whole rows (:func:`jaxpar.greedy_generate` uses it).
+
 Example::
 
     >>> import jax.numpy as jnp
@@ -25,6 +29,10 @@ Example::
     (2, 5, 11)
     >>> round(float(decoder_loss(model, {"tokens": tokens, "targets": tokens})), 1)    # about ln 11 at init
     2.3
+    >>> cache = model.init_cache(2, 8)                  # 8 slots per row
+    >>> logits, cache = model.decode(tokens, cache)     # the prompt; then each new token, as tokens[:, :1]
+    >>> logits.shape, int(cache.length)
+    ((2, 5, 11), 5)
 """
 
 from __future__ import annotations
@@ -38,11 +46,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.adapters._blocks import REMAT_POLICIES, remat_policy, run_layers
+from jaxpar.errors import ModelConfigError
 from jaxpar.parallel.context import in_sequence_order, sequence_order
 from jaxpar.rules import constrain
-from jaxpar.models._decoder_layers import ACTIVATIONS, Carry, RoPE, layer_apply, rms_norm
+from jaxpar.models._decoder_layers import ACTIVATIONS, Carry, KVCache, RoPE, cached_layer_apply, layer_apply, rms_norm
 
-__all__ = ["DecoderConfig", "DecoderMoE", "Decoder", "RoPE", "LAYER_LOGICAL", "decoder_loss", "masked_cross_entropy"]
+__all__ = ["DecoderConfig", "DecoderMoE", "Decoder", "KVCache", "RoPE", "LAYER_LOGICAL", "decoder_loss",
+           "masked_cross_entropy"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,8 @@ class DecoderConfig:
       moe: routed experts instead of the MLP, or ``None``.
       remat: ``"none"``, ``"full"`` or ``"save-matmuls"``. scan_layers: ``lax.scan`` over the layers.
       init_std: the standard deviation of random weights (a model trained from scratch).
+      max_positions: the longest sequence the model takes (``max_position_embeddings``), or ``None``
+        (no limit): :meth:`Decoder.init_cache` refuses a longer cache.
     """
 
     vocab: int
@@ -111,29 +123,37 @@ class DecoderConfig:
     remat: str = "none"
     scan_layers: bool = True
     init_std: float = 0.02
+    max_positions: int | None = None
 
     def __post_init__(self):
         for name in ("vocab", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"DecoderConfig.{name}={value!r}: must be a positive int.")
+                raise ModelConfigError(f"DecoderConfig.{name}={value!r}: must be a positive int.")
+        most = self.max_positions
+        if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < 1):
+            raise ModelConfigError(f"DecoderConfig.max_positions={most!r}: must be a positive int (the "
+                                   "checkpoint's max_position_embeddings) or None (no limit).")
         if self.heads % self.kv_heads:
-            raise ValueError(f"DecoderConfig: kv_heads={self.kv_heads} must divide heads={self.heads} "
-                             "(grouped-query attention).")
+            raise ModelConfigError(f"DecoderConfig: kv_heads={self.kv_heads} must divide heads={self.heads} "
+                                   "(grouped-query attention).")
         if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"DecoderConfig.remat={self.remat!r}: choose one of {REMAT_POLICIES}.")
+            raise ModelConfigError(f"DecoderConfig.remat={self.remat!r}: choose one of {REMAT_POLICIES}.")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"DecoderConfig.activation={self.activation!r}: choose one of {sorted(ACTIVATIONS)}.")
+            raise ModelConfigError(f"DecoderConfig.activation={self.activation!r}: choose one of "
+                                   f"{sorted(ACTIVATIONS)}.")
         if self.layer_types is not None:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
             kinds = {"full_attention", "sliding_attention"}
             if len(self.layer_types) != self.layers or not set(self.layer_types) <= kinds:
-                raise ValueError(f"DecoderConfig.layer_types={self.layer_types!r}: give one of {sorted(kinds)} for "
-                                 f"each of the {self.layers} layers.")
+                raise ModelConfigError(f"DecoderConfig.layer_types={self.layer_types!r}: give one of "
+                                       f"{sorted(kinds)} for each of the {self.layers} layers.")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
-                raise ValueError("DecoderConfig: layer_types has sliding_attention layers but sliding_window is None.")
+                raise ModelConfigError("DecoderConfig: layer_types has sliding_attention layers but sliding_window is "
+                                       "None; set sliding_window (the sliding layers' window, in tokens).")
         if self.moe is not None and self.activation != "silu":
-            raise ValueError(f"DecoderConfig.activation={self.activation!r}: routed experts run SiLU (SwiGLU) only.")
+            raise ModelConfigError(f"DecoderConfig.activation={self.activation!r}: routed experts run SiLU "
+                                   "(SwiGLU) only; use activation='silu' or moe=None.")
 
     @property
     def activation_kind(self) -> str:
@@ -218,20 +238,83 @@ class Decoder(nnx.Module):
           segment_ids: ``[batch, length]`` document ids of packed rows (``None``: one document a row).
         """
         cfg = self.cfg
-        embed = constrain(self.embed[...], ("vocab", "embed"))
-        x = jnp.take(embed, tokens, axis=0)
-        if cfg.embed_scale:
-            x = x * jnp.asarray(cfg.embed ** 0.5, jnp.float32).astype(x.dtype)
-        x = constrain(x, ("batch", "norm_length", "embed"))
         b, t = tokens.shape
         positions = jnp.arange(t, dtype=jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
         positions = jnp.broadcast_to(positions, (b, t))
-        carry = Carry(x, positions, segment_ids, jnp.zeros((), jnp.int32))
+        carry = Carry(self._embed(tokens), positions, segment_ids, jnp.zeros((), jnp.int32))
         params = nnx.to_pure_dict(nnx.state(self.layers))
         logical = {k: LAYER_LOGICAL[k] for k in params}
         carry = run_layers(lambda p, c: layer_apply(cfg, p, c), params, carry, logical=logical,
                            remat=remat_policy(cfg.remat), scan=cfg.scan_layers)
-        x = rms_norm(carry.x, self.norm[...], eps=cfg.norm_eps, offset=cfg.norm_offset)
+        return self._logits(carry.x)
+
+    def init_cache(self, batch: int, size: int, start: Any = None, dtype: Any = None) -> KVCache:
+        """An empty :class:`KVCache` for :meth:`decode`: ``size`` slots per row.
+
+        Args:
+          batch: rows.
+          size: slots per row (the longest row's prompt plus continuation, at most ``cfg.max_positions``).
+          start: int ``[batch]``: each row's first slot (rows of shorter prompts are left-padded); ``None``: 0.
+          dtype: the keys' and values' dtype (``None``: the embedding's).
+
+        Returns:
+          The cache, zeros, ``length`` 0.
+
+        Raises:
+          ModelConfigError: ``size`` is not an int >= 1 or exceeds ``cfg.max_positions``.
+        """
+        cfg = self.cfg
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ModelConfigError(f"Decoder.init_cache(size={size!r}): must be an int >= 1 (slots per row).")
+        if cfg.max_positions is not None and size > cfg.max_positions:
+            raise ModelConfigError(f"Decoder.init_cache(size={size}): longer than DecoderConfig.max_positions="
+                                   f"{cfg.max_positions}, the longest sequence the model takes; use size <= "
+                                   f"{cfg.max_positions} (a shorter prompt or fewer new tokens).")
+        shape = (cfg.layers, batch, size, cfg.kv_heads, cfg.head_dim)
+        dtype = self.embed[...].dtype if dtype is None else dtype
+        start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), start, jnp.zeros((), jnp.int32))
+
+    def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Logits of ``tokens`` that continue the rows of ``cache``, and the cache with them added.
+
+        ``tokens[batch, t]`` go to slots ``cache.length ... + t`` of every row (a prefill writes a
+        whole left-padded prompt, a decode step one token); each attends to its row's tokens before
+        it, as :meth:`__call__` over the whole row does.
+
+        Args:
+          tokens: token ids ``[batch, t]``.
+          cache: the earlier tokens (:meth:`init_cache`); its ``size`` leaves room for ``t`` more.
+
+        Returns:
+          Float32 logits ``[batch, t, vocab]`` and the cache, ``length`` advanced by ``t``.
+        """
+        cfg = self.cfg
+        slots = cache.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)
+        segments = (slots[None, :] >= cache.start[:, None]).astype(jnp.int32)
+        carry = Carry(self._embed(tokens), positions, segments, jnp.zeros((), jnp.int32))
+
+        def layer(c, p_k_v):
+            p, k, v = p_k_v
+            c, layer_cache = cached_layer_apply(cfg, p, c, cache._replace(k=k, v=v))
+            return c, (layer_cache.k, layer_cache.v)
+
+        params = nnx.to_pure_dict(nnx.state(self.layers))
+        carry, (k, v) = jax.lax.scan(layer, carry, (params, cache.k, cache.v))
+        return self._logits(carry.x), KVCache(k, v, cache.start, cache.length + tokens.shape[1])
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        """The residual stream's input ``[batch, length, embed]`` (Gemma's √embed applied)."""
+        x = jnp.take(constrain(self.embed[...], ("vocab", "embed")), tokens, axis=0)
+        if self.cfg.embed_scale:
+            x = x * jnp.asarray(self.cfg.embed ** 0.5, jnp.float32).astype(x.dtype)
+        return constrain(x, ("batch", "norm_length", "embed"))
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        """Float32 logits of the last layer's output: the final norm, the head, Gemma's soft cap."""
+        cfg = self.cfg
+        x = rms_norm(x, self.norm[...], eps=cfg.norm_eps, offset=cfg.norm_offset)
         x = constrain(x, ("batch", "length", "embed"))
         head = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
         logits = jnp.einsum("bte,ve->btv", x, constrain(head, ("vocab", "embed"))).astype(jnp.float32)

@@ -9,7 +9,8 @@ checkpoint is bit-identical to the one imported.
 The carry through the stacked layers is :class:`Carry`: the residual stream with the tokens'
 positions (RoPE; they restart per packed document), their segment ids (packed rows: attention
 stays within a document) and the layer's index (Gemma-3's sliding-window and global layers differ
-by index only, so the layers stay alike and stack).
+by index only, so the layers stay alike and stack). :func:`cached_layer_apply` is the same layer for
+new tokens that also attend to a :class:`KVCache` of the earlier ones (decoding).
 
 >>> import jax.numpy as jnp
 >>> [round(v, 3) for v in rms_norm(jnp.arange(1.0, 4.0), jnp.zeros(3), eps=0.0, offset=1.0).tolist()]
@@ -27,12 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.parallel.context import attention
+from jaxpar.parallel.context._attention import dense_attention
 from jaxpar.parallel.moe import moe_apply
 from jaxpar.rules import constrain
 from jaxpar.parallel._tensor import row_parallel
 
-__all__ = ["RoPE", "Carry", "rms_norm", "rope_frequencies", "apply_rope", "attention_half", "mlp_half", "layer_apply",
-           "RESIDUAL", "ACTIVATIONS"]
+__all__ = ["RoPE", "Carry", "KVCache", "rms_norm", "rope_frequencies", "apply_rope", "attention_half",
+           "cached_attention_half", "mlp_half", "layer_apply", "cached_layer_apply", "RESIDUAL", "ACTIVATIONS"]
 
 #: The residual stream's logical names.
 RESIDUAL = ("batch", "norm_length", "embed")
@@ -144,6 +146,21 @@ class Carry(NamedTuple):
     index: jax.Array
 
 
+class KVCache(NamedTuple):
+    """The keys and values of earlier tokens, for decoding one token at a time.
+
+    ``k``, ``v``: ``[layers, batch, size, kv_heads, head_dim]`` (one layer's: without ``layers``). Rows
+    are left-padded: slot ``s`` of a row holds its token at position ``s - start[row]``, and the slots
+    before ``start`` hold none. ``length``: the slots written; the next tokens go to slots ``length``,
+    ``length + 1``, ... (``size`` must leave room for them: a write past the end is clamped by XLA).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    start: jax.Array
+    length: jax.Array
+
+
 def attention_half(cfg: Any, p: dict[str, jax.Array], carry: Carry) -> jax.Array:
     """``x + attention(norm(x))`` for one layer (``cfg``: a :class:`~jaxpar.models.DecoderConfig`).
 
@@ -155,8 +172,44 @@ def attention_half(cfg: Any, p: dict[str, jax.Array], carry: Carry) -> jax.Array
     Returns:
       The new residual stream ``[batch, length, embed]``.
     """
-    x, norm = carry.x, _norm(cfg)
-    h = constrain(norm(x, p["attn_norm"]), ("batch", "length", "embed"))
+    q, k, v, window = _queries_keys_values(cfg, p, carry)
+    out = attention(q, k, v, causal=True, segment_ids=carry.segments, scale=cfg.query_scale, window=window,
+                    softcap=cfg.attn_softcap)
+    return _attention_output(cfg, p, carry.x, out)
+
+
+def cached_attention_half(cfg: Any, p: dict[str, jax.Array], carry: Carry, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """:func:`attention_half` of new tokens that also attend to the earlier ones in ``cache``.
+
+    The new tokens' keys and values are written at slots ``cache.length ...``; the queries attend over
+    every slot of their row from ``cache.start`` up to their own (and within Gemma-3's sliding window).
+
+    Args:
+      cfg: the model's config.
+      p: one layer's parameters.
+      carry: the new tokens: ``positions`` their RoPE positions, ``segments`` 1 where a slot holds a
+        token of the row, 0 at the left padding.
+      cache: this layer's cache (``k`` / ``v`` ``[batch, size, kv_heads, head_dim]``).
+
+    Returns:
+      The new residual stream and the cache with the new keys and values written.
+    """
+    q, k, v, window = _queries_keys_values(cfg, p, carry)
+    keys = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache.length, axis=1)
+    values = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache.length, axis=1)
+    slots = jnp.arange(keys.shape[1], dtype=jnp.int32)
+    filled = (slots[None, :] >= cache.start[:, None]).astype(jnp.int32)
+    scale = cfg.head_dim ** -0.5 if cfg.query_scale is None else cfg.query_scale
+    out = dense_attention(q, keys.astype(q.dtype), values.astype(q.dtype), causal=True, scale=scale,
+                          q_seg=carry.segments, k_seg=filled, q_pos=cache.length + jnp.arange(q.shape[1]),
+                          k_pos=slots, window=window, softcap=cfg.attn_softcap)
+    return _attention_output(cfg, p, carry.x, out), cache._replace(k=keys, v=values)
+
+
+def _queries_keys_values(cfg: Any, p: dict[str, jax.Array], carry: Carry):
+    """The layer's rotated ``q, k, v`` ``[batch, length, heads, head_dim]`` and its sliding window (or None)."""
+    norm = _norm(cfg)
+    h = constrain(norm(carry.x, p["attn_norm"]), ("batch", "length", "embed"))
     q = constrain(jnp.einsum("bte,hde->bthd", h, p["wq"]), ("batch", "length", "heads", "kv"))
     k = constrain(jnp.einsum("bte,hde->bthd", h, p["wk"]), ("batch", "length", "heads", "kv"))
     v = constrain(jnp.einsum("bte,hde->bthd", h, p["wv"]), ("batch", "length", "heads", "kv"))
@@ -168,13 +221,16 @@ def attention_half(cfg: Any, p: dict[str, jax.Array], carry: Carry) -> jax.Array
         inv_freq = jnp.where(local, jnp.asarray(rope_frequencies(cfg.local_rope, cfg.head_dim)), inv_freq)
     q, k = apply_rope(q, carry.positions, inv_freq), apply_rope(k, carry.positions, inv_freq)
     window = None if cfg.sliding_window is None else jnp.where(local, cfg.sliding_window, _GLOBAL)
-    out = attention(q, k, v, causal=True, segment_ids=carry.segments, scale=cfg.query_scale, window=window,
-                    softcap=cfg.attn_softcap)
+    return q, k, v, window
+
+
+def _attention_output(cfg: Any, p: dict[str, jax.Array], x: jax.Array, out: jax.Array) -> jax.Array:
+    """``x`` plus the output projection of the attention's ``out`` (and Gemma-3's norm on it)."""
     out = constrain(out, ("batch", "length", "heads", "kv"))
     y = row_parallel("bthd,ehd->bte", out, p["wo"], ("batch", "length", "heads", "kv"), ("embed", "heads", "kv"),
                      RESIDUAL)
     if cfg.sandwich_norms:
-        y = norm(y, p["attn_out_norm"])
+        y = _norm(cfg)(y, p["attn_out_norm"])
     return constrain(x + y, RESIDUAL)
 
 
@@ -220,6 +276,22 @@ def layer_apply(cfg: Any, p: dict[str, jax.Array], carry: Carry) -> Carry:
     """
     x = mlp_half(cfg, p, attention_half(cfg, p, carry))
     return carry._replace(x=x, index=carry.index + 1)
+
+
+def cached_layer_apply(cfg: Any, p: dict[str, jax.Array], carry: Carry, cache: KVCache) -> tuple[Carry, KVCache]:
+    """:func:`layer_apply` of new tokens with this layer's ``cache`` (:func:`cached_attention_half`).
+
+    Args:
+      cfg: the model's config.
+      p: the layer's parameters.
+      carry: the new tokens' input.
+      cache: this layer's cache (no ``layers`` axis).
+
+    Returns:
+      The carry for the next layer and this layer's cache with the new keys and values.
+    """
+    x, cache = cached_attention_half(cfg, p, carry, cache)
+    return carry._replace(x=mlp_half(cfg, p, x), index=carry.index + 1), cache
 
 
 def _norm(cfg: Any):

@@ -4,9 +4,11 @@ The parameters are gathered to the host and the model runs on one device (no
 mesh, no rules): sampling a few short continuations needs no parallelism. With
 several processes the parameters are spread over them: :func:`host_params` gathers
 them with one jitted all-gather, so every process must call it (or
-:func:`greedy_generate`), and each gets the full parameters. Each new
-token recomputes the model over a fixed window of ``context`` tokens (the last
-``context`` generated), so one compilation serves every position.
+:func:`greedy_generate`), and each gets the full parameters. A
+:class:`~jaxpar.models.Decoder` decodes with its KV cache: one compilation reads the
+prompts, one more adds each token. Any other model runs again over the whole
+sequence (or its last ``context`` tokens) for each new token, padded to one length,
+so one compilation serves every position.
 
 Example::
 
@@ -20,12 +22,13 @@ Example::
     >>> graphdef, params = nnx.split(Next(256))  # a trained run: layout.graphdef, state.params
     >>> greedy_generate(graphdef, params, [b"abc", b"x"], context=4, new_tokens=3)
     [b'abcdef', b'xyz{']
-    >>> greedy_generate(graphdef, params, [[1, 2]], context=4, new_tokens=2)    # token lists in, lists out
+    >>> greedy_generate(graphdef, params, [[1, 2]], new_tokens=2)    # token lists in, lists out; all tokens seen
     [[1, 2, 3, 4]]
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -34,7 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.errors import GenerationError
+
 __all__ = ["greedy_generate", "host_params", "format_samples", "SampleOptions", "write_samples"]
+
+_CACHE_ROUND = 64      # KV cache slots are rounded up to a multiple of this (capped at the model's max positions)
 
 
 class SampleOptions(NamedTuple):
@@ -79,56 +86,126 @@ def host_params(params: Any) -> Any:
                         replicated)
 
 
-def greedy_generate(graphdef: Any, params: Any, prompts: Sequence[bytes | Sequence[int]], *, context: int,
-                    new_tokens: int) -> list[list[int]] | list[bytes]:
+def greedy_generate(graphdef: Any, params: Any, prompts: Sequence[bytes | Sequence[int]], *, new_tokens: int,
+                    context: int | None = None, max_positions: int | None = None) -> list[list[int]] | list[bytes]:
     """Extend each prompt by ``new_tokens`` argmax tokens.
 
-    The model maps ``int32[B, T<=context] -> logits[B, T, vocab]`` causally. With parameters spread
-    over several processes every process must call it (see :func:`host_params`); each decodes on its
-    first local device and gets the same tokens.
+    A model with a KV cache (a :class:`~jaxpar.models.Decoder`: ``init_cache`` and ``decode``) reads
+    the prompts once (left-padded to the longest: one compilation) and then one token per call (a
+    second compilation), each attending over the whole prompt and continuation. Any other model maps
+    ``int32[B, T] -> logits[B, T, vocab]`` causally and runs again over the sequence for each new
+    token, padded to a fixed length (one compilation): the last ``context`` tokens, or the whole
+    sequence. With parameters spread over several processes every process must call it (see
+    :func:`host_params`); each decodes on its first local device and gets the same tokens.
 
     Args:
       graphdef: the model's graph definition (``layout.graphdef``).
       params: its parameters (``state.params``, or :func:`host_params` of them).
       prompts: ``bytes`` prompts, or token-id lists; each at least one token.
-      context: the window of last tokens the model sees (>= 1); one compilation serves every position.
       new_tokens: how many tokens to add (>= 0).
+      context: for a model without a KV cache, the most tokens it sees (>= 1; e.g. the length of its
+        learned position table): each token is predicted from the last ``context``. ``None``: from
+        all. A model with a KV cache sees all; its limit is ``max_positions``.
+      max_positions: the longest prompt plus continuation the model takes (e.g. a checkpoint's
+        ``max_position_embeddings``); ``None``: the decoder's ``cfg.max_positions``, else no limit.
 
     Returns:
       Each prompt followed by its new tokens: ``bytes`` for ``bytes`` prompts, else lists of ints.
+
+    Raises:
+      GenerationError: ``new_tokens`` < 0, ``context`` or ``max_positions`` < 1, an empty prompt, or a
+        prompt plus ``new_tokens`` longer than ``max_positions``.
     """
-    if context < 1 or new_tokens < 0:
-        raise ValueError(f"greedy_generate(context={context!r}, new_tokens={new_tokens!r}): context must be "
-                         ">= 1 and new_tokens >= 0.")
+    for name, value, least in (("new_tokens", new_tokens, 0), ("context", context, 1),
+                               ("max_positions", max_positions, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise GenerationError(f"greedy_generate({name}={value!r}): must be an int >= {least}"
+                                  + ("." if name == "new_tokens" else " or None (no limit)."))
     if not prompts:
         return []
     as_bytes = isinstance(prompts[0], (bytes, bytearray))
     rows = [list(p) for p in prompts]
     if any(not r for r in rows):
-        raise ValueError("greedy_generate: every prompt needs at least one token.")
-    host = host_params(params)
-    device = jax.local_devices()[0]
-    params1 = jax.device_put(host, device)
+        empty = [i for i, r in enumerate(rows) if not r]
+        raise GenerationError(f"greedy_generate: prompts {empty} have no token; give each prompt at least one.")
+    if new_tokens:
+        device = jax.local_devices()[0]
+        params1 = jax.device_put(host_params(params), device)
+        model = nnx.merge(graphdef, params1)
+        cached = callable(getattr(model, "init_cache", None)) and callable(getattr(model, "decode", None))
+        if max_positions is None and cached:
+            max_positions = getattr(getattr(model, "cfg", None), "max_positions", None)
+        _check_lengths(rows, new_tokens, max_positions)
+        if cached:
+            new = _cached_decode(graphdef, params1, model, rows, new_tokens, max_positions, device)
+        else:
+            new = _recompute_decode(graphdef, params1, rows, new_tokens, context, device)
+        rows = [r + list(n) for r, n in zip(rows, new.tolist())]
+    if as_bytes:
+        return [bytes(v & 0xFF for v in r) for r in rows]
+    return rows
+
+
+def _check_lengths(rows: list[list[int]], new_tokens: int, max_positions: int | None) -> None:
+    """A :class:`GenerationError` when a prompt plus ``new_tokens`` exceeds ``max_positions``."""
+    longest = max(len(r) for r in rows)
+    if max_positions is not None and longest + new_tokens > max_positions:
+        raise GenerationError(
+            f"greedy_generate: a prompt of {longest} tokens plus new_tokens={new_tokens} is {longest + new_tokens} "
+            f"tokens, more than the model's max_positions={max_positions} (the longest sequence its positions "
+            f"were trained for); shorten the prompt to {max(max_positions - new_tokens, 0)} tokens or ask for "
+            f"new_tokens <= {max(max_positions - longest, 0)}.")
+
+
+def _cached_decode(graphdef: Any, params: Any, model: Any, rows: list[list[int]], new_tokens: int,
+                   max_positions: int | None, device: Any) -> np.ndarray:
+    """``int[B, new_tokens]`` by the model's KV cache: a prefill of the left-padded prompts, then steps."""
+    longest = max(len(r) for r in rows)
+    size = -(-(longest + new_tokens) // _CACHE_ROUND) * _CACHE_ROUND
+    size = size if max_positions is None else min(size, max_positions)
+    prompt = np.zeros((len(rows), longest), np.int32)
+    for i, r in enumerate(rows):
+        prompt[i, longest - len(r):] = r
+    start = np.asarray([longest - len(r) for r in rows], np.int32)
+    cache = jax.device_put(model.init_cache(len(rows), size, start=start), device)
+
+    @functools.partial(jax.jit, donate_argnums=2)
+    def cached_step(p, tokens, cache):          # tokens int32[B, t] at slots cache.length ...
+        logits, cache = nnx.merge(graphdef, p).decode(tokens, cache)
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+    out = []
+    tokens = jax.device_put(prompt, device)
+    for _ in range(new_tokens):
+        nxt, cache = cached_step(params, tokens, cache)
+        out.append(nxt)
+        tokens = nxt[:, None]
+    return np.stack([np.asarray(t) for t in out], axis=1)
+
+
+def _recompute_decode(graphdef: Any, params: Any, rows: list[list[int]], new_tokens: int, context: int | None,
+                      device: Any) -> np.ndarray:
+    """``int[B, new_tokens]`` by running the model over the last ``context`` tokens (or all) per new token."""
+    width = context if context is not None else max(len(r) for r in rows) + new_tokens - 1
+    rows = [list(r) for r in rows]
 
     @jax.jit
-    def next_tokens(p, window, last):          # window int32[B, context], last int32[B]: index of the last token
+    def recompute_step(p, window, last):        # window int32[B, width], last int32[B]: index of the last token
         logits = nnx.merge(graphdef, p)(window)
         picked = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
         return jnp.argmax(picked, axis=-1).astype(jnp.int32)
 
     for _ in range(new_tokens):
-        window = np.zeros((len(rows), context), np.int32)
+        window = np.zeros((len(rows), width), np.int32)
         last = np.zeros((len(rows),), np.int32)
         for i, r in enumerate(rows):
-            w = r[-context:]
+            w = r[-width:]
             window[i, :len(w)] = w
             last[i] = len(w) - 1
-        nxt = np.asarray(next_tokens(params1, jax.device_put(window, device), jax.device_put(last, device)))
+        nxt = np.asarray(recompute_step(params, jax.device_put(window, device), jax.device_put(last, device)))
         for i, r in enumerate(rows):
             r.append(int(nxt[i]))
-    if as_bytes:
-        return [bytes(v & 0xFF for v in r) for r in rows]
-    return rows
+    return np.asarray([r[-new_tokens:] for r in rows], np.int32)
 
 
 def format_samples(prompts: Sequence[bytes | Sequence[int]], outputs: Sequence[bytes | Sequence[int]],
