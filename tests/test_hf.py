@@ -314,6 +314,22 @@ def test_every_layout_trains_like_one_device(ckpts, name):
         np.testing.assert_allclose(out, ref, atol=1e-5)
 
 
+def test_fewer_kv_heads_than_the_tensor_axis_are_replicated_over_it(tmp_path):
+    """Gemma-3 with one K/V head (as Gemma-3 1B) on tensor=2: wk / wv are replicated over ``tensor`` while wq
+    splits; two AdamW steps equal one device's, and the layout's weights export to the source's bytes."""
+    from helpers import assert_runs_match
+
+    path = hf_fixtures.build_checkpoint("gemma3", tmp_path / "mqa", num_key_value_heads=1)
+    strategy = jaxpar.Strategy(extra_rules=(("vocab", None),))      # the vocabulary of 131 does not split
+    batch = layout_batch(hf_fixtures.VOCAB, packed=False)
+    got, layout = train_on_layout(path, {"tensor": 2}, strategy, batch, steps=2)
+    want, _ = train_on_layout(path, {"data": 1}, jaxpar.Strategy(), batch, steps=2)
+    assert layout.params["layers"]["wq"][1] == "tensor" and "tensor" not in layout.params["layers"]["wk"]
+    assert_runs_match(got, want)
+    export(open_checkpoint(path).load(layout.mesh, layout.params), tmp_path / "out", source=open_checkpoint(path))
+    assert sha256_tensors(tmp_path / "out") == sha256_tensors(path)
+
+
 def test_tokenizer_ids_equal_transformers(ckpts):
     from transformers import AutoTokenizer
 
@@ -401,11 +417,12 @@ def test_export_under_the_wrong_family_is_named(tmp_path):
         export(params, tmp_path / "out", config=cfg)
 
 
-def test_kv_heads_that_do_not_divide_the_tensor_axis_are_named(ckpts):
-    """Two K/V heads over tensor=4: the error names the parameter, its heads and the axis."""
+def test_query_heads_that_do_not_divide_the_tensor_axis_are_named(ckpts):
+    """Six query heads over tensor=4: the error names the parameter, its heads and the axis (its two K/V
+    heads, fewer than the axis, would be replicated over it)."""
     import optax
 
     ckpt = open_checkpoint(ckpts["qwen3"])
     mesh = jaxpar.make_mesh({"data": 2, "tensor": 4})
-    with pytest.raises(jaxpar.RulesError, match=r"layers/wk.*'heads'.*size 2 is not divisible.*tensor=4"):
+    with pytest.raises(jaxpar.RulesError, match=r"layers/w[qo].*'heads'.*size 6 is not divisible.*tensor=4"):
         jaxpar.state_layout(ckpt.model_fn(), optax.adamw(1e-3), mesh, jaxpar.Strategy(extra_rules=(("vocab", None),)))

@@ -112,7 +112,8 @@ def open_hf(m: ModelConfig):
 
 
 def hf_mesh_problems(hf: Any, path: str, tensor: int) -> list[str]:
-    """The checkpoint's sizes that ``mesh.tensor`` splits and does not divide.
+    """The checkpoint's sizes that ``mesh.tensor`` splits and does not divide (K/V heads fewer than it are
+    replicated over it: :func:`jaxpar.parallel.tensor_rules`).
 
     Args:
       hf: the opened checkpoint.
@@ -123,8 +124,7 @@ def hf_mesh_problems(hf: Any, path: str, tensor: int) -> list[str]:
       The problems (none when ``tensor`` is 1).
     """
     c = hf.config
-    dims = [("vocab_size", c.vocab), ("num_attention_heads", c.heads), ("num_key_value_heads", c.kv_heads),
-            ("intermediate_size", c.mlp)] + ([("moe_intermediate_size", c.moe.mlp)] if c.moe else [])
+    dims = [("vocab_size", c.vocab), ("num_attention_heads", c.heads), ("intermediate_size", c.mlp)] + ([("moe_intermediate_size", c.moe.mlp)] if c.moe else [])
     return [f"model.hf={path!r}: its {name}={size} is not divisible by mesh.tensor={tensor}, which splits it; "
             f"choose a mesh.tensor that divides it (e.g. mesh.tensor=1 and the devices on mesh.data)."
             for name, size in dims if size % tensor]

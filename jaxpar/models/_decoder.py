@@ -175,7 +175,7 @@ class DecoderConfig:
 #: Logical names of one layer's parameters (the stacked arrays add a leading ``layers``).
 LAYER_LOGICAL = {
     "attn_norm": ("embed",), "mlp_norm": ("embed",), "attn_out_norm": ("embed",), "mlp_out_norm": ("embed",),
-    "wq": ("heads", "kv", "embed"), "wk": ("heads", "kv", "embed"), "wv": ("heads", "kv", "embed"),
+    "wq": ("heads", "kv", "embed"), "wk": ("kv_heads", "kv", "embed"), "wv": ("kv_heads", "kv", "embed"),
     "wo": ("embed", "heads", "kv"), "q_norm": ("kv",), "k_norm": ("kv",),
     "w_gate": ("mlp", "embed"), "w_up": ("mlp", "embed"), "w_down": ("embed", "mlp"),
     "router": ("embed", None), "experts_gate": ("experts", "embed", "mlp"), "experts_up": ("experts", "embed", "mlp"),

@@ -211,8 +211,8 @@ def _queries_keys_values(cfg: Any, p: dict[str, jax.Array], carry: Carry):
     norm = _norm(cfg)
     h = constrain(norm(carry.x, p["attn_norm"]), ("batch", "length", "embed"))
     q = constrain(jnp.einsum("bte,hde->bthd", h, p["wq"]), ("batch", "length", "heads", "kv"))
-    k = constrain(jnp.einsum("bte,hde->bthd", h, p["wk"]), ("batch", "length", "heads", "kv"))
-    v = constrain(jnp.einsum("bte,hde->bthd", h, p["wv"]), ("batch", "length", "heads", "kv"))
+    k = constrain(jnp.einsum("bte,hde->bthd", h, p["wk"]), ("batch", "length", "kv_heads", "kv"))
+    v = constrain(jnp.einsum("bte,hde->bthd", h, p["wv"]), ("batch", "length", "kv_heads", "kv"))
     if cfg.qk_norm:
         q, k = norm(q, p["q_norm"]), norm(k, p["k_norm"])
     local = _is_local(cfg, carry.index)

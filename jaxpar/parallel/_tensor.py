@@ -64,6 +64,8 @@ def tensor_rules(*, sequence_parallel: bool = False, batch_axes: tuple[str, ...]
         ("embed", None),
         ("mlp", "tensor"),
         ("heads", "tensor"),
+        ("kv_heads", "tensor"),
+        ("kv_heads", None),     # fewer K/V heads than the tensor axis: replicated over it (Megatron's GQA)
         ("kv", None),
         ("vocab", "tensor"),
         ("classes", None),
