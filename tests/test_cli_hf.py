@@ -141,10 +141,24 @@ def test_sample_continues_the_prompt_with_the_run_weights(source, trained, expor
     assert main(["sample", CONFIG, *trained, "--prompt", prompt, "--tokens", "5"]) == 0
     captured = capsys.readouterr()
     assert "from step 3 of" in captured.err
-    tok = load_tokenizer(source)
-    ids = tok.encode(prompt)
-    expected = tok.decode(ids + hf_fixtures.reference_greedy(exported, ids, 5))   # the trained weights' greedy
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(source)(prompt)["input_ids"]       # data.bos: auto, as transformers
+    expected = load_tokenizer(source).decode(ids + hf_fixtures.reference_greedy(exported, ids, 5))
     assert captured.out == expected + "\n" and captured.out.startswith(prompt)
+
+
+def test_sample_names_a_tokenizer_other_than_the_runs(trained, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the lazy dog"] * 10, trainers.BpeTrainer(vocab_size=40, show_progress=False))
+    (tmp_path / "other").mkdir()
+    tok.save(str(tmp_path / "other" / "tokenizer.json"))
+    assert main(["sample", CONFIG, *trained, f"data.tokenizer={tmp_path / 'other'}", "--prompt", "the dog"]) == 2
+    err = capsys.readouterr().err
+    assert "jaxpar sample: error: the tokenizer" in err and "fewer than the" in err, err
 
 
 def _big_tokenizer(d: Path) -> int:

@@ -155,12 +155,20 @@ def test_bad_input_is_named(ckpt, corpus, tmp_path, capsys):
     assert main(["train", CONFIG, *args(ckpt, corpus, tmp_path, f"data.sources=[{{path: {bad}}}]", cache=False),
                  "data.on_malformed=skip", "train.steps=1"]) == 0
     assert "1 malformed records skipped" in capsys.readouterr().out
+    skip = args(ckpt, corpus, tmp_path / "skip", f"data.sources=[{{path: {bad}}}]")
+    assert main(["data", "prepare", CONFIG, *skip, "data.on_malformed=skip"]) == 0
+    assert "301 documents" in capsys.readouterr().out         # 302 records, 1 skipped
+    assert main(["data", "show", CONFIG, *skip]) == 2         # on_malformed: error refuses that cache
+    assert re.search(r"data\.sources\[0\] \(path .*bad\.jsonl'\): .*1 malformed records, which "
+                     r"on_malformed='error' \(data\.on_malformed\) refuses", capsys.readouterr().err)
+    assert main(["data", "prepare", CONFIG, *args(ckpt, corpus, tmp_path, "data.sources=[{path: /no/where.jsonl}]")]) == 2
+    assert "data.sources[0] (path '/no/where.jsonl'): " in capsys.readouterr().err
     base = args(ckpt, corpus, tmp_path)
     assert main(["data", "show", CONFIG, *base]) == 2        # no cache yet
     assert "jaxpar data prepare" in capsys.readouterr().err
     assert main(["data", "prepare", CONFIG, *base]) == 0
     assert main(["data", "show", CONFIG, *base, "data.eos=false"]) == 2      # a cache of other options
-    assert "eos=True in the cache, False now" in capsys.readouterr().err
+    assert "the ids after each document (eos) are [2] in the cache, [] now" in capsys.readouterr().err
     web = corpus / "web.jsonl"
     web.write_text(web.read_text())                          # the corpus changed since the cache
     assert main(["data", "show", CONFIG, *base]) == 2

@@ -380,11 +380,11 @@ def test_indices_out_of_range_and_bad_arguments(tmp_path):
         source.texts([0, 10])
     with pytest.raises(IndexError, match="document -1"):
         source.texts([-1])
-    with pytest.raises(TypeError, match="1-D sequence of ints"):
+    with pytest.raises(SourceError, match="1-D sequence of ints"):
         source.texts([0.5])
     with pytest.raises(IndexError, match="start=3, stop=11 outside 0..10"):
         source.iter_texts(3, 11)
-    with pytest.raises(ValueError, match="chunk=0"):
+    with pytest.raises(SourceError, match="chunk=0"):
         source.iter_texts(chunk=0)
     assert source.texts(i for i in (9, 1)) == [DOCS[9], DOCS[1]]
 

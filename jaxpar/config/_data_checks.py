@@ -30,6 +30,10 @@ def data_problems(cfg: JobConfig) -> list[str]:
     at_least(p, "data.max_bytes", d.max_bytes, 1)
     if not 0 <= d.eval_fraction < 1:
         p.append(f"data.eval_fraction={d.eval_fraction!r}: must be in [0, 1).")
+    for key in ("bos", "eos"):
+        if not (isinstance(value := getattr(d, key), bool) or value == "auto"):
+            p.append(f"data.{key}={value!r}: choose true, false or auto (what the tokenizer's own post-processor "
+                     "adds, as transformers' tokenizer(text) does).")
     if d.kind == "import":
         _import_problems(p, d)
     return p + documents_problems(cfg)

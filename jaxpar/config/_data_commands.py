@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jaxpar.config._schema import ConfigError
+from jaxpar.config._schema import ConfigError, DataConfig
 
 __all__ = ["add_data_parser", "run_data_command", "run_prepare", "run_show", "length_histogram"]
 
@@ -89,9 +89,6 @@ def run_prepare(config: str, overrides: Sequence[str], *, force: bool = False) -
     Returns:
       The exit status (0).
     """
-    from jaxpar.data import DataError
-    from jaxpar.data._cache import expected_meta, open_cache, prepare_cache
-    from jaxpar.config._documents import open_source_of, source_cache_dir
     from jaxpar.config._job import build_job
     from jaxpar.config._load import load_config
 
@@ -106,22 +103,40 @@ def run_prepare(config: str, overrides: Sequence[str], *, force: bool = False) -
         if dict(entry).get("format") == "tokens":
             print(f"source {i}  {dict(entry)['path']}: a token file, read as it is")
             continue
-        source, directory = open_source_of(d, i), source_cache_dir(d, i)
-        try:
-            store = None if force else open_cache(directory, expected_meta(source, tokenizer, d.bos, d.eos))
-        except DataError:
-            store = None
-        state = "up to date"
-        if store is None:
-            meta = prepare_cache(source, tokenizer, directory, bos=d.bos, eos=d.eos)
-            store, state = open_cache(directory, meta), f"{meta['skipped']} malformed records skipped"
+        store, line = _prepare_source(d, i, tokenizer, force)
         lengths.append(store.lengths)
-        print(f"source {i}  {source.name} -> {directory}: {len(store.lengths):,} documents, "
-              f"{int(store.lengths.sum()):,} tokens ({state})")
+        print(line)
     if lengths:
         png = length_histogram(np.concatenate(lengths), Path(d.cache) / "lengths.png", cfg.model.seq_len)
         print(f"lengths  {_percentiles(np.concatenate(lengths))}; histogram -> {png}")
     return 0
+
+
+def _prepare_source(d: DataConfig, index: int, tokenizer: Any, force: bool) -> tuple[Any, str]:
+    """``data.sources[index]``'s cache, built unless up to date (or ``force``), and its summary line; an error
+    of the data layer is a :class:`ConfigError` naming the source."""
+    from jaxpar.data import DataError
+    from jaxpar.data._cache import expected_meta, open_cache, prepare_cache
+    from jaxpar.config._documents import open_source_of, source_cache_dir, source_error
+
+    directory = source_cache_dir(d, index)
+    try:
+        source = open_source_of(d, index)
+        expected = expected_meta(source, tokenizer, d.bos, d.eos)
+        store, state = None, "up to date"
+        if not force:
+            try:
+                store = open_cache(directory, expected, on_malformed=d.on_malformed)
+            except DataError:    # none there, or out of date: built below
+                pass
+        if store is None:
+            meta = prepare_cache(source, tokenizer, directory, bos=d.bos, eos=d.eos)
+            store, state = open_cache(directory, meta, on_malformed=d.on_malformed), "built"
+    except DataError as e:
+        raise source_error(d, index, e) from None
+    skipped = f", {store.skipped} malformed records skipped" if store.skipped else ""
+    return store, (f"source {index}  {source.name} -> {directory}: {len(store.lengths):,} documents, "
+                   f"{int(store.lengths.sum()):,} tokens ({state}{skipped})")
 
 
 def _percentiles(lengths: np.ndarray) -> str:

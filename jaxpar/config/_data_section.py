@@ -161,8 +161,7 @@ def _corpus(cfg: DataConfig, tokenizer: Any) -> np.ndarray:
     if tokenizer is None:
         return data_lib.load_bytes(list(cfg.paths) or None, max_bytes=cfg.max_bytes)
     docs = data_lib.read_documents(list(cfg.paths) or None, max_bytes=cfg.max_bytes)
-    return data_lib.tokenize_documents(docs, tokenizer.encode, bos_id=tokenizer.bos_id if cfg.bos else None,
-                                       eos_id=tokenizer.eos_id if cfg.eos else None)
+    return data_lib.tokenize_documents(docs, lambda text: tokenizer.encode(text, bos=cfg.bos, eos=cfg.eos))
 
 
 def _build_data(cfg: DataConfig, *, seq_len: int | None, vocab: int | None, eval_batches: int, tokenizer: Any = None

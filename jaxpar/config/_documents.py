@@ -9,13 +9,13 @@
         - {path: data/code.parquet, weight: 0.3}
         - {path: data/extra.bin, format: tokens, separator: 0}      # pre-tokenized, cut after each 0
       tokenizer: hf                   # or a tokenizer.json / .model / .tiktoken (or its directory)
-      bos: true                       # BOS before / EOS after each document: only when set
-      eos: true
+      bos: auto                       # BOS before each document: auto (what the tokenizer's post-processor
+      eos: true                       # adds, as transformers' tokenizer(text)) | true | false; EOS after it
       cache: runs/cache               # jaxpar data prepare CONFIG writes it; null: tokenize on the fly
       pack: best_fit                  # first_fit | none
       pack_window: 64                 # rows packed together
       pack_fill: 0.99                 # the share of a window the documents fill
-      on_malformed: error             # skip: a malformed record is skipped and counted
+      on_malformed: error             # skip: a malformed record is skipped, counted, and no document
 
 :func:`documents_problems` checks the section without reading a file; :func:`open_stores` opens each
 source as a token store (its cache, or the text tokenized on the fly, or a token file);
@@ -35,7 +35,7 @@ from jaxpar.data._tokens import TOKEN_DTYPES, LiveTokens, TokenFile
 from jaxpar.config._schema import ConfigError, DataConfig, JobConfig
 
 __all__ = ["SOURCE_KEYS", "MALFORMED_MODES", "documents_problems", "source_cache_dir", "open_source_of",
-           "open_stores", "build_documents"]
+           "open_stores", "source_key", "source_error", "build_documents"]
 
 #: The keys of one entry of ``data.sources``.
 SOURCE_KEYS = ("path", "format", "text_field", "weight", "token_dtype", "separator")
@@ -166,15 +166,42 @@ def open_stores(d: DataConfig, tokenizer: Any, *, progress: Callable | None = No
             source = open_source_of(d, i)
             if d.cache is not None:
                 meta = expected_meta(source, tokenizer, d.bos, d.eos)
-                stores.append(open_cache(source_cache_dir(d, i), meta))
+                stores.append(open_cache(source_cache_dir(d, i), meta, on_malformed=d.on_malformed))
             else:
                 stores.append(LiveTokens(source, tokenizer, bos=d.bos, eos=d.eos,
                                          progress=progress or _length_bar(source)))
         except DataError as e:
-            raise ConfigError(f"data.sources[{i}] (path {s.get('path')!r}): {e}") from None
+            raise source_error(d, i, e) from None
         if not len(stores[-1].lengths) or not int(stores[-1].lengths.sum()):
-            raise ConfigError(f"data.sources[{i}] (path {s.get('path')!r}): no tokens (an empty source).")
+            raise ConfigError(f"{source_key(d, i)}: no tokens (an empty source).")
     return stores
+
+
+def source_key(d: DataConfig, index: int) -> str:
+    """``data.sources[i] (path '...')``: how a message names a source.
+
+    Args:
+      d: the data section.
+      index: the source's index in ``data.sources``.
+
+    Returns:
+      The key and the source's path.
+    """
+    return f"data.sources[{index}] (path {dict(d.sources[index]).get('path')!r})"
+
+
+def source_error(d: DataConfig, index: int, error: Exception) -> ConfigError:
+    """``error`` of ``data.sources[index]`` as a :class:`ConfigError` that names the source.
+
+    Args:
+      d: the data section.
+      index: the source's index.
+      error: what the data layer raised.
+
+    Returns:
+      The error to raise.
+    """
+    return ConfigError(f"{source_key(d, index)}: {error}")
 
 
 def _length_bar(source: Any) -> Callable:

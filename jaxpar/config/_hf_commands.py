@@ -98,6 +98,7 @@ class RunWeights(NamedTuple):
     layout: Any
     where: str
     router_bias: Any = None
+    record: dict | None = None       # the checkpoint's JSON record (None: the imported weights)
 
 
 def run_weights(job: Any, step: int | None = None) -> RunWeights:
@@ -127,7 +128,8 @@ def run_weights(job: Any, step: int | None = None) -> RunWeights:
             if step is not None or ckpt.latest_step() is not None:
                 state = (restored := ckpt.restore(layout, step)).state
                 bias = host_params(state.stats[BIAS]) if has_router_bias(layout) else None
-                return RunWeights(state.params, layout, _checkpoint_words(restored, ckpt.directory), bias)
+                return RunWeights(state.params, layout, _checkpoint_words(restored, ckpt.directory), bias,
+                                  restored.meta)
         finally:
             ckpt.close()
     if job.hf is None or step is not None:
@@ -184,7 +186,8 @@ def run_export(config: str, overrides: Sequence[str], out: str, *, step: int | N
 
 
 def _sample_codec(cfg: Any, job: Any):
-    """``(encode, decode)`` of the run's text: ``data.tokenizer``'s, ``model.hf``'s tokenizer, or bytes."""
+    """``(encode, decode, tokenizer)`` of the run's text: ``data.tokenizer``'s, ``model.hf``'s tokenizer, or bytes
+    (tokenizer None); ``data.bos: auto`` encodes a prompt as transformers' ``tokenizer(prompt)`` does."""
     tok = job.tokenizer
     if tok is None and job.hf is not None:
         from dataclasses import replace
@@ -198,11 +201,12 @@ def _sample_codec(cfg: Any, job: Any):
             raise ConfigError(f"jaxpar sample: data.tokenizer is not set, and model.hf's own does not serve: {e}"
                               ) from None
     if tok is not None:
-        return (lambda text: tok.encode(text, bos=cfg.data.bos)), tok.decode
+        encode = tok.encode_prompt if cfg.data.bos == "auto" else (lambda text: tok.encode(text, bos=cfg.data.bos))
+        return encode, tok.decode, tok
     if cfg.data.kind != "text":
         raise ConfigError(f"jaxpar sample: data.kind={cfg.data.kind!r} with no tokenizer: the run's tokens have no "
                           "text; set data.tokenizer (a tokenizer's directory) to decode them.")
-    return (lambda text: list(text.encode())), (lambda ids: bytes(v & 0xFF for v in ids).decode("utf-8", "replace"))
+    return (lambda text: list(text.encode())), (lambda ids: bytes(v & 0xFF for v in ids).decode("utf-8", "replace")), None
 
 
 def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: int | None = None,
@@ -222,11 +226,12 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
     Raises:
       ConfigError: the config is invalid, the prompt encodes to no token, or the run's tokens have no text.
     """
+    from jaxpar.data import check_tokenizer
     from jaxpar.parallel.moe import use_router_bias
     from jaxpar.run._sample import greedy_generate
 
     cfg, job = _job(config, overrides, "sample")
-    encode, decode = _sample_codec(cfg, job)
+    encode, decode, tok = _sample_codec(cfg, job)
     ids = encode(prompt)
     if not ids:
         raise ConfigError(f"jaxpar sample: --prompt {prompt!r} encodes to no token (the tokenizer knows none of its "
@@ -235,6 +240,9 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
     if new < 0:
         raise ConfigError(f"jaxpar sample: --tokens {new}: must be >= 0.")
     w = run_weights(job, step)
+    saved = (w.record or {}).get("tokenizer")
+    if tok is not None and saved is not None:         # the ids the run trained with, or a named error
+        check_tokenizer(saved["fingerprint"], tok, saved["vocab_size"])
     with use_router_bias(w.router_bias):
         most = job.hf.hf_config.get("max_position_embeddings") if job.hf is not None else None
         out = greedy_generate(w.layout.graphdef, w.params, [ids], new_tokens=new, context=cfg.model.seq_len,

@@ -78,7 +78,7 @@ def tokenizer_problems(cfg: JobConfig) -> list[str]:
     if d.tokenizer is None:
         p += [f"data.{key}=true: BOS / EOS tokens are inserted by a tokenizer, and data.tokenizer is not set; "
               f"set data.tokenizer (hf, or a tokenizer's directory) or remove data.{key}."
-              for key in ("bos", "eos") if getattr(d, key)]
+              for key in ("bos", "eos") if getattr(d, key) is True]
         return p
     if d.kind not in ("text", "documents"):
         p.append(f"data.tokenizer={d.tokenizer!r}: tokenizes data.kind=text or documents only (here data.kind="
@@ -178,7 +178,7 @@ def build_tokenizer(d: DataConfig, hf: str | None, vocab: int, vocab_key: str):
                           f"({vocab_key}={vocab}); its ids would be out of range. Use the model's own tokenizer"
                           + (" (data.tokenizer: hf)." if hf is not None else ", or a model.vocab that holds them."))
     for key, tid in (("bos", tok.bos_id), ("eos", tok.eos_id)):
-        if getattr(d, key) and tid is None:
+        if getattr(d, key) is True and tid is None:
             raise ConfigError(f"data.{key}=true: {where} has no {key.upper()} token (its tokenizer_config.json "
                               f"names no {key}_token); set data.{key}: false.")
     return tok

@@ -376,5 +376,7 @@ def _run(cfg: JobConfig, tokenizer: Any = None) -> dict:
     checkpoint = dict(directory=ck.dir, every=ck.every, keep=ck.keep, async_save=ck.async_save) if ck.enabled else None
     meta = {"name": cfg.name, "seed": tr.seed, "model": m.name,      # jaxpar.run._resume.checkpoint_meta's
             "data": {"kind": cfg.data.kind, "seed": cfg.data.seed, "batch_size": cfg.data.batch_size}}
+    if tokenizer is not None:       # jaxpar sample checks its tokenizer against it (jaxpar.data.check_tokenizer)
+        meta["tokenizer"] = {"fingerprint": tokenizer.fingerprint(), "vocab_size": tokenizer.vocab_size}
     sizes = dict(vocab=m.vocab, seq_len=m.seq_len, embed=m.embed, layers=m.layers) if gpt else None
     return dict(run=run, log=log, checkpoint=checkpoint, meta=meta, gpt_sizes=sizes)

@@ -153,8 +153,8 @@ class DataConfig:
     max_bytes: int = data_lib.DEFAULT_MAX_BYTES
     token_dtype: str = "uint16"     # kind=tokens, .bin files
     tokenizer: str | None = None    # kind=text: hf (model.hf's tokenizer) | a directory or tokenizer.json; null: bytes
-    bos: bool = False               # with tokenizer: a BOS token before each document (file)
-    eos: bool = False               # with tokenizer: an EOS token after each document
+    bos: bool | str = "auto"        # with tokenizer: BOS before each document; auto: as its post-processor says
+    eos: bool | str = "auto"        # with tokenizer: EOS after each document; auto: as its post-processor says
     target: str | None = None       # kind=import
     kwargs: dict[str, Any] = field(default_factory=dict)   # kind=import
     batch_size: int = 32

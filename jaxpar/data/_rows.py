@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jaxpar.errors import BatchError
+
 __all__ = ["process_rows", "select_rows", "make_global_batch"]
 
 
@@ -37,10 +39,10 @@ def process_rows(sharding, batch_size: int) -> np.ndarray:
     array([0, 1, 2, 3, 4, 5, 6, 7])
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"process_rows(batch_size={batch_size!r}): must be a positive int.")
+        raise BatchError(f"process_rows(batch_size={batch_size!r}): must be a positive int.")
     n = _num_row_shards(sharding)
     if batch_size % n:
-        raise ValueError(f"process_rows: global batch size {batch_size} is not divisible by the {n} shards of the "
+        raise BatchError(f"process_rows: global batch size {batch_size} is not divisible by the {n} shards of the "
                          f"batch dimension ({sharding}); use a global batch that is a multiple of {n}.")
     picked = np.zeros(batch_size, dtype=bool)
     for index in sharding.addressable_devices_indices_map((batch_size,)).values():
@@ -74,7 +76,7 @@ def select_rows(rows: Any, batch_size: int) -> np.ndarray | slice:
         return process_rows(rows, batch_size)
     idx = np.asarray(rows)
     if idx.ndim != 1 or idx.dtype.kind not in "iu" or (idx.size and (idx.min() < 0 or idx.max() >= batch_size)):
-        raise ValueError(f"rows: expected None, a Sharding or a 1-D int array of row indices in "
+        raise BatchError(f"rows: expected None, a Sharding or a 1-D int array of row indices in "
                          f"[0, {batch_size}); got {rows!r}.")
     return idx
 
@@ -123,7 +125,7 @@ def make_global_batch(batch_fn: Callable, step: int, mesh) -> Any:
         local = batch_fn(step, rows=sharding)
         leaves = jax.tree.leaves(local)
         if not leaves:
-            raise ValueError("make_global_batch: batch_fn returned an empty batch.")
+            raise BatchError("make_global_batch: batch_fn returned an empty batch.")
         n, held = _num_row_shards(sharding), _num_local_row_shards(sharding)
         sizes = {int(np.shape(x)[0]) * n // held for x in leaves}
     else:
@@ -135,7 +137,7 @@ def make_global_batch(batch_fn: Callable, step: int, mesh) -> Any:
         else:
             local = full
     if len(sizes) != 1:
-        raise ValueError(f"make_global_batch: batch leaves have different leading sizes {sorted(sizes)}; "
+        raise BatchError(f"make_global_batch: batch leaves have different leading sizes {sorted(sizes)}; "
                          "they must agree.")
     size = sizes.pop()
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x),

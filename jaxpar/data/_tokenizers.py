@@ -3,14 +3,22 @@
 :func:`load_tokenizer` reads a directory or a file into a :class:`Tokenizer`, whose ids are those of the
 reference library's own encoder with no special token added (``tokenizers``:
 ``encode(text, add_special_tokens=False).ids``; SentencePiece: ``encode(text)``; tiktoken:
-``encode_ordinary(text)``). BOS and EOS are never added silently: only when ``encode(bos=True)`` /
-``encode(eos=True)`` asks. :meth:`Tokenizer.fingerprint` tells a token cache which tokenizer built it.
+``encode_ordinary(text)``). BOS and EOS are never added silently: only when ``encode(bos=...)`` /
+``encode(eos=...)`` asks, ``True`` for the BOS / EOS token, ``"auto"`` for what the tokenizer's own
+post-processor adds (:meth:`Tokenizer.encode_prompt`: the ids of transformers' ``tokenizer(text)``).
+:meth:`Tokenizer.fingerprint` tells a token cache (and a run's checkpoint, :func:`check_tokenizer`) which
+tokenizer built it.
 
 Where the special tokens come from:
 
 * BOS / EOS: the ``bos_token`` / ``eos_token`` arguments; else ``bos_token`` / ``eos_token`` of the
   ``tokenizer_config.json`` beside the tokenizer file (a string or ``{"content": ...}``); else, for
   SentencePiece, the model's own ``bos_id()`` / ``eos_id()`` when it has them (>= 0).
+* What ``"auto"`` adds (:attr:`Tokenizer.added_before` / :attr:`Tokenizer.added_after`): the ids that
+  ``tokenizer.json``'s post-processor puts around a text, as transformers' ``tokenizer(text)`` adds them
+  (the BOS of Llama-3's and Gemma-3's ``TemplateProcessing``, nothing for Qwen3's ``ByteLevel``; transformers
+  5 follows the post-processor over ``tokenizer_config.json``'s ``add_bos_token``); nothing for a
+  SentencePiece ``.model`` or a tiktoken file, which have no post-processor.
 * tiktoken's special tokens (ranks files hold none): the ``special_tokens`` argument; else the
   ``added_tokens_decoder`` of that ``tokenizer_config.json`` (``{"<id>": {"content": token}}``, as Hugging Face
   writes it); else ``{"<|endoftext|>": largest rank + 1}``. The pre-tokenization regex is ``pattern``,
@@ -47,7 +55,7 @@ from typing import Any, Iterable, Sequence
 
 from jaxpar.errors import TokenizerError
 
-__all__ = ["CL100K_PATTERN", "KINDS", "Tokenizer", "load_tokenizer"]
+__all__ = ["CL100K_PATTERN", "KINDS", "Tokenizer", "load_tokenizer", "check_tokenizer"]
 
 #: GPT-4's (cl100k_base) pre-tokenization regex, copied from ``tiktoken_ext.openai_public.cl100k_base`` of
 #: tiktoken 0.14: that module builds it only inside the function that downloads cl100k's ranks.
@@ -70,6 +78,8 @@ class Tokenizer:
       eos_id: the EOS token's id (``None``: the tokenizer has none).
       files: the files that define the ids (read again by :meth:`fingerprint`).
       settings: what else defines them (tiktoken: ``pattern`` and ``special_tokens``).
+      added_before: the ids transformers' ``tokenizer(text)`` puts before the text (``bos="auto"``).
+      added_after: the ids it puts after the text (``eos="auto"``).
     """
 
     backend: Any
@@ -78,22 +88,25 @@ class Tokenizer:
     eos_id: int | None = None
     files: tuple[Path, ...] = ()
     settings: dict[str, Any] = field(default_factory=dict)
+    added_before: tuple[int, ...] = ()
+    added_after: tuple[int, ...] = ()
 
-    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+    def encode(self, text: str, *, bos: bool | str = False, eos: bool | str = False) -> list[int]:
         """The ids of one text.
 
         Args:
           text: the text.
-          bos: put the BOS id first.
-          eos: put the EOS id last.
+          bos: ``True``: put the BOS id first; ``"auto"``: :attr:`added_before`; ``False``: nothing.
+          eos: ``True``: put the EOS id last; ``"auto"``: :attr:`added_after`; ``False``: nothing.
 
         Returns:
           The reference library's ids of ``text`` (no special token), with BOS / EOS when asked.
 
         Raises:
-          TokenizerError: ``bos`` / ``eos`` asked of a tokenizer without that token.
+          TokenizerError: ``bos`` / ``eos`` asked of a tokenizer without that token, or not ``True``,
+            ``False`` or ``"auto"``.
         """
-        head, tail = self._specials(bos, eos)
+        head, tail = self.special_ids(bos, eos)
         if self.kind == "tokenizers":
             ids = self.backend.encode(text, add_special_tokens=False).ids
         elif self.kind == "tiktoken":
@@ -102,21 +115,22 @@ class Tokenizer:
             ids = self.backend.encode(text)
         return head + ids + tail
 
-    def encode_batch(self, texts: Iterable[str], *, bos: bool = False, eos: bool = False) -> list[list[int]]:
+    def encode_batch(self, texts: Iterable[str], *, bos: bool | str = False, eos: bool | str = False
+                     ) -> list[list[int]]:
         """The ids of many texts, each as :meth:`encode` gives them, encoded in parallel by the library.
 
         Args:
           texts: the texts.
-          bos: put the BOS id first in each.
-          eos: put the EOS id last in each.
+          bos: as for :meth:`encode`, for each text.
+          eos: as for :meth:`encode`, for each text.
 
         Returns:
           One list of ids per text.
 
         Raises:
-          TokenizerError: ``bos`` / ``eos`` asked of a tokenizer without that token.
+          TokenizerError: as for :meth:`encode`.
         """
-        head, tail = self._specials(bos, eos)
+        head, tail = self.special_ids(bos, eos)
         texts = list(texts)
         if self.kind == "tokenizers":    # encode_batch_fast (tokenizers >= 0.21): the same ids, no offsets
             encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
@@ -127,12 +141,43 @@ class Tokenizer:
             batch = self.backend.encode(texts)
         return [head + ids + tail for ids in batch]
 
-    def _specials(self, bos: bool, eos: bool) -> tuple[list[int], list[int]]:
-        for asked, tid, name in ((bos, self.bos_id, "bos"), (eos, self.eos_id, "eos")):
-            if asked and tid is None:
-                raise TokenizerError(f"encode({name}=True): the tokenizer {_where(self)} has no {name.upper()} "
-                                     f"token; load it with {name}_token=... or a tokenizer_config.json naming one.")
-        return ([self.bos_id] if bos else []), ([self.eos_id] if eos else [])
+    def encode_prompt(self, text: str) -> list[int]:
+        """The ids of ``text`` as transformers' ``tokenizer(text)["input_ids"]`` gives them: with the special
+        tokens the tokenizer's own post-processor adds (the BOS of Llama-3 and Gemma-3, none for Qwen3).
+
+        Args:
+          text: the text.
+
+        Returns:
+          :attr:`added_before`, the text's ids, :attr:`added_after`.
+        """
+        return self.encode(text, bos="auto", eos="auto")
+
+    def special_ids(self, bos: bool | str, eos: bool | str) -> tuple[list[int], list[int]]:
+        """The ids put before and after each text for ``bos`` / ``eos`` (see :meth:`encode`).
+
+        Args:
+          bos: ``True``, ``False`` or ``"auto"``.
+          eos: ``True``, ``False`` or ``"auto"``.
+
+        Returns:
+          ``(ids before, ids after)``.
+
+        Raises:
+          TokenizerError: ``True`` for a token the tokenizer lacks, or another value than the three.
+        """
+        out = []
+        for setting, tid, added, name in ((bos, self.bos_id, self.added_before, "bos"),
+                                          (eos, self.eos_id, self.added_after, "eos")):
+            if not (isinstance(setting, bool) or setting == "auto"):
+                raise TokenizerError(f"{name}={setting!r}: choose True (the {name.upper()} token), False (none) or "
+                                     "'auto' (what the tokenizer's own post-processor adds).")
+            if setting is True and tid is None:
+                raise TokenizerError(f"{name}=True: the tokenizer {_where(self)} has no {name.upper()} token; load "
+                                     f"it with {name}_token=... or a tokenizer_config.json naming one, or use "
+                                     f"{name}='auto' or False.")
+            out.append([tid] if setting is True else list(added) if setting == "auto" else [])
+        return out[0], out[1]
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``, as the library decodes it (``tokenizers`` and SentencePiece leave special
@@ -176,8 +221,9 @@ class Tokenizer:
         return self.backend.get_piece_size()
 
     def fingerprint(self) -> str:
-        """A sha256 hex digest of what defines the ids: the kind, the BOS / EOS ids, :attr:`settings` and
-        the bytes of :attr:`files` (read now, so an edited file shows). Equal fingerprints: equal ids.
+        """A sha256 hex digest of what defines the ids: the kind, the BOS / EOS ids, the ids ``"auto"`` adds,
+        :attr:`settings` and the bytes of :attr:`files` (read now, so an edited file shows). Equal
+        fingerprints: equal ids.
 
         Returns:
           64 hex digits.
@@ -185,7 +231,8 @@ class Tokenizer:
         Raises:
           TokenizerError: a file can no longer be read.
         """
-        head = {"kind": self.kind, "bos_id": self.bos_id, "eos_id": self.eos_id, "settings": self.settings}
+        head = {"kind": self.kind, "bos_id": self.bos_id, "eos_id": self.eos_id, "settings": self.settings,
+                "added": [list(self.added_before), list(self.added_after)]}
         digest = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
         for path in self.files:
             data = _read_bytes(path)
@@ -228,7 +275,50 @@ def load_tokenizer(path: str | Path, *, bos_token: str | None = None, eos_token:
         tok = Tokenizer(_open_library(file, kind), kind, files=(file,))
     for name, given in (("bos", bos_token), ("eos", eos_token)):
         _set_special(tok, name, given, config, config_file)
+    tok.added_before, tok.added_after = _added_specials(tok)
     return tok
+
+
+def check_tokenizer(fingerprint_saved: str | None, tokenizer: Tokenizer, vocab: int | None) -> None:
+    """Checks that ``tokenizer`` gives the ids a run trained with.
+
+    Args:
+      fingerprint_saved: :meth:`Tokenizer.fingerprint` of the tokenizer the run trained with (``None``: not
+        recorded, not compared).
+      tokenizer: the tokenizer about to encode or decode the run's ids.
+      vocab: the ids the run trained with: its tokenizer's :attr:`Tokenizer.vocab_size` (``None``: not
+        checked). Not the model's vocabulary rows, which may be padded beyond the tokenizer's ids.
+
+    Raises:
+      TokenizerError: ``tokenizer`` has fewer ids than ``vocab``, or another fingerprint than
+        ``fingerprint_saved``; the message names both values and the fix.
+    """
+    fix = "use the tokenizer the run trained with (its data.tokenizer, or model.hf's tokenizer)."
+    if vocab is not None and tokenizer.vocab_size < vocab:
+        raise TokenizerError(f"the tokenizer {_where(tokenizer)} has {tokenizer.vocab_size} ids, fewer than the "
+                             f"{vocab} of the tokenizer the run trained with; its ids would decode to other text: {fix}")
+    found = tokenizer.fingerprint()
+    if fingerprint_saved is not None and found != fingerprint_saved:
+        raise TokenizerError(f"the tokenizer {_where(tokenizer)} has fingerprint {found[:16]}..., the run trained "
+                             f"with {fingerprint_saved[:16]}...: another tokenizer (its files, BOS / EOS or specials "
+                             f"differ), whose ids are other text; {fix}")
+
+
+def _added_specials(tok: Tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids ``tokenizer.json``'s post-processor puts before and after a text (the special tokens among
+    ``encode(probe, add_special_tokens=True)``); none for the kinds without a post-processor."""
+    if not _has_post_processor(tok):
+        return (), ()
+    for probe in ("a", "x", "0", " ", ".", "the"):
+        encoding = tok.backend.encode(probe, add_special_tokens=True)
+        text = [i for i, special in enumerate(encoding.special_tokens_mask) if not special]
+        if text:
+            return tuple(encoding.ids[:text[0]]), tuple(encoding.ids[text[-1] + 1:])
+    return tuple(tok.backend.encode("", add_special_tokens=True).ids), ()
+
+
+def _has_post_processor(tok: Tokenizer) -> bool:
+    return tok.kind == "tokenizers" and tok.backend.post_processor is not None
 
 
 def _tokenizer_file(path: Path) -> Path:

@@ -24,36 +24,45 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from jaxpar.errors import CacheError, SourceError
 
-__all__ = ["TOKEN_DTYPES", "CachedTokens", "LiveTokens", "TokenFile", "document_ids", "map_tokens"]
+__all__ = ["TOKEN_DTYPES", "CachedTokens", "LiveTokens", "TokenFile", "document_ids", "parsed", "map_tokens"]
 
 TOKEN_DTYPES = ("uint16", "uint32", "int32")
 
 
-def document_ids(texts: Iterable[str | None], encode_batch: Callable[[list[str]], list[list[int]]], *,
-                 bos_id: int | None, eos_id: int | None) -> list[np.ndarray]:
-    """Each text's ids with BOS / EOS where given; a skipped (``None``) record is an empty document.
+def document_ids(texts: Sequence[str], encode_batch: Callable[[list[str]], list[list[int]]], *,
+                 head: Sequence[int] = (), tail: Sequence[int] = ()) -> list[np.ndarray]:
+    """Each text's ids between ``head`` and ``tail``.
 
     Args:
-      texts: the texts; ``None`` for a skipped record.
+      texts: the texts.
       encode_batch: the tokenizer's batch encoder.
-      bos_id, eos_id: the ids added before / after each document, or ``None`` (none).
+      head, tail: the ids put before / after each text (:meth:`jaxpar.data.Tokenizer.special_ids`).
 
     Returns:
       One ``int32`` array per text.
     """
     texts = list(texts)
-    present = [t for t in texts if t is not None]
-    encoded = iter(encode_batch(present) if present else [])
-    head = [bos_id] if bos_id is not None else []
-    tail = [eos_id] if eos_id is not None else []
-    return [np.zeros(0, np.int32) if t is None else np.asarray(head + list(next(encoded)) + tail, np.int32)
-            for t in texts]
+    return [np.asarray([*head, *ids, *tail], np.int32) for ids in (encode_batch(texts) if texts else [])]
+
+
+def parsed(texts: Sequence[str | None], first: int) -> tuple[list[int], list[str]]:
+    """The numbers and texts of the records of a chunk that parsed (a skipped record is ``None``).
+
+    Args:
+      texts: a chunk of a source's texts.
+      first: the number of its first record.
+
+    Returns:
+      ``(record numbers, texts)`` without the skipped records.
+    """
+    kept = [(first + k, t) for k, t in enumerate(texts) if t is not None]
+    return [k for k, _ in kept], [t for _, t in kept]
 
 
 class _Mapped:
@@ -77,7 +86,7 @@ class CachedTokens(_Mapped):
     Args:
       directory: the cache of one source (``tokens.bin``, ``offsets.npy``, ``meta.json``).
       dtype: the tokens' dtype (from ``meta.json``).
-      skipped: the malformed records the cache left out (from ``meta.json``).
+      skipped: the malformed records the cache left out (from ``meta.json``); they are no documents.
     """
 
     def __init__(self, directory: str | Path, dtype: str, skipped: int = 0):
@@ -98,31 +107,36 @@ class CachedTokens(_Mapped):
 
 
 class LiveTokens:
-    """A text source tokenized as it is read.
+    """A text source tokenized as it is read; a malformed record it skips is no document.
 
     Args:
       source: a :class:`jaxpar.data.sources.Source`.
       tokenizer: a :class:`jaxpar.data.Tokenizer`.
-      bos, eos: insert the tokenizer's BOS before / EOS after each document.
+      bos, eos: what goes before / after each document: ``True`` the tokenizer's BOS / EOS, ``"auto"``
+        what its post-processor adds, ``False`` nothing (:meth:`~jaxpar.data.Tokenizer.special_ids`).
       progress: a callable wrapping the length pass's chunks (e.g. ``tqdm``), or ``None``.
       keep: how many tokenized documents are kept for the next reads.
+
+    ``records[i]`` is the source's record number of document ``i``.
     """
 
-    def __init__(self, source: Any, tokenizer: Any, *, bos: bool, eos: bool, progress: Callable | None = None,
-                 keep: int = 4096):
+    def __init__(self, source: Any, tokenizer: Any, *, bos: bool | str, eos: bool | str,
+                 progress: Callable | None = None, keep: int = 4096):
         self.source, self.tokenizer, self.name = source, tokenizer, source.name
-        self.bos_id = tokenizer.bos_id if bos else None
-        self.eos_id = tokenizer.eos_id if eos else None
-        chunks = source.iter_texts(chunk=1024)
-        lengths = []
+        self.head, self.tail = tokenizer.special_ids(bos, eos)
+        chunks, records, lengths, first = source.iter_texts(chunk=1024), [], [], 0
         for texts in (progress(chunks) if progress else chunks):
-            lengths += [len(ids) for ids in self._encode(texts)]
+            numbers, good = parsed(texts, first)
+            records += numbers
+            lengths += [len(ids) for ids in self._encode(good)]
+            first += len(texts)
+        self.records = np.asarray(records, np.int64)
         self.lengths = np.asarray(lengths, np.int64)
         self._kept: OrderedDict[int, np.ndarray] = OrderedDict()
         self.keep = keep
 
-    def _encode(self, texts: list) -> list[np.ndarray]:
-        return document_ids(texts, self.tokenizer.encode_batch, bos_id=self.bos_id, eos_id=self.eos_id)
+    def _encode(self, texts: list[str]) -> list[np.ndarray]:
+        return document_ids(texts, self.tokenizer.encode_batch, head=self.head, tail=self.tail)
 
     @property
     def bytes_read(self) -> int:
@@ -140,7 +154,7 @@ class LiveTokens:
           docs: document ids.
         """
         todo = sorted({int(d) for d in docs} - set(self._kept))
-        for doc, ids in zip(todo, self._encode(self.source.texts(todo)) if todo else []):
+        for doc, ids in zip(todo, self._encode(self.source.texts(self.records[todo])) if todo else []):
             self._kept[doc] = ids
         while len(self._kept) > max(self.keep, len(todo)):
             self._kept.popitem(last=False)

@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jaxpar.errors import DataError, SourceError
 from jaxpar.data._rows import make_global_batch, process_rows, select_rows
 from jaxpar.data._tokens import TOKEN_DTYPES, map_tokens
 
@@ -94,7 +95,7 @@ def stdlib_sources(max_bytes: int | None = None) -> list[Path]:
 def expand_paths(patterns: Sequence[str | os.PathLike]) -> list[Path]:
     """Files named by ``patterns`` (paths or globs, ``**`` allowed), each pattern sorted, in order.
 
-    A directory stands for every file below it. Raises ``ValueError`` naming a
+    A directory stands for every file below it. Raises :class:`~jaxpar.errors.SourceError` naming a
     pattern that matches no file.
 
     Args:
@@ -114,7 +115,7 @@ def expand_paths(patterns: Sequence[str | os.PathLike]) -> list[Path]:
             elif m.is_file():
                 files.append(m)
         if not files:
-            raise ValueError(f"data path {text!r} matches no file (relative paths are relative to the "
+            raise SourceError(f"data path {text!r} matches no file (relative paths are relative to the "
                              f"working directory {os.getcwd()!r}).")
         out.extend(files)
     return out
@@ -135,7 +136,7 @@ def read_documents(paths: Sequence[str | os.PathLike] | None = None, *,
       One ``bytes`` per file read.
     """
     if not isinstance(max_bytes, int) or max_bytes < 1:
-        raise ValueError(f"read_documents(max_bytes={max_bytes!r}): must be a positive int.")
+        raise DataError(f"read_documents(max_bytes={max_bytes!r}): must be a positive int.")
     files = stdlib_sources(max_bytes) if not paths else expand_paths(paths)
     chunks, total = [], 0
     for f in files:
@@ -218,7 +219,7 @@ def check_token_ids(batch: dict[str, np.ndarray], vocab: int, where: str) -> dic
     lo = min(int(batch[k].min(initial=0)) for k in ("tokens", "targets"))
     hi = max(int(batch[k].max(initial=0)) for k in ("tokens", "targets"))
     if lo < 0 or hi >= vocab:
-        raise ValueError(f"{where} holds token id {hi if hi >= vocab else lo}, outside the model's vocabulary "
+        raise DataError(f"{where} holds token id {hi if hi >= vocab else lo}, outside the model's vocabulary "
                          f"[0, {vocab}); set model.vocab above the tokenizer's largest id.")
     return batch
 
@@ -251,7 +252,7 @@ def split_holdout(data: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, n
       The two views of ``data``.
     """
     if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"split_holdout(eval_fraction={eval_fraction!r}): must be in [0, 1).")
+        raise DataError(f"split_holdout(eval_fraction={eval_fraction!r}): must be in [0, 1).")
     cut = len(data) - int(round(len(data) * eval_fraction))
     return data[:cut], data[cut:]
 
@@ -263,7 +264,7 @@ def _windows(data: np.ndarray, offsets: np.ndarray, seq_len: int) -> dict[str, n
 
 def _check_len(data: np.ndarray, seq_len: int, what: str) -> None:
     if len(data) < seq_len + 1:
-        raise ValueError(f"{what}: {len(data)} tokens cannot hold one window of seq_len + 1 = {seq_len + 1}; "
+        raise DataError(f"{what}: {len(data)} tokens cannot hold one window of seq_len + 1 = {seq_len + 1}; "
                          "use more data, a shorter seq_len or (for eval) a larger eval fraction.")
 
 

@@ -148,7 +148,7 @@ def schedule_change(record: Mapping[str, Any], step: int, steps: int,
 
 
 def checkpoint_meta(name: str, mesh_sizes: Mapping[str, int], *, seed: int, model: str,
-                    data: Mapping[str, Any]) -> dict:
+                    data: Mapping[str, Any], tokenizer: Mapping[str, Any] | None = None) -> dict:
     """What every checkpoint of the run records beside the state (the loop adds ``data.next_step``).
 
     Args:
@@ -157,11 +157,13 @@ def checkpoint_meta(name: str, mesh_sizes: Mapping[str, int], *, seed: int, mode
       seed: the model's initialisation seed.
       model: the model's name.
       data: the data's description (kind, seed, batch size).
+      tokenizer: the tokenizer's ``fingerprint`` and ``vocab_size`` (None: the run has none).
 
     Returns:
       The meta dict.
     """
-    return {"config": name, "seed": seed, "model": model, "mesh": dict(mesh_sizes), "data": dict(data)}
+    meta = {"config": name, "seed": seed, "model": model, "mesh": dict(mesh_sizes), "data": dict(data)}
+    return meta if tokenizer is None else {**meta, "tokenizer": dict(tokenizer)}
 
 
 def gpt_flops_per_token(n_params: int, *, vocab: int, seq_len: int, embed: int, layers: int) -> float:

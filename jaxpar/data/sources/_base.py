@@ -105,7 +105,7 @@ class Source:
         if not 0 <= start <= stop <= len(self):
             raise IndexError(f"{self.name}: start={start}, stop={stop} outside 0..{len(self)}")
         if chunk < 1:
-            raise ValueError(f"chunk={chunk}: must be at least 1")
+            raise SourceError(f"chunk={chunk}: must be at least 1")
         return (self.texts(range(first, min(first + chunk, stop))) for first in range(start, stop, chunk))
 
     def fingerprint(self) -> dict:
@@ -126,7 +126,7 @@ class Source:
         if wanted.size == 0:
             return np.zeros(0, np.int64)
         if wanted.ndim != 1 or wanted.dtype.kind not in "iu":
-            raise TypeError(f"{self.name}: indices must be a 1-D sequence of ints, got {wanted.dtype} "
+            raise SourceError(f"{self.name}: indices must be a 1-D sequence of ints, got {wanted.dtype} "
                             f"of shape {wanted.shape}")
         outside = wanted[(wanted < 0) | (wanted >= len(self))]
         if outside.size:
