@@ -29,6 +29,10 @@ KEEP = {
         'a device-dependent collective (a hang on a real cluster) that equal numbers on the CPU cannot show',
     'tests/test_signatures.py::test_dp_all_reduces_gradients_and_gathers_nothing':
         'the compiled collectives of data parallelism: a stray gather keeps the numbers',
+    'tests/test_signatures.py::test_zero1_all_reduces_gradients_then_gathers_updated_params':
+        'the compiled collectives of ZeRO-1: a misplaced collective keeps the numbers',
+    'tests/test_relaxed_sync.py::test_diloco_communicates_over_replica_only_at_sync_steps':
+        "DiLoCo's compiled exchange over replica only at sync steps: an exchange every step keeps the numbers",
 }
 
 MOVED = {
@@ -127,12 +131,16 @@ COVERED_ELSEWHERE = [
     'tests/test_bf16_sequence_parallel.py::test_the_bf16_sequence_parallel_step_with_data_compiles_for_gpu_in_bf16',
     'tests/test_byo_model.py::test_auto_stage_layers_measure_the_users_layers',
     'tests/test_checkpoint.py::test_nonfinite_step_is_skipped_and_reported',
+    'tests/test_checkpoint.py::test_resume_with_older_weight_versions_switched_off',
     'tests/test_cli.py::test_train_end_to_end_in_process',
+    'tests/test_cli.py::test_user_model_trains_from_yaml[dp-fsdp-tp]',
+    'tests/test_cli_plan.py::test_inspect_prints_shardings_collectives_and_memory_next_to_the_model',
     'tests/test_compression_step.py::test_codecs_train_under_the_strategies[topk-2-1]',
     'tests/test_compression_step.py::test_local_clip_clips_each_replica_before_the_codec',
     'tests/test_compression_step.py::test_lossless_settings_match_the_uncompressed_step[topk-1-2]',
     'tests/test_compression_step.py::test_restore_onto_other_replicas_resets_the_codec_state_with_a_warning',
     'tests/test_compression_train.py::test_train_prints_and_logs_wire_bytes',
+    'tests/test_context_attention.py::test_nested_in_a_shard_map_manual_over_pipe',
     'tests/test_context_train.py::test_the_ring_in_a_pipeline_stage_hops_by_all_gather_on_cpu',
     'tests/test_equivalence.py::test_strategy_matches_single_device[tp8-sp-noaccum]',
     'tests/test_equivalence.py::test_xla_managed_data_parallel_matches',
@@ -140,20 +148,28 @@ COVERED_ELSEWHERE = [
     'tests/test_explicit_sharding.py::test_checkpoint_restores_onto_another_mesh_and_training_goes_on',
     'tests/test_explicit_sharding.py::test_explicit_style_model_is_exact_against_one_device[dp2-fsdp2-tp2-zero3-accum2]',
     'tests/test_flax_example_style.py::test_the_example_style_model_is_exact_against_one_device[one-device]',
+    'tests/test_hlo.py::test_a_tpu_program_counts_each_channel_once',
+    'tests/test_layer_lists.py::test_a_list_whose_layers_differ_stays_a_list_and_a_pipeline_names_the_difference',
+    'tests/test_layer_lists.py::test_pipeline_stages_hold_their_layers_only',
     'tests/test_layer_lists.py::test_stacked_list_is_exact_against_the_list_on_one_device[scan-fsdp4-tp2-zero3]',
     'tests/test_mesh_rules.py::test_batch_not_divisible_by_data_axes',
     'tests/test_models.py::test_remat_policies_do_not_change_numbers[save-matmuls-dp2-tp4]',
+    'tests/test_models.py::test_scan_and_loop_agree',
+    'tests/test_moe.py::test_module_is_moe_apply_on_its_parameters',
     'tests/test_moe.py::test_one_device_matches_a_loop_over_tokens[top_k=2-gate=sigmoid-capacity_factor=None]',
     'tests/test_moe_train.py::test_step_metrics_with_drops_match_one_device[axes0-strategy0]',
     'tests/test_moe_train.py::test_the_aux_loss_with_accumulation_is_the_whole_batchs[axes1-2]',
     'tests/test_moe_train.py::test_the_compiled_step_dispatches_with_all_to_alls_and_keeps_the_experts_sharded',
     'tests/test_moe_user_model.py::test_a_plain_loss_equals_one_device[direct-accumulate4]',
+    'tests/test_moe_user_model.py::test_without_micro_batches_the_plain_loss_needs_nothing',
     'tests/test_newcomer_resume.py::test_resume_before_the_end_names_the_original_length_and_same_length_is_quiet',
     'tests/test_noise_scale.py::test_measured_norms_equal_materialised_per_replica_gradients[dp8]',
     'tests/test_onebit_adam.py::test_adam_first_moment_is_the_exchanged_compressed_moment[sign]',
     'tests/test_onebit_adam.py::test_before_start_step_it_is_adamw_with_the_exact_exchange',
+    'tests/test_overlap.py::test_a_tpu_step_counts_its_layer_loop_from_the_condition',
     'tests/test_pairs.py::test_bf16_under_every_schedule[pipedream-2bw]',
     'tests/test_pipeline.py::test_1f1b_memory_is_bounded_and_gpipe_grows[1f1b]',
+    'tests/test_pipeline.py::test_auto_stage_layers_balance_compiled_flops',
     'tests/test_pipeline.py::test_composed_pipeline_trains_like_single_device[pp2-interleaved-dp2-tp2]',
     'tests/test_pipeline.py::test_remat_policies_inside_the_pipeline[full]',
     'tests/test_pipeline.py::test_schedule_matches_single_device[zb-h1-p4-m4]',
@@ -171,6 +187,7 @@ COVERED_ELSEWHERE = [
     'tests/test_two_bw_skip.py::test_one_step_program_skips_and_makes_the_newest_version_the_older_one',
     'tests/test_update_grad_norm.py::test_one_update_per_step_reports_the_norm_of_the_averaged_gradient[sync-replicas]',
     'tests/test_weight_stashing.py::test_checkpoint_of_another_schedule_restores_into_stashing_and_back',
+    'tests/test_weight_stashing.py::test_stashing_is_not_the_flushed_step',
 ]
 
 SLOW = [

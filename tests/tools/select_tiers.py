@@ -34,7 +34,7 @@ MOVE_ABOVE_S = 1.0
 #: measured 835 worker-seconds and 7:07-7:15 of wall time on two workers: fixture costs land on the
 #: first test that uses them), and the cost from which a test whose lines the rest of the fast tier
 #: runs may leave it to fit the budget.
-FAST_BUDGET_S = 760
+FAST_BUDGET_S = 710
 HEAVY_S = 3.0
 
 
