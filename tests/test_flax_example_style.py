@@ -155,7 +155,8 @@ def test_a_model_that_splits_the_sequence_over_the_batch_axis_gets_both_specs():
     mesh = jaxpar.make_mesh({"fsdp": 4, "tensor": 2})
     state, layout = jaxpar.init_train_state(_model(seq), optax.adam(LR), mesh)
     step = jaxpar.make_train_step(loss, optax.adam(LR), layout)
-    with pytest.raises(ModelMeshError, match=r"conflict with jaxpar's \(at .*gemma_style.py:\d+ \(apply_rope\)\): "
+    with pytest.raises(ModelMeshError, match=r"conflict with jaxpar's at .*gemma_style.py:\d+ \(apply_rope\): "
                                              r"JAX said: .*16@fsdp.*8@\(data,fsdp\).*jaxpar splits the batch over "
-                                             r"the data axes \('data', 'fsdp'\).*P\(\('data', 'fsdp'\)\) here"):
+                                             r"the data axes \('data', 'fsdp'\).*failure under P\(\('data', 'fsdp'\)\), "
+                                             r"the split that got furthest.*pin every activation's batch dimension"):
         step(state, jaxpar.shard_batch(_batch(0), mesh))

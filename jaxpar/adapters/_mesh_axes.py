@@ -35,9 +35,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import re
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 from flax import nnx
@@ -48,7 +49,8 @@ from jaxpar.rules import axes_of, manual_axes, path_str, spec_without
 from jaxpar.errors import ModelMeshError
 
 __all__ = ["ModelMeshError", "ModelLoss", "needs_explicit_mesh", "explicit_model_loss", "explicit_call", "batch_specs",
-           "model_batch_axes", "check_model_axes", "call_site"]
+           "model_batch_axes", "batch_split_trials", "closest_trial", "SplitTrial", "check_model_axes",
+           "call_site"]
 
 # What JAX says when a model pins a sharding by mesh axes under a mesh that does not allow it.
 _SIGNS = ("not under a mesh context", "of type Auto", "AxisType", "Auto or Manual", "`out_sharding`",
@@ -199,15 +201,76 @@ def model_batch_axes(loss_of: Callable, own_specs: Any, params: Any, batch: Any,
       A sub-tuple of :func:`jaxpar.mesh.data_axes`, in mesh order; ``None`` if no candidate traces
       (the model's annotations conflict with the strategy's split of the batch).
     """
-    axes = data_axes(mesh)
+    last = batch_split_trials(loss_of, own_specs, params, batch, mesh)[-1]
+    return last.axes if last.error is None else None
+
+
+class SplitTrial(NamedTuple):
+    """One split of the batch traced with a model's annotations.
+
+    Attributes:
+      axes: the data axes the batch's first dimension was split over.
+      error: what JAX raised, or ``None`` when the loss traced.
+    """
+    axes: tuple[str, ...]
+    error: BaseException | None
+
+
+def batch_split_trials(loss_of: Callable, own_specs: Any, params: Any, batch: Any, mesh) -> list[SplitTrial]:
+    """The candidate splits of :func:`model_batch_axes`, traced in turn up to the first that traces.
+
+    Args:
+      loss_of: ``(params, batch) -> scalar``.
+      own_specs: the parameters' specs as the model annotates them.
+      params: the parameters (arrays, tracers or ``ShapeDtypeStruct`` s).
+      batch: one batch (shapes are enough).
+      mesh: the layout's mesh.
+
+    Returns:
+      One :class:`SplitTrial` per split tried, in order; only the last may have traced.
+    """
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, batch))
-    for candidate in _batch_candidates(axes, own_specs):
+    trials = []
+    for candidate in _batch_candidates(data_axes(mesh), own_specs):
         try:
             jax.make_jaxpr(explicit_model_loss(loss_of, own_specs, mesh, candidate))(*abstract)
-        except Exception:  # noqa: BLE001 - JAX's refusal of this split: try the next
+        except Exception as e:  # noqa: BLE001 - JAX's refusal of this split: try the next
+            trials.append(SplitTrial(candidate, e))
             continue
-        return candidate
-    return None
+        trials.append(SplitTrial(candidate, None))
+        break
+    return trials
+
+
+def closest_trial(trials: list[SplitTrial]) -> SplitTrial:
+    """The failed split whose trace got furthest through the model's code.
+
+    Two failures are ordered by the user's frames that raised them, outermost first: at the first
+    frame where they differ, the later line of the same function got further. Ties (the same line,
+    a loop's later pass, different functions) keep the earlier candidate, the one that splits the
+    batch over more of the axes the model's parameters name.
+
+    Args:
+      trials: :func:`batch_split_trials`' failures.
+
+    Returns:
+      One of ``trials``.
+    """
+    best = trials[0]
+    for trial in trials[1:]:
+        if _got_further(_user_frames(trial.error), _user_frames(best.error)):
+            best = trial
+    return best
+
+
+def _got_further(a: list[traceback.FrameSummary], b: list[traceback.FrameSummary]) -> bool:
+    """Whether the failure at user frames ``a`` came after the one at ``b`` (see :func:`closest_trial`)."""
+    for fa, fb in zip(a, b):
+        if (fa.filename, fa.name) != (fb.filename, fb.name):
+            return False
+        if fa.lineno != fb.lineno:
+            return fa.lineno > fb.lineno
+    return False
 
 
 def _batch_candidates(axes: tuple[str, ...], own_specs: Any) -> list[tuple[str, ...]]:
@@ -258,7 +321,8 @@ class ModelLoss:
         self._plain, self._mesh, self._own_specs, self._sp = loss_of, mesh, own_specs, sequence_parallel
         self._explicit: Callable | None = None
         self._refusal: BaseException | None = None      # what JAX said of the plain call
-        self.batch_axes: tuple[str, ...] = ()            # the data axes the model splits its batch over
+        self.batch_axes: tuple[str, ...] | None = ()     # the data axes the model splits its batch over
+        self._failed: SplitTrial | None = None           # the closest split, when none traces
 
     @property
     def explicit(self) -> bool:
@@ -279,7 +343,10 @@ class ModelLoss:
                         "stream to P(batch, 'tensor', None) in the model where you want it split, and leave "
                         "sequence_parallel False.") from plain
                 own = self._own_specs()
-                self.batch_axes = model_batch_axes(self._plain, own, params, batch, self._mesh)
+                trials = batch_split_trials(self._plain, own, params, batch, self._mesh)
+                traced = trials[-1].error is None
+                self.batch_axes = trials[-1].axes if traced else None
+                self._failed = None if traced else closest_trial(trials)
                 self._explicit = explicit_model_loss(self._plain, own, self._mesh, self.batch_axes)   # None: all
                 self._refusal = plain
         manual = jax.sharding.get_abstract_mesh().manual_axes     # in mesh order, for the message
@@ -292,26 +359,50 @@ class ModelLoss:
                 "it cannot. Drop "
                 "that option, or pin the model's activations with jaxpar.constrain and logical names instead. "
                 f"JAX said: {_first_line(self._refusal)}") from self._refusal
+        if self._failed is not None and _refuses_sharding(self._failed.error):
+            raise self._conflict(self._failed.error, self._failed.axes) from self._failed.error
         try:
             return self._explicit(params, batch)
         except Exception as e:  # noqa: BLE001 - only JAX's sharding refusals are named
             if not _refuses_sharding(e):
                 raise
-            raise self._conflict(e) from e
+            ran = data_axes(self._mesh) if self.batch_axes is None else self.batch_axes
+            raise self._conflict(e, ran) from e
 
-    def _conflict(self, error: BaseException) -> ModelMeshError:
-        mesh = self._mesh
-        axes = data_axes(mesh)
-        tried = ("no split of the batch over them (all, some or none, each batch array's first dimension) traces "
-                 f"with the model's annotations; it ran with P({axes}) here") if self.batch_axes is None else (
-                 f"the model's annotations traced with the batch in P({self.batch_axes or None}) on its first "
-                 "dimension")
+    def _conflict(self, error: BaseException, axes: tuple[str, ...]) -> ModelMeshError:
+        split = _spec_text(axes)
+        tried = (f"the model's annotations traced with the batch's first dimension in {split}"
+                 ) if self.batch_axes is not None else (
+                 f"no split of the batch over them (all, some or none) traces with the model's annotations; this is "
+                 f"the failure under {split}, the split that got furthest")
         return ModelMeshError(
-            f"the model's shardings conflict with jaxpar's (at {call_site(error)}): JAX said: "
-            f"{_first_line(error).rstrip('.')}. jaxpar splits the batch over the data axes {axes} of the mesh "
-            f"{dict(mesh.shape)}, and {tried}. The model splits another dimension over an axis the strategy splits "
-            "the batch over, or names different batch axes in different activations: pin every activation's batch "
-            "dimension to the same data axes, and no other dimension to them.")
+            f"the model's shardings conflict with jaxpar's at {call_site(error)}: JAX said: "
+            f"{_first_line(error).rstrip('.')}. jaxpar splits the batch over the data axes {data_axes(self._mesh)} "
+            f"of the mesh {dict(self._mesh.shape)}, and {tried}. {_advice(error, axes)}")
+
+
+def _advice(error: BaseException, axes: tuple[str, ...]) -> str:
+    """What to change in the model for the failure JAX reported."""
+    if "gather" in str(error):
+        spec = _whole_spec(str(error), axes)
+        return ("A gather (take_along_axis, x[indices]) refuses an operand split on the dimension it gathers "
+                "along, as in plain JAX: reshard the operand whole on that dimension first (for a loss over logits "
+                f"split on the vocabulary: logits = jax.sharding.reshard(logits, {spec}) before take_along_axis).")
+    return ("The model splits another dimension over an axis the strategy splits the batch over, or names different "
+            "batch axes in different activations: pin every activation's batch dimension to the same data axes, and "
+            "no other dimension to them.")
+
+
+def _spec_text(axes: tuple[str, ...], *rest: str) -> str:
+    """``P('fsdp', ...)``: a batch split over ``axes``, then ``rest``, as a user writes it."""
+    return f"P({', '.join([repr(axes[0] if len(axes) == 1 else axes or None), *rest])})"
+
+
+def _whole_spec(text: str, axes: tuple[str, ...]) -> str:
+    """``P(batch, None, ...)`` of the rank of the gather's operand in JAX's message, else ``P(batch, ..., None)``."""
+    match = re.search(r"operand=ShapedArray\(\w+\[([^\]]*)\]", text)
+    rank = len(match.group(1).split(",")) if match else 0
+    return _spec_text(axes, *["None"] * (rank - 1)) if rank > 1 else _spec_text(axes, "...", "None")
 
 
 def _refuses_sharding(error: BaseException) -> bool:
@@ -334,9 +425,14 @@ def call_site(error: BaseException) -> str:
     mark = "This error occurs at source:"
     if mark in text:
         return text.split(mark, 1)[1].strip().splitlines()[0]
-    library = tuple(str(Path(m.__file__).parent) for m in (jax, nnx)) + (str(Path(__file__).parents[1]),)
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(library)]
+    frames = _user_frames(error)
     return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else "an unknown line"
+
+
+def _user_frames(error: BaseException) -> list[traceback.FrameSummary]:
+    """The frames of ``error``'s traceback outside JAX, Flax and jaxpar, outermost first."""
+    library = tuple(str(Path(m.__file__).parent) for m in (jax, nnx)) + (str(Path(__file__).parents[1]),)
+    return [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(library)]
 
 
 def _first_line(error: BaseException) -> str:
