@@ -2,6 +2,7 @@
 
 Each error names the field, the values and the fix. A command (``jaxpar train``, ``inspect``, ...)
 prints any :class:`JaxparError` as a one-line usage error.
+:func:`check_int` is the one check of an int option (:func:`int_problem` says why, for the config layer).
 
 Example:
     >>> import jaxpar
@@ -280,3 +281,43 @@ class TargetError(JaxparError):
 
 class ConfigError(JaxparError):
     """A configuration is invalid; the message names the key (e.g. ``mesh.tensor``)."""
+
+
+# The one check of an int option, for every layer (the config layer reports ``int_problem`` under its YAML key).
+
+
+def int_problem(value, low: int) -> str | None:
+    """Why ``value`` is not an int >= ``low`` (a bool is not an int here).
+
+    Args:
+      value: the value to check.
+      low: the smallest value allowed.
+
+    Returns:
+      ``"must be an int >= low"``, or ``None`` when ``value`` is one.
+
+    >>> int_problem(2, 1), int_problem(0, 1), int_problem(True, 0)
+    (None, 'must be an int >= 1', 'must be an int >= 0')
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        return f"must be an int >= {low}"
+    return None
+
+
+def check_int(owner: str, name: str, value, low: int, error: type[JaxparError]) -> None:
+    """Raise ``error`` naming ``owner(name=value)`` unless ``value`` is an int >= ``low``.
+
+    Args:
+      owner: the function or class named in the message.
+      name: the argument's name.
+      value: the value to check (a bool is not an int here).
+      low: the smallest value allowed.
+      error: the :class:`JaxparError` subclass to raise.
+
+    >>> check_int("train", "steps", 0, 1, LoopError)
+    Traceback (most recent call last):
+    ...
+    jaxpar.errors.LoopError: train(steps=0): must be an int >= 1.
+    """
+    if (why := int_problem(value, low)) is not None:
+        raise error(f"{owner}({name}={value!r}): {why}.")

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxpar.compat._table import raise_strategy_problems
 from jaxpar.parallel.context._options import ContextParallel
 from jaxpar.mesh import CONTEXT, EXPERT, data_axes
 from jaxpar.parallel.pipeline._schedules import canonical_kind
@@ -110,10 +111,6 @@ class Strategy:
                                 "stage update, schedule='pipedream').")
         if not isinstance(self.vertical_sync, bool):
             raise StrategyError(f"Strategy.vertical_sync={self.vertical_sync!r}: must be True or False.")
-        if (self.update_every != 1 or self.vertical_sync) and self.schedule != "pipedream":
-            raise StrategyError(f"Strategy.update_every={self.update_every}, vertical_sync={self.vertical_sync} are "
-                                f"weight-stashing options, but schedule={self.schedule!r} flushes the pipeline every "
-                                "step (one weight version): use schedule='pipedream', or drop them.")
         if self.stage_layers is not None and self.stage_layers != "auto":
             layers = self.stage_layers
             if not isinstance(layers, str) and hasattr(layers, "__iter__"):
@@ -132,11 +129,6 @@ class Strategy:
                     or not self.local_clip > 0:
                 raise StrategyError(f"Strategy.local_clip={self.local_clip!r}: the norm each replica's gradient is "
                                     "clipped to must be a positive number, e.g. local_clip=1.0.")
-            if self.compression is None:
-                raise StrategyError(f"Strategy.local_clip={self.local_clip!r} clips each replica's gradient before a "
-                                    "compressed exchange, but compression is None. Set a codec (e.g. compression="
-                                    "jaxpar.parallel.compression.topk(0.01)) or clip the averaged gradient with "
-                                    "make_train_step(clip_norm=...).")
         if self.context is not None and not isinstance(self.context, ContextParallel):
             raise StrategyError(f"Strategy.context={self.context!r}: give jaxpar.parallel.context.ContextParallel("
                                 "method=..., balance=...) or None (ring attention in the natural order).")
@@ -144,6 +136,7 @@ class Strategy:
             from jaxpar.parallel.sync import check_sync
 
             check_sync(self.sync)          # with a codec: refused by the table (jaxpar.compat._table), at init
+        raise_strategy_problems(self)      # the table's rules of the fields alone (local_clip, update_every, ...)
 
     def rules(self, mesh) -> LogicalRules:
         """Logical rules for this strategy on ``mesh`` (user rules first). With a

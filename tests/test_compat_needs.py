@@ -12,6 +12,9 @@ raise the same :class:`~jaxpar.compat.Problem`, rendered with two name maps.
   raises it as its class with :data:`~jaxpar.compat.LIBRARY_NAMES`.
 * :func:`test_a_yaml_router_bias_is_refused_with_the_yaml_names`: ``model.moe.bias_rate`` is the table's
   router bias (RB): its refused pairs are the library's problems, printed with the YAML keys.
+* :func:`test_a_strategy_raises_the_table_rules_of_its_fields`: ``Strategy(...)`` raises the needs
+  that read its fields alone (``local_clip`` without a codec, ``update_every`` / ``vertical_sync``
+  without weight stashing) as the table's problem.
 * :func:`test_requirements_list_every_need`: the needs that docs/strategies.md lists
   (:data:`jaxpar.compat._needs.REQUIREMENTS`) are the rules', one case each.
 * :func:`test_init_train_state_raises_the_declared_class`: ``init_train_state`` raises the table's
@@ -20,6 +23,7 @@ raise the same :class:`~jaxpar.compat.Problem`, rendered with two name maps.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -36,8 +40,8 @@ from jaxpar.config import check
 from jaxpar.config._checks import YAML_NAMES, table_setting
 from jaxpar.parallel.compression import qsgd
 from jaxpar.parallel.sync import backup, diloco, synchronous
-from jaxpar.config import (CheckpointConfig, ConfigError, JobConfig, LoggingConfig, MeshConfig, ModelConfig,
-                           ParallelConfig, TrainConfig)
+from jaxpar.config import (CheckpointConfig, ConfigError, DataConfig, JobConfig, LoggingConfig, MeshConfig,
+                           ModelConfig, ParallelConfig, TrainConfig)
 from jaxpar.config._schema import NoiseScaleConfig
 
 #: name: (the config, the library's setting of the same run minus the strategy and mesh, the class).
@@ -45,6 +49,9 @@ CASES = {
     "2B-needs-pipe": (JobConfig(mesh=MeshConfig(data=8), parallel=ParallelConfig(schedule="pipedream-2bw",
                                                                                 microbatches=2)),
                       {}, jaxpar.AsyncPipelineError),
+    "2B-microbatches": (JobConfig(mesh=MeshConfig(pipe=4, data=2), parallel=ParallelConfig(schedule="pipedream-2bw",
+                                                                                          microbatches=2)),
+                        {}, jaxpar.AsyncPipelineError),
     "ST-needs-pipe": (JobConfig(mesh=MeshConfig(data=8), parallel=ParallelConfig(schedule="pipedream",
                                                                                 microbatches=2)),
                       {}, jaxpar.StashingError),
@@ -65,7 +72,36 @@ CASES = {
     "K-intervals": (JobConfig(parallel=ParallelConfig(steps_per_call=4), mesh=MeshConfig(data=8),
                               train=TrainConfig(steps=8, log_every=6), checkpoint=CheckpointConfig(every=8)),
                     {"steps_per_call": 4, "intervals": (("steps", 8), ("log_every", 6))}, jaxpar.LoopError),
+    "BR-needs-NS": (JobConfig(mesh=MeshConfig(data=8),
+                              data=DataConfig(batch_ramp={"sizes": [32, 64], "adaptive": True, "every": 4})),
+                    {"ramp": "adaptive"}, jaxpar.RampError),
 }
+
+
+def _unchecked_strategy(**fields) -> jaxpar.Strategy:
+    """A :class:`~jaxpar.Strategy` with ``fields`` set, built without its checks (to hand the table a
+    strategy that ``Strategy(...)`` refuses)."""
+    strategy = object.__new__(jaxpar.Strategy)
+    for f in dataclasses.fields(jaxpar.Strategy):
+        object.__setattr__(strategy, f.name, fields.get(f.name, f.default))
+    return strategy
+
+
+#: name: the fields of a strategy that ``Strategy(...)`` refuses by a need of the table.
+STRATEGY_CASES = {"LC-needs-CP": dict(local_clip=1.0), "update_every-needs-ST": dict(microbatches=4, update_every=2),
+                  "vertical_sync-needs-ST": dict(schedule="pipedream-2bw", microbatches=2, vertical_sync=True)}
+
+
+@pytest.mark.parametrize("name", list(STRATEGY_CASES))
+def test_a_strategy_raises_the_table_rules_of_its_fields(name):
+    """``Strategy(...)`` raises the table's need of its fields alone (:func:`~jaxpar.compat._needs.strategy_needs`),
+    as StrategyError with the library's names; the table holds it among its needs."""
+    fields = STRATEGY_CASES[name]
+    found = needs(Setting(_unchecked_strategy(**fields), {"pipe": 2, "data": 2}))
+    assert len(found) == 1 and found[0].error is jaxpar.StrategyError, found
+    with pytest.raises(jaxpar.JaxparError) as raised:
+        jaxpar.Strategy(**fields)
+    assert type(raised.value) is jaxpar.StrategyError and str(raised.value) == found[0].render(LIBRARY_NAMES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -90,8 +126,9 @@ def test_config_and_library_render_one_problem(name):
 
 def test_requirements_list_every_need():
     """docs/strategies.md's list of needs (:data:`jaxpar.compat._needs.REQUIREMENTS`) is the rules': one
-    case of :data:`CASES` per line, of that feature and class, in the rules' order."""
-    got = []
+    case of :data:`STRATEGY_CASES` and :data:`CASES` per line, of that feature and class, in the rules' order."""
+    got = [(p.features[0], p.error) for fields in list(STRATEGY_CASES.values())[:2]
+           for p in needs(Setting(_unchecked_strategy(**fields), {"pipe": 2, "data": 2}))]
     for cfg, options, _ in CASES.values():
         strategy, sizes = build_strategy(cfg.parallel), mesh_spec(cfg.mesh).sizes(8)
         got += [(p.features[0], p.error) for p in needs(Setting(strategy, sizes, **options))]
@@ -166,3 +203,23 @@ def test_commands_report_every_jaxpar_error():
         if issubclass(cls, Exception) and not issubclass(cls, Warning):
             assert issubclass(cls, user_errors()), name
     assert not issubclass(RuntimeError, user_errors())
+
+
+def test_train_refuses_an_adaptive_ramp_without_the_noise_scale():
+    """``train(ramp=AdaptiveRamp(...))`` raises the table's BR need (RampError, the library's names)
+    when the state measures no noise scale, and takes the same ramp when it measures one."""
+    import jax.numpy as jnp
+
+    from jaxpar.run import AdaptiveRamp, train
+    from jaxpar.run._loop import _check_ramp_and_calls
+    from jaxpar.step import TrainState
+
+    ramp = AdaptiveRamp((8, 16), every=4)
+    found = needs(Setting(jaxpar.Strategy(), {}, ramp="adaptive"))
+    assert [(p.features, p.error) for p in found] == [(("BR",), jaxpar.RampError)]
+    mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    plain = TrainState(jnp.int32(0), jnp.zeros(2), ())
+    with pytest.raises(jaxpar.RampError) as raised:
+        train(lambda s, b: (s, {}), plain, lambda i: None, mesh=mesh, steps=4, ramp=ramp, progress="none")
+    assert str(raised.value) == found[0].render(LIBRARY_NAMES)
+    _check_ramp_and_calls(plain._replace(stats={"noise_scale": {}}), ramp, 1, steps=4)

@@ -1,13 +1,16 @@
-"""The lower-level checks that can be called without ``init_train_state`` / ``make_train_step`` raise
-the compatibility table's problem (:mod:`jaxpar.compat`), not a message of their own: the class the
-problem declares and its message with the library's names (:data:`~jaxpar.compat.LIBRARY_NAMES`).
+"""The compatibility table (:mod:`jaxpar.compat`) runs once per entry point, and the lower-level
+checks that can be called without ``init_train_state`` / ``make_train_step`` raise its problem, not a
+message of their own: the class the problem declares and its message with the library's names
+(:data:`~jaxpar.compat.LIBRARY_NAMES`).
 
+* :func:`test_the_table_runs_once_per_entry_point`: ``init_train_state`` and ``make_train_step`` run
+  the table exactly once each, with PipeDream-2BW, weight stashing, DiLoCo and a codec (nothing they
+  call runs it again);
 * :func:`~jaxpar.parallel.pipeline._two_bw.check_two_bw` and
-  :func:`~jaxpar.parallel.pipeline._stash_versions.check_stashing` (the no-flush step builders):
-  sequence parallelism (the SP x 2B / SP x ST pairs), a ``pipe`` axis, ``update_every``;
+  :func:`~jaxpar.parallel.pipeline._stash_versions.check_stashing`: sequence parallelism (the SP x 2B /
+  SP x ST pairs), a ``pipe`` axis, 2BW's micro-batches, ``update_every``;
 * :func:`~jaxpar.parallel.compression.exchange_plan`: a codec needs a data axis; 1-bit Adam with
   gradients sharded over it (the Z x 1A pair);
-* :func:`~jaxpar.step._relaxed.relaxed_layout`: pipelined replicas (RS x PP), a sync kind's replicas;
 * :func:`~jaxpar.step.router_bias_layout` (and ``with_router_bias``): a router bias with weight
   stashing or replicas (the ST x RB / RS x RB pairs).
 """
@@ -46,6 +49,9 @@ SITES = {
     "two_bw-needs-pipe": (lambda: check_two_bw(S(schedule="pipedream-2bw", microbatches=2), {"data": 2}),
                           Setting(S(schedule="pipedream-2bw", microbatches=2), {"data": 2}),
                           jaxpar.AsyncPipelineError),
+    "two_bw-microbatches": (lambda: check_two_bw(S(schedule="pipedream-2bw", microbatches=2), {"pipe": 4}),
+                            Setting(S(schedule="pipedream-2bw", microbatches=2), {"pipe": 4}),
+                            jaxpar.AsyncPipelineError),
     "stash-needs-pipe": (lambda: check_stashing(S(schedule="pipedream", microbatches=2), {"data": 2}),
                          Setting(S(schedule="pipedream", microbatches=2), {"data": 2}), jaxpar.StashingError),
     "stash-update-every": (lambda: check_stashing(S(schedule="pipedream", microbatches=4, update_every=3),
@@ -86,6 +92,14 @@ def test_lower_level_checks_raise_the_table_problem(name):
     _check(*SITES[name])
 
 
+def test_exchange_plan_unchecked_leaves_the_table_to_its_caller():
+    """``exchange_plan(..., checked=False)`` (the table has run for the strategy) does not check the
+    codec's rules again: the 1-bit Adam plan over gradients sharded by ZeRO-3 is made."""
+    plan = exchange_plan(ONEBIT_ADAM, [(8, 4)], dims=[0], grad_axes=[("data",)], stacked=[False],
+                         mesh_sizes={"data": 4}, zero=3, checked=False)
+    assert plan.axes == ("data",) and plan.scattered == (True,)
+
+
 def _layout(sizes, strategy=S(microbatches=2)):
     from jaxpar.models import GPT, GPTConfig
 
@@ -97,14 +111,30 @@ def _layout(sizes, strategy=S(microbatches=2)):
     return jaxpar.state_layout(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh, strategy)
 
 
-@pytest.mark.parametrize("sizes,strategy", [
-    ({"pipe": 2}, S(microbatches=2, sync=synchronous())),
-    ({"data": 2}, S(microbatches=2, sync=diloco(2))),
-], ids=["RS-PP", "RS-needs-replicas"])
-def test_relaxed_layout_raises_the_table_problem(sizes, strategy):
-    """``relaxed_layout`` called on a layout made without the sync kind (``init_train_state`` with it
-    would refuse first)."""
-    from jaxpar.step._relaxed import relaxed_layout
+#: One strategy of each kind whose layout or step calls the lower-level checks: ``(mesh sizes, strategy)``.
+RUNS = {
+    "2BW": ({"pipe": 2}, S(schedule="pipedream-2bw", microbatches=2)),
+    "stashing": ({"pipe": 2}, S(schedule="pipedream", microbatches=2)),
+    "DiLoCo": ({"replica": 2}, S(sync=diloco(2))),
+    "codec": ({"data": 2}, S(compression=qsgd())),
+}
 
-    layout = _layout(sizes)
-    _check(lambda: relaxed_layout(layout, optax.sgd(0.1), strategy), Setting(strategy, sizes), jaxpar.SyncError)
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_the_table_runs_once_per_entry_point(name, monkeypatch):
+    """``init_train_state`` runs the table once (not again in the schedule's, the replicas' or the
+    codec's layout), and ``make_train_step`` once (not again for the state's versions or the codec's
+    plan). Counted at :func:`jaxpar.compat.problems`, which every run of the table
+    (:func:`jaxpar.compat.raise_problems`) calls."""
+    from jaxpar.compat import _table
+    from jaxpar.models import MLPClassifier, classifier_loss
+
+    runs, real = [], _table.problems
+    monkeypatch.setattr(_table, "problems", lambda setting: runs.append(setting) or real(setting))
+    sizes, strategy = RUNS[name]
+    mesh = jaxpar.make_mesh(sizes, devices=jax.devices()[:2])
+    model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=2, rngs=nnx.Rngs(0))  # noqa: E731
+    _, layout = jaxpar.init_train_state(model_fn, optax.sgd(0.1), mesh, strategy)
+    assert len(runs) == 1, runs
+    jaxpar.make_train_step(classifier_loss, optax.sgd(0.1), layout)
+    assert len(runs) == 2, runs[1:]

@@ -22,7 +22,9 @@ def markdown_needs() -> str:
     """
     rows = [f"| {code} | {what} | `{error.__name__}` |" for code, what, error in REQUIREMENTS]
     return "\n".join(["What a feature needs on its own (`jaxpar.compat._needs`; refused with a named error, "
-                      "like a pair):", "", "| feature | needs | error |", "|---|---|---|"] + rows) + "\n"
+                      "like a pair; the `StrategyError` rows read the strategy's fields alone, and `Strategy` "
+                      "raises them when it is built):", "", "| feature | needs | error |", "|---|---|---|"]
+                     + rows) + "\n"
 
 
 def markdown_table() -> str:

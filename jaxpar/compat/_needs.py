@@ -3,8 +3,10 @@
 A refused pair (:data:`jaxpar.compat._settings.RULES`) names two features; a rule here names one
 feature and the setting it cannot run without (a ``pipe`` axis for the no-flush schedules, a data
 axis for the noise scale and for a codec, the replicas of a sync kind, loop intervals that are
-multiples of ``steps_per_call``). :data:`REQUIREMENTS` says the same in words, for
-``docs/strategies.md``. Each rule gives a
+multiples of ``steps_per_call``, the noise scale for an adaptive batch ramp). The rules of the
+strategy's own fields (:func:`strategy_needs`: ``local_clip`` needs a codec, ``update_every`` /
+``vertical_sync`` weight stashing) are raised by :class:`~jaxpar.Strategy` itself, when it is built.
+:data:`REQUIREMENTS` says the same in words, for ``docs/strategies.md``. Each rule gives a
 :class:`~jaxpar.compat.Problem` whose ``features`` hold that one code, so the library raises
 it (:func:`jaxpar.compat.raise_problems`) and the config layer renders it with YAML keys, as
 it does the pairs.
@@ -18,16 +20,45 @@ Example:
 from __future__ import annotations
 
 from jaxpar.compat._settings import Problem, Setting, value_name
-from jaxpar.errors import AsyncPipelineError, CompressionError, LoopError, NoiseScaleError, StashingError, SyncError
+from jaxpar.errors import (AsyncPipelineError, CompressionError, LoopError, NoiseScaleError, RampError, StashingError,
+                           StrategyError, SyncError)
 
-__all__ = ["NEEDS", "INTERVALS", "REQUIREMENTS"]
+__all__ = ["NEEDS", "INTERVALS", "REQUIREMENTS", "strategy_needs", "codec_needs"]
 
 #: The loop's intervals that ``steps_per_call`` must divide (:attr:`Setting.intervals`' keys).
 INTERVALS = ("steps", "start", "log_every", "eval_every", "checkpoint_every", "stop_check_every")
 
 
+def strategy_needs(s: Setting) -> list[Problem]:
+    """The strategy's fields that belong to another choice: ``local_clip`` clips before a codec;
+    ``update_every`` and ``vertical_sync`` are weight stashing's (``Strategy`` raises these when built).
+
+    Args:
+      s: the setting (only its strategy is read).
+
+    Returns:
+      The :class:`Problem`\\ s (class ``StrategyError``), in that order.
+    """
+    st, out = s.strategy, []
+    k, vs = getattr(st, "update_every", 1), getattr(st, "vertical_sync", False)     # a plan's strategy has neither
+    if st.local_clip is not None and st.compression is None:
+        out.append(Problem(("LC",), ("local_clip", "compression"),
+                           "{n[local_clip]}={lc!r} clips each replica's gradient before a compressed exchange, but "
+                           "{n[compression]} is {n[none]}. Set a codec (e.g. {n[compression]}=jaxpar.parallel."
+                           "compression.topk(0.01)) or clip the averaged gradient with {n[clip_norm]}=...",
+                           {"lc": st.local_clip}, StrategyError))
+    if (k != 1 or vs) and st.schedule != "pipedream":
+        out.append(Problem(("ST",), ("update_every", "vertical_sync", "schedule"),
+                           "{n[update_every]}={k}, {n[vertical_sync]}={vs} are weight-stashing options, but "
+                           "{n[schedule]}={sched!r} flushes the pipeline every step (one weight version): use "
+                           "{n[schedule]}='pipedream', or drop them.",
+                           {"k": k, "vs": vs, "sched": st.schedule}, StrategyError))
+    return out
+
+
 def _pipeline_needs(s: Setting) -> list[Problem]:
-    """PipeDream-2BW and weight stashing are pipeline schedules; stashing updates every ``update_every``."""
+    """PipeDream-2BW and weight stashing are pipeline schedules; 2BW runs 1F1B's steady state (at
+    least ``pipe`` micro-batches); stashing updates every ``update_every``."""
     st, p, out = s.strategy, s.size("pipe"), []
     kinds = {"pipedream-2bw": ("2B", AsyncPipelineError, "PipeDream-2BW is a pipeline schedule whose one-step-late "
                                "gradient lets the pipeline run without flushes"),
@@ -39,6 +70,11 @@ def _pipeline_needs(s: Setting) -> list[Problem]:
                            "{n[pipe]}={p}): " + what + ". Set {n[pipe]} > 1, or use {n[schedule]}='1f1b'.",
                            {"sched": st.schedule, "p": p}, error))
     k, m = getattr(st, "update_every", 1), st.microbatches
+    if st.schedule == "pipedream-2bw" and p > 1 and m < p:
+        out.append(Problem(("2B",), ("microbatches", "schedule", "pipe"),
+                           "{n[microbatches]}={m} with {n[schedule]}='pipedream-2bw' and {n[pipe]}={p}: 2BW runs "
+                           "1F1B's steady state with two weight versions, which needs m >= {p} micro-batches per "
+                           "step; use microbatches >= {p}.", {"m": m, "p": p}, AsyncPipelineError))
     if st.schedule == "pipedream" and p > 1 and m % k:
         out.append(Problem(("ST",), ("update_every", "microbatches"),
                            "{n[update_every]}={k} does not divide {n[microbatches]}={m}: with {n[schedule]}="
@@ -62,16 +98,28 @@ def _noise_scale_needs(s: Setting) -> list[Problem]:
                     {"every": every, "d": s.size("data"), "f": s.size("fsdp")}, NoiseScaleError)]
 
 
-def _codec_needs(s: Setting) -> list[Problem]:
-    """A codec compresses the gradient exchange over the data axes: it needs one of size > 1."""
-    codec = s.strategy.compression
-    if codec is None or s.size("data") > 1 or s.size("fsdp") > 1:
+def codec_needs(codec, sizes) -> list[Problem]:
+    """A codec compresses the gradient exchange over the data axes: it needs one of size > 1.
+
+    Args:
+      codec: the strategy's ``compression`` (``None``: no codec).
+      sizes: the mesh axis sizes.
+
+    Returns:
+      The codec's :class:`Problem` (feature ``CP``), or none.
+    """
+    d, f = dict(sizes).get("data", 1), dict(sizes).get("fsdp", 1)
+    if codec is None or d > 1 or f > 1:
         return []
     return [Problem(("CP",), ("compression", "data", "fsdp"),
                     "{n[compression]}={c} on a mesh with no data axis of size > 1 ({n[data]}={d}, {n[fsdp]}={f}): "
                     "there is no gradient exchange to compress. Remove {n[compression]}, or add data-parallel "
-                    "devices ({n[data]} or {n[fsdp]} > 1).",
-                    {"c": value_name(codec), "d": s.size("data"), "f": s.size("fsdp")}, CompressionError)]
+                    "devices ({n[data]} or {n[fsdp]} > 1).", {"c": value_name(codec), "d": d, "f": f},
+                    CompressionError)]
+
+
+def _codec_needs(s: Setting) -> list[Problem]:
+    return codec_needs(s.strategy.compression, s.sizes)
 
 
 def _sync_needs(s: Setting) -> list[Problem]:
@@ -108,14 +156,28 @@ def _calls_needs(s: Setting) -> list[Problem]:
                     "it a multiple of {k}.", {"value": value, "k": k}, LoopError)]
 
 
-NEEDS = (_pipeline_needs, _noise_scale_needs, _codec_needs, _sync_needs, _calls_needs)
+def _ramp_needs(s: Setting) -> list[Problem]:
+    """An adaptive batch ramp grows the batch toward the measured noise scale: it needs the measurement."""
+    if s.ramp != "adaptive" or s.noise_scale_every is not None:
+        return []
+    return [Problem(("BR",), ("ramp", "noise_scale_every"),
+                    "{n[ramp]} is adaptive: it grows the batch toward the measured gradient noise scale, but "
+                    "{n[noise_scale_every]} is not set, so nothing is measured. Measure it every k steps, k at most "
+                    "the ramp's every ({n[noise_scale_every]}=k; in Python the state's part "
+                    "jaxpar.with_noise_scale(state, layout, every=k)), or use a fixed ramp.", {}, RampError)]
+
+
+NEEDS = (strategy_needs, _pipeline_needs, _noise_scale_needs, _codec_needs, _sync_needs, _calls_needs, _ramp_needs)
 """The rules of one feature each, in the order :func:`jaxpar.compat.needs` runs them."""
 
 #: What each rule of :data:`NEEDS` asks, in words, in their order: ``(feature code, what it needs,
 #: error class)``, one line per problem a rule can give (``docs/strategies.md`` lists them;
 #: ``tests/test_compat_needs.py`` checks each against a setting that lacks it).
 REQUIREMENTS = (
+    ("LC", "a codec (compression)", StrategyError),
+    ("ST", "update_every and vertical_sync: schedule='pipedream' (weight stashing)", StrategyError),
     ("2B", "a pipe axis > 1", AsyncPipelineError),
+    ("2B", "microbatches >= pipe", AsyncPipelineError),
     ("ST", "a pipe axis > 1", StashingError),
     ("ST", "update_every divides microbatches", StashingError),
     ("NS", "a data axis > 1 (data x fsdp >= 2)", NoiseScaleError),
@@ -124,4 +186,5 @@ REQUIREMENTS = (
     ("RS", "backup(backups): backups < replica", SyncError),
     ("K", "the loop's intervals (steps, start, log_every, eval_every, checkpoint every, stop_check_every) "
           "multiples of steps_per_call", LoopError),
+    ("BR", "an adaptive ramp: the noise scale (noise_scale_every)", RampError),
 )

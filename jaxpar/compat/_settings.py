@@ -15,7 +15,8 @@ from typing import Any, Mapping, NamedTuple
 from jaxpar.errors import (AsyncPipelineError, CompressionError, ContextParallelError, ExplicitDPError, JaxparError,
                            MoEError, NoiseScaleError, RampError, StashingError, SyncError)
 
-__all__ = ["Setting", "Problem", "RULES", "FLUSH_SCHEDULES", "pipeline_schedule", "replicas_on", "value_name"]
+__all__ = ["Setting", "Problem", "RULES", "FLUSH_SCHEDULES", "pipeline_schedule", "replicas_on", "value_name",
+           "sharded_moment_problems"]
 
 
 class Setting(NamedTuple):
@@ -27,7 +28,8 @@ class Setting(NamedTuple):
       explicit_dp: ``make_train_step(explicit_dp=...)``.
       steps_per_call: optimizer steps per call.
       clip_norm: ``make_train_step(clip_norm=...)``.
-      noise_scale_every: the noise-scale part's ``with_noise_scale(state, layout, every=...)``.
+      noise_scale_every: the noise-scale part's ``with_noise_scale(state, layout, every=...)``;
+        ``True``: the state measures it, at an interval the caller does not see (:func:`jaxpar.run.train`).
       ramp: ``None``, ``"fixed"`` or ``"adaptive"`` (the loop's batch ramp), with ``ramp_steps``.
       ramp_steps: the steps at which a fixed ramp changes the batch size.
       optimizer_across_stages: the optimizer's update of a parameter reads other parameters or
@@ -237,14 +239,8 @@ def _codec_problems(s: Setting) -> list[Problem]:
                            {"c": value_name(st.compression), "sync": value_name(st.sync or "sync"),
                             "r": s.size("replica")},
                            SyncError))
+    out += sharded_moment_problems(st.compression, st.zero, s.sizes)
     b1 = getattr(st.compression, "optimizer_momentum", 0.0)
-    if b1 and (st.zero >= 2 or s.size("fsdp") > 1):
-        out.append(Problem(("Z", "1A"), ("zero", "compression"),
-                           "{n[compression]}={c}(optimizer_momentum={b1}) with {n[zero]}={z} and {n[fsdp]}={f}: "
-                           "1-bit Adam needs the whole exchanged moment on every replica, but ZeRO-2/3 or fsdp "
-                           "shard the gradients over the data axes. Use {n[zero]} <= 1 with {n[fsdp]}=1 (put the "
-                           "replicas on data).", {"c": st.compression.name, "b1": b1, "z": st.zero,
-                                                   "f": s.size("fsdp")}, CompressionError))
     if b1 and s.clip_norm is not None:
         out.append(Problem(("1A", "CN"), ("clip_norm", "compression"),
                            "{n[clip_norm]}={clip} with {n[compression]}={c}(optimizer_momentum={b1}): with 1-bit "
@@ -254,6 +250,28 @@ def _codec_problems(s: Setting) -> list[Problem]:
                            "{n[clip_norm]}=None.", {"clip": s.clip_norm, "c": st.compression.name, "b1": b1},
                            CompressionError))
     return out
+
+
+def sharded_moment_problems(codec, zero: int, sizes: Mapping[str, int]) -> list[Problem]:
+    """1-bit Adam (a codec with ``optimizer_momentum``) against gradients sharded over the data axes
+    (the Z x 1A pair).
+
+    Args:
+      codec: the strategy's ``compression``.
+      zero: the ZeRO stage (gradients sharded over ``data`` from ZeRO-2 on).
+      sizes: the mesh axis sizes (``fsdp`` always shards them).
+
+    Returns:
+      The pair's :class:`Problem`, or none.
+    """
+    b1, f = getattr(codec, "optimizer_momentum", 0.0), dict(sizes).get("fsdp", 1)
+    if not (b1 and (zero >= 2 or f > 1)):
+        return []
+    return [Problem(("Z", "1A"), ("zero", "compression"),
+                    "{n[compression]}={c}(optimizer_momentum={b1}) with {n[zero]}={z} and {n[fsdp]}={f}: 1-bit Adam "
+                    "needs the whole exchanged moment on every replica, but ZeRO-2/3 or fsdp shard the gradients "
+                    "over the data axes. Use {n[zero]} <= 1 with {n[fsdp]}=1 (put the replicas on data).",
+                    {"c": codec.name, "b1": b1, "z": zero, "f": f}, CompressionError)]
 
 
 def _noise_scale_problems(s: Setting) -> list[Problem]:

@@ -5,7 +5,9 @@ loop's options). :func:`problems` runs the rules of :mod:`jaxpar.compat._setting
 :class:`Problem`\\ s of a setting: each names the two features, the fields and the values, says what
 to do, and carries the :class:`~jaxpar.errors.JaxparError` subclass it is raised as. :func:`needs`
 does the same for what one feature needs on its own (:mod:`jaxpar.compat._needs`). The library
-raises them (:func:`raise_problems`, from ``init_train_state`` and ``make_train_step``); the config
+raises them (:func:`raise_problems`, once from ``init_train_state`` and once from ``make_train_step``;
+:class:`~jaxpar.Strategy` raises the rules of its own fields, :func:`raise_strategy_problems`, and
+:func:`~jaxpar.parallel.compression.exchange_plan` those of a codec, :func:`codec_problems`); the config
 layer (:func:`jaxpar.config.check`) renders the same problems with YAML keys instead of parameter
 names; ``docs/strategies.md``'s table is generated from :data:`FEATURES` and :func:`pair_status`
 (:mod:`jaxpar.compat._markdown`).
@@ -28,12 +30,14 @@ from __future__ import annotations
 import itertools
 from typing import Callable, NamedTuple
 
-from jaxpar.compat._needs import NEEDS
-from jaxpar.compat._settings import FLUSH_SCHEDULES, RULES, Problem, Setting, pipeline_schedule, replicas_on
+from jaxpar.compat._needs import NEEDS, codec_needs, strategy_needs
+from jaxpar.compat._settings import (FLUSH_SCHEDULES, RULES, Problem, Setting, pipeline_schedule, replicas_on,
+                                     sharded_moment_problems)
 from jaxpar.errors import CompatError
 
 __all__ = ["Feature", "FEATURES", "CODES", "Setting", "Problem", "problems", "needs", "raise_problems",
-           "pair_status", "REFUSED", "PARTLY", "ALTERNATIVES", "LIBRARY_NAMES", "all_pairs"]
+           "raise_first", "raise_strategy_problems", "codec_problems", "pair_status", "REFUSED", "PARTLY",
+           "ALTERNATIVES", "LIBRARY_NAMES", "all_pairs"]
 
 
 class Feature(NamedTuple):
@@ -83,6 +87,7 @@ LIBRARY_NAMES = {
     "zero": "Strategy.zero", "sequence_parallel": "Strategy.sequence_parallel", "schedule": "schedule",
     "compression": "Strategy.compression", "sync": "Strategy.sync", "local_clip": "Strategy.local_clip",
     "microbatches": "Strategy.microbatches", "update_every": "Strategy.update_every",
+    "vertical_sync": "vertical_sync",
     "compute_dtype": "Strategy.compute_dtype", "explicit_dp": "explicit_dp", "steps_per_call": "steps_per_call",
     "clip_norm": "clip_norm", "noise_scale_every": "noise_scale_every", "optimizer": "the optimizer (tx)",
     "pipe": "pipe", "pipe_axis": "a 'pipe' mesh axis", "replica": "replica",
@@ -153,9 +158,49 @@ def raise_problems(setting: Setting) -> None:
     Raises:
       JaxparError: the subclass the problem declares (``SyncError``, ``StashingError``, ...).
     """
-    found = problems(setting) + needs(setting)
+    raise_first(problems(setting) + needs(setting))
+
+
+def raise_first(found: list[Problem]) -> None:
+    """Raise the first of ``found`` as its :attr:`Problem.error` class with the library's names.
+
+    Args:
+      found: problems, in the table's order (empty: nothing is raised).
+
+    Raises:
+      JaxparError: the subclass the first problem declares.
+    """
     if found:
         raise found[0].error(found[0].render(LIBRARY_NAMES))
+
+
+def raise_strategy_problems(strategy) -> None:
+    """Raise the first rule of the table that reads the strategy's own fields alone
+    (:func:`jaxpar.compat._needs.strategy_needs`): :class:`~jaxpar.Strategy` raises it when built.
+
+    Args:
+      strategy: the strategy.
+
+    Raises:
+      StrategyError: ``local_clip`` without a codec; ``update_every`` / ``vertical_sync`` without weight stashing.
+    """
+    raise_first(strategy_needs(Setting(strategy, {})))
+
+
+def codec_problems(codec, sizes, zero: int = 0) -> list[Problem]:
+    """The table's rules of a codec on a mesh, for a caller that holds no strategy
+    (:func:`~jaxpar.parallel.compression.exchange_plan`): 1-bit Adam with sharded gradients (Z x 1A),
+    then a data axis to exchange over (CP's need).
+
+    Args:
+      codec: the codec.
+      sizes: the mesh axis sizes.
+      zero: the ZeRO stage the gradients are sharded for.
+
+    Returns:
+      The :class:`Problem`\\ s, in the table's order (pairs, then needs).
+    """
+    return sharded_moment_problems(codec, zero, sizes) + codec_needs(codec, sizes)
 
 
 #: The pairs refused whatever the values: ``{(code, code): why}``. Every other pair composes,

@@ -18,6 +18,7 @@ import math
 import re
 from typing import Any
 
+from jaxpar.errors import RampError, int_problem
 from jaxpar.mesh import MeshError
 from jaxpar.optimizers import hyperparameter_problem
 from jaxpar.step._update import clip_norm_problem
@@ -182,18 +183,24 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
             if why:
                 problems.append(why)
     problems += _steps_per_call_problems(cfg)
-    t, dp, k = sizes["tensor"], sizes["data"] * sizes["fsdp"] * sizes.get("replica", 1), par.microbatches
+    t = sizes["tensor"]
     if gpt is not None:
         dims = [("model.heads", gpt.heads), ("model.mlp (default 4 x model.embed)", gpt.mlp_dim),
                 ("model.vocab", gpt.vocab)]
         if par.sequence_parallel:
             dims.append(("model.seq_len (sequence parallel)", gpt.seq_len))
         problems += [f"{key}={size} is not divisible by mesh.tensor={t}." for key, size in dims if size % t]
+    n, what = _batch_divisor(cfg, sizes)
+    if cfg.data.batch_size % n:
+        problems.append(f"data.batch_size={cfg.data.batch_size} is not divisible by {what}.")
+    return problems + _ramp_problems(cfg, n, what)
+
+
+def _batch_divisor(cfg: JobConfig, sizes: dict[str, int]) -> tuple[int, str]:
+    """What divides the global batch and every size of a ramp (data x fsdp x replica x micro-batches), in YAML keys."""
+    n = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("replica", 1) * cfg.parallel.microbatches
     rep = " x mesh.replica" if sizes.get("replica", 1) > 1 else ""
-    if cfg.data.batch_size % (dp * k):
-        problems.append(f"data.batch_size={cfg.data.batch_size} is not divisible by mesh.data x mesh.fsdp{rep} x "
-                        f"parallel.microbatches = {dp * k}.")
-    return problems + _ramp_problems(cfg, dp * k, f"mesh.data x mesh.fsdp{rep} x parallel.microbatches = {dp * k}")
+    return n, f"mesh.data x mesh.fsdp{rep} x parallel.microbatches = {n}"
 
 
 #: The YAML key of each field that the compatibility table's messages name (the library's names:
@@ -202,6 +209,7 @@ YAML_NAMES = {
     "zero": "parallel.zero", "sequence_parallel": "parallel.sequence_parallel", "schedule": "parallel.schedule",
     "compression": "parallel.compression", "sync": "parallel.sync", "local_clip": "parallel.compression.local_clip",
     "microbatches": "parallel.microbatches", "update_every": "parallel.update_every",
+    "vertical_sync": "parallel.vertical_sync",
     "compute_dtype": "parallel.compute_dtype", "explicit_dp": "explicit_dp",
     "steps_per_call": "parallel.steps_per_call", "clip_norm": "optimizer.clip_norm",
     "noise_scale_every": "logging.noise_scale.every", "optimizer": "optimizer.name",
@@ -229,7 +237,6 @@ def table_setting(cfg: JobConfig, strategy: Any, sizes: dict[str, int]) -> Any:
     from jaxpar.compat._table import Setting
 
     ramp = cfg.data.batch_ramp or {}
-    kind = None if not ramp else ("adaptive" if ramp.get("adaptive") else "fixed")
     k = cfg.parallel.steps_per_call
     intervals = (("steps", cfg.train.steps), ("log_every", cfg.train.log_every),
                  ("eval_every", cfg.train.eval_every), ("checkpoint_every", cfg.checkpoint.every))
@@ -237,9 +244,18 @@ def table_setting(cfg: JobConfig, strategy: Any, sizes: dict[str, int]) -> Any:
     on = isinstance(bias, (int, float)) and not isinstance(bias, bool) and bias > 0
     return Setting(strategy, sizes, steps_per_call=k if isinstance(k, int) and k >= 1 else 1,
                    clip_norm=cfg.optimizer.clip_norm, noise_scale_every=cfg.logging.noise_scale.every,
-                   ramp=kind, ramp_steps=tuple(s for s in ramp.get("steps") or () if isinstance(s, int)),
+                   ramp=_ramp_kind(cfg, sizes),
+                   ramp_steps=tuple(s for s in ramp.get("steps") or () if isinstance(s, int)),
                    intervals=tuple((key, v) for key, v in intervals if isinstance(v, int)),
                    router_bias_rate=bias if on else None)
+
+
+def _ramp_kind(cfg: JobConfig, sizes: dict[str, int]) -> str | None:
+    """``"adaptive"`` or ``"fixed"`` for a ``data.batch_ramp`` that the mesh can run; ``None`` without
+    one, or for one that does not build or divide (:func:`_ramp_problems` reports it)."""
+    if not cfg.data.batch_ramp or _ramp_problems(cfg, *_batch_divisor(cfg, sizes)):
+        return None
+    return "adaptive" if cfg.data.batch_ramp.get("adaptive") is True else "fixed"
 
 
 def _table_problems(cfg: JobConfig, strategy: Any, num_devices: int | None) -> list[str]:
@@ -260,17 +276,12 @@ def _table_problems(cfg: JobConfig, strategy: Any, num_devices: int | None) -> l
 
 
 def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
-    """``data.batch_ramp``: well formed, and every size divisible like ``data.batch_size``."""
-    from jaxpar.run._ramp import RampError
-
+    """``data.batch_ramp``: well formed, and every size divisible like ``data.batch_size`` (what an
+    adaptive ramp needs is the table's: :mod:`jaxpar.compat._needs`)."""
     try:
         ramp = build_ramp(cfg.data)
         if ramp is not None:
             ramp.check_divisible(n, what)
-        if cfg.data.batch_ramp.get("adaptive") and cfg.logging.noise_scale.every is None:
-            return [f"data.batch_ramp.adaptive=true grows the batch toward the measured gradient noise scale, but "
-                    f"logging.noise_scale.every is not set; measure it, e.g. logging.noise_scale: {{every: "
-                    f"{min(10, ramp.every)}}} (at most data.batch_ramp.every={ramp.every})."]
     except ConfigError as e:
         return [str(e)]
     except RampError as e:
@@ -279,19 +290,18 @@ def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
 
 
 def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
-    """``parallel.steps_per_call``'s type (what it needs of the loop's intervals: :mod:`jaxpar.compat._needs`)."""
+    """``parallel.steps_per_call``'s value, as ``make_train_step`` checks it (:func:`jaxpar.errors.int_problem`;
+    what it needs of the loop's intervals: :mod:`jaxpar.compat._needs`)."""
     k = cfg.parallel.steps_per_call
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        return [f"parallel.steps_per_call={k!r}: must be an int >= 1 (optimizer steps per compiled call)."]
-    return []
+    return [f"parallel.steps_per_call={k!r}: {why}."] if (why := int_problem(k, 1)) else []
 
 
 def _noise_scale_problems(p: list[str], cfg: JobConfig) -> None:
     """``logging.noise_scale.every`` / ``ema`` themselves."""
     ns = cfg.logging.noise_scale
-    if ns.every is not None and (isinstance(ns.every, bool) or not isinstance(ns.every, int) or ns.every < 1):
-        p.append(f"logging.noise_scale.every={ns.every!r}: must be an int >= 1 (measure every that many steps), "
-                 "or null to measure nothing.")
+    if ns.every is not None and (why := int_problem(ns.every, 1)):
+        p.append(f"logging.noise_scale.every={ns.every!r}: {why} (measure every that many steps), or null to "
+                 "measure nothing.")
     if not 0 <= ns.ema < 1:
         p.append(f"logging.noise_scale.ema={ns.ema!r}: must be in [0, 1), the decay of the moving averages per "
                  "measurement (0: none; e.g. 0.95).")

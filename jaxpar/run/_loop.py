@@ -54,7 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.batch import batch_sharding, shard_batch
 from jaxpar.compat._table import Setting, raise_problems
-from jaxpar.errors import LoopError, RampError
+from jaxpar.errors import LoopError, check_int
 from jaxpar.parallel.moe import use_router_bias
 from jaxpar.rules import named_shardings
 from jaxpar.strategy import Strategy
@@ -66,7 +66,7 @@ from jaxpar.run._preemption import StopAgreement, StopSignals
 from jaxpar.run._ramp import AdaptiveRamp
 from jaxpar.run._run_directory import refuse_later_steps
 from jaxpar.run._report import LogOptions, NonFiniteError, TrainSummary, plot_losses  # re-exported: their former home
-from jaxpar.run._report import check_int, merge_log_options, Meter, Progress
+from jaxpar.run._report import merge_log_options, Meter, Progress
 from jaxpar.step._router_bias import KEY as BIAS, has_router_bias
 from jaxpar.step._grads import model_loss
 from jaxpar.step._program import strategy_context
@@ -118,17 +118,15 @@ def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy | No
 
 
 def _check_ramp_and_calls(state: Any, ramp: Any, k: Any, **intervals: int) -> None:
-    """``train(ramp=AdaptiveRamp)`` needs a measured noise scale; ``steps_per_call`` with the ramp and
-    the loop's intervals are checked by the compatibility table (:func:`jaxpar.compat.raise_problems`:
-    these rules read the loop's settings only, so the setting holds the default strategy and no mesh)."""
-    if isinstance(ramp, AdaptiveRamp) and not (isinstance(state.stats, dict) and NOISE_KEY in state.stats):
-        raise RampError("train(ramp=AdaptiveRamp(...)): the batch grows toward the measured gradient noise scale, "
-                        "but the state measures none; build it with state, layout = jaxpar.with_noise_scale(state, "
-                        "layout, every=k) before make_train_step.")
-    check_int("train", "steps_per_call", k, 1)
+    """The ramp (an adaptive one needs the state's noise scale), ``steps_per_call`` with it and the
+    loop's intervals: the compatibility table (:func:`jaxpar.compat.raise_problems`). These rules read
+    the loop's settings only, so the setting holds the default strategy and no mesh, and the noise
+    scale as ``True`` when the state measures it (its interval is the layout's)."""
+    check_int("train", "steps_per_call", k, 1, LoopError)
     kind = "adaptive" if isinstance(ramp, AdaptiveRamp) else "fixed" if ramp is not None else None
-    raise_problems(Setting(Strategy(), {}, steps_per_call=k, ramp=kind, ramp_steps=tuple(getattr(ramp, "steps", ())),
-                           intervals=tuple(intervals.items())))
+    measured = True if isinstance(state.stats, dict) and NOISE_KEY in state.stats else None
+    raise_problems(Setting(Strategy(), {}, steps_per_call=k, noise_scale_every=measured, ramp=kind,
+                           ramp_steps=tuple(getattr(ramp, "steps", ())), intervals=tuple(intervals.items())))
 
 
 def _checked_train_args(state: Any, log: LogOptions, *, steps: int, start_step: int | None, eval_every: int,
@@ -138,7 +136,7 @@ def _checked_train_args(state: Any, log: LogOptions, *, steps: int, start_step: 
     stop_check_every = log.log_every if stop_check_every is None else stop_check_every
     for name, value, low in (("steps", steps, 1), ("eval_every", eval_every, 0), ("max_inflight", max_inflight, 1),
                              ("stop_check_every", stop_check_every, 1)):
-        check_int("train", name, value, low)
+        check_int("train", name, value, low, LoopError)
     if on_nonfinite not in NONFINITE_MODES:
         raise LoopError(f"train(on_nonfinite={on_nonfinite!r}): choose one of {', '.join(NONFINITE_MODES)}.")
     start = int(state.step) if start_step is None else int(start_step)

@@ -20,10 +20,9 @@ import jax
 
 from jaxpar.analysis._compiled_memory import format_bytes
 from jaxpar.run._sinks import MetricsWriter, mfu
-from jaxpar.errors import LoopError, NonFiniteError
+from jaxpar.errors import LoopError, NonFiniteError, check_int
 
-__all__ = ["LogOptions", "TrainSummary", "NonFiniteError", "plot_losses", "Progress", "Meter", "check_int",
-           "merge_log_options"]
+__all__ = ["LogOptions", "TrainSummary", "NonFiniteError", "plot_losses", "Progress", "Meter", "merge_log_options"]
 
 _PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
@@ -102,19 +101,6 @@ _COMM = ("comm_bytes", "comm_ratio", "residual_norm", "replica_grad_norm",      
          "batch_size", "data_wait")                     # the step's global batch; seconds waiting for it
 
 
-def check_int(owner: str, name: str, value: Any, low: int) -> None:
-    """Raise :class:`~jaxpar.errors.LoopError` naming ``owner(name=value)`` unless ``value`` is an int >= ``low``.
-
-    Args:
-      owner: the function or class named in the message.
-      name: the argument's name.
-      value: the value to check (a bool is not an int here).
-      low: the smallest value allowed.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise LoopError(f"{owner}({name}={value!r}): must be an int >= {low}.")
-
-
 def _num(x: float) -> float | str:
     """JSON-safe float: NaN / inf become the strings ``"nan"`` / ``"inf"`` / ``"-inf"``."""
     return x if math.isfinite(x) else str(x)
@@ -161,7 +147,7 @@ class LogOptions:
     peak_flops: float | None = None
 
     def __post_init__(self) -> None:
-        check_int("LogOptions", "log_every", self.log_every, 1)
+        check_int("LogOptions", "log_every", self.log_every, 1, LoopError)
         if self.progress not in _PROGRESS_MODES:
             raise LoopError(f"LogOptions(progress={self.progress!r}): choose one of "
                              f"{', '.join(map(repr, _PROGRESS_MODES))}.")

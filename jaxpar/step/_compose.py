@@ -57,22 +57,21 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.batch import batch_sharding, check_batch, check_stacked_batches, shard_batch
 from jaxpar.compat._settings import replicas_on
-from jaxpar.compat._table import Setting
+from jaxpar.compat._table import Setting, raise_problems
 from jaxpar.mesh import batch_axes
 from jaxpar.parallel.moe import use_router_bias
 from jaxpar.step._balancing import finish as finish_moe
 from jaxpar.strategy import Strategy
 from jaxpar.step._exchange import compressed_exchange, exact_exchange, measured_exchange, run_exchange
 from jaxpar.step._grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
-from jaxpar.step._init import raise_table_problems
+from jaxpar.step._init import older_versions_of
 from jaxpar.step._program import TrainStep, jit_program
 from jaxpar.step._relaxed import is_local
-from jaxpar.run._report import check_int
 from jaxpar.step._noise_scale import KEY as NOISE_SCALE
 from jaxpar.step._router_bias import KEY as BIAS
 from jaxpar.step._state import StateLayout, StrategyMismatchError, has_stats_part, layout_strategy, part_options
 from jaxpar.step._update import Update, apply_update, clip_norm_problem, delayed_update
-from jaxpar.errors import StepError
+from jaxpar.errors import AsyncPipelineError, LoopError, StashingError, StepError, check_int
 
 __all__ = ["make_train_step", "StepOptions", "ExplicitDPError", "StrategyMismatchError", "batch_sharding",
            "check_batch", "shard_batch"]
@@ -183,17 +182,20 @@ def _program(kind: str, loss_fn: Callable, layout: StateLayout, update: Update, 
 
 
 def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
-    """``steps_per_call``'s value, the compatibility table's refusals for this step
-    (:mod:`jaxpar.compat._table`), then the checks of the options' own values."""
-    strategy = layout.strategy
-    check_int("make_train_step", "steps_per_call", opts.steps_per_call, 1)
-    raise_table_problems(Setting(strategy, dict(layout.mesh.shape), explicit_dp=opts.explicit_dp,
-                                 steps_per_call=opts.steps_per_call, clip_norm=update.clip_norm,
-                                 noise_scale_every=opts.noise_scale_every, router_bias_rate=opts.router_bias_rate))
-    if strategy.schedule in ("pipedream", "pipedream-2bw"):       # the versions the state keeps
-        from jaxpar.parallel.pipeline._versioned_stage import check_versioned_state   # pipelines load only when used
-
-        check_versioned_state(strategy, dict(layout.mesh.shape), layout.versions)
+    """``steps_per_call``'s value, the compatibility table's refusals for this step (once:
+    :mod:`jaxpar.compat._table`), then the older weight versions the layout keeps."""
+    strategy, sizes = layout.strategy, dict(layout.mesh.shape)
+    check_int("make_train_step", "steps_per_call", opts.steps_per_call, 1, LoopError)
+    raise_problems(Setting(strategy, sizes, explicit_dp=opts.explicit_dp, steps_per_call=opts.steps_per_call,
+                           clip_norm=update.clip_norm, noise_scale_every=opts.noise_scale_every,
+                           router_bias_rate=opts.router_bias_rate))
+    is_spec = lambda x: isinstance(x, PartitionSpec)   # noqa: E731
+    kept = jax.tree.structure(layout.versions, is_leaf=is_spec)
+    if kept != jax.tree.structure(older_versions_of(strategy, sizes, layout.params), is_leaf=is_spec):
+        error = {"pipedream": StashingError, "pipedream-2bw": AsyncPipelineError}.get(strategy.schedule, StepError)
+        raise error(f"make_train_step with schedule={strategy.schedule!r}, but the layout's older weight versions "
+                    "(TrainState.versions) are not those of this schedule: the state was made for another schedule "
+                    "or update_every. Create it with init_train_state(..., strategy) using this same strategy.")
 
 
 def _per_step(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:

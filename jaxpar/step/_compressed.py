@@ -46,7 +46,8 @@ def compression_plan(codec, layout: StateLayout, zero: int) -> ExchangePlan:
 
     Args:
       codec: the codec (e.g. :func:`~jaxpar.parallel.compression.qsgd`), as in ``Strategy(compression=...)``.
-      layout: the state's layout (shapes, logical names, rules, mesh).
+      layout: the state's layout (shapes, logical names, rules, mesh); the table's codec rules ran
+        when it was made.
       zero: the ZeRO stage (which gradients are sharded over the data axes).
 
     Returns:
@@ -59,7 +60,7 @@ def compression_plan(codec, layout: StateLayout, zero: int) -> ExchangePlan:
     logical = jax.tree_util.tree_structure(layout.shapes).flatten_up_to(layout.logical)
     stacked = [tuple(lg)[:1] == (LAYERS,) for lg in logical]
     return exchange_plan(codec, shapes, dims=[d for d, _, _ in lays], grad_axes=[g for _, _, g in lays],
-                         stacked=stacked, mesh_sizes=dict(mesh.shape), zero=zero)
+                         stacked=stacked, mesh_sizes=dict(mesh.shape), zero=zero, checked=False)   # by the layout
 
 
 def _replica_spec(plan: ExchangePlan) -> PartitionSpec:

@@ -46,7 +46,7 @@ from jaxpar.adapters._mesh_axes import check_model_axes
 from jaxpar.adapters._shapes import abstract_model
 from jaxpar.step._state import StateLayout, TrainState, optimizer_specs
 
-__all__ = ["init_train_state", "state_layout", "raise_table_problems"]
+__all__ = ["init_train_state", "state_layout", "older_versions_of"]
 
 
 def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
@@ -119,7 +119,7 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
     layout = StateLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt_param, opt_state, opt_shapes,
                          strategy=strategy, layer_lists=stacked_counts(model_fn))
     codec_init = layout.codec_init
-    _raise_strategy_problems(strategy, sizes)
+    raise_problems(Setting(strategy, sizes))      # the table, once: nothing below runs it again
     if replicas_on(Setting(strategy, sizes)):
         return _relaxed_layout_and_init(model_fn, tx, layout, strategy)
     if strategy.compression is not None:
@@ -128,16 +128,12 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
         make_codec, codec_specs, codec_shapes = compression_state(strategy.compression, layout, strategy.zero)
         codec_init = jax.jit(make_codec, out_shardings=named_shardings(codec_specs, mesh))
         layout = replace(layout, codec=codec_specs, codec_shapes=codec_shapes, codec_init=codec_init)
-    two_bw, stashed = _two_bw(strategy, mesh), _stashed(strategy, mesh)
-    if two_bw:      # PipeDream-2BW keeps W(t-1) beside W(t), in the same layout
-        layout = replace(layout, versions=layout.params, versions_shapes=layout.shapes)
-    if stashed:     # weight stashing keeps the newest older versions of every stage, newest first
-        layout = replace(layout, versions=(layout.params,) * stashed, versions_shapes=(layout.shapes,) * stashed)
+    layout = replace(layout, versions=older_versions_of(strategy, sizes, layout.params),
+                     versions_shapes=older_versions_of(strategy, sizes, layout.shapes))
 
     def init(p=None):
         p = _model_params(model_fn) if p is None else p
-        older = jax.tree.map(jnp.copy, p) if two_bw else ()
-        older = tuple(jax.tree.map(jnp.copy, p) for _ in range(stashed)) if stashed else older
+        older = jax.tree.map(jnp.copy, older_versions_of(strategy, sizes, p))
         return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), codec=codec_init(), versions=older)
 
     return layout, init
@@ -155,40 +151,27 @@ def _stacking(model_fn: Callable[[], nnx.Module]) -> Callable[[], nnx.Module]:
     return stacked
 
 
-def _raise_strategy_problems(strategy: Strategy, sizes: dict) -> None:
-    """The compatibility table's refusals of the strategy on this mesh (:mod:`jaxpar.compat._table`)."""
-    raise_table_problems(Setting(strategy, sizes))
-
-
-def raise_table_problems(setting: Setting) -> None:
-    """Raise the first refusal of the compatibility table (:func:`jaxpar.compat.raise_problems`)
-    as the :class:`~jaxpar.errors.JaxparError` subclass its problem declares (``SyncError``,
-    ``StashingError``, ``MoEError``, ...).
+def older_versions_of(strategy: Strategy, sizes: dict, params: Any) -> Any:
+    """The older weight versions a pipeline schedule keeps beside ``params`` (``TrainState.versions``).
 
     Args:
-      setting: what the run asks for.
+      strategy: the strategy.
+      sizes: the mesh axis sizes.
+      params: the parameters, or their specs or shapes (the versions mirror them).
+
+    Returns:
+      PipeDream-2BW: ``params`` (``W(t-1)`` beside ``W(t)``, in the same layout); weight stashing:
+      a tuple of ``ceil((pipe - 1) / update_every)`` of them (the newest older versions of every
+      stage, newest first); any other schedule: ``()``.
     """
-    raise_problems(setting)
+    from jaxpar.parallel.pipeline._stash_versions import is_stashing, older_versions
+    from jaxpar.parallel.pipeline._two_bw import is_two_bw
 
-
-def _two_bw(strategy: Strategy, mesh: Mesh) -> bool:
-    """Whether the state keeps PipeDream-2BW's second weight version (errors for settings it cannot run)."""
-    from jaxpar.parallel.pipeline._two_bw import check_two_bw, is_two_bw
-
-    if strategy.schedule != "pipedream-2bw":
-        return False
-    check_two_bw(strategy, mesh.shape)
-    return is_two_bw(strategy, mesh.shape)
-
-
-def _stashed(strategy: Strategy, mesh: Mesh) -> int:
-    """Older weight versions the state keeps for PipeDream weight stashing (0: another schedule)."""
-    if strategy.schedule != "pipedream":
-        return 0
-    from jaxpar.parallel.pipeline._stash_versions import check_stashing, older_versions
-
-    check_stashing(strategy, mesh.shape)
-    return older_versions(mesh.shape["pipe"], strategy.update_every)
+    if is_two_bw(strategy, sizes):
+        return params
+    if is_stashing(strategy, sizes):
+        return (params,) * older_versions(sizes["pipe"], strategy.update_every)
+    return ()
 
 
 def _relaxed_layout_and_init(model_fn, tx, layout: StateLayout, strategy: Strategy) -> tuple[StateLayout, Callable]:

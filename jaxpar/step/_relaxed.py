@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.compat._table import Setting, raise_problems
 from jaxpar.mesh import REPLICA, data_axes, replicas
 from jaxpar.rules import named_shardings
 from jaxpar.strategy import Strategy
@@ -68,16 +67,11 @@ def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation, strate
 
     Returns:
       ``(layout, make)``: the layout with the sync kind's optimizer state and ``sync`` part, and
-      ``make(params) -> (opt_state, sync)`` that builds them from the parameters.
-
-    Raises:
-      JaxparError: the compatibility table's refusal of ``strategy`` on the layout's mesh
-        (:func:`jaxpar.compat.raise_problems`), as its class: ``SyncError`` where the sync
-        kind does not fit the ``replica`` axis or the mesh has a flush pipeline.
+      ``make(params) -> (opt_state, sync)`` that builds them from the parameters. ``init_train_state``
+      has checked ``strategy`` on the mesh (the compatibility table's refusals of a sync kind).
     """
     mesh, sync = layout.mesh, strategy.sync or synchronous()
     k = replicas(mesh)
-    raise_problems(Setting(strategy, dict(mesh.shape)))     # init_train_state has run it; a direct call has not
     inner_shapes, inner_specs = optimizer_specs(tx, layout.shapes, layout.opt_param_specs)
     if isinstance(sync, DiLoCo):
         opt_shapes, opt_specs = optimizer_specs(sync.outer, layout.shapes, layout.opt_param_specs)

@@ -51,7 +51,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar.compat._table import Setting, raise_problems
+from jaxpar.compat._table import codec_problems, raise_first
 from jaxpar.parallel._data_parallel import axis_name, unflatten_leaf
 from jaxpar.parallel.compression._codecs import Codec
 from jaxpar.parallel.compression._bits import from_bytes, to_bytes
@@ -366,7 +366,7 @@ def _own_slice(full: jax.Array, d: int, axes: tuple[str, ...]) -> jax.Array:
 
 
 def exchange_plan(codec, shapes: list, *, dims: list, grad_axes: list, stacked: list,
-                  mesh_sizes: dict, zero: int = 0) -> ExchangePlan:
+                  mesh_sizes: dict, zero: int = 0, checked: bool = True) -> ExchangePlan:
     """An :class:`ExchangePlan` over the data axes of ``mesh_sizes`` larger than 1.
 
     Args:
@@ -377,6 +377,8 @@ def exchange_plan(codec, shapes: list, *, dims: list, grad_axes: list, stacked: 
       stacked: whether each leaf's axis 0 is the stacked ``layers`` axis (PowerSGD compresses each layer).
       mesh_sizes: the mesh's axis sizes by name.
       zero: the ZeRO stage; gradients sharded over the data axes count as ZeRO-2 where it is lower.
+      checked: check the compatibility table's rules of a codec (:func:`jaxpar.compat.codec_problems`);
+        ``False`` where the table has run for the strategy (``init_train_state``, ``make_train_step``).
 
     Returns:
       The plan.
@@ -384,9 +386,8 @@ def exchange_plan(codec, shapes: list, *, dims: list, grad_axes: list, stacked: 
     Raises:
       CompressionError: the table's refusal (no data axis; 1-bit Adam with sharded gradients).
     """
-    from jaxpar.strategy import Strategy     # jaxpar.strategy imports this package
-    table = lambda z: raise_problems(Setting(Strategy(compression=codec, zero=z), dict(mesh_sizes)))  # noqa: E731
-    table(zero)         # the table's rules of a codec, for a call without init_train_state: a data axis, ...
+    if checked:         # a data axis; 1-bit Adam x gradients sharded by ZeRO-2/3 or fsdp
+        raise_first(codec_problems(codec, mesh_sizes, zero))
     axes = tuple(a for a in ("fsdp", "data") if mesh_sizes.get(a, 1) > 1)
     order = [a for ga in grad_axes for a in ga]
     if any(set(ga) == set(axes) for ga in grad_axes):
@@ -395,6 +396,6 @@ def exchange_plan(codec, shapes: list, *, dims: list, grad_axes: list, stacked: 
         axes = tuple(sorted(axes, key=lambda a: order.index(a) if a in order else len(order)))
     plan = ExchangePlan(codec, axes, math.prod(mesh_sizes[a] for a in axes), tuple(tuple(s) for s in shapes),
                         tuple(dims), tuple(tuple(a) for a in grad_axes), tuple(stacked))
-    if any(plan.scattered) and getattr(codec, "optimizer_momentum", 0.0):
-        table(max(zero, 2))     # ... and 1-bit Adam x gradients sharded over the data axes (ZeRO-2/3)
+    if checked and any(plan.scattered):     # ... gradients sharded over the data axes, whatever ``zero`` says
+        raise_first(codec_problems(codec, mesh_sizes, max(zero, 2)))
     return plan

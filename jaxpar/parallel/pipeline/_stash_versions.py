@@ -106,15 +106,19 @@ def _stage_events(schedule: Schedule, stage: int, k: int, vertical_sync: bool):
     return out
 
 
-def _check_table(schedule: Schedule, k: int) -> None:
+def _check_table(schedule: Schedule, k: int, m: int | None = None) -> None:
+    """The lowering's own arguments: a one-chunk table with a fused backward, ``update_every`` ``k``
+    dividing the micro-batches per step ``m`` (default: the table's), and ``m`` the table's."""
     if schedule.num_chunks != 1 or schedule.split_backward:
         raise StashingError(f"weight stashing runs one chunk per stage with a fused backward; the table "
                             f"{schedule.name!r} has num_chunks={schedule.num_chunks}, split_backward="
                             f"{schedule.split_backward}. Use jaxpar.parallel.pipeline._schedules.pipedream(p, m, steps).")
     check_int("update_every", k, 1, StashingError)
-    if schedule.num_microbatches % k:
-        raise StashingError(f"update_every={k} does not divide the table's {schedule.num_microbatches} "
-                            f"micro-batches; use an update_every that divides the micro-batches per step.")
+    m = schedule.num_microbatches if m is None else check_int("m", m, 1, StashingError)
+    if m % k or schedule.num_microbatches % m:
+        divisors = [d for d in range(1, m + 1) if m % d == 0]
+        raise StashingError(f"update_every={k} must divide the micro-batches per step m={m}, and m the table's "
+                            f"{schedule.num_microbatches}; use update_every in {divisors}.")
 
 
 def _intervals(schedule: Schedule, stage: int, k: int, vertical_sync: bool, keep: int | None):
@@ -211,11 +215,7 @@ def lower_stashed(schedule: Schedule, *, m: int, update_every: int = 1, vertical
     """
     program = lower(schedule)
     k, p = update_every, schedule.num_stages
-    _check_table(schedule, k)
-    if m % k or schedule.num_microbatches % m:
-        divisors = [d for d in range(1, m + 1) if m % d == 0]
-        raise StashingError(f"update_every={k} must divide the micro-batches per step m={m}, and m the table's "
-                            f"{schedule.num_microbatches}; use update_every in {divisors}.")
+    _check_table(schedule, k, m)
     older, ticks = older_versions(p, k), len(schedule.table)
     ver, cur, new, upd = ([[0] * p for _ in range(ticks)] for _ in range(4))
     init, final, slots = [], [], []
@@ -251,17 +251,18 @@ def is_stashing(strategy, mesh_sizes: Mapping[str, int]) -> bool:
 
 
 def check_stashing(strategy, mesh_sizes: Mapping[str, int]) -> None:
-    """Errors for weight-stashing settings that cannot run (``strategy.schedule`` is ``'pipedream'``):
-    the compatibility table's refusals and needs (:func:`jaxpar.compat.raise_problems`: a
-    ``pipe`` axis > 1, ``update_every`` dividing ``microbatches``, and what stashing combines with).
+    """The compatibility table's refusals and needs of a weight-stashing strategy on a mesh
+    (:func:`jaxpar.compat.raise_problems`: a ``pipe`` axis > 1, ``update_every`` dividing
+    ``microbatches``, and what stashing combines with), for a caller without ``init_train_state`` /
+    ``make_train_step`` (they run the table once).
 
     Args:
-        strategy: the :class:`~jaxpar.strategy.Strategy`.
+        strategy: the :class:`~jaxpar.strategy.Strategy` (``schedule='pipedream'``).
         mesh_sizes: the mesh's axis sizes.
 
     Raises:
-        StashingError: no ``pipe`` axis > 1, ``update_every`` does not divide ``microbatches``, or
-            ``virtual_stages`` is not 1 (another refusal of the table as its own class).
+        StashingError: no ``pipe`` axis > 1, or ``update_every`` does not divide ``microbatches``
+            (another refusal of the table as its own class).
 
     >>> from jaxpar import Strategy
     >>> check_stashing(Strategy(schedule="pipedream", microbatches=4, update_every=3), {"pipe": 2})
@@ -269,7 +270,4 @@ def check_stashing(strategy, mesh_sizes: Mapping[str, int]) -> None:
     ...
     jaxpar.errors.StashingError: Strategy.update_every=3 does not divide Strategy.microbatches=4...
     """
-    raise_problems(Setting(strategy, dict(mesh_sizes)))     # init_train_state / make_train_step have run it already
-    if strategy.virtual_stages != 1:
-        raise StashingError(f"Strategy.virtual_stages={strategy.virtual_stages} with schedule='pipedream': "
-                            "weight stashing runs one chunk per stage; use virtual_stages=1.")
+    raise_problems(Setting(strategy, dict(mesh_sizes)))

@@ -142,12 +142,12 @@ def two_bw_versions(schedule: Schedule, m: int) -> tuple[int, ...]:
 
 
 def check_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> None:
-    """Errors for PipeDream-2BW settings that cannot run (``strategy.schedule`` is 2BW): the
-    compatibility table's refusals and needs (:func:`jaxpar.compat.raise_problems`: 2BW needs
-    a ``pipe`` axis > 1, and what it combines with), then the schedule's own shape.
+    """The compatibility table's refusals and needs of a PipeDream-2BW strategy on a mesh
+    (:func:`jaxpar.compat.raise_problems`: a ``pipe`` axis > 1, ``microbatches >= pipe``, and what 2BW
+    combines with), for a caller without ``init_train_state`` / ``make_train_step`` (they run the table once).
 
     Args:
-      strategy: the strategy (its ``microbatches``).
+      strategy: the strategy (``schedule='pipedream-2bw'``).
       mesh_sizes: the mesh's axis sizes.
 
     Raises:
@@ -160,10 +160,4 @@ def check_two_bw(strategy, mesh_sizes: Mapping[str, int]) -> None:
     ...
     jaxpar.errors.AsyncPipelineError: schedule='pipedream-2bw' needs a 'pipe' mesh axis > 1 (got pipe=1)...
     """
-    sizes = dict(mesh_sizes)
-    raise_problems(Setting(strategy, sizes))      # init_train_state / make_train_step have run it already
-    p, m = sizes.get("pipe", 1), strategy.microbatches
-    if m < p:
-        raise AsyncPipelineError(
-            f"Strategy.microbatches={m} with schedule='pipedream-2bw' and pipe={p}: 2BW needs microbatches >= pipe "
-            f"(1F1B's steady state with two weight versions); use microbatches >= {p}.")
+    raise_problems(Setting(strategy, dict(mesh_sizes)))
