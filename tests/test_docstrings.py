@@ -2,8 +2,8 @@
 every cross reference in a docstring points at something real.
 
 * :func:`test_public_functions_have_args_and_returns`: per module, every function named in its
-  ``__all__`` (and defined there) with parameters, and every public method of a class named in
-  its ``__all__``, has a Google-style ``Args:`` section listing its parameters (``self`` / ``cls``
+  ``__all__`` (a package's API) with parameters, and every public method of a class named in
+  it, has a Google-style ``Args:`` section listing its parameters (``self`` / ``cls``
   excluded; ``*args`` / ``**kwargs`` as ``*args`` / ``**kwargs`` or by name), and a ``Returns:``
   (or ``Yields:``) section when it returns something other than ``None``: by the return
   annotation when there is one, else by a ``return <value>`` or ``yield`` in its body.
@@ -58,15 +58,21 @@ MODULES = module_names()
 
 # --- Args / Returns ------------------------------------------------------------------------------
 
+def public_names(module) -> list[str]:
+    """The names in ``module.__all__``: a package's API or a public module's. Private ``_name.py``
+    modules carry none (optax's layout); what they define is checked through the package that
+    exports it."""
+    return list(getattr(module, "__all__", ()))
+
+
 def public_functions(module):
-    """``(qualified name, function, is_method)`` for the public functions of ``module``: functions
-    in its ``__all__`` defined in it, and the public methods of the classes in its ``__all__``
-    defined in it (re-exports are checked where they are defined)."""
-    for name in getattr(module, "__all__", ()):
+    """``(qualified name, function, is_method)`` for the public functions of ``module``: those of
+    :func:`public_names`, and the public methods of such classes."""
+    for name in public_names(module):
         obj = getattr(module, name)
-        if inspect.isfunction(obj) and obj.__module__ == module.__name__:
+        if inspect.isfunction(obj):
             yield name, obj, False
-        elif inspect.isclass(obj) and obj.__module__ == module.__name__:
+        elif inspect.isclass(obj) and obj.__module__.startswith("jaxpar"):
             for attr, raw in vars(obj).items():
                 if attr.startswith("_") or isinstance(raw, property):
                     continue
@@ -74,7 +80,7 @@ def public_functions(module):
                     yield f"{name}.{attr}", raw.__func__, False
                 elif isinstance(raw, classmethod):
                     yield f"{name}.{attr}", raw.__func__, True
-                elif inspect.isfunction(raw) and raw.__module__ == module.__name__:
+                elif inspect.isfunction(raw) and raw.__module__ == obj.__module__:
                     yield f"{name}.{attr}", raw, True
 
 

@@ -46,9 +46,6 @@ from flax import nnx
 from jaxpar.rules import RulesError, path_str
 from jaxpar.errors import ModelStateError
 
-__all__ = ["LayerCall", "LayerSite", "scan_blocks", "run_layers", "use_layer_runner", "current_layer_runner",
-           "find_layer_calls", "with_remat", "remat_policy", "REMAT_POLICIES", "LAYERS"]
-
 #: The logical name of the stacked layer axis (axis 0 of every block parameter).
 LAYERS = "layers"
 

@@ -61,9 +61,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.adapters._blocks import LAYERS, scan_blocks
 from jaxpar.errors import LayerListError
 
-__all__ = ["StackedLayers", "LayerListError", "stack_layers", "stacked_lists", "stacked_counts", "layer_differences",
-           "list_form", "stacked_form", "change_form"]
-
 
 def _statics(module: nnx.Module) -> dict[str, Any]:
     """A module's static settings (numbers, strings, flags, enum members) by path."""

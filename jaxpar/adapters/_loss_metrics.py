@@ -31,8 +31,6 @@ import jax.numpy as jnp
 
 from jaxpar.adapters._scoped import scoped
 
-__all__ = ["report_metric", "collect_metrics", "with_reported_metrics"]
-
 _FOUND: contextvars.ContextVar = contextvars.ContextVar("jaxpar_loss_metrics", default=None)
 
 

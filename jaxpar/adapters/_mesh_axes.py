@@ -48,10 +48,6 @@ from jaxpar.mesh import data_axes
 from jaxpar.rules import axes_of, manual_axes, path_str, spec_without
 from jaxpar.errors import ModelMeshError
 
-__all__ = ["ModelMeshError", "ModelLoss", "needs_explicit_mesh", "explicit_model_loss", "explicit_call", "batch_specs",
-           "model_batch_axes", "batch_split_trials", "closest_trial", "SplitTrial", "check_model_axes",
-           "call_site"]
-
 # What JAX says when a model pins a sharding by mesh axes under a mesh that does not allow it.
 _SIGNS = ("not under a mesh context", "of type Auto", "AxisType", "Auto or Manual", "`out_sharding`",
           "out_sharding=", "explicit mesh", "Explicit axes")

@@ -14,8 +14,6 @@ import contextlib
 import contextvars
 from typing import Any, Iterator
 
-__all__ = ["scoped"]
-
 
 @contextlib.contextmanager
 def scoped(var: contextvars.ContextVar, value: Any) -> Iterator[Any]:

@@ -8,8 +8,6 @@ from flax import nnx
 
 from jaxpar.errors import ModelStateError
 
-__all__ = ["abstract_model"]
-
 
 def abstract_model(model_fn: Callable[[], nnx.Module]):
     """The model's structure, parameter shapes and logical annotations, without allocating it.

@@ -59,8 +59,6 @@ from jaxpar.analysis._loops import trip_counts, while_trip_counts
 from jaxpar.analysis._replica_groups import source_target_pairs
 from jaxpar.errors import AnalysisError
 
-__all__ = ["compiled_bytes_per_axis", "stage_branch_weights"]
-
 
 def compiled_bytes_per_axis(compiled: Any, mesh: Any, plan: Plan | None = None) -> dict[str, float]:
     """Bytes per step per mesh axis of the collectives in ``compiled``, loops counted by trip count.

@@ -19,8 +19,6 @@ from typing import Any
 
 from jaxpar.errors import AnalysisError
 
-__all__ = ["MemoryReport", "memory_report", "memory_table", "format_bytes"]
-
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
 

@@ -87,8 +87,6 @@ from jaxpar.analysis._hlo_text import (
 from jaxpar.analysis._replica_groups import parse_replica_groups
 from jaxpar.errors import AnalysisError
 
-__all__ = ["BranchCollective", "device_dependent_collectives", "device_dependent_conditionals", "taints"]
-
 #: A value's taint: a bool for an array, a tuple of taints for a tuple.
 Taint = Union[bool, tuple]
 

@@ -44,22 +44,6 @@ from jaxpar.analysis._replica_groups import (
 from jaxpar.analysis._windowed import Windowed, windowed_einsums
 from jaxpar.errors import AnalysisError
 
-__all__ = [
-    "KINDS",
-    "Collective",
-    "collectives",
-    "summarize",
-    "collectives_table",
-    "count",
-    "shape_bytes",
-    "Instruction",
-    "parse_instructions",
-    "called_computations",
-    "partition_positions",
-    "parse_replica_groups",
-    "iota_replica_groups",
-]
-
 
 @dataclass(frozen=True)
 class Collective:

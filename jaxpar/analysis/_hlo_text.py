@@ -22,9 +22,6 @@ from dataclasses import dataclass
 
 from jaxpar.errors import AnalysisError
 
-__all__ = ["KINDS", "Instruction", "parse_instructions", "called_computations", "call_graph", "reached_computations",
-           "branch_computations", "operands", "channel", "shape_bytes", "array_shapes", "custom_call_targets", "tpu_async_roles", "tpu_reduce_scatters"]
-
 #: The collective opcodes (an async ``*-start`` / ``*-done`` pair is one of them).
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 

@@ -31,8 +31,6 @@ import re
 
 from jaxpar.analysis._hlo_text import Instruction, branch_computations, called_computations, operands, parse_instructions
 
-__all__ = ["while_trip_counts", "trip_counts"]
-
 _TRIP = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
 _ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
 _MIRROR = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE"}

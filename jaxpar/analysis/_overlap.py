@@ -53,8 +53,6 @@ from jaxpar.analysis._loops import trip_counts, while_trip_counts
 from jaxpar.analysis._compiled_memory import format_bytes, render_table
 from jaxpar.errors import AnalysisError
 
-__all__ = ["AsyncCollective", "SyncCollective", "OverlapReport", "overlap", "overlap_table", "dims"]
-
 #: Instructions that move no data and compute nothing (left out of the instruction counts).
 BOOKKEEPING = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast"})
 

@@ -30,8 +30,6 @@ import numpy as np
 
 from jaxpar.errors import AnalysisError
 
-__all__ = ["iota_replica_groups", "parse_replica_groups", "source_target_pairs", "axes_of_groups", "axes_of_pairs"]
-
 
 # ----------------------------------------------------------------------------- replica groups
 

@@ -35,8 +35,6 @@ from jax.sharding import PartitionSpec
 from jaxpar.rules import path_str
 from jaxpar.analysis._compiled_memory import format_bytes, render_table
 
-__all__ = ["sharding_table", "spec_str"]
-
 
 def spec_str(spec: Any) -> str:
     """A partition spec as ``(axis, axis, ...)``: ``-`` for a replicated dimension, ``a x b`` joined by ``x``.

@@ -42,8 +42,6 @@ from dataclasses import dataclass
 
 from jaxpar.analysis._hlo_text import Instruction, array_shapes, call_graph, called_computations, reached_computations
 
-__all__ = ["Windowed", "windowed_einsums"]
-
 _BODIES = {"windowed_dot_general_body_ag": "all-gather", "windowed_dot_general_body_rs": "reduce-scatter"}
 _PERMUTES = ("collective-permute", "collective-permute-start")
 

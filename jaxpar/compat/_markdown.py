@@ -11,8 +11,6 @@ from __future__ import annotations
 from jaxpar.compat._needs import REQUIREMENTS
 from jaxpar.compat._table import CODES, FEATURES, PARTLY, REFUSED, all_pairs, pair_status
 
-__all__ = ["markdown_table", "markdown_needs"]
-
 
 def markdown_needs() -> str:
     """What a feature needs on its own (:data:`jaxpar.compat._needs.REQUIREMENTS`) as Markdown.

@@ -23,8 +23,6 @@ from jaxpar.compat._settings import Problem, Setting, value_name
 from jaxpar.errors import (AsyncPipelineError, CompressionError, LoopError, NoiseScaleError, RampError, StashingError,
                            StrategyError, SyncError)
 
-__all__ = ["NEEDS", "INTERVALS", "REQUIREMENTS", "strategy_needs", "codec_needs"]
-
 #: The loop's intervals that ``steps_per_call`` must divide (:attr:`Setting.intervals`' keys).
 INTERVALS = ("steps", "start", "log_every", "eval_every", "checkpoint_every", "stop_check_every")
 

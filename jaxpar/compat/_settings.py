@@ -15,9 +15,6 @@ from typing import Any, Mapping, NamedTuple
 from jaxpar.errors import (AsyncPipelineError, CompressionError, ContextParallelError, ExplicitDPError, JaxparError,
                            MoEError, NoiseScaleError, RampError, StashingError, SyncError)
 
-__all__ = ["Setting", "Problem", "RULES", "FLUSH_SCHEDULES", "pipeline_schedule", "replicas_on", "value_name",
-           "sharded_moment_problems"]
-
 
 class Setting(NamedTuple):
     """What a run asks for: everything the compatibility table reads.

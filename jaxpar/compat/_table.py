@@ -35,10 +35,6 @@ from jaxpar.compat._settings import (FLUSH_SCHEDULES, RULES, Problem, Setting, p
                                      sharded_moment_problems)
 from jaxpar.errors import CompatError
 
-__all__ = ["Feature", "FEATURES", "CODES", "Setting", "Problem", "problems", "needs", "raise_problems",
-           "raise_first", "raise_strategy_problems", "codec_problems", "pair_status", "REFUSED", "PARTLY",
-           "ALTERNATIVES", "LIBRARY_NAMES", "all_pairs"]
-
 
 class Feature(NamedTuple):
     """A feature of the table: its code, what it is, and whether a :class:`Setting` uses it."""

@@ -21,11 +21,6 @@ from jaxpar.strategy import Strategy
 from jaxpar.config._imports import resolve_import
 from jaxpar.config._schema import GPT_KEYS, ConfigError, MeshConfig, ModelConfig, ParallelConfig
 
-__all__ = [
-    "ModelEntry", "MODELS", "build_gpt_config", "build_mesh", "build_strategy", "build_model_fn", "build_loss_fn",
-    "relabel", "mesh_spec", "mesh_error",
-]
-
 
 @dataclass(frozen=True)
 class ModelEntry:

@@ -34,8 +34,6 @@ import jax
 
 from jaxpar.config._schema import JobConfig
 
-__all__ = ["add_check_parser", "run_check", "check_config"]
-
 
 def add_check_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``check`` command to the ``jaxpar`` parser.

@@ -34,8 +34,6 @@ from jaxpar.config._imports import call_problem, resolve_import
 from jaxpar.config._schema import (LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS, ConfigError,
                                    JobConfig, ModelConfig, OptimizerConfig, ParallelConfig)
 
-__all__ = ["check", "table_setting", "YAML_NAMES"]
-
 
 def _mesh_sizes(cfg: JobConfig, num_devices: int | None) -> dict[str, int]:
     """``MeshSpec.sizes`` (checked against ``num_devices``; without it only the sizes themselves)."""

@@ -9,8 +9,6 @@ from jaxpar.config._imports import call_problem, resolve_import
 from jaxpar.config._problems import at_least, choice, collect
 from jaxpar.config._schema import DATA_KINDS, DataConfig, JobConfig
 
-__all__ = ["data_problems"]
-
 _RESERVED_DATA_KWARGS = ("step", "batch_size", "seed", "eval", "rows")
 
 

@@ -26,8 +26,6 @@ import numpy as np
 
 from jaxpar.config._schema import ConfigError, DataConfig
 
-__all__ = ["add_data_parser", "run_data_command", "run_prepare", "run_show", "length_histogram"]
-
 
 def add_data_parser(sub: Any, add_process_options: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add ``data prepare`` and ``data show`` to the ``jaxpar`` parser's subparsers ``sub``; ``show`` also

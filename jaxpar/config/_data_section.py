@@ -16,8 +16,6 @@ from jaxpar.config._documents import build_documents
 from jaxpar.config._imports import resolve_import, takes
 from jaxpar.config._schema import DATA_KINDS, ConfigError, DataConfig
 
-__all__ = ["build_data", "build_ramp", "describe_batch"]
-
 
 def describe_batch(batch: Any) -> str:
     """``"['x']: float32[32, 16], ['y']: int32[32]"``: the leaves of a host batch.

@@ -29,9 +29,6 @@ from jaxpar.config._data_section import describe_batch
 from jaxpar.config._job import Job
 from jaxpar.config._schema import JobConfig
 
-__all__ = ["header_lines", "model_label", "model_line", "state_line", "describe_data", "program_lines", "packing_line",
-           "part_bytes"]
-
 
 def header_lines(job: Job) -> list[str]:
     """The devices, mesh and strategy lines.

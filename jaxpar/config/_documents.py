@@ -34,9 +34,6 @@ from jaxpar.data._packing import PACK_METHODS
 from jaxpar.data._tokens import TOKEN_DTYPES, LiveTokens, TokenFile
 from jaxpar.config._schema import ConfigError, DataConfig, JobConfig
 
-__all__ = ["SOURCE_KEYS", "MALFORMED_MODES", "documents_problems", "source_cache_dir", "open_source_of",
-           "open_stores", "source_key", "source_error", "build_documents"]
-
 #: The keys of one entry of ``data.sources``.
 SOURCE_KEYS = ("path", "format", "text_field", "weight", "token_dtype", "separator")
 MALFORMED_MODES = ("error", "skip")

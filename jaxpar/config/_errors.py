@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from jaxpar.errors import JaxparError
 
-__all__ = ["user_errors"]
-
 
 def user_errors() -> tuple[type[Exception], ...]:
     """The exception classes a command prints as ``jaxpar COMMAND: error: ...``.

@@ -29,8 +29,6 @@ from typing import Any, NamedTuple, Sequence
 
 from jaxpar.config._schema import ConfigError
 
-__all__ = ["add_parsers", "run_command", "run_export", "run_sample", "RunWeights", "run_weights"]
-
 
 def add_parsers(sub: Any) -> None:
     """Add the ``export`` and ``sample`` subcommands to the ``jaxpar`` parser's subparsers ``sub``.

@@ -34,8 +34,6 @@ from typing import Any
 from jaxpar.adapters._blocks import REMAT_POLICIES
 from jaxpar.config._schema import HF_MODEL_KEYS, ConfigError, DataConfig, JobConfig, ModelConfig
 
-__all__ = ["hf_problems", "tokenizer_problems", "open_hf", "hf_mesh_problems", "hf_length_problems", "build_tokenizer"]
-
 
 def hf_problems(cfg: JobConfig) -> list[str]:
     """What is wrong with a ``model.hf`` config, without reading the checkpoint.

@@ -18,8 +18,6 @@ from typing import Any, Callable
 
 from jaxpar.config._schema import ConfigError
 
-__all__ = ["resolve_import", "call_problem", "takes"]
-
 
 def _load_file(path: Path) -> Any:
     """The module of a ``.py`` file, loaded once per path (cached in ``sys.modules``)."""

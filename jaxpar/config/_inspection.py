@@ -27,9 +27,6 @@ from jaxpar.devices._targets import Target, TargetError, compile_error, parse_ta
 from jaxpar.config._build import mesh_spec
 from jaxpar.config._schema import ConfigError, JobConfig
 
-__all__ = ["inspect_config", "target_mesh_problem", "fit_lines", "fitting_plan", "DOES_NOT_FIT", "parse_target",
-           "job_devices"]
-
 #: ``jaxpar inspect --target``'s exit status when the program does not fit the device's memory.
 DOES_NOT_FIT = 3
 

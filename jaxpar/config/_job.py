@@ -43,8 +43,6 @@ from jaxpar.config._hf_model import build_tokenizer, hf_length_problems, hf_mesh
 from jaxpar.config._optimizer_section import build_optimizer, frozen_variance_step
 from jaxpar.config._schema import ConfigError, JobConfig
 
-__all__ = ["Job", "build_job", "updates_per_step"]
-
 
 @dataclass(frozen=True)
 class Job:

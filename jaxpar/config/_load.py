@@ -18,8 +18,6 @@ from omegaconf.errors import OmegaConfBaseException
 from jaxpar.config._checks import check
 from jaxpar.config._schema import GPT_KEYS, HF_MODEL_KEYS, IMPORT_KEYS, RENAMED, USER_MODEL_KEYS, ConfigError, JobConfig
 
-__all__ = ["load_config", "merge_layers", "parse_overrides", "to_yaml"]
-
 
 def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)

@@ -18,9 +18,6 @@ from jaxpar import optimizers as opt_lib
 from jaxpar.strategy import Strategy
 from jaxpar.config._schema import ConfigError, LRScalingConfig, OptimizerConfig
 
-__all__ = ["OPTIMIZERS", "lr_scaling_problems", "peak_lr", "build_lr_schedule", "build_trust_mask", "build_optimizer",
-           "frozen_variance_step"]
-
 
 def _adamw(c: OptimizerConfig, lr, **_):
     return optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay)

@@ -23,9 +23,6 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 from jaxpar.strategy import Strategy
 from jaxpar.config._schema import ConfigError, JobConfig
 
-__all__ = ["PlannerView", "cost_model", "plan_model", "plan_dtype", "planner_view", "unpredicted", "predicted_peak",
-           "planner_table", "plan_report", "verify_plans", "plan_overrides"]
-
 
 class PlannerView(NamedTuple):
     """The cost model's description of a config's job: ``model``, ``plan`` and its ``estimate``."""

@@ -12,8 +12,6 @@ from typing import Any, Callable, Sequence
 
 from jaxpar.config._schema import ConfigError
 
-__all__ = ["choice", "at_least", "collect"]
-
 
 def choice(problems: list[str], key: str, value: Any, allowed: Sequence[Any]) -> None:
     """A problem unless ``value`` is one of ``allowed``.

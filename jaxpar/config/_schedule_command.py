@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_schedule_parser", "run_schedule"]
-
 
 def add_schedule_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``schedule`` command to the ``jaxpar`` parser.

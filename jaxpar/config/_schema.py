@@ -13,14 +13,6 @@ from typing import Any
 from jaxpar.data import _windows as data_lib
 from jaxpar.errors import ConfigError
 
-__all__ = [
-    "ConfigError", "ModelConfig", "MeshConfig", "ParallelConfig", "LRScalingConfig", "TrustMaskConfig",
-    "OptimizerConfig", "DataConfig",
-    "TrainConfig", "CheckpointConfig", "NoiseScaleConfig", "LoggingConfig", "JobConfig", "GPT_KEYS", "USER_MODEL_KEYS",
-    "HF_MODEL_KEYS",
-    "LR_SCHEDULES", "DATA_KINDS", "PROGRESS_MODES", "NONFINITE_MODES", "RENAMED", "IMPORT_KEYS",
-]
-
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -24,8 +24,6 @@ from jaxpar.cost._context_experts import context_score_bytes, dense_mlp_bytes, m
 from jaxpar.cost._model import ModelSpec
 from jaxpar.errors import CostModelError
 
-__all__ = ["REMAT", "activation_bytes_per_layer", "layer_activations"]
-
 REMAT = ("none", "selective", "full")
 
 

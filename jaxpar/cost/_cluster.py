@@ -39,8 +39,6 @@ from typing import Any, Mapping
 from jaxpar.cost._collectives import Link
 from jaxpar.errors import ClusterError
 
-__all__ = ["Cluster", "ClusterError", "PRESET_DIR", "presets", "load_cluster", "cluster_from_dict"]
-
 #: Where the preset YAML files live (``configs/clusters`` of the repository).
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
 

@@ -66,8 +66,6 @@ from dataclasses import dataclass
 
 from jaxpar.errors import CostModelError
 
-__all__ = ["Link", "KINDS", "ALGORITHMS", "SHARED_MEMORY_ALGORITHMS", "time", "best", "algorithm_times", "bus_bytes"]
-
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
 #: Algorithms of each kind (``lower-bound`` is a bound, never chosen by :func:`best`).

@@ -47,9 +47,6 @@ from __future__ import annotations
 
 from jaxpar.cost._model import ModelSpec
 
-__all__ = ["score_fraction", "context_collectives", "ring_hops", "expert_slots", "expert_collectives", "context_score_bytes",
-           "context_working_bytes", "moe_mlp_bytes", "dense_mlp_bytes"]
-
 
 def score_fraction(method: str, context: int, balance: bool) -> float:
     """The attention scores one device computes, as a fraction of the whole ``s x s`` square per head.

@@ -38,9 +38,6 @@ from jaxpar.cost._model import Leaf, ModelSpec
 from jaxpar.cost._schedule import runs_in_lockstep
 from jaxpar.cost._parallel import Plan
 
-__all__ = ["Layout", "DENSE", "TPU", "layout_for_platform", "padded_bytes", "local_shape",
-           "device_argument_bytes", "saved_per_layer", "stored_per_layer", "bf16_weight_bytes", "step_peak_bytes"]
-
 
 @dataclass(frozen=True)
 class Layout:

@@ -27,8 +27,6 @@ from jaxpar.cost._activations import REMAT
 from jaxpar.cost._model import ModelSpec
 from jaxpar.errors import CostModelError
 
-__all__ = ["flops_per_token", "narayanan_flops", "step_flops", "model_flops"]
-
 
 def flops_per_token(n_params: float, layers: int, hidden: int, seq: int) -> float:
     """Training FLOPs per token ``6N + 12·l·h·s`` (``N``: parameters without embeddings).

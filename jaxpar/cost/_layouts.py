@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from jaxpar.cost._model import ModelSpec
 
-__all__ = ["divisors", "factorisations", "mesh_factorisations", "shape_problem", "context_problem", "expert_problem"]
-
 
 def divisors(n: int) -> list[int]:
     """The divisors of ``n``, ascending.

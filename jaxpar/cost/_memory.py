@@ -25,12 +25,6 @@ from jaxpar.cost._model import TENSOR_LOGICAL, Leaf, ModelSpec
 from jaxpar.cost._schedule import TABLE_LIMIT, closed_form_stats, in_flight, schedule_stats
 from jaxpar.errors import CostModelError, LayoutError
 
-__all__ = ["BytesPerParam", "PRECISIONS", "REMAT", "zero_state_bytes", "activation_bytes_per_layer",
-           "leaf_spec", "zero_dim_of", "zero_axes", "LeafShards", "leaf_shard_counts", "sizes_key", "leaf_shards",
-           "pipe_end", "state_bytes", "layer_activations",
-           "TABLE_LIMIT", "closed_form_stats", "schedule_stats", "in_flight", "MemoryEstimate", "memory_per_device",
-           "argument_bytes", "LayoutError"]
-
 
 @dataclass(frozen=True)
 class BytesPerParam:

@@ -32,8 +32,6 @@ from typing import Any, Callable
 
 from jaxpar.errors import CostModelError
 
-__all__ = ["Leaf", "ModelSpec", "gpt", "from_nnx", "from_gpt_config", "TENSOR_LOGICAL"]
-
 #: Logical names jaxpar's tensor rules shard over ``tensor`` (:func:`jaxpar.parallel.tensor_rules`).
 TENSOR_LOGICAL = ("mlp", "heads", "vocab")
 

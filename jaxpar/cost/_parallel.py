@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from jaxpar.cost._memory import REMAT
 from jaxpar.errors import PlanError
 
-__all__ = ["AXES", "BATCH_AXES", "SCHEDULES", "CONTEXT_METHODS", "Plan"]
-
 #: The mesh axes in mesh order (outermost first, ``tensor`` innermost; see the module doc).
 AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
 #: The axes that split the batch's sequences (``context`` splits each sequence instead).

@@ -44,9 +44,6 @@ from jaxpar.cost._time import Overlap, StepTime, step_time
 from jaxpar.cost._traffic import outer_at_ends
 from jaxpar.errors import PlanError
 
-__all__ = ["CONTEXT_MIN_SEQ", "PlanError", "Estimate", "Rejected", "PlanResult", "plan", "factorisations",
-           "mesh_factorisations", "context_problem", "expert_problem", "evaluate"]
-
 #: The shortest sequence for which :func:`plan` searches CP degrees by default. NeMo's long-context
 #: recipes (16k and 64k tokens) are where CP is used in practice; at 2k the model would pick CP 2 for
 #: GPT-3 on 1,024 A100s (docs/planning.md, "CP and EP"), against the published layouts.

@@ -23,9 +23,6 @@ from typing import Any, Mapping, NamedTuple
 from jaxpar.compat._table import LIBRARY_NAMES, Problem, Setting, problems
 from jaxpar.errors import PlanError
 
-__all__ = ["PlanStrategy", "STRATEGY_FIELDS", "SETTING_FIELDS", "REFUSED_PREFIX", "plan_setting", "plan_problems",
-           "plan_refusal"]
-
 #: The strategy fields that no plan chooses: the search keeps them fixed (``fixed=`` of :func:`plan_setting`).
 STRATEGY_FIELDS = ("compute_dtype", "compression", "sync", "local_clip")
 #: The step's and the loop's options of :class:`~jaxpar.compat.Setting` that ``fixed=`` may also set.

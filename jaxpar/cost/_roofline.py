@@ -58,9 +58,6 @@ from jaxpar.cost._context_experts import score_fraction
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import Plan
 
-__all__ = ["Kernel", "matmul", "layer_kernels", "kernel_seconds", "layer_elementwise_bytes", "Work", "layer_work",
-           "end_work"]
-
 
 @dataclass(frozen=True)
 class Kernel:

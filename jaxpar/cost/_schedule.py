@@ -24,9 +24,6 @@ from functools import lru_cache
 
 from jaxpar.errors import ScheduleError
 
-__all__ = ["TABLE_LIMIT", "closed_form_stats", "lockstep_closed_form", "schedule_stats", "runs_in_lockstep",
-           "in_flight"]
-
 
 #: Largest ``p * m * v`` whose bubble and in-flight count are read from the built table; above it
 #: the closed forms (equal to the tables wherever both are computed: tests/test_cost_formulas.py).

@@ -41,9 +41,6 @@ from jaxpar.cost._roofline import Work, end_work, kernel_seconds, layer_elementw
 from jaxpar.cost._traffic import Comm, bytes_per_axis, comms
 from jaxpar.errors import CostModelError
 
-__all__ = ["Overlap", "behind_backward", "ring_step_seconds", "StepTime", "flops_per_token", "narayanan_flops", "step_flops", "model_flops",
-           "update_bytes", "elementwise_bytes", "axis_groups", "comm_time", "bubble", "step_time"]
-
 
 # ----------------------------------------------------------------------------- timing
 @lru_cache(maxsize=65536)

@@ -46,8 +46,6 @@ from jaxpar.cost._parallel import AXES, BATCH_AXES, Plan
 from jaxpar.cost._schedule import runs_in_lockstep
 from jaxpar.errors import CostModelError
 
-__all__ = ["LOWERINGS", "lowering_for_platform", "outer_at_ends", "Comm", "comms", "bytes_per_axis"]
-
 #: ``ideal``: the textbook program; ``xla`` and ``xla-tpu``: what jaxpar's train step compiles to with the GPU
 #: and the TPU compiler (docs/planning.md §8); ``xla-cpu``: what it compiles to on XLA:CPU; ``megatron``:
 #: Megatron-LM's program (the module doc), for published runs.

@@ -39,8 +39,6 @@ import numpy as np
 from jaxpar.errors import CacheError
 from jaxpar.data._tokens import CachedTokens, document_ids, parsed
 
-__all__ = ["prepare_cache", "open_cache", "expected_meta", "CACHE_VERSION"]
-
 CACHE_VERSION = 2
 
 

@@ -40,8 +40,6 @@ from jaxpar.data._packing import BATCH_KEYS, row_arrays
 from jaxpar.data._row_plan import StreamPlan, split_documents
 from jaxpar.data._rows import select_rows
 
-__all__ = ["PackedBatches", "batch_digest"]
-
 
 def batch_digest(batch: dict[str, np.ndarray]) -> str:
     """sha256 over a batch's ``tokens``, ``targets``, ``segment_ids``, ``positions`` and ``loss_mask``

@@ -35,8 +35,6 @@ import numpy as np
 
 from jaxpar.errors import DataError
 
-__all__ = ["PACK_METHODS", "Segment", "PackStats", "pack_window", "row_arrays", "BATCH_KEYS"]
-
 PACK_METHODS = ("best_fit", "first_fit", "none")
 
 #: The arrays of a packed batch, in the order its sha256 reads them.

@@ -35,8 +35,6 @@ import numpy as np
 from jaxpar.errors import DataError
 from jaxpar.data._packing import PACK_METHODS, PackStats, Segment, pack_window
 
-__all__ = ["StreamPlan", "split_documents", "PlannedRow"]
-
 #: ``(pieces of the row's window, the row's segments)``: see :mod:`jaxpar.data._packing`.
 PlannedRow = tuple[np.ndarray, list[Segment]]
 

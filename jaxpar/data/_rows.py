@@ -15,8 +15,6 @@ import numpy as np
 
 from jaxpar.errors import BatchError
 
-__all__ = ["process_rows", "select_rows", "make_global_batch"]
-
 
 def process_rows(sharding, batch_size: int) -> np.ndarray:
     """Sorted global row indices of a ``[batch_size, ...]`` batch held by this process's devices.

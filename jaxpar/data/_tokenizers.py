@@ -55,8 +55,6 @@ from typing import Any, Iterable, Sequence
 
 from jaxpar.errors import TokenizerError
 
-__all__ = ["CL100K_PATTERN", "KINDS", "Tokenizer", "load_tokenizer", "check_tokenizer"]
-
 #: GPT-4's (cl100k_base) pre-tokenization regex, copied from ``tiktoken_ext.openai_public.cl100k_base`` of
 #: tiktoken 0.14: that module builds it only inside the function that downloads cl100k's ranks.
 CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""

@@ -30,8 +30,6 @@ import numpy as np
 
 from jaxpar.errors import CacheError, SourceError
 
-__all__ = ["TOKEN_DTYPES", "CachedTokens", "LiveTokens", "TokenFile", "document_ids", "parsed", "map_tokens"]
-
 TOKEN_DTYPES = ("uint16", "uint32", "int32")
 
 

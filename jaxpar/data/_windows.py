@@ -53,13 +53,6 @@ from jaxpar.errors import DataError, SourceError
 from jaxpar.data._rows import make_global_batch, process_rows, select_rows
 from jaxpar.data._tokens import TOKEN_DTYPES, map_tokens
 
-__all__ = [
-    "DEFAULT_MAX_BYTES", "stdlib_sources", "expand_paths", "read_documents", "load_bytes", "tokenize_documents",
-    "load_tokens", "token_batch_fn", "check_token_ids",
-    "TOKEN_DTYPES", "split_holdout",
-    "text_batch", "eval_windows", "synthetic_batch", "process_rows", "make_global_batch",
-]
-
 #: Default cap on the text corpus size (bytes): a few MB keeps start-up fast.
 DEFAULT_MAX_BYTES = 4_000_000
 

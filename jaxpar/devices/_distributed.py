@@ -40,9 +40,6 @@ from dataclasses import dataclass
 from typing import Mapping
 from jaxpar.errors import DistributedError
 
-__all__ = ["DistributedError", "ClusterInfo", "resolve", "initialize", "split_devices", "setup_devices",
-           "start_processes", "ENV_HINTS"]
-
 #: What each detected launcher reads, for messages and docs.
 ENV_HINTS = {
     "slurm": "SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID (set by srun)",

@@ -47,10 +47,6 @@ from pathlib import Path
 from typing import Any, Mapping
 from jaxpar.errors import TargetError
 
-__all__ = ["TargetError", "DeviceSpec", "Target", "PRESET_DIR", "presets", "load_spec", "parse_target",
-           "gpu_target_config", "target_devices", "compile_error", "targets_dir", "target_requirements",
-           "install_command", "TARGETS_DIR_ENV"]
-
 #: Where the preset YAML files live (``configs/targets`` of the repository).
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "targets"
 #: The environment variable that moves the compilers' directory (:func:`targets_dir`).

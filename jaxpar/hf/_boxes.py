@@ -25,8 +25,6 @@ import numpy as np
 
 from jaxpar.hf._keys import TensorMap
 
-__all__ = ["read_box", "file_tensor", "view_groups"]
-
 
 def view_groups(taken: tuple[int, ...], view: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Which consecutive axes of ``view`` each axis of ``taken`` splits into (row-major reshape).

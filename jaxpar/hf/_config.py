@@ -29,8 +29,6 @@ from typing import Any
 from jaxpar.models._decoder import DecoderConfig, DecoderMoE, RoPE
 from jaxpar.errors import HFConfigError
 
-__all__ = ["HFConfigError", "FAMILIES", "decoder_config", "hf_config_dict", "read_config", "checkpoint_dtype"]
-
 
 #: The supported ``model_type`` values, with their ``architectures`` entry and the defaults of
 #: ``transformers`` for fields a file may leave out.

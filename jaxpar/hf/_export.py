@@ -32,8 +32,6 @@ from jaxpar.hf._files import DTYPES, INDEX, SAFETENSORS_DTYPE, write_safetensors
 from jaxpar.hf._keys import flatten_params, stack_counts, tensor_maps
 from jaxpar.errors import HFExportError
 
-__all__ = ["HFExportError", "export"]
-
 _OWN = ("config.json", INDEX)
 
 

@@ -27,8 +27,6 @@ import ml_dtypes
 import numpy as np
 from jaxpar.errors import HFFilesError
 
-__all__ = ["HFFilesError", "CheckpointFiles", "write_safetensors", "DTYPES", "SAFETENSORS_DTYPE"]
-
 #: safetensors dtype names -> numpy dtypes.
 DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
           "F64": np.dtype(np.float64)}

@@ -29,8 +29,6 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.models._decoder import DecoderConfig
 
-__all__ = ["TensorMap", "tensor_maps", "file_keys", "stack_counts", "flatten_params", "nest_params", "EXPERT_LAYOUTS"]
-
 #: How a checkpoint stores a layer's experts: one key per expert and projection, or fused 3-D tensors.
 EXPERT_LAYOUTS = ("per_expert", "fused")
 

@@ -46,8 +46,6 @@ from jaxpar.hf._files import CheckpointFiles
 from jaxpar.hf._keys import TensorMap, flatten_params, nest_params, stack_counts, tensor_maps
 from jaxpar.errors import HFCheckpointError
 
-__all__ = ["HFCheckpointError", "Checkpoint", "open_checkpoint"]
-
 
 def _experts_layout(files: CheckpointFiles) -> str:
     return "fused" if any(k.endswith("mlp.experts.gate_up_proj") for k in files.where) else "per_expert"

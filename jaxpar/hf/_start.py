@@ -30,8 +30,6 @@ from jaxpar.strategy import Strategy
 from jaxpar.step._init import init_train_state, state_layout
 from jaxpar.hf._reader import Checkpoint, open_checkpoint
 
-__all__ = ["load", "train_state"]
-
 
 def load(checkpoint: str | Path | Checkpoint, layout: Any) -> Any:
     """The checkpoint's parameters in ``layout``'s shardings (a :class:`~jaxpar.StateLayout`).

@@ -10,4 +10,3 @@ from __future__ import annotations
 from jaxpar.errors import TokenizerError as HFTokenizerError
 from jaxpar.data._tokenizers import Tokenizer, load_tokenizer
 
-__all__ = ["HFTokenizerError", "Tokenizer", "load_tokenizer"]

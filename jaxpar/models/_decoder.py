@@ -51,9 +51,6 @@ from jaxpar.parallel.context import in_sequence_order, sequence_order
 from jaxpar.rules import constrain
 from jaxpar.models._decoder_layers import ACTIVATIONS, Carry, KVCache, RoPE, cached_layer_apply, layer_apply, rms_norm
 
-__all__ = ["DecoderConfig", "DecoderMoE", "Decoder", "KVCache", "RoPE", "LAYER_LOGICAL", "decoder_loss",
-           "masked_cross_entropy"]
-
 
 @dataclass(frozen=True)
 class DecoderMoE:

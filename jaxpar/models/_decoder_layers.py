@@ -33,9 +33,6 @@ from jaxpar.parallel.moe import moe_apply
 from jaxpar.rules import constrain
 from jaxpar.parallel._tensor import row_parallel
 
-__all__ = ["RoPE", "Carry", "KVCache", "rms_norm", "rope_frequencies", "apply_rope", "attention_half",
-           "cached_attention_half", "mlp_half", "layer_apply", "cached_layer_apply", "RESIDUAL", "ACTIVATIONS"]
-
 #: The residual stream's logical names.
 RESIDUAL = ("batch", "norm_length", "embed")
 

@@ -47,10 +47,6 @@ from jaxpar.parallel.moe import need_router_bias, router_bias
 from jaxpar.models._gpt_moe import MoEBlocks, MoESettings, moe_metrics, run_moe_blocks
 from jaxpar.errors import ModelConfigError
 
-__all__ = ["GPTConfig", "GPT", "Blocks", "block_apply", "attention_apply", "mlp_apply", "layer_norm", "run_blocks",
-           "BLOCK_LOGICAL", "RESIDUAL", "REMAT_POLICIES", "lm_loss", "cross_entropy", "embed_apply", "head_apply",
-           "remat_policy", "MoESettings"]
-
 @dataclass(frozen=True)
 class GPTConfig:
     """Sizes of the decoder. ``mlp`` defaults to ``4 * embed``."""

@@ -22,9 +22,6 @@ from jaxpar.parallel.context import attention
 from jaxpar.rules import constrain
 from jaxpar.parallel._tensor import row_parallel
 
-__all__ = ["BLOCK_LOGICAL", "RESIDUAL", "Blocks", "attention_apply", "block_apply", "layer_norm", "mlp_apply",
-           "param", "zeros"]
-
 
 def param(key, shape, logical, std):
     """An ``nnx.Param`` of ``std``-scaled normal values (ones when ``std`` is 0) with logical names.

@@ -38,9 +38,6 @@ from jaxpar.parallel.moe import MoEError, MoEStats, check_options, load_cv, moe_
 from jaxpar.rules import constrain
 from jaxpar.models._gpt_layers import BLOCK_LOGICAL, RESIDUAL, attention_apply, layer_norm, mlp_apply, param, zeros
 
-__all__ = ["MoESettings", "MoEBlocks", "MOE_BLOCK_LOGICAL", "LayerBias", "moe_group_apply", "run_moe_blocks",
-           "empty_stats", "moe_metrics"]
-
 _ATTENTION = ("ln1_scale", "ln1_bias", "wq", "wk", "wv", "wo", "ln2_scale", "ln2_bias")
 _MLP = ("w1", "b1", "w2", "b2")
 

@@ -26,8 +26,6 @@ from flax import nnx
 
 from jaxpar.rules import constrain
 
-__all__ = ["MLPClassifier", "classifier_loss"]
-
 
 def _linear(n_in, n_out, logical, rngs):
     return nnx.Linear(n_in, n_out, rngs=rngs,

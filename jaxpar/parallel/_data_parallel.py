@@ -47,9 +47,6 @@ from jaxpar.rules import axes_of, drop_axes, resolve, use_rules
 from jaxpar.parallel.pipeline._vjp_residuals import join_pullback, split_pullback
 from jaxpar.parallel._zero import zero_axes, zero_dim
 
-__all__ = ["data_parallel_block", "DataParallelLayers", "manual_layout", "explicit_by_default",
-           "bucketed_all_gather", "bucketed_reduce_scatter", "axis_name", "sharded_spec", "unflatten_leaf"]
-
 # Pure data movement, recomputed in the backward rather than saved: a layer that
 # reshapes, slices or splits its weights would otherwise save the (whole) pieces.
 _MOVES = frozenset({"reshape", "transpose", "slice", "dynamic_slice", "split", "concatenate", "squeeze",

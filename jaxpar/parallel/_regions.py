@@ -38,8 +38,6 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.rules import axes_of, manual_axes
 
-__all__ = ["region_axes", "region_spec", "automatic_axes", "reduce_dtype", "collective_in", "enter"]
-
 
 def _sizes(mesh) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.axis_sizes))

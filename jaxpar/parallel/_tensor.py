@@ -28,8 +28,6 @@ from jaxpar.errors import UnusedAxisWarning
 from jaxpar.parallel._regions import collective_in, enter, reduce_dtype, region_axes, region_spec
 from jaxpar.rules import LogicalRules, axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 
-__all__ = ["tensor_rules", "batch_rule", "row_parallel", "warn_unsplit_tensor_axis"]
-
 
 def batch_rule(batch_axes: tuple[str, ...]) -> tuple[str, tuple[str, ...] | None]:
     """The rule that splits the batch over the data axes.

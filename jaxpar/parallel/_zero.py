@@ -27,8 +27,6 @@ from jaxpar.rules import axes_of
 from jaxpar.errors import StrategyError
 
 
-__all__ = ["ZERO_STAGES", "zero_axes", "zero_dim", "add_zero_axes", "zero_specs", "spec_shards", "analytic_state_bytes"]
-
 ZERO_STAGES = (0, 1, 2, 3)
 _FIRST_STAGE = {"opt": 1, "grads": 2, "params": 3}
 _ZERO_AXES = ("fsdp", "data")      # the axes ZeRO shards over

@@ -67,8 +67,6 @@ from jaxpar.run._state_parts import plan_parts
 from jaxpar.run._run_directory import refuse_later_steps
 from jaxpar.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer", "Restored", "FORMAT"]
-
 
 @dataclass
 class Restored:

@@ -45,8 +45,6 @@ import jax
 
 from jaxpar.run._state_parts import STATE_PARTS, shapes_of
 
-__all__ = ["FORMAT", "READABLE", "record_shapes", "record_layouts", "lists_record", "saved_lists", "upgrade_record"]
-
 #: Written into every checkpoint's JSON record.
 FORMAT = "jaxpar-checkpoint-2"
 #: The formats a restore reads.

@@ -29,8 +29,6 @@ from typing import Any
 
 import jax
 
-__all__ = ["codec_layout", "same_codec_layout", "describe_codec"]
-
 _CODEC_KEYS = ("codec", "options", "axes", "packing")   # what decides where each residual entry belongs
 # Options left out of describe_codec at these values (the codec factories' defaults).
 _DEFAULT_OPTIONS = {"momentum": 0.0, "warmup": [], "warmup_steps": 0, "seed": 0, "error_feedback": True,

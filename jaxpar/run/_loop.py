@@ -72,9 +72,6 @@ from jaxpar.step._grads import model_loss
 from jaxpar.step._program import strategy_context
 from jaxpar.step._state import StateLayout, layout_strategy
 
-__all__ = ["TrainSummary", "NonFiniteError", "LogOptions", "train", "make_eval_fn", "plot_losses",
-           "NONFINITE_MODES"]
-
 NONFINITE_MODES = ("skip", "stop")
 
 

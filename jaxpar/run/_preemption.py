@@ -33,8 +33,6 @@ import jax
 
 from jaxpar.errors import DistributedError
 
-__all__ = ["catch_stop_signals", "StopSignals", "StopAgreement", "coordination_client"]
-
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _DEFAULT_HANDLERS = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
 

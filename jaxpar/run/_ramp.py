@@ -37,8 +37,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 from jaxpar.errors import RampError
 
-__all__ = ["BatchRamp", "AdaptiveRamp", "RampError", "ramp_batch_fn"]
-
 
 @dataclass(frozen=True)
 class BatchRamp:

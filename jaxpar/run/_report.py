@@ -22,8 +22,6 @@ from jaxpar.analysis._compiled_memory import format_bytes
 from jaxpar.run._sinks import MetricsWriter, mfu
 from jaxpar.errors import LoopError, NonFiniteError, check_int
 
-__all__ = ["LogOptions", "TrainSummary", "NonFiniteError", "plot_losses", "Progress", "Meter", "merge_log_options"]
-
 _PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
 

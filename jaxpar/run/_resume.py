@@ -38,9 +38,6 @@ from jaxpar.run._run_directory import claim_run_directory
 from jaxpar.step._router_bias import KEY as BIAS, has_router_bias
 from jaxpar.run._sample import SampleOptions, host_params, write_samples
 
-__all__ = ["RunOptions", "resume", "schedule_change", "checkpoint_meta", "gpt_flops_per_token",
-           "train_with_checkpoints"]
-
 
 class RunOptions(NamedTuple):
     """The settings of a training run with checkpoints.

@@ -33,8 +33,6 @@ import jax
 
 from jaxpar.errors import RunDirectoryError
 
-__all__ = ["RUN_RECORDS", "RUN_FILES", "Moved", "earlier_run", "claim_run_directory", "refuse_later_steps"]
-
 #: What marks ``train.out_dir`` as a run's, beside the checkpoints in ``checkpoint.dir``.
 RUN_RECORDS = ("config.yaml", "metrics.jsonl", "summary.json")
 #: What a run writes in ``train.out_dir``: moved aside with its checkpoints by :func:`claim_run_directory`.

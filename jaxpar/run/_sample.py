@@ -39,8 +39,6 @@ from flax import nnx
 
 from jaxpar.errors import GenerationError
 
-__all__ = ["greedy_generate", "host_params", "format_samples", "SampleOptions", "write_samples"]
-
 _CACHE_ROUND = 64      # KV cache slots are rounded up to a multiple of this (capped at the model's max positions)
 
 

@@ -28,8 +28,6 @@ from typing import Any
 
 from jaxpar.errors import LoopError
 
-__all__ = ["flops_per_token", "mfu", "MetricsWriter", "TB_TAGS", "is_main_process"]
-
 #: JSONL record key -> TensorBoard tag.
 TB_TAGS = {
     "loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "skipped": "train/skipped_steps",

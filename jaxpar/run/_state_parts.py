@@ -40,8 +40,6 @@ import jax
 from jaxpar.errors import CheckpointMismatchError
 from jaxpar.run._codec_record import codec_layout, describe_codec, same_codec_layout
 
-__all__ = ["StatePart", "PartPlan", "STATE_PARTS", "plan_parts", "shapes_of"]
-
 _RESTORED = "Parameters and optimizer state are restored."
 
 

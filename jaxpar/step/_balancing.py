@@ -29,8 +29,6 @@ from jaxpar.errors import MoEError
 from jaxpar.parallel.moe import LAYER_LOADS, Probe, load_cv, prepass_loads, probe, reported_loads
 from jaxpar.step._router_bias import KEY as BIAS, balanced_bias
 
-__all__ = ["whole_step_loads", "check_balanced", "refuse_unbalanced", "finish", "load_metrics"]
-
 
 def check_balanced(found: Probe, microbatches: int) -> None:
     """Raise :class:`MoEError` when a loss uses its MoE layers' balancing loss in a way a mean over

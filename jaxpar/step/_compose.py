@@ -73,9 +73,6 @@ from jaxpar.step._state import StateLayout, StrategyMismatchError, has_stats_par
 from jaxpar.step._update import Update, apply_update, clip_norm_problem, delayed_update
 from jaxpar.errors import AsyncPipelineError, LoopError, StashingError, StepError, check_int
 
-__all__ = ["make_train_step", "StepOptions", "ExplicitDPError", "StrategyMismatchError", "batch_sharding",
-           "check_batch", "shard_batch"]
-
 
 class StepOptions(NamedTuple):
     """``make_train_step``'s options that shape the programs (the update's are :class:`~._update.Update`)."""

@@ -38,8 +38,6 @@ from jaxpar.parallel.compression import ExchangePlan, exchange_plan
 from jaxpar.parallel._data_parallel import axis_name, manual_layout
 from jaxpar.step._state import StateLayout
 
-__all__ = ["compression_plan", "compression_state"]
-
 
 def compression_plan(codec, layout: StateLayout, zero: int) -> ExchangePlan:
     """The exchange of ``layout``'s gradients over its mesh's data axes with ``codec``.

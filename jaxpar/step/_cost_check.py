@@ -38,8 +38,6 @@ from jaxpar.step._init import state_layout
 from jaxpar.step._compose import make_train_step
 from jaxpar.errors import MeshError
 
-__all__ = ["compare", "compile_plan", "compile_and_compare"]
-
 
 def compare(model: ModelSpec, plan: Plan, compiled: Any, mesh: Any, *, lowering: str = "xla-cpu") -> dict:
     """Predicted vs compiled: bytes per mesh axis and argument bytes (temporaries reported only).

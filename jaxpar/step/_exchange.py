@@ -47,8 +47,6 @@ from jaxpar.parallel._data_parallel import axis_name, bucketed_reduce_scatter
 from jaxpar.step._grads import ManualLayout, manual_specs
 from jaxpar.step._state import StateLayout
 
-__all__ = ["Exchange", "exact_exchange", "compressed_exchange", "measured_exchange", "run_exchange", "clip_replica"]
-
 
 class Exchange(NamedTuple):
     """``reduce(leaves, codec_state, step) -> (leaves, codec_state, metrics)`` inside the ``shard_map`` over the

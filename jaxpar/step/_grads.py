@@ -51,9 +51,6 @@ from jaxpar.step._balancing import refuse_unbalanced, whole_step_loads
 from jaxpar.step._state import StateLayout
 from jaxpar.errors import ExplicitDPError
 
-__all__ = ["model_loss", "accumulate", "global_grads", "pipeline_grads", "replica_grads", "explicit_data_parallel",
-           "stacked_layers", "ManualLayout", "manual_specs", "ExplicitDPError"]
-
 
 def model_loss(loss_fn: Callable, layout: StateLayout) -> Callable:
     """The loss as a function of the parameters.

@@ -46,8 +46,6 @@ from jaxpar.adapters._mesh_axes import check_model_axes
 from jaxpar.adapters._shapes import abstract_model
 from jaxpar.step._state import StateLayout, TrainState, optimizer_specs
 
-__all__ = ["init_train_state", "state_layout", "older_versions_of"]
-
 
 def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
                      strategy: Strategy = Strategy(), *, params: Any = None) -> tuple[TrainState, StateLayout]:

@@ -30,8 +30,6 @@ from jaxpar.step._replica_mean import replica_bytes, weighted_sum
 from jaxpar.step._state import StateLayout, TrainState
 from jaxpar.step._update import Update, apply_update, updates_metrics
 
-__all__ = ["local_train_step", "local_steps", "run_local_steps"]
-
 
 def local_train_step(loss_fn: Callable, layout: StateLayout, update: Update, *, donate: bool) -> TrainStep:
     """The step of DiLoCo / local SGD / EASGD (``layout.strategy.sync``) over the ``replica`` axis.

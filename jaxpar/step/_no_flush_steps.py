@@ -46,8 +46,6 @@ from jaxpar.parallel.pipeline._versioned_stage import StageWeights, VersionedSta
     versioned_table
 from jaxpar.step._update import Update, apply_update, delayed
 
-__all__ = ["make_two_bw_steps", "WINDOWS_SCOPE"]
-
 #: name scope of the loop over the later windows (in the compiled HLO, its ``while``'s ``op_name``
 #: ends ``pipeline_windows/while``; the tick loops' end ``TICKS_SCOPE/while``, as in the executor)
 WINDOWS_SCOPE = "pipeline_windows"

@@ -47,9 +47,6 @@ import jax.numpy as jnp
 from jaxpar.step._state import has_stats_part, part_options, stats_part_layout, with_stats_part
 from jaxpar.errors import NoiseScaleError
 
-__all__ = ["NoiseScaleError", "KEY", "METRICS", "Measure", "check_options", "noise_scale_layout", "grad_sq_estimate", "trace_estimate",
-           "init_state", "update", "noise_scale_of", "with_noise_scale", "has_noise_scale", "plot_noise_scale"]
-
 #: The key of the noise-scale state in ``TrainState.stats``.
 KEY = "noise_scale"
 #: The metrics a measuring step reports (logged by :mod:`jaxpar.run._report`).

@@ -36,8 +36,6 @@ from jaxpar.rules import use_rules
 from jaxpar.step._router_bias import KEY as BIAS
 from jaxpar.step._state import StateLayout, has_stats_part
 
-__all__ = ["TrainStep", "jit_program", "HostStep", "strategy_context"]
-
 
 @contextlib.contextmanager
 def strategy_context(layout: StateLayout) -> Iterator[None]:

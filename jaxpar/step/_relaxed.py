@@ -32,8 +32,6 @@ from jaxpar.strategy import Strategy
 from jaxpar.parallel.sync import DiLoCo, EASGD, Stale, synchronous
 from jaxpar.step._state import StateLayout, optimizer_specs
 
-__all__ = ["relaxed_layout", "split_replicas", "is_local"]
-
 _is_spec = lambda x: isinstance(x, P)   # noqa: E731
 
 

@@ -43,8 +43,6 @@ from jaxpar.step._relaxed import split_replicas
 from jaxpar.step._state import StateLayout, TrainState
 from jaxpar.step._update import Update, apply_update, updates_metrics
 
-__all__ = ["replica_parts", "replica_gradient", "replica_exchange", "replica_rule", "weighted_sum", "replica_bytes"]
-
 
 def replica_parts(loss_fn: Callable, layout: StateLayout, update: Update) -> tuple[Callable, Callable, Callable]:
     """The gradient, exchange and update of ``layout.strategy.sync`` (synchronous without one).

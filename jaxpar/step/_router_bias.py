@@ -41,8 +41,6 @@ from jaxpar.compat import Setting, raise_problems
 from jaxpar.parallel.moe import LAYER_LOADS, MoEError, update_router_bias
 from jaxpar.step._state import has_stats_part, part_options, stats_part_layout, with_stats_part
 
-__all__ = ["KEY", "with_router_bias", "router_bias_layout", "has_router_bias", "balanced_bias"]
-
 #: The key of the router bias in ``TrainState.stats``.
 KEY = "router_bias"
 

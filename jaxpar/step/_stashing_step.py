@@ -68,8 +68,6 @@ from jaxpar.parallel.pipeline._versioned_stage import StageWeights, VersionedSta
 from jaxpar.step._state import TrainState
 from jaxpar.step._update import Update, apply_update, updates_metrics
 
-__all__ = ["make_stashing_step", "optimizer_is_per_stage"]
-
 
 def _stage_update(update: Update, cut, w_cur, opt, g_outer, g_chunk):
     """A stage's optimizer step on its newest version (one chunk: ``[Lmax, ...]`` layers):

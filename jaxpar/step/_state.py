@@ -35,9 +35,6 @@ from jaxpar.strategy import Strategy
 from jaxpar.parallel._zero import analytic_state_bytes
 from jaxpar.errors import StrategyMismatchError
 
-__all__ = ["TrainState", "StateLayout", "optimizer_specs", "layout_strategy", "StrategyMismatchError",
-           "stats_part_layout", "with_stats_part", "has_stats_part", "part_options"]
-
 
 class TrainState(NamedTuple):
     """``step`` (int32 scalar), ``params`` (pure dict of arrays), ``opt_state`` (optax).

@@ -54,8 +54,6 @@ import optax
 
 from jaxpar.step._state import TrainState
 
-__all__ = ["Update", "clip_norm_problem", "apply_update", "updates_metrics", "delayed", "delayed_update"]
-
 
 class Update(NamedTuple):
     """The options of the update.

@@ -17,8 +17,6 @@ import numpy as np
 
 from jaxpar.errors import SourceError
 
-__all__ = ["ON_MALFORMED", "Source", "field_text"]
-
 #: What a source does with a record it cannot parse: raise, or read it as ``None`` (and count it).
 ON_MALFORMED = ("error", "skip")
 

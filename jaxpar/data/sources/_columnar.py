@@ -22,8 +22,6 @@ import numpy as np
 from jaxpar.errors import SourceError
 from jaxpar.data.sources._base import Source, field_text
 
-__all__ = ["ROW_GROUP_CACHE", "ParquetSource", "ArrayRecordSource", "HfDiskSource", "save_to_disk_files"]
-
 #: Decoded row groups a Parquet source keeps.
 ROW_GROUP_CACHE = 2
 

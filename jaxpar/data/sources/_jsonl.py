@@ -24,8 +24,6 @@ import numpy as np
 from jaxpar.errors import SourceError
 from jaxpar.data.sources._base import Source, field_text
 
-__all__ = ["SNAPSHOT_INTERVAL", "LineFile", "JsonlSource", "line_starts"]
-
 #: Decompressed bytes between two snapshots of a gzip decompressor.
 SNAPSHOT_INTERVAL = 4 << 20
 #: Bytes read at a time: plain files while indexing, compressed bytes of gzip files.

@@ -24,8 +24,6 @@ from __future__ import annotations
 from typing import Any
 from jaxpar.errors import CompressionError
 
-__all__ = ["BaseCodec", "CompressionError", "check_codec", "check_start"]
-
 
 class BaseCodec:
     """Base class of jaxpar's codecs. Every codec has a ``name``, a ``kind`` (``"quantize"``,

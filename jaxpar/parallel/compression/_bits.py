@@ -24,8 +24,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["pack_bits", "unpack_bits", "to_bytes", "from_bytes", "payload_bytes"]
-
 
 def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
     """``codes`` (``[..., n]``, values < 2**bits) packed ``8 // bits`` per byte (``n`` a

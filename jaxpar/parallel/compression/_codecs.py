@@ -41,8 +41,6 @@ import jax.numpy as jnp
 from jaxpar.parallel.compression._base import BaseCodec, CompressionError, check_start
 from jaxpar.parallel.compression._bits import pack_bits, payload_bytes, unpack_bits
 
-__all__ = ["Codec", "qsgd", "terngrad", "sign", "onebit", "cast"]
-
 
 @dataclass(frozen=True)
 class Codec(BaseCodec):

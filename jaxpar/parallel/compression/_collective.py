@@ -58,8 +58,6 @@ from jaxpar.parallel.compression._bits import from_bytes, to_bytes
 from jaxpar.parallel.compression._powersgd import PowerSGD
 from jaxpar.parallel.compression._sparse import Sparsifier
 
-__all__ = ["ExchangePlan", "exchange_plan"]
-
 
 def _rows(g: jax.Array, d: int, n: int) -> jax.Array:
     return jnp.moveaxis(g, d, 0).reshape(n, -1)

@@ -32,8 +32,6 @@ import jax.numpy as jnp
 
 from jaxpar.parallel.compression._base import BaseCodec, CompressionError
 
-__all__ = ["PowerSGD", "powersgd", "orthonormalize"]
-
 
 @dataclass(frozen=True)
 class PowerSGD(BaseCodec):

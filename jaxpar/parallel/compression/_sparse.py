@@ -52,8 +52,6 @@ import jax.numpy as jnp
 
 from jaxpar.parallel.compression._base import BaseCodec, CompressionError, check_start
 
-__all__ = ["Sparsifier", "topk", "randomk"]
-
 
 @dataclass(frozen=True)
 class Sparsifier(BaseCodec):

@@ -33,9 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MASK_VALUE", "allowed", "check_window", "check_softcap", "dense_attention", "capped_attention",
-           "group_heads", "Softmax", "empty_softmax", "softmax_step", "softmax_result", "softmax_grad_step"]
-
 #: The score of a masked entry: finite, so that a row whose block is wholly masked gives no NaN
 #: (its running max is corrected away by the first unmasked block, as in jax's flash attention).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)

@@ -66,10 +66,6 @@ from jaxpar.parallel.context._options import CONTEXT, ContextParallelError, curr
 from jaxpar.parallel.context._ring import ring_attention
 from jaxpar.errors import AttentionError
 
-__all__ = ["AttentionError", "QKV_LOGICAL", "attention", "ulysses_kv_repeat", "sequence_order", "in_sequence_order",
-           "in_natural_order",
-           "context_size"]
-
 #: The logical names of q, k and v (``[batch, length, heads, head_dim]``); k/v share the heads' axes.
 QKV_LOGICAL = ("batch", "length", "heads", None)
 

@@ -29,9 +29,6 @@ from typing import ContextManager
 from jaxpar.adapters._scoped import scoped
 from jaxpar.errors import ContextParallelError
 
-__all__ = ["CONTEXT", "METHODS", "ContextParallelError", "ContextParallel", "use_context_parallel",
-           "current_context_parallel", "ContextCalls", "count_context_calls", "note_context_call"]
-
 #: The mesh axis that splits the sequence (the ``length`` logical name maps to it).
 CONTEXT = "context"
 #: The context-parallel attention methods, by name.

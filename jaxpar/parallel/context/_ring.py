@@ -72,8 +72,6 @@ from jaxpar.parallel.context._attention import (allowed, check_softcap, check_wi
 from jaxpar.parallel.context._zigzag import check_length, chunk_index, chunks_per_shard, pair_needed, ring_schedule
 from jaxpar.parallel.context._options import ContextParallelError
 
-__all__ = ["RingSpec", "ring_attention", "ring_forward", "ring_backward", "pack"]
-
 
 class RingSpec(NamedTuple):
     """The static part of a ring: the mesh axis, its size, the mask, the layout, how a hop moves, a

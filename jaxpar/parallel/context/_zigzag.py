@@ -42,9 +42,6 @@ import numpy as np
 
 from jaxpar.parallel.context._options import ContextParallelError
 
-__all__ = ["balanced_order", "to_balanced", "from_balanced", "check_length", "chunks_per_shard", "chunk_index",
-           "pair_needed", "ring_schedule", "shard_positions", "sequence_positions", "RingWork", "ring_block_pairs"]
-
 
 def check_length(length: int, size: int, balance: bool, what: str = "sequence length") -> int:
     """The chunk length of a sequence of ``length`` tokens over ``size`` context devices.

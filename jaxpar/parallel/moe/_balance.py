@@ -49,9 +49,6 @@ from jaxpar.adapters._loss_metrics import collect_metrics, report_metric, with_r
 from jaxpar.adapters._scoped import scoped
 from jaxpar.errors import MoEError
 
-__all__ = ["LAYER_LOADS", "Balance", "Probe", "balanced", "use_step_loads", "step_loads", "use_router_bias",
-           "step_bias", "site_balance", "probe", "reported_loads", "prepass_loads"]
-
 #: The name under which a balanced loss reports its MoE layers' loads ``[sites, E]``.
 LAYER_LOADS = "moe/layer_loads"
 

@@ -56,9 +56,6 @@ from jaxpar.parallel._regions import collective_in, enter, reduce_dtype, region_
 from jaxpar.rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 from jaxpar.parallel.moe._routing import MoEError
 
-__all__ = ["ACTIVATIONS", "EXPERT_AXIS", "activation_fn", "expert_rules", "expert_mlp", "dispatch_combine", "ep_axes",
-           "token_axes", "sequence_axes"]
-
 EXPERT_AXIS = EXPERT
 
 #: The experts' activations by name: ``gelu`` is ``jax.nn.gelu`` (its default, tanh-approximate), ``silu``

@@ -45,9 +45,6 @@ from jaxpar.rules import constrain
 from jaxpar.parallel.moe._dispatch import activation_fn, dispatch_combine
 from jaxpar.parallel.moe._routing import MoEError, MoEStats, check_options, route, routing_stats
 
-__all__ = ["MOE_LOGICAL", "MoE", "MoECalls", "count_moe_calls", "moe_apply", "shared_mlp",
-           "router_bias", "need_router_bias"]
-
 #: Logical names of the layer's parameters (a model that stacks layers adds a leading ``layers``).
 MOE_LOGICAL = {
     "router": ("embed", None), "router_bias": (None,),

@@ -57,9 +57,6 @@ import jax.numpy as jnp
 from jaxpar.parallel.context import in_natural_order, in_sequence_order
 from jaxpar.errors import MoEError
 
-__all__ = ["GATES", "MoEError", "Routing", "MoEStats", "check_options", "capacity", "route", "top_k_experts",
-           "buffer_slots", "routing_stats", "load_balancing_loss", "load_cv", "update_router_bias"]
-
 GATES = ("softmax", "sigmoid")
 
 

@@ -24,9 +24,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Slots", "PipelineState", "TickIO", "SlotView", "take", "take_tree", "put", "put_tree", "read_slots",
-           "write_slots", "zeros_like_tree"]
-
 
 class Slots(NamedTuple):
     """One stage's instruction at one tick (int32; ``[ticks, p]`` in the table). See :class:`~._instructions.Instr`."""

@@ -59,8 +59,6 @@ from jaxpar.rules import constrain, spec_without
 from jaxpar.parallel.pipeline._parts import PipelineParts
 from jaxpar.errors import PipelineCutError
 
-__all__ = ["ModelCut", "PipelineCutError", "cut_model", "explicit_whole_loss", "layer_lists"]
-
 
 class _Reached(Exception):
     """Raised at the stacked-layers call to end the ``pre`` part there."""

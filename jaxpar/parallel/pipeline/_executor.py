@@ -68,9 +68,6 @@ from jaxpar.parallel.pipeline._parts import PipelineParts
 from jaxpar.parallel.pipeline._instructions import Program
 from jaxpar.parallel.pipeline._stage import PIPE, TICKS_SCOPE, ActionKind, Stage, initial_state, stage_counts, tick, tick_table
 
-__all__ = ["pipeline_value_and_grad", "PIPE", "TICKS_SCOPE", "ActionKind", "Slots", "PipelineState", "SlotView",
-           "TickIO"]
-
 
 def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program, *,
                             stage_layers: Sequence[int], replica_axes: Sequence[str] = (),

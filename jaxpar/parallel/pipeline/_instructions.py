@@ -34,8 +34,6 @@ import numpy as np
 from jaxpar.parallel.pipeline._schedules import Schedule, validate
 from jaxpar.errors import PartitionError, ScheduleError
 
-__all__ = ["Instr", "Tick", "Program", "lower", "sends", "colour_intervals", "stage_counts", "PIPE"]
-
 PIPE = "pipe"      # the mesh axis of the stages
 
 

@@ -23,8 +23,6 @@ import jax
 from jaxpar.parallel.pipeline._split_backward import split_backward
 from jaxpar.parallel.pipeline._vjp_residuals import join_pullback, split_pullback
 
-__all__ = ["LayerVJP"]
-
 
 class LayerVJP:
     """Static structure of one layer's ``jax.vjp``: which residuals are stored (not the

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 from jaxpar.parallel.pipeline._tick_table import Action, Schedule, dependencies, stage_actions, validate
 
-__all__ = ["lockstep", "is_lockstep"]
-
 
 def is_lockstep(schedule: Schedule) -> bool:
     """Whether every tick of ``schedule`` holds one kind of action.

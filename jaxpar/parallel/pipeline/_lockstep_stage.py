@@ -38,8 +38,6 @@ from jaxpar.parallel.pipeline._instructions import Program
 from jaxpar.parallel.pipeline._stage import ActionKind, Stage, exchange, initial_state, one_of
 from jaxpar.errors import ScheduleError
 
-__all__ = ["StageFlags", "LockstepRow", "lockstep_table", "LockstepStage", "lockstep_state", "lockstep_tick"]
-
 
 class StageFlags(NamedTuple):
     """What a stage's action at a tick counts for (traced booleans)."""

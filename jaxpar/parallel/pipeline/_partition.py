@@ -24,9 +24,6 @@ import numpy as np
 
 from jaxpar.errors import PartitionError
 
-__all__ = ["partition_layers", "uniform_layers", "check_stage_layers", "stage_cost", "layer_costs", "compiled_flops",
-           "to_stages", "from_stages", "check_blocks_layout", "PartitionError"]
-
 
 def uniform_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
     """``num_layers / num_stages`` layers per stage; a :class:`PartitionError` names the sizes if it does not divide.

@@ -22,8 +22,6 @@ from typing import Callable
 
 from jaxpar.errors import PipelineCutError
 
-__all__ = ["PipelineParts"]
-
 
 @dataclass(frozen=True)
 class PipelineParts:

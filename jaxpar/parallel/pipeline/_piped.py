@@ -51,9 +51,6 @@ from jaxpar.parallel.pipeline._instructions import lower
 from jaxpar.parallel.pipeline._schedules import get_schedule
 from jaxpar.parallel.pipeline._sweep import pipeline_forward_sum
 
-__all__ = ["make_pipeline_loss_and_grad", "auto_stage_layers", "runs_in_lockstep",
-           "staged_cut", "StagedCut"]
-
 
 def auto_stage_layers(cut: ModelCut, outer: list, blocks: Any, microbatch: Any, stages: int) -> tuple[int, ...]:
     """Layers per virtual stage balancing the compiled FLOPs of one of the model's own layers,

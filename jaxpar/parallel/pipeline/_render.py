@@ -20,8 +20,6 @@ from typing import Sequence
 from jaxpar.parallel.pipeline._schedules import Schedule, bubble_fraction, num_ticks, peak_in_flight, timeline
 from jaxpar.errors import ScheduleError
 
-__all__ = ["render_png", "ACTION_COLORS"]
-
 # F blue, B green, W purple; chunk c > 0 is drawn progressively lighter.
 ACTION_COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2"}
 

@@ -30,9 +30,6 @@ from fractions import Fraction
 from jaxpar.parallel.pipeline._tick_table import Action, Schedule, num_ticks, simulate, stage_actions, validate
 from jaxpar.errors import ScheduleError
 
-__all__ = ["duration", "timeline", "makespan", "bubble_fraction", "tick_bubble_fraction", "peak_in_flight",
-           "to_text"]
-
 
 def duration(a: Action, split_backward: bool) -> int:
     """Cost of ``a`` in the bubble model: F=1, W=1, B=1 when split, B=2 when fused (B+W).

@@ -27,14 +27,6 @@ from jaxpar.parallel.pipeline._schedule_stats import (bubble_fraction, duration,
 from jaxpar.parallel.pipeline._tick_table import (Action, Schedule, ScheduleError, check_int, num_ticks, simulate,
                                                   stage_actions, validate)
 
-__all__ = [
-    "Action", "Schedule", "ScheduleError", "SCHEDULE_KINDS",
-    "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "pipedream_2bw", "pipedream", "get_schedule",
-    "canonical_kind",
-    "validate", "stage_actions", "num_ticks", "duration", "timeline", "makespan",
-    "bubble_fraction", "tick_bubble_fraction", "peak_in_flight", "to_text",
-]
-
 # ``doctest.testmod`` of this module also runs the examples of the re-exported functions.
 __test__ = {f.__name__: f for f in (validate, timeline, to_text)}
 

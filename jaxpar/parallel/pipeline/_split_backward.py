@@ -42,8 +42,6 @@ from typing import Any, Callable
 import jax
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Var
 
-__all__ = ["BackwardSplit", "split_backward"]
-
 
 def _needed(eqns: list, start: list, skip: frozenset = frozenset()) -> tuple[list[int], set]:
     """Indices (in order) of the equations ``start``'s variables depend on, skipping ``skip``,

@@ -23,9 +23,6 @@ from jaxpar.parallel.pipeline._parts import PipelineParts
 from jaxpar.parallel.pipeline._instructions import PIPE, Program, stage_counts
 from jaxpar.parallel.pipeline._tick_arrays import ActionKind, TickRow, TickTable, exchange, one_of, tick_table
 
-__all__ = ["PIPE", "TICKS_SCOPE", "ActionKind", "TickRow", "TickTable", "tick_table", "Stage",
-           "initial_state", "exchange", "tick", "one_of", "stage_counts"]
-
 #: name scope of the tick loop: in the compiled HLO, its ``while``'s ``op_name``
 #: ends ``pipeline_ticks/while``
 TICKS_SCOPE = "pipeline_ticks"

@@ -21,8 +21,6 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["optimizer_is_per_stage", "stacked_block_ids"]
-
 
 def optimizer_is_per_stage(tx: optax.GradientTransformation, shapes: Any, block_ids: set) -> bool:
     """Whether ``tx`` updates each stage's parameters from their own values and gradients alone:

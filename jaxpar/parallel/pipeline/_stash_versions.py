@@ -44,9 +44,6 @@ from jaxpar.parallel.pipeline._schedules import Schedule, canonical_kind
 from jaxpar.parallel.pipeline._tick_table import check_int
 from jaxpar.errors import StashingError
 
-__all__ = ["STASHING", "StashingError", "version", "older_versions", "stashed_versions", "StashProgram",
-           "lower_stashed", "update_ticks", "is_stashing", "check_stashing"]
-
 STASHING = "pipedream"
 
 

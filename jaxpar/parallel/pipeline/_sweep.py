@@ -42,8 +42,6 @@ from jaxpar.parallel.pipeline._partition import check_blocks_layout
 from jaxpar.parallel.pipeline._parts import PipelineParts
 from jaxpar.parallel.pipeline._instructions import PIPE
 
-__all__ = ["pipeline_forward_sum"]
-
 
 def pipeline_forward_sum(parts: PipelineParts, mesh, rules, value: Callable, *, stage_layers: Sequence[int],
                          chunks: int = 1, lockstep: bool = False) -> Callable:

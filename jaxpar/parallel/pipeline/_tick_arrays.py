@@ -24,8 +24,6 @@ import numpy as np
 from jaxpar.parallel.pipeline._buffers import PipelineState, Slots, put_tree, take, zeros_like_tree
 from jaxpar.parallel.pipeline._instructions import PIPE, Instr, Program
 
-__all__ = ["ActionKind", "TickRow", "TickTable", "tick_table", "exchange", "one_of"]
-
 
 class ActionKind(NamedTuple):
     """What an instruction needs compiled: one conditional per distinct kind.

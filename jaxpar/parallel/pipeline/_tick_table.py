@@ -37,8 +37,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 from jaxpar.errors import ScheduleError
 
-__all__ = ["Action", "Schedule", "ScheduleError", "validate", "stage_actions", "num_ticks"]
-
 
 def check_int(name: str, value, minimum: int, error: type[Exception] = ScheduleError) -> int:
     """``value`` if it is an int (not a bool) ``>= minimum``, else ``error`` naming ``name``."""

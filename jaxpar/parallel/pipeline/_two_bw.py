@@ -41,9 +41,6 @@ from jaxpar.parallel.pipeline._instructions import Program, colour_intervals
 from jaxpar.parallel.pipeline._schedules import Schedule, canonical_kind
 from jaxpar.errors import AsyncPipelineError
 
-__all__ = ["AsyncPipelineError", "TWO_BW", "is_two_bw", "step_windows", "version_rows", "two_bw_versions",
-           "check_two_bw"]
-
 TWO_BW = "pipedream-2bw"
 
 

@@ -48,9 +48,6 @@ from jaxpar.parallel.pipeline._stage import TICKS_SCOPE, ActionKind, Stage, Tick
 from jaxpar.parallel.pipeline._stash_versions import StashingError, check_stashing, older_versions
 from jaxpar.parallel.pipeline._two_bw import AsyncPipelineError, check_two_bw
 
-__all__ = ["VersionRows", "StageWeights", "StageUpdate", "VersionedStage", "versioned_table", "run_ticks",
-           "check_versioned_state"]
-
 
 class VersionRows(NamedTuple):
     """Per tick and stage (int32 ``[ticks, p]``): the version slot an action reads (``ver``), and

@@ -26,8 +26,6 @@ import jax
 
 from jaxpar.errors import PipelineCutError
 
-__all__ = ["ResidualLayout", "split_pullback", "join_pullback"]
-
 
 @dataclass(frozen=True)
 class ResidualLayout:

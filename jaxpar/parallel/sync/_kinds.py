@@ -37,9 +37,6 @@ import jax.numpy as jnp
 import optax
 from jaxpar.errors import SyncError
 
-__all__ = ["SyncError", "Synchronous", "DiLoCo", "EASGD", "Stale", "Backup", "synchronous", "diloco",
-           "local_sgd", "easgd", "stale", "backup", "SYNC_KINDS", "make_sync", "check_sync"]
-
 
 def _int(name: str, option: str, value: Any, low: int, example: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
