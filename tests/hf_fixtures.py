@@ -133,8 +133,14 @@ def train_tokenizer():
     return Tokenizer.from_str(_tokenizer_json())
 
 
-def _save_tokenizer(tok, out_dir: Path, dialect: str) -> None:
+def _save_tokenizer(tok, out_dir: Path, dialect: str, bos: bool = False) -> None:
     from transformers import PreTrainedTokenizerFast     # = TokenizersBackend in transformers 5
+
+    if bos:             # as Llama-3's and Gemma-3's tokenizer.json: every encoding starts with BOS
+        from tokenizers.processors import TemplateProcessing
+
+        tok.post_processor = TemplateProcessing(single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+                                                special_tokens=[(BOS_TOKEN, tok.token_to_id(BOS_TOKEN))])
 
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
                                    pad_token=PAD_TOKEN, model_max_length=MAX_POSITIONS)
@@ -372,7 +378,7 @@ def to_hub_dialect(cfg: dict, family: str, tie: bool | None) -> dict:
 def build_checkpoint(family: str, out_dir: str | Path, *, dialect: str = "v5", tie: bool | None = None,
                      experts_layout: str = "per_expert", dtype: str = "float32", seed: int = 0,
                      softcap: bool = False, lm_head_on_disk: bool = False, shard_size: str | int | None = None,
-                     init_std: float = 0.02, **overrides: Any) -> Path:
+                     init_std: float = 0.02, bos: bool = False, **overrides: Any) -> Path:
     """Write a tiny random Hugging Face checkpoint (config, safetensors, tokenizer, generation config).
 
     Args:
@@ -390,6 +396,7 @@ def build_checkpoint(family: str, out_dir: str | Path, *, dialect: str = "v5", t
         shard_size: ``max_shard_size`` for ``save_pretrained`` (e.g. "20KB"): several
             ``model-0000x-of-0000y.safetensors`` files and ``model.safetensors.index.json``.
         init_std: standard deviation of the non-norm weights.
+        bos: the tokenizer's post-processor adds BOS to every encoding (as Llama-3's and Gemma-3's do).
         **overrides: config fields, passed to the config class after the family settings.
 
     Returns:
@@ -442,7 +449,7 @@ def build_checkpoint(family: str, out_dir: str | Path, *, dialect: str = "v5", t
     if not (out / "generation_config.json").exists():
         (out / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": special["bos"], "eos_token_id": special["eos"]}, indent=2) + "\n")
-    _save_tokenizer(tok, out, dialect)
+    _save_tokenizer(tok, out, dialect, bos)
 
     if experts_layout == "fused":
         _fuse_experts(out)
