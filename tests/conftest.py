@@ -21,9 +21,15 @@ appended to ``XLA_FLAGS``): it compiles the test programs ~3x faster. The HLO pa
 unchanged, so the optimised HLO (``as_text()``: collectives, shardings) and the memory analysis
 are the same as at the default level; only the machine code differs, which moves results by
 fp32 round-off (e.g. FMA contraction), within every tolerance of the suite, and the code runs
-slower (tiny programs: compile time dominates). Subprocesses inherit it (tests/test_multiprocess.py
+slower (tiny programs: compile time dominates). XLA:CPU's MLIR fusion emitters are off too
+(``--xla_cpu_use_fusion_emitters=false``: the older loop emitters), which halves the compile time
+of the suite (``make test``: 240 s of compiles in place of 584 s). The fused loops' code differs,
+not the SPMD partitioner's output (the collectives and their shapes); every test of compiled memory,
+HLO and collectives passes either way. A test that asserts two *different* programs bit-equal can
+depend on the emitters' reduction order: it is marked ``fusion_emitters`` and runs in a subprocess
+with XLA's fusion emitters on (the ``-O0`` level kept). Subprocesses inherit the flags (tests/test_multiprocess.py
 passes ``TEST_XLA_FLAGS`` on explicitly, since it clears ``XLA_FLAGS``), so in-process and
-subprocess runs compile alike. ``JAXPAR_TEST_XLA_OPT=default`` keeps XLA's default level.
+subprocess runs compile alike. ``JAXPAR_TEST_XLA_OPT=default`` keeps XLA's defaults for both.
 
 Each simulated device also runs its ops single-threaded (``--xla_cpu_multi_thread_eigen=false``):
 8 device threads already share the 2 cores, and with Eigen's intra-op pool on top a pipelined
@@ -49,10 +55,15 @@ if os.environ.get("JAXPAR_TEST_COMPILATION_CACHE", "1") != "0":
         atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")    # every program, not only > 1 s
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+os.environ.setdefault("JAXPAR_TEST_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))   # before this adds any
 #: XLA flags this session adds (tests that start processes with a cleared XLA_FLAGS pass these on)
 TEST_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false --xla_cpu_collective_call_terminate_timeout_seconds=300"
 if os.environ.get("JAXPAR_TEST_XLA_OPT", "0") != "default":
     TEST_XLA_FLAGS += " --xla_backend_optimization_level=0"
+    if os.environ.get("JAXPAR_TEST_FUSION_EMITTERS") != "1":
+        TEST_XLA_FLAGS += " --xla_cpu_use_fusion_emitters=false"
+#: whether this process compiles with XLA:CPU's fusion emitters (a ``fusion_emitters`` test runs here)
+FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false" not in TEST_XLA_FLAGS
 for _flag in TEST_XLA_FLAGS.split():
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
@@ -94,6 +105,23 @@ def tier_of(item) -> str:
 def pytest_report_header(config):
     share = _share(config)
     return None if share is None else f"exhaustive tier: share {share[0]} of {share[1]} (--share {share[0]}/{share[1]})"
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    """A ``fusion_emitters`` test, where this process compiles without them: the same test id in a
+    subprocess that compiles with them (its result is this test's)."""
+    if FUSION_EMITTERS or not pyfuncitem.get_closest_marker("fusion_emitters"):
+        return None
+    import subprocess
+    import sys
+    env = {**os.environ, "XLA_FLAGS": os.environ["JAXPAR_TEST_USER_XLA_FLAGS"], "JAXPAR_TEST_FUSION_EMITTERS": "1"}
+    env.pop("JAXPAR_TEST_REPORT", None)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", "",
+                          pyfuncitem.nodeid], cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        pytest.fail(f"with XLA:CPU's fusion emitters (a subprocess):\n{run.stdout[-6000:]}{run.stderr[-2000:]}",
+                    pytrace=False)
+    return True
 
 
 def need_devices(n: int):

@@ -90,6 +90,7 @@ def test_diloco_with_one_inner_step_and_plain_outer_sgd_is_data_parallelism(dp8)
     assert_trees(state.params, dp8[0])
 
 
+@pytest.mark.fusion_emitters
 @pytest.mark.parametrize("sync", [stale(0), stale(3, pattern=[[0] * K]), backup(0)], ids=["s0", "s3-zero-delays", "b0"])
 def test_no_delay_and_no_backup_equal_synchronous_training_exactly(synced, sync):
     state, losses, _ = train({"replica": K, "data": 2}, sync)
@@ -120,6 +121,7 @@ def _replica_rows(r):
 
 
 @pytest.mark.exhaustive
+@pytest.mark.fusion_emitters
 def test_easgd_with_zero_alpha_gives_independent_runs():
     steps = 3
     state, _, _ = train({"replica": K, "data": 2}, easgd(0.0), steps=steps)

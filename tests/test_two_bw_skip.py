@@ -76,6 +76,7 @@ def test_one_step_program_skips_and_makes_the_newest_version_the_older_one(one_s
                                                          jax.tree.leaves(skipped["params"])))
 
 
+@pytest.mark.fusion_emitters
 @pytest.mark.parametrize("k", [STEPS])
 def test_no_flush_program_gives_the_one_step_programs_states(one_step_run, k):
     """The skipped step is the middle one of a no-flush call: the next step's first micro-batches
