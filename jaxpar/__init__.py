@@ -4,28 +4,25 @@ The names a user needs sit here: the mesh and its rules, the strategy, the train
 run around it (``train``, ``Checkpointer``), and every error class (:mod:`jaxpar.errors`).
 """
 
-from jaxpar import errors as errors
+from jaxpar import errors
 from jaxpar.errors import *  # noqa: F401,F403  (every error class, listed in jaxpar.errors.__all__)
-from jaxpar.mesh import MeshSpec as MeshSpec, make_mesh as make_mesh
-from jaxpar.mesh import simulate_cpu_devices as simulate_cpu_devices, use_devices as use_devices, data_axes as data_axes
-from jaxpar.rules import logical_to_spec as logical_to_spec, resolve as resolve
-from jaxpar.rules import named_shardings as named_shardings, use_rules as use_rules, constrain as constrain
-from jaxpar.adapters._blocks import scan_blocks as scan_blocks, run_layers as run_layers
-from jaxpar.adapters._layer_lists import stack_layers as stack_layers
-from jaxpar.strategy import Strategy as Strategy
-from jaxpar.parallel._tensor import tensor_rules as tensor_rules
-from jaxpar.parallel._zero import analytic_state_bytes as analytic_state_bytes
-from jaxpar.step._state import TrainState as TrainState, StateLayout as StateLayout
-from jaxpar.step._init import init_train_state as init_train_state, state_layout as state_layout
-from jaxpar.batch import shard_batch as shard_batch
-from jaxpar.adapters._loss_metrics import report_metric as report_metric
-from jaxpar.step._compose import make_train_step as make_train_step
-from jaxpar.step._program import TrainStep as TrainStep
-from jaxpar.step._noise_scale import plot_noise_scale as plot_noise_scale, with_noise_scale as with_noise_scale
-from jaxpar.data._rows import make_global_batch as make_global_batch
-from jaxpar.run import (AdaptiveRamp as AdaptiveRamp, BatchRamp as BatchRamp, Checkpointer as Checkpointer,
-                        LogOptions as LogOptions, greedy_generate as greedy_generate, ramp_batch_fn as ramp_batch_fn,
-                        train as train, train_with_checkpoints as train_with_checkpoints)
+from jaxpar.mesh import MeshSpec, make_mesh, simulate_cpu_devices, use_devices, data_axes
+from jaxpar.rules import logical_to_spec, resolve, named_shardings, use_rules, constrain
+from jaxpar.adapters._blocks import scan_blocks, run_layers
+from jaxpar.adapters._layer_lists import stack_layers
+from jaxpar.strategy import Strategy
+from jaxpar.parallel._tensor import tensor_rules
+from jaxpar.parallel._zero import analytic_state_bytes
+from jaxpar.step._state import TrainState, StateLayout
+from jaxpar.step._init import init_train_state, state_layout
+from jaxpar.batch import shard_batch
+from jaxpar.adapters._loss_metrics import report_metric
+from jaxpar.step._compose import make_train_step
+from jaxpar.step._program import TrainStep
+from jaxpar.step._noise_scale import plot_noise_scale, with_noise_scale
+from jaxpar.data._rows import make_global_batch
+from jaxpar.run import (AdaptiveRamp, BatchRamp, Checkpointer, LogOptions, greedy_generate, ramp_batch_fn, train,
+                        train_with_checkpoints)
 
 __version__ = "0.1.0"
 

@@ -91,18 +91,6 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     return status
 
 
-def _run_inspect(config: str, overrides: Sequence[str], *, cluster: str | None = None, target: str | None = None) -> int:
-    """``jaxpar inspect``: compile the config's train step ahead of time, exactly as ``jaxpar train``
-    would run it, on simulated CPU devices or with a target's real compiler (``--target h100:2x8``),
-    and print its shardings, collectives and memory next to the cost model's prediction
-    (:func:`jaxpar.config._inspection.inspect_config`). No step runs. Returns 3 when a target's
-    memory is too small."""
-    from jaxpar.config import load_config
-    from jaxpar.config._inspection import inspect_config
-
-    return inspect_config(load_config(config, list(overrides)), cluster=cluster, target=target)
-
-
 def _run_plan(args: argparse.Namespace) -> int:
     """``jaxpar plan``: rank every plan of the model on the cluster (:func:`jaxpar.cost.plan`);
     ``--verify`` compiles the top plans (on simulated CPU devices, or with ``--target``'s real
@@ -217,8 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from jaxpar.config._data_commands import run_data_command
     from jaxpar.config._schedule_command import run_schedule
-    from jaxpar.config._errors import user_errors
     from jaxpar.config._hf_commands import run_command
+    from jaxpar.errors import JaxparError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)   # overrides may follow options: CONFIG --print-config k=v
@@ -235,14 +223,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "check":
             from jaxpar.config._check_command import run_check
             return run_check(args)
-        if args.command == "inspect":
-            return _run_inspect(args.config, args.overrides, cluster=args.cluster, target=args.target)
+        if args.command == "inspect":       # compile the step ahead of time, run nothing (jaxpar.config._inspection)
+            from jaxpar.config import load_config
+            from jaxpar.config._inspection import inspect_config
+            return inspect_config(load_config(args.config, list(args.overrides)), cluster=args.cluster,
+                                  target=args.target)
         if args.command in ("export", "sample"):
             return run_command(args)
         if args.command == "data":
             return run_data_command(args, {k: getattr(args, k, None) for k in _DIST})
         return run_schedule(args)
-    except user_errors() as e:
+    except JaxparError as e:        # an input jaxpar names as wrong; any other error keeps its traceback
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:

@@ -1,27 +1,14 @@
 """Large-batch optimizers (learning-rate scaling rules, LARS / LAMB with masks) and 1-bit Adam's.
 
-* :func:`scaled_lr`: the peak learning rate for a global batch, scaled from the one tuned
-  at ``base_batch`` (``linear``: Goyal et al. 2017; ``sqrt``: Krizhevsky 2014, Hoffer et
-  al. 2017; ``none``). Warm-up and decay are applied to the scaled peak by the schedule.
-* :func:`lars` and :func:`lamb`: You et al. 2017 / 2020, built like ``optax.lars`` /
-  ``optax.lamb`` from optax transformations (``scale_by_adam``, ``add_decayed_weights``,
-  ``masked``, ``scale_by_learning_rate``, ``trace``) and :func:`scale_by_layer_trust_ratio`.
-  Unlike optax's, the weight decay **and** the trust ratio are masked off for biases and
-  normalisation scales by default (:func:`trust_mask`), and the trust ratio of stacked
-  blocks (a leading ``layers`` axis, :mod:`jaxpar.adapters._blocks`) is computed per layer.
-* :func:`adamw_frozen_variance` (:func:`scale_by_adam_frozen_variance`): AdamW whose second
-  moment freezes after a number of updates, the optimizer of 1-bit Adam (Tang et al. 2021;
-  ``jaxpar.parallel.compression.sign(optimizer_momentum=..., start_step=...)``, docs/compression.md).
+* :func:`scaled_lr`: the peak learning rate for a global batch, scaled from ``base_batch``
+  (``linear``, ``sqrt`` or ``none``).
+* :func:`lars` and :func:`lamb`: built like ``optax.lars`` / ``optax.lamb``, but the weight decay
+  **and** the trust ratio are masked off for biases and norm scales (:func:`trust_mask`), and the
+  trust ratio of stacked blocks is per layer (docs/large_batch.md).
+* :func:`adamw_frozen_variance`: AdamW whose second moment freezes, the optimizer of 1-bit Adam
+  (docs/compression.md).
 * :func:`hyperparameter_problem` / :func:`check_hyperparameters`: the range of each option
-  (:data:`HYPERPARAMETERS`); every optimizer here checks its options when it is built, and the YAML's
-  ``optimizer`` section reports the same problems under its keys.
-
-Which parameters count as "matrices" comes from their logical axis names: the rank of a
-parameter without its leading ``layers`` axes (a stacked LayerNorm scale ``('layers',
-'embed')`` has rank 1). Without logical names, the array's rank. Regexes on the parameter
-path (``'blocks/w1'``) override it. The same optimizer runs under every strategy: a
-trust ratio needs the norm of a whole (per-layer) leaf, which XLA reduces over the mesh
-axes a sharded leaf is split over (a few small all-reduces; see ``docs/large_batch.md``).
+  (:data:`HYPERPARAMETERS`).
 
 Example::
 
@@ -51,7 +38,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.adapters._blocks import LAYERS
 from jaxpar.rules import path_str
-from jaxpar.errors import MaskError, OptimizerError
+from jaxpar.errors import MaskError, OptimizerError, check_int
 
 __all__ = ["LR_SCALING_RULES", "HYPERPARAMETERS", "MaskError", "OptimizerError", "hyperparameter_problem",
            "check_hyperparameters", "scaled_lr", "trust_mask", "stacked_axes", "scale_by_layer_trust_ratio", "lars",
@@ -396,9 +383,7 @@ def scale_by_adam_frozen_variance(freeze_step: int, *, b1: float = 0.9, b2: floa
     >>> state.nu.tolist()
     [0.5, 2.0]
     """
-    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-        raise OptimizerError(f"scale_by_adam_frozen_variance(freeze_step={freeze_step!r}): the number of updates "
-                             "before Adam's second moment is frozen must be an int >= 1.")
+    check_int("scale_by_adam_frozen_variance", "freeze_step", freeze_step, 1, OptimizerError)
     check_hyperparameters("scale_by_adam_frozen_variance", b1=b1, b2=b2, eps=eps)
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
 

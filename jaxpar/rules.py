@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, ContextManager, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp  # noqa: F401  (the docstring examples use it)
@@ -249,16 +249,36 @@ def named_shardings(spec_tree: Any, mesh) -> Any:
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
+@contextlib.contextmanager
+def scoped(var: contextvars.ContextVar, value: Any) -> Iterator[Any]:
+    """Set the context variable ``var`` to ``value`` inside the block, and back to what it was after.
+
+    Args:
+      var: the context variable to set.
+      value: its value inside the block.
+
+    Yields:
+      ``value``.
+    """
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
 _RULES: contextvars.ContextVar = contextvars.ContextVar("jaxpar_rules", default=None)
 
 
-@contextlib.contextmanager
-def use_rules(mesh, rules: LogicalRules) -> Iterator[None]:
+def use_rules(mesh, rules: LogicalRules) -> ContextManager[None]:
     """Make ``(mesh, rules)`` the context for :func:`constrain` (activation sharding).
 
     Args:
       mesh: the mesh.
       rules: the logical rules.
+
+    Returns:
+      A context manager.
 
     >>> import jax, jax.numpy as jnp, jaxpar
     >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
@@ -270,15 +290,10 @@ def use_rules(mesh, rules: LogicalRules) -> Iterator[None]:
     >>> current_rules() is None                 # only inside the ``with`` block
     True
     """
-    token = _RULES.set((mesh, tuple(rules)))
-    try:
-        yield
-    finally:
-        _RULES.reset(token)
+    return scoped(_RULES, (mesh, tuple(rules)))
 
 
-@contextlib.contextmanager
-def without_rules() -> Iterator[None]:
+def without_rules() -> ContextManager[None]:
     """No rules in this context: :func:`constrain` leaves activations alone (e.g. to compile
     one layer on its own, away from the mesh).
 
@@ -286,11 +301,7 @@ def without_rules() -> Iterator[None]:
     ...     current_rules() is None
     True
     """
-    token = _RULES.set(None)
-    try:
-        yield
-    finally:
-        _RULES.reset(token)
+    return scoped(_RULES, None)
 
 
 def current_rules():

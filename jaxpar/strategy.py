@@ -50,7 +50,7 @@ class Strategy:
     - ``compute_dtype``: ``'float32'`` or ``'bfloat16'`` (fp32 master weights).
     - ``extra_rules``: user rules placed *before* jaxpar's (first match wins).
     - ``schedule`` (``pipe > 1``): ``'gpipe'``, ``'1f1b'``, ``'interleaved'``, ``'zb-h1'``,
-      ``'pipedream-2bw'`` or ``'pipedream'`` (weight stashing, :mod:`jaxpar.parallel.pipeline._stash_versions`).
+      ``'pipedream-2bw'`` or ``'pipedream'`` (weight stashing, :mod:`jaxpar.parallel.pipeline._pipedream`).
     - ``update_every`` / ``vertical_sync`` (``'pipedream'`` only): each stage updates its weights
       after every ``update_every`` of its backwards; with ``vertical_sync`` every stage runs a
       micro-batch on the version stage 0 used for it.

@@ -12,10 +12,11 @@ from flax import nnx
 import jaxpar
 from jaxpar.config import ConfigError, load_config
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.parallel.pipeline._two_bw import AsyncPipelineError, step_windows, two_bw_versions
+from jaxpar.errors import AsyncPipelineError
+from jaxpar.parallel.pipeline._pipedream import step_windows, two_bw_versions
 from jaxpar.parallel.pipeline import bubble_fraction
 from jaxpar.parallel.pipeline._stage import TICKS_SCOPE
-from jaxpar.step._no_flush_steps import WINDOWS_SCOPE
+from jaxpar.step._two_bw_step import WINDOWS_SCOPE
 from jaxpar.parallel.pipeline import lower
 from jaxpar.parallel.pipeline import get_schedule, pipedream_2bw
 from jaxpar.parallel.pipeline._schedules import num_ticks, one_f_one_b
@@ -123,6 +124,7 @@ def test_2bw_equals_delayed_gradient_reference(p, opt):
 
 
 @pytest.mark.exhaustive
+@pytest.mark.fusion_emitters
 def test_2bw_with_zero3_fsdp_and_tensor_equals_delayed_gradient_reference():
     """2BW composes with ZeRO-3 and tensor parallelism on the other axes (pipe2 x fsdp2 x tensor2):
     the same reference, and both weight versions stay sharded over fsdp."""

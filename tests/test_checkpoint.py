@@ -295,8 +295,8 @@ def test_weight_stashing_versions_reset_when_the_stages_change(tmp_path):
     k2 = jaxpar.Strategy(microbatches=2, schedule="pipedream", update_every=2)
     state, layout1 = jaxpar.init_train_state(model_fn, TX, mesh, k1)
     _, layout2 = jaxpar.init_train_state(model_fn, TX, mesh, k2)
-    assert len(state.versions) == 1 and jax.tree.structure(layout1.versions_shapes) == jax.tree.structure(
-        layout2.versions_shapes)
+    assert len(state.versions) == 1 and jax.tree.structure(layout1.part("versions").shapes) == jax.tree.structure(
+        layout2.part("versions").shapes)
     state = _bumped(state)._replace(versions=jax.tree.map(lambda a: a + 7, state.versions))
     with Checkpointer(tmp_path / "new", async_save=False) as ck:
         ck.save(1, state, layout=layout1)

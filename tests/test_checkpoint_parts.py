@@ -65,8 +65,7 @@ def test_every_optional_field_of_the_train_state_has_exactly_one_part():
     assert names == optional and len(set(names)) == len(names), (names, optional)
     assert set(BUILD) == set(names)
     assert all(isinstance(part, StatePart) for part in STATE_PARTS)
-    layout_fields = {f.name for f in dataclasses.fields(StateLayout)}
-    assert all({n, f"{n}_shapes"} <= layout_fields for n in names), layout_fields
+    assert StateLayout.__dataclass_fields__["parts"].default_factory() == {}      # each layout part: StateLayout.part
 
 
 @need_devices(8)
@@ -133,10 +132,8 @@ def test_each_part_starts_afresh(name):
     assert jax.tree.structure(got) == jax.tree.structure(getattr(abstract, name))
     for value, want in zip(jax.tree.leaves(got), jax.tree.leaves(getattr(abstract, name))):
         assert (value.shape, value.dtype, value.sharding) == (want.shape, want.dtype, want.sharding)
-    if name == "codec":
-        expected = on_layout.codec_init()
-    elif name == "sync":
-        expected = on_layout.sync_init(params)
+    if name in ("codec", "sync"):
+        expected = on_layout.parts[name].init(params)
     elif name == "stats":
         expected = jax.tree.map(np.zeros_like, jax.device_get(on.stats))
     else:
@@ -146,3 +143,23 @@ def test_each_part_starts_afresh(name):
     if name in ("codec", "sync"):
         with pytest.raises(CheckpointMismatchError, match=r"checkpoint 7: .*call restore\(layout\)"):
             part.fresh(abstract, params, abstract, "checkpoint 7")
+
+
+def test_the_layout_holds_parts_and_the_local_kinds_have_no_jit_of_their_own():
+    """Issue 54 item 4: :class:`~jaxpar.step.StateLayout` keeps its optional parts in ``parts``, no field
+    per feature; DiLoCo / local SGD / EASGD's programs are ``jit_program``'s, no ``jax.jit`` of their own."""
+    import ast
+    import dataclasses
+    import inspect
+
+    from jaxpar.step import StateLayout
+    from jaxpar.step import _local_steps
+
+    fields = [f.name for f in dataclasses.fields(StateLayout)]
+    assert fields == ["mesh", "rules", "graphdef", "shapes", "logical", "params", "grads", "opt_param_specs",
+                      "opt_state", "opt_shapes", "parts", "strategy", "layer_lists"]
+    features = ("codec", "sync", "stats", "versions", "noise", "bias", "part_options")
+    assert [f for f in fields if f.startswith(features)] == []
+    tree = ast.parse(inspect.getsource(_local_steps))
+    jits = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "jit"]
+    assert jits == [] and "from jax import jit" not in inspect.getsource(_local_steps)

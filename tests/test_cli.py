@@ -11,7 +11,6 @@ from jaxpar.cli import main
 from jaxpar.config import (ConfigError, build_data, build_lr_schedule, build_optimizer, check, load_config,
                            parse_overrides, resolve_import, to_yaml)
 from jaxpar.data import _windows as D
-from jaxpar.step._state import part_options
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs" / "quickstart.yaml")
@@ -425,12 +424,12 @@ def test_inspect_builds_the_step_that_train_runs(monkeypatch, tmp_path):
             f"train.out_dir={tmp_path}"]
     t_loss, t_layout, t_strategy, t_options = _step_arguments(monkeypatch, ["train", QUICK, *over])
     i_loss, i_layout, i_strategy, i_options = _step_arguments(monkeypatch, ["inspect", QUICK, *over])
-    assert part_options(t_layout, "noise_scale") == part_options(i_layout, "noise_scale") == (4, 0.9)
+    assert t_layout.parts["noise_scale"].options == i_layout.parts["noise_scale"].options == (4, 0.9)
     assert t_options["clip_norm"] == 0.5 and t_options["skip_nonfinite"] is True and "lr_schedule" not in t_options
     assert {k: v for k, v in i_options.items() if k != "log_lr"} == {k: v for k, v in t_options.items() if k != "log_lr"}
     assert [float(i_options["log_lr"](t)) for t in (0, 10, 99)] == [float(t_options["log_lr"](t)) for t in (0, 10, 99)]
     assert i_loss is t_loss and i_strategy == t_strategy
-    assert sorted(i_layout.stats) == sorted(t_layout.stats) == ["noise_scale"]      # the measured state is there
+    assert sorted(i_layout.parts) == sorted(t_layout.parts) == ["noise_scale"]      # the measured state is there
 
 
 PIPE_2BW = ["mesh.pipe=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "model.layers=4", "model.embed=32",

@@ -59,7 +59,7 @@ def test_lr_schedule_is_refused_and_log_lr_only_logs():
     mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
     tx = optax.sgd(0.1)
     state, layout = jaxpar.init_train_state(model_fn, tx, mesh)
-    with pytest.raises(jaxpar.StepError, match=r"lr_schedule=.*never changed the updates.*log_lr=schedule"):
+    with pytest.raises(TypeError, match="lr_schedule"):
         jaxpar.make_train_step(classifier_loss, tx, layout, lr_schedule=lambda s: 0.0)
     logged = jaxpar.make_train_step(classifier_loss, tx, layout, log_lr=lambda s: 123.0, donate=False)
     plain = jaxpar.make_train_step(classifier_loss, tx, layout, donate=False)
@@ -69,6 +69,7 @@ def test_lr_schedule_is_refused_and_log_lr_only_logs():
 
 
 @pytest.mark.exhaustive
+@pytest.mark.fusion_emitters
 def test_explicit_dp_runs_inside_several_steps_per_call():
     """explicit_dp=True with steps_per_call=2 scans the explicit program (its per-layer collectives,
     not XLA's), and its two steps are two calls of the one-step program."""
@@ -155,7 +156,7 @@ def test_the_docs_table_is_the_compat_table():
 def test_the_library_and_the_config_raise_the_same_refusal():
     """One table: the library's error and the config's problem are the same message with other names."""
     from jaxpar.compat import LIBRARY_NAMES, Setting, problems
-    from jaxpar.parallel.pipeline._stash_versions import StashingError
+    from jaxpar.errors import StashingError
 
     strategy = jaxpar.Strategy(schedule="pipedream", microbatches=2, compression=qsgd())
     (problem,) = problems(Setting(strategy, {"pipe": 2, "data": 4}))

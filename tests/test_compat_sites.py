@@ -6,9 +6,8 @@ message of their own: the class the problem declares and its message with the li
 * :func:`test_the_table_runs_once_per_entry_point`: ``init_train_state`` and ``make_train_step`` run
   the table exactly once each, with PipeDream-2BW, weight stashing, DiLoCo and a codec (nothing they
   call runs it again);
-* :func:`~jaxpar.parallel.pipeline._two_bw.check_two_bw` and
-  :func:`~jaxpar.parallel.pipeline._stash_versions.check_stashing`: sequence parallelism (the SP x 2B /
-  SP x ST pairs), a ``pipe`` axis, 2BW's micro-batches, ``update_every``;
+* :func:`~jaxpar.compat.raise_problems` for PipeDream-2BW and weight stashing: sequence parallelism
+  (the SP x 2B / SP x ST pairs), a ``pipe`` axis, 2BW's micro-batches, ``update_every``;
 * :func:`~jaxpar.parallel.compression.exchange_plan`: a codec needs a data axis; 1-bit Adam with
   gradients sharded over it (the Z x 1A pair);
 * :func:`~jaxpar.step.router_bias_layout` (and ``with_router_bias``): a router bias with weight
@@ -22,10 +21,8 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.compat import LIBRARY_NAMES, Setting, needs, problems
+from jaxpar.compat import LIBRARY_NAMES, Setting, needs, problems, raise_problems
 from jaxpar.parallel.compression import exchange_plan, qsgd, topk
-from jaxpar.parallel.pipeline._stash_versions import check_stashing
-from jaxpar.parallel.pipeline._two_bw import check_two_bw
 from jaxpar.parallel.sync import diloco, synchronous
 
 S = jaxpar.Strategy
@@ -42,20 +39,20 @@ def _plan(codec, sizes):
 
 #: name: (the call, the setting it checks, the class).
 SITES = {
-    "piped-SP-2B": (lambda: check_two_bw(SP_2B, {"pipe": 2, "tensor": 2}),
+    "piped-SP-2B": (lambda: raise_problems(Setting(SP_2B, {"pipe": 2, "tensor": 2})),
                     Setting(SP_2B, {"pipe": 2, "tensor": 2}), jaxpar.AsyncPipelineError),
-    "piped-SP-ST": (lambda: check_stashing(SP_ST, {"pipe": 2, "tensor": 2}),
+    "piped-SP-ST": (lambda: raise_problems(Setting(SP_ST, {"pipe": 2, "tensor": 2})),
                     Setting(SP_ST, {"pipe": 2, "tensor": 2}), jaxpar.StashingError),
-    "two_bw-needs-pipe": (lambda: check_two_bw(S(schedule="pipedream-2bw", microbatches=2), {"data": 2}),
+    "two_bw-needs-pipe": (lambda: raise_problems(Setting(S(schedule="pipedream-2bw", microbatches=2), {"data": 2})),
                           Setting(S(schedule="pipedream-2bw", microbatches=2), {"data": 2}),
                           jaxpar.AsyncPipelineError),
-    "two_bw-microbatches": (lambda: check_two_bw(S(schedule="pipedream-2bw", microbatches=2), {"pipe": 4}),
+    "two_bw-microbatches": (lambda: raise_problems(Setting(S(schedule="pipedream-2bw", microbatches=2), {"pipe": 4})),
                             Setting(S(schedule="pipedream-2bw", microbatches=2), {"pipe": 4}),
                             jaxpar.AsyncPipelineError),
-    "stash-needs-pipe": (lambda: check_stashing(S(schedule="pipedream", microbatches=2), {"data": 2}),
+    "stash-needs-pipe": (lambda: raise_problems(Setting(S(schedule="pipedream", microbatches=2), {"data": 2})),
                          Setting(S(schedule="pipedream", microbatches=2), {"data": 2}), jaxpar.StashingError),
-    "stash-update-every": (lambda: check_stashing(S(schedule="pipedream", microbatches=4, update_every=3),
-                                                  {"pipe": 2}),
+    "stash-update-every": (lambda: raise_problems(Setting(S(schedule="pipedream", microbatches=4, update_every=3),
+                                                          {"pipe": 2})),
                            Setting(S(schedule="pipedream", microbatches=4, update_every=3), {"pipe": 2}),
                            jaxpar.StashingError),
     "codec-needs-data": (lambda: _plan(qsgd(), {"data": 1, "tensor": 8}),

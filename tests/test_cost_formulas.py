@@ -8,7 +8,7 @@ import pytest
 
 from jaxpar.cost import _collectives as C
 from jaxpar.cost import PRECISIONS, activation_bytes_per_layer, zero_state_bytes
-from jaxpar.cost._memory import closed_form_stats, schedule_stats
+from jaxpar.cost._schedule import closed_form_stats, schedule_stats
 from jaxpar.cost import gpt
 from jaxpar.cost import narayanan_flops, step_flops
 from jaxpar.parallel.pipeline import bubble_fraction, get_schedule, peak_in_flight

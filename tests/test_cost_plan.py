@@ -72,7 +72,7 @@ def test_negative_bandwidth():
 
 
 @pytest.mark.parametrize("key,value,match", [
-    ("devices_per_node", 0, r"devices_per_node=0 must be a positive int"),
+    ("devices_per_node", 0, r"devices_per_node=0 must be an int >= 1"),
     ("device_memory_gib", -1, r"device_memory_gib=-1 must be a positive number"),
     ("efficiency", 1.5, r"efficiency=1.5 must be in \(0, 1\]"),
     ("typo", 1, r"unknown key\(s\) \['typo'\]"),
@@ -85,7 +85,7 @@ def test_bad_cluster_fields(key, value, match):
 
 
 def test_bad_model_and_plan_fields():
-    with pytest.raises(ValueError, match=r"ModelSpec.heads=0: must be a positive int"):
+    with pytest.raises(ValueError, match=r"ModelSpec\(heads=0\): must be an int >= 1"):
         cost.gpt(layers=2, hidden=32, heads=0, seq=16, vocab=64, batch=8)
     with pytest.raises(ValueError, match=r"hidden=30 is not divisible by heads=8"):
         cost.gpt(layers=2, hidden=30, heads=8, seq=16, vocab=64, batch=8)

@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar.analysis import BranchCollective, device_dependent_collectives
-from jaxpar.analysis._device_branches import device_dependent_conditionals, taints
+from jaxpar.analysis._device_branches import _analyse, _any, _dependent
+from jaxpar.analysis._hlo_text import module_text
 from jaxpar.analysis import collectives
 from jaxpar.batch import batch_sharding
 from jaxpar.models import GPT, GPTConfig, lm_loss
@@ -44,6 +45,16 @@ ADD = """%add (a: f32[], b: f32[]) -> f32[] {
   ROOT %q = f32[4]{0} parameter(0)
 }
 """
+
+
+def taints(compiled_or_text) -> dict:
+    """``{instruction name: taint}`` of every value derived (in part) from ``partition-id`` / ``replica-id``."""
+    return {k: v for k, v in _analyse(module_text(compiled_or_text)).taint.items() if _any(v)}
+
+
+def device_dependent_conditionals(compiled_or_text) -> list[str]:
+    """The ``conditional`` (and ``while``) instructions whose branch index (condition) depends on the device."""
+    return [i.name for i, _ in _dependent(_analyse(module_text(compiled_or_text)))]
 
 
 def _module(*computations: str) -> str:

@@ -83,7 +83,6 @@ def test_make_train_step_takes_a_positive_clip_norm_or_none(layout):
     ({"donate": "yes"}, "make_train_step(donate='yes'): must be True or False"),
     ({"skip_nonfinite": 1}, "make_train_step(skip_nonfinite=1): must be True or False"),
     ({"explicit_dp": "auto"}, "make_train_step(explicit_dp='auto'): must be True or False or None"),
-    ({"clip": 1.0}, "make_train_step got unexpected keyword arguments ['clip']"),
 ])
 def test_make_train_step_names_its_other_options(layout, options, message):
     args = {"loss_fn": classifier_loss, **options}

@@ -12,7 +12,7 @@ import pytest
 import jaxpar
 from jaxpar.models._gpt import block_apply, cross_entropy, embed_apply, head_apply
 from jaxpar.parallel.pipeline import PipelineParts, get_schedule, lower, pipeline_value_and_grad, to_stages
-from jaxpar.parallel.pipeline._executor import TICKS_SCOPE
+from jaxpar.parallel.pipeline._stage import TICKS_SCOPE
 from jaxpar.parallel.pipeline._layer_vjp import LayerVJP as _LayerVJP
 
 from conftest import need_devices

@@ -333,7 +333,8 @@ def test_fewer_kv_heads_than_the_tensor_axis_are_replicated_over_it(tmp_path):
 def test_tokenizer_ids_equal_transformers(ckpts):
     from transformers import AutoTokenizer
 
-    from jaxpar.hf import HFTokenizerError, load_tokenizer
+    from jaxpar.errors import TokenizerError
+    from jaxpar.hf import load_tokenizer
 
     ours, ref = load_tokenizer(ckpts["llama"]), AutoTokenizer.from_pretrained(ckpts["llama"])
     text = "The quick brown fox jumps over the lazy dog. Packed rows restart their positions!"
@@ -342,7 +343,7 @@ def test_tokenizer_ids_equal_transformers(ckpts):
     assert ours.decode(ours.encode(line)) == ref.decode(ref.encode(line, add_special_tokens=False)) == line
     assert (ours.bos_id, ours.eos_id) == (ref.bos_token_id, ref.eos_token_id)
     assert ours.encode("a", bos=True, eos=True)[0] == ours.bos_id and ours.encode("a", eos=True)[-1] == ours.eos_id
-    with pytest.raises(HFTokenizerError, match="no tokenizer.json or tokenizer.model"):
+    with pytest.raises(TokenizerError, match="no tokenizer.json or tokenizer.model"):
         load_tokenizer(ckpts["llama"] / "nowhere")
 
 

@@ -8,7 +8,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxpar.analysis._overlap import dims, overlap, overlap_table
+from jaxpar.analysis import format_bytes
+from jaxpar.analysis._compiled_memory import render_table
+from jaxpar.analysis._overlap import OverlapReport, dims, overlap
 from jaxpar.run._resume import gpt_flops_per_token
 
 ADD = """%add (x: f32[], y: f32[]) -> f32[] {
@@ -58,6 +60,19 @@ def test_gpu_pairs_count_what_lies_between():
     # the fusion's dot runs under two collectives at once: counted once
     assert (r.step_flops, r.overlapped_flops, r.overlapped_fraction) == (8192.0, 8192.0, 1.0)
     assert (r.hidden_bytes, r.exposed_bytes) == (512, 256 + 512)
+
+
+def overlap_table(report: OverlapReport) -> str:
+    """One row per collective (synchronous ones: ``sync``), then the totals."""
+    rows = [[a.kind, "async", a.computation, f"{a.runs:g}", format_bytes(a.bytes), str(a.instructions),
+             f"{a.flops / 1e9:.3g}"] for a in report.asynchronous]
+    rows += [[s.kind, "sync", s.computation, f"{s.runs:g}", format_bytes(s.bytes), "-", "-"]
+             for s in report.synchronous]
+    table = render_table(["kind", "mode", "computation", "runs", "bytes", "instrs under", "GFLOPs under"], rows,
+                         right=[False, False, False, True, True, True, True])
+    return (f"{table}\noverlapped: {report.overlapped_flops / 1e9:.3g} of {report.step_flops / 1e9:.3g} GFLOPs "
+            f"({report.overlapped_fraction:.0%}); {len(report.exposed)} of {len(report.asynchronous)} async "
+            f"collectives have no FLOPs under them")
 
 
 def test_the_table_lists_every_collective_and_the_totals():

@@ -14,7 +14,7 @@ from jaxpar.config import load_config
 from jaxpar.config._plan_command import cost_model, plan_overrides
 from jaxpar.cost import Plan
 from jaxpar.cost import PlanError
-from jaxpar.cost._refusals import REFUSED_PREFIX, PlanStrategy, plan_refusal, plan_setting
+from jaxpar.cost._planner import REFUSED_PREFIX, PlanStrategy, plan_refusal, plan_setting
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs" / "quickstart.yaml")

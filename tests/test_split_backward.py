@@ -1,4 +1,4 @@
-"""The zero-bubble split of a layer's backward (jaxpar.parallel.pipeline._split_backward) and its use by the executor:
+"""The zero-bubble split of a layer's backward (jaxpar.parallel.pipeline._layer_vjp) and its use by the executor:
 B + W equal the pullback, every equation runs once, and ZB-H1's compiled W holds only the
 weight matmuls (it used to re-run the layer's pullback)."""
 from __future__ import annotations
@@ -14,8 +14,7 @@ import jaxpar
 from jaxpar.models._gpt import block_apply, cross_entropy, embed_apply, head_apply
 from jaxpar.parallel.pipeline import PipelineParts, get_schedule, lower, pipeline_value_and_grad, to_stages
 from jaxpar.parallel.pipeline._stage import tick_table as _table
-from jaxpar.parallel.pipeline._split_backward import split_backward
-from jaxpar.parallel.pipeline._vjp_residuals import join_pullback, split_pullback
+from jaxpar.parallel.pipeline._layer_vjp import join_pullback, split_backward, split_pullback
 
 from conftest import need_devices
 

@@ -142,7 +142,7 @@ def test_the_config_names_a_bos_it_does_not_take():
     from dataclasses import replace
 
     from jaxpar.config import load_config
-    from jaxpar.config._data_checks import data_problems
+    from jaxpar.config._checks import data_problems
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
     problems = data_problems(replace(cfg, data=replace(cfg.data, bos="maybe", eos="auto")))

@@ -1,16 +1,13 @@
 """The no-flush program's parts on their own: the version tables 2BW and weight stashing give the
-versioned stage, where its updates run, the state check, and the metrics of a step of several updates."""
+versioned stage, where its updates run, and the metrics of a step of several updates."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxpar
-from jaxpar.errors import AsyncPipelineError, StashingError
 from jaxpar.parallel.pipeline import lower
 from jaxpar.parallel.pipeline import pipedream, pipedream_2bw
-from jaxpar.parallel.pipeline._stash_versions import lower_stashed, older_versions
-from jaxpar.parallel.pipeline._two_bw import step_windows, version_rows
-from jaxpar.parallel.pipeline._versioned_stage import check_versioned_state, versioned_table
+from jaxpar.parallel.pipeline._pipedream import lower_stashed, step_windows, version_rows
+from jaxpar.parallel.pipeline._stage import tick_table
 from jaxpar.step._update import updates_metrics
 
 
@@ -30,8 +27,7 @@ def test_2bw_version_table_reads_the_previous_steps_weights(p, m, steps):
                 assert window - 1 + ver[t, s] == ins.microbatch // m - 1, (t, s, ins)
                 seen.add(int(ver[t, s]))
     assert seen == {0, 1}
-    _, kinds, _ = versioned_table(program, None)
-    assert not any(k[3] for k in kinds)
+    assert not any(k.updates for k in tick_table(program).kinds)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -40,26 +36,13 @@ def test_stashing_updates_run_after_the_backward_that_ends_a_group(k):
     every stage, ``m / k`` times per step."""
     p, m, steps = 4, 4, 2
     sp = lower_stashed(pipedream(p, m, steps), m=m, update_every=k)
-    _, kinds, rows = versioned_table(sp.program, sp.update)
+    table = tick_table(sp.program, updates=sp.update)
+    kinds, rows = table.kinds, table.rows
     for t, tick in enumerate(sp.program.ticks):
         for s, ins in enumerate(tick.instrs):
-            updates = kinds[rows.kind[t, s]][3]
+            updates = kinds[rows.kind[t, s]].updates
             assert updates == (ins.op == "B" and (ins.microbatch + 1) % k == 0), (t, s, ins)
-    assert sum(k_[3] for row in rows.kind for k_ in (kinds[i] for i in row)) == p * m * steps // k
-
-
-def test_the_state_must_keep_the_versions_the_schedule_reads():
-    st = jaxpar.Strategy(schedule="pipedream", microbatches=4, update_every=2)
-    n = older_versions(4, 2)
-    check_versioned_state(st, {"pipe": 4}, (None,) * n)
-    with pytest.raises(StashingError, match=f"keeps no {n} older weight versions.*another schedule or update_every"):
-        check_versioned_state(st, {"pipe": 4}, (None,) * (n + 1))
-    two = jaxpar.Strategy(schedule="pipedream-2bw", microbatches=2)
-    check_versioned_state(two, {"pipe": 2}, {"w": 0})
-    with pytest.raises(AsyncPipelineError, match="keeps no second weight version"):
-        check_versioned_state(two, {"pipe": 2}, None)
-    with pytest.raises(AsyncPipelineError, match="needs a 'pipe' mesh axis > 1"):   # the schedule's own checks first
-        check_versioned_state(two, {"data": 2}, {"w": 0})
+    assert sum(k_.updates for row in rows.kind for k_ in (kinds[i] for i in row)) == p * m * steps // k
 
 
 def test_a_step_of_several_updates_reports_their_rms_and_what_was_skipped():

@@ -14,8 +14,8 @@ from jaxpar.parallel.pipeline import bubble_fraction
 from jaxpar.parallel.pipeline import pipedream
 from jaxpar.parallel.pipeline._schedules import gpipe, num_ticks, one_f_one_b
 from jaxpar.parallel.pipeline._stage import TICKS_SCOPE
-from jaxpar.parallel.pipeline._stash_versions import (StashingError, lower_stashed, older_versions, update_ticks, version,
-                                                      stashed_versions)
+from jaxpar.errors import StashingError
+from jaxpar.parallel.pipeline._pipedream import lower_stashed, older_versions, stashed_versions, update_ticks, version
 from jaxpar.run import Checkpointer, CheckpointWarning
 
 from helpers import make_batch

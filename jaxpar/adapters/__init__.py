@@ -5,14 +5,11 @@ its own annotations name, its shapes, and the metrics its loss reports.
 >>> "full" in REMAT_POLICIES
 True
 """
-from jaxpar.adapters._blocks import (REMAT_POLICIES as REMAT_POLICIES, remat_policy as remat_policy,
-                                     run_layers as run_layers, scan_blocks as scan_blocks)
-from jaxpar.adapters._layer_lists import (LayerListError as LayerListError, StackedLayers as StackedLayers,
-                                          list_form as list_form, stack_layers as stack_layers,
-                                          stacked_form as stacked_form)
-from jaxpar.adapters._loss_metrics import report_metric as report_metric
-from jaxpar.adapters._mesh_axes import ModelMeshError as ModelMeshError
-from jaxpar.adapters._shapes import abstract_model as abstract_model
+from jaxpar.adapters._blocks import REMAT_POLICIES, remat_policy, run_layers, scan_blocks
+from jaxpar.adapters._layer_lists import LayerListError, StackedLayers, list_form, stack_layers, stacked_form
+from jaxpar.adapters._loss_metrics import report_metric
+from jaxpar.adapters._mesh_axes import ModelMeshError
+from jaxpar.adapters._shapes import abstract_model
 
 __all__ = ["REMAT_POLICIES", "remat_policy", "run_layers", "scan_blocks", "LayerListError", "StackedLayers",
            "list_form", "stack_layers", "stacked_form", "report_metric", "ModelMeshError", "abstract_model"]

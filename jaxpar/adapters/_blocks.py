@@ -34,16 +34,15 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.rules import RulesError, path_str
+from jaxpar.rules import RulesError, path_str, scoped
 from jaxpar.errors import ModelStateError
 
 #: The logical name of the stacked layer axis (axis 0 of every block parameter).
@@ -133,8 +132,7 @@ class LayerCall:
 _RUNNER: contextvars.ContextVar = contextvars.ContextVar("jaxpar_layer_runner", default=None)
 
 
-@contextlib.contextmanager
-def use_layer_runner(runner: Callable[[LayerCall], jax.Array] | None) -> Iterator[None]:
+def use_layer_runner(runner: Callable[[LayerCall], jax.Array] | None) -> ContextManager[None]:
     """Let ``runner(call) -> y`` run every :func:`run_layers` / :func:`scan_blocks` call in this
     context (``None``: the plain scan). Strategies use it; models never need to.
 
@@ -146,11 +144,7 @@ def use_layer_runner(runner: Callable[[LayerCall], jax.Array] | None) -> Iterato
     ...     run_layers(lambda p, x: x + p, jnp.ones((3,)), jnp.ones((2,))).tolist()
     [0.0, 0.0]
     """
-    token = _RUNNER.set(runner)
-    try:
-        yield
-    finally:
-        _RUNNER.reset(token)
+    return scoped(_RUNNER, runner)
 
 
 def current_layer_runner() -> Callable | None:

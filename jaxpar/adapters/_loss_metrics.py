@@ -29,7 +29,7 @@ from typing import Any, Callable, ContextManager
 
 import jax.numpy as jnp
 
-from jaxpar.adapters._scoped import scoped
+from jaxpar.rules import scoped
 
 _FOUND: contextvars.ContextVar = contextvars.ContextVar("jaxpar_loss_metrics", default=None)
 

@@ -54,7 +54,7 @@ from jaxpar.parallel.pipeline._lockstep import lockstep
 from jaxpar.parallel.pipeline._instructions import lower
 from jaxpar.parallel.pipeline._schedules import get_schedule
 from jaxpar.analysis._hlo import Collective, collectives, partition_positions
-from jaxpar.analysis._hlo_text import branch_computations, called_computations, parse_instructions
+from jaxpar.analysis._hlo_text import branch_computations, called_computations, module_text, parse_instructions
 from jaxpar.analysis._loops import trip_counts, while_trip_counts
 from jaxpar.analysis._replica_groups import source_target_pairs
 from jaxpar.errors import AnalysisError
@@ -75,7 +75,7 @@ def compiled_bytes_per_axis(compiled: Any, mesh: Any, plan: Plan | None = None) 
       ``{mesh axis: bytes}``; for a pipelined plan, per axis the largest over the pipeline
       stages' devices.
     """
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    text = module_text(compiled)
     colls = collectives(compiled, mesh)
     if plan is None or plan.pipe == 1:
         return _sum_axes(colls, trip_counts(text))
@@ -111,15 +111,14 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
       ValueError: the program has no ``while`` loop of the schedule's length, or not one action
         conditional per action kind that is not idle.
     """
-    from jaxpar.parallel.pipeline._lockstep_stage import lockstep_table
     from jaxpar.parallel.pipeline._stage import tick_table
 
     schedule = get_schedule(plan.schedule, plan.pipe, plan.microbatches, plan.virtual)
     in_lockstep = runs_in_lockstep(plan)
     program = lower(lockstep(schedule) if in_lockstep else schedule)
-    table, ticks = (lockstep_table if in_lockstep else tick_table)(program), program.ticks
+    table, ticks = tick_table(program, lockstep=in_lockstep), program.ticks
     T = len(ticks)
-    by_comp, conds = _tick_loop(compiled if isinstance(compiled, str) else compiled.as_text(), T, plan)
+    by_comp, conds = _tick_loop(module_text(compiled), T, plan)
     sends, actions = _tick_conditionals(conds, by_comp, _stage_of_partition(compiled, mesh))
     active = [k for k, kind in enumerate(table.kinds) if kind.op != "idle"]
     if len(actions) != len(active):

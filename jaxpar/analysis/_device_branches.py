@@ -1,47 +1,8 @@
 """Collectives inside device-dependent branches of a compiled program: a taint analysis of its HLO.
 
-A ``conditional`` whose branch index (or predicate) differs between devices runs a branch on some
-devices only. A collective in such a branch waits for peers that never reach it: XLA:CPU hangs,
-and on GPUs it is undefined behaviour (NCCL may deadlock or pair the wrong calls). jaxpar's
-per-stage pipeline program branches on the stage index (``axis_index('pipe')``); its lockstep
-programs branch on the tick's kind only, the same on every device. This module checks a compiled
-program for the first kind of branch holding a collective.
-
-Method (over ``compiled.as_text()``, the optimised, SPMD-partitioned module):
-
-* **Sources.** ``partition-id`` and ``replica-id`` are tainted: every device-dependent value of an
-  SPMD program derives from them (``axis_index`` lowers to arithmetic on ``partition-id``, or to a
-  table indexed by it).
-* **Values.** A value's taint mirrors its shape: a bool for an array, one taint per element for a
-  tuple (a loop-invariant stage index hoisted into one element of a ``while`` tuple leaves the tick
-  counter beside it clean). An instruction's result is tainted when an operand is;
-  ``tuple`` / ``get-tuple-element`` build and pick elements.
-* **Calls.** Parameter ``k`` of a computation joins what each of its call sites passes: operand
-  ``k`` of a ``call``, ``fusion``, ``async-start`` or ``custom-call``; the initial tuple and the body's
-  result of a ``while`` (its body and condition); operand ``k + 1`` for branch ``k`` of a
-  ``conditional``; all operands (collapsed) for a ``to_apply`` reduction. A call's result is its
-  callee's root; a ``while``'s result joins its initial tuple and its body's root, and is tainted
-  whole when its condition is; a ``conditional``'s result joins its branches' roots, and is tainted
-  whole when its branch index is (which branch ran differs between devices). Async ``-start`` /
-  ``-update`` / ``-done`` and other instructions pass their operands' taint on.
-* **Collectives.** An ``all-reduce`` or ``all-gather`` whose one replica group holds every device
-  gives every device the same value: its result is clean. Other collectives pass taint on.
-* **Fixed point.** All of this is applied to every instruction of the module, in text order, until
-  nothing changes (taints only grow, so loops converge in a few passes).
-
-A ``conditional`` whose branch index is tainted is **device-dependent** (a ``while`` whose condition
-is tainted, too: its trip count differs). Every collective (the ``KINDS`` of
-:mod:`jaxpar.analysis._hlo_text` and their async ``-start`` forms; a plain all-reduce of libtpu's
-``all-reduce-scatter`` fusions counts as a reduce-scatter; of libtpu's async collective fusion chains
-only the start) in the computations its branches reach, through calls, fusions, async wrappers and
-nested control flow, is reported once, for the innermost such conditional. Forms the compilers
-write: ``branch_computations={...}`` (XLA:CPU, libtpu), ``true_computation`` / ``false_computation``
-(the GPU compiler's predicate form), collectives in fusions and ``async-start`` wrappers,
-``*-start`` / ``*-done`` pairs.
-
-Only values derived from the device's id are tracked: a branch on data that differs between devices
-(a sharded input) is not flagged. The analysis is conservative otherwise: a value that mixes a
-tainted one in stays tainted (e.g. an all-reduce over one mesh axis only).
+A ``conditional`` whose branch index differs between devices runs a branch on some devices only; a
+collective in it waits for peers that never reach it (a hang). :func:`device_dependent_collectives`
+lists them; the rules of the analysis are in docs/targets.md ("Collectives in device-dependent branches").
 
 Example:
     >>> hlo = '''HloModule m, num_partitions=2
@@ -73,19 +34,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Union
 
-from jaxpar.analysis._hlo_text import (
-    KINDS,
-    Instruction,
-    branch_computations,
-    called_computations,
-    operands,
-    parse_instructions,
-    reached_computations,
-    tpu_async_roles,
-    tpu_reduce_scatters,
-)
+from jaxpar.analysis._hlo_text import (KINDS, Instruction, branch_computations, called_computations, module_text,
+                                       operands, parse_instructions, reached_computations, tpu_async_roles,
+                                       tpu_reduce_scatters)
 from jaxpar.analysis._replica_groups import parse_replica_groups
-from jaxpar.errors import AnalysisError
 
 #: A value's taint: a bool for an array, a tuple of taints for a tuple.
 Taint = Union[bool, tuple]
@@ -281,29 +233,6 @@ def _analyse(text: str) -> _Module:
 # ----------------------------------------------------------------------------- public API
 
 
-def _hlo_text(compiled_or_text: Any) -> str:
-    if isinstance(compiled_or_text, str):
-        return compiled_or_text
-    as_text = getattr(compiled_or_text, "as_text", None)
-    if as_text is None:
-        raise AnalysisError(f"device_dependent_collectives takes a jax.stages.Compiled (jax.jit(f).lower(*args)"
-                            f".compile()) or its HLO text (compiled.as_text()), got {type(compiled_or_text).__name__}")
-    return as_text()
-
-
-def taints(compiled_or_text: Any) -> dict[str, Taint]:
-    """The tainted values of a module (see the module docstring).
-
-    Args:
-      compiled_or_text: a ``jax.stages.Compiled`` or HLO module text.
-
-    Returns:
-      ``{instruction name: taint}`` for every instruction whose result derives (in part) from
-      ``partition-id`` / ``replica-id``: ``True``, or a tuple of per-element taints.
-    """
-    return {k: v for k, v in _analyse(_hlo_text(compiled_or_text)).taint.items() if _any(v)}
-
-
 def _dependent(m: _Module) -> list[tuple[Instruction, list[str]]]:
     """The device-dependent conditionals and whiles of ``m``, with the computations they choose between."""
     out = []
@@ -318,20 +247,8 @@ def _dependent(m: _Module) -> list[tuple[Instruction, list[str]]]:
     return out
 
 
-def device_dependent_conditionals(compiled_or_text: Any) -> list[str]:
-    """The ``conditional`` (and ``while``) instructions whose branch index (condition) depends on the device.
-
-    Args:
-      compiled_or_text: a ``jax.stages.Compiled`` or HLO module text.
-
-    Returns:
-      Their names, in text order.
-    """
-    return [i.name for i, _ in _dependent(_analyse(_hlo_text(compiled_or_text)))]
-
-
 def device_dependent_collectives(compiled_or_text: Any) -> list[BranchCollective]:
-    """Every collective inside a branch of a device-dependent conditional (see the module docstring).
+    """Every collective inside a branch of a device-dependent conditional (docs/targets.md has the rules).
 
     Args:
       compiled_or_text: a ``jax.stages.Compiled`` or HLO module text (XLA:CPU, GPU or libtpu).
@@ -341,7 +258,7 @@ def device_dependent_collectives(compiled_or_text: Any) -> list[BranchCollective
       first: HLO text prints callees before callers); ``[]`` when every collective is reached by
       every device that reaches its computation's caller.
     """
-    text = _hlo_text(compiled_or_text)
+    text = module_text(compiled_or_text)
     m = _analyse(text)
     graph: dict[str, set[str]] = {}
     for i in m.instrs:

@@ -21,26 +21,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jaxpar.analysis._hlo_text import (
-    KINDS,
-    Instruction,
-    array_shapes,
-    call_graph,
-    called_computations,
-    parse_instructions,
-    reached_computations,
-    shape_bytes,
-    tpu_async_roles,
-    tpu_reduce_scatters,
-)
+from jaxpar.analysis._hlo_text import (KINDS, Instruction, array_shapes, call_graph, called_computations, module_text,
+                                       parse_instructions, reached_computations, shape_bytes, tpu_async_roles,
+                                       tpu_reduce_scatters)
 from jaxpar.analysis._compiled_memory import format_bytes, render_table
-from jaxpar.analysis._replica_groups import (
-    axes_of_groups,
-    axes_of_pairs,
-    iota_replica_groups,
-    parse_replica_groups,
-    source_target_pairs,
-)
+from jaxpar.analysis._replica_groups import (axes_of_groups, axes_of_pairs, iota_replica_groups, parse_replica_groups,
+                                             source_target_pairs)
 from jaxpar.analysis._windowed import Windowed, windowed_einsums
 from jaxpar.errors import AnalysisError
 
@@ -84,7 +70,7 @@ def _async_computations(instrs: list[Instruction]) -> set[str]:
 
 
 def _kind(opcode: str) -> str | None:
-    base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
+    base = opcode.removesuffix("-start")
     return base if base in KINDS else None
 
 
@@ -105,16 +91,6 @@ def _result_bytes(instr: Instruction, kind: str, done_shapes: dict[str, str]) ->
 
 
 # ----------------------------------------------------------------------------- public API
-
-
-def _hlo_text(compiled: Any) -> str:
-    if isinstance(compiled, str):
-        return compiled
-    as_text = getattr(compiled, "as_text", None)
-    if as_text is None:
-        raise AnalysisError(f"compiled must be a jax.stages.Compiled (jax.jit(f).lower(*args).compile()) or its HLO "
-                            f"text (compiled.as_text()), got {type(compiled).__name__}")
-    return as_text()
 
 
 def partition_positions(compiled: Any, mesh: Any) -> list[int] | None:
@@ -143,9 +119,8 @@ def partition_positions(compiled: Any, mesh: Any) -> list[int] | None:
 def _check_partitions(text: str, mesh: Any) -> None:
     match = re.search(r"\bnum_partitions=(\d+)", text.split("\n", 1)[0])
     if match and int(match.group(1)) > 1 and int(match.group(1)) != mesh.devices.size:
-        raise AnalysisError(
-            f"mesh has {mesh.devices.size} devices but the program has num_partitions={match.group(1)}"
-        )
+        raise AnalysisError(f"mesh has {mesh.devices.size} devices but the program has "
+                            f"num_partitions={match.group(1)}")
 
 
 def _axes(instr: Instruction, kind: str, mesh: Any, positions: list[int] | None) -> tuple[str, ...] | None:
@@ -184,14 +159,12 @@ def collectives(compiled: Any, mesh: Any) -> list[Collective]:
     if not hasattr(mesh, "axis_names") or not hasattr(mesh, "devices"):
         raise AnalysisError(f"mesh must be the jax.sharding.Mesh the program was compiled for, got "
                             f"{type(mesh).__name__}")
-    text = _hlo_text(compiled)
+    text = module_text(compiled)
     _check_partitions(text, mesh)
     positions = None if isinstance(compiled, str) else partition_positions(compiled, mesh)
     instrs = parse_instructions(text)
     in_loop, wrapped, tpu = _loop_computations(instrs), _async_computations(instrs), tpu_async_roles(text, instrs)
-    done_shapes = {
-        _first_operand(i): i.shape for i in instrs if i.opcode.endswith("-done") and _kind(i.opcode[:-5])
-    }
+    done_shapes = {_first_operand(i): i.shape for i in instrs if i.opcode.endswith("-done") and _kind(i.opcode[:-5])}
     scatters, windowed = tpu_reduce_scatters(instrs), windowed_einsums(instrs)
     by_name = {i.name: i for i in instrs} if windowed else {}
     in_window = {p for w in windowed.values() for p in w.permutes}
@@ -205,17 +178,11 @@ def collectives(compiled: Any, mesh: Any) -> list[Collective]:
         if kind is None or tpu.get(instr.name, "start") != "start" or instr.name in in_window:
             continue
         fused = scatters.get(instr.name)
-        found.append(
-            Collective(
-                kind="reduce-scatter" if fused else kind,
-                bytes=shape_bytes(fused.shape) if fused else _result_bytes(instr, kind, done_shapes),
-                axes=_axes(instr, kind, mesh, positions),
-                computation=instr.computation,
-                in_loop=instr.computation in in_loop,
-                name=instr.name,
-                asynchronous=instr.opcode.endswith("-start") or instr.computation in wrapped or instr.name in tpu,
-            )
-        )
+        async_ = instr.opcode.endswith("-start") or instr.computation in wrapped or instr.name in tpu
+        found.append(Collective(kind="reduce-scatter" if fused else kind,
+                                bytes=shape_bytes(fused.shape) if fused else _result_bytes(instr, kind, done_shapes),
+                                axes=_axes(instr, kind, mesh, positions), computation=instr.computation,
+                                in_loop=instr.computation in in_loop, name=instr.name, asynchronous=async_))
     return found
 
 
@@ -298,9 +265,8 @@ def collectives_table(colls: Iterable[Collective]) -> str:
                         right=[False, False, False, False, True, True])
 
 
-def count(
-    colls: Iterable[Collective], kind: str, axes: str | Sequence[str] | None = None, in_loop: bool | None = None
-) -> int:
+def count(colls: Iterable[Collective], kind: str, axes: str | Sequence[str] | None = None,
+          in_loop: bool | None = None) -> int:
     """Number of ``kind`` collectives, optionally only over exactly ``axes``
     (any order) and/or only inside (``in_loop=True``) or outside loops.
 
@@ -315,10 +281,6 @@ def count(
     """
     _check_kind(kind)
     wanted = None if axes is None else frozenset([axes] if isinstance(axes, str) else axes)
-    return sum(
-        1
-        for c in colls
-        if c.kind == kind
-        and (wanted is None or (c.axes is not None and frozenset(c.axes) == wanted))
-        and (in_loop is None or c.in_loop == in_loop)
-    )
+    return sum(1 for c in colls if c.kind == kind
+               and (wanted is None or (c.axes is not None and frozenset(c.axes) == wanted))
+               and (in_loop is None or c.in_loop == in_loop))

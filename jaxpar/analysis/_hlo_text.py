@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from jaxpar.errors import AnalysisError
 
@@ -32,6 +33,17 @@ _DTYPE_BITS = {
 }  # fmt: skip
 _F8_OR_SMALLER = re.compile(r"f(8|6|4)e\d+m\d+\w*")
 _ARRAY_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+
+
+def module_text(compiled: Any) -> str:
+    """The HLO text of a ``jax.stages.Compiled`` (``compiled.as_text()``), or the text itself."""
+    if isinstance(compiled, str):
+        return compiled
+    as_text = getattr(compiled, "as_text", None)
+    if as_text is None:
+        raise AnalysisError(f"compiled must be a jax.stages.Compiled (jax.jit(f).lower(*args).compile()) or its HLO "
+                            f"text (compiled.as_text()), got {type(compiled).__name__}")
+    return as_text()
 
 
 # ----------------------------------------------------------------------------- shapes

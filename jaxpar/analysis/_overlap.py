@@ -47,10 +47,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from jaxpar.analysis._hlo_text import (KINDS, Instruction, called_computations, channel, custom_call_targets, operands,
-                                       parse_instructions, shape_bytes, tpu_async_roles, tpu_reduce_scatters)
+from jaxpar.analysis._hlo_text import (KINDS, Instruction, called_computations, channel, custom_call_targets,
+                                       module_text, operands, parse_instructions, shape_bytes, tpu_async_roles,
+                                       tpu_reduce_scatters)
 from jaxpar.analysis._loops import trip_counts, while_trip_counts
-from jaxpar.analysis._compiled_memory import format_bytes, render_table
 from jaxpar.errors import AnalysisError
 
 #: Instructions that move no data and compute nothing (left out of the instruction counts).
@@ -308,7 +308,7 @@ def overlap(compiled: Any) -> OverlapReport:
       An :class:`OverlapReport`: async collectives in text order of their starts, synchronous ones in
       text order, and the program's dot / convolution FLOPs, all and overlapped.
     """
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    text = module_text(compiled)
     mod = _Module(text)
     pairs, wrapped = _pairs(mod)
     pairs.sort(key=lambda p: mod.instrs.index(p[1]))      # in text order of their starts
@@ -324,23 +324,3 @@ def overlap(compiled: Any) -> OverlapReport:
     return OverlapReport(tuple(_measure(mod, *p) for p in pairs), tuple(sync),
                          mod.computation_flops(mod.entry) if mod.entry else 0.0,
                          _covered(mod, mod.entry, spans) if mod.entry else 0.0)
-
-
-def overlap_table(report: OverlapReport) -> str:
-    """Printable table of a report: one row per collective (synchronous ones: ``sync``), then totals.
-
-    Args:
-      report: from :func:`overlap`.
-
-    Returns:
-      The table: ``runs`` per execution of the program, instructions and GFLOPs under each per run.
-    """
-    rows = [[a.kind, "async", a.computation, f"{a.runs:g}", format_bytes(a.bytes), str(a.instructions),
-             f"{a.flops / 1e9:.3g}"] for a in report.asynchronous]
-    rows += [[s.kind, "sync", s.computation, f"{s.runs:g}", format_bytes(s.bytes), "-", "-"]
-             for s in report.synchronous]
-    table = render_table(["kind", "mode", "computation", "runs", "bytes", "instrs under", "GFLOPs under"], rows,
-                         right=[False, False, False, True, True, True, True])
-    return (f"{table}\noverlapped: {report.overlapped_flops / 1e9:.3g} of {report.step_flops / 1e9:.3g} GFLOPs "
-            f"({report.overlapped_fraction:.0%}); {len(report.exposed)} of {len(report.asynchronous)} async "
-            f"collectives have no FLOPs under them")

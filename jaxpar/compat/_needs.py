@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from jaxpar.compat._settings import Problem, Setting, value_name
 from jaxpar.errors import (AsyncPipelineError, CompressionError, LoopError, NoiseScaleError, RampError, StashingError,
-                           StrategyError, SyncError)
+                           StrategyError, SyncError, int_problem)
 
 #: The loop's intervals that ``steps_per_call`` must divide (:attr:`Setting.intervals`' keys).
 INTERVALS = ("steps", "start", "log_every", "eval_every", "checkpoint_every", "stop_check_every")
@@ -85,8 +85,8 @@ def _pipeline_needs(s: Setting) -> list[Problem]:
 def _noise_scale_needs(s: Setting) -> list[Problem]:
     """The noise scale compares each replica's gradient with the global one: it needs a data axis."""
     every = s.noise_scale_every
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        return []           # no measurement, or a bad value (jaxpar.step._noise_scale.check_options names it)
+    if int_problem(every, 1) is not None:
+        return []           # no measurement, or a bad value (jaxpar.step._noise_scale.measure names it)
     if s.size("data") * s.size("fsdp") >= 2:
         return []
     return [Problem(("NS",), ("noise_scale_every", "data", "fsdp"),

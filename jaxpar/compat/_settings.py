@@ -65,6 +65,8 @@ class Setting(NamedTuple):
 
 #: The schedules whose pipeline drains every step.
 FLUSH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+#: The feature code of each schedule whose pipeline does not drain.
+NO_FLUSH = {"pipedream-2bw": "2B", "pipedream": "ST"}
 
 
 def pipeline_schedule(s: Setting) -> str:
@@ -144,7 +146,7 @@ def value_name(v: Any) -> str:
 def _pipeline_problems(s: Setting) -> list[Problem]:
     st, p = s.strategy, s.size("pipe")
     out = []
-    no_flush = {"pipedream-2bw": "2B", "pipedream": "ST"}.get(st.schedule)
+    no_flush = NO_FLUSH.get(st.schedule)
     if p > 1 and st.sequence_parallel and s.size("tensor") > 1 and no_flush:
         out.append(Problem(("SP", no_flush), ("sequence_parallel", "schedule"),
                            "{n[sequence_parallel]}={n[true]} with {n[schedule]}={sched!r} on {n[pipe]}={p} is not "
@@ -281,8 +283,8 @@ def _noise_scale_problems(s: Setting) -> list[Problem]:
                            "{n[replica]}={r}: relaxed synchronisation keeps several replicas with their own "
                            "parameters; measure without it.",
                            {"sync": value_name(st.sync or "sync"), "r": s.size("replica")}, NoiseScaleError))
-    if st.schedule in ("pipedream", "pipedream-2bw") and s.size("pipe") > 1:
-        out.append(Problem(("NS", "ST" if st.schedule == "pipedream" else "2B"), ("noise_scale_every", "schedule"),
+    if st.schedule in NO_FLUSH and s.size("pipe") > 1:
+        out.append(Problem(("NS", NO_FLUSH[st.schedule]), ("noise_scale_every", "schedule"),
                            key + " with {n[schedule]}={sched!r}: gradients at older weight versions inside a pipeline "
                            "that does not flush; measure with a flush schedule (gpipe, 1f1b, interleaved, zb-h1).",
                            {"sched": st.schedule}, NoiseScaleError))
@@ -328,8 +330,8 @@ def _context_problems(s: Setting) -> list[Problem]:
     if c == 1:
         return out
     key, values = "{n[context]}={c}", {"c": c}
-    if s.size("pipe") > 1 and st.schedule in ("pipedream-2bw", "pipedream"):
-        code = "2B" if st.schedule == "pipedream-2bw" else "ST"
+    code = NO_FLUSH.get(st.schedule)
+    if s.size("pipe") > 1 and code:
         out.append(Problem((code, "CX"), ("context", "schedule"), key + " with {n[schedule]}={sched!r}: context "
                            "parallelism runs in flush pipelines only (gpipe, 1f1b, interleaved, zb-h1). Use one of "
                            "those, or {n[context]}=1.",
@@ -366,7 +368,7 @@ def _expert_problems(s: Setting) -> list[Problem]:
     if e == 1:
         return out
     key, values = "{n[expert]}={e}", {"e": e}
-    code = {"pipedream-2bw": "2B", "pipedream": "ST"}.get(st.schedule)
+    code = NO_FLUSH.get(st.schedule)
     if s.size("pipe") > 1 and code:
         out.append(Problem((code, "EP"), ("schedule", "expert"), "{n[schedule]}={sched!r} with " + key + ": the "
                            "asynchronous schedules run each micro-batch on its own weight version and report no "

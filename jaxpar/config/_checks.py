@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, Callable, Sequence
 
+from jaxpar.data._tokens import TOKEN_DTYPES
 from jaxpar.errors import RampError, int_problem
 from jaxpar.mesh import MeshError
 from jaxpar.optimizers import hyperparameter_problem
@@ -27,13 +28,103 @@ from jaxpar.parallel.pipeline._schedules import get_schedule
 from jaxpar.config._build import MODELS, build_gpt_config, build_strategy, mesh_error, mesh_spec
 from jaxpar.config._optimizer_section import OPTIMIZERS, lr_scaling_problems
 from jaxpar.config._data_section import build_ramp
-from jaxpar.config._data_checks import data_problems
-from jaxpar.config._problems import at_least, choice, collect
 from jaxpar.config._hf_model import hf_problems, tokenizer_problems
+from jaxpar.config._documents import documents_problems
 from jaxpar.config._imports import call_problem, resolve_import
-from jaxpar.config._schema import (LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS, ConfigError,
-                                   JobConfig, ModelConfig, OptimizerConfig, ParallelConfig)
+from jaxpar.config._schema import (DATA_KINDS, LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS,
+                                   ConfigError, DataConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig)
 
+
+def choice(problems: list[str], key: str, value: Any, allowed: Sequence[Any]) -> None:
+    """A problem unless ``value`` is one of ``allowed``: each check appends a line naming the YAML key.
+
+    >>> p = []
+    >>> choice(p, "data.pack", "tight", ("best_fit", "first_fit", "none")); at_least(p, "data.batch_size", 0, 1)
+    >>> p
+    ["data.pack='tight': unknown value; allowed: best_fit, first_fit, none.", 'data.batch_size=0: must be >= 1.']
+
+    Args:
+      problems: the list the problem is appended to.
+      key: the YAML key, dotted (``data.pack``).
+      value: its value.
+      allowed: the values it may take.
+    """
+    if value not in allowed:
+        problems.append(f"{key}={value!r}: unknown value; allowed: {', '.join(map(str, allowed))}.")
+
+
+def at_least(problems: list[str], key: str, value: Any, low: float) -> None:
+    """A problem unless ``value`` is ``None`` or ``>= low``.
+
+    Args:
+      problems: the list the problem is appended to.
+      key: the YAML key, dotted (``data.batch_size``).
+      value: its value, or None (not set).
+      low: the smallest allowed value.
+    """
+    if value is not None and value < low:
+        problems.append(f"{key}={value!r}: must be >= {low}.")
+
+
+def collect(problems: list[str], build: Callable[[], Any]) -> Any:
+    """Build something, keeping its error as a problem.
+
+    Args:
+      problems: the list a :class:`ConfigError`'s message is appended to.
+      build: a function of no arguments that builds the object or raises :class:`ConfigError`.
+
+    Returns:
+      ``build()``, or None when it raised.
+    """
+    try:
+        return build()
+    except ConfigError as e:
+        problems.append(str(e))
+        return None
+
+
+_RESERVED_DATA_KWARGS = ("step", "batch_size", "seed", "eval", "rows")
+
+
+def data_problems(cfg: JobConfig) -> list[str]:
+    """What is wrong with ``cfg.data`` (and how it fits the model, for ``data.kind: documents``).
+
+    Args:
+      cfg: the whole config.
+
+    Returns:
+      One line per problem, each naming its YAML key; empty when there is none.
+    """
+    d, p = cfg.data, []
+    choice(p, "data.kind", d.kind, DATA_KINDS)
+    choice(p, "data.token_dtype", d.token_dtype, TOKEN_DTYPES)
+    at_least(p, "data.batch_size", d.batch_size, 1)
+    at_least(p, "data.max_bytes", d.max_bytes, 1)
+    if not 0 <= d.eval_fraction < 1:
+        p.append(f"data.eval_fraction={d.eval_fraction!r}: must be in [0, 1).")
+    for key in ("bos", "eos"):
+        if not (isinstance(value := getattr(d, key), bool) or value == "auto"):
+            p.append(f"data.{key}={value!r}: choose true, false or auto (what the tokenizer's own post-processor "
+                     "adds, as transformers' tokenizer(text) does).")
+    if d.kind == "import":
+        _import_problems(p, d)
+    return p + documents_problems(cfg)
+
+
+def _import_problems(p: list[str], d: DataConfig) -> None:
+    if d.target is None:
+        p.append("data.target: missing; data.kind=import needs the batch function, 'package.module:batches' or "
+                 "'path/to/file.py:batches', called as batches(step, batch_size=, seed=, **data.kwargs).")
+        return
+    for key in _RESERVED_DATA_KWARGS:
+        if key in d.kwargs:
+            fix = f"set data.{key} instead" if key in ("batch_size", "seed") else "jaxpar passes it"
+            p.append(f"data.kwargs.{key}: reserved ({fix}); remove it.")
+    if (fn := collect(p, lambda: resolve_import(d.target, "data.target"))) is not None and not any(
+            k in d.kwargs for k in _RESERVED_DATA_KWARGS):
+        if why := call_problem(fn, 0, batch_size=d.batch_size, seed=d.seed, **d.kwargs):
+            p.append(f"data.target={d.target!r}: is called as batches(step, batch_size=data.batch_size, "
+                     f"seed=data.seed, **data.kwargs), which does not fit it: {why}.")
 
 def _mesh_sizes(cfg: JobConfig, num_devices: int | None) -> dict[str, int]:
     """``MeshSpec.sizes`` (checked against ``num_devices``; without it only the sizes themselves)."""
@@ -180,7 +271,9 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
         for why in (_schedule_problem(par, p), _stage_layers_problem(par, gpt.layers if gpt else None, p)):
             if why:
                 problems.append(why)
-    problems += _steps_per_call_problems(cfg)
+    k = par.steps_per_call      # as make_train_step checks it; what it needs of the loop: jaxpar.compat._needs
+    if why := int_problem(k, 1):
+        problems.append(f"parallel.steps_per_call={k!r}: {why}.")
     t = sizes["tensor"]
     if gpt is not None:
         dims = [("model.heads", gpt.heads), ("model.mlp (default 4 x model.embed)", gpt.mlp_dim),
@@ -285,13 +378,6 @@ def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
     except RampError as e:
         return [f"data.batch_ramp: {str(e).removeprefix('batch ramp: ')}"]
     return []
-
-
-def _steps_per_call_problems(cfg: JobConfig) -> list[str]:
-    """``parallel.steps_per_call``'s value, as ``make_train_step`` checks it (:func:`jaxpar.errors.int_problem`;
-    what it needs of the loop's intervals: :mod:`jaxpar.compat._needs`)."""
-    k = cfg.parallel.steps_per_call
-    return [f"parallel.steps_per_call={k!r}: {why}."] if (why := int_problem(k, 1)) else []
 
 
 def _noise_scale_problems(p: list[str], cfg: JobConfig) -> None:

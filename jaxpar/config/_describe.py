@@ -190,7 +190,7 @@ def part_bytes(layout) -> dict[str, int]:
     sizes = dict(layout.mesh.shape)
     out = {}
     for name in ("codec", "sync"):
-        specs = jax.tree.leaves(getattr(layout, name), is_leaf=lambda x: isinstance(x, PartitionSpec))
+        specs = jax.tree.leaves(layout.part(name).specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         out[name] = sum(a.size * a.dtype.itemsize // spec_shards(spec, sizes)
-                        for a, spec in zip(jax.tree.leaves(getattr(layout, name + "_shapes")), specs))
+                        for a, spec in zip(jax.tree.leaves(layout.part(name).shapes), specs))
     return out

@@ -115,7 +115,7 @@ def run_weights(job: Any, step: int | None = None) -> RunWeights:
       CheckpointError: ``step`` has no (readable) checkpoint, or the run has none and no ``model.hf``.
     """
     from jaxpar.run._checkpoint import CheckpointError
-    from jaxpar.step._router_bias import KEY as BIAS, has_router_bias
+    from jaxpar.step._router_bias import bias_of
     from jaxpar.run._sample import host_params
 
     layout = job.state_layout()
@@ -125,7 +125,7 @@ def run_weights(job: Any, step: int | None = None) -> RunWeights:
         try:
             if step is not None or ckpt.latest_step() is not None:
                 state = (restored := ckpt.restore(layout, step)).state
-                bias = host_params(state.stats[BIAS]) if has_router_bias(layout) else None
+                bias = None if (b := bias_of(state, layout)) is None else host_params(b)
                 return RunWeights(state.params, layout, _checkpoint_words(restored, ckpt.directory), bias,
                                   restored.meta)
         finally:

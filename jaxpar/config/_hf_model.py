@@ -163,12 +163,13 @@ def build_tokenizer(d: DataConfig, hf: str | None, vocab: int, vocab_key: str):
       ConfigError: no tokenizer there, more tokens than the model's vocabulary, or a BOS / EOS asked for
         that the tokenizer lacks; the message names ``data.tokenizer`` (or ``data.bos`` / ``data.eos``).
     """
-    from jaxpar.hf import HFTokenizerError, load_tokenizer
+    from jaxpar.data import load_tokenizer
+    from jaxpar.errors import TokenizerError
 
     where = f"data.tokenizer={d.tokenizer!r}" + (f" (model.hf={hf!r})" if d.tokenizer == "hf" else "")
     try:
         tok = load_tokenizer(Path(hf if d.tokenizer == "hf" else d.tokenizer).expanduser())
-    except HFTokenizerError as e:
+    except TokenizerError as e:
         raise ConfigError(f"{where}: {e} Give a tokenizer.json, a SentencePiece .model or a tiktoken .tiktoken "
                           "file, or a directory holding one.") from None
     if tok.vocab_size > vocab:

@@ -19,15 +19,9 @@ from jaxpar.config._checks import check
 from jaxpar.config._schema import GPT_KEYS, HF_MODEL_KEYS, IMPORT_KEYS, RENAMED, USER_MODEL_KEYS, ConfigError, JobConfig
 
 
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _type_name(tp) -> str:
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    if typing.get_origin(tp) is dict:
+    if dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict:
         return "a mapping"
     if typing.get_origin(tp) is tuple:
         return f"a list of {_type_name(args[0])}"
@@ -39,7 +33,7 @@ def _type_name(tp) -> str:
 def _lookup_type(key: str):
     cls = tp = JobConfig
     for part in key.split("."):
-        hints = _hints(cls) if dataclasses.is_dataclass(cls) else {}
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
         if part not in hints:
             return None
         tp = cls = hints[part]
@@ -48,7 +42,7 @@ def _lookup_type(key: str):
 
 def _check_keys(node: Any, cls, prefix: str, source: str) -> None:
     """Unknown (or renamed) keys and non-mapping sections, named by their dotted path."""
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls)
     where = f"under '{prefix}'" if prefix else "at the top level"
     if not isinstance(node, Mapping):
         raise ConfigError(f"{source}: '{prefix}' must be a mapping with keys {', '.join(hints)}; "

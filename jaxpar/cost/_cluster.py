@@ -1,27 +1,6 @@
-"""A cluster as the cost model sees it: nodes of devices, their memory and peak FLOP/s, two link classes.
-
-Devices inside a node talk over the *intra-node* link (NVLink, TPU ICI, or the shared memory
-of the simulated CPU mesh), nodes over the *inter-node* link (InfiniBand, data-center
-network). Each link is an α-β-γ :class:`~jaxpar.cost.Link`; bandwidths are per
-device and per direction.
-
-Presets are YAML files in ``configs/clusters/`` (each states its sources); :func:`presets`
-lists them, :func:`load_cluster` reads a preset name or a path. Keys::
-
-    name, description, sources: [...]
-    devices_per_node, nodes, device_memory_gib
-    peak_tflops: {bfloat16: ..., float32: ...}     # dense, per device
-    efficiency: 0.5                                 # achieved / peak FLOP/s of a large matmul
-    gemm_half_gflop: 2                              # a matmul of this size reaches half of it (0: off)
-    memory_gbps: 3350                               # device memory bandwidth (0: memory-bound work is free)
-    memory_efficiency: 1                            # achieved / memory_gbps of a streaming kernel
-    shared_compute: 1                               # > 1: a node's devices share its compute (the simulated
-                                                    # CPU mesh): k < devices_per_node devices each run
-                                                    # min(devices_per_node / k, shared_compute) x faster
-                                                    # (FLOP/s only: memory_gbps stays as measured)
-    intra_node: {alpha_us: ..., bandwidth_gbps: ..., reduce_gbps: ...}   # GB/s = 1e9 bytes/s
-                                                    # shared_memory: true -> one-shot collectives
-    inter_node: {alpha_us: ..., bandwidth_gbps: ...}
+"""A cluster as the cost model sees it: nodes of devices, their memory and peak FLOP/s, and an
+intra-node and an inter-node α-β-γ :class:`~jaxpar.cost.Link` (per device and direction). Presets are
+YAML files in ``configs/clusters/`` (:func:`presets`, :func:`load_cluster`; keys in docs/planning.md §2).
 
 Example::
 
@@ -37,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from jaxpar.cost._collectives import Link
-from jaxpar.errors import ClusterError
+from jaxpar.errors import ClusterError, check_int, int_problem
 
 #: Where the preset YAML files live (``configs/clusters`` of the repository).
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
@@ -65,8 +44,8 @@ class Cluster:
     def __post_init__(self):
         for f in ("devices_per_node", "nodes"):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ClusterError(f"cluster {self.name!r}: {f}={v!r} must be a positive int.")
+            if why := int_problem(v, 1):
+                raise ClusterError(f"cluster {self.name!r}: {f}={v!r} {why}.")
         _positive(self.name, "device_memory_gib", self.memory_bytes / 2**30)
         if not self.peak_flops:
             raise ClusterError(f"cluster {self.name!r}: peak_tflops is empty; give e.g. {{bfloat16: 989}}.")
@@ -135,8 +114,7 @@ class Cluster:
         >>> load_cluster("h100").with_devices(1024).nodes
         128
         """
-        if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-            raise ClusterError(f"num_devices={num_devices!r}: must be a positive int.")
+        check_int("Cluster.with_devices", "num_devices", num_devices, 1, ClusterError)
         if num_devices <= self.devices_per_node:
             peaks = self.peak_flops
             if self.shared_compute > 1 and self.nodes == 1:      # the node's compute, split over fewer devices
@@ -149,15 +127,15 @@ class Cluster:
         return replace(self, nodes=num_devices // self.devices_per_node)
 
 
-def _positive(name: str, field_name: str, value: Any) -> float:
+def _positive(name: str, field_name: str, value: Any, unit: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ClusterError(f"cluster {name!r}: {field_name}={value!r} must be a positive number.")
+        raise ClusterError(f"cluster {name!r}: {field_name}={value!r} must be a positive number{unit}.")
     return float(value)
 
 
-def _nonneg(name: str, field_name: str, value: Any) -> float:
+def _nonneg(name: str, field_name: str, value: Any, unit: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ClusterError(f"cluster {name!r}: {field_name}={value!r} must be a number >= 0.")
+        raise ClusterError(f"cluster {name!r}: {field_name}={value!r} must be a number >= 0{unit}.")
     return float(value)
 
 
@@ -174,13 +152,9 @@ def _link(name: str, key: str, d: Any) -> Link:
     for k in ("alpha_us", "bandwidth_gbps"):
         if k not in d:
             raise ClusterError(f"cluster {name!r}: {key}.{k} is missing.")
-    alpha = d["alpha_us"]
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
-        raise ClusterError(f"cluster {name!r}: {key}.alpha_us={alpha!r} must be a number >= 0 (microseconds).")
-    bw = d["bandwidth_gbps"]
-    if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
-        raise ClusterError(f"cluster {name!r}: {key}.bandwidth_gbps={bw!r} must be a positive number of GB/s "
-                           "(1e9 bytes/s per device and direction), e.g. 50 for 400 Gb/s.")
+    alpha = _nonneg(name, f"{key}.alpha_us", d["alpha_us"], " (microseconds)")
+    bw = _positive(name, f"{key}.bandwidth_gbps", d["bandwidth_gbps"],
+                   " of GB/s (1e9 bytes/s per device and direction), e.g. 50 for 400 Gb/s")
     red = d.get("reduce_gbps")
     red = None if red is None else _positive(name, f"{key}.reduce_gbps", red) * 1e9
     return Link.from_bandwidth(alpha * 1e-6, bw * 1e9, red, shm)
@@ -192,7 +166,7 @@ _KEYS = {"name", "description", "sources", "devices_per_node", "nodes", "device_
 
 
 def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
-    """A :class:`Cluster` from a preset's mapping (keys in the module doc; ``fit`` is kept as a record only).
+    """A :class:`Cluster` from a preset's mapping (keys in docs/planning.md §2; ``fit`` is kept as a record only).
 
     Args:
       d: the preset's keys and values.
@@ -263,8 +237,7 @@ def load_cluster(preset: str | Path, *, nodes: int | None = None, num_devices: i
         data = yaml.safe_load(fh)
     c = cluster_from_dict(data, name=path.stem)
     if nodes is not None:
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise ClusterError(f"nodes={nodes!r}: must be a positive int.")
+        check_int("load_cluster", "nodes", nodes, 1, ClusterError)
         c = replace(c, nodes=nodes)
     if num_devices is not None:
         c = c.with_devices(num_devices)

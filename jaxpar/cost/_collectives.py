@@ -1,54 +1,7 @@
 """Alpha-beta(-gamma) time of collectives, algorithm by algorithm (Thakur, Rabenseifner & Gropp 2005).
 
-A :class:`Link` has a latency ``alpha`` (s per message), ``beta`` (s per byte sent) and
-``gamma`` (s per byte reduced). ``n`` is always the size in bytes of the *whole* buffer one
-process holds: the input of an all-reduce / reduce-scatter, the output of an all-gather,
-the send buffer of an all-to-all, the message of a permute. ``p`` is the number of processes.
-
-Formulas (lg = log2; ``p' = 2**floor(lg p)`` for the power-of-two algorithms on other ``p``,
-which first fold the ``p - p'`` extra ranks in and finally send them the result: ``+2`` steps
-of ``n`` bytes, Thakur et al. §4):
-
-=================  ===========================  ===========================================
-kind               algorithm                    time
-=================  ===========================  ===========================================
-all-reduce         ring                         2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ
-all-reduce         tree (reduce + broadcast)    2⌈lg p⌉(α + nβ) + ⌈lg p⌉·nγ
-all-reduce         recursive-doubling           lg p'·(α + nβ + nγ)            (+ fold)
-all-reduce         rabenseifner                 2 lg p'·α + 2(p'-1)/p'·nβ + (p'-1)/p'·nγ (+ fold)
-all-reduce         lower-bound                  ⌈lg p⌉α + 2(p-1)/p·nβ + (p-1)/p·nγ
-reduce-scatter     ring                         (p-1)α + (p-1)/p·n(β + γ)
-reduce-scatter     recursive-halving            lg p'·α + (p'-1)/p'·n(β + γ)    (+ fold)
-reduce-scatter     lower-bound                  ⌈lg p⌉α + (p-1)/p·n(β + γ)
-all-gather         ring                         (p-1)α + (p-1)/p·nβ
-all-gather         recursive-doubling           lg p·α + (p-1)/p·nβ            (p a power of 2)
-all-gather         bruck                        ⌈lg p⌉α + (p-1)/p·nβ
-all-gather         lower-bound                  ⌈lg p⌉α + (p-1)/p·nβ
-all-to-all         pairwise                     (p-1)α + (p-1)/p·nβ
-all-to-all         bruck                        ⌈lg p⌉α + ⌈lg p⌉·n/2·β
-all-to-all         lower-bound                  ⌈lg p⌉α + (p-1)/p·nβ
-collective-permute direct                       α + nβ
-=================  ===========================  ===========================================
-
-Shared memory (``Link(shared_memory=True)``: the simulated devices of one process, or a
-single-node NVSwitch "one-shot" kernel): after one rendezvous every process reads what it
-needs straight out of the others' buffers, so a collective costs one ``α``:
-
-=================  ===========================  ===========================================
-all-reduce         one-shot                     α + (p-1)·n(β + γ)     (read and add every peer's buffer)
-all-reduce         two-shot                     2α + 2(p-1)/p·nβ + (p-1)/p·nγ  (reduce-scatter, all-gather)
-reduce-scatter     one-shot                     α + (p-1)/p·n(β + γ)
-all-gather         one-shot                     α + (p-1)/p·nβ
-all-to-all         one-shot                     α + (p-1)/p·nβ
-collective-permute one-shot                     α + nβ
-=================  ===========================  ===========================================
-
-On such a link :func:`best` chooses among these (Thakur et al.'s lower bound assumes one
-message at a time per process and does not apply; :func:`algorithm_times` leaves it out).
-
-The "fold" for ``p`` not a power of two costs ``2α + 2nβ + nγ`` (all-reduce) or
-``α + nβ + nγ`` (reduce-scatter: the extra ranks' data folded in once, and their pieces
-sent back, ``n/p`` each, counted as ``α + nβ/p``).
+The formulas, the fold for ``p`` not a power of two and the shared-memory algorithms are in
+docs/planning.md §1. ``n`` is always the size in bytes of the *whole* buffer one process holds.
 
 Example::
 
@@ -77,7 +30,7 @@ ALGORITHMS = {
     "collective-permute": ("direct", "lower-bound"),
 }
 
-#: Algorithms of a shared-memory link (``Link(shared_memory=True)``), see the module doc.
+#: Algorithms of a shared-memory link (``Link(shared_memory=True)``), docs/planning.md §1.
 SHARED_MEMORY_ALGORITHMS = {
     "all-reduce": ("one-shot", "two-shot"),
     "reduce-scatter": ("one-shot",),
@@ -90,7 +43,7 @@ SHARED_MEMORY_ALGORITHMS = {
 @dataclass(frozen=True)
 class Link:
     """One link class: ``alpha`` s per message, ``beta`` s per byte, ``gamma`` s per byte reduced;
-    ``shared_memory``: collectives read peers' buffers after one rendezvous (see the module doc).
+    ``shared_memory``: collectives read peers' buffers after one rendezvous (docs/planning.md §1).
 
     >>> Link.from_bandwidth(alpha=5e-6, bandwidth=50e9).beta
     2e-11
@@ -177,7 +130,7 @@ def time(kind: str, n: float, p: int, link: Link, algorithm: str = "best") -> fl
 
 
 def _formula(kind: str, algorithm: str, n: float, p: int, link: Link) -> float:
-    """Seconds of one (checked) algorithm over ``p > 1`` processes: the table of the module doc."""
+    """Seconds of one (checked) algorithm over ``p > 1`` processes: the table of docs/planning.md §1."""
     a, b, g = link.alpha, link.beta, link.gamma
     if algorithm in ("one-shot", "two-shot"):
         frac = (p - 1) / p
@@ -272,22 +225,3 @@ def _best(kind: str, n: float, p: int, link: Link) -> tuple[str, float]:
     order = list(times)
     name = min(times, key=lambda k: (times[k], order.index(k)))
     return name, times[name]
-
-
-def bus_bytes(kind: str, n: float, p: int) -> float:
-    """Bytes each process must send at least (nccl-tests' bus bandwidth factor times ``n``).
-
-    Args:
-      kind: one of :data:`KINDS`.
-      n: bytes of the whole buffer of one process.
-      p: the number of processes.
-
-    Returns:
-      Bytes.
-
-    >>> bus_bytes("all-reduce", 1000, 4), bus_bytes("all-gather", 1000, 4)
-    (1500.0, 750.0)
-    """
-    _check(kind, n, p)
-    frac = (p - 1) / p
-    return {"all-reduce": 2 * frac * n, "collective-permute": float(n)}.get(kind, frac * n)

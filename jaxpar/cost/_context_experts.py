@@ -1,40 +1,6 @@
-"""Context parallelism (CP) and expert parallelism (EP) in the cost model: the per-layer collectives,
-the attention work and memory of each CP method, and the MoE layer's kernels and memory.
-
-The runtime is the ground truth (:mod:`jaxpar.parallel.context`, :mod:`jaxpar.parallel.moe`). Per layer and micro-batch,
-on one device, with ``r`` sequences of ``s`` tokens split over ``C`` context devices, ``t``-way tensor
-parallelism, hidden ``h`` and ``cb`` bytes per value, one shard of K (or V) is
-``kv = r·(s/C)·(h/t)·cb`` bytes:
-
-===========  ===================================  ======================================  ===============
-method       forward                              backward                                recomputation
-===========  ===================================  ======================================  ===============
-ring         ``C-1`` permutes of ``2kv`` (K, V)   ``C-1`` permutes of ``2kv + 2kv·4/cb``  ``C-1`` permutes
-                                                  (K, V and fp32 dK, dV), 1 of ``2kv·4/cb``
-all_gather   2 all-gathers of ``C·kv`` (K, V)     2 reduce-scatters to ``kv`` (dK, dV)    2 all-gathers
-ulysses      4 all-to-alls of ``kv`` (q, k, v in, 4 all-to-alls of ``kv``                 4 all-to-alls
-             the output back)
-===========  ===================================  ======================================  ===============
-
-(bytes as the HLO inventory counts them: the result on one device; "recomputation": any remat policy
-re-runs the attention forward). EP: per MoE layer, 2 all-to-alls over ``expert`` forward and 2 backward
-(2 more under full recomputation), each of the device's capacity buffer ``g·E·cap·h·cb`` bytes
-(``g`` groups = its sequences, ``E`` experts, ``cap`` = :meth:`~jaxpar.cost._model.ModelSpec.capacity` of a
-group of ``s/C`` tokens).
-
-**Attention work per device** (:func:`score_fraction`, of the ``s x s`` scores per head, as each method
-computes them): the dense path (``C = 1``), all-gather and Ulysses compute their scores whole, the causal
-mask's half included (``1``, ``[s/C, s]``, ``[a/C, s, s]``: ``1/C``). The ring skips the block pairs the mask
-hides: balanced, every device computes ``2C+1`` blocks of ``s/2C`` (:func:`jaxpar.parallel.context.ring_block_pairs`),
-``(2C+1)/4C^2``, about half of ``1/C``; in the natural order the last device computes ``C`` blocks of
-``s/C`` (the diagonal one whole), ``1/C``, and the step waits for it.
-
-**Memory per layer** (kept for the backward, Korthikanti et al.'s terms at ``s/C`` tokens): the ring keeps
-no scores (q, k, v, out and the logsumexp only), all-gather keeps ``5·r·(a/t)·s^2/C`` bytes of scores
-(the ``5as/h`` term at ``1/C``) and the gathered K, V (``2·r·(s - s/C)·h/t·cb``), Ulysses the same scores
-at ``a/C`` heads. The transient of the layer in flight (:func:`context_working_bytes`): the ring's two
-fp32 score blocks, the K/V block arriving and the fp32 dK/dV accumulators; all-gather's two fp32
-``[s/C, s]`` score arrays and the whole K, V; Ulysses' two fp32 ``[a/C, s, s]`` arrays.
+"""Context parallelism (CP) and expert parallelism (EP) in the cost model (docs/planning.md §10): the
+per-layer collectives, the attention work and memory of each CP method, and the MoE layer's kernels
+and memory. The runtime is the ground truth (:mod:`jaxpar.parallel.context`, :mod:`jaxpar.parallel.moe`).
 
 Example::
 
@@ -160,7 +126,7 @@ def expert_collectives(m: ModelSpec, rows: float, context: int, compute_bytes: f
 def context_score_bytes(m: ModelSpec, rows: float, tensor: int, context: int, method: str, remat: str,
                         bytes_per_value: float) -> float:
     """Bytes of one layer's attention scores (and all-gather's gathered K/V) kept for the backward under
-    CP (module doc): 0 for the ring and under recomputation.
+    CP (docs/planning.md §10): 0 for the ring and under recomputation.
 
     Args:
       m: the model.
@@ -190,7 +156,7 @@ def context_score_bytes(m: ModelSpec, rows: float, tensor: int, context: int, me
 
 def context_working_bytes(m: ModelSpec, rows: float, tensor: int, context: int, method: str, balance: bool,
                           compute_bytes: float) -> float:
-    """The transient bytes of the attention of the one layer in flight under CP (module doc).
+    """The transient bytes of the attention of the one layer in flight under CP (docs/planning.md §10).
 
     Args:
       m: the model.

@@ -1,22 +1,6 @@
-"""Bytes of jaxpar's train step on a real device: tiled layouts, and the peak with temporaries.
-
-Two things the compilers add to :func:`jaxpar.cost._memory.argument_bytes` and
-:func:`jaxpar.cost.memory_per_device` (docs/planning.md §8 measures both):
-
-* **Tiled layouts.** The TPU compiler stores an array of 4-byte values in tiles of ``8 x 128``
-  over the two dimensions it lays out innermost (``T(8,128)``; a second-innermost dimension
-  shorter than 8 gets a tile of its next power of two, ``T(2,128)``), a vector in tiles of 128,
-  and a scalar in one tile of 128. It picks the two innermost dimensions to pad the least, so
-  :func:`padded_bytes` takes the smallest padded size over those choices. GPUs store arrays densely.
-* **The peak of the step** (:func:`step_peak_bytes`): the arguments (parameters and optimizer state,
-  donated, so the outputs reuse them), the fp32 gradients as sharded, the activations the backward
-  keeps for the layers a stage holds (:func:`saved_per_layer`: what the compiled layer scan keeps,
-  measured on the GPU compiler and on libtpu, which also keeps a bf16 copy of each layer's matmul
-  weights, :func:`bf16_weight_bytes`), under ZeRO-3 / FSDP two gathered layers (the one in use and
-  the next), under SP the whole-sequence arrays of one layer's backward (:data:`SP_BACKWARD`), and the
-  larger of two moments' extra: the logits (the loss; one fp32 copy, and on TPUs two bf16 copies
-  more) or, under recomputation, one layer's activations without recomputation (that layer's
-  backward).
+"""Bytes of jaxpar's train step on a real device (docs/planning.md §8): the TPU's tiled layouts
+(:func:`padded_bytes`), and the peak of the step with the temporaries the compilers add
+(:func:`step_peak_bytes`).
 
 Example::
 
@@ -74,7 +58,7 @@ def _ceil(n: int, k: int) -> int:
 
 def padded_bytes(shape: tuple[int, ...], itemsize: int, layout: Layout) -> int:
     """Bytes of an array of ``shape`` stored in ``layout`` (the least padding over the choice of its two
-    innermost dimensions; see the module doc).
+    innermost dimensions; docs/planning.md §8).
 
     Args:
       shape: the array's shape on one device.
@@ -259,7 +243,7 @@ def bf16_weight_bytes(model: ModelSpec, plan: Plan) -> float:
 
 
 def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> float:
-    """Predicted peak bytes of jaxpar's fp32 train step on one device (see the module doc): what the compiled
+    """Predicted peak bytes of jaxpar's fp32 train step on one device (docs/planning.md §8): what the compiled
     program allocates, arguments + outputs + temporaries - aliased, which on GPUs is XLA's peak as well.
 
     Args:

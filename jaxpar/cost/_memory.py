@@ -1,16 +1,13 @@
-"""Memory per device: training state per ZeRO stage, activations per layer, pipeline in-flight micro-batches.
-
-The formulas and their sources are in ``docs/planning.md`` §3: ZeRO's training state per stage
-(Rajbhandari et al. 2020, Table 1), Korthikanti et al.'s activations per layer (2022, Table 2;
-:mod:`jaxpar.cost._activations`) and a pipeline stage's in-flight micro-batches, read from the
-schedule tables (:mod:`jaxpar.cost._schedule`). :data:`PRECISIONS` names the bytes per parameter
-(weights + gradients + optimizer state): ``fp32`` 4 + 4 + 8, ``mixed`` 2 + 2 + 12 (ZeRO's),
-``megatron`` 2 + 4 + 12, ``mixed-fp32-accum`` 2 + 6 + 12.
+"""Memory per device (docs/planning.md §3): ZeRO's training state per stage, Korthikanti et al.'s
+activations per layer, a pipeline stage's in-flight micro-batches (:mod:`jaxpar.cost._schedule`), and how
+each parameter is sharded on a mesh. :data:`PRECISIONS`: bytes per parameter, gradient and optimizer state.
 
 Example::
 
     >>> [round(zero_state_bytes(7.5e9, 64, s)["total"] / 1e9, 3) for s in (0, 1, 2, 3)]
     [120.0, 31.406, 16.641, 1.875]
+    >>> activation_bytes_per_layer(2048, 1, 12288, 96, remat="full") == 2 * 2048 * 12288
+    True
 """
 from __future__ import annotations
 
@@ -19,11 +16,92 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping, NamedTuple
 
-from jaxpar.cost._activations import REMAT, activation_bytes_per_layer, layer_activations
-from jaxpar.cost._context_experts import context_working_bytes
+from jaxpar.cost._context_experts import (context_score_bytes, context_working_bytes, dense_mlp_bytes,
+                                          moe_mlp_bytes)
 from jaxpar.cost._model import TENSOR_LOGICAL, Leaf, ModelSpec
-from jaxpar.cost._schedule import TABLE_LIMIT, closed_form_stats, in_flight, schedule_stats
+from jaxpar.cost._schedule import in_flight
 from jaxpar.errors import CostModelError, LayoutError
+
+
+REMAT = ("none", "selective", "full")
+
+
+def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tensor: int = 1,
+                               sequence_parallel: bool = False, remat: str = "none",
+                               bytes_per_value: float = 2) -> float:
+    """Korthikanti et al. (2022) activation bytes of one transformer layer (``docs/planning.md`` §3).
+
+    ``bytes_per_value`` scales from the paper's 16-bit activations (2) to fp32 (4).
+
+    Args:
+      seq: the sequence length ``s``.
+      micro_batch: sequences per micro-batch ``b``.
+      hidden: the hidden size ``h``.
+      heads: attention heads ``a``.
+      tensor: the tensor-parallel size ``t``.
+      sequence_parallel: Megatron's sequence parallelism (the norms and dropouts split over ``t``).
+      remat: ``"none"``, ``"selective"`` or ``"full"`` recomputation.
+      bytes_per_value: bytes per activation value.
+
+    Returns:
+      Bytes per device.
+
+    >>> activation_bytes_per_layer(2048, 1, 12288, 96) == 2048 * 12288 * (34 + 5 * 96 * 2048 / 12288)
+    True
+    """
+    if remat not in REMAT:
+        raise CostModelError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
+    s, b, h, a, t = seq, micro_batch, hidden, heads, tensor
+    attn = 0.0 if remat == "selective" else 5 * a * s / h
+    if remat == "full":
+        per = 2 / (t if sequence_parallel else 1)
+    elif sequence_parallel:
+        per = (34 + attn) / t
+    else:
+        per = 10 + 24 / t + attn / t
+    return s * b * h * per * bytes_per_value / 2
+
+
+def layer_activations(model: ModelSpec, sizes: Mapping[str, int], rows: float, *, remat: str = "none",
+                      sequence_parallel: bool = False, activation_bytes: float = 2, context_method: str = "ring",
+                      moe: bool = False) -> float:
+    """Bytes one layer keeps for the backward per micro-batch of ``rows`` sequences: Korthikanti et al.'s
+    terms at ``s / context`` tokens, the attention scores of the CP method
+    (:func:`jaxpar.cost._context_experts.context_score_bytes`) and, for an MoE layer (``moe``), the MoE
+    MLP's buffers (:func:`~jaxpar.cost._context_experts.moe_mlp_bytes`) in place of the dense MLP's.
+
+    Args:
+      model: the model.
+      sizes: mesh axis name -> size.
+      rows: sequences per micro-batch on one device.
+      remat: ``"none"``, ``"selective"`` or ``"full"``.
+      sequence_parallel: Megatron's sequence parallelism.
+      activation_bytes: bytes per activation value.
+      context_method: ``"ring"``, ``"all-gather"`` or ``"ulysses"``.
+      moe: the layer is an MoE layer.
+
+    Returns:
+      Bytes per device.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> m = gpt(2, 64, 4, 32, 128, 8)
+    >>> layer_activations(m, {}, 2) == activation_bytes_per_layer(32, 2, 64, 4)
+    True
+    """
+    t, C = sizes.get("tensor", 1), sizes.get("context", 1)
+    sp, bpv = sequence_parallel, activation_bytes
+    if C == 1 and not moe:
+        return activation_bytes_per_layer(model.seq, rows, model.hidden, model.heads, tensor=t,
+                                          sequence_parallel=sp, remat=remat, bytes_per_value=bpv)
+    s = model.seq / C
+    out = activation_bytes_per_layer(s, rows, model.hidden, model.heads, tensor=t, sequence_parallel=sp,
+                                     remat="full" if remat == "full" else "selective", bytes_per_value=bpv)
+    if remat == "full":
+        return out
+    out += context_score_bytes(model, rows, t, C, context_method if C > 1 else "all_gather", remat, bpv)
+    if moe:
+        out += moe_mlp_bytes(model, rows, t, C, sp, bpv) - dense_mlp_bytes(rows * s, model.hidden, t, sp, bpv)
+    return out
 
 
 @dataclass(frozen=True)
@@ -309,7 +387,7 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
                       sequence_parallel: bool = False, precision: str | BytesPerParam = "mixed",
                       activation_bytes: float = 2, ends: bool = False, context_method: str = "ring",
                       context_balance: bool = True) -> MemoryEstimate:
-    """Predicted peak memory of one device for one plan (see the module doc for the sources).
+    """Predicted peak memory of one device for one plan (docs/planning.md §3 has the sources).
 
     Each replica's batch ``batch / (data * fsdp * expert)`` is split into ``microbatches``; a pipeline
     stage holds ``layers / pipe`` layers and the schedule's in-flight micro-batches; the last stage the

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from jaxpar.errors import CostModelError
+from jaxpar.errors import CostModelError, check_int
 
 #: Logical names jaxpar's tensor rules shard over ``tensor`` (:func:`jaxpar.parallel.tensor_rules`).
 TENSOR_LOGICAL = ("mlp", "heads", "vocab")
@@ -59,11 +59,6 @@ class Leaf:
         ``layers``, not a lookup table (first dimension ``vocab``, or unnamed as a position table)."""
         dims = [n for n in self.logical if n != "layers"]
         return len(dims) >= 2 and dims[0] not in ("vocab", None)
-
-
-def _positive_int(owner: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CostModelError(f"{owner}.{name}={value!r}: must be a positive int.")
 
 
 @dataclass(frozen=True)
@@ -95,13 +90,13 @@ class ModelSpec:
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
-            _positive_int("ModelSpec", f, getattr(self, f))
+            check_int("ModelSpec", f, getattr(self, f), 1, CostModelError)
         if self.hidden % self.heads:
             raise CostModelError(f"ModelSpec: hidden={self.hidden} is not divisible by heads={self.heads}; "
                                  "choose hidden as a multiple of heads.")
         if self.mlp == 0:
             object.__setattr__(self, "mlp", 4 * self.hidden)
-        _positive_int("ModelSpec", "mlp", self.mlp)
+        check_int("ModelSpec", "mlp", self.mlp, 1, CostModelError)
         if self.qkv_inputs not in (1, 3):
             raise CostModelError(f"ModelSpec.qkv_inputs={self.qkv_inputs!r}: 3 (separate q, k, v) or 1 (fused).")
         _check_moe(self)
@@ -176,9 +171,7 @@ class ModelSpec:
 
 
 def _check_moe(m: ModelSpec) -> None:
-    if isinstance(m.experts, bool) or not isinstance(m.experts, int) or m.experts < 0:
-        raise CostModelError(f"ModelSpec.experts={m.experts!r}: 0 (a dense model) or the number of experts per "
-                             "MoE layer.")
+    check_int("ModelSpec", "experts", m.experts, 0, CostModelError)
     if not m.experts:
         return
     if isinstance(m.top_k, bool) or not isinstance(m.top_k, int) or not 1 <= m.top_k <= m.experts:
@@ -189,15 +182,12 @@ def _check_moe(m: ModelSpec) -> None:
                            or cf <= 0):
         raise CostModelError(f"ModelSpec.capacity_factor={cf!r} must be a finite number > 0 (1.25 is common) or None "
                              "for dropless routing.")
-    for f in ("moe_every",):
-        _positive_int("ModelSpec", f, getattr(m, f))
+    check_int("ModelSpec", "moe_every", m.moe_every, 1, CostModelError)
     if m.moe_every > m.layers:
         raise CostModelError(f"ModelSpec.moe_every={m.moe_every} > layers={m.layers}: no layer would be an MoE layer; "
                              f"choose moe_every <= {m.layers} or experts=0 for a dense model.")
     for f in ("expert_mlp", "shared_mlp"):
-        v = getattr(m, f)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise CostModelError(f"ModelSpec.{f}={v!r}: must be an int >= 0 (expert_mlp 0: the model's mlp).")
+        check_int("ModelSpec", f, getattr(m, f), 0, CostModelError)
 
 
 def gpt_param_count(m: ModelSpec) -> int:
@@ -272,37 +262,6 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int, 
     return replace(spec, leaves=_gpt_leaves(layers, hidden, heads, seq, vocab, spec.mlp, spec))
 
 
-def from_gpt_config(cfg: Any, batch: int) -> ModelSpec:
-    """From a :class:`jaxpar.models.GPTConfig` (read by attribute; nothing imported).
-
-    Args:
-      cfg: a ``GPTConfig`` or any object with its attributes.
-      batch: the global batch in sequences.
-
-    Returns:
-      The :class:`ModelSpec`.
-
-    >>> from types import SimpleNamespace
-    >>> from_gpt_config(SimpleNamespace(layers=2, embed=32, heads=8, seq_len=16, vocab=64, mlp=None), 16).mlp
-    128
-
-    A ``moe`` attribute (a mapping or an object with ``experts``, ``top_k``, ``capacity_factor``, ``every``,
-    optionally ``mlp`` and ``shared_mlp``; as ``model.moe`` of the YAML config) makes it an MoE GPT:
-
-    >>> moe = {"experts": 8, "top_k": 2, "capacity_factor": 1.0, "every": 2}
-    >>> from_gpt_config(SimpleNamespace(layers=2, embed=32, heads=8, seq_len=16, vocab=64, mlp=None, moe=moe),
-    ...                 16).moe_layers
-    1
-    """
-    kw = {}
-    moe = getattr(cfg, "moe", None)
-    if moe:
-        get = moe.get if isinstance(moe, dict) else lambda k, d=None: getattr(moe, k, d)
-        kw = dict(experts=get("experts"), top_k=get("top_k", 2), capacity_factor=get("capacity_factor", 1.25),
-                  moe_every=get("every", 1), expert_mlp=get("mlp", None), shared_mlp=get("shared_mlp", 0) or 0)
-    return gpt(cfg.layers, cfg.embed, cfg.heads, cfg.seq_len, cfg.vocab, batch, mlp=cfg.mlp, **kw)
-
-
 def _path_str(path: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
@@ -316,14 +275,7 @@ def from_nnx(model_fn: Callable[[], Any], *, layers: int, hidden: int, heads: in
 
     Args:
       model_fn: builds the NNX model, with no arguments.
-      layers: transformer layers.
-      hidden: the hidden size.
-      heads: attention heads.
-      seq: the sequence length.
-      vocab: the vocabulary size.
-      batch: the global batch in sequences.
-      mlp: the MLP's hidden size, or ``None`` for ``4 * hidden``.
-      name: the model's name.
+      layers, hidden, heads, seq, vocab, batch, mlp, name: as for :func:`gpt`.
 
     Returns:
       The :class:`ModelSpec`, its leaves read from the model.

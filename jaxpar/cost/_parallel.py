@@ -1,21 +1,6 @@
-"""A parallel plan: the mesh sizes of one point of the planner's search and what runs on them.
-
-:class:`Plan` is the cost model's counterpart of :class:`jaxpar.Strategy` plus the mesh: how many
-devices each axis has (mesh order :data:`AXES`), the ZeRO stage, sequence parallelism, context
-parallelism (CP: its degree and attention method), expert parallelism (EP), the pipeline schedule and
-the recomputation policy. :mod:`jaxpar.cost._traffic`, :mod:`jaxpar.cost._time` and
-:mod:`jaxpar.cost._planner` read it.
-
-**Mesh order** ``pipe, data, fsdp, expert, context, tensor`` (outermost first): the more an axis moves
-per step and the more often it blocks the layer, the further in (on the faster, intra-node links of
-:func:`jaxpar.cost._time.axis_groups`). ``tensor`` moves the activations 4 times per layer on the
-critical path; ``context`` moves K/V every layer (ring: ``C - 1`` hops; Ulysses: 8 all-to-alls);
-``expert`` moves the MoE layers' capacity buffers (4 all-to-alls per MoE layer); ``fsdp`` / ``data``
-reduce the gradients once per step, ``pipe`` sends one activation per micro-batch and stage. It is
-Megatron-Core's order (``tp-cp-ep-dp-pp``, innermost first, ``RankGenerator``) with jaxpar's
-``fsdp`` beside ``data``. ``expert`` and ``context`` also split the batch's tokens (EP devices are data
-parallel for the other layers; CP devices hold a slice of every sequence), so the gradients of the
-parameters they do not split are reduced over them too.
+"""A parallel plan (:class:`Plan`): the mesh sizes of one point of the planner's search and what runs
+on them, the cost model's counterpart of :class:`jaxpar.Strategy` plus the mesh. Mesh order
+:data:`AXES`, outermost first (docs/planning.md §10 says why).
 
 Example::
 
@@ -32,7 +17,7 @@ from dataclasses import dataclass
 from jaxpar.cost._memory import REMAT
 from jaxpar.errors import PlanError
 
-#: The mesh axes in mesh order (outermost first, ``tensor`` innermost; see the module doc).
+#: The mesh axes in mesh order (outermost first, ``tensor`` innermost; docs/planning.md §10).
 AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
 #: The axes that split the batch's sequences (``context`` splits each sequence instead).
 BATCH_AXES = ("data", "fsdp", "expert")

@@ -1,20 +1,11 @@
-"""The planner: every ``pipe x data x fsdp x expert x context x tensor`` factorisation of the cluster x
-CP method x ZeRO stage x schedule x micro-batches x remat, those that do not fit dropped with the reason,
-the candidates the compatibility table refuses (:mod:`jaxpar.cost._refusals`) and those that do not fit
-dropped with the reason, the rest ranked.
+"""The planner (docs/planning.md §4, §10): every ``pipe x data x fsdp x expert x context x tensor``
+factorisation of the cluster x CP method x ZeRO stage x schedule x micro-batches x remat; the layouts
+that cannot run the model *refused* with the reason, the candidates the compatibility table refuses
+(:func:`plan_refusal`) and those that do not fit *rejected* with the reason, the rest ranked.
 
-Context parallelism (CP) is searched over ``contexts`` and the three methods: by default every divisor of the
-device count for sequences of at least :data:`CONTEXT_MIN_SEQ` tokens, none below (a search-space default, not
-a rule of the model: pass ``contexts=`` to search CP at any length); expert parallelism (EP) over ``experts``
-(by default every divisor that divides the model's experts; only for an MoE model). A layout that cannot run
-is *refused* with the reason (:attr:`PlanResult.refused`): Ulysses with ``heads % (context * tensor) != 0``, a
-sequence that the context devices do not divide (``2C`` chunks for the balanced layout, which the planner
-uses; ``C`` for the natural order, which it falls back to), experts that the ``expert`` axis does not divide.
-
-For each factorisation and parallel option the cheapest remat policy that fits is kept
-(``none``, then ``selective``, then ``full``: recomputation only adds time), and without a
-pipeline the fewest accumulation micro-batches that fit. Usable memory is
-``cluster memory x memory_fraction`` (the rest: workspace, fragmentation, the framework).
+For each layout the cheapest remat policy that fits is kept (``none``, ``selective``, ``full``), and
+without a pipeline the fewest accumulation micro-batches. Usable memory is ``cluster memory x
+memory_fraction``.
 
 Example::
 
@@ -25,21 +16,22 @@ Example::
     (1, 1)
     >>> print(result.table(2))      # doctest: +ELLIPSIS
     rank | plan ...
+    >>> print(plan_refusal(Plan(data=4, context=2), fixed={"compression": "topk"}))   # doctest: +ELLIPSIS
+    the compatibility table refuses it: Strategy.compression with context=2: a codec's exchange runs...
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 from jaxpar.analysis._compiled_memory import format_bytes, render_table
+from jaxpar.compat._table import LIBRARY_NAMES, Setting, problems
 from jaxpar.cost._cluster import Cluster
-from jaxpar.cost._layouts import (context_problem, divisors, expert_problem, factorisations,
-                                  mesh_factorisations, shape_problem)
 from jaxpar.cost._memory import LayoutError, MemoryEstimate, memory_per_device
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import CONTEXT_METHODS, Plan
-from jaxpar.cost._refusals import REFUSED_PREFIX, plan_refusal
 from jaxpar.cost._time import Overlap, StepTime, step_time
 from jaxpar.cost._traffic import outer_at_ends
 from jaxpar.errors import PlanError
@@ -48,6 +40,130 @@ from jaxpar.errors import PlanError
 #: recipes (16k and 64k tokens) are where CP is used in practice; at 2k the model would pick CP 2 for
 #: GPT-3 on 1,024 A100s (docs/planning.md, "CP and EP"), against the published layouts.
 CONTEXT_MIN_SEQ = 8192
+
+
+# ----------------------------------------------------------------------------- layouts
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending."""
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def factorisations(n: int) -> list[tuple[int, int, int, int]]:
+    """Every ``(pipe, data, fsdp, tensor)`` with product ``n``, ascending."""
+    return [(p, d, f, n // (p * d * f)) for p in divisors(n) for d in divisors(n // p)
+            for f in divisors(n // (p * d))]
+
+
+def mesh_factorisations(n: int, contexts=(1,), experts=(1,)) -> list[tuple[int, int, int, int, int, int]]:
+    """Every ``(pipe, data, fsdp, expert, context, tensor)`` with product ``n``, ``expert`` in ``experts`` and
+    ``context`` in ``contexts`` (in that order: the plans without CP / EP first).
+
+    >>> len(mesh_factorisations(8)), len(mesh_factorisations(8, contexts=(1, 2, 4, 8)))
+    (20, 35)
+    >>> mesh_factorisations(4, contexts=(4,), experts=(1, 2))
+    [(1, 1, 1, 1, 4, 1)]
+    """
+    return [(p, d, f, e, c, t) for e in experts if n % e == 0 for c in contexts if (n // e) % c == 0
+            for p, d, f, t in factorisations(n // (e * c))]
+
+
+def shape_problem(m: ModelSpec, p: int, d: int, f: int, t: int, e: int = 1) -> str | None:
+    """Why the ``pipe``, ``data``, ``fsdp``, ``tensor`` and ``expert`` sizes cannot split the model's heads,
+    MLP, vocabulary (and expert MLP), layers (and MoE layers) and global batch; None when they divide."""
+    for name, size in (("heads", m.heads), ("mlp", m.mlp), ("vocab", m.vocab)) + (
+            (("expert_mlp", m.expert_mlp),) if m.is_moe else ()):
+        if size % t:
+            return f"tensor={t} does not divide model {name}={size}"
+    if m.layers % p:
+        return f"pipe={p} does not divide model layers={m.layers}"
+    if m.moe_layers % p:
+        return f"pipe={p} does not divide the model's {m.moe_layers} MoE layers"
+    if m.batch % (d * f * e):
+        return (f"data*fsdp={d * f} does not divide the global batch={m.batch}" if e == 1 else
+                f"data*fsdp*expert={d * f * e} does not divide the global batch={m.batch}")
+    return None
+
+
+def context_problem(m: ModelSpec, context: int, tensor: int, method: str) -> tuple[bool, str | None]:
+    """``(balanced layout, why it cannot run or None)`` of ``context`` devices running ``method`` on ``m``:
+    the balanced layout needs ``seq % 2C == 0``, the natural order ``seq % C == 0``; Ulysses needs the heads
+    on a device (after the tensor split) divisible by ``C``.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> m = gpt(2, 96, 12, 1000, 64, 8)
+    >>> context_problem(m, 4, 1, "ring"), context_problem(m, 8, 1, "ring")[0]
+    ((True, None), False)
+    >>> context_problem(m, 8, 1, "ulysses")[1]
+    'ulysses needs heads % (context * tensor) == 0: heads=12, context=8, tensor=1'
+    """
+    if method == "ulysses" and m.heads % (context * tensor):
+        return True, (f"ulysses needs heads % (context * tensor) == 0: heads={m.heads}, context={context}, "
+                      f"tensor={tensor}")
+    if m.seq % (2 * context) == 0:
+        return True, None
+    if m.seq % context == 0:
+        return False, None
+    return False, f"context={context} does not divide the sequence length {m.seq} (seq % context != 0)"
+
+
+def expert_problem(m: ModelSpec, expert: int) -> str | None:
+    """Why an ``expert`` axis of this size cannot run ``m`` (None if it can).
+
+    >>> from jaxpar.cost._model import gpt
+    >>> expert_problem(gpt(2, 32, 8, 16, 64, 16), 2)
+    'expert=2 but the model has no MoE layer (experts=0)'
+    """
+    if expert == 1:
+        return None
+    if not m.is_moe:
+        return f"expert={expert} but the model has no MoE layer (experts=0)"
+    if m.experts % expert:
+        return f"experts={m.experts} is not divisible by expert={expert} (each device keeps experts / expert)"
+    return None
+
+
+# ----------------------------------------------------------------------------- the compatibility table
+#: The strategy fields that no plan chooses: the search keeps them fixed (``fixed=`` of :func:`plan_setting`).
+STRATEGY_FIELDS = ("compute_dtype", "compression", "sync", "local_clip")
+#: The step's and the loop's options of :class:`~jaxpar.compat.Setting` that ``fixed=`` may also set.
+SETTING_FIELDS = tuple(f for f in Setting._fields if f not in ("strategy", "sizes"))
+#: How a reason of the table starts in the planner's rejected list.
+REFUSED_PREFIX = "the compatibility table refuses it: "
+
+
+class PlanStrategy(NamedTuple):
+    """The fields of :class:`jaxpar.Strategy` that the compatibility table reads, for a plan (imports no JAX)."""
+
+    zero: int = 0
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    compute_dtype: str = "bfloat16"
+    compression: Any = None
+    sync: Any = None
+    local_clip: float | None = None
+
+
+def plan_setting(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any] | None = None) -> Setting:
+    """The compatibility table's :class:`~jaxpar.compat.Setting` of a :class:`~jaxpar.cost.Plan` ranked for
+    the compute ``dtype``, with the run's settings no plan chooses (``fixed``: :data:`STRATEGY_FIELDS`, where
+    ``compute_dtype`` wins over ``dtype``, and :data:`SETTING_FIELDS`, such as ``clip_norm``)."""
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - set(STRATEGY_FIELDS) - set(SETTING_FIELDS))
+    if unknown:
+        raise PlanError(f"fixed={fixed!r}: unknown key(s) {', '.join(unknown)}; the table reads the strategy's "
+                        f"{', '.join(STRATEGY_FIELDS)} and the options {', '.join(SETTING_FIELDS)}.")
+    strategy = PlanStrategy(zero=plan.zero, sequence_parallel=plan.sequence_parallel, schedule=plan.schedule,
+                            microbatches=plan.microbatches, compute_dtype=fixed.pop("compute_dtype", dtype),
+                            **{k: fixed.pop(k) for k in STRATEGY_FIELDS[1:] if k in fixed})
+    return Setting(strategy, dict(plan.sizes), **fixed)
+
+
+def plan_refusal(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any] | None = None) -> str | None:
+    """Why the compatibility table refuses a plan (:func:`plan_setting`'s arguments): :data:`REFUSED_PREFIX`
+    and every problem in the library's names, or None when it composes."""
+    found = problems(plan_setting(plan, dtype=dtype, fixed=fixed))
+    return REFUSED_PREFIX + " ".join(p.render(LIBRARY_NAMES) for p in found) if found else None
 
 
 @dataclass(frozen=True)
@@ -184,26 +300,16 @@ def _options(m: ModelSpec, p: int, d: int, f: int, t: int, schedules, e: int = 1
     replica = m.batch // (d * f * e)
     zeros = (0, 1, 2, 3) if d > 1 else (0,)
     sps = (False, True) if t > 1 else (False,)
-    out = []
     if p == 1:
         accum = [k for k in (1, 2, 4, 8, 16, 32, 64) if replica % k == 0]
-        for z in zeros:
-            for sp in sps:
-                out.append(dict(zero=z, sequence_parallel=sp, accum=accum))
-        return out
-    for z in zeros:
-        for sp in sps:
-            for sched in schedules:
-                for k in (1, 2, 4, 8):
-                    mb = p * k
-                    if replica % mb:
-                        continue
-                    if sched == "interleaved":
-                        if m.layers % (2 * p):
-                            continue
-                        out.append(dict(zero=z, sequence_parallel=sp, schedule=sched, virtual=2, microbatches=mb))
-                    else:
-                        out.append(dict(zero=z, sequence_parallel=sp, schedule=sched, microbatches=mb))
+        return [dict(zero=z, sequence_parallel=sp, accum=accum) for z in zeros for sp in sps]
+    out = []
+    for z, sp, sched, k in itertools.product(zeros, sps, schedules, (1, 2, 4, 8)):
+        interleaved = sched == "interleaved"
+        if replica % (p * k) or (interleaved and m.layers % (2 * p)):
+            continue
+        virtual = {"virtual": 2} if interleaved else {}
+        out.append(dict(zero=z, sequence_parallel=sp, schedule=sched, microbatches=p * k, **virtual))
     return out
 
 
@@ -316,7 +422,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
       context_methods: the CP methods.
       experts: the EP degrees (None: every divisor that divides the model's experts, ``(1,)`` for a dense model).
       fixed: the run's settings no plan chooses (a codec, ``clip_norm``, ...:
-        :func:`jaxpar.cost._refusals.plan_setting`), with which the table checks each candidate.
+        :func:`plan_setting`), with which the table checks each candidate.
 
     Returns:
       The :class:`PlanResult`.

@@ -1,42 +1,8 @@
-"""Seconds of one transformer layer's kernels on one device, each on the device's roofline.
-
-Every kernel of a GPT block is timed on its own: a matmul of ``w`` FLOPs that reads and writes
-``n`` bytes takes ``max(w / (peak * efficiency(w)), n / stream_bandwidth)``
-(:meth:`~jaxpar.cost._cluster.Cluster.matmul_efficiency`,
-:attr:`~jaxpar.cost._cluster.Cluster.stream_bandwidth`): a large, square matmul is compute bound at
-the device's matmul efficiency, a thin one (the attention's ``QKᵀ`` and ``AV`` with the head
-dimension as the inner size) reads and writes about as many bytes as it does FLOPs and is memory
-bound, and a small one does not fill the device. The norms, residual adds, GELU and softmax move
-bytes only (:func:`layer_elementwise_bytes`).
-
-Kernels of one layer forward, per micro-batch of ``r`` sequences of ``s`` tokens on one of ``t``
-tensor devices (``h`` hidden, ``f`` MLP width, ``a`` heads of ``d = h/a``):
-
-=========  =====================================  =========================================
-kernel     shape ``(batch) M x K x N``            passes in training
-=========  =====================================  =========================================
-qkv        ``rs x h x 3h/t`` (``qkv_inputs`` of   forward, 2 backward; full recomputation +1
-           them, each ``1/qkv_inputs`` of N)
-scores     ``(ra/t) s x d x s``                   the same; selective recomputation +1 too
-context    ``(ra/t) s x s x d``                   as scores
-proj       ``rs x h/t x h``                       as qkv
-fc1, fc2   ``rs x h x f/t``, ``rs x f/t x h``     as qkv
-=========  =====================================  =========================================
-
-Under context parallelism (``C`` devices, :mod:`jaxpar.cost._context_experts`) each device holds ``s/C`` tokens
-of each sequence: the projections and the MLP run on ``rs/C`` rows, and the attention on the method's share of
-the scores (:func:`~jaxpar.cost._context_experts.score_fraction`, as each method computes them):
-``(2C+1)/4`` blocks of ``s/C`` for the balanced ring (``C`` on the busiest device in the natural order), ``s/C x
-s`` (all-gather), or ``a/C`` heads of ``s x s`` (Ulysses). The ring's backward recomputes each block's scores
-from the logsumexp (one more ``scores`` pass). An MoE layer (``moe=True``) replaces fc1 and fc2 by the router
-(``rs x h x E``), the dense dispatch and combine einsums of :mod:`jaxpar.parallel.moe._dispatch` (``(g) E·cap x T x h``
-and ``(g) T x E·cap x h`` over ``g = r`` groups of ``T = s/C`` tokens; the dispatch mask has no gradient: 2
-passes), the experts' MLPs on the device's capacity slots (``(E/E_p) g·E_p·cap x h x M/t`` and back: compute
-proportional to ``cf·T·k`` slots per group, not ``T``) and the shared experts' MLP.
-
-Outside the blocks: the last stage's head (``rs x h x V/t``, not recomputed) and its loss (the
-logits read and their fp32 log-softmax written, and back: ``2·cb + 8`` bytes per logit); the first
-stage's embedding (token and position rows read, their sum written, and back: ``6·rsh`` values).
+"""Seconds of one transformer layer's kernels on one device, each on the device's roofline
+(docs/planning.md §4): a matmul of ``w`` FLOPs that moves ``n`` bytes takes
+``max(w / (peak * efficiency(w)), n / stream_bandwidth)``; the norms, residual adds, GELU and softmax
+move bytes only (:func:`layer_elementwise_bytes`). Context parallelism, MoE layers and the kernels
+outside the blocks are in docs/planning.md §10.
 
 Example::
 
@@ -93,7 +59,7 @@ def matmul(name: str, batch: float, m: float, k: float, n: float, compute_bytes:
 
 
 def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, moe: bool = False) -> list[Kernel]:
-    """The matmuls of one layer on one device for a micro-batch of ``rows`` sequences (module doc).
+    """The matmuls of one layer on one device for a micro-batch of ``rows`` sequences (docs/planning.md §4).
 
     Args:
       m: the model.
@@ -120,7 +86,7 @@ def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, m
 
 
 def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: int) -> list[Kernel]:
-    """``QKᵀ`` and ``AV`` of the device's share of the scores (module doc)."""
+    """``QKᵀ`` and ``AV`` of the device's share of the scores (docs/planning.md §10)."""
     s, d, C = m.seq, m.head_dim, plan.context
     if C == 1:
         return [matmul("scores", heads, s, d, s, cb, passes=attn), matmul("context", heads, s, s, d, cb, passes=attn)]
@@ -136,7 +102,7 @@ def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: 
 
 
 def _moe_kernels(m: ModelSpec, plan: Plan, rows: float, tokens: float, cb: float, full: int) -> list[Kernel]:
-    """The MoE MLP's kernels on one device (module doc): ``rows`` groups of ``T = s/C`` tokens."""
+    """The MoE MLP's kernels on one device (docs/planning.md §10): ``rows`` groups of ``T = s/C`` tokens."""
     h, E, M, t = m.hidden, m.experts, m.expert_mlp, plan.tensor
     T = m.seq / plan.context
     cap = m.capacity(m.seq // plan.context)
@@ -153,7 +119,7 @@ def _moe_kernels(m: ModelSpec, plan: Plan, rows: float, tokens: float, cb: float
 
 
 def kernel_seconds(k: Kernel, cluster: Cluster, dtype: str) -> float:
-    """Seconds of one pass of ``k`` (all its launches) on the roofline of ``cluster`` (module doc).
+    """Seconds of one pass of ``k`` (all its launches) on the roofline of ``cluster`` (docs/planning.md §4).
 
     Args:
       k: the kernel.
@@ -259,7 +225,7 @@ def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: flo
 def end_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: float,
              compute_bytes: float) -> tuple[Work, Work]:
     """Seconds per micro-batch of what the first pipeline stage runs before the blocks (the embedding)
-    and the last after them (the head and the loss), in training (module doc).
+    and the last after them (the head and the loss), in training (docs/planning.md §4).
 
     Args:
       m, plan, cluster, dtype: the model, plan, cluster and compute dtype.

@@ -1,15 +1,7 @@
-"""Pipeline schedules as the cost model reads them: bubble fraction and in-flight micro-batches.
-
-Read from the schedule tables of :mod:`jaxpar.parallel.pipeline._schedules` (imported, with JAX, only when a
-table is built) up to ``p * m * v =`` :data:`TABLE_LIMIT`, from closed forms above it:
-``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(vm+p-1)`` for interleaved, ``(p-1)/(3m+p-1)`` for
-ZB-H1; stage 0 holds ``m``, ``p``, ``min(2(p-1) + (v-1)p + 1, vm)`` and ``p`` micro-batches' activations.
-
-With ``lockstep=True`` (sequence parallelism in a pipeline: :mod:`jaxpar.parallel.pipeline._lockstep`) the
-table is the lockstep re-timing, every tick as long as its kind (F = 1, B = 2 or B = W = 1) on every
-stage; above the limit, the closed forms the tables follow: GPipe, 1F1B and interleaved keep their
-bubble, ZB-H1's is ``2(p-1)/(3m+2(p-1))``; stage 0 holds ``min(2p-1, m)`` micro-batches (1F1B,
-ZB-H1), as many as without lockstep otherwise.
+"""Pipeline schedules as the cost model reads them (docs/planning.md §3): bubble fraction and stage 0's
+in-flight micro-batches, from the schedule tables of :mod:`jaxpar.parallel.pipeline._schedules` up to
+``p * m * v =`` :data:`TABLE_LIMIT` (JAX is imported only then), from closed forms above it; with
+``lockstep=True``, of the lockstep re-timing (:mod:`jaxpar.parallel.pipeline._lockstep`).
 
 Example::
 
@@ -59,7 +51,7 @@ def closed_form_stats(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int
 
 
 def lockstep_closed_form(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int]:
-    """Bubble and stage 0's peak in-flight pairs of a lockstep table, in closed form (see the module doc).
+    """Bubble and stage 0's peak in-flight pairs of a lockstep table, in closed form (docs/planning.md §3).
 
     Args:
       kind: the schedule.

@@ -1,28 +1,13 @@
-"""Time of one training step: kernels on the roofline through the pipeline schedule, collectives per mesh axis.
+"""Time of one training step (docs/planning.md §4): the FLOPs of a step, its kernels on the roofline
+through the pipeline schedule (:mod:`jaxpar.cost._roofline`), its collectives (:func:`jaxpar.cost.comms`)
+on the links each mesh axis group spans, what :class:`Overlap` hides, and the optimizer update.
 
-The FLOPs are counted in :mod:`jaxpar.cost._flops` (re-exported here).
+Example::
 
-The collectives of a step (:func:`jaxpar.cost.comms`) are timed with
-:mod:`jaxpar.cost._collectives` on the links the mesh axis spans (:func:`axis_groups`: mesh
-order ``pipe, data, fsdp, expert, context, tensor``, ``tensor`` innermost, so a ``context`` or
-``expert`` group lies in a node as long as it and the axes inside it fit there; a group spread over nodes runs
-hierarchically: reduce-scatter in the node, the collective across nodes on ``1/p_in`` of the
-bytes, all-gather in the node).
-
-Compute: every kernel of a layer (the matmuls, on the device's roofline) and the blocks' memory-bound
-ops run per micro-batch (:mod:`jaxpar.cost._roofline`); a pipeline stage runs its layers, the first
-stage also the embedding and the last the head and loss. The step takes ``m`` micro-batches of the
-busiest stage plus the schedule's bubble on the mean stage: ``m·T_busiest + m·T_mean·b/(1-b)``, ``b``
-the bubble fraction of the schedule table (:func:`bubble`; ``(p-1)/(m+p-1)`` for 1F1B, so equal
-stages give the familiar ``T/(1-b)``). The optimizer update is memory bound: :func:`update_bytes`
-over the streaming bandwidth (ZeRO-1/2/3 and FSDP update only their shard).
-
-Overlap (:class:`Overlap`): by default *nothing* overlaps (XLA:CPU runs collectives synchronously,
-jaxpar's pipeline sends are on the critical path, Megatron-LM's 2021 data-parallel reduction runs
-after the pipeline flush). ``Overlap(grads_in_backward=True)`` is bucketed DDP: each layer's gradient
-reduction starts when the last micro-batch's backward has produced it, and hides behind the rest of
-that backward (:func:`behind_backward`). Fractions (``Overlap(data=0.8)``) hide a given share of an
-axis group's collectives.
+    >>> from jaxpar.cost._model import gpt
+    >>> m = gpt(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, batch=1536)
+    >>> abs(step_flops(m, remat="full") / narayanan_flops(1536, 2048, 96, 12288, 51200) - 1) < 1e-12
+    True
 """
 from __future__ import annotations
 
@@ -32,14 +17,62 @@ from typing import Mapping
 
 from jaxpar.cost import _collectives as C
 from jaxpar.cost._cluster import Cluster
-from jaxpar.cost._flops import flops_per_token, model_flops, narayanan_flops, step_flops
-from jaxpar.cost._memory import leaf_shard_counts, schedule_stats, sizes_key
-from jaxpar.cost._schedule import runs_in_lockstep
+from jaxpar.cost._memory import REMAT, leaf_shard_counts, sizes_key
+from jaxpar.cost._schedule import runs_in_lockstep, schedule_stats
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import AXES, Plan
 from jaxpar.cost._roofline import Work, end_work, kernel_seconds, layer_elementwise_bytes, layer_kernels, layer_work
 from jaxpar.cost._traffic import Comm, bytes_per_axis, comms
 from jaxpar.errors import CostModelError
+
+
+def narayanan_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """FLOPs per iteration with full recomputation, Narayanan et al. (2021) eq. (3):
+    ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``.
+
+    Args:
+      batch, seq, layers, hidden, vocab: ``B``, ``s``, ``l``, ``h``, ``V``.
+
+    Returns:
+      FLOPs.
+    """
+    B, s, l, h, V = batch, seq, layers, hidden, vocab
+    return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def _layer_forward(m: ModelSpec, moe: bool = False) -> float:
+    s, h = m.seq, m.hidden
+    if moe:
+        mlp = 2 * h * (m.top_k * m.expert_mlp + m.shared_mlp) + h * m.experts
+        return 2 * s * (4 * h * h + mlp) + 4 * s * s * h
+    return 2 * s * (4 * h * h + 2 * h * m.mlp) + 4 * s * s * h
+
+
+def step_flops(m: ModelSpec, remat: str = "none") -> float:
+    """FLOPs of one training step of the global batch, recomputation included.
+
+    Args:
+      m: the model.
+      remat: ``"none"``, ``"selective"`` or ``"full"``.
+
+    Returns:
+      FLOPs.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> dense, moe = gpt(2, 64, 4, 32, 128, 8), gpt(2, 64, 4, 32, 128, 8, experts=8, top_k=1)
+    >>> step_flops(moe) - step_flops(dense) == 8 * 2 * 3 * 2 * 32 * 64 * 8      # top-1: + the router only
+    True
+    """
+    if remat not in REMAT:
+        raise CostModelError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
+    n_moe = m.moe_layers
+    layers = 0.0
+    for n, moe in ((m.layers - n_moe, False), (n_moe, True)):
+        if n:
+            fwd = _layer_forward(m, moe)
+            extra = {"none": 0.0, "selective": 4 * m.seq**2 * m.hidden, "full": fwd}[remat]
+            layers += n * (3 * fwd + extra)
+    return m.batch * (layers + 6 * m.seq * m.hidden * m.vocab)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -317,7 +350,7 @@ def ring_step_seconds(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, co
 
 def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloat16", lowering: str = "ideal",
               overlap: Overlap = Overlap(), grad_bytes: float | None = None) -> StepTime:
-    """Predicted seconds per step of ``plan`` on ``cluster`` (see the module doc for what is assumed).
+    """Predicted seconds per step of ``plan`` on ``cluster`` (docs/planning.md §4 says what is assumed).
 
     Args:
       m: the model.
@@ -362,6 +395,6 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     bw = cluster.stream_bandwidth
     opt = update_bytes(m, plan, gb) / bw if bw > 0 else 0.0
     total = work.total + sum(exposed.values()) + opt
-    mfu = model_flops(m) / (total * plan.devices * cluster.peak(dtype))
+    mfu = step_flops(m) / (total * plan.devices * cluster.peak(dtype))
     return StepTime(work.kernels, exposed["data"], exposed["tensor"], exposed["pipeline"], b, mfu,
                     bytes_per_axis(cs), opt, work.elementwise, exposed["context"], exposed["expert"])

@@ -1,29 +1,7 @@
-"""Each strategy's collectives per training step: what moves over which mesh axis, and how much.
-
-Collectives (:func:`comms`) are listed per step with the bytes the compiled program's
-inventory reports (:mod:`jaxpar.analysis._hlo`: the result of each collective on one device);
-:mod:`jaxpar.cost._time` times them on the links the mesh axis spans.
-
-Five lowerings. ``ideal`` is the textbook program (Megatron TP: 2 all-reduces of the layer's
-activations forward and 2 backward, the q, k and v input gradients summed before their reduction;
-SP: all-gathers and reduce-scatters in their place; with recomputation the forward's collectives
-up to the attention output run again; DP: all-reduce; ZeRO-2/3 and FSDP: reduce-scatter +
-all-gather; ZeRO-3 gathers every layer twice per micro-batch). ``xla`` is what the GPU and TPU
-compilers make of jaxpar's train step (docs/planning.md §8): ``ideal``, except that under SP the
-column-parallel input gradients are all-reduced, not reduce-scattered. ``xla-tpu`` is what libtpu
-makes of it: ``xla``, except that ZeRO-3 / FSDP gather each matmul's weight as the matmul reads it,
-in bf16 at JAX's default matmul precision even for fp32 compute (libtpu converts the shard before the
-gather), that the token table's gradient (the lookup's transpose, a scatter-add) is all-reduced
-whole over the data axes where ZeRO-2/3 and FSDP reduce-scatter the others, and that under SP a layer's
-backward all-gathers one input fewer (libtpu keeps the forward's gathered copy). ``xla-cpu`` is what it
-compiles to on XLA:CPU, as checked against compiled programs by ``tests/test_cost_compiled.py``
-(gradients that XLA reduces with all-reduce where ``ideal`` uses reduce-scatter, each of q, k and v
-reduced apart, the embedding gathered under SP, ...). ``megatron`` is Megatron-LM's program (Narayanan
-et al. 2021), not jaxpar's, for comparing with published runs: ``ideal``, except that full recomputation
-runs both of the layer's forward reductions again; a pipeline send carries ``1/t`` of the activation
-over ``pipe`` and all-gathers it over ``tensor`` (the scatter/gather of §4.1 of the paper; under SP the
-activation is already split); the embedding sits on the first stage and the head on the last only
-(:func:`outer_at_ends`), and only the tied word embedding's gradient is summed between the two.
+"""Each strategy's collectives per training step (:func:`comms`): what moves over which mesh axis, and
+how much, with the bytes the compiled program's inventory reports (:mod:`jaxpar.analysis._hlo`).
+:data:`LOWERINGS` (docs/planning.md §4): the textbook program (``ideal``), what the GPU, TPU and CPU
+compilers make of jaxpar's step (``xla``, ``xla-tpu``, ``xla-cpu``) and Megatron-LM's (``megatron``).
 
 Example::
 
@@ -48,7 +26,7 @@ from jaxpar.errors import CostModelError
 
 #: ``ideal``: the textbook program; ``xla`` and ``xla-tpu``: what jaxpar's train step compiles to with the GPU
 #: and the TPU compiler (docs/planning.md §8); ``xla-cpu``: what it compiles to on XLA:CPU; ``megatron``:
-#: Megatron-LM's program (the module doc), for published runs.
+#: Megatron-LM's program (docs/planning.md §4), for published runs.
 LOWERINGS = ("ideal", "xla", "xla-tpu", "xla-cpu", "megatron")
 
 
@@ -130,7 +108,7 @@ def _axes(sizes: Mapping[str, int], names) -> tuple[str, ...]:
 
 def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: float = 2,
           grad_bytes: float = 2) -> list[Comm]:
-    """The collectives of one step on one device of the busiest stage (see the module doc).
+    """The collectives of one step on one device of the busiest stage (docs/planning.md §4).
 
     Args:
       m: the model.

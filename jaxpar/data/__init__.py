@@ -9,15 +9,13 @@ prepare``), :mod:`~jaxpar.data._packing` and :mod:`~jaxpar.data._row_plan` (whic
 :mod:`~jaxpar.data._rows` (each process's rows of a global batch).
 """
 
-from jaxpar.errors import CacheError as CacheError, DataError as DataError, SourceError as SourceError
-from jaxpar.errors import TokenizerError as TokenizerError
-from jaxpar.data._loader import PackedBatches as PackedBatches, batch_digest as batch_digest
-from jaxpar.data._packing import PACK_METHODS as PACK_METHODS
-from jaxpar.data._row_plan import StreamPlan as StreamPlan, split_documents as split_documents
-from jaxpar.data._rows import make_global_batch as make_global_batch, process_rows as process_rows
-from jaxpar.data._tokenizers import Tokenizer as Tokenizer, check_tokenizer as check_tokenizer
-from jaxpar.data._tokenizers import load_tokenizer as load_tokenizer
-from jaxpar.data._tokens import CachedTokens as CachedTokens, LiveTokens as LiveTokens, TokenFile as TokenFile
+from jaxpar.errors import CacheError, DataError, SourceError, TokenizerError
+from jaxpar.data._loader import PackedBatches, batch_digest
+from jaxpar.data._packing import PACK_METHODS
+from jaxpar.data._row_plan import StreamPlan, split_documents
+from jaxpar.data._rows import make_global_batch, process_rows
+from jaxpar.data._tokenizers import Tokenizer, check_tokenizer, load_tokenizer
+from jaxpar.data._tokens import CachedTokens, LiveTokens, TokenFile
 
 __all__ = ["DataError", "SourceError", "TokenizerError", "CacheError", "PackedBatches", "batch_digest",
            "PACK_METHODS", "StreamPlan", "split_documents", "make_global_batch", "process_rows", "Tokenizer", "load_tokenizer", "check_tokenizer",

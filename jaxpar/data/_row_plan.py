@@ -139,18 +139,6 @@ class StreamPlan:
         """
         return self.source_budget(windows) / np.array([int(c.sum()) for c in self.costs], np.float64)
 
-    def epoch_of(self, source: int, window: int) -> int:
-        """The epoch of ``source`` that ``window`` starts in (0-based).
-
-        Args:
-          source: the source's index.
-          window: a window index.
-
-        Returns:
-          The epoch.
-        """
-        return int(self.source_budget(window)[source] // int(self.costs[source].sum()))
-
     def _epoch(self, source: int, epoch: int) -> _Epoch:
         key = (source, epoch)
         if key not in self._epochs:

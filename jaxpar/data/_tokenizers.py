@@ -1,28 +1,15 @@
 """Text to token ids: a Hugging Face ``tokenizer.json``, a SentencePiece ``.model`` or a tiktoken ranks file.
 
-:func:`load_tokenizer` reads a directory or a file into a :class:`Tokenizer`, whose ids are those of the
-reference library's own encoder with no special token added (``tokenizers``:
-``encode(text, add_special_tokens=False).ids``; SentencePiece: ``encode(text)``; tiktoken:
-``encode_ordinary(text)``). BOS and EOS are never added silently: only when ``encode(bos=...)`` /
-``encode(eos=...)`` asks, ``True`` for the BOS / EOS token, ``"auto"`` for what the tokenizer's own
-post-processor adds (:meth:`Tokenizer.encode_prompt`: the ids of transformers' ``tokenizer(text)``).
-:meth:`Tokenizer.fingerprint` tells a token cache (and a run's checkpoint, :func:`check_tokenizer`) which
-tokenizer built it.
+:func:`load_tokenizer` reads a directory or a file into a :class:`Tokenizer`, whose ids are the
+reference library's own, with no special token added. BOS and EOS are added only when
+``encode(bos=..., eos=...)`` asks: ``True`` for the token, ``"auto"`` for what the tokenizer's
+post-processor adds (docs/data.md). :meth:`Tokenizer.fingerprint` names the tokenizer for a token
+cache and a run's checkpoint (:func:`check_tokenizer`).
 
-Where the special tokens come from:
-
-* BOS / EOS: the ``bos_token`` / ``eos_token`` arguments; else ``bos_token`` / ``eos_token`` of the
-  ``tokenizer_config.json`` beside the tokenizer file (a string or ``{"content": ...}``); else, for
-  SentencePiece, the model's own ``bos_id()`` / ``eos_id()`` when it has them (>= 0).
-* What ``"auto"`` adds (:attr:`Tokenizer.added_before` / :attr:`Tokenizer.added_after`): the ids that
-  ``tokenizer.json``'s post-processor puts around a text, as transformers' ``tokenizer(text)`` adds them
-  (the BOS of Llama-3's and Gemma-3's ``TemplateProcessing``, nothing for Qwen3's ``ByteLevel``; transformers
-  5 follows the post-processor over ``tokenizer_config.json``'s ``add_bos_token``); nothing for a
-  SentencePiece ``.model`` or a tiktoken file, which have no post-processor.
-* tiktoken's special tokens (ranks files hold none): the ``special_tokens`` argument; else the
-  ``added_tokens_decoder`` of that ``tokenizer_config.json`` (``{"<id>": {"content": token}}``, as Hugging Face
-  writes it); else ``{"<|endoftext|>": largest rank + 1}``. The pre-tokenization regex is ``pattern``,
-  by default GPT-4's (:data:`CL100K_PATTERN`).
+BOS / EOS come from the arguments, else ``tokenizer_config.json`` beside the file, else
+SentencePiece's own ids. tiktoken's special tokens come from ``special_tokens``, else that config's
+``added_tokens_decoder``, else ``{"<|endoftext|>": largest rank + 1}``; its regex is ``pattern``
+(default :data:`CL100K_PATTERN`).
 
 A tiktoken ranks file (one ``base64-token rank`` line per token, all 256 single bytes among the tokens),
 with its special token:

@@ -1,29 +1,14 @@
 """Host-side batches for language models: deterministic, resumable from the step number alone.
 
-Two sources, both returning numpy dicts ``{"tokens": int32[B, T], "targets": int32[B, T]}``
-(``targets`` is ``tokens`` shifted by one). Placing a batch on the mesh is the
-caller's job: :func:`make_global_batch` (each process builds only its own rows) or
-:func:`jaxpar.shard_batch` (one process, whole host batch).
+Every source returns numpy ``{"tokens": int32[B, T], "targets": int32[B, T]}`` (``targets`` shifted by
+one), built from windows of ``seq_len + 1`` tokens at offsets that depend only on ``(seed, step)``,
+the last ``eval_fraction`` held out: byte-level text (by default a capped subset of the Python
+standard library's sources), tokenized text (:func:`tokenize_documents`), token files (nanoGPT's
+``.bin`` or ``.npy``, :func:`load_tokens`) and synthetic arithmetic progressions.
 
-**Rows.** The batch functions take ``rows=``: ``None`` for the whole global batch,
-an int array of global row indices, or the batch's ``Sharding`` for the rows this
-process's devices hold (:func:`process_rows`). Row ``i`` of step ``s`` is the same
-whichever way it is asked for, so any number of processes assembles exactly the
-global batch that one process would build.
-
-* **Byte-level text** (vocab 256): files are read as raw bytes (no tokenizer).
-  By default the corpus is a sorted, size-capped subset (every k-th file) of the
-  Python standard library's own ``.py`` sources, so it exists wherever Python does. The last
-  ``eval_fraction`` of the bytes is held out; training windows of ``seq_len + 1``
-  bytes are drawn at offsets that depend only on ``(seed, step)``.
-* **Tokenized text**: the same files, each a document, encoded by a tokenizer into one token
-  stream (:func:`tokenize_documents`, in memory); windows as for bytes.
-* **Token files** (nanoGPT style): a pre-tokenized ``.bin`` (raw ``uint16`` by default)
-  or ``.npy`` file, memory-mapped (:func:`load_tokens`); windows, offsets and the
-  held-out tail work exactly as for bytes.
-* **Synthetic tokens**: each row is an arithmetic progression ``start + stride * t
-  (mod vocab)`` with a random start and a small random stride: learnable (the
-  model must infer the stride in context), cheap, any vocab size.
+The batch functions take ``rows=`` (``None``: the whole global batch; global row indices; or the
+batch's ``Sharding``, :func:`process_rows`): row ``i`` of step ``s`` is the same however it is asked
+for, so processes build only their own rows (:func:`make_global_batch`).
 
 Example::
 

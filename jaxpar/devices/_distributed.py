@@ -38,7 +38,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Mapping
-from jaxpar.errors import DistributedError
+from jaxpar.errors import DistributedError, int_problem
 
 #: What each detected launcher reads, for messages and docs.
 ENV_HINTS = {
@@ -91,8 +91,8 @@ def _check_coordinator(value: str, source: str) -> str:
 
 
 def _check_int(value, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise DistributedError(f"{name}={value!r}: must be an int >= {low}.")
+    if why := int_problem(value, low):
+        raise DistributedError(f"{name}={value!r}: {why}.")
     return value
 
 

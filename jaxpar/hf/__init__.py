@@ -13,9 +13,9 @@ from jaxpar.hf._export import HFExportError, export
 from jaxpar.hf._files import CheckpointFiles, HFFilesError, write_safetensors
 from jaxpar.hf._keys import EXPERT_LAYOUTS, TensorMap, tensor_maps
 from jaxpar.hf._start import load, train_state
-from jaxpar.hf._tokenizer import HFTokenizerError, Tokenizer, load_tokenizer
+from jaxpar.data._tokenizers import Tokenizer, load_tokenizer
 
 __all__ = ["Checkpoint", "HFCheckpointError", "open_checkpoint", "FAMILIES", "HFConfigError", "decoder_config",
            "hf_config_dict", "read_config", "HFExportError", "export", "CheckpointFiles", "HFFilesError",
-           "write_safetensors", "EXPERT_LAYOUTS", "TensorMap", "tensor_maps", "HFTokenizerError", "Tokenizer",
+           "write_safetensors", "EXPERT_LAYOUTS", "TensorMap", "tensor_maps", "Tokenizer",
            "load_tokenizer", "load", "train_state"]

@@ -14,8 +14,6 @@ writes back the very bytes it read.
 >>> m[("layers", "wq")]
 TensorMap(key='model.layers.{layer}.self_attn.q_proj.weight', file=(8, 8), stack=('layer',), view=(2, 4, 8),
           perm=None, part=None)
->>> sorted(file_keys(cfg, "llama", m))[:2]
-['lm_head.weight', 'model.embed_tokens.weight']
 """
 
 from __future__ import annotations
@@ -141,21 +139,6 @@ def stack_counts(cfg: DecoderConfig) -> dict[str, int]:
       ``{"layer": layers, "expert": experts (0 without MoE)}``.
     """
     return {"layer": cfg.layers, "expert": cfg.moe.experts if cfg.moe else 0}
-
-
-def file_keys(cfg: DecoderConfig, family: str, maps: dict[tuple, TensorMap]) -> set[str]:
-    """Every key the checkpoint of ``cfg`` holds under ``maps``.
-
-    Args:
-      cfg: the model's config.
-      family: the checkpoint's ``model_type`` (``maps`` is already that family's).
-      maps: the parameters' maps (:func:`tensor_maps`).
-
-    Returns:
-      The set of keys.
-    """
-    counts = stack_counts(cfg)
-    return {k for m in maps.values() for k in m.keys(counts)}
 
 
 def flatten_params(tree: Any) -> dict[tuple, Any]:

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.adapters._blocks import REMAT_POLICIES, remat_policy, run_layers
-from jaxpar.errors import ModelConfigError
+from jaxpar.errors import ModelConfigError, check_int
 from jaxpar.parallel.context import in_sequence_order, sequence_order
 from jaxpar.rules import constrain
 from jaxpar.models._decoder_layers import ACTIVATIONS, Carry, KVCache, RoPE, cached_layer_apply, layer_apply, rms_norm
@@ -261,8 +261,7 @@ class Decoder(nnx.Module):
           ModelConfigError: ``size`` is not an int >= 1 or exceeds ``cfg.max_positions``.
         """
         cfg = self.cfg
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ModelConfigError(f"Decoder.init_cache(size={size!r}): must be an int >= 1 (slots per row).")
+        check_int("Decoder.init_cache", "size", size, 1, ModelConfigError)
         if cfg.max_positions is not None and size > cfg.max_positions:
             raise ModelConfigError(f"Decoder.init_cache(size={size}): longer than DecoderConfig.max_positions="
                                    f"{cfg.max_positions}, the longest sequence the model takes; use size <= "

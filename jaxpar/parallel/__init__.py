@@ -7,13 +7,10 @@ context and expert parallelism, compressed exchanges and relaxed synchronisation
 >>> ZERO_STAGES
 (0, 1, 2, 3)
 """
-from jaxpar.parallel._data_parallel import (bucketed_all_gather as bucketed_all_gather,
-                                            bucketed_reduce_scatter as bucketed_reduce_scatter,
-                                            data_parallel_block as data_parallel_block,
-                                            explicit_by_default as explicit_by_default)
-from jaxpar.parallel._tensor import row_parallel as row_parallel, tensor_rules as tensor_rules
-from jaxpar.parallel._zero import (ZERO_STAGES as ZERO_STAGES, add_zero_axes as add_zero_axes,
-                                   analytic_state_bytes as analytic_state_bytes, zero_dim as zero_dim)
+from jaxpar.parallel._data_parallel import (bucketed_all_gather, bucketed_reduce_scatter, data_parallel_block,
+                                            explicit_by_default)
+from jaxpar.parallel._tensor import row_parallel, tensor_rules
+from jaxpar.parallel._zero import ZERO_STAGES, add_zero_axes, analytic_state_bytes, zero_dim
 
 __all__ = ["bucketed_all_gather", "bucketed_reduce_scatter", "data_parallel_block", "explicit_by_default", "row_parallel", "tensor_rules",
            "ZERO_STAGES", "add_zero_axes", "analytic_state_bytes", "zero_dim"]

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec
 from jaxpar.mesh import data_axes
 from jaxpar.adapters._blocks import with_remat
 from jaxpar.rules import axes_of, drop_axes, resolve, use_rules
-from jaxpar.parallel.pipeline._vjp_residuals import join_pullback, split_pullback
+from jaxpar.parallel.pipeline._layer_vjp import join_pullback, split_pullback
 from jaxpar.parallel._zero import zero_axes, zero_dim
 
 # Pure data movement, recomputed in the backward rather than saved: a layer that

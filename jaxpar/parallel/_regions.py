@@ -1,23 +1,12 @@
 """The manual regions jaxpar's layers open: which mesh axes a ``jax.shard_map`` makes manual, and
 the dtype its reductions run in.
 
-Three layers open a ``shard_map`` manual over some mesh axes and leave the others to XLA: the
-sequence-parallel reduce-scatter (:func:`jaxpar.parallel.row_parallel`), expert parallelism
-(:func:`jaxpar.parallel.moe.dispatch_combine`) and context-parallel attention (:func:`jaxpar.parallel.context.attention`).
-Inside such a *partly manual* region XLA:CPU (jax 0.10) aborts the compile on any bf16 reduction,
-``Invalid binary instruction opcode copy`` (its ``AllReducePromotion`` pass): a ``psum``, a
-``psum_scatter``, and the ones autodiff adds, the transpose of an ``all_gather`` (a reduce-scatter)
-and of an input the region takes unsplit over one of its manual axes (a ``psum`` of its cotangent).
-An automatic axis of size 1 is enough to trigger it; a region manual over the whole mesh compiles
-(tests/test_xla_cpu_reproducers.py reproduces each case with JAX alone). Hence:
-
-- :func:`region_axes`: where every other mesh axis has size 1, the region is manual over the whole
-  mesh (no automatic axis left: the bug cannot arise, and nothing changes, as a size-1 axis splits
-  nothing); :func:`region_spec` names those size-1 axes in the inputs' specs, so that autodiff adds
-  no all-reduce of one device over them;
-- :func:`reduce_dtype`: where an automatic axis of size > 1 remains, on CPU devices, bf16 reductions
-  run in float32 (:func:`collective_in` casts around the collective, :func:`enter` casts an unsplit
-  input). On GPU and TPU they stay bf16 on the wire.
+Sequence parallelism (:func:`jaxpar.parallel.row_parallel`), expert parallelism and context-parallel
+attention open ``shard_map`` s manual over some axes. XLA:CPU (jax 0.10) aborts on a bf16 reduction in
+a partly manual region (docs/strategies.md, "bf16"), so :func:`region_axes` makes the region manual
+over the whole mesh where the other axes have size 1 (:func:`region_spec` names them in the specs),
+and :func:`reduce_dtype` runs the reductions in float32 on CPU where an automatic axis of size > 1
+remains (:func:`collective_in`, :func:`enter`).
 
 Example:
     >>> import jax, jaxpar, jax.numpy as jnp

@@ -138,10 +138,10 @@ def record_layouts(layout: Any, state: Any) -> dict:
     """
     if layout is None or not hasattr(layout, "strategy"):
         return {}
-    out = {}
+    out, abstract = {}, layout.abstract_state()
     for part in STATE_PARTS:
         value = getattr(state, part.name, ())
-        if jax.tree.leaves(value) and shapes_of(value) == shapes_of(getattr(layout, f"{part.name}_shapes")):
+        if jax.tree.leaves(value) and shapes_of(value) == shapes_of(getattr(abstract, part.name)):
             record = part.record(layout)
             if record is not None:
                 out[f"{part.name}_layout"] = record

@@ -67,7 +67,7 @@ from jaxpar.run._ramp import AdaptiveRamp
 from jaxpar.run._run_directory import refuse_later_steps
 from jaxpar.run._report import LogOptions, NonFiniteError, TrainSummary, plot_losses  # re-exported: their former home
 from jaxpar.run._report import merge_log_options, Meter, Progress
-from jaxpar.step._router_bias import KEY as BIAS, has_router_bias
+from jaxpar.step._router_bias import bias_of
 from jaxpar.step._grads import model_loss
 from jaxpar.step._program import strategy_context
 from jaxpar.step._state import StateLayout, layout_strategy
@@ -96,7 +96,6 @@ def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy | No
         raise LoopError("make_eval_fn: batches is empty; give at least one eval batch.")
     placed = [shard_batch(b, mesh) for b in batches]   # checked and placed once, reused at every eval
     loss_of_params = model_loss(loss_fn, layout)
-    biased = has_router_bias(layout)       # the MoE layers choose experts with the step's bias
 
     def loss_of(params, batch, bias):
         with strategy_context(layout), use_router_bias(bias):
@@ -107,7 +106,7 @@ def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy | No
                      out_shardings=NamedSharding(mesh, PartitionSpec()))
 
     def evaluate(state) -> float:
-        bias = state.stats[BIAS] if biased else None
+        bias = bias_of(state, layout)       # the MoE layers choose experts with the step's bias
         losses = [jitted(state.params, b, bias) for b in placed]
         return float(jnp.mean(jnp.stack(losses)))
 

@@ -59,9 +59,27 @@ class TrainSummary:
                 f"total {self.wall_time:.1f} s{skip}{stop}")
 
 
+def save_plot(path: str | Path, draw: Callable, *, xlabel: str, ylabel: str, title: str) -> str:
+    """Write a PNG: ``draw(ax)`` on a figure of its own Agg canvas (matplotlib's object API, no pyplot
+    state), then the labels, a grid and the legend."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    draw(ax)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(str(path))
+    return str(path)
+
+
 def plot_losses(path: str | Path, steps: Sequence[int], losses: Sequence[float],
                 evals: Sequence[tuple[int, float]] = (), *, title: str = "training loss") -> str:
-    """Write a loss-curve PNG (train per step, eval as markers) with the Agg canvas.
+    """Write a loss-curve PNG (train per step, eval as markers).
 
     Args:
       path: the PNG file to write.
@@ -73,23 +91,12 @@ def plot_losses(path: str | Path, steps: Sequence[int], losses: Sequence[float],
     Returns:
       ``path`` as a string.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    def draw(ax):
+        ax.plot(list(steps), list(losses), lw=1.2, label="train")
+        if evals:
+            ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", ms=4, label="eval (held out)")
 
-    fig = Figure(figsize=(7, 4), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    ax.plot(list(steps), list(losses), lw=1.2, label="train")
-    if evals:
-        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", ms=4, label="eval (held out)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(str(path))
-    return str(path)
+    return save_plot(path, draw, xlabel="step", ylabel="loss (nats / token)", title=title)
 
 
 #: Metrics of a compressed gradient exchange, logged when the step reports them.

@@ -35,7 +35,7 @@ from jaxpar.run._loop import train
 from jaxpar.run._sinks import flops_per_token, is_main_process
 from jaxpar.run._report import LogOptions, NonFiniteError
 from jaxpar.run._run_directory import claim_run_directory
-from jaxpar.step._router_bias import KEY as BIAS, has_router_bias
+from jaxpar.step._router_bias import bias_of
 from jaxpar.run._sample import SampleOptions, host_params, write_samples
 
 
@@ -278,7 +278,8 @@ def _finish(summary: Any, state: Any, layout: Any, opts: RunOptions, checkpointe
         print(f"stopped  by {summary.preempted} after step {summary.end_step}; continue with --resume")
     elif opts.samples is not None and opts.samples.count:
         params = host_params(state.params)      # every process: gathering spread parameters is a collective
-        bias = host_params(state.stats[BIAS]) if has_router_bias(layout) else None
+        bias = bias_of(state, layout)
+        bias = None if bias is None else host_params(bias)
         if main:
             with use_router_bias(bias):         # the MoE layers' aux-loss-free balancing bias, if kept
                 path = write_samples(layout.graphdef, params, first_batch(), out_dir / "samples.txt", opts.samples)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.errors import GenerationError
+from jaxpar.errors import GenerationError, check_int
 
 _CACHE_ROUND = 64      # KV cache slots are rounded up to a multiple of this (capped at the model's max positions)
 
@@ -116,9 +116,8 @@ def greedy_generate(graphdef: Any, params: Any, prompts: Sequence[bytes | Sequen
     """
     for name, value, least in (("new_tokens", new_tokens, 0), ("context", context, 1),
                                ("max_positions", max_positions, 1)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-            raise GenerationError(f"greedy_generate({name}={value!r}): must be an int >= {least}"
-                                  + ("." if name == "new_tokens" else " or None (no limit)."))
+        if value is not None:
+            check_int("greedy_generate", name, value, least, GenerationError)
     if not prompts:
         return []
     as_bytes = isinstance(prompts[0], (bytes, bytearray))

@@ -1,17 +1,6 @@
-"""The optional parts of a train state, one protocol for all: what a checkpoint records of each
-part, and what a restore does with it (used by :mod:`jaxpar.run._checkpoint`).
-
-``TrainState.codec`` (a gradient codec's per-replica state), ``sync`` (relaxed synchronisation's
-replicas or stale history), ``stats`` (running measurements) and ``versions`` (a pipeline
-schedule's older weight versions) exist only with the feature that keeps them. Each is a
-:class:`StatePart` of :data:`STATE_PARTS`:
-
-* a save records its shapes (``<name>_shapes``) and, given the layout, the layout its values are
-  laid out for (``<name>_layout``: :meth:`StatePart.record`), as :mod:`jaxpar.run._checkpoint_format` writes;
-* a restore compares that record with the target's (:meth:`StatePart.plan`, :func:`plan_parts`):
-  the part is restored, dropped (the run keeps none), or started afresh (the run keeps one the
-  checkpoint has not, or one of other shapes or layout: :meth:`StatePart.fresh`), with a message
-  for the warning.
+"""The optional parts of a train state as the checkpoint sees them: what a save records of each
+(:meth:`StatePart.record`) and what a restore does with it (:meth:`StatePart.plan`: restore, drop,
+or start afresh with a warning), for :mod:`jaxpar.run._checkpoint`. The policy: docs/training.md.
 
 Example::
 
@@ -31,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +28,6 @@ from typing import Any
 import jax
 
 from jaxpar.errors import CheckpointMismatchError
-from jaxpar.run._codec_record import codec_layout, describe_codec, same_codec_layout
 
 _RESTORED = "Parameters and optimizer state are restored."
 
@@ -164,9 +153,14 @@ class StatePart:
           The part's arrays.
 
         Raises:
-          CheckpointMismatchError: the part starts from the layout's init, and ``target`` is none.
+          CheckpointMismatchError: the part starts from the layout part's init, and ``target`` is
+            no layout.
         """
-        raise NotImplementedError
+        init = target.part(self.name).init if _is_layout(target) else None
+        if init is None:
+            raise CheckpointMismatchError(f"{where}: {self.what} cannot be restored into this target and has to start "
+                                          "afresh, which needs the StateLayout: call restore(layout).")
+        return init(params)
 
     def _kept(self, meta: dict, part: Any, target: Any, where: str) -> PartPlan:
         """The plan when the target keeps the part (``restore`` or ``fresh``)."""
@@ -176,37 +170,79 @@ class StatePart:
         """Why the part saved is dropped (the target keeps none), without the checkpoint's name."""
         raise NotImplementedError
 
-    def _layout_init(self, target: Any, where: str) -> Any:
-        """The layout's ``<name>_init``, which starts the part afresh."""
-        init = getattr(target, f"{self.name}_init", None)
-        if init is None:
-            raise CheckpointMismatchError(f"{where}: {self.what} cannot be restored into this target and has to start "
-                                          "afresh, which needs the StateLayout: call restore(layout).")
-        return init
 
-
+_CODEC_KEYS = ("codec", "options", "axes", "packing")   # what decides where each residual entry belongs
+# Options left out of a codec's description at these values (the codec factories' defaults).
+_DEFAULT_OPTIONS = {"momentum": 0.0, "warmup": [], "warmup_steps": 0, "seed": 0, "error_feedback": True,
+                    "optimizer_momentum": 0.0, "start_step": 0, "partitioned": False, "precondition": 0.0,
+                    "options": {}, "warm_start": True, "min_compression_rate": 2.0}
 _CODEC_FRESH = ("its residuals {} from zero (and 1-bit Adam's exchanged moment, step count and top-k's ranking "
                 "second moment)")
 
 
 @dataclass(frozen=True)
 class CodecPart(StatePart):
-    """``TrainState.codec``: a gradient codec's per-replica state; afresh: the layout's ``codec_init()``."""
+    """``TrainState.codec``: a gradient codec's per-replica state; afresh: the layout part's init.
+
+    The record, ``{"codec", "options", "axes", "packing", "zero"}``: ``axes`` the exchange's data
+    axes and sizes in replica order, ``packing`` each gradient leaf's dimension cut into the
+    buffer's rows (``None``: flattened into the rest), or ``None`` for PowerSGD, whose state is
+    per leaf; ``zero`` is for reading only (ZeRO-0 and ZeRO-1 pack alike).
+
+    >>> import jax, optax, jaxpar
+    >>> from flax import nnx
+    >>> from jaxpar.parallel.compression import topk
+    >>> from jaxpar.models._mlp import MLPClassifier
+    >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
+    >>> mesh = jaxpar.make_mesh({"data": 4}, devices=jax.devices()[:4])
+    >>> records = [CodecPart().record(jaxpar.state_layout(model_fn, optax.sgd(0.1), mesh,
+    ...                                                   jaxpar.Strategy(zero=z, compression=topk(0.1)))) for z in (1, 3)]
+    >>> for record in records:
+    ...     print(CodecPart().describe(record))
+    topk(ratio=0.1) over data=4, zero=1: gradients packed flat
+    topk(ratio=0.1) over data=4, zero=3: 7 of 8 gradient leaves packed by their data shard
+    >>> CodecPart().same_layout(*records)
+    False
+    """
 
     name: str = "codec"
     what: str = "the gradient codec's state"
 
     def record(self, layout: Any) -> dict | None:
-        return codec_layout(layout)
+        if not jax.tree.leaves(layout.part("codec").shapes):
+            return None
+        from jaxpar.parallel.compression import PowerSGD
+        from jaxpar.step._compressed import compression_plan     # compression loads only when used
+
+        strategy = layout.strategy
+        codec = strategy.compression
+        plan = compression_plan(codec, layout, strategy.zero)
+        sizes = dict(layout.mesh.shape)
+        rows = None if isinstance(codec, PowerSGD) else [d if sc else None for d, sc in zip(plan.dims, plan.scattered)]
+        options = {f.name: json.loads(json.dumps(getattr(codec, f.name), default=str))
+                   for f in dataclasses.fields(codec) if f.name not in ("name", "kind")
+                   and not callable(getattr(codec, f.name))}
+        return {"codec": codec.name, "options": options,
+                "axes": [[a, int(sizes[a])] for a in plan.axes], "packing": rows, "zero": strategy.zero}
 
     def describe(self, record: dict | None) -> str:
-        return describe_codec(record)
+        if not record:
+            return "an unrecorded layout"
+        opts = ", ".join(f"{k}={v}" for k, v in record["options"].items()
+                         if k not in _DEFAULT_OPTIONS or _DEFAULT_OPTIONS[k] != v)
+        axes = ", ".join(f"{a}={n}" for a, n in record["axes"])
+        rows = [d for d in record["packing"] or () if d is not None]
+        if record["packing"] is None:
+            packing = "state kept per gradient leaf"
+        elif not rows:
+            packing = "gradients packed flat"
+        else:
+            packing = (f"{len(rows)} of {len(record['packing'])} gradient leaves packed by their "
+                       f"{'/'.join(a for a, _ in record['axes'])} shard")
+        return f"{record['codec']}({opts}) over {axes}, zero={record.get('zero')}: {packing}"
 
     def same_layout(self, old: dict, new: dict) -> bool:
-        return same_codec_layout(old, new)
-
-    def fresh(self, abstract: Any, params: Any, target: Any, where: str) -> Any:
-        return self._layout_init(target, where)()
+        return all(old.get(k) == new.get(k) for k in _CODEC_KEYS)
 
     def _dropped(self, meta: dict, target: Any) -> str:
         old = meta.get("codec_layout")
@@ -240,14 +276,14 @@ _SYNC_FRESH = ("the replicas (jaxpar.parallel.sync) restart from the restored pa
 
 @dataclass(frozen=True)
 class SyncPart(StatePart):
-    """``TrainState.sync``: relaxed synchronisation's replicas or stale history; afresh: the layout's
-    ``sync_init(params)``. Replicas of any relaxed synchronisation are laid out alike."""
+    """``TrainState.sync``: relaxed synchronisation's replicas or stale history; afresh: the layout
+    part's init. Replicas of any relaxed synchronisation are laid out alike."""
 
     name: str = "sync"
     what: str = "relaxed synchronisation's replicas"
 
     def record(self, layout: Any) -> dict | None:
-        if not jax.tree.leaves(layout.sync_shapes):
+        if not jax.tree.leaves(layout.part("sync").shapes):
             return None
         return {"sync": getattr(layout.strategy.sync, "name", None) or "synchronous"}
 
@@ -273,9 +309,6 @@ class SyncPart(StatePart):
                 f"{where}: relaxed synchronisation's state was saved with shapes {saved} and this layout needs "
                 f"{shapes_of(part)} (another number of replicas, or another sync kind): {_SYNC_FRESH}. {_RESTORED}"))
         return PartPlan(self, "restore")
-
-    def fresh(self, abstract: Any, params: Any, target: Any, where: str) -> Any:
-        return self._layout_init(target, where)(params)
 
 
 def _names(shapes: Any) -> str:
@@ -327,7 +360,7 @@ class VersionsPart(StatePart):
     shapes_always: bool = True
 
     def record(self, layout: Any) -> dict | None:
-        if not jax.tree.leaves(layout.versions_shapes):
+        if not jax.tree.leaves(layout.part("versions").shapes):
             return None
         s = layout.strategy
         out = {"schedule": s.schedule}

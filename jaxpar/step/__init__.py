@@ -1,12 +1,5 @@
-"""The train step: the state, its layout, and the step composed from gradient, exchange and update.
-
-_compose.py composes the step from _grads.py (gradient kinds), _exchange.py (exact / compressed /
-measured exchanges over the data axes), _replica_mean.py (the replicas' gradient, masked mean and
-update over ``replica``), _update.py (the optimizer update, PipeDream-2BW's delayed one) and
-_program.py (the jitted programs, :class:`TrainStep`); _stashing_step.py and _no_flush_steps.py place
-the update of PipeDream's no-flush program (:mod:`jaxpar.parallel.pipeline._versioned_stage`) per
-stage in the tick loop or on the whole model between steps, _local_steps.py DiLoCo / local SGD / EASGD's inner and outer
-programs; _init.py builds the sharded state and its layout.
+"""The train step: the state, its layout and its parts, and the step composed from gradient, exchange,
+update and program (:mod:`jaxpar.step._compose`).
 """
 from jaxpar.step._state import StateLayout as StateLayout, TrainState as TrainState
 from jaxpar.step._init import init_train_state as init_train_state, state_layout as state_layout

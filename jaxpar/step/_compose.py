@@ -1,31 +1,13 @@
 """One train step for any strategy and any NNX model, composed from small parts.
 
-``make_train_step(loss_fn, tx, layout)`` runs the strategy the layout was built for. It checks
-the compatibility table (:mod:`jaxpar.compat._table`), then composes the step from parts:
-
-* the **gradient** (:func:`_gradient`): XLA's GSPMD program or explicit per-layer collectives
-  (:func:`~jaxpar.step._grads.global_grads`), the pipeline executor running the schedule table
-  (:func:`~jaxpar.step._grads.pipeline_grads`, at ``W(t-1)`` for PipeDream-2BW), each
-  data-parallel replica's own gradient (:func:`~jaxpar.step._grads.replica_grads`), or each
-  ``replica``'s (:func:`~jaxpar.step._replica_mean.replica_gradient`, at delayed parameters for
-  ``stale``), accumulated over the micro-batches;
-* the **exchange** (:func:`_exchange`): exact (inside the gradient), a codec's or measured
-  (:mod:`jaxpar.step._exchange`), or the replicas' masked mean over ``replica``
-  (:func:`~jaxpar.step._replica_mean.replica_exchange`: synchronous, ``stale``, ``backup``);
-* the **update** (:func:`_rule`): the one :func:`~jaxpar.step._update.apply_update` (clip, optax,
-  skip a non-finite step, log the lr), under PipeDream-2BW's version swap
-  (:func:`~jaxpar.step._update.delayed`), or per replica (the asynchronous parameter server);
-* the **state parts** that follow a step: the noise scale's measurement, MoE's loads and router
-  bias (:mod:`jaxpar.step._balancing`), a codec's state, ``stale``'s history;
-* the **program** (:mod:`jaxpar.step._program`): :func:`~jaxpar.step._program.jit_program`, the
-  one ``jax.jit`` with the layout's shardings and rules, in a
-  :class:`~jaxpar.step.TrainStep` that picks the program per step.
-
-Two strategies put the update inside a larger program (:func:`program_kind`): PipeDream's
-no-flush pipelines (weight stashing, and 2BW over several steps per call), whose stages read
-older weight versions and call the one update inside the pipeline, and DiLoCo / local SGD /
-EASGD (:mod:`jaxpar.step._local_steps`), whose replicas run the one update on their own and an
-outer rule moves the center.
+``make_train_step(loss_fn, tx, layout)`` runs the strategy the layout was built for. It checks the
+compatibility table (:mod:`jaxpar.compat._table`), picks the program shape (:func:`program_kind`)
+and composes the **gradient** (:func:`_gradient`), the **exchange** (:func:`_exchange`), the
+**update** (:func:`_rule`: the one :func:`~jaxpar.step._update.apply_update`), the ``stats``
+parts after the step (noise scale, MoE loads and router bias) and the **program**
+(:func:`~jaxpar.step._program.jit_program` in a :class:`~jaxpar.step.TrainStep`). PipeDream's
+no-flush pipelines and the local kinds (DiLoCo / local SGD / EASGD) put the update inside a
+larger program.
 
 Example::
 
@@ -67,10 +49,10 @@ from jaxpar.step._grads import ExplicitDPError, global_grads, manual_specs, pipe
 from jaxpar.step._init import older_versions_of
 from jaxpar.step._program import TrainStep, jit_program
 from jaxpar.step._relaxed import is_local
-from jaxpar.step._noise_scale import KEY as NOISE_SCALE
-from jaxpar.step._router_bias import KEY as BIAS
-from jaxpar.step._state import StateLayout, StrategyMismatchError, has_stats_part, layout_strategy, part_options
-from jaxpar.step._update import Update, apply_update, clip_norm_problem, delayed_update
+from jaxpar.step._noise_scale import KEY as NOISE_SCALE, measured_stats
+from jaxpar.step._router_bias import KEY as BIAS, bias_of
+from jaxpar.step._state import StateLayout, StrategyMismatchError, layout_strategy
+from jaxpar.step._update import Update, apply_update, clip_norm_problem, delayed
 from jaxpar.errors import AsyncPipelineError, LoopError, StashingError, StepError, check_int
 
 
@@ -79,17 +61,14 @@ class StepOptions(NamedTuple):
 
     explicit_dp: bool | None = None
     steps_per_call: int = 1
-    noise_scale_every: int | None = None
-    noise_scale_ema: float = 0.95
     donate: bool = True
-    router_bias_rate: float | None = None
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout: StateLayout,
                     strategy: Strategy | None = None, *, clip_norm: float | None = None,
                     log_lr: Callable | None = None, donate: bool = True,
                     explicit_dp: bool | None = None, skip_nonfinite: bool = False,
-                    steps_per_call: int = 1, **removed) -> TrainStep:
+                    steps_per_call: int = 1) -> TrainStep:
     """Build ``step(state, batch) -> (state, metrics)``, jitted with the layout's shardings.
 
     The step runs the strategy the layout was built for (``layout.strategy``, from
@@ -119,8 +98,6 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
         ``batches`` stacked ``[K, B, ...]``, every metric ``[K]``. PipeDream-2BW and weight
         stashing run ``K`` steps of their no-flush pipeline; the other strategies scan their step
         (the same updates as ``K`` calls).
-      **removed: options that no longer exist raise a :class:`~jaxpar.errors.StepError` that says
-        what replaced them.
 
     Returns:
       The :class:`~jaxpar.step.TrainStep` (``step.lower`` for ahead-of-time compilation,
@@ -128,16 +105,14 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
 
     Raises:
       StepError: ``clip_norm`` is not None or a finite number > 0, ``loss_fn`` / ``log_lr`` is not a
-        function, a flag is not a bool, or a keyword does not exist.
+        function, or a flag is not a bool.
       LoopError: ``steps_per_call`` is not an int >= 1.
     """
-    _refuse_removed(removed)
     _check_options(loss_fn, clip_norm=clip_norm, log_lr=log_lr, donate=donate, explicit_dp=explicit_dp,
                    skip_nonfinite=skip_nonfinite)
     layout_strategy(layout, strategy)      # a strategy other than the layout's raises
     update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, log_lr=log_lr)
-    every, ema = part_options(layout, NOISE_SCALE) or (None, 0.95)   # the state parts carry their options
-    opts = StepOptions(explicit_dp, steps_per_call, every, ema, donate, part_options(layout, BIAS))
+    opts = StepOptions(explicit_dp, steps_per_call, donate)
     _check_step(layout, update, opts)
     return _program(program_kind(layout.strategy, dict(layout.mesh.shape), steps_per_call), loss_fn, layout,
                     update, opts)
@@ -183,11 +158,12 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
     :mod:`jaxpar.compat._table`), then the older weight versions the layout keeps."""
     strategy, sizes = layout.strategy, dict(layout.mesh.shape)
     check_int("make_train_step", "steps_per_call", opts.steps_per_call, 1, LoopError)
+    measure = layout.part(NOISE_SCALE).options
     raise_problems(Setting(strategy, sizes, explicit_dp=opts.explicit_dp, steps_per_call=opts.steps_per_call,
-                           clip_norm=update.clip_norm, noise_scale_every=opts.noise_scale_every,
-                           router_bias_rate=opts.router_bias_rate))
+                           clip_norm=update.clip_norm, noise_scale_every=measure.every if measure else None,
+                           router_bias_rate=layout.part(BIAS).options))
     is_spec = lambda x: isinstance(x, PartitionSpec)   # noqa: E731
-    kept = jax.tree.structure(layout.versions, is_leaf=is_spec)
+    kept = jax.tree.structure(layout.part("versions").specs, is_leaf=is_spec)
     if kept != jax.tree.structure(older_versions_of(strategy, sizes, layout.params), is_leaf=is_spec):
         error = {"pipedream": StashingError, "pipedream-2bw": AsyncPipelineError}.get(strategy.schedule, StepError)
         raise error(f"make_train_step with schedule={strategy.schedule!r}, but the layout's older weight versions "
@@ -197,37 +173,39 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
 
 def _per_step(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
     """One gradient, one exchange and one update per step; with the noise scale, a second program
-    measures every ``noise_scale_every`` steps; with ``steps_per_call`` K, one program scans K steps."""
-    mesh, strategy = layout.mesh, layout.strategy
+    measures every ``every`` steps; with ``steps_per_call`` K, one program scans K steps."""
     step = _step_fn(loss_fn, layout, update, opts, measure=False)
     if opts.steps_per_call != 1:
-        return _stacked_steps(scan_steps(step), layout, opts, None)
-    programs = {"step": jit_program(step, layout, batch_sharding(mesh), donate=opts.donate)}
-    choose = None
-    if opts.noise_scale_every is not None:
-        measure = _step_fn(loss_fn, layout, update, opts, measure=True)
-        programs["measure"] = jit_program(measure, layout, batch_sharding(mesh), donate=opts.donate)
-        every = opts.noise_scale_every
-        choose = lambda s: "measure" if s % every == 0 else "step"   # noqa: E731
-    check = lambda batch: check_batch(batch, mesh, strategy.microbatches)   # noqa: E731
-    return TrainStep(programs, check_batch=check, choose=choose, batch_sharding=batch_sharding(mesh))
+        return _train_step({"step": partial(jax.lax.scan, step)}, layout, opts)   # K steps, one lax.scan
+    measuring = layout.part(NOISE_SCALE).options
+    if measuring is None:
+        return _train_step({"step": step}, layout, opts)
+    programs = {"step": step, "measure": _step_fn(loss_fn, layout, update, opts, measure=True)}
+    return _train_step(programs, layout, opts, choose=lambda s: "measure" if s % measuring.every == 0 else "step")
 
 
-def scan_steps(step: Callable) -> Callable:
-    """``run(state, batches)``: ``step`` over the stacked batches ``[K, B, ...]`` in one ``lax.scan``
-    (metrics ``[K]``), the same K optimizer steps as K calls."""
-    def run(state, batches):
-        return jax.lax.scan(step, state, batches)
-
-    return run
+def _train_step(programs: dict, layout: StateLayout, opts: StepOptions, *, choose: Callable | None = None,
+                pipeline_program=None) -> TrainStep:
+    """The :class:`TrainStep` of the step functions ``programs``, jitted: on one batch, or with
+    ``steps_per_call`` K on stacked batches ``[K, B, ...]``."""
+    mesh, m, k = layout.mesh, layout.strategy.microbatches, opts.steps_per_call
+    if k == 1:
+        sharding = batch_sharding(mesh)
+        check = lambda b: check_batch(b, mesh, m)    # noqa: E731
+    else:
+        sharding = NamedSharding(mesh, PartitionSpec(None, batch_axes(mesh) or None))
+        check = lambda b: check_stacked_batches(b, mesh, m, k)    # noqa: E731
+    jitted = {name: jit_program(fn, layout, sharding, donate=opts.donate) for name, fn in programs.items()}
+    return TrainStep(jitted, check_batch=check, choose=choose, batch_sharding=sharding,
+                     pipeline_program=pipeline_program)
 
 
 def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions, *, measure: bool):
     """``step(state, batch) -> (state, metrics)``: the gradient, the exchange and the update of
     the layout's strategy (:func:`_gradient`, :func:`_exchange`, :func:`_rule`; over ``replica``:
-    :func:`~jaxpar.step._replica_mean.replica_parts`), and the state
-    parts that follow the step (the noise scale when ``measure``, MoE's loads and router bias)."""
-    if _replicated(layout):
+    :func:`~jaxpar.step._replica_mean.replica_parts`), and the ``stats`` parts after the step (the
+    noise scale when ``measure``, MoE's loads and router bias)."""
+    if replicas_on(Setting(layout.strategy, dict(layout.mesh.shape))):    # relaxed synchronisation
         from jaxpar.step._replica_mean import replica_parts   # relaxed synchronisation loads only when used
 
         gradient, exchange, rule = replica_parts(loss_fn, layout, update)
@@ -235,26 +213,21 @@ def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepO
         gradient, exchange, rule = _gradient(loss_fn, layout, opts, measure), _exchange(layout, measure), \
             _rule(layout, update)
     replicas_ = manual_specs(layout).replicas if measure else 1
-    biased = has_stats_part(layout, BIAS)
+    ema, rate = getattr(layout.part(NOISE_SCALE).options, "ema", None), layout.part(BIAS).options
 
     def step(state, batch):
-        with use_router_bias(state.stats[BIAS] if biased else None):
+        with use_router_bias(bias_of(state, layout)):
             loss, grads, metrics = gradient(state, batch)
         loss, grads, parts, exchanged = exchange(state, loss, grads)
-        metrics = {**metrics, **exchanged}
+        stats, metrics = state.stats, {**metrics, **exchanged}
         if measure:
-            parts["stats"], metrics = _noise_scale_stats(state, batch, metrics, replicas_, opts.noise_scale_ema)
-        stats, metrics = finish_moe(parts.get("stats", state.stats), metrics, opts.router_bias_rate)   # MoE's part
-        if biased:
+            stats, metrics = measured_stats(stats, batch, metrics, replicas_, ema)
+        stats, metrics = finish_moe(stats, metrics, rate)
+        if stats is not state.stats:
             parts["stats"] = stats
         return rule(state, loss, grads, parts=parts, metrics=metrics)
 
     return step
-
-
-def _replicated(layout: StateLayout) -> bool:
-    """Whether the state holds replicas on a ``replica`` axis (the table's relaxed synchronisation)."""
-    return replicas_on(Setting(layout.strategy, dict(layout.mesh.shape)))
 
 
 def _gradient(loss_fn: Callable, layout: StateLayout, opts: StepOptions, measure: bool) -> Callable:
@@ -302,23 +275,12 @@ def _rule(layout: StateLayout, update: Update) -> Callable:
     (:func:`~jaxpar.step._update.apply_update`), or under PipeDream-2BW's version swap."""
     strategy = layout.strategy
     if strategy.schedule == "pipedream-2bw" and dict(layout.mesh.shape).get("pipe", 1) > 1:
-        return partial(delayed_update, update)
+        return delayed(partial(apply_update, update))
     return partial(apply_update, update)
 
 
-def _noise_scale_stats(state, batch, metrics: dict, replicas_: int, ema: float) -> tuple[dict, dict]:
-    """The noise scale's moving averages after this step's two squared norms, and the metrics."""
-    from jaxpar.step._noise_scale import KEY, update as update_noise_scale
-
-    metrics = dict(metrics)
-    sq_small, sq_big = metrics.pop("grad_sq_small"), metrics.pop("grad_sq_big")
-    b_big = jax.tree.leaves(batch)[0].shape[0]
-    stats, measured = update_noise_scale(state.stats[KEY], sq_small, sq_big, b_big // replicas_, b_big, ema)
-    return {**state.stats, KEY: stats}, {**metrics, **measured}
-
-
 def _versioned_pipeline(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
-    """PipeDream's no-flush program (:mod:`jaxpar.parallel.pipeline._versioned_stage`),
+    """PipeDream's no-flush program (:mod:`jaxpar.parallel.pipeline._pipedream`),
     ``steps_per_call`` steps each: stages that read the weight version the schedule names, the one
     update per stage inside the pipeline (weight stashing) or on the whole model between steps (2BW)."""
     if layout.strategy.schedule == "pipedream":      # make_train_step has checked the state's versions
@@ -326,7 +288,7 @@ def _versioned_pipeline(loss_fn, layout: StateLayout, update: Update, opts: Step
 
         run, program = make_stashing_step(loss_fn, layout, update, opts.steps_per_call)
     else:
-        from jaxpar.step._no_flush_steps import make_two_bw_steps
+        from jaxpar.step._two_bw_step import make_two_bw_steps
 
         run, program = make_two_bw_steps(loss_fn, layout, update, opts.steps_per_call)
     return _stacked_steps(run, layout, opts, program)
@@ -335,19 +297,13 @@ def _versioned_pipeline(loss_fn, layout: StateLayout, update: Update, opts: Step
 def _stacked_steps(run: Callable, layout: StateLayout, opts: StepOptions, program) -> TrainStep:
     """The step of a program that runs ``opts.steps_per_call`` optimizer steps on stacked batches
     ``[K, B, ...]`` (metrics ``[K]``); with ``K = 1`` it takes one batch and returns one step's metrics."""
-    mesh, m, k = layout.mesh, layout.strategy.microbatches, opts.steps_per_call
-    if k == 1:
+    if opts.steps_per_call == 1:
         def one(state, batch):
             new, metrics = run(state, jax.tree.map(lambda a: a[None], batch))
             return new, jax.tree.map(lambda a: a[0], metrics)
 
-        return TrainStep({"step": jit_program(one, layout, batch_sharding(mesh), donate=opts.donate)},
-                         check_batch=lambda b: check_batch(b, mesh, m), batch_sharding=batch_sharding(mesh),
-                         pipeline_program=program)
-    stacked = NamedSharding(mesh, PartitionSpec(None, batch_axes(mesh) or None))
-    return TrainStep({"step": jit_program(run, layout, stacked, donate=opts.donate)},
-                     check_batch=lambda b: check_stacked_batches(b, mesh, m, k), batch_sharding=stacked,
-                     pipeline_program=program)
+        return _train_step({"step": one}, layout, opts, pipeline_program=program)
+    return _train_step({"step": run}, layout, opts, pipeline_program=program)
 
 
 def _check_options(loss_fn: Callable, *, clip_norm, log_lr, donate, explicit_dp, skip_nonfinite) -> None:
@@ -363,23 +319,3 @@ def _check_options(loss_fn: Callable, *, clip_norm, log_lr, donate, explicit_dp,
                                  ("explicit_dp", explicit_dp, (True, False, None))):
         if not any(value is a for a in allowed):
             raise StepError(f"make_train_step({name}={value!r}): must be " + " or ".join(map(str, allowed)) + ".")
-
-
-def _refuse_removed(removed: dict) -> None:
-    if "lr_schedule" in removed:
-        raise StepError("make_train_step(lr_schedule=...) was removed: it only logged metrics['lr'] and never "
-                        "changed the updates, which follow tx. Build tx with the schedule (e.g. "
-                        "optax.adamw(schedule)) and pass log_lr=schedule to log it.")
-    moved = {"noise_scale_every": "with_noise_scale(state, layout, every=k)",
-             "noise_scale_ema": "with_noise_scale(state, layout, every=k, ema=...)",
-             "router_bias_rate": "with_router_bias(state, layout, shape, rate=...)"}
-    named = sorted(set(removed) & set(moved))
-    if named:
-        name = named[0]
-        raise StepError(f"make_train_step({name}=...) was removed: the option belongs to its state part. Give it "
-                        f"there, {moved[name]} (jaxpar.step.with_noise_scale / jaxpar.step.with_router_bias), and leave it "
-                        "out of make_train_step.")
-    if removed:
-        raise StepError(f"make_train_step got unexpected keyword arguments {sorted(removed)}.")
-
-

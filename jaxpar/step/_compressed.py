@@ -17,7 +17,7 @@ Example::
     >>> strategy = jaxpar.Strategy(zero=2, compression=qsgd())
     >>> model_fn = lambda: MLPClassifier(features=8, embed=64, mlp=256, classes=4, depth=2, rngs=nnx.Rngs(0))
     >>> state, layout = jaxpar.init_train_state(model_fn, optax.sgd(0.1), mesh, strategy)
-    >>> state.codec, layout.codec                         # qsgd keeps no state (no error feedback)
+    >>> state.codec, layout.part("codec").specs           # qsgd keeps no state (no error feedback)
     ({}, {})
     >>> step = jaxpar.make_train_step(classifier_loss, optax.sgd(0.1), layout, strategy)
     >>> batch = jaxpar.shard_batch({"x": jax.numpy.ones((8, 8)), "y": jax.numpy.zeros((8,), "int32")}, mesh)

@@ -182,7 +182,7 @@ def run_exchange(exchange: Exchange, layout: StateLayout) -> Callable:
     """
     man = manual_specs(layout)
     rep = jax.tree.map(lambda _: man.replica_spec, layout.shapes)
-    codec_spec = jax.tree.map(lambda _: man.replica_spec, layout.codec_shapes)
+    codec_spec = jax.tree.map(lambda _: man.replica_spec, layout.part("codec").shapes)
     grad_shardings = jax.tree.map(lambda s: NamedSharding(layout.mesh, s), layout.grads)
 
     def local(grads, codec_state, step):

@@ -1,10 +1,7 @@
 """The train state created already sharded: ``eval_shape`` -> shardings -> ``jit(out_shardings=...)``.
 
-No full copy of the parameters or optimizer state ever sits on one device. Each feature that
-keeps state adds its part to the layout here: a codec's residuals (``codec``, :mod:`._compressed`),
-the replicas of relaxed synchronisation (``sync``, :mod:`._relaxed`), older weight versions of
-the PipeDream schedules (``versions``); running measurements are added by
-:func:`jaxpar.step.with_noise_scale` (``stats``).
+No full copy of the parameters or optimizer state ever sits on one device. The layout's parts
+(``layout.parts``) are added here: ``codec``, ``sync`` (:mod:`._relaxed`) and ``versions``.
 
 Example::
 
@@ -44,7 +41,7 @@ from jaxpar.parallel._zero import zero_specs
 from jaxpar.adapters._layer_lists import stack_layers, stacked_counts
 from jaxpar.adapters._mesh_axes import check_model_axes
 from jaxpar.adapters._shapes import abstract_model
-from jaxpar.step._state import StateLayout, TrainState, optimizer_specs
+from jaxpar.step._state import PartLayout, StateLayout, TrainState, optimizer_specs
 
 
 def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
@@ -116,23 +113,26 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
     opt_shapes, opt_state = optimizer_specs(tx, shapes, opt_param)
     layout = StateLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt_param, opt_state, opt_shapes,
                          strategy=strategy, layer_lists=stacked_counts(model_fn))
-    codec_init = layout.codec_init
     raise_problems(Setting(strategy, sizes))      # the table, once: nothing below runs it again
     if replicas_on(Setting(strategy, sizes)):
         return _relaxed_layout_and_init(model_fn, tx, layout, strategy)
+    parts = {}
     if strategy.compression is not None:
         from jaxpar.step._compressed import compression_state   # compression loads only when used
 
         make_codec, codec_specs, codec_shapes = compression_state(strategy.compression, layout, strategy.zero)
         codec_init = jax.jit(make_codec, out_shardings=named_shardings(codec_specs, mesh))
-        layout = replace(layout, codec=codec_specs, codec_shapes=codec_shapes, codec_init=codec_init)
-    layout = replace(layout, versions=older_versions_of(strategy, sizes, layout.params),
-                     versions_shapes=older_versions_of(strategy, sizes, layout.shapes))
+        parts["codec"] = PartLayout(codec_specs, codec_shapes, lambda params: codec_init())
+    older_shapes = older_versions_of(strategy, sizes, layout.shapes)
+    if older_shapes:
+        parts["versions"] = PartLayout(older_versions_of(strategy, sizes, layout.params), older_shapes)
+    layout = replace(layout, parts=parts)
 
     def init(p=None):
         p = _model_params(model_fn) if p is None else p
         older = jax.tree.map(jnp.copy, older_versions_of(strategy, sizes, p))
-        return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), codec=codec_init(), versions=older)
+        codec = parts["codec"].init(p) if "codec" in parts else ()
+        return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), codec=codec, versions=older)
 
     return layout, init
 
@@ -162,8 +162,7 @@ def older_versions_of(strategy: Strategy, sizes: dict, params: Any) -> Any:
       a tuple of ``ceil((pipe - 1) / update_every)`` of them (the newest older versions of every
       stage, newest first); any other schedule: ``()``.
     """
-    from jaxpar.parallel.pipeline._stash_versions import is_stashing, older_versions
-    from jaxpar.parallel.pipeline._two_bw import is_two_bw
+    from jaxpar.parallel.pipeline._pipedream import is_stashing, is_two_bw, older_versions
 
     if is_two_bw(strategy, sizes):
         return params

@@ -1,15 +1,13 @@
 """The train step of replicas that train on their own between syncs: DiLoCo, local SGD and
 EASGD (:mod:`jaxpar.parallel.sync`) on the ``replica`` axis (:mod:`jaxpar.step._relaxed`).
 
-Its update has two levels: the *inner* program is the one
-:func:`~jaxpar.step._update.apply_update` on each replica's own gradient and optimizer state (no
-collective over ``replica``); every ``sync.every`` steps the *outer* rule moves the center from
-the replicas' mean (DiLoCo's outer optimizer on the pseudo-gradient, or EASGD's elastic pull), a
-program that takes the state alone. Before ``start_step`` a *warm* program keeps the replicas
-synchronous. Every program is :func:`~jaxpar.step._program.jit_program`'s; the inner programs keep
-their per-replica metrics sharded over ``replica`` (no gather). ``grad_norm`` is
-:mod:`jaxpar.step._update`'s: the root mean square of the replicas' norms. (The kinds that average
-gradients every step are the per-step composition's parts: :mod:`jaxpar.step._replica_mean`.)"""
+The *inner* program is the one :func:`~jaxpar.step._update.apply_update` on each replica's own
+gradient and optimizer state (no collective over ``replica``; per-replica metrics stay sharded,
+reduced by the :class:`~jaxpar.step.TrainStep`'s ``summary``); every ``sync.every`` steps the
+*outer* program moves the center from the replicas' mean (DiLoCo's outer optimizer through
+``apply_update``, or EASGD's elastic pull). Before ``start_step`` a *warm* program keeps the
+replicas synchronous. Every program is :func:`~jaxpar.step._program.jit_program`'s; the outer
+step's metrics: docs/training.md."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -48,7 +46,7 @@ def local_train_step(loss_fn: Callable, layout: StateLayout, update: Update, *, 
     return TrainStep(local_steps(loss_fn, layout, strategy.sync, update, donate=donate),
                      check_batch=lambda batch: check_batch(batch, mesh, strategy.microbatches),
                      run=run_local_steps(strategy.sync, layout), batch_sharding=batch_sharding(mesh),
-                     state_only=("outer",))
+                     state_only=("outer",), summary=_replica_summary)
 
 
 def _any_replica(reps: Any, rep_specs: Any, specs: Any, mesh) -> Any:
@@ -67,7 +65,7 @@ class _LocalPrograms:
     def __init__(self, loss_fn, layout: StateLayout, sync, update: Update):
         self.layout, self.sync, self.mesh, self.k = layout, sync, layout.mesh, replicas(layout.mesh)
         self.lg = global_grads(loss_fn, layout)
-        self.rep_specs = layout.sync["params"]
+        self.rep_specs = layout.parts["sync"].specs["params"]
         self.log_lr, self.inner_update = update.log_lr, update._replace(log_lr=None)
 
     def one(self, step, p, o, b):
@@ -120,12 +118,12 @@ class _LocalPrograms:
                 {"replica_distance": dist})
 
     def _diloco_outer(self, state: TrainState, mean):
-        """DiLoCo: the outer optimizer's step on the pseudo-gradient; every replica restarts from the center."""
+        """DiLoCo: the outer optimizer's step (:func:`~jaxpar.step._update.apply_update`, no clip or
+        skip rule) on the pseudo-gradient; every replica restarts from the center."""
         delta = jax.tree.map(jnp.subtract, state.params, mean)       # the pseudo-gradient
-        updates, opt = self.sync.outer.update(delta, state.opt_state, state.params)
-        center = optax.apply_updates(state.params, updates)
-        reps = jax.tree.map(lambda c: jnp.broadcast_to(c, (self.k, *c.shape)), center)
-        return center, opt, reps
+        new, _ = apply_update(Update(self.sync.outer), state, jnp.float32(0), delta)
+        reps = jax.tree.map(lambda c: jnp.broadcast_to(c, (self.k, *c.shape)), new.params)
+        return new.params, new.opt_state, reps
 
     def _easgd_outer(self, state: TrainState, mean):
         """EASGD (Zhang et al. 2015): the center and the replicas pulled toward each other."""
@@ -179,29 +177,27 @@ def run_local_steps(sync, layout: StateLayout) -> Callable:
 
     def run(programs, state: TrainState, batch, count: int):
         warming = count < start
-        state, m = programs["warm" if warming else "step"](state, batch)
-        count += 1
-        metrics = {k: v for k, v in m.items() if k != "replica"}
-        metrics.update(_replica_summary(m["replica"]), replica_bytes=0.0)
-        if warming:   # the gradients' all-reduce over ``replica``, as in synchronous data parallelism
-            metrics["replica_bytes"] = float(nbytes)
-        elif (count - start) % every == 0:
+        state, metrics = programs["warm" if warming else "step"](state, batch)
+        metrics = {**metrics, "replica_bytes": float(nbytes) if warming else 0.0}   # warm: the gradients' all-reduce
+        if not warming and (count + 1 - start) % every == 0:
             state, synced = programs["outer"](state)
-            metrics.update(replica_distance=jnp.mean(synced["replica_distance"]), replica_bytes=float(nbytes))
+            metrics.update(synced, replica_bytes=float(nbytes))
         return state, metrics
 
     return run
 
 
-@jax.jit
-def _replica_summary(rep: dict) -> dict:
+def _replica_summary(metrics: dict) -> dict:
     """The step's metrics from the per-replica ones (:func:`~jaxpar.step._update.updates_metrics`:
     ``grad_norm`` the root mean square of the replicas' update norms, ``skipped`` every replica's
-    update skipped) and the spread of their losses. It is one program of its own, run after the
-    step: the inner program must not communicate over ``replica``, and one program, not five,
-    because each program with a collective that is dispatched while the step may still run adds to
-    the XLA:CPU rendezvous that, with 8 simulated devices on 2 cores, was seen to time out."""
+    update skipped), the spread of their losses and their mean distance from the center; a program
+    of its own after the step (:class:`~jaxpar.step.TrainStep`'s ``summary``), since the inner
+    program must not communicate over ``replica``."""
+    rep = metrics["replica"]
+    out = {k: v for k, v in metrics.items() if k != "replica"}
+    if "replica_distance" in out:
+        out["replica_distance"] = jnp.mean(out["replica_distance"])
     k = rep["loss"].shape[0]
     skipped = jnp.sum(rep["skipped"].astype(jnp.int32)) if "skipped" in rep else None
-    out = updates_metrics(jnp.mean(rep["loss"]), jnp.sum(jnp.square(rep["grad_norm"])), k, skipped)
+    out.update(updates_metrics(jnp.mean(rep["loss"]), jnp.sum(jnp.square(rep["grad_norm"])), k, skipped))
     return {**out, "loss_spread": jnp.max(rep["loss"]) - jnp.min(rep["loss"])}

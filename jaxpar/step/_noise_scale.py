@@ -17,13 +17,8 @@ noisy (``|G|²`` can come out negative), so, as in the paper, exponential moving
 moments) and ``B_simple`` is their ratio. ``B_simple`` is in the units of ``B`` (batch rows:
 sequences for a language model; times the sequence length for tokens).
 
-Here: the pure estimators, the running state kept in ``TrainState.stats["noise_scale"]``
-(:func:`with_noise_scale`: checkpointed with the rest of the state) and a PNG of the
-estimate over training. The measurement is switched on in one place,
-``with_noise_scale(state, layout, every=k)``, and the step measures inside itself:
-every ``k``-th step runs a second program whose exchange is
-:func:`jaxpar.step._exchange.measured_exchange` (each replica's own gradient, then the average),
-with any flush pipeline schedule and any gradient codec; it needs a data axis (:mod:`jaxpar.compat._needs`).
+Here: the pure estimators, the state part ``stats["noise_scale"]`` (:func:`with_noise_scale`,
+the one switch; how the step measures: docs/large_batch.md) and a PNG of the estimate.
 
 Example::
 
@@ -44,7 +39,7 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxpar.step._state import has_stats_part, part_options, stats_part_layout, with_stats_part
+from jaxpar.step._state import stats_part_layout, with_stats_part
 from jaxpar.errors import NoiseScaleError
 
 #: The key of the noise-scale state in ``TrainState.stats``.
@@ -60,31 +55,32 @@ class Measure(NamedTuple):
     ema: float = 0.95
 
 
-def check_options(every: Any, ema: Any, owner: str = "with_noise_scale",
-                  names: tuple[str, str] = ("every", "ema")) -> None:
-    """Raise :class:`NoiseScaleError` unless ``every`` is an int >= 1 and ``ema`` a float in [0, 1).
+def measure(every: Any, ema: Any, owner: str) -> Measure:
+    """The part's :class:`Measure`: ``every`` an int >= 1 and ``ema`` a float in [0, 1).
 
     Args:
       every: measure every that many steps.
       ema: the moving averages' decay.
-      owner: the function named in the error.
-      names: the names of ``every`` and ``ema`` there.
+      owner: the function named in an error.
+
+    Returns:
+      ``Measure(every, ema)``.
 
     Raises:
       NoiseScaleError: naming the bad option and what it must be.
 
-    >>> check_options(10, 0.95)
-    >>> check_options(0, 0.95)
+    >>> measure(0, 0.95, "with_noise_scale")
     Traceback (most recent call last):
     ...
     jaxpar.errors.NoiseScaleError: with_noise_scale(every=0): must be an int >= 1 ...
     """
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise NoiseScaleError(f"{owner}({names[0]}={every!r}): must be an int >= 1 (measure every that many "
+        raise NoiseScaleError(f"{owner}(every={every!r}): must be an int >= 1 (measure every that many "
                               "steps); to measure nothing, build the state without the noise-scale part.")
     if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 <= ema < 1:
-        raise NoiseScaleError(f"{owner}({names[1]}={ema!r}): must be a float in [0, 1), the decay of the moving "
+        raise NoiseScaleError(f"{owner}(ema={ema!r}): must be a float in [0, 1), the decay of the moving "
                               "averages of tr(Σ) and |G|² per measurement (0: no averaging; e.g. 0.95).")
+    return Measure(every, ema)
 
 
 def grad_sq_estimate(sq_small, sq_big, b_small, b_big):
@@ -170,6 +166,27 @@ def update(state: dict, sq_small, sq_big, b_small: int, b_big: int, ema: float) 
     return new, metrics
 
 
+def measured_stats(stats: dict, batch: Any, metrics: dict, replicas: int, ema: float) -> tuple[dict, dict]:
+    """The part after a measuring step: the moving averages moved by the step's two squared norms
+    (``metrics``' ``grad_sq_small`` / ``grad_sq_big``, replaced by :data:`METRICS`).
+
+    Args:
+      stats: ``TrainState.stats``.
+      batch: the step's global batch.
+      metrics: the step's metrics.
+      replicas: the data-parallel replicas the small batch is one of.
+      ema: the moving averages' decay.
+
+    Returns:
+      ``(stats, metrics)``.
+    """
+    metrics = dict(metrics)
+    sq_small, sq_big = metrics.pop("grad_sq_small"), metrics.pop("grad_sq_big")
+    b_big = jax.tree.leaves(batch)[0].shape[0]
+    new, measured = update(stats[KEY], sq_small, sq_big, b_big // replicas, b_big, ema)
+    return {**stats, KEY: new}, {**metrics, **measured}
+
+
 def with_noise_scale(state, layout, *, every: int, ema: float = 0.95) -> tuple[Any, Any]:
     """``(state, layout)`` with a fresh noise-scale state in ``TrainState.stats[KEY]`` (replicated
     scalars), measured by the step every ``every`` steps: call it after :func:`jaxpar.init_train_state`
@@ -195,21 +212,15 @@ def with_noise_scale(state, layout, *, every: int, ema: float = 0.95) -> tuple[A
     >>> mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
     >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
     >>> state, layout = with_noise_scale(*jaxpar.init_train_state(model_fn, optax.sgd(0.1), mesh), every=10)
-    >>> int(state.stats["noise_scale"]["count"]), layout.stats["noise_scale"]["count"], part_options(layout, KEY)
-    (0, P(), Measure(every=10, ema=0.95))
+    >>> int(state.stats["noise_scale"]["count"]), layout.parts[KEY].options
+    (0, Measure(every=10, ema=0.95))
     """
-    return with_stats_part(state, layout, KEY, init_state(), _options(every, ema, "with_noise_scale"))
-
-
-def _options(every: Any, ema: Any, owner: str) -> Measure:
-    """The part's :class:`Measure`, checked (``owner``: the function named in an error)."""
-    check_options(every, ema, owner)
-    return Measure(every, ema)
+    return with_stats_part(state, layout, KEY, init_state(), measure(every, ema, "with_noise_scale"))
 
 
 def noise_scale_layout(layout, *, every: int, ema: float = 0.95) -> Any:
-    """``layout`` with a place for the noise-scale state (replicated scalars), without creating it
-    (for ahead-of-time compilation: :meth:`~jaxpar.step._state.StateLayout.abstract_state` then has it).
+    """``layout`` with a place for the noise-scale state, as :func:`with_noise_scale` adds it, without
+    creating it (ahead-of-time compilation: :meth:`~jaxpar.step.StateLayout.abstract_state` then has it).
 
     Args:
       layout: the train state's :class:`~jaxpar.step.StateLayout`.
@@ -217,24 +228,9 @@ def noise_scale_layout(layout, *, every: int, ema: float = 0.95) -> Any:
       ema: as in :func:`with_noise_scale`.
 
     Returns:
-      The layout with ``stats[KEY]``.
-
-    Raises:
-      NoiseScaleError: naming a bad ``every`` or ``ema``.
+      The layout with the part.
     """
-    return stats_part_layout(layout, KEY, jax.eval_shape(init_state), _options(every, ema, "noise_scale_layout"))
-
-
-def has_noise_scale(layout) -> bool:
-    """Whether a layout has a place for the noise-scale state.
-
-    Args:
-      layout: a :class:`~jaxpar.step.StateLayout`.
-
-    Returns:
-      True when it has ``stats[KEY]``.
-    """
-    return has_stats_part(layout, KEY)
+    return stats_part_layout(layout, KEY, jax.eval_shape(init_state), measure(every, ema, "noise_scale_layout"))
 
 
 def plot_noise_scale(path: str | Path, steps: Sequence[int], values: Sequence[float], *,

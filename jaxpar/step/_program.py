@@ -34,7 +34,7 @@ from jaxpar.mesh import CONTEXT, EXPERT
 from jaxpar.parallel.moe import MoEError, count_moe_calls
 from jaxpar.rules import use_rules
 from jaxpar.step._router_bias import KEY as BIAS
-from jaxpar.step._state import StateLayout, has_stats_part
+from jaxpar.step._state import StateLayout
 
 
 @contextlib.contextmanager
@@ -77,7 +77,7 @@ def _check_moe(layout: StateLayout, moe) -> None:
         raise MoEError(f"the mesh has an expert axis of size {experts}, but the loss never ran an MoE layer "
                        "(jaxpar.parallel.moe.moe_apply, jaxpar.parallel.moe.MoE, GPTConfig.moe): the axis would only split the batch. "
                        "Use a model with MoE layers, or put those devices on the data axis.")
-    if has_stats_part(layout, BIAS) and not moe.router_bias:
+    if BIAS in layout.parts and not moe.router_bias:
         raise MoEError("the train state keeps a router bias (aux-loss-free balancing: with_router_bias), but the loss "
                        "never read it, so it would move without steering any choice. Build the MoE layers with "
                        "jaxpar.parallel.moe.MoE(..., router_bias=True) (the GPT: GPTConfig.moe.bias_rate > 0), or build the "
@@ -154,6 +154,8 @@ class TrainStep:
       batch_sharding: the sharding a batch is placed with.
       pipeline_program: the lowered pipeline table it runs, if any.
       state_only: the programs that take the state alone (relaxed sync's ``"outer"``), not ``(state, batch)``.
+      summary: ``summary(metrics) -> metrics``, jitted and run after every step as a program of its own:
+        it reduces the per-replica metrics of programs that must not communicate over ``replica``.
 
     Every program is also ``step.programs[name]``; ``step.lower`` lowers ``"step"``, ``step.lower_all``
     every program.
@@ -161,19 +163,15 @@ class TrainStep:
 
     def __init__(self, programs: Mapping[str, Callable], *, check_batch: Callable, choose: Callable | None = None,
                  run: Callable | None = None, batch_sharding: Any = None, pipeline_program: Any = None,
-                 state_only: tuple[str, ...] = ()):
+                 state_only: tuple[str, ...] = (), summary: Callable | None = None):
         self.programs = dict(programs)
         self.state_only = tuple(state_only)
         self.check_batch = check_batch
         self.batch_sharding = batch_sharding
         self.pipeline_program = pipeline_program
         self._choose, self._run = choose, run
+        self._summary = None if summary is None else jax.jit(summary)
         self._host = HostStep() if (choose or run) else None
-
-    @property
-    def jitted(self) -> Callable:
-        """The usual program (``programs["step"]``)."""
-        return self.programs["step"]
 
     def lower(self, *args, **kwargs):
         """The usual program lowered, for ahead-of-time compilation.
@@ -210,4 +208,4 @@ class TrainStep:
         else:
             new, metrics = self.programs[self._choose(s)](state, batch)
         self._host.advance(new, s + 1)
-        return new, metrics
+        return new, metrics if self._summary is None else self._summary(metrics)

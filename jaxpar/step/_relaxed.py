@@ -30,7 +30,7 @@ from jaxpar.mesh import REPLICA, data_axes, replicas
 from jaxpar.rules import named_shardings
 from jaxpar.strategy import Strategy
 from jaxpar.parallel.sync import DiLoCo, EASGD, Stale, synchronous
-from jaxpar.step._state import StateLayout, optimizer_specs
+from jaxpar.step._state import PartLayout, StateLayout, optimizer_specs
 
 _is_spec = lambda x: isinstance(x, P)   # noqa: E731
 
@@ -99,10 +99,11 @@ def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation, strate
             return opt, {"history": jax.tree.map(lambda a: jnp.broadcast_to(a, (sync.max_delay, *a.shape)), params)}
         return opt, ()
 
-    sync_init = jax.jit(lambda params: make(params)[1], out_shardings=named_shardings(part, mesh))
-    new = replace(layout, opt_state=opt_specs, opt_shapes=opt_shapes, sync=part, sync_shapes=part_shapes,
-                  sync_init=sync_init)
-    return new, make
+    parts = dict(layout.parts)
+    if part:
+        sync_init = jax.jit(lambda params: make(params)[1], out_shardings=named_shardings(part, mesh))
+        parts["sync"] = PartLayout(part, part_shapes, sync_init)
+    return replace(layout, opt_state=opt_specs, opt_shapes=opt_shapes, parts=parts), make
 
 
 def split_replicas(batch: Any, k: int, mesh) -> Any:

@@ -1,20 +1,9 @@
 """Aux-loss-free load balancing (DeepSeek-V3) in the train step: a router bias per MoE layer, kept in
-``TrainState.stats["router_bias"]`` and moved towards balance after every step. It is switched on in
-one place: ``with_router_bias(state, layout, shape, rate=rate)`` adds the bias and its rate to the
-state, and ``make_train_step`` reads the rate from there.
-
-The bias is added to the router's scores to choose the experts only: it has no gradient and does
-not enter the combine weights (:func:`jaxpar.parallel.moe.route`). The step traces the loss under
-:func:`jaxpar.parallel.moe.use_router_bias` (the GPT's MoE layers read it with :func:`jaxpar.parallel.moe.router_bias`),
-then moves each layer's bias by ``rate`` towards balance:
-
-    b_e <- b_e + rate * sign(mean(load) - load_e)          (jaxpar.parallel.moe.update_router_bias)
-
-from that layer's load over the whole step: what the loss reports as :data:`jaxpar.parallel.moe.LAYER_LOADS`,
-averaged over micro-batches, replicas and pipeline micro-batches (a mean: the sign is the sum's). So
-every mesh, accumulation and pipeline moves the bias as one device does on the whole batch. What has
-no one load per step (PipeDream's no-flush schedules, replicas) is refused by the compatibility
-table (its feature RB, :mod:`jaxpar.compat._table`), here and in ``make_train_step``.
+``TrainState.stats["router_bias"]``: the state part :func:`with_router_bias` adds with its rate (the
+step reads both from the layout: :func:`bias_of`). The step traces the loss under
+:func:`jaxpar.parallel.moe.use_router_bias`, then moves each layer's bias by ``rate`` towards
+balance from that layer's load over the whole step (:func:`balanced_bias`; the rule and what the
+compatibility table refuses: docs/strategies.md).
 
 >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxpar
 >>> from flax import nnx
@@ -39,48 +28,41 @@ import jax.numpy as jnp
 
 from jaxpar.compat import Setting, raise_problems
 from jaxpar.parallel.moe import LAYER_LOADS, MoEError, update_router_bias
-from jaxpar.step._state import has_stats_part, part_options, stats_part_layout, with_stats_part
+from jaxpar.step._state import stats_part_layout, with_stats_part
 
 #: The key of the router bias in ``TrainState.stats``.
 KEY = "router_bias"
 
 
-def _checked(shape: Any, rate: Any, owner: str = "with_router_bias") -> tuple[tuple[int, ...], float]:
-    """``(shape, rate)`` checked (``owner``: the function named in an error)."""
+def _bias_part(layout: Any, shape: Any, rate: Any, owner: str) -> Any:
+    """``layout`` with the router bias part of ``shape`` and ``rate``, checked (``owner``: the function
+    named in an error), and refused by the compatibility table where a strategy cannot move it."""
     shape = tuple(shape)
     if len(shape) != 2 or not all(isinstance(n, int) and n >= 1 for n in shape):
         raise MoEError(f"{owner}(shape={shape!r}): give (MoE layers, experts), two positive ints.")
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
         raise MoEError(f"{owner}(rate={rate!r}): the bias step must be a number > 0 (DeepSeek-V3: 0.001); a "
                        "model that does not balance with a bias is built without this part.")
-    return shape, rate
-
-
-def _refuse_unbalanceable(layout: Any, rate: float) -> None:
-    """Raise the compatibility table's refusal of a router bias on ``layout``'s strategy and mesh (the RB
-    pairs of :mod:`jaxpar.compat._table`: no-flush schedules, replicas), as its class (``MoEError``)."""
-    raise_problems(Setting(layout.strategy, dict(layout.mesh.shape), router_bias_rate=rate))
+    raise_problems(Setting(layout.strategy, dict(layout.mesh.shape), router_bias_rate=rate))   # the RB pairs
+    return stats_part_layout(layout, KEY, jax.ShapeDtypeStruct(shape, jnp.float32), rate)
 
 
 def router_bias_layout(layout: Any, shape: tuple[int, ...], *, rate: float) -> Any:
-    """``layout`` with a place for the router bias (replicated), without creating it (ahead-of-time
-    compilation: :meth:`~jaxpar.step._state.StateLayout.abstract_state` then has it).
+    """``layout`` with a place for the router bias, as :func:`with_router_bias` adds it, without
+    creating it (ahead-of-time compilation: :meth:`~jaxpar.step.StateLayout.abstract_state` then has it).
 
     Args:
       layout: the train state's :class:`~jaxpar.step.StateLayout`.
       shape: ``(MoE layers, experts)``.
-      rate: the bias step per train step, as in :func:`with_router_bias` (required).
+      rate: the bias step per train step (required).
 
     Returns:
       The layout with ``stats["router_bias"]``.
 
     Raises:
-      MoEError: naming a bad shape or rate, or a strategy that cannot move the bias (the
-        compatibility table's RB pairs: PipeDream's no-flush schedules, replicas).
+      MoEError: as :func:`with_router_bias`.
     """
-    shape, rate = _checked(shape, rate, "router_bias_layout")
-    _refuse_unbalanceable(layout, rate)
-    return stats_part_layout(layout, KEY, jax.ShapeDtypeStruct(shape, jnp.float32), rate)
+    return _bias_part(layout, shape, rate, "router_bias_layout")
 
 
 def with_router_bias(state: Any, layout: Any, shape: tuple[int, ...], *, rate: float) -> tuple[Any, Any]:
@@ -101,21 +83,21 @@ def with_router_bias(state: Any, layout: Any, shape: tuple[int, ...], *, rate: f
       MoEError: naming a bad shape or rate, or a strategy that cannot move the bias (the
         compatibility table's RB pairs: PipeDream's no-flush schedules, replicas).
     """
-    shape, rate = _checked(shape, rate)
-    _refuse_unbalanceable(layout, rate)
-    return with_stats_part(state, layout, KEY, jnp.zeros(shape, jnp.float32), rate)
+    _bias_part(layout, shape, rate, "with_router_bias")
+    return with_stats_part(state, layout, KEY, jnp.zeros(tuple(shape), jnp.float32), rate)
 
 
-def has_router_bias(layout: Any) -> bool:
-    """Whether a layout keeps a router bias (:func:`with_router_bias`).
+def bias_of(state: Any, layout: Any) -> Any:
+    """The router bias ``state`` keeps (``stats[KEY]``), or ``None`` when its layout keeps none.
 
     Args:
-      layout: the state's layout.
+      state: the train state.
+      layout: its layout.
 
     Returns:
-      True when it has ``stats[KEY]``.
+      The bias array, or ``None``.
     """
-    return has_stats_part(layout, KEY)
+    return state.stats[KEY] if KEY in layout.parts else None
 
 
 def balanced_bias(bias: jax.Array, metrics: dict, rate: float) -> jax.Array:

@@ -2,13 +2,13 @@
 
 :func:`make_stashing_step` (``make_train_step`` with ``Strategy(schedule='pipedream')``) runs
 :func:`~jaxpar.parallel.pipeline.pipedream` ``(p, m, K)`` (``K = steps_per_call`` optimizer
-steps, one tick loop) with the rule of :mod:`jaxpar.parallel.pipeline._stash_versions`, on the
-versioned stage (:mod:`jaxpar.parallel.pipeline._versioned_stage`). Inside the
+steps, one tick loop) with the rule of :mod:`jaxpar.parallel.pipeline._pipedream`, on the
+versioned stage (:class:`~jaxpar.parallel.pipeline._pipedream.VersionedStage`). Inside the
 ``shard_map`` (manual over ``pipe``) every stage carries:
 
 * a buffer of weight versions, ``[n_slots + 1, ...]`` (its layers and its own copy of the
   parameters around the blocks, ``outer``); the lowering
-  (:func:`~jaxpar.parallel.pipeline._stash_versions.lower_stashed`) gives each (tick, stage) the
+  (:func:`~jaxpar.parallel.pipeline._pipedream.lower_stashed`) gives each (tick, stage) the
   slot F / B read and, after an update, the slots it reads and writes, assigned by interval
   colouring like the executor's residual slots;
 * its own optimizer state (the stage's rows of the block leaves, its copy of ``outer``'s).
@@ -55,16 +55,15 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.adapters._blocks import use_layer_runner
 from jaxpar.batch import step_microbatches
 from jaxpar.compat._table import Setting, raise_problems
+from jaxpar.errors import StashingError
 from jaxpar.rules import drop_axes, path_str, use_rules
 from jaxpar.parallel.pipeline._buffers import put, take, take_tree
 from jaxpar.parallel.pipeline._partition import from_stages, to_stages
 from jaxpar.parallel.pipeline._piped import staged_cut
 from jaxpar.parallel.pipeline._schedules import pipedream
-from jaxpar.parallel.pipeline._stage import PIPE, stage_counts
-from jaxpar.parallel.pipeline._stash_optimizer import optimizer_is_per_stage, stacked_block_ids
-from jaxpar.parallel.pipeline._stash_versions import StashingError, StashProgram, lower_stashed
-from jaxpar.parallel.pipeline._versioned_stage import StageWeights, VersionedStage, VersionRows, run_ticks, \
-    versioned_table
+from jaxpar.parallel.pipeline._pipedream import (StageWeights, StashProgram, VersionedStage, VersionRows, lower_stashed,
+                                                 optimizer_is_per_stage, stacked_block_ids)
+from jaxpar.parallel.pipeline._stage import PIPE, run_ticks, stage_counts, tick_table
 from jaxpar.step._state import TrainState
 from jaxpar.step._update import Update, apply_update, updates_metrics
 
@@ -141,8 +140,7 @@ def make_stashing_step(loss_fn: Callable, layout, update: Update, steps: int = 1
     Returns:
       ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
       ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
-      ``make_train_step`` has checked the layout
-      (:func:`~jaxpar.parallel.pipeline._versioned_stage.check_versioned_state`).
+      ``make_train_step`` has checked the layout.
     """
     strategy = layout.strategy
     m = strategy.microbatches
@@ -160,7 +158,7 @@ class _StashingRun:
 
     def __init__(self, loss_fn, update: Update, layout, sp: StashProgram, steps: int):
         self.loss_fn, self.update, self.layout, self.sp, self.steps = loss_fn, update, layout, sp, steps
-        self.table, self.kinds, self.rows = versioned_table(sp.program, sp.update)
+        self.table = tick_table(sp.program, updates=sp.update)
         self.vrows = VersionRows(*(np.array(x, np.int32) for x in (sp.ver, sp.cur, sp.new)))
         self.flat_paths = [path_str(pth) for pth, _ in jax.tree_util.tree_flatten_with_path(layout.shapes)[0]]
         self.tags = _opt_tags(update.tx, layout)
@@ -219,8 +217,8 @@ class _StashingRun:
         for j in range(sp.older + 1):           # the state's versions in their first slots
             buf = jax.tree.map(lambda b, a, j=j: put(b, slots[j], a[j]), buf, init)
         per_step = jnp.zeros((steps,), jnp.float32)
-        st, ws = run_ticks(stage, self.table, self.kinds, stage.initial_state(sp.program),
-                           StageWeights(buf, opt, per_step, per_step), self.rows, self.vrows)
+        st, ws = run_ticks(stage, self.table, stage.initial_state(sp.program),
+                           StageWeights(buf, opt, per_step, per_step), self.table.rows, self.vrows)
         final = jnp.asarray(np.array(sp.final, np.int32))[stage.index]
         out = jax.tree.map(lambda b: jnp.stack([take(b, final[j]) for j in range(sp.older + 1)]), ws.w)
         sums = jax.tree.map(lambda a: jax.lax.psum(a, PIPE), (st.loss, ws.gsq, ws.skips, st.metrics))

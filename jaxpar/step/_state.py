@@ -22,8 +22,8 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,21 +37,13 @@ from jaxpar.errors import StrategyMismatchError
 
 
 class TrainState(NamedTuple):
-    """``step`` (int32 scalar), ``params`` (pure dict of arrays), ``opt_state`` (optax).
-
-    Each feature that keeps state of its own has a named part, ``()`` without the feature:
-
-    ``codec``: the gradient codec's per-replica state (error-feedback residuals, PowerSGD's
-    ``Q``, ...; a leading replica axis sharded over the data axes; :mod:`jaxpar.step._compressed`).
-    ``sync``: relaxed synchronisation's state (:mod:`jaxpar.step._relaxed`): the replicas'
-    parameters and inner optimizer states ``{"params", "opt"}`` (a leading ``replica`` axis), or
-    the stale kinds' older parameters ``{"history"}``.
-    ``stats``: small running measurements kept across steps and checkpoints, a dict by feature
-    (``{"noise_scale": ...}``, :mod:`jaxpar.step._noise_scale`), ``()`` when nothing is measured.
-    ``versions``: older weight versions a pipeline schedule keeps (PipeDream-2BW: ``W(t-1)``, in
-    ``params``' layout; :mod:`jaxpar.parallel.pipeline._two_bw`; PipeDream weight stashing: a tuple of
-    ``ceil((p-1)/k)`` params-like trees, each stage's newest older versions first;
-    :mod:`jaxpar.parallel.pipeline._stash_versions`), ``()`` for the other schedules."""
+    """``step`` (int32 scalar), ``params`` (pure dict of arrays), ``opt_state`` (optax), and the
+    optional parts, ``()`` without their feature (docs/training.md, "Train state parts"): ``codec``
+    (a gradient codec's per-replica state, :mod:`jaxpar.step._compressed`), ``sync`` (relaxed
+    synchronisation's replicas ``{"params", "opt"}`` or ``{"history"}``, :mod:`jaxpar.step._relaxed`),
+    ``stats`` (running measurements by name: ``noise_scale``, ``router_bias``) and ``versions``
+    (PipeDream-2BW's ``W(t-1)``, or weight stashing's tuple of older versions,
+    :func:`jaxpar.step._init.older_versions_of`)."""
 
     step: jax.Array
     params: Any
@@ -62,18 +54,35 @@ class TrainState(NamedTuple):
     versions: Any = ()
 
 
+class PartLayout(NamedTuple):
+    """One optional part of the train state in the layout: where it lives and how it starts.
+
+    Attributes:
+      specs: its ``PartitionSpec`` tree.
+      shapes: its ``ShapeDtypeStruct`` tree.
+      init: ``init(params)`` -> the part in its shardings, for a restore that starts it afresh
+        (``None``: the restore makes zeros, or copies of the parameters for ``versions``).
+      options: what the step does with it (the noise scale's ``Measure``, the router bias's rate).
+    """
+
+    specs: Any
+    shapes: Any
+    init: Callable[[Any], Any] | None = None
+    options: Any = None
+
+
+_EMPTY = PartLayout((), ())
+
+
 @dataclass(frozen=True)
 class StateLayout:
     """Where every piece of the train state lives, plus what is needed to rebuild the model.
 
-    Each optional part of :class:`TrainState` has its specs (``codec``, ``sync``, ``stats``,
-    ``versions``: ``PartitionSpec`` trees), its shapes (``*_shapes``) and, for those a restore
-    may have to start afresh from the layout alone, its init: ``codec_init()`` and
-    ``sync_init(params)``, each returning the part in its shardings. ``layer_lists`` maps the path
-    of each ``nnx.List`` of layers that runs stacked (:func:`jaxpar.stack_layers`, or a pipeline) to
-    its length: :func:`jaxpar.adapters.list_form` turns the parameters back into the list's own
-    paths. ``part_options`` holds the options each ``stats`` part was switched on with (the router
-bias's rate, the noise scale's period), which the step reads from there: :func:`part_options`."""
+    ``parts`` holds the optional parts by name (:class:`PartLayout`): the :class:`TrainState` fields
+    ``codec``, ``sync`` and ``versions``, and under any other name an entry of ``TrainState.stats``
+    (``noise_scale``, ``router_bias``). ``layer_lists`` maps the path of each ``nnx.List`` of layers
+    that runs stacked (:func:`jaxpar.stack_layers`, or a pipeline) to its length:
+    :func:`jaxpar.adapters.list_form` turns the parameters back into the list's own paths."""
 
     mesh: Mesh
     rules: tuple
@@ -85,26 +94,30 @@ bias's rate, the noise scale's period), which the step reads from there: :func:`
     opt_param_specs: Any  # params-shaped: how optimizer moments are sharded
     opt_state: Any
     opt_shapes: Any
-    codec: Any = ()          # the gradient codec's state (TrainState.codec): PartitionSpec tree
-    codec_shapes: Any = ()
-    codec_init: Callable[[], Any] = tuple
-    sync: Any = ()           # relaxed synchronisation's state (TrainState.sync): PartitionSpec tree
-    sync_shapes: Any = ()
-    sync_init: Callable[[Any], Any] = lambda params: ()   # noqa: E731
-    stats: Any = ()          # running measurements (TrainState.stats): PartitionSpec tree
-    stats_shapes: Any = ()
-    versions: Any = ()       # older weight versions (TrainState.versions): PartitionSpec tree
-    versions_shapes: Any = ()
+    parts: Mapping[str, PartLayout] = field(default_factory=dict)
     strategy: Strategy = Strategy()   # what the layout was built for; make_train_step runs this strategy
     layer_lists: Any = None  # {path: count} of the model's nnx.Lists run stacked (jaxpar.adapters._layer_lists.list_form)
-    part_options: tuple = ()  # ((stats key, options), ...): the options a part was added with (part_options())
+
+    def part(self, name: str) -> PartLayout:
+        """One of the layout's parts.
+
+        Args:
+          name: a ``TrainState`` field (``codec``, ``sync``, ``versions``) or a ``stats`` entry.
+
+        Returns:
+          The part, or an empty one (``()`` specs and shapes) when the layout keeps none.
+        """
+        return self.parts.get(name, _EMPTY)
+
+    def _state_of(self, attr: str, step: Any, params: Any, opt_state: Any) -> TrainState:
+        """A :class:`TrainState` of the parts' ``attr`` (``specs`` / ``shapes``)."""
+        fields = {n: getattr(p, attr) for n, p in self.parts.items() if n in TrainState._fields}
+        stats = {n: getattr(p, attr) for n, p in self.parts.items() if n not in TrainState._fields}
+        return TrainState(step, params, opt_state, **fields, **({"stats": stats} if stats else {}))
 
     def shardings(self) -> TrainState:
         """``TrainState`` of ``NamedSharding``s (for ``jit`` in/out shardings)."""
-        return TrainState(NamedSharding(self.mesh, PartitionSpec()),
-                          named_shardings(self.params, self.mesh), named_shardings(self.opt_state, self.mesh),
-                          named_shardings(self.codec, self.mesh), named_shardings(self.sync, self.mesh),
-                          named_shardings(self.stats, self.mesh), named_shardings(self.versions, self.mesh))
+        return named_shardings(self._state_of("specs", PartitionSpec(), self.params, self.opt_state), self.mesh)
 
     def model_specs(self) -> Any:
         """The parameters' ``PartitionSpec`` values, as the model annotates them (its logical names under
@@ -114,10 +127,9 @@ bias's rate, the noise scale's period), which the step reads from there: :func:`
 
     def abstract_state(self) -> TrainState:
         """``TrainState`` of ``ShapeDtypeStruct(..., sharding=...)``: a restore target."""
-        sh = self.shardings()
-        abs_state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), self.shapes, self.opt_shapes,
-                               self.codec_shapes, self.sync_shapes, self.stats_shapes, self.versions_shapes)
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, sh)
+        abs_state = self._state_of("shapes", jax.ShapeDtypeStruct((), jnp.int32), self.shapes, self.opt_shapes)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state,
+                            self.shardings())
 
     def analytic_bytes(self) -> dict[str, float]:
         """Per-device parameter + optimizer bytes from the ZeRO formulas (see :mod:`jaxpar.parallel._zero`)."""
@@ -188,74 +200,39 @@ def layout_strategy(layout: StateLayout, strategy: Strategy | None = None) -> St
         "init_train_state, or leave make_train_step's strategy out.")
 
 
-def stats_part_layout(layout: StateLayout, key: str, shapes: Any, options: Any = None) -> StateLayout:
-    """``layout`` with a replicated part ``stats[key]`` of ``shapes`` (``ShapeDtypeStruct``s), without
+def stats_part_layout(layout: StateLayout, name: str, shapes: Any, options: Any = None) -> StateLayout:
+    """``layout`` with a replicated part ``stats[name]`` of ``shapes`` (``ShapeDtypeStruct``s), without
     creating it (ahead-of-time compilation: :meth:`StateLayout.abstract_state` then has it).
 
     Args:
       layout: the layout.
-      key: the part's name in ``stats``.
+      name: the part's name in ``stats``.
       shapes: its ``ShapeDtypeStruct`` tree.
-      options: what the step does with the part (hashable; ``None``: nothing), read back with
-        :func:`part_options`.
+      options: what the step does with the part (:attr:`PartLayout.options`).
 
     Returns:
       The layout with the part.
     """
-    from dataclasses import replace
-
-    stats = dict(layout.stats) if isinstance(layout.stats, dict) else {}
-    stats_shapes = dict(layout.stats_shapes) if isinstance(layout.stats_shapes, dict) else {}
-    stats_shapes[key] = shapes
-    stats[key] = jax.tree.map(lambda _: PartitionSpec(), shapes)
-    kept = tuple((k, o) for k, o in layout.part_options if k != key)
-    return replace(layout, stats=stats, stats_shapes=stats_shapes,
-                   part_options=kept + (((key, options),) if options is not None else ()))
+    part = PartLayout(jax.tree.map(lambda _: PartitionSpec(), shapes), shapes, options=options)
+    return replace(layout, parts={**layout.parts, name: part})
 
 
-def with_stats_part(state: TrainState, layout: StateLayout, key: str, value: Any,
+def with_stats_part(state: TrainState, layout: StateLayout, name: str, value: Any,
                     options: Any = None) -> tuple[TrainState, StateLayout]:
-    """``(state, layout)`` with ``value`` (arrays) as the replicated part ``stats[key]``: a running
+    """``(state, layout)`` with ``value`` (arrays) as the replicated part ``stats[name]``: a running
     measurement or a balancing state the step keeps (checkpointed with the rest); ``options`` as in
     :func:`stats_part_layout`.
 
     Args:
       state: the train state.
       layout: its layout.
-      key: the part's name in ``stats``.
+      name: the part's name in ``stats``.
       value: the part's arrays.
       options: the part's options, or ``None``.
 
     Returns:
       The state and layout with the part.
     """
-    layout = stats_part_layout(layout, key, jax.eval_shape(lambda: value), options)
-    values = dict(state.stats) if isinstance(state.stats, dict) else {}
-    values[key] = jax.device_put(value, NamedSharding(layout.mesh, PartitionSpec()))
-    return state._replace(stats=values), layout
-
-
-def has_stats_part(layout: StateLayout, key: str) -> bool:
-    """Whether a layout has a place for a state part.
-
-    Args:
-      layout: the state's layout.
-      key: the part's key in ``TrainState.stats``.
-
-    Returns:
-      True when ``layout.stats`` has ``key``.
-    """
-    return isinstance(layout.stats, dict) and key in layout.stats
-
-
-def part_options(layout: StateLayout, key: str) -> Any:
-    """The options the part ``stats[key]`` was added with (``None``: none, or no such part).
-
-    Args:
-      layout: the layout.
-      key: the part's name in ``stats``.
-
-    Returns:
-      The options given to :func:`stats_part_layout` / :func:`with_stats_part`.
-    """
-    return dict(layout.part_options).get(key) if has_stats_part(layout, key) else None
+    layout = stats_part_layout(layout, name, jax.eval_shape(lambda: value), options)
+    placed = jax.device_put(value, NamedSharding(layout.mesh, PartitionSpec()))
+    return state._replace(stats={**(state.stats or {}), name: placed}), layout

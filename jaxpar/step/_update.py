@@ -1,32 +1,11 @@
 """The optimizer update of every train step: clip, optax, skip a non-finite step, log the lr.
 
 :func:`apply_update` is the one update; every program calls it for each optimizer update it
-applies. The rules that change *when* it applies or *with which weights* wrap it or call it:
-
-* :func:`delayed` / :func:`delayed_update` (PipeDream-2BW): the gradient at ``W(t-1)`` updates
-  ``W(t)``, which becomes the older version; the one-step program and the no-flush program of
-  ``K`` steps (:mod:`jaxpar.step._no_flush_steps`) both wrap their update with
-  :func:`delayed`, so they agree on every step, a skipped one included;
-* weight stashing (the same no-flush program) calls :func:`apply_update` for each stage's
-  update inside the pipeline (no ``clip_norm``: a global clip spans the stages);
-* relaxed synchronisation (:mod:`jaxpar.step._local_steps`) calls it once per step on the
-  replicas' (masked) mean gradient, once per replica in turn (the asynchronous parameter server),
-  or as each replica's inner update (DiLoCo / local SGD / EASGD, whose outer step is their own).
-
-**Metrics.** ``metrics["grad_norm"]`` is, in every program, the global L2 norm (over every
-parameter, all stages) of the gradient an optimizer update receives, before clipping. Where a
-step applies several updates, each on its own gradient (the replicas of DiLoCo / local SGD /
-EASGD, the asynchronous parameter server, weight stashing with ``update_every`` below
-``microbatches``), it is the root mean square of those norms, ``sqrt(mean_u |g_u|^2)``. With one
-update per step (data parallelism, ZeRO, pipelines, 2BW, compressed or relaxed averaging: the
-update receives the averaged gradient) that is the averaged gradient's norm, so with one replica
-and one stage every program reports the same number. The root mean square, not the norm of the
-replicas' mean: no update receives that mean when replicas update on their own, and it would cost
-an all-reduce of a model's worth over ``replica`` in a program that must not communicate (the
-root mean square needs ``K`` scalars). ``loss`` is the step's loss (the mean over its updates),
-``skipped`` (with ``skip_nonfinite``) whether the step changed no weight, ``skipped_updates`` (a
-step of several updates) how many were left out, ``lr`` (with ``log_lr``) the logged learning
-rate. :func:`updates_metrics` is that definition for a step of several updates.
+applies, and the rules that change *when* it applies or *with which weights* wrap it:
+:func:`delayed` (PipeDream-2BW, the one-step and the ``K``-step program alike), weight stashing
+per stage inside the pipeline, the replicas' mean or each replica in turn
+(:mod:`jaxpar.step._replica_mean`), the inner and outer updates of the local kinds
+(:mod:`jaxpar.step._local_steps`). What ``grad_norm`` means in each: docs/training.md.
 
 Example:
     >>> import jax.numpy as jnp, optax
@@ -43,7 +22,6 @@ Example:
 """
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from typing import Any, Callable, NamedTuple
@@ -194,20 +172,3 @@ def delayed(apply: Callable) -> Callable:
 
     return rule
 
-
-def delayed_update(update: Update, state: TrainState, loss: jax.Array, grads: Any, **kw) -> tuple[TrainState, dict]:
-    """:func:`apply_update` under PipeDream-2BW's rule (:func:`delayed`): ``grads`` (taken at
-    ``W(t-1) = state.versions``) update ``W(t)``, and ``W(t)`` becomes the older version, on a
-    skipped step too.
-
-    Args:
-      update: the options (:class:`Update`).
-      state: the train state; ``versions`` holds ``W(t-1)``.
-      loss: the step's loss.
-      grads: the gradient at ``W(t-1)``.
-      **kw: ``parts`` / ``metrics``, as for :func:`apply_update`.
-
-    Returns:
-      ``(new state, metrics)``.
-    """
-    return delayed(functools.partial(apply_update, update))(state, loss, grads, **kw)

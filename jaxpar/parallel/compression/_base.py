@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 from typing import Any
-from jaxpar.errors import CompressionError
+from jaxpar.errors import CompressionError, check_int
 
 
 class BaseCodec:
@@ -72,9 +72,7 @@ def check_start(name: str, start_step, optimizer_momentum, momentum: float) -> t
     Raises:
         CompressionError: an option is out of range or the combination cannot work.
     """
-    if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-        raise CompressionError(f"{name}(start_step={start_step!r}): the number of exact (uncompressed) steps "
-                               "before compression starts must be an int >= 0.")
+    check_int(name, "start_step", start_step, 0, CompressionError)
     if optimizer_momentum is None or optimizer_momentum == 0:
         return start_step, 0.0
     if isinstance(optimizer_momentum, bool) or not isinstance(optimizer_momentum, (int, float)) \

@@ -1,24 +1,14 @@
-"""Compressed gradient exchange over the data axes, run inside a ``shard_map`` that is manual over them.
+"""Compressed gradient exchange over the data axes, inside a ``shard_map`` manual over them.
 
-Every replica holds its full local gradient. The leaves are laid out as one buffer of ``N`` rows
-(``N`` replicas): row ``i`` of a leaf whose gradient is sharded over all data axes (ZeRO-2/3,
-``fsdp``) is replica ``i``'s shard; the other leaves are flattened, padded and cut into ``N`` rows.
-Then, per codec family:
+The leaves are laid out as one buffer of ``N`` rows (``N`` replicas): row ``i`` of a leaf sharded over
+the data axes is replica ``i``'s shard; other leaves are flattened, padded and cut into ``N`` rows.
+Quantizers (:mod:`._codecs`) encode the rows, all-to-all, decode and average (a compressed
+reduce-scatter), then re-encode and all-gather the unsharded rows (error feedback on both sides);
+top-k all-gathers ``(values, indices)``, random-k all-reduces its values; PowerSGD
+(:mod:`._powersgd`) all-reduces ``P`` then ``Q``. docs/compression.md gives the bytes of each.
 
-* quantizers (:mod:`._codecs`): encode the rows, **all-to-all** (replica ``i`` receives every
-  replica's row ``i``), decode and average in fp32: the compressed **reduce-scatter**. Sharded
-  leaves stop there; for the others the averaged row is re-encoded and **all-gathered** (torchft's
-  scheme). With error feedback the first encoding's error stays with the replica (``residual``)
-  and the second's with the row's owner (``server``, as in DeepSpeed's 1-bit Adam).
-* top-k: **all-gather** of ``(values, int32 indices)``, scatter-add; random-k: indices agree on
-  every replica, so one **all-reduce** of the ``k`` values; partitioned top-k: all-gather of the
-  indices, then an all-reduce of the values at all of them. The rest is accumulated locally
-  (``residual``; ``velocity`` with momentum correction).
-* PowerSGD (:mod:`._powersgd`): per weight matrix, two **all-reduces** (``P`` with the uncompressed
-  leaves, then ``Q``), ``Q`` kept per replica, residual per leaf.
-
-The state of one replica is a dict of arrays (no replica axis); the train step stacks the
-replicas' states on a leading axis sharded over the data axes.
+One replica's state is a dict of arrays; the train step stacks the replicas' states on a leading
+axis sharded over the data axes.
 
 Example::
 

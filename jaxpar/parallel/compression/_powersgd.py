@@ -30,6 +30,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpar.errors import check_int
 from jaxpar.parallel.compression._base import BaseCodec, CompressionError
 
 
@@ -185,10 +186,8 @@ def powersgd(rank: int = 4, *, warm_start: bool = True, start_step: int = 0,
     Returns:
       The :class:`PowerSGD` codec.
     """
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise CompressionError(f"powersgd(rank={rank!r}): the rank must be an int >= 1, e.g. rank=4.")
-    if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-        raise CompressionError(f"powersgd(start_step={start_step!r}): must be an int >= 0.")
+    check_int("powersgd", "rank", rank, 1, CompressionError)
+    check_int("powersgd", "start_step", start_step, 0, CompressionError)
     if not isinstance(min_compression_rate, (int, float)) or min_compression_rate < 0:
         raise CompressionError(f"powersgd(min_compression_rate={min_compression_rate!r}): must be >= 0 "
                                "(0 compresses every matrix; 2 only those that shrink at least 2x).")

@@ -1,35 +1,12 @@
-"""Sparsifying codecs with local accumulation (Deep Gradient Compression, Lin et al. 2018):
-each replica sends ``k = ratio * n`` values and their int32 indices and keeps the rest in a
-residual that is added to the next step's gradient.
+"""Sparsifying codecs with local accumulation (Deep Gradient Compression, Lin et al. 2018): each replica
+sends ``k = ratio * n`` values (and their int32 indices) and keeps the rest in a residual.
 
-* ``topk(ratio)``: each replica's ``k`` largest magnitudes; the exchange all-gathers
-  ``(values, indices)`` from every replica and scatter-adds them (its volume grows with the
-  number of replicas).
-* ``randomk(ratio)``: ``k`` indices drawn with the same seed on every replica (so they
-  agree): the exchange all-reduces just the ``k`` values, no indices. The indices are
-  ``k`` evenly spaced ones at a random offset: each index is sent with probability ``k / n``,
-  and drawing them costs ``O(k)`` (a permutation of ``n`` costs a sort).
+* ``topk(ratio)``: the ``k`` largest magnitudes; the exchange all-gathers ``(values, indices)``.
+* ``randomk(ratio)``: ``k`` evenly spaced indices at an offset drawn with the same seed on every
+  replica, so only the values are all-reduced (``O(k)`` to draw).
 
-Options from DGC: ``momentum`` (momentum correction: the velocity ``u = m u + g`` is
-accumulated instead of ``g``, and both are cleared where sent; use a plain SGD optimizer
-then) and a sparsity warm-up (``warmup`` densities, each for ``warmup_steps`` steps,
-before ``ratio``; each density is its own compiled branch).
-
-Two more for top-k:
-
-* ``partitioned=True``: replica ``i`` picks its ``k`` among the entries it owns, every
-  ``N``-th one (``j = i mod N``), so the ``N`` replicas pick ``N k`` distinct entries; an
-  all-gather of the ``k`` int32 indices, then an **all-reduce** of every replica's values at
-  all ``N k`` of them (1.5x the bytes of the plain exchange at the same ratio). Each picked
-  entry is then averaged over every replica and cleared from every residual, where the plain
-  exchange sends a replica's value only where that replica picked it. Keep ``ratio`` below
-  ``1 / N``: at ``1 / N`` each replica picks its whole share and the exchange sends more than
-  the fp32 all-reduce.
-* ``precondition=b2`` (with ``optimizer_momentum``, 1-bit Adam's scheme): entries are ranked
-  by ``|v| / (sqrt(s) + 1e-8)``, Adam's step size for them (up to Adam's bias correction, one
-  factor for all entries, and its ``eps``), where ``s`` is the second moment (decay ``b2``,
-  Adam's) of the mean gradients of the exact steps, frozen with Adam's at ``start_step``. An
-  entry whose exact steps saw no gradient ranks first, as Adam would step it furthest.
+Options: DGC's ``momentum`` correction and sparsity ``warmup`` (each density its own compiled branch);
+for top-k, ``partitioned=True`` and ``precondition=b2`` (docs/compression.md).
 
 Example::
 

@@ -1,37 +1,19 @@
 """``attention(q, k, v)``: one attention function for every strategy, context parallel or not.
 
-Outside a mesh with a ``context`` axis of size > 1 (no :func:`jaxpar.use_rules`, or no such axis) it
-is ``jax.nn.dot_product_attention`` with its own causal mask, so the kernel is JAX's choice (jax
-0.10 picks XLA's; when its automatic choice picks cuDNN's flash attention, GPUs get it); a
-``window`` gives it a mask built from positions, and a ``softcap`` scores of its own (see **Masks**).
-Under one, the ``length`` logical name maps to ``context``, so q/k/v arrive split along the
-sequence, and it opens a ``shard_map`` manual over ``context`` and over the other mesh axes that
-split q/k/v (as :func:`jaxpar.parallel.row_parallel` does; nested in an outer ``shard_map``, e.g. the
-pipeline's over ``pipe``, it uses that region's mesh) and runs the method of
-:func:`jaxpar.parallel.context.use_context_parallel`:
+Without a ``context`` axis of size > 1 (no :func:`jaxpar.use_rules`, or no such axis) it is
+``jax.nn.dot_product_attention``. Under one, q/k/v arrive split along the sequence and it opens a
+``shard_map`` manual over ``context`` and the other axes that split q/k/v (inside an outer
+``shard_map``, that region's mesh) and runs the method of
+:func:`jaxpar.parallel.context.use_context_parallel`: ``ring`` (:mod:`jaxpar.parallel.context._ring`),
+``all_gather`` (K/V gathered over ``context``) or ``ulysses`` (all-to-all from sequence to heads and
+back; K/V heads repeated up to a multiple of ``C``). docs/strategies.md compares them.
 
-- ``ring`` (:mod:`jaxpar.parallel.context._ring`): K/V blocks passed around with ``ppermute``, online
-  softmax; the backward rings too. Holds one K/V shard at a time (and the one arriving).
-- ``all_gather``: K/V (and their segment ids) all-gathered over ``context``; each device attends
-  with its own queries. Simple; holds the whole K/V.
-- ``ulysses``: an all-to-all turns ``[length / C, heads]`` shards into ``[length, heads / C]``,
-  each device attends over the whole sequence for its heads, and an all-to-all turns the output
-  back. Needs the heads on a device divisible by ``C``; K/V heads are repeated up to a multiple of
-  ``C`` when there are fewer (GQA).
-
-**Masks.** ``causal`` masks keys after the query (by true position, also in the balanced layout).
-``segment_ids`` (``[batch, length]`` ints) packs several sequences into one row: a token attends only
-to tokens with its own id. Padding convention: give padding its own id (e.g. ``0`` with documents
-numbered from ``1``); padding then attends only to padding (no empty softmax row, no NaN) and the
-loss must mask it out. In the balanced layout, permute ``segment_ids`` with
-:func:`jaxpar.parallel.context.to_balanced` like the tokens. ``window`` (Mistral's and Gemma's sliding window)
-masks the keys ``window`` or more positions before the query (true positions; without ``causal``,
-also after it): a Python int, or an int32 scalar array that may be traced (a per-layer window
-under ``lax.scan``). Every method applies it; the ring skips the blocks it masks wholly.
-``softcap`` (Gemma-2's ``attn_logit_softcapping``) caps the scores ``s = scale q.k`` to
-``softcap * tanh(s / softcap)`` before the mask; the ring caps its blocks' scores, and the whole-
-sequence attention (one device, ``all_gather``, ``ulysses``) then computes its scores in fp32 with
-:func:`jaxpar.parallel.context._attention.capped_attention` (``jax.nn.dot_product_attention`` has no cap).
+**Masks.** ``causal`` masks by true position (also in the balanced layout). ``segment_ids``
+(``[batch, length]`` ints) packs sequences into one row: a token attends only to its own id; give
+padding an id of its own (padding then attends to padding: no NaN) and mask it in the loss.
+``window`` (sliding window; a Python int or a traced int32 scalar) masks keys ``window`` or more
+positions away. ``softcap`` caps the scores to ``softcap * tanh(s / softcap)`` before the mask
+(whole-sequence methods then use :func:`jaxpar.parallel.context._attention.capped_attention`).
 
 Example::
 

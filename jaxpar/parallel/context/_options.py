@@ -26,7 +26,7 @@ import contextvars
 from dataclasses import dataclass
 from typing import ContextManager
 
-from jaxpar.adapters._scoped import scoped
+from jaxpar.rules import scoped
 from jaxpar.errors import ContextParallelError
 
 #: The mesh axis that splits the sequence (the ``length`` logical name maps to it).

@@ -1,49 +1,16 @@
 """Ring attention: exact attention over a sequence split across a mesh axis, never gathering K/V.
 
-Each of the ``C`` devices of the ``context`` axis holds a shard of the queries and of the keys and
-values (K/V). The K/V shards travel around the ring: at step ``t = 0 .. C-1`` device ``d`` holds the
-K/V of device ``(d - t) % C``, folds it into its queries' **online softmax** (a running max, sum and
-unnormalised output in fp32, :func:`~jaxpar.parallel.context._attention.softmax_step`), and passes it on to device
-``d + 1`` with one ``ppermute`` (``C - 1`` of them: the last block stays). After the last step
-``out = o / l``; the logsumexp ``m + log l`` is kept for the backward pass::
+The K/V shards travel around the ``C`` devices of the axis (one ``ppermute`` per step, ``C - 1``
+forward); each device folds the block it holds into its queries' fp32 online softmax
+(:func:`~jaxpar.parallel.context._attention.softmax_step`) and keeps the logsumexp. The backward (a
+``jax.custom_vjp``) rings again with the dK/dV accumulators beside K/V, and one more hop brings them
+home. Each hop sends one buffer (:func:`pack`), which also keeps XLA from merging the backward's hops
+with the forward's (that would keep the full K/V alive). ``hop="gather"`` makes each hop an
+all-gather, for pipeline stages on XLA:CPU (docs/strategies.md, "Context parallelism").
 
-    step 0:  dev0 K0  dev1 K1  dev2 K2  dev3 K3      (K and V move together, to the right)
-    step 1:  dev0 K3  dev1 K0  dev2 K1  dev3 K2
-    step 2:  dev0 K2  dev1 K3  dev2 K0  dev3 K1
-    step 3:  dev0 K1  dev1 K2  dev2 K3  dev3 K0
-
-The backward pass (a ``jax.custom_vjp``) rings again: the K/V shards travel the same way with their
-gradient accumulators dK/dV beside them; each device adds its queries' contributions
-(:func:`~jaxpar.parallel.context._attention.softmax_grad_step`, from the forward's logsumexp) to the accumulators
-it holds and keeps its own dQ. After step ``C - 1`` the accumulators sit one device before their
-owner, and one more hop brings them home. Only local shards are stored between the passes
-(``q, k, v, out, logsumexp``).
-
-Each hop sends one buffer (:func:`pack`: the bytes of K, V, the key segment ids and, backward, dK and
-dV), so the forward has ``C - 1`` collective-permutes and the backward ``C``. One buffer also keeps
-XLA from merging the backward's K/V hops with the forward's identical ones, which would keep all of
-the forward's K/V blocks, the full K/V, alive until the backward (an ``optimization_barrier`` does not
-stop that on XLA:CPU).
-
-**Hops in a pipeline stage on XLA:CPU.** XLA:CPU runs every collective-permute of a program as one
-rendezvous over all devices. Inside a pipeline stage's conditional, one stage's hops then meet
-another stage's activation transfer and receive its bytes. There, ``hop="gather"`` makes each hop an
-all-gather over the axis from which each device keeps its neighbour's buffer: the same blocks and
-the same arithmetic, ``C`` times the bytes, and a group per ring (GPUs and TPUs pair the sends
-and receives of a collective-permute, so they keep ``hop="permute"``).
-
-Each shard is cut into chunks (2 in the balanced layout, 1 in the natural one, see
-:mod:`jaxpar.parallel.context._zigzag`) and every (query chunk, key chunk) pair is one block. A block that the
-causal mask or the sliding ``window`` masks wholly (its key chunk lies after its query chunk, or
-wholly ``window`` or more positions before it) is skipped: statically where the decision is the
-same on every device (no code), else with ``lax.cond`` on the device index (and on a traced window).
-Only the local block is skipped; the hops stay outside any ``lax.cond``. With a static window, the
-steps after the last one at which any device computes a block are left out, hops included (a
-window within one natural-layout shard needs 2 steps of ``C``), and the backward's accumulators go
-home in one ``ppermute``. The computed blocks get their mask from the true positions of their chunks
-and from the segment ids, which travel with K/V; a ``softcap`` caps their scores (the backward
-differentiates through the ``tanh``). :func:`jaxpar.parallel.context.ring_block_pairs` counts the blocks
-computed.
+Every (query chunk, key chunk) pair (:mod:`jaxpar.parallel.context._zigzag`) is one block; a block the
+causal mask or the ``window`` masks wholly is skipped, statically where every device agrees, else by
+``lax.cond`` (the hops stay outside it). With a static window the steps no device needs are left out.
 
 Example (inside a ``shard_map`` manual over the axis)::
 

@@ -1,17 +1,9 @@
 """The balanced (zig-zag, "head-tail") layout of a sequence over ``C`` context devices.
 
-With a causal mask, token ``p`` attends to the ``p + 1`` tokens before it, so the device holding the
-end of the sequence has ``C`` times the work of the device holding its start. The balanced layout
-cuts the sequence into ``2C`` chunks and gives device ``i`` chunks ``i`` and ``2C-1-i``: an early
-chunk and a late one, whose work adds up to the same on every device::
-
-    natural   | 0 1 | 2 3 | 4 5 | 6 7 |        C = 4, 2C = 8 chunks, "|" between devices
-    balanced  | 0 7 | 1 6 | 2 5 | 3 4 |
-
-The data pipeline applies :func:`to_balanced` to every per-token array of the batch (tokens,
-targets, loss masks, segment ids, positions) along the sequence axis; the batch is then sharded on
-it as usual and the attention computes its masks from the true positions
-(:func:`balanced_order`). A per-token loss is a sum over tokens, so it needs no un-permuting;
+Under a causal mask the device holding the end of the sequence has ``C`` times the work of the one
+holding its start; the balanced layout gives device ``i`` chunks ``i`` and ``2C-1-i`` of ``2C``
+(docs/strategies.md draws it). :func:`to_balanced` permutes every per-token array of the batch along
+the sequence, the attention masks by the true positions (:func:`balanced_order`), and
 :func:`from_balanced` restores the natural order of per-token outputs.
 
 Example::

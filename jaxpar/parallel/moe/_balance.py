@@ -1,25 +1,15 @@
 """The MoE layers' loads inside a train step: each layer reports its own and reads the whole step's.
 
-The load-balancing loss ``aux = E * sum_e f_e P_e`` is not a mean over tokens: ``f`` is the load of
-the whole batch. A step that splits its batch into micro-batches (accumulation, a pipeline) makes
-it exact by a forward pre-pass that sums every layer's load over the micro-batches, then gives each
-micro-batch's layers that load for their ``f``; the mean of the micro-batches' losses is then the
-whole batch's, value and gradient (:func:`~jaxpar.parallel.moe.routing_stats`).
+The load-balancing loss's ``f`` is the load of the whole batch, so a step that splits its batch into
+micro-batches runs a forward pre-pass that sums every layer's load over them and gives each
+micro-batch's layers that load (:func:`use_step_loads`): the mean of the micro-batches' losses is then
+the whole batch's, value and gradient.
 
-Nothing of this is in the user's loss. The step traces it through :func:`balanced`, which numbers
-the MoE layer calls (*sites*) in the order the forward runs them:
-
-* a call at the loss's own level takes the next site;
-* a call inside stacked layers (:func:`jaxpar.run_layers` / :func:`jaxpar.scan_blocks`, a scan or a
-  pipeline's stages) takes a site per layer: the step's layer runner carries the layer's index, the
-  rows of the step's loads and the loads found so far beside the activation, so they cross a scan
-  and a pipeline's stages as the activation does.
-
-Each call (:func:`~jaxpar.parallel.moe.moe_apply`) records its load at its site and, under
-:func:`use_step_loads`, balances with the step's load of its site. The loss reports the loads
-``[sites, E]`` as :data:`LAYER_LOADS`. :func:`probe` tells the step, from an abstract trace,
-whether the loss uses the balancing loss and whether only as a sum with constant weights (the one
-use that a mean over micro-batches reproduces).
+:func:`balanced` numbers the MoE calls (*sites*) in the order the forward runs them: the next site at
+the loss's own level, one per layer inside stacked layers (the layer runner carries the index, the
+step's loads and the loads found so far beside the activation, through a scan or a pipeline). The
+loss reports the loads ``[sites, E]`` as :data:`LAYER_LOADS`. :func:`probe` tells, from an abstract
+trace, whether the loss uses the balancing loss and whether only as a sum with constant weights.
 
 >>> import jax, jax.numpy as jnp
 >>> from flax import nnx
@@ -46,7 +36,7 @@ from jax._src.interpreters.partial_eval import dce_jaxpr
 
 from jaxpar.adapters._blocks import LayerCall, current_layer_runner, use_layer_runner
 from jaxpar.adapters._loss_metrics import collect_metrics, report_metric, with_reported_metrics
-from jaxpar.adapters._scoped import scoped
+from jaxpar.rules import scoped
 from jaxpar.errors import MoEError
 
 #: The name under which a balanced loss reports its MoE layers' loads ``[sites, E]``.
@@ -75,11 +65,6 @@ def use_step_loads(loads: Any) -> ContextManager[Balance]:
       A context manager yielding the :class:`Balance` in effect.
     """
     return scoped(_BALANCE, _BALANCE.get()._replace(step=loads))
-
-
-def step_loads() -> Any:
-    """The whole step's loads of :func:`use_step_loads` (``None`` outside it)."""
-    return _BALANCE.get().step
 
 
 _ROUTER_BIAS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_router_bias", default=None)

@@ -1,38 +1,17 @@
 """Dense capacity dispatch, the experts' MLPs, the combine, and expert parallelism (EP) over ``expert``.
 
-The dense layout (GShard): each group's kept choices are written into a buffer
-``[groups, experts, capacity, embed]`` (a one-hot einsum, exact), every expert runs on its ``C`` slots,
-and the outputs are read back weighted by the combine weights.
+The dense layout (GShard): each group's kept choices go into a buffer ``[groups, experts, capacity,
+embed]`` (a one-hot einsum), every expert runs on its ``C`` slots, and the outputs are read back with
+the combine weights. When the rules shard ``experts`` (:func:`expert_rules`), this runs in a
+``jax.shard_map`` manual over the expert axes and the token axes, with two all-to-alls over
+``expert`` each way (docs/strategies.md, "Expert parallelism", draws it). Expert axes the ``batch``
+rule does not name split the batch on entry and gather the output on exit. Under context
+parallelism (:func:`sequence_axes`) the buffer is reduce-scattered over the slots first and
+all-gathered back before the combine.
 
-Under a mesh whose rules shard the ``experts`` logical axis over mesh axes of total size ``E_p > 1``
-(:func:`expert_rules`: ``experts -> expert``), this runs in a ``jax.shard_map`` manual over the expert
-axes and every axis that splits the tokens (the batch's axes, by the ``batch`` rule)::
-
-    x [G/n, T, D] --one-hot--> buffer [G/n, E, C, D] --all_to_all(expert)--> [G/n * E_p, E/E_p, C, D]
-       |                                                                        | local experts
-    y [G/n, T, D] <--combine-- [G/n, E, C, D] <--all_to_all(expert)-- [G/n * E_p, E/E_p, C, D]
-
-``n`` is the number of token shards (the product of the token axes). Each device keeps ``E/E_p``
-experts (weights sharded over ``expert`` on their leading ``experts`` axis, never gathered over it);
-the expert axes also split the batch (EP devices are data parallel for the other layers): when the
-``batch`` rule does not name them, the layer splits the batch over them on entry (a local slice) and
-gathers its output over them on exit (an all-gather of activations). Axes that split no token
-(``tensor``: the experts' ``mlp`` dimension) stay automatic, unless they all have size 1: then the region
-is manual over the whole mesh (:mod:`jaxpar.parallel._regions`; where one of size > 1 stays automatic, on CPU the
-region's bf16 reductions run in fp32); an axis already manual in the caller (a pipeline's ``pipe``) is
-left alone. Per layer: 2 all-to-alls over ``expert`` forward, 2 backward, of
-``G/n * E * C * D`` elements each per device.
-
-Under context parallelism (the ``length`` rule's axes, ``context``: :func:`sequence_axes`) the region is
-manual over them too, and each device holds a part of every row: its buffer, with only its tokens'
-slots filled, is reduce-scattered over them along the slots (``C`` padded to a multiple of their size
-``S``), the all-to-alls carry ``C / S`` slots, each device runs the experts on those, and the outputs
-are all-gathered back over the slots before the combine.
-
-**The experts** (:func:`expert_mlp`): ``w2(act(x w1))``, or with an up projection ``w3`` (shaped and
-split like ``w1``) the gated MLP of Mixtral, Qwen-MoE and DeepSeek, ``w2(act(x w1) * (x w3))``: ``w1``
-is the gate projection, ``w3`` the up projection, ``w2`` the down projection (Mixtral's names), and
-``act`` one of :data:`ACTIVATIONS` (``"silu"`` with ``w3``: SwiGLU). Every path above runs either.
+**The experts** (:func:`expert_mlp`): ``w2(act(x w1))``, or with an up projection ``w3`` the gated
+MLP of Mixtral, Qwen-MoE and DeepSeek, ``w2(act(x w1) * (x w3))``; ``act`` is one of
+:data:`ACTIVATIONS`.
 
 >>> import jax, jax.numpy as jnp
 >>> xe = jnp.ones((1, 2, 3, 4))

@@ -39,9 +39,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.adapters._scoped import scoped
 from jaxpar.parallel.moe._balance import site_balance, step_bias
-from jaxpar.rules import constrain
+from jaxpar.rules import constrain, scoped
 from jaxpar.parallel.moe._dispatch import activation_fn, dispatch_combine
 from jaxpar.parallel.moe._routing import MoEError, MoEStats, check_options, route, routing_stats
 

@@ -1,40 +1,20 @@
 """The router: top-k gates, the capacity rule, the balancing losses and the per-call statistics.
 
-Everything here is plain ``jnp`` on arrays of shape ``[groups, tokens, ...]``: a *group* is a batch
-row (one sequence), which no jaxpar strategy splits (a context-parallel split of the sequence would:
-it needs groups of ``T / context`` tokens), so every quantity below is either a per-group rule, the
-same whatever axes split the batch, or a mean over all the tokens of the call (GSPMD reduces it over
-the devices that split the batch, as one device would).
+Plain ``jnp`` on ``[groups, tokens, ...]``: a group is a batch row, which no strategy splits, so every
+quantity is a per-group rule or a mean over the call's tokens (GSPMD reduces it as one device would).
 
-**Gates** (``logits = x @ router`` in float32, ``[G, T, E]``):
+**Gates** (``logits = x @ router`` in float32): ``softmax`` (``p = scores = softmax(logits)``) or
+``sigmoid`` (DeepSeek-V3: ``p = scores / sum_e scores``). A token's top-k experts have the largest
+``scores + bias`` (ties: the lower index; the aux-loss-free ``bias`` selects only). Their weights are
+``scores[top-k]``, divided by their sum when ``normalize``. Dropless, this is Hugging Face's
+Qwen3-MoE / Mixtral router (there the logits are multiplied in the model's dtype).
 
-- ``softmax``: ``scores = softmax(logits)``; the gate distribution ``p = scores``.
-- ``sigmoid`` (DeepSeek-V3): ``scores = sigmoid(logits)``; ``p = scores / sum_e scores``.
+**Capacity** (GShard): ``C = min(T, ceil(capacity_factor * T * k / E))`` per group and expert, or ``T``
+(dropless); all first choices of a group go before any second, then by position; a slot ``>= C`` drops.
 
-The top-k experts of a token are those with the largest ``scores + bias`` (ties: the lower index;
-``bias``: the aux-loss-free balancing bias, used for the *selection only*, no gradient). Their combine weights are
-``scores[top-k]``, divided by their sum when ``normalize`` (Mixtral, DeepSeek-V3; for softmax this
-equals a softmax over the top-k logits). With ``top_k=1`` and ``normalize`` the weight is 1 and the
-router learns only from the losses: Switch (``normalize=False``) keeps the probability.
-
-This is Hugging Face's Qwen3-MoE / Qwen2-MoE / Mixtral router: ``probs = softmax(x @ router, float32)``,
-``weights, experts = topk(probs, k)``, divided by their sum when ``norm_topk_prob`` (``normalize``),
-and the layer's output ``sum_k weights_k * expert_k(x)``; dropless (``capacity_factor=None``) no choice
-is dropped, so :func:`~jaxpar.parallel.moe.moe_apply` is that formula (fp32 round-off aside). On exactly
-equal scores the lower expert index comes first, as in ``jax.lax.top_k`` (and ``torch.topk`` as it runs
-in practice; PyTorch does not document its order on ties). One difference: here the logits are
-computed from ``x`` and ``router`` cast to float32, where Hugging Face multiplies in the model's dtype
-and casts the logits to float32 for the softmax; the two agree for float32 weights and activations.
-
-**Capacity** (GShard, per group and expert): ``C = min(T, ceil(capacity_factor * T * k / E))``, or
-``C = T`` (dropless: a token picks an expert at most once, so at most ``T`` of a group's choices go
-to one expert). Priority: all first choices of a group before any second choice (choice rank), then
-by position in the sequence. An assignment whose slot in its expert's buffer is ``>= C`` is dropped.
-
-**Losses** over the ``N`` tokens of the call: the load-balancing loss (Switch / GShard)
-``aux = E * sum_e f_e * P_e`` with ``f_e = load_e / (N k)`` (the routed fraction, before capacity; no
-gradient) and ``P_e = mean_t p_e(t)``; 1 when balanced (:func:`load_balancing_loss`). The router
-z-loss (ST-MoE) ``z = mean_t logsumexp(logits_t)^2``. The router entropy ``mean_t -sum_e p_e log p_e``.
+**Losses** over the call's ``N`` tokens: load balancing ``aux = E * sum_e f_e * P_e`` with
+``f_e = load_e / (N k)`` (no gradient) and ``P_e = mean_t p_e(t)`` (:func:`load_balancing_loss`);
+the z-loss ``mean_t logsumexp(logits_t)^2``; the router entropy.
 
 >>> import jax.numpy as jnp
 >>> x, router = jnp.ones((1, 4, 2)), jnp.array([[1.0, 0.0, -1.0], [0.0, 0.0, 0.0]])

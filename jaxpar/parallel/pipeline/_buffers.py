@@ -1,13 +1,11 @@
 """The slotted buffers a pipeline stage carries through its tick loop, and one action's view of them.
 
-Each stage holds its in-flight values in buffers with a leading slot axis, sized by the
-lowered program (:mod:`._instructions`): the residuals of the forwards waiting for their
-backward, the inboxes of activations and cotangents received from the neighbouring
-stages, and the split backward's frontier kept for W. An action reads one slot of the
-inboxes and the residual and frontier buffers whole (a :class:`SlotView`), and hands back
-what it writes (a :class:`TickIO`); :func:`write_slots` puts that into the state
-(:class:`PipelineState`). The indices are traced (they come from the table's row for the
-tick), so every read and write is a ``dynamic_slice`` / ``dynamic_update_slice``.
+Each buffer has a leading slot axis sized by the lowered program (:mod:`._instructions`): the
+residuals of the forwards waiting for their backward, the inboxes of received activations and
+cotangents, and the split backward's frontier kept for W. An action reads a :class:`SlotView` and
+hands back a :class:`TickIO`, which :func:`write_slots` puts into the :class:`PipelineState`. The
+indices come from the table's row for the tick (traced), so every read and write is a
+``dynamic_slice`` / ``dynamic_update_slice``.
 
 Example:
     >>> import jax.numpy as jnp
@@ -80,82 +78,33 @@ class SlotView(NamedTuple):
 
 
 def take(buf, i):
-    """Entry ``i`` of ``buf`` along its leading axis.
-
-    Args:
-        buf: an array.
-        i: the index (an int or a traced int32 scalar).
-
-    Returns:
-        ``buf[i]``.
-    """
+    """``buf[i]`` along its leading axis (``i`` an int or a traced int32 scalar)."""
     return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
 
 
 def take_tree(tree, i):
-    """Entry ``i`` of every leaf of ``tree`` along its leading axis.
-
-    Args:
-        tree: a pytree of arrays with a common leading axis.
-        i: the index (an int or a traced int32 scalar).
-
-    Returns:
-        ``tree`` with each leaf ``a`` replaced by ``a[i]``.
-    """
+    """Entry ``i`` of every leaf of ``tree`` along its leading axis."""
     return jax.tree.map(lambda a: take(a, i), tree)
 
 
 def put(buf, i, value):
-    """``buf`` with entry ``i`` of its leading axis set to ``value`` (cast to ``buf``'s dtype).
-
-    Args:
-        buf: an array.
-        i: the index (an int or a traced int32 scalar).
-        value: an array shaped like ``buf[i]``.
-
-    Returns:
-        The updated buffer (in place inside a loop).
-    """
+    """``buf`` with entry ``i`` of its leading axis set to ``value`` (cast to ``buf``'s dtype; in place in a loop)."""
     return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
 
 
 def put_tree(tree, i, values):
-    """Every leaf of ``tree`` with entry ``i`` of its leading axis set to the matching leaf of ``values``.
-
-    Args:
-        tree: a pytree of arrays (an activation's buffers: one per leaf of the activation).
-        i: the index (an int or a traced int32 scalar).
-        values: a pytree like ``tree`` of arrays shaped like its leaves' entries.
-
-    Returns:
-        The updated buffers.
-    """
+    """Every leaf of ``tree`` with entry ``i`` of its leading axis set to the matching leaf of ``values``."""
     return jax.tree.map(lambda b, v: put(b, i, v), tree, values)
 
 
 def zeros_like_tree(tree: Any) -> Any:
-    """Zeros shaped like every leaf of ``tree``.
-
-    Args:
-        tree: a pytree of arrays or ``ShapeDtypeStruct``s.
-
-    Returns:
-        The same tree of zero arrays, each leaf's shape and dtype.
-    """
+    """Zeros shaped like every leaf of ``tree`` (arrays or shapes)."""
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 
 def read_slots(st: PipelineState, sl: Slots) -> SlotView:
-    """What an action on the slots ``sl`` reads of the state ``st``.
-
-    Args:
-        st: the stage's buffers and sums.
-        sl: the action's slots at this tick.
-
-    Returns:
-        The inbox slots and the chunk's gradient sum at ``sl``, the residual and frontier
-        buffers whole, and the sums.
-    """
+    """What an action on the slots ``sl`` reads of the state ``st``: the inbox slots and the chunk's
+    gradient sum at ``sl``, the residual and frontier buffers whole, and the sums."""
     return SlotView(x=take_tree(st.inbox_f, sl.inbox), dy=take_tree(st.inbox_b, sl.inbox),
                     dy_out=take_tree(st.inbox_b, sl.dy),
                     res=st.res, gys=st.grads_y,
@@ -164,16 +113,8 @@ def read_slots(st: PipelineState, sl: Slots) -> SlotView:
 
 
 def write_slots(st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
-    """The state ``st`` with what an action on the slots ``sl`` hands back written.
-
-    Args:
-        st: the stage's buffers and sums.
-        sl: the action's slots at this tick.
-        io: what the action returns; a ``None`` field leaves its buffer as it was.
-
-    Returns:
-        ``st`` with the written slots and the action's sums (``g_outer``, ``loss``).
-    """
+    """``st`` with what an action on the slots ``sl`` hands back written (a ``None`` field of ``io``
+    leaves its buffer as it was)."""
     new = st._replace(g_outer=io.g_outer, loss=io.loss)
     if io.res is not None:
         new = new._replace(res=io.res)

@@ -1,21 +1,12 @@
 """Cut any NNX model for a pipeline at its stacked layers, with the user's own loss.
 
 A model that runs its repeated blocks through :func:`jaxpar.adapters.scan_blocks` (or
-:func:`~jaxpar.adapters.run_layers`) needs no other declaration. :func:`cut_model` traces
+:func:`~jaxpar.adapters.run_layers`) needs no other declaration: :func:`cut_model` traces
 ``loss_fn(model, batch)`` once, abstractly, to find that call, and builds the three
-:class:`~jaxpar.parallel.pipeline.PipelineParts` from the loss itself:
-
-* ``pre(outer, mb) -> x``: the loss run up to the stacked-layers call (the first
-  virtual stage); the call stops it and hands back its input ``x``;
-* ``layer(p, x) -> y``: one layer under the model's remat policy;
-* ``post(outer, y, mb) -> loss``: the loss run again with the stacked-layers call
-  replaced by ``y`` (the last virtual stage). What precedes the call is traced
-  again there; XLA removes it where its result is unused, and where it is used (a
-  skip connection around the blocks, a tied embedding) its gradient counts.
-
-``outer`` is every parameter leaf outside the stacked blocks, as a list; the blocks'
-leaves must reach the call as they are in the parameter tree (not sliced or
-computed from).
+:class:`PipelineParts` from the loss itself (docs/pipeline.md, "Any NNX model"): ``pre`` runs the
+loss up to the call, which stops it and hands back its input; ``layer`` is one layer under the
+model's remat policy; ``post`` runs the loss again with the call replaced by the last stage's output.
+``outer`` is every parameter leaf outside the stacked blocks, as a list.
 
 Example::
 
@@ -56,8 +47,30 @@ from jaxpar.adapters._layer_lists import layer_differences
 from jaxpar.mesh import data_axes
 from jaxpar.adapters._mesh_axes import batch_specs, call_site, explicit_call, model_batch_axes, needs_explicit_mesh
 from jaxpar.rules import constrain, spec_without
-from jaxpar.parallel.pipeline._parts import PipelineParts
 from jaxpar.errors import PipelineCutError
+
+
+@dataclass(frozen=True)
+class PipelineParts:
+    """How the executor runs a model: ``pre`` and ``post`` share one parameter tree, ``outer`` (every
+    parameter that is not a block's; a tied embedding is one leaf of both, its gradients added).
+
+    - ``pre(outer, microbatch) -> x``: before the blocks (e.g. the embedding), on the first virtual stage.
+    - ``layer(layer_params, x) -> y``: one block; ``y`` has ``x``'s shape and dtype.
+    - ``post(outer, y, microbatch) -> loss``: after the blocks (e.g. head and loss), on the last
+      virtual stage: a scalar averaged over the micro-batch's rows.
+    """
+
+    pre: Callable
+    layer: Callable
+    post: Callable
+
+    def __post_init__(self):
+        for name in ("pre", "layer", "post"):
+            value = getattr(self, name)
+            if not callable(value):
+                raise PipelineCutError(f"PipelineParts({name}={value!r}): {name} must be a function; see the "
+                                       "class docstring for each part's signature.")
 
 
 class _Reached(Exception):
@@ -113,35 +126,19 @@ class ModelCut:
     x: Any                              # the blocks' input (one micro-batch): ShapeDtypeStructs
 
     def split(self, params: Any) -> tuple[list, Any]:
-        """Split a parameter tree.
-
-        Args:
-          params: a tree of the cut model's structure (parameters or gradients).
-
-        Returns:
-          ``(outer, blocks)``: the leaves outside the stacked blocks (a list), and the blocks' tree.
-        """
+        """``(outer, blocks)`` of a tree of the cut model's structure (parameters or gradients): the leaves
+        outside the stacked blocks (a list), and the blocks' tree."""
         leaves = self.params_treedef.flatten_up_to(params)
         inside = set(self.block_leaves)
         outer = [leaf for i, leaf in enumerate(leaves) if i not in inside]
         return outer, self.block_treedef.unflatten([leaves[i] for i in self.block_leaves])
 
     def merge(self, outer: list, blocks: Any) -> Any:
-        """Inverse of :meth:`split`.
-
-        Args:
-          outer: the leaves outside the blocks.
-          blocks: the blocks' tree.
-
-        Returns:
-          The parameter tree.
-        """
-        leaves: list = [None] * self.params_treedef.num_leaves
-        for i, leaf in zip(self.block_leaves, self.block_treedef.flatten_up_to(blocks)):
-            leaves[i] = leaf
+        """Inverse of :meth:`split`: the parameter tree of ``outer`` and ``blocks``."""
+        inside = dict(zip(self.block_leaves, self.block_treedef.flatten_up_to(blocks)))
         rest = iter(outer)
-        leaves = [next(rest) if leaf is None else leaf for leaf in leaves]
-        return self.params_treedef.unflatten(leaves)
+        return self.params_treedef.unflatten([inside[i] if i in inside else next(rest)
+                                              for i in range(self.params_treedef.num_leaves)])
 
 
 def _site(loss_fn: Callable, graphdef, params: Any, batch: Any, explicit: "_Explicit | None"):
@@ -185,8 +182,8 @@ def _is_spec(x) -> bool:
 def _explicit_mode(loss_fn: Callable, graphdef, shapes: Any, batch: Any, mesh, own_specs: Any) -> "_Explicit":
     """How a model that pins shardings by mesh axes runs: its batch axes decided by an abstract trace."""
     whole = lambda p, b: loss_fn(nnx.merge(graphdef, p), b)     # noqa: E731
-    unpiped = jax.tree.map(lambda sp: spec_without(sp, {"pipe"}), own_specs, is_leaf=_is_spec)  # a scan's xs
-    return _Explicit(mesh, own_specs, model_batch_axes(whole, unpiped, shapes, batch, mesh))
+    own = jax.tree.map(lambda sp: spec_without(sp, {"pipe"}), own_specs, is_leaf=_is_spec)  # stages hold layers
+    return _Explicit(mesh, own, model_batch_axes(whole, own, shapes, batch, mesh))
 
 
 def explicit_whole_loss(loss_fn: Callable, graphdef, shapes: Any, batch: Any, mesh, own_specs: Any) -> Callable:
@@ -215,10 +212,9 @@ class _Explicit:
     over the data axes the model splits its batch over (:func:`~jaxpar.adapters._mesh_axes.model_batch_axes`;
     the others stay ``Auto``) on their batch dimension."""
 
-    def __init__(self, mesh, own_specs: Any, batch_axes: tuple[str, ...] | None):
-        self.mesh, self.drop = mesh, set(data_axes(mesh))
+    def __init__(self, mesh, own: Any, batch_axes: tuple[str, ...] | None):
+        self.mesh, self.drop, self.own = mesh, set(data_axes(mesh)), own
         batch_axes = data_axes(mesh) if batch_axes is None else batch_axes     # None: nothing traced
-        self.own = jax.tree.map(lambda sp: spec_without(sp, {"pipe"}), own_specs, is_leaf=_is_spec)   # stages hold layers
         self.axes, self.auto = batch_axes, tuple(a for a in data_axes(mesh) if a not in batch_axes)
 
     def call(self, fn: Callable, specs_of: Callable) -> Callable:

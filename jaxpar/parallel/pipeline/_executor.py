@@ -1,32 +1,13 @@
 """Run any valid schedule table as one SPMD program: ``shard_map`` manual over ``pipe``.
 
-Each device holds its stages' layers (``[v, Lmax, ...]``: ``v`` chunks of at most
-``Lmax`` layers). A ``lax.scan`` runs the lowered table (:mod:`._instructions`) tick by
-tick; at each tick every device runs the action of its row, one boolean ``lax.cond``
-per action kind (idle stages compute nothing in bubbles):
-
-* **F**: ``pre`` (virtual stage 0), the chunk's layers with one ``jax.vjp`` each
-  (each layer's residuals to ``[slot, layer]`` of buffers sized by the table's peak
-  in-flight count, not by ``m``), then ``post`` and ``d loss / d y`` (last virtual
-  stage) or a send.
-* **B**: the stored vjps in reverse on the received cotangent, accumulating the
-  weight gradients (fused); or, split (zero-bubble), only the part of each layer's
-  pullback that the input cotangent needs, keeping what the weight gradients read
-  (the *frontier*, :mod:`jaxpar.parallel.pipeline._split_backward`) for **W**, which runs the rest; then
-  ``pre``'s vjp (virtual stage 0) or a send.
-
-An action reads a :class:`~._buffers.SlotView` (one slot of the inboxes, the residual and
-frontier buffers whole) and returns what it writes and sends (a :class:`~._buffers.TickIO`);
-its conditional updates the buffers (:class:`~._buffers.PipelineState`) in place, and the
-layer loops index them at ``[slot, layer]``, so no slot is copied out or back
-(an index ``switch`` over the kinds would copy every buffer it passes through).
-The stage, its actions and the tick live in :mod:`._stage`. Then ``ppermute`` sends
-activations forward and cotangents backward between the stages that send at that
-tick (wrap-around ``p-1 -> 0`` for interleaved chunks): one ``ppermute`` per
-distinct set of pairs, chosen by a ``lax.switch`` whose index is the same on every
-device. The other mesh axes stay automatic, so data / ZeRO / tensor parallelism
-work inside a stage. ``pre`` and ``post`` add into one gradient of ``outer``,
-summed over ``pipe`` once at the end. The result equals the non-pipelined run.
+Each device holds its stages' layers (``[v, Lmax, ...]``: ``v`` chunks of at most ``Lmax`` layers)
+and a ``lax.scan`` runs the lowered table tick by tick (:mod:`._stage`): the device's action, one
+boolean ``lax.cond`` per action kind (idle stages compute nothing in bubbles), then ``ppermute``
+sends between the stages that send at that tick, one per distinct set of pairs, chosen by a
+``lax.switch`` whose index is the same on every device. The other mesh axes stay automatic, so
+data / ZeRO / tensor parallelism work inside a stage. ``pre`` and ``post`` add into one gradient
+of ``outer``, summed over ``pipe`` once at the end. The result equals the non-pipelined run
+(docs/pipeline.md, "How the executor works").
 
 Example::
 
@@ -53,7 +34,6 @@ Example::
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, Sequence
 
 import jax
@@ -61,12 +41,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.adapters._blocks import use_layer_runner
 from jaxpar.rules import drop_axes, use_rules
-from jaxpar.parallel.pipeline._buffers import PipelineState, Slots, SlotView, TickIO
-from jaxpar.parallel.pipeline._lockstep_stage import LockstepStage, lockstep_state, lockstep_table, lockstep_tick
-from jaxpar.parallel.pipeline._partition import check_blocks_layout
-from jaxpar.parallel.pipeline._parts import PipelineParts
+from jaxpar.parallel.pipeline._cut import PipelineParts
 from jaxpar.parallel.pipeline._instructions import Program
-from jaxpar.parallel.pipeline._stage import PIPE, TICKS_SCOPE, ActionKind, Stage, initial_state, stage_counts, tick, tick_table
+from jaxpar.parallel.pipeline._partition import check_blocks_layout
+from jaxpar.parallel.pipeline._stage import PIPE, LockstepStage, Stage, run_ticks, stage_counts, tick_table
 
 
 def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program, *,
@@ -84,7 +62,7 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
             manual too; every gradient gets a leading replica axis sharded over them; the loss is their mean.
         with_metrics: also return what ``parts.post`` reported (:func:`jaxpar.report_metric`), averaged.
         lockstep: ``program`` is a lockstep table (``lower(lockstep(schedule))``, :mod:`._lockstep`): every stage
-            runs each tick's action, masked where it has none (:mod:`._lockstep_stage`), so no collective inside
+            runs each tick's action, masked where it has none (:class:`~._stage.LockstepStage`), so no collective inside
             an action is reached by some devices only.
 
     Returns:
@@ -97,17 +75,14 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
     p, v = program.schedule.num_stages, program.schedule.num_chunks
     counts = stage_counts(program, mesh, stage_layers)      # [chunk, stage]
     lmax = int(counts.max())
-    table = lockstep_table(program) if lockstep else tick_table(program)
+    table = tick_table(program, lockstep=lockstep)
     replica_axes = tuple(replica_axes)
     rep_entry = (replica_axes if len(replica_axes) > 1 else replica_axes[0]) if replica_axes else None
 
     def body(outer, blocks, mbs):
-        kind = LockstepStage if lockstep else Stage
-        stage = kind(parts, program, counts, outer, jax.tree.map(lambda a: a[:, 0], blocks), mbs)
-        branches = [stage.branch(k) for k in table.kinds]
-        step, start = (lockstep_tick, lockstep_state) if lockstep else (tick, initial_state)
-        with jax.named_scope(TICKS_SCOPE):
-            st, _ = jax.lax.scan(functools.partial(step, stage, table, branches), start(program, stage), table.rows)
+        stage = (LockstepStage if lockstep else Stage)(parts, program, counts, outer,
+                                                       jax.tree.map(lambda a: a[:, 0], blocks), mbs)
+        st, _ = run_ticks(stage, table, stage.initial_state(program))
         g_blocks = jax.tree.map(lambda a: a[:, None], st.g_blocks)
         loss, g_outer = jax.lax.psum(st.loss, PIPE) / stage.m, jax.lax.psum(st.g_outer, PIPE)
         metrics = jax.tree.map(lambda a: jax.lax.psum(a, PIPE) / stage.m, st.metrics)   # the last stage's sums

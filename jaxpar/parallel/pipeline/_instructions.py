@@ -1,23 +1,12 @@
-"""Lower a schedule table to per-tick, per-stage instructions with buffer slots.
+"""Lower a schedule table to per-tick, per-stage instructions with buffer slots (pure Python, no JAX).
 
-Pure Python (no JAX). The executor (:mod:`jaxpar.parallel.pipeline._executor`) runs one
-:class:`Tick` after another; at each tick every stage runs its :class:`Instr`
-and then two ``ppermute``\\ s move the activations forward and the cotangents
-backward, only between the pairs of stages that send at that tick.
-
-Every value that waits on a stage lives in a slot of a fixed-size buffer:
-
-* ``res``: forward residuals of a (micro-batch, chunk), from its F until its B
-  (or its W when the backward is split);
-* ``inbox_f``: an activation received from the previous virtual stage, until
-  the F that consumes it;
-* ``inbox_b``: a cotangent received from the next virtual stage (or written by
-  the head on the last one), until the B that consumes it;
-* ``grad``: a split backward's per-layer output cotangents, from B until W.
-
-Slots are assigned by interval colouring per stage, so each buffer holds the
-table's peak number of waiting values (for 1F1B at most ``p`` residuals),
-never ``m``.
+At each :class:`Tick` every stage runs its :class:`Instr`, then the activations move forward and
+the cotangents backward between the pairs of stages that send at that tick. Every value that waits
+on a stage lives in a slot of a fixed-size buffer: ``res`` (forward residuals, from F until B, or W
+when the backward is split), ``inbox_f`` / ``inbox_b`` (a received activation / cotangent, until the
+F / B that consumes it; the head writes its own cotangent) and ``grad`` (a split backward's per-layer
+output cotangents, from B until W). Slots are assigned by interval colouring per stage, so each
+buffer holds the table's peak number of waiting values (for 1F1B at most ``p`` residuals), never ``m``.
 
 Example:
     >>> from jaxpar.parallel.pipeline._schedules import one_f_one_b, gpipe
@@ -51,15 +40,6 @@ class Instr:
     dy: int = 0             # F (last): inbox_b slot written with the loss cotangent
     grad: int = 0           # B (split) writes / W reads
 
-    @property
-    def kind(self) -> tuple:
-        """The branch this instruction needs (what must be compiled)."""
-        if self.op == "F":
-            return ("F", self.first, self.last)
-        if self.op == "B":
-            return ("B", self.first)
-        return (self.op,)
-
 
 @dataclass(frozen=True)
 class Tick:
@@ -83,27 +63,14 @@ class Program:
     n_bwd: int
     n_grad: int
 
-    @property
-    def split_backward(self) -> bool:
-        return self.schedule.split_backward
-
 
 def colour_intervals(intervals: Iterable[tuple[object, int, int]]) -> tuple[dict, int]:
-    """Assign each interval a slot so that no two intervals sharing a slot overlap.
+    """``(key -> slot, number of slots)`` for ``(key, start, end)`` intervals (``end`` inclusive) such that
+    no two intervals sharing a slot overlap: greedy colouring in order of start, which uses the fewest
+    slots (the peak number alive at one tick).
 
-    Greedy interval colouring in order of start, which uses the fewest slots: the peak
-    number of intervals alive at one tick.
-
-    Args:
-        intervals: ``(key, start, end)`` triples; ``end`` is inclusive (the slot is free
-            again from ``end + 1``).
-
-    Returns:
-        ``(key -> slot, number of slots)``.
-
-    Example:
-        >>> colour_intervals([("a", 0, 2), ("b", 1, 3), ("c", 3, 4)])
-        ({'a': 0, 'b': 1, 'c': 0}, 2)
+    >>> colour_intervals([("a", 0, 2), ("b", 1, 3), ("c", 3, 4)])
+    ({'a': 0, 'b': 1, 'c': 0}, 2)
     """
     slots: dict = {}
     free_at: list[int] = []          # per slot: first tick it is free again
@@ -225,19 +192,8 @@ def sends(program: Program) -> dict[str, int]:
 
 
 def stage_counts(program: Program, mesh, stage_layers: Sequence[int]) -> np.ndarray:
-    """The layers of each virtual stage as ``[chunk, stage]``, checked against the schedule and mesh.
-
-    Args:
-        program: the lowered schedule.
-        mesh: the mesh (its ``pipe`` axis must have the schedule's stage count).
-        stage_layers: layers of each virtual stage ``k = chunk * p + stage``.
-
-    Returns:
-        ``stage_layers`` as an int32 ``[v, p]`` array.
-
-    Raises:
-        ValueError: naming what does not fit.
-    """
+    """``stage_layers`` (layers of each virtual stage ``k = chunk * p + stage``) as an int32 ``[v, p]``
+    array, checked against the schedule and the mesh's ``pipe`` axis."""
     sched = program.schedule
     p, v, pipe = sched.num_stages, sched.num_chunks, dict(mesh.shape).get(PIPE, 1)
     if pipe != p:

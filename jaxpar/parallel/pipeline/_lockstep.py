@@ -1,26 +1,13 @@
 """Lockstep schedules: every stage runs the same kind of action (F, B or W) at every tick.
 
-Pure Python (no JAX). In the executor's usual program each stage runs its own action at a tick,
-one ``lax.cond`` per action kind whose predicate differs between the stages. A collective inside
-such a branch (the all-gathers and reduce-scatters of sequence parallelism over ``tensor``) is
-then reached by some devices only. XLA:CPU keys each collective's rendezvous on all devices, so
-the program hangs; the GPU runtime also needs every participant of a collective to reach it.
-
-A lockstep table has one kind per tick. Every stage runs the tick's action, the predicate of each
-conditional is the tick's kind (the same on every device), and a stage that has nothing of that
-kind to do runs it on a spare slot with its effects masked (:mod:`._lockstep_stage`). So every
-collective inside an action is reached by every device.
-
-:func:`lockstep` re-times a flush schedule tick by tick. The kinds take turns (F, B, W, F, ...;
-a kind that no stage can run is passed over), and every stage whose next action is of the tick's
-kind and ready runs it. Some kind always can: the earliest unfinished action of the original table
-is ready, so the re-timing never deadlocks. A stage may also run its next forward ahead of a
-pending backward or W (within its *room*: ``peak + p - 1 - s`` micro-batches in flight, ``peak``
-the original table's), so that its forwards fill the F ticks. Forwards keep their order, and
-backwards and W keep theirs; dependencies are checked by :func:`~jaxpar.parallel.pipeline.validate`.
-Counting an F as 1 and a B as 2, 1F1B and interleaved keep their bubble, ``(p-1)/(vm+p-1)``, with
-up to ``2p-1`` micro-batches in flight on stage 0 (1F1B: ``p``); ZB-H1's becomes
-``2(p-1)/(3m+2(p-1))``; GPipe is unchanged.
+Pure Python (no JAX). The executor runs a lockstep table with every stage taking the tick's action,
+masked where it has none (:class:`~jaxpar.parallel.pipeline._stage.LockstepStage`), so a collective
+inside an action (sequence parallelism's over ``tensor``) is reached by every device; docs/pipeline.md
+("Lockstep programs") has the why and the costs. :func:`lockstep` re-times a flush schedule: the kinds
+take turns (F, B, W, F, ...; a kind no stage can run is passed over), every stage whose next action
+is of the tick's kind and ready runs it, and a stage may run its next forward ahead of pending
+backwards while it holds fewer than ``peak + p - 1 - s`` micro-batches. The earliest unfinished
+action of the original table is always ready, so the re-timing never deadlocks.
 
 Example:
     >>> from jaxpar.parallel.pipeline._schedules import one_f_one_b, num_ticks, peak_in_flight
@@ -32,7 +19,7 @@ Example:
 """
 from __future__ import annotations
 
-from jaxpar.parallel.pipeline._tick_table import Action, Schedule, dependencies, stage_actions, validate
+from jaxpar.parallel.pipeline._schedules import Action, Schedule, dependencies, peak_in_flight, stage_actions, validate
 
 
 def is_lockstep(schedule: Schedule) -> bool:
@@ -63,7 +50,7 @@ def lockstep(schedule: Schedule) -> Schedule:
     p, v = schedule.num_stages, schedule.num_chunks
     total = sum(a is not None for row in schedule.table for a in row)
     orders = [stage_actions(schedule, s) for s in range(p)]
-    room = [_peak_in_flight(orders[s]) + p - 1 - s for s in range(p)]
+    room = [peak + p - 1 - s for s, peak in enumerate(peak_in_flight(schedule))]
     done: set = set()
     table, kind = [], "W"
     while len(done) < total:
@@ -81,16 +68,6 @@ def lockstep(schedule: Schedule) -> Schedule:
 
 #: The kinds to try after a tick of each kind, in order: F, B and W take turns.
 _AFTER = {"F": ("B", "W", "F"), "B": ("W", "F", "B"), "W": ("F", "B", "W")}
-
-
-def _peak_in_flight(order: list[Action]) -> int:
-    """The most forwards whose backward has not run, along one stage's order."""
-    live = peak = 0
-    for a in order:
-        live += a.kind == "F"
-        live -= a.kind == "B"
-        peak = max(peak, live)
-    return peak
 
 
 def _next_of(kind: str, order: list[Action], s: int, done: set, p: int, v: int, room: int):

@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,29 +44,6 @@ def uniform_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
             f"(pipe x virtual_stages). Use a layer count that is a multiple of {num_stages}, or give "
             f"stage_layers explicitly (e.g. from partition_layers) for an uneven split.")
     return (num_layers // num_stages,) * num_stages
-
-
-def stage_cost(costs: Sequence[float], stage_layers: Sequence[int], first_extra: float = 0.0,
-               last_extra: float = 0.0) -> tuple[float, ...]:
-    """Cost of each stage under a partition.
-
-    Args:
-        costs: each layer's cost.
-        stage_layers: layers per stage, in order.
-        first_extra: added to the first stage (the embedding).
-        last_extra: added to the last stage (the head and loss).
-
-    Returns:
-        One cost per stage.
-    """
-    out, start = [], 0
-    for k, n in enumerate(stage_layers):
-        c = float(sum(costs[start:start + n]))
-        c += first_extra if k == 0 else 0.0
-        c += last_extra if k == len(stage_layers) - 1 else 0.0
-        out.append(c)
-        start += n
-    return tuple(out)
 
 
 def partition_layers(costs: Sequence[float], num_stages: int, *, first_extra: float = 0.0,
@@ -112,22 +89,6 @@ def partition_layers(costs: Sequence[float], num_stages: int, *, first_extra: fl
     return tuple(reversed(sizes))
 
 
-def compiled_flops(fn: Callable, *args: Any) -> float:
-    """FLOPs of ``jax.jit(fn)(*args)`` from XLA's compiled cost analysis.
-
-    Args:
-        fn: the function to compile.
-        *args: its arguments (may be abstract ``ShapeDtypeStruct`` values).
-
-    Returns:
-        The ``flops`` entry of the cost analysis (0.0 if there is none).
-    """
-    analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
-    if isinstance(analysis, (list, tuple)):
-        analysis = analysis[0]
-    return float((analysis or {}).get("flops", 0.0))
-
-
 def layer_costs(parts: Any, outer: Any, layer: Any, batch: Any) -> tuple[float, float, float]:
     """Forward + backward FLOPs of one layer, of ``parts.pre`` and of ``parts.post``, for one micro-batch.
 
@@ -145,13 +106,15 @@ def layer_costs(parts: Any, outer: Any, layer: Any, batch: Any) -> tuple[float, 
     """
     x = jax.eval_shape(parts.pre, outer, batch)
 
-    def grad_of(fn, argnums):
-        return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums)
+    def flops(fn, argnums, *args) -> float:
+        """FLOPs of ``fn``'s compiled gradient at ``args`` from XLA's cost analysis (0.0 if it has none)."""
+        grad = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums)
+        analysis = jax.jit(grad).lower(*args).compile().cost_analysis()
+        analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+        return float((analysis or {}).get("flops", 0.0))
 
-    layer_f = compiled_flops(grad_of(parts.layer, (0, 1)), layer, x)
-    pre_f = compiled_flops(grad_of(parts.pre, 0), outer, batch)
-    post_f = compiled_flops(grad_of(parts.post, (0, 1)), outer, x, batch)
-    return layer_f, pre_f, post_f
+    return (flops(parts.layer, (0, 1), layer, x), flops(parts.pre, 0, outer, batch),
+            flops(parts.post, (0, 1), outer, x, batch))
 
 
 def check_stage_layers(stage_layers: Sequence[int], num_layers: int, p: int, v: int = 1) -> np.ndarray:

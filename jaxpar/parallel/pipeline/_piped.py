@@ -1,30 +1,5 @@
-"""The pipelined loss-and-grad of a train step: cut the model, lay its blocks out per stage,
-run the schedule, bring the gradients back into the parameters' layout.
-
-Example::
-
-    >>> import jax, jax.numpy as jnp, jaxpar
-    >>> from flax import nnx
-    >>> from jax.sharding import PartitionSpec as P
-    >>> class Tiny(nnx.Module):                  # an input layer, then 2 stacked layers
-    ...     def __init__(self):
-    ...         self.w_in = nnx.Param(jnp.full((3, 4), 0.5))
-    ...         self.blocks = nnx.Param(jnp.stack([jnp.eye(4)] * 2))     # leading ``layers`` axis
-    ...     def __call__(self, x):
-    ...         return jaxpar.run_layers(lambda w, h: jnp.tanh(h @ w), self.blocks[...], x @ self.w_in[...])
-    >>> loss_fn = lambda model, batch: jnp.mean(model(batch["x"]) ** 2)
-    >>> graphdef, params = nnx.split(Tiny())
-    >>> params = nnx.to_pure_dict(params)
-    >>> mesh = jaxpar.make_mesh({"pipe": 2}, devices=jax.devices()[:2])    # one layer per stage
-    >>> strategy = jaxpar.Strategy(microbatches=2, schedule="1f1b")
-    >>> rules, specs = strategy.rules(mesh), jax.tree.map(lambda _: P(), params)   # replicated, for brevity
-    >>> fn = make_pipeline_loss_and_grad(loss_fn, graphdef, mesh, rules, specs, specs, strategy)
-    >>> batch = {"x": jnp.arange(12.0).reshape(4, 3) / 12}
-    >>> with jaxpar.use_rules(mesh, rules):
-    ...     loss, grads = jax.jit(fn)(params, batch)
-    >>> ref_loss, ref_grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
-    >>> bool(jnp.allclose(loss, ref_loss)), jax.tree.map(lambda a, b: bool(jnp.allclose(a, b)), grads, ref_grads)
-    (True, {'blocks': True, 'w_in': True})
+"""The pipelined loss-and-grad of a train step: cut the model (:mod:`._cut`), lay its blocks out per stage,
+run the schedule (:mod:`._executor`), bring the gradients back into the parameters' layout.
 """
 from __future__ import annotations
 
@@ -39,12 +14,11 @@ from jaxpar.batch import split_microbatches
 from jaxpar.errors import MoEError
 from jaxpar.parallel.moe import balanced, probe, reported_loads, use_step_loads
 from jaxpar.mesh import data_axes
-from jaxpar.rules import axes_of, named_shardings, without_rules
+from jaxpar.rules import named_shardings, spec_without, without_rules
 from jaxpar.adapters._mesh_axes import needs_explicit_mesh
-from jaxpar.parallel.pipeline._cut import ModelCut, cut_model, explicit_whole_loss
+from jaxpar.parallel.pipeline._cut import ModelCut, PipelineParts, cut_model, explicit_whole_loss
 from jaxpar.parallel.pipeline._executor import pipeline_value_and_grad
 from jaxpar.parallel.pipeline._lockstep import lockstep
-from jaxpar.parallel.pipeline._parts import PipelineParts
 from jaxpar.parallel.pipeline._partition import (check_stage_layers, from_stages, layer_costs, partition_layers,
                                                  to_stages, uniform_layers)
 from jaxpar.parallel.pipeline._instructions import lower
@@ -75,31 +49,9 @@ def auto_stage_layers(cut: ModelCut, outer: list, blocks: Any, microbatch: Any, 
 
 
 def runs_in_lockstep(strategy, mesh) -> bool:
-    """Whether the pipeline runs as a lockstep program (:mod:`._lockstep`).
-
-    Args:
-      strategy: the strategy.
-      mesh: the mesh.
-
-    Returns:
-      True with sequence parallelism on a ``tensor`` axis of size > 1, whose collectives sit inside
-      every stage's actions.
-    """
+    """Whether the pipeline runs as a lockstep program (:mod:`._lockstep`): with sequence parallelism on a
+    ``tensor`` axis of size > 1, whose collectives sit inside every stage's actions."""
     return bool(strategy.sequence_parallel) and mesh.shape.get("tensor", 1) > 1
-
-
-def _whole_over_data_axes(specs: list, mesh) -> list:
-    """Shardings of the parameters around the blocks gathered over the data axes (ZeRO-3 /
-    FSDP shards), other axes kept: they are gathered once per step, outside the schedule.
-    Left sharded, XLA reshards them inside the first / last stage's branch with
-    collective-permutes over every device, which only that stage runs (a deadlock)."""
-    drop = set(data_axes(mesh))
-
-    def whole(spec):
-        entries = [tuple(a for a in axes_of(e) if a not in drop) for e in spec]
-        return NamedSharding(mesh, PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries)))
-
-    return [whole(sp) for sp in specs]
 
 
 def _pinned(parts: PipelineParts, shardings: list) -> PipelineParts:
@@ -107,13 +59,6 @@ def _pinned(parts: PipelineParts, shardings: list) -> PipelineParts:
     pin = lambda outer: jax.tree.map(jax.lax.with_sharding_constraint, outer, shardings)   # noqa: E731
     return PipelineParts(pre=lambda outer, mb: parts.pre(pin(outer), mb), layer=parts.layer,
                          post=lambda outer, y, mb: parts.post(pin(outer), y, mb))
-
-
-def _stage_layers(strategy, cut: ModelCut, outer, blocks, microbatch, stages: int) -> tuple[int, ...]:
-    num_layers = jax.tree.leaves(blocks)[0].shape[0]
-    if strategy.stage_layers == "auto":
-        return auto_stage_layers(cut, outer, blocks, microbatch, stages)
-    return tuple(strategy.stage_layers or uniform_layers(num_layers, stages))
 
 
 class StagedCut(NamedTuple):
@@ -151,12 +96,18 @@ def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, pa
     cut = cut_model(loss_fn, graphdef, params, microbatch, mesh=mesh, own_specs=own_specs)
     outer, blocks = cut.split(params)
     num_layers = jax.tree.leaves(blocks)[0].shape[0]
-    stage_layers = _stage_layers(strategy, cut, outer, blocks, microbatch, p * v)
+    if strategy.stage_layers == "auto":
+        stage_layers = auto_stage_layers(cut, outer, blocks, microbatch, p * v)
+    else:
+        stage_layers = tuple(strategy.stage_layers or uniform_layers(num_layers, p * v))
     check_stage_layers(stage_layers, num_layers, p, v)
-    _, block_specs = cut.split(param_specs)
+    outer_specs, block_specs = cut.split(param_specs)
     stage_sh = jax.tree.map(lambda sp: NamedSharding(mesh, PartitionSpec(None, "pipe", None, *tuple(sp)[1:])),
                             block_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    whole = _whole_over_data_axes(cut.split(param_specs)[0], mesh)
+    # The parameters around the blocks, gathered over the data axes once per step outside the schedule: left
+    # sharded, XLA reshards them inside the first / last stage's branch with collective-permutes over every
+    # device, which only that stage runs (a deadlock).
+    whole = [NamedSharding(mesh, spec_without(sp, set(data_axes(mesh)))) for sp in outer_specs]
 
     def stage(params):
         outer, blocks = cut.split(params)

@@ -1,16 +1,5 @@
-"""Gantt-chart rendering of pipeline schedules (matplotlib, imported lazily).
-
-Uses matplotlib's object API with an explicit Agg canvas, so it never touches
-pyplot or the process-wide backend of other users.
-
-Example:
-    >>> import os, pathlib, shutil, tempfile
-    >>> from jaxpar.parallel.pipeline._schedules import one_f_one_b
-    >>> d = tempfile.mkdtemp()
-    >>> path = render_png(one_f_one_b(4, 8), os.path.join(d, "1f1b.png"))
-    >>> pathlib.Path(path).read_bytes()[:4]
-    b'\\x89PNG'
-    >>> shutil.rmtree(d)
+"""Gantt-chart rendering of pipeline schedules with matplotlib's object API and an explicit Agg canvas
+(imported lazily), so it never touches pyplot or the process-wide backend of other users.
 """
 from __future__ import annotations
 
@@ -18,7 +7,7 @@ import os
 from typing import Sequence
 
 from jaxpar.parallel.pipeline._schedules import Schedule, bubble_fraction, num_ticks, peak_in_flight, timeline
-from jaxpar.errors import ScheduleError
+from jaxpar.errors import ScheduleError, check_int
 
 # F blue, B green, W purple; chunk c > 0 is drawn progressively lighter.
 ACTION_COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2"}
@@ -44,9 +33,9 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120,
         dpi: the image's resolution (an int >= 10).
         step_size: ``m`` draws every other optimizer step's micro-batches (``i // m`` odd) lighter.
         boundaries: ticks before which a dashed line is drawn (the updates of a schedule without flushes,
-            :func:`jaxpar.parallel.pipeline._two_bw.step_windows`).
+            :func:`jaxpar.parallel.pipeline._pipedream.step_windows`).
         updates: ``(stage, tick)`` pairs drawn as a red bar at the end of that tick on that stage (weight
-            stashing's per-stage updates, :func:`jaxpar.parallel.pipeline._stash_versions.update_ticks`;
+            stashing's per-stage updates, :func:`jaxpar.parallel.pipeline._pipedream.update_ticks`;
             unit-tick charts).
 
     Returns:
@@ -63,8 +52,7 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120,
     """
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"schedule must be a Schedule, got {type(schedule).__name__}")
-    if isinstance(dpi, bool) or not isinstance(dpi, int) or dpi < 10:
-        raise ScheduleError(f"dpi must be an int >= 10, got dpi={dpi!r}")
+    check_int("render_png", "dpi", dpi, 10, ScheduleError)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

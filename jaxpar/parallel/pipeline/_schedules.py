@@ -1,34 +1,40 @@
-"""Pipeline-parallel schedules as plain data: the GPipe, 1F1B, interleaved, ZB-H1, PipeDream-2BW and
-PipeDream (weight stashing) tables.
+"""Pipeline schedules as plain data: the table ``tick x stage -> action``, its legality, its measures, and
+the GPipe, 1F1B, interleaved, ZB-H1, PipeDream-2BW and PipeDream (weight stashing) tables.
 
-Pure Python (no JAX), so a schedule can be built, checked and measured anywhere
-and then handed to an executor. The table type and its dependency rules live in
-:mod:`jaxpar.parallel.pipeline._tick_table` (``Action``, ``Schedule``, :func:`validate`), the
-measures in :mod:`jaxpar.parallel.pipeline._schedule_stats` (:func:`bubble_fraction`,
-:func:`peak_in_flight`, :func:`to_text`, ...); both are re-exported here, so
-``from jaxpar.parallel.pipeline._schedules import ...`` reaches every name.
+Pure Python (no JAX), so a schedule can be built, checked and measured anywhere, then lowered
+(:mod:`._instructions`) and run.
 
-Tables are produced by a greedy list scheduler: each device gets its ordered
-action list from the schedule's policy (GPipe, Megatron 1F1B, Megatron
-interleaved, ZB-H1) and every action is placed at the earliest tick allowed
-by its dependencies and by the device's order.
+* ``p`` stages (devices on the pipe axis), ``m`` micro-batches, ``v`` chunks per device (``v > 1``
+  only for interleaved). The layers are cut into ``p*v`` *virtual stages* placed round-robin:
+  virtual stage ``k = chunk*p + stage``.
+* Actions: ``F`` forward; ``B`` backward (with ``split_backward=False`` it also computes the weight
+  gradient); ``W`` weight gradient (zero-bubble only); ``None`` is idle.
+* Dependencies (all at a strictly earlier tick): F of virtual stage k needs F of k-1; B of k needs
+  F of the same (micro-batch, k) and B of k+1; W needs B of the same (micro-batch, chunk, stage).
+* **Unit-time table**: each device runs at most one action per tick, as the executor does.
+
+The generators give each device its ordered action list and a greedy list scheduler
+(:func:`simulate`) places every action at the earliest tick its dependencies and the order allow.
+:func:`bubble_fraction` replays the orders with ``F = W = 1``, split ``B = 1``, fused ``B = 2``:
+``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v*m+p-1)`` for interleaved, ``(p-1)/(3m+p-1)`` for ZB-H1.
 
 Example:
     >>> s = one_f_one_b(4, 8)
     >>> num_ticks(s), bubble_fraction(s, exact=True), peak_in_flight(s)
     (22, Fraction(3, 11), (4, 3, 2, 1))
+    >>> validate(Schedule("bad", 1, 1, 1, [[Action("B", 0)], [Action("F", 0)]]))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    jaxpar.errors.ScheduleError: tick 0, stage 0: B(mb=0, chunk=0) runs before its dependency F(mb=0, ...
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections import defaultdict
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Optional, Sequence
 
-from jaxpar.parallel.pipeline._schedule_stats import (bubble_fraction, duration, makespan, peak_in_flight, tick_bubble_fraction,
-                                                      timeline, to_text)
-from jaxpar.parallel.pipeline._tick_table import (Action, Schedule, ScheduleError, check_int, num_ticks, simulate,
-                                                  stage_actions, validate)
-
-# ``doctest.testmod`` of this module also runs the examples of the re-exported functions.
-__test__ = {f.__name__: f for f in (validate, timeline, to_text)}
+from jaxpar.errors import ScheduleError
 
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream-2bw", "pipedream")
 _ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "one_f_one_b": "1f1b",
@@ -39,6 +45,264 @@ _ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "one_f_one_b": "1f1b",
             "pipedream": "pipedream", "weight-stashing": "pipedream", "weight_stashing": "pipedream"}
 
 
+def check_int(name: str, value, minimum: int, error: type[Exception] = ScheduleError) -> int:
+    """``value`` if it is an int (not a bool) ``>= minimum``, else ``error`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise error(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise error(f"{name} must be >= {minimum}, got {name}={value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of work on one device: ``Action('F', 3)`` or ``Action('B', 3, chunk=1)``."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("F", "B", "W"):
+            raise ScheduleError(f"Action kind must be 'F', 'B' or 'W', got {self.kind!r}")
+        check_int("microbatch", self.microbatch, 0)
+        check_int("chunk", self.chunk, 0)
+
+    def label(self, with_chunk: bool = False) -> str:
+        """Compact cell text.
+
+        Args:
+            with_chunk: append ``.chunk`` (interleaved schedules).
+
+        Returns:
+            ``F3`` or, with the chunk, ``F3.1``.
+        """
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if with_chunk else "")
+
+    def __str__(self) -> str:
+        return f"{self.kind}(mb={self.microbatch}, chunk={self.chunk})"
+
+
+Cell = Optional[Action]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A ``table[tick][stage]`` of :class:`Action` (or ``None`` for idle) plus its shape; lists given as
+    ``table`` become tuples. Build one with a generator and check a hand-made one with :func:`validate`."""
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    num_chunks: int
+    table: tuple[tuple[Cell, ...], ...]
+    split_backward: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "table", tuple(tuple(row) for row in self.table))
+
+
+# ----------------------------------------------------------------------------- dependencies and legality
+def dependencies(a: Action, stage: int, p: int, v: int) -> list[tuple[Action, int, str]]:
+    """``(dependency, its stage, why)`` for action ``a`` running on ``stage``."""
+    k = a.chunk * p + stage
+    if a.kind == "F":
+        if k == 0:
+            return []
+        j = k - 1
+        return [(Action("F", a.microbatch, j // p), j % p,
+                 f"F of virtual stage {k} needs the activation from virtual stage {j}")]
+    if a.kind == "B":
+        out = [(Action("F", a.microbatch, a.chunk), stage,
+                f"B of virtual stage {k} needs the activations saved by its own F")]
+        if k < p * v - 1:
+            j = k + 1
+            out.append((Action("B", a.microbatch, j // p), j % p,
+                        f"B of virtual stage {k} needs the output gradient from B of virtual stage {j}"))
+        return out
+    return [(Action("B", a.microbatch, a.chunk), stage, "W needs the B of the same micro-batch and chunk")]
+
+
+def simulate(orders: Sequence[Sequence[Action]], p: int, v: int,
+             dur: Callable[[Action], int]) -> dict[tuple[int, Action], int]:
+    """Greedy in-order list scheduling: start time of every ``(stage, action)``."""
+    start: dict[tuple[int, Action], int] = {}
+    end: dict[tuple[int, Action], int] = {}
+    ptr, free = [0] * p, [0] * p
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            while ptr[s] < len(orders[s]):
+                a = orders[s][ptr[s]]
+                deps = [(ds, d) for d, ds, _ in dependencies(a, s, p, v)]
+                if any(d not in end for d in deps):
+                    break
+                t = max([free[s]] + [end[d] for d in deps])
+                start[(s, a)], end[(s, a)] = t, t + dur(a)
+                free[s], ptr[s], remaining, progressed = t + dur(a), ptr[s] + 1, remaining - 1, True
+        if not progressed:
+            stuck = {s: str(orders[s][ptr[s]]) for s in range(p) if ptr[s] < len(orders[s])}
+            raise ScheduleError(f"action order deadlocks: next actions per stage {stuck}")
+    return start
+
+
+def validate(s: Schedule) -> None:
+    """Prove ``s`` legal or raise :class:`ScheduleError` naming tick, stage, action and problem.
+
+    Checks: each F and B (and W iff ``split_backward``) for every (micro-batch, chunk) appears
+    exactly once on the device owning that virtual stage, and every dependency ran at a strictly
+    earlier tick.
+
+    Args:
+        s: the schedule table.
+
+    Example:
+        >>> validate(gpipe(2, 3))  # returns None when legal
+    """
+    if not isinstance(s, Schedule):
+        raise ScheduleError(f"expected a Schedule, got {type(s).__name__}")
+    p = check_int("num_stages", s.num_stages, 1)
+    m = check_int("num_microbatches", s.num_microbatches, 1)
+    v = check_int("num_chunks", s.num_chunks, 1)
+    where: dict[tuple[Action, int], list[int]] = defaultdict(list)
+    for t, row in enumerate(s.table):
+        if len(row) != p:
+            raise ScheduleError(f"tick {t}: row has {len(row)} cells, expected num_stages={p}")
+        for st, a in enumerate(row):
+            if a is None:
+                continue
+            if not isinstance(a, Action):
+                raise ScheduleError(f"tick {t}, stage {st}: cell {a!r} is not an Action or None")
+            if a.kind == "W" and not s.split_backward:
+                raise ScheduleError(f"tick {t}, stage {st}: {a} is a separate W action, but {s.name!r} "
+                                    f"has split_backward=False (W is fused into B)")
+            if a.microbatch >= m or a.chunk >= v:
+                raise ScheduleError(f"tick {t}, stage {st}: {a} is out of range "
+                                    f"(num_microbatches={m}, num_chunks={v})")
+            where[(a, st)].append(t)
+    kinds = ("F", "B", "W") if s.split_backward else ("F", "B")
+    dups = sorted((ticks[1], st, a, ticks[0]) for (a, st), ticks in where.items() if len(ticks) > 1)
+    if dups:
+        t, st, a, first = dups[0]
+        missing = [o for o in range(p) if (a, o) not in where]
+        hint = (f"; each stage runs it once and stage {missing[0]} never does "
+                f"(action placed on the wrong device?)" if missing else "")
+        raise ScheduleError(f"tick {t}, stage {st}: duplicate {a}, already ran there at tick {first}{hint}")
+    for kind in kinds:
+        for mb in range(m):
+            for c in range(v):
+                for st in range(p):
+                    if (Action(kind, mb, c), st) not in where:
+                        raise ScheduleError(f"missing action: {Action(kind, mb, c)} (virtual stage {c * p + st}) "
+                                            f"on stage {st} never runs")
+    for (a, st), (t,) in sorted(where.items(), key=lambda kv: kv[1][0]):
+        for d, dst, why in dependencies(a, st, p, v):
+            (dt,) = where[(d, dst)]
+            if dt >= t:
+                raise ScheduleError(f"tick {t}, stage {st}: {a} runs before its dependency {d} on stage "
+                                    f"{dst} (tick {dt}, must be earlier): {why}")
+
+
+def stage_actions(s: Schedule, stage: int) -> list[Action]:
+    """One device's actions in tick order, idle ticks left out: ``stage_actions(gpipe(2, 1), 0) == [F0, B0]``."""
+    check_int("stage", stage, 0)
+    if stage >= s.num_stages:
+        raise ScheduleError(f"stage must be < num_stages={s.num_stages}, got stage={stage}")
+    return [row[stage] for row in s.table if row[stage] is not None]
+
+
+def num_ticks(s: Schedule) -> int:
+    """Number of table rows (unit-time ticks): ``num_ticks(gpipe(4, 8)) == 22``."""
+    return len(s.table)
+
+
+# ----------------------------------------------------------------------------- measures
+def timeline(s: Schedule) -> tuple[tuple[tuple[int, int, Action], ...], ...]:
+    """Per stage, ``(start, end, action)`` after replaying each device's order with F = W = 1, split B = 1,
+    fused B = 2 (``end`` exclusive).
+
+    >>> timeline(gpipe(1, 1))
+    (((0, 1, Action(kind='F', microbatch=0, chunk=0)), (1, 3, Action(kind='B', microbatch=0, chunk=0))),)
+    """
+    validate(s)
+    orders = [stage_actions(s, st) for st in range(s.num_stages)]
+    dur = lambda a: 2 if a.kind == "B" and not s.split_backward else 1  # noqa: E731
+    start = simulate(orders, s.num_stages, s.num_chunks, dur)
+    return tuple(tuple((start[(st, a)], start[(st, a)] + dur(a), a) for a in orders[st])
+                 for st in range(s.num_stages))
+
+
+def bubble_fraction(s: Schedule, exact: bool = False):
+    """Idle time / (p * makespan) of the :func:`timeline` (see the module docstring).
+
+    Args:
+        s: the schedule table.
+        exact: return a :class:`fractions.Fraction` instead of a float.
+
+    Returns:
+        The idle share, in ``[0, 1)``: ``bubble_fraction(gpipe(4, 8), exact=True) == Fraction(3, 11)``.
+    """
+    tl = timeline(s)
+    span = max(end for stage in tl for _, end, _ in stage)
+    work = sum(end - start for stage in tl for start, end, _ in stage)
+    frac = 1 - Fraction(work, s.num_stages * span)
+    return frac if exact else float(frac)
+
+
+def peak_in_flight(s: Schedule, until: str = "B") -> tuple[int, ...]:
+    """Per stage, the max number of (micro-batch, chunk) whose F ran but whose ``until`` hasn't.
+
+    ``until='B'`` counts full activations, released by B; ``until='W'`` also counts micro-batches
+    still waiting for their W (for fused schedules both agree).
+
+    Args:
+        s: the schedule table.
+        until: ``'B'`` or ``'W'``: the action that releases a micro-batch.
+
+    Returns:
+        One peak count per stage: ``peak_in_flight(one_f_one_b(4, 8)) == (4, 3, 2, 1)``.
+    """
+    if until not in ("B", "W"):
+        raise ScheduleError(f"until must be 'B' or 'W', got {until!r}")
+    release = "W" if until == "W" and s.split_backward else "B"
+    peaks = []
+    for st in range(s.num_stages):
+        live = peak = 0
+        for a in stage_actions(s, st):
+            live += (a.kind == "F") - (a.kind == release)
+            peak = max(peak, live)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def to_text(s: Schedule) -> str:
+    """Grid with one row per stage, one column per tick (``F3``, ``B3``, ``W3``, ``F3.1``, ``.``).
+
+    Args:
+        s: the schedule table.
+
+    Returns:
+        A header line (name, sizes, ticks, bubble, peak in flight), then one line per stage.
+
+    Example:
+        >>> print(to_text(gpipe(2, 1)))
+        gpipe p=2 m=1 v=1 ticks=4 bubble=0.5000 peak_in_flight=(1, 1)
+        s0 | F0 .  .  B0
+        s1 | .  F0 B0 .
+    """
+    chunks = s.num_chunks > 1
+    cells = [["." if a is None else a.label(chunks) for a in row] for row in s.table]
+    width = max([1] + [len(c) for row in cells for c in row])
+    head = (f"{s.name} p={s.num_stages} m={s.num_microbatches} v={s.num_chunks} ticks={num_ticks(s)} "
+            f"bubble={bubble_fraction(s):.4f} peak_in_flight={peak_in_flight(s)}")
+    lines = [head]
+    for st in range(s.num_stages):
+        lines.append(f"s{st} | " + " ".join(row[st].ljust(width) for row in cells).rstrip())
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- generators
 def _build(name: str, p: int, m: int, v: int, split: bool,
            orders: Sequence[Sequence[Action]]) -> Schedule:
     start = simulate(orders, p, v, lambda a: 1)
@@ -51,7 +315,6 @@ def _build(name: str, p: int, m: int, v: int, split: bool,
     return sched
 
 
-# ----------------------------------------------------------------------------- generators
 def _check_pm(p, m) -> None:
     check_int("p (num_stages)", p, 1)
     check_int("m (num_microbatches)", m, 1)
@@ -66,16 +329,8 @@ def _need_m_ge_p(fn: str, p: int, m: int) -> None:
 def gpipe(p: int, m: int) -> Schedule:
     """GPipe: every stage runs all forwards, then all backwards (B in micro-batch order).
 
-    Args:
-        p: pipeline stages.
-        m: micro-batches.
-
-    Returns:
-        The validated :class:`Schedule`.
-
-    Example:
-        >>> num_ticks(gpipe(2, 2)), peak_in_flight(gpipe(2, 2))
-        (6, (2, 2))
+    >>> num_ticks(gpipe(2, 2)), peak_in_flight(gpipe(2, 2))
+    (6, (2, 2))
     """
     _check_pm(p, m)
     orders = [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(p)]
@@ -91,21 +346,11 @@ def _one_f_one_b_order(p: int, m: int, s: int) -> list[Action]:
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
-    """PipeDream-flush / Megatron non-interleaved 1F1B (needs ``m >= p``).
+    """PipeDream-flush / Megatron 1F1B (needs ``m >= p``): stage ``s`` runs ``p-s-1`` warm-up forwards,
+    then alternates F and B, then drains, so at most ``p-s`` micro-batches are in flight.
 
-    Stage ``s`` runs ``p-s-1`` warm-up forwards, then alternates F and B, then
-    drains the remaining B's, so at most ``p-s`` micro-batches are in flight.
-
-    Args:
-        p: pipeline stages.
-        m: micro-batches (>= ``p``).
-
-    Returns:
-        The validated :class:`Schedule`.
-
-    Example:
-        >>> bubble_fraction(one_f_one_b(4, 4), exact=True)
-        Fraction(3, 7)
+    >>> bubble_fraction(one_f_one_b(4, 4), exact=True)
+    Fraction(3, 7)
     """
     _check_pm(p, m)
     _need_m_ge_p("one_f_one_b", p, m)
@@ -113,23 +358,13 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 
 
 def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
-    """Megatron interleaved 1F1B with ``v`` chunks per device (needs ``m % p == 0``).
+    """Megatron interleaved 1F1B with ``v >= 2`` chunks per device (needs ``m % p == 0``).
 
-    Forwards go in groups of ``p`` micro-batches per chunk (chunk 0, 1, ..., v-1),
-    backwards in the mirrored chunk order. Stage ``s`` warms up with
-    ``min((p-s-1)*2 + (v-1)*p, m*v)`` forwards, then alternates F and B.
+    Forwards go in groups of ``p`` micro-batches per chunk (chunk 0, 1, ..., v-1), backwards in the
+    mirrored chunk order. Stage ``s`` warms up with ``min((p-s-1)*2 + (v-1)*p, m*v)`` forwards.
 
-    Args:
-        p: pipeline stages (devices).
-        m: micro-batches, a multiple of ``p``.
-        v: chunks (virtual stages) per device, >= 2.
-
-    Returns:
-        The validated :class:`Schedule`.
-
-    Example:
-        >>> bubble_fraction(interleaved_1f1b(4, 8, 2), exact=True)
-        Fraction(3, 19)
+    >>> bubble_fraction(interleaved_1f1b(4, 8, 2), exact=True)
+    Fraction(3, 19)
     """
     _check_pm(p, m)
     check_int("v (num_chunks)", v, 2)
@@ -154,23 +389,12 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
 
 
 def zero_bubble_h1(p: int, m: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2023): B and W split, W's deferred to fill the cool-down.
+    """ZB-H1 (Qi et al. 2023; needs ``m >= p``): 1F1B's F/B order with B and W split; stage ``s`` runs
+    ``W(j)`` right after ``B(j+s)`` and the last ``s`` W's at the end, so at most ``p`` micro-batches per
+    stage await their W. Bubble ``(p-1)/(3m+p-1)``.
 
-    The F/B order is 1F1B's (same warm-up, same in-flight activations); stage
-    ``s`` runs ``W(j)`` right after ``B(j+s)`` and the last ``s`` W's at the end,
-    so at most ``p`` micro-batches per stage await their W (1F1B's peak).
-    Bubble: ``(p-1)/(3m+p-1)`` vs 1F1B's ``(p-1)/(m+p-1)``. Needs ``m >= p``.
-
-    Args:
-        p: pipeline stages.
-        m: micro-batches (>= ``p``).
-
-    Returns:
-        The validated :class:`Schedule` (split backward: B and W actions).
-
-    Example:
-        >>> bubble_fraction(zero_bubble_h1(4, 8), exact=True)
-        Fraction(1, 9)
+    >>> bubble_fraction(zero_bubble_h1(4, 8), exact=True)
+    Fraction(1, 9)
     """
     _check_pm(p, m)
     _need_m_ge_p("zero_bubble_h1", p, m)
@@ -187,15 +411,12 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
 
 
 def pipedream_2bw(p: int, m: int, steps: int = 1) -> Schedule:
-    """PipeDream-2BW (Narayanan et al. 2021): 1F1B that never drains, over ``steps`` optimizer
-    steps of ``m`` micro-batches (micro-batch ``i`` belongs to step ``i // m``; needs ``m >= p``).
+    """PipeDream-2BW (Narayanan et al. 2021): 1F1B that never drains, over ``steps`` optimizer steps of
+    ``m >= p`` micro-batches (micro-batch ``i`` belongs to step ``i // m``).
 
-    The periodic 1F1B steady state, written out: stage ``s`` runs ``F(i)`` at tick ``2i + s``
-    and ``B(i)`` at tick ``2i + 2p - 1 - s``. Step ``t+1``'s forwards start while step ``t``'s
-    backwards finish: every step after the first takes exactly ``2m`` ticks with no idle cell
-    (:func:`jaxpar.parallel.pipeline._two_bw.step_windows`). This is legal because step ``t`` reads
-    the weights ``W(t-1)`` (the gradient is one step late), and at most two versions are alive
-    on a stage. ``steps=1`` is one step alone (as long as 1F1B with a flush).
+    Stage ``s`` runs ``F(i)`` at tick ``2i + s`` and ``B(i)`` at tick ``2i + 2p - 1 - s``: step ``t+1``'s
+    forwards start while step ``t``'s backwards finish, legal because step ``t`` reads ``W(t-1)``
+    (:func:`jaxpar.parallel.pipeline._pipedream.step_windows`). ``steps=1`` is one step alone.
 
     Args:
         p: pipeline stages.
@@ -210,22 +431,18 @@ def pipedream_2bw(p: int, m: int, steps: int = 1) -> Schedule:
         [22, 38, 54]
     """
     _check_pm(p, m)
-    check_int("steps", steps, 1)
     if m < p:
         raise ScheduleError(f"pipedream_2bw needs m >= p, got m={m} micro-batches for p={p} stages: it runs 1F1B's "
                             f"steady state, whose stages hold micro-batches of at most two steps (two weight "
                             f"versions) only when a step has enough of them; use m >= {p} (more micro-batches per "
                             "step)")
-    return _no_flush("pipedream-2bw", p, m * steps)
+    return _no_flush("pipedream-2bw", p, m, steps)
 
 
 def pipedream(p: int, m: int, steps: int = 1) -> Schedule:
-    """PipeDream with weight stashing (Narayanan et al. 2019): the same no-flush 1F1B table as
-    :func:`pipedream_2bw` over ``steps`` optimizer steps of ``m`` micro-batches (any ``m >= 1``),
-    read differently: every stage updates its own weights after its backwards (every
-    ``update_every`` of them) and runs each micro-batch's backward on the version its forward
-    used (:mod:`jaxpar.parallel.pipeline._stash_versions`). Stage ``s`` runs ``F(i)`` at tick ``2i + s`` and
-    ``B(i)`` at tick ``2i + 2p - 1 - s``: right after ``B(i - (p - s))``, as in 1F1B.
+    """PipeDream with weight stashing (Narayanan et al. 2019): :func:`pipedream_2bw`'s table for any
+    ``m >= 1``, read with every stage updating its own weights after its backwards
+    (:mod:`jaxpar.parallel.pipeline._pipedream`).
 
     Args:
         p: pipeline stages.
@@ -240,12 +457,12 @@ def pipedream(p: int, m: int, steps: int = 1) -> Schedule:
         [10, 14, 18]
     """
     _check_pm(p, m)
-    check_int("steps", steps, 1)
-    return _no_flush("pipedream", p, m * steps)
+    return _no_flush("pipedream", p, m, steps)
 
 
-def _no_flush(name: str, p: int, n: int) -> Schedule:
-    """1F1B's periodic steady state over ``n`` micro-batches: ``F(i)`` at ``2i + s``, ``B(i)`` at ``2i + 2p-1-s``."""
+def _no_flush(name: str, p: int, m: int, steps: int) -> Schedule:
+    """1F1B's periodic steady state over ``m * steps`` micro-batches: ``F(i)`` at ``2i + s``, ``B(i)`` at ``2i + 2p-1-s``."""
+    n = m * check_int("steps", steps, 1)
     table = [[None] * p for _ in range(2 * n + 2 * p - 2)]
     for i in range(n):
         for s in range(p):
@@ -257,18 +474,8 @@ def _no_flush(name: str, p: int, n: int) -> Schedule:
 
 
 def canonical_kind(kind: str) -> str:
-    """A schedule name or alias -> one of :data:`SCHEDULE_KINDS`; unknown names raise.
-
-    Args:
-        kind: a name of :data:`SCHEDULE_KINDS` or an alias (``"one_f_one_b"``, ``"zbh1"``, ``"2bw"``, ...), any case.
-
-    Returns:
-        The canonical name.
-
-    Example:
-        >>> canonical_kind("one_f_one_b")
-        '1f1b'
-    """
+    """A schedule name or alias (``"one_f_one_b"``, ``"zbh1"``, ``"2bw"``, ..., any case) -> one of
+    :data:`SCHEDULE_KINDS`; unknown names raise: ``canonical_kind("one_f_one_b") == '1f1b'``."""
     key = _ALIASES.get(kind.lower()) if isinstance(kind, str) else None
     if key is None:
         raise ScheduleError(f"unknown schedule kind {kind!r}; allowed kinds: {', '.join(SCHEDULE_KINDS)} "

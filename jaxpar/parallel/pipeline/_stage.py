@@ -1,33 +1,189 @@
-"""One pipeline stage's share of a lowered program, traced inside the ``shard_map`` over ``pipe``.
+"""One pipeline stage's share of a lowered program, traced inside the ``shard_map`` over ``pipe``: the
+program as arrays, the stage's actions, and the tick.
 
-A :class:`Stage` holds one device's chunks of layers and runs the actions F / B / W on one slot
-of its buffers (:mod:`._buffers`); :func:`tick` runs one row of the table
-(:func:`~jaxpar.parallel.pipeline._tick_arrays.tick_table`, re-exported here): the stage's action
-(one boolean ``lax.cond`` per action kind, :func:`one_of`), then the sends (:func:`exchange`).
-The executor (:mod:`._executor`) scans :func:`tick` over the table's rows; PipeDream's no-flush
-programs run the same actions on weight versions (:mod:`._versioned_stage`).
+:func:`tick_table` turns a lowered :class:`~jaxpar.parallel.pipeline.Program` into ``[ticks, ...]``
+int32 arrays: per tick and stage the action kind to run and its slots, per tick the send patterns.
+A :class:`Stage` holds one device's chunks of layers and runs the actions F / B / W on one slot of
+its buffers (:mod:`._buffers`). :func:`run_ticks` scans :func:`tick` over the rows: the stage's
+action (one boolean ``lax.cond`` per action kind, :func:`one_of`), then the sends (:func:`exchange`).
+
+Two variants run the same tick. A lockstep table (:mod:`._lockstep`) has one kind per tick, the
+same on every device: :class:`LockstepStage` runs it on every stage, a stage without an action on
+spare slots with its effects masked by its :class:`StageFlags`, so every collective inside an
+action is reached by every device. PipeDream's stage carries weight versions through the tick and
+reads the one a table names (:class:`~jaxpar.parallel.pipeline._pipedream.VersionedStage`).
+
+Example:
+    >>> from jaxpar.parallel.pipeline import get_schedule, lockstep, lower
+    >>> table = tick_table(lower(get_schedule("1f1b", 2, 4)))
+    >>> [k.op for k in table.kinds], table.fwd_pats, table.bwd_pats, table.rows.kind.shape
+    (['B', 'B', 'F', 'F', 'idle'], [((0, 1),)], [((1, 0),)], (10, 2))
+    >>> table = tick_table(lower(lockstep(get_schedule("1f1b", 2, 4))), lockstep=True)
+    >>> [k.op for k in table.kinds], table.rows.kind.shape, table.rows.flags.acts.shape
+    (['B', 'F'], (10,), (10, 2))
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from dataclasses import replace
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.adapters._loss_metrics import with_reported_metrics
-from jaxpar.parallel.pipeline._buffers import (PipelineState, Slots, SlotView, TickIO, put, read_slots, take, take_tree, write_slots,
-                                               zeros_like_tree)
+from jaxpar.parallel.pipeline._buffers import (PipelineState, Slots, SlotView, TickIO, put, put_tree, read_slots, take,
+                                               take_tree, write_slots, zeros_like_tree)
+from jaxpar.parallel.pipeline._cut import PipelineParts
+from jaxpar.parallel.pipeline._instructions import PIPE, Instr, Program, stage_counts
 from jaxpar.parallel.pipeline._layer_vjp import LayerVJP
-from jaxpar.parallel.pipeline._parts import PipelineParts
-from jaxpar.parallel.pipeline._instructions import PIPE, Program, stage_counts
-from jaxpar.parallel.pipeline._tick_arrays import ActionKind, TickRow, TickTable, exchange, one_of, tick_table
+from jaxpar.errors import ScheduleError
 
 #: name scope of the tick loop: in the compiled HLO, its ``while``'s ``op_name``
 #: ends ``pipeline_ticks/while``
 TICKS_SCOPE = "pipeline_ticks"
 
 
+# ----------------------------------------------------------------------------- the program as arrays
+class ActionKind(NamedTuple):
+    """What an instruction needs compiled: one conditional per distinct kind.
+
+    >>> ActionKind.of(Instr("F", first=True, last=False))
+    ActionKind(op='F', first=True, last=False, updates=False)
+    """
+
+    op: str                # 'idle' | 'F' | 'B' | 'W'
+    first: bool = False    # virtual stage 0: F runs ``pre``, B backprops it
+    last: bool = False     # last virtual stage: F runs ``post``
+    updates: bool = False  # the stage's own update follows the action (weight stashing)
+
+    @classmethod
+    def of(cls, instr: Instr, updates: bool = False) -> "ActionKind":
+        """The kind of an instruction: its op, ``first`` (F / B only), ``last`` (F only) and ``updates``."""
+        return cls(instr.op, instr.first and instr.op in ("F", "B"), instr.last and instr.op == "F", updates)
+
+
+class StageFlags(NamedTuple):
+    """What a stage's action at a tick of a lockstep table counts for (traced booleans)."""
+
+    acts: Any     # the stage has an action of the tick's kind
+    first: Any    # ... on virtual stage 0: F reads ``pre``'s output, B adds ``pre``'s pullback
+    last: Any     # ... on the last virtual stage: F adds ``post``'s loss and gradient
+
+
+class TickRow(NamedTuple):
+    """One row of the lowered table; the scan runs over a ``[ticks, ...]`` stack of them."""
+
+    kind: Any       # [p]: index of each stage's branch; lockstep: [], the tick's, the same on every device
+    slots: Slots    # each [p]; lockstep: a stage without an action gets the spare slots
+    fwd_pat: Any    # index of the forward send pattern (0: none), the same on every device
+    bwd_pat: Any
+    fwd_recv: Any   # [p]: inbox_f slot the received activation goes to (n_fwd: discarded)
+    bwd_recv: Any   # [p]: inbox_b slot the received cotangent goes to (n_bwd: discarded)
+    flags: Any = None   # lockstep: the stages' StageFlags, [p] each
+
+
+class TickTable(NamedTuple):
+    """A lowered program as arrays: its rows and what their indices refer to."""
+
+    kinds: list        # the distinct ActionKinds: branch i runs kinds[i]
+    fwd_pats: list     # the distinct sets of (source, target) pairs sending forward / backward
+    bwd_pats: list
+    rows: TickRow      # [ticks, ...]
+
+
+def tick_table(program: Program, *, lockstep: bool = False, updates=None) -> TickTable:
+    """The lowered table as ``[ticks, ...]`` int32 arrays, and what their indices refer to.
+
+    Args:
+        program: a lowered schedule (:func:`~._instructions.lower`).
+        lockstep: ``program`` is ``lower(lockstep(schedule))``: a row's ``kind`` is the tick's, its
+            ``flags`` what each stage's action counts for, and a stage without an action gets the spare
+            slots: residual ``n_res``, frontier ``n_grad``, cotangent ``n_bwd`` (the discard slot, which
+            every F but the head's writes its unused d loss / d y to).
+        updates: ``updates[t][s]``: the action of stage ``s`` at tick ``t`` ends an update (weight stashing).
+
+    Returns:
+        The distinct action kinds (sorted; a row's ``kind`` indexes them), the distinct forward and
+        backward send patterns (a row's ``fwd_pat`` / ``bwd_pat`` is the index plus one, 0 for no
+        send), and the rows.
+    """
+    ticks = program.ticks
+    if lockstep:
+        keys = [[ActionKind(op)] for op in _tick_ops(program)]
+    else:
+        keys = [[ActionKind.of(i, bool(updates and updates[t][s])) for s, i in enumerate(tick.instrs)]
+                for t, tick in enumerate(ticks)]
+    kinds = sorted({k for row in keys for k in row})
+    kind = np.array([[kinds.index(k) for k in row] for row in keys], np.int32)
+    fwd_pats = sorted({t.fwd_pairs for t in ticks if t.fwd_pairs})
+    bwd_pats = sorted({t.bwd_pairs for t in ticks if t.bwd_pairs})
+    per_stage = lambda f: np.array([[f(i) for i in t.instrs] for t in ticks])         # noqa: E731
+    per_tick = lambda f: np.array([f(t) for t in ticks], np.int32)                    # noqa: E731
+    pattern = lambda pats, pairs: pats.index(pairs) + 1 if pairs else 0             # noqa: E731
+    slot = _spare_slots(program) if lockstep else getattr
+    flags = (StageFlags(per_stage(lambda i: i.op != "idle"), per_stage(lambda i: i.first), per_stage(lambda i: i.last))
+             if lockstep else None)
+    rows = TickRow(
+        kind=kind[:, 0] if lockstep else kind,
+        slots=Slots(*(per_stage(lambda i, a=a: slot(i, a)).astype(np.int32)
+                      for a in ("microbatch", "chunk", "res", "inbox", "dy", "grad"))),
+        fwd_pat=per_tick(lambda t: pattern(fwd_pats, t.fwd_pairs)),
+        bwd_pat=per_tick(lambda t: pattern(bwd_pats, t.bwd_pairs)),
+        fwd_recv=per_tick(lambda t: t.fwd_recv), bwd_recv=per_tick(lambda t: t.bwd_recv),
+        flags=flags)
+    return TickTable(kinds, fwd_pats, bwd_pats, rows)
+
+
+def _tick_ops(program: Program) -> list[str]:
+    """The one op of each tick of a lockstep program."""
+    ops = [{i.op for i in t.instrs} - {"idle"} for t in program.ticks]
+    if any(len(o) != 1 for o in ops):
+        raise ScheduleError(f"schedule {program.schedule.name!r} is not a lockstep table (a tick holds the kinds "
+                            f"{sorted(next(o for o in ops if len(o) != 1))}); re-time it with "
+                            "jaxpar.parallel.pipeline.lockstep.")
+    return [o.pop() for o in ops]
+
+
+def _spare_slots(program: Program) -> Callable:
+    """``slot(instr, name)`` of a lockstep program: an idle stage's action runs on the spare slots."""
+    spare = {"res": program.n_res, "grad": program.n_grad, "dy": program.n_bwd}
+
+    def slot(i: Instr, name: str):
+        if name == "dy" and not (i.op == "F" and i.last):      # only the head writes d loss / d y
+            return spare["dy"]
+        return getattr(i, name) if i.op != "idle" else spare.get(name, 0)
+
+    return slot
+
+
+def _send(pats: list, pat, x):
+    """``x`` along the tick's pairs (``pats[pat - 1]``; 0: nothing moves). ``pat`` is
+    the same on every device, so each ``ppermute`` runs on all of them or none."""
+    fns = [zeros_like_tree] + [lambda y, q=q: jax.lax.ppermute(y, PIPE, q) for q in pats]
+    return jax.lax.switch(pat, fns, x) if len(fns) > 1 else fns[0](x)
+
+
+def exchange(st: PipelineState, table: TickTable, row: TickRow, s, send_f, send_b) -> PipelineState:
+    """``st`` with what stage ``s`` receives from the tick's sends each way over ``pipe`` (it sends
+    ``send_f`` forward and ``send_b`` backward, zeros when none) written to its inbox slots."""
+    inbox_f = put_tree(st.inbox_f, take(row.fwd_recv, s), _send(table.fwd_pats, row.fwd_pat, send_f))
+    inbox_b = put_tree(st.inbox_b, take(row.bwd_recv, s), _send(table.bwd_pats, row.bwd_pat, send_b))
+    return st._replace(inbox_f=inbox_f, inbox_b=inbox_b)
+
+
+def one_of(kind, kinds: list, act: Callable, carry: tuple) -> tuple:
+    """``act(kind)(*carry)``, or ``carry`` if ``kinds[kind]`` is idle: one boolean ``cond`` per kind
+    (``kind`` traced), each reading and writing the carried buffers in place (an index ``switch``
+    copies every buffer its branches pass through)."""
+    for i, k in enumerate(kinds):
+        if k.op != "idle":
+            carry = jax.lax.cond(kind == i, act(i), lambda *a: a, *carry)
+    return carry
+
+
+# ----------------------------------------------------------------------------- the stage
 def _at(buf, slot, layer):
     """``buf[slot, layer]`` of a slotted per-layer buffer ``[n, Lmax, ...]``."""
     start = (slot, layer) + (0,) * (buf.ndim - 2)
@@ -50,12 +206,15 @@ def _accumulate(acc: Any, grads: Any) -> Any:
     return jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, grads)
 
 
-class Stage:
-    """One device's share of the program, traced inside the ``shard_map``: its chunks'
-    layers (``blocks``: ``[v, Lmax, ...]``), ``outer``, the micro-batches, and the
-    actions F / B / W on one slot of each buffer.
+def _pick(flag, new, old):
+    """``new`` where ``flag``, else ``old``, leaf by leaf."""
+    return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
 
-    Subclasses change which parameters an action uses (:meth:`chunk_params`,
+
+class Stage:
+    """One device's share of the program, traced inside the ``shard_map``: its chunks' layers
+    (``blocks``: ``[v, Lmax, ...]``), ``outer``, the micro-batches, and the actions F / B / W on one
+    slot of each buffer. Subclasses change which parameters an action uses (:meth:`chunk_params`,
     :meth:`outer_params`) and how it reads and writes the state (:meth:`read`, :meth:`write`).
 
     Args:
@@ -69,7 +228,7 @@ class Stage:
 
     def __init__(self, parts: PipelineParts, program: Program, counts: np.ndarray, outer, blocks, mbs):
         self.parts, self.outer, self.blocks, self.mbs = parts, outer, blocks, mbs
-        self.m, self.split = program.schedule.num_microbatches, program.split_backward
+        self.m, self.split = program.schedule.num_microbatches, program.schedule.split_backward
         self.lmax = int(counts.max())
         self.uneven = bool((counts != self.lmax).any())
         self.index = jax.lax.axis_index(PIPE)
@@ -88,51 +247,34 @@ class Stage:
         return zeros_like_tree(self.x)
 
     def chunk_params(self, sl: Slots):
-        """The layers' parameters an action uses.
-
-        Args:
-            sl: the action's slots (its ``chunk``).
-
-        Returns:
-            One chunk's layers, ``[Lmax, ...]`` per leaf.
-        """
+        """The layers an action on the slots ``sl`` uses: chunk ``sl.chunk``, ``[Lmax, ...]`` per leaf."""
         return take_tree(self.blocks, sl.chunk)
 
     def outer_params(self, sl: Slots):
-        """The parameters of ``pre`` / ``post`` an action uses.
-
-        Args:
-            sl: the action's slots.
-
-        Returns:
-            ``outer`` (a subclass may pick a version by ``sl``).
-        """
+        """The parameters of ``pre`` / ``post`` an action on the slots ``sl`` uses."""
         return self.outer
 
     def read(self, st: PipelineState, sl: Slots) -> SlotView:
-        """What an action reads of the state (inside its conditional).
-
-        Args:
-            st: the stage's state.
-            sl: the action's slots.
-
-        Returns:
-            The :class:`~jaxpar.parallel.pipeline._buffers.SlotView` of ``st`` at ``sl``.
-        """
+        """What an action on the slots ``sl`` reads of the state (inside its conditional)."""
         return read_slots(st, sl)
 
     def write(self, st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
-        """Write back what an action hands back.
-
-        Args:
-            st: the stage's state.
-            sl: the action's slots.
-            io: what the action hands back (``None`` fields: not written).
-
-        Returns:
-            ``st`` with ``io`` written to its slots.
-        """
+        """``st`` with what an action on the slots ``sl`` hands back written."""
         return write_slots(st, sl, io)
+
+    def initial_state(self, program: Program) -> PipelineState:
+        """The buffers before the first tick (sized by ``program``'s slot counts): every slot and sum zero."""
+        x, lmax = self.x, self.lmax
+        buf = lambda n, shape, dtype: jnp.zeros((max(n, 1), *shape), dtype)           # noqa: E731
+        f32 = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t)   # noqa: E731
+        return PipelineState(
+            res=[buf(program.n_res, (lmax, *r.shape), r.dtype) for r in self.lv.stored],
+            inbox_f=jax.tree.map(lambda a: buf(program.n_fwd + 1, a.shape, a.dtype), x),
+            inbox_b=jax.tree.map(lambda a: buf(program.n_bwd + 1, a.shape, a.dtype), x),
+            grads_y=[buf(program.n_grad, (lmax, *f.shape), f.dtype) for f in self.lv.split.frontier]
+            if self.lv.split else [],
+            g_blocks=f32(self.blocks), g_outer=f32(self.outer), loss=jnp.zeros((), jnp.float32),
+            metrics=f32(self.metrics))
 
     def _unchanged(self, view: SlotView) -> TickIO:
         """No slot written (``None``), the sums as they were; nothing sent."""
@@ -146,18 +288,8 @@ class Stage:
         return lambda carry, item: jax.lax.cond(item[-1] < n, one, lambda c, _: (c, None), carry, item)
 
     def forward_layers(self, bp, x, n, res, slot):
-        """One chunk's layers forward on one micro-batch.
-
-        Args:
-            bp: the chunk's layers, ``[Lmax, ...]`` per leaf.
-            x: the chunk's input activation.
-            n: the chunk's real layers (the rest is padding, skipped).
-            res: the residual buffers, ``[n_res, Lmax, ...]`` each.
-            slot: the residual slot to write.
-
-        Returns:
-            ``(y, res)``: the output, and ``res`` with each layer's residuals at ``[slot, layer]``.
-        """
+        """``(y, res)``: the chunk's layers ``bp`` (``n`` real, the rest padding) forward on ``x``, each
+        layer's residuals written to ``res[slot, layer]``."""
         def one(carry, item):
             h, bufs = carry
             y, stored = self.lv.forward(item[0], h)
@@ -167,22 +299,9 @@ class Stage:
                             (bp, jnp.arange(self.lmax)))[0]
 
     def backward_layers(self, bp, res, slot, dy, n, acc, gslot=None):
-        """Reverse over the chunk's layers from ``dy`` on the residuals ``res[slot]``.
-
-        Args:
-            bp: the chunk's layers, ``[Lmax, ...]`` per leaf.
-            res: the residual buffers.
-            slot: the residual slot F wrote.
-            dy: the cotangent of the chunk's output.
-            n: the chunk's real layers.
-            acc: the weight gradients, ``[Lmax, ...]`` per leaf; with a split backward the
-                frontier buffers.
-            gslot: the frontier slot (split backward only).
-
-        Returns:
-            ``(dx, acc)``: each layer's weight gradients added to ``acc``, or with a split backward
-            each layer's frontier at ``acc[gslot, layer]``, kept for W.
-        """
+        """``(dx, acc)``: the chunk's pullbacks in reverse from ``dy`` on the residuals ``res[slot]``, each
+        layer's weight gradients added to ``acc`` (``[Lmax, ...]`` per leaf), or with a split backward
+        its frontier written to the frontier buffers ``acc[gslot, layer]``, kept for W."""
         def one(carry, item):
             g, acc = carry
             stored = [_at(b, slot, item[-1]) for b in res]
@@ -196,18 +315,8 @@ class Stage:
                             (bp, jnp.arange(self.lmax)), reverse=True)[0]
 
     def weight_layers(self, bp, res, gys, slot, gslot, n, acc):
-        """W of a split backward: the chunk's weight gradients from what B kept.
-
-        Args:
-            bp: the chunk's layers, ``[Lmax, ...]`` per leaf.
-            res, slot: the residual buffers and the slot F wrote.
-            gys, gslot: the frontier buffers and the slot B wrote.
-            n: the chunk's real layers.
-            acc: the weight gradients, ``[Lmax, ...]`` per leaf.
-
-        Returns:
-            ``acc`` plus each layer's weight gradients.
-        """
+        """W of a split backward: ``acc`` plus the chunk's weight gradients, from the residuals
+        ``res[slot]`` and the frontier ``gys[gslot]`` B kept."""
         def one(acc, item):
             layer = item[-1]
             dp = self.lv.split.weights(item[0], [_at(b, slot, layer) for b in res],
@@ -217,30 +326,28 @@ class Stage:
         return jax.lax.scan(self._each_layer(one, n), acc,
                             (bp, jnp.arange(self.lmax)))[0]
 
-    def branch(self, kind: ActionKind) -> Callable[[SlotView, Slots], TickIO]:
-        """The action of a kind.
-
-        Args:
-            kind: the action kind.
-
-        Returns:
-            ``(view, slots) -> TickIO``: F, B, W, or nothing for idle.
-        """
+    def action(self, kind: ActionKind) -> Callable[[SlotView, Slots, Any], TickIO]:
+        """``(view, slots, flags) -> TickIO``: F, B, W, or nothing for idle."""
         if kind.op == "idle":
-            return lambda view, sl: self._unchanged(view)
-        action = {"F": self.forward, "B": self.backward, "W": self.weights}[kind.op]
-        return lambda view, sl: action(kind, view, sl)
+            return lambda view, sl, flags: self._unchanged(view)
+        act = {"F": self.forward, "B": self.backward, "W": self.weights}[kind.op]
+        return lambda view, sl, flags: act(kind, view, sl, flags)
 
-    def forward(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
+    def branch(self, kind: ActionKind) -> Callable:
+        """What the tick runs in the conditional of ``kind``: ``(st, ws, slots, flags, versions) -> (st, ws,
+        io)``, the action on what it reads of ``st``, written back (``ws``, ``versions``: see
+        :class:`~jaxpar.parallel.pipeline._pipedream.VersionedStage`)."""
+        action = self.action(kind)
+
+        def run(st, ws, sl, flags, versions):
+            io = action(self.read(st, sl), sl, flags)
+            return self.write(st, sl, io), ws, io
+
+        return run
+
+    def forward(self, kind: ActionKind, view: SlotView, sl: Slots, flags=None) -> TickIO:
         """F: ``pre`` (first), the chunk's layers, then ``post`` (last: keeps d loss / d y, adds its
-        gradient of ``outer`` and what the loss reported) or a send to the next virtual stage.
-
-        Args:
-            kind, view, sl: the action's kind, what it reads (:meth:`read`) and its slots.
-
-        Returns:
-            What it hands back (:meth:`write` writes it).
-        """
+        gradient of ``outer`` and what the loss reported) or a send to the next virtual stage."""
         n, bp, mb = self.n_layers[sl.chunk], self.chunk_params(sl), take_tree(self.mbs, sl.mb)
         outer = self.outer_params(sl)
         x = self.parts.pre(outer, mb) if kind.first else view.x
@@ -254,16 +361,9 @@ class Stage:
                            metrics=jax.tree.map(jnp.add, view.metrics, found),
                            g_outer=jax.tree.map(lambda a, d: a + d.astype(a.dtype) / self.m, view.g_outer, g_outer))
 
-    def backward(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
+    def backward(self, kind: ActionKind, view: SlotView, sl: Slots, flags=None) -> TickIO:
         """B: the stored pullbacks in reverse on the received cotangent, then ``pre``'s
-        pullback into the gradient of ``outer`` (first) or a send to the previous virtual stage.
-
-        Args:
-            kind, view, sl: the action's kind, what it reads (:meth:`read`) and its slots.
-
-        Returns:
-            What it hands back (:meth:`write` writes it).
-        """
+        pullback into the gradient of ``outer`` (first) or a send to the previous virtual stage."""
         dx, io = self.chunk_backward(view, sl)
         mb = take_tree(self.mbs, sl.mb)
         if not kind.first:
@@ -272,15 +372,8 @@ class Stage:
         return io._replace(g_outer=_accumulate(view.g_outer, pull(self._cast(dx))[0]))
 
     def chunk_backward(self, view: SlotView, sl: Slots) -> tuple[Any, TickIO]:
-        """The chunk's pullbacks.
-
-        Args:
-            view, sl: what the action reads (:meth:`read`) and its slots.
-
-        Returns:
-            ``(dx, io)``: ``io`` with the chunk's weight gradients added (fused) or its frontier
-            written (split).
-        """
+        """``(dx, io)``: the chunk's pullbacks, ``io`` with their weight gradients added (fused) or their
+        frontier written (split)."""
         bp, n, io = self.chunk_params(sl), self.n_layers[sl.chunk], self._unchanged(view)
         if self.split:
             dx, gys = self.backward_layers(bp, view.res, sl.res, view.dy, n, view.gys, gslot=sl.grad)
@@ -288,68 +381,108 @@ class Stage:
         dx, g_chunk = self.backward_layers(bp, view.res, sl.res, view.dy, n, view.g_chunk)
         return dx, io._replace(g_chunk=g_chunk)
 
-    def weights(self, kind: ActionKind, view: SlotView, sl: Slots) -> TickIO:
-        """W (split backward): the chunk's weight gradients from the cotangents B kept.
-
-        Args:
-            kind, view, sl: the action's kind, what it reads (:meth:`read`) and its slots.
-
-        Returns:
-            What it hands back (:meth:`write` writes it).
-        """
+    def weights(self, kind: ActionKind, view: SlotView, sl: Slots, flags=None) -> TickIO:
+        """W (split backward): the chunk's weight gradients from the cotangents B kept."""
         g_chunk = self.weight_layers(self.chunk_params(sl), view.res, view.gys, sl.res, sl.grad,
                                      self.n_layers[sl.chunk], view.g_chunk)
         return self._unchanged(view)._replace(g_chunk=g_chunk)
 
 
-def initial_state(program: Program, stage: Stage) -> PipelineState:
-    """The stage's buffers before the first tick: every slot and sum zero.
+class LockstepStage(Stage):
+    """A :class:`Stage` whose actions run on every device at every tick of a lockstep table, on spare
+    slots where it has none, what they add masked by its :class:`StageFlags`: every F runs ``pre`` and
+    ``post`` (the flags pick the input and mask the head's loss and gradient), every B ``pre``'s
+    pullback, and a short stage's padding layers run with their result masked."""
 
-    Args:
-        program: the lowered schedule (its slot counts size the buffers).
-        stage: the stage (its layer's residual and frontier shapes, its parameters).
+    def initial_state(self, program: Program) -> PipelineState:
+        """The buffers before the first tick, with one spare residual and frontier slot each."""
+        return super().initial_state(replace(program, n_res=program.n_res + 1,
+                                             n_grad=program.n_grad + 1 if program.n_grad else 0))
 
-    Returns:
-        Residual, inbox and frontier buffers of zeros, and float32 zero sums.
+    def _each_layer(self, one: Callable, n) -> Callable:
+        """A scan step: ``one`` on every layer, a padding layer's result masked (no conditional)."""
+        if not self.uneven:
+            return one
+
+        def masked(carry, item):
+            new, out = one(carry, item)
+            return _pick(item[-1] < n, new, carry), out
+
+        return masked
+
+    def forward(self, kind: ActionKind, view: SlotView, sl: Slots, flags=None) -> TickIO:
+        """F on every stage: ``pre`` or the received activation, the chunk's layers, ``post``."""
+        n, bp, mb, outer = self.n_layers[sl.chunk], self.chunk_params(sl), take_tree(self.mbs, sl.mb), self.outer
+        x = _pick(flags.first, self._cast(self.parts.pre(outer, mb)), view.x)
+        y, res = self.forward_layers(bp, x, n, view.res, sl.res)
+        (loss, found), (g_outer, dy) = jax.value_and_grad(self.post, argnums=(0, 1), has_aux=True)(outer, y, mb)
+        keep = flags.acts & flags.last
+        added = jax.tree.map(lambda a, d: a + d.astype(a.dtype) / self.m, view.g_outer, g_outer)
+        return self._unchanged(view)._replace(
+            res=res, send_f=self._cast(y), dy_out=self._cast(jax.tree.map(lambda d: d / self.m, dy)),
+            loss=view.loss + jnp.where(keep, loss.astype(jnp.float32), 0.0),
+            metrics=jax.tree.map(lambda a, f: a + jnp.where(keep, f, 0), view.metrics, found),
+            g_outer=_pick(keep, added, view.g_outer))
+
+    def backward(self, kind: ActionKind, view: SlotView, sl: Slots, flags=None) -> TickIO:
+        """B on every stage: the chunk's pullbacks (the weight gradients masked), then ``pre``'s."""
+        dx, io = self.chunk_backward(view, sl)        # a split B's frontier goes to the spare slot when idle
+        if not self.split:
+            io = io._replace(g_chunk=_pick(flags.acts, io.g_chunk, view.g_chunk))
+        mb = take_tree(self.mbs, sl.mb)
+        _, pull = jax.vjp(lambda q: self.parts.pre(q, mb), self.outer)
+        added = jax.tree.map(lambda a, d: a + d.astype(a.dtype), view.g_outer, pull(self._cast(dx))[0])
+        return io._replace(send_b=self._cast(dx), g_outer=_pick(flags.acts & flags.first, added, view.g_outer))
+
+    def weights(self, kind: ActionKind, view: SlotView, sl: Slots, flags=None) -> TickIO:
+        """W on every stage: the chunk's weight gradients, masked."""
+        io = super().weights(kind, view, sl)
+        return io._replace(g_chunk=_pick(flags.acts, io.g_chunk, view.g_chunk))
+
+
+# ----------------------------------------------------------------------------- the tick
+def tick(stage: Stage, table: TickTable, branches: list, carry, xs):
+    """One tick, a ``lax.scan`` step over ``(rows, version rows)`` carrying ``(st, ws)``: this stage's
+    action on its slots of the buffers, then the sends.
+
+    One boolean ``cond`` per action kind (at most one runs): its branch reads and writes the buffers
+    in place. (A ``switch`` over all kinds, or a ``cond`` on slots read outside it, would copy what
+    passes through: the residuals twice per tick.)
     """
-    x, lmax = stage.x, stage.lmax
-    buf = lambda n, shape, dtype: jnp.zeros((max(n, 1), *shape), dtype)           # noqa: E731
-    f32 = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t)   # noqa: E731
-    return PipelineState(
-        res=[buf(program.n_res, (lmax, *r.shape), r.dtype) for r in stage.lv.stored],
-        inbox_f=jax.tree.map(lambda a: buf(program.n_fwd + 1, a.shape, a.dtype), x),
-        inbox_b=jax.tree.map(lambda a: buf(program.n_bwd + 1, a.shape, a.dtype), x),
-        grads_y=[buf(program.n_grad, (lmax, *f.shape), f.dtype) for f in stage.lv.split.frontier]
-        if stage.lv.split else [],
-        g_blocks=f32(stage.blocks), g_outer=f32(stage.outer), loss=jnp.zeros((), jnp.float32),
-        metrics=f32(stage.metrics))
-
-
-def tick(stage: Stage, table: TickTable, branches: list, st: PipelineState, row: TickRow):
-    """One tick: this stage's action on its slots of the buffers, then the sends.
-
-    One boolean ``cond`` per action kind (at most one runs): its branch reads and writes
-    the buffers in place. (A ``switch`` over all kinds, or a ``cond`` on slots read
-    outside it, would copy what passes through: the residuals twice per tick.)
-
-    Args:
-        stage: the stage.
-        table: the program's table.
-        branches: the action of each of ``table.kinds`` (:meth:`Stage.branch`).
-        st: the state before the tick.
-        row: the tick's row.
-
-    Returns:
-        ``(state after the tick, None)``: a ``lax.scan`` step over the table's rows.
-    """
-    sl = Slots(*(take(a, stage.index) for a in row.slots))
+    (st, ws), (row, vrow) = carry, xs
+    s = stage.index
+    at_stage = lambda t: jax.tree.map(lambda a: take(a, s), t)     # noqa: E731
+    sl, flags, versions = at_stage(row.slots), at_stage(row.flags), at_stage(vrow)
+    kind = row.kind if row.kind.ndim == 0 else take(row.kind, s)    # lockstep: the tick's, on every device
     none = stage.nothing()
 
     def act(i):
-        def run(st, send_f, send_b):
-            io = branches[i](stage.read(st, sl), sl)
-            return stage.write(st, sl, io), io.send_f, io.send_b
+        def run(st, ws, send_f, send_b):
+            st, ws, io = branches[i](st, ws, sl, flags, versions)
+            return st, ws, io.send_f, io.send_b
         return run
 
-    st, send_f, send_b = one_of(take(row.kind, stage.index), table.kinds, act, (st, none, none))
-    return exchange(st, table, row, stage.index, send_f, send_b), None
+    st, ws, send_f, send_b = one_of(kind, table.kinds, act, (st, ws, none, none))
+    return (exchange(st, table, row, s, send_f, send_b), ws), None
+
+
+def run_ticks(stage: Stage, table: TickTable, st: PipelineState, ws: Any = None, rows: TickRow | None = None,
+              vrows: Any = None) -> tuple[PipelineState, Any]:
+    """The stage's actions over ``rows`` (default: the table's), a ``lax.scan`` under :data:`TICKS_SCOPE`.
+
+    Args:
+        stage: the stage.
+        table: the program's :class:`TickTable` (its kinds and send patterns).
+        st: the buffers before the first of ``rows``.
+        ws: PipeDream's weight versions (and the update's state) before it, or ``None``.
+        rows: the tick rows to run, ``[ticks, ...]``.
+        vrows: their version rows (with ``ws``).
+
+    Returns:
+        ``(st, ws)`` after the last tick.
+    """
+    branches = [stage.branch(k) for k in table.kinds]
+    rows = table.rows if rows is None else rows
+    with jax.named_scope(TICKS_SCOPE):
+        (st, ws), _ = jax.lax.scan(functools.partial(tick, stage, table, branches), (st, ws), (rows, vrows))
+    return st, ws

@@ -38,8 +38,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.adapters._blocks import use_layer_runner
 from jaxpar.rules import drop_axes, use_rules
 from jaxpar.parallel.pipeline._buffers import put_tree, take, take_tree, zeros_like_tree
+from jaxpar.parallel.pipeline._cut import PipelineParts
 from jaxpar.parallel.pipeline._partition import check_blocks_layout
-from jaxpar.parallel.pipeline._parts import PipelineParts
 from jaxpar.parallel.pipeline._instructions import PIPE
 
 
@@ -57,7 +57,7 @@ def pipeline_forward_sum(parts: PipelineParts, mesh, rules, value: Callable, *, 
       lockstep: every stage runs every tick's item, ``pre``, its padding layers and ``value``, with
         their results masked (``jnp.where``) rather than skipped by a conditional whose predicate
         differs between the stages: the layers' collectives (sequence parallelism) are then reached
-        by every device (as :mod:`._lockstep_stage` does for the pipeline's ticks).
+        by every device (as :class:`~._stage.LockstepStage` does for the pipeline's ticks).
 
     Returns:
       The function, with the arguments of :func:`~._executor.pipeline_value_and_grad`'s; its result is

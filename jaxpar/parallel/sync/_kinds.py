@@ -35,11 +35,11 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import optax
-from jaxpar.errors import SyncError
+from jaxpar.errors import SyncError, int_problem
 
 
 def _int(name: str, option: str, value: Any, low: int, example: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if int_problem(value, low) is not None:
         raise SyncError(f"{name}({option}={value!r}): {example}")
     return value
 

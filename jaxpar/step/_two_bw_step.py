@@ -4,7 +4,7 @@
 ``step(state, batches) -> (state, metrics)``: ``batches`` holds ``K`` global batches (every
 leaf ``[K, B, ...]``), ``metrics`` one value per step (``loss`` ``[K]``...). The program runs
 :func:`~jaxpar.parallel.pipeline.pipedream_2bw` ``(p, m, steps=K)`` cut into its optimizer
-steps (:func:`~jaxpar.parallel.pipeline._two_bw.step_windows`): the first window (``2m + 2(p-1)``
+steps (:func:`~jaxpar.parallel.pipeline._pipedream.step_windows`): the first window (``2m + 2(p-1)``
 ticks, the fill) is one tick loop, the ``K - 1`` later ones (``2m`` ticks each) are a loop over
 windows around a ``2m``-tick loop. Between windows the in-flight state (residual and inbox
 slots, the next step's partial gradient and loss) stays on its stage, and the optimizer
@@ -13,14 +13,14 @@ manual region, with the one-step train step's update and rule (:func:`jaxpar.ste
 so every optax optimizer, ``clip_norm``, ``log_lr`` and ``skip_nonfinite`` work as there, and a
 skipped step leaves the same state. A micro-batch of step ``t`` reads ``W(t-1)``; during window ``t`` a stage
 holds ``W(t-1)`` and ``W(t)`` (the train state's ``versions`` and ``params``), the slots the
-version table (:func:`~jaxpar.parallel.pipeline._two_bw.version_rows`) names for the versioned
-stage (:mod:`jaxpar.parallel.pipeline._versioned_stage`).
+version table (:func:`~jaxpar.parallel.pipeline._pipedream.version_rows`) names for the versioned
+stage (:class:`~jaxpar.parallel.pipeline._pipedream.VersionedStage`).
 
 A call starts and ends with an empty pipeline: one fill and one drain per ``K`` steps, and
 the train state (and its checkpoints) is the one-step 2BW state.
 
 Example:
-    >>> from jaxpar.parallel.pipeline._two_bw import step_windows
+    >>> from jaxpar.parallel.pipeline._pipedream import step_windows
     >>> [hi - lo for lo, hi in step_windows(4, 8, steps=4)]    # the tick loops of one call, K = 4
     [22, 16, 16, 16]
 """
@@ -36,14 +36,12 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.batch import step_microbatches
 from jaxpar.adapters._blocks import use_layer_runner
 from jaxpar.rules import drop_axes, named_shardings, use_rules
-from jaxpar.parallel.pipeline._two_bw import step_windows, version_rows
 from jaxpar.parallel.pipeline._buffers import PipelineState, put, take, take_tree
 from jaxpar.parallel.pipeline._piped import staged_cut
 from jaxpar.parallel.pipeline._instructions import Program, lower
 from jaxpar.parallel.pipeline._schedules import pipedream_2bw
-from jaxpar.parallel.pipeline._stage import PIPE, stage_counts
-from jaxpar.parallel.pipeline._versioned_stage import StageWeights, VersionedStage, VersionRows, run_ticks, \
-    versioned_table
+from jaxpar.parallel.pipeline._pipedream import StageWeights, VersionedStage, VersionRows, step_windows, version_rows
+from jaxpar.parallel.pipeline._stage import PIPE, run_ticks, stage_counts, tick_table
 from jaxpar.step._update import Update, apply_update, delayed
 
 #: name scope of the loop over the later windows (in the compiled HLO, its ``while``'s ``op_name``
@@ -68,7 +66,7 @@ def _finish(stage: VersionedStage, st: PipelineState, a):
     return out, st
 
 
-def _window_runner(parts, mesh, rules, program: Program, table, kinds: list, m: int, stage_layers,
+def _window_runner(parts, mesh, rules, program: Program, table, m: int, stage_layers,
                    first: bool) -> Callable:
     """The function that runs one step window of the no-flush table.
 
@@ -77,8 +75,7 @@ def _window_runner(parts, mesh, rules, program: Program, table, kinds: list, m: 
       mesh: the device mesh (with a ``pipe`` axis).
       rules: the logical rules (``pipe`` is dropped inside the ``shard_map``).
       program: the lowered table.
-      table, kinds: its tick table and branch kinds
-        (:func:`~jaxpar.parallel.pipeline._versioned_stage.versioned_table`).
+      table: its tick table (:func:`~jaxpar.parallel.pipeline._stage.tick_table`).
       m: micro-batches per optimizer step.
       stage_layers: layers of each virtual stage (:func:`stage_counts`).
       first: the window starts from an empty pipeline (its ``state`` is None).
@@ -97,7 +94,7 @@ def _window_runner(parts, mesh, rules, program: Program, table, kinds: list, m: 
                                accumulators=2, sums=2, cast=lambda t: t)      # the versions come cast
         st = stage.initial_state(program) if first else jax.tree.map(lambda a: a[0], st)
         no_update = jnp.zeros((2,), jnp.float32)
-        st, _ = run_ticks(stage, table, kinds, st, StageWeights(w, (), no_update, no_update), rows, vrows)
+        st, _ = run_ticks(stage, table, st, StageWeights(w, (), no_update, no_update), rows, vrows)
         out, st = _finish(stage, st, window % 2)
         return out, jax.tree.map(lambda a: a[None], st)
 
@@ -148,14 +145,13 @@ def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> 
     Returns:
       ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
       ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
-      ``make_train_step`` has checked the layout
-      (:func:`~jaxpar.parallel.pipeline._versioned_stage.check_versioned_state`).
+      ``make_train_step`` has checked the layout.
     """
     strategy, mesh = layout.strategy, layout.mesh
     p, m = mesh.shape[PIPE], strategy.microbatches
     program = lower(pipedream_2bw(p, m, steps))
-    table, kinds, rows = versioned_table(program, None)
-    rows0, rows_later = _windows_rows(program, rows, p, m, steps)
+    table = tick_table(program)
+    rows0, rows_later = _windows_rows(program, table.rows, p, m, steps)
     grad_shardings = named_shardings(layout.grads, mesh)
 
     rule = delayed(functools.partial(apply_update, update))      # the one-step program's rule: W(t) becomes the older version
@@ -165,8 +161,7 @@ def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> 
         cut = staged_cut(loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
                          jax.tree.map(lambda a: a[:m], mbs),
                          own_specs=layout.model_specs())
-        runners = [_window_runner(cut.parts, mesh, layout.rules, program, table, kinds, m, cut.stage_layers,
-                                  first)
+        runners = [_window_runner(cut.parts, mesh, layout.rules, program, table, m, cut.stage_layers, first)
                    for first in (True, False)]
 
         def window(state, st, rows, t):
