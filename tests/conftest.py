@@ -27,9 +27,9 @@ of the suite (``make test``: 240 s of compiles in place of 584 s). The fused loo
 not the SPMD partitioner's output (the collectives and their shapes); every test of compiled memory,
 HLO and collectives passes either way. A test that asserts two *different* programs bit-equal can
 depend on the emitters' reduction order: it is marked ``fusion_emitters`` and runs in a subprocess
-with XLA's fusion emitters on (the ``-O0`` level kept). Subprocesses inherit the flags (tests/test_multiprocess.py
-passes ``TEST_XLA_FLAGS`` on explicitly, since it clears ``XLA_FLAGS``), so in-process and
-subprocess runs compile alike. ``JAXPAR_TEST_XLA_OPT=default`` keeps XLA's defaults for both.
+with XLA's fusion emitters on (the ``-O0`` level kept). Subprocesses inherit the flags
+(tests/test_multiprocess.py passes ``TEST_XLA_FLAGS`` on explicitly, since it clears ``XLA_FLAGS``),
+so in-process and subprocess runs compile alike. ``JAXPAR_TEST_XLA_OPT=default`` keeps XLA's defaults for both.
 
 Each simulated device also runs its ops single-threaded (``--xla_cpu_multi_thread_eigen=false``):
 8 device threads already share the 2 cores, and with Eigen's intra-op pool on top a pipelined
