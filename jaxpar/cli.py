@@ -4,14 +4,14 @@ Usage::
 
     jaxpar train CONFIG [key=value ...] [--print-config] [--resume | --overwrite]
                  [--coordinator HOST:PORT --num-processes N --process-id I] [--local-devices K]
-    jaxpar check CONFIG [key=value ...]        (every check, nothing compiled; jaxpar.config._check_command)
+    jaxpar check CONFIG [key=value ...]        (every check, nothing compiled; jaxpar.config._inspection)
     jaxpar schedule --kind 1f1b --stages 4 --microbatches 8 [--virtual V] [--png PATH] [--timed]
     jaxpar plan [--config CONFIG | --layers L --hidden H --heads A --seq S --vocab V --batch B]
                 [--cluster PRESET|PATH] [--devices N] [--target h100:2x8] [--top K] [--json] [--verify]
     jaxpar inspect CONFIG [key=value ...] [--cluster PRESET|PATH] [--target h100:2x8|tpu-v5e:4x4|...]
     jaxpar export CONFIG [key=value ...] --hf OUT [--step N] [--overwrite] [--dtype bfloat16|float32]
-    jaxpar sample CONFIG [key=value ...] --prompt TEXT [--tokens N] [--step N]   (jaxpar.config._hf_commands)
-    jaxpar data prepare|show CONFIG [key=value ...] [--force | --steps A:B]     (jaxpar.config._data_commands)
+    jaxpar sample CONFIG [key=value ...] --prompt TEXT [--tokens N] [--step N]   (jaxpar.config._commands)
+    jaxpar data prepare|show CONFIG [key=value ...] [--force | --steps A:B]     (jaxpar.config._commands)
 
 Example::
 
@@ -68,15 +68,14 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
         print(f"process  {info.describe()}")
         if info.multiprocess:
             catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
-    from jaxpar.config._describe import describe_data, header_lines, model_label, model_line, packing_line, state_line
-    from jaxpar.config._job import build_job
+    from jaxpar.config._job import build_job, describe_data, header_lines, model_line, packing_line, state_line
     from jaxpar.run._resume import checkpoint_meta, train_with_checkpoints
 
     job = build_job(cfg)
     print(f"job      {cfg.name}  ->  {out_dir}")
     print("\n".join(header_lines(job)))
     state, layout = job.init_state(weights=not job.run.resume)     # a resumed run restores its own weights
-    print(model_line(model_label(cfg.model, job.hf), layout))
+    print(model_line(cfg.model, job.hf, layout))
     print(state_line(layout))
     line, tokens = describe_data(cfg, job.batch_fn)
     print(line)
@@ -96,7 +95,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     ``--verify`` compiles the top plans (on simulated CPU devices, or with ``--target``'s real
     compiler) and compares memory and bytes."""
     from jaxpar import cost
-    from jaxpar.config import ConfigError
+    from jaxpar.config import ConfigError, load_config
     from jaxpar.config._plan_command import plan_dtype, plan_model, plan_report, verify_plans
 
     target = None
@@ -108,9 +107,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         args.devices = args.devices or target.num_devices
     try:
         cluster = cost.load_cluster(args.cluster or "h100", num_devices=args.devices)
-        model = plan_model(args.config, {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab",
+        cfg = load_config(args.config, []) if args.config else None
+        model = plan_model(cfg, {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab",
                                                                         "batch")})
-        dtype = plan_dtype(args.config, args.dtype, cluster)
+        dtype = plan_dtype(cfg, args.dtype, cluster)
         cp = dict(contexts=args.contexts, context_methods=args.context_methods) if args.contexts else {}
         result = cost.plan(model, cluster, top=args.top, dtype=dtype, precision=args.precision, **cp)
     except (cost.ClusterError, cost.PlanError) as e:
@@ -121,8 +121,49 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(","))
+def _run_schedule(args: argparse.Namespace) -> int:
+    """``jaxpar schedule``: a pipeline schedule's tick x stage table, its bubble fraction and peak in-flight
+    micro-batches, and with ``--png`` its Gantt chart.
+
+    >>> _run_schedule(argparse.Namespace(kind="1f1b", stages=2, microbatches=2, virtual=1, png=None, timed=False))
+    1f1b p=2 m=2 v=1 ticks=6 bubble=0.3333 peak_in_flight=(2, 1)
+    s0 | F0 F1 .  B0 .  B1
+    s1 | .  F0 B0 F1 B1 .
+    bubble fraction 0.3333; peak in-flight micro-batches per stage (2, 1)
+    0
+    """
+    from jaxpar.parallel.pipeline._schedules import bubble_fraction, get_schedule, peak_in_flight, to_text
+
+    s = get_schedule(args.kind, args.stages, args.microbatches, args.virtual)
+    print(to_text(s))
+    print(f"bubble fraction {bubble_fraction(s):.4f}; peak in-flight micro-batches per stage {peak_in_flight(s)}")
+    if args.png:
+        from jaxpar.parallel.pipeline._render import render_png
+
+        print(f"wrote {render_png(s, args.png, timed=args.timed)}")
+    return 0
+
+
+def _run_config_command(args: argparse.Namespace) -> int:
+    """``jaxpar check``, ``inspect``, ``export``, ``sample`` and ``data``: the commands that read a config."""
+    from jaxpar.config import load_config
+    from jaxpar.config._commands import run_export, run_prepare, run_sample, run_show
+    from jaxpar.config._inspection import check_config, inspect_config
+
+    if args.command == "export":
+        return run_export(args.config, args.overrides, args.hf, step=args.step, overwrite=args.overwrite,
+                          dtype=args.dtype)
+    if args.command == "sample":
+        return run_sample(args.config, args.overrides, args.prompt, tokens=args.tokens, step=args.step)
+    if args.command == "data" and args.data_command == "prepare":
+        return run_prepare(args.config, args.overrides, force=args.force)
+    if args.command == "data":
+        return run_show(args.config, args.overrides, steps=args.steps, chars=args.chars,
+                        dist={k: getattr(args, k) for k in _DIST})
+    cfg = load_config(args.config, list(args.overrides))
+    if args.command == "check":
+        return check_config(cfg)
+    return inspect_config(cfg, cluster=args.cluster, target=args.target)   # compile the step ahead of time
 
 
 def _add_process_options(p: argparse.ArgumentParser) -> None:
@@ -136,26 +177,61 @@ def _add_process_options(p: argparse.ArgumentParser) -> None:
                    help="seconds without heartbeats before a process counts as dead and the job ends (100)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``jaxpar`` command's argument parser, every command included."""
-    from jaxpar.config._schedule_command import add_schedule_parser
-
-    parser = argparse.ArgumentParser(prog="jaxpar", description="Declarative SPMD training on JAX meshes.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("train", help="train a model from a YAML config",
-                       description="Train from CONFIG (YAML, may name a 'base:' YAML) with dotted overrides.")
-    p.add_argument("config", help="YAML config file, e.g. configs/quickstart.yaml")
+def _config_parser(sub, name: str, summary: str, description: str | None) -> argparse.ArgumentParser:
+    """A command of ``sub`` that takes ``CONFIG [key=value ...]``."""
+    p = sub.add_parser(name, help=summary, description=description)
+    p.add_argument("config", help="YAML config file, e.g. configs/quickstart.yaml (a run's own: <train.out_dir>/"
+                                  "config.yaml)")
     p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, e.g. mesh.tensor=2")
+    return p
+
+
+def _add_config_commands(sub) -> None:
+    """``train``, ``check``, ``inspect``, ``export`` and ``sample``."""
+    p = _config_parser(sub, "train", "train a model from a YAML config",
+                       "Train from CONFIG (YAML, may name a 'base:' YAML) with dotted overrides.")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest good checkpoint in checkpoint.dir (same as checkpoint.resume=true)")
     p.add_argument("--overwrite", action="store_true", help="start a new run where train.out_dir holds another: "
                    "move that run (its files and checkpoints) aside to <train.out_dir>.old-N first; nothing is deleted")
     _add_process_options(p)
+    _config_parser(sub, "check", "check a config: every check, the mesh on its devices and the train step built, "
+                   "nothing compiled or run", "Run every check of CONFIG that needs no compiled program: the "
+                   "config's, the mesh on the config's devices (simulated CPU devices when they are not there), the "
+                   "train state's layout and the train step's options.")
+    p = _config_parser(sub, "inspect", "dry run: compile a config's train step and show its shardings, collectives "
+                       "and memory next to the cost model's prediction", "Compile CONFIG's train step ahead of time "
+                       "(on simulated CPU devices of the config's device count when they are not there); no training "
+                       "step runs.")
+    p.add_argument("--cluster", help="cluster preset for the prediction (default: the target's, else cpu_sim)")
+    p.add_argument("--target", help="compile with the real compiler of a GPU / TPU target, without the hardware: "
+                                    "h100:2x8 (hosts x GPUs), tpu-v5e:4x4, 2xtpu-v5e:16x16 (docs/targets.md)")
+    p = _config_parser(sub, "export", "write a run's weights as a Hugging Face checkpoint (model.hf)",
+                       "Restore CONFIG's run (its latest jaxpar checkpoint, or --step N; before any, model.hf's "
+                       "imported weights) and write them as a Hugging Face checkpoint.")
+    p.add_argument("--hf", required=True, metavar="OUT", help="the directory to write (new or empty)")
+    p.add_argument("--step", type=int, metavar="N", help="the jaxpar checkpoint of step N (default: the latest)")
+    p.add_argument("--overwrite", action="store_true", help="replace the checkpoint files of a non-empty OUT")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="the tensors' dtype (default: the source's)")
+    p = _config_parser(sub, "sample", "continue a prompt greedily with a run's weights", "Greedy continuation of "
+                       "--prompt by CONFIG's run (its latest checkpoint, or --step N; before any, model.hf's imported "
+                       "weights), decoded and printed.")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--tokens", type=int, metavar="N", help="new tokens (default: logging.sample_tokens)")
+    p.add_argument("--step", type=int, metavar="N", help="the jaxpar checkpoint of step N (default: the latest)")
 
-    add_schedule_parser(sub)
 
+def _add_tool_commands(sub) -> None:
+    """``schedule``, ``plan`` and ``data``."""
+    p = sub.add_parser("schedule", help="print a pipeline schedule table",
+                       description="Build a pipeline schedule and print its tick x stage table.")
+    p.add_argument("--kind", required=True, help="gpipe, 1f1b, interleaved or zb-h1")
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages p")
+    p.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
+    p.add_argument("--virtual", type=int, default=1, help="model chunks per stage (interleaved only)")
+    p.add_argument("--png", help="also write a Gantt chart PNG here")
+    p.add_argument("--timed", action="store_true", help="PNG: draw the cost-model timeline, not unit ticks")
     p = sub.add_parser("plan", help="rank parallel plans with the cost model (nothing runs)",
                        description="Enumerate pipe x data x fsdp x tensor x ZeRO x schedule x micro-batches x "
                                    "remat on a cluster preset and rank them by predicted step time.")
@@ -168,29 +244,31 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{k}", type=int, help=f"model {k} (without --config; --batch also overrides it)")
     p.add_argument("--dtype", help="compute dtype of the peak FLOP/s (default: the config's, else bfloat16)")
     p.add_argument("--precision", default="mixed", help="bytes per parameter: fp32, mixed, megatron, mixed-fp32-accum")
-    p.add_argument("--contexts", type=_ints, help="context-parallel degrees to search, e.g. 1,2,4,8 (default: all "
-                   "divisors from 8k tokens, none below); --context-methods ring,all_gather,ulysses (all)")
+    p.add_argument("--contexts", type=lambda v: tuple(int(x) for x in v.split(",")),
+                   help="context-parallel degrees to search, e.g. 1,2,4,8 (default: all divisors from 8k tokens, "
+                   "none below); --context-methods ring,all_gather,ulysses (all)")
     p.add_argument("--context-methods", type=lambda v: tuple(v.split(",")), default=("ring", "all_gather", "ulysses"))
     p.add_argument("--top", type=int, default=10, help="how many plans to show (10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--verify", action="store_true", help="compile the top plans on simulated CPU devices and "
                                                          "compare predicted and compiled memory and bytes")
+    p = sub.add_parser("data", help="prepare a token cache, or show the batches a run sees",
+                       description="Work with data.kind=documents corpora (docs/data.md).")
+    inner = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    q = _config_parser(inner, "prepare", "tokenize data.sources into data.cache, once", None)
+    q.add_argument("--force", action="store_true", help="tokenize again even where the cache is up to date")
+    q = _config_parser(inner, "show", "print each global batch's sha256, packing efficiency and a decoded row", None)
+    q.add_argument("--steps", default="0:4", metavar="A:B", help="the steps A .. B-1 (default 0:4)")
+    q.add_argument("--chars", type=int, default=160, metavar="N", help="characters of the decoded row (160)")
+    _add_process_options(q)
 
-    p = sub.add_parser("inspect", help="dry run: compile a config's train step and show its shardings, "
-                                       "collectives and memory next to the cost model's prediction",
-                       description="Compile CONFIG's train step ahead of time (on simulated CPU devices of the "
-                                   "config's device count when they are not there); no training step runs.")
-    p.add_argument("config", help="YAML config file, e.g. configs/quickstart.yaml")
-    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides")
-    p.add_argument("--cluster", help="cluster preset for the prediction (default: the target's, else cpu_sim)")
-    p.add_argument("--target", help="compile with the real compiler of a GPU / TPU target, without the hardware: "
-                                    "h100:2x8 (hosts x GPUs), tpu-v5e:4x4, 2xtpu-v5e:16x16 (docs/targets.md)")
-    from jaxpar.config._check_command import add_check_parser
-    from jaxpar.config._data_commands import add_data_parser
-    from jaxpar.config._hf_commands import add_parsers
-    add_check_parser(sub)
-    add_parsers(sub)                 # export, sample
-    add_data_parser(sub, _add_process_options)       # data prepare, data show (several processes too)
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``jaxpar`` command's argument parser, every command included."""
+    parser = argparse.ArgumentParser(prog="jaxpar", description="Declarative SPMD training on JAX meshes.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_config_commands(sub)
+    _add_tool_commands(sub)
     return parser
 
 
@@ -203,9 +281,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
       The exit status: 0 ok, 2 an invalid config or arguments (one line on stderr).
     """
-    from jaxpar.config._data_commands import run_data_command
-    from jaxpar.config._schedule_command import run_schedule
-    from jaxpar.config._hf_commands import run_command
     from jaxpar.errors import JaxparError
 
     parser = build_parser()
@@ -217,29 +292,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _run_train(args.config, args.overrides, print_config=args.print_config, resume=args.resume,
-                             overwrite=args.overwrite, dist={k: getattr(args, k) for k in _DIST})
+                              overwrite=args.overwrite, dist={k: getattr(args, k) for k in _DIST})
         if args.command == "plan":
             return _run_plan(args)
-        if args.command == "check":
-            from jaxpar.config._check_command import run_check
-            return run_check(args)
-        if args.command == "inspect":       # compile the step ahead of time, run nothing (jaxpar.config._inspection)
-            from jaxpar.config import load_config
-            from jaxpar.config._inspection import inspect_config
-            return inspect_config(load_config(args.config, list(args.overrides)), cluster=args.cluster,
-                                  target=args.target)
-        if args.command in ("export", "sample"):
-            return run_command(args)
-        if args.command == "data":
-            return run_data_command(args, {k: getattr(args, k, None) for k in _DIST})
-        return run_schedule(args)
+        if args.command == "schedule":
+            return _run_schedule(args)
+        return _run_config_command(args)
     except JaxparError as e:        # an input jaxpar names as wrong; any other error keeps its traceback
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:
-        if args.command != "schedule":
-            raise
-        print(f"jaxpar schedule: error: {e}", file=sys.stderr)
         return 2
 
 

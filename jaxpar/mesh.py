@@ -21,24 +21,13 @@ from typing import Mapping, Sequence
 
 import jax
 import numpy as np
+from jax._src import hardware_utils
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
-from jaxpar.errors import BackendStartedError, MeshError
+from jaxpar.errors import BackendStartedError, MeshError, check_int, int_problem
 
-__all__ = [
-    "STANDARD_AXES",
-    "MeshSpec",
-    "MeshError",
-    "make_mesh",
-    "simulate_cpu_devices",
-    "use_devices",
-    "accelerator_platform",
-    "data_axes",
-    "batch_axes",
-    "replicas",
-    "REPLICA",
-    "CONTEXT",
-    "EXPERT",
-]
+__all__ = ["STANDARD_AXES", "MeshSpec", "MeshError", "make_mesh", "simulate_cpu_devices", "use_devices",
+           "accelerator_platform", "data_axes", "batch_axes", "replicas", "REPLICA", "CONTEXT", "EXPERT"]
 
 #: The axes jaxpar's strategies know about, in mesh order (outermost first).
 #: ``pipe`` is outermost (least traffic), ``tensor`` innermost (most traffic).
@@ -75,9 +64,6 @@ class MeshSpec:
     extra: Mapping[str, int] = field(default_factory=dict)
     dcn: Mapping[str, int] = field(default_factory=dict)
     replica: int = 1
-
-    def axis_names(self) -> tuple[str, ...]:
-        return tuple(self.requested())
 
     def requested(self) -> dict[str, int]:
         sizes = {REPLICA: self.replica} if self.replica != 1 else {}
@@ -170,8 +156,6 @@ def make_mesh(spec: MeshSpec | Mapping[str, int], devices: Sequence[jax.Device] 
     names = tuple(sizes)
     shape = tuple(sizes.values())
     if spec.dcn and jax.process_count() > 1:
-        from jax.experimental import mesh_utils
-
         dcn_shape = tuple(spec.dcn.get(n, 1) for n in names)
         ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape))
         if math.prod(dcn_shape) != jax.process_count():
@@ -183,8 +167,6 @@ def make_mesh(spec: MeshSpec | Mapping[str, int], devices: Sequence[jax.Device] 
                                                     process_is_granule=by_process)
     else:
         try:
-            from jax.experimental import mesh_utils
-
             grid = mesh_utils.create_device_mesh(shape, devices=devices)
         except (ValueError, NotImplementedError, AssertionError):
             grid = np.asarray(devices, dtype=object).reshape(shape)
@@ -252,8 +234,7 @@ def simulate_cpu_devices(n: int) -> None:
     ...
     jaxpar.errors.BackendStartedError: simulate_cpu_devices(4): the JAX backend is already initialised with 8 ...
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise MeshError(f"simulate_cpu_devices(n={n!r}): n must be a positive int, e.g. 8.")
+    check_int("simulate_cpu_devices", "n", n, 1, MeshError)
     if _backend_initialized():
         have = jax.device_count()
         if have != n:
@@ -294,7 +275,7 @@ def use_devices(n_simulated: int = 8, *, detect: bool = True) -> str:
     >>> use_devices(8)    # here: no accelerator, so 8 simulated CPU devices
     'cpu'
     """
-    if isinstance(n_simulated, bool) or not isinstance(n_simulated, int) or n_simulated < 1:
+    if int_problem(n_simulated, 1) is not None:
         raise MeshError(f"use_devices(n_simulated={n_simulated!r}): must be a positive int "
                         "(the CPU devices to simulate when there is no accelerator), e.g. 8.")
     if _backend_initialized():
@@ -378,20 +359,14 @@ def _installed_plugins() -> set[str]:
 
 
 def _nvidia_gpu_visible() -> bool:
-    from jax._src import hardware_utils
-
     if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
         return False
     return hardware_utils.has_visible_nvidia_gpu()
 
 
 def _amd_gpus() -> int:
-    from jax._src import hardware_utils
-
     return hardware_utils.num_available_amd_gpus(stop_at=1)
 
 
 def _tpu_chips() -> int:
-    from jax._src import hardware_utils
-
     return hardware_utils.num_available_tpu_chips_and_device_id()[0]

@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import re
@@ -38,7 +39,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.adapters._blocks import LAYERS
 from jaxpar.rules import path_str
-from jaxpar.errors import MaskError, OptimizerError, check_int
+from jaxpar.errors import MaskError, OptimizerError, check_int, int_problem
 
 __all__ = ["LR_SCALING_RULES", "HYPERPARAMETERS", "MaskError", "OptimizerError", "hyperparameter_problem",
            "check_hyperparameters", "scaled_lr", "trust_mask", "stacked_axes", "scale_by_layer_trust_ratio", "lars",
@@ -59,6 +60,8 @@ HYPERPARAMETERS = {
     "eps": (lambda v: v >= 0, "a finite number >= 0"),
     "weight_decay": (lambda v: v >= 0, "a finite number >= 0 (0: no decay)"),
     "trust_coefficient": (lambda v: v > 0, "a finite number > 0 (LARS: e.g. 0.001)"),
+    "clip_norm": (lambda v: v > 0, "a finite number > 0 (the global gradient norm to clip to, e.g. 1.0), or None "
+                                   "for no clipping"),
 }
 
 
@@ -129,7 +132,7 @@ def scaled_lr(lr: float, batch: int, base_batch: int, rule: str = "linear") -> f
     if rule not in LR_SCALING_RULES:
         raise OptimizerError(f"scaled_lr(rule={rule!r}): unknown rule; choose one of {', '.join(LR_SCALING_RULES)}.")
     for name, value in (("batch", batch), ("base_batch", base_batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if int_problem(value, 1) is not None:
             raise OptimizerError(f"scaled_lr({name}={value!r}): must be a positive int (a number of examples).")
     if (why := hyperparameter_problem("learning_rate", lr)) is not None or callable(lr):
         raise OptimizerError(f"scaled_lr(lr={lr!r}): {why or 'must be a finite number > 0'}; scale the peak, then "
@@ -150,10 +153,7 @@ def _logical_by_path(logical: Any) -> dict[str, tuple]:
 
 
 def _leading_layers(names: tuple) -> int:
-    k = 0
-    while k < len(names) and names[k] == LAYERS:
-        k += 1
-    return k
+    return len(list(itertools.takewhile(lambda name: name == LAYERS, names)))
 
 
 def stacked_axes(params: Any, logical: Any = None) -> dict[str, int]:
@@ -385,8 +385,6 @@ def scale_by_adam_frozen_variance(freeze_step: int, *, b1: float = 0.9, b2: floa
     """
     check_int("scale_by_adam_frozen_variance", "freeze_step", freeze_step, 1, OptimizerError)
     check_hyperparameters("scale_by_adam_frozen_variance", b1=b1, b2=b2, eps=eps)
-    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
-
     def update_fn(updates, state, params=None):
         frozen = state.count >= freeze_step
         nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
@@ -398,7 +396,7 @@ def scale_by_adam_frozen_variance(freeze_step: int, *, b1: float = 0.9, b2: floa
         out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
         return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
-    return optax.GradientTransformation(adam.init, update_fn)
+    return optax.GradientTransformation(optax.scale_by_adam(b1=b1, b2=b2, eps=eps).init, update_fn)
 
 
 def adamw_frozen_variance(learning_rate: optax.ScalarOrSchedule, freeze_step: int, *, b1: float = 0.9,

@@ -33,27 +33,12 @@ import math
 from typing import Any, ContextManager, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp  # noqa: F401  (the docstring examples use it)
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.errors import RulesError
 
-__all__ = [
-    "LogicalRules",
-    "RulesError",
-    "logical_to_spec",
-    "resolve",
-    "named_shardings",
-    "use_rules",
-    "without_rules",
-    "current_rules",
-    "constrain",
-    "path_str",
-    "drop_axes",
-    "axes_of",
-    "spec_without",
-    "manual_axes",
-    "shard_map_mesh",
-]
+__all__ = ["LogicalRules", "RulesError", "logical_to_spec", "resolve", "named_shardings", "use_rules",
+           "without_rules", "current_rules", "constrain", "path_str", "drop_axes", "axes_of", "spec_without",
+           "manual_axes", "shard_map_mesh"]
 
 LogicalRules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 
@@ -67,15 +52,7 @@ def path_str(path: Sequence[Any]) -> str:
     Returns:
       The path joined with ``/``.
     """
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def axes_of(entry) -> tuple[str, ...]:
@@ -106,10 +83,6 @@ def _targets(rules: LogicalRules, name: Any, sizes: dict[str, int]) -> tuple[lis
     return [], False
 
 
-def _mesh_sizes(mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes)) if hasattr(mesh, "axis_sizes") else dict(mesh.shape)
-
-
 def logical_to_spec(logical: Sequence[str | None], rules: LogicalRules, mesh, *,
                     shape: Sequence[int] | None = None, what: str = "array") -> PartitionSpec:
     """Map one tuple of logical names to a ``PartitionSpec`` over ``mesh``.
@@ -124,7 +97,7 @@ def logical_to_spec(logical: Sequence[str | None], rules: LogicalRules, mesh, *,
     Returns:
       The ``PartitionSpec``.
     """
-    sizes = _mesh_sizes(mesh)
+    sizes = dict(mesh.shape)
     logical = tuple(logical)
     if shape is not None and len(shape) != len(logical):
         raise RulesError(f"{what}: {len(logical)} logical names {logical} for an array of rank "
@@ -222,9 +195,7 @@ def resolve(logical_tree: Any, rules: LogicalRules, mesh, shapes: Any = None) ->
       The mirroring pytree of ``PartitionSpec``s.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(logical_tree, is_leaf=_is_spec)
-    shape_leaves = [None] * len(flat)
-    if shapes is not None:
-        shape_leaves = treedef.flatten_up_to(shapes)
+    shape_leaves = [None] * len(flat) if shapes is None else treedef.flatten_up_to(shapes)
     specs = []
     for (path, logical), leaf in zip(flat, shape_leaves):
         logical = () if logical is None else tuple(logical)
@@ -323,6 +294,7 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     Returns:
       ``x`` with a sharding constraint (or ``x`` itself, outside :func:`use_rules`).
 
+    >>> import jax.numpy as jnp
     >>> constrain(jnp.ones((2, 3)), ("batch", "embed")).shape
     (2, 3)
     """

@@ -21,9 +21,6 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import jax
-import jax.numpy as jnp
-
 from jaxpar.compat._table import raise_strategy_problems
 from jaxpar.parallel.context._options import ContextParallel
 from jaxpar.mesh import CONTEXT, EXPERT, data_axes
@@ -35,7 +32,8 @@ from jaxpar.parallel._zero import ZERO_STAGES
 
 __all__ = ["Strategy", "COMPUTE_DTYPES"]
 
-COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+#: The compute dtypes, by name (:meth:`Strategy.cast` makes them JAX dtypes).
+COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -99,7 +97,7 @@ class Strategy:
                                 "accumulation steps per train step; with a pipeline, its micro-batches).")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise StrategyError(f"Strategy.compute_dtype={self.compute_dtype!r}: choose one of "
-                                f"{tuple(COMPUTE_DTYPES)}.")
+                                f"{COMPUTE_DTYPES}.")
         object.__setattr__(self, "schedule", canonical_kind(self.schedule))
         if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise StrategyError(f"Strategy.virtual_stages={self.virtual_stages!r}: must be a positive int.")
@@ -166,10 +164,6 @@ class Strategy:
         """The context-parallel attention setting (ring, natural order, when ``context`` is ``None``)."""
         return self.context if self.context is not None else ContextParallel()
 
-    @property
-    def dtype(self) -> Any:
-        return COMPUTE_DTYPES[self.compute_dtype]
-
     def cast(self, params: Any) -> Any:
         """``params`` in the compute dtype (fp32 parameters are returned as they are).
 
@@ -179,8 +173,11 @@ class Strategy:
         Returns:
           The same pytree, floating leaves in ``compute_dtype``.
         """
-        dtype = self.dtype
-        return params if dtype == jnp.float32 else jax.tree.map(lambda a: a.astype(dtype), params)
+        import jax
+
+        if self.compute_dtype == "float32":
+            return params
+        return jax.tree.map(lambda a: a.astype(self.compute_dtype), params)
 
     def name(self, mesh_sizes: Mapping[str, int]) -> str:
         """Short label such as ``'dp2-fsdp2-tp2'``.

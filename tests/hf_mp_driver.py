@@ -21,7 +21,7 @@ def main(coordinator: str, n: int, pid: int, local: int, path: str, out: str) ->
     import jaxpar
     from jaxpar.hf import export, open_checkpoint
     from jaxpar.hf._files import DTYPES
-    from jaxpar.hf._keys import flatten_params
+    from flax import traverse_util
 
     ckpt = open_checkpoint(path)
     mesh = jaxpar.make_mesh({"fsdp": -1})
@@ -30,7 +30,7 @@ def main(coordinator: str, n: int, pid: int, local: int, path: str, out: str) ->
     params = ckpt.load(mesh, layout.params)
     read = ckpt.files.bytes_read - base
     own = 0
-    for x in flatten_params(params).values():
+    for x in traverse_util.flatten_dict(params).values():
         itemsize = DTYPES[ckpt.files.dtype(next(iter(ckpt.files.where)))].itemsize
         boxes = {tuple((s.start, s.stop) for s in (slice(*i.indices(d)[:2]) for i, d in zip(idx, x.shape)))
                  for idx in x.sharding.addressable_devices_indices_map(x.shape).values()}

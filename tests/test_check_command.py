@@ -1,4 +1,4 @@
-"""``jaxpar check CONFIG`` (:func:`jaxpar.config._check_command.check_config`): every check of a config, the
+"""``jaxpar check CONFIG`` (:func:`jaxpar.config._inspection.check_config`): every check of a config, the
 ones that need the devices included, with no step compiled."""
 import re
 from pathlib import Path
@@ -8,7 +8,7 @@ import pytest
 
 from jaxpar.config import ConfigError, load_config
 from jaxpar.cli import main
-from jaxpar.config._check_command import check_config
+from jaxpar.config._inspection import check_config
 
 QUICK = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 TINY = ["model.layers=1", "model.embed=32", "model.seq_len=16", "train.devices=8"]

@@ -22,7 +22,7 @@ from jaxpar.models import MLPClassifier, classifier_loss
 from jaxpar.parallel.sync import diloco, stale
 from jaxpar.run import Checkpointer, CheckpointWarning
 from jaxpar.run._checkpoint import CheckpointError
-from jaxpar.run._checkpoint_format import FORMAT
+from jaxpar.run._state_parts import FORMAT
 
 from conftest import need_devices
 

@@ -20,8 +20,8 @@ from jaxpar.models import GPT, GPTConfig
 from jaxpar.models import MLPClassifier
 from jaxpar.parallel.compression import topk
 from jaxpar.parallel.sync import stale
-from jaxpar.run._checkpoint_format import record_layouts, record_shapes
-from jaxpar.run._state_parts import STATE_PARTS, PartPlan, StatePart, plan_parts, shapes_of
+from jaxpar.run._state_parts import (STATE_PARTS, PartPlan, StatePart, plan_parts, record_layouts, record_shapes,
+                                     shapes_of)
 from jaxpar.step import with_noise_scale
 from jaxpar.step import StateLayout, TrainState
 
@@ -80,8 +80,9 @@ def test_each_part_plans_each_action(name):
 
     def plan(record: dict, layout) -> PartPlan:
         got = part.plan(record, getattr(layout.abstract_state(), name), layout, "checkpoint 7")
-        assert got.part is part and got.name == name
-        assert [p for p in plan_parts(record, layout.abstract_state(), layout, "checkpoint 7") if p.name == name] == [got]
+        assert got.part is part and got.part.name == name
+        plans = plan_parts(record, layout.abstract_state(), layout, "checkpoint 7")
+        assert [p for p in plans if p.part.name == name] == [got]
         return got
 
     restore, empty = plan(with_part, on_layout), plan(without, off_layout)

@@ -197,15 +197,15 @@ def test_config_errors_name_the_key(source, tmp_path, capsys):
 def test_resume_restores_the_run_without_reading_the_import(trained, tmp_path, monkeypatch, capsys):
     import shutil
 
-    from jaxpar.config import Job
+    from jaxpar.hf import Checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(load_config(CONFIG, trained).train.out_dir, run)
 
-    def no_import(self, layout):
+    def no_import(self, mesh, specs, dtype=None):
         raise AssertionError("a resumed run restores its own weights: the checkpoint's are not read")
 
-    monkeypatch.setattr(Job, "imported_params", no_import)
+    monkeypatch.setattr(Checkpoint, "load", no_import)
     assert main(["train", CONFIG, *trained, f"train.out_dir={run}", "train.steps=4", "--resume"]) == 0
     assert "resume   step 3 from" in capsys.readouterr().out
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

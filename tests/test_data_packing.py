@@ -189,7 +189,7 @@ def test_loss_weights_give_the_global_masked_mean_under_any_split():
     for k in (2, 4, 8):                                  # micro-batch i takes rows i, i + k, ... (split_microbatches)
         means = [(loss[i::k] * weights[i::k]).mean() for i in range(k)]
         assert abs(np.mean(means) - exact) < 1e-6
-        naive = [(loss[i::k] * mask[i::k]).sum() / max(mask[i::k].sum(), 1) for i in range(k)]   # masked_cross_entropy
+        naive = [(loss[i::k] * mask[i::k]).sum() / max(mask[i::k].sum(), 1) for i in range(k)]   # cross_entropy with a mask
         assert abs(np.mean(naive) - exact) > 1e-4       # a mean of micro-batch means is not the global mean
 
 

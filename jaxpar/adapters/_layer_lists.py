@@ -295,13 +295,17 @@ def _convert(tree: Any, lists: dict[tuple, int], convert: Callable[[Any, int], A
     return walk(tree, ())
 
 
+def _respec(sharding: Any, spec: Callable[[tuple], tuple]) -> Any:
+    """A ``NamedSharding`` with its spec's entries changed by ``spec`` (any other sharding as it is)."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(*spec(tuple(sharding.spec))))
+    return sharding
+
+
 def _layer(a: Any, i: int) -> Any:
     """Layer ``i`` of a stacked leaf (an array, or a ``ShapeDtypeStruct`` whose sharding drops axis 0)."""
     if isinstance(a, jax.ShapeDtypeStruct):
-        sharding = a.sharding
-        if isinstance(sharding, NamedSharding):
-            sharding = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
-        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=_respec(a.sharding, lambda spec: spec[1:]))
     return a[i]
 
 
@@ -309,10 +313,8 @@ def _stack(*leaves: Any) -> Any:
     """The layers' leaves stacked on a new axis 0 (``ShapeDtypeStruct`` s: that axis unsharded)."""
     a = leaves[0]
     if isinstance(a, jax.ShapeDtypeStruct):
-        sharding = a.sharding
-        if isinstance(sharding, NamedSharding):
-            sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
-        return jax.ShapeDtypeStruct((len(leaves), *a.shape), a.dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct((len(leaves), *a.shape), a.dtype,
+                                    sharding=_respec(a.sharding, lambda spec: (None, *spec)))
     return jnp.stack(leaves)
 
 

@@ -85,9 +85,8 @@ def _pipeline_needs(s: Setting) -> list[Problem]:
 def _noise_scale_needs(s: Setting) -> list[Problem]:
     """The noise scale compares each replica's gradient with the global one: it needs a data axis."""
     every = s.noise_scale_every
-    if int_problem(every, 1) is not None:
-        return []           # no measurement, or a bad value (jaxpar.step._noise_scale.measure names it)
-    if s.size("data") * s.size("fsdp") >= 2:
+    # no measurement, a bad value (jaxpar.step._noise_scale.measure names it), or a data axis to measure over
+    if int_problem(every, 1) is not None or s.size("data") * s.size("fsdp") >= 2:
         return []
     return [Problem(("NS",), ("noise_scale_every", "data", "fsdp"),
                     "{n[noise_scale_every]}={every}: the mesh has no data axis ({n[data]}={d}, {n[fsdp]}={f}) of "

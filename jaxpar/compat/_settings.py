@@ -156,7 +156,7 @@ def _pipeline_problems(s: Setting) -> list[Problem]:
                            "and a collective that some stages do not reach hangs. Use a flush schedule, or "
                            "{n[sequence_parallel]}={n[false]}.", {"p": p, "sched": st.schedule},
                            AsyncPipelineError if no_flush == "2B" else StashingError))
-    if s.size("replica") > 1 or st.sync is not None:
+    if replicas_on(s):
         if pipeline_schedule(s) in FLUSH_SCHEDULES:
             out.append(Problem(("RS", "PP"), ("sync", "pipe"),
                                "{n[sync]}={sync} with {n[pipe]}={p} on {n[replica]}={r}: pipelined replicas are not "
@@ -188,7 +188,7 @@ def _explicit_dp_problems(s: Setting) -> list[Problem]:
                            "the data-axis collectives explicit (once per step, after accumulation). Use "
                            "{n[explicit_dp]}=None with compression.", {"c": value_name(st.compression)},
                            ExplicitDPError))
-    if st.sync is not None or s.size("replica") > 1:
+    if replicas_on(s):
         out.append(Problem(("EX", "RS"), ("explicit_dp", "sync"),
                            "{n[explicit_dp]}=True with {n[sync]}={sync}: inside replicas the data-axis collectives "
                            "are left to XLA (jaxpar's per-layer shard_map does not lower under the replicas' vmap "
@@ -230,7 +230,7 @@ def _no_flush_problems(s: Setting) -> list[Problem]:
 
 def _codec_problems(s: Setting) -> list[Problem]:
     st, out = s.strategy, []
-    if st.compression is not None and (st.sync is not None or s.size("replica") > 1):
+    if st.compression is not None and replicas_on(s):
         out.append(Problem(("CP", "RS"), ("compression", "sync"),
                            "{n[compression]}={c} with {n[sync]}={sync} on {n[replica]}={r}: relaxed synchronisation "
                            "does not run through a gradient codec yet. Fold the replica devices into the data axis "
@@ -278,7 +278,7 @@ def _noise_scale_problems(s: Setting) -> list[Problem]:
         return []
     st, key = s.strategy, "{n[noise_scale_every]}={every}"
     out = []
-    if st.sync is not None or s.size("replica") > 1:
+    if replicas_on(s):
         out.append(Problem(("NS", "RS"), ("noise_scale_every", "sync"), key + " with {n[sync]}={sync} on "
                            "{n[replica]}={r}: relaxed synchronisation keeps several replicas with their own "
                            "parameters; measure without it.",
@@ -312,16 +312,14 @@ def _ramp_problems(s: Setting) -> list[Problem]:
 
 def _sequence_parallel_problems(s: Setting) -> list[Problem]:
     """Sequence parallelism against replicas (the shard_map fails inside XLA, not by name)."""
-    st, out = s.strategy, []
-    if not (st.sequence_parallel and s.size("tensor") > 1):
-        return out
-    if st.sync is not None or s.size("replica") > 1:
-        out.append(Problem(("SP", "RS"), ("sequence_parallel", "sync"),
-                           "{n[sequence_parallel]}={n[true]} with {n[sync]}={sync} on {n[replica]}={r}: the "
-                           "sequence-parallel regions' shard_map does not lower under the replicas' vmap (XLA's "
-                           "verifier rejects the shapes). Use {n[sequence_parallel]}={n[false]} with replicas.",
-                           {"sync": value_name(st.sync or "sync"), "r": s.size("replica")}, SyncError))
-    return out
+    st = s.strategy
+    if not (st.sequence_parallel and s.size("tensor") > 1 and replicas_on(s)):
+        return []
+    return [Problem(("SP", "RS"), ("sequence_parallel", "sync"),
+                    "{n[sequence_parallel]}={n[true]} with {n[sync]}={sync} on {n[replica]}={r}: the "
+                    "sequence-parallel regions' shard_map does not lower under the replicas' vmap (XLA's "
+                    "verifier rejects the shapes). Use {n[sequence_parallel]}={n[false]} with replicas.",
+                    {"sync": value_name(st.sync or "sync"), "r": s.size("replica")}, SyncError)]
 
 
 def _context_problems(s: Setting) -> list[Problem]:

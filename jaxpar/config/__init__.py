@@ -22,10 +22,10 @@ Modules, in import order (each imports only those above it):
 * :mod:`~jaxpar.config._checks`: :func:`check`, every impossible setting at once.
 * :mod:`~jaxpar.config._load`: YAML, ``base:``, overrides, merging -> a checked :class:`JobConfig`.
 * :mod:`~jaxpar.config._job`: a config -> the :class:`Job` that ``jaxpar train``, ``inspect`` and
-  ``plan`` run (:func:`build_job`: mesh, strategy, model, loss, optimizer, the train step's options, data).
-* :mod:`~jaxpar.config._describe`: the lines the CLI prints about a job.
-* :mod:`~jaxpar.config._hf_commands`: ``jaxpar export`` and ``jaxpar sample`` (a run's weights as a Hugging
-  Face checkpoint, or continuing a prompt).
+  ``plan`` run (:func:`build_job`: mesh, strategy, model, loss, optimizer, the train step's options, data),
+  and the lines the CLI prints about it.
+* :mod:`~jaxpar.config._commands`: ``jaxpar export``, ``sample`` and ``data`` (a run's weights as a Hugging
+  Face checkpoint, a prompt continued; a token cache, the batches a run sees).
 * :mod:`~jaxpar.config._plan_command`: the cost model's view of a config (``jaxpar inspect``, ``jaxpar plan``).
 
 Example::

@@ -102,7 +102,7 @@ def relabel(err: Exception, owner: str, section: str, fields: Sequence[str], fal
     return msg if f"{section}." in msg else f"{fallback or section}: {msg}"
 
 
-_MESH_AXES = ("data", "fsdp", "tensor", "pipe", "replica", "context", "expert")
+_MESH_AXES = tuple(f.name for f in dataclasses.fields(MeshConfig))
 _PARALLEL_KEYS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
 
 
@@ -115,8 +115,7 @@ def mesh_spec(cfg: MeshConfig) -> MeshSpec:
     Returns:
       The spec, unchecked.
     """
-    return MeshSpec(data=cfg.data, fsdp=cfg.fsdp, tensor=cfg.tensor, pipe=cfg.pipe, replica=cfg.replica,
-                    context=cfg.context, expert=cfg.expert)
+    return MeshSpec(**dataclasses.asdict(cfg))        # the same axes
 
 
 def mesh_error(e: MeshError, cfg: MeshConfig) -> str:
@@ -169,13 +168,10 @@ def build_sync(options: Mapping[str, Any]):
     """The kind of ``parallel.sync`` (``{kind: ..., **options}``; empty: ``None``)."""
     if not options:
         return None
-    from jaxpar.parallel.sync import SYNC_KINDS, SyncError, make_sync
+    from jaxpar.parallel.sync import SyncError, make_sync
 
     opts = {k: tuple(map(tuple, v)) if k == "pattern" and v is not None else v for k, v in options.items()}
-    if "kind" not in opts:
-        raise ConfigError(f"parallel.sync={dict(options)!r} has no 'kind'; write e.g. sync: {{kind: diloco, every: "
-                          f"50}} (kinds: {', '.join(SYNC_KINDS)}).")
-    try:
+    try:      # make_sync names a missing or unknown kind
         return make_sync(opts)
     except (SyncError, TypeError) as e:
         raise ConfigError(f"parallel.sync: {e}") from None
@@ -263,9 +259,7 @@ def build_model_fn(cfg: ModelConfig, seed: int = 0) -> Callable[[], nnx.Module]:
         return open_hf(cfg).model_fn(seed)
     if cfg.target is not None:
         return _build_user_model(cfg, seed)
-    if cfg.name not in MODELS:
-        raise ConfigError(f"model.name={cfg.name!r}: unknown model; allowed: {', '.join(MODELS)}.")
-    return MODELS[cfg.name].build(cfg, seed)
+    return _registered(cfg).build(cfg, seed)
 
 
 def build_loss_fn(cfg: ModelConfig) -> Callable:
@@ -286,6 +280,10 @@ def build_loss_fn(cfg: ModelConfig) -> Callable:
         if cfg.loss is None:
             raise ConfigError(f"model.loss: missing; with model.target={cfg.target!r} name the loss function.")
         return resolve_import(cfg.loss, "model.loss")
+    return _registered(cfg).loss()
+
+
+def _registered(cfg: ModelConfig) -> ModelEntry:
     if cfg.name not in MODELS:
         raise ConfigError(f"model.name={cfg.name!r}: unknown model; allowed: {', '.join(MODELS)}.")
-    return MODELS[cfg.name].loss()
+    return MODELS[cfg.name]

@@ -268,9 +268,8 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
         return []  # the rest needs the device count
     problems, par, p = [], cfg.parallel, sizes["pipe"]
     if p > 1:
-        for why in (_schedule_problem(par, p), _stage_layers_problem(par, gpt.layers if gpt else None, p)):
-            if why:
-                problems.append(why)
+        layers = gpt.layers if gpt else None
+        problems += [why for why in (_schedule_problem(par, p), _stage_layers_problem(par, layers, p)) if why]
     k = par.steps_per_call      # as make_train_step checks it; what it needs of the loop: jaxpar.compat._needs
     if why := int_problem(k, 1):
         problems.append(f"parallel.steps_per_call={k!r}: {why}.")

@@ -77,8 +77,7 @@ def documents_problems(cfg: JobConfig) -> list[str]:
         p.append(f"data.on_malformed={d.on_malformed!r}: choose one of {', '.join(MALFORMED_MODES)}.")
     if d.prefetch < 0:
         p.append(f"data.prefetch={d.prefetch!r}: must be >= 0 (steps built ahead in the background).")
-    needs_tokenizer = any(dict(s).get("format") != "tokens" for s in d.sources)
-    if needs_tokenizer and d.tokenizer is None:
+    if d.tokenizer is None and any(dict(s).get("format") != "tokens" for s in d.sources):   # text sources
         p.append("data.tokenizer: missing; text sources need a tokenizer (hf: model.hf's, or a tokenizer.json / "
                  ".model / .tiktoken file or its directory).")
     return p
@@ -170,35 +169,22 @@ def open_stores(d: DataConfig, tokenizer: Any, *, progress: Callable | None = No
         except DataError as e:
             raise source_error(d, i, e) from None
         if not len(stores[-1].lengths) or not int(stores[-1].lengths.sum()):
-            raise ConfigError(f"{source_key(d, i)}: no tokens (an empty source).")
+            raise source_error(d, i, "no tokens (an empty source).")
     return stores
 
 
-def source_key(d: DataConfig, index: int) -> str:
-    """``data.sources[i] (path '...')``: how a message names a source.
-
-    Args:
-      d: the data section.
-      index: the source's index in ``data.sources``.
-
-    Returns:
-      The key and the source's path.
-    """
-    return f"data.sources[{index}] (path {dict(d.sources[index]).get('path')!r})"
-
-
-def source_error(d: DataConfig, index: int, error: Exception) -> ConfigError:
-    """``error`` of ``data.sources[index]`` as a :class:`ConfigError` that names the source.
+def source_error(d: DataConfig, index: int, error: Exception | str) -> ConfigError:
+    """``error`` of ``data.sources[index]`` as a :class:`ConfigError` that names the source and its path.
 
     Args:
       d: the data section.
       index: the source's index.
-      error: what the data layer raised.
+      error: what the data layer raised, or the problem in words.
 
     Returns:
       The error to raise.
     """
-    return ConfigError(f"{source_key(d, index)}: {error}")
+    return ConfigError(f"data.sources[{index}] (path {dict(d.sources[index]).get('path')!r}): {error}")
 
 
 def _length_bar(source: Any) -> Callable:

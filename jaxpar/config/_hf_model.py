@@ -13,9 +13,8 @@ vocabulary. Every error of :mod:`jaxpar.hf` comes back as a :class:`ConfigError`
 Example::
 
     >>> from jaxpar.config._schema import DataConfig, JobConfig, ModelConfig
-    >>> cfg = JobConfig(model=ModelConfig(hf="ckpt", embed=128), data=DataConfig(kind="text"))
+    >>> cfg = JobConfig(model=ModelConfig(hf="ckpt"), data=DataConfig(kind="text"))
     >>> for line in hf_problems(cfg): print(line)
-    model.embed=128: set beside model.hf='ckpt', whose config.json fixes the model; ...
     data.kind='text' with model.hf='ckpt' and no data.tokenizer would feed bytes ...
     >>> tokenizer_problems(JobConfig(data=DataConfig(tokenizer="hf")))
     ["data.tokenizer='hf' names model.hf's tokenizer, but model.hf is not set; ..."]
@@ -27,12 +26,11 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 from jaxpar.adapters._blocks import REMAT_POLICIES
-from jaxpar.config._schema import HF_MODEL_KEYS, ConfigError, DataConfig, JobConfig, ModelConfig
+from jaxpar.config._schema import ConfigError, DataConfig, JobConfig, ModelConfig
 
 
 def hf_problems(cfg: JobConfig) -> list[str]:
@@ -42,17 +40,10 @@ def hf_problems(cfg: JobConfig) -> list[str]:
       cfg: the config (``model.hf`` set).
 
     Returns:
-      The problems: model keys that the checkpoint fixes (set to other than their defaults: a
-      loaded config names them already, see :func:`jaxpar.config.load_config`), ``model.remat``, and
-      text data without a tokenizer.
+      The problems: ``model.hf`` and ``model.remat``, and text data without a tokenizer (the model keys
+      set beside ``model.hf`` are :func:`jaxpar.config.load_config`'s: it knows which were given).
     """
-    m, d, p = cfg.model, cfg.data, []
-    defaults = ModelConfig()
-    for f in dataclasses.fields(ModelConfig):
-        if f.name not in HF_MODEL_KEYS and getattr(m, f.name) != getattr(defaults, f.name):
-            p.append(f"model.{f.name}={getattr(m, f.name)!r}: set beside model.hf={m.hf!r}, whose config.json fixes "
-                     "the model; only model.seq_len, model.remat, model.scan_layers and model.name may be set "
-                     f"beside it. Remove model.{f.name}.")
+    m, d, p = cfg.model, cfg.data, []      # the keys beside model.hf: jaxpar.config.load_config's
     if not m.hf:
         p.append("model.hf='': give the directory of a Hugging Face checkpoint (config.json, *.safetensors).")
     if m.remat not in REMAT_POLICIES:

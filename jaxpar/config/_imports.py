@@ -51,9 +51,7 @@ def resolve_import(value: Any, key: str) -> Any:
       The object.
     """
     form = "expected 'package.module:attribute' or 'path/to/file.py:attribute'"
-    if not isinstance(value, str) or ":" not in value:
-        raise ConfigError(f"{key}={value!r}: {form}.")
-    module, _, attr = value.rpartition(":")
+    module, _, attr = value.rpartition(":") if isinstance(value, str) else ("", "", "")
     if not module or not attr:
         raise ConfigError(f"{key}={value!r}: {form}.")
     where, path = f"{key}={value!r}", Path(module).expanduser()
@@ -62,12 +60,11 @@ def resolve_import(value: Any, key: str) -> Any:
                           "that names it; in an override, to the working directory).")
     try:
         mod = _load_file(path) if module.endswith(".py") else importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and (module == e.name or module.startswith(e.name + ".")):
-            raise ConfigError(f"{where}: module {module!r} not found (no module named {e.name!r}); install it, "
+    except Exception as e:   # not found, or the user's module raised while it was imported
+        name = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+        if name and (module == name or module.startswith(name + ".")):
+            raise ConfigError(f"{where}: module {module!r} not found (no module named {name!r}); install it, "
                               f"put it on PYTHONPATH, or give a file: 'path/to/file.py:{attr}'.") from None
-        raise ConfigError(f"{where}: importing module {module!r} failed: {type(e).__name__}: {e}") from e
-    except Exception as e:   # the user's module raised while it was imported
         raise ConfigError(f"{where}: importing module {module!r} failed: {type(e).__name__}: {e}") from e
     obj = mod
     for i, part in enumerate(attr.split(".")):

@@ -1,4 +1,5 @@
-"""``jaxpar inspect``: compile a config's train step ahead of time and say what it needs.
+"""``jaxpar inspect``: compile a config's train step ahead of time and say what it needs; ``jaxpar check``:
+every check of a config, built on its devices, nothing compiled (:func:`check_config`).
 
 On the simulated CPU mesh by default; with a target (:mod:`jaxpar.devices._targets`: ``h100:2x8``,
 ``tpu-v5e:4x4``) with the real GPU or TPU compiler, without the hardware. It prints the mesh, the
@@ -20,6 +21,7 @@ import dataclasses
 import math
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from jaxpar.mesh import MeshError, MeshSpec
@@ -104,11 +106,10 @@ def fitting_plan(cfg: JobConfig, target: Target, *, most: int = 64) -> str:
     """
     from jaxpar import cost
     from jaxpar.analysis._compiled_memory import format_bytes
-    from jaxpar.config._plan_command import cost_model
+    from jaxpar.config._plan_command import cost_model, unpredicted
 
-    if cfg.model.target is not None or cfg.model.hf is not None:
-        key = "model.target" if cfg.model.target is not None else "model.hf"
-        return f"plan     the cost model plans jaxpar's GPT only ({key} is set): no plan suggested"
+    if why := unpredicted(cfg, None, {}):         # a model of your own or model.hf
+        return f"plan     {why}: no plan suggested"
     model, usable = cost_model(cfg), target.capacity_bytes / target.spec.memory_bytes
     k = 1
     while k <= most:
@@ -145,8 +146,7 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
       ConfigError: the config does not fit the target's devices.
       TargetError: the target cannot be built or compiled for.
     """
-    from jaxpar.config._describe import header_lines, model_label, model_line, program_lines
-    from jaxpar.config._job import build_job
+    from jaxpar.config._job import build_job, header_lines, model_line, program_lines
 
     tgt = parse_target(target) if target else None
     devices = _devices(cfg, tgt)
@@ -155,7 +155,7 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
     where = f"the {tgt.spec.platform} compiler for {tgt}" if tgt else "simulated CPU devices"
     print(f"job      {cfg.name} (dry run: compiled ahead of time by {where}, no step runs)")
     print("\n".join(header_lines(job)))
-    print(model_line(model_label(cfg.model, job.hf), layout))
+    print(model_line(cfg.model, job.hf, layout))
     start = time.perf_counter()
     compiled = _compile(job, layout, tgt)
     print(f"compile  {time.perf_counter() - start:.1f} s")
@@ -163,41 +163,69 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
     return _report(cfg, job, layout, compiled, tgt, cluster or (tgt.spec.cluster if tgt else "cpu_sim"))
 
 
-def job_devices(cfg: JobConfig, command: str = "inspect") -> int:
-    """The devices the config trains on: ``train.devices``, else the product of its mesh sizes.
+def check_config(cfg: JobConfig) -> int:
+    """``jaxpar check``: every check of ``cfg`` that needs no compiled program, and what it would train.
+
+    It builds what ``jaxpar train`` builds, as far as it can without running: the mesh on the config's
+    devices (simulated CPU devices when they are not there), the library's objects, the train state's
+    layout (traced, not allocated: the compatibility table's refusals) and the train step with its
+    options. The data section's files are not read (``jaxpar data show`` reads them).
 
     Args:
-      cfg: the config.
-      command: the ``jaxpar`` command named in an error.
+      cfg: the loaded config (:func:`jaxpar.config.load_config` has run its own checks).
 
     Returns:
-      The device count.
+      The exit status, 0 (a problem raises).
 
     Raises:
-      ConfigError: ``train.devices=0`` and a ``-1`` mesh axis: the count is unknown.
+      ConfigError: a setting the config or the library refuses, named by its YAML key.
+      JaxparError: a refusal of the library that no YAML check knows (the compatibility table's, the
+        train step's), named by the library's field.
+
+    >>> quickstart = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+    >>> from jaxpar.config import load_config
+    >>> check_config(load_config(quickstart, ["model.layers=1", "model.embed=32", "model.seq_len=16"]))
+    ... # doctest: +ELLIPSIS
+    check    quickstart: ok (every check passed; no step compiled or run)
+    devices  8 x cpu (cpu)
+    mesh     pipe=1 x data=2 x fsdp=2 x tensor=2
+    strategy dp2-fsdp2-tp2
+    model    gpt: ... parameters
+    state    ... per device (params ..., optimizer ...)
+    programs step
+    0
     """
-    if cfg.train.devices > 0:
-        return cfg.train.devices
+    from jaxpar.config._job import build_job, header_lines, model_line, state_line
+
+    job = build_job(cfg, _devices(cfg, None, "check"), data=False)
+    layout = job.state_layout()
+    step = job.train_step(layout)           # make_train_step's checks; its programs are built lazily
+    job.log_options(layout, None)           # the loop's logging options
+    print(f"check    {cfg.name}: ok (every check passed; no step compiled or run)")
+    print("\n".join(header_lines(job)))
+    print(model_line(cfg.model, job.hf, layout))
+    print(state_line(layout))
+    print(f"programs {', '.join(step.programs)}")
+    return 0
+
+
+def _devices(cfg: JobConfig, tgt: Target | None, command: str = "inspect") -> list:
+    """The target's devices, else ``train.devices`` (else the product of the mesh sizes) simulated CPU devices."""
+    if tgt is not None:
+        if problem := target_mesh_problem(cfg, tgt):
+            raise ConfigError(problem)
+        return target_devices(tgt)
+    import jax
+
+    from jaxpar.devices._distributed import setup_devices
+
     sizes = dataclasses.astuple(cfg.mesh)          # every axis: data, fsdp, tensor, pipe, replica, context, expert
-    if any(s == -1 for s in sizes):
+    if cfg.train.devices == 0 and -1 in sizes:
         raise ConfigError(f"jaxpar {command}: mesh has a -1 axis and train.devices=0, so the device count is "
                           "unknown; set train.devices=N (e.g. train.devices=8) or give every mesh axis a size.")
-    return int(math.prod(sizes))
-
-
-def _devices(cfg: JobConfig, tgt: Target | None) -> list:
-    if tgt is None:
-        import jax
-
-        from jaxpar.devices._distributed import setup_devices
-
-        n = job_devices(cfg)
-        setup_devices(n)
-        return jax.devices()[:n]
-    problem = target_mesh_problem(cfg, tgt)
-    if problem:
-        raise ConfigError(problem)
-    return target_devices(tgt)
+    n = cfg.train.devices or int(math.prod(sizes))
+    setup_devices(n)
+    return jax.devices()[:n]
 
 
 def _compile(job: Any, layout: Any, tgt: Target | None) -> dict:

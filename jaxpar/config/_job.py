@@ -22,11 +22,21 @@ Example::
     >>> compiled = job.compile(layout)            # the programs train runs, compiled ahead of time
     >>> sorted(compiled), compiled["step"].in_avals[0][1]["tokens"]
     (['step'], ShapedArray(int32[32,16]))
+
+The lines ``jaxpar train``, ``check`` and ``inspect`` print about a job (:func:`header_lines` and the
+rest): its devices, mesh and strategy, the model's parameters, the train state's bytes per device,
+the data, and the compiled programs::
+
+    >>> print("\\n".join(header_lines(job)[1:]))
+    mesh     pipe=1 x data=2 x fsdp=2 x tensor=2
+    strategy dp2-fsdp2-tp2
+    >>> describe_data(cfg, job.batch_fn)
+    ('data     text: global batch 32 x 16 tokens', 512)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -38,7 +48,7 @@ from jaxpar.data._packing import BATCH_KEYS
 from jaxpar.strategy import Strategy
 from jaxpar.config._build import build_gpt_config, build_loss_fn, build_mesh, build_model_fn, build_strategy
 from jaxpar.config._checks import check
-from jaxpar.config._data_section import build_data, build_ramp
+from jaxpar.config._data_section import build_data, build_ramp, describe_batch
 from jaxpar.config._hf_model import build_tokenizer, hf_length_problems, hf_mesh_problems, open_hf
 from jaxpar.config._optimizer_section import build_optimizer, frozen_variance_step
 from jaxpar.config._schema import ConfigError, JobConfig
@@ -79,8 +89,8 @@ class Job:
     checkpoint: Mapping[str, Any] | None = None                    # Checkpointer arguments (None: no checkpoints)
     meta: Mapping[str, Any] = field(default_factory=dict)         # checkpoint_meta's arguments, less the mesh
     gpt_sizes: Mapping[str, int] | None = None                     # the GPT's sizes for MFU (None: another model)
-    router_bias: tuple | None = None          # the MoE router bias's (shape, rate) (model.moe.bias_rate > 0)
-    noise_scale: tuple | None = None          # (every, ema) of the noise-scale measurement (logging.noise_scale)
+    router_bias: Mapping[str, Any] | None = None   # the MoE router bias's shape and rate (model.moe.bias_rate > 0)
+    noise_scale: Mapping[str, Any] | None = None   # every and ema of the noise-scale measurement (logging.noise_scale)
     hf: Any = None                            # jaxpar.hf.Checkpoint of model.hf
     tokenizer: Any = None                     # jaxpar.hf.Tokenizer of data.tokenizer
 
@@ -88,11 +98,6 @@ class Job:
     def steps_per_call(self) -> int:
         """Optimizer steps per call of the train step (``parallel.steps_per_call``)."""
         return self.step_options.get("steps_per_call", 1)
-
-    @property
-    def noise_scale_every(self) -> int | None:
-        """Every how many steps the train step measures the noise scale (None: never)."""
-        return self.noise_scale[0] if self.noise_scale else None
 
     def state_layout(self):
         """The train state's layout (:func:`jaxpar.state_layout`, plus the noise scale's state when it
@@ -103,20 +108,18 @@ class Job:
         if self.router_bias is not None:
             from jaxpar.step._router_bias import router_bias_layout
 
-            shape, rate = self.router_bias
-            layout = router_bias_layout(layout, shape, rate=rate)
+            layout = router_bias_layout(layout, **self.router_bias)
         if self.noise_scale is None:
             return layout
         from jaxpar.step._noise_scale import noise_scale_layout
 
-        every, ema = self.noise_scale
-        return noise_scale_layout(layout, every=every, ema=ema)
+        return noise_scale_layout(layout, **self.noise_scale)
 
     def init_state(self, *, weights: bool = True):
         """The train state created sharded (:func:`jaxpar.init_train_state`), with the MoE router bias
         (``model.moe.bias_rate``) and the noise scale's moving averages when it is measured (they are
         checkpointed). With ``model.hf`` the parameters are the checkpoint's, read straight into their
-        layout (:meth:`imported_params`), and the optimizer state is fresh.
+        layout (:meth:`jaxpar.hf.Checkpoint.load`), and the optimizer state is fresh.
 
         Args:
           weights: False leaves the parameters random also with ``model.hf`` (a resumed run restores its own).
@@ -126,30 +129,17 @@ class Job:
         """
         from jaxpar.step._init import init_train_state
 
-        params = self.imported_params(self.state_layout()) if self.hf is not None and weights else None
+        params = self.hf.load(self.mesh, self.state_layout().params) if self.hf is not None and weights else None
         state, layout = init_train_state(self.model_fn, self.tx, self.mesh, self.strategy, params=params)
         if self.router_bias is not None:
             from jaxpar.step._router_bias import with_router_bias
 
-            shape, rate = self.router_bias
-            state, layout = with_router_bias(state, layout, shape, rate=rate)
+            state, layout = with_router_bias(state, layout, **self.router_bias)
         if self.noise_scale is None:
             return state, layout
         from jaxpar.step._noise_scale import with_noise_scale
 
-        every, ema = self.noise_scale
-        return with_noise_scale(state, layout, every=every, ema=ema)
-
-    def imported_params(self, layout):
-        """``model.hf``'s weights, each read from the files into its sharding.
-
-        Args:
-          layout: the train state's layout (:meth:`state_layout`, or the one :meth:`init_state` returns).
-
-        Returns:
-          The parameters, a tree like ``layout.params``, sharded as it says.
-        """
-        return self.hf.load(self.mesh, layout.params)
+        return with_noise_scale(state, layout, **self.noise_scale)
 
     def train_step(self, layout):
         """The train step ``jaxpar train`` runs.
@@ -299,21 +289,20 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
     model_fn = hf.model_fn(cfg.train.seed) if hf is not None else build_model_fn(m, cfg.train.seed)
     vocab, vocab_key = (hf.config.vocab, "model.hf's vocab_size") if hf is not None else (m.vocab, "model.vocab")
     tokenizer = build_tokenizer(d, m.hf, vocab, vocab_key) if d.tokenizer else None
-    bias = _router_bias(m)
     base = dict(name=cfg.name, strategy=strategy, model_fn=model_fn, global_batch=d.batch_size, hf=hf,
                 seq_len=m.seq_len, token_batches=d.kind != "import", packed_batches=d.kind == "documents",
-                router_bias=bias, tokenizer=tokenizer)
+                router_bias=_router_bias(m), tokenizer=tokenizer)
     if not mesh:
         return Job(loss_fn=build_loss_fn(m), **base)
     per_step = updates_per_step(strategy, dict(device_mesh.shape))
     tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=d.batch_size, model_fn=model_fn,
                                    updates_per_step=per_step, freeze_variance_step=frozen_variance_step(strategy))
-    loss_fn = build_loss_fn(m)
     noise = cfg.logging.noise_scale
     options = dict(clip_norm=cfg.optimizer.clip_norm, log_lr=schedule, skip_nonfinite=True,
                    steps_per_call=cfg.parallel.steps_per_call)
     return Job(mesh=device_mesh, tx=tx, log_lr=schedule, updates_per_step=per_step, step_options=options,
-               loss_fn=loss_fn, noise_scale=(noise.every, noise.ema) if noise.every is not None else None, **base, **_data(cfg, data, vocab, tokenizer), **_run(cfg, tokenizer))
+               loss_fn=build_loss_fn(m), noise_scale=asdict(noise) if noise.every is not None else None,
+               **base, **_data(cfg, data, vocab, tokenizer), **_run(cfg, tokenizer))
 
 
 def _open_hf(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
@@ -334,12 +323,12 @@ def _open_hf(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
     return hf
 
 
-def _router_bias(m) -> tuple | None:
-    """``(shape, rate)`` of the GPT's aux-loss-free balancing bias (``model.moe.bias_rate > 0``), else None."""
+def _router_bias(m) -> dict | None:
+    """The shape and rate of the GPT's aux-loss-free balancing bias (``model.moe.bias_rate > 0``), else None."""
     if m.name != "gpt" or not (m.moe or {}).get("bias_rate"):
         return None
     gpt = build_gpt_config(m)
-    return (gpt.layers // gpt.moe.every, gpt.moe.experts), gpt.moe.bias_rate
+    return dict(shape=(gpt.layers // gpt.moe.every, gpt.moe.experts), rate=gpt.moe.bias_rate)
 
 
 def _data(cfg: JobConfig, read: bool, vocab: int, tokenizer: Any) -> dict:
@@ -363,7 +352,6 @@ def _run(cfg: JobConfig, tokenizer: Any = None) -> dict:
     from jaxpar.run._sample import SampleOptions
 
     m, tr, ck, lg = cfg.model, cfg.train, cfg.checkpoint, cfg.logging
-    gpt = m.target is None and m.hf is None
     samples = SampleOptions(lg.samples, m.seq_len, lg.sample_tokens, cfg.data.kind == "text" and tokenizer is None,
                             tokenizer and tokenizer.decode) if m.target is None else None
     run = RunOptions(steps=tr.steps, out_dir=Path(tr.out_dir), eval_every=tr.eval_every, on_nonfinite=tr.on_nonfinite,
@@ -376,5 +364,148 @@ def _run(cfg: JobConfig, tokenizer: Any = None) -> dict:
             "data": {"kind": cfg.data.kind, "seed": cfg.data.seed, "batch_size": cfg.data.batch_size}}
     if tokenizer is not None:       # jaxpar sample checks its tokenizer against it (jaxpar.data.check_tokenizer)
         meta["tokenizer"] = {"fingerprint": tokenizer.fingerprint(), "vocab_size": tokenizer.vocab_size}
+    gpt = m.target is None and m.hf is None
     sizes = dict(vocab=m.vocab, seq_len=m.seq_len, embed=m.embed, layers=m.layers) if gpt else None
     return dict(run=run, log=log, checkpoint=checkpoint, meta=meta, gpt_sizes=sizes)
+
+
+def header_lines(job: Job) -> list[str]:
+    """The devices, mesh and strategy lines.
+
+    Args:
+      job: the job (built with a mesh).
+
+    Returns:
+      The lines.
+    """
+    sizes, dev = dict(job.mesh.shape), job.mesh.devices.flat[0]
+    hosts = len({d.process_index for d in job.mesh.devices.flat})
+    processes = f" in {hosts} processes" if hosts > 1 else ""
+    return [f"devices  {job.mesh.size} x {dev.platform} ({dev.device_kind}){processes}",
+            "mesh     " + " x ".join(f"{k}={v}" for k, v in sizes.items()),
+            f"strategy {job.strategy.name(sizes)}"]
+
+
+def model_line(m: Any, hf: Any, layout: Any) -> str:
+    """The model line: its name (with ``model.target``, or ``model.hf``'s family and directory) and its
+    number of parameters.
+
+    Args:
+      m: the model section.
+      hf: ``model.hf``'s opened checkpoint (:attr:`Job.hf`), or None.
+      layout: the train state's layout.
+
+    Returns:
+      The line.
+    """
+    label = f"{m.name} ({m.target})" if m.target is not None else m.name
+    if hf is not None:
+        label = f"{m.name} ({hf.family} from {m.hf})"
+    return f"model    {label}: {sum(a.size for a in jax.tree.leaves(layout.shapes)):,} parameters"
+
+
+def state_line(layout: Any) -> str:
+    """``jaxpar train``'s line of the train state's bytes per device: parameters, optimizer, and the state
+    parts a codec (its residuals) or relaxed synchronisation (its replicas or history) adds.
+
+    Args:
+      layout: the train state's layout.
+
+    Returns:
+      The line.
+    """
+    from jaxpar.analysis._compiled_memory import format_bytes
+    from jaxpar.parallel._zero import spec_shards
+
+    nbytes, sizes, extra = layout.analytic_bytes(), dict(layout.mesh.shape), ""
+    total = nbytes["total"]
+    for name, label in (("codec", "codec state"), ("sync", "relaxed-sync state")):
+        part = layout.part(name)
+        specs = jax.tree.leaves(part.specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        n = sum(a.size * a.dtype.itemsize // spec_shards(spec, sizes)
+                for a, spec in zip(jax.tree.leaves(part.shapes), specs))
+        total += n
+        extra += f", {label} {format_bytes(n)}" if n else ""
+    return (f"state    {format_bytes(total)} per device (params {format_bytes(nbytes['params'])}, "
+            f"optimizer {format_bytes(nbytes['opt'])}{extra})")
+
+
+def program_lines(job: Job, compiled: Mapping[str, Any]) -> list[str]:
+    """``jaxpar inspect``'s lines of the compiled programs: when each runs and the batch it takes.
+
+    Args:
+      job: the job.
+      compiled: :meth:`Job.compile`'s programs.
+
+    Returns:
+      One line per program.
+    """
+    k, every, lines = job.steps_per_call, (job.noise_scale or {}).get("every"), []
+    for name, c in compiled.items():
+        when = {"step": f"{k} optimizer steps per call" if k > 1 else "every step",
+                "measure": f"every {every} steps: also measures the noise scale",
+                "warm": "the warm-up steps: every replica steps in sync",
+                "outer": "every sync: the replicas' outer step"}[name]
+        args = c.in_avals[0]
+        batch = ", ".join(f"{jax.tree_util.keystr(p)}: {a.dtype}{list(a.shape)}"
+                          for p, a in jax.tree_util.tree_leaves_with_path(args[1])) if len(args) > 1 else "none"
+        lines.append(f"program  {name} ({when}): batch {batch}")
+    return lines
+
+
+def describe_data(cfg: JobConfig, batch_fn: Callable[[int], Any]) -> tuple[str, int | None]:
+    """The data line of ``jaxpar train`` and the tokens per global batch (None: not fixed, or no tokens).
+
+    The GPT's batches hold ``batch_size x model.seq_len`` tokens; for a model of your own, a
+    batch of ``data.target`` with a 2-D integer ``tokens`` leaf holds that many.
+
+    Args:
+      cfg: the config.
+      batch_fn: the job's batch function (called for step 0 with ``data.kind=import``).
+
+    Returns:
+      ``(line, tokens per batch)``.
+    """
+    d, seq, gpt_tokens = cfg.data, cfg.model.seq_len, cfg.data.batch_size * cfg.model.seq_len
+    if d.batch_ramp.get("adaptive"):    # the batch changes: no fixed tokens per batch (records carry batch_size)
+        r = d.batch_ramp
+        return (f"data     {d.kind}: adaptive global batch {r['sizes'][0]}, growing among {list(r['sizes'])} toward "
+                f"{r.get('factor', 1.0)} x the noise scale, decided every {r['every']} steps "
+                f"(x {seq} tokens for the GPT)"), None
+    if d.batch_ramp:
+        ramp = ", ".join(f"{b} from step {s}" for b, s in zip(d.batch_ramp["sizes"], d.batch_ramp["steps"]))
+        return f"data     {d.kind}: global batch ramp {ramp} (x {seq} tokens for the GPT)", None
+    if d.kind == "documents":
+        names = ", ".join(f"{Path(str(dict(s)['path'])).name} x{dict(s).get('weight', 1.0):g}" for s in d.sources)
+        return (f"data     documents ({names}), tokenized by data.tokenizer={d.tokenizer!r}"
+                f"{' from data.cache' if d.cache else ' on the fly'}, packed {d.pack}: global batch {d.batch_size} "
+                f"x {seq} tokens"), gpt_tokens
+    if d.kind != "import":
+        tok = f" tokenized by data.tokenizer={d.tokenizer!r}" if d.tokenizer else ""
+        return f"data     {d.kind}{tok}: global batch {d.batch_size} x {seq} tokens", gpt_tokens
+    batch = batch_fn(0)
+    line = f"data     {d.kind} {d.target}: global batch {d.batch_size} ({describe_batch(batch)})"
+    if cfg.model.target is None:
+        return line, gpt_tokens
+    tokens = np.asarray(batch.get("tokens", 0))
+    return line, int(tokens.size) if tokens.ndim == 2 and tokens.dtype.kind in "iu" else None
+
+
+def packing_line(batches: Any, steps: int, most: int = 1000) -> str | None:
+    """``packing  98.97% non-padding tokens (steps 0-99)``: packed batches' real tokens over the run's first
+    ``min(steps, most)`` steps (planned from the documents' lengths, no token read); ``None`` for batches
+    that are not packed.
+
+    Args:
+      batches: the job's batches (a :class:`jaxpar.data.PackedBatches`, or anything else).
+      steps: the run's steps.
+      most: the most steps planned.
+
+    Returns:
+      The line, or None.
+    """
+    if not hasattr(batches, "efficiency"):
+        return None
+    n = min(steps, most)
+    skipped = f"; {batches.skipped} malformed records skipped" if batches.skipped else ""
+    return f"packing  {batches.efficiency(0, n):.2%} non-padding tokens (steps 0-{n - 1}){skipped}"

@@ -98,16 +98,12 @@ def _last_target(layers: Sequence[tuple[str, Mapping]], section: str, keys: Sequ
                 if isinstance(layer.get(section), Mapping) and any(k in layer[section] for k in keys)), default=0)
 
 
-#: What a layer setting ``model.hf`` keeps of the model sections before it: how to train, not the model.
-_HF_INHERITED = ("seq_len", "remat", "scan_layers")
-
-
 def _drop_inherited(layers: Sequence[tuple[str, Mapping]]) -> list[tuple[str, Mapping]]:
     """Before the last layer that sets ``model.target`` drop the ``model`` sections (before one that sets
     ``model.hf``, all but their ``seq_len``, ``remat`` and ``scan_layers``); before the last that sets
     ``data.target`` drop ``data.kwargs`` (arguments belong to the target that a layer names)."""
     model, data, out = _last_target(layers, "model", ("target", "hf")), _last_target(layers, "data"), []
-    keep = _HF_INHERITED if layers and "target" not in (layers[model][1].get("model") or {}) else ()
+    keep = HF_MODEL_KEYS[2:] if layers and "target" not in (layers[model][1].get("model") or {}) else ()
     for i, (source, layer) in enumerate(layers):
         layer = {k: v if k != "model" or i >= model else {n: x for n, x in v.items() if n in keep}
                  for k, v in layer.items()}
@@ -117,9 +113,9 @@ def _drop_inherited(layers: Sequence[tuple[str, Mapping]]) -> list[tuple[str, Ma
     return out
 
 
-def _user_model(cfg: JobConfig, sections: Sequence[tuple[str, Mapping]]) -> JobConfig:
+def _check_user_model(cfg: JobConfig, sections: Sequence[tuple[str, Mapping]]) -> None:
     """GPT keys given next to ``model.target`` (in ``sections``, the model sections from the layer that
-    sets it on) are an error naming them; ``model.name`` defaults to the target's name."""
+    sets it on) are an error naming them."""
     given: dict[str, list[str]] = {}
     for source, section in sections:
         given.setdefault(source, []).extend(f"model.{k}" for k in section if k in GPT_KEYS)
@@ -127,25 +123,17 @@ def _user_model(cfg: JobConfig, sections: Sequence[tuple[str, Mapping]]) -> JobC
         raise ConfigError(f"{where}: keys of the built-in GPT, but model.target={cfg.model.target!r} names a "
                           "model of your own; pass its arguments in model.kwargs (e.g. model.kwargs.layers=4) "
                           "and remove these keys.")
-    if any("name" in section for _, section in sections):
-        return cfg
-    label = cfg.model.target.rpartition(":")[2].rpartition(".")[2]
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=label))
 
 
-def _hf_model(cfg: JobConfig, sections: Sequence[tuple[str, Mapping]]) -> JobConfig:
+def _check_hf_model(cfg: JobConfig, sections: Sequence[tuple[str, Mapping]]) -> None:
     """Keys beside ``model.hf`` other than :data:`HF_MODEL_KEYS` (in ``sections``, the model sections from
-    the layer that sets it on) are an error naming them; ``model.name`` defaults to the directory's name."""
+    the layer that sets it on) are an error naming them."""
     given = [(source, f"model.{k}") for source, section in sections for k in section if k not in HF_MODEL_KEYS]
     if given:
         where = "; ".join(f"{source}: {key}" for source, key in given)
         raise ConfigError(f"{where}: set beside model.hf={cfg.model.hf!r}, whose config.json fixes the model; "
                           "beside it only model.seq_len (the data's windows), model.remat, model.scan_layers and "
                           f"model.name (a label) may be set. Remove {', '.join(k for _, k in given)}.")
-    if any("name" in section for _, section in sections):
-        return cfg
-    label = Path(cfg.model.hf).name or "hf"
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=label))
 
 
 def merge_layers(layers: Sequence[tuple[str, Mapping]], name: str = "") -> JobConfig:
@@ -184,10 +172,15 @@ def merge_layers(layers: Sequence[tuple[str, Mapping]], name: str = "") -> JobCo
     except OmegaConfBaseException as e:
         raise ConfigError(f"config: '{getattr(e, 'full_key', '?')}': {str(e).splitlines()[0]}") from None
     sections = [(s, layer["model"]) for s, layer in layers[fresh:] if isinstance(layer.get("model"), Mapping)]
+    label = None          # model.name's default: the directory's or the target's name
     if cfg.model.hf is not None:
-        cfg = _hf_model(cfg, sections)
+        _check_hf_model(cfg, sections)
+        label = Path(cfg.model.hf).name or "hf"
     elif cfg.model.target is not None:
-        cfg = _user_model(cfg, sections)
+        _check_user_model(cfg, sections)
+        label = cfg.model.target.rpartition(":")[2].rpartition(".")[2]
+    if label and not any("name" in section for _, section in sections):
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=label))
     if not cfg.name and name:
         cfg = dataclasses.replace(cfg, name=name)
     if not cfg.train.out_dir:

@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 
 from jaxpar import optimizers as opt_lib
+from jaxpar.errors import int_problem
 from jaxpar.strategy import Strategy
 from jaxpar.config._schema import ConfigError, LRScalingConfig, OptimizerConfig
 
@@ -60,7 +61,7 @@ def lr_scaling_problems(cfg: LRScalingConfig) -> list[str]:
     if cfg.rule not in opt_lib.LR_SCALING_RULES:
         p.append(f"optimizer.lr_scaling.rule={cfg.rule!r}: unknown rule; allowed: "
                  f"{', '.join(opt_lib.LR_SCALING_RULES)} (lr x B/base_batch, lr x sqrt(B/base_batch), lr).")
-    if isinstance(cfg.base_batch, bool) or not isinstance(cfg.base_batch, int) or cfg.base_batch <= 0:
+    if int_problem(cfg.base_batch, 1):
         p.append(f"optimizer.lr_scaling.base_batch={cfg.base_batch!r}: must be a positive int, the global batch "
                  "size at which optimizer.lr was tuned (e.g. 256).")
     return p
@@ -103,10 +104,9 @@ def build_lr_schedule(cfg: OptimizerConfig, total_steps: int, global_batch: int 
     peak = peak_lr(cfg, global_batch)
     warm = min(cfg.warmup_steps, total_steps)
     rest = max(1, total_steps - warm)
-    end = peak * cfg.min_lr_ratio
     after = {"constant": lambda: optax.constant_schedule(peak),
              "cosine": lambda: optax.cosine_decay_schedule(peak, rest, alpha=cfg.min_lr_ratio),
-             "linear": lambda: optax.linear_schedule(peak, end, rest)}[cfg.lr_schedule]()
+             "linear": lambda: optax.linear_schedule(peak, peak * cfg.min_lr_ratio, rest)}[cfg.lr_schedule]()
     if warm == 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
@@ -188,5 +188,4 @@ def frozen_variance_step(strategy: Strategy) -> int | None:
       The codec's ``start_step`` when it compresses Adam's first moment (``optimizer_momentum``),
       else None.
     """
-    codec = strategy.compression
-    return codec.start_step if getattr(codec, "optimizer_momentum", 0.0) else None
+    return strategy.compression.start_step if getattr(strategy.compression, "optimizer_momentum", 0.0) else None

@@ -63,12 +63,12 @@ def cost_model(cfg: JobConfig, model_fn: Callable | None = None, *, batch: int |
     return cost.gpt(m.layers, m.embed, m.heads, m.seq_len, m.vocab, batch, mlp=m.mlp, name=cfg.name, **moe)
 
 
-def plan_model(config: str | None, sizes: Mapping[str, int | None]):
+def plan_model(cfg: JobConfig | None, sizes: Mapping[str, int | None]):
     """``jaxpar plan``'s model: that of ``--config`` (its global batch unless ``sizes['batch']``), else
     jaxpar's GPT of the sizes given.
 
     Args:
-      config: the config file (None: none).
+      cfg: ``--config``'s loaded config (None: none).
       sizes: ``layers``, ``hidden``, ``heads``, ``seq``, ``vocab``, ``batch`` (None where not given).
 
     Returns:
@@ -79,10 +79,8 @@ def plan_model(config: str | None, sizes: Mapping[str, int | None]):
     """
     from jaxpar import cost
     from jaxpar.config._job import build_job
-    from jaxpar.config._load import load_config
 
-    if config:
-        cfg = load_config(config, [])
+    if cfg is not None:
         return cost_model(cfg, build_job(cfg, mesh=False, data=False).model_fn, **sizes)
     missing = [k for k, v in sizes.items() if not v]
     if missing:
@@ -91,12 +89,12 @@ def plan_model(config: str | None, sizes: Mapping[str, int | None]):
     return cost.gpt(sizes["layers"], sizes["hidden"], sizes["heads"], sizes["seq"], sizes["vocab"], sizes["batch"])
 
 
-def plan_dtype(config: str | None, dtype: str | None, cluster: Any) -> str:
+def plan_dtype(cfg: JobConfig | None, dtype: str | None, cluster: Any) -> str:
     """``jaxpar plan``'s compute dtype (the cluster's peak FLOP/s of that dtype): ``--dtype`` when given,
     else the config's ``parallel.compute_dtype``, else ``bfloat16``.
 
     Args:
-      config: the config file (None: none).
+      cfg: ``--config``'s loaded config (None: none).
       dtype: ``--dtype`` (None: not given).
       cluster: the :class:`jaxpar.cost.Cluster` planned on.
 
@@ -107,13 +105,11 @@ def plan_dtype(config: str | None, dtype: str | None, cluster: Any) -> str:
       ConfigError: the config's dtype is one the cluster has no peak FLOP/s for (an explicit ``--dtype``
         is left to the planner, which names the cluster's dtypes).
     """
-    from jaxpar.config._load import load_config
-
-    if dtype or not config:
+    if dtype or cfg is None:
         return dtype or "bfloat16"
-    dtype = load_config(config, []).parallel.compute_dtype
+    dtype = cfg.parallel.compute_dtype
     if dtype not in cluster.peak_flops:
-        raise ConfigError(f"{config}: parallel.compute_dtype is {dtype}, and cluster {cluster.name!r} has peak "
+        raise ConfigError(f"{cfg.name}: parallel.compute_dtype is {dtype}, and cluster {cluster.name!r} has peak "
                           f"FLOP/s for {', '.join(cluster.peak_flops)} only; pass --dtype "
                           f"{next(iter(cluster.peak_flops))} to plan in that dtype, or choose another --cluster.")
     return dtype
@@ -151,7 +147,7 @@ def unpredicted(cfg: JobConfig, strategy: Strategy, mesh_sizes: Mapping[str, int
 
     Args:
       cfg: the config.
-      strategy: its strategy.
+      strategy: its strategy (read for a pipeline of ``mesh_sizes`` only).
       mesh_sizes: the mesh's axis sizes.
 
     Returns:
@@ -239,31 +235,30 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
     got = {a: g / steps_per_call for a, g in got.items()}
     lines = [f"\nplanner  cost model (jaxpar.cost, lowering {lowering}, cluster {cluster}) vs the compiled step, "
              "per device"]
-    headers, right = ["", "predicted", "compiled", "predicted / compiled"], [False, True, True, True]
-    if view is None:
-        rows = [[f"bytes over {a} per step", "-", format_bytes(g), "-"] for a, g in sorted(got.items())]
-        rows += [["arguments (state + batch)", "-", format_bytes(rep.argument_bytes), "-"],
-                 ["temporaries", "-", format_bytes(rep.temp_bytes), "-"],
-                 ["peak (the larger of args + outputs + temps - aliased and XLA's)", "-",
-                  format_bytes(rep.required_bytes), "-"]]
-        return "\n".join(lines + [render_table(headers, rows, right=right), f"time     not predicted: {why}"])
-    from jaxpar.cost._memory import argument_bytes
-    from jaxpar.cost._traffic import bytes_per_axis, comms
+    pred, args, temps, peak = {}, None, None, None
+    if view is not None:
+        from jaxpar.cost import device_argument_bytes
+        from jaxpar.cost._traffic import bytes_per_axis, comms
 
-    model, plan, est = view
-    act = 2 if strategy.compute_dtype == "bfloat16" else 4
-    pred = bytes_per_axis(comms(model, plan, lowering=lowering, compute_bytes=act, grad_bytes=4))
-    args, mem, t = argument_bytes(model, plan.sizes, plan.zero), est.memory, est.time
-    rows = [[f"bytes over {a} per step", format_bytes(pred.get(a, 0.0)), format_bytes(got.get(a, 0.0)),
-             _ratio(pred.get(a, 0.0), got.get(a, 0.0))] for a in sorted(set(pred) | set(got))]
-    temps = mem.activations + mem.logits
-    rows += [["arguments (state + batch)", format_bytes(args), format_bytes(rep.argument_bytes),
-              _ratio(args, rep.argument_bytes)],
-             ["temporaries (model: activations + logits)", format_bytes(temps), format_bytes(rep.temp_bytes),
-              _ratio(temps, rep.temp_bytes)],
-             ["peak (the larger of args + outputs + temps - aliased and XLA's)", format_bytes(mem.total),
-              format_bytes(rep.required_bytes), _ratio(mem.total, rep.required_bytes)]]
-    return "\n".join(lines + [render_table(headers, rows, right=right), (
+        model, plan, est = view
+        act = 2 if strategy.compute_dtype == "bfloat16" else 4
+        pred = bytes_per_axis(comms(model, plan, lowering=lowering, compute_bytes=act, grad_bytes=4))
+        mem = est.memory
+        args, temps, peak = device_argument_bytes(model, plan.sizes, plan.zero), mem.activations + mem.logits, mem.total
+
+    def row(label: str, p: float | None, g: float) -> list[str]:
+        return [label, "-" if p is None else format_bytes(p), format_bytes(g), "-" if p is None else _ratio(p, g)]
+
+    rows = [row(f"bytes over {a} per step", pred.get(a, 0.0) if view else None, got.get(a, 0.0))
+            for a in sorted(set(pred) | set(got))]
+    rows += [row("arguments (state + batch)", args, rep.argument_bytes),
+             row("temporaries" + (" (model: activations + logits)" if view else ""), temps, rep.temp_bytes),
+             row("peak (the larger of args + outputs + temps - aliased and XLA's)", peak, rep.required_bytes)]
+    table = render_table(["", "predicted", "compiled", "predicted / compiled"], rows, right=[False, True, True, True])
+    if view is None:
+        return "\n".join(lines + [table, f"time     not predicted: {why}"])
+    t = est.time
+    return "\n".join(lines + [table, (
         f"time     predicted {t.total * 1e3:.1f} ms per step on {cluster} (compute {t.compute * 1e3:.1f}, "
         f"data {t.data * 1e3:.1f}, tensor {t.tensor * 1e3:.1f}, pipeline {t.pipeline * 1e3:.1f}, update "
         f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {plan.name()}")])

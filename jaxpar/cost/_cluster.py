@@ -127,15 +127,12 @@ class Cluster:
         return replace(self, nodes=num_devices // self.devices_per_node)
 
 
-def _positive(name: str, field_name: str, value: Any, unit: str = "") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ClusterError(f"cluster {name!r}: {field_name}={value!r} must be a positive number{unit}.")
-    return float(value)
-
-
-def _nonneg(name: str, field_name: str, value: Any, unit: str = "") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ClusterError(f"cluster {name!r}: {field_name}={value!r} must be a number >= 0{unit}.")
+def _positive(name: str, field_name: str, value: Any, unit: str = "", *, zero: bool = False) -> float:
+    """``value`` as a float; a :class:`ClusterError` unless it is a finite number > 0 (``zero``: >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not zero):
+        what = "a number >= 0" if zero else "a positive number"
+        raise ClusterError(f"cluster {name!r}: {field_name}={value!r} must be {what}{unit}.")
     return float(value)
 
 
@@ -152,7 +149,7 @@ def _link(name: str, key: str, d: Any) -> Link:
     for k in ("alpha_us", "bandwidth_gbps"):
         if k not in d:
             raise ClusterError(f"cluster {name!r}: {key}.{k} is missing.")
-    alpha = _nonneg(name, f"{key}.alpha_us", d["alpha_us"], " (microseconds)")
+    alpha = _positive(name, f"{key}.alpha_us", d["alpha_us"], " (microseconds)", zero=True)
     bw = _positive(name, f"{key}.bandwidth_gbps", d["bandwidth_gbps"],
                    " of GB/s (1e9 bytes/s per device and direction), e.g. 50 for 400 Gb/s")
     red = d.get("reduce_gbps")
@@ -197,8 +194,8 @@ def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
                    memory_bytes=_positive(name, "device_memory_gib", d["device_memory_gib"]) * 2**30,
                    peak_flops={k: _positive(name, f"peak_tflops.{k}", v) * 1e12 for k, v in peaks.items()},
                    intra=intra, inter=inter, efficiency=d.get("efficiency", 0.5),
-                   gemm_half_flops=_nonneg(name, "gemm_half_gflop", d.get("gemm_half_gflop", 0)) * 1e9,
-                   memory_bandwidth=_nonneg(name, "memory_gbps", d.get("memory_gbps", 0)) * 1e9,
+                   gemm_half_flops=_positive(name, "gemm_half_gflop", d.get("gemm_half_gflop", 0), zero=True) * 1e9,
+                   memory_bandwidth=_positive(name, "memory_gbps", d.get("memory_gbps", 0), zero=True) * 1e9,
                    memory_efficiency=d.get("memory_efficiency", 1.0),
                    shared_compute=float(shared),
                    description=str(d.get("description", "")), sources=tuple(d.get("sources", ())))

@@ -284,26 +284,6 @@ def sizes_key(sizes: Mapping[str, int]) -> tuple:
     return tuple(sorted((a, v) for a, v in sizes.items() if v > 1))
 
 
-def leaf_shards(leaf: Leaf, sizes: Mapping[str, int], stage: int, kind: str) -> int:
-    """Into how many pieces ``kind`` ('params' | 'grads' | 'opt') of ``leaf`` is cut (as :mod:`jaxpar.parallel._zero`).
-
-    Args:
-      leaf: the parameter.
-      sizes: mesh axis name -> size.
-      stage: the ZeRO stage.
-      kind: ``"params"``, ``"grads"`` or ``"opt"``.
-
-    Returns:
-      The number of pieces.
-
-    >>> from jaxpar.cost._model import gpt
-    >>> w1 = gpt(2, 32, 8, 16, 64, 16).leaf("blocks/w1")
-    >>> [leaf_shards(w1, {"data": 4, "tensor": 2}, 1, k) for k in ("params", "grads", "opt")]
-    [2, 2, 8]
-    """
-    return leaf_shard_counts(leaf, sizes_key(sizes), stage)[("params", "grads", "opt").index(kind)]
-
-
 def pipe_end(leaf: Leaf) -> str | None:
     """Which end of a pipeline runs a parameter outside the blocks: ``first`` for the embedding tables
     (indexed by token or position), ``last`` for the final norm and the head; None for a block's.
@@ -439,34 +419,3 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
         return MemoryEstimate(last["params"], last["grads"], last["opt"], act, logits, flight)
     st = state_bytes(model, sizes, zero, precision)
     return MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight)
-
-
-def argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int, *, moments: int = 2,
-                   param_bytes: int = 4, batch_leaves: int = 2, scalars: int = 2) -> float:
-    """Bytes of jaxpar's train-step arguments on one device: fp32 parameters, ``moments`` fp32
-    optimizer moments per parameter (Adam: 2) sharded per ZeRO stage, ``scalars`` int32 counters
-    (step, Adam's count) and ``batch_leaves`` int32 ``[batch / (data * fsdp), seq]`` batch arrays.
-    This is what ``compiled.memory_analysis().argument_size_in_bytes`` reports.
-
-    Args:
-      model: the model.
-      sizes: mesh axis name -> size.
-      zero: the ZeRO stage.
-      moments: optimizer moments per parameter.
-      param_bytes: bytes per parameter.
-      batch_leaves: the number of batch arrays.
-      scalars: the number of int32 counters.
-
-    Returns:
-      Bytes per device.
-
-    >>> from jaxpar.cost._model import gpt
-    >>> argument_bytes(gpt(2, 32, 8, 16, 64, 16), {"data": 8}, 0)    # 12 Psi + 2 counters + batch
-    358152.0
-    """
-    out = 0.0
-    for leaf in model.leaves:
-        out += param_bytes * leaf.size / leaf_shards(leaf, sizes, zero, "params")
-        out += moments * param_bytes * leaf.size / leaf_shards(leaf, sizes, zero, "opt")
-    rows = model.batch / (sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1))
-    return out + 4 * scalars + batch_leaves * 4 * rows * model.seq / sizes.get("context", 1)

@@ -130,7 +130,10 @@ class ModelSpec:
     @property
     def n_params(self) -> int:
         """All parameters (from the leaves; without leaves the GPT formula)."""
-        return sum(l.size for l in self.leaves) if self.leaves else gpt_param_count(self)
+        if self.leaves:
+            return sum(l.size for l in self.leaves)
+        h = self.hidden
+        return self.n_layer_params + 2 * self.vocab * h + self.seq * h + 2 * h     # jaxpar's GPT
 
     @property
     def n_layer_params(self) -> int:
@@ -188,12 +191,6 @@ def _check_moe(m: ModelSpec) -> None:
                              f"choose moe_every <= {m.layers} or experts=0 for a dense model.")
     for f in ("expert_mlp", "shared_mlp"):
         check_int("ModelSpec", f, getattr(m, f), 0, CostModelError)
-
-
-def gpt_param_count(m: ModelSpec) -> int:
-    """jaxpar's GPT: untied head, learned positions, biases and norms."""
-    h, V, s = m.hidden, m.vocab, m.seq
-    return m.layers * (4 * h * h + 2 * h * m.mlp + m.mlp + 6 * h) + 2 * V * h + s * h + 2 * h
 
 
 def _gpt_leaves(layers: int, h: int, heads: int, s: int, V: int, f: int, moe: ModelSpec | None = None
@@ -262,10 +259,6 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int, 
     return replace(spec, leaves=_gpt_leaves(layers, hidden, heads, seq, vocab, spec.mlp, spec))
 
 
-def _path_str(path: tuple) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def from_nnx(model_fn: Callable[[], Any], *, layers: int, hidden: int, heads: int, seq: int, vocab: int,
              batch: int, mlp: int | None = None, name: str = "model") -> ModelSpec:
     """Parameters and logical axes of an NNX model, read with ``jax.eval_shape`` (nothing allocated).
@@ -290,14 +283,15 @@ def from_nnx(model_fn: Callable[[], Any], *, layers: int, hidden: int, heads: in
     import jax
 
     from jaxpar.adapters._shapes import abstract_model
+    from jaxpar.rules import path_str
 
     _, shapes, logical = abstract_model(model_fn)
     flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
     flat_logical = jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: isinstance(x, tuple) or x is None)[0]
-    by_path = {_path_str(p): (tuple(lg) if lg is not None else ()) for p, lg in flat_logical}
+    by_path = {path_str(p): (tuple(lg) if lg is not None else ()) for p, lg in flat_logical}
     leaves = []
     for path, a in flat_shapes:
-        key = _path_str(path)
+        key = path_str(path)
         lg = tuple(by_path.get(key, ())) or (None,) * len(a.shape)
         leaves.append(Leaf(key, tuple(int(d) for d in a.shape), lg + (None,) * (len(a.shape) - len(lg))))
     spec = ModelSpec(layers, hidden, heads, seq, vocab, batch, mlp or 0, name=name)

@@ -93,10 +93,12 @@ def prepare_cache(source: Any, tokenizer: Any, directory: str | Path, *, bos: bo
 def _write_tokens(source: Any, tokenizer: Any, tmp: Path, *, bos: bool | str, eos: bool | str, progress: bool,
                   chunk: int) -> dict:
     """``tokens.bin``, ``offsets.npy`` and ``meta.json`` of ``source`` in ``tmp``; returns the meta."""
+    from tqdm.auto import tqdm
+
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     expected = expected_meta(source, tokenizer, bos, eos)
     ends, total, skipped = [np.zeros(1, np.int64)], 0, 0
-    bar = _bar(len(source), f"tokenizing {source.name}", progress)
+    bar = tqdm(total=len(source), desc=f"tokenizing {source.name}", unit="doc", disable=not progress, leave=False)
     try:
         with open(tmp / "tokens.bin", "wb") as out:
             for texts in source.iter_texts(chunk=chunk):
@@ -165,9 +167,3 @@ def _difference(key: str, found: Any, want: Any) -> str:
         return f"the source differs in {', '.join(fields)} (cache: {[found.get(k) for k in fields]}, now: " \
                f"{[want.get(k) for k in fields]})"
     return f"{key}={found!r} in the cache, {want!r} now"
-
-
-def _bar(total: int, desc: str, show: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="doc", disable=not show, leave=False)

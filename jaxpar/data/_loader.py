@@ -161,20 +161,17 @@ class PackedBatches:
         Returns:
           The batch's arrays, ``[len(pick), seq_len]`` each.
         """
-        with self._lock:        # the prefetch thread and the caller share the plan's caches and the stores
-            return self._rows(start, size, pick, plan or self.plan, self.train_ids if ids is None else ids)
-
-    def _rows(self, start: int, size: int, pick: Sequence[int], plan: StreamPlan,
-              ids: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-        planned = plan.rows(start, start + size)
-        counted = sum(_unmasked(pieces, segs) for pieces, segs in planned)
-        chosen = [planned[i] for i in pick]
-        self._warm(chosen, ids)
+        plan, ids = plan or self.plan, self.train_ids if ids is None else ids
 
         def read(source: int, doc: int, a: int, b: int) -> np.ndarray:
             return self.stores[source].read(int(ids[source][doc]), a, b)
 
-        arrays = [row_arrays(segs, pieces, self.seq_len, read) for pieces, segs in chosen]
+        with self._lock:        # the prefetch thread and the caller share the plan's caches and the stores
+            planned = plan.rows(start, start + size)
+            chosen = [planned[i] for i in pick]
+            self._warm(chosen, ids)
+            arrays = [row_arrays(segs, pieces, self.seq_len, read) for pieces, segs in chosen]
+        counted = sum(_unmasked(pieces, segs) for pieces, segs in planned)
         batch = {k: np.stack([a[k] for a in arrays]) if arrays else np.zeros((0, self.seq_len), np.int32)
                  for k in BATCH_KEYS}
         scale = size * self.seq_len / max(counted, 1)

@@ -53,16 +53,6 @@ class PackStats:
     capacity: int = 0
     split_pieces: int = 0
 
-    def add(self, other: "PackStats") -> None:
-        """Add ``other``'s counts to these, in place.
-
-        Args:
-          other: the stats of another window.
-        """
-        self.tokens += other.tokens
-        self.capacity += other.capacity
-        self.split_pieces += other.split_pieces
-
     @property
     def efficiency(self) -> float:
         """Non-padding tokens over all tokens."""

@@ -19,8 +19,6 @@ only its own, and a resume at any step starts at once.
 >>> rows = plan.rows(0, 2)                       # window 0: 16 tokens of the shuffled documents
 >>> sum(n for row in rows for _, _, n in row[1])
 16
->>> plan.epoch_tokens
-(23,)
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxpar.errors import DataError
-from jaxpar.data._packing import PACK_METHODS, PackStats, Segment, pack_window
+from jaxpar.data._packing import PackStats, Segment, pack_window
 
 #: ``(pieces of the row's window, the row's segments)``: see :mod:`jaxpar.data._packing`.
 PlannedRow = tuple[np.ndarray, list[Segment]]
@@ -85,14 +83,12 @@ class StreamPlan:
 
     def __init__(self, lengths: Sequence[np.ndarray], weights: Sequence[float], *, seq_len: int, rows_per_window: int,
                  fill: float, method: str, seed: int, shuffle: bool = True):
-        if method not in PACK_METHODS:
-            raise DataError(f"pack method {method!r}: choose one of {', '.join(PACK_METHODS)}.")
         if not 0.0 < fill <= 1.0:
             raise DataError(f"pack fill {fill!r}: must be in (0, 1].")
         self.lengths = [np.asarray(x, np.int64) for x in lengths]
         self.seq_len, self.rows_per_window, self.method, self.seed, self.shuffle = (
             seq_len, rows_per_window, method, seed, shuffle)
-        self.costs = [self._cost(x) for x in self.lengths]
+        self.costs = [-(-x // seq_len) if method == "none" else x for x in self.lengths]   # pieces, or tokens
         self.budget = rows_per_window if method == "none" else int(math.floor(fill * rows_per_window * seq_len))
         if self.budget < 1:
             raise DataError(f"pack fill {fill} × {rows_per_window} rows × seq_len {seq_len} leaves no token per window.")
@@ -106,14 +102,6 @@ class StreamPlan:
         self.cum_weights[-1] = 1.0
         self._epochs: OrderedDict = OrderedDict()
         self._windows: OrderedDict = OrderedDict()
-
-    def _cost(self, lengths: np.ndarray) -> np.ndarray:
-        return -(-lengths // self.seq_len) if self.method == "none" else lengths
-
-    @property
-    def epoch_tokens(self) -> tuple[int, ...]:
-        """Tokens of one epoch of each source."""
-        return tuple(int(x.sum()) for x in self.lengths)
 
     def source_budget(self, window: int) -> np.ndarray:
         """``int64[sources]``: how much of each source's stream precedes ``window`` (tokens, or pieces).

@@ -48,11 +48,12 @@ def process_rows(sharding, batch_size: int) -> np.ndarray:
     return np.flatnonzero(picked)
 
 
-def _num_row_shards(sharding) -> int:
-    """How many distinct pieces ``sharding`` cuts the leading dimension into."""
+def _num_row_shards(sharding, addressable: bool = False) -> int:
+    """How many distinct pieces ``sharding`` cuts the leading dimension into (``addressable``: of them,
+    how many this process's devices hold)."""
     probe = max(len(sharding.device_set), 1)   # a multiple of any split of the leading dim
-    starts = {(idx[0].start or 0) if idx else 0 for idx in sharding.devices_indices_map((probe,)).values()}
-    return len(starts)
+    indices = (sharding.addressable_devices_indices_map if addressable else sharding.devices_indices_map)((probe,))
+    return len({(idx[0].start or 0) if idx else 0 for idx in indices.values()})
 
 
 def select_rows(rows: Any, batch_size: int) -> np.ndarray | slice:
@@ -79,7 +80,7 @@ def select_rows(rows: Any, batch_size: int) -> np.ndarray | slice:
     return idx
 
 
-def _takes_rows(fn: Callable) -> bool:
+def takes_rows(fn: Callable) -> bool:
     try:
         return "rows" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -119,12 +120,12 @@ def make_global_batch(batch_fn: Callable, step: int, mesh) -> Any:
     from jaxpar.batch import batch_sharding
 
     sharding = batch_sharding(mesh)
-    if _takes_rows(batch_fn):
+    if takes_rows(batch_fn):
         local = batch_fn(step, rows=sharding)
         leaves = jax.tree.leaves(local)
         if not leaves:
             raise BatchError("make_global_batch: batch_fn returned an empty batch.")
-        n, held = _num_row_shards(sharding), _num_local_row_shards(sharding)
+        n, held = _num_row_shards(sharding), _num_row_shards(sharding, addressable=True)
         sizes = {int(np.shape(x)[0]) * n // held for x in leaves}
     else:
         full = batch_fn(step)
@@ -140,9 +141,3 @@ def make_global_batch(batch_fn: Callable, step: int, mesh) -> Any:
     size = sizes.pop()
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x),
                                                                         (size, *np.shape(x)[1:])), local)
-
-
-def _num_local_row_shards(sharding) -> int:
-    probe = max(len(sharding.device_set), 1)
-    starts = {(idx[0].start or 0) if idx else 0 for idx in sharding.addressable_devices_indices_map((probe,)).values()}
-    return len(starts)

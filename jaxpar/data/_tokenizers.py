@@ -91,14 +91,7 @@ class Tokenizer:
           TokenizerError: ``bos`` / ``eos`` asked of a tokenizer without that token, or not ``True``,
             ``False`` or ``"auto"``.
         """
-        head, tail = self.special_ids(bos, eos)
-        if self.kind == "tokenizers":
-            ids = self.backend.encode(text, add_special_tokens=False).ids
-        elif self.kind == "tiktoken":
-            ids = self.backend.encode_ordinary(text)
-        else:
-            ids = self.backend.encode(text)
-        return head + ids + tail
+        return self.encode_batch([text], bos=bos, eos=eos)[0]
 
     def encode_batch(self, texts: Iterable[str], *, bos: bool | str = False, eos: bool | str = False
                      ) -> list[list[int]]:
@@ -292,7 +285,7 @@ def check_tokenizer(fingerprint_saved: str | None, tokenizer: Tokenizer, vocab: 
 def _added_specials(tok: Tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The ids ``tokenizer.json``'s post-processor puts before and after a text (the special tokens among
     ``encode(probe, add_special_tokens=True)``); none for the kinds without a post-processor."""
-    if not _has_post_processor(tok):
+    if tok.kind != "tokenizers" or tok.backend.post_processor is None:
         return (), ()
     for probe in ("a", "x", "0", " ", ".", "the"):
         encoding = tok.backend.encode(probe, add_special_tokens=True)
@@ -300,10 +293,6 @@ def _added_specials(tok: Tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if text:
             return tuple(encoding.ids[:text[0]]), tuple(encoding.ids[text[-1] + 1:])
     return tuple(tok.backend.encode("", add_special_tokens=True).ids), ()
-
-
-def _has_post_processor(tok: Tokenizer) -> bool:
-    return tok.kind == "tokenizers" and tok.backend.post_processor is not None
 
 
 def _tokenizer_file(path: Path) -> Path:

@@ -68,7 +68,7 @@ class _Mapped:
 
     tokens: np.ndarray
     offsets: np.ndarray
-    bytes_read: int
+    bytes_read: int = 0
 
     def read(self, doc: int, start: int, stop: int) -> np.ndarray:
         """Tokens ``start .. stop - 1`` of document ``doc``."""
@@ -101,7 +101,6 @@ class CachedTokens(_Mapped):
             raise CacheError(f"token cache {str(directory)!r}: offsets.npy ends at {int(self.offsets[-1])} but "
                              f"tokens.bin holds {len(self.tokens)} tokens; build it again with `jaxpar data prepare`.")
         self.lengths = np.diff(self.offsets)
-        self.bytes_read = 0
 
 
 class LiveTokens:
@@ -196,7 +195,6 @@ class TokenFile(_Mapped):
             ends = np.append(ends, n)
         self.offsets = np.concatenate([[0], ends]).astype(np.int64)
         self.lengths = np.diff(self.offsets)
-        self.bytes_read = 0
 
 
 def map_tokens(path: str | Path, dtype: str = "uint16") -> np.ndarray:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jaxpar.errors import DataError, SourceError
+from jaxpar.errors import DataError, SourceError, check_int
 from jaxpar.data._rows import make_global_batch, process_rows, select_rows
 from jaxpar.data._tokens import TOKEN_DTYPES, map_tokens
 
@@ -113,8 +113,7 @@ def read_documents(paths: Sequence[str | os.PathLike] | None = None, *,
     Returns:
       One ``bytes`` per file read.
     """
-    if not isinstance(max_bytes, int) or max_bytes < 1:
-        raise DataError(f"read_documents(max_bytes={max_bytes!r}): must be a positive int.")
+    check_int("read_documents", "max_bytes", max_bytes, 1, DataError)
     files = stdlib_sources(max_bytes) if not paths else expand_paths(paths)
     chunks, total = [], 0
     for f in files:

@@ -196,7 +196,10 @@ def parse_target(text: str) -> Target:
     shape = tuple(int(s) for s in topo.split("x")) if topo else ()
     if spec.platform == "cuda":
         return Target(spec, _gpu_shape(text, spec, shape, int(slices or 1)))
-    return Target(spec, _tpu_shape(text, spec, shape), int(slices or 1))
+    if not shape:
+        raise TargetError(f"target {text!r}: a TPU target needs its chip topology, e.g. {spec.name}:4x4 "
+                          f"(libtpu's {spec.topology_name}:4x4).")
+    return Target(spec, shape, int(slices or 1))
 
 
 def _gpu_shape(text: str, spec: DeviceSpec, shape: tuple[int, ...], slices: int) -> tuple[int, int]:
@@ -208,13 +211,6 @@ def _gpu_shape(text: str, spec: DeviceSpec, shape: tuple[int, ...], slices: int)
     if len(shape) != 2 or min(shape) < 1:
         raise TargetError(f"target {text!r}: a GPU topology is HOSTSxGPUS (e.g. {spec.name}:2x8) or GPUS "
                           f"(one host), got {'x'.join(map(str, shape))}.")
-    return shape
-
-
-def _tpu_shape(text: str, spec: DeviceSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
-    if not shape:
-        raise TargetError(f"target {text!r}: a TPU target needs its chip topology, e.g. {spec.name}:4x4 "
-                          f"(libtpu's {spec.topology_name}:4x4).")
     return shape
 
 

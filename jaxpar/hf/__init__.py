@@ -7,12 +7,11 @@
 - :func:`export` writes parameters of any layout back, one tensor at a time.
 - :func:`load_tokenizer` loads the checkpoint's ``tokenizer.json``.
 """
-from jaxpar.hf._reader import Checkpoint, HFCheckpointError, open_checkpoint
+from jaxpar.hf._reader import Checkpoint, HFCheckpointError, load, open_checkpoint, train_state
 from jaxpar.hf._config import FAMILIES, HFConfigError, decoder_config, hf_config_dict, read_config
 from jaxpar.hf._export import HFExportError, export
 from jaxpar.hf._files import CheckpointFiles, HFFilesError, write_safetensors
 from jaxpar.hf._keys import EXPERT_LAYOUTS, TensorMap, tensor_maps
-from jaxpar.hf._start import load, train_state
 from jaxpar.data._tokenizers import Tokenizer, load_tokenizer
 
 __all__ = ["Checkpoint", "HFCheckpointError", "open_checkpoint", "FAMILIES", "HFConfigError", "decoder_config",

@@ -86,9 +86,6 @@ def read_box(files: Any, m: TensorMap, box: tuple[slice, ...], dtype: Any = None
     """
     n = len(m.stack)
     outer, inner = box[:n], box[n:]
-    if not n:
-        part = _read_element(files, m.key, m, inner)
-        return part if dtype is None else part.astype(dtype)
     out = None
     for combo in itertools.product(*(range(s.start, s.stop) for s in outer)):
         part = _read_element(files, m.key.format(**dict(zip(m.stack, combo))), m, inner)

@@ -63,18 +63,6 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise HFConfigError(f"{file}: not valid JSON ({e}).") from e
 
 
-def checkpoint_dtype(hf: dict[str, Any]) -> str:
-    """The checkpoint's dtype name (``dtype``, or the Hub's ``torch_dtype``; ``float32`` if neither).
-
-    Args:
-      hf: a parsed ``config.json``.
-
-    Returns:
-      The dtype's name, e.g. ``"bfloat16"``.
-    """
-    return str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
-
-
 def _get(hf: dict, name: str, default: Any = None, *, required: bool = False) -> Any:
     if name not in hf or hf[name] is None:
         if required:

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.models._decoder import DecoderConfig
@@ -29,7 +30,7 @@ from jaxpar.hf._boxes import file_tensor
 from jaxpar.hf._reader import Checkpoint
 from jaxpar.hf._config import decoder_config, hf_config_dict
 from jaxpar.hf._files import DTYPES, INDEX, SAFETENSORS_DTYPE, write_safetensors
-from jaxpar.hf._keys import flatten_params, stack_counts, tensor_maps
+from jaxpar.hf._keys import stack_counts, tensor_maps
 from jaxpar.errors import HFExportError
 
 _OWN = ("config.json", INDEX)
@@ -65,15 +66,11 @@ def _element(array: Any, combo: tuple[int, ...], dtype: Any) -> np.ndarray:
 
 def _sources(params: Any, cfg: DecoderConfig, maps: dict) -> dict[str, list]:
     """``{file key: [(TensorMap, parameter, stacked index), ...]}`` in the maps' order."""
-    flat, counts, out = flatten_params(params), stack_counts(cfg), {}
+    flat, counts, out = traverse_util.flatten_dict(params), stack_counts(cfg), {}
     for path, m in maps.items():
-        for key, combo in zip(m.keys(counts), _combos(m, counts)):
+        for key, combo in zip(m.keys(counts), itertools.product(*(range(counts[f]) for f in m.stack))):
             out.setdefault(key, []).append((m, flat[path], combo))
     return out
-
-
-def _combos(m, counts) -> list[tuple[int, ...]]:
-    return list(itertools.product(*(range(counts[f]) for f in m.stack)))
 
 
 def _shards(entries: dict[str, tuple], max_bytes: int) -> list[dict[str, tuple]]:

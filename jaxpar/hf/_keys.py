@@ -22,9 +22,6 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-from jax.sharding import PartitionSpec
-
 from jaxpar.models._decoder import DecoderConfig
 
 #: How a checkpoint stores a layer's experts: one key per expert and projection, or fused 3-D tensors.
@@ -139,35 +136,3 @@ def stack_counts(cfg: DecoderConfig) -> dict[str, int]:
       ``{"layer": layers, "expert": experts (0 without MoE)}``.
     """
     return {"layer": cfg.layers, "expert": cfg.moe.experts if cfg.moe else 0}
-
-
-def flatten_params(tree: Any) -> dict[tuple, Any]:
-    """``{path: leaf}`` of a parameter dict (or a ``PartitionSpec`` tree mirroring it); the paths of
-    :func:`tensor_maps`.
-
-    Args:
-      tree: a nested dict of parameters or of ``PartitionSpec`` s.
-
-    Returns:
-      The leaves by key path.
-    """
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
-    return {tuple(getattr(k, "key", k) for k in path): leaf for path, leaf in leaves}
-
-
-def nest_params(flat: dict[tuple, Any]) -> dict:
-    """The inverse of :func:`flatten_params`.
-
-    Args:
-      flat: leaves by key path.
-
-    Returns:
-      The nested dict.
-    """
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = value
-    return out

@@ -1,5 +1,5 @@
 """A Hugging Face checkpoint opened for import: its config, its tensors checked, its weights read
-straight into any layout.
+straight into any layout, and the train state that starts from them (:func:`train_state`).
 
 :func:`open_checkpoint` reads ``config.json`` and the safetensors headers only, and checks every key
 and shape against the model before anything is compiled. :meth:`Checkpoint.load` then builds each
@@ -36,19 +36,17 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import NamedSharding
 
 from jaxpar.models._decoder import Decoder, DecoderConfig
+from jaxpar.step._init import init_train_state, state_layout
+from jaxpar.strategy import Strategy
 from jaxpar.hf._boxes import read_box
-from jaxpar.hf._config import checkpoint_dtype, decoder_config, read_config
+from jaxpar.hf._config import decoder_config, read_config
 from jaxpar.hf._files import CheckpointFiles
-from jaxpar.hf._keys import TensorMap, flatten_params, nest_params, stack_counts, tensor_maps
+from jaxpar.hf._keys import TensorMap, stack_counts, tensor_maps
 from jaxpar.errors import HFCheckpointError
-
-
-def _experts_layout(files: CheckpointFiles) -> str:
-    return "fused" if any(k.endswith("mlp.experts.gate_up_proj") for k in files.where) else "per_expert"
 
 
 @dataclass(frozen=True)
@@ -92,11 +90,11 @@ class Checkpoint:
           The parameter dict, as ``nnx.to_pure_dict(nnx.state(model, nnx.Param))`` has it.
         """
         flat = {}
-        for path, spec in flatten_params(specs).items():
+        for path, spec in traverse_util.flatten_dict(specs).items():
             m = self.maps[path]
             shape = tuple(stack_counts(self.config)[f] for f in m.stack) + _element_shape(m)
             flat[path] = _global_array(self.files, m, shape, NamedSharding(mesh, spec), dtype)
-        return nest_params(flat)
+        return traverse_util.unflatten_dict(flat)
 
 
 def _element_shape(m: TensorMap) -> tuple[int, ...]:
@@ -174,9 +172,66 @@ def open_checkpoint(path: str | Path, **overrides: Any) -> Checkpoint:
     hf = read_config(path)
     cfg = decoder_config(hf, **overrides)
     files = CheckpointFiles(path)
-    layout = _experts_layout(files)
+    layout = "fused" if any(k.endswith("mlp.experts.gate_up_proj") for k in files.where) else "per_expert"
     maps = tensor_maps(cfg, hf["model_type"], layout)
     _check_head(files, cfg, path)
     _check_tensors(files, cfg, maps, path)
-    return Checkpoint(path, hf, cfg, hf["model_type"], checkpoint_dtype(hf), layout,
+    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")     # the Hub's name, or transformers 5's
+    return Checkpoint(path, hf, cfg, hf["model_type"], dtype, layout,
                       "lm_head.weight" in files.where, maps, files)
+
+
+def load(checkpoint: str | Path | Checkpoint, layout: Any) -> Any:
+    """The checkpoint's parameters in ``layout``'s shardings (a :class:`~jaxpar.StateLayout`).
+
+    Args:
+      checkpoint: a checkpoint directory, or an opened :class:`Checkpoint`.
+      layout: the state's layout (:func:`jaxpar.state_layout`).
+
+    Returns:
+      The parameter dict, each array in ``NamedSharding(layout.mesh, spec)``.
+    """
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    return ckpt.load(layout.mesh, layout.params)
+
+
+def train_state(path: str | Path, tx: Any, mesh: Any, strategy: Strategy = Strategy(), *, seed: int = 0,
+                **overrides: Any) -> tuple[Any, Any, Checkpoint]:
+    """The train state of the checkpoint's model under ``strategy`` on ``mesh``, starting from its weights.
+
+    Args:
+      path: the checkpoint directory.
+      tx: the optax optimizer (its state starts fresh).
+      mesh: the device mesh.
+      strategy: what to do with the mesh axes.
+      seed: the seed of the model's random initialisation (only traced: every weight comes from the files).
+      **overrides: :class:`~jaxpar.models.DecoderConfig` fields (``remat``, ``scan_layers``).
+
+    Returns:
+      ``(state, layout, checkpoint)``: as :func:`jaxpar.init_train_state`, and the opened checkpoint
+      (for :func:`jaxpar.hf.export` and the tokenizer).
+
+    Example:
+      >>> import jax, optax, tempfile
+      >>> from flax import nnx
+      >>> import jaxpar
+      >>> from jaxpar.hf import export, train_state
+      >>> from jaxpar.models import Decoder, DecoderConfig, decoder_loss
+      >>> cfg = DecoderConfig(vocab=16, embed=8, layers=2, heads=2, kv_heads=1, head_dim=4, mlp=12, qk_norm=True)
+      >>> with nnx.use_eager_sharding(False):
+      ...     params = nnx.to_pure_dict(nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+      >>> path = tempfile.mkdtemp() + "/ckpt"
+      >>> export(params, path, config=cfg, family="qwen3")
+      >>> mesh = jaxpar.make_mesh({"data": 2, "fsdp": 2}, devices=jax.devices()[:4])
+      >>> tx = optax.adamw(1e-3)
+      >>> state, layout, ckpt = train_state(path, tx, mesh, jaxpar.Strategy(zero=3))
+      >>> step = jaxpar.make_train_step(decoder_loss, tx, layout)
+      >>> batch = {"tokens": jax.numpy.zeros((4, 8), "int32"), "targets": jax.numpy.ones((4, 8), "int32")}
+      >>> state, metrics = step(state, jaxpar.shard_batch(batch, mesh))
+      >>> int(state.step), ckpt.family
+      (1, 'qwen3')
+    """
+    ckpt = open_checkpoint(path, **overrides)
+    layout = state_layout(ckpt.model_fn(seed), tx, mesh, strategy)
+    state, layout = init_train_state(ckpt.model_fn(seed), tx, mesh, strategy, params=load(ckpt, layout))
+    return state, layout, ckpt

@@ -37,7 +37,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +48,7 @@ from jaxpar.adapters._blocks import REMAT_POLICIES, remat_policy, run_layers
 from jaxpar.errors import ModelConfigError, check_int
 from jaxpar.parallel.context import in_sequence_order, sequence_order
 from jaxpar.rules import constrain
+from jaxpar.models._gpt import cross_entropy
 from jaxpar.models._decoder_layers import ACTIVATIONS, Carry, KVCache, RoPE, cached_layer_apply, layer_apply, rms_norm
 
 
@@ -124,13 +124,9 @@ class DecoderConfig:
 
     def __post_init__(self):
         for name in ("vocab", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ModelConfigError(f"DecoderConfig.{name}={value!r}: must be a positive int.")
-        most = self.max_positions
-        if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < 1):
-            raise ModelConfigError(f"DecoderConfig.max_positions={most!r}: must be a positive int (the "
-                                   "checkpoint's max_position_embeddings) or None (no limit).")
+            check_int("DecoderConfig", name, getattr(self, name), 1, ModelConfigError)
+        if self.max_positions is not None:      # the checkpoint's max_position_embeddings
+            check_int("DecoderConfig", "max_positions", self.max_positions, 1, ModelConfigError)
         if self.heads % self.kv_heads:
             raise ModelConfigError(f"DecoderConfig: kv_heads={self.kv_heads} must divide heads={self.heads} "
                                    "(grouped-query attention).")
@@ -151,22 +147,6 @@ class DecoderConfig:
         if self.moe is not None and self.activation != "silu":
             raise ModelConfigError(f"DecoderConfig.activation={self.activation!r}: routed experts run SiLU "
                                    "(SwiGLU) only; use activation='silu' or moe=None.")
-
-    @property
-    def activation_kind(self) -> str:
-        """The activation as :func:`jaxpar.parallel.moe.moe_apply` names it."""
-        return "silu" if self.activation == "silu" else "gelu"
-
-    def replace(self, **changes: Any) -> "DecoderConfig":
-        """A copy with ``changes`` (e.g. ``remat="full"``).
-
-        Args:
-          **changes: new values of fields, by name.
-
-        Returns:
-          The new config.
-        """
-        return dataclasses.replace(self, **changes)
 
 
 #: Logical names of one layer's parameters (the stacked arrays add a leading ``layers``).
@@ -319,32 +299,6 @@ class Decoder(nnx.Module):
         return constrain(logits, ("batch", "length", "vocab"))
 
 
-def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: Any = None, weights: Any = None) -> jax.Array:
-    """Mean next-token cross-entropy over the tokens where ``mask`` is true (all when ``None``); the
-    target logit is picked with a one-hot product (a vocabulary split over ``tensor`` needs one
-    all-reduce). With ``weights``, the plain mean of ``weights × loss`` over every token (the mask
-    is then not read): weights normalised over a global batch, as :class:`jaxpar.data.PackedBatches`
-    makes them, give the global batch's masked mean however the batch is split.
-
-    Args:
-      logits: ``[batch, length, vocab]``.
-      targets: int ``[batch, length]``.
-      mask: ``[batch, length]``, true where a target counts, or ``None``.
-      weights: ``[batch, length]`` loss weights, or ``None``.
-
-    Returns:
-      The scalar loss.
-    """
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.sum(logp * jax.nn.one_hot(targets, logits.shape[-1], dtype=logp.dtype), axis=-1)
-    if weights is not None:
-        return jnp.mean(nll * weights.astype(nll.dtype))
-    if mask is None:
-        return nll.mean()
-    mask = mask.astype(nll.dtype)
-    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
 def decoder_loss(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy of a :class:`Decoder`.
 
@@ -370,4 +324,4 @@ def decoder_loss(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:
         positions = order if positions is None else in_sequence_order(jnp.broadcast_to(positions, tokens.shape))
         tokens, targets = in_sequence_order(tokens), in_sequence_order(targets)
         segments, mask, weights = (None if x is None else in_sequence_order(x) for x in (segments, mask, weights))
-    return masked_cross_entropy(model(tokens, positions, segments), targets, mask, weights)
+    return cross_entropy(model(tokens, positions, segments), targets, mask, weights)

@@ -247,7 +247,7 @@ def mlp_half(cfg: Any, p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     if cfg.moe is not None:
         experts = {"router": p["router"], "w1": p["experts_gate"], "w3": p["experts_up"], "w2": p["experts_down"]}
         y, _ = moe_apply(experts, h, top_k=cfg.moe.top_k, capacity_factor=cfg.moe.capacity_factor,
-                         normalize=cfg.moe.normalize, activation=cfg.activation_kind)
+                         normalize=cfg.moe.normalize, activation=cfg.activation)
         y = constrain(y.astype(x.dtype), RESIDUAL)
     else:
         act = ACTIVATIONS[cfg.activation]

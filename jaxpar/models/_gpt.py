@@ -40,8 +40,7 @@ from flax import nnx
 from jaxpar.adapters._blocks import REMAT_POLICIES, remat_policy, run_layers
 from jaxpar.parallel.context import in_sequence_order, sequence_order
 from jaxpar.rules import constrain
-from jaxpar.models._gpt_layers import (BLOCK_LOGICAL, RESIDUAL, Blocks, attention_apply, block_apply, layer_norm, mlp_apply, param,
-                                       zeros)
+from jaxpar.models._gpt_layers import BLOCK_LOGICAL, Blocks, block_apply, layer_norm, param, zeros
 from jaxpar.adapters._loss_metrics import report_metric
 from jaxpar.parallel.moe import need_router_bias, router_bias
 from jaxpar.models._gpt_moe import MoEBlocks, MoESettings, moe_metrics, run_moe_blocks
@@ -91,22 +90,6 @@ class GPTConfig:
     @property
     def mlp_dim(self) -> int:
         return self.mlp or 4 * self.embed
-
-
-def run_blocks(blocks: dict[str, jax.Array], x: jax.Array, *, remat: str = "none", scan: bool = True) -> jax.Array:
-    """Run stacked blocks over ``x`` with :func:`jaxpar.adapters.run_layers`.
-
-    Args:
-      blocks: the blocks' parameters by name (``BLOCK_LOGICAL``'s keys), each with a leading ``layers`` axis.
-      x: the residual stream ``[batch, length, embed]``.
-      remat: a name in ``REMAT_POLICIES`` (``"none"``: keep every activation).
-      scan: True: one ``jax.lax.scan`` over the layers; False: a Python loop.
-
-    Returns:
-      ``x`` after every block, its shape.
-    """
-    logical = {k: BLOCK_LOGICAL[k] for k in blocks}
-    return run_layers(block_apply, blocks, x, logical=logical, remat=remat_policy(remat), scan=scan)
 
 
 class GPT(nnx.Module):
@@ -168,11 +151,12 @@ class GPT(nnx.Module):
           ``(logits, stats)``: float32 logits ``[batch, length, vocab]``, and the MoE layers'
           :class:`jaxpar.parallel.moe.MoEStats` summed over them (``None`` without ``cfg.moe``).
         """
-        x = self.embed(tokens, positions)
+        x, blocks = self.embed(tokens, positions), self.block_params()
         if self.cfg.moe is None:
-            x = run_blocks(self.block_params(), x, remat=self.cfg.remat, scan=self.cfg.scan_layers)
+            x = run_layers(block_apply, blocks, x, logical={k: BLOCK_LOGICAL[k] for k in blocks},
+                           remat=remat_policy(self.cfg.remat), scan=self.cfg.scan_layers)
             return self.unembed(x), None
-        x, stats = run_moe_blocks(self.cfg.moe, self.block_params(), x, remat=remat_policy(self.cfg.remat),
+        x, stats = run_moe_blocks(self.cfg.moe, blocks, x, remat=remat_policy(self.cfg.remat),
                                   scan=self.cfg.scan_layers, router_bias=router_bias)
         return self.unembed(x), stats
 
@@ -197,12 +181,10 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     tokens, targets = batch["tokens"], batch["targets"]
     order = sequence_order(tokens.shape[1])
     moe = getattr(getattr(model, "cfg", None), "moe", None)
-    if order is None and moe is None:
-        return cross_entropy(model(tokens), targets)        # any model: no positions, no statistics
     if order is not None:
         tokens, targets = in_sequence_order(tokens), in_sequence_order(targets)
-    if moe is None:
-        return cross_entropy(model(tokens, positions=order), targets)
+    if moe is None:         # any model: positions only in a balanced layout, no statistics
+        return cross_entropy(model(tokens) if order is None else model(tokens, positions=order), targets)
     if moe.bias_rate:
         need_router_bias(f"GPTConfig.moe.bias_rate={moe.bias_rate}")
     logits, stats = model.forward(tokens, positions=order, router_bias=router_bias())
@@ -214,23 +196,32 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     return loss + moe.z_weight * stats.z_loss if moe.z_weight else loss
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy of ``logits[..., vocab]`` against integer ``targets``.
-
-    The target logit is picked with a one-hot product rather than a gather, so a
-    vocabulary sharded over ``tensor`` reduces with one all-reduce (and XLA's
-    gather partitioner, which fails inside a pipeline's manual region, is avoided).
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: Any = None, weights: Any = None) -> jax.Array:
+    """Mean cross-entropy of ``logits[..., vocab]`` over the positions where ``mask`` is true (all when
+    ``None``). The target logit is picked with a one-hot product rather than a gather: a vocabulary
+    split over ``tensor`` needs one all-reduce, and XLA's gather partitioner, which fails inside a
+    pipeline's manual region, is avoided. With ``weights``, the plain mean of ``weights × loss`` over
+    every position (the mask is then not read): weights normalised over a global batch, as
+    :class:`jaxpar.data.PackedBatches` makes them, give the global batch's masked mean however the
+    batch is split.
 
     Args:
       logits: ``[..., vocab]``.
       targets: integer class ids, ``logits``' shape without ``vocab``.
+      mask: like ``targets``, true where a target counts, or ``None``.
+      weights: like ``targets``, loss weights, or ``None``.
 
     Returns:
-      The scalar mean over every position.
+      The scalar loss.
     """
     logp = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.sum(logp * jax.nn.one_hot(targets, logits.shape[-1], dtype=logp.dtype), axis=-1)
-    return -picked.mean()
+    nll = -jnp.sum(logp * jax.nn.one_hot(targets, logits.shape[-1], dtype=logp.dtype), axis=-1)
+    if weights is not None:
+        return jnp.mean(nll * weights.astype(nll.dtype))
+    if mask is None:
+        return nll.mean()
+    mask = mask.astype(nll.dtype)
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 def embed_apply(p: dict[str, jax.Array], tokens: jax.Array, positions: Any = None) -> jax.Array:

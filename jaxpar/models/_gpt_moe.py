@@ -213,11 +213,8 @@ def run_moe_blocks(settings: MoESettings, blocks: dict[str, jax.Array], x: jax.A
     carry = (x, empty_stats(settings.experts))
     if router_bias is not None:
         carry += (LayerBias(jnp.zeros((), jnp.int32), router_bias),)
-
-    def group(p, carry):
-        return moe_group_apply(settings, p, carry)
-
-    x, stats, *_ = run_layers(group, blocks, carry, logical=logical, remat=remat, scan=scan)
+    x, stats, *_ = run_layers(lambda p, c: moe_group_apply(settings, p, c), blocks, carry, logical=logical,
+                              remat=remat, scan=scan)
     return x, stats
 
 

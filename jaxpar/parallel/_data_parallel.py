@@ -45,17 +45,13 @@ from jaxpar.mesh import data_axes
 from jaxpar.adapters._blocks import with_remat
 from jaxpar.rules import axes_of, drop_axes, resolve, use_rules
 from jaxpar.parallel.pipeline._layer_vjp import join_pullback, split_pullback
+from jaxpar.parallel._regions import spec_entry
 from jaxpar.parallel._zero import zero_axes, zero_dim
 
 # Pure data movement, recomputed in the backward rather than saved: a layer that
 # reshapes, slices or splits its weights would otherwise save the (whole) pieces.
 _MOVES = frozenset({"reshape", "transpose", "slice", "dynamic_slice", "split", "concatenate", "squeeze",
                     "broadcast_in_dim", "pad", "rev", "gather", "copy"})
-
-
-def _saveable(prim, *_, **__) -> bool:
-    """Remat policy of a wrapped layer: save everything but pure data movement."""
-    return prim.name not in _MOVES
 
 
 def _normalised(dims: list, xs: list) -> list:
@@ -253,27 +249,22 @@ def sharded_spec(dim: int | None, axes: tuple[str, ...], ndim: int) -> Partition
     if dim is None or not axes:
         return PartitionSpec()
     entries = [None] * ndim
-    entries[dim] = axes[0] if len(axes) == 1 else tuple(axes)
+    entries[dim] = spec_entry(axes)
     return PartitionSpec(*entries)
 
 
-def _remat_policy(remat: Callable | None) -> Callable:
-    """The remat policy of a wrapped layer: the model's ``remat`` policy, and no data movement."""
-
-    def policy(prim, *args, **params) -> bool:
-        return _saveable(prim, *args, **params) and (remat is None or remat(prim, *args, **params))
-
-    return policy
-
-
 def _local_body(fn: Callable, mesh, local_rules, remat: Callable | None) -> Callable:
-    """``fn`` traced under the rules of the manual data axes, rematerialised by :func:`_remat_policy`."""
+    """``fn`` traced under the rules of the manual data axes, rematerialised by the model's ``remat``
+    policy, never saving pure data movement."""
 
     def body(w, x):
         with use_rules(mesh, local_rules):
             return fn(w, x)
 
-    return jax.checkpoint(body, policy=_remat_policy(remat))
+    def policy(prim, *args, **params) -> bool:
+        return prim.name not in _MOVES and (remat is None or remat(prim, *args, **params))
+
+    return jax.checkpoint(body, policy=policy)
 
 
 class _ManualLayer:
@@ -283,8 +274,7 @@ class _ManualLayer:
     def __init__(self, body: Callable, shapes: Any, layout: Any, axes: tuple[str, ...]):
         lays = jax.tree_util.tree_structure(shapes).flatten_up_to(layout)     # per leaf (dim, p_axes, g_axes)
         self.body = body
-        self.dims, self.p_axes = [d for d, _, _ in lays], [pa for _, pa, _ in lays]
-        self.g_axes = [ga for _, _, ga in lays]
+        self.dims, self.p_axes, self.g_axes = ([lay[i] for lay in lays] for i in range(3))
         self.rest = [tuple(a for a in axes if a not in ga) for ga in self.g_axes]     # all-reduced (DP, ZeRO-1)
         self.pullback_layout: Any = None   # static structure of the local vjp, set while tracing the forward
 
@@ -339,8 +329,7 @@ def data_parallel_block(fn: Callable, logical: Any, mesh, rules, zero: int, shap
     Returns:
       ``fn`` with the same signature, its collectives explicit.
     """
-    axes = data_axes(mesh)
-    axes = tuple(a for a in axes if mesh.shape[a] > 1)
+    axes = tuple(a for a in data_axes(mesh) if mesh.shape[a] > 1)
     if not axes:
         return with_remat(fn, remat)
     layout = manual_layout(logical, shapes, mesh, rules, zero)

@@ -28,8 +28,14 @@ from jax.sharding import PartitionSpec
 from jaxpar.rules import axes_of, manual_axes
 
 
-def _sizes(mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes))
+def spec_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    """The ``PartitionSpec`` entry over ``axes``: ``None`` for none, the name for one, else the tuple."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def keep_axes(spec: PartitionSpec, axes: Iterable[str]) -> PartitionSpec:
+    """``spec`` keeping only the mesh ``axes`` in each entry."""
+    return PartitionSpec(*(spec_entry(tuple(a for a in axes_of(e) if a in axes)) for e in spec))
 
 
 def region_axes(mesh, axes: Iterable[str]) -> set[str]:
@@ -43,7 +49,7 @@ def region_axes(mesh, axes: Iterable[str]) -> set[str]:
       ``axes`` less the axes an enclosing ``shard_map`` made manual already; or, where every other
       axis (not manual already) has size 1, all the axes not manual already (see the module).
     """
-    outer, sizes = manual_axes(), _sizes(mesh)
+    outer, sizes = manual_axes(), dict(mesh.shape)
     wanted = set(axes) - outer
     rest = {a for a in sizes if a not in outer and a not in wanted}
     return wanted | rest if all(sizes[a] == 1 for a in rest) else wanted
@@ -70,13 +76,12 @@ def region_spec(spec: PartitionSpec, ndim: int, mesh, manual: Iterable[str]) -> 
     >>> region_spec(PartitionSpec("data", None), 2, mesh, {"pipe", "data"})
     P(('data', 'pipe'), None)
     """
-    sizes, named = _sizes(mesh), {a for e in spec for a in axes_of(e)}
+    sizes, named = dict(mesh.shape), {a for e in spec for a in axes_of(e)}
     extra = tuple(sorted(a for a in manual if sizes.get(a, 1) == 1 and a not in named))
     if not extra or ndim == 0:
         return spec
     entries = list(spec) + [None] * (ndim - len(spec))
-    first = axes_of(entries[0]) + extra
-    return PartitionSpec(first if len(first) > 1 else first[0], *entries[1:])
+    return PartitionSpec(spec_entry(axes_of(entries[0]) + extra), *entries[1:])
 
 
 def automatic_axes(mesh, manual: Iterable[str]) -> tuple[str, ...]:
@@ -90,7 +95,7 @@ def automatic_axes(mesh, manual: Iterable[str]) -> tuple[str, ...]:
       The axes, in the mesh's order; the axes an enclosing ``shard_map`` made manual are not among them.
     """
     taken = set(manual) | manual_axes()
-    return tuple(a for a, n in _sizes(mesh).items() if n > 1 and a not in taken)
+    return tuple(a for a, n in dict(mesh.shape).items() if n > 1 and a not in taken)
 
 
 def _platform(mesh) -> str:
@@ -149,6 +154,6 @@ def enter(x: jax.Array, spec: PartitionSpec, mesh, manual: Iterable[str], dtype)
     Returns:
       ``x``, cast where needed.
     """
-    sizes, named = _sizes(mesh), {a for e in spec for a in axes_of(e)}
+    sizes, named = dict(mesh.shape), {a for e in spec for a in axes_of(e)}
     unsplit = [a for a in manual if sizes.get(a, 1) > 1 and a not in named]
     return x.astype(dtype) if unsplit and jnp.issubdtype(x.dtype, jnp.floating) else x

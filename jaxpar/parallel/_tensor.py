@@ -25,20 +25,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxpar.errors import UnusedAxisWarning
-from jaxpar.parallel._regions import collective_in, enter, reduce_dtype, region_axes, region_spec
+from jaxpar.parallel._regions import collective_in, enter, keep_axes, reduce_dtype, region_axes, region_spec
 from jaxpar.rules import LogicalRules, axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
-
-
-def batch_rule(batch_axes: tuple[str, ...]) -> tuple[str, tuple[str, ...] | None]:
-    """The rule that splits the batch over the data axes.
-
-    Args:
-      batch_axes: the mesh axes that split the batch, e.g. ``("data", "fsdp")``; empty: none.
-
-    Returns:
-      ``("batch", batch_axes)``, or ``("batch", None)`` when ``batch_axes`` is empty.
-    """
-    return ("batch", batch_axes or None)
 
 
 def tensor_rules(*, sequence_parallel: bool = False, batch_axes: tuple[str, ...] = ("data", "fsdp")) -> LogicalRules:
@@ -50,13 +38,13 @@ def tensor_rules(*, sequence_parallel: bool = False, batch_axes: tuple[str, ...]
     Args:
       sequence_parallel: also shard the residual / norm region over the sequence
         (``norm_length`` -> ``tensor``).
-      batch_axes: the mesh axes that split the batch (:func:`batch_rule`).
+      batch_axes: the mesh axes that split the batch, e.g. ``("data", "fsdp")``; empty: none.
 
     Returns:
       The ordered ``(logical name, mesh axis or None)`` rules.
     """
     return (
-        batch_rule(batch_axes),
+        ("batch", batch_axes or None),
         ("length", None),
         ("norm_length", "tensor" if sequence_parallel else None),
         ("embed", None),
@@ -106,18 +94,6 @@ def warn_unsplit_tensor_axis(param_specs: Any, mesh: Any, *, axis: str = "tensor
     return True
 
 
-def _tensor_only(spec: PartitionSpec, axis: str) -> PartitionSpec:
-    return PartitionSpec(*(axis if axis in axes_of(e) else None for e in spec))
-
-
-def _only(spec: PartitionSpec, axes: set) -> PartitionSpec:
-    """``spec`` keeping only the mesh ``axes`` in each entry."""
-    def keep(e):
-        kept = tuple(a for a in axes_of(e) if a in axes)
-        return kept if len(kept) > 1 else kept[0] if kept else None
-    return PartitionSpec(*(keep(e) for e in spec))
-
-
 def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logical: tuple,
                  out_logical: tuple, *, axis: str = "tensor") -> jax.Array:
     """Row-parallel contraction ``einsum(eq, x, w)`` whose output is constrained to ``out_logical``.
@@ -154,16 +130,16 @@ def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logica
     if ctx is None:
         return jnp.einsum(eq, x, w)
     mesh, rules = ctx
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    sizes = dict(mesh.shape)
     out_spec = logical_to_spec(out_logical, rules, mesh)
     x_full = logical_to_spec(x_logical, rules, mesh)
-    w_spec = _tensor_only(logical_to_spec(w_logical, rules, mesh), axis)
-    scatter = [d for d, e in enumerate(_tensor_only(out_spec, axis)) if e is not None]
+    w_spec = keep_axes(logical_to_spec(w_logical, rules, mesh), {axis})
+    scatter = [d for d, e in enumerate(keep_axes(out_spec, {axis})) if e is not None]
     if sizes.get(axis, 1) == 1 or not scatter or all(e is None for e in w_spec) or axis in manual_axes():
         return constrain(jnp.einsum(eq, x, w), out_logical)
     # Manual over every axis that splits x or the output: the batch's data axes too (XLA would gather them first).
     manual = region_axes(mesh, {axis} | {a for e in (*x_full, *out_spec) for a in axes_of(e) if sizes.get(a, 1) > 1})
-    x_spec, o_spec = _only(x_full, manual), _only(out_spec, manual)
+    x_spec, o_spec = keep_axes(x_full, manual), keep_axes(out_spec, manual)
     dtype = jnp.result_type(x, w)
     wire = reduce_dtype(dtype, mesh, manual)      # bf16, or float32 where XLA:CPU needs it (jaxpar.parallel._regions)
 

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 import jax
 from jax.sharding import PartitionSpec
 
+from jaxpar.parallel._regions import spec_entry
 from jaxpar.rules import axes_of
 from jaxpar.errors import StrategyError
 
@@ -47,12 +48,8 @@ def zero_axes(mesh_sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str
         raise StrategyError(f"zero stage={stage!r}: choose one of {ZERO_STAGES}.")
     if kind not in _FIRST_STAGE:
         raise StrategyError(f"kind={kind!r}: choose one of {tuple(_FIRST_STAGE)}.")
-    axes = []
-    if mesh_sizes.get("fsdp", 1) > 1:
-        axes.append("fsdp")
-    if mesh_sizes.get("data", 1) > 1 and stage >= _FIRST_STAGE[kind]:
-        axes.append("data")
-    return tuple(axes)
+    wanted = {"fsdp": True, "data": stage >= _FIRST_STAGE[kind]}      # fsdp shards all three
+    return tuple(a for a in _ZERO_AXES if wanted[a] and mesh_sizes.get(a, 1) > 1)
 
 
 def spec_shards(spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> int:
@@ -106,7 +103,7 @@ def add_zero_axes(spec: PartitionSpec, shape: Sequence[int], logical: Sequence[s
     entries = list(spec) + [None] * (len(shape) - len(spec))
     d = zero_dim(shape, logical, spec, mesh_sizes, exclude)
     if d is not None:
-        entries[d] = axes[0] if len(axes) == 1 else tuple(axes)
+        entries[d] = spec_entry(axes)
         return PartitionSpec(*entries)
     n = math.prod(mesh_sizes.get(a, 1) for a in axes)
     for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
@@ -158,9 +155,8 @@ def zero_specs(base_specs: Any, shapes: Any, logical: Any, mesh_sizes: Mapping[s
       The mirroring tree of ``PartitionSpec``s.
     """
     axes = zero_axes(mesh_sizes, stage, kind)
-    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     return jax.tree.map(lambda s, a, lg: add_zero_axes(s, a.shape, tuple(lg), axes, mesh_sizes),
-                        base_specs, shapes, logical, is_leaf=is_spec)
+                        base_specs, shapes, logical, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def analytic_state_bytes(shapes: Any, param_specs: Any, opt_specs: Any, mesh_sizes: Mapping[str, int], *,

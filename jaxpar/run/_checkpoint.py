@@ -61,11 +61,10 @@ from typing import Any, Callable
 import jax
 
 from jaxpar.adapters._layer_lists import change_form
-from jaxpar.run._checkpoint_format import (FORMAT, READABLE, lists_record, record_layouts, record_shapes, saved_lists,
-                                           upgrade_record)
-from jaxpar.run._state_parts import plan_parts
+from jaxpar.run._state_parts import (FORMAT, READABLE, lists_record, plan_parts, record_layouts, record_shapes,
+                                     saved_lists, upgrade_record)
 from jaxpar.run._run_directory import refuse_later_steps
-from jaxpar.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning
+from jaxpar.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning, check_int
 
 
 @dataclass
@@ -100,9 +99,8 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, every: int = 0, keep: int = 3, async_save: bool = True,
                  layout: Any = None, lr_schedule: Callable[[int], Any] | None = None):
-        for name, value, low in (("every", every, 0), ("keep", keep, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise CheckpointError(f"Checkpointer({name}={value!r}): must be an int >= {low}.")
+        check_int("Checkpointer", "every", every, 0, CheckpointError)
+        check_int("Checkpointer", "keep", keep, 1, CheckpointError)
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
@@ -250,13 +248,9 @@ class Checkpointer:
         """
         abstract = target.abstract_state() if hasattr(target, "abstract_state") else target
         steps = self.steps()
-        if step is not None:
-            if step not in steps:
-                raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; "
-                                      f"found steps {steps or 'none'}.")
-            candidates = [step]
-        else:
-            candidates = steps[::-1]
+        if step is not None and step not in steps:
+            raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; found steps {steps or 'none'}.")
+        candidates = steps[::-1] if step is None else [step]
         if not candidates:
             partial = self.removed_partial
             extra = f" (only unfinished saves, now removed: {', '.join(partial)})" if partial else ""
@@ -314,7 +308,7 @@ class Checkpointer:
         where = f"checkpoint {self.directory / str(step)}"
         plans = plan_parts(meta, abstract, target, where)
         self._check_tree(step, abstract)
-        skip = [p.name for p in plans if p.action != "restore"]
+        skip = [p.part.name for p in plans if p.action != "restore"]
         if not skip and not renames:
             args = ocp.args.PyTreeRestore(item=abstract,
                                           restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
@@ -329,9 +323,9 @@ class Checkpointer:
         state = {name: saved[renames.get(name, name)] for name in abstract._fields if name not in skip}
         for p in plans:
             if p.action in ("empty", "drop"):
-                state[p.name] = getattr(abstract, p.name)          # no leaves: the target's own empty part
+                state[p.part.name] = getattr(abstract, p.part.name)      # no leaves: the target's own empty part
             elif p.action == "fresh":
-                state[p.name] = p.part.fresh(abstract, state["params"], target, where)
+                state[p.part.name] = p.part.fresh(abstract, state["params"], target, where)
             if p.message:
                 warnings.warn(p.message, CheckpointWarning, stacklevel=4)
         return type(abstract)(**state)
@@ -359,16 +353,10 @@ class Checkpointer:
                 "settings the checkpoint was saved with, or start a new run.")
 
 
-def _key(k: Any) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
 def _flat_shapes(tree: Any) -> dict:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(_key(k) for k in path): tuple(getattr(leaf, "shape", ())) for path, leaf in flat}
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(getattr(leaf, "shape", ()))
+            for path, leaf in flat}
 
 
 def _tree_mismatch(saved: Any, target: Any) -> str | None:

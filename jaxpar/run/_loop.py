@@ -14,7 +14,7 @@ checkpoint points: the next host batch is built while the device computes.
   signal); a second Ctrl-C interrupts. Several processes agree on the step to stop after.
 * **Non-finite steps**: a NaN / inf loss or gradient norm is reported; ``on_nonfinite=
   "skip"`` (with a step built with ``skip_nonfinite=True``) goes on without that update,
-  ``"stop"`` raises :class:`NonFiniteError`. A non-finite state is never saved.
+  ``"stop"`` raises :class:`~jaxpar.errors.NonFiniteError`. A non-finite state is never saved.
 
 Example::
 
@@ -59,14 +59,13 @@ from jaxpar.parallel.moe import use_router_bias
 from jaxpar.rules import named_shardings
 from jaxpar.strategy import Strategy
 from jaxpar.data._rows import make_global_batch
-from jaxpar.run._sinks import MetricsWriter, is_main_process
 from jaxpar.step._noise_scale import KEY as NOISE_KEY
 from jaxpar.step._noise_scale import noise_scale_of
 from jaxpar.run._preemption import StopAgreement, StopSignals
 from jaxpar.run._ramp import AdaptiveRamp
 from jaxpar.run._run_directory import refuse_later_steps
-from jaxpar.run._report import LogOptions, NonFiniteError, TrainSummary, plot_losses  # re-exported: their former home
-from jaxpar.run._report import merge_log_options, Meter, Progress
+from jaxpar.run._report import (LogOptions, Meter, MetricsWriter, Progress, TrainSummary, is_main_process,
+                                merge_log_options, plot_losses)
 from jaxpar.step._router_bias import bias_of
 from jaxpar.step._grads import model_loss
 from jaxpar.step._program import strategy_context
@@ -170,11 +169,9 @@ class _Run:
         """Dispatch step ``step`` (asynchronous, at most ``max_inflight`` ahead of the device).
         Returns the new state and the step's device metrics."""
         waited = time.perf_counter()
-        if self.k == 1:
-            batch = make_global_batch(self.batch_fn, step, self.mesh)   # own rows per process, built ahead
-        else:               # steps_per_call: the k global batches stacked, [k, B, ...]
-            batch = jax.tree.map(lambda *xs: jnp.stack(xs),
-                                 *[make_global_batch(self.batch_fn, s, self.mesh) for s in range(step, step + self.k)])
+        # own rows per process, built ahead; steps_per_call: the k global batches stacked, [k, B, ...]
+        batches = [make_global_batch(self.batch_fn, s, self.mesh) for s in range(step, step + self.k)]
+        batch = batches[0] if self.k == 1 else jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
         waited = time.perf_counter() - waited       # the host's time on the data (none when prefetched)
         self.meter.wait_inflight(self.max_inflight)
         state, metrics = self.step_fn(state, batch)
@@ -337,7 +334,7 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
       checkpointer: a :class:`~jaxpar.run.Checkpointer` (no checkpoint after the start step): saves at its
         interval, at the end and on a stop.
       checkpoint_meta: saved with each checkpoint, plus ``{"data": {"next_step": step}}``.
-      on_nonfinite: ``"stop"`` raises :class:`NonFiniteError` at the first NaN / inf loss or grad norm;
+      on_nonfinite: ``"stop"`` raises :class:`~jaxpar.errors.NonFiniteError` at the first NaN / inf loss or grad norm;
         ``"skip"`` reports it and goes on (the step function must have skipped the update).
       handle_signals: False leaves SIGTERM / SIGINT alone.
       max_inflight: wait for step ``i - max_inflight`` before dispatching step ``i`` (unbounded, XLA:CPU can deadlock).

@@ -41,25 +41,19 @@ def _on_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-class _EarlyCatcher:
-    """The handler :func:`catch_stop_signals` installs: keeps the first signal for the next StopSignals."""
+class _Catcher:
+    """A signal handler that records the first SIGTERM / SIGINT in ``received``; a second SIGINT interrupts."""
 
-    def __init__(self) -> None:
-        self.received: str | None = None
+    received: str | None = None
 
     def __call__(self, signum, frame) -> None:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
 
-    def take(self) -> str | None:
-        """The signal recorded so far (None: none); forgets it."""
-        received, self.received = self.received, None
-        return received
-
 
 #: Owned by this module: installed by catch_stop_signals(), emptied by the next StopSignals.__enter__.
-_early = _EarlyCatcher()
+_early = _Catcher()
 
 
 def catch_stop_signals() -> None:
@@ -84,7 +78,7 @@ def catch_stop_signals() -> None:
             signal.signal(sig, _early)
 
 
-class StopSignals:
+class StopSignals(_Catcher):
     """Within ``with``: record the first SIGTERM / SIGINT in ``received`` instead of dying (main
     thread only, ``enabled``); a second SIGINT interrupts. A signal recorded earlier by
     :func:`catch_stop_signals` counts as received. On exit the previous handlers come back,
@@ -103,19 +97,13 @@ class StopSignals:
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled and _on_main_thread()
-        self.received: str | None = None
         self._old: dict = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
 
     def __enter__(self) -> "StopSignals":
         if self.enabled:
             for sig in _SIGNALS:
-                self._old[sig] = signal.signal(sig, self._handle)
-            self.received = _early.take()
+                self._old[sig] = signal.signal(sig, self)
+            self.received, _early.received = _early.received, None
         return self
 
     def __exit__(self, *exc) -> None:

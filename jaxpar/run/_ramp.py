@@ -31,11 +31,12 @@ checkpoint's record, so a resumed run continues with the same batches.
 from __future__ import annotations
 
 import bisect
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
-from jaxpar.errors import RampError
+
+from jaxpar.data._rows import takes_rows
+from jaxpar.errors import RampError, check_int, int_problem
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,9 @@ class BatchRamp:
         Returns:
           The sum over those steps of their batch size times ``seq_len``.
         """
-        total = 0
-        for i, (start, size) in enumerate(zip(self.steps, self.sizes)):
-            end = min(step, self.steps[i + 1] if i + 1 < len(self.steps) else step)
-            total += max(0, end - start) * size * seq_len
-        return total
+        ends = self.steps[1:] + (step,)
+        rows = sum(max(0, min(step, end) - start) * size for start, end, size in zip(self.steps, ends, self.sizes))
+        return rows * seq_len
 
     def check_divisible(self, n: int, what: str) -> None:
         """Raise :class:`RampError` if a size is not a multiple of ``n``.
@@ -103,11 +102,6 @@ class BatchRamp:
             if size % n:
                 raise RampError(f"batch ramp: size {size} (from step {start}) is not divisible by {what}; every "
                                 f"size of the ramp must be a multiple of {n}.")
-
-
-def _check_sizes(sizes: tuple) -> None:
-    if not sizes or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sizes):
-        raise RampError(f"batch ramp: sizes {list(sizes)} must be a non-empty list of positive ints.")
 
 
 class AdaptiveRamp:
@@ -129,23 +123,17 @@ class AdaptiveRamp:
 
     def __init__(self, sizes: tuple[int, ...], every: int, *, factor: float = 1.0, start: int = 0):
         sizes = tuple(sizes)
-        _check_sizes(sizes)
+        if not sizes or any(int_problem(x, 1) for x in sizes):
+            raise RampError(f"batch ramp: sizes {list(sizes)} must be a non-empty list of positive ints.")
         if any(b <= a for a, b in zip(sizes, sizes[1:])):
             raise RampError(f"batch ramp: sizes {list(sizes)} must increase strictly (the batch only grows).")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise RampError(f"batch ramp: every={every!r} must be an int >= 1 (decide every that many steps).")
+        check_int("AdaptiveRamp", "every", every, 1, RampError)
+        check_int("AdaptiveRamp", "start", start, 0, RampError)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise RampError(f"batch ramp: factor={factor!r} must be a number > 0 (the target batch is factor x the "
                             "noise scale).")
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise RampError(f"batch ramp: start={start!r} must be an int >= 0 (the first step a decision is made).")
         self.sizes, self.every, self.factor, self.start = sizes, every, float(factor), start
         self._ramp = BatchRamp((sizes[0],), (0,))
-
-    @property
-    def schedule(self) -> BatchRamp:
-        """The decisions so far as a fixed :class:`BatchRamp`."""
-        return self._ramp
 
     def size_at(self, step: int) -> int:
         """The global batch size of ``step`` (by the decisions made so far).
@@ -252,10 +240,6 @@ def ramp_batch_fn(make: Callable[..., Any], ramp: BatchRamp | AdaptiveRamp) -> C
       ``batch_fn(step, rows=None)`` calling ``make(step, batch_size=ramp.size_at(step), rows=rows)``
       (``rows`` only if ``make`` takes it: see :func:`jaxpar.data.make_global_batch`), else ``batch_fn(step)``.
     """
-    takes_rows = "rows" in inspect.signature(make).parameters
-
-    def batch_fn(step: int, rows: Any = None):
-        kw = {"rows": rows} if takes_rows else {}
-        return make(step, batch_size=ramp.size_at(step), **kw)
-
-    return batch_fn if takes_rows else (lambda step: make(step, batch_size=ramp.size_at(step)))
+    if takes_rows(make):
+        return lambda step, rows=None: make(step, batch_size=ramp.size_at(step), rows=rows)
+    return lambda step: make(step, batch_size=ramp.size_at(step))

@@ -4,11 +4,14 @@
 :class:`TrainSummary` (what a call did: losses, timings, skipped and checkpointed steps, one
 :meth:`~TrainSummary.line`), :func:`plot_losses` (the ``loss.png`` curve). :class:`Progress` (tqdm
 bar or lines) and :class:`Meter` (fetches step metrics at log points, checks them for NaN / inf,
-writes ``train`` and ``nonfinite`` records, times steps) serve the loop only.
+writes ``train`` and ``nonfinite`` records, times steps) serve the loop only. The sinks:
+:class:`MetricsWriter` (``metrics.jsonl`` and TensorBoard, written by process 0 only) and the FLOP count
+behind MFU (:func:`flops_per_token`, :func:`mfu`; the formula: docs/training.md).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -19,7 +22,6 @@ from typing import Any, Callable, Sequence
 import jax
 
 from jaxpar.analysis._compiled_memory import format_bytes
-from jaxpar.run._sinks import MetricsWriter, mfu
 from jaxpar.errors import LoopError, NonFiniteError, check_int
 
 _PROGRESS_MODES = ("auto", "bar", "lines", "none")
@@ -59,27 +61,10 @@ class TrainSummary:
                 f"total {self.wall_time:.1f} s{skip}{stop}")
 
 
-def save_plot(path: str | Path, draw: Callable, *, xlabel: str, ylabel: str, title: str) -> str:
-    """Write a PNG: ``draw(ax)`` on a figure of its own Agg canvas (matplotlib's object API, no pyplot
-    state), then the labels, a grid and the legend."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    draw(ax)
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(str(path))
-    return str(path)
-
-
 def plot_losses(path: str | Path, steps: Sequence[int], losses: Sequence[float],
                 evals: Sequence[tuple[int, float]] = (), *, title: str = "training loss") -> str:
-    """Write a loss-curve PNG (train per step, eval as markers).
+    """Write a loss-curve PNG (train per step, eval as markers) on a figure of its own Agg canvas
+    (matplotlib's object API, no pyplot state).
 
     Args:
       path: the PNG file to write.
@@ -91,12 +76,21 @@ def plot_losses(path: str | Path, steps: Sequence[int], losses: Sequence[float],
     Returns:
       ``path`` as a string.
     """
-    def draw(ax):
-        ax.plot(list(steps), list(losses), lw=1.2, label="train")
-        if evals:
-            ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", ms=4, label="eval (held out)")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    return save_plot(path, draw, xlabel="step", ylabel="loss (nats / token)", title=title)
+    fig = Figure(figsize=(7, 4), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(list(steps), list(losses), lw=1.2, label="train")
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", ms=4, label="eval (held out)")
+    ax.set(xlabel="step", ylabel="loss (nats / token)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(str(path))
+    return str(path)
 
 
 #: Metrics of a compressed gradient exchange, logged when the step reports them.
@@ -394,3 +388,128 @@ class Meter:
     def step_time(self) -> float:
         """Mean seconds per step after the first (the first step's time if there was only one)."""
         return self.timed_s / self.timed_steps if self.timed_steps else (self.first_step_time or 0.0)
+
+
+#: JSONL record key -> TensorBoard tag.
+TB_TAGS = {
+    "loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "skipped": "train/skipped_steps",
+    "step_time": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
+    "data_wait": "perf/data_wait_s",
+    "eval_loss": "eval/loss",
+}
+
+
+def flops_per_token(n_params: int, *, layers: int, seq_len: int, embed: int) -> float:
+    """Training (forward + backward) FLOPs per token: ``6 N + 12 L T d`` (PaLM, appendix B; docs/training.md).
+
+    Args:
+      n_params: ``N``, the parameters in matrix multiplies (no embedding tables; an untied head counts).
+      layers: ``L``, the attention layers.
+      seq_len: ``T``, tokens per sequence.
+      embed: ``d``, the attention width (heads x head size).
+
+    Returns:
+      FLOPs per token.
+
+    Example:
+      >>> f = flops_per_token(85_000_000, layers=12, seq_len=1024, embed=768)
+      >>> round(f / 1e6)                                 # 6 x 85M + 12 x 12 x 1024 x 768
+      623
+      >>> round(mfu(4.5e5, f, peak_flops=989e12, devices=1), 3)
+      0.284
+    """
+    for name, value in (("n_params", n_params), ("layers", layers), ("seq_len", seq_len), ("embed", embed)):
+        if value < 0:
+            raise LoopError(f"flops_per_token({name}={value!r}): must be >= 0.")
+    return 6.0 * n_params + 12.0 * layers * seq_len * embed
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, *, peak_flops: float, devices: int) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over ``devices x peak_flops``.
+
+    Args:
+      tokens_per_s: the measured throughput, all devices together.
+      flops_per_tok: training FLOPs per token (:func:`flops_per_token`).
+      peak_flops: the peak FLOP/s of one device.
+      devices: how many devices ran it.
+
+    Returns:
+      The MFU as a fraction (0.284 is 28.4 %).
+    """
+    if peak_flops <= 0 or devices < 1:
+        raise LoopError(f"mfu(peak_flops={peak_flops!r}, devices={devices!r}): both must be positive.")
+    return tokens_per_s * flops_per_tok / (peak_flops * devices)
+
+
+def is_main_process() -> bool:
+    """Whether this is the one process that logs and writes files.
+
+    Returns:
+      ``jax.process_index() == 0``.
+    """
+    return jax.process_index() == 0
+
+
+class MetricsWriter:
+    """``metrics.jsonl`` (one JSON object per line) and optionally TensorBoard scalars under ``<out_dir>/tb``.
+
+    Args:
+      out_dir: the folder of ``metrics.jsonl`` and ``tb/`` (None: write nothing).
+      tensorboard: also write TensorBoard scalars (tags from :data:`TB_TAGS`).
+      resume_step: continue an earlier run's files: JSONL records after that step (written by a run that
+        died before its next checkpoint) are dropped and TensorBoard events after it are purged.
+      enabled: False writes nothing (processes other than 0).
+    """
+
+    def __init__(self, out_dir: str | Path | None, *, tensorboard: bool = False, resume_step: int | None = None,
+                 enabled: bool = True):
+        self.path = self.tb_dir = None
+        self._file = self._tb = None
+        self.history: list[dict] = []    # earlier records kept on resume
+        if out_dir is None or not enabled:
+            return
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue       # a line cut by a crash
+                if rec.get("step", 0) <= resume_step:
+                    self.history.append(rec)
+        self._file = open(self.path, "w")
+        for rec in self.history:
+            self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb_dir = out / "tb"
+            self._tb = SummaryWriter(str(self.tb_dir), purge_step=resume_step + 1 if resume_step else None)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` to the JSONL file and its numbers to TensorBoard.
+
+        Args:
+          record: a JSON-able dict with a ``step``; keys with a ``/`` also become TensorBoard tags.
+        """
+        if self._file is None:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            tags = {**TB_TAGS, **{k: k for k in record if "/" in k}}    # a loss's own metrics: their names
+            for key, tag in tags.items():
+                value = record.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(tag, value, record["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

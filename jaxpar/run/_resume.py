@@ -32,8 +32,7 @@ from jaxpar.errors import RunDirectoryError
 from jaxpar.parallel.moe import use_router_bias
 from jaxpar.run._checkpoint import CheckpointWarning
 from jaxpar.run._loop import train
-from jaxpar.run._sinks import flops_per_token, is_main_process
-from jaxpar.run._report import LogOptions, NonFiniteError
+from jaxpar.run._report import LogOptions, NonFiniteError, flops_per_token, is_main_process
 from jaxpar.run._run_directory import claim_run_directory
 from jaxpar.step._router_bias import bias_of
 from jaxpar.run._sample import SampleOptions, host_params, write_samples
@@ -164,7 +163,7 @@ def checkpoint_meta(name: str, mesh_sizes: Mapping[str, int], *, seed: int, mode
 
 
 def gpt_flops_per_token(n_params: int, *, vocab: int, seq_len: int, embed: int, layers: int) -> float:
-    """Training FLOPs per token of jaxpar's GPT (for MFU): :func:`jaxpar.run._sinks.flops_per_token`
+    """Training FLOPs per token of jaxpar's GPT (for MFU): :func:`jaxpar.run._report.flops_per_token`
     of its parameters without the token and position embeddings.
 
     Args:

@@ -76,14 +76,6 @@ def _aside(path: Path, n: int) -> Path:
     return path.with_name(f"{path.name}.old-{n}")
 
 
-def _within(path: Path, folder: Path) -> Path | None:
-    """``path`` relative to ``folder`` (None: outside it)."""
-    try:
-        return path.relative_to(folder)
-    except ValueError:
-        return None
-
-
 def claim_run_directory(out_dir: str | Path, checkpoint_dir: str | Path | None = None, *,
                         overwrite: bool = False) -> Moved | None:
     """Make ``out_dir`` (and ``checkpoint_dir``) a new run's: refuse directories that hold an earlier run
@@ -137,7 +129,7 @@ def _sync(name: str) -> None:
 
 def _move_aside(out: Path, ck: Path | None, n: int) -> Moved:
     """Move the run in ``out`` (and ``ck``) to ``<out>.old-<n>`` (process 0 moves, every process returns where)."""
-    dest, inside = _aside(out, n), None if ck is None else _within(ck, out)
+    dest, inside = _aside(out, n), ck.relative_to(out) if ck is not None and ck.is_relative_to(out) else None
     ck_dest = None if ck is None or not ck.is_dir() else dest / inside if inside is not None else _aside(ck, n)
     if jax.process_index() != 0:
         return Moved(dest, ck_dest)

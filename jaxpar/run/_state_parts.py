@@ -1,6 +1,12 @@
-"""The optional parts of a train state as the checkpoint sees them: what a save records of each
-(:meth:`StatePart.record`) and what a restore does with it (:meth:`StatePart.plan`: restore, drop,
-or start afresh with a warning), for :mod:`jaxpar.run._checkpoint`. The policy: docs/training.md.
+"""The optional parts of a train state as the checkpoint sees them, and what a checkpoint's JSON record holds.
+
+A save records each part's shapes (:func:`record_shapes`: ``<name>_shapes``), the layout its values
+are laid out for when the saver passed one (:func:`record_layouts`, :meth:`StatePart.record`:
+``<name>_layout``) and which ``nnx.List`` s of layers were saved stacked (:func:`lists_record`); a restore
+does with each part what :meth:`StatePart.plan` says (restore, drop, or start afresh with a warning), for
+:mod:`jaxpar.run._checkpoint`. The policy: docs/training.md. Format 2 (written now) records ``codec`` and
+``sync`` under their own names; format 1 kept both in one ``comm`` part, which :func:`upgrade_record` maps
+onto today's (docs/compression.md).
 
 Example::
 
@@ -10,12 +16,26 @@ Example::
     >>> [part.name for part in STATE_PARTS]
     ['codec', 'sync', 'stats', 'versions']
     >>> plans = plan_parts({"codec_shapes": {"residual": [4, 2]}}, abstract, abstract, "checkpoint 7")
-    >>> [(p.name, p.action) for p in plans]
+    >>> [(p.part.name, p.action) for p in plans]
     [('codec', 'drop'), ('sync', 'empty'), ('stats', 'empty'), ('versions', 'empty')]
     >>> print(plans[0].message[:80])
     checkpoint 7: the gradient codec's state saved with it is dropped (shapes {'resi
     >>> STATE_PARTS[3].describe({"schedule": "pipedream", "pipe": 2, "update_every": 1, "stage_layers": None})
     "schedule='pipedream', pipe=2, update_every=1, stage_layers=None"
+    >>> state = TrainState(jnp.int32(4), {"w": jnp.zeros(2)}, (), codec={"residual": jnp.zeros((4, 2))})
+    >>> record_shapes(state)            # sync only when kept, stats and versions always
+    {'codec_shapes': {'residual': [4, 2]}, 'stats_shapes': [], 'versions_shapes': []}
+    >>> record_layouts(None, state)     # no layout given: shapes only
+    {}
+    >>> old = {"format": "jaxpar-checkpoint-1", "step": 4, "comm_shapes": {"params": {"w": [2, 3]}},
+    ...        "comm_layout": {"kind": "replicas", "sync": "diloco"}}
+    >>> meta, renames = upgrade_record(old)
+    >>> meta["sync_shapes"], meta["sync_layout"], renames
+    ({'params': {'w': [2, 3]}}, {'sync': 'diloco'}, {'sync': 'comm'})
+    >>> upgrade_record({"format": FORMAT, "step": 4})[1]
+    {}
+    >>> saved_lists({"layer_lists": [[["blocks"], 2]]})
+    {('blocks',): 2}
 """
 
 from __future__ import annotations
@@ -63,11 +83,6 @@ class PartPlan:
     part: StatePart
     action: str
     message: str | None = None
-
-    @property
-    def name(self) -> str:
-        """The part's name: the ``TrainState`` field."""
-        return self.part.name
 
 
 @dataclass(frozen=True)
@@ -425,3 +440,106 @@ def plan_parts(meta: dict, abstract: Any, target: Any, where: str) -> list[PartP
     fields = getattr(abstract, "_fields", ())
     return [part.plan(meta, getattr(abstract, part.name), target, where) for part in STATE_PARTS
             if part.name in fields]
+
+
+#: Written into every checkpoint's JSON record.
+FORMAT = "jaxpar-checkpoint-2"
+#: The formats a restore reads.
+READABLE = ("jaxpar-checkpoint-1", FORMAT)
+
+_SYNC_KEYS = {"params", "opt", "history"}     # relaxed synchronisation's state (jaxpar.step._replica_mean)
+
+
+def upgrade_record(meta: dict) -> tuple[dict, dict[str, str]]:
+    """A checkpoint's record in today's part names.
+
+    Args:
+      meta: the checkpoint's JSON record.
+
+    Returns:
+      ``(record, renames)``: ``renames`` maps a part of today's train state to the name it
+      was saved under (``{"codec": "comm"}`` or ``{"sync": "comm"}`` for a format-1
+      checkpoint with such a part; empty otherwise).
+    """
+    if "comm_shapes" not in meta and "comm_layout" not in meta:
+        return meta, {}
+    meta = dict(meta)
+    shapes, sig = meta.pop("comm_shapes", None), meta.pop("comm_layout", None)
+    is_sync = (sig or {}).get("kind") == "replicas" or (isinstance(shapes, dict) and bool(_SYNC_KEYS & set(shapes)))
+    name = "sync" if is_sync else "codec"
+    if shapes is not None:
+        meta[f"{name}_shapes"] = shapes
+    if sig:
+        meta[f"{name}_layout"] = {k: v for k, v in sig.items() if k != "kind"}
+    return meta, {name: "comm"}
+
+
+def lists_record(layout: Any) -> dict:
+    """The ``layer_lists`` record of a checkpoint saved with ``layout``.
+
+    Args:
+      layout: the state's :class:`~jaxpar.step.StateLayout`, or ``None``.
+
+    Returns:
+      ``{"layer_lists": [[path, count], ...]}`` for the ``nnx.List`` s run stacked, or ``{}``
+      (none, or no layout).
+    """
+    if layout is None or not hasattr(layout, "strategy"):
+        return {}
+    lists = getattr(layout, "layer_lists", None) or {}
+    return {"layer_lists": [[list(path), int(n)] for path, n in lists.items()]} if lists else {}
+
+
+def saved_lists(meta: dict) -> dict[tuple, int]:
+    """The ``nnx.List`` s a checkpoint keeps stacked.
+
+    Args:
+      meta: the checkpoint's JSON record.
+
+    Returns:
+      ``{path: count}`` from its ``layer_lists`` record (empty without one).
+    """
+    return {tuple(path): int(n) for path, n in meta.get("layer_lists") or []}
+
+
+def record_shapes(state: Any) -> dict:
+    """The part shapes a checkpoint of ``state`` records, so that a restore onto other replicas
+    or another layout sees them.
+
+    Args:
+      state: the train state being saved (another tree: nothing).
+
+    Returns:
+      ``{"<name>_shapes": ...}`` for each part ``state`` keeps, and for ``stats`` and
+      ``versions`` also when it keeps none (``[]``).
+    """
+    out = {}
+    for part in STATE_PARTS:
+        value = getattr(state, part.name, ())
+        if jax.tree.leaves(value) or (part.shapes_always and hasattr(state, part.name)):
+            out[f"{part.name}_shapes"] = shapes_of(value)
+    return out
+
+
+def record_layouts(layout: Any, state: Any) -> dict:
+    """The layout records of a checkpoint of ``state`` (:meth:`~jaxpar.run._state_parts.StatePart.record`).
+
+    Args:
+      layout: the state's :class:`~jaxpar.step.StateLayout`, or ``None``.
+      state: the train state being saved.
+
+    Returns:
+      ``{"codec_layout": ..., "sync_layout": ..., "versions_layout": ...}`` for the parts
+      ``state`` has; empty without a layout. A part whose shapes are not the layout's is left
+      out (the layout describes another state).
+    """
+    if layout is None or not hasattr(layout, "strategy"):
+        return {}
+    out, abstract = {}, layout.abstract_state()
+    for part in STATE_PARTS:
+        value = getattr(state, part.name, ())
+        if jax.tree.leaves(value) and shapes_of(value) == shapes_of(getattr(abstract, part.name)):
+            record = part.record(layout)
+            if record is not None:
+                out[f"{part.name}_layout"] = record
+    return out

@@ -8,15 +8,16 @@ from jaxpar.step._program import TrainStep as TrainStep
 from jaxpar.step._noise_scale import (NoiseScaleError as NoiseScaleError, plot_noise_scale as plot_noise_scale,
                                       with_noise_scale as with_noise_scale)
 from jaxpar.step._router_bias import router_bias_layout as router_bias_layout, with_router_bias as with_router_bias
+from jaxpar.step._replica_mean import replica_bytes as replica_bytes
 
 __all__ = ["StateLayout", "TrainState", "init_train_state", "state_layout", "make_train_step", "shard_batch",
            "TrainStep", "NoiseScaleError", "plot_noise_scale", "with_noise_scale", "router_bias_layout",
            "with_router_bias", "compression_plan", "replica_bytes", "compile_plan", "compile_and_compare"]
 
-#: Re-exported names whose modules load only when used: compression, relaxed synchronisation and the
-#: cost model's check stay out of ``import jaxpar``; ``from jaxpar.step import X`` loads them.
-_FEATURE_EXPORTS = {"compression_plan": "jaxpar.step._compressed", "replica_bytes": "jaxpar.step._replica_mean",
-                    "compile_plan": "jaxpar.step._cost_check", "compile_and_compare": "jaxpar.step._cost_check"}
+#: Re-exported names whose modules load only when used: compression and the cost model's check stay
+#: out of ``import jaxpar``; ``from jaxpar.step import X`` loads them.
+_FEATURE_EXPORTS = {"compression_plan": "jaxpar.step._compressed", "compile_plan": "jaxpar.step._cost_check",
+                    "compile_and_compare": "jaxpar.step._cost_check"}
 
 
 def __getattr__(name):

@@ -6,7 +6,7 @@ this part is what the step does around them:
 
 * :func:`whole_step_loads`: with micro-batches, a forward pre-pass that sums every layer's load, which
   every micro-batch's balancing loss then uses, so that their mean is the whole batch's; a loss that
-  uses the balancing loss other than as a sum with constant weights is refused (:func:`check_balanced`);
+  uses the balancing loss other than as a sum with constant weights is refused;
 * :func:`finish`: after the gradient, the load metrics of the whole step (``moe/load_min``,
   ``moe/load_max``, ``moe/load_cv``: the load per expert pooled over the layers, as a multiple of
   the mean) and the router bias moved by the step's loads (:mod:`jaxpar.step._router_bias`).
@@ -26,24 +26,8 @@ import jax.numpy as jnp
 
 from jaxpar.batch import split_microbatches
 from jaxpar.errors import MoEError
-from jaxpar.parallel.moe import LAYER_LOADS, Probe, load_cv, prepass_loads, probe, reported_loads
+from jaxpar.parallel.moe import LAYER_LOADS, load_cv, prepass_loads, probe, reported_loads
 from jaxpar.step._router_bias import KEY as BIAS, balanced_bias
-
-
-def check_balanced(found: Probe, microbatches: int) -> None:
-    """Raise :class:`MoEError` when a loss uses its MoE layers' balancing loss in a way a mean over
-    ``microbatches`` micro-batches cannot reproduce (not a sum with constant weights).
-
-    Args:
-      found: the loss's :class:`~jaxpar.parallel.moe.Probe`.
-      microbatches: the step's micro-batches.
-    """
-    if found.aux_used and not found.linear:
-        raise MoEError(
-            f"Strategy.microbatches={microbatches}: the loss uses its MoE layers' load-balancing loss (stats.aux_loss) "
-            "other than as a sum with constant weights (e.g. squared, or scaled by a value of the batch or the "
-            "parameters). Each micro-batch balances with the whole step's load, so the step makes exactly "
-            "`loss + w * aux_loss` (w a constant) the whole batch's. Add the aux loss that way, or use microbatches=1.")
 
 
 def refuse_unbalanced(loss_of: Callable, params: Any, microbatch: Any, microbatches: int) -> None:
@@ -78,6 +62,9 @@ def whole_step_loads(loss_of: Callable, params: Any, batch: Any, microbatches: i
 
     Returns:
       The summed loads, or ``None``.
+
+    Raises:
+      MoEError: the loss uses the balancing loss other than as a sum with constant weights.
     """
     if microbatches == 1:
         return None
@@ -86,7 +73,12 @@ def whole_step_loads(loss_of: Callable, params: Any, batch: Any, microbatches: i
     found = probe(loss_of, params, one)
     if not found.aux_used:
         return None
-    check_balanced(found, microbatches)
+    if not found.linear:
+        raise MoEError(
+            f"Strategy.microbatches={microbatches}: the loss uses its MoE layers' load-balancing loss (stats.aux_loss) "
+            "other than as a sum with constant weights (e.g. squared, or scaled by a value of the batch or the "
+            "parameters). Each micro-batch balances with the whole step's load, so the step makes exactly "
+            "`loss + w * aux_loss` (w a constant) the whole batch's. Add the aux loss that way, or use microbatches=1.")
     return prepass_loads(lambda b: reported_loads(loss_of)(params, b), mbs, found.loads)
 
 

@@ -48,7 +48,7 @@ from jaxpar.step._exchange import compressed_exchange, exact_exchange, measured_
 from jaxpar.step._grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
 from jaxpar.step._init import older_versions_of
 from jaxpar.step._program import TrainStep, jit_program
-from jaxpar.step._relaxed import is_local
+from jaxpar.step._replica_mean import is_local, replica_parts
 from jaxpar.step._noise_scale import KEY as NOISE_SCALE, measured_stats
 from jaxpar.step._router_bias import KEY as BIAS, bias_of
 from jaxpar.step._state import StateLayout, StrategyMismatchError, layout_strategy
@@ -206,8 +206,6 @@ def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepO
     :func:`~jaxpar.step._replica_mean.replica_parts`), and the ``stats`` parts after the step (the
     noise scale when ``measure``, MoE's loads and router bias)."""
     if replicas_on(Setting(layout.strategy, dict(layout.mesh.shape))):    # relaxed synchronisation
-        from jaxpar.step._replica_mean import replica_parts   # relaxed synchronisation loads only when used
-
         gradient, exchange, rule = replica_parts(loss_fn, layout, update)
     else:
         gradient, exchange, rule = _gradient(loss_fn, layout, opts, measure), _exchange(layout, measure), \
@@ -281,8 +279,9 @@ def _rule(layout: StateLayout, update: Update) -> Callable:
 
 def _versioned_pipeline(loss_fn, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
     """PipeDream's no-flush program (:mod:`jaxpar.parallel.pipeline._pipedream`),
-    ``steps_per_call`` steps each: stages that read the weight version the schedule names, the one
-    update per stage inside the pipeline (weight stashing) or on the whole model between steps (2BW)."""
+    ``steps_per_call`` steps each on stacked batches ``[K, B, ...]`` (metrics ``[K]``; with ``K = 1``
+    one batch and one step's metrics): stages that read the weight version the schedule names, the
+    one update per stage inside the pipeline (weight stashing) or on the whole model between steps (2BW)."""
     if layout.strategy.schedule == "pipedream":      # make_train_step has checked the state's versions
         from jaxpar.step._stashing_step import make_stashing_step   # pipelines load only when used
 
@@ -291,19 +290,13 @@ def _versioned_pipeline(loss_fn, layout: StateLayout, update: Update, opts: Step
         from jaxpar.step._two_bw_step import make_two_bw_steps
 
         run, program = make_two_bw_steps(loss_fn, layout, update, opts.steps_per_call)
-    return _stacked_steps(run, layout, opts, program)
 
+    def one(state, batch):
+        new, metrics = run(state, jax.tree.map(lambda a: a[None], batch))
+        return new, jax.tree.map(lambda a: a[0], metrics)
 
-def _stacked_steps(run: Callable, layout: StateLayout, opts: StepOptions, program) -> TrainStep:
-    """The step of a program that runs ``opts.steps_per_call`` optimizer steps on stacked batches
-    ``[K, B, ...]`` (metrics ``[K]``); with ``K = 1`` it takes one batch and returns one step's metrics."""
-    if opts.steps_per_call == 1:
-        def one(state, batch):
-            new, metrics = run(state, jax.tree.map(lambda a: a[None], batch))
-            return new, jax.tree.map(lambda a: a[0], metrics)
-
-        return _train_step({"step": one}, layout, opts, pipeline_program=program)
-    return _train_step({"step": run}, layout, opts, pipeline_program=program)
+    step = one if opts.steps_per_call == 1 else run
+    return _train_step({"step": step}, layout, opts, pipeline_program=program)
 
 
 def _check_options(loss_fn: Callable, *, clip_norm, log_lr, donate, explicit_dp, skip_nonfinite) -> None:

@@ -61,10 +61,6 @@ def compression_plan(codec, layout: StateLayout, zero: int) -> ExchangePlan:
                          stacked=stacked, mesh_sizes=dict(mesh.shape), zero=zero, checked=False)   # by the layout
 
 
-def _replica_spec(plan: ExchangePlan) -> PartitionSpec:
-    return PartitionSpec(axis_name(plan.axes))
-
-
 def compression_state(codec, layout: StateLayout, zero: int) -> tuple[Callable, Any, Any]:
     """The per-replica codec state (``TrainState.codec``): how to make it, its specs and shapes.
 
@@ -79,7 +75,7 @@ def compression_state(codec, layout: StateLayout, zero: int) -> tuple[Callable, 
       ``jax.ShapeDtypeStruct`` tree.
     """
     plan = compression_plan(codec, layout, zero)
-    spec = _replica_spec(plan)
+    spec = PartitionSpec(axis_name(plan.axes))      # a leading replica axis, sharded over the data axes
 
     def init():
         one = plan.init()

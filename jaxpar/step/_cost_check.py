@@ -3,7 +3,7 @@
 :func:`compile_plan` builds jaxpar's train step for a :class:`~jaxpar.cost.Plan` and
 compiles it ahead of time from abstract state (nothing runs). :func:`compare` sets the cost
 model's prediction (the ``xla-cpu`` lowering of :func:`jaxpar.cost.comms`, fp32, and
-:func:`jaxpar.cost._memory.argument_bytes`) beside what the compiled program has: the bytes per
+:func:`jaxpar.cost.device_argument_bytes`) beside what the compiled program has: the bytes per
 step per mesh axis of :func:`jaxpar.analysis._axis_bytes.compiled_bytes_per_axis` and XLA's
 memory analysis (temporaries are reported, not predicted). :func:`compile_and_compare` does
 both for jaxpar's GPT.
@@ -28,7 +28,7 @@ import optax
 from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
 from jaxpar.analysis._compiled_memory import memory_report
 from jaxpar.batch import batch_sharding
-from jaxpar.cost._memory import argument_bytes
+from jaxpar.cost import device_argument_bytes
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import Plan
 from jaxpar.cost._traffic import bytes_per_axis, comms
@@ -61,7 +61,7 @@ def compare(model: ModelSpec, plan: Plan, compiled: Any, mesh: Any, *, lowering:
         p, g = pred.get(a, 0.0), got.get(a, 0.0)
         axes[a] = {"predicted": p, "compiled": g, "error": abs(p - g) / g if g else float(p > 0)}
     rep = memory_report(compiled)
-    args = argument_bytes(model, plan.sizes, plan.zero)
+    args = device_argument_bytes(model, plan.sizes, plan.zero)
     return {"plan": plan.name(), "axes": axes,
             "arguments": {"predicted": args, "compiled": rep.argument_bytes,
                           "error": abs(args - rep.argument_bytes) / rep.argument_bytes},

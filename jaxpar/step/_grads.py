@@ -256,12 +256,10 @@ def pipeline_grads(loss_fn: Callable, layout: StateLayout, *, per_replica: bool 
     from jaxpar.parallel.pipeline._piped import make_pipeline_loss_and_grad   # pipelines load only when used
 
     mesh = layout.mesh
-    sizes = dict(mesh.shape)
-    axes = tuple(a for a in data_axes(mesh) if sizes[a] > 1) if per_replica else ()
+    axes = tuple(a for a in data_axes(mesh) if mesh.shape[a] > 1) if per_replica else ()
     return make_pipeline_loss_and_grad(loss_fn, layout.graphdef, mesh, layout.rules, layout.params, layout.grads,
                                        layout.strategy, num_layers=stacked_layers(layout), replica_axes=axes,
-                                       own_specs=layout.model_specs(),
-                                       with_metrics=True)
+                                       own_specs=layout.model_specs(), with_metrics=True)
 
 
 class ManualLayout(NamedTuple):

@@ -1,7 +1,7 @@
 """The train state created already sharded: ``eval_shape`` -> shardings -> ``jit(out_shardings=...)``.
 
 No full copy of the parameters or optimizer state ever sits on one device. The layout's parts
-(``layout.parts``) are added here: ``codec``, ``sync`` (:mod:`._relaxed`) and ``versions``.
+(``layout.parts``) are added here: ``codec``, ``sync`` (:mod:`._replica_mean`) and ``versions``.
 
 Example::
 
@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -41,6 +42,7 @@ from jaxpar.parallel._zero import zero_specs
 from jaxpar.adapters._layer_lists import stack_layers, stacked_counts
 from jaxpar.adapters._mesh_axes import check_model_axes
 from jaxpar.adapters._shapes import abstract_model
+from jaxpar.step._replica_mean import relaxed_layout
 from jaxpar.step._state import PartLayout, StateLayout, TrainState, optimizer_specs
 
 
@@ -65,8 +67,6 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTrans
       ``(state, layout)``: the :class:`TrainState`, already sharded, and its :class:`StateLayout`.
     """
     layout, init = _layout_and_init(model_fn, tx, mesh, strategy)
-    if params is None:
-        return jax.jit(init, out_shardings=layout.shardings())(), layout
     return jax.jit(init, out_shardings=layout.shardings())(params), layout
 
 
@@ -101,7 +101,7 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
     """The layout and an ``init() -> TrainState`` to jit with the layout's shardings."""
     sizes = dict(mesh.shape)
     if sizes.get("pipe", 1) > 1:        # a pipeline cuts the layers: an nnx.List of alike layers runs stacked
-        model_fn = _stacking(model_fn)
+        model_fn = functools.partial(_stacked, model_fn)
     graphdef, shapes, logical = abstract_model(model_fn)
     rules = tuple(strategy.rules(mesh))
     check_model_axes(logical, rules, mesh)
@@ -115,26 +115,37 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
                          strategy=strategy, layer_lists=stacked_counts(model_fn))
     raise_problems(Setting(strategy, sizes))      # the table, once: nothing below runs it again
     if replicas_on(Setting(strategy, sizes)):
-        return _relaxed_layout_and_init(model_fn, tx, layout, strategy)
-    parts = {}
+        layout, make = relaxed_layout(layout, tx, strategy)
+    else:
+        layout, make = _feature_parts(layout, tx)
+
+    def init(p=None):
+        p = _model_params(model_fn) if p is None else p
+        opt_state, parts = make(p)
+        return TrainState(jnp.zeros((), jnp.int32), p, opt_state, **parts)
+
+    return layout, init
+
+
+def _feature_parts(layout: StateLayout, tx) -> tuple[StateLayout, Callable]:
+    """The layout with its ``codec`` and ``versions`` parts, and ``make(params) -> (opt_state, parts)``."""
+    strategy, sizes, parts = layout.strategy, dict(layout.mesh.shape), {}
     if strategy.compression is not None:
         from jaxpar.step._compressed import compression_state   # compression loads only when used
 
         make_codec, codec_specs, codec_shapes = compression_state(strategy.compression, layout, strategy.zero)
-        codec_init = jax.jit(make_codec, out_shardings=named_shardings(codec_specs, mesh))
+        codec_init = jax.jit(make_codec, out_shardings=named_shardings(codec_specs, layout.mesh))
         parts["codec"] = PartLayout(codec_specs, codec_shapes, lambda params: codec_init())
     older_shapes = older_versions_of(strategy, sizes, layout.shapes)
     if older_shapes:
         parts["versions"] = PartLayout(older_versions_of(strategy, sizes, layout.params), older_shapes)
-    layout = replace(layout, parts=parts)
 
-    def init(p=None):
-        p = _model_params(model_fn) if p is None else p
+    def make(p):
         older = jax.tree.map(jnp.copy, older_versions_of(strategy, sizes, p))
         codec = parts["codec"].init(p) if "codec" in parts else ()
-        return TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), codec=codec, versions=older)
+        return tx.init(p), {"codec": codec, "versions": older}
 
-    return layout, init
+    return replace(layout, parts=parts), make
 
 
 def _model_params(model_fn: Callable[[], nnx.Module]) -> Any:
@@ -143,10 +154,8 @@ def _model_params(model_fn: Callable[[], nnx.Module]) -> Any:
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def _stacking(model_fn: Callable[[], nnx.Module]) -> Callable[[], nnx.Module]:
-    def stacked():
-        return stack_layers(model_fn())
-    return stacked
+def _stacked(model_fn: Callable[[], nnx.Module]) -> nnx.Module:
+    return stack_layers(model_fn())
 
 
 def older_versions_of(strategy: Strategy, sizes: dict, params: Any) -> Any:
@@ -169,17 +178,3 @@ def older_versions_of(strategy: Strategy, sizes: dict, params: Any) -> Any:
     if is_stashing(strategy, sizes):
         return (params,) * older_versions(sizes["pipe"], strategy.update_every)
     return ()
-
-
-def _relaxed_layout_and_init(model_fn, tx, layout: StateLayout, strategy: Strategy) -> tuple[StateLayout, Callable]:
-    """The state of K replicas (``replica`` axis; :mod:`jaxpar.step._relaxed`)."""
-    from jaxpar.step._relaxed import relaxed_layout   # relaxed synchronisation loads only when used
-
-    layout, make = relaxed_layout(layout, tx, strategy)
-
-    def init(p=None):
-        p = _model_params(model_fn) if p is None else p
-        opt_state, sync = make(p)
-        return TrainState(jnp.zeros((), jnp.int32), p, opt_state, sync=sync)
-
-    return layout, init

@@ -1,5 +1,5 @@
 """The train step of replicas that train on their own between syncs: DiLoCo, local SGD and
-EASGD (:mod:`jaxpar.parallel.sync`) on the ``replica`` axis (:mod:`jaxpar.step._relaxed`).
+EASGD (:mod:`jaxpar.parallel.sync`) on the ``replica`` axis (:mod:`jaxpar.step._replica_mean`).
 
 The *inner* program is the one :func:`~jaxpar.step._update.apply_update` on each replica's own
 gradient and optimizer state (no collective over ``replica``; per-replica metrics stay sharded,
@@ -23,14 +23,16 @@ from jaxpar.rules import named_shardings
 from jaxpar.parallel.sync import DiLoCo
 from jaxpar.step._grads import global_grads
 from jaxpar.step._program import TrainStep, jit_program
-from jaxpar.step._relaxed import split_replicas
-from jaxpar.step._replica_mean import replica_bytes, weighted_sum
+from jaxpar.step._replica_mean import replica_bytes, split_replicas, weighted_sum
 from jaxpar.step._state import StateLayout, TrainState
 from jaxpar.step._update import Update, apply_update, updates_metrics
 
 
 def local_train_step(loss_fn: Callable, layout: StateLayout, update: Update, *, donate: bool) -> TrainStep:
-    """The step of DiLoCo / local SGD / EASGD (``layout.strategy.sync``) over the ``replica`` axis.
+    """The step of DiLoCo / local SGD / EASGD (``layout.strategy.sync``) over the ``replica`` axis: the
+    inner program (each replica its own optimizer step, no collective over ``replica``) every step, or
+    the synchronous ``warm`` one before ``sync.start_step``, then the sync program after every
+    ``sync.every``-th step.
 
     Args:
       loss_fn: the user's loss.
@@ -40,16 +42,33 @@ def local_train_step(loss_fn: Callable, layout: StateLayout, update: Update, *, 
 
     Returns:
       The :class:`~jaxpar.step.TrainStep`; its programs are ``"step"`` (the inner one),
-      ``"outer"`` (the sync) and, with a ``start_step``, ``"warm"``.
+      ``"outer"`` (the sync, on the state alone) and, with a ``start_step``, ``"warm"``.
     """
-    strategy, mesh = layout.strategy, layout.mesh
-    return TrainStep(local_steps(loss_fn, layout, strategy.sync, update, donate=donate),
-                     check_batch=lambda batch: check_batch(batch, mesh, strategy.microbatches),
-                     run=run_local_steps(strategy.sync, layout), batch_sharding=batch_sharding(mesh),
-                     state_only=("outer",), summary=_replica_summary)
+    strategy, mesh, sync = layout.strategy, layout.mesh, layout.strategy.sync
+    local = _LocalPrograms(loss_fn, layout, sync, update)
+    per_replica = NamedSharding(mesh, P(REPLICA))       # per-replica metrics: no gather over ``replica``
+    msh = {"replica": per_replica, **({"lr": NamedSharding(mesh, P())} if update.log_lr is not None else {})}
+    programs = {"step": jit_program(local.inner, layout, batch_sharding(mesh), donate=donate, metrics_sharding=msh),
+                "outer": jit_program(local.outer, layout, None, donate=donate,      # the state alone
+                                     metrics_sharding={"replica_distance": per_replica})}
+    every, start, nbytes = sync.every, getattr(sync, "start_step", 0), replica_bytes(layout)
+    if start:
+        programs["warm"] = jit_program(local.warm, layout, batch_sharding(mesh), donate=donate, metrics_sharding=msh)
+
+    def run(programs, state: TrainState, batch, count: int):
+        warming = count < start
+        state, metrics = programs["warm" if warming else "step"](state, batch)
+        metrics = {**metrics, "replica_bytes": float(nbytes) if warming else 0.0}   # warm: the gradients' all-reduce
+        if not warming and (count + 1 - start) % every == 0:
+            state, synced = programs["outer"](state)
+            metrics.update(synced, replica_bytes=float(nbytes))
+        return state, metrics
+
+    return TrainStep(programs, check_batch=lambda batch: check_batch(batch, mesh, strategy.microbatches), run=run,
+                     batch_sharding=batch_sharding(mesh), state_only=("outer",), summary=_replica_summary)
 
 
-def _any_replica(reps: Any, rep_specs: Any, specs: Any, mesh) -> Any:
+def _any_replica(reps: Any, specs: Any, mesh) -> Any:
     """Replicas known to be identical -> the parameters, with no communication: each device keeps
     its own replica's shard (a ``shard_map`` manual over ``replica`` that declares the result
     replicated over it, which holds because every replica computed the same update)."""
@@ -59,7 +78,7 @@ def _any_replica(reps: Any, rep_specs: Any, specs: Any, mesh) -> Any:
 
 
 class _LocalPrograms:
-    """The programs of :func:`local_steps` (``inner``, ``warm``, ``outer``) for one layout, sync
+    """The programs of :func:`local_train_step` (``inner``, ``warm``, ``outer``) for one layout, sync
     kind and inner update."""
 
     def __init__(self, loss_fn, layout: StateLayout, sync, update: Update):
@@ -68,11 +87,14 @@ class _LocalPrograms:
         self.rep_specs = layout.parts["sync"].specs["params"]
         self.log_lr, self.inner_update = update.log_lr, update._replace(log_lr=None)
 
-    def one(self, step, p, o, b):
-        """One replica's inner optimizer step on its own batch."""
-        loss, grads = self.lg(p, b)
+    def _step(self, step, p, o, loss, grads):
+        """One replica's inner optimizer step: its new parameters, optimizer state and metrics."""
         new, m = apply_update(self.inner_update, TrainState(step, p, o), loss, grads)
         return new.params, new.opt_state, m
+
+    def one(self, step, p, o, b):
+        """One replica's inner optimizer step on its own batch."""
+        return self._step(step, p, o, *self.lg(p, b))
 
     def replica_metrics(self, step, losses, m) -> dict:
         """Per-replica ``[K]`` metrics (no gather over ``replica``) and the step's learning rate."""
@@ -94,97 +116,33 @@ class _LocalPrograms:
         losses, grads = jax.vmap(self.lg, spmd_axis_name=REPLICA)(state.sync["params"], split_replicas(batch, k, mesh))
         mean = weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), grads, layout.grads, mesh)
 
-        def apply(p, o):
-            new, m = apply_update(self.inner_update, TrainState(state.step, p, o), jnp.mean(losses), mean)
-            return new.params, new.opt_state, m
-
-        p, o, m = jax.vmap(apply, spmd_axis_name=REPLICA)(state.sync["params"], state.sync["opt"])
-        center = _any_replica(p, self.rep_specs, layout.params, mesh)
+        p, o, m = jax.vmap(self._step, in_axes=(None, 0, 0, None, None), spmd_axis_name=REPLICA)(
+            state.step, state.sync["params"], state.sync["opt"], jnp.mean(losses), mean)
+        center = _any_replica(p, layout.params, mesh)
         metrics = self.replica_metrics(state.step, losses, m)
         return TrainState(state.step + 1, center, state.opt_state, sync={"params": p, "opt": o}), metrics
 
     def outer(self, state: TrainState):
-        """The sync: the replicas' mean moves the center (DiLoCo's outer step, or EASGD's elastic pull)."""
+        """The sync: the replicas' mean moves the center. DiLoCo: the outer optimizer's step
+        (:func:`~jaxpar.step._update.apply_update`, no clip or skip rule) on the pseudo-gradient, and
+        every replica restarts from the center. EASGD (Zhang et al. 2015): the center and the replicas
+        pulled toward each other."""
         mesh, k = self.mesh, self.k
         mean = weighted_sum(jnp.full((k,), 1.0 / k, jnp.float32), state.sync["params"], self.layout.params, mesh)
         if isinstance(self.sync, DiLoCo):
-            center, opt_state, reps = self._diloco_outer(state, mean)
+            delta = jax.tree.map(jnp.subtract, state.params, mean)       # the pseudo-gradient
+            new, _ = apply_update(Update(self.sync.outer), state, jnp.float32(0), delta)
+            center, opt_state = new.params, new.opt_state
+            reps = jax.tree.map(lambda c: jnp.broadcast_to(c, (k, *c.shape)), center)
         else:
-            center, opt_state, reps = self._easgd_outer(state, mean)
+            alpha, opt_state = self.sync.alpha, state.opt_state
+            reps = jax.tree.map(lambda r, c: r - alpha * (r - c), state.sync["params"], state.params)
+            center = jax.tree.map(lambda c, r: c + alpha * k * (r - c), state.params, mean)
         reps = jax.lax.with_sharding_constraint(reps, named_shardings(self.rep_specs, mesh))
         dist = jax.vmap(lambda r: optax.tree.norm(jax.tree.map(jnp.subtract, r, mean)), spmd_axis_name=REPLICA)(
             state.sync["params"])
         return (TrainState(state.step, center, opt_state, sync={"params": reps, "opt": state.sync["opt"]}),
                 {"replica_distance": dist})
-
-    def _diloco_outer(self, state: TrainState, mean):
-        """DiLoCo: the outer optimizer's step (:func:`~jaxpar.step._update.apply_update`, no clip or
-        skip rule) on the pseudo-gradient; every replica restarts from the center."""
-        delta = jax.tree.map(jnp.subtract, state.params, mean)       # the pseudo-gradient
-        new, _ = apply_update(Update(self.sync.outer), state, jnp.float32(0), delta)
-        reps = jax.tree.map(lambda c: jnp.broadcast_to(c, (self.k, *c.shape)), new.params)
-        return new.params, new.opt_state, reps
-
-    def _easgd_outer(self, state: TrainState, mean):
-        """EASGD (Zhang et al. 2015): the center and the replicas pulled toward each other."""
-        reps, alpha, k = state.sync["params"], self.sync.alpha, self.k
-        diff = jax.tree.map(lambda r, c: r - c, reps, state.params)
-        center = jax.tree.map(lambda c, r, c0: c + alpha * k * (r - c0), state.params, mean, state.params)
-        reps = jax.tree.map(lambda r, d: r - alpha * d, reps, diff)
-        return center, state.opt_state, reps
-
-
-def local_steps(loss_fn, layout: StateLayout, sync, update: Update, *, donate: bool) -> dict:
-    """DiLoCo / local SGD / EASGD: the inner program (each replica its own optimizer step, no
-    collective over ``replica``) every step, and the sync program every ``sync.every`` steps.
-
-    Args:
-      loss_fn: the user's loss.
-      layout: the relaxed layout.
-      sync: the sync kind (``diloco``, ``local_sgd`` or ``easgd``).
-      update: the inner update's options.
-      donate: donate the input state.
-
-    Returns:
-      ``{"step": inner, "outer": sync program, "warm": synchronous program before
-      ``start_step`` (only with one)}``, run by :func:`run_local_steps`.
-    """
-    mesh = layout.mesh
-    local = _LocalPrograms(loss_fn, layout, sync, update)
-    per_replica = NamedSharding(mesh, P(REPLICA))       # per-replica metrics: no gather over ``replica``
-    msh = {"replica": per_replica, **({"lr": NamedSharding(mesh, P())} if update.log_lr is not None else {})}
-    programs = {"step": jit_program(local.inner, layout, batch_sharding(mesh), donate=donate, metrics_sharding=msh),
-                "outer": jit_program(local.outer, layout, None, donate=donate,      # the state alone
-                                     metrics_sharding={"replica_distance": per_replica})}
-    if getattr(sync, "start_step", 0):
-        programs["warm"] = jit_program(local.warm, layout, batch_sharding(mesh), donate=donate, metrics_sharding=msh)
-    return programs
-
-
-def run_local_steps(sync, layout: StateLayout) -> Callable:
-    """``run(programs, state, batch, step) -> (state, metrics)`` for :func:`local_steps`' programs:
-    the inner program (or the synchronous ``warm`` one before ``sync.start_step``), then the sync
-    program after every ``sync.every``-th step.
-
-    Args:
-      sync: the sync kind.
-      layout: the relaxed layout.
-
-    Returns:
-      The runner, for :class:`~jaxpar.step.TrainStep` (``run=``).
-    """
-    every, start, nbytes = sync.every, getattr(sync, "start_step", 0), replica_bytes(layout)
-
-    def run(programs, state: TrainState, batch, count: int):
-        warming = count < start
-        state, metrics = programs["warm" if warming else "step"](state, batch)
-        metrics = {**metrics, "replica_bytes": float(nbytes) if warming else 0.0}   # warm: the gradients' all-reduce
-        if not warming and (count + 1 - start) % every == 0:
-            state, synced = programs["outer"](state)
-            metrics.update(synced, replica_bytes=float(nbytes))
-        return state, metrics
-
-    return run
 
 
 def _replica_summary(metrics: dict) -> dict:

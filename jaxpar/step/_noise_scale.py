@@ -17,8 +17,8 @@ noisy (``|G|²`` can come out negative), so, as in the paper, exponential moving
 moments) and ``B_simple`` is their ratio. ``B_simple`` is in the units of ``B`` (batch rows:
 sequences for a language model; times the sequence length for tokens).
 
-Here: the pure estimators, the state part ``stats["noise_scale"]`` (:func:`with_noise_scale`,
-the one switch; how the step measures: docs/large_batch.md) and a PNG of the estimate.
+Here: the estimators and their moving averages (:func:`update`), the state part ``stats["noise_scale"]``
+(:func:`with_noise_scale`, the one switch; how the step measures: docs/large_batch.md) and a PNG of the estimate.
 
 Example::
 
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.step._state import stats_part_layout, with_stats_part
-from jaxpar.errors import NoiseScaleError
+from jaxpar.errors import NoiseScaleError, int_problem
 
 #: The key of the noise-scale state in ``TrainState.stats``.
 KEY = "noise_scale"
@@ -74,47 +74,13 @@ def measure(every: Any, ema: Any, owner: str) -> Measure:
     ...
     jaxpar.errors.NoiseScaleError: with_noise_scale(every=0): must be an int >= 1 ...
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if int_problem(every, 1) is not None:
         raise NoiseScaleError(f"{owner}(every={every!r}): must be an int >= 1 (measure every that many "
                               "steps); to measure nothing, build the state without the noise-scale part.")
     if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 <= ema < 1:
         raise NoiseScaleError(f"{owner}(ema={ema!r}): must be a float in [0, 1), the decay of the moving "
                               "averages of tr(Σ) and |G|² per measurement (0: no averaging; e.g. 0.95).")
     return Measure(every, ema)
-
-
-def grad_sq_estimate(sq_small, sq_big, b_small, b_big):
-    """Unbiased ``|G|²`` from the squared gradient norms at two batch sizes.
-
-    Args:
-      sq_small: the squared gradient norm at batch size ``b_small`` (a mean over replicas).
-      sq_big: the squared gradient norm at batch size ``b_big``.
-      b_small, b_big: the two batch sizes, ``b_small < b_big`` (rows).
-
-    Returns:
-      ``(b_big sq_big - b_small sq_small) / (b_big - b_small)``, the type of the inputs.
-
-    >>> grad_sq_estimate(5.0, 2.0, 4, 16)
-    1.0
-    """
-    return (b_big * sq_big - b_small * sq_small) / (b_big - b_small)
-
-
-def trace_estimate(sq_small, sq_big, b_small, b_big):
-    """Unbiased ``tr(Σ)`` (per-example gradient covariance) from the same two squared norms.
-
-    Args:
-      sq_small: the squared gradient norm at batch size ``b_small`` (a mean over replicas).
-      sq_big: the squared gradient norm at batch size ``b_big``.
-      b_small, b_big: the two batch sizes, ``b_small < b_big`` (rows).
-
-    Returns:
-      ``(sq_small - sq_big) / (1 / b_small - 1 / b_big)``, the type of the inputs.
-
-    >>> trace_estimate(5.0, 2.0, 4, 16)
-    16.0
-    """
-    return (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big)
 
 
 def init_state() -> dict:
@@ -155,8 +121,8 @@ def update(state: dict, sq_small, sq_big, b_small: int, b_big: int, ema: float) 
       ``1 - ema**count``), ``noise_scale`` their ratio.
     """
     sq_small, sq_big = jnp.asarray(sq_small, jnp.float32), jnp.asarray(sq_big, jnp.float32)
-    trace = trace_estimate(sq_small, sq_big, b_small, b_big)
-    grad_sq = grad_sq_estimate(sq_small, sq_big, b_small, b_big)
+    trace = (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big)                # the module docstring's estimators
+    grad_sq = (b_big * sq_big - b_small * sq_small) / (b_big - b_small)
     new = {"ema_trace": ema * state["ema_trace"] + (1 - ema) * trace,
            "ema_grad_sq": ema * state["ema_grad_sq"] + (1 - ema) * grad_sq,
            "count": state["count"] + 1}

@@ -84,35 +84,6 @@ def _check_moe(layout: StateLayout, moe) -> None:
                        "state without it.")
 
 
-class HostStep:
-    """The step number of the state a step function is given, without a device round trip per
-    step: read once, then counted while the caller passes back the state it was returned (any
-    other state is read again)."""
-
-    def __init__(self):
-        self._array, self._step = None, None
-
-    def read(self, state) -> int:
-        """The step number of a state.
-
-        Args:
-          state: a train state.
-
-        Returns:
-          ``state.step`` as an int (counted on the host for the state last returned).
-        """
-        return self._step if state.step is self._array else int(jax.device_get(state.step))
-
-    def advance(self, new_state, step: int) -> None:
-        """Record the step number of the state just returned.
-
-        Args:
-          new_state: the state the step function returned.
-          step: its step number.
-        """
-        self._array, self._step = new_state.step, step
-
-
 def jit_program(fn: Callable, layout: StateLayout, batch_sharding: Any, *, donate: bool,
                 metrics_sharding: Any = None) -> Callable:
     """``jax.jit`` of ``fn(state, batch) -> (state, metrics)`` with the layout's shardings, traced
@@ -171,7 +142,8 @@ class TrainStep:
         self.pipeline_program = pipeline_program
         self._choose, self._run = choose, run
         self._summary = None if summary is None else jax.jit(summary)
-        self._host = HostStep() if (choose or run) else None
+        # the step number of the state last returned, counted on the host (no device round trip per step)
+        self._last_step, self._count = None, None
 
     def lower(self, *args, **kwargs):
         """The usual program lowered, for ahead-of-time compilation.
@@ -200,12 +172,12 @@ class TrainStep:
 
     def __call__(self, state, batch):
         self.check_batch(batch)
-        if self._host is None:
+        if self._choose is None and self._run is None:
             return self.programs["step"](state, batch)
-        s = self._host.read(state)
+        s = self._count if state.step is self._last_step else int(jax.device_get(state.step))
         if self._run is not None:
             new, metrics = self._run(self.programs, state, batch, s)
         else:
             new, metrics = self.programs[self._choose(s)](state, batch)
-        self._host.advance(new, s + 1)
+        self._last_step, self._count = new.step, s + 1
         return new, metrics if self._summary is None else self._summary(metrics)

@@ -1,10 +1,19 @@
-"""The parts of a step whose ``replica``\\ s average their gradients: synchronous, ``stale`` and
-``backup`` relaxed synchronisation (:mod:`jaxpar.parallel.sync`), composed by
-:func:`jaxpar.make_train_step` like any other gradient, exchange and update.
+"""Relaxed synchronisation (:mod:`jaxpar.parallel.sync`): the state of K model replicas on the
+``replica`` mesh axis, and the parts of a step whose replicas average their gradients.
+
+Every replica runs the strategy's own loss-and-grad on its share of the batch, ``jax.vmap``-ed with
+``spmd_axis_name='replica'``: it is sharded by the strategy on the inner axes and nothing inside it
+communicates over ``replica``. The state (:func:`relaxed_layout`): ``params`` is always the model one
+evaluates (DiLoCo's outer parameters, EASGD's centre, the newest parameters otherwise); ``sync`` holds
+what the kind adds, with a leading axis: ``{"params", "opt"}`` of the replicas (``[K, ...]``, sharded
+over ``replica``: the local kinds, :mod:`jaxpar.step._local_steps`), or the ``history`` of the last
+``max_delay`` parameter versions (``[s, ...]``).
+
+Synchronous, ``stale`` and ``backup`` relaxed synchronisation are composed by
+:func:`jaxpar.make_train_step` like any other gradient, exchange and update:
 
 * the **gradient** (:func:`replica_gradient`): each replica's own loss and gradient on its share
-  of the batch (``jax.vmap`` over ``replica``, with ``spmd_axis_name``), at the parameters of
-  ``d`` steps ago for ``stale`` (``d`` drawn per replica and step);
+  of the batch, at the parameters of ``d`` steps ago for ``stale`` (``d`` drawn per replica and step);
 * the **exchange** (:func:`replica_exchange`): the weighted sum of the replicas' gradients, an
   all-reduce over ``replica``; ``backup`` gives the slowest replicas weight 0; the
   asynchronous parameter server keeps the gradients apart;
@@ -28,20 +37,104 @@ Example:
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.mesh import REPLICA, replicas
-from jaxpar.parallel.sync import Backup, Stale, synchronous
+from jaxpar.mesh import REPLICA, data_axes, replicas
+from jaxpar.parallel.sync import Backup, DiLoCo, EASGD, Stale, synchronous
 from jaxpar.parallel._zero import spec_shards
 from jaxpar.rules import named_shardings
+from jaxpar.strategy import Strategy
 from jaxpar.step._grads import global_grads
-from jaxpar.step._relaxed import split_replicas
-from jaxpar.step._state import StateLayout, TrainState
+from jaxpar.step._state import PartLayout, StateLayout, TrainState, optimizer_specs
 from jaxpar.step._update import Update, apply_update, updates_metrics
+
+_is_spec = lambda x: isinstance(x, PartitionSpec)   # noqa: E731
+
+
+def _lead(specs: Any, axis: str | None) -> Any:
+    return jax.tree.map(lambda s: PartitionSpec(axis, *s), specs, is_leaf=_is_spec)
+
+
+def _stack_shapes(shapes: Any, n: int) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *a.shape), a.dtype), shapes)
+
+
+def is_local(sync) -> bool:
+    """Whether the replicas of a sync kind train on their own between syncs.
+
+    Args:
+      sync: the strategy's sync kind (:mod:`jaxpar.parallel.sync`).
+
+    Returns:
+      True for DiLoCo (local SGD too) and EASGD.
+    """
+    return isinstance(sync, (DiLoCo, EASGD))
+
+
+def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation,
+                   strategy: Strategy) -> tuple[StateLayout, Callable]:
+    """The layout of a replicated train state.
+
+    Args:
+      layout: the layout of one replica's state (:func:`jaxpar.state_layout`).
+      tx: the optimizer (each replica's inner one, for the local kinds).
+      strategy: the strategy (its ``sync``; None: synchronous).
+
+    Returns:
+      ``(layout, make)``: the layout with the sync kind's optimizer state and ``sync`` part, and
+      ``make(params) -> (opt_state, parts)`` that builds them from the parameters (``parts``: the
+      ``TrainState`` fields, ``{"sync": ...}`` or none). ``init_train_state`` has checked ``strategy``
+      on the mesh (the compatibility table's refusals of a sync kind).
+    """
+    mesh, sync = layout.mesh, strategy.sync or synchronous()
+    k = replicas(mesh)
+    # the optimizer of ``params``: DiLoCo's outer one, none for EASGD's centre, else ``tx``
+    own_tx = sync.outer if isinstance(sync, DiLoCo) else optax.identity() if isinstance(sync, EASGD) else tx
+    opt_shapes, opt_specs = optimizer_specs(own_tx, layout.shapes, layout.opt_param_specs)
+    part, part_shapes = {}, {}
+    if is_local(sync):
+        inner_shapes, inner_specs = optimizer_specs(tx, layout.shapes, layout.opt_param_specs)
+        part = {"params": _lead(layout.params, REPLICA), "opt": _lead(inner_specs, REPLICA)}
+        part_shapes = {"params": _stack_shapes(layout.shapes, k), "opt": _stack_shapes(inner_shapes, k)}
+    elif isinstance(sync, Stale) and sync.max_delay > 0:
+        part = {"history": _lead(layout.params, None)}
+        part_shapes = {"history": _stack_shapes(layout.shapes, sync.max_delay)}
+
+    def make_sync(params):
+        if is_local(sync):
+            reps = jax.tree.map(lambda a: jnp.broadcast_to(a, (k, *a.shape)), params)
+            return {"params": reps, "opt": jax.vmap(tx.init)(reps)}
+        return {"history": jax.tree.map(lambda a: jnp.broadcast_to(a, (sync.max_delay, *a.shape)), params)}
+
+    def make(params):
+        return own_tx.init(params), ({"sync": make_sync(params)} if part else {})
+
+    parts = dict(layout.parts)
+    if part:
+        parts["sync"] = PartLayout(part, part_shapes, jax.jit(make_sync, out_shardings=named_shardings(part, mesh)))
+    return replace(layout, opt_state=opt_specs, opt_shapes=opt_shapes, parts=parts), make
+
+
+def split_replicas(batch: Any, k: int, mesh) -> Any:
+    """``[B, ...] -> [K, B/K, ...]``: replica ``r`` takes its own rows (no resharding).
+
+    Args:
+      batch: the global batch (leading dimension split over ``replica`` and the data axes).
+      k: the number of replicas.
+      mesh: the mesh.
+
+    Returns:
+      The batch with a leading replica axis, sharded over ``replica``.
+    """
+    sharding = NamedSharding(mesh, PartitionSpec(REPLICA, data_axes(mesh) or None))
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x.reshape(k, x.shape[0] // k, *x.shape[1:]),
+                                                                   sharding), batch)
 
 
 def replica_parts(loss_fn: Callable, layout: StateLayout, update: Update) -> tuple[Callable, Callable, Callable]:
@@ -88,7 +181,7 @@ def replica_bytes(layout: StateLayout) -> int:
     """
     sizes = dict(layout.mesh.shape)
     return sum(4 * a.size // spec_shards(spec, sizes)
-               for a, spec in zip(jax.tree.leaves(layout.shapes), jax.tree.leaves(layout.params, is_leaf=lambda x: isinstance(x, PartitionSpec))))
+               for a, spec in zip(jax.tree.leaves(layout.shapes), jax.tree.leaves(layout.params, is_leaf=_is_spec)))
 
 
 def _delayed(sync) -> bool:
@@ -100,7 +193,7 @@ def replica_gradient(loss_fn: Callable, layout: StateLayout, sync) -> Callable:
 
     Args:
       loss_fn: the user's loss.
-      layout: the relaxed layout (:func:`jaxpar.step._relaxed.relaxed_layout`).
+      layout: the relaxed layout (:func:`relaxed_layout`).
       sync: the sync kind (synchronous, ``stale`` or ``backup``).
 
     Returns:

@@ -169,8 +169,7 @@ class _StashingRun:
         p, m, k = mesh.shape[PIPE], strategy.microbatches, strategy.update_every
         mbs = step_microbatches(batches, m, mesh, steps)
         cut = staged_cut(self.loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
-                         jax.tree.map(lambda a: a[:m], mbs),
-                         own_specs=layout.model_specs())
+                         jax.tree.map(lambda a: a[:m], mbs), own_specs=layout.model_specs())
         blocks_ids = set(cut.model.block_leaves)
         outer_names = [nm for i, nm in enumerate(self.flat_paths) if i not in blocks_ids]
         staged = [cut.stage(w) for w in (state.params, *state.versions)]      # the versions stacked per stage

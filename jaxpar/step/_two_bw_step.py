@@ -125,10 +125,6 @@ def _windows_rows(program: Program, rows, p: int, m: int, steps: int):
     return first, later
 
 
-def _stack2(a, b):
-    return jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)
-
-
 def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> tuple[Callable, Program]:
     """``steps`` PipeDream-2BW optimizer steps of the no-flush table in one program (see the module
     docstring).
@@ -159,16 +155,15 @@ def make_two_bw_steps(loss_fn: Callable, layout, update: Update, steps: int) -> 
     def run(state, batches):
         mbs = step_microbatches(batches, m, mesh, steps)
         cut = staged_cut(loss_fn, layout.graphdef, mesh, layout.params, strategy, strategy.cast(state.params),
-                         jax.tree.map(lambda a: a[:m], mbs),
-                         own_specs=layout.model_specs())
+                         jax.tree.map(lambda a: a[:m], mbs), own_specs=layout.model_specs())
         runners = [_window_runner(cut.parts, mesh, layout.rules, program, table, m, cut.stage_layers, first)
                    for first in (True, False)]
 
         def window(state, st, rows, t):
-            (o_prev, b_prev), (o_cur, b_cur) = (cut.stage(strategy.cast(w))
-                                                for w in (state.versions, state.params))
+            older, newer = (cut.stage(strategy.cast(w)) for w in (state.versions, state.params))
             runner = runners[0 if st is None else 1]
-            (loss, g_outer, g_blocks, found), st = runner(*_stack2((o_prev, b_prev), (o_cur, b_cur)), mbs, st, *rows, t)
+            both = jax.tree.map(lambda x, y: jnp.stack([x, y]), older, newer)      # W(t-1), W(t)
+            (loss, g_outer, g_blocks, found), st = runner(*both, mbs, st, *rows, t)
             grads = jax.lax.with_sharding_constraint(cut.grads(g_outer, g_blocks), grad_shardings)
             state, metrics = rule(state, loss, grads)
             return state, st, {**found, **metrics}       # and what the loss reported

@@ -22,14 +22,13 @@ Example:
 """
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.optimizers import hyperparameter_problem
 from jaxpar.step._state import TrainState
 
 
@@ -64,14 +63,7 @@ def clip_norm_problem(clip_norm: Any) -> str | None:
     >>> clip_norm_problem(1.0), clip_norm_problem(None), clip_norm_problem(-1.0)[:30]
     (None, None, 'must be a finite number > 0 (t')
     """
-    if clip_norm is None:
-        return None
-    if not isinstance(clip_norm, bool) and getattr(clip_norm, "shape", None) == ():
-        clip_norm = clip_norm.item()                # a 0-d numpy / jax array
-    if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real) or not math.isfinite(clip_norm) \
-            or clip_norm <= 0:
-        return "must be a finite number > 0 (the global gradient norm to clip to, e.g. 1.0), or None for no clipping"
-    return None
+    return None if clip_norm is None else hyperparameter_problem("clip_norm", clip_norm)
 
 
 def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any, *,

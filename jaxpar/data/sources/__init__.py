@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxpar.errors import SourceError
-from jaxpar.data.sources._base import ON_MALFORMED, Source
+from jaxpar.data.sources._base import Source
 from jaxpar.data.sources._columnar import ArrayRecordSource, HfDiskSource, ParquetSource, save_to_disk_files
 from jaxpar.data.sources._jsonl import JsonlSource
 
@@ -64,8 +64,6 @@ def open_source(path: PathLike | Sequence[PathLike], *, format: str | None = Non
     Returns:
         The source (indexed; no text read yet).
     """
-    if on_malformed not in ON_MALFORMED:
-        raise SourceError(f"on_malformed={on_malformed!r}: must be one of {ON_MALFORMED}")
     files = resolve_paths(path)
     format = infer_format(files) if format is None else format
     if format not in FORMATS:

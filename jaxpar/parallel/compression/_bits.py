@@ -60,11 +60,6 @@ def unpack_bits(packed: jax.Array, bits: int, n: int) -> jax.Array:
     return out.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :n]
 
 
-def _as_bytes(a: jax.Array) -> jax.Array:
-    b = a if a.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(a, jnp.uint8)   # [..., itemsize]
-    return b.reshape(a.shape[0], -1)
-
-
 def to_bytes(payload: dict[str, jax.Array]) -> jax.Array:
     """Every array of ``payload`` (leading row axis) as bytes, concatenated per row: ``uint8[rows, B]``.
 
@@ -74,7 +69,9 @@ def to_bytes(payload: dict[str, jax.Array]) -> jax.Array:
     Returns:
       The bytes, arrays in sorted name order.
     """
-    return jnp.concatenate([_as_bytes(payload[k]) for k in sorted(payload)], axis=1)
+    rows = [jax.lax.bitcast_convert_type(payload[k], jnp.uint8).reshape(payload[k].shape[0], -1)
+            for k in sorted(payload)]
+    return jnp.concatenate(rows, axis=1)
 
 
 def payload_bytes(template: Any) -> int:
@@ -107,9 +104,6 @@ def from_bytes(wire: jax.Array, template: Any) -> dict[str, jax.Array]:
         n = item * math.prod(per_row)
         chunk = wire[:, start:start + n]
         start += n
-        if item == 1:
-            arr = chunk if t.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(chunk, t.dtype)
-        else:
-            arr = jax.lax.bitcast_convert_type(chunk.reshape(rows, n // item, item), t.dtype)
+        arr = jax.lax.bitcast_convert_type(chunk if item == 1 else chunk.reshape(rows, n // item, item), t.dtype)
         out[k] = arr.reshape(rows, *per_row)
     return out

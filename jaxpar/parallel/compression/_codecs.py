@@ -8,8 +8,8 @@ dict of arrays with the same leading row axis, and back:
 * ``decode(payload) -> f32[rows, K]``
 * ``wire_bytes(n, replicas)``: bytes one device sends for a compressed mean of ``n``
   values over ``replicas`` devices (:mod:`jaxpar.parallel.compression._collective`: all-to-all, then all-gather)
-* ``init(n)``: the codec's own state (none for these; error-feedback residuals are
-  kept by the exchange when ``error_feedback`` is true)
+* error-feedback residuals and momenta are the exchange's state
+  (:meth:`~jaxpar.parallel.compression.ExchangePlan.init`)
 
 Codes are packed: 4 ternary codes or 8 signs per byte; scales are fp32 per bucket.
 The payload travels as one ``uint8`` buffer per row (:func:`~jaxpar.parallel.compression._bits.to_bytes`).
@@ -57,17 +57,6 @@ class Codec(BaseCodec):
     optimizer_momentum: float = 0.0   # > 0: Adam's first moment is what is compressed (1-bit Adam)
     start_step: int = 0      # steps before it: the exact (uncompressed) exchange
 
-    def init(self, n: int) -> dict:
-        """The codec's own state: none.
-
-        Args:
-          n: the values exchanged.
-
-        Returns:
-          ``{}``.
-        """
-        return {}
-
     def row_bytes(self, k: int) -> int:
         """Payload bytes of one row of ``k`` values.
 
@@ -93,21 +82,19 @@ class Codec(BaseCodec):
         unit = replicas * self.block
         return -(-n // unit) * unit
 
-    def wire_bytes(self, n: int, replicas: int, *, scatter: bool = False) -> int:
+    def wire_bytes(self, n: int, replicas: int) -> int:
         """Bytes one device sends for the mean of ``n`` values over ``replicas`` devices: an
-        all-to-all of its ``replicas - 1`` foreign rows, then (not for ``scatter``, the
-        reduce-scatter half) an all-gather of its own re-encoded row to the others.
+        all-to-all of its ``replicas - 1`` foreign rows, then an all-gather of its own re-encoded
+        row to the others.
 
         Args:
           n: the values exchanged.
           replicas: the devices the mean is over.
-          scatter: only the reduce-scatter half.
 
         Returns:
           The bytes.
         """
-        k = self.padded(n, replicas) // replicas
-        return (replicas - 1) * self.row_bytes(k) * (1 if scatter else 2)
+        return 2 * (replicas - 1) * self.row_bytes(self.padded(n, replicas) // replicas)
 
 
 def _buckets(x: jax.Array, bucket: int) -> jax.Array:
@@ -118,10 +105,6 @@ def _check_bucket(name: str, bucket: int) -> None:
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 8 or bucket % 8:
         raise CompressionError(f"{name}(bucket={bucket!r}): the bucket (values sharing one scale) must be an int, "
                                "a multiple of 8 and >= 8, e.g. bucket=512.")
-
-
-def _uniform(key, shape):
-    return jax.random.uniform(key, shape, jnp.float32)
 
 
 def qsgd(*, levels: int = 127, bucket: int = 512, error_feedback: bool = False) -> Codec:
@@ -147,7 +130,7 @@ def qsgd(*, levels: int = 127, bucket: int = 512, error_feedback: bool = False) 
         norm = jnp.sqrt(jnp.sum(v * v, axis=-1, keepdims=True))
         u = jnp.abs(v) / jnp.where(norm > 0, norm, 1.0) * levels
         low = jnp.floor(u)
-        q = low + (_uniform(key, v.shape) < u - low)
+        q = low + (jax.random.uniform(key, v.shape, jnp.float32) < u - low)
         codes = (jnp.sign(v) * q).astype(jnp.int8).reshape(x.shape)
         return {"codes": codes, "norm": norm[..., 0]}
 
@@ -182,7 +165,7 @@ def terngrad(*, bucket: int = 512, clip: float | None = 2.5, error_feedback: boo
             c = clip * jnp.std(v, axis=-1, keepdims=True)
             v = jnp.clip(v, -c, c)
         scale = jnp.max(jnp.abs(v), axis=-1, keepdims=True)
-        keep = _uniform(key, v.shape) < jnp.abs(v) / jnp.where(scale > 0, scale, 1.0)
+        keep = jax.random.uniform(key, v.shape, jnp.float32) < jnp.abs(v) / jnp.where(scale > 0, scale, 1.0)
         t = (jnp.sign(v) * keep + 1).astype(jnp.uint8).reshape(x.shape)     # 0, 1, 2
         return {"codes": pack_bits(t, 2), "scale": scale[..., 0]}
 
@@ -202,11 +185,19 @@ def _unsigns(packed):
     return unpack_bits(packed, 1, packed.shape[1] * 8)
 
 
-def _check_momentum(name: str, momentum) -> float:
+def _one_bit(name: str, encode: Callable, decode: Callable, bucket: int, error_feedback: bool, momentum,
+             optimizer_momentum, start_step) -> Codec:
+    """The :class:`Codec` of :func:`sign` or :func:`onebit`, its options checked."""
+    _check_bucket(name, bucket)
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
         raise CompressionError(f"{name}(momentum={momentum!r}): the momentum compressed in place of the gradient "
                                "must lie in [0, 1), e.g. momentum=0.9 with a momentum-free optimizer (SGD), or 0.")
-    return float(momentum)
+    momentum = float(momentum)
+    start_step, optimizer_momentum = check_start(name, start_step, optimizer_momentum, momentum)
+    options = {"bucket": bucket, "momentum": momentum, "optimizer_momentum": optimizer_momentum,
+               "start_step": start_step}
+    return Codec(name, encode, decode, bucket, error_feedback, options, momentum=momentum,
+                 optimizer_momentum=optimizer_momentum, start_step=start_step)
 
 
 def sign(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.0,
@@ -228,10 +219,6 @@ def sign(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.
     Returns:
       The :class:`Codec`.
     """
-    _check_bucket("sign", bucket)
-    momentum = _check_momentum("sign", momentum)
-    start_step, optimizer_momentum = check_start("sign", start_step, optimizer_momentum, momentum)
-
     def encode(x, key):
         v = _buckets(x, bucket)
         return {"signs": _signs(x), "scale": jnp.mean(jnp.abs(v), axis=-1)}
@@ -240,10 +227,7 @@ def sign(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.
         s = _unsigns(p["signs"]).astype(jnp.float32) * 2.0 - 1.0
         return (_buckets(s, bucket) * p["scale"][..., None]).reshape(s.shape)
 
-    return Codec("sign", encode, decode, bucket, error_feedback,
-                 {"bucket": bucket, "momentum": momentum, "optimizer_momentum": optimizer_momentum,
-                  "start_step": start_step}, momentum=momentum, optimizer_momentum=optimizer_momentum,
-                 start_step=start_step)
+    return _one_bit("sign", encode, decode, bucket, error_feedback, momentum, optimizer_momentum, start_step)
 
 
 def onebit(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 0.0,
@@ -259,10 +243,6 @@ def onebit(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 
     Returns:
       The :class:`Codec`.
     """
-    _check_bucket("onebit", bucket)
-    momentum = _check_momentum("onebit", momentum)
-    start_step, optimizer_momentum = check_start("onebit", start_step, optimizer_momentum, momentum)
-
     def encode(x, key):
         v = _buckets(x, bucket)
         pos = v >= 0
@@ -275,10 +255,7 @@ def onebit(*, bucket: int = 512, error_feedback: bool = True, momentum: float = 
         b = _buckets(_unsigns(p["signs"]), bucket) > 0
         return jnp.where(b, p["hi"][..., None], p["lo"][..., None]).reshape(b.shape[0], -1)
 
-    return Codec("onebit", encode, decode, bucket, error_feedback,
-                 {"bucket": bucket, "momentum": momentum, "optimizer_momentum": optimizer_momentum,
-                  "start_step": start_step}, momentum=momentum, optimizer_momentum=optimizer_momentum,
-                 start_step=start_step)
+    return _one_bit("onebit", encode, decode, bucket, error_feedback, momentum, optimizer_momentum, start_step)
 
 
 _CASTS = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float8_e4m3fn": jnp.float8_e4m3fn,

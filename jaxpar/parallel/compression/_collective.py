@@ -45,12 +45,8 @@ from jaxpar.compat._table import codec_problems, raise_first
 from jaxpar.parallel._data_parallel import axis_name, unflatten_leaf
 from jaxpar.parallel.compression._codecs import Codec
 from jaxpar.parallel.compression._bits import from_bytes, to_bytes
-from jaxpar.parallel.compression._powersgd import PowerSGD
+from jaxpar.parallel.compression._powersgd import PowerSGD, mean_of
 from jaxpar.parallel.compression._sparse import Sparsifier
-
-
-def _rows(g: jax.Array, d: int, n: int) -> jax.Array:
-    return jnp.moveaxis(g, d, 0).reshape(n, -1)
 
 
 def _round_up(x: int, unit: int) -> int:
@@ -76,17 +72,13 @@ class ExchangePlan:
         return tuple(d is not None and tuple(a) == self.axes for d, a in zip(self.dims, self.grad_axes))
 
     @property
-    def _block(self) -> int:
-        return self.codec.block if isinstance(self.codec, Codec) else 1
-
-    @property
     def widths(self) -> tuple[int, int, int]:
         """``(Ks, Kr, Lr)``: row width of the sharded part and of the rest (both padded to
         the codec's block), and the rest's true length."""
-        n = self.replicas
+        n, block = self.replicas, self.codec.block if isinstance(self.codec, Codec) else 1
         ks = sum(math.prod(s) // n for s, sc in zip(self.shapes, self.scattered) if sc)
         lr = sum(math.prod(s) for s, sc in zip(self.shapes, self.scattered) if not sc)
-        return _round_up(ks, self._block), _round_up(-(-lr // n), self._block), lr
+        return _round_up(ks, block), _round_up(-(-lr // n), block), lr
 
     @property
     def flat_size(self) -> int:
@@ -96,7 +88,7 @@ class ExchangePlan:
     def _pack(self, leaves: list) -> jax.Array:
         """``f32[N, Ks + Kr]`` from the local gradient leaves."""
         n, (ks, kr, lr) = self.replicas, self.widths
-        sc = [_rows(g, d, n) for g, d, s in zip(leaves, self.dims, self.scattered) if s]
+        sc = [jnp.moveaxis(g, d, 0).reshape(n, -1) for g, d, s in zip(leaves, self.dims, self.scattered) if s]
         rest = [g.reshape(-1) for g, s in zip(leaves, self.scattered) if not s]
         zero = jnp.zeros((n, 0), jnp.float32)
         left = jnp.concatenate(sc, axis=1) if sc else zero
@@ -118,13 +110,13 @@ class ExchangePlan:
                 continue
             full = rest[b:b + size].reshape(shape)
             b += size
-            out.append(_own_slice(full, d, ax) if d is not None and ax else full)
+            out.append(_own_slice(full, d, ax))
         return out
 
     # ------------------------------------------------------------------ state
     def init(self) -> dict:
         """One replica's state (arrays without a replica axis)."""
-        c, (ks, kr, _) = self.codec, self.widths
+        c, (_, kr, _) = self.codec, self.widths
         if isinstance(c, PowerSGD):
             mats = [c.matrix(tuple(s), st) for s, st in zip(self.shapes, self.stacked)]
             key = jax.random.key(c.seed)
@@ -329,24 +321,19 @@ class ExchangePlan:
             return full, tuple(qs), res
 
         def uncompressed(ms, qs):
-            flat = mean(jnp.concatenate([m.reshape(-1) for m in ms]))
-            full, start = [], 0
-            for m in ms:
-                full.append(flat[start:start + m.size].reshape(m.shape))
-                start += m.size
-            return full, tuple(qs), tuple(jnp.zeros_like(m) for m in ms)
+            return mean_of(mean, ms), tuple(qs), tuple(jnp.zeros_like(m) for m in ms)
 
         if c.start_step > 0:
             full, qs, res = jax.lax.cond(step >= c.start_step, compressed, uncompressed, ms, state["q"])
         else:
             full, qs, res = compressed(ms, state["q"])
-        out = [_own_slice(f, d, ax_) if d is not None and ax_ else f
-               for f, d, ax_ in zip(full, self.dims, self.grad_axes)]
-        return out, {"residual": res, "q": qs}
+        return [_own_slice(f, d, a) for f, d, a in zip(full, self.dims, self.grad_axes)], {"residual": res, "q": qs}
 
 
-def _own_slice(full: jax.Array, d: int, axes: tuple[str, ...]) -> jax.Array:
-    """This device's block of ``full`` along ``d`` over ``axes`` (``tiled`` order)."""
+def _own_slice(full: jax.Array, d: int | None, axes: tuple[str, ...]) -> jax.Array:
+    """This device's block of ``full`` along ``d`` over ``axes`` (``tiled`` order); ``full`` where none."""
+    if d is None or not axes:
+        return full
     n = math.prod(jax.lax.axis_size(a) for a in axes)
     i = jax.lax.axis_index(axis_name(tuple(axes)))
     size = full.shape[d] // n

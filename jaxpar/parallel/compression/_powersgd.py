@@ -29,6 +29,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 
 from jaxpar.errors import check_int
 from jaxpar.parallel.compression._base import BaseCodec, CompressionError
@@ -95,11 +96,10 @@ class PowerSGD(BaseCodec):
           The three lists.
         """
         ps = [jnp.einsum("bnm,bmr->bnr", m, q) for m, q in zip(ms, qs)]
-        flat = mean(_concat(ps + [p.reshape(-1) for p in plain]))
-        pieces = _split(flat, [p.shape for p in ps] + [p.shape for p in plain])
+        pieces = mean_of(mean, ps + list(plain))
         ps, plain = [orthonormalize(p) for p in pieces[:len(ps)]], pieces[len(ps):]
         qs = [jnp.einsum("bnm,bnr->bmr", m, p) for m, p in zip(ms, ps)]
-        qs = _split(mean(_concat(qs)), [q.shape for q in qs]) if qs else []
+        qs = mean_of(mean, qs) if qs else []
         approx = [jnp.einsum("bnr,bmr->bnm", p, q) for p, q in zip(ps, qs)]
         return approx, qs, plain
 
@@ -157,17 +157,18 @@ def orthonormalize(p: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, r, column, p)
 
 
-def _concat(xs: list) -> jax.Array:
-    return jnp.concatenate([x.reshape(-1) for x in xs]) if xs else jnp.zeros((0,), jnp.float32)
+def mean_of(mean: Callable, xs: list) -> list:
+    """``xs`` averaged by ``mean`` (``f32[k] -> f32[k]``, over the replicas) as one flat vector: one collective.
 
+    Args:
+      mean: the mean of a flat fp32 vector over the replicas.
+      xs: fp32 arrays.
 
-def _split(flat: jax.Array, shapes: list) -> list:
-    out, start = [], 0
-    for s in shapes:
-        n = math.prod(s)
-        out.append(flat[start:start + n].reshape(s))
-        start += n
-    return out
+    Returns:
+      The averaged arrays, ``xs``' shapes.
+    """
+    flat, unflatten = ravel_pytree(list(xs))
+    return unflatten(mean(flat))
 
 
 def powersgd(rank: int = 4, *, warm_start: bool = True, start_step: int = 0,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxpar.errors import check_int
 from jaxpar.parallel.compression._base import BaseCodec, CompressionError, check_start
 
 
@@ -78,17 +79,6 @@ class Sparsifier(BaseCodec):
             return jnp.zeros((), jnp.int32)
         return jnp.minimum(step // self.warmup_steps, len(self.warmup)).astype(jnp.int32)
 
-    def init(self, n: int) -> dict:
-        """The codec's own state: the velocity with momentum correction.
-
-        Args:
-          n: the values exchanged.
-
-        Returns:
-          ``{"velocity": f32[n]}``, or ``{}`` without momentum.
-        """
-        return {"velocity": jnp.zeros((n,), jnp.float32)} if self.momentum else {}
-
     def indices(self, v: jax.Array, key, k: int, weight: jax.Array | None = None) -> jax.Array:
         """Which ``k`` entries of ``v`` to send (random-k: ``key`` must agree on every replica;
         top-k: the largest ``|v| * weight``).
@@ -136,16 +126,15 @@ class Sparsifier(BaseCodec):
         out = jnp.zeros((n,), jnp.float32)
         return out.at[payload["indices"].reshape(-1)].add(payload["values"].reshape(-1).astype(jnp.float32))
 
-    def wire_bytes(self, n: int, replicas: int, *, density: float | None = None, scatter: bool = False) -> int:
+    def wire_bytes(self, n: int, replicas: int, *, density: float | None = None) -> int:
         """Bytes one device sends: top-k all-gathers ``k`` (fp32 value, int32 index) pairs to the
         ``replicas - 1`` others; random-k all-reduces ``k`` fp32 values (a ring: ``2 (N-1)/N`` of
-        them). The reduce-scatter half costs the same (each replica needs every value).
+        them).
 
         Args:
           n: the values exchanged.
           replicas: the devices the mean is over.
           density: the share sent, or ``None``: ``ratio``.
-          scatter: only the reduce-scatter half (the same bytes).
 
         Returns:
           The bytes.
@@ -169,20 +158,8 @@ def _check(name: str, ratio, momentum, warmup, warmup_steps) -> None:
         if not isinstance(d, (int, float)) or not 0 < d <= 1:
             raise CompressionError(f"{name}(warmup={tuple(warmup)!r}): every warm-up density must be in (0, 1], "
                                    "e.g. warmup=(0.25, 0.063, 0.015, 0.004).")
-    if warmup and (not isinstance(warmup_steps, int) or warmup_steps < 1):
-        raise CompressionError(f"{name}(warmup_steps={warmup_steps!r}): a warm-up needs the number of steps "
-                               "each density lasts (an int >= 1).")
-
-
-def _check_adam(name: str, warmup, start_step, optimizer_momentum, momentum) -> tuple[int, float]:
-    start_step, optimizer_momentum = check_start(name, start_step, optimizer_momentum, momentum)
-    if momentum and start_step:
-        raise CompressionError(f"{name}(momentum={momentum}, start_step={start_step}): momentum correction "
-                               "is not applied during exact steps; use one or the other.")
-    if warmup and start_step:
-        raise CompressionError(f"{name}(warmup={tuple(warmup)!r}, start_step={start_step}): choose one way to "
-                               "start: a sparsity warm-up, or exact steps before compression.")
-    return start_step, optimizer_momentum
+    if warmup:
+        check_int(name, "warmup_steps", warmup_steps, 1, CompressionError)
 
 
 def topk(ratio: float, *, momentum: float = 0.0, warmup: tuple = (), warmup_steps: int = 0,
@@ -208,7 +185,13 @@ def topk(ratio: float, *, momentum: float = 0.0, warmup: tuple = (), warmup_step
         topk(0.01, optimizer_momentum=0.9, start_step=60, partitioned=True, precondition=0.95)
     """
     _check("topk", ratio, momentum, tuple(warmup), warmup_steps)
-    start_step, optimizer_momentum = _check_adam("topk", warmup, start_step, optimizer_momentum, momentum)
+    start_step, optimizer_momentum = check_start("topk", start_step, optimizer_momentum, momentum)
+    if momentum and start_step:
+        raise CompressionError(f"topk(momentum={momentum}, start_step={start_step}): momentum correction "
+                               "is not applied during exact steps; use one or the other.")
+    if warmup and start_step:
+        raise CompressionError(f"topk(warmup={tuple(warmup)!r}, start_step={start_step}): choose one way to "
+                               "start: a sparsity warm-up, or exact steps before compression.")
     if not isinstance(partitioned, bool):
         raise CompressionError(f"topk(partitioned={partitioned!r}): expected True or False.")
     if precondition is not None and precondition != 0:

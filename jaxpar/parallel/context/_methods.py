@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.parallel._regions import collective_in, reduce_dtype, region_axes, region_spec
+from jaxpar.parallel._regions import collective_in, keep_axes, reduce_dtype, region_axes, region_spec
 from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 from jaxpar.parallel.context._attention import check_softcap, check_window, dense_attention
 from jaxpar.parallel.context._zigzag import check_length, from_balanced, sequence_positions, shard_positions, to_balanced
@@ -119,7 +119,7 @@ def _ring_hop(mesh) -> str:
 def context_size() -> int:
     """The size of the ``context`` axis of the mesh of :func:`jaxpar.use_rules` (1: none, or no rules)."""
     ctx = current_rules()
-    return 1 if ctx is None else dict(zip(ctx[0].axis_names, ctx[0].axis_sizes)).get(CONTEXT, 1)
+    return 1 if ctx is None else dict(ctx[0].shape).get(CONTEXT, 1)
 
 
 def sequence_order(length: int):
@@ -212,13 +212,9 @@ def _check_inputs(q, k, v, segment_ids) -> None:
                              f" got {segment_ids.dtype}{list(segment_ids.shape)}.")
 
 
-def _entry(axes: tuple) -> Any:
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
 def _specs(mesh, rules, q, k) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
     """The ``PartitionSpec`` of q, of k/v and of the segment ids, from the rules."""
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    sizes = dict(mesh.shape)
     q_spec = logical_to_spec(QKV_LOGICAL, rules, mesh, shape=q.shape, what="attention: q")
     if axes_of(q_spec[1]) != (CONTEXT,):
         raise ContextParallelError(
@@ -238,12 +234,11 @@ def _sharded(method: Callable, call: _Call, mesh, rules, q, k, v, segment_ids, w
     """``method(call, ...)`` on the local shards, in a ``shard_map`` manual over every axis that splits
     q/k/v (:func:`jaxpar.parallel._regions.region_axes`: the whole mesh when the other axes have size 1; an array
     ``window`` goes in replicated; a static one stays static)."""
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    sizes = dict(mesh.shape)
     specs = _specs(mesh, rules, q, k)
     manual = region_axes(mesh, {a for s in specs for e in s for a in axes_of(e) if sizes[a] > 1})
     body = functools.partial(method, call._replace(wire=reduce_dtype(q.dtype, mesh, manual)))
-    q_spec, kv_spec, seg_spec = (PartitionSpec(*(_entry(tuple(a for a in axes_of(e) if a in manual)) for e in s))
-                                 for s in specs)
+    q_spec, kv_spec, seg_spec = (keep_axes(s, manual) for s in specs)
     args, in_specs = (q, k, v), tuple(region_spec(s, 4, mesh, manual) for s in (q_spec, kv_spec, kv_spec))
     if segment_ids is not None:
         args, in_specs = args + (segment_ids,), in_specs + (seg_spec,)

@@ -149,9 +149,7 @@ def balanced_order(length: int, size: int) -> np.ndarray:
       An int array of the ``length`` positions in balanced order (device ``i`` holds chunks ``i``
       and ``2C-1-i`` of ``2C``).
     """
-    chunk = check_length(length, size, True)
-    order = [c for i in range(size) for c in (i, 2 * size - 1 - i)]
-    return (np.asarray(order)[:, None] * chunk + np.arange(chunk)).reshape(-1)
+    return to_balanced(np.arange(length), 0, size)
 
 
 def to_balanced(x: Any, axis: int, size: int) -> Any:
@@ -163,20 +161,21 @@ def to_balanced(x: Any, axis: int, size: int) -> Any:
       size: the ``context`` axis size C.
 
     Returns:
-      ``x`` gathered along ``axis`` at :func:`balanced_order`.
+      ``x`` reordered along ``axis``: ``to_balanced(x)[j] == x[balanced_order(...)[j]]``.
     """
+    return _chunks(x, axis, size, inverse=False)
+
+
+def _chunks(x: Any, axis: int, size: int, inverse: bool) -> Any:
+    """``x``'s ``2C`` equal chunks along ``axis`` put into the balanced order (``inverse``: back into the
+    natural one): static slices, no gather (XLA's gather partitioner fails inside a ``shard_map``'s
+    manual region)."""
+    n = check_length(x.shape[axis], size, True)
+    placed = [c for i in range(size) for c in (i, 2 * size - 1 - i)]
+    order = [placed.index(c) for c in range(2 * size)] if inverse else placed
     if isinstance(x, np.ndarray):
-        return np.take(x, balanced_order(x.shape[axis], size), axis)
-    check_length(x.shape[axis], size, True)
-    return _chunks(x, axis, [c for i in range(size) for c in (i, 2 * size - 1 - i)])
-
-
-def _chunks(x: Any, axis: int, order: list) -> Any:
-    """``x``'s ``len(order)`` equal chunks along ``axis``, concatenated in ``order``: static slices,
-    no gather (XLA's gather partitioner fails inside a ``shard_map``'s manual region)."""
-    n = x.shape[axis] // len(order)
-    take = lambda c: jax.lax.slice_in_dim(x, c * n, (c + 1) * n, axis=axis)   # noqa: E731
-    return jnp.concatenate([take(c) for c in order], axis=axis)
+        return np.concatenate([np.take(x, range(c * n, (c + 1) * n), axis) for c in order], axis)
+    return jnp.concatenate([jax.lax.slice_in_dim(x, c * n, (c + 1) * n, axis=axis) for c in order], axis=axis)
 
 
 def from_balanced(x: Any, axis: int, size: int) -> Any:
@@ -190,11 +189,7 @@ def from_balanced(x: Any, axis: int, size: int) -> Any:
     Returns:
       ``x`` with its sequence axis in the natural order.
     """
-    if isinstance(x, np.ndarray):
-        return np.take(x, np.argsort(balanced_order(x.shape[axis], size)), axis)
-    check_length(x.shape[axis], size, True)
-    placed = [c for i in range(size) for c in (i, 2 * size - 1 - i)]
-    return _chunks(x, axis, [placed.index(c) for c in range(2 * size)])
+    return _chunks(x, axis, size, inverse=True)
 
 
 def shard_positions(device: Any, shard_length: int, size: int, balance: bool) -> jnp.ndarray:

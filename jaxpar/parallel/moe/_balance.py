@@ -113,9 +113,6 @@ class _Trace:
         self.loads.extend([None] * n)
         return len(self.loads) - n
 
-    def rows(self, field: Any, base: int, n: int) -> Any:
-        return None if field is None else jax.lax.dynamic_slice_in_dim(field, base, n, 0)
-
 
 _TRACE: contextvars.ContextVar = contextvars.ContextVar("jaxpar_moe_trace", default=None)
 
@@ -214,12 +211,12 @@ def _runner(trace: _Trace, inner: Callable | None) -> Callable:
         b, n, e = trace.balance, L * m, experts[0]
         extra = {"index": jnp.zeros((), jnp.int32), "own": jnp.zeros((1, n * e), jnp.int32)}
         if b.step is not None:
-            extra["step"] = trace.rows(b.step, base, n).reshape(1, n * e)
+            extra["step"] = jax.lax.dynamic_slice_in_dim(b.step, base, n, 0).reshape(1, n * e)
         if b.taps is not None:
-            extra["taps"] = trace.rows(b.taps, base, n).reshape(1, n)
+            extra["taps"] = jax.lax.dynamic_slice_in_dim(b.taps, base, n, 0).reshape(1, n)
         if (bias := step_bias()) is not None:
             _bias_rows(bias, base, n)
-            extra["bias"] = trace.rows(bias, base, n).reshape(1, n * e)
+            extra["bias"] = jax.lax.dynamic_slice_in_dim(bias, base, n, 0).reshape(1, n * e)
         y, extra = plain(LayerCall(_slotted(call.layer, m), call.params, call.logical, (call.x, extra), call.remat,
                                    call.scan, call.closure))
         own = extra["own"].reshape(n, e)

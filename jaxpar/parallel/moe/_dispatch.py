@@ -6,7 +6,7 @@ the combine weights. When the rules shard ``experts`` (:func:`expert_rules`), th
 ``jax.shard_map`` manual over the expert axes and the token axes, with two all-to-alls over
 ``expert`` each way (docs/strategies.md, "Expert parallelism", draws it). Expert axes the ``batch``
 rule does not name split the batch on entry and gather the output on exit. Under context
-parallelism (:func:`sequence_axes`) the buffer is reduce-scattered over the slots first and
+parallelism (the axes of the ``length`` rule) the buffer is reduce-scattered over the slots first and
 all-gathered back before the combine.
 
 **The experts** (:func:`expert_mlp`): ``w2(act(x w1))``, or with an up projection ``w3`` the gated
@@ -31,11 +31,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxpar.mesh import EXPERT
-from jaxpar.parallel._regions import collective_in, enter, reduce_dtype, region_axes, region_spec
+from jaxpar.parallel._regions import collective_in, enter, reduce_dtype, region_axes, region_spec, spec_entry
 from jaxpar.rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 from jaxpar.parallel.moe._routing import MoEError
-
-EXPERT_AXIS = EXPERT
 
 #: The experts' activations by name: ``gelu`` is ``jax.nn.gelu`` (its default, tanh-approximate), ``silu``
 #: is ``jax.nn.silu`` (``x * sigmoid(x)``; Hugging Face's ``hidden_act="silu"``).
@@ -73,13 +71,13 @@ def expert_rules(axis_names) -> tuple:
     >>> expert_rules(("data", "expert")), expert_rules(("data",))
     ((('experts', 'expert'),), (('experts', None),))
     """
-    return (("experts", EXPERT_AXIS if EXPERT_AXIS in tuple(axis_names) else None),)
+    return (("experts", EXPERT if EXPERT in tuple(axis_names) else None),)
 
 
-def _hidden(xe: jax.Array, w1: jax.Array, w3: jax.Array | None, activation: str) -> jax.Array:
-    """``act(xe w1)``, times ``xe w3`` when gated: ``[G, E, C, M]``."""
-    h = activation_fn(activation)(jnp.einsum("gecd,edm->gecm", xe, w1))
-    return h if w3 is None else h * jnp.einsum("gecd,edm->gecm", xe, w3)
+def gated_hidden(eq: str, x: jax.Array, w1: jax.Array, w3: jax.Array | None, activation: str) -> jax.Array:
+    """The hidden activations of an MLP: ``act(einsum(eq, x, w1))``, times ``einsum(eq, x, w3)`` when gated."""
+    h = activation_fn(activation)(jnp.einsum(eq, x, w1))
+    return h if w3 is None else h * jnp.einsum(eq, x, w3)
 
 
 def expert_mlp(xe: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array | None = None, *,
@@ -96,7 +94,7 @@ def expert_mlp(xe: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array | None
     Returns:
       ``[G, E, C, D]``.
     """
-    return jnp.einsum("gecm,emd->gecd", _hidden(xe, w1, w3, activation), w2)
+    return jnp.einsum("gecm,emd->gecd", gated_hidden("gecd,edm->gecm", xe, w1, w3, activation), w2)
 
 
 def _masks(expert, slot, weight, experts: int, cap: int, dtype):
@@ -124,7 +122,7 @@ def _local_moe(x, expert, slot, weight, w1, w2, w3=None, *, cap: int, experts: i
                                                    tiled=True), xe)
     if axes:
         xe = jax.lax.all_to_all(xe, axes, split_axis=1, concat_axis=0, tiled=True)
-        h = constrain(_hidden(xe, w1, w3, activation), (None, None, None, "mlp"))
+        h = constrain(gated_hidden("gecd,edm->gecm", xe, w1, w3, activation), (None, None, None, "mlp"))
         ye = jax.lax.all_to_all(jnp.einsum("gecm,emd->gecd", h, w2), axes, split_axis=0, concat_axis=1, tiled=True)
     else:
         ye = expert_mlp(xe, w1, w2, w3, activation=activation)
@@ -133,57 +131,11 @@ def _local_moe(x, expert, slot, weight, w1, w2, w3=None, *, cap: int, experts: i
     return jnp.einsum("gtec,gecd->gtd", combine, ye)
 
 
-def _sizes(mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes))
-
-
-def ep_axes(mesh, rules) -> tuple[str, ...]:
-    """The mesh axes (of size > 1, not already manual) that the ``experts`` logical axis is sharded over.
-
-    Args:
-      mesh: the mesh.
-      rules: the logical rules in use.
-
-    Returns:
-      The axis names; empty: no expert parallelism.
-    """
-    sizes, manual = _sizes(mesh), manual_axes()
-    spec = logical_to_spec(("experts",), rules, mesh, what="MoE expert weights ('experts' axis)")
-    return tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual)
-
-
-def token_axes(mesh, rules, experts_axes: tuple[str, ...]) -> tuple[str, ...]:
-    """The mesh axes that split the tokens' group dimension inside the EP region.
-
-    Args:
-      mesh: the mesh.
-      rules: the logical rules in use.
-      experts_axes: the expert axes (:func:`ep_axes`).
-
-    Returns:
-      The ``batch`` rule's axes (size > 1, not already manual), then the expert axes it does not name.
-    """
-    sizes, manual = _sizes(mesh), manual_axes()
-    spec = logical_to_spec(("batch",), rules, mesh, what="MoE tokens ('batch' axis)")
-    batch = tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual)
-    return batch + tuple(a for a in experts_axes if a not in batch)
-
-
-def sequence_axes(mesh, rules, taken: tuple[str, ...]) -> tuple[str, ...]:
-    """The mesh axes that split the tokens' sequence (the ``length`` rule's: ``context`` under context
-    parallelism).
-
-    Args:
-      mesh: the mesh.
-      rules: the logical rules in use.
-      taken: axes already used by the region (token and expert axes), left out.
-
-    Returns:
-      The axis names of size > 1, not already manual and not in ``taken``.
-    """
-    sizes, manual = _sizes(mesh), manual_axes()
-    spec = logical_to_spec(("length",), rules, mesh, what="MoE tokens ('length' axis)")
-    return tuple(a for a in axes_of(spec[0]) if sizes[a] > 1 and a not in manual and a not in taken)
+def _split_axes(mesh, rules, logical: str, what: str) -> tuple[str, ...]:
+    """The mesh axes of size > 1, not already manual, that the rules split the ``logical`` axis over
+    (``experts``: the expert-parallel axes; ``batch``, ``length``: the tokens' group and sequence)."""
+    spec = logical_to_spec((logical,), rules, mesh, what=what)
+    return tuple(a for a in axes_of(spec[0]) if mesh.shape[a] > 1 and a not in manual_axes())
 
 
 def _check_ep(experts: int, groups: int, ep: tuple[str, ...], tokens: tuple[str, ...], sizes) -> None:
@@ -219,7 +171,6 @@ def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: j
     Returns:
       ``[G, T, D]``: ``sum_k weight * expert(x)`` over the kept choices.
     """
-    activation_fn(activation)
     if w3 is not None and w3.shape != w1.shape:
         raise MoEError(f"the experts' up projection w3 has shape {tuple(w3.shape)}; it must be shaped like the "
                        f"gate projection w1, {tuple(w1.shape)} ([experts, embed, mlp]).")
@@ -227,22 +178,20 @@ def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: j
     local = dict(cap=capacity, experts=E, activation=activation)
     ws = (w1, w2) if w3 is None else (w1, w2, w3)
     ctx = current_rules()
-    if ctx is None:
-        return _local_moe(x, expert, slot, weight, *ws, axes=(), **local)
-    mesh, rules = ctx
-    ep = ep_axes(mesh, rules)
+    ep = () if ctx is None else _split_axes(*ctx, "experts", "MoE expert weights ('experts' axis)")
     if not ep:
         return _local_moe(x, expert, slot, weight, *ws, axes=(), **local)
-    tokens = token_axes(mesh, rules, ep)
-    _check_ep(E, x.shape[0], ep, tokens, _sizes(mesh))
-    seq = sequence_axes(mesh, rules, tokens + ep)
+    mesh, rules = ctx
+    batch = _split_axes(mesh, rules, "batch", "MoE tokens ('batch' axis)")
+    tokens = batch + tuple(a for a in ep if a not in batch)      # the group dimension's axes in the EP region
+    _check_ep(E, x.shape[0], ep, tokens, dict(mesh.shape))
+    seq = tuple(a for a in _split_axes(mesh, rules, "length", "MoE tokens ('length' axis)") if a not in tokens + ep)
     if seq:                     # the slots are scattered over the sequence axes: a multiple of their size
-        n = math.prod(_sizes(mesh)[a] for a in seq)
+        n = math.prod(mesh.shape[a] for a in seq)
         local["cap"] = -(-capacity // n) * n
         slot = jnp.where(slot < capacity, slot, local["cap"])     # the padding slots stay empty
-    entry = lambda axes: axes if len(axes) > 1 else axes[0]    # noqa: E731
-    tok = PartitionSpec(entry(tokens), entry(seq)) if seq else PartitionSpec(entry(tokens))
-    wspec = PartitionSpec(entry(ep))
+    tok = PartitionSpec(spec_entry(tokens), spec_entry(seq)) if seq else PartitionSpec(spec_entry(tokens))
+    wspec = PartitionSpec(spec_entry(ep))
     manual = region_axes(mesh, tokens + ep + seq)
     local["wire"] = reduce_dtype(x.dtype, mesh, manual)    # bf16, or float32 where XLA:CPU needs it
     dtypes = [w.dtype for w in ws]

@@ -41,7 +41,7 @@ from flax import nnx
 
 from jaxpar.parallel.moe._balance import site_balance, step_bias
 from jaxpar.rules import constrain, scoped
-from jaxpar.parallel.moe._dispatch import activation_fn, dispatch_combine
+from jaxpar.parallel.moe._dispatch import activation_fn, dispatch_combine, gated_hidden
 from jaxpar.parallel.moe._routing import MoEError, MoEStats, check_options, route, routing_stats
 
 #: Logical names of the layer's parameters (a model that stacks layers adds a leading ``layers``).
@@ -125,10 +125,7 @@ def shared_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array | None 
     Returns:
       ``[G, T, D]``.
     """
-    h = activation_fn(activation)(jnp.einsum("gtd,ds->gts", x, w1))
-    if w3 is not None:
-        h = h * jnp.einsum("gtd,ds->gts", x, w3)
-    h = constrain(h, ("batch", "length", "mlp"))
+    h = constrain(gated_hidden("gtd,ds->gts", x, w1, w3, activation), ("batch", "length", "mlp"))
     return constrain(jnp.einsum("gts,sd->gtd", h, w2), ("batch", "length", "embed"))
 
 
@@ -169,7 +166,6 @@ def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gat
     Returns:
       ``(y[G, T, D], stats)``; ``y`` is the routed experts' output plus the shared experts'.
     """
-    activation_fn(activation)
     _check_params(params)
     calls = _CALLS.get()
     if calls is not None:

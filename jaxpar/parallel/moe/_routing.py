@@ -157,15 +157,6 @@ def top_k_experts(scores: jax.Array, k: int) -> jax.Array:
     return jnp.stack(picked, axis=-1).astype(jnp.int32)
 
 
-def _gates(logits: jax.Array, gate: str) -> tuple[jax.Array, jax.Array]:
-    """(scores for selection and weights, gate distribution p)."""
-    if gate == "softmax":
-        probs = jax.nn.softmax(logits, axis=-1)
-        return probs, probs
-    scores = jax.nn.sigmoid(logits)
-    return scores, scores / jnp.sum(scores, axis=-1, keepdims=True)
-
-
 def route(x: jax.Array, router: jax.Array, *, top_k: int, gate: str = "softmax",
           capacity_factor: float | None = 1.25, normalize: bool = True,
           bias: jax.Array | None = None) -> Routing:
@@ -187,7 +178,8 @@ def route(x: jax.Array, router: jax.Array, *, top_k: int, gate: str = "softmax",
     E = router.shape[-1]
     check_options(E, top_k, gate, capacity_factor)
     logits = jnp.einsum("gtd,de->gte", x.astype(jnp.float32), router.astype(jnp.float32))
-    scores, probs = _gates(logits, gate)
+    scores = jax.nn.softmax(logits, axis=-1) if gate == "softmax" else jax.nn.sigmoid(logits)   # select, weigh
+    probs = scores if gate == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)     # the gate's p
     select = scores if bias is None else scores + bias.astype(jnp.float32)
     expert = top_k_experts(jax.lax.stop_gradient(select), top_k)
     # a one-hot product rather than a gather: XLA's gather partitioner fails in manual regions

@@ -3,7 +3,7 @@
 Each buffer has a leading slot axis sized by the lowered program (:mod:`._instructions`): the
 residuals of the forwards waiting for their backward, the inboxes of received activations and
 cotangents, and the split backward's frontier kept for W. An action reads a :class:`SlotView` and
-hands back a :class:`TickIO`, which :func:`write_slots` puts into the :class:`PipelineState`. The
+hands back a :class:`TickIO`, which the stage writes into the :class:`PipelineState`. The
 indices come from the table's row for the tick (traced), so every read and write is a
 ``dynamic_slice`` / ``dynamic_update_slice``.
 
@@ -56,8 +56,8 @@ class TickIO(NamedTuple):
     gys: list          # the frontier buffers, B (split) having written slot ``grad``
     loss: Any
     res: list          # the residual buffers, F having written slot ``res``
-    send_b: Any        # cotangent for the previous virtual stage (zeros when none)
-    send_f: Any        # activation for the next virtual stage (zeros when none)
+    send_b: Any        # B's cotangent for the previous virtual stage (zeros: none; the tick's pairs say who gets it)
+    send_f: Any        # F's activation for the next virtual stage (likewise)
     metrics: Any = None  # F (last): the sums with what the loss reported added
 
 
@@ -67,7 +67,6 @@ class SlotView(NamedTuple):
     no slot is copied out or back)."""
 
     dy: Any            # inbox_b[inbox]: B's received cotangent
-    dy_out: Any        # inbox_b[dy]
     g_chunk: Any       # g_blocks[chunk]
     g_outer: Any
     gys: list          # grads_y: B (split) writes slot ``grad``, W reads it
@@ -100,30 +99,3 @@ def put_tree(tree, i, values):
 def zeros_like_tree(tree: Any) -> Any:
     """Zeros shaped like every leaf of ``tree`` (arrays or shapes)."""
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
-
-
-def read_slots(st: PipelineState, sl: Slots) -> SlotView:
-    """What an action on the slots ``sl`` reads of the state ``st``: the inbox slots and the chunk's
-    gradient sum at ``sl``, the residual and frontier buffers whole, and the sums."""
-    return SlotView(x=take_tree(st.inbox_f, sl.inbox), dy=take_tree(st.inbox_b, sl.inbox),
-                    dy_out=take_tree(st.inbox_b, sl.dy),
-                    res=st.res, gys=st.grads_y,
-                    g_chunk=take_tree(st.g_blocks, sl.chunk), g_outer=st.g_outer, loss=st.loss,
-                    metrics=st.metrics)
-
-
-def write_slots(st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
-    """``st`` with what an action on the slots ``sl`` hands back written (a ``None`` field of ``io``
-    leaves its buffer as it was)."""
-    new = st._replace(g_outer=io.g_outer, loss=io.loss)
-    if io.res is not None:
-        new = new._replace(res=io.res)
-    if io.dy_out is not None:
-        new = new._replace(inbox_b=put_tree(st.inbox_b, sl.dy, io.dy_out))
-    if io.metrics is not None:
-        new = new._replace(metrics=io.metrics)
-    if io.gys is not None:
-        new = new._replace(grads_y=io.gys)
-    if io.g_chunk is not None:
-        new = new._replace(g_blocks=jax.tree.map(lambda a, g: put(a, sl.chunk, g), st.g_blocks, io.g_chunk))
-    return new

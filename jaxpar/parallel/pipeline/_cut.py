@@ -74,11 +74,7 @@ class PipelineParts:
 
 
 class _Reached(Exception):
-    """Raised at the stacked-layers call to end the ``pre`` part there."""
-
-    def __init__(self, x):
-        super().__init__("the model reached its stacked layers")
-        self.x = x
+    """Raised at the stacked-layers call to end the ``pre`` part there; its argument: the call's input."""
 
 
 def _stop(call):
@@ -179,13 +175,6 @@ def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec)
 
 
-def _explicit_mode(loss_fn: Callable, graphdef, shapes: Any, batch: Any, mesh, own_specs: Any) -> "_Explicit":
-    """How a model that pins shardings by mesh axes runs: its batch axes decided by an abstract trace."""
-    whole = lambda p, b: loss_fn(nnx.merge(graphdef, p), b)     # noqa: E731
-    own = jax.tree.map(lambda sp: spec_without(sp, {"pipe"}), own_specs, is_leaf=_is_spec)  # stages hold layers
-    return _Explicit(mesh, own, model_batch_axes(whole, own, shapes, batch, mesh))
-
-
 def explicit_whole_loss(loss_fn: Callable, graphdef, shapes: Any, batch: Any, mesh, own_specs: Any) -> Callable:
     """The whole model's loss ``(params, batch) -> loss`` in JAX's explicit mode, as :func:`cut_model` runs a
     model that pins shardings by mesh axes.
@@ -201,21 +190,25 @@ def explicit_whole_loss(loss_fn: Callable, graphdef, shapes: Any, batch: Any, me
     Returns:
       The loss, for use under ``jit`` with ``Auto`` axes.
     """
-    explicit = _explicit_mode(loss_fn, graphdef, shapes, batch, mesh, own_specs)
-    return explicit.whole(lambda p, b: loss_fn(nnx.merge(graphdef, p), b))
+    explicit = _Explicit(loss_fn, graphdef, shapes, batch, mesh, own_specs)
+    return explicit.whole(explicit.loss)
 
 
 class _Explicit:
     """How the parts of a model that pins shardings by mesh axes enter JAX's explicit mode: the
     outer parameters (gathered over the data axes, as the pipeline holds them), one layer's
     parameters (its own specs without the ``layers`` entry), activations and micro-batches split
-    over the data axes the model splits its batch over (:func:`~jaxpar.adapters._mesh_axes.model_batch_axes`;
-    the others stay ``Auto``) on their batch dimension."""
+    over the data axes the model splits its batch over (:func:`~jaxpar.adapters._mesh_axes.model_batch_axes`,
+    from an abstract trace of the loss; the others stay ``Auto``) on their batch dimension."""
 
-    def __init__(self, mesh, own: Any, batch_axes: tuple[str, ...] | None):
-        self.mesh, self.drop, self.own = mesh, set(data_axes(mesh)), own
-        batch_axes = data_axes(mesh) if batch_axes is None else batch_axes     # None: nothing traced
-        self.axes, self.auto = batch_axes, tuple(a for a in data_axes(mesh) if a not in batch_axes)
+    def __init__(self, loss_fn: Callable, graphdef, shapes: Any, batch: Any, mesh, own_specs: Any):
+        self.loss = lambda p, b: loss_fn(nnx.merge(graphdef, p), b)
+        self.mesh, self.drop = mesh, set(data_axes(mesh))
+        # the stages hold the layers: their specs drop ``pipe``
+        self.own = jax.tree.map(lambda sp: spec_without(sp, {"pipe"}), own_specs, is_leaf=_is_spec)
+        batch_axes = model_batch_axes(self.loss, self.own, shapes, batch, mesh)
+        self.axes = data_axes(mesh) if batch_axes is None else batch_axes     # None: nothing traced
+        self.auto = tuple(a for a in data_axes(mesh) if a not in self.axes)
 
     def call(self, fn: Callable, specs_of: Callable) -> Callable:
         return explicit_call(fn, self.mesh, specs_of, self.auto)
@@ -299,25 +292,21 @@ def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any, *, mesh=None
     except PipelineCutError as e:
         if mesh is None or own_specs is None or not needs_explicit_mesh(e.__cause__ or e):
             raise
-        explicit = _explicit_mode(loss_fn, graphdef, shapes, batch, mesh, own_specs)
+        explicit = _Explicit(loss_fn, graphdef, shapes, batch, mesh, own_specs)
         site = _site(loss_fn, graphdef, shapes, batch, explicit)
-    params_treedef = jax.tree.structure(params)
-    all_leaves = jax.tree.leaves(shapes)
-    inside = set(site.leaves)
+    cut = ModelCut(None, site.leaves, site.treedef, jax.tree.structure(params), site.x)
+    blocks = cut.split(shapes)[1]
 
     def model(outer: list):
         """The model with ``outer`` and zero placeholders for the blocks (intercepted before they are read)."""
-        rest, leaves = iter(outer), []
-        for i in range(len(all_leaves)):
-            leaves.append(jnp.zeros(all_leaves[i].shape, all_leaves[i].dtype) if i in inside else next(rest))
-        return nnx.merge(graphdef, params_treedef.unflatten(leaves))
+        return nnx.merge(graphdef, cut.merge(outer, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), blocks)))
 
     def pre(outer, mb):
         try:
             with use_layer_runner(_stop):
                 loss_fn(model(outer), mb)
         except _Reached as reached:
-            return reached.x
+            return reached.args[0]
         raise PipelineCutError("pipeline: the loss ran to its end without reaching its stacked layers "
                                "(they are only run for some inputs); the first stage cannot be cut.")
 
@@ -326,8 +315,6 @@ def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any, *, mesh=None
             return loss_fn(model(outer), mb)
 
     layer = site.layer
-    block_leaves = site.leaves
-    cut = ModelCut(None, block_leaves, site.treedef, params_treedef, site.x)
     if explicit is not None:
         pre, layer, post = explicit.parts(cut.split, pre, layer, post)
     body = with_remat(layer, site.remat)

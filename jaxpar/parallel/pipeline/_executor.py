@@ -44,7 +44,7 @@ from jaxpar.rules import drop_axes, use_rules
 from jaxpar.parallel.pipeline._cut import PipelineParts
 from jaxpar.parallel.pipeline._instructions import Program
 from jaxpar.parallel.pipeline._partition import check_blocks_layout
-from jaxpar.parallel.pipeline._stage import PIPE, LockstepStage, Stage, run_ticks, stage_counts, tick_table
+from jaxpar.parallel.pipeline._stage import PIPE, Stage, run_ticks, stage_counts, tick_table
 
 
 def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program, *,
@@ -62,7 +62,7 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
             manual too; every gradient gets a leading replica axis sharded over them; the loss is their mean.
         with_metrics: also return what ``parts.post`` reported (:func:`jaxpar.report_metric`), averaged.
         lockstep: ``program`` is a lockstep table (``lower(lockstep(schedule))``, :mod:`._lockstep`): every stage
-            runs each tick's action, masked where it has none (:class:`~._stage.LockstepStage`), so no collective inside
+            runs each tick's action, masked where it has none (:class:`~._stage.Stage`), so no collective inside
             an action is reached by some devices only.
 
     Returns:
@@ -72,48 +72,33 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
         ``microbatches``: ``[m, rows, ...]``. The loss is the mean of the micro-batch losses, the gradients
         (float32) those of that mean; ``g_outer`` adds ``pre``'s and ``post``'s (tied weights get both).
     """
-    p, v = program.schedule.num_stages, program.schedule.num_chunks
     counts = stage_counts(program, mesh, stage_layers)      # [chunk, stage]
-    lmax = int(counts.max())
     table = tick_table(program, lockstep=lockstep)
     replica_axes = tuple(replica_axes)
     rep_entry = (replica_axes if len(replica_axes) > 1 else replica_axes[0]) if replica_axes else None
+    lead = (rep_entry,) if replica_axes else ()          # the gradients' leading replica axis
+    rows = (None, rep_entry) if replica_axes else ()     # the micro-batches' rows over the replicas
 
     def body(outer, blocks, mbs):
-        stage = (LockstepStage if lockstep else Stage)(parts, program, counts, outer,
-                                                       jax.tree.map(lambda a: a[:, 0], blocks), mbs)
+        stage = Stage(parts, program, counts, outer, jax.tree.map(lambda a: a[:, 0], blocks), mbs, lockstep)
         st, _ = run_ticks(stage, table, stage.initial_state(program))
         g_blocks = jax.tree.map(lambda a: a[:, None], st.g_blocks)
         loss, g_outer = jax.lax.psum(st.loss, PIPE) / stage.m, jax.lax.psum(st.g_outer, PIPE)
         metrics = jax.tree.map(lambda a: jax.lax.psum(a, PIPE) / stage.m, st.metrics)   # the last stage's sums
-        if replica_axes:
-            lead = lambda t: jax.tree.map(lambda a: a[None], t)   # noqa: E731
-            return jax.lax.pmean((loss, metrics), rep_entry), (lead(g_outer), lead(g_blocks))
+        if replica_axes:        # each replica's own gradients, a leading axis
+            return jax.lax.pmean((loss, metrics), rep_entry), jax.tree.map(lambda a: a[None], (g_outer, g_blocks))
         return (loss, metrics), (g_outer, g_blocks)
 
-    rep, stage_spec, out_outer, out_blocks, mbs_spec = _specs(rep_entry)
     inner_rules = drop_axes(rules, (PIPE, *replica_axes))
+    specs = lambda t, *entries: jax.tree.map(lambda _: P(*entries), t)   # noqa: E731
 
     def fn(outer, blocks, mbs):
-        check_blocks_layout(blocks, v, p, lmax, stage_layers)
+        check_blocks_layout(blocks, counts, stage_layers)
         smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE, *replica_axes}, check_vma=False,
-                             in_specs=(rep(outer), stage_spec(blocks), mbs_spec(mbs)),
-                             out_specs=(P(), (out_outer(outer), out_blocks(blocks))))
+                             in_specs=(specs(outer), specs(blocks, None, PIPE), specs(mbs, *rows)),
+                             out_specs=(P(), (specs(outer, *lead), specs(blocks, *lead, None, PIPE))))
         with use_rules(mesh, inner_rules), use_layer_runner(None):
             (loss, metrics), grads = smap(outer, blocks, mbs)
         return (loss, grads, metrics) if with_metrics else (loss, grads)
 
     return fn
-
-
-def _specs(rep_entry) -> tuple[Callable, ...]:
-    """The ``shard_map`` specs as functions of a tree: ``(replicated, blocks in, g_outer out,
-    g_blocks out, micro-batches in)``; ``rep_entry``: the replica axes' entry, or ``None``."""
-    stage_spec = lambda t: jax.tree.map(lambda _: P(None, PIPE), t)   # noqa: E731
-    rep = lambda t: jax.tree.map(lambda _: P(), t)                    # noqa: E731
-    if rep_entry is None:
-        return rep, stage_spec, rep, stage_spec, rep
-    out_outer = lambda t: jax.tree.map(lambda _: P(rep_entry), t)               # noqa: E731
-    out_blocks = lambda t: jax.tree.map(lambda _: P(rep_entry, None, PIPE), t)  # noqa: E731
-    mbs_spec = lambda t: jax.tree.map(lambda _: P(None, rep_entry), t)          # noqa: E731
-    return rep, stage_spec, out_outer, out_blocks, mbs_spec

@@ -1,13 +1,6 @@
-"""Lockstep schedules: every stage runs the same kind of action (F, B or W) at every tick.
-
-Pure Python (no JAX). The executor runs a lockstep table with every stage taking the tick's action,
-masked where it has none (:class:`~jaxpar.parallel.pipeline._stage.LockstepStage`), so a collective
-inside an action (sequence parallelism's over ``tensor``) is reached by every device; docs/pipeline.md
-("Lockstep programs") has the why and the costs. :func:`lockstep` re-times a flush schedule: the kinds
-take turns (F, B, W, F, ...; a kind no stage can run is passed over), every stage whose next action
-is of the tick's kind and ready runs it, and a stage may run its next forward ahead of pending
-backwards while it holds fewer than ``peak + p - 1 - s`` micro-batches. The earliest unfinished
-action of the original table is always ready, so the re-timing never deadlocks.
+"""Lockstep schedules: every stage runs the same kind of action (F, B or W) at every tick, so a collective
+inside an action is reached by every device (pure Python; docs/pipeline.md, "Lockstep programs", has the
+re-timing rule, the why and the costs). :func:`lockstep` re-times a flush schedule.
 
 Example:
     >>> from jaxpar.parallel.pipeline._schedules import one_f_one_b, num_ticks, peak_in_flight
@@ -83,6 +76,5 @@ def _next_of(kind: str, order: list[Action], s: int, done: set, p: int, v: int, 
     if kind != "F":
         return None
     ahead = next((a for a in pending if a.kind == "F"), None)
-    in_flight = sum(a.kind == "F" for a in order if (s, a) in done) - sum(a.kind == "B" for a in order
-                                                                           if (s, a) in done)
+    in_flight = sum((a.kind == "F") - (a.kind == "B") for a in order if (s, a) in done)
     return ahead if ahead is not None and ready(ahead) and in_flight < room else None

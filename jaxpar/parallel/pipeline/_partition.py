@@ -66,16 +66,13 @@ def partition_layers(costs: Sequence[float], num_stages: int, *, first_extra: fl
         raise PartitionError(f"cannot split {L} layers over {num_stages} stages: every stage needs at "
                              "least one layer. Use fewer stages or more layers.")
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, float))])
-    INF = math.inf
-    # best[k][i]: min over partitions of layers[:i] into k stages of the max stage cost
-    best = [[INF] * (L + 1) for _ in range(num_stages + 1)]
+    # best[k][i]: min over partitions of layers[:i] into k stages of the max stage cost (inf: none)
+    best = [[math.inf] * (L + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (L + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0.0
     for k in range(1, num_stages + 1):
         for i in range(k, L - (num_stages - k) + 1):
             for j in range(k - 1, i):
-                if best[k - 1][j] == INF:
-                    continue
                 c = prefix[i] - prefix[j] + (first_extra if k == 1 else 0.0)
                 c += last_extra if k == num_stages else 0.0
                 worst = max(best[k - 1][j], c)
@@ -110,7 +107,6 @@ def layer_costs(parts: Any, outer: Any, layer: Any, batch: Any) -> tuple[float, 
         """FLOPs of ``fn``'s compiled gradient at ``args`` from XLA's cost analysis (0.0 if it has none)."""
         grad = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums)
         analysis = jax.jit(grad).lower(*args).compile().cost_analysis()
-        analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
         return float((analysis or {}).get("flops", 0.0))
 
     return (flops(parts.layer, (0, 1), layer, x), flops(parts.pre, 0, outer, batch),
@@ -200,16 +196,15 @@ def from_stages(stage_blocks: Any, stage_layers: Sequence[int], num_layers: int)
                         stage_blocks)
 
 
-def check_blocks_layout(blocks, v: int, p: int, lmax: int, stage_layers) -> None:
-    """A ``ValueError`` unless every block leaf is laid out as :func:`to_stages` lays it out.
+def check_blocks_layout(blocks, counts: np.ndarray, stage_layers) -> None:
+    """A :class:`PartitionError` unless every block leaf is laid out as :func:`to_stages` lays it out.
 
     Args:
         blocks: the block parameters (or gradients) as given to the executor.
-        v: chunks per device.
-        p: pipeline stages.
-        lmax: the most layers of a virtual stage.
+        counts: real layers per virtual stage, ``[chunks, stages]``.
         stage_layers: layers per virtual stage (named in the message).
     """
+    (v, p), lmax = counts.shape, int(counts.max())
     lead = jax.tree.leaves(blocks)[0].shape[:3]
     if lead != (v, p, lmax):
         raise PartitionError(f"pipeline blocks must be laid out [chunks={v}, stages={p}, layers={lmax}, ...] for "

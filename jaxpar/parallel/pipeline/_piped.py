@@ -211,8 +211,7 @@ def _needs_step_loads(loss_fn: Callable, graphdef, params, mbs, replica_axes: tu
 def _step_loads(cut: StagedCut, mesh, rules, strategy, params, mbs) -> Any:
     """The step's MoE load per layer (what the balanced loss reports as :data:`jaxpar.parallel.moe.LAYER_LOADS`)
     summed over the micro-batches by a forward sweep through the stages (:func:`._sweep.pipeline_forward_sum`)."""
-    outer, blocks = cut.stage(params)
     sweep = pipeline_forward_sum(cut.parts, mesh, rules, reported_loads(cut.parts.post),
                                  stage_layers=cut.stage_layers, chunks=strategy.virtual_stages,
                                  lockstep=runs_in_lockstep(strategy, mesh))
-    return jax.lax.stop_gradient(sweep(outer, blocks, mbs))
+    return jax.lax.stop_gradient(sweep(*cut.stage(params), mbs))

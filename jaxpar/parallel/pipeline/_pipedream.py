@@ -1,20 +1,7 @@
-"""PipeDream's pipelines without flushes: PipeDream-2BW and weight stashing. Their version rules, the
-version tables of their no-flush 1F1B table (:func:`~jaxpar.parallel.pipeline.pipedream_2bw`,
-:func:`~jaxpar.parallel.pipeline.pipedream`), and the stage both run, which reads the weight version
-a table names; where their update runs is :mod:`jaxpar.step`'s. docs/pipeline.md states both rules.
-
-* **PipeDream-2BW** (Narayanan et al. 2021): ``W(t+1) = W(t) - update(grad f_t(W(t-1)))``. Every
-  micro-batch of step ``t`` runs on ``W(t-1)``, so step ``t``'s forwards may start while step
-  ``t-1``'s backwards run and a stage holds two versions. :func:`step_windows` cuts the table into
-  optimizer steps; the whole model is updated between them.
-* **Weight stashing** (Narayanan et al. 2019): stage ``s`` of ``p`` updates its own weights after every
-  ``k = update_every`` of its backwards, and micro-batch ``i`` (counted over all steps) runs F and B on
-  version ``v_s(i) = floor((i - d_s) / k)``, ``d_s = p - 1 - s`` (``p - 1`` with ``vertical_sync``). A
-  call computes that rule exactly as a pipeline that never drains would: the ``ceil((p-1)/k)`` older
-  versions its first forwards read are part of the train state (:func:`older_versions`).
-
-A :class:`VersionedStage` keeps a buffer of versions; :class:`VersionRows` say per tick and stage
-which slot an action reads (``ver``) and which slots an update reads and writes (``cur``, ``new``).
+"""PipeDream's pipelines without flushes, PipeDream-2BW and weight stashing (docs/pipeline.md states
+both version rules): the versions of their no-flush 1F1B tables (:func:`step_windows`,
+:func:`version_rows`, :func:`lower_stashed`), and the :class:`VersionedStage` both run, which reads the
+weight version a table names (:class:`VersionRows`); where their update runs is :mod:`jaxpar.step`'s.
 
 Example:
     >>> from jaxpar.parallel.pipeline._schedules import pipedream, pipedream_2bw
@@ -39,12 +26,11 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.parallel.pipeline._buffers import PipelineState, Slots, SlotView, TickIO, put, put_tree, read_slots, \
-    take, take_tree, write_slots
+from jaxpar.parallel.pipeline._buffers import PipelineState, Slots, SlotView, TickIO, put, put_tree, take, take_tree
 from jaxpar.parallel.pipeline._instructions import Program, colour_intervals, lower
-from jaxpar.parallel.pipeline._schedules import Schedule, canonical_kind, check_int
+from jaxpar.parallel.pipeline._schedules import Schedule, canonical_kind
 from jaxpar.parallel.pipeline._stage import ActionKind, Stage
-from jaxpar.errors import StashingError
+from jaxpar.errors import StashingError, check_int
 
 
 def _runs(kind: str, strategy, mesh_sizes: Mapping[str, int]) -> bool:
@@ -125,9 +111,8 @@ def two_bw_versions(schedule: Schedule, m: int) -> tuple[int, ...]:
     span: list[dict[int, list[int]]] = [{} for _ in range(p)]
     for t, row in enumerate(schedule.table):
         for s, a in enumerate(row):
-            if a is not None:
-                lo_hi = span[s].setdefault(a.microbatch // m, [t, t])
-                lo_hi[0], lo_hi[1] = min(lo_hi[0], t), max(lo_hi[1], t)
+            if a is not None:        # ticks ascend: the first sets the start, each one the end
+                span[s].setdefault(a.microbatch // m, [t, t])[1] = t
     return tuple(colour_intervals((v, lo, hi) for v, (lo, hi) in span[s].items())[1] for s in range(p))
 
 
@@ -171,15 +156,16 @@ def _stage_events(schedule: Schedule, stage: int, k: int, vertical_sync: bool):
     return out
 
 
-def _check_table(schedule: Schedule, k: int, m: int | None = None) -> None:
+def _check_table(schedule: Schedule, k: int, m: int | None = None, owner: str = "lower_stashed") -> None:
     """The lowering's own arguments: a one-chunk table with a fused backward, ``update_every`` ``k``
     dividing the micro-batches per step ``m`` (default: the table's), and ``m`` the table's."""
     if schedule.num_chunks != 1 or schedule.split_backward:
         raise StashingError(f"weight stashing runs one chunk per stage with a fused backward; the table "
                             f"{schedule.name!r} has num_chunks={schedule.num_chunks}, split_backward="
                             f"{schedule.split_backward}. Use jaxpar.parallel.pipeline.pipedream(p, m, steps).")
-    check_int("update_every", k, 1, StashingError)
-    m = schedule.num_microbatches if m is None else check_int("m", m, 1, StashingError)
+    m = schedule.num_microbatches if m is None else m
+    check_int(owner, "update_every", k, 1, StashingError)
+    check_int(owner, "m", m, 1, StashingError)
     if m % k or schedule.num_microbatches % m:
         divisors = [d for d in range(1, m + 1) if m % d == 0]
         raise StashingError(f"update_every={k} must divide the micro-batches per step m={m}, and m the table's "
@@ -192,15 +178,10 @@ def _intervals(schedule: Schedule, stage: int, k: int, vertical_sync: bool, keep
     update that makes the next one); ``keep``: the newest ``keep + 1`` live to the end (saved)."""
     ticks = len(schedule.table)
     span: dict[int, list[int]] = {}
-
-    def read(v: int, t: int) -> None:
-        lo_hi = span.setdefault(v, [0, t])
-        lo_hi[1] = max(lo_hi[1], t)
-
-    for t, a, v, u in _stage_events(schedule, stage, k, vertical_sync):
-        read(v, t)
+    for t, a, v, u in _stage_events(schedule, stage, k, vertical_sync):     # ticks ascend: a read ends a life
+        span.setdefault(v, [0, t])[1] = t
         if a.kind == "B" and (a.microbatch + 1) % k == 0:       # the update after this backward
-            read(u, t)
+            span.setdefault(u, [0, t])[1] = t
             span[u + 1] = [t + 1, t + 1]
     final = schedule.num_microbatches // k
     span.setdefault(final, [0, 0])
@@ -222,7 +203,7 @@ def stashed_versions(schedule: Schedule, update_every: int = 1, vertical_sync: b
     Returns:
         The number of versions per stage, ``(stage 0, ..., stage p - 1)``.
     """
-    _check_table(schedule, update_every)
+    _check_table(schedule, update_every, owner="stashed_versions")
     return tuple(colour_intervals((v, lo, hi) for v, (lo, hi) in
                                   _intervals(schedule, s, update_every, vertical_sync, None).items())[1]
                  for s in range(schedule.num_stages))
@@ -242,9 +223,6 @@ class StashProgram:
     not read in this call), ``final[s][j]`` the slot holding the newest version ``- j`` at the end."""
 
     program: Program
-    m: int
-    update_every: int
-    vertical_sync: bool
     n_slots: int
     older: int
     ver: tuple
@@ -264,12 +242,12 @@ def lower_stashed(schedule: Schedule, *, m: int, update_every: int = 1, vertical
     _check_table(schedule, k, m)
     older, ticks = older_versions(p, k), len(schedule.table)
     ver, cur, new, upd = ([[0] * p for _ in range(ticks)] for _ in range(4))
-    init, final, slots = [], [], []
+    init, final, n_slots = [], [], 0
     for s in range(p):
         span = _intervals(schedule, s, k, vertical_sync, older)
         unread = {v for v in range(-older, 1) if span.get(v, [0, -1])[1] < 0}
         slot, n = colour_intervals((v, lo, hi) for v, (lo, hi) in span.items() if v not in unread)
-        slots.append((slot, n))
+        n_slots = max(n_slots, n)
         for t, a, v, u in _stage_events(schedule, s, k, vertical_sync):
             ver[t][s] = slot[v]
             if a.kind == "B" and (a.microbatch + 1) % k == 0:
@@ -277,10 +255,9 @@ def lower_stashed(schedule: Schedule, *, m: int, update_every: int = 1, vertical
         top = schedule.num_microbatches // k
         init.append(tuple(-1 if -j in unread else slot[-j] for j in range(older + 1)))
         final.append(tuple(slot[top - j] for j in range(older + 1)))
-    n_slots = max(n for _, n in slots)
     init = tuple(tuple(n_slots if x < 0 else x for x in row) for row in init)
-    return StashProgram(program, m, k, vertical_sync, n_slots, older, tuple(map(tuple, ver)), tuple(map(tuple, cur)),
-                        tuple(map(tuple, new)), tuple(map(tuple, upd)), init, tuple(final))
+    ver, cur, new, upd = (tuple(map(tuple, rows)) for rows in (ver, cur, new, upd))
+    return StashProgram(program, n_slots, older, ver, cur, new, upd, init, tuple(final))
 
 
 def optimizer_is_per_stage(tx: optax.GradientTransformation, shapes: Any, block_ids: set) -> bool:
@@ -302,18 +279,15 @@ def optimizer_is_per_stage(tx: optax.GradientTransformation, shapes: Any, block_
 
     def run(sel):
         params = [a[sel[i]] if i in block_ids else a for i, a in enumerate(small)]
-        state, out = None, None
+        state = tx.init(treedef.unflatten(params))
         for g in grads:
             g = [x[sel[i]] if i in block_ids else x * sel[i] for i, x in enumerate(g)]
-            p_tree, g_tree = treedef.unflatten(params), treedef.unflatten(g)
-            state = tx.init(p_tree) if state is None else state
-            upd, state = tx.update(g_tree, state, p_tree)
-            out = treedef.flatten_up_to(optax.apply_updates(p_tree, upd))
-            params = out
-        return out
+            p_tree = treedef.unflatten(params)
+            upd, state = tx.update(treedef.unflatten(g), state, p_tree)
+            params = treedef.flatten_up_to(optax.apply_updates(p_tree, upd))
+        return params
 
-    every = slice(None)
-    whole = run({i: every if i in block_ids else 1.0 for i in range(len(leaves))})
+    whole = run({i: slice(None) if i in block_ids else 1.0 for i in range(len(leaves))})
     for half, rows in ((0, slice(0, 1)), (1, slice(1, 2))):
         own = {i: rows if i in block_ids else float((i in outer_b) == bool(half)) for i in range(len(leaves))}
         got = run(own)
@@ -406,12 +380,12 @@ class VersionedStage(Stage):
         a, s = self._acc(sl), self.sum_slot(sl)
         one = st._replace(g_outer=self._outer_sum(st.g_outer, a), loss=take(st.loss, s),
                           metrics=take_tree(st.metrics, s))
-        return read_slots(one, sl._replace(chunk=a * self.v + sl.chunk))
+        return super().read(one, sl._replace(chunk=a * self.v + sl.chunk))
 
     def write(self, st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
         """``st`` with what an action hands back written, into its accumulator and sum slot."""
         a, s = self._acc(sl), self.sum_slot(sl)
-        new = write_slots(st, sl._replace(chunk=a * self.v + sl.chunk), io)
+        new = super().write(st, sl._replace(chunk=a * self.v + sl.chunk), io)
         metrics = st.metrics if io.metrics is None else put_tree(st.metrics, s, io.metrics)
         return new._replace(g_outer=self._outer_sum(st.g_outer, a, io.g_outer), loss=put(st.loss, s, io.loss),
                             metrics=metrics)
@@ -436,11 +410,9 @@ class VersionedStage(Stage):
         """The action of ``kind`` on the version slot the tick reads (``versions.ver``); where the kind
         updates, then the stage's update of version ``cur`` into slot ``new`` on the accumulated gradient
         (zeroed)."""
-        action = self.action(kind)
-
         def run(st, ws: StageWeights, sl, flags, versions: VersionRows):
             self._w = self.cast(take_tree(ws.w, versions.ver))
-            io = action(self.read(st, sl), sl, flags)
+            io = self.act(kind, self.read(st, sl), sl, flags)
             if kind.updates:
                 w_new, opt, gsq, skip = self.update(take_tree(ws.w, versions.cur), ws.opt, io.g_outer, io.g_chunk)
                 s = self.sum_slot(sl)

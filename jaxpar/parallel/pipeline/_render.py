@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from jaxpar.parallel.pipeline._schedules import Schedule, bubble_fraction, num_ticks, peak_in_flight, timeline
+from jaxpar.parallel.pipeline._schedules import Schedule, bubble_fraction, num_ticks, peak_in_flight, timeline, validate
 from jaxpar.errors import ScheduleError, check_int
 
 # F blue, B green, W purple; chunk c > 0 is drawn progressively lighter.
@@ -50,17 +50,15 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120,
         ('1f1b.png', True)
         >>> shutil.rmtree(d)
     """
-    if not isinstance(schedule, Schedule):
-        raise ScheduleError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+    validate(schedule)
     check_int("render_png", "dpi", dpi, 10, ScheduleError)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    p = schedule.num_stages
     bars = _bars(schedule, timed)
     span = max([1] + [x + w for stage in bars for x, w, _ in stage])
 
-    fig = Figure(figsize=(min(40.0, max(6.0, 0.32 * span + 1.5)), 0.6 * p + 1.6), dpi=dpi)
+    fig = Figure(figsize=(min(40.0, max(6.0, 0.32 * span + 1.5)), 0.6 * schedule.num_stages + 1.6), dpi=dpi)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     _draw_actions(ax, bars, schedule.num_chunks, step_size)
@@ -82,11 +80,14 @@ def _bars(schedule: Schedule, timed: bool) -> list[list[tuple]]:
 
 def _draw_actions(ax, bars: list[list[tuple]], v: int, step_size: int | None) -> None:
     """The action boxes, coloured by kind and lightened by chunk (or by optimizer step), labelled."""
+    from matplotlib.patches import Rectangle
+
     font = 7 if v > 1 else 8
     for st, stage in enumerate(bars):
         for x, w, a in stage:
             light = 0.5 * a.chunk / max(1, v - 1) if step_size is None else 0.45 * ((a.microbatch // step_size) % 2)
-            ax.add_patch(_rect(x, st, w, _lighten(ACTION_COLORS[a.kind], light)))
+            ax.add_patch(Rectangle((x, st - 0.4), w, 0.8, facecolor=_lighten(ACTION_COLORS[a.kind], light),
+                                   edgecolor="white", linewidth=0.8))
             text = f"{a.microbatch}.{a.chunk}" if v > 1 else str(a.microbatch)
             ax.text(x + w / 2, st, text, ha="center", va="center", fontsize=font,
                     color="black" if light > 0.25 else "white")
@@ -117,8 +118,3 @@ def _label(ax, schedule: Schedule, span: float, timed: bool) -> None:
                  f"{num_ticks(schedule)} ticks, bubble={bubble_fraction(schedule):.1%}, "
                  f"peak in-flight={max(peak_in_flight(schedule))}", fontsize=10)
 
-
-def _rect(x: float, stage: int, width: float, color):
-    from matplotlib.patches import Rectangle
-
-    return Rectangle((x, stage - 0.4), width, 0.8, facecolor=color, edgecolor="white", linewidth=0.8)

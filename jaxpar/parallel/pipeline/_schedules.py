@@ -29,6 +29,7 @@ Example:
 """
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
@@ -37,12 +38,10 @@ from typing import Callable, Optional, Sequence
 from jaxpar.errors import ScheduleError
 
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream-2bw", "pipedream")
-_ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "one_f_one_b": "1f1b",
-            "interleaved": "interleaved", "interleaved_1f1b": "interleaved",
-            "interleaved-1f1b": "interleaved", "zb-h1": "zb-h1", "zbh1": "zb-h1",
-            "zb_h1": "zb-h1", "zero_bubble": "zb-h1", "zero_bubble_h1": "zb-h1",
-            "pipedream-2bw": "pipedream-2bw", "pipedream_2bw": "pipedream-2bw", "2bw": "pipedream-2bw",
-            "pipedream": "pipedream", "weight-stashing": "pipedream", "weight_stashing": "pipedream"}
+_ALIASES = {**{k: k for k in SCHEDULE_KINDS}, "one_f_one_b": "1f1b", "interleaved_1f1b": "interleaved",
+            "interleaved-1f1b": "interleaved", "zbh1": "zb-h1", "zb_h1": "zb-h1", "zero_bubble": "zb-h1",
+            "zero_bubble_h1": "zb-h1", "pipedream_2bw": "pipedream-2bw", "2bw": "pipedream-2bw",
+            "weight-stashing": "pipedream", "weight_stashing": "pipedream"}
 
 
 def check_int(name: str, value, minimum: int, error: type[Exception] = ScheduleError) -> int:
@@ -68,22 +67,8 @@ class Action:
         check_int("microbatch", self.microbatch, 0)
         check_int("chunk", self.chunk, 0)
 
-    def label(self, with_chunk: bool = False) -> str:
-        """Compact cell text.
-
-        Args:
-            with_chunk: append ``.chunk`` (interleaved schedules).
-
-        Returns:
-            ``F3`` or, with the chunk, ``F3.1``.
-        """
-        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if with_chunk else "")
-
     def __str__(self) -> str:
         return f"{self.kind}(mb={self.microbatch}, chunk={self.chunk})"
-
-
-Cell = Optional[Action]
 
 
 @dataclass(frozen=True)
@@ -95,7 +80,7 @@ class Schedule:
     num_stages: int
     num_microbatches: int
     num_chunks: int
-    table: tuple[tuple[Cell, ...], ...]
+    table: tuple[tuple[Optional[Action], ...], ...]
     split_backward: bool = False
 
     def __post_init__(self):
@@ -129,8 +114,7 @@ def simulate(orders: Sequence[Sequence[Action]], p: int, v: int,
     start: dict[tuple[int, Action], int] = {}
     end: dict[tuple[int, Action], int] = {}
     ptr, free = [0] * p, [0] * p
-    remaining = sum(len(o) for o in orders)
-    while remaining:
+    while any(ptr[s] < len(orders[s]) for s in range(p)):
         progressed = False
         for s in range(p):
             while ptr[s] < len(orders[s]):
@@ -140,7 +124,7 @@ def simulate(orders: Sequence[Sequence[Action]], p: int, v: int,
                     break
                 t = max([free[s]] + [end[d] for d in deps])
                 start[(s, a)], end[(s, a)] = t, t + dur(a)
-                free[s], ptr[s], remaining, progressed = t + dur(a), ptr[s] + 1, remaining - 1, True
+                free[s], ptr[s], progressed = t + dur(a), ptr[s] + 1, True
         if not progressed:
             stuck = {s: str(orders[s][ptr[s]]) for s in range(p) if ptr[s] < len(orders[s])}
             raise ScheduleError(f"action order deadlocks: next actions per stage {stuck}")
@@ -189,13 +173,10 @@ def validate(s: Schedule) -> None:
         hint = (f"; each stage runs it once and stage {missing[0]} never does "
                 f"(action placed on the wrong device?)" if missing else "")
         raise ScheduleError(f"tick {t}, stage {st}: duplicate {a}, already ran there at tick {first}{hint}")
-    for kind in kinds:
-        for mb in range(m):
-            for c in range(v):
-                for st in range(p):
-                    if (Action(kind, mb, c), st) not in where:
-                        raise ScheduleError(f"missing action: {Action(kind, mb, c)} (virtual stage {c * p + st}) "
-                                            f"on stage {st} never runs")
+    for kind, mb, c, st in itertools.product(kinds, range(m), range(v), range(p)):
+        if (Action(kind, mb, c), st) not in where:
+            raise ScheduleError(f"missing action: {Action(kind, mb, c)} (virtual stage {c * p + st}) "
+                                f"on stage {st} never runs")
     for (a, st), (t,) in sorted(where.items(), key=lambda kv: kv[1][0]):
         for d, dst, why in dependencies(a, st, p, v):
             (dt,) = where[(d, dst)]
@@ -266,14 +247,11 @@ def peak_in_flight(s: Schedule, until: str = "B") -> tuple[int, ...]:
     if until not in ("B", "W"):
         raise ScheduleError(f"until must be 'B' or 'W', got {until!r}")
     release = "W" if until == "W" and s.split_backward else "B"
-    peaks = []
-    for st in range(s.num_stages):
-        live = peak = 0
-        for a in stage_actions(s, st):
-            live += (a.kind == "F") - (a.kind == release)
-            peak = max(peak, live)
-        peaks.append(peak)
-    return tuple(peaks)
+    def peak(st: int) -> int:        # the most of the running count: +1 at each F, -1 at each release
+        steps = [(a.kind == "F") - (a.kind == release) for a in stage_actions(s, st)]
+        return max(itertools.accumulate(steps, initial=0))
+
+    return tuple(peak(st) for st in range(s.num_stages))
 
 
 def to_text(s: Schedule) -> str:
@@ -291,15 +269,13 @@ def to_text(s: Schedule) -> str:
         s0 | F0 .  .  B0
         s1 | .  F0 B0 .
     """
-    chunks = s.num_chunks > 1
-    cells = [["." if a is None else a.label(chunks) for a in row] for row in s.table]
+    label = lambda a: f"{a.kind}{a.microbatch}" + (f".{a.chunk}" if s.num_chunks > 1 else "")   # noqa: E731
+    cells = [["." if a is None else label(a) for a in row] for row in s.table]
     width = max([1] + [len(c) for row in cells for c in row])
     head = (f"{s.name} p={s.num_stages} m={s.num_microbatches} v={s.num_chunks} ticks={num_ticks(s)} "
             f"bubble={bubble_fraction(s):.4f} peak_in_flight={peak_in_flight(s)}")
-    lines = [head]
-    for st in range(s.num_stages):
-        lines.append(f"s{st} | " + " ".join(row[st].ljust(width) for row in cells).rstrip())
-    return "\n".join(lines)
+    rows = [f"s{st} | " + " ".join(row[st].ljust(width) for row in cells).rstrip() for st in range(s.num_stages)]
+    return "\n".join([head, *rows])
 
 
 # ----------------------------------------------------------------------------- generators
@@ -320,10 +296,10 @@ def _check_pm(p, m) -> None:
     check_int("m (num_microbatches)", m, 1)
 
 
-def _need_m_ge_p(fn: str, p: int, m: int) -> None:
+def _need_m_ge_p(fn: str, p: int, m: int, why: str = "") -> None:
     if m < p:
-        raise ScheduleError(f"{fn} needs m >= p, got m={m} micro-batches for p={p} stages; "
-                            f"use m >= {p} (more micro-batches per step) or gpipe(p, m), which accepts any m")
+        raise ScheduleError(f"{fn} needs m >= p, got m={m} micro-batches for p={p} stages{why}; use m >= {p} (more "
+                            "micro-batches per step)" + ("" if why else " or gpipe(p, m), which accepts any m"))
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -337,12 +313,16 @@ def gpipe(p: int, m: int) -> Schedule:
     return _build("gpipe", p, m, 1, False, orders)
 
 
+def _alternate(fwds: list[Action], bwds: list[Action], warm: int) -> list[Action]:
+    """``warm`` forwards, then the next forward and the next backward in turn, then the remaining backwards."""
+    order = fwds[:warm]
+    for f, b in zip(fwds[warm:], bwds):
+        order += [f, b]
+    return order + bwds[len(fwds) - warm:]
+
+
 def _one_f_one_b_order(p: int, m: int, s: int) -> list[Action]:
-    warm = min(p - s - 1, m)
-    order = [Action("F", i) for i in range(warm)]
-    for i in range(m - warm):
-        order += [Action("F", warm + i), Action("B", i)]
-    return order + [Action("B", i) for i in range(m - warm, m)]
+    return _alternate([Action("F", i) for i in range(m)], [Action("B", i) for i in range(m)], min(p - s - 1, m))
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
@@ -378,13 +358,8 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
         return Action("F" if forward else "B", (k // group) * p + k % p,
                       chunk if forward else v - 1 - chunk)
 
-    orders = []
-    for s in range(p):
-        warm = min((p - s - 1) * 2 + (v - 1) * p, total)
-        order = [fwd(k, True) for k in range(warm)]
-        for k in range(total - warm):
-            order += [fwd(k + warm, True), fwd(k, False)]
-        orders.append(order + [fwd(k, False) for k in range(total - warm, total)])
+    fwds, bwds = [fwd(k, True) for k in range(total)], [fwd(k, False) for k in range(total)]
+    orders = [_alternate(fwds, bwds, min((p - s - 1) * 2 + (v - 1) * p, total)) for s in range(p)]
     return _build("interleaved", p, m, v, False, orders)
 
 
@@ -431,11 +406,8 @@ def pipedream_2bw(p: int, m: int, steps: int = 1) -> Schedule:
         [22, 38, 54]
     """
     _check_pm(p, m)
-    if m < p:
-        raise ScheduleError(f"pipedream_2bw needs m >= p, got m={m} micro-batches for p={p} stages: it runs 1F1B's "
-                            f"steady state, whose stages hold micro-batches of at most two steps (two weight "
-                            f"versions) only when a step has enough of them; use m >= {p} (more micro-batches per "
-                            "step)")
+    _need_m_ge_p("pipedream_2bw", p, m, ": it runs 1F1B's steady state, whose stages hold micro-batches of at most "
+                 "two steps (two weight versions) only when a step has enough of them")
     return _no_flush("pipedream-2bw", p, m, steps)
 
 

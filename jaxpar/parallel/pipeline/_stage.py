@@ -1,17 +1,6 @@
 """One pipeline stage's share of a lowered program, traced inside the ``shard_map`` over ``pipe``: the
-program as arrays, the stage's actions, and the tick.
-
-:func:`tick_table` turns a lowered :class:`~jaxpar.parallel.pipeline.Program` into ``[ticks, ...]``
-int32 arrays: per tick and stage the action kind to run and its slots, per tick the send patterns.
-A :class:`Stage` holds one device's chunks of layers and runs the actions F / B / W on one slot of
-its buffers (:mod:`._buffers`). :func:`run_ticks` scans :func:`tick` over the rows: the stage's
-action (one boolean ``lax.cond`` per action kind, :func:`one_of`), then the sends (:func:`exchange`).
-
-Two variants run the same tick. A lockstep table (:mod:`._lockstep`) has one kind per tick, the
-same on every device: :class:`LockstepStage` runs it on every stage, a stage without an action on
-spare slots with its effects masked by its :class:`StageFlags`, so every collective inside an
-action is reached by every device. PipeDream's stage carries weight versions through the tick and
-reads the one a table names (:class:`~jaxpar.parallel.pipeline._pipedream.VersionedStage`).
+program as arrays (:func:`tick_table`), the :class:`Stage` and its actions F / B / W on one slot of its
+buffers (:mod:`._buffers`), and the tick (:func:`run_ticks`: the stage's action, then the sends).
 
 Example:
     >>> from jaxpar.parallel.pipeline import get_schedule, lockstep, lower
@@ -25,7 +14,6 @@ Example:
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -33,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.adapters._loss_metrics import with_reported_metrics
-from jaxpar.parallel.pipeline._buffers import (PipelineState, Slots, SlotView, TickIO, put, put_tree, read_slots, take,
-                                               take_tree, write_slots, zeros_like_tree)
+from jaxpar.parallel.pipeline._buffers import (PipelineState, Slots, SlotView, TickIO, put, put_tree, take, take_tree,
+                                               zeros_like_tree)
 from jaxpar.parallel.pipeline._cut import PipelineParts
 from jaxpar.parallel.pipeline._instructions import PIPE, Instr, Program, stage_counts
 from jaxpar.parallel.pipeline._layer_vjp import LayerVJP
@@ -65,7 +53,7 @@ class ActionKind(NamedTuple):
 
 
 class StageFlags(NamedTuple):
-    """What a stage's action at a tick of a lockstep table counts for (traced booleans)."""
+    """What a stage's action counts for: a lockstep table's row (traced booleans), or the kind's own."""
 
     acts: Any     # the stage has an action of the tick's kind
     first: Any    # ... on virtual stage 0: F reads ``pre``'s output, B adds ``pre``'s pullback
@@ -165,24 +153,6 @@ def _send(pats: list, pat, x):
     return jax.lax.switch(pat, fns, x) if len(fns) > 1 else fns[0](x)
 
 
-def exchange(st: PipelineState, table: TickTable, row: TickRow, s, send_f, send_b) -> PipelineState:
-    """``st`` with what stage ``s`` receives from the tick's sends each way over ``pipe`` (it sends
-    ``send_f`` forward and ``send_b`` backward, zeros when none) written to its inbox slots."""
-    inbox_f = put_tree(st.inbox_f, take(row.fwd_recv, s), _send(table.fwd_pats, row.fwd_pat, send_f))
-    inbox_b = put_tree(st.inbox_b, take(row.bwd_recv, s), _send(table.bwd_pats, row.bwd_pat, send_b))
-    return st._replace(inbox_f=inbox_f, inbox_b=inbox_b)
-
-
-def one_of(kind, kinds: list, act: Callable, carry: tuple) -> tuple:
-    """``act(kind)(*carry)``, or ``carry`` if ``kinds[kind]`` is idle: one boolean ``cond`` per kind
-    (``kind`` traced), each reading and writing the carried buffers in place (an index ``switch``
-    copies every buffer its branches pass through)."""
-    for i, k in enumerate(kinds):
-        if k.op != "idle":
-            carry = jax.lax.cond(kind == i, act(i), lambda *a: a, *carry)
-    return carry
-
-
 # ----------------------------------------------------------------------------- the stage
 def _at(buf, slot, layer):
     """``buf[slot, layer]`` of a slotted per-layer buffer ``[n, Lmax, ...]``."""
@@ -201,13 +171,15 @@ def _add_at(acc, layer, grads):
     return jax.tree.map(lambda a, d: put(a, layer, take(a, layer) + d.astype(a.dtype)), acc, grads)
 
 
-def _accumulate(acc: Any, grads: Any) -> Any:
-    """``acc + grads`` leaf by leaf, in ``acc``'s dtypes."""
-    return jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, grads)
+def _accumulate(acc: Any, grads: Any, scale=1) -> Any:
+    """``acc + grads / scale`` leaf by leaf, in ``acc``'s dtypes."""
+    return jax.tree.map(lambda a, d: a + d.astype(a.dtype) / scale, acc, grads)
 
 
 def _pick(flag, new, old):
-    """``new`` where ``flag``, else ``old``, leaf by leaf."""
+    """``new`` where ``flag``, else ``old``, leaf by leaf (``flag`` a traced bool, or ``True``: ``new``)."""
+    if flag is True:
+        return new
     return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
 
 
@@ -216,6 +188,8 @@ class Stage:
     (``blocks``: ``[v, Lmax, ...]``), ``outer``, the micro-batches, and the actions F / B / W on one
     slot of each buffer. Subclasses change which parameters an action uses (:meth:`chunk_params`,
     :meth:`outer_params`) and how it reads and writes the state (:meth:`read`, :meth:`write`).
+    In ``lockstep`` every stage runs every tick's action (on spare slots where it has none), what it
+    adds masked by its :class:`StageFlags`, so every collective inside an action is reached by every device.
 
     Args:
         parts: the model's ``pre``, ``layer`` and ``post``.
@@ -224,10 +198,12 @@ class Stage:
         outer: the parameters of ``pre`` and ``post``.
         blocks: this device's layers, ``[v, Lmax, ...]`` per leaf.
         mbs: the micro-batches, ``[m, rows, ...]`` per leaf.
+        lockstep: the program is a lockstep table (:mod:`._lockstep`).
     """
 
-    def __init__(self, parts: PipelineParts, program: Program, counts: np.ndarray, outer, blocks, mbs):
-        self.parts, self.outer, self.blocks, self.mbs = parts, outer, blocks, mbs
+    def __init__(self, parts: PipelineParts, program: Program, counts: np.ndarray, outer, blocks, mbs,
+                 lockstep: bool = False):
+        self.parts, self.outer, self.blocks, self.mbs, self.lockstep = parts, outer, blocks, mbs, lockstep
         self.m, self.split = program.schedule.num_microbatches, program.schedule.split_backward
         self.lmax = int(counts.max())
         self.uneven = bool((counts != self.lmax).any())
@@ -255,23 +231,39 @@ class Stage:
         return self.outer
 
     def read(self, st: PipelineState, sl: Slots) -> SlotView:
-        """What an action on the slots ``sl`` reads of the state (inside its conditional)."""
-        return read_slots(st, sl)
+        """What an action on the slots ``sl`` reads of the state (inside its conditional): the inbox slots
+        and the chunk's gradient sum at ``sl``, the residual and frontier buffers whole, and the sums."""
+        return SlotView(x=take_tree(st.inbox_f, sl.inbox), dy=take_tree(st.inbox_b, sl.inbox), res=st.res,
+                        gys=st.grads_y, g_chunk=take_tree(st.g_blocks, sl.chunk), g_outer=st.g_outer, loss=st.loss,
+                        metrics=st.metrics)
 
     def write(self, st: PipelineState, sl: Slots, io: TickIO) -> PipelineState:
-        """``st`` with what an action on the slots ``sl`` hands back written."""
-        return write_slots(st, sl, io)
+        """``st`` with what an action on the slots ``sl`` hands back written (a ``None`` field of ``io``
+        leaves its buffer as it was)."""
+        new = st._replace(g_outer=io.g_outer, loss=io.loss)
+        if io.res is not None:
+            new = new._replace(res=io.res)
+        if io.dy_out is not None:
+            new = new._replace(inbox_b=put_tree(st.inbox_b, sl.dy, io.dy_out))
+        if io.metrics is not None:
+            new = new._replace(metrics=io.metrics)
+        if io.gys is not None:
+            new = new._replace(grads_y=io.gys)
+        if io.g_chunk is not None:
+            new = new._replace(g_blocks=jax.tree.map(lambda a, g: put(a, sl.chunk, g), st.g_blocks, io.g_chunk))
+        return new
 
     def initial_state(self, program: Program) -> PipelineState:
-        """The buffers before the first tick (sized by ``program``'s slot counts): every slot and sum zero."""
-        x, lmax = self.x, self.lmax
+        """The buffers before the first tick (sized by ``program``'s slot counts, plus a lockstep stage's spare
+        residual and frontier slot): every slot and sum zero."""
+        x, lmax, spare = self.x, self.lmax, int(self.lockstep)
         buf = lambda n, shape, dtype: jnp.zeros((max(n, 1), *shape), dtype)           # noqa: E731
         f32 = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t)   # noqa: E731
         return PipelineState(
-            res=[buf(program.n_res, (lmax, *r.shape), r.dtype) for r in self.lv.stored],
+            res=[buf(program.n_res + spare, (lmax, *r.shape), r.dtype) for r in self.lv.stored],
             inbox_f=jax.tree.map(lambda a: buf(program.n_fwd + 1, a.shape, a.dtype), x),
             inbox_b=jax.tree.map(lambda a: buf(program.n_bwd + 1, a.shape, a.dtype), x),
-            grads_y=[buf(program.n_grad, (lmax, *f.shape), f.dtype) for f in self.lv.split.frontier]
+            grads_y=[buf(program.n_grad + spare, (lmax, *f.shape), f.dtype) for f in self.lv.split.frontier]
             if self.lv.split else [],
             g_blocks=f32(self.blocks), g_outer=f32(self.outer), loss=jnp.zeros((), jnp.float32),
             metrics=f32(self.metrics))
@@ -280,170 +272,114 @@ class Stage:
         """No slot written (``None``), the sums as they were; nothing sent."""
         return TickIO(None, None, view.g_outer, None, view.loss, None, self.nothing(), self.nothing())
 
-    def _each_layer(self, one: Callable, n) -> Callable:
-        """A scan step: ``one`` on a real layer, nothing on padding (the item's last entry is
-        the layer index; the check is compiled only when some stage is short)."""
-        if not self.uneven:
-            return one
-        return lambda carry, item: jax.lax.cond(item[-1] < n, one, lambda c, _: (c, None), carry, item)
+    def _layers(self, one: Callable, sl: Slots, carry, reverse: bool = False):
+        """``one`` scanned over the layers of chunk ``sl.chunk`` (an item: a layer's parameters and index).
+        A padding layer (only when some stage is short) does nothing: skipped by a conditional, or in
+        lockstep run with its result masked."""
+        n = self.n_layers[sl.chunk]
 
-    def forward_layers(self, bp, x, n, res, slot):
-        """``(y, res)``: the chunk's layers ``bp`` (``n`` real, the rest padding) forward on ``x``, each
-        layer's residuals written to ``res[slot, layer]``."""
+        def step(carry, item):
+            if not self.uneven:
+                return one(carry, item)
+            if not self.lockstep:
+                return jax.lax.cond(item[1] < n, one, lambda c, _: (c, None), carry, item)
+            new, out = one(carry, item)
+            return _pick(item[1] < n, new, carry), out
+
+        return jax.lax.scan(step, carry, (self.chunk_params(sl), jnp.arange(self.lmax)), reverse=reverse)[0]
+
+    def forward_layers(self, sl: Slots, x, res):
+        """``(y, res)``: the chunk's layers forward on ``x``, each layer's residuals written to
+        ``res[sl.res, layer]``."""
         def one(carry, item):
             h, bufs = carry
             y, stored = self.lv.forward(item[0], h)
-            return (y, [_set(b, slot, item[-1], r) for b, r in zip(bufs, stored)]), None
+            return (y, [_set(b, sl.res, item[1], r) for b, r in zip(bufs, stored)]), None
 
-        return jax.lax.scan(self._each_layer(one, n), (x, res),
-                            (bp, jnp.arange(self.lmax)))[0]
+        return self._layers(one, sl, (x, res))
 
-    def backward_layers(self, bp, res, slot, dy, n, acc, gslot=None):
-        """``(dx, acc)``: the chunk's pullbacks in reverse from ``dy`` on the residuals ``res[slot]``, each
+    def backward_layers(self, sl: Slots, res, dy, acc):
+        """``(dx, acc)``: the chunk's pullbacks in reverse from ``dy`` on the residuals ``res[sl.res]``, each
         layer's weight gradients added to ``acc`` (``[Lmax, ...]`` per leaf), or with a split backward
-        its frontier written to the frontier buffers ``acc[gslot, layer]``, kept for W."""
+        its frontier written to the frontier buffers ``acc[sl.grad, layer]``, kept for W."""
         def one(carry, item):
             g, acc = carry
-            stored = [_at(b, slot, item[-1]) for b in res]
+            stored = [_at(b, sl.res, item[1]) for b in res]
             if self.split:
                 dx, front = self.lv.split.inputs(item[0], stored, g)
-                return (dx, [_set(b, gslot, item[-1], f) for b, f in zip(acc, front)]), None
+                return (dx, [_set(b, sl.grad, item[1], f) for b, f in zip(acc, front)]), None
             dp, dx = self.lv.pullback(item[0], stored)(g)
-            return (dx, _add_at(acc, item[-1], dp)), None
+            return (dx, _add_at(acc, item[1], dp)), None
 
-        return jax.lax.scan(self._each_layer(one, n), (dy, acc),
-                            (bp, jnp.arange(self.lmax)), reverse=True)[0]
+        return self._layers(one, sl, (dy, acc), reverse=True)
 
-    def weight_layers(self, bp, res, gys, slot, gslot, n, acc):
-        """W of a split backward: ``acc`` plus the chunk's weight gradients, from the residuals
-        ``res[slot]`` and the frontier ``gys[gslot]`` B kept."""
-        def one(acc, item):
-            layer = item[-1]
-            dp = self.lv.split.weights(item[0], [_at(b, slot, layer) for b in res],
-                                       [_at(b, gslot, layer) for b in gys])
-            return _add_at(acc, layer, dp), None
-
-        return jax.lax.scan(self._each_layer(one, n), acc,
-                            (bp, jnp.arange(self.lmax)))[0]
-
-    def action(self, kind: ActionKind) -> Callable[[SlotView, Slots, Any], TickIO]:
-        """``(view, slots, flags) -> TickIO``: F, B, W, or nothing for idle."""
+    def act(self, kind: ActionKind, view: SlotView, sl: Slots, flags) -> TickIO:
+        """The action of ``kind`` on what it read, ``view``: F, B, W, or nothing for idle; ``flags`` (a lockstep
+        table's, traced) default to the kind's own."""
         if kind.op == "idle":
-            return lambda view, sl, flags: self._unchanged(view)
-        act = {"F": self.forward, "B": self.backward, "W": self.weights}[kind.op]
-        return lambda view, sl, flags: act(kind, view, sl, flags)
+            return self._unchanged(view)
+        action = {"F": self.forward, "B": self.backward, "W": self.weights}[kind.op]
+        return action(view, sl, StageFlags(True, kind.first, kind.last) if flags is None else flags)
 
     def branch(self, kind: ActionKind) -> Callable:
         """What the tick runs in the conditional of ``kind``: ``(st, ws, slots, flags, versions) -> (st, ws,
         io)``, the action on what it reads of ``st``, written back (``ws``, ``versions``: see
         :class:`~jaxpar.parallel.pipeline._pipedream.VersionedStage`)."""
-        action = self.action(kind)
-
         def run(st, ws, sl, flags, versions):
-            io = action(self.read(st, sl), sl, flags)
+            io = self.act(kind, self.read(st, sl), sl, flags)
             return self.write(st, sl, io), ws, io
 
         return run
 
-    def forward(self, kind: ActionKind, view: SlotView, sl: Slots, flags=None) -> TickIO:
-        """F: ``pre`` (first), the chunk's layers, then ``post`` (last: keeps d loss / d y, adds its
-        gradient of ``outer`` and what the loss reported) or a send to the next virtual stage."""
-        n, bp, mb = self.n_layers[sl.chunk], self.chunk_params(sl), take_tree(self.mbs, sl.mb)
-        outer = self.outer_params(sl)
-        x = self.parts.pre(outer, mb) if kind.first else view.x
-        y, res = self.forward_layers(bp, x, n, view.res, sl.res)
-        io = self._unchanged(view)._replace(res=res)
-        if not kind.last:
-            return io._replace(send_f=self._cast(y))
+    def forward(self, view: SlotView, sl: Slots, f: StageFlags) -> TickIO:
+        """F: ``pre`` (first) or the received activation, the chunk's layers, then ``post`` (last: keeps
+        d loss / d y, adds its gradient of ``outer`` and what the loss reported); sends the output."""
+        mb, outer = take_tree(self.mbs, sl.mb), self.outer_params(sl)
+        x = view.x if f.first is False else _pick(f.first, self._cast(self.parts.pre(outer, mb)), view.x)
+        y, res = self.forward_layers(sl, x, view.res)
+        io = self._unchanged(view)._replace(res=res, send_f=self._cast(y))
+        if f.last is False:
+            return io
         (loss, found), (g_outer, dy) = jax.value_and_grad(self.post, argnums=(0, 1), has_aux=True)(outer, y, mb)
-        return io._replace(loss=view.loss + loss.astype(jnp.float32),
-                           dy_out=self._cast(jax.tree.map(lambda d: d / self.m, dy)),
-                           metrics=jax.tree.map(jnp.add, view.metrics, found),
-                           g_outer=jax.tree.map(lambda a, d: a + d.astype(a.dtype) / self.m, view.g_outer, g_outer))
+        keep = f.acts & f.last
+        return io._replace(dy_out=self._cast(jax.tree.map(lambda d: d / self.m, dy)),
+                           loss=_pick(keep, view.loss + loss.astype(jnp.float32), view.loss),
+                           metrics=_pick(keep, jax.tree.map(jnp.add, view.metrics, found), view.metrics),
+                           g_outer=_pick(keep, _accumulate(view.g_outer, g_outer, self.m), view.g_outer))
 
-    def backward(self, kind: ActionKind, view: SlotView, sl: Slots, flags=None) -> TickIO:
-        """B: the stored pullbacks in reverse on the received cotangent, then ``pre``'s
-        pullback into the gradient of ``outer`` (first) or a send to the previous virtual stage."""
-        dx, io = self.chunk_backward(view, sl)
+    def backward(self, view: SlotView, sl: Slots, f: StageFlags) -> TickIO:
+        """B: the stored pullbacks in reverse on the received cotangent (sent back), their weight gradients
+        added (fused) or their frontier written (split), then ``pre``'s pullback into the gradient of
+        ``outer`` (first)."""
+        dx, acc = self.backward_layers(sl, view.res, view.dy, view.gys if self.split else view.g_chunk)
+        io = self._unchanged(view)._replace(send_b=self._cast(dx))
+        if self.split:          # in lockstep, a stage without an action writes to the spare frontier slot
+            io = io._replace(gys=acc)
+        else:
+            io = io._replace(g_chunk=_pick(f.acts, acc, view.g_chunk))
+        if f.first is False:
+            return io
         mb = take_tree(self.mbs, sl.mb)
-        if not kind.first:
-            return io._replace(send_b=self._cast(dx))
         _, pull = jax.vjp(lambda q: self.parts.pre(q, mb), self.outer_params(sl))
-        return io._replace(g_outer=_accumulate(view.g_outer, pull(self._cast(dx))[0]))
+        return io._replace(g_outer=_pick(f.acts & f.first, _accumulate(view.g_outer, pull(self._cast(dx))[0]),
+                                         view.g_outer))
 
-    def chunk_backward(self, view: SlotView, sl: Slots) -> tuple[Any, TickIO]:
-        """``(dx, io)``: the chunk's pullbacks, ``io`` with their weight gradients added (fused) or their
-        frontier written (split)."""
-        bp, n, io = self.chunk_params(sl), self.n_layers[sl.chunk], self._unchanged(view)
-        if self.split:
-            dx, gys = self.backward_layers(bp, view.res, sl.res, view.dy, n, view.gys, gslot=sl.grad)
-            return dx, io._replace(gys=gys)
-        dx, g_chunk = self.backward_layers(bp, view.res, sl.res, view.dy, n, view.g_chunk)
-        return dx, io._replace(g_chunk=g_chunk)
+    def weights(self, view: SlotView, sl: Slots, f: StageFlags) -> TickIO:
+        """W (split backward): the chunk's weight gradients, from the residuals and the frontier B kept."""
+        def one(acc, item):
+            dp = self.lv.split.weights(item[0], [_at(b, sl.res, item[1]) for b in view.res],
+                                       [_at(b, sl.grad, item[1]) for b in view.gys])
+            return _add_at(acc, item[1], dp), None
 
-    def weights(self, kind: ActionKind, view: SlotView, sl: Slots, flags=None) -> TickIO:
-        """W (split backward): the chunk's weight gradients from the cotangents B kept."""
-        g_chunk = self.weight_layers(self.chunk_params(sl), view.res, view.gys, sl.res, sl.grad,
-                                     self.n_layers[sl.chunk], view.g_chunk)
-        return self._unchanged(view)._replace(g_chunk=g_chunk)
-
-
-class LockstepStage(Stage):
-    """A :class:`Stage` whose actions run on every device at every tick of a lockstep table, on spare
-    slots where it has none, what they add masked by its :class:`StageFlags`: every F runs ``pre`` and
-    ``post`` (the flags pick the input and mask the head's loss and gradient), every B ``pre``'s
-    pullback, and a short stage's padding layers run with their result masked."""
-
-    def initial_state(self, program: Program) -> PipelineState:
-        """The buffers before the first tick, with one spare residual and frontier slot each."""
-        return super().initial_state(replace(program, n_res=program.n_res + 1,
-                                             n_grad=program.n_grad + 1 if program.n_grad else 0))
-
-    def _each_layer(self, one: Callable, n) -> Callable:
-        """A scan step: ``one`` on every layer, a padding layer's result masked (no conditional)."""
-        if not self.uneven:
-            return one
-
-        def masked(carry, item):
-            new, out = one(carry, item)
-            return _pick(item[-1] < n, new, carry), out
-
-        return masked
-
-    def forward(self, kind: ActionKind, view: SlotView, sl: Slots, flags=None) -> TickIO:
-        """F on every stage: ``pre`` or the received activation, the chunk's layers, ``post``."""
-        n, bp, mb, outer = self.n_layers[sl.chunk], self.chunk_params(sl), take_tree(self.mbs, sl.mb), self.outer
-        x = _pick(flags.first, self._cast(self.parts.pre(outer, mb)), view.x)
-        y, res = self.forward_layers(bp, x, n, view.res, sl.res)
-        (loss, found), (g_outer, dy) = jax.value_and_grad(self.post, argnums=(0, 1), has_aux=True)(outer, y, mb)
-        keep = flags.acts & flags.last
-        added = jax.tree.map(lambda a, d: a + d.astype(a.dtype) / self.m, view.g_outer, g_outer)
-        return self._unchanged(view)._replace(
-            res=res, send_f=self._cast(y), dy_out=self._cast(jax.tree.map(lambda d: d / self.m, dy)),
-            loss=view.loss + jnp.where(keep, loss.astype(jnp.float32), 0.0),
-            metrics=jax.tree.map(lambda a, f: a + jnp.where(keep, f, 0), view.metrics, found),
-            g_outer=_pick(keep, added, view.g_outer))
-
-    def backward(self, kind: ActionKind, view: SlotView, sl: Slots, flags=None) -> TickIO:
-        """B on every stage: the chunk's pullbacks (the weight gradients masked), then ``pre``'s."""
-        dx, io = self.chunk_backward(view, sl)        # a split B's frontier goes to the spare slot when idle
-        if not self.split:
-            io = io._replace(g_chunk=_pick(flags.acts, io.g_chunk, view.g_chunk))
-        mb = take_tree(self.mbs, sl.mb)
-        _, pull = jax.vjp(lambda q: self.parts.pre(q, mb), self.outer)
-        added = jax.tree.map(lambda a, d: a + d.astype(a.dtype), view.g_outer, pull(self._cast(dx))[0])
-        return io._replace(send_b=self._cast(dx), g_outer=_pick(flags.acts & flags.first, added, view.g_outer))
-
-    def weights(self, kind: ActionKind, view: SlotView, sl: Slots, flags=None) -> TickIO:
-        """W on every stage: the chunk's weight gradients, masked."""
-        io = super().weights(kind, view, sl)
-        return io._replace(g_chunk=_pick(flags.acts, io.g_chunk, view.g_chunk))
+        g_chunk = self._layers(one, sl, view.g_chunk)
+        return self._unchanged(view)._replace(g_chunk=_pick(f.acts, g_chunk, view.g_chunk))
 
 
 # ----------------------------------------------------------------------------- the tick
 def tick(stage: Stage, table: TickTable, branches: list, carry, xs):
     """One tick, a ``lax.scan`` step over ``(rows, version rows)`` carrying ``(st, ws)``: this stage's
-    action on its slots of the buffers, then the sends.
+    action on its slots of the buffers, then the sends each way over ``pipe``, what the stage receives
+    written to its inbox slots.
 
     One boolean ``cond`` per action kind (at most one runs): its branch reads and writes the buffers
     in place. (A ``switch`` over all kinds, or a ``cond`` on slots read outside it, would copy what
@@ -451,10 +387,8 @@ def tick(stage: Stage, table: TickTable, branches: list, carry, xs):
     """
     (st, ws), (row, vrow) = carry, xs
     s = stage.index
-    at_stage = lambda t: jax.tree.map(lambda a: take(a, s), t)     # noqa: E731
-    sl, flags, versions = at_stage(row.slots), at_stage(row.flags), at_stage(vrow)
+    sl, flags, versions = take_tree(row.slots, s), take_tree(row.flags, s), take_tree(vrow, s)
     kind = row.kind if row.kind.ndim == 0 else take(row.kind, s)    # lockstep: the tick's, on every device
-    none = stage.nothing()
 
     def act(i):
         def run(st, ws, send_f, send_b):
@@ -462,8 +396,14 @@ def tick(stage: Stage, table: TickTable, branches: list, carry, xs):
             return st, ws, io.send_f, io.send_b
         return run
 
-    st, ws, send_f, send_b = one_of(kind, table.kinds, act, (st, ws, none, none))
-    return (exchange(st, table, row, s, send_f, send_b), ws), None
+    carry = (st, ws, stage.nothing(), stage.nothing())
+    for i, k in enumerate(table.kinds):
+        if k.op != "idle":
+            carry = jax.lax.cond(kind == i, act(i), lambda *a: a, *carry)
+    st, ws, send_f, send_b = carry
+    inbox_f = put_tree(st.inbox_f, take(row.fwd_recv, s), _send(table.fwd_pats, row.fwd_pat, send_f))
+    inbox_b = put_tree(st.inbox_b, take(row.bwd_recv, s), _send(table.bwd_pats, row.bwd_pat, send_b))
+    return (st._replace(inbox_f=inbox_f, inbox_b=inbox_b), ws), None
 
 
 def run_ticks(stage: Stage, table: TickTable, st: PipelineState, ws: Any = None, rows: TickRow | None = None,

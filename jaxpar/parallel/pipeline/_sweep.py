@@ -57,7 +57,7 @@ def pipeline_forward_sum(parts: PipelineParts, mesh, rules, value: Callable, *, 
       lockstep: every stage runs every tick's item, ``pre``, its padding layers and ``value``, with
         their results masked (``jnp.where``) rather than skipped by a conditional whose predicate
         differs between the stages: the layers' collectives (sequence parallelism) are then reached
-        by every device (as :class:`~._stage.LockstepStage` does for the pipeline's ticks).
+        by every device (as a lockstep :class:`~._stage.Stage` does for the pipeline's ticks).
 
     Returns:
       The function, with the arguments of :func:`~._executor.pipeline_value_and_grad`'s; its result is
@@ -65,7 +65,6 @@ def pipeline_forward_sum(parts: PipelineParts, mesh, rules, value: Callable, *, 
     """
     p, v = dict(mesh.shape)[PIPE], chunks
     counts = np.asarray(stage_layers, np.int32).reshape(v, p)
-    lmax = int(counts.max())
 
     def body(outer, blocks, mbs):
         sweep = _Sweep(parts, value, counts, outer, jax.tree.map(lambda a: a[:, 0], blocks), mbs, lockstep)
@@ -78,7 +77,7 @@ def pipeline_forward_sum(parts: PipelineParts, mesh, rules, value: Callable, *, 
     inner_rules = drop_axes(rules, (PIPE,))
 
     def fn(outer, blocks, mbs):
-        check_blocks_layout(blocks, v, p, lmax, stage_layers)
+        check_blocks_layout(blocks, counts, stage_layers)
         specs = (jax.tree.map(lambda _: P(), outer), jax.tree.map(lambda _: P(None, PIPE), blocks),
                  jax.tree.map(lambda _: P(), mbs))
         smap = jax.shard_map(body, mesh=mesh, axis_names={PIPE}, check_vma=False, in_specs=specs, out_specs=P())

@@ -29,7 +29,7 @@ and a resumed run draws the same ones.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import jax
@@ -54,12 +54,8 @@ def _float(name: str, option: str, value: Any, low: float, high: float, example:
 class Synchronous:
     """Gradients averaged over ``replica`` every step."""
 
-    kind = "sync"
+    kind = name = "sync"
     min_replicas = 1
-
-    @property
-    def name(self) -> str:
-        return "sync"
 
 
 @dataclass(frozen=True)
@@ -222,8 +218,8 @@ def local_sgd(every: int = 10, *, start_step: int = 0) -> DiLoCo:
     Returns:
       The :class:`DiLoCo` kind, named ``local_sgd``.
     """
-    s = diloco(every, outer_lr=1.0, outer_momentum=0.0, nesterov=False, start_step=start_step)
-    return DiLoCo(s.every, s.outer, s.outer_options, "local_sgd", s.start_step)
+    return replace(diloco(every, outer_lr=1.0, outer_momentum=0.0, nesterov=False, start_step=start_step),
+                   label="local_sgd")
 
 
 def easgd(alpha: float = 0.1, every: int = 1) -> EASGD:

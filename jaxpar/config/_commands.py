@@ -1,77 +1,33 @@
-"""``jaxpar export`` and ``jaxpar sample``: a run's weights written as a Hugging Face checkpoint, or
-continuing a prompt.
+"""The commands that read a run's config and then its weights or its data.
 
-Both take the run's config (the same file and overrides as ``jaxpar train``, or the run's own
-``<train.out_dir>/config.yaml``) and its weights: the latest good jaxpar checkpoint in
+``jaxpar export`` and ``jaxpar sample`` take the run's weights: the latest good jaxpar checkpoint in
 ``checkpoint.dir`` (``--step N``: that one), restored onto the config's own mesh and layout as
-``jaxpar train --resume`` restores it (a run checkpointed under any strategy); before the run has
-a checkpoint, ``model.hf``'s imported weights themselves.
+``jaxpar train --resume`` restores it; before the run has one, ``model.hf``'s imported weights.
+``export`` writes them as a Hugging Face checkpoint (:func:`jaxpar.hf.export`; it needs ``model.hf``);
+``sample`` continues a prompt greedily (:func:`jaxpar.run.greedy_generate`), decoded by
+``data.tokenizer``, else ``model.hf``'s tokenizer, else as bytes. Both say on stderr which weights they read.
 
-Usage::
-
-    jaxpar export CONFIG [key=value ...] --hf OUT [--step N] [--overwrite] [--dtype bfloat16|float32]
-    jaxpar sample CONFIG [key=value ...] --prompt TEXT [--tokens N] [--step N]
-
-``export`` writes ``OUT`` with :func:`jaxpar.hf.export` from the imported checkpoint (its config,
-tokenizer and generation files kept; ``--dtype``: the tensors' dtype, default the source's); it
-needs ``model.hf``. ``sample`` continues the prompt greedily (:func:`jaxpar.run.greedy_generate`,
-a window of ``model.seq_len`` tokens) and prints the text, decoded by ``data.tokenizer`` or else
-``model.hf``'s tokenizer (a byte-level GPT: bytes). Both say on stderr which weights they read: the
-checkpoint's step, directory and save time, or the imported checkpoint's directory.
+``jaxpar data prepare`` tokenizes each text source of ``data.sources`` into ``data.cache``
+(:func:`jaxpar.data._cache.prepare_cache`) and prints a summary and a length histogram;
+``jaxpar data show`` builds the global batches ``A .. B-1`` exactly as ``jaxpar train`` would under
+the config's mesh and prints each one's sha256 (:func:`jaxpar.data.batch_digest`), packing
+efficiency and first row decoded: two meshes that print the same digests see the same data.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
-from jaxpar.config._schema import ConfigError
+import numpy as np
+
+from jaxpar.config._schema import ConfigError, DataConfig
 
 
-def add_parsers(sub: Any) -> None:
-    """Add the ``export`` and ``sample`` subcommands to the ``jaxpar`` parser's subparsers ``sub``.
-
-    Args:
-      sub: the subparsers of the ``jaxpar`` parser.
-    """
-    p = sub.add_parser("export", help="write a run's weights as a Hugging Face checkpoint (model.hf)",
-                       description="Restore CONFIG's run (its latest jaxpar checkpoint, or --step N; before any, "
-                                   "model.hf's imported weights) and write them as a Hugging Face checkpoint.")
-    p.add_argument("config", help="the run's YAML config (or <train.out_dir>/config.yaml)")
-    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, as for train")
-    p.add_argument("--hf", required=True, metavar="OUT", help="the directory to write (new or empty)")
-    p.add_argument("--step", type=int, metavar="N", help="the jaxpar checkpoint of step N (default: the latest)")
-    p.add_argument("--overwrite", action="store_true", help="replace the checkpoint files of a non-empty OUT")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="the tensors' dtype (default: the source's)")
-    p = sub.add_parser("sample", help="continue a prompt greedily with a run's weights",
-                       description="Greedy continuation of --prompt by CONFIG's run (its latest checkpoint, or "
-                                   "--step N; before any, model.hf's imported weights), decoded and printed.")
-    p.add_argument("config", help="the run's YAML config (or <train.out_dir>/config.yaml)")
-    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, as for train")
-    p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--tokens", type=int, metavar="N", help="new tokens (default: logging.sample_tokens)")
-    p.add_argument("--step", type=int, metavar="N", help="the jaxpar checkpoint of step N (default: the latest)")
-
-
-def run_command(args: argparse.Namespace) -> int:
-    """``jaxpar export`` / ``jaxpar sample`` from their parsed arguments; returns the exit status.
-
-    Args:
-      args: the parsed arguments (``command``: ``export`` or ``sample``).
-
-    Returns:
-      The exit status.
-    """
-    if args.command == "export":
-        return run_export(args.config, args.overrides, args.hf, step=args.step, overwrite=args.overwrite,
-                          dtype=args.dtype)
-    return run_sample(args.config, args.overrides, args.prompt, tokens=args.tokens, step=args.step)
-
-
-def _job(config: str, overrides: Sequence[str], command: str):
-    """``(cfg, job)`` of the run's config, on its devices (the data is not read)."""
+def _job(config: str, overrides: Sequence[str], command: str, dist: dict | None = None, *, data: bool = False):
+    """``(cfg, job)`` of the run's config, on its devices (``dist``: the process options of ``jaxpar train``;
+    ``data``: the data read too)."""
     from jaxpar.devices._distributed import start_processes
     from jaxpar.config._job import build_job
     from jaxpar.config._load import load_config
@@ -84,8 +40,8 @@ def _job(config: str, overrides: Sequence[str], command: str):
     if command == "sample" and cfg.model.target is not None:
         raise ConfigError(f"jaxpar sample: model.target={cfg.model.target!r} is a model of your own, whose inputs "
                           "and outputs jaxpar does not know; sample continues text with jaxpar's GPT or model.hf.")
-    start_processes(devices=cfg.train.devices)
-    return cfg, build_job(cfg, data=False)
+    start_processes(**{k: v for k, v in (dist or {}).items() if v is not None}, devices=cfg.train.devices)
+    return cfg, build_job(cfg, data=data)
 
 
 class RunWeights(NamedTuple):
@@ -136,7 +92,7 @@ def run_weights(job: Any, step: int | None = None) -> RunWeights:
         raise CheckpointError(f"no jaxpar checkpoint{which} {where}; train first (jaxpar train), or point "
                               "checkpoint.dir at the run's checkpoints.")
     where = f"the imported weights of model.hf={str(job.hf.path)!r} (no jaxpar checkpoint yet)"
-    return RunWeights(job.imported_params(layout), layout, where)
+    return RunWeights(job.hf.load(job.mesh, layout.params), layout, where)
 
 
 def _checkpoint_words(restored: Any, directory: Path) -> str:
@@ -234,9 +190,7 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
     if not ids:
         raise ConfigError(f"jaxpar sample: --prompt {prompt!r} encodes to no token (the tokenizer knows none of its "
                           "characters); give text in the tokenizer's alphabet.")
-    new = cfg.logging.sample_tokens if tokens is None else tokens
-    if new < 0:
-        raise ConfigError(f"jaxpar sample: --tokens {new}: must be >= 0.")
+    new = cfg.logging.sample_tokens if tokens is None else tokens      # greedy_generate checks it
     w = run_weights(job, step)
     saved = (w.record or {}).get("tokenizer")
     if tok is not None and saved is not None:         # the ids the run trained with, or a named error
@@ -248,3 +202,164 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
     print(f"sample   {len(ids)} prompt tokens + {new} greedy tokens from {w.where}", file=sys.stderr)
     print(decode(out))
     return 0
+
+
+def _steps(text: str) -> range:
+    try:
+        a, b = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--steps {text!r}: expected A:B, e.g. --steps 0:4 (the steps A .. B-1).") from None
+    if not 0 <= a < b:
+        raise ConfigError(f"--steps {text!r}: need 0 <= A < B.")
+    return range(a, b)
+
+
+def run_prepare(config: str, overrides: Sequence[str], *, force: bool = False) -> int:
+    """``jaxpar data prepare``: each text source's token cache, then the summary and the histogram.
+
+    Args:
+      config: the YAML config file.
+      overrides: dotted ``key=value`` overrides.
+      force: tokenize again even where a cache is up to date.
+
+    Returns:
+      The exit status (0).
+    """
+    from jaxpar.config._job import build_job
+    from jaxpar.config._load import load_config
+
+    cfg = load_config(config, list(overrides))
+    d = cfg.data
+    if d.kind != "documents" or d.cache is None:
+        raise ConfigError(f"jaxpar data prepare: needs data.kind=documents and data.cache (the directory to write); "
+                          f"here data.kind={d.kind!r}, data.cache={d.cache!r}.")
+    tokenizer = build_job(cfg, mesh=False, data=False).tokenizer
+    lengths = []
+    for i, entry in enumerate(d.sources):
+        if dict(entry).get("format") == "tokens":
+            print(f"source {i}  {dict(entry)['path']}: a token file, read as it is")
+            continue
+        store, line = _prepare_source(d, i, tokenizer, force)
+        lengths.append(store.lengths)
+        print(line)
+    if lengths:
+        png = length_histogram(np.concatenate(lengths), Path(d.cache) / "lengths.png", cfg.model.seq_len)
+        print(f"lengths  {_percentiles(np.concatenate(lengths))}; histogram -> {png}")
+    return 0
+
+
+def _prepare_source(d: DataConfig, index: int, tokenizer: Any, force: bool) -> tuple[Any, str]:
+    """``data.sources[index]``'s cache, built unless up to date (or ``force``), and its summary line; an error
+    of the data layer is a :class:`ConfigError` naming the source."""
+    from jaxpar.data import DataError
+    from jaxpar.data._cache import expected_meta, open_cache, prepare_cache
+    from jaxpar.config._documents import open_source_of, source_cache_dir, source_error
+
+    directory = source_cache_dir(d, index)
+    try:
+        source = open_source_of(d, index)
+        expected = expected_meta(source, tokenizer, d.bos, d.eos)
+        store, state = None, "up to date"
+        if not force:
+            try:
+                store = open_cache(directory, expected, on_malformed=d.on_malformed)
+            except DataError:    # none there, or out of date: built below
+                pass
+        if store is None:
+            meta = prepare_cache(source, tokenizer, directory, bos=d.bos, eos=d.eos)
+            store, state = open_cache(directory, meta, on_malformed=d.on_malformed), "built"
+    except DataError as e:
+        raise source_error(d, index, e) from None
+    skipped = f", {store.skipped} malformed records skipped" if store.skipped else ""
+    return store, (f"source {index}  {source.name} -> {directory}: {len(store.lengths):,} documents, "
+                   f"{int(store.lengths.sum()):,} tokens ({state}{skipped})")
+
+
+def _percentiles(lengths: np.ndarray) -> str:
+    q = np.percentile(lengths, [10, 50, 90, 99]).astype(int)
+    return f"documents' tokens: p10 {q[0]}, median {q[1]}, p90 {q[2]}, p99 {q[3]}, max {int(lengths.max())}"
+
+
+def length_histogram(lengths: np.ndarray, path: str | Path, seq_len: int | None = None) -> Path:
+    """A PNG histogram of documents' token lengths (log-spaced bins), with ``seq_len`` marked when given.
+
+    Args:
+      lengths: each document's token count.
+      path: the PNG file to write.
+      seq_len: the model's sequence length, drawn as a line (None: none).
+
+    Returns:
+      ``path`` as a :class:`~pathlib.Path`.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bins = np.geomspace(1, max(2, int(lengths.max())) + 1, 50)
+    ax.hist(np.maximum(lengths, 1), bins=bins)
+    ax.set(xscale="log", xlabel="tokens per document", ylabel="documents",
+           title=f"{len(lengths):,} documents, {int(lengths.sum()):,} tokens")
+    if seq_len:
+        ax.axvline(seq_len, color="k", linestyle="--", label=f"seq_len {seq_len}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_show(config: str, overrides: Sequence[str], *, steps: str = "0:4", chars: int = 160,
+             dist: dict | None = None) -> int:
+    """``jaxpar data show``: the global batches of ``steps`` under the config's mesh: digest, packing, a row.
+
+    With several processes (``dist``: ``--coordinator`` and the rest, or a launcher), each builds its own
+    rows, the batch is gathered, and process 0 prints.
+
+    Args:
+      config: the YAML config file.
+      overrides: dotted ``key=value`` overrides.
+      steps: ``A:B``, the global steps A .. B-1 whose batches are shown (``--steps``).
+      chars: characters of each decoded row.
+      dist: the process options (None: one process, or a launcher's environment).
+
+    Returns:
+      The exit status (0).
+    """
+    import jax
+
+    from jaxpar.data import batch_digest, make_global_batch
+
+    span = _steps(steps)
+    cfg, job = _job(config, overrides, "data show", dist, data=True)
+    say = print if jax.process_index() == 0 else (lambda *_: None)
+    say(f"mesh     {dict(job.mesh.shape)}, {jax.process_count()} process(es); data.kind={cfg.data.kind}, "
+        f"seed {cfg.data.seed}")
+    for step in span:
+        batch = {k: _gather(v) for k, v in make_global_batch(job.batch_fn, step, job.mesh).items()}
+        used = float((batch["segment_ids"] > 0).mean()) if "segment_ids" in batch else 1.0
+        row = _decode(job.tokenizer, batch["tokens"][0], batch["segment_ids"][0] if "segment_ids" in batch else None)
+        say(f"step {step:>6}  sha256 {batch_digest(batch)}  rows {len(batch['tokens'])}  packing {used:.2%}")
+        say(f"             row 0: {row[:chars]!r}")
+    if hasattr(job.batch_fn, "close"):
+        job.batch_fn.close()
+    return 0
+
+
+def _gather(value: Any) -> np.ndarray:
+    import jax
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return np.asarray(value)
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+
+
+def _decode(tokenizer: Any, tokens: np.ndarray, segments: np.ndarray | None) -> str:
+    ids = tokens[segments > 0] if segments is not None else tokens
+    if tokenizer is None:
+        return bytes(int(t) % 256 for t in ids).decode("utf-8", "replace")
+    return tokenizer.decode([int(t) for t in ids])
