@@ -1,0 +1,297 @@
+"""FP8 matmuls: a layer's covered weights meet their activations in FP8 GEMMs.
+
+A weight is *covered* when its logical names hold ``embed`` and a feature axis (``heads``,
+``kv_heads``, ``mlp``): the attention projections, the MLP and the experts. The embedding, the
+head, the router, norms and biases are not. :func:`fp8_layer` rewrites one layer's program: every
+``dot_general`` that reads a covered weight (directly or through a cast, reshape or transpose)
+runs as :func:`fp8_dot_general`, in e4m3 forward and with e5m2 gradients backward. A covered
+weight that no such ``dot_general`` reads is an error that names it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core
+from jax.extend.core import primitives as prims
+
+from jaxpar.errors import Fp8Error
+from jaxpar.mesh import REPLICA
+from jaxpar.rules import path_str
+
+#: The scaling recipes: one scale per tensor, or one per row of each GEMM operand.
+RECIPES = ("tensorwise", "rowwise")
+#: A weight with ``embed`` and one of these logical names is covered.
+FEATURES = ("heads", "kv_heads", "mlp")
+#: The forward operands' and the gradients' FP8 types.
+FORWARD, BACKWARD = jnp.float8_e4m3fn, jnp.float8_e5m2
+#: Manual axes whose devices hold tensors of their own (pipeline stages, relaxed-sync replicas).
+_OWN_TENSORS = ("pipe", REPLICA)
+#: The ops a weight passes through on its way to the matmul and stays itself.
+_VIEWS = {"convert_element_type", "reshape", "transpose", "squeeze", "sharding_constraint", "copy", "copy_p",
+          "pvary", "mesh_cast", "reshard"}
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """FP8 training of the covered matmuls (``Strategy(fp8=Fp8())``).
+
+    - ``recipe``: ``"tensorwise"`` (one scale per operand) or ``"rowwise"`` (one per row: per
+      index of the operand's dimensions that the GEMM does not contract), both current scaling
+      (the scale comes from this step's absolute maximum);
+    - ``min_dim``: a GEMM whose contracted or output size is below it stays in the compute dtype
+      (FP8 gains nothing on small GEMMs).
+    """
+
+    recipe: str = "tensorwise"
+    min_dim: int = 1024
+
+    def __post_init__(self):
+        if self.recipe not in RECIPES:
+            raise Fp8Error(f"Fp8(recipe={self.recipe!r}): the recipes are {', '.join(RECIPES)}. A delayed "
+                           "recipe (scales from an amax history) is not built; use tensorwise or rowwise.")
+        if isinstance(self.min_dim, bool) or not isinstance(self.min_dim, int) or self.min_dim < 0:
+            raise Fp8Error(f"Fp8(min_dim={self.min_dim!r}) must be an int >= 0 (0: every covered GEMM in FP8).")
+
+
+def is_covered(logical: tuple) -> bool:
+    """Whether a weight with these logical names runs its matmuls in FP8."""
+    return "embed" in logical and any(name in logical for name in FEATURES)
+
+
+def _scale_and_cast(x: jax.Array, dtype, keep: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """``x`` divided by its scale and cast to ``dtype``, and the fp32 scale (the absolute maximum
+    over every dimension not in ``keep``, over ``dtype``'s largest value). Inside a ``shard_map``, a
+    tensor's maximum is taken over its shards on the manual axes that split one tensor (not ``pipe``
+    or ``replica``: stages and replicas hold tensors of their own)."""
+    x = x.astype(jnp.float32)
+    reduce = tuple(d for d in range(x.ndim) if d not in keep)
+    amax = jnp.max(jnp.abs(x), axis=reduce, keepdims=True)
+    shards = tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes if a not in _OWN_TENSORS)
+    if shards and not keep:
+        amax = jax.lax.pmax(amax, shards)
+    scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+    return (x / scale).astype(dtype), scale
+
+
+def _free(ndim: int, contract, batch) -> list[int]:
+    return [d for d in range(ndim) if d not in contract and d not in batch]
+
+
+def scaled_dot(lhs, rhs, dimension_numbers, types, *, rowwise: bool, out_dtype):
+    """One GEMM with FP8 operands: each operand scaled and cast to its type, the product taken in
+    FP8 with fp32 accumulation, and the scales multiplied back.
+
+    Args:
+      lhs, rhs: the operands; dimension_numbers: ``lax.dot_general``'s.
+      types: the lhs and rhs FP8 types.
+      rowwise: one scale per row (per index of the dimensions the GEMM does not contract); else
+        one per operand.
+      out_dtype: the result's dtype.
+
+    Returns:
+      ``lax.dot_general(lhs, rhs, dimension_numbers)`` computed in FP8.
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    lf, rf = _free(lhs.ndim, lc, lb), _free(rhs.ndim, rc, rb)
+    lq, ls = _scale_and_cast(lhs, types[0], (*lb, *lf) if rowwise else ())
+    rq, rs = _scale_and_cast(rhs, types[1], (*rb, *rf) if rowwise else ())
+    out = jax.lax.dot_general(lq, rq, dimension_numbers, preferred_element_type=jnp.float32)
+    if rowwise:   # the result's dimensions are (batch, lhs free, rhs free): align each scale to them
+        ls = ls.transpose((*lb, *lf, *lc)).reshape(out.shape[:len(lb) + len(lf)] + (1,) * len(rf))
+        rs = rs.transpose((*rb, *rf, *rc)).reshape(out.shape[:len(lb)] + (1,) * len(lf) + out.shape[len(lb) + len(lf):])
+    else:
+        ls, rs = ls.reshape(()), rs.reshape(())
+    return (out * ls * rs).astype(out_dtype)
+
+
+def _grad_dims(dimension_numbers, lhs_ndim: int, rhs_ndim: int, for_lhs: bool):
+    """The dimension numbers of the gradient GEMM for one operand, and the permutation that puts
+    its result in that operand's layout."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lf, rf = _free(lhs_ndim, lc, lb), _free(rhs_ndim, rc, rb)
+    nb = len(lb)
+    g_lf = list(range(nb, nb + len(lf)))
+    g_rf = list(range(nb + len(lf), nb + len(lf) + len(rf)))
+    g_b = list(range(nb))
+    if for_lhs:    # dlhs = g . rhs over rhs's free dims: result (batch, lhs free, rhs contracted)
+        dims = ((g_rf, rf), (g_b, list(rb)))
+        rest = [c for c in range(rhs_ndim) if c not in rf and c not in rb]     # rhs contracted, in order
+        order = list(lb) + lf + [lc[list(rc).index(c)] for c in rest]
+    else:          # drhs = lhs . g over lhs's free dims: result (batch, lhs contracted, rhs free)
+        dims = ((lf, g_lf), (list(lb), g_b))
+        rest = [c for c in range(lhs_ndim) if c not in lf and c not in lb]
+        order = list(rb) + [rc[list(lc).index(c)] for c in rest] + rf
+    return dims, [order.index(d) for d in range(len(order))]
+
+
+def fp8_dot_general(lhs, rhs, dimension_numbers, *, rowwise: bool = False):
+    """``lax.dot_general(lhs, rhs, dimension_numbers)`` with its three GEMMs in FP8: e4m3 × e4m3
+    forward; the gradient in e5m2 against the other operand in e4m3 backward.
+
+    Args:
+      lhs, rhs: the operands (the result has their common dtype).
+      dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
+      rowwise: the recipe's scaling (:class:`Fp8`).
+
+    Returns:
+      The product.
+
+    >>> x, w = jnp.ones((4, 8)), jnp.full((8, 2), 0.5)
+    >>> [round(v, 5) for v in fp8_dot_general(x, w, (((1,), (0,)), ((), ()))).tolist()[0]]   # the scales' round-off
+    [4.0, 4.0]
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    dn = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+    out_dtype = jnp.result_type(lhs, rhs)
+
+    @jax.custom_vjp
+    def dot(a, b):
+        return scaled_dot(a, b, dn, (FORWARD, FORWARD), rowwise=rowwise, out_dtype=out_dtype)
+
+    def backward(res, g):
+        a, b = res
+        ldims, lperm = _grad_dims(dn, a.ndim, b.ndim, True)
+        rdims, rperm = _grad_dims(dn, a.ndim, b.ndim, False)
+        da = scaled_dot(g, b, ldims, (BACKWARD, FORWARD), rowwise=rowwise, out_dtype=a.dtype)
+        db = scaled_dot(a, g, rdims, (FORWARD, BACKWARD), rowwise=rowwise, out_dtype=b.dtype)
+        return da.transpose(lperm), db.transpose(rperm)
+
+    dot.defvjp(lambda a, b: (dot(a, b), (a, b)), backward)
+    return dot(lhs, rhs)
+
+
+@dataclass
+class _Rewrite:
+    fp8: Fp8
+    covered: dict            # a Var of the layer's program -> the weight's path
+    used: set
+
+
+def fp8_layer(layer: Callable, logical: Any, fp8: Fp8) -> Callable:
+    """``layer(params, x, *rest) -> y`` with the matmuls of its covered weights in FP8.
+
+    Args:
+      layer: one layer's function.
+      logical: the layer's logical names, a tree mirroring ``params``.
+      fp8: the options.
+
+    Returns:
+      The rewritten function: equal to ``layer`` up to the FP8 rounding of the covered GEMMs.
+    """
+    def run(params, *args):
+        closed = jax.make_jaxpr(layer)(params, *args)
+        names, _ = jax.tree_util.tree_flatten_with_path(params)
+        spec = jax.tree.leaves(logical, is_leaf=lambda n: isinstance(n, tuple))
+        invars = closed.jaxpr.invars
+        covered = {invars[i]: path_str(path) for i, ((path, _), names_) in enumerate(zip(names, spec))
+                   if is_covered(tuple(names_ or ()))}
+        rewrite = _Rewrite(fp8, covered, set())
+        out = _eval(closed.jaxpr, closed.consts, jax.tree.leaves((params, *args)), rewrite)
+        missed = sorted(set(covered.values()) - rewrite.used)
+        if missed:
+            raise Fp8Error(f"fp8: the layer's covered weights {missed} reach no matmul that jaxpar can run in "
+                           "FP8 (a dot_general that reads the weight, through casts and reshapes only). Give "
+                           "them logical names without a feature axis to leave them out, or turn fp8 off.")
+        return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(layer, params, *args)), out)
+    return run
+
+
+def _eval(jaxpr, consts, args, rw: _Rewrite) -> list:
+    """Evaluate ``jaxpr`` with the dots that read a covered weight in FP8 (``rw.covered`` maps its
+    variables to weight paths; the map grows along views and into nested jits)."""
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        paths = [None if isinstance(v, core.Literal) else rw.covered.get(v) for v in eqn.invars]
+        if eqn.primitive is prims.dot_general_p and any(paths):
+            outs = [_dot(eqn, ins, paths, rw)]
+        elif eqn.primitive is prims.jit_p and any(paths):
+            inner = eqn.params["jaxpr"]
+            rw.covered |= {v: p for v, p in zip(inner.jaxpr.invars, paths) if p}
+            outs = _eval(inner.jaxpr, inner.consts, ins, rw)
+        elif eqn.primitive.name == "shard_map" and any(paths):
+            outs = _shard_map(eqn, ins, paths, rw)
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+            if eqn.primitive.name in _VIEWS and paths[0]:
+                rw.covered[eqn.outvars[0]] = paths[0]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _shard_map(eqn, ins, paths, rw: _Rewrite) -> list:
+    """A ``shard_map`` that reads a covered weight, its body rewritten (the shards' scales agree:
+    :func:`_scale_and_cast`)."""
+    p, inner = eqn.params, eqn.params["jaxpr"]
+    rw.covered |= {v: path for v, path in zip(inner.invars, paths) if path}
+    body = lambda *args: tuple(_eval(inner, (), args, rw))     # noqa: E731
+    return list(jax.shard_map(body, mesh=p["mesh"], in_specs=p["in_specs"], out_specs=p["out_specs"],
+                              axis_names=p["newly_manual_axes"], check_vma=p["check_vma"])(*ins))
+
+
+def _dot(eqn, ins, paths, rw: _Rewrite) -> jax.Array:
+    """One dot that reads a covered weight: in FP8 unless the GEMM is smaller than ``min_dim``."""
+    lhs, rhs = ins
+    path = paths[1] or paths[0]
+    rw.used.add(path)
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    weight, wc, wb = (rhs, rc, rb) if paths[1] else (lhs, lc, lb)
+    k = math.prod(weight.shape[d] for d in wc)
+    n = math.prod(weight.shape[d] for d in _free(weight.ndim, wc, wb))
+    if min(k, n) < rw.fp8.min_dim:
+        return eqn.primitive.bind(lhs, rhs, **eqn.params)
+    with jax.named_scope(f"fp8[{path}]"):
+        out = fp8_dot_general(lhs, rhs, eqn.params["dimension_numbers"], rowwise=rw.fp8.recipe == "rowwise")
+    return out.astype(eqn.outvars[0].aval.dtype)
+
+
+def fp8_gemms(hlo: str) -> dict[str, dict[str, float]]:
+    """The GEMMs of each covered weight in a compiled program's text, by operand types.
+
+    Args:
+      hlo: ``compiled.as_text()`` (a GPU target's: dots and cuBLAS calls).
+
+    Returns:
+      ``{weight path: {"fp8": n, "other": n, "fp8_flops": f, "other_flops": f}}`` over the GEMMs
+      :func:`fp8_layer` named after the weight (merged GEMMs carry the first one's name).
+    """
+    shapes = {name: (dtype, [int(d) for d in dims.split(",") if d])
+              for name, dtype, dims in re.findall(r"(%[\w.\-]+) = \(?(\w+)\[([\d,]*)\]", hlo)}
+    out: dict[str, dict[str, float]] = {}
+    for line in hlo.splitlines():
+        gemm = re.search(r"(%[\w.\-]+) = .*? (?:dot|custom-call)\((%[\w.\-]+), (%[\w.\-]+)", line)
+        scope = re.search(r'op_name="[^"]*fp8\[([^\]]+)\]', line)
+        if not (gemm and scope and (" dot(" in line or "__cublas" in line)):
+            continue
+        result, lhs, rhs = (shapes.get(v, ("", [])) for v in gemm.groups())
+        contract = re.search(r'lhs_contracting_dim(?:s=\{|ensions":\[)([^}\]]*)', line)
+        k = math.prod(lhs[1][int(d.strip('"'))] for d in contract.group(1).split(",") if d) if contract else 0
+        kind = "fp8" if lhs[0].startswith("f8") and rhs[0].startswith("f8") else "other"
+        counts = out.setdefault(scope.group(1), {"fp8": 0, "other": 0, "fp8_flops": 0.0, "other_flops": 0.0})
+        counts[kind] += 1
+        counts[kind + "_flops"] += 2.0 * math.prod(result[1]) * k
+    return out
+
+
+def check_fp8_gemms(hlo: str) -> dict[str, dict[str, int]]:
+    """:func:`fp8_gemms`, and an error naming every covered weight with a GEMM not in FP8 (e.g. a
+    compiler that dequantized the operands first).
+
+    Raises:
+      Fp8Error: a covered weight's GEMM compiled with other operand types.
+    """
+    counts = fp8_gemms(hlo)
+    slow = {path: int(c["other"]) for path, c in counts.items() if c["other"]}
+    if slow:
+        raise Fp8Error(f"fp8: covered matmuls compiled without FP8 operands: {slow} (weight: GEMMs). The "
+                       "compiler dequantized them; this target or recipe does not run FP8 GEMMs.")
+    return counts
+
