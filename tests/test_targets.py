@@ -132,6 +132,16 @@ def test_quickstart_compiles_for_h100(capsys):
     assert "fits     with" in out and "capacity 59.3 GiB usable" in out
 
 
+@pytest.mark.slow
+def test_the_gradient_all_reduce_is_counted_in_bf16_as_the_gpu_compiler_runs_it(capsys):
+    """gpt124m_gpu (bf16 compute, DP8): XLA's GPU program all-reduces the gradients in bf16, before
+    they become fp32; the cost model's bytes over ``data`` match it (they were fp32's, 2.000x)."""
+    rc, out, _ = _inspect(capsys, "gpt124m_gpu.yaml", "h100:1x8")
+    assert rc == 0, out
+    line = next(x for x in out.splitlines() if x.startswith("bytes over data per step"))
+    assert abs(float(line.rsplit("|", 1)[1]) - 1) <= 0.05, line
+
+
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("config, target", [("quickstart.yaml", "tpu-v5e:2x4"), ("gpt124m_gpu.yaml", "h100:1x8"),
                                             ("gpt124m_gpu.yaml", "tpu-v5e:2x4")])

@@ -242,7 +242,8 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
 
         model, plan, est = view
         act = 2 if strategy.compute_dtype == "bfloat16" else 4
-        pred = bytes_per_axis(comms(model, plan, lowering=lowering, compute_bytes=act, grad_bytes=4))
+        grad = 4 if lowering == "xla-cpu" else act     # GPU / TPU: XLA reduces the compute dtype's gradients
+        pred = bytes_per_axis(comms(model, plan, lowering=lowering, compute_bytes=act, grad_bytes=grad))
         mem = est.memory
         args, temps, peak = device_argument_bytes(model, plan.sizes, plan.zero), mem.activations + mem.logits, mem.total
 
