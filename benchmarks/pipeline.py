@@ -37,7 +37,7 @@ import jax
 import jaxpar
 from jaxpar.models import lm_loss
 from jaxpar.parallel.pipeline import lower, sends
-from jaxpar.parallel.pipeline import bubble_fraction, get_schedule
+from jaxpar.parallel.pipeline import bubble_fraction, get_schedule, lockstep
 from jaxpar.parallel.pipeline._schedules import num_ticks
 
 from _common import BenchStrategy, GPTConfig, build, environment, make_batch, markdown_table, write_json
@@ -100,8 +100,6 @@ def bench(cfg, m, rows, reps, steps, p=4, kinds=KINDS):
 
 def bench_sp(cfg, m, rows, reps, steps, kinds=KINDS):
     """SP inside each schedule (lockstep) against the schedule without SP, pipe2 x data2 x tensor2."""
-    from jaxpar.parallel.pipeline._lockstep import lockstep
-
     tx, out = _common.make_tx(), []
     for kind, v in kinds:
         variants = {}

@@ -21,6 +21,7 @@ from jaxpar.step._compose import make_train_step
 from jaxpar.step._program import TrainStep
 from jaxpar.step._noise_scale import plot_noise_scale, with_noise_scale
 from jaxpar.step._replica_mean import replica_bytes
+from jaxpar.step._exchange import compression_plan
 from jaxpar.data._rows import make_global_batch
 from jaxpar.run import (AdaptiveRamp, BatchRamp, Checkpointer, LogOptions, greedy_generate, ramp_batch_fn, train,
                         train_with_checkpoints)
@@ -37,15 +38,3 @@ __all__ = [
     "train_with_checkpoints", "compression_plan", "replica_bytes", "errors", *errors.__all__,
 ]
 
-
-def __getattr__(name):
-    """``compression_plan`` loads its module only when used (:mod:`jaxpar.step`)."""
-    if name == "compression_plan":
-        from jaxpar.step import compression_plan
-
-        return compression_plan
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | {"compression_plan"})

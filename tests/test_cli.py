@@ -93,7 +93,7 @@ PIPE_BAD = [  # (overrides, text the error must contain): pipeline schedule and 
     (["parallel.microbatches=1"], "parallel.schedule='1f1b' with mesh.pipe=2, parallel.microbatches=1"),
     (["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.microbatches=3", "model.layers=4",
       "data.batch_size=24"], "parallel.microbatches=3, parallel.virtual_stages=2: interleaved_1f1b needs m divisible"),
-    (["parallel.schedule=interleaved"], "parallel.virtual_stages=1: v (num_chunks) must be >= 2"),
+    (["parallel.schedule=interleaved"], "parallel.virtual_stages=1: interleaved_1f1b(v=1): must be an int >= 2"),
     (["model.layers=3"], "model.layers=3, mesh.pipe=2 x parallel.virtual_stages=1: 3 layers cannot be split evenly"),
     (["model.layers=3", "parallel.stage_layers=[1,1]"], "parallel.stage_layers=(1, 1) must be positive and sum"),
     (["parallel.sequence_parallel=true", "parallel.schedule=pipedream-2bw"],

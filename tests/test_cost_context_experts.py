@@ -48,7 +48,7 @@ def test_plan_axes_names_and_backward_compatible_defaults():
     assert old.name() == "pp4-1f1b-m8-dp2-zero1-tp8-sp" and old.devices == 64
     with pytest.raises(ValueError, match=r"Plan.context_method='rings': choose one of ring, all_gather, ulysses"):
         Plan(context=2, context_method="rings")
-    with pytest.raises(ValueError, match=r"Plan.expert=0: must be a positive int"):
+    with pytest.raises(ValueError, match=r"Plan\(expert=0\): must be an int >= 1"):
         Plan(expert=0)
 
 

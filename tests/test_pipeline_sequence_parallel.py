@@ -1,5 +1,5 @@
 """Sequence parallelism inside pipelines: the flush schedules run as lockstep programs (every stage
-the tick's action, masked where it has none: jaxpar.parallel.pipeline._lockstep), so SP's all-gathers and
+the tick's action, masked where it has none: jaxpar.parallel.pipeline.lockstep), so SP's all-gathers and
 reduce-scatters over ``tensor`` inside the stages' actions are reached by every device. Each schedule
 on tensor2 x pipe2 x data2 equals one device; the lockstep executor equals the per-stage program."""
 
@@ -12,7 +12,7 @@ import jaxpar
 from jaxpar.models import GPTConfig
 from jaxpar.parallel.pipeline import PipelineParts, get_schedule, lower, to_stages
 from jaxpar.parallel.pipeline import pipeline_value_and_grad
-from jaxpar.parallel.pipeline._lockstep import is_lockstep, lockstep
+from jaxpar.parallel.pipeline import is_lockstep, lockstep
 from jaxpar.parallel.pipeline import from_stages
 from jaxpar.parallel.pipeline import peak_in_flight
 from jaxpar.parallel.pipeline._schedules import num_ticks, stage_actions

@@ -204,15 +204,16 @@ def test_m_less_than_p(fn):
 def test_interleaved_input_errors():
     with pytest.raises(ValueError, match=r"divisible by p.*m=6, p=4.*m=8"):
         interleaved_1f1b(4, 6, 2)
-    with pytest.raises(ValueError, match=r"v \(num_chunks\) must be >= 2"):
+    with pytest.raises(ValueError, match=r"interleaved_1f1b\(v=1\): must be an int >= 2"):
         interleaved_1f1b(4, 8, 1)
-    with pytest.raises(ValueError, match="v \\(num_chunks\\) must be >= 2"):
+    with pytest.raises(ValueError, match=r"interleaved_1f1b\(v=1\): must be an int >= 2"):
         get_schedule("interleaved", 4, 8)
 
 
-@pytest.mark.parametrize("p,m,match", [(0, 4, r"p \(num_stages\) must be >= 1"),
-                                       (2, 0, r"m \(num_microbatches\) must be >= 1"),
-                                       (2.0, 4, "must be an int"), (2, True, "must be an int")])
+@pytest.mark.parametrize("p,m,match", [(0, 4, r"gpipe\(p=0\): must be an int >= 1"),
+                                       (2, 0, r"gpipe\(m=0\): must be an int >= 1"),
+                                       (2.0, 4, r"gpipe\(p=2.0\): must be an int"),
+                                       (2, True, r"gpipe\(m=True\): must be an int")])
 def test_bad_sizes(p, m, match):
     with pytest.raises(ValueError, match=match):
         gpipe(p, m)
@@ -225,7 +226,7 @@ def test_get_schedule_errors():
         get_schedule("1f1b", 2, 4, v=2)
     with pytest.raises(ValueError, match="Action kind"):
         Action("X", 0)
-    with pytest.raises(ValueError, match="microbatch must be >= 0"):
+    with pytest.raises(ValueError, match=r"Action\(microbatch=-1\): must be an int >= 0"):
         Action("F", -1)
 
 

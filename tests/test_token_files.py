@@ -8,6 +8,7 @@ import jaxpar
 from jaxpar.cli import main
 from jaxpar.config import ConfigError, DataConfig, build_data
 from jaxpar.data import _windows as D
+from jaxpar.data._tokens import map_tokens
 
 from test_cli import QUICK
 
@@ -23,7 +24,7 @@ def token_files(tmp_path):
 def test_bin_and_npy_are_memory_mapped_and_windowed(token_files):
     ids, bin_path, npy_path = token_files
     for path in (bin_path, npy_path):
-        data = D.load_tokens(path)
+        data = map_tokens(path)
         assert isinstance(data, np.memmap)          # nothing read until indexed
         np.testing.assert_array_equal(np.asarray(data), ids)
         train, held = D.split_holdout(data, 0.1)

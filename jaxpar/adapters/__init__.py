@@ -8,8 +8,7 @@ True
 from jaxpar.adapters._blocks import REMAT_POLICIES, remat_policy, run_layers, scan_blocks
 from jaxpar.adapters._layer_lists import LayerListError, StackedLayers, list_form, stack_layers, stacked_form
 from jaxpar.adapters._loss_metrics import report_metric
-from jaxpar.adapters._mesh_axes import ModelMeshError
-from jaxpar.adapters._shapes import abstract_model
+from jaxpar.adapters._mesh_axes import ModelMeshError, abstract_model
 
 __all__ = ["REMAT_POLICIES", "remat_policy", "run_layers", "scan_blocks", "LayerListError", "StackedLayers",
            "list_form", "stack_layers", "stacked_form", "report_metric", "ModelMeshError", "abstract_model"]

@@ -1,7 +1,7 @@
-"""Models written in JAX's explicit-sharding style: they pin shardings by mesh axes
-(``jnp.einsum(..., out_sharding=P("data", None, "tensor"))``, ``nnx.Linear(...)(x,
-out_sharding=...)``, ``jax.reshard``), which JAX accepts only under a mesh whose axes are
-``Explicit``.
+"""A model's parameter shapes and logical annotations, traced without allocating anything
+(:func:`abstract_model`), and models written in JAX's explicit-sharding style: they pin shardings
+by mesh axes (``jnp.einsum(..., out_sharding=P("data", None, "tensor"))``, ``nnx.Linear(...)(x,
+out_sharding=...)``, ``jax.reshard``), which JAX accepts only under a mesh whose axes are ``Explicit``.
 
 jaxpar's step runs with ``Auto`` axes: XLA chooses the collectives that the strategy's shardings
 imply. Such a model's loss runs inside :func:`jax.sharding.explicit_axes` over the layout's mesh:
@@ -46,11 +46,43 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.mesh import data_axes
 from jaxpar.rules import axes_of, manual_axes, path_str, spec_without
-from jaxpar.errors import ModelMeshError
+from jaxpar.errors import ModelMeshError, ModelStateError
 
 # What JAX says when a model pins a sharding by mesh axes under a mesh that does not allow it.
 _SIGNS = ("not under a mesh context", "of type Auto", "AxisType", "Auto or Manual", "`out_sharding`",
           "out_sharding=", "explicit mesh", "Explicit axes")
+
+
+def abstract_model(model_fn: Callable[[], nnx.Module]):
+    """The model's structure, parameter shapes and logical annotations, without allocating it.
+
+    Args:
+      model_fn: builds the NNX model (every variable an ``nnx.Param``); it is only traced.
+
+    Returns:
+      ``(graphdef, shapes, logical)``: the ``nnx`` graph definition, a pure dict of
+      ``ShapeDtypeStruct`` and one of ``PartitionSpec`` over logical names.
+
+    Raises:
+      ModelStateError: state that is not an ``nnx.Param``.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jaxpar.models._mlp import MLPClassifier
+      >>> _, shapes, logical = abstract_model(lambda: MLPClassifier(4, 8, 8, 3, depth=1, rngs=nnx.Rngs(0)))
+      >>> shapes["inp"]["kernel"].shape, logical["inp"]["kernel"]
+      ((4, 8), P(None, 'embed'))
+    """
+    with nnx.use_eager_sharding(False):
+        abs_model = nnx.eval_shape(model_fn)
+    graphdef, abs_params, rest = nnx.split(abs_model, nnx.Param, ...)
+    kinds = sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))})
+    if kinds:
+        raise ModelStateError(f"init_train_state: the model has non-Param state ({kinds}); jaxpar trains models whose "
+                              "state is all nnx.Param. Keep RNG streams and counters outside the module.")
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(abs_params))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(abs_params))
+    return graphdef, shapes, logical
 
 
 def check_model_axes(logical: Any, rules, mesh) -> None:

@@ -50,9 +50,8 @@ import numpy as np
 
 from jaxpar.cost._parallel import Plan
 from jaxpar.cost._schedule import runs_in_lockstep
-from jaxpar.parallel.pipeline._lockstep import lockstep
 from jaxpar.parallel.pipeline._instructions import lower
-from jaxpar.parallel.pipeline._schedules import get_schedule
+from jaxpar.parallel.pipeline._schedules import get_schedule, lockstep
 from jaxpar.analysis._hlo import Collective, collectives, partition_positions
 from jaxpar.analysis._hlo_text import branch_computations, called_computations, module_text, parse_instructions
 from jaxpar.analysis._loops import trip_counts, while_trip_counts

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from jaxpar.data import _windows as data_lib
+from jaxpar.data._tokens import map_tokens
 from jaxpar.config._documents import build_documents
 from jaxpar.config._imports import resolve_import, takes
 from jaxpar.config._schema import DATA_KINDS, ConfigError, DataConfig
@@ -155,7 +156,7 @@ def build_data(cfg: DataConfig, *, seq_len: int | None = None, vocab: int | None
 def _corpus(cfg: DataConfig, tokenizer: Any) -> np.ndarray:
     """The data as one array: a token file's, the text's bytes, or the text's tokens (each file a document)."""
     if cfg.kind == "tokens":
-        return data_lib.load_tokens(cfg.paths[0], dtype=cfg.token_dtype)
+        return map_tokens(cfg.paths[0], cfg.token_dtype)
     if tokenizer is None:
         return data_lib.load_bytes(list(cfg.paths) or None, max_bytes=cfg.max_bytes)
     docs = data_lib.read_documents(list(cfg.paths) or None, max_bytes=cfg.max_bytes)

@@ -127,7 +127,7 @@ def build_trust_mask(cfg: OptimizerConfig, model_fn: Callable[[], nnx.Module] | 
     tm = cfg.trust_mask
     if model_fn is None:
         return None, lambda params: opt_lib.trust_mask(params, exclude=tm.exclude, include=tm.include)
-    from jaxpar.adapters._shapes import abstract_model
+    from jaxpar.adapters._mesh_axes import abstract_model
 
     _, shapes, logical = abstract_model(model_fn)
     try:

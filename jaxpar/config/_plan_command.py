@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
+from jaxpar.compat._settings import FLUSH_SCHEDULES
 from jaxpar.strategy import Strategy
 from jaxpar.config._schema import ConfigError, JobConfig
 
@@ -153,13 +154,11 @@ def unpredicted(cfg: JobConfig, strategy: Strategy, mesh_sizes: Mapping[str, int
     Returns:
       The reason, or None.
     """
-    from jaxpar.cost._parallel import SCHEDULES
-
     if cfg.model.target is not None or cfg.model.hf is not None:
         key = "model.target" if cfg.model.target is not None else "model.hf"
         return f"the cost model describes the built-in GPT only ({key} is set)"
-    if mesh_sizes.get("pipe", 1) > 1 and strategy.schedule not in SCHEDULES:
-        return (f"the cost model knows the pipeline schedules {', '.join(SCHEDULES)}, not "
+    if mesh_sizes.get("pipe", 1) > 1 and strategy.schedule not in FLUSH_SCHEDULES:
+        return (f"the cost model knows the pipeline schedules {', '.join(FLUSH_SCHEDULES)}, not "
                 f"parallel.schedule={strategy.schedule!r}")
     return None
 

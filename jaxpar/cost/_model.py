@@ -282,7 +282,7 @@ def from_nnx(model_fn: Callable[[], Any], *, layers: int, hidden: int, heads: in
     """
     import jax
 
-    from jaxpar.adapters._shapes import abstract_model
+    from jaxpar.adapters._mesh_axes import abstract_model
     from jaxpar.rules import path_str
 
     _, shapes, logical = abstract_model(model_fn)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxpar.compat._settings import FLUSH_SCHEDULES
 from jaxpar.cost._memory import REMAT
-from jaxpar.errors import PlanError
+from jaxpar.errors import PlanError, check_int
 
 #: The mesh axes in mesh order (outermost first, ``tensor`` innermost; docs/planning.md §10).
 AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
@@ -23,8 +24,6 @@ AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")
 #: The context-parallel attention methods (:data:`jaxpar.parallel.context.METHODS`).
 CONTEXT_METHODS = ("ring", "all_gather", "ulysses")
-#: The pipeline schedules the cost model knows.
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True)
@@ -48,15 +47,13 @@ class Plan:
 
     def __post_init__(self):
         for a in AXES + ("virtual", "microbatches"):
-            v = getattr(self, a)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlanError(f"Plan.{a}={v!r}: must be a positive int (1: the axis is not used).")
+            check_int("Plan", a, getattr(self, a), 1, PlanError)
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise PlanError(f"Plan.zero={self.zero!r}: choose 0, 1, 2 or 3.")
         if not isinstance(self.sequence_parallel, bool):
             raise PlanError(f"Plan.sequence_parallel={self.sequence_parallel!r}: must be True or False.")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"Plan.schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+        if self.schedule not in FLUSH_SCHEDULES:        # the pipeline schedules the cost model knows
+            raise PlanError(f"Plan.schedule={self.schedule!r}: choose one of {', '.join(FLUSH_SCHEDULES)}.")
         if self.remat not in REMAT:
             raise PlanError(f"Plan.remat={self.remat!r}: choose one of {', '.join(REMAT)}.")
         if self.context_method not in CONTEXT_METHODS:

@@ -1,7 +1,7 @@
 """Pipeline schedules as the cost model reads them (docs/planning.md §3): bubble fraction and stage 0's
 in-flight micro-batches, from the schedule tables of :mod:`jaxpar.parallel.pipeline._schedules` up to
 ``p * m * v =`` :data:`TABLE_LIMIT` (JAX is imported only then), from closed forms above it; with
-``lockstep=True``, of the lockstep re-timing (:mod:`jaxpar.parallel.pipeline._lockstep`).
+``lockstep=True``, of the lockstep re-timing (:func:`jaxpar.parallel.pipeline._schedules.lockstep`).
 
 Example::
 
@@ -71,22 +71,13 @@ def lockstep_closed_form(kind: str, p: int, m: int, v: int = 1) -> tuple[float, 
     return bubble, min(2 * p - 1, m) if kind in ("1f1b", "zb-h1") else peak
 
 
-def _lockstep_stats(kind: str, p: int, m: int, v: int) -> tuple[float, int]:
-    from jaxpar.parallel.pipeline._lockstep import lockstep
-    from jaxpar.parallel.pipeline._schedules import get_schedule, peak_in_flight
-
-    s = lockstep(get_schedule(kind, p, m, v))
-    cost = {"F": 1, "B": 1 if s.split_backward else 2, "W": 1}
-    span = sum(cost[next(a.kind for a in row if a is not None)] for row in s.table)
-    return 1 - v * m * 3 / span, peak_in_flight(s)[0]
-
-
 @lru_cache(maxsize=4096)
 def schedule_stats(kind: str, p: int, m: int, v: int, lockstep: bool = False) -> tuple[float, int]:
     """Bubble fraction and stage 0's peak in-flight (micro-batch, chunk) pairs of a schedule (cached).
 
     Read from the built schedule table (:mod:`jaxpar.parallel.pipeline._schedules`) up to ``p * m * v =``
-    :data:`TABLE_LIMIT`, from :func:`closed_form_stats` above it.
+    :data:`TABLE_LIMIT`, from :func:`closed_form_stats` (:func:`lockstep_closed_form`) above it. A lockstep
+    tick lasts as long as its kind: F = 1, B = 2 (B = W = 1 with a split backward).
 
     Args:
       kind: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``.
@@ -101,14 +92,17 @@ def schedule_stats(kind: str, p: int, m: int, v: int, lockstep: bool = False) ->
     >>> schedule_stats("1f1b", 4, 8, 1)
     (0.2727272727272727, 4)
     """
-    if lockstep:
-        return lockstep_closed_form(kind, p, m, v) if p * m * v > TABLE_LIMIT else _lockstep_stats(kind, p, m, v)
     if p * m * v > TABLE_LIMIT:
-        return closed_form_stats(kind, p, m, v)
-    from jaxpar.parallel.pipeline._schedules import bubble_fraction, get_schedule, peak_in_flight
+        return (lockstep_closed_form if lockstep else closed_form_stats)(kind, p, m, v)
+    from jaxpar.parallel.pipeline import _schedules
 
-    s = get_schedule(kind, p, m, v)
-    return float(bubble_fraction(s)), peak_in_flight(s)[0]
+    s = _schedules.get_schedule(kind, p, m, v)
+    if not lockstep:
+        return float(_schedules.bubble_fraction(s)), _schedules.peak_in_flight(s)[0]
+    s = _schedules.lockstep(s)
+    cost = {"F": 1, "B": 1 if s.split_backward else 2, "W": 1}
+    span = sum(cost[next(a.kind for a in row if a is not None)] for row in s.table)
+    return 1 - v * m * 3 / span, _schedules.peak_in_flight(s)[0]
 
 
 def runs_in_lockstep(plan) -> bool:

@@ -4,7 +4,7 @@ Every source returns numpy ``{"tokens": int32[B, T], "targets": int32[B, T]}`` (
 one), built from windows of ``seq_len + 1`` tokens at offsets that depend only on ``(seed, step)``,
 the last ``eval_fraction`` held out: byte-level text (by default a capped subset of the Python
 standard library's sources), tokenized text (:func:`tokenize_documents`), token files (nanoGPT's
-``.bin`` or ``.npy``, :func:`load_tokens`) and synthetic arithmetic progressions.
+``.bin`` or ``.npy``, :func:`jaxpar.data._tokens.map_tokens`) and synthetic arithmetic progressions.
 
 The batch functions take ``rows=`` (``None``: the whole global batch; global row indices; or the
 batch's ``Sharding``, :func:`process_rows`): row ``i`` of step ``s`` is the same however it is asked
@@ -36,7 +36,6 @@ import numpy as np
 
 from jaxpar.errors import DataError, SourceError, check_int
 from jaxpar.data._rows import make_global_batch, process_rows, select_rows
-from jaxpar.data._tokens import TOKEN_DTYPES, map_tokens
 
 #: Default cap on the text corpus size (bytes): a few MB keeps start-up fast.
 DEFAULT_MAX_BYTES = 4_000_000
@@ -143,7 +142,7 @@ def tokenize_documents(documents: Sequence[bytes | str], encode: Callable[[str],
                        bos_id: int | None = None, eos_id: int | None = None) -> np.ndarray:
     """One ``int32`` token stream of ``documents``: each encoded (bytes decoded as UTF-8, invalid bytes
     replaced), with ``bos_id`` before it and ``eos_id`` after it when given. Batches then take windows
-    of it as of :func:`load_tokens`'s.
+    of it as of :func:`~jaxpar.data._tokens.map_tokens`'s.
 
     Args:
       documents: the documents' text (``bytes`` or ``str``).
@@ -161,25 +160,6 @@ def tokenize_documents(documents: Sequence[bytes | str], encode: Callable[[str],
         text = doc.decode("utf-8", "replace") if isinstance(doc, (bytes, bytearray)) else doc
         ids += ([bos_id] if bos_id is not None else []) + list(encode(text)) + ([eos_id] if eos_id is not None else [])
     return np.asarray(ids, dtype=np.int32)
-
-
-def load_tokens(path: str | os.PathLike, *, dtype: str = "uint16") -> np.ndarray:
-    """A pre-tokenized corpus as a read-only memory map (:func:`jaxpar.data._tokens.map_tokens`): ``.npy``
-    (its own dtype) or a raw ``.bin`` of ``dtype`` tokens. The file may be larger than memory.
-
-    Args:
-      path: a ``.npy`` or ``.bin`` file.
-      dtype: the token type of a ``.bin`` file, one of :data:`TOKEN_DTYPES`.
-
-    Returns:
-      The 1-D tokens (a ``np.memmap``).
-
-    >>> import tempfile; f = tempfile.NamedTemporaryFile(suffix=".bin", delete=False)
-    >>> np.arange(100, dtype=np.uint16).tofile(f.name)
-    >>> load_tokens(f.name)[10:13].tolist()
-    [10, 11, 12]
-    """
-    return map_tokens(path, dtype)
 
 
 def check_token_ids(batch: dict[str, np.ndarray], vocab: int, where: str) -> dict[str, np.ndarray]:

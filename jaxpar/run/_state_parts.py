@@ -48,6 +48,7 @@ from typing import Any
 import jax
 
 from jaxpar.errors import CheckpointMismatchError
+from jaxpar.step import compression_plan
 
 _RESTORED = "Parameters and optimizer state are restored."
 
@@ -227,7 +228,6 @@ class CodecPart(StatePart):
         if not jax.tree.leaves(layout.part("codec").shapes):
             return None
         from jaxpar.parallel.compression import PowerSGD
-        from jaxpar.step._compressed import compression_plan     # compression loads only when used
 
         strategy = layout.strategy
         codec = strategy.compression

@@ -4,6 +4,7 @@ update and program (:mod:`jaxpar.step._compose`).
 from jaxpar.step._state import StateLayout as StateLayout, TrainState as TrainState
 from jaxpar.step._init import init_train_state as init_train_state, state_layout as state_layout
 from jaxpar.step._compose import make_train_step as make_train_step, shard_batch as shard_batch
+from jaxpar.step._exchange import compression_plan as compression_plan
 from jaxpar.step._program import TrainStep as TrainStep
 from jaxpar.step._noise_scale import (NoiseScaleError as NoiseScaleError, plot_noise_scale as plot_noise_scale,
                                       with_noise_scale as with_noise_scale)
@@ -14,10 +15,9 @@ __all__ = ["StateLayout", "TrainState", "init_train_state", "state_layout", "mak
            "TrainStep", "NoiseScaleError", "plot_noise_scale", "with_noise_scale", "router_bias_layout",
            "with_router_bias", "compression_plan", "replica_bytes", "compile_plan", "compile_and_compare"]
 
-#: Re-exported names whose modules load only when used: compression and the cost model's check stay
-#: out of ``import jaxpar``; ``from jaxpar.step import X`` loads them.
-_FEATURE_EXPORTS = {"compression_plan": "jaxpar.step._compressed", "compile_plan": "jaxpar.step._cost_check",
-                    "compile_and_compare": "jaxpar.step._cost_check"}
+#: Re-exported names whose modules load only when used: the cost model's check stays out of
+#: ``import jaxpar``; ``from jaxpar.step import X`` loads it.
+_FEATURE_EXPORTS = {"compile_plan": "jaxpar.step._cost_check", "compile_and_compare": "jaxpar.step._cost_check"}
 
 
 def __getattr__(name):

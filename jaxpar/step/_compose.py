@@ -44,7 +44,7 @@ from jaxpar.mesh import batch_axes
 from jaxpar.parallel.moe import use_router_bias
 from jaxpar.step._balancing import finish as finish_moe
 from jaxpar.strategy import Strategy
-from jaxpar.step._exchange import compressed_exchange, exact_exchange, measured_exchange, run_exchange
+from jaxpar.step._exchange import compressed_exchange, compression_plan, exact_exchange, measured_exchange, run_exchange
 from jaxpar.step._grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
 from jaxpar.step._init import older_versions_of
 from jaxpar.step._program import TrainStep, jit_program
@@ -253,8 +253,6 @@ def _exchange(layout: StateLayout, measure: bool) -> Callable:
         return lambda state, loss, grads: (loss, grads, {}, {})
     man = manual_specs(layout)
     if strategy.compression is not None:
-        from jaxpar.step._compressed import compression_plan   # compression loads only when used
-
         inner = compressed_exchange(compression_plan(strategy.compression, layout, strategy.zero),
                                     strategy.local_clip)
     else:

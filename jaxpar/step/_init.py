@@ -40,8 +40,8 @@ from jaxpar.strategy import Strategy
 from jaxpar.parallel._tensor import warn_unsplit_tensor_axis
 from jaxpar.parallel._zero import zero_specs
 from jaxpar.adapters._layer_lists import stack_layers, stacked_counts
-from jaxpar.adapters._mesh_axes import check_model_axes
-from jaxpar.adapters._shapes import abstract_model
+from jaxpar.adapters._mesh_axes import abstract_model, check_model_axes
+from jaxpar.step._exchange import compression_state
 from jaxpar.step._replica_mean import relaxed_layout
 from jaxpar.step._state import PartLayout, StateLayout, TrainState, optimizer_specs
 
@@ -131,8 +131,6 @@ def _feature_parts(layout: StateLayout, tx) -> tuple[StateLayout, Callable]:
     """The layout with its ``codec`` and ``versions`` parts, and ``make(params) -> (opt_state, parts)``."""
     strategy, sizes, parts = layout.strategy, dict(layout.mesh.shape), {}
     if strategy.compression is not None:
-        from jaxpar.step._compressed import compression_state   # compression loads only when used
-
         make_codec, codec_specs, codec_shapes = compression_state(strategy.compression, layout, strategy.zero)
         codec_init = jax.jit(make_codec, out_shardings=named_shardings(codec_specs, layout.mesh))
         parts["codec"] = PartLayout(codec_specs, codec_shapes, lambda params: codec_init())

@@ -63,7 +63,8 @@ from jaxpar.parallel.pipeline._piped import staged_cut
 from jaxpar.parallel.pipeline._schedules import pipedream
 from jaxpar.parallel.pipeline._pipedream import (StageWeights, StashProgram, VersionedStage, VersionRows, lower_stashed,
                                                  optimizer_is_per_stage, stacked_block_ids)
-from jaxpar.parallel.pipeline._stage import PIPE, run_ticks, stage_counts, tick_table
+from jaxpar.parallel.pipeline._instructions import PIPE, stage_counts
+from jaxpar.parallel.pipeline._stage import run_ticks, tick_table
 from jaxpar.step._state import TrainState
 from jaxpar.step._update import Update, apply_update, updates_metrics
 

@@ -39,7 +39,7 @@ from jaxpar.errors import StrategyMismatchError
 class TrainState(NamedTuple):
     """``step`` (int32 scalar), ``params`` (pure dict of arrays), ``opt_state`` (optax), and the
     optional parts, ``()`` without their feature (docs/training.md, "Train state parts"): ``codec``
-    (a gradient codec's per-replica state, :mod:`jaxpar.step._compressed`), ``sync`` (relaxed
+    (a gradient codec's per-replica state, :func:`jaxpar.step._exchange.compression_state`), ``sync`` (relaxed
     synchronisation's replicas ``{"params", "opt"}`` or ``{"history"}``, :mod:`jaxpar.step._replica_mean`),
     ``stats`` (running measurements by name: ``noise_scale``, ``router_bias``) and ``versions``
     (PipeDream-2BW's ``W(t-1)``, or weight stashing's tuple of older versions,

@@ -38,10 +38,10 @@ from jaxpar.adapters._blocks import use_layer_runner
 from jaxpar.rules import drop_axes, named_shardings, use_rules
 from jaxpar.parallel.pipeline._buffers import PipelineState, put, take, take_tree
 from jaxpar.parallel.pipeline._piped import staged_cut
-from jaxpar.parallel.pipeline._instructions import Program, lower
+from jaxpar.parallel.pipeline._instructions import PIPE, Program, lower, stage_counts
 from jaxpar.parallel.pipeline._schedules import pipedream_2bw
 from jaxpar.parallel.pipeline._pipedream import StageWeights, VersionedStage, VersionRows, step_windows, version_rows
-from jaxpar.parallel.pipeline._stage import PIPE, run_ticks, stage_counts, tick_table
+from jaxpar.parallel.pipeline._stage import run_ticks, tick_table
 from jaxpar.step._update import Update, apply_update, delayed
 
 #: name scope of the loop over the later windows (in the compiled HLO, its ``while``'s ``op_name``

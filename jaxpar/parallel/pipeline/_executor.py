@@ -61,7 +61,7 @@ def pipeline_value_and_grad(parts: PipelineParts, mesh, rules, program: Program,
         replica_axes: data axes over which each replica keeps its own gradients (a compressed exchange follows):
             manual too; every gradient gets a leading replica axis sharded over them; the loss is their mean.
         with_metrics: also return what ``parts.post`` reported (:func:`jaxpar.report_metric`), averaged.
-        lockstep: ``program`` is a lockstep table (``lower(lockstep(schedule))``, :mod:`._lockstep`): every stage
+        lockstep: ``program`` is a lockstep table (``lower(lockstep(schedule))``, :func:`~._schedules.lockstep`): every stage
             runs each tick's action, masked where it has none (:class:`~._stage.Stage`), so no collective inside
             an action is reached by some devices only.
 

@@ -18,11 +18,10 @@ from jaxpar.rules import named_shardings, spec_without, without_rules
 from jaxpar.adapters._mesh_axes import needs_explicit_mesh
 from jaxpar.parallel.pipeline._cut import ModelCut, PipelineParts, cut_model, explicit_whole_loss
 from jaxpar.parallel.pipeline._executor import pipeline_value_and_grad
-from jaxpar.parallel.pipeline._lockstep import lockstep
 from jaxpar.parallel.pipeline._partition import (check_stage_layers, from_stages, layer_costs, partition_layers,
                                                  to_stages, uniform_layers)
 from jaxpar.parallel.pipeline._instructions import lower
-from jaxpar.parallel.pipeline._schedules import get_schedule
+from jaxpar.parallel.pipeline._schedules import get_schedule, lockstep
 from jaxpar.parallel.pipeline._sweep import pipeline_forward_sum
 
 
@@ -49,7 +48,7 @@ def auto_stage_layers(cut: ModelCut, outer: list, blocks: Any, microbatch: Any, 
 
 
 def runs_in_lockstep(strategy, mesh) -> bool:
-    """Whether the pipeline runs as a lockstep program (:mod:`._lockstep`): with sequence parallelism on a
+    """Whether the pipeline runs as a lockstep program (:func:`~._schedules.lockstep`): with sequence parallelism on a
     ``tensor`` axis of size > 1, whose collectives sit inside every stage's actions."""
     return bool(strategy.sequence_parallel) and mesh.shape.get("tensor", 1) > 1
 

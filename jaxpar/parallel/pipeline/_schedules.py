@@ -17,6 +17,8 @@ The generators give each device its ordered action list and a greedy list schedu
 (:func:`simulate`) places every action at the earliest tick its dependencies and the order allow.
 :func:`bubble_fraction` replays the orders with ``F = W = 1``, split ``B = 1``, fused ``B = 2``:
 ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v*m+p-1)`` for interleaved, ``(p-1)/(3m+p-1)`` for ZB-H1.
+:func:`lockstep` re-times a flush schedule so that every tick holds one kind of action (docs/pipeline.md,
+"Lockstep programs").
 
 Example:
     >>> s = one_f_one_b(4, 8)
@@ -35,22 +37,13 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Optional, Sequence
 
-from jaxpar.errors import ScheduleError
+from jaxpar.errors import ScheduleError, check_int
 
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream-2bw", "pipedream")
 _ALIASES = {**{k: k for k in SCHEDULE_KINDS}, "one_f_one_b": "1f1b", "interleaved_1f1b": "interleaved",
             "interleaved-1f1b": "interleaved", "zbh1": "zb-h1", "zb_h1": "zb-h1", "zero_bubble": "zb-h1",
             "zero_bubble_h1": "zb-h1", "pipedream_2bw": "pipedream-2bw", "2bw": "pipedream-2bw",
             "weight-stashing": "pipedream", "weight_stashing": "pipedream"}
-
-
-def check_int(name: str, value, minimum: int, error: type[Exception] = ScheduleError) -> int:
-    """``value`` if it is an int (not a bool) ``>= minimum``, else ``error`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise error(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise error(f"{name} must be >= {minimum}, got {name}={value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -64,8 +57,8 @@ class Action:
     def __post_init__(self):
         if self.kind not in ("F", "B", "W"):
             raise ScheduleError(f"Action kind must be 'F', 'B' or 'W', got {self.kind!r}")
-        check_int("microbatch", self.microbatch, 0)
-        check_int("chunk", self.chunk, 0)
+        check_int("Action", "microbatch", self.microbatch, 0, ScheduleError)
+        check_int("Action", "chunk", self.chunk, 0, ScheduleError)
 
     def __str__(self) -> str:
         return f"{self.kind}(mb={self.microbatch}, chunk={self.chunk})"
@@ -146,9 +139,9 @@ def validate(s: Schedule) -> None:
     """
     if not isinstance(s, Schedule):
         raise ScheduleError(f"expected a Schedule, got {type(s).__name__}")
-    p = check_int("num_stages", s.num_stages, 1)
-    m = check_int("num_microbatches", s.num_microbatches, 1)
-    v = check_int("num_chunks", s.num_chunks, 1)
+    p, m, v = s.num_stages, s.num_microbatches, s.num_chunks
+    for name, value in (("num_stages", p), ("num_microbatches", m), ("num_chunks", v)):
+        check_int("Schedule", name, value, 1, ScheduleError)
     where: dict[tuple[Action, int], list[int]] = defaultdict(list)
     for t, row in enumerate(s.table):
         if len(row) != p:
@@ -187,7 +180,7 @@ def validate(s: Schedule) -> None:
 
 def stage_actions(s: Schedule, stage: int) -> list[Action]:
     """One device's actions in tick order, idle ticks left out: ``stage_actions(gpipe(2, 1), 0) == [F0, B0]``."""
-    check_int("stage", stage, 0)
+    check_int("stage_actions", "stage", stage, 0, ScheduleError)
     if stage >= s.num_stages:
         raise ScheduleError(f"stage must be < num_stages={s.num_stages}, got stage={stage}")
     return [row[stage] for row in s.table if row[stage] is not None]
@@ -291,13 +284,11 @@ def _build(name: str, p: int, m: int, v: int, split: bool,
     return sched
 
 
-def _check_pm(p, m) -> None:
-    check_int("p (num_stages)", p, 1)
-    check_int("m (num_microbatches)", m, 1)
-
-
-def _need_m_ge_p(fn: str, p: int, m: int, why: str = "") -> None:
-    if m < p:
+def _check_pm(fn: str, p, m, m_ge_p: bool = False, why: str = "") -> None:
+    """``p`` and ``m`` are ints >= 1 (and ``m >= p`` if ``m_ge_p``), else a :class:`ScheduleError` naming ``fn``."""
+    check_int(fn, "p", p, 1, ScheduleError)
+    check_int(fn, "m", m, 1, ScheduleError)
+    if m_ge_p and m < p:
         raise ScheduleError(f"{fn} needs m >= p, got m={m} micro-batches for p={p} stages{why}; use m >= {p} (more "
                             "micro-batches per step)" + ("" if why else " or gpipe(p, m), which accepts any m"))
 
@@ -308,7 +299,7 @@ def gpipe(p: int, m: int) -> Schedule:
     >>> num_ticks(gpipe(2, 2)), peak_in_flight(gpipe(2, 2))
     (6, (2, 2))
     """
-    _check_pm(p, m)
+    _check_pm("gpipe", p, m)
     orders = [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(p)]
     return _build("gpipe", p, m, 1, False, orders)
 
@@ -332,8 +323,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     >>> bubble_fraction(one_f_one_b(4, 4), exact=True)
     Fraction(3, 7)
     """
-    _check_pm(p, m)
-    _need_m_ge_p("one_f_one_b", p, m)
+    _check_pm("one_f_one_b", p, m, m_ge_p=True)
     return _build("1f1b", p, m, 1, False, [_one_f_one_b_order(p, m, s) for s in range(p)])
 
 
@@ -346,8 +336,8 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     >>> bubble_fraction(interleaved_1f1b(4, 8, 2), exact=True)
     Fraction(3, 19)
     """
-    _check_pm(p, m)
-    check_int("v (num_chunks)", v, 2)
+    _check_pm("interleaved_1f1b", p, m)
+    check_int("interleaved_1f1b", "v", v, 2, ScheduleError)
     if m % p:
         raise ScheduleError(f"interleaved_1f1b needs m divisible by p, got m={m}, p={p}; "
                             f"use m={m + (-m) % p} (a multiple of {p})")
@@ -371,8 +361,7 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     >>> bubble_fraction(zero_bubble_h1(4, 8), exact=True)
     Fraction(1, 9)
     """
-    _check_pm(p, m)
-    _need_m_ge_p("zero_bubble_h1", p, m)
+    _check_pm("zero_bubble_h1", p, m, m_ge_p=True)
     orders = []
     for s in range(p):
         order, next_w = [], 0
@@ -405,9 +394,8 @@ def pipedream_2bw(p: int, m: int, steps: int = 1) -> Schedule:
         >>> [num_ticks(pipedream_2bw(4, 8, k)) for k in (1, 2, 3)]     # 2m + 2(p-1), then + 2m per step
         [22, 38, 54]
     """
-    _check_pm(p, m)
-    _need_m_ge_p("pipedream_2bw", p, m, ": it runs 1F1B's steady state, whose stages hold micro-batches of at most "
-                 "two steps (two weight versions) only when a step has enough of them")
+    _check_pm("pipedream_2bw", p, m, True, ": it runs 1F1B's steady state, whose stages hold micro-batches of "
+              "at most two steps (two weight versions) only when a step has enough of them")
     return _no_flush("pipedream-2bw", p, m, steps)
 
 
@@ -428,13 +416,14 @@ def pipedream(p: int, m: int, steps: int = 1) -> Schedule:
         >>> [num_ticks(pipedream(4, 2, k)) for k in (1, 2, 3)]     # 2m + 2(p-1), then + 2m per step
         [10, 14, 18]
     """
-    _check_pm(p, m)
+    _check_pm("pipedream", p, m)
     return _no_flush("pipedream", p, m, steps)
 
 
 def _no_flush(name: str, p: int, m: int, steps: int) -> Schedule:
     """1F1B's periodic steady state over ``m * steps`` micro-batches: ``F(i)`` at ``2i + s``, ``B(i)`` at ``2i + 2p-1-s``."""
-    n = m * check_int("steps", steps, 1)
+    check_int(name, "steps", steps, 1, ScheduleError)
+    n = m * steps
     table = [[None] * p for _ in range(2 * n + 2 * p - 2)]
     for i in range(n):
         for s in range(p):
@@ -474,3 +463,77 @@ def get_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
         raise ScheduleError(f"v={v!r} virtual chunks only applies to kind 'interleaved'; use v=1 for {kind!r}")
     return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1, "pipedream-2bw": pipedream_2bw,
             "pipedream": pipedream}[key](p, m)
+
+
+# ----------------------------------------------------------------------------- lockstep
+def is_lockstep(schedule: Schedule) -> bool:
+    """Whether every tick of ``schedule`` holds one kind of action.
+
+    Args:
+        schedule: a schedule table.
+
+    Returns:
+        True if no tick mixes F, B and W.
+    """
+    return all(len({a.kind for a in row if a is not None}) <= 1 for row in schedule.table)
+
+
+def lockstep(schedule: Schedule) -> Schedule:
+    """``schedule`` re-timed so that every tick holds one kind of action (F, B or W), so a collective inside
+    an action is reached by every device (docs/pipeline.md, "Lockstep programs", has the rule and the costs).
+
+    Args:
+        schedule: a valid schedule table.
+
+    Returns:
+        A valid table with the same actions on the same stages, one kind per tick, named
+        ``"<name> (lockstep)"``; ``schedule`` itself if it already is one.
+
+    Example:
+        >>> s = lockstep(one_f_one_b(2, 4))
+        >>> [sorted({a.kind for a in row if a}) for row in s.table][:4]
+        [['F'], ['F'], ['B'], ['F']]
+        >>> num_ticks(s), peak_in_flight(s)
+        (10, (3, 1))
+    """
+    validate(schedule)
+    if is_lockstep(schedule):
+        return schedule
+    p, v = schedule.num_stages, schedule.num_chunks
+    total = sum(a is not None for row in schedule.table for a in row)
+    orders = [stage_actions(schedule, s) for s in range(p)]
+    room = [peak + p - 1 - s for s, peak in enumerate(peak_in_flight(schedule))]
+    done: set = set()
+    table, kind = [], "W"
+    while len(done) < total:
+        for kind in _AFTER[kind]:        # the next kind in F -> B -> W -> F that some stage can run
+            row = [_next_of(kind, orders[s], s, done, p, v, room[s]) for s in range(p)]
+            if any(a is not None for a in row):
+                break
+        done.update((s, a) for s, a in enumerate(row) if a is not None)
+        table.append(row)
+    out = Schedule(f"{schedule.name} (lockstep)", p, schedule.num_microbatches, v, table,
+                   schedule.split_backward)
+    validate(out)
+    return out
+
+
+#: The kinds to try after a tick of each kind, in order: F, B and W take turns.
+_AFTER = {"F": ("B", "W", "F"), "B": ("W", "F", "B"), "W": ("F", "B", "W")}
+
+
+def _next_of(kind: str, order: list[Action], s: int, done: set, p: int, v: int, room: int):
+    """The action of ``kind`` stage ``s`` runs now, or ``None``: its next pending action if of
+    ``kind`` and ready; for a forward, also the next forward ahead of pending backwards while the
+    stage holds fewer than ``room`` micro-batches."""
+    pending = [a for a in order if (s, a) not in done]
+    if not pending:
+        return None
+    ready = lambda a: all((ds, d) in done for d, ds, _ in dependencies(a, s, p, v))   # noqa: E731
+    if pending[0].kind == kind:
+        return pending[0] if ready(pending[0]) else None
+    if kind != "F":
+        return None
+    ahead = next((a for a in pending if a.kind == "F"), None)
+    in_flight = sum((a.kind == "F") - (a.kind == "B") for a in order if (s, a) in done)
+    return ahead if ahead is not None and ready(ahead) and in_flight < room else None

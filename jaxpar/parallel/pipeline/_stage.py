@@ -198,7 +198,7 @@ class Stage:
         outer: the parameters of ``pre`` and ``post``.
         blocks: this device's layers, ``[v, Lmax, ...]`` per leaf.
         mbs: the micro-batches, ``[m, rows, ...]`` per leaf.
-        lockstep: the program is a lockstep table (:mod:`._lockstep`).
+        lockstep: the program is a lockstep table (:func:`~._schedules.lockstep`).
     """
 
     def __init__(self, parts: PipelineParts, program: Program, counts: np.ndarray, outer, blocks, mbs,
