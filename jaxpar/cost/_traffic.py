@@ -254,6 +254,16 @@ def _pipe_comms(add, m: ModelSpec, plan: Plan, act: float, lowering: str, grad_b
     add("all-reduce", ("pipe",), outer * 4 + 4, 1, "pipeline")        # fp32 gradients and the loss
 
 
+def _reduced_whole(leaf: Leaf, lowering: str, data_axes, p_axes, shards_times_local: float) -> bool:
+    """Whether XLA all-reduces ``leaf``'s whole gradient over the data axes although the state shards
+    it: libtpu does so for the token table; XLA:GPU for a lookup table (tokens, positions: the
+    scatter-add's gradient) whose parameters ZeRO / FSDP shard over fewer axes than split the tokens."""
+    if lowering == "xla-tpu":
+        return _is_token_table(leaf)
+    lookup = not leaf.stacked and len(leaf.logical) == 2 and not leaf.matmul
+    return lowering == "xla" and lookup and shards_times_local > leaf.size and bool(set(data_axes) - set(p_axes))
+
+
 def _is_token_table(leaf: Leaf) -> bool:
     return not leaf.stacked and len(leaf.logical) == 2 and leaf.logical == ("vocab", "embed")
 
@@ -312,7 +322,7 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
                 acc("all-gather", data_axes, group * m.hidden * compute_bytes, mb, "grads")
                 acc("all-gather", data_axes, group * 4, mb, "grads")
             elif not cpu:
-                if shardable and g_axes and not (tpu and _is_token_table(leaf)):
+                if shardable and g_axes and not _reduced_whole(leaf, lowering, data_axes, p_axes, n_p * local):
                     acc("reduce-scatter", g_axes, g / n_g, count * per_mb, "grads")
                     acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count * per_mb, "grads")
                 else:
