@@ -39,7 +39,7 @@ _VIEWS = {"convert_element_type", "reshape", "transpose", "squeeze", "sharding_c
 
 @dataclass(frozen=True)
 class Fp8:
-    """FP8 training of the covered matmuls (``Strategy(fp8=Fp8())``).
+    """FP8 training of the covered matmuls (:func:`fp8_layer`'s options).
 
     - ``recipe``: ``"tensorwise"`` (one scale per operand) or ``"rowwise"`` (one per row: per
       index of the operand's dimensions that the GEMM does not contract), both current scaling
@@ -67,8 +67,9 @@ def is_covered(logical: tuple) -> bool:
 def _scale_and_cast(x: jax.Array, dtype, keep: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """``x`` divided by its scale and cast to ``dtype``, and the fp32 scale (the absolute maximum
     over every dimension not in ``keep``, over ``dtype``'s largest value). Inside a ``shard_map``, a
-    tensor's maximum is taken over its shards on the manual axes that split one tensor (not ``pipe``
-    or ``replica``: stages and replicas hold tensors of their own)."""
+    tensor's maximum (``keep`` empty) is taken over its shards on the manual axes that split one
+    tensor (not ``pipe`` or ``replica``: stages and replicas hold tensors of their own); a row's
+    maximum is its shard's, exact only where the contracted dimensions are not split there."""
     x = x.astype(jnp.float32)
     reduce = tuple(d for d in range(x.ndim) if d not in keep)
     amax = jnp.max(jnp.abs(x), axis=reduce, keepdims=True)
