@@ -142,6 +142,18 @@ def test_the_gradient_all_reduce_is_counted_in_bf16_as_the_gpu_compiler_runs_it(
     assert abs(float(line.rsplit("|", 1)[1]) - 1) <= 0.05, line
 
 
+@pytest.mark.slow
+def test_tpu_inspect_predicts_the_tiled_arguments_and_one_peak(capsys):
+    """quickstart on tpu-v5e:2x4: the arguments in libtpu's tiled layout (they were 0.760 of the compiled in
+    the dense one), and the table's predicted peak is the one the memory line quotes."""
+    rc, out, _ = _inspect(capsys, "quickstart.yaml", "tpu-v5e:2x4")
+    assert rc == 0, out
+    args = next(x for x in out.splitlines() if x.startswith("arguments (state + batch)"))
+    assert abs(float(args.rsplit("|", 1)[1]) - 1) <= 0.02, args
+    peak = next(x for x in out.splitlines() if x.startswith("peak (")).split("|")[1].strip()
+    assert f"the cost model predicted {peak}" in out, out
+
+
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("config, target", [("quickstart.yaml", "tpu-v5e:2x4"), ("gpt124m_gpu.yaml", "h100:1x8"),
                                             ("gpt124m_gpu.yaml", "tpu-v5e:2x4")])

@@ -253,9 +253,10 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
         print("\ncollectives of the compiled " + ("step" if name == "step" else f"{name} program"))
         colls = collectives(c, job.mesh) if job.mesh.size > 1 else []
         print(collectives_table(colls) if colls else "(none)")
-    lowering = lowering_for_platform(tgt.spec.platform if tgt else "cpu")
+    platform = tgt.spec.platform if tgt else "cpu"
+    lowering = lowering_for_platform(platform)
     print(planner_table(cfg, compiled["step"], job.mesh, job.strategy, cluster, job.steps_per_call,
-                        lowering=lowering))
+                        lowering=lowering, platform=platform))
     if tgt is None:
         return 0
     sizes = dict(job.mesh.shape)

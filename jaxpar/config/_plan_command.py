@@ -206,8 +206,24 @@ def _ratio(p: float, g: float) -> str:
     return f"{p / g:.3f}" if g else ("-" if not p else "inf")
 
 
+def _predicted(view: Any, strategy: Strategy, lowering: str, platform: str) -> tuple:
+    """The cost model's side of :func:`planner_table`: bytes per axis, arguments, temporaries and peak."""
+    from jaxpar.cost import device_argument_bytes
+    from jaxpar.cost._device_bytes import layout_for_platform
+    from jaxpar.cost._traffic import bytes_per_axis, comms
+
+    model, plan, est = view
+    act = 2 if strategy.compute_dtype == "bfloat16" else 4
+    grad = 4 if lowering == "xla-cpu" else act     # GPU / TPU: XLA reduces the compute dtype's gradients
+    pred = bytes_per_axis(comms(model, plan, lowering=lowering, compute_bytes=act, grad_bytes=grad))
+    mem = est.memory
+    args = device_argument_bytes(model, plan.sizes, plan.zero, layout=layout_for_platform(platform))
+    peak = mem.total if platform == "cpu" else predicted_peak(model, plan, mem.total, strategy.compute_dtype, platform)
+    return pred, args, mem.activations + mem.logits, peak
+
+
 def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, cluster: str,
-                  steps_per_call: int = 1, *, lowering: str = "xla-cpu") -> str:
+                  steps_per_call: int = 1, *, lowering: str = "xla-cpu", platform: str = "cpu") -> str:
     """``jaxpar inspect``'s table: the cost model's bytes per axis, arguments, temporaries and peak
     next to the compiled step's, per device (for a pipelined plan, counted on the busiest stage).
 
@@ -219,6 +235,8 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
       cluster: the cluster preset (or YAML path) of the prediction.
       steps_per_call: optimizer steps per call of ``compiled`` (its bytes per axis are divided by it).
       lowering: the cost model's lowering (see :func:`planner_view`).
+      platform: the compiled program's (``"cpu"``, ``"cuda"``, ``"tpu"``): its array layout, and on a
+        target the compiled-step model of the peak (:func:`predicted_peak`).
 
     Returns:
       The heading, the table and the predicted step time (or why there is none), as text.
@@ -234,17 +252,7 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
     got = {a: g / steps_per_call for a, g in got.items()}
     lines = [f"\nplanner  cost model (jaxpar.cost, lowering {lowering}, cluster {cluster}) vs the compiled step, "
              "per device"]
-    pred, args, temps, peak = {}, None, None, None
-    if view is not None:
-        from jaxpar.cost import device_argument_bytes
-        from jaxpar.cost._traffic import bytes_per_axis, comms
-
-        model, plan, est = view
-        act = 2 if strategy.compute_dtype == "bfloat16" else 4
-        grad = 4 if lowering == "xla-cpu" else act     # GPU / TPU: XLA reduces the compute dtype's gradients
-        pred = bytes_per_axis(comms(model, plan, lowering=lowering, compute_bytes=act, grad_bytes=grad))
-        mem = est.memory
-        args, temps, peak = device_argument_bytes(model, plan.sizes, plan.zero), mem.activations + mem.logits, mem.total
+    pred, args, temps, peak = _predicted(view, strategy, lowering, platform) if view else ({}, None, None, None)
 
     def row(label: str, p: float | None, g: float) -> list[str]:
         return [label, "-" if p is None else format_bytes(p), format_bytes(g), "-" if p is None else _ratio(p, g)]
@@ -257,11 +265,11 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
     table = render_table(["", "predicted", "compiled", "predicted / compiled"], rows, right=[False, True, True, True])
     if view is None:
         return "\n".join(lines + [table, f"time     not predicted: {why}"])
-    t = est.time
+    t = view.estimate.time
     return "\n".join(lines + [table, (
         f"time     predicted {t.total * 1e3:.1f} ms per step on {cluster} (compute {t.compute * 1e3:.1f}, "
         f"data {t.data * 1e3:.1f}, tensor {t.tensor * 1e3:.1f}, pipeline {t.pipeline * 1e3:.1f}, update "
-        f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {plan.name()}")])
+        f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {view.plan.name()}")])
 
 
 def predicted_peak(model: Any, plan: Any, planned: float, compute_dtype: str, platform: str) -> float:
