@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
+from collections import Counter
 import time
 
 import jax
@@ -20,7 +20,8 @@ from flax import nnx
 
 from jaxpar.adapters._blocks import use_layer_runner
 from jaxpar.models import Decoder, DecoderConfig, decoder_loss
-from jaxpar.parallel._fp8 import Fp8, fp8_gemms, fp8_layer
+from jaxpar.analysis._gemms import fp8_gemms, gemms
+from jaxpar.parallel._fp8 import Fp8, fp8_layer
 
 LLAMA3_8B = dict(vocab=32000, embed=4096, layers=4, heads=32, kv_heads=8, head_dim=128, mlp=14336)
 SMALL = dict(vocab=256, embed=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128)
@@ -28,14 +29,7 @@ SMALL = dict(vocab=256, embed=64, layers=2, heads=4, kv_heads=2, head_dim=16, ml
 
 def dot_dtypes(hlo: str) -> dict[str, int]:
     """How many compiled GEMMs (dots and cuBLAS calls) take each pair of operand types."""
-    types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", hlo))
-    counts: dict[str, int] = {}
-    for line in hlo.splitlines():
-        m = re.search(r" (?:dot|custom-call)\((%[\w.\-]+), (%[\w.\-]+)", line)
-        if m and (" dot(" in line or "__cublas" in line):
-            key = f"{types.get(m.group(1))} x {types.get(m.group(2))}"
-            counts[key] = counts.get(key, 0) + 1
-    return counts
+    return dict(Counter(f"{g.lhs} x {g.rhs}" for g in gemms(hlo)))
 
 
 def step_fn(graphdef, fp8):

@@ -11,7 +11,8 @@ from jaxpar.errors import Fp8Error
 from jaxpar.models._gpt import BLOCK_LOGICAL
 from jaxpar.models._gpt_layers import block_apply
 from jaxpar.parallel import _fp8
-from jaxpar.parallel._fp8 import Fp8, check_fp8_gemms, fp8_dot_general, fp8_gemms, fp8_layer
+from jaxpar.analysis._gemms import check_fp8_gemms, fp8_gemms
+from jaxpar.parallel._fp8 import Fp8, fp8_dot_general, fp8_layer
 
 MATMUL = (((1,), (0,)), ((), ()))
 #: einsum specs of the models' matmuls and their dimension numbers (jnp.einsum's own).

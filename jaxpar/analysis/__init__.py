@@ -3,7 +3,7 @@ _replica_groups.py; the HLO text itself in _hlo_text.py), how often each computa
 while loops' trip counts, known or read from the loop), per-device
 memory (_compiled_memory.py), collectives inside device-dependent branches (_device_branches.py: a taint analysis
 from ``partition-id``), and bytes per step per mesh axis for comparison with the cost model (_axis_bytes.py,
-imported on its own: it reads pipeline schedules).
+imported on its own: it reads pipeline schedules), and a GPU program's GEMMs by operand type (_gemms.py).
 
 These modules import nothing from jaxpar.step, jaxpar.run, jaxpar.config or the CLI.
 """

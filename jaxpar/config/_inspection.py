@@ -245,7 +245,7 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
     from jaxpar.analysis._compiled_memory import memory_report
     from jaxpar.analysis._sharding_table import sharding_table
     from jaxpar.cost._traffic import lowering_for_platform
-    from jaxpar.config._plan_command import planner_table, planner_view, predicted_peak, unpredicted
+    from jaxpar.config._plan_command import planner_table
 
     print("\nparameters (mesh axes per dimension; '-' replicated)")
     print(sharding_table(layout))
@@ -255,16 +255,11 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
         print(collectives_table(colls) if colls else "(none)")
     platform = tgt.spec.platform if tgt else "cpu"
     lowering = lowering_for_platform(platform)
-    print(planner_table(cfg, compiled["step"], job.mesh, job.strategy, cluster, job.steps_per_call,
-                        lowering=lowering, platform=platform))
+    table, predicted = planner_table(cfg, compiled["step"], job.mesh, job.strategy, cluster, job.steps_per_call,
+                                     lowering=lowering, platform=platform)
+    print(table)
     if tgt is None:
         return 0
-    sizes = dict(job.mesh.shape)
-    predicted = None
-    if unpredicted(cfg, job.strategy, sizes) is None:
-        view = planner_view(cfg, sizes, job.strategy, cluster, lowering=lowering)
-        predicted = predicted_peak(view.model, view.plan, view.estimate.memory.total, job.strategy.compute_dtype,
-                                   tgt.spec.platform)
     fits, lines = fit_lines(memory_report(compiled["step"]), tgt, predicted)
     print("\n" + "\n".join(lines))
     if fits:

@@ -223,7 +223,8 @@ def _predicted(view: Any, strategy: Strategy, lowering: str, platform: str) -> t
 
 
 def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, cluster: str,
-                  steps_per_call: int = 1, *, lowering: str = "xla-cpu", platform: str = "cpu") -> str:
+                  steps_per_call: int = 1, *, lowering: str = "xla-cpu",
+                  platform: str = "cpu") -> tuple[str, float | None]:
     """``jaxpar inspect``'s table: the cost model's bytes per axis, arguments, temporaries and peak
     next to the compiled step's, per device (for a pipelined plan, counted on the busiest stage).
 
@@ -239,7 +240,8 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
         target the compiled-step model of the peak (:func:`predicted_peak`).
 
     Returns:
-      The heading, the table and the predicted step time (or why there is none), as text.
+      ``(text, peak)``: the heading, the table and the predicted step time (or why there is none); the
+      predicted peak per device (``None``: not predicted).
     """
     from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
     from jaxpar.analysis._compiled_memory import format_bytes, memory_report, render_table
@@ -264,12 +266,12 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
              row("peak (the larger of args + outputs + temps - aliased and XLA's)", peak, rep.required_bytes)]
     table = render_table(["", "predicted", "compiled", "predicted / compiled"], rows, right=[False, True, True, True])
     if view is None:
-        return "\n".join(lines + [table, f"time     not predicted: {why}"])
+        return "\n".join(lines + [table, f"time     not predicted: {why}"]), None
     t = view.estimate.time
     return "\n".join(lines + [table, (
         f"time     predicted {t.total * 1e3:.1f} ms per step on {cluster} (compute {t.compute * 1e3:.1f}, "
         f"data {t.data * 1e3:.1f}, tensor {t.tensor * 1e3:.1f}, pipeline {t.pipeline * 1e3:.1f}, update "
-        f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {view.plan.name()}")])
+        f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {view.plan.name()}")]), peak
 
 
 def predicted_peak(model: Any, plan: Any, planned: float, compute_dtype: str, platform: str) -> float:

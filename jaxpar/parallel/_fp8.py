@@ -5,13 +5,13 @@ A weight is *covered* when its logical names hold ``embed`` and a feature axis (
 head, the router, norms and biases are not. :func:`fp8_layer` rewrites one layer's program: every
 ``dot_general`` that reads a covered weight (directly or through a cast, reshape or transpose)
 runs as :func:`fp8_dot_general`, in e4m3 forward and with e5m2 gradients backward. A covered
-weight that no such ``dot_general`` reads is an error that names it.
+weight that no such ``dot_general`` reads is an error that names it. The compiled program's side
+(its GEMMs' operand types, by weight) is :mod:`jaxpar.analysis._gemms`.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -252,47 +252,4 @@ def _dot(eqn, ins, paths, rw: _Rewrite) -> jax.Array:
     with jax.named_scope(f"fp8[{path}]"):
         out = fp8_dot_general(lhs, rhs, eqn.params["dimension_numbers"], rowwise=rw.fp8.recipe == "rowwise")
     return out.astype(eqn.outvars[0].aval.dtype)
-
-
-def fp8_gemms(hlo: str) -> dict[str, dict[str, float]]:
-    """The GEMMs of each covered weight in a compiled program's text, by operand types.
-
-    Args:
-      hlo: ``compiled.as_text()`` (a GPU target's: dots and cuBLAS calls).
-
-    Returns:
-      ``{weight path: {"fp8": n, "other": n, "fp8_flops": f, "other_flops": f}}`` over the GEMMs
-      :func:`fp8_layer` named after the weight (merged GEMMs carry the first one's name).
-    """
-    shapes = {name: (dtype, [int(d) for d in dims.split(",") if d])
-              for name, dtype, dims in re.findall(r"(%[\w.\-]+) = \(?(\w+)\[([\d,]*)\]", hlo)}
-    out: dict[str, dict[str, float]] = {}
-    for line in hlo.splitlines():
-        gemm = re.search(r"(%[\w.\-]+) = .*? (?:dot|custom-call)\((%[\w.\-]+), (%[\w.\-]+)", line)
-        scope = re.search(r'op_name="[^"]*fp8\[([^\]]+)\]', line)
-        if not (gemm and scope and (" dot(" in line or "__cublas" in line)):
-            continue
-        result, lhs, rhs = (shapes.get(v, ("", [])) for v in gemm.groups())
-        contract = re.search(r'lhs_contracting_dim(?:s=\{|ensions":\[)([^}\]]*)', line)
-        k = math.prod(lhs[1][int(d.strip('"'))] for d in contract.group(1).split(",") if d) if contract else 0
-        kind = "fp8" if lhs[0].startswith("f8") and rhs[0].startswith("f8") else "other"
-        counts = out.setdefault(scope.group(1), {"fp8": 0, "other": 0, "fp8_flops": 0.0, "other_flops": 0.0})
-        counts[kind] += 1
-        counts[kind + "_flops"] += 2.0 * math.prod(result[1]) * k
-    return out
-
-
-def check_fp8_gemms(hlo: str) -> dict[str, dict[str, int]]:
-    """:func:`fp8_gemms`, and an error naming every covered weight with a GEMM not in FP8 (e.g. a
-    compiler that dequantized the operands first).
-
-    Raises:
-      Fp8Error: a covered weight's GEMM compiled with other operand types.
-    """
-    counts = fp8_gemms(hlo)
-    slow = {path: int(c["other"]) for path, c in counts.items() if c["other"]}
-    if slow:
-        raise Fp8Error(f"fp8: covered matmuls compiled without FP8 operands: {slow} (weight: GEMMs). The "
-                       "compiler dequantized them; this target or recipe does not run FP8 GEMMs.")
-    return counts
 

@@ -1,0 +1,91 @@
+"""The GEMMs of a compiled GPU program: each dot and cuBLAS call with its operand types, FLOPs and
+``op_name``, and the FP8 check of :func:`jaxpar.parallel._fp8.fp8_layer`'s named matmuls.
+
+It reads the raw lines: the ``op_name`` and a cuBLAS call's dimension numbers are string literals,
+which :func:`jaxpar.analysis._hlo_text.parse_instructions` blanks.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import NamedTuple
+
+from jaxpar.errors import Fp8Error
+
+_DEF = re.compile(r"(%[\w.\-]+) = \(?(\w+)\[([\d,]*)\]")
+_GEMM = re.compile(r"(%[\w.\-]+) = .*? (?:dot|custom-call)\((%[\w.\-]+), (%[\w.\-]+)")
+_CONTRACT = re.compile(r'lhs_contracting_dim(?:s=\{|ensions":\[)([^}\]]*)')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_SCOPE = re.compile(r"fp8\[([^\]]+)\]")
+
+
+class Gemm(NamedTuple):
+    """One GEMM: its operands' dtypes, its FLOPs and its ``op_name`` (``""`` when it has none)."""
+
+    lhs: str
+    rhs: str
+    flops: float
+    op_name: str
+
+    @property
+    def fp8(self) -> bool:
+        return self.lhs.startswith("f8") and self.rhs.startswith("f8")
+
+
+def gemms(hlo: str) -> list[Gemm]:
+    """The dots and cuBLAS GEMM calls of ``compiled.as_text()``, in text order.
+
+    >>> hlo = '''  %a = f8e4m3fn[4,8]{1,0} parameter(0)
+    ...   %b = f8e4m3fn[8,2]{1,0} parameter(1)
+    ...   ROOT %d = bf16[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}'''
+    >>> gemms(hlo)
+    [Gemm(lhs='f8e4m3fn', rhs='f8e4m3fn', flops=128.0, op_name='')]
+    """
+    shapes = {name: (dtype, [int(d) for d in dims.split(",") if d]) for name, dtype, dims in _DEF.findall(hlo)}
+    out = []
+    for line in hlo.splitlines():
+        gemm = _GEMM.search(line)
+        if not (gemm and (" dot(" in line or "__cublas" in line)):
+            continue
+        result, lhs, rhs = (shapes.get(v, ("", [])) for v in gemm.groups())
+        contract = _CONTRACT.search(line)
+        k = math.prod(lhs[1][int(d.strip('"'))] for d in contract.group(1).split(",") if d) if contract else 0
+        name = _OP_NAME.search(line)
+        out.append(Gemm(lhs[0], rhs[0], 2.0 * math.prod(result[1]) * k, name.group(1) if name else ""))
+    return out
+
+
+def fp8_gemms(hlo: str) -> dict[str, dict[str, float]]:
+    """The GEMMs of each covered weight in a compiled program's text, by operand types.
+
+    Args:
+      hlo: ``compiled.as_text()`` (a GPU target's: dots and cuBLAS calls).
+
+    Returns:
+      ``{weight path: {"fp8": n, "other": n, "fp8_flops": f, "other_flops": f}}`` over the GEMMs
+      :func:`~jaxpar.parallel._fp8.fp8_layer` named after the weight (merged GEMMs carry the first one's name).
+    """
+    out: dict[str, dict[str, float]] = {}
+    for g in gemms(hlo):
+        scope = _SCOPE.search(g.op_name)
+        if scope:
+            kind = "fp8" if g.fp8 else "other"
+            counts = out.setdefault(scope.group(1), {"fp8": 0, "other": 0, "fp8_flops": 0.0, "other_flops": 0.0})
+            counts[kind] += 1
+            counts[kind + "_flops"] += g.flops
+    return out
+
+
+def check_fp8_gemms(hlo: str) -> dict[str, dict[str, float]]:
+    """:func:`fp8_gemms`, and an error naming every covered weight with a GEMM not in FP8 (e.g. a
+    compiler that dequantized the operands first).
+
+    Raises:
+      Fp8Error: a covered weight's GEMM compiled with other operand types.
+    """
+    counts = fp8_gemms(hlo)
+    slow = {path: int(c["other"]) for path, c in counts.items() if c["other"]}
+    if slow:
+        raise Fp8Error(f"fp8: covered matmuls compiled without FP8 operands: {slow} (weight: GEMMs). The "
+                       "compiler dequantized them; this target or recipe does not run FP8 GEMMs.")
+    return counts
