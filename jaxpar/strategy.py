@@ -27,6 +27,7 @@ from jaxpar.mesh import CONTEXT, EXPERT, data_axes
 from jaxpar.parallel.pipeline._schedules import canonical_kind
 from jaxpar.rules import LogicalRules
 from jaxpar.errors import StrategyError
+from jaxpar.parallel._fp8 import Fp8
 from jaxpar.parallel._tensor import tensor_rules
 from jaxpar.parallel._zero import ZERO_STAGES
 
@@ -70,6 +71,9 @@ class Strategy:
       split over ``context`` (and their ``norm_length``, over ``context`` and, with sequence
       parallelism, ``tensor``). Needs a ``context`` axis > 1, and a model that calls
       :func:`jaxpar.parallel.context.attention` (and, balanced, :func:`jaxpar.parallel.context.sequence_order`).
+    - ``fp8``: ``jaxpar.parallel.Fp8(recipe="tensorwise" | "rowwise")``: the covered matmuls of the
+      model's stacked layers (attention projections, MLP, experts: :func:`jaxpar.parallel.fp8_layer`)
+      run in FP8 with current scaling; ``None``: in the compute dtype.
     """
 
     zero: int = 0
@@ -86,6 +90,7 @@ class Strategy:
     vertical_sync: bool = False
     local_clip: float | None = None
     context: Any = None
+    fp8: Any = None
 
     def __post_init__(self):
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
@@ -130,6 +135,9 @@ class Strategy:
         if self.context is not None and not isinstance(self.context, ContextParallel):
             raise StrategyError(f"Strategy.context={self.context!r}: give jaxpar.parallel.context.ContextParallel("
                                 "method=..., balance=...) or None (ring attention in the natural order).")
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8):
+            raise StrategyError(f"Strategy.fp8={self.fp8!r}: give jaxpar.parallel.Fp8(recipe='tensorwise' | "
+                                "'rowwise') or None (the matmuls in the compute dtype).")
         if self.sync is not None:
             from jaxpar.parallel.sync import check_sync
 
@@ -212,6 +220,8 @@ class Strategy:
             parts.append(f"accum{self.microbatches}")
         if self.compute_dtype != "float32":
             parts.append(self.compute_dtype)
+        if self.fp8 is not None:
+            parts.append("fp8" if self.fp8.recipe == "tensorwise" else f"fp8-{self.fp8.recipe}")
         if self.compression is not None:
             parts.append(self.compression.name)
         if self.local_clip is not None:

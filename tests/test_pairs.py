@@ -176,7 +176,7 @@ DEDICATED: dict[tuple[str, str], list[str]] = {
 #: Several processes (MP): one two-process job runs all these pairs (section 5).
 MP_PAIRS = [("SP", "MP"), ("MB", "MP"), ("BF", "MP"), ("RM", "MP"), ("EX", "MP"), ("PP", "MP"), ("2B", "MP"),
             ("ST", "MP"), ("K", "MP"), ("CP", "MP"), ("LC", "MP"), ("RS", "MP"), ("SN", "MP"), ("NS", "MP"),
-            ("BR", "MP"), ("LL", "MP"), ("1A", "MP"), ("CX", "MP"), ("EP", "MP"), ("RB", "MP")]
+            ("BR", "MP"), ("LL", "MP"), ("1A", "MP"), ("CX", "MP"), ("EP", "MP"), ("RB", "MP"), ("MP", "F8")]
 
 
 def _key(a: str, b: str) -> tuple[str, str]:
@@ -260,7 +260,8 @@ FIELDS = {"Z": ("zero",), "TP": ("tensor",), "SP": ("sequence_parallel",), "MB":
           "2B": ("schedule", "pipe"), "ST": ("schedule", "pipe"), "K": ("steps_per_call",),
           "CP": ("compression",), "LC": ("local_clip",), "RS": ("sync", "replica"), "CN": ("clip_norm",),
           "NS": ("noise_scale_every",), "BR": ("ramp", "ramp_steps"), "1A": ("compression",),
-          "LL": ("optimizer",), "CX": ("context",), "EP": ("expert",), "RB": ("router_bias_rate",)}
+          "LL": ("optimizer",), "CX": ("context",), "EP": ("expert",), "RB": ("router_bias_rate",),
+          "F8": ("fp8",)}
 #: The router bias's rate (RB: ``with_router_bias(..., rate=)``), in the settings and the runs.
 RB_RATE = 0.05
 #: Features a Setting cannot express (they are a model, an optimizer, a loop or a launcher choice).
@@ -324,6 +325,8 @@ def _setting_for(pair, *, ramp: str = "fixed") -> Setting:
             sizes["expert"] = 2
         elif c == "RB":
             kw["router_bias_rate"] = RB_RATE
+        elif c == "F8":
+            st["fp8"] = jaxpar.parallel.Fp8()
     if "replica" in sizes and "compression" not in st:
         st["sync"] = synchronous()             # a Strategy refuses sync with a codec: the replica axis says it
     return Setting(jaxpar.Strategy(**st), sizes, **kw)
@@ -500,6 +503,11 @@ class Spec:
         return self.strategy.get("compute_dtype", "float32")
 
     @property
+    def fp8(self):
+        """The FP8 options (F8), ``None`` without."""
+        return self.strategy.get("fp8")
+
+    @property
     def m(self) -> int:
         return self.strategy.get("microbatches", 1)
 
@@ -587,6 +595,8 @@ def build(codes, *, schedule: str | None = None) -> Spec:
                                                                        aux_weight=0.01, z_weight=1e-3))
         elif c == "RB":      # after EP: the bias alone balances, at a capacity that drops
             s.cfg = dataclasses.replace(s.cfg, mlp=32, moe=RB_MOE)
+        elif c == "F8":      # every covered GEMM of the small GPT in FP8
+            st["fp8"] = jaxpar.parallel.Fp8(min_dim=0)
         elif c != "MP":
             raise ValueError(c)
     if "NS" in codes and "SN" in codes:
@@ -750,7 +760,7 @@ class Reference:
 
 
 @functools.lru_cache(maxsize=None)
-def _grad_fn(cfg, dtype: str, nan: bool):
+def _grad_fn(cfg, dtype: str, nan: bool, fp8=None):
     """``(params, batch) -> (loss, grads)`` on one device, the parameters cast to ``dtype``. With a
     router bias (RB: ``cfg.moe.bias_rate``): ``(params, bias, batch) -> ((loss, loads), grads)``, the
     MoE layers choosing their experts with ``bias`` and ``loads`` each one's load per expert
@@ -759,8 +769,10 @@ def _grad_fn(cfg, dtype: str, nan: bool):
     import jax.numpy as jnp
     from flax import nnx
 
+    from jaxpar.parallel import fp8_loss
+
     graphdef = nnx.graphdef(_model_fn(cfg)())
-    loss_fn = _loss_fn(nan)
+    loss_fn = fp8_loss(_loss_fn(nan), fp8)
     cast = (lambda p: p) if dtype == "float32" else (lambda p: jax.tree.map(lambda a: a.astype(jnp.bfloat16), p))
     if not getattr(cfg.moe, "bias_rate", 0.0):
         return jax.jit(jax.value_and_grad(lambda p, b: loss_fn(nnx.merge(graphdef, cast(p)), b)))
@@ -823,7 +835,7 @@ def _freeze(v):
 
 
 def _ref_strategy(spec):
-    keep = ("compute_dtype", "microbatches", "schedule", "local_clip")
+    keep = ("compute_dtype", "microbatches", "schedule", "local_clip", "fp8")
     out = {k: v for k, v in spec.strategy.items() if k in keep}
     if spec.sizes.get("pipe", 1) == 1:
         out.pop("schedule", None)
@@ -838,8 +850,10 @@ def _ref_step_kw(spec):
 def _ref_sizes(spec):
     """What of the mesh the reference needs: the replicas (local clip, noise scale), the pipe."""
     out = {}
-    if spec.strategy.get("local_clip") or spec.ns_every:
+    if spec.strategy.get("local_clip") or spec.ns_every or (spec.fp8 and spec.strategy.get("compression")):
         out["data"] = spec.replicas
+    if spec.fp8 and spec.sizes.get("replica", 1) > 1:      # FP8: each replica's gradient with its own scales
+        out["replica"] = spec.sizes["replica"]
     if spec.sizes.get("pipe", 1) > 1:
         out["pipe"] = spec.sizes["pipe"]
     return out
@@ -854,7 +868,7 @@ def _reference(spec: Spec) -> Reference:
     spec.sizes = dict(spec.sizes)
     if spec.mode == "stash":
         return _stash_reference(spec)
-    grad = _grad_fn(spec.cfg, spec.dtype, spec.nan_step is not None)
+    grad = _grad_fn(spec.cfg, spec.dtype, spec.nan_step is not None, spec.fp8)
     params = _init_params(spec.cfg)
     tx = make_tx(spec, _logical(spec.cfg))
     opt = tx.init(params)
@@ -865,15 +879,17 @@ def _reference(spec: Spec) -> Reference:
         m = 1
     every, rate = spec.ns_every, spec.bias_rate
     bias = np.zeros(spec.bias_shape, np.float32) if rate else None       # RB: moved after every step
-    r_count = spec.sizes.get("data", 1) if (local or every) else 1
+    r_count = spec.sizes.get("data", 1) * spec.sizes.get("replica", 1)     # the replicas of _ref_sizes
     losses, norms, first, updates, bound = [], {}, None, 0, None
     for t in range(spec.steps):
         batch = host_batch(spec, t)
         rows = spec.rows[t]
         w = prev if delayed else params
         per, loss, loads = [], 0.0, 0.0
-        for r in range(r_count):        # each replica's rows, contiguous; its micro-batches, strided
-            mine = {k: v[r * rows // r_count:(r + 1) * rows // r_count] for k, v in batch.items()}
+        whole = spec.fp8 and every and t % every and not local      # FP8: a step that does not measure
+        for r in range(1 if whole else r_count):        # each replica's rows, contiguous; its micro-batches, strided
+            n = 1 if whole else r_count
+            mine = {k: v[r * rows // n:(r + 1) * rows // n] for k, v in batch.items()}
             gs = []
             for j in range(m):
                 mb = {k: v[j::m] for k, v in mine.items()}
@@ -882,7 +898,7 @@ def _reference(spec: Spec) -> Reference:
                     loads = loads + np.asarray(lo)        # counts: the sum is exact
                 else:
                     lj, gj = grad(w, mb)
-                loss += float(lj) / (m * r_count)
+                loss += float(lj) / (m * n)
                 gs.append(jax.device_get(gj))
             per.append(_mean(gs))
         g = _mean(per)
@@ -962,7 +978,7 @@ def _stash_reference(spec: Spec) -> Reference:
     import optax
 
     p, m = spec.sizes["pipe"], spec.m
-    grad = _grad_fn(spec.cfg, spec.dtype, spec.nan_step is not None)
+    grad = _grad_fn(spec.cfg, spec.dtype, spec.nan_step is not None, spec.fp8)
     w0 = _init_params(spec.cfg)
     tx = make_tx(spec, _logical(spec.cfg))
     hist = [[w0] for _ in range(p)]
@@ -1016,6 +1032,18 @@ def _assemble(stage_trees, per):
 #: must have happened: the gradients are >= 1e-3 (median, relative) from the fp32 ones (fp32
 #: round-off: 1e-6), else the losses differ from the fp32 run's.
 BF16_LOSS_RTOL, BF16_GRAD_RTOL, BF16_GRAD_ATOL_REL = 5e-4, 3e-2, 3e-2
+#: FP8 (F8) against the one-device FP8 run of the same micro-batches (and, where each replica computes
+#: its own gradient, the same replicas: jaxpar.parallel._fp8.own_scales). Both quantize the same
+#: tensors with the same scales; they differ where a sum in another order puts an operand element on
+#: the other side of an FP8 rounding boundary: one ulp (2^-3 relative in e4m3) of one element. Seen
+#: over the 25 pairs: per leaf |g - g_F8| <= 2.6e-4 x |g_F8 - g_fp32| (the FP8 rounding's own effect),
+#: parameters <= 2.6e-2 x theirs after 3 AdamW steps. Allowed on top of the fp32 tolerances: each
+#: first-gradient element 1e-2 x the leaf's largest FP8 effect |g_F8 - g_fp32|; each parameter 0.1 x
+#: the leaf's largest |p_F8 - p_fp32| (Adam's bound for a first-gradient tolerance does not hold: a
+#: flip at a later step moves an element whose first gradient was ~0, e.g. wk at init). FP8 must have
+#: run the same way: per leaf |g - g_F8| <= FP8_SAME x |g_F8 - g_fp32| (first gradient), |p - p_F8| <=
+#: FP8_SAME_PARAMS x |p_F8 - p_fp32| (parameters; 1 for a run without FP8).
+FP8_FLIP, FP8_PARAM_FLIP, FP8_SAME, FP8_SAME_PARAMS = 1e-2, 0.1, 1e-2, 0.1
 
 
 def _flat(tree) -> dict:
@@ -1043,9 +1071,21 @@ def _grad_tolerance(spec: Spec) -> tuple[float, float]:
     return (BF16_GRAD_RTOL, BF16_GRAD_ATOL_REL) if spec.dtype == "bfloat16" else (1e-4, 1e-5)
 
 
+def _fp8_effect(spec: Spec, ref: Reference, field: str) -> dict:
+    """F8: per leaf, the largest |x_F8 - x_fp32| of the one-device runs' ``field`` (``grads``: the first
+    gradients, ``params``: the parameters after the run); without F8, nothing."""
+    if not spec.fp8 or getattr(ref, field) is None:
+        return {}
+    fp32 = getattr(reference(dataclasses.replace(spec, strategy={k: v for k, v in spec.strategy.items() if k != "fp8"})),
+                   field)
+    return {k: float(np.abs(x - _flat(fp32)[k]).max()) for k, x in _flat(getattr(ref, field)).items()}
+
+
 def assert_matches(res: Result, ref: Reference, spec: Spec, what: str = ""):
     """Losses of every step, the first gradient, the parameters after the run (see the module
     docstring for the tolerances)."""
+    flip = {k: FP8_FLIP * v for k, v in _fp8_effect(spec, ref, "grads").items()}
+    moved = {k: FP8_PARAM_FLIP * v for k, v in _fp8_effect(spec, ref, "params").items()}
     bf16 = spec.dtype == "bfloat16"
     loss_rtol = BF16_LOSS_RTOL if bf16 else 1e-5
     grad_rtol, grad_atol_rel = _grad_tolerance(spec)
@@ -1056,7 +1096,7 @@ def assert_matches(res: Result, ref: Reference, spec: Spec, what: str = ""):
         assert got.keys() == want.keys()
         for key, g in got.items():
             w = want[key]
-            np.testing.assert_allclose(g, w, rtol=grad_rtol, atol=grad_atol_rel * np.abs(w).max(),
+            np.testing.assert_allclose(g, w, rtol=grad_rtol, atol=grad_atol_rel * np.abs(w).max() + flip.get(key, 0.0),
                                        err_msg=f"{what} first-step gradient {key}")
     got, want, g1 = _flat(res.params), _flat(ref.params), _flat(ref.grads)
     init = _flat(_init_params(spec.cfg))
@@ -1070,6 +1110,7 @@ def assert_matches(res: Result, ref: Reference, spec: Spec, what: str = ""):
             tol = 1e-4 * np.abs(r) + 1e-6 + _flat(ref.bound)[key]
         else:
             tol = 1e-4 * np.abs(r) + 1e-6 + _adam_bound(g1[key], LR, ref.updates, grad_rtol, grad_atol_rel)
+        tol = tol + moved.get(key, 0.0)
         bad = diff > tol
         assert not bad.any(), (f"{what} parameter {key}: {int(bad.sum())} / {diff.size} beyond tolerance, "
                                f"worst |diff| {diff.max():.3g} (tol there {tol.flat[np.argmax(diff)]:.3g})")
@@ -1089,6 +1130,8 @@ def check_pair(spec: Spec, res: Result):
             assert np.median(rel) >= 1e-3, f"{what}: the bf16 gradient is the fp32 one ({np.median(rel):.2g})"
         else:
             assert not np.allclose(res.losses, fp32.losses, rtol=1e-6, atol=0), f"{what}: bf16 run equals the fp32 one"
+    if spec.fp8:
+        _check_fp8_ran(spec, res, ref, what)
     if "CN" in spec.codes:
         assert float(steps[0]["grad_norm"]) > CLIP                    # so it clipped
     if spec.strategy.get("local_clip"):
@@ -1115,6 +1158,21 @@ def check_pair(spec: Spec, res: Result):
             np.testing.assert_array_equal(stats["router_bias"], res.stats["router_bias"], err_msg="resumed bias")
     if spec.bias_rate:
         _check_router_bias(spec, res, ref, what)
+
+
+def _check_fp8_ran(spec: Spec, res: Result, ref: Reference, what: str):
+    """F8: the run is far closer to the one-device FP8 run than that run is to fp32 (the first
+    gradient per leaf, else the parameters: :data:`FP8_SAME`), and FP8 changed the numbers."""
+    fp32 = reference(dataclasses.replace(spec, strategy={k: v for k, v in spec.strategy.items() if k != "fp8"}))
+    both = res.grads is not None and ref.grads is not None and spec.mode != "stash"
+    got, want, plain = (_flat(t) for t in ((res.grads, ref.grads, fp32.grads) if both else
+                                            (res.params, ref.params, fp32.params)))
+    bound = FP8_SAME if both else FP8_SAME_PARAMS
+    effect = {k: np.linalg.norm(want[k] - plain[k]) for k in want}
+    assert sum(effect.values()) > 0, f"{what}: the FP8 run equals the fp32 one"
+    for k, e in effect.items():
+        assert np.linalg.norm(got[k] - want[k]) <= bound * e + 1e-12, \
+            f"{what} {k}: |run - FP8 reference| {np.linalg.norm(got[k] - want[k]):.3g} > {bound} x FP8's effect {e:.3g}"
 
 
 def _check_router_bias(spec: Spec, res: Result, ref: Reference, what: str):

@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
@@ -96,7 +97,9 @@ class LayerCall:
     - ``scan``: ``lax.scan`` over the layers (``False``: a Python loop, unrolled);
     - ``closure``: arrays ``layer`` reads besides its arguments (a list's per-call arguments such as
       positions): values of the caller's trace, so a strategy that moves the layer into another
-      trace (a pipeline stage) cannot run it.
+      trace (a pipeline stage) cannot run it;
+    - ``source``, ``transform``: the model's own layer and the :func:`use_layer_transform` that made
+      ``layer`` of it (``None``: ``layer`` is the model's own).
     """
 
     layer: Callable
@@ -106,6 +109,22 @@ class LayerCall:
     remat: Callable | None = None
     scan: bool = True
     closure: tuple = ()
+    source: Callable | None = None
+    transform: Callable | None = None
+
+    def rewrap(self, wrap: Callable[[Callable], Callable]) -> Callable:
+        """``wrap`` applied to the model's own layer, then the layer transform (a runner that wraps
+        the layer, e.g. to carry values beside the activation, wraps it inside the transform).
+
+        Args:
+          wrap: ``wrap(layer) -> layer``.
+
+        Returns:
+          The layer to run.
+        """
+        if self.transform is None:
+            return wrap(self.layer)
+        return self.transform(wrap(self.source), self.logical)
 
     def layer_shapes(self) -> Any:
         """One layer's parameters as ``ShapeDtypeStruct``s (the ``layers`` axis dropped)."""
@@ -130,6 +149,7 @@ class LayerCall:
 
 
 _RUNNER: contextvars.ContextVar = contextvars.ContextVar("jaxpar_layer_runner", default=None)
+_TRANSFORM: contextvars.ContextVar = contextvars.ContextVar("jaxpar_layer_transform", default=None)
 
 
 def use_layer_runner(runner: Callable[[LayerCall], jax.Array] | None) -> ContextManager[None]:
@@ -145,6 +165,22 @@ def use_layer_runner(runner: Callable[[LayerCall], jax.Array] | None) -> Context
     [0.0, 0.0]
     """
     return scoped(_RUNNER, runner)
+
+
+def use_layer_transform(transform: Callable[[Callable, Any], Callable] | None) -> ContextManager[None]:
+    """Let ``transform(layer, logical) -> layer`` rewrite the layer of every :func:`run_layers` /
+    :func:`scan_blocks` call in this context, before any runner sees it (FP8 matmuls:
+    :func:`jaxpar.parallel.fp8_loss`).
+
+    Args:
+      transform: ``transform(layer, logical) -> layer``, or ``None``.
+
+    >>> import jax.numpy as jnp
+    >>> with use_layer_transform(lambda layer, logical: lambda p, x: 2 * layer(p, x)):
+    ...     run_layers(lambda p, x: x + p, jnp.ones((3,)), jnp.zeros((1,))).tolist()
+    [14.0]
+    """
+    return scoped(_TRANSFORM, transform)
 
 
 def current_layer_runner() -> Callable | None:
@@ -179,7 +215,10 @@ def run_layers(layer: Callable, params: Any, x: jax.Array, *, logical: Any = Non
     """
     if logical is None:
         logical = jax.tree.map(lambda a: (None,) * (a.ndim - 1), params)
+    transform = _TRANSFORM.get()
     call = LayerCall(layer, params, logical, x, remat, scan, tuple(closure))
+    if transform is not None:
+        call = dataclasses.replace(call, layer=transform(layer, logical), source=layer, transform=transform)
     runner = _RUNNER.get()
     return call.run() if runner is None else runner(call)
 

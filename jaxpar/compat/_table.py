@@ -74,6 +74,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("EP", "expert parallelism (expert axis)", lambda s: s.size("expert") > 1),
     Feature("RB", "aux-loss-free router balancing (a router bias in the state: with_router_bias)",
             lambda s: s.router_bias_rate is not None),
+    Feature("F8", "FP8 matmuls (Strategy.fp8)", lambda s: s.strategy.fp8 is not None),
 )
 CODES = tuple(f.code for f in FEATURES)
 _FEATURE = {f.code: f for f in FEATURES}
@@ -93,7 +94,7 @@ LIBRARY_NAMES = {
     "steps": "steps", "start": "the start step", "log_every": "log_every", "eval_every": "eval_every",
     "checkpoint_every": "the checkpointer's every", "stop_check_every": "stop_check_every",
     "router_bias_rate": "with_router_bias(rate)", "aux_weight": "MoESettings.aux_weight",
-    "true": "True", "false": "False", "none": "None",
+    "fp8": "Strategy.fp8", "true": "True", "false": "False", "none": "None",
 }
 
 

@@ -193,6 +193,23 @@ def build_context(options: Mapping[str, Any]):
         raise ConfigError(f"parallel.context: {e}".replace("ContextParallel.", "")) from None
 
 
+def build_fp8(options: Mapping[str, Any]):
+    """The :class:`jaxpar.parallel.Fp8` of ``parallel.fp8`` (empty: ``None``)."""
+    if not options:
+        return None
+    from jaxpar.errors import Fp8Error
+    from jaxpar.parallel import Fp8
+
+    unknown = sorted(set(options) - {"recipe", "min_dim"})
+    if unknown:
+        raise ConfigError(f"parallel.fp8 has unknown keys {unknown}; it takes recipe (tensorwise | rowwise) and "
+                          "min_dim (an int: smaller GEMMs stay in the compute dtype).")
+    try:
+        return Fp8(**options)
+    except Fp8Error as e:
+        raise ConfigError(f"parallel.fp8: {e}".replace("Fp8(", "(")) from None
+
+
 def build_strategy(cfg: ParallelConfig) -> Strategy:
     """The strategy of the parallel section; its errors name ``parallel.*`` keys.
 
@@ -216,7 +233,7 @@ def build_strategy(cfg: ParallelConfig) -> Strategy:
                         compute_dtype=cfg.compute_dtype, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
                         stage_layers=cfg.stage_layers, compression=codec, sync=sync,
                         update_every=cfg.update_every, vertical_sync=cfg.vertical_sync, local_clip=local_clip,
-                        context=build_context(cfg.context))
+                        context=build_context(cfg.context), fp8=build_fp8(cfg.fp8))
     except ValueError as e:
         if str(e).startswith("Strategy.local_clip="):
             raise ConfigError(str(e).replace("Strategy.local_clip=", "parallel.compression.local_clip=", 1)) from None

@@ -85,6 +85,8 @@ class ParallelConfig:
     sync: dict[str, Any] = field(default_factory=dict)
     # how attention runs over mesh.context: {method: ring | all_gather | ulysses, balance: true}; {} = ring, natural
     context: dict[str, Any] = field(default_factory=dict)
+    # FP8 matmuls of the covered weights, e.g. {recipe: tensorwise | rowwise, min_dim: 1024}; {} = off
+    fp8: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -11,18 +11,20 @@ weight that no such ``dot_general`` reads is an error that names it. The compile
 
 from __future__ import annotations
 
+import contextvars
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core
 from jax.extend.core import primitives as prims
 
+from jaxpar.adapters._blocks import use_layer_transform
 from jaxpar.errors import Fp8Error
 from jaxpar.mesh import REPLICA
-from jaxpar.rules import path_str
+from jaxpar.rules import path_str, scoped
 
 #: The scaling recipes: one scale per tensor, or one per row of each GEMM operand.
 RECIPES = ("tensorwise", "rowwise")
@@ -32,6 +34,7 @@ FEATURES = ("heads", "kv_heads", "mlp")
 FORWARD, BACKWARD = jnp.float8_e4m3fn, jnp.float8_e5m2
 #: Manual axes whose devices hold tensors of their own (pipeline stages, relaxed-sync replicas).
 _OWN_TENSORS = ("pipe", REPLICA)
+_OWN_SCALES: contextvars.ContextVar = contextvars.ContextVar("jaxpar_fp8_own_scales", default=())
 #: The ops a weight passes through on its way to the matmul and stays itself.
 _VIEWS = {"convert_element_type", "reshape", "transpose", "squeeze", "sharding_constraint", "copy", "copy_p",
           "pvary", "mesh_cast", "reshard"}
@@ -59,6 +62,17 @@ class Fp8:
             raise Fp8Error(f"Fp8(min_dim={self.min_dim!r}) must be an int >= 0 (0: every covered GEMM in FP8).")
 
 
+def own_scales(axes) -> ContextManager[None]:
+    """In this context the devices of the manual ``axes`` compute tensors of their own (each data
+    replica's own gradient, for a codec, local clipping or the noise scale): their FP8 scales are
+    not shared over those axes.
+
+    Args:
+      axes: mesh axis names.
+    """
+    return scoped(_OWN_SCALES, tuple(axes))
+
+
 def is_covered(logical: tuple) -> bool:
     """Whether a weight with these logical names runs its matmuls in FP8."""
     return "embed" in logical and any(name in logical for name in FEATURES)
@@ -73,7 +87,8 @@ def _scale_and_cast(x: jax.Array, dtype, keep: tuple[int, ...]) -> tuple[jax.Arr
     x = x.astype(jnp.float32)
     reduce = tuple(d for d in range(x.ndim) if d not in keep)
     amax = jnp.max(jnp.abs(x), axis=reduce, keepdims=True)
-    shards = tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes if a not in _OWN_TENSORS)
+    own = _OWN_TENSORS + _OWN_SCALES.get()
+    shards = tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes if a not in own)
     if shards and not keep:
         amax = jax.lax.pmax(amax, shards)
     scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
@@ -100,10 +115,19 @@ def scaled_dot(lhs, rhs, dimension_numbers, types, *, rowwise: bool, out_dtype):
     """
     (lc, rc), (lb, rb) = dimension_numbers
     lf, rf = _free(lhs.ndim, lc, lb), _free(rhs.ndim, rc, rb)
-    lq, ls = _scale_and_cast(lhs, types[0], (*lb, *lf) if rowwise else ())
-    rq, rs = _scale_and_cast(rhs, types[1], (*rb, *rf) if rowwise else ())
+    left = _scale_and_cast(lhs, types[0], (*lb, *lf) if rowwise else ())
+    right = _scale_and_cast(rhs, types[1], (*rb, *rf) if rowwise else ())
+    return _quantized_dot(left, right, dimension_numbers, out_dtype)
+
+
+def _quantized_dot(left, right, dimension_numbers, out_dtype):
+    """The product of two quantized operands ``(fp8 values, fp32 scales)``, the scales multiplied back
+    (one per operand, or one per row: the scales keep the operand's rank)."""
+    (lq, ls), (rq, rs) = left, right
+    (lc, rc), (lb, rb) = dimension_numbers
+    lf, rf = _free(lq.ndim, lc, lb), _free(rq.ndim, rc, rb)
     out = jax.lax.dot_general(lq, rq, dimension_numbers, preferred_element_type=jnp.float32)
-    if rowwise:   # the result's dimensions are (batch, lhs free, rhs free): align each scale to them
+    if ls.size > 1 or rs.size > 1:   # rowwise: the result's dimensions are (batch, lhs free, rhs free)
         ls = ls.transpose((*lb, *lf, *lc)).reshape(out.shape[:len(lb) + len(lf)] + (1,) * len(rf))
         rs = rs.transpose((*rb, *rf, *rc)).reshape(out.shape[:len(lb)] + (1,) * len(lf) + out.shape[len(lb) + len(lf):])
     else:
@@ -131,6 +155,19 @@ def _grad_dims(dimension_numbers, lhs_ndim: int, rhs_ndim: int, for_lhs: bool):
     return dims, [order.index(d) for d in range(len(order))]
 
 
+def _as_bits(quantized):
+    """An FP8 residual as its bytes: a ``jax.checkpoint`` policy that saves it would pass a float
+    residual through ``reduce_precision`` with IEEE e4m3 semantics, which overflows e4m3fn values
+    above 240 to infinity."""
+    q, scale = quantized
+    return jax.lax.bitcast_convert_type(q, jnp.uint8), scale
+
+
+def _from_bits(saved):
+    bits, scale = saved
+    return jax.lax.bitcast_convert_type(bits, FORWARD), scale
+
+
 def fp8_dot_general(lhs, rhs, dimension_numbers, *, rowwise: bool = False):
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` with its three GEMMs in FP8: e4m3 × e4m3
     forward; the gradient in e5m2 against the other operand in e4m3 backward.
@@ -151,19 +188,48 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, rowwise: bool = False):
     dn = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
     out_dtype = jnp.result_type(lhs, rhs)
 
+    if rowwise:      # a row's scale runs along the other GEMMs' contracted dimensions: quantize again
+        return _rowwise_dot(lhs, rhs, dn, out_dtype)
+    return _tensorwise_dot(lhs, rhs, dn, out_dtype)
+
+
+def _rowwise_dot(lhs, rhs, dn, out_dtype):
+    """One scale per row: each GEMM quantizes its operands along its own rows."""
     @jax.custom_vjp
     def dot(a, b):
-        return scaled_dot(a, b, dn, (FORWARD, FORWARD), rowwise=rowwise, out_dtype=out_dtype)
+        return scaled_dot(a, b, dn, (FORWARD, FORWARD), rowwise=True, out_dtype=out_dtype)
 
     def backward(res, g):
         a, b = res
         ldims, lperm = _grad_dims(dn, a.ndim, b.ndim, True)
         rdims, rperm = _grad_dims(dn, a.ndim, b.ndim, False)
-        da = scaled_dot(g, b, ldims, (BACKWARD, FORWARD), rowwise=rowwise, out_dtype=a.dtype)
-        db = scaled_dot(a, g, rdims, (FORWARD, BACKWARD), rowwise=rowwise, out_dtype=b.dtype)
+        da = scaled_dot(g, b, ldims, (BACKWARD, FORWARD), rowwise=True, out_dtype=a.dtype)
+        db = scaled_dot(a, g, rdims, (FORWARD, BACKWARD), rowwise=True, out_dtype=b.dtype)
         return da.transpose(lperm), db.transpose(rperm)
 
     dot.defvjp(lambda a, b: (dot(a, b), (a, b)), backward)
+    return dot(lhs, rhs)
+
+
+def _tensorwise_dot(lhs, rhs, dn, out_dtype):
+    """One scale per operand: the forward's FP8 operands are the backward's too (saved, not
+    quantized again, so a weight is quantized once per micro-batch)."""
+    ldims, lperm = _grad_dims(dn, lhs.ndim, rhs.ndim, True)
+    rdims, rperm = _grad_dims(dn, lhs.ndim, rhs.ndim, False)
+
+    def forward(a, b):
+        left, right = _scale_and_cast(a, FORWARD, ()), _scale_and_cast(b, FORWARD, ())
+        return _quantized_dot(left, right, dn, out_dtype), (_as_bits(left), _as_bits(right))
+
+    def backward(res, g):
+        left, right = (_from_bits(r) for r in res)
+        grad = _scale_and_cast(g, BACKWARD, ())
+        da = _quantized_dot(grad, right, ldims, lhs.dtype)
+        db = _quantized_dot(left, grad, rdims, rhs.dtype)
+        return da.transpose(lperm), db.transpose(rperm)
+
+    dot = jax.custom_vjp(lambda a, b: forward(a, b)[0])
+    dot.defvjp(forward, backward)
     return dot(lhs, rhs)
 
 
@@ -253,3 +319,25 @@ def _dot(eqn, ins, paths, rw: _Rewrite) -> jax.Array:
         out = fp8_dot_general(lhs, rhs, eqn.params["dimension_numbers"], rowwise=rw.fp8.recipe == "rowwise")
     return out.astype(eqn.outvars[0].aval.dtype)
 
+
+
+def fp8_loss(loss_fn: Callable, fp8: Fp8 | None) -> Callable:
+    """``loss_fn(model, batch)`` whose stacked layers (:func:`jaxpar.adapters.run_layers`) run their
+    covered matmuls in FP8 (:func:`fp8_layer`); ``fp8=None``: ``loss_fn`` itself.
+
+    Args:
+      loss_fn: ``loss_fn(model, batch) -> scalar``.
+      fp8: the options, or ``None``.
+
+    Returns:
+      The loss (wrapped once: a loss already wrapped for these options is returned as it is).
+    """
+    if fp8 is None or getattr(loss_fn, "jaxpar_fp8", None) == fp8:
+        return loss_fn
+
+    def loss(*args, **kwargs):
+        with use_layer_transform(lambda layer, logical: fp8_layer(layer, logical, fp8)):
+            return loss_fn(*args, **kwargs)
+
+    loss.jaxpar_fp8 = fp8
+    return loss

@@ -48,6 +48,7 @@ from jaxpar.parallel.moe import balanced, use_step_loads
 from jaxpar.rules import axes_of, drop_axes, named_shardings, path_str, use_rules
 from jaxpar.adapters._mesh_axes import ModelLoss
 from jaxpar.step._balancing import refuse_unbalanced, whole_step_loads
+from jaxpar.parallel._fp8 import fp8_loss, own_scales
 from jaxpar.step._state import StateLayout
 from jaxpar.errors import ExplicitDPError
 
@@ -218,6 +219,7 @@ def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | 
             "exactly by XLA, so the codec would be silently ignored. Use make_train_step, which runs the "
             "compressed exchange (replica_grads, then the compressed exchange).")
     grad_shardings = named_shardings(layout.grads, mesh)
+    loss_fn = fp8_loss(loss_fn, layout.strategy.fp8)
     loss_of = balanced(model_loss(loss_fn, layout))      # the MoE layers report and read their loads
     runner = DataParallelLayers(mesh, layout.rules, strategy.zero)
     k = strategy.microbatches
@@ -257,6 +259,7 @@ def pipeline_grads(loss_fn: Callable, layout: StateLayout, *, per_replica: bool 
 
     mesh = layout.mesh
     axes = tuple(a for a in data_axes(mesh) if mesh.shape[a] > 1) if per_replica else ()
+    loss_fn = fp8_loss(loss_fn, layout.strategy.fp8)
     return make_pipeline_loss_and_grad(loss_fn, layout.graphdef, mesh, layout.rules, layout.params, layout.grads,
                                        layout.strategy, num_layers=stacked_layers(layout), replica_axes=axes,
                                        own_specs=layout.model_specs(), with_metrics=True)
@@ -322,10 +325,11 @@ def replica_grads(loss_fn: Callable, layout: StateLayout, *, with_metrics: bool 
     """
     mesh, k = layout.mesh, layout.strategy.microbatches
     man = manual_specs(layout)
+    loss_fn = fp8_loss(loss_fn, layout.strategy.fp8)
     loss_of, local_rules = balanced(model_loss(loss_fn, layout)), drop_axes(layout.rules, man.axes)
 
     def local(params, batch):
-        with use_rules(mesh, local_rules):
+        with use_rules(mesh, local_rules), own_scales(man.axes):     # FP8: each replica's own gradient
             full = man.treedef.unflatten(bucketed_all_gather(jax.tree.leaves(params), man.dims, man.param_axes))
             mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype), batch)
             refuse_unbalanced(loss_of, full, mb, k)          # no loads pre-pass on this path

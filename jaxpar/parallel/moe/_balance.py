@@ -189,7 +189,7 @@ def _moe_calls(call: LayerCall) -> list[int]:
     """The experts of each MoE call one layer of ``call`` makes (an abstract trace)."""
     slot = _Slot(None, [])
     with scoped(_SLOT, slot), use_layer_runner(None):
-        jax.eval_shape(call.layer, call.layer_shapes(), jax.tree.map(
+        jax.eval_shape(call.source or call.layer, call.layer_shapes(), jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), call.x))
     return slot.experts
 
@@ -217,7 +217,7 @@ def _runner(trace: _Trace, inner: Callable | None) -> Callable:
         if (bias := step_bias()) is not None:
             _bias_rows(bias, base, n)
             extra["bias"] = jax.lax.dynamic_slice_in_dim(bias, base, n, 0).reshape(1, n * e)
-        y, extra = plain(LayerCall(_slotted(call.layer, m), call.params, call.logical, (call.x, extra), call.remat,
+        y, extra = plain(LayerCall(call.rewrap(lambda layer: _slotted(layer, m)), call.params, call.logical, (call.x, extra), call.remat,
                                    call.scan, call.closure))
         own = extra["own"].reshape(n, e)
         for r in range(n):
