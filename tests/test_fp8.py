@@ -153,3 +153,37 @@ def test_shards_of_a_manual_region_share_one_scale_and_the_region_is_rewritten()
     per_shard = jax.jit(jax.shard_map(lambda h: fp8_dot_general(h, w, MATMUL), mesh=mesh,
                                       in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data")))(x)
     np.testing.assert_allclose(per_shard, want, rtol=1e-6, atol=1e-6 * float(jnp.abs(want).max()))
+
+
+def test_fp8_residuals_survive_a_saving_remat_policy():
+    """Under ``jax.checkpoint`` with a policy that saves them, the FP8 residuals are not passed through
+    ``reduce_precision`` with IEEE e4m3 semantics (which turns e4m3fn values above 240 into inf): the
+    product and the gradients equal those without remat."""
+    x = jnp.linspace(-3.0, 3.0, 48).reshape(6, 8)
+    w = jnp.linspace(-1.0, 2.0, 40).reshape(8, 5)
+    f = lambda w, x: jnp.sum(jnp.tanh(fp8_dot_general(x, w, MATMUL)))     # noqa: E731
+    remat = jax.checkpoint(f, policy=jax.checkpoint_policies.everything_saveable)
+    want = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(w, x)
+    got = jax.jit(jax.value_and_grad(remat, argnums=(0, 1)))(w, x)
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert bool(jnp.all(jnp.isfinite(g)))
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-7)
+
+
+def test_the_strategy_and_the_config_take_fp8_options_or_name_the_field():
+    import jaxpar
+    from jaxpar.config import ConfigError
+    from jaxpar.config._build import build_fp8
+    from jaxpar.parallel import fp8_loss
+
+    s = jaxpar.Strategy(fp8=Fp8(recipe="rowwise"), compute_dtype="bfloat16")
+    assert s.name({"fsdp": 8}) == "fsdp8-bfloat16-fp8-rowwise"
+    with pytest.raises(jaxpar.errors.StrategyError, match="Strategy.fp8='tensorwise'"):
+        jaxpar.Strategy(fp8="tensorwise")
+    assert build_fp8({}) is None and build_fp8({"recipe": "rowwise", "min_dim": 0}) == Fp8("rowwise", 0)
+    with pytest.raises(ConfigError, match=r"parallel.fp8 has unknown keys \['amax_history'\]"):
+        build_fp8({"amax_history": 16})
+    with pytest.raises(ConfigError, match="parallel.fp8: .*recipe='delayed'"):
+        build_fp8({"recipe": "delayed"})
+    loss = fp8_loss(lambda model, batch: 0.0, Fp8())
+    assert fp8_loss(loss, Fp8()) is loss and fp8_loss(loss, None) is loss     # wrapped once
