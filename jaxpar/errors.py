@@ -19,7 +19,7 @@ __all__ = ["JaxparError", "MeshError", "StrategyError", "MaskError", "RulesError
            "CompressionError", "Fp8Error", "AttentionError", "ContextParallelError", "MoEError", "PipelineCutError",
            "PartitionError", "StashingError", "ScheduleError", "AsyncPipelineError", "SyncError",
            "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "RunDirectoryError", "RampError",
-           "NonFiniteError", "LoopError", "GenerationError",
+           "NonFiniteError", "LoopError", "GenerationError", "ProgramMismatchError",
            "ExplicitDPError", "NoiseScaleError", "StrategyMismatchError", "DataError", "SourceError",
            "TokenizerError", "CacheError", "HFConfigError", "HFExportError", "HFFilesError",
            "HFCheckpointError", "ClusterError", "LayoutError", "PlanError", "DistributedError", "TargetError",
@@ -274,6 +274,11 @@ class PlanError(JaxparError):
 
 class DistributedError(JaxparError):
     """Inconsistent or incomplete multi-process settings (the message names the flag / variable and the fix)."""
+
+
+class ProgramMismatchError(DistributedError):
+    """The processes of one job would run different step programs (or could not compare them in time): the
+    message lists the processes that differ, the first differing instruction and the config keys that differ."""
 
 
 class TargetError(JaxparError):

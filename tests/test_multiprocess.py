@@ -112,6 +112,7 @@ def test_two_processes_match_one_process(case, tmp_path):
     wait_all(procs, tmp_path)
     log = (tmp_path / "p1.log").read_text()
     assert "process  process 1 of 2 (explicit flags)" in log
+    assert "program  the same on 2 processes (lowered step sha256 " in (tmp_path / "p0.log").read_text()
     one, two = train_losses(tmp_path / "single"), train_losses(tmp_path / "p0")
     assert len(one) == len(two) == 5
     np.testing.assert_allclose(two, one, rtol=1e-5)
@@ -122,6 +123,45 @@ def test_two_processes_match_one_process(case, tmp_path):
     assert "samples  " in (tmp_path / "p0.log").read_text()
     if case == "zero3_tp":          # bit-identical losses here: the greedy tokens are the same too
         assert samples == (tmp_path / "single" / "samples.txt").read_text()
+
+
+# ----------------------------------------------------------------------------- the same program on every process
+@pytest.mark.slow          # 8-20 s: two processes start and build the job (the exchange: tests/test_program_fingerprint.py)
+@pytest.mark.parametrize("override,differs", [("optimizer.clip_norm=0.5", "optimizer.clip_norm: 1.0 vs 0.5"),
+                                              pytest.param("parallel.microbatches=2", "parallel.microbatches: 1 vs 2",
+                                                           marks=pytest.mark.exhaustive)])
+def test_processes_with_different_programs_stop_with_the_named_error(override, differs, tmp_path):
+    """Process 1 gets an override that changes the step: both stop before the first step with
+    ProgramMismatchError (exit 2) naming process 1 and the first differing instruction, within 60 s of
+    reaching the check, never a hang (a mismatched collective would wait 300 s, then abort)."""
+    port = free_port()
+
+    def args_of(i):
+        return [PY, "-m", "jaxpar.cli", "train", "configs/zero3.yaml", *TINY, "mesh.data=2", "mesh.fsdp=2",
+                "mesh.tensor=2", "logging.samples=0", "train.steps=3", f"train.out_dir={tmp_path}/p{i}",
+                *([override] if i == 1 else []), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                "--process-id", str(i), "--local-devices", "4", "--heartbeat-timeout", "30"]
+
+    procs = launch(args_of, 2, tmp_path)
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    deadline, reached = time.monotonic() + 180, None
+    try:
+        while any(p.poll() is None for p in procs):
+            if reached is None and all("\ndata     " in f.read_text() for f in logs):
+                reached = time.monotonic()           # both printed their last line before the loop
+            assert time.monotonic() < deadline, "no exit within 180 s (a hang?):\n" + logs[0].read_text()[-3000:]
+            time.sleep(0.1)
+        ended = time.monotonic()
+    finally:
+        kill_rest(procs)
+    for i, p in enumerate(procs):
+        text = logs[i].read_text()
+        assert p.returncode == 2, f"process {i} exited {p.returncode}:\n{text[-3000:]}"
+        assert ("jaxpar train: error: the processes would run different step programs: process 1 of 2 differs "
+                "from process 0") in text, text[-3000:]
+        assert "process 0:  " in text and "process 1:  " in text and "step      1/" not in text
+        assert "config (process 0 vs 1): " in text and differs in text
+    assert reached is not None and ended - reached < 60
 
 
 def fake_srun(i: int, port: int) -> dict:

@@ -63,6 +63,7 @@ from jaxpar.step._noise_scale import KEY as NOISE_KEY
 from jaxpar.step._noise_scale import noise_scale_of
 from jaxpar.run._preemption import StopAgreement, StopSignals
 from jaxpar.run._ramp import AdaptiveRamp
+from jaxpar.run._same_program import SameProgram
 from jaxpar.run._run_directory import refuse_later_steps
 from jaxpar.run._report import (LogOptions, Meter, MetricsWriter, Progress, TrainSummary, is_main_process,
                                 merge_log_options, plot_losses)
@@ -150,8 +151,9 @@ class _Run:
     def __init__(self, step_fn: Callable, batch_fn: Callable[[int], Any], mesh, log: LogOptions, *,
                  start: int, end: int, on_nonfinite: str, max_inflight: int, checkpointer: Any,
                  checkpoint_meta: dict | None, eval_fn: Callable[[Any], float] | None, eval_every: int,
-                 ramp: Any = None, steps_per_call: int = 1):
+                 ramp: Any = None, steps_per_call: int = 1, same_program: SameProgram | None = None):
         self.step_fn, self.batch_fn, self.mesh, self.log = step_fn, batch_fn, mesh, log
+        self.same_program = same_program     # several processes: the programs compared before the first step
         self.k = steps_per_call
         self.ramp = ramp if isinstance(ramp, AdaptiveRamp) else None
         self.start, self.end, self.max_inflight = start, end, max_inflight
@@ -173,6 +175,10 @@ class _Run:
         batches = [make_global_batch(self.batch_fn, s, self.mesh) for s in range(step, step + self.k)]
         batch = batches[0] if self.k == 1 else jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
         waited = time.perf_counter() - waited       # the host's time on the data (none when prefetched)
+        if self.same_program is not None:           # before the first call: a mismatch raises, never hangs
+            if line := self.same_program.check(self.step_fn, state, batch):
+                self.bar.log(line)
+            self.same_program = None
         self.meter.wait_inflight(self.max_inflight)
         state, metrics = self.step_fn(state, batch)
         rows = jax.tree.leaves(batch)[0].shape[0 if self.k == 1 else 1]
@@ -318,8 +324,8 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
           start_step: int | None = None, eval_fn: Callable[[Any], float] | None = None, eval_every: int = 0,
           checkpointer: Any = None, checkpoint_meta: dict | None = None, on_nonfinite: str = "stop",
           handle_signals: bool = True, max_inflight: int = 2, stop_check_every: int | None = None,
-          ramp: Any = None, steps_per_call: int = 1, log: LogOptions | None = None,
-          **log_options: Any) -> tuple[Any, TrainSummary]:
+          ramp: Any = None, steps_per_call: int = 1, same_program: SameProgram | None = SameProgram(),
+          log: LogOptions | None = None, **log_options: Any) -> tuple[Any, TrainSummary]:
     """Run ``steps`` train steps from ``start_step``; log, evaluate, checkpoint, stop on a signal.
 
     Args:
@@ -344,6 +350,7 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
         ``meta["batch_ramp"]`` (restore with ``ramp.load_state_dict``). None for a fixed ramp.
       steps_per_call: ``k`` optimizer steps per ``step_fn`` call (``make_train_step(..., steps_per_call=k)``):
         batches stacked ``[k, B, ...]``, metrics ``[k]``; steps and intervals multiples of ``k``.
+      same_program: several processes compare the first step's program (:class:`~jaxpar.run.SameProgram`; None: not).
       log: a :class:`LogOptions` (default ``LogOptions()``).
       **log_options: :class:`LogOptions` fields given directly (``log_every=1``), overriding ``log``'s.
 
@@ -365,12 +372,11 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
         >>> int(state.step), summary.first_loss, summary.last_loss
         (4, 0.5, 0.0078125)
     """
-    log = merge_log_options(log, log_options)
     start, stop_check_every = _checked_train_args(
-        state, log, steps=steps, start_step=start_step, eval_every=eval_every, max_inflight=max_inflight,
-        stop_check_every=stop_check_every, on_nonfinite=on_nonfinite, ramp=ramp, steps_per_call=steps_per_call,
-        checkpointer=checkpointer)
+        state, (log := merge_log_options(log, log_options)), steps=steps, start_step=start_step, eval_every=eval_every,
+        max_inflight=max_inflight, stop_check_every=stop_check_every, on_nonfinite=on_nonfinite, ramp=ramp,
+        steps_per_call=steps_per_call, checkpointer=checkpointer)
     run = _Run(step_fn, batch_fn, mesh, log, start=start, end=start + steps, on_nonfinite=on_nonfinite,
-               max_inflight=max_inflight, checkpointer=checkpointer, checkpoint_meta=checkpoint_meta,
-               eval_fn=eval_fn, eval_every=eval_every, ramp=ramp, steps_per_call=steps_per_call)
+               max_inflight=max_inflight, checkpointer=checkpointer, checkpoint_meta=checkpoint_meta, eval_fn=eval_fn,
+               eval_every=eval_every, ramp=ramp, steps_per_call=steps_per_call, same_program=same_program)
     return run.loop(state, handle_signals, stop_check_every)

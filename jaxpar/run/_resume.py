@@ -34,6 +34,7 @@ from jaxpar.run._checkpoint import CheckpointWarning
 from jaxpar.run._loop import train
 from jaxpar.run._report import LogOptions, NonFiniteError, flops_per_token, is_main_process
 from jaxpar.run._run_directory import claim_run_directory
+from jaxpar.run._same_program import SameProgram
 from jaxpar.step._router_bias import bias_of
 from jaxpar.run._sample import SampleOptions, host_params, write_samples
 
@@ -203,7 +204,8 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
       lr_schedule: the learning-rate schedule (``step -> lr``, ``Job.log_lr``): each checkpoint records its
         length (``opts.steps``) and the learning rate it resumes with, and a resume under another length warns.
       config_text: the run's config (YAML), written to ``<out_dir>/config.yaml`` once the run starts
-        training: after a resume succeeded, never when it fails or finds nothing to do (None: not written).
+        training: after a resume succeeded, never when it fails or finds nothing to do (None: not written); with
+        several processes, a program mismatch names the keys whose values differ between them.
 
     Returns:
       The exit status: 0, also after a stop signal (a checkpoint is saved) or when the checkpoint
@@ -225,7 +227,8 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
         state, summary = train(step, state, batch_fn, mesh=layout.mesh, steps=opts.steps - start,
                                start_step=start, eval_fn=eval_fn, eval_every=opts.eval_every,
                                checkpointer=checkpointer, checkpoint_meta=meta, on_nonfinite=opts.on_nonfinite,
-                               ramp=ramp, steps_per_call=opts.steps_per_call, log=log)
+                               ramp=ramp, steps_per_call=opts.steps_per_call, log=log,
+                               same_program=SameProgram(config_text=config_text))
     except NonFiniteError as e:
         print(f"jaxpar train: error: {e}", file=sys.stderr)
         return 1
