@@ -18,10 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.adapters._blocks import use_layer_runner
 from jaxpar.models import Decoder, DecoderConfig, decoder_loss
 from jaxpar.analysis._gemms import fp8_gemms, gemms
-from jaxpar.parallel._fp8 import Fp8, fp8_layer
+from jaxpar.parallel._fp8 import Fp8, fp8_loss
 
 LLAMA3_8B = dict(vocab=32000, embed=4096, layers=4, heads=32, kv_heads=8, head_dim=128, mlp=14336)
 SMALL = dict(vocab=256, embed=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128)
@@ -33,12 +32,10 @@ def dot_dtypes(hlo: str) -> dict[str, int]:
 
 
 def step_fn(graphdef, fp8):
+    scored = fp8_loss(decoder_loss, fp8)        # what Strategy(fp8=...) runs in the train step
+
     def loss(state, batch):
-        model = nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.bfloat16), state))
-        if fp8 is None:
-            return decoder_loss(model, batch)
-        with use_layer_runner(lambda call: call.run(fp8_layer(call.layer, call.logical, fp8))):
-            return decoder_loss(model, batch)
+        return scored(nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.bfloat16), state)), batch)
     return jax.jit(jax.value_and_grad(loss))
 
 

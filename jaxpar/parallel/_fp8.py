@@ -126,7 +126,9 @@ def _quantized_dot(left, right, dimension_numbers, out_dtype):
     (lq, ls), (rq, rs) = left, right
     (lc, rc), (lb, rb) = dimension_numbers
     lf, rf = _free(lq.ndim, lc, lb), _free(rq.ndim, rc, rb)
-    out = jax.lax.dot_general(lq, rq, dimension_numbers, preferred_element_type=jnp.float32)
+    # the GEMM accumulates in fp32 and returns the compute dtype: a sum of its partial products over
+    # a split contraction (tensor parallelism) moves that dtype, as the same GEMM without FP8 does
+    out = jax.lax.dot_general(lq, rq, dimension_numbers, preferred_element_type=out_dtype).astype(jnp.float32)
     if ls.size > 1 or rs.size > 1:   # rowwise: the result's dimensions are (batch, lhs free, rhs free)
         ls = ls.transpose((*lb, *lf, *lc)).reshape(out.shape[:len(lb) + len(lf)] + (1,) * len(rf))
         rs = rs.transpose((*rb, *rf, *rc)).reshape(out.shape[:len(lb)] + (1,) * len(lf) + out.shape[len(lb) + len(lf):])
