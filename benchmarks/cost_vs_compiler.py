@@ -14,6 +14,12 @@ compute) for the target's abstract devices with the target's own compiler (devic
   with XLA's own peak of live bytes (``peak_memory_in_bytes``) beside it: the two agree on GPUs, and libtpu's
   allocation is 5-33 % above its live peak.
 
+``--precision`` runs :data:`PRECISION_CASES` instead: the same GPTs in bf16 compute (fp32 master weights
+and Adam), each without and with FP8 (:class:`jaxpar.parallel.Fp8`, tensorwise, min_dim 1024), on the GPU
+compiler: bytes per axis, and the all-gathers' bytes per step by element type against the cost model's
+parameter gathers (:func:`jaxpar.analysis._gemms.all_gather_dtypes`); the FP8 GEMMs are checked
+(:func:`jaxpar.analysis._gemms.check_fp8_gemms`).
+
 The measured side of every case is written to the JSON (``--out``); ``--measured FILE`` reuses it
 and recomputes only the predictions (seconds instead of minutes). ``--hlo DIR`` keeps each compiled
 program's HLO text (``DIR/<case>.hlo.gz``) and, for a case whose text is there, counts the compiled
@@ -22,6 +28,7 @@ collectives again from it (a change in :mod:`jaxpar.analysis` without compiling 
 Usage::
 
     JAX_PLATFORMS=cpu python benchmarks/cost_vs_compiler.py --out cost_vs_compiler.json [--only tpu] [--hlo DIR]
+    JAX_PLATFORMS=cpu python benchmarks/cost_vs_compiler.py --precision --out precision.json
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -81,6 +89,17 @@ CASES = [
 ]
 
 
+#: (model, global batch, target, plan): compiled in bf16, then with FP8 (``replace(plan, fp8="tensorwise")``).
+PRECISION_CASES = [
+    ("350M", 16, "h100:1x8", P(fsdp=8)),
+    ("350M", 16, "h100:1x8", P(data=8)),
+    ("1.3B", 16, "h100:1x8", P(data=8, zero=3, remat="full")),
+    ("1.3B", 8, "h100:1x8", P(tensor=8)),
+    ("1.3B", 16, "h100:1x8", P(fsdp=4, tensor=2)),
+    ("1.3B", 8, "h100:1x8", P(tensor=8, sequence_parallel=True)),
+]
+
+
 def case_model(name: str, batch: int) -> cost.ModelSpec:
     layers, hidden, heads, seq = MODELS[name]
     return cost.gpt(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=50304, batch=batch, name=name)
@@ -114,6 +133,100 @@ def measure(model: cost.ModelSpec, target: str, plan: cost.Plan, hlo: str | None
     return {"arguments": rep.argument_bytes, "temp": rep.temp_bytes, "peak": rep.peak_bytes,
             "xla_peak": rep.xla_peak_bytes,
             "compile_s": round(seconds, 1), **count(compiled, mesh, plan)}
+
+
+def compile_precision(model: cost.ModelSpec, target: str, plan: cost.Plan):
+    """Compile jaxpar's GPT train step in bf16 compute (fp32 master weights, AdamW), with ``plan.fp8``'s
+    FP8 when set: ``(mesh, compiled)``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxpar.batch import batch_sharding
+    from jaxpar.devices import parse_target, target_devices
+    from jaxpar.mesh import make_mesh
+    from jaxpar.models import GPT, GPTConfig
+    from jaxpar.models._gpt import lm_loss
+    from jaxpar.parallel import Fp8
+    from jaxpar.step._compose import make_train_step
+    from jaxpar.step._init import state_layout
+    from jaxpar.strategy import Strategy
+
+    remat = {"selective": "save-matmuls"}.get(plan.remat, plan.remat)
+    cfg = GPTConfig(vocab=model.vocab, seq_len=model.seq, embed=model.hidden, heads=model.heads,
+                    layers=model.layers, mlp=model.mlp, remat=remat)
+    mesh = make_mesh({k: v for k, v in plan.sizes.items() if v > 1}, devices=target_devices(parse_target(target)))
+    strategy = Strategy(zero=plan.zero if plan.data > 1 else 0, sequence_parallel=plan.sequence_parallel,
+                        microbatches=plan.microbatches, compute_dtype="bfloat16",
+                        fp8=Fp8(plan.fp8, plan.fp8_min_dim) if plan.fp8 else None)
+    tx = optax.adamw(1e-3, weight_decay=0.1)
+    layout = state_layout(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
+    step = make_train_step(lm_loss, tx, layout, strategy)
+    spec = jax.ShapeDtypeStruct((model.batch, model.seq), jnp.int32, sharding=batch_sharding(mesh))
+    return mesh, step.lower(layout.abstract_state(), {"tokens": spec, "targets": spec}).compile()
+
+
+def measure_precision(model: cost.ModelSpec, target: str, plan: cost.Plan) -> dict:
+    """The compiled side of a precision case: bytes per axis, all-gather bytes per element type, FP8 GEMMs."""
+    from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
+    from jaxpar.analysis._gemms import all_gather_dtypes, check_fp8_gemms
+
+    t0 = time.perf_counter()
+    mesh, compiled = compile_precision(model, target, plan)
+    seconds = time.perf_counter() - t0
+    gathers: dict[str, float] = {}
+    for (_, dtype), v in all_gather_dtypes(compiled, mesh).items():
+        gathers[dtype] = gathers.get(dtype, 0.0) + v["bytes"]
+    counts = check_fp8_gemms(compiled.as_text()) if plan.fp8 else {}
+    return {"axes": compiled_bytes_per_axis(compiled, mesh, plan), "gathers": gathers,
+            "fp8_gemms": sum(int(c["fp8"]) for c in counts.values()), "compile_s": round(seconds, 1)}
+
+
+def predict_precision(model: cost.ModelSpec, plan: cost.Plan) -> dict:
+    """The cost model's side of a precision case (lowering ``xla``, bf16 activations and gradients)."""
+    cs = comms(model, plan, lowering="xla", compute_bytes=2, grad_bytes=2)
+    return {"axes": bytes_per_axis(cs), "gathers": sum(c.bytes * c.count for c in cs if c.kind == "all-gather")}
+
+
+def precision_rows(args) -> list[dict]:
+    """Compile (or reuse) every precision case, bf16 then FP8, and set the prediction beside it."""
+    measured = json.load(open(args.measured))["measured"] if args.measured else {}
+    if args.out and os.path.exists(args.out) and not args.measured:
+        measured = json.load(open(args.out))["measured"]
+    rows = []
+    for name, batch, target, base in PRECISION_CASES:
+        for plan in (base, dataclasses.replace(base, fp8="tensorwise")):
+            key = case_key(name, batch, target, plan) + " bf16"
+            if args.only not in key or (key not in measured and args.measured):
+                continue
+            model = case_model(name, batch)
+            if key not in measured:
+                measured[key] = measure_precision(model, target, plan)
+                print(f"compiled {key}: {measured[key]['compile_s']}", file=sys.stderr, flush=True)
+            got, pred = measured[key], predict_precision(model, plan)
+            axes = {a: {"predicted": pred["axes"].get(a, 0.0), "compiled": got["axes"].get(a, 0.0),
+                        "error": _err(pred["axes"].get(a, 0.0), got["axes"].get(a, 0.0))}
+                    for a in sorted(set(pred["axes"]) | set(got["axes"]))}
+            rows.append({"case": key, "axes": axes, "gathers": got["gathers"], "gathers_predicted": pred["gathers"],
+                         "fp8_gemms": got["fp8_gemms"], "compile_s": got["compile_s"]})
+            if args.out:
+                _write(args.out, rows, measured)
+    return rows
+
+
+def precision_table(rows: list[dict]) -> str:
+    """The Markdown table of the precision cases."""
+    lines = ["| case | bytes per axis: predicted / compiled (compiled GB) | all-gathers GB: predicted / compiled "
+             "(f8e4m3fn GB of them) | FP8 GEMMs | compile s |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        ax = ", ".join(f"{a} {v['predicted'] / v['compiled']:.3f} ({v['compiled'] / 1e9:.3g})" if v["compiled"]
+                       else f"{a} -" for a, v in r["axes"].items())
+        got = sum(r["gathers"].values())
+        f8 = r["gathers"].get("f8e4m3fn", 0.0)
+        gathers = f"{r['gathers_predicted'] / 1e9:.3g} / {got / 1e9:.3g} ({f8 / 1e9:.3g})" if got else "-"
+        lines.append(f"| {r['case']} | {ax} | {gathers} | {r['fp8_gemms'] or '-'} | {r['compile_s']} |")
+    return "\n".join(lines)
 
 
 def _measure_or_refusal(model: cost.ModelSpec, target: str, plan: cost.Plan, hlo: str | None) -> dict:
@@ -238,7 +351,11 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="run only the cases whose key contains this text")
     ap.add_argument("--hlo", help="keep each compiled program's HLO text in this folder, and count the "
                                   "collectives of a case from its text when it is there")
+    ap.add_argument("--precision", action="store_true", help="run the bf16 and FP8 cases (PRECISION_CASES)")
     args = ap.parse_args(argv)
+    if args.precision:
+        print(precision_table(precision_rows(args)))
+        return 0
     if args.hlo:
         os.makedirs(args.hlo, exist_ok=True)
     measured = json.load(open(args.measured))["measured"] if args.measured else {}
@@ -271,11 +388,13 @@ def main(argv=None) -> int:
 
 
 def _write(path: str, rows: list[dict], measured: dict) -> None:
+    """The rows, their summary (when they have peaks), the measured side and where they were measured."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     env = {"date": date.today().isoformat(), "commit": head, "machine": f"{platform.machine()} {platform.node()}",
            "cpus": os.cpu_count()}
     with open(path, "w") as f:
-        json.dump({"environment": env, "rows": rows, "summary": summary(rows), "measured": measured}, f, indent=1)
+        json.dump({"environment": env, "rows": rows, "summary": summary(rows) if rows and "peak" in rows[0] else {},
+                   "measured": measured}, f, indent=1)
 
 
 if __name__ == "__main__":

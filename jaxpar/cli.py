@@ -112,7 +112,9 @@ def _run_plan(args: argparse.Namespace) -> int:
                                                                         "batch")})
         dtype = plan_dtype(cfg, args.dtype, cluster)
         cp = dict(contexts=args.contexts, context_methods=args.context_methods) if args.contexts else {}
-        result = cost.plan(model, cluster, top=args.top, dtype=dtype, precision=args.precision, **cp)
+        min_dim = (cfg.parallel.fp8 or {}).get("min_dim", 1024) if cfg else 1024
+        result = cost.plan(model, cluster, top=args.top, dtype=dtype, precision=args.precision, fp8_min_dim=min_dim,
+                           **cp)
     except (cost.ClusterError, cost.PlanError) as e:
         raise ConfigError(str(e)) from None
     print(plan_report(model, cluster, result, args.top, as_json=args.json))

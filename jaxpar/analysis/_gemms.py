@@ -1,5 +1,6 @@
-"""The GEMMs of a compiled GPU program: each dot and cuBLAS call with its operand types, FLOPs and
-``op_name``, and the FP8 check of :func:`jaxpar.parallel._fp8.fp8_layer`'s named matmuls.
+"""FP8 in a compiled GPU program: its GEMMs (each dot and cuBLAS call with its operand types, FLOPs and
+``op_name``), the FP8 check of :func:`jaxpar.parallel._fp8.fp8_layer`'s named matmuls, and the bytes its
+all-gathers move per element type (:func:`all_gather_dtypes`: FP8 values or the compute dtype's).
 
 It reads the raw lines: the ``op_name`` and a cuBLAS call's dimension numbers are string literals,
 which :func:`jaxpar.analysis._hlo_text.parse_instructions` blanks.
@@ -10,6 +11,9 @@ import math
 import re
 from typing import NamedTuple
 
+from jaxpar.analysis._hlo import collectives
+from jaxpar.analysis._hlo_text import array_shapes, module_text, parse_instructions, shape_bytes
+from jaxpar.analysis._loops import trip_counts
 from jaxpar.errors import Fp8Error
 
 _DEF = re.compile(r"(%[\w.\-]+) = \(?(\w+)\[([\d,]*)\]")
@@ -89,3 +93,41 @@ def check_fp8_gemms(hlo: str) -> dict[str, dict[str, float]]:
         raise Fp8Error(f"fp8: covered matmuls compiled without FP8 operands: {slow} (weight: GEMMs). The "
                        "compiler dequantized them; this target or recipe does not run FP8 GEMMs.")
     return counts
+
+
+_OPERAND = re.compile(r"%?([\w.\-]+)")
+
+
+def all_gather_dtypes(compiled, mesh) -> dict[tuple[str, str], dict[str, float]]:
+    """The all-gathers of a compiled program by mesh axes and element type: how many, and the bytes of
+    their results per step (loops counted by trip count, :func:`jaxpar.analysis.trip_counts`).
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` or its HLO text.
+      mesh: the mesh it was compiled for.
+
+    Returns:
+      ``{(axes, dtype): {"count": n, "bytes": b}}``; ``axes`` as ``"fsdp"`` or ``"data,fsdp"``.
+    """
+    text = module_text(compiled)
+    instrs = parse_instructions(text)
+    by_name = {i.name: i for i in instrs}
+    done = {}
+    for i in instrs:
+        if i.opcode == "all-gather-done" and (first := _OPERAND.match(i.rest.strip())):
+            done[first.group(1)] = i.shape
+    mult = trip_counts(text)
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for c in collectives(compiled, mesh):
+        instr = by_name.get(c.name)
+        if c.kind != "all-gather" or instr is None:
+            continue
+        arrays = array_shapes(done.get(c.name, instr.shape))
+        if instr.opcode.endswith("-start") and c.name not in done:     # (operands, results): the results
+            arrays = arrays[len(arrays) // 2:]
+        axes = ",".join(c.axes) if c.axes else "-"
+        for array in arrays:
+            row = out.setdefault((axes, array.split("[")[0]), {"count": 0, "bytes": 0.0})
+            row["count"] += 1
+            row["bytes"] += shape_bytes(array) * mult.get(c.computation, 1)
+    return out

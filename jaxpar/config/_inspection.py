@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxpar.mesh import MeshError, MeshSpec
-from jaxpar.devices._targets import Target, TargetError, compile_error, parse_target, target_devices
+from jaxpar.devices._targets import Target, TargetError, compile_error, fp8_problem, parse_target, target_devices
+from jaxpar.errors import Fp8Error
 from jaxpar.config._build import mesh_spec
 from jaxpar.config._schema import ConfigError, JobConfig
 
@@ -131,6 +132,52 @@ def fitting_plan(cfg: JobConfig, target: Target, *, most: int = 64) -> str:
             f"({target.num_devices * most} x {target.spec.device}) at global batch {model.batch}")
 
 
+def fp8_lines(cfg: JobConfig, job: Any, compiled: Any, platform: str) -> list[str]:
+    """``jaxpar inspect``'s FP8 section (``parallel.fp8`` on): on a GPU target, the GEMMs of the covered
+    weights compiled in FP8 against those the recipe covers, per weight
+    (:func:`jaxpar.analysis._gemms.check_fp8_gemms`), and the all-gathers' bytes per step by element type
+    (:func:`jaxpar.analysis._gemms.all_gather_dtypes`); on the simulated CPU mesh, one line: emulated.
+
+    Args:
+      cfg: the config.
+      job: its built job (the mesh and the model factory are read).
+      compiled: the compiled train step.
+      platform: ``"cuda"`` or ``"cpu"``.
+
+    Returns:
+      The lines.
+
+    Raises:
+      Fp8Error: a covered weight's GEMM compiled without FP8 operands, or a weight the recipe covers
+        (:meth:`jaxpar.cost.Leaf.fp8`) with no FP8 GEMM in the program; the message names the weight.
+    """
+    from jaxpar.analysis._compiled_memory import format_bytes, render_table
+    from jaxpar.analysis._gemms import all_gather_dtypes, check_fp8_gemms
+    from jaxpar.config._plan_command import cost_model
+
+    fp8 = cfg.parallel.fp8
+    recipe, min_dim = fp8.get("recipe", "tensorwise"), fp8.get("min_dim", 1024)
+    if platform != "cuda":
+        return [f"fp8      {recipe}: emulated by XLA:CPU on the simulated mesh (no FP8 GEMMs there: the matmuls "
+                "round as FP8 ones do, at the CPU's speed); --target h100:1x8 compiles them for a GPU and checks them"]
+    counts = check_fp8_gemms(compiled.as_text())
+    leaves = cost_model(cfg, job.model_fn).leaves
+    missing = [l.name for l in leaves if l.fp8(min_dim) and not any(l.name.split("/")[-1] == k for k in counts)]
+    if missing:
+        raise Fp8Error(f"fp8: the covered weights {missing} (parallel.fp8 min_dim {min_dim}) have no FP8 GEMM in the "
+                       "compiled program: their matmuls ran in the compute dtype. Turn parallel.fp8 off or report it.")
+    n = sum(int(c["fp8"]) for c in counts.values())
+    per = ", ".join(f"{k} {int(c['fp8'])}" for k, c in sorted(counts.items()))
+    lines = [f"fp8      {recipe}, min_dim {min_dim}: all {n} GEMMs of the {len(counts)} covered weights compiled "
+             f"in FP8 (each layer's, once per compiled layer body: {per or 'none'})"]
+    gathers = all_gather_dtypes(compiled, job.mesh) if job.mesh.size > 1 else {}
+    if gathers:
+        rows = [[axes, dtype, str(v["count"]), format_bytes(v["bytes"])] for (axes, dtype), v in sorted(gathers.items())]
+        lines += ["all-gathers by element type (FP8 values or the compute dtype's), per device",
+                  render_table(["axes", "dtype", "arrays", "bytes per step"], rows, right=[False, False, True, True])]
+    return lines
+
+
 def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | None = None) -> int:
     """Compile the config's train step and print the report (see the module docstring).
 
@@ -145,10 +192,14 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
     Raises:
       ConfigError: the config does not fit the target's devices.
       TargetError: the target cannot be built or compiled for.
+      Fp8Error: ``parallel.fp8`` on a target without FP8 GEMMs, or a covered matmul compiled without FP8
+        operands (:func:`fp8_lines`).
     """
     from jaxpar.config._job import build_job, header_lines, model_line, program_lines
 
     tgt = parse_target(target) if target else None
+    if tgt is not None and cfg.parallel.fp8 and (why := fp8_problem(tgt.spec)):
+        raise Fp8Error(why)
     devices = _devices(cfg, tgt)
     job = build_job(cfg, devices, data=False)
     layout = job.state_layout()
@@ -253,6 +304,8 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
         print("\ncollectives of the compiled " + ("step" if name == "step" else f"{name} program"))
         colls = collectives(c, job.mesh) if job.mesh.size > 1 else []
         print(collectives_table(colls) if colls else "(none)")
+    if cfg.parallel.fp8:
+        print("\n" + "\n".join(fp8_lines(cfg, job, compiled["step"], tgt.spec.platform if tgt else "cpu")))
     platform = tgt.spec.platform if tgt else "cpu"
     lowering = lowering_for_platform(platform)
     table, predicted = planner_table(cfg, compiled["step"], job.mesh, job.strategy, cluster, job.steps_per_call,

@@ -18,11 +18,13 @@ Example::
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from jaxpar.compat._settings import FLUSH_SCHEDULES
 from jaxpar.strategy import Strategy
 from jaxpar.config._schema import ConfigError, JobConfig
+from jaxpar.errors import Fp8Error
 
 
 class PlannerView(NamedTuple):
@@ -105,20 +107,45 @@ def plan_dtype(cfg: JobConfig | None, dtype: str | None, cluster: Any) -> str:
     Raises:
       ConfigError: the config's dtype is one the cluster has no peak FLOP/s for (an explicit ``--dtype``
         is left to the planner, which names the cluster's dtypes).
+      Fp8Error: the config has ``parallel.fp8`` on and the cluster no FP8 GEMMs (:func:`fp8_cluster_problem`).
     """
+    if cfg is not None and cfg.parallel.fp8 and not cluster.has_fp8 and (why := fp8_cluster_problem(cluster.name)):
+        raise Fp8Error(why)
     if dtype or cfg is None:
         return dtype or "bfloat16"
     dtype = cfg.parallel.compute_dtype
-    if dtype not in cluster.peak_flops:
+    if dtype not in cluster.compute_dtypes:
         raise ConfigError(f"{cfg.name}: parallel.compute_dtype is {dtype}, and cluster {cluster.name!r} has peak "
-                          f"FLOP/s for {', '.join(cluster.peak_flops)} only; pass --dtype "
-                          f"{next(iter(cluster.peak_flops))} to plan in that dtype, or choose another --cluster.")
+                          f"FLOP/s for {', '.join(cluster.compute_dtypes)} only; pass --dtype "
+                          f"{cluster.compute_dtypes[0]} to plan in that dtype, or choose another --cluster.")
     return dtype
+
+
+def fp8_cluster_problem(cluster: str) -> str | None:
+    """Why ``parallel.fp8`` cannot run on the devices of a cluster preset: the first target that uses the
+    preset and has no FP8 GEMMs (:func:`jaxpar.devices._targets.fp8_problem`); None for a preset no target
+    uses (``cpu_sim``: the simulated mesh emulates FP8) or whose targets have them.
+
+    Args:
+      cluster: the cluster preset's name.
+
+    Returns:
+      The message, naming the target, the option and the fix, or None.
+
+    >>> print(fp8_cluster_problem("tpu_v5e"))      # doctest: +ELLIPSIS
+    target tpu-v5e has no FP8 GEMMs: parallel.fp8 runs the covered matmuls as FP8 GEMMs, ...
+    >>> fp8_cluster_problem("cpu_sim"), fp8_cluster_problem("h100")
+    (None, None)
+    """
+    from jaxpar.devices._targets import fp8_problem, load_spec, presets
+
+    return next((why for spec in map(load_spec, presets()) if spec.cluster == cluster and (why := fp8_problem(spec))),
+                None)
 
 
 def plan_overrides(plan: Any) -> list[str]:
     """The dotted overrides that make a config run a :class:`jaxpar.cost.Plan` (``jaxpar train CONFIG
-    *overrides``): its mesh, strategy and recomputation (``selective`` is the GPT's ``save-matmuls``).
+    *overrides``): its mesh, strategy, FP8 and recomputation (``selective`` is the GPT's ``save-matmuls``).
 
     Args:
       plan: the plan (e.g. ``jaxpar.cost.plan(...).best.plan``).
@@ -127,8 +154,10 @@ def plan_overrides(plan: Any) -> list[str]:
       ``key=value`` strings.
 
     >>> from jaxpar.cost import Plan
-    >>> plan_overrides(Plan(pipe=2, data=4, microbatches=8, schedule="interleaved", virtual=2))[-4:]
-    ['parallel.schedule=interleaved', 'parallel.virtual_stages=2', 'parallel.stage_layers=null', 'model.remat=none']
+    >>> plan_overrides(Plan(pipe=2, data=4, microbatches=8, schedule="interleaved", virtual=2))[-5:]
+    ['parallel.schedule=interleaved', 'parallel.virtual_stages=2', 'parallel.stage_layers=null', 'parallel.fp8={}', 'model.remat=none']
+    >>> plan_overrides(Plan(fsdp=8, fp8="tensorwise"))[-3:]
+    ['parallel.fp8.recipe=tensorwise', 'parallel.fp8.min_dim=1024', 'model.remat=none']
     """
     from jaxpar.cost._parallel import AXES
 
@@ -140,6 +169,8 @@ def plan_overrides(plan: Any) -> list[str]:
     if plan.context > 1:
         out += [f"parallel.context.method={plan.context_method}",
                 f"parallel.context.balance={str(plan.context_balance).lower()}"]
+    out += [f"parallel.fp8.recipe={plan.fp8}", f"parallel.fp8.min_dim={plan.fp8_min_dim}"] if plan.fp8 else \
+        ["parallel.fp8={}"]
     return out + [f"model.remat={remat}"]
 
 
@@ -178,7 +209,8 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
         ``xla`` and ``xla-tpu`` for the GPU and TPU compilers.
 
     Returns:
-      The :class:`PlannerView`, estimated for ``lowering`` with fp32 parameters and moments.
+      The :class:`PlannerView`, estimated for ``lowering`` with fp32 parameters and moments (with the
+      strategy's FP8 where the cluster has FP8 GEMMs).
     """
     from jaxpar import cost
     from jaxpar.cost._planner import evaluate
@@ -196,9 +228,11 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
     cluster = cost.load_cluster(cluster_name)
     cluster = cluster.with_devices(n) if n <= cluster.devices_per_node or n % cluster.devices_per_node == 0 else \
         cost.load_cluster(cluster_name, nodes=1)
+    if strategy.fp8 is not None and cluster.has_fp8:     # elsewhere FP8 is emulated: the step's own matmuls
+        plan = replace(plan, fp8=strategy.fp8.recipe, fp8_min_dim=strategy.fp8.min_dim)
     dtype = "float32" if strategy.compute_dtype == "float32" else "bfloat16"
-    if dtype not in cluster.peak_flops:
-        dtype = next(iter(cluster.peak_flops))
+    if dtype not in cluster.compute_dtypes:
+        dtype = cluster.compute_dtypes[0]
     return PlannerView(model, plan, evaluate(model, plan, cluster, dtype=dtype, precision="fp32", lowering=lowering))
 
 
@@ -372,6 +406,29 @@ def _verify_devices(n: int, target: Any) -> tuple[list, str, str]:
     return jax.devices()[:n], f"on {n} simulated CPU devices", "xla-cpu"
 
 
+def fp8_line(result: Any, cluster: Any) -> str:
+    """``jaxpar plan``'s line on FP8: what the best plan gains with it, or why no plan has it.
+
+    Args:
+      result: :func:`jaxpar.cost.plan`'s result.
+      cluster: the cluster planned on.
+
+    Returns:
+      The line.
+    """
+    best = result.best
+    if best.without_fp8:
+        return (f"fp8      chosen ({best.plan.fp8}, min_dim {best.plan.fp8_min_dim}): predicted "
+                f"{best.time.total * 1e3:.1f} ms per step with FP8, {best.without_fp8 * 1e3:.1f} ms without "
+                f"({best.without_fp8 / best.time.total:.2f}x); the overrides: parallel.fp8.recipe={best.plan.fp8}")
+    if not cluster.has_fp8:
+        return f"fp8      not considered: cluster {cluster.name} has no FP8 GEMMs (no peak_tflops.float8)"
+    if not any(e.without_fp8 for e in result.ranked):
+        return ("fp8      considered, not chosen: no GEMM of the model reaches min_dim 1024, or FP8 "
+                "predicts no gain")
+    return "fp8      considered: the best plan is faster without it"
+
+
 def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: bool = False) -> str:
     """``jaxpar plan``'s output: the model, the cluster and the ranked and rejected plans.
 
@@ -395,6 +452,8 @@ def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: boo
              f"cluster  {cluster.name}: {cluster.num_devices} devices ({cluster.nodes} x {cluster.devices_per_node})",
              f"plans    {result.considered} considered, {len(result.ranked)} fit, {len(result.rejected)} rejected",
              result.table(top)]
+    if line := fp8_line(result, cluster):
+        lines.append(line)
     if result.rejected:
         lines += ["", result.rejected_table(min(top, 5))]
     if getattr(result, "refused", None):

@@ -18,6 +18,8 @@ from typing import Any, Mapping
 from jaxpar.cost._collectives import Link
 from jaxpar.errors import ClusterError, check_int, int_problem
 
+#: The ``peak_tflops`` key of a device's FP8 GEMMs (``parallel.fp8``): never a compute dtype.
+FP8 = "float8"
 #: Where the preset YAML files live (``configs/clusters`` of the repository).
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
 
@@ -47,8 +49,9 @@ class Cluster:
             if why := int_problem(v, 1):
                 raise ClusterError(f"cluster {self.name!r}: {f}={v!r} {why}.")
         _positive(self.name, "device_memory_gib", self.memory_bytes / 2**30)
-        if not self.peak_flops:
-            raise ClusterError(f"cluster {self.name!r}: peak_tflops is empty; give e.g. {{bfloat16: 989}}.")
+        if not self.peak_flops or set(self.peak_flops) == {FP8}:
+            raise ClusterError(f"cluster {self.name!r}: peak_tflops has no compute dtype; give e.g. {{bfloat16: 989}} "
+                               "(float8 is the FP8 GEMMs' peak only).")
         for k, v in self.peak_flops.items():
             _positive(self.name, f"peak_tflops.{k}", v)
         if not 0 < self.efficiency <= 1:
@@ -83,6 +86,20 @@ class Cluster:
         True
         """
         return self.memory_bandwidth * self.memory_efficiency
+
+    @property
+    def has_fp8(self) -> bool:
+        """Whether the device runs FP8 GEMMs (a ``peak_tflops.float8``).
+
+        >>> load_cluster("h100").has_fp8, load_cluster("a100_80gb").has_fp8, load_cluster("tpu_v5e").has_fp8
+        (True, False, False)
+        """
+        return FP8 in self.peak_flops
+
+    @property
+    def compute_dtypes(self) -> tuple[str, ...]:
+        """The dtypes a step may compute in: those of ``peak_tflops`` but ``float8``."""
+        return tuple(k for k in self.peak_flops if k != FP8)
 
     @property
     def num_devices(self) -> int:

@@ -34,6 +34,8 @@ from jaxpar.errors import CostModelError, check_int
 
 #: Logical names jaxpar's tensor rules shard over ``tensor`` (:func:`jaxpar.parallel.tensor_rules`).
 TENSOR_LOGICAL = ("mlp", "heads", "vocab")
+#: A weight with ``embed`` and one of these runs its matmuls in FP8 (:data:`jaxpar.parallel._fp8.FEATURES`).
+FP8_FEATURES = ("heads", "kv_heads", "mlp")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,28 @@ class Leaf:
         ``layers``, not a lookup table (first dimension ``vocab``, or unnamed as a position table)."""
         dims = [n for n in self.logical if n != "layers"]
         return len(dims) >= 2 and dims[0] not in ("vocab", None)
+
+    def fp8(self, min_dim: int) -> bool:
+        """Whether FP8 covers this weight's GEMMs (:func:`jaxpar.parallel.fp8_layer`): logical names with
+        ``embed`` and a feature axis (:data:`FP8_FEATURES`), and a GEMM whose contracted and output sizes
+        (the ``embed`` dimensions' and the feature dimensions', ``layers`` and ``experts`` apart) are both
+        at least ``min_dim``.
+
+        Args:
+          min_dim: :class:`jaxpar.parallel.Fp8`'s ``min_dim``.
+
+        Returns:
+          True when its GEMMs run in FP8.
+
+        >>> w1 = Leaf("blocks/w1", (2, 1024, 4096), ("layers", "embed", "mlp"))
+        >>> w1.fp8(1024), w1.fp8(2048), Leaf("head", (1024, 256), ("embed", "vocab")).fp8(0)
+        (True, False, False)
+        """
+        if "embed" not in self.logical or not any(n in self.logical for n in FP8_FEATURES):
+            return False
+        embed = math.prod(d for d, n in zip(self.shape, self.logical) if n == "embed")
+        other = math.prod(d for d, n in zip(self.shape, self.logical) if n not in ("embed", "layers", "experts"))
+        return min(embed, other) >= min_dim
 
 
 @dataclass(frozen=True)

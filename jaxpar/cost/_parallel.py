@@ -24,11 +24,15 @@ AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")
 #: The context-parallel attention methods (:data:`jaxpar.parallel.context.METHODS`).
 CONTEXT_METHODS = ("ring", "all_gather", "ulysses")
+#: The FP8 scaling recipes (:data:`jaxpar.parallel._fp8.RECIPES`).
+FP8_RECIPES = ("tensorwise", "rowwise")
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One point of the search: mesh sizes and what to do with them (as :class:`jaxpar.Strategy`)."""
+    """One point of the search: mesh sizes and what to do with them (as :class:`jaxpar.Strategy`);
+    ``fp8``: the FP8 recipe of the covered matmuls (None: none) and ``fp8_min_dim`` its smallest GEMM
+    (:class:`jaxpar.parallel.Fp8`)."""
 
     pipe: int = 1
     data: int = 1
@@ -44,6 +48,8 @@ class Plan:
     context: int = 1
     context_method: str = "ring"
     context_balance: bool = True
+    fp8: str | None = None
+    fp8_min_dim: int = 1024
 
     def __post_init__(self):
         for a in AXES + ("virtual", "microbatches"):
@@ -61,6 +67,9 @@ class Plan:
                             f"{', '.join(CONTEXT_METHODS)}.")
         if not isinstance(self.context_balance, bool):
             raise PlanError(f"Plan.context_balance={self.context_balance!r}: must be True or False.")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise PlanError(f"Plan.fp8={self.fp8!r}: choose None (no FP8) or a recipe, {', '.join(FP8_RECIPES)}.")
+        check_int("Plan", "fp8_min_dim", self.fp8_min_dim, 0, PlanError)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -80,8 +89,8 @@ class Plan:
 
         >>> Plan(pipe=4, data=2, tensor=8, zero=1, sequence_parallel=True, microbatches=8).name()
         'pp4-1f1b-m8-dp2-zero1-tp8-sp'
-        >>> Plan(fsdp=2, context=4, context_balance=False).name()
-        'fsdp2-cp4-ring-natural'
+        >>> Plan(fsdp=2, context=4, context_balance=False).name(), Plan(fsdp=8, fp8="tensorwise").name()
+        ('fsdp2-cp4-ring-natural', 'fsdp8-fp8')
         """
         parts = []
         if self.pipe > 1:
@@ -100,4 +109,6 @@ class Plan:
             parts.append(f"accum{self.microbatches}")
         if self.remat != "none":
             parts.append(f"remat-{self.remat}")
+        if self.fp8:
+            parts.append("fp8" if self.fp8 == "tensorwise" else f"fp8-{self.fp8}")
         return "-".join(parts) or "single"

@@ -28,10 +28,11 @@ from typing import Any, Mapping, NamedTuple
 
 from jaxpar.analysis._compiled_memory import format_bytes, render_table
 from jaxpar.compat._table import LIBRARY_NAMES, Setting, problems
-from jaxpar.cost._cluster import Cluster
+from jaxpar.cost._cluster import FP8, Cluster
 from jaxpar.cost._memory import LayoutError, MemoryEstimate, memory_per_device
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import CONTEXT_METHODS, Plan
+from jaxpar.cost._roofline import fp8_kernels
 from jaxpar.cost._time import Overlap, StepTime, step_time
 from jaxpar.cost._traffic import outer_at_ends
 from jaxpar.errors import PlanError
@@ -142,6 +143,7 @@ class PlanStrategy(NamedTuple):
     compression: Any = None
     sync: Any = None
     local_clip: float | None = None
+    fp8: Any = None
 
 
 def plan_setting(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any] | None = None) -> Setting:
@@ -155,7 +157,7 @@ def plan_setting(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any]
                         f"{', '.join(STRATEGY_FIELDS)} and the options {', '.join(SETTING_FIELDS)}.")
     strategy = PlanStrategy(zero=plan.zero, sequence_parallel=plan.sequence_parallel, schedule=plan.schedule,
                             microbatches=plan.microbatches, compute_dtype=fixed.pop("compute_dtype", dtype),
-                            **{k: fixed.pop(k) for k in STRATEGY_FIELDS[1:] if k in fixed})
+                            fp8=getattr(plan, "fp8", None), **{k: fixed.pop(k) for k in STRATEGY_FIELDS[1:] if k in fixed})
     return Setting(strategy, dict(plan.sizes), **fixed)
 
 
@@ -168,12 +170,14 @@ def plan_refusal(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any]
 
 @dataclass(frozen=True)
 class Estimate:
-    """A plan with its predicted time, memory per device and whether it fits."""
+    """A plan with its predicted time, memory per device and whether it fits; for a plan with ``fp8``
+    the search chose, ``without_fp8``: the seconds per step of the same plan without it."""
 
     plan: Plan
     time: StepTime
     memory: MemoryEstimate
     fits: bool
+    without_fp8: float | None = None
 
     def row(self) -> dict:
         """Plain values for ``--json``."""
@@ -183,7 +187,8 @@ class Estimate:
                 "context_s": t.context, "expert_s": t.expert,
                 "elementwise_s": t.elementwise, "bubble": t.bubble,
                 "mfu": t.mfu, "memory_bytes": mem.total, "state_bytes": mem.params + mem.grads + mem.opt,
-                "activation_bytes": mem.activations + mem.logits, "bytes_per_axis": t.bytes_per_axis}
+                "activation_bytes": mem.activations + mem.logits, "bytes_per_axis": t.bytes_per_axis,
+                "without_fp8_s": self.without_fp8}
 
 
 @dataclass(frozen=True)
@@ -230,7 +235,13 @@ class PlanResult:
                          f"{t.bubble:.3f}", f"{t.mfu:.3f}", format_bytes(mem.total), axes or "-"])
         headers = (["rank", "plan", "step ms", "compute", "elementwise", "data", "tensor", "pipe"]
                    + [label for _, label in extra] + ["update", "bubble", "MFU", "memory", "bytes per axis"])
-        return render_table(headers, rows, right=[True, False] + [True] * (10 + len(extra)) + [False])
+        right = [True, False] + [True] * (10 + len(extra)) + [False]
+        if any(e.without_fp8 for e in shown):       # FP8 chosen: the step without it, and the gain
+            headers.append("without fp8 ms (gain)")
+            right.append(True)
+            for r, e in zip(rows, shown):
+                r.append(f"{e.without_fp8 * 1e3:.1f} ({e.without_fp8 / e.time.total:.2f}x)" if e.without_fp8 else "-")
+        return render_table(headers, rows, right=right)
 
     def rejected_table(self, top: int | None = None) -> str:
         """The plans that do not fit, with the reason.
@@ -324,6 +335,7 @@ class _Search(NamedTuple):
     lowering: str
     memory_fraction: float
     fixed: dict | None = None
+    fp8_min_dim: int | None = None      # None: no FP8 plans; else FP8 plans of this min_dim are considered too
 
     @property
     def usable(self) -> float:
@@ -347,7 +359,8 @@ class _Search(NamedTuple):
                     if mem.total <= self.usable:
                         t = step_time(self.model, cand, self.cluster, dtype=self.dtype, overlap=self.overlap,
                                       lowering=self.lowering)
-                        return Estimate(cand, t, mem, True), rejected, considered
+                        return self.with_fp8(Estimate(cand, t, mem, True)), rejected, considered + (
+                            self.fp8_min_dim is not None)
                 except LayoutError as err:
                     rejected.append(Rejected(cand, str(err)))
                     break
@@ -356,6 +369,14 @@ class _Search(NamedTuple):
                                                f"{format_bytes(self.usable)} usable "
                                                f"({self.memory_fraction:g} of {format_bytes(c.memory_bytes)})"))
         return None, rejected, considered
+
+    def with_fp8(self, e: Estimate) -> Estimate:
+        """The faster of ``e`` and ``e`` with FP8 (tensorwise; memory as without: FP8 keeps the fp32 state)."""
+        if self.fp8_min_dim is None:
+            return e
+        p = replace(e.plan, fp8="tensorwise", fp8_min_dim=self.fp8_min_dim)
+        t = step_time(self.model, p, self.cluster, dtype=self.dtype, overlap=self.overlap, lowering=self.lowering)
+        return Estimate(p, t, e.memory, e.fits, without_fp8=e.time.total) if t.total < e.time.total else e
 
     def run(self, n: int, cs: list[int], es: list[int], methods: tuple[str, ...], schedules) -> tuple:
         """Every candidate of :func:`plan` on ``n`` devices: ``(ranked, rejected, refused, considered,
@@ -403,7 +424,7 @@ def _methods(value) -> tuple[str, ...]:
 def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfloat16", precision: str = "mixed",
          overlap: Overlap = Overlap(), memory_fraction: float = 0.9, schedules=("gpipe", "1f1b", "interleaved", "zb-h1"),
          lowering: str = "ideal", contexts=None, context_methods=CONTEXT_METHODS, experts=None,
-         fixed=None) -> PlanResult:
+         fixed=None, fp8: bool | None = None, fp8_min_dim: int = 1024) -> PlanResult:
     """Rank every plan of ``model`` on ``cluster`` (see the module doc).
 
     Args:
@@ -423,6 +444,10 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
       experts: the EP degrees (None: every divisor that divides the model's experts, ``(1,)`` for a dense model).
       fixed: the run's settings no plan chooses (a codec, ``clip_norm``, ...:
         :func:`plan_setting`), with which the table checks each candidate.
+      fp8: consider each plan with FP8 too (tensorwise) and keep the faster: ``None`` where the cluster has
+        FP8 GEMMs (``peak_tflops.float8``) and the model a GEMM FP8 covers at ``fp8_min_dim``; ``False``:
+        never; ``True``: a :class:`PlanError` on a cluster without FP8 GEMMs.
+      fp8_min_dim: the FP8 plans' ``min_dim`` (:class:`jaxpar.parallel.Fp8`).
 
     Returns:
       The :class:`PlanResult`.
@@ -434,6 +459,9 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
         raise PlanError(f"model must be a jaxpar.cost.ModelSpec (e.g. jaxpar.cost.gpt(...)), got {type(model).__name__}.")
     if not 0 < memory_fraction <= 1:
         raise PlanError(f"memory_fraction={memory_fraction!r}: must be in (0, 1], e.g. 0.9.")
+    if dtype == FP8:
+        raise PlanError(f"dtype={FP8!r} is not a compute dtype: the planner considers FP8 matmuls itself (fp8=); "
+                        f"plan in one of {', '.join(cluster.compute_dtypes)}.")
     cluster.peak(dtype)
     try:
         plan_refusal(Plan(), dtype=dtype, fixed=fixed)
@@ -443,12 +471,24 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
     cs = _degrees("contexts", contexts, divisors(n) if model.seq >= CONTEXT_MIN_SEQ else [1])
     es = _degrees("experts", experts, [e for e in divisors(n) if model.is_moe and model.experts % e == 0] or [1])
     methods = _methods(context_methods)
-    search = _Search(model, cluster, dtype, precision, overlap, lowering, memory_fraction, fixed)
+    search = _Search(model, cluster, dtype, precision, overlap, lowering, memory_fraction, fixed,
+                     fp8_min_dim if _with_fp8(model, cluster, fp8, fp8_min_dim) else None)
     ranked, rejected, refused, considered, shape_reasons = search.run(n, cs, es, methods, schedules)
     if not ranked:
         _nothing(model, cluster, n, rejected, refused, shape_reasons)
     ranked.sort(key=lambda e: e.time.total)
     return PlanResult(ranked, rejected, considered, refused, top)
+
+
+def _with_fp8(model: ModelSpec, cluster: Cluster, fp8: bool | None, min_dim: int) -> bool:
+    """Whether :func:`plan` considers FP8 plans (see its ``fp8``)."""
+    if fp8 not in (None, True, False):
+        raise PlanError(f"fp8={fp8!r}: None (where the cluster has FP8 GEMMs), True or False.")
+    if fp8 and not cluster.has_fp8:
+        raise PlanError(f"fp8=True: cluster {cluster.name!r} has no FP8 GEMMs (no peak_tflops.float8); plan with "
+                        "fp8=None or False, or choose a cluster with FP8 GEMMs (h100).")
+    covers = bool(fp8_kernels(model, Plan(fp8="tensorwise", fp8_min_dim=min_dim)))
+    return fp8 is not False and cluster.has_fp8 and covers
 
 
 def _nothing(model: ModelSpec, cluster: Cluster, n: int, rejected, refused, shape_reasons) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from jaxpar.cost._cluster import Cluster
+from jaxpar.cost._cluster import FP8, Cluster
 from jaxpar.cost._context_experts import score_fraction
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import Plan
@@ -28,13 +28,15 @@ from jaxpar.cost._parallel import Plan
 @dataclass(frozen=True)
 class Kernel:
     """``count`` launches of a kernel of ``flops`` FLOPs that reads and writes ``bytes`` bytes,
-    run ``passes`` times per training step of one micro-batch (forward, backward, recomputation)."""
+    run ``passes`` times per training step of one micro-batch (forward, backward, recomputation);
+    a matmul's ``shape`` is ``(batch, m, k, n)``."""
 
     name: str
     flops: float
     bytes: float
     count: int = 1
     passes: int = 1
+    shape: tuple = ()
 
 
 def matmul(name: str, batch: float, m: float, k: float, n: float, compute_bytes: float, *, count: int = 1,
@@ -55,7 +57,66 @@ def matmul(name: str, batch: float, m: float, k: float, n: float, compute_bytes:
     >>> matmul("x", 1, 4, 8, 2, 2).flops, matmul("x", 1, 4, 8, 2, 2).bytes
     (128, 112)
     """
-    return Kernel(name, 2 * batch * m * k * n, compute_bytes * batch * (m * k + k * n + m * n), count, passes)
+    return Kernel(name, 2 * batch * m * k * n, compute_bytes * batch * (m * k + k * n + m * n), count, passes,
+                  (batch, m, k, n))
+
+
+def fp8_kernels(m: ModelSpec, plan: Plan) -> frozenset[str]:
+    """The kernels of :func:`layer_kernels` that run in FP8 under ``plan.fp8``: the attention projections,
+    the MLP, the experts and the shared experts, each where its GEMM's contracted and output sizes (of the
+    model's weights: ``hidden`` against the heads' ``hidden``, ``mlp``, ``expert_mlp``, ``shared_mlp``) are
+    both at least ``plan.fp8_min_dim`` (:meth:`~jaxpar.cost.Leaf.fp8`).
+
+    Args:
+      m: the model.
+      plan: its ``fp8`` and ``fp8_min_dim`` are read.
+
+    Returns:
+      Kernel names (empty without FP8).
+
+    >>> from jaxpar.cost._model import gpt
+    >>> sorted(fp8_kernels(gpt(2, 1024, 8, 64, 256, 8, mlp=512), Plan(fp8="tensorwise", fp8_min_dim=1024)))
+    ['proj', 'qkv']
+    """
+    if plan.fp8 is None:
+        return frozenset()
+    h, d = m.hidden, plan.fp8_min_dim
+    groups = {("qkv", "proj"): h, ("fc1", "fc2"): m.mlp, ("expert_fc1", "expert_fc2"): m.expert_mlp,
+              ("shared_fc1", "shared_fc2"): m.shared_mlp}
+    return frozenset(k for names, width in groups.items() if width and min(h, width) >= d for k in names)
+
+
+def fp8_quantize_bytes(kernels: list[Kernel], covered: frozenset[str], recipe: str | None, compute_bytes: float,
+                       remat: str = "none") -> tuple[float, float]:
+    """Bytes the FP8 casts of the covered matmuls read and write per micro-batch, ``(forward, backward)``:
+    each operand element quantized costs ``2 * compute_bytes + 1`` (its absolute maximum read, then read,
+    scaled and written in one byte). Forward: both operands of each launch (again under full
+    recomputation); backward, tensorwise: the output gradient (the forward's FP8 operands are saved);
+    rowwise: each backward GEMM quantizes both its operands along its own rows.
+
+    Args:
+      kernels: :func:`layer_kernels`' list.
+      covered: :func:`fp8_kernels`.
+      recipe: ``"tensorwise"`` or ``"rowwise"``.
+      compute_bytes: bytes per value.
+      remat: the plan's recomputation.
+
+    Returns:
+      ``(forward, backward)`` bytes (backward with the recomputed forward).
+
+    >>> k = [matmul("fc1", 1, 8, 16, 32, 2)]
+    >>> fp8_quantize_bytes(k, frozenset({"fc1"}), "tensorwise", 2)
+    (3200, 1280)
+    """
+    per, forward, backward = 2 * compute_bytes + 1, 0, 0
+    for k in kernels:
+        if k.name not in covered:
+            continue
+        b, mm, kk, n = k.shape
+        forward += k.count * b * (mm * kk + kk * n) * per
+        grads = mm * n if recipe == "tensorwise" else 2 * mm * n + mm * kk + kk * n
+        backward += k.count * b * grads * per
+    return forward, backward + forward * (remat == "full")
 
 
 def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, moe: bool = False) -> list[Kernel]:
@@ -201,7 +262,9 @@ class Work(NamedTuple):
 
 def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: float, compute_bytes: float, *,
                forward_only: bool = False, moe: bool = False) -> Work:
-    """Seconds of one layer per micro-batch of ``rows`` sequences on one device.
+    """Seconds of one layer per micro-batch of ``rows`` sequences on one device; under ``plan.fp8`` the
+    covered matmuls (:func:`fp8_kernels`) at the cluster's FP8 peak and their casts
+    (:func:`fp8_quantize_bytes`) with the elementwise ops.
 
     Args:
       m, plan, cluster, dtype: the model, plan, cluster and compute dtype.
@@ -213,13 +276,17 @@ def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: flo
     Returns:
       A :class:`Work`: the matmuls' seconds (:func:`layer_kernels`) and the elementwise ops' seconds.
     """
-    kernels = sum(kernel_seconds(k, cluster, dtype) * (1 if forward_only else k.passes)
-                  for k in layer_kernels(m, plan, rows, compute_bytes, moe))
+    ks = layer_kernels(m, plan, rows, compute_bytes, moe)
+    fp8 = fp8_kernels(m, plan)
+    kernels = sum(kernel_seconds(k, cluster, FP8 if k.name in fp8 else dtype) * (1 if forward_only else k.passes)
+                  for k in ks)
     bw = cluster.stream_bandwidth
-    elem = layer_elementwise_bytes(m, plan, rows, compute_bytes, moe) / bw if bw > 0 else 0.0
+    elem = layer_elementwise_bytes(m, plan, rows, compute_bytes, moe)
     if forward_only:
         elem /= 3 + (plan.remat == "full")
-    return Work(kernels, elem)
+    quantize = fp8_quantize_bytes(ks, fp8, plan.fp8, compute_bytes, plan.remat) if fp8 else (0.0, 0.0)
+    elem += quantize[0] if forward_only else sum(quantize)
+    return Work(kernels, elem / bw if bw > 0 else 0.0)
 
 
 def end_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: float,

@@ -16,7 +16,7 @@ from functools import lru_cache
 from typing import Mapping
 
 from jaxpar.cost import _collectives as C
-from jaxpar.cost._cluster import Cluster
+from jaxpar.cost._cluster import FP8, Cluster
 from jaxpar.cost._memory import REMAT, leaf_shard_counts, sizes_key
 from jaxpar.cost._schedule import runs_in_lockstep, schedule_stats
 from jaxpar.cost._model import ModelSpec
@@ -348,6 +348,30 @@ def ring_step_seconds(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, co
     return {"forward": forward / plan.context, "backward": backward / plan.context}
 
 
+def check_precision(cluster: Cluster, dtype: str, plan: Plan | None = None) -> None:
+    """A :class:`CostModelError` unless ``cluster`` has a peak for the compute ``dtype`` (not ``float8``)
+    and, for a plan with ``fp8``, FP8 GEMMs.
+
+    Args:
+      cluster: the cluster.
+      dtype: the compute dtype.
+      plan: the plan (None: the dtype only).
+
+    >>> from jaxpar.cost._cluster import load_cluster
+    >>> check_precision(load_cluster("tpu_v5e"), "bfloat16", Plan(data=8, fp8="tensorwise"))
+    Traceback (most recent call last):
+    ...
+    jaxpar.errors.CostModelError: plan dp8-fp8: cluster 'tpu_v5e' has no FP8 GEMMs (no peak_tflops.float8); plan without fp8, or choose a cluster with FP8 GEMMs (h100).
+    """
+    if dtype == FP8:
+        raise CostModelError(f"dtype={FP8!r} is not a compute dtype: FP8 runs the covered matmuls of a plan with "
+                             f"fp8 set (Plan(fp8='tensorwise')); compute in one of {', '.join(cluster.compute_dtypes)}.")
+    cluster.peak(dtype)
+    if plan is not None and plan.fp8 is not None and not cluster.has_fp8:
+        raise CostModelError(f"plan {plan.name()}: cluster {cluster.name!r} has no FP8 GEMMs (no peak_tflops.{FP8}); "
+                             "plan without fp8, or choose a cluster with FP8 GEMMs (h100).")
+
+
 def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloat16", lowering: str = "ideal",
               overlap: Overlap = Overlap(), grad_bytes: float | None = None) -> StepTime:
     """Predicted seconds per step of ``plan`` on ``cluster`` (docs/planning.md §4 says what is assumed).
@@ -363,7 +387,8 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
       grad_bytes: bytes of a gradient element (``None``: the activations').
 
     Returns:
-      The :class:`StepTime`.
+      The :class:`StepTime` (with ``plan.fp8``, the covered matmuls at the cluster's FP8 peak and their
+      casts and collectives in their own dtypes; the MFU against the compute dtype's peak).
 
     >>> from jaxpar.cost._cluster import load_cluster
     >>> from jaxpar.cost._model import gpt
@@ -373,7 +398,7 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     """
     cb = 4 if dtype == "float32" else 2
     gb = cb if grad_bytes is None else grad_bytes
-    cluster.peak(dtype)
+    check_precision(cluster, dtype, plan)
     sizes = plan.sizes
     b = bubble(plan.schedule, plan.pipe, plan.microbatches, plan.virtual,
                lockstep=runs_in_lockstep(plan) and lowering != "megatron")     # Megatron-LM's runs interleave

@@ -21,6 +21,7 @@ from jaxpar.cost._context_experts import context_collectives, expert_collectives
 from jaxpar.cost._memory import leaf_shard_counts, pipe_end, sizes_key, zero_axes
 from jaxpar.cost._model import Leaf, ModelSpec
 from jaxpar.cost._parallel import AXES, BATCH_AXES, Plan
+from jaxpar.cost._roofline import fp8_kernels
 from jaxpar.cost._schedule import runs_in_lockstep
 from jaxpar.errors import CostModelError
 
@@ -188,7 +189,7 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
 
     A lockstep pipeline (SP with ``pipe`` > 1, :func:`~._schedule.runs_in_lockstep`) runs every tick's
     action on every stage, masked in its bubble: ``vm + p - 1`` forwards and as many backwards of each
-    chunk, each F with ``pre`` and ``post``, so both ends' reductions on every stage."""
+    chunk, each F with ``pre`` and ``post``, so both ends' reductions on every stage. FP8: :func:`_fp8_reductions`."""
     t, mb = plan.tensor, plan.microbatches
     lock = plan.pipe > 1 and runs_in_lockstep(plan) and lowering != "megatron"
     if lock:
@@ -205,8 +206,9 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
     else:
         redo = 0 if cpu or plan.remat == "none" else 1
     if not plan.sequence_parallel:
-        bwd = 1 + m.qkv_inputs if cpu else 2
-        add("all-reduce", ("tensor",), act, (2 + bwd + redo) * n_layer - 2 * moe, "tensor")
+        if not _fp8_reductions(add, m, plan, act, n_layer, moe, redo, lowering):
+            bwd = 1 + m.qkv_inputs if cpu else 2
+            add("all-reduce", ("tensor",), act, (2 + bwd + redo) * n_layer - 2 * moe, "tensor")
         add("all-reduce", ("tensor",), act, ends * mb, "tensor")         # embedding forward, head backward
     else:
         # 2 forward, 2 backward (libtpu keeps one forward gather for the backward), 2 recomputed
@@ -228,6 +230,18 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
             add("all-gather", ("tensor",), act, mb, "tensor")
             add("reduce-scatter", ("tensor",), act / t, 2 * mb, "tensor")
     add("all-reduce", ("tensor",), stats, 4 * mb, "loss")               # vocab-parallel cross-entropy
+
+
+def _fp8_reductions(add, m: ModelSpec, plan: Plan, act: float, n_layer: float, moe: float, redo: int,
+                    lowering: str) -> bool:
+    """The blocks' tensor all-reduces under FP8 (``plan.fp8``) on the GPU compiler (``xla``), without SP:
+    with q, k and v covered (:func:`~jaxpar.cost._roofline.fp8_kernels`) their input gradients are reduced
+    one by one, as XLA:CPU does, instead of summed first (measured, docs/planning.md §11). False (nothing
+    added) when they are not covered."""
+    if lowering != "xla" or "qkv" not in fp8_kernels(m, plan):
+        return False
+    add("all-reduce", ("tensor",), act, (3 + redo + m.qkv_inputs) * n_layer - 2 * moe, "tensor")
+    return True
 
 
 def _pipe_comms(add, m: ModelSpec, plan: Plan, act: float, lowering: str, grad_bytes: float) -> None:
@@ -291,7 +305,7 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
     """Data axes: gradient reductions and ZeRO / FSDP parameter gathers. In a pipeline a device reduces
     the gradients of its own blocks and of one end's outer parameters (the busiest end); the XLA
     compilers (CPU, GPU and TPU: lowerings ``xla-cpu`` and ``xla``) do so inside every backward action
-    of the tick loop, i.e. once per micro-batch."""
+    of the tick loop, i.e. once per micro-batch. Bytes per element: :func:`_element_bytes`."""
     cpu = lowering == "xla-cpu"
     sizes = plan.sizes
     d, f, t, mb = plan.data, plan.fsdp, plan.tensor, plan.microbatches
@@ -299,7 +313,7 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
     g_axes, p_axes = zero_axes(sizes, plan.zero, "grads"), zero_axes(sizes, plan.zero, "params")
     o_axes = zero_axes(sizes, plan.zero, "opt")
     explicit = t == 1 and plan.pipe == 1 and ((d > 1 and plan.zero >= 2) or f > 1)
-    tpu, pbytes = lowering == "xla-tpu", 4 if cpu else compute_bytes
+    pbytes = 4 if cpu else compute_bytes
     end = _busiest_end(m, plan) if plan.pipe > 1 else None
     per_mb = mb if lowering in ("xla", "xla-tpu", "xla-cpu") and plan.pipe > 1 else 1
     groups: dict[tuple, float] = {}
@@ -312,7 +326,8 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
         data_axes = _axes(sizes, [a for a in GRAD_AXES if not (a == "expert" and "experts" in leaf.logical)])
         count = leaf.shape[0] // plan.pipe if leaf.stacked else 1       # the device's layers of this leaf
         per = local / count                                             # one layer's slice
-        g = per * grad_bytes * (_sp_grad_scale(m, leaf, t) if cpu and plan.sequence_parallel else 1)
+        gb, nbytes = _element_bytes(leaf, plan, lowering, grad_bytes, pbytes)
+        g = per * gb * (_sp_grad_scale(m, leaf, t) if cpu and plan.sequence_parallel else 1)
         n_g = math.prod(sizes[a] for a in g_axes) if shardable else 1
         if end is None or leaf.stacked or pipe_end(leaf) == end:      # gradients
             if cpu and end is not None and _is_token_table(leaf):
@@ -339,7 +354,6 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
         # parameters: ZeRO-3 / FSDP gathers (forward, and again in the backward for the layers)
         if p_axes and shardable:
             gathers = (2 if leaf.stacked else 1) * (mb if not cpu else 1)
-            nbytes = min(pbytes, 2) if tpu and leaf.matmul else pbytes     # a matmul operand on TPU
             acc("all-gather", p_axes, per * nbytes, count * gathers, "params")
         # ZeRO-1/2: the updated shard is gathered back over the axes the optimizer state has more;
         # the result is the parameter shard (1/fsdp of the slice with an fsdp axis)
@@ -347,6 +361,17 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
         if extra and shardable:
             acc("all-gather", extra, per * (4 if cpu else compute_bytes) * (leaf.size / local) / n_p, count, "params")
     return [Comm(kind, axes, nbytes, count, phase) for (kind, axes, count, phase), nbytes in groups.items()]
+
+
+def _element_bytes(leaf: Leaf, plan: Plan, lowering: str, grad_bytes: float, pbytes: float) -> tuple[float, float]:
+    """Bytes per element of ``leaf``'s gradient reduction and of its ZeRO-3 / FSDP gather. libtpu gathers a
+    matmul's weight in bf16 at most. FP8 (``plan.fp8``): ZeRO-3 / FSDP gather each covered weight
+    (:meth:`~jaxpar.cost.Leaf.fp8`) as its FP8 values, 1 byte per element (the GPU compiler quantizes before
+    the gather; measured, docs/planning.md §11); its gradient is reduced in the compute dtype as without."""
+    gather = min(pbytes, 2) if lowering == "xla-tpu" and leaf.matmul else pbytes
+    if plan.fp8 is not None and leaf.fp8(plan.fp8_min_dim) and lowering != "xla-cpu":
+        gather = 1
+    return grad_bytes, gather
 
 
 def _sp_grad_scale(m: ModelSpec, leaf: Leaf, t: int) -> float:

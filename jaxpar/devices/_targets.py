@@ -175,6 +175,44 @@ def load_spec(name: str | Path, *, where: str = "") -> DeviceSpec:
 _TARGET = re.compile(r"^(?:(\d+)x(?=\D))?([^:]+?)(?::(\d+(?:x\d+)*))?$")
 
 
+def has_fp8_gemms(spec: DeviceSpec) -> bool:
+    """Whether the device runs FP8 GEMMs: an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper,
+    Blackwell: h100, h200, b200). A100 (8.0) and TPU v5e, v5p and v6e have none.
+
+    Args:
+      spec: the device kind.
+
+    Returns:
+      True or False.
+
+    >>> has_fp8_gemms(load_spec("h100")), has_fp8_gemms(load_spec("a100-80gb")), has_fp8_gemms(load_spec("tpu-v5e"))
+    (True, False, False)
+    """
+    return spec.platform == "cuda" and tuple(spec.gpu.get("compute_capability", (0, 0))) >= (8, 9)
+
+
+def fp8_problem(spec: DeviceSpec, setting: str = "parallel.fp8") -> str | None:
+    """Why FP8 matmuls cannot run on this device kind (None: they can).
+
+    Args:
+      spec: the device kind.
+      setting: how the caller names the FP8 option (``parallel.fp8``, ``Strategy.fp8``).
+
+    Returns:
+      The problem, naming the device, the option and the fix, or None.
+
+    >>> fp8_problem(load_spec("h100")) is None
+    True
+    >>> print(fp8_problem(load_spec("tpu-v5e")))
+    target tpu-v5e has no FP8 GEMMs: parallel.fp8 runs the covered matmuls as FP8 GEMMs, which TPU v5 lite does not have; turn parallel.fp8 off (parallel.fp8={}) or choose b200 / h100 / h200.
+    """
+    if has_fp8_gemms(spec):
+        return None
+    fp8 = " / ".join(n for n in presets() if has_fp8_gemms(load_spec(n)))
+    return (f"target {spec.name} has no FP8 GEMMs: {setting} runs the covered matmuls as FP8 GEMMs, which "
+            f"{spec.device} does not have; turn {setting} off ({setting}={{}}) or choose {fp8}.")
+
+
 def parse_target(text: str) -> Target:
     """The :class:`Target` a string names (grammar in the module docstring).
 
