@@ -10,6 +10,7 @@ The optimizer section is built by :mod:`jaxpar.config._optimizer_section`, the d
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -177,37 +178,36 @@ def build_sync(options: Mapping[str, Any]):
         raise ConfigError(f"parallel.sync: {e}") from None
 
 
-def build_context(options: Mapping[str, Any]):
-    """The :class:`jaxpar.parallel.context.ContextParallel` of ``parallel.context`` (empty: ``None``)."""
+def _options_of(key: str, options: Mapping[str, Any], make: Callable, takes: str, error: type, prefix: str):
+    """``make(**options)`` for the YAML section ``parallel.<key>`` (empty: ``None``); an unknown key or
+    ``make``'s ``error`` is a :class:`ConfigError` naming ``parallel.<key>`` (``takes``: what it takes)."""
     if not options:
         return None
+    allowed = set(inspect.signature(make).parameters)
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ConfigError(f"parallel.{key} has unknown keys {unknown}; it takes {takes}.")
+    try:
+        return make(**options)
+    except error as e:
+        raise ConfigError(f"parallel.{key}: {e}".replace(prefix, "")) from None
+
+
+def build_context(options: Mapping[str, Any]):
+    """The :class:`jaxpar.parallel.context.ContextParallel` of ``parallel.context`` (empty: ``None``)."""
     from jaxpar.parallel.context import ContextParallel, ContextParallelError
 
-    unknown = sorted(set(options) - {"method", "balance"})
-    if unknown:
-        raise ConfigError(f"parallel.context has unknown keys {unknown}; it takes method (ring | all_gather | "
-                          "ulysses) and balance (true | false).")
-    try:
-        return ContextParallel(**options)
-    except ContextParallelError as e:
-        raise ConfigError(f"parallel.context: {e}".replace("ContextParallel.", "")) from None
+    return _options_of("context", options, ContextParallel, "method (ring | all_gather | ulysses) and balance "
+                       "(true | false)", ContextParallelError, "ContextParallel.")
 
 
 def build_fp8(options: Mapping[str, Any]):
     """The :class:`jaxpar.parallel.Fp8` of ``parallel.fp8`` (empty: ``None``)."""
-    if not options:
-        return None
     from jaxpar.errors import Fp8Error
     from jaxpar.parallel import Fp8
 
-    unknown = sorted(set(options) - {"recipe", "min_dim"})
-    if unknown:
-        raise ConfigError(f"parallel.fp8 has unknown keys {unknown}; it takes recipe (tensorwise | rowwise) and "
-                          "min_dim (an int: smaller GEMMs stay in the compute dtype).")
-    try:
-        return Fp8(**options)
-    except Fp8Error as e:
-        raise ConfigError(f"parallel.fp8: {e}".replace("Fp8(", "(")) from None
+    return _options_of("fp8", options, Fp8, "recipe (tensorwise | rowwise) and min_dim (an int: smaller GEMMs "
+                       "stay in the compute dtype)", Fp8Error, "Fp8")
 
 
 def build_strategy(cfg: ParallelConfig) -> Strategy:
