@@ -144,8 +144,10 @@ def test_sigterm_saves_current_step_and_resume_continues(reference, layout, tmp_
     assert stopped < STEPS
     with Checkpointer(tmp_path / "checkpoints") as ck:
         assert ck.latest_step() == stopped                   # a checkpoint of the very step it stopped at
-    assert records(tmp_path, "preempted") == [{"kind": "preempted", "step": stopped, "signal": "SIGTERM",
-                                               "checkpoint": True}]
+    preempted = records(tmp_path, "preempted")                # with the run's goodput after the stop's save
+    assert [{k: v for k, v in r.items() if not k.startswith("goodput/")} for r in preempted] == [
+        {"kind": "preempted", "step": stopped, "signal": "SIGTERM", "checkpoint": True}]
+    assert preempted[0]["goodput/checkpoint_save_s"] > 0
     r = run(tmp_path, "--resume")
     assert r.returncode == 0, r.stderr
     assert f"resume   step {stopped} from" in r.stdout

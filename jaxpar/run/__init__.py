@@ -6,6 +6,7 @@ from jaxpar.run._resume import train_with_checkpoints as train_with_checkpoints
 from jaxpar.run._sample import greedy_generate as greedy_generate
 from jaxpar.run._ramp import AdaptiveRamp as AdaptiveRamp, BatchRamp as BatchRamp, ramp_batch_fn as ramp_batch_fn
 from jaxpar.run._same_program import SameProgram as SameProgram
+from jaxpar.run._goodput import Goodput as Goodput
 
 __all__ = ["train", "LogOptions", "NonFiniteError", "Checkpointer", "CheckpointWarning", "train_with_checkpoints",
-           "greedy_generate", "AdaptiveRamp", "BatchRamp", "ramp_batch_fn", "SameProgram"]
+           "greedy_generate", "AdaptiveRamp", "BatchRamp", "ramp_batch_fn", "SameProgram", "Goodput"]

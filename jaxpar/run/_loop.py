@@ -15,6 +15,8 @@ checkpoint points: the next host batch is built while the device computes.
 * **Non-finite steps**: a NaN / inf loss or gradient norm is reported; ``on_nonfinite=
   "skip"`` (with a step built with ``skip_nonfinite=True``) goes on without that update,
   ``"stop"`` raises :class:`~jaxpar.errors.NonFiniteError`. A non-finite state is never saved.
+* **Goodput** (:mod:`jaxpar.run._goodput`): the wall time by bucket (steps, compile, checkpoints, data,
+  eval, logging, steps lost to a restart) in the ``train`` records and ``summary.goodput``.
 
 Example::
 
@@ -62,6 +64,7 @@ from jaxpar.data._rows import make_global_batch
 from jaxpar.step._noise_scale import KEY as NOISE_KEY
 from jaxpar.step._noise_scale import noise_scale_of
 from jaxpar.run._preemption import StopAgreement, StopSignals
+from jaxpar.run._goodput import Goodput
 from jaxpar.run._ramp import AdaptiveRamp
 from jaxpar.run._same_program import SameProgram
 from jaxpar.run._run_directory import refuse_later_steps
@@ -151,7 +154,9 @@ class _Run:
     def __init__(self, step_fn: Callable, batch_fn: Callable[[int], Any], mesh, log: LogOptions, *,
                  start: int, end: int, on_nonfinite: str, max_inflight: int, checkpointer: Any,
                  checkpoint_meta: dict | None, eval_fn: Callable[[Any], float] | None, eval_every: int,
-                 ramp: Any = None, steps_per_call: int = 1, same_program: SameProgram | None = None):
+                 ramp: Any = None, steps_per_call: int = 1, same_program: SameProgram | None = None,
+                 goodput: Goodput | None = None):
+        self.clock = goodput if goodput is not None else Goodput()
         self.step_fn, self.batch_fn, self.mesh, self.log = step_fn, batch_fn, mesh, log
         self.same_program = same_program     # several processes: the programs compared before the first step
         self.k = steps_per_call
@@ -161,24 +166,29 @@ class _Run:
         self.eval_fn, self.eval_every = eval_fn, eval_every
         self.evals: list[tuple[int, float]] = []
         self.main = is_main_process()
+        mark = self.clock.mark()
         self.writer = MetricsWriter(log.out_dir, tensorboard=log.tensorboard,
                                     resume_step=start if start > 0 else None, enabled=self.main)
+        self.clock.carry(self.writer.history, self.writer.dropped, start)   # an earlier attempt's buckets
         self.bar = Progress(log.progress if self.main else "none", end, start, log.print_fn)
+        self.clock.add("logging", mark)                # the sinks: files, TensorBoard, the bar
         self.meter = Meter(self.writer, self.bar, log, on_nonfinite=on_nonfinite, start=start, end=end,
                             devices=mesh.size)
 
     def step(self, state: Any, step: int) -> tuple[Any, Any]:
         """Dispatch step ``step`` (asynchronous, at most ``max_inflight`` ahead of the device).
         Returns the new state and the step's device metrics."""
-        waited = time.perf_counter()
+        clock, mark = self.clock, self.clock.mark()
         # own rows per process, built ahead; steps_per_call: the k global batches stacked, [k, B, ...]
         batches = [make_global_batch(self.batch_fn, s, self.mesh) for s in range(step, step + self.k)]
         batch = batches[0] if self.k == 1 else jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
-        waited = time.perf_counter() - waited       # the host's time on the data (none when prefetched)
+        waited = time.perf_counter() - mark[0]      # the host's time on the data (none when prefetched)
+        clock.add("data_wait" if self.meter.device_idle() else "steps", mark)   # a busy device hid it
         if self.same_program is not None:           # before the first call: a mismatch raises, never hangs
             if line := self.same_program.check(self.step_fn, state, batch):
                 self.bar.log(line)
             self.same_program = None
+        mark = clock.mark()
         self.meter.wait_inflight(self.max_inflight)
         state, metrics = self.step_fn(state, batch)
         rows = jax.tree.leaves(batch)[0].shape[0 if self.k == 1 else 1]
@@ -187,6 +197,7 @@ class _Run:
                        "data_wait": waited if self.k == 1 else [waited / self.k] * self.k}
         self.meter.add(step + self.k, metrics, self.k)
         self.bar.advance(self.k)
+        clock.add("steps", mark)
         return state, metrics
 
     def grow_batch(self, state: Any, done: int) -> None:
@@ -206,13 +217,18 @@ class _Run:
         is_log = done == self.start + self.k or done % self.log.log_every == 0 or done == self.end or stop
         save = ck is not None and (ck.should_save(done) or done == self.end or stop)
         if is_log or save:
+            mark = self.clock.mark()
             jax.block_until_ready(metrics)
-            now = time.perf_counter()
-            self.meter.fetch()
+            self.clock.add("steps", mark)
+            now = mark = self.clock.mark()
+            self.clock.split(*self.meter.fetch())
             if is_log:
-                self.meter.record(done, now)
+                self.meter.record(done, now[0], self.clock.fields())
+            self.clock.add("logging", mark)
         if save:
+            mark = self.clock.mark()
             self.save(state, done)
+            self.clock.add("checkpoint_save", mark)
 
     def save(self, state: Any, done: int) -> None:
         meta = dict(self.checkpoint_meta or {})
@@ -225,11 +241,13 @@ class _Run:
 
     def report_stop(self, done: int, signal_name: str, processes: list[int]) -> None:
         """After the stop's checkpoint (waited for): the ``preempted`` record and line."""
-        ck = self.checkpointer
+        ck, mark = self.checkpointer, self.clock.mark()
         if ck is not None:
             ck.wait()
+        self.clock.add("checkpoint_save", mark)
         rec = {"kind": "preempted", "step": done, "signal": signal_name,
-               "checkpoint": done in self.meter.saved or (ck is not None and done in ck.steps())}
+               "checkpoint": done in self.meter.saved or (ck is not None and done in ck.steps()),
+               **self.clock.fields()}
         who = ""
         if processes:
             rec["processes"] = processes
@@ -242,9 +260,12 @@ class _Run:
         """Every ``eval_every`` steps and at the end: the eval record; its time is not step time."""
         if self.eval_fn is None or not ((self.eval_every and done % self.eval_every == 0) or done == self.end):
             return
+        mark = self.clock.mark()
         jax.block_until_ready(state)
-        t0 = time.perf_counter()
+        self.clock.add("steps", mark)
+        t0 = (mark := self.clock.mark())[0]
         value = float(self.eval_fn(state))
+        self.clock.add("eval", mark)
         self.evals.append((done, value))
         self.writer.write({"kind": "eval", "step": done, "eval_loss": value, "eval_time": time.perf_counter() - t0})
         self.bar.log(f"step {done:>6}/{self.end}  eval_loss {value:.4f}")
@@ -273,9 +294,13 @@ class _Run:
 
     def close(self) -> None:
         if self.checkpointer is not None:
+            mark = self.clock.mark()
             self.checkpointer.wait()    # pending saves reach the disk, also when the run stops with an error
+            self.clock.add("checkpoint_save", mark)
+        mark = self.clock.mark()
         self.bar.close()
         self.writer.close()
+        self.clock.add("logging", mark)
 
     def summary(self, done: int, preempted: str | None) -> TrainSummary:
         m, log = self.meter, self.log
@@ -289,7 +314,7 @@ class _Run:
             first_step_time=m.first_step_time or 0.0, step_time=step_time, tokens_per_s=tps,
             metrics_path=str(self.writer.path) if self.writer.path is not None else None, preempted=preempted,
             skipped_steps=m.skipped_steps, checkpoint_steps=m.saved, mfu=log.mfu_at(tps, self.mesh.size),
-            losses=m.losses, evals=self.evals)
+            goodput=self.clock.summary(), losses=m.losses, evals=self.evals)
         if log.out_dir is not None and log.plot and self.main and m.losses:
             summary.plot_path = self._plot()
             self._plot_noise_scale()
@@ -325,7 +350,7 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
           checkpointer: Any = None, checkpoint_meta: dict | None = None, on_nonfinite: str = "stop",
           handle_signals: bool = True, max_inflight: int = 2, stop_check_every: int | None = None,
           ramp: Any = None, steps_per_call: int = 1, same_program: SameProgram | None = SameProgram(),
-          log: LogOptions | None = None, **log_options: Any) -> tuple[Any, TrainSummary]:
+          goodput: Goodput | None = None, log: LogOptions | None = None, **log_options: Any) -> tuple[Any, TrainSummary]:
     """Run ``steps`` train steps from ``start_step``; log, evaluate, checkpoint, stop on a signal.
 
     Args:
@@ -351,6 +376,7 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
       steps_per_call: ``k`` optimizer steps per ``step_fn`` call (``make_train_step(..., steps_per_call=k)``):
         batches stacked ``[k, B, ...]``, metrics ``[k]``; steps and intervals multiples of ``k``.
       same_program: several processes compare the first step's program (:class:`~jaxpar.run.SameProgram`; None: not).
+      goodput: the run's clock (:class:`~jaxpar.run._goodput.Goodput`, made before a restore it timed; None: now).
       log: a :class:`LogOptions` (default ``LogOptions()``).
       **log_options: :class:`LogOptions` fields given directly (``log_every=1``), overriding ``log``'s.
 
@@ -359,8 +385,7 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
 
     Example::
 
-        >>> import jax, jax.numpy as jnp, numpy as np, jaxpar
-        >>> from jaxpar.step._state import TrainState
+        >>> import jax, jax.numpy as jnp, numpy as np, jaxpar; from jaxpar.step._state import TrainState
         >>> def step(state, batch):              # any (state, batch) -> (state, metrics); here: w -> mean(batch)
         ...     grad = state.params - batch.mean()
         ...     new = state._replace(step=state.step + 1, params=state.params - 0.5 * grad)
@@ -376,7 +401,7 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
         state, (log := merge_log_options(log, log_options)), steps=steps, start_step=start_step, eval_every=eval_every,
         max_inflight=max_inflight, stop_check_every=stop_check_every, on_nonfinite=on_nonfinite, ramp=ramp,
         steps_per_call=steps_per_call, checkpointer=checkpointer)
-    run = _Run(step_fn, batch_fn, mesh, log, start=start, end=start + steps, on_nonfinite=on_nonfinite,
+    run = _Run(step_fn, batch_fn, mesh, log, start=start, end=start + steps, on_nonfinite=on_nonfinite, goodput=goodput,
                max_inflight=max_inflight, checkpointer=checkpointer, checkpoint_meta=checkpoint_meta, eval_fn=eval_fn,
                eval_every=eval_every, ramp=ramp, steps_per_call=steps_per_call, same_program=same_program)
     return run.loop(state, handle_signals, stop_check_every)

@@ -23,6 +23,7 @@ import jax
 
 from jaxpar.analysis._compiled_memory import format_bytes
 from jaxpar.errors import LoopError, NonFiniteError, check_int
+from jaxpar.run._goodput import describe
 
 _PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
@@ -46,6 +47,7 @@ class TrainSummary:
     skipped_steps: list[int] = field(default_factory=list)     # steps whose update was dropped (non-finite)
     checkpoint_steps: list[int] = field(default_factory=list)  # steps checkpointed by this call
     mfu: float | None = None
+    goodput: dict | None = None        # the run's wall time by bucket, across resumes (jaxpar.run._goodput)
     losses: list[float] = field(default_factory=list, repr=False)
     evals: list[tuple[int, float]] = field(default_factory=list, repr=False)
 
@@ -56,9 +58,10 @@ class TrainSummary:
         tps += f", MFU {self.mfu:.1%}" if self.mfu is not None else ""
         skip = f"; {len(self.skipped_steps)} non-finite steps skipped" if self.skipped_steps else ""
         stop = f"; stopped by {self.preempted} at step {self.end_step}" if self.preempted else ""
+        good = f"; {describe(self.goodput)}" if self.goodput else ""
         return (f"loss {self.first_loss:.4f} -> {self.last_loss:.4f} over {self.end_step - self.start_step} steps"
                 f"{ev}; {self.step_time:.4f} s/step{tps}; first step (compile) {self.first_step_time:.1f} s; "
-                f"total {self.wall_time:.1f} s{skip}{stop}")
+                f"total {self.wall_time:.1f} s{skip}{stop}{good}")
 
 
 def plot_losses(path: str | Path, steps: Sequence[int], losses: Sequence[float],
@@ -288,11 +291,26 @@ class Meter:
         """
         self.pending.append((done, metrics, steps))
 
-    def fetch(self) -> None:
-        """Bring the pending metrics to the host; report (or stop at) non-finite steps."""
+    def device_idle(self) -> bool:
+        """Whether the device has finished every dispatched step (asks, never waits).
+
+        Returns:
+          True when no step is pending or the last one's metrics are ready.
+        """
+        if not self.pending:
+            return True
+        leaves = jax.tree.leaves(self.pending[-1][1])
+        return not leaves or getattr(leaves[0], "is_ready", lambda: True)()
+
+    def fetch(self) -> tuple[int, int]:
+        """Bring the pending metrics to the host; report (or stop at) non-finite steps.
+
+        Returns:
+          ``(steps, skipped)``: how many steps were fetched, and how many of them dropped their update.
+        """
         pending, self.pending = self.pending, []
         if not pending:
-            return
+            return 0, 0
         fetched = []
         for (done, _, k), m in zip(pending, jax.device_get([m for _, m, _ in pending])):
             fetched += [(done, m)] if k == 1 else [(done - k + 1 + i, {key: v[i] for key, v in m.items()})
@@ -308,6 +326,7 @@ class Meter:
                 self.noise_scale.append((s, float(m["noise_scale"])))
             if not (math.isfinite(loss) and math.isfinite(gnorm)):
                 self._nonfinite(s, loss, gnorm, skipped)
+        return len(fetched), sum(w["skipped"] for w in self.window[-len(fetched):])
 
     def _nonfinite(self, s: int, loss: float, gnorm: float, skipped: bool) -> None:
         what = f"step {s}: the loss is {loss} and the gradient norm {gnorm}"
@@ -326,12 +345,13 @@ class Meter:
         self.bar.log(f"step {s:>6}/{self.end}  WARNING non-finite loss {loss} / grad norm {gnorm}: update "
                      "skipped (params and optimizer state unchanged)")
 
-    def record(self, done: int, now: float) -> None:
+    def record(self, done: int, now: float, extra: dict | None = None) -> None:
         """Write the ``train`` record and progress line of the steps fetched since the last one.
 
         Args:
           done: the step count at this point.
           now: ``time.perf_counter()`` when those steps finished.
+          extra: more fields of the record (the run's goodput).
         """
         dt = (now - self.t_mark) / (done - self.mark_step)
         first = self.first_step_time is None
@@ -341,7 +361,7 @@ class Meter:
             self.timed_s += now - self.t_mark
             self.timed_steps += done - self.mark_step
         rec, last = self._train_record(done, dt, first)
-        self.writer.write(rec)
+        self.writer.write({**rec, **(extra or {})})
         self.bar.log(*self._progress_line(rec, last))
         self.window.clear()
         self.t_mark, self.mark_step = time.perf_counter(), done
@@ -457,7 +477,8 @@ class MetricsWriter:
       out_dir: the folder of ``metrics.jsonl`` and ``tb/`` (None: write nothing).
       tensorboard: also write TensorBoard scalars (tags from :data:`TB_TAGS`).
       resume_step: continue an earlier run's files: JSONL records after that step (written by a run that
-        died before its next checkpoint) are dropped and TensorBoard events after it are purged.
+        died before its next checkpoint) are dropped (read into ``dropped``) and TensorBoard events after it
+        are purged.
       enabled: False writes nothing (processes other than 0).
     """
 
@@ -466,6 +487,7 @@ class MetricsWriter:
         self.path = self.tb_dir = None
         self._file = self._tb = None
         self.history: list[dict] = []    # earlier records kept on resume
+        self.dropped: list[dict] = []    # earlier records after resume_step (a run that died later), dropped
         if out_dir is None or not enabled:
             return
         out = Path(out_dir)
@@ -477,8 +499,7 @@ class MetricsWriter:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue       # a line cut by a crash
-                if rec.get("step", 0) <= resume_step:
-                    self.history.append(rec)
+                (self.history if rec.get("step", 0) <= resume_step else self.dropped).append(rec)
         self._file = open(self.path, "w")
         for rec in self.history:
             self._file.write(json.dumps(rec) + "\n")

@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 from jaxpar.errors import RunDirectoryError
 from jaxpar.parallel.moe import use_router_bias
 from jaxpar.run._checkpoint import CheckpointWarning
+from jaxpar.run._goodput import Goodput
 from jaxpar.run._loop import train
 from jaxpar.run._report import LogOptions, NonFiniteError, flops_per_token, is_main_process
 from jaxpar.run._run_directory import claim_run_directory
@@ -218,7 +219,8 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
     if checkpointer is not None:      # the schedule's length and the learning rate at each checkpoint
         meta = {**(meta or {}), "schedule": {"steps": int(opts.steps)}}
         checkpointer.lr_schedule = lr_schedule or checkpointer.lr_schedule
-    if (started := _start(state, layout, opts, checkpointer, ramp, lr_schedule, config_text)) is None:
+    clock = Goodput()                 # the run's wall time by bucket, from before the restore
+    if (started := _start(state, layout, opts, checkpointer, ramp, lr_schedule, config_text, clock)) is None:
         return 0
     state, start = started
     if log.peak_flops and log.flops_per_token is None:
@@ -228,7 +230,7 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
                                start_step=start, eval_fn=eval_fn, eval_every=opts.eval_every,
                                checkpointer=checkpointer, checkpoint_meta=meta, on_nonfinite=opts.on_nonfinite,
                                ramp=ramp, steps_per_call=opts.steps_per_call, log=log,
-                               same_program=SameProgram(config_text=config_text))
+                               same_program=SameProgram(config_text=config_text), goodput=clock)
     except NonFiniteError as e:
         print(f"jaxpar train: error: {e}", file=sys.stderr)
         return 1
@@ -240,14 +242,16 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
 
 
 def _start(state: Any, layout: Any, opts: RunOptions, checkpointer: Any, ramp: Any, lr_schedule: Any,
-           config_text: str | None) -> tuple[Any, int] | None:
-    """``(state, start step)``: the checkpoint's (``opts.resume``; None when it is at ``opts.steps`` already),
-    or a new run's in directories that hold no other; then ``config.yaml``. The checkpointer is closed when
-    the run does not start."""
+           config_text: str | None, clock: Goodput) -> tuple[Any, int] | None:
+    """``(state, start step)``: the checkpoint's (``opts.resume``, timed on ``clock``; None when it is at
+    ``opts.steps`` already), or a new run's in directories that hold no other; then ``config.yaml``. The
+    checkpointer is closed when the run does not start."""
     start = 0
     if opts.resume:
+        mark = clock.mark()
         state, start = resume(checkpointer, layout, ramp=ramp, data_seed=opts.data_seed, steps=opts.steps,
                               lr_schedule=lr_schedule)
+        clock.add("checkpoint_restore", mark)
         if start >= opts.steps:
             print(f"done     the checkpoint is at step {start} >= train.steps={opts.steps}; nothing to do. To train "
                   f"further, run again with train.steps=N --resume, N > {start} (e.g. train.steps={2 * start}).")
