@@ -1,4 +1,5 @@
-"""Large-batch optimizers (learning-rate scaling rules, LARS / LAMB with masks) and 1-bit Adam's.
+"""jaxpar's optimizers: large-batch ones (learning-rate scaling rules, LARS / LAMB with masks), 1-bit Adam's,
+and Muon routed by logical names.
 
 * :func:`scaled_lr`: the peak learning rate for a global batch, scaled from ``base_batch``
   (``linear``, ``sqrt`` or ``none``).
@@ -7,6 +8,8 @@
   trust ratio of stacked blocks is per layer (docs/large_batch.md).
 * :func:`adamw_frozen_variance`: AdamW whose second moment freezes, the optimizer of 1-bit Adam
   (docs/compression.md).
+* :func:`muon`: Muon on the matrices and AdamW on the rest, routed by the parameters' logical names
+  (:func:`muon_routing`, :func:`muon_routing_table`; docs/muon.md).
 * :func:`hyperparameter_problem` / :func:`check_hyperparameters`: the range of each option
   (:data:`HYPERPARAMETERS`).
 
@@ -30,11 +33,13 @@ import itertools
 import math
 import numbers
 import re
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
+from optax import contrib
+from optax.contrib._muon import _DEFAULT_NS_COEFFS, orthogonalize_via_newton_schulz
 from jax.sharding import PartitionSpec
 
 from jaxpar.adapters._blocks import LAYERS
@@ -43,7 +48,8 @@ from jaxpar.errors import MaskError, OptimizerError, check_int, int_problem
 
 __all__ = ["LR_SCALING_RULES", "HYPERPARAMETERS", "MaskError", "OptimizerError", "hyperparameter_problem",
            "check_hyperparameters", "scaled_lr", "trust_mask", "stacked_axes", "scale_by_layer_trust_ratio", "lars",
-           "lamb", "scale_by_adam_frozen_variance", "adamw_frozen_variance"]
+           "lamb", "scale_by_adam_frozen_variance", "adamw_frozen_variance", "MUON_FEATURES", "MUON_STACKS",
+           "MUON_ADAM_DEFAULTS", "MuonRoute", "MuonState", "muon_routes", "muon_routing", "muon_routing_table", "muon"]
 
 #: ``linear``: lr x B / B0 (Goyal et al.); ``sqrt``: lr x sqrt(B / B0); ``none``: lr.
 LR_SCALING_RULES = ("linear", "sqrt", "none")
@@ -429,3 +435,329 @@ def adamw_frozen_variance(learning_rate: optax.ScalarOrSchedule, freeze_step: in
         optax.add_decayed_weights(weight_decay, mask=mask),
         optax.scale_by_learning_rate(learning_rate),
     )
+
+
+# ----------------------------------------------------------------------------- Muon, routed by logical names
+
+#: Logical names of feature axes: a parameter whose feature axes form two groups is a matrix.
+MUON_FEATURES = ("embed", "heads", "kv_heads", "kv", "mlp")
+_HEAD_GROUP = ("heads", "kv_heads", "kv")      # adjacent ones flatten into one matrix side (wq: embed x heads*kv)
+#: Logical names of stacked axes (``None``: an unnamed sub-layer axis): batch dimensions of Newton-Schulz.
+MUON_STACKS = ("layers", "experts", "stage", "stages", None)
+#: Mesh-axis names: an annotation that holds one is a mesh-axis ``PartitionSpec``, not logical names.
+_MESH_NAMES = ("pipe", "data", "fsdp", "tensor", "replica", "context", "expert")
+#: The AdamW half's options (:func:`muon`'s ``adam=``) and their defaults (``lr`` None: Muon's).
+MUON_ADAM_DEFAULTS = {"lr": None, "b1": 0.9, "b2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
+
+
+class MuonRoute(NamedTuple):
+    """How :func:`muon` treats one parameter (a row of :func:`muon_routing_table`).
+
+    Attributes:
+      rule: ``"muon"`` or ``"adam"``.
+      reduction: the axes of the matrix's input side (Muon only; ``()`` for Adam).
+      output: the axes of its output side.
+      batch: the stacked axes (one Newton-Schulz per index).
+      why: the reason, in words.
+    """
+
+    rule: str
+    reduction: tuple[int, ...]
+    output: tuple[int, ...]
+    batch: tuple[int, ...]
+    why: str
+
+
+def _feature_groups(names: tuple) -> list[tuple[int, ...]]:
+    """Runs of feature axes: ``embed`` and ``mlp`` alone, adjacent ``heads`` / ``kv_heads`` / ``kv`` together."""
+    groups: list[list[int]] = []
+    for i, name in enumerate(names):
+        if name not in MUON_FEATURES:
+            continue
+        joined = groups and name in _HEAD_GROUP and names[i - 1] in _HEAD_GROUP and groups[-1][-1] == i - 1
+        groups[-1].append(i) if joined else groups.append([i])
+    return [tuple(g) for g in groups]
+
+
+def _route_by_names(names: tuple) -> MuonRoute:
+    """The rule of a parameter from its logical names alone."""
+    other = [n for n in names if n not in MUON_FEATURES and n not in MUON_STACKS]
+    groups = _feature_groups(names)
+    batch = tuple(i for i, n in enumerate(names) if n in MUON_STACKS)
+    if other:
+        return MuonRoute("adam", (), (), batch, f"axis {other[0]!r} is not a feature (embedding / head / other)")
+    if len(groups) != 2:
+        return MuonRoute("adam", (), (), batch, f"{len(groups)} feature axis group(s), not a matrix")
+    return MuonRoute("muon", groups[0], groups[1], batch, "matrix")
+
+
+def _forced_muon(path: str, names: tuple, ndim: int) -> MuonRoute:
+    """``routing=`` says Muon: the two non-stacked axes (the last two without names) are the matrix."""
+    if not any(n is not None for n in names):
+        if ndim < 2:
+            raise OptimizerError(f"muon(routing=...): parameter {path!r} has rank {ndim}; Muon needs a matrix. "
+                                 "Route it to 'adam'.")
+        return MuonRoute("muon", (ndim - 2,), (ndim - 1,), tuple(range(ndim - 2)), "routing=: the last two axes")
+    free = [i for i, n in enumerate(names) if n not in MUON_STACKS]
+    if len(free) != 2:
+        raise OptimizerError(f"muon(routing=...): parameter {path!r} with logical names {names} has {len(free)} "
+                             "non-stacked axes; Muon needs exactly two (a matrix). Route it to 'adam'.")
+    return MuonRoute("muon", (free[0],), (free[1],), tuple(i for i in range(ndim) if i not in free),
+                     "routing=: its two non-stacked axes")
+
+
+def _forced(path: str, routing: dict[str, str]) -> str | None:
+    hits = {rule for pattern, rule in routing.items() if re.search(pattern, path)}
+    if len(hits) > 1:
+        raise OptimizerError(f"muon(routing=...): parameter {path!r} matches patterns routing it to both 'muon' "
+                             "and 'adam'; make the patterns disjoint.")
+    return hits.pop() if hits else None
+
+
+def _check_routing(routing: dict[str, str], paths: Sequence[str]) -> None:
+    for pattern, rule in routing.items():
+        if rule not in ("muon", "adam"):
+            raise OptimizerError(f"muon(routing={{{pattern!r}: {rule!r}}}): a rule is 'muon' or 'adam'.")
+    try:
+        _matches(list(routing), list(paths), "muon(routing=...)")
+    except MaskError as e:
+        raise OptimizerError(str(e)) from None
+
+
+def _route_one(path: str, own: tuple, ndim: int, routing: dict[str, str]) -> MuonRoute:
+    """One parameter's route from its logical names ``own`` and the ``routing`` overrides."""
+    if len(own) != ndim:
+        raise OptimizerError(f"muon: parameter {path!r} has rank {ndim} but logical names {own}; give one name "
+                             "per axis.")
+    forced = _forced(path, routing)
+    if forced == "adam":
+        return MuonRoute("adam", (), (), (), "routing=")
+    if forced == "muon":
+        return _forced_muon(path, own, ndim)
+    unnamed = sum(n is None for n in own) >= 2 and all(n is None or n in MUON_STACKS for n in own)
+    if unnamed or any(n in _MESH_NAMES for n in own):
+        raise _unnamed_error(path, own)
+    return _route_by_names(own)
+
+
+def _routes(params: Any, logical: Any, routing: dict[str, str]) -> dict[str, MuonRoute]:
+    names = _logical_by_path(logical) if logical is not None else {}
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    missing = [path_str(p) for p, _ in flat if logical is not None and path_str(p) not in names]
+    if missing:
+        raise OptimizerError(f"muon(logical=...): no logical names for parameter {missing[0]!r}; give a tree of "
+                             "logical names that mirrors the params (abstract_model(model_fn)[2] or StateLayout.logical).")
+    return {path_str(p): _route_one(path_str(p), names.get(path_str(p), (None,) * leaf.ndim), leaf.ndim, routing)
+            for p, leaf in flat}
+
+
+def muon_routes(params: Any, logical: Any = None, *, routing: dict[str, str] | None = None) -> dict[str, MuonRoute]:
+    """``{path: MuonRoute}``: each parameter's rule, matrix axes and batch axes (:func:`muon_routing`).
+
+    Args:
+      params: the parameters (arrays or ``ShapeDtypeStruct``s).
+      logical: a mirroring tree of logical names (``StateLayout.logical``, ``abstract_model(model_fn)[2]``).
+      routing: ``{path regex: "muon" | "adam"}`` overriding the names (searched in ``'blocks/wq'``).
+
+    Returns:
+      Parameter path -> :class:`MuonRoute`.
+
+    Raises:
+      OptimizerError: a parameter of rank >= 2 without logical feature names (or with mesh-axis names)
+        that ``routing`` does not route, a rank that differs from its names, or a ``routing`` pattern
+        that matches nothing.
+    """
+    routing = dict(routing or {})
+    _check_routing(routing, [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]])
+    return _routes(params, logical, routing)
+
+
+def _unnamed_error(path: str, names: tuple) -> OptimizerError:
+    return OptimizerError(
+        f"muon: parameter {path!r} has logical names {names}: no feature names ({', '.join(MUON_FEATURES)}), so "
+        "whether it is a matrix is unknown (Muon never guesses from shapes). Annotate the model with logical names "
+        "(nnx.with_partitioning(init, ('embed', 'mlp'))) and pass logical=abstract_model(model_fn)[2], or route it "
+        "explicitly: muon(..., routing={'<path regex>': 'muon' | 'adam'}).")
+
+
+def muon_routing(params: Any, logical: Any = None, *, routing: dict[str, str] | None = None) -> dict[str, str]:
+    """``{path: "muon" | "adam"}``: which half of :func:`muon` updates each parameter.
+
+    A parameter is a matrix (Muon) when its feature axes (:data:`MUON_FEATURES`) form exactly two groups
+    and every other axis is stacked (:data:`MUON_STACKS`: ``layers``, ``experts``, unnamed sub-layer axes):
+    ``wq [layers, embed, heads, kv]`` is ``embed x heads*kv``, one Newton-Schulz per layer. The embedding
+    and head (``vocab``), norms, biases and the router (one feature axis) go to AdamW.
+
+    Args:
+      params: the parameters (arrays or ``ShapeDtypeStruct``s).
+      logical: a mirroring tree of logical names.
+      routing: ``{path regex: "muon" | "adam"}`` overriding the names.
+
+    Returns:
+      Parameter path -> rule.
+
+    >>> import jax.numpy as jnp
+    >>> p = {"wte": jnp.ones((64, 8)), "wq": jnp.ones((2, 8, 2, 4)), "ln": jnp.ones((2, 8))}
+    >>> muon_routing(p, {"wte": ("vocab", "embed"), "wq": ("layers", "embed", "heads", "kv"), "ln": ("layers", "embed")})
+    {'ln': 'adam', 'wq': 'muon', 'wte': 'adam'}
+    """
+    return {path: r.rule for path, r in muon_routes(params, logical, routing=routing).items()}
+
+
+def muon_routing_table(params: Any, logical: Any = None, *, routing: dict[str, str] | None = None) -> str:
+    """:func:`muon_routing` as text, one line per parameter: rule, matrix (input x output) and batch dims.
+
+    Args:
+      params: the parameters (arrays or ``ShapeDtypeStruct``s).
+      logical: a mirroring tree of logical names.
+      routing: ``{path regex: "muon" | "adam"}`` overriding the names.
+
+    Returns:
+      The table.
+
+    >>> import jax.numpy as jnp
+    >>> print(muon_routing_table({"wq": jnp.ones((2, 8, 2, 4))}, {"wq": ("layers", "embed", "heads", "kv")}))
+    wq  muon  embed(8) x heads*kv(8)  batch layers(2)  matrix
+    """
+    names = _logical_by_path(logical) if logical is not None else {}
+    shapes = {path_str(p): leaf.shape for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    routes = muon_routes(params, logical, routing=routing)
+    width = max(map(len, routes), default=0)
+
+    def side(path, axes):
+        own = names.get(path, (None,) * len(shapes[path]))
+        label = "*".join(str(own[i]) if own[i] is not None else f"axis{i}" for i in axes)
+        return f"{label}({math.prod(shapes[path][i] for i in axes)})"
+
+    lines = []
+    for path, r in routes.items():
+        matrix = f"{side(path, r.reduction)} x {side(path, r.output)}" if r.rule == "muon" else "-"
+        batch = " ".join(side(path, (i,)) for i in r.batch) if r.rule == "muon" and r.batch else "-"
+        lines.append(f"{path:<{width}}  {r.rule}  {matrix}  batch {batch}  {r.why}")
+    return "\n".join(lines)
+
+
+def _adam_options(adam: dict | None, learning_rate) -> dict:
+    options = {**MUON_ADAM_DEFAULTS, **(adam or {})}
+    unknown = sorted(set(options) - set(MUON_ADAM_DEFAULTS))
+    if unknown:
+        raise OptimizerError(f"muon(adam={{{unknown[0]!r}: ...}}): unknown option; the AdamW half takes "
+                             f"{', '.join(MUON_ADAM_DEFAULTS)}.")
+    options["lr"] = learning_rate if options["lr"] is None else options["lr"]
+    check_hyperparameters("muon(adam=...)", learning_rate=options["lr"], b1=options["b1"], b2=options["b2"],
+                          eps=options["eps"], weight_decay=options["weight_decay"])
+    return options
+
+
+class MuonState(NamedTuple):
+    """:func:`muon`'s state: params-shaped trees (so layouts shard them like the params); each half's
+    leaves are zero-size arrays where the other half owns the parameter.
+
+    Attributes:
+      count: updates so far.
+      mu: Muon's momentum (the matrices).
+      adam: ``optax.adamw``'s state (the rest).
+    """
+
+    count: jax.Array
+    mu: Any
+    adam: Any
+
+
+def _hide(tree: Any, keep: dict[str, bool]) -> Any:
+    """``tree`` with the leaves not in ``keep`` replaced by zero-size arrays of the same rank."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x if keep[path_str(p)] else jnp.zeros((0,) * x.ndim, x.dtype), tree)
+
+
+def _muon_direction(mu_hat: jax.Array, route: MuonRoute, ns_steps: int, consistent_rms: float | None) -> jax.Array:
+    """optax's Newton-Schulz over the route's matrix axes (stacked axes: batch), then its shape scaling."""
+    dims = contrib.MuonDimensionNumbers(route.reduction, route.output)
+    out = orthogonalize_via_newton_schulz(mu_hat, jnp.asarray(_DEFAULT_NS_COEFFS), ns_steps, "frobenius", 1e-8, dims)
+    fan_in = math.prod(mu_hat.shape[i] for i in route.reduction)
+    fan_out = math.prod(mu_hat.shape[i] for i in route.output)
+    scale = math.sqrt(max(1, fan_out / fan_in)) if consistent_rms is None else \
+        consistent_rms * math.sqrt(max(fan_in, fan_out))
+    return out * jnp.asarray(scale, out.dtype)
+
+
+def _matrix_step(g: jax.Array, m: jax.Array, count: jax.Array, route: MuonRoute, opts: tuple) -> jax.Array:
+    """optax's ``scale_by_muon`` step of one matrix leaf: bias-corrected (Nesterov) momentum, orthogonalised."""
+    momentum, nesterov, ns_steps, consistent_rms = opts
+    hat = m / (1 - momentum ** count.astype(m.dtype))
+    if nesterov:
+        hat = momentum * m / (1 - momentum ** (count + 1).astype(m.dtype)) + \
+            (1 - momentum) * g / (1 - momentum ** count.astype(g.dtype))
+    return _muon_direction(hat, route, ns_steps, consistent_rms)
+
+
+def _checked_adamw(learning_rate, momentum, weight_decay, ns_steps, consistent_rms, adam) -> optax.GradientTransformation:
+    """:func:`muon`'s options checked by name; its AdamW half."""
+    check_hyperparameters("muon", learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay)
+    check_int("muon", "ns_steps", ns_steps, 1, OptimizerError)
+    if consistent_rms is not None:
+        check_hyperparameters("muon(consistent_rms=...)", learning_rate=consistent_rms)
+    a = _adam_options(adam, learning_rate)
+    return optax.adamw(a["lr"], b1=a["b1"], b2=a["b2"], eps=a["eps"], weight_decay=a["weight_decay"])
+
+
+def muon(learning_rate: optax.ScalarOrSchedule, *, logical: Any = None, routing: dict[str, str] | None = None,
+         momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, weight_decay: float = 0.0,
+         consistent_rms: float | None = None, adam: dict | None = None) -> optax.GradientTransformation:
+    """Muon (Jordan et al. 2024) on the matrices, AdamW on the rest, routed by logical names (:func:`muon_routing`).
+
+    The matrices get optax's Muon (``scale_by_muon``'s momentum and Newton-Schulz per matrix, stacked axes as
+    batch; its shape scaling), decoupled ``weight_decay``; the others ``optax.adamw`` with ``adam``'s options.
+
+    Args:
+      learning_rate: Muon's learning rate (a scalar or an optax schedule).
+      logical: the params' logical names (``abstract_model(model_fn)[2]``, ``StateLayout.logical``).
+      routing: ``{path regex: "muon" | "adam"}`` overriding the names (needed for a model without them).
+      momentum: Muon's momentum decay.
+      nesterov: Nesterov momentum.
+      ns_steps: Newton-Schulz iterations.
+      weight_decay: the matrices' decoupled weight decay (times ``learning_rate``, as optax's).
+      consistent_rms: optax's RMS matching (e.g. 0.2), or None for the width scaling.
+      adam: the AdamW half's options: ``lr`` (default: ``learning_rate``), ``b1``, ``b2``, ``eps``, ``weight_decay``.
+
+    Returns:
+      The ``optax.GradientTransformation``; its state is a :class:`MuonState`.
+
+    >>> import jax.numpy as jnp
+    >>> p = {"w": jnp.ones((4, 8)), "b": jnp.ones(8)}
+    >>> g = {"w": jnp.arange(32.0).reshape(4, 8) % 5, "b": jnp.ones(8)}
+    >>> tx = muon(0.1, logical={"w": ("embed", "mlp"), "b": ("mlp",)})
+    >>> ours = tx.update(g, tx.init(p), p)[0]
+    >>> mu, aw = optax.contrib.muon(0.1), optax.adamw(0.1, b2=0.95, weight_decay=0.0)
+    >>> theirs = {"w": mu.update(g, mu.init(p), p)[0]["w"], "b": aw.update(g, aw.init(p), p)[0]["b"]}
+    >>> [bool(jnp.allclose(ours[k], theirs[k], atol=1e-6)) for k in ("w", "b")]   # the matrix: Muon; the bias: AdamW
+    [True, True]
+    """
+    rest = _checked_adamw(learning_rate, momentum, weight_decay, ns_steps, consistent_rms, adam)
+    routes = lambda tree: muon_routes(tree, logical, routing=routing)
+    opts = (momentum, nesterov, ns_steps, consistent_rms)
+
+    def init_fn(params):
+        on = {k: r.rule == "muon" for k, r in routes(params).items()}
+        mu = _hide(jax.tree.map(jnp.zeros_like, params), on)
+        return MuonState(jnp.zeros([], jnp.int32), mu, rest.init(_hide(params, {k: not v for k, v in on.items()})))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise OptimizerError("muon: call tx.update(updates, state, params); weight decay needs the params.")
+        route = routes(updates)
+        off = {k: r.rule != "muon" for k, r in route.items()}
+        adam_updates, adam_state = rest.update(_hide(updates, off), state.adam, _hide(params, off))
+        count = optax.safe_increment(state.count)
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+
+        moment = lambda path, g, m: momentum * m + (1 - momentum) * g if route[path_str(path)].rule == "muon" else m
+        def one(path, g, m, p, u):
+            r = route[path_str(path)]
+            return u if r.rule != "muon" else -lr * (_matrix_step(g, m, count, r, opts) + weight_decay * p)
+
+        mu = jax.tree_util.tree_map_with_path(moment, updates, state.mu)
+        out = jax.tree_util.tree_map_with_path(one, updates, mu, params, adam_updates)
+        return out, MuonState(count, mu, adam_state)
+
+    return optax.GradientTransformation(init_fn, update_fn)

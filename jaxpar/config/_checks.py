@@ -26,7 +26,7 @@ from jaxpar.step._update import clip_norm_problem
 from jaxpar.parallel.pipeline._partition import PartitionError, check_stage_layers, uniform_layers
 from jaxpar.parallel.pipeline._schedules import get_schedule
 from jaxpar.config._build import MODELS, build_gpt_config, build_strategy, mesh_error, mesh_spec
-from jaxpar.config._optimizer_section import OPTIMIZERS, lr_scaling_problems
+from jaxpar.config._optimizer_section import OPTIMIZERS, lr_scaling_problems, muon_problems
 from jaxpar.config._data_section import build_ramp
 from jaxpar.config._hf_model import hf_problems, tokenizer_problems
 from jaxpar.config._documents import documents_problems
@@ -181,6 +181,8 @@ def _optimizer_problems(p: list[str], opt: OptimizerConfig) -> None:
     if (why := clip_norm_problem(opt.clip_norm)) is not None:                # make_train_step's check
         p.append(f"optimizer.clip_norm={opt.clip_norm!r}: {why.replace('None', 'null')}.")
     p.extend(lr_scaling_problems(opt.lr_scaling))
+    if opt.name == "muon":
+        p.extend(muon_problems(opt))
     for key in ("include", "exclude"):
         patterns = getattr(opt.trust_mask, key)
         if patterns and opt.name not in ("lars", "lamb"):
@@ -420,6 +422,9 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> None:
         at_least(p, key, value, low)
     if ck.resume and not ck.enabled:
         p.append("checkpoint.resume=true needs checkpoint.enabled=true (resuming also keeps saving).")
+    if opt.name == "muon" and ck.enabled:
+        p.append("optimizer.name=muon with checkpoint.enabled=true: Muon's state cannot be checkpointed yet (it holds "
+                 "zero-size arrays where AdamW owns a parameter, which Orbax refuses); set checkpoint.enabled=false.")
     if lg.peak_flops is not None and lg.peak_flops <= 0:
         p.append(f"logging.peak_flops={lg.peak_flops!r}: must be > 0 (FLOP/s of one device), or null for no MFU.")
     _noise_scale_problems(p, cfg)

@@ -41,11 +41,25 @@ def _lamb(c: OptimizerConfig, lr, *, logical=None, mask=None):
     return opt_lib.lamb(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, logical=logical, mask=mask)
 
 
+def _muon(c: OptimizerConfig, lr, *, logical=None, mask=None):
+    m = c.muon
+    adam = {"b1": c.b1, "b2": c.b2, "eps": c.eps, "weight_decay": m.adam_weight_decay}
+    if m.adam_lr is not None:             # the same schedule, scaled to the AdamW half's peak
+        adam["lr"] = (lambda count: lr(count) * (m.adam_lr / c.lr)) if callable(lr) else m.adam_lr
+    try:
+        return opt_lib.muon(lr, logical=logical, routing=dict(m.routing), momentum=m.momentum, nesterov=m.nesterov,
+                            ns_steps=m.ns_steps, weight_decay=c.weight_decay, consistent_rms=m.consistent_rms,
+                            adam=adam)
+    except opt_lib.OptimizerError as e:
+        raise ConfigError(f"optimizer.name=muon: {e} (YAML: optimizer.muon.routing, optimizer.muon.*).") from None
+
+
 #: ``name -> fn(cfg, lr, *, logical=None, mask=None) -> optax.GradientTransformation`` (``logical``:
 #: the params' logical names; ``mask``: :func:`jaxpar.optimizers.trust_mask`'s tree; both for lars / lamb).
-OPTIMIZERS: dict[str, Callable] = {"adamw": _adamw, "adam": _adam, "sgd": _sgd, "lars": _lars, "lamb": _lamb}
+OPTIMIZERS: dict[str, Callable] = {"adamw": _adamw, "adam": _adam, "sgd": _sgd, "lars": _lars, "lamb": _lamb,
+                                 "muon": _muon}
 #: Optimizers that apply ``weight_decay`` themselves (the others get ``add_decayed_weights`` in front).
-_OWN_DECAY = ("adamw", "lars", "lamb")
+_OWN_DECAY = ("adamw", "lars", "lamb", "muon")
 
 
 def lr_scaling_problems(cfg: LRScalingConfig) -> list[str]:
@@ -164,6 +178,8 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int
         raise ConfigError(f"optimizer.name={cfg.name!r}: unknown optimizer; allowed: {', '.join(OPTIMIZERS)}.")
     schedule = build_lr_schedule(cfg, total_steps, global_batch)
     logical, mask = build_trust_mask(cfg, model_fn) if cfg.name in ("lars", "lamb") else (None, None)
+    if cfg.name == "muon":
+        logical = _muon_logical(cfg, model_fn)
     inner = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
     if freeze_variance_step is not None:
         if cfg.name not in ("adam", "adamw"):
@@ -176,6 +192,42 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int
     if cfg.name not in _OWN_DECAY and cfg.weight_decay:
         tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay), tx)
     return tx, schedule
+
+
+def muon_problems(cfg: OptimizerConfig) -> list[str]:
+    """What is wrong with ``optimizer.muon`` (its options' ranges, as :func:`jaxpar.optimizers.muon` checks them).
+
+    Args:
+      cfg: the ``optimizer`` section.
+
+    Returns:
+      One line per problem, naming its key (empty: nothing).
+    """
+    m, p = cfg.muon, []
+    for key, name in (("momentum", "momentum"), ("adam_weight_decay", "weight_decay")):
+        if (why := opt_lib.hyperparameter_problem(name, getattr(m, key))) is not None:
+            p.append(f"optimizer.muon.{key}={getattr(m, key)!r}: {why}.")
+    for key in ("adam_lr", "consistent_rms"):
+        if getattr(m, key) is not None and (why := opt_lib.hyperparameter_problem("learning_rate", getattr(m, key))):
+            p.append(f"optimizer.muon.{key}={getattr(m, key)!r}: {why}, or null.")
+    if int_problem(m.ns_steps, 1):
+        p.append(f"optimizer.muon.ns_steps={m.ns_steps!r}: must be a positive int (Newton-Schulz iterations, e.g. 5).")
+    for pattern, rule in dict(m.routing).items():
+        if rule not in ("muon", "adam"):
+            p.append(f"optimizer.muon.routing[{pattern!r}]={rule!r}: a rule is muon or adam.")
+    return p
+
+
+def _muon_logical(cfg: OptimizerConfig, model_fn):
+    """The model's logical names for Muon's routing, after ``optimizer.muon``'s checks."""
+    if problems := muon_problems(cfg):
+        raise ConfigError(" ".join(problems))
+    if model_fn is None:
+        raise ConfigError("optimizer.name=muon routes parameters by the model's logical names: call build_optimizer "
+                          "with model_fn=.")
+    from jaxpar.adapters._mesh_axes import abstract_model
+
+    return abstract_model(model_fn)[2]
 
 
 def frozen_variance_step(strategy: Strategy) -> int | None:

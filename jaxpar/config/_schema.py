@@ -110,6 +110,21 @@ class TrustMaskConfig:
 
 
 @dataclass(frozen=True)
+class MuonConfig:
+    """``muon``: Muon on the matrices (routed by logical names; ``routing``: ``{path regex: muon | adam}``
+    overrides), AdamW on the rest with ``optimizer.b1`` / ``b2`` / ``eps``, ``adam_lr`` (null: ``optimizer.lr``)
+    and ``adam_weight_decay`` (see :func:`jaxpar.optimizers.muon`)."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    consistent_rms: float | None = None
+    adam_lr: float | None = None
+    adam_weight_decay: float = 0.0
+    routing: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
     """``adamw`` decays weights decoupled; ``adam`` / ``sgd`` add ``weight_decay * w`` to the gradient.
     ``lars`` (``momentum``, ``trust_coefficient``) and ``lamb`` (``b1``, ``b2``, ``eps``) decay and scale
@@ -129,6 +144,7 @@ class OptimizerConfig:
     lr_scaling: LRScalingConfig = field(default_factory=LRScalingConfig)
     trust_coefficient: float = 0.001   # lars only (lamb: 1)
     trust_mask: TrustMaskConfig = field(default_factory=TrustMaskConfig)
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,212 @@
+"""Muon (jaxpar.optimizers.muon): routed by logical names, exact under every layout, built from YAML.
+
+Layouts: 3 steps of Muon (matrices) + AdamW (the rest) under each layout against one device, fp32.
+The Muon-routed parameters compare at the fp32 parameter standard (rtol 1e-4, atol 1e-6): their update
+``-lr (NS(momentum) scale + wd w)`` is a smooth function of the gradients (a Frobenius normalisation and
+a fixed polynomial), so gradient round-off moves it by round-off, not by a normalised step as in Adam.
+The AdamW-routed ones compare as tests/helpers.py's AdamW runs do (``adam_atol``). A wrong routing
+(a stack orthogonalised as one matrix, a shard orthogonalised alone) moves a matrix by O(lr).
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.adapters import abstract_model, stack_layers
+from jaxpar.errors import OptimizerError
+from jaxpar.models import GPT, GPTConfig, MoESettings, lm_loss
+from jaxpar.optimizers import muon, muon_routes, muon_routing, muon_routing_table
+
+from conftest import need_devices
+from helpers import (CFG, PARAM_ATOL, PARAM_RTOL, adam_atol, assert_grads_close, flat, keep_grads, make_batch,
+                     mesh_for)
+
+MUON_LR, ADAM_LR, STEPS = 0.02, 1e-3, 3
+
+
+def _model():
+    return GPT(CFG, rngs=nnx.Rngs(0))
+
+
+def _tx(logical):
+    return muon(MUON_LR, logical=logical, weight_decay=0.1, adam=dict(lr=ADAM_LR, b2=0.999, weight_decay=0.1))
+
+
+def _setup(sizes, strategy, model_fn=_model, record=True):
+    mesh = mesh_for(sizes)
+    tx = _tx(abstract_model(model_fn)[2])
+    tx = optax.chain(keep_grads(), tx) if record else tx
+    state, layout = jaxpar.init_train_state(model_fn, tx, mesh, strategy)
+    return mesh, state, layout, jaxpar.make_train_step(lm_loss, tx, layout, strategy)
+
+
+def _train(sizes, strategy=jaxpar.Strategy()):
+    mesh, state, layout, step = _setup(sizes, strategy)
+    batch = jaxpar.shard_batch(make_batch(), mesh)
+    grads = None
+    for _ in range(STEPS):
+        state, _ = step(state, batch)
+        grads = jax.device_get(state.opt_state[0].grads) if grads is None else grads
+    return jax.device_get(state.params), grads
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _train({})
+
+
+LAYOUTS = {
+    "fsdp8": ({"fsdp": 8}, {}),
+    "dp8": ({"data": 8}, {}),
+    "zero1": ({"data": 8}, {"zero": 1}),
+    "zero3": ({"data": 8}, {"zero": 3}),
+    "fsdp4-tp2-sp": ({"fsdp": 4, "tensor": 2}, {"sequence_parallel": True}),
+    "1f1b-pipe2-dp4": ({"pipe": 2, "data": 4}, {"microbatches": 2, "schedule": "1f1b"}),
+}
+
+
+@need_devices(8)
+@pytest.mark.parametrize("name", [n if n == "fsdp8" else pytest.param(n, marks=pytest.mark.exhaustive)
+                                  for n in LAYOUTS])
+def test_muon_under_a_layout_equals_one_device(name, reference):
+    sizes, kw = LAYOUTS[name]
+    params, grads = _train(sizes, jaxpar.Strategy(**kw))
+    ref_params, ref_grads = reference
+    assert_grads_close(grads, ref_grads)
+    rules = muon_routing(*abstract_model(_model)[1:])
+    got, ref, g1 = flat(params), flat(ref_params), flat(ref_grads)
+    assert {r for r in rules.values()} == {"muon", "adam"}
+    for k, rule in rules.items():
+        r = ref[k].astype(np.float64)
+        extra = 0.0 if rule == "muon" else adam_atol(g1[k], ADAM_LR, STEPS)
+        tol = PARAM_RTOL * np.abs(r) + PARAM_ATOL + extra
+        diff = np.abs(got[k] - r)
+        assert (diff <= tol).all(), f"{name}: {rule} parameter {k}: max |diff| {diff.max():.3g}"
+
+
+def test_the_update_is_one_newton_schulz_per_stacked_matrix():
+    """A stacked ``[layers, embed, heads, kv]`` leaf is updated as each layer's ``embed x heads*kv`` matrix,
+    alone: equal to optax's 2-D Muon on that matrix."""
+    w = jax.random.normal(jax.random.key(0), (2, 8, 2, 4))
+    g = jax.random.normal(jax.random.key(1), w.shape)
+    tx = muon(0.1, logical={"w": ("layers", "embed", "heads", "kv")})
+    ours = tx.update({"w": g}, tx.init({"w": w}), {"w": w})[0]["w"]
+    ref = optax.contrib.muon(0.1)
+    for i in range(2):
+        m, gm = w[i].reshape(8, 8), g[i].reshape(8, 8)
+        want = ref.update(gm, ref.init(m), m)[0]
+        np.testing.assert_allclose(ours[i].reshape(8, 8), want, rtol=1e-5, atol=1e-6)
+
+
+def _rules(model_fn):
+    _, shapes, logical = abstract_model(model_fn)
+    return muon_routes(shapes, logical)
+
+
+def test_routing_of_the_scanned_gpt():
+    routes = _rules(_model)
+    for k in ("wq", "wk", "wv", "wo", "w1", "w2"):
+        r = routes[f"blocks/{k}"]
+        assert r.rule == "muon" and r.batch == (0,), (k, r)          # per layer
+    assert routes["blocks/wq"].reduction == (1,) and routes["blocks/wq"].output == (2, 3)   # embed x heads*kv
+    assert routes["blocks/wo"].reduction == (1, 2) and routes["blocks/wo"].output == (3,)
+    for k in ("wte", "head", "wpe", "lnf_scale", "blocks/ln1_scale", "blocks/b1"):
+        assert routes[k].rule == "adam", k
+    table = muon_routing_table(*abstract_model(_model)[1:])
+    assert re.search(r"blocks/wq\s+muon\s+embed\(32\) x heads\*kv\(32\)\s+batch layers\(2\)", table), table
+
+
+def test_routing_of_the_moe_gpt():
+    cfg = GPTConfig(vocab=64, seq_len=16, embed=32, heads=8, layers=2, moe=MoESettings(experts=4, every=2))
+    routes = _rules(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    for k in ("experts_w1", "experts_w2"):
+        r = routes[f"blocks/{k}"]
+        assert r.rule == "muon" and len(r.batch) == 2, (k, r)        # per layer and per expert
+    assert routes["blocks/w1"].rule == "muon"                         # the dense layer's MLP
+    assert routes["blocks/router"].rule == "adam" and routes["wte"].rule == "adam"
+
+
+class _Block(nnx.Module):
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Param(nnx.with_partitioning(init, ("embed", "mlp"))(rngs.params(), (8, 16)))
+        self.down = nnx.Param(nnx.with_partitioning(init, ("mlp", "embed"))(rngs.params(), (16, 8)))
+        self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",))(rngs.params(), (8,)))
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.up[...]) @ self.down[...] * self.scale[...]
+
+
+class _ListNet(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Param(nnx.with_partitioning(nnx.initializers.normal(), ("vocab", "embed"))(
+            rngs.params(), (32, 8)))
+        self.blocks = nnx.List([_Block(rngs) for _ in range(3)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_routing_of_an_nnx_list_model_as_a_list_and_stacked():
+    listed = _rules(lambda: _ListNet(nnx.Rngs(0)))
+    stacked = _rules(lambda: stack_layers(_ListNet(nnx.Rngs(0))))
+    for i in range(3):
+        assert listed[f"blocks/{i}/up"].rule == listed[f"blocks/{i}/down"].rule == "muon"
+        assert listed[f"blocks/{i}/scale"].rule == "adam"
+    up = stacked["blocks/layer/up"]
+    assert up.rule == "muon" and up.batch == (0,) and up.reduction == (1,)   # one Newton-Schulz per layer
+    assert listed["embed"].rule == stacked["embed"].rule == "adam"
+
+
+def test_a_model_without_logical_names_is_named_and_routing_routes_it():
+    params = {"w": jnp.ones((8, 4)), "b": jnp.ones(4)}
+    with pytest.raises(OptimizerError, match=r"'w' .*routing=\{'<path regex>'"):
+        muon_routing(params)
+    mesh_named = {"w": ("fsdp", "tensor"), "b": (None,)}                   # mesh axes, not logical names
+    with pytest.raises(OptimizerError, match="no feature names"):
+        muon_routing(params, mesh_named)
+    assert muon_routing(params, routing={"^w$": "muon"}) == {"b": "adam", "w": "muon"}
+    with pytest.raises(OptimizerError, match="matches no parameter"):
+        muon_routing(params, routing={"^nope$": "muon"})
+    with pytest.raises(OptimizerError, match=r"muon\(adam=\{'beta1'"):
+        muon(0.02, adam={"beta1": 0.9})
+    with pytest.raises(OptimizerError, match=r"muon\(momentum=1.5\)"):
+        muon(0.02, momentum=1.5)
+
+
+def test_yaml_optimizer_muon_builds_the_routed_optimizer():
+    from jaxpar.config import build_optimizer
+    from jaxpar.config._schema import ConfigError, MuonConfig, OptimizerConfig
+
+    cfg = OptimizerConfig(name="muon", lr=0.02, muon=MuonConfig(adam_lr=1e-3, routing={"^wpe$": "adam"}))
+    tx, _ = build_optimizer(cfg, 10, model_fn=_model)
+    _, shapes, _ = abstract_model(_model)
+    state = jax.eval_shape(tx.init, shapes)
+    assert state.mu["blocks"]["wq"].shape == shapes["blocks"]["wq"].shape and state.mu["wte"].size == 0
+    with pytest.raises(ConfigError, match=r"optimizer.muon.ns_steps=0"):
+        build_optimizer(OptimizerConfig(name="muon", muon=MuonConfig(ns_steps=0)), 10, model_fn=_model)
+
+
+def test_a_muon_state_is_refused_by_the_checkpointer_and_the_config_by_name(tmp_path):
+    """Muon's state holds zero-size arrays that Orbax cannot save: the checkpointer refuses it by name
+    before Orbax (whose failed asynchronous save hangs at exit), and the config names both keys."""
+    from pathlib import Path
+
+    from jaxpar.config import ConfigError, check, load_config
+    from jaxpar.run import Checkpointer
+
+    state = {"mu": jnp.zeros((0, 3)), "w": jnp.ones((2,))}
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        with pytest.raises(jaxpar.errors.CheckpointError, match=r"zero-size arrays \(\['mu'\]\).*muon"):
+            ck.save(1, state)
+    quickstart = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    with pytest.raises(ConfigError, match="optimizer.name=muon with checkpoint.enabled=true"):
+        load_config(quickstart, ["optimizer.name=muon"])
+    check(load_config(quickstart, ["optimizer.name=muon", "checkpoint.enabled=false"]), 8)
