@@ -651,7 +651,7 @@ def _adam_options(adam: dict | None, learning_rate) -> dict:
 
 class MuonState(NamedTuple):
     """:func:`muon`'s state: params-shaped trees (so layouts shard them like the params); each half's
-    leaves are zero-size arrays where the other half owns the parameter.
+    tree holds ``optax.MaskedNode()`` where the other half owns the parameter.
 
     Attributes:
       count: updates so far.
@@ -665,9 +665,8 @@ class MuonState(NamedTuple):
 
 
 def _hide(tree: Any, keep: dict[str, bool]) -> Any:
-    """``tree`` with the leaves not in ``keep`` replaced by zero-size arrays of the same rank."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: x if keep[path_str(p)] else jnp.zeros((0,) * x.ndim, x.dtype), tree)
+    """``tree`` with the leaves not in ``keep`` replaced by ``optax.MaskedNode()`` (no leaves)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: x if keep[path_str(p)] else optax.MaskedNode(), tree)
 
 
 def _muon_direction(mu_hat: jax.Array, route: MuonRoute, ns_steps: int, consistent_rms: float | None) -> jax.Array:

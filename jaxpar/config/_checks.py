@@ -422,9 +422,6 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> None:
         at_least(p, key, value, low)
     if ck.resume and not ck.enabled:
         p.append("checkpoint.resume=true needs checkpoint.enabled=true (resuming also keeps saving).")
-    if opt.name == "muon" and ck.enabled:
-        p.append("optimizer.name=muon with checkpoint.enabled=true: Muon's state cannot be checkpointed yet (it holds "
-                 "zero-size arrays where AdamW owns a parameter, which Orbax refuses); set checkpoint.enabled=false.")
     if lg.peak_flops is not None and lg.peak_flops <= 0:
         p.append(f"logging.peak_flops={lg.peak_flops!r}: must be > 0 (FLOP/s of one device), or null for no MFU.")
     _noise_scale_problems(p, cfg)

@@ -64,7 +64,6 @@ from jaxpar.adapters._layer_lists import change_form
 from jaxpar.run._state_parts import (FORMAT, READABLE, lists_record, plan_parts, record_layouts, record_shapes,
                                      saved_lists, upgrade_record)
 from jaxpar.run._run_directory import refuse_later_steps
-from jaxpar.rules import path_str
 from jaxpar.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning, check_int
 
 
@@ -205,11 +204,6 @@ class Checkpointer:
                   **record_shapes(state), **lists_record(layout), **record_layouts(layout, state)}
         if self.lr_schedule is not None:     # the learning rate the run goes on with from this step
             record["schedule"] = {**record.get("schedule", {}), "lr": float(self.lr_schedule(step))}
-        empty = [path_str(k) for k, a in jax.tree_util.tree_flatten_with_path(state)[0] if getattr(a, "size", 1) == 0]
-        if empty:          # Orbax refuses them, and its failed asynchronous save would hang at exit
-            raise CheckpointError(f"Checkpointer.save(step={step}): the state holds zero-size arrays ({empty[:3]}), "
-                                  "which Orbax cannot save: the muon optimizer's state has them where AdamW owns a "
-                                  "parameter. Train it without checkpoints until Muon's state can be saved.")
         t0 = time.perf_counter()
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                          meta=ocp.args.JsonSave(record)), force=True)

@@ -153,9 +153,10 @@ def optimizer_specs(tx: optax.GradientTransformation, shapes: Any, param_like_sp
       ``(opt_shapes, opt_specs)``.
     """
     opt_shapes = jax.eval_shape(tx.init, shapes)
-    specs = optax.tree_map_params(tx, lambda _, s: s, opt_shapes, param_like_specs,
+    masked = lambda x: isinstance(x, optax.MaskedNode)    # noqa: E731  (a part another optimizer owns)
+    specs = optax.tree_map_params(tx, lambda v, s: v if masked(v) else s, opt_shapes, param_like_specs,
                                   transform_non_params=lambda _: PartitionSpec(),
-                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
+                                  is_leaf=lambda x: isinstance(x, PartitionSpec) or masked(x))
     return opt_shapes, specs
 
 
