@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -27,6 +26,7 @@ import jaxpar
 from jaxpar.run import Checkpointer, train
 from jaxpar.run._goodput import BUCKETS, Goodput, describe
 from jaxpar.step._state import TrainState
+from test_faults import ARGS as FAULT_ARGS, QUICK, _env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,22 +111,13 @@ def test_a_resumed_run_carries_the_earlier_buckets_and_moves_redone_steps_to_los
 
 
 # ----------------------------------------------------------------------------- acceptance 2: kill -9 and resume
-QUICK = str(ROOT / "configs" / "quickstart.yaml")
 STEPS, EVERY = 12, 4
-ARGS = ["model.embed=64", "model.layers=2", "model.seq_len=64", "data.kind=synthetic", "data.batch_size=16",
-        f"train.steps={STEPS}", "train.log_every=1", f"checkpoint.every={EVERY}", "checkpoint.keep=3",
-        "train.eval_batches=0", "logging.samples=0", "logging.tensorboard=false", "train.progress=lines",
-        "optimizer.warmup_steps=0"]
+ARGS = [a for a in FAULT_ARGS if not a.startswith(("train.steps=", "checkpoint.every="))] + [
+    f"train.steps={STEPS}", f"checkpoint.every={EVERY}"]
 
 
 def _cmd(out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "jaxpar.cli", "train", QUICK, *ARGS, f"train.out_dir={out}", *extra]
-
-
-def _env() -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    return env
 
 
 def _kill_after(out: Path, step: int, timeout: float = 240) -> None:
