@@ -142,7 +142,7 @@ def test_inspect_h100_fsdp8_fp8_reports_every_covered_gemm_and_fp8_all_gathers(c
                                        "parallel.compute_dtype=bfloat16"])
     assert inspect_config(cfg, target="h100:1x8") == 0
     out = capsys.readouterr().out
-    assert "18 of 18 GEMMs of the 6 covered weights compiled in FP8" in out      # wq wk wv wo w1 w2, x 3
+    assert "all 18 GEMMs of the 6 covered weights compiled in FP8" in out      # wq wk wv wo w1 w2, x 3
     gathers = dict(re.findall(r"^fsdp \| (\w+) +\| +\d+ \| +([\d.]+ \w+)$", out, re.M))
     assert gathers["f8e4m3fn"] == "48.0 MiB"       # 2 layers x (4 + 8) Mi covered elements / 8 x 2 gathers x 1 byte
     ratio = float(re.search(r"bytes over fsdp per step .*\| +([\d.]+)$", out, re.M).group(1))
