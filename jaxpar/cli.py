@@ -29,6 +29,7 @@ A thin shell: :func:`jaxpar.config.build_job` builds what ``train``, ``inspect``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -69,6 +70,7 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
         if info.multiprocess:
             catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
     from jaxpar.config._job import build_job, describe_data, header_lines, model_line, packing_line, state_line
+    from jaxpar.config._plan_command import run_predicted_peak
     from jaxpar.run._resume import checkpoint_meta, train_with_checkpoints
 
     job = build_job(cfg)
@@ -81,6 +83,7 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     print(line)
     step, evaluate = job.train_step(layout), job.eval_fn(layout)
     log, ckpt = job.log_options(layout, tokens), job.checkpointer(layout)
+    log = dataclasses.replace(log, predicted_peak_bytes=run_predicted_peak(cfg, layout.mesh, job.strategy))
     status = train_with_checkpoints(step, state, layout, job.batch_fn, job.run, log, checkpointer=ckpt,
                                     meta=checkpoint_meta(mesh_sizes=layout.mesh.shape, **job.meta), eval_fn=evaluate,
                                     eval_batches=job.eval_batches, ramp=job.ramp, lr_schedule=job.log_lr,

@@ -459,3 +459,25 @@ def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: boo
     if getattr(result, "refused", None):
         lines += ["", result.refused_table(min(top, 5))]
     return "\n".join(lines)
+
+
+def run_predicted_peak(cfg: JobConfig, mesh: Any, strategy: Strategy) -> float | None:
+    """The cost model's peak per device for ``jaxpar train``'s report (None: not predicted).
+
+    Args:
+      cfg: the config.
+      mesh: the run's mesh.
+      strategy: the config's strategy.
+
+    Returns:
+      Bytes per device, as ``jaxpar inspect`` predicts them on the run's platform, or None.
+    """
+    from jaxpar.cost._traffic import lowering_for_platform
+
+    sizes = dict(mesh.shape)
+    platform = {"gpu": "cuda"}.get(p := mesh.devices.flat[0].platform, p)
+    cluster = {"cpu": "cpu_sim", "cuda": "h100"}.get(platform)
+    if cluster is None or unpredicted(cfg, strategy, sizes) is not None:
+        return None
+    lowering = lowering_for_platform(platform)
+    return _predicted(planner_view(cfg, sizes, strategy, cluster, lowering=lowering), strategy, lowering, platform)[3]

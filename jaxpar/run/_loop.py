@@ -17,6 +17,8 @@ checkpoint points: the next host batch is built while the device computes.
   ``"stop"`` raises :class:`~jaxpar.errors.NonFiniteError`. A non-finite state is never saved.
 * **Goodput** (:mod:`jaxpar.run._goodput`): the wall time by bucket (steps, compile, checkpoints, data,
   eval, logging, steps lost to a restart) in the ``train`` records and ``summary.goodput``.
+* **Memory** (:class:`~jaxpar.run._report.MemoryMeter`): the peak bytes per device, measured at log points
+  (``memory_stats()``; on CPU the live arrays), beside the compiled step's in ``summary.memory``.
 
 Example::
 
@@ -68,8 +70,8 @@ from jaxpar.run._goodput import Goodput
 from jaxpar.run._ramp import AdaptiveRamp
 from jaxpar.run._same_program import SameProgram
 from jaxpar.run._run_directory import refuse_later_steps
-from jaxpar.run._report import (LogOptions, Meter, MetricsWriter, Progress, TrainSummary, is_main_process,
-                                merge_log_options, plot_losses)
+from jaxpar.run._report import (LogOptions, MemoryMeter, Meter, MetricsWriter, Progress, TrainSummary,
+                                is_main_process, merge_log_options, plot_losses)
 from jaxpar.step._router_bias import bias_of
 from jaxpar.step._grads import model_loss
 from jaxpar.step._program import strategy_context
@@ -174,6 +176,11 @@ class _Run:
         self.clock.add("logging", mark)                # the sinks: files, TensorBoard, the bar
         self.meter = Meter(self.writer, self.bar, log, on_nonfinite=on_nonfinite, start=start, end=end,
                             devices=mesh.size)
+        self.memory = MemoryMeter(list(mesh.devices.flat))
+
+    def is_log(self, done: int) -> bool:
+        """Whether the step count ``done`` is a log point (the first step of the call, every ``log_every``, the last)."""
+        return done == self.start + self.k or done % self.log.log_every == 0 or done == self.end
 
     def step(self, state: Any, step: int) -> tuple[Any, Any]:
         """Dispatch step ``step`` (asynchronous, at most ``max_inflight`` ahead of the device).
@@ -198,6 +205,12 @@ class _Run:
         self.meter.add(step + self.k, metrics, self.k)
         self.bar.advance(self.k)
         clock.add("steps", mark)
+        if self.is_log(step + self.k):   # a log point's step dispatched: its state, batch and metrics live
+            mark = clock.mark()
+            if not self.memory.count and hasattr(self.step_fn, "lower"):
+                self.memory.keep_batch(batch)   # the compiled step is read at the end, the device idle
+            self.memory.measure()
+            clock.add("logging", mark)
         return state, metrics
 
     def grow_batch(self, state: Any, done: int) -> None:
@@ -214,7 +227,7 @@ class _Run:
     def sync(self, state: Any, done: int, metrics: Any, stop: bool) -> None:
         """At log and checkpoint points (and before stopping): fetch and check the metrics, record, save."""
         ck = self.checkpointer
-        is_log = done == self.start + self.k or done % self.log.log_every == 0 or done == self.end or stop
+        is_log = self.is_log(done) or stop
         save = ck is not None and (ck.should_save(done) or done == self.end or stop)
         if is_log or save:
             mark = self.clock.mark()
@@ -223,7 +236,8 @@ class _Run:
             now = mark = self.clock.mark()
             self.clock.split(*self.meter.fetch())
             if is_log:
-                self.meter.record(done, now[0], self.clock.fields())
+                self.meter.record(done, now[0], {**self.clock.fields(),
+                                                 **({"memory_peak": self.memory.peak} if self.memory.count else {})})
             self.clock.add("logging", mark)
         if save:
             mark = self.clock.mark()
@@ -290,7 +304,7 @@ class _Run:
                     self.evaluate(state, done)
         finally:
             self.close()
-        return state, self.summary(done, preempted)
+        return state, self.summary(state, done, preempted)
 
     def close(self) -> None:
         if self.checkpointer is not None:
@@ -302,8 +316,11 @@ class _Run:
         self.writer.close()
         self.clock.add("logging", mark)
 
-    def summary(self, done: int, preempted: str | None) -> TrainSummary:
-        m, log = self.meter, self.log
+    def summary(self, state: Any, done: int, preempted: str | None) -> TrainSummary:
+        m, log, mark = self.meter, self.log, self.clock.mark()
+        self.memory.measure()       # memory_stats: the last steps' peak too
+        self.memory.read_compiled(self.step_fn, state)
+        self.clock.add("logging", mark)
         wall = time.perf_counter() - m.t_begin
         step_time = m.step_time()
         finite = [x for x in m.losses if math.isfinite(x)] or m.losses or [float("nan")]
@@ -314,7 +331,8 @@ class _Run:
             first_step_time=m.first_step_time or 0.0, step_time=step_time, tokens_per_s=tps,
             metrics_path=str(self.writer.path) if self.writer.path is not None else None, preempted=preempted,
             skipped_steps=m.skipped_steps, checkpoint_steps=m.saved, mfu=log.mfu_at(tps, self.mesh.size),
-            goodput=self.clock.summary(), losses=m.losses, evals=self.evals)
+            goodput=self.clock.summary(), memory=self.memory.summary(log.predicted_peak_bytes),
+            losses=m.losses, evals=self.evals)
         if log.out_dir is not None and log.plot and self.main and m.losses:
             summary.plot_path = self._plot()
             self._plot_noise_scale()

@@ -4,7 +4,8 @@
 :class:`TrainSummary` (what a call did: losses, timings, skipped and checkpointed steps, one
 :meth:`~TrainSummary.line`), :func:`plot_losses` (the ``loss.png`` curve). :class:`Progress` (tqdm
 bar or lines) and :class:`Meter` (fetches step metrics at log points, checks them for NaN / inf,
-writes ``train`` and ``nonfinite`` records, times steps) serve the loop only. The sinks:
+writes ``train`` and ``nonfinite`` records, times steps) and :class:`MemoryMeter` (the peak memory per
+device, measured at log points, beside the compiled step's) serve the loop only. The sinks:
 :class:`MetricsWriter` (``metrics.jsonl`` and TensorBoard, written by process 0 only) and the FLOP count
 behind MFU (:func:`flops_per_token`, :func:`mfu`; the formula: docs/training.md).
 """
@@ -21,8 +22,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from jaxpar.analysis._compiled_memory import format_bytes
-from jaxpar.errors import LoopError, NonFiniteError, check_int
+from jaxpar.analysis._compiled_memory import format_bytes, memory_report
+from jaxpar.errors import AnalysisError, LoopError, NonFiniteError, check_int
 from jaxpar.run._goodput import describe
 
 _PROGRESS_MODES = ("auto", "bar", "lines", "none")
@@ -48,6 +49,7 @@ class TrainSummary:
     checkpoint_steps: list[int] = field(default_factory=list)  # steps checkpointed by this call
     mfu: float | None = None
     goodput: dict | None = None        # the run's wall time by bucket, across resumes (jaxpar.run._goodput)
+    memory: dict | None = None         # peak bytes per device: measured, compiled, predicted (MemoryMeter.summary)
     losses: list[float] = field(default_factory=list, repr=False)
     evals: list[tuple[int, float]] = field(default_factory=list, repr=False)
 
@@ -58,10 +60,11 @@ class TrainSummary:
         tps += f", MFU {self.mfu:.1%}" if self.mfu is not None else ""
         skip = f"; {len(self.skipped_steps)} non-finite steps skipped" if self.skipped_steps else ""
         stop = f"; stopped by {self.preempted} at step {self.end_step}" if self.preempted else ""
+        mem = f"; {describe_memory(self.memory)}" if self.memory else ""
         good = f"; {describe(self.goodput)}" if self.goodput else ""
         return (f"loss {self.first_loss:.4f} -> {self.last_loss:.4f} over {self.end_step - self.start_step} steps"
                 f"{ev}; {self.step_time:.4f} s/step{tps}; first step (compile) {self.first_step_time:.1f} s; "
-                f"total {self.wall_time:.1f} s{skip}{stop}{good}")
+                f"total {self.wall_time:.1f} s{skip}{stop}{mem}{good}")
 
 
 def plot_losses(path: str | Path, steps: Sequence[int], losses: Sequence[float],
@@ -125,6 +128,8 @@ class LogOptions:
     ``plot``, titled ``title``). ``progress``: ``"auto"`` (a tqdm bar on a terminal, else
     lines), ``"bar"``, ``"lines"`` (through ``print_fn``) or ``"none"``. ``tokens_per_batch``
     adds tokens/s; with ``flops_per_token`` and ``peak_flops`` (of one device) MFU too.
+    ``predicted_peak_bytes``: the cost model's peak per device, shown beside the measured and
+    compiled peaks (:class:`MemoryMeter`).
 
     Example::
 
@@ -147,17 +152,19 @@ class LogOptions:
     tokens_per_batch: int | None = None
     flops_per_token: float | None = None
     peak_flops: float | None = None
+    predicted_peak_bytes: float | None = None
 
     def __post_init__(self) -> None:
         check_int("LogOptions", "log_every", self.log_every, 1, LoopError)
         if self.progress not in _PROGRESS_MODES:
             raise LoopError(f"LogOptions(progress={self.progress!r}): choose one of "
                              f"{', '.join(map(repr, _PROGRESS_MODES))}.")
-        for name in ("peak_flops", "flops_per_token"):
+        for name in ("peak_flops", "flops_per_token", "predicted_peak_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value <= 0):
-                raise LoopError(f"LogOptions({name}={value!r}): must be a finite number > 0 (None: no MFU).")
+                raise LoopError(f"LogOptions({name}={value!r}): must be a finite number > 0 (None: "
+                                f"{'not predicted' if name == 'predicted_peak_bytes' else 'no MFU'}).")
 
     def mfu_at(self, tokens_per_s: float | None, devices: int) -> float | None:
         """MFU at ``tokens_per_s`` on ``devices``.
@@ -410,11 +417,144 @@ class Meter:
         return self.timed_s / self.timed_steps if self.timed_steps else (self.first_step_time or 0.0)
 
 
+_HOST_MEMORY = ("pinned_host", "unpinned_host")    # memory kinds of arrays kept in host memory, not the device's
+
+
+def live_bytes(devices: Sequence[Any]) -> dict[Any, int]:
+    """The bytes of this process's live jax arrays on each of ``devices`` (``jax.live_arrays()``; an array
+    in host memory is not counted; a shard counts on every device that holds a copy).
+
+    Args:
+      devices: the devices to count.
+
+    Returns:
+      ``{device: bytes}``, every one of ``devices`` included.
+    """
+    total = dict.fromkeys(devices, 0)
+    for a in jax.live_arrays():
+        sharding = a.sharding
+        if sharding.memory_kind in _HOST_MEMORY:
+            continue
+        size = math.prod(sharding.shard_shape(a.shape)) * a.dtype.itemsize
+        for d in sharding.addressable_devices:
+            if d in total:
+                total[d] += size
+    return total
+
+
+class MemoryMeter:
+    """A run's peak memory per device, measured at log points, beside the compiled step's and the cost model's.
+
+    Where the backend keeps allocator statistics (GPU, TPU: ``device.memory_stats()``), the measure is
+    ``peak_bytes_in_use``: the allocator's peak since the process started, the step's temporaries
+    included. XLA:CPU keeps none; there the measure is the largest total of live jax arrays' bytes on one
+    device seen when a log point's step has been dispatched (:func:`live_bytes`: the state, the batch, the
+    metrics). It misses the temporaries inside a step, which only the compiler's figure has. Either is the
+    busiest device of the mesh's in this process.
+
+    Args:
+      devices: the mesh's devices.
+    """
+
+    def __init__(self, devices: Sequence[Any]):
+        self.devices = [d for d in devices if d.process_index == jax.process_index()]
+        stats = self.devices[0].memory_stats() if self.devices else None
+        self.source = "memory_stats" if stats else "live_arrays"
+        self.limit = int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+        self.peak, self.count, self.seconds = 0, 0, 0.0
+        self.compiled: Any = None          # the step's MemoryReport (None: not compiled, or no memory analysis)
+        self.batch: Any = None             # the shapes of a batch the step ran on (keep_batch)
+
+    def measure(self) -> int:
+        """Measure now; keep the peak.
+
+        Returns:
+          The bytes in use on the busiest device (``memory_stats``: its peak so far).
+        """
+        t0 = time.perf_counter()
+        if self.source == "memory_stats":
+            now = max(int(d.memory_stats().get("peak_bytes_in_use", 0)) for d in self.devices)
+        else:
+            now = max(live_bytes(self.devices).values(), default=0)
+        self.peak = max(self.peak, now)
+        self.count += 1
+        self.seconds += time.perf_counter() - t0
+        return now
+
+    def keep_batch(self, batch: Any) -> None:
+        """Keep the shapes and shardings of a batch the step ran on, for :meth:`read_compiled` (the batch itself
+        is not kept alive).
+
+        Args:
+          batch: the batch.
+        """
+        self.batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+
+    def read_compiled(self, step_fn: Callable, state: Any) -> None:
+        """The compiled step's memory (its program ``"step"``, compiled by the run already: the lowering and
+        the compile are JAX's cached ones), or nothing for a step function that cannot be lowered.
+
+        Args:
+          step_fn: the step function (a :class:`~jaxpar.step.TrainStep` or a jitted function).
+          state: a state it is called with.
+        """
+        if not hasattr(step_fn, "lower") or self.batch is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.compiled = memory_report(step_fn.lower(state, self.batch).compile())
+        except AnalysisError:           # a backend without memory analysis
+            self.compiled = None
+        self.seconds += time.perf_counter() - t0
+
+    def summary(self, predicted: float | None = None) -> dict[str, Any] | None:
+        """The figures for ``summary.json`` (bytes per device; None before any measure).
+
+        Args:
+          predicted: the cost model's peak per device (None: not predicted).
+
+        Returns:
+          ``measured_peak_bytes``, ``measured_by`` (``"memory_stats"`` / ``"live_arrays"``),
+          ``compiled_peak_bytes`` and ``compiled_argument_bytes`` (None without a compiled step),
+          ``predicted_peak_bytes``, ``device_bytes_limit`` (None: unknown), ``measures`` and ``measure_s``
+          (their count and cost).
+        """
+        if not self.count:
+            return None
+        c = self.compiled
+        return {"measured_peak_bytes": self.peak, "measured_by": self.source,
+                "compiled_peak_bytes": c.required_bytes if c else None,
+                "compiled_argument_bytes": c.argument_bytes if c else None,
+                "predicted_peak_bytes": predicted, "device_bytes_limit": self.limit,
+                "measures": self.count, "measure_s": self.seconds}
+
+
+def describe_memory(memory: dict[str, Any]) -> str:
+    """The closing line's memory part: ``memory per device 48.1 MiB (live arrays) / compiled 60.2 MiB``.
+
+    Args:
+      memory: :meth:`MemoryMeter.summary`'s dict.
+
+    Returns:
+      The text.
+
+    >>> describe_memory({"measured_peak_bytes": 3 * 2**20, "measured_by": "memory_stats",
+    ...                  "compiled_peak_bytes": 4 * 2**20, "predicted_peak_bytes": 5 * 2**20})
+    'memory per device 3.0 MiB (peak in use) / compiled 4.0 MiB / predicted 5.0 MiB'
+    """
+    how = "peak in use" if memory["measured_by"] == "memory_stats" else "live arrays"
+    text = f"memory per device {format_bytes(memory['measured_peak_bytes'])} ({how})"
+    for key, name in (("compiled_peak_bytes", "compiled"), ("predicted_peak_bytes", "predicted")):
+        if memory.get(key):
+            text += f" / {name} {format_bytes(memory[key])}"
+    return text
+
+
 #: JSONL record key -> TensorBoard tag.
 TB_TAGS = {
     "loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "skipped": "train/skipped_steps",
     "step_time": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
-    "data_wait": "perf/data_wait_s",
+    "data_wait": "perf/data_wait_s", "memory_peak": "perf/memory_peak_bytes",
     "eval_loss": "eval/loss",
 }
 
