@@ -178,6 +178,26 @@ def fp8_lines(cfg: JobConfig, job: Any, compiled: Any, platform: str) -> list[st
     return lines
 
 
+def muon_lines(cfg: JobConfig, layout: Any) -> list[str]:
+    """``jaxpar inspect``'s Muon section (``optimizer.name: muon``): which half updates each parameter, its
+    matrix (input x output side) and batch dims (:func:`jaxpar.optimizers.muon_routing_table`).
+
+    Args:
+      cfg: the config (``optimizer.muon.routing`` overrides the logical names).
+      layout: the train state's layout (its parameter shapes and logical names).
+
+    Returns:
+      The lines; none for another optimizer.
+    """
+    if cfg.optimizer.name != "muon":
+        return []
+    from jaxpar.optimizers import muon_routing_table
+
+    table = muon_routing_table(layout.shapes, layout.logical, routing=dict(cfg.optimizer.muon.routing))
+    return ["", "muon routing (parameter, rule, matrix: input x output, batch dims: one Newton-Schulz each, why)",
+            table]
+
+
 def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | None = None) -> int:
     """Compile the config's train step and print the report (see the module docstring).
 
@@ -300,6 +320,8 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
 
     print("\nparameters (mesh axes per dimension; '-' replicated)")
     print(sharding_table(layout))
+    if lines := muon_lines(cfg, layout):
+        print("\n".join(lines))
     for name, c in compiled.items():
         print("\ncollectives of the compiled " + ("step" if name == "step" else f"{name} program"))
         colls = collectives(c, job.mesh) if job.mesh.size > 1 else []

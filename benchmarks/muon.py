@@ -1,0 +1,200 @@
+"""Muon against AdamW on the CPU mesh (issue 57's benchmark): convergence, step time, compiled collectives.
+
+1. Convergence: the quickstart (DP2 x FSDP2 x TP2, 300 steps, the same data, seed, warm-up and cosine
+   schedule) with its AdamW (lr 3e-3, weight decay 0.1) and with ``optimizer.name: muon`` at
+   ``optimizer.lr=0.02`` (Muon's usual lr; the matrices' decoupled weight decay is the quickstart's 0.1)
+   with its AdamW half at the quickstart's AdamW settings (``adam_lr=3e-3``, ``adam_weight_decay=0.1``);
+   nothing else tuned. Loss at steps 1/50/100/200/300, final train loss (mean of the last 10% of
+   steps), eval loss.
+2. Step time, Muon / AdamW, on the quickstart GPT (batch 32) for DP2 x FSDP2 x TP2, FSDP8 and one
+   device (Newton-Schulz's compute alone, no collectives): both
+   steps compiled in one process, then ``--reps`` rounds of ``--steps`` steps each, order alternating;
+   the ratio is the median of the per-round ratios (as benchmarks/overhead.py measures).
+3. The compiled collectives under FSDP8 (:func:`jaxpar.analysis.collectives`): of the whole train step,
+   and of the optimizer update alone (``tx.update`` jitted on the layout's gradient, state and parameter
+   shardings), Muon against AdamW: count and bytes (result bytes on one device) per kind.
+
+    .venv/bin/python benchmarks/muon.py [--skip-convergence] [--reps 20] [--json out.json]
+"""
+from __future__ import annotations
+
+import _common  # noqa: F401  (sets up 8 CPU devices first)
+
+import argparse
+import math
+import statistics
+import time
+
+import jax
+import optax
+from flax import nnx
+
+import jaxpar
+from jaxpar.adapters import abstract_model
+from jaxpar.analysis import collectives, format_bytes, summarize
+from jaxpar.models import GPT, lm_loss
+from jaxpar.optimizers import muon, muon_routes
+from jaxpar.rules import path_str
+
+from _common import GPTConfig, copy_state, environment, make_batch, markdown_table, quickstart_run, write_json
+
+MUON_LR, ADAM_LR, WD, B2 = 0.02, 3e-3, 0.1, 0.95
+RUNS = {"AdamW": [],
+        "Muon": ["optimizer.name=muon", f"optimizer.lr={MUON_LR}", f"optimizer.muon.adam_lr={ADAM_LR}",
+                 f"optimizer.muon.adam_weight_decay={WD}"]}
+#: The quickstart's GPT and global batch.
+GPT_CFG, BATCH = GPTConfig(vocab=256, seq_len=64, embed=128, heads=4, layers=2), 32
+LAYOUTS = {"DP2 x FSDP2 x TP2": {"data": 2, "fsdp": 2, "tensor": 2}, "FSDP8": {"fsdp": 8},
+           "one device (no collectives)": {}}
+KINDS = ("all-gather", "all-reduce", "reduce-scatter")
+
+
+def _model():
+    return GPT(GPT_CFG, rngs=nnx.Rngs(0))
+
+
+def optimizers() -> dict[str, optax.GradientTransformation]:
+    """The two optimizers of the timing and the collectives (constant lr, clipped at 1 as the quickstart)."""
+    logical = abstract_model(_model)[2]
+    clip = optax.clip_by_global_norm(1.0)
+    return {"AdamW": optax.chain(clip, optax.adamw(ADAM_LR, b2=B2, weight_decay=WD)),
+            "Muon": optax.chain(clip, muon(MUON_LR, logical=logical, weight_decay=WD,
+                                           adam=dict(lr=ADAM_LR, b2=B2, weight_decay=WD)))}
+
+
+def final(recs: list[dict]) -> float:
+    """The mean loss of the last 10% of the steps."""
+    tail = recs[-max(1, len(recs) // 10):]
+    return sum(r["loss"] for r in tail) / len(tail)
+
+
+def convergence() -> list[list[str]]:
+    """Table rows: loss at steps 1/50/100/200/300, final train, eval, and Muon / AdamW."""
+    results = {name: quickstart_run(overrides, name) for name, overrides in RUNS.items()}
+    base_train, base_eval = final(results["AdamW"][0]), results["AdamW"][1]
+    rows = []
+    for name, (recs, evaluated) in results.items():
+        at = {r["step"]: r["loss"] for r in recs}
+        rows.append([name, *(f"{at[s]:.4f}" for s in (1, 50, 100, 200, 300)), f"{final(recs):.4f}",
+                     f"{evaluated:.4f}", f"{final(recs) / base_train:.4f}", f"{evaluated / base_eval:.4f}"])
+    return rows
+
+
+def _built(sizes: dict, txs: dict) -> tuple:
+    """``(mesh, {name: (state, layout, step)})`` on a mesh of ``sizes``."""
+    mesh = jaxpar.make_mesh(sizes, devices=jax.devices()[:math.prod(sizes.values())])
+    built = {}
+    for name, tx in txs.items():
+        state, layout = jaxpar.init_train_state(_model, tx, mesh, jaxpar.Strategy())
+        built[name] = (state, layout, jaxpar.make_train_step(lm_loss, tx, layout))
+    return mesh, built
+
+
+def step_times(sizes: dict, txs: dict, steps: int, reps: int, warmup: int) -> dict:
+    """Median step time of each optimizer and the median per-round ratio Muon / AdamW."""
+    mesh, built = _built(sizes, txs)
+    batch = jaxpar.shard_batch(make_batch(GPT_CFG, BATCH), mesh)
+    states = {n: copy_state(b[0]) for n, b in built.items()}
+    for n, (_, _, step) in built.items():
+        for _ in range(warmup):
+            states[n], m = step(states[n], batch)
+        jax.block_until_ready((states[n], m))
+    names, samples = list(built), {n: [] for n in built}
+    for r in range(reps):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            s, step = states[n], built[n][2]
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                s, m = step(s, batch)
+            jax.block_until_ready((s, m))
+            samples[n].append((time.perf_counter() - t0) / steps)
+            states[n] = s
+    ratios = sorted(a / b for a, b in zip(samples["Muon"], samples["AdamW"]))
+    return {"median_s": {n: statistics.median(v) for n, v in samples.items()}, "ratio": statistics.median(ratios),
+            "quartiles": (ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4]),
+            "samples_s": samples}
+
+
+def _update_program(tx, state, layout):
+    """``tx.update`` alone, compiled on the layout's gradient, optimizer-state and parameter shardings."""
+    sh = lambda specs: jaxpar.named_shardings(specs, layout.mesh)   # noqa: E731
+    fn = jax.jit(lambda g, s, p: tx.update(g, s, p), in_shardings=(sh(layout.grads), sh(layout.opt_state),
+                                                                   sh(layout.params)))
+    return fn.lower(state.params, state.opt_state, state.params).compile()
+
+
+def _by_kind(colls) -> dict[str, dict]:
+    out = {k: {"count": 0, "bytes": 0} for k in KINDS}
+    for row in summarize(colls):
+        if row["kind"] in out:
+            out[row["kind"]]["count"] += row["count"]
+            out[row["kind"]]["bytes"] += row["bytes"]
+    return out
+
+
+def compiled_collectives(txs: dict) -> dict:
+    """FSDP8: ``{program: {optimizer: {kind: {count, bytes}}}}`` for the train step and the update alone."""
+    mesh, built = _built(LAYOUTS["FSDP8"], txs)
+    batch = jaxpar.shard_batch(make_batch(GPT_CFG, BATCH), mesh)
+    out = {"train step": {}, "update alone": {}}
+    for n, (state, layout, step) in built.items():
+        out["train step"][n] = _by_kind(collectives(step.lower(state, batch).compile(), mesh))
+        out["update alone"][n] = _by_kind(collectives(_update_program(txs[n], state, layout), mesh))
+    return out
+
+
+def muon_matrix_bytes() -> tuple[int, int]:
+    """``(matrices, bytes)``: the Muon-routed parameters and their full fp32 size (what gathering each
+    momentum once costs on one device)."""
+    shapes, logical = abstract_model(_model)[1:3]
+    routes = muon_routes(shapes, logical)
+    flat = {path_str(p): a for p, a in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    on = [flat[k] for k, r in routes.items() if r.rule == "muon"]
+    return len(on), sum(a.size * a.dtype.itemsize for a in on)
+
+
+def _collective_rows(colls: dict) -> list[list[str]]:
+    rows = []
+    for program, per in colls.items():
+        for kind in KINDS:
+            a, m = per["AdamW"][kind], per["Muon"][kind]
+            rows.append([program, kind, str(a["count"]), format_bytes(a["bytes"]), str(m["count"]),
+                         format_bytes(m["bytes"]), format_bytes(m["bytes"] - a["bytes"])])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--skip-convergence", action="store_true")
+    parser.add_argument("--steps", type=int, default=2, help="steps per timed block")
+    parser.add_argument("--reps", type=int, default=20, help="alternating rounds")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    env = environment()
+    print(f"# {env['date']}, commit {env['git']}, {env['devices']}, jax {env['jax']}, {env['nproc']} cores", flush=True)
+    out: dict = {"environment": env, "config": vars(args)}
+    if not args.skip_convergence:
+        out["convergence"] = convergence()
+        print(markdown_table(["optimizer", "step 1", "50", "100", "200", "300", "final train", "eval",
+                              "train / AdamW", "eval / AdamW"], out["convergence"]), flush=True)
+    txs = optimizers()
+    out["step_time"] = {name: step_times(sizes, txs, args.steps, args.reps, args.warmup)
+                        for name, sizes in LAYOUTS.items()}
+    print("\n" + markdown_table(["layout", "AdamW ms", "Muon ms", "Muon / AdamW (median of paired rounds)",
+                                 "quartiles of the rounds' ratios"],
+                                [[name, f"{r['median_s']['AdamW'] * 1e3:.2f}", f"{r['median_s']['Muon'] * 1e3:.2f}",
+                                  f"{r['ratio']:.3f}", "{:.3f} - {:.3f}".format(*r["quartiles"])]
+                                 for name, r in out["step_time"].items()]), flush=True)
+    out["collectives"] = compiled_collectives(txs)
+    n, size = muon_matrix_bytes()
+    print("\nFSDP8, collectives per device (result bytes):")
+    print(markdown_table(["program", "kind", "AdamW count", "AdamW bytes", "Muon count", "Muon bytes",
+                          "Muon - AdamW bytes"], _collective_rows(out["collectives"])))
+    print(f"\nMuon-routed parameters: {n}, full fp32 size {format_bytes(size)} (one gather of each momentum)")
+    out["muon_matrices"] = {"count": n, "bytes": size}
+    write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main()

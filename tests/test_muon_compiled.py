@@ -1,0 +1,60 @@
+"""Muon as ``jaxpar inspect`` shows it and as XLA compiles it (issue 57, docs/muon.md).
+
+``jaxpar inspect`` with ``optimizer.name: muon`` prints the routing table of the state's layout
+(:func:`jaxpar.config._inspection.muon_lines`). Under FSDP8 the update alone (``tx.update`` on the
+layout's shardings) of AdamW needs no all-gather; Muon's gathers the sharded matrices for
+Newton-Schulz (GSPMD's placement, the *gather* placement): at least one all-gather per Muon-routed
+parameter.
+"""
+import re
+from pathlib import Path
+
+import jax
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.adapters import abstract_model
+from jaxpar.analysis import collectives, count
+from jaxpar.config import load_config
+from jaxpar.config._inspection import muon_lines
+from jaxpar.config._job import build_job
+from jaxpar.models import GPT
+from jaxpar.optimizers import muon, muon_routing
+
+from conftest import need_devices
+from helpers import CFG, mesh_for
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+
+@need_devices(8)
+def test_inspect_prints_the_muon_routing_of_the_layout():
+    cfg = load_config(QUICKSTART, ["optimizer.name=muon", "model.embed=32", "model.layers=1"])
+    layout = build_job(cfg, jax.devices()[:8], data=False).state_layout()
+    text = "\n".join(muon_lines(cfg, layout))
+    rows = {line.split()[0]: line.split()[1] for line in text.splitlines()[2:]}
+    assert rows["blocks/wq"] == "muon" and rows["wte"] == "adam" and rows["head"] == "adam"
+    assert re.search(r"^blocks/wq\s+muon\s+embed\(32\) x heads\*kv\(32\)\s+batch layers\(1\)", text, re.M)
+    assert muon_lines(load_config(QUICKSTART, ["model.embed=32", "model.layers=1"]), layout) == []
+
+
+def _update_collectives(tx):
+    mesh = mesh_for({"fsdp": 8})
+    state, layout = jaxpar.init_train_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), tx, mesh, jaxpar.Strategy())
+    sh = lambda specs: jaxpar.named_shardings(specs, mesh)   # noqa: E731
+    update = jax.jit(lambda g, s, p: tx.update(g, s, p),
+                     in_shardings=(sh(layout.grads), sh(layout.opt_state), sh(layout.params)))
+    return collectives(update.lower(state.params, state.opt_state, state.params).compile(), mesh)
+
+
+@pytest.mark.slow
+@need_devices(8)
+def test_muon_update_under_fsdp8_gathers_the_sharded_matrices():
+    _, shapes, logical = abstract_model(lambda: GPT(CFG, rngs=nnx.Rngs(0)))
+    matrices = sum(rule == "muon" for rule in muon_routing(shapes, logical).values())
+    adamw = _update_collectives(optax.adamw(1e-3))
+    ours = _update_collectives(muon(0.02, logical=logical))
+    assert count(adamw, "all-gather") == 0
+    assert count(ours, "all-gather") >= matrices
