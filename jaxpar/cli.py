@@ -70,6 +70,7 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
         if info.multiprocess:
             catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
     from jaxpar.config._job import build_job, describe_data, header_lines, model_line, packing_line, state_line
+    from jaxpar.config._inspection import muon_lines
     from jaxpar.config._plan_command import run_predicted_peak
     from jaxpar.run._resume import checkpoint_meta, train_with_checkpoints
 
@@ -79,6 +80,8 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     state, layout = job.init_state(weights=not job.run.resume)     # a resumed run restores its own weights
     print(model_line(cfg.model, job.hf, layout))
     print(state_line(layout))
+    if routing := muon_lines(cfg, layout):
+        print("\n".join(routing[1:]))                # the run's config summary: each parameter's half
     line, tokens = describe_data(cfg, job.batch_fn)
     print(line)
     step, evaluate = job.train_step(layout), job.eval_fn(layout)
