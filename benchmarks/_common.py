@@ -197,3 +197,22 @@ def quickstart_run(overrides: list[str], what: str) -> tuple[list[dict], float]:
             raise RuntimeError(f"jaxpar train failed for {what}")
         recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return [r for r in recs if r["kind"] == "train"], next(r["eval_loss"] for r in recs if r["kind"] == "eval")
+
+
+def final_loss(recs: list[dict]) -> float:
+    """The mean loss of the last 10% of the train records."""
+    tail = recs[-max(1, len(recs) // 10):]
+    return sum(r["loss"] for r in tail) / len(tail)
+
+
+def convergence_rows(runs: dict[str, list[str]], base: str, steps=(1, 50, 100, 200, 300)) -> list[list[str]]:
+    """One quickstart run per ``{name: overrides}``: rows of the loss at ``steps``, the final train loss
+    (:func:`final_loss`), the eval loss, and both over the run ``base``'s."""
+    results = {name: quickstart_run(overrides, name) for name, overrides in runs.items()}
+    base_train, base_eval = final_loss(results[base][0]), results[base][1]
+    rows = []
+    for name, (recs, evaluated) in results.items():
+        at = {r["step"]: r["loss"] for r in recs}
+        rows.append([name, *(f"{at[s]:.4f}" for s in steps), f"{final_loss(recs):.4f}", f"{evaluated:.4f}",
+                     f"{final_loss(recs) / base_train:.4f}", f"{evaluated / base_eval:.4f}"])
+    return rows

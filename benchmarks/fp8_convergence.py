@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import argparse
 
-from _common import environment, markdown_table, quickstart_run, write_json
+from _common import convergence_rows, environment, markdown_table, write_json
 
 RUNS = {"bf16": ["parallel.compute_dtype=bfloat16"],
         "bf16 + FP8 tensorwise": ["parallel.compute_dtype=bfloat16", "parallel.fp8={recipe: tensorwise, min_dim: 0}"],
         "bf16 + FP8 rowwise": ["parallel.compute_dtype=bfloat16", "parallel.fp8={recipe: rowwise, min_dim: 0}"]}
-
-
-def final(recs: list[dict]) -> float:
-    tail = recs[-max(1, len(recs) // 10):]
-    return sum(r["loss"] for r in tail) / len(tail)
 
 
 def main() -> None:
@@ -25,13 +20,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     env = environment()
-    results = {name: quickstart_run(overrides, name) for name, overrides in RUNS.items()}
-    base_train, base_eval = final(results["bf16"][0]), results["bf16"][1]
-    rows = []
-    for name, (recs, evaluated) in results.items():
-        at = {r["step"]: r["loss"] for r in recs}
-        rows.append([name, *(f"{at[s]:.4f}" for s in (1, 50, 100, 200, 300)), f"{final(recs):.4f}",
-                     f"{evaluated:.4f}", f"{final(recs) / base_train:.4f}", f"{evaluated / base_eval:.4f}"])
+    rows = convergence_rows(RUNS, "bf16")
     print(f"{env['date']}, commit {env['git']}, {env['devices']}, jax {env['jax']}, {env['nproc']} cores")
     print(markdown_table(["run", "step 1", "50", "100", "200", "300", "final train", "eval", "train / bf16",
                           "eval / bf16"], rows))

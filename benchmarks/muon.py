@@ -36,7 +36,7 @@ from jaxpar.models import GPT, lm_loss
 from jaxpar.optimizers import muon, muon_routes
 from jaxpar.rules import path_str
 
-from _common import GPTConfig, copy_state, environment, make_batch, markdown_table, quickstart_run, write_json
+from _common import GPTConfig, convergence_rows, copy_state, environment, make_batch, markdown_table, write_json
 
 MUON_LR, ADAM_LR, WD, B2 = 0.02, 3e-3, 0.1, 0.95
 RUNS = {"AdamW": [],
@@ -62,22 +62,9 @@ def optimizers() -> dict[str, optax.GradientTransformation]:
                                            adam=dict(lr=ADAM_LR, b2=B2, weight_decay=WD)))}
 
 
-def final(recs: list[dict]) -> float:
-    """The mean loss of the last 10% of the steps."""
-    tail = recs[-max(1, len(recs) // 10):]
-    return sum(r["loss"] for r in tail) / len(tail)
-
-
 def convergence() -> list[list[str]]:
     """Table rows: loss at steps 1/50/100/200/300, final train, eval, and Muon / AdamW."""
-    results = {name: quickstart_run(overrides, name) for name, overrides in RUNS.items()}
-    base_train, base_eval = final(results["AdamW"][0]), results["AdamW"][1]
-    rows = []
-    for name, (recs, evaluated) in results.items():
-        at = {r["step"]: r["loss"] for r in recs}
-        rows.append([name, *(f"{at[s]:.4f}" for s in (1, 50, 100, 200, 300)), f"{final(recs):.4f}",
-                     f"{evaluated:.4f}", f"{final(recs) / base_train:.4f}", f"{evaluated / base_eval:.4f}"])
-    return rows
+    return convergence_rows(RUNS, "AdamW")
 
 
 def _built(sizes: dict, txs: dict) -> tuple:
