@@ -43,6 +43,7 @@ from optax.contrib._muon import _DEFAULT_NS_COEFFS, orthogonalize_via_newton_sch
 from jax.sharding import PartitionSpec
 
 from jaxpar.adapters._blocks import LAYERS
+from jaxpar.mesh import CONTEXT, EXPERT, REPLICA, STANDARD_AXES
 from jaxpar.rules import path_str
 from jaxpar.errors import MaskError, OptimizerError, check_int, int_problem
 
@@ -445,7 +446,7 @@ _HEAD_GROUP = ("heads", "kv_heads", "kv")      # adjacent ones flatten into one 
 #: Logical names of stacked axes (``None``: an unnamed sub-layer axis): batch dimensions of Newton-Schulz.
 MUON_STACKS = ("layers", "experts", "stage", "stages", None)
 #: Mesh-axis names: an annotation that holds one is a mesh-axis ``PartitionSpec``, not logical names.
-_MESH_NAMES = ("pipe", "data", "fsdp", "tensor", "replica", "context", "expert")
+_MESH_NAMES = STANDARD_AXES + (REPLICA, CONTEXT, EXPERT)
 #: The AdamW half's options (:func:`muon`'s ``adam=``) and their defaults (``lr`` None: Muon's).
 MUON_ADAM_DEFAULTS = {"lr": None, "b1": 0.9, "b2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
 

@@ -424,8 +424,8 @@ def fp8_line(result: Any, cluster: Any) -> str:
     if not cluster.has_fp8:
         return f"fp8      not considered: cluster {cluster.name} has no FP8 GEMMs (no peak_tflops.float8)"
     if not any(e.without_fp8 for e in result.ranked):
-        return ("fp8      considered, not chosen: no GEMM of the model reaches min_dim 1024, or FP8 "
-                "predicts no gain")
+        return (f"fp8      considered, not chosen: no GEMM of the model reaches min_dim {best.plan.fp8_min_dim}, "
+                "or FP8 predicts no gain")
     return "fp8      considered: the best plan is faster without it"
 
 
@@ -452,8 +452,7 @@ def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: boo
              f"cluster  {cluster.name}: {cluster.num_devices} devices ({cluster.nodes} x {cluster.devices_per_node})",
              f"plans    {result.considered} considered, {len(result.ranked)} fit, {len(result.rejected)} rejected",
              result.table(top)]
-    if line := fp8_line(result, cluster):
-        lines.append(line)
+    lines.append(fp8_line(result, cluster))
     if result.rejected:
         lines += ["", result.rejected_table(min(top, 5))]
     if getattr(result, "refused", None):

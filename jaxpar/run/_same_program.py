@@ -31,7 +31,7 @@ import itertools
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import jax
 
@@ -98,15 +98,6 @@ def _short(line: str | None, width: int = 240) -> str:
     return line if len(line) <= width else line[:width] + " ..."
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, Mapping):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
-
-
 def config_differences(a: str, b: str) -> list[str]:
     """The keys whose values differ between two resolved configs (YAML), as ``key: a vs b``.
 
@@ -119,7 +110,9 @@ def config_differences(a: str, b: str) -> list[str]:
     """
     import yaml
 
-    fa, fb = _flat(yaml.safe_load(a) or {}), _flat(yaml.safe_load(b) or {})
+    from flax import traverse_util
+
+    fa, fb = (traverse_util.flatten_dict(yaml.safe_load(t) or {}, sep=".") for t in (a, b))
     return [f"{k}: {fa.get(k, '<none>')} vs {fb.get(k, '<none>')}" for k in sorted(fa.keys() | fb.keys())
             if fa.get(k, "<none>") != fb.get(k, "<none>")]
 
