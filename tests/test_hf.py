@@ -432,8 +432,12 @@ def test_query_heads_that_do_not_divide_the_tensor_axis_are_named(ckpts):
 @pytest.mark.slow
 def test_the_llama_fixture_trains_with_fp8_close_to_bf16(ckpts):
     """The Llama fixture under ZeRO-3 over fsdp 8, bf16 compute, 12 AdamW steps on one batch: with every
-    covered matmul in FP8 (``min_dim=0``: the fixture's GEMMs are small) the losses follow the bf16 run's
-    within 2% at every step, the loss falls by more than that, and FP8 changed the numbers."""
+    covered matmul in FP8 (``min_dim=0``: the fixture's GEMMs are small) the first loss (the same parameters,
+    only the forward quantized) is bf16's within 1e-3, and at every later step FP8's loss lies between the
+    bf16 run's losses one step before and one step after (FP8 is never a whole step ahead or behind). The
+    loss falls by up to 12% a step at lr 1e-2, so a fixed relative bound per step measures a phase shift:
+    the rounding of bf16 itself, which differs between x86 CPUs, moved step 7 by 2.7% on CI's machine.
+    FP8 changed the numbers."""
     batch = layout_batch(open_checkpoint(ckpts["llama"]).config.vocab, packed=False)
     runs = {}
     for name, fp8 in (("bf16", None), ("fp8", jaxpar.parallel.Fp8(min_dim=0))):
@@ -441,6 +445,9 @@ def test_the_llama_fixture_trains_with_fp8_close_to_bf16(ckpts):
         runs[name] = train_on_layout(ckpts["llama"], {"fsdp": 8}, strategy, batch, steps=12, lr=1e-2,
                                      grads=False)[0].losses
     bf16, fp8 = runs["bf16"], runs["fp8"]
-    assert bf16[-1] < 0.9 * bf16[0]
-    np.testing.assert_allclose(fp8, bf16, rtol=2e-2)
+    assert bf16[-1] < 0.5 * bf16[0] and fp8[-1] < 0.5 * fp8[0]
+    np.testing.assert_allclose(fp8[0], bf16[0], rtol=1e-3)
+    for t in range(1, len(bf16) - 1):
+        low, high = sorted((bf16[t - 1], bf16[t + 1]))
+        assert low <= fp8[t] <= high, (t, fp8, bf16)
     assert not np.array_equal(fp8, bf16)
