@@ -45,8 +45,8 @@ def _setup(sizes, strategy, model_fn=_model, record=True):
     return mesh, state, layout, jaxpar.make_train_step(lm_loss, tx, layout, strategy)
 
 
-def _train(sizes, strategy=jaxpar.Strategy()):
-    mesh, state, layout, step = _setup(sizes, strategy)
+def _train(sizes, strategy=jaxpar.Strategy(), model_fn=_model):
+    mesh, state, layout, step = _setup(sizes, strategy, model_fn)
     batch = jaxpar.shard_batch(make_batch(), mesh)
     grads = None
     for _ in range(STEPS):
@@ -55,30 +55,48 @@ def _train(sizes, strategy=jaxpar.Strategy()):
     return jax.device_get(state.params), grads
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return _train({})
+#: The MoE GPT of EP4: 4 experts, top-2, dropless (so expert parallelism is exact), every layer MoE.
+MOE_CFG = GPTConfig(vocab=64, seq_len=16, embed=32, heads=8, layers=2, mlp=32,
+                    moe=MoESettings(experts=4, top_k=2, capacity_factor=None))
+
+
+def _moe_model():
+    return GPT(MOE_CFG, rngs=nnx.Rngs(0))
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(model_fn):
+    """One device's run of ``model_fn`` (computed once per module)."""
+    if model_fn not in _REFERENCES:
+        _REFERENCES[model_fn] = _train({}, model_fn=model_fn)
+    return _REFERENCES[model_fn]
 
 
 LAYOUTS = {
-    "fsdp8": ({"fsdp": 8}, {}),
-    "dp8": ({"data": 8}, {}),
-    "zero1": ({"data": 8}, {"zero": 1}),
-    "zero3": ({"data": 8}, {"zero": 3}),
-    "fsdp4-tp2-sp": ({"fsdp": 4, "tensor": 2}, {"sequence_parallel": True}),
-    "1f1b-pipe2-dp4": ({"pipe": 2, "data": 4}, {"microbatches": 2, "schedule": "1f1b"}),
+    "fsdp8": ({"fsdp": 8}, {}, _model),
+    "dp8": ({"data": 8}, {}, _model),
+    "zero1": ({"data": 8}, {"zero": 1}, _model),
+    "zero2": ({"data": 8}, {"zero": 2}, _model),
+    "zero3": ({"data": 8}, {"zero": 3}, _model),
+    "fsdp4-tp2-sp": ({"fsdp": 4, "tensor": 2}, {"sequence_parallel": True}, _model),
+    "1f1b-pipe2-dp4": ({"pipe": 2, "data": 4}, {"microbatches": 2, "schedule": "1f1b"}, _model),
+    "ep4-dp2": ({"data": 2, "expert": 4}, {}, _moe_model),
 }
 
 
 @need_devices(8)
 @pytest.mark.parametrize("name", [n if n == "fsdp8" else pytest.param(n, marks=pytest.mark.exhaustive)
                                   for n in LAYOUTS])
-def test_muon_under_a_layout_equals_one_device(name, reference):
-    sizes, kw = LAYOUTS[name]
-    params, grads = _train(sizes, jaxpar.Strategy(**kw))
-    ref_params, ref_grads = reference
+def test_muon_under_a_layout_equals_one_device(name):
+    sizes, kw, model_fn = LAYOUTS[name]
+    params, grads = _train(sizes, jaxpar.Strategy(**kw), model_fn)
+    ref_params, ref_grads = _reference(model_fn)
     assert_grads_close(grads, ref_grads)
-    rules = muon_routing(*abstract_model(_model)[1:])
+    rules = muon_routing(*abstract_model(model_fn)[1:])
+    if model_fn is _moe_model:           # the experts' matrices are Muon's, per layer and expert
+        assert rules["blocks/experts_w1"] == rules["blocks/experts_w2"] == "muon"
     got, ref, g1 = flat(params), flat(ref_params), flat(ref_grads)
     assert {r for r in rules.values()} == {"muon", "adam"}
     for k, rule in rules.items():
