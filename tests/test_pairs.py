@@ -17,7 +17,8 @@
   codec ``topk(1.0)`` (CP), ``local_clip`` (LC), synchronous replicas (RS: the reference is data
   parallelism), ``clip_norm`` (CN), ``skip_nonfinite`` with a NaN step (SN), the noise scale every
   2 steps (NS: its measured norms against the replicas' gradients materialised here), a fixed batch
-  ramp through :func:`jaxpar.run.train` (BR), per-layer LARS (LL), 1-bit Adam's moment
+  ramp through :func:`jaxpar.run.train` (BR), per-layer LARS (LL), Muon routed by logical names (MU:
+  its matrices compared as LARS's, by their movement; its AdamW half as AdamW), 1-bit Adam's moment
   exchange with the lossless top-k (1A: ``adamw_frozen_variance``), a checkpoint restored mid-run
   (CK: the resumed run equals the uninterrupted one bit for bit), two processes (MP: the same
   run on one process), the MoE GPT over an expert axis of 2 (EP) and aux-loss-free balancing
@@ -176,7 +177,7 @@ DEDICATED: dict[tuple[str, str], list[str]] = {
 #: Several processes (MP): one two-process job runs all these pairs (section 5).
 MP_PAIRS = [("SP", "MP"), ("MB", "MP"), ("BF", "MP"), ("RM", "MP"), ("EX", "MP"), ("PP", "MP"), ("2B", "MP"),
             ("ST", "MP"), ("K", "MP"), ("CP", "MP"), ("LC", "MP"), ("RS", "MP"), ("SN", "MP"), ("NS", "MP"),
-            ("BR", "MP"), ("LL", "MP"), ("1A", "MP"), ("CX", "MP"), ("EP", "MP"), ("RB", "MP"), ("MP", "F8")]
+            ("BR", "MP"), ("LL", "MP"), ("1A", "MP"), ("CX", "MP"), ("EP", "MP"), ("RB", "MP"), ("MP", "F8"), ("MP", "MU")]
 
 
 def _key(a: str, b: str) -> tuple[str, str]:
@@ -261,11 +262,11 @@ FIELDS = {"Z": ("zero",), "TP": ("tensor",), "SP": ("sequence_parallel",), "MB":
           "CP": ("compression",), "LC": ("local_clip",), "RS": ("sync", "replica"), "CN": ("clip_norm",),
           "NS": ("noise_scale_every",), "BR": ("ramp", "ramp_steps"), "1A": ("compression",),
           "LL": ("optimizer",), "CX": ("context",), "EP": ("expert",), "RB": ("router_bias_rate",),
-          "F8": ("fp8",)}
+          "F8": ("fp8",), "MU": ("optimizer",)}
 #: The router bias's rate (RB: ``with_router_bias(..., rate=)``), in the settings and the runs.
 RB_RATE = 0.05
 #: Features a Setting cannot express (they are a model, an optimizer, a loop or a launcher choice).
-UNSETTABLE = {"RM", "SN", "LL", "CK", "MP"}
+UNSETTABLE = {"RM", "SN", "LL", "CK", "MP", "MU"}
 #: Of those, the features whose refused value a Setting says (LL: an optimizer across stages).
 REFUSED_VALUE_SETTABLE = {"LL"}
 
@@ -327,6 +328,8 @@ def _setting_for(pair, *, ramp: str = "fixed") -> Setting:
             kw["router_bias_rate"] = RB_RATE
         elif c == "F8":
             st["fp8"] = jaxpar.parallel.Fp8()
+        elif c == "MU":
+            pass                               # an optimizer: nothing a Setting says
     if "replica" in sizes and "compression" not in st:
         st["sync"] = synchronous()             # a Strategy refuses sync with a codec: the replica axis says it
     return Setting(jaxpar.Strategy(**st), sizes, **kw)
@@ -450,6 +453,7 @@ PCFG = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2)
 RB_MOE = MoESettings(experts=4, top_k=2, capacity_factor=1.0, aux_weight=0.0, z_weight=1e-3, bias_rate=RB_RATE)
 ROWS = 16
 LR = 1e-3
+MUON_LR = 0.02     # Muon's (MU), its AdamW half at LR
 CLIP = 0.15         # clip_norm: the first gradient's norm is 0.62 (0.22 after local clips), so it clips
 LOCAL_CLIP = 0.6    # local_clip: each replica's first gradient has norm >= 0.83 (2 replicas) .. 1.5 (8)
 N_DEVICES = 8
@@ -469,7 +473,7 @@ class Spec:
     strategy: dict = dataclasses.field(default_factory=dict)
     step_kw: dict = dataclasses.field(default_factory=dict)
     ns_every: int | None = None   # measure the noise scale every that many steps (with_noise_scale(every=))
-    tx: str = "adamw"             # adamw | lars | frozen (1-bit Adam's adamw_frozen_variance)
+    tx: str = "adamw"             # adamw | lars | frozen (1-bit Adam's adamw_frozen_variance) | muon
     cfg: Any = PCFG
     remat: str = "none"
     steps: int = 3
@@ -597,6 +601,8 @@ def build(codes, *, schedule: str | None = None) -> Spec:
             s.cfg = dataclasses.replace(s.cfg, mlp=32, moe=RB_MOE)
         elif c == "F8":      # every covered GEMM of the small GPT in FP8
             st["fp8"] = jaxpar.parallel.Fp8(min_dim=0)
+        elif c == "MU":
+            s.tx = "muon"
         elif c != "MP":
             raise ValueError(c)
     if "NS" in codes and "SN" in codes:
@@ -647,7 +653,7 @@ def _model_fn(cfg, remat="none"):
 def make_tx(spec: Spec, logical=None):
     import optax
 
-    from jaxpar.optimizers import adamw_frozen_variance, lars
+    from jaxpar.optimizers import adamw_frozen_variance, lars, muon
 
     if spec.tx == "adamw":
         return optax.adamw(LR, weight_decay=0.1)
@@ -655,6 +661,8 @@ def make_tx(spec: Spec, logical=None):
         return adamw_frozen_variance(LR, 1, eps=FROZEN_EPS, weight_decay=0.1)
     if spec.tx == "lars":
         return lars(0.1, weight_decay=1e-4, trust_coefficient=0.02, logical=logical)
+    if spec.tx == "muon":
+        return muon(MUON_LR, logical=logical, weight_decay=0.1, adam=dict(lr=LR, b2=0.999, weight_decay=0.1))
     raise ValueError(spec.tx)
 
 
@@ -1066,6 +1074,16 @@ def _adam_bound(g1, lr, steps, grad_rtol, grad_atol_rel, b1=0.9, b2=0.999, eps=1
     return lr * total
 
 
+def _muon_keys(spec: Spec) -> set[str]:
+    """MU: the parameters Muon updates (the others are its AdamW half's); without MU, none."""
+    if spec.tx != "muon":
+        return set()
+    from jaxpar.adapters import abstract_model
+    from jaxpar.optimizers import muon_routing
+
+    return {k for k, rule in muon_routing(*abstract_model(_model_fn(spec.cfg))[1:]).items() if rule == "muon"}
+
+
 def _grad_tolerance(spec: Spec) -> tuple[float, float]:
     """``(rtol, atol as a fraction of the leaf's largest)`` of the gradients."""
     return (BF16_GRAD_RTOL, BF16_GRAD_ATOL_REL) if spec.dtype == "bfloat16" else (1e-4, 1e-5)
@@ -1100,11 +1118,12 @@ def assert_matches(res: Result, ref: Reference, spec: Spec, what: str = ""):
                                        err_msg=f"{what} first-step gradient {key}")
     got, want, g1 = _flat(res.params), _flat(ref.params), _flat(ref.grads)
     init = _flat(_init_params(spec.cfg))
+    muon_keys = _muon_keys(spec)
     assert got.keys() == want.keys()
     for key, p in got.items():
         r = want[key].astype(np.float64)
         diff = np.abs(p.astype(np.float64) - r)
-        if spec.tx == "lars":    # momentum SGD: the movement is linear in the gradients
+        if spec.tx == "lars" or key in muon_keys:    # momentum SGD / Newton-Schulz: smooth in the gradients
             tol = 1e-4 * np.abs(r) + 1e-6 + max(grad_rtol * 10, 1e-3) * np.abs(r - init[key]).max()
         elif spec.tx == "frozen":
             tol = 1e-4 * np.abs(r) + 1e-6 + _flat(ref.bound)[key]
@@ -1192,7 +1211,7 @@ def _check_router_bias(spec: Spec, res: Result, ref: Reference, what: str):
 #: One case per feature in the default run (with the dedicated tests of section 4: NS x PP and
 #: BF x 2BW); the rest in the exhaustive tier.
 FAST = {("SP", "CP"), ("MB", "RS"), ("LC", "LL"), ("RM", "ST"), ("EX", "CN"), ("K", "SN"),
-        ("TP", "1A"), ("BF", "CK"), ("Z", "CX"), ("TP", "EP"), ("CP", "RB")}
+        ("TP", "1A"), ("BF", "CK"), ("Z", "CX"), ("TP", "EP"), ("CP", "RB"), ("CP", "MU")}
 
 
 def _pair_params():

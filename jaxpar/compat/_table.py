@@ -75,6 +75,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("RB", "aux-loss-free router balancing (a router bias in the state: with_router_bias)",
             lambda s: s.router_bias_rate is not None),
     Feature("F8", "FP8 matmuls (Strategy.fp8)", lambda s: s.strategy.fp8 is not None),
+    Feature("MU", "Muon on the matrices, AdamW on the rest (jaxpar.optimizers.muon)", lambda s: False),
 )
 CODES = tuple(f.code for f in FEATURES)
 _FEATURE = {f.code: f for f in FEATURES}
@@ -242,9 +243,10 @@ PARTLY = {
     ("BR", "K"): ("fixed ramps whose steps are multiples of K", "adaptive ramps, and a ramp step inside a call"),
 }
 
-#: Pairs that are alternatives, never both on: one schedule at a time, and a pipeline's
-#: micro-batches are its schedule's (not gradient accumulation).
-ALTERNATIVES = {("PP", "2B"), ("PP", "ST"), ("2B", "ST"), ("MB", "PP"), ("MB", "2B"), ("MB", "ST")}
+#: Pairs that are alternatives, never both on: one schedule at a time, a pipeline's micro-batches
+#: are its schedule's (not gradient accumulation), and one optimizer at a time.
+ALTERNATIVES = {("PP", "2B"), ("PP", "ST"), ("2B", "ST"), ("MB", "PP"), ("MB", "2B"), ("MB", "ST"),
+                ("LL", "MU"), ("1A", "MU")}
 
 
 def pair_status(a: str, b: str) -> str:

@@ -114,8 +114,9 @@ def _owners(parts, outer, mb, x, names: list[str], p: int) -> list[int]:
 def _opt_tags(tx, layout) -> list[int]:
     """For each leaf of the optimizer state: the index of the parameter leaf it mirrors, or -1."""
     ids = jax.tree.unflatten(jax.tree.structure(layout.shapes), list(range(len(jax.tree.leaves(layout.shapes)))))
-    tags = jax.tree.leaves(optax.tree_map_params(tx, lambda _, i: i, layout.opt_shapes, ids,
-                                                 transform_non_params=lambda _: -1))
+    masked = lambda v: isinstance(v, optax.MaskedNode)       # noqa: E731  (a masked-out leaf: no state)
+    tags = jax.tree.leaves(optax.tree_map_params(tx, lambda v, i: v if masked(v) else i, layout.opt_shapes, ids,
+                                                 transform_non_params=lambda _: -1, is_leaf=masked))
     shapes, params = jax.tree.leaves(layout.opt_shapes), jax.tree.leaves(layout.shapes)
     if len(tags) != len(shapes) or any(t >= 0 and shapes[n].shape != params[t].shape for n, t in enumerate(tags)):
         raise StashingError("schedule='pipedream': the optimizer state has leaves that mirror a parameter but not "
