@@ -10,7 +10,9 @@ initialisation (a new ``make_train_step`` / ``init_train_state`` closure is a ne
 JAX's in-memory cache never sees the repeat), and the CLI runs of tests/test_faults.py compile
 one program again in every subprocess. The cache key is the whole HLO module plus the compile
 options, devices and jax/XLA versions, so a hit is the very executable a compile would build
-(only the source-location metadata in ``as_text()`` is the first compile's). The variables are
+(only the source-location metadata in ``as_text()`` is the first compile's), with one known
+exception that deadlocks (docs/testing.md, "The persistent cache's one known bad hit"): a test
+must not run that program twice. The variables are
 set before ``import jax`` and inherited by subprocesses (CLI runs, notebook kernels).
 ``JAXPAR_TEST_COMPILATION_CACHE=0`` turns it off; a ``JAX_COMPILATION_CACHE_DIR`` set outside
 is used as it is (and kept). Under pytest-xdist (``make test``: ``-n auto``) the controller sets

@@ -165,18 +165,23 @@ def test_local_clip_errors_name_the_fix():
 COMPOSE = [({"data": 8}, 0), ({"data": 8}, 2), ({"fsdp": 4, "tensor": 2}, 0), ({"pipe": 2, "data": 4}, 0)]
 
 
-@pytest.mark.parametrize("name, mesh_i, accum", [pytest.param("qsgd", 0, 1, marks=pytest.mark.exhaustive), ("sign", 1, 2),
-                                                  ("topk", 2, 1), pytest.param("powersgd", 3, 2, marks=pytest.mark.exhaustive)])
+#: The cases of test_codecs_train_under_the_strategies; the matrix runs the others (each program once per
+#: session: XLA:CPU's executable of powersgd on pipe 2 x data 4 with 4 micro-batches, loaded from the
+#: persistent compilation cache, deadlocks in its first collectives; docs/testing.md, section 3).
+TRAINS = [("qsgd", 0, 1), ("sign", 1, 2), ("topk", 2, 1), ("powersgd", 3, 2)]
+
+
+@pytest.mark.parametrize("name, mesh_i, accum", [pytest.param(*c, marks=[pytest.mark.exhaustive] * (c[0] in ("qsgd", "powersgd")))
+                                                  for c in TRAINS])
 def test_codecs_train_under_the_strategies(name, mesh_i, accum):
     """Loss falls and stays finite: DP8, ZeRO-2, ZeRO-3 fsdp4 x tensor2, pipe2 x data4 (1F1B),
-    with and without accumulation (the full codec x mesh x accumulation matrix is in the exhaustive tier)."""
+    with and without accumulation (the rest of the codec x mesh x accumulation matrix is in the exhaustive tier)."""
     _trains(name, *COMPOSE[mesh_i], accum)
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("accum", [1, 2])
-@pytest.mark.parametrize("mesh_i", range(len(COMPOSE)))
-@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("name, mesh_i, accum", [pytest.param(n, m, a, id=f"{n}-{m}-{a}") for n in CODECS
+                                                  for m in range(len(COMPOSE)) for a in (1, 2) if (n, m, a) not in TRAINS])
 def test_codec_strategy_matrix(name, mesh_i, accum):
     _trains(name, *COMPOSE[mesh_i], accum)
 
