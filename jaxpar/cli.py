@@ -12,6 +12,8 @@ Usage::
     jaxpar export CONFIG [key=value ...] --hf OUT [--step N] [--overwrite] [--dtype bfloat16|float32]
     jaxpar sample CONFIG [key=value ...] --prompt TEXT [--tokens N] [--step N]   (jaxpar.config._commands)
     jaxpar data prepare|show CONFIG [key=value ...] [--force | --steps A:B]     (jaxpar.config._commands)
+    jaxpar profile CONFIG [key=value ...] [--steps A:B] [--cluster PRESET|PATH]  (jaxpar.config._profile_command)
+    jaxpar calibrate [--out configs/clusters/cpu_sim.yaml] [--reps 9]          (jaxpar.cost.calibrate)
 
 Example::
 
@@ -36,7 +38,8 @@ from typing import Sequence
 
 __all__ = ["main", "build_parser"]
 _DIST = ("coordinator", "num_processes", "process_id", "local_devices", "heartbeat_timeout")
-_OVERRIDES = ("train", "check", "inspect", "export", "sample", "data")       # the commands that take key=value overrides
+#: the commands that take key=value overrides
+_OVERRIDES = ("train", "check", "inspect", "export", "sample", "data", "profile")
 
 
 def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = False, resume: bool = False,
@@ -56,6 +59,9 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     if print_config:
         print(to_yaml(cfg), end="")
         return 0
+    from jaxpar.config._profile_command import profile_steps, traced_line
+
+    profile = profile_steps(cfg.train.profile)        # train.profile: the steps to trace, checked first
     if overwrite and cfg.checkpoint.resume:
         raise ConfigError("jaxpar train: --overwrite starts a new run (the earlier one moved aside) and --resume "
                           "(checkpoint.resume=true) continues the earlier one; give one of them.")
@@ -78,20 +84,22 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     print(f"job      {cfg.name}  ->  {out_dir}")
     print("\n".join(header_lines(job)))
     state, layout = job.init_state(weights=not job.run.resume)     # a resumed run restores its own weights
-    print(model_line(cfg.model, job.hf, layout))
-    print(state_line(layout))
+    print(model_line(cfg.model, job.hf, layout), state_line(layout), sep="\n")
     if routing := muon_lines(cfg, layout):
         print("\n".join(routing[1:]))                # the run's config summary: each parameter's half
     line, tokens = describe_data(cfg, job.batch_fn)
     print(line)
     step, evaluate = job.train_step(layout), job.eval_fn(layout)
     log, ckpt = job.log_options(layout, tokens), job.checkpointer(layout)
-    log = dataclasses.replace(log, predicted_peak_bytes=run_predicted_peak(cfg, layout.mesh, job.strategy))
+    log = dataclasses.replace(log, predicted_peak_bytes=run_predicted_peak(cfg, layout.mesh, job.strategy),
+                              profile=profile)
     status = train_with_checkpoints(step, state, layout, job.batch_fn, job.run, log, checkpointer=ckpt,
                                     meta=checkpoint_meta(mesh_sizes=layout.mesh.shape, **job.meta), eval_fn=evaluate,
                                     eval_batches=job.eval_batches, ramp=job.ramp, lr_schedule=job.log_lr,
                                     config_text=to_yaml(cfg))
     if line := packing_line(job.batch_fn, cfg.train.steps):       # data.kind=documents: real tokens
+        print(line)
+    if line := traced_line(out_dir, profile):
         print(line)
     return status
 
@@ -102,7 +110,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     compiler) and compares memory and bytes."""
     from jaxpar import cost
     from jaxpar.config import ConfigError, load_config
-    from jaxpar.config._plan_command import plan_dtype, plan_model, plan_report, verify_plans
+    from jaxpar.config._plan_command import muon_settings, plan_dtype, plan_model, plan_report, verify_plans
 
     target = None
     if args.target:
@@ -120,7 +128,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         cp = dict(contexts=args.contexts, context_methods=args.context_methods) if args.contexts else {}
         min_dim = (cfg.parallel.fp8 or {}).get("min_dim", 1024) if cfg else 1024
         result = cost.plan(model, cluster, top=args.top, dtype=dtype, precision=args.precision, fp8_min_dim=min_dim,
-                           **cp)
+                           muon=muon_settings(cfg) if cfg else None, **cp)
     except (cost.ClusterError, cost.PlanError) as e:
         raise ConfigError(str(e)) from None
     print(plan_report(model, cluster, result, args.top, as_json=args.json))
@@ -158,6 +166,11 @@ def _run_config_command(args: argparse.Namespace) -> int:
     from jaxpar.config._commands import run_export, run_prepare, run_sample, run_show
     from jaxpar.config._inspection import check_config, inspect_config
 
+    if args.command == "profile":
+        from jaxpar.config._profile_command import run_profile
+
+        return run_profile(args.config, args.overrides, steps=args.steps, cluster=args.cluster,
+                           dist={k: getattr(args, k) for k in _DIST})
     if args.command == "export":
         return run_export(args.config, args.overrides, args.hf, step=args.step, overwrite=args.overwrite,
                           dtype=args.dtype)
@@ -195,7 +208,7 @@ def _config_parser(sub, name: str, summary: str, description: str | None) -> arg
 
 
 def _add_config_commands(sub) -> None:
-    """``train``, ``check``, ``inspect``, ``export`` and ``sample``."""
+    """``train``, ``check``, ``inspect``, ``export``, ``sample`` and ``profile``."""
     p = _config_parser(sub, "train", "train a model from a YAML config",
                        "Train from CONFIG (YAML, may name a 'base:' YAML) with dotted overrides.")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -228,10 +241,19 @@ def _add_config_commands(sub) -> None:
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--tokens", type=int, metavar="N", help="new tokens (default: logging.sample_tokens)")
     p.add_argument("--step", type=int, metavar="N", help="the jaxpar checkpoint of step N (default: the latest)")
+    p = _config_parser(sub, "profile", "trace a few steps and show each one's time by compute and collective next "
+                       "to the cost model", "Train CONFIG's steps 0 .. B-1 into <train.out_dir>/profile (no "
+                       "checkpoints), trace A .. B-1 with jax.profiler (TensorBoard and Perfetto open it) and print "
+                       "a table per traced step: compute, each collective kind per mesh axis, host transfer, data "
+                       "wait, idle, beside the cost model's terms (docs/profiling.md).")
+    p.add_argument("--steps", default="2:4", metavar="A:B", help="trace the steps A .. B-1 (default 2:4)")
+    p.add_argument("--cluster", help="cluster preset or YAML of the cost model's terms (default: cpu_sim on the CPU, "
+                                     "h100 on GPUs)")
+    _add_process_options(p)
 
 
 def _add_tool_commands(sub) -> None:
-    """``schedule``, ``plan`` and ``data``."""
+    """``schedule``, ``plan``, ``data`` and ``calibrate``."""
     p = sub.add_parser("schedule", help="print a pipeline schedule table",
                        description="Build a pipeline schedule and print its tick x stage table.")
     p.add_argument("--kind", required=True, help="gpipe, 1f1b, interleaved or zb-h1")
@@ -269,6 +291,13 @@ def _add_tool_commands(sub) -> None:
     q.add_argument("--steps", default="0:4", metavar="A:B", help="the steps A .. B-1 (default 0:4)")
     q.add_argument("--chars", type=int, default=160, metavar="N", help="characters of the decoded row (160)")
     _add_process_options(q)
+    p = sub.add_parser("calibrate", help="measure this machine's simulated CPU mesh for the cost model",
+                       description="Time collectives, a matmul chain and a streaming kernel on 8 simulated CPU "
+                                   "devices, fit the cost model's link and compute rates, and write the cluster "
+                                   "description jaxpar plan / inspect / profile use on the CPU (docs/planning.md).")
+    p.add_argument("--out", default="configs/clusters/cpu_sim.yaml", help="the YAML to write "
+                   "(default configs/clusters/cpu_sim.yaml)")
+    p.add_argument("--reps", type=int, default=9, help="interleaved rounds per measurement (9; about 50 s on 2 cores)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -305,6 +334,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_plan(args)
         if args.command == "schedule":
             return _run_schedule(args)
+        if args.command == "calibrate":
+            from jaxpar.cost import calibrate
+            from jaxpar.devices._distributed import setup_devices
+
+            setup_devices(8)                # the simulated CPU mesh the cpu_sim cluster describes
+            calibrate(args.out, reps=args.reps)
+            return 0
         return _run_config_command(args)
     except JaxparError as e:        # an input jaxpar names as wrong; any other error keeps its traceback
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)

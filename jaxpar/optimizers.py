@@ -9,7 +9,8 @@ and Muon routed by logical names.
 * :func:`adamw_frozen_variance`: AdamW whose second moment freezes, the optimizer of 1-bit Adam
   (docs/compression.md).
 * :func:`muon`: Muon on the matrices and AdamW on the rest, routed by the parameters' logical names
-  (:func:`muon_routing`, :func:`muon_routing_table`; docs/muon.md).
+  (:func:`muon_routing`, :func:`muon_routing_table`), its Newton-Schulz placed on the mesh
+  (:func:`muon_placements`; docs/muon.md).
 * :func:`hyperparameter_problem` / :func:`check_hyperparameters`: the range of each option
   (:data:`HYPERPARAMETERS`).
 
@@ -43,14 +44,17 @@ from optax.contrib._muon import _DEFAULT_NS_COEFFS, orthogonalize_via_newton_sch
 from jax.sharding import PartitionSpec
 
 from jaxpar.adapters._blocks import LAYERS
+from jaxpar.cost import (FEATURES, PLACEMENTS, PLATFORM_CLUSTERS, STACKS, MatrixGroup, PlacementCost, choose_placement,
+                         load_cluster, matrix_sides, placement_cost)
 from jaxpar.mesh import CONTEXT, EXPERT, REPLICA, STANDARD_AXES
-from jaxpar.rules import path_str
+from jaxpar.rules import axes_of, path_str, shard_map_mesh
 from jaxpar.errors import MaskError, OptimizerError, check_int, int_problem
 
 __all__ = ["LR_SCALING_RULES", "HYPERPARAMETERS", "MaskError", "OptimizerError", "hyperparameter_problem",
            "check_hyperparameters", "scaled_lr", "trust_mask", "stacked_axes", "scale_by_layer_trust_ratio", "lars",
            "lamb", "scale_by_adam_frozen_variance", "adamw_frozen_variance", "MUON_FEATURES", "MUON_STACKS",
-           "MUON_ADAM_DEFAULTS", "MuonRoute", "MuonState", "muon_routes", "muon_routing", "muon_routing_table", "muon"]
+           "MUON_ADAM_DEFAULTS", "MUON_PLACEMENTS", "MuonRoute", "MuonState", "MuonPlacement", "muon_routes",
+           "muon_routing", "muon_routing_table", "muon_placements", "muon_placement_table", "muon"]
 
 #: ``linear``: lr x B / B0 (Goyal et al.); ``sqrt``: lr x sqrt(B / B0); ``none``: lr.
 LR_SCALING_RULES = ("linear", "sqrt", "none")
@@ -441,10 +445,11 @@ def adamw_frozen_variance(learning_rate: optax.ScalarOrSchedule, freeze_step: in
 # ----------------------------------------------------------------------------- Muon, routed by logical names
 
 #: Logical names of feature axes: a parameter whose feature axes form two groups is a matrix.
-MUON_FEATURES = ("embed", "heads", "kv_heads", "kv", "mlp")
-_HEAD_GROUP = ("heads", "kv_heads", "kv")      # adjacent ones flatten into one matrix side (wq: embed x heads*kv)
+MUON_FEATURES = FEATURES
 #: Logical names of stacked axes (``None``: an unnamed sub-layer axis): batch dimensions of Newton-Schulz.
-MUON_STACKS = ("layers", "experts", "stage", "stages", None)
+MUON_STACKS = STACKS
+#: Where Newton-Schulz runs on a sharded matrix (:func:`muon`'s ``placement``; docs/muon.md).
+MUON_PLACEMENTS = PLACEMENTS
 #: Mesh-axis names: an annotation that holds one is a mesh-axis ``PartitionSpec``, not logical names.
 _MESH_NAMES = STANDARD_AXES + (REPLICA, CONTEXT, EXPERT)
 #: The AdamW half's options (:func:`muon`'s ``adam=``) and their defaults (``lr`` None: Muon's).
@@ -469,27 +474,10 @@ class MuonRoute(NamedTuple):
     why: str
 
 
-def _feature_groups(names: tuple) -> list[tuple[int, ...]]:
-    """Runs of feature axes: ``embed`` and ``mlp`` alone, adjacent ``heads`` / ``kv_heads`` / ``kv`` together."""
-    groups: list[list[int]] = []
-    for i, name in enumerate(names):
-        if name not in MUON_FEATURES:
-            continue
-        joined = groups and name in _HEAD_GROUP and names[i - 1] in _HEAD_GROUP and groups[-1][-1] == i - 1
-        groups[-1].append(i) if joined else groups.append([i])
-    return [tuple(g) for g in groups]
-
-
 def _route_by_names(names: tuple) -> MuonRoute:
-    """The rule of a parameter from its logical names alone."""
-    other = [n for n in names if n not in MUON_FEATURES and n not in MUON_STACKS]
-    groups = _feature_groups(names)
-    batch = tuple(i for i, n in enumerate(names) if n in MUON_STACKS)
-    if other:
-        return MuonRoute("adam", (), (), batch, f"axis {other[0]!r} is not a feature (embedding / head / other)")
-    if len(groups) != 2:
-        return MuonRoute("adam", (), (), batch, f"{len(groups)} feature axis group(s), not a matrix")
-    return MuonRoute("muon", groups[0], groups[1], batch, "matrix")
+    """The rule of a parameter from its logical names alone (:func:`jaxpar.cost.matrix_sides`)."""
+    reduction, output, batch, why = matrix_sides(names)
+    return MuonRoute("muon" if reduction else "adam", reduction, output, batch, why)
 
 
 def _forced_muon(path: str, names: tuple, ndim: int) -> MuonRoute:
@@ -670,10 +658,107 @@ def _hide(tree: Any, keep: dict[str, bool]) -> Any:
     return jax.tree_util.tree_map_with_path(lambda p, x: x if keep[path_str(p)] else optax.MaskedNode(), tree)
 
 
-def _muon_direction(mu_hat: jax.Array, route: MuonRoute, ns_steps: int, consistent_rms: float | None) -> jax.Array:
-    """optax's Newton-Schulz over the route's matrix axes (stacked axes: batch), then its shape scaling."""
-    dims = contrib.MuonDimensionNumbers(route.reduction, route.output)
-    out = orthogonalize_via_newton_schulz(mu_hat, jnp.asarray(_DEFAULT_NS_COEFFS), ns_steps, "frobenius", 1e-8, dims)
+def _newton_schulz(x: jax.Array, reduction: tuple, output: tuple, ns_steps: int) -> jax.Array:
+    """optax's Newton-Schulz over the matrix axes ``reduction`` x ``output`` (the other axes: a batch)."""
+    dims = contrib.MuonDimensionNumbers(reduction, output)
+    return orthogonalize_via_newton_schulz(x, jnp.asarray(_DEFAULT_NS_COEFFS), ns_steps, "frobenius", 1e-8, dims)
+
+
+class MuonPlacement(NamedTuple):
+    """Where one matrix group's Newton-Schulz runs (:func:`muon_placements`).
+
+    Attributes:
+      kind: ``"gather"``, ``"owner"`` or ``"local"`` (:data:`MUON_PLACEMENTS`).
+      axes: the mesh axes that shard its matrix dimensions (the collectives' group; ``()``: none).
+      dims: per dimension, the mesh axes (of ``axes``) that shard it.
+      spec: the momentum's ``PartitionSpec`` (the ``shard_map``'s in and out specs).
+      cost: its Newton-Schulz FLOPs, collectives and seconds on one device (:func:`jaxpar.cost.placement_cost`).
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    dims: tuple[tuple[str, ...], ...]
+    spec: PartitionSpec
+    cost: PlacementCost
+
+
+def _linear_index(axes: tuple[str, ...], sizes: dict) -> jax.Array:
+    """This device's index over ``axes`` (row-major), inside a ``shard_map``."""
+    index = jnp.int32(0)
+    for a in axes:
+        index = index * sizes[a] + jax.lax.axis_index(a)
+    return index
+
+
+def _assemble(blocks: jax.Array, dims: tuple, axes: tuple[str, ...], sizes: dict) -> jax.Array:
+    """``blocks [P, *local]`` (one block per device of ``axes``, row-major, as ``all_gather`` and
+    ``all_to_all`` stack them) -> the array whose dims are whole (``dims[d]``: the axes that cut dim ``d``)."""
+    k = len(axes)
+    x = blocks.reshape(tuple(sizes[a] for a in axes) + blocks.shape[1:])
+    perm, shape = [], []
+    for d, own in enumerate(dims):
+        perm += [axes.index(a) for a in own] + [k + d]
+        shape.append(blocks.shape[1 + d] * math.prod(sizes[a] for a in own))
+    return x.transpose(perm).reshape(shape)
+
+
+def _split(x: jax.Array, dims: tuple, axes: tuple[str, ...], sizes: dict) -> jax.Array:
+    """The inverse of :func:`_assemble`: ``x`` -> ``[P, *local]``, one block per device of ``axes``."""
+    shape, where, local, local_shape = [], {}, [], []
+    for d, own in enumerate(dims):
+        for a in own:
+            where[a] = len(shape)
+            shape.append(sizes[a])
+        local.append(len(shape))
+        local_shape.append(x.shape[d] // math.prod(sizes[a] for a in own))
+        shape.append(local_shape[-1])
+    y = x.reshape(shape).transpose([where[a] for a in axes] + local)
+    return y.reshape((math.prod(sizes[a] for a in axes),) + tuple(local_shape))
+
+
+def _gathered(x, route: MuonRoute, place: MuonPlacement, sizes: dict, ns_steps: int) -> jax.Array:
+    """``gather``: one all-gather of the matrix dims, Newton-Schulz, this device's slice kept."""
+    full = _assemble(jax.lax.all_gather(x, place.axes, axis=0, tiled=False), place.dims, place.axes, sizes)
+    out = _newton_schulz(full, route.reduction, route.output, ns_steps)
+    return _split(out, place.dims, place.axes, sizes)[_linear_index(place.axes, sizes)]
+
+
+def _owned(x, route: MuonRoute, place: MuonPlacement, sizes: dict, ns_steps: int) -> jax.Array:
+    """``owner``: the local batch of matrices spread over the matrix axes (padded with zero matrices),
+    one all-to-all to the owners, Newton-Schulz once per matrix, one all-to-all back."""
+    matrix = tuple(sorted(route.reduction + route.output))
+    order = tuple(route.batch) + matrix
+    xt = x.transpose(order)
+    nb, p = math.prod(xt.shape[:len(route.batch)]), math.prod(sizes[a] for a in place.axes)
+    c = -(-nb // p)
+    flat = xt.reshape((nb,) + xt.shape[len(route.batch):])
+    flat = jnp.pad(flat, [(0, c * p - nb)] + [(0, 0)] * len(matrix))
+    dims = ((),) + tuple(place.dims[d] for d in matrix)
+    received = jax.lax.all_to_all(flat.reshape((p, c) + flat.shape[1:]), place.axes, 0, 0, tiled=False)
+    full = _assemble(received, dims, place.axes, sizes)
+    new = lambda side: tuple(1 + matrix.index(d) for d in side)          # noqa: E731
+    out = _newton_schulz(full, new(route.reduction), new(route.output), ns_steps)
+    back = jax.lax.all_to_all(_split(out, dims, place.axes, sizes), place.axes, 0, 0, tiled=False)
+    back = back.reshape((p * c,) + back.shape[2:])[:nb].reshape(xt.shape)
+    return back.transpose(tuple(order.index(d) for d in range(x.ndim)))
+
+
+def _placed_newton_schulz(x: jax.Array, route: MuonRoute, place: MuonPlacement | None, mesh, ns_steps: int):
+    """Newton-Schulz of one matrix group where ``place`` says (None: as XLA partitions it)."""
+    if place is None:
+        return _newton_schulz(x, route.reduction, route.output, ns_steps)
+    sizes = dict(mesh.shape)
+    body = {"gather": _gathered, "owner": _owned,
+            "local": lambda v, r, *_: _newton_schulz(v, r.reduction, r.output, ns_steps)}[place.kind]
+    return jax.shard_map(lambda v: body(v, route, place, sizes, ns_steps), mesh=shard_map_mesh(mesh),
+                         in_specs=place.spec, out_specs=place.spec, check_vma=False)(x)
+
+
+def _muon_direction(mu_hat: jax.Array, route: MuonRoute, ns_steps: int, consistent_rms: float | None,
+                    place: MuonPlacement | None = None, mesh=None) -> jax.Array:
+    """Newton-Schulz over the route's matrix axes (stacked axes: batch) where ``place`` says, then optax's
+    shape scaling (of the whole matrix)."""
+    out = _placed_newton_schulz(mu_hat, route, place, mesh, ns_steps)
     fan_in = math.prod(mu_hat.shape[i] for i in route.reduction)
     fan_out = math.prod(mu_hat.shape[i] for i in route.output)
     scale = math.sqrt(max(1, fan_out / fan_in)) if consistent_rms is None else \
@@ -681,14 +766,114 @@ def _muon_direction(mu_hat: jax.Array, route: MuonRoute, ns_steps: int, consiste
     return out * jnp.asarray(scale, out.dtype)
 
 
-def _matrix_step(g: jax.Array, m: jax.Array, count: jax.Array, route: MuonRoute, opts: tuple) -> jax.Array:
+def _matrix_step(g: jax.Array, m: jax.Array, count: jax.Array, route: MuonRoute, opts: tuple,
+                 place: MuonPlacement | None = None, mesh=None) -> jax.Array:
     """optax's ``scale_by_muon`` step of one matrix leaf: bias-corrected (Nesterov) momentum, orthogonalised."""
     momentum, nesterov, ns_steps, consistent_rms = opts
     hat = m / (1 - momentum ** count.astype(m.dtype))
     if nesterov:
         hat = momentum * m / (1 - momentum ** (count + 1).astype(m.dtype)) + \
             (1 - momentum) * g / (1 - momentum ** count.astype(g.dtype))
-    return _muon_direction(hat, route, ns_steps, consistent_rms)
+    return _muon_direction(hat, route, ns_steps, consistent_rms, place, mesh)
+
+
+def _spec_dims(spec: PartitionSpec, ndim: int, sizes: dict, manual: set) -> tuple[tuple[str, ...], ...]:
+    """Per dimension, the mesh axes of ``spec`` of size > 1 that are not manual already."""
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    return tuple(tuple(a for a in axes_of(e) if sizes.get(a, 1) > 1 and a not in manual) for e in entries)
+
+
+def _place_one(path: str, shape: tuple, route: MuonRoute, spec: PartitionSpec, sizes: dict, options: tuple
+               ) -> MuonPlacement:
+    """One matrix group's placement: :func:`jaxpar.cost.choose_placement` on its momentum's spec."""
+    placement, ns_steps, cluster = options
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    dims = _spec_dims(spec, len(shape), sizes, manual)
+    group = MatrixGroup(path, tuple(shape), route.reduction, route.output, dims)
+    kind = choose_placement(group, sizes, ns_steps, cluster, placement)
+    on = group.axes(route.reduction + route.output, sizes)
+    matrix_dims = tuple(dims[d] if d in route.reduction + route.output else () for d in range(len(shape)))
+    kept = PartitionSpec(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
+    return MuonPlacement(kind, on, matrix_dims, kept, placement_cost(group, sizes, kind, ns_steps, cluster))
+
+
+def _spec_by_path(specs: Any) -> dict[str, PartitionSpec]:
+    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)[0]
+    return {path_str(p): (PartitionSpec() if s is None else s) for p, s in flat}
+
+
+def _placements(tree: Any, routes: dict[str, MuonRoute], specs: dict[str, PartitionSpec], sizes: dict,
+                options: tuple) -> dict[str, MuonPlacement]:
+    shapes = {path_str(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    missing = [k for k, r in routes.items() if r.rule == "muon" and k not in specs]
+    if missing:
+        raise OptimizerError(f"muon(specs=...): no PartitionSpec for the Muon-routed parameter {missing[0]!r}; give "
+                             "a params-shaped tree of the momentum's specs (StateLayout.opt_param_specs).")
+    return {k: _place_one(k, shapes[k], r, specs[k], sizes, options) for k, r in routes.items() if r.rule == "muon"}
+
+
+def _cluster_of(mesh, cluster):
+    """The cost model's cluster that ``auto`` times placements on (default: by the mesh's platform)."""
+    if mesh is None:
+        return None
+    if cluster is None:
+        cluster = PLATFORM_CLUSTERS.get(mesh.devices.flat[0].platform, "h100")
+    return load_cluster(cluster) if isinstance(cluster, str) else cluster
+
+
+def _check_placement(placement: str, mesh, specs) -> None:
+    if placement not in MUON_PLACEMENTS:
+        raise OptimizerError(f"muon(placement={placement!r}): choose one of {', '.join(MUON_PLACEMENTS)}.")
+    if (mesh is None) != (specs is None):
+        raise OptimizerError("muon(mesh=..., specs=...): give both, the mesh and the momentum's PartitionSpecs "
+                             "(StateLayout.opt_param_specs), or neither (one device, or XLA's placement).")
+    if mesh is None and placement != "auto":
+        raise OptimizerError(f"muon(placement={placement!r}) places Newton-Schulz on the mesh: give mesh= and specs= "
+                             "(the momentum's PartitionSpecs, StateLayout.opt_param_specs).")
+
+
+def muon_placement_table(placements: dict[str, MuonPlacement]) -> str:
+    """:func:`muon_placements` as text: per matrix group its placement, the mesh axes it gathers over, its
+    Newton-Schulz FLOPs and collectives on one device and the cost model's milliseconds.
+
+    Args:
+      placements: ``{path: MuonPlacement}``.
+
+    Returns:
+      The table.
+    """
+    width = max(map(len, placements), default=0)
+    lines = []
+    for path, p in placements.items():
+        comms = ", ".join(f"{c.count} x {c.kind} {c.bytes / 2**10:.1f} KiB" for c in p.cost.comms) or "no collective"
+        lines.append(f"{path:<{width}}  {p.kind:<6}  over {'x'.join(p.axes) or '-'}  {p.cost.flops / 1e6:.1f} MFLOP  "
+                     f"{comms}  {p.cost.seconds * 1e3:.3f} ms")
+    return "\n".join(lines)
+
+
+def muon_placements(params: Any, logical: Any = None, *, mesh, specs: Any, placement: str = "auto",
+                    ns_steps: int = 5, cluster: Any = None, routing: dict[str, str] | None = None
+                    ) -> dict[str, MuonPlacement]:
+    """``{path: MuonPlacement}``: where :func:`muon` runs each matrix group's Newton-Schulz on ``mesh``.
+
+    Args:
+      params: the parameters (arrays or ``ShapeDtypeStruct``s).
+      logical: their logical names (:func:`muon_routing`).
+      mesh: the device mesh.
+      specs: the momentum's ``PartitionSpec`` tree (``StateLayout.opt_param_specs``).
+      placement: one of :data:`MUON_PLACEMENTS` (``auto``: :func:`jaxpar.cost.choose_placement`).
+      ns_steps: Newton-Schulz iterations.
+      cluster: the cost model's cluster for ``auto`` (a preset name or a ``jaxpar.cost.Cluster``;
+        None: by the mesh's platform, :data:`jaxpar.cost.PLATFORM_CLUSTERS`).
+      routing: ``{path regex: "muon" | "adam"}`` overriding the names.
+
+    Returns:
+      Muon-routed parameter path -> :class:`MuonPlacement`.
+    """
+    _check_placement(placement, mesh, specs)
+    routes = muon_routes(params, logical, routing=routing)
+    return _placements(params, routes, _spec_by_path(specs), dict(mesh.shape),
+                       (placement, ns_steps, _cluster_of(mesh, cluster)))
 
 
 def _checked_adamw(learning_rate, momentum, weight_decay, ns_steps, consistent_rms, adam) -> optax.GradientTransformation:
@@ -703,11 +888,15 @@ def _checked_adamw(learning_rate, momentum, weight_decay, ns_steps, consistent_r
 
 def muon(learning_rate: optax.ScalarOrSchedule, *, logical: Any = None, routing: dict[str, str] | None = None,
          momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, weight_decay: float = 0.0,
-         consistent_rms: float | None = None, adam: dict | None = None) -> optax.GradientTransformation:
+         consistent_rms: float | None = None, adam: dict | None = None, placement: str = "auto", mesh=None,
+         specs: Any = None, cluster: Any = None) -> optax.GradientTransformation:
     """Muon (Jordan et al. 2024) on the matrices, AdamW on the rest, routed by logical names (:func:`muon_routing`).
 
     The matrices get optax's Muon (``scale_by_muon``'s momentum and Newton-Schulz per matrix, stacked axes as
     batch; its shape scaling), decoupled ``weight_decay``; the others ``optax.adamw`` with ``adam``'s options.
+    With ``mesh`` and ``specs``, each matrix group's Newton-Schulz runs where ``placement`` says
+    (:func:`muon_placements`, docs/muon.md): ``gather`` and ``owner`` are exact, ``local`` (each shard
+    alone) approximates; without them XLA partitions it.
 
     Args:
       learning_rate: Muon's learning rate (a scalar or an optax schedule).
@@ -719,6 +908,10 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, logical: Any = None, routing:
       weight_decay: the matrices' decoupled weight decay (times ``learning_rate``, as optax's).
       consistent_rms: optax's RMS matching (e.g. 0.2), or None for the width scaling.
       adam: the AdamW half's options: ``lr`` (default: ``learning_rate``), ``b1``, ``b2``, ``eps``, ``weight_decay``.
+      placement: one of :data:`MUON_PLACEMENTS`; ``auto``: the cost model's exact choice per group.
+      mesh: the device mesh the update runs on (with ``specs``).
+      specs: the momentum's ``PartitionSpec`` tree (``StateLayout.opt_param_specs``; with ``mesh``).
+      cluster: the cost model's cluster for ``auto`` (preset name or ``jaxpar.cost.Cluster``; None: by platform).
 
     Returns:
       The ``optax.GradientTransformation``; its state is a :class:`MuonState`.
@@ -734,18 +927,30 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, logical: Any = None, routing:
     [True, True]
     """
     rest = _checked_adamw(learning_rate, momentum, weight_decay, ns_steps, consistent_rms, adam)
-    routes = lambda tree: muon_routes(tree, logical, routing=routing)
-    opts = (momentum, nesterov, ns_steps, consistent_rms)
+    _check_placement(placement, mesh, specs)
+    routes = lambda tree: muon_routes(tree, logical, routing=routing)   # noqa: E731
+    where = None if mesh is None else (mesh, _spec_by_path(specs), (placement, ns_steps, _cluster_of(mesh, cluster)))
 
     def init_fn(params):
         on = {k: r.rule == "muon" for k, r in routes(params).items()}
         mu = _hide(jax.tree.map(jnp.zeros_like, params), on)
         return MuonState(jnp.zeros([], jnp.int32), mu, rest.init(_hide(params, {k: not v for k, v in on.items()})))
 
+    opts = (momentum, nesterov, ns_steps, consistent_rms)
+    update_fn = _muon_update_fn(rest, routes, learning_rate, weight_decay, opts, where)
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _muon_update_fn(rest, routes, learning_rate, weight_decay: float, opts: tuple, where: tuple | None):
+    """:func:`muon`'s ``update_fn``: ``where`` is ``(mesh, specs by path, placement options)`` or None."""
+    momentum = opts[0]
+
     def update_fn(updates, state, params=None):
         if params is None:
             raise OptimizerError("muon: call tx.update(updates, state, params); weight decay needs the params.")
         route = routes(updates)
+        mesh = None if where is None else where[0]
+        places = {} if where is None else _placements(updates, route, where[1], dict(mesh.shape), where[2])
         off = {k: r.rule != "muon" for k, r in route.items()}
         adam_updates, adam_state = rest.update(_hide(updates, off), state.adam, _hide(params, off))
         count = optax.safe_increment(state.count)
@@ -753,11 +958,13 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, logical: Any = None, routing:
 
         moment = lambda path, g, m: momentum * m + (1 - momentum) * g if route[path_str(path)].rule == "muon" else m
         def one(path, g, m, p, u):
-            r = route[path_str(path)]
-            return u if r.rule != "muon" else -lr * (_matrix_step(g, m, count, r, opts) + weight_decay * p)
+            k = path_str(path)
+            if route[k].rule != "muon":
+                return u
+            return -lr * (_matrix_step(g, m, count, route[k], opts, places.get(k), mesh) + weight_decay * p)
 
         mu = jax.tree_util.tree_map_with_path(moment, updates, state.mu)
         out = jax.tree_util.tree_map_with_path(one, updates, mu, params, adam_updates)
         return out, MuonState(count, mu, adam_state)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return update_fn

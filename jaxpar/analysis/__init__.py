@@ -3,7 +3,8 @@ _replica_groups.py; the HLO text itself in _hlo_text.py), how often each computa
 while loops' trip counts, known or read from the loop), per-device
 memory (_compiled_memory.py), collectives inside device-dependent branches (_device_branches.py: a taint analysis
 from ``partition-id``), and bytes per step per mesh axis for comparison with the cost model (_axis_bytes.py,
-imported on its own: it reads pipeline schedules), and a GPU program's GEMMs by operand type (_gemms.py).
+imported on its own: it reads pipeline schedules), a GPU program's GEMMs by operand type (_gemms.py), and a
+``jax.profiler`` trace's steps by compute and collective (_trace.py).
 
 These modules import nothing from jaxpar.step, jaxpar.run, jaxpar.config or the CLI.
 """
@@ -14,7 +15,9 @@ from jaxpar.analysis._hlo import count as count, summarize as summarize
 from jaxpar.analysis._loops import trip_counts as trip_counts, while_trip_counts as while_trip_counts
 from jaxpar.analysis._compiled_memory import MemoryReport as MemoryReport, memory_report as memory_report, memory_table as memory_table
 from jaxpar.analysis._compiled_memory import format_bytes as format_bytes
+from jaxpar.analysis._trace import StepProfile as StepProfile, Trace as Trace, find_trace as find_trace
+from jaxpar.analysis._trace import read_trace as read_trace, step_profiles as step_profiles
 
 __all__ = ["BranchCollective", "device_dependent_collectives", "Collective", "collectives", "collectives_table",
            "count", "summarize", "trip_counts", "while_trip_counts", "MemoryReport", "memory_report", "memory_table",
-           "format_bytes"]
+           "format_bytes", "StepProfile", "Trace", "find_trace", "read_trace", "step_profiles"]

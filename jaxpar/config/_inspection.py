@@ -195,7 +195,27 @@ def muon_lines(cfg: JobConfig, layout: Any) -> list[str]:
 
     table = muon_routing_table(layout.shapes, layout.logical, routing=dict(cfg.optimizer.muon.routing))
     return ["", "muon routing (parameter, rule, matrix: input x output, batch dims: one Newton-Schulz each, why)",
-            table]
+            table] + muon_placement_lines(cfg, layout)
+
+
+def muon_placement_lines(cfg: JobConfig, layout: Any) -> list[str]:
+    """Where Newton-Schulz runs on each matrix group of the layout (``optimizer.muon.placement``), with the
+    cost model's FLOPs, collectives and time (:func:`jaxpar.optimizers.muon_placement_table`).
+
+    Args:
+      cfg: the config.
+      layout: the train state's layout.
+
+    Returns:
+      The lines.
+    """
+    from jaxpar.optimizers import muon_placement_table, muon_placements
+
+    m = cfg.optimizer.muon
+    places = muon_placements(layout.shapes, layout.logical, mesh=layout.mesh, specs=layout.opt_param_specs,
+                             placement=m.placement, ns_steps=m.ns_steps, routing=dict(m.routing))
+    return ["", f"muon placement ({m.placement}; Newton-Schulz per device: FLOPs, collectives, cost model's time)",
+            muon_placement_table(places)]
 
 
 def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | None = None) -> int:

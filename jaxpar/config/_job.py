@@ -296,7 +296,8 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
         return Job(loss_fn=build_loss_fn(m), **base)
     per_step = updates_per_step(strategy, dict(device_mesh.shape))
     tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=d.batch_size, model_fn=model_fn,
-                                   updates_per_step=per_step, freeze_variance_step=frozen_variance_step(strategy))
+                                   updates_per_step=per_step, freeze_variance_step=frozen_variance_step(strategy),
+                                   mesh=device_mesh, strategy=strategy)
     noise = cfg.logging.noise_scale
     options = dict(clip_norm=cfg.optimizer.clip_norm, log_lr=schedule, skip_nonfinite=True,
                    steps_per_call=cfg.parallel.steps_per_call)

@@ -41,7 +41,7 @@ def _lamb(c: OptimizerConfig, lr, *, logical=None, mask=None):
     return opt_lib.lamb(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, logical=logical, mask=mask)
 
 
-def _muon(c: OptimizerConfig, lr, *, logical=None, mask=None):
+def _muon(c: OptimizerConfig, lr, *, logical=None, mask=None, place=None):
     m = c.muon
     adam = {"b1": c.b1, "b2": c.b2, "eps": c.eps, "weight_decay": m.adam_weight_decay}
     if m.adam_lr is not None:             # the same schedule, scaled to the AdamW half's peak
@@ -49,7 +49,7 @@ def _muon(c: OptimizerConfig, lr, *, logical=None, mask=None):
     try:
         return opt_lib.muon(lr, logical=logical, routing=dict(m.routing), momentum=m.momentum, nesterov=m.nesterov,
                             ns_steps=m.ns_steps, weight_decay=c.weight_decay, consistent_rms=m.consistent_rms,
-                            adam=adam)
+                            adam=adam, **(place or {}))
     except opt_lib.OptimizerError as e:
         raise ConfigError(f"optimizer.name=muon: {e} (YAML: optimizer.muon.routing, optimizer.muon.*).") from None
 
@@ -155,7 +155,8 @@ def build_trust_mask(cfg: OptimizerConfig, model_fn: Callable[[], nnx.Module] | 
 def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int | None = None,
                     model_fn: Callable[[], nnx.Module] | None = None,
                     updates_per_step: int = 1,
-                    freeze_variance_step: int | None = None) -> tuple[optax.GradientTransformation, Callable]:
+                    freeze_variance_step: int | None = None, mesh=None,
+                    strategy: Strategy | None = None) -> tuple[optax.GradientTransformation, Callable]:
     """The optimizer. Clipping is done by the train step (``clip_norm``), not by ``tx``.
 
     Args:
@@ -170,6 +171,9 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int
         ``count // updates_per_step``, so every update of step ``t`` uses the logged ``lr(t)``.
       freeze_variance_step: 1-bit Adam (:func:`frozen_variance_step`): adam / adamw whose second moment
         stops changing after that many updates (:func:`jaxpar.optimizers.adamw_frozen_variance`).
+      mesh: the device mesh (with ``strategy``): Muon places Newton-Schulz on the momentum's layout
+        (``optimizer.muon.placement``); without it XLA places it.
+      strategy: the strategy the layout is built for.
 
     Returns:
       ``(tx, lr_schedule)``; the schedule (logged as ``lr``) is the scaled one.
@@ -178,8 +182,10 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int
         raise ConfigError(f"optimizer.name={cfg.name!r}: unknown optimizer; allowed: {', '.join(OPTIMIZERS)}.")
     schedule = build_lr_schedule(cfg, total_steps, global_batch)
     logical, mask = build_trust_mask(cfg, model_fn) if cfg.name in ("lars", "lamb") else (None, None)
+    extra = {}
     if cfg.name == "muon":
         logical = _muon_logical(cfg, model_fn)
+        extra["place"] = _muon_place(cfg, model_fn, mesh, strategy)
     inner = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
     if freeze_variance_step is not None:
         if cfg.name not in ("adam", "adamw"):
@@ -188,7 +194,7 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int
         tx = opt_lib.adamw_frozen_variance(inner, freeze_variance_step, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                                            weight_decay=cfg.weight_decay if cfg.name == "adamw" else 0.0)
     else:
-        tx = OPTIMIZERS[cfg.name](cfg, inner, logical=logical, mask=mask)
+        tx = OPTIMIZERS[cfg.name](cfg, inner, logical=logical, mask=mask, **extra)
     if cfg.name not in _OWN_DECAY and cfg.weight_decay:
         tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay), tx)
     return tx, schedule
@@ -215,7 +221,21 @@ def muon_problems(cfg: OptimizerConfig) -> list[str]:
     for pattern, rule in dict(m.routing).items():
         if rule not in ("muon", "adam"):
             p.append(f"optimizer.muon.routing[{pattern!r}]={rule!r}: a rule is muon or adam.")
+    if m.placement not in opt_lib.MUON_PLACEMENTS:
+        p.append(f"optimizer.muon.placement={m.placement!r}: choose one of {', '.join(opt_lib.MUON_PLACEMENTS)} "
+                 "(auto: the cost model's exact choice per matrix group; local approximates).")
     return p
+
+
+def _muon_place(cfg: OptimizerConfig, model_fn, mesh, strategy: Strategy | None) -> dict:
+    """``muon``'s ``placement``, ``mesh`` and ``specs`` (the momentum's, from the state's layout), or only the
+    placement without a mesh."""
+    if mesh is None:
+        return {} if cfg.muon.placement == "auto" else {"placement": cfg.muon.placement}
+    from jaxpar.step import state_layout
+
+    layout = state_layout(model_fn, optax.identity(), mesh, strategy or Strategy())
+    return {"placement": cfg.muon.placement, "mesh": mesh, "specs": layout.opt_param_specs}
 
 
 def _muon_logical(cfg: OptimizerConfig, model_fn):

@@ -233,23 +233,34 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
     dtype = "float32" if strategy.compute_dtype == "float32" else "bfloat16"
     if dtype not in cluster.compute_dtypes:
         dtype = cluster.compute_dtypes[0]
-    return PlannerView(model, plan, evaluate(model, plan, cluster, dtype=dtype, precision="fp32", lowering=lowering))
+    return PlannerView(model, plan, evaluate(model, plan, cluster, dtype=dtype, precision="fp32", lowering=lowering,
+                                             muon=muon_settings(cfg)))
+
+
+def muon_settings(cfg: JobConfig) -> dict | None:
+    """``optimizer.muon``'s ``ns_steps`` and ``placement`` for the cost model (None: another optimizer)."""
+    m = cfg.optimizer.muon
+    return dict(ns_steps=m.ns_steps, placement=m.placement) if cfg.optimizer.name == "muon" else None
 
 
 def _ratio(p: float, g: float) -> str:
     return f"{p / g:.3f}" if g else ("-" if not p else "inf")
 
 
-def _predicted(view: Any, strategy: Strategy, lowering: str, platform: str) -> tuple:
+def _predicted(view: Any, strategy: Strategy, lowering: str, platform: str, muon: dict | None = None) -> tuple:
     """The cost model's side of :func:`planner_table`: bytes per axis, arguments, temporaries and peak."""
-    from jaxpar.cost import device_argument_bytes
+    from jaxpar.cost import PLATFORM_CLUSTERS, device_argument_bytes, muon_comms, muon_update
     from jaxpar.cost._device_bytes import layout_for_platform
     from jaxpar.cost._traffic import bytes_per_axis, comms
 
     model, plan, est = view
     act = 2 if strategy.compute_dtype == "bfloat16" else 4
     grad = 4 if lowering == "xla-cpu" else act     # GPU / TPU: XLA reduces the compute dtype's gradients
-    pred = bytes_per_axis(comms(model, plan, lowering=lowering, compute_bytes=act, grad_bytes=grad))
+    cs = comms(model, plan, lowering=lowering, compute_bytes=act, grad_bytes=grad)
+    if muon is not None:        # Newton-Schulz's placements, chosen on the platform's cluster as the optimizer does
+        chooser = PLATFORM_CLUSTERS.get(platform, "h100")
+        cs = cs + muon_comms(muon_update(model, plan.sizes, chooser, zero=plan.zero, **muon))
+    pred = bytes_per_axis(cs)
     mem = est.memory
     args = device_argument_bytes(model, plan.sizes, plan.zero, layout=layout_for_platform(platform))
     peak = mem.total if platform == "cpu" else predicted_peak(model, plan, mem.total, strategy.compute_dtype, platform)
@@ -288,7 +299,8 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
     got = {a: g / steps_per_call for a, g in got.items()}
     lines = [f"\nplanner  cost model (jaxpar.cost, lowering {lowering}, cluster {cluster}) vs the compiled step, "
              "per device"]
-    pred, args, temps, peak = _predicted(view, strategy, lowering, platform) if view else ({}, None, None, None)
+    pred, args, temps, peak = _predicted(view, strategy, lowering, platform, muon_settings(cfg)) if view else \
+        ({}, None, None, None)
 
     def row(label: str, p: float | None, g: float) -> list[str]:
         return [label, "-" if p is None else format_bytes(p), format_bytes(g), "-" if p is None else _ratio(p, g)]

@@ -113,7 +113,8 @@ class TrustMaskConfig:
 class MuonConfig:
     """``muon``: Muon on the matrices (routed by logical names; ``routing``: ``{path regex: muon | adam}``
     overrides), AdamW on the rest with ``optimizer.b1`` / ``b2`` / ``eps``, ``adam_lr`` (null: ``optimizer.lr``)
-    and ``adam_weight_decay`` (see :func:`jaxpar.optimizers.muon`)."""
+    and ``adam_weight_decay``; ``placement``: where Newton-Schulz runs on sharded matrices (``auto``: the cost
+    model's exact choice per matrix group; ``gather``, ``owner``, ``local``) (see :func:`jaxpar.optimizers.muon`)."""
 
     momentum: float = 0.95
     nesterov: bool = True
@@ -122,6 +123,7 @@ class MuonConfig:
     adam_lr: float | None = None
     adam_weight_decay: float = 0.0
     routing: dict[str, str] = field(default_factory=dict)
+    placement: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     """``devices > 0``: simulate that many CPU devices; 0: use the devices JAX has.
-    ``eval_every=0``: evaluate only at the end; ``eval_batches=0``: never. ``out_dir`` empty: ``runs/<name>``."""
+    ``eval_every=0``: evaluate only at the end; ``eval_batches=0``: never. ``out_dir`` empty: ``runs/<name>``.
+    ``profile: {steps: [A, B]}``: trace the steps ``A .. B-1`` with ``jax.profiler`` into ``<out_dir>/trace``
+    (docs/profiling.md); ``{}``: none."""
 
     steps: int = 100
     log_every: int = 10
@@ -198,6 +202,7 @@ class TrainConfig:
     out_dir: str = ""
     progress: str = "auto"          # auto | bar | lines | none
     on_nonfinite: str = "skip"      # skip: drop the update of a step with a non-finite loss / grad norm; stop: error
+    profile: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from jaxpar.compat._table import LIBRARY_NAMES, Setting, problems
 from jaxpar.cost._cluster import FP8, Cluster
 from jaxpar.cost._memory import LayoutError, MemoryEstimate, memory_per_device
 from jaxpar.cost._model import ModelSpec
+from jaxpar.cost._muon import with_muon
 from jaxpar.cost._parallel import CONTEXT_METHODS, Plan
 from jaxpar.cost._roofline import fp8_kernels
 from jaxpar.cost._time import Overlap, StepTime, step_time
@@ -272,7 +273,7 @@ class PlanResult:
 
 def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16", precision: str = "mixed",
              overlap: Overlap = Overlap(), memory_fraction: float = 0.9, lowering: str = "ideal",
-             grad_bytes: float | None = None) -> Estimate:
+             grad_bytes: float | None = None, muon: dict | None = None) -> Estimate:
     """Time and memory of one plan (no search).
 
     Args:
@@ -281,6 +282,7 @@ def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16"
       cluster: the cluster.
       dtype, precision, overlap, memory_fraction, lowering: as for :func:`plan`.
       grad_bytes: as for :func:`jaxpar.cost.step_time`.
+      muon: Muon's ``{"ns_steps", "placement"}``: its Newton-Schulz in the update (:func:`jaxpar.cost.with_muon`).
 
     Returns:
       The :class:`Estimate`.
@@ -296,6 +298,7 @@ def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16"
         raise PlanError(f"plan {p.name()} cannot run this model: {why}.")
     mem = _memory(m, p, dtype, precision, lowering)
     t = step_time(m, p, cluster, dtype=dtype, overlap=overlap, lowering=lowering, grad_bytes=grad_bytes)
+    t = with_muon(t, m, p, cluster, dtype, **muon) if muon is not None else t
     return Estimate(p, t, mem, mem.total <= cluster.memory_bytes * memory_fraction)
 
 
@@ -336,10 +339,16 @@ class _Search(NamedTuple):
     memory_fraction: float
     fixed: dict | None = None
     fp8_min_dim: int | None = None      # None: no FP8 plans; else FP8 plans of this min_dim are considered too
+    muon: dict | None = None            # Muon's {"ns_steps", "placement"}: its Newton-Schulz in the update
 
     @property
     def usable(self) -> float:
         return self.cluster.memory_bytes * self.memory_fraction
+
+    def timed(self, p: Plan) -> StepTime:
+        """The step time of ``p`` (with Muon's Newton-Schulz, :func:`jaxpar.cost.with_muon`, when ``muon`` is set)."""
+        t = step_time(self.model, p, self.cluster, dtype=self.dtype, overlap=self.overlap, lowering=self.lowering)
+        return t if self.muon is None else with_muon(t, self.model, p, self.cluster, self.dtype, **self.muon)
 
     def best(self, base: Plan, opt: dict) -> tuple[Estimate | None, list[Rejected], int]:
         """The cheapest remat (and fewest accumulation steps) of ``base`` + ``opt`` that fits, the
@@ -357,8 +366,7 @@ class _Search(NamedTuple):
                 try:     # memory first: a plan that does not fit needs no step time (most of the search)
                     mem = _memory(self.model, cand, self.dtype, self.precision, self.lowering)
                     if mem.total <= self.usable:
-                        t = step_time(self.model, cand, self.cluster, dtype=self.dtype, overlap=self.overlap,
-                                      lowering=self.lowering)
+                        t = self.timed(cand)
                         return self.with_fp8(Estimate(cand, t, mem, True)), rejected, considered + (
                             self.fp8_min_dim is not None)
                 except LayoutError as err:
@@ -375,7 +383,7 @@ class _Search(NamedTuple):
         if self.fp8_min_dim is None:
             return e
         p = replace(e.plan, fp8="tensorwise", fp8_min_dim=self.fp8_min_dim)
-        t = step_time(self.model, p, self.cluster, dtype=self.dtype, overlap=self.overlap, lowering=self.lowering)
+        t = self.timed(p)
         return Estimate(p, t, e.memory, e.fits, without_fp8=e.time.total) if t.total < e.time.total else e
 
     def run(self, n: int, cs: list[int], es: list[int], methods: tuple[str, ...], schedules) -> tuple:
@@ -424,7 +432,7 @@ def _methods(value) -> tuple[str, ...]:
 def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfloat16", precision: str = "mixed",
          overlap: Overlap = Overlap(), memory_fraction: float = 0.9, schedules=("gpipe", "1f1b", "interleaved", "zb-h1"),
          lowering: str = "ideal", contexts=None, context_methods=CONTEXT_METHODS, experts=None,
-         fixed=None, fp8: bool | None = None, fp8_min_dim: int = 1024) -> PlanResult:
+         fixed=None, fp8: bool | None = None, fp8_min_dim: int = 1024, muon: dict | None = None) -> PlanResult:
     """Rank every plan of ``model`` on ``cluster`` (see the module doc).
 
     Args:
@@ -448,6 +456,8 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
         FP8 GEMMs (``peak_tflops.float8``) and the model a GEMM FP8 covers at ``fp8_min_dim``; ``False``:
         never; ``True``: a :class:`PlanError` on a cluster without FP8 GEMMs.
       fp8_min_dim: the FP8 plans' ``min_dim`` (:class:`jaxpar.parallel.Fp8`).
+      muon: Muon's ``{"ns_steps", "placement"}``: each plan's update counts its Newton-Schulz
+        (:func:`jaxpar.cost.with_muon`; the memory stays Adam's, ``precision``'s).
 
     Returns:
       The :class:`PlanResult`.
@@ -472,7 +482,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
     es = _degrees("experts", experts, [e for e in divisors(n) if model.is_moe and model.experts % e == 0] or [1])
     methods = _methods(context_methods)
     search = _Search(model, cluster, dtype, precision, overlap, lowering, memory_fraction, fixed,
-                     fp8_min_dim if _with_fp8(model, cluster, fp8, fp8_min_dim) else None)
+                     fp8_min_dim if _with_fp8(model, cluster, fp8, fp8_min_dim) else None, muon)
     ranked, rejected, refused, considered, shape_reasons = search.run(n, cs, es, methods, schedules)
     if not ranked:
         _nothing(model, cluster, n, rejected, refused, shape_reasons)

@@ -47,6 +47,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -56,6 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.analysis._trace import DATA_EVENT, STEP_EVENT
 from jaxpar.batch import batch_sharding, shard_batch
 from jaxpar.compat._table import Setting, raise_problems
 from jaxpar.errors import LoopError, check_int
@@ -140,6 +142,11 @@ def _checked_train_args(state: Any, log: LogOptions, *, steps: int, start_step: 
         check_int("train", name, value, low, LoopError)
     if on_nonfinite not in NONFINITE_MODES:
         raise LoopError(f"train(on_nonfinite={on_nonfinite!r}): choose one of {', '.join(NONFINITE_MODES)}.")
+    if log.profile is not None and not (len(log.profile) == 2 and 0 <= log.profile[0] < log.profile[1]
+                                        and all(s % steps_per_call == 0 for s in log.profile) and log.out_dir):
+        raise LoopError(f"LogOptions(profile={log.profile!r}, out_dir={log.out_dir!r}): profile is the steps (A, B) "
+                        f"to trace, 0 <= A < B, multiples of steps_per_call={steps_per_call}, and the trace goes "
+                        "to <out_dir>/trace: give out_dir.")
     start = int(state.step) if start_step is None else int(start_step)
     if hasattr(checkpointer, "steps_after"):      # before any step: keep prunes no other run's checkpoints
         refuse_later_steps(f"train(start_step={start})", checkpointer.directory, checkpointer.steps_after(start),
@@ -148,6 +155,53 @@ def _checked_train_args(state: Any, log: LogOptions, *, steps: int, start_step: 
                           eval_every=eval_every, checkpoint_every=getattr(checkpointer, "every", 0),
                           stop_check_every=stop_check_every)
     return start, stop_check_every
+
+
+class _TraceSteps:
+    """``LogOptions.profile``: the steps ``A .. B-1`` (those of this call) traced by ``jax.profiler`` into
+    ``<out_dir>/trace`` (TensorBoard's profile plugin and Perfetto read it; docs/profiling.md), each inside a
+    :data:`~jaxpar.analysis._trace.STEP_EVENT` annotation. A traced step runs alone: the device is idle when
+    it starts and the host waits for it to end, so its batch, dispatch and device time show apart. Each
+    step's seconds on the loop's clock go to ``<out_dir>/trace/steps.json``."""
+
+    def __init__(self, steps: tuple[int, int], out_dir: Any, start: int, end: int, k: int):
+        self.first, self.until = max(steps[0], start), min(steps[1], end)
+        self.directory, self.k = Path(out_dir) / "trace", k
+        self.times: list[list[float]] = []
+        self.active, self.annotation, self.t0 = False, None, 0.0
+
+    def begin(self, step: int, state: Any) -> None:
+        if not self.first <= step < self.until:
+            return
+        if not self.active:
+            jax.block_until_ready(state)          # the steps before run outside the trace
+            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+            self.active = True
+        self.t0 = time.perf_counter()
+        self.annotation = jax.profiler.StepTraceAnnotation(STEP_EVENT, step_num=step)
+        self.annotation.__enter__()
+
+    def end(self, step: int, outputs: Any) -> None:
+        if self.annotation is None:
+            return
+        jax.block_until_ready(outputs)
+        self.annotation.__exit__(None, None, None)
+        self.annotation = None
+        self.times.append([step, time.perf_counter() - self.t0])
+        if step + self.k >= self.until:
+            self.stop()
+
+    def stop(self) -> None:
+        """End the trace (also when the run stops early) and write ``steps.json``."""
+        if not self.active:
+            return
+        if self.annotation is not None:
+            self.annotation.__exit__(None, None, None)
+            self.annotation = None
+        jax.profiler.stop_trace()
+        self.active = False
+        if is_main_process():
+            (self.directory / "steps.json").write_text(json.dumps({"steps": self.times}))
 
 
 class _Run:
@@ -177,6 +231,7 @@ class _Run:
         self.meter = Meter(self.writer, self.bar, log, on_nonfinite=on_nonfinite, start=start, end=end,
                             devices=mesh.size)
         self.memory = MemoryMeter(list(mesh.devices.flat))
+        self.trace = _TraceSteps(log.profile, log.out_dir, start, end, steps_per_call) if log.profile else None
 
     def is_log(self, done: int) -> bool:
         """Whether the step count ``done`` is a log point (the first step of the call, every ``log_every``, the last)."""
@@ -187,7 +242,8 @@ class _Run:
         Returns the new state and the step's device metrics."""
         clock, mark = self.clock, self.clock.mark()
         # own rows per process, built ahead; steps_per_call: the k global batches stacked, [k, B, ...]
-        batches = [make_global_batch(self.batch_fn, s, self.mesh) for s in range(step, step + self.k)]
+        with jax.profiler.TraceAnnotation(DATA_EVENT):      # a traced step's batch (train.profile)
+            batches = [make_global_batch(self.batch_fn, s, self.mesh) for s in range(step, step + self.k)]
         batch = batches[0] if self.k == 1 else jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
         waited = time.perf_counter() - mark[0]      # the host's time on the data (none when prefetched)
         clock.add("data_wait" if self.meter.device_idle() else "steps", mark)   # a busy device hid it
@@ -292,7 +348,11 @@ class _Run:
             agreement = StopAgreement(stop_check_every)
             with StopSignals(handle_signals) as signals:
                 for step in range(self.start, self.end, k):
+                    if self.trace is not None:
+                        self.trace.begin(step, state)
                     state, metrics = self.step(state, step)
+                    if self.trace is not None:
+                        self.trace.end(step, (state, metrics))
                     done = step + k
                     self.grow_batch(state, done)
                     # several processes: the same answer in all; checked after the first step too
@@ -307,6 +367,8 @@ class _Run:
         return state, self.summary(state, done, preempted)
 
     def close(self) -> None:
+        if self.trace is not None:
+            self.trace.stop()
         if self.checkpointer is not None:
             mark = self.clock.mark()
             self.checkpointer.wait()    # pending saves reach the disk, also when the run stops with an error

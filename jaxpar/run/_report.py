@@ -129,7 +129,8 @@ class LogOptions:
     lines), ``"bar"``, ``"lines"`` (through ``print_fn``) or ``"none"``. ``tokens_per_batch``
     adds tokens/s; with ``flops_per_token`` and ``peak_flops`` (of one device) MFU too.
     ``predicted_peak_bytes``: the cost model's peak per device, shown beside the measured and
-    compiled peaks (:class:`MemoryMeter`).
+    compiled peaks (:class:`MemoryMeter`). ``profile``: the steps ``(A, B)``, ``A .. B-1``, traced by
+    ``jax.profiler`` into ``<out_dir>/trace`` (``train.profile``; docs/profiling.md).
 
     Example::
 
@@ -153,6 +154,7 @@ class LogOptions:
     flops_per_token: float | None = None
     peak_flops: float | None = None
     predicted_peak_bytes: float | None = None
+    profile: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         check_int("LogOptions", "log_every", self.log_every, 1, LoopError)

@@ -36,7 +36,7 @@ from jaxpar.errors import RunDirectoryError
 #: What marks ``train.out_dir`` as a run's, beside the checkpoints in ``checkpoint.dir``.
 RUN_RECORDS = ("config.yaml", "metrics.jsonl", "summary.json")
 #: What a run writes in ``train.out_dir``: moved aside with its checkpoints by :func:`claim_run_directory`.
-RUN_FILES = (*RUN_RECORDS, "loss.png", "noise_scale.png", "samples.txt", "tb")
+RUN_FILES = (*RUN_RECORDS, "loss.png", "noise_scale.png", "samples.txt", "tb", "trace")
 
 
 class Moved(NamedTuple):
