@@ -179,8 +179,8 @@ def write_json(path: str | None, payload: Any) -> None:
     print(f"\nwrote {path}")
 
 
-def quickstart_run(overrides: list[str], what: str) -> tuple[list[dict], float]:
-    """``jaxpar train configs/quickstart.yaml`` with ``overrides``, in a temporary directory, quietly,
+def quickstart_run(overrides: list[str], what: str, config: str = "quickstart.yaml") -> tuple[list[dict], float]:
+    """``jaxpar train configs/<config>`` (the quickstart) with ``overrides``, in a temporary directory, quietly,
     one record per step, no checkpoints, 4 eval batches at the end: its ``train`` records and the
     final eval loss. ``what`` names the run in the error if it fails."""
     import tempfile
@@ -190,7 +190,7 @@ def quickstart_run(overrides: list[str], what: str) -> tuple[list[dict], float]:
 
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as out:
-        args = ["train", str(root / "configs" / "quickstart.yaml"), "train.log_every=1", "checkpoint.enabled=false",
+        args = ["train", str(root / "configs" / config), "train.log_every=1", "checkpoint.enabled=false",
                 "train.eval_batches=4", "train.eval_every=0", "logging.samples=0", "logging.tensorboard=false",
                 "train.progress=none", f"train.out_dir={out}", *overrides]
         if main(args) != 0:
@@ -205,10 +205,11 @@ def final_loss(recs: list[dict]) -> float:
     return sum(r["loss"] for r in tail) / len(tail)
 
 
-def convergence_rows(runs: dict[str, list[str]], base: str, steps=(1, 50, 100, 200, 300)) -> list[list[str]]:
-    """One quickstart run per ``{name: overrides}``: rows of the loss at ``steps``, the final train loss
-    (:func:`final_loss`), the eval loss, and both over the run ``base``'s."""
-    results = {name: quickstart_run(overrides, name) for name, overrides in runs.items()}
+def convergence_rows(runs: dict[str, list[str]], base: str, steps=(1, 50, 100, 200, 300),
+                     config: str = "quickstart.yaml") -> list[list[str]]:
+    """One run of ``configs/<config>`` per ``{name: overrides}``: rows of the loss at ``steps``, the final train
+    loss (:func:`final_loss`), the eval loss, and both over the run ``base``'s."""
+    results = {name: quickstart_run(overrides, name, config) for name, overrides in runs.items()}
     base_train, base_eval = final_loss(results[base][0]), results[base][1]
     rows = []
     for name, (recs, evaluated) in results.items():

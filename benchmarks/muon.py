@@ -94,6 +94,28 @@ def convergence() -> list[list[str]]:
     return convergence_rows(RUNS, "AdamW")
 
 
+#: The Llama fixture's runs: the quickstart's data, mesh (tensor 1: its vocabulary, 131, is odd) and schedule,
+#: from the fixture's random weights; AdamW at the quickstart's lr, Muon at 0.02 with its AdamW half at it.
+LLAMA = ["mesh.tensor=1", "mesh.fsdp=4", "optimizer.lr=3e-3", "optimizer.weight_decay=0.1", "optimizer.warmup_steps=20",
+         "optimizer.min_lr_ratio=0.1", "optimizer.clip_norm=1.0", "train.steps=300"]
+
+
+def llama_convergence() -> list[list[str]]:
+    """The Hugging Face Llama fixture (tests/hf_fixtures.py: 2 layers, embed 48, 6 heads / 2 KV heads, its
+    byte-level BPE of 131 tokens) trained from its random weights on the quickstart's text: the same rows."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from hf_fixtures import build_checkpoint
+
+    with tempfile.TemporaryDirectory() as d:
+        path = build_checkpoint("llama", Path(d) / "llama")
+        runs = {name: [f"model.hf={path}", *LLAMA, *o] for name, o in RUNS.items()}
+        return convergence_rows(runs, "AdamW", config="hf_finetune.yaml")
+
+
 def _built(sizes: dict, txs: dict, cfg: GPTConfig = GPT_CFG) -> tuple:
     """``(mesh, {name: (state, layout, step)})`` on a mesh of ``sizes``."""
     mesh = jaxpar.make_mesh(sizes, devices=jax.devices()[:math.prod(sizes.values())])
@@ -233,6 +255,11 @@ def _collective_rows(colls: dict) -> list[list[str]]:
     return rows
 
 
+def _convergence_table(rows: list[list[str]]) -> str:
+    return markdown_table(["optimizer", "step 1", "50", "100", "200", "300", "final train", "eval", "train / AdamW",
+                           "eval / AdamW"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-convergence", action="store_true")
@@ -241,20 +268,28 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default=None)
     parser.add_argument("--placements-only", action="store_true", help="section 4 only")
+    parser.add_argument("--llama", action="store_true", help="the Llama fixture's convergence only")
     parser.add_argument("--placement-reps", type=int, default=10, help="rounds of section 4's timing (0: none)")
     parser.add_argument("--placement-layers", type=int, default=GPT_CFG.layers, help="section 4's GPT layers")
     args = parser.parse_args()
     env = environment()
     print(f"# {env['date']}, commit {env['git']}, {env['devices']}, jax {env['jax']}, {env['nproc']} cores", flush=True)
     out: dict = {"environment": env, "config": vars(args)}
+    if args.llama:
+        out["llama_convergence"] = llama_convergence()
+        print(_convergence_table(out["llama_convergence"]), flush=True)
+        write_json(args.json, out)
+        return
     if args.placements_only:
         out["placements"] = placements(args.steps, args.placement_reps, args.warmup, args.placement_layers)
         write_json(args.json, out)
         return
     if not args.skip_convergence:
         out["convergence"] = convergence()
-        print(markdown_table(["optimizer", "step 1", "50", "100", "200", "300", "final train", "eval",
-                              "train / AdamW", "eval / AdamW"], out["convergence"]), flush=True)
+        print(_convergence_table(out["convergence"]), flush=True)
+    if not args.skip_convergence:
+        out["llama_convergence"] = llama_convergence()
+        print("\nThe Hugging Face Llama fixture:\n" + _convergence_table(out["llama_convergence"]), flush=True)
     txs = optimizers()
     out["step_time"] = {name: step_times(sizes, txs, args.steps, args.reps, args.warmup)
                         for name, sizes in LAYOUTS.items()}

@@ -53,7 +53,7 @@ from jaxpar.errors import MaskError, OptimizerError, check_int, int_problem
 __all__ = ["LR_SCALING_RULES", "HYPERPARAMETERS", "MaskError", "OptimizerError", "hyperparameter_problem",
            "check_hyperparameters", "scaled_lr", "trust_mask", "stacked_axes", "scale_by_layer_trust_ratio", "lars",
            "lamb", "scale_by_adam_frozen_variance", "adamw_frozen_variance", "MUON_FEATURES", "MUON_STACKS",
-           "MUON_ADAM_DEFAULTS", "MUON_PLACEMENTS", "MuonRoute", "MuonState", "MuonPlacement", "muon_routes",
+           "MUON_ADAM_DEFAULTS", "MUON_PLACEMENTS", "MUON_KERNEL_LAYOUTS", "MuonRoute", "MuonState", "MuonPlacement", "muon_routes",
            "muon_routing", "muon_routing_table", "muon_placements", "muon_placement_table", "muon"]
 
 #: ``linear``: lr x B / B0 (Goyal et al.); ``sqrt``: lr x sqrt(B / B0); ``none``: lr.
@@ -450,6 +450,8 @@ MUON_FEATURES = FEATURES
 MUON_STACKS = STACKS
 #: Where Newton-Schulz runs on a sharded matrix (:func:`muon`'s ``placement``; docs/muon.md).
 MUON_PLACEMENTS = PLACEMENTS
+#: Which side of a weight comes first (:func:`muon_routes`' ``kernel_layout``): input (Flax) or output (PyTorch).
+MUON_KERNEL_LAYOUTS = ("in_out", "out_in")
 #: Mesh-axis names: an annotation that holds one is a mesh-axis ``PartitionSpec``, not logical names.
 _MESH_NAMES = STANDARD_AXES + (REPLICA, CONTEXT, EXPERT)
 #: The AdamW half's options (:func:`muon`'s ``adam=``) and their defaults (``lr`` None: Muon's).
@@ -540,13 +542,17 @@ def _routes(params: Any, logical: Any, routing: dict[str, str]) -> dict[str, Muo
             for p, leaf in flat}
 
 
-def muon_routes(params: Any, logical: Any = None, *, routing: dict[str, str] | None = None) -> dict[str, MuonRoute]:
+def muon_routes(params: Any, logical: Any = None, *, routing: dict[str, str] | None = None,
+                kernel_layout: str = "in_out") -> dict[str, MuonRoute]:
     """``{path: MuonRoute}``: each parameter's rule, matrix axes and batch axes (:func:`muon_routing`).
 
     Args:
       params: the parameters (arrays or ``ShapeDtypeStruct``s).
       logical: a mirroring tree of logical names (``StateLayout.logical``, ``abstract_model(model_fn)[2]``).
       routing: ``{path regex: "muon" | "adam"}`` overriding the names (searched in ``'blocks/wq'``).
+      kernel_layout: which feature group comes first in a weight (:data:`MUON_KERNEL_LAYOUTS`): ``in_out``
+        (Flax's kernels, jaxpar's GPT: the input side first) or ``out_in`` (PyTorch / Hugging Face weights,
+        jaxpar's ``Decoder``). It sets the shape scaling's fan-in and fan-out.
 
     Returns:
       Parameter path -> :class:`MuonRoute`.
@@ -556,9 +562,19 @@ def muon_routes(params: Any, logical: Any = None, *, routing: dict[str, str] | N
         that ``routing`` does not route, a rank that differs from its names, or a ``routing`` pattern
         that matches nothing.
     """
+    _check_kernel_layout(kernel_layout)
     routing = dict(routing or {})
     _check_routing(routing, [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]])
-    return _routes(params, logical, routing)
+    routes = _routes(params, logical, routing)
+    if kernel_layout == "out_in":               # the first feature group is the output side
+        routes = {k: r._replace(reduction=r.output, output=r.reduction) for k, r in routes.items()}
+    return routes
+
+
+def _check_kernel_layout(kernel_layout: str) -> None:
+    if kernel_layout not in MUON_KERNEL_LAYOUTS:
+        raise OptimizerError(f"muon(kernel_layout={kernel_layout!r}): choose one of {', '.join(MUON_KERNEL_LAYOUTS)} "
+                             "(in_out: Flax kernels [in, out]; out_in: PyTorch / Hugging Face weights [out, in]).")
 
 
 def _unnamed_error(path: str, names: tuple) -> OptimizerError:
@@ -593,13 +609,15 @@ def muon_routing(params: Any, logical: Any = None, *, routing: dict[str, str] | 
     return {path: r.rule for path, r in muon_routes(params, logical, routing=routing).items()}
 
 
-def muon_routing_table(params: Any, logical: Any = None, *, routing: dict[str, str] | None = None) -> str:
+def muon_routing_table(params: Any, logical: Any = None, *, routing: dict[str, str] | None = None,
+                       kernel_layout: str = "in_out") -> str:
     """:func:`muon_routing` as text, one line per parameter: rule, matrix (input x output) and batch dims.
 
     Args:
       params: the parameters (arrays or ``ShapeDtypeStruct``s).
       logical: a mirroring tree of logical names.
       routing: ``{path regex: "muon" | "adam"}`` overriding the names.
+      kernel_layout: ``in_out`` or ``out_in`` (:func:`muon_routes`).
 
     Returns:
       The table.
@@ -610,7 +628,7 @@ def muon_routing_table(params: Any, logical: Any = None, *, routing: dict[str, s
     """
     names = _logical_by_path(logical) if logical is not None else {}
     shapes = {path_str(p): leaf.shape for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-    routes = muon_routes(params, logical, routing=routing)
+    routes = muon_routes(params, logical, routing=routing, kernel_layout=kernel_layout)
     width = max(map(len, routes), default=0)
 
     def side(path, axes):
@@ -889,7 +907,7 @@ def _checked_adamw(learning_rate, momentum, weight_decay, ns_steps, consistent_r
 def muon(learning_rate: optax.ScalarOrSchedule, *, logical: Any = None, routing: dict[str, str] | None = None,
          momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, weight_decay: float = 0.0,
          consistent_rms: float | None = None, adam: dict | None = None, placement: str = "auto", mesh=None,
-         specs: Any = None, cluster: Any = None) -> optax.GradientTransformation:
+         specs: Any = None, cluster: Any = None, kernel_layout: str = "in_out") -> optax.GradientTransformation:
     """Muon (Jordan et al. 2024) on the matrices, AdamW on the rest, routed by logical names (:func:`muon_routing`).
 
     The matrices get optax's Muon (``scale_by_muon``'s momentum and Newton-Schulz per matrix, stacked axes as
@@ -912,6 +930,8 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, logical: Any = None, routing:
       mesh: the device mesh the update runs on (with ``specs``).
       specs: the momentum's ``PartitionSpec`` tree (``StateLayout.opt_param_specs``; with ``mesh``).
       cluster: the cost model's cluster for ``auto`` (preset name or ``jaxpar.cost.Cluster``; None: by platform).
+      kernel_layout: ``in_out`` (Flax kernels, the default) or ``out_in`` (PyTorch / Hugging Face weights, jaxpar's
+        ``Decoder``): which side of a weight is its input, for the shape scaling (:func:`muon_routes`).
 
     Returns:
       The ``optax.GradientTransformation``; its state is a :class:`MuonState`.
@@ -928,7 +948,8 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, logical: Any = None, routing:
     """
     rest = _checked_adamw(learning_rate, momentum, weight_decay, ns_steps, consistent_rms, adam)
     _check_placement(placement, mesh, specs)
-    routes = lambda tree: muon_routes(tree, logical, routing=routing)   # noqa: E731
+    _check_kernel_layout(kernel_layout)
+    routes = lambda tree: muon_routes(tree, logical, routing=routing, kernel_layout=kernel_layout)   # noqa: E731
     where = None if mesh is None else (mesh, _spec_by_path(specs), (placement, ns_steps, _cluster_of(mesh, cluster)))
 
     def init_fn(params):

@@ -234,3 +234,29 @@ def test_a_muon_run_resumes_bit_exact_and_onto_another_mesh(tmp_path):
         assert jax.tree.structure((moved.params, moved.opt_state)) == jax.tree.structure(saved)
         for a, b in zip(jax.tree.leaves(jax.device_get((moved.params, moved.opt_state))), jax.tree.leaves(saved)):
             np.testing.assert_array_equal(a, b)
+
+
+def test_kernel_layout_out_in_scales_a_torch_layout_weight_as_its_transpose():
+    """``kernel_layout='out_in'`` (Hugging Face's ``[out, in]``, jaxpar's Decoder): the update of ``w [mlp 8, embed
+    12]`` is optax's Muon of ``w.T`` (input 12, output 8) transposed; the default reads it as input 8, output 12,
+    whose shape scaling differs (sqrt(12 / 8)). The Decoder declares it and the YAML builder reads it."""
+    from jaxpar.config._optimizer_section import muon_kernel_layout
+    from jaxpar.models import Decoder, DecoderConfig
+
+    w = jax.random.normal(jax.random.key(0), (8, 12))
+    g = jax.random.normal(jax.random.key(1), w.shape)
+    names = {"w": ("mlp", "embed")}
+    ref = optax.contrib.muon(0.1)
+    want = ref.update(g.T, ref.init(w.T), w.T)[0].T
+    for layout, expect in (("out_in", want), ("in_out", ref.update(g, ref.init(w), w)[0])):
+        tx = muon(0.1, logical=names, kernel_layout=layout)
+        got = tx.update({"w": g}, tx.init({"w": w}), {"w": w})[0]["w"]
+        np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(want, ref.update(g, ref.init(w), w)[0], atol=1e-3)      # the layouts differ here
+    assert "mlp(8) x embed(12)" in muon_routing_table({"w": w}, names)
+    assert "embed(12) x mlp(8)" in muon_routing_table({"w": w}, names, kernel_layout="out_in")
+    cfg = DecoderConfig(vocab=32, embed=16, layers=1, heads=2, kv_heads=1, head_dim=8, mlp=32)
+    assert muon_kernel_layout(lambda: Decoder(cfg, rngs=nnx.Rngs(0))) == "out_in"
+    assert muon_kernel_layout(_model) == "in_out"
+    with pytest.raises(OptimizerError, match=r"muon\(kernel_layout='io'\)"):
+        muon(0.1, kernel_layout="io")

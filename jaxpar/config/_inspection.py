@@ -191,9 +191,12 @@ def muon_lines(cfg: JobConfig, layout: Any) -> list[str]:
     """
     if cfg.optimizer.name != "muon":
         return []
+    from jaxpar.config._build import build_model_fn
+    from jaxpar.config._optimizer_section import muon_kernel_layout
     from jaxpar.optimizers import muon_routing_table
 
-    table = muon_routing_table(layout.shapes, layout.logical, routing=dict(cfg.optimizer.muon.routing))
+    table = muon_routing_table(layout.shapes, layout.logical, routing=dict(cfg.optimizer.muon.routing),
+                               kernel_layout=muon_kernel_layout(build_model_fn(cfg.model, cfg.train.seed)))
     return ["", "muon routing (parameter, rule, matrix: input x output, batch dims: one Newton-Schulz each, why)",
             table] + muon_placement_lines(cfg, layout)
 

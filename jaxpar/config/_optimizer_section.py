@@ -41,7 +41,7 @@ def _lamb(c: OptimizerConfig, lr, *, logical=None, mask=None):
     return opt_lib.lamb(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, logical=logical, mask=mask)
 
 
-def _muon(c: OptimizerConfig, lr, *, logical=None, mask=None, place=None):
+def _muon(c: OptimizerConfig, lr, *, logical=None, mask=None, place=None, kernel_layout="in_out"):
     m = c.muon
     adam = {"b1": c.b1, "b2": c.b2, "eps": c.eps, "weight_decay": m.adam_weight_decay}
     if m.adam_lr is not None:             # the same schedule, scaled to the AdamW half's peak
@@ -49,7 +49,7 @@ def _muon(c: OptimizerConfig, lr, *, logical=None, mask=None, place=None):
     try:
         return opt_lib.muon(lr, logical=logical, routing=dict(m.routing), momentum=m.momentum, nesterov=m.nesterov,
                             ns_steps=m.ns_steps, weight_decay=c.weight_decay, consistent_rms=m.consistent_rms,
-                            adam=adam, **(place or {}))
+                            adam=adam, kernel_layout=kernel_layout, **(place or {}))
     except opt_lib.OptimizerError as e:
         raise ConfigError(f"optimizer.name=muon: {e} (YAML: optimizer.muon.routing, optimizer.muon.*).") from None
 
@@ -186,6 +186,7 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int
     if cfg.name == "muon":
         logical = _muon_logical(cfg, model_fn)
         extra["place"] = _muon_place(cfg, model_fn, mesh, strategy)
+        extra["kernel_layout"] = muon_kernel_layout(model_fn)
     inner = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
     if freeze_variance_step is not None:
         if cfg.name not in ("adam", "adamw"):
@@ -236,6 +237,21 @@ def _muon_place(cfg: OptimizerConfig, model_fn, mesh, strategy: Strategy | None)
 
     layout = state_layout(model_fn, optax.identity(), mesh, strategy or Strategy())
     return {"placement": cfg.muon.placement, "mesh": mesh, "specs": layout.opt_param_specs}
+
+
+def muon_kernel_layout(model_fn) -> str:
+    """Which side of the model's weights comes first, for Muon's shape scaling: its class's ``kernel_layout``
+    (``out_in``: jaxpar's ``Decoder``, Hugging Face's ``[out, in]``), else Flax's ``in_out``.
+
+    Args:
+      model_fn: the model's constructor.
+
+    Returns:
+      ``"in_out"`` or ``"out_in"``.
+    """
+    from flax import nnx
+
+    return getattr(nnx.eval_shape(model_fn), "kernel_layout", "in_out")
 
 
 def _muon_logical(cfg: OptimizerConfig, model_fn):

@@ -196,6 +196,9 @@ class Layers(nnx.Module):
 class Decoder(nnx.Module):
     """Token embedding, the stacked layers, the final norm and the (tied or untied) head."""
 
+    #: Weights are ``[out, in]`` as Hugging Face stores them (read by :func:`jaxpar.optimizers.muon`).
+    kernel_layout = "out_in"
+
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         with nnx.use_eager_sharding(False):
