@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install targets train test test-all ci-share bench clean
+.PHONY: install targets train test test-all ci-share bench peers clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -50,6 +50,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/byo_model.py
 	$(BIN)/python benchmarks/gradient_compression.py
 	$(BIN)/python benchmarks/compression_convergence.py
+
+# Levanter's own venv for benchmarks/peers/levanter.py (docs/benchmarks.md): Python 3.11, pinned
+PEERS := benchmarks/peers/.venv-levanter
+peers:
+	test -d $(PEERS) || python3.11 -m venv $(PEERS)
+	$(PEERS)/bin/pip install -q -r benchmarks/peers/requirements-levanter.txt
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
