@@ -171,9 +171,8 @@ def explicit_data_parallel(asked: bool | None, loss_fn: Callable, params: Any, b
                               "collectives run it inside a shard_map. Use explicit_dp=None / False.")
     if carried:
         raise ExplicitDPError(f"explicit_dp=True: the model's stacked layers carry {jax.tree.structure(carried[0])} "
-                              "from layer to layer (values beside the activation: positions and segment ids, MoE "
-                              "statistics), and the explicit "
-                              "per-layer collectives run one activation. Use explicit_dp=None / False.")
+                              "from layer to layer (positions, segment ids or MoE statistics beside the activation), "
+                              "and the explicit per-layer collectives run one activation. Use explicit_dp=None / False.")
     if pinned:
         raise ExplicitDPError(
             f"explicit_dp=True: the model's own specs shard parameters {pinned[:4]}{' ...' if len(pinned) > 4 else ''} "
