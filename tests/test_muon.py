@@ -33,20 +33,27 @@ def _model():
     return GPT(CFG, rngs=nnx.Rngs(0))
 
 
-def _tx(logical):
-    return muon(MUON_LR, logical=logical, weight_decay=0.1, adam=dict(lr=ADAM_LR, b2=0.999, weight_decay=0.1))
+def _tx(logical, **place):
+    return muon(MUON_LR, logical=logical, weight_decay=0.1, adam=dict(lr=ADAM_LR, b2=0.999, weight_decay=0.1),
+                **place)
 
 
-def _setup(sizes, strategy, model_fn=_model, record=True):
+def _setup(sizes, strategy, model_fn=_model, record=True, placement=None):
+    """``placement``: Newton-Schulz placed on the mesh (tests/test_muon_placement.py); None: XLA's."""
     mesh = mesh_for(sizes)
-    tx = _tx(abstract_model(model_fn)[2])
+    place = {}
+    if placement is not None:
+        specs = jaxpar.state_layout(model_fn, optax.identity(), mesh, strategy).opt_param_specs
+        place = dict(placement=placement, mesh=mesh, specs=specs)
+    tx = _tx(abstract_model(model_fn)[2], **place)
     tx = optax.chain(keep_grads(), tx) if record else tx
     state, layout = jaxpar.init_train_state(model_fn, tx, mesh, strategy)
     return mesh, state, layout, jaxpar.make_train_step(lm_loss, tx, layout, strategy)
 
 
-def _train(sizes, strategy=jaxpar.Strategy(), model_fn=_model):
-    mesh, state, layout, step = _setup(sizes, strategy, model_fn)
+def train_muon(sizes, strategy=jaxpar.Strategy(), model_fn=_model, placement=None):
+    """Params after 3 steps of Muon on ``sizes`` and the first gradients."""
+    mesh, state, layout, step = _setup(sizes, strategy, model_fn, placement=placement)
     batch = jaxpar.shard_batch(make_batch(), mesh)
     grads = None
     for _ in range(STEPS):
@@ -67,11 +74,27 @@ def _moe_model():
 _REFERENCES: dict = {}
 
 
-def _reference(model_fn):
-    """One device's run of ``model_fn`` (computed once per module)."""
+def one_device_reference(model_fn=_model):
+    """One device's run of ``model_fn`` (computed once per session)."""
     if model_fn not in _REFERENCES:
-        _REFERENCES[model_fn] = _train({}, model_fn=model_fn)
+        _REFERENCES[model_fn] = train_muon({}, model_fn=model_fn)
     return _REFERENCES[model_fn]
+
+
+def assert_like_one_device(name, params, grads, model_fn=_model):
+    """The first gradients as tests/helpers.py compares them; the Muon-routed parameters at the fp32 parameter
+    standard, the AdamW-routed ones with ``adam_atol`` (the module docstring)."""
+    ref_params, ref_grads = one_device_reference(model_fn)
+    assert_grads_close(grads, ref_grads)
+    rules = muon_routing(*abstract_model(model_fn)[1:])
+    got, ref, g1 = flat(params), flat(ref_params), flat(ref_grads)
+    assert {r for r in rules.values()} == {"muon", "adam"}
+    for k, rule in rules.items():
+        r = ref[k].astype(np.float64)
+        extra = 0.0 if rule == "muon" else adam_atol(g1[k], ADAM_LR, STEPS)
+        diff = np.abs(got[k] - r)
+        assert (diff <= PARAM_RTOL * np.abs(r) + PARAM_ATOL + extra).all(), \
+            f"{name}: {rule} parameter {k}: max |diff| {diff.max():.3g}"
 
 
 LAYOUTS = {
@@ -91,20 +114,10 @@ LAYOUTS = {
                                   for n in LAYOUTS])
 def test_muon_under_a_layout_equals_one_device(name):
     sizes, kw, model_fn = LAYOUTS[name]
-    params, grads = _train(sizes, jaxpar.Strategy(**kw), model_fn)
-    ref_params, ref_grads = _reference(model_fn)
-    assert_grads_close(grads, ref_grads)
-    rules = muon_routing(*abstract_model(model_fn)[1:])
     if model_fn is _moe_model:           # the experts' matrices are Muon's, per layer and expert
+        rules = muon_routing(*abstract_model(model_fn)[1:])
         assert rules["blocks/experts_w1"] == rules["blocks/experts_w2"] == "muon"
-    got, ref, g1 = flat(params), flat(ref_params), flat(ref_grads)
-    assert {r for r in rules.values()} == {"muon", "adam"}
-    for k, rule in rules.items():
-        r = ref[k].astype(np.float64)
-        extra = 0.0 if rule == "muon" else adam_atol(g1[k], ADAM_LR, STEPS)
-        tol = PARAM_RTOL * np.abs(r) + PARAM_ATOL + extra
-        diff = np.abs(got[k] - r)
-        assert (diff <= tol).all(), f"{name}: {rule} parameter {k}: max |diff| {diff.max():.3g}"
+    assert_like_one_device(name, *train_muon(sizes, jaxpar.Strategy(**kw), model_fn), model_fn)
 
 
 def test_the_update_is_one_newton_schulz_per_stacked_matrix():

@@ -10,67 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar
 from jaxpar import cost
 from jaxpar.adapters import abstract_model
 from jaxpar.errors import OptimizerError
-from jaxpar.models import GPT, lm_loss
-from jaxpar.optimizers import muon, muon_placements, muon_routing
+from jaxpar.optimizers import muon, muon_placements
 
 from conftest import need_devices
-from helpers import (CFG, PARAM_ATOL, PARAM_RTOL, adam_atol, assert_grads_close, flat, keep_grads, make_batch,
-                     mesh_for)
-
-MUON_LR, ADAM_LR, STEPS = 0.02, 1e-3, 3
-
-
-def _model():
-    return GPT(CFG, rngs=nnx.Rngs(0))
-
-
-def _tx(logical, **place):
-    return muon(MUON_LR, logical=logical, weight_decay=0.1, adam=dict(lr=ADAM_LR, b2=0.999, weight_decay=0.1),
-                **place)
-
-
-def _train(sizes, strategy=jaxpar.Strategy(), placement=None):
-    mesh = mesh_for(sizes)
-    logical = abstract_model(_model)[2]
-    place = {}
-    if placement is not None:
-        specs = jaxpar.state_layout(_model, optax.identity(), mesh, strategy).opt_param_specs
-        place = dict(placement=placement, mesh=mesh, specs=specs)
-    tx = optax.chain(keep_grads(), _tx(logical, **place))
-    state, layout = jaxpar.init_train_state(_model, tx, mesh, strategy)
-    step = jaxpar.make_train_step(lm_loss, tx, layout, strategy)
-    batch = jaxpar.shard_batch(make_batch(), mesh)
-    grads = None
-    for _ in range(STEPS):
-        state, _ = step(state, batch)
-        grads = jax.device_get(state.opt_state[0].grads) if grads is None else grads
-    return jax.device_get(state.params), grads
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return _train({})
-
-
-def _assert_one_device(name, got_params, grads, reference):
-    ref_params, ref_grads = reference
-    assert_grads_close(grads, ref_grads)
-    rules = muon_routing(*abstract_model(_model)[1:])
-    got, ref, g1 = flat(got_params), flat(ref_params), flat(ref_grads)
-    for k, rule in rules.items():
-        r = ref[k].astype(np.float64)
-        extra = 0.0 if rule == "muon" else adam_atol(g1[k], ADAM_LR, STEPS)
-        diff = np.abs(got[k] - r)
-        assert (diff <= PARAM_RTOL * np.abs(r) + PARAM_ATOL + extra).all(), \
-            f"{name}: {rule} parameter {k}: max |diff| {diff.max():.3g}"
-
+from helpers import mesh_for
+from test_muon import _model, assert_like_one_device, train_muon
 
 LAYOUTS = {
     "fsdp8": ({"fsdp": 8}, {}),
@@ -86,10 +36,9 @@ LAYOUTS = {
 @pytest.mark.parametrize("name,placement", [
     (n, p) if (n, p) == ("fsdp8", "owner") else pytest.param(n, p, marks=pytest.mark.exhaustive)
     for n in LAYOUTS for p in ("owner", "gather")])       # gather's fast case: test_local_orthogonalises_...
-def test_an_exact_placement_equals_one_device(name, placement, reference):
+def test_an_exact_placement_equals_one_device(name, placement):
     sizes, kw = LAYOUTS[name]
-    params, grads = _train(sizes, jaxpar.Strategy(**kw), placement)
-    _assert_one_device(f"{name} {placement}", params, grads, reference)
+    assert_like_one_device(f"{name} {placement}", *train_muon(sizes, jaxpar.Strategy(**kw), placement=placement))
 
 
 def _one_update(on, spec, names, shape, **place):

@@ -107,10 +107,7 @@ class Worker:
         t0 = time.perf_counter()
         compiled = step.lower(layout.abstract_state(), batch).compile()
         compile_s = time.perf_counter() - t0
-        with open(hlo, "w") as f:
-            f.write(compiled.as_text())
-        return {"compile_s": compile_s, "memory": proto.memory_stats(compiled), **proto.cost(compiled),
-                "device": str(devices[0].device_kind), "mesh": dict(mesh.shape)}
+        return proto.compiled_report(compiled, hlo, compile_s, devices, mesh)
 
 
 if __name__ == "__main__":

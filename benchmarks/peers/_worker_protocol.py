@@ -54,6 +54,14 @@ def cost(compiled: Any) -> dict[str, float | None]:
                                                                       ("bytes_accessed", "bytes accessed"))}
 
 
+def compiled_report(compiled: Any, hlo: str, compile_s: float, devices: list[Any], mesh: Any) -> dict[str, Any]:
+    """A compiled program's reply: its HLO text written to ``hlo``, its compile time, memory, cost, device, mesh."""
+    with open(hlo, "w") as f:
+        f.write(compiled.as_text())
+    return {"compile_s": compile_s, "memory": memory_stats(compiled), **cost(compiled),
+            "device": str(devices[0].device_kind), "mesh": dict(mesh.shape)}
+
+
 def start_cuda_compiler(targets_dir: str) -> None:
     """Load the CUDA plugin from jaxpar's targets directory into this process, for deviceless compiles
     (what ``jaxpar.devices._targets`` does; the plugin must match this process's jax exactly)."""
