@@ -46,6 +46,18 @@ def test_inspect_prints_the_muon_routing_of_the_layout():
     assert muon_lines(load_config(QUICKSTART, ["model.embed=32", "model.layers=1"]), layout) == []
 
 
+@pytest.mark.slow
+def test_inspect_predicts_the_muon_state_bytes(capsys):
+    """The cost model's argument bytes of a Muon step (one fp32 moment per matrix, AdamW's two elsewhere, one
+    counter more) equal the compiled step's, as they do for AdamW."""
+    from jaxpar.cli import main
+
+    for opt in ("muon", "adamw"):
+        assert main(["inspect", str(QUICKSTART), f"optimizer.name={opt}", "model.embed=32", "model.layers=1"]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("arguments"))
+        assert row.split("|")[-1].strip() == "1.000", (opt, row)
+
+
 def _update_collectives(tx, mesh=None):
     mesh = mesh or mesh_for({"fsdp": 8})
     state, layout = jaxpar.init_train_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), tx, mesh, jaxpar.Strategy())

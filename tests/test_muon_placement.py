@@ -5,6 +5,8 @@ device at the fp32 parameter standard, as tests/test_muon.py compares XLA's plac
 orthogonalises each shard alone: it differs from one device by O(lr) and equals Newton-Schulz applied to
 each shard by hand. The cost model (:mod:`jaxpar.cost._muon`) counts the FLOPs and chooses.
 """
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,6 +96,8 @@ def test_the_planner_counts_newton_schulz_in_the_update():
     update = cost.muon_update(model, {"fsdp": 8}, h100)
     assert muon_.time.optimizer == pytest.approx(adamw.time.optimizer + update.seconds)
     assert muon_.time.bytes_per_axis["fsdp"] == pytest.approx(adamw.time.bytes_per_axis["fsdp"] + update.bytes)
+    matrices = sum(math.prod(g.shape) for g in cost.matrix_groups(model, {"fsdp": 8}))
+    assert muon_.memory.opt == pytest.approx(adamw.memory.opt - 4 * matrices / 8)      # one moment, not two
     ranked = cost.plan(model, h100, top=3, muon=settings, fp8=False).ranked
     assert all(e.time.optimizer > cost.evaluate(model, e.plan, h100).time.optimizer for e in ranked[:3])
 

@@ -262,7 +262,8 @@ def _predicted(view: Any, strategy: Strategy, lowering: str, platform: str, muon
         cs = cs + muon_comms(muon_update(model, plan.sizes, chooser, zero=plan.zero, **muon))
     pred = bytes_per_axis(cs)
     mem = est.memory
-    args = device_argument_bytes(model, plan.sizes, plan.zero, layout=layout_for_platform(platform))
+    muon_state = {} if muon is None else {"matrix_moments": 1, "scalars": 3}    # Muon's momentum and its count
+    args = device_argument_bytes(model, plan.sizes, plan.zero, layout=layout_for_platform(platform), **muon_state)
     peak = mem.total if platform == "cpu" else predicted_peak(model, plan, mem.total, strategy.compute_dtype, platform)
     return pred, args, mem.activations + mem.logits, peak
 

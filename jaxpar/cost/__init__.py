@@ -18,11 +18,11 @@ from jaxpar.cost._calibrate import calibrate
 from jaxpar.cost._device_bytes import device_argument_bytes, step_peak_bytes
 from jaxpar.cost._collectives import (ALGORITHMS, KINDS as COLLECTIVE_KINDS, Link, best as best_algorithm,
                                       time as collective_time)
-from jaxpar.cost._memory import PRECISIONS, BytesPerParam, activation_bytes_per_layer, memory_per_device, zero_state_bytes
-from jaxpar.cost._model import Leaf, ModelSpec, from_nnx, gpt
-from jaxpar.cost._muon import (FEATURES, PLACEMENTS, PLATFORM_CLUSTERS, STACKS, MatrixGroup, MuonUpdate, PlacementCost,
-                               choose_placement, matrix_groups, matrix_sides, muon_comms, muon_update, ns_flops,
-                               placement_cost, with_muon)
+from jaxpar.cost._memory import (PRECISIONS, BytesPerParam, activation_bytes_per_layer, memory_per_device,
+                                 muon_precision, zero_state_bytes)
+from jaxpar.cost._model import FEATURES, STACKS, Leaf, ModelSpec, from_nnx, gpt, matrix_sides
+from jaxpar.cost._muon import (PLACEMENTS, PLATFORM_CLUSTERS, MatrixGroup, MuonUpdate, PlacementCost, choose_placement,
+                               matrix_groups, muon_comms, muon_update, ns_flops, placement_cost, with_muon)
 from jaxpar.cost._parallel import Plan
 from jaxpar.cost._planner import Estimate, PlanError, PlanResult, evaluate, plan
 from jaxpar.cost._time import Overlap, narayanan_flops, step_flops, step_time
@@ -31,7 +31,7 @@ from jaxpar.cost._traffic import comms
 __all__ = ["calibrate", "Cluster", "ClusterError", "cluster_from_dict", "load_cluster", "presets",
            "device_argument_bytes", "step_peak_bytes", "evaluate", "ALGORITHMS", "COLLECTIVE_KINDS", "Link", "best_algorithm",
            "collective_time", "PRECISIONS", "BytesPerParam",
-           "activation_bytes_per_layer", "memory_per_device", "zero_state_bytes", "Leaf", "ModelSpec",
+           "activation_bytes_per_layer", "memory_per_device", "muon_precision", "zero_state_bytes", "Leaf", "ModelSpec",
            "from_nnx", "gpt", "Estimate", "PlanError", "PlanResult", "plan", "Overlap", "Plan",
            "comms", "narayanan_flops", "step_flops", "step_time", "FEATURES", "PLACEMENTS", "PLATFORM_CLUSTERS",
            "STACKS", "MatrixGroup", "MuonUpdate", "PlacementCost", "choose_placement", "matrix_groups",

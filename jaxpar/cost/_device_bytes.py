@@ -18,7 +18,7 @@ from typing import Mapping
 
 from jaxpar.cost._memory import in_flight, leaf_shard_counts, leaf_spec, sizes_key, zero_axes, \
     zero_dim_of
-from jaxpar.cost._model import Leaf, ModelSpec
+from jaxpar.cost._model import Leaf, ModelSpec, matrix_sides
 from jaxpar.cost._schedule import runs_in_lockstep
 from jaxpar.cost._parallel import Plan
 
@@ -110,7 +110,8 @@ def local_shape(leaf: Leaf, sizes: Mapping[str, int], stage: int, kind: str) -> 
 
 
 def device_argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int, *, layout: Layout = DENSE,
-                          moments: int = 2, batch_leaves: int = 2, scalars: int = 2) -> float:
+                          moments: int = 2, batch_leaves: int = 2, scalars: int = 2,
+                          matrix_moments: int | None = None) -> float:
     """Bytes of jaxpar's train-step arguments on one device (what ``compiled.memory_analysis()``'s
     ``argument_size_in_bytes`` reports): fp32 parameters and ``moments`` optimizer moments per parameter
     sharded per ZeRO stage, ``scalars`` int32 counters and ``batch_leaves`` int32 batch arrays, each
@@ -124,6 +125,8 @@ def device_argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int,
       moments: optimizer moments per parameter.
       batch_leaves: the number of batch arrays.
       scalars: the number of int32 counters.
+      matrix_moments: optimizer moments of a matrix leaf (:func:`jaxpar.cost.matrix_sides`) where they differ
+        (Muon: 1, and one counter more); None: ``moments``.
 
     Returns:
       Bytes per device.
@@ -135,7 +138,8 @@ def device_argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int,
     out = 0.0
     for leaf in model.leaves:
         out += padded_bytes(local_shape(leaf, sizes, zero, "params"), 4, layout)
-        out += moments * padded_bytes(local_shape(leaf, sizes, zero, "opt"), 4, layout)
+        k = matrix_moments if matrix_moments is not None and matrix_sides(leaf.logical)[0] else moments
+        out += k * padded_bytes(local_shape(leaf, sizes, zero, "opt"), 4, layout)
     rows = model.batch // (sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1))
     seq = model.seq // sizes.get("context", 1)
     return out + scalars * padded_bytes((), 4, layout) + batch_leaves * padded_bytes((rows, seq), 4, layout)

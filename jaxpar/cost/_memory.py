@@ -12,13 +12,13 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Mapping, NamedTuple
 
 from jaxpar.cost._context_experts import (context_score_bytes, context_working_bytes, dense_mlp_bytes,
                                           moe_mlp_bytes)
-from jaxpar.cost._model import TENSOR_LOGICAL, Leaf, ModelSpec
+from jaxpar.cost._model import TENSOR_LOGICAL, Leaf, ModelSpec, matrix_sides
 from jaxpar.cost._schedule import in_flight
 from jaxpar.errors import CostModelError, LayoutError
 
@@ -106,11 +106,14 @@ def layer_activations(model: ModelSpec, sizes: Mapping[str, int], rows: float, *
 
 @dataclass(frozen=True)
 class BytesPerParam:
-    """Bytes per parameter of the weights, the gradients and the optimizer state (``k`` = their sum)."""
+    """Bytes per parameter of the weights, the gradients and the optimizer state (``k`` = their sum);
+    ``matrix_opt``: the optimizer state of a matrix leaf (:func:`jaxpar.cost.matrix_sides`) where it differs
+    (Muon: :func:`muon_precision`), None: ``opt``."""
 
     param: float
     grad: float
     opt: float
+    matrix_opt: float | None = None
 
     @property
     def k(self) -> float:
@@ -132,6 +135,23 @@ def _precision(precision: str | BytesPerParam) -> BytesPerParam:
         raise CostModelError(f"precision={precision!r}: choose one of {', '.join(PRECISIONS)} or pass a "
                              "BytesPerParam(param, grad, opt).")
     return PRECISIONS[precision]
+
+
+def muon_precision(precision: str | BytesPerParam) -> BytesPerParam:
+    """``precision``'s bytes per parameter under :func:`jaxpar.optimizers.muon`: a matrix keeps one fp32
+    moment (its momentum) where Adam keeps two; the other leaves keep AdamW's.
+
+    Args:
+      precision: a name in :data:`PRECISIONS` or a :class:`BytesPerParam`.
+
+    Returns:
+      The :class:`BytesPerParam` with ``matrix_opt`` = ``opt`` - 4.
+
+    >>> muon_precision("mixed")
+    BytesPerParam(param=2, grad=2, opt=12, matrix_opt=8)
+    """
+    bp = _precision(precision)
+    return replace(bp, matrix_opt=bp.opt - 4)
 
 
 def _check_stage(stage) -> None:
@@ -341,7 +361,8 @@ def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,
         sp, sg, so, _, _ = leaf_shard_counts(leaf, key, stage)
         out["params"] += bp.param * leaf.size / sp
         out["grads"] += bp.grad * leaf.size / sg
-        out["opt"] += bp.opt * leaf.size / so
+        matrix = bp.matrix_opt is not None and matrix_sides(leaf.logical)[0]
+        out["opt"] += (bp.matrix_opt if matrix else bp.opt) * leaf.size / so
     out["total"] = out["params"] + out["grads"] + out["opt"]
     return out
 

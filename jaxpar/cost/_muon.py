@@ -30,69 +30,17 @@ from typing import Mapping, NamedTuple, Sequence
 
 from jaxpar.cost._cluster import Cluster, load_cluster
 from jaxpar.cost._memory import leaf_spec, zero_axes, zero_dim_of
-from jaxpar.cost._model import Leaf, ModelSpec
+from jaxpar.cost._model import Leaf, ModelSpec, matrix_sides
 from jaxpar.cost._parallel import AXES, Plan
 from jaxpar.cost._roofline import Kernel, kernel_seconds, matmul
 from jaxpar.cost._time import StepTime, comm_time, step_flops
 from jaxpar.cost._traffic import Comm
 from jaxpar.errors import CostModelError
 
-#: Logical names of feature axes: a parameter whose feature axes form two groups is a matrix.
-FEATURES = ("embed", "heads", "kv_heads", "kv", "mlp")
-#: Feature axes that flatten into one matrix side when adjacent (``wq``: ``embed x heads*kv``).
-HEAD_GROUP = ("heads", "kv_heads", "kv")
-#: Logical names of stacked axes (``None``: an unnamed sub-layer axis): batch dimensions of Newton-Schulz.
-STACKS = ("layers", "experts", "stage", "stages", None)
 #: Placements of Newton-Schulz on sharded matrices; ``auto``: the cheaper exact one (:func:`choose_placement`).
 PLACEMENTS = ("auto", "gather", "owner", "local")
 #: The cluster preset the optimizer's ``auto`` times placements on, by the devices' platform.
 PLATFORM_CLUSTERS = {"cpu": "cpu_sim", "gpu": "h100", "cuda": "h100", "rocm": "h100", "tpu": "tpu_v5p"}
-
-
-def feature_groups(names: Sequence) -> list[tuple[int, ...]]:
-    """Runs of feature axes: ``embed`` and ``mlp`` alone, adjacent ``heads`` / ``kv_heads`` / ``kv`` together.
-
-    Args:
-      names: one logical name (or None) per dimension.
-
-    Returns:
-      The groups, as tuples of dimension indices.
-
-    >>> feature_groups(("layers", "embed", "heads", "kv"))
-    [(1,), (2, 3)]
-    """
-    groups: list[list[int]] = []
-    for i, name in enumerate(names):
-        if name not in FEATURES:
-            continue
-        joined = groups and name in HEAD_GROUP and names[i - 1] in HEAD_GROUP and groups[-1][-1] == i - 1
-        groups[-1].append(i) if joined else groups.append([i])
-    return [tuple(g) for g in groups]
-
-
-def matrix_sides(names: Sequence) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], str]:
-    """A parameter's matrix from its logical names: its input side, output side and stacked (batch) dims.
-
-    Args:
-      names: one logical name (or None) per dimension.
-
-    Returns:
-      ``(reduction, output, batch, why)``; ``reduction`` and ``output`` are ``()`` when it is no matrix
-      (``why`` says why).
-
-    >>> matrix_sides(("layers", "embed", "mlp"))
-    ((1,), (2,), (0,), 'matrix')
-    >>> matrix_sides(("vocab", "embed"))[3]
-    "axis 'vocab' is not a feature (embedding / head / other)"
-    """
-    other = [n for n in names if n not in FEATURES and n not in STACKS]
-    groups = feature_groups(names)
-    batch = tuple(i for i, n in enumerate(names) if n in STACKS)
-    if other:
-        return (), (), batch, f"axis {other[0]!r} is not a feature (embedding / head / other)"
-    if len(groups) != 2:
-        return (), (), batch, f"{len(groups)} feature axis group(s), not a matrix"
-    return groups[0], groups[1], batch, "matrix"
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any, Mapping, NamedTuple
 from jaxpar.analysis._compiled_memory import format_bytes, render_table
 from jaxpar.compat._table import LIBRARY_NAMES, Setting, problems
 from jaxpar.cost._cluster import FP8, Cluster
-from jaxpar.cost._memory import LayoutError, MemoryEstimate, memory_per_device
+from jaxpar.cost._memory import LayoutError, MemoryEstimate, memory_per_device, muon_precision
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._muon import with_muon
 from jaxpar.cost._parallel import CONTEXT_METHODS, Plan
@@ -282,7 +282,8 @@ def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16"
       cluster: the cluster.
       dtype, precision, overlap, memory_fraction, lowering: as for :func:`plan`.
       grad_bytes: as for :func:`jaxpar.cost.step_time`.
-      muon: Muon's ``{"ns_steps", "placement"}``: its Newton-Schulz in the update (:func:`jaxpar.cost.with_muon`).
+      muon: Muon's ``{"ns_steps", "placement"}``: its Newton-Schulz in the update (:func:`jaxpar.cost.with_muon`)
+        and its one moment per matrix (:func:`jaxpar.cost.muon_precision`).
 
     Returns:
       The :class:`Estimate`.
@@ -296,7 +297,7 @@ def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16"
         why = f"the balanced layout needs seq % (2 * context) == 0: seq={m.seq}, context={p.context}"
     if why:
         raise PlanError(f"plan {p.name()} cannot run this model: {why}.")
-    mem = _memory(m, p, dtype, precision, lowering)
+    mem = _memory(m, p, dtype, muon_precision(precision) if muon is not None else precision, lowering)
     t = step_time(m, p, cluster, dtype=dtype, overlap=overlap, lowering=lowering, grad_bytes=grad_bytes)
     t = with_muon(t, m, p, cluster, dtype, **muon) if muon is not None else t
     return Estimate(p, t, mem, mem.total <= cluster.memory_bytes * memory_fraction)
@@ -364,7 +365,8 @@ class _Search(NamedTuple):
                 considered += 1
                 cand = replace(base, remat=remat, **{**opt, "microbatches": mb})
                 try:     # memory first: a plan that does not fit needs no step time (most of the search)
-                    mem = _memory(self.model, cand, self.dtype, self.precision, self.lowering)
+                    mem = _memory(self.model, cand, self.dtype, self.precision if self.muon is None else
+                                  muon_precision(self.precision), self.lowering)
                     if mem.total <= self.usable:
                         t = self.timed(cand)
                         return self.with_fp8(Estimate(cand, t, mem, True)), rejected, considered + (
@@ -457,7 +459,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
         never; ``True``: a :class:`PlanError` on a cluster without FP8 GEMMs.
       fp8_min_dim: the FP8 plans' ``min_dim`` (:class:`jaxpar.parallel.Fp8`).
       muon: Muon's ``{"ns_steps", "placement"}``: each plan's update counts its Newton-Schulz
-        (:func:`jaxpar.cost.with_muon`; the memory stays Adam's, ``precision``'s).
+        (:func:`jaxpar.cost.with_muon`) and its memory one fp32 moment per matrix (:func:`jaxpar.cost.muon_precision`).
 
     Returns:
       The :class:`PlanResult`.
