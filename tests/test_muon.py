@@ -273,3 +273,15 @@ def test_kernel_layout_out_in_scales_a_torch_layout_weight_as_its_transpose():
     assert muon_kernel_layout(_model) == "in_out"
     with pytest.raises(OptimizerError, match=r"muon\(kernel_layout='io'\)"):
         muon(0.1, kernel_layout="io")
+
+
+@need_devices(8)
+def test_weight_stashing_refuses_muon_matrices_split_inside_a_stage():
+    """schedule='pipedream' runs each stage's update alone, between the pipeline's sends: Muon whose matrices
+    ``tensor`` splits inside a stage is refused by name (its Newton-Schulz collectives deadlocked XLA:CPU there);
+    on pipe x data (the compatibility table's ST x MU case, tests/test_pairs.py) it composes."""
+    from jaxpar.errors import StashingError
+
+    strategy = jaxpar.Strategy(schedule="pipedream", microbatches=2)
+    with pytest.raises(StashingError, match=r"pipedream.*Muon.*split over 'tensor'"):
+        _setup({"pipe": 2, "data": 2, "tensor": 2}, strategy)

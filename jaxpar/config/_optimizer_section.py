@@ -233,6 +233,12 @@ def _muon_place(cfg: OptimizerConfig, model_fn, mesh, strategy: Strategy | None)
     placement without a mesh."""
     if mesh is None:
         return {} if cfg.muon.placement == "auto" else {"placement": cfg.muon.placement}
+    if strategy is not None and strategy.schedule == "pipedream" and dict(mesh.shape).get("pipe", 1) > 1:
+        if cfg.muon.placement != "auto":       # each stage updates its own weights inside the pipeline
+            raise ConfigError(f"optimizer.muon.placement={cfg.muon.placement!r} with parallel.schedule='pipedream': "
+                              "each stage updates its own weights inside the pipeline, where XLA places Newton-Schulz; "
+                              "use optimizer.muon.placement: auto, or schedule '1f1b' / 'pipedream-2bw'.")
+        return {}
     from jaxpar.step import state_layout
 
     layout = state_layout(model_fn, optax.identity(), mesh, strategy or Strategy())
