@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.adapters._blocks import LAYERS
 from jaxpar.cost import (FEATURES, PLACEMENTS, PLATFORM_CLUSTERS, STACKS, MatrixGroup, PlacementCost, choose_placement,
-                         load_cluster, matrix_sides, placement_cost)
+                         load_cluster, matrix_sides, placement_cost, placement_table)
 from jaxpar.mesh import CONTEXT, EXPERT, REPLICA, STANDARD_AXES
 from jaxpar.rules import axes_of, path_str, shard_map_mesh
 from jaxpar.errors import MaskError, OptimizerError, check_int, int_problem
@@ -860,13 +860,7 @@ def muon_placement_table(placements: dict[str, MuonPlacement]) -> str:
     Returns:
       The table.
     """
-    width = max(map(len, placements), default=0)
-    lines = []
-    for path, p in placements.items():
-        comms = ", ".join(f"{c.count} x {c.kind} {c.bytes / 2**10:.1f} KiB" for c in p.cost.comms) or "no collective"
-        lines.append(f"{path:<{width}}  {p.kind:<6}  over {'x'.join(p.axes) or '-'}  {p.cost.flops / 1e6:.1f} MFLOP  "
-                     f"{comms}  {p.cost.seconds * 1e3:.3f} ms")
-    return "\n".join(lines)
+    return placement_table([(path, p.axes, p.cost) for path, p in placements.items()])
 
 
 def muon_placements(params: Any, logical: Any = None, *, mesh, specs: Any, placement: str = "auto",

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from jaxpar.config._profile_command import parse_steps
 from jaxpar.config._schema import ConfigError, DataConfig
 
 
@@ -204,16 +205,6 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
     return 0
 
 
-def _steps(text: str) -> range:
-    try:
-        a, b = (int(v) for v in text.split(":"))
-    except ValueError:
-        raise ConfigError(f"--steps {text!r}: expected A:B, e.g. --steps 0:4 (the steps A .. B-1).") from None
-    if not 0 <= a < b:
-        raise ConfigError(f"--steps {text!r}: need 0 <= A < B.")
-    return range(a, b)
-
-
 def run_prepare(config: str, overrides: Sequence[str], *, force: bool = False) -> int:
     """``jaxpar data prepare``: each text source's token cache, then the summary and the histogram.
 
@@ -333,7 +324,7 @@ def run_show(config: str, overrides: Sequence[str], *, steps: str = "0:4", chars
 
     from jaxpar.data import batch_digest, make_global_batch
 
-    span = _steps(steps)
+    span = range(*parse_steps(steps))
     cfg, job = _job(config, overrides, "data show", dist, data=True)
     say = print if jax.process_index() == 0 else (lambda *_: None)
     say(f"mesh     {dict(job.mesh.shape)}, {jax.process_count()} process(es); data.kind={cfg.data.kind}, "

@@ -187,11 +187,13 @@ class Job:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*lead, *np.shape(a)), np.asarray(a).dtype,
                                                            sharding=sharding), self.batch_fn(0))
 
-    def compile(self, layout) -> dict[str, Any]:
+    def compile(self, layout, step: Any = None) -> dict[str, Any]:
         """The programs of :meth:`train_step`, compiled ahead of time from abstract state (nothing runs).
 
         Args:
           layout: the train state's layout (:meth:`state_layout`, or the one :meth:`init_state` returns).
+          step: a step of :meth:`train_step` that already ran (its programs are JAX's cached ones: no new
+            compile); None: a new one.
 
         Returns:
           ``{name: compiled}`` for every program the step runs: ``"step"`` (with ``steps_per_call`` K:
@@ -199,7 +201,8 @@ class Job:
           noise scale), and relaxed sync's ``"warm"`` and ``"outer"`` (the replicas' sync; it takes
           the state only).
         """
-        lowered = self.train_step(layout).lower_all(layout.abstract_state(), self.abstract_batch())
+        step = self.train_step(layout) if step is None else step
+        lowered = step.lower_all(layout.abstract_state(), self.abstract_batch())
         return {name: program.compile() for name, program in lowered.items()}
 
     def log_options(self, layout, tokens_per_batch: int | None):

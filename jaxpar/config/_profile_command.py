@@ -118,9 +118,10 @@ def run_profile(config: str, overrides: Sequence[str], *, steps: str = DEFAULT_S
     log = dataclasses.replace(job.log_options(layout, None), out_dir=str(out), profile=(first, end), plot=False,
                               tensorboard=False, progress="none")
     print(f"profile  {cfg.name}: steps 0 .. {end - 1}, tracing {first} .. {end - 1} -> {out / 'trace'}")
-    train(job.train_step(layout), state, job.batch_fn, mesh=layout.mesh, steps=end, start_step=0, log=log,
+    step = job.train_step(layout)
+    train(step, state, job.batch_fn, mesh=layout.mesh, steps=end, start_step=0, log=log,
           on_nonfinite=job.run.on_nonfinite, ramp=job.ramp, steps_per_call=job.steps_per_call, handle_signals=False)
-    compiled = job.compile(layout)
+    compiled = job.compile(layout, step)            # the programs that ran: no second compile
     trace = read_trace(find_trace(out / "trace"))
     profiles = step_profiles(trace, program_collectives(compiled, layout.mesh))
     model = predicted_rows(cfg, layout.mesh, job.strategy, cluster)

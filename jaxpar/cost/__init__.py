@@ -22,7 +22,8 @@ from jaxpar.cost._memory import (PRECISIONS, BytesPerParam, activation_bytes_per
                                  muon_precision, zero_state_bytes)
 from jaxpar.cost._model import FEATURES, STACKS, Leaf, ModelSpec, from_nnx, gpt, matrix_sides
 from jaxpar.cost._muon import (PLACEMENTS, PLATFORM_CLUSTERS, MatrixGroup, MuonUpdate, PlacementCost, choose_placement,
-                               matrix_groups, muon_comms, muon_update, ns_flops, placement_cost, with_muon)
+                               matrix_groups, muon_comms, muon_update, ns_flops, placement_cost, placement_table,
+                               with_muon)
 from jaxpar.cost._parallel import Plan
 from jaxpar.cost._planner import Estimate, PlanError, PlanResult, evaluate, plan
 from jaxpar.cost._time import Overlap, narayanan_flops, step_flops, step_time
@@ -35,4 +36,4 @@ __all__ = ["calibrate", "Cluster", "ClusterError", "cluster_from_dict", "load_cl
            "from_nnx", "gpt", "Estimate", "PlanError", "PlanResult", "plan", "Overlap", "Plan",
            "comms", "narayanan_flops", "step_flops", "step_time", "FEATURES", "PLACEMENTS", "PLATFORM_CLUSTERS",
            "STACKS", "MatrixGroup", "MuonUpdate", "PlacementCost", "choose_placement", "matrix_groups",
-           "matrix_sides", "muon_comms", "muon_update", "ns_flops", "placement_cost", "with_muon"]
+           "matrix_sides", "muon_comms", "muon_update", "ns_flops", "placement_cost", "placement_table", "with_muon"]

@@ -237,6 +237,25 @@ def matrix_groups(m: ModelSpec, sizes: Mapping[str, int], zero: int = 0) -> list
     return out
 
 
+def placement_table(rows: Sequence[tuple[str, tuple[str, ...], PlacementCost]]) -> str:
+    """Matrix groups as text, one line each: placement, the mesh axes it gathers over, its Newton-Schulz
+    FLOPs and collectives on one device, the cost model's milliseconds.
+
+    Args:
+      rows: ``(name, axes, cost)`` per group.
+
+    Returns:
+      The table.
+    """
+    width = max((len(name) for name, _, _ in rows), default=0)
+    lines = []
+    for name, axes, c in rows:
+        comms = ", ".join(f"{x.count} x {x.kind} {x.bytes / 2**10:.1f} KiB" for x in c.comms) or "no collective"
+        lines.append(f"{name:<{width}}  {c.placement:<6}  over {'x'.join(axes) or '-'}  {c.flops / 1e6:.1f} MFLOP  "
+                     f"{comms}  {c.seconds * 1e3:.3f} ms")
+    return "\n".join(lines)
+
+
 class MuonUpdate(NamedTuple):
     """Muon's Newton-Schulz in one step on one device: per matrix group its placement and cost, and the sums."""
 
@@ -255,15 +274,8 @@ class MuonUpdate(NamedTuple):
         return sum(c.seconds for _, c in self.groups)
 
     def table(self) -> str:
-        """One line per matrix group: placement, FLOPs, collectives and seconds."""
-        width = max((len(g.name) for g, _ in self.groups), default=0)
-        rows = []
-        for g, c in self.groups:
-            comms = ", ".join(f"{x.count} x {x.kind} {x.bytes / 2**10:.1f} KiB over {'x'.join(x.axes)}"
-                              for x in c.comms) or "no collective"
-            rows.append(f"{g.name:<{width}}  {c.placement:<6}  {c.flops / 1e9:8.3f} GFLOP  {comms}  "
-                        f"{c.seconds * 1e3:.3f} ms")
-        return "\n".join(rows)
+        """:func:`placement_table` of its groups (the axes: their collectives')."""
+        return placement_table([(g.name, c.comms[0].axes if c.comms else (), c) for g, c in self.groups])
 
 
 def muon_update(m: ModelSpec, sizes: Mapping[str, int], cluster: Cluster | str, *, zero: int = 0,
