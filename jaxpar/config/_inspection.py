@@ -27,6 +27,7 @@ from typing import Any
 from jaxpar.mesh import MeshError, MeshSpec
 from jaxpar.devices._targets import Target, TargetError, compile_error, fp8_problem, parse_target, target_devices
 from jaxpar.errors import Fp8Error
+from jaxpar.parallel.context import count_attention_kernels
 from jaxpar.config._build import mesh_spec
 from jaxpar.config._schema import ConfigError, JobConfig
 
@@ -251,10 +252,44 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
     print("\n".join(header_lines(job)))
     print(model_line(cfg.model, job.hf, layout))
     start = time.perf_counter()
-    compiled = _compile(job, layout, tgt)
+    with count_attention_kernels() as kernels:
+        compiled = _compile(job, layout, tgt)
     print(f"compile  {time.perf_counter() - start:.1f} s")
     print("\n".join(program_lines(job, compiled)))
+    if tgt is not None and tgt.spec.platform == "cuda":
+        print("\n".join(attention_lines(kernels, compiled["step"], job.seq_len)))
     return _report(cfg, job, layout, compiled, tgt, cluster or (tgt.spec.cluster if tgt else "cpu_sim"))
+
+
+def attention_lines(kernels: dict, compiled: Any, length: int) -> list[str]:
+    """``jaxpar inspect --target``'s attention line on a GPU: the kernel each traced attention got
+    (:func:`jaxpar.parallel.context.count_attention_kernels`), the fused forwards of the compiled step and
+    its largest ``[..., length, length]`` array (:func:`jaxpar.analysis._attention.attention_report`).
+
+    Args:
+      kernels: the counts of the traced attentions.
+      compiled: the compiled train step.
+      length: the sequence length.
+
+    Returns:
+      The lines.
+    """
+    from jaxpar.analysis._attention import attention_report
+    from jaxpar.analysis._compiled_memory import format_bytes
+
+    report = attention_report(compiled.as_text(), length)
+    traced = sum(v for k, v in kernels.items() if k != "why")
+    fused = traced - kernels.get("xla", 0)
+    by = ", ".join(f"{kernels[k]} {k}" for k in ("cudnn", "pallas", "xla") if kernels.get(k))
+    square = (f"largest [..., {length}, {length}] array {report.largest_square} ({format_bytes(report.square_bytes)})"
+              if report.largest_square else f"no [..., {length}, {length}] array")
+    lines = [f"attention {fused} of {traced} traced attentions fused ({by or 'none'}); compiled: {report.cudnn} "
+             f"cuDNN and {report.pallas} Pallas flash forwards per layer body, {square}"]
+    if kernels.get("pallas") and not kernels.get("cudnn"):
+        lines.append("          compiled without a GPU, JAX cannot lower cuDNN's kernel: on the GPU, 'auto' runs "
+                     "cuDNN where this program runs Pallas's (docs/strategies.md)")
+    lines += [f"          XLA's path: {why}" for why in dict.fromkeys(kernels.get("why", []))]
+    return lines
 
 
 def check_config(cfg: JobConfig) -> int:

@@ -26,6 +26,8 @@ from jaxpar.parallel.context._zigzag import RingWork, balanced_order, from_balan
 from jaxpar.parallel.context._options import CONTEXT, METHODS, ContextParallel, ContextParallelError, current_context_parallel
 from jaxpar.parallel.context._options import ContextCalls, count_context_calls, note_context_call, use_context_parallel
 from jaxpar.parallel.context._ring import ring_attention
+from jaxpar.parallel.context._kernels import (KERNELS, AttentionFallbackWarning, choose_kernel, count_attention_kernels,
+                                              current_attention_kernel, use_attention_kernel)
 
 __all__ = [
     "attention", "AttentionError", "QKV_LOGICAL", "ulysses_kv_repeat", "sequence_order", "in_sequence_order", "in_natural_order",
@@ -34,4 +36,6 @@ __all__ = [
     "balanced_order", "to_balanced", "from_balanced", "ring_block_pairs", "RingWork",
     "CONTEXT", "METHODS", "ContextParallel", "ContextParallelError", "use_context_parallel",
     "current_context_parallel", "ring_attention",
+    "KERNELS", "AttentionFallbackWarning", "choose_kernel", "count_attention_kernels", "current_attention_kernel",
+    "use_attention_kernel",
 ]

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.parallel.context._kernels import fused_attention, kernel_for
+
 #: The score of a masked entry: finite, so that a row whose block is wholly masked gives no NaN
 #: (its running max is corrected away by the first unmasked block, as in jax's flash attention).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -122,6 +124,8 @@ def dense_attention(q, k, v, *, causal: bool, scale: float, q_seg=None, k_seg=No
                     k_pos=None, window: Any = None, softcap: float | None = None) -> jax.Array:
     """Attention of all of ``q`` to all of ``k``/``v``.
 
+    A fused kernel runs it where :func:`jaxpar.parallel.context.use_attention_kernel` and the call allow
+    (:mod:`jaxpar.parallel.context._kernels`: cuDNN or Pallas on a GPU); otherwise XLA's path, as follows.
     Without positions, window or softcap the tokens are in their natural order and it is
     ``jax.nn.dot_product_attention`` with its own causal mask (``is_causal``, which cuDNN's flash
     attention supports where JAX selects it); segment ids add a mask. With positions (a permuted or
@@ -142,6 +146,11 @@ def dense_attention(q, k, v, *, causal: bool, scale: float, q_seg=None, k_seg=No
     Returns:
       ``[batch, q_length, heads, head_dim]``.
     """
+    blockwise = q_pos is not None or k.shape[1] != q.shape[1] or q_seg is not k_seg
+    kernel = kernel_for(q, k, causal=causal, segments=q_seg is not None, positions=blockwise, window=window,
+                        softcap=softcap)
+    if kernel != "xla":
+        return fused_attention(kernel, q, k, v, causal=causal, scale=scale, segment_ids=q_seg, window=window)
     if q_pos is None and window is None and softcap is None:
         mask = None if q_seg is None else (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal)

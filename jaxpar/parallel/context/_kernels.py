@@ -1,0 +1,298 @@
+"""Which kernel runs whole-sequence attention: cuDNN's flash attention, a Pallas (Triton) flash kernel,
+or XLA's unfused path, and the call of the fused ones on the local shards.
+
+:func:`use_attention_kernel` sets the choice (``"auto"`` by default); :func:`choose_kernel` applies it to
+one call's masks, dtype and platform. ``auto`` keeps XLA's path on the CPU and TPU. On a GPU it takes
+cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``) for causal or full masks, with or without
+a static causal window, where a GPU is attached; the Pallas kernel
+(``jax.experimental.pallas.ops.gpu.attention.mha``) for packed sequences (segment ids), and for every mask
+it supports when the program is compiled without a GPU (``jaxpar inspect --target``: JAX's cuDNN lowering
+asks a local GPU for its version). What neither kernel covers (a soft-cap, explicit positions, a traced
+window, fp32) runs XLA's path, and an :class:`AttentionFallbackWarning` names the reason once.
+docs/strategies.md has the table and docs/benchmarks.md the measured times.
+
+A fused kernel is a custom call, which GSPMD cannot split. Under :func:`jaxpar.use_rules` it runs in a
+``shard_map`` manual over the axes that split q/k/v (the batch and the heads), on each device's shard.
+
+Example::
+
+    >>> import jax.numpy as jnp
+    >>> q = jnp.ones((2, 128, 4, 64), jnp.bfloat16)
+    >>> choose_kernel(q, q, causal=True, segments=False, positions=False, window=None, softcap=None,
+    ...               platform="cpu", setting="auto")
+    ('xla', None)
+    >>> choose_kernel(q, q, causal=True, segments=True, positions=False, window=None, softcap=None,
+    ...               platform="gpu", setting="auto", local_gpu=True)
+    ('pallas', None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+import warnings
+from typing import Any, ContextManager, Iterator
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxpar.errors import AttentionError
+from jaxpar.parallel._regions import keep_axes, region_axes, region_spec
+from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, scoped, shard_map_mesh
+
+#: The settings of :func:`use_attention_kernel`.
+KERNELS = ("auto", "cudnn", "pallas", "xla")
+#: The dtypes ``auto`` fuses (fp32 runs XLA's path; ``use_attention_kernel("pallas")`` runs it in Pallas).
+FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
+#: The Pallas kernel's blocks along the sequence (``BlockSizes``: forward, then both backward kernels).
+PALLAS_BLOCKS = dict(block_q=128, block_k=128, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+
+_SETTING: contextvars.ContextVar = contextvars.ContextVar("jaxpar_attention_kernel", default="auto")
+
+
+class AttentionFallbackWarning(UserWarning):
+    """On a GPU, an attention ran XLA's unfused path (``[length, length]`` scores in memory): the message
+    names the mask or dtype that no fused kernel covers."""
+
+
+@contextlib.contextmanager
+def use_attention_kernel(kernel: str = "auto") -> Iterator[str]:
+    """Run :func:`jaxpar.parallel.context.attention` with ``kernel`` inside this block.
+
+    Read when a function is traced, like :func:`jaxpar.use_rules`. JAX keeps traces (``jax.checkpoint``'s
+    among them) by function, not by this setting, so a block that changes it clears JAX's caches on entry
+    and on exit (``jax.clear_caches``): what is traced inside runs ``kernel``, and what runs after it is
+    traced anew.
+
+    Args:
+      kernel: one of :data:`KERNELS`. ``"cudnn"`` and ``"pallas"`` raise :class:`AttentionError` on a call
+        they cannot run; ``"pallas"`` off a GPU runs the kernel in Pallas's interpreter (slow: for tests).
+
+    Yields:
+      ``kernel``.
+
+    Raises:
+      AttentionError: ``kernel`` is not one of :data:`KERNELS`.
+    """
+    if kernel not in KERNELS:
+        raise AttentionError(f"use_attention_kernel: kernel={kernel!r} is not an attention kernel; choose one of "
+                             f"{KERNELS} ('auto': cuDNN or Pallas on a GPU where they apply, XLA elsewhere).")
+    changed = kernel != _SETTING.get()
+    if changed:
+        jax.clear_caches()
+    try:
+        with scoped(_SETTING, kernel):
+            yield kernel
+    finally:
+        if changed:
+            jax.clear_caches()
+
+
+_COUNTS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_attention_counts", default=None)
+
+
+def count_attention_kernels() -> ContextManager[dict]:
+    """Count the kernels the attentions traced inside this block get: ``{"cudnn" | "pallas" | "xla": calls}``,
+    and under ``"why"`` the reasons of those that run XLA's path on a GPU. A layer body that ``lax.scan``
+    runs is traced once, so it counts once."""
+    return scoped(_COUNTS, {})
+
+
+def current_attention_kernel() -> str:
+    """The setting of the innermost :func:`use_attention_kernel` block, or ``"auto"``."""
+    return _SETTING.get()
+
+
+def choose_kernel(q, k, *, causal: bool, segments: bool, positions: bool, window: Any, softcap: float | None,
+                  platform: str, setting: str, local_gpu: bool | None = None) -> tuple[str, str | None]:
+    """The kernel for one attention call, and why it is not fused (``None`` when it is, or off a GPU).
+
+    Args:
+      q, k: the queries ``[b, t, heads, d]`` and keys ``[b, t, kv_heads, d]`` (shapes and dtypes).
+      causal: the causal mask.
+      segments: segment ids are given.
+      positions: explicit positions, or keys other than the queries (a context-parallel block, a KV cache).
+      window: the sliding window (int, traced int32 array or ``None``).
+      softcap: the logit soft-cap, or ``None``.
+      platform: the platform the program is compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``, ...).
+      setting: one of :data:`KERNELS`.
+      local_gpu: a GPU is attached (cuDNN can lower); ``None`` asks JAX.
+
+    Returns:
+      ``(kernel, reason)``: ``kernel`` in ``("cudnn", "pallas", "xla")``.
+
+    Raises:
+      AttentionError: ``setting`` names a fused kernel that cannot run this call.
+    """
+    on_gpu = platform in ("gpu", "cuda", "rocm")
+    if setting == "xla" or (setting == "auto" and not on_gpu):
+        return "xla", None
+    if local_gpu is None:
+        local_gpu = on_gpu and jax.default_backend() == "gpu"
+    why = {k_: _unsupported(k_, q, k, causal, segments, positions, window, softcap, platform, local_gpu)
+           for k_ in ("cudnn", "pallas")}
+    if setting != "auto":
+        if why[setting]:
+            raise AttentionError(f"attention: use_attention_kernel({setting!r}) cannot run this call: {why[setting]}. "
+                                 "Fix: use_attention_kernel('auto') (XLA's path where no fused kernel applies).")
+        return setting, None
+    if q.dtype not in FUSED_DTYPES:          # Pallas runs fp32 when asked; auto keeps XLA's fp32 arithmetic
+        return "xla", f"{q.dtype} q/k/v (the fused kernels run bfloat16 or float16)"
+    order = ("pallas", "cudnn") if segments or not local_gpu else ("cudnn", "pallas")
+    for kernel in order:
+        if not why[kernel]:
+            return kernel, None
+    return "xla", f"cuDNN: {why['cudnn']}; Pallas: {why['pallas']}"
+
+
+def _unsupported(kernel, q, k, causal, segments, positions, window, softcap, platform, local_gpu) -> str | None:
+    """Why ``kernel`` cannot run this call, or ``None``."""
+    d, t = q.shape[-1], q.shape[1]
+    if softcap is not None:
+        return f"a soft-cap ({softcap}) on the scores"
+    if positions:
+        return "explicit positions or a block of keys (a context-parallel block, a KV cache)"
+    if kernel == "cudnn":
+        if q.dtype not in FUSED_DTYPES:
+            return f"{q.dtype} q/k/v (cuDNN takes bfloat16 or float16)"
+        if not local_gpu or platform == "rocm":
+            return "no local NVIDIA GPU (JAX's cuDNN lowering asks the attached GPU for its version)"
+        if segments:
+            return "segment ids (cuDNN's packed layout takes offsets, not ids)"
+        if window is not None and not (causal and isinstance(window, int)):
+            return "a traced or two-sided window"
+        if d % 8 or d > 128:
+            return f"head_dim {d} (cuDNN: a multiple of 8, at most 128)"
+        return None
+    if window is not None:
+        return "a sliding window"
+    if d & (d - 1) or d < 16:
+        return f"head_dim {d} (the Pallas kernel: a power of 2, at least 16)"
+    block = min(PALLAS_BLOCKS["block_q"], t)
+    if t % block or t % min(PALLAS_BLOCKS["block_q_dkv"], t):
+        return f"length {t} (the Pallas kernel: a multiple of {block})"
+    return None
+
+
+def kernel_for(q, k, *, causal: bool, segments: bool, positions: bool, window: Any,
+               softcap: float | None) -> str:
+    """:func:`choose_kernel` under the current setting, platform and rules; warns where a GPU runs XLA's path.
+
+    Args:
+      q, k, causal, segments, positions, window, softcap: as for :func:`choose_kernel`.
+
+    Returns:
+      ``"cudnn"``, ``"pallas"`` or ``"xla"``.
+
+    Raises:
+      AttentionError: the setting names a fused kernel that cannot run this call.
+    """
+    setting, platform = current_attention_kernel(), _platform()
+    kernel, why = choose_kernel(q, k, causal=causal, segments=segments, positions=positions, window=window,
+                                softcap=softcap, platform=platform, setting=setting)
+    if kernel != "xla" and (split := _split_problem(q, k)):
+        if setting != "auto":
+            raise AttentionError(f"attention: use_attention_kernel({setting!r}) cannot run this call: {split}.")
+        kernel, why = "xla", split
+    if (counts := _COUNTS.get()) is not None:
+        counts[kernel] = counts.get(kernel, 0) + 1
+        if why:
+            counts.setdefault("why", []).append(why)
+    if why:
+        warnings.warn(f"attention on a GPU runs XLA's unfused path ([length, length] scores in memory): {why}. "
+                      "jaxpar.parallel.context.use_attention_kernel and docs/strategies.md say which masks fuse.",
+                      AttentionFallbackWarning, stacklevel=3)
+    return kernel
+
+
+def _platform() -> str:
+    """The platform of the mesh of :func:`jaxpar.use_rules` (a deviceless target's too), else JAX's default."""
+    ctx = current_rules()
+    devices = getattr(ctx[0], "devices", None) if ctx is not None else None
+    if devices is not None and getattr(devices, "size", 0):
+        return devices.flat[0].platform
+    return jax.default_backend()
+
+
+def _local_spec(q) -> tuple[Any, PartitionSpec, set[str]] | None:
+    """``(mesh, q's spec, the axes to make manual)`` under the rules, or ``None`` where q is whole here."""
+    ctx = current_rules()
+    if ctx is None:
+        return None
+    mesh, rules = ctx
+    sizes = dict(mesh.shape)
+    q_spec = logical_to_spec(("batch", "length", "heads", None), rules, mesh, shape=q.shape, what="attention: q")
+    split = {a for e in q_spec for a in axes_of(e) if sizes[a] > 1} - manual_axes()
+    return (mesh, q_spec, split) if split else None
+
+
+def _split_problem(q, k) -> str | None:
+    """Why the fused kernels cannot run on the shards the rules make of q/k/v, or ``None``."""
+    local = _local_spec(q)
+    if local is None:
+        return None
+    mesh, q_spec, _ = local
+    sizes = dict(mesh.shape)
+    if axes_of(q_spec[1]):
+        return f"the rules split the sequence of q ({q_spec})"
+    heads = math.prod(sizes[a] for a in axes_of(q_spec[2]))
+    if k.shape[2] % heads:
+        return f"the rules split the heads {heads} ways, which does not divide the {k.shape[2]} K/V heads"
+    return None
+
+
+def fused_attention(kernel: str, q, k, v, *, causal: bool, scale: float, segment_ids=None,
+                    window: int | None = None) -> jax.Array:
+    """Attention by a fused ``kernel`` (``"cudnn"`` or ``"pallas"``), on each device's shard under the rules.
+
+    Args:
+      kernel: ``"cudnn"`` or ``"pallas"`` (as :func:`kernel_for` returned it).
+      q: ``[batch, length, heads, head_dim]``.
+      k, v: ``[batch, length, kv_heads, head_dim]``.
+      causal: the causal mask.
+      scale: the score scale.
+      segment_ids: ``[batch, length]`` int ids, or ``None``.
+      window: a static causal sliding window, or ``None``.
+
+    Returns:
+      ``[batch, length, heads, head_dim]``.
+    """
+    call = functools.partial(_CALLS[kernel], causal=causal, scale=scale, window=window)
+    local = _local_spec(q)
+    if local is None:
+        return call(q, k, v, segment_ids)
+    mesh, q_spec, split = local
+    manual = region_axes(mesh, split)
+    q_spec = keep_axes(q_spec, manual)
+    args, specs = [q, k, v], [region_spec(q_spec, 4, mesh, manual)] * 3
+    if segment_ids is not None:
+        args.append(segment_ids)
+        specs.append(region_spec(PartitionSpec(q_spec[0], None), 2, mesh, manual))
+    return jax.shard_map(lambda q, k, v, seg=None: call(q, k, v, seg), mesh=shard_map_mesh(mesh),
+                         in_specs=tuple(specs), out_specs=q_spec, axis_names=manual, check_vma=False)(*args)
+
+
+def _cudnn(q, k, v, seg, *, causal, scale, window):
+    del seg                                      # choose_kernel sends segment ids to Pallas
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, local_window_size=local,
+                                        implementation="cudnn")
+
+
+def _pallas(q, k, v, seg, *, causal, scale, window):
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+    del window                                   # choose_kernel sends windows to cuDNN or XLA
+    group = q.shape[2] // k.shape[2]
+    if group > 1:                                # GQA: each query head's K/V head, repeated
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    t = q.shape[1]
+    blocks = pallas_attention.BlockSizes(**{name: min(b, t) for name, b in PALLAS_BLOCKS.items()})
+    seg = None if seg is None else seg.astype(jnp.int32)
+    return pallas_attention.mha(q, k, v, seg, sm_scale=scale, causal=causal, block_sizes=blocks,
+                                interpret=_platform() == "cpu")
+
+
+_CALLS = {"cudnn": _cudnn, "pallas": _pallas}

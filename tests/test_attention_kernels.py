@@ -1,0 +1,178 @@
+"""jaxpar.parallel.context's attention kernels: which kernel each call gets, the Pallas flash kernel against
+XLA's path (run in Pallas's interpreter on the CPU: forward and the three input gradients at fp32 1e-5), on
+the shards of a data x tensor mesh, and compiled deviceless for an H100: no ``[length, length]`` array, and
+a Llama-3-8B-shaped layer whose memory grows linearly up to 32k tokens. The cuDNN kernel needs a GPU;
+``benchmarks/gpu.py`` checks it there (docs/benchmarks.md §21)."""
+from __future__ import annotations
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import need_devices
+import jaxpar
+from jaxpar.devices import parse_target, target_devices
+from jaxpar.errors import AttentionError
+from jaxpar.parallel.context import (AttentionFallbackWarning, attention, choose_kernel, current_attention_kernel,
+                                     use_attention_kernel)
+
+BF16 = jax.ShapeDtypeStruct((2, 256, 8, 64), jnp.bfloat16)
+KV = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("platform,local_gpu,kw,want,why", [
+    ("cpu", False, {}, "xla", None),
+    ("tpu", False, {}, "xla", None),
+    ("gpu", True, {}, "cudnn", None),
+    ("gpu", True, {"window": 128}, "cudnn", None),
+    ("gpu", True, {"segments": True}, "pallas", None),
+    ("gpu", False, {}, "pallas", None),                  # deviceless: cuDNN asks the attached GPU
+    ("gpu", True, {"softcap": 50.0}, "xla", "a soft-cap"),
+    ("gpu", True, {"positions": True}, "xla", "explicit positions"),
+    ("gpu", True, {"window": jnp.int32(128)}, "xla", "traced or two-sided window"),
+    ("gpu", True, {"segments": True, "window": 128}, "xla", "Pallas: a sliding window"),
+])
+def test_auto_takes_a_fused_kernel_on_a_gpu_where_one_applies(platform, local_gpu, kw, want, why):
+    args = dict(causal=True, segments=False, positions=False, window=None, softcap=None) | kw
+    kernel, reason = choose_kernel(BF16, KV, platform=platform, setting="auto", local_gpu=local_gpu, **args)
+    assert kernel == want
+    assert (reason is None) if why is None else (why in reason)
+
+
+def test_fp32_and_odd_shapes_keep_xla_and_a_named_kernel_that_cannot_run_is_refused():
+    f32 = jax.ShapeDtypeStruct(BF16.shape, jnp.float32)
+    none = dict(causal=True, segments=False, positions=False, window=None, softcap=None)
+    assert choose_kernel(f32, f32, platform="gpu", setting="auto", local_gpu=True, **none)[0] == "xla"
+    odd = jax.ShapeDtypeStruct((2, 200, 8, 64), jnp.bfloat16)     # 200 tokens: no Pallas block divides it
+    kernel, why = choose_kernel(odd, odd, platform="gpu", setting="auto", local_gpu=False, **none)
+    assert kernel == "xla" and "length 200" in why
+    with pytest.raises(AttentionError, match=r"use_attention_kernel\('cudnn'\) cannot run this call: segment ids"):
+        choose_kernel(BF16, KV, platform="gpu", setting="cudnn", local_gpu=True, **(none | {"segments": True}))
+    with pytest.raises(AttentionError, match="not an attention kernel"):
+        with use_attention_kernel("flash"):
+            pass
+    assert current_attention_kernel() == "auto"
+
+
+def _qkv(b, t, h, hk, d, seed=0):
+    k0, k1, k2, k3 = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(k0, (b, t, h, d)), jax.random.normal(k1, (b, t, hk, d)),
+            jax.random.normal(k2, (b, t, hk, d)), jax.random.normal(k3, (b, t, h, d)))
+
+
+def _value_and_grads(kernel, q, k, v, dout, **kw):
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v, **kw) * dout)
+    with use_attention_kernel(kernel):
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+SEGMENTS = jnp.asarray(np.repeat([[0, 1, 2, 3]], 2, 0).repeat([40, 24, 50, 14], axis=1), jnp.int32)
+
+
+@pytest.mark.parametrize("case,kv_heads,kw", [
+    ("causal gqa", 2, {}),
+    ("full", 4, {"causal": False}),
+    ("packed", 2, {"segment_ids": SEGMENTS}),
+])
+def test_the_pallas_kernel_equals_xla_forward_and_gradients(case, kv_heads, kw):
+    q, k, v, dout = _qkv(2, 128, 4, kv_heads, 32)
+    want = _value_and_grads("xla", q, k, v, dout, **kw)
+    got = _value_and_grads("pallas", q, k, v, dout, **kw)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+
+
+@need_devices(4)
+def test_the_pallas_kernel_runs_on_each_devices_shard_of_a_data_tensor_mesh():
+    q, k, v, dout = _qkv(4, 128, 4, 2, 32, seed=1)
+    want = _value_and_grads("xla", q, k, v, dout, segment_ids=SEGMENTS[:1].repeat(4, 0))
+    mesh = jaxpar.make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
+    rules = (("batch", "data"), ("length", None), ("heads", "tensor"))
+    shard = NamedSharding(mesh, P("data", None, "tensor"))
+    args = [jax.device_put(x, shard) for x in (q, k, v, dout)]
+    seg = jax.device_put(SEGMENTS[:1].repeat(4, 0), NamedSharding(mesh, P("data")))
+
+    def loss(q, k, v, dout, seg):
+        return jnp.sum(attention(q, k, v, segment_ids=seg) * dout)
+    with jaxpar.use_rules(mesh, rules), use_attention_kernel("pallas"):
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        got = f(*args, seg)
+        text = f.lower(*args, seg).compile().as_text()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+    assert "all-gather" not in text and "all-to-all" not in text        # each device its batch rows and heads
+
+
+def test_changing_the_kernel_retraces_a_remat_body():
+    """jax.checkpoint keeps its traces by function: the setting clears them, so the second trace runs Pallas."""
+    def body(x):
+        return attention(x, x, x)
+    f = jax.checkpoint(body, policy=jax.checkpoint_policies.checkpoint_dots)
+    x = jnp.ones((1, 128, 2, 32))
+    with use_attention_kernel("xla"):
+        assert "pallas_call" not in str(jax.make_jaxpr(jax.grad(lambda x: f(x).sum()))(x))
+    with use_attention_kernel("pallas"):
+        assert "pallas_call" in str(jax.make_jaxpr(jax.grad(lambda x: f(x).sum()))(x))
+
+
+def _h100(n=1):
+    return target_devices(parse_target(f"h100:1x{n}"))
+
+
+def _largest_square(text: str, t: int) -> int:
+    """The elements of the largest array of the compiled text whose last two dimensions are ``t x t``."""
+    sizes = [int(np.prod([int(d) for d in dims.split(",")]))
+             for dims in re.findall(rf"\[((?:\d+,)*{t},{t})\]", text)]
+    return max(sizes, default=0)
+
+
+def test_the_gpt_attention_compiled_for_an_h100_holds_no_length_by_length_array():
+    mesh = jaxpar.make_mesh({"data": 8}, devices=_h100(8))
+    sharded = jax.ShapeDtypeStruct((16, 1024, 12, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v).astype(jnp.float32))
+    with jaxpar.use_rules(mesh, (("batch", "data"), ("length", None), ("heads", None))):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(sharded, sharded, sharded).compile().as_text()
+    assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 3       # forward, delta, backward
+    assert _largest_square(text, 1024) == 0
+    with jaxpar.use_rules(mesh, (("batch", "data"), ("length", None), ("heads", None))):
+        with pytest.warns(AttentionFallbackWarning, match="a soft-cap"):
+            jax.jit(lambda q: attention(q, q, q, softcap=30.0)).lower(sharded)
+        with use_attention_kernel("cudnn"), pytest.raises(AttentionError, match="no local NVIDIA GPU"):
+            jax.jit(lambda q: attention(q, q, q)).lower(sharded)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_llama_8b_layer_compiled_for_an_h100_grows_linearly_to_32k_tokens(packed):
+    """One Llama-3-8B-shaped layer (embed 4096, 32 / 8 heads, MLP 14336; a small vocabulary, so the layer is
+    what is measured), forward and backward, bf16, at 8k, 16k and 32k tokens."""
+    from jaxpar.models import Decoder, DecoderConfig, decoder_loss
+    cfg = DecoderConfig(vocab=256, embed=4096, layers=1, heads=32, kv_heads=8, head_dim=128, mlp=14336)
+    mesh = jaxpar.make_mesh({"data": 1}, devices=_h100(1))
+    with nnx.use_eager_sharding(False):
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), params)
+    temps = {}
+    for t in (8192, 16384, 32768):
+        tokens = jax.ShapeDtypeStruct((1, t), jnp.int32)
+        batch = {"tokens": tokens, "targets": tokens} | ({"segment_ids": tokens} if packed else {})
+
+        def loss(p, batch):
+            return decoder_loss(nnx.merge(graphdef, p), batch)
+        with jaxpar.use_rules(mesh, jaxpar.Strategy().rules(mesh)):
+            compiled = jax.jit(jax.grad(loss)).lower(params, batch).compile()
+        text, temps[t] = compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes
+        assert _largest_square(text, t) == 0, t
+        assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 3
+    assert temps[32768] < 8 * 2**30, temps                            # XLA's path: 128 GiB of fp32 scores alone
+    # a * t + b * t^2 at t, 2t, 4t: the second difference over the first is 2 when b = 0, 4 when a = 0
+    growth = (temps[32768] - temps[16384]) / (temps[16384] - temps[8192])
+    assert 1.6 < growth < 2.4 and 1.9 < temps[32768] / temps[16384] < 2.1, temps
