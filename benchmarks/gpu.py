@@ -263,8 +263,10 @@ def run_decoder(small, layers, seq, batch_rows, reps, peak, kernel_default) -> l
     fpt = 6 * n + 12 * layers * seq * cfg.heads * cfg.head_dim
     tx = optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1)
     batch = tokens_batch(cfg.vocab, batch_rows, seq)
+    # jaxpar.cost's GPT with the Decoder's parameters per layer: its gated MLP and GQA have no terms of their own
+    mlp = (n - 2 * cfg.vocab * cfg.embed) // layers // (2 * cfg.embed) - 2 * cfg.embed
     spec = cost.gpt(layers=layers, hidden=cfg.embed, heads=cfg.heads, seq=seq, vocab=cfg.vocab, batch=batch_rows,
-                    mlp=cfg.mlp)
+                    mlp=mlp)
     rows = []
     recipe = Fp8(min_dim=0 if small else 1024)
     for name, fp8, kernel in (("bf16", None, "xla"), ("bf16", None, kernel_default), ("bf16", None, "pallas"),

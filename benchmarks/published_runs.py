@@ -150,10 +150,11 @@ def predict(run: Run, cluster: cost.Cluster | None = None) -> Prediction:
       cluster: the hardware (default: the ``a100_80gb`` preset), resized to the run's GPUs.
 
     Returns:
-      A :class:`Prediction` (lowering ``megatron``, fp16, mixed-precision Adam state, fp16 gradients;
+      A :class:`Prediction` (lowering ``megatron``, fp16, mixed-precision Adam state, fp16 gradients, the
+      attention's scores and softmax in memory as Megatron-LM's fused softmax kernel keeps them;
       the gradient reduction behind the last backward where the run used PyTorch DDP).
     """
-    base = cluster or cost.load_cluster("a100_80gb")
+    base = replace(cluster or cost.load_cluster("a100_80gb"), fused_attention=False)   # Megatron-LM's scores in memory
     model = cost.gpt(layers=run.layers, hidden=run.hidden, heads=run.heads, seq=SEQ, vocab=VOCAB, batch=run.batch)
     e = evaluate(model, plan_of(run), base.with_devices(run.gpus), dtype="float16", precision="mixed",
                  overlap=Overlap(grads_in_backward=run.ddp == "torch"), lowering="megatron", grad_bytes=2)

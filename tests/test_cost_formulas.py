@@ -5,6 +5,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from jaxpar import cost
 
 from jaxpar.cost import _collectives as C
 from jaxpar.cost import PRECISIONS, activation_bytes_per_layer, zero_state_bytes
@@ -257,3 +260,21 @@ def test_elementwise_term_repeats_the_residual_stream_under_tp_and_splits_it_und
     assert tp.elementwise == pytest.approx(elementwise_bytes(m, Plan(tensor=8), 4) / c.memory_bandwidth)
     assert tp.elementwise > 3 * sp.elementwise and tp.total == pytest.approx(
         tp.compute + tp.elementwise + tp.data + tp.tensor + tp.pipeline + tp.optimizer)
+
+
+def test_a_flash_kernel_moves_no_softmax_bytes_and_computes_half_the_causal_scores():
+    from jaxpar.cost._roofline import layer_elementwise_bytes, layer_kernels
+    m, plan = cost.gpt(4, 1024, 16, 4096, 256, 8), cost.Plan()
+    softmax = 3 * 4096 * (2 * 16 * 4096 * 4)            # per token: 2 a s fp32 values, forward and backward
+    assert (layer_elementwise_bytes(m, plan, 1, 2) - layer_elementwise_bytes(m, plan, 1, 2, fused_attention=True)
+            == softmax)
+    xla = {k.name: k for k in layer_kernels(m, plan, 1, 2)}
+    flash = {k.name: k for k in layer_kernels(m, plan, 1, 2, fused_attention=True)}
+    assert flash["scores"].flops * 2 == xla["scores"].flops and flash["scores"].passes == xla["scores"].passes + 1
+    assert flash["context"].flops * 2 == xla["context"].flops and flash["context"].passes == xla["context"].passes
+    ring = cost.Plan(context=4)                           # a ring's blocks are jaxpar's own einsums
+    assert ({k.name: k.flops for k in layer_kernels(m, ring, 1, 2)}
+            == {k.name: k.flops for k in layer_kernels(m, ring, 1, 2, fused_attention=True)})
+    assert cost.load_cluster("h100").fused_attention and not cost.load_cluster("tpu_v5e").fused_attention
+    with pytest.raises(cost.ClusterError, match="fused_attention='yes' must be true or false"):
+        cost.cluster_from_dict({**yaml.safe_load(cost.presets()["h100"].read_text()), "fused_attention": "yes"})

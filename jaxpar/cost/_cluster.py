@@ -40,6 +40,7 @@ class Cluster:
     memory_bandwidth: float = 0.0
     memory_efficiency: float = 1.0
     shared_compute: float = 1.0
+    fused_attention: bool = False
     description: str = ""
     sources: tuple[str, ...] = field(default=(), repr=False)
 
@@ -175,8 +176,8 @@ def _link(name: str, key: str, d: Any) -> Link:
 
 
 _KEYS = {"name", "description", "sources", "devices_per_node", "nodes", "device_memory_gib", "peak_tflops",
-         "efficiency", "gemm_half_gflop", "memory_gbps", "memory_efficiency", "shared_compute", "intra_node",
-         "inter_node", "fit"}
+         "efficiency", "gemm_half_gflop", "memory_gbps", "memory_efficiency", "shared_compute", "fused_attention",
+         "intra_node", "inter_node", "fit"}
 
 
 def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
@@ -205,6 +206,10 @@ def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
     if isinstance(shared, bool) or not isinstance(shared, (int, float)) or not math.isfinite(shared) or shared < 1:
         raise ClusterError(f"cluster {name!r}: shared_compute={shared!r} must be a number >= 1 (1: devices do not "
                            "share compute; s: one device alone runs up to s times faster).")
+    fused = d.get("fused_attention", False)
+    if not isinstance(fused, bool):
+        raise ClusterError(f"cluster {name!r}: fused_attention={fused!r} must be true or false (true: attention runs "
+                           "a flash kernel, whose softmax stays on chip, as jaxpar's does on NVIDIA GPUs).")
     intra = _link(name, "intra_node", d["intra_node"])
     inter = _link(name, "inter_node", d["inter_node"]) if "inter_node" in d else intra
     return Cluster(name=name, devices_per_node=d["devices_per_node"], nodes=d.get("nodes", 1),
@@ -214,7 +219,7 @@ def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
                    gemm_half_flops=_positive(name, "gemm_half_gflop", d.get("gemm_half_gflop", 0), zero=True) * 1e9,
                    memory_bandwidth=_positive(name, "memory_gbps", d.get("memory_gbps", 0), zero=True) * 1e9,
                    memory_efficiency=d.get("memory_efficiency", 1.0),
-                   shared_compute=float(shared),
+                   shared_compute=float(shared), fused_attention=fused,
                    description=str(d.get("description", "")), sources=tuple(d.get("sources", ())))
 
 

@@ -119,7 +119,8 @@ def fp8_quantize_bytes(kernels: list[Kernel], covered: frozenset[str], recipe: s
     return forward, backward + forward * (remat == "full")
 
 
-def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, moe: bool = False) -> list[Kernel]:
+def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, moe: bool = False, *,
+                  fused_attention: bool = False) -> list[Kernel]:
     """The matmuls of one layer on one device for a micro-batch of ``rows`` sequences (docs/planning.md §4).
 
     Args:
@@ -128,6 +129,8 @@ def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, m
       rows: sequences per micro-batch on one device.
       compute_bytes: bytes per value of the activations and weights (2 for bf16 / fp16).
       moe: an MoE layer of ``m`` (its MLP replaced by the experts').
+      fused_attention: a flash kernel runs the whole-sequence attention (:attr:`Cluster.fused_attention`):
+        it skips the causal mask's upper half and its backward computes the scores again.
 
     Returns:
       The :class:`Kernel` list, ``passes`` set for training with ``plan.remat``.
@@ -138,7 +141,7 @@ def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, m
     full, attn = 3 + (plan.remat == "full"), 3 + (plan.remat != "none")
     q = m.qkv_inputs
     out = [matmul("qkv", 1, tokens, h, 3 * h / (t * q), cb, count=q, passes=full)]
-    out += _attention_kernels(m, plan, heads, cb, attn)
+    out += _attention_kernels(m, plan, heads, cb, attn, fused_attention and C == 1)
     out.append(matmul("proj", 1, tokens, h / t, h, cb, passes=full))
     if moe:
         return out + _moe_kernels(m, plan, rows, tokens, cb, full)
@@ -146,9 +149,13 @@ def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, m
                   matmul("fc2", 1, tokens, f / t, h, cb, passes=full)]
 
 
-def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: int) -> list[Kernel]:
-    """``QKᵀ`` and ``AV`` of the device's share of the scores (docs/planning.md §10)."""
+def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: int, fused: bool) -> list[Kernel]:
+    """``QKᵀ`` and ``AV`` of the device's share of the scores (docs/planning.md §10); ``fused``: a causal flash
+    kernel's half of them, its scores once more in the backward."""
     s, d, C = m.seq, m.head_dim, plan.context
+    if fused:
+        return [matmul("scores", heads / 2, s, d, s, cb, passes=attn + 1),
+                matmul("context", heads / 2, s, s, d, cb, passes=attn)]
     if C == 1:
         return [matmul("scores", heads, s, d, s, cb, passes=attn), matmul("context", heads, s, s, d, cb, passes=attn)]
     if plan.context_method == "ring":
@@ -199,7 +206,8 @@ def kernel_seconds(k: Kernel, cluster: Cluster, dtype: str) -> float:
     return k.count * max(compute, k.bytes / bw if bw > 0 else 0.0)
 
 
-def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, moe: bool = False) -> float:
+def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, moe: bool = False, *,
+                            fused_attention: bool = False) -> float:
     """Bytes one device reads and writes in the memory-bound ops of one layer per micro-batch of ``rows``
     sequences, in training (see :func:`jaxpar.cost._time.elementwise_bytes` for the ops counted).
 
@@ -213,6 +221,7 @@ def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes
       rows: sequences per micro-batch on one device.
       compute_bytes: bytes per activation value (the softmax is counted in fp32).
       moe: an MoE layer.
+      fused_attention: a flash kernel keeps the whole-sequence softmax on chip (no softmax bytes).
 
     Returns:
       Bytes per layer and micro-batch (forward, backward and recomputation).
@@ -230,7 +239,7 @@ def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes
         T = m.seq // C
         mlp = 2 * m.experts * m.capacity(T) / T * m.expert_mlp / t + 2 * m.shared_mlp / t
     keys = m.seq * C * score_fraction(plan.context_method, C, plan.context_balance)   # scores per query token
-    softmax = 2 * m.heads * keys / t * 4 * (passes + (plan.remat == "selective"))
+    softmax = 0.0 if fused_attention and C == 1 else 2 * m.heads * keys / t * 4 * (passes + (plan.remat == "selective"))
     return rows * (m.seq / C) * ((resid + mlp) * compute_bytes * passes + softmax)
 
 
@@ -276,12 +285,12 @@ def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: flo
     Returns:
       A :class:`Work`: the matmuls' seconds (:func:`layer_kernels`) and the elementwise ops' seconds.
     """
-    ks = layer_kernels(m, plan, rows, compute_bytes, moe)
+    ks = layer_kernels(m, plan, rows, compute_bytes, moe, fused_attention=cluster.fused_attention)
     fp8 = fp8_kernels(m, plan)
     kernels = sum(kernel_seconds(k, cluster, FP8 if k.name in fp8 else dtype) * (1 if forward_only else k.passes)
                   for k in ks)
     bw = cluster.stream_bandwidth
-    elem = layer_elementwise_bytes(m, plan, rows, compute_bytes, moe)
+    elem = layer_elementwise_bytes(m, plan, rows, compute_bytes, moe, fused_attention=cluster.fused_attention)
     if forward_only:
         elem /= 3 + (plan.remat == "full")
     quantize = fp8_quantize_bytes(ks, fp8, plan.fp8, compute_bytes, plan.remat) if fp8 else (0.0, 0.0)
