@@ -176,3 +176,23 @@ def test_a_llama_8b_layer_compiled_for_an_h100_grows_linearly_to_32k_tokens(pack
     # a * t + b * t^2 at t, 2t, 4t: the second difference over the first is 2 when b = 0, 4 when a = 0
     growth = (temps[32768] - temps[16384]) / (temps[16384] - temps[8192])
     assert 1.6 < growth < 2.4 and 1.9 < temps[32768] / temps[16384] < 2.1, temps
+
+
+@pytest.mark.parametrize("remat,forwards", [("save-matmuls", 1), ("full", 2)])
+def test_save_matmuls_keeps_the_fused_attentions_residuals(remat, forwards):
+    """Under ``save-matmuls`` the flash kernel's forward runs once per layer; ``full`` runs it again in the
+    backward (compiled for an H100: Pallas's kernel, counted in the scanned layers' bodies)."""
+    from jaxpar.adapters._blocks import remat_policy
+    mesh = jaxpar.make_mesh({"data": 1}, devices=_h100(1))
+    x = jax.ShapeDtypeStruct((2, 256, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    w = jax.ShapeDtypeStruct((3, 256, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+
+    def layer(x, w):
+        q = (x @ w).reshape(2, 256, 4, 64)
+        return attention(q, q, q).reshape(2, 256, 256) @ w, None
+
+    def loss(x, w):
+        return jax.lax.scan(jax.checkpoint(layer, policy=remat_policy(remat)), x, w)[0].astype(jnp.float32).sum()
+    with jaxpar.use_rules(mesh, (("batch", None), ("length", None), ("heads", None))):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+    assert len(re.findall(r'name = \\?"mha_forward', text)) == forwards

@@ -272,6 +272,8 @@ def test_a_flash_kernel_moves_no_softmax_bytes_and_computes_half_the_causal_scor
     flash = {k.name: k for k in layer_kernels(m, plan, 1, 2, fused_attention=True)}
     assert flash["scores"].flops * 2 == xla["scores"].flops and flash["scores"].passes == xla["scores"].passes + 1
     assert flash["context"].flops * 2 == xla["context"].flops and flash["context"].passes == xla["context"].passes
+    selective = {k.name: k.passes for k in layer_kernels(m, cost.Plan(remat="selective"), 1, 2, fused_attention=True)}
+    assert selective["scores"] == 4 and selective["context"] == 3      # save-matmuls keeps the kernel's residuals
     ring = cost.Plan(context=4)                           # a ring's blocks are jaxpar's own einsums
     assert ({k.name: k.flops for k in layer_kernels(m, ring, 1, 2)}
             == {k.name: k.flops for k in layer_kernels(m, ring, 1, 2, fused_attention=True)})

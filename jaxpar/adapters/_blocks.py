@@ -52,13 +52,16 @@ LAYERS = "layers"
 
 #: The models' remat names (``remat=`` of the built-in models' configs).
 REMAT_POLICIES = ("none", "full", "save-matmuls")
+#: The ``checkpoint_name`` of a fused attention's output and residuals, which ``save-matmuls`` saves.
+ATTENTION_RESIDUALS = "jaxpar_attention"
 
 
 def remat_policy(name: str):
     """The ``jax.checkpoint`` policy of a remat name (``None`` for ``"none"``: no remat).
 
     Args:
-      name: ``"none"``, ``"full"`` (save nothing) or ``"save-matmuls"`` (save dot results).
+      name: ``"none"``, ``"full"`` (save nothing) or ``"save-matmuls"`` (save dot results and a fused
+        attention's residuals, :data:`ATTENTION_RESIDUALS`: its kernel's forward runs once).
 
     Returns:
       The policy, or ``None``.
@@ -66,8 +69,10 @@ def remat_policy(name: str):
     >>> remat_policy("none") is None, remat_policy("full") is jax.checkpoint_policies.nothing_saveable
     (True, True)
     """
-    return {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
-            "save-matmuls": jax.checkpoint_policies.checkpoint_dots}[name]
+    policies = jax.checkpoint_policies
+    return {"none": None, "full": policies.nothing_saveable,
+            "save-matmuls": policies.save_from_both_policies(
+                policies.checkpoint_dots, policies.save_only_these_names(ATTENTION_RESIDUALS))}[name]
 
 
 def with_remat(fn: Callable, remat: Callable | None = None) -> Callable:

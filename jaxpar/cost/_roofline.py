@@ -151,11 +151,12 @@ def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, m
 
 def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: int, fused: bool) -> list[Kernel]:
     """``QKᵀ`` and ``AV`` of the device's share of the scores (docs/planning.md §10); ``fused``: a causal flash
-    kernel's half of them, its scores once more in the backward."""
+    kernel's half of them, its scores once more in the backward, its forward again only under full remat."""
     s, d, C = m.seq, m.head_dim, plan.context
-    if fused:
-        return [matmul("scores", heads / 2, s, d, s, cb, passes=attn + 1),
-                matmul("context", heads / 2, s, s, d, cb, passes=attn)]
+    if fused:            # save-matmuls keeps the kernel's residuals: only full recomputation runs it again
+        passes = 3 + (plan.remat == "full")
+        return [matmul("scores", heads / 2, s, d, s, cb, passes=passes + 1),
+                matmul("context", heads / 2, s, s, d, cb, passes=passes)]
     if C == 1:
         return [matmul("scores", heads, s, d, s, cb, passes=attn), matmul("context", heads, s, s, d, cb, passes=attn)]
     if plan.context_method == "ring":

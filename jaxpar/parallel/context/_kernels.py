@@ -37,8 +37,11 @@ from typing import Any, ContextManager, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
+from jaxpar.adapters._blocks import ATTENTION_RESIDUALS
 from jaxpar.errors import AttentionError
 from jaxpar.parallel._regions import keep_axes, region_axes, region_spec
 from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, scoped, shard_map_mesh
@@ -260,7 +263,7 @@ def fused_attention(kernel: str, q, k, v, *, causal: bool, scale: float, segment
     Returns:
       ``[batch, length, heads, head_dim]``.
     """
-    call = functools.partial(_CALLS[kernel], causal=causal, scale=scale, window=window)
+    call = _saveable(functools.partial(_CALLS[kernel], causal=causal, scale=scale, window=window))
     local = _local_spec(q)
     if local is None:
         return call(q, k, v, segment_ids)
@@ -273,6 +276,24 @@ def fused_attention(kernel: str, q, k, v, *, causal: bool, scale: float, segment
         specs.append(region_spec(PartitionSpec(q_spec[0], None), 2, mesh, manual))
     return jax.shard_map(lambda q, k, v, seg=None: call(q, k, v, seg), mesh=shard_map_mesh(mesh),
                          in_specs=tuple(specs), out_specs=q_spec, axis_names=manual, check_vma=False)(*args)
+
+
+def _saveable(call):
+    """``call(q, k, v, seg)`` whose output and residuals carry the name :data:`ATTENTION_RESIDUALS`: under a
+    remat policy that saves it (``save-matmuls``) the kernel's forward is not run again in the backward."""
+    @jax.custom_vjp
+    def run(q, k, v, seg):
+        return call(q, k, v, seg)
+
+    def forward(q, k, v, seg):
+        out, vjp = jax.vjp(lambda q, k, v: call(q, k, v, seg), q, k, v)
+        return out, (jax.tree.map(lambda r: checkpoint_name(r, ATTENTION_RESIDUALS), vjp), seg)
+
+    def backward(res, g):
+        vjp, seg = res
+        return (*vjp(g), None if seg is None else np.zeros(seg.shape, jax.dtypes.float0))
+    run.defvjp(forward, backward)
+    return lambda q, k, v, seg: checkpoint_name(run(q, k, v, seg), ATTENTION_RESIDUALS)
 
 
 def _cudnn(q, k, v, seg, *, causal, scale, window):
