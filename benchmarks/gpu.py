@@ -230,7 +230,7 @@ def predicted_seconds(spec, plan) -> float | None:
         return None
 
 
-def run_gpt(small, kernels_here, reps, peak, no_remat_variant=True) -> list[dict]:
+def run_gpt(small, kernels_here, reps, peak, remat_none=True) -> list[dict]:
     sizes = dict(GPT124M, vocab=256, seq_len=128, embed=64, heads=4, layers=2) if small else GPT124M
     b = 2 if small else 16
     cfg = GPTConfig(**sizes)
@@ -245,8 +245,8 @@ def run_gpt(small, kernels_here, reps, peak, no_remat_variant=True) -> list[dict
     strategy = jaxpar.Strategy(compute_dtype="bfloat16")
     rows = [step_row("gpt124m", model_fn, lm_loss, tx, strategy, batch, kernel=k, reps=reps,
                      flops_per_token=fpt, peak=peak, predicted=predicted)
-            for k in ("xla",) + tuple(kernels_here)]
-    if not no_remat_variant:
+            for k in kernels_here]
+    if not remat_none:
         return rows
     cfg = GPTConfig(**dict(sizes, remat="none"))
     predicted = predicted_seconds(spec, cost.Plan(remat="none"))
@@ -255,7 +255,10 @@ def run_gpt(small, kernels_here, reps, peak, no_remat_variant=True) -> list[dict
     return rows
 
 
-def run_decoder(small, layers, seq, batch_rows, reps, peak, kernel_default) -> list[dict]:
+DECODER_VARIANTS = ("bf16-xla", "bf16-auto", "bf16-pallas", "fp8-auto")
+
+
+def run_decoder(small, layers, seq, batch_rows, reps, peak, variants=DECODER_VARIANTS) -> list[dict]:
     sizes = dict(vocab=256, embed=64, heads=4, kv_heads=2, head_dim=16, mlp=128) if small else LLAMA3_8B
     cfg = DecoderConfig(**sizes, layers=layers)
     model_fn = lambda: Decoder(cfg, rngs=nnx.Rngs(0))    # noqa: E731
@@ -269,8 +272,9 @@ def run_decoder(small, layers, seq, batch_rows, reps, peak, kernel_default) -> l
                     mlp=mlp)
     rows = []
     recipe = Fp8(min_dim=0 if small else 1024)
-    for name, fp8, kernel in (("bf16", None, "xla"), ("bf16", None, kernel_default), ("bf16", None, "pallas"),
-                              ("fp8 tensorwise", recipe, kernel_default)):
+    for variant in variants:
+        precision, kernel = variant.split("-")
+        name, fp8 = ("bf16", None) if precision == "bf16" else ("fp8 tensorwise", recipe)
         strategy = jaxpar.Strategy(compute_dtype="bfloat16", fp8=fp8)
         predicted = predicted_seconds(spec, cost.Plan(fp8=None if fp8 is None else "tensorwise"))
         rows.append(step_row(f"decoder {layers}L {name}", model_fn, decoder_loss, tx, strategy, batch,
@@ -286,7 +290,8 @@ def run_flags(args) -> list[dict]:
             continue
         env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip(),
                    XLA_PYTHON_CLIENT_MEM_FRACTION="0.2")    # beside this process's 75%
-        cmd = [sys.executable, __file__, "--sections", "gpt124m", "--gpt-kernels", "auto", "--reps", str(args.reps),
+        cmd = [sys.executable, __file__, "--sections", "gpt124m", "--gpt-kernels", "auto", "--no-gpt-remat-none",
+               "--reps", str(args.reps),
                "--out", str(Path(args.out) / f"flags-{name}")] + (["--small"] if args.small else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(60, args.budget - elapsed()))
         try:
@@ -303,7 +308,9 @@ def main():
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--out", default="out/gpu")
     ap.add_argument("--sections", default="checks,gpt124m,decoder,kernels,flags")
-    ap.add_argument("--gpt-kernels", default="cudnn,pallas")
+    ap.add_argument("--gpt-kernels", default="xla,cudnn,pallas")
+    ap.add_argument("--gpt-remat-none", default=True, action=argparse.BooleanOptionalAction)
+    ap.add_argument("--decoder-variants", default=",".join(DECODER_VARIANTS))
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2)
@@ -320,9 +327,9 @@ def main():
     runs = {"checks": lambda: run_checks(args.small, kernels_here),
             "kernels": lambda: run_kernels(args.small, kernels_here, args.reps),
             "gpt124m": lambda: run_gpt(args.small, tuple(k for k in args.gpt_kernels.split(",") if on_gpu or k != "cudnn"),
-                                       args.reps, args.peak, args.gpt_kernels != "auto"),
+                                       args.reps, args.peak, args.gpt_remat_none),
             "decoder": lambda: run_decoder(args.small, 2 if args.small else args.layers, 128 if args.small else args.seq,
-                                           args.batch, args.reps, args.peak, "auto"),
+                                           args.batch, args.reps, args.peak, args.decoder_variants.split(",")),
             "flags": lambda: run_flags(args)}
     for section in args.sections.split(","):
         if elapsed() > args.budget:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
@@ -21,7 +22,9 @@ import jax.numpy as jnp
 from jax.extend import core
 from jax.extend.core import primitives as prims
 
-from jaxpar.adapters._blocks import use_layer_transform
+from flax import nnx
+
+from jaxpar.adapters._blocks import LAYERS, use_layer_transform
 from jaxpar.errors import Fp8Error
 from jaxpar.mesh import REPLICA
 from jaxpar.rules import path_str, scoped
@@ -93,6 +96,55 @@ def _scale_and_cast(x: jax.Array, dtype, keep: tuple[int, ...]) -> tuple[jax.Arr
         amax = jax.lax.pmax(amax, shards)
     scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
     return (x / scale).astype(dtype), scale
+
+
+def check_fp8(mesh, logical: Any, shapes: Any, fp8: Fp8 | None) -> None:
+    """Refuse FP8 options that cannot pay: devices without FP8 GEMMs (an NVIDIA GPU before compute
+    capability 8.9, such as the A100; TPU v5e, v5p and v6e; the CPU emulates them, for tests), or a model
+    none of whose matmuls they cover: no weight with ``embed`` and a feature axis (:func:`is_covered`), or
+    every such weight's GEMM below ``min_dim`` (the smaller of its ``embed`` size and its feature sizes).
+
+    Args:
+      mesh: the mesh (its devices; a compile target's abstract devices too).
+      logical: the parameters' logical names (``PartitionSpec`` or tuples, or ``None``).
+      shapes: the parameters' shapes, the same tree.
+      fp8: the options, or ``None`` (nothing to check).
+
+    Raises:
+      Fp8Error: the devices have no FP8 GEMMs, or nothing is covered (the message names the largest
+        covered weight and ``min_dim``).
+    """
+    if fp8 is None:
+        return
+    device = mesh.devices.flat[0]
+    cc = getattr(device, "compute_capability", None)
+    kind = str(getattr(device, "device_kind", device.platform))
+    if (device.platform == "gpu" and cc and tuple(int(x) for x in str(cc).split(".")[:2]) < (8, 9)) or (
+            device.platform == "tpu" and re.search(r"v5|v6", kind)):
+        raise Fp8Error(f"Strategy.fp8={fp8}: the mesh's devices ({kind}) have no FP8 GEMMs, so the covered matmuls "
+                       "would run in the compute dtype behind FP8's casts. Fix: turn fp8 off, or run on an H100, "
+                       "H200 or B200 (compute capability 8.9 or newer).")
+    names = jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
+    sizes = [None if n is None or not is_covered(tuple(n)) else _gemm_side(tuple(n), tuple(x.shape))
+             for n, x in zip(names, jax.tree.leaves(shapes))]
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+    covered = {path: side for path, side in zip(paths, sizes) if side is not None}
+    if not covered:
+        raise Fp8Error(f"Strategy.fp8={fp8}: no weight of the model is covered: FP8 runs the matmuls of weights "
+                       f"whose logical names hold 'embed' and one of {FEATURES} (nnx.with_partitioning), and none "
+                       "has them. Fix: annotate the attention and MLP kernels so, or turn fp8 off.")
+    if max(covered.values()) < fp8.min_dim:
+        largest = max(covered, key=covered.get)
+        raise Fp8Error(f"Strategy.fp8={fp8}: every covered weight's GEMM is below min_dim={fp8.min_dim} (the largest, "
+                       f"{largest!r}, has {covered[largest]}), so no matmul would run in FP8. Fix: "
+                       f"Fp8(min_dim={covered[largest]}) or less, or turn fp8 off.")
+
+
+def _gemm_side(names: tuple, shape: tuple) -> int:
+    """The smaller of a covered weight's ``embed`` size and its feature size (the GEMM's ``min_dim`` test)."""
+    embed = math.prod(d for d, n in zip(shape, names) if n == "embed")
+    other = math.prod(d for d, n in zip(shape, names) if n not in ("embed", LAYERS, "experts"))
+    return min(embed, other)
 
 
 def _free(ndim: int, contract, batch) -> list[int]:
@@ -287,6 +339,8 @@ def _eval(jaxpr, consts, args, rw: _Rewrite) -> list:
             outs = _eval(inner.jaxpr, inner.consts, ins, rw)
         elif eqn.primitive.name == "shard_map" and any(paths):
             outs = _shard_map(eqn, ins, paths, rw)
+        elif eqn.primitive.name == "checkpoint" and any(paths):      # jax.checkpoint / nnx.remat
+            outs = _checkpoint(eqn, ins, paths, rw)
         else:
             outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
             outs = outs if eqn.primitive.multiple_results else [outs]
@@ -304,6 +358,14 @@ def _shard_map(eqn, ins, paths, rw: _Rewrite) -> list:
     body = lambda *args: tuple(_eval(inner, (), args, rw))     # noqa: E731
     return list(jax.shard_map(body, mesh=p["mesh"], in_specs=p["in_specs"], out_specs=p["out_specs"],
                               axis_names=p["newly_manual_axes"], check_vma=p["check_vma"])(*ins))
+
+
+def _checkpoint(eqn, ins, paths, rw: _Rewrite) -> list:
+    """A ``jax.checkpoint`` region that reads a covered weight, its body rewritten under the same policy."""
+    p, inner = eqn.params, eqn.params["jaxpr"]
+    rw.covered |= {v: path for v, path in zip(inner.invars, paths) if path}
+    body = lambda *args: _eval(inner, (), args, rw)     # noqa: E731
+    return list(jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*ins))
 
 
 def _dot(eqn, ins, paths, rw: _Rewrite) -> jax.Array:
@@ -324,8 +386,9 @@ def _dot(eqn, ins, paths, rw: _Rewrite) -> jax.Array:
 
 
 def fp8_loss(loss_fn: Callable, fp8: Fp8 | None) -> Callable:
-    """``loss_fn(model, batch)`` whose stacked layers (:func:`jaxpar.adapters.run_layers`) run their
-    covered matmuls in FP8 (:func:`fp8_layer`); ``fp8=None``: ``loss_fn`` itself.
+    """``loss_fn(model, batch)`` whose covered matmuls run in FP8 (:func:`fp8_layer`): those of the stacked
+    layers (:func:`jaxpar.adapters.run_layers`) and, for an NNX model, those outside them (its own
+    ``nnx.Linear`` layers, attention projections, ...); ``fp8=None``: ``loss_fn`` itself.
 
     Args:
       loss_fn: ``loss_fn(model, batch) -> scalar``.
@@ -337,9 +400,30 @@ def fp8_loss(loss_fn: Callable, fp8: Fp8 | None) -> Callable:
     if fp8 is None or getattr(loss_fn, "jaxpar_fp8", None) == fp8:
         return loss_fn
 
-    def loss(*args, **kwargs):
+    def loss(model, *args, **kwargs):
         with use_layer_transform(lambda layer, logical: fp8_layer(layer, logical, fp8)):
-            return loss_fn(*args, **kwargs)
+            if not isinstance(model, nnx.Module):
+                return loss_fn(model, *args, **kwargs)
+            return _with_unstacked(loss_fn, model, fp8, kwargs)(*args)
 
     loss.jaxpar_fp8 = fp8
     return loss
+
+
+def _with_unstacked(loss_fn: Callable, model: nnx.Module, fp8: Fp8, kwargs: dict) -> Callable:
+    """``(*args) -> loss_fn(model, *args, **kwargs)`` with the dots that read the model's covered weights
+    outside its stacked layers in FP8 (:func:`fp8_layer` over the whole loss; the stacked layers run
+    their own, through the layer transform)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    values = nnx.to_pure_dict(params)
+    logical = jax.tree.map(lambda spec, v: tuple(spec) if spec is not None and tuple(spec)[:1] != (LAYERS,) else (),
+                           nnx.to_pure_dict(nnx.get_partition_spec(params)), values,
+                           is_leaf=lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec))
+    if not any(is_covered(names) for names in jax.tree.leaves(logical, is_leaf=lambda n: isinstance(n, tuple))):
+        return lambda *args: loss_fn(model, *args, **kwargs)
+
+    def whole(values, *args):
+        state = jax.tree.map(lambda a: a, params)        # a State of its own for each trace
+        nnx.replace_by_pure_dict(state, values)
+        return loss_fn(nnx.merge(graphdef, state, rest), *args, **kwargs)
+    return lambda *args: fp8_layer(whole, logical, fp8)(values, *args)

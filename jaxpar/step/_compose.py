@@ -45,7 +45,7 @@ from jaxpar.parallel.moe import use_router_bias
 from jaxpar.step._balancing import finish as finish_moe
 from jaxpar.strategy import Strategy
 from jaxpar.step._exchange import compressed_exchange, compression_plan, exact_exchange, measured_exchange, run_exchange
-from jaxpar.parallel._fp8 import fp8_loss
+from jaxpar.parallel._fp8 import check_fp8, fp8_loss
 from jaxpar.step._grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
 from jaxpar.step._init import older_versions_of
 from jaxpar.step._program import TrainStep, jit_program
@@ -108,10 +108,12 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
       StepError: ``clip_norm`` is not None or a finite number > 0, ``loss_fn`` / ``log_lr`` is not a
         function, or a flag is not a bool.
       LoopError: ``steps_per_call`` is not an int >= 1.
+      Fp8Error: ``Strategy.fp8`` on devices without FP8 GEMMs, or covering no matmul of the model.
     """
     _check_options(loss_fn, clip_norm=clip_norm, log_lr=log_lr, donate=donate, explicit_dp=explicit_dp,
                    skip_nonfinite=skip_nonfinite)
     layout_strategy(layout, strategy)      # a strategy other than the layout's raises
+    check_fp8(layout.mesh, layout.logical, layout.shapes, layout.strategy.fp8)
     loss_fn = fp8_loss(loss_fn, layout.strategy.fp8)
     update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, log_lr=log_lr)
     opts = StepOptions(explicit_dp, steps_per_call, donate)

@@ -1,0 +1,134 @@
+"""FP8 on a user's own Flax NNX model: unstacked ``nnx.Linear`` and ``nnx.MultiHeadAttention`` layers (no
+``scan_blocks``), kernels annotated with ``nnx.with_partitioning``, an unannotated bias. Its covered matmuls
+(q, k, v, out, up, down) compile to FP8 GEMMs for an H100; under DP8, FSDP8 and DP4 x TP2 its first gradient
+equals the one-device FP8 run's; FP8 options that cover nothing, or devices without FP8 GEMMs, are refused
+by name."""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from conftest import need_devices
+import jaxpar
+from jaxpar.analysis._gemms import check_fp8_gemms
+from jaxpar.devices import parse_target, target_devices
+from jaxpar.errors import Fp8Error
+from jaxpar.parallel import Fp8
+
+VOCAB, EMBED, HEADS, MLP, SEQ = 64, 32, 4, 64, 16
+COVERED = ("attn/query/kernel", "attn/key/kernel", "attn/value/kernel", "attn/out/kernel", "up/kernel", "down/kernel")
+
+
+class Net(nnx.Module):
+    """Embedding, one attention and one MLP as plain NNX layers, and an untied head."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        wp, init = nnx.with_partitioning, nnx.initializers.lecun_normal()
+        self.embed = nnx.Embed(VOCAB, EMBED, rngs=rngs, embedding_init=wp(nnx.initializers.normal(0.5), ("vocab", "embed")))
+        self.attn = nnx.MultiHeadAttention(HEADS, EMBED, decode=False, use_bias=False, rngs=rngs,   # a key bias: no gradient
+                                           kernel_init=wp(init, ("embed", "heads", "kv")),
+                                           out_kernel_init=wp(init, ("heads", "kv", "embed")))
+        self.up = nnx.Linear(EMBED, MLP, rngs=rngs, kernel_init=wp(init, ("embed", "mlp")))     # bias: no names
+        self.down = nnx.Linear(MLP, EMBED, rngs=rngs, kernel_init=wp(init, ("mlp", "embed")))
+        self.head = nnx.Linear(EMBED, VOCAB, rngs=rngs, kernel_init=wp(init, ("embed", "vocab")))
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        x = x + self.attn(x, mask=nnx.make_causal_mask(tokens))
+        x = x + self.down(jax.nn.gelu(self.up(x)))
+        return self.head(x)
+
+
+def loss(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["tokens"]), batch["targets"]).mean()
+
+
+def _batch():
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (16, SEQ + 1)).astype(np.int32)
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def first_grads(sizes, fp8, **kw):
+    """The first gradient of a train step (SGD with lr 1: the parameters' change), fp32 compute."""
+    mesh = jaxpar.make_mesh(sizes, devices=jax.devices()[:int(np.prod(list(sizes.values())))])
+    strategy = jaxpar.Strategy(fp8=fp8, **kw)
+    state, layout = jaxpar.init_train_state(lambda: Net(nnx.Rngs(0)), optax.sgd(1.0), mesh, strategy)
+    before = jax.tree.map(np.asarray, state.params)
+    state, _ = jaxpar.make_train_step(loss, optax.sgd(1.0), layout, strategy)(state, jaxpar.shard_batch(_batch(), mesh))
+    return jax.tree.map(lambda a, b: a - np.asarray(b, np.float64), before, state.params)
+
+
+def _leaves(tree) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return {recipe: _leaves(first_grads({"data": 1}, Fp8(recipe, min_dim=0))) for recipe in ("tensorwise", "rowwise")} | {
+        "fp32": _leaves(first_grads({"data": 1}, None))}
+
+
+@need_devices(8)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("sizes,kw", [({"data": 8}, {}), ({"fsdp": 8}, {}), ({"data": 4, "tensor": 2}, {})],
+                         ids=["dp8", "fsdp8", "dp4-tp2"])
+def test_an_unstacked_model_under_a_layout_equals_one_device_in_fp8(one_device, recipe, sizes, kw):
+    """Both runs quantize the same tensors with the same scales; a sum in another order can put one operand
+    element across an FP8 rounding boundary (one e4m3 ulp, 2^-3 of it), so each leaf is allowed the fp32
+    tolerance plus 1e-2 of its largest FP8 effect |g_F8 - g_fp32| (tests/test_pairs.py's FP8_FLIP)."""
+    got, want, fp32 = _leaves(first_grads(sizes, Fp8(recipe, min_dim=0), **kw)), one_device[recipe], one_device["fp32"]
+    for k, w in want.items():
+        effect = np.abs(w - fp32[k]).max()
+        np.testing.assert_allclose(got[k], w, rtol=1e-4, atol=1e-5 * np.abs(w).max() + 1e-2 * effect, err_msg=k)
+    for path in ("['attn']['query']['kernel']", "['up']['kernel']", "['down']['kernel']"):
+        effect = np.abs(want[path] - fp32[path]).max()
+        assert effect > 1e-3 * np.abs(fp32[path]).max(), path                   # FP8 ran on that weight
+
+
+def test_the_h100_compiler_runs_the_unstacked_covered_matmuls_as_fp8_gemms():
+    mesh = jaxpar.make_mesh({"data": 8}, devices=target_devices(parse_target("h100:1x8")))
+    strategy = jaxpar.Strategy(compute_dtype="bfloat16", fp8=Fp8(min_dim=0))
+    layout = jaxpar.state_layout(lambda: Net(nnx.Rngs(0)), optax.adamw(1e-3), mesh, strategy)
+    step = jaxpar.make_train_step(loss, optax.adamw(1e-3), layout, strategy)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in _batch().items()}
+    counts = check_fp8_gemms(step.lower(layout.abstract_state(), batch).compile().as_text())   # none in bf16
+    assert set(counts) == set(COVERED)
+    flops = {k: c["fp8_flops"] for k, c in counts.items()}
+    tokens = 16 * SEQ / 8
+    per = {"attn/query/kernel": EMBED * EMBED, "up/kernel": EMBED * MLP, "down/kernel": MLP * EMBED}
+    for path, weights in per.items():          # forward, input gradient, weight gradient: 3 GEMMs of 2 t w FLOPs
+        assert flops[path] >= 3 * 2 * tokens * weights or path == "attn/query/kernel", (path, flops)
+    assert sum(flops.values()) == pytest.approx(3 * 2 * tokens * (4 * EMBED * EMBED + 2 * EMBED * MLP))
+
+
+def test_fp8_that_covers_nothing_is_refused_by_name():
+    mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    with pytest.raises(Fp8Error, match=r"every covered weight's GEMM is below min_dim=1024 \(the largest, "
+                                       r"'[a-z/]+', has 32\).*Fp8\(min_dim=32\)"):
+        strategy = jaxpar.Strategy(fp8=Fp8())
+        _, layout = jaxpar.init_train_state(lambda: Net(nnx.Rngs(0)), optax.sgd(0.1), mesh, strategy)
+        jaxpar.make_train_step(loss, optax.sgd(0.1), layout, strategy)
+
+    class Plain(nnx.Module):                    # no logical names at all
+        def __init__(self, rngs):
+            self.w = nnx.Linear(EMBED, VOCAB, rngs=rngs)
+
+        def __call__(self, tokens):
+            return self.w(jax.nn.one_hot(tokens, EMBED))
+    strategy = jaxpar.Strategy(fp8=Fp8(min_dim=0))
+    _, layout = jaxpar.init_train_state(lambda: Plain(nnx.Rngs(0)), optax.sgd(0.1), mesh, strategy)
+    with pytest.raises(Fp8Error, match="no weight of the model is covered"):
+        jaxpar.make_train_step(loss, optax.sgd(0.1), layout, strategy)
+
+
+@pytest.mark.parametrize("target,kind", [("a100-80gb:1x8", "A100"), ("tpu-v5e:2x4", "TPU v5 lite")])
+def test_fp8_on_devices_without_fp8_gemms_is_refused_by_name(target, kind):
+    mesh = jaxpar.make_mesh({"data": 8}, devices=target_devices(parse_target(target)))
+    strategy = jaxpar.Strategy(compute_dtype="bfloat16", fp8=Fp8(min_dim=0))
+    layout = jaxpar.state_layout(lambda: Net(nnx.Rngs(0)), optax.adamw(1e-3), mesh, strategy)
+    with pytest.raises(Fp8Error, match=f"the mesh's devices \\(.*{kind}.*\\) have no FP8 GEMMs"):
+        jaxpar.make_train_step(loss, optax.adamw(1e-3), layout, strategy)
