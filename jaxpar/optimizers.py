@@ -506,28 +506,45 @@ def _forced(path: str, routing: dict[str, str]) -> str | None:
 
 
 def _check_routing(routing: dict[str, str], paths: Sequence[str]) -> None:
+    """Each rule is ``muon`` or ``adam`` and each pattern a regex; with ``paths``, each pattern matches one.
+
+    A tree without leaves (optax's placeholder: ``optax.tree_map_params`` calls ``tx.init`` on it, as
+    :func:`jaxpar.init_train_state` does for the state's specs) has nothing to match; the real parameters
+    (``tx.init(params)``, ``jax.eval_shape(tx.init, shapes)``) are checked.
+    """
     for pattern, rule in routing.items():
         if rule not in ("muon", "adam"):
             raise OptimizerError(f"muon(routing={{{pattern!r}: {rule!r}}}): a rule is 'muon' or 'adam'.")
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise OptimizerError(f"muon(routing={{{pattern!r}: {rule!r}}}): {pattern!r} is not a valid regular "
+                                 f"expression ({e}).") from None
+    if not paths:
+        return
     try:
         _matches(list(routing), list(paths), "muon(routing=...)")
     except MaskError as e:
         raise OptimizerError(str(e)) from None
 
 
-def _route_one(path: str, own: tuple, ndim: int, routing: dict[str, str]) -> MuonRoute:
-    """One parameter's route from its logical names ``own`` and the ``routing`` overrides."""
-    if len(own) != ndim:
-        raise OptimizerError(f"muon: parameter {path!r} has rank {ndim} but logical names {own}; give one name "
-                             "per axis.")
+def _route_one(path: str, own: tuple, shape: tuple, routing: dict[str, str]) -> MuonRoute:
+    """One parameter's route from its logical names ``own`` (``()``: none) and the ``routing`` overrides."""
+    ndim = len(shape)
     forced = _forced(path, routing)
     if forced == "adam":
         return MuonRoute("adam", (), (), (), "routing=")
+    if own and len(own) != ndim:
+        raise OptimizerError(f"muon: parameter {path!r} of shape {tuple(shape)} has logical names {own}; give one "
+                             "name per axis, or none.")
+    own = own or (None,) * ndim
     if forced == "muon":
         return _forced_muon(path, own, ndim)
+    if ndim < 2 and all(n is None for n in own):
+        return MuonRoute("adam", (), (), (), f"no logical names, rank {ndim} (bias / scale)")
     unnamed = sum(n is None for n in own) >= 2 and all(n is None or n in MUON_STACKS for n in own)
     if unnamed or any(n in _MESH_NAMES for n in own):
-        raise _unnamed_error(path, own)
+        raise _unnamed_error(path, own, tuple(shape))
     return _route_by_names(own)
 
 
@@ -538,13 +555,16 @@ def _routes(params: Any, logical: Any, routing: dict[str, str]) -> dict[str, Muo
     if missing:
         raise OptimizerError(f"muon(logical=...): no logical names for parameter {missing[0]!r}; give a tree of "
                              "logical names that mirrors the params (abstract_model(model_fn)[2] or StateLayout.logical).")
-    return {path_str(p): _route_one(path_str(p), names.get(path_str(p), (None,) * leaf.ndim), leaf.ndim, routing)
+    return {path_str(p): _route_one(path_str(p), names.get(path_str(p), ()), leaf.shape, routing)
             for p, leaf in flat}
 
 
 def muon_routes(params: Any, logical: Any = None, *, routing: dict[str, str] | None = None,
                 kernel_layout: str = "in_out") -> dict[str, MuonRoute]:
     """``{path: MuonRoute}``: each parameter's rule, matrix axes and batch axes (:func:`muon_routing`).
+
+    A parameter without logical names (``P()`` in ``StateLayout.logical``: an ``nnx.Linear`` bias without
+    ``nnx.with_partitioning``) of rank 0 or 1 goes to AdamW; one of rank >= 2 goes where ``routing`` says.
 
     Args:
       params: the parameters (arrays or ``ShapeDtypeStruct``s).
@@ -559,8 +579,8 @@ def muon_routes(params: Any, logical: Any = None, *, routing: dict[str, str] | N
 
     Raises:
       OptimizerError: a parameter of rank >= 2 without logical feature names (or with mesh-axis names)
-        that ``routing`` does not route, a rank that differs from its names, or a ``routing`` pattern
-        that matches nothing.
+        that ``routing`` does not route (naming its path and shape), names of another length than its
+        rank, or a ``routing`` pattern that matches no parameter (checked on a tree with leaves).
     """
     _check_kernel_layout(kernel_layout)
     routing = dict(routing or {})
@@ -577,9 +597,12 @@ def _check_kernel_layout(kernel_layout: str) -> None:
                              "(in_out: Flax kernels [in, out]; out_in: PyTorch / Hugging Face weights [out, in]).")
 
 
-def _unnamed_error(path: str, names: tuple) -> OptimizerError:
+def _unnamed_error(path: str, names: tuple, shape: tuple) -> OptimizerError:
+    mesh = [n for n in names if n in _MESH_NAMES]
+    what = f"mesh-axis names {mesh}, not logical names" if mesh else \
+        "no logical names" if all(n is None for n in names) else f"logical names {names} without a feature name"
     return OptimizerError(
-        f"muon: parameter {path!r} has logical names {names}: no feature names ({', '.join(MUON_FEATURES)}), so "
+        f"muon: parameter {path!r} of shape {shape} has {what}; without feature names ({', '.join(MUON_FEATURES)}) "
         "whether it is a matrix is unknown (Muon never guesses from shapes). Annotate the model with logical names "
         "(nnx.with_partitioning(init, ('embed', 'mlp'))) and pass logical=abstract_model(model_fn)[2], or route it "
         "explicitly: muon(..., routing={'<path regex>': 'muon' | 'adam'}).")
@@ -632,7 +655,7 @@ def muon_routing_table(params: Any, logical: Any = None, *, routing: dict[str, s
     width = max(map(len, routes), default=0)
 
     def side(path, axes):
-        own = names.get(path, (None,) * len(shapes[path]))
+        own = names.get(path) or (None,) * len(shapes[path])
         label = "*".join(str(own[i]) if own[i] is not None else f"axis{i}" for i in axes)
         return f"{label}({math.prod(shapes[path][i] for i in axes)})"
 
@@ -913,7 +936,8 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, logical: Any = None, routing:
     Args:
       learning_rate: Muon's learning rate (a scalar or an optax schedule).
       logical: the params' logical names (``abstract_model(model_fn)[2]``, ``StateLayout.logical``).
-      routing: ``{path regex: "muon" | "adam"}`` overriding the names (needed for a model without them).
+      routing: ``{path regex: "muon" | "adam"}`` overriding the names (needed for a matrix without them); each
+        pattern must match a parameter of ``tx.init(params)``.
       momentum: Muon's momentum decay.
       nesterov: Nesterov momentum.
       ns_steps: Newton-Schulz iterations.
@@ -943,6 +967,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, logical: Any = None, routing:
     rest = _checked_adamw(learning_rate, momentum, weight_decay, ns_steps, consistent_rms, adam)
     _check_placement(placement, mesh, specs)
     _check_kernel_layout(kernel_layout)
+    _check_routing(dict(routing or {}), ())        # the rules and regexes now; the matches at tx.init(params)
     routes = lambda tree: muon_routes(tree, logical, routing=routing, kernel_layout=kernel_layout)   # noqa: E731
     where = None if mesh is None else (mesh, _spec_by_path(specs), (placement, ns_steps, _cluster_of(mesh, cluster)))
 

@@ -201,7 +201,8 @@ def test_a_model_without_logical_names_is_named_and_routing_routes_it():
     with pytest.raises(OptimizerError, match=r"'w' .*routing=\{'<path regex>'"):
         muon_routing(params)
     mesh_named = {"w": ("fsdp", "tensor"), "b": (None,)}                   # mesh axes, not logical names
-    with pytest.raises(OptimizerError, match="no feature names"):
+    with pytest.raises(OptimizerError, match=r"'w' of shape \(8, 4\) has mesh-axis names \['fsdp', 'tensor'\], not "
+                                             "logical names"):
         muon_routing(params, mesh_named)
     assert muon_routing(params, routing={"^w$": "muon"}) == {"b": "adam", "w": "muon"}
     with pytest.raises(OptimizerError, match="matches no parameter"):
@@ -219,8 +220,9 @@ def test_yaml_optimizer_muon_builds_the_routed_optimizer():
     cfg = OptimizerConfig(name="muon", lr=0.02, muon=MuonConfig(adam_lr=1e-3, routing={"^wpe$": "adam"}))
     tx, _ = build_optimizer(cfg, 10, model_fn=_model)
     _, shapes, _ = abstract_model(_model)
-    state = jax.eval_shape(tx.init, shapes)
+    state = jaxpar.init_train_state(_model, tx, mesh_for({}))[0].opt_state      # optax.tree_map_params's init too
     assert state.mu["blocks"]["wq"].shape == shapes["blocks"]["wq"].shape and state.mu["wte"] == optax.MaskedNode()
+    assert state.mu["wpe"] == optax.MaskedNode() and state.adam[0].mu["wpe"].shape == shapes["wpe"].shape
     with pytest.raises(ConfigError, match=r"optimizer.muon.ns_steps=0"):
         build_optimizer(OptimizerConfig(name="muon", muon=MuonConfig(ns_steps=0)), 10, model_fn=_model)
 

@@ -257,11 +257,13 @@ def muon_kernel_layout(model_fn) -> str:
     """
     from flax import nnx
 
-    return getattr(nnx.eval_shape(model_fn), "kernel_layout", "in_out")
+    with nnx.use_eager_sharding(False):       # annotated variables need no mesh here (abstract_model's way)
+        return getattr(nnx.eval_shape(model_fn), "kernel_layout", "in_out")
 
 
 def _muon_logical(cfg: OptimizerConfig, model_fn):
-    """The model's logical names for Muon's routing, after ``optimizer.muon``'s checks."""
+    """The model's logical names for Muon's routing, after ``optimizer.muon``'s checks and the routing of its
+    parameters (``optimizer.muon.routing``'s patterns each match one; an unnamed matrix is routed)."""
     if problems := muon_problems(cfg):
         raise ConfigError(" ".join(problems))
     if model_fn is None:
@@ -269,7 +271,12 @@ def _muon_logical(cfg: OptimizerConfig, model_fn):
                           "with model_fn=.")
     from jaxpar.adapters._mesh_axes import abstract_model
 
-    return abstract_model(model_fn)[2]
+    _, shapes, logical = abstract_model(model_fn)
+    try:
+        opt_lib.muon_routes(shapes, logical, routing=dict(cfg.muon.routing))
+    except opt_lib.OptimizerError as e:
+        raise ConfigError(f"optimizer.name=muon: {e} (YAML: optimizer.muon.routing).") from None
+    return logical
 
 
 def frozen_variance_step(strategy: Strategy) -> int | None:
