@@ -52,14 +52,24 @@ def _batch():
     return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def first_grads(sizes, fp8, **kw):
+def first_grads(sizes, fp8, model_fn=lambda: Net(nnx.Rngs(0)), loss_fn=loss, explicit_dp=None):
     """The first gradient of a train step (SGD with lr 1: the parameters' change), fp32 compute."""
     mesh = jaxpar.make_mesh(sizes, devices=jax.devices()[:int(np.prod(list(sizes.values())))])
-    strategy = jaxpar.Strategy(fp8=fp8, **kw)
-    state, layout = jaxpar.init_train_state(lambda: Net(nnx.Rngs(0)), optax.sgd(1.0), mesh, strategy)
+    strategy = jaxpar.Strategy(fp8=fp8)
+    state, layout = jaxpar.init_train_state(model_fn, optax.sgd(1.0), mesh, strategy)
     before = jax.tree.map(np.asarray, state.params)
-    state, _ = jaxpar.make_train_step(loss, optax.sgd(1.0), layout, strategy)(state, jaxpar.shard_batch(_batch(), mesh))
+    step = jaxpar.make_train_step(loss_fn, optax.sgd(1.0), layout, strategy, explicit_dp=explicit_dp)
+    state, _ = step(state, jaxpar.shard_batch(_batch(), mesh))
     return jax.tree.map(lambda a, b: a - np.asarray(b, np.float64), before, state.params)
+
+
+def assert_like_one_device_fp8(got, want, fp32):
+    """Both runs quantize the same tensors with the same scales; a sum in another order can put one operand
+    element across an FP8 rounding boundary (one e4m3 ulp, 2^-3 of it), so each leaf is allowed the fp32
+    tolerance plus 1e-2 of its largest FP8 effect |g_F8 - g_fp32| (tests/test_pairs.py's FP8_FLIP)."""
+    for k, w in want.items():
+        effect = np.abs(w - fp32[k]).max()
+        np.testing.assert_allclose(got[k], w, rtol=1e-4, atol=1e-5 * np.abs(w).max() + 1e-2 * effect, err_msg=k)
 
 
 def _leaves(tree) -> dict:
@@ -74,16 +84,11 @@ def one_device():
 
 @need_devices(8)
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-@pytest.mark.parametrize("sizes,kw", [({"data": 8}, {}), ({"fsdp": 8}, {}), ({"data": 4, "tensor": 2}, {})],
+@pytest.mark.parametrize("sizes", [{"data": 8}, {"fsdp": 8}, {"data": 4, "tensor": 2}],
                          ids=["dp8", "fsdp8", "dp4-tp2"])
-def test_an_unstacked_model_under_a_layout_equals_one_device_in_fp8(one_device, recipe, sizes, kw):
-    """Both runs quantize the same tensors with the same scales; a sum in another order can put one operand
-    element across an FP8 rounding boundary (one e4m3 ulp, 2^-3 of it), so each leaf is allowed the fp32
-    tolerance plus 1e-2 of its largest FP8 effect |g_F8 - g_fp32| (tests/test_pairs.py's FP8_FLIP)."""
-    got, want, fp32 = _leaves(first_grads(sizes, Fp8(recipe, min_dim=0), **kw)), one_device[recipe], one_device["fp32"]
-    for k, w in want.items():
-        effect = np.abs(w - fp32[k]).max()
-        np.testing.assert_allclose(got[k], w, rtol=1e-4, atol=1e-5 * np.abs(w).max() + 1e-2 * effect, err_msg=k)
+def test_an_unstacked_model_under_a_layout_equals_one_device_in_fp8(one_device, recipe, sizes):
+    want, fp32 = one_device[recipe], one_device["fp32"]
+    assert_like_one_device_fp8(_leaves(first_grads(sizes, Fp8(recipe, min_dim=0))), want, fp32)
     for path in ("['attn']['query']['kernel']", "['up']['kernel']", "['down']['kernel']"):
         effect = np.abs(want[path] - fp32[path]).max()
         assert effect > 1e-3 * np.abs(fp32[path]).max(), path                   # FP8 ran on that weight
@@ -132,3 +137,19 @@ def test_fp8_on_devices_without_fp8_gemms_is_refused_by_name(target, kind):
     layout = jaxpar.state_layout(lambda: Net(nnx.Rngs(0)), optax.adamw(1e-3), mesh, strategy)
     with pytest.raises(Fp8Error, match=f"the mesh's devices \\(.*{kind}.*\\) have no FP8 GEMMs"):
         jaxpar.make_train_step(loss, optax.adamw(1e-3), layout, strategy)
+
+
+@need_devices(8)
+def test_rowwise_fp8_under_fsdp8_runs_xlas_collectives_and_equals_one_device():
+    """The GPT's stacked layers under FSDP8: rowwise takes XLA's collectives (explicit_dp=None), whose row scales
+    are the batch's; the explicit per-layer collectives, where each device's tokens would scale its rows, are
+    refused by name (the EX x F8 pair)."""
+    from jaxpar.models import GPT, GPTConfig, lm_loss
+    cfg = GPTConfig(vocab=VOCAB, seq_len=SEQ, embed=32, heads=4, layers=2)
+    model_fn = lambda: GPT(cfg, rngs=nnx.Rngs(0))       # noqa: E731
+    runs = {name: _leaves(first_grads(sizes, fp8, model_fn, lm_loss)) for name, sizes, fp8 in (
+        ("one", {"data": 1}, Fp8("rowwise", min_dim=0)), ("fp32", {"data": 1}, None),
+        ("fsdp8", {"fsdp": 8}, Fp8("rowwise", min_dim=0)))}
+    assert_like_one_device_fp8(runs["fsdp8"], runs["one"], runs["fp32"])
+    with pytest.raises(Fp8Error, match=r"explicit_dp=True with Strategy.fp8=Fp8\(recipe='rowwise'\)"):
+        first_grads({"fsdp": 8}, Fp8("rowwise", min_dim=0), model_fn, lm_loss, explicit_dp=True)

@@ -349,6 +349,7 @@ def _refused_pairs() -> list[tuple[str, str]]:
 
 #: The refused value of the partly-composing pairs.
 PARTLY_REFUSED = {("Z", "1A"): "ZeRO-2", ("ST", "LL"): "clip_by_global_norm / a global-norm optimizer",
+                  ("EX", "F8"): "rowwise FP8",
                   ("BR", "K"): "a ramp step inside a call", ("ST", "MU"): "Muon matrices split inside a stage"}
 
 
@@ -370,9 +371,7 @@ def test_refusals_name_both_features(pair):
     a, b = pair
     unsettable = {a, b} & UNSETTABLE - REFUSED_VALUE_SETTABLE
     assert not unsettable, f"{pair}: a Setting cannot turn {sorted(unsettable)} on"
-    setting = _setting_for(pair)
-    if pair == ("Z", "1A"):
-        setting = setting._replace(strategy=dataclasses.replace(setting.strategy, zero=2))
+    setting = _refused_setting(pair)
     assert _both_on(setting, a, b), (pair, setting)
     found = problems(setting)
     mine = [p for p in found if set(p.features) == {a, b}]
@@ -386,10 +385,12 @@ def test_refusals_name_both_features(pair):
 
 
 def _refused_setting(pair, *, ramp: str = "fixed") -> Setting:
-    """:func:`_setting_for` with the refused value of a partly-composing pair (Z x 1A: ZeRO-2)."""
+    """:func:`_setting_for` with the refused value of a partly-composing pair (Z x 1A: ZeRO-2; EX x F8: rowwise)."""
     setting = _setting_for(pair, ramp=ramp)
     if pair == ("Z", "1A"):
         setting = setting._replace(strategy=dataclasses.replace(setting.strategy, zero=2))
+    if pair == ("EX", "F8"):
+        setting = setting._replace(strategy=dataclasses.replace(setting.strategy, fp8=jaxpar.parallel.Fp8("rowwise")))
     if ramp == "adaptive":
         setting = setting._replace(noise_scale_every=None)
     return setting

@@ -84,8 +84,10 @@ def test_refused_candidates_move_to_rejected_with_the_tables_message():
     assert cp.reason == (REFUSED_PREFIX + f"Strategy.compression with context={cp.plan.context}: a codec's exchange "
                          "runs the loss per replica inside a shard_map over the data axes and reduces the gradients "
                          "over them only, not over context. Drop one of the two.")
-    # without the codec the same search ranks CP plans first
-    assert _plan(MODELS["moe-8k"], "h100")[0].best.plan.context > 1
+    # without the codec the same search ranks CP plans (on TPU v5e, whose attention keeps its scores in memory,
+    # first; on the H100 a flash kernel holds no [S, S] scores and plain ZeRO-2 wins)
+    assert any(e.plan.context > 1 for e in _plan(MODELS["moe-8k"], "h100")[0].ranked)
+    assert _plan(MODELS["moe-8k"], "tpu_v5e")[0].best.plan.context > 1
 
 
 def test_one_bit_adam_rejects_zero_2_3_and_fsdp():

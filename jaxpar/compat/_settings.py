@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple
 
-from jaxpar.errors import (AsyncPipelineError, CompressionError, ContextParallelError, ExplicitDPError, JaxparError,
+from jaxpar.errors import (AsyncPipelineError, CompressionError, ContextParallelError, ExplicitDPError, Fp8Error, JaxparError,
                            MoEError, NoiseScaleError, RampError, StashingError, SyncError)
 
 
@@ -188,6 +188,12 @@ def _explicit_dp_problems(s: Setting) -> list[Problem]:
                            "the data-axis collectives explicit (once per step, after accumulation). Use "
                            "{n[explicit_dp]}=None with compression.", {"c": value_name(st.compression)},
                            ExplicitDPError))
+    if st.fp8 is not None and st.fp8.recipe == "rowwise":
+        out.append(Problem(("EX", "F8"), ("explicit_dp", "fp8"),
+                           "{n[explicit_dp]}=True with {n[fp8]}=Fp8(recipe='rowwise'): inside the per-layer shard_map "
+                           "each device holds its own tokens, so a weight gradient's row scales (a maximum over the "
+                           "tokens) would be its shard's, not the batch's. Use {n[explicit_dp]}=None (XLA's "
+                           "collectives for rowwise FP8) or recipe='tensorwise'.", {}, Fp8Error))
     if replicas_on(s):
         out.append(Problem(("EX", "RS"), ("explicit_dp", "sync"),
                            "{n[explicit_dp]}=True with {n[sync]}={sync}: inside replicas the data-axis collectives "

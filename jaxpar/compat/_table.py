@@ -241,6 +241,9 @@ PARTLY = {
     ("ST", "LL"): ("LARS / LAMB with per-layer trust ratios (the logical mask)",
                    "optimizers that are not per stage (a global norm, clip_by_global_norm)"),
     ("BR", "K"): ("fixed ramps whose steps are multiples of K", "adaptive ramps, and a ramp step inside a call"),
+    ("EX", "F8"): ("tensorwise (one scale per tensor, its maximum reduced over the data axes)",
+                   "rowwise (Fp8Error: a weight gradient's row scales would be each device's tokens'; explicit_dp=None "
+                   "runs XLA's collectives for it)"),
     ("ST", "MU"): ("stages whose Muon matrices no other axis splits (pipe x data, ZeRO-0/1/2)",
                    "matrices split over tensor / fsdp / ZeRO-3 inside a stage (StashingError: Newton-Schulz's "
                    "collectives would run in each stage's own update)"),

@@ -264,7 +264,7 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
 def attention_lines(kernels: dict, compiled: Any, length: int) -> list[str]:
     """``jaxpar inspect --target``'s attention line on a GPU: the kernel each traced attention got
     (:func:`jaxpar.parallel.context.count_attention_kernels`), the fused forwards of the compiled step and
-    its largest ``[..., length, length]`` array (:func:`jaxpar.analysis._attention.attention_report`).
+    its largest ``[..., length, length]`` array (:func:`jaxpar.analysis._fused_attention.attention_report`).
 
     Args:
       kernels: the counts of the traced attentions.
@@ -274,7 +274,7 @@ def attention_lines(kernels: dict, compiled: Any, length: int) -> list[str]:
     Returns:
       The lines.
     """
-    from jaxpar.analysis._attention import attention_report
+    from jaxpar.analysis._fused_attention import attention_report
     from jaxpar.analysis._compiled_memory import format_bytes
 
     report = attention_report(compiled.as_text(), length)

@@ -161,10 +161,10 @@ def explicit_data_parallel(asked: bool | None, loss_fn: Callable, params: Any, b
     unrun = [p for i, p in _stacked_paths(layout) if i not in ran]
     pinned = _data_axis_paths(layout, axes)
     carried = [s.x for s in sites if not isinstance(s.x, jax.ShapeDtypeStruct)]   # (activation, statistics)
-    if asked is None:
-        platform = mesh.devices.flat[0].platform
-        own = bool(pinned) or merged.explicit or bool(carried)   # XLA's collectives
-        return bool(axes and sites and not unrun and not own) and explicit_by_default(sizes, strategy.zero, platform)
+    if asked is None:        # XLA's collectives where the model has its own, or rowwise FP8 (EX x F8)
+        own = bool(pinned) or merged.explicit or bool(carried) or getattr(strategy.fp8, "recipe", None) == "rowwise"
+        return bool(axes and sites and not unrun and not own) and explicit_by_default(sizes, strategy.zero,
+                                                                                        mesh.devices.flat[0].platform)
     if merged.explicit:
         raise ExplicitDPError("explicit_dp=True: the model pins shardings by mesh axes (out_sharding=, jax.reshard), "
                               "which JAX allows only with the mesh's axes Explicit, and the explicit per-layer "
