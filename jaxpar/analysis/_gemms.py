@@ -109,6 +109,24 @@ def all_gather_dtypes(compiled, mesh) -> dict[tuple[str, str], dict[str, float]]
     Returns:
       ``{(axes, dtype): {"count": n, "bytes": b}}``; ``axes`` as ``"fsdp"`` or ``"data,fsdp"``.
     """
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for axes, array, nbytes in gathered_arrays(compiled, mesh):
+        row = out.setdefault((axes, array.split("[")[0]), {"count": 0, "bytes": 0.0})
+        row["count"] += 1
+        row["bytes"] += nbytes
+    return out
+
+
+def gathered_arrays(compiled, mesh):
+    """Each array an all-gather of a compiled program returns: ``(axes, "dtype[dims]", bytes per step)``.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` or its HLO text.
+      mesh: the mesh it was compiled for.
+
+    Yields:
+      The axes (``"fsdp"``, ``"data,fsdp"``), the array's type and its bytes times its computation's trips.
+    """
     text = module_text(compiled)
     instrs = parse_instructions(text)
     by_name = {i.name: i for i in instrs}
@@ -117,7 +135,6 @@ def all_gather_dtypes(compiled, mesh) -> dict[tuple[str, str], dict[str, float]]
         if i.opcode == "all-gather-done" and (first := _OPERAND.match(i.rest.strip())):
             done[first.group(1)] = i.shape
     mult = trip_counts(text)
-    out: dict[tuple[str, str], dict[str, float]] = {}
     for c in collectives(compiled, mesh):
         instr = by_name.get(c.name)
         if c.kind != "all-gather" or instr is None:
@@ -125,9 +142,37 @@ def all_gather_dtypes(compiled, mesh) -> dict[tuple[str, str], dict[str, float]]
         arrays = array_shapes(done.get(c.name, instr.shape))
         if instr.opcode.endswith("-start") and c.name not in done:     # (operands, results): the results
             arrays = arrays[len(arrays) // 2:]
-        axes = ",".join(c.axes) if c.axes else "-"
         for array in arrays:
-            row = out.setdefault((axes, array.split("[")[0]), {"count": 0, "bytes": 0.0})
-            row["count"] += 1
-            row["bytes"] += shape_bytes(array) * mult.get(c.computation, 1)
+            yield ",".join(c.axes) if c.axes else "-", array, shape_bytes(array) * mult.get(c.computation, 1)
+
+
+def gathered_weights(compiled, mesh, weight_shapes, flat_sizes=()) -> dict[str, float]:
+    """The bytes per step a compiled program all-gathers, split into ``weights`` (an array of a parameter's
+    shape, or one layer's of a stacked parameter, or either split over one other axis; or a flat buffer of
+    one layer's parameters, padded to a multiple of an axis size) and ``activations``.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` or its HLO text.
+      mesh: the mesh it was compiled for.
+      weight_shapes: the parameters' shapes (tuples), each stacked one's layer slice too.
+      flat_sizes: the elements of a layer's parameters gathered as one buffer (jaxpar's per-layer FSDP).
+
+    Returns:
+      ``{"weights": bytes, "activations": bytes}``.
+
+    >>> gathered_weights("", None, [(4, 8)])
+    {'weights': 0.0, 'activations': 0.0}
+    """
+    sizes = sorted({n for n in dict(getattr(mesh, "shape", {})).values() if n > 1})
+    known = set()
+    for shape in map(tuple, weight_shapes):
+        known.add(shape)
+        known |= {shape[:i] + (d // n,) + shape[i + 1:] for i, d in enumerate(shape) for n in sizes if d % n == 0}
+    flat = {-(-f // n) * n for f in flat_sizes for n in sizes + [1]}
+    out = {"weights": 0.0, "activations": 0.0}
+    if not compiled:
+        return out
+    for _, array, nbytes in gathered_arrays(compiled, mesh):
+        dims = tuple(int(d) for d in re.findall(r"\d+", array.split("[", 1)[1].split("]")[0]))
+        out["weights" if dims in known or math.prod(dims) in flat else "activations"] += nbytes
     return out

@@ -24,6 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from jaxpar.mesh import MeshError, MeshSpec
 from jaxpar.devices._targets import Target, TargetError, compile_error, fp8_problem, parse_target, target_devices
 from jaxpar.errors import Fp8Error
@@ -357,6 +359,38 @@ def _devices(cfg: JobConfig, tgt: Target | None, command: str = "inspect") -> li
     return jax.devices()[:n]
 
 
+def gather_lines(layout: Any, compiled: Any) -> list[str]:
+    """What a step whose parameters the data axes shard (FSDP, ZeRO-3) all-gathers: the weights' bytes and
+    the activations' (:func:`jaxpar.analysis._gemms.gathered_weights`), and a warning, with the fix, where
+    the activations outweigh the weights.
+
+    Args:
+      layout: the state's layout (its parameters' shapes and logical names, its mesh and strategy).
+      compiled: the compiled train step.
+
+    Returns:
+      The lines (none where no data axis shards the parameters).
+    """
+    from jaxpar.analysis._compiled_memory import format_bytes
+    from jaxpar.analysis._gemms import gathered_weights
+
+    sizes = dict(layout.mesh.shape)
+    if sizes.get("fsdp", 1) == 1 and not (layout.strategy.zero == 3 and sizes.get("data", 1) > 1):
+        return []
+    is_spec = lambda x: x is None or isinstance(x, tuple)     # noqa: E731
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(layout.shapes)]
+    names = [tuple(n or ()) for n in jax.tree.leaves(layout.logical, is_leaf=is_spec)]
+    layer = [shape[1:] for shape, n in zip(shapes, names) if n[:1] == ("layers",)]
+    got = gathered_weights(compiled, layout.mesh, shapes + layer, [sum(math.prod(s) for s in layer)])
+    lines = [f"gathers  weights {format_bytes(got['weights'])}, activations {format_bytes(got['activations'])} "
+             "per step and device (all-gathers over the data axes' shards)"]
+    if got["activations"] > got["weights"]:
+        lines.append("warning  the step gathers more activation bytes than weight bytes: XLA chose to gather "
+                     "activations the model leaves unconstrained. Fix: pin them in the model, e.g. jaxpar.constrain(x, "
+                     "('batch', 'length', 'embed')) (the GPT and the Decoder do), so that FSDP gathers the weights.")
+    return lines
+
+
 def _compile(job: Any, layout: Any, tgt: Target | None) -> dict:
     try:
         return job.compile(layout)
@@ -384,6 +418,8 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
         print("\ncollectives of the compiled " + ("step" if name == "step" else f"{name} program"))
         colls = collectives(c, job.mesh) if job.mesh.size > 1 else []
         print(collectives_table(colls) if colls else "(none)")
+    if lines := gather_lines(layout, compiled["step"]):
+        print("\n" + "\n".join(lines))
     if cfg.parallel.fp8:
         print("\n" + "\n".join(fp8_lines(cfg, job, compiled["step"], tgt.spec.platform if tgt else "cpu")))
     platform = tgt.spec.platform if tgt else "cpu"
