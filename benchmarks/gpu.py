@@ -11,7 +11,9 @@ skipped once ``--budget`` seconds have passed, each written to ``DIR/gpu.json`` 
   bf16 compute, fp32 master weights, AdamW, clip 1, remat save-matmuls) per attention kernel;
 - ``decoder``: a Llama-3-8B-shaped Decoder cut to ``--layers`` layers at ``--seq`` tokens, bf16 and FP8
   (tensorwise), XLA's attention and the default;
-- ``flags``: the GPT step again in a fresh process per XLA_FLAGS setting.
+- ``flags``: the GPT step again in a fresh process per XLA_FLAGS setting;
+- ``calibrate``: the cost model's GEMM efficiency and memory bandwidth measured on the card
+  (:func:`jaxpar.cost.calibrate_device`), written to ``DIR/cluster.yaml``.
 
 Each step row: ms (median), tokens/s, MFU (6 x parameters + 12 x layers x seq x width FLOPs a token, recompute
 excluded, over ``--peak``), the compiled program's memory, and the cost model's step time.
@@ -282,6 +284,15 @@ def run_decoder(small, layers, seq, batch_rows, reps, peak, variants=DECODER_VAR
     return rows
 
 
+def run_calibrate(args) -> dict:
+    """The device's GEMM efficiency curve and memory bandwidth (``jaxpar calibrate --device``), written as a
+    cluster YAML beside gpu.json: the cost model's check on the steps it was not fitted on is done from it."""
+    from jaxpar.cost import calibrate_device
+    small = dict(shapes=((256, 256, 256), (512, 512, 512)), stream_bytes=2**22) if args.small else {}
+    got = calibrate_device(Path(args.out) / "cluster.yaml", reps=args.reps, **small)
+    return {"fit": got["fit"], "stream_gbps": round(got["stream_gbps"]), "gemms": got["gemms"]}
+
+
 def run_flags(args) -> list[dict]:
     rows = []
     for name, flags in FLAGS.items():
@@ -330,7 +341,8 @@ def main():
                                        args.reps, args.peak, args.gpt_remat_none),
             "decoder": lambda: run_decoder(args.small, 2 if args.small else args.layers, 128 if args.small else args.seq,
                                            args.batch, args.reps, args.peak, args.decoder_variants.split(",")),
-            "flags": lambda: run_flags(args)}
+            "flags": lambda: run_flags(args),
+            "calibrate": lambda: run_calibrate(args)}
     for section in args.sections.split(","):
         if elapsed() > args.budget:
             result[section] = "skipped: budget"

@@ -14,6 +14,7 @@ Usage::
     jaxpar data prepare|show CONFIG [key=value ...] [--force | --steps A:B]     (jaxpar.config._commands)
     jaxpar profile CONFIG [key=value ...] [--steps A:B] [--cluster PRESET|PATH]  (jaxpar.config._profile_command)
     jaxpar calibrate [--out configs/clusters/cpu_sim.yaml] [--reps 9]          (jaxpar.cost.calibrate)
+    jaxpar calibrate --device [--base h100] [--out FILE]      (jaxpar.cost.calibrate_device: one accelerator)
 
 Example::
 
@@ -295,9 +296,25 @@ def _add_tool_commands(sub) -> None:
                        description="Time collectives, a matmul chain and a streaming kernel on 8 simulated CPU "
                                    "devices, fit the cost model's link and compute rates, and write the cluster "
                                    "description jaxpar plan / inspect / profile use on the CPU (docs/planning.md).")
-    p.add_argument("--out", default="configs/clusters/cpu_sim.yaml", help="the YAML to write "
-                   "(default configs/clusters/cpu_sim.yaml)")
+    p.add_argument("--out", default=None, help="the YAML to write (default configs/clusters/cpu_sim.yaml)")
     p.add_argument("--reps", type=int, default=9, help="interleaved rounds per measurement (9; about 50 s on 2 cores)")
+    p.add_argument("--device", action="store_true", help="measure the attached accelerator instead (one GPU): its "
+                   "GEMM efficiency curve and memory bandwidth, written into a copy of --base's preset "
+                   "(jaxpar.cost.calibrate_device); --out then defaults to configs/clusters/<base>_measured.yaml")
+    p.add_argument("--base", default="h100", help="with --device: the preset whose links and peaks the file keeps")
+
+
+def _run_calibrate(args) -> int:
+    from jaxpar.cost import calibrate, calibrate_device
+
+    if args.device:
+        calibrate_device(args.out or f"configs/clusters/{args.base}_measured.yaml", base=args.base, reps=args.reps)
+        return 0
+    from jaxpar.devices._distributed import setup_devices
+
+    setup_devices(8)                # the simulated CPU mesh the cpu_sim cluster describes
+    calibrate(args.out or "configs/clusters/cpu_sim.yaml", reps=args.reps)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,12 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "schedule":
             return _run_schedule(args)
         if args.command == "calibrate":
-            from jaxpar.cost import calibrate
-            from jaxpar.devices._distributed import setup_devices
-
-            setup_devices(8)                # the simulated CPU mesh the cpu_sim cluster describes
-            calibrate(args.out, reps=args.reps)
-            return 0
+            return _run_calibrate(args)
         return _run_config_command(args)
     except JaxparError as e:        # an input jaxpar names as wrong; any other error keeps its traceback
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)

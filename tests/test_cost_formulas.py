@@ -280,3 +280,19 @@ def test_a_flash_kernel_moves_no_softmax_bytes_and_computes_half_the_causal_scor
     assert cost.load_cluster("h100").fused_attention and not cost.load_cluster("tpu_v5e").fused_attention
     with pytest.raises(cost.ClusterError, match="fused_attention='yes' must be true or false"):
         cost.cluster_from_dict({**yaml.safe_load(cost.presets()["h100"].read_text()), "fused_attention": "yes"})
+
+
+def test_the_device_calibration_fits_the_gemm_curve_and_writes_a_cluster(tmp_path):
+    """``e * w / (w + h)`` through exact points is recovered; a run on this CPU (tiny GEMMs) writes a YAML that
+    loads as a cluster with the base preset's links and peaks and the measured rates."""
+    e, h, peak = 0.75, 3e9, 1e15
+    points = [(w, w / (peak * e * w / (w + h))) for w in (1e9, 1e10, 1e11, 1e12)]
+    fit = cost.fit_gemm_efficiency(points, peak)
+    assert fit == {"efficiency": 0.75, "gemm_half_gflop": 3.0, "max_rel_residual": 0.0}
+    out = tmp_path / "measured.yaml"
+    got = cost.calibrate_device(out, reps=2, shapes=((64, 64, 64), (128, 128, 128)), stream_bytes=2**20,
+                                say=lambda _: None)
+    c, h100 = cost.load_cluster(out), cost.load_cluster("h100")
+    assert c.name == "h100_measured" and c.intra == h100.intra and c.peak_flops == h100.peak_flops and c.fused_attention
+    assert c.efficiency == got["fit"]["efficiency"] and c.memory_bandwidth == round(got["stream_gbps"]) * 1e9
+    assert len(got["gemms"]) == 2 and "measured" in c.description

@@ -15,6 +15,7 @@ Example::
 """
 from jaxpar.cost._cluster import Cluster, ClusterError, cluster_from_dict, load_cluster, presets
 from jaxpar.cost._calibrate import calibrate
+from jaxpar.cost._device_rates import calibrate_device, fit_gemm_efficiency
 from jaxpar.cost._device_bytes import device_argument_bytes, step_peak_bytes
 from jaxpar.cost._collectives import (ALGORITHMS, KINDS as COLLECTIVE_KINDS, Link, best as best_algorithm,
                                       time as collective_time)
@@ -29,7 +30,7 @@ from jaxpar.cost._planner import Estimate, PlanError, PlanResult, evaluate, plan
 from jaxpar.cost._time import Overlap, narayanan_flops, step_flops, step_time
 from jaxpar.cost._traffic import comms
 
-__all__ = ["calibrate", "Cluster", "ClusterError", "cluster_from_dict", "load_cluster", "presets",
+__all__ = ["calibrate", "calibrate_device", "fit_gemm_efficiency", "Cluster", "ClusterError", "cluster_from_dict", "load_cluster", "presets",
            "device_argument_bytes", "step_peak_bytes", "evaluate", "ALGORITHMS", "COLLECTIVE_KINDS", "Link", "best_algorithm",
            "collective_time", "PRECISIONS", "BytesPerParam",
            "activation_bytes_per_layer", "memory_per_device", "muon_precision", "zero_state_bytes", "Leaf", "ModelSpec",

@@ -1,0 +1,157 @@
+"""Calibrate the cost model's compute and memory rates on one attached accelerator (``jaxpar calibrate
+--device``): time bf16 GEMMs from 2 GFLOP to 1 TFLOP and a streaming kernel, fit the roofline's matmul
+efficiency curve and the memory bandwidth, and write a cluster description that keeps a base preset's links.
+
+The matmul efficiency of :meth:`jaxpar.cost.Cluster.matmul_efficiency` is ``e * w / (w + h)`` for a GEMM of
+``w`` FLOPs: ``1 / eff = 1 / e + (h / e) / w`` is linear in ``1 / w``, fitted by least squares on the
+measured ``eff = w / (t * peak)``. docs/planning.md §6 has the method; docs/benchmarks.md §21 the check
+against train steps the fit never saw.
+
+Example::
+
+    >>> fit_gemm_efficiency([(1e9, 2e-6), (1e12, 1.25e-3)], 1e15)      # 1 GFLOP at 50%, 1 TFLOP at 80%
+    {'efficiency': 0.8005, 'gemm_half_gflop': 0.601, 'max_rel_residual': 0.0}
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+#: ``(m, k, n)`` of the timed GEMMs: square ones, the GPT-124M MLP's and the Llama-3-8B MLP's at 8k tokens.
+GEMMS = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 768, 3072),
+         (16384, 3072, 768), (8192, 4096, 14336), (8192, 14336, 4096))
+#: Bytes of the streaming kernel's array.
+STREAM_BYTES = 2 ** 30
+
+
+def _median_seconds(fn: Callable, args: tuple, reps: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def measure_gemms(shapes=GEMMS, reps: int = 10, say: Callable[[str], None] = print) -> list[tuple[float, float]]:
+    """``[(FLOPs, seconds)]`` of one bf16 GEMM per shape (fp32 accumulation), random inputs.
+
+    Args:
+      shapes: ``(m, k, n)`` per GEMM.
+      reps: timed runs per GEMM (the median).
+      say: where the lines go.
+
+    Returns:
+      The points.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    out = []
+    for m, k, n in shapes:
+        ka, kb = jax.random.split(jax.random.key(m + k + n))
+        a, b = jax.random.normal(ka, (m, k), jnp.bfloat16), jax.random.normal(kb, (k, n), jnp.bfloat16)
+        t = _median_seconds(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)
+                                    .astype(jnp.bfloat16)), (a, b), reps)
+        out.append((2.0 * m * k * n, t))
+        say(f"  GEMM {m} x {k} x {n}: {t * 1e3:.3f} ms -> {2 * m * k * n / t / 1e12:.1f} TFLOP/s")
+    return out
+
+
+def measure_stream(nbytes: int = STREAM_BYTES, reps: int = 10, say: Callable[[str], None] = print) -> float:
+    """Bytes per second of ``x * c + 1`` in place over ``nbytes`` of fp32 (each byte read and written once).
+
+    Args:
+      nbytes: the array's bytes.
+      reps: timed runs (the median).
+      say: where the line goes.
+
+    Returns:
+      Read plus written bytes per second.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    fn = jax.jit(lambda x: x * 0.999 + 1.0, donate_argnums=0)
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    ts = []
+    x = jax.block_until_ready(fn(x))
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x = jax.block_until_ready(fn(x))
+        ts.append(time.perf_counter() - t0)
+    bw = 2 * nbytes / statistics.median(ts)
+    say(f"  x * c + 1 over {nbytes / 2**20:.0f} MiB: {statistics.median(ts) * 1e3:.3f} ms -> {bw / 1e9:.0f} GB/s")
+    return bw
+
+
+def fit_gemm_efficiency(points: list[tuple[float, float]], peak: float) -> dict[str, float]:
+    """The roofline's ``efficiency`` and ``gemm_half_gflop`` from ``[(FLOPs, seconds)]`` at ``peak`` FLOP/s.
+
+    Args:
+      points: the timed GEMMs.
+      peak: the datasheet's peak FLOP/s of the compute dtype.
+
+    Returns:
+      ``{"efficiency", "gemm_half_gflop", "max_rel_residual"}`` (the residual of the fitted time).
+    """
+    w = np.array([p[0] for p in points])
+    eff = w / (np.array([p[1] for p in points]) * peak)
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(w), 1 / w], 1), 1 / eff, rcond=None)
+    # no curve with e > 0, h >= 0 through the points (noisy small GEMMs): the largest efficiency, flat
+    e, h = (min(1.0, 1 / a), max(0.0, b / a)) if a > 0 and b >= 0 else (float(eff.max()), 0.0)
+    fitted = e * w / (w + h)
+    return {"efficiency": float(f"{e:.4g}"), "gemm_half_gflop": float(f"{h / 1e9:.4g}"),
+            "max_rel_residual": round(float(np.max(np.abs(eff / fitted - 1))), 4)}
+
+
+def calibrate_device(out: str | Path | None = None, *, base: str = "h100", reps: int = 10, shapes=GEMMS,
+                     stream_bytes: int = STREAM_BYTES, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure the attached device, fit, and write a cluster description: ``base``'s preset (its links, its
+    peaks, its node shape) with the measured ``efficiency``, ``gemm_half_gflop`` and ``memory_gbps``.
+
+    Args:
+      out: the YAML to write (None: none).
+      base: the preset whose other keys the description keeps.
+      reps: timed runs per measurement.
+      shapes: the GEMMs (:data:`GEMMS`).
+      stream_bytes: the streaming kernel's bytes.
+      say: where the progress lines go.
+
+    Returns:
+      ``{"yaml": text, "gemms": points, "fit": ..., "stream_gbps": ..., "device": kind}``.
+    """
+    import jax
+    import yaml
+
+    from jaxpar.cost._cluster import presets
+
+    data = yaml.safe_load(presets()[base].read_text())
+    device = jax.devices()[0]
+    say(f"calibrating {device.device_kind} against the {base} preset's peak ({data['peak_tflops']['bfloat16']} TFLOP/s)")
+    gemms = measure_gemms(shapes, reps, say)
+    fit = fit_gemm_efficiency(gemms, data["peak_tflops"]["bfloat16"] * 1e12)
+    gbps = measure_stream(stream_bytes, reps, say) / 1e9
+    stamp = time.strftime("%Y-%m-%d")
+    data.update(name=f"{base}_measured", efficiency=fit["efficiency"], gemm_half_gflop=fit["gemm_half_gflop"],
+                memory_gbps=round(gbps), memory_efficiency=1.0,
+                description=f"{data.get('description', base)}; compute and memory rates measured on one "
+                            f"{device.device_kind} ({stamp}, jax {jax.__version__}, jaxpar calibrate --device)")
+    data["sources"] = list(data.get("sources", [])) + [
+        f"measured {stamp} on one {device.device_kind}: bf16 GEMMs {[list(s) for s in shapes]} at "
+        f"{[round(w / t / 1e12, 1) for w, t in gemms]} TFLOP/s, fitted e * w / (w + h) with e {fit['efficiency']}, "
+        f"h {fit['gemm_half_gflop']} GFLOP (max residual {fit['max_rel_residual']}); x * c + 1 over "
+        f"{stream_bytes / 2**30:g} GiB at {round(gbps)} GB/s read + written"]
+    data.pop("fit", None)
+    text = yaml.safe_dump(data, sort_keys=False, width=120)
+    if out is not None:
+        Path(out).write_text(text)
+        say(f"wrote {out}")
+    return {"yaml": text, "gemms": gemms, "fit": fit, "stream_gbps": gbps, "device": device.device_kind}
