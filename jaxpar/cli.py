@@ -52,7 +52,10 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     :func:`jaxpar.run._run_directory.claim_run_directory`). Exit status 0 also after SIGTERM / SIGINT (a
     checkpoint of the current step is saved), 1 when a non-finite loss stops the run (``train.on_nonfinite=stop``).
     """
+    import jax
+
     from jaxpar.config import ConfigError, load_config, to_yaml
+    from jaxpar.config._checks import check
     from jaxpar.devices._distributed import start_processes
     from jaxpar.run._run_directory import claim_run_directory
 
@@ -67,6 +70,7 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
         raise ConfigError("jaxpar train: --overwrite starts a new run (the earlier one moved aside) and --resume "
                           "(checkpoint.resume=true) continues the earlier one; give one of them.")
     info = start_processes(**(dist or {}), devices=cfg.train.devices)   # jax.distributed, then the devices
+    check(cfg, num_devices=jax.device_count())      # the config on these devices, before the run directory is touched
     out_dir = Path(cfg.train.out_dir)
     if not cfg.checkpoint.resume:             # before anything is built or written
         claim_run_directory(out_dir, cfg.checkpoint.dir if cfg.checkpoint.enabled else None, overwrite=overwrite)

@@ -40,3 +40,12 @@ def test_the_mesh_is_checked_on_the_devices():
 def test_a_bad_option_is_one_line_naming_its_key(capsys):
     assert main(["check", str(QUICK), *TINY, "optimizer.clip_norm=-1"]) == 2
     assert "optimizer.clip_norm=-1.0: must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_muon_options_without_muon_are_named(capsys):
+    with pytest.raises(ConfigError, match=r"optimizer.muon.placement='owner': optimizer.muon is only used by "
+                                          r"optimizer.name=muon \(here 'adamw'\)"):
+        load_config(QUICK, ["optimizer.muon.placement=owner"])
+    assert main(["check", str(QUICK), "optimizer.muon.routing={b1: adam}"]) == 2
+    assert "optimizer.muon.routing={'b1': 'adam'}: optimizer.muon is only used by" in capsys.readouterr().err
+    load_config(QUICK, ["optimizer.name=muon", "optimizer.muon.placement=owner"])      # with Muon: taken

@@ -488,3 +488,18 @@ def test_schedule_prints_table_and_png(tmp_path, capsys):
     assert main(["schedule", "--kind", "interleaved", "--stages", "2", "--microbatches", "4", "--virtual", "2"]) == 0
     assert main(["schedule", "--kind", "pipedream-x", "--stages", "2", "--microbatches", "4"]) == 2
     assert "unknown schedule kind 'pipedream-x'" in capsys.readouterr().err
+
+
+def test_a_bad_config_is_named_before_the_run_directory_is_touched(tmp_path, capsys):
+    """A directory holding an earlier run and a mesh that does not fit the devices: the error names the mesh
+    (not the earlier run), and --overwrite moves nothing aside."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("earlier: run\n")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    for extra in ([], ["--overwrite"]):
+        assert main(["train", QUICK, f"train.out_dir={out}", "mesh.data=4", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "mesh.data=4" in err and "earlier run" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert (out / "config.yaml").read_text() == "earlier: run\n"
