@@ -133,3 +133,18 @@ def test_export_to_a_file_and_a_missing_model_hf_are_named(tmp_path, capsys):
     assert main(["train", HF, f"model.hf={target}", f"train.out_dir={tmp_path / 'run'}"]) == 2
     assert f"{target} is a file, not a directory" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_start_that_crashed_before_its_first_step_can_be_retried(tmp_path, capsys):
+    """What a run leaves when it dies while compiling (config.yaml, an empty metrics.jsonl, an empty
+    checkpoints/) is no earlier run: the retry takes the directory, no --overwrite, nothing moved aside."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "config.yaml").write_text("crashed: start\n")
+    (out / "metrics.jsonl").write_text("")
+    assert main(["train", MLP, *_args(out, 2)]) == 0
+    assert "moved" not in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert (out / "metrics.jsonl").stat().st_size > 0 and (out / "checkpoints" / "2").is_dir()
+    assert main(["train", MLP, *_args(out, 2)]) == 2          # now it holds a run: refused as before
+    assert "holds an earlier run" in capsys.readouterr().err

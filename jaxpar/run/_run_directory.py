@@ -14,14 +14,18 @@ Example::
     >>> out = pathlib.Path(tempfile.mkdtemp()) / "run"
     >>> claim_run_directory(out, out / "checkpoints") is None           # nothing there: a new run starts
     True
-    >>> (out / "checkpoints" / "100").mkdir(parents=True)
+    >>> (out / "checkpoints").mkdir(parents=True)
+    >>> _ = (out / "config.yaml").write_text("model: ...")             # a start that crashed before step 1
+    >>> earlier_run(out, out / "checkpoints")
+    ''
+    >>> (out / "checkpoints" / "100").mkdir()
     >>> _ = (out / "metrics.jsonl").write_text("{}")
-    >>> earlier_run(out, out / "checkpoints").endswith("/checkpoints; metrics.jsonl")
+    >>> earlier_run(out, out / "checkpoints").endswith("/checkpoints; config.yaml, metrics.jsonl")
     True
     >>> moved = claim_run_directory(out, out / "checkpoints", overwrite=True)
     moved    the earlier run in .../run to .../run.old-1 (read it with train.out_dir=... checkpoint.dir=...)
     >>> moved.out_dir.name, sorted(p.name for p in moved.out_dir.iterdir()), earlier_run(out, out / "checkpoints")
-    ('run.old-1', ['checkpoints', 'metrics.jsonl'], '')
+    ('run.old-1', ['checkpoints', 'config.yaml', 'metrics.jsonl'], '')
 """
 
 from __future__ import annotations
@@ -63,11 +67,18 @@ def earlier_run(out_dir: str | Path, checkpoint_dir: str | Path | None = None) -
 
     Returns:
       The complete checkpoints and the :data:`RUN_RECORDS` files found, in words
-      (``"checkpoints of steps [100, 200] in DIR; config.yaml, metrics.jsonl"``); empty: the directories hold no run.
+      (``"checkpoints of steps [100, 200] in DIR; config.yaml, metrics.jsonl"``); empty: the directories hold no
+      run. A start that recorded nothing (no complete checkpoint, an empty or no ``metrics.jsonl``, no
+      ``summary.json``: it stopped before its first logged step) is no run: its retry takes the directory.
     """
     out = Path(out_dir)
+    steps = _checkpoint_steps(None if checkpoint_dir is None else Path(checkpoint_dir))
+    recorded = [name for name in RUN_RECORDS if name != "config.yaml" and (out / name).is_file()
+                and (out / name).stat().st_size > 0]
+    if not steps and not recorded:
+        return ""
     found = [", ".join(name for name in RUN_RECORDS if (out / name).exists())]
-    if steps := _checkpoint_steps(None if checkpoint_dir is None else Path(checkpoint_dir)):
+    if steps:
         found.insert(0, f"checkpoints of steps {steps} in {checkpoint_dir}")
     return "; ".join(words for words in found if words)
 
