@@ -150,7 +150,7 @@ def test_the_gpt_attention_compiled_for_an_h100_holds_no_length_by_length_array(
             jax.jit(lambda q: attention(q, q, q)).lower(sharded)
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
 def test_a_llama_8b_layer_compiled_for_an_h100_grows_linearly_to_32k_tokens(packed):
     """One Llama-3-8B-shaped layer (embed 4096, 32 / 8 heads, MLP 14336; a small vocabulary, so the layer is
     what is measured), forward and backward, bf16, at 8k, 16k and 32k tokens."""
