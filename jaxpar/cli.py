@@ -52,12 +52,7 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     :func:`jaxpar.run._run_directory.claim_run_directory`). Exit status 0 also after SIGTERM / SIGINT (a
     checkpoint of the current step is saved), 1 when a non-finite loss stops the run (``train.on_nonfinite=stop``).
     """
-    import jax
-
     from jaxpar.config import ConfigError, load_config, to_yaml
-    from jaxpar.config._checks import check
-    from jaxpar.devices._distributed import start_processes
-    from jaxpar.run._run_directory import claim_run_directory
 
     cfg = load_config(config, [*overrides, *(["checkpoint.resume=true"] if resume else [])])
     if print_config:
@@ -69,17 +64,7 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     if overwrite and cfg.checkpoint.resume:
         raise ConfigError("jaxpar train: --overwrite starts a new run (the earlier one moved aside) and --resume "
                           "(checkpoint.resume=true) continues the earlier one; give one of them.")
-    info = start_processes(**(dist or {}), devices=cfg.train.devices)   # jax.distributed, then the devices
-    check(cfg, num_devices=jax.device_count())      # the config on these devices, before the run directory is touched
-    out_dir = Path(cfg.train.out_dir)
-    if not cfg.checkpoint.resume:             # before anything is built or written
-        claim_run_directory(out_dir, cfg.checkpoint.dir if cfg.checkpoint.enabled else None, overwrite=overwrite)
-    if info.multiprocess or info.method == "k8s":
-        from jaxpar.run._preemption import catch_stop_signals
-
-        print(f"process  {info.describe()}")
-        if info.multiprocess:
-            catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
+    out_dir = _start(cfg, overwrite, dist)
     from jaxpar.config._job import build_job, describe_data, header_lines, model_line, packing_line, state_line
     from jaxpar.config._inspection import muon_lines
     from jaxpar.config._plan_command import run_predicted_peak
@@ -107,6 +92,29 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     if line := traced_line(out_dir, profile):
         print(line)
     return status
+
+
+def _start(cfg, overwrite: bool, dist: dict | None) -> Path:
+    """Start the processes and find the devices, check the config on them, then claim ``train.out_dir`` (before
+    anything is built or written; not for ``--resume``); returns it."""
+    import jax
+
+    from jaxpar.config._checks import check
+    from jaxpar.devices._distributed import start_processes
+    from jaxpar.run._run_directory import claim_run_directory
+
+    info = start_processes(**(dist or {}), devices=cfg.train.devices)   # jax.distributed, then the devices
+    check(cfg, num_devices=jax.device_count())      # the config on these devices, before the run directory is touched
+    out_dir = Path(cfg.train.out_dir)
+    if not cfg.checkpoint.resume:
+        claim_run_directory(out_dir, cfg.checkpoint.dir if cfg.checkpoint.enabled else None, overwrite=overwrite)
+    if info.multiprocess or info.method == "k8s":
+        from jaxpar.run._preemption import catch_stop_signals
+
+        print(f"process  {info.describe()}")
+        if info.multiprocess:
+            catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
+    return out_dir
 
 
 def _run_plan(args: argparse.Namespace) -> int:
