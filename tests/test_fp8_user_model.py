@@ -153,3 +153,21 @@ def test_rowwise_fp8_under_fsdp8_runs_xlas_collectives_and_equals_one_device():
     assert_like_one_device_fp8(runs["fsdp8"], runs["one"], runs["fp32"])
     with pytest.raises(Fp8Error, match=r"explicit_dp=True with Strategy.fp8=Fp8\(recipe='rowwise'\)"):
         first_grads({"fsdp": 8}, Fp8("rowwise", min_dim=0), model_fn, lm_loss, explicit_dp=True)
+
+
+def test_fp8_that_covers_nothing_is_named_by_train_inspect_and_plan(tmp_path, capsys):
+    """The quickstart GPT (embed 128) under parallel.fp8's default min_dim 1024: train and inspect stop with the
+    library's Fp8Error (nothing written), plan says FP8 is not chosen and why."""
+    from pathlib import Path
+
+    from jaxpar.cli import main
+    quick = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
+    says = "every covered weight's GEMM is below min_dim=1024 (the largest, 'blocks/w1', has 128)"
+    assert main(["train", quick, "parallel.fp8.recipe=tensorwise", f"train.out_dir={tmp_path / 'run'}"]) == 2
+    assert says in capsys.readouterr().err and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert main(["inspect", quick, "parallel.fp8.recipe=tensorwise"]) == 2
+    assert says in capsys.readouterr().err
+    config = tmp_path / "fp8.yaml"
+    config.write_text(f"base: {quick}\nparallel: {{fp8: {{recipe: tensorwise}}}}\n")
+    assert main(["plan", "--config", str(config), "--cluster", "h100", "--devices", "8", "--top", "1"]) == 0
+    assert "fp8      considered, not chosen: no GEMM of the model reaches min_dim 1024" in capsys.readouterr().out

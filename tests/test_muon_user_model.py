@@ -95,16 +95,31 @@ def test_muon_routing_through_init_train_state_trains(names):
         jaxpar.init_train_state(_model, _tx(logical, {**routing, "^nope$": "adam"}), layout.mesh)
 
 
+def _placed(sizes, placement):
+    """Muon's placement options on ``sizes`` (None: XLA places Newton-Schulz)."""
+    if placement is None:
+        return {}
+    mesh = mesh_for(sizes)
+    return dict(placement=placement, mesh=mesh, specs=jaxpar.state_layout(_model, optax.identity(), mesh).opt_param_specs)
+
+
 @need_devices(8)
-def test_a_user_model_under_fsdp8_equals_one_device():
+@pytest.mark.parametrize("sizes,placement", [
+    ({"fsdp": 8}, None),
+    pytest.param({"fsdp": 8}, "owner", marks=pytest.mark.exhaustive),
+    pytest.param({"data": 2, "fsdp": 2, "tensor": 2}, "gather", marks=pytest.mark.exhaustive),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, "auto"),
+    pytest.param({"data": 8}, "owner", marks=pytest.mark.exhaustive),
+], ids=["fsdp8-xla", "fsdp8-owner", "dp2-fsdp2-tp2-gather", "dp2-fsdp2-tp2-auto", "dp8-owner"])
+def test_a_user_model_under_a_layout_equals_one_device(sizes, placement):
     """3 steps: the first gradients as tests/helpers.py compares them, the Muon-routed kernels at the fp32 parameter
     standard, the AdamW-routed leaves with ``adam_atol`` (tests/test_muon.py)."""
-    def run(sizes):
-        tx = optax.chain(keep_grads(), _tx(abstract_model(_model)[2], STEM))
+    def run(sizes, place):
+        tx = optax.chain(keep_grads(), _tx(abstract_model(_model)[2], STEM, **place))
         state, _, _ = _train(sizes, tx, steps=3)
         return flat(jax.device_get(state.params)), jax.device_get(state.opt_state[0].grads)
 
-    (ref, ref_grads), (got, grads) = run({}), run({"fsdp": 8})
+    (ref, ref_grads), (got, grads) = run({}, {}), run(sizes, _placed(sizes, placement))
     assert_grads_close(grads, ref_grads)
     g1 = flat(ref_grads)
     for k, rule in EXPECTED.items():
