@@ -330,6 +330,34 @@ def test_fewer_kv_heads_than_the_tensor_axis_are_replicated_over_it(tmp_path):
     assert sha256_tensors(tmp_path / "out") == sha256_tensors(path)
 
 
+def test_q_k_v_and_gate_up_reduce_one_input_gradient_each_under_tensor_parallelism(ckpts):
+    """Llama on ``fsdp 4 x tensor 2``: Q, K and V reduce one input gradient, and so do the MLP's gate and up
+    (:func:`jaxpar.parallel.column_parallel`), so each layer all-reduces 4 activations over ``tensor`` (2
+    forward, 2 backward; XLA:CPU reduced the 5 projections' apart: 7); two AdamW steps equal one device's."""
+    import optax
+    from helpers import assert_runs_match
+    from jaxpar.analysis import collectives, trip_counts
+    from jaxpar.batch import batch_sharding
+
+    axes, strategy = {"fsdp": 4, "tensor": 2}, jaxpar.Strategy(extra_rules=(("vocab", None),))  # 131 does not split
+    batch = layout_batch(hf_fixtures.VOCAB, packed=False)
+    got, layout = train_on_layout(ckpts["llama"], axes, strategy, batch, steps=2)
+    want, _ = train_on_layout(ckpts["llama"], {"data": 1}, jaxpar.Strategy(), batch, steps=2)
+    assert_runs_match(got, want)
+
+    tx = optax.adamw(1e-3)
+    layout = jaxpar.state_layout(open_checkpoint(ckpts["llama"]).model_fn(), tx, layout.mesh, strategy)
+    step = jaxpar.make_train_step(decoder_loss, tx, layout, strategy)
+    sharding = batch_sharding(layout.mesh)
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in batch.items()}
+    hlo = step.lower(layout.abstract_state(), abstract).compile().as_text()
+    runs = trip_counts(hlo)
+    per_step = sum(c.bytes * runs.get(c.computation, 1) for c in collectives(hlo, layout.mesh)
+                   if c.in_loop and c.kind == "all-reduce" and c.axes == ("tensor",))
+    activation = 8 // 4 * 16 * hf_fixtures.HIDDEN * 4        # rows / fsdp x tokens x hidden, fp32
+    assert per_step == hf_fixtures.LAYERS * 4 * activation
+
+
 def test_tokenizer_ids_equal_transformers(ckpts):
     from transformers import AutoTokenizer
 

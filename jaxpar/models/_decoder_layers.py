@@ -31,7 +31,7 @@ from jaxpar.parallel.context import attention
 from jaxpar.parallel.context._attention import dense_attention
 from jaxpar.parallel.moe import moe_apply
 from jaxpar.rules import constrain
-from jaxpar.parallel._tensor import row_parallel
+from jaxpar.parallel._tensor import column_parallel, row_parallel
 
 #: The residual stream's logical names.
 RESIDUAL = ("batch", "norm_length", "embed")
@@ -207,9 +207,9 @@ def _queries_keys_values(cfg: Any, p: dict[str, jax.Array], carry: Carry):
     """The layer's rotated ``q, k, v`` ``[batch, length, heads, head_dim]`` and its sliding window (or None)."""
     norm = _norm(cfg)
     h = constrain(norm(carry.x, p["attn_norm"]), ("batch", "length", "embed"))
-    q = constrain(jnp.einsum("bte,hde->bthd", h, p["wq"]), ("batch", "length", "heads", "kv"))
-    k = constrain(jnp.einsum("bte,hde->bthd", h, p["wk"]), ("batch", "length", "kv_heads", "kv"))
-    v = constrain(jnp.einsum("bte,hde->bthd", h, p["wv"]), ("batch", "length", "kv_heads", "kv"))
+    q, k, v = column_parallel(["bte,hde->bthd"] * 3, h, [p["wq"], p["wk"], p["wv"]], ("batch", "length", "embed"),
+                              [("heads", "kv", "embed"), ("kv_heads", "kv", "embed"), ("kv_heads", "kv", "embed")],
+                              [("batch", "length", "heads", "kv"), *[("batch", "length", "kv_heads", "kv")] * 2])
     if cfg.qk_norm:
         q, k = norm(q, p["q_norm"]), norm(k, p["k_norm"])
     local = _is_local(cfg, carry.index)
@@ -251,8 +251,8 @@ def mlp_half(cfg: Any, p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
         y = constrain(y.astype(x.dtype), RESIDUAL)
     else:
         act = ACTIVATIONS[cfg.activation]
-        gate = jnp.einsum("bte,me->btm", h, p["w_gate"])
-        up = jnp.einsum("bte,me->btm", h, p["w_up"])
+        gate, up = column_parallel(["bte,me->btm"] * 2, h, [p["w_gate"], p["w_up"]], ("batch", "length", "embed"),
+                                   [("mlp", "embed")] * 2, [("batch", "length", "mlp")] * 2)
         h = constrain(act(gate) * up, ("batch", "length", "mlp"))
         y = row_parallel("btm,em->bte", h, p["w_down"], ("batch", "length", "mlp"), ("embed", "mlp"), RESIDUAL)
     if cfg.sandwich_norms:

@@ -27,6 +27,7 @@ from flax import nnx
 from jaxpar.adapters._blocks import LAYERS, use_layer_transform
 from jaxpar.errors import Fp8Error
 from jaxpar.mesh import REPLICA
+from jaxpar.parallel._tensor import separate_projections
 from jaxpar.rules import path_str, scoped
 
 #: The scaling recipes: one scale per tensor, or one per row of each GEMM operand.
@@ -306,7 +307,8 @@ def fp8_layer(layer: Callable, logical: Any, fp8: Fp8) -> Callable:
       The rewritten function: equal to ``layer`` up to the FP8 rounding of the covered GEMMs.
     """
     def run(params, *args):
-        closed = jax.make_jaxpr(layer)(params, *args)
+        with separate_projections():      # each covered weight's own dot (jaxpar.parallel.column_parallel)
+            closed = jax.make_jaxpr(layer)(params, *args)
         names, _ = jax.tree_util.tree_flatten_with_path(params)
         spec = jax.tree.leaves(logical, is_leaf=lambda n: isinstance(n, tuple))
         invars = closed.jaxpr.invars

@@ -16,9 +16,10 @@ Example::
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import warnings
-from typing import Any
+from typing import Any, ContextManager, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,10 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.errors import UnusedAxisWarning
 from jaxpar.parallel._regions import collective_in, enter, keep_axes, reduce_dtype, region_axes, region_spec
-from jaxpar.rules import LogicalRules, axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
+from jaxpar.rules import (LogicalRules, axes_of, constrain, current_rules, logical_to_spec, manual_axes, scoped,
+                          shard_map_mesh)
+
+_SEPARATE: contextvars.ContextVar = contextvars.ContextVar("jaxpar_separate_projections", default=False)
 
 
 def tensor_rules(*, sequence_parallel: bool = False, batch_axes: tuple[str, ...] = ("data", "fsdp")) -> LogicalRules:
@@ -92,6 +96,89 @@ def warn_unsplit_tensor_axis(param_specs: Any, mesh: Any, *, axis: str = "tensor
         f"tensor_rules() maps to {axis!r} (mlp, heads, vocab: e.g. nnx.with_partitioning(init, ('embed', 'mlp'))), "
         f"or set mesh.{axis}=1 and give those devices to data or fsdp.", UnusedAxisWarning, stacklevel=2)
     return True
+
+
+def separate_projections() -> ContextManager[None]:
+    """In this context :func:`column_parallel` leaves each einsum to XLA: FP8's rewrite
+    (:func:`jaxpar.parallel.fp8_layer`) matches each weight's GEMM with the weight's whole shape and its
+    scales over whole rows."""
+    return scoped(_SEPARATE, True)
+
+
+def column_parallel(eqs: Sequence[str], x: jax.Array, ws: Sequence[jax.Array], x_logical: tuple,
+                    w_logicals: Sequence[tuple], out_logicals: Sequence[tuple], *,
+                    axis: str = "tensor") -> tuple[jax.Array, ...]:
+    """Column-parallel contractions ``einsum(eqs[i], x, ws[i])`` of one input, each output constrained to
+    ``out_logicals[i]``: Q, K and V (or an MLP's gate and up) as one fused projection, the weights apart.
+
+    The weights that split an output dimension over ``axis`` (two or more, ``x`` whole over it) run in
+    one ``shard_map`` manual over ``axis``: backward, each device adds their input gradients, and the
+    region's edge all-reduces the sum once (XLA:CPU reduces each einsum's apart). The other weights, and
+    all of them under :func:`separate_projections` (FP8), are XLA's einsums.
+
+    Args:
+      eqs: one einsum equation per weight, ``x``'s subscripts then the weight's (``"bte,hde->bthd"``).
+      x: the shared input.
+      ws: the weights.
+      x_logical: ``x``'s logical axis names.
+      w_logicals, out_logicals: each weight's and each output's logical axis names.
+      axis: the tensor-parallel mesh axis.
+
+    Returns:
+      The outputs, in the order of ``ws``.
+
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> mesh = jaxpar.make_mesh({"tensor": 2}, devices=jax.devices()[:2])
+    >>> h, w1, w3 = jnp.ones((2, 4, 8)), jnp.ones((8, 4)), jnp.ones((8, 2))
+    >>> project = lambda h, w1, w3: column_parallel(["bte,em->btm"] * 2, h, [w1, w3], ("batch", "length", "embed"),
+    ...                                             [("embed", "mlp")] * 2, [("batch", "length", "mlp")] * 2)
+    >>> grad = jax.jit(jax.grad(lambda *a: sum(y.sum() for y in project(*a))))
+    >>> with jaxpar.use_rules(mesh, tensor_rules()):
+    ...     hlo = grad.lower(h, w1, w3).compile().as_text()
+    >>> hlo.count(" all-reduce(")          # h's gradient: one sum, one all-reduce
+    1
+    """
+    ctx = current_rules()
+    region = {} if ctx is None or _SEPARATE.get() else _column_region(*ctx, eqs, x, ws, x_logical, w_logicals,
+                                                                      out_logicals, axis)
+    if len(region) < 2:
+        return tuple(constrain(jnp.einsum(eq, x, w), lg) for eq, w, lg in zip(eqs, ws, out_logicals))
+    mesh = ctx[0]
+    manual = region_axes(mesh, {axis})
+    inside = list(region)
+    x_spec = PartitionSpec(*([None] * x.ndim))
+    wire = reduce_dtype(x.dtype, mesh, manual)    # float32 where XLA:CPU needs it (jaxpar.parallel._regions)
+
+    def local(a, *w):
+        return tuple(jnp.einsum(eqs[i], a.astype(x.dtype), wi) for i, wi in zip(inside, w))
+
+    in_specs = (region_spec(x_spec, x.ndim, mesh, manual),
+                *(region_spec(keep_axes(region[i][0], manual), ws[i].ndim, mesh, manual) for i in inside))
+    out_specs = tuple(keep_axes(region[i][1], manual) for i in inside)
+    ys = jax.shard_map(local, mesh=shard_map_mesh(mesh), in_specs=in_specs, out_specs=out_specs, axis_names=manual,
+                       check_vma=False)(enter(x, x_spec, mesh, manual, wire), *(ws[i] for i in inside))
+    done = dict(zip(inside, ys))
+    return tuple(constrain(done[i] if i in done else jnp.einsum(eqs[i], x, ws[i]), out_logicals[i])
+                 for i in range(len(ws)))
+
+
+def _column_region(mesh, rules, eqs, x, ws, x_logical, w_logicals, out_logicals, axis) -> dict:
+    """``{i: (weight spec, output spec)}`` of the weights :func:`column_parallel` runs in its region: those
+    split over ``axis`` on output dimensions only, the output split there too; none where ``x`` is split."""
+    if dict(mesh.shape).get(axis, 1) == 1 or axis in manual_axes():
+        return {}
+    if any(axis in axes_of(e) for e in logical_to_spec(x_logical, rules, mesh, shape=x.shape)):
+        return {}
+    out = {}
+    for i, (eq, w) in enumerate(zip(eqs, ws)):
+        w_spec = logical_to_spec(w_logicals[i], rules, mesh, shape=w.shape)
+        y_spec = logical_to_spec(out_logicals[i], rules, mesh, shape=jax.eval_shape(
+            functools.partial(jnp.einsum, eq), x, w).shape)
+        w_sub, y_sub = eq.split("->")[0].split(",")[1], eq.split("->")[1]
+        split = lambda spec, sub: {sub[d] for d, e in enumerate(spec) if axis in axes_of(e)}     # noqa: E731
+        if split(w_spec, w_sub) and split(w_spec, w_sub) == split(y_spec, y_sub):
+            out[i] = (w_spec, y_spec)
+    return out
 
 
 def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logical: tuple,
