@@ -1,8 +1,8 @@
 """FP8 on a user's own Flax NNX model: unstacked ``nnx.Linear`` and ``nnx.MultiHeadAttention`` layers (no
 ``scan_blocks``), kernels annotated with ``nnx.with_partitioning``, an unannotated bias. Its covered matmuls
-(q, k, v, out, up, down) compile to FP8 GEMMs for an H100; under DP8, FSDP8 and DP4 x TP2 its first gradient
-equals the one-device FP8 run's; FP8 options that cover nothing, or devices without FP8 GEMMs, are refused
-by name."""
+(q, k, v, out, up, down) compile to FP8 GEMMs for an H100; under DP8, FSDP8, DP4 x TP2 and DP2 x FSDP2 x TP2
+its first gradient equals the one-device FP8 run's; FP8 options that cover nothing, or devices without FP8
+GEMMs, are refused by name."""
 from __future__ import annotations
 
 import numpy as np
@@ -84,8 +84,9 @@ def one_device():
 
 @need_devices(8)
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-@pytest.mark.parametrize("sizes", [{"data": 8}, {"fsdp": 8}, {"data": 4, "tensor": 2}],
-                         ids=["dp8", "fsdp8", "dp4-tp2"])
+@pytest.mark.parametrize("sizes", [{"data": 8}, {"fsdp": 8}, {"data": 4, "tensor": 2},
+                                   pytest.param({"data": 2, "fsdp": 2, "tensor": 2}, marks=pytest.mark.exhaustive)],
+                         ids=["dp8", "fsdp8", "dp4-tp2", "dp2-fsdp2-tp2"])
 def test_an_unstacked_model_under_a_layout_equals_one_device_in_fp8(one_device, recipe, sizes):
     want, fp32 = one_device[recipe], one_device["fp32"]
     assert_like_one_device_fp8(_leaves(first_grads(sizes, Fp8(recipe, min_dim=0))), want, fp32)
