@@ -41,6 +41,8 @@ import jaxpar
 from jaxpar import cost
 from jaxpar.models import GPT, Decoder, DecoderConfig, GPTConfig, decoder_loss, lm_loss
 from jaxpar.parallel import Fp8
+from jaxpar.analysis._fused_attention import attention_report
+from jaxpar.cost._device_rates import _median_seconds as median_seconds
 from jaxpar.parallel.context import _kernels as kernels_module
 from jaxpar.parallel.context import attention, use_attention_kernel
 
@@ -57,13 +59,7 @@ def elapsed() -> float:
 
 def median_ms(fn, *args, reps: int) -> float:
     """Median milliseconds of ``fn(*args)`` over ``reps`` runs after one warm-up, each run waited for."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(fn, args, reps)
 
 
 def rel(a, b) -> float:
@@ -210,7 +206,7 @@ def time_step(name, model_fn, loss, tx, strategy, batch, *, kernel, reps, flops_
            "peak_gib": round((mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
                               + mem.temp_size_in_bytes) / 2**30, 2),
            "temp_gib": round(mem.temp_size_in_bytes / 2**30, 2),
-           "fused_calls": text.count("__cudnn$fmha") + text.count("mha_forward") + text.count("mha_backward"),
+           "fused_forwards": attention_report(text, batch["tokens"].shape[1]).fused,
            "cost_model_ms": None if predicted is None else round(predicted * 1e3, 2)}
     row["measured_over_model"] = None if predicted is None else round(ms / 1e3 / predicted, 3)
     del state

@@ -183,8 +183,9 @@ def _optimizer_problems(p: list[str], opt: OptimizerConfig) -> None:
     p.extend(lr_scaling_problems(opt.lr_scaling))
     if opt.name == "muon":
         p.extend(muon_problems(opt))
-    elif set_keys := [f.name for f in dataclasses.fields(opt.muon)
-                      if getattr(opt.muon, f.name) != getattr(type(opt.muon)(), f.name)]:
+    elif opt.muon != (default := type(opt.muon)()):
+        set_keys = [f.name for f in dataclasses.fields(opt.muon)
+                    if getattr(opt.muon, f.name) != getattr(default, f.name)]
         p.append(f"optimizer.muon.{set_keys[0]}={getattr(opt.muon, set_keys[0])!r}: optimizer.muon is only used by "
                  f"optimizer.name=muon (here {opt.name!r}); remove optimizer.muon or choose muon.")
     for key in ("include", "exclude"):
