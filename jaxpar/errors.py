@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 __all__ = ["JaxparError", "MeshError", "StrategyError", "MaskError", "RulesError", "LayerListError", "ModelMeshError",
-           "CompressionError", "Fp8Error", "AttentionError", "ContextParallelError", "MoEError", "PipelineCutError",
+           "CompressionError", "Fp8Error", "OffloadError", "AttentionError", "ContextParallelError", "MoEError", "PipelineCutError",
            "PartitionError", "StashingError", "ScheduleError", "AsyncPipelineError", "SyncError",
            "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "RunDirectoryError", "RampError",
            "NonFiniteError", "LoopError", "GenerationError", "ProgramMismatchError",
@@ -101,6 +101,10 @@ class CompressionError(JaxparError):
 
 class Fp8Error(JaxparError):
     """An FP8 option, or a covered matmul that would not run in FP8 (the message names the weight)."""
+
+
+class OffloadError(JaxparError):
+    """A memory-offloading option (``Strategy.offload``) that cannot work: the message names it and the fix."""
 
 
 class AttentionError(JaxparError):

@@ -28,6 +28,7 @@ from jaxpar.parallel.pipeline._schedules import canonical_kind
 from jaxpar.rules import LogicalRules
 from jaxpar.errors import StrategyError
 from jaxpar.parallel._fp8 import Fp8
+from jaxpar.parallel._offload import Offload
 from jaxpar.parallel._tensor import tensor_rules
 from jaxpar.parallel._zero import ZERO_STAGES
 
@@ -74,6 +75,9 @@ class Strategy:
     - ``fp8``: ``jaxpar.parallel.Fp8(recipe="tensorwise" | "rowwise")``: the covered matmuls of the
       model's stacked layers (attention projections, MLP, experts: :func:`jaxpar.parallel.fp8_layer`)
       run in FP8 with current scaling; ``None``: in the compute dtype.
+    - ``offload``: ``jaxpar.parallel.Offload(optimizer=..., master=..., activations=(...))``: the optimizer
+      state and / or the fp32 master weights live in host memory between steps, named activations
+      between the forward and the backward (:mod:`jaxpar.parallel._offload`); ``None``: all on the device.
     """
 
     zero: int = 0
@@ -91,6 +95,7 @@ class Strategy:
     local_clip: float | None = None
     context: Any = None
     fp8: Any = None
+    offload: Any = None
 
     def __post_init__(self):
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
@@ -138,6 +143,9 @@ class Strategy:
         if self.fp8 is not None and not isinstance(self.fp8, Fp8):
             raise StrategyError(f"Strategy.fp8={self.fp8!r}: give jaxpar.parallel.Fp8(recipe='tensorwise' | "
                                 "'rowwise') or None (the matmuls in the compute dtype).")
+        if self.offload is not None and not isinstance(self.offload, Offload):
+            raise StrategyError(f"Strategy.offload={self.offload!r}: give jaxpar.parallel.Offload(optimizer=..., "
+                                "master=..., activations=(...)) or None (everything in device memory).")
         if self.sync is not None:
             from jaxpar.parallel.sync import check_sync
 
@@ -222,6 +230,8 @@ class Strategy:
             parts.append(self.compute_dtype)
         if self.fp8 is not None:
             parts.append("fp8" if self.fp8.recipe == "tensorwise" else f"fp8-{self.fp8.recipe}")
+        if self.offload is not None:
+            parts.append(self.offload.label)
         if self.compression is not None:
             parts.append(self.compression.name)
         if self.local_clip is not None:

@@ -24,7 +24,9 @@
   run on one process), the MoE GPT over an expert axis of 2 (EP) and aux-loss-free balancing
   (RB: the MoE GPT at capacity 1.0 without the aux loss, ``with_router_bias`` at :data:`RB_RATE`;
   the reference moves the bias after every step by the sign rule on that step's loads, and the
-  run's bias must equal it exactly). One case per feature runs in the default pass, the rest in the
+  run's bias must equal it exactly), memory offloading (OF: the optimizer state and the master weights in
+  host memory, and each layer's input offloaded under the remat policy ``"offload"`` where the pair sets
+  no remat of its own). One case per feature runs in the default pass, the rest in the
   exhaustive tier.
   A partly-composing pair runs its composing value (Z x 1A: ZeRO-1).
 * the cases asked for by name: the noise scale with every flush schedule and with a codec, bf16
@@ -177,7 +179,8 @@ DEDICATED: dict[tuple[str, str], list[str]] = {
 #: Several processes (MP): one two-process job runs all these pairs (section 5).
 MP_PAIRS = [("SP", "MP"), ("MB", "MP"), ("BF", "MP"), ("RM", "MP"), ("EX", "MP"), ("PP", "MP"), ("2B", "MP"),
             ("ST", "MP"), ("K", "MP"), ("CP", "MP"), ("LC", "MP"), ("RS", "MP"), ("SN", "MP"), ("NS", "MP"),
-            ("BR", "MP"), ("LL", "MP"), ("1A", "MP"), ("CX", "MP"), ("EP", "MP"), ("RB", "MP"), ("MP", "F8"), ("MP", "MU")]
+            ("BR", "MP"), ("LL", "MP"), ("1A", "MP"), ("CX", "MP"), ("EP", "MP"), ("RB", "MP"), ("MP", "F8"), ("MP", "MU"),
+            ("MP", "OF")]
 
 
 def _key(a: str, b: str) -> tuple[str, str]:
@@ -262,7 +265,7 @@ FIELDS = {"Z": ("zero",), "TP": ("tensor",), "SP": ("sequence_parallel",), "MB":
           "CP": ("compression",), "LC": ("local_clip",), "RS": ("sync", "replica"), "CN": ("clip_norm",),
           "NS": ("noise_scale_every",), "BR": ("ramp", "ramp_steps"), "1A": ("compression",),
           "LL": ("optimizer",), "CX": ("context",), "EP": ("expert",), "RB": ("router_bias_rate",),
-          "F8": ("fp8",), "MU": ("optimizer",)}
+          "F8": ("fp8",), "MU": ("optimizer",), "OF": ("offload",)}
 #: The router bias's rate (RB: ``with_router_bias(..., rate=)``), in the settings and the runs.
 RB_RATE = 0.05
 #: Features a Setting cannot express (they are a model, an optimizer, a loop or a launcher choice).
@@ -328,6 +331,8 @@ def _setting_for(pair, *, ramp: str = "fixed") -> Setting:
             kw["router_bias_rate"] = RB_RATE
         elif c == "F8":
             st["fp8"] = jaxpar.parallel.Fp8()
+        elif c == "OF":
+            st["offload"] = jaxpar.parallel.Offload(optimizer=True, master=True)
         elif c == "MU":
             pass                               # an optimizer: nothing a Setting says
     if "replica" in sizes and "compression" not in st:
@@ -349,7 +354,8 @@ def _refused_pairs() -> list[tuple[str, str]]:
 
 #: The refused value of the partly-composing pairs.
 PARTLY_REFUSED = {("Z", "1A"): "ZeRO-2", ("ST", "LL"): "clip_by_global_norm / a global-norm optimizer",
-                  ("EX", "F8"): "rowwise FP8",
+                  ("EX", "F8"): "rowwise FP8", ("PP", "OF"): "offloaded activations",
+                  ("2B", "OF"): "offloaded activations", ("ST", "OF"): "offloaded activations",
                   ("BR", "K"): "a ramp step inside a call", ("ST", "MU"): "Muon matrices split inside a stage"}
 
 
@@ -389,6 +395,10 @@ def _refused_setting(pair, *, ramp: str = "fixed") -> Setting:
     setting = _setting_for(pair, ramp=ramp)
     if pair == ("Z", "1A"):
         setting = setting._replace(strategy=dataclasses.replace(setting.strategy, zero=2))
+    if pair in (("PP", "OF"), ("2B", "OF"), ("ST", "OF")):
+        names = ("jaxpar_layer_input",)
+        offload = dataclasses.replace(setting.strategy.offload, activations=names)
+        setting = setting._replace(strategy=dataclasses.replace(setting.strategy, offload=offload))
     if pair == ("EX", "F8"):
         setting = setting._replace(strategy=dataclasses.replace(setting.strategy, fp8=jaxpar.parallel.Fp8("rowwise")))
     if ramp == "adaptive":
@@ -615,8 +625,15 @@ def build(codes, *, schedule: str | None = None) -> Spec:
             st["fp8"] = jaxpar.parallel.Fp8(min_dim=0)
         elif c == "MU":
             s.tx = "muon"
+        elif c == "OF":      # the activations after the loop: a pair's own remat (RM) keeps its policy
+            st["offload"] = jaxpar.parallel.Offload(optimizer=True, master=True)
         elif c != "MP":
             raise ValueError(c)
+    if "OF" in codes and s.remat == "none" and sizes.get("pipe", 1) == 1:     # pipelines: PP x OF
+        from jaxpar.adapters._blocks import LAYER_INPUT
+
+        st["offload"] = dataclasses.replace(st["offload"], activations=(LAYER_INPUT,))
+        s.remat = "offload"
     if "NS" in codes and "SN" in codes:
         s.steps, s.rows, s.nan_step = 4, (ROWS,) * 4, 2          # a measuring step is skipped
     if "RB" in codes and "SN" in codes:     # 3 steps move the bias (+-rate each), so it ends away from 0

@@ -51,17 +51,63 @@ LAYERS = "layers"
 
 
 #: The models' remat names (``remat=`` of the built-in models' configs).
-REMAT_POLICIES = ("none", "full", "save-matmuls")
+REMAT_POLICIES = ("none", "full", "save-matmuls", "offload")
 #: The ``checkpoint_name`` of a fused attention's output and residuals, which ``save-matmuls`` saves.
 ATTENTION_RESIDUALS = "jaxpar_attention"
+#: The ``checkpoint_name`` of each layer's input activation under the ``"offload"`` policy (what a scan over
+#: the layers keeps per layer): offloading it moves the stack of layer inputs to host memory.
+LAYER_INPUT = "jaxpar_layer_input"
+_OFFLOADED: contextvars.ContextVar = contextvars.ContextVar("jaxpar_offloaded_activations", default=None)
+
+
+@dataclass
+class OffloadedActivations:
+    """The activation names a train step offloads (``Strategy.offload.activations``), and what its trace
+    asked of them: ``policies`` built (:func:`remat_policy` ``"offload"``) and ``seen``, the names that
+    the policy met in the traced program."""
+
+    names: tuple[str, ...]
+    policies: int = 0
+    seen: set = dataclasses.field(default_factory=set)
+
+
+def use_offloaded_activations(names: tuple[str, ...]) -> ContextManager[OffloadedActivations]:
+    """Offload the residuals named ``names`` to host memory in this context, wherever the model's remat
+    policy is ``"offload"`` (the train step opens it around its trace).
+
+    Args:
+      names: ``checkpoint_name`` names (:data:`LAYER_INPUT`, :data:`ATTENTION_RESIDUALS`, the model's own).
+
+    Returns:
+      A context manager yielding the :class:`OffloadedActivations` record.
+    """
+    return scoped(_OFFLOADED, OffloadedActivations(tuple(names)))
+
+
+class _OffloadPolicy:
+    """``save_and_offload_only_these_names`` over the context's names, recording the names it meets
+    (a ``jax.checkpoint`` policy is called once per equation of the checkpointed function)."""
+
+    def __init__(self, record: OffloadedActivations):
+        self.record = record
+        self.policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(), names_which_can_be_offloaded=record.names, offload_src="device",
+            offload_dst="pinned_host")
+
+    def __call__(self, prim, *avals, **params):
+        if "name" in params and getattr(prim, "name", "") == "name":
+            self.record.seen.add(params["name"])
+        return self.policy(prim, *avals, **params)
 
 
 def remat_policy(name: str):
     """The ``jax.checkpoint`` policy of a remat name (``None`` for ``"none"``: no remat).
 
     Args:
-      name: ``"none"``, ``"full"`` (save nothing) or ``"save-matmuls"`` (save dot results and a fused
-        attention's residuals, :data:`ATTENTION_RESIDUALS`: its kernel's forward runs once).
+      name: ``"none"``, ``"full"`` (save nothing), ``"save-matmuls"`` (save dot results and a fused
+        attention's residuals, :data:`ATTENTION_RESIDUALS`: its kernel's forward runs once) or ``"offload"``
+        (move the residuals named by the step's ``Strategy.offload.activations`` to host memory and back for
+        the backward, recompute the rest; outside a train step that names some, it saves nothing).
 
     Returns:
       The policy, or ``None``.
@@ -70,16 +116,23 @@ def remat_policy(name: str):
     (True, True)
     """
     policies = jax.checkpoint_policies
+    if name == "offload":
+        record = _OFFLOADED.get()
+        if record is None or not record.names:
+            return policies.nothing_saveable
+        record.policies += 1
+        return _OffloadPolicy(record)
     return {"none": None, "full": policies.nothing_saveable,
             "save-matmuls": policies.save_from_both_policies(
                 policies.checkpoint_dots, policies.save_only_these_names(ATTENTION_RESIDUALS))}[name]
 
 
 def with_remat(fn: Callable, remat: Callable | None = None) -> Callable:
-    """``fn`` under the ``jax.checkpoint`` policy ``remat`` (``None``: ``fn`` itself, no remat).
+    """``fn`` under the ``jax.checkpoint`` policy ``remat`` (``None``: ``fn`` itself, no remat). Under the
+    ``"offload"`` policy the layer's input (its second argument) is named :data:`LAYER_INPUT`.
 
     Args:
-      fn: the function.
+      fn: the function, ``fn(layer_params, x, ...)``.
       remat: a ``jax.checkpoint`` policy, or ``None``.
 
     Returns:
@@ -88,7 +141,25 @@ def with_remat(fn: Callable, remat: Callable | None = None) -> Callable:
     >>> with_remat(abs) is abs
     True
     """
-    return fn if remat is None else jax.checkpoint(fn, policy=remat)
+    return fn if remat is None else jax.checkpoint(name_layer_input(fn, remat), policy=remat)
+
+
+def name_layer_input(fn: Callable, remat: Callable | None) -> Callable:
+    """``fn(layer_params, x, ...)`` with its input ``x`` named :data:`LAYER_INPUT` under the ``"offload"``
+    remat policy (``fn`` itself under any other): what a runner that checkpoints a layer itself calls.
+
+    Args:
+      fn: the layer.
+      remat: its ``jax.checkpoint`` policy, or ``None``.
+
+    Returns:
+      The layer to checkpoint.
+    """
+    if not isinstance(remat, _OffloadPolicy):
+        return fn
+    from jax.ad_checkpoint import checkpoint_name
+
+    return lambda p, x, *a: fn(p, jax.tree.map(lambda v: checkpoint_name(v, LAYER_INPUT), x), *a)
 
 
 @dataclass(frozen=True)

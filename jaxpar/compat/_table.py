@@ -31,6 +31,7 @@ import itertools
 from typing import Callable, NamedTuple
 
 from jaxpar.compat._needs import NEEDS, codec_needs, strategy_needs
+from jaxpar.compat._offload import offload_problems
 from jaxpar.compat._settings import (FLUSH_SCHEDULES, RULES, Problem, Setting, pipeline_schedule, replicas_on,
                                      sharded_moment_problems)
 from jaxpar.errors import CompatError
@@ -76,6 +77,8 @@ FEATURES: tuple[Feature, ...] = (
             lambda s: s.router_bias_rate is not None),
     Feature("F8", "FP8 matmuls (Strategy.fp8)", lambda s: s.strategy.fp8 is not None),
     Feature("MU", "Muon on the matrices, AdamW on the rest (jaxpar.optimizers.muon)", lambda s: False),
+    Feature("OF", "memory offloading to the host (Strategy.offload)",
+            lambda s: getattr(s.strategy, "offload", None) is not None),
 )
 CODES = tuple(f.code for f in FEATURES)
 _FEATURE = {f.code: f for f in FEATURES}
@@ -95,7 +98,7 @@ LIBRARY_NAMES = {
     "steps": "steps", "start": "the start step", "log_every": "log_every", "eval_every": "eval_every",
     "checkpoint_every": "the checkpointer's every", "stop_check_every": "stop_check_every",
     "router_bias_rate": "with_router_bias(rate)", "aux_weight": "MoESettings.aux_weight",
-    "fp8": "Strategy.fp8", "true": "True", "false": "False", "none": "None",
+    "fp8": "Strategy.fp8", "offload": "Strategy.offload", "true": "True", "false": "False", "none": "None",
 }
 
 
@@ -130,7 +133,7 @@ def problems(setting: Setting) -> list[Problem]:
       The :class:`Problem`\\ s, in the table's order (empty: every pair composes); a refusal of a
       codec is repeated for each of its parts that is on (:data:`IMPLIES`).
     """
-    found = [p for rule in RULES for p in rule(setting)]
+    found = [p for rule in RULES + (offload_problems,) for p in rule(setting)]
     return found + _parts_of(setting, found)
 
 
@@ -233,6 +236,7 @@ REFUSED = {
     ("2B", "RB"): "no flush: a step's micro-batches run before the last step's loads, which move the bias, are known",
     ("ST", "RB"): "no flush, and stages update alone: the loads are of no one step", ("RS", "RB"): "replicas on "
     "weights of their own or delayed ones: the loads are of no one step",
+    ("RS", "OF"): "the replicas' parameters and moments live in TrainState.sync, in programs of their own",
 }
 
 #: Pairs where some values compose and others are refused: ``{(code, code): (composes, refused)}``.
@@ -247,6 +251,9 @@ PARTLY = {
     ("ST", "MU"): ("stages whose Muon matrices no other axis splits (pipe x data, ZeRO-0/1/2)",
                    "matrices split over tensor / fsdp / ZeRO-3 inside a stage (StashingError: Newton-Schulz's "
                    "collectives would run in each stage's own update)"),
+    ("PP", "OF"): ("the optimizer state and the master weights in host memory",
+                   "offloaded activations (OffloadError: the pipeline keeps the residuals in one device buffer)"),
+    ("2B", "OF"): ("as PP x OF", "as PP x OF"), ("ST", "OF"): ("as PP x OF", "as PP x OF"),
 }
 
 #: Pairs that are alternatives, never both on: one schedule at a time, a pipeline's micro-batches

@@ -315,7 +315,7 @@ YAML_NAMES = {
     "ramp": "data.batch_ramp", "ramp_steps": "data.batch_ramp.steps",
     "steps": "train.steps", "log_every": "train.log_every", "eval_every": "train.eval_every",
     "checkpoint_every": "checkpoint.every", "router_bias_rate": "model.moe.bias_rate",
-    "aux_weight": "model.moe.aux_weight", "fp8": "parallel.fp8", "true": "true", "false": "false", "none": "null",
+    "aux_weight": "model.moe.aux_weight", "fp8": "parallel.fp8", "offload": "parallel.offload", "true": "true", "false": "false", "none": "null",
 }
 
 

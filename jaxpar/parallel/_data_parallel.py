@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxpar.mesh import data_axes
-from jaxpar.adapters._blocks import with_remat
+from jaxpar.adapters._blocks import name_layer_input, with_remat
 from jaxpar.rules import axes_of, drop_axes, resolve, use_rules
 from jaxpar.parallel.pipeline._layer_vjp import join_pullback, split_pullback
 from jaxpar.parallel._regions import spec_entry
@@ -257,9 +257,11 @@ def _local_body(fn: Callable, mesh, local_rules, remat: Callable | None) -> Call
     """``fn`` traced under the rules of the manual data axes, rematerialised by the model's ``remat``
     policy, never saving pure data movement."""
 
+    named = name_layer_input(fn, remat)     # the "offload" policy's layer input
+
     def body(w, x):
         with use_rules(mesh, local_rules):
-            return fn(w, x)
+            return named(w, x)
 
     def policy(prim, *args, **params) -> bool:
         return prim.name not in _MOVES and (remat is None or remat(prim, *args, **params))

@@ -45,7 +45,9 @@ from jaxpar.parallel.moe import use_router_bias
 from jaxpar.step._balancing import finish as finish_moe
 from jaxpar.strategy import Strategy
 from jaxpar.step._exchange import compressed_exchange, compression_plan, exact_exchange, measured_exchange, run_exchange
+from jaxpar.adapters._blocks import use_offloaded_activations
 from jaxpar.parallel._fp8 import check_fp8, fp8_loss
+from jaxpar.parallel._offload import check_activations, stream_in
 from jaxpar.step._grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
 from jaxpar.step._init import older_versions_of
 from jaxpar.step._program import TrainStep, jit_program
@@ -199,9 +201,28 @@ def _train_step(programs: dict, layout: StateLayout, opts: StepOptions, *, choos
     else:
         sharding = NamedSharding(mesh, PartitionSpec(None, batch_axes(mesh) or None))
         check = lambda b: check_stacked_batches(b, mesh, m, k)    # noqa: E731
-    jitted = {name: jit_program(fn, layout, sharding, donate=opts.donate) for name, fn in programs.items()}
+    jitted = {name: jit_program(_streamed(fn, layout), layout, sharding, donate=opts.donate)
+              for name, fn in programs.items()}
     return TrainStep(jitted, check_batch=check, choose=choose, batch_sharding=sharding,
                      pipeline_program=pipeline_program)
+
+
+def _streamed(fn: Callable, layout: StateLayout) -> Callable:
+    """``fn(state, batch)`` with the state's offloaded fields streamed from host to device memory first,
+    traced where the model's ``"offload"`` remat policy offloads the strategy's named activations
+    (:mod:`jaxpar.parallel._offload`); ``fn`` itself without offload."""
+    offload = layout.strategy.offload
+    if offload is None:
+        return fn
+    shardings = layout.shardings()
+
+    def streamed(state, batch):
+        with use_offloaded_activations(offload.activations) as record:
+            out = fn(stream_in(state, shardings, offload), batch)
+        check_activations(record)
+        return out
+
+    return streamed
 
 
 def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions, *, measure: bool):

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.rules import named_shardings, resolve
 from jaxpar.strategy import Strategy
+from jaxpar.parallel._offload import host_state_shardings
 from jaxpar.parallel._zero import analytic_state_bytes
 from jaxpar.errors import StrategyMismatchError
 
@@ -116,8 +117,10 @@ class StateLayout:
         return TrainState(step, params, opt_state, **fields, **({"stats": stats} if stats else {}))
 
     def shardings(self) -> TrainState:
-        """``TrainState`` of ``NamedSharding``s (for ``jit`` in/out shardings)."""
-        return named_shardings(self._state_of("specs", PartitionSpec(), self.params, self.opt_state), self.mesh)
+        """``TrainState`` of ``NamedSharding``s (for ``jit`` in/out shardings); the fields the strategy
+        offloads (``Strategy.offload``) in ``pinned_host`` memory."""
+        named = named_shardings(self._state_of("specs", PartitionSpec(), self.params, self.opt_state), self.mesh)
+        return host_state_shardings(named, self.strategy.offload)
 
     def model_specs(self) -> Any:
         """The parameters' ``PartitionSpec`` values, as the model annotates them (its logical names under

@@ -1,0 +1,53 @@
+"""The compatibility table's rules of memory offloading (``Strategy.offload``, feature ``OF``).
+
+Offloading changes where the state lives between steps, not what a step computes: every program that
+:func:`jaxpar.make_train_step` composes streams the offloaded fields to the device first. Relaxed
+synchronisation is the exception: its replicas' parameters and moments live in ``TrainState.sync``,
+and the local kinds run inner and outer programs of their own, which offloading does not place. Offloaded
+activations do not run in a pipeline, which keeps every micro-batch's residuals in one device buffer.
+
+Example:
+    >>> from jaxpar import Strategy
+    >>> from jaxpar.parallel import Offload
+    >>> from jaxpar.parallel.sync import synchronous
+    >>> s = Setting(Strategy(sync=synchronous(), offload=Offload(optimizer=True)), {"replica": 2})
+    >>> [(p.features, p.error.__name__) for p in offload_problems(s)]
+    [(('RS', 'OF'), 'OffloadError')]
+"""
+from __future__ import annotations
+
+from jaxpar.compat._settings import NO_FLUSH, Problem, Setting, replicas_on, value_name
+from jaxpar.errors import OffloadError
+
+
+def offload_problems(s: Setting) -> list[Problem]:
+    """Offloading against relaxed synchronisation (RS x OF), and offloaded activations against pipelines
+    (PP / 2B / ST x OF: the optimizer state and the master weights compose).
+
+    Args:
+      s: the setting.
+
+    Returns:
+      The pair's :class:`Problem`, or none.
+    """
+    offload = getattr(s.strategy, "offload", None)      # a plan's strategy has none
+    if offload is None:
+        return []
+    out = []
+    if offload.activations and s.size("pipe") > 1:
+        code = NO_FLUSH.get(s.strategy.schedule, "PP")
+        out.append(Problem((code, "OF"), ("offload", "schedule", "pipe"),
+                           "{n[offload]}.activations={names} with {n[schedule]}={sched!r} on {n[pipe]}={p}: a pipeline "
+                           "keeps each micro-batch's residuals in one buffer on the device, which a residual offloaded "
+                           "to host memory cannot be written into. Offload the optimizer state and the master weights "
+                           "only (activations=()), or use the remat policy 'full'.",
+                           {"names": offload.activations, "sched": s.strategy.schedule, "p": s.size("pipe")},
+                           OffloadError))
+    if not replicas_on(s):
+        return out
+    return out + [Problem(("RS", "OF"), ("sync", "offload"),
+                    "{n[offload]}={o!r} with {n[sync]}={sync} on {n[replica]}={r}: relaxed synchronisation keeps each "
+                    "replica's parameters and optimizer state in TrainState.sync and runs programs of its own, which "
+                    "offloading does not place in host memory. Drop {n[offload]}, or fold the replicas into the data "
+                    "axis.", {"o": offload.label, "sync": value_name(s.strategy.sync or "sync"), "r": s.size("replica")},
+                    OffloadError)]

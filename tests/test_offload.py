@@ -1,0 +1,148 @@
+"""Memory offloading (``Strategy.offload``, :mod:`jaxpar.parallel._offload`): the optimizer state, the
+fp32 master weights and named activations in host memory.
+
+An offloaded run is the run without offload bit for bit (the step's arithmetic is the same: only where
+the state lives between steps changes), under DP and FSDP; the state lives in ``pinned_host`` before and
+after each step; checkpoints restore bit-exact into a run without offload, onto another mesh, and the
+other way round. The pair harness (tests/test_pairs.py, feature ``OF``) runs offload with every other
+feature against the one-device reference. On the CPU mesh a ``device_put`` between memory kinds inside a
+program is a copy (XLA:CPU has one physical memory), so the transfers themselves are checked in the
+program JAX traces (``device_put`` to the host memory space) and in the GPU compiler's program
+(tests/test_offload.py::test_gpu_program_holds_the_offloaded_state_in_host_memory).
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from helpers import make_batch
+from jaxpar.adapters._blocks import LAYER_INPUT
+from jaxpar.models import GPT, GPTConfig, lm_loss
+from jaxpar.parallel import Offload
+
+CFG = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2)
+ROWS = 16
+OPT_MASTER = Offload(optimizer=True, master=True)
+
+
+def _setup(sizes, strategy, remat="none"):
+    n = int(np.prod(list(sizes.values())))
+    mesh = jaxpar.make_mesh(sizes, devices=jax.devices()[:n])
+    cfg = dataclasses.replace(CFG, remat=remat)
+    tx = optax.adamw(1e-3, weight_decay=0.1)
+    state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
+    return state, layout, jaxpar.make_train_step(lm_loss, tx, layout)
+
+
+def _kinds(state, field):
+    return {leaf.sharding.memory_kind for leaf in jax.tree.leaves(getattr(state, field))}
+
+
+def _run(sizes, strategy, remat="none", steps=2):
+    state, layout, step = _setup(sizes, strategy, remat)
+    kinds = [{f: _kinds(state, f) for f in ("params", "opt_state")}]
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, make_batch(ROWS, CFG, seed=i))
+        losses.append(float(metrics["loss"]))
+        kinds.append({f: _kinds(state, f) for f in ("params", "opt_state")})
+    return losses, jax.device_get((state.params, state.opt_state)), kinds
+
+
+def _assert_same(a, b):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_offload_options_are_checked():
+    with pytest.raises(jaxpar.JaxparError, match="offloads nothing"):
+        Offload()
+    with pytest.raises(jaxpar.JaxparError, match=r"Offload.master=1"):
+        Offload(master=1)
+    with pytest.raises(jaxpar.JaxparError, match="tuple of checkpoint_name names"):
+        Offload(activations="mlp")
+    with pytest.raises(jaxpar.StrategyError, match="Strategy.offload=True"):
+        jaxpar.Strategy(offload=True)
+    s = jaxpar.Strategy(zero=1, offload=Offload(optimizer=True, activations=[LAYER_INPUT]))
+    assert s.offload.activations == (LAYER_INPUT,)
+    assert s.name({"data": 2}) == "dp2-zero1-offload-opt-act"
+
+
+@pytest.mark.parametrize("sizes,zero,offload", [
+    pytest.param({"data": 8}, 0, OPT_MASTER, id="dp8-opt-master"),
+    pytest.param({"fsdp": 8}, 0, Offload(optimizer=True), id="fsdp8-opt"),
+    pytest.param({"data": 2, "fsdp": 2, "tensor": 2}, 1, OPT_MASTER, id="dp2-zero1-fsdp2-tp2-opt-master",
+                 marks=pytest.mark.exhaustive),
+])
+def test_offloaded_state_lives_on_the_host_and_trains_bit_exact(sizes, zero, offload):
+    plain = _run(sizes, jaxpar.Strategy(zero=zero))
+    off = _run(sizes, jaxpar.Strategy(zero=zero, offload=offload))
+    assert off[0] == plain[0]
+    _assert_same(off[1], plain[1])
+    want = {f: {"pinned_host" if f in offload.fields else "device"} for f in ("params", "opt_state")}
+    assert all(k == want for k in off[2]), off[2]        # at init and after every step
+    assert all(k == {"params": {"device"}, "opt_state": {"device"}} for k in plain[2])
+
+
+def test_activation_offload_equals_full_remat_and_moves_the_layer_inputs():
+    strategy = jaxpar.Strategy(offload=Offload(activations=(LAYER_INPUT,)))
+    full = _run({"data": 8}, jaxpar.Strategy(), remat="full")
+    off = _run({"data": 8}, strategy, remat="offload")
+    assert off[0] == full[0]
+    _assert_same(off[1], full[1])
+    state, _, step = _setup({"data": 8}, strategy, remat="offload")
+    jaxpr = str(step.programs["step"].trace(state, make_batch(ROWS, CFG)).jaxpr)
+    assert "devices=(MemorySpace.Host,)" in jaxpr and "devices=(MemorySpace.Device,)" in jaxpr
+
+
+def test_activation_offload_needs_the_policy_and_named_residuals():
+    batch = make_batch(ROWS, CFG)
+    state, _, step = _setup({"data": 8}, jaxpar.Strategy(offload=Offload(activations=(LAYER_INPUT,))), "full")
+    with pytest.raises(jaxpar.OffloadError, match="remat policy 'offload'"):
+        step(state, batch)
+    state, _, step = _setup({"data": 8}, jaxpar.Strategy(offload=Offload(activations=("mlp_out",))), "offload")
+    with pytest.raises(jaxpar.OffloadError, match=r"\['mlp_out'\].*jaxpar_layer_input"):
+        step(state, batch)
+
+
+def test_relaxed_synchronisation_refuses_offload():
+    from jaxpar.parallel.sync import synchronous
+
+    with pytest.raises(jaxpar.OffloadError, match="Strategy.offload='offload-opt' with Strategy.sync"):
+        _setup({"replica": 2, "data": 4}, jaxpar.Strategy(sync=synchronous(), offload=Offload(optimizer=True)))
+
+
+def test_checkpoints_restore_bit_exact_across_offload_and_meshes():
+    """Saved with the optimizer state and the master weights on the host (DP8), restored without offload
+    onto FSDP4, with offload onto DP8, and with the optimizer state alone offloaded onto DP2 x FSDP2."""
+    from jaxpar.run import Checkpointer
+
+    off = jaxpar.Strategy(offload=OPT_MASTER)
+    state, _, step = _setup({"data": 8}, off)
+    state, _ = step(state, make_batch(ROWS, CFG, seed=0))
+    saved = jax.device_get(state)
+    _, _, again = _setup({"data": 8}, off)
+    want_loss = float(again(state, make_batch(ROWS, CFG, seed=1))[1]["loss"])     # the run, uninterrupted
+    with tempfile.TemporaryDirectory() as d:
+        with Checkpointer(d, async_save=False) as ck:
+            ck.save(1, state, {}, wait=True)
+        for sizes, strategy in (({"fsdp": 4}, jaxpar.Strategy()), ({"data": 8}, off),
+                                ({"data": 2, "fsdp": 2}, jaxpar.Strategy(offload=Offload(optimizer=True)))):
+            _, layout, step2 = _setup(sizes, strategy)
+            with Checkpointer(d, async_save=False) as ck:
+                restored = ck.restore(layout).state
+            _assert_same(jax.device_get(restored), saved)
+            fields = strategy.offload.fields if strategy.offload else ()
+            for f in ("params", "opt_state"):
+                assert _kinds(restored, f) == {"pinned_host" if f in fields else "device"}, (sizes, f)
+            _, metrics = step2(restored, make_batch(ROWS, CFG, seed=1))
+            np.testing.assert_allclose(float(metrics["loss"]), want_loss, rtol=1e-5)
