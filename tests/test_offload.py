@@ -146,3 +146,16 @@ def test_checkpoints_restore_bit_exact_across_offload_and_meshes():
                 assert _kinds(restored, f) == {"pinned_host" if f in fields else "device"}, (sizes, f)
             _, metrics = step2(restored, make_batch(ROWS, CFG, seed=1))
             np.testing.assert_allclose(float(metrics["loss"]), want_loss, rtol=1e-5)
+
+
+def test_yaml_parallel_offload_builds_the_strategy_and_names_its_keys():
+    from jaxpar.config._build import build_strategy
+    from jaxpar.config._schema import ParallelConfig
+
+    built = build_strategy(ParallelConfig(offload={"optimizer": True, "activations": [LAYER_INPUT]}))
+    assert built.offload == Offload(optimizer=True, activations=(LAYER_INPUT,))
+    assert build_strategy(ParallelConfig()).offload is None
+    with pytest.raises(jaxpar.ConfigError, match=r"parallel.offload has unknown keys \['optimiser'\]"):
+        build_strategy(ParallelConfig(offload={"optimiser": True}))
+    with pytest.raises(jaxpar.ConfigError, match=r"parallel.offload: master='yes': must be True or False"):
+        build_strategy(ParallelConfig(offload={"master": "yes"}))

@@ -210,6 +210,15 @@ def build_fp8(options: Mapping[str, Any]):
                        "stay in the compute dtype)", Fp8Error, "Fp8")
 
 
+def build_offload(options: Mapping[str, Any]):
+    """The :class:`jaxpar.parallel.Offload` of ``parallel.offload`` (empty: ``None``)."""
+    from jaxpar.errors import OffloadError
+    from jaxpar.parallel import Offload
+
+    return _options_of("offload", options, Offload, "optimizer (true | false), master (true | false) and "
+                       "activations (a list of checkpoint names, with model.remat: offload)", OffloadError, "Offload.")
+
+
 def build_strategy(cfg: ParallelConfig) -> Strategy:
     """The strategy of the parallel section; its errors name ``parallel.*`` keys.
 
@@ -233,7 +242,8 @@ def build_strategy(cfg: ParallelConfig) -> Strategy:
                         compute_dtype=cfg.compute_dtype, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
                         stage_layers=cfg.stage_layers, compression=codec, sync=sync,
                         update_every=cfg.update_every, vertical_sync=cfg.vertical_sync, local_clip=local_clip,
-                        context=build_context(cfg.context), fp8=build_fp8(cfg.fp8))
+                        context=build_context(cfg.context), fp8=build_fp8(cfg.fp8),
+                        offload=build_offload(cfg.offload))
     except ValueError as e:
         if str(e).startswith("Strategy.local_clip="):
             raise ConfigError(str(e).replace("Strategy.local_clip=", "parallel.compression.local_clip=", 1)) from None

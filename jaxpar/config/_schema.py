@@ -87,6 +87,9 @@ class ParallelConfig:
     context: dict[str, Any] = field(default_factory=dict)
     # FP8 matmuls of the covered weights, e.g. {recipe: tensorwise | rowwise, min_dim: 1024}; {} = off
     fp8: dict[str, Any] = field(default_factory=dict)
+    # host memory: {optimizer: true, master: true, activations: [jaxpar_layer_input]} (activations need
+    # model.remat: offload); {} = everything on the device (see jaxpar.parallel.Offload)
+    offload: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
