@@ -6,9 +6,8 @@ the state lives between steps changes), under DP and FSDP; the state lives in ``
 after each step; checkpoints restore bit-exact into a run without offload, onto another mesh, and the
 other way round. The pair harness (tests/test_pairs.py, feature ``OF``) runs offload with every other
 feature against the one-device reference. On the CPU mesh a ``device_put`` between memory kinds inside a
-program is a copy (XLA:CPU has one physical memory), so the transfers themselves are checked in the
-program JAX traces (``device_put`` to the host memory space) and in the GPU compiler's program
-(tests/test_offload.py::test_gpu_program_holds_the_offloaded_state_in_host_memory).
+program lowers to nothing (XLA:CPU has one physical memory), so the transfers themselves are checked in the
+program JAX traces (``device_put`` to the host memory space); the GPU compiler's program is docs/strategies.md's.
 """
 from __future__ import annotations
 
