@@ -3,10 +3,10 @@
 Usage::
 
     jaxpar train CONFIG [key=value ...] [--print-config] [--resume | --overwrite]
-                 [--coordinator HOST:PORT --num-processes N --process-id I] [--local-devices K]
-    jaxpar check CONFIG [key=value ...]        (every check, nothing compiled; jaxpar.config._inspection)
+                 [--coordinator HOST:PORT --num-processes N --process-id I] [--local-devices K] [--step-timeout S]
+    jaxpar check CONFIG [key=value ...] [--target h100:1x8] [--resume | --overwrite]   (jaxpar.config._commands)
     jaxpar schedule --kind 1f1b --stages 4 --microbatches 8 [--virtual V] [--png PATH] [--timed]
-    jaxpar plan [--config CONFIG | --layers L --hidden H --heads A --seq S --vocab V --batch B]
+    jaxpar plan [--config CONFIG [key=value ...] | --layers L --hidden H --heads A --seq S --vocab V --batch B]
                 [--cluster PRESET|PATH] [--devices N] [--target h100:2x8] [--top K] [--json] [--verify]
     jaxpar inspect CONFIG [key=value ...] [--cluster PRESET|PATH] [--target h100:2x8|tpu-v5e:4x4|...]
     jaxpar export CONFIG [key=value ...] --hf OUT [--step N] [--overwrite] [--dtype bfloat16|float32]
@@ -33,24 +33,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
 
 __all__ = ["main", "build_parser"]
 _DIST = ("coordinator", "num_processes", "process_id", "local_devices", "heartbeat_timeout")
-#: the commands that take key=value overrides
-_OVERRIDES = ("train", "check", "inspect", "export", "sample", "data", "profile")
+#: the commands that take key=value overrides (plan: of its --config)
+_OVERRIDES = ("train", "check", "inspect", "export", "sample", "data", "profile", "plan")
 
 
 def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = False, resume: bool = False,
-              overwrite: bool = False, dist: dict | None = None) -> int:
+              overwrite: bool = False, dist: dict | None = None, step_timeout: str = "10x") -> int:
     """``jaxpar train``: load + check the config, claim the run directory, build the job, train, summarise.
 
     ``resume`` (``--resume``) sets ``checkpoint.resume=true``; else a ``train.out_dir`` that holds another run
     is refused before anything is written, or moved aside with ``overwrite`` (``--overwrite``:
     :func:`jaxpar.run._run_directory.claim_run_directory`). Exit status 0 also after SIGTERM / SIGINT (a
-    checkpoint of the current step is saved), 1 when a non-finite loss stops the run (``train.on_nonfinite=stop``).
+    checkpoint of the current step is saved), 1 when a non-finite loss stops the run (``train.on_nonfinite=stop``),
+    124 when a step hangs (``step_timeout``, ``--step-timeout``: :func:`jaxpar.run._watchdog.parse_step_timeout`).
     """
     from jaxpar.config import ConfigError, load_config, to_yaml
 
@@ -60,33 +62,31 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
         return 0
     from jaxpar.config._profile_command import profile_steps, traced_line
 
+    from jaxpar.run._watchdog import parse_step_timeout
+
     profile = profile_steps(cfg.train.profile)        # train.profile: the steps to trace, checked first
+    watchdog = parse_step_timeout(step_timeout)
     if overwrite and cfg.checkpoint.resume:
         raise ConfigError("jaxpar train: --overwrite starts a new run (the earlier one moved aside) and --resume "
                           "(checkpoint.resume=true) continues the earlier one; give one of them.")
-    out_dir = _start(cfg, overwrite, dist)
-    from jaxpar.config._job import build_job, describe_data, header_lines, model_line, packing_line, state_line
-    from jaxpar.config._inspection import muon_lines
-    from jaxpar.config._plan_command import run_predicted_peak
-    from jaxpar.run._resume import checkpoint_meta, train_with_checkpoints
+    out_dir = _start(cfg, overwrite, dist, watchdog)
+    import jax
+
+    from jaxpar.config._job import build_job, header_lines, packing_line
+    from jaxpar.run._out_of_memory import out_of_memory_error
 
     job = build_job(cfg)
     print(f"job      {cfg.name}  ->  {out_dir}")
     print("\n".join(header_lines(job)))
-    state, layout = job.init_state(weights=not job.run.resume)     # a resumed run restores its own weights
-    print(model_line(cfg.model, job.hf, layout), state_line(layout), sep="\n")
-    if routing := muon_lines(cfg, layout):
-        print("\n".join(routing[1:]))                # the run's config summary: each parameter's half
-    line, tokens = describe_data(cfg, job.batch_fn)
-    print(line)
-    step, evaluate = job.train_step(layout), job.eval_fn(layout)
-    log, ckpt = job.log_options(layout, tokens), job.checkpointer(layout)
-    log = dataclasses.replace(log, predicted_peak_bytes=run_predicted_peak(cfg, layout.mesh, job.strategy),
-                              profile=profile)
-    status = train_with_checkpoints(step, state, layout, job.batch_fn, job.run, log, checkpointer=ckpt,
-                                    meta=checkpoint_meta(mesh_sizes=layout.mesh.shape, **job.meta), eval_fn=evaluate,
-                                    eval_batches=job.eval_batches, ramp=job.ramp, lr_schedule=job.log_lr,
-                                    config_text=to_yaml(cfg))
+    predicted: dict = {}                 # the cost model's peak and the state's bytes per device, once laid out
+    try:
+        status = _train_job(cfg, job, profile, predicted, watchdog)
+    except Exception as e:      # XLA's RESOURCE_EXHAUSTED, named with the predicted and available memory
+        command = shlex.join([config, *overrides])       # what jaxpar inspect compiles
+        if (oom := out_of_memory_error(e, predicted.get("peak"), jax.devices(), state_bytes=predicted.get("state"),
+                                       config=command)) is not None:
+            raise oom from None
+        raise
     if line := packing_line(job.batch_fn, cfg.train.steps):       # data.kind=documents: real tokens
         print(line)
     if line := traced_line(out_dir, profile):
@@ -94,20 +94,54 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     return status
 
 
-def _start(cfg, overwrite: bool, dist: dict | None) -> Path:
-    """Start the processes and find the devices, check the config on them, then claim ``train.out_dir`` (before
-    anything is built or written; not for ``--resume``); returns it."""
+def _train_job(cfg, job, profile, predicted: dict, watchdog) -> int:
+    """Lay out the built job's state, print its summary, then :func:`jaxpar.run._resume.train_with_checkpoints`
+    (``predicted``: the cost model's ``peak`` and the train ``state``'s bytes per device, set once known)."""
+    from jaxpar.config import to_yaml
+    from jaxpar.config._job import describe_data, model_line, state_line
+    from jaxpar.config._inspection import muon_lines
+    from jaxpar.config._plan_command import run_predicted_peak
+    from jaxpar.run._resume import checkpoint_meta, train_with_checkpoints
+
+    state, layout = job.init_state(weights=not job.run.resume)     # a resumed run restores its own weights
+    predicted.update(peak=run_predicted_peak(cfg, layout.mesh, job.strategy), state=layout.analytic_bytes()["total"])
+    print(model_line(cfg.model, job.hf, layout), state_line(layout), sep="\n")
+    if routing := muon_lines(cfg, layout):
+        print("\n".join(routing[1:]))                # the run's config summary: each parameter's half
+    line, tokens = describe_data(cfg, job.batch_fn)
+    print(line)
+    step, evaluate = job.train_step(layout), job.eval_fn(layout)
+    log, ckpt = job.log_options(layout, tokens), job.checkpointer(layout)
+    log = dataclasses.replace(log, predicted_peak_bytes=predicted["peak"], profile=profile)
+    return train_with_checkpoints(step, state, layout, job.batch_fn, job.run, log, checkpointer=ckpt,
+                                  meta=checkpoint_meta(mesh_sizes=layout.mesh.shape, **job.meta), eval_fn=evaluate,
+                                  eval_batches=job.eval_batches, ramp=job.ramp, lr_schedule=job.log_lr,
+                                  config_text=to_yaml(cfg), watchdog=watchdog)
+
+
+def _start(cfg, overwrite: bool, dist: dict | None, watchdog=None) -> Path:
+    """Start the processes and find the devices, check the config on them, then the run directory: claim
+    ``train.out_dir`` for a new run, or find a complete checkpoint for ``--resume`` (before anything is built
+    or written); returns it. With a ``watchdog``, XLA's own NCCL timeout is set first (:func:`gpu_timeout_flag`)."""
     import jax
 
     from jaxpar.config._checks import check
+    from jaxpar.config._commands import refuse_cpu_only
     from jaxpar.devices._distributed import start_processes
-    from jaxpar.run._run_directory import claim_run_directory
+    from jaxpar.run._checkpoint import no_checkpoint_error
+    from jaxpar.run._run_directory import checkpoint_steps, claim_run_directory
 
+    if watchdog is not None:
+        gpu_timeout_flag(watchdog.seconds or watchdog.min_seconds)
     info = start_processes(**(dist or {}), devices=cfg.train.devices)   # jax.distributed, then the devices
+    refuse_cpu_only(cfg.train.devices, simulated=bool((dist or {}).get("local_devices")))
     check(cfg, num_devices=jax.device_count())      # the config on these devices, before the run directory is touched
     out_dir = Path(cfg.train.out_dir)
     if not cfg.checkpoint.resume:
         claim_run_directory(out_dir, cfg.checkpoint.dir if cfg.checkpoint.enabled else None, overwrite=overwrite)
+    elif not checkpoint_steps(cfg.checkpoint.dir):     # before the job is built: nothing created, no wait
+        raise no_checkpoint_error(Path(cfg.checkpoint.dir).absolute(),
+                                  [f"{s}" for s in checkpoint_steps(cfg.checkpoint.dir, complete=False)])
     if info.multiprocess or info.method == "k8s":
         from jaxpar.run._preemption import catch_stop_signals
 
@@ -115,6 +149,24 @@ def _start(cfg, overwrite: bool, dist: dict | None) -> Path:
         if info.multiprocess:
             catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
     return out_dir
+
+
+#: XLA's own timeout for NCCL (a GPU flag jaxlib 0.10.2 parses; its help: "Timeout in seconds before terminating
+#: jobs stuck in NCCL Rendezvous"). Not exercised on GPUs here (docs/gpu.md).
+NCCL_TIMEOUT_FLAG = "--xla_gpu_nccl_termination_timeout_seconds"
+
+
+def gpu_timeout_flag(seconds: float) -> None:
+    """Add :data:`NCCL_TIMEOUT_FLAG` with the watchdog's least bound to ``XLA_FLAGS``, before the backend starts
+    (not when the user set it, nor once a backend is up: then it would not be read)."""
+    import os
+
+    from jax._src import xla_bridge
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if NCCL_TIMEOUT_FLAG in flags or xla_bridge.backends_are_initialized():
+        return
+    os.environ["XLA_FLAGS"] = f"{flags} {NCCL_TIMEOUT_FLAG}={int(seconds)}".strip()
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -134,7 +186,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         args.devices = args.devices or target.num_devices
     try:
         cluster = cost.load_cluster(args.cluster or "h100", num_devices=args.devices)
-        cfg = load_config(args.config, []) if args.config else None
+        if args.overrides and not args.config:
+            raise ConfigError(f"the overrides {' '.join(args.overrides)} need --config CONFIG; without "
+                              "it, give the model's sizes (--layers, --hidden, --heads, --seq, --vocab, --batch).")
+        cfg = load_config(args.config, args.overrides) if args.config else None
         model = plan_model(cfg, {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab",
                                                                         "batch")})
         dtype = plan_dtype(cfg, args.dtype, cluster)
@@ -176,8 +231,8 @@ def _run_schedule(args: argparse.Namespace) -> int:
 def _run_config_command(args: argparse.Namespace) -> int:
     """``jaxpar check``, ``inspect``, ``export``, ``sample`` and ``data``: the commands that read a config."""
     from jaxpar.config import load_config
-    from jaxpar.config._commands import run_export, run_prepare, run_sample, run_show
-    from jaxpar.config._inspection import check_config, inspect_config
+    from jaxpar.config._commands import run_check, run_export, run_prepare, run_sample, run_show
+    from jaxpar.config._inspection import inspect_config
 
     if args.command == "profile":
         from jaxpar.config._profile_command import run_profile
@@ -194,9 +249,10 @@ def _run_config_command(args: argparse.Namespace) -> int:
     if args.command == "data":
         return run_show(args.config, args.overrides, steps=args.steps, chars=args.chars,
                         dist={k: getattr(args, k) for k in _DIST})
-    cfg = load_config(args.config, list(args.overrides))
     if args.command == "check":
-        return check_config(cfg)
+        return run_check(args.config, args.overrides, target=args.target, resume=args.resume,
+                         overwrite=args.overwrite)
+    cfg = load_config(args.config, list(args.overrides))
     return inspect_config(cfg, cluster=args.cluster, target=args.target)   # compile the step ahead of time
 
 
@@ -229,11 +285,23 @@ def _add_config_commands(sub) -> None:
                    help="continue from the latest good checkpoint in checkpoint.dir (same as checkpoint.resume=true)")
     p.add_argument("--overwrite", action="store_true", help="start a new run where train.out_dir holds another: "
                    "move that run (its files and checkpoints) aside to <train.out_dir>.old-N first; nothing is deleted")
+    p.add_argument("--step-timeout", default="10x", metavar="SPEC", help="end a hung run: a step with no progress "
+                   "for SPEC (seconds, e.g. 600; or 10x, 10 times the median step time, at least 300 s; 10x:60, at "
+                   "least 60 s; 0: never) stops every process with its Python stacks in <train.out_dir>/hang-p<I>.txt "
+                   "and exit status 124 (default 10x)")
     _add_process_options(p)
-    _config_parser(sub, "check", "check a config: every check, the mesh on its devices and the train step built, "
-                   "nothing compiled or run", "Run every check of CONFIG that needs no compiled program: the "
-                   "config's, the mesh on the config's devices (simulated CPU devices when they are not there), the "
-                   "train state's layout and the train step's options.")
+    p = _config_parser(sub, "check", "check what jaxpar train would refuse: the config on its devices, the data "
+                       "files, the run directory, the train step built; nothing compiled or run",
+                       "Run every check of CONFIG that needs no compiled program, in jaxpar train's order: the "
+                       "config's, the devices train would find (train.devices=0: JAX's own; --target: the target's "
+                       "count, simulated), the mesh on them, the data files (data.paths, data.sources; not read), the "
+                       "run directory (an earlier run in train.out_dir; with --resume, a complete checkpoint), the "
+                       "train state's layout and the train step's options.")
+    p.add_argument("--target", help="check the mesh on a GPU / TPU target's device count: h100:1x8, 2xh100:8 "
+                                    "(docs/targets.md; jaxpar inspect --target compiles for it)")
+    p.add_argument("--resume", action="store_true", help="check as jaxpar train --resume: a complete checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="check as jaxpar train --overwrite: an earlier run "
+                                                            "in train.out_dir would be moved aside")
     p = _config_parser(sub, "inspect", "dry run: compile a config's train step and show its shardings, collectives "
                        "and memory next to the cost model's prediction", "Compile CONFIG's train step ahead of time "
                        "(on simulated CPU devices of the config's device count when they are not there); no training "
@@ -276,15 +344,22 @@ def _add_tool_commands(sub) -> None:
     p.add_argument("--png", help="also write a Gantt chart PNG here")
     p.add_argument("--timed", action="store_true", help="PNG: draw the cost-model timeline, not unit ticks")
     p = sub.add_parser("plan", help="rank parallel plans with the cost model (nothing runs)",
+                       usage="jaxpar plan [--config CONFIG [key=value ...] | --layers N --hidden N --heads N --seq N "
+                             "--vocab N --batch N] [options]",
                        description="Enumerate pipe x data x fsdp x tensor x ZeRO x schedule x micro-batches x "
                                    "remat on a cluster preset and rank them by predicted step time.")
-    p.add_argument("--config", help="plan for this training config's model and global batch")
+    p.add_argument("--config", help="plan for this training config's model and global batch; key=value overrides "
+                                    "of it may follow (e.g. parallel.fp8.recipe=tensorwise), as for jaxpar train")
     p.add_argument("--cluster", help="preset in configs/clusters/ or a YAML path (default: the target's, else h100)")
     p.add_argument("--target", help="plan for a GPU / TPU target (h100:2x8, tpu-v5e:4x4): its devices and cluster; "
                                     "--verify then compiles with its real compiler (docs/targets.md)")
     p.add_argument("--devices", type=int, help="number of devices (default: the preset's)")
-    for k in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
-        p.add_argument(f"--{k}", type=int, help=f"model {k} (without --config; --batch also overrides it)")
+    g = p.add_argument_group("the model's sizes", "without --config: jaxpar's GPT of these sizes (all needed). With "
+                             "--config: --batch replaces its global batch, and the others give a model of your own "
+                             "(model.target) the sizes the cost model cannot read from its parameters")
+    for k, what in (("layers", "layers"), ("hidden", "model width"), ("heads", "attention heads"),
+                    ("seq", "sequence length"), ("vocab", "vocabulary size"), ("batch", "global batch, in sequences")):
+        g.add_argument(f"--{k}", type=int, metavar="N", help=what)
     p.add_argument("--dtype", help="compute dtype of the peak FLOP/s (default: the config's, else bfloat16)")
     p.add_argument("--precision", default="mixed", help="bytes per parameter: fp32, mixed, megatron, mixed-fp32-accum")
     p.add_argument("--contexts", type=lambda v: tuple(int(x) for x in v.split(",")),
@@ -354,11 +429,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and (args.command not in _OVERRIDES or any(x.startswith("-") for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command in _OVERRIDES:
-        args.overrides = [*args.overrides, *extra]
+        args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
         if args.command == "train":
             return _run_train(args.config, args.overrides, print_config=args.print_config, resume=args.resume,
-                              overwrite=args.overwrite, dist={k: getattr(args, k) for k in _DIST})
+                              overwrite=args.overwrite, dist={k: getattr(args, k) for k in _DIST},
+                              step_timeout=args.step_timeout)
         if args.command == "plan":
             return _run_plan(args)
         if args.command == "schedule":

@@ -19,7 +19,8 @@ __all__ = ["JaxparError", "MeshError", "StrategyError", "MaskError", "RulesError
            "CompressionError", "Fp8Error", "OffloadError", "AttentionError", "ContextParallelError", "MoEError", "PipelineCutError",
            "PartitionError", "StashingError", "ScheduleError", "AsyncPipelineError", "SyncError",
            "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "RunDirectoryError", "RampError",
-           "NonFiniteError", "LoopError", "GenerationError", "ProgramMismatchError",
+           "NonFiniteError", "LoopError", "OutOfMemoryError", "StepHangError", "GenerationError",
+           "ProgramMismatchError",
            "ExplicitDPError", "NoiseScaleError", "StrategyMismatchError", "DataError", "SourceError",
            "TokenizerError", "CacheError", "HFConfigError", "HFExportError", "HFFilesError",
            "HFCheckpointError", "ClusterError", "LayoutError", "PlanError", "DistributedError", "TargetError",
@@ -180,6 +181,18 @@ class RampError(JaxparError):
 
 class NonFiniteError(JaxparError, FloatingPointError):
     """A step's loss or gradient norm was NaN / inf and the run was told to stop (or could not skip it)."""
+
+
+class OutOfMemoryError(JaxparError, MemoryError):
+    """XLA could not allocate what a step (or the train state) needs on a device (``RESOURCE_EXHAUSTED``): the
+    message gives the bytes asked for, the cost model's predicted peak per device, the memory a device has,
+    and points to ``jaxpar inspect``."""
+
+
+class StepHangError(JaxparError, TimeoutError):
+    """A training step took longer than its bound (:class:`~jaxpar.run.Watchdog`): a collective that never
+    completes because a process is stuck or gone, or a step that stopped making progress. Every process dumps
+    its Python stacks into the run directory and exits with :data:`~jaxpar.run.HUNG_EXIT`."""
 
 
 class LoopError(JaxparError):

@@ -1,5 +1,6 @@
-"""``jaxpar check CONFIG`` (:func:`jaxpar.config._inspection.check_config`): every check of a config, the
-ones that need the devices included, with no step compiled."""
+"""``jaxpar check CONFIG`` (:func:`jaxpar.config._commands.run_check`): what ``jaxpar train`` would refuse (the
+config on the devices it would find or a ``--target``'s, the data files, the run directory) and every check of
+:func:`jaxpar.config._inspection.check_config`, with no step compiled."""
 import re
 from pathlib import Path
 
@@ -49,3 +50,38 @@ def test_muon_options_without_muon_are_named(capsys):
     assert main(["check", str(QUICK), "optimizer.muon.routing={b1: adam}"]) == 2
     assert "optimizer.muon.routing={'b1': 'adam'}: optimizer.muon is only used by" in capsys.readouterr().err
     load_config(QUICK, ["optimizer.name=muon", "optimizer.muon.placement=owner"])      # with Muon: taken
+
+
+def test_what_train_would_refuse_is_named(tmp_path, capsys):
+    """A missing data file, an earlier run in train.out_dir, --resume without a checkpoint: each named as train
+    names it; --overwrite, a fresh directory and the files found pass."""
+    out = tmp_path / "run"
+    run = [*TINY, f"train.out_dir={out}"]
+    assert main(["check", str(QUICK), *run, f"data.paths=[{tmp_path}/missing.txt]"]) == 2
+    assert f"data path '{tmp_path}/missing.txt' matches no file" in capsys.readouterr().err
+    (tmp_path / "a.txt").write_text("some text " * 400)
+    assert main(["check", str(QUICK), *run, f"data.paths=[{tmp_path}/a.txt]"]) == 0
+    text = capsys.readouterr().out
+    assert "data     1 file(s) of data.paths found" in text and f"run      a new run in {out}" in text
+    assert main(["check", str(QUICK), *run, "--resume"]) == 2
+    assert f"no checkpoint to resume from in {out / 'checkpoints'}" in capsys.readouterr().err
+    out.mkdir()
+    (out / "summary.json").write_text('{"end_step": 300}')        # a run that finished
+    assert main(["check", str(QUICK), *run]) == 2
+    err = capsys.readouterr().err
+    assert f"train.out_dir='{out}' holds an earlier run (summary.json): jaxpar train refuses a new run" in err
+    assert main(["check", str(QUICK), *run, "--overwrite"]) == 0
+    assert f"run      --overwrite moves the earlier run in {out} aside" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]      # check moves nothing
+
+
+def test_a_gpu_config_is_checked_on_the_device_count_it_would_find(tmp_path, capsys):
+    gpu = str(QUICK.parent / "gpt124m_gpu.yaml")
+    small = ["model.layers=1", "model.embed=64", "model.heads=2", "model.vocab=512", f"train.out_dir={tmp_path}"]
+    assert main(["check", gpu, *small, "--target", "h100:1x8"]) == 0
+    text = capsys.readouterr().out
+    assert "mesh     pipe=1 x data=8 x fsdp=1 x tensor=1" in text and "found    8 devices of h100:1x8" in text
+    assert main(["check", gpu, *small, "--target", "h100:1x8", "mesh.fsdp=3"]) == 2
+    assert "target h100:1x8 has 8 devices" in capsys.readouterr().err
+    assert main(["check", gpu, *small]) == 2          # train.devices=0 on this CPU-only JAX: what train says
+    assert "train.devices=0 trains on the GPUs or TPUs JAX finds, and this JAX found none" in capsys.readouterr().err

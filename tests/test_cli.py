@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxpar.cli import main
+from jaxpar.cli import build_parser, main
 from jaxpar.config import (ConfigError, build_data, build_lr_schedule, build_optimizer, check, load_config,
                            parse_overrides, resolve_import, to_yaml)
 from jaxpar.data import _windows as D
@@ -84,7 +84,7 @@ def test_bad_config_names_the_key(override, message, capsys):
     with pytest.raises(ConfigError) as err:
         load_config(QUICK, [override])
     assert message in str(err.value)
-    assert main(["train", QUICK, override]) == 2
+    assert main(["train", QUICK, override, "train.out_dir=/nonexistent/jaxpar-test"]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -113,11 +113,12 @@ def test_mesh_product_must_match_device_count(capsys):
     cfg = load_config(QUICK, ["mesh.data=4"])            # 4 x 2 x 2 = 16: fine until the device count is known
     with pytest.raises(ConfigError, match=r"mesh\.data=4.*multiply to 16, but there are 8 devices"):
         check(cfg, num_devices=8)
-    assert main(["train", QUICK, "mesh.data=4"]) == 2
+    assert main(["train", QUICK, "mesh.data=4", "train.out_dir=/nonexistent/jaxpar-test"]) == 2
     err = capsys.readouterr().err
     assert "mesh.data=4" in err and "8 devices" in err
     check(load_config(QUICK, ["mesh.data=-1"]), num_devices=8)   # -1 fills the rest
-    assert main(["train", QUICK, "train.devices=4", "mesh.data=1"]) == 2   # backend is already up with 8
+    assert main(["train", QUICK, "train.devices=4", "mesh.data=1",      # backend is already up with 8
+                 "train.out_dir=/nonexistent/jaxpar-test"]) == 2
     assert "train.devices=4" in capsys.readouterr().err
 
 
@@ -349,7 +350,7 @@ def test_bad_user_model_names_the_key(override, message, capsys):
     with pytest.raises(ConfigError) as err:
         load_config(MLP, [override])
     assert message in str(err.value)
-    assert main(["train", MLP, override]) == 2
+    assert main(["train", MLP, override, "train.out_dir=/nonexistent/jaxpar-test"]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -503,3 +504,14 @@ def test_a_bad_config_is_named_before_the_run_directory_is_touched(tmp_path, cap
         assert "mesh.data=4" in err and "earlier run" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert (out / "config.yaml").read_text() == "earlier: run\n"
+
+
+def test_plan_takes_overrides_of_its_config(capsys):
+    assert main(["plan", "--config", str(QUICK), "--top", "1", "data.batch_size=64", "model.layers=3"]) == 0
+    assert "model    quickstart: " in (out := capsys.readouterr().out) and "batch 64 x 64" in out
+    assert main(["plan", "--config", str(QUICK), "--top", "1", "optimizer.lr=-1"]) == 2
+    assert "optimizer.lr=-1.0: must be a finite number > 0" in capsys.readouterr().err
+    assert main(["plan", "--layers", "2", "data.batch_size=64"]) == 2
+    assert "jaxpar plan: error: the overrides data.batch_size=64 need --config CONFIG" in capsys.readouterr().err
+    help_text = build_parser()._subparsers._group_actions[0].choices["plan"].format_help()
+    assert help_text.count("--batch also overrides") == 0 and "key=value overrides of it may follow" in help_text

@@ -7,6 +7,9 @@
 ``sample`` continues a prompt greedily (:func:`jaxpar.run.greedy_generate`), decoded by
 ``data.tokenizer``, else ``model.hf``'s tokenizer, else as bytes. Both say on stderr which weights they read.
 
+``jaxpar check`` (:func:`run_check`) checks what ``jaxpar train`` would refuse before its first step: the
+config on the devices train would find (or a ``--target``'s count), the data files, and the run directory.
+
 ``jaxpar data prepare`` tokenizes each text source of ``data.sources`` into ``data.cache``
 (:func:`jaxpar.data._cache.prepare_cache`) and prints a summary and a length histogram;
 ``jaxpar data show`` builds the global batches ``A .. B-1`` exactly as ``jaxpar train`` would under
@@ -24,6 +27,127 @@ import numpy as np
 
 from jaxpar.config._profile_command import parse_steps
 from jaxpar.config._schema import ConfigError, DataConfig
+
+
+def refuse_cpu_only(devices: int, *, simulated: bool = False) -> None:
+    """``train.devices=0`` (the accelerators JAX finds) where JAX found only CPU devices: a config written for
+    GPUs, on a machine or a JAX without them. Refused before anything compiles (``simulated``:
+    ``--local-devices`` asked for CPU devices).
+
+    Raises:
+      ConfigError: the backend is the CPU; the message says what JAX found and the two fixes.
+    """
+    import jax
+
+    if devices != 0 or simulated or jax.default_backend() != "cpu":
+        return
+    n = jax.device_count()
+    raise ConfigError(
+        f"train.devices=0 trains on the GPUs or TPUs JAX finds, and this JAX found none: only {n} CPU "
+        f"device{'s' if n > 1 else ''} (jax.default_backend()='cpu'). On a GPU host, install JAX for CUDA "
+        "(pip install -U 'jax[cuda12]'; docs/gpu.md) and check with python -c 'import jax; print(jax.devices())'. "
+        "To run on simulated CPU devices instead, set train.devices=N (e.g. train.devices=8) and a model that fits "
+        "in host memory (jaxpar inspect CONFIG train.devices=8 shows its memory).")
+
+
+def run_check(config: str, overrides: Sequence[str], *, target: str | None = None, resume: bool = False,
+              overwrite: bool = False) -> int:
+    """``jaxpar check``: what ``jaxpar train`` (with the same ``--resume`` / ``--overwrite``) would refuse, and then
+    every check of :func:`~jaxpar.config._inspection.check_config`, nothing compiled.
+
+    In order: the config; the devices train would find (``train.devices=0``: JAX's own, refused where they are
+    CPU devices only: :func:`refuse_cpu_only`; ``target``: the target's count, simulated); the mesh on them; the
+    data files (``data.paths``, ``data.sources``); the run directory (an earlier run in ``train.out_dir``, or with
+    ``resume`` no complete checkpoint); then the train state's layout and step.
+
+    Args:
+      config: the YAML file.
+      overrides: its ``key=value`` overrides.
+      target: a GPU / TPU target (``h100:1x8``) whose device count the mesh is checked on.
+      resume: check as ``jaxpar train --resume`` would run.
+      overwrite: check as ``jaxpar train --overwrite`` would run (an earlier run would be moved aside).
+
+    Returns:
+      The exit status, 0 (a problem raises).
+
+    Raises:
+      ConfigError: a setting the config or the library refuses, or the devices; DataError: a data file that
+        is missing; RunDirectoryError / CheckpointError: what train refuses in the run directory.
+    """
+    import dataclasses
+
+    import jax
+
+    from jaxpar.config._checks import check
+    from jaxpar.config._inspection import check_config, target_mesh_problem
+    from jaxpar.config._load import load_config
+
+    cfg = load_config(config, [*overrides, *(["checkpoint.resume=true"] if resume else [])])
+    if overwrite and cfg.checkpoint.resume:
+        raise ConfigError("--overwrite starts a new run (the earlier one moved aside) and --resume "
+                          "(checkpoint.resume=true) continues the earlier one; give one of them.")
+    if target is not None:
+        from jaxpar.devices._targets import parse_target
+
+        tgt = parse_target(target)
+        if problem := target_mesh_problem(cfg, tgt):
+            raise ConfigError(problem)
+        found = f"{tgt.num_devices} devices of {tgt} (simulated CPU devices: the mesh, layout and step options)"
+        devices = tgt.num_devices
+    elif cfg.train.devices == 0:
+        refuse_cpu_only(0)
+        devices = jax.device_count()
+        found = f"{devices} x {jax.devices()[0].device_kind} (train.devices=0: the devices JAX finds here)"
+    else:
+        devices, found = cfg.train.devices, None
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, devices=devices))
+    check(cfg, num_devices=devices)
+    files = _check_data_files(cfg.data)
+    run = _check_run_directory(cfg, overwrite)
+    status = check_config(cfg)
+    for line in (f"found    {found}" if found else "", files, run):
+        if line:
+            print(line)
+    return status
+
+
+def _check_data_files(d: DataConfig) -> str:
+    """The files of ``data.paths`` / ``data.sources`` found (none read), in words; a missing one raises."""
+    from jaxpar.data._windows import expand_paths
+    from jaxpar.data.sources import resolve_paths
+
+    if d.kind in ("text", "tokens") and d.paths:
+        return f"data     {len(expand_paths(d.paths))} file(s) of data.paths found (not read: jaxpar data show)"
+    if d.kind == "documents" and d.sources:
+        found = []
+        for i, source in enumerate(d.sources):
+            try:
+                found += resolve_paths(source.get("path"))
+            except Exception as e:      # SourceError: named by its key
+                raise ConfigError(f"data.sources[{i}] (path {source.get('path')!r}): {e}") from None
+        return f"data     {len(found)} path(s) of data.sources found (not read: jaxpar data show)"
+    return ""
+
+
+def _check_run_directory(cfg: Any, overwrite: bool) -> str:
+    """What train would do with the run directory, in words; what it would refuse raises."""
+    from jaxpar.errors import RunDirectoryError
+    from jaxpar.run._checkpoint import no_checkpoint_error
+    from jaxpar.run._run_directory import checkpoint_steps, earlier_run
+
+    ck = cfg.checkpoint.dir if cfg.checkpoint.enabled else None
+    if cfg.checkpoint.resume:
+        if not (steps := checkpoint_steps(ck)):
+            raise no_checkpoint_error(Path(ck).absolute(), [str(s) for s in checkpoint_steps(ck, complete=False)])
+        return f"run      --resume continues from the checkpoint of step {steps[-1]} in {ck} (if it reads)"
+    found = earlier_run(cfg.train.out_dir, ck)
+    if found and not overwrite:
+        raise RunDirectoryError(
+            f"train.out_dir={cfg.train.out_dir!r} holds an earlier run ({found}): jaxpar train refuses a new run "
+            "there. Continue it with --resume, start the new run elsewhere with train.out_dir=NEW_DIR, or pass "
+            "--overwrite to move the earlier run aside (nothing is deleted).")
+    return (f"run      --overwrite moves the earlier run in {cfg.train.out_dir} aside" if found else
+            f"run      a new run in {cfg.train.out_dir}")
 
 
 def _job(config: str, overrides: Sequence[str], command: str, dist: dict | None = None, *, data: bool = False):

@@ -14,7 +14,9 @@ train state's arrays, written by every process for its own shards) and ``meta``
 * **Fallback.** A latest checkpoint that cannot be read (a truncated or deleted
   file, a step that disagrees with its record) is reported with a
   :class:`CheckpointWarning` naming the step and the reason; the previous one is
-  used. No readable checkpoint at all raises :class:`CheckpointError` naming the directory;
+  used; the next save renames it to ``<step>.unreadable``, as a new :class:`Checkpointer` does to a step folder
+  whose save never finished (``<step>.incomplete``), so that ``keep`` prunes good checkpoints only and nothing
+  is deleted. No readable checkpoint at all raises :class:`CheckpointError` naming the directory;
   parameters or an optimizer state of another tree than the target's raise
   :class:`CheckpointMismatchError` (every checkpoint of the run would fail alike).
 * **Features switched on or off.** A feature's state part (``codec``, ``sync``, ``stats``,
@@ -63,7 +65,7 @@ import jax
 from jaxpar.adapters._layer_lists import change_form
 from jaxpar.run._state_parts import (FORMAT, READABLE, lists_record, plan_parts, record_layouts, record_shapes,
                                      saved_lists, upgrade_record)
-from jaxpar.run._run_directory import refuse_later_steps
+from jaxpar.run._run_directory import checkpoint_steps, refuse_later_steps, set_aside
 from jaxpar.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning, check_int
 
 
@@ -76,6 +78,15 @@ class Restored:
     meta: dict
     path: str
     skipped: list[tuple[int, str]] = field(default_factory=list)   # (step, reason) of unreadable newer ones
+
+
+def no_checkpoint_error(directory: str | Path, unfinished: list[str] = ()) -> CheckpointError:
+    """The error of a resume that finds no complete checkpoint in ``directory`` (``unfinished``: the names of
+    the partial saves removed or set aside)."""
+    extra = f" (only unfinished saves: {', '.join(unfinished)})" if unfinished else ""
+    return CheckpointError(f"no checkpoint to resume from in {directory}{extra}: the directory has no complete "
+                           "checkpoint. Train without resuming first (without --resume), or point checkpoint.dir at "
+                           "an earlier run's checkpoints.")
 
 
 def _reason(e: BaseException) -> str:
@@ -109,11 +120,16 @@ class Checkpointer:
         self.layout, self.lr_schedule = layout, lr_schedule
         # Partial saves of a crashed run: removed here, synchronously (Orbax's own cleanup runs in a
         # thread that can outlive a process ending right after, e.g. on a failed resume).
+        # A step folder without Orbax's completion record (an interrupted or empty save) is set aside, so that
+        # keep prunes good checkpoints only.
         self.removed_partial: list[str] = []
+        self.set_aside: list[str] = []
         if jax.process_index() == 0 and self.directory.is_dir():
             for tmp in sorted(self.directory.glob("*.orbax-checkpoint-tmp*")):
                 shutil.rmtree(tmp, ignore_errors=True)
                 self.removed_partial.append(tmp.name)
+            for s in checkpoint_steps(self.directory, complete=False):
+                self.set_aside.append(set_aside(self.directory, s, "incomplete").name)
         options = ocp.CheckpointManagerOptions(preservation_policy=ocp.checkpoint_managers.LatestN(keep),
                                                enable_async_checkpointing=async_save, create=True)
         # Arrays are written by replica 0 of each shard. Orbax's default on CPU ("replica-parallel")
@@ -180,7 +196,8 @@ class Checkpointer:
 
         Returns:
           True, or False (nothing written, a :class:`CheckpointWarning` naming the step and the directory)
-          when a good checkpoint of ``step`` exists; one :meth:`restore` found unreadable is replaced.
+          when a good checkpoint of ``step`` exists. Those :meth:`restore` found unreadable are first renamed
+          to ``<step>.unreadable``.
 
         Raises:
           RunDirectoryError: good checkpoints of later steps exist (another run's, which ``keep`` would prune).
@@ -196,9 +213,8 @@ class Checkpointer:
             return False
         refuse_later_steps(f"Checkpointer.save(step={step})", self.directory, self.steps_after(step, existing),
                            self.keep)
-        if step in existing:                     # an unreadable one passed over by restore(): replace it
-            self._manager.delete(step)
-            self._bad.discard(step)
+        if self._bad:                  # those restore() found unreadable: set aside before keep prunes
+            self._set_aside_unreadable()
         layout = layout if layout is not None else self.layout
         record = {**(meta or {}), "step": int(step), "format": FORMAT, "time": time.time(),
                   **record_shapes(state), **lists_record(layout), **record_layouts(layout, state)}
@@ -211,6 +227,21 @@ class Checkpointer:
         if wait:
             self.wait()
         return True
+
+    def _set_aside_unreadable(self) -> None:
+        """Rename the checkpoints :meth:`restore` found unreadable to ``<step>.unreadable`` (process 0; every
+        process then reads the directory again): ``keep`` counts good checkpoints only, and a save of that
+        step writes a new one."""
+        if jax.process_index() == 0:
+            for s in sorted(self._bad):
+                if (self.directory / str(s)).is_dir():
+                    self.set_aside.append(set_aside(self.directory, s, "unreadable").name)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jaxpar.Checkpointer.set_aside")
+        self._bad.clear()
+        self._manager.reload()
 
     def wait(self) -> None:
         """Block until every pending save is on disk (and old ones are deleted)."""
@@ -252,11 +283,7 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; found steps {steps or 'none'}.")
         candidates = steps[::-1] if step is None else [step]
         if not candidates:
-            partial = self.removed_partial
-            extra = f" (only unfinished saves, now removed: {', '.join(partial)})" if partial else ""
-            raise CheckpointError(f"no checkpoint to resume from in {self.directory}{extra}: "
-                                  "the directory has no complete checkpoint. Train without resuming first, "
-                                  "or point the checkpoint directory at an earlier run.")
+            raise no_checkpoint_error(self.directory, [*self.removed_partial, *self.set_aside])
         skipped: list[tuple[int, str]] = []
         for i, s in enumerate(candidates):
             try:

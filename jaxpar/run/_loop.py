@@ -17,6 +17,8 @@ checkpoint points: the next host batch is built while the device computes.
   ``"stop"`` raises :class:`~jaxpar.errors.NonFiniteError`. A non-finite state is never saved.
 * **Goodput** (:mod:`jaxpar.run._goodput`): the wall time by bucket (steps, compile, checkpoints, data,
   eval, logging, steps lost to a restart) in the ``train`` records and ``summary.goodput``.
+* **Hangs** (:class:`~jaxpar.run.Watchdog`): a step with no progress within a bound (a collective waiting
+  for a stuck or dead process) ends the process with its Python stacks dumped and exit status 124.
 * **Memory** (:class:`~jaxpar.run._report.MemoryMeter`): the peak bytes per device, measured at log points
   (``memory_stats()``; on CPU the live arrays), beside the compiled step's in ``summary.memory``.
 
@@ -47,6 +49,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -71,6 +74,7 @@ from jaxpar.run._preemption import StopAgreement, StopSignals
 from jaxpar.run._goodput import Goodput
 from jaxpar.run._ramp import AdaptiveRamp
 from jaxpar.run._same_program import SameProgram
+from jaxpar.run._watchdog import Watchdog
 from jaxpar.run._run_directory import refuse_later_steps
 from jaxpar.run._report import (LogOptions, MemoryMeter, Meter, MetricsWriter, Progress, TrainSummary,
                                 is_main_process, merge_log_options, plot_losses)
@@ -211,8 +215,9 @@ class _Run:
                  start: int, end: int, on_nonfinite: str, max_inflight: int, checkpointer: Any,
                  checkpoint_meta: dict | None, eval_fn: Callable[[Any], float] | None, eval_every: int,
                  ramp: Any = None, steps_per_call: int = 1, same_program: SameProgram | None = None,
-                 goodput: Goodput | None = None):
+                 goodput: Goodput | None = None, watchdog: Watchdog | None = None):
         self.clock = goodput if goodput is not None else Goodput()
+        self.watchdog = watchdog
         self.step_fn, self.batch_fn, self.mesh, self.log = step_fn, batch_fn, mesh, log
         self.same_program = same_program     # several processes: the programs compared before the first step
         self.k = steps_per_call
@@ -297,7 +302,8 @@ class _Run:
             self.clock.add("logging", mark)
         if save:
             mark = self.clock.mark()
-            self.save(state, done)
+            with self.paused():
+                self.save(state, done)
             self.clock.add("checkpoint_save", mark)
 
     def save(self, state: Any, done: int) -> None:
@@ -334,7 +340,8 @@ class _Run:
         jax.block_until_ready(state)
         self.clock.add("steps", mark)
         t0 = (mark := self.clock.mark())[0]
-        value = float(self.eval_fn(state))
+        with self.paused():
+            value = float(self.eval_fn(state))
         self.clock.add("eval", mark)
         self.evals.append((done, value))
         self.writer.write({"kind": "eval", "step": done, "eval_loss": value, "eval_time": time.perf_counter() - t0})
@@ -346,13 +353,17 @@ class _Run:
         done, preempted, k = self.start, None, self.k
         try:
             agreement = StopAgreement(stop_check_every)
-            with StopSignals(handle_signals) as signals:
+            with StopSignals(handle_signals) as signals, self.watchdog or contextlib.nullcontext():
                 for step in range(self.start, self.end, k):
                     if self.trace is not None:
-                        self.trace.begin(step, state)
+                        with self.paused():
+                            self.trace.begin(step, state)
                     state, metrics = self.step(state, step)
+                    if self.watchdog is not None:
+                        self.watchdog.beat(step + k)     # armed from the first step's dispatch (compiled)
                     if self.trace is not None:
-                        self.trace.end(step, (state, metrics))
+                        with self.paused():
+                            self.trace.end(step, (state, metrics))
                     done = step + k
                     self.grow_batch(state, done)
                     # several processes: the same answer in all; checked after the first step too
@@ -365,6 +376,10 @@ class _Run:
         finally:
             self.close()
         return state, self.summary(state, done, preempted)
+
+    def paused(self):
+        """A block the watchdog does not time (an evaluation, a checkpoint save, a traced step's edges)."""
+        return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         if self.trace is not None:
@@ -430,7 +445,8 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
           checkpointer: Any = None, checkpoint_meta: dict | None = None, on_nonfinite: str = "stop",
           handle_signals: bool = True, max_inflight: int = 2, stop_check_every: int | None = None,
           ramp: Any = None, steps_per_call: int = 1, same_program: SameProgram | None = SameProgram(),
-          goodput: Goodput | None = None, log: LogOptions | None = None, **log_options: Any) -> tuple[Any, TrainSummary]:
+          goodput: Goodput | None = None, watchdog: Watchdog | None = None, log: LogOptions | None = None,
+          **log_options: Any) -> tuple[Any, TrainSummary]:
     """Run ``steps`` train steps from ``start_step``; log, evaluate, checkpoint, stop on a signal.
 
     Args:
@@ -457,14 +473,14 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
         batches stacked ``[k, B, ...]``, metrics ``[k]``; steps and intervals multiples of ``k``.
       same_program: several processes compare the first step's program (:class:`~jaxpar.run.SameProgram`; None: not).
       goodput: the run's clock (:class:`~jaxpar.run._goodput.Goodput`, made before a restore it timed; None: now).
+      watchdog: a :class:`~jaxpar.run.Watchdog`: no progress within its bound ends the process (None: none).
       log: a :class:`LogOptions` (default ``LogOptions()``).
       **log_options: :class:`LogOptions` fields given directly (``log_every=1``), overriding ``log``'s.
 
     Returns:
       ``(state, summary)``: the final state and a :class:`TrainSummary`.
 
-    Example::
-
+    Example:
         >>> import jax, jax.numpy as jnp, numpy as np, jaxpar; from jaxpar.step._state import TrainState
         >>> def step(state, batch):              # any (state, batch) -> (state, metrics); here: w -> mean(batch)
         ...     grad = state.params - batch.mean()
@@ -477,11 +493,10 @@ def train(step_fn: Callable, state: Any, batch_fn: Callable[[int], Any], *, mesh
         >>> int(state.step), summary.first_loss, summary.last_loss
         (4, 0.5, 0.0078125)
     """
-    start, stop_check_every = _checked_train_args(
-        state, (log := merge_log_options(log, log_options)), steps=steps, start_step=start_step, eval_every=eval_every,
-        max_inflight=max_inflight, stop_check_every=stop_check_every, on_nonfinite=on_nonfinite, ramp=ramp,
-        steps_per_call=steps_per_call, checkpointer=checkpointer)
-    run = _Run(step_fn, batch_fn, mesh, log, start=start, end=start + steps, on_nonfinite=on_nonfinite, goodput=goodput,
-               max_inflight=max_inflight, checkpointer=checkpointer, checkpoint_meta=checkpoint_meta, eval_fn=eval_fn,
-               eval_every=eval_every, ramp=ramp, steps_per_call=steps_per_call, same_program=same_program)
-    return run.loop(state, handle_signals, stop_check_every)
+    log, common = merge_log_options(log, log_options), dict(eval_every=eval_every, max_inflight=max_inflight, ramp=ramp,
+                  on_nonfinite=on_nonfinite, steps_per_call=steps_per_call, checkpointer=checkpointer)
+    start, stop_check_every = _checked_train_args(state, log, steps=steps, start_step=start_step, **common,
+                                                  stop_check_every=stop_check_every)
+    return _Run(step_fn, batch_fn, mesh, log, start=start, end=start + steps, goodput=goodput, eval_fn=eval_fn, **common,
+                checkpoint_meta=checkpoint_meta, same_program=same_program, watchdog=watchdog).loop(
+                    state, handle_signals, stop_check_every)

@@ -185,7 +185,8 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
                            opts: RunOptions, log: LogOptions, *, checkpointer: Any = None,
                            meta: dict | None = None, eval_fn: Callable | None = None,
                            eval_batches: Sequence = (), ramp: Any = None,
-                           lr_schedule: Callable[[int], Any] | None = None, config_text: str | None = None) -> int:
+                           lr_schedule: Callable[[int], Any] | None = None, config_text: str | None = None,
+                           watchdog: Any = None) -> int:
     """Resume (``opts.resume``; else a new run, in directories that hold no other run:
     :func:`~jaxpar.run._run_directory.claim_run_directory`), run :func:`jaxpar.run.train` with
     checkpoints and metrics, then write ``summary.json`` and the samples and print where everything went.
@@ -207,6 +208,7 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
       config_text: the run's config (YAML), written to ``<out_dir>/config.yaml`` once the run starts
         training: after a resume succeeded, never when it fails or finds nothing to do (None: not written); with
         several processes, a program mismatch names the keys whose values differ between them.
+      watchdog: a :class:`~jaxpar.run.Watchdog` (its ``directory``, where a hang's stacks go, defaults to out_dir).
 
     Returns:
       The exit status: 0, also after a stop signal (a checkpoint is saved) or when the checkpoint
@@ -220,17 +222,17 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
         meta = {**(meta or {}), "schedule": {"steps": int(opts.steps)}}
         checkpointer.lr_schedule = lr_schedule or checkpointer.lr_schedule
     clock = Goodput()                 # the run's wall time by bucket, from before the restore
-    if (started := _start(state, layout, opts, checkpointer, ramp, lr_schedule, config_text, clock)) is None:
+    if (started := _start(state, layout, opts, checkpointer, ramp, lr_schedule, config_text, clock, log)) is None:
         return 0
     state, start = started
-    if log.peak_flops and log.flops_per_token is None:
-        print("mfu      not reported: FLOPs per token are known only for the built-in GPT (logging.peak_flops)")
+    if watchdog is not None:
+        watchdog.directory = watchdog.directory or Path(opts.out_dir)
     try:
         state, summary = train(step, state, batch_fn, mesh=layout.mesh, steps=opts.steps - start,
                                start_step=start, eval_fn=eval_fn, eval_every=opts.eval_every,
                                checkpointer=checkpointer, checkpoint_meta=meta, on_nonfinite=opts.on_nonfinite,
                                ramp=ramp, steps_per_call=opts.steps_per_call, log=log,
-                               same_program=SameProgram(config_text=config_text), goodput=clock)
+                               same_program=SameProgram(config_text=config_text), goodput=clock, watchdog=watchdog)
     except NonFiniteError as e:
         print(f"jaxpar train: error: {e}", file=sys.stderr)
         return 1
@@ -242,7 +244,7 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
 
 
 def _start(state: Any, layout: Any, opts: RunOptions, checkpointer: Any, ramp: Any, lr_schedule: Any,
-           config_text: str | None, clock: Goodput) -> tuple[Any, int] | None:
+           config_text: str | None, clock: Goodput, log: LogOptions) -> tuple[Any, int] | None:
     """``(state, start step)``: the checkpoint's (``opts.resume``, timed on ``clock``; None when it is at
     ``opts.steps`` already), or a new run's in directories that hold no other; then ``config.yaml``. The
     checkpointer is closed when the run does not start."""
@@ -264,6 +266,8 @@ def _start(state: Any, layout: Any, opts: RunOptions, checkpointer: Any, ramp: A
             if checkpointer is not None:
                 checkpointer.close()
             raise
+    if log.peak_flops and log.flops_per_token is None:
+        print("mfu      not reported: FLOPs per token are known only for the built-in GPT (logging.peak_flops)")
     if config_text is not None and is_main_process():
         Path(opts.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(opts.out_dir) / "config.yaml").write_text(config_text)

@@ -18,8 +18,11 @@ Example::
     >>> _ = (out / "config.yaml").write_text("model: ...")             # a start that crashed before step 1
     >>> earlier_run(out, out / "checkpoints")
     ''
-    >>> (out / "checkpoints" / "100").mkdir()
+    >>> (out / "checkpoints" / "100").mkdir()                    # an interrupted save: no checkpoint
     >>> _ = (out / "metrics.jsonl").write_text("{}")
+    >>> earlier_run(out, out / "checkpoints")
+    ''
+    >>> _ = (out / "checkpoints" / "100" / COMPLETE).write_text("{}")  # Orbax's record of a finished save
     >>> earlier_run(out, out / "checkpoints").endswith("/checkpoints; config.yaml, metrics.jsonl")
     True
     >>> moved = claim_run_directory(out, out / "checkpoints", overwrite=True)
@@ -37,6 +40,9 @@ import jax
 
 from jaxpar.errors import RunDirectoryError
 
+#: The file Orbax writes into a step's folder when its save is complete (a folder without it is an interrupted
+#: save, or an empty one).
+COMPLETE = "_CHECKPOINT_METADATA"
 #: What marks ``train.out_dir`` as a run's, beside the checkpoints in ``checkpoint.dir``.
 RUN_RECORDS = ("config.yaml", "metrics.jsonl", "summary.json")
 #: What a run writes in ``train.out_dir``: moved aside with its checkpoints by :func:`claim_run_directory`.
@@ -51,11 +57,20 @@ class Moved(NamedTuple):
     checkpoint_dir: Path | None
 
 
-def _checkpoint_steps(directory: Path | None) -> list[int]:
-    """The steps of the complete checkpoints (Orbax's ``<step>`` folders) in ``directory``, none opened."""
-    if directory is None or not directory.is_dir():
+def checkpoint_steps(directory: str | Path | None, *, complete: bool = True) -> list[int]:
+    """The steps of the checkpoints in ``directory``: Orbax's ``<step>`` folders, none opened.
+
+    Args:
+      directory: a checkpoint directory (None or missing: none).
+      complete: only those whose save finished (:data:`COMPLETE`); False: only those whose save did not.
+
+    Returns:
+      Their steps, oldest first.
+    """
+    if directory is None or not Path(directory).is_dir():
         return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+    return sorted(int(p.name) for p in Path(directory).iterdir()
+                  if p.name.isdigit() and p.is_dir() and (p / COMPLETE).is_file() == complete)
 
 
 def earlier_run(out_dir: str | Path, checkpoint_dir: str | Path | None = None) -> str:
@@ -68,19 +83,43 @@ def earlier_run(out_dir: str | Path, checkpoint_dir: str | Path | None = None) -
     Returns:
       The complete checkpoints and the :data:`RUN_RECORDS` files found, in words
       (``"checkpoints of steps [100, 200] in DIR; config.yaml, metrics.jsonl"``); empty: the directories hold no
-      run. A start that recorded nothing (no complete checkpoint, an empty or no ``metrics.jsonl``, no
-      ``summary.json``: it stopped before its first logged step) is no run: its retry takes the directory.
+      run. A run is what can be continued or read: a complete checkpoint, a ``summary.json`` (a run that
+      finished), or without checkpoints (``checkpoint_dir`` None) a non-empty ``metrics.jsonl``. A start that
+      left none of them (it crashed while compiling, or before its first checkpoint: ``--resume`` has nothing
+      to continue) is no run: its retry takes the directory.
     """
     out = Path(out_dir)
-    steps = _checkpoint_steps(None if checkpoint_dir is None else Path(checkpoint_dir))
-    recorded = [name for name in RUN_RECORDS if name != "config.yaml" and (out / name).is_file()
-                and (out / name).stat().st_size > 0]
+    steps = checkpoint_steps(checkpoint_dir)
+    records = ("summary.json",) if checkpoint_dir is not None else ("metrics.jsonl", "summary.json")
+    recorded = [name for name in records if (out / name).is_file() and (out / name).stat().st_size > 0]
     if not steps and not recorded:
         return ""
     found = [", ".join(name for name in RUN_RECORDS if (out / name).exists())]
     if steps:
         found.insert(0, f"checkpoints of steps {steps} in {checkpoint_dir}")
     return "; ".join(words for words in found if words)
+
+
+def set_aside(directory: str | Path, step: int, why: str) -> Path:
+    """Rename the checkpoint folder ``<directory>/<step>`` to ``<step>.<why>`` (``<step>.<why>-2``, ... when
+    taken), where Orbax no longer counts it as a step: ``keep`` prunes good checkpoints only, and a new save of
+    ``step`` finds the name free. Nothing is deleted.
+
+    Args:
+      directory: the checkpoint directory.
+      step: the step whose folder goes.
+      why: the new name's suffix (``incomplete``, ``unreadable``).
+
+    Returns:
+      The new path.
+    """
+    src, n = Path(directory) / str(step), 1
+    dest = src.with_name(f"{step}.{why}")
+    while dest.exists():
+        n += 1
+        dest = src.with_name(f"{step}.{why}-{n}")
+    src.rename(dest)
+    return dest
 
 
 def _aside(path: Path, n: int) -> Path:
@@ -152,7 +191,7 @@ def _move_aside(out: Path, ck: Path | None, n: int) -> Moved:
         return Moved(dest, None)
     if inside == Path("."):                   # checkpoints straight in out_dir: the step folders and partial saves
         for step in ck.iterdir():
-            if step.name.isdigit() or ".orbax-checkpoint-tmp" in step.name:
+            if step.name.split(".")[0].isdigit():      # steps, partial saves, those set aside
                 step.rename(dest / step.name)
     else:
         ck_dest.parent.mkdir(parents=True, exist_ok=True)
