@@ -3,15 +3,30 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install targets train test test-all ci-share bench peers clean
+.PHONY: install targets train test test-all notebooks ci-share bench peers clean
 
+# The package and what training needs (jax, flax, optax, orbax, ...; no torch): ~0.9 GB
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e .
 	touch $(STAMP)
 
-# The GPU and TPU compilers (docs/targets.md): ~440 MB, for the tests and `jaxpar inspect --target`;
+# The test extra (pytest, torch CPU, transformers, pyarrow, grain, datasets, nbclient, ...): ~1.4 GB more
+TESTS := $(VENV)/.tests-installed
+
+$(TESTS): $(STAMP)
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(TESTS)
+
+# Jupyter, to open the notebooks: `make notebooks`, then .venv/bin/jupyter lab notebooks/
+NOTEBOOKS := $(VENV)/.notebooks-installed
+
+$(NOTEBOOKS): $(STAMP)
+	$(BIN)/pip install -q -e ".[notebooks]"
+	touch $(NOTEBOOKS)
+
+# The GPU and TPU compilers (docs/targets.md): ~1.3 GB, for the tests and `jaxpar inspect --target`;
 # `make train` does not need them. They go into a directory of their own, off sys.path
 # (.venv/jaxpar-targets: jaxpar.devices.targets_dir), so that `import jax` does not load them.
 TARGETS := $(VENV)/.jaxpar-targets-installed
@@ -30,11 +45,14 @@ train: $(STAMP)
 # one pytest worker per core (at most 4), a test file per worker: the compiles are single-threaded
 PARALLEL := -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder
 
-test: $(STAMP) $(TARGETS)
+test: $(TESTS) $(TARGETS)
 	$(BIN)/python -m pytest -q $(PARALLEL)
 
-test-all: $(STAMP) $(TARGETS)
+test-all: $(TESTS) $(TARGETS)
 	$(BIN)/python -m pytest -q $(PARALLEL) -m ""
+
+notebooks: $(NOTEBOOKS)
+	@echo "open them with: $(BIN)/jupyter lab notebooks/  (figures they save go to notebooks/*.png, git-ignored)"
 
 # the share of the exhaustive tier CI runs at HEAD; BASE=<the landed commit the session started from> says
 # whether HEAD runs the next one (docs/testing.md)
