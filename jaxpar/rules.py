@@ -302,7 +302,21 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     if ctx is None:
         return x
     mesh, rules = ctx
-    spec = logical_to_spec(logical, rules, mesh, shape=x.shape, what=f"activation {tuple(logical)}")
+    return constrain_spec(x, logical_to_spec(logical, rules, mesh, shape=x.shape, what=f"activation {tuple(logical)}"))
+
+
+def constrain_spec(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """Constrain ``x`` to ``spec`` over the mesh of :func:`use_rules` (inside a ``shard_map``: its
+    mesh, less the axes it made manual).
+
+    Args:
+      x: the array.
+      spec: its ``PartitionSpec``.
+
+    Returns:
+      ``x`` with a sharding constraint.
+    """
+    mesh = _RULES.get()[0]
     inner = jax.sharding.get_abstract_mesh()      # inside a shard_map: its mesh, with the manual axes
     if not inner.manual_axes:
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

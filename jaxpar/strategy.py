@@ -30,7 +30,8 @@ from jaxpar.errors import StrategyError
 from jaxpar.parallel._fp8 import Fp8
 from jaxpar.parallel._offload import Offload
 from jaxpar.parallel._tensor import tensor_rules
-from jaxpar.parallel._zero import ZERO_STAGES
+from jaxpar.parallel._lookup import TABLE_EMBED
+from jaxpar.parallel._zero import ZERO_STAGES, zero_axes
 
 __all__ = ["Strategy", "COMPUTE_DTYPES"]
 
@@ -156,7 +157,9 @@ class Strategy:
         """Logical rules for this strategy on ``mesh`` (user rules first). With a
         ``pipe`` axis the stacked ``layers`` dimension is split over it (replicated
         when the layer count does not divide); with an ``expert`` axis the ``experts`` dimension
-        of MoE weights is split over it, and the batch too.
+        of MoE weights is split over it, and the batch too. A token table's stored ``embed``
+        (``table_embed``) is split over the axes ZeRO shards the parameters over
+        (:func:`jaxpar.parallel.embed_lookup`).
 
         Args:
           mesh: the mesh the rules map onto.
@@ -172,7 +175,8 @@ class Strategy:
             context = (("length", CONTEXT), ("norm_length", norm))
         ep = (EXPERT,) if sizes.get(EXPERT, 1) > 1 else ()
         experts = (("experts", ep[0] if ep else None),)        # MoE weights' expert dimension
-        return tuple(self.extra_rules) + pipe + context + experts + tuple(
+        table = ((TABLE_EMBED, zero_axes(sizes, self.zero, "params") or None), (TABLE_EMBED, None))
+        return tuple(self.extra_rules) + pipe + context + experts + table + tuple(
             tensor_rules(sequence_parallel=self.sequence_parallel, batch_axes=data_axes(mesh) + ep))
 
     @property

@@ -213,7 +213,8 @@ def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ..
 
 def zero_dim_of(leaf: Leaf, spec, sizes: Mapping[str, int]) -> int | None:
     """The dimension ZeRO / FSDP splits (as :func:`jaxpar.parallel.zero_dim`): the largest one that is not
-    ``layers``, not split by ``spec`` (:func:`leaf_spec`) and divisible by ``data * fsdp``; None if none.
+    ``layers``, not split by ``spec`` (:func:`leaf_spec`) and divisible by ``data * fsdp`` (a token table's
+    ``embed`` first); None if none.
 
     Args:
       leaf: the parameter.
@@ -224,7 +225,8 @@ def zero_dim_of(leaf: Leaf, spec, sizes: Mapping[str, int]) -> int | None:
       The dimension index, or ``None``.
     """
     n = sizes.get("fsdp", 1) * sizes.get("data", 1)
-    for d in sorted(range(len(leaf.shape)), key=lambda d: -leaf.shape[d]):
+    order = sorted(range(len(leaf.shape)), key=lambda d: -leaf.shape[d])
+    for d in ((1, 0) if leaf.logical == ("vocab", "embed") else order):    # a token table: embed first
         if leaf.logical[d] != "layers" and not spec[d] and leaf.shape[d] % n == 0:
             return d
     return None

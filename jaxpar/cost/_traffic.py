@@ -270,12 +270,36 @@ def _pipe_comms(add, m: ModelSpec, plan: Plan, act: float, lowering: str, grad_b
 
 def _reduced_whole(leaf: Leaf, lowering: str, data_axes, p_axes, shards_times_local: float) -> bool:
     """Whether XLA all-reduces ``leaf``'s whole gradient over the data axes although the state shards
-    it: libtpu does so for the token table; XLA:GPU for a lookup table (tokens, positions: the
+    it: libtpu does so for the lookup tables (tokens, positions); XLA:GPU for a lookup table (the
     scatter-add's gradient) whose parameters ZeRO / FSDP shard over fewer axes than split the tokens."""
-    if lowering == "xla-tpu":
-        return _is_token_table(leaf)
     lookup = not leaf.stacked and len(leaf.logical) == 2 and not leaf.matmul
+    if lowering == "xla-tpu":
+        return lookup
     return lowering == "xla" and lookup and shards_times_local > leaf.size and bool(set(data_axes) - set(p_axes))
+
+
+def _moves_rows(m: ModelSpec, plan: Plan, leaf: Leaf, p_axes: tuple, data_axes: tuple) -> bool:
+    """Whether :func:`jaxpar.parallel.embed_lookup` moves the token rows of ``leaf`` rather than gathering
+    it: a token table that ZeRO-3 / FSDP stores split, with its vocabulary whole (no tensor axis) outside a
+    pipeline, where a device holds fewer tokens than the vocabulary."""
+    tokens = m.batch * m.seq / math.prod(plan.sizes[a] for a in data_axes if a != "context")
+    return (_is_token_table(leaf) and bool(p_axes) and plan.tensor == 1 and plan.pipe == 1
+            and tokens < m.vocab and m.hidden % math.prod(plan.sizes[a] for a in p_axes) == 0)
+
+
+def _row_lookup(acc, m: ModelSpec, plan: Plan, p_axes: tuple, data_axes: tuple, abytes: float,
+                grad: float) -> None:
+    """:func:`jaxpar.parallel.embed_lookup`'s collectives: the token ids gathered over the axes that store the
+    table, its ``embed`` slice's rows moved by an all-to-all each way (behind a collective-permute each way
+    where those axes run in another order than the batch's), and the slice's gradient summed over the other
+    data axes."""
+    n = math.prod(plan.sizes[a] for a in p_axes)
+    group = m.batch * m.seq / math.prod(plan.sizes[a] for a in data_axes if a not in p_axes and a != "context")
+    acc("all-gather", p_axes, group * 4, 1, "params")
+    acc("all-to-all", p_axes, group * m.hidden / n * abytes, 2, "params")
+    if tuple(a for a in data_axes if a in p_axes) != p_axes:
+        acc("collective-permute", p_axes, group * m.hidden / n * abytes, 2, "params")
+    acc("all-reduce", tuple(a for a in data_axes if a not in p_axes), grad / n, 1, "grads")
 
 
 def _is_token_table(leaf: Leaf) -> bool:
@@ -329,7 +353,10 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
         gb, nbytes = _element_bytes(leaf, plan, lowering, grad_bytes, pbytes)
         g = per * gb * (_sp_grad_scale(m, leaf, t) if cpu and plan.sequence_parallel else 1)
         n_g = math.prod(sizes[a] for a in g_axes) if shardable else 1
-        if end is None or leaf.stacked or pipe_end(leaf) == end:      # gradients
+        rows = _moves_rows(m, plan, leaf, p_axes, data_axes)
+        if rows:
+            _row_lookup(acc, m, plan, p_axes, data_axes, 4 if cpu else compute_bytes, g)
+        elif end is None or leaf.stacked or pipe_end(leaf) == end:      # gradients
             if cpu and end is not None and _is_token_table(leaf):
                 # the lookup's transpose (a scatter-add) in the executor's manual region is replicated over
                 # the data axes: XLA gathers the output cotangent and the token ids instead of reducing the table
@@ -352,7 +379,7 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
             else:
                 acc("all-reduce", data_axes, g, count * per_mb, "grads")
         # parameters: ZeRO-3 / FSDP gathers (forward, and again in the backward for the layers)
-        if p_axes and shardable:
+        if p_axes and shardable and not rows:
             gathers = (2 if leaf.stacked else 1) * (mb if not cpu else 1)
             acc("all-gather", p_axes, per * nbytes, count * gathers, "params")
         # ZeRO-1/2: the updated shard is gathered back over the axes the optimizer state has more;

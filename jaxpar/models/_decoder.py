@@ -47,6 +47,7 @@ from flax import nnx
 from jaxpar.adapters._blocks import REMAT_POLICIES, remat_policy, run_layers
 from jaxpar.errors import ModelConfigError, check_int
 from jaxpar.parallel.context import in_sequence_order, sequence_order
+from jaxpar.parallel._lookup import embed_lookup
 from jaxpar.rules import constrain
 from jaxpar.models._gpt import cross_entropy
 from jaxpar.models._decoder_layers import ACTIVATIONS, Carry, KVCache, RoPE, cached_layer_apply, layer_apply, rms_norm
@@ -285,7 +286,7 @@ class Decoder(nnx.Module):
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         """The residual stream's input ``[batch, length, embed]`` (Gemma's √embed applied)."""
-        x = jnp.take(constrain(self.embed[...], ("vocab", "embed")), tokens, axis=0)
+        x = embed_lookup(self.embed[...], tokens)
         if self.cfg.embed_scale:
             x = x * jnp.asarray(self.cfg.embed ** 0.5, jnp.float32).astype(x.dtype)
         return constrain(x, ("batch", "norm_length", "embed"))

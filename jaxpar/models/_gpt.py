@@ -40,6 +40,7 @@ from flax import nnx
 
 from jaxpar.adapters._blocks import REMAT_POLICIES, remat_policy, run_layers
 from jaxpar.parallel.context import in_sequence_order, sequence_order
+from jaxpar.parallel._lookup import embed_lookup
 from jaxpar.rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes
 from jaxpar.models._gpt_layers import BLOCK_LOGICAL, Blocks, block_apply, layer_norm, param, zeros
 from jaxpar.adapters._loss_metrics import report_metric
@@ -298,11 +299,10 @@ def embed_apply(p: dict[str, jax.Array], tokens: jax.Array, positions: Any = Non
     Returns:
       The residual stream ``[batch, length, embed]``.
     """
-    wte = constrain(p["wte"], ("vocab", "embed"))    # the compute layout (ZeRO-3: gathered over the data axes)
     wpe = p["wpe"][: tokens.shape[1]]
     if positions is not None:       # the balanced context-parallel order (jaxpar.parallel.context.sequence_order)
         wpe = in_sequence_order(wpe, 0)
-    x = jnp.take(wte, tokens, axis=0) + wpe
+    x = embed_lookup(p["wte"], tokens) + wpe
     return constrain(x, ("batch", "norm_length", "embed"))
 
 

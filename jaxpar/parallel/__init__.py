@@ -11,9 +11,11 @@ from jaxpar.parallel._data_parallel import (bucketed_all_gather, bucketed_reduce
                                             explicit_by_default)
 from jaxpar.parallel._fp8 import Fp8, fp8_dot_general, fp8_layer, fp8_loss
 from jaxpar.parallel._offload import Offload
+from jaxpar.parallel._lookup import TABLE_EMBED, embed_lookup
 from jaxpar.parallel._tensor import column_parallel, row_parallel, tensor_rules
 from jaxpar.parallel._zero import ZERO_STAGES, add_zero_axes, analytic_state_bytes, zero_dim
 
 __all__ = ["bucketed_all_gather", "bucketed_reduce_scatter", "data_parallel_block", "explicit_by_default",
-           "Fp8", "fp8_dot_general", "fp8_layer", "fp8_loss", "column_parallel", "row_parallel", "tensor_rules",
+           "Fp8", "fp8_dot_general", "fp8_layer", "fp8_loss", "TABLE_EMBED", "embed_lookup", "column_parallel",
+           "row_parallel", "tensor_rules",
            "Offload", "ZERO_STAGES", "add_zero_axes", "analytic_state_bytes", "zero_dim"]

@@ -3,7 +3,9 @@
 The ``fsdp`` mesh axis always shards all three (ZeRO-3 / FSDP). The ``data``
 axis shards what the ZeRO ``stage`` says: 1 = optimizer state, 2 = + gradients,
 3 = + parameters. Each array is sharded on its largest dimension that is not
-already sharded, is not the scanned ``layers`` axis, and divides evenly; arrays
+already sharded, is not the scanned ``layers`` axis, and divides evenly (a token
+table ``("vocab", "embed")`` on ``embed`` first, so that :func:`embed_lookup`
+moves rows, not the table); arrays
 with no such dimension (biases, norms) stay replicated over those axes and are
 counted exactly by :func:`analytic_state_bytes`.
 
@@ -31,6 +33,7 @@ from jaxpar.errors import StrategyError
 ZERO_STAGES = (0, 1, 2, 3)
 _FIRST_STAGE = {"opt": 1, "grads": 2, "params": 3}
 _ZERO_AXES = ("fsdp", "data")      # the axes ZeRO shards over
+TOKEN_TABLE = ("vocab", "embed")
 
 
 def zero_axes(mesh_sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str, ...]:
@@ -132,7 +135,8 @@ def zero_dim(shape: Sequence[int], logical: Sequence[str | None], spec: Partitio
     used = {a for e in entries for a in axes_of(e)}
     n = math.prod(mesh_sizes.get(a, 1) for a in _ZERO_AXES if a not in used)
     logical = tuple(logical) + (None,) * (len(shape) - len(tuple(logical)))
-    for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+    order = sorted(range(len(shape)), key=lambda d: -shape[d])
+    for d in ((1, 0) if logical == TOKEN_TABLE else order):     # a token table: embed, for embed_lookup's rows
         free = all(mesh_sizes.get(a, 1) == 1 for a in axes_of(entries[d]))   # size-1 axes split nothing
         if logical[d] not in exclude and free and shape[d] % n == 0:
             return d
