@@ -287,12 +287,14 @@ def _moves_rows(m: ModelSpec, plan: Plan, leaf: Leaf, p_axes: tuple, data_axes: 
             and tokens < m.vocab and m.hidden % math.prod(plan.sizes[a] for a in p_axes) == 0)
 
 
-def _row_lookup(acc, m: ModelSpec, plan: Plan, p_axes: tuple, data_axes: tuple, abytes: float,
-                grad: float) -> None:
-    """:func:`jaxpar.parallel.embed_lookup`'s collectives: the token ids gathered over the axes that store the
-    table, its ``embed`` slice's rows moved by an all-to-all each way (behind a collective-permute each way
-    where those axes run in another order than the batch's), and the slice's gradient summed over the other
-    data axes."""
+def _row_lookup(acc, m: ModelSpec, plan: Plan, leaf: Leaf, p_axes: tuple, data_axes: tuple, abytes: float,
+                grad: float) -> bool:
+    """:func:`jaxpar.parallel.embed_lookup`'s collectives where it moves rows (:func:`_moves_rows`; returns
+    whether it does): the token ids gathered over the axes that store the table, its ``embed`` slice's rows
+    moved by an all-to-all each way (behind a collective-permute each way where those axes run in another
+    order than the batch's), and the slice's gradient summed over the other data axes."""
+    if not _moves_rows(m, plan, leaf, p_axes, data_axes):
+        return False
     n = math.prod(plan.sizes[a] for a in p_axes)
     group = m.batch * m.seq / math.prod(plan.sizes[a] for a in data_axes if a not in p_axes and a != "context")
     acc("all-gather", p_axes, group * 4, 1, "params")
@@ -300,6 +302,7 @@ def _row_lookup(acc, m: ModelSpec, plan: Plan, p_axes: tuple, data_axes: tuple, 
     if tuple(a for a in data_axes if a in p_axes) != p_axes:
         acc("collective-permute", p_axes, group * m.hidden / n * abytes, 2, "params")
     acc("all-reduce", tuple(a for a in data_axes if a not in p_axes), grad / n, 1, "grads")
+    return True
 
 
 def _is_token_table(leaf: Leaf) -> bool:
@@ -334,8 +337,7 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
     sizes = plan.sizes
     d, f, t, mb = plan.data, plan.fsdp, plan.tensor, plan.microbatches
     base_axes = _axes(sizes, ("data", "fsdp"))
-    g_axes, p_axes = zero_axes(sizes, plan.zero, "grads"), zero_axes(sizes, plan.zero, "params")
-    o_axes = zero_axes(sizes, plan.zero, "opt")
+    g_axes, p_axes, o_axes = (zero_axes(sizes, plan.zero, kind) for kind in ("grads", "params", "opt"))
     explicit = t == 1 and plan.pipe == 1 and ((d > 1 and plan.zero >= 2) or f > 1)
     pbytes = 4 if cpu else compute_bytes
     end = _busiest_end(m, plan) if plan.pipe > 1 else None
@@ -353,10 +355,8 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
         gb, nbytes = _element_bytes(leaf, plan, lowering, grad_bytes, pbytes)
         g = per * gb * (_sp_grad_scale(m, leaf, t) if cpu and plan.sequence_parallel else 1)
         n_g = math.prod(sizes[a] for a in g_axes) if shardable else 1
-        rows = _moves_rows(m, plan, leaf, p_axes, data_axes)
-        if rows:
-            _row_lookup(acc, m, plan, p_axes, data_axes, 4 if cpu else compute_bytes, g)
-        elif end is None or leaf.stacked or pipe_end(leaf) == end:      # gradients
+        rows = _row_lookup(acc, m, plan, leaf, p_axes, data_axes, pbytes, g)
+        if not rows and (end is None or leaf.stacked or pipe_end(leaf) == end):      # gradients
             if cpu and end is not None and _is_token_table(leaf):
                 # the lookup's transpose (a scatter-add) in the executor's manual region is replicated over
                 # the data axes: XLA gathers the output cotangent and the token ids instead of reducing the table
