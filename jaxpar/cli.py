@@ -45,14 +45,15 @@ _OVERRIDES = ("train", "check", "inspect", "export", "sample", "data", "profile"
 
 
 def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = False, resume: bool = False,
-              overwrite: bool = False, dist: dict | None = None, step_timeout: str = "10x") -> int:
+              overwrite: bool = False, dist: dict | None = None, step_timeout: str | None = None) -> int:
     """``jaxpar train``: load + check the config, claim the run directory, build the job, train, summarise.
 
     ``resume`` (``--resume``) sets ``checkpoint.resume=true``; else a ``train.out_dir`` that holds another run
     is refused before anything is written, or moved aside with ``overwrite`` (``--overwrite``:
     :func:`jaxpar.run._run_directory.claim_run_directory`). Exit status 0 also after SIGTERM / SIGINT (a
     checkpoint of the current step is saved), 1 when a non-finite loss stops the run (``train.on_nonfinite=stop``),
-    124 when a step hangs (``step_timeout``, ``--step-timeout``: :func:`jaxpar.run._watchdog.parse_step_timeout`).
+    124 when a step hangs (``--step-timeout``, else ``train.step_timeout``:
+    :func:`jaxpar.run._watchdog.parse_step_timeout`).
     """
     from jaxpar.config import ConfigError, load_config, to_yaml
 
@@ -65,7 +66,8 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     from jaxpar.run._watchdog import parse_step_timeout
 
     profile = profile_steps(cfg.train.profile)        # train.profile: the steps to trace, checked first
-    watchdog = parse_step_timeout(step_timeout)
+    watchdog = (parse_step_timeout(cfg.train.step_timeout, "train.step_timeout") if step_timeout is None
+                else parse_step_timeout(step_timeout))
     if overwrite and cfg.checkpoint.resume:
         raise ConfigError("jaxpar train: --overwrite starts a new run (the earlier one moved aside) and --resume "
                           "(checkpoint.resume=true) continues the earlier one; give one of them.")
@@ -285,10 +287,10 @@ def _add_config_commands(sub) -> None:
                    help="continue from the latest good checkpoint in checkpoint.dir (same as checkpoint.resume=true)")
     p.add_argument("--overwrite", action="store_true", help="start a new run where train.out_dir holds another: "
                    "move that run (its files and checkpoints) aside to <train.out_dir>.old-N first; nothing is deleted")
-    p.add_argument("--step-timeout", default="10x", metavar="SPEC", help="end a hung run: a step with no progress "
+    p.add_argument("--step-timeout", metavar="SPEC", help="end a hung run: a step with no progress "
                    "for SPEC (seconds, e.g. 600; or 10x, 10 times the median step time, at least 300 s; 10x:60, at "
                    "least 60 s; 0: never) stops every process with its Python stacks in <train.out_dir>/hang-p<I>.txt "
-                   "and exit status 124 (default 10x)")
+                   "and exit status 124 (default: train.step_timeout, 10x)")
     _add_process_options(p)
     p = _config_parser(sub, "check", "check what jaxpar train would refuse: the config on its devices, the data "
                        "files, the run directory, the train step built; nothing compiled or run",

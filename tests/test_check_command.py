@@ -41,6 +41,8 @@ def test_the_mesh_is_checked_on_the_devices():
 def test_a_bad_option_is_one_line_naming_its_key(capsys):
     assert main(["check", str(QUICK), *TINY, "optimizer.clip_norm=-1"]) == 2
     assert "optimizer.clip_norm=-1.0: must be a finite number > 0" in capsys.readouterr().err
+    assert main(["check", str(QUICK), *TINY, "train.step_timeout=5y"]) == 2
+    assert "train.step_timeout '5y': give seconds (600)" in capsys.readouterr().err
 
 
 def test_muon_options_without_muon_are_named(capsys):

@@ -29,7 +29,7 @@ def test_a_stuck_process_ends_both_with_the_named_error_and_their_stacks(tmp_pat
                 "train.eval_batches=0", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "logging.tensorboard=false",
                 f"train.out_dir={tmp_path}/p{i}", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
                 "--process-id", str(i), "--local-devices", "4", "--heartbeat-timeout", "60",
-                "--step-timeout", str(bound)]
+                f"train.step_timeout={bound}"]
 
     procs = launch(args_of, 2, tmp_path, extra_env=lambda i: {"PYTHONPATH": f"{ROOT}:{TESTS}"})
     try:

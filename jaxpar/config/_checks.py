@@ -19,12 +19,13 @@ import re
 from typing import Any, Callable, Sequence
 
 from jaxpar.data._tokens import TOKEN_DTYPES
-from jaxpar.errors import RampError, int_problem
+from jaxpar.errors import LoopError, RampError, int_problem
 from jaxpar.mesh import MeshError
 from jaxpar.optimizers import hyperparameter_problem
 from jaxpar.step._update import clip_norm_problem
 from jaxpar.parallel.pipeline._partition import PartitionError, check_stage_layers, uniform_layers
 from jaxpar.parallel.pipeline._schedules import get_schedule
+from jaxpar.run._watchdog import parse_step_timeout
 from jaxpar.config._build import MODELS, build_gpt_config, build_strategy, mesh_error, mesh_spec
 from jaxpar.config._optimizer_section import OPTIMIZERS, lr_scaling_problems, muon_problems
 from jaxpar.config._data_section import build_ramp
@@ -386,6 +387,13 @@ def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
     return []
 
 
+def _step_timeout_problem(p: list[str], spec: str) -> None:
+    try:
+        parse_step_timeout(spec, "train.step_timeout")
+    except LoopError as e:
+        p.append(str(e))
+
+
 def _noise_scale_problems(p: list[str], cfg: JobConfig) -> None:
     """``logging.noise_scale.every`` / ``ema`` themselves."""
     ns = cfg.logging.noise_scale
@@ -421,6 +429,7 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> None:
         at_least(p, f"train.{key}", getattr(tr, key), low)
     choice(p, "train.progress", tr.progress, PROGRESS_MODES)
     choice(p, "train.on_nonfinite", tr.on_nonfinite, NONFINITE_MODES)
+    _step_timeout_problem(p, tr.step_timeout)
     ck, lg = cfg.checkpoint, cfg.logging
     for key, value, low in (("checkpoint.every", ck.every, 0), ("checkpoint.keep", ck.keep, 1),
                             ("logging.samples", lg.samples, 0), ("logging.sample_tokens", lg.sample_tokens, 1)):

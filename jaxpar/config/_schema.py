@@ -205,6 +205,7 @@ class TrainConfig:
     out_dir: str = ""
     progress: str = "auto"          # auto | bar | lines | none
     on_nonfinite: str = "skip"      # skip: drop the update of a step with a non-finite loss / grad norm; stop: error
+    step_timeout: str = "10x"       # a hung step ends the run: seconds, Nx (N x the median step, >= 300 s), Nx:S, 0
     profile: dict[str, Any] = field(default_factory=dict)
 
 

@@ -47,12 +47,13 @@ from jaxpar.errors import LoopError, StepHangError
 HUNG_EXIT = 124
 
 
-def parse_step_timeout(spec: str) -> "Watchdog | None":
-    """The watchdog ``jaxpar train --step-timeout SPEC`` asks for.
+def parse_step_timeout(spec: str, setting: str = "--step-timeout") -> "Watchdog | None":
+    """The watchdog ``jaxpar train --step-timeout SPEC`` (or ``train.step_timeout``) asks for.
 
     Args:
       spec: ``"S"`` (seconds), ``"Nx"`` (N times the median step time, at least 300 s), ``"Nx:S"`` (at least
         S seconds), or ``"0"`` (no watchdog).
+      setting: where ``spec`` came from, for the error.
 
     Returns:
       A :class:`Watchdog` without a directory (the caller sets it), or None for ``"0"``.
@@ -75,7 +76,7 @@ def parse_step_timeout(spec: str) -> "Watchdog | None":
         else:
             dog = Watchdog(seconds=float(text))
     except ValueError:
-        raise LoopError(f"--step-timeout {spec!r}: give seconds (600), a multiple of the measured step time (10x, "
+        raise LoopError(f"{setting} {spec!r}: give seconds (600), a multiple of the measured step time (10x, "
                         "at least 300 s) with an optional floor in seconds (10x:60), or 0 for no watchdog.") from None
     return dog
 
