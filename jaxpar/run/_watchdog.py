@@ -198,7 +198,7 @@ class Watchdog:
             f"process {process} of {count} is stuck, or waits in a collective for a process that is stuck or gone. "
             f"This process's Python stacks are in {where} (every process writes its own; the stuck one shows where "
             f"it stopped). Exit status {HUNG_EXIT} (hung). Continue from the last checkpoint with --resume; if a "
-            "step is slow rather than stuck, raise the bound (--step-timeout).")
+            "step is slow rather than stuck, raise the bound (train.step_timeout, or --step-timeout).")
         print(f"jaxpar train: error: StepHangError: {error}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(HUNG_EXIT)
