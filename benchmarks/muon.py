@@ -199,7 +199,8 @@ def placement_collectives(sizes: dict, cfg: GPTConfig) -> dict:
             out["predicted"][f"Muon {name}"] = cost.muon_update(model, sizes, "cpu_sim", placement=p).bytes
     layout = built["Muon owner"][1]
     out["auto"] = {k: v.kind for k, v in muon_placements(layout.shapes, layout.logical, mesh=mesh,
-                                                         specs=layout.opt_param_specs).items()}
+                                                         specs=layout.opt_param_specs,
+                                                         chooser=cost.placement_chooser("cpu_sim")).items()}
     return out
 
 

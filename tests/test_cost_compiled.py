@@ -28,7 +28,7 @@ _cache = {}
 
 def compared(name):
     if name not in _cache:
-        from jaxpar.step import compile_and_compare
+        from jaxpar.analysis import compile_and_compare
 
         if name in PIPED:
             plan = PIPED[name]

@@ -86,7 +86,7 @@ def test_muon_routing_through_init_train_state_trains(names):
     state, losses, layout = _train({}, _tx(logical, routing), steps=8)
     assert losses[-1] < 0.7 * losses[0], losses
     masked = lambda x: isinstance(x, optax.MaskedNode)         # noqa: E731
-    halves = {"muon": state.opt_state.mu, "adam": state.opt_state.adam[0].mu}
+    halves = {k: state.opt_state.inner_states[k].inner_state[0].mu for k in ("muon", "adam")}   # optax.partition's
     for rule, tree in halves.items():
         held = {k for k, v in flat(jax.tree.map(lambda x: 0 if masked(x) else 1, tree, is_leaf=masked)).items()
                 if v == 1}

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from jaxpar.analysis import format_bytes
-from jaxpar.analysis._compiled_memory import render_table
+from jaxpar._text import render_table
 from jaxpar.analysis._overlap import OverlapReport, dims, overlap
 from jaxpar.run._resume import gpt_flops_per_token
 

@@ -269,7 +269,7 @@ FIELDS = {"Z": ("zero",), "TP": ("tensor",), "SP": ("sequence_parallel",), "MB":
 #: The router bias's rate (RB: ``with_router_bias(..., rate=)``), in the settings and the runs.
 RB_RATE = 0.05
 #: Features a Setting cannot express (they are a model, an optimizer, a loop or a launcher choice).
-UNSETTABLE = {"RM", "SN", "LL", "CK", "MP", "MU"}
+UNSETTABLE = {"RM", "SN", "LL", "CK", "MP"}
 #: Of those, the features whose refused value a Setting says (LL: an optimizer across stages).
 REFUSED_VALUE_SETTABLE = {"LL"}
 
@@ -333,8 +333,8 @@ def _setting_for(pair, *, ramp: str = "fixed") -> Setting:
             st["fp8"] = jaxpar.parallel.Fp8()
         elif c == "OF":
             st["offload"] = jaxpar.parallel.Offload(optimizer=True, master=True)
-        elif c == "MU":
-            pass                               # an optimizer: nothing a Setting says
+        elif c == "MU" and not codes & {"LL", "1A"}:     # one optimizer at a time (the alternatives)
+            kw["muon"] = (("blocks/w1", ()),)
     if "replica" in sizes and "compression" not in st:
         st["sync"] = synchronous()             # a Strategy refuses sync with a codec: the replica axis says it
     return Setting(jaxpar.Strategy(**st), sizes, **kw)
@@ -344,12 +344,8 @@ def _both_on(setting: Setting, a: str, b: str) -> bool:
     return all(_feature(c).on(setting) for c in (a, b))
 
 
-#: Partly-composing pairs whose refused value no Setting says (the step refuses it), with the test that checks it.
-REFUSED_BY_THE_STEP = {("ST", "MU"): "tests/test_muon.py::test_weight_stashing_refuses_muon_matrices_split_inside_a_stage"}
-
-
 def _refused_pairs() -> list[tuple[str, str]]:
-    return [p for p in compat.all_pairs() if pair_status(*p) in ("refused", "partly") and p not in REFUSED_BY_THE_STEP]
+    return [p for p in compat.all_pairs() if pair_status(*p) in ("refused", "partly")]
 
 
 #: The refused value of the partly-composing pairs.
@@ -361,13 +357,6 @@ PARTLY_REFUSED = {("Z", "1A"): "ZeRO-2", ("ST", "LL"): "clip_by_global_norm / a 
 
 def _refusal_params():
     return [pytest.param(pair, id=f"{pair[0]}-{pair[1]}") for pair in _refused_pairs()]
-
-
-def test_refusals_by_the_step_are_tested():
-    """A partly-composing pair whose refused value the step refuses (not a Setting) names the test that sees it."""
-    for pair, node in REFUSED_BY_THE_STEP.items():
-        path, name = node.split("::")
-        assert pair_status(*pair) == "partly" and name in _test_functions(path), (pair, node)
 
 
 @pytest.mark.parametrize("pair", _refusal_params())
@@ -401,6 +390,8 @@ def _refused_setting(pair, *, ramp: str = "fixed") -> Setting:
         setting = setting._replace(strategy=dataclasses.replace(setting.strategy, offload=offload))
     if pair == ("EX", "F8"):
         setting = setting._replace(strategy=dataclasses.replace(setting.strategy, fp8=jaxpar.parallel.Fp8("rowwise")))
+    if pair == ("ST", "MU"):
+        setting = setting._replace(sizes={**setting.sizes, "tensor": 2}, muon=(("blocks/w1", ("tensor",)),))
     if ramp == "adaptive":
         setting = setting._replace(noise_scale_every=None)
     return setting
@@ -547,7 +538,7 @@ class Spec:
                        steps_per_call=self.k, clip_norm=self.step_kw.get("clip_norm"),
                        noise_scale_every=self.ns_every, ramp="fixed" if self.ramp else None,
                        ramp_steps=tuple(i for i in range(1, self.steps) if self.rows[i] != self.rows[i - 1]),
-                       router_bias_rate=self.bias_rate)
+                       router_bias_rate=self.bias_rate, muon=(("blocks/w1", ()),) if self.tx == "muon" else None)
 
 
 def build(codes, *, schedule: str | None = None) -> Spec:

@@ -9,7 +9,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxpar"
 
 #: Packages that import nothing from the layers above them.
-LOWER_LAYERS = ("jaxpar.parallel.pipeline", "jaxpar.parallel.compression", "jaxpar.parallel.sync", "jaxpar.cost", "jaxpar.analysis")
+LOWER_LAYERS = ("jaxpar.parallel.pipeline", "jaxpar.parallel.compression", "jaxpar.parallel.sync", "jaxpar.cost")
 UPPER = ("jaxpar.step", "jaxpar.run", "jaxpar.config", "jaxpar.cli")
 MAX_FUNCTION = 60
 
@@ -90,6 +90,35 @@ def test_the_step_imports_nothing_from_the_loop():
     up = [f"{m} -> {t}" for m, imps in GRAPH.items() if m.startswith("jaxpar.step")
           for t, _ in imps if t.startswith(("jaxpar.run", "jaxpar.config", "jaxpar.cli"))]
     assert not up, up
+
+
+#: The three wings (../shared/design.md): the core (the library a JAX user shards a model with) imports neither
+#: other wing; the planner (know before and after you run) imports the core only; the runner may use both.
+WINGS = {
+    "core": ("jaxpar.mesh", "jaxpar.rules", "jaxpar.strategy", "jaxpar.batch", "jaxpar.errors", "jaxpar.logical",
+             "jaxpar._text", "jaxpar.optimizers", "jaxpar.compat", "jaxpar.adapters", "jaxpar.parallel", "jaxpar.step",
+             "jaxpar.models"),
+    "planner": ("jaxpar.cost", "jaxpar.analysis", "jaxpar.plan", "jaxpar.devices._targets"),
+    "runner": ("jaxpar.run", "jaxpar.config", "jaxpar.hf", "jaxpar.data", "jaxpar.cli", "jaxpar.commands"),
+}
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+@pytest.mark.parametrize("wing,others", [("core", ("planner", "runner")), ("planner", ("runner",))])
+def test_the_wings_point_one_way(wing, others):
+    above = tuple(p for w in others for p in WINGS[w])
+    wrong = [f"{m} -> {t}" for m, imps in GRAPH.items() if _in(m, WINGS[wing]) for t, _ in imps if _in(t, above)]
+    assert not wrong, wrong
+
+
+def test_no_two_packages_import_each_other():
+    """Between packages (and top modules) the imports run one way: no arrow runs back up."""
+    top = lambda m: ".".join(m.split(".")[:2])          # noqa: E731
+    edges = {(top(m), top(t)) for m, imps in GRAPH.items() for t, _ in imps if top(m) != top(t)}
+    assert not sorted((a, b) for a, b in edges if (b, a) in edges and a < b)
 
 
 def test_no_private_name_is_imported_across_modules():

@@ -3,21 +3,24 @@ _replica_groups.py; the HLO text itself in _hlo_text.py), how often each computa
 while loops' trip counts, known or read from the loop), per-device
 memory (_compiled_memory.py), collectives inside device-dependent branches (_device_branches.py: a taint analysis
 from ``partition-id``), and bytes per step per mesh axis for comparison with the cost model (_axis_bytes.py,
-imported on its own: it reads pipeline schedules), a GPU program's GEMMs by operand type (_gemms.py), and a
-``jax.profiler`` trace's steps by compute and collective (_trace.py).
+imported on its own: it reads pipeline schedules), the cost model against jaxpar's compiled train step
+(_cost_check.py), a GPU program's GEMMs by operand type (_gemms.py),
+and a ``jax.profiler`` trace's steps by compute and collective (_trace.py).
 
-These modules import nothing from jaxpar.step, jaxpar.run, jaxpar.config or the CLI.
+The planner's wing: these modules import the core and the cost model, never jaxpar.run, jaxpar.config or the CLI.
 """
 from jaxpar.analysis._device_branches import BranchCollective as BranchCollective
 from jaxpar.analysis._device_branches import device_dependent_collectives as device_dependent_collectives
 from jaxpar.analysis._hlo import Collective as Collective, collectives as collectives, collectives_table as collectives_table
 from jaxpar.analysis._hlo import count as count, summarize as summarize
 from jaxpar.analysis._loops import trip_counts as trip_counts, while_trip_counts as while_trip_counts
+from jaxpar.analysis._cost_check import compile_and_compare as compile_and_compare, compile_plan as compile_plan
 from jaxpar.analysis._compiled_memory import MemoryReport as MemoryReport, memory_report as memory_report, memory_table as memory_table
-from jaxpar.analysis._compiled_memory import format_bytes as format_bytes
+from jaxpar._text import format_bytes as format_bytes
 from jaxpar.analysis._trace import StepProfile as StepProfile, Trace as Trace, find_trace as find_trace
 from jaxpar.analysis._trace import read_trace as read_trace, step_profiles as step_profiles
 
 __all__ = ["BranchCollective", "device_dependent_collectives", "Collective", "collectives", "collectives_table",
            "count", "summarize", "trip_counts", "while_trip_counts", "MemoryReport", "memory_report", "memory_table",
-           "format_bytes", "StepProfile", "Trace", "find_trace", "read_trace", "step_profiles"]
+           "format_bytes", "StepProfile", "Trace", "find_trace", "read_trace", "step_profiles", "compile_and_compare",
+           "compile_plan"]

@@ -12,55 +12,12 @@ All numbers are what XLA reports for *one* device (one SPMD partition).
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jaxpar._text import format_bytes, render_table
 from jaxpar.errors import AnalysisError
-
-_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size, the one formatter of jaxpar (analysis tables, the CLI).
-
-    Below 1 KiB whole bytes, above one decimal of the largest unit that keeps the
-    number under 1024 (``KiB`` ... ``PiB``). Accepts Python and NumPy numbers.
-
-    Args:
-      n: a number of bytes (may be negative or fractional).
-
-    Returns:
-      The text, e.g. ``"1.5 MiB"``.
-
-    >>> [format_bytes(n) for n in (512, 4096, 1536 * 1024, 2.5 * 2**30)]
-    ['512 B', '4.0 KiB', '1.5 MiB', '2.5 GiB']
-    """
-    if isinstance(n, bool) or not isinstance(n, numbers.Real) or math.isnan(n):
-        raise AnalysisError(f"format_bytes(n={n!r}): n must be a number of bytes (an int or float), e.g. 4096.")
-    sign = "-" if n < 0 else ""
-    value = abs(float(n))
-    if value < 1024:
-        return f"{sign}{value:.0f} B"
-    for unit in _UNITS:
-        value /= 1024
-        if value < 1024 or unit == _UNITS[-1]:
-            return f"{sign}{value:.1f} {unit}"
-    raise AssertionError("unreachable")
-
-
-def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> str:
-    """Aligned plain-text table (shared by the analysis modules)."""
-    cells = [list(headers)] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(row: Sequence[str]) -> str:
-        parts = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right)]
-        return " | ".join(parts).rstrip()
-
-    rule = "-+-".join("-" * w for w in widths)
-    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
 
 
 @dataclass(frozen=True)

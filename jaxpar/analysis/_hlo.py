@@ -24,7 +24,7 @@ from typing import Any
 from jaxpar.analysis._hlo_text import (KINDS, Instruction, array_shapes, call_graph, called_computations, module_text,
                                        parse_instructions, reached_computations, shape_bytes, tpu_async_roles,
                                        tpu_reduce_scatters)
-from jaxpar.analysis._compiled_memory import format_bytes, render_table
+from jaxpar._text import format_bytes, render_table
 from jaxpar.analysis._replica_groups import (axes_of_groups, axes_of_pairs, iota_replica_groups, parse_replica_groups,
                                              source_target_pairs)
 from jaxpar.analysis._windowed import Windowed, windowed_einsums

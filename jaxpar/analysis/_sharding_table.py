@@ -33,7 +33,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from jaxpar.rules import path_str
-from jaxpar.analysis._compiled_memory import format_bytes, render_table
+from jaxpar._text import format_bytes, render_table
 
 
 def spec_str(spec: Any) -> str:

@@ -37,6 +37,8 @@ class Setting(NamedTuple):
         divide each.
       router_bias_rate: the router bias part's ``with_router_bias(state, layout, shape, rate=...)``
         (aux-loss-free MoE balancing; ``None``: the state keeps no bias).
+      muon: Muon's matrices (an ``optax.contrib.MuonState`` in the optimizer state) as ``(path, mesh axes
+        that shard its momentum)`` pairs; ``None``: no Muon.
     """
 
     strategy: Any
@@ -50,6 +52,7 @@ class Setting(NamedTuple):
     optimizer_across_stages: bool = False
     intervals: tuple[tuple[str, int], ...] = ()
     router_bias_rate: float | None = None
+    muon: tuple[tuple[str, tuple[str, ...]], ...] | None = None
 
     def size(self, axis: str) -> int:
         """The size of a mesh axis.
@@ -231,6 +234,14 @@ def _no_flush_problems(s: Setting) -> list[Problem]:
                            "stage updates alone under weight stashing; use an element-wise or per-layer optimizer "
                            "(sgd, adam, adamw, lars / lamb with per-layer trust ratios), or schedule='1f1b'.", {},
                            StashingError))
+    split = [(path, a) for path, axes in s.muon or () for a in axes if a != "pipe" and s.size(a) > 1]
+    if st.schedule == "pipedream" and split:
+        out.append(Problem(("ST", "MU"), ("optimizer", "schedule"),
+                           "{n[schedule]}='pipedream' with {n[optimizer]} Muon: its matrix {m!r} is split over {a!r} "
+                           "inside a stage, so its Newton-Schulz collectives would run in each stage's own update "
+                           "between the pipeline's sends (XLA:CPU deadlocks there). Use schedule='1f1b' or "
+                           "'pipedream-2bw', or a mesh whose stages split no matrix (pipe x data, ZeRO-0/1/2).",
+                           {"m": split[0][0], "a": split[0][1]}, StashingError))
     return out
 
 

@@ -76,7 +76,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("RB", "aux-loss-free router balancing (a router bias in the state: with_router_bias)",
             lambda s: s.router_bias_rate is not None),
     Feature("F8", "FP8 matmuls (Strategy.fp8)", lambda s: s.strategy.fp8 is not None),
-    Feature("MU", "Muon on the matrices, AdamW on the rest (jaxpar.optimizers.muon)", lambda s: False),
+    Feature("MU", "Muon on the matrices, AdamW on the rest (jaxpar.optimizers.muon)", lambda s: s.muon is not None),
     Feature("OF", "memory offloading to the host (Strategy.offload)",
             lambda s: getattr(s.strategy, "offload", None) is not None),
 )

@@ -206,7 +206,7 @@ def muon_lines(cfg: JobConfig, layout: Any) -> list[str]:
 
 def muon_placement_lines(cfg: JobConfig, layout: Any) -> list[str]:
     """Where Newton-Schulz runs on each matrix group of the layout (``optimizer.muon.placement``), with the
-    cost model's FLOPs, collectives and time (:func:`jaxpar.optimizers.muon_placement_table`).
+    cost model's FLOPs, collectives and time (:func:`jaxpar.cost.placements_table`).
 
     Args:
       cfg: the config.
@@ -215,13 +215,15 @@ def muon_placement_lines(cfg: JobConfig, layout: Any) -> list[str]:
     Returns:
       The lines.
     """
-    from jaxpar.optimizers import muon_placement_table, muon_placements
+    from jaxpar.cost import PLATFORM_CLUSTERS, placement_chooser, placements_table
+    from jaxpar.optimizers import muon_placements
 
-    m = cfg.optimizer.muon
+    m, sizes, platform = cfg.optimizer.muon, dict(layout.mesh.shape), layout.mesh.devices.flat[0].platform
     places = muon_placements(layout.shapes, layout.logical, mesh=layout.mesh, specs=layout.opt_param_specs,
-                             placement=m.placement, ns_steps=m.ns_steps, routing=dict(m.routing))
+                             placement=m.placement, ns_steps=m.ns_steps, routing=dict(m.routing),
+                             chooser=placement_chooser(platform=platform))
     return ["", f"muon placement ({m.placement}; Newton-Schulz per device: FLOPs, collectives, cost model's time)",
-            muon_placement_table(places)]
+            placements_table(places, sizes, m.ns_steps, PLATFORM_CLUSTERS.get(platform, "h100"))]
 
 
 def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | None = None) -> int:

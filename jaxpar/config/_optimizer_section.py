@@ -229,8 +229,8 @@ def muon_problems(cfg: OptimizerConfig) -> list[str]:
 
 
 def _muon_place(cfg: OptimizerConfig, model_fn, mesh, strategy: Strategy | None) -> dict:
-    """``muon``'s ``placement``, ``mesh`` and ``specs`` (the momentum's, from the state's layout), or only the
-    placement without a mesh."""
+    """``muon``'s ``placement``, ``mesh``, ``specs`` (the momentum's, from the state's layout) and ``auto``'s
+    chooser (the cost model's, on the mesh's platform), or only the placement without a mesh."""
     if mesh is None:
         return {} if cfg.muon.placement == "auto" else {"placement": cfg.muon.placement}
     if strategy is not None and strategy.schedule == "pipedream" and dict(mesh.shape).get("pipe", 1) > 1:
@@ -239,10 +239,12 @@ def _muon_place(cfg: OptimizerConfig, model_fn, mesh, strategy: Strategy | None)
                               "each stage updates its own weights inside the pipeline, where XLA places Newton-Schulz; "
                               "use optimizer.muon.placement: auto, or schedule '1f1b' / 'pipedream-2bw'.")
         return {}
+    from jaxpar.cost import placement_chooser
     from jaxpar.step import state_layout
 
     layout = state_layout(model_fn, optax.identity(), mesh, strategy or Strategy())
-    return {"placement": cfg.muon.placement, "mesh": mesh, "specs": layout.opt_param_specs}
+    return {"placement": cfg.muon.placement, "mesh": mesh, "specs": layout.opt_param_specs,
+            "chooser": placement_chooser(platform=mesh.devices.flat[0].platform)}
 
 
 def muon_kernel_layout(model_fn) -> str:

@@ -369,7 +369,7 @@ def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any
 
     from jaxpar.analysis._compiled_memory import format_bytes, render_table
     from jaxpar.cost._memory import memory_per_device
-    from jaxpar.step._cost_check import compile_and_compare
+    from jaxpar.analysis import compile_and_compare
 
     devices, where, lowering = _verify_devices(cluster.num_devices, target)
     print(f"\nverify   {len(estimates)} plans compiled ahead of time {where} (jaxpar's GPT, "

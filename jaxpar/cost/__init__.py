@@ -1,9 +1,10 @@
 """Know before you run: an α-β cost model of collectives (:mod:`~jaxpar.cost._collectives`), memory and
 step time, and a planner.
 
-Pure Python + NumPy: no module of this package imports JAX (only :func:`~jaxpar.cost.from_nnx`
-does, inside the function). docs/planning.md holds the formulas, their sources and the checks against
-compiled programs (:mod:`jaxpar.analysis._axis_bytes`, :mod:`jaxpar.step._cost_check`).
+Pure Python + NumPy at import: JAX is imported only inside the functions that trace a model
+(:func:`~jaxpar.cost.from_nnx`) or time devices (:func:`~jaxpar.cost.calibrate`,
+:func:`~jaxpar.cost.calibrate_device`). docs/planning.md holds the formulas, their sources and the checks
+against compiled programs (:mod:`jaxpar.analysis._axis_bytes`, :mod:`jaxpar.analysis._cost_check`).
 
 Example::
 
@@ -21,10 +22,11 @@ from jaxpar.cost._collectives import (ALGORITHMS, KINDS as COLLECTIVE_KINDS, Lin
                                       time as collective_time)
 from jaxpar.cost._memory import (PRECISIONS, BytesPerParam, activation_bytes_per_layer, memory_per_device,
                                  muon_precision, zero_state_bytes)
-from jaxpar.cost._model import FEATURES, STACKS, Leaf, ModelSpec, from_nnx, gpt, matrix_sides
-from jaxpar.cost._muon import (PLACEMENTS, PLATFORM_CLUSTERS, MatrixGroup, MuonUpdate, PlacementCost, choose_placement,
-                               matrix_groups, muon_comms, muon_update, ns_flops, placement_cost, placement_table,
-                               with_muon)
+from jaxpar.cost._model import Leaf, ModelSpec, from_nnx, gpt
+from jaxpar.cost._muon import (PLATFORM_CLUSTERS, MuonUpdate, PlacementCost, choose_placement, matrix_groups,
+                               muon_comms, muon_update, ns_flops, placement_chooser, placement_cost, placement_table,
+                               placements_table, with_muon)
+from jaxpar.logical import FEATURES, PLACEMENTS, STACKS, MatrixGroup, matrix_sides
 from jaxpar.cost._parallel import Plan
 from jaxpar.cost._planner import Estimate, PlanError, PlanResult, evaluate, plan
 from jaxpar.cost._time import Overlap, narayanan_flops, step_flops, step_time
@@ -37,4 +39,5 @@ __all__ = ["calibrate", "calibrate_device", "fit_gemm_efficiency", "Cluster", "C
            "from_nnx", "gpt", "Estimate", "PlanError", "PlanResult", "plan", "Overlap", "Plan",
            "comms", "narayanan_flops", "step_flops", "step_time", "FEATURES", "PLACEMENTS", "PLATFORM_CLUSTERS",
            "STACKS", "MatrixGroup", "MuonUpdate", "PlacementCost", "choose_placement", "matrix_groups",
-           "matrix_sides", "muon_comms", "muon_update", "ns_flops", "placement_cost", "placement_table", "with_muon"]
+           "matrix_sides", "muon_comms", "muon_update", "ns_flops", "placement_chooser", "placement_cost",
+           "placement_table", "placements_table", "with_muon"]

@@ -18,7 +18,8 @@ from typing import Mapping
 
 from jaxpar.cost._memory import in_flight, leaf_shard_counts, leaf_spec, sizes_key, zero_axes, \
     zero_dim_of
-from jaxpar.cost._model import Leaf, ModelSpec, matrix_sides
+from jaxpar.cost._model import Leaf, ModelSpec
+from jaxpar.logical import matrix_sides
 from jaxpar.cost._schedule import runs_in_lockstep
 from jaxpar.cost._parallel import Plan
 

@@ -28,67 +28,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from jaxpar.errors import CostModelError, check_int
+from jaxpar.logical import matrix_sides  # noqa: F401  (cost._memory imports it from here)
 
 #: Logical names jaxpar's tensor rules shard over ``tensor`` (:func:`jaxpar.parallel.tensor_rules`).
 TENSOR_LOGICAL = ("mlp", "heads", "vocab")
-#: Logical names of feature axes: a parameter whose feature axes form two groups is a matrix.
-FEATURES = ("embed", "heads", "kv_heads", "kv", "mlp")
-#: Feature axes that flatten into one matrix side when adjacent (``wq``: ``embed x heads*kv``).
-HEAD_GROUP = ("heads", "kv_heads", "kv")
-#: Logical names of stacked axes (``None``: an unnamed sub-layer axis): batch dimensions of Newton-Schulz.
-STACKS = ("layers", "experts", "stage", "stages", None)
-
 #: A weight with ``embed`` and one of these runs its matmuls in FP8 (:data:`jaxpar.parallel._fp8.FEATURES`).
 FP8_FEATURES = ("heads", "kv_heads", "mlp")
-
-
-def feature_groups(names: Sequence) -> list[tuple[int, ...]]:
-    """Runs of feature axes: ``embed`` and ``mlp`` alone, adjacent ``heads`` / ``kv_heads`` / ``kv`` together.
-
-    Args:
-      names: one logical name (or None) per dimension.
-
-    Returns:
-      The groups, as tuples of dimension indices.
-
-    >>> feature_groups(("layers", "embed", "heads", "kv"))
-    [(1,), (2, 3)]
-    """
-    groups: list[list[int]] = []
-    for i, name in enumerate(names):
-        if name not in FEATURES:
-            continue
-        joined = groups and name in HEAD_GROUP and names[i - 1] in HEAD_GROUP and groups[-1][-1] == i - 1
-        groups[-1].append(i) if joined else groups.append([i])
-    return [tuple(g) for g in groups]
-
-
-def matrix_sides(names: Sequence) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], str]:
-    """A parameter's matrix from its logical names: its input side, output side and stacked (batch) dims.
-
-    Args:
-      names: one logical name (or None) per dimension.
-
-    Returns:
-      ``(reduction, output, batch, why)``; ``reduction`` and ``output`` are ``()`` when it is no matrix
-      (``why`` says why).
-
-    >>> matrix_sides(("layers", "embed", "mlp"))
-    ((1,), (2,), (0,), 'matrix')
-    >>> matrix_sides(("vocab", "embed"))[3]
-    "axis 'vocab' is not a feature (embedding / head / other)"
-    """
-    other = [n for n in names if n not in FEATURES and n not in STACKS]
-    groups = feature_groups(names)
-    batch = tuple(i for i, n in enumerate(names) if n in STACKS)
-    if other:
-        return (), (), batch, f"axis {other[0]!r} is not a feature (embedding / head / other)"
-    if len(groups) != 2:
-        return (), (), batch, f"{len(groups)} feature axis group(s), not a matrix"
-    return groups[0], groups[1], batch, "matrix"
 
 
 @dataclass(frozen=True)

@@ -25,68 +25,21 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Mapping, NamedTuple, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from jaxpar.cost._cluster import Cluster, load_cluster
 from jaxpar.cost._memory import leaf_spec, zero_axes, zero_dim_of
-from jaxpar.cost._model import Leaf, ModelSpec, matrix_sides
+from jaxpar.cost._model import Leaf, ModelSpec
 from jaxpar.cost._parallel import AXES, Plan
 from jaxpar.cost._roofline import Kernel, kernel_seconds, matmul
 from jaxpar.cost._time import StepTime, comm_time, step_flops
 from jaxpar.cost._traffic import Comm
 from jaxpar.errors import CostModelError
+from jaxpar.logical import PLACEMENTS, MatrixGroup, matrix_sides
 
-#: Placements of Newton-Schulz on sharded matrices; ``auto``: the cheaper exact one (:func:`choose_placement`).
-PLACEMENTS = ("auto", "gather", "owner", "local")
-#: The cluster preset the optimizer's ``auto`` times placements on, by the devices' platform.
+#: The cluster preset the planner's ``auto`` times placements on, by the devices' platform.
 PLATFORM_CLUSTERS = {"cpu": "cpu_sim", "gpu": "h100", "cuda": "h100", "rocm": "h100", "tpu": "tpu_v5p"}
-
-
-@dataclass(frozen=True)
-class MatrixGroup:
-    """One Muon-routed parameter: ``shape``, the dims of its input (``reduction``) and output sides (the
-    others are stacked: a batch of matrices), and ``spec``, its momentum's mesh axes per dimension."""
-
-    name: str
-    shape: tuple[int, ...]
-    reduction: tuple[int, ...]
-    output: tuple[int, ...]
-    spec: tuple[tuple[str, ...], ...]
-    itemsize: int = 4
-
-    def __post_init__(self):
-        if len(self.spec) != len(self.shape):
-            raise CostModelError(f"MatrixGroup {self.name!r}: spec {self.spec} has {len(self.spec)} entries for "
-                                 f"shape {self.shape}; give one tuple of mesh axes per dimension.")
-
-    @property
-    def batch(self) -> tuple[int, ...]:
-        return tuple(d for d in range(len(self.shape)) if d not in self.reduction + self.output)
-
-    @property
-    def rows(self) -> int:
-        return math.prod(self.shape[d] for d in self.reduction)
-
-    @property
-    def cols(self) -> int:
-        return math.prod(self.shape[d] for d in self.output)
-
-    @property
-    def matrices(self) -> int:
-        return math.prod(self.shape[d] for d in self.batch)
-
-    def axes(self, dims: Sequence[int], sizes: Mapping[str, int]) -> tuple[str, ...]:
-        """The mesh axes (of size > 1) that shard ``dims``, in the order of the dims and their spec entries.
-
-        Args:
-          dims: dimension indices.
-          sizes: mesh axis sizes.
-
-        Returns:
-          The axes.
-        """
-        return tuple(a for d in dims for a in self.spec[d] if sizes.get(a, 1) > 1)
 
 
 class PlacementCost(NamedTuple):
@@ -202,6 +155,44 @@ def choose_placement(group: MatrixGroup, sizes: Mapping[str, int], ns_steps: int
     c = load_cluster(cluster) if isinstance(cluster, str) else cluster
     times = {p: placement_cost(group, sizes, p, ns_steps, c).seconds for p in ("gather", "owner")}
     return min(times, key=lambda p: (times[p], p != "gather"))
+
+
+def placement_chooser(cluster: Cluster | str | None = None, platform: str = "gpu") -> Callable:
+    """Muon's ``auto`` on the cost model: :func:`choose_placement` on ``cluster``, as the ``chooser`` of
+    :func:`jaxpar.optimizers.muon` (``jaxpar train`` passes it).
+
+    Args:
+      cluster: a :class:`~jaxpar.cost.Cluster` or a preset name (None: by ``platform``, :data:`PLATFORM_CLUSTERS`).
+      platform: the devices' platform (``mesh.devices.flat[0].platform``).
+
+    Returns:
+      ``chooser(group, sizes, ns_steps) -> "gather" | "owner"``.
+
+    >>> g = MatrixGroup("w", (64, 64), (0,), (1,), (("fsdp",), ()))
+    >>> placement_chooser("h100")(g, {"fsdp": 8}, 5)        # one small matrix: latency-bound
+    'gather'
+    """
+    c = load_cluster(cluster or PLATFORM_CLUSTERS.get(platform, "h100")) if not isinstance(cluster, Cluster) \
+        else cluster
+    return lambda group, sizes, ns_steps: choose_placement(group, sizes, ns_steps, c)
+
+
+def placements_table(placements: Mapping[str, Any], sizes: Mapping[str, int], ns_steps: int,
+                     cluster: Cluster | str) -> str:
+    """:func:`jaxpar.optimizers.muon_placements` as text, timed by the cost model (:func:`placement_table`).
+
+    Args:
+      placements: ``{path: MuonPlacement}`` (its ``kind``, ``group`` and ``axes``).
+      sizes: mesh axis sizes.
+      ns_steps: Newton-Schulz iterations.
+      cluster: a :class:`~jaxpar.cost.Cluster` or a preset name.
+
+    Returns:
+      The table.
+    """
+    c = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    return placement_table([(path, p.axes, placement_cost(p.group, sizes, p.kind, ns_steps, c))
+                            for path, p in placements.items()])
 
 
 def _momentum_spec(leaf: Leaf, sizes: Mapping[str, int], zero: int) -> tuple[tuple[str, ...], ...]:

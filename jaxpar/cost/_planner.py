@@ -26,7 +26,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, NamedTuple
 
-from jaxpar.analysis._compiled_memory import format_bytes, render_table
+from jaxpar._text import format_bytes, render_table
 from jaxpar.compat._table import LIBRARY_NAMES, Setting, problems
 from jaxpar.cost._cluster import FP8, Cluster
 from jaxpar.cost._memory import LayoutError, MemoryEstimate, memory_per_device, muon_precision

@@ -13,22 +13,4 @@ from jaxpar.step._replica_mean import replica_bytes as replica_bytes
 
 __all__ = ["StateLayout", "TrainState", "init_train_state", "state_layout", "make_train_step", "shard_batch",
            "TrainStep", "NoiseScaleError", "plot_noise_scale", "with_noise_scale", "router_bias_layout",
-           "with_router_bias", "compression_plan", "replica_bytes", "compile_plan", "compile_and_compare"]
-
-#: Re-exported names whose modules load only when used: the cost model's check stays out of
-#: ``import jaxpar``; ``from jaxpar.step import X`` loads it.
-_FEATURE_EXPORTS = {"compile_plan": "jaxpar.step._cost_check", "compile_and_compare": "jaxpar.step._cost_check"}
-
-
-def __getattr__(name):
-    if name in _FEATURE_EXPORTS:
-        import importlib
-
-        value = getattr(importlib.import_module(_FEATURE_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_FEATURE_EXPORTS))
+           "with_router_bias", "compression_plan", "replica_bytes"]

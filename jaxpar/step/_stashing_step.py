@@ -125,26 +125,17 @@ def _opt_tags(tx, layout) -> list[int]:
     return tags
 
 
-def _refuse_split_muon_matrices(layout) -> None:
-    """Muon whose matrices another mesh axis splits inside a stage: its Newton-Schulz collectives run in each
-    stage's own update, between the pipeline's sends, and XLA:CPU deadlocks there (docs/muon.md)."""
-    from jaxpar.optimizers import MuonState
-
-    is_muon = lambda x: isinstance(x, MuonState)           # noqa: E731
+def muon_matrices(layout) -> tuple[tuple[str, tuple[str, ...]], ...] | None:
+    """Muon's matrices in the layout's optimizer state (an ``optax.contrib.MuonState``), each with the mesh axes
+    that shard its momentum: the compatibility table's Muon (``Setting.muon``); None without Muon."""
+    is_muon = lambda x: isinstance(x, optax.contrib.MuonState)           # noqa: E731
     states = [x for x in jax.tree.leaves(layout.opt_shapes, is_leaf=is_muon) if is_muon(x)]
     if not states:
-        return
-    sizes, specs = dict(layout.mesh.shape), dict(jax.tree_util.tree_flatten_with_path(
-        layout.opt_param_specs, is_leaf=lambda x: isinstance(x, P))[0])
-    matrices = {p for p, _ in jax.tree_util.tree_flatten_with_path(states[0].mu)[0]}
-    split = sorted({(path_str(p), a) for p in matrices for e in tuple(specs.get(p, ())) for a in axes_of(e)
-                    if a != PIPE and sizes.get(a, 1) > 1})
-    if split:
-        raise StashingError(f"schedule='pipedream' with the optimizer Muon: its matrix {split[0][0]!r} is split over "
-                            f"'{split[0][1]}' inside a stage, so its Newton-Schulz collectives would run in each "
-                            "stage's own update between the pipeline's sends (XLA:CPU deadlocks there). Use "
-                            "schedule='1f1b' or 'pipedream-2bw', or a mesh whose stages split no matrix (pipe x data, "
-                            "ZeRO-0/1/2).")
+        return None
+    specs = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        layout.opt_param_specs, is_leaf=lambda x: isinstance(x, P))[0]}
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(states[0].mu)[0]]
+    return tuple((p, tuple(a for e in tuple(specs.get(p, ())) for a in axes_of(e))) for p in paths)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -170,11 +161,11 @@ def make_stashing_step(loss_fn: Callable, layout, update: Update, steps: int = 1
     m = strategy.microbatches
     sp = lower_stashed(pipedream(layout.mesh.shape[PIPE], m, steps), m=m, update_every=strategy.update_every,
                        vertical_sync=strategy.vertical_sync)
-    _refuse_split_muon_matrices(layout)
-    step = _StashingRun(loss_fn, update, layout, sp, steps)
-    if not optimizer_is_per_stage(update.tx, layout.shapes, stacked_block_ids(layout.logical)):
-        raise_problems(Setting(strategy, dict(layout.mesh.shape), optimizer_across_stages=True))
-    return step.run, sp
+    muon = muon_matrices(layout)
+    across = not optimizer_is_per_stage(update.tx, layout.shapes, stacked_block_ids(layout.logical))
+    if across or muon is not None:                 # the table's optimizer pairs: ST x LL, ST x MU
+        raise_problems(Setting(strategy, dict(layout.mesh.shape), optimizer_across_stages=across, muon=muon))
+    return _StashingRun(loss_fn, update, layout, sp, steps).run, sp
 
 
 class _StashingRun:

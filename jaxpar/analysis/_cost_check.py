@@ -32,11 +32,10 @@ from jaxpar.cost import device_argument_bytes
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import Plan
 from jaxpar.cost._traffic import bytes_per_axis, comms
-from jaxpar.mesh import make_mesh
-from jaxpar.strategy import Strategy
-from jaxpar.step._init import state_layout
-from jaxpar.step._compose import make_train_step
 from jaxpar.errors import MeshError
+from jaxpar.mesh import make_mesh
+from jaxpar.step import make_train_step, state_layout
+from jaxpar.strategy import Strategy
 
 
 def compare(model: ModelSpec, plan: Plan, compiled: Any, mesh: Any, *, lowering: str = "xla-cpu") -> dict:
@@ -85,7 +84,7 @@ def compile_plan(model_fn: Callable, plan: Plan, batch: int, seq: int, *, device
       ``(mesh, compiled)``.
 
     Raises:
-      ValueError: fewer devices than the plan needs.
+      MeshError: fewer devices than the plan needs.
     """
     n = plan.devices
     devices = jax.devices()[:n] if devices is None else devices
