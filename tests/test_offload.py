@@ -29,6 +29,7 @@ from jaxpar.parallel import Offload
 CFG = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2)
 ROWS = 16
 OPT_MASTER = Offload(optimizer=True, master=True)
+HOST_UPDATE = Offload(optimizer=True, master=True, update="host")
 
 
 def _setup(sizes, strategy, remat="none"):
@@ -71,6 +72,13 @@ def test_offload_options_are_checked():
         Offload(activations="mlp")
     with pytest.raises(jaxpar.StrategyError, match="Strategy.offload=True"):
         jaxpar.Strategy(offload=True)
+    with pytest.raises(jaxpar.OffloadError, match=r"Offload.update='gpu': must be 'device'"):
+        Offload(optimizer=True, update="gpu")
+    with pytest.raises(jaxpar.OffloadError, match=r"update='host' with optimizer=False.*Set optimizer=True"):
+        Offload(master=True, update="host")
+    assert Offload(optimizer=True, master=True, update="host").streamed == ("params",)
+    assert Offload(optimizer=True, master=True).streamed == ("opt_state", "params")
+    assert Offload(optimizer=True, update="host").label == "offload-opt-host"
     s = jaxpar.Strategy(zero=1, offload=Offload(optimizer=True, activations=[LAYER_INPUT]))
     assert s.offload.activations == (LAYER_INPUT,)
     assert s.name({"data": 2}) == "dp2-zero1-offload-opt-act"
@@ -78,7 +86,8 @@ def test_offload_options_are_checked():
 
 @pytest.mark.parametrize("sizes,zero,offload", [
     pytest.param({"data": 8}, 0, OPT_MASTER, id="dp8-opt-master"),
-    pytest.param({"fsdp": 8}, 0, Offload(optimizer=True), id="fsdp8-opt"),
+    pytest.param({"data": 8}, 0, HOST_UPDATE, id="dp8-opt-master-host-update"),
+    pytest.param({"fsdp": 8}, 0, Offload(optimizer=True, update="host"), id="fsdp8-opt-host-update"),
     pytest.param({"data": 2, "fsdp": 2, "tensor": 2}, 1, OPT_MASTER, id="dp2-zero1-fsdp2-tp2-opt-master",
                  marks=pytest.mark.exhaustive),
 ])
@@ -90,6 +99,44 @@ def test_offloaded_state_lives_on_the_host_and_trains_bit_exact(sizes, zero, off
     want = {f: {"pinned_host" if f in offload.fields else "device"} for f in ("params", "opt_state")}
     assert all(k == want for k in off[2]), off[2]        # at init and after every step
     assert all(k == {"params": {"device"}, "opt_state": {"device"}} for k in plain[2])
+
+
+def test_host_update_runs_on_the_host_and_equals_the_device_update_with_clip_and_skip():
+    """The host update (ZeRO-Offload's) against the device update of the same offloaded state, clipping
+    and the skip rule on: bit for bit on XLA:CPU (the same arithmetic), and the host's program is a
+    computation XLA places on the host (``_xla_compute_type = "host"``); the device update has none."""
+    runs, texts = {}, {}
+    for update in ("host", "device"):
+        strategy = jaxpar.Strategy(zero=1, offload=Offload(optimizer=True, update=update))
+        mesh = jaxpar.make_mesh({"data": 4}, devices=jax.devices()[:4])
+        tx = optax.adamw(1e-3, weight_decay=0.1)
+        state, layout = jaxpar.init_train_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), tx, mesh, strategy)
+        step = jaxpar.make_train_step(lm_loss, tx, layout, clip_norm=0.05, skip_nonfinite=True)
+        texts[update] = step.lower(state, make_batch(ROWS, CFG)).as_text()
+        norms = []
+        for i in range(2):
+            state, metrics = step(state, make_batch(ROWS, CFG, seed=i))
+            norms.append(float(metrics["grad_norm"]))
+        assert norms[0] > 0.05 and not bool(metrics["skipped"])        # the clip scaled the gradient
+        runs[update] = norms, jax.device_get((state.params, state.opt_state))
+        assert _kinds(state, "opt_state") == {"pinned_host"} and _kinds(state, "params") == {"device"}
+    assert runs["host"][0] == runs["device"][0]
+    _assert_same(runs["host"][1], runs["device"][1])
+    assert '_xla_compute_type = "host"' in texts["host"] and "_xla_compute_type" not in texts["device"]
+
+
+def test_host_update_refuses_an_optimizer_that_creates_device_arrays():
+    def creating():           # an update that builds an array of its own beside its host-resident inputs
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), lambda u, s, p=None: (
+            jax.tree.map(lambda x: jax.numpy.where(x > 0, x, jax.numpy.zeros_like(x)), u), s))
+
+    tx = optax.chain(optax.adam(1e-3), creating())
+    mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    state, layout = jaxpar.init_train_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), tx, mesh,
+                                            jaxpar.Strategy(offload=Offload(optimizer=True, update="host")))
+    with pytest.raises(jaxpar.OffloadError, match=r"update='host': the optimizer's update does not run in host.*"
+                                                  r"Use Offload\(update='device'\)"):
+        jaxpar.make_train_step(lm_loss, tx, layout).lower(state, make_batch(ROWS, CFG))
 
 
 def test_activation_offload_equals_full_remat_and_moves_the_layer_inputs():
@@ -113,11 +160,13 @@ def test_activation_offload_needs_the_policy_and_named_residuals():
         step(state, batch)
 
 
-def test_relaxed_synchronisation_refuses_offload():
+def test_relaxed_synchronisation_and_the_host_update_under_weight_stashing_are_refused():
     from jaxpar.parallel.sync import synchronous
 
     with pytest.raises(jaxpar.OffloadError, match="Strategy.offload='offload-opt' with Strategy.sync"):
         _setup({"replica": 2, "data": 4}, jaxpar.Strategy(sync=synchronous(), offload=Offload(optimizer=True)))
+    with pytest.raises(jaxpar.OffloadError, match=r"offload.update='host' with schedule='pipedream' on pipe=2.*update='device'"):
+        _setup({"pipe": 2, "data": 2}, jaxpar.Strategy(schedule="pipedream", microbatches=2, offload=HOST_UPDATE))
 
 
 def test_checkpoints_restore_bit_exact_across_offload_and_meshes():
@@ -154,6 +203,7 @@ def test_yaml_parallel_offload_builds_the_strategy_and_names_its_keys():
     built = build_strategy(ParallelConfig(offload={"optimizer": True, "activations": [LAYER_INPUT]}))
     assert built.offload == Offload(optimizer=True, activations=(LAYER_INPUT,))
     assert build_strategy(ParallelConfig()).offload is None
+    assert build_strategy(ParallelConfig(offload={"optimizer": True, "update": "host"})).offload.update == "host"
     with pytest.raises(jaxpar.ConfigError, match=r"parallel.offload has unknown keys \['optimiser'\]"):
         build_strategy(ParallelConfig(offload={"optimiser": True}))
     with pytest.raises(jaxpar.ConfigError, match=r"parallel.offload: master='yes': must be True or False"):

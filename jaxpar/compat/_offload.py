@@ -4,7 +4,8 @@ Offloading changes where the state lives between steps, not what a step computes
 :func:`jaxpar.make_train_step` composes streams the offloaded fields to the device first. Relaxed
 synchronisation is the exception: its replicas' parameters and moments live in ``TrainState.sync``,
 and the local kinds run inner and outer programs of their own, which offloading does not place. Offloaded
-activations do not run in a pipeline, which keeps every micro-batch's residuals in one device buffer.
+activations do not run in a pipeline, which keeps every micro-batch's residuals in one device buffer; the
+host update (``Offload.update="host"``) does not run inside weight stashing's pipeline.
 
 Example:
     >>> from jaxpar import Strategy
@@ -21,8 +22,9 @@ from jaxpar.errors import OffloadError
 
 
 def offload_problems(s: Setting) -> list[Problem]:
-    """Offloading against relaxed synchronisation (RS x OF), and offloaded activations against pipelines
-    (PP / 2B / ST x OF: the optimizer state and the master weights compose).
+    """Offloading against relaxed synchronisation (RS x OF), offloaded activations against pipelines
+    (PP / 2B / ST x OF: the optimizer state and the master weights compose), and the host update against
+    weight stashing (ST x OF: its per-stage updates run inside the pipeline).
 
     Args:
       s: the setting.
@@ -43,6 +45,12 @@ def offload_problems(s: Setting) -> list[Problem]:
                            "only (activations=()), or use the remat policy 'full'.",
                            {"names": offload.activations, "sched": s.strategy.schedule, "p": s.size("pipe")},
                            OffloadError))
+    if offload.update == "host" and s.strategy.schedule == "pipedream" and s.size("pipe") > 1:
+        out.append(Problem(("ST", "OF"), ("offload", "schedule", "pipe"),
+                           "{n[offload]}.update='host' with {n[schedule]}='pipedream' on {n[pipe]}={p}: weight "
+                           "stashing updates each stage inside the pipeline, on the device, between its micro-batches, "
+                           "where no host computation runs. Use update='device' (the offloaded state is streamed in), "
+                           "or another schedule.", {"p": s.size("pipe")}, OffloadError))
     if not replicas_on(s):
         return out
     return out + [Problem(("RS", "OF"), ("sync", "offload"),

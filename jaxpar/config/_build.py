@@ -215,8 +215,9 @@ def build_offload(options: Mapping[str, Any]):
     from jaxpar.errors import OffloadError
     from jaxpar.parallel import Offload
 
-    return _options_of("offload", options, Offload, "optimizer (true | false), master (true | false) and "
-                       "activations (a list of checkpoint names, with model.remat: offload)", OffloadError, "Offload.")
+    return _options_of("offload", options, Offload, "optimizer (true | false), master (true | false), update "
+                       "(device | host: where the optimizer update runs) and activations (a list of checkpoint "
+                       "names, with model.remat: offload)", OffloadError, "Offload.")
 
 
 def build_strategy(cfg: ParallelConfig) -> Strategy:

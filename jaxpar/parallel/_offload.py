@@ -23,9 +23,10 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
+from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
 
 from jaxpar.adapters._blocks import OffloadedActivations
@@ -33,6 +34,8 @@ from jaxpar.errors import OffloadError
 
 #: The memory kind the offloaded state lives in between steps, and the one it is computed in.
 HOST, DEVICE = "pinned_host", "device"
+#: Where the optimizer update runs (``Offload.update``; the first is the default).
+UPDATES = ("device", "host")
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,18 @@ class Offload:
       device at the start of the step, the compute copy is cast there, and the update writes it back;
     - ``activations``: ``checkpoint_name`` names of residuals moved to host memory after the forward and
       back for the backward, under a model whose remat policy is ``"offload"``
-      (:data:`jaxpar.adapters._blocks.LAYER_INPUT`: each layer's input, what a scan over the layers keeps).
+      (:data:`jaxpar.adapters._blocks.LAYER_INPUT`: each layer's input, what a scan over the layers keeps);
+    - ``update``: where the optimizer update runs: ``"device"`` (default: the offloaded state is streamed to
+      the device and updated there, with every optimizer and schedule, bit for bit the run without
+      offload) or ``"host"`` (ZeRO-Offload's design, with ``optimizer=True``: the gradients go to host
+      memory and the update runs there, on the state where it lives, :func:`host_placement`, so the
+      device never holds the optimizer state; docs/strategies.md says what it saves and what it costs).
     """
 
     optimizer: bool = False
     master: bool = False
     activations: tuple[str, ...] = ()
+    update: str = "device"
 
     def __post_init__(self):
         for key in ("optimizer", "master"):
@@ -62,6 +71,12 @@ class Offload:
             raise OffloadError(f"Offload.activations={names!r}: give a tuple of checkpoint_name names, e.g. "
                                "('jaxpar_layer_input',).")
         object.__setattr__(self, "activations", tuple(names))
+        if self.update not in UPDATES:
+            raise OffloadError(f"Offload.update={self.update!r}: must be 'device' (the state is streamed to the device "
+                               "and updated there) or 'host' (the update runs in host memory, where the state lives).")
+        if self.update == "host" and not self.optimizer:
+            raise OffloadError("Offload.update='host' with optimizer=False: the host update reads the optimizer state "
+                               "where it lives, in host memory. Set optimizer=True, or update='device'.")
         if not (self.optimizer or self.master or self.activations):
             raise OffloadError("Offload() offloads nothing: set optimizer=True, master=True or activations=(...), "
                                "or leave Strategy.offload=None.")
@@ -72,10 +87,16 @@ class Offload:
         return ("opt_state",) * self.optimizer + ("params",) * self.master
 
     @property
+    def streamed(self) -> tuple[str, ...]:
+        """The offloaded fields a step copies to device memory first: every one under a device update, the
+        parameters alone (the forward's) under a host update."""
+        return self.fields if self.update == "device" else tuple(f for f in self.fields if f == "params")
+
+    @property
     def label(self) -> str:
-        """The part of a strategy's name (``offload-opt-master-act``)."""
+        """The part of a strategy's name (``offload-opt-master-act``, ``-host`` with the host update)."""
         return "-".join(["offload"] + ["opt"] * self.optimizer + ["master"] * self.master
-                        + ["act"] * bool(self.activations))
+                        + ["act"] * bool(self.activations) + ["host"] * (self.update == "host"))
 
 
 def with_kind(sharding: NamedSharding, kind: str) -> NamedSharding:
@@ -123,11 +144,58 @@ def stream_in(state: Any, shardings: Any, offload: Offload | None) -> Any:
     Returns:
       The state with every field in device memory.
     """
-    if offload is None or not offload.fields:
+    if offload is None or not offload.streamed:
         return state
-    return state._replace(**{f: jax.device_put(getattr(state, f), jax.tree.map(lambda s: with_kind(s, DEVICE),
-                                                                                  getattr(shardings, f)))
-                             for f in offload.fields})
+    return state._replace(**{f: _put(getattr(state, f), getattr(shardings, f), DEVICE) for f in offload.streamed})
+
+
+def _put(tree: Any, shardings: Any, kind: str) -> Any:
+    """``tree`` copied to the memory ``kind`` in its ``shardings``' layout (inside a program)."""
+    return jax.device_put(tree, jax.tree.map(lambda s: with_kind(s, kind), shardings))
+
+
+def host_placement(shardings: Any, offload: Offload | None) -> Callable | None:
+    """Where the update's arithmetic runs under ``Offload.update="host"``: ``place(optimize, grads, opt_state,
+    params, *scalars)`` copies the gradients, the parameters and the scalars (the clip's scale, the skip
+    rule's flag) to host memory, runs ``optimize`` there (``jax.experimental.compute_on("device_host")``: XLA
+    compiles it for the host's CPU, each device's host on its own shard) on the host-resident optimizer
+    state, and returns each result in the memory kind its input came in. (Under ``master`` the parameters
+    come in as the device copy the step streamed in: XLA reads the host original and keeps the result there.)
+
+    Args:
+      shardings: the state's shardings (a ``TrainState`` of ``NamedSharding``s, host kinds included).
+      offload: ``Strategy.offload``.
+
+    Returns:
+      ``place``, or None where the update runs on the device (:func:`jaxpar.step._update.apply_update`'s own).
+    """
+    if offload is None or offload.update != "host":
+        return None
+
+    def place(optimize: Callable, grads: Any, opt_state: Any, params: Any, *scalars: Any) -> tuple[Any, Any]:
+        back = lambda tree, like, where: jax.tree.map(    # noqa: E731  (each output to its input's memory kind)
+            lambda x, old, s: jax.device_put(x, with_kind(s, _kind(old))), tree, like, where)
+        old_params, old_opt = params, opt_state
+        grads, params = _put(grads, shardings.params, HOST), _put(params, shardings.params, HOST)
+        scalars = [jax.device_put(x, with_kind(shardings.step, HOST)) for x in scalars]
+        try:
+            with compute_on("device_host"):
+                new_params, new_opt = jax.jit(optimize)(grads, opt_state, params, *scalars)
+        except ValueError as e:
+            if "memory_space of all inputs" not in str(e):
+                raise
+            raise OffloadError(f"Strategy.offload.update='host': the optimizer's update does not run in host "
+                               f"memory ({e}; it mixes its host-resident inputs with arrays it creates on the "
+                               "device). Use Offload(update='device').") from None
+        return back(new_params, old_params, shardings.params), back(new_opt, old_opt, shardings.opt_state)
+
+    return place
+
+
+def _kind(x: Any) -> str:
+    """The memory kind of a traced array."""
+    return HOST if jax.typeof(x).memory_space == jax.memory.Space.Host else DEVICE
+
 
 
 def check_activations(record: OffloadedActivations) -> None:

@@ -47,7 +47,7 @@ from jaxpar.strategy import Strategy
 from jaxpar.step._exchange import compressed_exchange, compression_plan, exact_exchange, measured_exchange, run_exchange
 from jaxpar.adapters._blocks import use_offloaded_activations
 from jaxpar.parallel._fp8 import check_fp8, fp8_loss
-from jaxpar.parallel._offload import check_activations, stream_in
+from jaxpar.parallel._offload import check_activations, host_placement, stream_in
 from jaxpar.step._grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
 from jaxpar.step._init import older_versions_of
 from jaxpar.step._program import TrainStep, jit_program
@@ -117,7 +117,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     layout_strategy(layout, strategy)      # a strategy other than the layout's raises
     check_fp8(layout.mesh, layout.logical, layout.shapes, layout.strategy.fp8)
     loss_fn = fp8_loss(loss_fn, layout.strategy.fp8)
-    update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, log_lr=log_lr)
+    update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, log_lr=log_lr,
+                    place=host_placement(layout.shardings(), layout.strategy.offload))
     opts = StepOptions(explicit_dp, steps_per_call, donate)
     _check_step(layout, update, opts)
     return _program(program_kind(layout.strategy, dict(layout.mesh.shape), steps_per_call), loss_fn, layout,
@@ -208,7 +209,9 @@ def _train_step(programs: dict, layout: StateLayout, opts: StepOptions, *, choos
 
 
 def _streamed(fn: Callable, layout: StateLayout) -> Callable:
-    """``fn(state, batch)`` with the state's offloaded fields streamed from host to device memory first,
+    """``fn(state, batch)`` with the state's offloaded fields streamed from host to device memory first
+    (every one under a device update, the parameters alone under a host update:
+    :attr:`~jaxpar.parallel.Offload.streamed`),
     traced where the model's ``"offload"`` remat policy offloads the strategy's named activations
     (:mod:`jaxpar.parallel._offload`); ``fn`` itself without offload."""
     offload = layout.strategy.offload

@@ -22,6 +22,7 @@ Example:
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -42,12 +43,16 @@ class Update(NamedTuple):
         state as it was (the step counter still advances; under :func:`delayed` the older
         version still becomes ``W(t)``) and reports ``skipped``.
       log_lr: ``step -> learning rate``, logged as ``metrics["lr"]`` (the update follows ``tx``).
+      place: where the optimizer's arithmetic runs, ``place(optimize, grads, opt_state, params, *scalars)
+        -> (params, opt_state)`` (:func:`jaxpar.parallel._offload.host_placement`: in host memory);
+        ``None``: here, in the step's program.
     """
 
     tx: optax.GradientTransformation
     clip_norm: float | None = None
     skip_nonfinite: bool = False
     log_lr: Callable | None = None
+    place: Callable | None = None
 
 
 def clip_norm_problem(clip_norm: Any) -> str | None:
@@ -86,22 +91,39 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
       ``skip_nonfinite``) and ``lr`` (with ``log_lr``).
     """
     gnorm = optax.tree.norm(grads)
+    scalars = {}
     if update.clip_norm is not None:
-        scale = jnp.minimum(1.0, update.clip_norm / (gnorm + 1e-6))
-        grads = jax.tree.map(lambda g: g * scale, grads)
-    updates, opt_state = update.tx.update(grads, state.opt_state, state.params)
-    new = state._replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                         opt_state=opt_state, **(parts or {}))
+        scalars["scale"] = jnp.minimum(1.0, update.clip_norm / (gnorm + 1e-6))
+    if update.skip_nonfinite:
+        scalars["ok"] = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+    optimize = partial(_optimize, update.tx, tuple(scalars))
+    args = (grads, state.opt_state, state.params, *scalars.values())
+    params, opt_state = update.place(optimize, *args) if update.place else optimize(*args)
+    new = state._replace(step=state.step + 1, params=params, opt_state=opt_state, **(parts or {}))
     out = {"loss": loss, "grad_norm": gnorm, **(metrics or {})}
     if update.skip_nonfinite:
-        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        changed = ("params", "opt_state", *(parts or {}))
+        ok = scalars["ok"]
         new = new._replace(**{f: jax.tree.map(lambda n, o: jnp.where(ok, n, o), getattr(new, f), getattr(state, f))
-                              for f in changed})
+                              for f in (parts or {})})
         out["skipped"] = jnp.logical_not(ok)
     if update.log_lr is not None:
         out["lr"] = jnp.asarray(update.log_lr(state.step), jnp.float32)
     return new, out
+
+
+def _optimize(tx: optax.GradientTransformation, names: tuple[str, ...], grads: Any, opt_state: Any, params: Any,
+              *scalars: jax.Array) -> tuple[Any, Any]:
+    """The optimizer's arithmetic of :func:`apply_update`: the gradient scaled by the clip (``"scale"``), the
+    optax update, and the old parameters and optimizer state kept where the step is skipped (``"ok"``)."""
+    given = dict(zip(names, scalars))
+    if "scale" in given:
+        grads = jax.tree.map(lambda g: g * given["scale"], grads)
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    if "ok" in given:
+        keep = lambda n, o: jnp.where(given["ok"], n, o)    # noqa: E731
+        new_params, new_opt = jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state)
+    return new_params, new_opt
 
 
 def updates_metrics(loss: jax.Array, sq_norms: jax.Array, updates: int, skipped_updates: jax.Array | None = None,
