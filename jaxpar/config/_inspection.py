@@ -256,13 +256,23 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
     print("\n".join(header_lines(job)))
     print(model_line(cfg.model, job.hf, layout))
     start = time.perf_counter()
-    with count_attention_kernels() as kernels:
+    with count_attention_kernels() as kernels, _offload_mesh(job):
         compiled = _compile(job, layout, tgt)
     print(f"compile  {time.perf_counter() - start:.1f} s")
     print("\n".join(program_lines(job, compiled)))
     if tgt is not None and tgt.spec.platform == "cuda":
         print("\n".join(attention_lines(kernels, compiled["step"], job.seq_len)))
+    if cfg.parallel.offload:
+        print("\n" + "\n".join(offload_lines(cfg, devices, compiled["step"], tgt)))
     return _report(cfg, job, layout, compiled, tgt, cluster or (tgt.spec.cluster if tgt else "cpu_sim"))
+
+
+def _offload_mesh(job: Any):
+    """Under offload, the job's mesh set (``jax.set_mesh``): a target's devices list no memories, so the
+    offloaded state's shardings are over the mesh's abstract mesh (:func:`jaxpar.parallel._offload.with_kind`)."""
+    import contextlib
+
+    return jax.set_mesh(job.mesh) if job.strategy.offload is not None else contextlib.nullcontext()
 
 
 def attention_lines(kernels: dict, compiled: Any, length: int) -> list[str]:
@@ -293,6 +303,94 @@ def attention_lines(kernels: dict, compiled: Any, length: int) -> list[str]:
         lines.append("          compiled without a GPU, JAX cannot lower cuDNN's kernel: on the GPU, 'auto' runs "
                      "cuDNN where this program runs Pallas's (docs/strategies.md)")
     lines += [f"          XLA's path: {why}" for why in dict.fromkeys(kernels.get("why", []))]
+    return lines
+
+
+def host_transfers(text: str) -> dict[str, int]:
+    """The bytes a compiled program copies between device and host memory per execution: its
+    ``copy-start`` instructions whose destination or source lies in host memory (the layout's ``S(5)``),
+    each times how often its computation runs (:func:`jaxpar.analysis._loops.trip_counts`: a copy in a layer
+    scan's body counts once per layer).
+
+    Args:
+      text: the compiled program's HLO text.
+
+    Returns:
+      ``{"to_host": bytes, "to_device": bytes}``.
+
+    >>> host_transfers('''HloModule m
+    ... ENTRY %main (a: f32[4]) -> f32[4] {
+    ...   %s = (f32[4]{0:S(5)}, f32[4]{0}, u32[]) copy-start(%a)
+    ...   ROOT %d = f32[4]{0:S(5)} copy-done(%s)
+    ... }''')
+    {'to_host': 16, 'to_device': 0}
+    """
+    from jaxpar.analysis._hlo_text import parse_instructions, shape_bytes
+    from jaxpar.analysis._loops import trip_counts
+
+    counts, out = trip_counts(text), {"to_host": 0, "to_device": 0}
+    for ins in parse_instructions(text):
+        if ins.opcode != "copy-start":
+            continue
+        parts = [p.strip() for p in ins.shape.strip("()").split("}, ")]
+        dest, src = parts[0], parts[1] if len(parts) > 1 else ""
+        if "S(5)" in dest and "S(5)" not in src:
+            out["to_host"] += int(shape_bytes(dest + "}") * counts.get(ins.computation, 1))
+        elif "S(5)" in src and "S(5)" not in dest:
+            out["to_device"] += int(shape_bytes(src + "}") * counts.get(ins.computation, 1))
+    return out
+
+
+def device_peak(stats: Any) -> int:
+    """A compiled program's peak in device memory: XLA's ``peak_memory_in_bytes`` less the host-resident
+    arguments, which XLA counts in it (docs/strategies.md, memory offloading), and never below the device
+    arguments + outputs + temporaries - aliases.
+
+    Args:
+      stats: ``compiled.memory_analysis()``.
+
+    Returns:
+      Bytes.
+    """
+    own = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes \
+        - stats.alias_size_in_bytes
+    xla = (getattr(stats, "peak_memory_in_bytes", 0) or 0) - getattr(stats, "host_argument_size_in_bytes", 0)
+    return int(max(own, xla))
+
+
+def offload_lines(cfg: JobConfig, devices: list, compiled: Any, tgt: Target | None) -> list[str]:
+    """``jaxpar inspect``'s offload section (``parallel.offload`` on): the bytes the step holds in host memory
+    (its host-resident arguments and temporaries), its device peak beside the same config's without offload
+    (compiled too), and the bytes it copies between device and host per step (:func:`host_transfers`).
+
+    Args:
+      cfg: the config.
+      devices: the devices the job was built on.
+      compiled: the compiled train step.
+      tgt: the target (None: the simulated CPU mesh, where host and device memory are one).
+
+    Returns:
+      The lines; none without offload.
+    """
+    if not cfg.parallel.offload:
+        return []
+    from jaxpar.analysis._compiled_memory import format_bytes
+    from jaxpar.config._job import build_job
+
+    plain_cfg = replace(cfg, parallel=replace(cfg.parallel, offload={}))
+    plain_job = build_job(plain_cfg, devices, data=False)
+    plain = plain_job.compile(plain_job.state_layout())["step"]
+    stats, moved = compiled.memory_analysis(), host_transfers(compiled.as_text())
+    with_off, without = device_peak(stats), device_peak(plain.memory_analysis())
+    lines = [f"offload  {cfg.parallel.offload}: host memory holds {format_bytes(stats.host_argument_size_in_bytes)} of "
+             f"state per device between steps, {format_bytes(stats.host_temp_size_in_bytes)} of temporaries in the step",
+             f"         device peak {format_bytes(with_off)} with offload, {format_bytes(without)} without "
+             f"({format_bytes(without - with_off)} saved)",
+             f"         per step and device: {format_bytes(moved['to_host'])} device -> host, "
+             f"{format_bytes(moved['to_device'])} host -> device"]
+    if tgt is None:
+        lines.append("         on the simulated CPU mesh host and device memory are one: XLA:CPU copies nothing, "
+                     "so compile for a target (--target h100:1x8) to see the transfers")
     return lines
 
 
@@ -431,7 +529,10 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
     print(table)
     if tgt is None:
         return 0
-    fits, lines = fit_lines(memory_report(compiled["step"]), tgt, predicted)
+    report = memory_report(compiled["step"])
+    if job.strategy.offload is not None:         # XLA's peak counts the host-resident arguments
+        report = replace(report, xla_peak_bytes=device_peak(compiled["step"].memory_analysis()))
+    fits, lines = fit_lines(report, tgt, predicted)
     print("\n" + "\n".join(lines))
     if fits:
         return 0
