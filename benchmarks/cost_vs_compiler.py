@@ -117,7 +117,7 @@ def measure(model: cost.ModelSpec, target: str, plan: cost.Plan, hlo: str | None
     from jaxpar.analysis import memory_report
     from jaxpar.models import GPT, GPTConfig
     from jaxpar.devices import parse_target, target_devices
-    from jaxpar.step import compile_plan
+    from jaxpar.analysis import compile_plan
 
     remat = {"selective": "save-matmuls"}.get(plan.remat, plan.remat)
     cfg = GPTConfig(vocab=model.vocab, seq_len=model.seq, embed=model.hidden, heads=model.heads,

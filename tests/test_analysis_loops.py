@@ -117,7 +117,7 @@ def _compile(target: str, **plan):
     from jaxpar.cost import Plan
     from jaxpar.models import GPT, GPTConfig
     from jaxpar.devices import parse_target, target_devices
-    from jaxpar.step import compile_plan
+    from jaxpar.analysis import compile_plan
 
     cfg = GPTConfig(vocab=512, seq_len=64, embed=128, heads=4, layers=2)
     plan = Plan(**plan)

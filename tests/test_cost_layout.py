@@ -91,7 +91,7 @@ def test_per_layer_temporaries_match_the_gpu_compiler(remat, tensor, sp):
     from jaxpar.cost._device_bytes import saved_per_layer
     from jaxpar.models import GPT, GPTConfig
     from jaxpar.devices import parse_target, target_devices
-    from jaxpar.step import compile_plan
+    from jaxpar.analysis import compile_plan
 
     h, heads, seq, batch = 512, 8, 512, 2
     plan = Plan(tensor=tensor, sequence_parallel=sp, remat=remat)
@@ -139,7 +139,7 @@ def test_tpu_layer_constants_are_libtpus(case):
     from jaxpar.cost._device_bytes import bf16_weight_bytes, saved_per_layer
     from jaxpar.models import GPT, GPTConfig
     from jaxpar.devices import parse_target, target_devices
-    from jaxpar.step import compile_plan
+    from jaxpar.analysis import compile_plan
 
     remat, t, h, s = case
     plan, batch = Plan(data=8 // t, tensor=t, remat=remat), 8 // t
@@ -168,7 +168,7 @@ def test_the_gpu_compiler_copies_a_stage_residual_buffer_in_the_tick_conditional
 
     from jaxpar.models import GPT, GPTConfig
     from jaxpar.devices import parse_target, target_devices
-    from jaxpar.step import compile_plan
+    from jaxpar.analysis import compile_plan
 
     cfg = GPTConfig(vocab=64, seq_len=512, embed=512, heads=8, layers=8, remat="full")
     plan = Plan(pipe=2, tensor=2, microbatches=4, schedule="1f1b", remat="full")
@@ -255,7 +255,7 @@ def test_libtpus_windowed_einsums_count_as_the_model_predicts(plan, kinds):
     from jaxpar.analysis._windowed import windowed_einsums
     from jaxpar.models import GPT, GPTConfig
     from jaxpar.devices import parse_target, target_devices
-    from jaxpar.step import compile_plan
+    from jaxpar.analysis import compile_plan
 
     hidden = 768 if plan.zero else 1024
     cfg = GPTConfig(vocab=50304, seq_len=1024, embed=hidden, heads=hidden // 64, layers=2)

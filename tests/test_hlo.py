@@ -320,7 +320,7 @@ def test_a_tpu_program_counts_each_channel_once():
     from jaxpar.cost import Plan
     from jaxpar.models import GPT, GPTConfig
     from jaxpar.devices import parse_target, target_devices
-    from jaxpar.step import compile_plan
+    from jaxpar.analysis import compile_plan
 
     cfg = GPTConfig(vocab=512, seq_len=64, embed=128, heads=4, layers=2)
     mesh, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), Plan(fsdp=8), 16, 64,

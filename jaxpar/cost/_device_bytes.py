@@ -167,8 +167,9 @@ SP_BACKWARD = 8.0
 #: fp32 values that a pipeline stage stores per layer and micro-batch without recomputation: the layer's
 #: ``jax.vjp`` residuals (:mod:`jaxpar.parallel.pipeline._layer_vjp`), which XLA cannot prune as it does in the
 #: layer scan: ``(whole, split, scores)`` as in :data:`BLOCK_KEEPS` (the layer norms' 8 values and the
-#: input; three fp32 score arrays and the boolean mask). Counted with ``jax.eval_shape``.
-PIPELINE_STORES = (9.0, 27.0, 3.25)
+#: input; two fp32 score arrays, the probabilities under JAX's custom-JVP softmax, and the boolean mask).
+#: Counted with ``jax.eval_shape``.
+PIPELINE_STORES = (9.0, 27.0, 2.25)
 #: ``(whole, split, scores)`` per recomputation: ``selective`` keeps the matmul outputs (the input and
 #: the row-parallel output whole; q, k, v, the attention output and the MLP's first product split; the
 #: attention scores), ``full`` the layer's input.

@@ -151,6 +151,12 @@ def dense_attention(q, k, v, *, causal: bool, scale: float, q_seg=None, k_seg=No
                         softcap=softcap)
     if kernel != "xla":
         return fused_attention(kernel, q, k, v, causal=causal, scale=scale, segment_ids=q_seg, window=window)
+    with jax.softmax_custom_jvp(True):    # the backward keeps the probabilities only, not exp() beside them
+        return _xla_attention(q, k, v, causal, scale, q_seg, k_seg, q_pos, k_pos, window, softcap)
+
+
+def _xla_attention(q, k, v, causal, scale, q_seg, k_seg, q_pos, k_pos, window, softcap) -> jax.Array:
+    """:func:`dense_attention` on XLA's path."""
     if q_pos is None and window is None and softcap is None:
         mask = None if q_seg is None else (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal)
