@@ -31,7 +31,7 @@ import itertools
 from typing import Callable, NamedTuple
 
 from jaxpar.compat._needs import NEEDS, codec_needs, strategy_needs
-from jaxpar.compat._offload import offload_problems
+from jaxpar.compat._offload_rules import offload_problems
 from jaxpar.compat._settings import (FLUSH_SCHEDULES, RULES, Problem, Setting, pipeline_schedule, replicas_on,
                                      sharded_moment_problems)
 from jaxpar.errors import CompatError
