@@ -27,7 +27,7 @@ from jaxpar.run import Checkpointer, CheckpointWarning
 from jaxpar.run._checkpoint import CheckpointError
 from jaxpar.data._windows import synthetic_batch
 from jaxpar.run import NonFiniteError, train
-from jaxpar.run._report import flops_per_token
+from jaxpar.cost._model import flops_per_token
 from jaxpar.run import greedy_generate
 
 from conftest import need_devices

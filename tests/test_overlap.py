@@ -11,7 +11,6 @@ import pytest
 from jaxpar.analysis import format_bytes
 from jaxpar._text import render_table
 from jaxpar.analysis._overlap import OverlapReport, dims, overlap
-from jaxpar.run._resume import gpt_flops_per_token
 
 ADD = """%add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
@@ -327,8 +326,7 @@ def _compiled(devices, *overrides):
                                                             "mesh.fsdp=1", "mesh.tensor=1", *overrides])
     job = build_job(cfg, devices, data=False)
     layout = job.state_layout()
-    n_params = sum(a.size for a in jax.tree.leaves(layout.shapes))
-    per_device = gpt_flops_per_token(n_params, **job.gpt_sizes) * job.global_batch * job.seq_len / 8
+    per_device = job.log_options(layout, None).flops_per_token * job.global_batch * job.seq_len / 8
     return job.compile(layout)["step"], per_device
 
 

@@ -81,7 +81,7 @@ def fit_lines(report: Any, target: Target, predicted: float | None = None) -> tu
     Returns:
       ``(fits, lines)``.
     """
-    from jaxpar.analysis._compiled_memory import format_bytes
+    from jaxpar._text import format_bytes
 
     need, cap = report.required_bytes, target.capacity_bytes
     share = "" if target.spec.platform != "cuda" else \
@@ -109,7 +109,7 @@ def fitting_plan(cfg: JobConfig, target: Target, *, most: int = 64) -> str:
       A line naming the devices, the plan and its predicted memory, or why none fits.
     """
     from jaxpar import cost
-    from jaxpar.analysis._compiled_memory import format_bytes
+    from jaxpar._text import format_bytes
     from jaxpar.config._plan_command import cost_model, unpredicted
 
     if why := unpredicted(cfg, None, {}):         # a model of your own or model.hf
@@ -154,7 +154,7 @@ def fp8_lines(cfg: JobConfig, job: Any, compiled: Any, platform: str) -> list[st
       Fp8Error: a covered weight's GEMM compiled without FP8 operands, or a weight the recipe covers
         (:meth:`jaxpar.cost.Leaf.fp8`) with no FP8 GEMM in the program; the message names the weight.
     """
-    from jaxpar.analysis._compiled_memory import format_bytes, render_table
+    from jaxpar._text import format_bytes, render_table
     from jaxpar.analysis._gemms import all_gather_dtypes, check_fp8_gemms
     from jaxpar.config._plan_command import cost_model
 
@@ -289,7 +289,7 @@ def attention_lines(kernels: dict, compiled: Any, length: int) -> list[str]:
       The lines.
     """
     from jaxpar.analysis._fused_attention import attention_report
-    from jaxpar.analysis._compiled_memory import format_bytes
+    from jaxpar._text import format_bytes
 
     report = attention_report(compiled.as_text(), length)
     traced = sum(v for k, v in kernels.items() if k != "why")
@@ -374,7 +374,7 @@ def offload_lines(cfg: JobConfig, devices: list, compiled: Any, tgt: Target | No
     """
     if not cfg.parallel.offload:
         return []
-    from jaxpar.analysis._compiled_memory import format_bytes
+    from jaxpar._text import format_bytes
     from jaxpar.config._job import build_job
 
     plain_cfg = replace(cfg, parallel=replace(cfg.parallel, offload={}))
@@ -471,7 +471,7 @@ def gather_lines(layout: Any, compiled: Any) -> list[str]:
     Returns:
       The lines (none where no data axis shards the parameters).
     """
-    from jaxpar.analysis._compiled_memory import format_bytes
+    from jaxpar._text import format_bytes
     from jaxpar.analysis._gemms import gathered_weights
 
     sizes = dict(layout.mesh.shape)

@@ -217,11 +217,12 @@ class Job:
           token of jaxpar's GPT for MFU (None for a model of your own).
         """
         from jaxpar.run._report import LogOptions
-        from jaxpar.run._resume import gpt_flops_per_token
+        from jaxpar.cost._model import flops_per_token
 
-        flops = None      # FLOPs per token: known for the GPT; for a model of your own there is no MFU
-        if self.gpt_sizes is not None:
-            flops = gpt_flops_per_token(sum(a.size for a in jax.tree.leaves(layout.shapes)), **self.gpt_sizes)
+        flops = None      # FLOPs per token: known for the GPT (its tables: token and position); none for your own model
+        if (g := self.gpt_sizes) is not None:
+            flops = flops_per_token(sum(a.size for a in jax.tree.leaves(layout.shapes)), layers=g["layers"],
+                                    seq_len=g["seq_len"], embed=g["embed"], tables=(g["vocab"] + g["seq_len"]) * g["embed"])
         return LogOptions(**self.log, title=f"{self.name}: {self.strategy.name(dict(self.mesh.shape))}",
                           tokens_per_batch=tokens_per_batch, flops_per_token=flops)
 
@@ -418,7 +419,7 @@ def state_line(layout: Any) -> str:
     Returns:
       The line.
     """
-    from jaxpar.analysis._compiled_memory import format_bytes
+    from jaxpar._text import format_bytes
     from jaxpar.parallel._zero import spec_shards
 
     nbytes, sizes, extra = layout.analytic_bytes(), dict(layout.mesh.shape), ""

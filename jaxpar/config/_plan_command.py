@@ -290,7 +290,8 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
       predicted peak per device (``None``: not predicted).
     """
     from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
-    from jaxpar.analysis._compiled_memory import format_bytes, memory_report, render_table
+    from jaxpar._text import format_bytes, render_table
+    from jaxpar.analysis._compiled_memory import memory_report
 
     sizes = dict(mesh.shape)
     rep = memory_report(compiled)
@@ -367,7 +368,7 @@ def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any
     """
     import time
 
-    from jaxpar.analysis._compiled_memory import format_bytes, render_table
+    from jaxpar._text import format_bytes, render_table
     from jaxpar.cost._memory import memory_per_device
     from jaxpar.analysis import compile_and_compare
 

@@ -291,14 +291,14 @@ def _ms(seconds: float) -> str:
 
 def _model_cell(m: Mapping | None) -> str:
     """A collective row's cost-model cell: milliseconds [count, bytes]."""
-    from jaxpar.analysis import format_bytes
+    from jaxpar._text import format_bytes
 
     return "none" if m is None else f"{_ms(m['seconds'])} [{m['count']:g}, {format_bytes(m['bytes'])}]"
 
 
 def _row_cells(p: Any, key: Any, model: Mapping, expected: Mapping[int, Mapping]) -> list[str]:
     """One row of :func:`profile_table`: count, bytes and the cost model's cell (the measured ones first)."""
-    from jaxpar.analysis import format_bytes
+    from jaxpar._text import format_bytes
     from jaxpar.analysis._trace import COMPUTE
 
     sec = p.rows[key]
@@ -331,7 +331,7 @@ def profile_table(p: Any, model: Mapping, expected: Mapping[int, Mapping], clock
     Returns:
       The text.
     """
-    from jaxpar.analysis._compiled_memory import render_table
+    from jaxpar._text import render_table
     from jaxpar.analysis._trace import COMPUTE, DATA, DISPATCH, IDLE, TRANSFER
 
     rows = [_row_cells(p, key, model, expected) for key in p.rows]

@@ -18,9 +18,10 @@ from typing import Mapping, NamedTuple
 
 from jaxpar.cost._context_experts import (context_score_bytes, context_working_bytes, dense_mlp_bytes,
                                           moe_mlp_bytes)
-from jaxpar.cost._model import TENSOR_LOGICAL, Leaf, ModelSpec, matrix_sides
+from jaxpar.cost._model import TENSOR_LOGICAL, Leaf, ModelSpec
 from jaxpar.cost._schedule import in_flight
 from jaxpar.errors import CostModelError, LayoutError
+from jaxpar.logical import matrix_sides
 
 
 REMAT = ("none", "selective", "full")

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from jaxpar.errors import CostModelError, check_int
-from jaxpar.logical import matrix_sides  # noqa: F401  (cost._memory imports it from here)
 
 #: Logical names jaxpar's tensor rules shard over ``tensor`` (:func:`jaxpar.parallel.tensor_rules`).
 TENSOR_LOGICAL = ("mlp", "heads", "vocab")
@@ -196,6 +195,33 @@ class ModelSpec:
           The same model with that batch.
         """
         return replace(self, batch=batch)
+
+
+def flops_per_token(n_params: int, *, layers: int, seq_len: int, embed: int, tables: int = 0) -> float:
+    """Training (forward + backward) FLOPs per token: ``6 N + 12 L T d`` (PaLM, appendix B; docs/training.md),
+    the FLOPs behind the runner's MFU.
+
+    Args:
+      n_params: the model's parameters.
+      layers: ``L``, the attention layers.
+      seq_len: ``T``, tokens per sequence.
+      embed: ``d``, the attention width (heads x head size).
+      tables: parameters in embedding tables (no matrix multiply): ``N = n_params - tables``.
+
+    Returns:
+      FLOPs per token.
+
+    Example:
+      >>> round(flops_per_token(85_000_000, layers=12, seq_len=1024, embed=768) / 1e6)  # 6 x 85M + 12 x 12 x 1024 x 768
+      623
+      >>> flops_per_token(10_000, layers=2, seq_len=8, embed=32, tables=(16 + 8) * 32)   # a GPT's token + position
+      61536.0
+    """
+    for name, value in (("n_params", n_params), ("layers", layers), ("seq_len", seq_len), ("embed", embed),
+                        ("tables", tables)):
+        if value < 0:
+            raise CostModelError(f"flops_per_token({name}={value!r}): must be >= 0.")
+    return 6.0 * (n_params - tables) + 12.0 * layers * seq_len * embed
 
 
 def _check_moe(m: ModelSpec) -> None:

@@ -7,7 +7,7 @@ bar or lines) and :class:`Meter` (fetches step metrics at log points, checks the
 writes ``train`` and ``nonfinite`` records, times steps) and :class:`MemoryMeter` (the peak memory per
 device, measured at log points, beside the compiled step's) serve the loop only. The sinks:
 :class:`MetricsWriter` (``metrics.jsonl`` and TensorBoard, written by process 0 only) and the FLOP count
-behind MFU (:func:`flops_per_token`, :func:`mfu`; the formula: docs/training.md).
+behind MFU (:func:`mfu` of :func:`jaxpar.cost._model.flops_per_token`; the formula: docs/training.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from jaxpar.analysis._compiled_memory import format_bytes, memory_report
+from jaxpar._text import format_bytes
+from jaxpar.analysis._compiled_memory import memory_report
 from jaxpar.errors import AnalysisError, LoopError, NonFiniteError, check_int
 from jaxpar.run._goodput import describe
 
@@ -561,37 +562,12 @@ TB_TAGS = {
 }
 
 
-def flops_per_token(n_params: int, *, layers: int, seq_len: int, embed: int) -> float:
-    """Training (forward + backward) FLOPs per token: ``6 N + 12 L T d`` (PaLM, appendix B; docs/training.md).
-
-    Args:
-      n_params: ``N``, the parameters in matrix multiplies (no embedding tables; an untied head counts).
-      layers: ``L``, the attention layers.
-      seq_len: ``T``, tokens per sequence.
-      embed: ``d``, the attention width (heads x head size).
-
-    Returns:
-      FLOPs per token.
-
-    Example:
-      >>> f = flops_per_token(85_000_000, layers=12, seq_len=1024, embed=768)
-      >>> round(f / 1e6)                                 # 6 x 85M + 12 x 12 x 1024 x 768
-      623
-      >>> round(mfu(4.5e5, f, peak_flops=989e12, devices=1), 3)
-      0.284
-    """
-    for name, value in (("n_params", n_params), ("layers", layers), ("seq_len", seq_len), ("embed", embed)):
-        if value < 0:
-            raise LoopError(f"flops_per_token({name}={value!r}): must be >= 0.")
-    return 6.0 * n_params + 12.0 * layers * seq_len * embed
-
-
 def mfu(tokens_per_s: float, flops_per_tok: float, *, peak_flops: float, devices: int) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over ``devices x peak_flops``.
 
     Args:
       tokens_per_s: the measured throughput, all devices together.
-      flops_per_tok: training FLOPs per token (:func:`flops_per_token`).
+      flops_per_tok: training FLOPs per token (:func:`jaxpar.cost._model.flops_per_token`).
       peak_flops: the peak FLOP/s of one device.
       devices: how many devices ran it.
 

@@ -7,15 +7,12 @@ Plain values only: :class:`RunOptions` holds the run's settings (the CLI fills i
 :class:`~jaxpar.run.LogOptions` how it reports, and a
 :class:`~jaxpar.run.Checkpointer` where its checkpoints go.
 
-:func:`checkpoint_meta` is what each checkpoint records beside the state, and
-:func:`gpt_flops_per_token` the FLOPs per token of jaxpar's GPT for MFU. A run directory holds one
+:func:`checkpoint_meta` is what each checkpoint records beside the state. A run directory holds one
 run: a new run (no ``resume``) into a ``train.out_dir`` that holds another run's records or
 checkpoints is refused before anything is written (:func:`~jaxpar.run._run_directory.claim_run_directory`).
 
 Example::
 
-    >>> gpt_flops_per_token(10_000, vocab=16, seq_len=8, embed=32, layers=2)   # 6 x (10,000 - 24 x 32) + 12 L T d
-    61536.0
     >>> checkpoint_meta("demo", {"data": 8}, seed=0, model="gpt", data={"kind": "text", "seed": 0, "batch_size": 32})
     {'config': 'demo', 'seed': 0, 'model': 'gpt', 'mesh': {'data': 8}, 'data': {'kind': 'text', 'seed': 0, 'batch_size': 32}}
 """
@@ -33,7 +30,7 @@ from jaxpar.parallel.moe import use_router_bias
 from jaxpar.run._checkpoint import CheckpointWarning
 from jaxpar.run._goodput import Goodput
 from jaxpar.run._loop import train
-from jaxpar.run._report import LogOptions, NonFiniteError, flops_per_token, is_main_process
+from jaxpar.run._report import LogOptions, NonFiniteError, is_main_process
 from jaxpar.run._run_directory import claim_run_directory
 from jaxpar.run._same_program import SameProgram
 from jaxpar.step._router_bias import bias_of
@@ -162,23 +159,6 @@ def checkpoint_meta(name: str, mesh_sizes: Mapping[str, int], *, seed: int, mode
     """
     meta = {"config": name, "seed": seed, "model": model, "mesh": dict(mesh_sizes), "data": dict(data)}
     return meta if tokenizer is None else {**meta, "tokenizer": dict(tokenizer)}
-
-
-def gpt_flops_per_token(n_params: int, *, vocab: int, seq_len: int, embed: int, layers: int) -> float:
-    """Training FLOPs per token of jaxpar's GPT (for MFU): :func:`jaxpar.run._report.flops_per_token`
-    of its parameters without the token and position embeddings.
-
-    Args:
-      n_params: all the model's parameters.
-      vocab: the vocabulary (rows of the token embedding).
-      seq_len: the context (rows of the position embedding).
-      embed: the model width.
-      layers: the number of blocks.
-
-    Returns:
-      FLOPs per token of a training step.
-    """
-    return flops_per_token(n_params - (vocab + seq_len) * embed, layers=layers, seq_len=seq_len, embed=embed)
 
 
 def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Callable[[int], Any],

@@ -41,6 +41,7 @@ from jaxpar.batch import batch_sharding, check_batch, check_stacked_batches, sha
 from jaxpar.compat._settings import replicas_on
 from jaxpar.compat._table import Setting, raise_problems
 from jaxpar.mesh import batch_axes
+from jaxpar.rules import axes_of, path_str
 from jaxpar.parallel.moe import use_router_bias
 from jaxpar.step._balancing import finish as finish_moe
 from jaxpar.strategy import Strategy
@@ -71,7 +72,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
                     strategy: Strategy | None = None, *, clip_norm: float | None = None,
                     log_lr: Callable | None = None, donate: bool = True,
                     explicit_dp: bool | None = None, skip_nonfinite: bool = False,
-                    steps_per_call: int = 1) -> TrainStep:
+                    steps_per_call: int = 1, grad_norm: bool = True) -> TrainStep:
     """Build ``step(state, batch) -> (state, metrics)``, jitted with the layout's shardings.
 
     The step runs the strategy the layout was built for (``layout.strategy``, from
@@ -101,6 +102,9 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
         ``batches`` stacked ``[K, B, ...]``, every metric ``[K]``. PipeDream-2BW and weight
         stashing run ``K`` steps of their no-flush pipeline; the other strategies scan their step
         (the same updates as ``K`` calls).
+      grad_norm: report ``metrics["grad_norm"]``, the gradient's global norm. ``False`` leaves that
+        pass over the gradients out where neither ``clip_norm`` nor ``skip_nonfinite`` needs it (as
+        Levanter's step between its logging steps); only the one-update-per-step programs take it.
 
     Returns:
       The :class:`~jaxpar.step.TrainStep` (``step.lower`` for ahead-of-time compilation,
@@ -108,17 +112,17 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
 
     Raises:
       StepError: ``clip_norm`` is not None or a finite number > 0, ``loss_fn`` / ``log_lr`` is not a
-        function, or a flag is not a bool.
+        function, a flag is not a bool, or ``grad_norm=False`` for a step that reports its updates' norms.
       LoopError: ``steps_per_call`` is not an int >= 1.
       Fp8Error: ``Strategy.fp8`` on devices without FP8 GEMMs, or covering no matmul of the model.
     """
     _check_options(loss_fn, clip_norm=clip_norm, log_lr=log_lr, donate=donate, explicit_dp=explicit_dp,
-                   skip_nonfinite=skip_nonfinite)
+                   skip_nonfinite=skip_nonfinite, grad_norm=grad_norm)
     layout_strategy(layout, strategy)      # a strategy other than the layout's raises
     check_fp8(layout.mesh, layout.logical, layout.shapes, layout.strategy.fp8)
     loss_fn = fp8_loss(loss_fn, layout.strategy.fp8)
     update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, log_lr=log_lr,
-                    place=host_placement(layout.shardings(), layout.strategy.offload))
+                    place=host_placement(layout.shardings(), layout.strategy.offload), grad_norm=grad_norm)
     opts = StepOptions(explicit_dp, steps_per_call, donate)
     _check_step(layout, update, opts)
     return _program(program_kind(layout.strategy, dict(layout.mesh.shape), steps_per_call), loss_fn, layout,
@@ -160,15 +164,33 @@ def _program(kind: str, loss_fn: Callable, layout: StateLayout, update: Update, 
     return _per_step(loss_fn, layout, update, opts)
 
 
+def muon_matrices(layout: StateLayout) -> tuple[tuple[str, tuple[str, ...]], ...] | None:
+    """Muon's matrices in the layout's optimizer state (an ``optax.contrib.MuonState``), each with the mesh axes
+    that shard its momentum: the compatibility table's Muon (``Setting.muon``); None without Muon."""
+    is_muon = lambda x: isinstance(x, optax.contrib.MuonState)           # noqa: E731
+    states = [x for x in jax.tree.leaves(layout.opt_shapes, is_leaf=is_muon) if is_muon(x)]
+    if not states:
+        return None
+    specs = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        layout.opt_param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]}
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(states[0].mu)[0]]
+    return tuple((p, tuple(a for e in tuple(specs.get(p, ())) for a in axes_of(e))) for p in paths)
+
+
 def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
     """``steps_per_call``'s value, the compatibility table's refusals for this step (once:
     :mod:`jaxpar.compat._table`), then the older weight versions the layout keeps."""
     strategy, sizes = layout.strategy, dict(layout.mesh.shape)
     check_int("make_train_step", "steps_per_call", opts.steps_per_call, 1, LoopError)
     measure = layout.part(NOISE_SCALE).options
+    across = False
+    if strategy.schedule == "pipedream":        # each stage applies tx alone: the table's ST x LL
+        from jaxpar.parallel.pipeline._pipedream import optimizer_is_per_stage, stacked_block_ids
+        across = not optimizer_is_per_stage(update.tx, layout.shapes, stacked_block_ids(layout.logical))
     raise_problems(Setting(strategy, sizes, explicit_dp=opts.explicit_dp, steps_per_call=opts.steps_per_call,
                            clip_norm=update.clip_norm, noise_scale_every=measure.every if measure else None,
-                           router_bias_rate=layout.part(BIAS).options))
+                           router_bias_rate=layout.part(BIAS).options, optimizer_across_stages=across,
+                           muon=muon_matrices(layout)))
     is_spec = lambda x: isinstance(x, PartitionSpec)   # noqa: E731
     kept = jax.tree.structure(layout.part("versions").specs, is_leaf=is_spec)
     if kept != jax.tree.structure(older_versions_of(strategy, sizes, layout.params), is_leaf=is_spec):
@@ -325,7 +347,7 @@ def _versioned_pipeline(loss_fn, layout: StateLayout, update: Update, opts: Step
     return _train_step({"step": step}, layout, opts, pipeline_program=program)
 
 
-def _check_options(loss_fn: Callable, *, clip_norm, log_lr, donate, explicit_dp, skip_nonfinite) -> None:
+def _check_options(loss_fn: Callable, *, clip_norm, log_lr, donate, explicit_dp, skip_nonfinite, grad_norm) -> None:
     """The values of ``make_train_step``'s own options (:class:`~jaxpar.errors.StepError` names the first bad one)."""
     if not callable(loss_fn):
         raise StepError(f"make_train_step(loss_fn={loss_fn!r}): must be a function loss_fn(model, batch) -> scalar.")
@@ -335,6 +357,6 @@ def _check_options(loss_fn: Callable, *, clip_norm, log_lr, donate, explicit_dp,
         raise StepError(f"make_train_step(log_lr={log_lr!r}): must be a function step -> learning rate (e.g. the "
                         "optax schedule tx was built with), or None to log none.")
     for name, value, allowed in (("donate", donate, (True, False)), ("skip_nonfinite", skip_nonfinite, (True, False)),
-                                 ("explicit_dp", explicit_dp, (True, False, None))):
+                                 ("explicit_dp", explicit_dp, (True, False, None)), ("grad_norm", grad_norm, (True, False))):
         if not any(value is a for a in allowed):
             raise StepError(f"make_train_step({name}={value!r}): must be " + " or ".join(map(str, allowed)) + ".")

@@ -54,15 +54,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.adapters._blocks import use_layer_runner
 from jaxpar.batch import step_microbatches
-from jaxpar.compat._table import Setting, raise_problems
 from jaxpar.errors import StashingError
-from jaxpar.rules import axes_of, drop_axes, path_str, use_rules
+from jaxpar.rules import drop_axes, path_str, use_rules
 from jaxpar.parallel.pipeline._buffers import put, take, take_tree
 from jaxpar.parallel.pipeline._partition import from_stages, to_stages
 from jaxpar.parallel.pipeline._piped import staged_cut
 from jaxpar.parallel.pipeline._schedules import pipedream
-from jaxpar.parallel.pipeline._pipedream import (StageWeights, StashProgram, VersionedStage, VersionRows, lower_stashed,
-                                                 optimizer_is_per_stage, stacked_block_ids)
+from jaxpar.parallel.pipeline._pipedream import StageWeights, StashProgram, VersionedStage, VersionRows, lower_stashed
 from jaxpar.parallel.pipeline._instructions import PIPE, stage_counts
 from jaxpar.parallel.pipeline._stage import run_ticks, tick_table
 from jaxpar.step._state import TrainState
@@ -80,7 +78,8 @@ def _stage_update(update: Update, cut, w_cur, opt, g_outer, g_chunk):
                           grads)
     skip = m["skipped"].astype(jnp.float32) if "skipped" in m else jnp.zeros((), jnp.float32)
     outer, blocks = cut.split(new.params)
-    return (outer, jax.tree.map(lambda a: a[None], blocks)), new.opt_state, jnp.square(m["grad_norm"]), skip
+    sq = jnp.square(m["grad_norm"]) if "grad_norm" in m else jnp.zeros((), jnp.float32)
+    return (outer, jax.tree.map(lambda a: a[None], blocks)), new.opt_state, sq, skip
 
 
 # ----------------------------------------------------------------------------- outer ownership
@@ -125,19 +124,6 @@ def _opt_tags(tx, layout) -> list[int]:
     return tags
 
 
-def muon_matrices(layout) -> tuple[tuple[str, tuple[str, ...]], ...] | None:
-    """Muon's matrices in the layout's optimizer state (an ``optax.contrib.MuonState``), each with the mesh axes
-    that shard its momentum: the compatibility table's Muon (``Setting.muon``); None without Muon."""
-    is_muon = lambda x: isinstance(x, optax.contrib.MuonState)           # noqa: E731
-    states = [x for x in jax.tree.leaves(layout.opt_shapes, is_leaf=is_muon) if is_muon(x)]
-    if not states:
-        return None
-    specs = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
-        layout.opt_param_specs, is_leaf=lambda x: isinstance(x, P))[0]}
-    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(states[0].mu)[0]]
-    return tuple((p, tuple(a for e in tuple(specs.get(p, ())) for a in axes_of(e))) for p in paths)
-
-
 # ----------------------------------------------------------------------------- the step
 def make_stashing_step(loss_fn: Callable, layout, update: Update, steps: int = 1) -> tuple[Callable, StashProgram]:
     """``steps`` optimizer steps of weight stashing in one program (see the module docstring): each
@@ -155,16 +141,12 @@ def make_stashing_step(loss_fn: Callable, layout, update: Update, steps: int = 1
     Returns:
       ``(run, program)``: ``run(state, batches) -> (state, metrics)`` to jit, every leaf of
       ``batches`` ``[steps, B, ...]`` and every metric ``[steps]``; ``program`` the lowered table.
-      ``make_train_step`` has checked the layout.
+      ``make_train_step`` has checked the layout and the optimizer (the table's ST x LL, ST x MU).
     """
     strategy = layout.strategy
     m = strategy.microbatches
     sp = lower_stashed(pipedream(layout.mesh.shape[PIPE], m, steps), m=m, update_every=strategy.update_every,
                        vertical_sync=strategy.vertical_sync)
-    muon = muon_matrices(layout)
-    across = not optimizer_is_per_stage(update.tx, layout.shapes, stacked_block_ids(layout.logical))
-    if across or muon is not None:                 # the table's optimizer pairs: ST x LL, ST x MU
-        raise_problems(Setting(strategy, dict(layout.mesh.shape), optimizer_across_stages=across, muon=muon))
     return _StashingRun(loss_fn, update, layout, sp, steps).run, sp
 
 
@@ -211,7 +193,7 @@ class _StashingRun:
             (loss, gsq, skips, reported), o_out, b_out, opt_out = smap(w_outer, w_blocks, opt_in, mbs)
         new = self._merged(state, cut, owners, opt_def, is_block, o_out, b_out, opt_out)
         upd = self.update
-        per_step = [updates_metrics(loss[j] / m, gsq[j], m // k, skips[j] if upd.skip_nonfinite else None,
+        per_step = [updates_metrics(loss[j] / m, gsq[j] if upd.grad_norm else None, m // k, skips[j] if upd.skip_nonfinite else None,
                                     of=p * (m // k), lr=None if upd.log_lr is None else upd.log_lr(state.step + j))
                     for j in range(steps)]      # grad_norm: the RMS over the step's updates of their global norm
         metrics = jax.tree.map(lambda *a: jnp.stack(a), *per_step)
@@ -222,7 +204,7 @@ class _StashingRun:
         sp, strategy, steps = self.sp, self.layout.strategy, self.steps
         init = (w_outer, jax.tree.map(lambda a: a[:, :, 0], w_blocks))
         opt = opt_def.unflatten([a[0, 0] if b else a for a, b in zip(opt_in, is_block)])
-        per_stage = Update(self.update.tx, skip_nonfinite=self.update.skip_nonfinite)   # no global clip: it spans the stages
+        per_stage = self.update._replace(clip_norm=None, log_lr=None, place=None)   # no global clip: it spans the stages
         update = functools.partial(_stage_update, per_stage, cut.model)
         stage = VersionedStage(cut.parts, sp.program, counts, strategy.cast(take_tree(init, 0)), mbs,
                                per_update=strategy.update_every, per_step=strategy.microbatches, accumulators=1,
