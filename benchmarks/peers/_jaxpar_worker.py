@@ -64,7 +64,7 @@ class Worker:
         mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:8])
         strategy = _strategy(rules)
         state, layout, _ = train_state(checkpoint, self.tx, mesh, strategy, remat=remat, scan_layers=True)
-        step = jaxpar.make_train_step(decoder_loss, self.tx, layout, strategy)
+        step = jaxpar.make_train_step(decoder_loss, self.tx, layout, strategy, grad_norm=False)   # as Levanter's hook-free step
         batch = jaxpar.shard_batch(self.host_batch, mesh)
         t0 = time.perf_counter()
         compiled = step.lower(state, batch).compile()
@@ -101,7 +101,7 @@ class Worker:
         strategy = _strategy(rules)
         cfg = decoder_config(read_config(checkpoint), remat=remat, scan_layers=True)
         layout = jaxpar.state_layout(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), self.tx, mesh, strategy)
-        step = jaxpar.make_train_step(decoder_loss, self.tx, layout, strategy)
+        step = jaxpar.make_train_step(decoder_loss, self.tx, layout, strategy, grad_norm=False)   # as Levanter's hook-free step
         sh = batch_sharding(mesh)
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh) for k, v in self.host_batch.items()}
         t0 = time.perf_counter()

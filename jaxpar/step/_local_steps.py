@@ -98,7 +98,7 @@ class _LocalPrograms:
 
     def replica_metrics(self, step, losses, m) -> dict:
         """Per-replica ``[K]`` metrics (no gather over ``replica``) and the step's learning rate."""
-        rep = {"loss": losses, "grad_norm": m["grad_norm"], **({"skipped": m["skipped"]} if "skipped" in m else {})}
+        rep = {"loss": losses, **{k: m[k] for k in ("grad_norm", "skipped") if k in m}}
         lr = {"lr": jnp.asarray(self.log_lr(step), jnp.float32)} if self.log_lr is not None else {}
         return {"replica": rep, **lr}
 
@@ -157,5 +157,6 @@ def _replica_summary(metrics: dict) -> dict:
         out["replica_distance"] = jnp.mean(out["replica_distance"])
     k = rep["loss"].shape[0]
     skipped = jnp.sum(rep["skipped"].astype(jnp.int32)) if "skipped" in rep else None
-    out.update(updates_metrics(jnp.mean(rep["loss"]), jnp.sum(jnp.square(rep["grad_norm"])), k, skipped))
+    sq_norms = jnp.sum(jnp.square(rep["grad_norm"])) if "grad_norm" in rep else None
+    out.update(updates_metrics(jnp.mean(rep["loss"]), sq_norms, k, skipped))
     return {**out, "loss_spread": jnp.max(rep["loss"]) - jnp.min(rep["loss"])}

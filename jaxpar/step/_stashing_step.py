@@ -28,8 +28,9 @@ a version for each action.
 to stage 0, those read after (``post``) to stage ``p - 1`` (a leaf read by neither follows
 stage 0); a leaf read by both (tied embeddings) is an error. Every stage updates its copy, and
 the train state keeps the owner's. The optimizer must update each stage's parameters from
-their own values and gradients alone (SGD, Adam, AdamW...): :func:`optimizer_is_per_stage`
-probes it and names one that does not (global-norm clipping, a trust ratio over a whole stacked
+their own values and gradients alone (SGD, Adam, AdamW...):
+:func:`jaxpar.parallel.pipeline._pipedream.optimizer_is_per_stage` (in ``make_train_step``) probes it and names one
+that does not (global-norm clipping, a trust ratio over a whole stacked
 leaf). ``clip_norm`` (global, across stages) is an error.
 
 The train state holds the current version (``params``) and the ``ceil((p-1)/k)`` older ones
@@ -133,7 +134,7 @@ def make_stashing_step(loss_fn: Callable, layout, update: Update, steps: int = 1
       loss_fn: the user's loss (on the last stage).
       layout: the train state's layout (its strategy: ``schedule='pipedream'``).
       update: the update's options (:class:`~jaxpar.step._update.Update`): ``tx`` is applied per
-        stage (:func:`optimizer_is_per_stage`); with ``skip_nonfinite`` a stage whose update
+        stage (``make_train_step`` checked it); with ``skip_nonfinite`` a stage whose update
         gradient is not finite keeps its weights; ``log_lr`` is logged as ``metrics["lr"]``;
         ``clip_norm`` is refused by the compatibility table (a global norm spans the stages).
       steps: optimizer steps per call.

@@ -46,6 +46,8 @@ class Update(NamedTuple):
       place: where the optimizer's arithmetic runs, ``place(optimize, grads, opt_state, params, *scalars)
         -> (params, opt_state)`` (:func:`jaxpar.parallel._offload.host_placement`: in host memory);
         ``None``: here, in the step's program.
+      grad_norm: report ``grad_norm``; without it the norm is computed only where ``clip_norm`` or
+        ``skip_nonfinite`` needs it.
     """
 
     tx: optax.GradientTransformation
@@ -53,6 +55,7 @@ class Update(NamedTuple):
     skip_nonfinite: bool = False
     log_lr: Callable | None = None
     place: Callable | None = None
+    grad_norm: bool = True
 
 
 def clip_norm_problem(clip_norm: Any) -> str | None:
@@ -87,10 +90,11 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
 
     Returns:
       ``(new state, metrics)``; metrics hold ``loss``, ``grad_norm`` (the global norm of
-      ``grads``, before clipping: see the module docstring), ``skipped`` (with
+      ``grads``, before clipping: see the module docstring; with ``update.grad_norm``), ``skipped`` (with
       ``skip_nonfinite``) and ``lr`` (with ``log_lr``).
     """
-    gnorm = optax.tree.norm(grads)
+    needed = update.grad_norm or update.clip_norm is not None or update.skip_nonfinite
+    gnorm = optax.tree.norm(grads) if needed else None
     scalars = {}
     if update.clip_norm is not None:
         scalars["scale"] = jnp.minimum(1.0, update.clip_norm / (gnorm + 1e-6))
@@ -100,7 +104,7 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
     args = (grads, state.opt_state, state.params, *scalars.values())
     params, opt_state = update.place(optimize, *args) if update.place else optimize(*args)
     new = state._replace(step=state.step + 1, params=params, opt_state=opt_state, **(parts or {}))
-    out = {"loss": loss, "grad_norm": gnorm, **(metrics or {})}
+    out = {"loss": loss, **({"grad_norm": gnorm} if update.grad_norm else {}), **(metrics or {})}
     if update.skip_nonfinite:
         ok = scalars["ok"]
         new = new._replace(**{f: jax.tree.map(lambda n, o: jnp.where(ok, n, o), getattr(new, f), getattr(state, f))
@@ -126,14 +130,15 @@ def _optimize(tx: optax.GradientTransformation, names: tuple[str, ...], grads: A
     return new_params, new_opt
 
 
-def updates_metrics(loss: jax.Array, sq_norms: jax.Array, updates: int, skipped_updates: jax.Array | None = None,
+def updates_metrics(loss: jax.Array, sq_norms: jax.Array | None, updates: int, skipped_updates: jax.Array | None = None,
                     of: int | None = None, lr: Any = None) -> dict:
     """The metrics of a step that applies several updates, each on its own gradient (see the
     module docstring): what :func:`apply_update` reports for one.
 
     Args:
       loss: the step's loss.
-      sq_norms: the sum over the step's updates of their gradients' squared global norms.
+      sq_norms: the sum over the step's updates of their gradients' squared global norms (``None``: not
+        measured, ``Update.grad_norm=False``; no ``grad_norm`` reported).
       updates: how many updates ``sq_norms`` sums.
       skipped_updates: how many of the step's updates were skipped (``None``: the step does not
         skip, ``skip_nonfinite=False``).
@@ -151,7 +156,7 @@ def updates_metrics(loss: jax.Array, sq_norms: jax.Array, updates: int, skipped_
     >>> round(float(m["grad_norm"]), 4), bool(m["skipped"]), int(m["skipped_updates"])
     (3.5355, False, 1)
     """
-    out = {"loss": loss, "grad_norm": jnp.sqrt(sq_norms / updates)}
+    out = {"loss": loss, **({} if sq_norms is None else {"grad_norm": jnp.sqrt(sq_norms / updates)})}
     if skipped_updates is not None:
         out["skipped"] = skipped_updates >= (of or updates)
         out["skipped_updates"] = jnp.asarray(skipped_updates).astype(jnp.int32)
