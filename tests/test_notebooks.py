@@ -62,9 +62,8 @@ def test_notebook_executes(name, tmp_path):
         for target in ("h100:2x8", "tpu-v5e:4x4"):
             line = next(x for x in outputs.splitlines() if x.startswith(target))
             assert "compiled in" in line and "peak" in line, line
-        gpu = next(x for x in outputs.splitlines() if x.startswith("h100:2x8"))
-        got, predicted = re.search(r"arguments (\S+) GiB \(predicted (\S+)\)", gpu).groups()
-        assert got == predicted, gpu
+            got, predicted = re.search(r"arguments (\S+) GiB \(predicted (\S+)\)", line).groups()
+            assert got == predicted, line          # libtpu's tiled layout included (lowering xla-tpu)
     if name == "04_relaxed_sync.ipynb":   # DiLoCo with H = 1 and a plain outer step is data parallelism
         assert float(outputs.split("max relative gap:")[1].split()[0]) < 1e-5
         inner = outputs.split("inner step:")[1].split("sync step:")[0]

@@ -29,6 +29,7 @@ from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
 from jaxpar.analysis._compiled_memory import memory_report
 from jaxpar.batch import batch_sharding
 from jaxpar.cost import device_argument_bytes
+from jaxpar.cost._device_bytes import layout_for_platform
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import Plan
 from jaxpar.cost._traffic import bytes_per_axis, comms
@@ -60,7 +61,8 @@ def compare(model: ModelSpec, plan: Plan, compiled: Any, mesh: Any, *, lowering:
         p, g = pred.get(a, 0.0), got.get(a, 0.0)
         axes[a] = {"predicted": p, "compiled": g, "error": abs(p - g) / g if g else float(p > 0)}
     rep = memory_report(compiled)
-    args = device_argument_bytes(model, plan.sizes, plan.zero)
+    layout = layout_for_platform("tpu" if lowering == "xla-tpu" else "cuda")      # libtpu's tiled layout
+    args = device_argument_bytes(model, plan.sizes, plan.zero, layout=layout)
     return {"plan": plan.name(), "axes": axes,
             "arguments": {"predicted": args, "compiled": rep.argument_bytes,
                           "error": abs(args - rep.argument_bytes) / rep.argument_bytes},
