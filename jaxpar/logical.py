@@ -26,6 +26,19 @@ HEAD_GROUP = ("heads", "kv_heads", "kv")
 STACKS = ("layers", "experts", "stage", "stages", None)
 #: Where Newton-Schulz runs on a sharded matrix group (docs/muon.md); ``auto``: a chooser picks gather or owner.
 PLACEMENTS = ("auto", "gather", "owner", "local")
+#: A weight with ``embed`` and one of these runs its matmuls in FP8 (``Strategy(fp8=...)``).
+FP8_FEATURES = ("heads", "kv_heads", "mlp")
+
+
+def fp8_covered(names: Sequence) -> bool:
+    """Whether a weight with these logical names runs its matmuls in FP8: ``embed`` and a feature axis
+    (:data:`FP8_FEATURES`: the attention projections, the MLP, the experts; not the embedding, the head,
+    the router, norms or biases).
+
+    >>> fp8_covered(("embed", "mlp")), fp8_covered(("vocab", "embed"))
+    (True, False)
+    """
+    return "embed" in names and any(n in names for n in FP8_FEATURES)
 
 
 def feature_groups(names: Sequence) -> list[tuple[int, ...]]:

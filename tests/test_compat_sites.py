@@ -10,7 +10,7 @@ message of their own: the class the problem declares and its message with the li
   (the SP x 2B / SP x ST pairs), a ``pipe`` axis, 2BW's micro-batches, ``update_every``;
 * :func:`~jaxpar.parallel.compression.exchange_plan`: a codec needs a data axis; 1-bit Adam with
   gradients sharded over it (the Z x 1A pair);
-* :func:`~jaxpar.step.router_bias_layout` (and ``with_router_bias``): a router bias with weight
+* ``state_layout(parts=[router_bias(...)])`` (and ``with_router_bias``): a router bias with weight
   stashing or replicas (the ST x RB / RS x RB pairs).
 """
 from __future__ import annotations
@@ -69,10 +69,10 @@ SITES = {
 
 
 def _bias_layout(sizes, strategy):
-    """``router_bias_layout`` on a layout of ``strategy`` (traced only)."""
-    from jaxpar.step import router_bias_layout
+    """A layout of ``strategy`` with a router bias part (traced only)."""
+    from jaxpar.step import router_bias
 
-    return router_bias_layout(_layout(sizes, strategy), (2, 4), rate=0.01)
+    return _layout(sizes, strategy, parts=[router_bias((2, 4), rate=0.01)])
 
 
 def _check(call, setting, error):
@@ -97,7 +97,7 @@ def test_exchange_plan_unchecked_leaves_the_table_to_its_caller():
     assert plan.axes == ("data",) and plan.scattered == (True,)
 
 
-def _layout(sizes, strategy=S(microbatches=2)):
+def _layout(sizes, strategy=S(microbatches=2), parts=()):
     from jaxpar.models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2)
@@ -105,7 +105,7 @@ def _layout(sizes, strategy=S(microbatches=2)):
     for v in sizes.values():
         n *= v
     mesh = jaxpar.make_mesh(sizes, devices=jax.devices()[:n])
-    return jaxpar.state_layout(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh, strategy)
+    return jaxpar.state_layout(lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1), mesh, strategy, parts=parts)
 
 
 #: One strategy of each kind whose layout or step calls the lower-level checks: ``(mesh sizes, strategy)``.

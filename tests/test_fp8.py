@@ -185,5 +185,5 @@ def test_the_strategy_and_the_config_take_fp8_options_or_name_the_field():
         build_fp8({"amax_history": 16})
     with pytest.raises(ConfigError, match="parallel.fp8: .*recipe='delayed'"):
         build_fp8({"recipe": "delayed"})
-    loss = fp8_loss(lambda model, batch: 0.0, Fp8())
-    assert fp8_loss(loss, Fp8()) is loss and fp8_loss(loss, None) is loss     # wrapped once
+    loss = lambda model, batch: 0.0      # noqa: E731
+    assert fp8_loss(loss, None) is loss

@@ -172,3 +172,20 @@ def test_fp8_that_covers_nothing_is_named_by_train_inspect_and_plan(tmp_path, ca
     config.write_text(f"base: {quick}\nparallel: {{fp8: {{recipe: tensorwise}}}}\n")
     assert main(["plan", "--config", str(config), "--cluster", "h100", "--devices", "8", "--top", "1"]) == 0
     assert "fp8      considered, not chosen: no GEMM of the model reaches min_dim 1024" in capsys.readouterr().out
+
+
+@need_devices(2)
+def test_eval_runs_as_trained_with_fp8():
+    """``make_eval_fn`` runs under the step's ``strategy_context``, FP8 included: its loss is the FP8 loss on its
+    own (``fp8_loss``), not the fp32 one."""
+    from jaxpar.parallel import fp8_loss
+    from jaxpar.run._loop import make_eval_fn
+
+    mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    batch = _batch()
+    state, layout = jaxpar.init_train_state(lambda: Net(nnx.Rngs(0)), optax.sgd(1.0), mesh,
+                                            jaxpar.Strategy(fp8=Fp8(min_dim=0)))
+    model = nnx.merge(layout.graphdef, state.params)
+    want, plain = float(jax.jit(fp8_loss(loss, Fp8(min_dim=0)))(model, batch)), float(loss(model, batch))
+    got = make_eval_fn(loss, layout, batches=[batch])(state)
+    assert got == pytest.approx(want, rel=1e-5) and abs(want - plain) > 1e-4 * abs(plain)

@@ -323,7 +323,7 @@ def test_the_router_bias_moves_as_on_one_device(axes, k):
 
 @need_devices(2)
 def test_router_bias_errors_are_named():
-    from jaxpar.step import router_bias_layout, with_router_bias
+    from jaxpar.step import router_bias, with_router_bias
     from jaxpar.step._router_bias import KEY
 
     mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
@@ -334,13 +334,15 @@ def test_router_bias_errors_are_named():
     for rate in (0, -0.01, None, True):
         with pytest.raises(MoEError, match=rf"with_router_bias\(rate={rate}\): the bias step must be a number > 0"):
             with_router_bias(state, layout, (2, 8), rate=rate)
-        with pytest.raises(MoEError, match=rf"router_bias_layout\(rate={rate}\): the bias step must be a number > 0"):
-            router_bias_layout(layout, (2, 8), rate=rate)
+        with pytest.raises(MoEError, match=rf"^router_bias\(rate={rate}\): the bias step must be a number > 0"):
+            router_bias((2, 8), rate=rate)
     with pytest.raises(TypeError, match="rate"):                # the rate is required: no bias without it
         with_router_bias(state, layout, (2, 8))
     biased, biased_layout = with_router_bias(state, layout, (2, 8), rate=0.01)
     assert biased_layout.parts[KEY].options == 0.01 and KEY not in layout.parts
-    assert router_bias_layout(layout, (2, 8), rate=0.01).parts == biased_layout.parts
+    traced = jaxpar.state_layout(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh,
+                                 parts=[router_bias((2, 8), rate=0.01)]).parts[KEY]
+    assert (traced.options, traced.shapes) == (0.01, biased_layout.parts[KEY].shapes)
     dense = dataclasses.replace(CFG, moe=None)                            # a bias kept, never read
     state, layout = jaxpar.init_train_state(lambda: GPT(dense, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh)
     state, layout = with_router_bias(state, layout, (2, 8), rate=0.01)
@@ -357,16 +359,13 @@ def test_router_bias_errors_are_named():
 def test_a_router_bias_without_one_load_per_step_is_refused_by_the_table(sizes, strategy, code):
     """Weight stashing, PipeDream-2BW and replicas have no one load per step to move the bias by: the
     compatibility table's RB pair (class MoEError, a message naming both options and the fix) is
-    raised by ``with_router_bias`` and ``router_bias_layout``, and by ``make_train_step`` for a layout
-    that got the part some other way."""
+    raised by ``with_router_bias`` and ``init_train_state`` / ``state_layout(parts=[router_bias(...)])``, and by
+    ``make_train_step`` for a layout that got the part some other way."""
     import re
 
-    import jax.numpy as jnp
-
     from jaxpar.compat import LIBRARY_NAMES, Setting, problems
-    from jaxpar.step import router_bias_layout, with_router_bias
-    from jaxpar.step._router_bias import KEY
-    from jaxpar.step._state import with_stats_part
+    from jaxpar.step import router_bias, with_router_bias
+    from jaxpar.step._state import with_parts
 
     found = problems(Setting(strategy, sizes, router_bias_rate=0.01))
     assert [set(p.features) for p in found] == [{code, "RB"}] and found[0].error is MoEError
@@ -375,11 +374,12 @@ def test_a_router_bias_without_one_load_per_step_is_refused_by_the_table(sizes, 
     assert "synchronous data parallelism" in text and "MoESettings.aux_weight" in text, text
     mesh = jaxpar.make_mesh(sizes, devices=jax.devices()[:2])
     state, layout = jaxpar.init_train_state(lambda: GPT(BIASED, rngs=nnx.Rngs(0)), optax.sgd(LR), mesh, strategy)
+    model_fn, part = lambda: GPT(BIASED, rngs=nnx.Rngs(0)), router_bias((2, 8), rate=0.01)
     for call in (lambda: with_router_bias(state, layout, (2, 8), rate=0.01),
-                 lambda: router_bias_layout(layout, (2, 8), rate=0.01)):
+                 lambda: jaxpar.state_layout(model_fn, optax.sgd(LR), mesh, strategy, parts=[part])):
         with pytest.raises(MoEError, match=re.escape(text)):
             call()
-    _, biased = with_stats_part(state, layout, KEY, jnp.zeros((2, 8)), 0.01)    # the part, past with_router_bias
+    biased = with_parts(layout, [part])                 # the part, past init_train_state's table
     with pytest.raises(MoEError, match=re.escape(text)):
         jaxpar.make_train_step(lm_loss, optax.sgd(LR), biased)
     assert not problems(Setting(Strategy(microbatches=2, schedule="1f1b"), {"pipe": 2}, router_bias_rate=0.01))

@@ -176,8 +176,8 @@ def test_bad_options_give_named_errors():
                               (10, 1.0, r"ema=1.0\)"), (10, -0.1, r"ema=-0.1\)")]:
         with pytest.raises(ns.NoiseScaleError, match=r"with_noise_scale\(" + match):
             ns.with_noise_scale(plain_state, plain, every=every, ema=ema)
-        with pytest.raises(ns.NoiseScaleError, match=r"noise_scale_layout\(" + match):
-            ns.noise_scale_layout(plain, every=every, ema=ema)
+        with pytest.raises(ns.NoiseScaleError, match=r"^noise_scale\(" + match):
+            ns.noise_scale(every=every, ema=ema)
     with pytest.raises(TypeError, match="every"):                       # every is required: no part without it
         ns.with_noise_scale(plain_state, plain)
     one = _mesh({"data": 1, "tensor": 2})
@@ -194,7 +194,7 @@ def test_bad_options_give_named_errors():
 
 
 def test_the_noise_scale_is_switched_on_in_one_place():
-    """``with_noise_scale(..., every=, ema=)`` switches the measurement on and the step reads it from the
+    """The noise-scale part (``with_noise_scale(..., every=, ema=)``, or ``parts=[noise_scale(...)]``) switches the measurement on and the step reads it from the
     state's part; a state without the part measures nothing; make_train_step takes no noise-scale keyword."""
     mesh = _mesh({"data": 2})
     tx = optax.sgd(0.1)
@@ -209,4 +209,5 @@ def test_the_noise_scale_is_switched_on_in_one_place():
         for on in (plain, layout):                  # not make_train_step's, with or without the part
             with pytest.raises(TypeError, match=keyword):
                 jaxpar.make_train_step(classifier_loss, tx, on, **{keyword: 2 if keyword.endswith("every") else 0.8})
-    assert ns.noise_scale_layout(plain, every=2, ema=0.8).parts == layout.parts
+    traced = jaxpar.state_layout(model_fn, tx, mesh, parts=[ns.noise_scale(every=2, ema=0.8)]).parts[ns.KEY]
+    assert (traced.options, traced.shapes) == (layout.parts[ns.KEY].options, layout.parts[ns.KEY].shapes)

@@ -171,12 +171,13 @@ def _job(config: str, overrides: Sequence[str], command: str, dist: dict | None 
 
 class RunWeights(NamedTuple):
     """A run's weights (:func:`run_weights`): ``params`` in ``layout``, ``where`` they came from (in
-    words), and the MoE ``router_bias`` its state keeps (on the host; None: none)."""
+    words), and the ``stats`` parts its state keeps (on the host; None: none), which the model runs under
+    (:func:`jaxpar.step._state.use_parts`: the MoE router bias)."""
 
     params: Any
     layout: Any
     where: str
-    router_bias: Any = None
+    stats: Any = None
     record: dict | None = None       # the checkpoint's JSON record (None: the imported weights)
 
 
@@ -196,7 +197,6 @@ def run_weights(job: Any, step: int | None = None) -> RunWeights:
       CheckpointError: ``step`` has no (readable) checkpoint, or the run has none and no ``model.hf``.
     """
     from jaxpar.run._checkpoint import CheckpointError
-    from jaxpar.step._router_bias import bias_of
     from jaxpar.run._sample import host_params
 
     layout = job.state_layout()
@@ -206,9 +206,8 @@ def run_weights(job: Any, step: int | None = None) -> RunWeights:
         try:
             if step is not None or ckpt.latest_step() is not None:
                 state = (restored := ckpt.restore(layout, step)).state
-                bias = None if (b := bias_of(state, layout)) is None else host_params(b)
-                return RunWeights(state.params, layout, _checkpoint_words(restored, ckpt.directory), bias,
-                                  restored.meta)
+                return RunWeights(state.params, layout, _checkpoint_words(restored, ckpt.directory),
+                                  host_params(state.stats), restored.meta)
         finally:
             ckpt.close()
     if job.hf is None or step is not None:
@@ -306,8 +305,8 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
       ConfigError: the config is invalid, the prompt encodes to no token, or the run's tokens have no text.
     """
     from jaxpar.data import check_tokenizer
-    from jaxpar.parallel.moe import use_router_bias
     from jaxpar.run._sample import greedy_generate
+    from jaxpar.step._state import use_parts
 
     cfg, job = _job(config, overrides, "sample")
     encode, decode, tok = _sample_codec(cfg, job)
@@ -320,7 +319,7 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
     saved = (w.record or {}).get("tokenizer")
     if tok is not None and saved is not None:         # the ids the run trained with, or a named error
         check_tokenizer(saved["fingerprint"], tok, saved["vocab_size"])
-    with use_router_bias(w.router_bias):
+    with use_parts(w.layout, w.stats):
         most = job.hf.hf_config.get("max_position_embeddings") if job.hf is not None else None
         out = greedy_generate(w.layout.graphdef, w.params, [ids], new_tokens=new, context=cfg.model.seq_len,
                               max_positions=most)[0]

@@ -36,7 +36,7 @@ the data, and the compiled programs::
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -89,8 +89,7 @@ class Job:
     checkpoint: Mapping[str, Any] | None = None                    # Checkpointer arguments (None: no checkpoints)
     meta: Mapping[str, Any] = field(default_factory=dict)         # checkpoint_meta's arguments, less the mesh
     gpt_sizes: Mapping[str, int] | None = None                     # the GPT's sizes for MFU (None: another model)
-    router_bias: Mapping[str, Any] | None = None   # the MoE router bias's shape and rate (model.moe.bias_rate > 0)
-    noise_scale: Mapping[str, Any] | None = None   # every and ema of the noise-scale measurement (logging.noise_scale)
+    parts: Sequence[Any] = ()                 # the state's feature parts (init_train_state(parts=...))
     hf: Any = None                            # jaxpar.hf.Checkpoint of model.hf
     tokenizer: Any = None                     # jaxpar.hf.Tokenizer of data.tokenizer
 
@@ -100,24 +99,14 @@ class Job:
         return self.step_options.get("steps_per_call", 1)
 
     def state_layout(self):
-        """The train state's layout (:func:`jaxpar.state_layout`, plus the noise scale's state when it
-        is measured), without creating the state."""
+        """The train state's layout (:func:`jaxpar.state_layout` with the job's parts), without creating the state."""
         from jaxpar.step._init import state_layout
 
-        layout = state_layout(self.model_fn, self.tx, self.mesh, self.strategy)
-        if self.router_bias is not None:
-            from jaxpar.step._router_bias import router_bias_layout
-
-            layout = router_bias_layout(layout, **self.router_bias)
-        if self.noise_scale is None:
-            return layout
-        from jaxpar.step._noise_scale import noise_scale_layout
-
-        return noise_scale_layout(layout, **self.noise_scale)
+        return state_layout(self.model_fn, self.tx, self.mesh, self.strategy, parts=self.parts)
 
     def init_state(self, *, weights: bool = True):
-        """The train state created sharded (:func:`jaxpar.init_train_state`), with the MoE router bias
-        (``model.moe.bias_rate``) and the noise scale's moving averages when it is measured (they are
+        """The train state created sharded (:func:`jaxpar.init_train_state`) with the job's parts (the MoE
+        router bias of ``model.moe.bias_rate``, the noise scale of ``logging.noise_scale``: they are
         checkpointed). With ``model.hf`` the parameters are the checkpoint's, read straight into their
         layout (:meth:`jaxpar.hf.Checkpoint.load`), and the optimizer state is fresh.
 
@@ -130,16 +119,7 @@ class Job:
         from jaxpar.step._init import init_train_state
 
         params = self.hf.load(self.mesh, self.state_layout().params) if self.hf is not None and weights else None
-        state, layout = init_train_state(self.model_fn, self.tx, self.mesh, self.strategy, params=params)
-        if self.router_bias is not None:
-            from jaxpar.step._router_bias import with_router_bias
-
-            state, layout = with_router_bias(state, layout, **self.router_bias)
-        if self.noise_scale is None:
-            return state, layout
-        from jaxpar.step._noise_scale import with_noise_scale
-
-        return with_noise_scale(state, layout, **self.noise_scale)
+        return init_train_state(self.model_fn, self.tx, self.mesh, self.strategy, params=params, parts=self.parts)
 
     def train_step(self, layout):
         """The train step ``jaxpar train`` runs.
@@ -295,19 +275,17 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
     tokenizer = build_tokenizer(d, m.hf, vocab, vocab_key) if d.tokenizer else None
     base = dict(name=cfg.name, strategy=strategy, model_fn=model_fn, global_batch=d.batch_size, hf=hf,
                 seq_len=m.seq_len, token_batches=d.kind != "import", packed_batches=d.kind == "documents",
-                router_bias=_router_bias(m), tokenizer=tokenizer)
+                parts=_parts(cfg, mesh), tokenizer=tokenizer)
     if not mesh:
         return Job(loss_fn=build_loss_fn(m), **base)
     per_step = updates_per_step(strategy, dict(device_mesh.shape))
     tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=d.batch_size, model_fn=model_fn,
                                    updates_per_step=per_step, freeze_variance_step=frozen_variance_step(strategy),
                                    mesh=device_mesh, strategy=strategy)
-    noise = cfg.logging.noise_scale
     options = dict(clip_norm=cfg.optimizer.clip_norm, log_lr=schedule, skip_nonfinite=True,
                    steps_per_call=cfg.parallel.steps_per_call)
     return Job(mesh=device_mesh, tx=tx, log_lr=schedule, updates_per_step=per_step, step_options=options,
-               loss_fn=build_loss_fn(m), noise_scale=asdict(noise) if noise.every is not None else None,
-               **base, **_data(cfg, data, vocab, tokenizer), **_run(cfg, tokenizer))
+               loss_fn=build_loss_fn(m), **base, **_data(cfg, data, vocab, tokenizer), **_run(cfg, tokenizer))
 
 
 def _open_hf(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
@@ -328,12 +306,18 @@ def _open_hf(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
     return hf
 
 
-def _router_bias(m) -> dict | None:
-    """The shape and rate of the GPT's aux-loss-free balancing bias (``model.moe.bias_rate > 0``), else None."""
-    if m.name != "gpt" or not (m.moe or {}).get("bias_rate"):
-        return None
-    gpt = build_gpt_config(m)
-    return dict(shape=(gpt.layers // gpt.moe.every, gpt.moe.experts), rate=gpt.moe.bias_rate)
+def _parts(cfg: JobConfig, measured: bool) -> list:
+    """The state's parts: the GPT's aux-loss-free balancing bias (``model.moe.bias_rate > 0``) and, in a job
+    with devices (``measured``), the noise scale (``logging.noise_scale.every``)."""
+    from jaxpar.step import noise_scale, router_bias
+
+    m, noise, parts = cfg.model, cfg.logging.noise_scale, []
+    if m.name == "gpt" and (m.moe or {}).get("bias_rate"):
+        gpt = build_gpt_config(m)
+        parts.append(router_bias((gpt.layers // gpt.moe.every, gpt.moe.experts), rate=gpt.moe.bias_rate))
+    if measured and noise.every is not None:
+        parts.append(noise_scale(every=noise.every, ema=noise.ema))
+    return parts
 
 
 def _data(cfg: JobConfig, read: bool, vocab: int, tokenizer: Any) -> dict:
@@ -445,10 +429,12 @@ def program_lines(job: Job, compiled: Mapping[str, Any]) -> list[str]:
     Returns:
       One line per program.
     """
-    k, every, lines = job.steps_per_call, (job.noise_scale or {}).get("every"), []
+    k, lines = job.steps_per_call, []
+    measuring = next((p for p in job.parts if p.every), None)
     for name, c in compiled.items():
         when = {"step": f"{k} optimizer steps per call" if k > 1 else "every step",
-                "measure": f"every {every} steps: also measures the noise scale",
+                "measure": measuring and f"every {measuring.every} steps: also measures the "
+                                         f"{measuring.name.replace('_', ' ')}",
                 "warm": "the warm-up steps: every replica steps in sync",
                 "outer": "every sync: the replicas' outer step"}[name]
         args = c.in_avals[0]

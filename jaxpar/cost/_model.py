@@ -31,11 +31,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from jaxpar.errors import CostModelError, check_int
+from jaxpar.logical import fp8_covered
 
 #: Logical names jaxpar's tensor rules shard over ``tensor`` (:func:`jaxpar.parallel.tensor_rules`).
 TENSOR_LOGICAL = ("mlp", "heads", "vocab")
-#: A weight with ``embed`` and one of these runs its matmuls in FP8 (:data:`jaxpar.parallel._fp8.FEATURES`).
-FP8_FEATURES = ("heads", "kv_heads", "mlp")
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ class Leaf:
 
     def fp8(self, min_dim: int) -> bool:
         """Whether FP8 covers this weight's GEMMs (:func:`jaxpar.parallel.fp8_layer`): logical names with
-        ``embed`` and a feature axis (:data:`FP8_FEATURES`), and a GEMM whose contracted and output sizes
+        ``embed`` and a feature axis (:func:`jaxpar.logical.fp8_covered`), and a GEMM whose contracted and output sizes
         (the ``embed`` dimensions' and the feature dimensions', ``layers`` and ``experts`` apart) are both
         at least ``min_dim``.
 
@@ -78,7 +77,7 @@ class Leaf:
         >>> w1.fp8(1024), w1.fp8(2048), Leaf("head", (1024, 256), ("embed", "vocab")).fp8(0)
         (True, False, False)
         """
-        if "embed" not in self.logical or not any(n in self.logical for n in FP8_FEATURES):
+        if not fp8_covered(self.logical):
             return False
         embed = math.prod(d for d, n in zip(self.shape, self.logical) if n == "embed")
         other = math.prod(d for d, n in zip(self.shape, self.logical) if n not in ("embed", "layers", "experts"))

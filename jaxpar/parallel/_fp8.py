@@ -11,11 +11,12 @@ weight that no such ``dot_general`` reads is an error that names it. The compile
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -26,19 +27,19 @@ from flax import nnx
 
 from jaxpar.adapters._blocks import LAYERS, use_layer_transform
 from jaxpar.errors import Fp8Error
+from jaxpar.logical import FP8_FEATURES, fp8_covered
 from jaxpar.mesh import REPLICA
 from jaxpar.parallel._tensor import separate_projections
 from jaxpar.rules import path_str, scoped
 
 #: The scaling recipes: one scale per tensor, or one per row of each GEMM operand.
 RECIPES = ("tensorwise", "rowwise")
-#: A weight with ``embed`` and one of these logical names is covered.
-FEATURES = ("heads", "kv_heads", "mlp")
 #: The forward operands' and the gradients' FP8 types.
 FORWARD, BACKWARD = jnp.float8_e4m3fn, jnp.float8_e5m2
 #: Manual axes whose devices hold tensors of their own (pipeline stages, relaxed-sync replicas).
 _OWN_TENSORS = ("pipe", REPLICA)
 _OWN_SCALES: contextvars.ContextVar = contextvars.ContextVar("jaxpar_fp8_own_scales", default=())
+_FP8: contextvars.ContextVar = contextvars.ContextVar("jaxpar_fp8", default=None)
 #: The ops a weight passes through on its way to the matmul and stays itself.
 _VIEWS = {"convert_element_type", "reshape", "transpose", "squeeze", "sharding_constraint", "copy", "copy_p",
           "pvary", "mesh_cast", "reshard"}
@@ -77,9 +78,7 @@ def own_scales(axes) -> ContextManager[None]:
     return scoped(_OWN_SCALES, tuple(axes))
 
 
-def is_covered(logical: tuple) -> bool:
-    """Whether a weight with these logical names runs its matmuls in FP8."""
-    return "embed" in logical and any(name in logical for name in FEATURES)
+is_covered = fp8_covered      # the one rule: jaxpar.logical
 
 
 def _scale_and_cast(x: jax.Array, dtype, keep: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
@@ -132,7 +131,7 @@ def check_fp8(mesh, logical: Any, shapes: Any, fp8: Fp8 | None) -> None:
     covered = {path: side for path, side in zip(paths, sizes) if side is not None}
     if not covered:
         raise Fp8Error(f"Strategy.fp8={fp8}: no weight of the model is covered: FP8 runs the matmuls of weights "
-                       f"whose logical names hold 'embed' and one of {FEATURES} (nnx.with_partitioning), and none "
+                       f"whose logical names hold 'embed' and one of {FP8_FEATURES} (nnx.with_partitioning), and none "
                        "has them. Fix: annotate the attention and MLP kernels so, or turn fp8 off.")
     if max(covered.values()) < fp8.min_dim:
         largest = max(covered, key=covered.get)
@@ -387,28 +386,64 @@ def _dot(eqn, ins, paths, rw: _Rewrite) -> jax.Array:
 
 
 
+@contextlib.contextmanager
+def use_fp8(fp8: Fp8 | None) -> Iterator[None]:
+    """Run the covered matmuls of every loss traced in this context in FP8: the stacked layers' (a layer
+    transform of :func:`jaxpar.adapters.run_layers`) and, where :func:`fp8_model_loss` meets an NNX model,
+    the others. :func:`jaxpar.step.strategy_context` installs it with the strategy's ``fp8``, so the step,
+    its gradients and eval all run as trained.
+
+    Args:
+      fp8: the options, or ``None`` (nothing is installed).
+    """
+    if fp8 is None:
+        yield
+        return
+    with scoped(_FP8, fp8), use_layer_transform(lambda layer, logical: fp8_layer(layer, logical, fp8)):
+        yield
+
+
+def fp8_model_loss(loss_fn: Callable) -> Callable:
+    """``loss_fn(model, batch)`` that, under :func:`use_fp8` and for an NNX model, runs the covered matmuls
+    outside the stacked layers in FP8 too (its own ``nnx.Linear`` layers, attention projections, ...); the
+    first such wrapper in a call consumes the setting, so a loss wrapped twice is rewritten once.
+
+    Args:
+      loss_fn: ``loss_fn(model, batch) -> scalar``.
+
+    Returns:
+      The loss.
+    """
+    def loss(model, *args, **kwargs):
+        fp8 = _FP8.get()
+        if fp8 is None or not isinstance(model, nnx.Module):
+            return loss_fn(model, *args, **kwargs)
+        with scoped(_FP8, None):
+            return _with_unstacked(loss_fn, model, fp8, kwargs)(*args)
+
+    return loss
+
+
 def fp8_loss(loss_fn: Callable, fp8: Fp8 | None) -> Callable:
-    """``loss_fn(model, batch)`` whose covered matmuls run in FP8 (:func:`fp8_layer`): those of the stacked
-    layers (:func:`jaxpar.adapters.run_layers`) and, for an NNX model, those outside them (its own
-    ``nnx.Linear`` layers, attention projections, ...); ``fp8=None``: ``loss_fn`` itself.
+    """``loss_fn(model, batch)`` whose covered matmuls run in FP8 (:func:`fp8_layer`), on its own: the loss
+    under :func:`use_fp8` (a train step installs that itself, from ``Strategy.fp8``); ``fp8=None``:
+    ``loss_fn`` itself.
 
     Args:
       loss_fn: ``loss_fn(model, batch) -> scalar``.
       fp8: the options, or ``None``.
 
     Returns:
-      The loss (wrapped once: a loss already wrapped for these options is returned as it is).
+      The loss.
     """
-    if fp8 is None or getattr(loss_fn, "jaxpar_fp8", None) == fp8:
+    if fp8 is None:
         return loss_fn
+    inner = fp8_model_loss(loss_fn)
 
-    def loss(model, *args, **kwargs):
-        with use_layer_transform(lambda layer, logical: fp8_layer(layer, logical, fp8)):
-            if not isinstance(model, nnx.Module):
-                return loss_fn(model, *args, **kwargs)
-            return _with_unstacked(loss_fn, model, fp8, kwargs)(*args)
+    def loss(*args, **kwargs):
+        with use_fp8(fp8):
+            return inner(*args, **kwargs)
 
-    loss.jaxpar_fp8 = fp8
     return loss
 
 

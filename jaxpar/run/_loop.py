@@ -64,12 +64,10 @@ from jaxpar.analysis._trace import DATA_EVENT, STEP_EVENT
 from jaxpar.batch import batch_sharding, shard_batch
 from jaxpar.compat._table import Setting, raise_problems
 from jaxpar.errors import LoopError, check_int
-from jaxpar.parallel.moe import use_router_bias
 from jaxpar.rules import named_shardings
 from jaxpar.strategy import Strategy
 from jaxpar.data._rows import make_global_batch
-from jaxpar.step._noise_scale import KEY as NOISE_KEY
-from jaxpar.step._noise_scale import noise_scale_of
+from jaxpar.step._noise_scale import noise_scale_value
 from jaxpar.run._preemption import StopAgreement, StopSignals
 from jaxpar.run._goodput import Goodput
 from jaxpar.run._ramp import AdaptiveRamp
@@ -78,7 +76,6 @@ from jaxpar.run._watchdog import Watchdog
 from jaxpar.run._run_directory import refuse_later_steps
 from jaxpar.run._report import (LogOptions, MemoryMeter, Meter, MetricsWriter, Progress, TrainSummary,
                                 is_main_process, merge_log_options, plot_losses)
-from jaxpar.step._router_bias import bias_of
 from jaxpar.step._grads import model_loss
 from jaxpar.step._program import strategy_context
 from jaxpar.step._state import StateLayout, layout_strategy
@@ -90,7 +87,8 @@ def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy | No
                  batches: Sequence[Any] = ()) -> Callable[[Any], float]:
     """``evaluate(state) -> mean loss`` over fixed host ``batches`` (forward only, jitted once).
 
-    The model runs as in training: same layout, logical rules and compute dtype.
+    The model runs as in training: the same layout, logical rules, compute dtype, FP8 and state parts
+    (:func:`~jaxpar.step.strategy_context` with the state's ``stats``).
 
     Args:
       loss_fn: the train step's ``loss_fn(model, batch)``.
@@ -108,17 +106,16 @@ def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy | No
     placed = [shard_batch(b, mesh) for b in batches]   # checked and placed once, reused at every eval
     loss_of_params = model_loss(loss_fn, layout)
 
-    def loss_of(params, batch, bias):
-        with strategy_context(layout), use_router_bias(bias):
+    def loss_of(params, batch, stats):
+        with strategy_context(layout, stats):       # the state's parts as in the step (the router bias)
             return loss_of_params(params, batch)
 
-    jitted = jax.jit(loss_of, in_shardings=(named_shardings(layout.params, mesh), batch_sharding(mesh),
-                                            NamedSharding(mesh, PartitionSpec())),
+    stats_sharding = layout.shardings().stats
+    jitted = jax.jit(loss_of, in_shardings=(named_shardings(layout.params, mesh), batch_sharding(mesh), stats_sharding),
                      out_shardings=NamedSharding(mesh, PartitionSpec()))
 
     def evaluate(state) -> float:
-        bias = bias_of(state, layout)       # the MoE layers choose experts with the step's bias
-        losses = [jitted(state.params, b, bias) for b in placed]
+        losses = [jitted(state.params, b, state.stats) for b in placed]
         return float(jnp.mean(jnp.stack(losses)))
 
     return evaluate
@@ -131,7 +128,7 @@ def _check_ramp_and_calls(state: Any, ramp: Any, k: Any, **intervals: int) -> No
     scale as ``True`` when the state measures it (its interval is the layout's)."""
     check_int("train", "steps_per_call", k, 1, LoopError)
     kind = "adaptive" if isinstance(ramp, AdaptiveRamp) else "fixed" if ramp is not None else None
-    measured = True if isinstance(state.stats, dict) and NOISE_KEY in state.stats else None
+    measured = True if noise_scale_value(state) is not None else None
     raise_problems(Setting(Strategy(), {}, steps_per_call=k, noise_scale_every=measured, ramp=kind,
                            ramp_steps=tuple(getattr(ramp, "steps", ())), intervals=tuple(intervals.items())))
 
@@ -278,7 +275,7 @@ class _Run:
         """An adaptive ramp's decision after ``done`` steps (blocks on the noise scale of the state)."""
         if self.ramp is None or not self.ramp.due(done):
             return
-        value = float(noise_scale_of(state.stats[NOISE_KEY]))
+        value = noise_scale_value(state)
         size = self.ramp.decide(done, value)
         if size is not None:
             self.writer.write({"kind": "batch_ramp", "step": done, "batch_size": size, "noise_scale": value})

@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from jaxpar.errors import RunDirectoryError
-from jaxpar.parallel.moe import use_router_bias
 from jaxpar.run._checkpoint import CheckpointWarning
 from jaxpar.run._goodput import Goodput
 from jaxpar.run._loop import train
 from jaxpar.run._report import LogOptions, NonFiniteError, is_main_process
 from jaxpar.run._run_directory import claim_run_directory
 from jaxpar.run._same_program import SameProgram
-from jaxpar.step._router_bias import bias_of
+from jaxpar.step._state import use_parts
 from jaxpar.run._sample import SampleOptions, host_params, write_samples
 
 
@@ -267,11 +266,9 @@ def _finish(summary: Any, state: Any, layout: Any, opts: RunOptions, checkpointe
     if summary.preempted:
         print(f"stopped  by {summary.preempted} after step {summary.end_step}; continue with --resume")
     elif opts.samples is not None and opts.samples.count:
-        params = host_params(state.params)      # every process: gathering spread parameters is a collective
-        bias = bias_of(state, layout)
-        bias = None if bias is None else host_params(bias)
+        params, stats = host_params((state.params, state.stats))   # every process: gathering is a collective
         if main:
-            with use_router_bias(bias):         # the MoE layers' aux-loss-free balancing bias, if kept
+            with use_parts(layout, stats):      # what the state's parts install (the MoE router bias)
                 path = write_samples(layout.graphdef, params, first_batch(), out_dir / "samples.txt", opts.samples)
             print(f"samples  {path}")
     if main:

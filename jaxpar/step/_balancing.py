@@ -9,11 +9,11 @@ this part is what the step does around them:
   uses the balancing loss other than as a sum with constant weights is refused;
 * :func:`finish`: after the gradient, the load metrics of the whole step (``moe/load_min``,
   ``moe/load_max``, ``moe/load_cv``: the load per expert pooled over the layers, as a multiple of
-  the mean) and the router bias moved by the step's loads (:mod:`jaxpar.step._router_bias`).
+  the mean); the router bias is a state part of its own (:mod:`jaxpar.step._router_bias`).
 
 >>> import jax.numpy as jnp
 >>> from jaxpar.parallel.moe import LAYER_LOADS
->>> stats, metrics = finish({}, {LAYER_LOADS: jnp.array([[3.0, 1.0], [1.0, 3.0]]), "loss": 1.0}, None)
+>>> metrics = finish({LAYER_LOADS: jnp.array([[3.0, 1.0], [1.0, 3.0]]), "loss": 1.0})
 >>> sorted(metrics), float(metrics["moe/load_max"])
 (['loss', 'moe/layer_loads', 'moe/load_cv', 'moe/load_max', 'moe/load_min'], 1.0)
 """
@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from jaxpar.batch import split_microbatches
 from jaxpar.errors import MoEError
 from jaxpar.parallel.moe import LAYER_LOADS, load_cv, prepass_loads, probe, reported_loads
-from jaxpar.step._router_bias import KEY as BIAS, balanced_bias
 
 
 def refuse_unbalanced(loss_of: Callable, params: Any, microbatch: Any, microbatches: int) -> None:
@@ -97,21 +96,15 @@ def load_metrics(loads: jax.Array) -> dict[str, jax.Array]:
     return {"moe/load_min": relative.min(), "moe/load_max": relative.max(), "moe/load_cv": load_cv(load)}
 
 
-def finish(stats: Any, metrics: dict, bias_rate: float | None) -> tuple[Any, dict]:
+def finish(metrics: dict) -> dict:
     """The step's MoE part after the gradient: the load metrics from the loads the layers reported
-    (``metrics[LAYER_LOADS]``, averaged over micro-batches), and the router bias moved by them.
+    (``metrics[LAYER_LOADS]``, averaged over micro-batches).
 
     Args:
-      stats: ``TrainState.stats`` (or what the step made of it so far).
       metrics: the step's metrics.
-      bias_rate: the router bias's rate (``None``: the state keeps no bias).
 
     Returns:
-      ``(stats, metrics)``.
+      The metrics with :func:`load_metrics`.
     """
     loads = metrics.get(LAYER_LOADS)
-    if loads is not None and loads.ndim == 2:
-        metrics = {**metrics, **load_metrics(loads)}
-    if bias_rate is not None:
-        stats = {**stats, BIAS: balanced_bias(stats[BIAS], metrics, bias_rate)}
-    return stats, metrics
+    return {**metrics, **load_metrics(loads)} if loads is not None and loads.ndim == 2 else metrics

@@ -4,7 +4,7 @@
 compatibility table (:mod:`jaxpar.compat._table`), picks the program shape (:func:`program_kind`)
 and composes the **gradient** (:func:`_gradient`), the **exchange** (:func:`_exchange`), the
 **update** (:func:`_rule`: the one :func:`~jaxpar.step._update.apply_update`), the ``stats``
-parts after the step (noise scale, MoE loads and router bias) and the **program**
+parts after the step (MoE's load metrics, then each state part's ``after_step``) and the **program**
 (:func:`~jaxpar.step._program.jit_program` in a :class:`~jaxpar.step.TrainStep`). PipeDream's
 no-flush pipelines and the local kinds (DiLoCo / local SGD / EASGD) put the update inside a
 larger program.
@@ -42,20 +42,18 @@ from jaxpar.compat._settings import replicas_on
 from jaxpar.compat._table import Setting, raise_problems
 from jaxpar.mesh import batch_axes
 from jaxpar.rules import axes_of, path_str
-from jaxpar.parallel.moe import use_router_bias
 from jaxpar.step._balancing import finish as finish_moe
 from jaxpar.strategy import Strategy
 from jaxpar.step._exchange import compressed_exchange, compression_plan, exact_exchange, measured_exchange, run_exchange
 from jaxpar.adapters._blocks import use_offloaded_activations
-from jaxpar.parallel._fp8 import check_fp8, fp8_loss
+from jaxpar.parallel._fp8 import check_fp8
 from jaxpar.parallel._offload import check_activations, host_placement, stream_in
 from jaxpar.step._grads import ExplicitDPError, global_grads, manual_specs, pipeline_grads, replica_grads
 from jaxpar.step._init import older_versions_of
 from jaxpar.step._program import TrainStep, jit_program
 from jaxpar.step._replica_mean import is_local, replica_parts
-from jaxpar.step._noise_scale import KEY as NOISE_SCALE, measured_stats
-from jaxpar.step._router_bias import KEY as BIAS, bias_of
-from jaxpar.step._state import StateLayout, StrategyMismatchError, layout_strategy
+from jaxpar.step._state import (StateLayout, StrategyMismatchError, layout_strategy, part_setting, parts_after_step,
+                                stats_parts, use_parts)
 from jaxpar.step._update import Update, apply_update, clip_norm_problem, delayed
 from jaxpar.errors import AsyncPipelineError, LoopError, StashingError, StepError, check_int
 
@@ -119,8 +117,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     _check_options(loss_fn, clip_norm=clip_norm, log_lr=log_lr, donate=donate, explicit_dp=explicit_dp,
                    skip_nonfinite=skip_nonfinite, grad_norm=grad_norm)
     layout_strategy(layout, strategy)      # a strategy other than the layout's raises
-    check_fp8(layout.mesh, layout.logical, layout.shapes, layout.strategy.fp8)
-    loss_fn = fp8_loss(loss_fn, layout.strategy.fp8)
+    check_fp8(layout.mesh, layout.logical, layout.shapes, layout.strategy.fp8)   # strategy_context installs it
     update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, log_lr=log_lr,
                     place=host_placement(layout.shardings(), layout.strategy.offload), grad_norm=grad_norm)
     opts = StepOptions(explicit_dp, steps_per_call, donate)
@@ -182,15 +179,13 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
     :mod:`jaxpar.compat._table`), then the older weight versions the layout keeps."""
     strategy, sizes = layout.strategy, dict(layout.mesh.shape)
     check_int("make_train_step", "steps_per_call", opts.steps_per_call, 1, LoopError)
-    measure = layout.part(NOISE_SCALE).options
     across = False
     if strategy.schedule == "pipedream":        # each stage applies tx alone: the table's ST x LL
         from jaxpar.parallel.pipeline._pipedream import optimizer_is_per_stage, stacked_block_ids
         across = not optimizer_is_per_stage(update.tx, layout.shapes, stacked_block_ids(layout.logical))
     raise_problems(Setting(strategy, sizes, explicit_dp=opts.explicit_dp, steps_per_call=opts.steps_per_call,
-                           clip_norm=update.clip_norm, noise_scale_every=measure.every if measure else None,
-                           router_bias_rate=layout.part(BIAS).options, optimizer_across_stages=across,
-                           muon=muon_matrices(layout)))
+                           clip_norm=update.clip_norm, optimizer_across_stages=across, muon=muon_matrices(layout),
+                           **part_setting(layout)))
     is_spec = lambda x: isinstance(x, PartitionSpec)   # noqa: E731
     kept = jax.tree.structure(layout.part("versions").specs, is_leaf=is_spec)
     if kept != jax.tree.structure(older_versions_of(strategy, sizes, layout.params), is_leaf=is_spec):
@@ -201,16 +196,16 @@ def _check_step(layout: StateLayout, update: Update, opts: StepOptions) -> None:
 
 
 def _per_step(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions) -> TrainStep:
-    """One gradient, one exchange and one update per step; with the noise scale, a second program
-    measures every ``every`` steps; with ``steps_per_call`` K, one program scans K steps."""
+    """One gradient, one exchange and one update per step; with a part that measures (its ``every``), a
+    second program measures every ``every`` steps; with ``steps_per_call`` K, one program scans K steps."""
     step = _step_fn(loss_fn, layout, update, opts, measure=False)
     if opts.steps_per_call != 1:
         return _train_step({"step": partial(jax.lax.scan, step)}, layout, opts)   # K steps, one lax.scan
-    measuring = layout.part(NOISE_SCALE).options
-    if measuring is None:
+    every = next((p.every for p in stats_parts(layout) if p.every), None)     # a part that measures
+    if every is None:
         return _train_step({"step": step}, layout, opts)
     programs = {"step": step, "measure": _step_fn(loss_fn, layout, update, opts, measure=True)}
-    return _train_step(programs, layout, opts, choose=lambda s: "measure" if s % measuring.every == 0 else "step")
+    return _train_step(programs, layout, opts, choose=lambda s: "measure" if s % every == 0 else "step")
 
 
 def _train_step(programs: dict, layout: StateLayout, opts: StepOptions, *, choose: Callable | None = None,
@@ -253,24 +248,21 @@ def _streamed(fn: Callable, layout: StateLayout) -> Callable:
 def _step_fn(loss_fn: Callable, layout: StateLayout, update: Update, opts: StepOptions, *, measure: bool):
     """``step(state, batch) -> (state, metrics)``: the gradient, the exchange and the update of
     the layout's strategy (:func:`_gradient`, :func:`_exchange`, :func:`_rule`; over ``replica``:
-    :func:`~jaxpar.step._replica_mean.replica_parts`), and the ``stats`` parts after the step (the
-    noise scale when ``measure``, MoE's loads and router bias)."""
+    :func:`~jaxpar.step._replica_mean.replica_parts`), and the ``stats`` parts after the step (MoE's load
+    metrics, then each part's ``after_step``; ``measure``: the measuring program)."""
     if replicas_on(Setting(layout.strategy, dict(layout.mesh.shape))):    # relaxed synchronisation
         gradient, exchange, rule = replica_parts(loss_fn, layout, update)
     else:
         gradient, exchange, rule = _gradient(loss_fn, layout, opts, measure), _exchange(layout, measure), \
             _rule(layout, update)
     replicas_ = manual_specs(layout).replicas if measure else 1
-    ema, rate = getattr(layout.part(NOISE_SCALE).options, "ema", None), layout.part(BIAS).options
 
     def step(state, batch):
-        with use_router_bias(bias_of(state, layout)):
+        with use_parts(layout, state.stats):        # what each part installs around the loss (the router bias)
             loss, grads, metrics = gradient(state, batch)
         loss, grads, parts, exchanged = exchange(state, loss, grads)
-        stats, metrics = state.stats, {**metrics, **exchanged}
-        if measure:
-            stats, metrics = measured_stats(stats, batch, metrics, replicas_, ema)
-        stats, metrics = finish_moe(stats, metrics, rate)
+        metrics = finish_moe({**metrics, **exchanged})
+        stats, metrics = parts_after_step(layout, state.stats, batch, metrics, measure, replicas_)
         if stats is not state.stats:
             parts["stats"] = stats
         return rule(state, loss, grads, parts=parts, metrics=metrics)

@@ -48,7 +48,7 @@ from jaxpar.parallel.moe import balanced, use_step_loads
 from jaxpar.rules import axes_of, drop_axes, named_shardings, path_str, use_rules
 from jaxpar.adapters._mesh_axes import ModelLoss
 from jaxpar.step._balancing import refuse_unbalanced, whole_step_loads
-from jaxpar.parallel._fp8 import fp8_loss, own_scales
+from jaxpar.parallel._fp8 import fp8_model_loss, own_scales
 from jaxpar.step._state import StateLayout
 from jaxpar.errors import ExplicitDPError
 
@@ -65,7 +65,7 @@ def model_loss(loss_fn: Callable, layout: StateLayout) -> Callable:
       dtype, scored by ``loss_fn``; a model that pins shardings by mesh axes runs with the mesh's
       axes Explicit (:class:`~jaxpar.adapters._mesh_axes.ModelLoss`).
     """
-    graphdef, cast = layout.graphdef, layout.strategy.cast
+    graphdef, cast, loss_fn = layout.graphdef, layout.strategy.cast, fp8_model_loss(loss_fn)
     return _model_loss(lambda params, batch: loss_fn(nnx.merge(graphdef, cast(params)), batch), layout)
 
 
@@ -208,7 +208,7 @@ def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | 
         the micro-batches: ``(loss, grads, metrics)``.
 
     Returns:
-      The function; call it under ``jit`` and :func:`jaxpar.use_rules`.
+      The function; call it under ``jit`` and :func:`jaxpar.step.strategy_context` (the rules, FP8).
     """
     mesh, strategy = layout.mesh, layout.strategy
     if strategy.compression is not None:
@@ -219,7 +219,6 @@ def global_grads(loss_fn: Callable, layout: StateLayout, *, explicit_dp: bool | 
             "exactly by XLA, so the codec would be silently ignored. Use make_train_step, which runs the "
             "compressed exchange (replica_grads, then the compressed exchange).")
     grad_shardings = named_shardings(layout.grads, mesh)
-    loss_fn = fp8_loss(loss_fn, layout.strategy.fp8)
     loss_of = balanced(model_loss(loss_fn, layout))      # the MoE layers report and read their loads
     runner = DataParallelLayers(mesh, layout.rules, strategy.zero)
     k = strategy.microbatches
@@ -253,15 +252,14 @@ def pipeline_grads(loss_fn: Callable, layout: StateLayout, *, per_replica: bool 
       per_replica: return each data-parallel replica's own gradient (leading replica axis).
 
     Returns:
-      The function; call it under ``jit`` and :func:`jaxpar.use_rules`.
+      The function; call it under ``jit`` and :func:`jaxpar.step.strategy_context` (the rules, FP8).
     """
     from jaxpar.parallel.pipeline._piped import make_pipeline_loss_and_grad   # pipelines load only when used
 
     mesh = layout.mesh
     axes = tuple(a for a in data_axes(mesh) if mesh.shape[a] > 1) if per_replica else ()
-    loss_fn = fp8_loss(loss_fn, layout.strategy.fp8)
-    return make_pipeline_loss_and_grad(loss_fn, layout.graphdef, mesh, layout.rules, layout.params, layout.grads,
-                                       layout.strategy, num_layers=stacked_layers(layout), replica_axes=axes,
+    return make_pipeline_loss_and_grad(fp8_model_loss(loss_fn), layout.graphdef, mesh, layout.rules, layout.params,
+                                       layout.grads, layout.strategy, num_layers=stacked_layers(layout), replica_axes=axes,
                                        own_specs=layout.model_specs(), with_metrics=True)
 
 
@@ -325,7 +323,6 @@ def replica_grads(loss_fn: Callable, layout: StateLayout, *, with_metrics: bool 
     """
     mesh, k = layout.mesh, layout.strategy.microbatches
     man = manual_specs(layout)
-    loss_fn = fp8_loss(loss_fn, layout.strategy.fp8)
     loss_of, local_rules = balanced(model_loss(loss_fn, layout)), drop_axes(layout.rules, man.axes)
 
     def local(params, batch):

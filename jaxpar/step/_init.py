@@ -1,7 +1,8 @@
 """The train state created already sharded: ``eval_shape`` -> shardings -> ``jit(out_shardings=...)``.
 
 No full copy of the parameters or optimizer state ever sits on one device. The layout's parts
-(``layout.parts``) are added here: ``codec``, ``sync`` (:mod:`._replica_mean`) and ``versions``.
+(``layout.parts``) are added here: ``codec``, ``sync`` (:mod:`._replica_mean`), ``versions``, and the
+features' parts of ``stats`` the caller passes (``parts=[...]``).
 
 Example::
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,11 +44,12 @@ from jaxpar.adapters._layer_lists import stack_layers, stacked_counts
 from jaxpar.adapters._mesh_axes import abstract_model, check_model_axes
 from jaxpar.step._exchange import compression_state
 from jaxpar.step._replica_mean import relaxed_layout
-from jaxpar.step._state import PartLayout, StateLayout, TrainState, optimizer_specs
+from jaxpar.step._state import PartLayout, StateLayout, TrainState, optimizer_specs, with_parts
 
 
 def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
-                     strategy: Strategy = Strategy(), *, params: Any = None) -> tuple[TrainState, StateLayout]:
+                     strategy: Strategy = Strategy(), *, params: Any = None,
+                     parts: Sequence[PartLayout] = ()) -> tuple[TrainState, StateLayout]:
     """Create the train state directly in its sharded layout.
 
     ``model_fn()`` builds the model (eager sharding is turned off inside it: jaxpar places the
@@ -62,16 +64,18 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTrans
         :func:`jaxpar.make_train_step` runs it.
       params: start from these parameters instead of ``model_fn``'s (e.g. :meth:`jaxpar.hf.Checkpoint.load`
         onto ``state_layout(...).params``); the optimizer state starts fresh.
+      parts: features' parts of ``TrainState.stats`` (:func:`jaxpar.step.noise_scale`,
+        :func:`jaxpar.step.router_bias`), checked against the strategy by the compatibility table.
 
     Returns:
       ``(state, layout)``: the :class:`TrainState`, already sharded, and its :class:`StateLayout`.
     """
-    layout, init = _layout_and_init(model_fn, tx, mesh, strategy)
+    layout, init = _layout_and_init(model_fn, tx, mesh, strategy, parts)
     return jax.jit(init, out_shardings=layout.shardings())(params), layout
 
 
 def state_layout(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
-                 strategy: Strategy = Strategy()) -> StateLayout:
+                 strategy: Strategy = Strategy(), *, parts: Sequence[PartLayout] = ()) -> StateLayout:
     """The :class:`StateLayout` that :func:`init_train_state` builds, without creating the state.
 
     Args:
@@ -79,6 +83,7 @@ def state_layout(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransform
       tx: the optax optimizer.
       mesh: the device mesh (abstract devices of a compile target work too).
       strategy: what to do with the mesh axes.
+      parts: as in :func:`init_train_state`.
 
     Returns:
       The layout; ``layout.abstract_state()`` is a restore or ahead-of-time compile target.
@@ -94,10 +99,10 @@ def state_layout(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransform
       >>> layout.strategy.zero, layout.params["up"][0]["kernel"]
       (3, P('data', 'tensor'))
     """
-    return _layout_and_init(model_fn, tx, mesh, strategy)[0]
+    return _layout_and_init(model_fn, tx, mesh, strategy, parts)[0]
 
 
-def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[StateLayout, Callable]:
+def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy, parts=()) -> tuple[StateLayout, Callable]:
     """The layout and an ``init() -> TrainState`` to jit with the layout's shardings."""
     sizes = dict(mesh.shape)
     if sizes.get("pipe", 1) > 1:        # a pipeline cuts the layers: an nnx.List of alike layers runs stacked
@@ -113,16 +118,18 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy) -> tuple[Stat
     opt_shapes, opt_state = optimizer_specs(tx, shapes, opt_param)
     layout = StateLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt_param, opt_state, opt_shapes,
                          strategy=strategy, layer_lists=stacked_counts(model_fn))
-    raise_problems(Setting(strategy, sizes))      # the table, once: nothing below runs it again
+    raise_problems(Setting(strategy, sizes, **{k: v for p in parts for k, v in p.setting.items()}))   # once
     if replicas_on(Setting(strategy, sizes)):
         layout, make = relaxed_layout(layout, tx, strategy)
     else:
         layout, make = _feature_parts(layout, tx)
+    layout = with_parts(layout, parts)
 
     def init(p=None):
         p = _model_params(model_fn) if p is None else p
-        opt_state, parts = make(p)
-        return TrainState(jnp.zeros((), jnp.int32), p, opt_state, **parts)
+        opt_state, made = make(p)
+        stats = {part.name: part.init(p) for part in parts}
+        return TrainState(jnp.zeros((), jnp.int32), p, opt_state, **made, **({"stats": stats} if stats else {}))
 
     return layout, init
 

@@ -18,7 +18,7 @@ moments) and ``B_simple`` is their ratio. ``B_simple`` is in the units of ``B`` 
 sequences for a language model; times the sequence length for tokens).
 
 Here: the estimators and their moving averages (:func:`update`), the state part ``stats["noise_scale"]``
-(:func:`with_noise_scale`, the one switch; how the step measures: docs/large_batch.md) and a PNG of the estimate.
+(:func:`noise_scale`, passed to ``init_train_state(parts=[...])``; how the step measures: docs/large_batch.md) and a PNG of the estimate.
 
 Example::
 
@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxpar.step._state import stats_part_layout, with_stats_part
+from jaxpar.step._state import PartLayout, add_parts, stats_part
 from jaxpar.errors import NoiseScaleError, int_problem
 
 #: The key of the noise-scale state in ``TrainState.stats``.
@@ -132,39 +132,51 @@ def update(state: dict, sq_small, sq_big, b_small: int, b_big: int, ema: float) 
     return new, metrics
 
 
-def measured_stats(stats: dict, batch: Any, metrics: dict, replicas: int, ema: float) -> tuple[dict, dict]:
-    """The part after a measuring step: the moving averages moved by the step's two squared norms
-    (``metrics``' ``grad_sq_small`` / ``grad_sq_big``, replaced by :data:`METRICS`).
+def noise_scale(*, every: int, ema: float = 0.95) -> PartLayout:
+    """The noise-scale measurement as a state part: fresh moving averages in ``stats["noise_scale"]``
+    (replicated scalars), moved by a second program every ``every`` steps from the step's two squared norms:
+    ``init_train_state(..., parts=[noise_scale(every=k)])``.
 
     Args:
-      stats: ``TrainState.stats``.
-      batch: the step's global batch.
-      metrics: the step's metrics.
-      replicas: the data-parallel replicas the small batch is one of.
-      ema: the moving averages' decay.
-
-    Returns:
-      ``(stats, metrics)``.
-    """
-    metrics = dict(metrics)
-    sq_small, sq_big = metrics.pop("grad_sq_small"), metrics.pop("grad_sq_big")
-    b_big = jax.tree.leaves(batch)[0].shape[0]
-    new, measured = update(stats[KEY], sq_small, sq_big, b_big // replicas, b_big, ema)
-    return {**stats, KEY: new}, {**metrics, **measured}
-
-
-def with_noise_scale(state, layout, *, every: int, ema: float = 0.95) -> tuple[Any, Any]:
-    """``(state, layout)`` with a fresh noise-scale state in ``TrainState.stats[KEY]`` (replicated
-    scalars), measured by the step every ``every`` steps: call it after :func:`jaxpar.init_train_state`
-    and before restoring a checkpoint; ``make_train_step`` reads ``every`` and ``ema`` from the layout.
-
-    Args:
-      state: the train state.
-      layout: its layout.
       every: measure every that many steps (the step runs a second program then); required. A run
         that measures nothing builds its state without this part (a checkpoint's measurements are
         then dropped, with a warning).
       ema: the moving averages' decay per measurement, in [0, 1).
+
+    Returns:
+      The part.
+
+    Raises:
+      NoiseScaleError: naming a bad ``every`` or ``ema``.
+    """
+    return _part(measure(every, ema, "noise_scale"))
+
+
+def _part(m: Measure) -> PartLayout:
+    def after_step(value, batch, metrics, measured, replicas):
+        """The moving averages moved by a measuring step's two squared norms (``metrics``' ``grad_sq_small`` /
+        ``grad_sq_big``, replaced by :data:`METRICS`)."""
+        if not measured:
+            return value, metrics
+        metrics = dict(metrics)
+        sq_small, sq_big = metrics.pop("grad_sq_small"), metrics.pop("grad_sq_big")
+        b_big = jax.tree.leaves(batch)[0].shape[0]
+        new, measured_ = update(value, sq_small, sq_big, b_big // replicas, b_big, m.ema)
+        return new, {**metrics, **measured_}
+
+    return stats_part(KEY, init_state, options=m, setting={"noise_scale_every": m.every}, every=m.every,
+                      after_step=after_step)
+
+
+def with_noise_scale(state, layout, *, every: int, ema: float = 0.95) -> tuple[Any, Any]:
+    """``(state, layout)`` with the :func:`noise_scale` part added to a state made without it (call it before
+    restoring a checkpoint); ``make_train_step`` reads ``every`` and ``ema`` from the layout.
+
+    Args:
+      state: the train state.
+      layout: its layout.
+      every: as in :func:`noise_scale`.
+      ema: as in :func:`noise_scale`.
 
     Returns:
       The state and layout with the part.
@@ -181,22 +193,13 @@ def with_noise_scale(state, layout, *, every: int, ema: float = 0.95) -> tuple[A
     >>> int(state.stats["noise_scale"]["count"]), layout.parts[KEY].options
     (0, Measure(every=10, ema=0.95))
     """
-    return with_stats_part(state, layout, KEY, init_state(), measure(every, ema, "with_noise_scale"))
+    return add_parts(state, layout, [_part(measure(every, ema, "with_noise_scale"))])
 
 
-def noise_scale_layout(layout, *, every: int, ema: float = 0.95) -> Any:
-    """``layout`` with a place for the noise-scale state, as :func:`with_noise_scale` adds it, without
-    creating it (ahead-of-time compilation: :meth:`~jaxpar.step.StateLayout.abstract_state` then has it).
-
-    Args:
-      layout: the train state's :class:`~jaxpar.step.StateLayout`.
-      every: as in :func:`with_noise_scale` (required).
-      ema: as in :func:`with_noise_scale`.
-
-    Returns:
-      The layout with the part.
-    """
-    return stats_part_layout(layout, KEY, jax.eval_shape(init_state), measure(every, ema, "noise_scale_layout"))
+def noise_scale_value(state: Any) -> float | None:
+    """``B_simple`` the state measures (``None``: it keeps no noise-scale part): what an adaptive ramp reads."""
+    stats = state.stats
+    return float(noise_scale_of(stats[KEY])) if isinstance(stats, dict) and KEY in stats else None
 
 
 def plot_noise_scale(path: str | Path, steps: Sequence[int], values: Sequence[float], *,

@@ -32,30 +32,39 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.parallel.context import ContextParallelError, count_context_calls, use_context_parallel
 from jaxpar.mesh import CONTEXT, EXPERT
 from jaxpar.parallel.moe import MoEError, count_moe_calls
+from jaxpar.parallel._fp8 import use_fp8
 from jaxpar.rules import use_rules
-from jaxpar.step._router_bias import KEY as BIAS
-from jaxpar.step._state import StateLayout
+from jaxpar.step._state import StateLayout, stats_parts, use_parts
 
 
 @contextlib.contextmanager
-def strategy_context(layout: StateLayout) -> Iterator[None]:
-    """What a step function is traced under: the layout's logical rules and its context-parallel setting.
+def strategy_context(layout: StateLayout, stats: Any = None) -> Iterator[None]:
+    """What a step function, eval and every runner's model call are traced under: the layout's logical rules,
+    its context-parallel setting, FP8 (:func:`~jaxpar.parallel._fp8.use_fp8` of ``Strategy.fp8``), and what the
+    state's parts install (:func:`~jaxpar.step._state.use_parts`: the router bias). No runner sets any of these
+    by hand.
 
     Args:
-      layout: the state's layout (mesh, rules, strategy).
+      layout: the state's layout (mesh, rules, strategy, parts).
+      stats: the state's ``TrainState.stats`` whose parts to install (``None``: none; the step installs
+        them per step itself).
 
     Raises:
       ContextParallelError: on leaving the block, with a ``context`` axis, for a loss that never called
         :func:`jaxpar.parallel.context.attention` (XLA would gather the whole sequence for its own
         attention), or that ignored the balanced order (:func:`jaxpar.parallel.context.sequence_order`).
-      MoEError: on leaving the block, for an ``expert`` axis without MoE layers, or a router bias
-        kept in the state that the loss never read.
+      MoEError: on leaving the block, for an ``expert`` axis without MoE layers; a part's own error where
+        the loss ignored it (:attr:`~jaxpar.step.PartLayout.after_trace`: a router bias never read).
     """
     setting, size = layout.strategy.context_setting, dict(layout.mesh.shape).get(CONTEXT, 1)
     with use_rules(layout.mesh, layout.rules), use_context_parallel(setting.method, balance=setting.balance), \
-            count_context_calls() as calls, count_moe_calls() as moe:
+            use_fp8(layout.strategy.fp8), count_context_calls() as calls, count_moe_calls() as moe, \
+            use_parts(layout, stats):
         yield
     _check_moe(layout, moe)
+    for part in stats_parts(layout):
+        if part.after_trace is not None:
+            part.after_trace(moe)
     if size > 1 and not calls.attention:
         raise ContextParallelError(
             f"the mesh has a context axis of size {size}, but the loss never called jaxpar.parallel.context.attention: its "
@@ -70,18 +79,13 @@ def strategy_context(layout: StateLayout) -> Iterator[None]:
 
 
 def _check_moe(layout: StateLayout, moe) -> None:
-    """An ``expert`` axis needs MoE layers; a router bias kept in the state must be read. (The
-    load-balancing loss under micro-batches is the gradient's part: :mod:`jaxpar.step._balancing`.)"""
+    """An ``expert`` axis needs MoE layers. (The load-balancing loss under micro-batches is the gradient's
+    part: :mod:`jaxpar.step._balancing`.)"""
     experts = dict(layout.mesh.shape).get(EXPERT, 1)
     if experts > 1 and not moe.layers:
         raise MoEError(f"the mesh has an expert axis of size {experts}, but the loss never ran an MoE layer "
                        "(jaxpar.parallel.moe.moe_apply, jaxpar.parallel.moe.MoE, GPTConfig.moe): the axis would only split the batch. "
                        "Use a model with MoE layers, or put those devices on the data axis.")
-    if BIAS in layout.parts and not moe.router_bias:
-        raise MoEError("the train state keeps a router bias (aux-loss-free balancing: with_router_bias), but the loss "
-                       "never read it, so it would move without steering any choice. Build the MoE layers with "
-                       "jaxpar.parallel.moe.MoE(..., router_bias=True) (the GPT: GPTConfig.moe.bias_rate > 0), or build the "
-                       "state without it.")
 
 
 def jit_program(fn: Callable, layout: StateLayout, batch_sharding: Any, *, donate: bool,

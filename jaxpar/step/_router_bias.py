@@ -1,9 +1,9 @@
 """Aux-loss-free load balancing (DeepSeek-V3) in the train step: a router bias per MoE layer, kept in
-``TrainState.stats["router_bias"]``: the state part :func:`with_router_bias` adds with its rate (the
-step reads both from the layout: :func:`bias_of`). The step traces the loss under
-:func:`jaxpar.parallel.moe.use_router_bias`, then moves each layer's bias by ``rate`` towards
-balance from that layer's load over the whole step (:func:`balanced_bias`; the rule and what the
-compatibility table refuses: docs/strategies.md).
+``TrainState.stats["router_bias"]``: the state part :func:`router_bias` (``init_train_state(parts=[...])``;
+:func:`with_router_bias` adds it to a state made without it). The part installs the bias around the loss
+(:func:`jaxpar.parallel.moe.use_router_bias`) for every runner, and after each step moves each layer's bias by
+``rate`` towards balance from that layer's load over the whole step (:func:`balanced_bias`; the rule and what
+the compatibility table refuses: docs/strategies.md).
 
 >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxpar
 >>> from flax import nnx
@@ -27,54 +27,61 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.compat import Setting, raise_problems
-from jaxpar.parallel.moe import LAYER_LOADS, MoEError, update_router_bias
-from jaxpar.step._state import stats_part_layout, with_stats_part
+from jaxpar.parallel.moe import LAYER_LOADS, MoEError, update_router_bias, use_router_bias
+from jaxpar.step._state import PartLayout, add_parts, stats_part
 
 #: The key of the router bias in ``TrainState.stats``.
 KEY = "router_bias"
 
 
-def _bias_part(layout: Any, shape: Any, rate: Any, owner: str) -> Any:
-    """``layout`` with the router bias part of ``shape`` and ``rate``, checked (``owner``: the function
-    named in an error), and refused by the compatibility table where a strategy cannot move it."""
+def router_bias(shape: tuple[int, ...], *, rate: float) -> PartLayout:
+    """The router bias as a state part: a zero bias of ``shape`` in ``stats["router_bias"]`` (replicated),
+    installed around the loss (:func:`jaxpar.parallel.moe.use_router_bias`) and moved by ``rate`` towards
+    balance after every step: ``init_train_state(..., parts=[router_bias(shape, rate=...)])``.
+
+    Args:
+      shape: ``(MoE layers, experts)`` (the GPT: ``(layers // moe.every, moe.experts)``).
+      rate: the bias step per train step, a number > 0 (DeepSeek-V3: 0.001); required.
+
+    Returns:
+      The part.
+
+    Raises:
+      MoEError: naming a bad shape or rate.
+    """
+    return _part(shape, rate, "router_bias")
+
+
+def _part(shape: Any, rate: Any, owner: str) -> PartLayout:
     shape = tuple(shape)
     if len(shape) != 2 or not all(isinstance(n, int) and n >= 1 for n in shape):
         raise MoEError(f"{owner}(shape={shape!r}): give (MoE layers, experts), two positive ints.")
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
         raise MoEError(f"{owner}(rate={rate!r}): the bias step must be a number > 0 (DeepSeek-V3: 0.001); a "
                        "model that does not balance with a bias is built without this part.")
-    raise_problems(Setting(layout.strategy, dict(layout.mesh.shape), router_bias_rate=rate))   # the RB pairs
-    return stats_part_layout(layout, KEY, jax.ShapeDtypeStruct(shape, jnp.float32), rate)
+    after = lambda bias, batch, metrics, measured, replicas: (balanced_bias(bias, metrics, rate), metrics)  # noqa
+    return stats_part(KEY, lambda: jnp.zeros(shape, jnp.float32), options=rate, setting={"router_bias_rate": rate},
+                      after_step=after, install=use_router_bias, after_trace=_read)
 
 
-def router_bias_layout(layout: Any, shape: tuple[int, ...], *, rate: float) -> Any:
-    """``layout`` with a place for the router bias, as :func:`with_router_bias` adds it, without
-    creating it (ahead-of-time compilation: :meth:`~jaxpar.step.StateLayout.abstract_state` then has it).
-
-    Args:
-      layout: the train state's :class:`~jaxpar.step.StateLayout`.
-      shape: ``(MoE layers, experts)``.
-      rate: the bias step per train step (required).
-
-    Returns:
-      The layout with ``stats["router_bias"]``.
-
-    Raises:
-      MoEError: as :func:`with_router_bias`.
-    """
-    return _bias_part(layout, shape, rate, "router_bias_layout")
+def _read(moe: Any) -> None:
+    """A router bias kept in the state must be read by the loss."""
+    if not moe.router_bias:
+        raise MoEError("the train state keeps a router bias (aux-loss-free balancing: with_router_bias), but the loss "
+                       "never read it, so it would move without steering any choice. Build the MoE layers with "
+                       "jaxpar.parallel.moe.MoE(..., router_bias=True) (the GPT: GPTConfig.moe.bias_rate > 0), or build the "
+                       "state without it.")
 
 
 def with_router_bias(state: Any, layout: Any, shape: tuple[int, ...], *, rate: float) -> tuple[Any, Any]:
-    """``(state, layout)`` with a zero router bias of ``shape`` in ``stats`` (replicated), moved by
-    ``rate`` towards balance after every step: call it after :func:`jaxpar.init_train_state` and
-    before restoring a checkpoint; ``make_train_step`` reads the rate from the layout.
+    """``(state, layout)`` with the :func:`router_bias` part added to a state made without it (call it before
+    restoring a checkpoint); ``make_train_step`` reads the rate from the layout.
 
     Args:
       state: the train state.
       layout: its layout.
-      shape: ``(MoE layers, experts)`` (the GPT: ``(layers // moe.every, moe.experts)``).
-      rate: the bias step per train step, a number > 0 (DeepSeek-V3: 0.001); required.
+      shape: as in :func:`router_bias`.
+      rate: as in :func:`router_bias`.
 
     Returns:
       The state and layout with ``stats["router_bias"] = zeros(shape)``.
@@ -83,21 +90,9 @@ def with_router_bias(state: Any, layout: Any, shape: tuple[int, ...], *, rate: f
       MoEError: naming a bad shape or rate, or a strategy that cannot move the bias (the
         compatibility table's RB pairs: PipeDream's no-flush schedules, replicas).
     """
-    _bias_part(layout, shape, rate, "with_router_bias")
-    return with_stats_part(state, layout, KEY, jnp.zeros(tuple(shape), jnp.float32), rate)
-
-
-def bias_of(state: Any, layout: Any) -> Any:
-    """The router bias ``state`` keeps (``stats[KEY]``), or ``None`` when its layout keeps none.
-
-    Args:
-      state: the train state.
-      layout: its layout.
-
-    Returns:
-      The bias array, or ``None``.
-    """
-    return state.stats[KEY] if KEY in layout.parts else None
+    part = _part(shape, rate, "with_router_bias")
+    raise_problems(Setting(layout.strategy, dict(layout.mesh.shape), **part.setting))   # the RB pairs
+    return add_parts(state, layout, [part])
 
 
 def balanced_bias(bias: jax.Array, metrics: dict, rate: float) -> jax.Array:

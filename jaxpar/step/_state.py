@@ -22,8 +22,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,7 @@ from jaxpar.rules import named_shardings, resolve
 from jaxpar.strategy import Strategy
 from jaxpar.parallel._offload import host_state_shardings
 from jaxpar.parallel._zero import analytic_state_bytes
-from jaxpar.errors import StrategyMismatchError
+from jaxpar.errors import StepError, StrategyMismatchError
 
 
 class TrainState(NamedTuple):
@@ -56,20 +57,57 @@ class TrainState(NamedTuple):
 
 
 class PartLayout(NamedTuple):
-    """One optional part of the train state in the layout: where it lives and how it starts.
+    """One optional part of the train state: where it lives, how it starts, and what it does in a step.
+
+    The :class:`TrainState` fields ``codec``, ``sync`` and ``versions`` are parts the strategy makes; a
+    feature's running state in ``TrainState.stats`` (the noise scale, the router bias) is a part its own
+    module makes (:func:`stats_part`) and the caller passes to ``init_train_state(parts=[...])``. The step,
+    :func:`~jaxpar.step.strategy_context` and the checkpoint iterate over parts; none names a feature.
 
     Attributes:
       specs: its ``PartitionSpec`` tree.
       shapes: its ``ShapeDtypeStruct`` tree.
-      init: ``init(params)`` -> the part in its shardings, for a restore that starts it afresh
-        (``None``: the restore makes zeros, or copies of the parameters for ``versions``).
-      options: what the step does with it (the noise scale's ``Measure``, the router bias's rate).
+      init: ``init(params)`` -> the part (in its shardings under ``jit``; ``None``: a restore makes
+        zeros, or copies of the parameters for ``versions``).
+      options: the part's options, as its feature reads them (the noise scale's ``Measure``, the router
+        bias's rate).
+      name: its name: the ``TrainState`` field, or its key in ``TrainState.stats``.
+      setting: what the compatibility table reads of it (:class:`~jaxpar.compat.Setting` keywords).
+      every: a second program measures every that many steps (``None``: none).
+      after_step: ``after_step(value, batch, metrics, measured, replicas) -> (value, metrics)``, after the
+        gradient (``measured``: the measuring program; ``replicas``: its replicas).
+      install: ``install(value)`` -> the context the loss is traced and run in (every runner's, through
+        :func:`~jaxpar.step.strategy_context` or :func:`use_parts`).
+      after_trace: ``after_trace(moe_calls)``: raises where the traced loss ignored the part.
     """
 
     specs: Any
     shapes: Any
     init: Callable[[Any], Any] | None = None
     options: Any = None
+    name: str = ""
+    setting: Mapping[str, Any] = {}
+    every: int | None = None
+    after_step: Callable | None = None
+    install: Callable[[Any], Any] | None = None
+    after_trace: Callable[[Any], None] | None = None
+
+
+def stats_part(name: str, init: Callable[[], Any], **protocol: Any) -> PartLayout:
+    """A feature's replicated part of ``TrainState.stats``, for ``init_train_state(parts=[...])``.
+
+    Args:
+      name: its key in ``stats``.
+      init: ``init()`` -> its fresh arrays.
+      **protocol: the other :class:`PartLayout` fields (``options``, ``setting``, ``every``, ``after_step``,
+        ``install``, ``after_trace``).
+
+    Returns:
+      The part.
+    """
+    shapes = jax.eval_shape(init)
+    return PartLayout(jax.tree.map(lambda _: PartitionSpec(), shapes), shapes, lambda params: init(), name=name,
+                      **protocol)
 
 
 _EMPTY = PartLayout((), ())
@@ -204,39 +242,67 @@ def layout_strategy(layout: StateLayout, strategy: Strategy | None = None) -> St
         "init_train_state, or leave make_train_step's strategy out.")
 
 
-def stats_part_layout(layout: StateLayout, name: str, shapes: Any, options: Any = None) -> StateLayout:
-    """``layout`` with a replicated part ``stats[name]`` of ``shapes`` (``ShapeDtypeStruct``s), without
-    creating it (ahead-of-time compilation: :meth:`StateLayout.abstract_state` then has it).
+def stats_parts(layout: StateLayout) -> list[PartLayout]:
+    """The layout's parts in ``TrainState.stats``, in the order they were added."""
+    return [p for n, p in layout.parts.items() if n not in TrainState._fields]
 
-    Args:
-      layout: the layout.
-      name: the part's name in ``stats``.
-      shapes: its ``ShapeDtypeStruct`` tree.
-      options: what the step does with the part (:attr:`PartLayout.options`).
 
-    Returns:
-      The layout with the part.
+def part_setting(layout: StateLayout) -> dict[str, Any]:
+    """What the compatibility table reads of the layout's parts (:attr:`PartLayout.setting`, merged)."""
+    return {k: v for p in stats_parts(layout) for k, v in p.setting.items()}
+
+
+def with_parts(layout: StateLayout, parts: Sequence[PartLayout]) -> StateLayout:
+    """``layout`` with ``parts`` in ``stats`` (:func:`stats_part`), without creating them (a restore or
+    ahead-of-time target: :meth:`StateLayout.abstract_state` then has them).
+
+    Raises:
+      StepError: two parts of one name.
     """
-    part = PartLayout(jax.tree.map(lambda _: PartitionSpec(), shapes), shapes, options=options)
-    return replace(layout, parts={**layout.parts, name: part})
+    names = [p.name for p in parts]
+    if len(set(names)) != len(names) or set(names) & set(layout.parts):
+        raise StepError(f"init_train_state(parts=[{', '.join(names)}]): a part's name appears twice; give each "
+                         "feature's part once.")
+    return replace(layout, parts={**layout.parts, **{p.name: p for p in parts}})
 
 
-def with_stats_part(state: TrainState, layout: StateLayout, name: str, value: Any,
-                    options: Any = None) -> tuple[TrainState, StateLayout]:
-    """``(state, layout)`` with ``value`` (arrays) as the replicated part ``stats[name]``: a running
-    measurement or a balancing state the step keeps (checkpointed with the rest); ``options`` as in
-    :func:`stats_part_layout`.
+def add_parts(state: TrainState, layout: StateLayout, parts: Sequence[PartLayout]) -> tuple[TrainState, StateLayout]:
+    """``(state, layout)`` with ``parts`` created fresh in ``stats`` (replicated): a state made without them.
 
     Args:
       state: the train state.
       layout: its layout.
-      name: the part's name in ``stats``.
-      value: the part's arrays.
-      options: the part's options, or ``None``.
+      parts: the parts (:func:`stats_part`).
 
     Returns:
-      The state and layout with the part.
+      The state and layout with the parts.
     """
-    layout = stats_part_layout(layout, name, jax.eval_shape(lambda: value), options)
-    placed = jax.device_put(value, NamedSharding(layout.mesh, PartitionSpec()))
-    return state._replace(stats={**(state.stats or {}), name: placed}), layout
+    layout = with_parts(layout, parts)
+    values = {p.name: jax.device_put(p.init(None), NamedSharding(layout.mesh, PartitionSpec())) for p in parts}
+    return state._replace(stats={**(state.stats or {}), **values}), layout
+
+
+@contextlib.contextmanager
+def use_parts(layout: StateLayout, stats: Any) -> Iterator[None]:
+    """The context each part installs around the loss (:attr:`PartLayout.install`) with its value in
+    ``stats`` (``TrainState.stats``, or host copies of it): what the step, eval and samples run under.
+
+    Args:
+      layout: the state's layout.
+      stats: the state's ``stats`` (``None`` or ``()``: nothing is installed).
+    """
+    with contextlib.ExitStack() as stack:
+        for part in stats_parts(layout) if stats else ():
+            if part.install is not None:
+                stack.enter_context(part.install(stats[part.name]))
+        yield
+
+
+def parts_after_step(layout: StateLayout, stats: Any, batch: Any, metrics: dict, measured: bool,
+                     replicas: int) -> tuple[Any, dict]:
+    """Every part's :attr:`PartLayout.after_step`: ``(stats, metrics)`` after the gradient."""
+    for part in stats_parts(layout):
+        if part.after_step is not None:
+            value, metrics = part.after_step(stats[part.name], batch, metrics, measured, replicas)
+            stats = {**stats, part.name: value}
+    return stats, metrics
