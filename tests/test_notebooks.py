@@ -28,12 +28,20 @@ EXPECTED = {
                           "h100:2x8", "tpu-v5e:4x4"],
     "06_large_batch.ipynb": ["batch  1024: linear 0.400   sqrt 0.200", "trust ratio + decay: 9 matrices; skipped: 8",
                              "B_simple (rows) at steps", "saved noise_scale.png", "decisions [step, batch]: [[0, 16], "],
+    "07_gpu_workflow.ipynb": ["devices  8 x gpu (NVIDIA H100 80GB HBM3)", "3 of 3 traced attentions fused",
+                              "gathers  weights", "ms per step on h100", "fits     with",
+                              "(the largest, 'blocks/w1', has 768)",
+                              "all 18 GEMMs of the 6 covered weights compiled in FP8", "fsdp | f8e4m3fn |",
+                              "strategy dp2-fsdp2-tp2-fp8",
+                              "muon: 6 parameters ['blocks/w1', 'blocks/w2', 'blocks/wk', 'blocks/wo', 'blocks/wq', "
+                              "'blocks/wv']", "adam: 11 parameters", "count per device (HLO)",
+                              "collective counts per device equal the compiled HLO's: True"],
 }
 
 
 #: 30-60 s each on 2 busy cores: in the exhaustive tier (CI runs a third a run; make test-all all)
 SLOW = {"01_meshes_and_strategies.ipynb", "02_pipelines.ipynb", "03_compression.ipynb", "04_relaxed_sync.ipynb",
-        "05_planning.ipynb", "06_large_batch.ipynb"}
+        "05_planning.ipynb", "06_large_batch.ipynb", "07_gpu_workflow.ipynb"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.exhaustive) if n in SLOW else n for n in EXPECTED])
@@ -68,4 +76,11 @@ def test_notebook_executes(name, tmp_path):
         assert float(outputs.split("max relative gap:")[1].split()[0]) < 1e-5
         inner = outputs.split("inner step:")[1].split("sync step:")[0]
         assert "replica" not in inner
+    if name == "07_gpu_workflow.ipynb":   # FP8 (emulated on CPU) and Muon train; the profile's rows are the step
+        for run in ("FP8", "Muon"):
+            losses = json.loads(outputs.split(f"{run} run losses at the logged steps: ")[1].splitlines()[0])
+            assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 1, (run, losses)
+        assert float(outputs.split("(FP8's rounding: ")[1].split(")")[0]) != 0   # the FP8 forward differs from fp32's
+        rows, clock = map(float, re.search(r"rows sum to (\S+) ms; loop clock (\S+) ms", outputs).groups())
+        assert abs(rows - clock) <= 0.05 * clock, (rows, clock)
     assert os.environ.get("XLA_FLAGS") == env_before
