@@ -177,7 +177,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     compiler) and compares memory and bytes."""
     from jaxpar import cost
     from jaxpar.config import ConfigError, load_config
-    from jaxpar.config._plan_command import muon_settings, plan_dtype, plan_model, plan_report, verify_plans
+    from jaxpar.config._plan_command import (muon_settings, plan_dtype, plan_model, plan_offload, plan_report,
+                                             verify_plans)
 
     target = None
     if args.target:
@@ -198,7 +199,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         cp = dict(contexts=args.contexts, context_methods=args.context_methods) if args.contexts else {}
         min_dim = (cfg.parallel.fp8 or {}).get("min_dim", 1024) if cfg else 1024
         result = cost.plan(model, cluster, top=args.top, dtype=dtype, precision=args.precision, fp8_min_dim=min_dim,
-                           muon=muon_settings(cfg) if cfg else None, **cp)
+                           muon=muon_settings(cfg) if cfg else None, offload=plan_offload(cfg), **cp)
     except (cost.ClusterError, cost.PlanError) as e:
         raise ConfigError(str(e)) from None
     print(plan_report(model, cluster, result, args.top, as_json=args.json))

@@ -20,6 +20,12 @@ from __future__ import annotations
 from jaxpar.compat._settings import NO_FLUSH, Problem, Setting, replicas_on, value_name
 from jaxpar.errors import OffloadError
 
+#: The optimizers of ``optimizer.name`` whose update does not run in host memory (``Offload.update="host"``:
+#: they create device arrays beside the host-resident state, an ``OffloadError`` when the step is traced;
+#: tests/test_offload_cost.py checks this list against every optimizer). The planner proposes no host update
+#: for them.
+HOST_UPDATE_REFUSED = ("lars", "lamb", "muon")
+
 
 def offload_problems(s: Setting) -> list[Problem]:
     """Offloading against relaxed synchronisation (RS x OF), offloaded activations against pipelines

@@ -194,12 +194,10 @@ def muon_lines(cfg: JobConfig, layout: Any) -> list[str]:
     """
     if cfg.optimizer.name != "muon":
         return []
-    from jaxpar.config._build import build_model_fn
-    from jaxpar.config._optimizer_section import muon_kernel_layout
     from jaxpar.optimizers import muon_routing_table
 
     table = muon_routing_table(layout.shapes, layout.logical, routing=dict(cfg.optimizer.muon.routing),
-                               kernel_layout=muon_kernel_layout(build_model_fn(cfg.model, cfg.train.seed)))
+                               kernel_layout=layout.kernel_layout)
     return ["", "muon routing (parameter, rule, matrix: input x output, batch dims: one Newton-Schulz each, why)",
             table] + muon_placement_lines(cfg, layout)
 
@@ -306,62 +304,11 @@ def attention_lines(kernels: dict, compiled: Any, length: int) -> list[str]:
     return lines
 
 
-def host_transfers(text: str) -> dict[str, int]:
-    """The bytes a compiled program copies between device and host memory per execution: its
-    ``copy-start`` instructions whose destination or source lies in host memory (the layout's ``S(5)``),
-    each times how often its computation runs (:func:`jaxpar.analysis._loops.trip_counts`: a copy in a layer
-    scan's body counts once per layer).
-
-    Args:
-      text: the compiled program's HLO text.
-
-    Returns:
-      ``{"to_host": bytes, "to_device": bytes}``.
-
-    >>> host_transfers('''HloModule m
-    ... ENTRY %main (a: f32[4]) -> f32[4] {
-    ...   %s = (f32[4]{0:S(5)}, f32[4]{0}, u32[]) copy-start(%a)
-    ...   ROOT %d = f32[4]{0:S(5)} copy-done(%s)
-    ... }''')
-    {'to_host': 16, 'to_device': 0}
-    """
-    from jaxpar.analysis._hlo_text import parse_instructions, shape_bytes
-    from jaxpar.analysis._loops import trip_counts
-
-    counts, out = trip_counts(text), {"to_host": 0, "to_device": 0}
-    for ins in parse_instructions(text):
-        if ins.opcode != "copy-start":
-            continue
-        parts = [p.strip() for p in ins.shape.strip("()").split("}, ")]
-        dest, src = parts[0], parts[1] if len(parts) > 1 else ""
-        if "S(5)" in dest and "S(5)" not in src:
-            out["to_host"] += int(shape_bytes(dest + "}") * counts.get(ins.computation, 1))
-        elif "S(5)" in src and "S(5)" not in dest:
-            out["to_device"] += int(shape_bytes(src + "}") * counts.get(ins.computation, 1))
-    return out
-
-
-def device_peak(stats: Any) -> int:
-    """A compiled program's peak in device memory: XLA's ``peak_memory_in_bytes`` less the host-resident
-    arguments, which XLA counts in it (docs/strategies.md, memory offloading), and never below the device
-    arguments + outputs + temporaries - aliases.
-
-    Args:
-      stats: ``compiled.memory_analysis()``.
-
-    Returns:
-      Bytes.
-    """
-    own = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes \
-        - stats.alias_size_in_bytes
-    xla = (getattr(stats, "peak_memory_in_bytes", 0) or 0) - getattr(stats, "host_argument_size_in_bytes", 0)
-    return int(max(own, xla))
-
-
 def offload_lines(cfg: JobConfig, devices: list, compiled: Any, tgt: Target | None) -> list[str]:
     """``jaxpar inspect``'s offload section (``parallel.offload`` on): the bytes the step holds in host memory
     (its host-resident arguments and temporaries), its device peak beside the same config's without offload
-    (compiled too), and the bytes it copies between device and host per step (:func:`host_transfers`).
+    (compiled too), and the bytes it copies between device and host per step
+    (:func:`jaxpar.analysis._compiled_memory.host_transfers`).
 
     Args:
       cfg: the config.
@@ -375,15 +322,16 @@ def offload_lines(cfg: JobConfig, devices: list, compiled: Any, tgt: Target | No
     if not cfg.parallel.offload:
         return []
     from jaxpar._text import format_bytes
+    from jaxpar.analysis._compiled_memory import host_transfers, memory_report
     from jaxpar.config._job import build_job
 
     plain_cfg = replace(cfg, parallel=replace(cfg.parallel, offload={}))
     plain_job = build_job(plain_cfg, devices, data=False)
     plain = plain_job.compile(plain_job.state_layout())["step"]
-    stats, moved = compiled.memory_analysis(), host_transfers(compiled.as_text())
-    with_off, without = device_peak(stats), device_peak(plain.memory_analysis())
-    lines = [f"offload  {cfg.parallel.offload}: host memory holds {format_bytes(stats.host_argument_size_in_bytes)} of "
-             f"state per device between steps, {format_bytes(stats.host_temp_size_in_bytes)} of temporaries in the step",
+    rep, moved = memory_report(compiled), host_transfers(compiled.as_text())
+    with_off, without = rep.required_bytes, memory_report(plain).required_bytes
+    lines = [f"offload  {cfg.parallel.offload}: host memory holds {format_bytes(rep.host_argument_bytes)} of "
+             f"state per device between steps, {format_bytes(rep.host_temp_bytes)} of temporaries in the step",
              f"         device peak {format_bytes(with_off)} with offload, {format_bytes(without)} without "
              f"({format_bytes(without - with_off)} saved)",
              f"         per step and device: {format_bytes(moved['to_host'])} device -> host, "
@@ -530,8 +478,6 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
     if tgt is None:
         return 0
     report = memory_report(compiled["step"])
-    if job.strategy.offload is not None:         # XLA's peak counts the host-resident arguments
-        report = replace(report, xla_peak_bytes=device_peak(compiled["step"].memory_analysis()))
     fits, lines = fit_lines(report, tgt, predicted)
     print("\n" + "\n".join(lines))
     if fits:

@@ -155,10 +155,11 @@ def plan_overrides(plan: Any) -> list[str]:
 
     >>> from jaxpar.cost import Plan
     >>> plan_overrides(Plan(pipe=2, data=4, microbatches=8, schedule="interleaved", virtual=2))[-5:]
-    ['parallel.schedule=interleaved', 'parallel.virtual_stages=2', 'parallel.stage_layers=null', 'parallel.fp8={}', 'model.remat=none']
-    >>> plan_overrides(Plan(fsdp=8, fp8="tensorwise"))[-3:]
-    ['parallel.fp8.recipe=tensorwise', 'parallel.fp8.min_dim=1024', 'model.remat=none']
+    ['parallel.virtual_stages=2', 'parallel.stage_layers=null', 'parallel.fp8={}', 'parallel.offload={}', 'model.remat=none']
+    >>> plan_overrides(Plan(fsdp=8, fp8="tensorwise", offload="opt-host"))[-3:]
+    ['parallel.fp8.min_dim=1024', 'parallel.offload={optimizer: true, update: host}', 'model.remat=none']
     """
+    from jaxpar.cost._host_link import offload_overrides
     from jaxpar.cost._parallel import AXES
 
     remat = {"none": "none", "full": "full"}.get(plan.remat, "save-matmuls")
@@ -171,7 +172,7 @@ def plan_overrides(plan: Any) -> list[str]:
                 f"parallel.context.balance={str(plan.context_balance).lower()}"]
     out += [f"parallel.fp8.recipe={plan.fp8}", f"parallel.fp8.min_dim={plan.fp8_min_dim}"] if plan.fp8 else \
         ["parallel.fp8={}"]
-    return out + [f"model.remat={remat}"]
+    return out + [f"parallel.offload={offload_overrides(plan.offload)}", f"model.remat={remat}"]
 
 
 def unpredicted(cfg: JobConfig, strategy: Strategy, mesh_sizes: Mapping[str, int]) -> str | None:
@@ -230,6 +231,10 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
         cost.load_cluster(cluster_name, nodes=1)
     if strategy.fp8 is not None and cluster.has_fp8:     # elsewhere FP8 is emulated: the step's own matmuls
         plan = replace(plan, fp8=strategy.fp8.recipe, fp8_min_dim=strategy.fp8.min_dim)
+    if (o := strategy.offload) is not None:     # its state in host memory (offloaded activations: not modelled)
+        from jaxpar.cost._host_link import plan_offload
+
+        plan = replace(plan, offload=plan_offload(o.optimizer, o.master, o.update))
     dtype = "float32" if strategy.compute_dtype == "float32" else "bfloat16"
     if dtype not in cluster.compute_dtypes:
         dtype = cluster.compute_dtypes[0]
@@ -251,6 +256,7 @@ def _predicted(view: Any, strategy: Strategy, lowering: str, platform: str, muon
     """The cost model's side of :func:`planner_table`: bytes per axis, arguments, temporaries and peak."""
     from jaxpar.cost import PLATFORM_CLUSTERS, device_argument_bytes, muon_comms, muon_update
     from jaxpar.cost._device_bytes import layout_for_platform
+    from jaxpar.cost._host_link import host_bytes
     from jaxpar.cost._traffic import bytes_per_axis, comms
 
     model, plan, est = view
@@ -264,6 +270,7 @@ def _predicted(view: Any, strategy: Strategy, lowering: str, platform: str, muon
     mem = est.memory
     muon_state = {} if muon is None else {"matrix_moments": 1, "scalars": 3}    # Muon's momentum and its count
     args = device_argument_bytes(model, plan.sizes, plan.zero, layout=layout_for_platform(platform), **muon_state)
+    args -= host_bytes(model, plan)          # offloaded: host-resident arguments, not the device's
     peak = mem.total if platform == "cpu" else predicted_peak(model, plan, mem.total, strategy.compute_dtype, platform)
     return pred, args, mem.activations + mem.logits, peak
 
@@ -443,6 +450,45 @@ def fp8_line(result: Any, cluster: Any) -> str:
     return "fp8      considered: the best plan is faster without it"
 
 
+def plan_offload(cfg: JobConfig | None) -> bool | None:
+    """``jaxpar plan``'s ``offload`` for :func:`jaxpar.cost.plan`: False where the config's optimizer does not
+    run in host memory (:data:`jaxpar.compat._offload_rules.HOST_UPDATE_REFUSED`), else None (offload when
+    nothing fits, where the cluster has a host link). Without ``--config`` the planner's model is AdamW's."""
+    from jaxpar.compat._offload_rules import HOST_UPDATE_REFUSED
+
+    return False if cfg is not None and cfg.optimizer.name in HOST_UPDATE_REFUSED else None
+
+
+def offload_line(model: Any, cluster: Any, result: Any) -> str | None:
+    """``jaxpar plan``'s line on memory offloading, where the best plan has it (no plan fits without it):
+    what lives in host memory, the predicted step with its host link and host update, and the slowdown.
+
+    Args:
+      model: the cost model's model.
+      cluster: the cluster planned on.
+      result: :func:`jaxpar.cost.plan`'s result.
+
+    Returns:
+      The line, or None (the best plan does not offload).
+    """
+    from jaxpar._text import format_bytes
+    from jaxpar.cost._host_link import offload_overrides, transfer_bytes
+
+    best = result.best
+    if not best.plan.offload:
+        return None
+    moved = transfer_bytes(model, best.plan)
+    link = f", {format_bytes(moved['to_host'])} to the host and {format_bytes(moved['to_device'])} back per step"
+    slow = (f"; {best.without_offload * 1e3:.1f} ms without it (does not fit): "
+            f"{best.time.total / best.without_offload:.2f}x slower") if best.without_offload else ""
+    return (f"offload  proposed: no plan fits {cluster.num_devices} x {cluster.name} without it. The optimizer state "
+            f"({format_bytes(best.memory.host)} per device) lives in host memory and is updated there "
+            f"(parallel.offload={offload_overrides(best.plan.offload)}): predicted {best.time.total * 1e3:.1f} ms "
+            f"per step, {best.time.offload * 1e3:.1f} ms of it on the host link ({cluster.host_link / 1e9:g} GB/s "
+            f"per direction{link}) and {best.time.optimizer * 1e3:.1f} ms the update in host memory "
+            f"({cluster.host_memory_bandwidth / 1e9:g} GB/s){slow}; costed in jaxpar's fp32 layout (precision fp32)")
+
+
 def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: bool = False) -> str:
     """``jaxpar plan``'s output: the model, the cluster and the ranked and rejected plans.
 
@@ -467,6 +513,8 @@ def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: boo
              f"plans    {result.considered} considered, {len(result.ranked)} fit, {len(result.rejected)} rejected",
              result.table(top)]
     lines.append(fp8_line(result, cluster))
+    if line := offload_line(model, cluster, result):
+        lines.append(line)
     if result.rejected:
         lines += ["", result.rejected_table(min(top, 5))]
     if getattr(result, "refused", None):

@@ -1,5 +1,6 @@
-"""A cluster as the cost model sees it: nodes of devices, their memory and peak FLOP/s, and an
-intra-node and an inter-node α-β-γ :class:`~jaxpar.cost.Link` (per device and direction). Presets are
+"""A cluster as the cost model sees it: nodes of devices, their memory and peak FLOP/s, an
+intra-node and an inter-node α-β-γ :class:`~jaxpar.cost.Link` (per device and direction), and each
+device's link to host memory with the host memory's bandwidth (memory offloading). Presets are
 YAML files in ``configs/clusters/`` (:func:`presets`, :func:`load_cluster`; keys in docs/planning.md §2).
 
 Example::
@@ -41,6 +42,8 @@ class Cluster:
     memory_efficiency: float = 1.0
     shared_compute: float = 1.0
     fused_attention: bool = False
+    host_link: float = 0.0                  # bytes/s between a device and host memory, per direction (0: none)
+    host_memory_bandwidth: float = 0.0      # bytes/s of host memory one device's host update streams (0: none)
     description: str = ""
     sources: tuple[str, ...] = field(default=(), repr=False)
 
@@ -177,7 +180,7 @@ def _link(name: str, key: str, d: Any) -> Link:
 
 _KEYS = {"name", "description", "sources", "devices_per_node", "nodes", "device_memory_gib", "peak_tflops",
          "efficiency", "gemm_half_gflop", "memory_gbps", "memory_efficiency", "shared_compute", "fused_attention",
-         "intra_node", "inter_node", "fit"}
+         "intra_node", "inter_node", "host_link_gbps", "host_memory_gbps", "fit"}
 
 
 def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
@@ -220,6 +223,8 @@ def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
                    memory_bandwidth=_positive(name, "memory_gbps", d.get("memory_gbps", 0), zero=True) * 1e9,
                    memory_efficiency=d.get("memory_efficiency", 1.0),
                    shared_compute=float(shared), fused_attention=fused,
+                   host_link=_positive(name, "host_link_gbps", d.get("host_link_gbps", 0), zero=True) * 1e9,
+                   host_memory_bandwidth=_positive(name, "host_memory_gbps", d.get("host_memory_gbps", 0), zero=True) * 1e9,
                    description=str(d.get("description", "")), sources=tuple(d.get("sources", ())))
 
 

@@ -372,7 +372,8 @@ def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device (the busiest pipeline stage): state, activations, logits; ``total`` their sum."""
+    """Bytes per device (the busiest pipeline stage): state, activations, logits; ``total`` their sum;
+    ``host``: the bytes its state keeps in host memory between steps (memory offloading), not in ``total``."""
 
     params: float
     grads: float
@@ -380,6 +381,7 @@ class MemoryEstimate:
     activations: float
     logits: float
     in_flight: int
+    host: float = 0.0
 
     @property
     def total(self) -> float:
@@ -390,7 +392,7 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
                       schedule: str = "1f1b", virtual: int = 1, remat: str = "none",
                       sequence_parallel: bool = False, precision: str | BytesPerParam = "mixed",
                       activation_bytes: float = 2, ends: bool = False, context_method: str = "ring",
-                      context_balance: bool = True) -> MemoryEstimate:
+                      context_balance: bool = True, offload: str | None = None) -> MemoryEstimate:
     """Predicted peak memory of one device for one plan (docs/planning.md §3 has the sources).
 
     Each replica's batch ``batch / (data * fsdp * expert)`` is split into ``microbatches``; a pipeline
@@ -417,6 +419,9 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
         stage 0's in-flight activations, the last with the same (an upper bound) and the logits.
       context_method: ``"ring"``, ``"all-gather"`` or ``"ulysses"``.
       context_balance: the zigzag load balance.
+      offload: ``Plan.offload`` (:mod:`jaxpar.cost._host_link`): the host update keeps the optimizer state
+        off the device (``opt`` 0, in ``host``); the device update streams the offloaded state in for the
+        step, so the device's peak keeps it (it is in ``host`` too).
 
     Returns:
       The :class:`MemoryEstimate`.
@@ -439,7 +444,20 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
     if ends and p > 1:
         first, last = (state_bytes(model, sizes, zero, precision, end=e) for e in ("first", "last"))
         if first["total"] > last["total"] + logits:
-            return MemoryEstimate(first["params"], first["grads"], first["opt"], act, 0.0, flight)
-        return MemoryEstimate(last["params"], last["grads"], last["opt"], act, logits, flight)
+            return offloaded(MemoryEstimate(first["params"], first["grads"], first["opt"], act, 0.0, flight), offload)
+        return offloaded(MemoryEstimate(last["params"], last["grads"], last["opt"], act, logits, flight), offload)
     st = state_bytes(model, sizes, zero, precision)
-    return MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight)
+    return offloaded(MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight), offload)
+
+
+def offloaded(mem: MemoryEstimate, offload: str | None) -> MemoryEstimate:
+    """``mem`` under ``Plan.offload`` (see :func:`memory_per_device`).
+
+    >>> m = offloaded(MemoryEstimate(4.0, 4.0, 8.0, 1.0, 1.0, 1), "opt-master-host")
+    >>> m.total, m.host
+    (10.0, 12.0)
+    """
+    if offload is None:
+        return mem
+    host = mem.opt * ("opt" in offload) + mem.params * ("master" in offload)
+    return replace(mem, opt=0.0 if offload.endswith("-host") else mem.opt, host=host)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxpar.compat._settings import FLUSH_SCHEDULES
+from jaxpar.cost._host_link import OFFLOADS
 from jaxpar.cost._memory import REMAT
 from jaxpar.errors import PlanError, check_int
 
@@ -32,7 +33,8 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 class Plan:
     """One point of the search: mesh sizes and what to do with them (as :class:`jaxpar.Strategy`);
     ``fp8``: the FP8 recipe of the covered matmuls (None: none) and ``fp8_min_dim`` its smallest GEMM
-    (:class:`jaxpar.parallel.Fp8`)."""
+    (:class:`jaxpar.parallel.Fp8`); ``offload``: what lives in host memory, as :class:`jaxpar.parallel.Offload`'s
+    label names it (:data:`jaxpar.cost._host_link.OFFLOADS`; None: nothing)."""
 
     pipe: int = 1
     data: int = 1
@@ -50,6 +52,7 @@ class Plan:
     context_balance: bool = True
     fp8: str | None = None
     fp8_min_dim: int = 1024
+    offload: str | None = None
 
     def __post_init__(self):
         for a in AXES + ("virtual", "microbatches"):
@@ -70,6 +73,8 @@ class Plan:
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise PlanError(f"Plan.fp8={self.fp8!r}: choose None (no FP8) or a recipe, {', '.join(FP8_RECIPES)}.")
         check_int("Plan", "fp8_min_dim", self.fp8_min_dim, 0, PlanError)
+        if self.offload is not None and self.offload not in OFFLOADS:
+            raise PlanError(f"Plan.offload={self.offload!r}: choose None or one of {', '.join(OFFLOADS)}.")
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -111,4 +116,6 @@ class Plan:
             parts.append(f"remat-{self.remat}")
         if self.fp8:
             parts.append("fp8" if self.fp8 == "tensorwise" else f"fp8-{self.fp8}")
+        if self.offload:
+            parts.append(f"offload-{self.offload}")
         return "-".join(parts) or "single"

@@ -29,6 +29,7 @@ from typing import Any, Mapping, NamedTuple
 from jaxpar._text import format_bytes, render_table
 from jaxpar.compat._table import LIBRARY_NAMES, Setting, problems
 from jaxpar.cost._cluster import FP8, Cluster
+from jaxpar.cost._host_link import PRECISION as OFFLOAD_PRECISION, PROPOSED as OFFLOAD_PROPOSED
 from jaxpar.cost._memory import LayoutError, MemoryEstimate, memory_per_device, muon_precision
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._muon import with_muon
@@ -145,6 +146,15 @@ class PlanStrategy(NamedTuple):
     sync: Any = None
     local_clip: float | None = None
     fp8: Any = None
+    offload: Any = None
+
+
+class PlanOffload(NamedTuple):
+    """What the compatibility table reads of a plan's offload (:class:`jaxpar.parallel.Offload`'s fields)."""
+
+    label: str
+    update: str
+    activations: tuple = ()
 
 
 def plan_setting(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any] | None = None) -> Setting:
@@ -158,8 +168,14 @@ def plan_setting(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any]
                         f"{', '.join(STRATEGY_FIELDS)} and the options {', '.join(SETTING_FIELDS)}.")
     strategy = PlanStrategy(zero=plan.zero, sequence_parallel=plan.sequence_parallel, schedule=plan.schedule,
                             microbatches=plan.microbatches, compute_dtype=fixed.pop("compute_dtype", dtype),
-                            fp8=getattr(plan, "fp8", None), **{k: fixed.pop(k) for k in STRATEGY_FIELDS[1:] if k in fixed})
+                            fp8=getattr(plan, "fp8", None), offload=_table_offload(getattr(plan, "offload", None)),
+                            **{k: fixed.pop(k) for k in STRATEGY_FIELDS[1:] if k in fixed})
     return Setting(strategy, dict(plan.sizes), **fixed)
+
+
+def _table_offload(offload: str | None) -> PlanOffload | None:
+    """The table's view of ``Plan.offload`` (None: none)."""
+    return None if offload is None else PlanOffload("offload-" + offload, "host" if offload.endswith("-host") else "device")
 
 
 def plan_refusal(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any] | None = None) -> str | None:
@@ -172,13 +188,15 @@ def plan_refusal(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any]
 @dataclass(frozen=True)
 class Estimate:
     """A plan with its predicted time, memory per device and whether it fits; for a plan with ``fp8``
-    the search chose, ``without_fp8``: the seconds per step of the same plan without it."""
+    the search chose, ``without_fp8``: the seconds per step of the same plan without it; for a plan with
+    ``offload``, ``without_offload`` likewise (a plan that does not fit without it: the slowdown)."""
 
     plan: Plan
     time: StepTime
     memory: MemoryEstimate
     fits: bool
     without_fp8: float | None = None
+    without_offload: float | None = None
 
     def row(self) -> dict:
         """Plain values for ``--json``."""
@@ -189,7 +207,8 @@ class Estimate:
                 "elementwise_s": t.elementwise, "bubble": t.bubble,
                 "mfu": t.mfu, "memory_bytes": mem.total, "state_bytes": mem.params + mem.grads + mem.opt,
                 "activation_bytes": mem.activations + mem.logits, "bytes_per_axis": t.bytes_per_axis,
-                "without_fp8_s": self.without_fp8}
+                "without_fp8_s": self.without_fp8, "offload_s": t.offload, "host_bytes": mem.host,
+                "without_offload_s": self.without_offload}
 
 
 @dataclass(frozen=True)
@@ -242,6 +261,12 @@ class PlanResult:
             right.append(True)
             for r, e in zip(rows, shown):
                 r.append(f"{e.without_fp8 * 1e3:.1f} ({e.without_fp8 / e.time.total:.2f}x)" if e.without_fp8 else "-")
+        if any(e.plan.offload for e in shown):      # offloading: its link, and the step without it
+            headers += ["host link", "without offload ms (slowdown)"]
+            right += [True, True]
+            for r, e in zip(rows, shown):
+                r += [f"{e.time.offload * 1e3:.1f}", f"{e.without_offload * 1e3:.1f} "
+                      f"({e.time.total / e.without_offload:.2f}x)" if e.without_offload else "-"]
         return render_table(headers, rows, right=right)
 
     def rejected_table(self, top: int | None = None) -> str:
@@ -297,6 +322,7 @@ def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16"
         why = f"the balanced layout needs seq % (2 * context) == 0: seq={m.seq}, context={p.context}"
     if why:
         raise PlanError(f"plan {p.name()} cannot run this model: {why}.")
+    precision = OFFLOAD_PRECISION if p.offload else precision     # offloading: jaxpar's fp32 layout
     mem = _memory(m, p, dtype, muon_precision(precision) if muon is not None else precision, lowering)
     t = step_time(m, p, cluster, dtype=dtype, overlap=overlap, lowering=lowering, grad_bytes=grad_bytes)
     t = with_muon(t, m, p, cluster, dtype, **muon) if muon is not None else t
@@ -308,7 +334,7 @@ def _memory(m: ModelSpec, p: Plan, dtype: str, precision: str, lowering: str = "
                              virtual=p.virtual, remat=p.remat, sequence_parallel=p.sequence_parallel,
                              precision=precision, activation_bytes=4 if dtype == "float32" else 2,
                              ends=outer_at_ends(lowering), context_method=p.context_method,
-                             context_balance=p.context_balance)
+                             context_balance=p.context_balance, offload=p.offload)
 
 
 def _options(m: ModelSpec, p: int, d: int, f: int, t: int, schedules, e: int = 1) -> list[dict]:
@@ -341,6 +367,7 @@ class _Search(NamedTuple):
     fixed: dict | None = None
     fp8_min_dim: int | None = None      # None: no FP8 plans; else FP8 plans of this min_dim are considered too
     muon: dict | None = None            # Muon's {"ns_steps", "placement"}: its Newton-Schulz in the update
+    offload: str | None = None          # Plan.offload of every candidate (precision: jaxpar's fp32 layout)
 
     @property
     def usable(self) -> float:
@@ -369,8 +396,9 @@ class _Search(NamedTuple):
                                   muon_precision(self.precision), self.lowering)
                     if mem.total <= self.usable:
                         t = self.timed(cand)
-                        return self.with_fp8(Estimate(cand, t, mem, True)), rejected, considered + (
-                            self.fp8_min_dim is not None)
+                        off = self.timed(replace(cand, offload=None)).total if cand.offload else None
+                        return self.with_fp8(Estimate(cand, t, mem, True, without_offload=off)), rejected, \
+                            considered + (self.fp8_min_dim is not None)
                 except LayoutError as err:
                     rejected.append(Rejected(cand, str(err)))
                     break
@@ -386,7 +414,9 @@ class _Search(NamedTuple):
             return e
         p = replace(e.plan, fp8="tensorwise", fp8_min_dim=self.fp8_min_dim)
         t = self.timed(p)
-        return Estimate(p, t, e.memory, e.fits, without_fp8=e.time.total) if t.total < e.time.total else e
+        off = self.timed(replace(p, offload=None)).total if p.offload else None
+        return Estimate(p, t, e.memory, e.fits, without_fp8=e.time.total, without_offload=off) \
+            if t.total < e.time.total else e
 
     def run(self, n: int, cs: list[int], es: list[int], methods: tuple[str, ...], schedules) -> tuple:
         """Every candidate of :func:`plan` on ``n`` devices: ``(ranked, rejected, refused, considered,
@@ -402,7 +432,7 @@ class _Search(NamedTuple):
             for method in methods if c > 1 else ("ring",):
                 balance, why = context_problem(model, c, t, method) if c > 1 else (True, None)
                 base = Plan(pipe=p, data=d, fsdp=f, tensor=t, expert=e, context=c, context_method=method,
-                            context_balance=balance)
+                            context_balance=balance, offload=self.offload)
                 why = expert_problem(model, e) or why
                 if why:
                     refused.append(Rejected(base, why))
@@ -434,7 +464,8 @@ def _methods(value) -> tuple[str, ...]:
 def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfloat16", precision: str = "mixed",
          overlap: Overlap = Overlap(), memory_fraction: float = 0.9, schedules=("gpipe", "1f1b", "interleaved", "zb-h1"),
          lowering: str = "ideal", contexts=None, context_methods=CONTEXT_METHODS, experts=None,
-         fixed=None, fp8: bool | None = None, fp8_min_dim: int = 1024, muon: dict | None = None) -> PlanResult:
+         fixed=None, fp8: bool | None = None, fp8_min_dim: int = 1024, muon: dict | None = None,
+         offload: bool | None = None) -> PlanResult:
     """Rank every plan of ``model`` on ``cluster`` (see the module doc).
 
     Args:
@@ -460,6 +491,11 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
       fp8_min_dim: the FP8 plans' ``min_dim`` (:class:`jaxpar.parallel.Fp8`).
       muon: Muon's ``{"ns_steps", "placement"}``: each plan's update counts its Newton-Schulz
         (:func:`jaxpar.cost.with_muon`) and its memory one fp32 moment per matrix (:func:`jaxpar.cost.muon_precision`).
+      offload: when no plan fits, search again with the optimizer state in host memory and the host update
+        (:data:`jaxpar.cost._host_link.PROPOSED`, in jaxpar's fp32 layout; the background material's rule:
+        offload "when the model does not fit one GPU"): ``None`` where the cluster models a host link and the
+        optimizer's update runs in host memory (not Muon's), ``False``: never, ``True``: a :class:`PlanError`
+        where it cannot.
 
     Returns:
       The :class:`PlanResult`.
@@ -467,6 +503,24 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
     Raises:
       PlanError: with the reasons, when no plan is possible or none fits.
     """
+    _check_request(model, cluster, dtype, memory_fraction, fixed)
+    n = cluster.num_devices
+    cs = _degrees("contexts", contexts, divisors(n) if model.seq >= CONTEXT_MIN_SEQ else [1])
+    es = _degrees("experts", experts, [e for e in divisors(n) if model.is_moe and model.experts % e == 0] or [1])
+    methods = _methods(context_methods)
+    search = _Search(model, cluster, dtype, precision, overlap, lowering, memory_fraction, fixed,
+                     fp8_min_dim if _with_fp8(model, cluster, fp8, fp8_min_dim) else None, muon)
+    ranked, rejected, refused, considered, shape_reasons = search.run(n, cs, es, methods, schedules)
+    if not ranked and _with_offload(cluster, offload, muon):        # nothing fits: the state to the host
+        ranked, rejected, considered = _offloaded(search, (n, cs, es, methods, schedules), rejected, considered)
+    if not ranked:
+        _nothing(model, cluster, n, rejected, refused, shape_reasons)
+    ranked.sort(key=lambda e: e.time.total)
+    return PlanResult(ranked, rejected, considered, refused, top)
+
+
+def _check_request(model: ModelSpec, cluster: Cluster, dtype: str, memory_fraction: float, fixed) -> None:
+    """:func:`plan`'s checks of its arguments (a :class:`PlanError` naming the fix)."""
     if not isinstance(model, ModelSpec):
         raise PlanError(f"model must be a jaxpar.cost.ModelSpec (e.g. jaxpar.cost.gpt(...)), got {type(model).__name__}.")
     if not 0 < memory_fraction <= 1:
@@ -479,17 +533,26 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
         plan_refusal(Plan(), dtype=dtype, fixed=fixed)
     except ValueError as err:
         raise PlanError(str(err)) from None
-    n = cluster.num_devices
-    cs = _degrees("contexts", contexts, divisors(n) if model.seq >= CONTEXT_MIN_SEQ else [1])
-    es = _degrees("experts", experts, [e for e in divisors(n) if model.is_moe and model.experts % e == 0] or [1])
-    methods = _methods(context_methods)
-    search = _Search(model, cluster, dtype, precision, overlap, lowering, memory_fraction, fixed,
-                     fp8_min_dim if _with_fp8(model, cluster, fp8, fp8_min_dim) else None, muon)
-    ranked, rejected, refused, considered, shape_reasons = search.run(n, cs, es, methods, schedules)
-    if not ranked:
-        _nothing(model, cluster, n, rejected, refused, shape_reasons)
-    ranked.sort(key=lambda e: e.time.total)
-    return PlanResult(ranked, rejected, considered, refused, top)
+
+
+def _offloaded(search: _Search, args: tuple, rejected: list, considered: int) -> tuple[list, list, int]:
+    """Every candidate again with the optimizer state offloaded and updated on the host
+    (:data:`jaxpar.cost._host_link.PROPOSED`, jaxpar's fp32 layout): ``(ranked, rejected, considered)``."""
+    off = search._replace(precision=OFFLOAD_PRECISION, offload=OFFLOAD_PROPOSED)
+    ranked, more, _, k, _ = off.run(*args)
+    return ranked, rejected + more, considered + k
+
+
+def _with_offload(cluster: Cluster, offload: bool | None, muon: dict | None) -> bool:
+    """Whether :func:`plan` searches offloaded plans when nothing fits (see its ``offload``)."""
+    if offload not in (None, True, False):
+        raise PlanError(f"offload={offload!r}: None (where the cluster has a host link), True or False.")
+    why = (f"cluster {cluster.name!r} models no host link (host_link_gbps, host_memory_gbps)"
+           if cluster.host_link <= 0 or cluster.host_memory_bandwidth <= 0 else
+           "Muon's update does not run in host memory (Offload.update='host' is refused)" if muon is not None else None)
+    if offload and why:
+        raise PlanError(f"offload=True: {why}; plan with offload=None or False.")
+    return offload is not False and why is None
 
 
 def _with_fp8(model: ModelSpec, cluster: Cluster, fp8: bool | None, min_dim: int) -> bool:
@@ -517,7 +580,8 @@ def _nothing(model: ModelSpec, cluster: Cluster, n: int, rejected, refused, shap
     raise PlanError(f"the model ({model.n_params / 1e9:.2f} B parameters, batch {model.batch}) fits on no plan "
                     f"of {n} x {cluster.name} ({format_bytes(cluster.memory_bytes)} each): the smallest, "
                     f"{smallest.plan.name() if smallest.plan else '-'}, {smallest.reason}. Fix: more devices "
-                    f"(--devices / nodes), a smaller batch, or devices with more memory.")
+                    f"(--devices / nodes), a smaller batch, or devices with more memory (memory offloading is searched "
+                    f"where the cluster models a host link and the optimizer's update runs in host memory).")
 
 
 def _needed(reason: str) -> float:

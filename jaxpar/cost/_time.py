@@ -17,6 +17,7 @@ from typing import Mapping
 
 from jaxpar.cost import _collectives as C
 from jaxpar.cost._cluster import FP8, Cluster
+from jaxpar.cost._host_link import offload_seconds
 from jaxpar.cost._memory import REMAT, leaf_shard_counts, sizes_key
 from jaxpar.cost._schedule import runs_in_lockstep, schedule_stats
 from jaxpar.cost._model import ModelSpec
@@ -212,8 +213,10 @@ class StepTime:
     loss, through the pipeline schedule), exposed ``data`` / ``tensor`` / ``pipeline`` communication,
     ``bubble`` fraction, ``mfu``, bytes per axis, the ``optimizer`` update and the blocks' ``elementwise``
     ops (both memory bound: :func:`update_bytes` and :func:`elementwise_bytes` over the cluster's
-    streaming bandwidth; the latter through the schedule like ``compute``), and the exposed ``context``
-    (CP) and ``expert`` (EP all-to-all) communication."""
+    streaming bandwidth; the latter through the schedule like ``compute``), the exposed ``context``
+    (CP) and ``expert`` (EP all-to-all) communication, and ``offload``: the host link's transfers of
+    ``Plan.offload`` (:func:`jaxpar.cost._host_link.offload_seconds`; under the host update ``optimizer``
+    is the update in host memory)."""
 
     compute: float
     data: float
@@ -226,11 +229,12 @@ class StepTime:
     elementwise: float = 0.0
     context: float = 0.0
     expert: float = 0.0
+    offload: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.compute + self.elementwise + self.data + self.tensor + self.pipeline + self.optimizer
-                + self.context + self.expert)
+                + self.context + self.expert + self.offload)
 
 
 def update_bytes(m: ModelSpec, plan: Plan, grad_bytes: float = 4) -> float:
@@ -419,7 +423,9 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     exposed["data"] += behind_backward(grads, backward, m.layers // plan.pipe)
     bw = cluster.stream_bandwidth
     opt = update_bytes(m, plan, gb) / bw if bw > 0 else 0.0
-    total = work.total + sum(exposed.values()) + opt
+    link, host = offload_seconds(m, plan, cluster, update_bytes(m, plan, 4))   # the host update reads fp32 gradients
+    opt = host or opt
+    total = work.total + sum(exposed.values()) + opt + link
     mfu = step_flops(m) / (total * plan.devices * cluster.peak(dtype))
     return StepTime(work.kernels, exposed["data"], exposed["tensor"], exposed["pipeline"], b, mfu,
-                    bytes_per_axis(cs), opt, work.elementwise, exposed["context"], exposed["expert"])
+                    bytes_per_axis(cs), opt, work.elementwise, exposed["context"], exposed["expert"], link)

@@ -1,0 +1,143 @@
+"""Memory offloading in the cost model and the planner (jaxpar/cost/_host_link.py, docs/planning.md §12):
+the host bytes and the transfers per step against programs compiled deviceless for H100, the planner's
+proposal when nothing fits, and what it refuses."""
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from jaxpar import cost
+from jaxpar.cost._host_link import HOST_UPDATES, host_bytes, transfer_bytes
+from jaxpar.cost._time import update_bytes
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+GPT = ["model.layers=2", "model.embed=128", "model.heads=4", "model.vocab=256", "model.seq_len=64",
+       "data.batch_size=16", "train.devices=0", "mesh.tensor=1", "optimizer.clip_norm=null", "train.on_nonfinite=stop"]
+YAML = {"opt": "{optimizer: true}", "opt-host": "{optimizer: true, update: host}",
+        "opt-master-host": "{optimizer: true, master: true, update: host}"}
+#: The step's scalars that the host update also copies (a predicate the update reads): at most these bytes.
+SCALARS = 8
+
+
+def _compiled(mesh: dict, zero: int, offload: str | None):
+    """The quickstart GPT's step compiled for h100:1x8 on ``mesh``: ``(memory_report, host_transfers)``."""
+    import jax
+
+    from jaxpar.analysis._compiled_memory import host_transfers, memory_report
+    from jaxpar.config import load_config
+    from jaxpar.config._job import build_job
+    from jaxpar.devices import parse_target, target_devices
+
+    over = GPT + [f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp")] + [f"parallel.zero={zero}"]
+    cfg = load_config(QUICKSTART, over + [f"parallel.offload={YAML.get(offload, '{}')}"])
+    job = build_job(cfg, target_devices(parse_target("h100:1x8")), data=False)
+    layout = job.state_layout()
+    with jax.set_mesh(job.mesh):          # a target's devices list no memories: the abstract mesh's shardings
+        step = job.compile(layout)["step"]
+    return memory_report(step), host_transfers(step.as_text())
+
+
+@pytest.mark.slow       # 3 or 4 deviceless H100 compiles per mesh (~45 s on 2 cores)
+@pytest.mark.parametrize("mesh,zero", [({"data": 8}, 0), ({"data": 8}, 1), ({"fsdp": 8}, 0)])
+def test_host_bytes_transfers_and_the_saving_match_the_compiled_step(mesh, zero):
+    """The cost model's host-resident bytes equal the compiled program's host arguments; its transfers per
+    step equal the program's copies (up to the step's scalars); the host update lowers the device peak by at
+    least the optimizer state it keeps off the device (the memory model's saving), the device update not."""
+    model = cost.gpt(2, 128, 4, 64, 256, 16)
+    plain, _ = _compiled(mesh, zero, None)
+    for kind in ("opt", "opt-host") + (("opt-master-host",) if zero == 0 else ()):
+        plan = cost.Plan(data=mesh.get("data", 1), fsdp=mesh.get("fsdp", 1), zero=zero, offload=kind)
+        report, moved = _compiled(mesh, zero, kind)
+        assert report.host_argument_bytes == pytest.approx(host_bytes(model, plan), abs=8), kind   # Adam's count
+        predicted = transfer_bytes(model, plan)
+        reuse = predicted["to_device"] / 2 if kind == "opt-master-host" else 0     # XLA may reuse the stream-in
+        assert 0 <= moved["to_host"] - predicted["to_host"] <= SCALARS, (kind, moved, predicted)
+        assert -reuse <= moved["to_device"] - predicted["to_device"] <= SCALARS, (kind, moved, predicted)
+        saved = plain.required_bytes - report.required_bytes
+        opt = cost.memory_per_device(model, plan.sizes, zero=zero, precision="fp32").opt
+        if kind in HOST_UPDATES:
+            assert saved >= opt, (kind, saved, opt)
+        else:
+            assert saved <= 0, (kind, saved)          # the state streams in for the step: no saving at the peak
+
+
+def test_the_planner_proposes_offload_only_when_nothing_fits_and_states_the_slowdown():
+    """A GPT of 6.8 B parameters does not fit one H100 in fp32 with Adam (16 bytes per parameter); with the
+    optimizer state on the host it does. The estimate carries the link's and the host update's seconds and
+    the step without offload. A model that fits is planned without offload."""
+    big = cost.gpt(32, 4096, 32, 1024, 50304, 4)
+    h100 = cost.load_cluster("h100", num_devices=1)
+    best = cost.plan(big, h100, precision="fp32").best
+    plan = best.plan
+    assert plan.offload == "opt-host" and best.fits
+    t = best.time
+    moved = transfer_bytes(big, plan)
+    assert t.offload == pytest.approx((moved["to_host"] + moved["to_device"]) / h100.host_link)
+    assert t.optimizer == pytest.approx(update_bytes(big, plan, 4) / h100.host_memory_bandwidth)
+    without = cost.step_time(big, replace(plan, offload=None), h100)
+    assert best.without_offload == pytest.approx(without.total) and best.without_offload < t.total
+    assert best.memory.opt == 0 and best.memory.host == cost.memory_per_device(
+        big, plan.sizes, zero=0, precision="fp32").opt
+    small = cost.plan(cost.gpt(2, 256, 4, 128, 512, 8), h100, precision="fp32").best.plan
+    assert small.offload is None
+
+
+def test_the_planner_refuses_offload_where_the_library_does_not_run_it():
+    """Muon's update does not run in host memory; a cluster without a host link cannot time it; relaxed
+    synchronisation refuses offloading by the compatibility table: no offloaded plan then."""
+    from jaxpar.cost._planner import plan_refusal
+
+    big = cost.gpt(32, 4096, 32, 1024, 50304, 4)
+    h100 = cost.load_cluster("h100", num_devices=1)
+    with pytest.raises(cost.PlanError, match="fits on no plan"):
+        cost.plan(big, h100, precision="fp32", muon={"ns_steps": 5, "placement": "gather"})
+    with pytest.raises(cost.PlanError, match="Muon's update does not run in host memory"):
+        cost.plan(big, h100, precision="fp32", offload=True, muon={"ns_steps": 5, "placement": "gather"})
+    with pytest.raises(cost.PlanError, match="models no host link"):
+        cost.plan(big, cost.load_cluster("tpu_v5e", num_devices=1), offload=True)
+    from jaxpar.parallel.sync import local_sgd
+
+    why = plan_refusal(cost.Plan(data=2, offload="opt-host"), fixed={"sync": local_sgd(4)})
+    assert why is not None and "offload" in why
+
+
+def test_jaxpar_plan_proposes_offload_for_a_model_larger_than_one_gpu():
+    """``jaxpar plan`` on one H100 for a model that does not fit: the offloaded plan, the predicted step,
+    its host link and the slowdown."""
+    from jaxpar.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--seq", "1024", "--vocab",
+                     "50304", "--batch", "4", "--cluster", "h100", "--devices", "1", "--precision", "fp32"])
+    out = buf.getvalue()
+    assert code == 0, out
+    line = next(l for l in out.splitlines() if l.startswith("offload  proposed"))
+    assert "parallel.offload={optimizer: true, update: host}" in line and "x slower" in line, line
+    assert "offload-opt-host" in out.splitlines()[5], out
+
+
+@pytest.mark.slow       # one trace per optimizer (~1 min)
+def test_the_host_update_refusals_are_the_optimizers_that_do_not_run_in_host_memory():
+    """:data:`HOST_UPDATE_REFUSED` is exactly the optimizers whose host update the library refuses."""
+    import jax
+
+    from jaxpar.compat._offload_rules import HOST_UPDATE_REFUSED
+    from jaxpar.config import OPTIMIZERS, load_config
+    from jaxpar.config._job import build_job
+    from jaxpar.errors import OffloadError
+
+    refused = []
+    for name in OPTIMIZERS:
+        cfg = load_config(QUICKSTART, GPT + ["mesh.data=2", "mesh.fsdp=1", "train.devices=2", f"optimizer.name={name}",
+                                             "parallel.offload={optimizer: true, update: host}"])
+        job = build_job(cfg, jax.devices()[:2], data=False)
+        try:
+            job.compile(job.state_layout())
+        except OffloadError:
+            refused.append(name)
+    assert tuple(sorted(refused)) == tuple(sorted(HOST_UPDATE_REFUSED))
