@@ -121,7 +121,7 @@ def test_jaxpar_plan_proposes_offload_for_a_model_larger_than_one_gpu():
     assert "offload-opt-host" in out.splitlines()[5], out
 
 
-@pytest.mark.slow       # one trace per optimizer (~1 min)
+@pytest.mark.slow       # one compile per optimizer on 2 CPU devices (~7 s on 2 cores)
 def test_the_host_update_refusals_are_the_optimizers_that_do_not_run_in_host_memory():
     """:data:`HOST_UPDATE_REFUSED` is exactly the optimizers whose host update the library refuses."""
     import jax
