@@ -13,8 +13,8 @@ from jaxpar.adapters._layer_lists import stack_layers
 from jaxpar.strategy import Strategy
 from jaxpar.parallel._tensor import tensor_rules
 from jaxpar.parallel._zero import analytic_state_bytes
-from jaxpar.step._state import TrainState, StateLayout
-from jaxpar.step._init import init_train_state, state_layout
+from jaxpar.step._state import ParamLayout, TrainState, StateLayout
+from jaxpar.step._init import init_train_state, param_layout, state_layout
 from jaxpar.batch import shard_batch
 from jaxpar.adapters._loss_metrics import report_metric
 from jaxpar.step._compose import make_train_step
@@ -32,7 +32,8 @@ __all__ = [
     "MeshSpec", "make_mesh", "simulate_cpu_devices", "use_devices", "data_axes",
     "logical_to_spec", "resolve", "named_shardings", "use_rules", "constrain",
     "scan_blocks", "run_layers", "stack_layers", "Strategy", "tensor_rules", "analytic_state_bytes",
-    "TrainState", "StateLayout", "init_train_state", "state_layout", "make_train_step", "shard_batch",
+    "TrainState", "StateLayout", "ParamLayout", "init_train_state", "param_layout", "state_layout",
+    "make_train_step", "shard_batch",
     "report_metric", "TrainStep", "plot_noise_scale", "with_noise_scale", "make_global_batch", "AdaptiveRamp",
     "BatchRamp", "Checkpointer", "LogOptions", "greedy_generate", "ramp_batch_fn", "train",
     "train_with_checkpoints", "compression_plan", "replica_bytes", "errors", *errors.__all__,

@@ -117,8 +117,8 @@ def _train_job(cfg, job, profile, predicted: dict, watchdog) -> int:
     log = dataclasses.replace(log, predicted_peak_bytes=predicted["peak"], profile=profile)
     return train_with_checkpoints(step, state, layout, job.batch_fn, job.run, log, checkpointer=ckpt,
                                   meta=checkpoint_meta(mesh_sizes=layout.mesh.shape, **job.meta), eval_fn=evaluate,
-                                  eval_batches=job.eval_batches, ramp=job.ramp, lr_schedule=job.log_lr,
-                                  config_text=to_yaml(cfg), watchdog=watchdog)
+                                  eval_batches=job.eval_batches, ramp=job.ramp, config_text=to_yaml(cfg),
+                                  watchdog=watchdog, claim=False)      # _start claimed the run directory
 
 
 def _start(cfg, overwrite: bool, dist: dict | None, watchdog=None) -> Path:

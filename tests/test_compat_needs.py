@@ -219,4 +219,6 @@ def test_train_refuses_an_adaptive_ramp_without_the_noise_scale():
     with pytest.raises(jaxpar.RampError) as raised:
         train(lambda s, b: (s, {}), plain, lambda i: None, mesh=mesh, steps=4, ramp=ramp, progress="none")
     assert str(raised.value) == found[0].render(LIBRARY_NAMES)
-    _check_ramp_and_calls(plain._replace(stats={"noise_scale": {}}), ramp, 1, steps=4)
+    from jaxpar.step._noise_scale import init_state
+
+    _check_ramp_and_calls(plain._replace(stats={"noise_scale": init_state()}), ramp, 1, steps=4)

@@ -324,9 +324,10 @@ def test_logged_lr_follows_the_rule(tmp_path):
     cfg = load_config(LAMB_YAML, [f"optimizer.lr_scaling.rule={rule}", f"optimizer.lr_scaling.base_batch={base}",
                                   f"data.batch_size={batch}", f"optimizer.lr={lr}", f"optimizer.warmup_steps={warm}",
                                   "optimizer.lr_schedule=constant"]).optimizer
-    tx, schedule = build_optimizer(cfg, steps, global_batch=batch, model_fn=stacked_model)
     mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
-    state, layout = jaxpar.init_train_state(stacked_model, tx, mesh)
+    params = jaxpar.param_layout(stacked_model, mesh)
+    tx, schedule = build_optimizer(cfg, steps, global_batch=batch, params=params)
+    state, layout = jaxpar.init_train_state(stacked_model, tx, mesh, param_layout=params)
     step = jaxpar.make_train_step(stacked_loss, tx, layout, log_lr=schedule)
     train(step, state, lambda i: stacked_batch(), mesh=mesh, steps=steps,
           log=LogOptions(log_every=1, out_dir=str(tmp_path), progress="none", tensorboard=False, plot=False))
@@ -337,13 +338,18 @@ def test_logged_lr_follows_the_rule(tmp_path):
     np.testing.assert_allclose(logged, np.float32(want), rtol=1e-6)
 
 
+def _params(cfg):
+    """The config's GPT's parameter layout on one device."""
+    return jaxpar.param_layout(build_model_fn(cfg.model), jaxpar.make_mesh({}, devices=jax.devices()[:1]))
+
+
 def test_lamb_config_builds_with_the_model_mask():
     cfg = load_config(LAMB_YAML, ["model.embed=32", "model.layers=1"])
     tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=cfg.data.batch_size,
-                                   model_fn=build_model_fn(cfg.model))
+                                   params=_params(cfg))
     assert float(schedule(cfg.optimizer.warmup_steps)) == pytest.approx(cfg.optimizer.lr * 64 / 32)
     cut = load_config(LAMB_YAML, ["optimizer.trust_mask.exclude=['^wte$']"]).optimizer
-    build_optimizer(cut, 10, global_batch=64, model_fn=build_model_fn(cfg.model))
+    build_optimizer(cut, 10, global_batch=64, params=_params(cfg))
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -369,7 +375,7 @@ def test_mask_naming_no_parameter_is_an_error():
     cfg = load_config(LAMB_YAML, ["optimizer.trust_mask.exclude=['ln1_scale', 'no_such_param']"])
     with pytest.raises(ConfigError, match=re.escape("optimizer.trust_mask.exclude=['ln1_scale', 'no_such_param']: "
                                               "'no_such_param' matches no parameter; parameter paths are")):
-        build_optimizer(cfg.optimizer, 10, global_batch=64, model_fn=build_model_fn(cfg.model))
+        build_optimizer(cfg.optimizer, 10, global_batch=64, params=_params(cfg))
     with pytest.raises(O.MaskError, match="'nothing' matches no parameter"):   # the library's own error
         O.trust_mask({"w": jnp.ones((2, 2))}, include=["nothing"])
 

@@ -218,7 +218,7 @@ def test_yaml_optimizer_muon_builds_the_routed_optimizer():
     from jaxpar.config._schema import ConfigError, MuonConfig, OptimizerConfig
 
     cfg = OptimizerConfig(name="muon", lr=0.02, muon=MuonConfig(adam_lr=1e-3, routing={"^wpe$": "adam"}))
-    tx, _ = build_optimizer(cfg, 10, model_fn=_model)
+    tx, _ = build_optimizer(cfg, 10, params=jaxpar.param_layout(_model, mesh_for({})))
     _, shapes, _ = abstract_model(_model)
     state = jaxpar.init_train_state(_model, tx, mesh_for({}))[0].opt_state      # optax.tree_map_params's init too
     matrices, adam = (state.inner_states[k].inner_state[0] for k in ("muon", "adam"))   # optax.partition's halves
@@ -226,7 +226,7 @@ def test_yaml_optimizer_muon_builds_the_routed_optimizer():
     assert matrices.mu["blocks"]["wq"].shape == shapes["blocks"]["wq"].shape
     assert matrices.mu["wpe"] == optax.MaskedNode() and adam.mu["wpe"].shape == shapes["wpe"].shape
     with pytest.raises(ConfigError, match=r"optimizer.muon.ns_steps=0"):
-        build_optimizer(OptimizerConfig(name="muon", muon=MuonConfig(ns_steps=0)), 10, model_fn=_model)
+        build_optimizer(OptimizerConfig(name="muon", muon=MuonConfig(ns_steps=0)), 10)
 
 
 @need_devices(8)
@@ -257,7 +257,6 @@ def test_kernel_layout_out_in_scales_a_torch_layout_weight_as_its_transpose():
     """``kernel_layout='out_in'`` (Hugging Face's ``[out, in]``, jaxpar's Decoder): the update of ``w [mlp 8, embed
     12]`` is optax's Muon of ``w.T`` (input 12, output 8) transposed; the default reads it as input 8, output 12,
     whose shape scaling differs (sqrt(12 / 8)). The Decoder declares it and the YAML builder reads it."""
-    from jaxpar.config._optimizer_section import muon_kernel_layout
     from jaxpar.models import Decoder, DecoderConfig
 
     w = jax.random.normal(jax.random.key(0), (8, 12))
@@ -273,8 +272,8 @@ def test_kernel_layout_out_in_scales_a_torch_layout_weight_as_its_transpose():
     assert "mlp(8) x embed(12)" in muon_routing_table({"w": w}, names)
     assert "embed(12) x mlp(8)" in muon_routing_table({"w": w}, names, kernel_layout="out_in")
     cfg = DecoderConfig(vocab=32, embed=16, layers=1, heads=2, kv_heads=1, head_dim=8, mlp=32)
-    assert muon_kernel_layout(lambda: Decoder(cfg, rngs=nnx.Rngs(0))) == "out_in"
-    assert muon_kernel_layout(_model) == "in_out"
+    assert jaxpar.param_layout(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh_for({})).kernel_layout == "out_in"
+    assert jaxpar.param_layout(_model, mesh_for({})).kernel_layout == "in_out"
     with pytest.raises(OptimizerError, match=r"muon\(kernel_layout='io'\)"):
         muon(0.1, kernel_layout="io")
 

@@ -117,7 +117,7 @@ def test_placement_options_are_checked_by_name():
     from jaxpar.config._schema import ConfigError, MuonConfig, OptimizerConfig
 
     with pytest.raises(ConfigError, match=r"optimizer.muon.placement='ring'"):
-        build_optimizer(OptimizerConfig(name="muon", muon=MuonConfig(placement="ring")), 10, model_fn=_model)
+        build_optimizer(OptimizerConfig(name="muon", muon=MuonConfig(placement="ring")), 10)
 
 
 @need_devices(8)
@@ -127,8 +127,9 @@ def test_yaml_placement_reaches_the_optimizer():
 
     mesh, strategy = mesh_for({"fsdp": 8}), jaxpar.Strategy()
     cfg = OptimizerConfig(name="muon", lr=0.02, muon=MuonConfig(placement="owner"))
-    tx, _ = build_optimizer(cfg, 10, model_fn=_model, mesh=mesh, strategy=strategy)
-    layout = jaxpar.state_layout(_model, tx, mesh, strategy)
+    params = jaxpar.param_layout(_model, mesh, strategy)
+    tx, _ = build_optimizer(cfg, 10, params=params)
+    layout = jaxpar.state_layout(_model, tx, mesh, strategy, param_layout=params)
     places = muon_placements(layout.shapes, layout.logical, mesh=mesh, specs=layout.opt_param_specs,
                              placement="owner")
     assert {p.kind for p in places.values()} == {"owner"} and places["blocks/w1"].axes == ("fsdp",)

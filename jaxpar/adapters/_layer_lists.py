@@ -265,7 +265,7 @@ def stacked_counts(model_fn: Callable[[], nnx.Module]) -> dict[tuple, int]:
     """``{path: count}`` of the :class:`StackedLayers` in the model ``model_fn()`` builds (traced only).
 
     Args:
-      model_fn: builds the model.
+      model_fn: builds the model (an abstract model, ``nnx.eval_shape``'s, is read as it is).
 
     Returns:
       Each stacked list's path and layer count.
@@ -276,8 +276,10 @@ def stacked_counts(model_fn: Callable[[], nnx.Module]) -> dict[tuple, int]:
     >>> stacked_counts(lambda: stack_layers(Net(nnx.Rngs(0))))
     {('blocks',): 4}
     """
-    with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(model_fn)
+    model = model_fn
+    if not isinstance(model_fn, nnx.Module):
+        with nnx.use_eager_sharding(False):
+            model = nnx.eval_shape(model_fn)
     return {tuple(path): node.count for path, node in nnx.iter_graph(model) if isinstance(node, StackedLayers)}
 
 

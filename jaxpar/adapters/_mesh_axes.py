@@ -57,7 +57,8 @@ def abstract_model(model_fn: Callable[[], nnx.Module]):
     """The model's structure, parameter shapes and logical annotations, without allocating it.
 
     Args:
-      model_fn: builds the NNX model (every variable an ``nnx.Param``); it is only traced.
+      model_fn: builds the NNX model (every variable an ``nnx.Param``); it is only traced. An abstract model
+        (``nnx.eval_shape``'s) is read as it is.
 
     Returns:
       ``(graphdef, shapes, logical)``: the ``nnx`` graph definition, a pure dict of
@@ -73,8 +74,10 @@ def abstract_model(model_fn: Callable[[], nnx.Module]):
       >>> shapes["inp"]["kernel"].shape, logical["inp"]["kernel"]
       ((4, 8), P(None, 'embed'))
     """
-    with nnx.use_eager_sharding(False):
-        abs_model = nnx.eval_shape(model_fn)
+    abs_model = model_fn
+    if not isinstance(model_fn, nnx.Module):
+        with nnx.use_eager_sharding(False):
+            abs_model = nnx.eval_shape(model_fn)
     graphdef, abs_params, rest = nnx.split(abs_model, nnx.Param, ...)
     kinds = sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))})
     if kinds:

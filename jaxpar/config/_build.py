@@ -67,11 +67,15 @@ def build_moe(options: Mapping[str, Any]):
     return MoESettings(**options)
 
 
-def _build_gpt(cfg: ModelConfig, seed: int) -> Callable[[], nnx.Module]:
+def gpt_model_fn(gpt: Any, seed: int) -> Callable[[], nnx.Module]:
+    """The GPT's factory of a built ``GPTConfig`` (``gpt``), its parameters drawn from ``seed``."""
     from jaxpar.models._gpt import GPT
 
-    gpt_cfg = build_gpt_config(cfg)
-    return lambda: GPT(gpt_cfg, rngs=nnx.Rngs(seed))
+    return lambda: GPT(gpt, rngs=nnx.Rngs(seed))
+
+
+def _build_gpt(cfg: ModelConfig, seed: int) -> Callable[[], nnx.Module]:
+    return gpt_model_fn(build_gpt_config(cfg), seed)
 
 
 def _gpt_loss() -> Callable:

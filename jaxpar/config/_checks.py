@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 import re
 from typing import Any, Callable, Sequence
 
@@ -266,7 +267,7 @@ def _model_problems(p: list[str], cfg: JobConfig) -> Any:
     return gpt
 
 
-def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[str]:
+def _mesh_problems(cfg: JobConfig, made: "Built", num_devices: int | None) -> list[str]:
     """Checks across sections that need the mesh sizes (with ``num_devices``: also their product)."""
     try:
         sizes = _mesh_sizes(cfg, num_devices)
@@ -276,12 +277,12 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
         return []  # the rest needs the device count
     problems, par, p = [], cfg.parallel, sizes["pipe"]
     if p > 1:
-        layers = gpt.layers if gpt else None
+        layers = made.gpt.layers if made.gpt else None
         problems += [why for why in (_schedule_problem(par, p), _stage_layers_problem(par, layers, p)) if why]
     k = par.steps_per_call      # as make_train_step checks it; what it needs of the loop: jaxpar.compat._needs
     if why := int_problem(k, 1):
         problems.append(f"parallel.steps_per_call={k!r}: {why}.")
-    t = sizes["tensor"]
+    t, gpt = sizes["tensor"], made.gpt
     if gpt is not None:
         dims = [("model.heads", gpt.heads), ("model.mlp (default 4 x model.embed)", gpt.mlp_dim),
                 ("model.vocab", gpt.vocab)]
@@ -291,7 +292,7 @@ def _mesh_problems(cfg: JobConfig, gpt: Any, num_devices: int | None) -> list[st
     n, what = _batch_divisor(cfg, sizes)
     if cfg.data.batch_size % n:
         problems.append(f"data.batch_size={cfg.data.batch_size} is not divisible by {what}.")
-    return problems + _ramp_problems(cfg, n, what)
+    return problems + _ramp_problems(made.ramp, n, what)
 
 
 def _batch_divisor(cfg: JobConfig, sizes: dict[str, int]) -> tuple[int, str]:
@@ -351,7 +352,8 @@ def table_setting(cfg: JobConfig, strategy: Any, sizes: dict[str, int]) -> Any:
 def _ramp_kind(cfg: JobConfig, sizes: dict[str, int]) -> str | None:
     """``"adaptive"`` or ``"fixed"`` for a ``data.batch_ramp`` that the mesh can run; ``None`` without
     one, or for one that does not build or divide (:func:`_ramp_problems` reports it)."""
-    if not cfg.data.batch_ramp or _ramp_problems(cfg, *_batch_divisor(cfg, sizes)):
+    ramp = built(cfg).ramp
+    if ramp is None or _ramp_problems(ramp, *_batch_divisor(cfg, sizes)):
         return None
     return "adaptive" if cfg.data.batch_ramp.get("adaptive") is True else "fixed"
 
@@ -373,15 +375,12 @@ def _table_problems(cfg: JobConfig, strategy: Any, num_devices: int | None) -> l
     return [p.render(YAML_NAMES) for p in found]
 
 
-def _ramp_problems(cfg: JobConfig, n: int, what: str) -> list[str]:
-    """``data.batch_ramp``: well formed, and every size divisible like ``data.batch_size`` (what an
-    adaptive ramp needs is the table's: :mod:`jaxpar.compat._needs`)."""
+def _ramp_problems(ramp: Any, n: int, what: str) -> list[str]:
+    """Every size of ``data.batch_ramp``'s built ramp divisible like ``data.batch_size`` (what an adaptive
+    ramp needs is the table's: :mod:`jaxpar.compat._needs`)."""
     try:
-        ramp = build_ramp(cfg.data)
         if ramp is not None:
             ramp.check_divisible(n, what)
-    except ConfigError as e:
-        return [str(e)]
     except RampError as e:
         return [f"data.batch_ramp: {str(e).removeprefix('batch ramp: ')}"]
     return []
@@ -405,26 +404,42 @@ def _noise_scale_problems(p: list[str], cfg: JobConfig) -> None:
                  "measurement (0: none; e.g. 0.95).")
 
 
-def check(cfg: JobConfig, num_devices: int | None = None) -> None:
-    """Raise :class:`ConfigError` listing every impossible setting (with ``num_devices``: also the mesh).
+@dataclass(frozen=True)
+class Built:
+    """The library objects :func:`check` builds of a config, and its problems that need no device count.
 
-    Builds the library's objects (``GPTConfig``, ``Strategy``, ``MeshSpec``, the pipeline schedule,
-    the stage partition) and reports their errors under the YAML keys; resolves the import paths of
-    a user model, loss and data function (imports them, calls nothing).
-
-    Args:
-      cfg: the loaded config.
-      num_devices: the device count the mesh must fill (None: the mesh is not checked).
+    Built once per config object (:func:`built`): :func:`jaxpar.config.build_job` runs on them.
+    ``strategy``: the :class:`~jaxpar.Strategy`; ``gpt``: the GPT's ``GPTConfig`` (None for another
+    model); ``ramp``: ``data.batch_ramp``'s ramp (None without one); each None also when it did not build.
     """
+
+    strategy: Any
+    gpt: Any
+    ramp: Any
+    problems: tuple[str, ...]
+
+
+def built(cfg: JobConfig) -> Built:
+    """What :func:`check` builds of ``cfg``, built on the first call and kept on the config object (a
+    ``dataclasses.replace``'d config is another object, built anew)."""
+    made = cfg.__dict__.get("_built")
+    if made is None:
+        made = _build(cfg)
+        object.__setattr__(cfg, "_built", made)
+    return made
+
+
+def _build(cfg: JobConfig) -> Built:
+    """Build the library's objects of ``cfg`` and list the problems that need no device count."""
     p: list[str] = []
-    par, opt, tr = cfg.parallel, cfg.optimizer, cfg.train
+    opt, tr = cfg.optimizer, cfg.train
     gpt = _model_problems(p, cfg)
-    strategy = collect(p, lambda: build_strategy(par))
+    strategy = collect(p, lambda: build_strategy(cfg.parallel))
     _optimizer_problems(p, opt)
     if strategy is not None:
         p.extend(_onebit_adam_problems(strategy, opt))
-        p.extend(_table_problems(cfg, strategy, num_devices))
     p.extend(data_problems(cfg))
+    ramp = collect(p, lambda: build_ramp(cfg.data))
     for key, low in (("steps", 1), ("log_every", 1), ("eval_every", 0), ("eval_batches", 0), ("devices", 0)):
         at_least(p, f"train.{key}", getattr(tr, key), low)
     choice(p, "train.progress", tr.progress, PROGRESS_MODES)
@@ -439,7 +454,30 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> None:
     if lg.peak_flops is not None and lg.peak_flops <= 0:
         p.append(f"logging.peak_flops={lg.peak_flops!r}: must be > 0 (FLOP/s of one device), or null for no MFU.")
     _noise_scale_problems(p, cfg)
-    if not p and strategy is not None:
-        p.extend(_mesh_problems(cfg, gpt, num_devices))
+    return Built(strategy, gpt, ramp, tuple(p))
+
+
+def check(cfg: JobConfig, num_devices: int | None = None) -> Built:
+    """Raise :class:`ConfigError` listing every impossible setting (with ``num_devices``: also the mesh).
+
+    Builds the library's objects (``GPTConfig``, ``Strategy``, the batch ramp; once per config object:
+    :func:`built`) and reports their errors under the YAML keys, with the mesh's (``MeshSpec``, the
+    pipeline schedule, the stage partition) and the compatibility table's; resolves the import paths of
+    a user model, loss and data function (imports them, calls nothing).
+
+    Args:
+      cfg: the loaded config.
+      num_devices: the device count the mesh must fill (None: the mesh is not checked).
+
+    Returns:
+      The :class:`Built` objects, for :func:`jaxpar.config.build_job`.
+    """
+    made = built(cfg)
+    p = list(made.problems)
+    if made.strategy is not None:
+        p.extend(_table_problems(cfg, made.strategy, num_devices))
+        if not p:
+            p.extend(_mesh_problems(cfg, made, num_devices))
     if p:
         raise ConfigError("invalid config:\n  " + "\n  ".join(p))
+    return made

@@ -36,6 +36,7 @@ the data, and the compiled programs::
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -46,9 +47,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.data._packing import BATCH_KEYS
 from jaxpar.strategy import Strategy
-from jaxpar.config._build import build_gpt_config, build_loss_fn, build_mesh, build_model_fn, build_strategy
+from jaxpar.step._init import param_layout
+from jaxpar.config._build import build_loss_fn, build_mesh, build_model_fn, gpt_model_fn
 from jaxpar.config._checks import check
-from jaxpar.config._data_section import build_data, build_ramp, describe_batch
+from jaxpar.config._data_section import build_data, describe_batch
 from jaxpar.config._hf_model import build_tokenizer, hf_length_problems, hf_mesh_problems, open_hf
 from jaxpar.config._optimizer_section import build_optimizer, frozen_variance_step
 from jaxpar.config._schema import ConfigError, JobConfig
@@ -79,6 +81,7 @@ class Job:
     mesh: Any = None
     tx: Any = None
     log_lr: Callable | None = None
+    params: Any = None                        # jaxpar.param_layout: the model traced once on the mesh
     updates_per_step: int = 1
     step_options: Mapping[str, Any] = field(default_factory=dict)
     batch_fn: Callable[[int], Any] | None = None
@@ -102,7 +105,8 @@ class Job:
         """The train state's layout (:func:`jaxpar.state_layout` with the job's parts), without creating the state."""
         from jaxpar.step._init import state_layout
 
-        return state_layout(self.model_fn, self.tx, self.mesh, self.strategy, parts=self.parts)
+        return state_layout(self.model_fn, self.tx, self.mesh, self.strategy, parts=self.parts,
+                            param_layout=self.params)
 
     def init_state(self, *, weights: bool = True):
         """The train state created sharded (:func:`jaxpar.init_train_state`) with the job's parts (the MoE
@@ -119,7 +123,8 @@ class Job:
         from jaxpar.step._init import init_train_state
 
         params = self.hf.load(self.mesh, self.state_layout().params) if self.hf is not None and weights else None
-        return init_train_state(self.model_fn, self.tx, self.mesh, self.strategy, params=params, parts=self.parts)
+        return init_train_state(self.model_fn, self.tx, self.mesh, self.strategy, params=params, parts=self.parts,
+                                param_layout=self.params)
 
     def train_step(self, layout):
         """The train step ``jaxpar train`` runs.
@@ -214,13 +219,14 @@ class Job:
             parts), or None.
 
         Returns:
-          A :class:`~jaxpar.run.Checkpointer`, or None when checkpoints are off.
+          A :class:`~jaxpar.run.Checkpointer` that records the learning rate each checkpoint resumes with
+          (the job's schedule), or None when checkpoints are off.
         """
         if self.checkpoint is None:
             return None
         from jaxpar.run._checkpoint import Checkpointer
 
-        return Checkpointer(**self.checkpoint, layout=layout)
+        return Checkpointer(**self.checkpoint, layout=layout, lr_schedule=self.log_lr)
 
 
 def updates_per_step(strategy: Strategy, mesh_sizes: Mapping[str, int]) -> int:
@@ -264,28 +270,27 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
         checkpoint that cannot be imported or that ``mesh.tensor`` does not divide, and a
         ``data.tokenizer`` that cannot be read or does not fit the model's vocabulary.
     """
-    if mesh:
-        check(cfg, num_devices=jax.device_count() if devices is None else len(devices))
-        device_mesh = build_mesh(cfg.mesh, devices)
-    strategy = build_strategy(cfg.parallel)
-    m, d = cfg.model, cfg.data
+    made = check(cfg, num_devices=(jax.device_count() if devices is None else len(devices)) if mesh else None)
+    device_mesh = build_mesh(cfg.mesh, devices) if mesh else None
+    strategy, m, d = made.strategy, cfg.model, cfg.data
     hf = _open_hf(cfg, dict(device_mesh.shape) if mesh else None)
-    model_fn = hf.model_fn(cfg.train.seed) if hf is not None else build_model_fn(m, cfg.train.seed)
+    model_fn = (hf.model_fn(cfg.train.seed) if hf is not None else gpt_model_fn(made.gpt, cfg.train.seed)
+                if made.gpt is not None else build_model_fn(m, cfg.train.seed))
     vocab, vocab_key = (hf.config.vocab, "model.hf's vocab_size") if hf is not None else (m.vocab, "model.vocab")
     tokenizer = build_tokenizer(d, m.hf, vocab, vocab_key) if d.tokenizer else None
     base = dict(name=cfg.name, strategy=strategy, model_fn=model_fn, global_batch=d.batch_size, hf=hf,
                 seq_len=m.seq_len, token_batches=d.kind != "import", packed_batches=d.kind == "documents",
-                parts=_parts(cfg, mesh), tokenizer=tokenizer)
+                parts=_parts(cfg, made.gpt, mesh), tokenizer=tokenizer, loss_fn=build_loss_fn(m))
     if not mesh:
-        return Job(loss_fn=build_loss_fn(m), **base)
+        return Job(**base)
     per_step = updates_per_step(strategy, dict(device_mesh.shape))
-    tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=d.batch_size, model_fn=model_fn,
-                                   updates_per_step=per_step, freeze_variance_step=frozen_variance_step(strategy),
-                                   mesh=device_mesh, strategy=strategy)
+    params = param_layout(model_fn, device_mesh, strategy)      # the model traced once
+    tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=d.batch_size, params=params,
+                                   updates_per_step=per_step, freeze_variance_step=frozen_variance_step(strategy))
     options = dict(clip_norm=cfg.optimizer.clip_norm, log_lr=schedule, skip_nonfinite=True,
                    steps_per_call=cfg.parallel.steps_per_call)
     return Job(mesh=device_mesh, tx=tx, log_lr=schedule, updates_per_step=per_step, step_options=options,
-               loss_fn=build_loss_fn(m), **base, **_data(cfg, data, vocab, tokenizer), **_run(cfg, tokenizer))
+               params=params, **base, **_data(cfg, data, vocab, tokenizer, made.ramp), **_run(cfg, tokenizer))
 
 
 def _open_hf(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
@@ -306,29 +311,30 @@ def _open_hf(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
     return hf
 
 
-def _parts(cfg: JobConfig, measured: bool) -> list:
-    """The state's parts: the GPT's aux-loss-free balancing bias (``model.moe.bias_rate > 0``) and, in a job
-    with devices (``measured``), the noise scale (``logging.noise_scale.every``)."""
+def _parts(cfg: JobConfig, gpt: Any, measured: bool) -> list:
+    """The state's parts: the GPT's (``gpt``: its ``GPTConfig``) aux-loss-free balancing bias
+    (``model.moe.bias_rate > 0``) and, in a job with devices (``measured``), the noise scale
+    (``logging.noise_scale.every``)."""
     from jaxpar.step import noise_scale, router_bias
 
-    m, noise, parts = cfg.model, cfg.logging.noise_scale, []
-    if m.name == "gpt" and (m.moe or {}).get("bias_rate"):
-        gpt = build_gpt_config(m)
+    noise, parts = cfg.logging.noise_scale, []
+    if gpt is not None and gpt.moe is not None and gpt.moe.bias_rate:
         parts.append(router_bias((gpt.layers // gpt.moe.every, gpt.moe.experts), rate=gpt.moe.bias_rate))
     if measured and noise.every is not None:
         parts.append(noise_scale(every=noise.every, ema=noise.ema))
     return parts
 
 
-def _data(cfg: JobConfig, read: bool, vocab: int, tokenizer: Any) -> dict:
+def _data(cfg: JobConfig, read: bool, vocab: int, tokenizer: Any, ramp: Any) -> dict:
     """The job's data: ``batch_fn``, ``eval_batches`` and ``ramp`` (without ``read``: ``data.target``'s
-    batch function only, for its shapes). ``vocab``: the model's; ``tokenizer``: ``data.tokenizer``'s."""
+    batch function only, for its shapes). ``vocab``: the model's; ``tokenizer``: ``data.tokenizer``'s;
+    ``ramp``: the checked ``data.batch_ramp`` (the job's own copy: an adaptive ramp decides during the run)."""
     d, m = cfg.data, cfg.model
     if not read:
         if d.kind != "import":
             return {}
         return {"batch_fn": build_data(d, seq_len=m.seq_len, vocab=vocab, eval_batches=0)[0]}
-    ramp = build_ramp(d)      # an adaptive ramp decides during the run; batch_fn reads it
+    ramp = copy.deepcopy(ramp)      # batch_fn reads it
     batch_fn, evals = build_data(d, seq_len=m.seq_len, vocab=vocab, eval_batches=cfg.train.eval_batches,
                                  ramp=ramp, tokenizer=tokenizer, steps=cfg.train.steps)
     return {"batch_fn": batch_fn, "eval_batches": evals, "ramp": ramp}

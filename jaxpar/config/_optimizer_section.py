@@ -12,7 +12,6 @@ import re
 from typing import Callable
 
 import optax
-from flax import nnx
 
 from jaxpar import optimizers as opt_lib
 from jaxpar.errors import int_problem
@@ -126,54 +125,49 @@ def build_lr_schedule(cfg: OptimizerConfig, total_steps: int, global_batch: int 
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
 
 
-def build_trust_mask(cfg: OptimizerConfig, model_fn: Callable[[], nnx.Module] | None = None):
+def build_trust_mask(cfg: OptimizerConfig, params=None):
     """The trust-ratio mask of lars / lamb.
 
     Args:
       cfg: the ``optimizer`` section (its ``trust_mask``).
-      model_fn: the model factory, traced only (None: the mask is checked when the optimizer is initialised).
+      params: the parameters' layout (:func:`jaxpar.param_layout`; None: the mask is checked when the
+        optimizer is initialised).
 
     Returns:
       ``(logical, mask)``: the model's logical names and :func:`jaxpar.optimizers.trust_mask` with
-      ``optimizer.trust_mask``, checked against the model's parameters; without ``model_fn``
+      ``optimizer.trust_mask``, checked against the model's parameters; without ``params``
       ``(None, mask function)``.
     """
     tm = cfg.trust_mask
-    if model_fn is None:
-        return None, lambda params: opt_lib.trust_mask(params, exclude=tm.exclude, include=tm.include)
-    from jaxpar.adapters._mesh_axes import abstract_model
-
-    _, shapes, logical = abstract_model(model_fn)
+    if params is None:
+        return None, lambda p: opt_lib.trust_mask(p, exclude=tm.exclude, include=tm.include)
     try:
-        return logical, opt_lib.trust_mask(shapes, logical, exclude=tm.exclude, include=tm.include)
+        return params.logical, opt_lib.trust_mask(params.shapes, params.logical, exclude=tm.exclude,
+                                                  include=tm.include)
     except opt_lib.MaskError as e:
         key = "exclude" if str(e).startswith("trust_mask exclude") else "include"
         msg = re.sub(r"^trust_mask \w+: ", "", str(e))
         raise ConfigError(f"optimizer.trust_mask.{key}={list(getattr(tm, key))!r}: {msg}") from None
 
 
-def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int | None = None,
-                    model_fn: Callable[[], nnx.Module] | None = None,
+def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int | None = None, params=None,
                     updates_per_step: int = 1,
-                    freeze_variance_step: int | None = None, mesh=None,
-                    strategy: Strategy | None = None) -> tuple[optax.GradientTransformation, Callable]:
+                    freeze_variance_step: int | None = None) -> tuple[optax.GradientTransformation, Callable]:
     """The optimizer. Clipping is done by the train step (``clip_norm``), not by ``tx``.
 
     Args:
       cfg: the ``optimizer`` section.
       total_steps: ``train.steps`` (the schedule's length).
       global_batch: ``data.batch_size``: needed by ``optimizer.lr_scaling``.
-      model_fn: lets lars / lamb read the parameters' logical names (stacked layers,
-        :func:`build_trust_mask`) and check ``optimizer.trust_mask`` now; without it the mask is
-        taken from the arrays' ranks.
+      params: the parameters' layout (:func:`jaxpar.param_layout` of the model on the mesh and strategy):
+        lars / lamb read the parameters' logical names (stacked layers, :func:`build_trust_mask`) and check
+        ``optimizer.trust_mask`` now (without it the mask is taken from the arrays' ranks); Muon routes by
+        them and places Newton-Schulz on the moments' specs (``optimizer.muon.placement``).
       updates_per_step: how often ``tx`` is applied per train step (PipeDream weight stashing:
         ``microbatches / update_every`` per stage); its schedule then reads the step,
         ``count // updates_per_step``, so every update of step ``t`` uses the logged ``lr(t)``.
       freeze_variance_step: 1-bit Adam (:func:`frozen_variance_step`): adam / adamw whose second moment
         stops changing after that many updates (:func:`jaxpar.optimizers.adamw_frozen_variance`).
-      mesh: the device mesh (with ``strategy``): Muon places Newton-Schulz on the momentum's layout
-        (``optimizer.muon.placement``); without it XLA places it.
-      strategy: the strategy the layout is built for.
 
     Returns:
       ``(tx, lr_schedule)``; the schedule (logged as ``lr``) is the scaled one.
@@ -181,12 +175,11 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int
     if cfg.name not in OPTIMIZERS:
         raise ConfigError(f"optimizer.name={cfg.name!r}: unknown optimizer; allowed: {', '.join(OPTIMIZERS)}.")
     schedule = build_lr_schedule(cfg, total_steps, global_batch)
-    logical, mask = build_trust_mask(cfg, model_fn) if cfg.name in ("lars", "lamb") else (None, None)
+    logical, mask = build_trust_mask(cfg, params) if cfg.name in ("lars", "lamb") else (None, None)
     extra = {}
     if cfg.name == "muon":
-        logical = _muon_logical(cfg, model_fn)
-        extra["place"] = _muon_place(cfg, model_fn, mesh, strategy)
-        extra["kernel_layout"] = muon_kernel_layout(model_fn)
+        logical = _muon_logical(cfg, params)
+        extra = {"place": _muon_place(cfg, params), "kernel_layout": params.kernel_layout}
     inner = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
     if freeze_variance_step is not None:
         if cfg.name not in ("adam", "adamw"):
@@ -228,57 +221,35 @@ def muon_problems(cfg: OptimizerConfig) -> list[str]:
     return p
 
 
-def _muon_place(cfg: OptimizerConfig, model_fn, mesh, strategy: Strategy | None) -> dict:
-    """``muon``'s ``placement``, ``mesh``, ``specs`` (the momentum's, from the state's layout) and ``auto``'s
-    chooser (the cost model's, on the mesh's platform), or only the placement without a mesh."""
-    if mesh is None:
-        return {} if cfg.muon.placement == "auto" else {"placement": cfg.muon.placement}
-    if strategy is not None and strategy.schedule == "pipedream" and dict(mesh.shape).get("pipe", 1) > 1:
+def _muon_place(cfg: OptimizerConfig, params) -> dict:
+    """``muon``'s ``placement``, ``mesh``, ``specs`` (the moments', from the parameters' layout) and ``auto``'s
+    chooser (the cost model's, on the mesh's platform)."""
+    strategy, mesh = params.strategy, params.mesh
+    if strategy.schedule == "pipedream" and dict(mesh.shape).get("pipe", 1) > 1:
         if cfg.muon.placement != "auto":       # each stage updates its own weights inside the pipeline
             raise ConfigError(f"optimizer.muon.placement={cfg.muon.placement!r} with parallel.schedule='pipedream': "
                               "each stage updates its own weights inside the pipeline, where XLA places Newton-Schulz; "
                               "use optimizer.muon.placement: auto, or schedule '1f1b' / 'pipedream-2bw'.")
         return {}
     from jaxpar.cost import placement_chooser
-    from jaxpar.step import state_layout
 
-    layout = state_layout(model_fn, optax.identity(), mesh, strategy or Strategy())
-    return {"placement": cfg.muon.placement, "mesh": mesh, "specs": layout.opt_param_specs,
+    return {"placement": cfg.muon.placement, "mesh": mesh, "specs": params.opt_param_specs,
             "chooser": placement_chooser(platform=mesh.devices.flat[0].platform)}
 
 
-def muon_kernel_layout(model_fn) -> str:
-    """Which side of the model's weights comes first, for Muon's shape scaling: its class's ``kernel_layout``
-    (``out_in``: jaxpar's ``Decoder``, Hugging Face's ``[out, in]``), else Flax's ``in_out``.
-
-    Args:
-      model_fn: the model's constructor.
-
-    Returns:
-      ``"in_out"`` or ``"out_in"``.
-    """
-    from flax import nnx
-
-    with nnx.use_eager_sharding(False):       # annotated variables need no mesh here (abstract_model's way)
-        return getattr(nnx.eval_shape(model_fn), "kernel_layout", "in_out")
-
-
-def _muon_logical(cfg: OptimizerConfig, model_fn):
+def _muon_logical(cfg: OptimizerConfig, params):
     """The model's logical names for Muon's routing, after ``optimizer.muon``'s checks and the routing of its
     parameters (``optimizer.muon.routing``'s patterns each match one; an unnamed matrix is routed)."""
     if problems := muon_problems(cfg):
         raise ConfigError(" ".join(problems))
-    if model_fn is None:
+    if params is None:
         raise ConfigError("optimizer.name=muon routes parameters by the model's logical names: call build_optimizer "
-                          "with model_fn=.")
-    from jaxpar.adapters._mesh_axes import abstract_model
-
-    _, shapes, logical = abstract_model(model_fn)
+                          "with params=jaxpar.param_layout(model_fn, mesh, strategy).")
     try:
-        opt_lib.muon_routes(shapes, logical, routing=dict(cfg.muon.routing))
+        opt_lib.muon_routes(params.shapes, params.logical, routing=dict(cfg.muon.routing))
     except opt_lib.OptimizerError as e:
         raise ConfigError(f"optimizer.name=muon: {e} (YAML: optimizer.muon.routing).") from None
-    return logical
+    return params.logical
 
 
 def frozen_variance_step(strategy: Strategy) -> int | None:

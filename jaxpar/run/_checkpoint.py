@@ -103,7 +103,7 @@ class Checkpointer:
     donate them). ``layout``: the :class:`~jaxpar.step.StateLayout` of the states :meth:`save`
     is given when it is not told one (:meth:`restore` of a layout sets it too); with it, a record
     says which layout the codec state and older weight versions were saved for. ``lr_schedule``: the
-    run's learning-rate schedule (``step -> lr``, settable later); with it, a record holds the
+    run's learning-rate schedule (``step -> lr``, ``Job.log_lr``); with it, a record holds the
     learning rate of the step it resumes at (``schedule.lr``), so a resume under another schedule
     can say what changed (:func:`jaxpar.run._resume.resume`).
     """

@@ -163,9 +163,8 @@ def checkpoint_meta(name: str, mesh_sizes: Mapping[str, int], *, seed: int, mode
 def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Callable[[int], Any],
                            opts: RunOptions, log: LogOptions, *, checkpointer: Any = None,
                            meta: dict | None = None, eval_fn: Callable | None = None,
-                           eval_batches: Sequence = (), ramp: Any = None,
-                           lr_schedule: Callable[[int], Any] | None = None, config_text: str | None = None,
-                           watchdog: Any = None) -> int:
+                           eval_batches: Sequence = (), ramp: Any = None, config_text: str | None = None,
+                           watchdog: Any = None, claim: bool = True) -> int:
     """Resume (``opts.resume``; else a new run, in directories that hold no other run:
     :func:`~jaxpar.run._run_directory.claim_run_directory`), run :func:`jaxpar.run.train` with
     checkpoints and metrics, then write ``summary.json`` and the samples and print where everything went.
@@ -177,17 +176,19 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
       batch_fn: ``step -> host batch``.
       opts: the run's settings.
       log: how the loop reports (:class:`~jaxpar.run.LogOptions`).
-      checkpointer: where checkpoints go (None: none); closed at the end.
+      checkpointer: where checkpoints go (None: none); closed at the end. Each checkpoint records the
+        schedule's length (``opts.steps``) and, with the checkpointer's ``lr_schedule``, the learning rate it
+        resumes with; a resume under another length warns.
       meta: what each checkpoint records (:func:`checkpoint_meta`).
       eval_fn: ``state -> eval loss`` (None: no evaluation).
       eval_batches: the fixed eval batches (the samples' prompts come from the first).
       ramp: the batch ramp ``batch_fn`` reads, if any.
-      lr_schedule: the learning-rate schedule (``step -> lr``, ``Job.log_lr``): each checkpoint records its
-        length (``opts.steps``) and the learning rate it resumes with, and a resume under another length warns.
       config_text: the run's config (YAML), written to ``<out_dir>/config.yaml`` once the run starts
         training: after a resume succeeded, never when it fails or finds nothing to do (None: not written); with
         several processes, a program mismatch names the keys whose values differ between them.
       watchdog: a :class:`~jaxpar.run.Watchdog` (its ``directory``, where a hang's stacks go, defaults to out_dir).
+      claim: claim the directories of a new run here; False: the caller claimed them (``jaxpar train`` does,
+        before it builds the job).
 
     Returns:
       The exit status: 0, also after a stop signal (a checkpoint is saved) or when the checkpoint
@@ -197,11 +198,10 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
       RunDirectoryError: a new run (not ``opts.resume``) whose ``out_dir`` or checkpoint directory holds
         another run's records or checkpoints (the checkpointer is closed, nothing is written).
     """
-    if checkpointer is not None:      # the schedule's length and the learning rate at each checkpoint
+    if checkpointer is not None:      # the schedule's length at each checkpoint
         meta = {**(meta or {}), "schedule": {"steps": int(opts.steps)}}
-        checkpointer.lr_schedule = lr_schedule or checkpointer.lr_schedule
     clock = Goodput()                 # the run's wall time by bucket, from before the restore
-    if (started := _start(state, layout, opts, checkpointer, ramp, lr_schedule, config_text, clock, log)) is None:
+    if (started := _start(state, layout, opts, checkpointer, ramp, config_text, clock, log, claim)) is None:
         return 0
     state, start = started
     if watchdog is not None:
@@ -222,23 +222,23 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
     return 0
 
 
-def _start(state: Any, layout: Any, opts: RunOptions, checkpointer: Any, ramp: Any, lr_schedule: Any,
-           config_text: str | None, clock: Goodput, log: LogOptions) -> tuple[Any, int] | None:
+def _start(state: Any, layout: Any, opts: RunOptions, checkpointer: Any, ramp: Any, config_text: str | None,
+           clock: Goodput, log: LogOptions, claim: bool) -> tuple[Any, int] | None:
     """``(state, start step)``: the checkpoint's (``opts.resume``, timed on ``clock``; None when it is at
-    ``opts.steps`` already), or a new run's in directories that hold no other; then ``config.yaml``. The
-    checkpointer is closed when the run does not start."""
+    ``opts.steps`` already), or a new run's in directories that hold no other (claimed here with ``claim``);
+    then ``config.yaml``. The checkpointer is closed when the run does not start."""
     start = 0
     if opts.resume:
         mark = clock.mark()
         state, start = resume(checkpointer, layout, ramp=ramp, data_seed=opts.data_seed, steps=opts.steps,
-                              lr_schedule=lr_schedule)
+                              lr_schedule=checkpointer.lr_schedule)
         clock.add("checkpoint_restore", mark)
         if start >= opts.steps:
             print(f"done     the checkpoint is at step {start} >= train.steps={opts.steps}; nothing to do. To train "
                   f"further, run again with train.steps=N --resume, N > {start} (e.g. train.steps={2 * start}).")
             checkpointer.close()
             return None
-    else:
+    elif claim:
         try:
             claim_run_directory(opts.out_dir, getattr(checkpointer, "directory", None))
         except RunDirectoryError:

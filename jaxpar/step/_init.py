@@ -25,7 +25,7 @@ Example::
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, Callable, Sequence
 
 import jax
@@ -44,12 +44,57 @@ from jaxpar.adapters._layer_lists import stack_layers, stacked_counts
 from jaxpar.adapters._mesh_axes import abstract_model, check_model_axes
 from jaxpar.step._exchange import compression_state
 from jaxpar.step._replica_mean import relaxed_layout
-from jaxpar.step._state import PartLayout, StateLayout, TrainState, optimizer_specs, with_parts
+from jaxpar.errors import StepError
+from jaxpar.step._state import (ParamLayout, PartLayout, StateLayout, TrainState, layout_strategy, optimizer_specs,
+                                 with_parts)
+
+
+def param_layout(model_fn: Callable[[], nnx.Module], mesh: Mesh, strategy: Strategy = Strategy()) -> ParamLayout:
+    """The parameters' layout under ``strategy``, without an optimizer: the model traced once (``eval_shape``).
+
+    An optimizer that needs the parameters' logical names or their moments' specs (Muon's routing and
+    placement, LARS / LAMB's mask) reads them here; :func:`state_layout` and :func:`init_train_state` take it
+    (``param_layout=``) and do not trace the model again.
+
+    Args:
+      model_fn: builds the NNX model (every variable an ``nnx.Param``); it is only traced.
+      mesh: the device mesh (abstract devices of a compile target work too).
+      strategy: what to do with the mesh axes.
+
+    Returns:
+      The :class:`~jaxpar.step.ParamLayout`.
+
+    Example:
+      >>> import jax
+      >>> from flax import nnx
+      >>> from jaxpar import Strategy, make_mesh
+      >>> from jaxpar.models._mlp import MLPClassifier
+      >>> mesh = make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
+      >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
+      >>> pl = param_layout(model_fn, mesh, Strategy(zero=3))
+      >>> pl.logical["up"][0]["kernel"], pl.opt_param_specs["up"][0]["kernel"], pl.kernel_layout
+      (P('embed', 'mlp'), P('fsdp', 'tensor'), 'in_out')
+    """
+    sizes = dict(mesh.shape)
+    if sizes.get("pipe", 1) > 1:        # a pipeline cuts the layers: an nnx.List of alike layers runs stacked
+        model_fn = functools.partial(_stacked, model_fn)
+    with nnx.use_eager_sharding(False):
+        abs_model = nnx.eval_shape(model_fn)
+    graphdef, shapes, logical = abstract_model(abs_model)
+    rules = tuple(strategy.rules(mesh))
+    check_model_axes(logical, rules, mesh)
+    base = resolve(logical, rules, mesh, shapes)
+    params, grads, opt = (zero_specs(base, shapes, logical, sizes, strategy.zero, what)
+                          for what in ("params", "grads", "opt"))
+    warn_unsplit_tensor_axis(params, mesh)
+    return ParamLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt, strategy=strategy,
+                       layer_lists=stacked_counts(abs_model), kernel_layout=getattr(abs_model, "kernel_layout", "in_out"),
+                       model_fn=model_fn)
 
 
 def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
-                     strategy: Strategy = Strategy(), *, params: Any = None,
-                     parts: Sequence[PartLayout] = ()) -> tuple[TrainState, StateLayout]:
+                     strategy: Strategy = Strategy(), *, params: Any = None, parts: Sequence[PartLayout] = (),
+                     param_layout: ParamLayout | None = None) -> tuple[TrainState, StateLayout]:
     """Create the train state directly in its sharded layout.
 
     ``model_fn()`` builds the model (eager sharding is turned off inside it: jaxpar places the
@@ -66,16 +111,19 @@ def init_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTrans
         onto ``state_layout(...).params``); the optimizer state starts fresh.
       parts: features' parts of ``TrainState.stats`` (:func:`jaxpar.step.noise_scale`,
         :func:`jaxpar.step.router_bias`), checked against the strategy by the compatibility table.
+      param_layout: :func:`param_layout` of ``model_fn`` on ``mesh`` and ``strategy``, already traced
+        (None: traced here).
 
     Returns:
       ``(state, layout)``: the :class:`TrainState`, already sharded, and its :class:`StateLayout`.
     """
-    layout, init = _layout_and_init(model_fn, tx, mesh, strategy, parts)
+    layout, init = _layout_and_init(model_fn, tx, mesh, strategy, parts, param_layout)
     return jax.jit(init, out_shardings=layout.shardings())(params), layout
 
 
 def state_layout(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh,
-                 strategy: Strategy = Strategy(), *, parts: Sequence[PartLayout] = ()) -> StateLayout:
+                 strategy: Strategy = Strategy(), *, parts: Sequence[PartLayout] = (),
+                 param_layout: ParamLayout | None = None) -> StateLayout:
     """The :class:`StateLayout` that :func:`init_train_state` builds, without creating the state.
 
     Args:
@@ -84,6 +132,7 @@ def state_layout(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransform
       mesh: the device mesh (abstract devices of a compile target work too).
       strategy: what to do with the mesh axes.
       parts: as in :func:`init_train_state`.
+      param_layout: as in :func:`init_train_state`.
 
     Returns:
       The layout; ``layout.abstract_state()`` is a restore or ahead-of-time compile target.
@@ -99,25 +148,21 @@ def state_layout(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransform
       >>> layout.strategy.zero, layout.params["up"][0]["kernel"]
       (3, P('data', 'tensor'))
     """
-    return _layout_and_init(model_fn, tx, mesh, strategy, parts)[0]
+    return _layout_and_init(model_fn, tx, mesh, strategy, parts, param_layout)[0]
 
 
-def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy, parts=()) -> tuple[StateLayout, Callable]:
+def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy, parts=(),
+                     traced: ParamLayout | None = None) -> tuple[StateLayout, Callable]:
     """The layout and an ``init() -> TrainState`` to jit with the layout's shardings."""
-    sizes = dict(mesh.shape)
-    if sizes.get("pipe", 1) > 1:        # a pipeline cuts the layers: an nnx.List of alike layers runs stacked
-        model_fn = functools.partial(_stacked, model_fn)
-    graphdef, shapes, logical = abstract_model(model_fn)
-    rules = tuple(strategy.rules(mesh))
-    check_model_axes(logical, rules, mesh)
-    base = resolve(logical, rules, mesh, shapes)
-    params = zero_specs(base, shapes, logical, sizes, strategy.zero, "params")
-    warn_unsplit_tensor_axis(params, mesh)
-    grads = zero_specs(base, shapes, logical, sizes, strategy.zero, "grads")
-    opt_param = zero_specs(base, shapes, logical, sizes, strategy.zero, "opt")
-    opt_shapes, opt_state = optimizer_specs(tx, shapes, opt_param)
-    layout = StateLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt_param, opt_state, opt_shapes,
-                         strategy=strategy, layer_lists=stacked_counts(model_fn))
+    if traced is None:
+        traced = param_layout(model_fn, mesh, strategy)
+    elif traced.mesh != mesh:
+        raise StepError(f"init_train_state(param_layout=...): the layout was traced for the mesh "
+                        f"{dict(traced.mesh.shape)}, not {dict(mesh.shape)}; pass param_layout(model_fn, mesh, strategy).")
+    strategy, sizes = layout_strategy(traced, strategy), dict(mesh.shape)
+    opt_shapes, opt_state = optimizer_specs(tx, traced.shapes, traced.opt_param_specs)
+    layout = StateLayout(**{f.name: getattr(traced, f.name) for f in fields(ParamLayout)}, opt_state=opt_state,
+                         opt_shapes=opt_shapes)
     raise_problems(Setting(strategy, sizes, **{k: v for p in parts for k, v in p.setting.items()}))   # once
     if replicas_on(Setting(strategy, sizes)):
         layout, make = relaxed_layout(layout, tx, strategy)
@@ -126,7 +171,7 @@ def _layout_and_init(model_fn, tx, mesh: Mesh, strategy: Strategy, parts=()) -> 
     layout = with_parts(layout, parts)
 
     def init(p=None):
-        p = _model_params(model_fn) if p is None else p
+        p = _model_params(traced.model_fn) if p is None else p
         opt_state, made = make(p)
         stats = {part.name: part.init(p) for part in parts}
         return TrainState(jnp.zeros((), jnp.int32), p, opt_state, **made, **({"stats": stats} if stats else {}))

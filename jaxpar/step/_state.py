@@ -114,28 +114,44 @@ _EMPTY = PartLayout((), ())
 
 
 @dataclass(frozen=True)
-class StateLayout:
-    """Where every piece of the train state lives, plus what is needed to rebuild the model.
+class ParamLayout:
+    """The parameters' layout under a strategy, without an optimizer (:func:`jaxpar.param_layout`): the model
+    traced once, for the optimizer that needs the parameters' names or specs (Muon, LARS / LAMB) and for
+    :func:`jaxpar.state_layout`.
 
-    ``parts`` holds the optional parts by name (:class:`PartLayout`): the :class:`TrainState` fields
-    ``codec``, ``sync`` and ``versions``, and under any other name an entry of ``TrainState.stats``
-    (``noise_scale``, ``router_bias``). ``layer_lists`` maps the path of each ``nnx.List`` of layers
-    that runs stacked (:func:`jaxpar.stack_layers`, or a pipeline) to its length:
-    :func:`jaxpar.adapters.list_form` turns the parameters back into the list's own paths."""
+    ``model_fn`` builds the model as the state holds it (a pipeline's layers stacked); ``params``,
+    ``grads`` and ``opt_param_specs`` are ``PartitionSpec`` trees over mesh axes (``opt_param_specs``: how
+    optimizer moments are sharded); ``kernel_layout``: which side of a weight comes first (the model class's
+    ``kernel_layout``, ``out_in`` for ``[out, in]`` weights, else Flax's ``in_out``)."""
 
     mesh: Mesh
     rules: tuple
     graphdef: Any
     shapes: Any          # params: ShapeDtypeStruct tree (no sharding)
     logical: Any         # params: PartitionSpec tree of logical names
-    params: Any          # PartitionSpec trees over mesh axes
+    params: Any
     grads: Any
-    opt_param_specs: Any  # params-shaped: how optimizer moments are sharded
-    opt_state: Any
-    opt_shapes: Any
-    parts: Mapping[str, PartLayout] = field(default_factory=dict)
-    strategy: Strategy = Strategy()   # what the layout was built for; make_train_step runs this strategy
+    opt_param_specs: Any
+    strategy: Strategy = Strategy()
     layer_lists: Any = None  # {path: count} of the model's nnx.Lists run stacked (jaxpar.adapters._layer_lists.list_form)
+    kernel_layout: str = "in_out"
+    model_fn: Callable[[], Any] | None = None
+
+
+@dataclass(frozen=True)
+class StateLayout(ParamLayout):
+    """Where every piece of the train state lives, plus what is needed to rebuild the model.
+
+    ``parts`` holds the optional parts by name (:class:`PartLayout`): the :class:`TrainState` fields
+    ``codec``, ``sync`` and ``versions``, and under any other name an entry of ``TrainState.stats``
+    (``noise_scale``, ``router_bias``). ``layer_lists`` maps the path of each ``nnx.List`` of layers
+    that runs stacked (:func:`jaxpar.stack_layers`, or a pipeline) to its length:
+    :func:`jaxpar.adapters.list_form` turns the parameters back into the list's own paths. The fields of
+    :class:`ParamLayout` come first; ``strategy`` is what the layout was built for (make_train_step runs it)."""
+
+    opt_state: Any = None
+    opt_shapes: Any = None
+    parts: Mapping[str, PartLayout] = field(default_factory=dict)
 
     def part(self, name: str) -> PartLayout:
         """One of the layout's parts.
