@@ -158,7 +158,8 @@ def test_the_layout_holds_parts_and_the_local_kinds_have_no_jit_of_their_own():
 
     fields = [f.name for f in dataclasses.fields(StateLayout)]
     assert fields == ["mesh", "rules", "graphdef", "shapes", "logical", "params", "grads", "opt_param_specs",
-                      "opt_state", "opt_shapes", "parts", "strategy", "layer_lists"]
+                      "strategy", "layer_lists", "kernel_layout", "model_fn",      # ParamLayout's
+                      "opt_state", "opt_shapes", "parts"]
     features = ("codec", "sync", "stats", "versions", "noise", "bias", "part_options")
     assert [f for f in fields if f.startswith(features)] == []
     tree = ast.parse(inspect.getsource(_local_steps))
