@@ -149,15 +149,15 @@ def device_argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int,
 #: fp32 values (in ``sbh``, and ``as^2b`` for the attention scores) that one jaxpar GPT block keeps for
 #: its backward without recomputation, in the compiled layer scan: ``(whole, split, scores)``, where
 #: ``whole`` is split over ``tensor`` only under SP. Measured on the GPU compiler (docs/planning.md §8:
-#: the temporaries of a 4-layer step less those of a 2-layer one, at ``as/h`` = 16 and 32, ``t`` = 1 and 8,
-#: h = s = 2048; within 2 % of the compiled peaks of the 12- to 24-layer cases there):
-#: the two layer norms' inputs and statistics (8), the matmuls' and the tanh GELU's values (40), and the
-#: softmax with its causal mask (1.25 ``as^2b``). Korthikanti et al.'s 16-bit count (with dropout) is
-#: ``(5, 12, 2.5)``.
-BLOCK_KEEPS = (8.0, 40.0, 1.25)
+#: the temporaries of a 4-layer step less those of a 2-layer one, one sequence, at ``as/h`` = 16 and 32,
+#: ``t`` = 1 and 8, h = s = 2048; the four within 0.8 %): the two layer norms' inputs and statistics (8),
+#: the matmuls' and the tanh GELU's values (28), and the softmax's probabilities (one fp32 ``as^2b``
+#: array: JAX's custom-JVP softmax keeps them alone for its backward). Korthikanti et al.'s 16-bit count
+#: (with dropout) is ``(5, 12, 2.5)``.
+BLOCK_KEEPS = (8.0, 28.0, 1.0)
 #: Whole-sequence fp32 ``sbh`` values that a layer keeps under SP beyond its split values, without
 #: recomputation or under ``selective`` (measured as :data:`BLOCK_KEEPS` at ``t`` = 8: selective, 8 vs 16
-#: layers, 4.74 ``sbh`` per layer where the split values are 3.25): XLA keeps the row-parallel
+#: layers, 8 sequences, 4.80 ``sbh`` per layer where the split values are 3.25): XLA keeps the row-parallel
 #: products before their reduce-scatter.
 SP_WHOLE = 1.5
 #: Whole-sequence fp32 ``sbh`` arrays that one layer's backward holds under SP (measured as
@@ -177,9 +177,10 @@ REMAT_KEEPS = {"none": BLOCK_KEEPS, "selective": (2.0, 8.0, 1.0), "full": (1.0, 
 #: :data:`REMAT_KEEPS` for libtpu, measured the same way on tpu-v5e (XLA's live peaks of 16 and 8 layers, less
 #: the layers' arguments and gradients; ``as/h`` = 8 and 32, ``t`` = 1 and 4; docs/planning.md §8). libtpu
 #: runs fp32 matmuls at JAX's default precision as bf16 passes: it keeps fewer fp32 values of the
-#: matmuls, the softmax's probabilities also in bf16 (1.5), and a bf16 copy of each layer's matmul
-#: weights as the device holds them (:func:`bf16_weight_bytes`, counted apart).
-TPU_REMAT_KEEPS = {"none": (8.0, 23.0, 1.5), "selective": (2.0, 6.0, 1.0), "full": (1.0, 0.0, 0.0)}
+#: matmuls (7 whole, 24 split without recomputation), the softmax's probabilities in fp32 alone (one
+#: ``as^2b`` array), and a bf16 copy of each layer's matmul weights as the device holds them
+#: (:func:`bf16_weight_bytes`, counted apart).
+TPU_REMAT_KEEPS = {"none": (7.0, 24.0, 1.0), "selective": (2.0, 6.0, 1.0), "full": (1.0, 0.0, 0.0)}
 
 
 def _layer_bytes(model: ModelSpec, plan: Plan, rows: float, keeps: tuple, sp_whole: float = 0.0) -> float:
