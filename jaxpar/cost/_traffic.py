@@ -287,12 +287,14 @@ def _moves_rows(m: ModelSpec, plan: Plan, leaf: Leaf, p_axes: tuple, data_axes: 
             and tokens < m.vocab and m.hidden % math.prod(plan.sizes[a] for a in p_axes) == 0)
 
 
-def _row_lookup(acc, m: ModelSpec, plan: Plan, leaf: Leaf, p_axes: tuple, data_axes: tuple, abytes: float,
-                grad: float) -> bool:
+def _row_lookup(acc, m: ModelSpec, plan: Plan, leaf: Leaf, axes: tuple, abytes: float, grad: float) -> bool:
     """:func:`jaxpar.parallel.embed_lookup`'s collectives where it moves rows (:func:`_moves_rows`; returns
     whether it does): the token ids gathered over the axes that store the table, its ``embed`` slice's rows
     moved by an all-to-all each way (behind a collective-permute each way where those axes run in another
-    order than the batch's), and the slice's gradient summed over the other data axes."""
+    order than the batch's), and the slice's gradient summed over the other data axes: reduce-scattered
+    over those that shard the gradients too (ZeRO-2; the GPU and TPU compilers), all-reduced over the rest.
+    ``axes``: the parameters', the gradients' (none: all-reduced, XLA:CPU) and the data axes."""
+    p_axes, g_axes, data_axes = axes
     if not _moves_rows(m, plan, leaf, p_axes, data_axes):
         return False
     n = math.prod(plan.sizes[a] for a in p_axes)
@@ -301,7 +303,10 @@ def _row_lookup(acc, m: ModelSpec, plan: Plan, leaf: Leaf, p_axes: tuple, data_a
     acc("all-to-all", p_axes, group * m.hidden / n * abytes, 2, "params")
     if tuple(a for a in data_axes if a in p_axes) != p_axes:
         acc("collective-permute", p_axes, group * m.hidden / n * abytes, 2, "params")
-    acc("all-reduce", tuple(a for a in data_axes if a not in p_axes), grad / n, 1, "grads")
+    scattered = tuple(a for a in g_axes if a not in p_axes)
+    grad /= n * math.prod(plan.sizes[a] for a in scattered)
+    acc("reduce-scatter", scattered, grad, 1, "grads")
+    acc("all-reduce", tuple(a for a in data_axes if a not in p_axes + scattered), grad, 1, "grads")
     return True
 
 
@@ -355,7 +360,7 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
         gb, nbytes = _element_bytes(leaf, plan, lowering, grad_bytes, pbytes)
         g = per * gb * (_sp_grad_scale(m, leaf, t) if cpu and plan.sequence_parallel else 1)
         n_g = math.prod(sizes[a] for a in g_axes) if shardable else 1
-        rows = _row_lookup(acc, m, plan, leaf, p_axes, data_axes, pbytes, g)
+        rows = _row_lookup(acc, m, plan, leaf, (p_axes, () if cpu else g_axes, data_axes), pbytes, g)
         if not rows and (end is None or leaf.stacked or pipe_end(leaf) == end):      # gradients
             if cpu and end is not None and _is_token_table(leaf):
                 # the lookup's transpose (a scatter-add) in the executor's manual region is replicated over
