@@ -2,6 +2,7 @@
 config on the devices it would find or a ``--target``'s, the data files, the run directory) and every check of
 :func:`jaxpar.config._inspection.check_config`, with no step compiled."""
 import re
+import tempfile
 from pathlib import Path
 
 import jax
@@ -12,7 +13,9 @@ from jaxpar.cli import main
 from jaxpar.config._inspection import check_config
 
 QUICK = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
-TINY = ["model.layers=1", "model.embed=32", "model.seq_len=16", "train.devices=8"]
+#: a run directory of its own, never the repo's runs/quickstart (which `make train` fills)
+TINY = ["model.layers=1", "model.embed=32", "model.seq_len=16", "train.devices=8",
+        f"train.out_dir={tempfile.mkdtemp(prefix='jaxpar-check-')}/run"]
 
 
 def test_a_good_config_passes_without_compiling_its_programs(capsys):
