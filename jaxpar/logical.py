@@ -28,6 +28,20 @@ STACKS = ("layers", "experts", "stage", "stages", None)
 PLACEMENTS = ("auto", "gather", "owner", "local")
 #: A weight with ``embed`` and one of these runs its matmuls in FP8 (``Strategy(fp8=...)``).
 FP8_FEATURES = ("heads", "kv_heads", "mlp")
+#: The logical names of a token table, whose rows :func:`jaxpar.parallel.embed_lookup` looks up.
+TOKEN_TABLE = ("vocab", "embed")
+
+
+def zero_dim_order(shape: Sequence[int], logical: Sequence) -> tuple[int, ...]:
+    """The dimensions ZeRO / FSDP tries to split, in order: the largest first, but a token table's
+    ``embed`` first, so that its lookup moves rows rather than the table.
+
+    >>> zero_dim_order((512, 64), ("vocab", "embed")), zero_dim_order((64, 512), ("embed", "vocab"))
+    ((1, 0), (1, 0))
+    """
+    if tuple(logical) == TOKEN_TABLE:
+        return (1, 0)
+    return tuple(sorted(range(len(shape)), key=lambda d: -shape[d]))
 
 
 def fp8_covered(names: Sequence) -> bool:

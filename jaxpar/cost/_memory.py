@@ -21,7 +21,7 @@ from jaxpar.cost._context_experts import (context_score_bytes, context_working_b
 from jaxpar.cost._model import TENSOR_LOGICAL, Leaf, ModelSpec
 from jaxpar.cost._schedule import in_flight
 from jaxpar.errors import CostModelError, LayoutError
-from jaxpar.logical import matrix_sides
+from jaxpar.logical import matrix_sides, zero_dim_order
 
 
 REMAT = ("none", "selective", "full")
@@ -226,8 +226,7 @@ def zero_dim_of(leaf: Leaf, spec, sizes: Mapping[str, int]) -> int | None:
       The dimension index, or ``None``.
     """
     n = sizes.get("fsdp", 1) * sizes.get("data", 1)
-    order = sorted(range(len(leaf.shape)), key=lambda d: -leaf.shape[d])
-    for d in ((1, 0) if leaf.logical == ("vocab", "embed") else order):    # a token table: embed first
+    for d in zero_dim_order(leaf.shape, leaf.logical):
         if leaf.logical[d] != "layers" and not spec[d] and leaf.shape[d] % n == 0:
             return d
     return None

@@ -24,6 +24,7 @@ from jaxpar.cost._parallel import AXES, BATCH_AXES, Plan
 from jaxpar.cost._roofline import fp8_kernels
 from jaxpar.cost._schedule import runs_in_lockstep
 from jaxpar.errors import CostModelError
+from jaxpar.logical import TOKEN_TABLE
 
 #: ``ideal``: the textbook program; ``xla`` and ``xla-tpu``: what jaxpar's train step compiles to with the GPU
 #: and the TPU compiler (docs/planning.md §8); ``xla-cpu``: what it compiles to on XLA:CPU; ``megatron``:
@@ -311,7 +312,7 @@ def _row_lookup(acc, m: ModelSpec, plan: Plan, leaf: Leaf, axes: tuple, abytes: 
 
 
 def _is_token_table(leaf: Leaf) -> bool:
-    return not leaf.stacked and len(leaf.logical) == 2 and leaf.logical == ("vocab", "embed")
+    return not leaf.stacked and leaf.logical == TOKEN_TABLE
 
 
 def _busiest_end(m: ModelSpec, plan: Plan) -> str:
@@ -413,7 +414,7 @@ def _sp_grad_scale(m: ModelSpec, leaf: Leaf, t: int) -> float:
     comes out split over the sequence like the residual stream (``1/t``)."""
     if leaf.stacked or t == 1 or not leaf.logical:
         return 1.0
-    if leaf.logical[0] == "vocab" and len(leaf.shape) == 2 and leaf.logical[1] == "embed":
+    if leaf.logical == TOKEN_TABLE:
         return float(t)
     if leaf.logical == (None, "embed") and leaf.shape[0] == m.seq and m.seq % t == 0:
         return 1.0 / t

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.errors import RulesError
 from jaxpar.parallel._regions import spec_entry
-from jaxpar.parallel._zero import TOKEN_TABLE
+from jaxpar.logical import TOKEN_TABLE
 from jaxpar.rules import axes_of, constrain, constrain_spec, current_rules, logical_to_spec, manual_axes
 
 TABLE_EMBED = "table_embed"     # the logical name of a stored token table's ``embed`` dimension
@@ -41,24 +41,23 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     Returns:
       ``table[tokens]``, ``[*tokens.shape, embed]``; the caller constrains it to its own layout.
     """
-    axes = _row_axes(table, tokens)
+    axes, batch = _row_axes(table, tokens)
     if not axes:
         return jnp.take(constrain(table, TOKEN_TABLE), tokens, axis=0)
-    mesh, rules = current_rules()
-    batch = axes_of(logical_to_spec(("batch",), rules, mesh, shape=tokens.shape[:1])[0])
     kept = spec_entry(tuple(a for a in batch if a not in axes))      # the ids, gathered over ``axes``
     rows = jnp.take(constrain_spec(table, PartitionSpec(None, spec_entry(axes))),
                     constrain_spec(tokens, PartitionSpec(kept)), axis=0)
     return constrain_spec(rows, PartitionSpec(kept, *(None,) * (tokens.ndim - 1), spec_entry(axes)))
 
 
-def _row_axes(table: jax.Array, tokens: jax.Array) -> tuple[str, ...]:
-    """The mesh axes the rows move over, or ``()`` for the plain lookup: outside a strategy, with the
-    vocabulary or ``embed`` split for compute (tensor parallelism), inside a ``shard_map`` (a pipeline
-    stage), when they do not split the batch, or when a device holds as many tokens as the vocabulary."""
+def _row_axes(table: jax.Array, tokens: jax.Array) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The mesh axes the rows move over and those that split the batch; ``()`` for the former for the plain
+    lookup: outside a strategy, with the vocabulary or ``embed`` split for compute (tensor parallelism), inside
+    a ``shard_map`` (a pipeline stage), when they do not split the batch, or when a device holds as many
+    tokens as the vocabulary."""
     ctx = current_rules()
-    if ctx is None or table.ndim != 2:
-        return ()
+    if ctx is None or table.ndim != 2 or manual_axes():
+        return (), ()
     mesh, rules = ctx
     sizes = dict(mesh.shape)
     try:
@@ -66,10 +65,9 @@ def _row_axes(table: jax.Array, tokens: jax.Array) -> tuple[str, ...]:
         compute = logical_to_spec(TOKEN_TABLE, rules, mesh, shape=table.shape)
         batch = axes_of(logical_to_spec(("batch",), rules, mesh, shape=tokens.shape[:1])[0])
     except RulesError:          # rules without these names: the plain lookup
-        return ()
+        return (), ()
     axes = tuple(a for a in stored if sizes[a] > 1)
     unsplit = all(sizes[a] == 1 for e in compute for a in axes_of(e))
-    local_tokens = tokens.size // math.prod(sizes[a] for a in batch)
-    if not axes or not unsplit or not set(axes) <= set(batch) or manual_axes():
-        return ()
-    return axes if local_tokens < table.shape[0] else ()
+    few_tokens = tokens.size // math.prod(sizes[a] for a in batch) < table.shape[0]
+    moves = axes and unsplit and set(axes) <= set(batch) and few_tokens
+    return (axes if moves else ()), batch

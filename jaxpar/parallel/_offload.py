@@ -197,7 +197,6 @@ def _kind(x: Any) -> str:
     return HOST if jax.typeof(x).memory_space == jax.memory.Space.Host else DEVICE
 
 
-
 def check_activations(record: OffloadedActivations) -> None:
     """After a step's trace: the activations it was asked to offload were offloaded.
 

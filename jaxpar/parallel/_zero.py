@@ -28,12 +28,12 @@ from jax.sharding import PartitionSpec
 from jaxpar.parallel._regions import spec_entry
 from jaxpar.rules import axes_of
 from jaxpar.errors import StrategyError
+from jaxpar.logical import zero_dim_order
 
 
 ZERO_STAGES = (0, 1, 2, 3)
 _FIRST_STAGE = {"opt": 1, "grads": 2, "params": 3}
 _ZERO_AXES = ("fsdp", "data")      # the axes ZeRO shards over
-TOKEN_TABLE = ("vocab", "embed")
 
 
 def zero_axes(mesh_sizes: Mapping[str, int], stage: int, kind: str) -> tuple[str, ...]:
@@ -135,8 +135,7 @@ def zero_dim(shape: Sequence[int], logical: Sequence[str | None], spec: Partitio
     used = {a for e in entries for a in axes_of(e)}
     n = math.prod(mesh_sizes.get(a, 1) for a in _ZERO_AXES if a not in used)
     logical = tuple(logical) + (None,) * (len(shape) - len(tuple(logical)))
-    order = sorted(range(len(shape)), key=lambda d: -shape[d])
-    for d in ((1, 0) if logical == TOKEN_TABLE else order):     # a token table: embed, for embed_lookup's rows
+    for d in zero_dim_order(shape, logical):
         free = all(mesh_sizes.get(a, 1) == 1 for a in axes_of(entries[d]))   # size-1 axes split nothing
         if logical[d] not in exclude and free and shape[d] % n == 0:
             return d

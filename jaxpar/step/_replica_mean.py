@@ -298,9 +298,10 @@ def _one_by_one(update: Update, state, losses, grads, layout, metrics: dict):
                                              named_shardings(layout.grads, layout.mesh))
         new, out = apply_update(update, new._replace(step=state.step), losses[r], g)
         skipped.append(out.get("skipped", jnp.bool_(False)))
-        sq.append(jnp.square(out["grad_norm"]) if update.grad_norm else None)
+        if "grad_norm" in out:
+            sq.append(jnp.square(out["grad_norm"]))
     count = jnp.sum(jnp.stack(skipped).astype(jnp.int32)) if update.skip_nonfinite else None
     lr = update.log_lr(state.step) if update.log_lr is not None else None
-    sq_norms = jnp.sum(jnp.stack(sq)) if update.grad_norm else None
+    sq_norms = jnp.sum(jnp.stack(sq)) if sq else None
     out = {**metrics, **updates_metrics(jnp.mean(losses), sq_norms, k, count, lr=lr)}
     return new._replace(step=state.step + 1), out
