@@ -15,7 +15,7 @@ compute) for the target's abstract devices with the target's own compiler (devic
   allocation is 5-33 % above its live peak.
 
 ``--precision`` runs :data:`PRECISION_CASES` instead: the same GPTs in bf16 compute (fp32 master weights
-and Adam), each without and with FP8 (:class:`jaxpar.parallel.Fp8`, tensorwise, min_dim 1024), on the GPU
+and Adam), each without and with FP8 (:class:`jaxpar.options.Fp8`, tensorwise, min_dim 1024), on the GPU
 compiler: bytes per axis, and the all-gathers' bytes per step by element type against the cost model's
 parameter gathers (:func:`jaxpar.analysis._gemms.all_gather_dtypes`); the FP8 GEMMs are checked
 (:func:`jaxpar.analysis._gemms.check_fp8_gemms`).
@@ -51,6 +51,7 @@ from jaxpar.cost import device_argument_bytes, step_peak_bytes
 from jaxpar.cost._device_bytes import layout_for_platform  # noqa: E402
 from jaxpar.cost import comms
 from jaxpar.cost._traffic import bytes_per_axis, lowering_for_platform  # noqa: E402
+from jaxpar.options import Fp8  # noqa: E402
 
 P = cost.Plan
 #: GPT sizes (layers, hidden, heads, seq), vocab 50304: GPT-3 paper's 125M ... 13B, and a 70B.
@@ -89,7 +90,7 @@ CASES = [
 ]
 
 
-#: (model, global batch, target, plan): compiled in bf16, then with FP8 (``replace(plan, fp8="tensorwise")``).
+#: (model, global batch, target, plan): compiled in bf16, then with FP8 (``replace(plan, fp8=Fp8())``).
 PRECISION_CASES = [
     ("350M", 16, "h100:1x8", P(fsdp=8)),
     ("350M", 16, "h100:1x8", P(data=8)),
@@ -148,7 +149,6 @@ def compile_precision(model: cost.ModelSpec, target: str, plan: cost.Plan):
     from jaxpar.mesh import make_mesh
     from jaxpar.models import GPT, GPTConfig
     from jaxpar.models._gpt import lm_loss
-    from jaxpar.parallel import Fp8
     from jaxpar.step._compose import make_train_step
     from jaxpar.step._init import state_layout
     from jaxpar.strategy import Strategy
@@ -159,7 +159,7 @@ def compile_precision(model: cost.ModelSpec, target: str, plan: cost.Plan):
     mesh = make_mesh({k: v for k, v in plan.sizes.items() if v > 1}, devices=target_devices(parse_target(target)))
     strategy = Strategy(zero=plan.zero if plan.data > 1 else 0, sequence_parallel=plan.sequence_parallel,
                         microbatches=plan.microbatches, compute_dtype="bfloat16",
-                        fp8=Fp8(plan.fp8, plan.fp8_min_dim) if plan.fp8 else None)
+                        fp8=plan.fp8)
     tx = optax.adamw(1e-3, weight_decay=0.1)
     layout = state_layout(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
     step = make_train_step(lm_loss, tx, layout, strategy)
@@ -196,7 +196,7 @@ def precision_rows(args) -> list[dict]:
         measured = json.load(open(args.out))["measured"]
     rows = []
     for name, batch, target, base in PRECISION_CASES:
-        for plan in (base, dataclasses.replace(base, fp8="tensorwise")):
+        for plan in (base, dataclasses.replace(base, fp8=Fp8())):
             key = case_key(name, batch, target, plan) + " bf16"
             if args.only not in key or (key not in measured and args.measured):
                 continue

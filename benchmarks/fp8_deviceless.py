@@ -126,7 +126,7 @@ def predicted(cfg: DecoderConfig, axes: dict, batch: int, seq: int) -> dict[str,
     cluster = cost.load_cluster("h100")
     out = {}
     for name, fp8 in PRECISIONS.items():
-        plan = cost.Plan(**axes, remat=cfg.remat, fp8=fp8 and fp8.recipe, fp8_min_dim=fp8.min_dim if fp8 else 1024)
+        plan = cost.Plan(**axes, remat=cfg.remat, fp8=fp8)
         t = cost.step_time(model, plan, cluster, dtype="bfloat16", lowering="xla")   # the GPU compiler's
         out[name] = {"step_s": t.total, "compute_s": t.compute, "bytes_per_axis": t.bytes_per_axis}
     return out

@@ -274,7 +274,7 @@ def run_decoder(small, layers, seq, batch_rows, reps, peak, variants=DECODER_VAR
         precision, kernel = variant.split("-")
         name, fp8 = ("bf16", None) if precision == "bf16" else ("fp8 tensorwise", recipe)
         strategy = jaxpar.Strategy(compute_dtype="bfloat16", fp8=fp8)
-        predicted = predicted_seconds(spec, cost.Plan(fp8=None if fp8 is None else "tensorwise"))
+        predicted = predicted_seconds(spec, cost.Plan(fp8=fp8))
         rows.append(step_row(f"decoder {layers}L {name}", model_fn, decoder_loss, tx, strategy, batch,
                              kernel=kernel, reps=reps, flops_per_token=fpt, peak=peak, predicted=predicted))
     return rows

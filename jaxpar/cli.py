@@ -177,6 +177,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     compiler) and compares memory and bytes."""
     from jaxpar import cost
     from jaxpar.config import ConfigError, load_config
+    from jaxpar.config._build import build_fp8
+    from jaxpar.options import Fp8
     from jaxpar.config._plan_command import (muon_settings, plan_dtype, plan_model, plan_offload, plan_report,
                                              verify_plans)
 
@@ -197,8 +199,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                                                                         "batch")})
         dtype = plan_dtype(cfg, args.dtype, cluster)
         cp = dict(contexts=args.contexts, context_methods=args.context_methods) if args.contexts else {}
-        min_dim = (cfg.parallel.fp8 or {}).get("min_dim", 1024) if cfg else 1024
-        result = cost.plan(model, cluster, top=args.top, dtype=dtype, precision=args.precision, fp8_min_dim=min_dim,
+        fp8 = (build_fp8(cfg.parallel.fp8) if cfg else None) or Fp8()
+        result = cost.plan(model, cluster, top=args.top, dtype=dtype, precision=args.precision, fp8_options=fp8,
                            muon=muon_settings(cfg) if cfg else None, offload=plan_offload(cfg), **cp)
     except (cost.ClusterError, cost.PlanError) as e:
         raise ConfigError(str(e)) from None

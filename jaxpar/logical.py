@@ -28,18 +28,22 @@ STACKS = ("layers", "experts", "stage", "stages", None)
 PLACEMENTS = ("auto", "gather", "owner", "local")
 #: A weight with ``embed`` and one of these runs its matmuls in FP8 (``Strategy(fp8=...)``).
 FP8_FEATURES = ("heads", "kv_heads", "mlp")
-#: The logical names of a token table, whose rows :func:`jaxpar.parallel.embed_lookup` looks up.
+#: The logical names of a token table as the lookup and a tied head compute with it.
 TOKEN_TABLE = ("vocab", "embed")
+#: The logical names of a token table that :func:`jaxpar.parallel.embed_lookup` reads: ZeRO-3 / FSDP stores
+#: it split on ``table_embed`` (its ``embed``), so that the lookup moves rows. A table with
+#: :data:`TOKEN_TABLE`'s names is stored split on its largest dimension, which a plain ``jnp.take`` needs.
+ROW_TABLE = ("vocab", "table_embed")
 
 
 def zero_dim_order(shape: Sequence[int], logical: Sequence) -> tuple[int, ...]:
-    """The dimensions ZeRO / FSDP tries to split, in order: the largest first, but a token table's
+    """The dimensions ZeRO / FSDP tries to split, in order: the largest first, but a :data:`ROW_TABLE`'s
     ``embed`` first, so that its lookup moves rows rather than the table.
 
-    >>> zero_dim_order((512, 64), ("vocab", "embed")), zero_dim_order((64, 512), ("embed", "vocab"))
-    ((1, 0), (1, 0))
+    >>> zero_dim_order((512, 64), ("vocab", "table_embed")), zero_dim_order((512, 64), ("vocab", "embed"))
+    ((1, 0), (0, 1))
     """
-    if tuple(logical) == TOKEN_TABLE:
+    if tuple(logical) == ROW_TABLE:
         return (1, 0)
     return tuple(sorted(range(len(shape)), key=lambda d: -shape[d]))
 

@@ -27,10 +27,9 @@ from jaxpar.mesh import CONTEXT, EXPERT, data_axes
 from jaxpar.parallel.pipeline._schedules import canonical_kind
 from jaxpar.rules import LogicalRules
 from jaxpar.errors import StrategyError
-from jaxpar.parallel._fp8 import Fp8
-from jaxpar.parallel._offload import Offload
+from jaxpar.options import Fp8, Offload
 from jaxpar.parallel._tensor import tensor_rules
-from jaxpar.parallel._lookup import TABLE_EMBED
+from jaxpar.parallel._lookup import STORED_ROWS, TABLE_EMBED
 from jaxpar.parallel._zero import ZERO_STAGES, zero_axes
 
 __all__ = ["Strategy", "COMPUTE_DTYPES"]
@@ -157,9 +156,8 @@ class Strategy:
         """Logical rules for this strategy on ``mesh`` (user rules first). With a
         ``pipe`` axis the stacked ``layers`` dimension is split over it (replicated
         when the layer count does not divide); with an ``expert`` axis the ``experts`` dimension
-        of MoE weights is split over it, and the batch too. A token table's stored ``embed``
-        (``table_embed``) is split over the axes ZeRO shards the parameters over
-        (:func:`jaxpar.parallel.embed_lookup`).
+        of MoE weights is split over it, and the batch too. The rule ``stored_rows`` names the axes
+        ZeRO splits a row-looked-up token table's ``embed`` over (:func:`jaxpar.parallel.embed_lookup`).
 
         Args:
           mesh: the mesh the rules map onto.
@@ -175,7 +173,7 @@ class Strategy:
             context = (("length", CONTEXT), ("norm_length", norm))
         ep = (EXPERT,) if sizes.get(EXPERT, 1) > 1 else ()
         experts = (("experts", ep[0] if ep else None),)        # MoE weights' expert dimension
-        table = ((TABLE_EMBED, zero_axes(sizes, self.zero, "params") or None), (TABLE_EMBED, None))
+        table = ((TABLE_EMBED, None), (STORED_ROWS, zero_axes(sizes, self.zero, "params") or None), (STORED_ROWS, None))
         return tuple(self.extra_rules) + pipe + context + experts + table + tuple(
             tensor_rules(sequence_parallel=self.sequence_parallel, batch_axes=data_axes(mesh) + ep))
 
@@ -233,7 +231,7 @@ class Strategy:
         if self.compute_dtype != "float32":
             parts.append(self.compute_dtype)
         if self.fp8 is not None:
-            parts.append("fp8" if self.fp8.recipe == "tensorwise" else f"fp8-{self.fp8.recipe}")
+            parts.append(self.fp8.label)
         if self.offload is not None:
             parts.append(self.offload.label)
         if self.compression is not None:

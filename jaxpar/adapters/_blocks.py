@@ -268,6 +268,14 @@ def current_layer_runner() -> Callable | None:
     return _RUNNER.get()
 
 
+def _traced_afresh(layer: Callable) -> Callable:
+    """``layer`` as a new function object. JAX caches a function's trace by its identity and the shapes
+    (``jax.make_jaxpr``, ``jax.checkpoint``), not by jaxpar's contexts that the trace reads (the rules, context
+    parallelism, FP8): a model's module-level layer traced under one strategy would otherwise come back
+    under another in the same process."""
+    return lambda *args, **kwargs: layer(*args, **kwargs)
+
+
 def run_layers(layer: Callable, params: Any, x: jax.Array, *, logical: Any = None,
                remat: Callable | None = None, scan: bool = True, closure: tuple = ()) -> jax.Array:
     """Run ``layer(layer_params, x) -> y`` over stacked ``params`` (leading ``layers`` axis).
@@ -291,6 +299,7 @@ def run_layers(layer: Callable, params: Any, x: jax.Array, *, logical: Any = Non
     """
     if logical is None:
         logical = jax.tree.map(lambda a: (None,) * (a.ndim - 1), params)
+    layer = _traced_afresh(layer)
     transform = _TRANSFORM.get()
     call = LayerCall(layer, params, logical, x, remat, scan, tuple(closure))
     if transform is not None:

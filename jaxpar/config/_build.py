@@ -208,9 +208,9 @@ def build_context(options: Mapping[str, Any]):
 def build_fp8(options: Mapping[str, Any]):
     """The :class:`jaxpar.parallel.Fp8` of ``parallel.fp8`` (empty: ``None``)."""
     from jaxpar.errors import Fp8Error
-    from jaxpar.parallel import Fp8
+    from jaxpar.options import RECIPES, Fp8
 
-    return _options_of("fp8", options, Fp8, "recipe (tensorwise | rowwise) and min_dim (an int: smaller GEMMs "
+    return _options_of("fp8", options, Fp8, f"recipe ({' | '.join(RECIPES)}) and min_dim (an int: smaller GEMMs "
                        "stay in the compute dtype)", Fp8Error, "Fp8")
 
 

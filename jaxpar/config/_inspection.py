@@ -158,8 +158,10 @@ def fp8_lines(cfg: JobConfig, job: Any, compiled: Any, platform: str) -> list[st
     from jaxpar.analysis._gemms import all_gather_dtypes, check_fp8_gemms
     from jaxpar.config._plan_command import cost_model
 
-    fp8 = cfg.parallel.fp8
-    recipe, min_dim = fp8.get("recipe", "tensorwise"), fp8.get("min_dim", 1024)
+    from jaxpar.config._build import build_fp8
+
+    fp8 = build_fp8(cfg.parallel.fp8)
+    recipe, min_dim = fp8.recipe, fp8.min_dim
     if platform != "cuda":
         return [f"fp8      {recipe}: emulated by XLA:CPU on the simulated mesh (no FP8 GEMMs there: the matmuls "
                 "round as FP8 ones do, at the CPU's speed); --target h100:1x8 compiles them for a GPU and checks them"]

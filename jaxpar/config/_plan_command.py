@@ -156,7 +156,8 @@ def plan_overrides(plan: Any) -> list[str]:
     >>> from jaxpar.cost import Plan
     >>> plan_overrides(Plan(pipe=2, data=4, microbatches=8, schedule="interleaved", virtual=2))[-5:]
     ['parallel.virtual_stages=2', 'parallel.stage_layers=null', 'parallel.fp8={}', 'parallel.offload={}', 'model.remat=none']
-    >>> plan_overrides(Plan(fsdp=8, fp8="tensorwise", offload="opt-host"))[-3:]
+    >>> from jaxpar.options import Fp8
+    >>> plan_overrides(Plan(fsdp=8, fp8=Fp8(), offload="opt-host"))[-3:]
     ['parallel.fp8.min_dim=1024', 'parallel.offload={optimizer: true, update: host}', 'model.remat=none']
     """
     from jaxpar.cost._host_link import offload_overrides
@@ -170,7 +171,7 @@ def plan_overrides(plan: Any) -> list[str]:
     if plan.context > 1:
         out += [f"parallel.context.method={plan.context_method}",
                 f"parallel.context.balance={str(plan.context_balance).lower()}"]
-    out += [f"parallel.fp8.recipe={plan.fp8}", f"parallel.fp8.min_dim={plan.fp8_min_dim}"] if plan.fp8 else \
+    out += [f"parallel.fp8.recipe={plan.fp8.recipe}", f"parallel.fp8.min_dim={plan.fp8.min_dim}"] if plan.fp8 else \
         ["parallel.fp8={}"]
     return out + [f"parallel.offload={offload_overrides(plan.offload)}", f"model.remat={remat}"]
 
@@ -230,7 +231,7 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
     cluster = cluster.with_devices(n) if n <= cluster.devices_per_node or n % cluster.devices_per_node == 0 else \
         cost.load_cluster(cluster_name, nodes=1)
     if strategy.fp8 is not None and cluster.has_fp8:     # elsewhere FP8 is emulated: the step's own matmuls
-        plan = replace(plan, fp8=strategy.fp8.recipe, fp8_min_dim=strategy.fp8.min_dim)
+        plan = replace(plan, fp8=strategy.fp8)
     if (o := strategy.offload) is not None:     # its state in host memory (offloaded activations: not modelled)
         from jaxpar.cost._host_link import plan_offload
 
@@ -439,13 +440,15 @@ def fp8_line(result: Any, cluster: Any) -> str:
     """
     best = result.best
     if best.without_fp8:
-        return (f"fp8      chosen ({best.plan.fp8}, min_dim {best.plan.fp8_min_dim}): predicted "
+        return (f"fp8      chosen ({best.plan.fp8.recipe}, min_dim {best.plan.fp8.min_dim}): predicted "
                 f"{best.time.total * 1e3:.1f} ms per step with FP8, {best.without_fp8 * 1e3:.1f} ms without "
-                f"({best.without_fp8 / best.time.total:.2f}x); the overrides: parallel.fp8.recipe={best.plan.fp8}")
+                f"({best.without_fp8 / best.time.total:.2f}x); the overrides: parallel.fp8.recipe={best.plan.fp8.recipe}")
     if not cluster.has_fp8:
         return f"fp8      not considered: cluster {cluster.name} has no FP8 GEMMs (no peak_tflops.float8)"
+    if result.fp8 is None:
+        return "fp8      not considered (fp8=False)"
     if not any(e.without_fp8 for e in result.ranked):
-        return (f"fp8      considered, not chosen: no GEMM of the model reaches min_dim {best.plan.fp8_min_dim}, "
+        return (f"fp8      considered, not chosen: no GEMM of the model reaches min_dim {result.fp8.min_dim}, "
                 "or FP8 predicts no gain")
     return "fp8      considered: the best plan is faster without it"
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from jaxpar.errors import CostModelError, check_int
-from jaxpar.logical import fp8_covered
+from jaxpar.logical import ROW_TABLE, fp8_covered
 
 #: Logical names jaxpar's tensor rules shard over ``tensor`` (:func:`jaxpar.parallel.tensor_rules`).
 TENSOR_LOGICAL = ("mlp", "heads", "vocab")
@@ -265,7 +265,7 @@ def _gpt_leaves(layers: int, h: int, heads: int, s: int, V: int, f: int, moe: Mo
         if S:
             blocks += [("moe_shared_w1", (n_moe, h, S), ("layers", "embed", "mlp")),
                        ("moe_shared_w2", (n_moe, S, h), ("layers", "mlp", "embed"))]
-    out = [Leaf("wte", (V, h), ("vocab", "embed")), Leaf("wpe", (s, h), (None, "embed"))]
+    out = [Leaf("wte", (V, h), ROW_TABLE), Leaf("wpe", (s, h), (None, "embed"))]
     out += [Leaf(f"blocks/{n}", shape, lg) for n, shape, lg in blocks]
     out += [Leaf("lnf_scale", (h,), ("embed",)), Leaf("lnf_bias", (h,), ("embed",)),
             Leaf("head", (h, V), ("embed", "vocab"))]

@@ -18,6 +18,7 @@ from jaxpar.compat._settings import FLUSH_SCHEDULES
 from jaxpar.cost._host_link import OFFLOADS
 from jaxpar.cost._memory import REMAT
 from jaxpar.errors import PlanError, check_int
+from jaxpar.options import Fp8
 
 #: The mesh axes in mesh order (outermost first, ``tensor`` innermost; docs/planning.md §10).
 AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
@@ -25,15 +26,12 @@ AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")
 #: The context-parallel attention methods (:data:`jaxpar.parallel.context.METHODS`).
 CONTEXT_METHODS = ("ring", "all_gather", "ulysses")
-#: The FP8 scaling recipes (:data:`jaxpar.parallel._fp8.RECIPES`).
-FP8_RECIPES = ("tensorwise", "rowwise")
 
 
 @dataclass(frozen=True)
 class Plan:
     """One point of the search: mesh sizes and what to do with them (as :class:`jaxpar.Strategy`);
-    ``fp8``: the FP8 recipe of the covered matmuls (None: none) and ``fp8_min_dim`` its smallest GEMM
-    (:class:`jaxpar.parallel.Fp8`); ``offload``: what lives in host memory, as :class:`jaxpar.parallel.Offload`'s
+    ``fp8``: the FP8 options of the covered matmuls (:class:`jaxpar.options.Fp8`; None: none); ``offload``: what lives in host memory, as :class:`jaxpar.parallel.Offload`'s
     label names it (:data:`jaxpar.cost._host_link.OFFLOADS`; None: nothing)."""
 
     pipe: int = 1
@@ -50,8 +48,7 @@ class Plan:
     context: int = 1
     context_method: str = "ring"
     context_balance: bool = True
-    fp8: str | None = None
-    fp8_min_dim: int = 1024
+    fp8: Fp8 | None = None
     offload: str | None = None
 
     def __post_init__(self):
@@ -70,9 +67,8 @@ class Plan:
                             f"{', '.join(CONTEXT_METHODS)}.")
         if not isinstance(self.context_balance, bool):
             raise PlanError(f"Plan.context_balance={self.context_balance!r}: must be True or False.")
-        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
-            raise PlanError(f"Plan.fp8={self.fp8!r}: choose None (no FP8) or a recipe, {', '.join(FP8_RECIPES)}.")
-        check_int("Plan", "fp8_min_dim", self.fp8_min_dim, 0, PlanError)
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8):
+            raise PlanError(f"Plan.fp8={self.fp8!r}: give jaxpar.options.Fp8(...) or None (no FP8).")
         if self.offload is not None and self.offload not in OFFLOADS:
             raise PlanError(f"Plan.offload={self.offload!r}: choose None or one of {', '.join(OFFLOADS)}.")
 
@@ -94,7 +90,7 @@ class Plan:
 
         >>> Plan(pipe=4, data=2, tensor=8, zero=1, sequence_parallel=True, microbatches=8).name()
         'pp4-1f1b-m8-dp2-zero1-tp8-sp'
-        >>> Plan(fsdp=2, context=4, context_balance=False).name(), Plan(fsdp=8, fp8="tensorwise").name()
+        >>> Plan(fsdp=2, context=4, context_balance=False).name(), Plan(fsdp=8, fp8=Fp8()).name()
         ('fsdp2-cp4-ring-natural', 'fsdp8-fp8')
         """
         parts = []
@@ -115,7 +111,7 @@ class Plan:
         if self.remat != "none":
             parts.append(f"remat-{self.remat}")
         if self.fp8:
-            parts.append("fp8" if self.fp8 == "tensorwise" else f"fp8-{self.fp8}")
+            parts.append(self.fp8.label)
         if self.offload:
             parts.append(f"offload-{self.offload}")
         return "-".join(parts) or "single"

@@ -38,6 +38,7 @@ from jaxpar.cost._roofline import fp8_kernels
 from jaxpar.cost._time import Overlap, StepTime, step_time
 from jaxpar.cost._traffic import outer_at_ends
 from jaxpar.errors import PlanError
+from jaxpar.options import Fp8
 
 #: The shortest sequence for which :func:`plan` searches CP degrees by default. NeMo's long-context
 #: recipes (16k and 64k tokens) are where CP is used in practice; at 2k the model would pick CP 2 for
@@ -220,13 +221,14 @@ class Rejected:
 @dataclass
 class PlanResult:
     """Ranked estimates (fastest first), the rejected plans (do not fit) and the refused ones (cannot run:
-    CP / EP sizes), with their reasons."""
+    CP / EP sizes), with their reasons; ``fp8``: the FP8 options of the plans with FP8 (None: ``fp8=False``)."""
 
     ranked: list[Estimate]
     rejected: list[Rejected] = field(default_factory=list)
     considered: int = 0
     refused: list[Rejected] = field(default_factory=list)
     top: int = 10
+    fp8: Fp8 | None = None
 
     @property
     def best(self) -> Estimate:
@@ -365,7 +367,7 @@ class _Search(NamedTuple):
     lowering: str
     memory_fraction: float
     fixed: dict | None = None
-    fp8_min_dim: int | None = None      # None: no FP8 plans; else FP8 plans of this min_dim are considered too
+    fp8: Fp8 | None = None              # None: no FP8 plans; else FP8 plans with these options are considered too
     muon: dict | None = None            # Muon's {"ns_steps", "placement"}: its Newton-Schulz in the update
     offload: str | None = None          # Plan.offload of every candidate (precision: jaxpar's fp32 layout)
 
@@ -398,7 +400,7 @@ class _Search(NamedTuple):
                         t = self.timed(cand)
                         off = self.timed(replace(cand, offload=None)).total if cand.offload else None
                         return self.with_fp8(Estimate(cand, t, mem, True, without_offload=off)), rejected, \
-                            considered + (self.fp8_min_dim is not None)
+                            considered + (self.fp8 is not None)
                 except LayoutError as err:
                     rejected.append(Rejected(cand, str(err)))
                     break
@@ -409,10 +411,10 @@ class _Search(NamedTuple):
         return None, rejected, considered
 
     def with_fp8(self, e: Estimate) -> Estimate:
-        """The faster of ``e`` and ``e`` with FP8 (tensorwise; memory as without: FP8 keeps the fp32 state)."""
-        if self.fp8_min_dim is None:
+        """The faster of ``e`` and ``e`` with FP8 (memory as without: FP8 keeps the fp32 state)."""
+        if self.fp8 is None:
             return e
-        p = replace(e.plan, fp8="tensorwise", fp8_min_dim=self.fp8_min_dim)
+        p = replace(e.plan, fp8=self.fp8)
         t = self.timed(p)
         off = self.timed(replace(p, offload=None)).total if p.offload else None
         return Estimate(p, t, e.memory, e.fits, without_fp8=e.time.total, without_offload=off) \
@@ -464,7 +466,7 @@ def _methods(value) -> tuple[str, ...]:
 def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfloat16", precision: str = "mixed",
          overlap: Overlap = Overlap(), memory_fraction: float = 0.9, schedules=("gpipe", "1f1b", "interleaved", "zb-h1"),
          lowering: str = "ideal", contexts=None, context_methods=CONTEXT_METHODS, experts=None,
-         fixed=None, fp8: bool | None = None, fp8_min_dim: int = 1024, muon: dict | None = None,
+         fixed=None, fp8: bool | None = None, fp8_options: Fp8 = Fp8(), muon: dict | None = None,
          offload: bool | None = None) -> PlanResult:
     """Rank every plan of ``model`` on ``cluster`` (see the module doc).
 
@@ -485,10 +487,10 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
       experts: the EP degrees (None: every divisor that divides the model's experts, ``(1,)`` for a dense model).
       fixed: the run's settings no plan chooses (a codec, ``clip_norm``, ...:
         :func:`plan_setting`), with which the table checks each candidate.
-      fp8: consider each plan with FP8 too (tensorwise) and keep the faster: ``None`` where the cluster has
-        FP8 GEMMs (``peak_tflops.float8``) and the model a GEMM FP8 covers at ``fp8_min_dim``; ``False``:
-        never; ``True``: a :class:`PlanError` on a cluster without FP8 GEMMs.
-      fp8_min_dim: the FP8 plans' ``min_dim`` (:class:`jaxpar.parallel.Fp8`).
+      fp8: consider each plan with FP8 too (``fp8_options``) and keep the faster: ``None`` where the cluster
+        has FP8 GEMMs (``peak_tflops.float8``) and the model a GEMM FP8 covers; ``False``: never; ``True``: a
+        :class:`PlanError` on a cluster without FP8 GEMMs.
+      fp8_options: the FP8 plans' options (:class:`jaxpar.options.Fp8`).
       muon: Muon's ``{"ns_steps", "placement"}``: each plan's update counts its Newton-Schulz
         (:func:`jaxpar.cost.with_muon`) and its memory one fp32 moment per matrix (:func:`jaxpar.cost.muon_precision`).
       offload: when no plan fits, search again with the optimizer state in host memory and the host update
@@ -509,14 +511,14 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
     es = _degrees("experts", experts, [e for e in divisors(n) if model.is_moe and model.experts % e == 0] or [1])
     methods = _methods(context_methods)
     search = _Search(model, cluster, dtype, precision, overlap, lowering, memory_fraction, fixed,
-                     fp8_min_dim if _with_fp8(model, cluster, fp8, fp8_min_dim) else None, muon)
+                     fp8_options if _with_fp8(model, cluster, fp8, fp8_options) else None, muon)
     ranked, rejected, refused, considered, shape_reasons = search.run(n, cs, es, methods, schedules)
     if not ranked and _with_offload(cluster, offload, muon):        # nothing fits: the state to the host
         ranked, rejected, considered = _offloaded(search, (n, cs, es, methods, schedules), rejected, considered)
     if not ranked:
         _nothing(model, cluster, n, rejected, refused, shape_reasons)
     ranked.sort(key=lambda e: e.time.total)
-    return PlanResult(ranked, rejected, considered, refused, top)
+    return PlanResult(ranked, rejected, considered, refused, top, None if fp8 is False else fp8_options)
 
 
 def _check_request(model: ModelSpec, cluster: Cluster, dtype: str, memory_fraction: float, fixed) -> None:
@@ -555,14 +557,14 @@ def _with_offload(cluster: Cluster, offload: bool | None, muon: dict | None) -> 
     return offload is not False and why is None
 
 
-def _with_fp8(model: ModelSpec, cluster: Cluster, fp8: bool | None, min_dim: int) -> bool:
+def _with_fp8(model: ModelSpec, cluster: Cluster, fp8: bool | None, options: Fp8) -> bool:
     """Whether :func:`plan` considers FP8 plans (see its ``fp8``)."""
     if fp8 not in (None, True, False):
         raise PlanError(f"fp8={fp8!r}: None (where the cluster has FP8 GEMMs), True or False.")
     if fp8 and not cluster.has_fp8:
         raise PlanError(f"fp8=True: cluster {cluster.name!r} has no FP8 GEMMs (no peak_tflops.float8); plan with "
                         "fp8=None or False, or choose a cluster with FP8 GEMMs (h100).")
-    covers = bool(fp8_kernels(model, Plan(fp8="tensorwise", fp8_min_dim=min_dim)))
+    covers = bool(fp8_kernels(model, Plan(fp8=options)))
     return fp8 is not False and cluster.has_fp8 and covers
 
 

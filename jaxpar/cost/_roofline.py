@@ -65,22 +65,23 @@ def fp8_kernels(m: ModelSpec, plan: Plan) -> frozenset[str]:
     """The kernels of :func:`layer_kernels` that run in FP8 under ``plan.fp8``: the attention projections,
     the MLP, the experts and the shared experts, each where its GEMM's contracted and output sizes (of the
     model's weights: ``hidden`` against the heads' ``hidden``, ``mlp``, ``expert_mlp``, ``shared_mlp``) are
-    both at least ``plan.fp8_min_dim`` (:meth:`~jaxpar.cost.Leaf.fp8`).
+    both at least ``plan.fp8.min_dim`` (:meth:`~jaxpar.cost.Leaf.fp8`).
 
     Args:
       m: the model.
-      plan: its ``fp8`` and ``fp8_min_dim`` are read.
+      plan: its ``fp8`` is read.
 
     Returns:
       Kernel names (empty without FP8).
 
     >>> from jaxpar.cost._model import gpt
-    >>> sorted(fp8_kernels(gpt(2, 1024, 8, 64, 256, 8, mlp=512), Plan(fp8="tensorwise", fp8_min_dim=1024)))
+    >>> from jaxpar.options import Fp8
+    >>> sorted(fp8_kernels(gpt(2, 1024, 8, 64, 256, 8, mlp=512), Plan(fp8=Fp8(min_dim=1024))))
     ['proj', 'qkv']
     """
     if plan.fp8 is None:
         return frozenset()
-    h, d = m.hidden, plan.fp8_min_dim
+    h, d = m.hidden, plan.fp8.min_dim
     groups = {("qkv", "proj"): h, ("fc1", "fc2"): m.mlp, ("expert_fc1", "expert_fc2"): m.expert_mlp,
               ("shared_fc1", "shared_fc2"): m.shared_mlp}
     return frozenset(k for names, width in groups.items() if width and min(h, width) >= d for k in names)
@@ -294,7 +295,7 @@ def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: flo
     elem = layer_elementwise_bytes(m, plan, rows, compute_bytes, moe, fused_attention=cluster.fused_attention)
     if forward_only:
         elem /= 3 + (plan.remat == "full")
-    quantize = fp8_quantize_bytes(ks, fp8, plan.fp8, compute_bytes, plan.remat) if fp8 else (0.0, 0.0)
+    quantize = fp8_quantize_bytes(ks, fp8, plan.fp8.recipe, compute_bytes, plan.remat) if fp8 else (0.0, 0.0)
     elem += quantize[0] if forward_only else sum(quantize)
     return Work(kernels, elem / bw if bw > 0 else 0.0)
 

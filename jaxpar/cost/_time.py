@@ -362,14 +362,15 @@ def check_precision(cluster: Cluster, dtype: str, plan: Plan | None = None) -> N
       plan: the plan (None: the dtype only).
 
     >>> from jaxpar.cost._cluster import load_cluster
-    >>> check_precision(load_cluster("tpu_v5e"), "bfloat16", Plan(data=8, fp8="tensorwise"))
+    >>> from jaxpar.options import Fp8
+    >>> check_precision(load_cluster("tpu_v5e"), "bfloat16", Plan(data=8, fp8=Fp8()))
     Traceback (most recent call last):
     ...
     jaxpar.errors.CostModelError: plan dp8-fp8: cluster 'tpu_v5e' has no FP8 GEMMs (no peak_tflops.float8); plan without fp8, or choose a cluster with FP8 GEMMs (h100).
     """
     if dtype == FP8:
         raise CostModelError(f"dtype={FP8!r} is not a compute dtype: FP8 runs the covered matmuls of a plan with "
-                             f"fp8 set (Plan(fp8='tensorwise')); compute in one of {', '.join(cluster.compute_dtypes)}.")
+                             f"fp8 set (Plan(fp8=Fp8())); compute in one of {', '.join(cluster.compute_dtypes)}.")
     cluster.peak(dtype)
     if plan is not None and plan.fp8 is not None and not cluster.has_fp8:
         raise CostModelError(f"plan {plan.name()}: cluster {cluster.name!r} has no FP8 GEMMs (no peak_tflops.{FP8}); "

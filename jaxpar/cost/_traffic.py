@@ -24,7 +24,7 @@ from jaxpar.cost._parallel import AXES, BATCH_AXES, Plan
 from jaxpar.cost._roofline import fp8_kernels
 from jaxpar.cost._schedule import runs_in_lockstep
 from jaxpar.errors import CostModelError
-from jaxpar.logical import TOKEN_TABLE
+from jaxpar.logical import ROW_TABLE, TOKEN_TABLE
 
 #: ``ideal``: the textbook program; ``xla`` and ``xla-tpu``: what jaxpar's train step compiles to with the GPU
 #: and the TPU compiler (docs/planning.md §8); ``xla-cpu``: what it compiles to on XLA:CPU; ``megatron``:
@@ -312,7 +312,7 @@ def _row_lookup(acc, m: ModelSpec, plan: Plan, leaf: Leaf, axes: tuple, abytes: 
 
 
 def _is_token_table(leaf: Leaf) -> bool:
-    return not leaf.stacked and leaf.logical == TOKEN_TABLE
+    return not leaf.stacked and leaf.logical == ROW_TABLE
 
 
 def _busiest_end(m: ModelSpec, plan: Plan) -> str:
@@ -402,7 +402,7 @@ def _element_bytes(leaf: Leaf, plan: Plan, lowering: str, grad_bytes: float, pby
     (:meth:`~jaxpar.cost.Leaf.fp8`) as its FP8 values, 1 byte per element (the GPU compiler quantizes before
     the gather; measured, docs/planning.md §11); its gradient is reduced in the compute dtype as without."""
     gather = min(pbytes, 2) if lowering == "xla-tpu" and leaf.matmul else pbytes
-    if plan.fp8 is not None and leaf.fp8(plan.fp8_min_dim) and lowering != "xla-cpu":
+    if plan.fp8 is not None and leaf.fp8(plan.fp8.min_dim) and lowering != "xla-cpu":
         gather = 1
     return grad_bytes, gather
 
@@ -414,7 +414,7 @@ def _sp_grad_scale(m: ModelSpec, leaf: Leaf, t: int) -> float:
     comes out split over the sequence like the residual stream (``1/t``)."""
     if leaf.stacked or t == 1 or not leaf.logical:
         return 1.0
-    if leaf.logical == TOKEN_TABLE:
+    if leaf.logical in (TOKEN_TABLE, ROW_TABLE):
         return float(t)
     if leaf.logical == (None, "embed") and leaf.shape[0] == m.seq and m.seq % t == 0:
         return 1.0 / t

@@ -47,6 +47,7 @@ from flax import nnx
 from jaxpar.adapters._blocks import REMAT_POLICIES, remat_policy, run_layers
 from jaxpar.errors import ModelConfigError, check_int
 from jaxpar.parallel.context import in_sequence_order, sequence_order
+from jaxpar.logical import ROW_TABLE
 from jaxpar.parallel._lookup import embed_lookup
 from jaxpar.rules import constrain
 from jaxpar.models._gpt import cross_entropy
@@ -203,7 +204,7 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         with nnx.use_eager_sharding(False):
-            self.embed = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), cfg, False)
+            self.embed = _param(rngs, (cfg.vocab, cfg.embed), ROW_TABLE, cfg, False)
             self.layers = Layers(cfg, rngs=rngs)
             self.norm = _param(rngs, (cfg.embed,), ("embed",), cfg, True)
             if not cfg.tie_embeddings:

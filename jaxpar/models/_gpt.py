@@ -40,6 +40,7 @@ from flax import nnx
 
 from jaxpar.adapters._blocks import REMAT_POLICIES, remat_policy, run_layers
 from jaxpar.parallel.context import in_sequence_order, sequence_order
+from jaxpar.logical import ROW_TABLE
 from jaxpar.parallel._lookup import embed_lookup
 from jaxpar.rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes
 from jaxpar.models._gpt_layers import BLOCK_LOGICAL, Blocks, block_apply, layer_norm, param, zeros
@@ -100,7 +101,7 @@ class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         with nnx.use_eager_sharding(False):
-            self.wte = param(rngs.params(), (cfg.vocab, cfg.embed), ("vocab", "embed"), cfg.init_std)
+            self.wte = param(rngs.params(), (cfg.vocab, cfg.embed), ROW_TABLE, cfg.init_std)
             self.wpe = param(rngs.params(), (cfg.seq_len, cfg.embed), (None, "embed"), cfg.init_std)
             self.blocks = MoEBlocks(cfg, rngs=rngs) if cfg.moe is not None else Blocks(cfg, rngs=rngs)
             self.lnf_scale = param(None, (cfg.embed,), ("embed",), 0)

@@ -9,8 +9,8 @@ context and expert parallelism, compressed exchanges and relaxed synchronisation
 """
 from jaxpar.parallel._data_parallel import (bucketed_all_gather, bucketed_reduce_scatter, data_parallel_block,
                                             explicit_by_default)
-from jaxpar.parallel._fp8 import Fp8, fp8_dot_general, fp8_layer, fp8_loss
-from jaxpar.parallel._offload import Offload
+from jaxpar.options import Fp8, Offload
+from jaxpar.parallel._fp8 import fp8_dot_general, fp8_layer, fp8_loss
 from jaxpar.parallel._lookup import TABLE_EMBED, embed_lookup
 from jaxpar.parallel._tensor import column_parallel, row_parallel, tensor_rules
 from jaxpar.parallel._zero import ZERO_STAGES, add_zero_axes, analytic_state_bytes, zero_dim

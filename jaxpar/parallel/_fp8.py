@@ -29,11 +29,10 @@ from jaxpar.adapters._blocks import LAYERS, use_layer_transform
 from jaxpar.errors import Fp8Error
 from jaxpar.logical import FP8_FEATURES, fp8_covered
 from jaxpar.mesh import REPLICA
+from jaxpar.options import Fp8
 from jaxpar.parallel._tensor import separate_projections
 from jaxpar.rules import path_str, scoped
 
-#: The scaling recipes: one scale per tensor, or one per row of each GEMM operand.
-RECIPES = ("tensorwise", "rowwise")
 #: The forward operands' and the gradients' FP8 types.
 FORWARD, BACKWARD = jnp.float8_e4m3fn, jnp.float8_e5m2
 #: Manual axes whose devices hold tensors of their own (pipeline stages, relaxed-sync replicas).
@@ -43,28 +42,6 @@ _FP8: contextvars.ContextVar = contextvars.ContextVar("jaxpar_fp8", default=None
 #: The ops a weight passes through on its way to the matmul and stays itself.
 _VIEWS = {"convert_element_type", "reshape", "transpose", "squeeze", "sharding_constraint", "copy", "copy_p",
           "pvary", "mesh_cast", "reshard"}
-
-
-@dataclass(frozen=True)
-class Fp8:
-    """FP8 training of the covered matmuls (:func:`fp8_layer`'s options).
-
-    - ``recipe``: ``"tensorwise"`` (one scale per operand) or ``"rowwise"`` (one per row: per
-      index of the operand's dimensions that the GEMM does not contract), both current scaling
-      (the scale comes from this step's absolute maximum);
-    - ``min_dim``: a GEMM whose contracted or output size is below it stays in the compute dtype
-      (FP8 gains nothing on small GEMMs).
-    """
-
-    recipe: str = "tensorwise"
-    min_dim: int = 1024
-
-    def __post_init__(self):
-        if self.recipe not in RECIPES:
-            raise Fp8Error(f"Fp8(recipe={self.recipe!r}): the recipes are {', '.join(RECIPES)}. A delayed "
-                           "recipe (scales from an amax history) is not built; use tensorwise or rowwise.")
-        if isinstance(self.min_dim, bool) or not isinstance(self.min_dim, int) or self.min_dim < 0:
-            raise Fp8Error(f"Fp8(min_dim={self.min_dim!r}) must be an int >= 0 (0: every covered GEMM in FP8).")
 
 
 def own_scales(axes) -> ContextManager[None]:

@@ -1,9 +1,12 @@
 """The token-embedding lookup that moves rows, not the table, under ZeRO-3 / FSDP.
 
-ZeRO-3 / FSDP stores a token table ``[vocab, embed]`` split on ``embed`` over the axes that shard the
-parameters (the rule ``table_embed``, :meth:`jaxpar.Strategy.rules`). Gathering the whole table for a
-lookup moves ``vocab x embed`` per device, and its gradient as much again. Where a device holds fewer
-tokens than the vocabulary, :func:`embed_lookup` gathers the token ids over those axes instead, looks up
+A model that looks its token table ``[vocab, embed]`` up with :func:`embed_lookup` names it
+:data:`jaxpar.logical.ROW_TABLE` (``("vocab", "table_embed")``), and ZeRO-3 / FSDP stores it split on
+``embed`` over the axes that shard the parameters (the rule ``stored_rows``, :meth:`jaxpar.Strategy.rules`).
+A table named ``("vocab", "embed")`` is split on its largest dimension, as a plain ``jnp.take`` needs: split
+on ``embed``, XLA would carry that split into the activations. Gathering the whole table for a lookup
+moves ``vocab x embed`` per device, and its gradient as much again. Where a device holds fewer tokens than
+the vocabulary, :func:`embed_lookup` gathers the token ids over those axes instead, looks up
 its own slice of ``embed`` for all of them, and one all-to-all gives every device its tokens' whole rows;
 the backward runs the same in reverse, so no whole-table gradient is formed (Levanter's lookup).
 
@@ -25,17 +28,18 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.errors import RulesError
 from jaxpar.parallel._regions import spec_entry
-from jaxpar.logical import TOKEN_TABLE
+from jaxpar.logical import ROW_TABLE, TOKEN_TABLE
 from jaxpar.rules import axes_of, constrain, constrain_spec, current_rules, logical_to_spec, manual_axes
 
-TABLE_EMBED = "table_embed"     # the logical name of a stored token table's ``embed`` dimension
+TABLE_EMBED = ROW_TABLE[1]     # the logical name of a row-looked-up token table's ``embed`` dimension
+STORED_ROWS = "stored_rows"    # no parameter's name: its rule gives the axes ZeRO splits a ROW_TABLE's embed over
 
 
 def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     """The rows of ``table`` for ``tokens``, moving rows rather than the table where that is fewer bytes.
 
     Args:
-      table: the token table ``[vocab, embed]`` (logical names ``("vocab", "embed")``).
+      table: the token table ``[vocab, embed]``, named :data:`~jaxpar.logical.ROW_TABLE` in the model.
       tokens: int token ids, batch first (``[batch, ...]``).
 
     Returns:
@@ -61,7 +65,7 @@ def _row_axes(table: jax.Array, tokens: jax.Array) -> tuple[tuple[str, ...], tup
     mesh, rules = ctx
     sizes = dict(mesh.shape)
     try:
-        stored = axes_of(logical_to_spec((None, TABLE_EMBED), rules, mesh, shape=table.shape)[1])
+        stored = axes_of(logical_to_spec((None, STORED_ROWS), rules, mesh, shape=table.shape)[1])
         compute = logical_to_spec(TOKEN_TABLE, rules, mesh, shape=table.shape)
         batch = axes_of(logical_to_spec(("batch",), rules, mesh, shape=tokens.shape[:1])[0])
     except RulesError:          # rules without these names: the plain lookup

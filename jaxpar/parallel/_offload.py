@@ -1,6 +1,6 @@
 """Memory offloading: the optimizer state, the fp32 master weights and named activations in host memory.
 
-:class:`Offload` is ``Strategy.offload``'s value. Between steps the offloaded parts of the train state
+:class:`~jaxpar.options.Offload` is ``Strategy.offload``'s value. Between steps the offloaded parts of the train state
 live in ``pinned_host`` memory: their shardings (the step's ``in_shardings`` and ``out_shardings``, the
 state's own, a checkpoint's restore target) carry that memory kind (:func:`host_state_shardings`). Inside
 the step they are streamed to the device (:func:`stream_in`: ``jax.device_put`` to the ``device`` kind)
@@ -8,21 +8,10 @@ where the forward, the backward and the update read them, and the step's outputs
 The arithmetic is the step's own, so an offloaded run equals the run without offload bit for bit.
 Activations are offloaded by the remat policy ``"offload"`` (:func:`jaxpar.adapters.remat_policy`): the
 residuals named in ``activations`` go to the host after the forward and come back for the backward.
-
-Example::
-
-    >>> o = Offload(optimizer=True, activations=("jaxpar_layer_input",))
-    >>> o.fields, o.label
-    (('opt_state',), 'offload-opt-act')
-    >>> Offload(activations="mlp")
-    Traceback (most recent call last):
-    ...
-    jaxpar.errors.OffloadError: Offload.activations='mlp': give a tuple of checkpoint_name names, e.g. ('jaxpar_layer_input',).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -31,72 +20,10 @@ from jax.sharding import NamedSharding
 
 from jaxpar.adapters._blocks import OffloadedActivations
 from jaxpar.errors import OffloadError
+from jaxpar.options import Offload
 
 #: The memory kind the offloaded state lives in between steps, and the one it is computed in.
 HOST, DEVICE = "pinned_host", "device"
-#: Where the optimizer update runs (``Offload.update``; the first is the default).
-UPDATES = ("device", "host")
-
-
-@dataclass(frozen=True)
-class Offload:
-    """What lives in host memory (``Strategy.offload``).
-
-    - ``optimizer``: the optimizer state (Adam's moments, counts) between steps;
-    - ``master``: the parameters between steps. jaxpar keeps one copy of the parameters, the fp32 master
-      (a bf16 ``compute_dtype`` casts it inside the step), so this is that copy: it is streamed to the
-      device at the start of the step, the compute copy is cast there, and the update writes it back;
-    - ``activations``: ``checkpoint_name`` names of residuals moved to host memory after the forward and
-      back for the backward, under a model whose remat policy is ``"offload"``
-      (:data:`jaxpar.adapters._blocks.LAYER_INPUT`: each layer's input, what a scan over the layers keeps);
-    - ``update``: where the optimizer update runs: ``"device"`` (default: the offloaded state is streamed to
-      the device and updated there, with every optimizer and schedule, bit for bit the run without
-      offload) or ``"host"`` (ZeRO-Offload's design, with ``optimizer=True``: the gradients go to host
-      memory and the update runs there, on the state where it lives, :func:`host_placement`, so the
-      device never holds the optimizer state; docs/strategies.md says what it saves and what it costs).
-    """
-
-    optimizer: bool = False
-    master: bool = False
-    activations: tuple[str, ...] = ()
-    update: str = "device"
-
-    def __post_init__(self):
-        for key in ("optimizer", "master"):
-            if not isinstance(getattr(self, key), bool):
-                raise OffloadError(f"Offload.{key}={getattr(self, key)!r}: must be True or False.")
-        names = self.activations
-        if isinstance(names, str) or not isinstance(names, (tuple, list)) or \
-                not all(isinstance(n, str) and n for n in names):
-            raise OffloadError(f"Offload.activations={names!r}: give a tuple of checkpoint_name names, e.g. "
-                               "('jaxpar_layer_input',).")
-        object.__setattr__(self, "activations", tuple(names))
-        if self.update not in UPDATES:
-            raise OffloadError(f"Offload.update={self.update!r}: must be 'device' (the state is streamed to the device "
-                               "and updated there) or 'host' (the update runs in host memory, where the state lives).")
-        if self.update == "host" and not self.optimizer:
-            raise OffloadError("Offload.update='host' with optimizer=False: the host update reads the optimizer state "
-                               "where it lives, in host memory. Set optimizer=True, or update='device'.")
-        if not (self.optimizer or self.master or self.activations):
-            raise OffloadError("Offload() offloads nothing: set optimizer=True, master=True or activations=(...), "
-                               "or leave Strategy.offload=None.")
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        """The :class:`~jaxpar.step.TrainState` fields that live in host memory between steps."""
-        return ("opt_state",) * self.optimizer + ("params",) * self.master
-
-    @property
-    def streamed(self) -> tuple[str, ...]:
-        """The offloaded fields a step copies to device memory first: every one under a device update, the
-        parameters alone (the forward's) under a host update."""
-        return self.fields if self.update == "device" else tuple(f for f in self.fields if f == "params")
-
-    @property
-    def label(self) -> str:
-        """The part of a strategy's name (``offload-opt-master-act``, ``-host`` with the host update)."""
-        return "-".join(["offload"] + ["opt"] * self.optimizer + ["master"] * self.master
-                        + ["act"] * bool(self.activations) + ["host"] * (self.update == "host"))
 
 
 def with_kind(sharding: NamedSharding, kind: str) -> NamedSharding:
