@@ -11,14 +11,17 @@ from pathlib import Path
 import pytest
 
 from jaxpar import cost
-from jaxpar.cost._host_link import HOST_UPDATES, host_bytes, transfer_bytes
+from jaxpar.cost._host_link import host_bytes, transfer_bytes
 from jaxpar.cost._time import update_bytes
+from jaxpar.options import Offload
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 GPT = ["model.layers=2", "model.embed=128", "model.heads=4", "model.vocab=256", "model.seq_len=64",
        "data.batch_size=16", "train.devices=0", "mesh.tensor=1", "optimizer.clip_norm=null", "train.on_nonfinite=stop"]
 YAML = {"opt": "{optimizer: true}", "opt-host": "{optimizer: true, update: host}",
         "opt-master-host": "{optimizer: true, master: true, update: host}"}
+KINDS = {"opt": Offload(optimizer=True), "opt-host": Offload(optimizer=True, update="host"),
+         "opt-master-host": Offload(optimizer=True, master=True, update="host")}
 #: The step's scalars that the host update also copies (a predicate the update reads): at most these bytes.
 SCALARS = 8
 
@@ -50,7 +53,7 @@ def test_host_bytes_transfers_and_the_saving_match_the_compiled_step(mesh, zero)
     model = cost.gpt(2, 128, 4, 64, 256, 16)
     plain, _ = _compiled(mesh, zero, None)
     for kind in ("opt", "opt-host") + (("opt-master-host",) if zero == 0 else ()):
-        plan = cost.Plan(data=mesh.get("data", 1), fsdp=mesh.get("fsdp", 1), zero=zero, offload=kind)
+        plan = cost.Plan(data=mesh.get("data", 1), fsdp=mesh.get("fsdp", 1), zero=zero, offload=KINDS[kind])
         report, moved = _compiled(mesh, zero, kind)
         assert report.host_argument_bytes == pytest.approx(host_bytes(model, plan), abs=8), kind   # Adam's count
         predicted = transfer_bytes(model, plan)
@@ -59,7 +62,7 @@ def test_host_bytes_transfers_and_the_saving_match_the_compiled_step(mesh, zero)
         assert -reuse <= moved["to_device"] - predicted["to_device"] <= SCALARS, (kind, moved, predicted)
         saved = plain.required_bytes - report.required_bytes
         opt = cost.memory_per_device(model, plan.sizes, zero=zero, precision="fp32").opt
-        if kind in HOST_UPDATES:
+        if KINDS[kind].update == "host":
             assert saved >= opt, (kind, saved, opt)
         else:
             assert saved <= 0, (kind, saved)          # the state streams in for the step: no saving at the peak
@@ -73,7 +76,7 @@ def test_the_planner_proposes_offload_only_when_nothing_fits_and_states_the_slow
     h100 = cost.load_cluster("h100", num_devices=1)
     best = cost.plan(big, h100, precision="fp32").best
     plan = best.plan
-    assert plan.offload == "opt-host" and best.fits
+    assert plan.offload == KINDS["opt-host"] and best.fits
     t = best.time
     moved = transfer_bytes(big, plan)
     assert t.offload == pytest.approx((moved["to_host"] + moved["to_device"]) / h100.host_link)
@@ -101,7 +104,7 @@ def test_the_planner_refuses_offload_where_the_library_does_not_run_it():
         cost.plan(big, cost.load_cluster("tpu_v5e", num_devices=1), offload=True)
     from jaxpar.parallel.sync import local_sgd
 
-    why = plan_refusal(cost.Plan(data=2, offload="opt-host"), fixed={"sync": local_sgd(4)})
+    why = plan_refusal(cost.Plan(data=2, offload=KINDS["opt-host"]), fixed={"sync": local_sgd(4)})
     assert why is not None and "offload" in why
 
 

@@ -156,8 +156,8 @@ def plan_overrides(plan: Any) -> list[str]:
     >>> from jaxpar.cost import Plan
     >>> plan_overrides(Plan(pipe=2, data=4, microbatches=8, schedule="interleaved", virtual=2))[-5:]
     ['parallel.virtual_stages=2', 'parallel.stage_layers=null', 'parallel.fp8={}', 'parallel.offload={}', 'model.remat=none']
-    >>> from jaxpar.options import Fp8
-    >>> plan_overrides(Plan(fsdp=8, fp8=Fp8(), offload="opt-host"))[-3:]
+    >>> from jaxpar.options import Fp8, Offload
+    >>> plan_overrides(Plan(fsdp=8, fp8=Fp8(), offload=Offload(optimizer=True, update="host")))[-3:]
     ['parallel.fp8.min_dim=1024', 'parallel.offload={optimizer: true, update: host}', 'model.remat=none']
     """
     from jaxpar.cost._host_link import offload_overrides
@@ -233,9 +233,9 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
     if strategy.fp8 is not None and cluster.has_fp8:     # elsewhere FP8 is emulated: the step's own matmuls
         plan = replace(plan, fp8=strategy.fp8)
     if (o := strategy.offload) is not None:     # its state in host memory (offloaded activations: not modelled)
-        from jaxpar.cost._host_link import plan_offload
+        from jaxpar.cost._host_link import state_offload
 
-        plan = replace(plan, offload=plan_offload(o.optimizer, o.master, o.update))
+        plan = replace(plan, offload=state_offload(o))
     dtype = "float32" if strategy.compute_dtype == "float32" else "bfloat16"
     if dtype not in cluster.compute_dtypes:
         dtype = cluster.compute_dtypes[0]

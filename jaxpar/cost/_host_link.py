@@ -1,10 +1,10 @@
 """Memory offloading in the cost model (docs/planning.md §12): what a plan with ``Plan.offload`` keeps in
 host memory, what it moves over the host link per step, and the seconds that costs.
 
-``Plan.offload`` names what :class:`jaxpar.parallel.Offload` offloads, as its label does (:data:`OFFLOADS`):
-``"opt"`` (the optimizer state), ``"master"`` (the parameters, jaxpar's one fp32 copy) or
-``"opt-master"``, the ``opt`` ones with ``-host`` where the update runs in host memory
-(``Offload.update="host"``). Offloaded activations are not modelled. The terms are jaxpar's
+``Plan.offload`` is the :class:`jaxpar.options.Offload` of the state that ``Strategy.offload`` holds:
+``optimizer`` (the optimizer state), ``master`` (the parameters, jaxpar's one fp32 copy) or both, and
+``update="host"`` where the update runs in host memory (its label's parts ``opt``, ``master``, ``host``).
+Offloaded activations are not modelled (:func:`state_offload`). The terms are jaxpar's
 layout: fp32 parameters and gradients, two fp32 Adam moments per parameter (``precision="fp32"``), each
 sharded as ZeRO / FSDP shards it. The transfers per step and device are those of the compiled program
 (``jaxpar inspect --target``; docs/strategies.md, memory offloading):
@@ -30,64 +30,52 @@ Example::
     >>> from jaxpar.cost._model import gpt
     >>> from jaxpar.cost._parallel import Plan
     >>> m = gpt(2, 32, 8, 16, 64, 16)
-    >>> host_bytes(m, Plan(data=8, offload="opt-host")) == 8 * m.n_params
+    >>> opt_host = Offload(optimizer=True, update="host")
+    >>> host_bytes(m, Plan(data=8, offload=opt_host)) == 8 * m.n_params
     True
-    >>> transfer_bytes(m, Plan(data=8, offload="opt-host")) == {"to_host": 8 * m.n_params, "to_device": 4 * m.n_params}
+    >>> transfer_bytes(m, Plan(data=8, offload=opt_host)) == {"to_host": 8 * m.n_params, "to_device": 4 * m.n_params}
     True
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 from jaxpar.cost._memory import state_bytes
 from jaxpar.errors import CostModelError
+from jaxpar.options import Offload
 
-#: The values of ``Plan.offload`` (``None``: nothing offloaded): :class:`jaxpar.parallel.Offload`'s label parts.
-OFFLOADS = ("opt", "master", "opt-master", "opt-host", "opt-master-host")
-#: Those whose update runs in host memory: the optimizer state never reaches the device.
-HOST_UPDATES = ("opt-host", "opt-master-host")
 #: What the planner proposes when no plan fits without offloading: the optimizer state in host memory, updated
 #: there. It saves what ``opt-master-host`` saves at the device's peak (the step needs the parameters on the
 #: device) and moves as many bytes; the device update (``opt``) saves nothing at the peak (the state is
 #: streamed in for the step).
-PROPOSED = "opt-host"
+PROPOSED = Offload(optimizer=True, update="host")
 #: Bytes per parameter of jaxpar's state (fp32 parameters, gradients and two moments): ``precision="fp32"``.
 PRECISION = "fp32"
 
 
-def check_offload(offload: str | None) -> None:
-    """A :class:`CostModelError` unless ``offload`` is None or one of :data:`OFFLOADS`.
-
-    >>> check_offload("opt-host"), check_offload(None)
-    (None, None)
-    """
-    if offload is not None and offload not in OFFLOADS:
-        raise CostModelError(f"offload={offload!r}: choose None or one of {', '.join(OFFLOADS)} (Offload.label's "
-                             "parts: opt = the optimizer state, master = the parameters, host = the host update).")
-
-
-def offload_overrides(offload: str | None) -> str:
+def offload_overrides(offload: Offload | None) -> str:
     """The YAML value of ``parallel.offload`` that runs ``offload``.
 
-    >>> offload_overrides("opt-master-host"), offload_overrides(None)
+    >>> offload_overrides(Offload(optimizer=True, master=True, update="host")), offload_overrides(None)
     ('{optimizer: true, master: true, update: host}', '{}')
     """
-    check_offload(offload)
     if offload is None:
         return "{}"
-    keys = (["optimizer: true"] * ("opt" in offload) + ["master: true"] * ("master" in offload)
-            + ["update: host"] * ("host" in offload))
+    keys = [f"{k}: true" for k in ("optimizer", "master") if getattr(offload, k)] + ["update: host"] * (
+        offload.update == "host")
     return "{" + ", ".join(keys) + "}"
 
 
-def plan_offload(optimizer: bool, master: bool, update: str) -> str | None:
-    """``Plan.offload`` of a :class:`jaxpar.parallel.Offload`'s ``optimizer``, ``master`` and ``update``.
+def state_offload(offload: Offload | None) -> Offload | None:
+    """What the cost model models of a ``Strategy.offload``: the state's, without the activations.
 
-    >>> plan_offload(True, False, "host"), plan_offload(False, True, "device"), plan_offload(False, False, "device")
-    ('opt-host', 'master', None)
+    >>> state_offload(Offload(optimizer=True, activations=("x",))).label, state_offload(Offload(activations=("x",)))
+    ('offload-opt', None)
     """
-    parts = ["opt"] * optimizer + ["master"] * master
-    return "-".join(parts + ["host"] * (update == "host")) if parts else None
+    if offload is None or not (offload.optimizer or offload.master):
+        return None
+    return replace(offload, activations=())
 
 
 def host_bytes(model, plan) -> float:
@@ -101,11 +89,10 @@ def host_bytes(model, plan) -> float:
       The optimizer state's shard, and the parameters' under ``master``, in jaxpar's fp32 layout.
     """
     offload = getattr(plan, "offload", None)
-    check_offload(offload)
     if offload is None:
         return 0.0
     st = state_bytes(model, plan.sizes, plan.zero, PRECISION)
-    return st["opt"] * ("opt" in offload) + st["params"] * ("master" in offload)
+    return st["opt"] * offload.optimizer + st["params"] * offload.master
 
 
 def transfer_bytes(model, plan) -> dict[str, float]:
@@ -119,11 +106,11 @@ def transfer_bytes(model, plan) -> dict[str, float]:
       ``{"to_host": bytes, "to_device": bytes}`` (zeros without offload).
     """
     offload = getattr(plan, "offload", None)
-    if offload not in HOST_UPDATES:
+    if offload is None or offload.update != "host":
         s = host_bytes(model, plan)
         return {"to_host": s, "to_device": s}
     st = state_bytes(model, plan.sizes, plan.zero, PRECISION)
-    return {"to_host": st["opt"], "to_device": st["params"] * (2 if "master" in offload else 1)}
+    return {"to_host": st["opt"], "to_device": st["params"] * (2 if offload.master else 1)}
 
 
 class OffloadTime(NamedTuple):
@@ -152,10 +139,11 @@ def offload_seconds(model, plan, cluster, update_bytes: float) -> OffloadTime:
     offload = getattr(plan, "offload", None)
     if offload is None:
         return OffloadTime(0.0, 0.0)
-    if cluster.host_link <= 0 or (offload in HOST_UPDATES and cluster.host_memory_bandwidth <= 0):
+    on_host = offload.update == "host"
+    if cluster.host_link <= 0 or (on_host and cluster.host_memory_bandwidth <= 0):
         raise CostModelError(f"plan {plan.name()}: cluster {cluster.name!r} models no host link (host_link_gbps) or "
                              "no host memory bandwidth (host_memory_gbps); add them to the preset to time offloading.")
     moved = transfer_bytes(model, plan)
     link = (moved["to_host"] + moved["to_device"]) / cluster.host_link
-    host = update_bytes / cluster.host_memory_bandwidth if offload in HOST_UPDATES else 0.0
+    host = update_bytes / cluster.host_memory_bandwidth if on_host else 0.0
     return OffloadTime(link, host)

@@ -22,6 +22,7 @@ from jaxpar.cost._model import TENSOR_LOGICAL, Leaf, ModelSpec
 from jaxpar.cost._schedule import in_flight
 from jaxpar.errors import CostModelError, LayoutError
 from jaxpar.logical import matrix_sides, zero_dim_order
+from jaxpar.options import Offload
 
 
 REMAT = ("none", "selective", "full")
@@ -391,7 +392,7 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
                       schedule: str = "1f1b", virtual: int = 1, remat: str = "none",
                       sequence_parallel: bool = False, precision: str | BytesPerParam = "mixed",
                       activation_bytes: float = 2, ends: bool = False, context_method: str = "ring",
-                      context_balance: bool = True, offload: str | None = None) -> MemoryEstimate:
+                      context_balance: bool = True, offload: Offload | None = None) -> MemoryEstimate:
     """Predicted peak memory of one device for one plan (docs/planning.md §3 has the sources).
 
     Each replica's batch ``batch / (data * fsdp * expert)`` is split into ``microbatches``; a pipeline
@@ -449,14 +450,14 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
     return offloaded(MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight), offload)
 
 
-def offloaded(mem: MemoryEstimate, offload: str | None) -> MemoryEstimate:
+def offloaded(mem: MemoryEstimate, offload: Offload | None) -> MemoryEstimate:
     """``mem`` under ``Plan.offload`` (see :func:`memory_per_device`).
 
-    >>> m = offloaded(MemoryEstimate(4.0, 4.0, 8.0, 1.0, 1.0, 1), "opt-master-host")
+    >>> m = offloaded(MemoryEstimate(4.0, 4.0, 8.0, 1.0, 1.0, 1), Offload(optimizer=True, master=True, update="host"))
     >>> m.total, m.host
     (10.0, 12.0)
     """
     if offload is None:
         return mem
-    host = mem.opt * ("opt" in offload) + mem.params * ("master" in offload)
-    return replace(mem, opt=0.0 if offload.endswith("-host") else mem.opt, host=host)
+    host = mem.opt * offload.optimizer + mem.params * offload.master
+    return replace(mem, opt=0.0 if offload.update == "host" else mem.opt, host=host)

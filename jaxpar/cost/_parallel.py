@@ -15,10 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxpar.compat._settings import FLUSH_SCHEDULES
-from jaxpar.cost._host_link import OFFLOADS
 from jaxpar.cost._memory import REMAT
 from jaxpar.errors import PlanError, check_int
-from jaxpar.options import Fp8
+from jaxpar.options import Fp8, Offload
 
 #: The mesh axes in mesh order (outermost first, ``tensor`` innermost; docs/planning.md §10).
 AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
@@ -31,8 +30,8 @@ CONTEXT_METHODS = ("ring", "all_gather", "ulysses")
 @dataclass(frozen=True)
 class Plan:
     """One point of the search: mesh sizes and what to do with them (as :class:`jaxpar.Strategy`);
-    ``fp8``: the FP8 options of the covered matmuls (:class:`jaxpar.options.Fp8`; None: none); ``offload``: what lives in host memory, as :class:`jaxpar.parallel.Offload`'s
-    label names it (:data:`jaxpar.cost._host_link.OFFLOADS`; None: nothing)."""
+    ``fp8``: the FP8 options of the covered matmuls (:class:`jaxpar.options.Fp8`; None: none); ``offload``: the state that lives in host memory (:class:`jaxpar.options.Offload`, its activations
+    not modelled: :func:`jaxpar.cost._host_link.state_offload`; None: nothing)."""
 
     pipe: int = 1
     data: int = 1
@@ -49,7 +48,7 @@ class Plan:
     context_method: str = "ring"
     context_balance: bool = True
     fp8: Fp8 | None = None
-    offload: str | None = None
+    offload: Offload | None = None
 
     def __post_init__(self):
         for a in AXES + ("virtual", "microbatches"):
@@ -69,8 +68,9 @@ class Plan:
             raise PlanError(f"Plan.context_balance={self.context_balance!r}: must be True or False.")
         if self.fp8 is not None and not isinstance(self.fp8, Fp8):
             raise PlanError(f"Plan.fp8={self.fp8!r}: give jaxpar.options.Fp8(...) or None (no FP8).")
-        if self.offload is not None and self.offload not in OFFLOADS:
-            raise PlanError(f"Plan.offload={self.offload!r}: choose None or one of {', '.join(OFFLOADS)}.")
+        if self.offload is not None and (not isinstance(self.offload, Offload) or self.offload.activations):
+            raise PlanError(f"Plan.offload={self.offload!r}: give jaxpar.options.Offload(optimizer=..., master=..., "
+                            "update=...) without activations (not modelled), or None.")
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -113,5 +113,5 @@ class Plan:
         if self.fp8:
             parts.append(self.fp8.label)
         if self.offload:
-            parts.append(f"offload-{self.offload}")
+            parts.append(self.offload.label)
         return "-".join(parts) or "single"

@@ -38,7 +38,7 @@ from jaxpar.cost._roofline import fp8_kernels
 from jaxpar.cost._time import Overlap, StepTime, step_time
 from jaxpar.cost._traffic import outer_at_ends
 from jaxpar.errors import PlanError
-from jaxpar.options import Fp8
+from jaxpar.options import Fp8, Offload
 
 #: The shortest sequence for which :func:`plan` searches CP degrees by default. NeMo's long-context
 #: recipes (16k and 64k tokens) are where CP is used in practice; at 2k the model would pick CP 2 for
@@ -150,14 +150,6 @@ class PlanStrategy(NamedTuple):
     offload: Any = None
 
 
-class PlanOffload(NamedTuple):
-    """What the compatibility table reads of a plan's offload (:class:`jaxpar.parallel.Offload`'s fields)."""
-
-    label: str
-    update: str
-    activations: tuple = ()
-
-
 def plan_setting(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any] | None = None) -> Setting:
     """The compatibility table's :class:`~jaxpar.compat.Setting` of a :class:`~jaxpar.cost.Plan` ranked for
     the compute ``dtype``, with the run's settings no plan chooses (``fixed``: :data:`STRATEGY_FIELDS`, where
@@ -169,14 +161,9 @@ def plan_setting(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any]
                         f"{', '.join(STRATEGY_FIELDS)} and the options {', '.join(SETTING_FIELDS)}.")
     strategy = PlanStrategy(zero=plan.zero, sequence_parallel=plan.sequence_parallel, schedule=plan.schedule,
                             microbatches=plan.microbatches, compute_dtype=fixed.pop("compute_dtype", dtype),
-                            fp8=getattr(plan, "fp8", None), offload=_table_offload(getattr(plan, "offload", None)),
+                            fp8=getattr(plan, "fp8", None), offload=getattr(plan, "offload", None),
                             **{k: fixed.pop(k) for k in STRATEGY_FIELDS[1:] if k in fixed})
     return Setting(strategy, dict(plan.sizes), **fixed)
-
-
-def _table_offload(offload: str | None) -> PlanOffload | None:
-    """The table's view of ``Plan.offload`` (None: none)."""
-    return None if offload is None else PlanOffload("offload-" + offload, "host" if offload.endswith("-host") else "device")
 
 
 def plan_refusal(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any] | None = None) -> str | None:
@@ -369,7 +356,7 @@ class _Search(NamedTuple):
     fixed: dict | None = None
     fp8: Fp8 | None = None              # None: no FP8 plans; else FP8 plans with these options are considered too
     muon: dict | None = None            # Muon's {"ns_steps", "placement"}: its Newton-Schulz in the update
-    offload: str | None = None          # Plan.offload of every candidate (precision: jaxpar's fp32 layout)
+    offload: Offload | None = None      # Plan.offload of every candidate (precision: jaxpar's fp32 layout)
 
     @property
     def usable(self) -> float:
