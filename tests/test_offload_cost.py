@@ -26,8 +26,9 @@ KINDS = {"opt": Offload(optimizer=True), "opt-host": Offload(optimizer=True, upd
 SCALARS = 8
 
 
-def _compiled(mesh: dict, zero: int, offload: str | None):
-    """The quickstart GPT's step compiled for h100:1x8 on ``mesh``: ``(memory_report, host_transfers)``."""
+def _compiled(mesh: dict, zero: int, offload: str | None, extra: tuple = ()):
+    """The quickstart GPT's step compiled for h100:1x8 on ``mesh`` (``extra``: more overrides):
+    ``(memory_report, host_transfers)``."""
     import jax
 
     from jaxpar.analysis._compiled_memory import host_transfers, memory_report
@@ -36,7 +37,7 @@ def _compiled(mesh: dict, zero: int, offload: str | None):
     from jaxpar.devices import parse_target, target_devices
 
     over = GPT + [f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp")] + [f"parallel.zero={zero}"]
-    cfg = load_config(QUICKSTART, over + [f"parallel.offload={YAML.get(offload, '{}')}"])
+    cfg = load_config(QUICKSTART, over + [f"parallel.offload={YAML.get(offload, '{}')}", *extra])
     job = build_job(cfg, target_devices(parse_target("h100:1x8")), data=False)
     layout = job.state_layout()
     with jax.set_mesh(job.mesh):          # a target's devices list no memories: the abstract mesh's shardings
@@ -66,6 +67,23 @@ def test_host_bytes_transfers_and_the_saving_match_the_compiled_step(mesh, zero)
             assert saved >= opt, (kind, saved, opt)
         else:
             assert saved <= 0, (kind, saved)          # the state streams in for the step: no saving at the peak
+
+
+@pytest.mark.slow       # 2 deviceless H100 compiles (~20 s on 2 cores)
+def test_offloaded_activations_move_each_layers_input_and_leave_the_device():
+    """Remat ``offload`` with the layer inputs offloaded: the compiled step writes each layer's input into a
+    host buffer in the forward and reads it back in the backward (the GPU compiler's asynchronous slices of
+    a host buffer), so it moves the layers' inputs each way, holds them in host memory, and needs about as
+    much less device memory for temporaries as full recomputation, which keeps them on the device."""
+    layers, rows, seq, embed = 2, 16 // 8, 64, 128          # GPT, data.batch_size over mesh.data
+    full, _ = _compiled({"data": 8}, 0, None, ("model.remat=full",))
+    report, moved = _compiled({"data": 8}, 0, None, ("model.remat=offload",
+                                                     "parallel.offload={activations: [jaxpar_layer_input]}"))
+    inputs = layers * rows * seq * embed * 4
+    assert moved == {"to_host": inputs, "to_device": inputs}
+    assert report.host_temp_bytes == inputs
+    # full recomputation keeps the inputs on the device; the offloaded program 1 KiB of staging beside them
+    assert full.temp_bytes - report.temp_bytes == pytest.approx(inputs, rel=0.01)
 
 
 def test_the_planner_proposes_offload_only_when_nothing_fits_and_states_the_slowdown():

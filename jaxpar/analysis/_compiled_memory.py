@@ -104,11 +104,13 @@ def _elements(shape: str) -> list[str]:
     return [e for e in out + [shape[start:-1].strip()] if e]
 
 
-def _device_bytes(shape: str) -> int:
-    """Bytes of the arrays of ``shape`` (a tuple or one array) that lie in device memory (no ``S(5)``)."""
+def _device_bytes(shape: str, arrays_only: bool = False) -> int:
+    """Bytes of the arrays of ``shape`` (a tuple or one array) that lie in device memory (no ``S(5)``);
+    ``arrays_only``: not the scalars (a slice's indices)."""
     from jaxpar.analysis._hlo_text import shape_bytes
 
-    return sum(shape_bytes(a) for a in re.findall(r"\w+\[[\d,]*\](?:\{[^}]*\})?", shape) if "S(5)" not in a)
+    return sum(shape_bytes(a) for a in re.findall(r"\w+\[[\d,]*\](?:\{[^}]*\})?", shape)
+               if "S(5)" not in a and not (arrays_only and "[]" in a))
 
 
 def _host_calls(text: str) -> list[tuple[str, str, str, str]]:
@@ -131,9 +133,10 @@ def _host_calls(text: str) -> list[tuple[str, str, str, str]]:
 def host_transfers(text: str) -> dict[str, int]:
     """The bytes a compiled program copies between device and host memory per execution, each times how
     often its computation runs (:func:`jaxpar.analysis._loops.trip_counts`): its ``copy-start``s from or to
-    host memory (the layout's ``S(5)``), and the device-resident operands and results of its host
-    computations (``custom-call-start`` on the ``host`` thread: a result written to device memory is a
-    transfer too).
+    host memory (the layout's ``S(5)``), its asynchronous slices of host buffers (``fusion-start``: the GPU
+    compiler's offloaded activations, a device slice written into a host buffer or read out of one), and the
+    device-resident operands and results of its host computations (``custom-call-start`` on the ``host``
+    thread: a result written to device memory is a transfer too).
 
     Args:
       text: the compiled program's HLO text.
@@ -146,9 +149,11 @@ def host_transfers(text: str) -> dict[str, int]:
     ...   %s = (f32[4]{0:S(5)}, f32[4]{0}, u32[]) copy-start(%a)
     ...   %d = f32[4]{0:S(5)} copy-done(%s)
     ...   %c = ((f32[4]{0:S(5)}), f32[2]{0}, s32[]) custom-call-start(%d), async_execution_thread="host"
-    ...   ROOT %r = f32[2]{0} custom-call-done(%c)
+    ...   %r = f32[2]{0} custom-call-done(%c)
+    ...   %u = ((f32[4]{0:S(5)}, f32[2]{0}, s32[]), f32[4]{0:S(5)}, u32[]) fusion-start(%d, %r, %i), kind=kCustom
+    ...   ROOT %v = f32[4]{0:S(5)} fusion-done(%u)
     ... }''')
-    {'to_host': 16, 'to_device': 8}
+    {'to_host': 24, 'to_device': 8}
     """
     from jaxpar.analysis._hlo_text import parse_instructions, shape_bytes
     from jaxpar.analysis._loops import trip_counts
@@ -165,6 +170,26 @@ def host_transfers(text: str) -> dict[str, int]:
         start = opcode == "call-start"
         moved = _device_bytes(_elements(shape)[0] if start else shape)       # the operands / the results
         out["to_host" if start else "to_device"] += int(moved * counts.get(computation, 1))
+    for computation, shape in _host_slices(text):
+        operands, result = _elements(shape)[:2]
+        key, moved = ("to_host", _device_bytes(operands, arrays_only=True)) if "S(5)" in result else \
+            ("to_device", _device_bytes(result))
+        out[key] += int(moved * counts.get(computation, 1))
+    return out
+
+
+def _host_slices(text: str) -> list[tuple[str, str]]:
+    """``(computation, shape)`` of each asynchronous fusion (``fusion-start``) that reads or writes a host
+    buffer (``S(5)``): the shape is ``((operands), result, context)``."""
+    out, computation = [], ""
+    for line in text.splitlines():
+        if line and not line[0].isspace():
+            computation = m.group(1) if line.rstrip().endswith("{") and (
+                m := re.match(r"(?:ENTRY )?%?([\w.\-]+)", line)) else computation
+            continue
+        m = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (.*) fusion-start\(", line)
+        if m and "S(5)" in m.group(1):
+            out.append((computation, m.group(1)))
     return out
 
 
