@@ -2,7 +2,8 @@
 its Python stacks in the run directory and exit status 124 (jaxpar.run.Watchdog, ``jaxpar train --step-timeout``).
 
 * Two processes on this machine (gloo CPU collectives): process 1's data loader stops at step 3, so process 0
-  waits for it inside the step's collectives; both end within the bound with the named error.
+  waits for it inside the step's collectives; both end within the bound with the named error (process 0, the
+  coordination service's host, last: jaxpar.run._watchdog.LEADER_GRACE).
 * One process, the watchdog alone: the stacks name the stuck function; a loop that beats in time is left alone.
 """
 import subprocess
@@ -51,7 +52,8 @@ def test_a_stuck_process_ends_both_with_the_named_error_and_their_stacks(tmp_pat
         assert f"process {i} of 2" in log and f"{tmp_path}/p{i}/hang-p{i}.txt" in log and "Traceback" not in log
     stacks = [(tmp_path / f"p{i}" / f"hang-p{i}.txt").read_text() for i in (0, 1)]
     assert 'hang_data.py", line' in stacks[1] and "in stalls" in stacks[1]        # where the stuck one stopped
-    assert "in step" in stacks[0] and "_program.py" in stacks[0]           # process 0 inside the step's program
+    # process 0 waits for the step's collectives: inside the step's program, or for a step in flight before it
+    assert "in step" in stacks[0] and ("_program.py" in stacks[0] or "in wait_inflight" in stacks[0]), stacks[0]
     assert "hang_data.py" not in stacks[0]
 
 

@@ -117,12 +117,8 @@ def _host_calls(text: str) -> list[tuple[str, str, str, str]]:
     """``(computation, shape, opcode, name)`` of each ``(custom-)call-start`` on the ``host`` thread (XLA's
     ``HostExecute``) and its ``call-done``, read from the lines
     (:func:`jaxpar.analysis._hlo_text.parse_instructions` reads no nested tuple shape)."""
-    out, computation, starts = [], "", set()
-    for line in text.splitlines():
-        if line and not line[0].isspace():
-            computation = m.group(1) if line.rstrip().endswith("{") and (
-                m := re.match(r"(?:ENTRY )?%?([\w.\-]+)", line)) else computation
-            continue
+    out, starts = [], set()
+    for computation, line in _instruction_lines(text):
         m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*) (?:custom-)?(call-start|call-done)\(%([\w.\-]+)", line)
         if m and (m.group(3) == "call-done" and m.group(4) in starts or 'async_execution_thread="host"' in line):
             starts.add(m.group(1))
@@ -181,16 +177,23 @@ def host_transfers(text: str) -> dict[str, int]:
 def _host_slices(text: str) -> list[tuple[str, str]]:
     """``(computation, shape)`` of each asynchronous fusion (``fusion-start``) that reads or writes a host
     buffer (``S(5)``): the shape is ``((operands), result, context)``."""
-    out, computation = [], ""
-    for line in text.splitlines():
-        if line and not line[0].isspace():
-            computation = m.group(1) if line.rstrip().endswith("{") and (
-                m := re.match(r"(?:ENTRY )?%?([\w.\-]+)", line)) else computation
-            continue
+    out = []
+    for computation, line in _instruction_lines(text):
         m = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (.*) fusion-start\(", line)
         if m and "S(5)" in m.group(1):
             out.append((computation, m.group(1)))
     return out
+
+
+def _instruction_lines(text: str):
+    """``(computation, line)`` of each instruction line of an HLO module's text."""
+    computation = ""
+    for line in text.splitlines():
+        if line and not line[0].isspace():
+            computation = m.group(1) if line.rstrip().endswith("{") and (
+                m := re.match(r"(?:ENTRY )?%?([\w.\-]+)", line)) else computation
+        elif line.strip():
+            yield computation, line
 
 
 def _analytic_cells(name: str, report: MemoryReport, analytic: Mapping[str, float]) -> list[str]:

@@ -442,7 +442,8 @@ def fp8_line(result: Any, cluster: Any) -> str:
     if best.without_fp8:
         return (f"fp8      chosen ({best.plan.fp8.recipe}, min_dim {best.plan.fp8.min_dim}): predicted "
                 f"{best.time.total * 1e3:.1f} ms per step with FP8, {best.without_fp8 * 1e3:.1f} ms without "
-                f"({best.without_fp8 / best.time.total:.2f}x); the overrides: parallel.fp8.recipe={best.plan.fp8.recipe}")
+                f"({best.without_fp8 / best.time.total:.2f}x); the overrides: "
+                f"parallel.fp8.recipe={best.plan.fp8.recipe}")
     if not cluster.has_fp8:
         return f"fp8      not considered: cluster {cluster.name} has no FP8 GEMMs (no peak_tflops.float8)"
     if result.fp8 is None:

@@ -30,8 +30,9 @@ CONTEXT_METHODS = ("ring", "all_gather", "ulysses")
 @dataclass(frozen=True)
 class Plan:
     """One point of the search: mesh sizes and what to do with them (as :class:`jaxpar.Strategy`);
-    ``fp8``: the FP8 options of the covered matmuls (:class:`jaxpar.options.Fp8`; None: none); ``offload``: the state that lives in host memory (:class:`jaxpar.options.Offload`, its activations
-    not modelled: :func:`jaxpar.cost._host_link.state_offload`; None: nothing)."""
+    ``fp8``: the FP8 options of the covered matmuls (:class:`jaxpar.options.Fp8`; None: none); ``offload``:
+    the state that lives in host memory (:class:`jaxpar.options.Offload`, its activations not modelled:
+    :func:`jaxpar.cost._host_link.state_offload`; None: nothing)."""
 
     pipe: int = 1
     data: int = 1

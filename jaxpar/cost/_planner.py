@@ -505,7 +505,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
     if not ranked:
         _nothing(model, cluster, n, rejected, refused, shape_reasons)
     ranked.sort(key=lambda e: e.time.total)
-    return PlanResult(ranked, rejected, considered, refused, top, None if fp8 is False else fp8_options)
+    return PlanResult(ranked, rejected, considered, refused, top, fp8=None if fp8 is False else fp8_options)
 
 
 def _check_request(model: ModelSpec, cluster: Cluster, dtype: str, memory_fraction: float, fixed) -> None:

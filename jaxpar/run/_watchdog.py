@@ -7,7 +7,9 @@ another process is stuck or gone, a data loader that never returns, a device tha
 within the bound, the watchdog writes every thread's Python stack (:mod:`faulthandler`) to
 ``<directory>/hang-p<process>.txt``, prints a :class:`~jaxpar.errors.StepHangError` line and ends the process
 with :data:`HUNG_EXIT`: the main thread is blocked inside XLA, where no Python exception reaches it. Each
-process has its own watchdog, so every process of a hung job ends, each with its own stacks.
+process has its own watchdog, so every process of a hung job ends, each with its own stacks. Process 0 ends
+last (:data:`LEADER_GRACE`): it hosts JAX's coordination service, and when it is gone the runtime of every
+other process aborts at once, before that process's watchdog has written its stacks.
 
 The bound is ``seconds`` when given, else ``factor`` times the median time between beats so far, never less
 than ``min_seconds``. Compiling the first step, evaluations and checkpoint saves do not count
@@ -45,6 +47,9 @@ from jaxpar.errors import LoopError, StepHangError
 
 #: The exit status of a process the watchdog ended: 124, as ``timeout(1)`` ends a command that ran too long.
 HUNG_EXIT = 124
+#: Seconds (at most the bound) that process 0 of several waits after its own error before it ends, so that the
+#: others' watchdogs, with the same bound and beats as old, end them first with their own stacks.
+LEADER_GRACE = 10.0
 
 
 def parse_step_timeout(spec: str, setting: str = "--step-timeout") -> "Watchdog | None":
@@ -201,4 +206,6 @@ class Watchdog:
             "step is slow rather than stuck, raise the bound (train.step_timeout, or --step-timeout).")
         print(f"jaxpar train: error: StepHangError: {error}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        if count > 1 and process == 0:       # the coordination service's host ends last
+            time.sleep(min(LEADER_GRACE, bound))
         os._exit(HUNG_EXIT)
