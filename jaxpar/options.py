@@ -1,5 +1,5 @@
-"""The strategy's options that are plain values, without JAX: FP8 (:class:`Fp8`) and memory offloading
-(:class:`Offload`). :class:`jaxpar.Strategy` holds them, the cost model's :class:`jaxpar.cost.Plan` holds the
+"""The strategy's options that are plain values, without JAX: context parallelism (:class:`ContextParallel`),
+FP8 (:class:`Fp8`) and memory offloading (:class:`Offload`). :class:`jaxpar.Strategy` holds them, the cost model's :class:`jaxpar.cost.Plan` holds the
 same objects, and the YAML sections ``parallel.fp8`` and ``parallel.offload`` build them; their defaults and
 allowed values are written here only.
 
@@ -20,14 +20,46 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxpar.errors import Fp8Error, OffloadError
+from jaxpar.errors import ContextParallelError, Fp8Error, OffloadError
 
-__all__ = ["Fp8", "Offload", "RECIPES", "UPDATES"]
+__all__ = ["ContextParallel", "Fp8", "Offload", "CONTEXT_METHODS", "RECIPES", "UPDATES"]
 
+#: The context-parallel attention methods, by name (the first is the default).
+CONTEXT_METHODS = ("ring", "all_gather", "ulysses")
 #: The FP8 scaling recipes (the first is the default): one scale per tensor, or one per row of each GEMM operand.
 RECIPES = ("tensorwise", "rowwise")
 #: Where the optimizer update runs (``Offload.update``; the first is the default).
 UPDATES = ("device", "host")
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The context-parallel attention setting.
+
+    Attributes:
+      method: ``"ring"`` (K/V blocks passed around the ``context`` axis with ``ppermute``, online
+        softmax), ``"all_gather"`` (K/V gathered over ``context``) or ``"ulysses"`` (all-to-all of
+        heads and sequence).
+      balance: whether the sequence is in the balanced zig-zag order of
+        :func:`jaxpar.parallel.context.balanced_order` (device ``i`` holds chunks ``i`` and ``2C-1-i`` of
+        ``2C``), which evens out the causal work of the ring and the all-gather methods.
+
+    >>> ContextParallel(method="rings")
+    Traceback (most recent call last):
+    ...
+    jaxpar.errors.ContextParallelError: ContextParallel.method='rings' is not a context-parallel \
+method; choose one of ('ring', 'all_gather', 'ulysses').
+    """
+
+    method: str = "ring"
+    balance: bool = False
+
+    def __post_init__(self):
+        if self.method not in CONTEXT_METHODS:
+            raise ContextParallelError(f"ContextParallel.method={self.method!r} is not a context-parallel method; "
+                                       f"choose one of {CONTEXT_METHODS}.")
+        if not isinstance(self.balance, bool):
+            raise ContextParallelError(f"ContextParallel.balance={self.balance!r} must be True or False.")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from jaxpar.compat._table import raise_strategy_problems
-from jaxpar.parallel.context._options import ContextParallel
+from jaxpar.options import ContextParallel
 from jaxpar.mesh import CONTEXT, EXPERT, data_axes
 from jaxpar.parallel.pipeline._schedules import canonical_kind
 from jaxpar.rules import LogicalRules

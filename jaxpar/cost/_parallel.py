@@ -17,14 +17,12 @@ from dataclasses import dataclass
 from jaxpar.compat._settings import FLUSH_SCHEDULES
 from jaxpar.cost._memory import REMAT
 from jaxpar.errors import PlanError, check_int
-from jaxpar.options import Fp8, Offload
+from jaxpar.options import CONTEXT_METHODS, Fp8, Offload
 
 #: The mesh axes in mesh order (outermost first, ``tensor`` innermost; docs/planning.md §10).
 AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
 #: The axes that split the batch's sequences (``context`` splits each sequence instead).
 BATCH_AXES = ("data", "fsdp", "expert")
-#: The context-parallel attention methods (:data:`jaxpar.parallel.context.METHODS`).
-CONTEXT_METHODS = ("ring", "all_gather", "ulysses")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ Example::
 from jaxpar.parallel.context._methods import (AttentionError, QKV_LOGICAL, attention, context_size, in_natural_order, in_sequence_order,
                                               sequence_order, ulysses_kv_repeat)
 from jaxpar.parallel.context._zigzag import RingWork, balanced_order, from_balanced, ring_block_pairs, to_balanced
-from jaxpar.parallel.context._options import CONTEXT, METHODS, ContextParallel, ContextParallelError, current_context_parallel
+from jaxpar.errors import ContextParallelError
+from jaxpar.parallel.context._options import CONTEXT, METHODS, ContextParallel, current_context_parallel
 from jaxpar.parallel.context._options import ContextCalls, count_context_calls, note_context_call, use_context_parallel
 from jaxpar.parallel.context._ring import ring_attention
 from jaxpar.parallel.context._kernels import (KERNELS, AttentionFallbackWarning, choose_kernel, count_attention_kernels,

@@ -27,44 +27,10 @@ from dataclasses import dataclass
 from typing import ContextManager
 
 from jaxpar.rules import scoped
-from jaxpar.errors import ContextParallelError
+from jaxpar.options import CONTEXT_METHODS as METHODS, ContextParallel
 
 #: The mesh axis that splits the sequence (the ``length`` logical name maps to it).
 CONTEXT = "context"
-#: The context-parallel attention methods, by name.
-METHODS = ("ring", "all_gather", "ulysses")
-
-
-@dataclass(frozen=True)
-class ContextParallel:
-    """The context-parallel attention setting.
-
-    Attributes:
-      method: ``"ring"`` (K/V blocks passed around the ``context`` axis with ``ppermute``, online
-        softmax), ``"all_gather"`` (K/V gathered over ``context``) or ``"ulysses"`` (all-to-all of
-        heads and sequence).
-      balance: whether the sequence is in the balanced zig-zag order of
-        :func:`jaxpar.parallel.context.balanced_order` (device ``i`` holds chunks ``i`` and ``2C-1-i`` of
-        ``2C``), which evens out the causal work of the ring and the all-gather methods.
-
-    >>> ContextParallel(method="rings")
-    Traceback (most recent call last):
-    ...
-    jaxpar.errors.ContextParallelError: ContextParallel.method='rings' is not a context-parallel \
-method; choose one of ('ring', 'all_gather', 'ulysses').
-    """
-
-    method: str = "ring"
-    balance: bool = False
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise ContextParallelError(f"ContextParallel.method={self.method!r} is not a context-parallel method; "
-                                       f"choose one of {METHODS}.")
-        if not isinstance(self.balance, bool):
-            raise ContextParallelError(f"ContextParallel.balance={self.balance!r} must be True or False.")
-
-
 _SETTING: contextvars.ContextVar = contextvars.ContextVar("jaxpar_context_parallel", default=ContextParallel())
 
 

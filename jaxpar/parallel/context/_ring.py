@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jaxpar.parallel.context._attention import (allowed, check_softcap, check_window, empty_softmax, group_heads, softmax_grad_step,
                                                 softmax_result, softmax_step)
 from jaxpar.parallel.context._zigzag import check_length, chunk_index, chunks_per_shard, pair_needed, ring_schedule
-from jaxpar.parallel.context._options import ContextParallelError
+from jaxpar.errors import ContextParallelError
 
 
 class RingSpec(NamedTuple):

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.parallel.context._options import ContextParallelError
+from jaxpar.errors import ContextParallelError
 
 
 def check_length(length: int, size: int, balance: bool, what: str = "sequence length") -> int:
