@@ -1,7 +1,8 @@
 """The strategy's options that are plain values, without JAX: context parallelism (:class:`ContextParallel`),
-FP8 (:class:`Fp8`) and memory offloading (:class:`Offload`). :class:`jaxpar.Strategy` holds them, the cost model's :class:`jaxpar.cost.Plan` holds the
-same objects, and the YAML sections ``parallel.fp8`` and ``parallel.offload`` build them; their defaults and
-allowed values are written here only.
+FP8 (:class:`Fp8`) and memory offloading (:class:`Offload`). :class:`jaxpar.Strategy` holds them, the cost
+model's :class:`jaxpar.cost.Plan` holds the same FP8 and offload objects, and the YAML sections
+``parallel.context``, ``parallel.fp8`` and ``parallel.offload`` build them; their defaults and allowed values
+are written here only.
 
 Example::
 
@@ -127,7 +128,7 @@ class Offload:
         if self.update not in UPDATES:
             raise OffloadError(f"Offload.update={self.update!r}: must be 'device' (the state is streamed to the device "
                                "and updated there) or 'host' (the update runs in host memory, where the state lives).")
-        if self.update == "host" and not self.optimizer:
+        if self.host_update and not self.optimizer:
             raise OffloadError("Offload.update='host' with optimizer=False: the host update reads the optimizer state "
                                "where it lives, in host memory. Set optimizer=True, or update='device'.")
         if not (self.optimizer or self.master or self.activations):
@@ -143,10 +144,15 @@ class Offload:
     def streamed(self) -> tuple[str, ...]:
         """The offloaded fields a step copies to device memory first: every one under a device update, the
         parameters alone (the forward's) under a host update."""
-        return self.fields if self.update == "device" else tuple(f for f in self.fields if f == "params")
+        return tuple(f for f in self.fields if f == "params") if self.host_update else self.fields
+
+    @property
+    def host_update(self) -> bool:
+        """Whether the optimizer update runs in host memory (``update="host"``)."""
+        return self.update == "host"
 
     @property
     def label(self) -> str:
         """The part of a strategy's name (``offload-opt-master-act``, ``-host`` with the host update)."""
         return "-".join(["offload"] + ["opt"] * self.optimizer + ["master"] * self.master
-                        + ["act"] * bool(self.activations) + ["host"] * (self.update == "host"))
+                        + ["act"] * bool(self.activations) + ["host"] * self.host_update)

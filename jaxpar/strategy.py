@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from jaxpar.compat._table import raise_strategy_problems
-from jaxpar.options import ContextParallel
+from jaxpar.options import ContextParallel, Fp8, Offload
 from jaxpar.mesh import CONTEXT, EXPERT, data_axes
 from jaxpar.parallel.pipeline._schedules import canonical_kind
 from jaxpar.rules import LogicalRules
 from jaxpar.errors import StrategyError
-from jaxpar.options import Fp8, Offload
 from jaxpar.parallel._tensor import tensor_rules
 from jaxpar.parallel._lookup import STORED_ROWS, TABLE_EMBED
 from jaxpar.parallel._zero import ZERO_STAGES, zero_axes
@@ -173,7 +172,8 @@ class Strategy:
             context = (("length", CONTEXT), ("norm_length", norm))
         ep = (EXPERT,) if sizes.get(EXPERT, 1) > 1 else ()
         experts = (("experts", ep[0] if ep else None),)        # MoE weights' expert dimension
-        table = ((TABLE_EMBED, None), (STORED_ROWS, zero_axes(sizes, self.zero, "params") or None), (STORED_ROWS, None))
+        stored = zero_axes(sizes, self.zero, "params") or None
+        table = ((TABLE_EMBED, None), (STORED_ROWS, stored), (STORED_ROWS, None))
         return tuple(self.extra_rules) + pipe + context + experts + table + tuple(
             tensor_rules(sequence_parallel=self.sequence_parallel, batch_axes=data_axes(mesh) + ep))
 

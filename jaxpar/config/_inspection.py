@@ -156,9 +156,8 @@ def fp8_lines(cfg: JobConfig, job: Any, compiled: Any, platform: str) -> list[st
     """
     from jaxpar._text import format_bytes, render_table
     from jaxpar.analysis._gemms import all_gather_dtypes, check_fp8_gemms
-    from jaxpar.config._plan_command import cost_model
-
     from jaxpar.config._build import build_fp8
+    from jaxpar.config._plan_command import cost_model
 
     fp8 = build_fp8(cfg.parallel.fp8)
     recipe, min_dim = fp8.recipe, fp8.min_dim

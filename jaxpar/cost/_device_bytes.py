@@ -289,7 +289,6 @@ def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> 
         working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
     # the loss's fp32 logits; libtpu also holds two bf16 copies (the head's product and the softmax's gradient)
     logits = 4 * model.seq * rows * model.vocab / plan.tensor * (2 if platform == "tpu" else 1)
-    on_host = plan.offload is not None and plan.offload.update == "host"
-    moments = 0 if on_host else 2           # the host update's optimizer state stays in host memory
+    moments = 0 if plan.offload is not None and plan.offload.host_update else 2     # the state stays on the host
     args = device_argument_bytes(model, sizes, plan.zero, layout=layout_for_platform(platform), moments=moments)
     return args + grads + acts + max(logits, working) + 2 * gathered

@@ -62,8 +62,8 @@ def offload_overrides(offload: Offload | None) -> str:
     """
     if offload is None:
         return "{}"
-    keys = [f"{k}: true" for k in ("optimizer", "master") if getattr(offload, k)] + ["update: host"] * (
-        offload.update == "host")
+    keys = [f"{k}: true" for k in ("optimizer", "master") if getattr(offload, k)]
+    keys += ["update: host"] * offload.host_update
     return "{" + ", ".join(keys) + "}"
 
 
@@ -106,7 +106,7 @@ def transfer_bytes(model, plan) -> dict[str, float]:
       ``{"to_host": bytes, "to_device": bytes}`` (zeros without offload).
     """
     offload = getattr(plan, "offload", None)
-    if offload is None or offload.update != "host":
+    if offload is None or not offload.host_update:
         s = host_bytes(model, plan)
         return {"to_host": s, "to_device": s}
     st = state_bytes(model, plan.sizes, plan.zero, PRECISION)
@@ -139,11 +139,10 @@ def offload_seconds(model, plan, cluster, update_bytes: float) -> OffloadTime:
     offload = getattr(plan, "offload", None)
     if offload is None:
         return OffloadTime(0.0, 0.0)
-    on_host = offload.update == "host"
-    if cluster.host_link <= 0 or (on_host and cluster.host_memory_bandwidth <= 0):
+    if cluster.host_link <= 0 or (offload.host_update and cluster.host_memory_bandwidth <= 0):
         raise CostModelError(f"plan {plan.name()}: cluster {cluster.name!r} models no host link (host_link_gbps) or "
                              "no host memory bandwidth (host_memory_gbps); add them to the preset to time offloading.")
     moved = transfer_bytes(model, plan)
     link = (moved["to_host"] + moved["to_device"]) / cluster.host_link
-    host = update_bytes / cluster.host_memory_bandwidth if on_host else 0.0
+    host = update_bytes / cluster.host_memory_bandwidth if offload.host_update else 0.0
     return OffloadTime(link, host)

@@ -460,4 +460,4 @@ def offloaded(mem: MemoryEstimate, offload: Offload | None) -> MemoryEstimate:
     if offload is None:
         return mem
     host = mem.opt * offload.optimizer + mem.params * offload.master
-    return replace(mem, opt=0.0 if offload.update == "host" else mem.opt, host=host)
+    return replace(mem, opt=0.0 if offload.host_update else mem.opt, host=host)

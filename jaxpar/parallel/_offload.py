@@ -1,7 +1,7 @@
 """Memory offloading: the optimizer state, the fp32 master weights and named activations in host memory.
 
-:class:`~jaxpar.options.Offload` is ``Strategy.offload``'s value. Between steps the offloaded parts of the train state
-live in ``pinned_host`` memory: their shardings (the step's ``in_shardings`` and ``out_shardings``, the
+:class:`~jaxpar.options.Offload` is ``Strategy.offload``'s value. Between steps the offloaded parts of the
+train state live in ``pinned_host`` memory: their shardings (the step's ``in_shardings`` and ``out_shardings``, the
 state's own, a checkpoint's restore target) carry that memory kind (:func:`host_state_shardings`). Inside
 the step they are streamed to the device (:func:`stream_in`: ``jax.device_put`` to the ``device`` kind)
 where the forward, the backward and the update read them, and the step's outputs go back to the host.
@@ -96,7 +96,7 @@ def host_placement(shardings: Any, offload: Offload | None) -> Callable | None:
     Returns:
       ``place``, or None where the update runs on the device (:func:`jaxpar.step._update.apply_update`'s own).
     """
-    if offload is None or offload.update != "host":
+    if offload is None or not offload.host_update:
         return None
 
     def place(optimize: Callable, grads: Any, opt_state: Any, params: Any, *scalars: Any) -> tuple[Any, Any]:

@@ -5,8 +5,8 @@ axis shards what the ZeRO ``stage`` says: 1 = optimizer state, 2 = + gradients,
 3 = + parameters. Each array is sharded on its largest dimension that is not
 already sharded, is not the scanned ``layers`` axis, and divides evenly (a token
 table named :data:`~jaxpar.logical.ROW_TABLE` on ``embed`` first, so that :func:`embed_lookup`
-moves rows, not the table); arrays with no such dimension (biases, norms) stay replicated over those axes and are
-counted exactly by :func:`analytic_state_bytes`.
+moves rows, not the table); arrays with no such dimension (biases, norms) stay replicated over
+those axes and are counted exactly by :func:`analytic_state_bytes`.
 
 Example::
 

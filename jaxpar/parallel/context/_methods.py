@@ -44,10 +44,9 @@ from jaxpar.parallel._regions import collective_in, keep_axes, reduce_dtype, reg
 from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 from jaxpar.parallel.context._attention import check_softcap, check_window, dense_attention
 from jaxpar.parallel.context._zigzag import check_length, from_balanced, sequence_positions, shard_positions, to_balanced
-from jaxpar.errors import ContextParallelError
 from jaxpar.parallel.context._options import CONTEXT, current_context_parallel, note_context_call
 from jaxpar.parallel.context._ring import ring_attention
-from jaxpar.errors import AttentionError
+from jaxpar.errors import AttentionError, ContextParallelError
 
 #: The logical names of q, k and v (``[batch, length, heads, head_dim]``); k/v share the heads' axes.
 QKV_LOGICAL = ("batch", "length", "heads", None)
