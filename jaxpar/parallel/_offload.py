@@ -12,6 +12,7 @@ residuals named in ``activations`` go to the host after the forward and come bac
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -106,8 +107,7 @@ def host_placement(shardings: Any, offload: Offload | None) -> Callable | None:
         grads, params = _put(grads, shardings.params, HOST), _put(params, shardings.params, HOST)
         scalars = [jax.device_put(x, with_kind(shardings.step, HOST)) for x in scalars]
         try:
-            with compute_on("device_host"):
-                new_params, new_opt = jax.jit(optimize)(grads, opt_state, params, *scalars)
+            new_params, new_opt = on_host(jax.jit(optimize))(grads, opt_state, params, *scalars)
         except ValueError as e:
             if "memory_space of all inputs" not in str(e):
                 raise
@@ -117,6 +117,25 @@ def host_placement(shardings: Any, offload: Offload | None) -> Callable | None:
         return back(new_params, old_params, shardings.params), back(new_opt, old_opt, shardings.opt_state)
 
     return place
+
+
+def on_host(fn: Callable) -> Callable:
+    """``fn`` run by the host, its results in host memory: ``jax.experimental.compute_on("device_host")``, a
+    context manager up to jax 0.10 and a transform that names its outputs' memory spaces from jax 0.11.
+
+    Args:
+      fn: a jitted function.
+
+    Returns:
+      A function of the same arguments.
+    """
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        return compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+
+    def run(*args):
+        with compute_on("device_host"):
+            return fn(*args)
+    return run
 
 
 def _kind(x: Any) -> str:
