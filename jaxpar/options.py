@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from jaxpar.errors import ContextParallelError, Fp8Error, OffloadError
 
-__all__ = ["ContextParallel", "Fp8", "Offload", "CONTEXT_METHODS", "RECIPES", "UPDATES"]
+__all__ = ["ContextParallel", "Fp8", "Offload", "CONTEXT_METHODS", "LAYER_INPUT", "RECIPES", "UPDATES"]
 
 #: The context-parallel attention methods, by name (the first is the default).
 CONTEXT_METHODS = ("ring", "all_gather", "ulysses")
@@ -31,6 +31,9 @@ CONTEXT_METHODS = ("ring", "all_gather", "ulysses")
 RECIPES = ("tensorwise", "rowwise")
 #: Where the optimizer update runs (``Offload.update``; the first is the default).
 UPDATES = ("device", "host")
+#: The ``checkpoint_name`` of each layer's input under the ``"offload"`` remat policy (what a scan over the
+#: layers keeps per layer; :func:`jaxpar.adapters.with_remat` names it): the activation the cost model models.
+LAYER_INPUT = "jaxpar_layer_input"
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class Offload:
       device at the start of the step, the compute copy is cast there, and the update writes it back;
     - ``activations``: ``checkpoint_name`` names of residuals moved to host memory after the forward and
       back for the backward, under a model whose remat policy is ``"offload"``
-      (:data:`jaxpar.adapters._blocks.LAYER_INPUT`: each layer's input, what a scan over the layers keeps);
+      (:data:`LAYER_INPUT`: each layer's input, what a scan over the layers keeps);
     - ``update``: where the optimizer update runs: ``"device"`` (default: the offloaded state is streamed to
       the device and updated there, with every optimizer and schedule, bit for bit the run without
       offload) or ``"host"`` (ZeRO-Offload's design, with ``optimizer=True``: the gradients go to host

@@ -22,7 +22,7 @@ from flax import nnx
 
 import jaxpar
 from helpers import make_batch
-from jaxpar.adapters._blocks import LAYER_INPUT
+from jaxpar.options import LAYER_INPUT
 from jaxpar.models import GPT, GPTConfig, lm_loss
 from jaxpar.parallel import Offload
 

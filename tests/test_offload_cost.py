@@ -13,7 +13,7 @@ import pytest
 from jaxpar import cost
 from jaxpar.cost._host_link import host_bytes, transfer_bytes
 from jaxpar.cost._time import update_bytes
-from jaxpar.options import Offload
+from jaxpar.options import LAYER_INPUT, Offload
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 GPT = ["model.layers=2", "model.embed=128", "model.heads=4", "model.vocab=256", "model.seq_len=64",
@@ -74,7 +74,8 @@ def test_offloaded_activations_move_each_layers_input_and_leave_the_device():
     """Remat ``offload`` with the layer inputs offloaded: the compiled step writes each layer's input into a
     host buffer in the forward and reads it back in the backward (the GPU compiler's asynchronous slices of
     a host buffer), so it moves the layers' inputs each way, holds them in host memory, and needs about as
-    much less device memory for temporaries as full recomputation, which keeps them on the device."""
+    much less device memory for temporaries as full recomputation, which keeps them on the device. The cost
+    model's transfers and host bytes are the compiled program's, and its device activations fall by them."""
     layers, rows, seq, embed = 2, 16 // 8, 64, 128          # GPT, data.batch_size over mesh.data
     full, _ = _compiled({"data": 8}, 0, None, ("model.remat=full",))
     report, moved = _compiled({"data": 8}, 0, None, ("model.remat=offload",
@@ -84,6 +85,38 @@ def test_offloaded_activations_move_each_layers_input_and_leave_the_device():
     assert report.host_temp_bytes == inputs
     # full recomputation keeps the inputs on the device; the offloaded program 1 KiB of staging beside them
     assert full.temp_bytes - report.temp_bytes == pytest.approx(inputs, rel=0.01)
+    model, acts = cost.gpt(2, 128, 4, 64, 256, 16), Offload(activations=(LAYER_INPUT,))
+    plan = cost.Plan(data=8, remat="full", offload=acts)
+    assert transfer_bytes(model, plan, activation_bytes=4) == moved
+    kw = dict(remat="full", precision="fp32", activation_bytes=4)
+    offloaded = cost.memory_per_device(model, plan.sizes, offload=acts, **kw)
+    kept = cost.memory_per_device(model, plan.sizes, **kw)
+    assert offloaded.host == report.host_temp_bytes
+    assert kept.activations - offloaded.activations == inputs and kept.total - offloaded.total == inputs
+
+
+def test_the_plan_models_offloaded_layer_inputs_under_full_recomputation_alone():
+    """``Plan.offload.activations`` is the layers' inputs under ``remat="full"`` (the model's ``offload``
+    policy); another name, or another remat, is a ``PlanError`` naming it. A strategy's offload becomes the
+    plan's (:func:`plan_offload`), and the plan's overrides give the config back."""
+    from jaxpar.config._plan_command import plan_overrides
+    from jaxpar.cost._host_link import plan_offload
+
+    acts = Offload(activations=(LAYER_INPUT,))
+    with pytest.raises(cost.PlanError, match=r"activations=\('mlp_out',\): the cost model models the layers' inputs"):
+        cost.Plan(remat="full", offload=Offload(activations=("mlp_out",)))
+    with pytest.raises(cost.PlanError, match=r"activations with remat='selective'.*set remat='full'"):
+        cost.Plan(remat="selective", offload=acts)
+    plan = cost.Plan(data=8, remat="full", offload=plan_offload(Offload(optimizer=True, activations=(LAYER_INPUT,)),
+                                                                "offload"))
+    assert plan.name() == "dp8-remat-full-offload-opt-act"
+    assert plan_overrides(plan)[-2:] == ["parallel.offload={optimizer: true, activations: [jaxpar_layer_input]}",
+                                         "model.remat=offload"]
+    model = cost.gpt(2, 128, 4, 64, 256, 16)
+    t = cost.step_time(model, plan, cost.load_cluster("h100", num_devices=8))
+    moved = transfer_bytes(model, plan)
+    assert t.offload == pytest.approx((moved["to_host"] + moved["to_device"]) / cost.load_cluster("h100").host_link)
+    assert moved["to_host"] - host_bytes(model, plan) == 2 * 16 // 8 * 64 * 128 * 2     # layers x rows x s x h x bf16
 
 
 def test_the_planner_proposes_offload_only_when_nothing_fits_and_states_the_slowdown():
@@ -105,6 +138,19 @@ def test_the_planner_proposes_offload_only_when_nothing_fits_and_states_the_slow
         big, plan.sizes, zero=0, precision="fp32").opt
     small = cost.plan(cost.gpt(2, 256, 4, 128, 512, 8), h100, precision="fp32").best.plan
     assert small.offload is None
+
+
+def test_the_planner_offloads_the_layer_inputs_when_the_state_alone_is_not_enough():
+    """A 7.6 B GPT at 4 x 8192 tokens on one H100: with the optimizer state on the host and full
+    recomputation the layers' inputs still do not fit; the planner moves them to the host too (the model's
+    ``offload`` policy) and the same plan with them on the device does not fit."""
+    model, h100 = cost.gpt(32, 4096, 32, 8192, 128256, 4), cost.load_cluster("h100", num_devices=1)
+    best = cost.plan(model, h100, precision="fp32").best
+    assert best.fits and best.plan.remat == "full" and best.plan.offload.activations == (LAYER_INPUT,)
+    assert best.plan.offload.host_update
+    kept = replace(best.plan, offload=replace(best.plan.offload, activations=()))
+    assert not cost.evaluate(model, kept, h100, precision="fp32").fits
+    assert best.memory.host > host_bytes(model, best.plan)         # the layers' inputs beside the state
 
 
 def test_the_planner_refuses_offload_where_the_library_does_not_run_it():

@@ -621,7 +621,7 @@ def build(codes, *, schedule: str | None = None) -> Spec:
         elif c != "MP":
             raise ValueError(c)
     if "OF" in codes and s.remat == "none" and sizes.get("pipe", 1) == 1:     # pipelines: PP x OF
-        from jaxpar.adapters._blocks import LAYER_INPUT
+        from jaxpar.options import LAYER_INPUT
 
         st["offload"] = dataclasses.replace(st["offload"], activations=(LAYER_INPUT,))
         s.remat = "offload"

@@ -45,6 +45,7 @@ from flax import nnx
 
 from jaxpar.rules import RulesError, path_str, scoped
 from jaxpar.errors import ModelStateError
+from jaxpar.options import LAYER_INPUT
 
 #: The logical name of the stacked layer axis (axis 0 of every block parameter).
 LAYERS = "layers"
@@ -54,9 +55,6 @@ LAYERS = "layers"
 REMAT_POLICIES = ("none", "full", "save-matmuls", "offload")
 #: The ``checkpoint_name`` of a fused attention's output and residuals, which ``save-matmuls`` saves.
 ATTENTION_RESIDUALS = "jaxpar_attention"
-#: The ``checkpoint_name`` of each layer's input activation under the ``"offload"`` policy (what a scan over
-#: the layers keeps per layer): offloading it moves the stack of layer inputs to host memory.
-LAYER_INPUT = "jaxpar_layer_input"
 _OFFLOADED: contextvars.ContextVar = contextvars.ContextVar("jaxpar_offloaded_activations", default=None)
 
 

@@ -163,7 +163,8 @@ def plan_overrides(plan: Any) -> list[str]:
     from jaxpar.cost._host_link import offload_overrides
     from jaxpar.cost._parallel import AXES
 
-    remat = {"none": "none", "full": "full"}.get(plan.remat, "save-matmuls")
+    remat = "offload" if plan.offload and plan.offload.activations else \
+        {"none": "none", "full": "full"}.get(plan.remat, "save-matmuls")
     out = [f"mesh.{a}={getattr(plan, a)}" for a in AXES] + ["mesh.replica=1"]
     out += [f"parallel.zero={plan.zero}", f"parallel.sequence_parallel={str(plan.sequence_parallel).lower()}",
             f"parallel.microbatches={plan.microbatches}", f"parallel.schedule={plan.schedule}",
@@ -218,7 +219,7 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
     from jaxpar.cost._planner import evaluate
 
     model = cost_model(cfg)
-    remat = {"none": "none", "full": "full"}.get(cfg.model.remat, "selective")
+    remat = {"none": "none", "full": "full", "offload": "full"}.get(cfg.model.remat, "selective")
     data = mesh_sizes.get("data", 1)
     plan = cost.Plan(pipe=mesh_sizes.get("pipe", 1), data=data, fsdp=mesh_sizes.get("fsdp", 1),
                      tensor=mesh_sizes.get("tensor", 1), zero=strategy.zero if data > 1 else 0,
@@ -232,10 +233,10 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
         cost.load_cluster(cluster_name, nodes=1)
     if strategy.fp8 is not None and cluster.has_fp8:     # elsewhere FP8 is emulated: the step's own matmuls
         plan = replace(plan, fp8=strategy.fp8)
-    if (o := strategy.offload) is not None:     # its state in host memory (offloaded activations: not modelled)
-        from jaxpar.cost._host_link import state_offload
+    if (o := strategy.offload) is not None:     # its state, and the layers' inputs, in host memory
+        from jaxpar.cost._host_link import plan_offload
 
-        plan = replace(plan, offload=state_offload(o))
+        plan = replace(plan, offload=plan_offload(o, cfg.model.remat))
     dtype = "float32" if strategy.compute_dtype == "float32" else "bfloat16"
     if dtype not in cluster.compute_dtypes:
         dtype = cluster.compute_dtypes[0]
@@ -476,17 +477,19 @@ def offload_line(model: Any, cluster: Any, result: Any) -> str | None:
       The line, or None (the best plan does not offload).
     """
     from jaxpar._text import format_bytes
-    from jaxpar.cost._host_link import offload_overrides, transfer_bytes
+    from jaxpar.cost._host_link import host_bytes, offload_overrides, transfer_bytes
 
     best = result.best
     if not best.plan.offload:
         return None
-    moved = transfer_bytes(model, best.plan)
+    moved, state = transfer_bytes(model, best.plan), host_bytes(model, best.plan)
+    acts = (f", and the layers' inputs ({format_bytes(best.memory.host - state)}) go there in the forward and come "
+            "back for the backward (model.remat=offload)") if best.plan.offload.activations else ""
     link = f", {format_bytes(moved['to_host'])} to the host and {format_bytes(moved['to_device'])} back per step"
     slow = (f"; {best.without_offload * 1e3:.1f} ms without it (does not fit): "
             f"{best.time.total / best.without_offload:.2f}x slower") if best.without_offload else ""
     return (f"offload  proposed: no plan fits {cluster.num_devices} x {cluster.name} without it. The optimizer state "
-            f"({format_bytes(best.memory.host)} per device) lives in host memory and is updated there "
+            f"({format_bytes(state)} per device) lives in host memory and is updated there{acts} "
             f"(parallel.offload={offload_overrides(best.plan.offload)}): predicted {best.time.total * 1e3:.1f} ms "
             f"per step, {best.time.offload * 1e3:.1f} ms of it on the host link ({cluster.host_link / 1e9:g} GB/s "
             f"per direction{link}) and {best.time.optimizer * 1e3:.1f} ms the update in host memory "

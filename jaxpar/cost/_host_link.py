@@ -3,8 +3,11 @@ host memory, what it moves over the host link per step, and the seconds that cos
 
 ``Plan.offload`` is the :class:`jaxpar.options.Offload` of the state that ``Strategy.offload`` holds:
 ``optimizer`` (the optimizer state), ``master`` (the parameters, jaxpar's one fp32 copy) or both, and
-``update="host"`` where the update runs in host memory (its label's parts ``opt``, ``master``, ``host``).
-Offloaded activations are not modelled (:func:`state_offload`). The terms are jaxpar's
+``update="host"`` where the update runs in host memory (its label's parts ``opt``, ``master``, ``host``),
+and the layers' inputs (``activations=(LAYER_INPUT,)``, label part ``act``) under ``remat="full"``: the
+model's ``"offload"`` policy recomputes as full recomputation does, and writes each layer's input to host
+memory in the forward and reads it back in the backward instead of keeping it (:func:`plan_offload`;
+other names are not modelled). The state's terms are jaxpar's
 layout: fp32 parameters and gradients, two fp32 Adam moments per parameter (``precision="fp32"``), each
 sharded as ZeRO / FSDP shards it. The transfers per step and device are those of the compiled program
 (``jaxpar inspect --target``; docs/strategies.md, memory offloading):
@@ -19,10 +22,13 @@ sharded as ZeRO / FSDP shards it. The transfers per step and device are those of
   stream-in (a 4-layer GPT at DP8); the model counts ``2 P``. Measured on h100:1x8 and h100:1x1
   (tests/test_offload_cost.py; docs/planning.md §12).
 
-None of it overlaps with compute: the stream-in precedes the forward (which reads every streamed
+The layers' inputs move each way once per micro-batch: ``layers`` times the input of a layer on one
+device (:func:`jaxpar.cost._memory.layer_activations` under ``"full"``), in the compute dtype (the
+compiled programs: tests/test_offload_cost.py). None of the state's transfers overlap with compute: the stream-in precedes the forward (which reads every streamed
 parameter: the layer scan reads the stacked arrays whole), and the host update's chain (gradients out,
 update, parameters back) follows the backward (the update waits for the global gradient norm) and
-precedes the next step. The host update streams :func:`jaxpar.cost._time.update_bytes` at the cluster's
+precedes the next step. The activations' transfers are counted exposed too: the GPU overlaps part of them
+(one H200: 67 MB each way cost 1.4 ms of the 2.2 ms the link takes, docs/benchmarks.md §22). The host update streams :func:`jaxpar.cost._time.update_bytes` at the cluster's
 ``host_memory_gbps``.
 
 Example::
@@ -41,9 +47,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
-from jaxpar.cost._memory import state_bytes
+from jaxpar.cost._memory import layer_activations, state_bytes
 from jaxpar.errors import CostModelError
-from jaxpar.options import Offload
+from jaxpar.options import LAYER_INPUT, Offload
 
 #: What the planner proposes when no plan fits without offloading: the optimizer state in host memory, updated
 #: there. It saves what ``opt-master-host`` saves at the device's peak (the step needs the parameters on the
@@ -64,18 +70,33 @@ def offload_overrides(offload: Offload | None) -> str:
         return "{}"
     keys = [f"{k}: true" for k in ("optimizer", "master") if getattr(offload, k)]
     keys += ["update: host"] * offload.host_update
+    keys += [f"activations: [{', '.join(offload.activations)}]"] * bool(offload.activations)
     return "{" + ", ".join(keys) + "}"
 
 
-def state_offload(offload: Offload | None) -> Offload | None:
-    """What the cost model models of a ``Strategy.offload``: the state's, without the activations.
+def plan_offload(offload: Offload | None, remat: str) -> Offload | None:
+    """What the cost model models of a ``Strategy.offload`` under the model's ``remat`` policy: the state, and
+    the layers' inputs where the policy is ``"offload"`` and they are what it offloads (other activation
+    names are not modelled).
 
-    >>> state_offload(Offload(optimizer=True, activations=("x",))).label, state_offload(Offload(activations=("x",)))
-    ('offload-opt', None)
+    Args:
+      offload: ``Strategy.offload``.
+      remat: the model's remat policy (``"none"``, ``"full"``, ``"save-matmuls"`` or ``"offload"``).
+
+    Returns:
+      The ``Plan.offload`` (None: nothing modelled in host memory).
+
+    >>> plan_offload(Offload(optimizer=True, activations=("x",)), "offload").label
+    'offload-opt'
+    >>> plan_offload(Offload(activations=(LAYER_INPUT,)), "offload").label, plan_offload(Offload(activations=("x",)), "offload")
+    ('offload-act', None)
     """
-    if offload is None or not (offload.optimizer or offload.master):
+    if offload is None:
         return None
-    return replace(offload, activations=())
+    acts = (LAYER_INPUT,) if remat == "offload" and offload.activations == (LAYER_INPUT,) else ()
+    if not (offload.optimizer or offload.master or acts):
+        return None
+    return replace(offload, activations=acts)
 
 
 def host_bytes(model, plan) -> float:
@@ -95,22 +116,44 @@ def host_bytes(model, plan) -> float:
     return st["opt"] * offload.optimizer + st["params"] * offload.master
 
 
-def transfer_bytes(model, plan) -> dict[str, float]:
+def transfer_bytes(model, plan, activation_bytes: float = 2) -> dict[str, float]:
     """Bytes one device moves over the host link per step (see the module doc).
 
     Args:
       model: the model.
       plan: the plan.
+      activation_bytes: bytes per activation value (the compute dtype's).
 
     Returns:
       ``{"to_host": bytes, "to_device": bytes}`` (zeros without offload).
     """
     offload = getattr(plan, "offload", None)
+    acts = activation_transfer_bytes(model, plan, activation_bytes)
     if offload is None or not offload.host_update:
-        s = host_bytes(model, plan)
+        s = host_bytes(model, plan) + acts
         return {"to_host": s, "to_device": s}
     st = state_bytes(model, plan.sizes, plan.zero, PRECISION)
-    return {"to_host": st["opt"], "to_device": st["params"] * (2 if offload.master else 1)}
+    return {"to_host": st["opt"] + acts, "to_device": st["params"] * (2 if offload.master else 1) + acts}
+
+
+def activation_transfer_bytes(model, plan, activation_bytes: float = 2) -> float:
+    """Bytes of layer inputs one device writes to host memory per step, and reads back (0 without them).
+
+    Args:
+      model: the model.
+      plan: the plan.
+      activation_bytes: bytes per activation value.
+
+    Returns:
+      ``layers / pipe`` layers' inputs of every row the device computes in the step.
+    """
+    offload = getattr(plan, "offload", None)
+    if offload is None or not offload.activations:
+        return 0.0
+    rows = model.batch / (plan.data * plan.fsdp * plan.expert)
+    return model.layers / plan.pipe * layer_activations(model, plan.sizes, rows, remat="full",
+                                                         sequence_parallel=plan.sequence_parallel,
+                                                         activation_bytes=activation_bytes)
 
 
 class OffloadTime(NamedTuple):
@@ -121,7 +164,7 @@ class OffloadTime(NamedTuple):
     host_update: float
 
 
-def offload_seconds(model, plan, cluster, update_bytes: float) -> OffloadTime:
+def offload_seconds(model, plan, cluster, update_bytes: float, activation_bytes: float = 2) -> OffloadTime:
     """The :class:`OffloadTime` of ``plan`` on ``cluster``.
 
     Args:
@@ -129,6 +172,7 @@ def offload_seconds(model, plan, cluster, update_bytes: float) -> OffloadTime:
       plan: the plan (``plan.offload`` set).
       cluster: the :class:`~jaxpar.cost.Cluster` (its ``host_link`` and ``host_memory_bandwidth``).
       update_bytes: the bytes the update reads and writes on one device (:func:`jaxpar.cost._time.update_bytes`).
+      activation_bytes: bytes per activation value.
 
     Returns:
       The seconds.
@@ -142,7 +186,7 @@ def offload_seconds(model, plan, cluster, update_bytes: float) -> OffloadTime:
     if cluster.host_link <= 0 or (offload.host_update and cluster.host_memory_bandwidth <= 0):
         raise CostModelError(f"plan {plan.name()}: cluster {cluster.name!r} models no host link (host_link_gbps) or "
                              "no host memory bandwidth (host_memory_gbps); add them to the preset to time offloading.")
-    moved = transfer_bytes(model, plan)
+    moved = transfer_bytes(model, plan, activation_bytes)
     link = (moved["to_host"] + moved["to_device"]) / cluster.host_link
     host = update_bytes / cluster.host_memory_bandwidth if offload.host_update else 0.0
     return OffloadTime(link, host)

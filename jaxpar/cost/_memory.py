@@ -373,7 +373,8 @@ def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per device (the busiest pipeline stage): state, activations, logits; ``total`` their sum;
-    ``host``: the bytes its state keeps in host memory between steps (memory offloading), not in ``total``."""
+    ``host``: the bytes in host memory (memory offloading), not in ``total``: the offloaded state between
+    steps and the offloaded layer inputs during the step."""
 
     params: float
     grads: float
@@ -421,7 +422,9 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
       context_balance: the zigzag load balance.
       offload: ``Plan.offload`` (:mod:`jaxpar.cost._host_link`): the host update keeps the optimizer state
         off the device (``opt`` 0, in ``host``); the device update streams the offloaded state in for the
-        step, so the device's peak keeps it (it is in ``host`` too).
+        step, so the device's peak keeps it (it is in ``host`` too). Offloaded activations (under
+        ``remat="full"``) move the layers' inputs, which full recomputation keeps, from ``activations`` to
+        ``host``.
 
     Returns:
       The :class:`MemoryEstimate`.
@@ -432,22 +435,26 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
     mb = replica_batch / microbatches
     lockstep = sequence_parallel and sizes.get("tensor", 1) > 1 and not ends       # jaxpar's executor, not Megatron's
     flight = in_flight(schedule, p, microbatches, virtual, lockstep)
-    kw = dict(remat=remat, sequence_parallel=sequence_parallel, activation_bytes=activation_bytes,
-              context_method=context_method)
-    n_moe = model.moe_layers
-    act = (model.layers - n_moe) / p / virtual * flight * layer_activations(model, sizes, mb, **kw)
-    if n_moe:
-        act += n_moe / p / virtual * flight * layer_activations(model, sizes, mb, moe=True, **kw)
+    act = _layers_kept(model, sizes, mb, flight / p / virtual, remat=remat, sequence_parallel=sequence_parallel,
+                       activation_bytes=activation_bytes, context_method=context_method)
+    moved = act if offload is not None and offload.activations else 0.0      # the layers' inputs, to the host
+    act -= moved
     if C > 1:
         act += context_working_bytes(model, mb, t, C, context_method, context_balance, activation_bytes)
     logits = 2 * model.seq / C * mb * model.vocab / t * 4
+    st = state_bytes(model, sizes, zero, precision)
     if ends and p > 1:
         first, last = (state_bytes(model, sizes, zero, precision, end=e) for e in ("first", "last"))
-        if first["total"] > last["total"] + logits:
-            return offloaded(MemoryEstimate(first["params"], first["grads"], first["opt"], act, 0.0, flight), offload)
-        return offloaded(MemoryEstimate(last["params"], last["grads"], last["opt"], act, logits, flight), offload)
-    st = state_bytes(model, sizes, zero, precision)
-    return offloaded(MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight), offload)
+        st, logits = (first, 0.0) if first["total"] > last["total"] + logits else (last, logits)
+    return offloaded(MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight, moved), offload)
+
+
+def _layers_kept(model: ModelSpec, sizes: Mapping[str, int], rows: float, share: float, **kw) -> float:
+    """Bytes the layers keep for the backward: ``share`` (a stage's part of the layers times its micro-batches
+    in flight) of every layer's :func:`layer_activations` (``kw``), the MoE layers' their own."""
+    n_moe = model.moe_layers
+    out = (model.layers - n_moe) * share * layer_activations(model, sizes, rows, **kw)
+    return out + (n_moe * share * layer_activations(model, sizes, rows, moe=True, **kw) if n_moe else 0.0)
 
 
 def offloaded(mem: MemoryEstimate, offload: Offload | None) -> MemoryEstimate:
@@ -459,5 +466,5 @@ def offloaded(mem: MemoryEstimate, offload: Offload | None) -> MemoryEstimate:
     """
     if offload is None:
         return mem
-    host = mem.opt * offload.optimizer + mem.params * offload.master
+    host = mem.host + mem.opt * offload.optimizer + mem.params * offload.master
     return replace(mem, opt=0.0 if offload.host_update else mem.opt, host=host)

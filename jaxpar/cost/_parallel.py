@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from jaxpar.compat._settings import FLUSH_SCHEDULES
 from jaxpar.cost._memory import REMAT
 from jaxpar.errors import PlanError, check_int
-from jaxpar.options import CONTEXT_METHODS, Fp8, Offload
+from jaxpar.options import CONTEXT_METHODS, LAYER_INPUT, Fp8, Offload
 
 #: The mesh axes in mesh order (outermost first, ``tensor`` innermost; docs/planning.md §10).
 AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
@@ -29,8 +29,9 @@ BATCH_AXES = ("data", "fsdp", "expert")
 class Plan:
     """One point of the search: mesh sizes and what to do with them (as :class:`jaxpar.Strategy`);
     ``fp8``: the FP8 options of the covered matmuls (:class:`jaxpar.options.Fp8`; None: none); ``offload``:
-    the state that lives in host memory (:class:`jaxpar.options.Offload`, its activations not modelled:
-    :func:`jaxpar.cost._host_link.state_offload`; None: nothing)."""
+    what lives in host memory (:class:`jaxpar.options.Offload`: the state, and under ``remat="full"`` the
+    layers' inputs, :data:`jaxpar.options.LAYER_INPUT`, which the model's ``"offload"`` policy moves there in
+    place of keeping them: :func:`jaxpar.cost._host_link.plan_offload`; None: nothing)."""
 
     pipe: int = 1
     data: int = 1
@@ -67,9 +68,14 @@ class Plan:
             raise PlanError(f"Plan.context_balance={self.context_balance!r}: must be True or False.")
         if self.fp8 is not None and not isinstance(self.fp8, Fp8):
             raise PlanError(f"Plan.fp8={self.fp8!r}: give jaxpar.options.Fp8(...) or None (no FP8).")
-        if self.offload is not None and (not isinstance(self.offload, Offload) or self.offload.activations):
-            raise PlanError(f"Plan.offload={self.offload!r}: give jaxpar.options.Offload(optimizer=..., master=..., "
-                            "update=...) without activations (not modelled), or None.")
+        if self.offload is not None and not isinstance(self.offload, Offload):
+            raise PlanError(f"Plan.offload={self.offload!r}: give jaxpar.options.Offload(...) or None.")
+        if self.offload is not None and self.offload.activations not in ((), (LAYER_INPUT,)):
+            raise PlanError(f"Plan.offload.activations={self.offload.activations!r}: the cost model models the "
+                            f"layers' inputs alone, ({LAYER_INPUT!r},).")
+        if self.offload is not None and self.offload.activations and self.remat != "full":
+            raise PlanError(f"Plan.offload.activations with remat={self.remat!r}: the offloaded layer inputs are "
+                            "what full recomputation keeps (the model's 'offload' policy); set remat='full'.")
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -38,7 +38,7 @@ from jaxpar.cost._roofline import fp8_kernels
 from jaxpar.cost._time import Overlap, StepTime, step_time
 from jaxpar.cost._traffic import outer_at_ends
 from jaxpar.errors import PlanError
-from jaxpar.options import Fp8, Offload
+from jaxpar.options import LAYER_INPUT, Fp8, Offload
 
 #: The shortest sequence for which :func:`plan` searches CP degrees by default. NeMo's long-context
 #: recipes (16k and 64k tokens) are where CP is used in practice; at 2k the model would pick CP 2 for
@@ -377,9 +377,9 @@ class _Search(NamedTuple):
             return None, [Rejected(cand, why)], 1
         rejected, considered = [], 0
         for mb in accum:
-            for remat in ("none", "selective", "full"):
+            for remat, offload in self.remats(base):
                 considered += 1
-                cand = replace(base, remat=remat, **{**opt, "microbatches": mb})
+                cand = replace(base, remat=remat, offload=offload, **{**opt, "microbatches": mb})
                 try:     # memory first: a plan that does not fit needs no step time (most of the search)
                     mem = _memory(self.model, cand, self.dtype, self.precision if self.muon is None else
                                   muon_precision(self.precision), self.lowering)
@@ -396,6 +396,16 @@ class _Search(NamedTuple):
                                                f"{format_bytes(self.usable)} usable "
                                                f"({self.memory_fraction:g} of {format_bytes(c.memory_bytes)})"))
         return None, rejected, considered
+
+    @staticmethod
+    def remats(base: Plan) -> list[tuple[str, Offload | None]]:
+        """The recomputation choices of ``base``, cheapest first, as ``(remat, offload)``: none, selective, full;
+        in the offloaded search, outside pipelines (which refuse offloaded activations), full with the layers'
+        inputs in host memory last."""
+        out = [(remat, base.offload) for remat in ("none", "selective", "full")]
+        if base.offload is not None and base.pipe == 1:
+            out.append(("full", replace(base.offload, activations=(LAYER_INPUT,))))
+        return out
 
     def with_fp8(self, e: Estimate) -> Estimate:
         """The faster of ``e`` and ``e`` with FP8 (memory as without: FP8 keeps the fp32 state)."""
