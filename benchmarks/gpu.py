@@ -284,9 +284,9 @@ def run_calibrate(args) -> dict:
     """The device's GEMM efficiency curve and memory bandwidth (``jaxpar calibrate --device``), written as a
     cluster YAML beside gpu.json: the cost model's check on the steps it was not fitted on is done from it."""
     from jaxpar.cost import calibrate_device
-    small = dict(shapes=((256, 256, 256), (512, 512, 512)), stream_bytes=2**22) if args.small else {}
+    small = dict(shapes=((256, 256, 256), (512, 512, 512)), stream_bytes=2**22, host_bytes=2**22) if args.small else {}
     got = calibrate_device(Path(args.out) / "cluster.yaml", reps=args.reps, **small)
-    return {"fit": got["fit"], "stream_gbps": round(got["stream_gbps"]), "gemms": got["gemms"]}
+    return {"fit": got["fit"], "stream_gbps": round(got["stream_gbps"]), "gemms": got["gemms"], "host": got["host"]}
 
 
 def run_flags(args) -> list[dict]:

@@ -291,8 +291,12 @@ def test_the_device_calibration_fits_the_gemm_curve_and_writes_a_cluster(tmp_pat
     assert fit == {"efficiency": 0.75, "gemm_half_gflop": 3.0, "max_rel_residual": 0.0}
     out = tmp_path / "measured.yaml"
     got = cost.calibrate_device(out, reps=2, shapes=((64, 64, 64), (128, 128, 128)), stream_bytes=2**20,
-                                say=lambda _: None)
+                                host_bytes=2**20, say=lambda _: None)
     c, h100 = cost.load_cluster(out), cost.load_cluster("h100")
     assert c.name == "h100_measured" and c.intra == h100.intra and c.peak_flops == h100.peak_flops and c.fused_attention
     assert c.efficiency == got["fit"]["efficiency"] and c.memory_bandwidth == round(got["stream_gbps"]) * 1e9
     assert len(got["gemms"]) == 2 and "measured" in c.description
+    link, update = got["host"]["link_gbps"], got["host"]["update_gbps"]       # this CPU's memcpy and Adam
+    assert c.host_link == round(link, 1) * 1e9 and c.host_memory_bandwidth == round(update, 1) * 1e9
+    assert min(got["host"]["to_device_gbps"], got["host"]["to_host_gbps"]) <= link <= max(
+        got["host"]["to_device_gbps"], got["host"]["to_host_gbps"])

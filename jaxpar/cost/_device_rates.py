@@ -1,6 +1,7 @@
 """Calibrate the cost model's compute and memory rates on one attached accelerator (``jaxpar calibrate
 --device``): time bf16 GEMMs from 2 GFLOP to 1 TFLOP and a streaming kernel, fit the roofline's matmul
-efficiency curve and the memory bandwidth, and write a cluster description that keeps a base preset's links.
+efficiency curve and the memory bandwidth, time the host link and the host update (memory offloading,
+:func:`measure_host`), and write a cluster description that keeps a base preset's links between devices.
 
 The matmul efficiency of :meth:`jaxpar.cost.Cluster.matmul_efficiency` is ``e * w / (w + h)`` for a GEMM of
 ``w`` FLOPs: ``1 / eff = 1 / e + (h / e) / w`` is linear in ``1 / w``, fitted by least squares on the
@@ -26,6 +27,8 @@ GEMMS = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192
          (16384, 3072, 768), (8192, 4096, 14336), (8192, 14336, 4096))
 #: Bytes of the streaming kernel's array (each of the K_HI programs' arrays).
 STREAM_BYTES = 2 ** 29
+#: Bytes of the arrays :func:`measure_host` copies and updates.
+HOST_BYTES = 2 ** 30
 
 
 #: Programs of ``K_LO`` and ``K_HI`` independent kernels: their time difference over ``K_HI - K_LO`` is one
@@ -114,6 +117,48 @@ def measure_stream(nbytes: int = STREAM_BYTES, reps: int = 10, say: Callable[[st
     return bw
 
 
+def measure_host(nbytes: int = HOST_BYTES, reps: int = 10, say: Callable[[str], None] = print) -> dict[str, float]:
+    """The rates memory offloading runs at (docs/planning.md §12): the host link, from copies of ``nbytes``
+    between ``pinned_host`` and device memory (each direction's median; the link's rate is their harmonic
+    mean, as the cost model adds the two directions' times), and the host update, from Adam's update of fp32
+    arrays of ``nbytes``: the offloaded step's own arithmetic (:func:`jaxpar.step._update.optimizer_arithmetic`
+    of ``optax.adamw`` with the clip's scale and the skip flag) computed in host memory as that step computes
+    it (:func:`jaxpar.parallel._offload.on_host`), counted as the cost model counts it (28 bytes an element:
+    the gradient, the moments and the master read, the moments and the master written).
+
+    Args:
+      nbytes: one array's bytes.
+      reps: timed runs per measurement (the median; at most 3 of the update).
+      say: where the lines go.
+
+    Returns:
+      ``{"to_device_gbps", "to_host_gbps", "link_gbps", "update_gbps"}``.
+    """
+    import jax
+    import optax
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxpar.parallel._offload import on_host
+    from jaxpar.step._update import optimizer_arithmetic
+
+    dev = jax.devices()[0]
+    host, device = (SingleDeviceSharding(dev, memory_kind=k) for k in ("pinned_host", "device"))
+    x = jax.device_put(np.full(nbytes // 4, 0.5, np.float32), host)
+    to_device = _median_seconds(lambda a: jax.device_put(a, device), (x,), reps)
+    to_host = _median_seconds(lambda a: jax.device_put(a, host), (jax.device_put(x, device),), reps)
+    tx = optax.adamw(1e-4, weight_decay=0.1)
+    state = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), host), jax.eval_shape(tx.init, x))
+    arithmetic = jax.jit(lambda g, s, p, scale, ok: optimizer_arithmetic(tx, ("scale", "ok"), g, s, p, scale, ok))
+    scalars = tuple(jax.device_put(np.asarray(v), host) for v in (np.float32(0.5), True))
+    update = jax.jit(lambda *a: on_host(arithmetic)(*a), out_shardings=host)
+    seconds = _median_seconds(update, (x, state, x, *scalars), min(reps, 3))
+    out = {"to_device_gbps": nbytes / to_device / 1e9, "to_host_gbps": nbytes / to_host / 1e9,
+           "link_gbps": 2 * nbytes / (to_device + to_host) / 1e9, "update_gbps": 7 * nbytes / seconds / 1e9}
+    say(f"  host link over {nbytes / 2**20:.0f} MiB: {out['to_device_gbps']:.1f} GB/s to the device, "
+        f"{out['to_host_gbps']:.1f} GB/s to the host; Adam in host memory: {out['update_gbps']:.1f} GB/s")
+    return out
+
+
 def fit_gemm_efficiency(points: list[tuple[float, float]], peak: float) -> dict[str, float]:
     """The roofline's ``efficiency`` and ``gemm_half_gflop`` from ``[(FLOPs, seconds)]`` at ``peak`` FLOP/s.
 
@@ -135,9 +180,11 @@ def fit_gemm_efficiency(points: list[tuple[float, float]], peak: float) -> dict[
 
 
 def calibrate_device(out: str | Path | None = None, *, base: str = "h100", reps: int = 10, shapes=GEMMS,
-                     stream_bytes: int = STREAM_BYTES, say: Callable[[str], None] = print) -> dict[str, Any]:
+                     stream_bytes: int = STREAM_BYTES, host_bytes: int | None = HOST_BYTES,
+                     say: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure the attached device, fit, and write a cluster description: ``base``'s preset (its links, its
-    peaks, its node shape) with the measured ``efficiency``, ``gemm_half_gflop`` and ``memory_gbps``.
+    peaks, its node shape) with the measured ``efficiency``, ``gemm_half_gflop`` and ``memory_gbps``, and
+    with ``host_bytes`` the measured ``host_link_gbps`` and ``host_memory_gbps`` (:func:`measure_host`).
 
     Args:
       out: the YAML to write (None: none).
@@ -145,10 +192,11 @@ def calibrate_device(out: str | Path | None = None, *, base: str = "h100", reps:
       reps: timed runs per measurement.
       shapes: the GEMMs (:data:`GEMMS`).
       stream_bytes: the streaming kernel's bytes.
+      host_bytes: the host measurement's array bytes (None: the base preset's host rates are kept).
       say: where the progress lines go.
 
     Returns:
-      ``{"yaml": text, "gemms": points, "fit": ..., "stream_gbps": ..., "device": kind}``.
+      ``{"yaml": text, "gemms": points, "fit": ..., "stream_gbps": ..., "host": ... or None, "device": kind}``.
     """
     import jax
     import yaml
@@ -161,6 +209,7 @@ def calibrate_device(out: str | Path | None = None, *, base: str = "h100", reps:
     gemms = measure_gemms(shapes, reps, say)
     fit = fit_gemm_efficiency(gemms, data["peak_tflops"]["bfloat16"] * 1e12)
     gbps = measure_stream(stream_bytes, reps, say) / 1e9
+    host = measure_host(host_bytes, reps, say) if host_bytes else None
     stamp = time.strftime("%Y-%m-%d")
     data.update(name=f"{base}_measured", efficiency=fit["efficiency"], gemm_half_gflop=fit["gemm_half_gflop"],
                 memory_gbps=round(gbps), memory_efficiency=1.0,
@@ -172,9 +221,16 @@ def calibrate_device(out: str | Path | None = None, *, base: str = "h100", reps:
         f"h {fit['gemm_half_gflop']} GFLOP (max residual {fit['max_rel_residual']}); x * c + 1 over "
         f"{stream_bytes / 2**30:g} GiB at {round(gbps)} GB/s read + written; each the difference of programs of "
         f"{K_LO} and {K_HI} kernels"]
+    if host:
+        data.update(host_link_gbps=round(host["link_gbps"], 1), host_memory_gbps=round(host["update_gbps"], 1))
+        data["sources"].append(
+            f"measured {stamp}: copies of {host_bytes / 2**30:g} GiB between pinned host and device memory at "
+            f"{host['to_device_gbps']:.1f} GB/s to the device and {host['to_host_gbps']:.1f} to the host (host_link_gbps: "
+            f"their harmonic mean); Adam's update in host memory (the offloaded host update's computation) at "
+            f"{host['update_gbps']:.1f} GB/s of 28 bytes an element (host_memory_gbps)")
     data.pop("fit", None)
     text = yaml.safe_dump(data, sort_keys=False, width=120)
     if out is not None:
         Path(out).write_text(text)
         say(f"wrote {out}")
-    return {"yaml": text, "gemms": gemms, "fit": fit, "stream_gbps": gbps, "device": device.device_kind}
+    return {"yaml": text, "gemms": gemms, "fit": fit, "stream_gbps": gbps, "host": host, "device": device.device_kind}

@@ -100,7 +100,7 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
         scalars["scale"] = jnp.minimum(1.0, update.clip_norm / (gnorm + 1e-6))
     if update.skip_nonfinite:
         scalars["ok"] = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-    optimize = partial(_optimize, update.tx, tuple(scalars))
+    optimize = partial(optimizer_arithmetic, update.tx, tuple(scalars))
     args = (grads, state.opt_state, state.params, *scalars.values())
     params, opt_state = update.place(optimize, *args) if update.place else optimize(*args)
     new = state._replace(step=state.step + 1, params=params, opt_state=opt_state, **(parts or {}))
@@ -115,10 +115,22 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
     return new, out
 
 
-def _optimize(tx: optax.GradientTransformation, names: tuple[str, ...], grads: Any, opt_state: Any, params: Any,
+def optimizer_arithmetic(tx: optax.GradientTransformation, names: tuple[str, ...], grads: Any, opt_state: Any, params: Any,
               *scalars: jax.Array) -> tuple[Any, Any]:
     """The optimizer's arithmetic of :func:`apply_update`: the gradient scaled by the clip (``"scale"``), the
-    optax update, and the old parameters and optimizer state kept where the step is skipped (``"ok"``)."""
+    optax update, and the old parameters and optimizer state kept where the step is skipped (``"ok"``).
+
+    Args:
+      tx: the optimizer.
+      names: the names of ``scalars`` (``"scale"``, ``"ok"``).
+      grads: the gradients.
+      opt_state: the optimizer state.
+      params: the parameters.
+      *scalars: the clip's scale and the step's finite flag, as ``names`` says.
+
+    Returns:
+      ``(new_params, new_opt_state)``.
+    """
     given = dict(zip(names, scalars))
     if "scale" in given:
         grads = jax.tree.map(lambda g: g * given["scale"], grads)
