@@ -51,3 +51,24 @@ def test_train_with_muon_traces_the_model_once(tmp_path, monkeypatch, capsys):
                  f"train.out_dir={tmp_path / 'run'}"]) == 0
     assert "muon routing (parameter, rule" in capsys.readouterr().out      # the routing lines read the layout
     assert len(calls) == 2
+
+
+def test_the_yaml_sections_take_the_library_defaults():
+    """A YAML key that an object of the library takes has that object's default, for every such key: the
+    model's (GPTConfig), the strategy's (Strategy) and Muon's (muon)."""
+    import dataclasses
+    import inspect
+
+    from jaxpar import Strategy
+    from jaxpar.config._schema import ModelConfig, MuonConfig, ParallelConfig
+    from jaxpar.models import GPTConfig
+    from jaxpar.optimizers import muon
+
+    def defaults(cls):
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+    muon_kw = {k: p.default for k, p in inspect.signature(muon).parameters.items()}
+    pairs = [(ModelConfig, defaults(GPTConfig)), (ParallelConfig, defaults(Strategy)), (MuonConfig, muon_kw)]
+    for section, library in pairs:
+        shared = {k: v for k, v in defaults(section).items() if k in library}
+        assert len(shared) >= 5 and shared == {k: library[k] for k in shared}, section

@@ -2,16 +2,25 @@
 model of your own, and the allowed names of the fields that take one of a few values.
 
 The dataclasses hold plain values only; :mod:`jaxpar.config._checks` checks them and
-:mod:`jaxpar.config._build` turns them into the library's objects.
+:mod:`jaxpar.config._build` turns them into the library's objects. A key that an object of the library
+takes has that object's default (:class:`jaxpar.models.GPTConfig`, :class:`jaxpar.Strategy`,
+:func:`jaxpar.optimizers.muon`): no default is written twice.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 from jaxpar.data import _windows as data_lib
 from jaxpar.errors import ConfigError
+from jaxpar.models import GPTConfig
+from jaxpar.optimizers import MUON_ADAM_DEFAULTS, muon
+from jaxpar.strategy import Strategy
+
+#: :func:`jaxpar.optimizers.muon`'s defaults, by keyword.
+MUON_DEFAULTS = {k: p.default for k, p in inspect.signature(muon).parameters.items()}
 
 
 @dataclass(frozen=True)
@@ -29,15 +38,15 @@ class ModelConfig:
     target: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
     loss: str | None = None
-    vocab: int = 256
-    seq_len: int = 64
-    embed: int = 64
-    heads: int = 4
-    layers: int = 2
-    mlp: int | None = None          # None: 4 * embed
-    remat: str = "none"
-    scan_layers: bool = True
-    init_std: float = 0.02
+    vocab: int = GPTConfig.vocab
+    seq_len: int = GPTConfig.seq_len
+    embed: int = GPTConfig.embed
+    heads: int = GPTConfig.heads
+    layers: int = GPTConfig.layers
+    mlp: int | None = GPTConfig.mlp         # None: 4 * embed
+    remat: str = GPTConfig.remat
+    scan_layers: bool = GPTConfig.scan_layers
+    init_std: float = GPTConfig.init_std
     # mixture of experts: {experts: 8, top_k: 2, capacity_factor: 1.25 | null, every: 1, aux_weight: 0.01, ...}
     # (see jaxpar.models._gpt_moe.MoESettings); {} = dense MLPs
     moe: dict[str, Any] = field(default_factory=dict)
@@ -69,16 +78,16 @@ class MeshConfig:
 class ParallelConfig:
     """See :class:`jaxpar.Strategy`."""
 
-    zero: int = 0
-    sequence_parallel: bool = False
-    microbatches: int = 1           # accumulation steps; with mesh.pipe > 1 the pipeline's micro-batches
-    compute_dtype: str = "float32"
-    schedule: str = "1f1b"          # PIPELINE schedule (pipe > 1): gpipe|1f1b|interleaved|zb-h1|pipedream-2bw|pipedream
-    update_every: int = 1           # pipedream (weight stashing): each stage updates after every k of its backwards
-    vertical_sync: bool = False     # pipedream: every stage runs a micro-batch on the version stage 0 used
+    zero: int = Strategy.zero
+    sequence_parallel: bool = Strategy.sequence_parallel
+    microbatches: int = Strategy.microbatches     # accumulation steps; with mesh.pipe > 1 the pipeline's micro-batches
+    compute_dtype: str = Strategy.compute_dtype
+    schedule: str = Strategy.schedule   # PIPELINE schedule (pipe > 1): gpipe|1f1b|interleaved|zb-h1|pipedream-2bw|pipedream
+    update_every: int = Strategy.update_every     # pipedream (weight stashing): each stage updates after every k backwards
+    vertical_sync: bool = Strategy.vertical_sync  # pipedream: every stage runs a micro-batch on the version stage 0 used
     steps_per_call: int = 1         # optimizer steps per compiled call (pipedream / pipedream-2bw: no flush between)
-    virtual_stages: int = 1         # interleaved: model chunks per stage
-    stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (uneven); null = even
+    virtual_stages: int = Strategy.virtual_stages  # interleaved: model chunks per stage
+    stage_layers: tuple[int, ...] | None = Strategy.stage_layers   # layers per virtual stage (uneven); null = even
     # gradient codec over the data axes, e.g. {kind: powersgd, rank: 4}; {} = exact (see jaxpar.parallel.compression)
     compression: dict[str, Any] = field(default_factory=dict)
     # how the mesh.replica replicas synchronise, e.g. {kind: diloco, every: 50}; {} = every step (see jaxpar.parallel.sync)
@@ -119,14 +128,14 @@ class MuonConfig:
     and ``adam_weight_decay``; ``placement``: where Newton-Schulz runs on sharded matrices (``auto``: the cost
     model's exact choice per matrix group; ``gather``, ``owner``, ``local``) (see :func:`jaxpar.optimizers.muon`)."""
 
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5
-    consistent_rms: float | None = None
-    adam_lr: float | None = None
-    adam_weight_decay: float = 0.0
+    momentum: float = MUON_DEFAULTS["momentum"]
+    nesterov: bool = MUON_DEFAULTS["nesterov"]
+    ns_steps: int = MUON_DEFAULTS["ns_steps"]
+    consistent_rms: float | None = MUON_DEFAULTS["consistent_rms"]
+    adam_lr: float | None = MUON_ADAM_DEFAULTS["lr"]
+    adam_weight_decay: float = MUON_ADAM_DEFAULTS["weight_decay"]
     routing: dict[str, str] = field(default_factory=dict)
-    placement: str = "auto"
+    placement: str = MUON_DEFAULTS["placement"]
 
 
 @dataclass(frozen=True)
