@@ -80,14 +80,15 @@ class ParallelConfig:
 
     zero: int = Strategy.zero
     sequence_parallel: bool = Strategy.sequence_parallel
-    microbatches: int = Strategy.microbatches     # accumulation steps; with mesh.pipe > 1 the pipeline's micro-batches
+    microbatches: int = Strategy.microbatches   # accumulation steps; with mesh.pipe > 1 the pipeline's micro-batches
     compute_dtype: str = Strategy.compute_dtype
-    schedule: str = Strategy.schedule   # PIPELINE schedule (pipe > 1): gpipe|1f1b|interleaved|zb-h1|pipedream-2bw|pipedream
-    update_every: int = Strategy.update_every     # pipedream (weight stashing): each stage updates after every k backwards
-    vertical_sync: bool = Strategy.vertical_sync  # pipedream: every stage runs a micro-batch on the version stage 0 used
+    # the PIPELINE schedule (pipe > 1): gpipe | 1f1b | interleaved | zb-h1 | pipedream-2bw | pipedream
+    schedule: str = Strategy.schedule
+    update_every: int = Strategy.update_every   # pipedream (weight stashing): a stage updates every k backwards
+    vertical_sync: bool = Strategy.vertical_sync  # pipedream: every stage runs a micro-batch on stage 0's version
     steps_per_call: int = 1         # optimizer steps per compiled call (pipedream / pipedream-2bw: no flush between)
     virtual_stages: int = Strategy.virtual_stages  # interleaved: model chunks per stage
-    stage_layers: tuple[int, ...] | None = Strategy.stage_layers   # layers per virtual stage (uneven); null = even
+    stage_layers: tuple[int, ...] | None = Strategy.stage_layers  # layers per virtual stage (uneven); null = even
     # gradient codec over the data axes, e.g. {kind: powersgd, rank: 4}; {} = exact (see jaxpar.parallel.compression)
     compression: dict[str, Any] = field(default_factory=dict)
     # how the mesh.replica replicas synchronise, e.g. {kind: diloco, every: 50}; {} = every step (see jaxpar.parallel.sync)

@@ -225,12 +225,14 @@ def calibrate_device(out: str | Path | None = None, *, base: str = "h100", reps:
         data.update(host_link_gbps=round(host["link_gbps"], 1), host_memory_gbps=round(host["update_gbps"], 1))
         data["sources"].append(
             f"measured {stamp}: copies of {host_bytes / 2**30:g} GiB between pinned host and device memory at "
-            f"{host['to_device_gbps']:.1f} GB/s to the device and {host['to_host_gbps']:.1f} to the host (host_link_gbps: "
-            f"their harmonic mean); Adam's update in host memory (the offloaded host update's computation) at "
+            f"{host['to_device_gbps']:.1f} GB/s to the device and {host['to_host_gbps']:.1f} to the host "
+            f"(host_link_gbps: their harmonic mean); Adam's update in host memory (the offloaded host update's "
+            f"computation) at "
             f"{host['update_gbps']:.1f} GB/s of 28 bytes an element (host_memory_gbps)")
     data.pop("fit", None)
     text = yaml.safe_dump(data, sort_keys=False, width=120)
     if out is not None:
         Path(out).write_text(text)
         say(f"wrote {out}")
-    return {"yaml": text, "gemms": gemms, "fit": fit, "stream_gbps": gbps, "host": host, "device": device.device_kind}
+    return {"yaml": text, "gemms": gemms, "fit": fit, "stream_gbps": gbps, "host": host,
+            "device": device.device_kind}

@@ -24,12 +24,13 @@ sharded as ZeRO / FSDP shards it. The transfers per step and device are those of
 
 The layers' inputs move each way once per micro-batch: ``layers`` times the input of a layer on one
 device (:func:`jaxpar.cost._memory.layer_activations` under ``"full"``), in the compute dtype (the
-compiled programs: tests/test_offload_cost.py). None of the state's transfers overlap with compute: the stream-in precedes the forward (which reads every streamed
-parameter: the layer scan reads the stacked arrays whole), and the host update's chain (gradients out,
-update, parameters back) follows the backward (the update waits for the global gradient norm) and
-precedes the next step. The activations' transfers are counted exposed too: the GPU overlaps part of them
-(one H200: 67 MB each way cost 1.4 ms of the 2.2 ms the link takes, docs/benchmarks.md §22). The host update streams :func:`jaxpar.cost._time.update_bytes` at the cluster's
-``host_memory_gbps``.
+compiled programs: tests/test_offload_cost.py). None of the state's transfers overlap with compute: the
+stream-in precedes the forward (which reads every streamed parameter: the layer scan reads the stacked
+arrays whole), and the host update's chain (gradients out, update, parameters back) follows the backward
+(the update waits for the global gradient norm) and precedes the next step. The activations' transfers
+are counted exposed too: the GPU overlaps part of them (one H200: 67 MB each way cost 1.4 ms of the 2.1 ms
+the link takes, docs/benchmarks.md §22). The host update streams :func:`jaxpar.cost._time.update_bytes`
+at the cluster's ``host_memory_gbps``.
 
 Example::
 
@@ -88,8 +89,10 @@ def plan_offload(offload: Offload | None, remat: str) -> Offload | None:
 
     >>> plan_offload(Offload(optimizer=True, activations=("x",)), "offload").label
     'offload-opt'
-    >>> plan_offload(Offload(activations=(LAYER_INPUT,)), "offload").label, plan_offload(Offload(activations=("x",)), "offload")
-    ('offload-act', None)
+    >>> acts = Offload(activations=(LAYER_INPUT,))
+    >>> other = Offload(activations=("x",))
+    >>> plan_offload(acts, "offload").label, plan_offload(acts, "full"), plan_offload(other, "offload")
+    ('offload-act', None, None)
     """
     if offload is None:
         return None
