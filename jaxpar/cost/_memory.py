@@ -423,9 +423,8 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
       offload: ``Plan.offload`` (:mod:`jaxpar.cost._host_link`): the host update keeps the optimizer state
         off the device (``opt`` 0, in ``host``; on one device the gradients too: :func:`offloaded`); the
         device update streams the offloaded state in for the step, so the device's peak keeps it (it is in
-        ``host`` too). Offloaded activations (under
-        ``remat="full"``) move the layers' inputs, which full recomputation keeps, from ``activations`` to
-        ``host``.
+        ``host`` too). Offloaded activations (under ``remat="full"``) move the layers' inputs, which full
+        recomputation keeps, from ``activations`` to ``host``.
 
     Returns:
       The :class:`MemoryEstimate`.
@@ -448,7 +447,7 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
         first, last = (state_bytes(model, sizes, zero, precision, end=e) for e in ("first", "last"))
         st, logits = (first, 0.0) if first["total"] > last["total"] + logits else (last, logits)
     return offloaded(MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight, moved), offload,
-                     unsplit=d * f * e == 1, activation_bytes=activation_bytes)
+                     unsplit=d * f * e * p * microbatches == 1, activation_bytes=activation_bytes)
 
 
 def _layers_kept(model: ModelSpec, sizes: Mapping[str, int], rows: float, share: float, **kw) -> float:
@@ -462,15 +461,15 @@ def _layers_kept(model: ModelSpec, sizes: Mapping[str, int], rows: float, share:
 def offloaded(mem: MemoryEstimate, offload: Offload | None, *, unsplit: bool = False,
               activation_bytes: float = 4) -> MemoryEstimate:
     """``mem`` under ``Plan.offload`` (see :func:`memory_per_device`). Under the host update on a device that
-    splits no batch (``unsplit``: no gradient reduction on the device) the compiled step writes the gradients
-    to host memory as the backward makes them, and its peak holds the parameters' compute-dtype copy in
+    neither reduces nor accumulates its gradients (``unsplit``) the compiled step writes them to host memory
+    as the backward makes them, and its peak holds the parameters' compute-dtype copy in
     their place (``grads``; none in fp32): a Llama-3-8B-shaped Decoder on one H100 compiles to 50.83 GB,
     the parameters, their bf16 copy and the activations (docs/planning.md §12).
 
     Args:
       mem: the estimate without offload.
       offload: ``Plan.offload``.
-      unsplit: the device holds the whole batch (``data * fsdp * expert == 1``).
+      unsplit: one device, one micro-batch (``data * fsdp * expert * pipe * microbatches == 1``).
       activation_bytes: bytes per activation value (the compute dtype's).
 
     Returns:

@@ -115,8 +115,8 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
     return new, out
 
 
-def optimizer_arithmetic(tx: optax.GradientTransformation, names: tuple[str, ...], grads: Any, opt_state: Any, params: Any,
-              *scalars: jax.Array) -> tuple[Any, Any]:
+def optimizer_arithmetic(tx: optax.GradientTransformation, names: tuple[str, ...], grads: Any, opt_state: Any,
+                         params: Any, *scalars: jax.Array) -> tuple[Any, Any]:
     """The optimizer's arithmetic of :func:`apply_update`: the gradient scaled by the clip (``"scale"``), the
     optax update, and the old parameters and optimizer state kept where the step is skipped (``"ok"``).
 
