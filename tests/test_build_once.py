@@ -55,20 +55,27 @@ def test_train_with_muon_traces_the_model_once(tmp_path, monkeypatch, capsys):
 
 def test_the_yaml_sections_take_the_library_defaults():
     """A YAML key that an object of the library takes has that object's default, for every such key: the
-    model's (GPTConfig), the strategy's (Strategy) and Muon's (muon)."""
+    model's (GPTConfig), the strategy's (Strategy), Muon's (muon), the checkpointer's and the noise scale's."""
     import dataclasses
     import inspect
 
     from jaxpar import Strategy
-    from jaxpar.config._schema import ModelConfig, MuonConfig, ParallelConfig
+    from jaxpar.config._schema import (CheckpointConfig, ModelConfig, MuonConfig, NoiseScaleConfig,
+                                       ParallelConfig)
     from jaxpar.models import GPTConfig
     from jaxpar.optimizers import muon
+    from jaxpar.run import Checkpointer
+    from jaxpar.step import noise_scale
 
     def defaults(cls):
         return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
 
-    muon_kw = {k: p.default for k, p in inspect.signature(muon).parameters.items()}
-    pairs = [(ModelConfig, defaults(GPTConfig)), (ParallelConfig, defaults(Strategy)), (MuonConfig, muon_kw)]
-    for section, library in pairs:
+    def keywords(fn):
+        return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
+
+    pairs = [(ModelConfig, defaults(GPTConfig), 9), (ParallelConfig, defaults(Strategy), 9),
+             (MuonConfig, keywords(muon), 5), (CheckpointConfig, keywords(Checkpointer), 3),
+             (NoiseScaleConfig, keywords(noise_scale), 1)]
+    for section, library, count in pairs:
         shared = {k: v for k, v in defaults(section).items() if k in library}
-        assert len(shared) >= 5 and shared == {k: library[k] for k in shared}, section
+        assert len(shared) == count and shared == {k: library[k] for k in shared}, (section, shared)

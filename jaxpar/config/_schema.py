@@ -17,10 +17,19 @@ from jaxpar.data import _windows as data_lib
 from jaxpar.errors import ConfigError
 from jaxpar.models import GPTConfig
 from jaxpar.optimizers import MUON_ADAM_DEFAULTS, muon
+from jaxpar.run._checkpoint import Checkpointer
+from jaxpar.step import noise_scale
 from jaxpar.strategy import Strategy
 
-#: :func:`jaxpar.optimizers.muon`'s defaults, by keyword.
-MUON_DEFAULTS = {k: p.default for k, p in inspect.signature(muon).parameters.items()}
+
+def _defaults(fn) -> dict[str, Any]:
+    """``fn``'s keyword defaults."""
+    return {k: p.default for k, p in inspect.signature(fn).parameters.items()}
+
+
+#: The defaults of :func:`jaxpar.optimizers.muon`, :class:`jaxpar.run.Checkpointer` and
+#: :func:`jaxpar.step.noise_scale`, by keyword.
+MUON_DEFAULTS, CHECKPOINT_DEFAULTS, NOISE_DEFAULTS = map(_defaults, (muon, Checkpointer, noise_scale))
 
 
 @dataclass(frozen=True)
@@ -227,9 +236,9 @@ class CheckpointConfig:
 
     enabled: bool = True
     dir: str = ""
-    every: int = 0
-    keep: int = 3
-    async_save: bool = True         # write in a background thread (``async`` is a Python keyword)
+    every: int = CHECKPOINT_DEFAULTS["every"]
+    keep: int = CHECKPOINT_DEFAULTS["keep"]
+    async_save: bool = CHECKPOINT_DEFAULTS["async_save"]   # in a background thread (``async`` is a Python keyword)
     resume: bool = False
 
 
@@ -240,7 +249,7 @@ class NoiseScaleConfig:
     decay ``ema`` (:mod:`jaxpar.step._noise_scale`); logged as ``noise_scale`` and ``noise_scale.png``."""
 
     every: int | None = None
-    ema: float = 0.95
+    ema: float = NOISE_DEFAULTS["ema"]
 
 
 @dataclass(frozen=True)

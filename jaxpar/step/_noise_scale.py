@@ -48,11 +48,15 @@ KEY = "noise_scale"
 METRICS = ("noise_scale", "grad_sq_small", "grad_sq_big", "noise_trace", "noise_grad_sq")
 
 
+#: The moving averages' default decay.
+EMA = 0.95
+
+
 class Measure(NamedTuple):
     """How often the step measures (every ``every`` steps) and the moving averages' decay ``ema``."""
 
     every: int
-    ema: float = 0.95
+    ema: float = EMA
 
 
 def measure(every: Any, ema: Any, owner: str) -> Measure:
@@ -132,7 +136,7 @@ def update(state: dict, sq_small, sq_big, b_small: int, b_big: int, ema: float) 
     return new, metrics
 
 
-def noise_scale(*, every: int, ema: float = 0.95) -> PartLayout:
+def noise_scale(*, every: int, ema: float = EMA) -> PartLayout:
     """The noise-scale measurement as a state part: fresh moving averages in ``stats["noise_scale"]``
     (replicated scalars), moved by a second program every ``every`` steps from the step's two squared norms:
     ``init_train_state(..., parts=[noise_scale(every=k)])``.
@@ -168,7 +172,7 @@ def _part(m: Measure) -> PartLayout:
                       after_step=after_step)
 
 
-def with_noise_scale(state, layout, *, every: int, ema: float = 0.95) -> tuple[Any, Any]:
+def with_noise_scale(state, layout, *, every: int, ema: float = EMA) -> tuple[Any, Any]:
     """``(state, layout)`` with the :func:`noise_scale` part added to a state made without it (call it before
     restoring a checkpoint); ``make_train_step`` reads ``every`` and ``ema`` from the layout.
 
