@@ -183,19 +183,8 @@ def time_step(name, model_fn, loss, tx, strategy, batch, *, kernel, reps, flops_
     with use_attention_kernel(kernel):
         state, layout = jaxpar.init_train_state(model_fn, tx, mesh, strategy)
         step = jaxpar.make_train_step(loss, tx, layout, strategy, clip_norm=1.0)
-        data = jaxpar.shard_batch(batch, mesh)
-        t0 = time.perf_counter()
-        compiled = step.lower(state, data).compile()
-        compile_s = time.perf_counter() - t0
-        for _ in range(2):
-            state, m = step(state, data)
-        jax.block_until_ready(m["loss"])
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            state, m = step(state, data)
-            jax.block_until_ready(m["loss"])
-            times.append(time.perf_counter() - t)
+        compiled, compile_s, state, m, times = run_steps(step, state, jaxpar.shard_batch(batch, mesh), warmup=2,
+                                                         reps=reps)
     ms = 1e3 * statistics.median(times)
     mem = compiled.memory_analysis()
     text = compiled.as_text()
@@ -213,6 +202,24 @@ def time_step(name, model_fn, loss, tx, strategy, batch, *, kernel, reps, flops_
     print(f"step {name:28s} {kernel:6s} {ms:8.2f} ms  MFU {row['mfu']:.3f}  peak {row['peak_gib']} GiB  "
           f"model {row['cost_model_ms']} ms  compile {row['compile_s']} s", flush=True)
     return row
+
+
+def run_steps(step, state, data, *, warmup: int, reps: int):
+    """Compile ``step`` for ``(state, data)``, run ``warmup`` steps, then time ``reps`` (each waited for):
+    ``(compiled, compile seconds, state, the last metrics, seconds per timed step)``."""
+    t0 = time.perf_counter()
+    compiled = step.lower(state, data).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        state, m = step(state, data)
+    jax.block_until_ready(m["loss"])
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        state, m = step(state, data)
+        jax.block_until_ready(m["loss"])
+        times.append(time.perf_counter() - t)
+    return compiled, compile_s, state, m, times
 
 
 def n_params(model_fn) -> int:

@@ -57,6 +57,7 @@ def run_case(case: str, layers: int, seq: int, batch: int, reps: int, small: boo
     from jaxpar.models import Decoder, DecoderConfig, decoder_loss
     from jaxpar.parallel import Offload
     sys.path.insert(0, str(Path(__file__).parent))
+    from gpu import run_steps
     from offload_deviceless import LLAMA3_8B
 
     kwargs, remat = CASES[case]
@@ -82,17 +83,8 @@ def run_case(case: str, layers: int, seq: int, batch: int, reps: int, small: boo
     step = jaxpar.make_train_step(decoder_loss, tx, layout, strategy, clip_norm=1.0)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab, (batch, seq + 1)).astype(np.int32)
     data = jaxpar.shard_batch({"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
-    t = time.perf_counter()
-    compiled = step.lower(state, data).compile()
-    row["compile_s"] = round(time.perf_counter() - t, 1)
-    state, m = step(state, data)
-    jax.block_until_ready(m["loss"])
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        state, m = step(state, data)
-        jax.block_until_ready(m["loss"])
-        times.append(time.perf_counter() - t)
+    compiled, compile_s, state, m, times = run_steps(step, state, data, warmup=1, reps=reps)
+    row["compile_s"] = round(compile_s, 1)
     r = memory_report(compiled)
     row.update(ms=round(1e3 * statistics.median(times), 2), ms_all=[round(1e3 * x, 1) for x in times],
                loss=float(m["loss"]), peak=stats().get("peak_bytes_in_use"), compiled_peak=r.required_bytes,
