@@ -447,7 +447,7 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
         first, last = (state_bytes(model, sizes, zero, precision, end=e) for e in ("first", "last"))
         st, logits = (first, 0.0) if first["total"] > last["total"] + logits else (last, logits)
     return offloaded(MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight, moved), offload,
-                     unsplit=d * f * e * p * microbatches == 1, activation_bytes=activation_bytes)
+                     unsplit=d * f * e * C * t * p * microbatches == 1, activation_bytes=activation_bytes)
 
 
 def _layers_kept(model: ModelSpec, sizes: Mapping[str, int], rows: float, share: float, **kw) -> float:
@@ -469,7 +469,7 @@ def offloaded(mem: MemoryEstimate, offload: Offload | None, *, unsplit: bool = F
     Args:
       mem: the estimate without offload.
       offload: ``Plan.offload``.
-      unsplit: one device, one micro-batch (``data * fsdp * expert * pipe * microbatches == 1``).
+      unsplit: one device, one micro-batch (every mesh size and ``microbatches`` 1: measured there only).
       activation_bytes: bytes per activation value (the compute dtype's).
 
     Returns:
