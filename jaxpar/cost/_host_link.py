@@ -153,8 +153,7 @@ def activation_transfer_bytes(model, plan, activation_bytes: float = 2) -> float
     offload = getattr(plan, "offload", None)
     if offload is None or not offload.activations:
         return 0.0
-    rows = model.batch / (plan.data * plan.fsdp * plan.expert)
-    return model.layers / plan.pipe * layer_activations(model, plan.sizes, rows, remat="full",
+    return model.layers / plan.pipe * layer_activations(model, plan.sizes, model.batch / plan.batch_split, remat="full",
                                                          sequence_parallel=plan.sequence_parallel,
                                                          activation_bytes=activation_bytes)
 

@@ -25,6 +25,8 @@ from jaxpar.options import Offload
 
 #: The memory kind the offloaded state lives in between steps, and the one it is computed in.
 HOST, DEVICE = "pinned_host", "device"
+#: Whether ``compute_on`` is a transform that names its outputs' memory spaces (jax 0.11) or a context manager.
+_COMPUTE_ON_TRANSFORM = "out_memory_spaces" in inspect.signature(compute_on).parameters
 
 
 def with_kind(sharding: NamedSharding, kind: str) -> NamedSharding:
@@ -129,7 +131,7 @@ def on_host(fn: Callable) -> Callable:
     Returns:
       A function of the same arguments.
     """
-    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+    if _COMPUTE_ON_TRANSFORM:
         return compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
 
     def run(*args):
