@@ -45,7 +45,7 @@ def spearman(a, b) -> float:
 
 # ----------------------------------------------------------------------------- ranking
 def predicted_step_times(cluster) -> dict[str, dict]:
-    from jaxpar import cost
+    from jaxpar import Strategy, cost
     from jaxpar.cost import evaluate
 
     from _common import STRATEGIES
@@ -53,7 +53,7 @@ def predicted_step_times(cluster) -> dict[str, dict]:
     model = cost.gpt(layers=4, hidden=128, heads=8, seq=64, vocab=256, batch=16)
     out = {}
     for bs in STRATEGIES:
-        plan = cost.Plan(**bs.mesh, zero=bs.zero, sequence_parallel=bs.sequence_parallel)
+        plan = cost.Plan(**bs.mesh, strategy=Strategy(zero=bs.zero, sequence_parallel=bs.sequence_parallel))
         c = cluster.with_devices(plan.devices)
         e = evaluate(model, plan, c, dtype="float32", precision="fp32", lowering="xla-cpu")
         t = e.time

@@ -38,6 +38,7 @@ from jaxpar.cost import gpt
 from jaxpar.cost import Plan
 from jaxpar.cost import evaluate
 from jaxpar.models import GPT, GPTConfig, lm_loss
+from jaxpar.strategy import Strategy
 
 from _common import environment, markdown_table, write_json
 
@@ -90,7 +91,8 @@ def bench(length: int, reps: int, cluster, time_max: int) -> list[dict]:
     one = _one_device_temp(length)
     rows = []
     for method, balance in METHODS:
-        predicted = evaluate(spec, Plan(context=8, context_method=method, context_balance=balance), cluster,
+        plan = Plan(context=8, strategy=Strategy(context=ContextParallel(method, balance=balance)))
+        predicted = evaluate(spec, plan, cluster,
                              dtype="float32", precision="fp32").time.total
         ratios = [a / b for a, b in zip(times[method][1:], times["ring"][1:])]
         rows.append({"length": length, "method": method,

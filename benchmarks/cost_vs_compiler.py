@@ -51,9 +51,17 @@ from jaxpar.cost import device_argument_bytes, step_peak_bytes
 from jaxpar.cost._device_bytes import layout_for_platform  # noqa: E402
 from jaxpar.cost import comms
 from jaxpar.cost._traffic import bytes_per_axis, lowering_for_platform  # noqa: E402
+from jaxpar.cost._parallel import AXES  # noqa: E402
 from jaxpar.options import Fp8  # noqa: E402
+from jaxpar.strategy import Strategy  # noqa: E402
 
-P = cost.Plan
+
+def P(remat: str = "none", **kw) -> cost.Plan:
+    """A plan from its mesh sizes and its strategy's fields, by keyword (the table below)."""
+    sizes = {a: kw.pop(a) for a in AXES if a in kw}
+    return cost.Plan(**sizes, remat=remat, strategy=Strategy(**kw))
+
+
 #: GPT sizes (layers, hidden, heads, seq), vocab 50304: GPT-3 paper's 125M ... 13B, and a 70B.
 MODELS = {"125M": (12, 768, 12, 1024), "350M": (24, 1024, 16, 1024), "1.3B": (24, 2048, 16, 2048),
           "2.7B": (32, 2560, 32, 2048), "6.7B": (32, 4096, 32, 2048), "13B": (40, 5120, 40, 2048),
@@ -90,7 +98,7 @@ CASES = [
 ]
 
 
-#: (model, global batch, target, plan): compiled in bf16, then with FP8 (``replace(plan, fp8=Fp8())``).
+#: (model, global batch, target, plan): compiled in bf16, then with FP8 (``plan.with_strategy(fp8=Fp8())``).
 PRECISION_CASES = [
     ("350M", 16, "h100:1x8", P(fsdp=8)),
     ("350M", 16, "h100:1x8", P(data=8)),
@@ -137,7 +145,7 @@ def measure(model: cost.ModelSpec, target: str, plan: cost.Plan, hlo: str | None
 
 
 def compile_precision(model: cost.ModelSpec, target: str, plan: cost.Plan):
-    """Compile jaxpar's GPT train step in bf16 compute (fp32 master weights, AdamW), with ``plan.fp8``'s
+    """Compile jaxpar's GPT train step in bf16 compute (fp32 master weights, AdamW), with the plan's FP8's
     FP8 when set: ``(mesh, compiled)``."""
     import jax
     import jax.numpy as jnp
@@ -151,15 +159,13 @@ def compile_precision(model: cost.ModelSpec, target: str, plan: cost.Plan):
     from jaxpar.models._gpt import lm_loss
     from jaxpar.step._compose import make_train_step
     from jaxpar.step._init import state_layout
-    from jaxpar.strategy import Strategy
 
     remat = {"selective": "save-matmuls"}.get(plan.remat, plan.remat)
     cfg = GPTConfig(vocab=model.vocab, seq_len=model.seq, embed=model.hidden, heads=model.heads,
                     layers=model.layers, mlp=model.mlp, remat=remat)
     mesh = make_mesh({k: v for k, v in plan.sizes.items() if v > 1}, devices=target_devices(parse_target(target)))
-    strategy = Strategy(zero=plan.zero if plan.data > 1 else 0, sequence_parallel=plan.sequence_parallel,
-                        microbatches=plan.microbatches, compute_dtype="bfloat16",
-                        fp8=plan.fp8)
+    strategy = dataclasses.replace(plan.strategy, zero=plan.strategy.zero if plan.data > 1 else 0,
+                                   compute_dtype="bfloat16")
     tx = optax.adamw(1e-3, weight_decay=0.1)
     layout = state_layout(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
     step = make_train_step(lm_loss, tx, layout, strategy)
@@ -178,7 +184,7 @@ def measure_precision(model: cost.ModelSpec, target: str, plan: cost.Plan) -> di
     gathers: dict[str, float] = {}
     for (_, dtype), v in all_gather_dtypes(compiled, mesh).items():
         gathers[dtype] = gathers.get(dtype, 0.0) + v["bytes"]
-    counts = check_fp8_gemms(compiled.as_text()) if plan.fp8 else {}
+    counts = check_fp8_gemms(compiled.as_text()) if plan.strategy.fp8 else {}
     return {"axes": compiled_bytes_per_axis(compiled, mesh, plan), "gathers": gathers,
             "fp8_gemms": sum(int(c["fp8"]) for c in counts.values()), "compile_s": round(seconds, 1)}
 
@@ -196,7 +202,7 @@ def precision_rows(args) -> list[dict]:
         measured = json.load(open(args.out))["measured"]
     rows = []
     for name, batch, target, base in PRECISION_CASES:
-        for plan in (base, dataclasses.replace(base, fp8=Fp8())):
+        for plan in (base, base.with_strategy(fp8=Fp8())):
             key = case_key(name, batch, target, plan) + " bf16"
             if args.only not in key or (key not in measured and args.measured):
                 continue
@@ -287,7 +293,8 @@ def predict(model: cost.ModelSpec, target: str, plan: cost.Plan) -> dict:
     platform = "tpu" if target.startswith("tpu") else "cuda"
     lowering = lowering_for_platform(platform)
     return {"axes": bytes_per_axis(comms(model, plan, lowering=lowering, compute_bytes=4, grad_bytes=4)),
-            "arguments": device_argument_bytes(model, plan.sizes, plan.zero, layout=layout_for_platform(platform)),
+            "arguments": device_argument_bytes(model, plan.sizes, plan.strategy.zero,
+                                               layout=layout_for_platform(platform)),
             "peak": step_peak_bytes(model, plan, platform=platform)}
 
 

@@ -40,6 +40,7 @@ from jaxpar.devices import parse_target, target_devices
 from jaxpar.models import Decoder, DecoderConfig, RoPE, decoder_loss
 from jaxpar.parallel import Fp8
 from jaxpar.parallel._fp8 import is_covered
+from jaxpar.strategy import Strategy
 
 from _common import environment, markdown_table, write_json
 
@@ -126,7 +127,7 @@ def predicted(cfg: DecoderConfig, axes: dict, batch: int, seq: int) -> dict[str,
     cluster = cost.load_cluster("h100")
     out = {}
     for name, fp8 in PRECISIONS.items():
-        plan = cost.Plan(**axes, remat=cfg.remat, fp8=fp8)
+        plan = cost.Plan(**axes, remat=cfg.remat, strategy=Strategy(fp8=fp8))
         t = cost.step_time(model, plan, cluster, dtype="bfloat16", lowering="xla")   # the GPU compiler's
         out[name] = {"step_s": t.total, "compute_s": t.compute, "bytes_per_axis": t.bytes_per_axis}
     return out

@@ -45,6 +45,7 @@ from jaxpar.analysis._fused_attention import attention_report
 from jaxpar.cost._device_rates import _median_seconds as median_seconds
 from jaxpar.parallel.context import _kernels as kernels_module
 from jaxpar.parallel.context import attention, use_attention_kernel
+from jaxpar.strategy import Strategy
 
 GPT124M = dict(vocab=50304, seq_len=1024, embed=768, heads=12, layers=12, remat="save-matmuls")
 LLAMA3_8B = dict(vocab=128256, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336)
@@ -281,7 +282,7 @@ def run_decoder(small, layers, seq, batch_rows, reps, peak, variants=DECODER_VAR
         precision, kernel = variant.split("-")
         name, fp8 = ("bf16", None) if precision == "bf16" else ("fp8 tensorwise", recipe)
         strategy = jaxpar.Strategy(compute_dtype="bfloat16", fp8=fp8)
-        predicted = predicted_seconds(spec, cost.Plan(fp8=fp8))
+        predicted = predicted_seconds(spec, cost.Plan(strategy=Strategy(fp8=fp8)))
         rows.append(step_row(f"decoder {layers}L {name}", model_fn, decoder_loss, tx, strategy, batch,
                              kernel=kernel, reps=reps, flops_per_token=fpt, peak=peak, predicted=predicted))
     return rows

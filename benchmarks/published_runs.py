@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from jaxpar import cost
 from jaxpar.cost import evaluate
 from jaxpar.cost import Overlap, narayanan_flops
+from jaxpar.strategy import Strategy
 
 SEQ, VOCAB = 2048, 51200
 T1 = "Narayanan et al. 2021, Table 1"
@@ -137,9 +138,9 @@ def plan_of(run: Run) -> cost.Plan:
     """The run's parallel layout as a :class:`jaxpar.cost.Plan`."""
     data = run.gpus // (run.tensor * run.pipe)
     schedule = "interleaved" if run.virtual > 1 else "1f1b"
-    return cost.Plan(pipe=run.pipe, data=data, tensor=run.tensor, schedule=schedule, virtual=run.virtual,
-                     microbatches=run.batch // (data * run.micro_batch), remat=run.remat,
-                     sequence_parallel=run.sequence_parallel)
+    strategy = Strategy(schedule=schedule, virtual_stages=run.virtual, sequence_parallel=run.sequence_parallel,
+                        microbatches=run.batch // (data * run.micro_batch))
+    return cost.Plan(pipe=run.pipe, data=data, tensor=run.tensor, remat=run.remat, strategy=strategy)
 
 
 def predict(run: Run, cluster: cost.Cluster | None = None) -> Prediction:

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 from jaxpar.errors import ContextParallelError, Fp8Error, OffloadError
 
-__all__ = ["ContextParallel", "Fp8", "Offload", "CONTEXT_METHODS", "LAYER_INPUT", "RECIPES", "UPDATES"]
+__all__ = ["ContextParallel", "Fp8", "Offload", "CONTEXT_METHODS", "LAYER_INPUT", "RECIPES", "UPDATES", "ZERO_STAGES"]
 
+#: The ZeRO stages of ``Strategy.zero`` (0: plain data parallelism).
+ZERO_STAGES = (0, 1, 2, 3)
 #: The context-parallel attention methods, by name (the first is the default).
 CONTEXT_METHODS = ("ring", "all_gather", "ulysses")
 #: The FP8 scaling recipes (the first is the default): one scale per tensor, or one per row of each GEMM operand.

@@ -22,14 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from jaxpar.compat._table import raise_strategy_problems
-from jaxpar.options import ContextParallel, Fp8, Offload
-from jaxpar.mesh import CONTEXT, EXPERT, data_axes
-from jaxpar.parallel.pipeline._schedules import canonical_kind
-from jaxpar.rules import LogicalRules
 from jaxpar.errors import StrategyError
-from jaxpar.parallel._tensor import tensor_rules
-from jaxpar.parallel._lookup import STORED_ROWS, TABLE_EMBED
-from jaxpar.parallel._zero import ZERO_STAGES, zero_axes
+from jaxpar.options import ZERO_STAGES, ContextParallel, Fp8, Offload
+from jaxpar.parallel.pipeline._schedules import canonical_kind
 
 __all__ = ["Strategy", "COMPUTE_DTYPES"]
 
@@ -151,7 +146,7 @@ class Strategy:
             check_sync(self.sync)          # with a codec: refused by the table (jaxpar.compat._table), at init
         raise_strategy_problems(self)      # the table's rules of the fields alone (local_clip, update_every, ...)
 
-    def rules(self, mesh) -> LogicalRules:
+    def rules(self, mesh) -> tuple:
         """Logical rules for this strategy on ``mesh`` (user rules first). With a
         ``pipe`` axis the stacked ``layers`` dimension is split over it (replicated
         when the layer count does not divide); with an ``expert`` axis the ``experts`` dimension
@@ -164,13 +159,18 @@ class Strategy:
         Returns:
           The logical rules, an ordered tuple of ``(logical, mesh axis | tuple | None)`` pairs.
         """
+        from jaxpar.mesh import data_axes
+        from jaxpar.parallel._lookup import STORED_ROWS, TABLE_EMBED
+        from jaxpar.parallel._tensor import tensor_rules
+        from jaxpar.parallel._zero import zero_axes
+
         sizes = dict(mesh.shape)
         pipe = (("layers", "pipe"),) if sizes.get("pipe", 1) > 1 else ()
         context = ()
-        if sizes.get(CONTEXT, 1) > 1:     # the sequence over context; the residual stream too (and tensor with SP)
-            norm = (CONTEXT, "tensor") if self.sequence_parallel and sizes.get("tensor", 1) > 1 else CONTEXT
-            context = (("length", CONTEXT), ("norm_length", norm))
-        ep = (EXPERT,) if sizes.get(EXPERT, 1) > 1 else ()
+        if sizes.get("context", 1) > 1:     # the sequence over context; the residual stream too (and tensor with SP)
+            norm = ("context", "tensor") if self.sequence_parallel and sizes.get("tensor", 1) > 1 else "context"
+            context = (("length", "context"), ("norm_length", norm))
+        ep = ("expert",) if sizes.get("expert", 1) > 1 else ()
         experts = (("experts", ep[0] if ep else None),)        # MoE weights' expert dimension
         stored = zero_axes(sizes, self.zero, "params") or None
         table = ((TABLE_EMBED, None), (STORED_ROWS, stored), (STORED_ROWS, None))
@@ -219,11 +219,11 @@ class Strategy:
                 parts.append(f"{label}{mesh_sizes[axis]}")
                 if axis == "data" and self.zero:
                     parts.append(f"zero{self.zero}")
-        if mesh_sizes.get(CONTEXT, 1) > 1:
+        if mesh_sizes.get("context", 1) > 1:
             cp = self.context_setting
-            parts += [f"cp{mesh_sizes[CONTEXT]}", cp.method.replace("_", "")] + (["bal"] if cp.balance else [])
-        if mesh_sizes.get(EXPERT, 1) > 1:
-            parts.append(f"ep{mesh_sizes[EXPERT]}")
+            parts += [f"cp{mesh_sizes['context']}", cp.method.replace("_", "")] + (["bal"] if cp.balance else [])
+        if mesh_sizes.get("expert", 1) > 1:
+            parts.append(f"ep{mesh_sizes['expert']}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.microbatches > 1 and not piped:

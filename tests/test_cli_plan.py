@@ -80,7 +80,7 @@ def test_plan_searches_context_parallel_degrees_and_methods(capsys):
                  "--batch", "1", "--cluster", cluster, "--contexts", "1,2,4,8", "--dtype", "float32",
                  "--precision", "fp32"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^\s+1 \| cp8-ring ", out, re.M), out
+    assert re.search(r"^\s+1 \| cp8-ring-bal ", out, re.M), out
     assert "ulysses needs heads % (context * tensor) == 0: heads=6, context=4" in out, out
 
 

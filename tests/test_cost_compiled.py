@@ -16,13 +16,14 @@ from jaxpar.cost import gpt
 from jaxpar.cost import Plan
 
 from test_equivalence import STRATEGIES
+from jaxpar.strategy import Strategy
 
 MODEL = gpt(layers=2, hidden=32, heads=8, seq=16, vocab=64, batch=16)      # tests/helpers.py's CFG, batch 16
 DEFAULT = {"zero3", "tp8-sp", "dp2-fsdp2-tp2", "dp2-tp4", "pp2-1f1b-m4-dp4"}
-PIPED = {p.name(): p for p in (Plan(pipe=2, data=4, microbatches=4, schedule="1f1b"),
-                               Plan(pipe=2, data=2, tensor=2, microbatches=4, schedule="1f1b"),
-                               Plan(pipe=2, data=4, microbatches=4, schedule="gpipe"),
-                               Plan(pipe=2, data=4, microbatches=4, schedule="zb-h1"))}
+PIPED = {p.name(): p for p in (Plan(pipe=2, data=4, strategy=Strategy(microbatches=4, schedule="1f1b")),
+                               Plan(pipe=2, data=2, tensor=2, strategy=Strategy(microbatches=4, schedule="1f1b")),
+                               Plan(pipe=2, data=4, strategy=Strategy(microbatches=4, schedule="gpipe")),
+                               Plan(pipe=2, data=4, strategy=Strategy(microbatches=4, schedule="zb-h1")))}
 _cache = {}
 
 
@@ -34,7 +35,8 @@ def compared(name):
             plan = PIPED[name]
         else:
             sizes, kw = STRATEGIES[name]
-            plan = Plan(**sizes, zero=kw.get("zero", 0), sequence_parallel=kw.get("sequence_parallel", False))
+            plan = Plan(**sizes, strategy=Strategy(zero=kw.get("zero", 0),
+                                                   sequence_parallel=kw.get("sequence_parallel", False)))
         _cache[name] = compile_and_compare(MODEL, plan)
     return _cache[name]
 

@@ -20,12 +20,19 @@ from jaxpar.cost._roofline import layer_kernels
 from jaxpar.cost import Overlap, step_time
 from jaxpar.cost._time import step_flops
 from jaxpar.cost import comms
+from jaxpar.strategy import Strategy
+from jaxpar.options import ContextParallel
 
 H100 = cost.load_cluster("h100")
 ALPHA, BETA = 10e-6, 1 / 450e9            # the h100 preset's NVLink: 10 us, 450 GB/s per direction
 SMALL = cost.gpt(layers=2, hidden=64, heads=4, seq=32, vocab=128, batch=16)
 MOE = cost.gpt(layers=4, hidden=64, heads=4, seq=32, vocab=128, batch=16, experts=8, top_k=2, capacity_factor=1.25,
                moe_every=2)
+
+
+def cp_plan(context: int, method: str = "ring", balance: bool = True, **sizes) -> Plan:
+    """A plan whose ``context`` devices run ``method``, in the balanced order unless ``balance=False``."""
+    return Plan(context=context, **sizes, strategy=Strategy(context=ContextParallel(method, balance)))
 
 
 def slow_or_fast(bandwidth_gbps):
@@ -39,15 +46,15 @@ def context_comms(model, plan, **kw):
 
 
 # ----------------------------------------------------------------------------- plans and models
-def test_plan_axes_names_and_backward_compatible_defaults():
-    p = Plan(data=2, expert=2, context=2, context_method="ulysses")
-    assert p.name() == "dp2-ep2-cp2-ulysses" and p.devices == 8 and p.batch_split == 4
-    assert Plan(fsdp=2, context=4, context_balance=False).name() == "fsdp2-cp4-ring-natural"
+def test_plan_axes_and_names():
+    p = cp_plan(2, "ulysses", data=2, expert=2)
+    assert p.name() == "dp2-cp2-ulysses-bal-ep2" and p.devices == 8 and p.batch_split == 4
+    assert cp_plan(4, balance=False, fsdp=2).name() == "fsdp2-cp4-ring"
     assert list(p.sizes) == ["pipe", "data", "fsdp", "expert", "context", "tensor"]
-    old = Plan(pipe=4, data=2, tensor=8, zero=1, sequence_parallel=True, microbatches=8)
+    old = Plan(pipe=4, data=2, tensor=8, strategy=Strategy(zero=1, sequence_parallel=True, microbatches=8))
     assert old.name() == "pp4-1f1b-m8-dp2-zero1-tp8-sp" and old.devices == 64
-    with pytest.raises(ValueError, match=r"Plan.context_method='rings': choose one of ring, all_gather, ulysses"):
-        Plan(context=2, context_method="rings")
+    with pytest.raises(ValueError, match=r"ContextParallel.method='rings' is not a context-parallel method"):
+        cp_plan(2, "rings")
     with pytest.raises(ValueError, match=r"Plan\(expert=0\): must be an int >= 1"):
         Plan(expert=0)
 
@@ -81,7 +88,7 @@ def test_all_to_all_formula():
 def test_ring_permutes_per_layer_by_hand(remat):
     """Ring, CP 4, r = 16 / 2 sequences: C-1 = 3 hops of K, V forward (again under recomputation), 3 of K, V
     and fp32 dK, dV backward, and one last hop of dK, dV."""
-    plan = Plan(data=2, context=4, remat=remat)
+    plan = cp_plan(4, data=2, remat=remat)
     kv = (16 / 2) * (32 / 4) * 64 * 2                     # one device's K shard, bf16
     redo = remat != "none"
     want = [("collective-permute", 2 * kv, 3 * (1 + redo) * 2),
@@ -94,12 +101,12 @@ def test_ring_permutes_per_layer_by_hand(remat):
 
 def test_all_gather_and_ulysses_collectives_by_hand():
     kv = 16 * (32 / 4) * 64 * 2
-    assert context_comms(SMALL, Plan(context=4, context_method="all_gather")) == [
+    assert context_comms(SMALL, cp_plan(4, "all_gather")) == [
         ("all-gather", 4 * kv, 2 * 2), ("reduce-scatter", kv, 2 * 2)]
-    assert context_comms(SMALL, Plan(context=4, context_method="ulysses")) == [("all-to-all", kv, 8 * 2)]
+    assert context_comms(SMALL, cp_plan(4, "ulysses")) == [("all-to-all", kv, 8 * 2)]
     # 16 all-to-alls of kv over 4 devices: the faster of pairwise and Bruck
     pairwise, bruck = 3 * ALPHA + 3 / 4 * kv * BETA, 2 * ALPHA + 2 * kv / 2 * BETA
-    t = step_time(SMALL, Plan(context=4, context_method="ulysses"), H100)
+    t = step_time(SMALL, cp_plan(4, "ulysses"), H100)
     assert t.context == pytest.approx(16 * min(pairwise, bruck))
 
 
@@ -131,13 +138,13 @@ def test_cp_splits_the_tokens_and_the_scores():
     r, s, h, d = 16, 32, 64, 16
     k1 = {k.name: k for k in layer_kernels(SMALL, Plan(), r, 2)}
     for method, frac in (("ring", 9 / 64), ("all_gather", 1 / 4), ("ulysses", 1 / 4)):   # ring: 2C+1 of 4C^2 blocks
-        k4 = {k.name: k for k in layer_kernels(SMALL, Plan(context=4, context_method=method), r, 2)}
+        k4 = {k.name: k for k in layer_kernels(SMALL, cp_plan(4, method), r, 2)}
         assert k4["fc1"].flops == k1["fc1"].flops / 4 == 2 * r * s / 4 * h * 256
         assert k4["scores"].flops == pytest.approx(2 * r * 4 * s * s * d * frac)
-    natural = {k.name: k for k in layer_kernels(SMALL, Plan(context=4, context_balance=False), r, 2)}
+    natural = {k.name: k for k in layer_kernels(SMALL, cp_plan(4, balance=False), r, 2)}
     assert natural["scores"].flops == pytest.approx(2 * r * 4 * 4 * (s / 4) ** 2 * d)   # last device: C blocks
     assert score_fraction("ring", 4, False) == 1 / 4
-    ring = {k.name: k for k in layer_kernels(SMALL, Plan(context=4), r, 2)}
+    ring = {k.name: k for k in layer_kernels(SMALL, cp_plan(4), r, 2)}
     assert ring["scores"].passes == 4 and ring["context"].passes == 3       # the backward recomputes the scores
 
 
@@ -188,9 +195,9 @@ def test_cp_activations_per_method_by_hand():
 
 
 def test_moe_and_cp_memory_of_a_device():
-    mem = memory_per_device(MOE, Plan(expert=4).sizes)
+    mem = memory_per_device(MOE, Plan(expert=4))
     assert mem.logits == 2 * 32 * (16 / 4) * 128 * 4            # the expert axis splits the batch
-    cp = memory_per_device(SMALL, Plan(context=4).sizes)
+    cp = memory_per_device(SMALL, Plan(context=4))
     assert cp.logits == 2 * 32 / 4 * 16 * 128 * 4
 
 
@@ -199,12 +206,12 @@ def test_refusals_name_the_reason():
     m = cost.gpt(2, 96, 12, 8192, 128, 16)                      # 12 heads: no Ulysses over 8
     r = cost.plan(m, H100, contexts=(8,))
     reasons = {x.plan.name(): x.reason for x in r.refused}
-    assert reasons["cp8-ulysses"] == "ulysses needs heads % (context * tensor) == 0: heads=12, context=8, tensor=1"
+    assert reasons["cp8-ulysses-bal"] == "ulysses needs heads % (context * tensor) == 0: heads=12, context=8, tensor=1"
     odd = cost.gpt(2, 96, 12, 8200, 128, 16)                    # 8200 = 8 * 1025: natural order only
-    assert all(not e.plan.context_balance for e in cost.plan(odd, H100, contexts=(8,)).ranked)
-    with pytest.raises(PlanError, match=r"cp16-ring-natural cannot run this model: context=16 does not divide the "
+    assert all(not e.plan.context_setting.balance for e in cost.plan(odd, H100, contexts=(8,)).ranked)
+    with pytest.raises(PlanError, match=r"cp16-ring cannot run this model: context=16 does not divide the "
                                         r"sequence length 8200"):
-        evaluate(odd, Plan(context=16, context_balance=False), H100)
+        evaluate(odd, cp_plan(16, balance=False), H100)
     six = cost.gpt(2, 64, 4, 32, 128, 16, experts=6)
     r = cost.plan(six, H100, experts=(1, 4))
     assert r.refused and all(x.reason == "experts=6 is not divisible by expert=4 (each device keeps experts / expert)"
@@ -240,14 +247,14 @@ def test_at_512_tokens_cp_loses_to_data_parallelism():
     r = cost.plan(m, H100, top=10**6, contexts=(1, 2, 4, 8))
     assert r.best.plan.context == 1
     best_cp = next(e for e in r.ranked if e.plan.context > 1)
-    assert best_cp.plan.name() == "dp4-zero2-cp2-ulysses"
+    assert best_cp.plan.name() == "dp4-zero2-cp2-ulysses-bal"
     kv = 64 * 256 * 768 * 2
     assert best_cp.time.context == pytest.approx(12 * 8 * (ALPHA + kv / 2 * BETA))
     assert best_cp.time.total > r.best.time.total + best_cp.time.context / 2
     at_2k = cost.gpt(12, 768, 12, 2048, 50304, 64)
     assert cost.plan(at_2k, H100, top=10**6, contexts=(1, 2, 4, 8)).best.plan.name() == "dp8-zero2"
     v5e = cost.load_cluster("tpu_v5e", num_devices=8)
-    assert cost.plan(at_2k, v5e, top=10**6, contexts=(1, 2, 4, 8)).best.plan.name() == "dp4-zero2-cp2-ring"
+    assert cost.plan(at_2k, v5e, top=10**6, contexts=(1, 2, 4, 8)).best.plan.name() == "dp4-zero2-cp2-ring-bal"
 
 
 def test_at_128k_the_ring_over_8_devices_is_chosen():
@@ -264,7 +271,7 @@ def test_at_128k_the_ring_over_8_devices_is_chosen():
     assert 16 * 34 * (s / 4) * h + block[4] > 60 * 2**30           # activations of dp2-cp4 alone
     r = cost.plan(m, H100)
     best = r.best.plan
-    assert (best.context, best.context_method, best.remat) == (8, "ring", "none")
+    assert (best.context, best.context_setting.method, best.remat) == (8, "ring", "none")
     assert all(e.plan.remat != "none" for e in r.ranked if e.plan.context < 8)
     assert r.ranked[1].time.total > 1.2 * r.best.time.total       # the next plan recomputes
 
@@ -284,6 +291,6 @@ def test_ring_ulysses_or_all_gather_by_heads_and_bandwidth(heads, bandwidth, wan
     ulysses_bytes, gather_bytes = 8 * kv * 7 / 8, 2 * C * kv * 7 / 8 + 2 * C * kv * 7 / 8
     assert ring_bytes > gather_bytes > ulysses_bytes
     r = cost.plan(m, slow_or_fast(bandwidth), contexts=(8,), overlap=Overlap(ring_behind_blocks=True))
-    assert r.best.plan.context_method == want
+    assert r.best.plan.context_setting.method == want
     if heads == 12:
-        assert any(x.plan.context_method == "ulysses" for x in r.refused)
+        assert any(x.plan.context_setting.method == "ulysses" for x in r.refused)

@@ -15,6 +15,8 @@ from jaxpar.cost._schedule import closed_form_stats, schedule_stats
 from jaxpar.cost import gpt
 from jaxpar.cost import narayanan_flops, step_flops
 from jaxpar.parallel.pipeline import bubble_fraction, get_schedule, peak_in_flight
+from jaxpar.strategy import Strategy
+from jaxpar.options import ContextParallel
 
 GB = 1e9
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,7 +237,7 @@ def test_optimizer_update_is_memory_bound_and_sharded_by_zero():
 
     m = cost.gpt(12, 768, 12, 1024, 50304, 64)
     h = cost.load_cluster("h100")
-    dp, z2 = step_time(m, Plan(data=8), h), step_time(m, Plan(data=8, zero=2), h)
+    dp, z2 = step_time(m, Plan(data=8), h), step_time(m, Plan(data=8, strategy=Strategy(zero=2)), h)
     assert dp.optimizer == pytest.approx(update_bytes(m, Plan(data=8), 2) / 3350e9)
     assert z2.optimizer == pytest.approx(dp.optimizer / 8, rel=0.02)      # small unsplittable leaves stay whole
 
@@ -253,10 +255,11 @@ def test_elementwise_term_repeats_the_residual_stream_under_tp_and_splits_it_und
     per = lambda rh, t: 3 * tokens * ((rh + 2 * f / t) * 4 + 2 * a * s / t * 4)   # noqa: E731
     assert elementwise_bytes(m, Plan(), 4) == per(10 * h, 1)
     assert elementwise_bytes(m, Plan(tensor=8), 4) == per(10 * h, 8)
-    assert elementwise_bytes(m, Plan(tensor=8, sequence_parallel=True), 4) == per(10 * h / 8, 8)
+    assert elementwise_bytes(m, Plan(tensor=8, strategy=Strategy(sequence_parallel=True)), 4) == per(10 * h / 8, 8)
     assert elementwise_bytes(m, Plan(data=8), 4) == per(10 * h, 1) / 8
     c = cost.load_cluster("cpu_sim")
-    tp, sp = (step_time(m, Plan(tensor=8, sequence_parallel=q), c, dtype="float32") for q in (False, True))
+    tp, sp = (step_time(m, Plan(tensor=8, strategy=Strategy(sequence_parallel=q)), c, dtype="float32")
+              for q in (False, True))
     assert tp.elementwise == pytest.approx(elementwise_bytes(m, Plan(tensor=8), 4) / c.memory_bandwidth)
     assert tp.elementwise > 3 * sp.elementwise and tp.total == pytest.approx(
         tp.compute + tp.elementwise + tp.data + tp.tensor + tp.pipeline + tp.optimizer)
@@ -274,7 +277,7 @@ def test_a_flash_kernel_moves_no_softmax_bytes_and_computes_half_the_causal_scor
     assert flash["context"].flops * 2 == xla["context"].flops and flash["context"].passes == xla["context"].passes
     selective = {k.name: k.passes for k in layer_kernels(m, cost.Plan(remat="selective"), 1, 2, fused_attention=True)}
     assert selective["scores"] == 4 and selective["context"] == 3      # save-matmuls keeps the kernel's residuals
-    ring = cost.Plan(context=4)                           # a ring's blocks are jaxpar's own einsums
+    ring = cost.Plan(context=4, strategy=Strategy(context=ContextParallel(balance=True)))   # jaxpar's own einsums
     assert ({k.name: k.flops for k in layer_kernels(m, ring, 1, 2)}
             == {k.name: k.flops for k in layer_kernels(m, ring, 1, 2, fused_attention=True)})
     assert cost.load_cluster("h100").fused_attention and not cost.load_cluster("tpu_v5e").fused_attention

@@ -10,6 +10,7 @@ from jaxpar.cost import gpt
 from jaxpar.cost import Plan
 from jaxpar.cost import comms
 from jaxpar.cost._traffic import bytes_per_axis
+from jaxpar.strategy import Strategy
 
 
 def test_tpu_argument_bytes_equal_the_compiled_tiled_layout():
@@ -43,7 +44,7 @@ def test_sequence_parallel_recomputation_and_xla_all_reduces():
     # 32,568,836,096 bytes (6 per layer: 2 forward, 2 backward, 2 recomputed) and all-reduces 10,906,380,328
     # (the column-parallel input gradients, 2 per layer, + the head's).
     m = gpt(32, 2560, 32, 2048, 50304, 8)
-    plan = Plan(tensor=8, sequence_parallel=True, remat="selective")
+    plan = Plan(tensor=8, remat="selective", strategy=Strategy(sequence_parallel=True))
     act = 8 * 2048 * 2560 * 4
     cs = comms(m, plan, lowering="xla", compute_bytes=4, grad_bytes=4)
     ag = sum(c.bytes * c.count for c in cs if c.kind == "all-gather")
@@ -58,7 +59,7 @@ def test_libtpu_gathers_one_input_fewer_per_layer_under_sequence_parallelism():
     # 2.7B tp8-sp, full remat, dp2-zero1, batch 16 x 2048, tpu-v5p:2x2x4: compiled all-gathers over tensor
     # 27,200,126,976 bytes = 162.1 activations of 8*2048*2560*4: 5 per layer (the GPU compiler: 6) + the head's.
     m = gpt(32, 2560, 32, 2048, 50304, 16)
-    plan = Plan(data=2, tensor=8, zero=1, sequence_parallel=True, remat="full")
+    plan = Plan(data=2, tensor=8, remat="full", strategy=Strategy(zero=1, sequence_parallel=True))
     act = 8 * 2048 * 2560 * 4
     ag = {low: sum(c.bytes * c.count for c in comms(m, plan, lowering=low, compute_bytes=4, grad_bytes=4)
                    if c.kind == "all-gather" and c.axes == ("tensor",)) for low in ("xla", "xla-tpu")}
@@ -94,7 +95,7 @@ def test_per_layer_temporaries_match_the_gpu_compiler(remat, tensor, sp):
     from jaxpar.analysis import compile_plan
 
     h, heads, seq, batch = 512, 8, 512, 2
-    plan = Plan(tensor=tensor, sequence_parallel=sp, remat=remat)
+    plan = Plan(tensor=tensor, remat=remat, strategy=Strategy(sequence_parallel=sp))
     devices = target_devices(parse_target(f"h100:1x{tensor}"))
     temp = {}
     for layers in (8, 16):
@@ -171,7 +172,7 @@ def test_the_gpu_compiler_copies_a_stage_residual_buffer_in_the_tick_conditional
     from jaxpar.analysis import compile_plan
 
     cfg = GPTConfig(vocab=64, seq_len=512, embed=512, heads=8, layers=8, remat="full")
-    plan = Plan(pipe=2, tensor=2, microbatches=4, schedule="1f1b", remat="full")
+    plan = Plan(pipe=2, tensor=2, remat="full", strategy=Strategy(microbatches=4, schedule="1f1b"))
     _, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), plan, 8, 512,
                                devices=target_devices(parse_target("h100:1x4")))
     res = "f32[2,4,2,512,512]"              # 2 slots x 4 layers x 2 rows x 512 x 512: the stored inputs
@@ -200,7 +201,7 @@ def test_pipeline_stores_are_the_block_vjp_residuals(heads):
     p = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in shapes.items()}
     stored = LayerVJP(block_apply, p, jax.ShapeDtypeStruct((1, s, h), jnp.float32)).stored
     got = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(stored))
-    want = stored_per_layer(gpt(2, h, heads, s, 64, 1), Plan(pipe=2, microbatches=1), 1)
+    want = stored_per_layer(gpt(2, h, heads, s, 64, 1), Plan(pipe=2, strategy=Strategy(microbatches=1)), 1)
     assert abs(got - want) / got < 0.01, (got, want)
 
 
@@ -208,7 +209,7 @@ def test_pipeline_peak_counts_the_stored_residuals_twice_on_gpus():
     """On GPUs a stage's residual buffers are held twice (the copy the previous test shows), on TPUs once."""
     from jaxpar.cost._device_bytes import bf16_weight_bytes, layout_for_platform, saved_per_layer, stored_per_layer
 
-    m, plan = gpt(8, 512, 8, 512, 64, 8), Plan(pipe=2, microbatches=4, schedule="1f1b", remat="full")
+    m, plan = gpt(8, 512, 8, 512, 64, 8), Plan(pipe=2, remat="full", strategy=Strategy(microbatches=4, schedule="1f1b"))
     held = 8 / 2 * 2                                       # 4 layers a stage x 2 micro-batches in flight
 
     def apart(p):   # the rest of the step: arguments, the larger of the logits and one recomputed layer, and
@@ -242,7 +243,7 @@ def test_libtpu_gathers_matmul_weights_in_bf16_and_all_reduces_the_position_tabl
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("plan, kinds", [(Plan(data=16, zero=2), {"reduce-scatter"}),
+@pytest.mark.parametrize("plan, kinds", [(Plan(data=16, strategy=Strategy(zero=2)), {"reduce-scatter"}),
                                          (Plan(fsdp=16), {"all-gather", "reduce-scatter"})])
 def test_libtpus_windowed_einsums_count_as_the_model_predicts(plan, kinds):
     """libtpu computes the large weight-gradient dots of ZeRO-2 and FSDP as windowed einsums (loops that
@@ -257,7 +258,7 @@ def test_libtpus_windowed_einsums_count_as_the_model_predicts(plan, kinds):
     from jaxpar.devices import parse_target, target_devices
     from jaxpar.analysis import compile_plan
 
-    hidden = 768 if plan.zero else 1024
+    hidden = 768 if plan.strategy.zero else 1024
     cfg = GPTConfig(vocab=50304, seq_len=1024, embed=hidden, heads=hidden // 64, layers=2)
     mesh, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), plan, 16, 1024,
                                   devices=target_devices(parse_target("tpu-v5e:4x4")))

@@ -6,6 +6,7 @@ from jaxpar.cost import ClusterError
 from jaxpar.cost import cluster_from_dict
 from jaxpar.cost import Link
 from jaxpar.cost import PlanError
+from jaxpar.strategy import Strategy
 
 GPT3 = cost.gpt(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, batch=1536)
 GPT2 = cost.gpt(layers=12, hidden=768, heads=12, seq=1024, vocab=50304, batch=64)
@@ -35,7 +36,7 @@ def test_gpt3_rejects_what_does_not_fit_with_the_reason(gpt3_plans):
 def test_gpt2_on_8_gpus_prefers_plain_dp_or_zero_1_2():
     r = cost.plan(GPT2, cost.load_cluster("h100"))
     best = r.best.plan
-    assert (best.pipe, best.fsdp, best.tensor) == (1, 1, 1) and best.data == 8 and best.zero in (0, 1, 2)
+    assert (best.pipe, best.fsdp, best.tensor) == (1, 1, 1) and best.data == 8 and best.strategy.zero in (0, 1, 2)
 
 
 def test_memory_drives_rejection_and_remat():
@@ -89,7 +90,7 @@ def test_bad_model_and_plan_fields():
         cost.gpt(layers=2, hidden=32, heads=0, seq=16, vocab=64, batch=8)
     with pytest.raises(ValueError, match=r"hidden=30 is not divisible by heads=8"):
         cost.gpt(layers=2, hidden=30, heads=8, seq=16, vocab=64, batch=8)
-    with pytest.raises(ValueError, match=r"Plan.schedule='1f2b': choose one of"):
-        cost.Plan(pipe=2, schedule="1f2b")
+    with pytest.raises(ValueError, match=r"Plan.strategy.schedule='pipedream-2bw': the cost model knows gpipe, 1f1b"):
+        cost.Plan(pipe=2, strategy=Strategy(schedule="pipedream-2bw", microbatches=2))
     with pytest.raises(ClusterError, match=r"no peak_tflops.float16"):
         cost.plan(GPT2, cost.load_cluster("h100"), dtype="float16")

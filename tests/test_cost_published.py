@@ -17,6 +17,7 @@ from jaxpar.cost._roofline import end_work, kernel_seconds, layer_kernels, layer
 from jaxpar.cost import Overlap, step_time
 from jaxpar.cost._time import behind_backward
 from jaxpar.cost import comms
+from jaxpar.strategy import Strategy
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "published_runs.py"
 _SPEC = importlib.util.spec_from_file_location("published_runs", _PATH)
@@ -103,14 +104,14 @@ def _permutes(cs):
 
 def test_megatron_scatter_gather_sends_one_tensor_shard_and_gathers_it_over_nvlink():
     m = cost.gpt(8, 512, 8, 256, 1024, 32)
-    plan = cost.Plan(pipe=4, data=1, tensor=8, microbatches=8)
+    plan = cost.Plan(pipe=4, data=1, tensor=8, strategy=Strategy(microbatches=8))
     act = 32 / 8 * 256 * 512 * 2                       # rows x seq x hidden, 2 bytes
     got = _permutes(comms(m, plan, lowering="megatron"))
     assert ("collective-permute", ("pipe",), act / 8, 16) in got
     assert ("all-gather", ("tensor",), act, 16) in got
     for lowering in ("ideal", "xla"):        # jaxpar's executor sends the whole activation
         assert ("collective-permute", ("pipe",), act, 16) in _permutes(comms(m, plan, lowering=lowering))
-    sp = _permutes(comms(m, replace(plan, sequence_parallel=True), lowering="megatron"))
+    sp = _permutes(comms(m, plan.with_strategy(sequence_parallel=True), lowering="megatron"))
     assert ("collective-permute", ("pipe",), act / 8, 16) in sp and not any(k == "all-gather" for k, *_ in sp)
 
 
@@ -138,11 +139,11 @@ def test_first_stage_holds_the_embeddings_and_last_stage_the_head():
 
 def test_memory_is_that_of_the_most_loaded_stage_and_the_lowering_picks_the_placement():
     m = cost.gpt(8, 512, 8, 256, 4096, 32)
-    plan = cost.Plan(pipe=4, microbatches=8)
-    ends = memory_per_device(m, plan.sizes, microbatches=8, ends=True)
+    plan = cost.Plan(pipe=4, strategy=Strategy(microbatches=8))
+    ends = memory_per_device(m, plan, ends=True)
     last = state_bytes(m, plan.sizes, 0, end="last")
     assert ends.params + ends.grads + ends.opt == last["total"] and ends.logits > 0          # head + logits
-    replicated = memory_per_device(m, plan.sizes, microbatches=8)
+    replicated = memory_per_device(m, plan)
     assert ends.total < replicated.total
     h = cost.load_cluster("h100", num_devices=4)
     assert evaluate(m, plan, h, lowering="megatron").memory == ends
@@ -153,7 +154,7 @@ def test_the_last_stage_runs_the_head_and_sets_the_pace():
     """m micro-batches of the busiest stage (its layers + the head), plus the bubble of the mean stage."""
     m = cost.gpt(8, 512, 8, 256, 51200, 32)
     h = cost.load_cluster("h100", num_devices=4)
-    plan = cost.Plan(pipe=4, microbatches=16)
+    plan = cost.Plan(pipe=4, strategy=Strategy(microbatches=16))
     first, last = end_work(m, plan, h, "bfloat16", 2, 2)
     layer = layer_work(m, plan, h, "bfloat16", 2, 2)
     assert last.total > 10 * first.total

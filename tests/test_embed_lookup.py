@@ -11,6 +11,7 @@ from jaxpar.cost import Plan, gpt
 from jaxpar.models import GPTConfig
 
 from helpers import CFG, GLOBAL_BATCH, assert_runs_match, compile_step, run
+from jaxpar.strategy import Strategy
 
 TABLE_BYTES = CFG.vocab * CFG.embed * 4
 
@@ -42,7 +43,7 @@ def test_zero3_over_data_and_fsdp_moves_rows_and_matches_one_device():
     kinds = _kinds(compiled, mesh)
     assert len(kinds["all-to-all"]) == 2 and kinds["all-gather"].count(TABLE_BYTES) == 1
     model = gpt(CFG.layers, CFG.embed, CFG.heads, CFG.seq_len, CFG.vocab, GLOBAL_BATCH, CFG.mlp_dim)
-    row = compare(model, Plan(data=2, fsdp=4, zero=3), compiled, mesh)
+    row = compare(model, Plan(data=2, fsdp=4, strategy=Strategy(zero=3)), compiled, mesh)
     assert all(axis["error"] < 0.01 for axis in row["axes"].values())
     assert_runs_match(run({"data": 2, "fsdp": 4}, strategy), run({}))
 

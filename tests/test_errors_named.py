@@ -24,6 +24,7 @@ from jaxpar.config import ConfigError, load_config
 from jaxpar.cost import Plan
 from jaxpar.models import GPTConfig, MLPClassifier, classifier_loss
 from jaxpar.parallel.pipeline._schedules import get_schedule
+from jaxpar.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs" / "quickstart.yaml")
@@ -123,9 +124,10 @@ def test_optimizers_take_schedules_and_plain_values():
     (lambda: jaxpar.Strategy(schedule="1f2b"), jaxpar.ScheduleError, "unknown schedule kind '1f2b'"),
     (lambda: get_schedule("zb-h2", 2, 2), jaxpar.ScheduleError, "unknown schedule kind 'zb-h2'"),
     (lambda: get_schedule("1f1b", 2, True), jaxpar.ScheduleError, "one_f_one_b(m=True): must be an int >= 1"),
-    (lambda: Plan(zero=True), jaxpar.PlanError, "Plan.zero=True"),
-    (lambda: Plan(sequence_parallel="yes"), jaxpar.PlanError, "Plan.sequence_parallel='yes'"),
-    (lambda: Plan(microbatches=0), jaxpar.PlanError, "Plan(microbatches=0): must be an int >= 1"),
+    (lambda: Plan(strategy={"zero": 1}), jaxpar.PlanError, "Plan.strategy={'zero': 1}: give a jaxpar.Strategy"),
+    (lambda: Plan(pipe=2, strategy=Strategy(schedule="pipedream")), jaxpar.PlanError,
+     "Plan.strategy.schedule='pipedream': the cost model knows"),
+    (lambda: Plan(data=0), jaxpar.PlanError, "Plan(data=0): must be an int >= 1"),
     (lambda: GPTConfig(mlp=0), jaxpar.ModelConfigError, "GPTConfig.mlp=0: must be a positive int (or None"),
     (lambda: GPTConfig(vocab=True), jaxpar.ModelConfigError, "GPTConfig.vocab=True: must be a positive int"),
     (lambda: GPTConfig(init_std=math.nan), jaxpar.ModelConfigError, "GPTConfig.init_std=nan"),

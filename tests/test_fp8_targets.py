@@ -19,6 +19,7 @@ from jaxpar.cost._traffic import comms
 from jaxpar.devices._targets import has_fp8_gemms, load_spec, presets
 from jaxpar.errors import CostModelError, Fp8Error
 from jaxpar.options import Fp8
+from jaxpar.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs" / "quickstart.yaml")
@@ -70,16 +71,16 @@ def test_inspect_on_the_cpu_mesh_says_fp8_is_emulated():
 def test_the_planner_considers_fp8_only_where_a_peak_exists():
     h100, a100 = cost.load_cluster("h100"), cost.load_cluster("a100_80gb")
     r = cost.plan(WIDE, h100, top=3)
-    assert r.best.plan.fp8 == Fp8() and r.best.without_fp8 > r.best.time.total
-    without = cost.evaluate(WIDE, replace(r.best.plan, fp8=None), h100)
+    assert r.best.plan.strategy.fp8 == Fp8() and r.best.without_fp8 > r.best.time.total
+    without = cost.evaluate(WIDE, r.best.plan.with_strategy(fp8=None), h100)
     assert r.best.without_fp8 == pytest.approx(without.time.total, rel=1e-12)     # the same plan without FP8
     assert "without fp8 ms (gain)" in r.table(3)
     assert {"parallel.fp8.recipe=tensorwise", "parallel.fp8.min_dim=1024"} <= set(plan_overrides(r.best.plan))
-    assert all(e.plan.fp8 is None and e.without_fp8 is None for e in cost.plan(WIDE, a100).ranked)
-    assert all(e.plan.fp8 is None for e in cost.plan(WIDE, h100, fp8=False).ranked)
+    assert all(e.plan.strategy.fp8 is None and e.without_fp8 is None for e in cost.plan(WIDE, a100).ranked)
+    assert all(e.plan.strategy.fp8 is None for e in cost.plan(WIDE, h100, fp8=False).ranked)
     narrow = cost.gpt(layers=4, hidden=768, heads=12, seq=512, vocab=4096, batch=64)    # no GEMM reaches 1024
-    assert all(e.plan.fp8 is None for e in cost.plan(narrow, h100).ranked)
-    assert cost.plan(narrow, h100, fp8_options=Fp8(min_dim=0)).best.plan.fp8 == Fp8(min_dim=0)
+    assert all(e.plan.strategy.fp8 is None for e in cost.plan(narrow, h100).ranked)
+    assert cost.plan(narrow, h100, fp8_options=Fp8(min_dim=0)).best.plan.strategy.fp8 == Fp8(min_dim=0)
     with pytest.raises(cost.PlanError, match="cluster 'a100_80gb' has no FP8 GEMMs"):
         cost.plan(WIDE, a100, fp8=True)
 
@@ -88,7 +89,7 @@ def test_the_fp8_time_term_counts_the_covered_gemms_at_the_fp8_peak():
     """Compute: the covered GEMMs' FLOPs (forward and both backward GEMMs of q, k, v, the projection and
     the MLP) move from the bf16 peak to the FP8 peak; the rest stays. Elementwise: the casts' bytes."""
     flat = replace(cost.load_cluster("h100"), gemm_half_flops=0.0, memory_bandwidth=0.0)   # pure FLOP/s
-    plan, fp8 = cost.Plan(data=8), cost.Plan(data=8, fp8=Fp8())
+    plan, fp8 = cost.Plan(data=8), cost.Plan(data=8, strategy=Strategy(fp8=Fp8()))
     h, f, s, rows = WIDE.hidden, WIDE.mlp, WIDE.seq, WIDE.batch // 8
     covered = WIDE.layers * 3 * rows * 2 * s * (4 * h * h + 2 * h * f)      # FLOPs per device per step
     bf16, fp8_t = (cost.step_time(WIDE, p, flat) for p in (plan, fp8))
@@ -108,7 +109,7 @@ def test_the_fp8_time_term_counts_the_covered_gemms_at_the_fp8_peak():
 
 
 def test_fp8_gathers_one_byte_per_covered_element_and_reduces_gradients_as_without():
-    plan, fp8 = cost.Plan(fsdp=8), cost.Plan(fsdp=8, fp8=Fp8())
+    plan, fp8 = cost.Plan(fsdp=8), cost.Plan(fsdp=8, strategy=Strategy(fp8=Fp8()))
     covered = sum(leaf.size for leaf in WIDE.leaves if leaf.fp8(1024))      # q, k, v, o and the MLP, all layers
     assert covered == WIDE.layers * (4 * 1024 * 1024 + 2 * 1024 * 4096)
 
@@ -125,7 +126,7 @@ def test_fp8_gathers_one_byte_per_covered_element_and_reduces_gradients_as_witho
 
 
 def test_fp8_under_tensor_parallelism_reduces_q_k_and_v_input_gradients_one_by_one_on_the_gpu():
-    plan, fp8 = cost.Plan(tensor=8), cost.Plan(tensor=8, fp8=Fp8())
+    plan, fp8 = cost.Plan(tensor=8), cost.Plan(tensor=8, strategy=Strategy(fp8=Fp8()))
     act = WIDE.batch * WIDE.seq * WIDE.hidden * 2           # one bf16 activation of the residual stream
     tensor = lambda p, lw="xla": sum(c.bytes * c.count for c in comms(WIDE, p, lowering=lw)  # noqa: E731
                                      if c.phase == "tensor")
@@ -148,4 +149,4 @@ def test_inspect_h100_fsdp8_fp8_reports_every_covered_gemm_and_fp8_all_gathers(c
     assert gathers["f8e4m3fn"] == "48.0 MiB"       # 2 layers x (4 + 8) Mi covered elements / 8 x 2 gathers x 1 byte
     ratio = float(re.search(r"bytes over fsdp per step .*\| +([\d.]+)$", out, re.M).group(1))
     assert 0.95 <= ratio <= 1.05, out
-    assert "plan fsdp8-fp8" in out
+    assert "plan fsdp8-bfloat16-fp8" in out

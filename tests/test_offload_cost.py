@@ -14,6 +14,7 @@ from jaxpar import cost
 from jaxpar.cost._host_link import host_bytes, transfer_bytes
 from jaxpar.cost._time import update_bytes
 from jaxpar.options import LAYER_INPUT, Offload
+from jaxpar.strategy import Strategy
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 GPT = ["model.layers=2", "model.embed=128", "model.heads=4", "model.vocab=256", "model.seq_len=64",
@@ -54,7 +55,8 @@ def test_host_bytes_transfers_and_the_saving_match_the_compiled_step(mesh, zero)
     model = cost.gpt(2, 128, 4, 64, 256, 16)
     plain, _ = _compiled(mesh, zero, None)
     for kind in ("opt", "opt-host") + (("opt-master-host",) if zero == 0 else ()):
-        plan = cost.Plan(data=mesh.get("data", 1), fsdp=mesh.get("fsdp", 1), zero=zero, offload=KINDS[kind])
+        plan = cost.Plan(data=mesh.get("data", 1), fsdp=mesh.get("fsdp", 1),
+                         strategy=Strategy(zero=zero, offload=KINDS[kind]))
         report, moved = _compiled(mesh, zero, kind)
         assert report.host_argument_bytes == pytest.approx(host_bytes(model, plan), abs=8), kind   # Adam's count
         predicted = transfer_bytes(model, plan)
@@ -62,7 +64,7 @@ def test_host_bytes_transfers_and_the_saving_match_the_compiled_step(mesh, zero)
         assert 0 <= moved["to_host"] - predicted["to_host"] <= SCALARS, (kind, moved, predicted)
         assert -reuse <= moved["to_device"] - predicted["to_device"] <= SCALARS, (kind, moved, predicted)
         saved = plain.required_bytes - report.required_bytes
-        opt = cost.memory_per_device(model, plan.sizes, zero=zero, precision="fp32").opt
+        opt = cost.memory_per_device(model, plan.with_strategy(offload=None), precision="fp32").opt
         if KINDS[kind].update == "host":
             assert saved >= opt, (kind, saved, opt)
         else:
@@ -86,11 +88,10 @@ def test_offloaded_activations_move_each_layers_input_and_leave_the_device():
     # full recomputation keeps the inputs on the device; the offloaded program 1 KiB of staging beside them
     assert full.temp_bytes - report.temp_bytes == pytest.approx(inputs, rel=0.01)
     model, acts = cost.gpt(2, 128, 4, 64, 256, 16), Offload(activations=(LAYER_INPUT,))
-    plan = cost.Plan(data=8, remat="full", offload=acts)
+    plan = cost.Plan(data=8, remat="full", strategy=Strategy(offload=acts))
     assert transfer_bytes(model, plan, activation_bytes=4) == moved
-    kw = dict(remat="full", precision="fp32", activation_bytes=4)
-    offloaded = cost.memory_per_device(model, plan.sizes, offload=acts, **kw)
-    kept = cost.memory_per_device(model, plan.sizes, **kw)
+    offloaded = cost.memory_per_device(model, plan, precision="fp32", activation_bytes=4)
+    kept = cost.memory_per_device(model, plan.with_strategy(offload=None), precision="fp32", activation_bytes=4)
     assert offloaded.host == report.host_temp_bytes
     assert kept.activations - offloaded.activations == inputs and kept.total - offloaded.total == inputs
 
@@ -125,8 +126,8 @@ def test_one_devices_host_update_keeps_the_gradients_off_the_device():
     n = sum(a.size for a in jax.tree.leaves(layout.abstract_state().params))
     mlp = (n - 2 * 32000 * 1024) // 4 // 2048 - 2048          # the cost model's GPT with the Decoder's parameters
     model = cost.gpt(layers=4, hidden=1024, heads=16, seq=1024, vocab=32000, batch=1, mlp=mlp)
-    kw = dict(remat="full", precision="fp32", activation_bytes=2)
-    plain, host = (cost.memory_per_device(model, {}, offload=o, **kw) for o in (None, KINDS["opt-host"]))
+    plans = (cost.Plan(remat="full", strategy=Strategy(offload=o)) for o in (None, KINDS["opt-host"]))
+    plain, host = (cost.memory_per_device(model, p, precision="fp32") for p in plans)
     assert host.grads == plain.params / 2 and host.opt == 0           # the bf16 copy; the moments on the host
     assert plain.total - host.total == pytest.approx(peaks[0] - peaks[1], rel=0.1)
     assert host.total >= peaks[1]
@@ -141,12 +142,12 @@ def test_the_plan_models_offloaded_layer_inputs_under_full_recomputation_alone()
 
     acts = Offload(activations=(LAYER_INPUT,))
     with pytest.raises(cost.PlanError, match=r"activations=\('mlp_out',\): the cost model models the layers' inputs"):
-        cost.Plan(remat="full", offload=Offload(activations=("mlp_out",)))
+        cost.Plan(remat="full", strategy=Strategy(offload=Offload(activations=("mlp_out",))))
     with pytest.raises(cost.PlanError, match=r"activations with remat='selective'.*set remat='full'"):
-        cost.Plan(remat="selective", offload=acts)
-    plan = cost.Plan(data=8, remat="full", offload=plan_offload(Offload(optimizer=True, activations=(LAYER_INPUT,)),
-                                                                "offload"))
-    assert plan.name() == "dp8-remat-full-offload-opt-act"
+        cost.Plan(remat="selective", strategy=Strategy(offload=acts))
+    offload = plan_offload(Offload(optimizer=True, activations=(LAYER_INPUT,)), "offload")
+    plan = cost.Plan(data=8, remat="full", strategy=Strategy(offload=offload))
+    assert plan.name() == "dp8-offload-opt-act-remat-full"
     assert plan_overrides(plan)[-2:] == ["parallel.offload={optimizer: true, activations: [jaxpar_layer_input]}",
                                          "model.remat=offload"]
     model = cost.gpt(2, 128, 4, 64, 256, 16)
@@ -164,17 +165,17 @@ def test_the_planner_proposes_offload_only_when_nothing_fits_and_states_the_slow
     h100 = cost.load_cluster("h100", num_devices=1)
     best = cost.plan(big, h100, precision="fp32").best
     plan = best.plan
-    assert plan.offload == KINDS["opt-host"] and best.fits
+    assert plan.strategy.offload == KINDS["opt-host"] and best.fits
     t = best.time
     moved = transfer_bytes(big, plan)
     assert t.offload == pytest.approx((moved["to_host"] + moved["to_device"]) / h100.host_link)
     assert t.optimizer == pytest.approx(update_bytes(big, plan, 4) / h100.host_memory_bandwidth)
-    without = cost.step_time(big, replace(plan, offload=None), h100)
+    without = cost.step_time(big, plan.with_strategy(offload=None), h100)
     assert best.without_offload == pytest.approx(without.total) and best.without_offload < t.total
     assert best.memory.opt == 0 and best.memory.host == cost.memory_per_device(
-        big, plan.sizes, zero=0, precision="fp32").opt
+        big, plan.with_strategy(offload=None), precision="fp32").opt
     small = cost.plan(cost.gpt(2, 256, 4, 128, 512, 8), h100, precision="fp32").best.plan
-    assert small.offload is None
+    assert small.strategy.offload is None
 
 
 def test_the_planner_offloads_the_layer_inputs_when_the_state_alone_is_not_enough():
@@ -183,9 +184,9 @@ def test_the_planner_offloads_the_layer_inputs_when_the_state_alone_is_not_enoug
     ``offload`` policy) and the same plan with them on the device does not fit."""
     model, h100 = cost.gpt(32, 4096, 32, 65536, 32000, 2), cost.load_cluster("h100", num_devices=1)
     best = cost.plan(model, h100, precision="fp32").best
-    assert best.fits and best.plan.remat == "full" and best.plan.offload.activations == (LAYER_INPUT,)
-    assert best.plan.offload.host_update
-    kept = replace(best.plan, offload=replace(best.plan.offload, activations=()))
+    offload = best.plan.strategy.offload
+    assert best.fits and best.plan.remat == "full" and offload.activations == (LAYER_INPUT,) and offload.host_update
+    kept = best.plan.with_strategy(offload=replace(offload, activations=()))
     assert not cost.evaluate(model, kept, h100, precision="fp32").fits
     assert best.memory.host > host_bytes(model, best.plan)         # the layers' inputs beside the state
 
@@ -205,7 +206,7 @@ def test_the_planner_refuses_offload_where_the_library_does_not_run_it():
         cost.plan(big, cost.load_cluster("tpu_v5e", num_devices=1), offload=True)
     from jaxpar.parallel.sync import local_sgd
 
-    why = plan_refusal(cost.Plan(data=2, offload=KINDS["opt-host"]), fixed={"sync": local_sgd(4)})
+    why = plan_refusal(cost.Plan(data=2, strategy=Strategy(offload=KINDS["opt-host"])), fixed={"sync": local_sgd(4)})
     assert why is not None and "offload" in why
 
 

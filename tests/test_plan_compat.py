@@ -3,6 +3,7 @@ targets: the simulated CPU mesh, H100, TPU v5e); a candidate the table refuses i
 message; the top plan of a CPU-mesh case trains through ``jaxpar train``."""
 import json
 import types
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,7 +15,9 @@ from jaxpar.config import load_config
 from jaxpar.config._plan_command import cost_model, plan_overrides
 from jaxpar.cost import Plan
 from jaxpar.cost import PlanError
-from jaxpar.cost._planner import REFUSED_PREFIX, PlanStrategy, plan_refusal, plan_setting
+from jaxpar.cost._planner import REFUSED_PREFIX, plan_refusal, plan_setting
+from jaxpar.parallel.compression import onebit as onebit_codec, topk
+from jaxpar.strategy import Strategy
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs" / "quickstart.yaml")
@@ -49,10 +52,12 @@ def test_every_ranked_plan_passes_the_table(name, target):
 
 
 def test_plan_setting_reads_what_the_rules_read():
-    p = Plan(pipe=2, data=2, tensor=2, zero=1, sequence_parallel=True, schedule="zb-h1", microbatches=4)
-    s = plan_setting(p, dtype="float32", fixed={"compression": "topk", "clip_norm": 1.0})
-    assert s.strategy == PlanStrategy(zero=1, sequence_parallel=True, schedule="zb-h1", microbatches=4,
-                                      compute_dtype="float32", compression="topk")
+    p = Plan(pipe=2, data=2, tensor=2,
+             strategy=Strategy(zero=1, sequence_parallel=True, schedule="zb-h1", microbatches=4))
+    codec = topk(0.01)
+    s = plan_setting(p, dtype="float32", fixed={"compression": codec, "clip_norm": 1.0})
+    assert s.strategy == Strategy(zero=1, sequence_parallel=True, schedule="zb-h1", microbatches=4,
+                                  compute_dtype="float32", compression=codec)
     assert s.clip_norm == 1.0 and s.size("pipe") == 2 and s.size("replica") == 1
     with pytest.raises(ValueError, match="unknown key.*bogus"):
         plan_setting(p, fixed={"bogus": 1})
@@ -60,19 +65,20 @@ def test_plan_setting_reads_what_the_rules_read():
 
 def test_sequence_parallel_with_a_no_flush_schedule_is_refused_by_the_table():
     """A plan record the planner's Plan cannot hold (its schedules are the flush ones): the table's refusal."""
-    record = types.SimpleNamespace(zero=0, sequence_parallel=True, schedule="pipedream-2bw", microbatches=4,
+    record = types.SimpleNamespace(strategy=Strategy(sequence_parallel=True, schedule="pipedream-2bw", microbatches=4),
                                    sizes={"pipe": 2, "data": 2, "tensor": 2})
     [problem] = problems(plan_setting(record))
     assert problem.features == ("SP", "2B")
     assert plan_refusal(record) == REFUSED_PREFIX + problem.render(LIBRARY_NAMES)
     assert "Strategy.sequence_parallel=True with schedule='pipedream-2bw' on pipe=2" in plan_refusal(record)
-    assert plan_refusal(types.SimpleNamespace(**{**vars(record), "schedule": "1f1b"})) is None
+    flush = types.SimpleNamespace(strategy=replace(record.strategy, schedule="1f1b"), sizes=record.sizes)
+    assert plan_refusal(flush) is None
 
 
 def test_refused_candidates_move_to_rejected_with_the_tables_message():
     """A codec (fixed for the search) cannot run with a context or expert axis: those candidates are rejected
     with the table's message; the plans without them still rank."""
-    codec = types.SimpleNamespace(name="topk")
+    codec = topk(0.01)
     result, _ = _plan(MODELS["moe-8k"], "h100", fixed={"compression": codec})
     refused = [r for r in result.rejected if r.reason.startswith(REFUSED_PREFIX)]
     assert refused and result.ranked
@@ -91,11 +97,11 @@ def test_refused_candidates_move_to_rejected_with_the_tables_message():
 
 
 def test_one_bit_adam_rejects_zero_2_3_and_fsdp():
-    onebit = types.SimpleNamespace(name="onebit_adam", optimizer_momentum=0.9)
+    onebit = onebit_codec(optimizer_momentum=0.9, start_step=20)
     result, _ = _plan(MODELS["gpt2-124m"], "h100", fixed={"compression": onebit})
-    assert all(e.plan.zero <= 1 and e.plan.fsdp == 1 for e in result.ranked)
+    assert all(e.plan.strategy.zero <= 1 and e.plan.fsdp == 1 for e in result.ranked)
     refused = [r for r in result.rejected if r.reason.startswith(REFUSED_PREFIX)]
-    assert refused and all(r.plan.zero >= 2 or r.plan.fsdp > 1 for r in refused)
+    assert refused and all(r.plan.strategy.zero >= 2 or r.plan.fsdp > 1 for r in refused)
     assert "1-bit Adam needs the whole exchanged moment on every replica" in refused[0].reason
     with pytest.raises(PlanError, match="refused by the compatibility table.*clip_norm=1.0"):
         _plan(MODELS["gpt2-124m"], "h100", fixed={"compression": onebit, "clip_norm": 1.0})
@@ -130,8 +136,8 @@ def test_top_plan_of_a_cpu_mesh_case_trains(tmp_path, capsys):
     assert f"strategy {best.name()}" in text
 
 
-PICKS = {"pipe": lambda p: p.pipe > 1, "sp": lambda p: p.sequence_parallel,
-         "pipe-sp": lambda p: p.pipe > 1 and p.sequence_parallel}
+PICKS = {"pipe": lambda p: p.pipe > 1, "sp": lambda p: p.strategy.sequence_parallel,
+         "pipe-sp": lambda p: p.pipe > 1 and p.strategy.sequence_parallel}
 
 
 @pytest.mark.exhaustive

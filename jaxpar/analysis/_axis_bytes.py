@@ -112,7 +112,8 @@ def stage_branch_weights(compiled: Any, mesh: Any, plan: Plan) -> list[dict[str,
     """
     from jaxpar.parallel.pipeline._stage import tick_table
 
-    schedule = get_schedule(plan.schedule, plan.pipe, plan.microbatches, plan.virtual)
+    s = plan.strategy
+    schedule = get_schedule(s.schedule, plan.pipe, s.microbatches, s.virtual_stages)
     in_lockstep = runs_in_lockstep(plan)
     program = lower(lockstep(schedule) if in_lockstep else schedule)
     table, ticks = tick_table(program, lockstep=in_lockstep), program.ticks

@@ -19,6 +19,7 @@ Example::
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import jax
@@ -36,7 +37,6 @@ from jaxpar.cost._traffic import bytes_per_axis, comms
 from jaxpar.errors import MeshError
 from jaxpar.mesh import make_mesh
 from jaxpar.step import make_train_step, state_layout
-from jaxpar.strategy import Strategy
 
 
 def compare(model: ModelSpec, plan: Plan, compiled: Any, mesh: Any, *, lowering: str = "xla-cpu") -> dict:
@@ -62,7 +62,7 @@ def compare(model: ModelSpec, plan: Plan, compiled: Any, mesh: Any, *, lowering:
         axes[a] = {"predicted": p, "compiled": g, "error": abs(p - g) / g if g else float(p > 0)}
     rep = memory_report(compiled)
     layout = layout_for_platform("tpu" if lowering == "xla-tpu" else "cuda")      # libtpu's tiled layout
-    args = device_argument_bytes(model, plan.sizes, plan.zero, layout=layout)
+    args = device_argument_bytes(model, plan.sizes, plan.strategy.zero, layout=layout)
     return {"plan": plan.name(), "axes": axes,
             "arguments": {"predicted": args, "compiled": rep.argument_bytes,
                           "error": abs(args - rep.argument_bytes) / rep.argument_bytes},
@@ -94,8 +94,7 @@ def compile_plan(model_fn: Callable, plan: Plan, batch: int, seq: int, *, device
         raise MeshError(f"plan {plan.name()} needs {n} devices, have {len(devices)}; simulate more CPU devices "
                         f"(jaxpar.mesh.use_devices({n}) before JAX starts).")
     mesh = make_mesh({k: v for k, v in plan.sizes.items() if v > 1} or {"data": 1}, devices=devices)
-    strategy = Strategy(zero=plan.zero if plan.data > 1 else 0, sequence_parallel=plan.sequence_parallel,
-                        microbatches=plan.microbatches, schedule=plan.schedule, virtual_stages=plan.virtual)
+    strategy = plan.strategy if plan.data > 1 else replace(plan.strategy, zero=0)
     tx = optax.adamw(1e-3, weight_decay=0.1) if tx is None else tx
     if loss_fn is None:
         from jaxpar.models._gpt import lm_loss as loss_fn

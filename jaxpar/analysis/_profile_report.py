@@ -99,8 +99,7 @@ def _pipeline_plan(sizes: Mapping[str, int], strategy: Any, model: Mapping) -> A
     from jaxpar import cost
 
     return cost.Plan(pipe=sizes.get("pipe", 1), data=sizes.get("data", 1), fsdp=sizes.get("fsdp", 1),
-                     tensor=sizes.get("tensor", 1), schedule=strategy.schedule, virtual=strategy.virtual_stages,
-                     microbatches=strategy.microbatches, sequence_parallel=strategy.sequence_parallel)
+                     tensor=sizes.get("tensor", 1), strategy=strategy)
 
 
 def _label(key: Any) -> str:
@@ -202,8 +201,9 @@ def pipeline_bubble(p: Any, model: Mapping) -> str | None:
     if plan is not None:
         from jaxpar.parallel.pipeline._schedules import bubble_fraction, get_schedule
 
-        b = float(bubble_fraction(get_schedule(plan.schedule, plan.pipe, plan.microbatches, plan.virtual)))
-        line += (f"; schedule {plan.schedule} p={plan.pipe} m={plan.microbatches}: bubble fraction {b:.3f} "
+        s = plan.strategy
+        b = float(bubble_fraction(get_schedule(s.schedule, plan.pipe, s.microbatches, s.virtual_stages)))
+        line += (f"; schedule {s.schedule} p={plan.pipe} m={s.microbatches}: bubble fraction {b:.3f} "
                  f"({b * p.wall * 1e3:.2f} ms of this step); cost model: {b:.3f} x its compute "
                  f"{model['compute'] * 1e3:.2f} ms = {b * model['compute'] * 1e3:.2f} ms")
     return line

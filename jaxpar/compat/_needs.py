@@ -38,7 +38,7 @@ def strategy_needs(s: Setting) -> list[Problem]:
       The :class:`Problem`\\ s (class ``StrategyError``), in that order.
     """
     st, out = s.strategy, []
-    k, vs = getattr(st, "update_every", 1), getattr(st, "vertical_sync", False)     # a plan's strategy has neither
+    k, vs = st.update_every, st.vertical_sync
     if st.local_clip is not None and st.compression is None:
         out.append(Problem(("LC",), ("local_clip", "compression"),
                            "{n[local_clip]}={lc!r} clips each replica's gradient before a compressed exchange, but "
@@ -67,7 +67,7 @@ def _pipeline_needs(s: Setting) -> list[Problem]:
         out.append(Problem((code,), ("schedule", "pipe"), "{n[schedule]}={sched!r} needs {n[pipe_axis]} > 1 (got "
                            "{n[pipe]}={p}): " + what + ". Set {n[pipe]} > 1, or use {n[schedule]}='1f1b'.",
                            {"sched": st.schedule, "p": p}, error))
-    k, m = getattr(st, "update_every", 1), st.microbatches
+    k, m = st.update_every, st.microbatches
     if st.schedule == "pipedream-2bw" and p > 1 and m < p:
         out.append(Problem(("2B",), ("microbatches", "schedule", "pipe"),
                            "{n[microbatches]}={m} with {n[schedule]}='pipedream-2bw' and {n[pipe]}={p}: 2BW runs "

@@ -38,7 +38,7 @@ def offload_problems(s: Setting) -> list[Problem]:
     Returns:
       The pair's :class:`Problem`, or none.
     """
-    offload = getattr(s.strategy, "offload", None)      # a plan's strategy has none
+    offload = s.strategy.offload
     if offload is None:
         return []
     out = []

@@ -78,7 +78,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("F8", "FP8 matmuls (Strategy.fp8)", lambda s: s.strategy.fp8 is not None),
     Feature("MU", "Muon on the matrices, AdamW on the rest (jaxpar.optimizers.muon)", lambda s: s.muon is not None),
     Feature("OF", "memory offloading to the host (Strategy.offload)",
-            lambda s: getattr(s.strategy, "offload", None) is not None),
+            lambda s: s.strategy.offload is not None),
 )
 CODES = tuple(f.code for f in FEATURES)
 _FEATURE = {f.code: f for f in FEATURES}

@@ -126,8 +126,8 @@ def fitting_plan(cfg: JobConfig, target: Target, *, most: int = 64) -> str:
             k *= 2
             continue
         p = best.plan
-        knobs = f"zero={p.zero}, remat={p.remat}, microbatches={p.microbatches}" + \
-            (f", schedule={p.schedule}" if p.pipe > 1 else "")
+        knobs = f"zero={p.strategy.zero}, remat={p.remat}, microbatches={p.strategy.microbatches}" + \
+            (f", schedule={p.strategy.schedule}" if p.pipe > 1 else "")
         where = "these devices" if k == 1 else f"{n} x {target.spec.device} ({k} times the target's devices)"
         return (f"plan     the cost model's best plan that fits on {where}: {p.name()} ({knobs}), predicted "
                 f"{format_bytes(best.memory.total)} per device")

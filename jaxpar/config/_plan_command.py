@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -154,27 +155,29 @@ def plan_overrides(plan: Any) -> list[str]:
       ``key=value`` strings.
 
     >>> from jaxpar.cost import Plan
-    >>> plan_overrides(Plan(pipe=2, data=4, microbatches=8, schedule="interleaved", virtual=2))[-5:]
+    >>> interleaved = Strategy(microbatches=8, schedule="interleaved", virtual_stages=2)
+    >>> plan_overrides(Plan(pipe=2, data=4, strategy=interleaved))[-5:]
     ['parallel.virtual_stages=2', 'parallel.stage_layers=null', 'parallel.fp8={}', 'parallel.offload={}', 'model.remat=none']
     >>> from jaxpar.options import Fp8, Offload
-    >>> plan_overrides(Plan(fsdp=8, fp8=Fp8(), offload=Offload(optimizer=True, update="host")))[-3:]
+    >>> plan_overrides(Plan(fsdp=8, strategy=Strategy(fp8=Fp8(), offload=Offload(optimizer=True, update="host"))))[-3:]
     ['parallel.fp8.min_dim=1024', 'parallel.offload={optimizer: true, update: host}', 'model.remat=none']
     """
     from jaxpar.cost._host_link import offload_overrides
     from jaxpar.cost._parallel import AXES
 
-    remat = "offload" if plan.offload and plan.offload.activations else \
+    s = plan.strategy
+    remat = "offload" if s.offload and s.offload.activations else \
         {"none": "none", "full": "full"}.get(plan.remat, "save-matmuls")
     out = [f"mesh.{a}={getattr(plan, a)}" for a in AXES] + ["mesh.replica=1"]
-    out += [f"parallel.zero={plan.zero}", f"parallel.sequence_parallel={str(plan.sequence_parallel).lower()}",
-            f"parallel.microbatches={plan.microbatches}", f"parallel.schedule={plan.schedule}",
-            f"parallel.virtual_stages={plan.virtual}", "parallel.stage_layers=null"]
+    out += [f"parallel.zero={s.zero}", f"parallel.sequence_parallel={str(s.sequence_parallel).lower()}",
+            f"parallel.microbatches={s.microbatches}", f"parallel.schedule={s.schedule}",
+            f"parallel.virtual_stages={s.virtual_stages}", "parallel.stage_layers=null"]
     if plan.context > 1:
-        out += [f"parallel.context.method={plan.context_method}",
-                f"parallel.context.balance={str(plan.context_balance).lower()}"]
-    out += [f"parallel.fp8.recipe={plan.fp8.recipe}", f"parallel.fp8.min_dim={plan.fp8.min_dim}"] if plan.fp8 else \
+        out += [f"parallel.context.method={plan.context_setting.method}",
+                f"parallel.context.balance={str(plan.context_setting.balance).lower()}"]
+    out += [f"parallel.fp8.recipe={s.fp8.recipe}", f"parallel.fp8.min_dim={s.fp8.min_dim}"] if s.fp8 else \
         ["parallel.fp8={}"]
-    return out + [f"parallel.offload={offload_overrides(plan.offload)}", f"model.remat={remat}"]
+    return out + [f"parallel.offload={offload_overrides(s.offload)}", f"model.remat={remat}"]
 
 
 def unpredicted(cfg: JobConfig, strategy: Strategy, mesh_sizes: Mapping[str, int]) -> str | None:
@@ -216,27 +219,20 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
       strategy's FP8 where the cluster has FP8 GEMMs).
     """
     from jaxpar import cost
+    from jaxpar.cost._host_link import plan_offload
+    from jaxpar.cost._parallel import AXES
     from jaxpar.cost._planner import evaluate
 
     model = cost_model(cfg)
     remat = {"none": "none", "full": "full", "offload": "full"}.get(cfg.model.remat, "selective")
-    data = mesh_sizes.get("data", 1)
-    plan = cost.Plan(pipe=mesh_sizes.get("pipe", 1), data=data, fsdp=mesh_sizes.get("fsdp", 1),
-                     tensor=mesh_sizes.get("tensor", 1), zero=strategy.zero if data > 1 else 0,
-                     sequence_parallel=strategy.sequence_parallel, schedule=strategy.schedule,
-                     virtual=strategy.virtual_stages, microbatches=strategy.microbatches, remat=remat,
-                     expert=mesh_sizes.get("expert", 1), context=mesh_sizes.get("context", 1),
-                     context_method=strategy.context_setting.method, context_balance=strategy.context_setting.balance)
-    n = plan.devices
+    sizes = {a: mesh_sizes.get(a, 1) for a in AXES}
+    n = math.prod(sizes.values())
     cluster = cost.load_cluster(cluster_name)
     cluster = cluster.with_devices(n) if n <= cluster.devices_per_node or n % cluster.devices_per_node == 0 else \
         cost.load_cluster(cluster_name, nodes=1)
-    if strategy.fp8 is not None and cluster.has_fp8:     # elsewhere FP8 is emulated: the step's own matmuls
-        plan = replace(plan, fp8=strategy.fp8)
-    if (o := strategy.offload) is not None:     # its state, and the layers' inputs, in host memory
-        from jaxpar.cost._host_link import plan_offload
-
-        plan = replace(plan, offload=plan_offload(o, cfg.model.remat))
+    plan = cost.Plan(**sizes, remat=remat, strategy=replace(     # FP8 is emulated where the cluster has no FP8 GEMMs
+        strategy, zero=strategy.zero if sizes["data"] > 1 else 0, fp8=strategy.fp8 if cluster.has_fp8 else None,
+        offload=plan_offload(strategy.offload, cfg.model.remat)))
     dtype = "float32" if strategy.compute_dtype == "float32" else "bfloat16"
     if dtype not in cluster.compute_dtypes:
         dtype = cluster.compute_dtypes[0]
@@ -267,11 +263,12 @@ def _predicted(view: Any, strategy: Strategy, lowering: str, platform: str, muon
     cs = comms(model, plan, lowering=lowering, compute_bytes=act, grad_bytes=grad)
     if muon is not None:        # Newton-Schulz's placements, chosen on the platform's cluster as the optimizer does
         chooser = PLATFORM_CLUSTERS.get(platform, "h100")
-        cs = cs + muon_comms(muon_update(model, plan.sizes, chooser, zero=plan.zero, **muon))
+        cs = cs + muon_comms(muon_update(model, plan.sizes, chooser, zero=plan.strategy.zero, **muon))
     pred = bytes_per_axis(cs)
     mem = est.memory
     muon_state = {} if muon is None else {"matrix_moments": 1, "scalars": 3}    # Muon's momentum and its count
-    args = device_argument_bytes(model, plan.sizes, plan.zero, layout=layout_for_platform(platform), **muon_state)
+    args = device_argument_bytes(model, plan.sizes, plan.strategy.zero, layout=layout_for_platform(platform),
+                                 **muon_state)
     args -= host_bytes(model, plan)          # offloaded: host-resident arguments, not the device's
     peak = mem.total if platform == "cpu" else predicted_peak(model, plan, mem.total, strategy.compute_dtype, platform)
     return pred, args, mem.activations + mem.logits, peak
@@ -389,9 +386,7 @@ def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any
         p = e.plan
         t0 = time.perf_counter()
         r = compile_and_compare(model, p, devices=devices, lowering=lowering)
-        mem = memory_per_device(model, p.sizes, zero=p.zero, microbatches=p.microbatches, schedule=p.schedule,
-                                virtual=p.virtual, remat=p.remat, sequence_parallel=p.sequence_parallel,
-                                precision="fp32", activation_bytes=4).total
+        mem = memory_per_device(model, p, precision="fp32", activation_bytes=4).total
         if target is not None:          # the compiled-step model, measured against the target's compiler
             mem = predicted_peak(model, p, mem, "float32", target.spec.platform)
         a = r["arguments"]
@@ -441,10 +436,11 @@ def fp8_line(result: Any, cluster: Any) -> str:
     """
     best = result.best
     if best.without_fp8:
-        return (f"fp8      chosen ({best.plan.fp8.recipe}, min_dim {best.plan.fp8.min_dim}): predicted "
+        fp8 = best.plan.strategy.fp8
+        return (f"fp8      chosen ({fp8.recipe}, min_dim {fp8.min_dim}): predicted "
                 f"{best.time.total * 1e3:.1f} ms per step with FP8, {best.without_fp8 * 1e3:.1f} ms without "
                 f"({best.without_fp8 / best.time.total:.2f}x); the overrides: "
-                f"parallel.fp8.recipe={best.plan.fp8.recipe}")
+                f"parallel.fp8.recipe={fp8.recipe}")
     if not cluster.has_fp8:
         return f"fp8      not considered: cluster {cluster.name} has no FP8 GEMMs (no peak_tflops.float8)"
     if result.fp8 is None:
@@ -480,17 +476,18 @@ def offload_line(model: Any, cluster: Any, result: Any) -> str | None:
     from jaxpar.cost._host_link import host_bytes, offload_overrides, transfer_bytes
 
     best = result.best
-    if not best.plan.offload:
+    offload = best.plan.strategy.offload
+    if not offload:
         return None
     moved, state = transfer_bytes(model, best.plan), host_bytes(model, best.plan)
     acts = (f", and the layers' inputs ({format_bytes(best.memory.host - state)}) go there in the forward and come "
-            "back for the backward (model.remat=offload)") if best.plan.offload.activations else ""
+            "back for the backward (model.remat=offload)") if offload.activations else ""
     link = f", {format_bytes(moved['to_host'])} to the host and {format_bytes(moved['to_device'])} back per step"
     slow = (f"; {best.without_offload * 1e3:.1f} ms without it (does not fit): "
             f"{best.time.total / best.without_offload:.2f}x slower") if best.without_offload else ""
     return (f"offload  proposed: no plan fits {cluster.num_devices} x {cluster.name} without it. The optimizer state "
             f"({format_bytes(state)} per device) lives in host memory and is updated there{acts} "
-            f"(parallel.offload={offload_overrides(best.plan.offload)}): predicted {best.time.total * 1e3:.1f} ms "
+            f"(parallel.offload={offload_overrides(offload)}): predicted {best.time.total * 1e3:.1f} ms "
             f"per step, {best.time.offload * 1e3:.1f} ms of it on the host link ({cluster.host_link / 1e9:g} GB/s "
             f"per direction{link}) and {best.time.optimizer * 1e3:.1f} ms the update in host memory "
             f"({cluster.host_memory_bandwidth / 1e9:g} GB/s){slow}; costed in jaxpar's fp32 layout (precision fp32)")

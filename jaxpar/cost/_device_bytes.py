@@ -22,6 +22,7 @@ from jaxpar.cost._model import Leaf, ModelSpec
 from jaxpar.logical import matrix_sides
 from jaxpar.cost._schedule import runs_in_lockstep
 from jaxpar.cost._parallel import Plan
+from jaxpar.strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ def _layer_bytes(model: ModelSpec, plan: Plan, rows: float, keeps: tuple, sp_who
     the rest split over ``tensor``."""
     whole, split, scores = keeps
     s, t = model.seq, plan.tensor
-    whole = whole / t + sp_whole if plan.sequence_parallel else whole
+    whole = whole / t + sp_whole if plan.strategy.sequence_parallel else whole
     return 4 * (s * rows * model.hidden * (whole + split / t) + scores * model.heads * s * s * rows / t)
 
 
@@ -245,7 +246,7 @@ def bf16_weight_bytes(model: ModelSpec, plan: Plan) -> float:
     True
     """
     key = sizes_key(plan.sizes)
-    return sum(2 * leaf.size / leaf_shard_counts(leaf, key, plan.zero).params
+    return sum(2 * leaf.size / leaf_shard_counts(leaf, key, plan.strategy.zero).params
                for leaf in model.leaves if leaf.stacked and leaf.matmul)
 
 
@@ -268,27 +269,28 @@ def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> 
     True
     """
     sizes, key = plan.sizes, sizes_key(plan.sizes)
-    rows = model.batch / (plan.data * plan.fsdp * plan.microbatches)
+    rows = model.batch / (plan.data * plan.fsdp * plan.strategy.microbatches)
     grads = gathered = 0.0
     for leaf in model.leaves:
-        c = leaf_shard_counts(leaf, key, plan.zero)
+        c = leaf_shard_counts(leaf, key, plan.strategy.zero)
         grads += 4 * leaf.size / c.grads
-        if leaf.stacked and c.shardable and zero_axes(sizes, plan.zero, "params"):
+        if leaf.stacked and c.shardable and zero_axes(sizes, plan.strategy.zero, "params"):
             gathered += 4 * c.local / (model.layers // plan.pipe)      # one layer, gathered
-    held = model.layers / plan.pipe / plan.virtual * in_flight(plan.schedule, plan.pipe, plan.microbatches,
-                                                                plan.virtual, runs_in_lockstep(plan))
+    s = plan.strategy
+    held = model.layers / plan.pipe / s.virtual_stages * in_flight(s.schedule, plan.pipe, s.microbatches,
+                                                                   s.virtual_stages, runs_in_lockstep(plan))
     if plan.pipe == 1:
         acts = held * saved_per_layer(model, plan, rows, platform)
     else:       # the GPU compiler copies the stage's residual buffers in the tick's conditionals; libtpu does not
         acts = held * stored_per_layer(model, plan, rows, platform) * (2 if platform == "cuda" else 1)
     if platform == "tpu":
         acts += bf16_weight_bytes(model, plan)
-    one = Plan(tensor=plan.tensor, sequence_parallel=plan.sequence_parallel)
+    one = Plan(tensor=plan.tensor, strategy=Strategy(sequence_parallel=s.sequence_parallel))
     working = 0.0 if plan.remat == "none" else saved_per_layer(model, one, rows, platform)   # one layer recomputed
-    if plan.sequence_parallel and plan.tensor > 1:
+    if s.sequence_parallel and plan.tensor > 1:
         working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
     # the loss's fp32 logits; libtpu also holds two bf16 copies (the head's product and the softmax's gradient)
     logits = 4 * model.seq * rows * model.vocab / plan.tensor * (2 if platform == "tpu" else 1)
-    moments = 0 if plan.offload is not None and plan.offload.host_update else 2     # the state stays on the host
-    args = device_argument_bytes(model, sizes, plan.zero, layout=layout_for_platform(platform), moments=moments)
+    moments = 0 if s.offload is not None and s.offload.host_update else 2     # the state stays on the host
+    args = device_argument_bytes(model, sizes, s.zero, layout=layout_for_platform(platform), moments=moments)
     return args + grads + acts + max(logits, working) + 2 * gathered

@@ -36,11 +36,12 @@ Example::
 
     >>> from jaxpar.cost._model import gpt
     >>> from jaxpar.cost._parallel import Plan
+    >>> from jaxpar.strategy import Strategy
     >>> m = gpt(2, 32, 8, 16, 64, 16)
-    >>> opt_host = Offload(optimizer=True, update="host")
-    >>> host_bytes(m, Plan(data=8, offload=opt_host)) == 8 * m.n_params
+    >>> plan = Plan(data=8, strategy=Strategy(offload=Offload(optimizer=True, update="host")))
+    >>> host_bytes(m, plan) == 8 * m.n_params
     True
-    >>> transfer_bytes(m, Plan(data=8, offload=opt_host)) == {"to_host": 8 * m.n_params, "to_device": 4 * m.n_params}
+    >>> transfer_bytes(m, plan) == {"to_host": 8 * m.n_params, "to_device": 4 * m.n_params}
     True
 """
 from __future__ import annotations
@@ -103,7 +104,7 @@ def plan_offload(offload: Offload | None, remat: str) -> Offload | None:
 
 
 def host_bytes(model, plan) -> float:
-    """Bytes one device's state keeps in host memory between steps under ``plan.offload`` (0 without).
+    """Bytes one device's state keeps in host memory between steps under ``plan.strategy.offload`` (0 without).
 
     Args:
       model: the :class:`~jaxpar.cost.ModelSpec`.
@@ -112,10 +113,10 @@ def host_bytes(model, plan) -> float:
     Returns:
       The optimizer state's shard, and the parameters' under ``master``, in jaxpar's fp32 layout.
     """
-    offload = getattr(plan, "offload", None)
+    offload = plan.strategy.offload
     if offload is None:
         return 0.0
-    st = state_bytes(model, plan.sizes, plan.zero, PRECISION)
+    st = state_bytes(model, plan.sizes, plan.strategy.zero, PRECISION)
     return st["opt"] * offload.optimizer + st["params"] * offload.master
 
 
@@ -130,12 +131,12 @@ def transfer_bytes(model, plan, activation_bytes: float = 2) -> dict[str, float]
     Returns:
       ``{"to_host": bytes, "to_device": bytes}`` (zeros without offload).
     """
-    offload = getattr(plan, "offload", None)
+    offload = plan.strategy.offload
     acts = activation_transfer_bytes(model, plan, activation_bytes)
     if offload is None or not offload.host_update:
         s = host_bytes(model, plan) + acts
         return {"to_host": s, "to_device": s}
-    st = state_bytes(model, plan.sizes, plan.zero, PRECISION)
+    st = state_bytes(model, plan.sizes, plan.strategy.zero, PRECISION)
     return {"to_host": st["opt"] + acts, "to_device": st["params"] * (2 if offload.master else 1) + acts}
 
 
@@ -150,11 +151,11 @@ def activation_transfer_bytes(model, plan, activation_bytes: float = 2) -> float
     Returns:
       ``layers / pipe`` layers' inputs of every row the device computes in the step.
     """
-    offload = getattr(plan, "offload", None)
+    offload = plan.strategy.offload
     if offload is None or not offload.activations:
         return 0.0
     return model.layers / plan.pipe * layer_activations(model, plan.sizes, model.batch / plan.batch_split, remat="full",
-                                                         sequence_parallel=plan.sequence_parallel,
+                                                         sequence_parallel=plan.strategy.sequence_parallel,
                                                          activation_bytes=activation_bytes)
 
 
@@ -171,7 +172,7 @@ def offload_seconds(model, plan, cluster, update_bytes: float, activation_bytes:
 
     Args:
       model: the model.
-      plan: the plan (``plan.offload`` set).
+      plan: the plan (``plan.strategy.offload`` set).
       cluster: the :class:`~jaxpar.cost.Cluster` (its ``host_link`` and ``host_memory_bandwidth``).
       update_bytes: the bytes the update reads and writes on one device (:func:`jaxpar.cost._time.update_bytes`).
       activation_bytes: bytes per activation value.
@@ -182,7 +183,7 @@ def offload_seconds(model, plan, cluster, update_bytes: float, activation_bytes:
     Raises:
       CostModelError: the cluster models no host link (or, under the host update, no host memory).
     """
-    offload = getattr(plan, "offload", None)
+    offload = plan.strategy.offload
     if offload is None:
         return OffloadTime(0.0, 0.0)
     if cluster.host_link <= 0 or (offload.host_update and cluster.host_memory_bandwidth <= 0):

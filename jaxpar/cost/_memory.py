@@ -389,11 +389,8 @@ class MemoryEstimate:
         return self.params + self.grads + self.opt + self.activations + self.logits
 
 
-def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int = 0, microbatches: int = 1,
-                      schedule: str = "1f1b", virtual: int = 1, remat: str = "none",
-                      sequence_parallel: bool = False, precision: str | BytesPerParam = "mixed",
-                      activation_bytes: float = 2, ends: bool = False, context_method: str = "ring",
-                      context_balance: bool = True, offload: Offload | None = None) -> MemoryEstimate:
+def memory_per_device(model: ModelSpec, plan, *, precision: str | BytesPerParam = "mixed",
+                      activation_bytes: float = 2, ends: bool = False) -> MemoryEstimate:
     """Predicted peak memory of one device for one plan (docs/planning.md §3 has the sources).
 
     Each replica's batch ``batch / (data * fsdp * expert)`` is split into ``microbatches``; a pipeline
@@ -405,49 +402,42 @@ def memory_per_device(model: ModelSpec, sizes: Mapping[str, int], *, zero: int =
 
     Args:
       model: the model.
-      sizes: mesh axis name -> size.
-      zero: the ZeRO stage.
-      microbatches: micro-batches per step.
-      schedule: the pipeline schedule.
-      virtual: virtual stages per device.
-      remat: ``"none"``, ``"selective"`` or ``"full"``.
-      sequence_parallel: Megatron's sequence parallelism.
+      plan: the :class:`~jaxpar.cost.Plan`: its sizes, remat policy and strategy (ZeRO stage, micro-batches,
+        pipeline schedule and virtual stages, sequence parallelism, context-parallel method and balance). Its
+        strategy's ``offload`` (:mod:`jaxpar.cost._host_link`): the host update keeps the optimizer state
+        off the device (``opt`` 0, in ``host``; on one device the gradients too: :func:`offloaded`); the
+        device update streams the offloaded state in for the step, so the device's peak keeps it (it is in
+        ``host`` too). Offloaded activations (under ``remat="full"``) move the layers' inputs, which full
+        recomputation keeps, from ``activations`` to ``host``.
       precision: a name in :data:`PRECISIONS` or a :class:`BytesPerParam`.
       activation_bytes: bytes per activation value.
       ends: ``False`` (jaxpar's pipeline executor): every parameter outside the blocks on every stage,
         with the logits. ``True`` (Megatron-LM): the embeddings on the first stage, the final norm and
         head on the last (:func:`state_bytes`); the more loaded of the two is returned, the first with
         stage 0's in-flight activations, the last with the same (an upper bound) and the logits.
-      context_method: ``"ring"``, ``"all-gather"`` or ``"ulysses"``.
-      context_balance: the zigzag load balance.
-      offload: ``Plan.offload`` (:mod:`jaxpar.cost._host_link`): the host update keeps the optimizer state
-        off the device (``opt`` 0, in ``host``; on one device the gradients too: :func:`offloaded`); the
-        device update streams the offloaded state in for the step, so the device's peak keeps it (it is in
-        ``host`` too). Offloaded activations (under ``remat="full"``) move the layers' inputs, which full
-        recomputation keeps, from ``activations`` to ``host``.
 
     Returns:
       The :class:`MemoryEstimate`.
     """
-    d, f, t, p = (sizes.get(a, 1) for a in ("data", "fsdp", "tensor", "pipe"))
-    e, C = sizes.get("expert", 1), sizes.get("context", 1)
-    replica_batch = model.batch / (d * f * e)
-    mb = replica_batch / microbatches
-    lockstep = sequence_parallel and sizes.get("tensor", 1) > 1 and not ends       # jaxpar's executor, not Megatron's
-    flight = in_flight(schedule, p, microbatches, virtual, lockstep)
-    act = _layers_kept(model, sizes, mb, flight / p / virtual, remat=remat, sequence_parallel=sequence_parallel,
-                       activation_bytes=activation_bytes, context_method=context_method)
-    moved = act if offload is not None and offload.activations else 0.0      # the layers' inputs, to the host
+    s, cp, sizes = plan.strategy, plan.context_setting, plan.sizes
+    d, f, t, p, e, C = (sizes[a] for a in ("data", "fsdp", "tensor", "pipe", "expert", "context"))
+    mb = model.batch / (d * f * e) / s.microbatches
+    lockstep = s.sequence_parallel and t > 1 and not ends       # jaxpar's executor, not Megatron's
+    flight = in_flight(s.schedule, p, s.microbatches, s.virtual_stages, lockstep)
+    act = _layers_kept(model, sizes, mb, flight / p / s.virtual_stages, remat=plan.remat,
+                       sequence_parallel=s.sequence_parallel, activation_bytes=activation_bytes,
+                       context_method=cp.method)
+    moved = act if s.offload is not None and s.offload.activations else 0.0      # the layers' inputs, to the host
     act -= moved
     if C > 1:
-        act += context_working_bytes(model, mb, t, C, context_method, context_balance, activation_bytes)
+        act += context_working_bytes(model, mb, t, C, cp.method, cp.balance, activation_bytes)
     logits = 2 * model.seq / C * mb * model.vocab / t * 4
-    st = state_bytes(model, sizes, zero, precision)
+    st = state_bytes(model, sizes, s.zero, precision)
     if ends and p > 1:
-        first, last = (state_bytes(model, sizes, zero, precision, end=e) for e in ("first", "last"))
+        first, last = (state_bytes(model, sizes, s.zero, precision, end=e) for e in ("first", "last"))
         st, logits = (first, 0.0) if first["total"] > last["total"] + logits else (last, logits)
-    return offloaded(MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight, moved), offload,
-                     unsplit=d * f * e * C * t * p * microbatches == 1, activation_bytes=activation_bytes)
+    return offloaded(MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight, moved), s.offload,
+                     unsplit=plan.devices * s.microbatches == 1, activation_bytes=activation_bytes)
 
 
 def _layers_kept(model: ModelSpec, sizes: Mapping[str, int], rows: float, share: float, **kw) -> float:

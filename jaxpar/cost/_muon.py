@@ -330,7 +330,7 @@ def with_muon(t: StepTime, m: ModelSpec, plan: Plan, cluster: Cluster, dtype: st
     >>> u.optimizer > t.optimizer, u.bytes_per_axis["fsdp"] > t.bytes_per_axis["fsdp"], u.mfu < t.mfu
     (True, True, True)
     """
-    update = muon_update(m, plan.sizes, cluster, zero=plan.zero, ns_steps=ns_steps, placement=placement)
+    update = muon_update(m, plan.sizes, cluster, zero=plan.strategy.zero, ns_steps=ns_steps, placement=placement)
     per_axis = dict(t.bytes_per_axis)
     for c in muon_comms(update):
         for a in c.axes:

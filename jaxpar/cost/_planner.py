@@ -16,7 +16,8 @@ Example::
     (1, 1)
     >>> print(result.table(2))      # doctest: +ELLIPSIS
     rank | plan ...
-    >>> print(plan_refusal(Plan(data=4, context=2), fixed={"compression": "topk"}))   # doctest: +ELLIPSIS
+    >>> from jaxpar.parallel.compression import topk
+    >>> print(plan_refusal(Plan(data=4, context=2), fixed={"compression": topk(0.01)}))   # doctest: +ELLIPSIS
     the compatibility table refuses it: Strategy.compression with context=2: a codec's exchange runs...
 """
 from __future__ import annotations
@@ -33,12 +34,13 @@ from jaxpar.cost._host_link import PRECISION as OFFLOAD_PRECISION, PROPOSED as O
 from jaxpar.cost._memory import LayoutError, MemoryEstimate, memory_per_device, muon_precision
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._muon import with_muon
-from jaxpar.cost._parallel import CONTEXT_METHODS, Plan
+from jaxpar.cost._parallel import MODELLED, Plan
 from jaxpar.cost._roofline import fp8_kernels
 from jaxpar.cost._time import Overlap, StepTime, step_time
 from jaxpar.cost._traffic import outer_at_ends
 from jaxpar.errors import PlanError
-from jaxpar.options import LAYER_INPUT, Fp8, Offload
+from jaxpar.options import CONTEXT_METHODS, LAYER_INPUT, ContextParallel, Fp8, Offload
+from jaxpar.strategy import Strategy
 
 #: The shortest sequence for which :func:`plan` searches CP degrees by default. NeMo's long-context
 #: recipes (16k and 64k tokens) are where CP is used in practice; at 2k the model would pick CP 2 for
@@ -135,21 +137,6 @@ SETTING_FIELDS = tuple(f for f in Setting._fields if f not in ("strategy", "size
 REFUSED_PREFIX = "the compatibility table refuses it: "
 
 
-class PlanStrategy(NamedTuple):
-    """The fields of :class:`jaxpar.Strategy` that the compatibility table reads, for a plan (imports no JAX)."""
-
-    zero: int = 0
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    compute_dtype: str = "bfloat16"
-    compression: Any = None
-    sync: Any = None
-    local_clip: float | None = None
-    fp8: Any = None
-    offload: Any = None
-
-
 def plan_setting(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any] | None = None) -> Setting:
     """The compatibility table's :class:`~jaxpar.compat.Setting` of a :class:`~jaxpar.cost.Plan` ranked for
     the compute ``dtype``, with the run's settings no plan chooses (``fixed``: :data:`STRATEGY_FIELDS`, where
@@ -159,10 +146,8 @@ def plan_setting(plan: Any, *, dtype: str = "bfloat16", fixed: Mapping[str, Any]
     if unknown:
         raise PlanError(f"fixed={fixed!r}: unknown key(s) {', '.join(unknown)}; the table reads the strategy's "
                         f"{', '.join(STRATEGY_FIELDS)} and the options {', '.join(SETTING_FIELDS)}.")
-    strategy = PlanStrategy(zero=plan.zero, sequence_parallel=plan.sequence_parallel, schedule=plan.schedule,
-                            microbatches=plan.microbatches, compute_dtype=fixed.pop("compute_dtype", dtype),
-                            fp8=getattr(plan, "fp8", None), offload=getattr(plan, "offload", None),
-                            **{k: fixed.pop(k) for k in STRATEGY_FIELDS[1:] if k in fixed})
+    strategy = replace(plan.strategy, compute_dtype=fixed.pop("compute_dtype", dtype),
+                       **{k: fixed.pop(k) for k in STRATEGY_FIELDS[1:] if k in fixed})
     return Setting(strategy, dict(plan.sizes), **fixed)
 
 
@@ -188,8 +173,9 @@ class Estimate:
 
     def row(self) -> dict:
         """Plain values for ``--json``."""
-        t, mem = self.time, self.memory
-        return {"plan": self.plan.name(), **asdict(self.plan), "step_s": t.total, "compute_s": t.compute,
+        t, mem, plan = self.time, self.memory, asdict(self.plan)
+        plan["strategy"] = {k: plan["strategy"][k] for k in MODELLED}
+        return {"plan": self.plan.name(), **plan, "step_s": t.total, "compute_s": t.compute,
                 "data_s": t.data, "tensor_s": t.tensor, "pipeline_s": t.pipeline, "optimizer_s": t.optimizer,
                 "context_s": t.context, "expert_s": t.expert,
                 "elementwise_s": t.elementwise, "bubble": t.bubble,
@@ -250,7 +236,7 @@ class PlanResult:
             right.append(True)
             for r, e in zip(rows, shown):
                 r.append(f"{e.without_fp8 * 1e3:.1f} ({e.without_fp8 / e.time.total:.2f}x)" if e.without_fp8 else "-")
-        if any(e.plan.offload for e in shown):      # offloading: its link, and the step without it
+        if any(e.plan.strategy.offload for e in shown):      # offloading: its link, and the step without it
             headers += ["host link", "without offload ms (slowdown)"]
             right += [True, True]
             for r, e in zip(rows, shown):
@@ -305,13 +291,13 @@ def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16"
     Raises:
       PlanError: the plan's CP / EP cannot run the model (:func:`context_problem`, :func:`expert_problem`).
     """
-    why = expert_problem(m, p.expert) or (context_problem(m, p.context, p.tensor, p.context_method)[1]
+    why = expert_problem(m, p.expert) or (context_problem(m, p.context, p.tensor, p.context_setting.method)[1]
                                           if p.context > 1 else None)
-    if why is None and p.context > 1 and p.context_balance and m.seq % (2 * p.context):
+    if why is None and p.context > 1 and p.context_setting.balance and m.seq % (2 * p.context):
         why = f"the balanced layout needs seq % (2 * context) == 0: seq={m.seq}, context={p.context}"
     if why:
         raise PlanError(f"plan {p.name()} cannot run this model: {why}.")
-    precision = OFFLOAD_PRECISION if p.offload else precision     # offloading: jaxpar's fp32 layout
+    precision = OFFLOAD_PRECISION if p.strategy.offload else precision     # offloading: jaxpar's fp32 layout
     mem = _memory(m, p, dtype, muon_precision(precision) if muon is not None else precision, lowering)
     t = step_time(m, p, cluster, dtype=dtype, overlap=overlap, lowering=lowering, grad_bytes=grad_bytes)
     t = with_muon(t, m, p, cluster, dtype, **muon) if muon is not None else t
@@ -319,11 +305,8 @@ def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16"
 
 
 def _memory(m: ModelSpec, p: Plan, dtype: str, precision: str, lowering: str = "ideal"):
-    return memory_per_device(m, p.sizes, zero=p.zero, microbatches=p.microbatches, schedule=p.schedule,
-                             virtual=p.virtual, remat=p.remat, sequence_parallel=p.sequence_parallel,
-                             precision=precision, activation_bytes=4 if dtype == "float32" else 2,
-                             ends=outer_at_ends(lowering), context_method=p.context_method,
-                             context_balance=p.context_balance, offload=p.offload)
+    return memory_per_device(m, p, precision=precision, activation_bytes=4 if dtype == "float32" else 2,
+                             ends=outer_at_ends(lowering))
 
 
 def _options(m: ModelSpec, p: int, d: int, f: int, t: int, schedules, e: int = 1) -> list[dict]:
@@ -338,7 +321,7 @@ def _options(m: ModelSpec, p: int, d: int, f: int, t: int, schedules, e: int = 1
         interleaved = sched == "interleaved"
         if replica % (p * k) or (interleaved and m.layers % (2 * p)):
             continue
-        virtual = {"virtual": 2} if interleaved else {}
+        virtual = {"virtual_stages": 2} if interleaved else {}
         out.append(dict(zero=z, sequence_parallel=sp, schedule=sched, microbatches=p * k, **virtual))
     return out
 
@@ -356,7 +339,7 @@ class _Search(NamedTuple):
     fixed: dict | None = None
     fp8: Fp8 | None = None              # None: no FP8 plans; else FP8 plans with these options are considered too
     muon: dict | None = None            # Muon's {"ns_steps", "placement"}: its Newton-Schulz in the update
-    offload: Offload | None = None      # Plan.offload of every candidate (precision: jaxpar's fp32 layout)
+    offload: Offload | None = None      # the offload of every candidate's strategy (precision: jaxpar's fp32 layout)
 
     @property
     def usable(self) -> float:
@@ -371,7 +354,7 @@ class _Search(NamedTuple):
         """The cheapest remat (and fewest accumulation steps) of ``base`` + ``opt`` that fits, the
         candidates rejected on the way, and how many were considered; none if the table refuses it."""
         accum = opt.pop("accum", [opt.get("microbatches", 1)])
-        cand = replace(base, **{**opt, "microbatches": accum[0]})
+        cand = base.with_strategy(**{**opt, "microbatches": accum[0]})
         why = plan_refusal(cand, dtype=self.dtype, fixed=self.fixed)   # the table reads no remat, no accumulation
         if why:
             return None, [Rejected(cand, why)], 1
@@ -379,13 +362,14 @@ class _Search(NamedTuple):
         for mb in accum:
             for remat, offload in self.remats(base):
                 considered += 1
-                cand = replace(base, remat=remat, offload=offload, **{**opt, "microbatches": mb})
+                cand = replace(base, remat=remat, strategy=replace(base.strategy, offload=offload,
+                                                                   **{**opt, "microbatches": mb}))
                 try:     # memory first: a plan that does not fit needs no step time (most of the search)
                     mem = _memory(self.model, cand, self.dtype, self.precision if self.muon is None else
                                   muon_precision(self.precision), self.lowering)
                     if mem.total <= self.usable:
                         t = self.timed(cand)
-                        off = self.timed(replace(cand, offload=None)).total if cand.offload else None
+                        off = self.timed(cand.with_strategy(offload=None)).total if cand.strategy.offload else None
                         return self.with_fp8(Estimate(cand, t, mem, True, without_offload=off)), rejected, \
                             considered + (self.fp8 is not None)
                 except LayoutError as err:
@@ -402,18 +386,18 @@ class _Search(NamedTuple):
         """The recomputation choices of ``base``, cheapest first, as ``(remat, offload)``: none, selective, full;
         in the offloaded search, outside pipelines (which refuse offloaded activations), full with the layers'
         inputs in host memory last."""
-        out = [(remat, base.offload) for remat in ("none", "selective", "full")]
-        if base.offload is not None and base.pipe == 1:
-            out.append(("full", replace(base.offload, activations=(LAYER_INPUT,))))
+        out = [(remat, base.strategy.offload) for remat in ("none", "selective", "full")]
+        if base.strategy.offload is not None and base.pipe == 1:
+            out.append(("full", replace(base.strategy.offload, activations=(LAYER_INPUT,))))
         return out
 
     def with_fp8(self, e: Estimate) -> Estimate:
         """The faster of ``e`` and ``e`` with FP8 (memory as without: FP8 keeps the fp32 state)."""
         if self.fp8 is None:
             return e
-        p = replace(e.plan, fp8=self.fp8)
+        p = e.plan.with_strategy(fp8=self.fp8)
         t = self.timed(p)
-        off = self.timed(replace(p, offload=None)).total if p.offload else None
+        off = self.timed(p.with_strategy(offload=None)).total if p.strategy.offload else None
         return Estimate(p, t, e.memory, e.fits, without_fp8=e.time.total, without_offload=off) \
             if t.total < e.time.total else e
 
@@ -430,8 +414,8 @@ class _Search(NamedTuple):
                 continue
             for method in methods if c > 1 else ("ring",):
                 balance, why = context_problem(model, c, t, method) if c > 1 else (True, None)
-                base = Plan(pipe=p, data=d, fsdp=f, tensor=t, expert=e, context=c, context_method=method,
-                            context_balance=balance, offload=self.offload)
+                base = Plan(pipe=p, data=d, fsdp=f, tensor=t, expert=e, context=c, strategy=Strategy(
+                    context=ContextParallel(method, balance), offload=self.offload))
                 why = expert_problem(model, e) or why
                 if why:
                     refused.append(Rejected(base, why))
@@ -561,7 +545,7 @@ def _with_fp8(model: ModelSpec, cluster: Cluster, fp8: bool | None, options: Fp8
     if fp8 and not cluster.has_fp8:
         raise PlanError(f"fp8=True: cluster {cluster.name!r} has no FP8 GEMMs (no peak_tflops.float8); plan with "
                         "fp8=None or False, or choose a cluster with FP8 GEMMs (h100).")
-    covers = bool(fp8_kernels(model, Plan(fp8=options)))
+    covers = bool(fp8_kernels(model, Plan(strategy=Strategy(fp8=options))))
     return fp8 is not False and cluster.has_fp8 and covers
 
 

@@ -62,10 +62,10 @@ def matmul(name: str, batch: float, m: float, k: float, n: float, compute_bytes:
 
 
 def fp8_kernels(m: ModelSpec, plan: Plan) -> frozenset[str]:
-    """The kernels of :func:`layer_kernels` that run in FP8 under ``plan.fp8``: the attention projections,
+    """The kernels of :func:`layer_kernels` that run in FP8 under the plan's FP8: the attention projections,
     the MLP, the experts and the shared experts, each where its GEMM's contracted and output sizes (of the
     model's weights: ``hidden`` against the heads' ``hidden``, ``mlp``, ``expert_mlp``, ``shared_mlp``) are
-    both at least ``plan.fp8.min_dim`` (:meth:`~jaxpar.cost.Leaf.fp8`).
+    both at least its ``min_dim`` (:meth:`~jaxpar.cost.Leaf.fp8`).
 
     Args:
       m: the model.
@@ -76,12 +76,13 @@ def fp8_kernels(m: ModelSpec, plan: Plan) -> frozenset[str]:
 
     >>> from jaxpar.cost._model import gpt
     >>> from jaxpar.options import Fp8
-    >>> sorted(fp8_kernels(gpt(2, 1024, 8, 64, 256, 8, mlp=512), Plan(fp8=Fp8(min_dim=1024))))
+    >>> from jaxpar.strategy import Strategy
+    >>> sorted(fp8_kernels(gpt(2, 1024, 8, 64, 256, 8, mlp=512), Plan(strategy=Strategy(fp8=Fp8(min_dim=1024)))))
     ['proj', 'qkv']
     """
-    if plan.fp8 is None:
+    if plan.strategy.fp8 is None:
         return frozenset()
-    h, d = m.hidden, plan.fp8.min_dim
+    h, d = m.hidden, plan.strategy.fp8.min_dim
     groups = {("qkv", "proj"): h, ("fc1", "fc2"): m.mlp, ("expert_fc1", "expert_fc2"): m.expert_mlp,
               ("shared_fc1", "shared_fc2"): m.shared_mlp}
     return frozenset(k for names, width in groups.items() if width and min(h, width) >= d for k in names)
@@ -160,11 +161,11 @@ def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: 
                 matmul("context", heads / 2, s, s, d, cb, passes=passes)]
     if C == 1:
         return [matmul("scores", heads, s, d, s, cb, passes=attn), matmul("context", heads, s, s, d, cb, passes=attn)]
-    if plan.context_method == "ring":
-        blocks, n = C * C * score_fraction("ring", C, plan.context_balance), s / C
+    if plan.context_setting.method == "ring":
+        blocks, n = C * C * score_fraction("ring", C, plan.context_setting.balance), s / C
         return [matmul("scores", heads * blocks, n, d, n, cb, passes=attn + 1),
                 matmul("context", heads * blocks, n, n, d, cb, passes=attn)]
-    if plan.context_method == "all_gather":
+    if plan.context_setting.method == "all_gather":
         return [matmul("scores", heads, s / C, d, s, cb, passes=attn),
                 matmul("context", heads, s / C, s, d, cb, passes=attn)]
     return [matmul("scores", heads / C, s, d, s, cb, passes=attn),
@@ -235,12 +236,13 @@ def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes
     """
     t, C = plan.tensor, plan.context
     passes = 3 + (plan.remat == "full")
-    resid = 10 * m.hidden / (t if plan.sequence_parallel else 1)
+    resid = 10 * m.hidden / (t if plan.strategy.sequence_parallel else 1)
     mlp = 2 * m.mlp / t
     if moe:
         T = m.seq // C
         mlp = 2 * m.experts * m.capacity(T) / T * m.expert_mlp / t + 2 * m.shared_mlp / t
-    keys = m.seq * C * score_fraction(plan.context_method, C, plan.context_balance)   # scores per query token
+    cp = plan.context_setting
+    keys = m.seq * C * score_fraction(cp.method, C, cp.balance)   # scores per query token
     softmax = 0.0 if fused_attention and C == 1 else 2 * m.heads * keys / t * 4 * (passes + (plan.remat == "selective"))
     return rows * (m.seq / C) * ((resid + mlp) * compute_bytes * passes + softmax)
 
@@ -273,7 +275,7 @@ class Work(NamedTuple):
 
 def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: float, compute_bytes: float, *,
                forward_only: bool = False, moe: bool = False) -> Work:
-    """Seconds of one layer per micro-batch of ``rows`` sequences on one device; under ``plan.fp8`` the
+    """Seconds of one layer per micro-batch of ``rows`` sequences on one device; under the plan's FP8 the
     covered matmuls (:func:`fp8_kernels`) at the cluster's FP8 peak and their casts
     (:func:`fp8_quantize_bytes`) with the elementwise ops.
 
@@ -295,7 +297,7 @@ def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: flo
     elem = layer_elementwise_bytes(m, plan, rows, compute_bytes, moe, fused_attention=cluster.fused_attention)
     if forward_only:
         elem /= 3 + (plan.remat == "full")
-    quantize = fp8_quantize_bytes(ks, fp8, plan.fp8.recipe, compute_bytes, plan.remat) if fp8 else (0.0, 0.0)
+    quantize = fp8_quantize_bytes(ks, fp8, plan.strategy.fp8.recipe, compute_bytes, plan.remat) if fp8 else (0.0, 0.0)
     elem += quantize[0] if forward_only else sum(quantize)
     return Work(kernels, elem / bw if bw > 0 else 0.0)
 

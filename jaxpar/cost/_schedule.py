@@ -115,7 +115,7 @@ def runs_in_lockstep(plan) -> bool:
     Returns:
       Whether it runs in lockstep.
     """
-    return bool(plan.sequence_parallel) and plan.tensor > 1
+    return bool(plan.strategy.sequence_parallel) and plan.tensor > 1
 
 
 def in_flight(schedule: str, pipe: int, microbatches: int, virtual: int = 1, lockstep: bool = False) -> int:

@@ -251,12 +251,15 @@ def update_bytes(m: ModelSpec, plan: Plan, grad_bytes: float = 4) -> float:
       Bytes.
 
     >>> from jaxpar.cost._model import gpt
+    >>> from jaxpar.strategy import Strategy
     >>> m = gpt(2, 32, 8, 16, 64, 16)
-    >>> update_bytes(m, Plan(data=8)) == 28 * m.n_params, update_bytes(m, Plan(data=8, zero=1)) < 28 * m.n_params / 7
+    >>> zero1 = Plan(data=8, strategy=Strategy(zero=1))
+    >>> update_bytes(m, Plan(data=8)) == 28 * m.n_params, update_bytes(m, zero1) < 28 * m.n_params / 7
     (True, True)
     """
     key = sizes_key(plan.sizes)
-    held = sum(leaf.size / leaf_shard_counts(leaf, key, plan.zero)[2] for leaf in m.leaves) if m.leaves else \
+    zero = plan.strategy.zero
+    held = sum(leaf.size / leaf_shard_counts(leaf, key, zero)[2] for leaf in m.leaves) if m.leaves else \
         m.n_params / plan.devices
     return held * (2 * (4 + 8) + grad_bytes)
 
@@ -283,9 +286,10 @@ def elementwise_bytes(m: ModelSpec, plan: Plan, compute_bytes: float = 2) -> flo
       Bytes.
 
     >>> from jaxpar.cost._model import gpt
+    >>> from jaxpar.strategy import Strategy
     >>> m = gpt(4, 128, 8, 64, 256, 16)
     >>> tp = elementwise_bytes(m, Plan(tensor=8), 4)
-    >>> sp = elementwise_bytes(m, Plan(tensor=8, sequence_parallel=True), 4)
+    >>> sp = elementwise_bytes(m, Plan(tensor=8, strategy=Strategy(sequence_parallel=True)), 4)
     >>> elementwise_bytes(m, Plan(), 4) == 3 * 16 * 64 * 4 * 4 * (10 * 128 + 2 * 512 + 2 * 8 * 64), round(tp / sp, 2)
     (True, 3.69)
     """
@@ -300,7 +304,7 @@ def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, 
     seconds of one micro-batch on a device (recomputation included). Per micro-batch a stage runs its
     layers, the first stage also the embedding and the last the head and loss: the step takes ``m`` times
     the busiest stage's micro-batch plus the schedule's bubble, ``m * b / (1 - b)`` times the mean's."""
-    rows = m.batch / (plan.batch_split * plan.microbatches)
+    rows = m.batch / (plan.batch_split * plan.strategy.microbatches)
     n = m.layers // plan.pipe
     n_moe = m.moe_layers / plan.pipe          # MoE layers per stage (spread evenly)
     layer = layer_work(m, plan, cluster, dtype, rows, cb)
@@ -318,7 +322,7 @@ def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, 
     else:
         busiest = max(blocks + first, blocks + last, key=lambda w: w.total)
     mean = blocks + (first + last).times(1 / plan.pipe)
-    mb = plan.microbatches
+    mb = plan.strategy.microbatches
     step = busiest.times(mb) + mean.times(mb * b / (1 - b))
     return step, backward
 
@@ -337,13 +341,16 @@ def ring_step_seconds(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, co
 
     >>> from jaxpar.cost._cluster import load_cluster
     >>> from jaxpar.cost._model import gpt
-    >>> s = ring_step_seconds(gpt(2, 64, 4, 4096, 128, 8), Plan(context=4), load_cluster("h100"), "bfloat16", 2)
+    >>> from jaxpar.options import ContextParallel
+    >>> from jaxpar.strategy import Strategy
+    >>> balanced = Plan(context=4, strategy=Strategy(context=ContextParallel(balance=True)))
+    >>> s = ring_step_seconds(gpt(2, 64, 4, 4096, 128, 8), balanced, load_cluster("h100"), "bfloat16", 2)
     >>> round(s["backward"] / s["forward"], 3)       # the scores again, dP, dV, dQ, dK: 5 matmuls of the 2 forward
     2.5
     """
-    if plan.context == 1 or plan.context_method != "ring":
+    if plan.context == 1 or plan.context_setting.method != "ring":
         return {}
-    rows = m.batch / (plan.batch_split * plan.microbatches)
+    rows = m.batch / (plan.batch_split * plan.strategy.microbatches)
     ks = {k.name: k for k in layer_kernels(m, plan, rows, compute_bytes) if k.name in ("scores", "context")}
     redo = plan.remat != "none"
     sec = {n: kernel_seconds(k, cluster, dtype) for n, k in ks.items()}
@@ -363,16 +370,18 @@ def check_precision(cluster: Cluster, dtype: str, plan: Plan | None = None) -> N
 
     >>> from jaxpar.cost._cluster import load_cluster
     >>> from jaxpar.options import Fp8
-    >>> check_precision(load_cluster("tpu_v5e"), "bfloat16", Plan(data=8, fp8=Fp8()))
+    >>> from jaxpar.strategy import Strategy
+    >>> check_precision(load_cluster("tpu_v5e"), "bfloat16", Plan(data=8, strategy=Strategy(fp8=Fp8())))
     Traceback (most recent call last):
     ...
     jaxpar.errors.CostModelError: plan dp8-fp8: cluster 'tpu_v5e' has no FP8 GEMMs (no peak_tflops.float8); plan without fp8, or choose a cluster with FP8 GEMMs (h100).
     """
     if dtype == FP8:
         raise CostModelError(f"dtype={FP8!r} is not a compute dtype: FP8 runs the covered matmuls of a plan with "
-                             f"fp8 set (Plan(fp8=Fp8())); compute in one of {', '.join(cluster.compute_dtypes)}.")
+                             "fp8 set (Plan(strategy=Strategy(fp8=Fp8()))); compute in one of "
+                             f"{', '.join(cluster.compute_dtypes)}.")
     cluster.peak(dtype)
-    if plan is not None and plan.fp8 is not None and not cluster.has_fp8:
+    if plan is not None and plan.strategy.fp8 is not None and not cluster.has_fp8:
         raise CostModelError(f"plan {plan.name()}: cluster {cluster.name!r} has no FP8 GEMMs (no peak_tflops.{FP8}); "
                              "plan without fp8, or choose a cluster with FP8 GEMMs (h100).")
 
@@ -392,7 +401,7 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
       grad_bytes: bytes of a gradient element (``None``: the activations').
 
     Returns:
-      The :class:`StepTime` (with ``plan.fp8``, the covered matmuls at the cluster's FP8 peak and their
+      The :class:`StepTime` (with the plan's FP8, the covered matmuls at the cluster's FP8 peak and their
       casts and collectives in their own dtypes; the MFU against the compute dtype's peak).
 
     >>> from jaxpar.cost._cluster import load_cluster
@@ -405,7 +414,7 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     gb = cb if grad_bytes is None else grad_bytes
     check_precision(cluster, dtype, plan)
     sizes = plan.sizes
-    b = bubble(plan.schedule, plan.pipe, plan.microbatches, plan.virtual,
+    b = bubble(plan.strategy.schedule, plan.pipe, plan.strategy.microbatches, plan.strategy.virtual_stages,
                lockstep=runs_in_lockstep(plan) and lowering != "megatron")     # Megatron-LM's runs interleave
     work, backward = _compute(m, plan, cluster, dtype, cb, b)
     spent = {"data": 0.0, "tensor": 0.0, "pipeline": 0.0, "context": 0.0, "expert": 0.0}

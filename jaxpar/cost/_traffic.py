@@ -136,7 +136,7 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
         if axes and nbytes > 0 and count > 0:
             out.append(Comm(kind, axes, float(nbytes), count, phase, behind, runs))
 
-    rows = m.batch / (plan.batch_split * plan.microbatches)        # sequences per device per micro-batch
+    rows = m.batch / (plan.batch_split * plan.strategy.microbatches)        # sequences per device per micro-batch
     seq = m.seq / plan.context                                      # their tokens on this device
     act = rows * seq * m.hidden * compute_bytes                     # one activation of the residual stream
     if plan.tensor > 1:
@@ -158,14 +158,15 @@ def _context_expert_comms(add, m: ModelSpec, plan: Plan, kv: float, rows: float,
     """CP: the method's collectives per layer and micro-batch
     (:func:`~jaxpar.cost._context_experts.context_collectives`); EP: 4 all-to-alls per MoE layer and micro-batch
     (:func:`~jaxpar.cost._context_experts.expert_collectives`)."""
-    mb = plan.microbatches
+    mb = plan.strategy.microbatches
     if plan.context > 1:
         n_layer = (m.layers // plan.pipe) * mb
-        if plan.context_method == "ring":
+        if plan.context_setting.method == "ring":
             for kind, nbytes, count, behind in ring_hops(plan.context, kv, cb, plan.remat != "none"):
                 add(kind, ("context",), nbytes, count * n_layer, "context", behind)
-        for kind, nbytes, count in (context_collectives(plan.context_method, plan.context, kv, cb, plan.remat)
-                                    if plan.context_method != "ring" else ()):
+        method = plan.context_setting.method
+        for kind, nbytes, count in (context_collectives(method, plan.context, kv, cb, plan.remat)
+                                    if method != "ring" else ()):
             add(kind, ("context",), nbytes, count * n_layer, "context")
     if m.moe_layers:
         n_moe = m.moe_layers / plan.pipe * mb
@@ -191,13 +192,14 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
     A lockstep pipeline (SP with ``pipe`` > 1, :func:`~._schedule.runs_in_lockstep`) runs every tick's
     action on every stage, masked in its bubble: ``vm + p - 1`` forwards and as many backwards of each
     chunk, each F with ``pre`` and ``post``, so both ends' reductions on every stage. FP8: :func:`_fp8_reductions`."""
-    t, mb = plan.tensor, plan.microbatches
+    t, mb = plan.tensor, plan.strategy.microbatches
     lock = plan.pipe > 1 and runs_in_lockstep(plan) and lowering != "megatron"
     if lock:
-        mb = (plan.microbatches * plan.virtual + plan.pipe - 1) / plan.virtual
+        v = plan.strategy.virtual_stages
+        mb = (plan.strategy.microbatches * v + plan.pipe - 1) / v
     n_layer = (m.layers // plan.pipe) * mb
     moe = 0            # MoE layers whose MLP reductions are on the capacity buffer
-    if m.moe_layers and not plan.sequence_parallel and lowering != "megatron":
+    if m.moe_layers and not plan.strategy.sequence_parallel and lowering != "megatron":
         moe = m.moe_layers / plan.pipe * mb
         add("all-reduce", ("tensor",), expert_slots(m, 1, plan.context) * row_bytes * m.hidden, 2 * moe, "tensor")
     ends = 1 if plan.pipe > 1 and not lock else 2
@@ -206,7 +208,7 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
         redo = 2 if plan.remat == "full" else 0
     else:
         redo = 0 if cpu or plan.remat == "none" else 1
-    if not plan.sequence_parallel:
+    if not plan.strategy.sequence_parallel:
         if not _fp8_reductions(add, m, plan, act, n_layer, moe, redo, lowering):
             bwd = 1 + m.qkv_inputs if cpu else 2
             add("all-reduce", ("tensor",), act, (2 + bwd + redo) * n_layer - 2 * moe, "tensor")
@@ -235,7 +237,7 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
 
 def _fp8_reductions(add, m: ModelSpec, plan: Plan, act: float, n_layer: float, moe: float, redo: int,
                     lowering: str) -> bool:
-    """The blocks' tensor all-reduces under FP8 (``plan.fp8``) on the GPU compiler (``xla``), without SP:
+    """The blocks' tensor all-reduces under FP8 (the plan's ``fp8``) on the GPU compiler (``xla``), without SP:
     with q, k and v covered (:func:`~jaxpar.cost._roofline.fp8_kernels`) their input gradients are reduced
     one by one, as XLA:CPU does, instead of summed first (measured, docs/planning.md §11). False (nothing
     added) when they are not covered."""
@@ -252,9 +254,9 @@ def _pipe_comms(add, m: ModelSpec, plan: Plan, act: float, lowering: str, grad_b
     of the parameters outside the blocks (and the loss) over ``pipe``; Megatron sends ``1/t`` of each
     activation and all-gathers it over ``tensor``, and sums the tied word embedding's gradient between
     the first and the last stage (two devices: one transfer of it)."""
-    mv = plan.microbatches * plan.virtual
-    sends, received = 2 * mv, 2 * mv - (plan.microbatches if plan.pipe == 2 else 0)
-    t, sp = plan.tensor, plan.sequence_parallel
+    mv = plan.strategy.microbatches * plan.strategy.virtual_stages
+    sends, received = 2 * mv, 2 * mv - (plan.strategy.microbatches if plan.pipe == 2 else 0)
+    t, sp = plan.tensor, plan.strategy.sequence_parallel
     if lowering == "megatron":
         add("collective-permute", ("pipe",), act / t, received, "pipeline", runs=sends)
         if not sp:
@@ -265,7 +267,7 @@ def _pipe_comms(add, m: ModelSpec, plan: Plan, act: float, lowering: str, grad_b
     # configs/megatron.yaml moves as many bytes over pipe with SP as without)
     add("collective-permute", ("pipe",), act, received, "pipeline", runs=sends)
     key = sizes_key(plan.sizes)
-    outer = sum(leaf_shard_counts(leaf, key, plan.zero)[3] for leaf in m.leaves if not leaf.stacked)
+    outer = sum(leaf_shard_counts(leaf, key, plan.strategy.zero)[3] for leaf in m.leaves if not leaf.stacked)
     add("all-reduce", ("pipe",), outer * 4 + 4, 1, "pipeline")        # fp32 gradients and the loss
 
 
@@ -321,7 +323,7 @@ def _busiest_end(m: ModelSpec, plan: Plan) -> str:
     size = {"first": 0.0, "last": 0.0}
     for leaf in m.leaves:
         if not leaf.stacked:
-            size[pipe_end(leaf)] += leaf_shard_counts(leaf, key, plan.zero)[3]
+            size[pipe_end(leaf)] += leaf_shard_counts(leaf, key, plan.strategy.zero)[3]
     return max(size, key=size.get)
 
 
@@ -341,10 +343,10 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
     of the tick loop, i.e. once per micro-batch. Bytes per element: :func:`_element_bytes`."""
     cpu = lowering == "xla-cpu"
     sizes = plan.sizes
-    d, f, t, mb = plan.data, plan.fsdp, plan.tensor, plan.microbatches
+    d, f, t, mb, s = plan.data, plan.fsdp, plan.tensor, plan.strategy.microbatches, plan.strategy
     base_axes = _axes(sizes, ("data", "fsdp"))
-    g_axes, p_axes, o_axes = (zero_axes(sizes, plan.zero, kind) for kind in ("grads", "params", "opt"))
-    explicit = t == 1 and plan.pipe == 1 and ((d > 1 and plan.zero >= 2) or f > 1)
+    g_axes, p_axes, o_axes = (zero_axes(sizes, s.zero, kind) for kind in ("grads", "params", "opt"))
+    explicit = t == 1 and plan.pipe == 1 and ((d > 1 and s.zero >= 2) or f > 1)
     pbytes = 4 if cpu else compute_bytes
     end = _busiest_end(m, plan) if plan.pipe > 1 else None
     per_mb = mb if lowering in ("xla", "xla-tpu", "xla-cpu") and plan.pipe > 1 else 1
@@ -353,13 +355,13 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
 
     key = sizes_key(sizes)
     for leaf in m.leaves:
-        n_p, _, _, local, shardable = leaf_shard_counts(leaf, key, plan.zero)
+        n_p, _, _, local, shardable = leaf_shard_counts(leaf, key, s.zero)
         # summed over the axes that split the tokens, except ``expert`` for the experts' own weights
         data_axes = _axes(sizes, [a for a in GRAD_AXES if not (a == "expert" and "experts" in leaf.logical)])
         count = leaf.shape[0] // plan.pipe if leaf.stacked else 1       # the device's layers of this leaf
         per = local / count                                             # one layer's slice
         gb, nbytes = _element_bytes(leaf, plan, lowering, grad_bytes, pbytes)
-        g = per * gb * (_sp_grad_scale(m, leaf, t) if cpu and plan.sequence_parallel else 1)
+        g = per * gb * (_sp_grad_scale(m, leaf, t) if cpu and s.sequence_parallel else 1)
         n_g = math.prod(sizes[a] for a in g_axes) if shardable else 1
         rows = _row_lookup(acc, m, plan, leaf, (p_axes, () if cpu else g_axes, data_axes), pbytes, g)
         if not rows and (end is None or leaf.stacked or pipe_end(leaf) == end):      # gradients
@@ -378,8 +380,8 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
             elif explicit and leaf.stacked and shardable:
                 acc("reduce-scatter", g_axes, g / n_g, count, "grads")
                 acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count, "grads")
-            elif len(base_axes) == 2 and plan.zero < 2 and leaf.matmul and shardable and not (
-                    plan.sequence_parallel and _is_row_parallel(leaf)):   # SP: reduced in its region, all at once
+            elif len(base_axes) == 2 and s.zero < 2 and leaf.matmul and shardable and not (
+                    s.sequence_parallel and _is_row_parallel(leaf)):   # SP: reduced in its region, all at once
                 acc("all-reduce", ("fsdp",), g, count * per_mb, "grads")   # fsdp first, then the shard over data
                 acc("all-reduce", set(data_axes) - {"fsdp"}, g / f, count * per_mb, "grads")
             else:
@@ -398,11 +400,12 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
 
 def _element_bytes(leaf: Leaf, plan: Plan, lowering: str, grad_bytes: float, pbytes: float) -> tuple[float, float]:
     """Bytes per element of ``leaf``'s gradient reduction and of its ZeRO-3 / FSDP gather. libtpu gathers a
-    matmul's weight in bf16 at most. FP8 (``plan.fp8``): ZeRO-3 / FSDP gather each covered weight
+    matmul's weight in bf16 at most. FP8 (the plan's ``fp8``): ZeRO-3 / FSDP gather each covered weight
     (:meth:`~jaxpar.cost.Leaf.fp8`) as its FP8 values, 1 byte per element (the GPU compiler quantizes before
     the gather; measured, docs/planning.md §11); its gradient is reduced in the compute dtype as without."""
     gather = min(pbytes, 2) if lowering == "xla-tpu" and leaf.matmul else pbytes
-    if plan.fp8 is not None and leaf.fp8(plan.fp8.min_dim) and lowering != "xla-cpu":
+    fp8 = plan.strategy.fp8
+    if fp8 is not None and leaf.fp8(fp8.min_dim) and lowering != "xla-cpu":
         gather = 1
     return grad_bytes, gather
 

@@ -28,9 +28,9 @@ from jaxpar.parallel._regions import spec_entry
 from jaxpar.rules import axes_of
 from jaxpar.errors import StrategyError
 from jaxpar.logical import zero_dim_order
+from jaxpar.options import ZERO_STAGES
 
 
-ZERO_STAGES = (0, 1, 2, 3)
 _FIRST_STAGE = {"opt": 1, "grads": 2, "params": 3}
 _ZERO_AXES = ("fsdp", "data")      # the axes ZeRO shards over
 
