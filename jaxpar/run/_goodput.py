@@ -19,7 +19,8 @@ Example::
 
     >>> import time
     >>> clock = Goodput()
-    >>> mark = clock.mark(); time.sleep(0.02); clock.add("steps", mark)
+    >>> with clock.timed("steps"):
+    ...     time.sleep(0.02)
     >>> clock.split(steps=4, skipped=1)                # the fetched window: 4 steps, 1 skipped
     >>> g = clock.fields()
     >>> round(g["goodput/skipped_s"] / (g["goodput/productive_s"] + g["goodput/skipped_s"]), 2)
@@ -30,10 +31,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 #: The measured buckets, in the order the report lists them; ``other`` is the remainder.
 BUCKETS = ("productive", "compile", "checkpoint_save", "checkpoint_restore", "data_wait", "eval", "skipped",
@@ -102,6 +104,20 @@ class Goodput:
             self.steps_s += seconds
         else:
             self.seconds[bucket] += seconds
+
+    @contextlib.contextmanager
+    def timed(self, bucket: str) -> Iterator[tuple[float, float]]:
+        """Time the ``with`` block into ``bucket`` (:meth:`add`; an exception leaves it untimed).
+
+        Args:
+          bucket: one of :data:`BUCKETS`, or ``"steps"``.
+
+        Yields:
+          The block's :meth:`mark`.
+        """
+        mark = self.mark()
+        yield mark
+        self.add(bucket, mark)
 
     def split(self, steps: int, skipped: int) -> None:
         """Split the step time since the last split: ``skipped`` of the ``steps`` fetched steps dropped

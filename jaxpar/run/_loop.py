@@ -224,12 +224,11 @@ class _Run:
         self.eval_fn, self.eval_every = eval_fn, eval_every
         self.evals: list[tuple[int, float]] = []
         self.main = is_main_process()
-        mark = self.clock.mark()
-        self.writer = MetricsWriter(log.out_dir, tensorboard=log.tensorboard,
-                                    resume_step=start if start > 0 else None, enabled=self.main)
-        self.clock.carry(self.writer.history, self.writer.dropped, start)   # an earlier attempt's buckets
-        self.bar = Progress(log.progress if self.main else "none", end, start, log.print_fn)
-        self.clock.add("logging", mark)                # the sinks: files, TensorBoard, the bar
+        with self.clock.timed("logging"):                # the sinks: files, TensorBoard, the bar
+            self.writer = MetricsWriter(log.out_dir, tensorboard=log.tensorboard,
+                                        resume_step=start if start > 0 else None, enabled=self.main)
+            self.clock.carry(self.writer.history, self.writer.dropped, start)   # an earlier attempt's buckets
+            self.bar = Progress(log.progress if self.main else "none", end, start, log.print_fn)
         self.meter = Meter(self.writer, self.bar, log, on_nonfinite=on_nonfinite, start=start, end=end,
                             devices=mesh.size)
         self.memory = MemoryMeter(list(mesh.devices.flat))
@@ -253,22 +252,20 @@ class _Run:
             if line := self.same_program.check(self.step_fn, state, batch):
                 self.bar.log(line)
             self.same_program = None
-        mark = clock.mark()
-        self.meter.wait_inflight(self.max_inflight)
-        state, metrics = self.step_fn(state, batch)
-        rows = jax.tree.leaves(batch)[0].shape[0 if self.k == 1 else 1]
-        if isinstance(metrics, dict):
-            metrics = {**metrics, "batch_size": rows if self.k == 1 else [rows] * self.k,
-                       "data_wait": waited if self.k == 1 else [waited / self.k] * self.k}
-        self.meter.add(step + self.k, metrics, self.k)
-        self.bar.advance(self.k)
-        clock.add("steps", mark)
+        with clock.timed("steps"):
+            self.meter.wait_inflight(self.max_inflight)
+            state, metrics = self.step_fn(state, batch)
+            rows = jax.tree.leaves(batch)[0].shape[0 if self.k == 1 else 1]
+            if isinstance(metrics, dict):
+                metrics = {**metrics, "batch_size": rows if self.k == 1 else [rows] * self.k,
+                           "data_wait": waited if self.k == 1 else [waited / self.k] * self.k}
+            self.meter.add(step + self.k, metrics, self.k)
+            self.bar.advance(self.k)
         if self.is_log(step + self.k):   # a log point's step dispatched: its state, batch and metrics live
-            mark = clock.mark()
-            if not self.memory.count and hasattr(self.step_fn, "lower"):
-                self.memory.keep_batch(batch)   # the compiled step is read at the end, the device idle
-            self.memory.measure()
-            clock.add("logging", mark)
+            with clock.timed("logging"):
+                if not self.memory.count and hasattr(self.step_fn, "lower"):
+                    self.memory.keep_batch(batch)   # the compiled step is read at the end, the device idle
+                self.memory.measure()
         return state, metrics
 
     def grow_batch(self, state: Any, done: int) -> None:
@@ -288,20 +285,16 @@ class _Run:
         is_log = self.is_log(done) or stop
         save = ck is not None and (ck.should_save(done) or done == self.end or stop)
         if is_log or save:
-            mark = self.clock.mark()
-            jax.block_until_ready(metrics)
-            self.clock.add("steps", mark)
-            now = mark = self.clock.mark()
-            self.clock.split(*self.meter.fetch())
-            if is_log:
-                self.meter.record(done, now[0], {**self.clock.fields(),
-                                                 **({"memory_peak": self.memory.peak} if self.memory.count else {})})
-            self.clock.add("logging", mark)
+            with self.clock.timed("steps"):
+                jax.block_until_ready(metrics)
+            with self.clock.timed("logging") as now:
+                self.clock.split(*self.meter.fetch())
+                if is_log:
+                    self.meter.record(done, now[0], {**self.clock.fields(), **(
+                        {"memory_peak": self.memory.peak} if self.memory.count else {})})
         if save:
-            mark = self.clock.mark()
-            with self.paused():
+            with self.clock.timed("checkpoint_save"), self.paused():
                 self.save(state, done)
-            self.clock.add("checkpoint_save", mark)
 
     def save(self, state: Any, done: int) -> None:
         meta = dict(self.checkpoint_meta or {})
@@ -314,10 +307,10 @@ class _Run:
 
     def report_stop(self, done: int, signal_name: str, processes: list[int]) -> None:
         """After the stop's checkpoint (waited for): the ``preempted`` record and line."""
-        ck, mark = self.checkpointer, self.clock.mark()
-        if ck is not None:
-            ck.wait()
-        self.clock.add("checkpoint_save", mark)
+        ck = self.checkpointer
+        with self.clock.timed("checkpoint_save"):
+            if ck is not None:
+                ck.wait()
         rec = {"kind": "preempted", "step": done, "signal": signal_name,
                "checkpoint": done in self.meter.saved or (ck is not None and done in ck.steps()),
                **self.clock.fields()}
@@ -333,13 +326,10 @@ class _Run:
         """Every ``eval_every`` steps and at the end: the eval record; its time is not step time."""
         if self.eval_fn is None or not ((self.eval_every and done % self.eval_every == 0) or done == self.end):
             return
-        mark = self.clock.mark()
-        jax.block_until_ready(state)
-        self.clock.add("steps", mark)
-        t0 = (mark := self.clock.mark())[0]
-        with self.paused():
+        with self.clock.timed("steps"):
+            jax.block_until_ready(state)
+        with self.clock.timed("eval") as (t0, _), self.paused():
             value = float(self.eval_fn(state))
-        self.clock.add("eval", mark)
         self.evals.append((done, value))
         self.writer.write({"kind": "eval", "step": done, "eval_loss": value, "eval_time": time.perf_counter() - t0})
         self.bar.log(f"step {done:>6}/{self.end}  eval_loss {value:.4f}")
@@ -382,19 +372,17 @@ class _Run:
         if self.trace is not None:
             self.trace.stop()
         if self.checkpointer is not None:
-            mark = self.clock.mark()
-            self.checkpointer.wait()    # pending saves reach the disk, also when the run stops with an error
-            self.clock.add("checkpoint_save", mark)
-        mark = self.clock.mark()
-        self.bar.close()
-        self.writer.close()
-        self.clock.add("logging", mark)
+            with self.clock.timed("checkpoint_save"):
+                self.checkpointer.wait()    # pending saves reach the disk, also when the run stops with an error
+        with self.clock.timed("logging"):
+            self.bar.close()
+            self.writer.close()
 
     def summary(self, state: Any, done: int, preempted: str | None) -> TrainSummary:
-        m, log, mark = self.meter, self.log, self.clock.mark()
-        self.memory.measure()       # memory_stats: the last steps' peak too
-        self.memory.read_compiled(self.step_fn, state)
-        self.clock.add("logging", mark)
+        m, log = self.meter, self.log
+        with self.clock.timed("logging"):
+            self.memory.measure()       # memory_stats: the last steps' peak too
+            self.memory.read_compiled(self.step_fn, state)
         wall = time.perf_counter() - m.t_begin
         step_time = m.step_time()
         finite = [x for x in m.losses if math.isfinite(x)] or m.losses or [float("nan")]

@@ -229,10 +229,9 @@ def _start(state: Any, layout: Any, opts: RunOptions, checkpointer: Any, ramp: A
     then ``config.yaml``. The checkpointer is closed when the run does not start."""
     start = 0
     if opts.resume:
-        mark = clock.mark()
-        state, start = resume(checkpointer, layout, ramp=ramp, data_seed=opts.data_seed, steps=opts.steps,
-                              lr_schedule=checkpointer.lr_schedule)
-        clock.add("checkpoint_restore", mark)
+        with clock.timed("checkpoint_restore"):
+            state, start = resume(checkpointer, layout, ramp=ramp, data_seed=opts.data_seed, steps=opts.steps,
+                                  lr_schedule=checkpointer.lr_schedule)
         if start >= opts.steps:
             print(f"done     the checkpoint is at step {start} >= train.steps={opts.steps}; nothing to do. To train "
                   f"further, run again with train.steps=N --resume, N > {start} (e.g. train.steps={2 * start}).")
