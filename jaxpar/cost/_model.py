@@ -184,17 +184,6 @@ class ModelSpec:
                 return l
         raise KeyError(f"ModelSpec has no leaf {name!r}; leaves: {', '.join(l.name for l in self.leaves)}")
 
-    def with_batch(self, batch: int) -> "ModelSpec":
-        """This model with another global batch.
-
-        Args:
-          batch: the global batch in sequences.
-
-        Returns:
-          The same model with that batch.
-        """
-        return replace(self, batch=batch)
-
 
 def flops_per_token(n_params: int, *, layers: int, seq_len: int, embed: int, tables: int = 0) -> float:
     """Training (forward + backward) FLOPs per token: ``6 N + 12 L T d`` (PaLM, appendix B; docs/training.md),
