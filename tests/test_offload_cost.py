@@ -133,6 +133,21 @@ def test_one_devices_host_update_keeps_the_gradients_off_the_device():
     assert host.total >= peaks[1]
 
 
+def test_inspects_peak_is_the_planners_where_only_the_planner_models_the_offload():
+    """``jaxpar inspect``'s predicted peak: the compiled-step model (``step_peak_bytes``) models the host update's
+    moments on several devices; offloaded layer inputs and the one-device host update only the planner's
+    memory model does, so those plans get the planner's estimate."""
+    from jaxpar.config._plan_command import predicted_peak
+
+    m, acts = cost.gpt(2, 64, 4, 32, 128, 8), Offload(activations=(LAYER_INPUT,))
+    assert predicted_peak(m, cost.Plan(data=2, remat="full", strategy=Strategy(offload=acts)), 1.0, "float32",
+                          "cuda") == 1.0
+    one = cost.Plan(strategy=Strategy(offload=KINDS["opt-host"]))
+    assert predicted_peak(m, one, 1.0, "float32", "cuda") == 1.0
+    for plan in (replace(one, data=2), one.with_strategy(microbatches=2)):      # the moments' rule applies
+        assert predicted_peak(m, plan, 1.0, "float32", "cuda") == cost.step_peak_bytes(m, plan)
+
+
 def test_the_plan_models_offloaded_layer_inputs_under_full_recomputation_alone():
     """``Plan.offload.activations`` is the layers' inputs under ``remat="full"`` (the model's ``offload``
     policy); another name, or another remat, is a ``PlanError`` naming it. A strategy's offload becomes the

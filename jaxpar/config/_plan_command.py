@@ -332,7 +332,8 @@ def predicted_peak(model: Any, plan: Any, planned: float, compute_dtype: str, pl
     """The cost model's peak per device beside a compiled step: the compiled-step model
     (:func:`jaxpar.cost.step_peak_bytes`, measured against the GPU and TPU compilers in
     docs/planning.md §8) for the fp32 step of a dense GPT without context parallelism, else
-    ``planned`` (the planner's memory estimate).
+    ``planned`` (the planner's memory estimate). The planner's is also the one that models offloaded
+    layer inputs and the host update on one device (docs/planning.md §12).
 
     Args:
       model: the cost model's GPT (:class:`jaxpar.cost.ModelSpec`).
@@ -353,7 +354,9 @@ def predicted_peak(model: Any, plan: Any, planned: float, compute_dtype: str, pl
     """
     from jaxpar.cost._device_bytes import step_peak_bytes
 
-    if compute_dtype != "float32" or plan.context > 1 or plan.expert > 1 or model.moe_layers:
+    o = plan.strategy.offload
+    offloaded = o is not None and (o.activations or (o.host_update and plan.devices * plan.strategy.microbatches == 1))
+    if compute_dtype != "float32" or plan.context > 1 or plan.expert > 1 or model.moe_layers or offloaded:
         return planned
     return step_peak_bytes(model, plan, platform=platform)
 
