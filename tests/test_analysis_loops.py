@@ -10,6 +10,7 @@ import jax
 import pytest
 
 from jaxpar.analysis import trip_counts, while_trip_counts
+from jaxpar.strategy import Strategy
 
 ADD = """%add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
@@ -110,7 +111,7 @@ def test_a_predicate_conditional_has_lax_conds_branch_order():
 
 
 # ------------------------------------------------------------------------------ compiled programs
-def _compile(target: str, **plan):
+def _compile(target: str, strategy=None, **sizes):
     """A 2-layer GPT (width 128, vocab 512, 64 tokens, batch 16) train step compiled for ``target``."""
     from flax import nnx
 
@@ -120,7 +121,7 @@ def _compile(target: str, **plan):
     from jaxpar.analysis import compile_plan
 
     cfg = GPTConfig(vocab=512, seq_len=64, embed=128, heads=4, layers=2)
-    plan = Plan(**plan)
+    plan = Plan(**sizes, strategy=strategy or Strategy())
     mesh, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), plan, 16, 64,
                                   devices=target_devices(parse_target(target)))
     model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
@@ -152,7 +153,7 @@ def test_a_pipelined_step_is_counted_on_gpu_and_tpu(target):
     from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis, stage_branch_weights
     from jaxpar.analysis import collectives
 
-    mesh, compiled, plan, _ = _compile(target, pipe=2, data=4, microbatches=4, schedule="1f1b")
+    mesh, compiled, plan, _ = _compile(target, Strategy(microbatches=4, schedule="1f1b"), pipe=2, data=4)
     if target.startswith("h100"):
         assert re.search(r"conditional\(.*true_computation=", compiled.as_text())
     weights = stage_branch_weights(compiled, mesh, plan)
