@@ -208,7 +208,7 @@ def test_refusals_name_the_reason():
     reasons = {x.plan.name(): x.reason for x in r.refused}
     assert reasons["cp8-ulysses-bal"] == "ulysses needs heads % (context * tensor) == 0: heads=12, context=8, tensor=1"
     odd = cost.gpt(2, 96, 12, 8200, 128, 16)                    # 8200 = 8 * 1025: natural order only
-    assert all(not e.plan.context_setting.balance for e in cost.plan(odd, H100, contexts=(8,)).ranked)
+    assert all(not e.plan.strategy.context_setting.balance for e in cost.plan(odd, H100, contexts=(8,)).ranked)
     with pytest.raises(PlanError, match=r"cp16-ring cannot run this model: context=16 does not divide the "
                                         r"sequence length 8200"):
         evaluate(odd, cp_plan(16, balance=False), H100)
@@ -271,7 +271,7 @@ def test_at_128k_the_ring_over_8_devices_is_chosen():
     assert 16 * 34 * (s / 4) * h + block[4] > 60 * 2**30           # activations of dp2-cp4 alone
     r = cost.plan(m, H100)
     best = r.best.plan
-    assert (best.context, best.context_setting.method, best.remat) == (8, "ring", "none")
+    assert (best.context, best.strategy.context_setting.method, best.remat) == (8, "ring", "none")
     assert all(e.plan.remat != "none" for e in r.ranked if e.plan.context < 8)
     assert r.ranked[1].time.total > 1.2 * r.best.time.total       # the next plan recomputes
 
@@ -291,6 +291,6 @@ def test_ring_ulysses_or_all_gather_by_heads_and_bandwidth(heads, bandwidth, wan
     ulysses_bytes, gather_bytes = 8 * kv * 7 / 8, 2 * C * kv * 7 / 8 + 2 * C * kv * 7 / 8
     assert ring_bytes > gather_bytes > ulysses_bytes
     r = cost.plan(m, slow_or_fast(bandwidth), contexts=(8,), overlap=Overlap(ring_behind_blocks=True))
-    assert r.best.plan.context_setting.method == want
+    assert r.best.plan.strategy.context_setting.method == want
     if heads == 12:
-        assert any(x.plan.context_setting.method == "ulysses" for x in r.refused)
+        assert any(x.plan.strategy.context_setting.method == "ulysses" for x in r.refused)

@@ -173,8 +173,8 @@ def plan_overrides(plan: Any) -> list[str]:
             f"parallel.microbatches={s.microbatches}", f"parallel.schedule={s.schedule}",
             f"parallel.virtual_stages={s.virtual_stages}", "parallel.stage_layers=null"]
     if plan.context > 1:
-        out += [f"parallel.context.method={plan.context_setting.method}",
-                f"parallel.context.balance={str(plan.context_setting.balance).lower()}"]
+        out += [f"parallel.context.method={s.context_setting.method}",
+                f"parallel.context.balance={str(s.context_setting.balance).lower()}"]
     out += [f"parallel.fp8.recipe={s.fp8.recipe}", f"parallel.fp8.min_dim={s.fp8.min_dim}"] if s.fp8 else \
         ["parallel.fp8={}"]
     return out + [f"parallel.offload={offload_overrides(s.offload)}", f"model.remat={remat}"]

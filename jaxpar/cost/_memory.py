@@ -419,7 +419,7 @@ def memory_per_device(model: ModelSpec, plan, *, precision: str | BytesPerParam 
     Returns:
       The :class:`MemoryEstimate`.
     """
-    s, cp, sizes = plan.strategy, plan.context_setting, plan.sizes
+    s, cp, sizes = plan.strategy, plan.strategy.context_setting, plan.sizes
     d, f, t, p, e, C = (sizes[a] for a in ("data", "fsdp", "tensor", "pipe", "expert", "context"))
     mb = model.batch / (d * f * e) / s.microbatches
     lockstep = s.sequence_parallel and t > 1 and not ends       # jaxpar's executor, not Megatron's

@@ -6,6 +6,7 @@ Example::
 
     >>> Plan(data=8, strategy=Strategy(zero=2)).name(), Plan(data=8).devices
     ('dp8-zero2', 8)
+    >>> from jaxpar.options import ContextParallel
     >>> p = Plan(data=2, expert=2, context=2, strategy=Strategy(context=ContextParallel("ulysses")))
     >>> p.name(), p.devices, p.batch_split, p.sizes["context"]
     ('dp2-cp2-ulysses-ep2', 8, 4, 2)
@@ -17,7 +18,7 @@ from dataclasses import dataclass, replace
 from jaxpar.compat._settings import FLUSH_SCHEDULES
 from jaxpar.cost._memory import REMAT
 from jaxpar.errors import PlanError, check_int
-from jaxpar.options import LAYER_INPUT, ContextParallel
+from jaxpar.options import LAYER_INPUT
 from jaxpar.strategy import Strategy
 
 #: The mesh axes in mesh order (outermost first, ``tensor`` innermost; docs/planning.md §10).
@@ -76,11 +77,6 @@ class Plan:
     def batch_split(self) -> int:
         """Into how many parts the global batch's sequences are split (``data * fsdp * expert``)."""
         return self.data * self.fsdp * self.expert
-
-    @property
-    def context_setting(self) -> ContextParallel:
-        """The context-parallel attention method and order (:attr:`jaxpar.Strategy.context_setting`)."""
-        return self.strategy.context_setting
 
     def with_strategy(self, **changes) -> Plan:
         """This plan with other values of some of its strategy's fields.

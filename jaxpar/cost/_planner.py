@@ -291,9 +291,10 @@ def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16"
     Raises:
       PlanError: the plan's CP / EP cannot run the model (:func:`context_problem`, :func:`expert_problem`).
     """
-    why = expert_problem(m, p.expert) or (context_problem(m, p.context, p.tensor, p.context_setting.method)[1]
+    cp = p.strategy.context_setting
+    why = expert_problem(m, p.expert) or (context_problem(m, p.context, p.tensor, cp.method)[1]
                                           if p.context > 1 else None)
-    if why is None and p.context > 1 and p.context_setting.balance and m.seq % (2 * p.context):
+    if why is None and p.context > 1 and cp.balance and m.seq % (2 * p.context):
         why = f"the balanced layout needs seq % (2 * context) == 0: seq={m.seq}, context={p.context}"
     if why:
         raise PlanError(f"plan {p.name()} cannot run this model: {why}.")

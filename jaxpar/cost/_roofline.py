@@ -161,11 +161,11 @@ def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: 
                 matmul("context", heads / 2, s, s, d, cb, passes=passes)]
     if C == 1:
         return [matmul("scores", heads, s, d, s, cb, passes=attn), matmul("context", heads, s, s, d, cb, passes=attn)]
-    if plan.context_setting.method == "ring":
-        blocks, n = C * C * score_fraction("ring", C, plan.context_setting.balance), s / C
+    if plan.strategy.context_setting.method == "ring":
+        blocks, n = C * C * score_fraction("ring", C, plan.strategy.context_setting.balance), s / C
         return [matmul("scores", heads * blocks, n, d, n, cb, passes=attn + 1),
                 matmul("context", heads * blocks, n, n, d, cb, passes=attn)]
-    if plan.context_setting.method == "all_gather":
+    if plan.strategy.context_setting.method == "all_gather":
         return [matmul("scores", heads, s / C, d, s, cb, passes=attn),
                 matmul("context", heads, s / C, s, d, cb, passes=attn)]
     return [matmul("scores", heads / C, s, d, s, cb, passes=attn),
@@ -241,7 +241,7 @@ def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes
     if moe:
         T = m.seq // C
         mlp = 2 * m.experts * m.capacity(T) / T * m.expert_mlp / t + 2 * m.shared_mlp / t
-    cp = plan.context_setting
+    cp = plan.strategy.context_setting
     keys = m.seq * C * score_fraction(cp.method, C, cp.balance)   # scores per query token
     softmax = 0.0 if fused_attention and C == 1 else 2 * m.heads * keys / t * 4 * (passes + (plan.remat == "selective"))
     return rows * (m.seq / C) * ((resid + mlp) * compute_bytes * passes + softmax)

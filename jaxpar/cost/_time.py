@@ -348,7 +348,7 @@ def ring_step_seconds(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, co
     >>> round(s["backward"] / s["forward"], 3)       # the scores again, dP, dV, dQ, dK: 5 matmuls of the 2 forward
     2.5
     """
-    if plan.context == 1 or plan.context_setting.method != "ring":
+    if plan.context == 1 or plan.strategy.context_setting.method != "ring":
         return {}
     rows = m.batch / (plan.batch_split * plan.strategy.microbatches)
     ks = {k.name: k for k in layer_kernels(m, plan, rows, compute_bytes) if k.name in ("scores", "context")}

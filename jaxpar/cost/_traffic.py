@@ -161,10 +161,10 @@ def _context_expert_comms(add, m: ModelSpec, plan: Plan, kv: float, rows: float,
     mb = plan.strategy.microbatches
     if plan.context > 1:
         n_layer = (m.layers // plan.pipe) * mb
-        if plan.context_setting.method == "ring":
+        if plan.strategy.context_setting.method == "ring":
             for kind, nbytes, count, behind in ring_hops(plan.context, kv, cb, plan.remat != "none"):
                 add(kind, ("context",), nbytes, count * n_layer, "context", behind)
-        method = plan.context_setting.method
+        method = plan.strategy.context_setting.method
         for kind, nbytes, count in (context_collectives(method, plan.context, kv, cb, plan.remat)
                                     if method != "ring" else ()):
             add(kind, ("context",), nbytes, count * n_layer, "context")
