@@ -28,7 +28,7 @@ EXPECTED = {
                           "h100:2x8", "tpu-v5e:4x4"],
     "06_large_batch.ipynb": ["batch  1024: linear 0.400   sqrt 0.200", "trust ratio + decay: 9 matrices; skipped: 8",
                              "B_simple (rows) at steps", "saved noise_scale.png", "decisions [step, batch]: [[0, 16], "],
-    "07_gpu_workflow.ipynb": ["devices  8 x gpu (NVIDIA H100 80GB HBM3)", "3 of 3 traced attentions fused",
+    "07_gpu_workflow.ipynb": ["devices  8 x gpu (NVIDIA H100 80GB HBM3)", "traced attentions fused (",
                               "gathers  weights", "ms per step on h100", "fits     with",
                               "(the largest, 'blocks/w1', has 768)",
                               "all 18 GEMMs of the 6 covered weights compiled in FP8", "fsdp | f8e4m3fn |",
@@ -77,6 +77,7 @@ def test_notebook_executes(name, tmp_path):
         inner = outputs.split("inner step:")[1].split("sync step:")[0]
         assert "replica" not in inner
     if name == "07_gpu_workflow.ipynb":   # FP8 (emulated on CPU) and Muon train; the profile's rows are the step
+        assert re.search(r"attention (\d+) of \1 traced attentions fused", outputs)    # every traced one fused
         for run in ("FP8", "Muon"):
             losses = json.loads(outputs.split(f"{run} run losses at the logged steps: ")[1].splitlines()[0])
             assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 1, (run, losses)

@@ -1072,6 +1072,14 @@ BF16_LOSS_RTOL, BF16_GRAD_RTOL, BF16_GRAD_ATOL_REL = 5e-4, 3e-2, 3e-2
 #: run the same way: per leaf |g - g_F8| <= FP8_SAME x |g_F8 - g_fp32| (first gradient), |p - p_F8| <=
 #: FP8_SAME_PARAMS x |p_F8 - p_fp32| (parameters; 1 for a run without FP8).
 FP8_FLIP, FP8_PARAM_FLIP, FP8_SAME, FP8_SAME_PARAMS = 1e-2, 0.1, 1e-2, 0.1
+#: FP8 under bf16 compute (BF + F8): a sum in another order moves an operand by a bf16 ulp (2^-8 relative),
+#: 1/16 to 1/32 of an e4m3 ulp, so a large share of the roundings is drawn again, not one element's. Measured
+#: for BF-F8 (data 8 against one device): per leaf max |g - g_F8| is 0.22-1.0 x the FP8 effect (0.00016 for
+#: the same pair in fp32 compute), the parameters 0.02-0.95 x theirs. Allowed: 1 x the leaf's FP8 effect,
+#: gradients and parameters. That FP8 ran is then read from the other side: the run is as far from the
+#: one-device run without FP8 as FP8 moved that one (measured 0.93-1.15 x per leaf; a run without FP8 would
+#: be bf16's reordering, 0.02 x): at least FP8_MOVED_BF16 x.
+FP8_FLIP_BF16, FP8_MOVED_BF16 = 1.0, 0.5
 
 
 def _flat(tree) -> dict:
@@ -1122,9 +1130,9 @@ def _fp8_effect(spec: Spec, ref: Reference, field: str) -> dict:
 def assert_matches(res: Result, ref: Reference, spec: Spec, what: str = ""):
     """Losses of every step, the first gradient, the parameters after the run (see the module
     docstring for the tolerances)."""
-    flip = {k: FP8_FLIP * v for k, v in _fp8_effect(spec, ref, "grads").items()}
-    moved = {k: FP8_PARAM_FLIP * v for k, v in _fp8_effect(spec, ref, "params").items()}
     bf16 = spec.dtype == "bfloat16"
+    flip = {k: (FP8_FLIP_BF16 if bf16 else FP8_FLIP) * v for k, v in _fp8_effect(spec, ref, "grads").items()}
+    moved = {k: (FP8_FLIP_BF16 if bf16 else FP8_PARAM_FLIP) * v for k, v in _fp8_effect(spec, ref, "params").items()}
     loss_rtol = BF16_LOSS_RTOL if bf16 else 1e-5
     grad_rtol, grad_atol_rel = _grad_tolerance(spec)
     assert len(res.losses) == len(ref.losses), (res.losses, ref.losses)
@@ -1201,7 +1209,9 @@ def check_pair(spec: Spec, res: Result):
 
 def _check_fp8_ran(spec: Spec, res: Result, ref: Reference, what: str):
     """F8: the run is far closer to the one-device FP8 run than that run is to fp32 (the first
-    gradient per leaf, else the parameters: :data:`FP8_SAME`), and FP8 changed the numbers."""
+    gradient per leaf, else the parameters: :data:`FP8_SAME`), and FP8 changed the numbers; under bf16
+    compute, the run is as far from the one-device run without FP8 as FP8 moved that one
+    (:data:`FP8_MOVED_BF16`)."""
     fp32 = reference(dataclasses.replace(spec, strategy={k: v for k, v in spec.strategy.items() if k != "fp8"}))
     both = res.grads is not None and ref.grads is not None and spec.mode != "stash"
     got, want, plain = (_flat(t) for t in ((res.grads, ref.grads, fp32.grads) if both else
@@ -1209,6 +1219,12 @@ def _check_fp8_ran(spec: Spec, res: Result, ref: Reference, what: str):
     bound = FP8_SAME if both else FP8_SAME_PARAMS
     effect = {k: np.linalg.norm(want[k] - plain[k]) for k in want}
     assert sum(effect.values()) > 0, f"{what}: the FP8 run equals the fp32 one"
+    if spec.dtype == "bfloat16":
+        for k, e in effect.items():
+            assert np.linalg.norm(got[k] - plain[k]) >= FP8_MOVED_BF16 * e, \
+                f"{what} {k}: |run - run without FP8| {np.linalg.norm(got[k] - plain[k]):.3g} < {FP8_MOVED_BF16} x " \
+                f"FP8's effect {e:.3g}: did FP8 run?"
+        return
     for k, e in effect.items():
         assert np.linalg.norm(got[k] - want[k]) <= bound * e + 1e-12, \
             f"{what} {k}: |run - FP8 reference| {np.linalg.norm(got[k] - want[k]):.3g} > {bound} x FP8's effect {e:.3g}"
