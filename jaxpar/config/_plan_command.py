@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import replace
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -226,13 +225,14 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
     model = cost_model(cfg)
     remat = {"none": "none", "full": "full", "offload": "full"}.get(cfg.model.remat, "selective")
     sizes = {a: mesh_sizes.get(a, 1) for a in AXES}
-    n = math.prod(sizes.values())
+    plan = cost.Plan(**sizes, remat=remat, strategy=replace(strategy, zero=strategy.zero if sizes["data"] > 1 else 0,
+                                                            offload=plan_offload(strategy.offload, cfg.model.remat)))
+    n = plan.devices
     cluster = cost.load_cluster(cluster_name)
     cluster = cluster.with_devices(n) if n <= cluster.devices_per_node or n % cluster.devices_per_node == 0 else \
         cost.load_cluster(cluster_name, nodes=1)
-    plan = cost.Plan(**sizes, remat=remat, strategy=replace(     # FP8 is emulated where the cluster has no FP8 GEMMs
-        strategy, zero=strategy.zero if sizes["data"] > 1 else 0, fp8=strategy.fp8 if cluster.has_fp8 else None,
-        offload=plan_offload(strategy.offload, cfg.model.remat)))
+    if not cluster.has_fp8:         # FP8 is emulated there: the step's own matmuls
+        plan = plan.with_strategy(fp8=None)
     dtype = "float32" if strategy.compute_dtype == "float32" else "bfloat16"
     if dtype not in cluster.compute_dtypes:
         dtype = cluster.compute_dtypes[0]
@@ -355,7 +355,7 @@ def predicted_peak(model: Any, plan: Any, planned: float, compute_dtype: str, pl
     from jaxpar.cost._device_bytes import step_peak_bytes
 
     o = plan.strategy.offload
-    offloaded = o is not None and (o.activations or (o.host_update and plan.devices * plan.strategy.microbatches == 1))
+    offloaded = o is not None and (o.activations or (o.host_update and plan.unsplit))
     if compute_dtype != "float32" or plan.context > 1 or plan.expert > 1 or model.moe_layers or offloaded:
         return planned
     return step_peak_bytes(model, plan, platform=platform)

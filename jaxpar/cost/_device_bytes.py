@@ -268,15 +268,14 @@ def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> 
     >>> step_peak_bytes(gpt(2, 32, 8, 16, 64, 16), Plan(data=2)) > 0
     True
     """
-    sizes, key = plan.sizes, sizes_key(plan.sizes)
-    rows = model.batch / (plan.data * plan.fsdp * plan.strategy.microbatches)
+    s, sizes, key = plan.strategy, plan.sizes, sizes_key(plan.sizes)
+    rows = model.batch / (plan.data * plan.fsdp * s.microbatches)
     grads = gathered = 0.0
     for leaf in model.leaves:
-        c = leaf_shard_counts(leaf, key, plan.strategy.zero)
+        c = leaf_shard_counts(leaf, key, s.zero)
         grads += 4 * leaf.size / c.grads
-        if leaf.stacked and c.shardable and zero_axes(sizes, plan.strategy.zero, "params"):
+        if leaf.stacked and c.shardable and zero_axes(sizes, s.zero, "params"):
             gathered += 4 * c.local / (model.layers // plan.pipe)      # one layer, gathered
-    s = plan.strategy
     held = model.layers / plan.pipe / s.virtual_stages * in_flight(s.schedule, plan.pipe, s.microbatches,
                                                                    s.virtual_stages, runs_in_lockstep(plan))
     if plan.pipe == 1:

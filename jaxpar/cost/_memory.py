@@ -437,7 +437,7 @@ def memory_per_device(model: ModelSpec, plan, *, precision: str | BytesPerParam 
         first, last = (state_bytes(model, sizes, s.zero, precision, end=e) for e in ("first", "last"))
         st, logits = (first, 0.0) if first["total"] > last["total"] + logits else (last, logits)
     return offloaded(MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight, moved), s.offload,
-                     unsplit=plan.devices * s.microbatches == 1, activation_bytes=activation_bytes)
+                     unsplit=plan.unsplit, activation_bytes=activation_bytes)
 
 
 def _layers_kept(model: ModelSpec, sizes: Mapping[str, int], rows: float, share: float, **kw) -> float:

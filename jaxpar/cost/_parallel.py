@@ -78,6 +78,11 @@ class Plan:
         """Into how many parts the global batch's sequences are split (``data * fsdp * expert``)."""
         return self.data * self.fsdp * self.expert
 
+    @property
+    def unsplit(self) -> bool:
+        """One device and one micro-batch: the step neither reduces nor accumulates its gradients."""
+        return self.devices * self.strategy.microbatches == 1
+
     def with_strategy(self, **changes) -> Plan:
         """This plan with other values of some of its strategy's fields.
 
