@@ -61,10 +61,10 @@ def main() -> None:
     cfg = C.load_config(args.config, args.overrides)
     C.check(cfg, num_devices=jax.device_count())
     mesh, strategy = C.build_mesh(cfg.mesh), C.build_strategy(cfg.parallel)
-    tx, schedule = C.build_optimizer(cfg.optimizer, args.steps)
+    tx, _ = C.build_optimizer(cfg.optimizer, args.steps)
     state, layout = init_train_state(C.build_model_fn(cfg.model, cfg.train.seed), tx, mesh, strategy)
     step = make_train_step(C.build_loss_fn(cfg.model), tx, layout, strategy, clip_norm=cfg.optimizer.clip_norm,
-                           log_lr=schedule, skip_nonfinite=True)
+                           skip_nonfinite=True)
     batch_fn, _ = C.build_data(cfg.data, seq_len=cfg.model.seq_len, vocab=cfg.model.vocab, eval_batches=0)
     tokens = cfg.data.batch_size * cfg.model.seq_len
     n_params = sum(a.size for a in jax.tree.leaves(layout.shapes))

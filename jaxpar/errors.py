@@ -212,8 +212,8 @@ class ExplicitDPError(JaxparError):
 
 
 class StepError(JaxparError):
-    """An option of :func:`~jaxpar.make_train_step` that it cannot take: a ``loss_fn`` or ``log_lr`` that is not
-    a function, ``clip_norm`` that is not None or a finite number > 0, or ``donate`` / ``skip_nonfinite`` /
+    """An option of :func:`~jaxpar.make_train_step` that it cannot take: a ``loss_fn`` that is not a function,
+    ``clip_norm`` that is not None or a finite number > 0, or ``donate`` / ``skip_nonfinite`` /
     ``explicit_dp`` outside their values."""
 
 

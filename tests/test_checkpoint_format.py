@@ -96,3 +96,33 @@ def test_checkpoint_of_an_unknown_format_is_named(tmp_path):
         (tmp_path / "1" / "meta" / "metadata").write_text(record.replace(FORMAT, "jaxpar-checkpoint-99"))
         with pytest.raises(CheckpointError, match="format 'jaxpar-checkpoint-99' and this jaxpar reads"):
             ck.restore(layout, step=1)
+
+
+@need_devices(2)
+def test_optimizer_state_saved_without_its_schedule_restores_inside_it(tmp_path):
+    """A ``jaxpar train`` checkpoint from before its optimizer held the schedule (``optax.inject_hyperparams``)
+    restores into today's state: the optimizer's own state as saved, the update count its own, the learning
+    rate the record's until the next update; the steps after it equal the uninterrupted run's."""
+    schedule = optax.linear_schedule(1e-2, 1e-3, 10)
+    mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    batch = jaxpar.shard_batch({"x": jnp.ones((8, 4)), "y": jnp.zeros((8,), jnp.int32)}, mesh)
+    old_tx = optax.adamw(schedule, weight_decay=0.1)
+    new_tx = optax.inject_hyperparams(lambda learning_rate: optax.adamw(learning_rate, weight_decay=0.1))(
+        learning_rate=schedule)                # as jaxpar.config.build_optimizer builds it
+    old, old_layout = jaxpar.init_train_state(_model, old_tx, mesh)
+    old_step = jaxpar.make_train_step(classifier_loss, old_tx, old_layout, donate=False)
+    for _ in range(3):
+        old, _ = old_step(old, batch)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        ck.save(3, old, {"schedule": {"steps": 10, "lr": float(schedule(3))}})
+    _, layout = jaxpar.init_train_state(_model, new_tx, mesh)
+    with Checkpointer(tmp_path, async_save=False) as ck:
+        new = ck.restore(layout).state
+    assert int(new.opt_state.count) == 3 and int(new.opt_state.hyperparams_states["learning_rate"].count) == 3
+    assert float(new.opt_state.hyperparams["learning_rate"]) == pytest.approx(float(schedule(3)))
+    new_step = jaxpar.make_train_step(classifier_loss, new_tx, layout, donate=False)
+    for k in (3, 4):
+        (old, _), (new, metrics) = old_step(old, batch), new_step(new, batch)
+        assert float(metrics["lr"]) == pytest.approx(float(schedule(k)), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(jax.device_get(old.params)), jax.tree.leaves(jax.device_get(new.params))):
+        np.testing.assert_array_equal(a, b)

@@ -427,8 +427,7 @@ def test_inspect_builds_the_step_that_train_runs(monkeypatch, tmp_path):
     i_loss, i_layout, i_strategy, i_options = _step_arguments(monkeypatch, ["inspect", QUICK, *over])
     assert t_layout.parts["noise_scale"].options == i_layout.parts["noise_scale"].options == (4, 0.9)
     assert t_options["clip_norm"] == 0.5 and t_options["skip_nonfinite"] is True and "lr_schedule" not in t_options
-    assert {k: v for k, v in i_options.items() if k != "log_lr"} == {k: v for k, v in t_options.items() if k != "log_lr"}
-    assert [float(i_options["log_lr"](t)) for t in (0, 10, 99)] == [float(t_options["log_lr"](t)) for t in (0, 10, 99)]
+    assert i_options == t_options
     assert i_loss is t_loss and i_strategy == t_strategy
     assert sorted(i_layout.parts) == sorted(t_layout.parts) == ["noise_scale"]      # the measured state is there
 
@@ -458,11 +457,12 @@ def test_inspect_compiles_the_programs_that_train_runs(capsys):
 
 def test_weight_stashing_schedule_reads_the_resolved_mesh():
     """``mesh.pipe: -1`` resolves to a pipeline here: PipeDream weight stashing updates m / k = 4 times
-    per step, so the optimizer's schedule reads ``count // 4`` and every update of step ``t`` uses the
-    logged ``lr(t)``. It used to read the raw ``mesh.pipe`` (-1 > 1 is false): one update per step."""
+    per step, so the optimizer's schedule reads ``count // 4`` and every update of step ``t`` uses
+    ``lr(t)``, which its state holds (and the step logs). It used to read the raw ``mesh.pipe`` (-1 > 1 is false): one update per step."""
     import jax.numpy as jnp
 
     from jaxpar.config import build_job
+    from jaxpar.optimizers import learning_rate
 
     cfg = load_config(QUICK, ["mesh.pipe=-1", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1", "model.layers=4",
                               "parallel.schedule=pipedream", "parallel.microbatches=4", "parallel.update_every=1",
@@ -471,12 +471,14 @@ def test_weight_stashing_schedule_reads_the_resolved_mesh():
     job = build_job(cfg, data=False)
     assert dict(job.mesh.shape)["pipe"] == 2 and job.updates_per_step == 4
     params = {"w": jnp.zeros(())}
-    state, lrs = job.tx.init(params), []
+    state, lrs, held = job.tx.init(params), [], []
     for _ in range(12):                    # 3 steps of 4 updates each
         updates, state = job.tx.update({"w": jnp.ones(())}, state, params)
         lrs.append(-float(updates["w"]))
-    np.testing.assert_allclose(lrs, [float(job.log_lr(t)) for t in range(3) for _ in range(4)], rtol=1e-6)
-    assert job.step_options["log_lr"] is job.log_lr
+        held.append(float(learning_rate(state)))
+    expected = [float(job.run.lr_schedule(t)) for t in range(3) for _ in range(4)]
+    np.testing.assert_allclose(lrs, expected, rtol=1e-6)
+    np.testing.assert_allclose(held, expected, rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- schedule

@@ -55,17 +55,31 @@ def test_the_step_runs_the_layouts_strategy_and_an_equal_one_is_accepted():
         jaxpar.make_train_step(classifier_loss, tx, layout, jaxpar.Strategy(zero=1, compression=qsgd(levels=7)))
 
 
-def test_lr_schedule_is_refused_and_log_lr_only_logs():
+def test_the_logged_lr_is_the_one_the_optimizer_state_holds():
+    """``optax.inject_hyperparams`` keeps each update's learning rate in the state: the step logs it, and the
+    update equals the optimizer's without it. A skipped step applies none: its lr is the last applied one,
+    and the schedule goes on from there (a schedule of the step would have moved on). Without the wrapper
+    nothing is logged; a schedule passed to the step is refused by name."""
     mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
-    tx = optax.sgd(0.1)
+    schedule = lambda count: 0.1 / (1.0 + count)        # noqa: E731
+    tx, plain_tx = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule), optax.sgd(schedule)
     state, layout = jaxpar.init_train_state(model_fn, tx, mesh)
-    with pytest.raises(TypeError, match="lr_schedule"):
-        jaxpar.make_train_step(classifier_loss, tx, layout, lr_schedule=lambda s: 0.0)
-    logged = jaxpar.make_train_step(classifier_loss, tx, layout, log_lr=lambda s: 123.0, donate=False)
-    plain = jaxpar.make_train_step(classifier_loss, tx, layout, donate=False)
-    (a, ma), (b_, _) = logged(state, batch()), plain(state, batch())
-    assert float(ma["lr"]) == 123.0
-    np.testing.assert_array_equal(jax.device_get(a.params["out"]["kernel"]), jax.device_get(b_.params["out"]["kernel"]))
+    plain_state, plain_layout = jaxpar.init_train_state(model_fn, plain_tx, mesh)
+    for name in ("lr_schedule", "log_lr"):
+        with pytest.raises(TypeError, match=name):
+            jaxpar.make_train_step(classifier_loss, tx, layout, **{name: schedule})
+    step = jaxpar.make_train_step(classifier_loss, tx, layout, donate=False, skip_nonfinite=True)
+    plain = jaxpar.make_train_step(classifier_loss, plain_tx, plain_layout, donate=False, skip_nonfinite=True)
+    bad = batch()
+    bad["x"][0, 0] = np.nan
+    logged = []
+    for b in (batch(), bad, batch()):
+        (state, m), (plain_state, pm) = step(state, b), plain(plain_state, b)
+        logged.append(float(m["lr"]))
+        assert "lr" not in pm
+    assert logged == pytest.approx([0.1, 0.1, 0.05], rel=1e-6)     # updates 0 and 1 (the nan step applied none)
+    np.testing.assert_array_equal(jax.device_get(state.params["out"]["kernel"]),
+                                  jax.device_get(plain_state.params["out"]["kernel"]))
 
 
 @pytest.mark.exhaustive

@@ -80,7 +80,6 @@ def test_make_train_step_takes_a_positive_clip_norm_or_none(layout):
 
 @pytest.mark.parametrize("options,message", [
     ({"loss_fn": None}, "make_train_step(loss_fn=None): must be a function"),
-    ({"log_lr": 0.1}, "make_train_step(log_lr=0.1): must be a function step -> learning rate"),
     ({"donate": "yes"}, "make_train_step(donate='yes'): must be True or False"),
     ({"skip_nonfinite": 1}, "make_train_step(skip_nonfinite=1): must be True or False"),
     ({"explicit_dp": "auto"}, "make_train_step(explicit_dp='auto'): must be True or False or None"),

@@ -318,8 +318,8 @@ def test_scaled_lr_and_schedule(rule, factor):
 
 
 def test_logged_lr_follows_the_rule(tmp_path):
-    """The loop's ``lr`` metric (metrics.jsonl) is the scaled schedule: warm-up to lr x B / B0, then flat
-    (the other rules' schedules: test_scaled_lr_and_schedule)."""
+    """The loop's ``lr`` metric (metrics.jsonl), the rate ``tx``'s state holds, is the scaled schedule: warm-up to
+    lr x B / B0, then flat (the other rules' schedules: test_scaled_lr_and_schedule)."""
     rule, steps, warm, lr, batch, base = "linear", 5, 3, 2e-3, 16, 4
     cfg = load_config(LAMB_YAML, [f"optimizer.lr_scaling.rule={rule}", f"optimizer.lr_scaling.base_batch={base}",
                                   f"data.batch_size={batch}", f"optimizer.lr={lr}", f"optimizer.warmup_steps={warm}",
@@ -328,7 +328,7 @@ def test_logged_lr_follows_the_rule(tmp_path):
     params = jaxpar.param_layout(stacked_model, mesh)
     tx, schedule = build_optimizer(cfg, steps, global_batch=batch, params=params)
     state, layout = jaxpar.init_train_state(stacked_model, tx, mesh, param_layout=params)
-    step = jaxpar.make_train_step(stacked_loss, tx, layout, log_lr=schedule)
+    step = jaxpar.make_train_step(stacked_loss, tx, layout)        # tx's state holds each update's lr
     train(step, state, lambda i: stacked_batch(), mesh=mesh, steps=steps,
           log=LogOptions(log_every=1, out_dir=str(tmp_path), progress="none", tensorboard=False, plot=False))
     logged = [r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())

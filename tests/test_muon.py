@@ -221,7 +221,8 @@ def test_yaml_optimizer_muon_builds_the_routed_optimizer():
     tx, _ = build_optimizer(cfg, 10, params=jaxpar.param_layout(_model, mesh_for({})))
     _, shapes, _ = abstract_model(_model)
     state = jaxpar.init_train_state(_model, tx, mesh_for({}))[0].opt_state      # optax.tree_map_params's init too
-    matrices, adam = (state.inner_states[k].inner_state[0] for k in ("muon", "adam"))   # optax.partition's halves
+    halves = state.inner_state.inner_states                # inject_hyperparams' inner state: optax.partition's
+    matrices, adam = (halves[k].inner_state[0] for k in ("muon", "adam"))
     assert isinstance(matrices, optax.contrib.MuonState) and matrices.mu["wte"] == optax.MaskedNode()
     assert matrices.mu["blocks"]["wq"].shape == shapes["blocks"]["wq"].shape
     assert matrices.mu["wpe"] == optax.MaskedNode() and adam.mu["wpe"].shape == shapes["wpe"].shape

@@ -46,9 +46,9 @@ def first_run(tmp_path_factory):
 
 
 def test_checkpoint_records_the_schedule(first_run):
-    record = _record(first_run, 4)
-    assert record["schedule"]["steps"] == 4
-    assert record["schedule"]["lr"] == pytest.approx(0.001, rel=1e-6)   # cosine to min_lr_ratio x 1e-2 at the end
+    """The record holds the schedule's length; the learning rate is the optimizer state's (the logged one)."""
+    assert _record(first_run, 4)["schedule"] == {"steps": 4}
+    assert [_lr(first_run, s) for s in range(4)] == pytest.approx([0.0, 0.005, 0.01, 0.0055], rel=1e-6)
 
 
 def test_resume_with_another_length_warns_with_both_learning_rates(first_run, tmp_path):
@@ -58,17 +58,17 @@ def test_resume_with_another_length_warns_with_both_learning_rates(first_run, tm
         assert _train(out, 8, "--resume") == 0
     texts = [str(w.message) for w in caught if "train.steps" in str(w.message)]
     assert len(texts) == 1, [str(w.message) for w in caught]
-    new_lr = _lr(out, 4)
+    new_lr, old_lr = _lr(out, 4), _lr(first_run, 3)
     text = texts[0]
     assert "checkpoint step 4 was written by a run with train.steps=4; this run has train.steps=8" in text
-    assert f"at step 4 the learning rate is {new_lr:.3g} now, 0.001 in the original run" in text, text
+    assert f"at step 4 the learning rate is {new_lr:.3g} now, after {old_lr:.3g} at step 3 in the original run" in text
     assert "The original schedule ended at step 4; to train on, keep train.steps=8" in text
     assert _record(out, 8)["schedule"]["steps"] == 8
 
 
 def test_resume_before_the_end_names_the_original_length_and_same_length_is_quiet(tmp_path):
     out = tmp_path / "run"
-    every2 = ("checkpoint.every=2", "optimizer.warmup_steps=1")     # step 2 is in the decay: the rates differ
+    every2 = ("checkpoint.every=2", "optimizer.warmup_steps=0")     # step 1 is in the decay: the rates differ
     assert _train(out, 4, *every2) == 0
     shutil.rmtree(out / "checkpoints" / "4")                 # resume from step 2, inside the original schedule
     with warnings.catch_warnings():
@@ -86,8 +86,8 @@ def test_schedule_change_words_an_unchanged_learning_rate():
     """At the end of the warm-up both schedules are at the peak: no jump, but another decay."""
     from jaxpar.run._resume import schedule_change
 
-    text = schedule_change({"schedule": {"steps": 4, "lr": 0.01}}, 2, 10, lambda step: 0.01)
-    assert "at step 2 the learning rate is still 0.01, and it decays differently from there" in text
+    text = schedule_change({"schedule": {"steps": 4}}, 2, 10, lambda step: 0.01, 0.01)
+    assert "at step 1 the learning rate was 0.01 in both runs, and it decays differently from there" in text
     assert "jumps" not in text and text.endswith("keep train.steps=10.")
 
 
@@ -107,8 +107,8 @@ def test_checkpoint_from_before_the_record_restores_quietly(first_run, tmp_path)
 
 @need_devices(4)
 def test_format1_checkpoint_restores_and_has_no_schedule_change(tmp_path):
-    """tests/data/checkpoint_format1 (no ``schedule`` record, no ``data``) restores with a Checkpointer that
-    records a schedule, and :func:`jaxpar.run._resume.schedule_change` finds nothing to say about it."""
+    """tests/data/checkpoint_format1 (no ``schedule`` record, no ``data``) restores, and
+    :func:`jaxpar.run._resume.schedule_change` finds nothing to say about it."""
     import jax
     import optax
     from flax import nnx
@@ -124,8 +124,8 @@ def test_format1_checkpoint_restores_and_has_no_schedule_change(tmp_path):
     model = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))  # noqa: E731
     layout = jaxpar.state_layout(model, optax.adam(1e-2), mesh, jaxpar.Strategy(compression=topk(0.25)))
     schedule = optax.cosine_decay_schedule(1e-2, 100)
-    with Checkpointer(tmp_path / "codec", async_save=False, lr_schedule=schedule) as ck, warnings.catch_warnings():
+    with Checkpointer(tmp_path / "codec", async_save=False) as ck, warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointWarning)
         restored = ck.restore(layout)
     assert restored.step == 3 and "schedule" not in restored.meta
-    assert schedule_change(restored.meta, 3, 100, schedule) is None
+    assert schedule_change(restored.meta, 3, 100, schedule, 1e-2) is None

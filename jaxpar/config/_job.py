@@ -17,7 +17,7 @@ Example::
     >>> job.strategy.name(dict(job.mesh.shape)), job.updates_per_step
     ('dp2-fsdp2-tp2', 1)
     >>> sorted(job.step_options)
-    ['clip_norm', 'log_lr', 'skip_nonfinite', 'steps_per_call']
+    ['clip_norm', 'skip_nonfinite', 'steps_per_call']
     >>> layout = job.state_layout()               # traced only: nothing is allocated
     >>> compiled = job.compile(layout)            # the programs train runs, compiled ahead of time
     >>> sorted(compiled), compiled["step"].in_avals[0][1]["tokens"]
@@ -60,8 +60,8 @@ from jaxpar.config._schema import ConfigError, JobConfig
 class Job:
     """What a config builds: library objects and plain values (see the module docstring).
 
-    ``mesh``, ``tx`` and ``log_lr`` (the learning-rate schedule, logged as ``lr``) are ``None`` for a
-    job built without devices (``build_job(..., mesh=False)``: ``jaxpar plan`` needs the model only).
+    ``mesh`` and ``tx`` are ``None`` for a job built without devices (``build_job(..., mesh=False)``:
+    ``jaxpar plan`` needs the model only); ``run.lr_schedule`` is ``tx``'s learning-rate schedule.
     ``step_options``: :func:`jaxpar.make_train_step`'s keyword options. ``updates_per_step``: optimizer
     updates per train step (:func:`updates_per_step`). ``token_batches``: the batches are the GPT's
     token windows (``tokens`` / ``targets`` ``[global_batch, seq_len]`` int32), else ``batch_fn``'s.
@@ -80,7 +80,6 @@ class Job:
     packed_batches: bool = False              # data.kind=documents: segment ids, positions, loss mask and weights
     mesh: Any = None
     tx: Any = None
-    log_lr: Callable | None = None
     params: Any = None                        # jaxpar.param_layout: the model traced once on the mesh
     updates_per_step: int = 1
     step_options: Mapping[str, Any] = field(default_factory=dict)
@@ -219,14 +218,13 @@ class Job:
             parts), or None.
 
         Returns:
-          A :class:`~jaxpar.run.Checkpointer` that records the learning rate each checkpoint resumes with
-          (the job's schedule), or None when checkpoints are off.
+          A :class:`~jaxpar.run.Checkpointer`, or None when checkpoints are off.
         """
         if self.checkpoint is None:
             return None
         from jaxpar.run._checkpoint import Checkpointer
 
-        return Checkpointer(**self.checkpoint, layout=layout, lr_schedule=self.log_lr)
+        return Checkpointer(**self.checkpoint, layout=layout)
 
 
 def updates_per_step(strategy: Strategy, mesh_sizes: Mapping[str, int]) -> int:
@@ -287,10 +285,9 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
     params = param_layout(model_fn, device_mesh, strategy)      # the model traced once
     tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=d.batch_size, params=params,
                                    updates_per_step=per_step, freeze_variance_step=frozen_variance_step(strategy))
-    options = dict(clip_norm=cfg.optimizer.clip_norm, log_lr=schedule, skip_nonfinite=True,
-                   steps_per_call=cfg.parallel.steps_per_call)
-    return Job(mesh=device_mesh, tx=tx, log_lr=schedule, updates_per_step=per_step, step_options=options,
-               params=params, **base, **_data(cfg, data, vocab, tokenizer, made.ramp), **_run(cfg, tokenizer))
+    options = dict(clip_norm=cfg.optimizer.clip_norm, skip_nonfinite=True, steps_per_call=cfg.parallel.steps_per_call)
+    return Job(mesh=device_mesh, tx=tx, updates_per_step=per_step, step_options=options, params=params, **base,
+               **_data(cfg, data, vocab, tokenizer, made.ramp), **_run(cfg, tokenizer, schedule))
 
 
 def _open_hf(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
@@ -340,9 +337,9 @@ def _data(cfg: JobConfig, read: bool, vocab: int, tokenizer: Any, ramp: Any) -> 
     return {"batch_fn": batch_fn, "eval_batches": evals, "ramp": ramp}
 
 
-def _run(cfg: JobConfig, tokenizer: Any = None) -> dict:
-    """The plain settings of ``jaxpar train``'s run: ``run``, ``log``, ``checkpoint``, ``meta``, ``gpt_sizes``
-    (the samples decoded by ``tokenizer`` when there is one)."""
+def _run(cfg: JobConfig, tokenizer: Any = None, schedule: Callable | None = None) -> dict:
+    """The settings of ``jaxpar train``'s run: ``run`` (with the learning-rate ``schedule``), ``log``,
+    ``checkpoint``, ``meta``, ``gpt_sizes`` (the samples decoded by ``tokenizer`` when there is one)."""
     from jaxpar.run._resume import RunOptions
     from jaxpar.run._sample import SampleOptions
 
@@ -351,7 +348,7 @@ def _run(cfg: JobConfig, tokenizer: Any = None) -> dict:
                             tokenizer and tokenizer.decode) if m.target is None else None
     run = RunOptions(steps=tr.steps, out_dir=Path(tr.out_dir), eval_every=tr.eval_every, on_nonfinite=tr.on_nonfinite,
                      steps_per_call=cfg.parallel.steps_per_call, resume=ck.resume, data_seed=cfg.data.seed,
-                     samples=samples)
+                     samples=samples, lr_schedule=schedule)
     log = dict(log_every=tr.log_every, out_dir=Path(tr.out_dir), progress=tr.progress, tensorboard=lg.tensorboard,
                peak_flops=lg.peak_flops)
     checkpoint = dict(directory=ck.dir, every=ck.every, keep=ck.keep, async_save=ck.async_save) if ck.enabled else None

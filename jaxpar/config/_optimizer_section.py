@@ -44,7 +44,7 @@ def _muon(c: OptimizerConfig, lr, *, logical=None, mask=None, place=None, kernel
     m = c.muon
     adam = {"b1": c.b1, "b2": c.b2, "eps": c.eps, "weight_decay": m.adam_weight_decay}
     if m.adam_lr is not None:             # the same schedule, scaled to the AdamW half's peak
-        adam["lr"] = (lambda count: lr(count) * (m.adam_lr / c.lr)) if callable(lr) else m.adam_lr
+        adam["lr"] = lr * (m.adam_lr / c.lr)
     try:
         return opt_lib.muon(lr, logical=logical, routing=dict(m.routing), momentum=m.momentum, nesterov=m.nesterov,
                             ns_steps=m.ns_steps, weight_decay=c.weight_decay, consistent_rms=m.consistent_rms,
@@ -53,8 +53,9 @@ def _muon(c: OptimizerConfig, lr, *, logical=None, mask=None, place=None, kernel
         raise ConfigError(f"optimizer.name=muon: {e} (YAML: optimizer.muon.routing, optimizer.muon.*).") from None
 
 
-#: ``name -> fn(cfg, lr, *, logical=None, mask=None) -> optax.GradientTransformation`` (``logical``:
-#: the params' logical names; ``mask``: :func:`jaxpar.optimizers.trust_mask`'s tree; both for lars / lamb).
+#: ``name -> fn(cfg, lr, *, logical=None, mask=None) -> optax.GradientTransformation`` (``lr``: the update's
+#: learning rate, a number; ``logical``: the params' logical names; ``mask``: :func:`jaxpar.optimizers.trust_mask`'s
+#: tree; both for lars / lamb).
 OPTIMIZERS: dict[str, Callable] = {"adamw": _adamw, "adam": _adam, "sgd": _sgd, "lars": _lars, "lamb": _lamb,
                                  "muon": _muon}
 #: Optimizers that apply ``weight_decay`` themselves (the others get ``add_decayed_weights`` in front).
@@ -153,7 +154,9 @@ def build_trust_mask(cfg: OptimizerConfig, params=None):
 def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int | None = None, params=None,
                     updates_per_step: int = 1,
                     freeze_variance_step: int | None = None) -> tuple[optax.GradientTransformation, Callable]:
-    """The optimizer. Clipping is done by the train step (``clip_norm``), not by ``tx``.
+    """The optimizer, its learning-rate schedule injected (``optax.inject_hyperparams``): its state holds the
+    learning rate of each update (:func:`jaxpar.optimizers.learning_rate`, logged as ``lr``). Clipping is done by
+    the train step (``clip_norm``), not by ``tx``.
 
     Args:
       cfg: the ``optimizer`` section.
@@ -165,12 +168,12 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int
         them and places Newton-Schulz on the moments' specs (``optimizer.muon.placement``).
       updates_per_step: how often ``tx`` is applied per train step (PipeDream weight stashing:
         ``microbatches / update_every`` per stage); its schedule then reads the step,
-        ``count // updates_per_step``, so every update of step ``t`` uses the logged ``lr(t)``.
+        ``count // updates_per_step``, so every update of step ``t`` uses ``lr(t)``.
       freeze_variance_step: 1-bit Adam (:func:`frozen_variance_step`): adam / adamw whose second moment
         stops changing after that many updates (:func:`jaxpar.optimizers.adamw_frozen_variance`).
 
     Returns:
-      ``(tx, lr_schedule)``; the schedule (logged as ``lr``) is the scaled one.
+      ``(tx, lr_schedule)``; the schedule (``step -> lr``) is the scaled one.
     """
     if cfg.name not in OPTIMIZERS:
         raise ConfigError(f"optimizer.name={cfg.name!r}: unknown optimizer; allowed: {', '.join(OPTIMIZERS)}.")
@@ -180,18 +183,22 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int
     if cfg.name == "muon":
         logical = _muon_logical(cfg, params)
         extra = {"place": _muon_place(cfg, params), "kernel_layout": params.kernel_layout}
+    if freeze_variance_step is not None and cfg.name not in ("adam", "adamw"):
+        raise ConfigError(f"optimizer.name={cfg.name!r}: 1-bit Adam (parallel.compression.optimizer_momentum) "
+                          "compresses Adam's first moment; use optimizer.name: adamw or adam.")
+
+    def optimizer(learning_rate):
+        if freeze_variance_step is not None:
+            return opt_lib.adamw_frozen_variance(learning_rate, freeze_variance_step, b1=cfg.b1, b2=cfg.b2,
+                                                 eps=cfg.eps, weight_decay=cfg.weight_decay if cfg.name == "adamw" else 0.0)
+        tx = OPTIMIZERS[cfg.name](cfg, learning_rate, logical=logical, mask=mask, **extra)
+        if cfg.name not in _OWN_DECAY and cfg.weight_decay:
+            tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay), tx)
+        return tx
+
+    optimizer(cfg.lr)                   # its options' errors now (inject_hyperparams builds it at init and update)
     inner = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
-    if freeze_variance_step is not None:
-        if cfg.name not in ("adam", "adamw"):
-            raise ConfigError(f"optimizer.name={cfg.name!r}: 1-bit Adam (parallel.compression.optimizer_momentum) "
-                              "compresses Adam's first moment; use optimizer.name: adamw or adam.")
-        tx = opt_lib.adamw_frozen_variance(inner, freeze_variance_step, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                                           weight_decay=cfg.weight_decay if cfg.name == "adamw" else 0.0)
-    else:
-        tx = OPTIMIZERS[cfg.name](cfg, inner, logical=logical, mask=mask, **extra)
-    if cfg.name not in _OWN_DECAY and cfg.weight_decay:
-        tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay), tx)
-    return tx, schedule
+    return optax.inject_hyperparams(optimizer)(learning_rate=inner), schedule
 
 
 def muon_problems(cfg: OptimizerConfig) -> list[str]:

@@ -12,6 +12,8 @@ and Muon routed by logical names. One module per concept:
 * :mod:`~jaxpar.optimizers._muon_routing`: :func:`muon`, Muon on the matrices and AdamW on the rest, routed by the
   parameters' logical names (:func:`muon_routing`, :func:`muon_routing_table`), its Newton-Schulz placed on the
   mesh (:func:`muon_placements`, :mod:`jaxpar.parallel._muon_placement`; docs/muon.md).
+* :mod:`~jaxpar.optimizers._learning_rate`: :func:`learning_rate`, the rate an ``optax.inject_hyperparams`` state holds
+  (the one the step logs).
 
 Example::
 
@@ -34,10 +36,12 @@ from jaxpar.optimizers._muon_routing import (MUON_ADAM_DEFAULTS, MUON_KERNEL_LAY
                                              scale_by_placed_muon)
 from jaxpar.optimizers._ranges import (HYPERPARAMETERS, LR_SCALING_RULES, check_hyperparameters,
                                        hyperparameter_problem, scaled_lr)
+from jaxpar.optimizers._learning_rate import learning_rate, schedule_state
 from jaxpar.parallel._muon_placement import MuonPlacement
 
 __all__ = ["LR_SCALING_RULES", "HYPERPARAMETERS", "MaskError", "OptimizerError", "hyperparameter_problem",
            "check_hyperparameters", "scaled_lr", "trust_mask", "stacked_axes", "scale_by_layer_trust_ratio", "lars",
            "lamb", "scale_by_adam_frozen_variance", "adamw_frozen_variance", "MUON_ADAM_DEFAULTS", "MUON_PLACEMENTS",
            "MUON_KERNEL_LAYOUTS", "MuonRoute", "MuonPlacement", "muon_routes", "muon_routing", "muon_routing_table",
-           "muon_placements", "scale_by_placed_muon", "muon"]
+           "muon_placements", "scale_by_placed_muon", "muon",
+           "learning_rate", "schedule_state"]

@@ -34,7 +34,8 @@ def hyperparameter_problem(name: str, value: Any) -> str | None:
     Args:
       name: a key of :data:`HYPERPARAMETERS` (``"learning_rate"``, ``"b1"``, ``"eps"``, ...).
       value: its value: a real number (a 0-d array counts); ``learning_rate`` and ``weight_decay`` may
-        also be optax schedules.
+        also be optax schedules, or a schedule's value that ``optax.inject_hyperparams`` passes (a JAX array:
+        a warm-up starts at 0).
 
     Returns:
       ``"must be ..."`` naming the range (a bool, NaN and inf are out of every range), or None.
@@ -43,8 +44,9 @@ def hyperparameter_problem(name: str, value: Any) -> str | None:
     ('must be a decay in [0, 1)', None)
     """
     holds, what = HYPERPARAMETERS[name]
-    if (callable(value) and name in ("learning_rate", "weight_decay")) or isinstance(value, jax.core.Tracer):
-        return None          # an optax schedule; a traced value is checked where it is concrete
+    if ((callable(value) or isinstance(value, jax.Array)) and name in ("learning_rate", "weight_decay")) \
+            or isinstance(value, jax.core.Tracer):
+        return None          # an optax schedule or its value; a traced value is checked where it is concrete
     if not isinstance(value, bool) and getattr(value, "shape", None) == ():
         value = value.item()               # a 0-d numpy / jax array
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \

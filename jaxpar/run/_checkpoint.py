@@ -58,15 +58,17 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxpar.adapters._layer_lists import change_form
 from jaxpar.run._state_parts import (FORMAT, READABLE, lists_record, plan_parts, record_layouts, record_shapes,
                                      saved_lists, upgrade_record)
 from jaxpar.run._run_directory import checkpoint_steps, refuse_later_steps, set_aside
 from jaxpar.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning, check_int
+from jaxpar.optimizers import schedule_state
 
 
 @dataclass
@@ -102,14 +104,11 @@ class Checkpointer:
     background thread (the arrays are copied to host before :meth:`save` returns, so the caller may
     donate them). ``layout``: the :class:`~jaxpar.step.StateLayout` of the states :meth:`save`
     is given when it is not told one (:meth:`restore` of a layout sets it too); with it, a record
-    says which layout the codec state and older weight versions were saved for. ``lr_schedule``: the
-    run's learning-rate schedule (``step -> lr``, ``Job.log_lr``); with it, a record holds the
-    learning rate of the step it resumes at (``schedule.lr``), so a resume under another schedule
-    can say what changed (:func:`jaxpar.run._resume.resume`).
+    says which layout the codec state and older weight versions were saved for.
     """
 
     def __init__(self, directory: str | Path, *, every: int = 0, keep: int = 3, async_save: bool = True,
-                 layout: Any = None, lr_schedule: Callable[[int], Any] | None = None):
+                 layout: Any = None):
         check_int("Checkpointer", "every", every, 0, CheckpointError)
         check_int("Checkpointer", "keep", keep, 1, CheckpointError)
         import orbax.checkpoint as ocp
@@ -117,7 +116,7 @@ class Checkpointer:
         self._ocp = ocp
         self.directory = Path(directory).absolute()
         self.every, self.keep, self.async_save = every, keep, async_save
-        self.layout, self.lr_schedule = layout, lr_schedule
+        self.layout = layout
         # Partial saves of a crashed run: removed here, synchronously (Orbax's own cleanup runs in a
         # thread that can outlive a process ending right after, e.g. on a failed resume).
         # A step folder without Orbax's completion record (an interrupted or empty save) is set aside, so that
@@ -218,8 +217,6 @@ class Checkpointer:
         layout = layout if layout is not None else self.layout
         record = {**(meta or {}), "step": int(step), "format": FORMAT, "time": time.time(),
                   **record_shapes(state), **lists_record(layout), **record_layouts(layout, state)}
-        if self.lr_schedule is not None:     # the learning rate the run goes on with from this step
-            record["schedule"] = {**record.get("schedule", {}), "lr": float(self.lr_schedule(step))}
         t0 = time.perf_counter()
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                          meta=ocp.args.JsonSave(record)), force=True)
@@ -330,7 +327,14 @@ class Checkpointer:
         return jax.jit(lambda st: change_form(st, have, want), out_shardings=shardings)(state), meta
 
     def _restore_as_saved(self, step: int, abstract: Any, target: Any, meta: dict, renames: dict) -> Any:
-        """The state of ``step`` into ``abstract``, the tree as it was saved."""
+        """The state of ``step`` into ``abstract``, the tree as it was saved; an optimizer state saved without
+        the ``optax.inject_hyperparams`` schedule ``abstract``'s has (by a jaxpar before ``jaxpar train``
+        injected it) is restored inside it (:func:`_with_schedule`)."""
+        if (held := self._saved_unscheduled(step, abstract)) is not None:
+            saved = self._saved_opt_state(step, held)
+            state = self._restore_as_saved(step, abstract._replace(opt_state=saved), target, meta, renames)
+            lr = (meta.get("schedule") or {}).get("lr", float("nan"))     # the rate the run resumes with
+            return state._replace(opt_state=_with_schedule(held, state.opt_state, lr))
         ocp = self._ocp
         where = f"checkpoint {self.directory / str(step)}"
         plans = plan_parts(meta, abstract, target, where)
@@ -357,6 +361,35 @@ class Checkpointer:
                 warnings.warn(p.message, CheckpointWarning, stacklevel=4)
         return type(abstract)(**state)
 
+    def _saved_opt_state_metadata(self, step: int) -> Any:
+        saved = self._manager.item_metadata(step)["state"]
+        saved = getattr(saved, "tree", saved)
+        return saved.get("opt_state") if isinstance(saved, dict) else None
+
+    def _saved_unscheduled(self, step: int, abstract: Any) -> Any:
+        """``abstract.opt_state`` when it is an ``optax.inject_hyperparams`` state of the learning rate alone
+        (``jaxpar train``'s) and the checkpoint holds its ``inner_state``, plus the update counts of the
+        schedules that are in it now; else None."""
+        held = getattr(abstract, "opt_state", None)
+        if held is None or schedule_state(held) is not held or set(held.hyperparams) != {"learning_rate"}:
+            return None
+        if (saved := self._saved_opt_state_metadata(step)) is None:
+            return None
+        have, want = _flat_shapes(saved), _flat_shapes(held.inner_state)
+        extra = set(have) - set(want)
+        same = all(have.get(k) == v for k, v in want.items())
+        return held if same and all(k.split("/")[-1] == "count" and have[k] == () for k in extra) else None
+
+    def _saved_opt_state(self, step: int, held: Any) -> Any:
+        """The restore target of the optimizer state as the checkpoint holds it (dicts and lists): ``held``'s
+        inner leaves where it has them, the saved schedules' counts replicated."""
+        want = {jax.tree_util.keystr(p, simple=True, separator="/"): a
+                for p, a in jax.tree_util.tree_flatten_with_path(held.inner_state)[0]}
+        return jax.tree_util.tree_map_with_path(
+            lambda p, m: want.get(jax.tree_util.keystr(p, simple=True, separator="/"),
+                                  jax.ShapeDtypeStruct((), m.dtype, sharding=held.count.sharding)),
+            self._saved_opt_state_metadata(step))
+
     def _check_tree(self, step: int, abstract: Any) -> None:
         """Raises :class:`CheckpointMismatchError` when the saved ``params`` or ``opt_state`` are
         another tree than ``abstract``'s (Orbax's restore would fail, or fill what it lacks
@@ -378,6 +411,22 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)}: {what} saved as another tree than this run's ({diff}): "
                 f"{why}. It cannot be restored, and no older checkpoint is tried (they share it). Resume with the "
                 "settings the checkpoint was saved with, or start a new run.")
+
+
+def _with_schedule(held: Any, saved: Any, lr: float) -> Any:
+    """The optimizer state ``saved`` (restored as the checkpoint holds it) in ``held``, the abstract
+    ``optax.inject_hyperparams`` state: its inner state the saved leaves, its update count the largest saved
+    ``count``, its learning rate ``lr`` until the next update sets it."""
+    flat = {jax.tree_util.keystr(p, simple=True, separator="/"): v
+            for p, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    paths, tree = jax.tree_util.tree_flatten_with_path(held.inner_state)
+    inner = tree.unflatten([flat[jax.tree_util.keystr(p, simple=True, separator="/")] for p, _ in paths])
+    count = max((int(v) for k, v in flat.items() if k.split("/")[-1] == "count"), default=0)
+    fill = lambda a, v: jax.device_put(jnp.full(a.shape, v, a.dtype), a.sharding)    # noqa: E731
+    return held._replace(count=fill(held.count, count),
+                         hyperparams={k: fill(a, lr) for k, a in held.hyperparams.items()},
+                         hyperparams_states=jax.tree.map(lambda a: fill(a, count), held.hyperparams_states),
+                         inner_state=inner)
 
 
 def _flat_shapes(tree: Any) -> dict:

@@ -20,12 +20,14 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from jaxpar.errors import RunDirectoryError
+from jaxpar.optimizers import learning_rate
 from jaxpar.run._checkpoint import CheckpointWarning
 from jaxpar.run._goodput import Goodput
 from jaxpar.run._loop import train
@@ -44,6 +46,8 @@ class RunOptions(NamedTuple):
     ``steps_per_call``: as for :func:`jaxpar.run.train`. ``resume``: continue from the
     checkpointer's latest good checkpoint. ``data_seed``: the run's data seed (a checkpoint written
     with another one is resumed with a warning). ``samples``: text samples at the end (None: none).
+    ``lr_schedule``: the optimizer's learning-rate schedule (``step -> lr``), whose rates the warning of a
+    resume under another ``steps`` names (None: it names none).
     """
 
     steps: int
@@ -54,6 +58,7 @@ class RunOptions(NamedTuple):
     resume: bool = False
     data_seed: int = 0
     samples: SampleOptions | None = None
+    lr_schedule: Callable[[int], Any] | None = None
 
 
 def resume(checkpointer: Any, layout: Any, *, ramp: Any = None, data_seed: int | None = None,
@@ -68,7 +73,8 @@ def resume(checkpointer: Any, layout: Any, *, ramp: Any = None, data_seed: int |
       ramp: an adaptive batch ramp, given its decisions so far (``load_state_dict``); other ramps are left.
       data_seed: this run's data seed, compared with the checkpoint's.
       steps: this run's ``train.steps`` (the schedule's length), compared with the checkpoint's (None: not).
-      lr_schedule: this run's learning-rate schedule (``step -> lr``), for the warning's numbers.
+      lr_schedule: this run's learning-rate schedule (``step -> lr``), for the warning's numbers (the
+        checkpoint's own rate is its optimizer state's, :func:`jaxpar.optimizers.learning_rate`).
 
     Returns:
       ``(state, next_step)``.
@@ -90,7 +96,8 @@ def resume(checkpointer: Any, layout: Any, *, ramp: Any = None, data_seed: int |
     if saved_seed != data_seed:
         print(f"jaxpar train: warning: the checkpoint was written with data.seed={saved_seed}, this run has "
               f"data.seed={data_seed}: the data order differs from the original run.", file=sys.stderr)
-    change = schedule_change(restored.meta, start, steps, lr_schedule) if steps is not None and start < steps else None
+    change = (schedule_change(restored.meta, start, steps, lr_schedule, learning_rate(restored.state.opt_state))
+              if steps is not None and start < steps else None)
     if change:
         warnings.warn(change, CheckpointWarning, stacklevel=2)
     print(f"resume   step {start} from {restored.path}")
@@ -98,38 +105,42 @@ def resume(checkpointer: Any, layout: Any, *, ramp: Any = None, data_seed: int |
 
 
 def schedule_change(record: Mapping[str, Any], step: int, steps: int,
-                    lr_schedule: Callable[[int], Any] | None = None) -> str | None:
+                    lr_schedule: Callable[[int], Any] | None = None, last_lr: Any = None) -> str | None:
     """What changes when a run of ``steps`` steps resumes at ``step`` from a checkpoint whose record
-    (``schedule``: its run's ``steps`` and the learning rate ``lr`` at ``step``) is another schedule's.
+    (``schedule``: its run's ``steps``) is another schedule's.
 
     Args:
       record: the checkpoint's JSON record (one without ``schedule``, from before it was recorded: no change).
       step: the step the run resumes at.
       steps: this run's ``train.steps``.
       lr_schedule: this run's learning-rate schedule (None: the message leaves out the learning rates).
+      last_lr: the learning rate of the checkpoint's last step, ``step - 1`` (its optimizer state's; None or not
+        finite: the message leaves out the learning rates).
 
     Returns:
       The warning's text, or None when the checkpoint's run had the same length.
 
     Example:
-      >>> text = schedule_change({"schedule": {"steps": 100, "lr": 1e-4}}, 90, 200, lambda s: 5e-4)
+      >>> text = schedule_change({"schedule": {"steps": 100}}, 90, 200, lambda s: 5e-4 + s * 1e-6, 1e-4)
       >>> text[:text.index(",")]
       'checkpoint step 90 was written by a run with train.steps=100; this run has train.steps=200'
       >>> text[text.index("at step 90"):text.index(" To")]
-      'at step 90 the learning rate is 0.0005 now, 0.0001 in the original run.'
+      'at step 90 the learning rate is 0.00059 now, after 0.0001 at step 89 in the original run.'
       >>> schedule_change({"schedule": {"steps": 200}}, 90, 200), schedule_change({}, 90, 200)
       (None, None)
     """
     saved = (record.get("schedule") or {}).get("steps")
     if saved is None or int(saved) == int(steps):
         return None
-    old_lr, new_lr = record["schedule"].get("lr"), None if lr_schedule is None else float(lr_schedule(step))
     rates, jump = "", ""
-    if new_lr is not None and old_lr is not None:
-        if abs(new_lr - old_lr) <= 1e-6 * max(abs(new_lr), abs(old_lr)):
-            rates = f": at step {step} the learning rate is still {new_lr:.3g}, and it decays differently from there"
+    last = float("nan") if last_lr is None else float(last_lr)
+    if lr_schedule is not None and math.isfinite(last):
+        before, now = float(lr_schedule(step - 1)), float(lr_schedule(step))
+        if abs(before - last) <= 1e-6 * max(abs(before), abs(last)):
+            rates = (f": at step {step - 1} the learning rate was {last:.3g} in both runs, and it decays differently "
+                     "from there")
         else:
-            rates = f": at step {step} the learning rate is {new_lr:.3g} now, {old_lr:.3g} in the original run"
+            rates = f": at step {step} the learning rate is {now:.3g} now, after {last:.3g} at step {step - 1} in the original run"
             jump = f" (the learning rate jumps at step {step})"
     if saved > step:
         fix = (f"To continue the original schedule, resume with train.steps={saved}; to change its length on "
@@ -177,8 +188,7 @@ def train_with_checkpoints(step: Callable, state: Any, layout: Any, batch_fn: Ca
       opts: the run's settings.
       log: how the loop reports (:class:`~jaxpar.run.LogOptions`).
       checkpointer: where checkpoints go (None: none); closed at the end. Each checkpoint records the
-        schedule's length (``opts.steps``) and, with the checkpointer's ``lr_schedule``, the learning rate it
-        resumes with; a resume under another length warns.
+        schedule's length (``opts.steps``); a resume under another length warns.
       meta: what each checkpoint records (:func:`checkpoint_meta`).
       eval_fn: ``state -> eval loss`` (None: no evaluation).
       eval_batches: the fixed eval batches (the samples' prompts come from the first).
@@ -231,7 +241,7 @@ def _start(state: Any, layout: Any, opts: RunOptions, checkpointer: Any, ramp: A
     if opts.resume:
         with clock.timed("checkpoint_restore"):
             state, start = resume(checkpointer, layout, ramp=ramp, data_seed=opts.data_seed, steps=opts.steps,
-                                  lr_schedule=checkpointer.lr_schedule)
+                                  lr_schedule=opts.lr_schedule)
         if start >= opts.steps:
             print(f"done     the checkpoint is at step {start} >= train.steps={opts.steps}; nothing to do. To train "
                   f"further, run again with train.steps=N --resume, N > {start} (e.g. train.steps={2 * start}).")

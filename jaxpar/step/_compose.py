@@ -67,8 +67,7 @@ class StepOptions(NamedTuple):
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout: StateLayout,
-                    strategy: Strategy | None = None, *, clip_norm: float | None = None,
-                    log_lr: Callable | None = None, donate: bool = True,
+                    strategy: Strategy | None = None, *, clip_norm: float | None = None, donate: bool = True,
                     explicit_dp: bool | None = None, skip_nonfinite: bool = False,
                     steps_per_call: int = 1, grad_norm: bool = True) -> TrainStep:
     """Build ``step(state, batch) -> (state, metrics)``, jitted with the layout's shardings.
@@ -84,13 +83,12 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
     Args:
       loss_fn: ``loss_fn(model, batch) -> scalar`` on the NNX model.
       tx: the optax optimizer the state was created with; its own learning rate (and schedule)
-        drives the updates.
+        drives the updates. Built with ``optax.inject_hyperparams`` (``learning_rate=schedule``), its state
+        holds each update's learning rate, which the step logs as ``metrics["lr"]``.
       layout: the :class:`~jaxpar.StateLayout` from :func:`jaxpar.init_train_state`.
       strategy: optional; when given it must be the layout's strategy (a
         :class:`StrategyMismatchError` names both otherwise).
       clip_norm: clip the averaged gradient to this global norm (``None``: no clipping).
-      log_lr: ``step -> learning rate``, logged as ``metrics["lr"]``; it is only logged (the
-        updates follow ``tx``).
       donate: donate the input state's buffers.
       explicit_dp: as above.
       skip_nonfinite: a step whose loss or gradient norm is NaN / inf keeps the params and
@@ -109,17 +107,17 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, layout:
       ``step.programs`` for every program it runs).
 
     Raises:
-      StepError: ``clip_norm`` is not None or a finite number > 0, ``loss_fn`` / ``log_lr`` is not a
+      StepError: ``clip_norm`` is not None or a finite number > 0, ``loss_fn`` is not a
         function, a flag is not a bool, or ``grad_norm=False`` for a step that reports its updates' norms.
       LoopError: ``steps_per_call`` is not an int >= 1.
       Fp8Error: ``Strategy.fp8`` on devices without FP8 GEMMs, or covering no matmul of the model.
     """
-    _check_options(loss_fn, clip_norm=clip_norm, log_lr=log_lr, donate=donate, explicit_dp=explicit_dp,
+    _check_options(loss_fn, clip_norm=clip_norm, donate=donate, explicit_dp=explicit_dp,
                    skip_nonfinite=skip_nonfinite, grad_norm=grad_norm)
     layout_strategy(layout, strategy)      # a strategy other than the layout's raises
     check_fp8(layout.mesh, layout.logical, layout.shapes, layout.strategy.fp8)   # strategy_context installs it
-    update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, log_lr=log_lr,
-                    place=host_placement(layout.shardings(), layout.strategy.offload), grad_norm=grad_norm)
+    update = Update(tx, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, grad_norm=grad_norm,
+                    place=host_placement(layout.shardings(), layout.strategy.offload))
     opts = StepOptions(explicit_dp, steps_per_call, donate)
     _check_step(layout, update, opts)
     return _program(program_kind(layout.strategy, dict(layout.mesh.shape), steps_per_call), loss_fn, layout,
@@ -339,15 +337,12 @@ def _versioned_pipeline(loss_fn, layout: StateLayout, update: Update, opts: Step
     return _train_step({"step": step}, layout, opts, pipeline_program=program)
 
 
-def _check_options(loss_fn: Callable, *, clip_norm, log_lr, donate, explicit_dp, skip_nonfinite, grad_norm) -> None:
+def _check_options(loss_fn: Callable, *, clip_norm, donate, explicit_dp, skip_nonfinite, grad_norm) -> None:
     """The values of ``make_train_step``'s own options (:class:`~jaxpar.errors.StepError` names the first bad one)."""
     if not callable(loss_fn):
         raise StepError(f"make_train_step(loss_fn={loss_fn!r}): must be a function loss_fn(model, batch) -> scalar.")
     if (why := clip_norm_problem(clip_norm)) is not None:
         raise StepError(f"make_train_step(clip_norm={clip_norm!r}): {why}.")
-    if log_lr is not None and not callable(log_lr):
-        raise StepError(f"make_train_step(log_lr={log_lr!r}): must be a function step -> learning rate (e.g. the "
-                        "optax schedule tx was built with), or None to log none.")
     for name, value, allowed in (("donate", donate, (True, False)), ("skip_nonfinite", skip_nonfinite, (True, False)),
                                  ("explicit_dp", explicit_dp, (True, False, None)), ("grad_norm", grad_norm, (True, False))):
         if not any(value is a for a in allowed):

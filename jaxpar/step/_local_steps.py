@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.batch import batch_sharding, check_batch
 from jaxpar.mesh import REPLICA, replicas
+from jaxpar.optimizers import learning_rate
 from jaxpar.rules import named_shardings
 from jaxpar.parallel.sync import DiLoCo
 from jaxpar.step._grads import global_grads
@@ -47,7 +48,8 @@ def local_train_step(loss_fn: Callable, layout: StateLayout, update: Update, *, 
     strategy, mesh, sync = layout.strategy, layout.mesh, layout.strategy.sync
     local = _LocalPrograms(loss_fn, layout, sync, update)
     per_replica = NamedSharding(mesh, P(REPLICA))       # per-replica metrics: no gather over ``replica``
-    msh = {"replica": per_replica, **({"lr": NamedSharding(mesh, P())} if update.log_lr is not None else {})}
+    holds_lr = learning_rate(jax.eval_shape(update.tx.init, layout.shapes)) is not None
+    msh = {"replica": per_replica, **({"lr": NamedSharding(mesh, P())} if holds_lr else {})}
     programs = {"step": jit_program(local.inner, layout, batch_sharding(mesh), donate=donate, metrics_sharding=msh),
                 "outer": jit_program(local.outer, layout, None, donate=donate,      # the state alone
                                      metrics_sharding={"replica_distance": per_replica})}
@@ -85,28 +87,28 @@ class _LocalPrograms:
         self.layout, self.sync, self.mesh, self.k = layout, sync, layout.mesh, replicas(layout.mesh)
         self.lg = global_grads(loss_fn, layout)
         self.rep_specs = layout.parts["sync"].specs["params"]
-        self.log_lr, self.inner_update = update.log_lr, update._replace(log_lr=None)
+        self.update = update
 
     def _step(self, step, p, o, loss, grads):
         """One replica's inner optimizer step: its new parameters, optimizer state and metrics."""
-        new, m = apply_update(self.inner_update, TrainState(step, p, o), loss, grads)
+        new, m = apply_update(self.update, TrainState(step, p, o), loss, grads)
         return new.params, new.opt_state, m
 
     def one(self, step, p, o, b):
         """One replica's inner optimizer step on its own batch."""
         return self._step(step, p, o, *self.lg(p, b))
 
-    def replica_metrics(self, step, losses, m) -> dict:
-        """Per-replica ``[K]`` metrics (no gather over ``replica``) and the step's learning rate."""
+    @staticmethod
+    def replica_metrics(losses, m) -> dict:
+        """Per-replica ``[K]`` metrics (no gather over ``replica``) and the first replica's learning rate."""
         rep = {"loss": losses, **{k: m[k] for k in ("grad_norm", "skipped") if k in m}}
-        lr = {"lr": jnp.asarray(self.log_lr(step), jnp.float32)} if self.log_lr is not None else {}
-        return {"replica": rep, **lr}
+        return {"replica": rep, **({"lr": m["lr"][0]} if "lr" in m else {})}
 
     def inner(self, state: TrainState, batch):
         """Every replica's own optimizer step, no collective over ``replica``."""
         p, o, m = jax.vmap(self.one, in_axes=(None, 0, 0, 0), spmd_axis_name=REPLICA)(
             state.step, state.sync["params"], state.sync["opt"], split_replicas(batch, self.k, self.mesh))
-        metrics = self.replica_metrics(state.step, m["loss"], m)
+        metrics = self.replica_metrics(m["loss"], m)
         return TrainState(state.step + 1, state.params, state.opt_state, sync={"params": p, "opt": o}), metrics
 
     def warm(self, state: TrainState, batch):
@@ -119,7 +121,7 @@ class _LocalPrograms:
         p, o, m = jax.vmap(self._step, in_axes=(None, 0, 0, None, None), spmd_axis_name=REPLICA)(
             state.step, state.sync["params"], state.sync["opt"], jnp.mean(losses), mean)
         center = _any_replica(p, layout.params, mesh)
-        metrics = self.replica_metrics(state.step, losses, m)
+        metrics = self.replica_metrics(losses, m)
         return TrainState(state.step + 1, center, state.opt_state, sync={"params": p, "opt": o}), metrics
 
     def outer(self, state: TrainState):

@@ -46,6 +46,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.mesh import REPLICA, data_axes, replicas
+from jaxpar.optimizers import learning_rate
 from jaxpar.parallel.sync import Backup, DiLoCo, EASGD, Stale, synchronous
 from jaxpar.parallel._zero import spec_shards
 from jaxpar.rules import named_shardings
@@ -301,7 +302,7 @@ def _one_by_one(update: Update, state, losses, grads, layout, metrics: dict):
         if "grad_norm" in out:
             sq.append(jnp.square(out["grad_norm"]))
     count = jnp.sum(jnp.stack(skipped).astype(jnp.int32)) if update.skip_nonfinite else None
-    lr = update.log_lr(state.step) if update.log_lr is not None else None
+    lr = learning_rate(new.opt_state)
     sq_norms = jnp.sum(jnp.stack(sq)) if sq else None
     out = {**metrics, **updates_metrics(jnp.mean(losses), sq_norms, k, count, lr=lr)}
     return new._replace(step=state.step + 1), out

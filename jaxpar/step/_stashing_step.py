@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.adapters._blocks import use_layer_runner
 from jaxpar.batch import step_microbatches
 from jaxpar.errors import StashingError
+from jaxpar.optimizers import learning_rate
 from jaxpar.rules import drop_axes, path_str, use_rules
 from jaxpar.parallel.pipeline._buffers import put, take, take_tree
 from jaxpar.parallel.pipeline._partition import from_stages, to_stages
@@ -72,7 +73,8 @@ def _stage_update(update: Update, cut, w_cur, opt, g_outer, g_chunk):
     """A stage's optimizer step on its newest version (one chunk: ``[Lmax, ...]`` layers):
     :func:`~jaxpar.step._update.apply_update` on the stage's parameters, which sees no loss (the
     last stage's), so a non-finite gradient norm alone skips it. Returns the new version, the
-    optimizer state, the squared norm of the update's gradient and whether it was skipped."""
+    optimizer state, the squared norm of the update's gradient, whether it was skipped and the learning rate
+    the optimizer state holds (0 without one)."""
     params = cut.merge(list(w_cur[0]), take_tree(w_cur[1], 0))
     grads = cut.merge(list(g_outer), g_chunk)
     new, m = apply_update(update, TrainState(jnp.zeros((), jnp.int32), params, opt), jnp.zeros((), jnp.float32),
@@ -80,7 +82,7 @@ def _stage_update(update: Update, cut, w_cur, opt, g_outer, g_chunk):
     skip = m["skipped"].astype(jnp.float32) if "skipped" in m else jnp.zeros((), jnp.float32)
     outer, blocks = cut.split(new.params)
     sq = jnp.square(m["grad_norm"]) if "grad_norm" in m else jnp.zeros((), jnp.float32)
-    return (outer, jax.tree.map(lambda a: a[None], blocks)), new.opt_state, sq, skip
+    return (outer, jax.tree.map(lambda a: a[None], blocks)), new.opt_state, sq, skip, m.get("lr", jnp.float32(0))
 
 
 # ----------------------------------------------------------------------------- outer ownership
@@ -135,7 +137,7 @@ def make_stashing_step(loss_fn: Callable, layout, update: Update, steps: int = 1
       layout: the train state's layout (its strategy: ``schedule='pipedream'``).
       update: the update's options (:class:`~jaxpar.step._update.Update`): ``tx`` is applied per
         stage (``make_train_step`` checked it); with ``skip_nonfinite`` a stage whose update
-        gradient is not finite keeps its weights; ``log_lr`` is logged as ``metrics["lr"]``;
+        gradient is not finite keeps its weights; the first stage's learning rate is logged as ``metrics["lr"]``;
         ``clip_norm`` is refused by the compatibility table (a global norm spans the stages).
       steps: optimizer steps per call.
 
@@ -191,11 +193,11 @@ class _StashingRun:
                              in_specs=(rep(w_outer), blk(w_blocks), opt_specs, rep(mbs)),
                              out_specs=(P(), [P(PIPE)] * len(w_outer), blk(w_blocks), opt_out_specs))
         with use_rules(mesh, drop_axes(layout.rules, (PIPE,))), use_layer_runner(None):
-            (loss, gsq, skips, reported), o_out, b_out, opt_out = smap(w_outer, w_blocks, opt_in, mbs)
+            (loss, gsq, skips, lr, reported), o_out, b_out, opt_out = smap(w_outer, w_blocks, opt_in, mbs)
         new = self._merged(state, cut, owners, opt_def, is_block, o_out, b_out, opt_out)
-        upd = self.update
+        upd, holds_lr = self.update, learning_rate(state.opt_state) is not None
         per_step = [updates_metrics(loss[j] / m, gsq[j] if upd.grad_norm else None, m // k, skips[j] if upd.skip_nonfinite else None,
-                                    of=p * (m // k), lr=None if upd.log_lr is None else upd.log_lr(state.step + j))
+                                    of=p * (m // k), lr=lr[j] if holds_lr else None)
                     for j in range(steps)]      # grad_norm: the RMS over the step's updates of their global norm
         metrics = jax.tree.map(lambda *a: jnp.stack(a), *per_step)
         return new, {**jax.tree.map(lambda a: a / m, reported), **metrics}     # what the loss reported, per step
@@ -205,7 +207,7 @@ class _StashingRun:
         sp, strategy, steps = self.sp, self.layout.strategy, self.steps
         init = (w_outer, jax.tree.map(lambda a: a[:, :, 0], w_blocks))
         opt = opt_def.unflatten([a[0, 0] if b else a for a, b in zip(opt_in, is_block)])
-        per_stage = self.update._replace(clip_norm=None, log_lr=None, place=None)   # no global clip: it spans the stages
+        per_stage = self.update._replace(clip_norm=None, place=None)   # no global clip: it spans the stages
         update = functools.partial(_stage_update, per_stage, cut.model)
         stage = VersionedStage(cut.parts, sp.program, counts, strategy.cast(take_tree(init, 0)), mbs,
                                per_update=strategy.update_every, per_step=strategy.microbatches, accumulators=1,
@@ -216,10 +218,11 @@ class _StashingRun:
             buf = jax.tree.map(lambda b, a, j=j: put(b, slots[j], a[j]), buf, init)
         per_step = jnp.zeros((steps,), jnp.float32)
         st, ws = run_ticks(stage, self.table, stage.initial_state(sp.program),
-                           StageWeights(buf, opt, per_step, per_step), self.table.rows, self.vrows)
+                           StageWeights(buf, opt, per_step, per_step, per_step), self.table.rows, self.vrows)
         final = jnp.asarray(np.array(sp.final, np.int32))[stage.index]
         out = jax.tree.map(lambda b: jnp.stack([take(b, final[j]) for j in range(sp.older + 1)]), ws.w)
-        sums = jax.tree.map(lambda a: jax.lax.psum(a, PIPE), (st.loss, ws.gsq, ws.skips, st.metrics))
+        first = jnp.where(jax.lax.axis_index(PIPE) == 0, ws.lr, 0.0)        # the first stage's learning rate
+        sums = jax.tree.map(lambda a: jax.lax.psum(a, PIPE), (st.loss, ws.gsq, ws.skips, first, st.metrics))
         opt_out = [a[None, None] if b else a[None] for a, b in zip(jax.tree.leaves(ws.opt), is_block)]
         return sums, [a[None] for a in out[0]], jax.tree.map(lambda a: a[:, :, None], out[1]), opt_out
 

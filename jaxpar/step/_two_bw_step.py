@@ -10,7 +10,7 @@ windows around a ``2m``-tick loop. Between windows the in-flight state (residual
 slots, the next step's partial gradient and loss) stays on its stage, and the optimizer
 applies step ``t``'s gradient: ``W(t+1) = W(t) - update(grad f_t(W(t-1)))``, outside the
 manual region, with the one-step train step's update and rule (:func:`jaxpar.step._update.delayed`),
-so every optax optimizer, ``clip_norm``, ``log_lr`` and ``skip_nonfinite`` work as there, and a
+so every optax optimizer, ``clip_norm``, ``skip_nonfinite`` and the logged ``lr`` work as there, and a
 skipped step leaves the same state. A micro-batch of step ``t`` reads ``W(t-1)``; during window ``t`` a stage
 holds ``W(t-1)`` and ``W(t)`` (the train state's ``versions`` and ``params``), the slots the
 version table (:func:`~jaxpar.parallel.pipeline._pipedream.version_rows`) names for the versioned
@@ -94,7 +94,7 @@ def _window_runner(parts, mesh, rules, program: Program, table, m: int, stage_la
                                accumulators=2, sums=2, cast=lambda t: t)      # the versions come cast
         st = stage.initial_state(program) if first else jax.tree.map(lambda a: a[0], st)
         no_update = jnp.zeros((2,), jnp.float32)
-        st, _ = run_ticks(stage, table, st, StageWeights(w, (), no_update, no_update), rows, vrows)
+        st, _ = run_ticks(stage, table, st, StageWeights(w, (), no_update, no_update, no_update), rows, vrows)
         out, st = _finish(stage, st, window % 2)
         return out, jax.tree.map(lambda a: a[None], st)
 

@@ -1,4 +1,5 @@
-"""The optimizer update of every train step: clip, optax, skip a non-finite step, log the lr.
+"""The optimizer update of every train step: clip, optax, skip a non-finite step, log the learning rate the
+optimizer's state holds (:func:`jaxpar.optimizers.learning_rate`).
 
 :func:`apply_update` is the one update; every program calls it for each optimizer update it
 applies, and the rules that change *when* it applies or *with which weights* wrap it:
@@ -10,9 +11,9 @@ per stage inside the pipeline, the replicas' mean or each replica in turn
 Example:
     >>> import jax.numpy as jnp, optax
     >>> from jaxpar.step._state import TrainState
-    >>> tx = optax.sgd(0.5)
+    >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
     >>> state = TrainState(jnp.int32(0), {"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
-    >>> upd = Update(tx, clip_norm=1.0, skip_nonfinite=True, log_lr=lambda step: 0.5)
+    >>> upd = Update(tx, clip_norm=1.0, skip_nonfinite=True)
     >>> new, m = apply_update(upd, state, jnp.float32(1.0), {"w": jnp.array([3.0, 4.0])})
     >>> [round(float(w), 4) for w in new.params["w"]], float(m["grad_norm"]), bool(m["skipped"]), float(m["lr"])
     ([0.7, 0.6], 5.0, False, 0.5)
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.optimizers import hyperparameter_problem
+from jaxpar.optimizers import hyperparameter_problem, learning_rate
 from jaxpar.step._state import TrainState
 
 
@@ -42,7 +43,6 @@ class Update(NamedTuple):
       skip_nonfinite: a step whose loss or gradient norm is not finite keeps every part of the
         state as it was (the step counter still advances; under :func:`delayed` the older
         version still becomes ``W(t)``) and reports ``skipped``.
-      log_lr: ``step -> learning rate``, logged as ``metrics["lr"]`` (the update follows ``tx``).
       place: where the optimizer's arithmetic runs, ``place(optimize, grads, opt_state, params, *scalars)
         -> (params, opt_state)`` (:func:`jaxpar.parallel._offload.host_placement`: in host memory);
         ``None``: here, in the step's program.
@@ -53,7 +53,6 @@ class Update(NamedTuple):
     tx: optax.GradientTransformation
     clip_norm: float | None = None
     skip_nonfinite: bool = False
-    log_lr: Callable | None = None
     place: Callable | None = None
     grad_norm: bool = True
 
@@ -91,7 +90,8 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
     Returns:
       ``(new state, metrics)``; metrics hold ``loss``, ``grad_norm`` (the global norm of
       ``grads``, before clipping: see the module docstring; with ``update.grad_norm``), ``skipped`` (with
-      ``skip_nonfinite``) and ``lr`` (with ``log_lr``).
+      ``skip_nonfinite``) and ``lr`` (the learning rate the new optimizer state holds, when ``tx`` is an
+      ``optax.inject_hyperparams`` with one: :func:`jaxpar.optimizers.learning_rate`).
     """
     needed = update.grad_norm or update.clip_norm is not None or update.skip_nonfinite
     gnorm = optax.tree.norm(grads) if needed else None
@@ -110,8 +110,8 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
         new = new._replace(**{f: jax.tree.map(lambda n, o: jnp.where(ok, n, o), getattr(new, f), getattr(state, f))
                               for f in (parts or {})})
         out["skipped"] = jnp.logical_not(ok)
-    if update.log_lr is not None:
-        out["lr"] = jnp.asarray(update.log_lr(state.step), jnp.float32)
+    if (lr := learning_rate(new.opt_state)) is not None:
+        out["lr"] = jnp.asarray(lr, jnp.float32)
     return new, out
 
 

@@ -317,15 +317,16 @@ class VersionRows(NamedTuple):
 
 class StageWeights(NamedTuple):
     """What a stage carries beside its buffers: its versions and, for updates in the tick loop,
-    its optimizer state and each sum slot's squared update norms and skipped updates."""
+    its optimizer state and each sum slot's squared update norms, skipped updates and last learning rate."""
 
     w: Any          # (outer [V, ...], blocks [V, v, Lmax, ...])
     opt: Any
     gsq: Any        # [sums]
     skips: Any      # [sums]
+    lr: Any         # [sums]
 
 
-#: ``update(w_cur, opt, g_outer, g_chunk) -> (w_new, opt, squared gradient norm, skipped)``: a
+#: ``update(w_cur, opt, g_outer, g_chunk) -> (w_new, opt, squared gradient norm, skipped, learning rate)``: a
 #: stage's own optimizer update on its newest version (``w_cur``, one version of the buffer) from
 #: the update's gradient sums.
 StageUpdate = Callable[[Any, Any, Any, Any], tuple]
@@ -414,10 +415,11 @@ class VersionedStage(Stage):
             self._w = self.cast(take_tree(ws.w, versions.ver))
             io = self.act(kind, self.read(st, sl), sl, flags)
             if kind.updates:
-                w_new, opt, gsq, skip = self.update(take_tree(ws.w, versions.cur), ws.opt, io.g_outer, io.g_chunk)
+                w_new, opt, gsq, skip, lr = self.update(take_tree(ws.w, versions.cur), ws.opt, io.g_outer,
+                                                        io.g_chunk)
                 s = self.sum_slot(sl)
                 ws = StageWeights(jax.tree.map(lambda b, x: put(b, versions.new, x), ws.w, w_new), opt,
-                                  ws.gsq.at[s].add(gsq), ws.skips.at[s].add(skip))
+                                  ws.gsq.at[s].add(gsq), ws.skips.at[s].add(skip), ws.lr.at[s].set(lr))
                 io = io._replace(g_chunk=jax.tree.map(jnp.zeros_like, io.g_chunk),
                                  g_outer=jax.tree.map(jnp.zeros_like, io.g_outer))
             return self.write(st, sl, io), ws, io
