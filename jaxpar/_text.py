@@ -1,5 +1,6 @@
-"""Plain-text figures shared by every report (the planner's, the analysis', the runner's and the CLI's):
-byte sizes and aligned tables. Pure Python.
+"""Figures shared by every report (the planner's, the analysis', the runner's and the CLI's): byte sizes
+and aligned tables in plain text (pure Python), and PNG plots with matplotlib's object API on a figure's
+own Agg canvas (imported lazily: no pyplot state, no process-wide backend).
 
 Example::
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from jaxpar.errors import AnalysisError
 
@@ -60,3 +63,39 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: S
 
     rule = "-+-".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def agg_axes(figsize: tuple[float, float] = (7, 4), dpi: int = 110) -> tuple[Any, Any]:
+    """A new figure on its own Agg canvas and its one axes.
+
+    Args:
+      figsize: the figure's size in inches.
+      dpi: its dots per inch.
+
+    Returns:
+      ``(figure, axes)``.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot(1, 1, 1)
+
+
+def save_plot(fig: Any, ax: Any, path: str | Path) -> str:
+    """Finish a line plot on :func:`agg_axes` (light grid, legend, tight layout) and write it as a PNG.
+
+    Args:
+      fig: the figure.
+      ax: its axes.
+      path: the PNG file to write.
+
+    Returns:
+      ``path`` as a string.
+    """
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(str(path))
+    return str(path)

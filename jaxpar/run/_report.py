@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from jaxpar._text import format_bytes
+from jaxpar._text import agg_axes, format_bytes, save_plot
 from jaxpar.analysis._compiled_memory import memory_report
 from jaxpar.errors import AnalysisError, LoopError, NonFiniteError, check_int
 from jaxpar.run._goodput import describe
@@ -83,21 +83,12 @@ def plot_losses(path: str | Path, steps: Sequence[int], losses: Sequence[float],
     Returns:
       ``path`` as a string.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    fig, ax = agg_axes()
     ax.plot(list(steps), list(losses), lw=1.2, label="train")
     if evals:
         ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", ms=4, label="eval (held out)")
     ax.set(xlabel="step", ylabel="loss (nats / token)", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(str(path))
-    return str(path)
+    return save_plot(fig, ax, path)
 
 
 #: Metrics of a compressed gradient exchange, logged when the step reports them.

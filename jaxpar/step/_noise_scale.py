@@ -39,6 +39,7 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxpar._text import agg_axes, save_plot
 from jaxpar.step._state import PartLayout, add_parts, stats_part
 from jaxpar.errors import NoiseScaleError, int_problem
 
@@ -220,12 +221,7 @@ def plot_noise_scale(path: str | Path, steps: Sequence[int], values: Sequence[fl
     Returns:
       ``path`` as a string.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    fig, ax = agg_axes()
     pts = [(s, v) for s, v in zip(steps, values) if isinstance(v, (int, float)) and math.isfinite(v)]
     ax.plot([s for s, _ in pts], [v for _, v in pts], "o-", ms=3, lw=1.2, label="B_simple = tr(Σ) / |G|² (EMA)")
     if batch:
@@ -235,8 +231,4 @@ def plot_noise_scale(path: str | Path, steps: Sequence[int], values: Sequence[fl
     ax.set_xlabel("step")
     ax.set_ylabel("noise scale (examples)")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(str(path))
-    return str(path)
+    return save_plot(fig, ax, path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+from jaxpar._text import agg_axes
 from jaxpar.parallel.pipeline._schedules import Schedule, bubble_fraction, num_ticks, peak_in_flight, timeline, validate
 from jaxpar.errors import ScheduleError, check_int
 
@@ -52,15 +53,10 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120,
     """
     validate(schedule)
     check_int("render_png", "dpi", dpi, 10, ScheduleError)
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     bars = _bars(schedule, timed)
     span = max([1] + [x + w for stage in bars for x, w, _ in stage])
 
-    fig = Figure(figsize=(min(40.0, max(6.0, 0.32 * span + 1.5)), 0.6 * schedule.num_stages + 1.6), dpi=dpi)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    fig, ax = agg_axes((min(40.0, max(6.0, 0.32 * span + 1.5)), 0.6 * schedule.num_stages + 1.6), dpi)
     _draw_actions(ax, bars, schedule.num_chunks, step_size)
     _draw_marks(ax, boundaries, updates)
     _label(ax, schedule, span, timed)
