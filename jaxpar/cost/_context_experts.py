@@ -133,7 +133,7 @@ def context_score_bytes(m: ModelSpec, rows: float, tensor: int, context: int, me
       rows: sequences per micro-batch on one device.
       tensor: the tensor-parallel size.
       context: the context-parallel size.
-      method: ``"ring"``, ``"all-gather"`` or ``"ulysses"``.
+      method: ``"ring"``, ``"all_gather"`` or ``"ulysses"``.
       remat: ``"none"``, ``"selective"`` or ``"full"``.
       bytes_per_value: bytes per value.
 

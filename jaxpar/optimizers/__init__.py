@@ -31,17 +31,16 @@ Example::
 from jaxpar.errors import MaskError, OptimizerError
 from jaxpar.optimizers._frozen_variance import adamw_frozen_variance, scale_by_adam_frozen_variance
 from jaxpar.optimizers._large_batch import lamb, lars, scale_by_layer_trust_ratio, stacked_axes, trust_mask
+from jaxpar.optimizers._learning_rate import learning_rate, schedule_state
 from jaxpar.optimizers._muon_routing import (MUON_ADAM_DEFAULTS, MUON_KERNEL_LAYOUTS, MUON_PLACEMENTS, MuonRoute,
                                              muon, muon_placements, muon_routes, muon_routing, muon_routing_table,
                                              scale_by_placed_muon)
 from jaxpar.optimizers._ranges import (HYPERPARAMETERS, LR_SCALING_RULES, check_hyperparameters,
                                        hyperparameter_problem, scaled_lr)
-from jaxpar.optimizers._learning_rate import learning_rate, schedule_state
 from jaxpar.parallel._muon_placement import MuonPlacement
 
 __all__ = ["LR_SCALING_RULES", "HYPERPARAMETERS", "MaskError", "OptimizerError", "hyperparameter_problem",
            "check_hyperparameters", "scaled_lr", "trust_mask", "stacked_axes", "scale_by_layer_trust_ratio", "lars",
            "lamb", "scale_by_adam_frozen_variance", "adamw_frozen_variance", "MUON_ADAM_DEFAULTS", "MUON_PLACEMENTS",
            "MUON_KERNEL_LAYOUTS", "MuonRoute", "MuonPlacement", "muon_routes", "muon_routing", "muon_routing_table",
-           "muon_placements", "scale_by_placed_muon", "muon",
-           "learning_rate", "schedule_state"]
+           "muon_placements", "scale_by_placed_muon", "muon", "learning_rate", "schedule_state"]
