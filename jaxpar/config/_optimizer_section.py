@@ -189,8 +189,9 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, global_batch: int
 
     def optimizer(learning_rate):
         if freeze_variance_step is not None:
+            decay = cfg.weight_decay if cfg.name == "adamw" else 0.0
             return opt_lib.adamw_frozen_variance(learning_rate, freeze_variance_step, b1=cfg.b1, b2=cfg.b2,
-                                                 eps=cfg.eps, weight_decay=cfg.weight_decay if cfg.name == "adamw" else 0.0)
+                                                 eps=cfg.eps, weight_decay=decay)
         tx = OPTIMIZERS[cfg.name](cfg, learning_rate, logical=logical, mask=mask, **extra)
         if cfg.name not in _OWN_DECAY and cfg.weight_decay:
             tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay), tx)

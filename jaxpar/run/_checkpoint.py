@@ -383,11 +383,9 @@ class Checkpointer:
     def _saved_opt_state(self, step: int, held: Any) -> Any:
         """The restore target of the optimizer state as the checkpoint holds it (dicts and lists): ``held``'s
         inner leaves where it has them, the saved schedules' counts replicated."""
-        want = {jax.tree_util.keystr(p, simple=True, separator="/"): a
-                for p, a in jax.tree_util.tree_flatten_with_path(held.inner_state)[0]}
+        want = {_key(p): a for p, a in jax.tree_util.tree_flatten_with_path(held.inner_state)[0]}
         return jax.tree_util.tree_map_with_path(
-            lambda p, m: want.get(jax.tree_util.keystr(p, simple=True, separator="/"),
-                                  jax.ShapeDtypeStruct((), m.dtype, sharding=held.count.sharding)),
+            lambda p, m: want.get(_key(p), jax.ShapeDtypeStruct((), m.dtype, sharding=held.count.sharding)),
             self._saved_opt_state_metadata(step))
 
     def _check_tree(self, step: int, abstract: Any) -> None:
@@ -417,10 +415,9 @@ def _with_schedule(held: Any, saved: Any, lr: float) -> Any:
     """The optimizer state ``saved`` (restored as the checkpoint holds it) in ``held``, the abstract
     ``optax.inject_hyperparams`` state: its inner state the saved leaves, its update count the largest saved
     ``count``, its learning rate ``lr`` until the next update sets it."""
-    flat = {jax.tree_util.keystr(p, simple=True, separator="/"): v
-            for p, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    flat = {_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
     paths, tree = jax.tree_util.tree_flatten_with_path(held.inner_state)
-    inner = tree.unflatten([flat[jax.tree_util.keystr(p, simple=True, separator="/")] for p, _ in paths])
+    inner = tree.unflatten([flat[_key(p)] for p, _ in paths])
     count = max((int(v) for k, v in flat.items() if k.split("/")[-1] == "count"), default=0)
     fill = lambda a, v: jax.device_put(jnp.full(a.shape, v, a.dtype), a.sharding)    # noqa: E731
     return held._replace(count=fill(held.count, count),
@@ -429,10 +426,13 @@ def _with_schedule(held: Any, saved: Any, lr: float) -> Any:
                          inner_state=inner)
 
 
+def _key(path: tuple) -> str:
+    """A leaf's path as Orbax's metadata and a target tree both name it (``opt_state/0/mu/w``)."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
 def _flat_shapes(tree: Any) -> dict:
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(getattr(leaf, "shape", ()))
-            for path, leaf in flat}
+    return {_key(p): tuple(getattr(leaf, "shape", ())) for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _tree_mismatch(saved: Any, target: Any) -> str | None:

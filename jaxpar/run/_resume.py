@@ -140,7 +140,8 @@ def schedule_change(record: Mapping[str, Any], step: int, steps: int,
             rates = (f": at step {step - 1} the learning rate was {last:.3g} in both runs, and it decays differently "
                      "from there")
         else:
-            rates = f": at step {step} the learning rate is {now:.3g} now, after {last:.3g} at step {step - 1} in the original run"
+            rates = (f": at step {step} the learning rate is {now:.3g} now, after {last:.3g} at step {step - 1} in the "
+                     "original run")
             jump = f" (the learning rate jumps at step {step})"
     if saved > step:
         fix = (f"To continue the original schedule, resume with train.steps={saved}; to change its length on "
