@@ -356,3 +356,14 @@ def test_relaxed_training_converges(tmp_path):
     assert res["b=1"]["ratio"] <= 1.01 and res["b=1"]["modelled_time"] < 0.8 * res["b=1"]["modelled_time_sync"], res
     assert res["s=4"]["final_loss"] > res["s=0"]["final_loss"], res
     assert (tmp_path / "relaxed_backup.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("sync,updates", [(local_sgd(2), 1), (stale(0, mode="async"), 2)], ids=["local", "async"])
+def test_the_logged_lr_is_the_one_the_optimizer_state_holds(sync, updates):
+    """With the schedule in ``optax.inject_hyperparams``, the local kinds log their inner optimizer's rate and the
+    asynchronous parameter server the rate of the step's last update (``updates`` per step: one per replica)."""
+    schedule = lambda count: 0.1 / (1.0 + count)       # noqa: E731
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
+    state, _, metrics = train({"replica": 2, "data": 4}, sync, steps=3, tx=tx)
+    want = [schedule((t + 1) * updates - 1) for t in range(3)]
+    np.testing.assert_allclose([float(m["lr"]) for m in metrics], want, rtol=1e-6)

@@ -263,12 +263,20 @@ def test_stashing_is_not_the_flushed_step():
 
 def test_compiled_program_runs_the_table_ticks():
     """On the compiled program: one tick loop of the table's 2mK + 2(p-1) ticks for K
-    optimizer steps (2m per step after the first), and 1F1B's per-step count with K = 1."""
+    optimizer steps (2m per step after the first), and 1F1B's per-step count with K = 1. Each stage
+    updates m = 2 times a step: step t logs the rate of its last update, ``schedule(2t + 1)``, which the
+    first stage's optimizer state holds (the schedule in ``optax.inject_hyperparams``)."""
     p, m, k = 2, 2, 2                                  # the program of the fsdp2-data2-sgd-K2 case
-    mesh, state, _, step = _setup(p, optax.sgd(0.5), m, steps=k, sizes=FSDP2)
-    hlo = step.lower(state, _stacked(_batches(k))).compile().as_text()
-    assert _trip_counts(hlo, TICKS_SCOPE) == [num_ticks(pipedream(p, m, k))] == [2 * m * k + 2 * (p - 1)]
+    schedule = lambda count: 0.5 / (1.0 + count)       # noqa: E731
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
+    mesh, state, _, step = _setup(p, tx, m, steps=k, sizes=FSDP2)
+    compiled = step.lower(state, _stacked(_batches(k))).compile()
+    ticks = [num_ticks(pipedream(p, m, k))]
+    assert _trip_counts(compiled.as_text(), TICKS_SCOPE) == ticks == [2 * m * k + 2 * (p - 1)]
     assert step.pipeline_program.n_slots == p      # version slots per stage in the program (sized by stage 0)
+    state, metrics = compiled(state, _stacked(_batches(k)))
+    np.testing.assert_allclose(jax.device_get(metrics["lr"]), [schedule(1), schedule(3)], rtol=1e-6)
+    assert float(jaxpar.optimizers.learning_rate(state.opt_state)) == pytest.approx(schedule(3), rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -444,3 +452,4 @@ def test_yaml_schedule_reads_the_step_not_the_update_count():
     want = [float(schedule(t)) for t in range(3) for _ in range(4)]
     np.testing.assert_allclose(lrs, want, rtol=1e-6)
     assert lrs[0] < lrs[4] < lrs[8]        # still warming up: the schedule moved once per step
+
