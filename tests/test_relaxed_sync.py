@@ -364,6 +364,6 @@ def test_the_logged_lr_is_the_one_the_optimizer_state_holds(sync, updates):
     asynchronous parameter server the rate of the step's last update (``updates`` per step: one per replica)."""
     schedule = lambda count: 0.1 / (1.0 + count)       # noqa: E731
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
-    state, _, metrics = train({"replica": 2, "data": 4}, sync, steps=3, tx=tx)
+    _, _, metrics = train({"replica": 2, "data": 4}, sync, steps=3, tx=tx)
     want = [schedule((t + 1) * updates - 1) for t in range(3)]
     np.testing.assert_allclose([float(m["lr"]) for m in metrics], want, rtol=1e-6)
