@@ -19,7 +19,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.batch import batch_sharding, check_batch
 from jaxpar.mesh import REPLICA, replicas
-from jaxpar.optimizers import learning_rate
 from jaxpar.rules import named_shardings
 from jaxpar.parallel.sync import DiLoCo
 from jaxpar.step._grads import global_grads
@@ -48,8 +47,7 @@ def local_train_step(loss_fn: Callable, layout: StateLayout, update: Update, *, 
     strategy, mesh, sync = layout.strategy, layout.mesh, layout.strategy.sync
     local = _LocalPrograms(loss_fn, layout, sync, update)
     per_replica = NamedSharding(mesh, P(REPLICA))       # per-replica metrics: no gather over ``replica``
-    holds_lr = learning_rate(jax.eval_shape(update.tx.init, layout.shapes)) is not None
-    msh = {"replica": per_replica, **({"lr": NamedSharding(mesh, P())} if holds_lr else {})}
+    msh = {"replica": per_replica}
     programs = {"step": jit_program(local.inner, layout, batch_sharding(mesh), donate=donate, metrics_sharding=msh),
                 "outer": jit_program(local.outer, layout, None, donate=donate,      # the state alone
                                      metrics_sharding={"replica_distance": per_replica})}
@@ -100,9 +98,8 @@ class _LocalPrograms:
 
     @staticmethod
     def replica_metrics(losses, m) -> dict:
-        """Per-replica ``[K]`` metrics (no gather over ``replica``) and the first replica's learning rate."""
-        rep = {"loss": losses, **{k: m[k] for k in ("grad_norm", "skipped") if k in m}}
-        return {"replica": rep, **({"lr": m["lr"][0]} if "lr" in m else {})}
+        """Per-replica ``[K]`` metrics, the learning rates among them (no gather over ``replica``)."""
+        return {"replica": {"loss": losses, **{k: m[k] for k in ("grad_norm", "skipped", "lr") if k in m}}}
 
     def inner(self, state: TrainState, batch):
         """Every replica's own optimizer step, no collective over ``replica``."""
@@ -150,9 +147,9 @@ class _LocalPrograms:
 def _replica_summary(metrics: dict) -> dict:
     """The step's metrics from the per-replica ones (:func:`~jaxpar.step._update.updates_metrics`:
     ``grad_norm`` the root mean square of the replicas' update norms, ``skipped`` every replica's
-    update skipped), the spread of their losses and their mean distance from the center; a program
-    of its own after the step (:class:`~jaxpar.step.TrainStep`'s ``summary``), since the inner
-    program must not communicate over ``replica``."""
+    update skipped, ``lr`` the first replica's), the spread of their losses and their mean distance from the
+    center; a program of its own after the step (:class:`~jaxpar.step.TrainStep`'s ``summary``), since the
+    inner program must not communicate over ``replica``."""
     rep = metrics["replica"]
     out = {k: v for k, v in metrics.items() if k != "replica"}
     if "replica_distance" in out:
@@ -160,5 +157,6 @@ def _replica_summary(metrics: dict) -> dict:
     k = rep["loss"].shape[0]
     skipped = jnp.sum(rep["skipped"].astype(jnp.int32)) if "skipped" in rep else None
     sq_norms = jnp.sum(jnp.square(rep["grad_norm"])) if "grad_norm" in rep else None
-    out.update(updates_metrics(jnp.mean(rep["loss"]), sq_norms, k, skipped))
+    lr = rep["lr"][0] if "lr" in rep else None
+    out.update(updates_metrics(jnp.mean(rep["loss"]), sq_norms, k, skipped, lr=lr))
     return {**out, "loss_spread": jnp.max(rep["loss"]) - jnp.min(rep["loss"])}
