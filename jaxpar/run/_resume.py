@@ -2,8 +2,8 @@
 checkpoint, train with checkpoints and metrics (:func:`jaxpar.run.train`), then write
 ``summary.json`` and the text samples.
 
-Plain values only: :class:`RunOptions` holds the run's settings (the CLI fills it from
-``train.*``, ``checkpoint.resume`` and ``logging.samples``, :func:`jaxpar.config.build_job`),
+:class:`RunOptions` holds the run's settings (the CLI fills it from ``train.*``, ``checkpoint.resume``,
+``logging.samples`` and the optimizer's learning-rate schedule, :func:`jaxpar.config.build_job`),
 :class:`~jaxpar.run.LogOptions` how it reports, and a
 :class:`~jaxpar.run.Checkpointer` where its checkpoints go.
 
