@@ -330,9 +330,10 @@ class Checkpointer:
         """The state of ``step`` into ``abstract``, the tree as it was saved; an optimizer state saved without
         the ``optax.inject_hyperparams`` schedule ``abstract``'s has (by a jaxpar before ``jaxpar train``
         injected it) is restored inside it (:func:`_with_schedule`)."""
-        if (held := self._saved_unscheduled(step, abstract)) is not None:
-            saved = self._saved_opt_state(step, held)
-            state = self._restore_as_saved(step, abstract._replace(opt_state=saved), target, meta, renames)
+        if (found := self._saved_unscheduled(step, abstract)) is not None:
+            held, saved = found
+            state = self._restore_as_saved(step, abstract._replace(opt_state=_saved_target(held, saved)), target,
+                                           meta, renames)
             lr = (meta.get("schedule") or {}).get("lr", float("nan"))     # the rate the run resumes with
             return state._replace(opt_state=_with_schedule(held, state.opt_state, lr))
         ocp = self._ocp
@@ -361,32 +362,22 @@ class Checkpointer:
                 warnings.warn(p.message, CheckpointWarning, stacklevel=4)
         return type(abstract)(**state)
 
-    def _saved_opt_state_metadata(self, step: int) -> Any:
-        saved = self._manager.item_metadata(step)["state"]
-        saved = getattr(saved, "tree", saved)
-        return saved.get("opt_state") if isinstance(saved, dict) else None
-
-    def _saved_unscheduled(self, step: int, abstract: Any) -> Any:
-        """``abstract.opt_state`` when it is an ``optax.inject_hyperparams`` state of the learning rate alone
-        (``jaxpar train``'s) and the checkpoint holds its ``inner_state``, plus the update counts of the
-        schedules that are in it now; else None."""
+    def _saved_unscheduled(self, step: int, abstract: Any) -> tuple[Any, Any] | None:
+        """``(abstract.opt_state, the saved optimizer state's metadata)`` when the target is an
+        ``optax.inject_hyperparams`` state of the learning rate alone (``jaxpar train``'s) and the checkpoint
+        holds its ``inner_state``, plus the update counts of the schedules that are in it now; else None."""
         held = getattr(abstract, "opt_state", None)
         if held is None or schedule_state(held) is not held or set(held.hyperparams) != {"learning_rate"}:
             return None
-        if (saved := self._saved_opt_state_metadata(step)) is None:
+        saved = self._manager.item_metadata(step)["state"]
+        saved = getattr(saved, "tree", saved)
+        if not isinstance(saved, dict) or "opt_state" not in saved:
             return None
-        have, want = _flat_shapes(saved), _flat_shapes(held.inner_state)
+        have, want = _flat_shapes(saved["opt_state"]), _flat_shapes(held.inner_state)
         extra = set(have) - set(want)
         same = all(have.get(k) == v for k, v in want.items())
-        return held if same and all(k.split("/")[-1] == "count" and have[k] == () for k in extra) else None
-
-    def _saved_opt_state(self, step: int, held: Any) -> Any:
-        """The restore target of the optimizer state as the checkpoint holds it (dicts and lists): ``held``'s
-        inner leaves where it has them, the saved schedules' counts replicated."""
-        want = {_key(p): a for p, a in jax.tree_util.tree_flatten_with_path(held.inner_state)[0]}
-        return jax.tree_util.tree_map_with_path(
-            lambda p, m: want.get(_key(p), jax.ShapeDtypeStruct((), m.dtype, sharding=held.count.sharding)),
-            self._saved_opt_state_metadata(step))
+        counts = all(k.split("/")[-1] == "count" and have[k] == () for k in extra)
+        return (held, saved["opt_state"]) if same and counts else None
 
     def _check_tree(self, step: int, abstract: Any) -> None:
         """Raises :class:`CheckpointMismatchError` when the saved ``params`` or ``opt_state`` are
@@ -409,6 +400,14 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)}: {what} saved as another tree than this run's ({diff}): "
                 f"{why}. It cannot be restored, and no older checkpoint is tried (they share it). Resume with the "
                 "settings the checkpoint was saved with, or start a new run.")
+
+
+def _saved_target(held: Any, saved: Any) -> Any:
+    """The restore target of an optimizer state as the checkpoint holds it (``saved``, its metadata: dicts and
+    lists): ``held``'s inner leaves where it has them, the saved schedules' counts replicated."""
+    want = {_key(p): a for p, a in jax.tree_util.tree_flatten_with_path(held.inner_state)[0]}
+    return jax.tree_util.tree_map_with_path(
+        lambda p, m: want.get(_key(p), jax.ShapeDtypeStruct((), m.dtype, sharding=held.count.sharding)), saved)
 
 
 def _with_schedule(held: Any, saved: Any, lr: float) -> Any:
