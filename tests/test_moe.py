@@ -20,7 +20,7 @@ from jaxpar.analysis import collectives, count
 from jaxpar.adapters._loss_metrics import with_reported_metrics
 from jaxpar.parallel import add_zero_axes, tensor_rules
 from jaxpar.parallel.moe import (MOE_LOGICAL, MoE, MoEError, balanced, capacity, expert_rules, load_cv, moe_apply, route,
-                                 update_router_bias, use_router_bias)
+                                 send_rows, update_router_bias, use_router_bias)
 from jaxpar.rules import logical_to_spec
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -196,17 +196,19 @@ def reference(params, x, probe, opts):
     return jax.tree.map(np.asarray, out)
 
 
-def a2a_check(compiled, mesh, opts, forward_and_backward=True):
-    """2 all-to-alls over ``expert`` per direction, each of the capacity formula's bytes; no all-gather
-    over ``expert``. Returns the bytes of one all-to-all."""
+def a2a_check(compiled, mesh, opts, forward_and_backward=True, *, Tg=T, Dm=D, Eg=E):
+    """The routed rows' all-to-alls over ``expert``: one of the per-expert counts (``E`` int32), then
+    ``[E_p, S, D]`` float32 rows out and back (and their transposes in the backward); no all-gather over
+    ``expert``. Returns the bytes of one rows all-to-all."""
     colls = collectives(compiled, mesh)
     sizes = dict(mesh.shape)
-    shards = math.prod(sizes[a] for a in BATCH_AXES)
-    C = capacity(T, E, opts["top_k"], opts["capacity_factor"])
-    expected = (G // shards) * E * C * D * 4              # one device's [G/n, E, C, D] float32 buffer
+    shards, peers = math.prod(sizes[a] for a in BATCH_AXES), sizes["expert"]
+    C = capacity(Tg, Eg, opts["top_k"], opts["capacity_factor"])
+    tokens = Tg // sizes.get("context", 1)         # a device's part of each row (context parallelism)
+    expected = peers * send_rows(G // shards, tokens, opts["top_k"], Eg, peers, C) * Dm * 4
     a2a = [c for c in colls if c.kind == "all-to-all"]
-    assert count(colls, "all-to-all", axes=("expert",)) == len(a2a) == (4 if forward_and_backward else 2), a2a
-    assert {c.bytes for c in a2a} == {expected}, (a2a, expected)
+    assert count(colls, "all-to-all", axes=("expert",)) == len(a2a) == (5 if forward_and_backward else 3), a2a
+    assert sorted(c.bytes for c in a2a) == [Eg * 4] + [expected] * (len(a2a) - 1), (a2a, expected)
     gathers = [c for c in colls if c.kind == "all-gather" and (c.axes is None or "expert" in c.axes)]
     assert not gathers, gathers
     return expected
@@ -249,8 +251,8 @@ def test_forward_has_two_all_to_alls_and_the_expert_weights_stay_sharded():
         compiled = jax.jit(functools.partial(moe_apply, **opts)).lower(*args).compile()
         y, _ = compiled(*args)
     np.testing.assert_allclose(y, moe_apply(params, x, **opts)[0], **TOL)
-    # G/n = 8/4 groups per device, C = ceil(1.0 * 8 * 2 / 8) = 2 slots: [2, 8, 2, 8] float32
-    assert a2a_check(compiled, mesh, opts, forward_and_backward=False) == 2 * E * 2 * D * 4
+    # G/n = 8/4 groups per device, C = ceil(1.0 * 8 * 2 / 8) = 2: S = 2 * (8/4) * 2 rows a peer, [4, 8, 8] float32
+    assert a2a_check(compiled, mesh, opts, forward_and_backward=False) == 4 * 8 * D * 4
     for name in ("w1", "w2"):                      # memory: each device holds exactly 1/E_p of the experts
         shards = args[0][name].addressable_shards
         assert len(shards) == 4 and {s.data.nbytes for s in shards} == {args[0][name].nbytes // 4}
@@ -325,7 +327,7 @@ def test_a_batch_rule_without_the_expert_axis_still_matches():
         y, stats = compiled(params, x)
     ref_y, ref_stats = moe_apply(params, x, **opts)
     assert_trees_close((y, stats), (ref_y, ref_stats), **TOL)
-    assert count(collectives(compiled, mesh), "all-to-all", axes=("expert",)) == 2
+    assert count(collectives(compiled, mesh), "all-to-all", axes=("expert",)) == 3
 
 
 @need_devices(8)
@@ -475,7 +477,7 @@ GATED_EP_CASES = {      # mesh, capacity factor, shared experts' width, rules pu
 @pytest.mark.parametrize("name", list(GATED_EP_CASES))
 def test_gated_experts_under_expert_parallelism_match_one_device(name):
     """SwiGLU experts (w3 split like w1: over ``expert``, and its ``mlp`` over ``tensor``) under EP equal
-    one device: loss, output, stats, routing masks and every gradient at 1e-5; still 2 + 2 all-to-alls."""
+    one device: loss, output, stats, routing masks and every gradient at 1e-5; the routed rows out and back, and their transposes."""
     sizes, cf, shared, first_rules = GATED_EP_CASES[name]
     need = math.prod(sizes.values())
     if jax.device_count() < need:
@@ -496,9 +498,7 @@ def test_gated_experts_under_expert_parallelism_match_one_device(name):
     assert_trees_close(out, ref, **TOL)
     (_, (_, stats, _, _, kept)), _ = out
     assert (int(stats.dropped) == 0) if cf is None else (int(stats.dropped) > 0 and not kept.all())
-    colls = collectives(compiled, mesh)
-    assert count(colls, "all-to-all", axes=("expert",)) == count(colls, "all-to-all") == 4
-    assert not [c for c in colls if c.kind == "all-gather" and (c.axes is None or "expert" in c.axes)]
+    a2a_check(compiled, mesh, opts, Tg=8, Dm=GD)
 
 
 def test_gated_module_adds_w3_and_keeps_the_other_weights():

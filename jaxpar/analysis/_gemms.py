@@ -45,18 +45,46 @@ def gemms(hlo: str) -> list[Gemm]:
     >>> gemms(hlo)
     [Gemm(lhs='f8e4m3fn', rhs='f8e4m3fn', flops=128.0, op_name='')]
     """
-    shapes = {name: (dtype, [int(d) for d in dims.split(",") if d]) for name, dtype, dims in _DEF.findall(hlo)}
-    out = []
+    shapes = _shapes(hlo)
+    return [g for g in (_gemm(line, shapes) for line in hlo.splitlines()) if g is not None]
+
+
+def dot_flops(hlo: str, unknown_trips: float = 1.0) -> float:
+    """The GEMM FLOPs of one execution of ``compiled.as_text()``: each computation's dots and cuBLAS calls
+    times how often it runs (:func:`~jaxpar.analysis.trip_counts`).
+
+    Args:
+      hlo: the HLO text.
+      unknown_trips: the trip count of a while loop whose count is known only at run time (MoE's tile
+        loops): 0 leaves their FLOPs out, 1 gives one trip's.
+
+    Returns:
+      The FLOPs (a float).
+    """
+    shapes, mult, total, computation = _shapes(hlo), trip_counts(hlo, unknown=unknown_trips), 0.0, ""
     for line in hlo.splitlines():
-        gemm = _GEMM.search(line)
-        if not (gemm and (" dot(" in line or "__cublas" in line)):
-            continue
-        result, lhs, rhs = (shapes.get(v, ("", [])) for v in gemm.groups())
-        contract = _CONTRACT.search(line)
-        k = math.prod(lhs[1][int(d.strip('"'))] for d in contract.group(1).split(",") if d) if contract else 0
-        name = _OP_NAME.search(line)
-        out.append(Gemm(lhs[0], rhs[0], 2.0 * math.prod(result[1]) * k, name.group(1) if name else ""))
-    return out
+        if line and not line[0].isspace():
+            computation = m.group(1) if line.rstrip().endswith("{") and (
+                m := re.match(r"(?:ENTRY )?%?([\w.\-]+)", line)) else computation
+        elif (g := _gemm(line, shapes)) is not None:
+            total += g.flops * mult.get(computation, 0.0)
+    return total
+
+
+def _shapes(hlo: str) -> dict[str, tuple[str, list[int]]]:
+    return {name: (dtype, [int(d) for d in dims.split(",") if d]) for name, dtype, dims in _DEF.findall(hlo)}
+
+
+def _gemm(line: str, shapes) -> Gemm | None:
+    """The GEMM of one HLO line, or None."""
+    gemm = _GEMM.search(line)
+    if not (gemm and (" dot(" in line or "__cublas" in line)):
+        return None
+    result, lhs, rhs = (shapes.get(v, ("", [])) for v in gemm.groups())
+    contract = _CONTRACT.search(line)
+    k = math.prod(lhs[1][int(d.strip('"'))] for d in contract.group(1).split(",") if d) if contract else 0
+    name = _OP_NAME.search(line)
+    return Gemm(lhs[0], rhs[0], 2.0 * math.prod(result[1]) * k, name.group(1) if name else "")
 
 
 def fp8_gemms(hlo: str) -> dict[str, dict[str, float]]:

@@ -135,17 +135,19 @@ def _count(init: int, limit: int, step: int, direction: str) -> int | None:
     return max(0, -(-span // abs(step)))
 
 
-def trip_counts(text: str, branch_weights: dict[str, list[float]] | None = None) -> dict[str, float]:
+def trip_counts(text: str, branch_weights: dict[str, list[float]] | None = None, *, unknown: float = 1.0
+                ) -> dict[str, float]:
     """How many times each computation runs per execution of the entry computation.
 
     A while loop's body and condition run its known trip count times per execution of the
-    loop (1 when unknown); a called computation runs as often as its caller. A computation
+    loop (``unknown`` times when it is known only at run time); a called computation runs as often as its caller. A computation
     reached along several paths keeps the largest count.
 
     Args:
       text: the HLO text (``compiled.as_text()``).
       branch_weights: ``{conditional name: [fraction of its executions that take branch i]}``;
         a conditional not in it counts every branch as taken on every execution (an upper bound).
+      unknown: the trip count of a loop whose count is neither known nor readable from the loop.
 
     Returns:
       ``{computation name: times it runs}`` (a branch never taken is recorded with 0);
@@ -165,7 +167,7 @@ def trip_counts(text: str, branch_weights: dict[str, list[float]] | None = None)
             return
         mult[comp] = k
         for ins in by_comp.get(comp, ()):
-            trip = trips.get(ins.name, 1) if ins.opcode == "while" else 1
+            trip = trips.get(ins.name, unknown) if ins.opcode == "while" else 1
             called = called_computations(ins)
             branches = branch_computations(ins) if ins.opcode == "conditional" else []
             w = weights.get(ins.name)

@@ -1,24 +1,34 @@
-"""Dense capacity dispatch, the experts' MLPs, the combine, and expert parallelism (EP) over ``expert``.
+"""Sorted dispatch: each expert computes the rows routed to it and no others, with expert parallelism (EP)
+over ``expert``.
 
-The dense layout (GShard): each group's kept choices go into a buffer ``[groups, experts, capacity,
-embed]`` (a one-hot einsum), every expert runs on its ``C`` slots, and the outputs are read back with
-the combine weights. When the rules shard ``experts`` (:func:`expert_rules`), this runs in a
-``jax.shard_map`` manual over the expert axes and the token axes, with two all-to-alls over
-``expert`` each way (docs/strategies.md, "Expert parallelism", draws it). Expert axes the ``batch``
-rule does not name split the batch on entry and gather the output on exit. Under context
-parallelism (the axes of the ``length`` rule) the buffer is reduce-scattered over the slots first and
-all-gathered back before the combine.
+**On one device** (:func:`routed_mlp`) a device's ``N·k`` choices are sorted by expert (a stable
+argsort; dropped choices go last and are never computed). A loop over *tiles* of ``TILE_ROWS`` rows,
+each inside one expert's run of sorted rows, gathers the tile's token rows, runs the expert and
+scatter-adds ``weight · y`` back into the tokens. The loop runs only the tiles the routing uses:
+``sum_e ceil(rows_e / tile)``, so the experts' FLOPs are the routed rows', padded per expert at most
+to a tile. No row buffer is built: the forward saves only the experts' pre-activations, in the sorted
+layout (``[N·k, M]``, ``[N·k, 2M]`` gated), and the backward (a custom VJP) walks the same tiles.
 
-**The experts** (:func:`expert_mlp`): ``w2(act(x w1))``, or with an up projection ``w3`` the gated
-MLP of Mixtral, Qwen-MoE and DeepSeek, ``w2(act(x w1) * (x w3))``; ``act`` is one of
-:data:`ACTIVATIONS`.
+**Expert parallelism** (the rules shard ``experts``: :func:`expert_rules`): in a ``jax.shard_map``
+manual over the token axes and the expert axes, each device packs its kept choices by destination
+peer into ``[E_p, S, D]`` (sorted by expert within a peer), sends the per-expert counts (``E`` int32)
+and the rows with one ``all_to_all`` each, runs :func:`routed_mlp` on what it received, and one
+``all_to_all`` brings the outputs back, where each choice reads its row with its weight. ``S`` bounds
+what one device can send one peer: ``G·(E/E_p)·min(C, T)`` with capacity ``C`` (about ``cf ×`` the
+routed rows over ``E_p``), and ``N·k`` dropless, where one peer may receive everything
+(docs/strategies.md, "Expert parallelism", states what this costs). Under context parallelism each
+device dispatches its own part of the sequence. Without a rule for ``experts``, the same region is
+manual over the token axes alone, so that each device sorts its own tokens.
+
+**The experts**: ``w2(act(x w1))``, or with an up projection ``w3`` the gated MLP of Mixtral, Qwen-MoE and
+DeepSeek, ``w2(act(x w1) * (x w3))``; ``act`` is one of :data:`ACTIVATIONS`.
 
 >>> import jax, jax.numpy as jnp
->>> xe = jnp.ones((1, 2, 3, 4))
->>> expert_mlp(xe, jnp.ones((2, 4, 5)), jnp.ones((2, 5, 4))).shape
-(1, 2, 3, 4)
->>> expert_mlp(xe, jnp.ones((2, 4, 5)), jnp.ones((2, 5, 4)), jnp.ones((2, 4, 5)), activation="silu").shape
-(1, 2, 3, 4)
+>>> x = jnp.arange(6.0).reshape(3, 2)                  # 3 tokens
+>>> w1, w2 = jnp.ones((2, 2, 4)), jnp.ones((2, 4, 2))  # 2 experts
+>>> rows, expert = jnp.array([0, 2, 2]), jnp.array([1, 0, 2])   # expert 2 (= E): dropped
+>>> routed_mlp(x, rows, jnp.array([1.0, 0.5, 1.0]), expert, w1, w2, activation="silu").tolist()[1]
+[0.0, 0.0]
 """
 
 from __future__ import annotations
@@ -28,16 +38,20 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxpar.mesh import EXPERT
-from jaxpar.parallel._regions import collective_in, enter, reduce_dtype, region_axes, region_spec, spec_entry
-from jaxpar.rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes, shard_map_mesh
+from jaxpar.parallel._regions import enter, reduce_dtype, region_axes, region_spec, spec_entry
+from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 from jaxpar.parallel.moe._routing import MoEError
 
 #: The experts' activations by name: ``gelu`` is ``jax.nn.gelu`` (its default, tanh-approximate), ``silu``
 #: is ``jax.nn.silu`` (``x * sigmoid(x)``; Hugging Face's ``hidden_act="silu"``).
 ACTIVATIONS = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
+
+#: Rows of one expert tile by platform: the GEMMs' row block (docs/strategies.md, "Expert parallelism").
+TILE_ROWS = {"cpu": 32, "gpu": 128, "cuda": 128, "rocm": 128, "tpu": 128}
 
 
 def activation_fn(activation: str):
@@ -80,55 +94,185 @@ def gated_hidden(eq: str, x: jax.Array, w1: jax.Array, w3: jax.Array | None, act
     return h if w3 is None else h * jnp.einsum(eq, x, w3)
 
 
-def expert_mlp(xe: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array | None = None, *,
-               activation: str = "gelu") -> jax.Array:
-    """Every expert's MLP on its buffer ``xe[G, E, C, D]``: ``act(xe w1) w2``, or gated ``(act(xe w1) * (xe w3)) w2``.
+def tile_rows(mesh=None) -> int:
+    """The expert tile of the platform of ``mesh``'s devices (the default backend's without one).
+
+    >>> tile_rows()
+    32
+    """
+    devices = getattr(mesh, "devices", None)
+    platform = devices.flat[0].platform if isinstance(devices, np.ndarray) and devices.size else jax.default_backend()
+    return TILE_ROWS.get(platform, 128)
+
+
+# ----------------------------------------------------------------- the tiles of one device's sorted rows
+
+def _tiles(expert: jax.Array, experts: int, tile: int):
+    """The sorted order of ``expert`` (``experts``: not computed, last) and the tile table: the number of
+    tiles used, and per tile (a static bound of them) its expert, first sorted row and end of its expert's rows."""
+    order = jnp.argsort(expert, stable=True)
+    counts = jnp.bincount(expert, length=experts + 1)[:experts]
+    ends = jnp.cumsum(counts)
+    per = (counts + tile - 1) // tile
+    last = jnp.cumsum(per)
+    t = jnp.arange(-(-expert.shape[0] // tile) + experts)
+    e = jnp.minimum(jnp.searchsorted(last, t, side="right"), experts - 1)
+    first = ends[e] - counts[e] + (t - last[e] + per[e]) * tile
+    return order, last[-1], e, first, ends[e]
+
+
+def _sorted(v: jax.Array, order: jax.Array, tile: int) -> jax.Array:
+    """``v[order]`` and ``tile`` zeros after it (a tile may start at the last rows)."""
+    return jnp.concatenate([v[order], jnp.zeros((tile, *v.shape[1:]), v.dtype)])
+
+
+def _tile(t, table, tile: int, *sorted_arrays):
+    """Tile ``t``: its expert, first row, the mask of its expert's rows and its slices of ``sorted_arrays``."""
+    e, first, end = table[0][t], table[1][t], table[2][t]
+    valid = first + jnp.arange(tile) < end
+    return e, first, valid, [jax.lax.dynamic_slice_in_dim(a, first, tile) for a in sorted_arrays]
+
+
+def _pre(xt, w1e, w3e):
+    """An expert's pre-activations on a tile: ``x w1`` (and ``x w3``, gated) side by side."""
+    return xt @ w1e if w3e is None else jnp.concatenate([xt @ w1e, xt @ w3e], axis=-1)
+
+
+def _hidden(pre, act, gated: bool):
+    """``act(a)`` (times ``b``, gated) from the pre-activations ``[a | b]``."""
+    if not gated:
+        return act(pre)
+    a, b = jnp.split(pre, 2, axis=-1)
+    return act(a) * b
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _routed(x, rows, weight, expert, ws, tile, activation, mlp_axes=()):
+    return _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, save=False)[0]
+
+
+def _routed_fwd(x, rows, weight, expert, ws, tile, activation, mlp_axes=()):
+    return _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, save=True)
+
+
+def _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, *, save: bool):
+    """The tile loop of :func:`routed_mlp`; with ``save``, the pre-activations the backward reads, too.
+    ``mlp_axes``: manual axes splitting the experts' ``M`` (tensor parallelism): ``y`` is summed over them."""
+    w1, w2, w3 = ws
+    act, E, M = activation_fn(activation), w1.shape[0], w1.shape[-1]
+    order, used, *table = _tiles(expert, E, tile)
+    srows, sweight = _sorted(rows, order, tile), _sorted(weight.astype(jnp.float32), order, tile)
+    pre0 = jnp.zeros((rows.shape[0] + tile if save else 0, M * (1 + (w3 is not None))), x.dtype)
+
+    def body(t, carry):
+        y, pre = carry
+        e, first, valid, (r, w) = _tile(t, table, tile, srows, sweight)
+        p = _pre(x[r], w1[e], None if w3 is None else w3[e])
+        yt = (_hidden(p, act, w3 is not None) @ w2[e]).astype(jnp.float32)
+        y = y.at[r].add(yt * jnp.where(valid, w, 0.0)[:, None])
+        return y, jax.lax.dynamic_update_slice_in_dim(pre, p, first, 0) if save else pre
+
+    y, pre = jax.lax.fori_loop(0, used, body, (jnp.zeros(x.shape, jnp.float32), pre0))
+    y = jax.lax.psum(y, mlp_axes) if mlp_axes else y
+    return y.astype(x.dtype), (x, rows, weight, expert, ws, order, used, table, pre)
+
+
+def _routed_bwd(tile, activation, mlp_axes, res, g):
+    # a manual region divides the cotangent of an output unsplit over an axis by its size and sums its
+    # inputs' cotangents over it: the transpose of the forward's sum over ``mlp_axes`` is a sum
+    g = jax.lax.psum(g, mlp_axes) if mlp_axes else g
+    x, rows, weight, expert, (w1, w2, w3), order, used, table, pre = res
+    act, gated = activation_fn(activation), w3 is not None
+    srows, sweight = _sorted(rows, order, tile), _sorted(weight.astype(jnp.float32), order, tile)
+    f32 = functools.partial(jnp.zeros, dtype=jnp.float32)
+
+    def body(t, carry):
+        dx, dws, dw1, dw2, dw3 = carry
+        e, first, valid, (r, w, p) = _tile(t, table, tile, srows, sweight, pre)
+        h, hidden_vjp = jax.vjp(lambda p: _hidden(p, act, gated), p)
+        gh = g[r] @ w2[e].T                                      # d loss / d h, before the weight
+        w = jnp.where(valid, w, 0.0)
+        dws = jax.lax.dynamic_update_slice_in_dim(dws, jnp.where(valid, jnp.sum(gh * h, -1, jnp.float32), 0.0),
+                                                  first, 0)
+        dp = hidden_vjp((gh * w[:, None]).astype(h.dtype))[0]
+        xt = x[r]
+        dw2 = dw2.at[e].add(h.T @ (g[r] * w[:, None]).astype(h.dtype))
+        if gated:
+            da, db = jnp.split(dp, 2, axis=-1)
+            dw1, dw3 = dw1.at[e].add(xt.T @ da), dw3.at[e].add(xt.T @ db)
+            dxt = da @ w1[e].T + db @ w3[e].T
+        else:
+            dw1, dxt = dw1.at[e].add(xt.T @ dp), dp @ w1[e].T
+        return dx.at[r].add(dxt.astype(jnp.float32)), dws, dw1, dw2, dw3
+
+    init = (f32(x.shape), f32(rows.shape[0] + tile), f32(w1.shape), f32(w2.shape), f32(w1.shape if gated else ()))
+    dx, dws, dw1, dw2, dw3 = jax.lax.fori_loop(0, used, body, init)
+    dweight = jnp.zeros(weight.shape, jnp.float32).at[order].set(dws[:rows.shape[0]]).astype(weight.dtype)
+    dws_out = (dw1.astype(w1.dtype), dw2.astype(w2.dtype), dw3.astype(w3.dtype) if gated else None)
+    return dx.astype(x.dtype), None, dweight, None, dws_out
+
+
+_routed.defvjp(_routed_fwd, _routed_bwd)
+
+
+def routed_mlp(x: jax.Array, rows: jax.Array, weight: jax.Array, expert: jax.Array, w1: jax.Array, w2: jax.Array,
+               w3: jax.Array | None = None, *, activation: str = "gelu", tile: int | None = None) -> jax.Array:
+    """``y[rows[c]] += weight[c] * expert_{expert[c]}(x[rows[c]])`` over the choices ``c``, on one device's
+    rows (see the module docstring): the experts compute the routed rows only, in tiles.
 
     Args:
-      xe: the experts' buffers.
-      w1: ``[E, D, M]``, the gate projection when ``w3`` is given.
-      w2: ``[E, M, D]``, the down projection.
-      w3: optional ``[E, D, M]`` up projection (a gated MLP: SwiGLU with ``activation="silu"``).
+      x: ``[R, D]`` rows.
+      rows: int ``[n]``, each choice's row of ``x`` (and of the output).
+      weight: ``[n]`` combine weights.
+      expert: int ``[n]``, each choice's expert; ``E`` (the number of experts): not computed.
+      w1, w2: ``[E, D, M]``, ``[E, M, D]`` stacked expert weights.
+      w3: optional ``[E, D, M]`` up projection (gated experts; ``w1`` is then the gate).
       activation: a key of :data:`ACTIVATIONS`.
+      tile: rows per tile; the default backend's :func:`tile_rows` when None.
 
     Returns:
-      ``[G, E, C, D]``.
+      ``[R, D]``, ``x``'s dtype (accumulated in float32).
     """
-    return jnp.einsum("gecm,emd->gecd", gated_hidden("gecd,edm->gecm", xe, w1, w3, activation), w2)
+    return _routed(x, rows, weight, expert, (w1, w2, w3), tile or tile_rows(), activation)
 
 
-def _masks(expert, slot, weight, experts: int, cap: int, dtype):
-    """One-hot dispatch and weighted combine masks ``[G, T, E, C]`` (a slot >= C is all zeros)."""
-    e = jax.nn.one_hot(expert, experts, dtype=dtype)                       # [G, T, k, E]
-    c = jax.nn.one_hot(slot, cap, dtype=dtype)                             # [G, T, k, C]
-    dispatch = jnp.einsum("gtke,gtkc->gtec", e, c)
-    combine = jnp.einsum("gtke,gtkc->gtec", e * weight.astype(dtype)[..., None], c)
-    return dispatch, combine
+# ----------------------------------------------------------------- the layer's dispatch, local or expert parallel
+
+def _local_moe(x, expert, kept, weight, ws, *, activation: str, tile: int, mlp_axes=()):
+    """:func:`routed_mlp` over one device's tokens ``x[G, T, D]`` and their choices ``[G, T, k]``."""
+    G, T, k = expert.shape
+    rows = jnp.repeat(jnp.arange(G * T), k)
+    e = jnp.where(kept, expert, ws[0].shape[0]).reshape(-1)
+    y = _routed(x.reshape(G * T, -1), rows, weight.reshape(-1), e, ws, tile, activation, mlp_axes)
+    return y.reshape(x.shape)
 
 
-def _local_moe(x, expert, slot, weight, w1, w2, w3=None, *, cap: int, experts: int, axes: tuple[str, ...],
-               seq: tuple[str, ...] = (), activation: str = "gelu", wire=None):
-    """Dispatch, experts (:func:`expert_mlp`), combine on one device's tokens; all-to-alls over ``axes``
-    when given. With ``seq`` (the axes splitting the sequence: context parallelism) each device holds a
-    part of every row: its buffer (only its tokens' slots filled) is summed over ``seq`` and scattered
-    over the slots (``cap`` is a multiple of their size), so each device runs the experts on ``C / size``
-    slots, and the outputs are gathered back over the slots before the combine; both in ``wire``
-    (:func:`jaxpar.parallel._regions.reduce_dtype`; ``None``: the tokens' dtype)."""
-    dispatch, combine = _masks(expert, slot, weight, experts, cap, x.dtype)
-    xe = jnp.einsum("gtec,gtd->gecd", dispatch, x)
-    wire = x.dtype if wire is None else wire
-    if seq:
-        xe = collective_in(wire, functools.partial(jax.lax.psum_scatter, axis_name=seq, scatter_dimension=2,
-                                                   tiled=True), xe)
-    if axes:
-        xe = jax.lax.all_to_all(xe, axes, split_axis=1, concat_axis=0, tiled=True)
-        h = constrain(gated_hidden("gecd,edm->gecm", xe, w1, w3, activation), (None, None, None, "mlp"))
-        ye = jax.lax.all_to_all(jnp.einsum("gecm,emd->gecd", h, w2), axes, split_axis=0, concat_axis=1, tiled=True)
-    else:
-        ye = expert_mlp(xe, w1, w2, w3, activation=activation)
-    if seq:
-        ye = collective_in(wire, functools.partial(jax.lax.all_gather, axis_name=seq, axis=2, tiled=True), ye)
-    return jnp.einsum("gtec,gecd->gtd", combine, ye)
+def _ep_moe(x, expert, kept, weight, ws, *, axes: tuple[str, ...], peers: int, send: int, activation: str,
+            tile: int, mlp_axes=()):
+    """Expert parallelism on one device's tokens: pack by peer, two ``all_to_all`` out (counts and rows),
+    :func:`routed_mlp` on the local experts, one back (see the module docstring)."""
+    G, T, k = expert.shape
+    D, local, E = x.shape[-1], ws[0].shape[0], ws[0].shape[0] * peers
+    e = jnp.where(kept, expert, E).reshape(-1)
+    order = jnp.argsort(e, stable=True)
+    counts = jnp.bincount(e, length=E + 1)[:E]
+    per_peer = counts.reshape(peers, local).sum(1)
+    start = jnp.cumsum(per_peer) - per_peer
+    j = jnp.arange(send)
+    packed = order[jnp.minimum(start[:, None] + j, e.shape[0] - 1)] // k           # [E_p, S] token rows
+    out = jnp.where((j < per_peer[:, None])[..., None], x.reshape(G * T, D)[packed], 0)
+    recv = jax.lax.all_to_all(out, axes, 0, 0, tiled=True)
+    received = jnp.cumsum(jax.lax.all_to_all(counts.reshape(peers, local), axes, 0, 0, tiled=True), axis=1)
+    local_e = jax.vmap(lambda c: jnp.searchsorted(c, j, side="right"))(received)   # [E_p, S]; local: not a row
+    y = _routed(recv.reshape(peers * send, D), jnp.arange(peers * send), jnp.ones(peers * send, jnp.float32),
+                local_e.reshape(-1), ws, tile, activation, mlp_axes)
+    back = jax.lax.all_to_all(y.reshape(peers, send, D), axes, 0, 0, tiled=True).reshape(peers * send, D)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+    peer = jnp.minimum(e // local, peers - 1)
+    at = jnp.where(e < E, peer * send + rank - start[peer], 0)
+    w = jnp.where(e < E, weight.reshape(-1), 0.0)
+    y = jnp.einsum("nk,nkd->nd", w.reshape(G * T, k), back[at].reshape(G * T, k, D).astype(jnp.float32))
+    return y.astype(x.dtype).reshape(x.shape)
 
 
 def _split_axes(mesh, rules, logical: str, what: str) -> tuple[str, ...]:
@@ -150,21 +294,31 @@ def _check_ep(experts: int, groups: int, ep: tuple[str, ...], tokens: tuple[str,
                        f"batch that is a multiple of {n}.")
 
 
+def send_rows(groups: int, tokens: int, top_k: int, experts: int, peers: int, capacity: int) -> int:
+    """``S``, the rows one device's ``groups x tokens`` can send one of ``peers`` expert-parallel peers:
+    ``groups · (experts / peers) · min(capacity, tokens)``, at most all its ``groups · tokens · top_k`` choices.
+
+    >>> send_rows(2, 64, 2, 8, 4, 20), send_rows(2, 64, 2, 8, 4, 64)     # capacity 1.25, dropless
+    (80, 256)
+    """
+    return min(groups * tokens * top_k, groups * (experts // peers) * min(capacity, tokens))
+
+
 def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: jax.Array, w1: jax.Array,
                      w2: jax.Array, *, capacity: int, w3: jax.Array | None = None,
                      activation: str = "gelu") -> jax.Array:
     """The experts' output for tokens ``x[G, T, D]`` routed by ``expert``, ``slot``, ``weight`` (``[G, T, k]``,
     see :class:`~jaxpar.parallel.moe.Routing`), with expert weights ``w1[E, D, M]``, ``w2[E, M, D]`` and
-    optionally ``w3[E, D, M]`` (gated experts, :func:`expert_mlp`).
+    optionally ``w3[E, D, M]`` (gated experts); a choice whose slot is ``>= capacity`` is dropped.
 
-    Without rules, or when ``experts`` is not sharded, one dense computation (GSPMD shards it by the
-    arrays' shardings). Otherwise expert parallelism as the module docstring draws it.
+    Without rules, one device's :func:`routed_mlp`. Under rules, a region manual over the token axes, and
+    the expert axes when the rules shard ``experts`` (the module docstring).
 
     Args:
       x: tokens.
       expert, slot, weight: the routing.
       w1, w2: stacked expert weights.
-      capacity: buffer slots per group and expert.
+      capacity: slots per group and expert.
       w3: optional stacked up projections (gated experts; ``w1`` is then the gate), split like ``w1``.
       activation: a key of :data:`ACTIVATIONS`.
 
@@ -174,33 +328,42 @@ def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: j
     if w3 is not None and w3.shape != w1.shape:
         raise MoEError(f"the experts' up projection w3 has shape {tuple(w3.shape)}; it must be shaped like the "
                        f"gate projection w1, {tuple(w1.shape)} ([experts, embed, mlp]).")
-    E = w1.shape[0]
-    local = dict(cap=capacity, experts=E, activation=activation)
-    ws = (w1, w2) if w3 is None else (w1, w2, w3)
+    activation_fn(activation)
+    E, kept = w1.shape[0], slot < capacity
     ctx = current_rules()
-    ep = () if ctx is None else _split_axes(*ctx, "experts", "MoE expert weights ('experts' axis)")
-    if not ep:
-        return _local_moe(x, expert, slot, weight, *ws, axes=(), **local)
+    if ctx is None:
+        return _local_moe(x, expert, kept, weight, (w1, w2, w3), activation=activation, tile=tile_rows())
     mesh, rules = ctx
+    ep = _split_axes(mesh, rules, "experts", "MoE expert weights ('experts' axis)")
     batch = _split_axes(mesh, rules, "batch", "MoE tokens ('batch' axis)")
-    tokens = batch + tuple(a for a in ep if a not in batch)      # the group dimension's axes in the EP region
-    _check_ep(E, x.shape[0], ep, tokens, dict(mesh.shape))
+    tokens = batch + tuple(a for a in ep if a not in batch)      # the group dimension's axes in the region
     seq = tuple(a for a in _split_axes(mesh, rules, "length", "MoE tokens ('length' axis)") if a not in tokens + ep)
-    if seq:                     # the slots are scattered over the sequence axes: a multiple of their size
-        n = math.prod(mesh.shape[a] for a in seq)
-        local["cap"] = -(-capacity // n) * n
-        slot = jnp.where(slot < capacity, slot, local["cap"])     # the padding slots stay empty
-    tok = PartitionSpec(spec_entry(tokens), spec_entry(seq)) if seq else PartitionSpec(spec_entry(tokens))
-    wspec = PartitionSpec(spec_entry(ep))
-    manual = region_axes(mesh, tokens + ep + seq)
-    local["wire"] = reduce_dtype(x.dtype, mesh, manual)    # bf16, or float32 where XLA:CPU needs it
+    local = dict(activation=activation, tile=tile_rows(mesh))
+    if not tokens + seq:
+        return _local_moe(x, expert, kept, weight, (w1, w2, w3), **local)
+    # the experts' M over the tensor axes stays split (a sum of y in the region), unless they split the tokens
+    mlp = tuple(a for a in _split_axes(mesh, rules, "mlp", "MoE expert hidden ('mlp' axis)") if a not in tokens + seq)
+    local["mlp_axes"] = mlp
+    sizes = dict(mesh.shape)
+    _check_ep(E, x.shape[0], ep, tokens, sizes)
+    if ep:
+        peers = math.prod(sizes[a] for a in ep)
+        G, T = x.shape[0] // math.prod(sizes[a] for a in tokens), x.shape[1] // math.prod(sizes[a] for a in seq)
+        local |= dict(axes=ep, peers=peers, send=send_rows(G, T, expert.shape[-1], E, peers, capacity))
+    tok = PartitionSpec(spec_entry(tokens), spec_entry(seq))
+    wspec = [PartitionSpec(spec_entry(ep), None, spec_entry(mlp)), PartitionSpec(spec_entry(ep), spec_entry(mlp))]
+    manual = region_axes(mesh, tokens + ep + seq + mlp)
+    wire = reduce_dtype(x.dtype, mesh, manual)      # bf16, or float32 where XLA:CPU needs it
+    ws = tuple(w for w in (w1, w2, w3) if w is not None)
     dtypes = [w.dtype for w in ws]
-    ws = tuple(enter(w, wspec, mesh, manual, local["wire"]) for w in ws)   # unsplit over the token axes
+    specs = (wspec[0], wspec[1], wspec[0])[:len(ws)]
+    ws = tuple(enter(w, s, mesh, manual, wire) for w, s in zip(ws, specs))   # unsplit over the token axes
 
-    def body(x, expert, slot, weight, ws):      # ws: (w1, w2[, w3]), each split over ``ep`` on its experts axis
+    def body(x, expert, kept, weight, ws):      # ws: (w1, w2[, w3]), each split over ``ep`` on its experts axis
         ws = [w.astype(d) for w, d in zip(ws, dtypes)]
-        return _local_moe(x, expert, slot, weight, *ws, axes=ep, seq=seq, **local)
+        ws = (*ws, None) if len(ws) == 2 else tuple(ws)
+        return (_ep_moe if ep else _local_moe)(x, expert, kept, weight, ws, **local)
 
-    in_specs = (*(region_spec(tok, 2, mesh, manual),) * 4, region_spec(wspec, 3, mesh, manual))
+    in_specs = (*(region_spec(tok, 2, mesh, manual),) * 4, tuple(region_spec(s, 3, mesh, manual) for s in specs))
     return jax.shard_map(body, mesh=shard_map_mesh(mesh), in_specs=in_specs, out_specs=tok, axis_names=manual,
-                         check_vma=False)(x, expert, slot, weight, ws)
+                         check_vma=False)(x, expert, kept, weight, ws)
