@@ -11,6 +11,17 @@ for E = 1, 2, 4, 8: the median step time over ``--reps`` rounds in which the fou
 and 1F1B on pipe 2 x expert 2 x data 2) runs a forward pass over the micro-batches first: the step
 time with the aux loss against aux 0 (no pass), as the median of per-round ratios.
 
+**The dispatch** (``--baseline``, default ``e46ff18``: the dense one-hot dispatch, its
+``jaxpar/parallel/moe/_dispatch.py`` loaded from git into this process in place of today's): the GPT
+(embed 128, 4 heads, 2 layers unrolled, 32 experts of hidden 256, top-4, 32 x 256 tokens, fp32, SGD)
+on ``data 2 x expert 4``, dropless and at capacity 1.25, against its dense twin (the same GPT with a
+dense MLP of hidden 4 x 256, on ``data 8``: the same tokens per device): each compiled step's GEMM FLOPs per device
+(:func:`jaxpar.analysis.dot_flops`; a tile loop's trips are known only at run time, so its FLOPs per
+trip are counted ``rows / tile + E / E_p`` times, ``rows`` = the device's mean kept rows from the step's
+drop rate: the most its tiles can be; the exchange's further rounds are not counted: at ``S = 1.25 x``
+the mean rows a peer, none runs here), its temporaries, and the step time as the median of per-round
+ratios to the twin's.
+
 **Convergence.** ``jaxpar train configs/quickstart.yaml`` (``--steps``, the same batches and tokens)
 for the dense GPT (MLP hidden 512), the MoE GPT (8 experts of hidden 256, top-2: 2 x 256 = 512 active
 MLP hidden per token, the dense GPT's; capacity factor ``--capacity``) with the load-balancing loss
@@ -21,14 +32,18 @@ last 25 steps, and the mean drop rate.
 Usage::
 
     python benchmarks/moe.py [--reps 5] [--steps 300] [--capacity 1.25 | null] [--skip-speed]
-        [--skip-loads-pass] [--skip-convergence] [--json out.json]
+        [--skip-loads-pass] [--skip-convergence] [--skip-dispatch] [--baseline COMMIT] [--json out.json]
 """
 from __future__ import annotations
 
 import _common  # noqa: F401  (sets up 8 CPU devices first)
 
 import argparse
+import contextlib
+import importlib.util
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,13 +53,15 @@ import optax
 from flax import nnx
 
 import jaxpar
-from jaxpar.analysis import collectives
+from jaxpar.analysis import collectives, dot_flops
 from jaxpar.cost import load_cluster
 from jaxpar.cost import gpt
 from jaxpar.cost import Plan
 from jaxpar.cost import evaluate
 from jaxpar.models import GPT, GPTConfig, lm_loss
 from jaxpar.models import MoESettings
+from jaxpar.parallel.moe import _layer as moe_layer
+from jaxpar.parallel.moe import tile_rows
 
 from _common import environment, markdown_table, quickstart_run, write_json
 
@@ -112,6 +129,88 @@ def speed(reps: int, cluster) -> list[dict]:
     return rows
 
 
+def _baseline_dispatch(commit: str):
+    """The ``dispatch_combine`` of ``commit``'s ``jaxpar/parallel/moe/_dispatch.py`` (it imports today's
+    jaxpar modules, whose names it shares)."""
+    text = subprocess.run(["git", "show", f"{commit}:jaxpar/parallel/moe/_dispatch.py"], check=True,
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    path = Path(tempfile.mkdtemp()) / "baseline_dispatch.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("baseline_dispatch", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.dispatch_combine
+
+
+@contextlib.contextmanager
+def _dispatching(fn):
+    """Trace the MoE layers with ``fn`` as their dispatch (None: today's)."""
+    saved = moe_layer.dispatch_combine
+    moe_layer.dispatch_combine = fn or saved
+    try:
+        yield
+    finally:
+        moe_layer.dispatch_combine = saved
+
+
+DISPATCH = dict(seq=256, rows=32, embed=128, heads=4, layers=2, mlp=256, experts=32, top_k=4, axes={"data": 2, "expert": 4})
+
+
+def _dispatch_step(capacity, dense: bool, baseline=None) -> dict:
+    """One compiled step of the dispatch table's GPT (``dense``: its twin), with what it compiles to."""
+    d = DISPATCH
+    moe = None if dense else MoESettings(experts=d["experts"], top_k=d["top_k"], capacity_factor=capacity)
+    cfg = GPTConfig(vocab=256, seq_len=d["seq"], embed=d["embed"], heads=d["heads"], layers=d["layers"],
+                    mlp=d["mlp"] * (d["top_k"] if dense else 1), scan_layers=False, moe=moe)
+    mesh = jaxpar.make_mesh({"data": 8} if dense else d["axes"], devices=jax.devices()[:8])
+    tx = optax.sgd(1e-3)
+    state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh)
+    t = np.random.default_rng(0).integers(0, 256, (d["rows"], d["seq"] + 1)).astype(np.int32)
+    batch = jaxpar.shard_batch({"tokens": t[:, :-1], "targets": t[:, 1:]}, mesh)
+    with _dispatching(baseline):
+        compiled = jaxpar.make_train_step(lm_loss, tx, layout).lower(state, batch).compile()
+    text = compiled.as_text()
+    state, metrics = compiled(state, batch)
+    kept = d["rows"] * d["seq"] * d["top_k"] / 8 * (1 - float(metrics.get("moe/drop_rate", 0.0)))
+    tiles = kept / tile_rows(mesh) + d["experts"] / d["axes"]["expert"]
+    # dot_flops(u) = K + A u + B u^2: the first round's tile loops (A), the further rounds' (B: nested in a
+    # loop over rounds, which runs 0 times while no device has more than S rows for one peer)
+    f0, f1, f2 = (dot_flops(text, u) for u in (0.0, 1.0, 2.0))
+    flops = f0 + tiles * (4 * f1 - f2 - 3 * f0) / 2
+    return {"run": [compiled, state, batch], "flops": flops,
+            "temp": compiled.memory_analysis().temp_size_in_bytes,
+            "a2a": sum(c.bytes for c in collectives(text, mesh) if c.kind == "all-to-all")}
+
+
+def _timed_compiled(runs: dict, reps: int) -> dict:
+    """As :func:`_timed`, for compiled steps."""
+    times = {k: [] for k in runs}
+    for _ in range(reps + 1):
+        for k, run in runs.items():
+            t = time.perf_counter()
+            run[1], metrics = run[0](run[1], run[2])
+            jax.block_until_ready(metrics["loss"])
+            times[k].append(time.perf_counter() - t)
+    return {k: v[1:] for k, v in times.items()}
+
+
+def dispatch(reps: int, baseline: str) -> list[dict]:
+    """The dispatch table (the module docstring): sorted against the baseline's dense dispatch."""
+    old = _baseline_dispatch(baseline)
+    runs = {"dense twin": _dispatch_step(None, True)}
+    for cf in (None, 1.25):
+        name = "dropless" if cf is None else f"capacity {cf}"
+        runs[f"{name}, sorted"] = _dispatch_step(cf, False)
+        runs[f"{name}, dense dispatch ({baseline})"] = _dispatch_step(cf, False, old)
+    times = _timed_compiled({k: r["run"] for k, r in runs.items()}, reps)
+    twin = runs["dense twin"]
+    return [{"run": k, "flops_vs_twin": r["flops"] / twin["flops"], "temp_vs_twin": r["temp"] / twin["temp"],
+             "temp_mib": r["temp"] / 2 ** 20, "a2a_mib": r["a2a"] / 2 ** 20,
+             "step_ms": 1e3 * statistics.median(times[k]),
+             "time_vs_twin": statistics.median(a / b for a, b in zip(times[k], times["dense twin"]))}
+            for k, r in runs.items()]
+
+
 def convergence(steps: int, capacity: str) -> list[dict]:
     base = [f"train.steps={steps}", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"]
     moe = ["mesh.expert=4", "model.mlp=256", "model.moe.experts=8", "model.moe.top_k=2",
@@ -143,8 +242,17 @@ def main() -> None:
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-convergence", action="store_true")
     ap.add_argument("--skip-loads-pass", action="store_true")
+    ap.add_argument("--skip-dispatch", action="store_true")
+    ap.add_argument("--baseline", default="e46ff18", help="the commit of the dense dispatch to compare with")
     ap.add_argument("--json")
     args = ap.parse_args()
+    table = [] if args.skip_dispatch else dispatch(args.reps, args.baseline)
+    if table:
+        print(markdown_table(["run", "GEMM FLOPs vs twin", "temporaries vs twin", "temporaries MiB",
+                              "all-to-all MiB", "step ms", "step vs twin"],
+                             [[r["run"], f"{r['flops_vs_twin']:.2f}", f"{r['temp_vs_twin']:.2f}", f"{r['temp_mib']:.1f}",
+                               f"{r['a2a_mib']:.2f}", f"{r['step_ms']:.0f}", f"{r['time_vs_twin']:.2f}"]
+                              for r in table]))
     fast = [] if args.skip_speed else speed(args.reps, load_cluster(CLUSTER))
     print(environment())
     if fast:
@@ -165,7 +273,7 @@ def main() -> None:
                               "drop rate"],
                              [[r["run"], f"{r['eval_loss']:.4f}", f"{r['final_train_loss']:.4f}", fmt(r, "cv_first", ".3f"),
                                fmt(r, "cv_last", ".3f"), fmt(r, "drop_rate", ".4f")] for r in conv]))
-    write_json(args.json, {"environment": environment(), "speed": fast, "loads_pass": passes, "convergence": conv})
+    write_json(args.json, {"environment": environment(), "dispatch": table, "speed": fast, "loads_pass": passes, "convergence": conv})
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from jaxpar.cost._model import ModelSpec
 
+#: Rows of one expert tile on GPUs and TPUs (:data:`jaxpar.parallel.moe._dispatch.TILE_ROWS`; 32 on CPU).
+EXPERT_TILE = 128
+
 
 def score_fraction(method: str, context: int, balance: bool) -> float:
     """The attention scores one device computes, as a fraction of the whole ``s x s`` square per head.
@@ -82,34 +85,90 @@ def ring_hops(context: int, kv: float, compute_bytes: float, redo: bool) -> list
             ("collective-permute", grads, 1, "")]
 
 
-def expert_slots(m: ModelSpec, rows: float, context: int) -> float:
-    """Capacity slots of one device's buffer in an MoE layer: ``rows`` groups (sequences; under CP each
-    device's ``s/C`` tokens of a sequence are a group) of ``E * cap`` slots.
+def send_rows(m: ModelSpec, rows: float, context: int, expert: int) -> float:
+    """``S``, the rows one device can send one of its ``E_p`` expert-parallel peers in an MoE layer
+    (:func:`jaxpar.parallel.moe._dispatch.send_rows`): ``min(G·T·k, G·(E/E_p)·min(cap, T))`` for its
+    ``G = rows`` groups (sequences) of ``T = s/C`` tokens; ``cap`` = :meth:`ModelSpec.capacity` of a
+    whole sequence (``T`` dropless).
 
     Args:
       m: the model.
       rows: sequences per micro-batch on one device.
       context: the context-parallel size ``C``.
+      expert: the expert-parallel size ``E_p``.
 
     Returns:
-      The number of slots.
+      The number of rows.
 
     >>> from jaxpar.cost._model import gpt
-    >>> expert_slots(gpt(2, 64, 4, 32, 128, 8, experts=8, top_k=2, capacity_factor=1.0), 2, 1)   # 2 * 8 * 8
-    128
+    >>> m = gpt(2, 64, 4, 64, 128, 8, experts=8, top_k=2)               # cap = ceil(1.25 * 64 * 2 / 8) = 20
+    >>> send_rows(m, 2, 1, 4), send_rows(m, 2, 4, 4)                     # min(256, 2 * 2 * 20), min(64, 2 * 2 * 16)
+    (80.0, 64.0)
     """
-    return rows * m.experts * m.capacity(m.seq // context)
+    T = m.seq / context
+    return min(rows * T * m.top_k, rows * (m.experts / expert) * min(m.capacity(m.seq), T))
 
 
-def expert_collectives(m: ModelSpec, rows: float, context: int, compute_bytes: float, remat: str
+def expert_slots(m: ModelSpec, rows: float, context: int, expert: int) -> float:
+    """The rows of one device's sorted layout in an MoE layer, the length (less a tile) of the experts'
+    saved pre-activations: the ``E_p·S`` rows it receives under EP (:func:`send_rows`), its ``N·k``
+    choices without (``N = rows·s/C`` tokens).
+
+    Args:
+      m: the model.
+      rows: sequences per micro-batch on one device.
+      context: the context-parallel size ``C``.
+      expert: the expert-parallel size ``E_p``.
+
+    Returns:
+      The number of rows.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> m = gpt(2, 64, 4, 64, 128, 8, experts=8, top_k=2)
+    >>> expert_slots(m, 2, 1, 4), expert_slots(m, 2, 1, 1)               # 4 * 80, 2 * 64 * 2
+    (320.0, 256.0)
+    """
+    if expert > 1:
+        return expert * send_rows(m, rows, context, expert)
+    return rows * m.seq / context * m.top_k
+
+
+def routed_rows(m: ModelSpec, rows: float, context: int, expert: int, tile: int = EXPERT_TILE) -> float:
+    """The rows one device's experts compute in an MoE layer, on average under balanced routing: the kept
+    choices, ``min(N·k, G·E·cap/C)`` (a group keeps at most ``cap`` per expert over its ``C`` context
+    devices), plus half a ``tile`` of padding for each of the ``E/E_p`` experts on the device.
+
+    Args:
+      m: the model.
+      rows: sequences per micro-batch on one device (``G``).
+      context: the context-parallel size ``C``.
+      expert: the expert-parallel size ``E_p``.
+      tile: rows per expert tile (:data:`EXPERT_TILE`).
+
+    Returns:
+      The number of rows.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> m = gpt(2, 64, 4, 64, 128, 8, experts=8, top_k=2, capacity_factor=0.5)    # cap = 8
+    >>> routed_rows(m, 2, 1, 4, tile=32)                                   # min(256, 2 * 8 * 8) + 2 * 16
+    160.0
+    """
+    kept = min(rows * m.seq / context * m.top_k, rows * m.experts * m.capacity(m.seq) / context)
+    return kept + m.experts / expert * tile / 2
+
+
+def expert_collectives(m: ModelSpec, rows: float, context: int, expert: int, compute_bytes: float, remat: str
                        ) -> list[tuple[str, float, int]]:
-    """The EP all-to-alls of one MoE layer and micro-batch on one device: 2 forward, 2 backward (and 2
-    recomputed under full recomputation) of the capacity buffer, ``slots·h·cb`` bytes each.
+    """The EP all-to-alls of one MoE layer and micro-batch on one device: the per-expert counts (``E``
+    int32) once, and the rows, ``E_p·S·h·cb`` bytes each (:func:`send_rows`), out and back in the forward
+    and their transposes in the backward; under recomputation the forward's run again (the experts'
+    inputs and the rows brought back are not matmul outputs, so ``selective`` recomputes them too).
 
     Args:
       m: the model.
       rows: sequences per micro-batch on one device.
       context: the context-parallel size.
+      expert: the expert-parallel size ``E_p``.
       compute_bytes: bytes per value.
       remat: ``"none"``, ``"selective"`` or ``"full"``.
 
@@ -117,10 +176,39 @@ def expert_collectives(m: ModelSpec, rows: float, context: int, compute_bytes: f
       ``(kind, bytes, count)`` per group of collectives.
 
     >>> from jaxpar.cost._model import gpt
-    >>> expert_collectives(gpt(2, 64, 4, 32, 128, 8, experts=8, capacity_factor=1.0), 2, 1, 2, "none")
-    [('all-to-all', 16384, 4)]
+    >>> expert_collectives(gpt(2, 64, 4, 32, 128, 8, experts=8, capacity_factor=1.0), 2, 1, 4, 2, "none")
+    [('all-to-all', 32, 1), ('all-to-all', 16384.0, 4)]
     """
-    return [("all-to-all", expert_slots(m, rows, context) * m.hidden * compute_bytes, 4 + 2 * (remat == "full"))]
+    redo = remat != "none"
+    rows_bytes = expert_slots(m, rows, context, expert) * m.hidden * compute_bytes
+    return [("all-to-all", 4 * m.experts, 1 + redo), ("all-to-all", rows_bytes, 4 + 2 * redo)]
+
+
+def expert_reductions(m: ModelSpec, rows: float, context: int, expert: int, compute_bytes: float, remat: str
+                      ) -> list[tuple[float, int]]:
+    """The tensor all-reduces of one MoE layer and micro-batch on one device (the experts' ``M`` split over
+    ``tensor``): the experts' fp32 output forward, its cotangent (``cb``) backward, each on the rows the
+    experts return: ``E_p·S`` under EP, the ``N`` tokens without. Under EP with recomputation the forward's
+    runs again (its rows go back through the all-to-all).
+
+    Args:
+      m: the model.
+      rows: sequences per micro-batch on one device.
+      context: the context-parallel size.
+      expert: the expert-parallel size ``E_p``.
+      compute_bytes: bytes per value.
+      remat: ``"none"``, ``"selective"`` or ``"full"``.
+
+    Returns:
+      ``(bytes, count)`` per all-reduce.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> expert_reductions(gpt(2, 64, 4, 32, 128, 8, experts=8), 2, 1, 1, 2, "none")      # 64 tokens
+    [(16384, 1), (8192, 1)]
+    """
+    n = expert_slots(m, rows, context, expert) if expert > 1 else rows * m.seq / context
+    redo = expert > 1 and remat != "none"
+    return [(n * m.hidden * 4, 1 + redo), (n * m.hidden * compute_bytes, 1)]
 
 
 def context_score_bytes(m: ModelSpec, rows: float, tensor: int, context: int, method: str, remat: str,
@@ -207,34 +295,42 @@ def dense_mlp_bytes(tokens: float, hidden: int, tensor: int, sequence_parallel: 
     return tokens * hidden * per * bytes_per_value / 2
 
 
-def moe_mlp_bytes(m: ModelSpec, rows: float, tensor: int, context: int, sequence_parallel: bool,
-                  bytes_per_value: float) -> float:
+def moe_mlp_bytes(m: ModelSpec, rows: float, tensor: int, context: int, expert: int, sequence_parallel: bool,
+                  bytes_per_value: float, remat: str = "none", tile: int = EXPERT_TILE) -> float:
     """Bytes an MoE layer's MLP keeps for the backward on one device, in place of :func:`dense_mlp_bytes`:
-    its input (``N·h``, ``/t`` with SP), the dispatch and combine masks (``N·E·cap`` each), the capacity
-    buffers into and out of the experts (``slots·h`` each), the experts' hidden before and after the GELU
-    (``slots·M/t`` each), the shared experts' (``N·S/t`` each) and the router's fp32 logits and
-    probabilities (``2·N·E`` fp32). ``N = rows·s/C`` tokens, ``slots`` = :func:`expert_slots`.
+    its input (``N·h``, ``/t`` with SP), the shared experts' hidden before and after the activation
+    (``N·S/t`` each), the router's fp32 logits and probabilities (``2·N·E`` fp32), and without
+    recomputation the experts' pre-activations in the sorted layout (``(slots + tile)·M/t``,
+    :func:`expert_slots`); under EP also the received rows (``E_p·S·h``) and the ``N·k`` rows brought
+    back, in fp32 for the combine. ``N = rows·s/C`` tokens. Under ``selective`` recomputation the
+    experts' inputs and pre-activations are not matmul outputs: they are recomputed, not kept.
 
     Args:
       m: the model.
       rows: sequences per micro-batch on one device.
       tensor: the tensor-parallel size ``t``.
       context: the context-parallel size ``C``.
+      expert: the expert-parallel size ``E_p``.
       sequence_parallel: Megatron's sequence parallelism.
       bytes_per_value: bytes per value.
+      remat: ``"none"`` or ``"selective"``.
+      tile: rows per expert tile (:data:`EXPERT_TILE`).
 
     Returns:
       Bytes per device.
 
     >>> from jaxpar.cost._model import gpt
-    >>> m = gpt(2, 64, 4, 32, 128, 8, experts=8, top_k=2, capacity_factor=1.0)
-    >>> moe_mlp_bytes(m, 1, 1, 1, False, 2) == 2 * (32 * 64 + 2 * 32 * 8 * 8 + 2 * 64 * 64 + 2 * 64 * 256) + 8 * 32 * 8
+    >>> m = gpt(2, 64, 4, 32, 128, 8, experts=8, top_k=2, capacity_factor=1.0)     # N = 32, slots = 64
+    >>> moe_mlp_bytes(m, 1, 1, 1, 1, False, 2) == 2 * (32 * 64 + (64 + 128) * 256) + 2 * 32 * 8 * 4
     True
     """
-    t = tensor
-    n = rows * m.seq / context
-    slots = expert_slots(m, rows, context)
-    cap = m.capacity(m.seq // context)
-    values = (n * m.hidden / (t if sequence_parallel else 1) + 2 * n * m.experts * cap + 2 * slots * m.hidden
-              + 2 * slots * m.expert_mlp / t + 2 * n * m.shared_mlp / t)
-    return values * bytes_per_value + 2 * n * m.experts * 4
+    t, n = tensor, rows * m.seq / context
+    values = n * m.hidden / (t if sequence_parallel else 1) + 2 * n * m.shared_mlp / t
+    kept = values * bytes_per_value + 2 * n * m.experts * 4
+    if remat != "none":
+        return kept
+    slots = expert_slots(m, rows, context, expert)
+    kept += (slots + tile) * m.expert_mlp / t * bytes_per_value
+    if expert > 1:
+        kept += slots * m.hidden * bytes_per_value + n * m.top_k * m.hidden * 4
+    return kept

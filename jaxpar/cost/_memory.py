@@ -102,7 +102,8 @@ def layer_activations(model: ModelSpec, sizes: Mapping[str, int], rows: float, *
         return out
     out += context_score_bytes(model, rows, t, C, context_method if C > 1 else "all_gather", remat, bpv)
     if moe:
-        out += moe_mlp_bytes(model, rows, t, C, sp, bpv) - dense_mlp_bytes(rows * s, model.hidden, t, sp, bpv)
+        out += (moe_mlp_bytes(model, rows, t, C, sizes.get("expert", 1), sp, bpv, remat)
+                - dense_mlp_bytes(rows * s, model.hidden, t, sp, bpv))
     return out
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from jaxpar.cost._cluster import FP8, Cluster
-from jaxpar.cost._context_experts import score_fraction
+from jaxpar.cost._context_experts import expert_slots, routed_rows, score_fraction
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import Plan
 
@@ -173,19 +173,31 @@ def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: 
 
 
 def _moe_kernels(m: ModelSpec, plan: Plan, rows: float, tokens: float, cb: float, full: int) -> list[Kernel]:
-    """The MoE MLP's kernels on one device (docs/planning.md §10): ``rows`` groups of ``T = s/C`` tokens."""
-    h, E, M, t = m.hidden, m.experts, m.expert_mlp, plan.tensor
-    T = m.seq / plan.context
-    cap = m.capacity(m.seq // plan.context)
-    ep = plan.expert
-    out = [matmul("router", 1, tokens, h, E, cb, passes=full),
-           matmul("dispatch", rows, E * cap, T, h, cb, passes=full - 1),
-           matmul("expert_fc1", E / ep, rows * ep * cap, h, M / t, cb, passes=full),
-           matmul("expert_fc2", E / ep, rows * ep * cap, M / t, h, cb, passes=full),
-           matmul("combine", rows, T, E * cap, h, cb, passes=full)]
+    """The MoE MLP's kernels on one device (docs/planning.md §10): the router, the experts' two GEMMs on the
+    routed rows (:func:`~jaxpar.cost._context_experts.routed_rows`, one batch per local expert), the rows'
+    gathers and scatter-adds (:func:`_expert_rows_bytes`) and the shared experts. The experts' backward
+    reads its saved pre-activations; any recomputation runs their forward again (they are not matmul outputs)."""
+    h, M, t, ep = m.hidden, m.expert_mlp, plan.tensor, plan.expert
+    local, routed = m.experts / ep, routed_rows(m, rows, plan.context, ep)
+    passes = 3 + (plan.remat != "none")
+    out = [matmul("router", 1, tokens, h, m.experts, cb, passes=full),
+           matmul("expert_fc1", local, routed / local, h, M / t, cb, passes=passes),
+           matmul("expert_fc2", local, routed / local, M / t, h, cb, passes=passes),
+           Kernel("expert_rows", 0.0, _expert_rows_bytes(m, plan, rows, routed, cb), passes=passes)]
     if m.shared_mlp:
         out += [matmul("shared_fc1", 1, tokens, h, m.shared_mlp / t, cb, passes=full),
                 matmul("shared_fc2", 1, tokens, m.shared_mlp / t, h, cb, passes=full)]
+    return out
+
+
+def _expert_rows_bytes(m: ModelSpec, plan: Plan, rows: float, routed: float, cb: float) -> float:
+    """Bytes of one pass of an MoE layer's row moves on one device: the ``routed`` rows gathered (read and
+    written) and their outputs scatter-added into the fp32 accumulator; under EP also the rows packed
+    into the send buffer (``E_p·S``) and the ``N·k`` choices' rows gathered back in fp32 and summed."""
+    out = routed * m.hidden * (3 * cb + 8)
+    if plan.expert > 1:
+        n = rows * m.seq / plan.context * m.top_k
+        out += (2 * expert_slots(m, rows, plan.context, plan.expert) * cb + n * (cb + 8)) * m.hidden
     return out
 
 
@@ -216,7 +228,8 @@ def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes
 
     Under CP a device has ``s/C`` tokens and its method's share of the softmax
     (:func:`~jaxpar.cost._context_experts.score_fraction` of ``s^2`` per head); in an MoE layer the
-    GELU runs on the capacity slots (``E·cap/T`` per token, of width ``M/t``) and the shared experts'.
+    GELU runs on the routed rows (:func:`~jaxpar.cost._context_experts.routed_rows`, about ``k`` per
+    token, of width ``M/t``) and the shared experts'.
 
     Args:
       m: the model.
@@ -239,8 +252,8 @@ def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes
     resid = 10 * m.hidden / (t if plan.strategy.sequence_parallel else 1)
     mlp = 2 * m.mlp / t
     if moe:
-        T = m.seq // C
-        mlp = 2 * m.experts * m.capacity(T) / T * m.expert_mlp / t + 2 * m.shared_mlp / t
+        routed = routed_rows(m, rows, C, plan.expert) / (rows * m.seq / C)      # per token
+        mlp = 2 * routed * m.expert_mlp / t + 2 * m.shared_mlp / t
     cp = plan.strategy.context_setting
     keys = m.seq * C * score_fraction(cp.method, C, cp.balance)   # scores per query token
     softmax = 0.0 if fused_attention and C == 1 else 2 * m.heads * keys / t * 4 * (passes + (plan.remat == "selective"))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Mapping
 
-from jaxpar.cost._context_experts import context_collectives, expert_collectives, expert_slots, ring_hops
+from jaxpar.cost._context_experts import context_collectives, expert_collectives, expert_reductions, ring_hops
 from jaxpar.cost._memory import leaf_shard_counts, pipe_end, sizes_key, zero_axes
 from jaxpar.cost._model import Leaf, ModelSpec
 from jaxpar.cost._parallel import AXES, BATCH_AXES, Plan
@@ -140,7 +140,7 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
     seq = m.seq / plan.context                                      # their tokens on this device
     act = rows * seq * m.hidden * compute_bytes                     # one activation of the residual stream
     if plan.tensor > 1:
-        _tensor_comms(add, m, plan, act, rows * seq * 4, lowering, rows * compute_bytes)
+        _tensor_comms(add, m, plan, act, rows * seq * 4, lowering, rows, compute_bytes)
     if plan.context > 1 or (plan.expert > 1 and m.moe_layers):
         _context_expert_comms(add, m, plan, act / plan.tensor, rows, compute_bytes)
     if plan.pipe > 1:
@@ -156,8 +156,8 @@ GRAD_AXES = BATCH_AXES + ("context",)
 
 def _context_expert_comms(add, m: ModelSpec, plan: Plan, kv: float, rows: float, cb: float) -> None:
     """CP: the method's collectives per layer and micro-batch
-    (:func:`~jaxpar.cost._context_experts.context_collectives`); EP: 4 all-to-alls per MoE layer and micro-batch
-    (:func:`~jaxpar.cost._context_experts.expert_collectives`)."""
+    (:func:`~jaxpar.cost._context_experts.context_collectives`); EP: per MoE layer and micro-batch the
+    counts' all-to-all and 4 of the routed rows (:func:`~jaxpar.cost._context_experts.expert_collectives`)."""
     mb = plan.strategy.microbatches
     if plan.context > 1:
         n_layer = (m.layers // plan.pipe) * mb
@@ -170,11 +170,12 @@ def _context_expert_comms(add, m: ModelSpec, plan: Plan, kv: float, rows: float,
             add(kind, ("context",), nbytes, count * n_layer, "context")
     if m.moe_layers:
         n_moe = m.moe_layers / plan.pipe * mb
-        for kind, nbytes, count in expert_collectives(m, rows, plan.context, cb, plan.remat):
+        for kind, nbytes, count in expert_collectives(m, rows, plan.context, plan.expert, cb, plan.remat):
             add(kind, ("expert",), nbytes, count * n_moe, "expert")
 
 
-def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lowering: str, row_bytes: float) -> None:
+def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lowering: str, rows: float,
+                  cb: float) -> None:
     """TP / SP: per layer per micro-batch, then the embedding, the head and the loss (``stats``: fp32
     softmax statistics). With a pipeline the embedding (first stage) and the head (last) are apart:
     the busiest stage, the last, has only the head's.
@@ -185,9 +186,10 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
     (TP) or two all-gathers and one reduce-scatter (SP) per layer; Megatron's full recomputation runs
     the whole layer forward again (two reductions; two all-gathers and two reduce-scatters).
 
-    An MoE layer without SP reduces its experts' row-parallel output (and its input gradient) on the
-    capacity buffer, ``slots * h`` (``row_bytes``: bytes per value times sequences per device), in place of
-    the MLP's activation; under SP the MoE layer is counted as a dense one (an approximation).
+    An MoE layer without SP reduces its experts' output (and its cotangent) on the rows they return
+    (:func:`~jaxpar.cost._context_experts.expert_reductions`; ``rows`` sequences per device, ``cb`` bytes
+    per value) in place of the MLP's activation; under SP the MoE layer is counted as a dense one (an
+    approximation).
 
     A lockstep pipeline (SP with ``pipe`` > 1, :func:`~._schedule.runs_in_lockstep`) runs every tick's
     action on every stage, masked in its bubble: ``vm + p - 1`` forwards and as many backwards of each
@@ -198,10 +200,11 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
         v = plan.strategy.virtual_stages
         mb = (plan.strategy.microbatches * v + plan.pipe - 1) / v
     n_layer = (m.layers // plan.pipe) * mb
-    moe = 0            # MoE layers whose MLP reductions are on the capacity buffer
+    moe = 0            # MoE layers whose MLP reductions are on the experts' rows
     if m.moe_layers and not plan.strategy.sequence_parallel and lowering != "megatron":
         moe = m.moe_layers / plan.pipe * mb
-        add("all-reduce", ("tensor",), expert_slots(m, 1, plan.context) * row_bytes * m.hidden, 2 * moe, "tensor")
+        for nbytes, count in expert_reductions(m, rows, plan.context, plan.expert, cb, plan.remat):
+            add("all-reduce", ("tensor",), nbytes, count * moe, "tensor")
     ends = 1 if plan.pipe > 1 and not lock else 2
     cpu = lowering == "xla-cpu"
     if lowering == "megatron":

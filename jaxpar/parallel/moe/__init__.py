@@ -26,7 +26,7 @@ every sharded run equals, drops included (capacity is per batch row, which no st
 >>> bool(jnp.allclose(y1, y4, atol=1e-6)), int(s1.dropped) == int(s4.dropped)
 (True, True)
 """
-from jaxpar.parallel.moe._dispatch import (ACTIVATIONS, TILE_ROWS, activation_fn, dispatch_combine, expert_rules,
+from jaxpar.parallel.moe._dispatch import (ACTIVATIONS, DROPLESS_SEND_FACTOR, TILE_ROWS, activation_fn, dispatch_combine, expert_rules,
                                          routed_mlp, send_rows, tile_rows)
 from jaxpar.parallel.moe._balance import (LAYER_LOADS, Balance, Probe, balanced, prepass_loads, probe, reported_loads,
                                           use_router_bias, use_step_loads)
@@ -41,7 +41,7 @@ __all__ = [
     "count_moe_calls", "use_step_loads", "LAYER_LOADS", "router_bias", "use_router_bias",
     "need_router_bias", "reported_loads", "Balance", "Probe", "balanced", "prepass_loads", "probe",
     "buffer_slots", "capacity", "check_options", "dispatch_combine", "expert_rules", "routed_mlp", "send_rows",
-    "TILE_ROWS", "tile_rows",
+    "TILE_ROWS", "tile_rows", "DROPLESS_SEND_FACTOR",
     "load_balancing_loss", "load_cv", "moe_apply", "route", "routing_stats", "shared_mlp",
     "top_k_experts", "update_router_bias",
 ]

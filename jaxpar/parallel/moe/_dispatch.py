@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -181,6 +182,15 @@ def _routed_bwd(tile, activation, mlp_axes, res, g):
     # a manual region divides the cotangent of an output unsplit over an axis by its size and sums its
     # inputs' cotangents over it: the transpose of the forward's sum over ``mlp_axes`` is a sum
     g = jax.lax.psum(g, mlp_axes) if mlp_axes else g
+    x, weight, ws = res[0], res[2], res[4]
+    dx, dweight, dws = _backward(res, g, tile, activation)
+    return (dx.astype(x.dtype), None, dweight.astype(weight.dtype), None,
+            tuple(None if d is None else d.astype(w.dtype) for d, w in zip(dws, ws)))
+
+
+def _backward(res, g, tile: int, activation: str):
+    """The tile loop's backward from the forward's residuals and the output's cotangent ``g``: float32
+    ``(dx, dweight, (dw1, dw2, dw3))``."""
     x, rows, weight, expert, (w1, w2, w3), order, used, table, pre = res
     act, gated = activation_fn(activation), w3 is not None
     srows, sweight = _sorted(rows, order, tile), _sorted(weight.astype(jnp.float32), order, tile)
@@ -207,9 +217,8 @@ def _routed_bwd(tile, activation, mlp_axes, res, g):
 
     init = (f32(x.shape), f32(rows.shape[0] + tile), f32(w1.shape), f32(w2.shape), f32(w1.shape if gated else ()))
     dx, dws, dw1, dw2, dw3 = jax.lax.fori_loop(0, used, body, init)
-    dweight = jnp.zeros(weight.shape, jnp.float32).at[order].set(dws[:rows.shape[0]]).astype(weight.dtype)
-    dws_out = (dw1.astype(w1.dtype), dw2.astype(w2.dtype), dw3.astype(w3.dtype) if gated else None)
-    return dx.astype(x.dtype), None, dweight, None, dws_out
+    dweight = jnp.zeros(weight.shape, jnp.float32).at[order].set(dws[:rows.shape[0]])
+    return dx, dweight, (dw1, dw2, dw3 if gated else None)
 
 
 _routed.defvjp(_routed_fwd, _routed_bwd)
@@ -247,32 +256,122 @@ def _local_moe(x, expert, kept, weight, ws, *, activation: str, tile: int, mlp_a
     return y.reshape(x.shape)
 
 
+class _EP(NamedTuple):
+    """The static options of one device's expert-parallel exchange."""
+
+    axes: tuple[str, ...]       # the expert-parallel mesh axes
+    peers: int                  # E_p
+    send: int                   # S, rows to one peer per round
+    top_k: int
+    tile: int
+    activation: str
+    mlp_axes: tuple[str, ...]
+
+
 def _ep_moe(x, expert, kept, weight, ws, *, axes: tuple[str, ...], peers: int, send: int, activation: str,
             tile: int, mlp_axes=()):
-    """Expert parallelism on one device's tokens: pack by peer, two ``all_to_all`` out (counts and rows),
-    :func:`routed_mlp` on the local experts, one back (see the module docstring)."""
+    """Expert parallelism on one device's tokens ``x[G, T, D]`` (see the module docstring)."""
     G, T, k = expert.shape
-    D, local, E = x.shape[-1], ws[0].shape[0], ws[0].shape[0] * peers
-    e = jnp.where(kept, expert, E).reshape(-1)
+    e = jnp.where(kept, expert, ws[0].shape[0] * peers).reshape(-1)
+    o = _EP(axes, peers, send, k, tile, activation, mlp_axes)
+    return _exchange(x.reshape(G * T, -1), weight.reshape(-1), e, ws, o).reshape(x.shape)
+
+
+def _plan(e, local: int, o: _EP):
+    """Who sends what (integers, no gradient): the choices sorted by expert (``E``: dropped, last), each
+    peer's first sorted choice and count, the rows each source sends this device per local expert
+    (cumulative), and the rounds (the most any device of the group needs, at least 1)."""
     order = jnp.argsort(e, stable=True)
-    counts = jnp.bincount(e, length=E + 1)[:E]
-    per_peer = counts.reshape(peers, local).sum(1)
-    start = jnp.cumsum(per_peer) - per_peer
-    j = jnp.arange(send)
-    packed = order[jnp.minimum(start[:, None] + j, e.shape[0] - 1)] // k           # [E_p, S] token rows
-    out = jnp.where((j < per_peer[:, None])[..., None], x.reshape(G * T, D)[packed], 0)
-    recv = jax.lax.all_to_all(out, axes, 0, 0, tiled=True)
-    received = jnp.cumsum(jax.lax.all_to_all(counts.reshape(peers, local), axes, 0, 0, tiled=True), axis=1)
-    local_e = jax.vmap(lambda c: jnp.searchsorted(c, j, side="right"))(received)   # [E_p, S]; local: not a row
-    y = _routed(recv.reshape(peers * send, D), jnp.arange(peers * send), jnp.ones(peers * send, jnp.float32),
-                local_e.reshape(-1), ws, tile, activation, mlp_axes)
-    back = jax.lax.all_to_all(y.reshape(peers, send, D), axes, 0, 0, tiled=True).reshape(peers * send, D)
-    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
-    peer = jnp.minimum(e // local, peers - 1)
-    at = jnp.where(e < E, peer * send + rank - start[peer], 0)
-    w = jnp.where(e < E, weight.reshape(-1), 0.0)
-    y = jnp.einsum("nk,nkd->nd", w.reshape(G * T, k), back[at].reshape(G * T, k, D).astype(jnp.float32))
-    return y.astype(x.dtype).reshape(x.shape)
+    counts = jnp.bincount(e, length=local * o.peers + 1)[:-1].reshape(o.peers, local)
+    per_peer = counts.sum(1)
+    received = jnp.cumsum(_swap(counts, o), axis=1)
+    rounds = jax.lax.pmax(jnp.max((per_peer + o.send - 1) // o.send), o.axes)
+    return order, jnp.cumsum(per_peer) - per_peer, per_peer, received, jnp.maximum(rounds, 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _exchange(x, weight, e, ws, o: _EP):
+    return _exchange_fwd(x, weight, e, ws, o)[0]
+
+
+def _exchange_fwd(x, weight, e, ws, o: _EP):
+    plan = _plan(e, ws[0].shape[0], o)
+    contrib, tokens, res0 = _round_forward(x, weight, ws, plan, 0, o, save=True)
+    y = jnp.zeros(x.shape, jnp.float32).at[tokens].add(contrib)
+
+    def more(r, y):
+        contrib, tokens, _ = _round_forward(x, weight, ws, plan, r, o, save=False)
+        return y.at[tokens].add(contrib)
+
+    y = jax.lax.fori_loop(1, plan[-1], more, y)
+    return y.astype(x.dtype), (x, weight, ws, plan, res0)
+
+
+def _exchange_bwd(o: _EP, res, g):
+    g = jax.lax.psum(g, o.mlp_axes) if o.mlp_axes else g      # as in :func:`_routed_bwd`
+    x, weight, ws, plan, res0 = res
+    zero = (jnp.zeros(x.shape, jnp.float32), jnp.zeros(weight.shape, jnp.float32),
+            tuple(None if w is None else jnp.zeros(w.shape, jnp.float32) for w in ws))
+    add = functools.partial(jax.tree.map, jnp.add)
+    acc = add(zero, _round_backward(x, weight, ws, plan, 0, g, o, res0))
+    acc = jax.lax.fori_loop(1, plan[-1], lambda r, acc: add(acc, _round_backward(x, weight, ws, plan, r, g, o)), acc)
+    dx, dweight, dws = acc
+    return (dx.astype(x.dtype), dweight.astype(weight.dtype), None,
+            tuple(None if d is None else d.astype(w.dtype) for d, w in zip(dws, ws)))
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def _chunk(plan, r, o: _EP):
+    """Round ``r``: the choice in each send slot ``[E_p, S]``, whether it holds one, and the local expert
+    of each row this device receives (``E / E_p``: none)."""
+    order, start, per_peer, received, _ = plan
+    at = r * o.send + jnp.arange(o.send)
+    choice = order[jnp.minimum(start[:, None] + at, order.shape[0] - 1)]
+    local_e = jax.vmap(lambda c: jnp.searchsorted(c, at, side="right"))(received)
+    return choice, at < per_peer[:, None], local_e.reshape(-1)
+
+
+def _swap(v, o: _EP):
+    """``v[E_p, S, ...]``: block ``p`` to peer ``p``, the peers' blocks back in their order."""
+    return jax.lax.all_to_all(v, o.axes, 0, 0, tiled=True)
+
+
+def _received(x, choice, valid, o: _EP):
+    """The rows ``x[token of choice]`` this device receives, ``[E_p * S, D]``."""
+    out = jnp.where(valid[..., None], x[choice // o.top_k], 0)
+    return _swap(out, o).reshape(-1, x.shape[-1])
+
+
+def _round_forward(x, weight, ws, plan, r, o: _EP, *, save: bool):
+    """Round ``r`` forward: the weighted rows back ``[E_p, S, D]`` (float32), their tokens, the residuals."""
+    choice, valid, local_e = _chunk(plan, r, o)
+    recv = _received(x, choice, valid, o)
+    m = recv.shape[0]
+    y, *res = _forward(recv, jnp.arange(m), jnp.ones(m, jnp.float32), local_e, ws, o.tile, o.activation,
+                       o.mlp_axes, save=save)
+    back = _swap(y.reshape(o.peers, o.send, -1), o).astype(jnp.float32)
+    return jnp.where(valid, weight[choice], 0.0)[..., None] * back, choice // o.top_k, res[0] if save else None
+
+
+def _round_backward(x, weight, ws, plan, r, g, o: _EP, res=None):
+    """Round ``r`` backward: float32 ``(dx, dweight, dws)`` of its choices (the forward's residuals of
+    round 0, else recomputed)."""
+    choice, valid, local_e = _chunk(plan, r, o)
+    if res is None:
+        recv = _received(x, choice, valid, o)
+        res = _forward(recv, jnp.arange(recv.shape[0]), jnp.ones(recv.shape[0], jnp.float32), local_e, ws, o.tile,
+                       o.activation, o.mlp_axes, save=True)[1]
+    g_rows = _received(g, choice, valid, o)
+    w_rows = _swap(jnp.where(valid, weight[choice], 0.0).astype(jnp.float32), o).reshape(-1)
+    dx_rows, dw_rows, dws = _backward((*res[:2], w_rows, *res[3:]), g_rows, o.tile, o.activation)
+    dx_back = _swap(dx_rows.reshape(o.peers, o.send, -1), o)
+    dw_back = _swap(dw_rows.reshape(o.peers, o.send), o)
+    tokens = choice // o.top_k
+    dx = jnp.zeros(x.shape, jnp.float32).at[tokens].add(jnp.where(valid[..., None], dx_back, 0.0))
+    dweight = jnp.zeros(weight.shape, jnp.float32).at[choice].add(jnp.where(valid, dw_back, 0.0))
+    return dx, dweight, dws
 
 
 def _split_axes(mesh, rules, logical: str, what: str) -> tuple[str, ...]:
@@ -294,14 +393,24 @@ def _check_ep(experts: int, groups: int, ep: tuple[str, ...], tokens: tuple[str,
                        f"batch that is a multiple of {n}.")
 
 
-def send_rows(groups: int, tokens: int, top_k: int, experts: int, peers: int, capacity: int) -> int:
-    """``S``, the rows one device's ``groups x tokens`` can send one of ``peers`` expert-parallel peers:
-    ``groups · (experts / peers) · min(capacity, tokens)``, at most all its ``groups · tokens · top_k`` choices.
+#: Dropless, one round of expert parallelism sends a peer at most this multiple of the mean, ``N·k / E_p``
+#: rows; a device with more for some peer sends them in further rounds (docs/strategies.md).
+DROPLESS_SEND_FACTOR = 1.25
 
-    >>> send_rows(2, 64, 2, 8, 4, 20), send_rows(2, 64, 2, 8, 4, 64)     # capacity 1.25, dropless
-    (80, 256)
+
+def send_rows(groups: int, tokens: int, top_k: int, experts: int, peers: int, capacity: int, *,
+              dropless: bool = False) -> int:
+    """``S``, the rows one device's ``groups x tokens`` send one of ``peers`` expert-parallel peers in one
+    round: with capacity, all it can, ``groups · (experts / peers) · min(capacity, tokens)``; dropless,
+    :data:`DROPLESS_SEND_FACTOR` times the mean ``N·k / peers``; at most all its ``N·k`` choices.
+
+    >>> send_rows(2, 64, 2, 8, 4, 20), send_rows(2, 64, 2, 8, 4, 64, dropless=True)     # capacity 1.25, dropless
+    (80, 80)
     """
-    return min(groups * tokens * top_k, groups * (experts // peers) * min(capacity, tokens))
+    n = groups * tokens * top_k
+    if dropless:
+        return min(n, math.ceil(DROPLESS_SEND_FACTOR * n / peers))
+    return min(n, groups * (experts // peers) * min(capacity, tokens))
 
 
 def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: jax.Array, w1: jax.Array,
@@ -349,7 +458,8 @@ def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: j
     if ep:
         peers = math.prod(sizes[a] for a in ep)
         G, T = x.shape[0] // math.prod(sizes[a] for a in tokens), x.shape[1] // math.prod(sizes[a] for a in seq)
-        local |= dict(axes=ep, peers=peers, send=send_rows(G, T, expert.shape[-1], E, peers, capacity))
+        send = send_rows(G, T, expert.shape[-1], E, peers, capacity, dropless=capacity >= x.shape[1])
+        local |= dict(axes=ep, peers=peers, send=send)
     tok = PartitionSpec(spec_entry(tokens), spec_entry(seq))
     wspec = [PartitionSpec(spec_entry(ep), None, spec_entry(mlp)), PartitionSpec(spec_entry(ep), spec_entry(mlp))]
     manual = region_axes(mesh, tokens + ep + seq + mlp)
