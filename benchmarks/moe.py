@@ -22,6 +22,11 @@ drop rate: the most its tiles can be; the exchange's further rounds are not coun
 the mean rows a peer, none runs here), its temporaries, and the step time as the median of per-round
 ratios to the twin's.
 
+**Deviceless on ``h100:1x8``** (``--h100``): the same comparison compiled by the GPU compiler for a
+Qwen3-30B-A3B-shaped GPT (embed 2048, 16 heads, 128 experts of hidden 768, top-8, dropless, 2 layers,
+8 x 2048 tokens, bf16) on ``expert 8``, beside its dense twin (MLP 8 x 768) on ``data 8``: GEMM FLOPs
+per device (tiles of 128 rows) and temporaries.
+
 **Convergence.** ``jaxpar train configs/quickstart.yaml`` (``--steps``, the same batches and tokens)
 for the dense GPT (MLP hidden 512), the MoE GPT (8 experts of hidden 256, top-2: 2 x 256 = 512 active
 MLP hidden per token, the dense GPT's; capacity factor ``--capacity``) with the load-balancing loss
@@ -32,7 +37,7 @@ last 25 steps, and the mean drop rate.
 Usage::
 
     python benchmarks/moe.py [--reps 5] [--steps 300] [--capacity 1.25 | null] [--skip-speed]
-        [--skip-loads-pass] [--skip-convergence] [--skip-dispatch] [--baseline COMMIT] [--json out.json]
+        [--skip-loads-pass] [--skip-convergence] [--skip-dispatch] [--baseline COMMIT] [--h100] [--json out.json]
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.analysis import collectives, dot_flops
+from jaxpar.batch import batch_sharding
 from jaxpar.cost import load_cluster
 from jaxpar.cost import gpt
 from jaxpar.cost import Plan
@@ -211,6 +217,38 @@ def dispatch(reps: int, baseline: str) -> list[dict]:
             for k, r in runs.items()]
 
 
+QWEN3 = dict(seq=2048, rows=8, embed=2048, heads=16, mlp=768, experts=128, top_k=8, layers=2)
+
+
+def _h100_step(dense: bool, baseline=None) -> dict:
+    """The Qwen3-shaped step compiled for ``h100:1x8`` (``dense``: its twin): GEMM FLOPs and temporaries."""
+    from jaxpar.devices import parse_target, target_devices
+    q = QWEN3
+    moe = None if dense else MoESettings(experts=q["experts"], top_k=q["top_k"], capacity_factor=None)
+    cfg = GPTConfig(vocab=256, seq_len=q["seq"], embed=q["embed"], heads=q["heads"], layers=q["layers"],
+                    mlp=q["mlp"] * (q["top_k"] if dense else 1), scan_layers=False, moe=moe)
+    mesh = jaxpar.make_mesh({"data": 8} if dense else {"expert": 8}, devices=target_devices(parse_target("h100:1x8")))
+    strategy, tx = jaxpar.Strategy(compute_dtype="bfloat16"), optax.sgd(1e-3)
+    layout = jaxpar.state_layout(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
+    tokens = jax.ShapeDtypeStruct((q["rows"], q["seq"]), np.int32, sharding=batch_sharding(mesh))
+    with _dispatching(baseline):
+        compiled = jaxpar.make_train_step(lm_loss, tx, layout, strategy).lower(
+            layout.abstract_state(), {"tokens": tokens, "targets": tokens}).compile()
+    text = compiled.as_text()
+    tiles = q["rows"] * q["seq"] * q["top_k"] / 8 / tile_rows(mesh) + q["experts"] / 8
+    f0, f1, f2 = (dot_flops(text, u) for u in (0.0, 1.0, 2.0))
+    return {"flops": f0 + tiles * (4 * f1 - f2 - 3 * f0) / 2, "temp": compiled.memory_analysis().temp_size_in_bytes}
+
+
+def h100(baseline: str) -> list[dict]:
+    """The deviceless table (the module docstring)."""
+    runs = {"dense twin": _h100_step(True), "dropless, sorted": _h100_step(False),
+            f"dropless, dense dispatch ({baseline})": _h100_step(False, _baseline_dispatch(baseline))}
+    twin = runs["dense twin"]
+    return [{"run": k, "flops_vs_twin": r["flops"] / twin["flops"], "tflops": r["flops"] / 1e12,
+             "temp_vs_twin": r["temp"] / twin["temp"], "temp_gib": r["temp"] / 2 ** 30} for k, r in runs.items()]
+
+
 def convergence(steps: int, capacity: str) -> list[dict]:
     base = [f"train.steps={steps}", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"]
     moe = ["mesh.expert=4", "model.mlp=256", "model.moe.experts=8", "model.moe.top_k=2",
@@ -244,8 +282,15 @@ def main() -> None:
     ap.add_argument("--skip-loads-pass", action="store_true")
     ap.add_argument("--skip-dispatch", action="store_true")
     ap.add_argument("--baseline", default="e46ff18", help="the commit of the dense dispatch to compare with")
+    ap.add_argument("--h100", action="store_true", help="the deviceless h100:1x8 table (needs `make targets`)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    gpu = h100(args.baseline) if args.h100 else []
+    if gpu:
+        print(markdown_table(["h100:1x8, deviceless", "GEMM TFLOP per device", "vs twin", "temporaries GiB",
+                              "vs twin"],
+                             [[r["run"], f"{r['tflops']:.2f}", f"{r['flops_vs_twin']:.2f}", f"{r['temp_gib']:.1f}",
+                               f"{r['temp_vs_twin']:.2f}"] for r in gpu]))
     table = [] if args.skip_dispatch else dispatch(args.reps, args.baseline)
     if table:
         print(markdown_table(["run", "GEMM FLOPs vs twin", "temporaries vs twin", "temporaries MiB",
@@ -273,7 +318,7 @@ def main() -> None:
                               "drop rate"],
                              [[r["run"], f"{r['eval_loss']:.4f}", f"{r['final_train_loss']:.4f}", fmt(r, "cv_first", ".3f"),
                                fmt(r, "cv_last", ".3f"), fmt(r, "drop_rate", ".4f")] for r in conv]))
-    write_json(args.json, {"environment": environment(), "dispatch": table, "speed": fast, "loads_pass": passes, "convergence": conv})
+    write_json(args.json, {"environment": environment(), "dispatch": table, "h100": gpu, "speed": fast, "loads_pass": passes, "convergence": conv})
 
 
 if __name__ == "__main__":

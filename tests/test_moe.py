@@ -556,8 +556,11 @@ def dense_dispatch(x, expert, slot, weight, w1, w2, w3=None, *, capacity, activa
     return jnp.einsum("gtec,gecd->gtd", combine, jnp.einsum("gecm,emd->gecd", h, w2))
 
 
-@pytest.mark.parametrize("cf, gated, tile", [(None, True, 4), (1.25, False, 4), (0.5, True, 32), (None, False, 1)],
-                         ids=["dropless-gated-tile4", "cf1.25-tile4", "cf0.5-gated", "dropless-tile1"])
+@pytest.mark.parametrize("cf, gated, tile", [
+    pytest.param(None, True, 4, id="dropless-gated-tile4"),
+    pytest.param(1.25, False, 4, id="cf1.25-tile4", marks=pytest.mark.exhaustive),
+    pytest.param(0.5, True, 32, id="cf0.5-gated", marks=pytest.mark.exhaustive),
+    pytest.param(None, False, 1, id="dropless-tile1", marks=pytest.mark.exhaustive)])
 def test_sorted_dispatch_equals_the_dense_one(cf, gated, tile, monkeypatch):
     """One device, tiles smaller than an expert's rows (several tiles an expert, a partial last one):
     the output and the gradients of x, the weights and every expert weight equal GShard's dense dispatch."""

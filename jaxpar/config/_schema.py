@@ -56,7 +56,7 @@ class ModelConfig:
     remat: str = GPTConfig.remat
     scan_layers: bool = GPTConfig.scan_layers
     init_std: float = GPTConfig.init_std
-    # mixture of experts: {experts: 8, top_k: 2, capacity_factor: 1.25 | null, every: 1, aux_weight: 0.01, ...}
+    # mixture of experts: {experts: 8, top_k: 2, capacity_factor: null (dropless, the default) | 1.25, every: 1, ...}
     # (see jaxpar.models._gpt_moe.MoESettings); {} = dense MLPs
     moe: dict[str, Any] = field(default_factory=dict)
     # a Hugging Face checkpoint directory (config.json, *.safetensors): its Decoder, from its weights

@@ -57,7 +57,8 @@ class MoESettings:
     Args:
       experts: routed experts per MoE layer.
       top_k: experts per token (1 or 2 usually).
-      capacity_factor: slots per batch row and expert ``ceil(cf * T * top_k / E)``; ``None``: dropless.
+      capacity_factor: slots per batch row and expert ``ceil(cf * T * top_k / E)``; ``None`` (the default):
+        dropless, what Hugging Face MoE models compute.
       every: every ``every``-th MLP is an MoE layer (the last of each group of ``every`` layers).
       gate: ``"softmax"`` or ``"sigmoid"``.
       aux_weight: weight of the load-balancing loss (summed over the MoE layers) in the loss.
@@ -72,7 +73,7 @@ class MoESettings:
 
     experts: int
     top_k: int = 2
-    capacity_factor: float | None = 1.25
+    capacity_factor: float | None = None
     every: int = 1
     gate: str = "softmax"
     aux_weight: float = 0.01

@@ -156,9 +156,10 @@ def _routed_fwd(x, rows, weight, expert, ws, tile, activation, mlp_axes=()):
     return _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, save=True)
 
 
-def _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, *, save: bool):
+def _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, *, save: bool, unique: bool = False):
     """The tile loop of :func:`routed_mlp`; with ``save``, the pre-activations the backward reads, too.
-    ``mlp_axes``: manual axes splitting the experts' ``M`` (tensor parallelism): ``y`` is summed over them."""
+    ``mlp_axes``: manual axes splitting the experts' ``M`` (tensor parallelism): ``y`` is summed over them.
+    ``unique``: each row has one choice, so ``y`` is written in ``x``'s dtype, else summed in float32."""
     w1, w2, w3 = ws
     act, E, M = activation_fn(activation), w1.shape[0], w1.shape[-1]
     order, used, *table = _tiles(expert, E, tile)
@@ -170,10 +171,10 @@ def _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, *, save: b
         e, first, valid, (r, w) = _tile(t, table, tile, srows, sweight)
         p = _pre(x[r], w1[e], None if w3 is None else w3[e])
         yt = (_hidden(p, act, w3 is not None) @ w2[e]).astype(jnp.float32)
-        y = y.at[r].add(yt * jnp.where(valid, w, 0.0)[:, None])
+        y = y.at[r].add((yt * jnp.where(valid, w, 0.0)[:, None]).astype(y.dtype))
         return y, jax.lax.dynamic_update_slice_in_dim(pre, p, first, 0) if save else pre
 
-    y, pre = jax.lax.fori_loop(0, used, body, (jnp.zeros(x.shape, jnp.float32), pre0))
+    y, pre = jax.lax.fori_loop(0, used, body, (jnp.zeros(x.shape, x.dtype if unique else jnp.float32), pre0))
     y = jax.lax.psum(y, mlp_axes) if mlp_axes else y
     return y.astype(x.dtype), (x, rows, weight, expert, ws, order, used, table, pre)
 
@@ -188,9 +189,9 @@ def _routed_bwd(tile, activation, mlp_axes, res, g):
             tuple(None if d is None else d.astype(w.dtype) for d, w in zip(dws, ws)))
 
 
-def _backward(res, g, tile: int, activation: str):
-    """The tile loop's backward from the forward's residuals and the output's cotangent ``g``: float32
-    ``(dx, dweight, (dw1, dw2, dw3))``."""
+def _backward(res, g, tile: int, activation: str, unique: bool = False):
+    """The tile loop's backward from the forward's residuals and the output's cotangent ``g``:
+    ``(dx, dweight, (dw1, dw2, dw3))``, float32 (``dx`` in ``x``'s dtype when ``unique``, as :func:`_forward`)."""
     x, rows, weight, expert, (w1, w2, w3), order, used, table, pre = res
     act, gated = activation_fn(activation), w3 is not None
     srows, sweight = _sorted(rows, order, tile), _sorted(weight.astype(jnp.float32), order, tile)
@@ -213,9 +214,9 @@ def _backward(res, g, tile: int, activation: str):
             dxt = da @ w1[e].T + db @ w3[e].T
         else:
             dw1, dxt = dw1.at[e].add(xt.T @ dp), dp @ w1[e].T
-        return dx.at[r].add(dxt.astype(jnp.float32)), dws, dw1, dw2, dw3
+        return dx.at[r].add(dxt.astype(dx.dtype)), dws, dw1, dw2, dw3
 
-    init = (f32(x.shape), f32(rows.shape[0] + tile), f32(w1.shape), f32(w2.shape), f32(w1.shape if gated else ()))
+    init = (jnp.zeros(x.shape, x.dtype if unique else jnp.float32), f32(rows.shape[0] + tile), f32(w1.shape), f32(w2.shape), f32(w1.shape if gated else ()))
     dx, dws, dw1, dw2, dw3 = jax.lax.fori_loop(0, used, body, init)
     dweight = jnp.zeros(weight.shape, jnp.float32).at[order].set(dws[:rows.shape[0]])
     return dx, dweight, (dw1, dw2, dw3 if gated else None)
@@ -350,9 +351,10 @@ def _round_forward(x, weight, ws, plan, r, o: _EP, *, save: bool):
     recv = _received(x, choice, valid, o)
     m = recv.shape[0]
     y, *res = _forward(recv, jnp.arange(m), jnp.ones(m, jnp.float32), local_e, ws, o.tile, o.activation,
-                       o.mlp_axes, save=save)
-    back = _swap(y.reshape(o.peers, o.send, -1), o).astype(jnp.float32)
-    return jnp.where(valid, weight[choice], 0.0)[..., None] * back, choice // o.top_k, res[0] if save else None
+                       o.mlp_axes, save=save, unique=True)
+    back = _swap(y.reshape(o.peers, o.send, -1), o)
+    return jnp.where(valid, weight[choice], 0.0).astype(back.dtype)[..., None] * back, choice // o.top_k, \
+        res[0] if save else None
 
 
 def _round_backward(x, weight, ws, plan, r, g, o: _EP, res=None):
@@ -362,10 +364,10 @@ def _round_backward(x, weight, ws, plan, r, g, o: _EP, res=None):
     if res is None:
         recv = _received(x, choice, valid, o)
         res = _forward(recv, jnp.arange(recv.shape[0]), jnp.ones(recv.shape[0], jnp.float32), local_e, ws, o.tile,
-                       o.activation, o.mlp_axes, save=True)[1]
+                       o.activation, o.mlp_axes, save=True, unique=True)[1]
     g_rows = _received(g, choice, valid, o)
     w_rows = _swap(jnp.where(valid, weight[choice], 0.0).astype(jnp.float32), o).reshape(-1)
-    dx_rows, dw_rows, dws = _backward((*res[:2], w_rows, *res[3:]), g_rows, o.tile, o.activation)
+    dx_rows, dw_rows, dws = _backward((*res[:2], w_rows, *res[3:]), g_rows, o.tile, o.activation, unique=True)
     dx_back = _swap(dx_rows.reshape(o.peers, o.send, -1), o)
     dw_back = _swap(dw_rows.reshape(o.peers, o.send), o)
     tokens = choice // o.top_k

@@ -139,7 +139,7 @@ def _check_params(params: dict[str, jax.Array]) -> None:
 
 
 def moe_apply(params: dict[str, jax.Array], x: jax.Array, *, top_k: int = 2, gate: str = "softmax",
-              capacity_factor: float | None = 1.25, normalize: bool = True,
+              capacity_factor: float | None = None, normalize: bool = True,
               balance_load: jax.Array | None = None, activation: str = "gelu",
               router_bias: bool = False) -> tuple[jax.Array, MoEStats]:
     """The MoE layer on ``x[G, T, D]`` (``G`` groups = batch rows, ``T`` tokens each).
@@ -208,7 +208,7 @@ class MoE(nnx.Module):
     """
 
     def __init__(self, embed: int, mlp: int, experts: int, *, top_k: int = 2, gate: str = "softmax",
-                 capacity_factor: float | None = 1.25, normalize: bool = True, shared_mlp: int = 0,
+                 capacity_factor: float | None = None, normalize: bool = True, shared_mlp: int = 0,
                  router_bias: bool = False, gated: bool = False, activation: str = "gelu", init_std: float = 0.02,
                  rngs: nnx.Rngs):
         check_options(experts, top_k, gate, capacity_factor)

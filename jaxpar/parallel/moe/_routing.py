@@ -158,7 +158,7 @@ def top_k_experts(scores: jax.Array, k: int) -> jax.Array:
 
 
 def route(x: jax.Array, router: jax.Array, *, top_k: int, gate: str = "softmax",
-          capacity_factor: float | None = 1.25, normalize: bool = True,
+          capacity_factor: float | None = None, normalize: bool = True,
           bias: jax.Array | None = None) -> Routing:
     """Route tokens ``x[G, T, D]`` with the router weight ``router[D, E]`` (see the module docstring).
 
