@@ -415,6 +415,14 @@ def send_rows(groups: int, tokens: int, top_k: int, experts: int, peers: int, ca
     return min(n, groups * (experts // peers) * min(capacity, tokens))
 
 
+def _exchange_options(shape, top_k: int, experts: int, capacity: int, sizes, tokens, seq, ep) -> dict:
+    """The expert-parallel options of :func:`_ep_moe` for tokens of global ``shape`` ``[G, T, D]``."""
+    peers = math.prod(sizes[a] for a in ep)
+    G, T = shape[0] // math.prod(sizes[a] for a in tokens), shape[1] // math.prod(sizes[a] for a in seq)
+    send = send_rows(G, T, top_k, experts, peers, capacity, dropless=capacity >= shape[1])
+    return dict(axes=ep, peers=peers, send=send)
+
+
 def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: jax.Array, w1: jax.Array,
                      w2: jax.Array, *, capacity: int, w3: jax.Array | None = None,
                      activation: str = "gelu") -> jax.Array:
@@ -453,15 +461,11 @@ def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: j
     if not tokens + seq:
         return _local_moe(x, expert, kept, weight, (w1, w2, w3), **local)
     # the experts' M over the tensor axes stays split (a sum of y in the region), unless they split the tokens
-    mlp = tuple(a for a in _split_axes(mesh, rules, "mlp", "MoE expert hidden ('mlp' axis)") if a not in tokens + seq)
-    local["mlp_axes"] = mlp
-    sizes = dict(mesh.shape)
-    _check_ep(E, x.shape[0], ep, tokens, sizes)
+    mlp = local["mlp_axes"] = tuple(a for a in _split_axes(mesh, rules, "mlp", "MoE expert hidden ('mlp' axis)")
+                                    if a not in tokens + seq)
+    _check_ep(E, x.shape[0], ep, tokens, sizes := dict(mesh.shape))
     if ep:
-        peers = math.prod(sizes[a] for a in ep)
-        G, T = x.shape[0] // math.prod(sizes[a] for a in tokens), x.shape[1] // math.prod(sizes[a] for a in seq)
-        send = send_rows(G, T, expert.shape[-1], E, peers, capacity, dropless=capacity >= x.shape[1])
-        local |= dict(axes=ep, peers=peers, send=send)
+        local |= _exchange_options(x.shape, expert.shape[-1], E, capacity, sizes, tokens, seq, ep)
     tok = PartitionSpec(spec_entry(tokens), spec_entry(seq))
     wspec = [PartitionSpec(spec_entry(ep), None, spec_entry(mlp)), PartitionSpec(spec_entry(ep), spec_entry(mlp))]
     manual = region_axes(mesh, tokens + ep + seq + mlp)
