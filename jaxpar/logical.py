@@ -50,13 +50,14 @@ def zero_dim_order(shape: Sequence[int], logical: Sequence) -> tuple[int, ...]:
 
 def fp8_covered(names: Sequence) -> bool:
     """Whether a weight with these logical names runs its matmuls in FP8: ``embed`` and a feature axis
-    (:data:`FP8_FEATURES`: the attention projections, the MLP, the experts; not the embedding, the head,
-    the router, norms or biases).
+    (:data:`FP8_FEATURES`: the attention projections and the MLP; not the embedding, the head, the
+    router, norms or biases, nor the routed experts (``experts``), whose tile loops are no ``dot_general``
+    of the layer's program).
 
-    >>> fp8_covered(("embed", "mlp")), fp8_covered(("vocab", "embed"))
-    (True, False)
+    >>> fp8_covered(("embed", "mlp")), fp8_covered(("vocab", "embed")), fp8_covered(("experts", "embed", "mlp"))
+    (True, False, False)
     """
-    return "embed" in names and any(n in names for n in FP8_FEATURES)
+    return "embed" in names and any(n in names for n in FP8_FEATURES) and "experts" not in names
 
 
 def feature_groups(names: Sequence) -> list[tuple[int, ...]]:
