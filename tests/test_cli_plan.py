@@ -100,3 +100,18 @@ def test_plan_errors_name_the_fix(capsys):
     assert "missing --heads, --seq, --vocab, --batch" in capsys.readouterr().err
     assert main(["plan", "--config", str(ROOT / "configs" / "quickstart.yaml"), "--cluster", "nope"]) == 2
     assert "unknown cluster preset 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_inspect_reports_the_experts_routed_flops_against_every_expert_on_every_token(capsys):
+    """configs/moe.yaml dropless (data 2 x expert 4, 2 layers of 8 experts of 128 -> 256, top-2): the routed
+    rows' GEMM FLOPs read from the compiled step's tile loops are the formula's, 12 D M a row and layer
+    (2 GEMMs forward, 4 backward); the loops at their bound within a tile a local expert of it."""
+    code = main(["inspect", str(ROOT / "configs" / "moe.yaml"), "model.moe.capacity_factor=null"])
+    out = capsys.readouterr().out
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("experts "))
+    bound, routed, every = (float(v) * 1e9 for v in re.findall(r"([\d.]+) GFLOP", line)[:3])
+    rows = 32 * 64 // 8 * 2                         # a device's tokens x top-2
+    assert routed == pytest.approx(12 * 128 * 256 * 2 * rows, rel=0.01), line
+    assert every == pytest.approx(routed * 8 / 2, rel=0.01) and routed < bound <= routed * (1 + 2 * 32 / rows), line

@@ -452,6 +452,28 @@ def _compile(job: Any, layout: Any, tgt: Target | None) -> dict:
         raise better from None
 
 
+def expert_lines(cfg: JobConfig, job: Any, compiled: Any) -> list[str]:
+    """The GPT's routed experts in the compiled step: what their tile loops compute at most, against the
+    routed rows' FLOPs and every expert on every token's (docs/strategies.md, "The sorted dispatch")."""
+    from jaxpar.analysis import dot_flops
+    from jaxpar.parallel.moe import tile_rows
+    moe, sizes = cfg.model.moe, dict(job.mesh.shape)
+    experts, k = moe["experts"], moe.get("top_k", 2)
+    text = compiled.as_text()
+    f0, f1, f2 = (dot_flops(text, u) for u in (0.0, 1.0, 2.0))
+    per_trip = (4 * f1 - f2 - 3 * f0) / 2           # the first round's tile loops (docs/benchmarks.md §12)
+    tile = tile_rows(job.mesh)
+    tokens = cfg.data.batch_size * cfg.model.seq_len / math.prod(sizes.get(a, 1) for a in ("data", "fsdp", "expert",
+                                                                                              "context"))
+    tiles = tokens * k / tile + experts / sizes.get("expert", 1)
+    routed = per_trip / tile * tokens * k
+    def fl(x):
+        return f"{x / 1e12:.3g} TFLOP" if x >= 1e12 else f"{x / 1e9:.3g} GFLOP"
+    return [f"experts  {experts} experts, top-{k}: the tile loops compute at most {fl(per_trip * tiles)} per device "
+            f"per step ({tiles:.0f} tiles of {tile} rows a loop); the routed rows are {fl(routed)}, every expert "
+            f"on every token would be {fl(routed * experts / k)}; the other GEMMs {fl(f0)}"]
+
+
 def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target | None, cluster: str) -> int:
     from jaxpar.analysis._hlo import collectives, collectives_table
     from jaxpar.analysis._compiled_memory import memory_report
@@ -471,6 +493,8 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
         print("\n" + "\n".join(lines))
     if cfg.parallel.fp8:
         print("\n" + "\n".join(fp8_lines(cfg, job, compiled["step"], tgt.spec.platform if tgt else "cpu")))
+    if getattr(cfg.model, "moe", None) and cfg.model.name == "gpt":
+        print("\n" + "\n".join(expert_lines(cfg, job, compiled["step"])))
     platform = tgt.spec.platform if tgt else "cpu"
     lowering = lowering_for_platform(platform)
     table, predicted = planner_table(cfg, compiled["step"], job.mesh, job.strategy, cluster, job.steps_per_call,
