@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import pytest
 from jaxpar.analysis import collectives
 from jaxpar.analysis._hlo import parse_instructions
 from jaxpar.cli import main
+from jaxpar.parallel.moe import send_rows
 from jaxpar.config import ConfigError, load_config
 from jaxpar.config import build_job
 from jaxpar.devices import TargetError, _targets, load_spec, parse_target, presets, target_devices, targets_dir
@@ -314,13 +316,14 @@ def test_the_ring_hops_by_collective_permute_on_gpus(pipe):
 @pytest.mark.exhaustive
 def test_expert_parallelism_dispatches_with_asynchronous_all_to_alls_on_gpus():
     """configs/moe.yaml (8 experts over expert=4 x data=2, a router bias) compiles for 8 H100s: per MoE
-    layer its 2 + 2 all-to-alls over expert, asynchronous, each of one device's capacity buffer
-    [G/n, E, C, D], and no gather of the experts' weights over expert."""
+    layer the sorted dispatch's all-to-alls over expert, asynchronous (tests/test_moe.py::exchange_sizes:
+    the counts, the rows [E_p, S, D] out and back and their gradients, the weights and theirs, and the
+    further rounds' loops), and no gather of the experts' weights over expert."""
     job, compiled = _compiled("moe.yaml", target="h100:1x8")
     colls = collectives(compiled["step"], job.mesh)
     a2a = _over(colls, "all-to-all", ["expert"])
-    rows, experts, embed = 32 // 8, 8, 128                   # G/n rows per device
-    slots = -(-125 * 64 * 2 // (100 * experts))                # C = ceil(1.25 * T * k / E) = 20
-    assert len(a2a) == 4 and all(c.asynchronous and c.in_loop for c in a2a), a2a
-    assert {c.bytes for c in a2a} == {rows * experts * slots * embed * 4}, a2a
+    peers, experts, embed = 4, 8, 128
+    send = send_rows(32 // 8, 64, 2, experts, peers, -(-125 * 64 * 2 // (100 * experts)))   # C = 20: S = 160
+    assert all(c.asynchronous and c.in_loop for c in a2a), a2a
+    assert Counter(c.bytes for c in a2a) == {experts * 4: 1, peers * send * embed * 4: 4 + 5, peers * send * 4: 4}, a2a
     assert not _over(colls, "all-gather", ["expert"]), [(c.kind, c.axes) for c in colls]
