@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXPECTED = {
     "01_meshes_and_strategies.ipynb": ["reduce-scatter", "all-gather", "no rule fits logical name 'mlp'",
                                        "ring CP8, balanced", "collective-permutes over [('context',)]: 15",
-                                       "same loss to 1e-5: True", "all-to-alls over [('expert',)]: 4",
+                                       "same loss to 1e-5: True", "all-to-alls over [('expert',)]: 14",
                                        "same loss and MoE metrics to 1e-5: True"],
     "02_pipelines.ipynb": ["collective-permute | pipe", "1f1b          16   0.158     38               4",
                            "ticks per step: [14, 8, 8]", "stashing, update_every=1: versions per stage (4, 3, 2, 1)",
