@@ -54,6 +54,7 @@ def test_inspect_without_a_device_count_names_the_fix(capsys):
 
 def test_inspect_with_other_devices_than_the_session_is_an_error(capsys):
     """The backend is up with 8 devices (conftest); a 4-device config cannot be simulated in-process."""
+    assert len(__import__("jax").devices()) == 8       # up, whichever test of the worker ran first
     code = main(["inspect", str(ROOT / "configs" / "quickstart.yaml"), "train.devices=4", "mesh.data=1"])
     assert code == 2
     assert "train.devices=4" in capsys.readouterr().err

@@ -60,7 +60,8 @@ from jaxpar.errors import AnalysisError
 
 
 def compiled_bytes_per_axis(compiled: Any, mesh: Any, plan: Plan | None = None) -> dict[str, float]:
-    """Bytes per step per mesh axis of the collectives in ``compiled``, loops counted by trip count.
+    """Bytes per step per mesh axis of the collectives in ``compiled``, loops counted by trip count; a loop
+    whose count is known only at run time (the MoE exchange's further rounds, for a skewed routing) 0 times.
 
     Args:
       compiled: a ``jax.stages.Compiled`` train step, or its HLO text (``as_text()``; partition ``i``
@@ -77,10 +78,10 @@ def compiled_bytes_per_axis(compiled: Any, mesh: Any, plan: Plan | None = None) 
     text = module_text(compiled)
     colls = collectives(compiled, mesh)
     if plan is None or plan.pipe == 1:
-        return _sum_axes(colls, trip_counts(text))
+        return _sum_axes(colls, trip_counts(text, unknown=0.0))
     out: dict[str, float] = {}
     for weights in stage_branch_weights(compiled, mesh, plan):
-        for a, v in _sum_axes(colls, trip_counts(text, weights)).items():
+        for a, v in _sum_axes(colls, trip_counts(text, weights, unknown=0.0)).items():
             out[a] = max(out.get(a, 0.0), v)
     return out
 

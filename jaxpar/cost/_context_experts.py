@@ -1,6 +1,8 @@
 """Context parallelism (CP) and expert parallelism (EP) in the cost model (docs/planning.md §10): the
-per-layer collectives, the attention work and memory of each CP method, and the MoE layer's kernels
-and memory. The runtime is the ground truth (:mod:`jaxpar.parallel.context`, :mod:`jaxpar.parallel.moe`).
+per-layer collectives, the attention work and memory of each CP method, and the MoE layer's sorted
+dispatch: the rows its experts compute (:func:`routed_rows`), what one device sends each EP peer
+(:func:`send_rows`), its all-to-alls and tensor all-reduces, and what it keeps for the backward. The
+runtime is the ground truth (:mod:`jaxpar.parallel.context`, :mod:`jaxpar.parallel.moe`).
 
 Example::
 
@@ -11,10 +13,15 @@ Example::
 """
 from __future__ import annotations
 
+import math
+
 from jaxpar.cost._model import ModelSpec
 
-#: Rows of one expert tile on GPUs and TPUs (:data:`jaxpar.parallel.moe._dispatch.TILE_ROWS`; 32 on CPU).
+#: Rows of one expert tile on GPUs and TPUs (:data:`jaxpar.parallel.moe.TILE_ROWS`; 32 on CPU).
 EXPERT_TILE = 128
+#: Dropless, one EP round sends a peer at most this multiple of the mean
+#: (:data:`jaxpar.parallel.moe.DROPLESS_SEND_FACTOR`).
+DROPLESS_SEND_FACTOR = 1.25
 
 
 def score_fraction(method: str, context: int, balance: bool) -> float:
@@ -86,10 +93,11 @@ def ring_hops(context: int, kv: float, compute_bytes: float, redo: bool) -> list
 
 
 def send_rows(m: ModelSpec, rows: float, context: int, expert: int) -> float:
-    """``S``, the rows one device can send one of its ``E_p`` expert-parallel peers in an MoE layer
-    (:func:`jaxpar.parallel.moe._dispatch.send_rows`): ``min(G·T·k, G·(E/E_p)·min(cap, T))`` for its
-    ``G = rows`` groups (sequences) of ``T = s/C`` tokens; ``cap`` = :meth:`ModelSpec.capacity` of a
-    whole sequence (``T`` dropless).
+    """``S``, the rows one device sends one of its ``E_p`` expert-parallel peers in one round of an MoE layer
+    (:func:`jaxpar.parallel.moe.send_rows`), for its ``G = rows`` groups (sequences) of ``T = s/C`` tokens,
+    ``n = G·T·k`` choices: with capacity ``min(n, G·(E/E_p)·min(cap, T))``, ``cap`` =
+    :meth:`ModelSpec.capacity` of a whole sequence; dropless (``cap = s``) ``min(n, ⌈f·n/E_p⌉)``,
+    ``f`` = :data:`DROPLESS_SEND_FACTOR`. A balanced routing needs one round.
 
     Args:
       m: the model.
@@ -104,9 +112,14 @@ def send_rows(m: ModelSpec, rows: float, context: int, expert: int) -> float:
     >>> m = gpt(2, 64, 4, 64, 128, 8, experts=8, top_k=2)               # cap = ceil(1.25 * 64 * 2 / 8) = 20
     >>> send_rows(m, 2, 1, 4), send_rows(m, 2, 4, 4)                     # min(256, 2 * 2 * 20), min(64, 2 * 2 * 16)
     (80.0, 64.0)
+    >>> send_rows(gpt(2, 64, 4, 64, 128, 8, experts=8, capacity_factor=None), 2, 1, 4)    # 1.25 * 256 / 4
+    80
     """
-    T = m.seq / context
-    return min(rows * T * m.top_k, rows * (m.experts / expert) * min(m.capacity(m.seq), T))
+    T, cap = m.seq / context, m.capacity(m.seq)
+    n = rows * T * m.top_k
+    if cap >= m.seq:
+        return min(n, math.ceil(DROPLESS_SEND_FACTOR * n / expert))
+    return min(n, rows * (m.experts / expert) * min(cap, T))
 
 
 def expert_slots(m: ModelSpec, rows: float, context: int, expert: int) -> float:
@@ -159,10 +172,11 @@ def routed_rows(m: ModelSpec, rows: float, context: int, expert: int, tile: int 
 
 def expert_collectives(m: ModelSpec, rows: float, context: int, expert: int, compute_bytes: float, remat: str
                        ) -> list[tuple[str, float, int]]:
-    """The EP all-to-alls of one MoE layer and micro-batch on one device: the per-expert counts (``E``
-    int32) once, and the rows, ``E_p·S·h·cb`` bytes each (:func:`send_rows`), out and back in the forward
-    and their transposes in the backward; under recomputation the forward's run again (the experts'
-    inputs and the rows brought back are not matmul outputs, so ``selective`` recomputes them too).
+    """The EP all-to-alls of one MoE layer and micro-batch on one device, one round (:func:`send_rows`):
+    the per-expert counts (``E`` int32) and ``E_p·S`` rows of ``h`` values (``cb``) out and back forward,
+    the cotangents' rows out and their gradients back backward, and each row's fp32 weight out and its
+    gradient back (``E_p·S`` fp32 each). Under recomputation the forward's counts and rows out run again
+    (the experts' inputs are not matmul outputs, so ``selective`` recomputes them too).
 
     Args:
       m: the model.
@@ -177,19 +191,20 @@ def expert_collectives(m: ModelSpec, rows: float, context: int, expert: int, com
 
     >>> from jaxpar.cost._model import gpt
     >>> expert_collectives(gpt(2, 64, 4, 32, 128, 8, experts=8, capacity_factor=1.0), 2, 1, 4, 2, "none")
-    [('all-to-all', 32, 1), ('all-to-all', 16384.0, 4)]
+    [('all-to-all', 32, 1), ('all-to-all', 16384.0, 4), ('all-to-all', 512.0, 2)]
     """
     redo = remat != "none"
-    rows_bytes = expert_slots(m, rows, context, expert) * m.hidden * compute_bytes
-    return [("all-to-all", 4 * m.experts, 1 + redo), ("all-to-all", rows_bytes, 4 + 2 * redo)]
+    slots = expert_slots(m, rows, context, expert)
+    return [("all-to-all", 4 * m.experts, 1 + redo), ("all-to-all", slots * m.hidden * compute_bytes, 4 + redo),
+            ("all-to-all", slots * 4, 2)]
 
 
-def expert_reductions(m: ModelSpec, rows: float, context: int, expert: int, compute_bytes: float, remat: str
+def expert_reductions(m: ModelSpec, rows: float, context: int, expert: int, compute_bytes: float
                       ) -> list[tuple[float, int]]:
     """The tensor all-reduces of one MoE layer and micro-batch on one device (the experts' ``M`` split over
-    ``tensor``): the experts' fp32 output forward, its cotangent (``cb``) backward, each on the rows the
-    experts return: ``E_p·S`` under EP, the ``N`` tokens without. Under EP with recomputation the forward's
-    runs again (its rows go back through the all-to-all).
+    ``tensor``): forward the experts' output, on the ``N`` tokens in fp32 (several choices per token are
+    summed) or under EP on the ``E_p·S`` rows received (``cb``: one choice per row); backward its
+    cotangent and the input gradient of the ``N`` tokens (``cb``).
 
     Args:
       m: the model.
@@ -197,18 +212,17 @@ def expert_reductions(m: ModelSpec, rows: float, context: int, expert: int, comp
       context: the context-parallel size.
       expert: the expert-parallel size ``E_p``.
       compute_bytes: bytes per value.
-      remat: ``"none"``, ``"selective"`` or ``"full"``.
 
     Returns:
-      ``(bytes, count)`` per all-reduce.
+      ``(bytes, count)`` per group of all-reduces.
 
     >>> from jaxpar.cost._model import gpt
-    >>> expert_reductions(gpt(2, 64, 4, 32, 128, 8, experts=8), 2, 1, 1, 2, "none")      # 64 tokens
-    [(16384, 1), (8192, 1)]
+    >>> expert_reductions(gpt(2, 64, 4, 32, 128, 8, experts=8), 2, 1, 1, 2)      # 64 tokens
+    [(16384.0, 1), (8192.0, 2)]
     """
-    n = expert_slots(m, rows, context, expert) if expert > 1 else rows * m.seq / context
-    redo = expert > 1 and remat != "none"
-    return [(n * m.hidden * 4, 1 + redo), (n * m.hidden * compute_bytes, 1)]
+    tokens = rows * m.seq / context
+    out = expert_slots(m, rows, context, expert) * compute_bytes if expert > 1 else tokens * 4
+    return [(out * m.hidden, 1), (tokens * m.hidden * compute_bytes, 2)]
 
 
 def context_score_bytes(m: ModelSpec, rows: float, tensor: int, context: int, method: str, remat: str,
@@ -301,9 +315,9 @@ def moe_mlp_bytes(m: ModelSpec, rows: float, tensor: int, context: int, expert: 
     its input (``N·h``, ``/t`` with SP), the shared experts' hidden before and after the activation
     (``N·S/t`` each), the router's fp32 logits and probabilities (``2·N·E`` fp32), and without
     recomputation the experts' pre-activations in the sorted layout (``(slots + tile)·M/t``,
-    :func:`expert_slots`); under EP also the received rows (``E_p·S·h``) and the ``N·k`` rows brought
-    back, in fp32 for the combine. ``N = rows·s/C`` tokens. Under ``selective`` recomputation the
-    experts' inputs and pre-activations are not matmul outputs: they are recomputed, not kept.
+    :func:`expert_slots`) and under EP the rows received (``E_p·S·h``; one round's). ``N = rows·s/C``
+    tokens. Under ``selective`` recomputation the experts' inputs and pre-activations are not matmul
+    outputs: they are recomputed, not kept.
 
     Args:
       m: the model.
@@ -331,6 +345,4 @@ def moe_mlp_bytes(m: ModelSpec, rows: float, tensor: int, context: int, expert: 
         return kept
     slots = expert_slots(m, rows, context, expert)
     kept += (slots + tile) * m.expert_mlp / t * bytes_per_value
-    if expert > 1:
-        kept += slots * m.hidden * bytes_per_value + n * m.top_k * m.hidden * 4
-    return kept
+    return kept + (slots * m.hidden * bytes_per_value if expert > 1 else 0.0)

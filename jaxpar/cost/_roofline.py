@@ -63,9 +63,9 @@ def matmul(name: str, batch: float, m: float, k: float, n: float, compute_bytes:
 
 def fp8_kernels(m: ModelSpec, plan: Plan) -> frozenset[str]:
     """The kernels of :func:`layer_kernels` that run in FP8 under the plan's FP8: the attention projections,
-    the MLP, the experts and the shared experts, each where its GEMM's contracted and output sizes (of the
-    model's weights: ``hidden`` against the heads' ``hidden``, ``mlp``, ``expert_mlp``, ``shared_mlp``) are
-    both at least its ``min_dim`` (:meth:`~jaxpar.cost.Leaf.fp8`).
+    the MLP and the shared experts, each where its GEMM's contracted and output sizes (of the model's
+    weights: ``hidden`` against the heads' ``hidden``, ``mlp``, ``shared_mlp``) are both at least its
+    ``min_dim`` (:meth:`~jaxpar.cost.Leaf.fp8`); not the routed experts (:func:`jaxpar.logical.fp8_covered`).
 
     Args:
       m: the model.
@@ -83,8 +83,7 @@ def fp8_kernels(m: ModelSpec, plan: Plan) -> frozenset[str]:
     if plan.strategy.fp8 is None:
         return frozenset()
     h, d = m.hidden, plan.strategy.fp8.min_dim
-    groups = {("qkv", "proj"): h, ("fc1", "fc2"): m.mlp, ("expert_fc1", "expert_fc2"): m.expert_mlp,
-              ("shared_fc1", "shared_fc2"): m.shared_mlp}
+    groups = {("qkv", "proj"): h, ("fc1", "fc2"): m.mlp, ("shared_fc1", "shared_fc2"): m.shared_mlp}
     return frozenset(k for names, width in groups.items() if width and min(h, width) >= d for k in names)
 
 
@@ -176,14 +175,15 @@ def _moe_kernels(m: ModelSpec, plan: Plan, rows: float, tokens: float, cb: float
     """The MoE MLP's kernels on one device (docs/planning.md §10): the router, the experts' two GEMMs on the
     routed rows (:func:`~jaxpar.cost._context_experts.routed_rows`, one batch per local expert), the rows'
     gathers and scatter-adds (:func:`_expert_rows_bytes`) and the shared experts. The experts' backward
-    reads its saved pre-activations; any recomputation runs their forward again (they are not matmul outputs)."""
+    reads its saved pre-activations; any recomputation runs the first GEMM again for them (they are not
+    matmul outputs)."""
     h, M, t, ep = m.hidden, m.expert_mlp, plan.tensor, plan.expert
     local, routed = m.experts / ep, routed_rows(m, rows, plan.context, ep)
-    passes = 3 + (plan.remat != "none")
+    redo = plan.remat != "none"
     out = [matmul("router", 1, tokens, h, m.experts, cb, passes=full),
-           matmul("expert_fc1", local, routed / local, h, M / t, cb, passes=passes),
-           matmul("expert_fc2", local, routed / local, M / t, h, cb, passes=passes),
-           Kernel("expert_rows", 0.0, _expert_rows_bytes(m, plan, rows, routed, cb), passes=passes)]
+           matmul("expert_fc1", local, routed / local, h, M / t, cb, passes=3 + redo),
+           matmul("expert_fc2", local, routed / local, M / t, h, cb, passes=3),
+           Kernel("expert_rows", 0.0, _expert_rows_bytes(m, plan, rows, routed, cb), passes=3 + redo)]
     if m.shared_mlp:
         out += [matmul("shared_fc1", 1, tokens, h, m.shared_mlp / t, cb, passes=full),
                 matmul("shared_fc2", 1, tokens, m.shared_mlp / t, h, cb, passes=full)]
@@ -192,13 +192,13 @@ def _moe_kernels(m: ModelSpec, plan: Plan, rows: float, tokens: float, cb: float
 
 def _expert_rows_bytes(m: ModelSpec, plan: Plan, rows: float, routed: float, cb: float) -> float:
     """Bytes of one pass of an MoE layer's row moves on one device: the ``routed`` rows gathered (read and
-    written) and their outputs scatter-added into the fp32 accumulator; under EP also the rows packed
-    into the send buffer (``E_p·S``) and the ``N·k`` choices' rows gathered back in fp32 and summed."""
-    out = routed * m.hidden * (3 * cb + 8)
+    written) and their outputs scatter-added into the output (fp32; one row per choice under EP); under
+    EP also the ``E_p·S`` rows packed into the send buffer and those brought back scatter-added into the
+    fp32 tokens."""
+    out = routed * (3 * cb + 8)
     if plan.expert > 1:
-        n = rows * m.seq / plan.context * m.top_k
-        out += (2 * expert_slots(m, rows, plan.context, plan.expert) * cb + n * (cb + 8)) * m.hidden
-    return out
+        out += expert_slots(m, rows, plan.context, plan.expert) * (3 * cb + 8)
+    return out * m.hidden
 
 
 def kernel_seconds(k: Kernel, cluster: Cluster, dtype: str) -> float:

@@ -157,7 +157,8 @@ GRAD_AXES = BATCH_AXES + ("context",)
 def _context_expert_comms(add, m: ModelSpec, plan: Plan, kv: float, rows: float, cb: float) -> None:
     """CP: the method's collectives per layer and micro-batch
     (:func:`~jaxpar.cost._context_experts.context_collectives`); EP: per MoE layer and micro-batch the
-    counts' all-to-all and 4 of the routed rows (:func:`~jaxpar.cost._context_experts.expert_collectives`)."""
+    all-to-alls of the counts, the routed rows and their weights
+    (:func:`~jaxpar.cost._context_experts.expert_collectives`)."""
     mb = plan.strategy.microbatches
     if plan.context > 1:
         n_layer = (m.layers // plan.pipe) * mb
@@ -186,9 +187,9 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
     (TP) or two all-gathers and one reduce-scatter (SP) per layer; Megatron's full recomputation runs
     the whole layer forward again (two reductions; two all-gathers and two reduce-scatters).
 
-    An MoE layer without SP reduces its experts' output (and its cotangent) on the rows they return
-    (:func:`~jaxpar.cost._context_experts.expert_reductions`; ``rows`` sequences per device, ``cb`` bytes
-    per value) in place of the MLP's activation; under SP the MoE layer is counted as a dense one (an
+    An MoE layer without SP reduces its experts' output on the rows they compute, and backward its
+    cotangent and its input gradient (:func:`_moe_reductions`; ``rows`` sequences per device, ``cb`` bytes
+    per value), in place of the MLP's two reductions; under SP the MoE layer is counted as a dense one (an
     approximation).
 
     A lockstep pipeline (SP with ``pipe`` > 1, :func:`~._schedule.runs_in_lockstep`) runs every tick's
@@ -200,11 +201,7 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
         v = plan.strategy.virtual_stages
         mb = (plan.strategy.microbatches * v + plan.pipe - 1) / v
     n_layer = (m.layers // plan.pipe) * mb
-    moe = 0            # MoE layers whose MLP reductions are on the experts' rows
-    if m.moe_layers and not plan.strategy.sequence_parallel and lowering != "megatron":
-        moe = m.moe_layers / plan.pipe * mb
-        for nbytes, count in expert_reductions(m, rows, plan.context, plan.expert, cb, plan.remat):
-            add("all-reduce", ("tensor",), nbytes, count * moe, "tensor")
+    moe = _moe_reductions(add, m, plan, mb, lowering, rows, cb)
     ends = 1 if plan.pipe > 1 and not lock else 2
     cpu = lowering == "xla-cpu"
     if lowering == "megatron":
@@ -236,6 +233,17 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
             add("all-gather", ("tensor",), act, mb, "tensor")
             add("reduce-scatter", ("tensor",), act / t, 2 * mb, "tensor")
     add("all-reduce", ("tensor",), stats, 4 * mb, "loss")               # vocab-parallel cross-entropy
+
+
+def _moe_reductions(add, m: ModelSpec, plan: Plan, mb: float, lowering: str, rows: float, cb: float) -> float:
+    """The MoE layers' tensor all-reduces without SP (:func:`~jaxpar.cost._context_experts.expert_reductions`);
+    returns how many MoE layers run per step on the device (0 where they are counted as dense ones)."""
+    if not m.moe_layers or plan.strategy.sequence_parallel or lowering == "megatron":
+        return 0
+    moe = m.moe_layers / plan.pipe * mb
+    for nbytes, count in expert_reductions(m, rows, plan.context, plan.expert, cb):
+        add("all-reduce", ("tensor",), nbytes, count * moe, "tensor")
+    return moe
 
 
 def _fp8_reductions(add, m: ModelSpec, plan: Plan, act: float, n_layer: float, moe: float, redo: int,

@@ -98,6 +98,12 @@ def gated_hidden(eq: str, x: jax.Array, w1: jax.Array, w3: jax.Array | None, act
 def tile_rows(mesh=None) -> int:
     """The expert tile of the platform of ``mesh``'s devices (the default backend's without one).
 
+    Args:
+      mesh: a mesh, or None.
+
+    Returns:
+      Rows per tile, from :data:`TILE_ROWS`.
+
     >>> tile_rows()
     32
     """
@@ -405,6 +411,18 @@ def send_rows(groups: int, tokens: int, top_k: int, experts: int, peers: int, ca
     """``S``, the rows one device's ``groups x tokens`` send one of ``peers`` expert-parallel peers in one
     round: with capacity, all it can, ``groups · (experts / peers) · min(capacity, tokens)``; dropless,
     :data:`DROPLESS_SEND_FACTOR` times the mean ``N·k / peers``; at most all its ``N·k`` choices.
+
+    Args:
+      groups, tokens: the device's groups (batch rows) and tokens of each (its part of a row under
+        context parallelism).
+      top_k: choices per token.
+      experts: ``E``, all the experts.
+      peers: ``E_p``, the expert-parallel devices.
+      capacity: slots per group and expert (:func:`~jaxpar.parallel.moe.capacity`).
+      dropless: the routing drops nothing (no capacity).
+
+    Returns:
+      ``S``.
 
     >>> send_rows(2, 64, 2, 8, 4, 20), send_rows(2, 64, 2, 8, 4, 64, dropless=True)     # capacity 1.25, dropless
     (80, 80)
