@@ -159,7 +159,8 @@ def _dispatching(fn):
         moe_layer.dispatch_combine = saved
 
 
-DISPATCH = dict(seq=256, rows=32, embed=128, heads=4, layers=2, mlp=256, experts=32, top_k=4, axes={"data": 2, "expert": 4})
+DISPATCH = dict(seq=256, rows=32, embed=128, heads=4, layers=2, mlp=256, experts=32, top_k=4,
+                axes={"data": 2, "expert": 4})
 
 
 def _dispatch_step(capacity, dense: bool, baseline=None) -> dict:
@@ -295,8 +296,9 @@ def main() -> None:
     if table:
         print(markdown_table(["run", "GEMM FLOPs vs twin", "temporaries vs twin", "temporaries MiB",
                               "all-to-all MiB", "step ms", "step vs twin"],
-                             [[r["run"], f"{r['flops_vs_twin']:.2f}", f"{r['temp_vs_twin']:.2f}", f"{r['temp_mib']:.1f}",
-                               f"{r['a2a_mib']:.2f}", f"{r['step_ms']:.0f}", f"{r['time_vs_twin']:.2f}"]
+                             [[r["run"], f"{r['flops_vs_twin']:.2f}", f"{r['temp_vs_twin']:.2f}",
+                               f"{r['temp_mib']:.1f}", f"{r['a2a_mib']:.2f}", f"{r['step_ms']:.0f}",
+                               f"{r['time_vs_twin']:.2f}"]
                               for r in table]))
     fast = [] if args.skip_speed else speed(args.reps, load_cluster(CLUSTER))
     print(environment())

@@ -20,8 +20,9 @@ from conftest import need_devices
 from jaxpar.analysis import collectives, count, dot_flops
 from jaxpar.adapters._loss_metrics import with_reported_metrics
 from jaxpar.parallel import add_zero_axes, tensor_rules
-from jaxpar.parallel.moe import (MOE_LOGICAL, MoE, MoEError, balanced, capacity, expert_rules, load_cv, moe_apply, route,
-                                 TILE_ROWS, dispatch_combine, send_rows, update_router_bias, use_router_bias)
+from jaxpar.parallel.moe import (MOE_LOGICAL, TILE_ROWS, MoE, MoEError, balanced, capacity, dispatch_combine,
+                                 expert_rules, load_cv, moe_apply, route, send_rows, update_router_bias,
+                                 use_router_bias)
 from jaxpar.rules import logical_to_spec
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -490,7 +491,8 @@ GATED_EP_CASES = {      # mesh, capacity factor, shared experts' width, rules pu
 @pytest.mark.parametrize("name", list(GATED_EP_CASES))
 def test_gated_experts_under_expert_parallelism_match_one_device(name):
     """SwiGLU experts (w3 split like w1: over ``expert``, and its ``mlp`` over ``tensor``) under EP equal
-    one device: loss, output, stats, routing masks and every gradient at 1e-5; the routed rows out and back, and their transposes."""
+    one device: loss, output, stats, routing masks and every gradient at 1e-5; the exchange's all-to-alls
+    (:func:`exchange_sizes`)."""
     sizes, cf, shared, first_rules = GATED_EP_CASES[name]
     need = math.prod(sizes.values())
     if jax.device_count() < need:

@@ -10,15 +10,16 @@ to a tile. No row buffer is built: the forward saves only the experts' pre-activ
 layout (``[N·k, M]``, ``[N·k, 2M]`` gated), and the backward (a custom VJP) walks the same tiles.
 
 **Expert parallelism** (the rules shard ``experts``: :func:`expert_rules`): in a ``jax.shard_map``
-manual over the token axes and the expert axes, each device packs its kept choices by destination
-peer into ``[E_p, S, D]`` (sorted by expert within a peer), sends the per-expert counts (``E`` int32)
-and the rows with one ``all_to_all`` each, runs :func:`routed_mlp` on what it received, and one
-``all_to_all`` brings the outputs back, where each choice reads its row with its weight. ``S`` bounds
-what one device can send one peer: ``G·(E/E_p)·min(C, T)`` with capacity ``C`` (about ``cf ×`` the
-routed rows over ``E_p``), and ``N·k`` dropless, where one peer may receive everything
-(docs/strategies.md, "Expert parallelism", states what this costs). Under context parallelism each
-device dispatches its own part of the sequence. Without a rule for ``experts``, the same region is
-manual over the token axes alone, so that each device sorts its own tokens.
+manual over the token axes and the expert axes, each device sends the per-expert counts (``E`` int32)
+with one ``all_to_all``, then in rounds packs its kept choices by destination peer into ``[E_p, S, D]``
+(sorted by expert within a peer), sends the rows with one ``all_to_all``, runs the tile loop on what it
+received, and one ``all_to_all`` brings the outputs back, where each choice adds its row with its
+weight. A round sends a peer at most ``S`` rows (:func:`send_rows`): with capacity ``C`` all a device
+can send it, ``G·(E/E_p)·min(C, T)`` (one round); dropless :data:`DROPLESS_SEND_FACTOR` times the mean,
+and a device with more for some peer takes further rounds (docs/strategies.md, "How the exchange is
+bounded"). Under context parallelism each device dispatches its own part of the sequence. Without a
+rule for ``experts``, the same region is manual over the token axes alone, so that each device sorts
+its own tokens.
 
 **The experts**: ``w2(act(x w1))``, or with an up projection ``w3`` the gated MLP of Mixtral, Qwen-MoE and
 DeepSeek, ``w2(act(x w1) * (x w3))``; ``act`` is one of :data:`ACTIVATIONS`.
@@ -222,7 +223,8 @@ def _backward(res, g, tile: int, activation: str, unique: bool = False):
             dw1, dxt = dw1.at[e].add(xt.T @ dp), dp @ w1[e].T
         return dx.at[r].add(dxt.astype(dx.dtype)), dws, dw1, dw2, dw3
 
-    init = (jnp.zeros(x.shape, x.dtype if unique else jnp.float32), f32(rows.shape[0] + tile), f32(w1.shape), f32(w2.shape), f32(w1.shape if gated else ()))
+    init = (jnp.zeros(x.shape, x.dtype if unique else jnp.float32), f32(rows.shape[0] + tile), f32(w1.shape),
+            f32(w2.shape), f32(w1.shape if gated else ()))
     dx, dws, dw1, dw2, dw3 = jax.lax.fori_loop(0, used, body, init)
     dweight = jnp.zeros(weight.shape, jnp.float32).at[order].set(dws[:rows.shape[0]])
     return dx, dweight, (dw1, dw2, dw3 if gated else None)
@@ -352,7 +354,7 @@ def _received(x, choice, valid, o: _EP):
 
 
 def _round_forward(x, weight, ws, plan, r, o: _EP, *, save: bool):
-    """Round ``r`` forward: the weighted rows back ``[E_p, S, D]`` (float32), their tokens, the residuals."""
+    """Round ``r`` forward: the weighted rows back ``[E_p, S, D]``, their tokens, the residuals (``save``)."""
     choice, valid, local_e = _chunk(plan, r, o)
     recv = _received(x, choice, valid, o)
     m = recv.shape[0]
