@@ -153,6 +153,21 @@ def _truncate(path: Path) -> None:
         f.truncate(f.seek(0, 2) // 2)
 
 
+def _overwrite(path: Path, nbytes: int = 4096) -> None:
+    """``nbytes`` random bytes over the middle of a file, in place (its size unchanged)."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, 2)
+        f.seek(max(0, size // 2 - nbytes // 2))
+        f.write(np.random.default_rng(0).bytes(min(nbytes, size)))
+
+
+CORRUPTIONS |= {
+    "random bytes in array data": lambda d: _overwrite(_state_data_file(d)),
+    "random bytes in the JSON record": lambda d: _overwrite(d / "meta" / "metadata", 64),
+    "random bytes in tree metadata": lambda d: _overwrite(d / "state" / "_METADATA", 64),
+}
+
+
 @pytest.mark.parametrize("how", list(CORRUPTIONS))
 def test_corrupt_latest_falls_back_to_previous(tmp_path, how):
     layout, snaps, _ = _save_steps(tmp_path)
@@ -165,6 +180,60 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path, how):
     assert f"checkpoint {tmp_path / '6'} (step 6) is unreadable, falling back to step 4" in message
     with Checkpointer(tmp_path) as ck, pytest.raises(CheckpointError, match=r"checkpoint .*6 is unreadable"):
         ck.restore(layout, step=6)
+
+
+def test_data_that_decode_but_changed_after_the_save_fail_their_checksums(tmp_path):
+    """Step 6's arrays replaced by another state's of the same step (valid files, so they decode, as data
+    changed in place can): its checksums differ from those recorded at save, so the restore falls back to
+    step 4 and names the arrays."""
+    layout, snaps, state = _save_steps(tmp_path / "run")
+    other = state._replace(params=jax.tree.map(lambda a: a + 1, state.params))
+    with Checkpointer(tmp_path / "other") as ck:
+        assert ck.save(6, other, {"data": {"next_step": 6}}, wait=True)
+    shutil.rmtree(tmp_path / "run" / "6" / "state")
+    shutil.copytree(tmp_path / "other" / "6" / "state", tmp_path / "run" / "6" / "state")
+    with Checkpointer(tmp_path / "run") as ck, pytest.warns(
+            CheckpointWarning, match=r"step 6\) is unreadable, falling back to step 4: its data differ from the "
+                                     r"checksums recorded at save in \d+ array\(s\) \(params/"):
+        got = ck.restore(layout)
+    assert got.step == 4 and same(got.state, snaps[4])
+
+
+def test_a_nonfinite_state_is_neither_saved_nor_restored(tmp_path, monkeypatch):
+    """A state with a NaN parameter is not saved (a warning; the good checkpoints stay); one that reached the
+    disk anyway (the save's check bypassed here) is refused at restore as corrupt."""
+    layout, snaps, state = _save_steps(tmp_path)
+    bad = state._replace(params=jax.tree.map(lambda a: a.at[(0,) * a.ndim].set(jnp.nan), state.params))
+    with Checkpointer(tmp_path) as ck:
+        with pytest.warns(CheckpointWarning, match=r"checkpoint of step 8 not saved: non-finite values in params/"):
+            assert not ck.save(8, bad)
+        assert ck.steps() == [2, 4, 6]
+    from jaxpar.run import _checkpoint
+    monkeypatch.setattr(_checkpoint, "inspect_state", lambda state: ({}, []))
+    with Checkpointer(tmp_path, keep=4) as ck:
+        assert ck.save(8, bad._replace(step=bad.step + 2), wait=True)
+    monkeypatch.undo()
+    with Checkpointer(tmp_path, keep=4) as ck, pytest.warns(
+            CheckpointWarning, match=r"step 8\) is unreadable, falling back to step 6: non-finite values in params/"):
+        got = ck.restore(layout)
+    assert got.step == 6 and same(got.state, snaps[6])
+
+
+def test_an_update_that_makes_a_parameter_nonfinite_is_skipped(tmp_path):
+    """Finite loss and gradients, but the optimizer's update at step 3 is infinite: with on_nonfinite='skip'
+    the step keeps the parameters and the optimizer state, and is reported as a non-finite update."""
+    state, layout, _ = build({"data": 2, "fsdp": 2, "tensor": 2})
+    tx = optax.chain(optax.sgd(1e-2), optax.scale_by_schedule(lambda count: jnp.where(count == 2, jnp.inf, 1.0)))
+    state, layout = jaxpar.init_train_state(lambda: GPT(CFG, rngs=nnx.Rngs(0)), tx, layout.mesh)
+    step, snaps = _recording(jaxpar.make_train_step(lm_loss, tx, layout, skip_nonfinite=True))
+    lines = []
+    state, summary = train(step, state, batch, mesh=layout.mesh, steps=4, log_every=1, out_dir=tmp_path,
+                           on_nonfinite="skip", progress="lines", print_fn=lines.append)
+    # skipped, the optimizer's count stays at 2, so step 4's update is infinite too
+    assert summary.skipped_steps == [3, 4] and same(snaps[3][0], snaps[1][0]) and finite(state.params)
+    assert not same(snaps[1][0], snaps[0][0])
+    assert any("step      3/4  WARNING non-finite update: update skipped" in x for x in lines), lines
+    assert math.isfinite(summary.last_loss)
 
 
 def test_corrupt_step_is_replaced_on_save(tmp_path):

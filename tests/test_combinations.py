@@ -78,8 +78,10 @@ def test_the_logged_lr_is_the_one_the_optimizer_state_holds():
         logged.append(float(m["lr"]))
         assert "lr" not in pm
     assert logged == pytest.approx([0.1, 0.1, 0.05], rel=1e-6)     # updates 0 and 1 (the nan step applied none)
-    np.testing.assert_array_equal(jax.device_get(state.params["out"]["kernel"]),
-                                  jax.device_get(plain_state.params["out"]["kernel"]))
+    # the same updates, to fp32 rounding: the skip rule reads the updated parameters too (a non-finite one
+    # skips), and XLA:CPU then rounds `p + u` of one of the two programs once otherwise (1 ulp)
+    np.testing.assert_allclose(jax.device_get(state.params["out"]["kernel"]),
+                               jax.device_get(plain_state.params["out"]["kernel"]), rtol=2.4e-7, atol=0)
 
 
 @pytest.mark.exhaustive

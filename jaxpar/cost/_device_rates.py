@@ -148,7 +148,7 @@ def measure_host(nbytes: int = HOST_BYTES, reps: int = 10, say: Callable[[str], 
     to_host = _median_seconds(lambda a: jax.device_put(a, host), (jax.device_put(x, device),), reps)
     tx = optax.adamw(1e-4, weight_decay=0.1)
     state = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), host), jax.eval_shape(tx.init, x))
-    arithmetic = jax.jit(lambda g, s, p, scale, ok: optimizer_arithmetic(tx, ("scale", "ok"), g, s, p, scale, ok))
+    arithmetic = jax.jit(lambda g, s, p, scale, ok: optimizer_arithmetic(tx, ("scale", "ok"), g, s, p, scale, ok)[:2])
     scalars = tuple(jax.device_put(np.asarray(v), host) for v in (np.float32(0.5), True))
     update = jax.jit(lambda *a: on_host(arithmetic)(*a), out_shardings=host)
     seconds = _median_seconds(update, (x, state, x, *scalars), min(reps, 3))

@@ -102,21 +102,22 @@ def host_placement(shardings: Any, offload: Offload | None) -> Callable | None:
     if offload is None or not offload.host_update:
         return None
 
-    def place(optimize: Callable, grads: Any, opt_state: Any, params: Any, *scalars: Any) -> tuple[Any, Any]:
+    def place(optimize: Callable, grads: Any, opt_state: Any, params: Any, *scalars: Any) -> tuple[Any, Any, Any]:
         back = lambda tree, like, where: jax.tree.map(    # noqa: E731  (each output to its input's memory kind)
             lambda x, old, s: jax.device_put(x, with_kind(s, _kind(old))), tree, like, where)
-        old_params, old_opt = params, opt_state
+        old_params, old_opt, kind = params, opt_state, _kind(scalars[0]) if scalars else None
         grads, params = _put(grads, shardings.params, HOST), _put(params, shardings.params, HOST)
         scalars = [jax.device_put(x, with_kind(shardings.step, HOST)) for x in scalars]
         try:
-            new_params, new_opt = on_host(jax.jit(optimize))(grads, opt_state, params, *scalars)
+            new_params, new_opt, ok = on_host(jax.jit(optimize))(grads, opt_state, params, *scalars)
         except ValueError as e:
             if "memory_space of all inputs" not in str(e):
                 raise
             raise OffloadError(f"Strategy.offload.update='host': the optimizer's update does not run in host "
                                f"memory ({e}; it mixes its host-resident inputs with arrays it creates on the "
                                "device). Use Offload(update='device').") from None
-        return back(new_params, old_params, shardings.params), back(new_opt, old_opt, shardings.opt_state)
+        ok = None if ok is None else jax.device_put(ok, with_kind(shardings.step, kind))
+        return back(new_params, old_params, shardings.params), back(new_opt, old_opt, shardings.opt_state), ok
 
     return place
 

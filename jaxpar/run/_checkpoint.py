@@ -11,8 +11,12 @@ train state's arrays, written by every process for its own shards) and ``meta``
 * **Resharding restore.** :meth:`Checkpointer.restore` reads into a target of
   ``ShapeDtypeStruct(..., sharding=...)`` (``layout.abstract_state()``): a state saved under
   ``fsdp=8`` restores under ``data=2 x tensor=4`` or on 4 devices.
+* **Integrity.** The record holds a checksum of every parameter and optimizer array
+  (:mod:`jaxpar.run._integrity`), compared at restore; a state with a non-finite parameter or moment is
+  neither saved (a :class:`CheckpointWarning`, the good checkpoints kept) nor restored.
 * **Fallback.** A latest checkpoint that cannot be read (a truncated or deleted
-  file, a step that disagrees with its record) is reported with a
+  file, a step that disagrees with its record, data that differ from the recorded checksums, a
+  non-finite parameter or moment) is reported with a
   :class:`CheckpointWarning` naming the step and the reason; the previous one is
   used; the next save renames it to ``<step>.unreadable``, as a new :class:`Checkpointer` does to a step folder
   whose save never finished (``<step>.incomplete``), so that ``keep`` prunes good checkpoints only and nothing
@@ -66,6 +70,7 @@ import jax.numpy as jnp
 from jaxpar.adapters._layer_lists import change_form
 from jaxpar.run._state_parts import (FORMAT, READABLE, lists_record, plan_parts, record_layouts, record_shapes,
                                      saved_lists, upgrade_record)
+from jaxpar.run._integrity import inspect_state, verify_state
 from jaxpar.run._run_directory import checkpoint_steps, refuse_later_steps, set_aside
 from jaxpar.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning, check_int
 from jaxpar.optimizers import schedule_state
@@ -93,7 +98,8 @@ def no_checkpoint_error(directory: str | Path, unfinished: list[str] = ()) -> Ch
 
 def _reason(e: BaseException) -> str:
     text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+    kind = "" if isinstance(e, CheckpointError) else f"{type(e).__name__}: "     # jaxpar's own say what they are
+    return f"{kind}{text[:300]}{'...' if len(text) > 300 else ''}"
 
 
 class Checkpointer:
@@ -212,10 +218,19 @@ class Checkpointer:
             return False
         refuse_later_steps(f"Checkpointer.save(step={step})", self.directory, self.steps_after(step, existing),
                            self.keep)
+        checksums, bad = inspect_state(state)
+        if bad:
+            warnings.warn(f"checkpoint of step {step} not saved: non-finite values in {', '.join(bad[:3])}"
+                          f"{' ...' if len(bad) > 3 else ''}. The good checkpoints in {self.directory} are kept; "
+                          "on_nonfinite: skip (or stop) keeps such an update out of the state.",
+                          CheckpointWarning, stacklevel=2)
+            if wait:
+                self.wait()
+            return False
         if self._bad:                  # those restore() found unreadable: set aside before keep prunes
             self._set_aside_unreadable()
         layout = layout if layout is not None else self.layout
-        record = {**(meta or {}), "step": int(step), "format": FORMAT, "time": time.time(),
+        record = {**(meta or {}), "step": int(step), "format": FORMAT, "time": time.time(), "checksums": checksums,
                   **record_shapes(state), **lists_record(layout), **record_layouts(layout, state)}
         t0 = time.perf_counter()
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
@@ -319,12 +334,16 @@ class Checkpointer:
         meta, renames = upgrade_record(meta)
         renames = renames if hasattr(abstract, "_fields") else {}    # a plain tree: Orbax matches it as saved
         have, want = saved_lists(meta), dict(getattr(target, "layer_lists", None) or {})
-        if not hasattr(target, "strategy") or have == want:
-            return self._restore_as_saved(step, abstract, target, meta, renames), meta
-        # nnx.List layers saved stacked and restored as a list (or the other way): read them as saved
-        state = self._restore_as_saved(step, change_form(abstract, want, have), target, meta, renames)
-        shardings = jax.tree.map(lambda a: a.sharding, abstract)
-        return jax.jit(lambda st: change_form(st, have, want), out_shardings=shardings)(state), meta
+        as_saved = not hasattr(target, "strategy") or have == want
+        if as_saved:
+            state = self._restore_as_saved(step, abstract, target, meta, renames)
+        else:   # nnx.List layers saved stacked and restored as a list (or the other way): read them as saved
+            state = self._restore_as_saved(step, change_form(abstract, want, have), target, meta, renames)
+            shardings = jax.tree.map(lambda a: a.sharding, abstract)
+            state = jax.jit(lambda st: change_form(st, have, want), out_shardings=shardings)(state)
+        if (corrupt := verify_state(state, meta.get("checksums") if as_saved else None)) is not None:
+            raise CheckpointError(corrupt)
+        return state, meta
 
     def _restore_as_saved(self, step: int, abstract: Any, target: Any, meta: dict, renames: dict) -> Any:
         """The state of ``step`` into ``abstract``, the tree as it was saved; an optimizer state saved without

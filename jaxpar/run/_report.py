@@ -325,12 +325,14 @@ class Meter:
                                 **{k: float(v) for k, v in m.items() if "/" in k and getattr(v, "ndim", 0) == 0}})
             if "noise_scale" in m:
                 self.noise_scale.append((s, float(m["noise_scale"])))
-            if not (math.isfinite(loss) and math.isfinite(gnorm)):
+            if not (math.isfinite(loss) and math.isfinite(gnorm)) or skipped:
                 self._nonfinite(s, loss, gnorm, skipped)
         return len(fetched), sum(w["skipped"] for w in self.window[-len(fetched):])
 
     def _nonfinite(self, s: int, loss: float, gnorm: float, skipped: bool) -> None:
         what = f"step {s}: the loss is {loss} and the gradient norm {gnorm}"
+        if math.isfinite(loss) and math.isfinite(gnorm):     # skipped: the update itself was not finite
+            what += ", and its update would make a parameter or an optimizer moment non-finite"
         if self.on_nonfinite == "stop":
             last_ckpt = f" The last checkpoint is step {self.saved[-1]}." if self.saved else ""
             raise NonFiniteError(f"train: {what}; stopping (on_nonfinite='stop').{last_ckpt} Lower the "
@@ -343,8 +345,10 @@ class Meter:
         self.skipped_steps.append(s)
         self.writer.write({"kind": "nonfinite", "step": s, "loss": _num(loss), "grad_norm": _num(gnorm),
                            "action": "skipped"})
-        self.bar.log(f"step {s:>6}/{self.end}  WARNING non-finite loss {loss} / grad norm {gnorm}: update "
-                     "skipped (params and optimizer state unchanged)")
+        cause = (f"non-finite loss {loss} / grad norm {gnorm}" if not (math.isfinite(loss) and math.isfinite(gnorm))
+                 else "non-finite update")
+        self.bar.log(f"step {s:>6}/{self.end}  WARNING {cause}: update skipped (params and optimizer state "
+                     "unchanged)")
 
     def record(self, done: int, now: float, extra: dict | None = None) -> None:
         """Write the ``train`` record and progress line of the steps fetched since the last one.

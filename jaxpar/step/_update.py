@@ -40,11 +40,12 @@ class Update(NamedTuple):
     Attributes:
       tx: the optax optimizer.
       clip_norm: clip the gradient to this global norm first (``None``: no clipping).
-      skip_nonfinite: a step whose loss or gradient norm is not finite keeps every part of the
-        state as it was (the step counter still advances; under :func:`delayed` the older
-        version still becomes ``W(t)``) and reports ``skipped``.
+      skip_nonfinite: a step whose loss or gradient norm is not finite, or whose update would make a
+        parameter or an optimizer moment non-finite, keeps every part of the state as it was (the step
+        counter still advances; under :func:`delayed` the older version still becomes ``W(t)``) and
+        reports ``skipped``.
       place: where the optimizer's arithmetic runs, ``place(optimize, grads, opt_state, params, *scalars)
-        -> (params, opt_state)`` (:func:`jaxpar.parallel._offload.host_placement`: in host memory);
+        -> (params, opt_state, ok)`` (:func:`jaxpar.parallel._offload.host_placement`: in host memory);
         ``None``: here, in the step's program.
       grad_norm: report ``grad_norm``; without it the norm is computed only where ``clip_norm`` or
         ``skip_nonfinite`` needs it.
@@ -102,11 +103,10 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
         scalars["ok"] = jnp.isfinite(loss) & jnp.isfinite(gnorm)
     optimize = partial(optimizer_arithmetic, update.tx, tuple(scalars))
     args = (grads, state.opt_state, state.params, *scalars.values())
-    params, opt_state = update.place(optimize, *args) if update.place else optimize(*args)
+    params, opt_state, ok = update.place(optimize, *args) if update.place else optimize(*args)
     new = state._replace(step=state.step + 1, params=params, opt_state=opt_state, **(parts or {}))
     out = {"loss": loss, **({"grad_norm": gnorm} if update.grad_norm else {}), **(metrics or {})}
     if update.skip_nonfinite:
-        ok = scalars["ok"]
         new = new._replace(**{f: jax.tree.map(lambda n, o: jnp.where(ok, n, o), getattr(new, f), getattr(state, f))
                               for f in (parts or {})})
         out["skipped"] = jnp.logical_not(ok)
@@ -118,7 +118,8 @@ def apply_update(update: Update, state: TrainState, loss: jax.Array, grads: Any,
 def optimizer_arithmetic(tx: optax.GradientTransformation, names: tuple[str, ...], grads: Any, opt_state: Any,
                          params: Any, *scalars: jax.Array) -> tuple[Any, Any]:
     """The optimizer's arithmetic of :func:`apply_update`: the gradient scaled by the clip (``"scale"``), the
-    optax update, and the old parameters and optimizer state kept where the step is skipped (``"ok"``).
+    optax update, and the old parameters and optimizer state kept where the step is skipped (``"ok"``: a
+    finite loss and gradient norm, and then the update's parameters and optimizer state all finite).
 
     Args:
       tx: the optimizer.
@@ -129,17 +130,24 @@ def optimizer_arithmetic(tx: optax.GradientTransformation, names: tuple[str, ...
       *scalars: the clip's scale and the step's finite flag, as ``names`` says.
 
     Returns:
-      ``(new_params, new_opt_state)``.
+      ``(new_params, new_opt_state, ok)``: ``ok`` whether the update was applied (None without ``"ok"``).
     """
     given = dict(zip(names, scalars))
     if "scale" in given:
         grads = jax.tree.map(lambda g: g * given["scale"], grads)
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    if "ok" in given:
-        keep = lambda n, o: jnp.where(given["ok"], n, o)    # noqa: E731
-        new_params, new_opt = jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state)
-    return new_params, new_opt
+    if "ok" not in given:
+        return new_params, new_opt, None
+    ok = given["ok"] & _all_finite(new_params) & _all_finite(new_opt)
+    keep = lambda n, o: jnp.where(ok, n, o)    # noqa: E731
+    return jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state), ok
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    """Whether every floating value of ``tree`` is finite (a boolean scalar)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 def updates_metrics(loss: jax.Array, sq_norms: jax.Array | None, updates: int, skipped_updates: jax.Array | None = None,
