@@ -24,7 +24,8 @@ __all__ = ["JaxparError", "MeshError", "StrategyError", "MaskError", "RulesError
            "ExplicitDPError", "NoiseScaleError", "StrategyMismatchError", "DataError", "SourceError",
            "TokenizerError", "CacheError", "HFConfigError", "HFExportError", "HFFilesError",
            "HFCheckpointError", "ClusterError", "LayoutError", "PlanError", "DistributedError", "TargetError",
-           "ConfigError", "UnusedAxisWarning", "BatchError", "OptimizerError", "BackendStartedError",
+           "ConfigError", "UnusedAxisWarning", "ReplicatedLeafWarning", "BatchError", "OptimizerError",
+           "BackendStartedError",
            "ModelStateError", "ModelConfigError", "StepError", "CompatError", "CostModelError", "AnalysisError"]
 
 
@@ -173,6 +174,12 @@ class RunDirectoryError(JaxparError):
 class UnusedAxisWarning(UserWarning):
     """A mesh axis of size > 1 splits nothing (e.g. ``tensor`` over a model without tensor-parallel
     annotations): its devices repeat each other's work. The message names the axis, its size and the fix."""
+
+
+class ReplicatedLeafWarning(UserWarning):
+    """ZeRO / FSDP leaves a large parameter replicated over the data axes: none of its dimensions is a
+    multiple of their size (:func:`jaxpar.parallel._zero.warn_replicated`). The message names each such
+    parameter, its shape, dtype and bytes per device, the size a dimension must be a multiple of and the fix."""
 
 
 class RampError(JaxparError):

@@ -36,11 +36,13 @@ from jaxpar.rules import path_str
 from jaxpar._text import format_bytes, render_table
 
 
-def spec_str(spec: Any) -> str:
+def spec_str(spec: Any, sizes: dict[str, int] | None = None) -> str:
     """A partition spec as ``(axis, axis, ...)``: ``-`` for a replicated dimension, ``a x b`` joined by ``x``.
 
     Args:
       spec: a ``PartitionSpec`` (or a tuple of its entries: ``None``, a name, or a tuple of names).
+      sizes: mesh axis name -> size; given, axes of size 1 are left out (they split nothing), so a
+        dimension split only over them shows ``-``.
 
     Returns:
       The text, e.g. ``(-, fsdp, tensor)`` or ``(dataxfsdp, -)``.
@@ -48,13 +50,19 @@ def spec_str(spec: Any) -> str:
     Example:
       >>> spec_str(PartitionSpec(None, ("data", "fsdp"), "tensor"))
       '(-, dataxfsdp, tensor)'
+      >>> spec_str(PartitionSpec(None, ("data", "fsdp"), "tensor"), {"data": 2, "fsdp": 1, "tensor": 1})
+      '(-, data, -)'
     """
-    return "(" + ", ".join("-" if d is None else d if isinstance(d, str) else "x".join(d) for d in spec) + ")"
+    def entry(d):
+        axes = () if d is None else (d,) if isinstance(d, str) else tuple(d)
+        axes = tuple(a for a in axes if sizes is None or sizes.get(a, 1) > 1)
+        return "x".join(axes) or "-"
+    return "(" + ", ".join(entry(d) for d in spec) + ")"
 
 
 def sharding_table(layout: Any) -> str:
     """Per-parameter table: shape, logical names, mesh axes of parameters / gradients / optimizer
-    moments, and the parameter's bytes on one device.
+    moments (axes of size 1 left out: they split nothing), and the parameter's bytes on one device.
 
     Args:
       layout: a :class:`~jaxpar.StateLayout` (``jaxpar.state_layout`` or ``init_train_state``).
@@ -72,7 +80,8 @@ def sharding_table(layout: Any) -> str:
         spec = params.get(name) or PartitionSpec()
         pieces = math.prod(sizes[ax] for d in spec if d is not None for ax in ((d,) if isinstance(d, str) else d))
         rows.append([name, "x".join(map(str, a.shape)) or "()", spec_str(logical.get(name) or ()),
-                     spec_str(spec), spec_str(grads.get(name) or ()), spec_str(opt.get(name) or ()),
+                     spec_str(spec, sizes), spec_str(grads.get(name) or (), sizes),
+                     spec_str(opt.get(name) or (), sizes),
                      format_bytes(a.size * a.dtype.itemsize / pieces)])
     return render_table(["parameter", "shape", "logical", "params", "grads", "opt moments", "bytes/device"], rows,
                         right=[False] * 6 + [True])

@@ -105,7 +105,7 @@ def local_shape(leaf: Leaf, sizes: Mapping[str, int], stage: int, kind: str) -> 
     """
     spec = leaf_spec(leaf, sizes)
     shape = [n // math.prod(sizes[a] for a in axes) for n, axes in zip(leaf.shape, spec)]
-    d = zero_dim_of(leaf, spec, sizes)
+    d = zero_dim_of(leaf, spec, sizes, stage)
     if d is not None:
         shape[d] //= math.prod(sizes[a] for a in zero_axes(sizes, stage, kind)) or 1
     return tuple(shape)

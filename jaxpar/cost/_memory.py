@@ -214,20 +214,22 @@ def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ..
     return tuple(spec)
 
 
-def zero_dim_of(leaf: Leaf, spec, sizes: Mapping[str, int]) -> int | None:
+def zero_dim_of(leaf: Leaf, spec, sizes: Mapping[str, int], stage: int = 3) -> int | None:
     """The dimension ZeRO / FSDP splits (as :func:`jaxpar.parallel.zero_dim`): the largest one that is not
-    ``layers``, not split by ``spec`` (:func:`leaf_spec`) and divisible by ``data * fsdp`` (a token table's
-    ``embed`` first); None if none.
+    ``layers``, not split by ``spec`` (:func:`leaf_spec`) and divisible by the ZeRO axes of ``stage``'s
+    optimizer state (``data * fsdp`` from stage 1, ``fsdp`` at stage 0; a token table's ``embed`` first);
+    None if none.
 
     Args:
       leaf: the parameter.
       spec: its :func:`leaf_spec`.
       sizes: mesh axis name -> size.
+      stage: the ZeRO stage (3, the default, asks for ``data * fsdp``).
 
     Returns:
       The dimension index, or ``None``.
     """
-    n = sizes.get("fsdp", 1) * sizes.get("data", 1)
+    n = math.prod(sizes[a] for a in zero_axes(sizes, stage, "opt"))
     for d in zero_dim_order(leaf.shape, leaf.logical):
         if leaf.logical[d] != "layers" and not spec[d] and leaf.shape[d] % n == 0:
             return d
@@ -261,7 +263,7 @@ class LeafShards(NamedTuple):
     grads: int         # pieces its gradient is cut into
     opt: int           # pieces its optimizer state is cut into
     local: float       # elements on one device after the tensor / pipe split, before ZeRO
-    shardable: bool    # whether ZeRO / FSDP can split it (a dimension divides data * fsdp)
+    shardable: bool    # whether ZeRO / FSDP can split it (a dimension divides the stage's ZeRO axes)
 
 
 @lru_cache(maxsize=1 << 16)
@@ -285,7 +287,7 @@ def leaf_shard_counts(leaf: Leaf, key: tuple, stage: int) -> LeafShards:
     s = dict(key)
     spec = leaf_spec(leaf, s)
     base = math.prod(s[a] for dim in spec for a in dim)
-    shardable = zero_dim_of(leaf, spec, s) is not None
+    shardable = zero_dim_of(leaf, spec, s, stage) is not None
     out = []
     for kind in ("params", "grads", "opt"):
         axes = zero_axes(s, stage, kind)

@@ -198,7 +198,7 @@ def placements_table(placements: Mapping[str, Any], sizes: Mapping[str, int], ns
 def _momentum_spec(leaf: Leaf, sizes: Mapping[str, int], zero: int) -> tuple[tuple[str, ...], ...]:
     """The mesh axes of a leaf's optimizer state: the tensor / pipe / expert rules, then ZeRO's dim."""
     spec = [tuple(e) for e in leaf_spec(leaf, sizes)]
-    d = zero_dim_of(leaf, spec, sizes)
+    d = zero_dim_of(leaf, spec, sizes, zero)
     if d is not None:
         spec[d] = spec[d] + zero_axes(sizes, zero, "opt")
     return tuple(spec)

@@ -225,7 +225,7 @@ def manual_layout(logical: Any, shapes: Any, mesh, rules, zero: int) -> Any:
     p_axes, g_axes = zero_axes(sizes, zero, "params"), zero_axes(sizes, zero, "grads")
 
     def leaf(spec, shape, lg):
-        d = zero_dim(shape.shape, tuple(lg), spec, sizes)
+        d = zero_dim(shape.shape, tuple(lg), spec, sizes, stage=zero)
         return (None, (), ()) if d is None else (d, p_axes, g_axes)
 
     return jax.tree.map(leaf, base, shapes, logical, is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -39,7 +39,7 @@ from jaxpar.compat._table import Setting, raise_problems
 from jaxpar.rules import named_shardings, resolve
 from jaxpar.strategy import Strategy
 from jaxpar.parallel._tensor import warn_unsplit_tensor_axis
-from jaxpar.parallel._zero import zero_specs
+from jaxpar.parallel._zero import warn_replicated, zero_specs
 from jaxpar.adapters._layer_lists import stack_layers, stacked_counts
 from jaxpar.adapters._mesh_axes import abstract_model, check_model_axes
 from jaxpar.step._exchange import compression_state
@@ -87,6 +87,7 @@ def param_layout(model_fn: Callable[[], nnx.Module], mesh: Mesh, strategy: Strat
     params, grads, opt = (zero_specs(base, shapes, logical, sizes, strategy.zero, what)
                           for what in ("params", "grads", "opt"))
     warn_unsplit_tensor_axis(params, mesh)
+    warn_replicated(shapes, opt, logical, sizes, strategy.zero)
     return ParamLayout(mesh, rules, graphdef, shapes, logical, params, grads, opt, strategy=strategy,
                        layer_lists=stacked_counts(abs_model), kernel_layout=getattr(abs_model, "kernel_layout", "in_out"),
                        model_fn=model_fn)
