@@ -102,12 +102,15 @@ def _train_job(cfg, job, profile, predicted: dict, watchdog) -> int:
     from jaxpar.config import to_yaml
     from jaxpar.config._job import describe_data, model_line, state_line
     from jaxpar.config._inspection import muon_lines
-    from jaxpar.config._plan_command import run_predicted_peak
+    from jaxpar.config._plan_command import run_prediction
     from jaxpar.run._resume import checkpoint_meta, train_with_checkpoints
 
     state, layout = job.init_state(weights=not job.run.resume)     # a resumed run restores its own weights
-    predicted.update(peak=run_predicted_peak(cfg, layout.mesh, job.strategy), state=layout.analytic_bytes()["total"])
+    prediction = run_prediction(cfg, layout.mesh, job.strategy)      # what it lacks never stops the run
+    predicted.update(peak=prediction.peak, state=layout.analytic_bytes()["total"])
     print(model_line(cfg.model, job.hf, layout), state_line(layout), sep="\n")
+    if line := prediction.line():
+        print(line)
     if routing := muon_lines(cfg, layout):
         print("\n".join(routing[1:]))                # the run's config summary: each parameter's half
     line, tokens = describe_data(cfg, job.batch_fn)

@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from jaxpar.config import ConfigError, load_config
+from jaxpar.errors import Fp8Error, TargetError
 from jaxpar.cli import main
 from jaxpar.config._inspection import check_config
 
@@ -90,3 +91,59 @@ def test_a_gpu_config_is_checked_on_the_device_count_it_would_find(tmp_path, cap
     assert "target h100:1x8 has 8 devices" in capsys.readouterr().err
     assert main(["check", gpu, *small]) == 2          # train.devices=0 on this CPU-only JAX: what train says
     assert "train.devices=0 trains on the GPUs or TPUs JAX finds, and this JAX found none" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- check --target = inspect --target
+#: Every refusal ``jaxpar inspect --target`` makes before it compiles (``target_refusals``), as a case:
+#: config, overrides, target, the error's class and the start of its message. None compiles anything.
+TARGET_REFUSALS = {
+    "fp8-without-fp8-gemms": ("gpt124m_gpu.yaml", ["parallel.fp8.recipe=tensorwise"], "a100-80gb:1x8", Fp8Error,
+                              "target a100-80gb has no FP8 GEMMs: parallel.fp8"),
+    "fp8-on-a-tpu": ("gpt124m_gpu.yaml", ["parallel.fp8.recipe=tensorwise"], "tpu-v5e:2x4", Fp8Error,
+                     "target tpu-v5e has no FP8 GEMMs"),
+    "mesh-of-another-count": ("quickstart.yaml", ["train.devices=0"], "h100:2x8", ConfigError,
+                              "target h100:2x8 has 16 devices, but the config's mesh"),
+    "train-devices-of-another-count": ("quickstart.yaml", ["train.devices=8"], "h100:2x8", ConfigError,
+                                       "target h100:2x8 has 16 devices, but train.devices=8"),
+    "tpu-grid-of-no-whole-hosts": ("gpt124m_gpu.yaml", [], "tpu-v5e:3x3", TargetError,
+                                   "target tpu-v5e:3x3: a TPU slice is whole hosts of 2x2x1 chips"),
+    "gpu-memory-fraction-no-number": ("gpt124m_gpu.yaml", [], "h100:1x8", TargetError,
+                                      "XLA_PYTHON_CLIENT_MEM_FRACTION='most' is not a number"),
+    "fp8-and-the-mesh": ("quickstart.yaml", ["train.devices=0", "parallel.fp8.recipe=tensorwise"], "a100-80gb:1x16",
+                         Fp8Error, "target a100-80gb has no FP8 GEMMs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TARGET_REFUSALS))
+def test_check_target_refuses_every_refusal_of_inspect_target(case, monkeypatch, tmp_path):
+    """``jaxpar check --target`` and ``jaxpar inspect --target`` refuse the same configs with the same error
+    (class and message): one list of refusals (``target_refusals``), decided before anything compiles."""
+    from jaxpar.config._commands import run_check
+    from jaxpar.config._inspection import inspect_config, target_refusals
+    from jaxpar.devices import parse_target
+
+    config, overrides, target, error, says = TARGET_REFUSALS[case]
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    if "memory" in case:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "most")
+    path, overrides = str(QUICK.parent / config), [*overrides, f"train.out_dir={tmp_path}/run"]
+    with pytest.raises(error) as inspected:
+        inspect_config(load_config(path, overrides), target=target)
+    with pytest.raises(error) as checked:
+        run_check(path, overrides, target=target)
+    assert str(inspected.value).startswith(says) and str(checked.value) == str(inspected.value)
+    found = target_refusals(load_config(path, overrides), parse_target(target))
+    assert "\n  ".join(map(str, found)) == str(checked.value) and type(found[0]) is error
+    if case == "fp8-and-the-mesh":                  # every refusal, the first's class
+        assert [type(e) for e in found] == [Fp8Error, ConfigError] and "has 8" in str(checked.value)
+
+
+def test_the_refusal_cases_walk_every_refusal_of_the_target():
+    """Each kind of refusal ``target_refusals`` makes has a case above (a new one needs its case)."""
+    import inspect as source
+
+    from jaxpar.config._inspection import target_refusals
+
+    kinds = source.getsource(target_refusals).count("found.append(")
+    covered = {"fp8", "mesh", "grid", "memory"}
+    assert kinds == len(covered) and all(any(k in case for case in TARGET_REFUSALS) for k in covered)

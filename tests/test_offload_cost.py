@@ -264,3 +264,41 @@ def test_the_host_update_refusals_are_the_optimizers_that_do_not_run_in_host_mem
         except OffloadError:
             refused.append(name)
     assert tuple(sorted(refused)) == tuple(sorted(HOST_UPDATE_REFUSED))
+
+
+def test_a_preset_without_a_host_link_times_offload_without_it_and_says_so():
+    """cpu_sim and the TPU presets have no host_link_gbps / host_memory_gbps: an offloaded plan's time leaves
+    those terms out (0 s) and names them in ``StepTime.unmodelled``, instead of refusing the plan."""
+    model = cost.gpt(2, 64, 4, 32, 256, 8)
+    plan = cost.Plan(data=8, strategy=Strategy(offload=KINDS["opt-host"]))
+    sim = cost.load_cluster("cpu_sim")
+    t, plain = (cost.step_time(model, p, sim, dtype="float32") for p in (plan, plan.with_strategy(offload=None)))
+    assert t.offload == 0.0 and t.total == pytest.approx(plain.total) and not plain.unmodelled
+    assert t.unmodelled == ("host transfers not modelled: cluster cpu_sim has no host link (host_link_gbps)",
+                            "the host update not modelled: cluster cpu_sim has no host memory bandwidth "
+                            "(host_memory_gbps), so the update is timed as on the device")
+    assert cost.evaluate(model, plan, sim, dtype="float32").row()["unmodelled"] == list(t.unmodelled)
+    assert not cost.step_time(model, plan, cost.load_cluster("h100", num_devices=8)).unmodelled
+
+
+def test_train_offloads_on_the_cpu_mesh_and_says_what_the_prediction_lacks(tmp_path, capsys):
+    """``jaxpar train configs/quickstart.yaml parallel.offload.optimizer=true`` trains on the simulated CPU mesh
+    (docs/strategies.md: exact on every platform) although cpu_sim models no host link; its ``predict`` line
+    says what the prediction lacks."""
+    import json
+
+    from jaxpar.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", str(QUICKSTART), "parallel.offload.optimizer=true", "train.steps=2", "train.log_every=1",
+                 "train.eval_every=0", "train.eval_batches=0", f"train.out_dir={out}", "train.progress=none",
+                 "model.embed=32", "model.layers=1", "model.seq_len=16", "data.batch_size=8",
+                 "data.max_bytes=200000", "optimizer.warmup_steps=0", "checkpoint.enabled=false",
+                 "logging.samples=0", "logging.tensorboard=false"]) == 0
+    text = capsys.readouterr().out
+    assert "strategy dp2-fsdp2-tp2-offload-opt" in text
+    predict = next(line for line in text.splitlines() if line.startswith("predict"))
+    assert predict.startswith("predict  cost model on cpu_sim: peak ") and predict.endswith(
+        "; host transfers not modelled: cluster cpu_sim has no host link (host_link_gbps)"), predict
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["end_step"] == 2 and summary["memory"]["predicted_peak_bytes"] > 0

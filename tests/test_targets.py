@@ -98,6 +98,27 @@ def test_each_preset_gives_its_devices(name):
     assert len({d.process_index for d in devices}) == t.num_hosts
 
 
+@pytest.mark.parametrize("name", [n for n in sorted(presets()) if load_spec(n).platform == "tpu"])
+def test_the_whole_hosts_rule_is_libtpus(name):
+    """``topology_problem`` (what ``jaxpar check --target`` refuses without the compiler) refuses exactly the
+    chip grids libtpu rejects, over grids of one to three sizes and one or two slices; its fix is taken."""
+    import itertools
+
+    from jaxpar.devices._targets import topology_problem
+
+    grids = [g for n in (1, 2, 3) for g in itertools.product((1, 2, 3, 4, 8), repeat=n)]
+    for slices, grid in itertools.product(("", "2x"), grids):
+        t = parse_target(f"{slices}{name}:{'x'.join(map(str, grid))}")
+        why = topology_problem(t)
+        try:
+            target_devices(t)
+            assert why is None, why
+        except TargetError as e:
+            assert why is not None and "the tpu compiler rejected the topology" in str(e), str(t)
+            fix = why.split("choose e.g. ")[1].split(" ")[0]
+            assert topology_problem(parse_target(fix)) is None and target_devices(parse_target(fix)), why
+
+
 def test_a_missing_compiler_is_named_with_its_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))

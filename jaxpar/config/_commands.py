@@ -56,7 +56,8 @@ def run_check(config: str, overrides: Sequence[str], *, target: str | None = Non
     every check of :func:`~jaxpar.config._inspection.check_config`, nothing compiled.
 
     In order: the config; the devices train would find (``train.devices=0``: JAX's own, refused where they are
-    CPU devices only: :func:`refuse_cpu_only`; ``target``: the target's count, simulated); the mesh on them; the
+    CPU devices only: :func:`refuse_cpu_only`; ``target``: its count, simulated, after every refusal of ``jaxpar
+    inspect --target`` before it compiles: :func:`~jaxpar.config._inspection.refuse_target`); the mesh on them; the
     data files (``data.paths``, ``data.sources``); the run directory (an earlier run in ``train.out_dir``, or with
     ``resume`` no complete checkpoint); then the train state's layout and step.
 
@@ -71,7 +72,8 @@ def run_check(config: str, overrides: Sequence[str], *, target: str | None = Non
       The exit status, 0 (a problem raises).
 
     Raises:
-      ConfigError: a setting the config or the library refuses, or the devices; DataError: a data file that
+      ConfigError: a setting the config or the library refuses, or the devices; Fp8Error / TargetError: the
+        target refuses the config (no FP8 GEMMs, a TPU chip grid of no whole hosts); DataError: a data file that
         is missing; RunDirectoryError / CheckpointError: what train refuses in the run directory.
     """
     import dataclasses
@@ -79,7 +81,7 @@ def run_check(config: str, overrides: Sequence[str], *, target: str | None = Non
     import jax
 
     from jaxpar.config._checks import check
-    from jaxpar.config._inspection import check_config, target_mesh_problem
+    from jaxpar.config._inspection import check_config, refuse_target
     from jaxpar.config._load import load_config
 
     cfg = load_config(config, [*overrides, *(["checkpoint.resume=true"] if resume else [])])
@@ -90,8 +92,7 @@ def run_check(config: str, overrides: Sequence[str], *, target: str | None = Non
         from jaxpar.devices._targets import parse_target
 
         tgt = parse_target(target)
-        if problem := target_mesh_problem(cfg, tgt):
-            raise ConfigError(problem)
+        refuse_target(cfg, tgt)            # what jaxpar inspect --target refuses before it compiles
         found = f"{tgt.num_devices} devices of {tgt} (simulated CPU devices: the mesh, layout and step options)"
         devices = tgt.num_devices
     elif cfg.train.devices == 0:

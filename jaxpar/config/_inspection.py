@@ -27,8 +27,9 @@ from typing import Any
 import jax
 
 from jaxpar.mesh import MeshError, MeshSpec
-from jaxpar.devices._targets import Target, TargetError, compile_error, fp8_problem, parse_target, target_devices
-from jaxpar.errors import Fp8Error
+from jaxpar.devices._targets import (Target, TargetError, compile_error, fp8_problem, memory_fraction_problem,
+                                     parse_target, target_devices, topology_problem)
+from jaxpar.errors import Fp8Error, JaxparError
 from jaxpar.parallel.context import count_attention_kernels
 from jaxpar.config._build import mesh_spec
 from jaxpar.config._schema import ConfigError, JobConfig
@@ -68,6 +69,58 @@ def target_mesh_problem(cfg: JobConfig, target: Target) -> str | None:
     return (f"target {target} has {n} devices, but the config's mesh "
             f"{' x '.join(f'{a}={v}' for a, v in sizes.items())} has {have}: choose a target of {have} devices "
             f"(e.g. {example}) or resize the mesh{fix}, or set one axis to -1.")
+
+
+def target_refusals(cfg: JobConfig, target: Target) -> list[JaxparError]:
+    """Every refusal of the config on the target that is decided before anything is built or compiled: the
+    one list that ``jaxpar inspect --target`` and ``jaxpar check --target`` both refuse (:func:`refuse_target`).
+
+    In order: ``parallel.fp8`` on a device without FP8 GEMMs (:class:`Fp8Error`,
+    :func:`~jaxpar.devices._targets.fp8_problem`), a mesh or ``train.devices`` that the target's device count
+    does not fill (:class:`ConfigError`, :func:`target_mesh_problem`), a TPU chip grid that is not whole hosts
+    (:func:`~jaxpar.devices._targets.topology_problem`) and an ``XLA_PYTHON_CLIENT_MEM_FRACTION`` that is no
+    number on a GPU (:class:`TargetError`). Only ``inspect`` compiles; what the compiler refuses then is its own.
+
+    Args:
+      cfg: the config.
+      target: the target.
+
+    Returns:
+      The errors, each naming the setting, its value and the fix; empty when the target takes the config.
+    """
+    found: list[JaxparError] = []
+    if cfg.parallel.fp8 and (why := fp8_problem(target.spec)):
+        found.append(Fp8Error(why))
+    if why := target_mesh_problem(cfg, target):
+        found.append(ConfigError(why))
+    if why := topology_problem(target):
+        found.append(TargetError(why))
+    if target.spec.platform == "cuda" and (why := memory_fraction_problem()):
+        found.append(TargetError(why))
+    return found
+
+
+def refuse_target(cfg: JobConfig, target: Target) -> None:
+    """Raise the first of :func:`target_refusals` (its class), with the others' messages after its own.
+
+    Args:
+      cfg: the config.
+      target: the target.
+
+    Raises:
+      Fp8Error, ConfigError, TargetError: the target refuses the config.
+
+    >>> from jaxpar.config import load_config
+    >>> cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml",
+    ...                   ["train.devices=0", "parallel.fp8.recipe=tensorwise"])
+    >>> refuse_target(cfg, parse_target("a100-80gb:1x16"))        # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    jaxpar.errors.Fp8Error: target a100-80gb has no FP8 GEMMs: ...
+      target a100-80gb:1x16 has 16 devices, but the config's mesh ... has 8: ...
+    """
+    if found := target_refusals(cfg, target):
+        raise type(found[0])("\n  ".join(str(e) for e in found))
 
 
 def fit_lines(report: Any, target: Target, predicted: float | None = None) -> tuple[bool, list[str]]:
@@ -241,12 +294,14 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
       TargetError: the target cannot be built or compiled for.
       Fp8Error: ``parallel.fp8`` on a target without FP8 GEMMs, or a covered matmul compiled without FP8
         operands (:func:`fp8_lines`).
+
+    Before anything is built, the target's refusals (:func:`refuse_target`: ``jaxpar check --target``'s too).
     """
     from jaxpar.config._job import build_job, header_lines, model_line, program_lines
 
     tgt = parse_target(target) if target else None
-    if tgt is not None and cfg.parallel.fp8 and (why := fp8_problem(tgt.spec)):
-        raise Fp8Error(why)
+    if tgt is not None:
+        refuse_target(cfg, tgt)             # what check --target refuses too
     devices = _devices(cfg, tgt)
     job = build_job(cfg, devices, data=False)
     layout = job.state_layout()
@@ -390,10 +445,9 @@ def check_config(cfg: JobConfig) -> int:
 
 
 def _devices(cfg: JobConfig, tgt: Target | None, command: str = "inspect") -> list:
-    """The target's devices, else ``train.devices`` (else the product of the mesh sizes) simulated CPU devices."""
+    """The target's devices (:func:`refuse_target` has run), else ``train.devices`` (else the product of the
+    mesh sizes) simulated CPU devices."""
     if tgt is not None:
-        if problem := target_mesh_problem(cfg, tgt):
-            raise ConfigError(problem)
         return target_devices(tgt)
     import jax
 
@@ -429,8 +483,13 @@ def gather_lines(layout: Any, compiled: Any) -> list[str]:
     is_spec = lambda x: x is None or isinstance(x, tuple)     # noqa: E731
     shapes = [tuple(x.shape) for x in jax.tree.leaves(layout.shapes)]
     names = [tuple(n or ()) for n in jax.tree.leaves(layout.logical, is_leaf=is_spec)]
+    specs = [s.spec for s in jax.tree.leaves(layout.shardings().params)]
+    zero = [any(sizes.get(a, 1) > 1 for e in spec if e for a in ((e,) if isinstance(e, str) else e)
+                if a in ("fsdp", "data")) for spec in specs]
     layer = [shape[1:] for shape, n in zip(shapes, names) if n[:1] == ("layers",)]
-    got = gathered_weights(compiled, layout.mesh, shapes + layer, [sum(math.prod(s) for s in layer)])
+    # a layer's flat gather buffer holds its stacked leaves that ZeRO splits (the others stay replicated)
+    flat = [shape[1:] for shape, n, z in zip(shapes, names, zero) if n[:1] == ("layers",) and z]
+    got = gathered_weights(compiled, layout.mesh, shapes + layer, [sum(math.prod(s) for s in flat)])
     lines = [f"gathers  weights {format_bytes(got['weights'])}, activations {format_bytes(got['activations'])} "
              "per step and device (all-gathers over the data axes' shards)"]
     if got["activations"] > got["weights"]:

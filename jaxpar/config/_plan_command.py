@@ -325,7 +325,8 @@ def planner_table(cfg: JobConfig, compiled: Any, mesh: Any, strategy: Strategy, 
     return "\n".join(lines + [table, (
         f"time     predicted {t.total * 1e3:.1f} ms per step on {cluster} (compute {t.compute * 1e3:.1f}, "
         f"data {t.data * 1e3:.1f}, tensor {t.tensor * 1e3:.1f}, pipeline {t.pipeline * 1e3:.1f}, update "
-        f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {view.plan.name()}")]), peak
+        f"{t.optimizer * 1e3:.1f}; bubble {t.bubble:.3f}); plan {view.plan.name()}"
+        + "".join(f"; {gap}" for gap in t.unmodelled))]), peak
 
 
 def predicted_peak(model: Any, plan: Any, planned: float, compute_dtype: str, platform: str) -> float:
@@ -529,6 +530,57 @@ def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: boo
     return "\n".join(lines)
 
 
+class RunPrediction(NamedTuple):
+    """The cost model's prediction for ``jaxpar train``'s report (:func:`run_prediction`): the ``peak`` per
+    device (None: not predicted) and what the prediction leaves out (``unmodelled``: the cluster preset's
+    missing terms, the ``unmodelled`` of :class:`jaxpar.cost._time.StepTime`), which never stop the run."""
+
+    peak: float | None
+    cluster: str | None = None
+    unmodelled: tuple[str, ...] = ()
+
+    def line(self) -> str | None:
+        """``predict  ...``: what the prediction lacks, in words (None: it lacks nothing).
+
+        >>> from jaxpar._text import format_bytes
+        >>> RunPrediction(2.0 ** 20, "cpu_sim", ("host transfers not modelled: cluster cpu_sim has no host "
+        ...                                      "link (host_link_gbps)",)).line()
+        'predict  cost model on cpu_sim: peak 1.0 MiB per device; host transfers not modelled: cluster cpu_sim has no host link (host_link_gbps)'
+        """
+        from jaxpar._text import format_bytes
+
+        if not self.unmodelled:
+            return None
+        peak = f"peak {format_bytes(self.peak)} per device" if self.peak else "no peak"
+        return f"predict  cost model on {self.cluster}: {peak}; {'; '.join(self.unmodelled)}"
+
+
+def run_prediction(cfg: JobConfig, mesh: Any, strategy: Strategy) -> RunPrediction:
+    """The cost model's prediction for ``jaxpar train``'s report: its peak per device as ``jaxpar inspect``
+    predicts it on the run's platform, and what the cluster preset cannot model (a preset without a term,
+    e.g. ``cpu_sim`` without a host link under ``parallel.offload``, leaves it out and says so).
+
+    Args:
+      cfg: the config.
+      mesh: the run's mesh.
+      strategy: the config's strategy.
+
+    Returns:
+      The :class:`RunPrediction` (its peak None: not predicted).
+    """
+    from jaxpar.cost._traffic import lowering_for_platform
+
+    sizes = dict(mesh.shape)
+    platform = {"gpu": "cuda"}.get(p := mesh.devices.flat[0].platform, p)
+    cluster = {"cpu": "cpu_sim", "cuda": "h100"}.get(platform)
+    if cluster is None or unpredicted(cfg, strategy, sizes) is not None:
+        return RunPrediction(None)
+    lowering = lowering_for_platform(platform)
+    view = planner_view(cfg, sizes, strategy, cluster, lowering=lowering)
+    peak = _predicted(view, strategy, lowering, platform)[3]
+    return RunPrediction(peak, cluster, view.estimate.time.unmodelled)
+
+
 def run_predicted_peak(cfg: JobConfig, mesh: Any, strategy: Strategy) -> float | None:
     """The cost model's peak per device for ``jaxpar train``'s report (None: not predicted).
 
@@ -538,14 +590,7 @@ def run_predicted_peak(cfg: JobConfig, mesh: Any, strategy: Strategy) -> float |
       strategy: the config's strategy.
 
     Returns:
-      Bytes per device, as ``jaxpar inspect`` predicts them on the run's platform, or None.
+      Bytes per device, as ``jaxpar inspect`` predicts them on the run's platform, or None
+      (:func:`run_prediction`'s peak).
     """
-    from jaxpar.cost._traffic import lowering_for_platform
-
-    sizes = dict(mesh.shape)
-    platform = {"gpu": "cuda"}.get(p := mesh.devices.flat[0].platform, p)
-    cluster = {"cpu": "cpu_sim", "cuda": "h100"}.get(platform)
-    if cluster is None or unpredicted(cfg, strategy, sizes) is not None:
-        return None
-    lowering = lowering_for_platform(platform)
-    return _predicted(planner_view(cfg, sizes, strategy, cluster, lowering=lowering), strategy, lowering, platform)[3]
+    return run_prediction(cfg, mesh, strategy).peak

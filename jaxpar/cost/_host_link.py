@@ -50,7 +50,6 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from jaxpar.cost._memory import layer_activations, state_bytes
-from jaxpar.errors import CostModelError
 from jaxpar.options import LAYER_INPUT, Offload
 
 #: What the planner proposes when no plan fits without offloading: the optimizer state in host memory, updated
@@ -161,10 +160,38 @@ def activation_transfer_bytes(model, plan, activation_bytes: float = 2) -> float
 
 class OffloadTime(NamedTuple):
     """Seconds per step that offloading adds: ``link`` (the transfers, exposed) and ``host_update`` (the
-    update's arithmetic in host memory; 0 under the device update)."""
+    update's arithmetic in host memory; 0 under the device update), and what the cluster preset lacks to time
+    them (``unmodelled``: :func:`host_link_gaps`; a term it lacks counts 0 s)."""
 
     link: float
     host_update: float
+    unmodelled: tuple[str, ...] = ()
+
+
+def host_link_gaps(cluster, host_update: bool) -> tuple[str, ...]:
+    """What a cluster preset lacks to time offloading (``host_link_gbps``, and under the host update
+    ``host_memory_gbps``), each in words; the time leaves it out instead of refusing the plan.
+
+    Args:
+      cluster: the :class:`~jaxpar.cost.Cluster`.
+      host_update: whether the update runs in host memory.
+
+    Returns:
+      One sentence per missing term (empty: the preset times offloading).
+
+    >>> from jaxpar.cost._cluster import load_cluster
+    >>> host_link_gaps(load_cluster("h100"), True)
+    ()
+    >>> host_link_gaps(load_cluster("cpu_sim"), False)
+    ('host transfers not modelled: cluster cpu_sim has no host link (host_link_gbps)',)
+    """
+    gaps = []
+    if cluster.host_link <= 0:
+        gaps.append(f"host transfers not modelled: cluster {cluster.name} has no host link (host_link_gbps)")
+    if host_update and cluster.host_memory_bandwidth <= 0:
+        gaps.append(f"the host update not modelled: cluster {cluster.name} has no host memory bandwidth "
+                    "(host_memory_gbps), so the update is timed as on the device")
+    return tuple(gaps)
 
 
 def offload_seconds(model, plan, cluster, update_bytes: float, activation_bytes: float = 2) -> OffloadTime:
@@ -173,23 +200,19 @@ def offload_seconds(model, plan, cluster, update_bytes: float, activation_bytes:
     Args:
       model: the model.
       plan: the plan (``plan.strategy.offload`` set).
-      cluster: the :class:`~jaxpar.cost.Cluster` (its ``host_link`` and ``host_memory_bandwidth``).
+      cluster: the :class:`~jaxpar.cost.Cluster` (its ``host_link`` and ``host_memory_bandwidth``; a preset
+        without one times its term as 0 s and says so in ``unmodelled``: :func:`host_link_gaps`).
       update_bytes: the bytes the update reads and writes on one device (:func:`jaxpar.cost._time.update_bytes`).
       activation_bytes: bytes per activation value.
 
     Returns:
       The seconds.
-
-    Raises:
-      CostModelError: the cluster models no host link (or, under the host update, no host memory).
     """
     offload = plan.strategy.offload
     if offload is None:
         return OffloadTime(0.0, 0.0)
-    if cluster.host_link <= 0 or (offload.host_update and cluster.host_memory_bandwidth <= 0):
-        raise CostModelError(f"plan {plan.name()}: cluster {cluster.name!r} models no host link (host_link_gbps) or "
-                             "no host memory bandwidth (host_memory_gbps); add them to the preset to time offloading.")
     moved = transfer_bytes(model, plan, activation_bytes)
-    link = (moved["to_host"] + moved["to_device"]) / cluster.host_link
-    host = update_bytes / cluster.host_memory_bandwidth if offload.host_update else 0.0
-    return OffloadTime(link, host)
+    link = (moved["to_host"] + moved["to_device"]) / cluster.host_link if cluster.host_link > 0 else 0.0
+    host = update_bytes / cluster.host_memory_bandwidth if offload.host_update and \
+        cluster.host_memory_bandwidth > 0 else 0.0
+    return OffloadTime(link, host, host_link_gaps(cluster, offload.host_update))

@@ -182,7 +182,7 @@ class Estimate:
                 "mfu": t.mfu, "memory_bytes": mem.total, "state_bytes": mem.params + mem.grads + mem.opt,
                 "activation_bytes": mem.activations + mem.logits, "bytes_per_axis": t.bytes_per_axis,
                 "without_fp8_s": self.without_fp8, "offload_s": t.offload, "host_bytes": mem.host,
-                "without_offload_s": self.without_offload}
+                "without_offload_s": self.without_offload, "unmodelled": list(t.unmodelled)}
 
 
 @dataclass(frozen=True)

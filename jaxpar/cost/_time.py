@@ -216,7 +216,8 @@ class StepTime:
     streaming bandwidth; the latter through the schedule like ``compute``), the exposed ``context``
     (CP) and ``expert`` (EP all-to-all) communication, and ``offload``: the host link's transfers of
     ``Plan.offload`` (:func:`jaxpar.cost._host_link.offload_seconds`; under the host update ``optimizer``
-    is the update in host memory)."""
+    is the update in host memory). ``unmodelled``: the terms the cluster preset lacks, each a sentence
+    (:func:`jaxpar.cost._host_link.host_link_gaps`: no host link); they count 0 s in ``total``."""
 
     compute: float
     data: float
@@ -230,6 +231,7 @@ class StepTime:
     context: float = 0.0
     expert: float = 0.0
     offload: float = 0.0
+    unmodelled: tuple[str, ...] = ()
 
     @property
     def total(self) -> float:
@@ -433,9 +435,10 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     exposed["data"] += behind_backward(grads, backward, m.layers // plan.pipe)
     bw = cluster.stream_bandwidth
     opt = update_bytes(m, plan, gb) / bw if bw > 0 else 0.0
-    link, host = offload_seconds(m, plan, cluster, update_bytes(m, plan, 4), cb)   # the host update: fp32 gradients
-    opt = host or opt
-    total = work.total + sum(exposed.values()) + opt + link
+    off = offload_seconds(m, plan, cluster, update_bytes(m, plan, 4), cb)   # the host update: fp32 gradients
+    opt = off.host_update or opt
+    total = work.total + sum(exposed.values()) + opt + off.link
     mfu = step_flops(m) / (total * plan.devices * cluster.peak(dtype))
     return StepTime(work.kernels, exposed["data"], exposed["tensor"], exposed["pipeline"], b, mfu,
-                    bytes_per_axis(cs), opt, work.elementwise, exposed["context"], exposed["expert"], link)
+                    bytes_per_axis(cs), opt, work.elementwise, exposed["context"], exposed["expert"], off.link,
+                    off.unmodelled)

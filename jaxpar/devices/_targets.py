@@ -124,12 +124,25 @@ class Target:
 
 
 def _mem_fraction() -> float:
+    if why := memory_fraction_problem():
+        raise TargetError(why)
+    text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    return float(text) if text else GPU_MEM_FRACTION
+
+
+def memory_fraction_problem() -> str | None:
+    """Why ``XLA_PYTHON_CLIENT_MEM_FRACTION`` gives no GPU capacity (None: unset, or a number).
+
+    Returns:
+      The problem, naming the variable, its value and the fix, or None.
+    """
     text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     try:
-        return float(text) if text else GPU_MEM_FRACTION
+        float(text or GPU_MEM_FRACTION)
     except ValueError:
-        raise TargetError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={text!r} is not a number; set it to a fraction such as "
-                          f"0.9, or unset it (JAX's default, {GPU_MEM_FRACTION}).") from None
+        return (f"XLA_PYTHON_CLIENT_MEM_FRACTION={text!r} is not a number; set it to a fraction such as "
+                f"0.9, or unset it (JAX's default, {GPU_MEM_FRACTION}).")
+    return None
 
 
 def presets() -> dict[str, Path]:
@@ -211,6 +224,46 @@ def fp8_problem(spec: DeviceSpec, setting: str = "parallel.fp8") -> str | None:
     fp8 = " / ".join(n for n in presets() if has_fp8_gemms(load_spec(n)))
     return (f"target {spec.name} has no FP8 GEMMs: {setting} runs the covered matmuls as FP8 GEMMs, which "
             f"{spec.device} does not have; turn {setting} off ({setting}={{}}) or choose {fp8}.")
+
+
+def topology_problem(target: Target) -> str | None:
+    """Why libtpu rejects the target's chip grid (None: it takes it; GPU topologies are always taken):
+    a slice is whole hosts, so each of its sizes must be a multiple of the preset's
+    ``chips_per_host_bounds`` (libtpu's own rule, decided here without the compiler; tests/test_targets.py
+    checks it against libtpu).
+
+    Args:
+      target: the target.
+
+    Returns:
+      The problem, naming the target, the hosts' chips and a topology that is taken, or None.
+
+    >>> topology_problem(parse_target("tpu-v5e:4x4")) is None, topology_problem(parse_target("h100:3x5")) is None
+    (True, True)
+    >>> print(topology_problem(parse_target("tpu-v5e:3x3")))
+    target tpu-v5e:3x3: a TPU slice is whole hosts of 2x2x1 chips (chips_per_host_bounds of tpu-v5e), so each size of its chip grid must be a multiple of that host's; 3x3 is not: choose e.g. tpu-v5e:4x4 (docs/targets.md).
+    """
+    bounds = target.spec.chips_per_host_bounds
+    shape = tuple(target.shape) + (1,) * (len(bounds) - len(target.shape))
+    if target.spec.platform != "tpu" or (len(shape) == len(bounds) and all(s % b == 0 for s, b in zip(shape, bounds))):
+        return None
+    fit = _whole_hosts(shape, bounds, len(target.shape))
+    prefix = f"{target.slices}x" if target.slices > 1 else ""
+    return (f"target {target}: a TPU slice is whole hosts of {'x'.join(map(str, bounds))} chips "
+            f"(chips_per_host_bounds of {target.spec.name}), so each size of its chip grid must be a multiple of "
+            f"that host's; {'x'.join(map(str, target.shape))} is not: choose e.g. "
+            f"{prefix}{target.spec.name}:{'x'.join(map(str, fit))} (docs/targets.md).")
+
+
+def _whole_hosts(shape: tuple[int, ...], bounds: tuple[int, ...], dims: int) -> list[int]:
+    """The smallest chip grid of whole hosts that holds ``shape`` (as many sizes as it had, ``dims``, where
+    the rest are 1); the hosts' own for a grid of more sizes than they have."""
+    if len(shape) != len(bounds):
+        return list(bounds)
+    fit = [-(-s // b) * b for s, b in zip(shape, bounds)]
+    while len(fit) > max(dims, 1) and fit[-1] == 1:
+        fit.pop()
+    return fit
 
 
 def parse_target(text: str) -> Target:
