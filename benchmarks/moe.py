@@ -189,18 +189,6 @@ def _dispatch_step(capacity, dense: bool, baseline=None) -> dict:
             "a2a": sum(c.bytes for c in collectives(text, mesh) if c.kind == "all-to-all")}
 
 
-def _timed_compiled(runs: dict, reps: int) -> dict:
-    """As :func:`_timed`, for compiled steps."""
-    times = {k: [] for k in runs}
-    for _ in range(reps + 1):
-        for k, run in runs.items():
-            t = time.perf_counter()
-            run[1], metrics = run[0](run[1], run[2])
-            jax.block_until_ready(metrics["loss"])
-            times[k].append(time.perf_counter() - t)
-    return {k: v[1:] for k, v in times.items()}
-
-
 def dispatch(reps: int, baseline: str) -> list[dict]:
     """The dispatch table (the module docstring): sorted against the baseline's dense dispatch."""
     old = _baseline_dispatch(baseline)
@@ -209,7 +197,7 @@ def dispatch(reps: int, baseline: str) -> list[dict]:
         name = "dropless" if cf is None else f"capacity {cf}"
         runs[f"{name}, sorted"] = _dispatch_step(cf, False)
         runs[f"{name}, dense dispatch ({baseline})"] = _dispatch_step(cf, False, old)
-    times = _timed_compiled({k: r["run"] for k, r in runs.items()}, reps)
+    times = _timed({k: r["run"] for k, r in runs.items()}, reps)
     twin = runs["dense twin"]
     return [{"run": k, "flops_vs_twin": r["flops"] / twin["flops"], "temp_vs_twin": r["temp"] / twin["temp"],
              "temp_mib": r["temp"] / 2 ** 20, "a2a_mib": r["a2a"] / 2 ** 20,
