@@ -41,8 +41,9 @@ def test_inspect_reports_host_bytes_device_peaks_and_transfers(capsys):
     assert stats.host_argument_size_in_bytes == params + shard(abstract.opt_state)
     scalars = 4 * (cfg.optimizer.clip_norm is not None) + 1 * (cfg.train.on_nonfinite == "skip")   # f32 scale, flag
     # to the device: the streamed parameters, and the host update's result (written to device memory, the
-    # memory kind its input came in; jaxpar.cost._host_link counts both)
-    assert host_transfers(compiled.as_text()) == {"to_host": 2 * params + scalars, "to_device": 2 * params}
+    # memory kind its input came in; jaxpar.cost._host_link counts both), and whether the update was applied
+    flag = 1 * (cfg.train.on_nonfinite == "skip")
+    assert host_transfers(compiled.as_text()) == {"to_host": 2 * params + scalars, "to_device": 2 * params + flag}
     # XLA's peak counts the host-resident arguments and temporaries; the device's does not
     report = memory_report(compiled)
     assert report.xla_peak_bytes == stats.peak_memory_in_bytes - stats.host_argument_size_in_bytes - \
