@@ -58,7 +58,7 @@ import optax
 from flax import nnx
 
 import jaxpar
-from jaxpar.analysis import collectives, dot_flops
+from jaxpar.analysis import collectives, tile_loop_flops
 from jaxpar.batch import batch_sharding
 from jaxpar.cost import load_cluster
 from jaxpar.cost import gpt
@@ -180,10 +180,8 @@ def _dispatch_step(capacity, dense: bool, baseline=None) -> dict:
     state, metrics = compiled(state, batch)
     kept = d["rows"] * d["seq"] * d["top_k"] / 8 * (1 - float(metrics.get("moe/drop_rate", 0.0)))
     tiles = kept / tile_rows(mesh) + d["experts"] / d["axes"]["expert"]
-    # dot_flops(u) = K + A u + B u^2: the first round's tile loops (A), the further rounds' (B: nested in a
-    # loop over rounds, which runs 0 times while no device has more than S rows for one peer)
-    f0, f1, f2 = (dot_flops(text, u) for u in (0.0, 1.0, 2.0))
-    flops = f0 + tiles * (4 * f1 - f2 - 3 * f0) / 2
+    other, per_trip = tile_loop_flops(text)         # the further rounds run 0 times here
+    flops = other + tiles * per_trip
     return {"run": [compiled, state, batch], "flops": flops,
             "temp": compiled.memory_analysis().temp_size_in_bytes,
             "a2a": sum(c.bytes for c in collectives(text, mesh) if c.kind == "all-to-all")}
@@ -225,8 +223,8 @@ def _h100_step(dense: bool, baseline=None) -> dict:
             layout.abstract_state(), {"tokens": tokens, "targets": tokens}).compile()
     text = compiled.as_text()
     tiles = q["rows"] * q["seq"] * q["top_k"] / 8 / tile_rows(mesh) + q["experts"] / 8
-    f0, f1, f2 = (dot_flops(text, u) for u in (0.0, 1.0, 2.0))
-    return {"flops": f0 + tiles * (4 * f1 - f2 - 3 * f0) / 2, "temp": compiled.memory_analysis().temp_size_in_bytes}
+    other, per_trip = tile_loop_flops(text)
+    return {"flops": other + tiles * per_trip, "temp": compiled.memory_analysis().temp_size_in_bytes}
 
 
 def h100(baseline: str) -> list[dict]:

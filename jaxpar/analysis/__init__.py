@@ -14,7 +14,7 @@ from jaxpar.analysis._device_branches import device_dependent_collectives as dev
 from jaxpar.analysis._hlo import Collective as Collective, collectives as collectives, collectives_table as collectives_table
 from jaxpar.analysis._hlo import count as count, summarize as summarize
 from jaxpar.analysis._loops import trip_counts as trip_counts, while_trip_counts as while_trip_counts
-from jaxpar.analysis._gemms import dot_flops as dot_flops
+from jaxpar.analysis._gemms import dot_flops as dot_flops, tile_loop_flops as tile_loop_flops
 from jaxpar.analysis._cost_check import compile_and_compare as compile_and_compare, compile_plan as compile_plan
 from jaxpar.analysis._compiled_memory import MemoryReport as MemoryReport, memory_report as memory_report, memory_table as memory_table
 from jaxpar._text import format_bytes as format_bytes
@@ -22,6 +22,6 @@ from jaxpar.analysis._trace import StepProfile as StepProfile, Trace as Trace, f
 from jaxpar.analysis._trace import read_trace as read_trace, step_profiles as step_profiles
 
 __all__ = ["BranchCollective", "device_dependent_collectives", "Collective", "collectives", "collectives_table",
-           "count", "dot_flops", "summarize", "trip_counts", "while_trip_counts", "MemoryReport", "memory_report", "memory_table",
+           "count", "dot_flops", "tile_loop_flops", "summarize", "trip_counts", "while_trip_counts", "MemoryReport", "memory_report", "memory_table",
            "format_bytes", "StepProfile", "Trace", "find_trace", "read_trace", "step_profiles", "compile_and_compare",
            "compile_plan"]

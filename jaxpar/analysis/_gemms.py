@@ -71,6 +71,23 @@ def dot_flops(hlo: str, unknown_trips: float = 1.0) -> float:
     return total
 
 
+def tile_loop_flops(hlo: str) -> tuple[float, float]:
+    """The GEMM FLOPs of a program with MoE tile loops (:mod:`jaxpar.parallel.moe`), whose trips are known only at
+    run time: ``(the other GEMMs, one trip of every first-round tile loop)``.
+
+    :func:`dot_flops` at ``u`` trips a loop is ``K + A u + B u^2``: ``A`` the first round's tile loops, ``B``
+    the further rounds' (nested in a loop over rounds); three values of ``u`` give ``K`` and ``A``.
+
+    Args:
+      hlo: the HLO text.
+
+    Returns:
+      ``(K, A)``.
+    """
+    f0, f1, f2 = (dot_flops(hlo, u) for u in (0.0, 1.0, 2.0))
+    return f0, (4 * f1 - f2 - 3 * f0) / 2
+
+
 def _shapes(hlo: str) -> dict[str, tuple[str, list[int]]]:
     return {name: (dtype, [int(d) for d in dims.split(",") if d]) for name, dtype, dims in _DEF.findall(hlo)}
 

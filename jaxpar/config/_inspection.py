@@ -514,13 +514,11 @@ def _compile(job: Any, layout: Any, tgt: Target | None) -> dict:
 def expert_lines(cfg: JobConfig, job: Any, compiled: Any) -> list[str]:
     """The GPT's routed experts in the compiled step: what their tile loops compute at most, against the
     routed rows' FLOPs and every expert on every token's (docs/strategies.md, "The sorted dispatch")."""
-    from jaxpar.analysis import dot_flops
+    from jaxpar.analysis import tile_loop_flops
     from jaxpar.parallel.moe import tile_rows
     moe, sizes = cfg.model.moe, dict(job.mesh.shape)
     experts, k = moe["experts"], moe.get("top_k", 2)
-    text = compiled.as_text()
-    f0, f1, f2 = (dot_flops(text, u) for u in (0.0, 1.0, 2.0))
-    per_trip = (4 * f1 - f2 - 3 * f0) / 2           # the first round's tile loops (docs/benchmarks.md §12)
+    f0, per_trip = tile_loop_flops(compiled.as_text())
     tile = tile_rows(job.mesh)
     tokens = cfg.data.batch_size * cfg.model.seq_len / math.prod(sizes.get(a, 1) for a in ("data", "fsdp", "expert",
                                                                                               "context"))

@@ -98,7 +98,8 @@ def automatic_axes(mesh, manual: Iterable[str]) -> tuple[str, ...]:
     return tuple(a for a, n in dict(mesh.shape).items() if n > 1 and a not in taken)
 
 
-def _platform(mesh) -> str:
+def mesh_platform(mesh) -> str:
+    """The platform of ``mesh``'s devices (``cpu``, ``gpu``, ``tpu``; the default backend's without devices)."""
     devices = getattr(mesh, "devices", None)
     if isinstance(devices, np.ndarray) and devices.size:
         return devices.flat[0].platform
@@ -118,7 +119,7 @@ def reduce_dtype(dtype, mesh, manual: Iterable[str]) -> np.dtype:
       (XLA:CPU aborts on those, see the module), else ``dtype`` itself.
     """
     dtype = np.dtype(dtype)
-    if dtype == jnp.bfloat16 and automatic_axes(mesh, manual) and _platform(mesh) == "cpu":
+    if dtype == jnp.bfloat16 and automatic_axes(mesh, manual) and mesh_platform(mesh) == "cpu":
         return np.dtype(jnp.float32)
     return dtype
 

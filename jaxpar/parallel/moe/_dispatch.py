@@ -40,11 +40,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxpar.mesh import EXPERT
-from jaxpar.parallel._regions import enter, reduce_dtype, region_axes, region_spec, spec_entry
+from jaxpar.parallel._regions import enter, mesh_platform, reduce_dtype, region_axes, region_spec, spec_entry
 from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, shard_map_mesh
 from jaxpar.parallel.moe._routing import MoEError
 
@@ -108,9 +107,7 @@ def tile_rows(mesh=None) -> int:
     >>> tile_rows()
     32
     """
-    devices = getattr(mesh, "devices", None)
-    platform = devices.flat[0].platform if isinstance(devices, np.ndarray) and devices.size else jax.default_backend()
-    return TILE_ROWS.get(platform, 128)
+    return TILE_ROWS.get(mesh_platform(mesh), 128)
 
 
 # ----------------------------------------------------------------- the tiles of one device's sorted rows
