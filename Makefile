@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install targets train test test-all notebooks ci-share bench peers clean
+.PHONY: install targets train test test-all notebooks ci-share ci-share-next bench peers clean
 
 # The package and what training needs (jax, flax, optax, orbax, ...; no torch): ~0.9 GB
 $(STAMP): pyproject.toml
@@ -54,10 +54,13 @@ test-all: $(TESTS) $(TARGETS)
 notebooks: $(NOTEBOOKS)
 	@echo "open them with: $(BIN)/jupyter lab notebooks/  (figures they save go to notebooks/*.png, git-ignored)"
 
-# the share of the exhaustive tier CI runs at HEAD; BASE=<the landed commit the session started from> says
-# whether HEAD runs the next one (docs/testing.md)
+# the share of the exhaustive tier CI runs at HEAD; `make ci-share-next` advances it, once per session, in the
+# session's first commit (docs/testing.md §1)
 ci-share:
-	@.ci/share $(BASE)
+	@.ci/share
+
+ci-share-next:
+	@.ci/share next
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

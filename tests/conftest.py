@@ -79,6 +79,9 @@ import pytest  # noqa: E402
 def pytest_addoption(parser):
     parser.addoption("--share", default=None, metavar="K/N",
                      help="run share K (0-based) of N of the tests marked exhaustive (CI: docs/testing.md)")
+    parser.addoption("--all-tiers", default="", metavar="FILE,FILE",
+                     help="with --share: these test files' exhaustive tests run whatever their share (CI: a "
+                          "change's own test files, .ci/share files)")
 
 
 def _share(config) -> tuple[int, int] | None:
@@ -183,7 +186,9 @@ def pytest_collection_modifyitems(config, items):
             json.dump({i.nodeid: tier_of(i) for i in items}, f)
     share = _share(config)
     if share is not None:
-        other = {i for i in items if tier_of(i) == "exhaustive" and share_of(i.nodeid, share[1]) != share[0]}
+        whole = set(filter(None, config.getoption("--all-tiers").split(",")))
+        other = {i for i in items if tier_of(i) == "exhaustive" and share_of(i.nodeid, share[1]) != share[0]
+                 and i.nodeid.split("::")[0] not in whole}
         if other:
             config.hook.pytest_deselected(items=list(other))
             items[:] = [i for i in items if i not in other]
