@@ -24,7 +24,8 @@ from jaxpar.cli import main
 from jaxpar.config import ConfigError, load_config
 from jaxpar.models import GPT, GPTConfig, lm_loss
 from jaxpar.run import Checkpointer, CheckpointWarning
-from jaxpar.run._checkpoint import CheckpointError
+from jaxpar.run._checkpoint import CheckpointError, CheckpointMismatchError
+from jaxpar.run._state_parts import FORMAT
 from jaxpar.data._windows import synthetic_batch
 from jaxpar.run import NonFiniteError, train
 from jaxpar.cost._model import flops_per_token
@@ -197,6 +198,19 @@ def test_data_that_decode_but_changed_after_the_save_fail_their_checksums(tmp_pa
                                      r"checksums recorded at save in \d+ array\(s\) \(params/"):
         got = ck.restore(layout)
     assert got.step == 4 and same(got.state, snaps[4])
+
+
+def test_a_checkpoint_of_another_format_is_refused_by_name(tmp_path):
+    """A record of another format (an earlier jaxpar's, or a caller's ``format``, which save overwrites) is
+    refused with its format and the one this jaxpar reads; no older checkpoint is tried."""
+    layout, _, state = _save_steps(tmp_path)
+    record = tmp_path / "6" / "meta" / "metadata"
+    assert FORMAT in record.read_text()
+    record.write_text(record.read_text().replace(FORMAT, "jaxpar-checkpoint-2"))
+    with Checkpointer(tmp_path) as ck, pytest.raises(
+            CheckpointMismatchError, match=rf"6 was written in format 'jaxpar-checkpoint-2'; this jaxpar reads "
+                                           rf"'{FORMAT}' only"):
+        ck.restore(layout)
 
 
 def test_a_nonfinite_state_is_neither_saved_nor_restored(tmp_path, monkeypatch):

@@ -63,7 +63,6 @@ FAST_CASES = {
     'tests/test_byo_model.py::test_user_model_matches_single_device': ['dp2-zero2-fsdp2-tp2'],
     'tests/test_byo_model.py::test_user_model_pipelined_matches_single_device': ['1f1b-auto'],
     'tests/test_checkpoint.py::test_corrupt_latest_falls_back_to_previous': ['truncate array data'],
-    'tests/test_checkpoint_format.py::test_format1_checkpoint_restores_into_its_named_part': ['stale'],
     'tests/test_cli.py::test_build_optimizer': ['adam', 'sgd'],
     'tests/test_cli.py::test_user_model_trains_from_yaml': ['dp-fsdp-tp'],
     'tests/test_compression.py::test_deterministic_codecs_error': ['cast-bfloat16', 'cast-float8_e4m3fn', 'cast-float8_e5m2', 'onebit'],

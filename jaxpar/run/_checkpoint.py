@@ -65,15 +65,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxpar.adapters._layer_lists import change_form
-from jaxpar.run._state_parts import (FORMAT, READABLE, lists_record, plan_parts, record_layouts, record_shapes,
-                                     saved_lists, upgrade_record)
+from jaxpar.run._state_parts import (FORMAT, lists_record, plan_parts, record_layouts, record_shapes,
+                                     saved_lists)
 from jaxpar.run._integrity import inspect_state, verify_state
 from jaxpar.run._run_directory import checkpoint_steps, refuse_later_steps, set_aside
 from jaxpar.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning, check_int
-from jaxpar.optimizers import schedule_state
 
 
 @dataclass
@@ -328,50 +326,40 @@ class Checkpointer:
         another layout starts afresh (zero residuals): the documented reshard policy."""
         ocp = self._ocp
         meta = dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
-        if meta.get("format", FORMAT) not in READABLE:
-            raise CheckpointError(f"it was written in format {meta['format']!r} and this jaxpar reads "
-                                  f"{', '.join(READABLE)}")
-        meta, renames = upgrade_record(meta)
-        renames = renames if hasattr(abstract, "_fields") else {}    # a plain tree: Orbax matches it as saved
+        if meta.get("format") != FORMAT:
+            raise CheckpointMismatchError(
+                f"checkpoint {self.directory / str(step)} was written in format {meta.get('format')!r}; this jaxpar "
+                f"reads {FORMAT!r} only. Resume it with the jaxpar that wrote it, or start a new run.")
         have, want = saved_lists(meta), dict(getattr(target, "layer_lists", None) or {})
         as_saved = not hasattr(target, "strategy") or have == want
         if as_saved:
-            state = self._restore_as_saved(step, abstract, target, meta, renames)
+            state = self._restore_as_saved(step, abstract, target, meta)
         else:   # nnx.List layers saved stacked and restored as a list (or the other way): read them as saved
-            state = self._restore_as_saved(step, change_form(abstract, want, have), target, meta, renames)
+            state = self._restore_as_saved(step, change_form(abstract, want, have), target, meta)
             shardings = jax.tree.map(lambda a: a.sharding, abstract)
             state = jax.jit(lambda st: change_form(st, have, want), out_shardings=shardings)(state)
         if (corrupt := verify_state(state, meta.get("checksums") if as_saved else None)) is not None:
             raise CheckpointError(corrupt)
         return state, meta
 
-    def _restore_as_saved(self, step: int, abstract: Any, target: Any, meta: dict, renames: dict) -> Any:
-        """The state of ``step`` into ``abstract``, the tree as it was saved; an optimizer state saved without
-        the ``optax.inject_hyperparams`` schedule ``abstract``'s has (by a jaxpar before ``jaxpar train``
-        injected it) is restored inside it (:func:`_with_schedule`)."""
-        if (found := self._saved_unscheduled(step, abstract)) is not None:
-            held, saved = found
-            state = self._restore_as_saved(step, abstract._replace(opt_state=_saved_target(held, saved)), target,
-                                           meta, renames)
-            lr = (meta.get("schedule") or {}).get("lr", float("nan"))     # the rate the run resumes with
-            return state._replace(opt_state=_with_schedule(held, state.opt_state, lr))
+    def _restore_as_saved(self, step: int, abstract: Any, target: Any, meta: dict) -> Any:
+        """The state of ``step`` into ``abstract``, the tree as it was saved."""
         ocp = self._ocp
         where = f"checkpoint {self.directory / str(step)}"
         plans = plan_parts(meta, abstract, target, where)
         self._check_tree(step, abstract)
         skip = [p.part.name for p in plans if p.action != "restore"]
-        if not skip and not renames:
+        if not skip:
             args = ocp.args.PyTreeRestore(item=abstract,
                                           restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
             return self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
         item = abstract._asdict()
         for name in skip:
             del item[name]
-        item = {renames.get(k, k): v for k, v in item.items()}      # a part saved under its format-1 name
         args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
                                       partial_restore=True)
         saved = self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
-        state = {name: saved[renames.get(name, name)] for name in abstract._fields if name not in skip}
+        state = {name: saved[name] for name in abstract._fields if name not in skip}
         for p in plans:
             if p.action in ("empty", "drop"):
                 state[p.part.name] = getattr(abstract, p.part.name)      # no leaves: the target's own empty part
@@ -380,23 +368,6 @@ class Checkpointer:
             if p.message:
                 warnings.warn(p.message, CheckpointWarning, stacklevel=4)
         return type(abstract)(**state)
-
-    def _saved_unscheduled(self, step: int, abstract: Any) -> tuple[Any, Any] | None:
-        """``(abstract.opt_state, the saved optimizer state's metadata)`` when the target is an
-        ``optax.inject_hyperparams`` state of the learning rate alone (``jaxpar train``'s) and the checkpoint
-        holds its ``inner_state``, plus the update counts of the schedules that are in it now; else None."""
-        held = getattr(abstract, "opt_state", None)
-        if held is None or schedule_state(held) is not held or set(held.hyperparams) != {"learning_rate"}:
-            return None
-        saved = self._manager.item_metadata(step)["state"]
-        saved = getattr(saved, "tree", saved)
-        if not isinstance(saved, dict) or "opt_state" not in saved:
-            return None
-        have, want = _flat_shapes(saved["opt_state"]), _flat_shapes(held.inner_state)
-        extra = set(have) - set(want)
-        same = all(have.get(k) == v for k, v in want.items())
-        counts = all(k.split("/")[-1] == "count" and have[k] == () for k in extra)
-        return (held, saved["opt_state"]) if same and counts else None
 
     def _check_tree(self, step: int, abstract: Any) -> None:
         """Raises :class:`CheckpointMismatchError` when the saved ``params`` or ``opt_state`` are
@@ -419,29 +390,6 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)}: {what} saved as another tree than this run's ({diff}): "
                 f"{why}. It cannot be restored, and no older checkpoint is tried (they share it). Resume with the "
                 "settings the checkpoint was saved with, or start a new run.")
-
-
-def _saved_target(held: Any, saved: Any) -> Any:
-    """The restore target of an optimizer state as the checkpoint holds it (``saved``, its metadata: dicts and
-    lists): ``held``'s inner leaves where it has them, the saved schedules' counts replicated."""
-    want = {_key(p): a for p, a in jax.tree_util.tree_flatten_with_path(held.inner_state)[0]}
-    return jax.tree_util.tree_map_with_path(
-        lambda p, m: want.get(_key(p), jax.ShapeDtypeStruct((), m.dtype, sharding=held.count.sharding)), saved)
-
-
-def _with_schedule(held: Any, saved: Any, lr: float) -> Any:
-    """The optimizer state ``saved`` (restored as the checkpoint holds it) in ``held``, the abstract
-    ``optax.inject_hyperparams`` state: its inner state the saved leaves, its update count the largest saved
-    ``count``, its learning rate ``lr`` until the next update sets it."""
-    flat = {_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
-    paths, tree = jax.tree_util.tree_flatten_with_path(held.inner_state)
-    inner = tree.unflatten([flat[_key(p)] for p, _ in paths])
-    count = max((int(v) for k, v in flat.items() if k.split("/")[-1] == "count"), default=0)
-    fill = lambda a, v: jax.device_put(jnp.full(a.shape, v, a.dtype), a.sharding)    # noqa: E731
-    return held._replace(count=fill(held.count, count),
-                         hyperparams={k: fill(a, lr) for k, a in held.hyperparams.items()},
-                         hyperparams_states=jax.tree.map(lambda a: fill(a, count), held.hyperparams_states),
-                         inner_state=inner)
 
 
 def _key(path: tuple) -> str:

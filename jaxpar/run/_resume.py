@@ -110,7 +110,7 @@ def schedule_change(record: Mapping[str, Any], step: int, steps: int,
     (``schedule``: its run's ``steps``) is another schedule's.
 
     Args:
-      record: the checkpoint's JSON record (one without ``schedule``, from before it was recorded: no change).
+      record: the checkpoint's JSON record (one without ``schedule``, not saved by ``jaxpar train``: no change).
       step: the step the run resumes at.
       steps: this run's ``train.steps``.
       lr_schedule: this run's learning-rate schedule (None: the message leaves out the learning rates).

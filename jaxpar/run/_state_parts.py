@@ -442,36 +442,9 @@ def plan_parts(meta: dict, abstract: Any, target: Any, where: str) -> list[PartP
             if part.name in fields]
 
 
-#: Written into every checkpoint's JSON record.
-FORMAT = "jaxpar-checkpoint-2"
-#: The formats a restore reads.
-READABLE = ("jaxpar-checkpoint-1", FORMAT)
-
-_SYNC_KEYS = {"params", "opt", "history"}     # relaxed synchronisation's state (jaxpar.step._replica_mean)
-
-
-def upgrade_record(meta: dict) -> tuple[dict, dict[str, str]]:
-    """A checkpoint's record in today's part names.
-
-    Args:
-      meta: the checkpoint's JSON record.
-
-    Returns:
-      ``(record, renames)``: ``renames`` maps a part of today's train state to the name it
-      was saved under (``{"codec": "comm"}`` or ``{"sync": "comm"}`` for a format-1
-      checkpoint with such a part; empty otherwise).
-    """
-    if "comm_shapes" not in meta and "comm_layout" not in meta:
-        return meta, {}
-    meta = dict(meta)
-    shapes, sig = meta.pop("comm_shapes", None), meta.pop("comm_layout", None)
-    is_sync = (sig or {}).get("kind") == "replicas" or (isinstance(shapes, dict) and bool(_SYNC_KEYS & set(shapes)))
-    name = "sync" if is_sync else "codec"
-    if shapes is not None:
-        meta[f"{name}_shapes"] = shapes
-    if sig:
-        meta[f"{name}_layout"] = {k: v for k, v in sig.items() if k != "kind"}
-    return meta, {name: "comm"}
+#: Written into every checkpoint's JSON record; a restore reads this format only (there are no upgraders:
+#: jaxpar has not been released).
+FORMAT = "jaxpar-checkpoint-3"
 
 
 def lists_record(layout: Any) -> dict:
