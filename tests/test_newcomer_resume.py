@@ -15,7 +15,6 @@ import pytest
 from jaxpar.cli import main
 from jaxpar.errors import CheckpointWarning
 
-from conftest import need_devices
 
 TESTS = Path(__file__).resolve().parent
 MLP = str(TESTS / "cli_mlp.yaml")
@@ -104,28 +103,3 @@ def test_checkpoint_from_before_the_record_restores_quietly(first_run, tmp_path)
         assert _train(out, 6, "--resume") == 0
     assert _record(out, 6)["schedule"]["steps"] == 6
 
-
-@need_devices(4)
-def test_format1_checkpoint_restores_and_has_no_schedule_change(tmp_path):
-    """tests/data/checkpoint_format1 (no ``schedule`` record, no ``data``) restores, and
-    :func:`jaxpar.run._resume.schedule_change` finds nothing to say about it."""
-    import jax
-    import optax
-    from flax import nnx
-
-    import jaxpar
-    from jaxpar.models import MLPClassifier
-    from jaxpar.parallel.compression import topk
-    from jaxpar.run import Checkpointer
-    from jaxpar.run._resume import schedule_change
-
-    shutil.copytree(TESTS / "data" / "checkpoint_format1" / "codec", tmp_path / "codec")
-    mesh = jaxpar.make_mesh({"data": 4}, devices=jax.devices()[:4])
-    model = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))  # noqa: E731
-    layout = jaxpar.state_layout(model, optax.adam(1e-2), mesh, jaxpar.Strategy(compression=topk(0.25)))
-    schedule = optax.cosine_decay_schedule(1e-2, 100)
-    with Checkpointer(tmp_path / "codec", async_save=False) as ck, warnings.catch_warnings():
-        warnings.simplefilter("error", CheckpointWarning)
-        restored = ck.restore(layout)
-    assert restored.step == 3 and "schedule" not in restored.meta
-    assert schedule_change(restored.meta, 3, 100, schedule, 1e-2) is None

@@ -4,9 +4,7 @@ A save records each part's shapes (:func:`record_shapes`: ``<name>_shapes``), th
 are laid out for when the saver passed one (:func:`record_layouts`, :meth:`StatePart.record`:
 ``<name>_layout``) and which ``nnx.List`` s of layers were saved stacked (:func:`lists_record`); a restore
 does with each part what :meth:`StatePart.plan` says (restore, drop, or start afresh with a warning), for
-:mod:`jaxpar.run._checkpoint`. The policy: docs/training.md. Format 2 (written now) records ``codec`` and
-``sync`` under their own names; format 1 kept both in one ``comm`` part, which :func:`upgrade_record` maps
-onto today's (docs/compression.md).
+:mod:`jaxpar.run._checkpoint`. The policy: docs/training.md.
 
 Example::
 
@@ -26,13 +24,6 @@ Example::
     >>> record_shapes(state)            # sync only when kept, stats and versions always
     {'codec_shapes': {'residual': [4, 2]}, 'stats_shapes': [], 'versions_shapes': []}
     >>> record_layouts(None, state)     # no layout given: shapes only
-    {}
-    >>> old = {"format": "jaxpar-checkpoint-1", "step": 4, "comm_shapes": {"params": {"w": [2, 3]}},
-    ...        "comm_layout": {"kind": "replicas", "sync": "diloco"}}
-    >>> meta, renames = upgrade_record(old)
-    >>> meta["sync_shapes"], meta["sync_layout"], renames
-    ({'params': {'w': [2, 3]}}, {'sync': 'diloco'}, {'sync': 'comm'})
-    >>> upgrade_record({"format": FORMAT, "step": 4})[1]
     {}
     >>> saved_lists({"layer_lists": [[["blocks"], 2]]})
     {('blocks',): 2}
