@@ -4,8 +4,6 @@ checkpoint, the logged metrics and PNG, and the errors for bad options."""
 import json
 import os
 import tempfile
-import warnings
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +19,7 @@ from jaxpar.config._schema import NoiseScaleConfig
 from jaxpar.models import GPT, lm_loss
 from jaxpar.models import MLPClassifier, classifier_loss
 from jaxpar.step import _noise_scale as ns
-from jaxpar.run import Checkpointer, CheckpointWarning
+from jaxpar.run import Checkpointer
 from jaxpar.run import LogOptions, train
 
 from conftest import need_devices
@@ -144,26 +142,6 @@ def test_moving_averages_survive_a_checkpoint_bit_exactly_and_are_logged():
         _, m1 = step(state, batch)
         _, m2 = step(restored, batch)
         assert float(m1["noise_scale"]) == float(m2["noise_scale"])
-
-
-class _OldState(NamedTuple):     # a train state as checkpointed before TrainState.stats existed
-    step: Any
-    params: Any
-    opt_state: Any
-    comm: Any = ()
-
-
-def test_checkpoint_without_stats_restores_with_fresh_moving_averages():
-    mesh = _mesh({"data": 2})
-    tx = optax.sgd(0.1)
-    model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))  # noqa
-    state, layout = ns.with_noise_scale(*jaxpar.init_train_state(model_fn, tx, mesh), every=1)
-    with tempfile.TemporaryDirectory() as d, Checkpointer(d, async_save=False) as ck:
-        ck.save(1, _OldState(state.step + 1, state.params, state.opt_state), {}, wait=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", CheckpointWarning)    # nothing to warn about: it had none
-            restored = ck.restore(layout).state
-    assert int(restored.step) == 1 and int(restored.stats["noise_scale"]["count"]) == 0
 
 
 def test_bad_options_give_named_errors():

@@ -323,8 +323,7 @@ def _names(shapes: Any) -> str:
 
 @dataclass(frozen=True)
 class StatsPart(StatePart):
-    """``TrainState.stats``: running measurements; afresh: zeros. Checkpoints from before the part
-    existed (no ``stats_shapes`` in the record) start them afresh without a warning."""
+    """``TrainState.stats``: running measurements; afresh: zeros."""
 
     name: str = "stats"
     what: str = "the running measurements"
@@ -340,8 +339,6 @@ class StatsPart(StatePart):
         saved, shapes = meta.get("stats_shapes"), shapes_of(part)
         if saved == shapes:
             return PartPlan(self, "restore")
-        if "stats_shapes" not in meta:
-            return PartPlan(self, "fresh")
         if not saved:
             return PartPlan(self, "fresh", f"{where}: the checkpoint has no running measurements (saved without "
                                            f"them): the measurements ({_names(shapes)}) restart from zero.")
