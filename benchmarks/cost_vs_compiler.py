@@ -74,11 +74,11 @@ CASES = [
     ("1.3B", 16, "h100:1x8", P(data=8, zero=3, remat="full")),
     ("1.3B", 16, "h100:1x8", P(fsdp=8, remat="full")),
     ("1.3B", 8, "h100:1x8", P(tensor=8)),
-    ("2.7B", 8, "h100:1x8", P(tensor=8, sequence_parallel=True, remat="selective")),
+    ("2.7B", 8, "h100:1x8", P(tensor=8, sequence_parallel=True, remat="save-matmuls")),
     ("1.3B", 8, "h100:1x8", P(data=2, tensor=4, sequence_parallel=True)),
     ("1.3B", 16, "h100:1x8", P(pipe=2, data=4, microbatches=4, schedule="1f1b")),
     ("1.3B", 16, "h100:1x8", P(pipe=4, tensor=2, microbatches=8, schedule="gpipe", remat="full")),
-    ("6.7B", 16, "h100:2x8", P(data=2, tensor=8, zero=1, sequence_parallel=True, remat="selective")),
+    ("6.7B", 16, "h100:2x8", P(data=2, tensor=8, zero=1, sequence_parallel=True, remat="save-matmuls")),
     ("6.7B", 32, "h100:2x8", P(fsdp=16, remat="full")),
     ("2.7B", 16, "h100:2x8", P(pipe=2, tensor=8, microbatches=8, schedule="1f1b", remat="full")),
     ("13B", 64, "h100:8x8", P(data=8, tensor=8, zero=1, sequence_parallel=True, remat="full")),
@@ -87,7 +87,7 @@ CASES = [
     ("125M", 16, "tpu-v5e:4x4", P(data=16)),
     ("125M", 16, "tpu-v5e:4x4", P(data=16, zero=2)),
     ("1.3B", 16, "tpu-v5e:4x4", P(fsdp=16, remat="full")),
-    ("1.3B", 16, "tpu-v5e:4x4", P(data=4, tensor=4, sequence_parallel=True, remat="selective")),
+    ("1.3B", 16, "tpu-v5e:4x4", P(data=4, tensor=4, sequence_parallel=True, remat="save-matmuls")),
     ("6.7B", 16, "tpu-v5p:2x2x4", P(fsdp=16, remat="full")),
     ("2.7B", 16, "tpu-v5p:2x2x4", P(data=2, tensor=8, zero=1, sequence_parallel=True, remat="full")),
     ("1.3B", 32, "tpu-v5p:2x2x4", P(pipe=4, data=4, microbatches=8, schedule="1f1b", remat="full")),
@@ -128,7 +128,7 @@ def measure(model: cost.ModelSpec, target: str, plan: cost.Plan, hlo: str | None
     from jaxpar.devices import parse_target, target_devices
     from jaxpar.analysis import compile_plan
 
-    remat = {"selective": "save-matmuls"}.get(plan.remat, plan.remat)
+    remat = plan.remat
     cfg = GPTConfig(vocab=model.vocab, seq_len=model.seq, embed=model.hidden, heads=model.heads,
                     layers=model.layers, mlp=model.mlp, remat=remat)
     t0 = time.perf_counter()
@@ -160,7 +160,7 @@ def compile_precision(model: cost.ModelSpec, target: str, plan: cost.Plan):
     from jaxpar.step._compose import make_train_step
     from jaxpar.step._init import state_layout
 
-    remat = {"selective": "save-matmuls"}.get(plan.remat, plan.remat)
+    remat = plan.remat
     cfg = GPTConfig(vocab=model.vocab, seq_len=model.seq, embed=model.hidden, heads=model.heads,
                     layers=model.layers, mlp=model.mlp, remat=remat)
     mesh = make_mesh({k: v for k, v in plan.sizes.items() if v > 1}, devices=target_devices(parse_target(target)))

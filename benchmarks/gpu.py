@@ -246,7 +246,7 @@ def run_gpt(small, kernels_here, reps, peak, remat_none=True) -> list[dict]:
     sched = optax.warmup_cosine_decay_schedule(0.0, 6e-4, 100, 500)
     tx = optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1)
     spec = cost.gpt(layers=cfg.layers, hidden=cfg.embed, heads=cfg.heads, seq=cfg.seq_len, vocab=cfg.vocab, batch=b)
-    predicted = predicted_seconds(spec, cost.Plan(remat={"save-matmuls": "selective"}.get(cfg.remat, cfg.remat)))
+    predicted = predicted_seconds(spec, cost.Plan(remat=cfg.remat))
     batch = tokens_batch(cfg.vocab, b, cfg.seq_len)
     strategy = jaxpar.Strategy(compute_dtype="bfloat16")
     rows = [step_row("gpt124m", model_fn, lm_loss, tx, strategy, batch, kernel=k, reps=reps,

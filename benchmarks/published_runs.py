@@ -115,7 +115,7 @@ KORTHIKANTI = tuple(
         ("22B", 48, 6144, 64, 1, 8, 4, 4, 0, 1.42, 1.10), ("175B", 96, 12288, 96, 8, 64, 64, 1, 4, 18.13, 13.75),
         ("530B", 105, 20480, 128, 35, 280, 280, 1, 1, 49.05, 37.83),
         ("1T", 128, 25600, 160, 64, 512, 512, 1, 0, 94.42, 71.49))
-    for tag, sec, remat, sp in (("full", full_s, "full", False), ("sp-sel", sel_s, "selective", True)))
+    for tag, sec, remat, sp in (("full", full_s, "full", False), ("sp-sel", sel_s, "save-matmuls", True)))
 #: The runs the preset's two device constants were fitted on (``--calibrate``); every other run is held out.
 CALIBRATION = ("1.7B", "1008B")
 

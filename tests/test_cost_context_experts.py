@@ -93,7 +93,7 @@ def test_all_to_all_formula():
     assert C.time("all-to-all", n, p, link, "bruck") == pytest.approx(3 * ALPHA + 3 * n / 2 * BETA)
 
 
-@pytest.mark.parametrize("remat", ["none", "selective"])
+@pytest.mark.parametrize("remat", ["none", "save-matmuls"])
 def test_ring_permutes_per_layer_by_hand(remat):
     """Ring, CP 4, r = 16 / 2 sequences: C-1 = 3 hops of K, V forward (again under recomputation), 3 of K, V
     and fp32 dK, dV backward, and one last hop of dK, dV."""
@@ -131,7 +131,7 @@ def test_expert_all_to_alls_by_hand():
                    ("all-to-all", ("expert",), 4 * 40 * 4, 2 * 2)]
     seconds = sum(count * min(3 * ALPHA + 3 / 4 * n * BETA, 2 * ALPHA + n * BETA) for _, _, n, count in got)
     assert step_time(MOE, plan, H100).expert == pytest.approx(seconds)
-    for remat in ("selective", "full"):                     # the counts and the rows out run again
+    for remat in ("save-matmuls", "full"):                     # the counts and the rows out run again
         again = [c.count for c in comms(MOE, Plan(data=2, expert=4, remat=remat)) if c.phase == "expert"]
         assert again == [2 * 2, 5 * 2, 2 * 2]
 
@@ -184,7 +184,7 @@ def test_moe_compute_is_the_routed_rows():
         assert k["expert_fc1"].flops == k["expert_fc2"].flops == 2 * (kept + 2 * tile / 2) * D * M
         assert set(k) >= {"router", "expert_rows"} and not set(k) & {"dispatch", "combine"}
         assert k["expert_rows"].flops == 0 and k["expert_rows"].bytes > 0
-    again = {x.name: x.passes for x in layer_kernels(MOE, Plan(expert=4, remat="selective"), rows, 2, moe=True)}
+    again = {x.name: x.passes for x in layer_kernels(MOE, Plan(expert=4, remat="save-matmuls"), rows, 2, moe=True)}
     assert (again["expert_fc1"], again["expert_fc2"], again["router"]) == (4, 3, 3)
     dense, top1 = cost.gpt(4, 64, 4, 32, 128, 16), cost.gpt(4, 64, 4, 32, 128, 16, experts=8, top_k=1)
     router = 3 * 2 * 16 * 32 * 64 * 8 * 4                   # the MFU FLOPs: the active expert plus the router
@@ -232,7 +232,7 @@ def test_moe_layer_keeps_its_input_the_received_rows_and_the_pre_activations():
     router = 2 * n * 8 * 4
     assert moe_mlp_bytes(MOE, 2, 1, 1, 2, False, 2) == 2 * (n * h + 160 * h + (160 + tile) * M) + router
     assert moe_mlp_bytes(MOE, 2, 1, 1, 1, False, 2) == 2 * (n * h + (2 * n + tile) * M) + router
-    assert moe_mlp_bytes(MOE, 2, 1, 1, 2, False, 2, "selective") == 2 * n * h + router
+    assert moe_mlp_bytes(MOE, 2, 1, 1, 2, False, 2, "save-matmuls") == 2 * n * h + router
 
 
 def test_moe_and_cp_memory_of_a_device():
@@ -349,7 +349,7 @@ def compiled_moe(plan: Plan, layers: int = 2, hidden: int = 32, seq: int = 32):
 
     cfg = GPTConfig(vocab=64, seq_len=seq, embed=hidden, heads=4, layers=layers, mlp=2 * hidden,
                     moe=MoESettings(experts=8, top_k=2, capacity_factor=1.25),
-                    remat={"selective": "save-matmuls"}.get(plan.remat, plan.remat))
+                    remat=plan.remat)
     model = cost.gpt(layers, hidden, 4, seq, 64, 16, 2 * hidden, experts=8, top_k=2, capacity_factor=1.25)
     mesh, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), plan, 16, seq)
     return model, mesh, compiled
@@ -395,7 +395,7 @@ def test_moe_tensor_all_reduces_match_the_compiled_steps(plan):
 
 
 @need_devices(8)
-@pytest.mark.parametrize("plan", [Plan(data=8, remat="selective"), Plan(data=2, expert=4),
+@pytest.mark.parametrize("plan", [Plan(data=8, remat="save-matmuls"), Plan(data=2, expert=4),
                                   pytest.param(Plan(data=4, tensor=2), marks=pytest.mark.exhaustive),
                                   pytest.param(Plan(data=2, expert=4, remat="full"), marks=pytest.mark.exhaustive)],
                          ids=lambda p: p.name())

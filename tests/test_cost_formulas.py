@@ -82,7 +82,7 @@ def test_korthikanti_activations():
     assert activation_bytes_per_layer(s, b, h, a, tensor=t) == s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     assert activation_bytes_per_layer(s, b, h, a, tensor=t, sequence_parallel=True) == pytest.approx(
         s * b * h / t * (34 + 5 * a * s / h))
-    assert activation_bytes_per_layer(s, b, h, a, tensor=t, sequence_parallel=True, remat="selective") == \
+    assert activation_bytes_per_layer(s, b, h, a, tensor=t, sequence_parallel=True, remat="save-matmuls") == \
         pytest.approx(34 * s * b * h / t)
     assert activation_bytes_per_layer(s, b, h, a, remat="full") == 2 * s * b * h
 
@@ -275,7 +275,7 @@ def test_a_flash_kernel_moves_no_softmax_bytes_and_computes_half_the_causal_scor
     flash = {k.name: k for k in layer_kernels(m, plan, 1, 2, fused_attention=True)}
     assert flash["scores"].flops * 2 == xla["scores"].flops and flash["scores"].passes == xla["scores"].passes + 1
     assert flash["context"].flops * 2 == xla["context"].flops and flash["context"].passes == xla["context"].passes
-    selective = {k.name: k.passes for k in layer_kernels(m, cost.Plan(remat="selective"), 1, 2, fused_attention=True)}
+    selective = {k.name: k.passes for k in layer_kernels(m, cost.Plan(remat="save-matmuls"), 1, 2, fused_attention=True)}
     assert selective["scores"] == 4 and selective["context"] == 3      # save-matmuls keeps the kernel's residuals
     ring = cost.Plan(context=4, strategy=Strategy(context=ContextParallel(balance=True)))   # jaxpar's own einsums
     assert ({k.name: k.flops for k in layer_kernels(m, ring, 1, 2)}

@@ -44,7 +44,7 @@ def test_sequence_parallel_recomputation_and_xla_all_reduces():
     # 32,568,836,096 bytes (6 per layer: 2 forward, 2 backward, 2 recomputed) and all-reduces 10,906,380,328
     # (the column-parallel input gradients, 2 per layer, + the head's).
     m = gpt(32, 2560, 32, 2048, 50304, 8)
-    plan = Plan(tensor=8, remat="selective", strategy=Strategy(sequence_parallel=True))
+    plan = Plan(tensor=8, remat="save-matmuls", strategy=Strategy(sequence_parallel=True))
     act = 8 * 2048 * 2560 * 4
     cs = comms(m, plan, lowering="xla", compute_bytes=4, grad_bytes=4)
     ag = sum(c.bytes * c.count for c in cs if c.kind == "all-gather")
@@ -78,8 +78,8 @@ def test_peak_adds_temporaries_to_the_arguments():
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("remat, tensor, sp", [("none", 1, False), ("selective", 1, False), ("full", 1, False),
-                                               ("none", 4, False), ("selective", 4, True)])
+@pytest.mark.parametrize("remat, tensor, sp", [("none", 1, False), ("save-matmuls", 1, False), ("full", 1, False),
+                                               ("none", 4, False), ("save-matmuls", 4, True)])
 def test_per_layer_temporaries_match_the_gpu_compiler(remat, tensor, sp):
     """What one more layer adds to the compiled step's temporaries on the GPU compiler (the step for 16
     layers less the one for 8, so the scan is a loop as in a real model: for 2 and 4 layers XLA keeps
@@ -100,7 +100,7 @@ def test_per_layer_temporaries_match_the_gpu_compiler(remat, tensor, sp):
     temp = {}
     for layers in (8, 16):
         cfg = GPTConfig(vocab=64, seq_len=seq, embed=h, heads=heads, layers=layers,
-                        remat={"selective": "save-matmuls"}.get(remat, remat))
+                        remat=remat)
         _, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), plan, batch, seq, devices=devices)
         temp[layers] = memory_report(compiled).temp_bytes
     got = (temp[16] - temp[8]) / 8
@@ -111,10 +111,10 @@ def test_per_layer_temporaries_match_the_gpu_compiler(remat, tensor, sp):
 # libtpu, tpu-v5e:2x4, batch 8 (dp8) or 2 (dp2 x tp4) x s tokens, 8 heads: what a layer adds to XLA's peak
 # (16 layers less 8, /8) less its arguments and gradients, in MB: (remat, t, h, s) -> measured
 TPU_LAYER_MB = {("none", 1, 1024, 1024): 188.7, ("none", 1, 512, 2048): 270.6,
-                ("selective", 1, 1024, 1024): 92.3, ("selective", 1, 512, 2048): 174.1,
+                ("save-matmuls", 1, 1024, 1024): 92.3, ("save-matmuls", 1, 512, 2048): 174.1,
                 ("full", 1, 1024, 1024): 29.3, ("full", 1, 512, 2048): 10.5,
                 ("none", 4, 1024, 1024): 68.5, ("none", 4, 512, 2048): 89.8,
-                ("selective", 4, 1024, 1024): 29.4, ("selective", 4, 512, 2048): 49.7}
+                ("save-matmuls", 4, 1024, 1024): 29.4, ("save-matmuls", 4, 512, 2048): 49.7}
 
 
 @pytest.mark.parametrize("case", sorted(TPU_LAYER_MB))
@@ -131,7 +131,7 @@ def test_tpu_keeps_and_weight_copies_match_libtpus_layers(case):
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("case", [("none", 1, 1024, 1024), ("selective", 4, 1024, 1024)])
+@pytest.mark.parametrize("case", [("none", 1, 1024, 1024), ("save-matmuls", 4, 1024, 1024)])
 def test_tpu_layer_constants_are_libtpus(case):
     """Measures two of :data:`TPU_LAYER_MB` again: libtpu's peak (``peak_memory_in_bytes``) for 16 layers
     less 8, per layer, less the layer's arguments and fp32 gradients as the model counts them."""
@@ -147,7 +147,7 @@ def test_tpu_layer_constants_are_libtpus(case):
     peak, model = {}, {}
     for layers in (8, 16):
         cfg = GPTConfig(vocab=512, seq_len=s, embed=h, heads=8, layers=layers,
-                        remat={"selective": "save-matmuls"}.get(remat, remat))
+                        remat=remat)
         _, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), plan, batch, s,
                                    devices=target_devices(parse_target("tpu-v5e:2x4")))
         peak[layers] = compiled.memory_analysis().peak_memory_in_bytes

@@ -93,7 +93,7 @@ def test_layer_kernels_count_the_layer_forward_flops():
     s, h, f = 128, 256, 1024
     forward = 2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h          # per sequence, whole layer
     assert sum(k.flops * k.count for k in ks) == pytest.approx(4 * forward / 2)
-    assert {k.name: k.passes for k in layer_kernels(m, cost.Plan(remat="selective"), 1, 2)} == {
+    assert {k.name: k.passes for k in layer_kernels(m, cost.Plan(remat="save-matmuls"), 1, 2)} == {
         "qkv": 3, "scores": 4, "context": 4, "proj": 3, "fc1": 3, "fc2": 3}
 
 

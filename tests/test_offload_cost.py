@@ -161,8 +161,8 @@ def test_the_plan_models_offloaded_layer_inputs_under_full_recomputation_alone()
     acts = Offload(activations=(LAYER_INPUT,))
     with pytest.raises(cost.PlanError, match=r"activations=\('mlp_out',\): the cost model models the layers' inputs"):
         cost.Plan(remat="full", strategy=Strategy(offload=Offload(activations=("mlp_out",))))
-    with pytest.raises(cost.PlanError, match=r"activations with remat='selective'.*set remat='full'"):
-        cost.Plan(remat="selective", strategy=Strategy(offload=acts))
+    with pytest.raises(cost.PlanError, match=r"activations with remat='save-matmuls'.*set remat='full'"):
+        cost.Plan(remat="save-matmuls", strategy=Strategy(offload=acts))
     offload = plan_offload(Offload(optimizer=True, activations=(LAYER_INPUT,)), "offload")
     plan = cost.Plan(data=8, remat="full", strategy=Strategy(offload=offload))
     assert plan.name() == "dp8-offload-opt-act-remat-full"

@@ -123,7 +123,7 @@ def compile_and_compare(model: ModelSpec, plan: Plan, *, devices: Sequence | Non
 
         from jaxpar.models._gpt import GPT, GPTConfig
 
-        remat = {"selective": "save-matmuls"}.get(plan.remat, plan.remat)
+        remat = plan.remat
         cfg = GPTConfig(vocab=model.vocab, seq_len=model.seq, embed=model.hidden, heads=model.heads,
                         layers=model.layers, mlp=model.mlp, remat=remat)
         model_fn = lambda: GPT(cfg, rngs=nnx.Rngs(0))   # noqa: E731

@@ -145,7 +145,7 @@ def fp8_cluster_problem(cluster: str) -> str | None:
 
 def plan_overrides(plan: Any) -> list[str]:
     """The dotted overrides that make a config run a :class:`jaxpar.cost.Plan` (``jaxpar train CONFIG
-    *overrides``): its mesh, strategy, FP8 and recomputation (``selective`` is the GPT's ``save-matmuls``).
+    *overrides``): its mesh, strategy, FP8 and recomputation.
 
     Args:
       plan: the plan (e.g. ``jaxpar.cost.plan(...).best.plan``).
@@ -165,8 +165,7 @@ def plan_overrides(plan: Any) -> list[str]:
     from jaxpar.cost._parallel import AXES
 
     s = plan.strategy
-    remat = "offload" if s.offload and s.offload.activations else \
-        {"none": "none", "full": "full"}.get(plan.remat, "save-matmuls")
+    remat = "offload" if s.offload and s.offload.activations else plan.remat
     out = [f"mesh.{a}={getattr(plan, a)}" for a in AXES] + ["mesh.replica=1"]
     out += [f"parallel.zero={s.zero}", f"parallel.sequence_parallel={str(s.sequence_parallel).lower()}",
             f"parallel.microbatches={s.microbatches}", f"parallel.schedule={s.schedule}",
@@ -223,7 +222,7 @@ def planner_view(cfg: JobConfig, mesh_sizes: Mapping[str, int], strategy: Strate
     from jaxpar.cost._planner import evaluate
 
     model = cost_model(cfg)
-    remat = {"none": "none", "full": "full", "offload": "full"}.get(cfg.model.remat, "selective")
+    remat = "full" if cfg.model.remat == "offload" else cfg.model.remat
     sizes = {a: mesh_sizes.get(a, 1) for a in AXES}
     plan = cost.Plan(**sizes, remat=remat, strategy=replace(strategy, zero=strategy.zero if sizes["data"] > 1 else 0,
                                                             offload=plan_offload(strategy.offload, cfg.model.remat)))

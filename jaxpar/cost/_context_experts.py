@@ -176,7 +176,7 @@ def expert_collectives(m: ModelSpec, rows: float, context: int, expert: int, com
     the per-expert counts (``E`` int32) and ``E_p·S`` rows of ``h`` values (``cb``) out and back forward,
     the cotangents' rows out and their gradients back backward, and each row's fp32 weight out and its
     gradient back (``E_p·S`` fp32 each). Under recomputation the forward's counts and rows out run again
-    (the experts' inputs are not matmul outputs, so ``selective`` recomputes them too).
+    (the experts' inputs are not matmul outputs, so ``save-matmuls`` recomputes them too).
 
     Args:
       m: the model.
@@ -184,7 +184,7 @@ def expert_collectives(m: ModelSpec, rows: float, context: int, expert: int, com
       context: the context-parallel size.
       expert: the expert-parallel size ``E_p``.
       compute_bytes: bytes per value.
-      remat: ``"none"``, ``"selective"`` or ``"full"``.
+      remat: ``"none"``, ``"save-matmuls"`` or ``"full"``.
 
     Returns:
       ``(kind, bytes, count)`` per group of collectives.
@@ -236,7 +236,7 @@ def context_score_bytes(m: ModelSpec, rows: float, tensor: int, context: int, me
       tensor: the tensor-parallel size.
       context: the context-parallel size.
       method: ``"ring"``, ``"all_gather"`` or ``"ulysses"``.
-      remat: ``"none"``, ``"selective"`` or ``"full"``.
+      remat: ``"none"``, ``"save-matmuls"`` or ``"full"``.
       bytes_per_value: bytes per value.
 
     Returns:
@@ -316,7 +316,7 @@ def moe_mlp_bytes(m: ModelSpec, rows: float, tensor: int, context: int, expert: 
     (``N·S/t`` each), the router's fp32 logits and probabilities (``2·N·E`` fp32), and without
     recomputation the experts' pre-activations in the sorted layout (``(slots + tile)·M/t``,
     :func:`expert_slots`) and under EP the rows received (``E_p·S·h``; one round's). ``N = rows·s/C``
-    tokens. Under ``selective`` recomputation the experts' inputs and pre-activations are not matmul
+    tokens. Under ``save-matmuls`` recomputation the experts' inputs and pre-activations are not matmul
     outputs: they are recomputed, not kept.
 
     Args:
@@ -327,7 +327,7 @@ def moe_mlp_bytes(m: ModelSpec, rows: float, tensor: int, context: int, expert: 
       expert: the expert-parallel size ``E_p``.
       sequence_parallel: Megatron's sequence parallelism.
       bytes_per_value: bytes per value.
-      remat: ``"none"`` or ``"selective"``.
+      remat: ``"none"`` or ``"save-matmuls"``.
       tile: rows per expert tile (:data:`EXPERT_TILE`).
 
     Returns:

@@ -157,7 +157,7 @@ def device_argument_bytes(model: ModelSpec, sizes: Mapping[str, int], zero: int,
 #: (with dropout) is ``(5, 12, 2.5)``.
 BLOCK_KEEPS = (8.0, 28.0, 1.0)
 #: Whole-sequence fp32 ``sbh`` values that a layer keeps under SP beyond its split values, without
-#: recomputation or under ``selective`` (measured as :data:`BLOCK_KEEPS` at ``t`` = 8: selective, 8 vs 16
+#: recomputation or under ``save-matmuls`` (measured as :data:`BLOCK_KEEPS` at ``t`` = 8: save-matmuls, 8 vs 16
 #: layers, 8 sequences, 4.80 ``sbh`` per layer where the split values are 3.25): XLA keeps the row-parallel
 #: products before their reduce-scatter.
 SP_WHOLE = 1.5
@@ -171,17 +171,17 @@ SP_BACKWARD = 8.0
 #: input; two fp32 score arrays, the probabilities under JAX's custom-JVP softmax, and the boolean mask).
 #: Counted with ``jax.eval_shape``.
 PIPELINE_STORES = (9.0, 27.0, 2.25)
-#: ``(whole, split, scores)`` per recomputation: ``selective`` keeps the matmul outputs (the input and
+#: ``(whole, split, scores)`` per recomputation: ``save-matmuls`` keeps the matmul outputs (the input and
 #: the row-parallel output whole; q, k, v, the attention output and the MLP's first product split; the
 #: attention scores), ``full`` the layer's input.
-REMAT_KEEPS = {"none": BLOCK_KEEPS, "selective": (2.0, 8.0, 1.0), "full": (1.0, 0.0, 0.0)}
+REMAT_KEEPS = {"none": BLOCK_KEEPS, "save-matmuls": (2.0, 8.0, 1.0), "full": (1.0, 0.0, 0.0)}
 #: :data:`REMAT_KEEPS` for libtpu, measured the same way on tpu-v5e (XLA's live peaks of 16 and 8 layers, less
 #: the layers' arguments and gradients; ``as/h`` = 8 and 32, ``t`` = 1 and 4; docs/planning.md §8). libtpu
 #: runs fp32 matmuls at JAX's default precision as bf16 passes: it keeps fewer fp32 values of the
 #: matmuls (7 whole, 24 split without recomputation), the softmax's probabilities in fp32 alone (one
 #: ``as^2b`` array), and a bf16 copy of each layer's matmul weights as the device holds them
 #: (:func:`bf16_weight_bytes`, counted apart).
-TPU_REMAT_KEEPS = {"none": (7.0, 24.0, 1.0), "selective": (2.0, 6.0, 1.0), "full": (1.0, 0.0, 0.0)}
+TPU_REMAT_KEEPS = {"none": (7.0, 24.0, 1.0), "save-matmuls": (2.0, 6.0, 1.0), "full": (1.0, 0.0, 0.0)}
 
 
 def _layer_bytes(model: ModelSpec, plan: Plan, rows: float, keeps: tuple, sp_whole: float = 0.0) -> float:

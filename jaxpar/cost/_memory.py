@@ -25,7 +25,7 @@ from jaxpar.logical import matrix_sides, zero_dim_order
 from jaxpar.options import Offload
 
 
-REMAT = ("none", "selective", "full")
+REMAT = ("none", "save-matmuls", "full")
 
 
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tensor: int = 1,
@@ -42,7 +42,7 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
       heads: attention heads ``a``.
       tensor: the tensor-parallel size ``t``.
       sequence_parallel: Megatron's sequence parallelism (the norms and dropouts split over ``t``).
-      remat: ``"none"``, ``"selective"`` or ``"full"`` recomputation.
+      remat: ``"none"``, ``"save-matmuls"`` or ``"full"`` recomputation.
       bytes_per_value: bytes per activation value.
 
     Returns:
@@ -54,7 +54,7 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     if remat not in REMAT:
         raise CostModelError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
     s, b, h, a, t = seq, micro_batch, hidden, heads, tensor
-    attn = 0.0 if remat == "selective" else 5 * a * s / h
+    attn = 0.0 if remat == "save-matmuls" else 5 * a * s / h
     if remat == "full":
         per = 2 / (t if sequence_parallel else 1)
     elif sequence_parallel:
@@ -76,7 +76,7 @@ def layer_activations(model: ModelSpec, sizes: Mapping[str, int], rows: float, *
       model: the model.
       sizes: mesh axis name -> size.
       rows: sequences per micro-batch on one device.
-      remat: ``"none"``, ``"selective"`` or ``"full"``.
+      remat: ``"none"``, ``"save-matmuls"`` or ``"full"``.
       sequence_parallel: Megatron's sequence parallelism.
       activation_bytes: bytes per activation value.
       context_method: ``"ring"``, ``"all-gather"`` or ``"ulysses"``.
@@ -97,7 +97,7 @@ def layer_activations(model: ModelSpec, sizes: Mapping[str, int], rows: float, *
                                           sequence_parallel=sp, remat=remat, bytes_per_value=bpv)
     s = model.seq / C
     out = activation_bytes_per_layer(s, rows, model.hidden, model.heads, tensor=t, sequence_parallel=sp,
-                                     remat="full" if remat == "full" else "selective", bytes_per_value=bpv)
+                                     remat="full" if remat == "full" else "save-matmuls", bytes_per_value=bpv)
     if remat == "full":
         return out
     out += context_score_bytes(model, rows, t, C, context_method if C > 1 else "all_gather", remat, bpv)

@@ -3,7 +3,7 @@ factorisation of the cluster x CP method x ZeRO stage x schedule x micro-batches
 that cannot run the model *refused* with the reason, the candidates the compatibility table refuses
 (:func:`plan_refusal`) and those that do not fit *rejected* with the reason, the rest ranked.
 
-For each layout the cheapest remat policy that fits is kept (``none``, ``selective``, ``full``), and
+For each layout the cheapest remat policy that fits is kept (``none``, ``save-matmuls``, ``full``), and
 without a pipeline the fewest accumulation micro-batches. Usable memory is ``cluster memory x
 memory_fraction``.
 
@@ -384,10 +384,10 @@ class _Search(NamedTuple):
 
     @staticmethod
     def remats(base: Plan) -> list[tuple[str, Offload | None]]:
-        """The recomputation choices of ``base``, cheapest first, as ``(remat, offload)``: none, selective, full;
+        """The recomputation choices of ``base``, cheapest first, as ``(remat, offload)``: none, save-matmuls, full;
         in the offloaded search, outside pipelines (which refuse offloaded activations), full with the layers'
         inputs in host memory last."""
-        out = [(remat, base.strategy.offload) for remat in ("none", "selective", "full")]
+        out = [(remat, base.strategy.offload) for remat in ("none", "save-matmuls", "full")]
         if base.strategy.offload is not None and base.pipe == 1:
             out.append(("full", replace(base.strategy.offload, activations=(LAYER_INPUT,))))
         return out

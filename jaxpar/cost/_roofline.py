@@ -256,7 +256,7 @@ def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes
         mlp = 2 * routed * m.expert_mlp / t + 2 * m.shared_mlp / t
     cp = plan.strategy.context_setting
     keys = m.seq * C * score_fraction(cp.method, C, cp.balance)   # scores per query token
-    softmax = 0.0 if fused_attention and C == 1 else 2 * m.heads * keys / t * 4 * (passes + (plan.remat == "selective"))
+    softmax = 0.0 if fused_attention and C == 1 else 2 * m.heads * keys / t * 4 * (passes + (plan.remat == "save-matmuls"))
     return rows * (m.seq / C) * ((resid + mlp) * compute_bytes * passes + softmax)
 
 

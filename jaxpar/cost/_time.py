@@ -54,7 +54,7 @@ def step_flops(m: ModelSpec, remat: str = "none") -> float:
 
     Args:
       m: the model.
-      remat: ``"none"``, ``"selective"`` or ``"full"``.
+      remat: ``"none"``, ``"save-matmuls"`` or ``"full"``.
 
     Returns:
       FLOPs.
@@ -71,7 +71,7 @@ def step_flops(m: ModelSpec, remat: str = "none") -> float:
     for n, moe in ((m.layers - n_moe, False), (n_moe, True)):
         if n:
             fwd = _layer_forward(m, moe)
-            extra = {"none": 0.0, "selective": 4 * m.seq**2 * m.hidden, "full": fwd}[remat]
+            extra = {"none": 0.0, "save-matmuls": 4 * m.seq**2 * m.hidden, "full": fwd}[remat]
             layers += n * (3 * fwd + extra)
     return m.batch * (layers + 6 * m.seq * m.hidden * m.vocab)
 
@@ -275,7 +275,7 @@ def elementwise_bytes(m: ModelSpec, plan: Plan, compute_bytes: float = 2) -> flo
     ``a·s`` fp32 scores (``2·a·s`` values of 4 bytes). Training moves three times the forward's
     bytes (the backward of each op reads its input and the incoming gradient and writes the
     outgoing one; as for the FLOPs, backward = 2 forwards); full recomputation adds a forward,
-    selective the softmax's. Tensor parallelism splits the MLP (``f/t``) and the softmax (heads,
+    save-matmuls the softmax's. Tensor parallelism splits the MLP (``f/t``) and the softmax (heads,
     ``a/t``) but repeats the ``10h`` of the residual stream on every tensor device; sequence
     parallelism splits that too (``10h/t``).
 
