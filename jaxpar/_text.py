@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,25 @@ def format_bytes(n: float) -> str:
         if value < 1024 or unit == _UNITS[-1]:
             return f"{sign}{value:.1f} {unit}"
     raise AssertionError("unreachable")
+
+
+def shown_path(path: str | Path) -> str:
+    """A path as the reports print it: relative to the working directory when under it, else absolute;
+    normalised either way (no ``..`` or ``.`` parts).
+
+    Args:
+      path: a path, absolute or relative to the working directory.
+
+    Returns:
+      The text.
+
+    >>> import os
+    >>> shown_path(os.path.join(os.getcwd(), "runs", "..", "runs", "x")), shown_path("/srv/../tmp/run")
+    ('runs/x', '/tmp/run')
+    """
+    full = os.path.normpath(os.path.abspath(path))
+    cwd = os.getcwd()
+    return os.path.relpath(full, cwd) if full == cwd or full.startswith(cwd.rstrip(os.sep) + os.sep) else full
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> str:

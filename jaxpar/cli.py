@@ -74,11 +74,12 @@ def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fa
     out_dir = _start(cfg, overwrite, dist, watchdog)
     import jax
 
+    from jaxpar._text import shown_path
     from jaxpar.config._job import build_job, header_lines, packing_line
     from jaxpar.run._out_of_memory import out_of_memory_error
 
     job = build_job(cfg)
-    print(f"job      {cfg.name}  ->  {out_dir}")
+    print(f"job      {cfg.name}  ->  {shown_path(out_dir)}")
     print("\n".join(header_lines(job)))
     predicted: dict = {}                 # the cost model's peak and the state's bytes per device, once laid out
     try:
@@ -125,13 +126,14 @@ def _train_job(cfg, job, profile, predicted: dict, watchdog) -> int:
 
 
 def _start(cfg, overwrite: bool, dist: dict | None, watchdog=None) -> Path:
-    """Start the processes and find the devices, check the config on them, then the run directory: claim
+    """Start the processes and find the devices, check the config on them and the files it reads (``model.hf``,
+    the data files), then the run directory: claim
     ``train.out_dir`` for a new run, or find a complete checkpoint for ``--resume`` (before anything is built
     or written); returns it. With a ``watchdog``, XLA's own NCCL timeout is set first (:func:`gpu_timeout_flag`)."""
     import jax
 
     from jaxpar.config._checks import check
-    from jaxpar.config._commands import refuse_cpu_only
+    from jaxpar.config._commands import check_inputs, refuse_cpu_only
     from jaxpar.devices._distributed import start_processes
     from jaxpar.run._checkpoint import no_checkpoint_error
     from jaxpar.run._run_directory import checkpoint_steps, claim_run_directory
@@ -141,6 +143,7 @@ def _start(cfg, overwrite: bool, dist: dict | None, watchdog=None) -> Path:
     info = start_processes(**(dist or {}), devices=cfg.train.devices)   # jax.distributed, then the devices
     refuse_cpu_only(cfg.train.devices, simulated=bool((dist or {}).get("local_devices")))
     check(cfg, num_devices=jax.device_count())      # the config on these devices, before the run directory is touched
+    check_inputs(cfg)                               # and the files it reads (model.hf, data.paths)
     out_dir = Path(cfg.train.out_dir)
     if not cfg.checkpoint.resume:
         claim_run_directory(out_dir, cfg.checkpoint.dir if cfg.checkpoint.enabled else None, overwrite=overwrite)
@@ -182,8 +185,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     from jaxpar.config import ConfigError, load_config
     from jaxpar.config._build import build_fp8
     from jaxpar.options import Fp8
-    from jaxpar.config._plan_command import (muon_settings, plan_dtype, plan_model, plan_offload, plan_report,
-                                             verify_plans)
+    from jaxpar.config._plan_command import (chosen_plan, muon_settings, plan_dtype, plan_model, plan_offload,
+                                             plan_report, verify_plans, write_plan_config)
 
     target = None
     if args.target:
@@ -197,6 +200,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         if args.overrides and not args.config:
             raise ConfigError(f"the overrides {' '.join(args.overrides)} need --config CONFIG; without "
                               "it, give the model's sizes (--layers, --hidden, --heads, --seq, --vocab, --batch).")
+        if args.write and not args.config:
+            raise ConfigError(f"--write {args.write} needs --config CONFIG: the file written is that config with the "
+                              "chosen plan's overrides.")
         cfg = load_config(args.config, args.overrides) if args.config else None
         model = plan_model(cfg, {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab",
                                                                         "batch")})
@@ -207,7 +213,9 @@ def _run_plan(args: argparse.Namespace) -> int:
                            muon=muon_settings(cfg) if cfg else None, offload=plan_offload(cfg), **cp)
     except (cost.ClusterError, cost.PlanError) as e:
         raise ConfigError(str(e)) from None
-    print(plan_report(model, cluster, result, args.top, as_json=args.json))
+    print(plan_report(model, cluster, result, args.top, as_json=args.json, cfg=cfg))
+    if args.write:
+        print(write_plan_config(args.write, args.config, args.overrides, chosen_plan(result, args.choose)))
     if args.verify:
         verify_plans(model, cluster, result.ranked[: args.top], target)
     return 0
@@ -278,6 +286,7 @@ def _add_process_options(p: argparse.ArgumentParser) -> None:
 def _config_parser(sub, name: str, summary: str, description: str | None) -> argparse.ArgumentParser:
     """A command of ``sub`` that takes ``CONFIG [key=value ...]``."""
     p = sub.add_parser(name, help=summary, description=description)
+    p.set_defaults(command_parser=p)
     p.add_argument("config", help="YAML config file, e.g. configs/quickstart.yaml (a run's own: <train.out_dir>/"
                                   "config.yaml)")
     p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, e.g. mesh.tensor=2")
@@ -376,6 +385,8 @@ def _add_tool_commands(sub) -> None:
     p.add_argument("--context-methods", type=lambda v: tuple(v.split(",")), default=("ring", "all_gather", "ulysses"))
     p.add_argument("--top", type=int, default=10, help="how many plans to show (10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--write", metavar="FILE", help="write --config with the chosen plan's overrides as a new YAML file")
+    p.add_argument("--choose", type=int, default=1, metavar="N", help="the plan --write writes, by rank (1)")
     p.add_argument("--verify", action="store_true", help="compile the top plans on simulated CPU devices and "
                                                          "compare predicted and compiled memory and bytes")
     p = sub.add_parser("data", help="prepare a token cache, or show the batches a run sees",
@@ -413,12 +424,35 @@ def _run_calibrate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``jaxpar`` command's argument parser, every command included."""
+    """The ``jaxpar`` command's argument parser, every command included; each command's own parser is its
+    ``command_parser`` default (an error shows that command's usage)."""
     parser = argparse.ArgumentParser(prog="jaxpar", description="Declarative SPMD training on JAX meshes.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_config_commands(sub)
     _add_tool_commands(sub)
+    for p in sub.choices.values():       # data's actions (prepare, show): their own (_config_parser's)
+        p.set_defaults(command_parser=p)
     return parser
+
+
+def _unknown_arguments(extra: Sequence[str], command: argparse.ArgumentParser, overrides: bool) -> str:
+    """The error for arguments that ``command`` has no option for; where it takes ``key=value`` overrides, an
+    option named like a config key (``--steps 10``) is shown as its override (``train.steps=10``)."""
+    from jaxpar.config._load import keys_named
+
+    options = [i for i, x in enumerate(extra) if x.startswith("--")]
+    if not overrides or not options:
+        return f"unrecognized arguments: {' '.join(extra)}"
+    hints = []
+    for i in options:
+        name, eq, value = extra[i][2:].partition("=")
+        if not eq and i + 1 < len(extra) and not extra[i + 1].startswith("-") and "=" not in extra[i + 1]:
+            value = extra[i + 1]
+        hints += [f"{key}={value or 'VALUE'}" for key in keys_named(name.replace("-", "_"))]
+    named = ", ".join(extra[i].partition("=")[0] for i in options)
+    verb = "is not an option" if len(options) == 1 else "are not options"
+    return (f"{named} {verb} of {command.prog} ({command.prog} -h lists them): a config setting is a key=value "
+            f"override with its dotted key, e.g. {' or '.join(hints) or 'train.steps=100'}.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -435,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)   # overrides may follow options: CONFIG --print-config k=v
     if extra and (args.command not in _OVERRIDES or any(x.startswith("-") for x in extra)):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.command_parser.error(_unknown_arguments(extra, args.command_parser, args.command in _OVERRIDES))
     if args.command in _OVERRIDES:
         args.overrides = [*getattr(args, "overrides", []), *extra]
     try:

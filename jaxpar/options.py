@@ -84,10 +84,10 @@ class Fp8:
 
     def __post_init__(self):
         if self.recipe not in RECIPES:
-            raise Fp8Error(f"Fp8(recipe={self.recipe!r}): the recipes are {', '.join(RECIPES)}. A delayed "
+            raise Fp8Error(f"Fp8.recipe={self.recipe!r}: the recipes are {', '.join(RECIPES)}. A delayed "
                            "recipe (scales from an amax history) is not built; use tensorwise or rowwise.")
         if isinstance(self.min_dim, bool) or not isinstance(self.min_dim, int) or self.min_dim < 0:
-            raise Fp8Error(f"Fp8(min_dim={self.min_dim!r}) must be an int >= 0 (0: every covered GEMM in FP8).")
+            raise Fp8Error(f"Fp8.min_dim={self.min_dim!r}: must be an int >= 0 (0: every covered GEMM in FP8).")
 
     @property
     def label(self) -> str:

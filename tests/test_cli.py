@@ -268,7 +268,7 @@ def test_long_context_config_trains_over_a_context_axis(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if r["kind"] == "train"]
     assert len(losses) == 3 and np.isfinite(losses).all(), losses
-    with pytest.raises(ConfigError, match=r"parallel.context: method='rings' is not a context-parallel method"):
+    with pytest.raises(ConfigError, match=r"parallel.context.method='rings' is not a context-parallel method"):
         check(load_config(config, ["parallel.context.method=rings"]), 8)
 
 

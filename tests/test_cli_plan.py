@@ -73,6 +73,27 @@ def test_plan_json_and_table(capsys):
     assert "rank | plan" in out and "considered" in out
 
 
+def test_plan_overrides_paste_and_write_a_config_check_accepts(capsys, tmp_path):
+    """Every ranked plan carries its overrides (all in --json; in the table, those the config lacks), in the
+    model's remat names; --write writes the config with the chosen plan's, which check accepts on the target,
+    and never overwrites a file."""
+    config, out = str(ROOT / "configs" / "gpt124m_gpu.yaml"), tmp_path / "plan.yaml"
+    args = ["plan", "--config", config, "--target", "h100:1x8", "--top", "3"]
+    assert main(args + ["--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert all({"mesh.data", "parallel.zero", "parallel.microbatches", "model.remat"} <= {
+        o.split("=")[0] for o in r["overrides"]} for r in ranked), ranked
+    assert main(args + ["--write", str(out), "--choose", "2"]) == 0
+    table = capsys.readouterr().out
+    second = re.search(r"^\s+2  (.+)$", table, re.M).group(1).split()
+    assert second and all(o in [*ranked[1]["overrides"]] for o in second), (second, ranked[1])
+    assert "selective" not in table and f"wrote    {out}: {ranked[1]['plan']}" in table
+    assert main(["check", str(out), "--target", "h100:1x8"]) == 0
+    capsys.readouterr()
+    assert main(args + ["--write", str(out)]) == 2
+    assert "the file exists; jaxpar never overwrites a file" in capsys.readouterr().err
+
+
 def test_plan_searches_context_parallel_degrees_and_methods(capsys):
     """16k tokens, 6 heads, on the calibrated CPU mesh: --contexts 1,2,4,8 ranks the balanced ring over 8
     devices first (one device cannot hold the scores); Ulysses over 4 or 8 is refused by name (6 heads)."""

@@ -114,7 +114,7 @@ def test_the_h100_compiler_runs_the_unstacked_covered_matmuls_as_fp8_gemms():
 def test_fp8_that_covers_nothing_is_refused_by_name():
     mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
     with pytest.raises(Fp8Error, match=r"every covered weight's GEMM is below min_dim=1024 \(the largest, "
-                                       r"'[a-z/]+', has 32\).*Fp8\(min_dim=32\)"):
+                                       r"'[a-z/]+', has 32\).*Fix: Strategy.fp8.min_dim=32 or less"):
         strategy = jaxpar.Strategy(fp8=Fp8())
         _, layout = jaxpar.init_train_state(lambda: Net(nnx.Rngs(0)), optax.sgd(0.1), mesh, strategy)
         jaxpar.make_train_step(loss, optax.sgd(0.1), layout, strategy)

@@ -206,5 +206,5 @@ def test_yaml_parallel_offload_builds_the_strategy_and_names_its_keys():
     assert build_strategy(ParallelConfig(offload={"optimizer": True, "update": "host"})).offload.update == "host"
     with pytest.raises(jaxpar.ConfigError, match=r"parallel.offload has unknown keys \['optimiser'\]"):
         build_strategy(ParallelConfig(offload={"optimiser": True}))
-    with pytest.raises(jaxpar.ConfigError, match=r"parallel.offload: master='yes': must be True or False"):
+    with pytest.raises(jaxpar.ConfigError, match=r"parallel.offload.master='yes': must be True or False"):
         build_strategy(ParallelConfig(offload={"master": "yes"}))

@@ -49,7 +49,7 @@ def test_import_jax_loads_no_compiler():
 
 def test_the_no_hardware_notes_are_held_back(capfd):
     """While a compiler loads, its notices that no GPU / TPU is here are dropped; other output is kept."""
-    with _targets._without_no_hardware_notes():
+    with _targets.without_notes():
         os.write(2, b"I0000 00:00:1.2 1 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU will not "
                     b"be used.\nFailed to find host bounds for accelerator type: WARNING: could not determine\n"
                     b"a real error\n")

@@ -182,9 +182,10 @@ def build_sync(options: Mapping[str, Any]):
         raise ConfigError(f"parallel.sync: {e}") from None
 
 
-def _options_of(key: str, options: Mapping[str, Any], make: Callable, takes: str, error: type, prefix: str):
+def _options_of(key: str, options: Mapping[str, Any], make: Callable, takes: str, error: type, owner: str):
     """``make(**options)`` for the YAML section ``parallel.<key>`` (empty: ``None``); an unknown key or
-    ``make``'s ``error`` is a :class:`ConfigError` naming ``parallel.<key>`` (``takes``: what it takes)."""
+    ``make``'s ``error`` is a :class:`ConfigError` naming ``parallel.<key>`` (``takes``: what it takes;
+    ``owner``: the class its messages name, ``Fp8.min_dim`` -> ``parallel.fp8.min_dim``)."""
     if not options:
         return None
     allowed = set(inspect.signature(make).parameters)
@@ -194,7 +195,7 @@ def _options_of(key: str, options: Mapping[str, Any], make: Callable, takes: str
     try:
         return make(**options)
     except error as e:
-        raise ConfigError(f"parallel.{key}: {e}".replace(prefix, "")) from None
+        raise ConfigError(relabel(e, owner, f"parallel.{key}", sorted(allowed))) from None
 
 
 def build_context(options: Mapping[str, Any]):
@@ -202,7 +203,7 @@ def build_context(options: Mapping[str, Any]):
     from jaxpar.parallel.context import ContextParallel, ContextParallelError
 
     return _options_of("context", options, ContextParallel, "method (ring | all_gather | ulysses) and balance "
-                       "(true | false)", ContextParallelError, "ContextParallel.")
+                       "(true | false)", ContextParallelError, "ContextParallel")
 
 
 def build_fp8(options: Mapping[str, Any]):
@@ -221,7 +222,7 @@ def build_offload(options: Mapping[str, Any]):
 
     return _options_of("offload", options, Offload, "optimizer (true | false), master (true | false), update "
                        "(device | host: where the optimizer update runs) and activations (a list of checkpoint "
-                       "names, with model.remat: offload)", OffloadError, "Offload.")
+                       "names, with model.remat: offload)", OffloadError, "Offload")
 
 
 def build_strategy(cfg: ParallelConfig) -> Strategy:
@@ -253,7 +254,21 @@ def build_strategy(cfg: ParallelConfig) -> Strategy:
         if str(e).startswith("Strategy.local_clip="):
             raise ConfigError(str(e).replace("Strategy.local_clip=", "parallel.compression.local_clip=", 1)) from None
         fallback = f"parallel.schedule={cfg.schedule!r}" if "schedule" in str(e) else "parallel"
-        raise ConfigError(relabel(e, "Strategy", "parallel", _PARALLEL_KEYS, fallback)) from None
+        raise ConfigError(strategy_message(e, fallback)) from None
+
+
+def strategy_message(err: Exception, fallback: str | None = None) -> str:
+    """A library error that names :class:`~jaxpar.Strategy` fields, in ``parallel.*`` keys
+    (``Strategy.fp8.min_dim=768`` -> ``parallel.fp8.min_dim=768``; :func:`relabel`).
+
+    Args:
+      err: the library's error (``StrategyError``, ``Fp8Error`` of :func:`jaxpar.make_train_step`, ...).
+      fallback: the prefix when the message names no ``parallel`` key (default ``parallel``).
+
+    Returns:
+      The message.
+    """
+    return relabel(err, "Strategy", "parallel", _PARALLEL_KEYS, fallback)
 
 
 def _build_user_model(cfg: ModelConfig, seed: int) -> Callable[[], nnx.Module]:

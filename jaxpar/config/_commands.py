@@ -103,13 +103,29 @@ def run_check(config: str, overrides: Sequence[str], *, target: str | None = Non
         devices, found = cfg.train.devices, None
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, devices=devices))
     check(cfg, num_devices=devices)
-    files = _check_data_files(cfg.data)
+    files = check_inputs(cfg)
     run = _check_run_directory(cfg, overwrite)
     status = check_config(cfg)
     for line in (f"found    {found}" if found else "", files, run):
         if line:
             print(line)
     return status
+
+
+def check_inputs(cfg: Any) -> str:
+    """The files the config reads, checked before the run directory: ``model.hf``'s checkpoint (opened: its
+    ``config.json`` and safetensors headers) and the data files (found, not read); a missing one raises.
+
+    Args:
+      cfg: the checked config.
+
+    Returns:
+      The data files found, in words (empty: the config names none).
+    """
+    from jaxpar.config._job import hf_checkpoint
+
+    hf_checkpoint(cfg, None)
+    return _check_data_files(cfg.data)
 
 
 def _check_data_files(d: DataConfig) -> str:

@@ -27,8 +27,9 @@ from typing import Any
 import jax
 
 from jaxpar.mesh import MeshError, MeshSpec
-from jaxpar.devices._targets import (Target, TargetError, compile_error, fp8_problem, memory_fraction_problem,
-                                     parse_target, target_devices, topology_problem)
+from jaxpar.devices._targets import (COMPILER_NOTES, Target, TargetError, compile_error, fp8_problem,
+                                     memory_fraction_problem, parse_target, target_devices, topology_problem,
+                                     without_notes)
 from jaxpar.errors import Fp8Error, JaxparError
 from jaxpar.parallel.context import count_attention_kernels
 from jaxpar.config._build import mesh_spec
@@ -415,7 +416,7 @@ def check_config(cfg: JobConfig) -> int:
     Raises:
       ConfigError: a setting the config or the library refuses, named by its YAML key.
       JaxparError: a refusal of the library that no YAML check knows (the compatibility table's, the
-        train step's), named by the library's field.
+        train step's), named by the library's field; FP8's by its YAML keys (``Job.train_step``).
 
     >>> quickstart = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
     >>> from jaxpar.config import load_config
@@ -500,8 +501,10 @@ def gather_lines(layout: Any, compiled: Any) -> list[str]:
 
 
 def _compile(job: Any, layout: Any, tgt: Target | None) -> dict:
+    """The job's programs, compiled without XLA's own log lines about them (:data:`COMPILER_NOTES`)."""
     try:
-        return job.compile(layout)
+        with without_notes(COMPILER_NOTES):
+            return job.compile(layout)
     except TargetError:
         raise
     except Exception as e:         # the compiler's own error: jaxpar says what it means where it can

@@ -133,10 +133,19 @@ class Job:
 
         Returns:
           :func:`jaxpar.make_train_step`'s step with the job's loss, optimizer, strategy and options.
+
+        Raises:
+          Fp8Error: ``parallel.fp8`` on devices without FP8 GEMMs, or covering no matmul of the model, named
+            by its YAML keys (:func:`~jaxpar.config._build.strategy_message`).
         """
+        from jaxpar.config._build import strategy_message
+        from jaxpar.errors import Fp8Error
         from jaxpar.step._compose import make_train_step
 
-        return make_train_step(self.loss_fn, self.tx, layout, self.strategy, **self.step_options)
+        try:
+            return make_train_step(self.loss_fn, self.tx, layout, self.strategy, **self.step_options)
+        except Fp8Error as e:          # the library's check of Strategy.fp8 on the model and the devices
+            raise Fp8Error(strategy_message(e)) from None
 
     def eval_fn(self, layout):
         """The eval function of the job's eval batches.
@@ -271,7 +280,7 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
     made = check(cfg, num_devices=(jax.device_count() if devices is None else len(devices)) if mesh else None)
     device_mesh = build_mesh(cfg.mesh, devices) if mesh else None
     strategy, m, d = made.strategy, cfg.model, cfg.data
-    hf = _open_hf(cfg, dict(device_mesh.shape) if mesh else None)
+    hf = hf_checkpoint(cfg, dict(device_mesh.shape) if mesh else None)
     model_fn = (hf.model_fn(cfg.train.seed) if hf is not None else gpt_model_fn(made.gpt, cfg.train.seed)
                 if made.gpt is not None else build_model_fn(m, cfg.train.seed))
     vocab, vocab_key = (hf.config.vocab, "model.hf's vocab_size") if hf is not None else (m.vocab, "model.vocab")
@@ -290,8 +299,16 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
                **_data(cfg, data, vocab, tokenizer, made.ramp), **_run(cfg, tokenizer, schedule))
 
 
-def _open_hf(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
-    """``model.hf``'s opened checkpoint (None without it), checked against the mesh when there is one."""
+def hf_checkpoint(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
+    """``model.hf``'s opened checkpoint (its ``config.json`` and safetensors headers).
+
+    Args:
+      cfg: the checked config.
+      mesh_sizes: the mesh's axis sizes, to check the checkpoint's sizes against ``mesh.tensor`` (None: not checked).
+
+    Returns:
+      The :class:`jaxpar.hf.Checkpoint`, or None without ``model.hf``; a missing or unfit one raises ``ConfigError``.
+    """
     if cfg.model.hf is None:
         return None
     where = Path(cfg.model.hf)

@@ -40,6 +40,24 @@ def _lookup_type(key: str):
     return tp
 
 
+def keys_named(name: str, cls: Any = JobConfig, prefix: str = "") -> list[str]:
+    """The dotted keys of the schema whose last part is ``name``.
+
+    Args:
+      name: a key's last part (``"steps"``).
+      cls: the section to search (default: the whole config).
+      prefix: the section's dotted path.
+
+    Returns:
+      The keys, in the schema's order (``keys_named("lr") == ["optimizer.lr"]``).
+    """
+    found = []
+    for key, tp in typing.get_type_hints(cls).items():
+        path = f"{prefix}.{key}" if prefix else key
+        found += keys_named(name, tp, path) if dataclasses.is_dataclass(tp) else [path] * (key == name)
+    return found
+
+
 def _check_keys(node: Any, cls, prefix: str, source: str) -> None:
     """Unknown (or renamed) keys and non-mapping sections, named by their dotted path."""
     hints = typing.get_type_hints(cls)

@@ -178,6 +178,82 @@ def plan_overrides(plan: Any) -> list[str]:
     return out + [f"parallel.offload={offload_overrides(s.offload)}", f"model.remat={remat}"]
 
 
+def changed_overrides(plan: Any, cfg: JobConfig | None = None) -> list[str]:
+    """The overrides of :func:`plan_overrides` whose value ``cfg`` (default: the schema's defaults) lacks.
+
+    Args:
+      plan: the plan.
+      cfg: the config the overrides apply to.
+
+    Returns:
+      ``key=value`` strings.
+
+    >>> from jaxpar.cost import Plan
+    >>> changed_overrides(Plan(pipe=2, data=4, strategy=Strategy(microbatches=8)))
+    ['mesh.pipe=2', 'mesh.data=4', 'parallel.microbatches=8']
+    """
+    from omegaconf import OmegaConf
+
+    from jaxpar.config._load import parse_overrides
+
+    base = OmegaConf.structured(cfg if cfg is not None else JobConfig())
+    def differs(item: str) -> bool:
+        key = item.split("=", 1)[0]
+        want = OmegaConf.select(OmegaConf.create(parse_overrides([item])), key)
+        have = OmegaConf.select(base, key)
+        return OmegaConf.to_container(want) != OmegaConf.to_container(have) if OmegaConf.is_config(want) \
+            else want != have
+    return [item for item in plan_overrides(plan) if differs(item)]
+
+
+def write_plan_config(path: str, config: str, overrides: Sequence[str], plan: Any) -> str:
+    """``jaxpar plan --write``: ``config`` with its ``overrides`` and the plan's, resolved, as a new YAML file.
+
+    Args:
+      path: the file to write (it must not exist).
+      config: the ``--config`` file.
+      overrides: its overrides.
+      plan: the chosen plan.
+
+    Returns:
+      The ``wrote`` line.
+
+    Raises:
+      ConfigError: ``path`` exists.
+    """
+    from pathlib import Path
+
+    from jaxpar._text import shown_path
+    from jaxpar.config._load import load_config, to_yaml
+
+    out = Path(path)
+    if out.exists():
+        raise ConfigError(f"--write {path}: the file exists; jaxpar never overwrites a file. Choose another path.")
+    cfg = load_config(config, [*overrides, *plan_overrides(plan)])
+    out.write_text(f"# jaxpar plan's {plan.name()}: {config} {' '.join(overrides)}\n{to_yaml(cfg)}")
+    return f"wrote    {shown_path(out)}: {plan.name()} (jaxpar check {shown_path(out)})"
+
+
+def chosen_plan(result: Any, rank: int) -> Any:
+    """The plan of ``rank`` (1: the best) among :func:`jaxpar.cost.plan`'s ranked ones.
+
+    Args:
+      result: the planner's result.
+      rank: ``--choose``.
+
+    Returns:
+      The :class:`jaxpar.cost.Plan`.
+
+    Raises:
+      ConfigError: no plan of that rank.
+    """
+    if not 1 <= rank <= len(result.ranked):
+        raise ConfigError(f"--choose {rank}: the planner ranked {len(result.ranked)} plan(s); choose 1.."
+                          f"{len(result.ranked)}" if result.ranked else f"--choose {rank}: no plan fits, so none "
+                          "is written.")
+    return result.ranked[rank - 1].plan
+
+
 def unpredicted(cfg: JobConfig, strategy: Strategy, mesh_sizes: Mapping[str, int]) -> str | None:
     """Why the cost model predicts nothing for this job (None: it does).
 
@@ -442,8 +518,7 @@ def fp8_line(result: Any, cluster: Any) -> str:
         fp8 = best.plan.strategy.fp8
         return (f"fp8      chosen ({fp8.recipe}, min_dim {fp8.min_dim}): predicted "
                 f"{best.time.total * 1e3:.1f} ms per step with FP8, {best.without_fp8 * 1e3:.1f} ms without "
-                f"({best.without_fp8 / best.time.total:.2f}x); the overrides: "
-                f"parallel.fp8.recipe={fp8.recipe}")
+                f"({best.without_fp8 / best.time.total:.2f}x)")
     if not cluster.has_fp8:
         return f"fp8      not considered: cluster {cluster.name} has no FP8 GEMMs (no peak_tflops.float8)"
     if result.fp8 is None:
@@ -496,8 +571,10 @@ def offload_line(model: Any, cluster: Any, result: Any) -> str | None:
             f"({cluster.host_memory_bandwidth / 1e9:g} GB/s){slow}; costed in jaxpar's fp32 layout (precision fp32)")
 
 
-def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: bool = False) -> str:
-    """``jaxpar plan``'s output: the model, the cluster and the ranked and rejected plans.
+def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: bool = False,
+                cfg: JobConfig | None = None) -> str:
+    """``jaxpar plan``'s output: the model, the cluster and the ranked and rejected plans, each ranked one with
+    its overrides (:func:`plan_overrides`; in the table those ``cfg`` lacks, :func:`changed_overrides`).
 
     Args:
       model: the cost model's model.
@@ -505,6 +582,7 @@ def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: boo
       result: :func:`jaxpar.cost.plan`'s result.
       top: how many plans to show.
       as_json: JSON instead of tables.
+      cfg: ``--config``'s config (None: none).
 
     Returns:
       The text.
@@ -512,13 +590,18 @@ def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: boo
     if as_json:
         return json.dumps({"cluster": cluster.name, "devices": cluster.num_devices, "model": model.name,
                            "parameters": model.n_params, "considered": result.considered,
-                           "ranked": [e.row() for e in result.ranked[:top]],
+                           "ranked": [{**e.row(), "overrides": plan_overrides(e.plan)} for e in result.ranked[:top]],
                            "rejected": [{"plan": r.plan.name() if r.plan else None, "reason": r.reason}
                                         for r in result.rejected[:top]]}, indent=2)
     lines = [f"model    {model.name}: {model.n_params:,} parameters, batch {model.batch} x {model.seq}",
              f"cluster  {cluster.name}: {cluster.num_devices} devices ({cluster.nodes} x {cluster.devices_per_node})",
              f"plans    {result.considered} considered, {len(result.ranked)} fit, {len(result.rejected)} rejected",
              result.table(top)]
+    if result.ranked:
+        lines.append(f"\noverrides that make {'the config' if cfg else 'a config'} run each plan (jaxpar train CONFIG "
+                     "...; jaxpar plan --write FILE --choose N writes it):")
+        lines += [f"  {i:>2}  {' '.join(changed_overrides(e.plan, cfg)) or '(none)'}"
+                  for i, e in enumerate(result.ranked[:top], 1)]
     lines.append(fp8_line(result, cluster))
     if line := offload_line(model, cluster, result):
         lines.append(line)

@@ -396,7 +396,7 @@ _DEVICES: dict[tuple, tuple] = {}       # a topology's devices, made once per pr
 
 def _devices(target: Target) -> tuple:
     _check_plugin(target.spec.platform)
-    with _without_no_hardware_notes():
+    with without_notes():
         if target.spec.platform == "cuda":
             _start_cuda_plugin()
         return tuple(_topology(target).devices)
@@ -523,10 +523,19 @@ _NO_HARDWARE_NOTES = re.compile(r"All log messages before absl::InitializeLog\(\
                                 r"|Failed to find host bounds for accelerator type")
 
 
+#: XLA's log lines while it compiles a program for a target: the rematerialization pass's notice that the program
+#: stays above the device memory (``jaxpar inspect``'s fit line says whether it fits, and by how much).
+COMPILER_NOTES = re.compile(r"hlo_rematerialization\.cc:\d+\] ")
+
+
 @contextlib.contextmanager
-def _without_no_hardware_notes():
-    """Hold back what is written to file descriptor 2 meanwhile; then write it out less the
-    :data:`_NO_HARDWARE_NOTES` lines."""
+def without_notes(notes: re.Pattern = _NO_HARDWARE_NOTES):
+    """Hold back what is written to file descriptor 2 meanwhile (native logging included); then write it out
+    less the lines that ``notes`` finds.
+
+    Args:
+      notes: the lines to drop (default :data:`_NO_HARDWARE_NOTES`; :data:`COMPILER_NOTES` for a compile).
+    """
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -539,7 +548,7 @@ def _without_no_hardware_notes():
             os.close(saved)
             held.seek(0)
             lines = held.read().decode(errors="replace").splitlines(keepends=True)
-            kept = "".join(line for line in lines if not _NO_HARDWARE_NOTES.search(line))
+            kept = "".join(line for line in lines if not notes.search(line))
             if kept:
                 os.write(2, kept.encode())
 

@@ -98,23 +98,23 @@ def check_fp8(mesh, logical: Any, shapes: Any, fp8: Fp8 | None) -> None:
     kind = str(getattr(device, "device_kind", device.platform))
     if (device.platform == "gpu" and cc and tuple(int(x) for x in str(cc).split(".")[:2]) < (8, 9)) or (
             device.platform == "tpu" and re.search(r"v5|v6", kind)):
-        raise Fp8Error(f"Strategy.fp8={fp8}: the mesh's devices ({kind}) have no FP8 GEMMs, so the covered matmuls "
-                       "would run in the compute dtype behind FP8's casts. Fix: turn fp8 off, or run on an H100, "
-                       "H200 or B200 (compute capability 8.9 or newer).")
+        raise Fp8Error(f"Strategy.fp8: the mesh's devices ({kind}) have no FP8 GEMMs, so the covered matmuls "
+                       "would run in the compute dtype behind FP8's casts. Fix: turn Strategy.fp8 off, or run on an "
+                       "H100, H200 or B200 (compute capability 8.9 or newer).")
     names = jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
     sizes = [None if n is None or not is_covered(tuple(n)) else _gemm_side(tuple(n), tuple(x.shape))
              for n, x in zip(names, jax.tree.leaves(shapes))]
     paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
     covered = {path: side for path, side in zip(paths, sizes) if side is not None}
     if not covered:
-        raise Fp8Error(f"Strategy.fp8={fp8}: no weight of the model is covered: FP8 runs the matmuls of weights "
+        raise Fp8Error(f"Strategy.fp8: no weight of the model is covered: FP8 runs the matmuls of weights "
                        f"whose logical names hold 'embed' and one of {FP8_FEATURES} (nnx.with_partitioning), and none "
-                       "has them. Fix: annotate the attention and MLP kernels so, or turn fp8 off.")
+                       "has them. Fix: annotate the attention and MLP kernels so, or turn Strategy.fp8 off.")
     if max(covered.values()) < fp8.min_dim:
         largest = max(covered, key=covered.get)
-        raise Fp8Error(f"Strategy.fp8={fp8}: every covered weight's GEMM is below min_dim={fp8.min_dim} (the largest, "
+        raise Fp8Error(f"Strategy.fp8: every covered weight's GEMM is below min_dim={fp8.min_dim} (the largest, "
                        f"{largest!r}, has {covered[largest]}), so no matmul would run in FP8. Fix: "
-                       f"Fp8(min_dim={covered[largest]}) or less, or turn fp8 off.")
+                       f"Strategy.fp8.min_dim={covered[largest]} or less, or turn Strategy.fp8 off.")
 
 
 def _gemm_side(names: tuple, shape: tuple) -> int:

@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar._text import shown_path
 from jaxpar.analysis._trace import DATA_EVENT, STEP_EVENT
 from jaxpar.batch import batch_sharding, shard_batch
 from jaxpar.compat._table import Setting, raise_problems
@@ -303,7 +304,8 @@ class _Run:
             meta["batch_ramp"] = self.ramp.state_dict()
         if self.checkpointer.save(done, state, meta):
             self.meter.saved.append(done)
-            self.bar.log(f"step {done:>6}/{self.end}  checkpoint -> {self.checkpointer.directory / str(done)}")
+            where = shown_path(self.checkpointer.directory / str(done))
+            self.bar.log(f"step {done:>6}/{self.end}  checkpoint -> {where}")
 
     def report_stop(self, done: int, signal_name: str, processes: list[int]) -> None:
         """After the stop's checkpoint (waited for): the ``preempted`` record and line."""
@@ -383,7 +385,8 @@ class _Run:
         with self.clock.timed("logging"):
             self.memory.measure()       # memory_stats: the last steps' peak too
             self.memory.read_compiled(self.step_fn, state)
-        wall = time.perf_counter() - m.t_begin
+        goodput = self.clock.summary()          # one reading of the clock: wall_time is this attempt's part of it
+        wall = goodput["wall_s"] - self.clock.base_wall
         step_time = m.step_time()
         finite = [x for x in m.losses if math.isfinite(x)] or m.losses or [float("nan")]
         tps = log.tokens_per_batch / step_time if log.tokens_per_batch and step_time else None
@@ -393,7 +396,7 @@ class _Run:
             first_step_time=m.first_step_time or 0.0, step_time=step_time, tokens_per_s=tps,
             metrics_path=str(self.writer.path) if self.writer.path is not None else None, preempted=preempted,
             skipped_steps=m.skipped_steps, checkpoint_steps=m.saved, mfu=log.mfu_at(tps, self.mesh.size),
-            goodput=self.clock.summary(), memory=self.memory.summary(log.predicted_peak_bytes),
+            goodput=goodput, memory=self.memory.summary(log.predicted_peak_bytes),
             losses=m.losses, evals=self.evals)
         if log.out_dir is not None and log.plot and self.main and m.losses:
             summary.plot_path = self._plot()

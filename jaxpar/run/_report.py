@@ -39,7 +39,7 @@ class TrainSummary:
     first_loss: float          # loss of the first step run
     last_loss: float           # loss of the last step run
     eval_loss: float | None    # last eval loss, if any
-    wall_time: float           # seconds, whole loop including compilation
+    wall_time: float           # seconds of this attempt: goodput's clock, from the restore (or train()'s call)
     first_step_time: float     # seconds, the first step (includes compilation)
     step_time: float           # mean seconds per step after the first
     tokens_per_s: float | None
@@ -268,7 +268,7 @@ class Meter:
         self.window: list[dict] = []             # host metrics of the steps since the last record
         self.noise_scale: list[tuple[int, float]] = []   # (step, B_simple) of every measuring step
         self.pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet fetched
-        self.t_begin = self.t_mark = time.perf_counter()
+        self.t_mark = time.perf_counter()
         self.mark_step, self.first_step_time = start, None
         self.timed_s, self.timed_steps = 0.0, 0  # time and steps after the first (eval excluded)
 

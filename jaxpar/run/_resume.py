@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
+from jaxpar._text import shown_path
 from jaxpar.errors import RunDirectoryError
 from jaxpar.optimizers import learning_rate
 from jaxpar.run._checkpoint import CheckpointWarning
@@ -272,7 +273,7 @@ def _finish(summary: Any, state: Any, layout: Any, opts: RunOptions, checkpointe
             {k: v for k, v in vars(summary).items() if k not in ("losses", "evals")}, indent=2) + "\n")
     print(f"done     {summary.line()}")
     if summary.checkpoint_steps:
-        print(f"saved    checkpoints of steps {summary.checkpoint_steps} in {checkpointer.directory}")
+        print(f"saved    checkpoints of steps {summary.checkpoint_steps} in {shown_path(checkpointer.directory)}")
     if summary.preempted:
         print(f"stopped  by {summary.preempted} after step {summary.end_step}; continue with --resume")
     elif opts.samples is not None and opts.samples.count:
@@ -280,6 +281,6 @@ def _finish(summary: Any, state: Any, layout: Any, opts: RunOptions, checkpointe
         if main:
             with use_parts(layout, stats):      # what the state's parts install (the MoE router bias)
                 path = write_samples(layout.graphdef, params, first_batch(), out_dir / "samples.txt", opts.samples)
-            print(f"samples  {path}")
+            print(f"samples  {shown_path(path)}")
     if main:
-        print(f"wrote    {summary.metrics_path}, {summary.plot_path}")
+        print(f"wrote    {', '.join(shown_path(p) for p in (summary.metrics_path, summary.plot_path) if p)}")
