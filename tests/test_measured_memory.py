@@ -3,7 +3,7 @@
 * a tiny run's ``summary.memory``: the measured peak exceeds the state's bytes per device and stays within the
   device's memory (the host's on CPU); on CPU (live arrays) it is at least the compiled step's argument bytes;
   the compiled peak is there; the records carry the peak; the closing line shows both;
-* :func:`~jaxpar.run._report.live_bytes` counts a sharded and a replicated array exactly and no deleted one;
+* :func:`~jaxpar.run._memory_meter.live_bytes` counts a sharded and a replicated array exactly and no deleted one;
 * the ``memory_stats`` path (GPU / TPU) keeps the busiest device's peak and its limit;
 * a step function that cannot be lowered has no compiled peak; the cost model's prediction is shown when given.
 """
@@ -25,7 +25,8 @@ import jaxpar
 from jaxpar.errors import LoopError
 from jaxpar.models._mlp import MLPClassifier, classifier_loss
 from jaxpar.run import train
-from jaxpar.run._report import LogOptions, MemoryMeter, describe_memory, live_bytes
+from jaxpar.run import LogOptions
+from jaxpar.run._memory_meter import MemoryMeter, describe_memory, live_bytes
 from jaxpar.step._state import TrainState
 
 

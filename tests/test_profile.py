@@ -139,7 +139,7 @@ def test_the_options_errors(capsys):
         parse_steps("3")
     assert main(["train", str(ROOT / "configs" / "quickstart.yaml"), *TINY, "train.profile.steps=[3,1]"]) == 2
     assert "train.profile=" in capsys.readouterr().err
-    from jaxpar.run._report import LogOptions
+    from jaxpar.run import LogOptions
     from jaxpar.run._loop import _checked_train_args
 
     state = SimpleNamespace(step=0, stats=None)

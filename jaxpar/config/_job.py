@@ -209,7 +209,7 @@ class Job:
           A :class:`~jaxpar.run.LogOptions`: the job's settings, its title, and the FLOPs per
           token of jaxpar's GPT for MFU (None for a model of your own).
         """
-        from jaxpar.run._report import LogOptions
+        from jaxpar.run._summary import LogOptions
         from jaxpar.cost._model import flops_per_token
 
         flops = None      # FLOPs per token: known for the GPT (its tables: token and position); none for your own model

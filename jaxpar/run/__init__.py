@@ -1,6 +1,7 @@
 """A training run around the step: the loop, checkpoints, preemption, reports, ramps and samples."""
 from jaxpar.run._loop import train as train
-from jaxpar.run._report import LogOptions as LogOptions, NonFiniteError as NonFiniteError
+from jaxpar.errors import NonFiniteError as NonFiniteError
+from jaxpar.run._summary import LogOptions as LogOptions
 from jaxpar.run._checkpoint import Checkpointer as Checkpointer, CheckpointWarning as CheckpointWarning
 from jaxpar.run._resume import train_with_checkpoints as train_with_checkpoints
 from jaxpar.run._sample import greedy_generate as greedy_generate

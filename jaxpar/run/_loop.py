@@ -5,7 +5,7 @@ Plain values in: a step function, a train state, ``batch_fn(step) -> host batch`
 the mesh the batches are placed on. The loop blocks on the device only at log and
 checkpoint points: the next host batch is built while the device computes.
 
-* **Metrics** (:class:`LogOptions`, :mod:`jaxpar.run._report`): ``metrics.jsonl``,
+* **Metrics** (:class:`LogOptions`, :mod:`jaxpar.run._metrics`): ``metrics.jsonl``,
   TensorBoard, a progress bar, a loss-curve PNG; files are written by process 0 only.
 * **Checkpoints** (:class:`~jaxpar.run.Checkpointer`): every
   ``checkpointer.every`` steps, at the end, and on SIGTERM / SIGINT.
@@ -19,7 +19,7 @@ checkpoint points: the next host batch is built while the device computes.
   eval, logging, steps lost to a restart) in the ``train`` records and ``summary.goodput``.
 * **Hangs** (:class:`~jaxpar.run.Watchdog`): a step with no progress within a bound (a collective waiting
   for a stuck or dead process) ends the process with its Python stacks dumped and exit status 124.
-* **Memory** (:class:`~jaxpar.run._report.MemoryMeter`): the peak bytes per device, measured at log points
+* **Memory** (:class:`~jaxpar.run._memory_meter.MemoryMeter`): the peak bytes per device, measured at log points
   (``memory_stats()``; on CPU the live arrays), beside the compiled step's in ``summary.memory``.
 
 Example::
@@ -75,8 +75,10 @@ from jaxpar.run._ramp import AdaptiveRamp
 from jaxpar.run._same_program import SameProgram
 from jaxpar.run._watchdog import Watchdog
 from jaxpar.run._run_directory import refuse_later_steps
-from jaxpar.run._report import (LogOptions, MemoryMeter, Meter, MetricsWriter, Progress, TrainSummary,
-                                is_main_process, merge_log_options, plot_losses)
+from jaxpar.run._memory_meter import MemoryMeter
+from jaxpar.run._metrics import MetricsWriter, is_main_process
+from jaxpar.run._progress import Meter, Progress
+from jaxpar.run._summary import LogOptions, TrainSummary, merge_log_options, plot_losses
 from jaxpar.step._grads import model_loss
 from jaxpar.step._program import strategy_context
 from jaxpar.step._state import StateLayout, layout_strategy

@@ -32,7 +32,9 @@ from jaxpar.optimizers import learning_rate
 from jaxpar.run._checkpoint import CheckpointWarning
 from jaxpar.run._goodput import Goodput
 from jaxpar.run._loop import train
-from jaxpar.run._report import LogOptions, NonFiniteError, is_main_process
+from jaxpar.errors import NonFiniteError
+from jaxpar.run._metrics import is_main_process
+from jaxpar.run._summary import LogOptions
 from jaxpar.run._run_directory import claim_run_directory
 from jaxpar.run._same_program import SameProgram
 from jaxpar.step._state import use_parts

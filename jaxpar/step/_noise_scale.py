@@ -45,7 +45,7 @@ from jaxpar.errors import NoiseScaleError, int_problem
 
 #: The key of the noise-scale state in ``TrainState.stats``.
 KEY = "noise_scale"
-#: The metrics a measuring step reports (logged by :mod:`jaxpar.run._report`).
+#: The metrics a measuring step reports (logged by :mod:`jaxpar.run._progress`).
 METRICS = ("noise_scale", "grad_sq_small", "grad_sq_big", "noise_trace", "noise_grad_sq")
 
 
