@@ -153,11 +153,60 @@ def test_activation_offload_equals_full_remat_and_moves_the_layer_inputs():
 def test_activation_offload_needs_the_policy_and_named_residuals():
     batch = make_batch(ROWS, CFG)
     state, _, step = _setup({"data": 8}, jaxpar.Strategy(offload=Offload(activations=(LAYER_INPUT,))), "full")
-    with pytest.raises(jaxpar.OffloadError, match="remat policy 'offload'"):
+    with pytest.raises(jaxpar.OffloadError, match=r"remat policy 'offload'.*model.remat: offload.*a model of your "
+                       r"own, call jaxpar\.scan_blocks\(blocks, x, remat=jaxpar\.adapters\.remat_policy\('offload'\)\)"):
         step(state, batch)
     state, _, step = _setup({"data": 8}, jaxpar.Strategy(offload=Offload(activations=("mlp_out",))), "offload")
     with pytest.raises(jaxpar.OffloadError, match=r"\['mlp_out'\].*jaxpar_layer_input"):
         step(state, batch)
+
+
+@pytest.mark.slow
+def test_activation_offload_in_a_users_model_is_the_policy_made_in_its_call():
+    """docs/strategies.md: a model of one's own offloads its layer inputs with
+    ``scan_blocks(..., remat=remat_policy("offload"))`` in its ``__call__``; a policy made in ``__init__``
+    (outside the step's trace) offloads nothing, and the step says so."""
+    import importlib.util
+    from pathlib import Path
+
+    from jaxpar.adapters import remat_policy
+
+    spec = importlib.util.spec_from_file_location(
+        "patch_attention", Path(__file__).resolve().parents[1] / "examples" / "patch_attention.py")
+    pa = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pa)
+
+    class Net(pa.PatchAttentionNet):
+        def __init__(self, made_in):
+            super().__init__(layers=2, rngs=nnx.Rngs(0))
+            self.made_in = made_in
+            self.policy = remat_policy("offload")     # outside a step: full remat (nothing saved)
+
+        def __call__(self, images):
+            x = self.stem(images)
+            x = x.reshape(x.shape[0], -1, x.shape[-1]) + self.pos[...]
+            policy = remat_policy("offload") if self.made_in == "call" else self.policy
+            x = jaxpar.scan_blocks(self.blocks, x, remat=policy)
+            return self.head(self.norm(x).mean(axis=1)).astype(np.float32)
+
+    def run(made_in, strategy):
+        mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+        tx = optax.adam(1e-3)
+        state, layout = jaxpar.init_train_state(lambda: Net(made_in), tx, mesh, strategy)
+        step = jaxpar.make_train_step(pa.loss, tx, layout)
+        batch = jaxpar.shard_batch(pa.batches(0, batch_size=8, seed=0), mesh)
+        state, metrics = step(state, batch)
+        return float(metrics["loss"]), jax.device_get(state.params), step, state, batch
+
+    offload = jaxpar.Strategy(offload=Offload(activations=(LAYER_INPUT,)))
+    full = run("init", jaxpar.Strategy())
+    off = run("call", offload)
+    assert off[0] == full[0]
+    _assert_same(off[1], full[1])
+    jaxpr = str(off[2].programs["step"].trace(off[3], off[4]).jaxpr)
+    assert "devices=(MemorySpace.Host,)" in jaxpr
+    with pytest.raises(jaxpar.OffloadError, match=r"a model of your own.*made once in __init__, it saves nothing"):
+        run("init", offload)
 
 
 def test_relaxed_synchronisation_and_the_host_update_under_weight_stashing_are_refused():

@@ -160,7 +160,10 @@ def check_activations(record: OffloadedActivations) -> None:
     if not record.policies:
         raise OffloadError(f"Strategy.offload.activations={record.names}: no layer of the model ran under the "
                            "remat policy 'offload', so nothing would be offloaded. Set the model's remat='offload' "
-                           "(GPTConfig / DecoderConfig.remat, YAML model.remat: offload), or drop the activations.")
+                           "(GPTConfig / DecoderConfig.remat, YAML model.remat: offload); in a model of your own, "
+                           "call jaxpar.scan_blocks(blocks, x, remat=jaxpar.adapters.remat_policy('offload')) in its "
+                           "__call__ (made there, during the step's trace, the policy sees these names; made once "
+                           "in __init__, it saves nothing); or drop the activations.")
     missing = [n for n in record.names if n not in record.seen]
     if missing:
         raise OffloadError(f"Strategy.offload.activations names {missing}, which no checkpoint_name inside the "
