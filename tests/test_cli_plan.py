@@ -6,6 +6,7 @@ without running a step (no output directory is written).
 """
 import json
 import re
+import shlex
 
 import pytest
 
@@ -85,7 +86,7 @@ def test_plan_overrides_paste_and_write_a_config_check_accepts(capsys, tmp_path)
         o.split("=")[0] for o in r["overrides"]} for r in ranked), ranked
     assert main(args + ["--write", str(out), "--choose", "2"]) == 0
     table = capsys.readouterr().out
-    second = re.search(r"^\s+2  (.+)$", table, re.M).group(1).split()
+    second = shlex.split(re.search(r"^\s+2  (.+)$", table, re.M).group(1))
     assert second and all(o in [*ranked[1]["overrides"]] for o in second), (second, ranked[1])
     assert "selective" not in table and f"wrote    {out}: {ranked[1]['plan']}" in table
     assert main(["check", str(out), "--target", "h100:1x8"]) == 0

@@ -166,7 +166,8 @@ def test_the_plan_models_offloaded_layer_inputs_under_full_recomputation_alone()
     offload = plan_offload(Offload(optimizer=True, activations=(LAYER_INPUT,)), "offload")
     plan = cost.Plan(data=8, remat="full", strategy=Strategy(offload=offload))
     assert plan.name() == "dp8-offload-opt-act-remat-full"
-    assert plan_overrides(plan)[-2:] == ["parallel.offload={optimizer: true, activations: [jaxpar_layer_input]}",
+    assert plan_overrides(plan)[-3:] == ["parallel.offload={optimizer: true, master: false, activations: "
+                                         "[jaxpar_layer_input], update: device}", "parallel.stage_layers=null",
                                          "model.remat=offload"]
     model = cost.gpt(2, 128, 4, 64, 256, 16)
     t = cost.step_time(model, plan, cost.load_cluster("h100", num_devices=8))
@@ -240,7 +241,8 @@ def test_jaxpar_plan_proposes_offload_for_a_model_larger_than_one_gpu():
     out = buf.getvalue()
     assert code == 0, out
     line = next(l for l in out.splitlines() if l.startswith("offload  proposed"))
-    assert "parallel.offload={optimizer: true, update: host}" in line and "x slower" in line, line
+    assert "parallel.offload={optimizer: true, master: false, activations: [], update: host}" in line, line
+    assert "x slower" in line, line
     assert "offload-opt-host" in out.splitlines()[5], out
 
 

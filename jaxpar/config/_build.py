@@ -20,7 +20,7 @@ from flax import nnx
 from jaxpar.mesh import MeshError, MeshSpec, make_mesh
 from jaxpar.strategy import Strategy
 from jaxpar.config._imports import resolve_import
-from jaxpar.config._schema import GPT_KEYS, ConfigError, MeshConfig, ModelConfig, ParallelConfig
+from jaxpar.config._schema import GPT_KEYS, NOT_IN_YAML, ConfigError, MeshConfig, ModelConfig, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -241,15 +241,12 @@ def build_strategy(cfg: ParallelConfig) -> Strategy:
         raise ConfigError(f"parallel.compression.local_clip={local_clip!r} clips each replica's gradient before a "
                           "codec, but parallel.compression names none; add one, e.g. compression: {kind: topk, "
                           "ratio: 0.01, local_clip: 1.0}, or use optimizer.clip_norm.")
-    codec = build_codec(options)
-    sync = build_sync(cfg.sync)
+    built = {"compression": build_codec(options), "sync": build_sync(cfg.sync), "context": build_context(cfg.context),
+             "fp8": build_fp8(cfg.fp8), "offload": build_offload(cfg.offload)}
+    plain = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Strategy)
+             if f.name not in NOT_IN_YAML and f.name not in built}
     try:
-        return Strategy(zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, microbatches=cfg.microbatches,
-                        compute_dtype=cfg.compute_dtype, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
-                        stage_layers=cfg.stage_layers, compression=codec, sync=sync,
-                        update_every=cfg.update_every, vertical_sync=cfg.vertical_sync, local_clip=local_clip,
-                        context=build_context(cfg.context), fp8=build_fp8(cfg.fp8),
-                        offload=build_offload(cfg.offload))
+        return Strategy(**plain, **built, local_clip=local_clip)
     except ValueError as e:
         if str(e).startswith("Strategy.local_clip="):
             raise ConfigError(str(e).replace("Strategy.local_clip=", "parallel.compression.local_clip=", 1)) from None

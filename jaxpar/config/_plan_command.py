@@ -17,7 +17,9 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shlex
 from dataclasses import replace
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -143,9 +145,36 @@ def fp8_cluster_problem(cluster: str) -> str | None:
                 None)
 
 
+def yaml_text(value: Any) -> str:
+    """``value`` as YAML flow text, for an override: an option object (a dataclass) as the mapping of all its
+    fields, None as ``null``.
+
+    Args:
+      value: a plain value, tuple, mapping or dataclass.
+
+    Returns:
+      The text.
+
+    >>> from jaxpar.options import Offload
+    >>> yaml_text(Offload(optimizer=True, update="host")), yaml_text((2, 1)), yaml_text(None)
+    ('{optimizer: true, master: false, activations: [], update: host}', '[2, 1]', 'null')
+    """
+    if dataclasses.is_dataclass(value):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {yaml_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(map(yaml_text, value)) + "]"
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
+
+
 def plan_overrides(plan: Any) -> list[str]:
     """The dotted overrides that make a config run a :class:`jaxpar.cost.Plan` (``jaxpar train CONFIG
-    *overrides``): its mesh, strategy, FP8 and recomputation.
+    *overrides``): its mesh, the strategy's fields the cost model reads (:data:`jaxpar.cost._parallel.MODELLED`,
+    an option object as a mapping, ``{}`` for none; ``context`` on a ``context`` axis only), even stages, and
+    the model's remat policy.
 
     Args:
       plan: the plan (e.g. ``jaxpar.cost.plan(...).best.plan``).
@@ -155,27 +184,20 @@ def plan_overrides(plan: Any) -> list[str]:
 
     >>> from jaxpar.cost import Plan
     >>> interleaved = Strategy(microbatches=8, schedule="interleaved", virtual_stages=2)
-    >>> plan_overrides(Plan(pipe=2, data=4, strategy=interleaved))[-5:]
-    ['parallel.virtual_stages=2', 'parallel.stage_layers=null', 'parallel.fp8={}', 'parallel.offload={}', 'model.remat=none']
-    >>> from jaxpar.options import Fp8, Offload
-    >>> plan_overrides(Plan(fsdp=8, strategy=Strategy(fp8=Fp8(), offload=Offload(optimizer=True, update="host"))))[-3:]
-    ['parallel.fp8.min_dim=1024', 'parallel.offload={optimizer: true, update: host}', 'model.remat=none']
+    >>> plan_overrides(Plan(pipe=2, data=4, strategy=interleaved))[-6:]
+    ['parallel.virtual_stages=2', 'parallel.context={}', 'parallel.fp8={}', 'parallel.offload={}', 'parallel.stage_layers=null', 'model.remat=none']
+    >>> from jaxpar.options import Fp8
+    >>> plan_overrides(Plan(fsdp=8, strategy=Strategy(fp8=Fp8())))[-4]
+    'parallel.fp8={recipe: tensorwise, min_dim: 1024}'
     """
-    from jaxpar.cost._host_link import offload_overrides
-    from jaxpar.cost._parallel import AXES
+    from jaxpar.cost._parallel import AXES, MODELLED
 
     s = plan.strategy
     remat = "offload" if s.offload and s.offload.activations else plan.remat
     out = [f"mesh.{a}={getattr(plan, a)}" for a in AXES] + ["mesh.replica=1"]
-    out += [f"parallel.zero={s.zero}", f"parallel.sequence_parallel={str(s.sequence_parallel).lower()}",
-            f"parallel.microbatches={s.microbatches}", f"parallel.schedule={s.schedule}",
-            f"parallel.virtual_stages={s.virtual_stages}", "parallel.stage_layers=null"]
-    if plan.context > 1:
-        out += [f"parallel.context.method={s.context_setting.method}",
-                f"parallel.context.balance={str(s.context_setting.balance).lower()}"]
-    out += [f"parallel.fp8.recipe={s.fp8.recipe}", f"parallel.fp8.min_dim={s.fp8.min_dim}"] if s.fp8 else \
-        ["parallel.fp8={}"]
-    return out + [f"parallel.offload={offload_overrides(s.offload)}", f"model.remat={remat}"]
+    value = lambda k: getattr(s, k) if k != "context" or plan.context > 1 else None     # noqa: E731
+    out += [f"parallel.{k}={'{}' if value(k) is None else yaml_text(value(k))}" for k in MODELLED]
+    return out + ["parallel.stage_layers=null", f"model.remat={remat}"]
 
 
 def changed_overrides(plan: Any, cfg: JobConfig | None = None) -> list[str]:
@@ -551,7 +573,7 @@ def offload_line(model: Any, cluster: Any, result: Any) -> str | None:
       The line, or None (the best plan does not offload).
     """
     from jaxpar._text import format_bytes
-    from jaxpar.cost._host_link import host_bytes, offload_overrides, transfer_bytes
+    from jaxpar.cost._host_link import host_bytes, transfer_bytes
 
     best = result.best
     offload = best.plan.strategy.offload
@@ -565,7 +587,7 @@ def offload_line(model: Any, cluster: Any, result: Any) -> str | None:
             f"{best.time.total / best.without_offload:.2f}x slower") if best.without_offload else ""
     return (f"offload  proposed: no plan fits {cluster.num_devices} x {cluster.name} without it. The optimizer state "
             f"({format_bytes(state)} per device) lives in host memory and is updated there{acts} "
-            f"(parallel.offload={offload_overrides(offload)}): predicted {best.time.total * 1e3:.1f} ms "
+            f"(parallel.offload={yaml_text(offload)}): predicted {best.time.total * 1e3:.1f} ms "
             f"per step, {best.time.offload * 1e3:.1f} ms of it on the host link ({cluster.host_link / 1e9:g} GB/s "
             f"per direction{link}) and {best.time.optimizer * 1e3:.1f} ms the update in host memory "
             f"({cluster.host_memory_bandwidth / 1e9:g} GB/s){slow}; costed in jaxpar's fp32 layout (precision fp32)")
@@ -600,7 +622,7 @@ def plan_report(model: Any, cluster: Any, result: Any, top: int, *, as_json: boo
     if result.ranked:
         lines.append(f"\noverrides that make {'the config' if cfg else 'a config'} run each plan (jaxpar train CONFIG "
                      "...; jaxpar plan --write FILE --choose N writes it):")
-        lines += [f"  {i:>2}  {' '.join(changed_overrides(e.plan, cfg)) or '(none)'}"
+        lines += [f"  {i:>2}  {shlex.join(changed_overrides(e.plan, cfg)) or '(none)'}"
                   for i, e in enumerate(result.ranked[:top], 1)]
     lines.append(fp8_line(result, cluster))
     if line := offload_line(model, cluster, result):

@@ -9,7 +9,9 @@ takes has that object's default (:class:`jaxpar.models.GPTConfig`, :class:`jaxpa
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,32 +85,33 @@ class MeshConfig:
     expert: int = 1                 # expert parallelism: model.moe's experts split over an 'expert' axis
 
 
-@dataclass(frozen=True)
-class ParallelConfig:
-    """See :class:`jaxpar.Strategy`."""
+#: :class:`jaxpar.Strategy`'s fields that the ``parallel`` section does not hold, and where they are set instead.
+NOT_IN_YAML = {"extra_rules": "Python rules of a model of your own", "local_clip": "parallel.compression.local_clip"}
+#: The YAML type of a field whose :class:`jaxpar.Strategy` type YAML cannot hold (``"auto"`` is the planner's).
+_YAML_TYPES = {"stage_layers": tuple[int, ...] | None}
 
-    zero: int = Strategy.zero
-    sequence_parallel: bool = Strategy.sequence_parallel
-    microbatches: int = Strategy.microbatches   # accumulation steps; with mesh.pipe > 1 the pipeline's micro-batches
-    compute_dtype: str = Strategy.compute_dtype
-    # the PIPELINE schedule (pipe > 1): gpipe | 1f1b | interleaved | zb-h1 | pipedream-2bw | pipedream
-    schedule: str = Strategy.schedule
-    update_every: int = Strategy.update_every   # pipedream (weight stashing): a stage updates every k backwards
-    vertical_sync: bool = Strategy.vertical_sync  # pipedream: every stage runs a micro-batch on stage 0's version
-    steps_per_call: int = 1         # optimizer steps per compiled call (pipedream / pipedream-2bw: no flush between)
-    virtual_stages: int = Strategy.virtual_stages  # interleaved: model chunks per stage
-    stage_layers: tuple[int, ...] | None = Strategy.stage_layers  # layers per virtual stage (uneven); null = even
-    # gradient codec over the data axes, e.g. {kind: powersgd, rank: 4}; {} = exact (see jaxpar.parallel.compression)
-    compression: dict[str, Any] = field(default_factory=dict)
-    # how the mesh.replica replicas synchronise, e.g. {kind: diloco, every: 50}; {} = every step (see jaxpar.parallel.sync)
-    sync: dict[str, Any] = field(default_factory=dict)
-    # how attention runs over mesh.context: {method: ring | all_gather | ulysses, balance: true}; {} = ring, natural
-    context: dict[str, Any] = field(default_factory=dict)
-    # FP8 matmuls of the covered weights, e.g. {recipe: tensorwise | rowwise, min_dim: 1024}; {} = off
-    fp8: dict[str, Any] = field(default_factory=dict)
-    # host memory: {optimizer: true, master: true, activations: [jaxpar_layer_input]} (activations need
-    # model.remat: offload); {} = everything on the device (see jaxpar.parallel.Offload)
-    offload: dict[str, Any] = field(default_factory=dict)
+
+def _parallel_fields() -> list[tuple]:
+    """The ``parallel`` section's fields: each :class:`jaxpar.Strategy` field with its default, an option
+    object (typed ``Any``: ``compression``, ``sync``, ``context``, ``fp8``, ``offload``) as a mapping of its
+    options (``{}``: None), and ``steps_per_call``, the step's."""
+    hints = typing.get_type_hints(Strategy)
+    out = []
+    for f in dataclasses.fields(Strategy):
+        if f.name in NOT_IN_YAML:
+            continue
+        if hints[f.name] is Any:
+            out.append((f.name, dict[str, Any], field(default_factory=dict)))
+        else:
+            out.append((f.name, _YAML_TYPES.get(f.name, hints[f.name]), field(default=f.default)))
+    return out + [("steps_per_call", int, field(default=1))]      # optimizer steps per compiled call
+
+
+#: The ``parallel`` section, written by :func:`_parallel_fields` from :class:`jaxpar.Strategy`: a new field
+#: of the strategy is a YAML key with its default, built by :func:`jaxpar.config.build_strategy`.
+ParallelConfig = dataclasses.make_dataclass("ParallelConfig", _parallel_fields(), frozen=True)
+ParallelConfig.__module__ = __name__
+ParallelConfig.__doc__ = "See :class:`jaxpar.Strategy`: its fields (option objects as mappings) and ``steps_per_call``."
 
 
 @dataclass(frozen=True)

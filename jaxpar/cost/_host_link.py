@@ -61,20 +61,6 @@ PROPOSED = Offload(optimizer=True, update="host")
 PRECISION = "fp32"
 
 
-def offload_overrides(offload: Offload | None) -> str:
-    """The YAML value of ``parallel.offload`` that runs ``offload``.
-
-    >>> offload_overrides(Offload(optimizer=True, master=True, update="host")), offload_overrides(None)
-    ('{optimizer: true, master: true, update: host}', '{}')
-    """
-    if offload is None:
-        return "{}"
-    keys = [f"{k}: true" for k in ("optimizer", "master") if getattr(offload, k)]
-    keys += ["update: host"] * offload.host_update
-    keys += [f"activations: [{', '.join(offload.activations)}]"] * bool(offload.activations)
-    return "{" + ", ".join(keys) + "}"
-
-
 def plan_offload(offload: Offload | None, remat: str) -> Offload | None:
     """What the cost model models of a ``Strategy.offload`` under the model's ``remat`` policy: the state, and
     the layers' inputs where the policy is ``"offload"`` and they are what it offloads (other activation
