@@ -1,5 +1,5 @@
 """Calibrate the cost model on this machine's simulated CPU mesh (``jaxpar calibrate``, which measures and
-writes ``configs/clusters/cpu_sim.yaml``: :mod:`jaxpar.cost._calibrate`), then rank strategies with it.
+writes ``configs/clusters/cpu_sim.yaml``: :mod:`jaxpar.devices._calibrate`), then rank strategies with it.
 
 The calibrated preset predicts the step time of the 11 strategies of ``benchmarks/overhead.py`` (GPT 4
 layers, embed 128, 8 heads, seq 64, vocab 256, batch 16, fp32, ``lowering='xla-cpu'``) and the predicted
@@ -190,10 +190,10 @@ def main(argv=None) -> int:
     if args.predict_only:
         return predict_only(args.preset, args.overhead_json, args.json)
 
-    from jaxpar import cost
+    from jaxpar import cost, devices
 
     t_all = time.perf_counter()
-    result = cost.calibrate(args.write or None, reps=args.reps)
+    result = devices.calibrate(args.write or None, reps=args.reps)
     cluster = cost.cluster_from_dict(__import__("yaml").safe_load(result["yaml"]), "cpu_sim")
     pred, measured, source, rho = ranking(cluster, args.overhead_json)
     print(f"\ntotal wall time {time.perf_counter() - t_all:.0f} s")

@@ -13,7 +13,7 @@ skipped once ``--budget`` seconds have passed, each written to ``DIR/gpu.json`` 
   (tensorwise), XLA's attention and the default;
 - ``flags``: the GPT step again in a fresh process per XLA_FLAGS setting;
 - ``calibrate``: the cost model's GEMM efficiency and memory bandwidth measured on the card
-  (:func:`jaxpar.cost.calibrate_device`), written to ``DIR/cluster.yaml``.
+  (:func:`jaxpar.devices.calibrate_device`), written to ``DIR/cluster.yaml``.
 
 Each step row: ms (median), tokens/s, MFU (6 x parameters + 12 x layers x seq x width FLOPs a token, recompute
 excluded, over ``--peak``), the compiled program's memory, and the cost model's step time.
@@ -42,9 +42,9 @@ from jaxpar import cost
 from jaxpar.models import GPT, Decoder, DecoderConfig, GPTConfig, decoder_loss, lm_loss
 from jaxpar.parallel import Fp8
 from jaxpar.analysis._fused_attention import attention_report
-from jaxpar.cost._device_rates import _median_seconds as median_seconds
-from jaxpar.parallel.context import _kernels as kernels_module
-from jaxpar.parallel.context import attention, use_attention_kernel
+from jaxpar.devices._device_rates import _median_seconds as median_seconds
+from jaxpar.attention import _kernels as kernels_module
+from jaxpar.attention import attention, use_attention_kernel
 from jaxpar.strategy import Strategy
 
 GPT124M = dict(vocab=50304, seq_len=1024, embed=768, heads=12, layers=12, remat="save-matmuls")
@@ -291,7 +291,7 @@ def run_decoder(small, layers, seq, batch_rows, reps, peak, variants=DECODER_VAR
 def run_calibrate(args) -> dict:
     """The device's GEMM efficiency curve and memory bandwidth (``jaxpar calibrate --device``), written as a
     cluster YAML beside gpu.json: the cost model's check on the steps it was not fitted on is done from it."""
-    from jaxpar.cost import calibrate_device
+    from jaxpar.devices import calibrate_device
     small = dict(shapes=((256, 256, 256), (512, 512, 512)), stream_bytes=2**22, host_bytes=2**22) if args.small else {}
     got = calibrate_device(Path(args.out) / "cluster.yaml", reps=args.reps, **small)
     return {"fit": got["fit"], "stream_gbps": round(got["stream_gbps"]), "gemms": got["gemms"], "host": got["host"]}

@@ -20,8 +20,6 @@ from jaxpar.adapters._loss_metrics import report_metric
 from jaxpar.step._compose import make_train_step
 from jaxpar.step._program import TrainStep
 from jaxpar.step._noise_scale import plot_noise_scale, with_noise_scale
-from jaxpar.step._replica_mean import replica_bytes
-from jaxpar.step._exchange import compression_plan
 from jaxpar.data._rows import make_global_batch
 from jaxpar.run import (AdaptiveRamp, BatchRamp, Checkpointer, LogOptions, greedy_generate, ramp_batch_fn, train,
                         train_with_checkpoints)
@@ -36,6 +34,6 @@ __all__ = [
     "make_train_step", "shard_batch",
     "report_metric", "TrainStep", "plot_noise_scale", "with_noise_scale", "make_global_batch", "AdaptiveRamp",
     "BatchRamp", "Checkpointer", "LogOptions", "greedy_generate", "ramp_batch_fn", "train",
-    "train_with_checkpoints", "compression_plan", "replica_bytes", "errors", *errors.__all__,
+    "train_with_checkpoints", "errors", *errors.__all__,
 ]
 

@@ -13,8 +13,8 @@ Usage::
     jaxpar sample CONFIG [key=value ...] --prompt TEXT [--tokens N] [--step N]   (jaxpar.config._commands)
     jaxpar data prepare|show CONFIG [key=value ...] [--force | --steps A:B]     (jaxpar.config._commands)
     jaxpar profile CONFIG [key=value ...] [--steps A:B] [--cluster PRESET|PATH]  (jaxpar.config._profile_command)
-    jaxpar calibrate [--out configs/clusters/cpu_sim.yaml] [--reps 9]          (jaxpar.cost.calibrate)
-    jaxpar calibrate --device [--base h100] [--out FILE]      (jaxpar.cost.calibrate_device: one accelerator)
+    jaxpar calibrate [--out configs/clusters/cpu_sim.yaml] [--reps 9]          (jaxpar.devices.calibrate)
+    jaxpar calibrate --device [--base h100] [--out FILE]      (jaxpar.devices.calibrate_device: one accelerator)
 
 Example::
 
@@ -406,12 +406,12 @@ def _add_tool_commands(sub) -> None:
     p.add_argument("--reps", type=int, default=9, help="interleaved rounds per measurement (9; about 50 s on 2 cores)")
     p.add_argument("--device", action="store_true", help="measure the attached accelerator instead (one GPU): its "
                    "GEMM efficiency curve and memory bandwidth, written into a copy of --base's preset "
-                   "(jaxpar.cost.calibrate_device); --out then defaults to configs/clusters/<base>_measured.yaml")
+                   "(jaxpar.devices.calibrate_device); --out then defaults to configs/clusters/<base>_measured.yaml")
     p.add_argument("--base", default="h100", help="with --device: the preset whose links and peaks the file keeps")
 
 
 def _run_calibrate(args) -> int:
-    from jaxpar.cost import calibrate, calibrate_device
+    from jaxpar.devices import calibrate, calibrate_device
 
     if args.device:
         calibrate_device(args.out or f"configs/clusters/{args.base}_measured.yaml", base=args.base, reps=args.reps)

@@ -110,7 +110,7 @@ class OffloadError(JaxparError):
 
 
 class AttentionError(JaxparError):
-    """The q/k/v or segment ids given to :func:`jaxpar.parallel.context.attention` do not fit together."""
+    """The q/k/v or segment ids given to :func:`jaxpar.attention.attention` do not fit together."""
 
 
 class ContextParallelError(JaxparError):

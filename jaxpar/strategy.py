@@ -65,7 +65,7 @@ class Strategy:
       "ulysses", balance=...)``; ``None``: ring, natural order. The ``length`` of activations is
       split over ``context`` (and their ``norm_length``, over ``context`` and, with sequence
       parallelism, ``tensor``). Needs a ``context`` axis > 1, and a model that calls
-      :func:`jaxpar.parallel.context.attention` (and, balanced, :func:`jaxpar.parallel.context.sequence_order`).
+      :func:`jaxpar.attention.attention` (and, balanced, :func:`jaxpar.parallel.context.sequence_order`).
     - ``fp8``: ``jaxpar.parallel.Fp8(recipe="tensorwise" | "rowwise")``: the covered matmuls of the
       model's stacked layers (attention projections, MLP, experts: :func:`jaxpar.parallel.fp8_layer`)
       run in FP8 with current scaling; ``None``: in the compute dtype.

@@ -1,4 +1,4 @@
-"""jaxpar.parallel.context's attention kernels: which kernel each call gets, the Pallas flash kernel against
+"""jaxpar.attention's kernels: which kernel each call gets, the Pallas flash kernel against
 XLA's path (run in Pallas's interpreter on the CPU: forward and the three input gradients at fp32 1e-5), on
 the shards of a data x tensor mesh, and compiled deviceless for an H100: no ``[length, length]`` array, and
 a Llama-3-8B-shaped layer whose memory grows linearly up to 32k tokens. The cuDNN kernel needs a GPU;
@@ -19,8 +19,8 @@ from conftest import need_devices
 import jaxpar
 from jaxpar.devices import parse_target, target_devices
 from jaxpar.errors import AttentionError
-from jaxpar.parallel.context import (AttentionFallbackWarning, attention, choose_kernel, current_attention_kernel,
-                                     use_attention_kernel)
+from jaxpar.attention import (AttentionFallbackWarning, attention, choose_kernel, current_attention_kernel,
+                              use_attention_kernel)
 
 BF16 = jax.ShapeDtypeStruct((2, 256, 8, 64), jnp.bfloat16)
 KV = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import need_devices
 import jaxpar
+from jaxpar.attention import AttentionError, attention
 from jaxpar.parallel import context as cp
 from jaxpar.analysis import collectives, count
 from jaxpar.parallel.context._ring import RingSpec, ring_forward
@@ -60,7 +61,7 @@ def inputs(kv_heads, segments, scale=1.0):
 
 def attention_vjp(q, k, v, w, *seg, causal):
     """The attention's output and its gradients w.r.t. q, k, v for the output cotangent w."""
-    out, vjp = jax.vjp(lambda q, k, v: cp.attention(q, k, v, causal=causal, segment_ids=seg[0] if seg else None),
+    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, causal=causal, segment_ids=seg[0] if seg else None),
                        q, k, v)
     return out, vjp(w)
 
@@ -209,7 +210,7 @@ def test_ring_forward_passes_kv_c_minus_1_times(size, segments):
     q, k, v, _, seg = inputs(8, segments)
     args = placed(case, mesh, [q, k, v] + ([seg] if segments else []))
     with use_rules(mesh, RULES), cp.use_context_parallel("ring", balance=True):
-        compiled = jax.jit(lambda q, k, v, *s: cp.attention(q, k, v, segment_ids=s[0] if s else None)).lower(
+        compiled = jax.jit(lambda q, k, v, *s: attention(q, k, v, segment_ids=s[0] if s else None)).lower(
             *args).compile()
     hop = ("collective-permute", ("context",), kv_stack_bytes(case) + segments * seg_bytes(case))
     assert [(x.kind, x.axes, x.bytes) for x in collectives(compiled, mesh)] == [hop] * (size - 1)
@@ -225,7 +226,7 @@ def test_inside_a_users_shard_map_over_context_it_runs_on_the_local_shards(metho
 
     def local(q, k, v, seg):
         with use_rules(mesh, RULES), cp.use_context_parallel(method):
-            return cp.attention(q, k, v, segment_ids=seg)
+            return attention(q, k, v, segment_ids=seg)
     smap = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "context"),) * 3 + (P(None, "context"),),
                          out_specs=P(None, "context"), check_vma=False)
     np.testing.assert_allclose(jax.jit(smap)(q, k, v, seg), expected(2, True, True)[0], rtol=1e-5, atol=1e-5)
@@ -306,7 +307,7 @@ BIG = 1 << 30        # a "global" layer's window in a scan over layers
 
 def masked_vjp(q, k, v, w, seg, window, *, causal, softcap):
     """:func:`attention_vjp` with segment ids, a window (static, or traced when given to jit) and a soft-cap."""
-    out, vjp = jax.vjp(lambda q, k, v: cp.attention(q, k, v, causal=causal, segment_ids=seg, window=window,
+    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, causal=causal, segment_ids=seg, window=window,
                                                     softcap=softcap), q, k, v)
     return out, vjp(w)
 
@@ -467,7 +468,7 @@ def test_the_setting_is_scoped():
 def trace(mesh_sizes, method, balance, q, k, v, seg=None, rules=RULES):
     mesh = jaxpar.make_mesh(mesh_sizes, devices=jax.devices()[:int(np.prod(list(mesh_sizes.values())))])
     with use_rules(mesh, rules), cp.use_context_parallel(method, balance=balance):
-        return jax.eval_shape(lambda q, k, v: cp.attention(q, k, v, segment_ids=seg), q, k, v)
+        return jax.eval_shape(lambda q, k, v: attention(q, k, v, segment_ids=seg), q, k, v)
 
 
 def shapes(length=L, heads=H, kv_heads=2):
@@ -514,13 +515,13 @@ def test_rules_that_do_not_split_the_length_over_context_are_refused():
 
 def test_inputs_that_do_not_fit_are_refused():
     q, k, v = shapes()
-    with pytest.raises(cp.AttentionError, match=r"k and v alike"):
-        cp.attention(q, k, jax.ShapeDtypeStruct((B, L, 4, D), jnp.float32))
-    with pytest.raises(cp.AttentionError, match=r"the 3 K/V heads must divide the 8 query heads"):
-        cp.attention(q, *shapes(kv_heads=3)[1:])
-    with pytest.raises(cp.AttentionError, match=r"segment_ids must be integers of shape \[batch, length\] = "
+    with pytest.raises(AttentionError, match=r"k and v alike"):
+        attention(q, k, jax.ShapeDtypeStruct((B, L, 4, D), jnp.float32))
+    with pytest.raises(AttentionError, match=r"the 3 K/V heads must divide the 8 query heads"):
+        attention(q, *shapes(kv_heads=3)[1:])
+    with pytest.raises(AttentionError, match=r"segment_ids must be integers of shape \[batch, length\] = "
                                                 r"\(2, 32\); got float32\[2, 32\]"):
-        cp.attention(q, k, v, segment_ids=jnp.zeros((B, L)))
+        attention(q, k, v, segment_ids=jnp.zeros((B, L)))
 
 
 @pytest.mark.parametrize("options,match", [      # options: built in the test (no jax array at collection)
@@ -535,8 +536,8 @@ def test_inputs_that_do_not_fit_are_refused():
     (lambda: dict(softcap=jnp.float32(30.0)), r"softcap=.* \(ArrayImpl\).*Fix: a positive float"),
 ])
 def test_a_bad_window_or_softcap_is_refused(options, match):
-    with pytest.raises(cp.AttentionError, match=match):
-        cp.attention(*shapes(), **options())
+    with pytest.raises(AttentionError, match=match):
+        attention(*shapes(), **options())
     with pytest.raises(cp.ContextParallelError, match="ring_attention: " + match):
         cp.ring_attention(*shapes(), **options())
 

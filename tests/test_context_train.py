@@ -1,4 +1,4 @@
-"""Context parallelism in the train step: the GPT (jaxpar.parallel.context.attention) and a small model of a
+"""Context parallelism in the train step: the GPT (jaxpar.attention.attention) and a small model of a
 user's own (GQA, packed sequences, a full mask) trained over a ``context`` axis match one device
 (losses and the first step's gradients, fp32 1e-5), alone and with data, ZeRO-3 / fsdp and tensor;
 the compiled step's collectives are the method's; its temporaries fall with C; and what cannot run
@@ -14,7 +14,8 @@ from flax import nnx
 import jaxpar
 from jaxpar import Strategy
 from jaxpar.analysis import collectives
-from jaxpar.parallel.context import ContextParallel, ContextParallelError, attention, in_sequence_order, sequence_order
+from jaxpar.attention import attention
+from jaxpar.parallel.context import ContextParallel, ContextParallelError, in_sequence_order, sequence_order
 from jaxpar.models import GPT, GPTConfig, lm_loss
 
 from conftest import need_devices
@@ -187,13 +188,13 @@ def test_temporaries_fall_with_the_context_axis():
     assert t8 <= t1 / 6, (t1, t8)
 
 
-def _plain_loss(model, batch):        # a loss that never calls jaxpar.parallel.context.attention
+def _plain_loss(model, batch):        # a loss that never calls jaxpar.attention.attention
     return jnp.mean(model.embed(batch["tokens"]) ** 2)
 
 
 @need_devices(4)
 @pytest.mark.parametrize("loss_fn, strategy, match", [
-    (_plain_loss, Strategy(), "never called jaxpar.parallel.context.attention"),
+    (_plain_loss, Strategy(), "never called jaxpar.attention.attention"),
     (lambda m, b: jnp.mean(attention(*(m.embed(b["tokens"])[:, :, None],) * 3)), Strategy(context=_ring(balance=True)),
      "never asked for that order"),
 ])

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxpar import cost
+from jaxpar import cost, devices
 
 from jaxpar.cost import _collectives as C
 from jaxpar.cost import PRECISIONS, activation_bytes_per_layer, zero_state_bytes
@@ -293,7 +293,7 @@ def test_the_device_calibration_fits_the_gemm_curve_and_writes_a_cluster(tmp_pat
     fit = cost.fit_gemm_efficiency(points, peak)
     assert fit == {"efficiency": 0.75, "gemm_half_gflop": 3.0, "max_rel_residual": 0.0}
     out = tmp_path / "measured.yaml"
-    got = cost.calibrate_device(out, reps=2, shapes=((64, 64, 64), (128, 128, 128)), stream_bytes=2**20,
+    got = devices.calibrate_device(out, reps=2, shapes=((64, 64, 64), (128, 128, 128)), stream_bytes=2**20,
                                 host_bytes=2**20, say=lambda _: None)
     c, h100 = cost.load_cluster(out), cost.load_cluster("h100")
     assert c.name == "h100_measured" and c.intra == h100.intra and c.peak_flops == h100.peak_flops and c.fused_attention

@@ -1,4 +1,4 @@
-"""The cross-entropy's target logit (jaxpar.models._gpt.cross_entropy): gathered where the vocabulary is
+"""The cross-entropy's target logit (jaxpar.parallel.cross_entropy): gathered where the vocabulary is
 whole on each device, picked by a one-hot product where the rules split it over ``tensor``; the loss and
 its gradient equal one device's either way, and the gradient scatters nothing. 8 simulated CPU devices."""
 import re
@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.models._gpt import cross_entropy
+from jaxpar.parallel import cross_entropy
 from jaxpar.rules import constrain, logical_to_spec, use_rules
 
 from conftest import need_devices

@@ -256,9 +256,10 @@ def test_auto_stage_layers_balance_compiled_flops():
 
 def test_schedule_stages_must_match_the_pipe_axis():
     from jaxpar.models import _gpt as gpt
+    from jaxpar.parallel import cross_entropy
     from jaxpar.parallel.pipeline import PipelineParts, pipeline_value_and_grad
     parts = PipelineParts(pre=lambda outer, mb: gpt.embed_apply(outer, mb["tokens"]), layer=gpt.block_apply,
-                          post=lambda outer, y, mb: gpt.cross_entropy(gpt.head_apply(outer, y), mb["targets"]))
+                          post=lambda outer, y, mb: cross_entropy(gpt.head_apply(outer, y), mb["targets"]))
     mesh = jaxpar.make_mesh({"pipe": 2, "data": 4})
     with pytest.raises(ValueError, match=r"has 4 stages but the mesh's 'pipe' axis has size 2"):
         pipeline_value_and_grad(parts, mesh, jaxpar.Strategy().rules(mesh),

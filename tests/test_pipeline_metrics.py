@@ -13,7 +13,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.models import GPT, GPTConfig
-from jaxpar.models._gpt import cross_entropy
+from jaxpar.parallel import cross_entropy
 
 from conftest import need_devices
 from helpers import make_batch

@@ -150,10 +150,10 @@ def test_the_options_errors(capsys):
 
 @pytest.mark.slow
 def test_calibrate_writes_a_cluster_the_cost_model_loads(tmp_path):
-    from jaxpar import cost
+    from jaxpar import cost, devices
 
     out = tmp_path / "cpu_sim.yaml"
-    result = cost.calibrate(out, reps=1, sizes=(1024, 65536), say=lambda _: None)
+    result = devices.calibrate(out, reps=1, sizes=(1024, 65536), say=lambda _: None)
     c = cost.cluster_from_dict(yaml.safe_load(out.read_text()), "cpu_sim")
     assert c.name == "cpu_sim" and c.devices_per_node == 8 and c.intra.alpha > 0 and c.peak("float32") > 0
     assert set(result["measured_s"]) == set(cost.COLLECTIVE_KINDS)

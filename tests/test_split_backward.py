@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.models._gpt import block_apply, cross_entropy, embed_apply, head_apply
+from jaxpar.models._gpt import block_apply, embed_apply, head_apply
+from jaxpar.parallel import cross_entropy
 from jaxpar.parallel.pipeline import PipelineParts, get_schedule, lower, pipeline_value_and_grad, to_stages
 from jaxpar.parallel.pipeline._stage import tick_table as _table
 from jaxpar.parallel.pipeline._layer_vjp import join_pullback, split_backward, split_pullback

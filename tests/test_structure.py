@@ -98,8 +98,9 @@ def test_the_step_imports_nothing_from_the_loop():
 WINGS = {
     "core": ("jaxpar.mesh", "jaxpar.rules", "jaxpar.strategy", "jaxpar.batch", "jaxpar.errors", "jaxpar.logical",
              "jaxpar._text", "jaxpar.optimizers", "jaxpar.compat", "jaxpar.adapters", "jaxpar.parallel", "jaxpar.step",
-             "jaxpar.models"),
-    "planner": ("jaxpar.cost", "jaxpar.analysis", "jaxpar.plan", "jaxpar.devices._targets"),
+             "jaxpar.models", "jaxpar.attention"),
+    "planner": ("jaxpar.cost", "jaxpar.analysis", "jaxpar.plan", "jaxpar.devices._targets", "jaxpar.devices._calibrate",
+                "jaxpar.devices._device_rates"),
     "runner": ("jaxpar.run", "jaxpar.config", "jaxpar.hf", "jaxpar.data", "jaxpar.cli", "jaxpar.commands"),
 }
 
@@ -145,6 +146,14 @@ def test_the_cost_model_imports_no_jax_at_import_time():
                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
                 found += [f"{m}: {n}" for n in names if n.split(".")[0] in ("jax", "jaxlib", "flax", "optax")]
     assert not found, found
+
+
+def test_the_cost_model_runs_nothing():
+    """The cost model is pure functions: the step and the measurements that calibrate it (:mod:`jaxpar.devices`)
+    are not imported from it, at any depth."""
+    up = [f"{m} -> {t}" for m, imps in GRAPH.items() if _in(m, ("jaxpar.cost",))
+          for t, _ in imps if _in(t, ("jaxpar.step", "jaxpar.run", "jaxpar.devices"))]
+    assert not up, up
 
 
 def test_functions_are_short():

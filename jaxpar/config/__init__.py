@@ -16,6 +16,8 @@ Modules, in import order (each imports only those above it):
   tokenizer opened with the errors under the YAML keys.
 * :mod:`~jaxpar.config._build`: sections -> mesh, strategy, model factory, loss; the model
   registry; library errors relabelled with YAML keys.
+* :mod:`~jaxpar.config._decoder_config`: the :class:`~jaxpar.models.DecoderConfig` behind ``model.hf`` (its
+  ``config.json``) or a ``model.target`` that builds a ``Decoder``, for the cost model.
 * :mod:`~jaxpar.config._optimizer_section`: the optimizer section -> optimizer and learning-rate
   schedule; the optimizer registry.
 * :mod:`~jaxpar.config._data_section`: the data section -> batch function and eval batches.

@@ -81,7 +81,9 @@ def tokenizer_problems(cfg: JobConfig) -> list[str]:
 
 
 def open_hf(m: ModelConfig):
-    """The :class:`jaxpar.hf.Checkpoint` of ``model.hf`` (config and tensor headers read and checked).
+    """The :class:`jaxpar.hf.Checkpoint` of ``model.hf`` (config and tensor headers read and checked). A
+    directory with ``config.json`` only opens without weights (``Checkpoint.files`` None): ``check``,
+    ``inspect`` and ``plan`` need the model's shape only, and ``train`` starts it from random weights.
 
     Args:
       m: the model section (``hf`` set; its ``remat`` and ``scan_layers`` go to the decoder's config).
@@ -95,7 +97,7 @@ def open_hf(m: ModelConfig):
     from jaxpar.hf import HFCheckpointError, HFConfigError, HFFilesError, open_checkpoint
 
     try:
-        return open_checkpoint(m.hf, remat=m.remat, scan_layers=m.scan_layers)
+        return open_checkpoint(m.hf, require_weights=False, remat=m.remat, scan_layers=m.scan_layers)
     except (HFConfigError, HFCheckpointError, HFFilesError) as e:
         raise ConfigError(f"model.hf={m.hf!r}: {e}") from None
 

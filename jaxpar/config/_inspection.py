@@ -31,7 +31,7 @@ from jaxpar.devices._targets import (COMPILER_NOTES, Target, TargetError, compil
                                      memory_fraction_problem, parse_target, target_devices, topology_problem,
                                      without_notes)
 from jaxpar.errors import Fp8Error, JaxparError
-from jaxpar.parallel.context import count_attention_kernels
+from jaxpar.attention import count_attention_kernels
 from jaxpar.config._build import mesh_spec
 from jaxpar.config._schema import ConfigError, JobConfig
 
@@ -332,7 +332,7 @@ def _offload_mesh(job: Any):
 
 def attention_lines(kernels: dict, compiled: Any, length: int) -> list[str]:
     """``jaxpar inspect --target``'s attention line on a GPU: the kernel each traced attention got
-    (:func:`jaxpar.parallel.context.count_attention_kernels`), the fused forwards of the compiled step and
+    (:func:`jaxpar.attention.count_attention_kernels`), the fused forwards of the compiled step and
     its largest ``[..., length, length]`` array (:func:`jaxpar.analysis._fused_attention.attention_report`).
 
     Args:

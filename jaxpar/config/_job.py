@@ -111,7 +111,8 @@ class Job:
         """The train state created sharded (:func:`jaxpar.init_train_state`) with the job's parts (the MoE
         router bias of ``model.moe.bias_rate``, the noise scale of ``logging.noise_scale``: they are
         checkpointed). With ``model.hf`` the parameters are the checkpoint's, read straight into their
-        layout (:meth:`jaxpar.hf.Checkpoint.load`), and the optimizer state is fresh.
+        layout (:meth:`jaxpar.hf.Checkpoint.load`), and the optimizer state is fresh; a ``model.hf``
+        directory with ``config.json`` only starts from random weights.
 
         Args:
           weights: False leaves the parameters random also with ``model.hf`` (a resumed run restores its own).
@@ -121,7 +122,8 @@ class Job:
         """
         from jaxpar.step._init import init_train_state
 
-        params = self.hf.load(self.mesh, self.state_layout().params) if self.hf is not None and weights else None
+        load = self.hf is not None and self.hf.has_weights and weights      # config.json only: random weights
+        params = self.hf.load(self.mesh, self.state_layout().params) if load else None
         return init_train_state(self.model_fn, self.tx, self.mesh, self.strategy, params=params, parts=self.parts,
                                 param_layout=self.params)
 
@@ -409,7 +411,8 @@ def model_line(m: Any, hf: Any, layout: Any) -> str:
     """
     label = f"{m.name} ({m.target})" if m.target is not None else m.name
     if hf is not None:
-        label = f"{m.name} ({hf.family} from {m.hf})"
+        label = f"{m.name} ({hf.family} from {m.hf})" if hf.has_weights else \
+            f"{m.name} ({hf.family} of {m.hf}'s config.json, no *.safetensors: random weights)"
     return f"model    {label}: {sum(a.size for a in jax.tree.leaves(layout.shapes)):,} parameters"
 
 

@@ -44,18 +44,24 @@ def cost_model(cfg: JobConfig, model_fn: Callable | None = None, *, batch: int |
 
     Args:
       cfg: the config.
-      model_fn: the model factory of a model of your own or of ``model.hf`` (``Job.model_fn``); the GPT needs none.
+      model_fn: the model factory of a model of your own (``Job.model_fn``; None: built from the config);
+        the GPT and ``model.hf`` need none.
       batch: the global batch (default ``data.batch_size``).
       layers, hidden, heads, seq, vocab: a model of your own: the sizes the cost model cannot read from
-        its parameters (default 1).
+        its parameters (default 1); ``seq`` also a decoder's (default ``model.seq_len``).
 
     Returns:
-      The model spec.
+      The model spec: :func:`jaxpar.cost.gpt` of the GPT's keys; :func:`jaxpar.cost.from_decoder_config` of
+      ``model.hf``'s ``config.json`` (no weights read) or of a ``model.target`` that builds a
+      :class:`jaxpar.models.Decoder`; else :func:`jaxpar.cost.from_nnx` of the model with the sizes given.
     """
     from jaxpar import cost
+    from jaxpar.config._decoder_config import decoder_config_of
 
     m, batch = cfg.model, batch or cfg.data.batch_size
     if m.target is not None or m.hf is not None:
+        if (decoder := decoder_config_of(m, model_fn)) is not None:
+            return cost.from_decoder_config(decoder, seq=seq or m.seq_len, batch=batch, name=m.name)
         return cost.from_nnx(model_fn, layers=layers or 1, hidden=hidden or 1, heads=heads or 1, seq=seq or 1,
                              vocab=vocab or 1, batch=batch, name=m.name)
     moe = {}
@@ -277,7 +283,8 @@ def chosen_plan(result: Any, rank: int) -> Any:
 
 
 def unpredicted(cfg: JobConfig, strategy: Strategy, mesh_sizes: Mapping[str, int]) -> str | None:
-    """Why the cost model predicts nothing for this job (None: it does).
+    """Why the cost model predicts nothing for this job (None: it does): a model of your own (``model.target``
+    that builds no :class:`jaxpar.models.Decoder`), or a pipeline schedule it does not know.
 
     Args:
       cfg: the config.
@@ -287,9 +294,11 @@ def unpredicted(cfg: JobConfig, strategy: Strategy, mesh_sizes: Mapping[str, int
     Returns:
       The reason, or None.
     """
-    if cfg.model.target is not None or cfg.model.hf is not None:
-        key = "model.target" if cfg.model.target is not None else "model.hf"
-        return f"the cost model describes the built-in GPT only ({key} is set)"
+    from jaxpar.config._decoder_config import decoder_config_of
+
+    if cfg.model.target is not None and decoder_config_of(cfg.model) is None:
+        return (f"the cost model describes jaxpar's GPT and Decoder (model.hf) only; model.target={cfg.model.target!r} "
+                "is a model of your own")
     if mesh_sizes.get("pipe", 1) > 1 and strategy.schedule not in FLUSH_SCHEDULES:
         return (f"the cost model knows the pipeline schedules {', '.join(FLUSH_SCHEDULES)}, not "
                 f"parallel.schedule={strategy.schedule!r}")

@@ -1,10 +1,11 @@
 """Know before you run: an α-β cost model of collectives (:mod:`~jaxpar.cost._collectives`), memory and
 step time, and a planner.
 
-Pure Python + NumPy at import: JAX is imported only inside the functions that trace a model
-(:func:`~jaxpar.cost.from_nnx`) or time devices (:func:`~jaxpar.cost.calibrate`,
-:func:`~jaxpar.cost.calibrate_device`). docs/planning.md holds the formulas, their sources and the checks
-against compiled programs (:mod:`jaxpar.analysis._axis_bytes`, :mod:`jaxpar.analysis._cost_check`).
+Pure Python + NumPy: JAX is imported only inside the function that traces a model
+(:func:`~jaxpar.cost.from_nnx`); the measurements that calibrate a cluster run in :mod:`jaxpar.devices`
+(:func:`~jaxpar.devices.calibrate`, :func:`~jaxpar.devices.calibrate_device`). docs/planning.md holds the
+formulas, their sources and the checks against compiled programs (:mod:`jaxpar.analysis._axis_bytes`,
+:mod:`jaxpar.analysis._cost_check`).
 
 Example::
 
@@ -14,15 +15,13 @@ Example::
     >>> result.best.plan.name()
     'dp8-zero2'
 """
-from jaxpar.cost._cluster import Cluster, ClusterError, cluster_from_dict, load_cluster, presets
-from jaxpar.cost._calibrate import calibrate
-from jaxpar.cost._device_rates import calibrate_device, fit_gemm_efficiency
+from jaxpar.cost._cluster import Cluster, ClusterError, cluster_from_dict, fit_gemm_efficiency, load_cluster, presets
 from jaxpar.cost._device_bytes import device_argument_bytes, step_peak_bytes
 from jaxpar.cost._collectives import (ALGORITHMS, KINDS as COLLECTIVE_KINDS, Link, best as best_algorithm,
                                       time as collective_time)
 from jaxpar.cost._memory import (PRECISIONS, BytesPerParam, activation_bytes_per_layer, memory_per_device,
                                  muon_precision, zero_state_bytes)
-from jaxpar.cost._model import Leaf, ModelSpec, from_nnx, gpt
+from jaxpar.cost._model import Leaf, ModelSpec, decoder, from_decoder_config, from_nnx, gpt
 from jaxpar.cost._muon import (PLATFORM_CLUSTERS, MuonUpdate, PlacementCost, choose_placement, matrix_groups,
                                muon_comms, muon_update, ns_flops, placement_chooser, placement_cost, placement_table,
                                placements_table, with_muon)
@@ -32,11 +31,11 @@ from jaxpar.cost._planner import Estimate, PlanError, PlanResult, evaluate, plan
 from jaxpar.cost._time import Overlap, narayanan_flops, step_flops, step_time
 from jaxpar.cost._traffic import comms
 
-__all__ = ["calibrate", "calibrate_device", "fit_gemm_efficiency", "Cluster", "ClusterError", "cluster_from_dict", "load_cluster", "presets",
+__all__ = ["fit_gemm_efficiency", "Cluster", "ClusterError", "cluster_from_dict", "load_cluster", "presets",
            "device_argument_bytes", "step_peak_bytes", "evaluate", "ALGORITHMS", "COLLECTIVE_KINDS", "Link", "best_algorithm",
            "collective_time", "PRECISIONS", "BytesPerParam",
            "activation_bytes_per_layer", "memory_per_device", "muon_precision", "zero_state_bytes", "Leaf", "ModelSpec",
-           "from_nnx", "gpt", "Estimate", "PlanError", "PlanResult", "plan", "Overlap", "Plan",
+           "from_nnx", "gpt", "decoder", "from_decoder_config", "Estimate", "PlanError", "PlanResult", "plan", "Overlap", "Plan",
            "comms", "narayanan_flops", "step_flops", "step_time", "FEATURES", "PLACEMENTS", "PLATFORM_CLUSTERS",
            "STACKS", "MatrixGroup", "MuonUpdate", "PlacementCost", "choose_placement", "matrix_groups",
            "matrix_sides", "muon_comms", "muon_update", "ns_flops", "placement_chooser", "placement_cost",

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from jaxpar.cost._collectives import Link
 from jaxpar.errors import ClusterError, check_int, int_problem
 
@@ -226,6 +228,33 @@ def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
                    host_link=_positive(name, "host_link_gbps", d.get("host_link_gbps", 0), zero=True) * 1e9,
                    host_memory_bandwidth=_positive(name, "host_memory_gbps", d.get("host_memory_gbps", 0), zero=True) * 1e9,
                    description=str(d.get("description", "")), sources=tuple(d.get("sources", ())))
+
+
+def fit_gemm_efficiency(points: list[tuple[float, float]], peak: float) -> dict[str, float]:
+    """The roofline's ``efficiency`` and ``gemm_half_gflop`` from ``[(FLOPs, seconds)]`` at ``peak`` FLOP/s
+    (:func:`jaxpar.devices.calibrate_device` times the GEMMs).
+
+    :meth:`Cluster.matmul_efficiency` is ``e * w / (w + h)`` for a GEMM of ``w`` FLOPs: ``1 / eff = 1 / e +
+    (h / e) / w`` is linear in ``1 / w``, fitted by least squares on the measured ``eff = w / (t * peak)``.
+
+    Args:
+      points: the timed GEMMs.
+      peak: the datasheet's peak FLOP/s of the compute dtype.
+
+    Returns:
+      ``{"efficiency", "gemm_half_gflop", "max_rel_residual"}`` (the residual of the fitted time).
+
+    >>> fit_gemm_efficiency([(1e9, 2e-6), (1e12, 1.25e-3)], 1e15)      # 1 GFLOP at 50%, 1 TFLOP at 80%
+    {'efficiency': 0.8005, 'gemm_half_gflop': 0.601, 'max_rel_residual': 0.0}
+    """
+    w = np.array([p[0] for p in points])
+    eff = w / (np.array([p[1] for p in points]) * peak)
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(w), 1 / w], 1), 1 / eff, rcond=None)
+    # no curve with e > 0, h >= 0 through the points (noisy small GEMMs): the largest efficiency, flat
+    e, h = (min(1.0, 1 / a), max(0.0, b / a)) if a > 0 and b >= 0 else (min(1.0, float(eff.max())), 0.0)
+    fitted = e * w / (w + h)
+    return {"efficiency": float(f"{e:.4g}"), "gemm_half_gflop": float(f"{h / 1e9:.4g}"),
+            "max_rel_residual": round(float(np.max(np.abs(eff / fitted - 1))), 4)}
 
 
 def presets() -> dict[str, Path]:

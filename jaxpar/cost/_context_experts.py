@@ -44,8 +44,8 @@ def score_fraction(method: str, context: int, balance: bool) -> float:
     return 1.0 / context
 
 
-def context_collectives(method: str, context: int, kv: float, compute_bytes: float, remat: str
-                        ) -> list[tuple[str, float, int]]:
+def context_collectives(method: str, context: int, kv: float, compute_bytes: float, remat: str, *,
+                        q: float | None = None) -> list[tuple[str, float, int]]:
     """The CP collectives of one layer and micro-batch on one device (the module's table).
 
     Args:
@@ -54,6 +54,8 @@ def context_collectives(method: str, context: int, kv: float, compute_bytes: flo
       kv: bytes of one device's K (or V) shard, ``r·(s/C)·(h/t)·cb``.
       compute_bytes: ``cb``, bytes per value of K and V (the ring's dK/dV travel in fp32).
       remat: the recomputation policy (any but ``none`` re-runs the attention forward).
+      q: bytes of one device's Q (or attention output) shard where it differs from ``kv`` (grouped-query
+        attention; Ulysses moves both), None: ``kv``.
 
     Returns:
       ``[(kind, bytes of the result on one device, count)]``; the ring's are listed forward hops, backward
@@ -65,7 +67,9 @@ def context_collectives(method: str, context: int, kv: float, compute_bytes: flo
         return [(kind, n, count) for kind, n, count, _ in ring_hops(C, kv, compute_bytes, redo)]
     if method == "all_gather":
         return [("all-gather", C * kv, 2 * (1 + redo)), ("reduce-scatter", kv, 2)]
-    return [("all-to-all", kv, 4 * (1 + redo) + 4)]
+    if q is None or q == kv:
+        return [("all-to-all", kv, 4 * (1 + redo) + 4)]
+    return [("all-to-all", q, 2 * (1 + redo) + 2), ("all-to-all", kv, 2 * (1 + redo) + 2)]     # q, out; k, v
 
 
 def ring_hops(context: int, kv: float, compute_bytes: float, redo: bool) -> list[tuple[str, float, int, str]]:
@@ -251,8 +255,8 @@ def context_score_bytes(m: ModelSpec, rows: float, tensor: int, context: int, me
         return 0.0
     s, a, t = m.seq, m.heads, tensor
     scores = 5 * rows * a / t * s * s / context * bytes_per_value / 2
-    if method == "all_gather":
-        scores += 2 * rows * (s - s / context) * m.hidden / t * bytes_per_value
+    if method == "all_gather":        # the gathered K and V
+        scores += 2 * rows * (s - s / context) * m.kv_width / m.kv_split(t) * bytes_per_value
     return scores
 
 
@@ -278,19 +282,20 @@ def context_working_bytes(m: ModelSpec, rows: float, tensor: int, context: int, 
     True
     """
     s, a, t, C = m.seq, m.heads, tensor, context
-    kv = rows * s / C * m.hidden / t * compute_bytes
+    kv = rows * s / C * m.kv_width / m.kv_split(t) * compute_bytes
     if method == "ring":
         block = s / (2 * C if balance else C)
         return 2 * rows * a / t * block * block * 4 + 2 * kv + 4 * kv * 4 / compute_bytes
     if method == "all_gather":
-        return 2 * rows * a / t * (s / C) * s * 4 + 2 * rows * s * m.hidden / t * compute_bytes
+        return 2 * rows * a / t * (s / C) * s * 4 + 2 * rows * s * m.kv_width / m.kv_split(t) * compute_bytes
     return 2 * rows * a / (t * C) * s * s * 4 + 4 * kv
 
 
 def dense_mlp_bytes(tokens: float, hidden: int, tensor: int, sequence_parallel: bool,
-                    bytes_per_value: float) -> float:
+                    bytes_per_value: float, split: float = 16) -> float:
     """Korthikanti et al.'s MLP share of a layer's activations: ``sbh(3 + 16/t)`` (``19 sbh / t`` with
-    SP) at 16 bits, scaled to ``bytes_per_value``.
+    SP) at 16 bits, scaled to ``bytes_per_value``; ``split`` replaces the 16 (a gated MLP's,
+    :func:`jaxpar.cost._memory.activation_widths`).
 
     Args:
       tokens: ``sb``, tokens per micro-batch on one device.
@@ -298,6 +303,7 @@ def dense_mlp_bytes(tokens: float, hidden: int, tensor: int, sequence_parallel: 
       tensor: the tensor-parallel size ``t``.
       sequence_parallel: Megatron's sequence parallelism.
       bytes_per_value: bytes per value.
+      split: the values split over ``t``, in units of ``sbh`` at 16 bits.
 
     Returns:
       Bytes per device.
@@ -305,7 +311,7 @@ def dense_mlp_bytes(tokens: float, hidden: int, tensor: int, sequence_parallel: 
     >>> dense_mlp_bytes(10, 4, 2, False, 2)
     440.0
     """
-    per = 19 / tensor if sequence_parallel else 3 + 16 / tensor
+    per = (3 + split) / tensor if sequence_parallel else 3 + split / tensor
     return tokens * hidden * per * bytes_per_value / 2
 
 
@@ -313,10 +319,10 @@ def moe_mlp_bytes(m: ModelSpec, rows: float, tensor: int, context: int, expert: 
                   bytes_per_value: float, remat: str = "none", tile: int = EXPERT_TILE) -> float:
     """Bytes an MoE layer's MLP keeps for the backward on one device, in place of :func:`dense_mlp_bytes`:
     its input (``N·h``, ``/t`` with SP), the shared experts' hidden before and after the activation
-    (``N·S/t`` each), the router's fp32 logits and probabilities (``2·N·E`` fp32), and without
-    recomputation the experts' pre-activations in the sorted layout (``(slots + tile)·M/t``,
-    :func:`expert_slots`) and under EP the rows received (``E_p·S·h``; one round's). ``N = rows·s/C``
-    tokens. Under ``save-matmuls`` recomputation the experts' inputs and pre-activations are not matmul
+    (``N·S/t`` each; gated: gate, up and their product), the router's fp32 logits and probabilities
+    (``2·N·E`` fp32), and without recomputation the experts' pre-activations in the sorted layout
+    (``(slots + tile)·M/t``, twice gated: gate and up; :func:`expert_slots`) and under EP the rows received
+    (``E_p·S·h``; one round's). ``N = rows·s/C`` tokens. Under ``save-matmuls`` recomputation the experts' inputs and pre-activations are not matmul
     outputs: they are recomputed, not kept.
 
     Args:
@@ -339,10 +345,10 @@ def moe_mlp_bytes(m: ModelSpec, rows: float, tensor: int, context: int, expert: 
     True
     """
     t, n = tensor, rows * m.seq / context
-    values = n * m.hidden / (t if sequence_parallel else 1) + 2 * n * m.shared_mlp / t
+    values = n * m.hidden / (t if sequence_parallel else 1) + (m.mlp_inputs + 1) * n * m.shared_mlp / t
     kept = values * bytes_per_value + 2 * n * m.experts * 4
     if remat != "none":
         return kept
     slots = expert_slots(m, rows, context, expert)
-    kept += (slots + tile) * m.expert_mlp / t * bytes_per_value
+    kept += (slots + tile) * m.mlp_inputs * m.expert_mlp / t * bytes_per_value
     return kept + (slots * m.hidden * bytes_per_value if expert > 1 else 0.0)

@@ -184,11 +184,42 @@ REMAT_KEEPS = {"none": BLOCK_KEEPS, "save-matmuls": (2.0, 8.0, 1.0), "full": (1.
 TPU_REMAT_KEEPS = {"none": (7.0, 24.0, 1.0), "save-matmuls": (2.0, 6.0, 1.0), "full": (1.0, 0.0, 0.0)}
 
 
+#: The attention's share of each table's ``split`` values: q, k, v and the attention's output; the rest is the MLP's.
+ATTENTION_SPLIT = 4.0
+
+
+def model_keeps(model: ModelSpec, keeps: tuple) -> tuple:
+    """``keeps = (whole, split, scores)``, measured on jaxpar's GPT, for ``model``: the attention's
+    :data:`ATTENTION_SPLIT` values at its widths (``2 (q + kv) / h``: grouped-query attention keeps narrower
+    K and V) and, for a gated MLP, the MLP's values scaled from the GPT's 4h to its width ``f``, with one
+    ``f``-wide value more (the second input, gate and up). The GPT's tables unchanged; a decoder's are
+    estimates, not measured (docs/planning.md §8).
+
+    Args:
+      model: the model.
+      keeps: a table's ``(whole, split, scores)``.
+
+    Returns:
+      The model's ``(whole, split, scores)``.
+
+    >>> from jaxpar.cost._model import decoder
+    >>> model_keeps(decoder(2, 64, 8, 32, 128, 8, 224, kv_heads=2), BLOCK_KEEPS)    # 2.5 + 24 * 224 / 256 + 3.5
+    (8.0, 27.0, 1.0)
+    """
+    whole, split, scores = keeps
+    if not split or (not model.gated and model.q_width == model.kv_width == model.hidden):
+        return keeps
+    mlp = split - ATTENTION_SPLIT
+    if model.gated:
+        mlp = mlp * model.mlp / (4 * model.hidden) + model.mlp / model.hidden
+    return whole, 2 * (model.q_width + model.kv_width) / model.hidden + mlp, scores
+
+
 def _layer_bytes(model: ModelSpec, plan: Plan, rows: float, keeps: tuple, sp_whole: float = 0.0) -> float:
     """fp32 bytes of ``keeps = (whole, split, scores)`` values per layer and micro-batch of ``rows``
-    sequences: ``whole`` split over ``tensor`` only under SP (plus ``sp_whole`` whole-sequence ones),
-    the rest split over ``tensor``."""
-    whole, split, scores = keeps
+    sequences (:func:`model_keeps` of them): ``whole`` split over ``tensor`` only under SP (plus ``sp_whole``
+    whole-sequence ones), the rest split over ``tensor``."""
+    whole, split, scores = model_keeps(model, keeps)
     s, t = model.seq, plan.tensor
     whole = whole / t + sp_whole if plan.strategy.sequence_parallel else whole
     return 4 * (s * rows * model.hidden * (whole + split / t) + scores * model.heads * s * s * rows / t)

@@ -30,10 +30,11 @@ REMAT = ("none", "save-matmuls", "full")
 
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tensor: int = 1,
                                sequence_parallel: bool = False, remat: str = "none",
-                               bytes_per_value: float = 2) -> float:
+                               bytes_per_value: float = 2, widths: tuple[float, float] = (10, 24)) -> float:
     """Korthikanti et al. (2022) activation bytes of one transformer layer (``docs/planning.md`` §3).
 
-    ``bytes_per_value`` scales from the paper's 16-bit activations (2) to fp32 (4).
+    ``bytes_per_value`` scales from the paper's 16-bit activations (2) to fp32 (4); ``widths`` are the
+    values per token kept whole and split over ``t``, in units of ``h`` at 16 bits (:func:`activation_widths`).
 
     Args:
       seq: the sequence length ``s``.
@@ -44,6 +45,7 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
       sequence_parallel: Megatron's sequence parallelism (the norms and dropouts split over ``t``).
       remat: ``"none"``, ``"save-matmuls"`` or ``"full"`` recomputation.
       bytes_per_value: bytes per activation value.
+      widths: ``(whole, split)``: Korthikanti's ``(10, 24)`` for the GPT.
 
     Returns:
       Bytes per device.
@@ -54,14 +56,51 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     if remat not in REMAT:
         raise CostModelError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
     s, b, h, a, t = seq, micro_batch, hidden, heads, tensor
+    whole, split = widths
     attn = 0.0 if remat == "save-matmuls" else 5 * a * s / h
     if remat == "full":
         per = 2 / (t if sequence_parallel else 1)
     elif sequence_parallel:
-        per = (34 + attn) / t
+        per = (whole + split + attn) / t
     else:
-        per = 10 + 24 / t + attn / t
+        per = whole + split / t + attn / t
     return s * b * h * per * bytes_per_value / 2
+
+
+def mlp_split(model: ModelSpec) -> float:
+    """The MLP's values per token split over ``t``, in units of ``h`` at 16 bits: Korthikanti's 16 (the 4h MLP's
+    output before and after GELU; counted so for the GPT whatever its ``mlp``), or a gated MLP's gate, up,
+    activation and product (``8 f / h``).
+
+    Args:
+      model: the model.
+
+    Returns:
+      The count.
+
+    >>> from jaxpar.cost._model import decoder, gpt
+    >>> mlp_split(gpt(2, 64, 4, 32, 128, 8)), mlp_split(decoder(2, 64, 4, 32, 128, 8, 224))
+    (16, 28.0)
+    """
+    return 8 * model.mlp / model.hidden if model.gated else 16
+
+
+def activation_widths(model: ModelSpec) -> tuple[float, float]:
+    """``(whole, split)`` values per token one layer keeps, in units of ``h`` at 16 bits (Korthikanti et al.):
+    whole, the norms' and the two halves' inputs (10); split, q and k (``2(q + kv)``), v (``2 kv``), the
+    attention's output (``2 q``) and the MLP's (:func:`mlp_split`): ``(10, 24)`` for the GPT.
+
+    Args:
+      model: the model.
+
+    Returns:
+      ``(whole, split)``.
+
+    >>> from jaxpar.cost._model import decoder
+    >>> activation_widths(decoder(2, 64, 8, 32, 128, 8, 224, kv_heads=2))        # 4(64 + 16) / 64 + 8 * 224 / 64
+    (10, 33.0)
+    """
+    return 10, 4 * (model.q_width + model.kv_width) / model.hidden + mlp_split(model)
 
 
 def layer_activations(model: ModelSpec, sizes: Mapping[str, int], rows: float, *, remat: str = "none",
@@ -91,19 +130,20 @@ def layer_activations(model: ModelSpec, sizes: Mapping[str, int], rows: float, *
     True
     """
     t, C = sizes.get("tensor", 1), sizes.get("context", 1)
-    sp, bpv = sequence_parallel, activation_bytes
+    sp, bpv, widths = sequence_parallel, activation_bytes, activation_widths(model)
     if C == 1 and not moe:
         return activation_bytes_per_layer(model.seq, rows, model.hidden, model.heads, tensor=t,
-                                          sequence_parallel=sp, remat=remat, bytes_per_value=bpv)
+                                          sequence_parallel=sp, remat=remat, bytes_per_value=bpv, widths=widths)
     s = model.seq / C
     out = activation_bytes_per_layer(s, rows, model.hidden, model.heads, tensor=t, sequence_parallel=sp,
-                                     remat="full" if remat == "full" else "save-matmuls", bytes_per_value=bpv)
+                                     remat="full" if remat == "full" else "save-matmuls", bytes_per_value=bpv,
+                                     widths=widths)
     if remat == "full":
         return out
     out += context_score_bytes(model, rows, t, C, context_method if C > 1 else "all_gather", remat, bpv)
     if moe:
         out += (moe_mlp_bytes(model, rows, t, C, sizes.get("expert", 1), sp, bpv, remat)
-                - dense_mlp_bytes(rows * s, model.hidden, t, sp, bpv))
+                - dense_mlp_bytes(rows * s, model.hidden, t, sp, bpv, mlp_split(model)))
     return out
 
 
@@ -191,7 +231,8 @@ def zero_state_bytes(psi: float, n_d: int, stage: int, *, param_bytes: float = 2
 
 # ----------------------------------------------------------------------------- leaves on a mesh
 def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ...]:
-    """Mesh axes of each dimension under jaxpar's tensor rules (``mlp, heads, vocab`` -> ``tensor``;
+    """Mesh axes of each dimension under jaxpar's tensor rules (``mlp, heads, vocab`` -> ``tensor``, ``kv_heads`` where
+    ``tensor`` divides them, else replicated;
     ``layers`` -> ``pipe`` when ``pipe > 1``; ``experts`` -> ``expert``, :func:`jaxpar.parallel.moe.expert_rules`),
     before ZeRO.
 
@@ -206,6 +247,8 @@ def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ..
     for dim, (size, name) in enumerate(zip(leaf.shape, leaf.logical)):
         axis = ("tensor" if name in TENSOR_LOGICAL else "pipe" if name == "layers" else
                 "expert" if name == "experts" else None)
+        if name == "kv_heads" and size % sizes.get("tensor", 1) == 0:     # fewer K/V heads: replicated
+            axis = "tensor"
         n = sizes.get(axis, 1) if axis else 1
         if n > 1 and size % n:
             raise LayoutError(f"parameter {leaf.name!r} dimension {dim} ({name}) has size {size}, not divisible "
@@ -326,7 +369,7 @@ def pipe_end(leaf: Leaf) -> str | None:
     """
     if leaf.stacked:
         return None
-    return "first" if leaf.logical and leaf.logical[0] in ("vocab", None) else "last"
+    return "first" if leaf.logical and leaf.logical[0] in ("vocab", None) and not leaf.head else "last"
 
 
 def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,

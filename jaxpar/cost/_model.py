@@ -1,8 +1,9 @@
 """What the cost model knows of a model: sizes, and its parameters as leaves with logical axes.
 
-:func:`gpt` describes jaxpar's GPT (:mod:`jaxpar.models._gpt`) from numbers, leaf by leaf;
-:func:`from_nnx` reads any Flax NNX model through ``jax.eval_shape`` (JAX is imported only
-inside that function). The leaves let :mod:`jaxpar.cost._memory` shard each parameter the
+:func:`gpt` describes jaxpar's GPT (:mod:`jaxpar.models._gpt`) from numbers, leaf by leaf; :func:`decoder`
+(and :func:`from_decoder_config`) jaxpar's :class:`~jaxpar.models.Decoder`: grouped-query attention, a gated
+MLP, RMSNorm, RoPE, a tied or untied head, gated experts; :func:`from_nnx` reads any Flax NNX model through
+``jax.eval_shape`` (JAX is imported only inside that function). The leaves let :mod:`jaxpar.cost._memory` shard each parameter the
 way jaxpar does (tensor rules, ZeRO's largest divisible dimension), so small arrays that
 stay replicated are counted exactly.
 
@@ -23,6 +24,12 @@ A mixture-of-experts GPT (:mod:`jaxpar.parallel.moe`): every ``moe_every``-th la
     (2, (2, 8, 64, 256), ('layers', 'experts', 'embed', 'mlp'))
     >>> moe.capacity(32)             # per group of 32 tokens and expert: ceil(1.25 * 32 * 2 / 8)
     10
+
+Llama-3-8B (32 query heads, 8 K/V heads of 128, SwiGLU 14336, untied)::
+
+    >>> llama = decoder(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, batch=8, mlp=14336, kv_heads=8)
+    >>> llama.n_params, llama.kv_width, llama.leaf("layers/w_gate").logical
+    (8030261248, 1024, ('layers', 'mlp', 'embed'))
 """
 from __future__ import annotations
 
@@ -40,11 +47,14 @@ TENSOR_LOGICAL = ("mlp", "heads", "vocab")
 @dataclass(frozen=True)
 class Leaf:
     """One parameter array: ``name`` (path), ``shape`` and one logical name (or None) per dimension.
-    A leaf whose first logical name is ``layers`` is *stacked*: one slice per layer."""
+    A leaf whose first logical name is ``layers`` is *stacked*: one slice per layer. ``head``: the output
+    head, a matmul on the last pipeline stage whatever its logical names (the Decoder's ``lm_head`` is
+    ``('vocab', 'embed')``, as a token table)."""
 
     name: str
     shape: tuple[int, ...]
     logical: tuple[str | None, ...]
+    head: bool = False
 
     @property
     def size(self) -> int:
@@ -59,7 +69,7 @@ class Leaf:
         """A weight that a matmul reads (its gradient is a dot): two or more dimensions besides
         ``layers``, not a lookup table (first dimension ``vocab``, or unnamed as a position table)."""
         dims = [n for n in self.logical if n != "layers"]
-        return len(dims) >= 2 and dims[0] not in ("vocab", None)
+        return self.head or (len(dims) >= 2 and dims[0] not in ("vocab", None))
 
     def fp8(self, min_dim: int) -> bool:
         """Whether FP8 covers this weight's GEMMs (:func:`jaxpar.parallel.fp8_layer`): logical names with
@@ -92,6 +102,15 @@ class ModelSpec:
     ``qkv_inputs``: how many projections read the attention input (3 for jaxpar's separate
     ``wq, wk, wv``; 1 for a fused QKV); under tensor parallelism XLA all-reduces each one's
     input gradient separately, so it sets the backward's tensor all-reduces per layer.
+
+    The decoder's fields (:func:`decoder`; their defaults are jaxpar's GPT): ``kv_heads`` (0: ``heads``;
+    fewer: grouped-query attention, K and V ``hidden x kv_heads * head_dim``), ``head_dim`` (0:
+    ``hidden // heads``), ``gated`` (three MLP matrices, SwiGLU / GeGLU, in the experts too), ``tied`` (the
+    head is the token table), ``positions`` (a learned position table; False: RoPE), ``biases``
+    (LayerNorms and MLP biases; False: RMSNorm scales only), ``kernel_layout`` (``in_out``: the GPT's
+    ``[in, out]`` weights; ``out_in``: Hugging Face's ``[out, in]``) and ``column_regions`` (q, k, v and the
+    MLP's gate and up run in one column-parallel region each, :func:`jaxpar.parallel.column_parallel`: their
+    input gradients are summed before one all-reduce on every compiler, XLA:CPU's too; FP8 runs them apart).
     """
 
     layers: int
@@ -110,13 +129,19 @@ class ModelSpec:
     moe_every: int = 1
     expert_mlp: int = 0
     shared_mlp: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    gated: bool = False
+    tied: bool = False
+    positions: bool = True
+    biases: bool = True
+    kernel_layout: str = "in_out"
+    column_regions: bool = False
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
             check_int("ModelSpec", f, getattr(self, f), 1, CostModelError)
-        if self.hidden % self.heads:
-            raise CostModelError(f"ModelSpec: hidden={self.hidden} is not divisible by heads={self.heads}; "
-                                 "choose hidden as a multiple of heads.")
+        _check_attention(self)
         if self.mlp == 0:
             object.__setattr__(self, "mlp", 4 * self.hidden)
         check_int("ModelSpec", "mlp", self.mlp, 1, CostModelError)
@@ -152,11 +177,12 @@ class ModelSpec:
 
     @property
     def n_params(self) -> int:
-        """All parameters (from the leaves; without leaves the GPT formula)."""
+        """All parameters (from the leaves; without leaves the formula of jaxpar's GPT, or of a decoder)."""
         if self.leaves:
             return sum(l.size for l in self.leaves)
         h = self.hidden
-        return self.n_layer_params + 2 * self.vocab * h + self.seq * h + 2 * h     # jaxpar's GPT
+        tables = self.vocab * h * (1 if self.tied else 2) + (self.seq * h if self.positions else 0)
+        return self.n_layer_params + tables + (2 * h if self.biases else h)
 
     @property
     def n_layer_params(self) -> int:
@@ -164,11 +190,45 @@ class ModelSpec:
         if self.leaves:
             return sum(l.size for l in self.leaves if l.stacked)
         h, f = self.hidden, self.mlp
-        return self.layers * (4 * h * h + 2 * h * f + f + 6 * h)
+        small = f + 6 * h if self.biases else 2 * h        # the GPT's biases and LayerNorms; RMSNorm scales
+        return self.layers * (self.attention_params + self.mlp_matrices * h * f + small)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def q_width(self) -> int:
+        """Width of the queries (and of the attention's output): ``heads * head_dim``."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys (and of the values): ``kv_heads * head_dim``."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def attention_params(self) -> int:
+        """Weights of one layer's attention projections: ``wq``, ``wk``, ``wv`` and ``wo`` (``4 h^2`` for the GPT)."""
+        return self.hidden * 2 * (self.q_width + self.kv_width)
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Matrices of one MLP (and of one expert): 3 gated (gate, up, down), else 2."""
+        return 3 if self.gated else 2
+
+    @property
+    def mlp_inputs(self) -> int:
+        """MLP matrices that read the MLP's input (column-parallel): 2 gated (gate, up), else 1."""
+        return self.mlp_matrices - 1
+
+    def kv_split(self, tensor: int) -> int:
+        """How many ways ``tensor`` splits K and V: ``tensor`` when it divides ``kv_heads`` (or they are the
+        query heads, as the GPT's), else 1 (replicated, as :func:`jaxpar.parallel.tensor_rules` keeps them).
+
+        Args:
+          tensor: the tensor-parallel size.
+
+        Returns:
+          ``tensor`` or 1.
+        """
+        return tensor if self.kv_heads % tensor == 0 or self.kv_heads == self.heads else 1
 
     def leaf(self, name: str) -> Leaf:
         """The leaf called ``name`` (e.g. ``'blocks/w1'``).
@@ -210,6 +270,28 @@ def flops_per_token(n_params: int, *, layers: int, seq_len: int, embed: int, tab
         if value < 0:
             raise CostModelError(f"flops_per_token({name}={value!r}): must be >= 0.")
     return 6.0 * (n_params - tables) + 12.0 * layers * seq_len * embed
+
+
+def _check_attention(m: ModelSpec) -> None:
+    """Set ``head_dim`` (0: ``hidden // heads``) and ``kv_heads`` (0: ``heads``) and check the decoder's fields."""
+    if m.head_dim == 0:
+        if m.hidden % m.heads:
+            raise CostModelError(f"ModelSpec: hidden={m.hidden} is not divisible by heads={m.heads}; "
+                                 "choose hidden as a multiple of heads, or give head_dim.")
+        object.__setattr__(m, "head_dim", m.hidden // m.heads)
+    check_int("ModelSpec", "head_dim", m.head_dim, 1, CostModelError)
+    check_int("ModelSpec", "kv_heads", m.kv_heads, 0, CostModelError)
+    if m.kv_heads == 0:
+        object.__setattr__(m, "kv_heads", m.heads)
+    if m.heads % m.kv_heads:
+        raise CostModelError(f"ModelSpec: kv_heads={m.kv_heads} does not divide heads={m.heads}; each K/V head serves "
+                             "heads / kv_heads query heads (grouped-query attention): choose a divisor of heads.")
+    for f in ("gated", "tied", "positions", "biases", "column_regions"):
+        if not isinstance(getattr(m, f), bool):
+            raise CostModelError(f"ModelSpec.{f}={getattr(m, f)!r}: must be True or False.")
+    if m.kernel_layout not in ("in_out", "out_in"):
+        raise CostModelError(f"ModelSpec.kernel_layout={m.kernel_layout!r}: 'in_out' (weights [in, out], jaxpar's "
+                             "GPT) or 'out_in' ([out, in], Hugging Face's and jaxpar's Decoder).")
 
 
 def _check_moe(m: ModelSpec) -> None:
@@ -296,6 +378,94 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int, 
                      capacity_factor=capacity_factor, moe_every=moe_every, expert_mlp=expert_mlp or 0,
                      shared_mlp=shared_mlp)
     return replace(spec, leaves=_gpt_leaves(layers, hidden, heads, seq, vocab, spec.mlp, spec))
+
+
+def _decoder_leaves(m: ModelSpec, qk_norm: bool, sandwich_norms: bool) -> tuple[Leaf, ...]:
+    """The parameters of :class:`jaxpar.models.Decoder` (:data:`jaxpar.models._decoder.LAYER_LOGICAL`), by path."""
+    L, h, H, K, D, f = m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.mlp
+    blocks = {"attn_norm": ((h,), ("embed",)), "mlp_norm": ((h,), ("embed",)),
+              "wq": ((H, D, h), ("heads", "kv", "embed")), "wk": ((K, D, h), ("kv_heads", "kv", "embed")),
+              "wv": ((K, D, h), ("kv_heads", "kv", "embed")), "wo": ((h, H, D), ("embed", "heads", "kv"))}
+    if qk_norm:
+        blocks.update(q_norm=((D,), ("kv",)), k_norm=((D,), ("kv",)))
+    if sandwich_norms:
+        blocks.update(attn_out_norm=((h,), ("embed",)), mlp_out_norm=((h,), ("embed",)))
+    if m.experts:
+        X, M = m.experts, m.expert_mlp
+        blocks.update(router=((h, X), ("embed", None)), experts_gate=((X, h, M), ("experts", "embed", "mlp")),
+                      experts_up=((X, h, M), ("experts", "embed", "mlp")),
+                      experts_down=((X, M, h), ("experts", "mlp", "embed")))
+    else:
+        blocks.update(w_gate=((f, h), ("mlp", "embed")), w_up=((f, h), ("mlp", "embed")),
+                      w_down=((h, f), ("embed", "mlp")))
+    out = [Leaf("embed", (m.vocab, h), ROW_TABLE), Leaf("norm", (h,), ("embed",))]
+    out += [Leaf(f"layers/{n}", (L,) + shape, ("layers",) + lg) for n, (shape, lg) in blocks.items()]
+    if not m.tied:
+        out.append(Leaf("lm_head", (m.vocab, h), ("vocab", "embed"), head=True))
+    return tuple(sorted(out, key=lambda l: l.name))
+
+
+def decoder(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int, mlp: int, *,
+            kv_heads: int | None = None, head_dim: int | None = None, tied: bool = False, qk_norm: bool = False,
+            sandwich_norms: bool = False, experts: int = 0, top_k: int = 2, capacity_factor: float | None = None,
+            expert_mlp: int | None = None, name: str = "decoder") -> ModelSpec:
+    """jaxpar's :class:`~jaxpar.models.Decoder` (Llama-3, Qwen3, Qwen3-MoE, Gemma-3) from numbers: grouped-query
+    attention, a gated MLP (or gated experts in every layer), RMSNorm, RoPE (no position table), a tied or
+    untied head; its leaves have the Decoder's paths and logical names.
+
+    Args:
+      layers, hidden, heads, seq, vocab, batch: as for :func:`gpt`.
+      mlp: the gated MLP's hidden size (``intermediate_size``).
+      kv_heads: K/V heads (None: ``heads``).
+      head_dim: the size of a head (None: ``hidden // heads``).
+      tied: the head is the token table (``tie_word_embeddings``).
+      qk_norm: RMS norms on the queries and keys (Qwen3, Gemma-3).
+      sandwich_norms: norms on each half's output (Gemma-3).
+      experts: routed experts per layer (0: dense; Qwen3-MoE: every layer's MLP).
+      top_k: experts per token.
+      capacity_factor: slots per expert relative to an even split; None: dropless (the Decoder's default).
+      expert_mlp: one expert's hidden size (None: ``mlp``).
+      name: the model's name.
+
+    Returns:
+      The :class:`ModelSpec`.
+
+    >>> m = decoder(layers=2, hidden=64, heads=8, seq=32, vocab=128, batch=4, mlp=160, kv_heads=2, head_dim=16)
+    >>> m.leaf("layers/wk").shape, m.leaf("layers/wk").logical
+    ((2, 2, 16, 64), ('layers', 'kv_heads', 'kv', 'embed'))
+    >>> m.n_layer_params == 2 * (64 * 2 * (128 + 32) + 3 * 64 * 160 + 2 * 64)     # q, k, v, o; gate, up, down; norms
+    True
+    """
+    spec = ModelSpec(layers, hidden, heads, seq, vocab, batch, mlp, name=name, experts=experts, top_k=top_k,
+                     capacity_factor=capacity_factor, expert_mlp=expert_mlp or 0, kv_heads=kv_heads or 0,
+                     head_dim=head_dim or 0, gated=True, tied=tied, positions=False, biases=False,
+                     kernel_layout="out_in", column_regions=True)
+    return replace(spec, leaves=_decoder_leaves(spec, qk_norm, sandwich_norms))
+
+
+def from_decoder_config(cfg: Any, *, seq: int, batch: int, name: str = "decoder") -> ModelSpec:
+    """The :func:`decoder` of a :class:`jaxpar.models.DecoderConfig` (what :mod:`jaxpar.hf` reads from a
+    ``config.json``), without weights (nothing is traced or imported).
+
+    Args:
+      cfg: the decoder's config.
+      seq: the sequence length.
+      batch: the global batch in sequences.
+      name: the model's name.
+
+    Returns:
+      The :class:`ModelSpec`.
+
+    >>> from jaxpar.models import DecoderConfig
+    >>> cfg = DecoderConfig(vocab=128256, embed=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp=14336)
+    >>> round(from_decoder_config(cfg, seq=8192, batch=8).n_params / 1e9, 3)          # Llama-3-8B
+    8.03
+    """
+    moe = {} if cfg.moe is None else dict(experts=cfg.moe.experts, top_k=cfg.moe.top_k, expert_mlp=cfg.moe.mlp,
+                                          capacity_factor=cfg.moe.capacity_factor)
+    return decoder(cfg.layers, cfg.embed, cfg.heads, seq, cfg.vocab, batch, cfg.mlp, kv_heads=cfg.kv_heads,
+                   head_dim=cfg.head_dim, tied=cfg.tie_embeddings, qk_norm=cfg.qk_norm,
+                   sandwich_norms=cfg.sandwich_norms, name=name, **moe)
 
 
 def from_nnx(model_fn: Callable[[], Any], *, layers: int, hidden: int, heads: int, seq: int, vocab: int,

@@ -205,8 +205,9 @@ def _momentum_spec(leaf: Leaf, sizes: Mapping[str, int], zero: int) -> tuple[tup
 
 
 def matrix_groups(m: ModelSpec, sizes: Mapping[str, int], zero: int = 0) -> list[MatrixGroup]:
-    """The model's Muon-routed leaves (:func:`matrix_sides` of their logical names) as matrix groups,
-    their momentum sharded as jaxpar's layouts shard optimizer state.
+    """The model's Muon-routed leaves (:func:`matrix_sides` of their logical names; sides swapped for an
+    ``out_in`` model, as :func:`jaxpar.optimizers.muon_routes` does) as matrix groups, their momentum sharded
+    as jaxpar's layouts shard optimizer state.
 
     Args:
       m: the model (with leaves).
@@ -223,6 +224,8 @@ def matrix_groups(m: ModelSpec, sizes: Mapping[str, int], zero: int = 0) -> list
     out = []
     for leaf in m.leaves:
         red, outp, _, _ = matrix_sides(leaf.logical)
+        if m.kernel_layout == "out_in":          # the first feature group is the output side (the Decoder's)
+            red, outp = outp, red
         if red:
             out.append(MatrixGroup(leaf.name, leaf.shape, red, outp, _momentum_spec(leaf, sizes, zero)))
     return out

@@ -83,7 +83,7 @@ def fp8_kernels(m: ModelSpec, plan: Plan) -> frozenset[str]:
     if plan.strategy.fp8 is None:
         return frozenset()
     h, d = m.hidden, plan.strategy.fp8.min_dim
-    groups = {("qkv", "proj"): h, ("fc1", "fc2"): m.mlp, ("shared_fc1", "shared_fc2"): m.shared_mlp}
+    groups = {("qkv", "proj"): m.q_width, ("fc1", "fc2"): m.mlp, ("shared_fc1", "shared_fc2"): m.shared_mlp}
     return frozenset(k for names, width in groups.items() if width and min(h, width) >= d for k in names)
 
 
@@ -122,7 +122,9 @@ def fp8_quantize_bytes(kernels: list[Kernel], covered: frozenset[str], recipe: s
 
 def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, moe: bool = False, *,
                   fused_attention: bool = False) -> list[Kernel]:
-    """The matmuls of one layer on one device for a micro-batch of ``rows`` sequences (docs/planning.md §4).
+    """The matmuls of one layer on one device for a micro-batch of ``rows`` sequences (docs/planning.md §4): the
+    q, k, v projections (``qkv``, one launch per ``qkv_inputs``), the attention's ``scores`` and ``context``, the
+    output projection (``proj``), the MLP's ``fc1`` (two launches gated: gate and up) and ``fc2``, or the experts'.
 
     Args:
       m: the model.
@@ -141,12 +143,16 @@ def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, m
     tokens, heads = rows * s / C, rows * a / t
     full, attn = 3 + (plan.remat == "full"), 3 + (plan.remat != "none")
     q = m.qkv_inputs
-    out = [matmul("qkv", 1, tokens, h, 3 * h / (t * q), cb, count=q, passes=full)]
+    if m.kv_width == m.q_width == h and m.kv_split(t) == t:   # q, k and v of width h (the GPT's): as before
+        out = [matmul("qkv", 1, tokens, h, 3 * h / (t * q), cb, count=q, passes=full)]
+    else:           # GQA: q's width and the K/V's (split over tensor, or replicated where it does not divide them)
+        width = m.q_width / t + 2 * m.kv_width / m.kv_split(t)
+        out = [matmul("qkv", 1, tokens, h, width / q, cb, count=q, passes=full)]
     out += _attention_kernels(m, plan, heads, cb, attn, fused_attention and C == 1)
-    out.append(matmul("proj", 1, tokens, h / t, h, cb, passes=full))
+    out.append(matmul("proj", 1, tokens, m.q_width / t, h, cb, passes=full))
     if moe:
         return out + _moe_kernels(m, plan, rows, tokens, cb, full)
-    return out + [matmul("fc1", 1, tokens, h, f / t, cb, passes=full),
+    return out + [matmul("fc1", 1, tokens, h, f / t, cb, count=m.mlp_inputs, passes=full),
                   matmul("fc2", 1, tokens, f / t, h, cb, passes=full)]
 
 
@@ -181,11 +187,11 @@ def _moe_kernels(m: ModelSpec, plan: Plan, rows: float, tokens: float, cb: float
     local, routed = m.experts / ep, routed_rows(m, rows, plan.context, ep)
     redo = plan.remat != "none"
     out = [matmul("router", 1, tokens, h, m.experts, cb, passes=full),
-           matmul("expert_fc1", local, routed / local, h, M / t, cb, passes=3 + redo),
+           matmul("expert_fc1", local, routed / local, h, M / t, cb, count=m.mlp_inputs, passes=3 + redo),
            matmul("expert_fc2", local, routed / local, M / t, h, cb, passes=3),
            Kernel("expert_rows", 0.0, _expert_rows_bytes(m, plan, rows, routed, cb), passes=3 + redo)]
     if m.shared_mlp:
-        out += [matmul("shared_fc1", 1, tokens, h, m.shared_mlp / t, cb, passes=full),
+        out += [matmul("shared_fc1", 1, tokens, h, m.shared_mlp / t, cb, count=m.mlp_inputs, passes=full),
                 matmul("shared_fc2", 1, tokens, m.shared_mlp / t, h, cb, passes=full)]
     return out
 
@@ -250,10 +256,13 @@ def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes
     t, C = plan.tensor, plan.context
     passes = 3 + (plan.remat == "full")
     resid = 10 * m.hidden / (t if plan.strategy.sequence_parallel else 1)
-    mlp = 2 * m.mlp / t
+    act = m.mlp_inputs + 1           # the activation reads its inputs (gate and up, gated) and writes one
+    mlp = act * m.mlp / t
     if moe:
         routed = routed_rows(m, rows, C, plan.expert) / (rows * m.seq / C)      # per token
-        mlp = 2 * routed * m.expert_mlp / t + 2 * m.shared_mlp / t
+        mlp = act * routed * m.expert_mlp / t + act * m.shared_mlp / t
+    if not m.positions:              # RoPE: q and k read and written
+        resid += 2 * (m.q_width / t + m.kv_width / m.kv_split(t))
     cp = plan.strategy.context_setting
     keys = m.seq * C * score_fraction(cp.method, C, cp.balance)   # scores per query token
     softmax = 0.0 if fused_attention and C == 1 else 2 * m.heads * keys / t * 4 * (passes + (plan.remat == "save-matmuls"))

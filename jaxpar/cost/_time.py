@@ -42,11 +42,15 @@ def narayanan_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) 
 
 
 def _layer_forward(m: ModelSpec, moe: bool = False) -> float:
+    """Forward FLOPs of one layer and sequence: the projections (``wq, wk, wv, wo``: ``4 h^2`` for the GPT),
+    the MLP's matrices (2, or 3 gated) or the routed and shared experts' and the router, and ``QK^T`` and
+    ``AV`` over the queries' width."""
     s, h = m.seq, m.hidden
     if moe:
-        mlp = 2 * h * (m.top_k * m.expert_mlp + m.shared_mlp) + h * m.experts
-        return 2 * s * (4 * h * h + mlp) + 4 * s * s * h
-    return 2 * s * (4 * h * h + 2 * h * m.mlp) + 4 * s * s * h
+        mlp = m.mlp_matrices * h * (m.top_k * m.expert_mlp + m.shared_mlp) + h * m.experts
+    else:
+        mlp = m.mlp_matrices * h * m.mlp
+    return 2 * s * (m.attention_params + mlp) + 4 * s * s * m.q_width
 
 
 def step_flops(m: ModelSpec, remat: str = "none") -> float:
@@ -63,6 +67,10 @@ def step_flops(m: ModelSpec, remat: str = "none") -> float:
     >>> dense, moe = gpt(2, 64, 4, 32, 128, 8), gpt(2, 64, 4, 32, 128, 8, experts=8, top_k=1)
     >>> step_flops(moe) - step_flops(dense) == 8 * 2 * 3 * 2 * 32 * 64 * 8      # top-1: + the router only
     True
+    >>> from jaxpar.cost._model import decoder        # GQA 8 / 2 of 16, SwiGLU 160: 3 matrices
+    >>> step_flops(decoder(1, 64, 8, 32, 128, 1, 160, kv_heads=2, head_dim=16)) == 3 * (
+    ...     2 * 32 * (64 * 2 * (128 + 32) + 3 * 64 * 160) + 4 * 32 * 32 * 128) + 6 * 32 * 64 * 128
+    True
     """
     if remat not in REMAT:
         raise CostModelError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
@@ -71,7 +79,7 @@ def step_flops(m: ModelSpec, remat: str = "none") -> float:
     for n, moe in ((m.layers - n_moe, False), (n_moe, True)):
         if n:
             fwd = _layer_forward(m, moe)
-            extra = {"none": 0.0, "save-matmuls": 4 * m.seq**2 * m.hidden, "full": fwd}[remat]
+            extra = {"none": 0.0, "save-matmuls": 4 * m.seq**2 * m.q_width, "full": fwd}[remat]
             layers += n * (3 * fwd + extra)
     return m.batch * (layers + 6 * m.seq * m.hidden * m.vocab)
 
@@ -271,7 +279,8 @@ def elementwise_bytes(m: ModelSpec, plan: Plan, compute_bytes: float = 2) -> flo
 
     Per token and layer, forward: the two layer norms (read and write the residual stream,
     ``2h`` each) and the two residual adds (two reads, one write: ``3h`` each), ``10h`` in all;
-    the MLP's bias and GELU (``2f``); the attention softmax with its scale and causal mask over
+    the MLP's bias and GELU (``2f``; gated: gate and up read, their product written, ``3f``); RoPE on
+    the queries and keys of a decoder (``2(q + kv)``); the attention softmax with its scale and causal mask over
     ``a·s`` fp32 scores (``2·a·s`` values of 4 bytes). Training moves three times the forward's
     bytes (the backward of each op reads its input and the incoming gradient and writes the
     outgoing one; as for the FLOPs, backward = 2 forwards); full recomputation adds a forward,

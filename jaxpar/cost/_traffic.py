@@ -98,9 +98,12 @@ class Comm:
         return self.bytes * p if self.kind == "reduce-scatter" else self.bytes
 
 
-def _is_row_parallel(leaf: Leaf) -> bool:
-    """A row-parallel weight (``wo``, ``w2``): its tensor-split dimension is the contracted input."""
-    dims = [n for n in leaf.logical if n != "layers"]
+def _is_row_parallel(leaf: Leaf, kernel_layout: str = "in_out") -> bool:
+    """A row-parallel weight (``wo``, ``w2``; the Decoder's ``wo``, ``w_down``): its tensor-split dimension is the
+    contracted input, first in an ``in_out`` weight, after ``embed`` in an ``out_in`` one."""
+    dims = [n for n in leaf.logical if n not in ("layers", "experts")]
+    if kernel_layout == "out_in":
+        return len(dims) >= 2 and dims[0] == "embed" and dims[1] in ("heads", "mlp")
     return len(dims) >= 2 and dims[0] in ("heads", "mlp")
 
 
@@ -142,7 +145,9 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
     if plan.tensor > 1:
         _tensor_comms(add, m, plan, act, rows * seq * 4, lowering, rows, compute_bytes)
     if plan.context > 1 or (plan.expert > 1 and m.moe_layers):
-        _context_expert_comms(add, m, plan, act / plan.tensor, rows, compute_bytes)
+        qkv = (rows * seq * m.q_width * compute_bytes / plan.tensor,
+               rows * seq * m.kv_width * compute_bytes / m.kv_split(plan.tensor))
+        _context_expert_comms(add, m, plan, qkv, rows, compute_bytes)
     if plan.pipe > 1:
         _pipe_comms(add, m, plan, act, lowering, grad_bytes)
     if _axes(sizes, GRAD_AXES):
@@ -154,19 +159,22 @@ def comms(m: ModelSpec, plan: Plan, *, lowering: str = "ideal", compute_bytes: f
 GRAD_AXES = BATCH_AXES + ("context",)
 
 
-def _context_expert_comms(add, m: ModelSpec, plan: Plan, kv: float, rows: float, cb: float) -> None:
+def _context_expert_comms(add, m: ModelSpec, plan: Plan, qkv: tuple[float, float], rows: float, cb: float) -> None:
     """CP: the method's collectives per layer and micro-batch
-    (:func:`~jaxpar.cost._context_experts.context_collectives`); EP: per MoE layer and micro-batch the
-    all-to-alls of the counts, the routed rows and their weights
+    (:func:`~jaxpar.cost._context_experts.context_collectives`; ``qkv``: one device's Q and K shards); EP: per MoE
+    layer and micro-batch the all-to-alls of the counts, the routed rows and their weights
     (:func:`~jaxpar.cost._context_experts.expert_collectives`)."""
     mb = plan.strategy.microbatches
+    q, kv = qkv
     if plan.context > 1:
         n_layer = (m.layers // plan.pipe) * mb
         if plan.strategy.context_setting.method == "ring":
             for kind, nbytes, count, behind in ring_hops(plan.context, kv, cb, plan.remat != "none"):
                 add(kind, ("context",), nbytes, count * n_layer, "context", behind)
         method = plan.strategy.context_setting.method
-        for kind, nbytes, count in (context_collectives(method, plan.context, kv, cb, plan.remat)
+        if method == "ulysses":      # K/V heads repeated until the context axis splits them
+            kv *= plan.context // math.gcd(m.kv_heads // m.kv_split(plan.tensor), plan.context)
+        for kind, nbytes, count in (context_collectives(method, plan.context, kv, cb, plan.remat, q=q)
                                     if method != "ring" else ()):
             add(kind, ("context",), nbytes, count * n_layer, "context")
     if m.moe_layers:
@@ -182,7 +190,8 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
     the busiest stage, the last, has only the head's.
 
     Backward, the input gradients of q, k and v are summed on the device before one reduction (GPU and
-    TPU compilers; XLA:CPU reduces each of the ``qkv_inputs``). Recomputation (``remat`` other than
+    TPU compilers; XLA:CPU reduces each of the ``qkv_inputs``, and of a gated MLP's gate and up, unless the
+    model runs them in one column-parallel region: ``column_regions``, jaxpar's Decoder). Recomputation (``remat`` other than
     ``none``) runs the layer forward again up to its attention block's output: one more reduction
     (TP) or two all-gathers and one reduce-scatter (SP) per layer; Megatron's full recomputation runs
     the whole layer forward again (two reductions; two all-gathers and two reduce-scatters).
@@ -210,21 +219,15 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
         redo = 0 if cpu or plan.remat == "none" else 1
     if not plan.strategy.sequence_parallel:
         if not _fp8_reductions(add, m, plan, act, n_layer, moe, redo, lowering):
-            bwd = 1 + m.qkv_inputs if cpu else 2
+            bwd = m.mlp_inputs + m.qkv_inputs if cpu and not m.column_regions else 2
             add("all-reduce", ("tensor",), act, (2 + bwd + redo) * n_layer - 2 * moe, "tensor")
         add("all-reduce", ("tensor",), act, ends * mb, "tensor")         # embedding forward, head backward
     else:
         # 2 forward, 2 backward (libtpu keeps one forward gather for the backward), 2 recomputed
         add("all-gather", ("tensor",), act, (4 - (lowering == "xla-tpu") + (2 if redo else 0)) * n_layer, "tensor")
         add("reduce-scatter", ("tensor",), act / t, (2 + redo) * n_layer, "tensor")
-        if cpu:   # XLA:CPU reduces the column-parallel input gradients with all-reduce
-            add("all-reduce", ("tensor",), act, (1 + m.qkv_inputs) * n_layer, "tensor")
-            add("all-gather", ("tensor",), act, mb, "tensor")          # the head's input
-            add("all-reduce", ("tensor",), act, mb, "tensor")          # the head's input gradient
-            wte = m.vocab * m.hidden * 4
-            add("all-gather", ("tensor",), wte, mb, "tensor")          # the embedding table, gathered
-            add("all-reduce", ("tensor",), wte, 1, "tensor")           # and its gradient
-            add("all-gather", ("tensor",), m.seq * m.hidden * 4, 1, "tensor")   # positions' gradient
+        if cpu:
+            _cpu_sequence_parallel(add, m, act, n_layer, mb)
         else:
             if lowering in ("xla", "xla-tpu"):   # the GPU / TPU compilers all-reduce column-parallel input gradients
                 add("all-reduce", ("tensor",), act, 2 * n_layer, "tensor")
@@ -233,6 +236,20 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
             add("all-gather", ("tensor",), act, mb, "tensor")
             add("reduce-scatter", ("tensor",), act / t, 2 * mb, "tensor")
     add("all-reduce", ("tensor",), stats, 4 * mb, "loss")               # vocab-parallel cross-entropy
+
+
+def _cpu_sequence_parallel(add, m: ModelSpec, act: float, n_layer: float, mb: float) -> None:
+    """XLA:CPU's extra tensor collectives under SP: it all-reduces the column-parallel input gradients (one per
+    projection, one per region with ``column_regions``), gathers the head's input and the embedding table, and
+    reduces their gradients (and gathers the position table's)."""
+    add("all-reduce", ("tensor",), act, (2 if m.column_regions else m.mlp_inputs + m.qkv_inputs) * n_layer, "tensor")
+    add("all-gather", ("tensor",), act, mb, "tensor")          # the head's input
+    add("all-reduce", ("tensor",), act, mb, "tensor")          # the head's input gradient
+    wte = m.vocab * m.hidden * 4
+    add("all-gather", ("tensor",), wte, mb, "tensor")          # the embedding table, gathered
+    add("all-reduce", ("tensor",), wte, 1, "tensor")           # and its gradient
+    if m.positions:
+        add("all-gather", ("tensor",), m.seq * m.hidden * 4, 1, "tensor")   # positions' gradient
 
 
 def _moe_reductions(add, m: ModelSpec, plan: Plan, mb: float, lowering: str, rows: float, cb: float) -> float:
@@ -254,7 +271,7 @@ def _fp8_reductions(add, m: ModelSpec, plan: Plan, act: float, n_layer: float, m
     added) when they are not covered."""
     if lowering != "xla" or "qkv" not in fp8_kernels(m, plan):
         return False
-    add("all-reduce", ("tensor",), act, (3 + redo + m.qkv_inputs) * n_layer - 2 * moe, "tensor")
+    add("all-reduce", ("tensor",), act, (2 + m.mlp_inputs + redo + m.qkv_inputs) * n_layer - 2 * moe, "tensor")
     return True
 
 
@@ -392,7 +409,7 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
                 acc("reduce-scatter", g_axes, g / n_g, count, "grads")
                 acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count, "grads")
             elif len(base_axes) == 2 and s.zero < 2 and leaf.matmul and shardable and not (
-                    s.sequence_parallel and _is_row_parallel(leaf)):   # SP: reduced in its region, all at once
+                    s.sequence_parallel and _is_row_parallel(leaf, m.kernel_layout)):   # SP: reduced in its region, all at once
                 acc("all-reduce", ("fsdp",), g, count * per_mb, "grads")   # fsdp first, then the shard over data
                 acc("all-reduce", set(data_axes) - {"fsdp"}, g / f, count * per_mb, "grads")
             else:
@@ -428,7 +445,7 @@ def _sp_grad_scale(m: ModelSpec, leaf: Leaf, t: int) -> float:
     comes out split over the sequence like the residual stream (``1/t``)."""
     if leaf.stacked or t == 1 or not leaf.logical:
         return 1.0
-    if leaf.logical in (TOKEN_TABLE, ROW_TABLE):
+    if leaf.logical in (TOKEN_TABLE, ROW_TABLE) and not leaf.head:
         return float(t)
     if leaf.logical == (None, "embed") and leaf.shape[0] == m.seq and m.seq % t == 0:
         return 1.0 / t

@@ -136,7 +136,8 @@ def export(params: Any, out: str | Path, *, source: Checkpoint | None = None, co
     sources = _sources(params, cfg, maps)
     if source is not None and source.has_lm_head and cfg.tie_embeddings:
         sources["lm_head.weight"] = sources["model.embed_tokens.weight"]
-    order = [k for k in source.files.order if k in sources] if source is not None else sorted(sources)
+    order = [k for k in source.files.order if k in sources] if source is not None and source.has_weights else \
+        sorted(sources)
     st = SAFETENSORS_DTYPE[dtype]
     entries = {k: (sources[k][0][0].file, st) for k in order}
     _write_files(out, entries, sources, max_shard_bytes, DTYPES[st])

@@ -44,7 +44,7 @@ from jaxpar.step._init import init_train_state, state_layout
 from jaxpar.strategy import Strategy
 from jaxpar.hf._boxes import read_box
 from jaxpar.hf._config import decoder_config, read_config
-from jaxpar.hf._files import CheckpointFiles
+from jaxpar.hf._files import INDEX, CheckpointFiles
 from jaxpar.hf._keys import TensorMap, stack_counts, tensor_maps
 from jaxpar.errors import HFCheckpointError
 
@@ -53,7 +53,9 @@ from jaxpar.errors import HFCheckpointError
 class Checkpoint:
     """An opened checkpoint: ``path``, the raw ``hf_config`` dict, the model's ``config``, its
     ``family`` (``model_type``), ``dtype`` (its tensors' dtype name), ``experts_layout``,
-    ``has_lm_head`` (``lm_head.weight`` is stored, also when tied), the parameter ``maps`` and ``files``."""
+    ``has_lm_head`` (``lm_head.weight`` is stored, also when tied), the parameter ``maps`` and ``files``
+    (None: a directory with ``config.json`` only, opened with ``require_weights=False``: the model's
+    shape, no weights)."""
 
     path: Path
     hf_config: dict
@@ -63,7 +65,12 @@ class Checkpoint:
     experts_layout: str
     has_lm_head: bool
     maps: dict
-    files: CheckpointFiles
+    files: CheckpointFiles | None
+
+    @property
+    def has_weights(self) -> bool:
+        """Whether the directory has the safetensors files (:meth:`load` reads them)."""
+        return self.files is not None
 
     def model_fn(self, seed: int = 0) -> Callable[[], Decoder]:
         """``() -> Decoder`` of this config (random weights), for :func:`jaxpar.state_layout` /
@@ -88,7 +95,14 @@ class Checkpoint:
 
         Returns:
           The parameter dict, as ``nnx.to_pure_dict(nnx.state(model, nnx.Param))`` has it.
+
+        Raises:
+          HFCheckpointError: the directory has no weights (``config.json`` only).
         """
+        if self.files is None:
+            raise HFCheckpointError(f"{self.path}: config.json only, no *.safetensors file: there are no weights to "
+                                    "read. Download the checkpoint's safetensors files into it, or start from random "
+                                    "weights (jaxpar train does, for a directory with config.json only).")
         flat = {}
         for path, spec in traverse_util.flatten_dict(specs).items():
             m = self.maps[path]
@@ -152,11 +166,13 @@ def _check_head(files: CheckpointFiles, cfg: DecoderConfig, path: Path) -> None:
                                     "model.embed_tokens.weight. Set tie_word_embeddings: false to use the stored head.")
 
 
-def open_checkpoint(path: str | Path, **overrides: Any) -> Checkpoint:
+def open_checkpoint(path: str | Path, *, require_weights: bool = True, **overrides: Any) -> Checkpoint:
     """Open a Hugging Face checkpoint directory for import, checking it against its config.
 
     Args:
       path: the directory (``config.json``, ``*.safetensors``, optionally the index).
+      require_weights: False accepts a directory with ``config.json`` only (no safetensors file nor index):
+        the model's shape without weights (``Checkpoint.files`` None), for planning and compiling.
       **overrides: :class:`~jaxpar.models.DecoderConfig` fields to set (``remat``, ``scan_layers``).
 
     Returns:
@@ -164,21 +180,37 @@ def open_checkpoint(path: str | Path, **overrides: Any) -> Checkpoint:
 
     Raises:
       HFConfigError: ``config.json`` is missing, unsupported or incomplete.
-      HFFilesError: the safetensors files are missing or inconsistent.
+      HFFilesError: the safetensors files are missing (with ``require_weights``) or inconsistent.
       HFCheckpointError: missing / unexpected keys or shapes (named), or a head that disagrees with
         ``tie_word_embeddings``.
     """
     path = Path(path)
     hf = read_config(path)
     cfg = decoder_config(hf, **overrides)
+    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")     # the Hub's name, or transformers 5's
+    if not require_weights and not has_weight_files(path):
+        return Checkpoint(path, hf, cfg, hf["model_type"], dtype, "per_expert", False,
+                          tensor_maps(cfg, hf["model_type"], "per_expert"), None)
     files = CheckpointFiles(path)
     layout = "fused" if any(k.endswith("mlp.experts.gate_up_proj") for k in files.where) else "per_expert"
     maps = tensor_maps(cfg, hf["model_type"], layout)
     _check_head(files, cfg, path)
     _check_tensors(files, cfg, maps, path)
-    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")     # the Hub's name, or transformers 5's
     return Checkpoint(path, hf, cfg, hf["model_type"], dtype, layout,
                       "lm_head.weight" in files.where, maps, files)
+
+
+def has_weight_files(path: str | Path) -> bool:
+    """Whether a checkpoint directory has weights: a safetensors file or index (their contents unchecked).
+
+    Args:
+      path: the directory.
+
+    Returns:
+      True when it holds ``*.safetensors`` or ``model.safetensors.index.json``.
+    """
+    path = Path(path)
+    return (path / INDEX).is_file() or any(path.glob("*.safetensors"))
 
 
 def load(checkpoint: str | Path | Checkpoint, layout: Any) -> Any:

@@ -4,7 +4,7 @@ One module covers the four families; :class:`DecoderConfig` says what differs (`
 reads it from a checkpoint's ``config.json``). The layers' parameters are stacked on a leading
 ``layers`` axis and run by :func:`jaxpar.adapters.run_layers`, with logical names only, so every
 strategy applies: data, ZeRO / FSDP, tensor (+ sequence) parallelism, pipelines, context parallelism
-(attention is :func:`jaxpar.parallel.context.attention`, with Gemma-3's sliding window) and expert
+(attention is :func:`jaxpar.attention.attention`, with Gemma-3's sliding window) and expert
 parallelism (Qwen3-MoE's experts are :func:`jaxpar.parallel.moe.moe_apply`'s gated experts).
 
 Packed rows: a batch may carry ``segment_ids`` (documents numbered from 1, 0 = padding) and
@@ -50,7 +50,7 @@ from jaxpar.parallel.context import in_sequence_order, sequence_order
 from jaxpar.logical import ROW_TABLE
 from jaxpar.parallel._lookup import embed_lookup
 from jaxpar.rules import constrain
-from jaxpar.models._gpt import cross_entropy
+from jaxpar.parallel import cross_entropy
 from jaxpar.models._decoder_layers import ACTIVATIONS, Carry, KVCache, RoPE, cached_layer_apply, layer_apply, rms_norm
 
 

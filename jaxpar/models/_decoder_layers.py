@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.parallel.context import attention
-from jaxpar.parallel.context._attention import dense_attention
+from jaxpar.attention import attention, dense_attention
 from jaxpar.parallel.moe import moe_apply
 from jaxpar.rules import constrain
 from jaxpar.parallel._tensor import column_parallel, row_parallel

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import jax
@@ -41,13 +40,14 @@ from flax import nnx
 from jaxpar.adapters._blocks import REMAT_POLICIES, remat_policy, run_layers
 from jaxpar.parallel.context import in_sequence_order, sequence_order
 from jaxpar.logical import ROW_TABLE
+from jaxpar.parallel import cross_entropy
 from jaxpar.parallel._lookup import embed_lookup
-from jaxpar.rules import axes_of, constrain, current_rules, logical_to_spec, manual_axes
+from jaxpar.rules import constrain
 from jaxpar.models._gpt_layers import BLOCK_LOGICAL, Blocks, block_apply, layer_norm, param, zeros
 from jaxpar.adapters._loss_metrics import report_metric
 from jaxpar.parallel.moe import need_router_bias, router_bias
 from jaxpar.models._gpt_moe import MoEBlocks, MoESettings, moe_metrics, run_moe_blocks
-from jaxpar.errors import ModelConfigError, RulesError
+from jaxpar.errors import ModelConfigError
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -197,95 +197,6 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     if moe.aux_weight:
         loss = loss + moe.aux_weight * stats.aux_loss
     return loss + moe.z_weight * stats.z_loss if moe.z_weight else loss
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array, mask: Any = None, weights: Any = None) -> jax.Array:
-    """Mean cross-entropy of ``logits[..., vocab]`` over the positions where ``mask`` is true (all when
-    ``None``): ``logsumexp(logits) - logits[target]`` per position. With ``weights``, the plain mean
-    of ``weights × loss`` over every position (the mask is then not read): weights normalised over a
-    global batch, as :class:`jaxpar.data.PackedBatches` makes them, give the global batch's masked mean
-    however the batch is split.
-
-    The target logit is gathered (optax's integer-label form) where the vocabulary is whole on each
-    device. Where it is split over a mesh axis, or inside a ``shard_map`` (a pipeline stage, where
-    XLA's gather partitioner aborts on a split vocabulary), a one-hot product picks it, and its sum
-    over the vocabulary is one all-reduce (:func:`target_by_gather`). The derivative, ``softmax -
-    one_hot``, is one elementwise pass over the logits either way.
-
-    Args:
-      logits: ``[..., vocab]``.
-      targets: integer class ids, ``logits``' shape without ``vocab``.
-      mask: like ``targets``, true where a target counts, or ``None``.
-      weights: like ``targets``, loss weights, or ``None``.
-
-    Returns:
-      The scalar loss.
-    """
-    nll = _nll(logits, targets.astype(jnp.int32), target_by_gather(logits))
-    if weights is not None:
-        return jnp.mean(nll * weights.astype(nll.dtype))
-    if mask is None:
-        return nll.mean()
-    mask = mask.astype(nll.dtype)
-    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
-def _picked(logits: jax.Array, targets: jax.Array, gather: bool) -> jax.Array:
-    """``logits[..., targets]``: by a gather, or by a one-hot product."""
-    if gather:
-        return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
-
-
-@partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _nll(logits: jax.Array, targets: jax.Array, gather: bool) -> jax.Array:
-    """Per position ``logsumexp(logits) - logits[target]``."""
-    return jax.nn.logsumexp(logits, axis=-1) - _picked(logits, targets, gather)
-
-
-@_nll.defjvp
-def _nll_jvp(gather: bool, primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
-    """The tangent ``sum(dlogits × (softmax - one_hot))``: its transpose is one fused elementwise pass
-    (autodiff of the gather would scatter into a zeroed ``[..., vocab]`` array)."""
-    logits, targets = primals
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    slope = jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
-    return lse - _picked(logits, targets, gather), jnp.sum(tangents[0] * slope, axis=-1)
-
-
-def target_by_gather(logits: jax.Array) -> bool:
-    """Whether :func:`cross_entropy` gathers the target logits of ``logits[..., vocab]`` here: outside
-    any ``shard_map``, with the vocabulary on no mesh axis of size > 1, neither in the logits' own type
-    (explicit sharding) nor where the current rules (:func:`jaxpar.use_rules`; none: one device) lay
-    out ``("batch", "length", "vocab")`` as :func:`head_apply` constrains them.
-
-    Args:
-      logits: the logits (an array or a tracer).
-
-    Returns:
-      ``True`` to gather, ``False`` for the one-hot product.
-
-    >>> import jax.numpy as jnp
-    >>> target_by_gather(jnp.zeros((2, 8, 64)))      # no rules: one device
-    True
-    """
-    if manual_axes():
-        return False
-    typed = getattr(jax.typeof(logits), "sharding", None)                 # explicit sharding: in the type
-    own = typed.spec[logits.ndim - 1] if typed is not None and len(typed.spec) >= logits.ndim else None
-    if any(typed.mesh.shape[a] > 1 for a in axes_of(own)):
-        return False
-    ctx = current_rules()
-    if ctx is None:
-        return True
-    mesh, rules = ctx
-    head = ("batch", "length", "vocab") if logits.ndim >= 3 else ("vocab",)
-    logical = (None,) * (logits.ndim - len(head)) + head
-    try:
-        spec = logical_to_spec(logical, rules, mesh, shape=logits.shape)
-    except RulesError:          # names the rules do not map: the product is right however XLA places them
-        return False
-    return all(dict(mesh.shape)[a] == 1 for a in axes_of(spec[-1]))
 
 
 def embed_apply(p: dict[str, jax.Array], tokens: jax.Array, positions: Any = None) -> jax.Array:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.parallel.context import attention
+from jaxpar.attention import attention
 from jaxpar.rules import constrain
 from jaxpar.parallel._tensor import row_parallel
 

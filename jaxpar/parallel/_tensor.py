@@ -6,7 +6,9 @@ features the same way, so each pair needs one reduction of the residual stream.
 Without sequence parallelism that reduction is an all-reduce; with it, the
 residual / norm region is sharded over the sequence (``norm_length`` ->
 ``tensor``) and the reduction becomes a reduce-scatter, paired with an
-all-gather before the next column-parallel layer.
+all-gather before the next column-parallel layer. The loss of logits whose
+vocabulary is split (:func:`cross_entropy`) picks the target logits by a
+one-hot product: one all-reduce over the vocabulary.
 
 Example::
 
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxpar.errors import UnusedAxisWarning
+from jaxpar.errors import RulesError, UnusedAxisWarning
 from jaxpar.parallel._regions import collective_in, enter, keep_axes, reduce_dtype, region_axes, region_spec
 from jaxpar.rules import (LogicalRules, axes_of, constrain, current_rules, logical_to_spec, manual_axes, scoped,
                           shard_map_mesh)
@@ -239,3 +241,93 @@ def row_parallel(eq: str, x: jax.Array, w: jax.Array, x_logical: tuple, w_logica
     y = jax.shard_map(local, mesh=shard_map_mesh(mesh), in_specs=in_specs, out_specs=o_spec, axis_names=manual,
                       check_vma=False)(x, w)
     return constrain(y, out_logical)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: Any = None, weights: Any = None) -> jax.Array:
+    """Mean cross-entropy of ``logits[..., vocab]`` over the positions where ``mask`` is true (all when
+    ``None``): ``logsumexp(logits) - logits[target]`` per position. With ``weights``, the plain mean
+    of ``weights × loss`` over every position (the mask is then not read): weights normalised over a
+    global batch, as :class:`jaxpar.data.PackedBatches` makes them, give the global batch's masked mean
+    however the batch is split.
+
+    The target logit is gathered (optax's integer-label form) where the vocabulary is whole on each
+    device. Where it is split over a mesh axis, or inside a ``shard_map`` (a pipeline stage, where
+    XLA's gather partitioner aborts on a split vocabulary), a one-hot product picks it, and its sum
+    over the vocabulary is one all-reduce (:func:`target_by_gather`). The derivative, ``softmax -
+    one_hot``, is one elementwise pass over the logits either way.
+
+    Args:
+      logits: ``[..., vocab]``.
+      targets: integer class ids, ``logits``' shape without ``vocab``.
+      mask: like ``targets``, true where a target counts, or ``None``.
+      weights: like ``targets``, loss weights, or ``None``.
+
+    Returns:
+      The scalar loss.
+    """
+    nll = _nll(logits, targets.astype(jnp.int32), target_by_gather(logits))
+    if weights is not None:
+        return jnp.mean(nll * weights.astype(nll.dtype))
+    if mask is None:
+        return nll.mean()
+    mask = mask.astype(nll.dtype)
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _picked(logits: jax.Array, targets: jax.Array, gather: bool) -> jax.Array:
+    """``logits[..., targets]``: by a gather, or by a one-hot product."""
+    if gather:
+        return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _nll(logits: jax.Array, targets: jax.Array, gather: bool) -> jax.Array:
+    """Per position ``logsumexp(logits) - logits[target]``."""
+    return jax.nn.logsumexp(logits, axis=-1) - _picked(logits, targets, gather)
+
+
+@_nll.defjvp
+def _nll_jvp(gather: bool, primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
+    """The tangent ``sum(dlogits × (softmax - one_hot))``: its transpose is one fused elementwise pass
+    (autodiff of the gather would scatter into a zeroed ``[..., vocab]`` array)."""
+    logits, targets = primals
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    slope = jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+    return lse - _picked(logits, targets, gather), jnp.sum(tangents[0] * slope, axis=-1)
+
+
+def target_by_gather(logits: jax.Array) -> bool:
+    """Whether :func:`cross_entropy` gathers the target logits of ``logits[..., vocab]`` here: outside
+    any ``shard_map``, with the vocabulary on no mesh axis of size > 1, neither in the logits' own type
+    (explicit sharding) nor where the current rules (:func:`jaxpar.use_rules`; none: one device) lay
+    out ``("batch", "length", "vocab")`` as the GPT's head constrains them
+    (:func:`jaxpar.models._gpt.head_apply`).
+
+    Args:
+      logits: the logits (an array or a tracer).
+
+    Returns:
+      ``True`` to gather, ``False`` for the one-hot product.
+
+    >>> import jax.numpy as jnp
+    >>> target_by_gather(jnp.zeros((2, 8, 64)))      # no rules: one device
+    True
+    """
+    if manual_axes():
+        return False
+    typed = getattr(jax.typeof(logits), "sharding", None)                 # explicit sharding: in the type
+    own = typed.spec[logits.ndim - 1] if typed is not None and len(typed.spec) >= logits.ndim else None
+    if any(typed.mesh.shape[a] > 1 for a in axes_of(own)):
+        return False
+    ctx = current_rules()
+    if ctx is None:
+        return True
+    mesh, rules = ctx
+    head = ("batch", "length", "vocab") if logits.ndim >= 3 else ("vocab",)
+    logical = (None,) * (logits.ndim - len(head)) + head
+    try:
+        spec = logical_to_spec(logical, rules, mesh, shape=logits.shape)
+    except RulesError:          # names the rules do not map: the product is right however XLA places them
+        return False
+    return all(dict(mesh.shape)[a] == 1 for a in axes_of(spec[-1]))

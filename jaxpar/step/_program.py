@@ -51,7 +51,7 @@ def strategy_context(layout: StateLayout, stats: Any = None) -> Iterator[None]:
 
     Raises:
       ContextParallelError: on leaving the block, with a ``context`` axis, for a loss that never called
-        :func:`jaxpar.parallel.context.attention` (XLA would gather the whole sequence for its own
+        :func:`jaxpar.attention.attention` (XLA would gather the whole sequence for its own
         attention), or that ignored the balanced order (:func:`jaxpar.parallel.context.sequence_order`).
       MoEError: on leaving the block, for an ``expert`` axis without MoE layers; a part's own error where
         the loss ignored it (:attr:`~jaxpar.step.PartLayout.after_trace`: a router bias never read).
@@ -67,9 +67,9 @@ def strategy_context(layout: StateLayout, stats: Any = None) -> Iterator[None]:
             part.after_trace(moe)
     if size > 1 and not calls.attention:
         raise ContextParallelError(
-            f"the mesh has a context axis of size {size}, but the loss never called jaxpar.parallel.context.attention: its "
+            f"the mesh has a context axis of size {size}, but the loss never called jaxpar.attention.attention: its "
             "sequence would be gathered whole for its own attention, which is not context parallelism. Call "
-            "jaxpar.parallel.context.attention(q, k, v, ...) in the model, or drop the context axis.")
+            "jaxpar.attention.attention(q, k, v, ...) in the model, or drop the context axis.")
     if size > 1 and setting.balance and not calls.order:
         raise ContextParallelError(
             f"Strategy.context={setting!r}: balance=True lays the sequence out zig-zag over the context axis, but "

@@ -1,35 +1,27 @@
-"""``attention(q, k, v)``: one attention function for every strategy, context parallel or not.
+"""Context-parallel attention: :func:`jaxpar.attention.attention` under a ``context`` mesh axis of size > 1.
 
-Without a ``context`` axis of size > 1 (no :func:`jaxpar.use_rules`, or no such axis) it is
-``jax.nn.dot_product_attention``. Under one, q/k/v arrive split along the sequence and it opens a
-``shard_map`` manual over ``context`` and the other axes that split q/k/v (inside an outer
-``shard_map``, that region's mesh) and runs the method of
+q/k/v arrive split along the sequence; :func:`context_attention` opens a ``shard_map`` manual over ``context``
+and the other axes that split q/k/v (inside an outer ``shard_map``, that region's mesh) and runs the method of
 :func:`jaxpar.parallel.context.use_context_parallel`: ``ring`` (:mod:`jaxpar.parallel.context._ring`),
-``all_gather`` (K/V gathered over ``context``) or ``ulysses`` (all-to-all from sequence to heads and
-back; K/V heads repeated up to a multiple of ``C``). docs/strategies.md compares them.
-
-**Masks.** ``causal`` masks by true position (also in the balanced layout). ``segment_ids``
-(``[batch, length]`` ints) packs sequences into one row: a token attends only to its own id; give
-padding an id of its own (padding then attends to padding: no NaN) and mask it in the loss.
-``window`` (sliding window; a Python int or a traced int32 scalar) masks keys ``window`` or more
-positions away. ``softcap`` caps the scores to ``softcap * tanh(s / softcap)`` before the mask
-(whole-sequence methods then use :func:`jaxpar.parallel.context._attention.capped_attention`).
+``all_gather`` (K/V gathered over ``context``) or ``ulysses`` (all-to-all from sequence to heads and back; K/V
+heads repeated up to a multiple of ``C``). docs/strategies.md compares them. Masks go by true position, also in
+the balanced layout (:func:`sequence_order`).
 
 Example::
 
     >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jaxpar.attention import dense_attention
     >>> from jaxpar.parallel.context import use_context_parallel
     >>> q = k = v = jnp.ones((1, 8, 2, 4))
-    >>> attention(q, k, v).shape                 # no rules: one device
-    (1, 8, 2, 4)
     >>> mesh = jaxpar.make_mesh({"context": 2}, devices=jax.devices()[:2])
     >>> rules = (("batch", None), ("length", "context"), ("heads", None))
+    >>> call = lambda q, k, v: context_attention(dense_attention, q, k, v, None, causal=True, scale=0.5,
+    ...                                          window=None, softcap=None)
     >>> with jaxpar.use_rules(mesh, rules), use_context_parallel("all_gather"):
-    ...     y = jax.jit(attention)(q, k, v)
+    ...     y = jax.jit(call)(q, k, v)
     >>> bool(jnp.allclose(y, 1.0))
     True
 """
-
 from __future__ import annotations
 
 import functools
@@ -42,11 +34,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.parallel._regions import collective_in, keep_axes, reduce_dtype, region_axes, region_spec
 from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, shard_map_mesh
-from jaxpar.parallel.context._attention import check_softcap, check_window, dense_attention
 from jaxpar.parallel.context._zigzag import check_length, from_balanced, sequence_positions, shard_positions, to_balanced
 from jaxpar.parallel.context._options import CONTEXT, current_context_parallel, note_context_call
 from jaxpar.parallel.context._ring import ring_attention
-from jaxpar.errors import AttentionError, ContextParallelError
+from jaxpar.errors import ContextParallelError
 
 #: The logical names of q, k and v (``[batch, length, heads, head_dim]``); k/v share the heads' axes.
 QKV_LOGICAL = ("batch", "length", "heads", None)
@@ -60,46 +51,37 @@ class _Call(NamedTuple):
     hop: str = "permute"
     softcap: float | None = None
     wire: Any = None          # the dtype of the all-gather method's K/V (jaxpar.parallel._regions.reduce_dtype); None: theirs
+    dense: Callable = None    # whole-sequence attention on one device (jaxpar.attention.dense_attention)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: jax.Array | None = None,
-              scale: float | None = None, window: int | jax.Array | None = None,
-              softcap: float | None = None) -> jax.Array:
-    """Multi-head (or grouped-query) self-attention, context parallel under a ``context`` mesh axis.
+def context_attention(dense: Callable, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, *,
+                      causal: bool, scale: float, window: int | jax.Array | None, softcap: float | None) -> jax.Array:
+    """:func:`jaxpar.attention.attention` under a ``context`` axis of size > 1: the method of
+    :func:`jaxpar.parallel.context.use_context_parallel` on the local shards (inside a ``shard_map`` manual
+    over ``context``, on them as they are).
 
     Args:
-      q: queries ``[batch, length, heads, head_dim]``.
-      k, v: keys and values ``[batch, length, kv_heads, head_dim]``; ``kv_heads`` divides ``heads``
-        (query head ``h`` uses K/V head ``h // (heads // kv_heads)``).
-      causal: mask the keys after each query.
-      segment_ids: ``[batch, length]`` integer ids of packed sequences (see the module), or ``None``.
-      scale: the score scale, ``head_dim ** -0.5`` by default.
-      window: the sliding window: query position ``p`` attends to key positions ``> p - window``
-        (without ``causal`` also ``< p + window``): a Python int >= 1, or an int32 scalar array,
-        which may be traced; or ``None``.
-      softcap: the logit soft-cap (a Python number > 0; scores become ``softcap * tanh(s / softcap)``),
-        or ``None``.
+      dense: the whole-sequence attention the ``all_gather`` and ``ulysses`` methods run on each device
+        (:func:`jaxpar.attention.dense_attention`).
+      q, k, v, segment_ids: as for :func:`jaxpar.attention.attention`, checked.
+      causal: the causal mask.
+      scale: the score scale.
+      window: the checked sliding window, or ``None``.
+      softcap: the checked logit soft-cap, or ``None``.
 
     Returns:
       ``[batch, length, heads, head_dim]``, sharded like ``q``.
 
     Raises:
-      AttentionError: the shapes do not fit together, or a bad ``window`` or ``softcap``.
       ContextParallelError: the sequence, the heads or the rules do not fit the context axis.
     """
-    _check_inputs(q, k, v, segment_ids)
-    window, softcap = check_window(window, AttentionError), check_softcap(softcap, AttentionError)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     ctx, size = current_rules(), context_size()
-    local = size > 1 and CONTEXT in manual_axes()     # already inside a shard_map manual over context
+    local = CONTEXT in manual_axes()                  # already inside a shard_map manual over context
     if isinstance(window, int) and window >= q.shape[1] * (size if local else 1):
         window = None                                 # wider than the sequence: no window
-    if size == 1:
-        return dense_attention(q, k, v, causal=causal, scale=scale, q_seg=segment_ids, k_seg=segment_ids,
-                               window=window, softcap=softcap)
     note_context_call("attention")
     setting = current_context_parallel()
-    call = _Call(size, causal, scale, setting.balance, _ring_hop(ctx[0]), softcap)
+    call = _Call(size, causal, scale, setting.balance, _ring_hop(ctx[0]), softcap, dense=dense)
     if local:
         check_length(q.shape[1] * size, size, setting.balance)
         call = call._replace(wire=reduce_dtype(q.dtype, ctx[0], ()))     # in the enclosing region
@@ -195,23 +177,6 @@ def _reordered(x: jax.Array, axis: int, reorder) -> jax.Array:
     return pin(reorder(pin(x), axis, context_size()))
 
 
-def _check_inputs(q, k, v, segment_ids) -> None:
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise AttentionError(f"attention: q, k and v must be [batch, length, heads, head_dim] with k and v alike; "
-                             f"got {shapes}.")
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise AttentionError(f"attention: q and k/v must share batch, length and head_dim (self-attention); "
-                             f"got {shapes}.")
-    if q.shape[2] % k.shape[2]:
-        raise AttentionError(f"attention: the {k.shape[2]} K/V heads must divide the {q.shape[2]} query heads "
-                             f"(grouped-query attention); got {shapes}.")
-    if segment_ids is not None and (tuple(segment_ids.shape) != tuple(q.shape[:2])
-                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
-        raise AttentionError(f"attention: segment_ids must be integers of shape [batch, length] = {tuple(q.shape[:2])};"
-                             f" got {segment_ids.dtype}{list(segment_ids.shape)}.")
-
-
 def _specs(mesh, rules, q, k) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
     """The ``PartitionSpec`` of q, of k/v and of the segment ids, from the rules."""
     sizes = dict(mesh.shape)
@@ -266,10 +231,10 @@ def _all_gather_local(call: _Call, q, k, v, seg, window):
         return collective_in(wire, functools.partial(jax.lax.all_gather, axis_name=CONTEXT, axis=1, tiled=True), x)
     k, v, k_seg = gather(k), gather(v), gather(seg)
     if not call.causal and window is None:   # a full mask depends on the segments only, not on where tokens sit
-        return dense_attention(q, k, v, causal=False, scale=call.scale, q_seg=seg, k_seg=k_seg, softcap=call.softcap)
+        return call.dense(q, k, v, causal=False, scale=call.scale, q_seg=seg, k_seg=k_seg, softcap=call.softcap)
     q_pos = shard_positions(jax.lax.axis_index(CONTEXT), q.shape[1], call.size, call.balance)
     k_pos = sequence_positions(k.shape[1], call.size, call.balance)
-    return dense_attention(q, k, v, causal=call.causal, scale=call.scale, q_seg=seg, k_seg=k_seg, q_pos=q_pos,
+    return call.dense(q, k, v, causal=call.causal, scale=call.scale, q_seg=seg, k_seg=k_seg, q_pos=q_pos,
                            k_pos=k_pos, window=window, softcap=call.softcap)
 
 
@@ -308,7 +273,7 @@ def _ulysses_local(call: _Call, q, k, v, seg, window):
     if call.balance:     # the whole sequence is here: back to the natural order, so is_causal applies
         q, k, v = (from_balanced(x, 1, call.size) for x in (q, k, v))
         seg = None if seg is None else from_balanced(seg, 1, call.size)
-    out = dense_attention(q, k, v, causal=call.causal, scale=call.scale, q_seg=seg, k_seg=seg, window=window,
+    out = call.dense(q, k, v, causal=call.causal, scale=call.scale, q_seg=seg, k_seg=seg, window=window,
                           softcap=call.softcap)
     if call.balance:
         out = to_balanced(out, 1, call.size)

@@ -1,4 +1,4 @@
-"""How :func:`jaxpar.parallel.context.attention` parallelises over the ``context`` mesh axis.
+"""How :func:`jaxpar.attention.attention` parallelises over the ``context`` mesh axis.
 
 The method and the load balancing are a context setting, not arguments of the model's code: a model
 calls ``attention(q, k, v)`` the same way under every strategy, and the train step (or a user) opens
@@ -35,7 +35,7 @@ _SETTING: contextvars.ContextVar = contextvars.ContextVar("jaxpar_context_parall
 
 
 def use_context_parallel(method: str = "ring", *, balance: bool = False) -> ContextManager[ContextParallel]:
-    """Use ``method`` (and ``balance``) for :func:`jaxpar.parallel.context.attention` inside this block.
+    """Use ``method`` (and ``balance``) for :func:`jaxpar.attention.attention` inside this block.
 
     It only matters where the mesh of :func:`jaxpar.use_rules` has a ``context`` axis of size > 1.
     Like the rules, it is read when a function is traced: open it around ``jax.jit(...)``'s first
@@ -62,7 +62,7 @@ class ContextCalls:
     """What a traced function asked of context parallelism: ``attention`` calls that ran over a
     ``context`` axis, and ``order`` calls (:func:`jaxpar.parallel.context.sequence_order`) that laid the
     sequence out for it. The train step checks them: a model that never calls
-    :func:`jaxpar.parallel.context.attention` under a ``context`` axis, or ignores the balanced order, is
+    :func:`jaxpar.attention.attention` under a ``context`` axis, or ignores the balanced order, is
     refused rather than silently gathered or silently wrong."""
 
     attention: int = 0

@@ -2,7 +2,7 @@
 
 The K/V shards travel around the ``C`` devices of the axis (one ``ppermute`` per step, ``C - 1``
 forward); each device folds the block it holds into its queries' fp32 online softmax
-(:func:`~jaxpar.parallel.context._attention.softmax_step`) and keeps the logsumexp. The backward (a
+(:func:`~jaxpar.parallel.context._softmax.softmax_step`) and keeps the logsumexp. The backward (a
 ``jax.custom_vjp``) rings again with the dK/dV accumulators beside K/V, and one more hop brings them
 home. Each hop sends one buffer (:func:`pack`), which also keeps XLA from merging the backward's hops
 with the forward's (that would keep the full K/V alive). ``hop="gather"`` makes each hop an
@@ -34,8 +34,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpar.parallel.context._attention import (allowed, check_softcap, check_window, empty_softmax, group_heads, softmax_grad_step,
-                                                softmax_result, softmax_step)
+from jaxpar.parallel.context._softmax import (allowed, check_softcap, check_window, empty_softmax, group_heads,
+                                              softmax_grad_step, softmax_result, softmax_step)
 from jaxpar.parallel.context._zigzag import check_length, chunk_index, chunks_per_shard, pair_needed, ring_schedule
 from jaxpar.errors import ContextParallelError
 

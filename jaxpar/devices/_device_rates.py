@@ -1,17 +1,9 @@
 """Calibrate the cost model's compute and memory rates on one attached accelerator (``jaxpar calibrate
 --device``): time bf16 GEMMs from 2 GFLOP to 1 TFLOP and a streaming kernel, fit the roofline's matmul
-efficiency curve and the memory bandwidth, time the host link and the host update (memory offloading,
-:func:`measure_host`), and write a cluster description that keeps a base preset's links between devices.
-
-The matmul efficiency of :meth:`jaxpar.cost.Cluster.matmul_efficiency` is ``e * w / (w + h)`` for a GEMM of
-``w`` FLOPs: ``1 / eff = 1 / e + (h / e) / w`` is linear in ``1 / w``, fitted by least squares on the
-measured ``eff = w / (t * peak)``. docs/planning.md §6 has the method; docs/benchmarks.md §21 the check
-against train steps the fit never saw.
-
-Example::
-
-    >>> fit_gemm_efficiency([(1e9, 2e-6), (1e12, 1.25e-3)], 1e15)      # 1 GFLOP at 50%, 1 TFLOP at 80%
-    {'efficiency': 0.8005, 'gemm_half_gflop': 0.601, 'max_rel_residual': 0.0}
+efficiency curve (:func:`jaxpar.cost.fit_gemm_efficiency`) and the memory bandwidth, time the host link and the
+host update (memory offloading, :func:`measure_host`), and write a cluster description that keeps a base
+preset's links between devices. docs/planning.md §6 has the method; docs/benchmarks.md §21 the check against
+train steps the fit never saw.
 """
 from __future__ import annotations
 
@@ -20,7 +12,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+import yaml
+from jax.sharding import SingleDeviceSharding
+
+from jaxpar.cost import fit_gemm_efficiency, presets
 
 #: ``(m, k, n)`` of the timed GEMMs: square ones, the GPT-124M MLP's and the Llama-3-8B MLP's at 8k tokens.
 GEMMS = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 768, 3072),
@@ -37,8 +36,6 @@ K_LO, K_HI = 1, 4
 
 
 def _median_seconds(fn: Callable, args: tuple, reps: int) -> float:
-    import jax
-
     jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(reps):
@@ -60,8 +57,6 @@ def per_kernel_seconds(kernel: Callable, inputs: list[tuple], reps: int) -> floa
     Returns:
       The seconds of one call inside a program.
     """
-    import jax
-
     def program(count):
         return jax.jit(lambda *args: [kernel(*a) for a in args[:count]])
     lo = _median_seconds(program(K_LO), tuple(inputs[:K_LO]), reps)
@@ -81,9 +76,6 @@ def measure_gemms(shapes=GEMMS, reps: int = 10, say: Callable[[str], None] = pri
     Returns:
       The points.
     """
-    import jax
-    import jax.numpy as jnp
-
     out = []
     for m, k, n in shapes:
         keys = jax.random.split(jax.random.key(m + k + n), 2 * K_HI)
@@ -108,8 +100,6 @@ def measure_stream(nbytes: int = STREAM_BYTES, reps: int = 10, say: Callable[[st
     Returns:
       Read plus written bytes per second.
     """
-    import jax.numpy as jnp
-
     inputs = [(jnp.full((nbytes // 4,), float(i), jnp.float32),) for i in range(K_HI)]
     t = per_kernel_seconds(lambda x: x * 0.999 + 1.0, inputs, reps)
     bw = 2 * nbytes / t
@@ -134,10 +124,6 @@ def measure_host(nbytes: int = HOST_BYTES, reps: int = 10, say: Callable[[str], 
     Returns:
       ``{"to_device_gbps", "to_host_gbps", "link_gbps", "update_gbps"}``.
     """
-    import jax
-    import optax
-    from jax.sharding import SingleDeviceSharding
-
     from jaxpar.parallel._offload import on_host
     from jaxpar.step._update import optimizer_arithmetic
 
@@ -159,26 +145,6 @@ def measure_host(nbytes: int = HOST_BYTES, reps: int = 10, say: Callable[[str], 
     return out
 
 
-def fit_gemm_efficiency(points: list[tuple[float, float]], peak: float) -> dict[str, float]:
-    """The roofline's ``efficiency`` and ``gemm_half_gflop`` from ``[(FLOPs, seconds)]`` at ``peak`` FLOP/s.
-
-    Args:
-      points: the timed GEMMs.
-      peak: the datasheet's peak FLOP/s of the compute dtype.
-
-    Returns:
-      ``{"efficiency", "gemm_half_gflop", "max_rel_residual"}`` (the residual of the fitted time).
-    """
-    w = np.array([p[0] for p in points])
-    eff = w / (np.array([p[1] for p in points]) * peak)
-    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(w), 1 / w], 1), 1 / eff, rcond=None)
-    # no curve with e > 0, h >= 0 through the points (noisy small GEMMs): the largest efficiency, flat
-    e, h = (min(1.0, 1 / a), max(0.0, b / a)) if a > 0 and b >= 0 else (min(1.0, float(eff.max())), 0.0)
-    fitted = e * w / (w + h)
-    return {"efficiency": float(f"{e:.4g}"), "gemm_half_gflop": float(f"{h / 1e9:.4g}"),
-            "max_rel_residual": round(float(np.max(np.abs(eff / fitted - 1))), 4)}
-
-
 def calibrate_device(out: str | Path | None = None, *, base: str = "h100", reps: int = 10, shapes=GEMMS,
                      stream_bytes: int = STREAM_BYTES, host_bytes: int | None = HOST_BYTES,
                      say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -198,11 +164,6 @@ def calibrate_device(out: str | Path | None = None, *, base: str = "h100", reps:
     Returns:
       ``{"yaml": text, "gemms": points, "fit": ..., "stream_gbps": ..., "host": ... or None, "device": kind}``.
     """
-    import jax
-    import yaml
-
-    from jaxpar.cost._cluster import presets
-
     data = yaml.safe_load(presets()[base].read_text())
     device = jax.devices()[0]
     say(f"calibrating {device.device_kind} against the {base} preset's peak ({data['peak_tflops']['bfloat16']} TFLOP/s)")

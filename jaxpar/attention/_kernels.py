@@ -63,7 +63,7 @@ class AttentionFallbackWarning(UserWarning):
 
 @contextlib.contextmanager
 def use_attention_kernel(kernel: str = "auto") -> Iterator[str]:
-    """Run :func:`jaxpar.parallel.context.attention` with ``kernel`` inside this block.
+    """Run :func:`jaxpar.attention.attention` with ``kernel`` inside this block.
 
     Read when a function is traced, like :func:`jaxpar.use_rules`. JAX keeps traces (``jax.checkpoint``'s
     among them) by function, not by this setting, so a block that changes it clears JAX's caches on entry
@@ -206,7 +206,7 @@ def kernel_for(q, k, *, causal: bool, segments: bool, positions: bool, window: A
             counts.setdefault("why", []).append(why)
     if why:
         warnings.warn(f"attention on a GPU runs XLA's unfused path ([length, length] scores in memory): {why}. "
-                      "jaxpar.parallel.context.use_attention_kernel and docs/strategies.md say which masks fuse.",
+                      "jaxpar.attention.use_attention_kernel and docs/strategies.md say which masks fuse.",
                       AttentionFallbackWarning, stacklevel=3)
     return kernel
 

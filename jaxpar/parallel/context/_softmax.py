@@ -1,6 +1,7 @@
-"""The attention arithmetic shared by the context-parallel methods: masks from true positions and
-segment ids, whole-sequence attention (``jax.nn.dot_product_attention``) and the per-block steps of
-the online softmax (forward) and of its gradient (backward) that the ring runs.
+"""The attention arithmetic that whole-sequence attention (:func:`jaxpar.attention.dense_attention`) and the
+ring (:mod:`jaxpar.parallel.context._ring`) share: masks from true positions and segment ids, the window and
+soft-cap checks, soft-capped scores, and the per-block steps of the online softmax (forward) and of its
+gradient (backward) that the ring runs.
 
 Layouts: activations are ``[batch, length, heads, head_dim]``; with GQA, query head ``h`` uses K/V
 head ``h // (heads // kv_heads)`` (as ``jnp.repeat(k, heads // kv_heads, axis=2)``, and as
@@ -33,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.parallel.context._kernels import fused_attention, kernel_for
 
 #: The score of a masked entry: finite, so that a row whose block is wholly masked gives no NaN
 #: (its running max is corrected away by the first unmasked block, as in jax's flash attention).
@@ -118,54 +118,6 @@ def check_softcap(softcap: Any, error: type = ValueError, what: str = "attention
                     "Python number > 0 (scores become softcap * tanh(scores / softcap), e.g. Gemma-2's 50.0). "
                     "Fix: a positive float, or None for no cap.")
     return float(softcap)
-
-
-def dense_attention(q, k, v, *, causal: bool, scale: float, q_seg=None, k_seg=None, q_pos=None,
-                    k_pos=None, window: Any = None, softcap: float | None = None) -> jax.Array:
-    """Attention of all of ``q`` to all of ``k``/``v``.
-
-    A fused kernel runs it where :func:`jaxpar.parallel.context.use_attention_kernel` and the call allow
-    (:mod:`jaxpar.parallel.context._kernels`: cuDNN or Pallas on a GPU); otherwise XLA's path, as follows.
-    Without positions, window or softcap the tokens are in their natural order and it is
-    ``jax.nn.dot_product_attention`` with its own causal mask (``is_causal``, which cuDNN's flash
-    attention supports where JAX selects it); segment ids add a mask. With positions (a permuted or
-    partial sequence) or a window the whole mask is built from the positions (``arange`` by
-    default). ``jax.nn.dot_product_attention`` has no soft-cap, so with ``softcap`` the scores are
-    computed here in fp32 (:func:`capped_attention`).
-
-    Args:
-      q: ``[batch, q_length, heads, head_dim]``.
-      k, v: ``[batch, k_length, kv_heads, head_dim]``.
-      causal: the causal mask.
-      scale: the score scale.
-      q_seg, k_seg: ``[batch, length]`` segment ids, or ``None``.
-      q_pos, k_pos: true positions, or ``None`` for ``arange``.
-      window: the sliding window (int or int scalar array), or ``None``.
-      softcap: the logit soft-cap, or ``None``.
-
-    Returns:
-      ``[batch, q_length, heads, head_dim]``.
-    """
-    blockwise = q_pos is not None or k.shape[1] != q.shape[1] or q_seg is not k_seg
-    kernel = kernel_for(q, k, causal=causal, segments=q_seg is not None, positions=blockwise, window=window,
-                        softcap=softcap)
-    if kernel != "xla":
-        return fused_attention(kernel, q, k, v, causal=causal, scale=scale, segment_ids=q_seg, window=window)
-    with jax.softmax_custom_jvp(True):    # the backward keeps the probabilities only, not exp() beside them
-        return _xla_attention(q, k, v, causal, scale, q_seg, k_seg, q_pos, k_pos, window, softcap)
-
-
-def _xla_attention(q, k, v, causal, scale, q_seg, k_seg, q_pos, k_pos, window, softcap) -> jax.Array:
-    """:func:`dense_attention` on XLA's path."""
-    if q_pos is None and window is None and softcap is None:
-        mask = None if q_seg is None else (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal)
-    if q_pos is None:
-        q_pos, k_pos = np.arange(q.shape[1]), np.arange(k.shape[1])
-    mask = allowed(q_pos, k_pos, q_seg, k_seg, causal=causal, window=window)
-    if softcap is None:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
-    return capped_attention(q, k, v, mask, scale, softcap)
 
 
 def capped_attention(q, k, v, mask, scale: float, softcap: float) -> jax.Array:

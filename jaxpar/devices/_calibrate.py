@@ -3,7 +3,7 @@ write the ``cpu_sim`` cluster description (``configs/clusters/cpu_sim.yaml``).
 
 What is measured (8 simulated XLA:CPU devices, one ``data`` axis, ``shard_map`` programs):
 
-* each collective of :mod:`jaxpar.cost._collectives` (all-reduce, all-gather, reduce-scatter, all-to-all,
+* each collective of :func:`jaxpar.cost.collective_time` (all-reduce, all-gather, reduce-scatter, all-to-all,
   collective-permute as a ring shift) over buffer sizes ``n`` from 1 KiB to 16 MiB per device (the cost
   model's convention: the all-reduce / reduce-scatter input, the all-gather output, the all-to-all send
   buffer, the permute message). To leave out a jitted call's dispatch, a program runs ``K`` dependent
@@ -18,8 +18,6 @@ link ``(alpha, beta, gamma)`` for which :func:`jaxpar.cost.collective_time` is c
 all-gather, reduce-scatter and permute measurements (robust least squares on ``log t``, scipy; all-to-all's
 timings did not repeat from run to run here); the peak FLOP/s and ``gemm_half_gflop`` through the two
 8-device matmul points. docs/planning.md §6 has the method and its residuals.
-
-JAX is imported inside the functions (:mod:`jaxpar.cost` imports no JAX at import time).
 """
 from __future__ import annotations
 
@@ -31,8 +29,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpar.cost import Link, best_algorithm, collective_time
 from jaxpar.errors import CostModelError
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -44,8 +46,6 @@ DEVICES = 8
 
 
 def _mesh(n: int = DEVICES):
-    import jax
-
     if len(jax.devices()) < n:
         raise CostModelError(f"calibrate: needs {n} devices, JAX has {len(jax.devices())}; run `jaxpar calibrate` "
                              f"(it simulates {n} CPU devices) or set XLA_FLAGS=--xla_force_host_platform_device_count"
@@ -55,8 +55,6 @@ def _mesh(n: int = DEVICES):
 
 def _collective_body(kind: str, k: int, p: int) -> tuple[Callable, int]:
     """``(body, divisor)``: ``k`` dependent ``kind`` collectives over ``data``; the local input is ``n / divisor``."""
-    import jax
-
     ax = "data"
     perm = [(i, (i + 1) % p) for i in range(p)]
 
@@ -89,10 +87,6 @@ def collective_program(kind: str, nbytes: int, k: int, mesh) -> Callable[[], Any
     Returns:
       The call (it returns the device array).
     """
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     p = mesh.devices.size
     body, divisor = _collective_body(kind, k, p)
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
@@ -103,10 +97,6 @@ def collective_program(kind: str, nbytes: int, k: int, mesh) -> Callable[[], Any
 def matmul_program(rows: int, k: int, mesh) -> tuple[Callable[[], Any], int]:
     """``k`` dependent ``[rows, 128] x [128, 512] x [512, 128]`` matmul pairs on every device of ``mesh``, and
     the FLOPs of one pair."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     p, spec = mesh.devices.size, NamedSharding(mesh, P("data"))
     w1 = jax.device_put(jnp.full((p * 128, 512), 0.01, jnp.float32), spec)
     w2 = jax.device_put(jnp.full((p * 512, 128), 0.01, jnp.float32), spec)
@@ -132,8 +122,6 @@ def per_repeat(programs: dict, reps: int, lo: int, hi: int) -> tuple[float, dict
     Returns:
       ``(seconds per repeat, {repeats: median seconds})``.
     """
-    import jax
-
     names = list(programs)
     for name in names:
         for _ in range(2):
@@ -168,12 +156,10 @@ def measure_collectives(reps: int, sizes=SIZES, say: Callable[[str], None] = pri
 def measure_compute(reps: int, say: Callable[[str], None] = print) -> dict:
     """FLOP/s per device of the matmul chain at rows 128 and 1024 on all 8 devices, at 1024 on one alone, and
     ``rate(w) = R * w / (w + w_half)`` through the two 8-device points (``peak`` R, ``w_half``)."""
-    import jax
-
     out = {}
     for label, n, rows in (("8 devices busy, rows 128", 8, 128), ("8 devices busy, rows 1024", 8, 1024),
                            ("1 device alone, rows 1024", 1, 1024)):
-        mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+        mesh = _mesh(n)
         progs, flops = {}, 0
         for k in (1, 4):
             progs[k], flops = matmul_program(rows, k, mesh)
@@ -198,10 +184,6 @@ def measure_compute(reps: int, say: Callable[[str], None] = print) -> dict:
 def measure_memory(reps: int, nbytes: int = 32 * 2**20, say: Callable[[str], None] = print) -> float:
     """Bytes/s one device streams while all 8 do: ``x = x * c + 1`` over ``nbytes`` per device, in place
     (donated), read + write; the median over ``max(reps, 5)`` calls (the dispatch, ~0.2 ms, is left in)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     mesh = _mesh()
     x = jax.device_put(jnp.ones((DEVICES * nbytes // 4,), jnp.float32), NamedSharding(mesh, P("data")))
     fn = jax.jit(jax.shard_map(lambda x: x * 0.999 + 1.0, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
@@ -236,32 +218,29 @@ def link_fit(meas: dict, p: int = DEVICES, shared_memory: bool = True) -> dict:
     :data:`LINK_KINDS` are closest to the measurements (robust least squares on log time), with residuals."""
     from scipy.optimize import least_squares
 
-    from jaxpar.cost import _collectives as C
-
     pts = [(kind, n, t) for kind, rows in meas.items() if kind in LINK_KINDS for n, t in rows]
 
     def link(x):
         a, b, g = np.exp(x)
-        return C.Link(a, b, g, shared_memory)
+        return Link(a, b, g, shared_memory)
 
     def resid(x):
         L = link(x)
-        return np.array([math.log(C.time(kind, n, p, L) / t) for kind, n, t in pts])
+        return np.array([math.log(collective_time(kind, n, p, L) / t) for kind, n, t in pts])
 
     sol = least_squares(resid, np.log([2e-5, 1e-9, 1e-10]), loss="soft_l1", f_scale=0.3)   # a noisy point weighs less
     L = link(sol.x)
-    res = {kind: [float(C.time(kind, n, p, L) / t - 1) for n, t in rows] for kind, rows in meas.items()}
+    res = {kind: [float(collective_time(kind, n, p, L) / t - 1) for n, t in rows] for kind, rows in meas.items()}
     allres = np.concatenate([np.abs(v) for k, v in res.items() if k in LINK_KINDS])
     return {"link": L, "residuals": res, "max_rel_residual": float(allres.max()),
             "median_rel_residual": float(np.median(allres)),
-            "algorithms": {kind: sorted({C.best(kind, n, p, L)[0] for n, _ in rows}) for kind, rows in meas.items()}}
+            "algorithms": {kind: sorted({best_algorithm(kind, n, p, L)[0] for n, _ in rows})
+                           for kind, rows in meas.items()}}
 
 
 def environment() -> dict[str, Any]:
     """The machine and versions the calibration ran on (the preset's ``sources``)."""
     import subprocess
-
-    import jax
 
     try:
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
@@ -284,7 +263,7 @@ def preset_yaml(env: dict, fits: dict, lf: dict, net: dict, compute: dict, reps:
         f"description: {env['devices']} (jax_num_cpu_devices=8) on a {os.cpu_count()}-core "
         f"{platform.processor() or platform.machine()}, one process",
         "sources:",
-        f"  - \"jaxpar calibrate (jaxpar/cost/_calibrate.py; benchmarks/calibrate.py adds the strategies' ranking), "
+        f"  - \"jaxpar calibrate (jaxpar/devices/_calibrate.py; benchmarks/calibrate.py adds the strategies' ranking), "
         f"{env['date']}, jax {env['jax']}, jaxpar @ {env['git']}, nproc {env['nproc']}, load average {load[0]:.2f} / "
         f"{load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min): the machine was shared, the numbers are noisy\"",
         f"  - \"link: shared memory (one rendezvous, then each device reads its peers' buffers: one-shot "
