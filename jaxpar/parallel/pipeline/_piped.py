@@ -11,9 +11,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.batch import split_microbatches
-from jaxpar.errors import MoEError
+from jaxpar.errors import AsyncPipelineError, MoEError, StashingError
 from jaxpar.parallel.moe import balanced, probe, reported_loads, use_step_loads
-from jaxpar.mesh import data_axes
+from jaxpar.mesh import REPLICA, batch_axes, data_axes
 from jaxpar.rules import named_shardings, spec_without, without_rules
 from jaxpar.adapters._mesh_axes import needs_explicit_mesh
 from jaxpar.parallel.pipeline._cut import ModelCut, PipelineParts, cut_model, explicit_whole_loss
@@ -21,7 +21,8 @@ from jaxpar.parallel.pipeline._executor import pipeline_value_and_grad
 from jaxpar.parallel.pipeline._partition import (check_stage_layers, from_stages, layer_costs, partition_layers,
                                                  to_stages, uniform_layers)
 from jaxpar.parallel.pipeline._instructions import lower
-from jaxpar.parallel.pipeline._schedules import get_schedule, lockstep
+from jaxpar.parallel.pipeline._reshards import stage_reshards
+from jaxpar.parallel.pipeline._schedules import canonical_kind, get_schedule, lockstep
 from jaxpar.parallel.pipeline._sweep import pipeline_forward_sum
 
 
@@ -48,9 +49,27 @@ def auto_stage_layers(cut: ModelCut, outer: list, blocks: Any, microbatch: Any, 
 
 
 def runs_in_lockstep(strategy, mesh) -> bool:
-    """Whether the pipeline runs as a lockstep program (:func:`~._schedules.lockstep`): with sequence parallelism on a
-    ``tensor`` axis of size > 1, whose collectives sit inside every stage's actions."""
+    """Whether the pipeline runs as a lockstep program (:func:`~._schedules.lockstep`) whatever its model: with
+    sequence parallelism on a ``tensor`` axis of size > 1, whose collectives sit inside every stage's actions.
+    Any other pipeline runs in lockstep where its stage holds collective-permutes (:attr:`StagedCut.reshards`)."""
     return bool(strategy.sequence_parallel) and mesh.shape.get("tensor", 1) > 1
+
+
+#: The schedules without a lockstep program (their stages run different actions at a tick), with their errors.
+NO_LOCKSTEP = {"pipedream-2bw": AsyncPipelineError, "pipedream": StashingError}
+
+
+def _refuse_reshards(strategy, reshards: tuple[str, ...]) -> None:
+    """A named error where a schedule without a lockstep program meets a stage that holds collective-permutes."""
+    error = NO_LOCKSTEP.get(canonical_kind(strategy.schedule))
+    if error is None or not reshards:
+        return
+    raise error(f"Strategy.schedule={strategy.schedule!r} with a model whose pipeline stage holds collective-permutes "
+                f"(XLA reshards a sharded value at {', '.join(reshards[:3])}): every device must reach one, but this "
+                "schedule runs a different action per stage, so only some stages' devices would, and the step would "
+                "hang until XLA aborts it. Use a flush schedule (gpipe, 1f1b, interleaved, zb-h1; YAML "
+                "parallel.schedule), which then runs in lockstep, or keep the model from resharding there (e.g. "
+                "separate q / k / v projections in place of a fused one split with jnp.split).")
 
 
 def _pinned(parts: PipelineParts, shardings: list) -> PipelineParts:
@@ -63,13 +82,16 @@ def _pinned(parts: PipelineParts, shardings: list) -> PipelineParts:
 class StagedCut(NamedTuple):
     """The model cut for the executor (traced under ``jit``): ``parts`` (``outer`` pinned to its
     layout), ``stage(params) -> (outer, blocks [v, p, Lmax, ...])`` and ``grads(g_outer, g_blocks)``
-    back in the parameters' tree; ``model``: the :class:`~._cut.ModelCut` (its ``split`` / ``merge``)."""
+    back in the parameters' tree; ``model``: the :class:`~._cut.ModelCut` (its ``split`` / ``merge``);
+    ``reshards``: where a stage holds collective-permutes (:func:`~._reshards.stage_reshards`; not looked for when
+    the pipeline runs in lockstep anyway, :func:`runs_in_lockstep`)."""
 
     parts: PipelineParts
     stage_layers: tuple
     stage: Callable
     grads: Callable
     model: Any = None
+    reshards: tuple = ()
 
 
 def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, params, mbs, *,
@@ -89,6 +111,10 @@ def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, pa
 
     Returns:
       A :class:`StagedCut`.
+
+    Raises:
+      AsyncPipelineError / StashingError: PipeDream-2BW / weight stashing with a stage that holds
+        collective-permutes (they have no lockstep program).
     """
     p, v = mesh.shape["pipe"], strategy.virtual_stages
     microbatch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), mbs)
@@ -107,6 +133,9 @@ def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, pa
     # sharded, XLA reshards them inside the first / last stage's branch with collective-permutes over every
     # device, which only that stage runs (a deadlock).
     whole = [NamedSharding(mesh, spec_without(sp, set(data_axes(mesh)))) for sp in outer_specs]
+    reshards = () if runs_in_lockstep(strategy, mesh) else _stage_reshards(cut, mesh, outer, whole, blocks,
+                                                                           block_specs, microbatch)
+    _refuse_reshards(strategy, reshards)
 
     def stage(params):
         outer, blocks = cut.split(params)
@@ -116,7 +145,18 @@ def staged_cut(loss_fn: Callable, graphdef, mesh, param_specs: Any, strategy, pa
     def grads(g_outer, g_blocks):
         return cut.merge(g_outer, from_stages(g_blocks, stage_layers, num_layers))
 
-    return StagedCut(_pinned(cut.parts, whole), tuple(stage_layers), stage, grads, cut)
+    return StagedCut(_pinned(cut.parts, whole), tuple(stage_layers), stage, grads, cut, reshards)
+
+
+def _stage_reshards(cut: ModelCut, mesh, outer: list, whole: list, blocks: Any, block_specs: Any,
+                    microbatch: Any) -> tuple[str, ...]:
+    """:func:`~._reshards.stage_reshards` of the cut, on one layer and micro-batch in their shardings in the step."""
+    shaped = lambda a, spec, skip=0: jax.ShapeDtypeStruct(a.shape[skip:], a.dtype,   # noqa: E731
+                                                          sharding=NamedSharding(mesh, spec))
+    rows = tuple(a for a in batch_axes(mesh) if a != REPLICA) or None
+    layer = jax.tree.map(lambda a, sp: shaped(a, PartitionSpec(*tuple(sp)[1:]), 1), blocks, block_specs)
+    return stage_reshards(_pinned(cut.parts, whole), mesh, [shaped(a, sh.spec) for a, sh in zip(outer, whole)],
+                          layer, jax.tree.map(lambda a: shaped(a, PartitionSpec(rows)), microbatch))
 
 
 def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_specs: Any, grad_specs: Any,
@@ -129,7 +169,9 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
     parameters (``[L, ...]``, ``layers`` split over ``pipe``) are laid out per stage (``[v, p, Lmax, ...]``;
     free for an even split with one chunk), the batch is cut into micro-batches and the schedule runs.
     A loss whose MoE balancing loss counts (:mod:`jaxpar.parallel.moe._balance`) gets the step's loads,
-    summed over the micro-batches by a forward sweep first (:func:`_step_loads`).
+    summed over the micro-batches by a forward sweep first (:func:`_step_loads`). The schedule runs as a
+    lockstep program where :func:`runs_in_lockstep` says so or a stage holds collective-permutes
+    (:attr:`StagedCut.reshards`), else as the per-stage program.
 
     Args:
       loss_fn: the user's ``loss_fn(model, batch)``, on the last stage.
@@ -148,9 +190,9 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
       ``(params, batch) -> (loss, grads)``, or ``(loss, grads, metrics)`` with ``with_metrics``.
     """
     p, m, v = mesh.shape["pipe"], strategy.microbatches, strategy.virtual_stages
-    in_lockstep = runs_in_lockstep(strategy, mesh)
-    schedule = get_schedule(strategy.schedule, p, m, v)
-    program = lower(lockstep(schedule) if in_lockstep else schedule)
+    by_config = runs_in_lockstep(strategy, mesh)
+    program_of = _programs(get_schedule(strategy.schedule, p, m, v))
+    program_of(by_config)                # lowered (and checked) now; a stage's reshards may ask for the other
     if num_layers is not None and strategy.stage_layers != "auto":
         check_stage_layers(strategy.stage_layers or uniform_layers(num_layers, p * v), num_layers, p, v)
     grad_shardings = named_shardings(grad_specs, mesh)
@@ -162,10 +204,12 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
         need = _needs_step_loads(loss_fn, graphdef, params, mbs, replica_axes, mesh, own_specs) if m > 1 else None
         with use_step_loads(None if need is None else jnp.zeros(need.shape, jnp.float32)):
             cut = staged_cut(loss_fn, graphdef, mesh, param_specs, strategy, params, mbs, own_specs=own_specs)
-            loads = None if need is None else _step_loads(cut, mesh, rules, strategy, params, mbs)
+            in_lockstep = by_config or bool(cut.reshards)
+            loads = None if need is None else _step_loads(cut, mesh, rules, strategy, params, mbs, in_lockstep)
         with use_step_loads(loads):      # the layers carry the step's loads (placeholders above: same shapes)
-            run = pipeline_value_and_grad(cut.parts, mesh, rules, program, stage_layers=cut.stage_layers,
-                                          replica_axes=replica_axes, with_metrics=True, lockstep=in_lockstep)
+            run = pipeline_value_and_grad(cut.parts, mesh, rules, program_of(in_lockstep),
+                                          stage_layers=cut.stage_layers, replica_axes=replica_axes,
+                                          with_metrics=True, lockstep=in_lockstep)
             loss, (g_outer, g_blocks), metrics = run(*cut.stage(params), mbs)
         if replica_axes:     # each replica's own gradients, [R, ...]
             grads = jax.vmap(cut.grads)(g_outer, g_blocks)
@@ -174,6 +218,17 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
         return (loss, grads, metrics) if with_metrics else (loss, grads)
 
     return loss_and_grad
+
+
+def _programs(schedule: Any) -> Callable[[bool], Any]:
+    """``program_of(in_lockstep)``: ``schedule`` lowered per stage or as a lockstep program, each once."""
+    programs = {}
+
+    def program_of(in_lockstep: bool):
+        if in_lockstep not in programs:
+            programs[in_lockstep] = lower(lockstep(schedule) if in_lockstep else schedule)
+        return programs[in_lockstep]
+    return program_of
 
 
 def _needs_step_loads(loss_fn: Callable, graphdef, params, mbs, replica_axes: tuple, mesh,
@@ -207,10 +262,11 @@ def _needs_step_loads(loss_fn: Callable, graphdef, params, mbs, replica_axes: tu
     return found.loads
 
 
-def _step_loads(cut: StagedCut, mesh, rules, strategy, params, mbs) -> Any:
+def _step_loads(cut: StagedCut, mesh, rules, strategy, params, mbs, in_lockstep: bool) -> Any:
     """The step's MoE load per layer (what the balanced loss reports as :data:`jaxpar.parallel.moe.LAYER_LOADS`)
-    summed over the micro-batches by a forward sweep through the stages (:func:`._sweep.pipeline_forward_sum`)."""
+    summed over the micro-batches by a forward sweep through the stages (:func:`._sweep.pipeline_forward_sum`),
+    in lockstep as the schedule runs."""
     sweep = pipeline_forward_sum(cut.parts, mesh, rules, reported_loads(cut.parts.post),
                                  stage_layers=cut.stage_layers, chunks=strategy.virtual_stages,
-                                 lockstep=runs_in_lockstep(strategy, mesh))
+                                 lockstep=in_lockstep)
     return jax.lax.stop_gradient(sweep(*cut.stage(params), mbs))
