@@ -79,9 +79,9 @@ import pytest  # noqa: E402
 def pytest_addoption(parser):
     parser.addoption("--share", default=None, metavar="K/N",
                      help="run share K (0-based) of N of the tests marked exhaustive (CI: docs/testing.md)")
-    parser.addoption("--all-tiers", default="", metavar="FILE,FILE",
-                     help="with --share: these test files' exhaustive tests run whatever their share (CI: a "
-                          "change's own test files, .ci/share files)")
+    parser.addoption("--all-tiers", default="", metavar="ID,ID",
+                     help="with --share: the exhaustive tests of these files or functions (tests/x.py, "
+                          "tests/x.py::test_f) run whatever their share (CI: the change's own, .ci/share files)")
 
 
 def _share(config) -> tuple[int, int] | None:
@@ -188,7 +188,7 @@ def pytest_collection_modifyitems(config, items):
     if share is not None:
         whole = set(filter(None, config.getoption("--all-tiers").split(",")))
         other = {i for i in items if tier_of(i) == "exhaustive" and share_of(i.nodeid, share[1]) != share[0]
-                 and i.nodeid.split("::")[0] not in whole}
+                 and not whole & {i.nodeid.split("::")[0], i.nodeid.split("[")[0]}}
         if other:
             config.hook.pytest_deselected(items=list(other))
             items[:] = [i for i in items if i not in other]
