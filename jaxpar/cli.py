@@ -4,15 +4,15 @@ Usage::
 
     jaxpar train CONFIG [key=value ...] [--print-config] [--resume | --overwrite]
                  [--coordinator HOST:PORT --num-processes N --process-id I] [--local-devices K] [--step-timeout S]
-    jaxpar check CONFIG [key=value ...] [--target h100:1x8] [--resume | --overwrite]   (jaxpar.config._commands)
+    jaxpar check CONFIG [key=value ...] [--target h100:1x8] [--resume | --overwrite]   (jaxpar.commands)
     jaxpar schedule --kind 1f1b --stages 4 --microbatches 8 [--virtual V] [--png PATH] [--timed]
     jaxpar plan [--config CONFIG [key=value ...] | --layers L --hidden H --heads A --seq S --vocab V --batch B]
                 [--cluster PRESET|PATH] [--devices N] [--target h100:2x8] [--top K] [--json] [--verify]
     jaxpar inspect CONFIG [key=value ...] [--cluster PRESET|PATH] [--target h100:2x8|tpu-v5e:4x4|...]
     jaxpar export CONFIG [key=value ...] --hf OUT [--step N] [--overwrite] [--dtype bfloat16|float32]
-    jaxpar sample CONFIG [key=value ...] --prompt TEXT [--tokens N] [--step N]   (jaxpar.config._commands)
-    jaxpar data prepare|show CONFIG [key=value ...] [--force | --steps A:B]     (jaxpar.config._commands)
-    jaxpar profile CONFIG [key=value ...] [--steps A:B] [--cluster PRESET|PATH]  (jaxpar.config._profile_command)
+    jaxpar sample CONFIG [key=value ...] --prompt TEXT [--tokens N] [--step N]   (jaxpar.commands)
+    jaxpar data prepare|show CONFIG [key=value ...] [--force | --steps A:B]     (jaxpar.commands)
+    jaxpar profile CONFIG [key=value ...] [--steps A:B] [--cluster PRESET|PATH]  (jaxpar.commands)
     jaxpar calibrate [--out configs/clusters/cpu_sim.yaml] [--reps 9]          (jaxpar.devices.calibrate)
     jaxpar calibrate --device [--base h100] [--out FILE]      (jaxpar.devices.calibrate_device: one accelerator)
 
@@ -32,193 +32,13 @@ A thin shell: :func:`jaxpar.config.build_job` builds what ``train``, ``inspect``
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import shlex
 import sys
-from pathlib import Path
 from typing import Sequence
 
 __all__ = ["main", "build_parser"]
 _DIST = ("coordinator", "num_processes", "process_id", "local_devices", "heartbeat_timeout")
 #: the commands that take key=value overrides (plan: of its --config)
 _OVERRIDES = ("train", "check", "inspect", "export", "sample", "data", "profile", "plan")
-
-
-def _run_train(config: str, overrides: Sequence[str], *, print_config: bool = False, resume: bool = False,
-              overwrite: bool = False, dist: dict | None = None, step_timeout: str | None = None) -> int:
-    """``jaxpar train``: load + check the config, claim the run directory, build the job, train, summarise.
-
-    ``resume`` (``--resume``) sets ``checkpoint.resume=true``; else a ``train.out_dir`` that holds another run
-    is refused before anything is written, or moved aside with ``overwrite`` (``--overwrite``:
-    :func:`jaxpar.run._run_directory.claim_run_directory`). Exit status 0 also after SIGTERM / SIGINT (a
-    checkpoint of the current step is saved), 1 when a non-finite loss stops the run (``train.on_nonfinite=stop``),
-    124 when a step hangs (``--step-timeout``, else ``train.step_timeout``:
-    :func:`jaxpar.run._watchdog.parse_step_timeout`).
-    """
-    from jaxpar.config import ConfigError, load_config, to_yaml
-
-    cfg = load_config(config, [*overrides, *(["checkpoint.resume=true"] if resume else [])])
-    if print_config:
-        print(to_yaml(cfg), end="")
-        return 0
-    from jaxpar.config._profile_command import profile_steps, traced_line
-
-    from jaxpar.run._watchdog import parse_step_timeout
-
-    profile = profile_steps(cfg.train.profile)        # train.profile: the steps to trace, checked first
-    watchdog = (parse_step_timeout(cfg.train.step_timeout, "train.step_timeout") if step_timeout is None
-                else parse_step_timeout(step_timeout))
-    if overwrite and cfg.checkpoint.resume:
-        raise ConfigError("jaxpar train: --overwrite starts a new run (the earlier one moved aside) and --resume "
-                          "(checkpoint.resume=true) continues the earlier one; give one of them.")
-    out_dir = _start(cfg, overwrite, dist, watchdog)
-    import jax
-
-    from jaxpar._text import shown_path
-    from jaxpar.config._job import build_job, header_lines, packing_line
-    from jaxpar.run._out_of_memory import out_of_memory_error
-
-    job = build_job(cfg)
-    print(f"job      {cfg.name}  ->  {shown_path(out_dir)}")
-    print("\n".join(header_lines(job)))
-    predicted: dict = {}                 # the cost model's peak and the state's bytes per device, once laid out
-    try:
-        status = _train_job(cfg, job, profile, predicted, watchdog)
-    except Exception as e:      # XLA's RESOURCE_EXHAUSTED, named with the predicted and available memory
-        command = shlex.join([config, *overrides])       # what jaxpar inspect compiles
-        if (oom := out_of_memory_error(e, predicted.get("peak"), jax.devices(), state_bytes=predicted.get("state"),
-                                       config=command)) is not None:
-            raise oom from None
-        raise
-    if line := packing_line(job.batch_fn, cfg.train.steps):       # data.kind=documents: real tokens
-        print(line)
-    if line := traced_line(out_dir, profile):
-        print(line)
-    return status
-
-
-def _train_job(cfg, job, profile, predicted: dict, watchdog) -> int:
-    """Lay out the built job's state, print its summary, then :func:`jaxpar.run._resume.train_with_checkpoints`
-    (``predicted``: the cost model's ``peak`` and the train ``state``'s bytes per device, set once known)."""
-    from jaxpar.config import to_yaml
-    from jaxpar.config._job import describe_data, model_line, state_line
-    from jaxpar.config._inspection import muon_lines
-    from jaxpar.config._plan_command import run_prediction
-    from jaxpar.run._resume import checkpoint_meta, train_with_checkpoints
-
-    state, layout = job.init_state(weights=not job.run.resume)     # a resumed run restores its own weights
-    prediction = run_prediction(cfg, layout.mesh, job.strategy)      # what it lacks never stops the run
-    predicted.update(peak=prediction.peak, state=layout.analytic_bytes()["total"])
-    print(model_line(cfg.model, job.hf, layout), state_line(layout), sep="\n")
-    if line := prediction.line():
-        print(line)
-    if routing := muon_lines(cfg, layout):
-        print("\n".join(routing[1:]))                # the run's config summary: each parameter's half
-    line, tokens = describe_data(cfg, job.batch_fn)
-    print(line)
-    step, evaluate = job.train_step(layout), job.eval_fn(layout)
-    log, ckpt = job.log_options(layout, tokens), job.checkpointer(layout)
-    log = dataclasses.replace(log, predicted_peak_bytes=predicted["peak"], profile=profile)
-    return train_with_checkpoints(step, state, layout, job.batch_fn, job.run, log, checkpointer=ckpt,
-                                  meta=checkpoint_meta(mesh_sizes=layout.mesh.shape, **job.meta), eval_fn=evaluate,
-                                  eval_batches=job.eval_batches, ramp=job.ramp, config_text=to_yaml(cfg),
-                                  watchdog=watchdog, claim=False)      # _start claimed the run directory
-
-
-def _start(cfg, overwrite: bool, dist: dict | None, watchdog=None) -> Path:
-    """Start the processes and find the devices, check the config on them and the files it reads (``model.hf``,
-    the data files), then the run directory: claim
-    ``train.out_dir`` for a new run, or find a complete checkpoint for ``--resume`` (before anything is built
-    or written); returns it. With a ``watchdog``, XLA's own NCCL timeout is set first (:func:`gpu_timeout_flag`)."""
-    import jax
-
-    from jaxpar.config._checks import check
-    from jaxpar.config._commands import check_inputs, refuse_cpu_only
-    from jaxpar.devices._distributed import start_processes
-    from jaxpar.run._checkpoint import no_checkpoint_error
-    from jaxpar.run._run_directory import checkpoint_steps, claim_run_directory
-
-    if watchdog is not None:
-        gpu_timeout_flag(watchdog.seconds or watchdog.min_seconds)
-    info = start_processes(**(dist or {}), devices=cfg.train.devices)   # jax.distributed, then the devices
-    refuse_cpu_only(cfg.train.devices, simulated=bool((dist or {}).get("local_devices")))
-    check(cfg, num_devices=jax.device_count())      # the config on these devices, before the run directory is touched
-    check_inputs(cfg)                               # and the files it reads (model.hf, data.paths)
-    out_dir = Path(cfg.train.out_dir)
-    if not cfg.checkpoint.resume:
-        claim_run_directory(out_dir, cfg.checkpoint.dir if cfg.checkpoint.enabled else None, overwrite=overwrite)
-    elif not checkpoint_steps(cfg.checkpoint.dir):     # before the job is built: nothing created, no wait
-        raise no_checkpoint_error(Path(cfg.checkpoint.dir).absolute(),
-                                  [f"{s}" for s in checkpoint_steps(cfg.checkpoint.dir, complete=False)])
-    if info.multiprocess or info.method == "k8s":
-        from jaxpar.run._preemption import catch_stop_signals
-
-        print(f"process  {info.describe()}")
-        if info.multiprocess:
-            catch_stop_signals()      # a SIGTERM during start-up stops every process after the first step
-    return out_dir
-
-
-#: XLA's own timeout for NCCL (a GPU flag jaxlib 0.10.2 parses; its help: "Timeout in seconds before terminating
-#: jobs stuck in NCCL Rendezvous"). Not exercised on GPUs here (docs/gpu.md).
-NCCL_TIMEOUT_FLAG = "--xla_gpu_nccl_termination_timeout_seconds"
-
-
-def gpu_timeout_flag(seconds: float) -> None:
-    """Add :data:`NCCL_TIMEOUT_FLAG` with the watchdog's least bound to ``XLA_FLAGS``, before the backend starts
-    (not when the user set it, nor once a backend is up: then it would not be read)."""
-    import os
-
-    from jax._src import xla_bridge
-
-    flags = os.environ.get("XLA_FLAGS", "")
-    if NCCL_TIMEOUT_FLAG in flags or xla_bridge.backends_are_initialized():
-        return
-    os.environ["XLA_FLAGS"] = f"{flags} {NCCL_TIMEOUT_FLAG}={int(seconds)}".strip()
-
-
-def _run_plan(args: argparse.Namespace) -> int:
-    """``jaxpar plan``: rank every plan of the model on the cluster (:func:`jaxpar.cost.plan`);
-    ``--verify`` compiles the top plans (on simulated CPU devices, or with ``--target``'s real
-    compiler) and compares memory and bytes."""
-    from jaxpar import cost
-    from jaxpar.config import ConfigError, load_config
-    from jaxpar.config._build import build_fp8
-    from jaxpar.options import Fp8
-    from jaxpar.config._plan_command import (chosen_plan, muon_settings, plan_dtype, plan_model, plan_offload,
-                                             plan_report, verify_plans, write_plan_config)
-
-    target = None
-    if args.target:
-        from jaxpar.devices._targets import parse_target
-
-        target = parse_target(args.target)
-        args.cluster = args.cluster or target.spec.cluster
-        args.devices = args.devices or target.num_devices
-    try:
-        cluster = cost.load_cluster(args.cluster or "h100", num_devices=args.devices)
-        if args.overrides and not args.config:
-            raise ConfigError(f"the overrides {' '.join(args.overrides)} need --config CONFIG; without "
-                              "it, give the model's sizes (--layers, --hidden, --heads, --seq, --vocab, --batch).")
-        if args.write and not args.config:
-            raise ConfigError(f"--write {args.write} needs --config CONFIG: the file written is that config with the "
-                              "chosen plan's overrides.")
-        cfg = load_config(args.config, args.overrides) if args.config else None
-        model = plan_model(cfg, {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab",
-                                                                        "batch")})
-        dtype = plan_dtype(cfg, args.dtype, cluster)
-        cp = dict(contexts=args.contexts, context_methods=args.context_methods) if args.contexts else {}
-        fp8 = (build_fp8(cfg.parallel.fp8) if cfg else None) or Fp8()
-        result = cost.plan(model, cluster, top=args.top, dtype=dtype, precision=args.precision, fp8_options=fp8,
-                           muon=muon_settings(cfg) if cfg else None, offload=plan_offload(cfg), **cp)
-    except (cost.ClusterError, cost.PlanError) as e:
-        raise ConfigError(str(e)) from None
-    print(plan_report(model, cluster, result, args.top, as_json=args.json, cfg=cfg))
-    if args.write:
-        print(write_plan_config(args.write, args.config, args.overrides, chosen_plan(result, args.choose)))
-    if args.verify:
-        verify_plans(model, cluster, result.ranked[: args.top], target)
-    return 0
 
 
 def _run_schedule(args: argparse.Namespace) -> int:
@@ -246,13 +66,10 @@ def _run_schedule(args: argparse.Namespace) -> int:
 
 def _run_config_command(args: argparse.Namespace) -> int:
     """``jaxpar check``, ``inspect``, ``export``, ``sample`` and ``data``: the commands that read a config."""
+    from jaxpar.commands import inspect_config, run_check, run_export, run_prepare, run_profile, run_sample, run_show
     from jaxpar.config import load_config
-    from jaxpar.config._commands import run_check, run_export, run_prepare, run_sample, run_show
-    from jaxpar.config._inspection import inspect_config
 
     if args.command == "profile":
-        from jaxpar.config._profile_command import run_profile
-
         return run_profile(args.config, args.overrides, steps=args.steps, cluster=args.cluster,
                            dist={k: getattr(args, k) for k in _DIST})
     if args.command == "export":
@@ -474,11 +291,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
         if args.command == "train":
-            return _run_train(args.config, args.overrides, print_config=args.print_config, resume=args.resume,
+            from jaxpar.commands import run_train
+
+            return run_train(args.config, args.overrides, print_config=args.print_config, resume=args.resume,
                               overwrite=args.overwrite, dist={k: getattr(args, k) for k in _DIST},
                               step_timeout=args.step_timeout)
         if args.command == "plan":
-            return _run_plan(args)
+            from jaxpar.commands import run_plan
+
+            return run_plan(args)
         if args.command == "schedule":
             return _run_schedule(args)
         if args.command == "calibrate":

@@ -1,6 +1,6 @@
-"""``jaxpar check CONFIG`` (:func:`jaxpar.config._commands.run_check`): what ``jaxpar train`` would refuse (the
+"""``jaxpar check CONFIG`` (:func:`jaxpar.commands.run_check`): what ``jaxpar train`` would refuse (the
 config on the devices it would find or a ``--target``'s, the data files, the run directory) and every check of
-:func:`jaxpar.config._inspection.check_config`, with no step compiled."""
+:func:`jaxpar.commands.check_config`, with no step compiled."""
 import re
 import tempfile
 from pathlib import Path
@@ -11,7 +11,7 @@ import pytest
 from jaxpar.config import ConfigError, load_config
 from jaxpar.errors import Fp8Error, TargetError
 from jaxpar.cli import main
-from jaxpar.config._inspection import check_config
+from jaxpar.commands import check_config
 
 QUICK = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 #: a run directory of its own, never the repo's runs/quickstart (which `make train` fills)
@@ -118,8 +118,8 @@ TARGET_REFUSALS = {
 def test_check_target_refuses_every_refusal_of_inspect_target(case, monkeypatch, tmp_path):
     """``jaxpar check --target`` and ``jaxpar inspect --target`` refuse the same configs with the same error
     (class and message): one list of refusals (``target_refusals``), decided before anything compiles."""
-    from jaxpar.config._commands import run_check
-    from jaxpar.config._inspection import inspect_config, target_refusals
+    from jaxpar.commands import inspect_config, run_check
+    from jaxpar.commands._inspect_command import target_refusals
     from jaxpar.devices import parse_target
 
     config, overrides, target, error, says = TARGET_REFUSALS[case]
@@ -142,7 +142,7 @@ def test_the_refusal_cases_walk_every_refusal_of_the_target():
     """Each kind of refusal ``target_refusals`` makes has a case above (a new one needs its case)."""
     import inspect as source
 
-    from jaxpar.config._inspection import target_refusals
+    from jaxpar.commands._inspect_command import target_refusals
 
     kinds = source.getsource(target_refusals).count("found.append(")
     covered = {"fp8", "mesh", "grid", "memory"}

@@ -104,7 +104,7 @@ def test_a_config_json_alone_is_planned_without_weights(tmp_path):
     without weights for planning and says so when asked for them."""
     from jaxpar.config import load_config
     from jaxpar.config._hf_model import open_hf
-    from jaxpar.config._plan_command import cost_model, unpredicted
+    from jaxpar.config._cost_model import cost_model, unpredicted
     from jaxpar.errors import HFCheckpointError, HFFilesError
     from jaxpar.hf import open_checkpoint
     from jaxpar.strategy import Strategy

@@ -11,7 +11,7 @@ from flax import nnx
 
 from conftest import need_devices
 import jaxpar
-from jaxpar.config._inspection import gather_lines
+from jaxpar.plan import gather_lines
 
 
 class Wide(nnx.Module):

@@ -1,7 +1,7 @@
 """Muon as ``jaxpar inspect`` shows it and as XLA compiles it (issue 57, docs/muon.md).
 
 ``jaxpar inspect`` with ``optimizer.name: muon`` prints the routing table of the state's layout
-(:func:`jaxpar.config._inspection.muon_lines`). Under FSDP8 the update alone (``tx.update`` on the
+(:func:`jaxpar.plan.muon_lines`). Under FSDP8 the update alone (``tx.update`` on the
 layout's shardings) of AdamW needs no all-gather; without a placement Muon's gathers the sharded
 matrices for Newton-Schulz where XLA decides: at least one all-gather per Muon-routed parameter.
 With ``placement="owner"`` it has one all-to-all to the owners and one back per matrix group, with
@@ -20,7 +20,7 @@ from jaxpar import cost
 from jaxpar.adapters import abstract_model
 from jaxpar.analysis import collectives, count
 from jaxpar.config import load_config
-from jaxpar.config._inspection import muon_lines
+from jaxpar.plan import muon_lines
 from jaxpar.config._job import build_job
 from jaxpar.models import GPT
 from jaxpar.optimizers import muon, muon_routing
@@ -35,7 +35,7 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 def test_inspect_prints_the_muon_routing_of_the_layout():
     cfg = load_config(QUICKSTART, ["optimizer.name=muon", "model.embed=32", "model.layers=1"])
     layout = build_job(cfg, jax.devices()[:8], data=False).state_layout()
-    text = "\n".join(muon_lines(cfg, layout))
+    text = "\n".join(muon_lines(cfg.optimizer.muon, layout))
     routing, placement = text.strip().split("\n\n")
     rows = {line.split()[0]: line.split()[1] for line in routing.splitlines()[1:]}
     assert rows["blocks/wq"] == "muon" and rows["wte"] == "adam" and rows["head"] == "adam"
@@ -43,7 +43,7 @@ def test_inspect_prints_the_muon_routing_of_the_layout():
     places = {line.split()[0]: line.split()[1:4] for line in placement.splitlines()[1:]}
     assert sorted(places) == sorted(k for k, rule in rows.items() if rule == "muon")
     assert places["blocks/wq"][0] in ("gather", "owner") and places["blocks/wq"][1:] == ["over", "fsdpxtensor"]
-    assert muon_lines(load_config(QUICKSTART, ["model.embed=32", "model.layers=1"]), layout) == []
+    assert muon_lines(None, layout) == []        # another optimizer
 
 
 @pytest.mark.slow

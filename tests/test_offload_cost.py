@@ -140,7 +140,7 @@ def test_inspects_peak_is_the_planners_where_only_the_planner_models_the_offload
     """``jaxpar inspect``'s predicted peak: the compiled-step model (``step_peak_bytes``) models the host update's
     moments on several devices; offloaded layer inputs and the one-device host update only the planner's
     memory model does, so those plans get the planner's estimate."""
-    from jaxpar.config._plan_command import predicted_peak
+    from jaxpar.plan import predicted_peak
 
     m, acts = cost.gpt(2, 64, 4, 32, 128, 8), Offload(activations=(LAYER_INPUT,))
     assert predicted_peak(m, cost.Plan(data=2, remat="full", strategy=Strategy(offload=acts)), 1.0, "float32",
@@ -155,7 +155,7 @@ def test_the_plan_models_offloaded_layer_inputs_under_full_recomputation_alone()
     """``Plan.offload.activations`` is the layers' inputs under ``remat="full"`` (the model's ``offload``
     policy); another name, or another remat, is a ``PlanError`` naming it. A strategy's offload becomes the
     plan's (:func:`plan_offload`), and the plan's overrides give the config back."""
-    from jaxpar.config._plan_command import plan_overrides
+    from jaxpar.plan import plan_overrides
     from jaxpar.cost._host_link import plan_offload
 
     acts = Offload(activations=(LAYER_INPUT,))

@@ -1,4 +1,4 @@
-"""``jaxpar inspect --target`` under memory offloading (jaxpar/config/_inspection.py): the host-held bytes, the
+"""``jaxpar inspect --target`` under memory offloading (jaxpar/commands/_inspect_command.py): the host-held bytes, the
 device peak with and without offload, and the transfers per step, compiled deviceless for H100."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from jaxpar.config import load_config
 from jaxpar.analysis._compiled_memory import host_transfers, memory_report
-from jaxpar.config._inspection import inspect_config
+from jaxpar.commands import inspect_config
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 SMALL = ["model.layers=2", "model.embed=64", "model.seq_len=32", "train.devices=0"]

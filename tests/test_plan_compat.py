@@ -12,7 +12,8 @@ from jaxpar import cost
 from jaxpar.cli import main
 from jaxpar.compat import LIBRARY_NAMES, problems
 from jaxpar.config import load_config
-from jaxpar.config._plan_command import cost_model, plan_overrides
+from jaxpar.config._cost_model import cost_model
+from jaxpar.plan import plan_overrides
 from jaxpar.cost import Plan
 from jaxpar.cost import PlanError
 from jaxpar.cost._planner import REFUSED_PREFIX, plan_refusal, plan_setting

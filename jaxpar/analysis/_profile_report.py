@@ -1,6 +1,6 @@
 """``jaxpar profile``'s analysis: a traced step's rows beside the compiled HLO's collectives and the cost
 model's terms (:func:`profile_table`), and their numbers (:func:`profile_record`). The run and the cost
-model's prediction for a config are :mod:`jaxpar.config._profile_command`'s; docs/profiling.md says what
+model's prediction for a config are :mod:`jaxpar.plan`'s (``predicted_rows``); docs/profiling.md says what
 each row holds.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def expected_per_device(compiled: Any, mesh: Any, strategy: Any, model: Mapping)
       compiled: the compiled step.
       mesh: its mesh.
       strategy: the config's strategy.
-      model: the cost model's terms (``jaxpar.config._profile_command.predicted_rows``; its plan, when there is one).
+      model: the cost model's terms (``jaxpar.plan.predicted_rows``; its plan, when there is one).
 
     Returns:
       ``{device id: {(kind, axes): (count, bytes)}}``.
@@ -153,7 +153,7 @@ def profile_table(p: Any, model: Mapping, expected: Mapping[int, Mapping], clock
 
     Args:
       p: a :class:`jaxpar.analysis.StepProfile`.
-      model: the cost model's terms (``jaxpar.config._profile_command.predicted_rows``).
+      model: the cost model's terms (``jaxpar.plan.predicted_rows``).
       expected: :func:`expected_per_device`'.
       clock: the step's seconds on the loop's clock (``steps.json``; None: not known).
 

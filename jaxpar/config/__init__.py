@@ -16,8 +16,9 @@ Modules, in import order (each imports only those above it):
   tokenizer opened with the errors under the YAML keys.
 * :mod:`~jaxpar.config._build`: sections -> mesh, strategy, model factory, loss; the model
   registry; library errors relabelled with YAML keys.
-* :mod:`~jaxpar.config._decoder_config`: the :class:`~jaxpar.models.DecoderConfig` behind ``model.hf`` (its
-  ``config.json``) or a ``model.target`` that builds a ``Decoder``, for the cost model.
+* :mod:`~jaxpar.config._cost_model`: the config for the cost model: its model spec (through the
+  :class:`~jaxpar.models.DecoderConfig` behind ``model.hf`` or a ``model.target`` that builds a ``Decoder``) and
+  the planner's view of its job (:mod:`jaxpar.plan`).
 * :mod:`~jaxpar.config._optimizer_section`: the optimizer section -> optimizer and learning-rate
   schedule; the optimizer registry.
 * :mod:`~jaxpar.config._data_section`: the data section -> batch function and eval batches.
@@ -26,9 +27,8 @@ Modules, in import order (each imports only those above it):
 * :mod:`~jaxpar.config._job`: a config -> the :class:`Job` that ``jaxpar train``, ``inspect`` and
   ``plan`` run (:func:`build_job`: mesh, strategy, model, loss, optimizer, the train step's options, data),
   and the lines the CLI prints about it.
-* :mod:`~jaxpar.config._commands`: ``jaxpar export``, ``sample`` and ``data`` (a run's weights as a Hugging
-  Face checkpoint, a prompt continued; a token cache, the batches a run sees).
-* :mod:`~jaxpar.config._plan_command`: the cost model's view of a config (``jaxpar inspect``, ``jaxpar plan``).
+
+The commands that run a config are :mod:`jaxpar.commands`'s.
 
 Example::
 

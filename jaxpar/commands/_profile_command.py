@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from jaxpar.config._schema import ConfigError, JobConfig
+from jaxpar.config._schema import ConfigError
 
 #: The steps ``jaxpar profile`` traces by default: after the first (which compiles) and the second.
 DEFAULT_STEPS = "2:4"
@@ -105,7 +105,9 @@ def run_profile(config: str, overrides: Sequence[str], *, steps: str = DEFAULT_S
     from jaxpar.analysis import find_trace, read_trace, step_profiles
     from jaxpar.analysis._profile_report import (expected_per_device, profile_record, profile_table,
                                                  program_collectives)
+    from jaxpar.config._cost_model import config_view
     from jaxpar.config._job import build_job
+    from jaxpar.plan import platform_of, predicted_rows
     from jaxpar.config._load import load_config
     from jaxpar.devices._distributed import start_processes
     from jaxpar.run import train
@@ -125,7 +127,9 @@ def run_profile(config: str, overrides: Sequence[str], *, steps: str = DEFAULT_S
     compiled = job.compile(layout, step)            # the programs that ran: no second compile
     trace = read_trace(find_trace(out / "trace"))
     profiles = step_profiles(trace, program_collectives(compiled, layout.mesh))
-    model = predicted_rows(cfg, layout.mesh, job.strategy, cluster)
+    platform = platform_of(layout.mesh)
+    cluster = cluster or {"cpu": "cpu_sim"}.get(platform, "h100")
+    model = predicted_rows(*config_view(cfg, dict(layout.mesh.shape), job.strategy, cluster, platform=platform), cluster)
     expected = expected_per_device(compiled["step"], layout.mesh, job.strategy, model)
     clock = dict(json.loads((out / "trace" / "steps.json").read_text())["steps"]) if \
         (out / "trace" / "steps.json").exists() else {}
@@ -139,44 +143,3 @@ def run_profile(config: str, overrides: Sequence[str], *, steps: str = DEFAULT_S
     return 0
 
 
-def predicted_rows(cfg: JobConfig, mesh: Any, strategy: Any, cluster: str | None) -> dict:
-    """The cost model's terms for the config on the mesh's devices (its own lowering of the platform).
-
-    Args:
-      cfg: the config.
-      mesh: the mesh the run used.
-      strategy: the config's strategy.
-      cluster: the cluster preset or YAML (None: ``cpu_sim`` on the CPU, ``h100`` on GPUs).
-
-    Returns:
-      ``{"cluster", "why" (None, or why nothing is predicted), "compute": s, "compute_parts", "total": s,
-      "collectives": {frozenset(axes) and kind: {"seconds", "count", "bytes"}}, "plan", "bubble"}``.
-    """
-    from jaxpar import cost
-    from jaxpar.config._plan_command import planner_view, unpredicted
-    from jaxpar.cost._time import comm_time
-    from jaxpar.cost._traffic import comms, lowering_for_platform
-    from jaxpar.analysis._profile_report import axes_key
-
-    sizes = dict(mesh.shape)
-    platform = {"gpu": "cuda"}.get(p := mesh.devices.flat[0].platform, p)
-    cluster = cluster or {"cpu": "cpu_sim"}.get(platform, "h100")
-    out = {"cluster": cluster, "why": unpredicted(cfg, strategy, sizes), "collectives": {}, "plan": None}
-    if out["why"] is not None:
-        return out
-    lowering = lowering_for_platform(platform)
-    model, plan, est = planner_view(cfg, sizes, strategy, cluster, lowering=lowering)
-    c = cost.load_cluster(cluster)
-    c = c.with_devices(plan.devices) if plan.devices <= c.devices_per_node or plan.devices % c.devices_per_node == 0 \
-        else cost.load_cluster(cluster, nodes=1)
-    act = 2 if strategy.compute_dtype == "bfloat16" else 4
-    grad = 4 if lowering == "xla-cpu" else act
-    for x in comms(model, plan, lowering=lowering, compute_bytes=act, grad_bytes=grad):
-        row = out["collectives"].setdefault((x.kind, axes_key(x.axes)), {"seconds": 0.0, "count": 0.0, "bytes": 0.0})
-        row["seconds"] += x.timed * comm_time(x, plan.sizes, c)
-        row["count"] += x.count
-        row["bytes"] += x.count * x.bytes
-    t = est.time
-    out.update(compute=t.compute + t.elementwise + t.optimizer, total=t.total, plan=plan, bubble=t.bubble,
-               compute_parts=(t.compute, t.elementwise, t.optimizer))
-    return out

@@ -1,0 +1,194 @@
+"""``jaxpar check`` (:func:`run_check`): what ``jaxpar train`` would refuse before its first step: the config on
+the devices train would find (or a ``--target``'s count), the data files, and the run directory; then every check
+that needs no compiled program (:func:`check_config`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from jaxpar.commands._inspect_command import job_devices, refuse_target
+from jaxpar.config._job import build_job, header_lines, model_line, state_line
+from jaxpar.config._schema import ConfigError, DataConfig, JobConfig
+
+
+def refuse_cpu_only(devices: int, *, simulated: bool = False) -> None:
+    """``train.devices=0`` (the accelerators JAX finds) where JAX found only CPU devices: a config written for
+    GPUs, on a machine or a JAX without them. Refused before anything compiles (``simulated``:
+    ``--local-devices`` asked for CPU devices).
+
+    Raises:
+      ConfigError: the backend is the CPU; the message says what JAX found and the two fixes.
+    """
+    import jax
+
+    if devices != 0 or simulated or jax.default_backend() != "cpu":
+        return
+    n = jax.device_count()
+    raise ConfigError(
+        f"train.devices=0 trains on the GPUs or TPUs JAX finds, and this JAX found none: only {n} CPU "
+        f"device{'s' if n > 1 else ''} (jax.default_backend()='cpu'). On a GPU host, install JAX for CUDA "
+        "(pip install -U 'jax[cuda12]'; docs/gpu.md) and check with python -c 'import jax; print(jax.devices())'. "
+        "To run on simulated CPU devices instead, set train.devices=N (e.g. train.devices=8) and a model that fits "
+        "in host memory (jaxpar inspect CONFIG train.devices=8 shows its memory).")
+
+
+def run_check(config: str, overrides: Sequence[str], *, target: str | None = None, resume: bool = False,
+              overwrite: bool = False) -> int:
+    """``jaxpar check``: what ``jaxpar train`` (with the same ``--resume`` / ``--overwrite``) would refuse, and then
+    every check of :func:`check_config`, nothing compiled.
+
+    In order: the config; the devices train would find (``train.devices=0``: JAX's own, refused where they are
+    CPU devices only: :func:`refuse_cpu_only`; ``target``: its count, simulated, after every refusal of ``jaxpar
+    inspect --target`` before it compiles: :func:`~jaxpar.commands._inspect_command.refuse_target`); the mesh on them; the
+    data files (``data.paths``, ``data.sources``); the run directory (an earlier run in ``train.out_dir``, or with
+    ``resume`` no complete checkpoint); then the train state's layout and step.
+
+    Args:
+      config: the YAML file.
+      overrides: its ``key=value`` overrides.
+      target: a GPU / TPU target (``h100:1x8``) whose device count the mesh is checked on.
+      resume: check as ``jaxpar train --resume`` would run.
+      overwrite: check as ``jaxpar train --overwrite`` would run (an earlier run would be moved aside).
+
+    Returns:
+      The exit status, 0 (a problem raises).
+
+    Raises:
+      ConfigError: a setting the config or the library refuses, or the devices; Fp8Error / TargetError: the
+        target refuses the config (no FP8 GEMMs, a TPU chip grid of no whole hosts); DataError: a data file that
+        is missing; RunDirectoryError / CheckpointError: what train refuses in the run directory.
+    """
+    import dataclasses
+
+    import jax
+
+    from jaxpar.config._checks import check
+    from jaxpar.config._load import load_config
+
+    cfg = load_config(config, [*overrides, *(["checkpoint.resume=true"] if resume else [])])
+    if overwrite and cfg.checkpoint.resume:
+        raise ConfigError("--overwrite starts a new run (the earlier one moved aside) and --resume "
+                          "(checkpoint.resume=true) continues the earlier one; give one of them.")
+    if target is not None:
+        from jaxpar.devices import parse_target
+
+        tgt = parse_target(target)
+        refuse_target(cfg, tgt)            # what jaxpar inspect --target refuses before it compiles
+        found = f"{tgt.num_devices} devices of {tgt} (simulated CPU devices: the mesh, layout and step options)"
+        devices = tgt.num_devices
+    elif cfg.train.devices == 0:
+        refuse_cpu_only(0)
+        devices = jax.device_count()
+        found = f"{devices} x {jax.devices()[0].device_kind} (train.devices=0: the devices JAX finds here)"
+    else:
+        devices, found = cfg.train.devices, None
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, devices=devices))
+    check(cfg, num_devices=devices)
+    files = check_inputs(cfg)
+    run = _check_run_directory(cfg, overwrite)
+    status = check_config(cfg)
+    for line in (f"found    {found}" if found else "", files, run):
+        if line:
+            print(line)
+    return status
+
+
+def check_inputs(cfg: Any) -> str:
+    """The files the config reads, checked before the run directory: ``model.hf``'s checkpoint (opened: its
+    ``config.json`` and safetensors headers) and the data files (found, not read); a missing one raises.
+
+    Args:
+      cfg: the checked config.
+
+    Returns:
+      The data files found, in words (empty: the config names none).
+    """
+    from jaxpar.config._job import hf_checkpoint
+
+    hf_checkpoint(cfg, None)
+    return _check_data_files(cfg.data)
+
+
+def _check_data_files(d: DataConfig) -> str:
+    """The files of ``data.paths`` / ``data.sources`` found (none read), in words; a missing one raises."""
+    from jaxpar.data._windows import expand_paths
+    from jaxpar.data.sources import resolve_paths
+
+    if d.kind in ("text", "tokens") and d.paths:
+        return f"data     {len(expand_paths(d.paths))} file(s) of data.paths found (not read: jaxpar data show)"
+    if d.kind == "documents" and d.sources:
+        found = []
+        for i, source in enumerate(d.sources):
+            try:
+                found += resolve_paths(source.get("path"))
+            except Exception as e:      # SourceError: named by its key
+                raise ConfigError(f"data.sources[{i}] (path {source.get('path')!r}): {e}") from None
+        return f"data     {len(found)} path(s) of data.sources found (not read: jaxpar data show)"
+    return ""
+
+
+def _check_run_directory(cfg: Any, overwrite: bool) -> str:
+    """What train would do with the run directory, in words; what it would refuse raises."""
+    from jaxpar.errors import RunDirectoryError
+    from jaxpar.run._checkpoint import no_checkpoint_error
+    from jaxpar.run._run_directory import checkpoint_steps, earlier_run
+
+    ck = cfg.checkpoint.dir if cfg.checkpoint.enabled else None
+    if cfg.checkpoint.resume:
+        if not (steps := checkpoint_steps(ck)):
+            raise no_checkpoint_error(Path(ck).absolute(), [str(s) for s in checkpoint_steps(ck, complete=False)])
+        return f"run      --resume continues from the checkpoint of step {steps[-1]} in {ck} (if it reads)"
+    found = earlier_run(cfg.train.out_dir, ck)
+    if found and not overwrite:
+        raise RunDirectoryError(
+            f"train.out_dir={cfg.train.out_dir!r} holds an earlier run ({found}): jaxpar train refuses a new run "
+            "there. Continue it with --resume, start the new run elsewhere with train.out_dir=NEW_DIR, or pass "
+            "--overwrite to move the earlier run aside (nothing is deleted).")
+    return (f"run      --overwrite moves the earlier run in {cfg.train.out_dir} aside" if found else
+            f"run      a new run in {cfg.train.out_dir}")
+
+
+def check_config(cfg: JobConfig) -> int:
+    """``jaxpar check``: every check of ``cfg`` that needs no compiled program, and what it would train.
+
+    It builds what ``jaxpar train`` builds, as far as it can without running: the mesh on the config's
+    devices (simulated CPU devices when they are not there), the library's objects, the train state's
+    layout (traced, not allocated: the compatibility table's refusals) and the train step with its
+    options. The data section's files are not read (``jaxpar data show`` reads them).
+
+    Args:
+      cfg: the loaded config (:func:`jaxpar.config.load_config` has run its own checks).
+
+    Returns:
+      The exit status, 0 (a problem raises).
+
+    Raises:
+      ConfigError: a setting the config or the library refuses, named by its YAML key.
+      JaxparError: a refusal of the library that no YAML check knows (the compatibility table's, the
+        train step's), named by the library's field; FP8's by its YAML keys (``Job.train_step``).
+
+    >>> quickstart = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+    >>> from jaxpar.config import load_config
+    >>> check_config(load_config(quickstart, ["model.layers=1", "model.embed=32", "model.seq_len=16"]))
+    ... # doctest: +ELLIPSIS
+    check    quickstart: ok (every check passed; no step compiled or run)
+    devices  8 x cpu (cpu)
+    mesh     pipe=1 x data=2 x fsdp=2 x tensor=2
+    strategy dp2-fsdp2-tp2
+    model    gpt: ... parameters
+    state    ... per device (params ..., optimizer ...)
+    programs step
+    0
+    """
+    job = build_job(cfg, job_devices(cfg, None, "check"), data=False)
+    layout = job.state_layout()
+    step = job.train_step(layout)           # make_train_step's checks; its programs are built lazily
+    job.log_options(layout, None)           # the loop's logging options
+    print(f"check    {cfg.name}: ok (every check passed; no step compiled or run)")
+    print("\n".join(header_lines(job)))
+    print(model_line(cfg.model, job.hf, layout))
+    print(state_line(layout))
+    print(f"programs {', '.join(step.programs)}")
+    return 0

@@ -1,0 +1,301 @@
+"""``jaxpar inspect``'s sections about a compiled train step: whether it fits the target's memory and the cost
+model's plan that would (:func:`fit_lines`, :func:`fitting_plan`), its FP8 GEMMs, Muon's routing and placement,
+fused attention, offloaded bytes, FSDP's gathers and the experts' tile loops. Each takes the compiled program, the
+state's layout or the cost model's model, never a config.
+
+Example::
+
+    >>> from jaxpar.options import Fp8
+    >>> fp8_lines(Fp8(), None, None, None, "cpu")[0][:40]
+    'fp8      tensorwise: emulated by XLA:CPU'
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import jax
+
+from jaxpar.devices._targets import Target
+from jaxpar.errors import Fp8Error
+
+
+def fit_lines(report: Any, target: Target, predicted: float | None = None) -> tuple[bool, list[str]]:
+    """Whether the compiled program fits the target's device memory, as printable lines.
+
+    Args:
+      report: the program's :class:`~jaxpar.analysis.MemoryReport`.
+      target: the target.
+      predicted: the cost model's peak per device (None: not predicted).
+
+    Returns:
+      ``(fits, lines)``.
+    """
+    from jaxpar._text import format_bytes
+
+    need, cap = report.required_bytes, target.capacity_bytes
+    share = "" if target.spec.platform != "cuda" else \
+        f" ({cap / target.spec.memory_bytes:.0%} of {format_bytes(target.spec.memory_bytes)}: XLA_PYTHON_CLIENT_MEM_FRACTION)"
+    pred = f"; the cost model predicted {format_bytes(predicted)}" if predicted else ""
+    lines = [f"memory   per device: peak {format_bytes(need)} (arguments {format_bytes(report.argument_bytes)}, "
+             f"temporaries {format_bytes(report.temp_bytes)}, XLA's peak "
+             f"{format_bytes(report.xla_peak_bytes or 0)}){pred}",
+             f"capacity {format_bytes(cap)} usable on {target.spec.device}{share}"]
+    if need <= cap:
+        return True, lines + [f"fits     with {format_bytes(cap - need)} to spare ({need / cap:.0%} used)"]
+    return False, lines + [f"DOES NOT FIT by {format_bytes(need - cap)} ({need / cap:.0%} of the capacity)"]
+
+
+def fitting_plan(model: Any, target: Target, *, most: int = 64) -> str:
+    """The cost model's best plan of a model that fits: on the target's devices, else on the
+    fewest multiples of them (up to ``most`` times as many) that hold it.
+
+    Args:
+      model: the cost model's model (:class:`jaxpar.cost.ModelSpec`).
+      target: the target.
+      most: the largest multiple of the target's devices to try.
+
+    Returns:
+      A line naming the devices, the plan and its predicted memory, or why none fits.
+    """
+    from jaxpar import cost
+    from jaxpar._text import format_bytes
+
+    usable = target.capacity_bytes / target.spec.memory_bytes
+    k = 1
+    while k <= most:
+        n = target.num_devices * k
+        cluster = replace(cost.load_cluster(target.spec.cluster, num_devices=n),
+                          memory_bytes=float(target.spec.memory_bytes))
+        try:
+            best = cost.plan(model, cluster, top=1, precision="fp32", memory_fraction=usable).ranked[0]
+        except cost.PlanError:
+            k *= 2
+            continue
+        p = best.plan
+        knobs = f"zero={p.strategy.zero}, remat={p.remat}, microbatches={p.strategy.microbatches}" + \
+            (f", schedule={p.strategy.schedule}" if p.pipe > 1 else "")
+        where = "these devices" if k == 1 else f"{n} x {target.spec.device} ({k} times the target's devices)"
+        return (f"plan     the cost model's best plan that fits on {where}: {p.name()} ({knobs}), predicted "
+                f"{format_bytes(best.memory.total)} per device")
+    return (f"plan     no plan of the cost model fits even {most} times the target's devices "
+            f"({target.num_devices * most} x {target.spec.device}) at global batch {model.batch}")
+
+
+def fp8_lines(fp8: Any, model: Any, compiled: Any, mesh: Any, platform: str) -> list[str]:
+    """``jaxpar inspect``'s FP8 section (``parallel.fp8`` on): on a GPU target, the GEMMs of the covered
+    weights compiled in FP8 against those the recipe covers, per weight
+    (:func:`jaxpar.analysis._gemms.check_fp8_gemms`), and the all-gathers' bytes per step by element type
+    (:func:`jaxpar.analysis._gemms.all_gather_dtypes`); on the simulated CPU mesh, one line: emulated.
+
+    Args:
+      fp8: the strategy's :class:`~jaxpar.options.Fp8`.
+      model: the cost model's model (its leaves; None off a GPU).
+      compiled: the compiled train step.
+      mesh: its mesh.
+      platform: ``"cuda"`` or ``"cpu"``.
+
+    Returns:
+      The lines.
+
+    Raises:
+      Fp8Error: a covered weight's GEMM compiled without FP8 operands, or a weight the recipe covers
+        (:meth:`jaxpar.cost.Leaf.fp8`) with no FP8 GEMM in the program; the message names the weight.
+    """
+    from jaxpar._text import format_bytes, render_table
+    from jaxpar.analysis._gemms import all_gather_dtypes, check_fp8_gemms
+
+    recipe, min_dim = fp8.recipe, fp8.min_dim
+    if platform != "cuda":
+        return [f"fp8      {recipe}: emulated by XLA:CPU on the simulated mesh (no FP8 GEMMs there: the matmuls "
+                "round as FP8 ones do, at the CPU's speed); --target h100:1x8 compiles them for a GPU and checks them"]
+    counts = check_fp8_gemms(compiled.as_text())
+    leaves = model.leaves
+    missing = [l.name for l in leaves if l.fp8(min_dim) and not any(l.name.split("/")[-1] == k for k in counts)]
+    if missing:
+        raise Fp8Error(f"fp8: the covered weights {missing} (parallel.fp8 min_dim {min_dim}) have no FP8 GEMM in the "
+                       "compiled program: their matmuls ran in the compute dtype. Turn parallel.fp8 off or report it.")
+    n = sum(int(c["fp8"]) for c in counts.values())
+    per = ", ".join(f"{k} {int(c['fp8'])}" for k, c in sorted(counts.items()))
+    lines = [f"fp8      {recipe}, min_dim {min_dim}: all {n} GEMMs of the {len(counts)} covered weights compiled "
+             f"in FP8 (each layer's, once per compiled layer body: {per or 'none'})"]
+    gathers = all_gather_dtypes(compiled, mesh) if mesh.size > 1 else {}
+    if gathers:
+        rows = [[axes, dtype, str(v["count"]), format_bytes(v["bytes"])] for (axes, dtype), v in sorted(gathers.items())]
+        lines += ["all-gathers by element type (FP8 values or the compute dtype's), per device",
+                  render_table(["axes", "dtype", "arrays", "bytes per step"], rows, right=[False, False, True, True])]
+    return lines
+
+
+def muon_lines(muon: Any, layout: Any) -> list[str]:
+    """``jaxpar inspect``'s Muon section (``optimizer.name: muon``): which half updates each parameter, its
+    matrix (input x output side) and batch dims (:func:`jaxpar.optimizers.muon_routing_table`).
+
+    Args:
+      muon: Muon's settings (``optimizer.muon``: its ``routing`` overrides the logical names; ``placement``,
+        ``ns_steps``), None for another optimizer.
+      layout: the train state's layout (its parameter shapes and logical names).
+
+    Returns:
+      The lines; none for another optimizer.
+    """
+    if muon is None:
+        return []
+    from jaxpar.optimizers import muon_routing_table
+
+    table = muon_routing_table(layout.shapes, layout.logical, routing=dict(muon.routing),
+                               kernel_layout=layout.kernel_layout)
+    return ["", "muon routing (parameter, rule, matrix: input x output, batch dims: one Newton-Schulz each, why)",
+            table] + muon_placement_lines(muon, layout)
+
+
+def muon_placement_lines(m: Any, layout: Any) -> list[str]:
+    """Where Newton-Schulz runs on each matrix group of the layout (``optimizer.muon.placement``), with the
+    cost model's FLOPs, collectives and time (:func:`jaxpar.cost.placements_table`).
+
+    Args:
+      m: Muon's settings (:func:`muon_lines`).
+      layout: the train state's layout.
+
+    Returns:
+      The lines.
+    """
+    from jaxpar.cost import PLATFORM_CLUSTERS, placement_chooser, placements_table
+    from jaxpar.optimizers import muon_placements
+
+    sizes, platform = dict(layout.mesh.shape), layout.mesh.devices.flat[0].platform
+    places = muon_placements(layout.shapes, layout.logical, mesh=layout.mesh, specs=layout.opt_param_specs,
+                             placement=m.placement, ns_steps=m.ns_steps, routing=dict(m.routing),
+                             chooser=placement_chooser(platform=platform))
+    return ["", f"muon placement ({m.placement}; Newton-Schulz per device: FLOPs, collectives, cost model's time)",
+            placements_table(places, sizes, m.ns_steps, PLATFORM_CLUSTERS.get(platform, "h100"))]
+
+
+def attention_lines(kernels: dict, compiled: Any, length: int) -> list[str]:
+    """``jaxpar inspect --target``'s attention line on a GPU: the kernel each traced attention got
+    (:func:`jaxpar.attention.count_attention_kernels`), the fused forwards of the compiled step and
+    its largest ``[..., length, length]`` array (:func:`jaxpar.analysis._fused_attention.attention_report`).
+
+    Args:
+      kernels: the counts of the traced attentions.
+      compiled: the compiled train step.
+      length: the sequence length.
+
+    Returns:
+      The lines.
+    """
+    from jaxpar.analysis._fused_attention import attention_report
+    from jaxpar._text import format_bytes
+
+    report = attention_report(compiled.as_text(), length)
+    traced = sum(v for k, v in kernels.items() if k != "why")
+    fused = traced - kernels.get("xla", 0)
+    by = ", ".join(f"{kernels[k]} {k}" for k in ("cudnn", "pallas", "xla") if kernels.get(k))
+    square = (f"largest [..., {length}, {length}] array {report.largest_square} ({format_bytes(report.square_bytes)})"
+              if report.largest_square else f"no [..., {length}, {length}] array")
+    lines = [f"attention {fused} of {traced} traced attentions fused ({by or 'none'}); compiled: {report.cudnn} "
+             f"cuDNN and {report.pallas} Pallas flash forwards per layer body, {square}"]
+    if kernels.get("pallas") and not kernels.get("cudnn"):
+        lines.append("          compiled without a GPU, JAX cannot lower cuDNN's kernel: on the GPU, 'auto' runs "
+                     "cuDNN where this program runs Pallas's (docs/strategies.md)")
+    lines += [f"          XLA's path: {why}" for why in dict.fromkeys(kernels.get("why", []))]
+    return lines
+
+
+def offload_lines(offload: Any, compiled: Any, plain: Any, simulated: bool) -> list[str]:
+    """``jaxpar inspect``'s offload section (``parallel.offload`` on): the bytes the step holds in host memory
+    (its host-resident arguments and temporaries), its device peak beside the same config's without offload
+    (compiled too), and the bytes it copies between device and host per step
+    (:func:`jaxpar.analysis._compiled_memory.host_transfers`).
+
+    Args:
+      offload: the offload setting, as shown (``parallel.offload``).
+      compiled: the compiled train step.
+      plain: the same step compiled without offload.
+      simulated: compiled for the simulated CPU mesh, where host and device memory are one.
+
+    Returns:
+      The lines.
+    """
+    from jaxpar._text import format_bytes
+    from jaxpar.analysis._compiled_memory import host_transfers, memory_report
+
+    rep, moved = memory_report(compiled), host_transfers(compiled.as_text())
+    with_off, without = rep.required_bytes, memory_report(plain).required_bytes
+    lines = [f"offload  {offload}: host memory holds {format_bytes(rep.host_argument_bytes)} of "
+             f"state per device between steps, {format_bytes(rep.host_temp_bytes)} of temporaries in the step",
+             f"         device peak {format_bytes(with_off)} with offload, {format_bytes(without)} without "
+             f"({format_bytes(without - with_off)} saved)",
+             f"         per step and device: {format_bytes(moved['to_host'])} device -> host, "
+             f"{format_bytes(moved['to_device'])} host -> device"]
+    if simulated:
+        lines.append("         on the simulated CPU mesh host and device memory are one: XLA:CPU copies nothing, "
+                     "so compile for a target (--target h100:1x8) to see the transfers")
+    return lines
+
+
+def gather_lines(layout: Any, compiled: Any) -> list[str]:
+    """What a step whose parameters the data axes shard (FSDP, ZeRO-3) all-gathers: the weights' bytes and
+    the activations' (:func:`jaxpar.analysis._gemms.gathered_weights`), and a warning, with the fix, where
+    the activations outweigh the weights.
+
+    Args:
+      layout: the state's layout (its parameters' shapes and logical names, its mesh and strategy).
+      compiled: the compiled train step.
+
+    Returns:
+      The lines (none where no data axis shards the parameters).
+    """
+    from jaxpar._text import format_bytes
+    from jaxpar.analysis._gemms import gathered_weights
+
+    sizes = dict(layout.mesh.shape)
+    if sizes.get("fsdp", 1) == 1 and not (layout.strategy.zero == 3 and sizes.get("data", 1) > 1):
+        return []
+    is_spec = lambda x: x is None or isinstance(x, tuple)     # noqa: E731
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(layout.shapes)]
+    names = [tuple(n or ()) for n in jax.tree.leaves(layout.logical, is_leaf=is_spec)]
+    specs = [s.spec for s in jax.tree.leaves(layout.shardings().params)]
+    zero = [any(sizes.get(a, 1) > 1 for e in spec if e for a in ((e,) if isinstance(e, str) else e)
+                if a in ("fsdp", "data")) for spec in specs]
+    layer = [shape[1:] for shape, n in zip(shapes, names) if n[:1] == ("layers",)]
+    # a layer's flat gather buffer holds its stacked leaves that ZeRO splits (the others stay replicated)
+    flat = [shape[1:] for shape, n, z in zip(shapes, names, zero) if n[:1] == ("layers",) and z]
+    got = gathered_weights(compiled, layout.mesh, shapes + layer, [sum(math.prod(s) for s in flat)])
+    lines = [f"gathers  weights {format_bytes(got['weights'])}, activations {format_bytes(got['activations'])} "
+             "per step and device (all-gathers over the data axes' shards)"]
+    if got["activations"] > got["weights"]:
+        lines.append("warning  the step gathers more activation bytes than weight bytes: XLA chose to gather "
+                     "activations the model leaves unconstrained. Fix: pin them in the model, e.g. jaxpar.constrain(x, "
+                     "('batch', 'length', 'embed')) (the GPT and the Decoder do), so that FSDP gathers the weights.")
+    return lines
+
+
+def expert_lines(experts: int, k: int, tokens: int, mesh: Any, compiled: Any) -> list[str]:
+    """The GPT's routed experts in the compiled step: what their tile loops compute at most, against the routed
+    rows' FLOPs and every expert on every token's (docs/strategies.md, "The sorted dispatch").
+
+    Args:
+      experts: the experts.
+      k: the experts each token is routed to.
+      tokens: the tokens of a global batch.
+      mesh: the step's mesh.
+      compiled: the compiled train step.
+
+    Returns:
+      The line, in a list.
+    """
+    from jaxpar.analysis import tile_loop_flops
+    from jaxpar.parallel.moe import tile_rows
+    sizes = dict(mesh.shape)
+    f0, per_trip = tile_loop_flops(compiled.as_text())
+    tile = tile_rows(mesh)
+    tokens = tokens / math.prod(sizes.get(a, 1) for a in ("data", "fsdp", "expert", "context"))
+    tiles = tokens * k / tile + experts / sizes.get("expert", 1)
+    routed = per_trip / tile * tokens * k
+    def fl(x):
+        return f"{x / 1e12:.3g} TFLOP" if x >= 1e12 else f"{x / 1e9:.3g} GFLOP"
+    return [f"experts  {experts} experts, top-{k}: the tile loops compute at most {fl(per_trip * tiles)} per device "
+            f"per step ({tiles:.0f} tiles of {tile} rows a loop); the routed rows are {fl(routed)}, every expert "
+            f"on every token would be {fl(routed * experts / k)}; the other GEMMs {fl(f0)}"]

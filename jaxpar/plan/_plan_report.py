@@ -1,0 +1,284 @@
+"""``jaxpar plan``'s text: the ranked plans with the overrides that run each (:func:`plan_overrides`), the lines on
+FP8 and memory offloading, and ``--verify``'s table of predicted vs compiled bytes (:func:`verify_plans`).
+
+Example::
+
+    >>> from jaxpar.cost import Plan
+    >>> plan_overrides(Plan(data=8))[:2]
+    ['mesh.pipe=1', 'mesh.data=8']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from typing import Any, Callable, Sequence
+
+from jaxpar.errors import ConfigError
+from jaxpar.plan._prediction import predicted_peak
+
+
+def fp8_cluster_problem(cluster: str) -> str | None:
+    """Why ``parallel.fp8`` cannot run on the devices of a cluster preset: the first target that uses the
+    preset and has no FP8 GEMMs (:func:`jaxpar.devices._targets.fp8_problem`); None for a preset no target
+    uses (``cpu_sim``: the simulated mesh emulates FP8) or whose targets have them.
+
+    Args:
+      cluster: the cluster preset's name.
+
+    Returns:
+      The message, naming the target, the option and the fix, or None.
+
+    >>> print(fp8_cluster_problem("tpu_v5e"))      # doctest: +ELLIPSIS
+    target tpu-v5e has no FP8 GEMMs: parallel.fp8 runs the covered matmuls as FP8 GEMMs, ...
+    >>> fp8_cluster_problem("cpu_sim"), fp8_cluster_problem("h100")
+    (None, None)
+    """
+    from jaxpar.devices._targets import fp8_problem, load_spec, presets
+
+    return next((why for spec in map(load_spec, presets()) if spec.cluster == cluster and (why := fp8_problem(spec))),
+                None)
+
+
+def yaml_text(value: Any) -> str:
+    """``value`` as YAML flow text, for an override: an option object (a dataclass) as the mapping of all its
+    fields, None as ``null``.
+
+    Args:
+      value: a plain value, tuple, mapping or dataclass.
+
+    Returns:
+      The text.
+
+    >>> from jaxpar.options import Offload
+    >>> yaml_text(Offload(optimizer=True, update="host")), yaml_text((2, 1)), yaml_text(None)
+    ('{optimizer: true, master: false, activations: [], update: host}', '[2, 1]', 'null')
+    """
+    if dataclasses.is_dataclass(value):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {yaml_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(map(yaml_text, value)) + "]"
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
+
+
+def plan_overrides(plan: Any) -> list[str]:
+    """The dotted overrides that make a config run a :class:`jaxpar.cost.Plan` (``jaxpar train CONFIG
+    *overrides``): its mesh, the strategy's fields the cost model reads (:data:`jaxpar.cost._parallel.MODELLED`,
+    an option object as a mapping, ``{}`` for none; ``context`` on a ``context`` axis only), even stages, and
+    the model's remat policy.
+
+    Args:
+      plan: the plan (e.g. ``jaxpar.cost.plan(...).best.plan``).
+
+    Returns:
+      ``key=value`` strings.
+
+    >>> from jaxpar.cost import Plan
+    >>> from jaxpar.strategy import Strategy
+    >>> interleaved = Strategy(microbatches=8, schedule="interleaved", virtual_stages=2)
+    >>> plan_overrides(Plan(pipe=2, data=4, strategy=interleaved))[-6:]
+    ['parallel.virtual_stages=2', 'parallel.context={}', 'parallel.fp8={}', 'parallel.offload={}', 'parallel.stage_layers=null', 'model.remat=none']
+    >>> from jaxpar.options import Fp8
+    >>> plan_overrides(Plan(fsdp=8, strategy=Strategy(fp8=Fp8())))[-4]
+    'parallel.fp8={recipe: tensorwise, min_dim: 1024}'
+    """
+    from jaxpar.cost._parallel import AXES, MODELLED
+
+    s = plan.strategy
+    remat = "offload" if s.offload and s.offload.activations else plan.remat
+    out = [f"mesh.{a}={getattr(plan, a)}" for a in AXES] + ["mesh.replica=1"]
+    value = lambda k: getattr(s, k) if k != "context" or plan.context > 1 else None     # noqa: E731
+    out += [f"parallel.{k}={'{}' if value(k) is None else yaml_text(value(k))}" for k in MODELLED]
+    return out + ["parallel.stage_layers=null", f"model.remat={remat}"]
+
+
+def chosen_plan(result: Any, rank: int) -> Any:
+    """The plan of ``rank`` (1: the best) among :func:`jaxpar.cost.plan`'s ranked ones.
+
+    Args:
+      result: the planner's result.
+      rank: ``--choose``.
+
+    Returns:
+      The :class:`jaxpar.cost.Plan`.
+
+    Raises:
+      ConfigError: no plan of that rank.
+    """
+    if not 1 <= rank <= len(result.ranked):
+        raise ConfigError(f"--choose {rank}: the planner ranked {len(result.ranked)} plan(s); choose 1.."
+                          f"{len(result.ranked)}" if result.ranked else f"--choose {rank}: no plan fits, so none "
+                          "is written.")
+    return result.ranked[rank - 1].plan
+
+
+def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any = None) -> None:
+    """``jaxpar plan --verify``: compile each plan's train step ahead of time (jaxpar's GPT, fp32 Adam;
+    nothing runs) on simulated CPU devices, or with the real compiler of ``target``, and print
+    predicted vs compiled argument bytes, peak memory and bytes per mesh axis.
+
+    Args:
+      model: the cost model's GPT.
+      cluster: the cluster (its device count is simulated; at most 256).
+      estimates: the ranked plans' estimates.
+      target: a :class:`jaxpar.devices.Target` with the cluster's device count (None: the CPU).
+
+    Raises:
+      ConfigError: more than 256 simulated devices.
+    """
+    import time
+
+    from jaxpar._text import format_bytes, render_table
+    from jaxpar.cost._memory import memory_per_device
+    from jaxpar.analysis import compile_and_compare
+
+    devices, where, lowering = _verify_devices(cluster.num_devices, target)
+    print(f"\nverify   {len(estimates)} plans compiled ahead of time {where} (jaxpar's GPT, "
+          f"fp32 parameters and Adam moments; the prediction below uses the same precision)")
+    rows = []
+    for e in estimates:
+        p = e.plan
+        t0 = time.perf_counter()
+        r = compile_and_compare(model, p, devices=devices, lowering=lowering)
+        mem = memory_per_device(model, p, precision="fp32", activation_bytes=4).total
+        if target is not None:          # the compiled-step model, measured against the target's compiler
+            mem = predicted_peak(model, p, mem, "float32", target.spec.platform)
+        a = r["arguments"]
+        peak = r["peak_bytes"]
+        worst = max((v["error"] for v in r["axes"].values()), default=0.0)
+        rows.append([p.name(), format_bytes(a["predicted"]), format_bytes(a["compiled"]), f"{a['error']:.2%}",
+                     format_bytes(mem), format_bytes(peak), f"{mem / peak:.2f}",
+                     " ".join(f"{ax}:{v['predicted'] / v['compiled']:.3f}" if v["compiled"] else f"{ax}:-"
+                              for ax, v in r["axes"].items()) or "-", f"{worst:.1%}",
+                     f"{time.perf_counter() - t0:.0f}"])
+    print(render_table(["plan", "args predicted", "args compiled", "args error", "peak predicted", "peak compiled",
+                        "peak ratio", f"bytes per axis predicted/compiled ({lowering})", "worst axis error",
+                        "compile s"], rows, right=[False] + [True] * 6 + [False, True, True]))
+
+
+def _verify_devices(n: int, target: Any) -> tuple[list, str, str]:
+    """``(devices, where they are, the cost model's lowering)`` for ``verify_plans``."""
+    if target is not None:
+        from jaxpar.cost._traffic import lowering_for_platform
+        from jaxpar.devices._targets import target_devices
+
+        if target.num_devices != n:
+            raise ConfigError(f"--target {target} has {target.num_devices} devices, but the plans are for {n}; "
+                              f"give --devices {target.num_devices} or a target of {n} devices.")
+        return (target_devices(target), f"by the {target.spec.platform} compiler for {target}",
+                lowering_for_platform(target.spec.platform))
+    if n > 256:
+        raise ConfigError(f"--verify simulates the cluster's {n} devices on the CPU; at most 256 (use --devices, "
+                          f"or --target to compile for real devices).")
+    import jax
+
+    from jaxpar.devices._distributed import setup_devices
+
+    setup_devices(n)
+    return jax.devices()[:n], f"on {n} simulated CPU devices", "xla-cpu"
+
+
+def fp8_line(result: Any, cluster: Any) -> str:
+    """``jaxpar plan``'s line on FP8: what the best plan gains with it, or why no plan has it.
+
+    Args:
+      result: :func:`jaxpar.cost.plan`'s result.
+      cluster: the cluster planned on.
+
+    Returns:
+      The line.
+    """
+    best = result.best
+    if best.without_fp8:
+        fp8 = best.plan.strategy.fp8
+        return (f"fp8      chosen ({fp8.recipe}, min_dim {fp8.min_dim}): predicted "
+                f"{best.time.total * 1e3:.1f} ms per step with FP8, {best.without_fp8 * 1e3:.1f} ms without "
+                f"({best.without_fp8 / best.time.total:.2f}x)")
+    if not cluster.has_fp8:
+        return f"fp8      not considered: cluster {cluster.name} has no FP8 GEMMs (no peak_tflops.float8)"
+    if result.fp8 is None:
+        return "fp8      not considered (fp8=False)"
+    if not any(e.without_fp8 for e in result.ranked):
+        return (f"fp8      considered, not chosen: no GEMM of the model reaches min_dim {result.fp8.min_dim}, "
+                "or FP8 predicts no gain")
+    return "fp8      considered: the best plan is faster without it"
+
+
+def offload_line(model: Any, cluster: Any, result: Any) -> str | None:
+    """``jaxpar plan``'s line on memory offloading, where the best plan has it (no plan fits without it):
+    what lives in host memory, the predicted step with its host link and host update, and the slowdown.
+
+    Args:
+      model: the cost model's model.
+      cluster: the cluster planned on.
+      result: :func:`jaxpar.cost.plan`'s result.
+
+    Returns:
+      The line, or None (the best plan does not offload).
+    """
+    from jaxpar._text import format_bytes
+    from jaxpar.cost._host_link import host_bytes, transfer_bytes
+
+    best = result.best
+    offload = best.plan.strategy.offload
+    if not offload:
+        return None
+    moved, state = transfer_bytes(model, best.plan), host_bytes(model, best.plan)
+    acts = (f", and the layers' inputs ({format_bytes(best.memory.host - state)}) go there in the forward and come "
+            "back for the backward (model.remat=offload)") if offload.activations else ""
+    link = f", {format_bytes(moved['to_host'])} to the host and {format_bytes(moved['to_device'])} back per step"
+    slow = (f"; {best.without_offload * 1e3:.1f} ms without it (does not fit): "
+            f"{best.time.total / best.without_offload:.2f}x slower") if best.without_offload else ""
+    return (f"offload  proposed: no plan fits {cluster.num_devices} x {cluster.name} without it. The optimizer state "
+            f"({format_bytes(state)} per device) lives in host memory and is updated there{acts} "
+            f"(parallel.offload={yaml_text(offload)}): predicted {best.time.total * 1e3:.1f} ms "
+            f"per step, {best.time.offload * 1e3:.1f} ms of it on the host link ({cluster.host_link / 1e9:g} GB/s "
+            f"per direction{link}) and {best.time.optimizer * 1e3:.1f} ms the update in host memory "
+            f"({cluster.host_memory_bandwidth / 1e9:g} GB/s){slow}; costed in jaxpar's fp32 layout (precision fp32)")
+
+
+def plan_report(model: Any, cluster: Any, result: Any, top: int, changed: Callable[[Any], list[str]], *,
+                as_json: bool = False, config: bool = False) -> str:
+    """``jaxpar plan``'s output: the model, the cluster and the ranked and rejected plans, each ranked one with
+    its overrides (:func:`plan_overrides`; in the table those the config lacks, ``changed``).
+
+    Args:
+      model: the cost model's model.
+      cluster: the cluster.
+      result: :func:`jaxpar.cost.plan`'s result.
+      top: how many plans to show.
+      changed: a plan's overrides that the config (or the schema's defaults) lacks.
+      as_json: JSON instead of tables.
+      config: whether the plans are ``--config``'s.
+
+    Returns:
+      The text.
+    """
+    if as_json:
+        return json.dumps({"cluster": cluster.name, "devices": cluster.num_devices, "model": model.name,
+                           "parameters": model.n_params, "considered": result.considered,
+                           "ranked": [{**e.row(), "overrides": plan_overrides(e.plan)} for e in result.ranked[:top]],
+                           "rejected": [{"plan": r.plan.name() if r.plan else None, "reason": r.reason}
+                                        for r in result.rejected[:top]]}, indent=2)
+    lines = [f"model    {model.name}: {model.n_params:,} parameters, batch {model.batch} x {model.seq}",
+             f"cluster  {cluster.name}: {cluster.num_devices} devices ({cluster.nodes} x {cluster.devices_per_node})",
+             f"plans    {result.considered} considered, {len(result.ranked)} fit, {len(result.rejected)} rejected",
+             result.table(top)]
+    if result.ranked:
+        lines.append(f"\noverrides that make {'the config' if config else 'a config'} run each plan (jaxpar train CONFIG "
+                     "...; jaxpar plan --write FILE --choose N writes it):")
+        lines += [f"  {i:>2}  {shlex.join(changed(e.plan)) or '(none)'}"
+                  for i, e in enumerate(result.ranked[:top], 1)]
+    lines.append(fp8_line(result, cluster))
+    if line := offload_line(model, cluster, result):
+        lines.append(line)
+    if result.rejected:
+        lines += ["", result.rejected_table(min(top, 5))]
+    if getattr(result, "refused", None):
+        lines += ["", result.refused_table(min(top, 5))]
+    return "\n".join(lines)
