@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.attention._kernels import fused_attention, kernel_for
+from jaxpar.attention._kernels import context_kernel, fused_attention, kernel_for
 from jaxpar.errors import AttentionError
 from jaxpar.parallel.context import context_attention, context_size
 from jaxpar.parallel.context._softmax import allowed, capped_attention, check_softcap, check_window
@@ -70,7 +70,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, 
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if context_size() > 1:
         return context_attention(dense_attention, q, k, v, segment_ids, causal=causal, scale=scale, window=window,
-                                 softcap=softcap)
+                                 softcap=softcap, block_kernel=context_kernel)
     wide = isinstance(window, int) and window >= q.shape[1]     # wider than the sequence: no window
     return dense_attention(q, k, v, causal=causal, scale=scale, q_seg=segment_ids, k_seg=segment_ids,
                            window=None if wide else window, softcap=softcap)

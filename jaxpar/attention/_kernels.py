@@ -200,6 +200,57 @@ def kernel_for(q, k, *, causal: bool, segments: bool, positions: bool, window: A
         if setting != "auto":
             raise AttentionError(f"attention: use_attention_kernel({setting!r}) cannot run this call: {split}.")
         kernel, why = "xla", split
+    _note(kernel, why)
+    return kernel
+
+
+def context_kernel(q, k, *, method: str, chunk: int, window: Any, softcap: float | None) -> tuple[str, bool]:
+    """The kernel of a ring or all-gather attention's blocks under the current setting and platform, counted
+    and warned about like :func:`kernel_for`: ``"pallas"`` (the flash block kernel,
+    :mod:`jaxpar.parallel.context._flash`) or ``"xla"`` (einsums and an online softmax).
+
+    ``auto`` fuses bfloat16 and float16 on a GPU; ``"pallas"`` fuses any dtype (off a GPU in Pallas's
+    interpreter); ``"xla"`` never fuses.
+
+    Args:
+      q, k: the local queries and keys (shapes and dtypes).
+      method: ``"ring"`` or ``"all_gather"`` (whose XLA path is :func:`kernel_for`'s, counted there).
+      chunk: the length of one query block (a shard, half of it balanced).
+      window: the sliding window, or ``None``.
+      softcap: the logit soft-cap, or ``None``.
+
+    Returns:
+      ``(kernel, interpret)``: ``interpret`` when the program is not compiled for a GPU.
+
+    Raises:
+      AttentionError: the setting is ``"cudnn"``, or ``"pallas"`` and the kernel cannot run this call.
+    """
+    from jaxpar.parallel.context._ring import fused_ring_problem     # jaxpar.parallel.context imports this package
+
+    setting, platform = current_attention_kernel(), _platform()
+    on_gpu = platform in ("gpu", "cuda", "rocm")
+    if setting == "cudnn":
+        raise AttentionError("attention: use_attention_kernel('cudnn') cannot run a ring or all-gather context-"
+                             "parallel attention (cuDNN returns no block statistics). Fix: 'auto' or 'pallas' (the "
+                             "flash block kernel), or use_context_parallel('ulysses').")
+    why = None
+    if setting == "auto" and q.dtype not in FUSED_DTYPES:
+        why = f"{q.dtype} q/k/v (the fused kernels run bfloat16 or float16)"
+    why = why or fused_ring_problem("pallas", chunk, q.shape[-1], window, softcap)
+    if setting == "pallas" and why:
+        raise AttentionError(f"attention: use_attention_kernel('pallas') cannot run this context-parallel call: "
+                             f"{why}. Fix: use_attention_kernel('auto').")
+    if setting == "xla" or (setting == "auto" and not on_gpu):
+        kernel, why = "xla", None
+    else:
+        kernel = "xla" if why else "pallas"
+    if kernel == "pallas" or method == "ring":
+        _note(kernel, why)
+    return kernel, not on_gpu
+
+
+def _note(kernel: str, why: str | None) -> None:
+    """Count ``kernel`` in :func:`count_attention_kernels` and warn when a GPU runs XLA's path."""
     if (counts := _COUNTS.get()) is not None:
         counts[kernel] = counts.get(kernel, 0) + 1
         if why:
@@ -207,8 +258,7 @@ def kernel_for(q, k, *, causal: bool, segments: bool, positions: bool, window: A
     if why:
         warnings.warn(f"attention on a GPU runs XLA's unfused path ([length, length] scores in memory): {why}. "
                       "jaxpar.attention.use_attention_kernel and docs/strategies.md say which masks fuse.",
-                      AttentionFallbackWarning, stacklevel=3)
-    return kernel
+                      AttentionFallbackWarning, stacklevel=4)
 
 
 def _platform() -> str:

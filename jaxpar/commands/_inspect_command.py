@@ -163,7 +163,7 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
     print(f"compile  {time.perf_counter() - start:.1f} s")
     print("\n".join(program_lines(job, compiled)))
     if tgt is not None and tgt.spec.platform == "cuda":
-        print("\n".join(attention_lines(kernels, compiled["step"], job.seq_len)))
+        print("\n".join(attention_lines(kernels, compiled["step"], job.seq_len, cfg.mesh.context)))
     if cfg.parallel.offload:        # beside the same step without offload
         plain = build_job(replace(cfg, parallel=replace(cfg.parallel, offload={})), devices, data=False)
         plain_step = plain.compile(plain.state_layout())["step"]

@@ -172,23 +172,27 @@ def muon_placement_lines(m: Any, layout: Any) -> list[str]:
             placements_table(places, sizes, m.ns_steps, PLATFORM_CLUSTERS.get(platform, "h100"))]
 
 
-def attention_lines(kernels: dict, compiled: Any, length: int) -> list[str]:
+def attention_lines(kernels: dict, compiled: Any, length: int, context: int = 1) -> list[str]:
     """``jaxpar inspect --target``'s attention line on a GPU: the kernel each traced attention got
     (:func:`jaxpar.attention.count_attention_kernels`), the fused forwards of the compiled step and
-    its largest ``[..., length, length]`` array (:func:`jaxpar.analysis._fused_attention.attention_report`).
+    its largest ``[..., length, length]`` array (:func:`jaxpar.analysis._fused_attention.attention_report`);
+    over a ``context`` axis, the ring / all-gather flash block calls and the score-shaped arrays of every
+    block length (:func:`~jaxpar.analysis._fused_attention.score_arrays`).
 
     Args:
       kernels: the counts of the traced attentions.
       compiled: the compiled train step.
       length: the sequence length.
+      context: the ``context`` axis's size.
 
     Returns:
       The lines.
     """
-    from jaxpar.analysis._fused_attention import attention_report
+    from jaxpar.analysis._fused_attention import attention_report, flash_blocks, score_arrays
     from jaxpar._text import format_bytes
 
-    report = attention_report(compiled.as_text(), length)
+    text = compiled.as_text()
+    report = attention_report(text, length)
     traced = sum(v for k, v in kernels.items() if k != "why")
     fused = traced - kernels.get("xla", 0)
     by = ", ".join(f"{kernels[k]} {k}" for k in ("cudnn", "pallas", "xla") if kernels.get(k))
@@ -199,6 +203,12 @@ def attention_lines(kernels: dict, compiled: Any, length: int) -> list[str]:
     if kernels.get("pallas") and not kernels.get("cudnn"):
         lines.append("          compiled without a GPU, JAX cannot lower cuDNN's kernel: on the GPU, 'auto' runs "
                      "cuDNN where this program runs Pallas's (docs/strategies.md)")
+    if context > 1:
+        blocks, scores = flash_blocks(text), score_arrays(text, (length // context // 2, length // context, length))
+        largest = f", the largest {scores.largest} ({format_bytes(scores.largest_bytes)})" if scores.largest else ""
+        lines.append(f"          context {context}: {sum(blocks.values())} flash block calls "
+                     f"({', '.join(f'{v} {k}' for k, v in blocks.items())}); {scores.count} score-shaped "
+                     f"arrays{largest}")
     lines += [f"          XLA's path: {why}" for why in dict.fromkeys(kernels.get("why", []))]
     return lines
 

@@ -34,7 +34,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.parallel._regions import collective_in, keep_axes, reduce_dtype, region_axes, region_spec
 from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, shard_map_mesh
-from jaxpar.parallel.context._zigzag import check_length, from_balanced, sequence_positions, shard_positions, to_balanced
+from jaxpar.parallel.context._flash import flash_attention
+from jaxpar.parallel.context._zigzag import (check_length, chunk_index, chunks_per_shard, from_balanced,
+                                             sequence_positions, shard_positions, to_balanced)
 from jaxpar.parallel.context._options import CONTEXT, current_context_parallel, note_context_call
 from jaxpar.parallel.context._ring import ring_attention
 from jaxpar.errors import ContextParallelError
@@ -52,10 +54,13 @@ class _Call(NamedTuple):
     softcap: float | None = None
     wire: Any = None          # the dtype of the all-gather method's K/V (jaxpar.parallel._regions.reduce_dtype); None: theirs
     dense: Callable = None    # whole-sequence attention on one device (jaxpar.attention.dense_attention)
+    kernel: str = "xla"       # the ring's and all-gather's blocks: "xla" or "pallas" (jaxpar.parallel.context._flash)
+    interpret: bool = False   # the "pallas" kernel in Pallas's interpreter (not compiled for a GPU)
 
 
 def context_attention(dense: Callable, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, *,
-                      causal: bool, scale: float, window: int | jax.Array | None, softcap: float | None) -> jax.Array:
+                      causal: bool, scale: float, window: int | jax.Array | None, softcap: float | None,
+                      block_kernel: Callable | None = None) -> jax.Array:
     """:func:`jaxpar.attention.attention` under a ``context`` axis of size > 1: the method of
     :func:`jaxpar.parallel.context.use_context_parallel` on the local shards (inside a ``shard_map`` manual
     over ``context``, on them as they are).
@@ -68,6 +73,9 @@ def context_attention(dense: Callable, q: jax.Array, k: jax.Array, v: jax.Array,
       scale: the score scale.
       window: the checked sliding window, or ``None``.
       softcap: the checked logit soft-cap, or ``None``.
+      block_kernel: ``block_kernel(q, k, method=, chunk=, window=, softcap=) -> (kernel, interpret)``, the kernel of
+        the ``ring`` and ``all_gather`` methods' blocks (:func:`jaxpar.attention._kernels.context_kernel`);
+        ``None``: ``"xla"``.
 
     Returns:
       ``[batch, length, heads, head_dim]``, sharded like ``q``.
@@ -82,11 +90,13 @@ def context_attention(dense: Callable, q: jax.Array, k: jax.Array, v: jax.Array,
     note_context_call("attention")
     setting = current_context_parallel()
     call = _Call(size, causal, scale, setting.balance, _ring_hop(ctx[0]), softcap, dense=dense)
+    chunk = check_length(q.shape[1] * (size if local else 1), size, setting.balance)
+    if block_kernel is not None and setting.method != "ulysses":
+        kernel, interpret = block_kernel(q, k, method=setting.method, chunk=chunk, window=window, softcap=softcap)
+        call = call._replace(kernel=kernel, interpret=interpret)
     if local:
-        check_length(q.shape[1] * size, size, setting.balance)
         call = call._replace(wire=reduce_dtype(q.dtype, ctx[0], ()))     # in the enclosing region
         return _LOCAL[setting.method](call, q, k, v, segment_ids, window)
-    check_length(q.shape[1], size, setting.balance)
     return _sharded(_LOCAL[setting.method], call, *ctx, q, k, v, segment_ids, window)
 
 
@@ -220,7 +230,8 @@ def _sharded(method: Callable, call: _Call, mesh, rules, q, k, v, segment_ids, w
 
 def _ring_local(call: _Call, q, k, v, seg, window):
     return ring_attention(q, k, v, seg, seg, axis_name=CONTEXT, causal=call.causal, scale=call.scale,
-                          balance=call.balance, hop=call.hop, window=window, softcap=call.softcap)
+                          balance=call.balance, hop=call.hop, window=window, softcap=call.softcap, kernel=call.kernel,
+                          interpret=call.interpret)
 
 
 def _all_gather_local(call: _Call, q, k, v, seg, window):
@@ -230,12 +241,28 @@ def _all_gather_local(call: _Call, q, k, v, seg, window):
         wire = x.dtype if call.wire is None or not jnp.issubdtype(x.dtype, jnp.floating) else call.wire
         return collective_in(wire, functools.partial(jax.lax.all_gather, axis_name=CONTEXT, axis=1, tiled=True), x)
     k, v, k_seg = gather(k), gather(v), gather(seg)
+    if call.kernel == "pallas":
+        return _all_gather_fused(call, q, k, v, seg, k_seg)
     if not call.causal and window is None:   # a full mask depends on the segments only, not on where tokens sit
         return call.dense(q, k, v, causal=False, scale=call.scale, q_seg=seg, k_seg=k_seg, softcap=call.softcap)
     q_pos = shard_positions(jax.lax.axis_index(CONTEXT), q.shape[1], call.size, call.balance)
     k_pos = sequence_positions(k.shape[1], call.size, call.balance)
     return call.dense(q, k, v, causal=call.causal, scale=call.scale, q_seg=seg, k_seg=k_seg, q_pos=q_pos,
                            k_pos=k_pos, window=window, softcap=call.softcap)
+
+
+def _all_gather_fused(call: _Call, q, k, v, seg, k_seg):
+    """The all-gather method's local attention by the flash kernel: the gathered K/V in the natural order,
+    each query chunk at its causal offset among them (its first true position)."""
+    if call.balance:
+        k, v = from_balanced(k, 1, call.size), from_balanced(v, 1, call.size)
+        k_seg = None if k_seg is None else from_balanced(k_seg, 1, call.size)
+    parts = chunks_per_shard(call.balance) if call.causal else 1
+    chunk, me = q.shape[1] // parts, jax.lax.axis_index(CONTEXT)
+    rows = lambda x, a: None if x is None else x[:, a * chunk:(a + 1) * chunk]     # noqa: E731
+    return jnp.concatenate([flash_attention(rows(q, a), k, v, rows(seg, a), k_seg, chunk_index(me, a, call.size,
+                                            call.balance) * chunk, causal=call.causal, scale=call.scale,
+                                            interpret=call.interpret) for a in range(parts)], axis=1)
 
 
 def ulysses_kv_repeat(heads: int, kv_heads: int, size: int) -> int:

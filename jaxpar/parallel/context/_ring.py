@@ -34,7 +34,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpar.parallel.context._softmax import (allowed, check_softcap, check_window, empty_softmax, group_heads,
+from jaxpar.parallel.context._flash import as_varying, flash_backward, flash_forward, flash_tile, merge_blocks
+from jaxpar.parallel.context._softmax import (MASK_VALUE, allowed, check_softcap, check_window, empty_softmax, group_heads,
                                               softmax_grad_step, softmax_result, softmax_step)
 from jaxpar.parallel.context._zigzag import check_length, chunk_index, chunks_per_shard, pair_needed, ring_schedule
 from jaxpar.errors import ContextParallelError
@@ -53,6 +54,8 @@ class RingSpec(NamedTuple):
     hop: str = "permute"
     window: int | None = None
     softcap: float | None = None
+    kernel: str = "xla"       # "pallas": each block by the flash kernel (jaxpar.parallel.context._flash)
+    interpret: bool = False   # the flash kernel in Pallas's interpreter (off a GPU)
 
 
 def pack(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
@@ -94,24 +97,6 @@ def _shift(x: Any, spec: RingSpec, by: int = 1) -> Any:
         previous = (jax.lax.axis_index(spec.axis) - by) % spec.size
         return unpack(jax.lax.all_gather(buf, spec.axis)[previous])
     return unpack(jax.lax.ppermute(buf, spec.axis, [(j, (j + by) % spec.size) for j in range(spec.size)]))
-
-
-def _vma(x: Any) -> set:
-    """The manual axes ``x`` varies over (jax 0.10 keeps them in ``aval.mat.varying``, older in ``aval.vma``)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    return set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
-
-
-def _varying(tree: Any, *refs: Any) -> Any:
-    """``tree`` marked as varying over every manual axis that one of ``refs`` varies over, so that
-    ``lax.cond`` sees equal types under ``shard_map(check_vma=True)`` (a no-op without it)."""
-    axes = set().union(*(_vma(r) for r in refs))
-
-    def cast(x):
-        missing = tuple(sorted(axes - _vma(x)))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-    return jax.tree.map(cast, tree)
 
 
 def _maybe(needed: Any, step: Callable, carry: Any) -> Any:
@@ -194,21 +179,42 @@ def ring_forward(spec: RingSpec, q, k, v, q_seg=None, k_seg=None, window=None) -
     Returns:
       ``(out like q, logsumexp per query chunk, number of blocks computed on this device)``.
     """
-    parts = chunks_per_shard(spec.balance)
-    qg = group_heads(q, k.shape[2])
+    parts, fused = chunks_per_shard(spec.balance), spec.kernel == "pallas"
+    qg = q if fused else group_heads(q, k.shape[2])
     view = _blocks(spec, q, 0, window)
-    states = _varying([empty_softmax(view.rows(qg, a)) for a in range(parts)], q, k, v, view.me)
-    kv, pairs, steps = jnp.stack([k, v]), _varying(jnp.int32(0), view.me), _steps(view)
+    states = as_varying([(_empty_block if fused else empty_softmax)(view.rows(qg, a)) for a in range(parts)],
+                      q, k, v, view.me)
+    kv, pairs, steps = jnp.stack([k, v]), as_varying(jnp.int32(0), view.me), _steps(view)
     for t in range(steps):
         view = _blocks(spec, q, t, window)
         for a, b in itertools.product(range(parts), range(parts)):
-            step = functools.partial(_forward_block, view, a, b, qg, kv, q_seg, k_seg)
+            step = functools.partial(_fused_forward_block if fused else _forward_block, view, a, b, qg, kv, q_seg,
+                                     k_seg)
             states[a] = _maybe(view.needed(a, b), step, states[a])
             pairs = pairs + view.needed(a, b)
         if t < steps - 1:
             kv, k_seg = _shift((kv, k_seg), spec)
-    outs, lses = zip(*(softmax_result(s, q.dtype) for s in states))
+    outs, lses = zip(*((s[0].astype(q.dtype), s[1]) if fused else softmax_result(s, q.dtype) for s in states))
     return jnp.concatenate(outs, axis=1), list(lses), pairs
+
+
+def _empty_block(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The fused ring's state before any key block: ``(out [b, t, heads, d], lse [b, heads, t])`` fp32."""
+    b, t, h, d = q.shape
+    return jnp.zeros(q.shape, jnp.float32), jnp.full((b, h, t), MASK_VALUE, jnp.float32)
+
+
+def _flash_args(view: _Blocks, a: int, b: int, q, kv, q_seg, k_seg) -> tuple[tuple, dict]:
+    """The flash kernel's block arguments for the pair (``a``, ``b``): the diagonal block (step 0,
+    ``a == b``) is the only one a causal mask cuts; every other needed pair lies wholly in the past."""
+    args = (view.rows(q, a), view.rows(kv[0], b), view.rows(kv[1], b), view.rows(q_seg, a), view.rows(k_seg, b))
+    causal = view.spec.causal and view.shift == 0 and a == b
+    return args, dict(causal=causal, scale=view.spec.scale, interpret=view.spec.interpret)
+
+
+def _fused_forward_block(view: _Blocks, a: int, b: int, q, kv, q_seg, k_seg, state):
+    args, options = _flash_args(view, a, b, q, kv, q_seg, k_seg)
+    return merge_blocks(state, flash_forward(*args, **options))
 
 
 def _forward_block(view: _Blocks, a: int, b: int, qg, kv, q_seg, k_seg, state):
@@ -231,19 +237,24 @@ def ring_backward(spec: RingSpec, residuals: tuple, d_out: jax.Array) -> tuple:
     """
     q, k, v, q_seg, k_seg, window, out, lses = residuals
     kv = jnp.stack([k, v])
-    parts = chunks_per_shard(spec.balance)
-    qg, dog = group_heads(q, k.shape[2]), group_heads(d_out, k.shape[2]).astype(jnp.float32)
-    delta = jnp.einsum("bqhgd,bqhgd->bhgq", dog, group_heads(out, k.shape[2]).astype(jnp.float32))
+    parts, fused = chunks_per_shard(spec.balance), spec.kernel == "pallas"
+    if fused:                                    # ungrouped; delta [b, heads, t]
+        qg, dog = q, d_out
+        delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    else:
+        qg, dog = group_heads(q, k.shape[2]), group_heads(d_out, k.shape[2]).astype(jnp.float32)
+        delta = jnp.einsum("bqhgd,bqhgd->bhgq", dog, group_heads(out, k.shape[2]).astype(jnp.float32))
     view = _blocks(spec, q, 0, window)
     deltas = [delta[..., a * view.chunk:(a + 1) * view.chunk] for a in range(parts)]
-    dq, dkv = _varying(([jnp.zeros(view.rows(qg, a).shape, jnp.float32) for a in range(parts)],
+    dq, dkv = as_varying(([jnp.zeros(view.rows(qg, a).shape, jnp.float32) for a in range(parts)],
                         jnp.zeros(kv.shape, jnp.float32)), q, k, v, d_out, view.me)
     steps = _steps(view)
     for t in range(steps):
         view = _blocks(spec, q, t, window)
         for a, b in itertools.product(range(parts), range(parts)):
             grads = (qg, dog, lses[a], deltas[a])
-            step = functools.partial(_backward_block, view, a, b, grads, kv, q_seg, k_seg)
+            step = functools.partial(_fused_backward_block if fused else _backward_block, view, a, b, grads, kv,
+                                     q_seg, k_seg)
             dq[a], dkv = _maybe(view.needed(a, b), step, (dq[a], dkv))
         if t < steps - 1:
             kv, k_seg, dkv = _shift((kv, k_seg, dkv), spec)
@@ -263,6 +274,15 @@ def _backward_block(view: _Blocks, a: int, b: int, grads: tuple, kv, q_seg, k_se
     return dq + dq_ab, dkv.at[:, :, keys].add(jnp.stack([dk, dv]))
 
 
+def _fused_backward_block(view: _Blocks, a: int, b: int, grads: tuple, kv, q_seg, k_seg, carry):
+    q, do, lse, delta = grads
+    dq, dkv = carry
+    args, options = _flash_args(view, a, b, q, kv, q_seg, k_seg)
+    dq_ab, dk, dv = flash_backward(*args, view.rows(do, a), lse, delta, **options)
+    keys = slice(b * view.chunk, (b + 1) * view.chunk)
+    return dq + dq_ab, dkv.at[:, :, keys].add(jnp.stack([dk, dv]))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(spec: RingSpec, q, k, v, q_seg, k_seg, window):
     return ring_forward(spec, q, k, v, q_seg, k_seg, window)[0]
@@ -276,9 +296,41 @@ def _ring_fwd(spec: RingSpec, q, k, v, q_seg, k_seg, window):
 _ring.defvjp(_ring_fwd, ring_backward)
 
 
+#: The ring's block kernels: XLA's einsums and online softmax, or the Pallas flash kernel.
+RING_KERNELS = ("xla", "pallas")
+
+
+def fused_ring_problem(kernel: str, chunk: int, head_dim: int, window: Any, softcap: float | None) -> str | None:
+    """Why the ring cannot run its blocks by ``kernel``, or ``None`` when it can.
+
+    Args:
+      kernel: one of :data:`RING_KERNELS`.
+      chunk: the block length (the shard length, half of it balanced).
+      head_dim: the head dimension.
+      window: the sliding window, or ``None``.
+      softcap: the logit soft-cap, or ``None``.
+
+    Returns:
+      ``None``, or the reason.
+
+    >>> fused_ring_problem("pallas", 4096, 128, None, None), fused_ring_problem("pallas", 4096, 128, 512, None)
+    (None, 'a sliding window (the flash block kernel has none)')
+    """
+    if kernel not in RING_KERNELS:
+        return f"kernel {kernel!r} is not one of {RING_KERNELS}"
+    if kernel == "xla":
+        return None
+    if window is not None:
+        return "a sliding window (the flash block kernel has none)"
+    if softcap is not None:
+        return "a soft-cap (the flash block kernel has none)"
+    return flash_tile(chunk, head_dim)
+
+
 def ring_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, axis_name: str = "context",
                    causal: bool = True, scale: float | None = None, balance: bool = False,
-                   hop: str = "permute", window: Any = None, softcap: float | None = None) -> jax.Array:
+                   hop: str = "permute", window: Any = None, softcap: float | None = None, kernel: str = "xla",
+                   interpret: bool | None = None) -> jax.Array:
     """Ring attention of one device's shards; call it inside a ``shard_map`` manual over ``axis_name``.
 
     Args:
@@ -295,13 +347,17 @@ def ring_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, axis_nam
       window: the sliding window (by true positions): a Python int, an int32 scalar array (may be
         traced), or ``None``.
       softcap: the logit soft-cap (a Python number > 0), or ``None``.
+      kernel: ``"xla"`` (each block by einsums and an online softmax) or ``"pallas"`` (each block by the
+        flash kernel of :mod:`jaxpar.parallel.context._flash`, merged by its log-sum-exp: no
+        ``[block, block]`` array; no window or soft-cap).
+      interpret: run the ``"pallas"`` kernel in Pallas's interpreter; ``None``: off a GPU backend.
 
     Returns:
       The local output, like ``q``; differentiable (its backward rings too).
 
     Raises:
-      ContextParallelError: a bad ``hop``, ``window`` or ``softcap``, segment ids for one side only,
-        or a shard length the layout cannot chunk.
+      ContextParallelError: a bad ``hop``, ``window``, ``softcap`` or ``kernel``, segment ids for one
+        side only, or a shard length the layout cannot chunk.
     """
     if hop not in HOPS:
         raise ContextParallelError(f"ring_attention: hop={hop!r}; use one of {HOPS}.")
@@ -312,8 +368,13 @@ def ring_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, axis_nam
     if isinstance(window, int) and window >= q.shape[1] * size:
         window = None                            # wider than the sequence: no window
     static = window if isinstance(window, int) else None
+    if kernel != "xla" and (why := fused_ring_problem(kernel, q.shape[1] // chunks_per_shard(balance), q.shape[-1],
+                                                      window, softcap)):
+        raise ContextParallelError(f"ring_attention: kernel={kernel!r} cannot run this call: {why}. "
+                                   "Fix: kernel='xla'.")
+    interpret = jax.default_backend() != "gpu" if interpret is None else bool(interpret)
     spec = RingSpec(axis_name, size, causal, q.shape[-1] ** -0.5 if scale is None else float(scale), balance, hop,
-                    static, softcap)
+                    static, softcap, kernel, interpret)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ContextParallelError("ring_attention: give both q_segment_ids and kv_segment_ids, or neither.")
     return _ring(spec, q, k, v, q_segment_ids, kv_segment_ids, None if static is not None else window)

@@ -1,0 +1,181 @@
+"""Context parallelism's fused blocks (jaxpar.parallel.context._flash): exact against XLA's blocks on the CPU.
+
+The flash block kernel runs in Pallas's interpreter here (slow, so the shapes are tiny: blocks of 16
+tokens, head_dim 16). Every fused run is compared with the same call on today's XLA path (einsums and
+the online softmax), values and the gradients w.r.t. q, k and v at fp32 1e-5. The compiled H100
+programs (deviceless) are read for score-shaped arrays with
+:func:`jaxpar.analysis._fused_attention.score_arrays`.
+"""
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import need_devices
+import jaxpar
+from jaxpar.analysis._fused_attention import flash_blocks, score_arrays
+from jaxpar.attention import AttentionError, attention, count_attention_kernels, use_attention_kernel
+from jaxpar.errors import ContextParallelError
+from jaxpar.parallel import context as cp
+from jaxpar.parallel.context._flash import flash_forward, merge_blocks
+from jaxpar.parallel.context._softmax import allowed
+from jaxpar.rules import use_rules
+
+B, H, D = 2, 4, 16
+RULES = (("batch", None), ("length", "context"), ("heads", None))
+
+
+def inputs(length, kv_heads, segments, seed=0):
+    """q, k, v, the output cotangent w and packed segment ids (about 3 documents a row)."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    seg = np.cumsum(rng.random((B, length)) < 3 / length, axis=1).astype(np.int32)
+    return (normal(B, length, H, D), normal(B, length, kv_heads, D), normal(B, length, kv_heads, D),
+            normal(B, length, H, D), jnp.asarray(seg) if segments else None)
+
+
+def assert_close(got, want):
+    for name, g, e in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@functools.lru_cache(maxsize=None)
+def ring_run(size, balance, causal, segments, kv_heads, kernel):
+    """The ring's output and gradients on a ``context`` mesh of ``size`` (shards of 16 tokens a block)."""
+    length = 16 * size * (2 if balance else 1)
+    q, k, v, w, seg = inputs(length, kv_heads, segments)
+    mesh = jaxpar.make_mesh({"context": size}, devices=jax.devices()[:size])
+    seq = P(None, "context")
+    ring = functools.partial(cp.ring_attention, axis_name="context", causal=causal, balance=balance, kernel=kernel)
+    call = jax.shard_map(lambda q, k, v, s: ring(q, k, v, s, s), mesh=mesh, in_specs=(seq, seq, seq, seq),
+                         out_specs=seq, check_vma=False)   # Pallas's interpreter refuses check_vma (JAX 0.10)
+    seg = jnp.zeros((B, length), jnp.int32) if seg is None else seg
+
+    def run(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: call(q, k, v, seg), q, k, v)
+        return (out, *vjp(w))
+    kernels = str(jax.make_jaxpr(run)(q, k, v)).count("pallas_call")
+    return jax.jit(run)(q, k, v), kernels
+
+
+@need_devices(4)
+@pytest.mark.parametrize("size,balance,causal,segments,kv_heads", [
+    (2, True, True, True, 2),                     # balanced, causal, packed, GQA
+    (2, False, True, False, 4),                   # natural, causal, MHA
+    pytest.param(4, True, True, True, 2, marks=pytest.mark.exhaustive),
+    pytest.param(4, False, False, True, 1, marks=pytest.mark.exhaustive),    # full mask, packed, MQA
+    pytest.param(2, True, False, False, 2, marks=pytest.mark.exhaustive),
+    pytest.param(4, False, True, True, 2, marks=pytest.mark.exhaustive),
+])
+def test_the_fused_ring_equals_xlas_ring(size, balance, causal, segments, kv_heads):
+    (fused, kernels), (want, none) = (ring_run(size, balance, causal, segments, kv_heads, kernel)
+                                      for kernel in ("pallas", "xla"))
+    assert kernels >= 3 and none == 0                 # forward, dQ and dK/dV kernels; XLA's path has none
+    assert_close(fused, want)
+
+
+def block_reference(q, k, v, q_seg, k_seg, causal, offset, scale):
+    """A block's softmax attention and log-sum-exp by jnp (K/V heads repeated for GQA)."""
+    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    mask = allowed(offset + np.arange(q.shape[1]), np.arange(k.shape[1]), q_seg, k_seg, causal=causal)
+    s = jnp.where(mask[:, None], s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v), jax.nn.logsumexp(s, axis=-1)
+
+
+def test_a_block_at_an_offset_with_other_keys_segments_is_softmax_attention():
+    q, _, _, _, _ = inputs(32, 2, False, seed=1)
+    _, k, v, _, seg = inputs(64, 2, True, seed=2)
+    q_seg = seg[:, 32:]                               # the queries' ids differ from the keys'
+    out, lse = flash_forward(q, k, v, q_seg, seg, causal=True, scale=0.3, offset=jnp.int32(32), interpret=True)
+    want, want_lse = block_reference(q, k, v, q_seg, seg, True, 32, 0.3)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)   # natural log, not log2
+
+
+def test_blocks_merged_by_their_lse_are_the_attention_over_both():
+    q, k, v, _, _ = inputs(32, 2, False, seed=3)
+    halves = [flash_forward(q, k[:, s], v[:, s], causal=False, scale=0.25, interpret=True)
+              for s in (slice(0, 16), slice(16, 32))]
+    out, lse = merge_blocks(*halves)
+    want, want_lse = block_reference(q, k, v, None, None, False, 0, 0.25)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@functools.lru_cache(maxsize=None)
+def attention_run(method, balance, segments, kernel):
+    """``attention`` under a ``context`` mesh of 4, inputs in the layout's order, with kernel counts."""
+    size, length = 4, 128
+    q, k, v, w, seg = inputs(length, 2, segments, seed=4)
+    mesh = jaxpar.make_mesh({"context": size}, devices=jax.devices()[:size])
+    place = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "context")))   # noqa: E731
+    q, k, v, w = (place(cp.to_balanced(x, 1, size) if balance else x) for x in (q, k, v, w))
+    seg = None if seg is None else place(cp.to_balanced(seg, 1, size) if balance else seg)
+
+    def run(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, segment_ids=seg), q, k, v)
+        return (out, *vjp(w))
+    with use_attention_kernel(kernel), use_rules(mesh, RULES), cp.use_context_parallel(method, balance=balance), \
+            count_attention_kernels() as counts:
+        got = jax.jit(run)(q, k, v)
+    return got, dict(counts)
+
+
+@need_devices(4)
+@pytest.mark.parametrize("method,balance,segments", [
+    ("all_gather", True, True),
+    ("ring", False, True),
+    pytest.param("all_gather", False, False, marks=pytest.mark.exhaustive),
+])
+def test_attention_runs_the_fused_blocks_when_asked_and_equals_xla(method, balance, segments):
+    fused, counts = attention_run(method, balance, segments, "pallas")
+    assert counts == {"pallas": 1}
+    want, xla_counts = attention_run(method, balance, segments, "xla")
+    assert xla_counts == {"xla": 1}
+    assert_close(fused, want)
+
+
+@need_devices(2)
+def test_the_fused_ring_refuses_a_window_and_cudnn_refuses_the_ring():
+    mesh = jaxpar.make_mesh({"context": 2}, devices=jax.devices()[:2])
+    q = jnp.ones((1, 64, 2, 16))
+    ring = jax.shard_map(lambda q: cp.ring_attention(q, q, q, window=8, kernel="pallas"), mesh=mesh,
+                         in_specs=P(None, "context"), out_specs=P(None, "context"), check_vma=False)
+    with pytest.raises(ContextParallelError, match="kernel='pallas'.*sliding window.*Fix: kernel='xla'"):
+        jax.eval_shape(ring, q)
+    with use_attention_kernel("cudnn"), use_rules(mesh, RULES), cp.use_context_parallel("ring"):
+        with pytest.raises(AttentionError, match="cudnn.*ring or all-gather.*Fix"):
+            jax.eval_shape(attention, q, q, q)
+
+
+def compile_for_h100(method, balance, kernel, length=2048):
+    """An 8-GPU context-parallel attention's forward and backward, compiled deviceless: its HLO text."""
+    from jaxpar.devices import parse_target, target_devices
+    mesh = jaxpar.make_mesh({"context": 8}, devices=target_devices(parse_target("h100:1x8")))
+    spec = NamedSharding(mesh, P(None, "context"))
+    q, kv = (jax.ShapeDtypeStruct((1, length, h, 64), jnp.bfloat16, sharding=spec) for h in (8, 2))
+    seg = jax.ShapeDtypeStruct((1, length), jnp.int32, sharding=spec)
+
+    def step(q, k, v, seg):
+        return jax.grad(lambda q, k, v: attention(q, k, v, segment_ids=seg).astype(jnp.float32).sum(), (0, 1, 2))(
+            q, k, v)
+    with warnings.catch_warnings(), use_attention_kernel(kernel), use_rules(mesh, RULES), \
+            cp.use_context_parallel(method, balance=balance):
+        warnings.simplefilter("ignore")
+        return jax.jit(step).lower(q, kv, kv, seg).compile().as_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,balance", [("ring", True), ("all_gather", False)])
+def test_the_compiled_h100_program_holds_no_score_shaped_array(method, balance):
+    lengths = (2048 // 16, 2048 // 8, 2048)
+    unfused = score_arrays(compile_for_h100(method, balance, "xla"), lengths)
+    assert unfused.count > 0 and unfused.largest.startswith("f32[")    # the analysis sees XLA's scores
+    text = compile_for_h100(method, balance, "auto")
+    assert score_arrays(text, lengths) == (0, None, 0)
+    assert flash_blocks(text)["ring_flash_forward"] > 0
