@@ -65,7 +65,7 @@ def ring_run(size, balance, causal, segments, kv_heads, kernel):
 @need_devices(4)
 @pytest.mark.parametrize("size,balance,causal,segments,kv_heads", [
     (2, True, True, True, 2),                     # balanced, causal, packed, GQA
-    (2, False, True, False, 4),                   # natural, causal, MHA
+    pytest.param(2, False, True, False, 4, marks=pytest.mark.slow),          # natural, causal, MHA
     pytest.param(4, True, True, True, 2, marks=pytest.mark.exhaustive),
     pytest.param(4, False, False, True, 1, marks=pytest.mark.exhaustive),    # full mask, packed, MQA
     pytest.param(2, True, False, False, 2, marks=pytest.mark.exhaustive),
@@ -129,7 +129,7 @@ def attention_run(method, balance, segments, kernel):
 @need_devices(4)
 @pytest.mark.parametrize("method,balance,segments", [
     ("all_gather", True, True),
-    ("ring", False, True),
+    pytest.param("ring", False, True, marks=pytest.mark.slow),
     pytest.param("all_gather", False, False, marks=pytest.mark.exhaustive),
 ])
 def test_attention_runs_the_fused_blocks_when_asked_and_equals_xla(method, balance, segments):

@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.errors import AttentionError
 from jaxpar.parallel.context._softmax import MASK_VALUE
 
 #: The kernels' tile along the sequence (the smaller of it and the block's length).
@@ -171,7 +172,8 @@ def _offset(offset: Any) -> tuple[jax.Array, pl.BlockSpec]:
 
 def _segments(q_seg, k_seg) -> tuple[Any, Any]:
     if (q_seg is None) != (k_seg is None):
-        raise ValueError("flash block: give both q_seg and k_seg, or neither.")
+        raise AttentionError(f"flash_forward(q_seg={'given' if q_seg is not None else None}, k_seg="
+                             f"{'given' if k_seg is not None else None}): give both segment ids, or neither.")
     return (None, None) if q_seg is None else (q_seg.astype(jnp.int32), k_seg.astype(jnp.int32))
 
 
