@@ -108,7 +108,7 @@ TARGET_REFUSALS = {
     "tpu-grid-of-no-whole-hosts": ("gpt124m_gpu.yaml", [], "tpu-v5e:3x3", TargetError,
                                    "target tpu-v5e:3x3: a TPU slice is whole hosts of 2x2x1 chips"),
     "gpu-memory-fraction-no-number": ("gpt124m_gpu.yaml", [], "h100:1x8", TargetError,
-                                      "XLA_PYTHON_CLIENT_MEM_FRACTION='most' is not a number"),
+                                      "XLA_PYTHON_CLIENT_MEM_FRACTION='most' is not a fraction in (0, 1]"),
     "fp8-and-the-mesh": ("quickstart.yaml", ["train.devices=0", "parallel.fp8.recipe=tensorwise"], "a100-80gb:1x16",
                          Fp8Error, "target a100-80gb has no FP8 GEMMs"),
 }

@@ -179,3 +179,41 @@ def test_the_compiled_h100_program_holds_no_score_shaped_array(method, balance):
     text = compile_for_h100(method, balance, "auto")
     assert score_arrays(text, lengths) == (0, None, 0)
     assert flash_blocks(text)["ring_flash_forward"] > 0
+
+
+def compile_decoder(tmp_path, method, balance, packed, length=16384):
+    """A 2-layer Llama-shaped Decoder (8 / 2 heads of 64) trained over context 8, compiled deviceless for
+    h100:1x8 through its config (configs/llama3_8b_gpu.yaml with a small config.json): its HLO text."""
+    import dataclasses
+    import json
+
+    from jaxpar.config import load_config
+    from jaxpar.config._job import build_job
+    from jaxpar.devices import parse_target, target_devices
+    shape = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512, intermediate_size=1408,
+                 num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2, vocab_size=1000,
+                 max_position_embeddings=length, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    cfg = load_config("configs/llama3_8b_gpu.yaml", [
+        f"model.hf={tmp_path}", f"model.seq_len={length}", "mesh.context=8", "mesh.fsdp=1", "data.batch_size=1",
+        "train.devices=0", f"parallel.context={{method: {method}, balance: {str(balance).lower()}}}"])
+    job = build_job(cfg, target_devices(parse_target("h100:1x8")), data=False)
+    job = dataclasses.replace(job, packed_batches=packed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return job.compile(job.state_layout())["step"].as_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,balance,packed", [
+    ("ring", True, True),
+    ("all_gather", False, True),
+    pytest.param("ring", False, False, marks=pytest.mark.exhaustive),
+    pytest.param("ulysses", False, False, marks=pytest.mark.exhaustive),
+])
+def test_a_context_parallel_decoder_step_holds_no_score_shaped_array(tmp_path, method, balance, packed):
+    """Acceptance 1 of the fused blocks on a model (its 131,072-token 8B numbers: docs/strategies.md)."""
+    text = compile_decoder(tmp_path, method, balance, packed)
+    assert score_arrays(text, (1024, 2048, 16384)) == (0, None, 0)
+    blocks = flash_blocks(text)["ring_flash_forward"]
+    assert blocks > 0 if method != "ulysses" else blocks == 0

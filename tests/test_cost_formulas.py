@@ -277,9 +277,11 @@ def test_a_flash_kernel_moves_no_softmax_bytes_and_computes_half_the_causal_scor
     assert flash["context"].flops * 2 == xla["context"].flops and flash["context"].passes == xla["context"].passes
     selective = {k.name: k.passes for k in layer_kernels(m, cost.Plan(remat="save-matmuls"), 1, 2, fused_attention=True)}
     assert selective["scores"] == 4 and selective["context"] == 3      # save-matmuls keeps the kernel's residuals
-    ring = cost.Plan(context=4, strategy=Strategy(context=ContextParallel(balance=True)))   # jaxpar's own einsums
+    ring = cost.Plan(context=4, strategy=Strategy(context=ContextParallel(balance=True)))   # the flash blocks
     assert ({k.name: k.flops for k in layer_kernels(m, ring, 1, 2)}
             == {k.name: k.flops for k in layer_kernels(m, ring, 1, 2, fused_attention=True)})
+    blocks = {k.name: k.passes for k in layer_kernels(m, ring, 1, 2, fused_attention=True)}
+    assert blocks["scores"] == 5 and blocks["context"] == 4    # one more pass of each: the dQ and dK/dV kernels
     assert cost.load_cluster("h100").fused_attention and not cost.load_cluster("tpu_v5e").fused_attention
     with pytest.raises(cost.ClusterError, match="fused_attention='yes' must be true or false"):
         cost.cluster_from_dict({**yaml.safe_load(cost.presets()["h100"].read_text()), "fused_attention": "yes"})

@@ -62,8 +62,6 @@ def run_check(config: str, overrides: Sequence[str], *, target: str | None = Non
     """
     import dataclasses
 
-    import jax
-
     from jaxpar.config._checks import check
     from jaxpar.config._load import load_config
 
@@ -71,28 +69,38 @@ def run_check(config: str, overrides: Sequence[str], *, target: str | None = Non
     if overwrite and cfg.checkpoint.resume:
         raise ConfigError("--overwrite starts a new run (the earlier one moved aside) and --resume "
                           "(checkpoint.resume=true) continues the earlier one; give one of them.")
-    if target is not None:
-        from jaxpar.devices import parse_target
-
-        tgt = parse_target(target)
-        refuse_target(cfg, tgt)            # what jaxpar inspect --target refuses before it compiles
-        found = f"{tgt.num_devices} devices of {tgt} (simulated CPU devices: the mesh, layout and step options)"
-        devices = tgt.num_devices
-    elif cfg.train.devices == 0:
-        refuse_cpu_only(0)
-        devices = jax.device_count()
-        found = f"{devices} x {jax.devices()[0].device_kind} (train.devices=0: the devices JAX finds here)"
-    else:
-        devices, found = cfg.train.devices, None
+    devices, found = _devices_to_check(cfg, target)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, devices=devices))
     check(cfg, num_devices=devices)
     files = check_inputs(cfg)
     run = _check_run_directory(cfg, overwrite)
     status = check_config(cfg)
-    for line in (f"found    {found}" if found else "", files, run):
+    for line in (*found, files, run):
         if line:
             print(line)
     return status
+
+
+def _devices_to_check(cfg: Any, target: str | None) -> tuple[int, list[str]]:
+    """The device count the mesh is checked on, and the lines that say whose: ``target``'s (after every refusal
+    of ``jaxpar inspect --target``, with its capacity), JAX's (``train.devices=0``), or ``train.devices``."""
+    import jax
+
+    if target is not None:
+        from jaxpar.devices import parse_target
+
+        tgt = parse_target(target)
+        refuse_target(cfg, tgt)            # what jaxpar inspect --target refuses before it compiles
+        return tgt.num_devices, [
+            f"found    {tgt.num_devices} devices of {tgt} (simulated CPU devices: the mesh, layout and step options)",
+            f"capacity {tgt.capacity.text()} on {tgt.spec.device} (jaxpar inspect --target {tgt} compiles the step "
+            "against it)"]
+    if cfg.train.devices == 0:
+        refuse_cpu_only(0)
+        devices = jax.device_count()
+        return devices, [f"found    {devices} x {jax.devices()[0].device_kind} (train.devices=0: the devices JAX finds "
+                         "here)"]
+    return cfg.train.devices, []
 
 
 def check_inputs(cfg: Any) -> str:

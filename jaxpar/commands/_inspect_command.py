@@ -163,12 +163,29 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
     print(f"compile  {time.perf_counter() - start:.1f} s")
     print("\n".join(program_lines(job, compiled)))
     if tgt is not None and tgt.spec.platform == "cuda":
-        print("\n".join(attention_lines(kernels, compiled["step"], job.seq_len, cfg.mesh.context)))
+        print("\n".join(attention_lines(kernels, compiled["step"], batch_length(job), cfg.mesh.context)))
     if cfg.parallel.offload:        # beside the same step without offload
         plain = build_job(replace(cfg, parallel=replace(cfg.parallel, offload={})), devices, data=False)
         plain_step = plain.compile(plain.state_layout())["step"]
         print("\n" + "\n".join(offload_lines(cfg.parallel.offload, compiled["step"], plain_step, tgt is None)))
     return _report(cfg, job, layout, compiled, tgt, cluster or (tgt.spec.cluster if tgt else "cpu_sim"))
+
+
+def batch_length(job: Any) -> int:
+    """The sequence length of the job's batches: ``model.seq_len`` for token windows, else the second dimension
+    of the first batch's first array of two or more (a model of one's own: ``model.seq_len`` is not its length).
+
+    Args:
+      job: the built job.
+
+    Returns:
+      The length.
+    """
+    if job.token_batches:
+        return job.seq_len
+    lead = 1 if job.steps_per_call > 1 else 0
+    shapes = [a.shape for a in jax.tree.leaves(job.abstract_batch()) if len(a.shape) >= lead + 2]
+    return int(shapes[0][lead + 1]) if shapes else job.seq_len
 
 
 def _offload_mesh(job: Any):
@@ -221,7 +238,8 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
     if lines := muon_lines(cfg.optimizer.muon if cfg.optimizer.name == "muon" else None, layout):
         print("\n".join(lines))
     for name, c in compiled.items():
-        print("\ncollectives of the compiled " + ("step" if name == "step" else f"{name} program"))
+        print("\ncollectives of the compiled " + ("step" if name == "step" else f"{name} program")
+              + " (bytes: one device's results, each instruction once, not times its loop's trips)")
         colls = collectives(c, job.mesh) if job.mesh.size > 1 else []
         print(collectives_table(colls) if colls else "(none)")
     if lines := gather_lines(layout, compiled["step"]):
@@ -244,5 +262,6 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
     if fits:
         return 0
     why = unpredicted(cfg, None, {})          # a model of your own
-    print(f"plan     {why}: no plan suggested" if why else fitting_plan(cost_model(cfg), tgt))
+    print(f"plan     {why}: no plan suggested" if why else fitting_plan(cost_model(cfg), tgt,
+                                                                                     shown=getattr(view, "plan", None)))
     return DOES_NOT_FIT

@@ -6,7 +6,8 @@ chosen one as a config (``--write``), and compile the top ones (``--verify``).
 from __future__ import annotations
 
 import argparse
-from typing import Any, Mapping, Sequence
+import functools
+from typing import Any, Callable, Mapping, Sequence
 
 from jaxpar import cost
 from jaxpar.compat._offload_rules import HOST_UPDATE_REFUSED
@@ -70,19 +71,19 @@ def plan_dtype(cfg: JobConfig | None, dtype: str | None, cluster: Any) -> str:
     return dtype
 
 
-def changed_overrides(plan: Any, cfg: JobConfig | None = None) -> list[str]:
-    """The overrides of :func:`plan_overrides` whose value ``cfg`` (default: the schema's defaults) lacks.
+def changed_overrides(cfg: JobConfig | None = None) -> Callable[[Any], list[str]]:
+    """``changed(plan)``: the overrides of :func:`plan_overrides` whose value ``cfg`` (default: the schema's
+    defaults) lacks; each override is compared once.
 
     Args:
-      plan: the plan.
       cfg: the config the overrides apply to.
 
     Returns:
-      ``key=value`` strings.
+      The function, ``plan -> key=value strings``.
 
     >>> from jaxpar.cost import Plan
     >>> from jaxpar.strategy import Strategy
-    >>> changed_overrides(Plan(pipe=2, data=4, strategy=Strategy(microbatches=8)))
+    >>> changed_overrides()(Plan(pipe=2, data=4, strategy=Strategy(microbatches=8)))
     ['mesh.pipe=2', 'mesh.data=4', 'parallel.microbatches=8']
     """
     from omegaconf import OmegaConf
@@ -90,13 +91,15 @@ def changed_overrides(plan: Any, cfg: JobConfig | None = None) -> list[str]:
     from jaxpar.config._load import parse_overrides
 
     base = OmegaConf.structured(cfg if cfg is not None else JobConfig())
+
+    @functools.lru_cache(maxsize=None)
     def differs(item: str) -> bool:
         key = item.split("=", 1)[0]
         want = OmegaConf.select(OmegaConf.create(parse_overrides([item])), key)
         have = OmegaConf.select(base, key)
         return OmegaConf.to_container(want) != OmegaConf.to_container(have) if OmegaConf.is_config(want) \
             else want != have
-    return [item for item in plan_overrides(plan) if differs(item)]
+    return lambda plan: [item for item in plan_overrides(plan) if differs(item)]
 
 
 def write_plan_config(path: str, config: str, overrides: Sequence[str], plan: Any) -> str:
@@ -150,7 +153,7 @@ def run_plan(args: argparse.Namespace) -> int:
         args.cluster = args.cluster or target.spec.cluster
         args.devices = args.devices or target.num_devices
     try:
-        cluster = cost.load_cluster(args.cluster or "h100", num_devices=args.devices)
+        cluster = target_cluster(cost.load_cluster(args.cluster or "h100", num_devices=args.devices), target)
         if args.overrides and not args.config:
             raise ConfigError(f"the overrides {' '.join(args.overrides)} need --config CONFIG; without "
                               "it, give the model's sizes (--layers, --hidden, --heads, --seq, --vocab, --batch).")
@@ -169,10 +172,28 @@ def run_plan(args: argparse.Namespace) -> int:
                            cfg.optimizer.name in HOST_UPDATE_REFUSED else None, **cp)
     except (cost.ClusterError, cost.PlanError) as e:
         raise ConfigError(str(e)) from None
-    print(plan_report(model, cluster, result, args.top, lambda p: changed_overrides(p, cfg), as_json=args.json,
+    print(plan_report(model, cluster, result, args.top, changed_overrides(cfg), as_json=args.json,
                       config=cfg is not None))
     if args.write:
         print(write_plan_config(args.write, args.config, args.overrides, chosen_plan(result, args.choose)))
     if args.verify:
         verify_plans(model, cluster, result.ranked[: args.top], target)
     return 0
+
+
+def target_cluster(cluster: Any, target: Any) -> Any:
+    """The cluster with the target's device bytes and platform (its capacity then the target's: the one rule of
+    :attr:`jaxpar.cost.Cluster.capacity`), or the cluster itself without a target.
+
+    Args:
+      cluster: the :class:`jaxpar.cost.Cluster`.
+      target: the :class:`jaxpar.devices.Target` (None: none).
+
+    Returns:
+      The cluster.
+    """
+    if target is None:
+        return cluster
+    from dataclasses import replace
+
+    return replace(cluster, memory_bytes=float(target.spec.memory_bytes), platform=target.spec.platform)

@@ -18,11 +18,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from jaxpar.cost._capacity import Capacity, device_capacity
 from jaxpar.cost._collectives import Link
 from jaxpar.errors import ClusterError, check_int, int_problem
 
 #: The ``peak_tflops`` key of a device's FP8 GEMMs (``parallel.fp8``): never a compute dtype.
 FP8 = "float8"
+#: The ``platform`` key's values: the compiler's platform, which sets the capacity rule (:func:`device_capacity`).
+PLATFORMS = ("cuda", "tpu", "cpu")
 #: Where the preset YAML files live (``configs/clusters`` of the repository).
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
 
@@ -46,6 +49,7 @@ class Cluster:
     fused_attention: bool = False
     host_link: float = 0.0                  # bytes/s between a device and host memory, per direction (0: none)
     host_memory_bandwidth: float = 0.0      # bytes/s of host memory one device's host update streams (0: none)
+    platform: str = "cpu"                   # cuda: JAX's GPU client holds XLA_PYTHON_CLIENT_MEM_FRACTION of the memory
     description: str = ""
     sources: tuple[str, ...] = field(default=(), repr=False)
 
@@ -106,6 +110,15 @@ class Cluster:
     def compute_dtypes(self) -> tuple[str, ...]:
         """The dtypes a step may compute in: those of ``peak_tflops`` but ``float8``."""
         return tuple(k for k in self.peak_flops if k != FP8)
+
+    @property
+    def capacity(self) -> Capacity:
+        """The bytes a program may use on one device: the one capacity rule (:func:`device_capacity`).
+
+        >>> load_cluster("h100").capacity.text()       # XLA_PYTHON_CLIENT_MEM_FRACTION unset
+        '59.3 GiB usable (75% of 79.1 GiB: XLA_PYTHON_CLIENT_MEM_FRACTION)'
+        """
+        return device_capacity(self.memory_bytes, self.platform)
 
     @property
     def num_devices(self) -> int:
@@ -182,7 +195,7 @@ def _link(name: str, key: str, d: Any) -> Link:
 
 _KEYS = {"name", "description", "sources", "devices_per_node", "nodes", "device_memory_gib", "peak_tflops",
          "efficiency", "gemm_half_gflop", "memory_gbps", "memory_efficiency", "shared_compute", "fused_attention",
-         "intra_node", "inter_node", "host_link_gbps", "host_memory_gbps", "fit"}
+         "intra_node", "inter_node", "host_link_gbps", "host_memory_gbps", "fit", "platform"}
 
 
 def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
@@ -215,6 +228,10 @@ def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
     if not isinstance(fused, bool):
         raise ClusterError(f"cluster {name!r}: fused_attention={fused!r} must be true or false (true: attention runs "
                            "a flash kernel, whose softmax stays on chip, as jaxpar's does on NVIDIA GPUs).")
+    platform = d.get("platform", "cpu")
+    if platform not in PLATFORMS:
+        raise ClusterError(f"cluster {name!r}: platform={platform!r}; choose one of {PLATFORMS} (cuda: a program may "
+                           "use XLA_PYTHON_CLIENT_MEM_FRACTION of each GPU's memory, else the whole memory).")
     intra = _link(name, "intra_node", d["intra_node"])
     inter = _link(name, "inter_node", d["inter_node"]) if "inter_node" in d else intra
     return Cluster(name=name, devices_per_node=d["devices_per_node"], nodes=d.get("nodes", 1),
@@ -227,7 +244,7 @@ def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
                    shared_compute=float(shared), fused_attention=fused,
                    host_link=_positive(name, "host_link_gbps", d.get("host_link_gbps", 0), zero=True) * 1e9,
                    host_memory_bandwidth=_positive(name, "host_memory_gbps", d.get("host_memory_gbps", 0), zero=True) * 1e9,
-                   description=str(d.get("description", "")), sources=tuple(d.get("sources", ())))
+                   platform=platform, description=str(d.get("description", "")), sources=tuple(d.get("sources", ())))
 
 
 def fit_gemm_efficiency(points: list[tuple[float, float]], peak: float) -> dict[str, float]:

@@ -230,9 +230,10 @@ def expert_reductions(m: ModelSpec, rows: float, context: int, expert: int, comp
 
 
 def context_score_bytes(m: ModelSpec, rows: float, tensor: int, context: int, method: str, remat: str,
-                        bytes_per_value: float) -> float:
+                        bytes_per_value: float, fused: bool = False) -> float:
     """Bytes of one layer's attention scores (and all-gather's gathered K/V) kept for the backward under
-    CP (docs/planning.md §10): 0 for the ring and under recomputation.
+    CP (docs/planning.md §10): 0 for the ring and under recomputation. ``fused`` (a GPU's flash kernels,
+    :func:`fused_context`): no scores, the fp32 log-sum-exp of the local queries instead.
 
     Args:
       m: the model.
@@ -242,6 +243,7 @@ def context_score_bytes(m: ModelSpec, rows: float, tensor: int, context: int, me
       method: ``"ring"``, ``"all_gather"`` or ``"ulysses"``.
       remat: ``"none"``, ``"save-matmuls"`` or ``"full"``.
       bytes_per_value: bytes per value.
+      fused: the blocks run the flash kernels.
 
     Returns:
       Bytes per device.
@@ -250,19 +252,25 @@ def context_score_bytes(m: ModelSpec, rows: float, tensor: int, context: int, me
     >>> m = gpt(2, 64, 4, 32, 128, 8)
     >>> context_score_bytes(m, 1, 1, 4, "ulysses", "none", 2) == 5 * 4 * 32 * 32 / 4
     True
+    >>> context_score_bytes(m, 1, 1, 4, "ulysses", "none", 2, fused=True) == 4 * 32 / 4 * 4
+    True
     """
     if remat != "none" or method == "ring":
         return 0.0
     s, a, t = m.seq, m.heads, tensor
-    scores = 5 * rows * a / t * s * s / context * bytes_per_value / 2
+    if fused:
+        scores = rows * a / t * s / context * 4
+    else:
+        scores = 5 * rows * a / t * s * s / context * bytes_per_value / 2
     if method == "all_gather":        # the gathered K and V
         scores += 2 * rows * (s - s / context) * m.kv_width / m.kv_split(t) * bytes_per_value
     return scores
 
 
 def context_working_bytes(m: ModelSpec, rows: float, tensor: int, context: int, method: str, balance: bool,
-                          compute_bytes: float) -> float:
-    """The transient bytes of the attention of the one layer in flight under CP (docs/planning.md §10).
+                          compute_bytes: float, fused: bool = False) -> float:
+    """The transient bytes of the attention of the one layer in flight under CP (docs/planning.md §10);
+    ``fused`` (:func:`fused_context`): :func:`fused_working_bytes`.
 
     Args:
       m: the model.
@@ -272,6 +280,7 @@ def context_working_bytes(m: ModelSpec, rows: float, tensor: int, context: int, 
       method: ``"ring"``, ``"all-gather"`` or ``"ulysses"``.
       balance: the zigzag load balance.
       compute_bytes: bytes per value.
+      fused: the blocks run the flash kernels.
 
     Returns:
       Bytes per device.
@@ -281,6 +290,8 @@ def context_working_bytes(m: ModelSpec, rows: float, tensor: int, context: int, 
     >>> context_working_bytes(m, 1, 1, 4, "all_gather", True, 2) == 2 * 4 * 8 * 32 * 4 + 2 * 32 * 64 * 2
     True
     """
+    if fused:
+        return fused_working_bytes(m, rows, tensor, context, method, compute_bytes)
     s, a, t, C = m.seq, m.heads, tensor, context
     kv = rows * s / C * m.kv_width / m.kv_split(t) * compute_bytes
     if method == "ring":
@@ -289,6 +300,56 @@ def context_working_bytes(m: ModelSpec, rows: float, tensor: int, context: int, 
     if method == "all_gather":
         return 2 * rows * a / t * (s / C) * s * 4 + 2 * rows * s * m.kv_width / m.kv_split(t) * compute_bytes
     return 2 * rows * a / (t * C) * s * s * 4 + 4 * kv
+
+
+#: The compute dtypes whose context-parallel attention runs the flash kernels on a GPU
+#: (:data:`jaxpar.attention._kernels.FUSED_DTYPES`).
+FUSED_COMPUTE = ("bfloat16", "float16")
+
+
+def fused_context(fused_attention: bool, compute_dtype: str) -> bool:
+    """Whether a plan's context-parallel attention runs the flash kernels: on a cluster whose attention is
+    fused (:attr:`jaxpar.cost.Cluster.fused_attention`, NVIDIA GPUs) in a 16-bit compute dtype (``auto``
+    keeps fp32 on XLA's path, :func:`jaxpar.attention._kernels.context_kernel`).
+
+    >>> fused_context(True, "bfloat16"), fused_context(True, "float32"), fused_context(False, "bfloat16")
+    (True, False, False)
+    """
+    return fused_attention and compute_dtype in FUSED_COMPUTE
+
+
+def fused_working_bytes(m: ModelSpec, rows: float, tensor: int, context: int, method: str,
+                        compute_bytes: float) -> float:
+    """The transient bytes of the one layer's attention in flight under CP with the flash kernels: no
+    ``[block, block]`` scores. The ring: two fp32 outputs of the local queries (the merged state and a
+    block's; backward the dQ accumulator and a block's), the K/V in flight and their fp32 dK/dV
+    accumulators, as :func:`context_working_bytes`. All-gather: the gathered K/V and their fp32 gradients
+    before the reduce-scatter, and the fp32 dQ. Ulysses: q, k, v and the output in the heads' layout.
+
+    Args:
+      m: the model.
+      rows: sequences per micro-batch on one device.
+      tensor: the tensor-parallel size.
+      context: the context-parallel size.
+      method: ``"ring"``, ``"all_gather"`` or ``"ulysses"``.
+      compute_bytes: bytes per value.
+
+    Returns:
+      Bytes per device.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> m = gpt(2, 64, 4, 32, 128, 8)                   # 8 local tokens of width 64
+    >>> fused_working_bytes(m, 1, 1, 4, "ring", 2) == 2 * 8 * 64 * 4 + 2 * 8 * 64 * 2 + 4 * 8 * 64 * 4
+    True
+    """
+    s, t, C = m.seq, tensor, context
+    kv = rows * s / C * m.kv_width / m.kv_split(t) * compute_bytes
+    q32 = rows * s / C * m.q_width / t * 4
+    if method == "ring":
+        return 2 * q32 + 2 * kv + 4 * kv * 4 / compute_bytes
+    if method == "all_gather":
+        return 2 * C * kv * (1 + 4 / compute_bytes) + q32
+    return 4 * kv + 2 * q32 * compute_bytes / 4
 
 
 def dense_mlp_bytes(tokens: float, hidden: int, tensor: int, sequence_parallel: bool,

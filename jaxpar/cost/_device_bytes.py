@@ -14,10 +14,11 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Mapping
 
-from jaxpar.cost._memory import in_flight, leaf_shard_counts, leaf_spec, sizes_key, zero_axes, \
-    zero_dim_of
+from jaxpar.cost._memory import PRECISIONS, BytesPerParam, MemoryEstimate, in_flight, keep_bytes, \
+    leaf_shard_counts, leaf_spec, memory_per_device, sizes_key, zero_axes, zero_dim_of
 from jaxpar.cost._model import Leaf, ModelSpec
 from jaxpar.logical import matrix_sides
 from jaxpar.cost._schedule import runs_in_lockstep
@@ -182,6 +183,8 @@ REMAT_KEEPS = {"none": BLOCK_KEEPS, "save-matmuls": (2.0, 8.0, 1.0), "full": (1.
 #: ``as^2b`` array), and a bf16 copy of each layer's matmul weights as the device holds them
 #: (:func:`bf16_weight_bytes`, counted apart).
 TPU_REMAT_KEEPS = {"none": (7.0, 24.0, 1.0), "save-matmuls": (2.0, 6.0, 1.0), "full": (1.0, 0.0, 0.0)}
+#: The measured activation tables per platform (:func:`measured_memory`; the paper's: :data:`~jaxpar.cost._memory.PAPER_KEEPS`).
+MEASURED_KEEPS = {"cuda": REMAT_KEEPS, "tpu": TPU_REMAT_KEEPS}
 
 
 #: The attention's share of each table's ``split`` values: q, k, v and the attention's output; the rest is the MLP's.
@@ -216,30 +219,27 @@ def model_keeps(model: ModelSpec, keeps: tuple) -> tuple:
 
 
 def _layer_bytes(model: ModelSpec, plan: Plan, rows: float, keeps: tuple, sp_whole: float = 0.0) -> float:
-    """fp32 bytes of ``keeps = (whole, split, scores)`` values per layer and micro-batch of ``rows``
-    sequences (:func:`model_keeps` of them): ``whole`` split over ``tensor`` only under SP (plus ``sp_whole``
-    whole-sequence ones), the rest split over ``tensor``."""
-    whole, split, scores = model_keeps(model, keeps)
-    s, t = model.seq, plan.tensor
-    whole = whole / t + sp_whole if plan.strategy.sequence_parallel else whole
-    return 4 * (s * rows * model.hidden * (whole + split / t) + scores * model.heads * s * s * rows / t)
+    """fp32 bytes of ``keeps`` values per layer and micro-batch of ``rows`` sequences (:func:`model_keeps` of
+    them, :func:`~jaxpar.cost._memory.keep_bytes`)."""
+    return keep_bytes(model.seq, rows, model.hidden, model.heads, plan.tensor, plan.strategy.sequence_parallel,
+                      model_keeps(model, keeps), 4, sp_whole)
 
 
 def saved_per_layer(model: ModelSpec, plan: Plan, rows: float, platform: str = "cuda") -> float:
     """fp32 bytes one layer keeps for its backward, per micro-batch of ``rows`` sequences
-    (:data:`REMAT_KEEPS`, on ``platform="tpu"`` :data:`TPU_REMAT_KEEPS`, for ``plan.remat``; under SP
-    without full recomputation :data:`SP_WHOLE` more).
+    (:data:`MEASURED_KEEPS` of ``platform`` for ``plan.remat``; under SP without full recomputation
+    :data:`SP_WHOLE` more).
 
     Args:
       model: the model.
       plan: the plan.
       rows: sequences per micro-batch.
-      platform: ``"cuda"``, ``"tpu"`` or ``"cpu"``.
+      platform: ``"cuda"`` or ``"tpu"``.
 
     Returns:
       Bytes per device.
     """
-    keeps = (TPU_REMAT_KEEPS if platform == "tpu" else REMAT_KEEPS)[plan.remat]
+    keeps = MEASURED_KEEPS[platform][plan.remat]
     return _layer_bytes(model, plan, rows, keeps, 0.0 if plan.remat == "full" else SP_WHOLE)
 
 
@@ -251,7 +251,7 @@ def stored_per_layer(model: ModelSpec, plan: Plan, rows: float, platform: str = 
       model: the model.
       plan: the plan.
       rows: sequences per micro-batch.
-      platform: ``"cuda"``, ``"tpu"`` or ``"cpu"``.
+      platform: ``"cuda"`` or ``"tpu"``.
 
     Returns:
       Bytes per device.
@@ -281,14 +281,82 @@ def bf16_weight_bytes(model: ModelSpec, plan: Plan) -> float:
                for leaf in model.leaves if leaf.stacked and leaf.matmul)
 
 
+def measured_keeps(platform: str):
+    """``memory_per_device``'s ``keeps`` for ``platform``: its measured table (:func:`measured_memory`), or
+    ``"paper"`` where none was measured.
+
+    Args:
+      platform: ``"cuda"``, ``"tpu"``, ``"cpu"``, ...
+
+    Returns:
+      The table choice.
+    """
+    return partial(measured_memory, keeps=platform) if platform in MEASURED_KEEPS else "paper"
+
+
+def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, activation_bytes: float, *,
+                    keeps: str) -> MemoryEstimate | None:
+    """The compiled-step model of one device's bytes (docs/planning.md §8) with ``keeps``'s measured table,
+    where it was measured: fp32 parameters, gradients and compute of a dense model without CP; before offload
+    (:func:`~jaxpar.cost._memory.offloaded`). ``params`` + ``opt``: the step's arguments in the platform's
+    layout; ``activations``: the layers' kept values (a pipeline stage's residual buffers twice on GPUs, whose
+    compiler copies them in the tick's conditionals); ``logits``: the larger of the loss's logits and one
+    recomputed layer; ``transient``: two gathered layers under ZeRO-3 / FSDP, libtpu's bf16 weight copies.
+
+    Args:
+      model: the model.
+      plan: the plan.
+      precision: bytes per parameter.
+      activation_bytes: bytes per activation value.
+      keeps: a platform of :data:`MEASURED_KEEPS` (another: None).
+
+    Returns:
+      The :class:`~jaxpar.cost._memory.MemoryEstimate`, or None where the table was not measured.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> measured_memory(gpt(2, 32, 8, 16, 64, 16), Plan(context=2), PRECISIONS["fp32"], 4, keeps="cuda") is None
+    True
+    """
+    if (keeps not in MEASURED_KEEPS or activation_bytes != 4 or precision.param != 4 or precision.grad != 4
+            or plan.context > 1 or plan.expert > 1 or model.moe_layers):
+        return None
+    s, sizes, key, tpu = plan.strategy, plan.sizes, sizes_key(plan.sizes), keeps == "tpu"
+    rows = model.batch / (plan.data * plan.fsdp * s.microbatches)
+    grads = gathered = 0.0
+    for leaf in model.leaves:
+        c = leaf_shard_counts(leaf, key, s.zero)
+        grads += 4 * leaf.size / c.grads
+        if leaf.stacked and c.shardable and zero_axes(sizes, s.zero, "params"):
+            gathered += 4 * c.local / (model.layers // plan.pipe)      # one layer, gathered
+    flight = in_flight(s.schedule, plan.pipe, s.microbatches, s.virtual_stages, runs_in_lockstep(plan))
+    held = model.layers / plan.pipe / s.virtual_stages * flight
+    if plan.pipe == 1:
+        acts = held * saved_per_layer(model, plan, rows, keeps)
+    else:
+        acts = held * stored_per_layer(model, plan, rows, keeps) * (1 if tpu else 2)
+    one = Plan(tensor=plan.tensor, strategy=Strategy(sequence_parallel=s.sequence_parallel))
+    working = 0.0 if plan.remat == "none" else saved_per_layer(model, one, rows, keeps)   # one layer recomputed
+    if s.sequence_parallel and plan.tensor > 1:
+        working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
+    # the loss's fp32 logits; libtpu also holds two bf16 copies (the head's product and the softmax's gradient)
+    logits = 4 * model.seq * rows * model.vocab / plan.tensor * (2 if tpu else 1)
+    matrix = None if precision.matrix_opt is None else precision.matrix_opt / 4
+    args = [device_argument_bytes(model, sizes, s.zero, layout=layout_for_platform(keeps), moments=k,
+                                  matrix_moments=k if matrix is None or not k else matrix)
+            for k in (0, precision.opt / 4)]
+    return MemoryEstimate(args[0], grads, args[1] - args[0], acts, max(logits, working), flight,
+                          transient=2 * gathered + (bf16_weight_bytes(model, plan) if tpu else 0.0))
+
+
 def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> float:
     """Predicted peak bytes of jaxpar's fp32 train step on one device (docs/planning.md §8): what the compiled
-    program allocates, arguments + outputs + temporaries - aliased, which on GPUs is XLA's peak as well.
+    program allocates, arguments + outputs + temporaries - aliased, which on GPUs is XLA's peak as well
+    (:func:`~jaxpar.cost._memory.memory_per_device` with ``platform``'s measured table).
 
     Args:
       model: the GPT.
       plan: the plan (mesh sizes, ZeRO stage, SP, pipeline schedule, micro-batches, remat).
-      platform: ``"cuda"`` or ``"tpu"``: how the device stores the arguments
+      platform: ``"cuda"`` or ``"tpu"``: the measured table, how the device stores the arguments
         (:func:`layout_for_platform`; the rest is counted dense), and whether the compiler copies a
         pipeline stage's residual buffers in the tick's conditionals (the GPU compiler does).
 
@@ -299,28 +367,5 @@ def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> 
     >>> step_peak_bytes(gpt(2, 32, 8, 16, 64, 16), Plan(data=2)) > 0
     True
     """
-    s, sizes, key = plan.strategy, plan.sizes, sizes_key(plan.sizes)
-    rows = model.batch / (plan.data * plan.fsdp * s.microbatches)
-    grads = gathered = 0.0
-    for leaf in model.leaves:
-        c = leaf_shard_counts(leaf, key, s.zero)
-        grads += 4 * leaf.size / c.grads
-        if leaf.stacked and c.shardable and zero_axes(sizes, s.zero, "params"):
-            gathered += 4 * c.local / (model.layers // plan.pipe)      # one layer, gathered
-    held = model.layers / plan.pipe / s.virtual_stages * in_flight(s.schedule, plan.pipe, s.microbatches,
-                                                                   s.virtual_stages, runs_in_lockstep(plan))
-    if plan.pipe == 1:
-        acts = held * saved_per_layer(model, plan, rows, platform)
-    else:       # the GPU compiler copies the stage's residual buffers in the tick's conditionals; libtpu does not
-        acts = held * stored_per_layer(model, plan, rows, platform) * (2 if platform == "cuda" else 1)
-    if platform == "tpu":
-        acts += bf16_weight_bytes(model, plan)
-    one = Plan(tensor=plan.tensor, strategy=Strategy(sequence_parallel=s.sequence_parallel))
-    working = 0.0 if plan.remat == "none" else saved_per_layer(model, one, rows, platform)   # one layer recomputed
-    if s.sequence_parallel and plan.tensor > 1:
-        working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
-    # the loss's fp32 logits; libtpu also holds two bf16 copies (the head's product and the softmax's gradient)
-    logits = 4 * model.seq * rows * model.vocab / plan.tensor * (2 if platform == "tpu" else 1)
-    moments = 0 if s.offload is not None and s.offload.host_update else 2     # the state stays on the host
-    args = device_argument_bytes(model, sizes, s.zero, layout=layout_for_platform(platform), moments=moments)
-    return args + grads + acts + max(logits, working) + 2 * gathered
+    return memory_per_device(model, plan, precision="fp32", activation_bytes=4,
+                             keeps=measured_keeps(platform)).total

@@ -26,6 +26,11 @@ from jaxpar.options import Offload
 
 
 REMAT = ("none", "save-matmuls", "full")
+#: The paper's activation table (Korthikanti et al., 2022, §4): values one GPT layer keeps per token for its
+#: backward, ``(whole, split, scores)`` (:func:`keep_bytes`) per recomputation, each value ``bytes_per_value``:
+#: the paper's ``sbh (34 + 5 as/h)`` bytes at 16 bits. The measured tables are the compilers'
+#: (:data:`jaxpar.cost._device_bytes.MEASURED_KEEPS`).
+PAPER_KEEPS = {"none": (5.0, 12.0, 2.5), "save-matmuls": (5.0, 12.0, 0.0), "full": (1.0, 0.0, 0.0)}
 
 
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tensor: int = 1,
@@ -55,16 +60,26 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     """
     if remat not in REMAT:
         raise CostModelError(f"remat={remat!r}: choose one of {', '.join(REMAT)}.")
-    s, b, h, a, t = seq, micro_batch, hidden, heads, tensor
-    whole, split = widths
-    attn = 0.0 if remat == "save-matmuls" else 5 * a * s / h
-    if remat == "full":
-        per = 2 / (t if sequence_parallel else 1)
-    elif sequence_parallel:
-        per = (whole + split + attn) / t
-    else:
-        per = whole + split / t + attn / t
-    return s * b * h * per * bytes_per_value / 2
+    whole, split, scores = PAPER_KEEPS[remat]
+    if remat != "full":
+        whole, split = widths[0] / 2, widths[1] / 2
+    return keep_bytes(seq, micro_batch, hidden, heads, tensor, sequence_parallel, (whole, split, scores),
+                      bytes_per_value)
+
+
+def keep_bytes(seq: float, rows: float, hidden: int, heads: int, tensor: int, sequence_parallel: bool,
+               keeps: tuple, value_bytes: float, sp_whole: float = 0.0) -> float:
+    """Bytes of one layer's kept values ``keeps = (whole, split, scores)`` (per token in units of ``h``; the
+    scores in units of ``a s``) per micro-batch of ``rows`` sequences: ``whole`` split over ``tensor`` only
+    under SP (plus ``sp_whole`` that stay whole), the rest split over ``tensor``.
+
+    >>> keep_bytes(4, 1, 8, 2, 2, False, (1.0, 2.0, 1.0), 4) == 4 * (4 * 8 * (1 + 2 / 2) + 2 * 16 / 2)
+    True
+    """
+    whole, split, scores = keeps
+    s, t = seq, tensor
+    whole = whole / t + sp_whole if sequence_parallel else whole
+    return value_bytes * (s * rows * hidden * (whole + split / t) + scores * heads * s * s * rows / t)
 
 
 def mlp_split(model: ModelSpec) -> float:
@@ -105,7 +120,7 @@ def activation_widths(model: ModelSpec) -> tuple[float, float]:
 
 def layer_activations(model: ModelSpec, sizes: Mapping[str, int], rows: float, *, remat: str = "none",
                       sequence_parallel: bool = False, activation_bytes: float = 2, context_method: str = "ring",
-                      moe: bool = False) -> float:
+                      moe: bool = False, fused: bool = False) -> float:
     """Bytes one layer keeps for the backward per micro-batch of ``rows`` sequences: Korthikanti et al.'s
     terms at ``s / context`` tokens, the attention scores of the CP method
     (:func:`jaxpar.cost._context_experts.context_score_bytes`) and, for an MoE layer (``moe``), the MoE
@@ -120,6 +135,7 @@ def layer_activations(model: ModelSpec, sizes: Mapping[str, int], rows: float, *
       activation_bytes: bytes per activation value.
       context_method: ``"ring"``, ``"all-gather"`` or ``"ulysses"``.
       moe: the layer is an MoE layer.
+      fused: CP's blocks run the flash kernels (:func:`~jaxpar.cost._context_experts.fused_context`).
 
     Returns:
       Bytes per device.
@@ -140,7 +156,8 @@ def layer_activations(model: ModelSpec, sizes: Mapping[str, int], rows: float, *
                                      widths=widths)
     if remat == "full":
         return out
-    out += context_score_bytes(model, rows, t, C, context_method if C > 1 else "all_gather", remat, bpv)
+    out += context_score_bytes(model, rows, t, C, context_method if C > 1 else "all_gather", remat, bpv,
+                               fused=fused and C > 1)
     if moe:
         out += (moe_mlp_bytes(model, rows, t, C, sizes.get("expert", 1), sp, bpv, remat)
                 - dense_mlp_bytes(rows * s, model.hidden, t, sp, bpv, mlp_split(model)))
@@ -420,7 +437,8 @@ def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,
 class MemoryEstimate:
     """Bytes per device (the busiest pipeline stage): state, activations, logits; ``total`` their sum;
     ``host``: the bytes in host memory (memory offloading), not in ``total``: the offloaded state between
-    steps and the offloaded layer inputs during the step."""
+    steps and the offloaded layer inputs during the step; ``transient``: weights the step copies (the measured
+    tables': ZeRO-3 / FSDP's gathered layers, libtpu's bf16 copies)."""
 
     params: float
     grads: float
@@ -429,15 +447,17 @@ class MemoryEstimate:
     logits: float
     in_flight: int
     host: float = 0.0
+    transient: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.opt + self.activations + self.logits
+        return self.params + self.grads + self.opt + self.activations + self.logits + self.transient
 
 
 def memory_per_device(model: ModelSpec, plan, *, precision: str | BytesPerParam = "mixed",
-                      activation_bytes: float = 2, ends: bool = False) -> MemoryEstimate:
-    """Predicted peak memory of one device for one plan (docs/planning.md §3 has the sources).
+                      activation_bytes: float = 2, ends: bool = False, keeps="paper",
+                      fused_attention: bool = False) -> MemoryEstimate:
+    """Predicted peak memory of one device for one plan (docs/planning.md §3 and §8 have the sources).
 
     Each replica's batch ``batch / (data * fsdp * expert)`` is split into ``microbatches``; a pipeline
     stage holds ``layers / pipe`` layers and the schedule's in-flight micro-batches; the last stage the
@@ -461,10 +481,18 @@ def memory_per_device(model: ModelSpec, plan, *, precision: str | BytesPerParam 
         with the logits. ``True`` (Megatron-LM): the embeddings on the first stage, the final norm and
         head on the last (:func:`state_bytes`); the more loaded of the two is returned, the first with
         stage 0's in-flight activations, the last with the same (an upper bound) and the logits.
+      keeps: the activation table: ``"paper"`` (:data:`PAPER_KEEPS`), or a compiler's measured one
+        (:func:`jaxpar.cost._device_bytes.measured_keeps` of ``"cuda"`` or ``"tpu"``: the compiled-step model)
+        where it was measured (fp32 parameters, gradients and compute, no CP or experts), else the paper's.
+      fused_attention: CP's blocks run the flash kernels (a GPU in a 16-bit compute dtype:
+        :func:`~jaxpar.cost._context_experts.fused_context`): no scores kept, the kernels' working bytes.
 
     Returns:
       The :class:`MemoryEstimate`.
     """
+    measured = None if keeps == "paper" else keeps(model, plan, _precision(precision), activation_bytes)
+    if measured is not None:
+        return offloaded(measured, plan.strategy.offload, unsplit=plan.unsplit, activation_bytes=activation_bytes)
     s, cp, sizes = plan.strategy, plan.strategy.context_setting, plan.sizes
     d, f, t, p, e, C = (sizes[a] for a in ("data", "fsdp", "tensor", "pipe", "expert", "context"))
     mb = model.batch / (d * f * e) / s.microbatches
@@ -472,18 +500,18 @@ def memory_per_device(model: ModelSpec, plan, *, precision: str | BytesPerParam 
     flight = in_flight(s.schedule, p, s.microbatches, s.virtual_stages, lockstep)
     act = _layers_kept(model, sizes, mb, flight / p / s.virtual_stages, remat=plan.remat,
                        sequence_parallel=s.sequence_parallel, activation_bytes=activation_bytes,
-                       context_method=cp.method)
-    moved = act if s.offload is not None and s.offload.activations else 0.0      # the layers' inputs, to the host
-    act -= moved
-    if C > 1:
-        act += context_working_bytes(model, mb, t, C, cp.method, cp.balance, activation_bytes)
+                       context_method=cp.method, fused=fused_attention)
     logits = 2 * model.seq / C * mb * model.vocab / t * 4
     st = state_bytes(model, sizes, s.zero, precision)
     if ends and p > 1:
         first, last = (state_bytes(model, sizes, s.zero, precision, end=e) for e in ("first", "last"))
         st, logits = (first, 0.0) if first["total"] > last["total"] + logits else (last, logits)
-    return offloaded(MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight, moved), s.offload,
-                     unsplit=plan.unsplit, activation_bytes=activation_bytes)
+    mem = offloaded(MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight), s.offload,
+                    unsplit=plan.unsplit, activation_bytes=activation_bytes)
+    if C > 1:       # the attention's transient of the layer in flight
+        mem = replace(mem, activations=mem.activations + context_working_bytes(
+            model, mb, t, C, cp.method, cp.balance, activation_bytes, fused=fused_attention))
+    return mem
 
 
 def _layers_kept(model: ModelSpec, sizes: Mapping[str, int], rows: float, share: float, **kw) -> float:
@@ -496,7 +524,8 @@ def _layers_kept(model: ModelSpec, sizes: Mapping[str, int], rows: float, share:
 
 def offloaded(mem: MemoryEstimate, offload: Offload | None, *, unsplit: bool = False,
               activation_bytes: float = 4) -> MemoryEstimate:
-    """``mem`` under ``Plan.offload`` (see :func:`memory_per_device`). Under the host update on a device that
+    """``mem`` under ``Plan.offload`` (see :func:`memory_per_device`): offloaded activations (the layers' inputs
+    under full recomputation) move from ``activations`` to ``host``. Under the host update on a device that
     neither reduces nor accumulates its gradients (``unsplit``) the compiled step writes them to host memory
     as the backward makes them, and its peak holds the parameters' compute-dtype copy in
     their place (``grads``; none in fp32): a Llama-3-8B-shaped Decoder on one H100 compiles to 50.83 GB,
@@ -520,10 +549,12 @@ def offloaded(mem: MemoryEstimate, offload: Offload | None, *, unsplit: bool = F
     """
     if offload is None:
         return mem
-    host = mem.host + mem.opt * offload.optimizer + mem.params * offload.master
+    moved = mem.activations if offload.activations else 0.0
+    mem = replace(mem, activations=mem.activations - moved,
+                  host=mem.host + moved + mem.opt * offload.optimizer + mem.params * offload.master)
     if not offload.host_update:
-        return replace(mem, host=host)
+        return mem
     grads = mem.grads
     if unsplit:        # the gradients leave as the backward makes them; the parameters' compute copy stays
         grads = mem.params * activation_bytes / 4 if activation_bytes < 4 else 0.0
-    return replace(mem, grads=grads, opt=0.0, host=host)
+    return replace(mem, grads=grads, opt=0.0)

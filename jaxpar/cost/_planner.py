@@ -4,8 +4,9 @@ that cannot run the model *refused* with the reason, the candidates the compatib
 (:func:`plan_refusal`) and those that do not fit *rejected* with the reason, the rest ranked.
 
 For each layout the cheapest remat policy that fits is kept (``none``, ``save-matmuls``, ``full``), and
-without a pipeline the fewest accumulation micro-batches. Usable memory is ``cluster memory x
-memory_fraction``.
+without a pipeline the fewest accumulation micro-batches. Usable memory is the one capacity rule of every
+command (:attr:`Cluster.capacity <jaxpar.cost.Cluster.capacity>`: on GPUs ``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75
+by default, of the device bytes); a plan is ranked only when its predicted peak x ``1 +`` :data:`PLAN_MARGIN` fits.
 
 Example::
 
@@ -29,6 +30,8 @@ from typing import Any, Mapping, NamedTuple
 
 from jaxpar._text import format_bytes, render_table
 from jaxpar.compat._table import LIBRARY_NAMES, Setting, problems
+from jaxpar.cost._context_experts import fused_context
+from jaxpar.cost._capacity import PLAN_MARGIN, Capacity, device_capacity
 from jaxpar.cost._cluster import FP8, Cluster
 from jaxpar.cost._host_link import PRECISION as OFFLOAD_PRECISION, PROPOSED as OFFLOAD_PROPOSED
 from jaxpar.cost._memory import LayoutError, MemoryEstimate, memory_per_device, muon_precision
@@ -38,7 +41,7 @@ from jaxpar.cost._parallel import MODELLED, Plan
 from jaxpar.cost._roofline import fp8_kernels
 from jaxpar.cost._time import Overlap, StepTime, step_time
 from jaxpar.cost._traffic import outer_at_ends
-from jaxpar.errors import PlanError
+from jaxpar.errors import ClusterError, PlanError
 from jaxpar.options import CONTEXT_METHODS, LAYER_INPUT, ContextParallel, Fp8, Offload
 from jaxpar.strategy import Strategy
 
@@ -272,7 +275,7 @@ class PlanResult:
 
 
 def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16", precision: str = "mixed",
-             overlap: Overlap = Overlap(), memory_fraction: float = 0.9, lowering: str = "ideal",
+             overlap: Overlap = Overlap(), memory_fraction: float | None = None, lowering: str = "ideal",
              grad_bytes: float | None = None, muon: dict | None = None) -> Estimate:
     """Time and memory of one plan (no search).
 
@@ -299,15 +302,32 @@ def evaluate(m: ModelSpec, p: Plan, cluster: Cluster, *, dtype: str = "bfloat16"
     if why:
         raise PlanError(f"plan {p.name()} cannot run this model: {why}.")
     precision = OFFLOAD_PRECISION if p.strategy.offload else precision     # offloading: jaxpar's fp32 layout
-    mem = _memory(m, p, dtype, muon_precision(precision) if muon is not None else precision, lowering)
+    mem = _memory(m, p, dtype, muon_precision(precision) if muon is not None else precision, lowering,
+                  cluster.fused_attention)
     t = step_time(m, p, cluster, dtype=dtype, overlap=overlap, lowering=lowering, grad_bytes=grad_bytes)
     t = with_muon(t, m, p, cluster, dtype, **muon) if muon is not None else t
-    return Estimate(p, t, mem, mem.total <= cluster.memory_bytes * memory_fraction)
+    return Estimate(p, t, mem, mem.total <= _capacity(cluster, memory_fraction).plan_bytes)
 
 
-def _memory(m: ModelSpec, p: Plan, dtype: str, precision: str, lowering: str = "ideal"):
+def _capacity(cluster: Cluster, memory_fraction: float | None) -> Capacity:
+    """The cluster's capacity (:attr:`Cluster.capacity`), or ``memory_fraction`` of its memory when given."""
+    return cluster.capacity if memory_fraction is None else device_capacity(cluster.memory_bytes, cluster.platform,
+                                                                              fraction=memory_fraction)
+
+
+def too_big(need: float, capacity: Capacity) -> str:
+    """Why a plan of predicted peak ``need`` is not ranked, in words (the same in every rejection).
+
+    >>> too_big(60 * 2**30, Capacity(80 * 2**30, 0.75, "XLA_PYTHON_CLIENT_MEM_FRACTION"))
+    'needs 60.0 GiB per device, 66.0 GiB with the 10% margin > 60.0 GiB usable (75% of 80.0 GiB: XLA_PYTHON_CLIENT_MEM_FRACTION)'
+    """
+    return (f"needs {format_bytes(need)} per device, {format_bytes(need * (1 + PLAN_MARGIN))} with the "
+            f"{PLAN_MARGIN:.0%} margin > {capacity.text()}")
+
+
+def _memory(m: ModelSpec, p: Plan, dtype: str, precision: str, lowering: str = "ideal", fused: bool = False):
     return memory_per_device(m, p, precision=precision, activation_bytes=4 if dtype == "float32" else 2,
-                             ends=outer_at_ends(lowering))
+                             ends=outer_at_ends(lowering), fused_attention=fused_context(fused, dtype))
 
 
 def _options(m: ModelSpec, p: int, d: int, f: int, t: int, schedules, e: int = 1) -> list[dict]:
@@ -336,7 +356,7 @@ class _Search(NamedTuple):
     precision: str
     overlap: Overlap
     lowering: str
-    memory_fraction: float
+    capacity: Capacity
     fixed: dict | None = None
     fp8: Fp8 | None = None              # None: no FP8 plans; else FP8 plans with these options are considered too
     muon: dict | None = None            # Muon's {"ns_steps", "placement"}: its Newton-Schulz in the update
@@ -344,7 +364,8 @@ class _Search(NamedTuple):
 
     @property
     def usable(self) -> float:
-        return self.cluster.memory_bytes * self.memory_fraction
+        """The largest predicted peak ranked: the capacity less the margin (:attr:`Capacity.plan_bytes`)."""
+        return self.capacity.plan_bytes
 
     def timed(self, p: Plan) -> StepTime:
         """The step time of ``p`` (with Muon's Newton-Schulz, :func:`jaxpar.cost.with_muon`, when ``muon`` is set)."""
@@ -367,7 +388,7 @@ class _Search(NamedTuple):
                                                                    **{**opt, "microbatches": mb}))
                 try:     # memory first: a plan that does not fit needs no step time (most of the search)
                     mem = _memory(self.model, cand, self.dtype, self.precision if self.muon is None else
-                                  muon_precision(self.precision), self.lowering)
+                                  muon_precision(self.precision), self.lowering, self.cluster.fused_attention)
                     if mem.total <= self.usable:
                         t = self.timed(cand)
                         off = self.timed(cand.with_strategy(offload=None)).total if cand.strategy.offload else None
@@ -376,10 +397,7 @@ class _Search(NamedTuple):
                 except LayoutError as err:
                     rejected.append(Rejected(cand, str(err)))
                     break
-                c = self.cluster
-                rejected.append(Rejected(cand, f"needs {format_bytes(mem.total)} per device > "
-                                               f"{format_bytes(self.usable)} usable "
-                                               f"({self.memory_fraction:g} of {format_bytes(c.memory_bytes)})"))
+                rejected.append(Rejected(cand, too_big(mem.total, self.capacity)))
         return None, rejected, considered
 
     @staticmethod
@@ -446,7 +464,7 @@ def _methods(value) -> tuple[str, ...]:
 
 
 def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfloat16", precision: str = "mixed",
-         overlap: Overlap = Overlap(), memory_fraction: float = 0.9, schedules=("gpipe", "1f1b", "interleaved", "zb-h1"),
+         overlap: Overlap = Overlap(), memory_fraction: float | None = None, schedules=("gpipe", "1f1b", "interleaved", "zb-h1"),
          lowering: str = "ideal", contexts=None, context_methods=CONTEXT_METHODS, experts=None,
          fixed=None, fp8: bool | None = None, fp8_options: Fp8 = Fp8(), muon: dict | None = None,
          offload: bool | None = None) -> PlanResult:
@@ -460,7 +478,8 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
       precision: the bytes per parameter, gradient and optimizer state: a key of
         :data:`jaxpar.cost.PRECISIONS`.
       overlap: what communication hides behind compute.
-      memory_fraction: the share of each device's memory a plan may use, in (0, 1].
+      memory_fraction: the share of each device's memory a plan may use, in (0, 1] (None: the capacity rule,
+        :attr:`Cluster.capacity`). Either way a plan's predicted peak x ``1 +`` :data:`PLAN_MARGIN` must fit.
       schedules: the pipeline schedules to search.
       lowering: the program the traffic is counted for, one of :data:`jaxpar.cost._traffic.LOWERINGS`.
       contexts: the CP degrees to search (None: every divisor of the device count when ``model.seq >=``
@@ -492,7 +511,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
     cs = _degrees("contexts", contexts, divisors(n) if model.seq >= CONTEXT_MIN_SEQ else [1])
     es = _degrees("experts", experts, [e for e in divisors(n) if model.is_moe and model.experts % e == 0] or [1])
     methods = _methods(context_methods)
-    search = _Search(model, cluster, dtype, precision, overlap, lowering, memory_fraction, fixed,
+    search = _Search(model, cluster, dtype, precision, overlap, lowering, _capacity(cluster, memory_fraction), fixed,
                      fp8_options if _with_fp8(model, cluster, fp8, fp8_options) else None, muon)
     ranked, rejected, refused, considered, shape_reasons = search.run(n, cs, es, methods, schedules)
     if not ranked and _with_offload(cluster, offload, muon):        # nothing fits: the state to the host
@@ -503,12 +522,17 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
     return PlanResult(ranked, rejected, considered, refused, top, fp8=None if fp8 is False else fp8_options)
 
 
-def _check_request(model: ModelSpec, cluster: Cluster, dtype: str, memory_fraction: float, fixed) -> None:
+def _check_request(model: ModelSpec, cluster: Cluster, dtype: str, memory_fraction: float | None, fixed) -> None:
     """:func:`plan`'s checks of its arguments (a :class:`PlanError` naming the fix)."""
     if not isinstance(model, ModelSpec):
         raise PlanError(f"model must be a jaxpar.cost.ModelSpec (e.g. jaxpar.cost.gpt(...)), got {type(model).__name__}.")
-    if not 0 < memory_fraction <= 1:
-        raise PlanError(f"memory_fraction={memory_fraction!r}: must be in (0, 1], e.g. 0.9.")
+    if memory_fraction is not None and not 0 < memory_fraction <= 1:
+        raise PlanError(f"memory_fraction={memory_fraction!r}: must be in (0, 1], e.g. 0.75, or None for the "
+                        "capacity rule (Cluster.capacity).")
+    try:
+        cluster.capacity
+    except ClusterError as err:
+        raise PlanError(str(err)) from None
     if dtype == FP8:
         raise PlanError(f"dtype={FP8!r} is not a compute dtype: the planner considers FP8 matmuls itself (fp8=); "
                         f"plan in one of {', '.join(cluster.compute_dtypes)}.")

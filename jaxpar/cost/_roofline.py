@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from jaxpar.cost._cluster import FP8, Cluster
-from jaxpar.cost._context_experts import expert_slots, routed_rows, score_fraction
+from jaxpar.cost._context_experts import expert_slots, fused_context, routed_rows, score_fraction
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import Plan
 
@@ -132,8 +132,11 @@ def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, m
       rows: sequences per micro-batch on one device.
       compute_bytes: bytes per value of the activations and weights (2 for bf16 / fp16).
       moe: an MoE layer of ``m`` (its MLP replaced by the experts').
-      fused_attention: a flash kernel runs the whole-sequence attention (:attr:`Cluster.fused_attention`):
-        it skips the causal mask's upper half and its backward computes the scores again.
+      fused_attention: flash kernels run the attention (:attr:`Cluster.fused_attention`; under CP in a 16-bit
+        compute dtype, :func:`~jaxpar.cost._context_experts.fused_context`): the whole-sequence kernel skips the
+        causal mask's upper half and its backward computes the scores again; a ring's or all-gather's flash
+        blocks compute the scores and ``dO Vᵀ`` once more in the backward (its dQ and its dK/dV kernels
+        each recompute them).
 
     Returns:
       The :class:`Kernel` list, ``passes`` set for training with ``plan.remat``.
@@ -148,7 +151,7 @@ def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, m
     else:           # GQA: q's width and the K/V's (split over tensor, or replicated where it does not divide them)
         width = m.q_width / t + 2 * m.kv_width / m.kv_split(t)
         out = [matmul("qkv", 1, tokens, h, width / q, cb, count=q, passes=full)]
-    out += _attention_kernels(m, plan, heads, cb, attn, fused_attention and C == 1)
+    out += _attention_kernels(m, plan, heads, cb, attn, fused_attention)
     out.append(matmul("proj", 1, tokens, m.q_width / t, h, cb, passes=full))
     if moe:
         return out + _moe_kernels(m, plan, rows, tokens, cb, full)
@@ -159,20 +162,21 @@ def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, m
 def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: int, fused: bool) -> list[Kernel]:
     """``QKᵀ`` and ``AV`` of the device's share of the scores (docs/planning.md §10); ``fused``: a causal flash
     kernel's half of them, its scores once more in the backward, its forward again only under full remat."""
-    s, d, C = m.seq, m.head_dim, plan.context
-    if fused:            # save-matmuls keeps the kernel's residuals: only full recomputation runs it again
+    s, d, C, method = m.seq, m.head_dim, plan.context, plan.strategy.context_setting.method
+    if fused and (C == 1 or method == "ulysses"):   # save-matmuls keeps the kernel's residuals: only full remat reruns it
         passes = 3 + (plan.remat == "full")
-        return [matmul("scores", heads / 2, s, d, s, cb, passes=passes + 1),
-                matmul("context", heads / 2, s, s, d, cb, passes=passes)]
+        return [matmul("scores", heads / C / 2, s, d, s, cb, passes=passes + 1),
+                matmul("context", heads / C / 2, s, s, d, cb, passes=passes)]
     if C == 1:
         return [matmul("scores", heads, s, d, s, cb, passes=attn), matmul("context", heads, s, s, d, cb, passes=attn)]
-    if plan.strategy.context_setting.method == "ring":
+    extra = 1 if fused else 0           # the flash blocks' backward: scores and dO V^T in both its kernels
+    if method == "ring":
         blocks, n = C * C * score_fraction("ring", C, plan.strategy.context_setting.balance), s / C
-        return [matmul("scores", heads * blocks, n, d, n, cb, passes=attn + 1),
-                matmul("context", heads * blocks, n, n, d, cb, passes=attn)]
-    if plan.strategy.context_setting.method == "all_gather":
-        return [matmul("scores", heads, s / C, d, s, cb, passes=attn),
-                matmul("context", heads, s / C, s, d, cb, passes=attn)]
+        return [matmul("scores", heads * blocks, n, d, n, cb, passes=attn + 1 + extra),
+                matmul("context", heads * blocks, n, n, d, cb, passes=attn + extra)]
+    if method == "all_gather":          # XLA's path keeps the probabilities; the flash blocks recompute them
+        return [matmul("scores", heads, s / C, d, s, cb, passes=attn + 2 * extra),
+                matmul("context", heads, s / C, s, d, cb, passes=attn + extra)]
     return [matmul("scores", heads / C, s, d, s, cb, passes=attn),
             matmul("context", heads / C, s, s, d, cb, passes=attn)]
 
@@ -243,7 +247,7 @@ def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes
       rows: sequences per micro-batch on one device.
       compute_bytes: bytes per activation value (the softmax is counted in fp32).
       moe: an MoE layer.
-      fused_attention: a flash kernel keeps the whole-sequence softmax on chip (no softmax bytes).
+      fused_attention: flash kernels keep the softmax on chip (no softmax bytes; as :func:`layer_kernels`).
 
     Returns:
       Bytes per layer and micro-batch (forward, backward and recomputation).
@@ -265,7 +269,7 @@ def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes
         resid += 2 * (m.q_width / t + m.kv_width / m.kv_split(t))
     cp = plan.strategy.context_setting
     keys = m.seq * C * score_fraction(cp.method, C, cp.balance)   # scores per query token
-    softmax = 0.0 if fused_attention and C == 1 else 2 * m.heads * keys / t * 4 * (passes + (plan.remat == "save-matmuls"))
+    softmax = 0.0 if fused_attention else 2 * m.heads * keys / t * 4 * (passes + (plan.remat == "save-matmuls"))
     return rows * (m.seq / C) * ((resid + mlp) * compute_bytes * passes + softmax)
 
 
@@ -311,12 +315,13 @@ def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: flo
     Returns:
       A :class:`Work`: the matmuls' seconds (:func:`layer_kernels`) and the elementwise ops' seconds.
     """
-    ks = layer_kernels(m, plan, rows, compute_bytes, moe, fused_attention=cluster.fused_attention)
+    fused = cluster.fused_attention and (plan.context == 1 or fused_context(True, dtype))
+    ks = layer_kernels(m, plan, rows, compute_bytes, moe, fused_attention=fused)
     fp8 = fp8_kernels(m, plan)
     kernels = sum(kernel_seconds(k, cluster, FP8 if k.name in fp8 else dtype) * (1 if forward_only else k.passes)
                   for k in ks)
     bw = cluster.stream_bandwidth
-    elem = layer_elementwise_bytes(m, plan, rows, compute_bytes, moe, fused_attention=cluster.fused_attention)
+    elem = layer_elementwise_bytes(m, plan, rows, compute_bytes, moe, fused_attention=fused)
     if forward_only:
         elem /= 3 + (plan.remat == "full")
     quantize = fp8_quantize_bytes(ks, fp8, plan.strategy.fp8.recipe, compute_bytes, plan.remat) if fp8 else (0.0, 0.0)

@@ -45,14 +45,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+from jaxpar.cost._capacity import Capacity, device_capacity, memory_fraction_problem
 from jaxpar.errors import TargetError
 
 #: Where the preset YAML files live (``configs/targets`` of the repository).
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "targets"
 #: The environment variable that moves the compilers' directory (:func:`targets_dir`).
 TARGETS_DIR_ENV = "JAXPAR_TARGETS_DIR"
-#: JAX's default share of a GPU's memory that a process may use (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
-GPU_MEM_FRACTION = 0.75
 
 
 @dataclass(frozen=True)
@@ -115,34 +114,22 @@ class Target:
         return self.slices * max(1, math.prod(self.shape) // math.prod(self.spec.chips_per_host_bounds))
 
     @property
+    def capacity(self) -> Capacity:
+        """The memory one program may use on a device: the one capacity rule of every command
+        (:func:`jaxpar.cost._capacity.device_capacity`): on GPUs JAX's share (``XLA_PYTHON_CLIENT_MEM_FRACTION``,
+        default 0.75) of the device bytes, on TPUs the whole HBM.
+
+        Raises:
+          TargetError: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is no fraction.
+        """
+        if why := memory_fraction_problem():
+            raise TargetError(why)
+        return device_capacity(self.spec.memory_bytes, self.spec.platform)
+
+    @property
     def capacity_bytes(self) -> int:
-        """The memory one program may use on a device: on GPUs JAX's preallocated share
-        (``XLA_PYTHON_CLIENT_MEM_FRACTION``, default 0.75), on TPUs the whole HBM."""
-        if self.spec.platform != "cuda":
-            return self.spec.memory_bytes
-        return int(self.spec.memory_bytes * _mem_fraction())
-
-
-def _mem_fraction() -> float:
-    if why := memory_fraction_problem():
-        raise TargetError(why)
-    text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    return float(text) if text else GPU_MEM_FRACTION
-
-
-def memory_fraction_problem() -> str | None:
-    """Why ``XLA_PYTHON_CLIENT_MEM_FRACTION`` gives no GPU capacity (None: unset, or a number).
-
-    Returns:
-      The problem, naming the variable, its value and the fix, or None.
-    """
-    text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    try:
-        float(text or GPU_MEM_FRACTION)
-    except ValueError:
-        return (f"XLA_PYTHON_CLIENT_MEM_FRACTION={text!r} is not a number; set it to a fraction such as "
-                f"0.9, or unset it (JAX's default, {GPU_MEM_FRACTION}).")
-    return None
+        """The usable bytes of :attr:`capacity`."""
+        return int(self.capacity.usable)
 
 
 def presets() -> dict[str, Path]:

@@ -9,10 +9,10 @@ from jaxpar.plan._inspect_lines import (attention_lines, expert_lines, fit_lines
 from jaxpar.plan._plan_report import (chosen_plan, fp8_cluster_problem, fp8_line, offload_line, plan_overrides,
                                       plan_report, verify_plans, yaml_text)
 from jaxpar.plan._prediction import (RUN_CLUSTERS, PlannerView, planner_table, planner_view, platform_of,
-                                     predicted_peak, predicted_rows, run_prediction, RunPrediction)
+                                     predicted_rows, run_prediction, RunPrediction)
 
 __all__ = ["attention_lines", "expert_lines", "fit_lines", "fitting_plan", "fp8_lines", "gather_lines", "muon_lines",
            "muon_placement_lines", "offload_lines", "chosen_plan", "fp8_cluster_problem", "fp8_line", "offload_line",
            "plan_overrides", "plan_report", "verify_plans", "yaml_text", "RUN_CLUSTERS", "PlannerView",
-           "planner_table", "planner_view", "platform_of", "predicted_peak", "predicted_rows", "run_prediction",
+           "planner_table", "planner_view", "platform_of", "predicted_rows", "run_prediction",
            "RunPrediction"]

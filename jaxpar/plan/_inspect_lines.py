@@ -34,43 +34,43 @@ def fit_lines(report: Any, target: Target, predicted: float | None = None) -> tu
     """
     from jaxpar._text import format_bytes
 
-    need, cap = report.required_bytes, target.capacity_bytes
-    share = "" if target.spec.platform != "cuda" else \
-        f" ({cap / target.spec.memory_bytes:.0%} of {format_bytes(target.spec.memory_bytes)}: XLA_PYTHON_CLIENT_MEM_FRACTION)"
+    need, capacity = report.required_bytes, target.capacity
+    cap = capacity.usable
     pred = f"; the cost model predicted {format_bytes(predicted)}" if predicted else ""
     lines = [f"memory   per device: peak {format_bytes(need)} (arguments {format_bytes(report.argument_bytes)}, "
              f"temporaries {format_bytes(report.temp_bytes)}, XLA's peak "
              f"{format_bytes(report.xla_peak_bytes or 0)}){pred}",
-             f"capacity {format_bytes(cap)} usable on {target.spec.device}{share}"]
+             f"capacity {capacity.text()} on {target.spec.device}"]
     if need <= cap:
         return True, lines + [f"fits     with {format_bytes(cap - need)} to spare ({need / cap:.0%} used)"]
     return False, lines + [f"DOES NOT FIT by {format_bytes(need - cap)} ({need / cap:.0%} of the capacity)"]
 
 
-def fitting_plan(model: Any, target: Target, *, most: int = 64) -> str:
-    """The cost model's best plan of a model that fits: on the target's devices, else on the
-    fewest multiples of them (up to ``most`` times as many) that hold it.
+def fitting_plan(model: Any, target: Target, *, shown: Any = None, most: int = 64) -> str:
+    """The cost model's best plan of a model that fits, other than ``shown`` (the plan just compiled and shown
+    not to fit): on the target's devices, else on the fewest multiples of them (up to ``most`` times as many)
+    that hold it. The capacity is the one rule of every command (:attr:`Target.capacity`), with the planner's
+    margin (:data:`jaxpar.cost._capacity.PLAN_MARGIN`).
 
     Args:
       model: the cost model's model (:class:`jaxpar.cost.ModelSpec`).
       target: the target.
+      shown: the :class:`jaxpar.cost.Plan` shown not to fit (None: none); never suggested.
       most: the largest multiple of the target's devices to try.
 
     Returns:
-      A line naming the devices, the plan and its predicted memory, or why none fits.
+      A line naming the devices, the plan and its predicted memory, or that none is known to fit.
     """
     from jaxpar import cost
     from jaxpar._text import format_bytes
 
-    usable = target.capacity_bytes / target.spec.memory_bytes
     k = 1
     while k <= most:
         n = target.num_devices * k
         cluster = replace(cost.load_cluster(target.spec.cluster, num_devices=n),
-                          memory_bytes=float(target.spec.memory_bytes))
-        try:
-            best = cost.plan(model, cluster, top=1, precision="fp32", memory_fraction=usable).ranked[0]
-        except cost.PlanError:
+                          memory_bytes=float(target.spec.memory_bytes), platform=target.spec.platform)
+        best = _other_plan(model, cluster, shown)
+        if best is None:
             k *= 2
             continue
         p = best.plan
@@ -78,9 +78,21 @@ def fitting_plan(model: Any, target: Target, *, most: int = 64) -> str:
             (f", schedule={p.strategy.schedule}" if p.pipe > 1 else "")
         where = "these devices" if k == 1 else f"{n} x {target.spec.device} ({k} times the target's devices)"
         return (f"plan     the cost model's best plan that fits on {where}: {p.name()} ({knobs}), predicted "
-                f"{format_bytes(best.memory.total)} per device")
-    return (f"plan     no plan of the cost model fits even {most} times the target's devices "
-            f"({target.num_devices * most} x {target.spec.device}) at global batch {model.batch}")
+                f"{format_bytes(best.memory.total)} per device of {target.capacity.text()} (compile it to know)")
+    return (f"plan     no plan is known to fit: none of the cost model's, but the one shown, fits even {most} times "
+            f"the target's devices ({target.num_devices * most} x {target.spec.device}) at global batch {model.batch}")
+
+
+def _other_plan(model: Any, cluster: Any, shown: Any) -> Any:
+    """The cost model's fastest plan on ``cluster`` that fits and is not ``shown`` (None: none)."""
+    from jaxpar import cost
+
+    try:
+        ranked = cost.plan(model, cluster, top=1, precision="fp32").ranked
+    except cost.PlanError:
+        return None
+    name = shown.name() if shown is not None else None
+    return next((e for e in ranked if e.plan.name() != name), None)
 
 
 def fp8_lines(fp8: Any, model: Any, compiled: Any, mesh: Any, platform: str) -> list[str]:

@@ -15,8 +15,8 @@ import json
 import shlex
 from typing import Any, Callable, Sequence
 
+from jaxpar.cost._capacity import PLAN_MARGIN
 from jaxpar.errors import ConfigError
-from jaxpar.plan._prediction import predicted_peak
 
 
 def fp8_cluster_problem(cluster: str) -> str | None:
@@ -117,7 +117,7 @@ def chosen_plan(result: Any, rank: int) -> Any:
     return result.ranked[rank - 1].plan
 
 
-def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any = None) -> None:
+def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any = None) -> list[Any]:
     """``jaxpar plan --verify``: compile each plan's train step ahead of time (jaxpar's GPT, fp32 Adam;
     nothing runs) on simulated CPU devices, or with the real compiler of ``target``, and print
     predicted vs compiled argument bytes, peak memory and bytes per mesh axis.
@@ -128,28 +128,33 @@ def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any
       estimates: the ranked plans' estimates.
       target: a :class:`jaxpar.devices.Target` with the cluster's device count (None: the CPU).
 
+    Returns:
+      The estimates whose compiled peak fits the capacity (the target's, else the cluster's: the one rule);
+      those that do not are dropped, and a line says so (:func:`verified_fits`).
+
     Raises:
       ConfigError: more than 256 simulated devices.
     """
     import time
 
     from jaxpar._text import format_bytes, render_table
+    from jaxpar.cost._device_bytes import measured_keeps
     from jaxpar.cost._memory import memory_per_device
     from jaxpar.analysis import compile_and_compare
 
     devices, where, lowering = _verify_devices(cluster.num_devices, target)
     print(f"\nverify   {len(estimates)} plans compiled ahead of time {where} (jaxpar's GPT, "
           f"fp32 parameters and Adam moments; the prediction below uses the same precision)")
-    rows = []
+    rows, peaks = [], []
     for e in estimates:
         p = e.plan
         t0 = time.perf_counter()
         r = compile_and_compare(model, p, devices=devices, lowering=lowering)
-        mem = memory_per_device(model, p, precision="fp32", activation_bytes=4).total
-        if target is not None:          # the compiled-step model, measured against the target's compiler
-            mem = predicted_peak(model, p, mem, "float32", target.spec.platform)
+        keeps = "paper" if target is None else measured_keeps(target.spec.platform)   # the target's compiler's
+        mem = memory_per_device(model, p, precision="fp32", activation_bytes=4, keeps=keeps).total
         a = r["arguments"]
         peak = r["peak_bytes"]
+        peaks.append(peak)
         worst = max((v["error"] for v in r["axes"].values()), default=0.0)
         rows.append([p.name(), format_bytes(a["predicted"]), format_bytes(a["compiled"]), f"{a['error']:.2%}",
                      format_bytes(mem), format_bytes(peak), f"{mem / peak:.2f}",
@@ -159,6 +164,36 @@ def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any
     print(render_table(["plan", "args predicted", "args compiled", "args error", "peak predicted", "peak compiled",
                         "peak ratio", f"bytes per axis predicted/compiled ({lowering})", "worst axis error",
                         "compile s"], rows, right=[False] + [True] * 6 + [False, True, True]))
+    kept, line = verified_fits(estimates, peaks, target.capacity if target is not None else cluster.capacity)
+    print(line)
+    return kept
+
+
+def verified_fits(estimates: Sequence[Any], peaks: Sequence[float], capacity: Any) -> tuple[list[Any], str]:
+    """The verified plans whose compiled peak fits ``capacity``, and a line on those dropped.
+
+    Args:
+      estimates: the plans' estimates.
+      peaks: their compiled peaks per device, in order.
+      capacity: the :class:`jaxpar.cost._capacity.Capacity` they must fit.
+
+    Returns:
+      ``(kept, line)``.
+
+    >>> from jaxpar.cost import Plan
+    >>> from jaxpar.cost._capacity import Capacity
+    >>> e = [type("E", (), {"plan": Plan(data=8)})(), type("E", (), {"plan": Plan(fsdp=8)})()]
+    >>> kept, line = verified_fits(e, [2 * 2**30, 5 * 2**30], Capacity(4 * 2**30))
+    >>> [k.plan.name() for k in kept], line
+    (['dp8'], 'dropped  fsdp8: its compiled peak does not fit 4.0 GiB usable (all of the device memory)')
+    """
+    kept = [e for e, peak in zip(estimates, peaks) if peak <= capacity.usable]
+    gone = [e.plan.name() for e, peak in zip(estimates, peaks) if peak > capacity.usable]
+    if not gone:
+        return kept, f"fits     every compiled peak above fits {capacity.text()}"
+    what = "its compiled peak does not" if len(gone) == 1 else "their compiled peaks do not"
+    none = "; none of the plans verified is known to fit" if not kept else ""
+    return kept, f"dropped  {', '.join(gone)}: {what} fit {capacity.text()}{none}"
 
 
 def _verify_devices(n: int, target: Any) -> tuple[list, str, str]:
@@ -242,6 +277,16 @@ def offload_line(model: Any, cluster: Any, result: Any) -> str | None:
             f"({cluster.host_memory_bandwidth / 1e9:g} GB/s){slow}; costed in jaxpar's fp32 layout (precision fp32)")
 
 
+def capacity_line(cluster: Any) -> str:
+    """``jaxpar plan``'s capacity line: the one capacity rule (:attr:`jaxpar.cost.Cluster.capacity`) and the margin.
+
+    >>> from jaxpar import cost
+    >>> capacity_line(cost.load_cluster("tpu_v5e"))
+    'capacity 16.0 GiB usable (all of the device memory); a plan is ranked when its predicted peak + 10% fits'
+    """
+    return (f"capacity {cluster.capacity.text()}; a plan is ranked when its predicted peak + {PLAN_MARGIN:.0%} fits")
+
+
 def plan_report(model: Any, cluster: Any, result: Any, top: int, changed: Callable[[Any], list[str]], *,
                 as_json: bool = False, config: bool = False) -> str:
     """``jaxpar plan``'s output: the model, the cluster and the ranked and rejected plans, each ranked one with
@@ -260,13 +305,16 @@ def plan_report(model: Any, cluster: Any, result: Any, top: int, changed: Callab
       The text.
     """
     if as_json:
+        cap = cluster.capacity
         return json.dumps({"cluster": cluster.name, "devices": cluster.num_devices, "model": model.name,
+                           "capacity": {"usable_bytes": cap.usable, "text": cap.text(), "margin": PLAN_MARGIN},
                            "parameters": model.n_params, "considered": result.considered,
                            "ranked": [{**e.row(), "overrides": plan_overrides(e.plan)} for e in result.ranked[:top]],
                            "rejected": [{"plan": r.plan.name() if r.plan else None, "reason": r.reason}
                                         for r in result.rejected[:top]]}, indent=2)
     lines = [f"model    {model.name}: {model.n_params:,} parameters, batch {model.batch} x {model.seq}",
              f"cluster  {cluster.name}: {cluster.num_devices} devices ({cluster.nodes} x {cluster.devices_per_node})",
+             capacity_line(cluster),
              f"plans    {result.considered} considered, {len(result.ranked)} fit, {len(result.rejected)} rejected",
              result.table(top)]
     if result.ranked:

@@ -115,14 +115,12 @@ def _predicted(view: PlannerView) -> tuple:
         chooser = PLATFORM_CLUSTERS.get(platform, "h100")
         cs = cs + muon_comms(muon_update(model, plan.sizes, chooser, zero=plan.strategy.zero, **muon))
     pred = bytes_per_axis(cs)
-    mem = est.memory
+    mem = est.memory if platform == "cpu" else _memory(model, plan, muon, platform)
     muon_state = {} if muon is None else {"matrix_moments": 1, "scalars": 3}    # Muon's momentum and its count
     args = device_argument_bytes(model, plan.sizes, plan.strategy.zero, layout=layout_for_platform(platform),
                                  **muon_state)
     args -= host_bytes(model, plan)          # offloaded: host-resident arguments, not the device's
-    peak = mem.total if platform == "cpu" else \
-        predicted_peak(model, plan, mem.total, plan.strategy.compute_dtype, platform)
-    return pred, args, mem.activations + mem.logits, peak
+    return pred, args, mem.activations + mem.logits, mem.total
 
 
 def planner_table(compiled: Any, mesh: Any, view: PlannerView | None, why: str | None, cluster: str,
@@ -138,7 +136,7 @@ def planner_table(compiled: Any, mesh: Any, view: PlannerView | None, why: str |
       cluster: the cluster preset (or YAML path) of the prediction.
       steps_per_call: optimizer steps per call of ``compiled`` (its bytes per axis are divided by it).
       platform: the compiled program's (``"cpu"``, ``"cuda"``, ``"tpu"``): its array layout, and on a
-        target the compiled-step model of the peak (:func:`predicted_peak`).
+        target its measured activation table (:func:`jaxpar.cost.memory_per_device`).
 
     Returns:
       ``(text, peak)``: the heading, the table and the predicted step time (or why there is none); the
@@ -175,37 +173,15 @@ def planner_table(compiled: Any, mesh: Any, view: PlannerView | None, why: str |
         + "".join(f"; {gap}" for gap in t.unmodelled))]), peak
 
 
-def predicted_peak(model: Any, plan: Any, planned: float, compute_dtype: str, platform: str) -> float:
-    """The cost model's peak per device beside a compiled step: the compiled-step model
-    (:func:`jaxpar.cost.step_peak_bytes`, measured against the GPU and TPU compilers in
-    docs/planning.md §8) for the fp32 step of a dense GPT without context parallelism, else
-    ``planned`` (the planner's memory estimate). The planner's is also the one that models offloaded
-    layer inputs and the host update on one device (docs/planning.md §12).
+def _memory(model: Any, plan: Any, muon: dict | None, platform: str) -> Any:
+    """The cost model's memory estimate on ``platform``'s compiler: fp32 parameters and moments (Muon's where
+    it runs), the compiler's measured activation table where it was measured (docs/planning.md §8)."""
+    from jaxpar.cost import memory_per_device, muon_precision
+    from jaxpar.cost._device_bytes import measured_keeps
 
-    Args:
-      model: the cost model's GPT (:class:`jaxpar.cost.ModelSpec`).
-      plan: its :class:`jaxpar.cost.Plan`.
-      planned: the planner's estimate, in bytes.
-      compute_dtype: the strategy's compute dtype.
-      platform: the target's platform (``"cuda"`` or ``"tpu"``).
-
-    Returns:
-      Bytes per device.
-
-    >>> from jaxpar.cost import Plan, gpt
-    >>> m = gpt(2, 64, 4, 32, 128, 8)
-    >>> predicted_peak(m, Plan(data=2), 1.0, "float32", "cuda") > 1.0
-    True
-    >>> predicted_peak(m, Plan(), 1.0, "bfloat16", "cuda")      # not the fp32 step: the planner's
-    1.0
-    """
-    from jaxpar.cost._device_bytes import step_peak_bytes
-
-    o = plan.strategy.offload
-    offloaded = o is not None and (o.activations or (o.host_update and plan.unsplit))
-    if compute_dtype != "float32" or plan.context > 1 or plan.expert > 1 or model.moe_layers or offloaded:
-        return planned
-    return step_peak_bytes(model, plan, platform=platform)
+    return memory_per_device(model, plan, precision="fp32" if muon is None else muon_precision("fp32"),
+                             activation_bytes=4 if plan.strategy.compute_dtype == "float32" else 2,
+                             keeps=measured_keeps(platform))
 
 
 class RunPrediction(NamedTuple):
