@@ -4,7 +4,8 @@ A save records each part's shapes (:func:`record_shapes`: ``<name>_shapes``), th
 are laid out for when the saver passed one (:func:`record_layouts`, :meth:`StatePart.record`:
 ``<name>_layout``) and which ``nnx.List`` s of layers were saved stacked (:func:`lists_record`); a restore
 does with each part what :meth:`StatePart.plan` says (restore, drop, or start afresh with a warning), for
-:mod:`jaxpar.run._checkpoint`. The policy: docs/training.md.
+:mod:`jaxpar.run._checkpoint`. Each part's restore policy is data (:data:`STATE_PARTS`: its warnings,
+its layout record, how it starts afresh), read by one :meth:`StatePart.plan`. The policy: docs/training.md.
 
 Example::
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -79,53 +80,57 @@ class PartPlan:
 
 @dataclass(frozen=True)
 class StatePart:
-    """One optional part of a :class:`~jaxpar.step.TrainState`: what a checkpoint records of
-    it and what a restore does with it. The four are :data:`STATE_PARTS`.
+    """One optional part of a :class:`~jaxpar.step.TrainState` as a checkpoint sees it: its restore
+    policy as data. The four are :data:`STATE_PARTS`; :meth:`plan` reads them.
+
+    The messages are ``str.format`` templates of ``where``, ``what``, ``saved`` / ``shapes`` (the
+    checkpoint's and the target's shapes), ``saved_names`` / ``names`` (their entries),
+    ``old`` / ``new`` (the checkpoint's and the target's layout record in words), ``was`` (``old`` in
+    parentheses, or nothing when unrecorded), ``about`` (``old``, or the saved shapes) and ``schedule``
+    (the target's pipeline schedule in parentheses).
 
     Attributes:
-      name: the ``TrainState`` field (``"codec"``, ``"sync"``, ``"stats"``, ``"versions"``);
-        the record's keys are ``<name>_shapes`` and ``<name>_layout``.
+      name: the ``TrainState`` field; the record's keys are ``<name>_shapes`` and ``<name>_layout``.
       what: the part in words, for the messages.
+      missing: the warning when the checkpoint has none and the target keeps one.
+      reshaped: the warning when the saved shapes are not the target's.
+      relaid: the warning when the same shapes were saved for another layout (``None``: never).
+      dropped: the warning when the target keeps none.
+      on_mismatch: what a restore does in those three cases: ``"fresh"`` (start the part afresh,
+        with the warning) or ``"refuse"`` (raise :class:`CheckpointMismatchError` with it).
       shapes_always: a save records the part's shapes even when it keeps none (``[]``).
+      records: ``records(layout)`` -> the ``<name>_layout`` record (``None``: none is kept).
+      words: ``words(record)`` -> the record in words (default: its ``key=value`` entries).
+      layout_keys: the record's entries that place the values (``None``: all of them).
+      start: ``start(abstract, params)`` -> the part afresh (``None``: the layout part's ``init``).
     """
 
     name: str
     what: str
+    missing: str
+    reshaped: str
+    relaid: str | None
+    dropped: str
+    on_mismatch: str = "fresh"
     shapes_always: bool = False
+    records: Callable[[Any], dict] | None = None
+    words: Callable[[dict], str] = lambda record: ", ".join(f"{k}={v}" for k, v in record.items())
+    layout_keys: tuple[str, ...] | None = None
+    start: Callable[[Any, Any], Any] | None = None
 
     def record(self, layout: Any) -> dict | None:
-        """What a checkpoint records of the layout the part's values are laid out for.
-
-        Args:
-          layout: a :class:`~jaxpar.step.StateLayout`.
-
-        Returns:
-          The ``<name>_layout`` record, or ``None`` where there is nothing to record.
-        """
-        return None
+        """The ``<name>_layout`` record of ``layout`` (a :class:`~jaxpar.step.StateLayout`), or ``None``."""
+        if self.records is None or not jax.tree.leaves(layout.part(self.name).shapes):
+            return None
+        return self.records(layout)
 
     def describe(self, record: dict | None) -> str:
-        """A ``<name>_layout`` record in words, for the messages.
-
-        Args:
-          record: the record, or ``None``.
-
-        Returns:
-          Its entries as ``key=value``, or ``"an unrecorded layout"``.
-        """
-        return ", ".join(f"{k}={v}" for k, v in record.items()) if record else "an unrecorded layout"
+        """A ``<name>_layout`` record in words, or ``"an unrecorded layout"``."""
+        return self.words(record) if record else "an unrecorded layout"
 
     def same_layout(self, old: dict, new: dict) -> bool:
-        """Whether two ``<name>_layout`` records place the part's values alike.
-
-        Args:
-          old: the checkpoint's record.
-          new: the target's.
-
-        Returns:
-          Whether the values saved for ``old`` belong where ``new`` reads them (here: equal records).
-        """
-        return old == new
+        """Whether the values saved for record ``old`` belong where record ``new`` reads them."""
+        return old == new if self.layout_keys is None else all(old.get(k) == new.get(k) for k in self.layout_keys)
 
     def plan(self, meta: dict, abstract_part: Any, target: Any, where: str) -> PartPlan:
         """What a restore does with the part.
@@ -140,12 +145,36 @@ class StatePart:
         Returns:
           A :class:`PartPlan`: ``empty`` or ``drop`` when the target keeps none, else
           ``restore`` or ``fresh``; the ones that change something carry a message.
+
+        Raises:
+          CheckpointMismatchError: the part differs and its policy is ``"refuse"``.
         """
-        if jax.tree.leaves(abstract_part):
-            return self._kept(meta, abstract_part, target, where)
-        if not meta.get(f"{self.name}_shapes"):
-            return PartPlan(self, "empty")
-        return PartPlan(self, "drop", f"{where}: {self._dropped(meta, target)}. {_RESTORED}")
+        saved, old = meta.get(f"{self.name}_shapes"), meta.get(f"{self.name}_layout")
+        new = self.record(target) if _is_layout(target) else None
+        words = self._words(saved, old, new, abstract_part, target, where)
+        if not jax.tree.leaves(abstract_part):
+            return PartPlan(self, "drop", f"{self.dropped.format(**words)}. {_RESTORED}") if saved else \
+                PartPlan(self, "empty")
+        if not saved:
+            why = self.missing
+        elif saved != words["shapes"]:
+            why = self.reshaped
+        elif old and new and not self.same_layout(old, new):
+            why = self.relaid
+        else:
+            return PartPlan(self, "restore")
+        if self.on_mismatch == "refuse":
+            raise CheckpointMismatchError(why.format(**words))
+        return PartPlan(self, "fresh", why.format(**words))
+
+    def _words(self, saved, old, new, abstract_part, target, where) -> dict:
+        """The fields of the messages' templates."""
+        shapes = shapes_of(abstract_part)
+        return dict(where=where, what=self.what, saved=saved, shapes=shapes, saved_names=_names(saved),
+                    names=_names(shapes), old=self.describe(old), new=self.describe(new),
+                    was=f" ({self.describe(old)})" if old else "",
+                    about=self.describe(old) if old else f"shapes {saved}",
+                    schedule=f" ({target.strategy.schedule!r})" if _is_layout(target) else "")
 
     def fresh(self, abstract: Any, params: Any, target: Any, where: str) -> Any:
         """The part started afresh (a plan's ``fresh``), in the target's shapes and shardings.
@@ -163,38 +192,31 @@ class StatePart:
           CheckpointMismatchError: the part starts from the layout part's init, and ``target`` is
             no layout.
         """
-        init = target.part(self.name).init if _is_layout(target) else None
-        if init is None:
+        if self.start is not None:
+            return self.start(abstract, params)
+        if not _is_layout(target) or target.part(self.name).init is None:
             raise CheckpointMismatchError(f"{where}: {self.what} cannot be restored into this target and has to start "
                                           "afresh, which needs the StateLayout: call restore(layout).")
-        return init(params)
-
-    def _kept(self, meta: dict, part: Any, target: Any, where: str) -> PartPlan:
-        """The plan when the target keeps the part (``restore`` or ``fresh``)."""
-        raise NotImplementedError
-
-    def _dropped(self, meta: dict, target: Any) -> str:
-        """Why the part saved is dropped (the target keeps none), without the checkpoint's name."""
-        raise NotImplementedError
+        return target.part(self.name).init(params)
 
 
-_CODEC_KEYS = ("codec", "options", "axes", "packing")   # what decides where each residual entry belongs
+def _names(shapes: Any) -> str:
+    return ", ".join(shapes) if isinstance(shapes, dict) else str(shapes)
+
+
 # Options left out of a codec's description at these values (the codec factories' defaults).
 _DEFAULT_OPTIONS = {"momentum": 0.0, "warmup": [], "warmup_steps": 0, "seed": 0, "error_feedback": True,
                     "optimizer_momentum": 0.0, "start_step": 0, "partitioned": False, "precondition": 0.0,
                     "options": {}, "warm_start": True, "min_compression_rate": 2.0}
 _CODEC_FRESH = ("its residuals {} from zero (and 1-bit Adam's exchanged moment, step count and top-k's ranking "
-                "second moment)")
+                "second moment). " + _RESTORED)
 
 
-@dataclass(frozen=True)
-class CodecPart(StatePart):
-    """``TrainState.codec``: a gradient codec's per-replica state; afresh: the layout part's init.
-
-    The record, ``{"codec", "options", "axes", "packing", "zero"}``: ``axes`` the exchange's data
-    axes and sizes in replica order, ``packing`` each gradient leaf's dimension cut into the
-    buffer's rows (``None``: flattened into the rest), or ``None`` for PowerSGD, whose state is
-    per leaf; ``zero`` is for reading only (ZeRO-0 and ZeRO-1 pack alike).
+def _codec_record(layout: Any) -> dict:
+    """``TrainState.codec``'s record, ``{"codec", "options", "axes", "packing", "zero"}``: ``axes`` the
+    exchange's data axes and sizes in replica order, ``packing`` each gradient leaf's dimension cut into
+    the buffer's rows (``None``: flattened into the rest), or ``None`` for PowerSGD, whose state is per
+    leaf; ``zero`` is for reading only (ZeRO-0 and ZeRO-1 pack alike).
 
     >>> import jax, optax, jaxpar
     >>> from flax import nnx
@@ -202,214 +224,122 @@ class CodecPart(StatePart):
     >>> from jaxpar.models._mlp import MLPClassifier
     >>> model_fn = lambda: MLPClassifier(features=4, embed=8, mlp=8, classes=3, depth=1, rngs=nnx.Rngs(0))
     >>> mesh = jaxpar.make_mesh({"data": 4}, devices=jax.devices()[:4])
-    >>> records = [CodecPart().record(jaxpar.state_layout(model_fn, optax.sgd(0.1), mesh,
-    ...                                                   jaxpar.Strategy(zero=z, compression=topk(0.1)))) for z in (1, 3)]
+    >>> codec = STATE_PARTS[0]
+    >>> records = [codec.record(jaxpar.state_layout(model_fn, optax.sgd(0.1), mesh,
+    ...                                             jaxpar.Strategy(zero=z, compression=topk(0.1)))) for z in (1, 3)]
     >>> for record in records:
-    ...     print(CodecPart().describe(record))
+    ...     print(codec.describe(record))
     topk(ratio=0.1) over data=4, zero=1: gradients packed flat
     topk(ratio=0.1) over data=4, zero=3: 7 of 8 gradient leaves packed by their data shard
-    >>> CodecPart().same_layout(*records)
+    >>> codec.same_layout(*records)
     False
     """
+    from jaxpar.parallel.compression import PowerSGD
 
-    name: str = "codec"
-    what: str = "the gradient codec's state"
+    strategy = layout.strategy
+    codec = strategy.compression
+    plan = compression_plan(codec, layout, strategy.zero)
+    sizes = dict(layout.mesh.shape)
+    rows = None if isinstance(codec, PowerSGD) else [d if sc else None for d, sc in zip(plan.dims, plan.scattered)]
+    options = {f.name: json.loads(json.dumps(getattr(codec, f.name), default=str))
+               for f in dataclasses.fields(codec) if f.name not in ("name", "kind")
+               and not callable(getattr(codec, f.name))}
+    return {"codec": codec.name, "options": options,
+            "axes": [[a, int(sizes[a])] for a in plan.axes], "packing": rows, "zero": strategy.zero}
 
-    def record(self, layout: Any) -> dict | None:
-        if not jax.tree.leaves(layout.part("codec").shapes):
-            return None
-        from jaxpar.parallel.compression import PowerSGD
 
-        strategy = layout.strategy
-        codec = strategy.compression
-        plan = compression_plan(codec, layout, strategy.zero)
-        sizes = dict(layout.mesh.shape)
-        rows = None if isinstance(codec, PowerSGD) else [d if sc else None for d, sc in zip(plan.dims, plan.scattered)]
-        options = {f.name: json.loads(json.dumps(getattr(codec, f.name), default=str))
-                   for f in dataclasses.fields(codec) if f.name not in ("name", "kind")
-                   and not callable(getattr(codec, f.name))}
-        return {"codec": codec.name, "options": options,
-                "axes": [[a, int(sizes[a])] for a in plan.axes], "packing": rows, "zero": strategy.zero}
+def _codec_words(record: dict) -> str:
+    """A codec record in words: its options off their defaults, its axes and its packing."""
+    opts = ", ".join(f"{k}={v}" for k, v in record["options"].items()
+                     if k not in _DEFAULT_OPTIONS or _DEFAULT_OPTIONS[k] != v)
+    axes = ", ".join(f"{a}={n}" for a, n in record["axes"])
+    rows = [d for d in record["packing"] or () if d is not None]
+    if record["packing"] is None:
+        packing = "state kept per gradient leaf"
+    elif not rows:
+        packing = "gradients packed flat"
+    else:
+        packing = (f"{len(rows)} of {len(record['packing'])} gradient leaves packed by their "
+                   f"{'/'.join(a for a, _ in record['axes'])} shard")
+    return f"{record['codec']}({opts}) over {axes}, zero={record.get('zero')}: {packing}"
 
-    def describe(self, record: dict | None) -> str:
-        if not record:
-            return "an unrecorded layout"
-        opts = ", ".join(f"{k}={v}" for k, v in record["options"].items()
-                         if k not in _DEFAULT_OPTIONS or _DEFAULT_OPTIONS[k] != v)
-        axes = ", ".join(f"{a}={n}" for a, n in record["axes"])
-        rows = [d for d in record["packing"] or () if d is not None]
-        if record["packing"] is None:
-            packing = "state kept per gradient leaf"
-        elif not rows:
-            packing = "gradients packed flat"
-        else:
-            packing = (f"{len(rows)} of {len(record['packing'])} gradient leaves packed by their "
-                       f"{'/'.join(a for a, _ in record['axes'])} shard")
-        return f"{record['codec']}({opts}) over {axes}, zero={record.get('zero')}: {packing}"
 
-    def same_layout(self, old: dict, new: dict) -> bool:
-        return all(old.get(k) == new.get(k) for k in _CODEC_KEYS)
+def _versions_record(layout: Any) -> dict:
+    """``TrainState.versions``' record: ``{"schedule"}`` for PipeDream-2BW (its ``W(t-1)`` is the whole
+    model's previous weights); for weight stashing, whose older versions are each stage's own, also
+    ``pipe``, ``update_every`` and ``stage_layers``, which must all agree."""
+    s = layout.strategy
+    out = {"schedule": s.schedule}
+    if s.schedule == "pipedream":
+        out.update(pipe=int(dict(layout.mesh.shape).get("pipe", 1)), update_every=s.update_every,
+                   stage_layers=json.loads(json.dumps(s.stage_layers)))     # tuples as lists
+    return out
 
-    def _dropped(self, meta: dict, target: Any) -> str:
-        old = meta.get("codec_layout")
-        about = self.describe(old) if old else f"shapes {meta.get('codec_shapes')}"
-        return f"{self.what} saved with it is dropped ({about}): this run keeps none (no compression, or a codec " \
-               "that keeps none)"
 
-    def _kept(self, meta: dict, part: Any, target: Any, where: str) -> PartPlan:
-        saved, old = meta.get("codec_shapes"), meta.get("codec_layout")
-        new = self.record(target) if _is_layout(target) else None
-        fresh = _CODEC_FRESH.format("restart")
-        if not saved:
-            return PartPlan(self, "fresh", (
-                f"{where}: the checkpoint has no gradient codec state (saved without compression, or with a codec that "
-                f"keeps none); this run has {self.describe(new)}: {_CODEC_FRESH.format('start')}. {_RESTORED}"))
-        if saved != shapes_of(part):
-            return PartPlan(self, "fresh", (
-                f"{where}: {self.what} was saved with shapes {saved} and this layout needs {shapes_of(part)} "
-                f"(another number of replicas, or another codec): {fresh}. {_RESTORED}"))
-        if old and new and not self.same_layout(old, new):
-            return PartPlan(self, "fresh", (
-                f"{where}: {self.what} was saved for {self.describe(old)} and this run has {self.describe(new)}: the "
-                f"same shapes, but its entries belong to other replicas or gradient coordinates (another exchange, "
-                f"packing or codec): {fresh}. {_RESTORED}"))
-        return PartPlan(self, "restore")
+def _zeros(abstract: Any, params: Any) -> Any:
+    """Fresh running measurements: zeros."""
+    return jax.tree.map(lambda a: jax.device_put(jax.numpy.zeros(a.shape, a.dtype), a.sharding), abstract.stats)
+
+
+def _copies(abstract: Any, params: Any) -> Any:
+    """Fresh older weight versions: copies of the restored parameters, ``W(t-1) = W(t)``, as at step 0."""
+    versions = abstract.versions
+    if not jax.tree.leaves(versions):
+        return versions
+    def copy(v):
+        return jax.tree.map(lambda a, p: jax.device_put(jax.numpy.copy(p), a.sharding), v, params)
+
+    if jax.tree.structure(versions) == jax.tree.structure(params):     # PipeDream-2BW's W(t-1)
+        return copy(versions)
+    return tuple(copy(v) for v in versions)                           # weight stashing's, newest first
 
 
 _SYNC_FRESH = ("the replicas (jaxpar.parallel.sync) restart from the restored parameters, with fresh inner optimizer "
-               "states")
-
-
-@dataclass(frozen=True)
-class SyncPart(StatePart):
-    """``TrainState.sync``: relaxed synchronisation's replicas or stale history; afresh: the layout
-    part's init. Replicas of any relaxed synchronisation are laid out alike."""
-
-    name: str = "sync"
-    what: str = "relaxed synchronisation's replicas"
-
-    def record(self, layout: Any) -> dict | None:
-        if not jax.tree.leaves(layout.part("sync").shapes):
-            return None
-        return {"sync": getattr(layout.strategy.sync, "name", None) or "synchronous"}
-
-    def describe(self, record: dict | None) -> str:
-        return f"Strategy.sync={record.get('sync')}" if record else "an unrecorded layout"
-
-    def same_layout(self, old: dict, new: dict) -> bool:
-        return True
-
-    def _dropped(self, meta: dict, target: Any) -> str:
-        old = meta.get("sync_layout")
-        about = f" ({self.describe(old)})" if old else ""
-        return f"{self.what} saved with it are dropped{about}: this run keeps none (no Strategy.sync and no replica " \
-               "axis)"
-
-    def _kept(self, meta: dict, part: Any, target: Any, where: str) -> PartPlan:
-        saved = meta.get("sync_shapes")
-        if not saved:
-            return PartPlan(self, "fresh", f"{where}: the checkpoint has no replica state (saved without relaxed "
-                                           f"synchronisation): {_SYNC_FRESH}. {_RESTORED}")
-        if saved != shapes_of(part):
-            return PartPlan(self, "fresh", (
-                f"{where}: relaxed synchronisation's state was saved with shapes {saved} and this layout needs "
-                f"{shapes_of(part)} (another number of replicas, or another sync kind): {_SYNC_FRESH}. {_RESTORED}"))
-        return PartPlan(self, "restore")
-
-
-def _names(shapes: Any) -> str:
-    return ", ".join(shapes) if isinstance(shapes, dict) else str(shapes)
-
-
-@dataclass(frozen=True)
-class StatsPart(StatePart):
-    """``TrainState.stats``: running measurements; afresh: zeros."""
-
-    name: str = "stats"
-    what: str = "the running measurements"
-    shapes_always: bool = True
-
-    def fresh(self, abstract: Any, params: Any, target: Any, where: str) -> Any:
-        return jax.tree.map(lambda a: jax.device_put(jax.numpy.zeros(a.shape, a.dtype), a.sharding), abstract.stats)
-
-    def _dropped(self, meta: dict, target: Any) -> str:
-        return f"{self.what} saved with it ({_names(meta.get('stats_shapes'))}) are dropped: this run measures none"
-
-    def _kept(self, meta: dict, part: Any, target: Any, where: str) -> PartPlan:
-        saved, shapes = meta.get("stats_shapes"), shapes_of(part)
-        if saved == shapes:
-            return PartPlan(self, "restore")
-        if not saved:
-            return PartPlan(self, "fresh", f"{where}: the checkpoint has no running measurements (saved without "
-                                           f"them): the measurements ({_names(shapes)}) restart from zero.")
-        return PartPlan(self, "fresh", f"{where}: {self.what} were saved with shapes {saved} and this layout has "
-                                       f"{shapes}: they restart from zero.")
-
-
+               "states. " + _RESTORED)
 _EQUAL = "they resume equal to the current weights, W(t-1) = W(t), as at step 0."
+_NO_VERSIONS = "{where}: no older weight versions of this layout saved (another pipeline schedule); " + _EQUAL
 
-
-@dataclass(frozen=True)
-class VersionsPart(StatePart):
-    """``TrainState.versions``: a pipeline schedule's older weight versions; afresh: copies of the
-    restored parameters, ``W(t-1) = W(t)``, as at step 0.
-
-    The record: ``{"schedule"}`` for PipeDream-2BW (its ``W(t-1)`` is the whole model's previous
-    weights); for weight stashing, whose older versions are each stage's own, also ``pipe``,
-    ``update_every`` and ``stage_layers``, which must all agree."""
-
-    name: str = "versions"
-    what: str = "the older weight versions"
-    shapes_always: bool = True
-
-    def record(self, layout: Any) -> dict | None:
-        if not jax.tree.leaves(layout.part("versions").shapes):
-            return None
-        s = layout.strategy
-        out = {"schedule": s.schedule}
-        if s.schedule == "pipedream":
-            out.update(pipe=int(dict(layout.mesh.shape).get("pipe", 1)), update_every=s.update_every,
-                       stage_layers=json.loads(json.dumps(s.stage_layers)))     # tuples as lists
-        return out
-
-    def describe(self, record: dict | None) -> str:
-        if not record:
-            return "an unrecorded layout"
-        return ", ".join([f"schedule={record['schedule']!r}"] + [f"{k}={v}" for k, v in record.items()
-                                                                  if k != "schedule"])
-
-    def fresh(self, abstract: Any, params: Any, target: Any, where: str) -> Any:
-        versions = abstract.versions
-        if not jax.tree.leaves(versions):
-            return versions
-        def copy(v):
-            return jax.tree.map(lambda a, p: jax.device_put(jax.numpy.copy(p), a.sharding), v, params)
-
-        if jax.tree.structure(versions) == jax.tree.structure(params):     # PipeDream-2BW's W(t-1)
-            return copy(versions)
-        return tuple(copy(v) for v in versions)                           # weight stashing's, newest first
-
-    def _dropped(self, meta: dict, target: Any) -> str:
-        old = meta.get("versions_layout")
-        schedule = f" ({target.strategy.schedule!r})" if _is_layout(target) else ""
-        about = f" ({self.describe(old)})" if old else ""
-        return f"{self.what} saved with it{about} are dropped: this run's pipeline schedule{schedule} keeps none"
-
-    def _kept(self, meta: dict, part: Any, target: Any, where: str) -> PartPlan:
-        saved, old = meta.get("versions_shapes"), meta.get("versions_layout")
-        if not saved or saved != shapes_of(part):
-            return PartPlan(self, "fresh", f"{where}: no older weight versions of this layout saved (another "
-                                           f"pipeline schedule); {_EQUAL}")
-        new = self.record(target) if _is_layout(target) else None
-        if old and new and not self.same_layout(old, new):
-            return PartPlan(self, "fresh", (
-                f"{where}: {self.what} were saved for {self.describe(old)} and this run has {self.describe(new)}: the "
-                f"same shapes, but each stage's older versions are its own stage's and update interval's, so {_EQUAL}"))
-        return PartPlan(self, "restore")
-
-
-#: The optional parts of a :class:`~jaxpar.step.TrainState`, in its field order.
-STATE_PARTS: tuple[StatePart, ...] = (CodecPart(), SyncPart(), StatsPart(), VersionsPart())
+#: The optional parts of a :class:`~jaxpar.step.TrainState`, in its field order: a codec's per-replica
+#: state and relaxed synchronisation's replicas start afresh from the layout part's init, running
+#: measurements from zero, a pipeline schedule's older weight versions as copies of the parameters.
+STATE_PARTS: tuple[StatePart, ...] = (
+    StatePart(
+        "codec", "the gradient codec's state",
+        missing="{where}: the checkpoint has no gradient codec state (saved without compression, or with a codec "
+                "that keeps none); this run has {new}: " + _CODEC_FRESH.format("start"),
+        reshaped="{where}: {what} was saved with shapes {saved} and this layout needs {shapes} (another number of "
+                 "replicas, or another codec): " + _CODEC_FRESH.format("restart"),
+        relaid="{where}: {what} was saved for {old} and this run has {new}: the same shapes, but its entries belong to "
+               "other replicas or gradient coordinates (another exchange, packing or codec): "
+               + _CODEC_FRESH.format("restart"),
+        dropped="{where}: {what} saved with it is dropped ({about}): this run keeps none (no compression, or a codec "
+                "that keeps none)",
+        records=_codec_record, words=_codec_words, layout_keys=("codec", "options", "axes", "packing")),
+    StatePart(
+        "sync", "relaxed synchronisation's replicas",
+        missing="{where}: the checkpoint has no replica state (saved without relaxed synchronisation): " + _SYNC_FRESH,
+        reshaped="{where}: relaxed synchronisation's state was saved with shapes {saved} and this layout needs "
+                 "{shapes} (another number of replicas, or another sync kind): " + _SYNC_FRESH,
+        relaid=None, dropped="{where}: {what} saved with it are dropped{was}: this run keeps none (no Strategy.sync "
+                             "and no replica axis)",
+        records=lambda layout: {"sync": getattr(layout.strategy.sync, "name", None) or "synchronous"},
+        words=lambda record: f"Strategy.sync={record.get('sync')}", layout_keys=()),      # any sync, alike
+    StatePart(
+        "stats", "the running measurements",
+        missing="{where}: the checkpoint has no running measurements (saved without them): the measurements ({names}) "
+                "restart from zero.",
+        reshaped="{where}: {what} were saved with shapes {saved} and this layout has {shapes}: they restart from zero.",
+        relaid=None, dropped="{where}: {what} saved with it ({saved_names}) are dropped: this run measures none",
+        shapes_always=True, start=_zeros),
+    StatePart(
+        "versions", "the older weight versions", missing=_NO_VERSIONS, reshaped=_NO_VERSIONS,
+        relaid="{where}: {what} were saved for {old} and this run has {new}: the same shapes, but each stage's older "
+               "versions are its own stage's and update interval's, so " + _EQUAL,
+        dropped="{where}: {what} saved with it{was} are dropped: this run's pipeline schedule{schedule} keeps none",
+        shapes_always=True, records=_versions_record, start=_copies,
+        words=lambda record: ", ".join([f"schedule={record['schedule']!r}"]
+                                       + [f"{k}={v}" for k, v in record.items() if k != "schedule"])),
+)
 
 
 def plan_parts(meta: dict, abstract: Any, target: Any, where: str) -> list[PartPlan]:
