@@ -26,7 +26,7 @@ def own_tests(base: str, path: str) -> list[str]:
     """``path``'s ids among the change's tests (see the module docstring)."""
     source = open(path).read()
     tree, text = ast.parse(source), source.splitlines()
-    functions = [(n.lineno - len(n.decorator_list), n.end_lineno, n.name) for n in tree.body
+    functions = [(min([n.lineno, *(d.lineno for d in n.decorator_list)]), n.end_lineno, n.name) for n in tree.body
                  if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
     doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) and \
         isinstance(tree.body[0].value, ast.Constant) else None
