@@ -96,8 +96,6 @@ class StatePart:
       reshaped: the warning when the saved shapes are not the target's.
       relaid: the warning when the same shapes were saved for another layout (``None``: never).
       dropped: the warning when the target keeps none.
-      on_mismatch: what a restore does in those three cases: ``"fresh"`` (start the part afresh,
-        with the warning) or ``"refuse"`` (raise :class:`CheckpointMismatchError` with it).
       shapes_always: a save records the part's shapes even when it keeps none (``[]``).
       records: ``records(layout)`` -> the ``<name>_layout`` record (``None``: none is kept).
       words: ``words(record)`` -> the record in words (default: its ``key=value`` entries).
@@ -111,7 +109,6 @@ class StatePart:
     reshaped: str
     relaid: str | None
     dropped: str
-    on_mismatch: str = "fresh"
     shapes_always: bool = False
     records: Callable[[Any], dict] | None = None
     words: Callable[[dict], str] = lambda record: ", ".join(f"{k}={v}" for k, v in record.items())
@@ -145,9 +142,6 @@ class StatePart:
         Returns:
           A :class:`PartPlan`: ``empty`` or ``drop`` when the target keeps none, else
           ``restore`` or ``fresh``; the ones that change something carry a message.
-
-        Raises:
-          CheckpointMismatchError: the part differs and its policy is ``"refuse"``.
         """
         saved, old = meta.get(f"{self.name}_shapes"), meta.get(f"{self.name}_layout")
         new = self.record(target) if _is_layout(target) else None
@@ -163,8 +157,6 @@ class StatePart:
             why = self.relaid
         else:
             return PartPlan(self, "restore")
-        if self.on_mismatch == "refuse":
-            raise CheckpointMismatchError(why.format(**words))
         return PartPlan(self, "fresh", why.format(**words))
 
     def _words(self, saved, old, new, abstract_part, target, where) -> dict:
