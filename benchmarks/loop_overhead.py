@@ -40,7 +40,7 @@ import jax
 from jaxpar import config as C
 from jaxpar.run import Checkpointer
 from jaxpar.run import LogOptions, train
-from jaxpar.run._sinks import flops_per_token
+from jaxpar.run._metrics import flops_per_token
 from jaxpar.step import init_train_state
 from jaxpar.step import make_train_step, shard_batch
 

@@ -1,9 +1,11 @@
 """The one capacity rule (jaxpar.cost._capacity): plan, inspect and check print the same usable bytes for a
 target; plan ranks only plans that fit with the margin; inspect never suggests the plan it showed not to fit.
-Nothing compiles."""
+Nothing compiles but an `x + 1`
+for inspect's capacity line."""
 from pathlib import Path
-from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxpar import cost
@@ -29,8 +31,7 @@ def test_plan_inspect_and_check_print_one_capacity_for_a_target(capsys, tmp_path
     assert tgt.capacity.text() == H100 == cost.load_cluster("h100").capacity.text()   # preset = target's bytes
     assert main(["plan", *GPT2, "--target", "h100:1x8"]) == 0
     planned = capsys.readouterr().out
-    report = SimpleNamespace(required_bytes=2**30, argument_bytes=2**29, temp_bytes=2**29, xla_peak_bytes=2**30)
-    inspected = "\n".join(fit_lines(report, tgt)[1])
+    inspected = "\n".join(fit_lines(jax.jit(lambda x: x + 1).lower(jnp.ones(4)).compile(), tgt)[1])
     gpu = str(CONFIGS / "gpt124m_gpu.yaml")
     small = ["model.layers=1", "model.embed=64", "model.heads=2", "model.vocab=512", f"train.out_dir={tmp_path}"]
     assert main(["check", gpu, *small, "--target", "h100:1x8"]) == 0

@@ -35,8 +35,8 @@ from jaxpar.config._build import build_fp8, mesh_spec
 from jaxpar.config._cost_model import config_view, cost_model, unpredicted
 from jaxpar.config._job import build_job, header_lines, model_line, program_lines
 from jaxpar.config._schema import ConfigError, JobConfig
-from jaxpar.plan import (attention_lines, expert_lines, fit_lines, fitting_plan, fp8_lines, gather_lines, muon_lines,
-                         offload_lines, planner_table)
+from jaxpar.plan import (attention_lines, collective_lines, expert_lines, fit_lines, fitting_plan, fp8_lines,
+                         gather_lines, muon_lines, offload_lines, planner_table, sharding_lines)
 
 #: ``jaxpar inspect --target``'s exit status when the program does not fit the device's memory.
 DOES_NOT_FIT = 3
@@ -229,19 +229,12 @@ def _compile(job: Any, layout: Any, tgt: Target | None) -> dict:
 
 
 def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target | None, cluster: str) -> int:
-    from jaxpar.analysis import collectives, collectives_table, memory_report
-    from jaxpar.analysis._sharding_table import sharding_table
-
-    print("\nparameters (mesh axes per dimension; '-' replicated)")
-    print(sharding_table(layout))
+    print("\n" + "\n".join(sharding_lines(layout)))
     platform = tgt.spec.platform if tgt else "cpu"
     if lines := muon_lines(cfg.optimizer.muon if cfg.optimizer.name == "muon" else None, layout):
         print("\n".join(lines))
     for name, c in compiled.items():
-        print("\ncollectives of the compiled " + ("step" if name == "step" else f"{name} program")
-              + " (bytes: one device's results, each instruction once, not times its loop's trips)")
-        colls = collectives(c, job.mesh) if job.mesh.size > 1 else []
-        print(collectives_table(colls) if colls else "(none)")
+        print("\n" + "\n".join(collective_lines(name, c, job.mesh)))
     if lines := gather_lines(layout, compiled["step"]):
         print("\n" + "\n".join(lines))
     if cfg.parallel.fp8:
@@ -256,8 +249,7 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
     print(table)
     if tgt is None:
         return 0
-    report = memory_report(compiled["step"])
-    fits, lines = fit_lines(report, tgt, predicted)
+    fits, lines = fit_lines(compiled["step"], tgt, predicted)
     print("\n" + "\n".join(lines))
     if fits:
         return 0

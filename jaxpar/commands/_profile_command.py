@@ -102,12 +102,9 @@ def run_profile(config: str, overrides: Sequence[str], *, steps: str = DEFAULT_S
     Returns:
       The exit status (0).
     """
-    from jaxpar.analysis import find_trace, read_trace, step_profiles
-    from jaxpar.analysis._profile_report import (expected_per_device, profile_record, profile_table,
-                                                 program_collectives)
     from jaxpar.config._cost_model import config_view
     from jaxpar.config._job import build_job
-    from jaxpar.plan import platform_of, predicted_rows
+    from jaxpar.plan import platform_of, predicted_rows, profile_report
     from jaxpar.config._load import load_config
     from jaxpar.devices._distributed import start_processes
     from jaxpar.run import train
@@ -125,20 +122,17 @@ def run_profile(config: str, overrides: Sequence[str], *, steps: str = DEFAULT_S
     train(step, state, job.batch_fn, mesh=layout.mesh, steps=end, start_step=0, log=log,
           on_nonfinite=job.run.on_nonfinite, ramp=job.ramp, steps_per_call=job.steps_per_call, handle_signals=False)
     compiled = job.compile(layout, step)            # the programs that ran: no second compile
-    trace = read_trace(find_trace(out / "trace"))
-    profiles = step_profiles(trace, program_collectives(compiled, layout.mesh))
     platform = platform_of(layout.mesh)
     cluster = cluster or {"cpu": "cpu_sim"}.get(platform, "h100")
     model = predicted_rows(*config_view(cfg, dict(layout.mesh.shape), job.strategy, cluster, platform=platform), cluster)
-    expected = expected_per_device(compiled["step"], layout.mesh, job.strategy, model)
     clock = dict(json.loads((out / "trace" / "steps.json").read_text())["steps"]) if \
         (out / "trace" / "steps.json").exists() else {}
-    for p in profiles:
+    tables, record, trace_path = profile_report(out / "trace", compiled, layout.mesh, job.strategy, model, clock)
+    for table in tables:
         print()
-        print(profile_table(p, model, expected, clock.get(p.step)))
-    record = profile_record(profiles, model, expected, clock, trace.path)
+        print(table)
     (out / "profile.json").write_text(json.dumps(record, indent=1))
-    print(f"\ntrace    {trace.path} (Perfetto: ui.perfetto.dev; TensorBoard: tensorboard --logdir {out / 'trace'})")
+    print(f"\ntrace    {trace_path} (Perfetto: ui.perfetto.dev; TensorBoard: tensorboard --logdir {out / 'trace'})")
     print(f"numbers  {out / 'profile.json'}")
     return 0
 

@@ -212,7 +212,7 @@ class Job:
           token of jaxpar's GPT for MFU (None for a model of your own).
         """
         from jaxpar.run._summary import LogOptions
-        from jaxpar.cost._model import flops_per_token
+        from jaxpar.run._metrics import flops_per_token
 
         flops = None      # FLOPs per token: known for the GPT (its tables: token and position); none for your own model
         if (g := self.gpt_sizes) is not None:

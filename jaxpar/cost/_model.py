@@ -245,33 +245,6 @@ class ModelSpec:
         raise KeyError(f"ModelSpec has no leaf {name!r}; leaves: {', '.join(l.name for l in self.leaves)}")
 
 
-def flops_per_token(n_params: int, *, layers: int, seq_len: int, embed: int, tables: int = 0) -> float:
-    """Training (forward + backward) FLOPs per token: ``6 N + 12 L T d`` (PaLM, appendix B; docs/training.md),
-    the FLOPs behind the runner's MFU.
-
-    Args:
-      n_params: the model's parameters.
-      layers: ``L``, the attention layers.
-      seq_len: ``T``, tokens per sequence.
-      embed: ``d``, the attention width (heads x head size).
-      tables: parameters in embedding tables (no matrix multiply): ``N = n_params - tables``.
-
-    Returns:
-      FLOPs per token.
-
-    Example:
-      >>> round(flops_per_token(85_000_000, layers=12, seq_len=1024, embed=768) / 1e6)  # 6 x 85M + 12 x 12 x 1024 x 768
-      623
-      >>> flops_per_token(10_000, layers=2, seq_len=8, embed=32, tables=(16 + 8) * 32)   # a GPT's token + position
-      61536.0
-    """
-    for name, value in (("n_params", n_params), ("layers", layers), ("seq_len", seq_len), ("embed", embed),
-                        ("tables", tables)):
-        if value < 0:
-            raise CostModelError(f"flops_per_token({name}={value!r}): must be >= 0.")
-    return 6.0 * (n_params - tables) + 12.0 * layers * seq_len * embed
-
-
 def _check_attention(m: ModelSpec) -> None:
     """Set ``head_dim`` (0: ``hidden // heads``) and ``kv_heads`` (0: ``heads``) and check the decoder's fields."""
     if m.head_dim == 0:

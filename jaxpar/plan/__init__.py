@@ -4,15 +4,16 @@ ranked plans with their overrides, and ``jaxpar inspect``'s sections on a compil
 model's model and plan, the state's layout and compiled programs; the commands (:mod:`jaxpar.commands`) read the
 config and pass them.
 """
-from jaxpar.plan._inspect_lines import (attention_lines, expert_lines, fit_lines, fitting_plan, fp8_lines,
-                                        gather_lines, muon_lines, muon_placement_lines, offload_lines)
+from jaxpar.plan._inspect_lines import (attention_lines, collective_lines, expert_lines, fit_lines, fitting_plan, fp8_lines,
+                                        gather_lines, muon_lines, muon_placement_lines, offload_lines, sharding_lines)
 from jaxpar.plan._plan_report import (chosen_plan, fp8_cluster_problem, fp8_line, offload_line, plan_overrides,
                                       plan_report, verify_plans, yaml_text)
 from jaxpar.plan._prediction import (RUN_CLUSTERS, PlannerView, planner_table, planner_view, platform_of,
-                                     predicted_rows, run_prediction, RunPrediction)
+                                     predicted_rows, profile_report, run_prediction,
+                                     RunPrediction)
 
-__all__ = ["attention_lines", "expert_lines", "fit_lines", "fitting_plan", "fp8_lines", "gather_lines", "muon_lines",
-           "muon_placement_lines", "offload_lines", "chosen_plan", "fp8_cluster_problem", "fp8_line", "offload_line",
+__all__ = ["attention_lines", "collective_lines", "expert_lines", "fit_lines", "fitting_plan", "fp8_lines", "gather_lines", "muon_lines",
+           "muon_placement_lines", "offload_lines", "sharding_lines", "chosen_plan", "fp8_cluster_problem", "fp8_line", "offload_line",
            "plan_overrides", "plan_report", "verify_plans", "yaml_text", "RUN_CLUSTERS", "PlannerView",
-           "planner_table", "planner_view", "platform_of", "predicted_rows", "run_prediction",
+           "planner_table", "planner_view", "platform_of", "predicted_rows", "profile_report", "run_prediction",
            "RunPrediction"]

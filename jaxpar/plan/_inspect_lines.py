@@ -21,11 +21,28 @@ from jaxpar.devices._targets import Target
 from jaxpar.errors import Fp8Error
 
 
-def fit_lines(report: Any, target: Target, predicted: float | None = None) -> tuple[bool, list[str]]:
+def sharding_lines(layout: Any) -> list[str]:
+    """The parameters' shardings as printable lines: mesh axes per dimension, ``-`` replicated."""
+    from jaxpar.analysis._sharding_table import sharding_table
+
+    return ["parameters (mesh axes per dimension; '-' replicated)", sharding_table(layout)]
+
+
+def collective_lines(name: str, compiled: Any, mesh: Any) -> list[str]:
+    """The collectives of the compiled program ``name`` as printable lines (one device's bytes)."""
+    from jaxpar.analysis import collectives, collectives_table
+
+    colls = collectives(compiled, mesh) if mesh.size > 1 else []
+    return ["collectives of the compiled " + ("step" if name == "step" else f"{name} program")
+            + " (bytes: one device's results, each instruction once, not times its loop's trips)",
+            collectives_table(colls) if colls else "(none)"]
+
+
+def fit_lines(compiled: Any, target: Target, predicted: float | None = None) -> tuple[bool, list[str]]:
     """Whether the compiled program fits the target's device memory, as printable lines.
 
     Args:
-      report: the program's :class:`~jaxpar.analysis.MemoryReport`.
+      compiled: the compiled program.
       target: the target.
       predicted: the cost model's peak per device (None: not predicted).
 
@@ -33,9 +50,10 @@ def fit_lines(report: Any, target: Target, predicted: float | None = None) -> tu
       ``(fits, lines)``.
     """
     from jaxpar._text import format_bytes
+    from jaxpar.analysis import memory_report
 
-    need, capacity = report.required_bytes, target.capacity
-    cap = capacity.usable
+    report, capacity = memory_report(compiled), target.capacity
+    need, cap = report.required_bytes, capacity.usable
     pred = f"; the cost model predicted {format_bytes(predicted)}" if predicted else ""
     lines = [f"memory   per device: peak {format_bytes(need)} (arguments {format_bytes(report.argument_bytes)}, "
              f"temporaries {format_bytes(report.temp_bytes)}, XLA's peak "

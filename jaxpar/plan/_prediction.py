@@ -255,3 +255,29 @@ def predicted_rows(view: PlannerView | None, why: str | None, cluster: str) -> d
     out.update(compute=t.compute + t.elementwise + t.optimizer, total=t.total, plan=view.plan, bubble=t.bubble,
                compute_parts=(t.compute, t.elementwise, t.optimizer))
     return out
+
+
+def profile_report(trace_dir: Any, compiled: Mapping[str, Any], mesh: Any, strategy: Strategy, model: dict,
+                   clock: Mapping[int, float]) -> tuple[list[str], dict, Any]:
+    """``jaxpar profile``'s report: each traced step's time by row beside the cost model's terms.
+
+    Args:
+      trace_dir: the directory ``jax.profiler`` wrote the trace to.
+      compiled: the programs that ran (``{"step": ...}``).
+      mesh: their mesh.
+      strategy: the job's strategy.
+      model: :func:`predicted_rows` of the job.
+      clock: the loop's wall seconds per traced step.
+
+    Returns:
+      ``(tables, record, trace path)``: a printable table per traced step, and the JSON record.
+    """
+    from jaxpar.analysis import find_trace, read_trace, step_profiles
+    from jaxpar.analysis._profile_report import (expected_per_device, profile_record, profile_table,
+                                                 program_collectives)
+
+    trace = read_trace(find_trace(trace_dir))
+    profiles = step_profiles(trace, program_collectives(compiled, mesh))
+    expected = expected_per_device(compiled["step"], mesh, strategy, model)
+    tables = [profile_table(p, model, expected, clock.get(p.step)) for p in profiles]
+    return tables, profile_record(profiles, model, expected, clock, trace.path), trace.path

@@ -1,6 +1,6 @@
 """Where a run's records go: :class:`MetricsWriter` (``metrics.jsonl`` and TensorBoard under
 ``tb/``, tags :data:`TB_TAGS`), written by the main process only (:func:`is_main_process`), and the FLOP count behind MFU (:func:`mfu`
-of :func:`jaxpar.cost._model.flops_per_token`; the formula: docs/training.md)."""
+of :func:`flops_per_token`; the formula: docs/training.md)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def mfu(tokens_per_s: float, flops_per_tok: float, *, peak_flops: float, devices
 
     Args:
       tokens_per_s: the measured throughput, all devices together.
-      flops_per_tok: training FLOPs per token (:func:`jaxpar.cost._model.flops_per_token`).
+      flops_per_tok: training FLOPs per token (:func:`flops_per_token`).
       peak_flops: the peak FLOP/s of one device.
       devices: how many devices ran it.
 
@@ -37,6 +37,33 @@ def mfu(tokens_per_s: float, flops_per_tok: float, *, peak_flops: float, devices
     if peak_flops <= 0 or devices < 1:
         raise LoopError(f"mfu(peak_flops={peak_flops!r}, devices={devices!r}): both must be positive.")
     return tokens_per_s * flops_per_tok / (peak_flops * devices)
+
+
+def flops_per_token(n_params: int, *, layers: int, seq_len: int, embed: int, tables: int = 0) -> float:
+    """Training (forward + backward) FLOPs per token: ``6 N + 12 L T d`` (PaLM, appendix B; docs/training.md),
+    the FLOPs behind MFU (:func:`mfu`).
+
+    Args:
+      n_params: the model's parameters.
+      layers: ``L``, the attention layers.
+      seq_len: ``T``, tokens per sequence.
+      embed: ``d``, the attention width (heads x head size).
+      tables: parameters in embedding tables (no matrix multiply): ``N = n_params - tables``.
+
+    Returns:
+      FLOPs per token.
+
+    Example:
+      >>> round(flops_per_token(85_000_000, layers=12, seq_len=1024, embed=768) / 1e6)  # 6 x 85M + 12 x 12 x 1024 x 768
+      623
+      >>> flops_per_token(10_000, layers=2, seq_len=8, embed=32, tables=(16 + 8) * 32)   # a GPT's token + position
+      61536.0
+    """
+    for name, value in (("n_params", n_params), ("layers", layers), ("seq_len", seq_len), ("embed", embed),
+                        ("tables", tables)):
+        if value < 0:
+            raise LoopError(f"flops_per_token({name}={value!r}): must be >= 0.")
+    return 6.0 * (n_params - tables) + 12.0 * layers * seq_len * embed
 
 
 def is_main_process() -> bool:
