@@ -195,7 +195,8 @@ def _add_tool_commands(sub) -> None:
                     ("seq", "sequence length"), ("vocab", "vocabulary size"), ("batch", "global batch, in sequences")):
         g.add_argument(f"--{k}", type=int, metavar="N", help=what)
     p.add_argument("--dtype", help="compute dtype of the peak FLOP/s (default: the config's, else bfloat16)")
-    p.add_argument("--precision", default="mixed", help="bytes per parameter: fp32, mixed, megatron, mixed-fp32-accum")
+    p.add_argument("--precision", help="bytes per parameter: fp32, mixed, megatron, mixed-fp32-accum (default: "
+                   "mixed; fp32, jaxpar's own, with --config)")
     p.add_argument("--contexts", type=lambda v: tuple(int(x) for x in v.split(",")),
                    help="context-parallel degrees to search, e.g. 1,2,4,8 (default: all divisors from 8k tokens, "
                    "none below); --context-methods ring,all_gather,ulysses (all)")

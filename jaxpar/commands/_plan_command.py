@@ -97,8 +97,8 @@ def changed_overrides(cfg: JobConfig | None = None) -> Callable[[Any], list[str]
         key = item.split("=", 1)[0]
         want = OmegaConf.select(OmegaConf.create(parse_overrides([item])), key)
         have = OmegaConf.select(base, key)
-        return OmegaConf.to_container(want) != OmegaConf.to_container(have) if OmegaConf.is_config(want) \
-            else want != have
+        plain = lambda v: (OmegaConf.to_container(v) or None) if OmegaConf.is_config(v) else v   # noqa: E731 - {}: none
+        return plain(want) != plain(have)
     return lambda plan: [item for item in plan_overrides(plan) if differs(item)]
 
 
@@ -167,7 +167,10 @@ def run_plan(args: argparse.Namespace) -> int:
         cp = dict(contexts=args.contexts, context_methods=args.context_methods) if args.contexts else {}
         fp8 = (build_fp8(cfg.parallel.fp8) if cfg else None) or Fp8()
         # offload: never where the optimizer cannot update in host memory; else (None) where nothing fits
-        result = cost.plan(model, cluster, top=args.top, dtype=dtype, precision=args.precision, fp8_options=fp8,
+        # a config's plans are jaxpar's step: fp32 parameters and moments, compiled by the cluster's XLA
+        own = dict(precision=args.precision or "fp32", lowering=cost.lowering_for_platform(cluster.platform)) if cfg \
+            else dict(precision=args.precision or "mixed")
+        result = cost.plan(model, cluster, top=args.top, dtype=dtype, **own, fp8_options=fp8,
                            muon=muon_settings(cfg) if cfg else None, offload=False if cfg is not None and
                            cfg.optimizer.name in HOST_UPDATE_REFUSED else None, **cp)
     except (cost.ClusterError, cost.PlanError) as e:

@@ -29,14 +29,15 @@ from jaxpar.logical import FEATURES, PLACEMENTS, STACKS, MatrixGroup, matrix_sid
 from jaxpar.cost._parallel import Plan
 from jaxpar.cost._planner import Estimate, PlanError, PlanResult, evaluate, plan
 from jaxpar.cost._time import Overlap, narayanan_flops, step_flops, step_time
-from jaxpar.cost._traffic import comms
+from jaxpar.cost._traffic import comms, lowering_for_platform
 
 __all__ = ["fit_gemm_efficiency", "Cluster", "ClusterError", "cluster_from_dict", "load_cluster", "presets",
            "device_argument_bytes", "step_peak_bytes", "evaluate", "ALGORITHMS", "COLLECTIVE_KINDS", "Link", "best_algorithm",
            "collective_time", "PRECISIONS", "BytesPerParam",
            "activation_bytes_per_layer", "memory_per_device", "muon_precision", "zero_state_bytes", "Leaf", "ModelSpec",
            "from_nnx", "gpt", "decoder", "from_decoder_config", "Estimate", "PlanError", "PlanResult", "plan", "Overlap", "Plan",
-           "comms", "narayanan_flops", "step_flops", "step_time", "FEATURES", "PLACEMENTS", "PLATFORM_CLUSTERS",
+           "comms", "lowering_for_platform", "narayanan_flops", "step_flops", "step_time", "FEATURES", "PLACEMENTS",
+           "PLATFORM_CLUSTERS",
            "STACKS", "MatrixGroup", "MuonUpdate", "PlacementCost", "choose_placement", "matrix_groups",
            "matrix_sides", "muon_comms", "muon_update", "ns_flops", "placement_chooser", "placement_cost",
            "placement_table", "placements_table", "with_muon"]

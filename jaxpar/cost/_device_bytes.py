@@ -187,6 +187,20 @@ TPU_REMAT_KEEPS = {"none": (7.0, 24.0, 1.0), "save-matmuls": (2.0, 6.0, 1.0), "f
 MEASURED_KEEPS = {"cuda": REMAT_KEEPS, "tpu": TPU_REMAT_KEEPS}
 
 
+#: Bytes per token and unit of ``h`` that one layer keeps for its backward under 16-bit compute (bf16 or fp16
+#: activations; fp32 parameters, gradients and moments), per recomputation, by MLP: ``"gelu"`` measured on
+#: jaxpar's GPT (h = 768, 4h MLP), ``"gated"`` on a Llama-3-8B-shaped Decoder (h = 4096, SwiGLU 3.5h, 32 / 8
+#: heads), each the GPU compiler's temporaries of 16 layers less those of 8 (the GPT) or 32 less 16 (the
+#: Decoder), less the layers' fp32 gradients, one sequence a device, s = 2,048 to 8,192, ``t`` = 1, fused
+#: attention (docs/planning.md §8; the three lengths within 4 %, the Decoder's ``none`` within 5 %).
+HALF_KEEPS = {"gelu": {"none": 84.0, "save-matmuls": 22.0, "full": 2.0},
+              "gated": {"none": 72.0, "save-matmuls": 26.5, "full": 2.0}}
+#: Bytes per token and vocabulary entry that the loss holds under 16-bit compute on GPUs (bf16 logits, fp32
+#: softmax statistics and gradients in pieces): the GPT's temporaries beyond its layers (above), less its
+#: tables' gradients, at s = 2,048 to 8,192 (within 7 %).
+HALF_LOGITS = 2.7
+
+
 #: The attention's share of each table's ``split`` values: q, k, v and the attention's output; the rest is the MLP's.
 ATTENTION_SPLIT = 4.0
 
@@ -241,6 +255,21 @@ def saved_per_layer(model: ModelSpec, plan: Plan, rows: float, platform: str = "
     """
     keeps = MEASURED_KEEPS[platform][plan.remat]
     return _layer_bytes(model, plan, rows, keeps, 0.0 if plan.remat == "full" else SP_WHOLE)
+
+
+def half_per_layer(model: ModelSpec, remat: str, rows: float) -> float:
+    """Bytes one layer keeps for its backward under 16-bit compute on GPUs (:data:`HALF_KEEPS`), per
+    micro-batch of ``rows`` sequences, on one device of ``t`` = 1.
+
+    Args:
+      model: the model (a gated MLP reads the ``"gated"`` table).
+      remat: the recomputation.
+      rows: sequences per micro-batch.
+
+    Returns:
+      Bytes per device.
+    """
+    return HALF_KEEPS["gated" if model.gated else "gelu"][remat] * model.seq * rows * model.hidden
 
 
 def stored_per_layer(model: ModelSpec, plan: Plan, rows: float, platform: str = "cuda") -> float:
@@ -317,8 +346,10 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
     >>> measured_memory(gpt(2, 32, 8, 16, 64, 16), Plan(context=2), PRECISIONS["fp32"], 4, keeps="cuda") is None
     True
     """
-    if (keeps not in MEASURED_KEEPS or activation_bytes != 4 or precision.param != 4 or precision.grad != 4
-            or plan.context > 1 or plan.expert > 1 or model.moe_layers):
+    half = activation_bytes == 2 and keeps == "cuda"
+    if (keeps not in MEASURED_KEEPS or activation_bytes not in ((2, 4) if half else (4,)) or precision.param != 4
+            or precision.grad != 4 or plan.context > 1 or plan.expert > 1 or model.moe_layers
+            or (half and (plan.tensor > 1 or plan.pipe > 1))):
         return None
     s, sizes, key, tpu = plan.strategy, plan.sizes, sizes_key(plan.sizes), keeps == "tpu"
     rows = model.batch / (plan.data * plan.fsdp * s.microbatches)
@@ -330,16 +361,19 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
             gathered += 4 * c.local / (model.layers // plan.pipe)      # one layer, gathered
     flight = in_flight(s.schedule, plan.pipe, s.microbatches, s.virtual_stages, runs_in_lockstep(plan))
     held = model.layers / plan.pipe / s.virtual_stages * flight
-    if plan.pipe == 1:
+    if half:
+        acts = held * half_per_layer(model, plan.remat, rows)
+    elif plan.pipe == 1:
         acts = held * saved_per_layer(model, plan, rows, keeps)
     else:
         acts = held * stored_per_layer(model, plan, rows, keeps) * (1 if tpu else 2)
     one = Plan(tensor=plan.tensor, strategy=Strategy(sequence_parallel=s.sequence_parallel))
-    working = 0.0 if plan.remat == "none" else saved_per_layer(model, one, rows, keeps)   # one layer recomputed
+    working = 0.0 if plan.remat == "none" else (half_per_layer(model, "none", rows) if half else
+                                                 saved_per_layer(model, one, rows, keeps))    # one layer recomputed
     if s.sequence_parallel and plan.tensor > 1:
         working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
     # the loss's fp32 logits; libtpu also holds two bf16 copies (the head's product and the softmax's gradient)
-    logits = 4 * model.seq * rows * model.vocab / plan.tensor * (2 if tpu else 1)
+    logits = (HALF_LOGITS if half else 4 * (2 if tpu else 1)) * model.seq * rows * model.vocab / plan.tensor
     matrix = None if precision.matrix_opt is None else precision.matrix_opt / 4
     args = [device_argument_bytes(model, sizes, s.zero, layout=layout_for_platform(keeps), moments=k,
                                   matrix_moments=k if matrix is None or not k else matrix)

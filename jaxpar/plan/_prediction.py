@@ -102,6 +102,10 @@ def _comms(view: PlannerView) -> list:
     return comms(view.model, view.plan, lowering=lowering, compute_bytes=act, grad_bytes=grad)
 
 
+#: What the table's predicted temporaries hold, by platform.
+_TEMPS = {"cpu": " (model: activations + logits)"}
+
+
 def _predicted(view: PlannerView) -> tuple:
     """The cost model's side of :func:`planner_table`: bytes per axis, arguments, temporaries and peak."""
     from jaxpar.cost import PLATFORM_CLUSTERS, device_argument_bytes, muon_comms, muon_update
@@ -120,7 +124,9 @@ def _predicted(view: PlannerView) -> tuple:
     args = device_argument_bytes(model, plan.sizes, plan.strategy.zero, layout=layout_for_platform(platform),
                                  **muon_state)
     args -= host_bytes(model, plan)          # offloaded: host-resident arguments, not the device's
-    return pred, args, mem.activations + mem.logits, mem.total
+    # on a GPU or TPU the temporaries are the peak less the arguments (gradients, activations, logits, gathered
+    # weights: the measured model, docs/planning.md §8); XLA:CPU's are not predicted: the model's activations + logits
+    return pred, args, mem.activations + mem.logits if platform == "cpu" else mem.total - args, mem.total
 
 
 def planner_table(compiled: Any, mesh: Any, view: PlannerView | None, why: str | None, cluster: str,
@@ -160,7 +166,8 @@ def planner_table(compiled: Any, mesh: Any, view: PlannerView | None, why: str |
     rows = [row(f"bytes over {a} per step", pred.get(a, 0.0) if view else None, got.get(a, 0.0))
             for a in sorted(set(pred) | set(got))]
     rows += [row("arguments (state + batch)", args, rep.argument_bytes),
-             row("temporaries" + (" (model: activations + logits)" if view else ""), temps, rep.temp_bytes),
+             row("temporaries" + (_TEMPS.get(platform, " (model: the peak less the arguments)") if view else ""),
+                 temps, rep.temp_bytes),
              row("peak (the larger of args + outputs + temps - aliased and XLA's)", peak, rep.required_bytes)]
     table = render_table(["", "predicted", "compiled", "predicted / compiled"], rows, right=[False, True, True, True])
     if view is None:
