@@ -47,6 +47,8 @@ class Cluster:
     memory_efficiency: float = 1.0
     shared_compute: float = 1.0
     fused_attention: bool = False
+    attention_efficiency: float = 0.0       # the flash kernel's own curve (0: the GEMMs' curve)
+    attention_half_flops: float = 0.0
     host_link: float = 0.0                  # bytes/s between a device and host memory, per direction (0: none)
     host_memory_bandwidth: float = 0.0      # bytes/s of host memory one device's host update streams (0: none)
     platform: str = "cpu"                   # cuda: JAX's GPU client holds XLA_PYTHON_CLIENT_MEM_FRACTION of the memory
@@ -67,6 +69,9 @@ class Cluster:
         if not 0 < self.efficiency <= 1:
             raise ClusterError(f"cluster {self.name!r}: efficiency={self.efficiency!r} must be in (0, 1] "
                                "(achieved / peak FLOP/s, e.g. 0.5).")
+        if not 0 <= self.attention_efficiency <= 1:
+            raise ClusterError(f"cluster {self.name!r}: attention_efficiency={self.attention_efficiency!r} must be "
+                               "in [0, 1] (a flash attention kernel's achieved / peak FLOP/s; 0: the GEMMs' curve).")
         if not 0 < self.memory_efficiency <= 1:
             raise ClusterError(f"cluster {self.name!r}: memory_efficiency={self.memory_efficiency!r} must be in "
                                "(0, 1] (achieved / memory_gbps of a streaming kernel, e.g. 0.85).")
@@ -87,6 +92,27 @@ class Cluster:
         if self.gemm_half_flops <= 0:
             return self.efficiency
         return self.efficiency * gemm_flops / (gemm_flops + self.gemm_half_flops)
+
+    def flash_efficiency(self, gemm_flops: float) -> float:
+        """The fraction of the peak a fused (flash) attention kernel reaches, per ``w`` FLOPs of one of its
+        ``s²`` GEMMs (the causal half): ``attention_efficiency * w / (w + attention_half_flops)``, the curve
+        measured on the kernel (docs/planning.md §4); without one, :meth:`matmul_efficiency`.
+
+        Args:
+          gemm_flops: the FLOPs ``w`` of one of the kernel's ``s²`` GEMMs.
+
+        Returns:
+          The fraction of the peak reached.
+
+        >>> c = load_cluster("h200")
+        >>> round(c.flash_efficiency(12.885e9) * 989, 1)              # GPT-124M's attention: 111 TFLOP/s
+        111.1
+        >>> load_cluster("h100").flash_efficiency(2e9)                 # no curve of its own: the GEMMs'
+        0.25
+        """
+        if self.attention_efficiency <= 0:
+            return self.matmul_efficiency(gemm_flops)
+        return self.attention_efficiency * gemm_flops / (gemm_flops + self.attention_half_flops)
 
     @property
     def stream_bandwidth(self) -> float:
@@ -195,7 +221,8 @@ def _link(name: str, key: str, d: Any) -> Link:
 
 _KEYS = {"name", "description", "sources", "devices_per_node", "nodes", "device_memory_gib", "peak_tflops",
          "efficiency", "gemm_half_gflop", "memory_gbps", "memory_efficiency", "shared_compute", "fused_attention",
-         "intra_node", "inter_node", "host_link_gbps", "host_memory_gbps", "fit", "platform"}
+         "attention_efficiency", "attention_half_gflop", "intra_node", "inter_node",
+         "host_link_gbps", "host_memory_gbps", "fit", "platform"}
 
 
 def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
@@ -242,6 +269,10 @@ def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
                    memory_bandwidth=_positive(name, "memory_gbps", d.get("memory_gbps", 0), zero=True) * 1e9,
                    memory_efficiency=d.get("memory_efficiency", 1.0),
                    shared_compute=float(shared), fused_attention=fused,
+                   attention_efficiency=_positive(name, "attention_efficiency", d.get("attention_efficiency", 0),
+                                                  zero=True),
+                   attention_half_flops=_positive(name, "attention_half_gflop", d.get("attention_half_gflop", 0),
+                                                  zero=True) * 1e9,
                    host_link=_positive(name, "host_link_gbps", d.get("host_link_gbps", 0), zero=True) * 1e9,
                    host_memory_bandwidth=_positive(name, "host_memory_gbps", d.get("host_memory_gbps", 0), zero=True) * 1e9,
                    platform=platform, description=str(d.get("description", "")), sources=tuple(d.get("sources", ())))

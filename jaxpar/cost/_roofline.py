@@ -16,7 +16,7 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from jaxpar.cost._cluster import FP8, Cluster
@@ -29,7 +29,8 @@ from jaxpar.cost._parallel import Plan
 class Kernel:
     """``count`` launches of a kernel of ``flops`` FLOPs that reads and writes ``bytes`` bytes,
     run ``passes`` times per training step of one micro-batch (forward, backward, recomputation);
-    a matmul's ``shape`` is ``(batch, m, k, n)``."""
+    a matmul's ``shape`` is ``(batch, m, k, n)``; ``flash``: one of a fused attention kernel's ``s²``
+    GEMMs, on the kernel's own efficiency curve (:meth:`~jaxpar.cost.Cluster.flash_efficiency`)."""
 
     name: str
     flops: float
@@ -37,6 +38,7 @@ class Kernel:
     count: int = 1
     passes: int = 1
     shape: tuple = ()
+    flash: bool = False
 
 
 def matmul(name: str, batch: float, m: float, k: float, n: float, compute_bytes: float, *, count: int = 1,
@@ -165,8 +167,8 @@ def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: 
     s, d, C, method = m.seq, m.head_dim, plan.context, plan.strategy.context_setting.method
     if fused and (C == 1 or method == "ulysses"):   # save-matmuls keeps the kernel's residuals: only full remat reruns it
         passes = 3 + (plan.remat == "full")
-        return [matmul("scores", heads / C / 2, s, d, s, cb, passes=passes + 1),
-                matmul("context", heads / C / 2, s, s, d, cb, passes=passes)]
+        return [replace(matmul("scores", heads / C / 2, s, d, s, cb, passes=passes + 1), flash=True),
+                replace(matmul("context", heads / C / 2, s, s, d, cb, passes=passes), flash=True)]
     if C == 1:
         return [matmul("scores", heads, s, d, s, cb, passes=attn), matmul("context", heads, s, s, d, cb, passes=attn)]
     extra = 1 if fused else 0           # the flash blocks' backward: scores and dO V^T in both its kernels
@@ -216,7 +218,7 @@ def kernel_seconds(k: Kernel, cluster: Cluster, dtype: str) -> float:
 
     Args:
       k: the kernel.
-      cluster: its peak FLOP/s, matmul efficiency and streaming bandwidth are read.
+      cluster: its peak FLOP/s, matmul (or flash attention) efficiency and streaming bandwidth are read.
       dtype: the compute dtype (picks the peak).
 
     Returns:
@@ -226,7 +228,8 @@ def kernel_seconds(k: Kernel, cluster: Cluster, dtype: str) -> float:
     >>> kernel_seconds(Kernel("loss", 0.0, 3350e9), load_cluster("h100"), "bfloat16")
     1.0
     """
-    compute = k.flops / (cluster.peak(dtype) * cluster.matmul_efficiency(k.flops)) if k.flops > 0 else 0.0
+    efficiency = cluster.flash_efficiency(k.flops) if k.flash else cluster.matmul_efficiency(k.flops)
+    compute = k.flops / (cluster.peak(dtype) * efficiency) if k.flops > 0 else 0.0
     bw = cluster.stream_bandwidth
     return k.count * max(compute, k.bytes / bw if bw > 0 else 0.0)
 
