@@ -27,7 +27,7 @@ from jax.sharding import AxisType, Mesh
 from jaxpar.errors import BackendStartedError, MeshError, check_int, int_problem
 
 __all__ = ["STANDARD_AXES", "MeshSpec", "MeshError", "make_mesh", "simulate_cpu_devices", "use_devices",
-           "accelerator_platform", "data_axes", "batch_axes", "replicas", "REPLICA", "CONTEXT", "EXPERT"]
+           "accelerator_platform", "data_axes", "batch_axes", "replicas", "AXES", "REPLICA", "CONTEXT", "EXPERT"]
 
 #: The axes jaxpar's strategies know about, in mesh order (outermost first).
 #: ``pipe`` is outermost (least traffic), ``tensor`` innermost (most traffic).
@@ -35,6 +35,8 @@ STANDARD_AXES = ("pipe", "data", "fsdp", "tensor")
 REPLICA = "replica"   # the outermost axis of relaxed synchronisation (jaxpar.parallel.sync), present only when > 1
 CONTEXT = "context"   # the sequence axis of context parallelism (jaxpar.parallel.context), beside tensor, only when > 1
 EXPERT = "expert"     # the axis of expert parallelism (jaxpar.parallel.moe), inside the data axes, only when > 1
+#: Every axis :class:`MeshSpec` names, in mesh order (``replica``, ``expert`` and ``context`` only when > 1).
+AXES = (REPLICA, "pipe", "data", "fsdp", EXPERT, CONTEXT, "tensor")
 
 
 @dataclass(frozen=True)
@@ -66,15 +68,9 @@ class MeshSpec:
     replica: int = 1
 
     def requested(self) -> dict[str, int]:
-        sizes = {REPLICA: self.replica} if self.replica != 1 else {}
-        sizes.update({"pipe": self.pipe, "data": self.data, "fsdp": self.fsdp})
-        if self.expert != 1:
-            sizes[EXPERT] = self.expert
-        if self.context != 1:
-            sizes[CONTEXT] = self.context
-        sizes["tensor"] = self.tensor
+        sizes = {a: getattr(self, a) for a in AXES if a in STANDARD_AXES or getattr(self, a) != 1}
         for name, size in self.extra.items():
-            if name in sizes or name in (REPLICA, CONTEXT, EXPERT):
+            if name in AXES:
                 raise MeshError(f"MeshSpec.extra: axis name {name!r} clashes with a standard axis {STANDARD_AXES}; "
                                 "choose another name.")
             sizes[name] = size
@@ -148,9 +144,8 @@ def make_mesh(spec: MeshSpec | Mapping[str, int], devices: Sequence[jax.Device] 
     jaxpar.errors.MeshError: MeshSpec: axis sizes ... multiply to 3, but there are 4 devices. ...
     """
     if isinstance(spec, Mapping):
-        named = STANDARD_AXES + (REPLICA, CONTEXT, EXPERT)
-        known = {k: v for k, v in spec.items() if k in named}
-        spec = MeshSpec(**known, extra={k: v for k, v in spec.items() if k not in named})
+        spec = MeshSpec(**{k: v for k, v in spec.items() if k in AXES},
+                        extra={k: v for k, v in spec.items() if k not in AXES})
     devices = list(jax.devices() if devices is None else devices)
     sizes = spec.sizes(len(devices))
     names = tuple(sizes)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxpar.errors import ContextParallelError, Fp8Error, OffloadError
+from jaxpar.errors import ContextParallelError, Fp8Error, OffloadError, int_problem
 
 __all__ = ["ContextParallel", "Fp8", "Offload", "CONTEXT_METHODS", "LAYER_INPUT", "RECIPES", "UPDATES", "ZERO_STAGES"]
 
@@ -86,8 +86,8 @@ class Fp8:
         if self.recipe not in RECIPES:
             raise Fp8Error(f"Fp8.recipe={self.recipe!r}: the recipes are {', '.join(RECIPES)}. A delayed "
                            "recipe (scales from an amax history) is not built; use tensorwise or rowwise.")
-        if isinstance(self.min_dim, bool) or not isinstance(self.min_dim, int) or self.min_dim < 0:
-            raise Fp8Error(f"Fp8.min_dim={self.min_dim!r}: must be an int >= 0 (0: every covered GEMM in FP8).")
+        if why := int_problem(self.min_dim, 0):
+            raise Fp8Error(f"Fp8.min_dim={self.min_dim!r}: {why} (0: every covered GEMM in FP8).")
 
     @property
     def label(self) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from jaxpar.compat._table import raise_strategy_problems
-from jaxpar.errors import StrategyError
+from jaxpar.errors import StrategyError, int_problem
 from jaxpar.options import ZERO_STAGES, ContextParallel, Fp8, Offload
 from jaxpar.parallel.pipeline._schedules import canonical_kind
 
@@ -30,6 +30,9 @@ __all__ = ["Strategy", "COMPUTE_DTYPES"]
 
 #: The compute dtypes, by name (:meth:`Strategy.cast` makes them JAX dtypes).
 COMPUTE_DTYPES = ("float32", "bfloat16")
+#: The positive int fields, with what each counts.
+_COUNTS = {"microbatches": " (gradient accumulation steps per train step; with a pipeline, its micro-batches)",
+           "virtual_stages": "", "update_every": " (backwards per stage update, schedule='pipedream')"}
 
 
 @dataclass(frozen=True)
@@ -94,25 +97,19 @@ class Strategy:
     def __post_init__(self):
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise StrategyError(f"Strategy.zero={self.zero!r}: choose one of {ZERO_STAGES}.")
-        if not isinstance(self.sequence_parallel, bool):
-            raise StrategyError(f"Strategy.sequence_parallel={self.sequence_parallel!r}: must be True or False.")
-        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
-            raise StrategyError(f"Strategy.microbatches={self.microbatches!r}: must be a positive int (gradient "
-                                "accumulation steps per train step; with a pipeline, its micro-batches).")
+        for key in ("sequence_parallel", "vertical_sync"):
+            if not isinstance(getattr(self, key), bool):
+                raise StrategyError(f"Strategy.{key}={getattr(self, key)!r}: must be True or False.")
+        for key, what in _COUNTS.items():
+            if int_problem(getattr(self, key), 1):
+                raise StrategyError(f"Strategy.{key}={getattr(self, key)!r}: must be a positive int{what}.")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise StrategyError(f"Strategy.compute_dtype={self.compute_dtype!r}: choose one of "
                                 f"{COMPUTE_DTYPES}.")
         object.__setattr__(self, "schedule", canonical_kind(self.schedule))
-        if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
-            raise StrategyError(f"Strategy.virtual_stages={self.virtual_stages!r}: must be a positive int.")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise StrategyError(f"Strategy.virtual_stages={self.virtual_stages} needs schedule='interleaved' "
                                 f"(got {self.schedule!r}); the other schedules run one chunk per stage.")
-        if isinstance(self.update_every, bool) or not isinstance(self.update_every, int) or self.update_every < 1:
-            raise StrategyError(f"Strategy.update_every={self.update_every!r}: must be a positive int (backwards per "
-                                "stage update, schedule='pipedream').")
-        if not isinstance(self.vertical_sync, bool):
-            raise StrategyError(f"Strategy.vertical_sync={self.vertical_sync!r}: must be True or False.")
         if self.stage_layers is not None and self.stage_layers != "auto":
             layers = self.stage_layers
             if not isinstance(layers, str) and hasattr(layers, "__iter__"):

@@ -69,9 +69,9 @@ def compare(model: ModelSpec, plan: Plan, compiled: Any, mesh: Any, *, lowering:
             "temp_bytes": rep.temp_bytes, "peak_bytes": rep.peak_bytes}
 
 
-def compile_plan(model_fn: Callable, plan: Plan, batch: int, seq: int, *, devices: Sequence | None = None,
-                 tx: optax.GradientTransformation | None = None, loss_fn: Callable | None = None):
-    """Compile the train step of ``plan`` ahead of time from abstract state (nothing runs).
+def compile_plan(model_fn: Callable, plan: Plan, batch: int, seq: int, *, devices: Sequence | None = None):
+    """Compile the train step of ``plan`` ahead of time from abstract state (nothing runs): AdamW (learning
+    rate 1e-3, weight decay 0.1) on :func:`jaxpar.models.lm_loss`, jaxpar's GPT's loss.
 
     Args:
       model_fn: builds the NNX model (only traced).
@@ -79,8 +79,6 @@ def compile_plan(model_fn: Callable, plan: Plan, batch: int, seq: int, *, device
       batch: global batch, in sequences.
       seq: tokens per sequence.
       devices: the devices of the mesh (default: the first ``plan.devices`` of ``jax.devices()``).
-      tx: the optimizer (default: AdamW, learning rate 1e-3, weight decay 0.1).
-      loss_fn: the loss (default: :func:`jaxpar.models.lm_loss`, for jaxpar's GPT).
 
     Returns:
       ``(mesh, compiled)``.
@@ -95,37 +93,33 @@ def compile_plan(model_fn: Callable, plan: Plan, batch: int, seq: int, *, device
                         f"(jaxpar.mesh.use_devices({n}) before JAX starts).")
     mesh = make_mesh({k: v for k, v in plan.sizes.items() if v > 1} or {"data": 1}, devices=devices)
     strategy = plan.strategy if plan.data > 1 else replace(plan.strategy, zero=0)
-    tx = optax.adamw(1e-3, weight_decay=0.1) if tx is None else tx
-    if loss_fn is None:
-        from jaxpar.models._gpt import lm_loss as loss_fn
+    from jaxpar.models._gpt import lm_loss
+
+    tx = optax.adamw(1e-3, weight_decay=0.1)
     layout = state_layout(model_fn, tx, mesh, strategy)
-    step = make_train_step(loss_fn, tx, layout, strategy)
+    step = make_train_step(lm_loss, tx, layout, strategy)
     spec = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sharding(mesh))
     return mesh, step.lower(layout.abstract_state(), {"tokens": spec, "targets": spec}).compile()
 
 
 def compile_and_compare(model: ModelSpec, plan: Plan, *, devices: Sequence | None = None,
-                        model_fn: Callable | None = None, lowering: str = "xla-cpu") -> dict:
+                        lowering: str = "xla-cpu") -> dict:
     """Compile ``plan`` for jaxpar's GPT of ``model``'s sizes and :func:`compare` (see the module example).
 
     Args:
       model: the sizes of the GPT (layers, hidden, heads, seq, vocab, MLP width, batch).
       plan: the plan; its ``remat`` becomes the GPT's recomputation policy.
       devices: as for :func:`compile_plan`.
-      model_fn: builds the model instead of jaxpar's GPT (it must match ``model``).
       lowering: as for :func:`compare` (``ideal`` for the GPU and TPU compilers).
 
     Returns:
       :func:`compare`'s dict.
     """
-    if model_fn is None:
-        from flax import nnx
+    from flax import nnx
 
-        from jaxpar.models._gpt import GPT, GPTConfig
+    from jaxpar.models._gpt import GPT, GPTConfig
 
-        remat = plan.remat
-        cfg = GPTConfig(vocab=model.vocab, seq_len=model.seq, embed=model.hidden, heads=model.heads,
-                        layers=model.layers, mlp=model.mlp, remat=remat)
-        model_fn = lambda: GPT(cfg, rngs=nnx.Rngs(0))   # noqa: E731
-    mesh, compiled = compile_plan(model_fn, plan, model.batch, model.seq, devices=devices)
+    cfg = GPTConfig(vocab=model.vocab, seq_len=model.seq, embed=model.hidden, heads=model.heads,
+                    layers=model.layers, mlp=model.mlp, remat=plan.remat)
+    mesh, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), plan, model.batch, model.seq, devices=devices)
     return compare(model, plan, compiled, mesh, lowering=lowering)

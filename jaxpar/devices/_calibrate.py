@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.cost import Link, best_algorithm, collective_time
-from jaxpar.errors import CostModelError
+from jaxpar.errors import CostModelError, check_int
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 SIZES = tuple(2 ** k for k in range(10, 25, 2))          # 1 KiB ... 16 MiB (bytes per device)
@@ -326,8 +326,7 @@ def calibrate(out: str | Path | None = None, *, reps: int = 9, sizes=SIZES,
     Raises:
       CostModelError: JAX has fewer than 8 devices, or ``reps`` < 1.
     """
-    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
-        raise CostModelError(f"calibrate(reps={reps!r}): give a number of rounds >= 1 (9 is the default).")
+    check_int("calibrate", "reps", reps, 1, CostModelError)
     _mesh()
     env, load, t0 = environment(), os.getloadavg(), time.perf_counter()
     say(f"# calibrate  ({env['devices']}, nproc={env['nproc']}, jax {env['jax']}, jaxpar @ {env['git']}, "

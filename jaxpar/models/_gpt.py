@@ -47,7 +47,7 @@ from jaxpar.models._gpt_layers import BLOCK_LOGICAL, Blocks, block_apply, layer_
 from jaxpar.adapters._loss_metrics import report_metric
 from jaxpar.parallel.moe import need_router_bias, router_bias
 from jaxpar.models._gpt_moe import MoEBlocks, MoESettings, moe_metrics, run_moe_blocks
-from jaxpar.errors import ModelConfigError
+from jaxpar.errors import ModelConfigError, int_problem
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -67,8 +67,7 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("vocab", "seq_len", "embed", "heads", "layers", "mlp"):
             value = getattr(self, name)
-            if (name != "mlp" or value is not None) and (isinstance(value, bool) or not isinstance(value, int)
-                                                         or value < 1):
+            if (name != "mlp" or value is not None) and int_problem(value, 1):
                 raise ModelConfigError(f"GPTConfig.{name}={value!r}: must be a positive int"
                                        + (" (or None: 4 x embed)." if name == "mlp" else "."))
         if self.embed % self.heads:

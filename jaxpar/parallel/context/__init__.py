@@ -23,7 +23,8 @@ from jaxpar.parallel.context._methods import (QKV_LOGICAL, context_attention, co
                                               in_sequence_order, sequence_order, ulysses_kv_repeat)
 from jaxpar.parallel.context._zigzag import RingWork, balanced_order, from_balanced, ring_block_pairs, to_balanced
 from jaxpar.errors import ContextParallelError
-from jaxpar.parallel.context._options import CONTEXT, METHODS, ContextParallel, current_context_parallel
+from jaxpar.mesh import CONTEXT
+from jaxpar.parallel.context._options import ContextParallel, current_context_parallel
 from jaxpar.parallel.context._options import ContextCalls, count_context_calls, note_context_call, use_context_parallel
 from jaxpar.parallel.context._ring import ring_attention
 
@@ -32,6 +33,6 @@ __all__ = [
     "context_size",
     "ContextCalls", "count_context_calls", "note_context_call",
     "balanced_order", "to_balanced", "from_balanced", "ring_block_pairs", "RingWork",
-    "CONTEXT", "METHODS", "ContextParallel", "ContextParallelError", "use_context_parallel",
+    "CONTEXT", "ContextParallel", "ContextParallelError", "use_context_parallel",
     "current_context_parallel", "ring_attention",
 ]

@@ -37,7 +37,8 @@ from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, s
 from jaxpar.parallel.context._flash import flash_attention
 from jaxpar.parallel.context._zigzag import (check_length, chunk_index, chunks_per_shard, from_balanced,
                                              sequence_positions, shard_positions, to_balanced)
-from jaxpar.parallel.context._options import CONTEXT, current_context_parallel, note_context_call
+from jaxpar.mesh import CONTEXT
+from jaxpar.parallel.context._options import current_context_parallel, note_context_call
 from jaxpar.parallel.context._ring import ring_attention
 from jaxpar.errors import ContextParallelError
 

@@ -27,10 +27,8 @@ from dataclasses import dataclass
 from typing import ContextManager
 
 from jaxpar.rules import scoped
-from jaxpar.options import CONTEXT_METHODS as METHODS, ContextParallel
+from jaxpar.options import ContextParallel
 
-#: The mesh axis that splits the sequence (the ``length`` logical name maps to it).
-CONTEXT = "context"
 _SETTING: contextvars.ContextVar = contextvars.ContextVar("jaxpar_context_parallel", default=ContextParallel())
 
 
@@ -43,7 +41,7 @@ def use_context_parallel(method: str = "ring", *, balance: bool = False) -> Cont
     method it was traced with; jit a new function to change it.
 
     Args:
-      method: one of :data:`METHODS`.
+      method: one of :data:`jaxpar.options.CONTEXT_METHODS`.
       balance: the batch is in the order of :func:`jaxpar.parallel.context.to_balanced` (see the module).
 
     Returns:

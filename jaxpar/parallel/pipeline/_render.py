@@ -20,7 +20,7 @@ def _lighten(hex_color: str, amount: float) -> tuple[float, float, float]:
 
 
 def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120, step_size: int | None = None,
-               boundaries: Sequence[int] = (), updates: Sequence[tuple[int, int]] = ()) -> str:
+               updates: Sequence[tuple[int, int]] = ()) -> str:
     """Write a Gantt chart of ``schedule`` to ``path`` (PNG).
 
     Rows are stages (stage 0 on top), boxes are actions labelled with the
@@ -33,8 +33,6 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120,
             whose idle share is the title's bubble fraction.
         dpi: the image's resolution (an int >= 10).
         step_size: ``m`` draws every other optimizer step's micro-batches (``i // m`` odd) lighter.
-        boundaries: ticks before which a dashed line is drawn (the updates of a schedule without flushes,
-            :func:`jaxpar.parallel.pipeline._pipedream.step_windows`).
         updates: ``(stage, tick)`` pairs drawn as a red bar at the end of that tick on that stage (weight
             stashing's per-stage updates, :func:`jaxpar.parallel.pipeline._pipedream.update_ticks`;
             unit-tick charts).
@@ -58,7 +56,8 @@ def render_png(schedule: Schedule, path, *, timed: bool = False, dpi: int = 120,
 
     fig, ax = agg_axes((min(40.0, max(6.0, 0.32 * span + 1.5)), 0.6 * schedule.num_stages + 1.6), dpi)
     _draw_actions(ax, bars, schedule.num_chunks, step_size)
-    _draw_marks(ax, boundaries, updates)
+    for st, t in updates:      # a red bar at the end of each update's tick
+        ax.plot([t + 1, t + 1], [st - 0.45, st + 0.45], color="#C44E52", linewidth=2.0)
     _label(ax, schedule, span, timed)
     fig.tight_layout()
     path = os.fspath(path)
@@ -87,14 +86,6 @@ def _draw_actions(ax, bars: list[list[tuple]], v: int, step_size: int | None) ->
             text = f"{a.microbatch}.{a.chunk}" if v > 1 else str(a.microbatch)
             ax.text(x + w / 2, st, text, ha="center", va="center", fontsize=font,
                     color="black" if light > 0.25 else "white")
-
-
-def _draw_marks(ax, boundaries: Sequence[int], updates: Sequence[tuple[int, int]]) -> None:
-    """Dashed lines before the ``boundaries`` ticks and red bars after each ``(stage, tick)`` update."""
-    for b in boundaries:
-        ax.axvline(b, color="black", linestyle="--", linewidth=1.0)
-    for st, t in updates:
-        ax.plot([t + 1, t + 1], [st - 0.45, st + 0.45], color="#C44E52", linewidth=2.0)
 
 
 def _label(ax, schedule: Schedule, span: float, timed: bool) -> None:
