@@ -326,7 +326,9 @@ def measured_keeps(platform: str):
 def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, activation_bytes: float, *,
                     keeps: str) -> MemoryEstimate | None:
     """The compiled-step model of one device's bytes (docs/planning.md §8) with ``keeps``'s measured table,
-    where it was measured: fp32 parameters, gradients and compute of a dense model without CP; before offload
+    where it was measured: fp32 parameters, gradients and compute of a dense model without CP, or 16-bit compute
+    on GPUs (:data:`HALF_KEEPS`) of a dense model on one tensor rank without a pipeline, under CP at a device's
+    ``s / C`` tokens (not measured there: docs/planning.md §8 gives the ratios); before offload
     (:func:`~jaxpar.cost._memory.offloaded`). ``params`` + ``opt``: the step's arguments in the platform's
     layout; ``activations``: the layers' kept values (a pipeline stage's residual buffers twice on GPUs, whose
     compiler copies them in the tick's conditionals); ``logits``: the larger of the loss's logits and one
@@ -348,11 +350,11 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
     """
     half = activation_bytes == 2 and keeps == "cuda"
     if (keeps not in MEASURED_KEEPS or activation_bytes not in ((2, 4) if half else (4,)) or precision.param != 4
-            or precision.grad != 4 or plan.context > 1 or plan.expert > 1 or model.moe_layers
+            or precision.grad != 4 or (plan.context > 1 and not half) or plan.expert > 1 or model.moe_layers
             or (half and (plan.tensor > 1 or plan.pipe > 1))):
         return None
     s, sizes, key, tpu = plan.strategy, plan.sizes, sizes_key(plan.sizes), keeps == "tpu"
-    rows = model.batch / (plan.data * plan.fsdp * s.microbatches)
+    rows = model.batch / (plan.data * plan.fsdp * s.microbatches) / plan.context    # a device's tokens, in sequences
     grads = gathered = 0.0
     for leaf in model.leaves:
         c = leaf_shard_counts(leaf, key, s.zero)
