@@ -28,7 +28,7 @@ from jaxpar.run._checkpoint import CheckpointError, CheckpointMismatchError
 from jaxpar.run._state_parts import FORMAT
 from jaxpar.data._windows import synthetic_batch
 from jaxpar.run import NonFiniteError, train
-from jaxpar.cost._model import flops_per_token
+from jaxpar.run._metrics import flops_per_token
 from jaxpar.run import greedy_generate
 
 from conftest import need_devices

@@ -483,7 +483,8 @@ def memory_per_device(model: ModelSpec, plan, *, precision: str | BytesPerParam 
         stage 0's in-flight activations, the last with the same (an upper bound) and the logits.
       keeps: the activation table: ``"paper"`` (:data:`PAPER_KEEPS`), or a compiler's measured one
         (:func:`jaxpar.cost._device_bytes.measured_keeps` of ``"cuda"`` or ``"tpu"``: the compiled-step model)
-        where it was measured (fp32 parameters, gradients and compute, no CP or experts), else the paper's.
+        where it was measured (fp32 compute without CP or experts; 16-bit compute on GPUs on one tensor rank
+        without a pipeline or experts: :func:`jaxpar.cost._device_bytes.measured_memory`), else the paper's.
       fused_attention: CP's blocks run the flash kernels (a GPU in a 16-bit compute dtype:
         :func:`~jaxpar.cost._context_experts.fused_context`): no scores kept, the kernels' working bytes.
 

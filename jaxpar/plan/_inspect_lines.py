@@ -22,14 +22,30 @@ from jaxpar.errors import Fp8Error
 
 
 def sharding_lines(layout: Any) -> list[str]:
-    """The parameters' shardings as printable lines: mesh axes per dimension, ``-`` replicated."""
+    """The parameters' shardings as printable lines.
+
+    Args:
+      layout: the train state's layout.
+
+    Returns:
+      A title and the table: mesh axes per dimension, ``-`` replicated.
+    """
     from jaxpar.analysis._sharding_table import sharding_table
 
     return ["parameters (mesh axes per dimension; '-' replicated)", sharding_table(layout)]
 
 
 def collective_lines(name: str, compiled: Any, mesh: Any) -> list[str]:
-    """The collectives of the compiled program ``name`` as printable lines (one device's bytes)."""
+    """The collectives of a compiled program as printable lines.
+
+    Args:
+      name: the program's name (``"step"``, ...).
+      compiled: the compiled program.
+      mesh: its mesh.
+
+    Returns:
+      A title and the table (one device's bytes), or ``(none)``.
+    """
     from jaxpar.analysis import collectives, collectives_table
 
     colls = collectives(compiled, mesh) if mesh.size > 1 else []
