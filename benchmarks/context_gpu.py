@@ -27,7 +27,6 @@ import argparse
 import functools
 import json
 import os
-import time
 from pathlib import Path
 
 import jax
@@ -41,7 +40,8 @@ from jaxpar.parallel import context as cp
 from jaxpar.parallel.context import _flash
 from jaxpar.parallel.context._methods import _LOCAL, _Call
 
-START = time.perf_counter()
+from gpu import run_sections
+
 PARTS = ("out", "dq", "dk", "dv")
 
 
@@ -253,20 +253,7 @@ def main():
     runs = {"checks": lambda: run_checks(args.small), "vma": lambda: run_vma(args.small),
             "times": lambda: run_times(args.small, args.reps, [int(x) for x in args.lengths.split(",")]),
             "tune": lambda: run_tune(args.small, args.reps, args.tune_length)}
-    for section in args.sections.split(","):
-        if time.perf_counter() - START > args.budget:
-            result[section] = "skipped: budget"
-            continue
-        t = time.perf_counter()
-        try:
-            result[section] = runs[section]()
-        except Exception as e:                            # noqa: BLE001 - the other sections still run
-            result[section] = f"error: {type(e).__name__}: {str(e)[:1000]}"
-            print(section, result[section], flush=True)
-        result["sections_s"][section] = round(time.perf_counter() - t, 1)
-        (out_dir / "context_gpu.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["sections_s"]), f"total {time.perf_counter() - START:.0f} s")
-
+    run_sections(runs, args.sections.split(","), args.budget, out_dir / "context_gpu.json", result)
 
 if __name__ == "__main__":
     main()

@@ -318,6 +318,24 @@ def run_flags(args) -> list[dict]:
     return rows
 
 
+def run_sections(runs: dict, sections: list[str], budget: float, path: Path, result: dict) -> None:
+    """Run each of ``sections`` (``runs[name]()``) into ``result`` while ``budget`` seconds have not passed,
+    an error recorded and the next one run, ``result`` written to ``path`` after each."""
+    for section in sections:
+        if elapsed() > budget:
+            result[section] = "skipped: budget"
+            continue
+        t = time.perf_counter()
+        try:
+            result[section] = runs[section]()
+        except Exception as e:                            # noqa: BLE001 - the other sections still run
+            result[section] = f"error: {type(e).__name__}: {str(e)[:1000]}"
+            print(section, result[section], flush=True)
+        result.setdefault("sections_s", {})[section] = round(time.perf_counter() - t, 1)
+        path.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["sections_s"]), f"total {elapsed():.0f} s")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true")
@@ -347,20 +365,7 @@ def main():
                                            args.batch, args.reps, args.peak, args.decoder_variants.split(",")),
             "flags": lambda: run_flags(args),
             "calibrate": lambda: run_calibrate(args)}
-    for section in args.sections.split(","):
-        if elapsed() > args.budget:
-            result[section] = "skipped: budget"
-            continue
-        t = time.perf_counter()
-        try:
-            result[section] = runs[section]()
-        except Exception as e:                            # noqa: BLE001 - the other sections still run
-            result[section] = f"error: {type(e).__name__}: {str(e)[:1000]}"
-            print(section, result[section], flush=True)
-        result["sections_s"][section] = round(time.perf_counter() - t, 1)
-        (out_dir / "gpu.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["sections_s"]), f"total {elapsed():.0f} s")
-
+    run_sections(runs, args.sections.split(","), args.budget, out_dir / "gpu.json", result)
 
 if __name__ == "__main__":
     main()
