@@ -23,9 +23,6 @@ from jaxpar.compat._settings import Problem, Setting, value_name
 from jaxpar.errors import (AsyncPipelineError, CompressionError, LoopError, NoiseScaleError, RampError, StashingError,
                            StrategyError, SyncError, int_problem)
 
-#: The loop's intervals that ``steps_per_call`` must divide (:attr:`Setting.intervals`' keys).
-INTERVALS = ("steps", "start", "log_every", "eval_every", "checkpoint_every", "stop_check_every")
-
 
 def strategy_needs(s: Setting) -> list[Problem]:
     """The strategy's fields that belong to another choice: ``local_clip`` clips before a codec;

@@ -32,9 +32,9 @@ class Setting(NamedTuple):
       optimizer_across_stages: the optimizer's update of a parameter reads other parameters or
         their gradients (a global norm: ``optax.clip_by_global_norm``, LARS / LAMB without a
         per-layer mask), so a pipeline stage cannot update on its own.
-      intervals: the loop's intervals as ``(name, steps)`` pairs, names from
-        :data:`jaxpar.compat._needs.INTERVALS` (``("log_every", 25)``, ...): ``steps_per_call`` must
-        divide each.
+      intervals: the loop's intervals as ``(name, steps)`` pairs (``("log_every", 25)``: ``steps``,
+        ``start``, ``log_every``, ``eval_every``, ``checkpoint_every``, ``stop_check_every``):
+        ``steps_per_call`` must divide each.
       router_bias_rate: the router bias part's ``with_router_bias(state, layout, shape, rate=...)``
         (aux-loss-free MoE balancing; ``None``: the state keeps no bias).
       muon: Muon's matrices (an ``optax.contrib.MuonState`` in the optimizer state) as ``(path, mesh axes

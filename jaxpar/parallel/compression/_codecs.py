@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from jaxpar.parallel.compression._base import BaseCodec, CompressionError, check_start
 from jaxpar.parallel.compression._bits import pack_bits, payload_bytes, unpack_bits
+from jaxpar.errors import int_problem
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def _buckets(x: jax.Array, bucket: int) -> jax.Array:
 
 
 def _check_bucket(name: str, bucket: int) -> None:
-    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 8 or bucket % 8:
+    if int_problem(bucket, 8) or bucket % 8:
         raise CompressionError(f"{name}(bucket={bucket!r}): the bucket (values sharing one scale) must be an int, "
                                "a multiple of 8 and >= 8, e.g. bucket=512.")
 
@@ -120,7 +121,7 @@ def qsgd(*, levels: int = 127, bucket: int = 512, error_feedback: bool = False) 
     Returns:
       The :class:`Codec`.
     """
-    if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
+    if int_problem(levels, 1) or levels > 127:
         raise CompressionError(f"qsgd(levels={levels!r}): int8 codes hold 1 ... 127 levels; "
                                "use e.g. levels=127 (or 15 for 4-bit-like precision).")
     _check_bucket("qsgd", bucket)

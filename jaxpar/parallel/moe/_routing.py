@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.parallel.context import in_natural_order, in_sequence_order
-from jaxpar.errors import MoEError
+from jaxpar.errors import MoEError, int_problem
 
 GATES = ("softmax", "sigmoid")
 
@@ -80,9 +80,9 @@ def check_options(experts: int, top_k: int, gate: str, capacity_factor: float | 
     ...
     jaxpar.errors.MoEError: top_k=9 must be an int in [1, experts=8]: a token picks top_k distinct experts.
     """
-    if not isinstance(experts, int) or experts < 1:
+    if int_problem(experts, 1):
         raise MoEError(f"experts={experts!r} must be a positive int.")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
+    if int_problem(top_k, 1) or top_k > experts:
         raise MoEError(f"top_k={top_k!r} must be an int in [1, experts={experts}]: a token picks top_k "
                        "distinct experts.")
     if gate not in GATES:
