@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from jaxpar.cost._cluster import FP8, Cluster
 from jaxpar.cost._context_experts import expert_slots, fused_context, routed_rows, score_fraction
+from jaxpar.cost._device_bytes import half_per_layer
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import Plan
 
@@ -276,6 +277,41 @@ def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes
     return rows * (m.seq / C) * ((resid + mlp) * compute_bytes * passes + softmax)
 
 
+def kept_value_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, lowering: str,
+                     moe: bool = False) -> float:
+    """Bytes one layer writes in the forward, and reads back in the backward, for the values it keeps without
+    recomputation beyond those ``save-matmuls`` keeps, per micro-batch of ``rows`` sequences on one device:
+    the GPU compiler's step (``lowering="xla"``) under ``remat="none"`` saves intermediates (norms, the
+    activation's, upcasts) that ``save-matmuls`` recomputes inside the backward's fusions, at no traffic;
+    the matmuls' outputs are kept either way and their kernels write them anyway. The difference of the two
+    rows of :data:`~jaxpar.cost._device_bytes.HALF_KEEPS` (bytes per token and ``h``, measured under 16-bit
+    compute on one tensor rank), at a device's ``s/C`` tokens and split over ``t`` as sequence parallelism
+    splits it (without SP the residual stream's share repeats: a lower bound). Checked on one H200: GPT-124M's
+    step with ``none`` 4.4 ms slower than with ``save-matmuls``, this term 4.6 ms (docs/benchmarks.md §21).
+    Not measured, so 0: other lowerings, fp32 compute, MoE layers.
+
+    Args:
+      m: the model.
+      plan: its ``remat``, ``tensor`` and ``context`` are read.
+      rows: sequences per micro-batch on one device.
+      compute_bytes: bytes per activation value.
+      lowering: the program's lowering (:data:`jaxpar.cost._traffic.LOWERINGS`).
+      moe: an MoE layer.
+
+    Returns:
+      Bytes, written once (the backward reads them once more).
+
+    >>> from jaxpar.cost._model import gpt
+    >>> m = gpt(2, 64, 4, 32, 128, 8)
+    >>> kept_value_bytes(m, Plan(), 1, 2, "xla") == (84 - 22) * 32 * 64, kept_value_bytes(m, Plan(), 1, 4, "xla")
+    (True, 0.0)
+    """
+    if lowering != "xla" or compute_bytes != 2 or plan.remat != "none" or moe:
+        return 0.0
+    extra = half_per_layer(m, "none", rows) - half_per_layer(m, "save-matmuls", rows)
+    return extra / (plan.context * plan.tensor)
+
+
 class Work(NamedTuple):
     """Seconds per micro-batch: ``kernels`` (matmuls, the embedding and the loss) and ``elementwise``
     (the blocks' memory-bound ops)."""
@@ -303,10 +339,11 @@ class Work(NamedTuple):
 
 
 def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: float, compute_bytes: float, *,
-               forward_only: bool = False, moe: bool = False) -> Work:
+               forward_only: bool = False, moe: bool = False, lowering: str = "ideal") -> Work:
     """Seconds of one layer per micro-batch of ``rows`` sequences on one device; under the plan's FP8 the
     covered matmuls (:func:`fp8_kernels`) at the cluster's FP8 peak and their casts
-    (:func:`fp8_quantize_bytes`) with the elementwise ops.
+    (:func:`fp8_quantize_bytes`) with the elementwise ops, as are the kept values' write and read
+    (:func:`kept_value_bytes`).
 
     Args:
       m, plan, cluster, dtype: the model, plan, cluster and compute dtype.
@@ -314,6 +351,7 @@ def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: flo
       compute_bytes: bytes per value.
       forward_only: the plain forward instead of training (forward, backward, recomputation).
       moe: an MoE layer.
+      lowering: the program's lowering (:data:`jaxpar.cost._traffic.LOWERINGS`).
 
     Returns:
       A :class:`Work`: the matmuls' seconds (:func:`layer_kernels`) and the elementwise ops' seconds.
@@ -329,6 +367,7 @@ def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: flo
         elem /= 3 + (plan.remat == "full")
     quantize = fp8_quantize_bytes(ks, fp8, plan.strategy.fp8.recipe, compute_bytes, plan.remat) if fp8 else (0.0, 0.0)
     elem += quantize[0] if forward_only else sum(quantize)
+    elem += kept_value_bytes(m, plan, rows, compute_bytes, lowering, moe) * (1 if forward_only else 2)
     return Work(kernels, elem / bw if bw > 0 else 0.0)
 
 

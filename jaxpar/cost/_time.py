@@ -221,7 +221,9 @@ class StepTime:
     loss, through the pipeline schedule), exposed ``data`` / ``tensor`` / ``pipeline`` communication,
     ``bubble`` fraction, ``mfu``, bytes per axis, the ``optimizer`` update and the blocks' ``elementwise``
     ops (both memory bound: :func:`update_bytes` and :func:`elementwise_bytes` over the cluster's
-    streaming bandwidth; the latter through the schedule like ``compute``), the exposed ``context``
+    streaming bandwidth; the latter through the schedule like ``compute``, with the values the GPU
+    compiler's step keeps without recomputation written and read back,
+    :func:`~jaxpar.cost._roofline.kept_value_bytes`), the exposed ``context``
     (CP) and ``expert`` (EP all-to-all) communication, and ``offload``: the host link's transfers of
     ``Plan.offload`` (:func:`jaxpar.cost._host_link.offload_seconds`; under the host update ``optimizer``
     is the update in host memory). ``unmodelled``: the terms the cluster preset lacks, each a sentence
@@ -310,7 +312,8 @@ def elementwise_bytes(m: ModelSpec, plan: Plan, compute_bytes: float = 2) -> flo
     return dense + (layer_elementwise_bytes(m, plan, rows, compute_bytes, True) * n_moe if n_moe else 0.0)
 
 
-def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, b: float) -> tuple[Work, float]:
+def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, b: float,
+             lowering: str) -> tuple[Work, float]:
     """The kernels' and elementwise seconds of a step through the pipeline schedule, and the backward
     seconds of one micro-batch on a device (recomputation included). Per micro-batch a stage runs its
     layers, the first stage also the embedding and the last the head and loss: the step takes ``m`` times
@@ -318,14 +321,14 @@ def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, 
     rows = m.batch / (plan.batch_split * plan.strategy.microbatches)
     n = m.layers // plan.pipe
     n_moe = m.moe_layers / plan.pipe          # MoE layers per stage (spread evenly)
-    layer = layer_work(m, plan, cluster, dtype, rows, cb)
-    forward = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True)
+    layer = layer_work(m, plan, cluster, dtype, rows, cb, lowering=lowering)
+    forward = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True, lowering=lowering)
     first, last = end_work(m, plan, cluster, dtype, rows, cb)
     blocks = layer.times(n)
     backward = n * (layer.total - forward.total)
     if n_moe:
-        moe = layer_work(m, plan, cluster, dtype, rows, cb, moe=True)
-        moe_fwd = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True, moe=True)
+        moe = layer_work(m, plan, cluster, dtype, rows, cb, moe=True, lowering=lowering)
+        moe_fwd = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True, moe=True, lowering=lowering)
         blocks = layer.times(n - n_moe) + moe.times(n_moe)
         backward = (n - n_moe) * (layer.total - forward.total) + n_moe * (moe.total - moe_fwd.total)
     if plan.pipe == 1:
@@ -427,7 +430,7 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     sizes = plan.sizes
     b = bubble(plan.strategy.schedule, plan.pipe, plan.strategy.microbatches, plan.strategy.virtual_stages,
                lockstep=runs_in_lockstep(plan) and lowering != "megatron")     # Megatron-LM's runs interleave
-    work, backward = _compute(m, plan, cluster, dtype, cb, b)
+    work, backward = _compute(m, plan, cluster, dtype, cb, b, lowering)
     spent = {"data": 0.0, "tensor": 0.0, "pipeline": 0.0, "context": 0.0, "expert": 0.0}
     grads = 0.0
     cs = comms(m, plan, lowering=lowering, compute_bytes=cb, grad_bytes=gb)
