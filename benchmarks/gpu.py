@@ -228,8 +228,10 @@ def n_params(model_fn) -> int:
 
 
 def predicted_seconds(spec, plan) -> float | None:
+    """The cost model's step time on the card's preset (``h200`` on an H200, else ``h100``)."""
+    card = "h200" if "H200" in jax.devices()[0].device_kind else "h100"
     try:
-        return cost.evaluate(spec, plan, cost.load_cluster("h100").with_devices(1), dtype="bfloat16",
+        return cost.evaluate(spec, plan, cost.load_cluster(card).with_devices(1), dtype="bfloat16",
                              lowering="xla").time.total
     except Exception as e:                                # noqa: BLE001 - the table says none
         print("cost model:", type(e).__name__, e, flush=True)
