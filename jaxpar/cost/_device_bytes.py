@@ -348,10 +348,10 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
     >>> measured_memory(gpt(2, 32, 8, 16, 64, 16), Plan(context=2), PRECISIONS["fp32"], 4, keeps="cuda") is None
     True
     """
-    half = activation_bytes == 2 and keeps == "cuda"
-    if (keeps not in MEASURED_KEEPS or activation_bytes not in ((2, 4) if half else (4,)) or precision.param != 4
-            or precision.grad != 4 or (plan.context > 1 and not half) or plan.expert > 1 or model.moe_layers
-            or (half and (plan.tensor > 1 or plan.pipe > 1))):
+    half = activation_bytes == 2 and keeps == "cuda"         # HALF_KEEPS: one tensor rank, no pipeline, CP read at s/C
+    measured = plan.tensor == plan.pipe == 1 if half else activation_bytes == 4 and plan.context == 1
+    if (keeps not in MEASURED_KEEPS or not measured or precision.param != 4 or precision.grad != 4 or plan.expert > 1
+            or model.moe_layers):
         return None
     s, sizes, key, tpu = plan.strategy, plan.sizes, sizes_key(plan.sizes), keeps == "tpu"
     rows = model.batch / (plan.data * plan.fsdp * s.microbatches) / plan.context    # a device's tokens, in sequences
