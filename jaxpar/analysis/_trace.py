@@ -42,11 +42,8 @@ from typing import Any, Mapping, Sequence
 
 from jaxpar.analysis._hlo_text import KINDS
 from jaxpar.errors import AnalysisError
+from jaxpar.step._program import DATA_EVENT, STEP_EVENT
 
-#: The name of the host annotation around each traced step (``jax.profiler.StepTraceAnnotation``).
-STEP_EVENT = "jaxpar.step"
-#: The name of the host annotation around building and placing a step's batch.
-DATA_EVENT = "jaxpar.data"
 #: jax's host events of placing arrays on devices (host to device copies).
 TRANSFER_EVENTS = ("shard_args", "DevicePutWithSharding")
 #: The rows that are not collectives, in table order (collective rows are ``(kind, axes)`` keys).

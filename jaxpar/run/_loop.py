@@ -61,7 +61,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar._text import shown_path
-from jaxpar.analysis._trace import DATA_EVENT, STEP_EVENT
 from jaxpar.batch import batch_sharding, shard_batch
 from jaxpar.compat._table import Setting, raise_problems
 from jaxpar.errors import LoopError, check_int
@@ -80,7 +79,7 @@ from jaxpar.run._metrics import MetricsWriter, is_main_process
 from jaxpar.run._progress import Meter, Progress
 from jaxpar.run._summary import LogOptions, TrainSummary, merge_log_options, plot_losses
 from jaxpar.step._grads import model_loss
-from jaxpar.step._program import strategy_context
+from jaxpar.step._program import DATA_EVENT, STEP_EVENT, strategy_context
 from jaxpar.step._state import StateLayout, layout_strategy
 
 NONFINITE_MODES = ("skip", "stop")
@@ -164,7 +163,7 @@ def _checked_train_args(state: Any, log: LogOptions, *, steps: int, start_step: 
 class _TraceSteps:
     """``LogOptions.profile``: the steps ``A .. B-1`` (those of this call) traced by ``jax.profiler`` into
     ``<out_dir>/trace`` (TensorBoard's profile plugin and Perfetto read it; docs/profiling.md), each inside a
-    :data:`~jaxpar.analysis._trace.STEP_EVENT` annotation. A traced step runs alone: the device is idle when
+    :data:`~jaxpar.step._program.STEP_EVENT` annotation. A traced step runs alone: the device is idle when
     it starts and the host waits for it to end, so its batch, dispatch and device time show apart. Each
     step's seconds on the loop's clock go to ``<out_dir>/trace/steps.json``."""
 

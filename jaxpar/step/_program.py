@@ -36,6 +36,12 @@ from jaxpar.parallel._fp8 import use_fp8
 from jaxpar.rules import use_rules
 from jaxpar.step._state import StateLayout, stats_parts, use_parts
 
+#: The name of the host annotation around each traced step (``jax.profiler.StepTraceAnnotation``; the train
+#: loop writes it, :mod:`jaxpar.analysis._trace` reads it).
+STEP_EVENT = "jaxpar.step"
+#: The name of the host annotation around building and placing a step's batch.
+DATA_EVENT = "jaxpar.data"
+
 
 @contextlib.contextmanager
 def strategy_context(layout: StateLayout, stats: Any = None) -> Iterator[None]:
