@@ -59,6 +59,8 @@ method; choose one of ('ring', 'all_gather', 'ulysses').
 
     method: str = "ring"
     balance: bool = False
+    #: What it takes, as errors name it (``parallel.context has unknown keys [...]; it takes ...``).
+    TAKES = "method (ring | all_gather | ulysses) and balance (true | false)"
 
     def __post_init__(self):
         if self.method not in CONTEXT_METHODS:
@@ -81,6 +83,7 @@ class Fp8:
 
     recipe: str = "tensorwise"
     min_dim: int = 1024
+    TAKES = f"recipe ({' | '.join(RECIPES)}) and min_dim (an int: smaller GEMMs stay in the compute dtype)"
 
     def __post_init__(self):
         if self.recipe not in RECIPES:
@@ -119,6 +122,8 @@ class Offload:
     master: bool = False
     activations: tuple[str, ...] = ()
     update: str = "device"
+    TAKES = ("optimizer (true | false), master (true | false), update (device | host: where the optimizer update "
+             "runs) and activations (a list of checkpoint names, with model.remat: offload)")
 
     def __post_init__(self):
         for key in ("optimizer", "master"):

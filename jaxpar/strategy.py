@@ -17,7 +17,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import numbers
+import typing
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -26,7 +29,7 @@ from jaxpar.errors import StrategyError, int_problem
 from jaxpar.options import ZERO_STAGES, ContextParallel, Fp8, Offload
 from jaxpar.parallel.pipeline._schedules import canonical_kind
 
-__all__ = ["Strategy", "COMPUTE_DTYPES"]
+__all__ = ["Strategy", "COMPUTE_DTYPES", "option_types"]
 
 #: The compute dtypes, by name (:meth:`Strategy.cast` makes them JAX dtypes).
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -90,9 +93,9 @@ class Strategy:
     update_every: int = 1
     vertical_sync: bool = False
     local_clip: float | None = None
-    context: Any = None
-    fp8: Any = None
-    offload: Any = None
+    context: ContextParallel | None = None
+    fp8: Fp8 | None = None
+    offload: Offload | None = None
 
     def __post_init__(self):
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
@@ -128,15 +131,9 @@ class Strategy:
                     or not self.local_clip > 0:
                 raise StrategyError(f"Strategy.local_clip={self.local_clip!r}: the norm each replica's gradient is "
                                     "clipped to must be a positive number, e.g. local_clip=1.0.")
-        if self.context is not None and not isinstance(self.context, ContextParallel):
-            raise StrategyError(f"Strategy.context={self.context!r}: give jaxpar.parallel.context.ContextParallel("
-                                "method=..., balance=...) or None (ring attention in the natural order).")
-        if self.fp8 is not None and not isinstance(self.fp8, Fp8):
-            raise StrategyError(f"Strategy.fp8={self.fp8!r}: give jaxpar.parallel.Fp8(recipe='tensorwise' | "
-                                "'rowwise') or None (the matmuls in the compute dtype).")
-        if self.offload is not None and not isinstance(self.offload, Offload):
-            raise StrategyError(f"Strategy.offload={self.offload!r}: give jaxpar.parallel.Offload(optimizer=..., "
-                                "master=..., activations=(...)) or None (everything in device memory).")
+        for key, cls in option_types().items():
+            if (value := getattr(self, key)) is not None and not isinstance(value, cls):
+                raise StrategyError(f"Strategy.{key}={value!r}: give a {cls.__name__} ({cls.TAKES}) or None.")
         if self.sync is not None:
             from jaxpar.parallel.sync import check_sync
 
@@ -238,3 +235,17 @@ class Strategy:
         if self.sync is not None:
             parts.append(self.sync.name)
         return "-".join(parts) or "single"
+
+
+@functools.cache
+def option_types() -> dict[str, type]:
+    """:class:`Strategy`'s option-object fields by name, with their class: each field typed ``X | None`` with ``X``
+    a dataclass (``context``, ``fp8``, ``offload``). YAML's ``parallel.<name>`` is a mapping of ``X``'s fields.
+
+    >>> option_types()
+    {'context': <class 'jaxpar.options.ContextParallel'>, 'fp8': <class 'jaxpar.options.Fp8'>, \
+'offload': <class 'jaxpar.options.Offload'>}
+    """
+    hints = typing.get_type_hints(Strategy)
+    return {f.name: cls for f in dataclasses.fields(Strategy)
+            for cls in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(cls)}

@@ -174,18 +174,19 @@ def test_fp8_residuals_survive_a_saving_remat_policy():
 def test_the_strategy_and_the_config_take_fp8_options_or_name_the_field():
     import jaxpar
     from jaxpar.config import ConfigError
-    from jaxpar.config._build import build_fp8
+    from jaxpar.config._build import build_option
     from jaxpar.parallel import fp8_loss
 
     s = jaxpar.Strategy(fp8=Fp8(recipe="rowwise"), compute_dtype="bfloat16")
     assert s.name({"fsdp": 8}) == "fsdp8-bfloat16-fp8-rowwise"
     with pytest.raises(jaxpar.errors.StrategyError, match="Strategy.fp8='tensorwise'"):
         jaxpar.Strategy(fp8="tensorwise")
-    assert build_fp8({}) is None and build_fp8({"recipe": "rowwise", "min_dim": 0}) == Fp8("rowwise", 0)
+    assert build_option("fp8", {}) is None
+    assert build_option("fp8", {"recipe": "rowwise", "min_dim": 0}) == Fp8("rowwise", 0)
     with pytest.raises(ConfigError, match=r"parallel.fp8 has unknown keys \['amax_history'\]"):
-        build_fp8({"amax_history": 16})
+        build_option("fp8", {"amax_history": 16})
     with pytest.raises(ConfigError, match=r"parallel.fp8.recipe='delayed': the recipes are"):
-        build_fp8({"recipe": "delayed"})
+        build_option("fp8", {"recipe": "delayed"})
     loss = lambda model, batch: 0.0      # noqa: E731
     assert fp8_loss(loss, None) is loss
 

@@ -13,7 +13,7 @@ from jaxpar import cost
 from jaxpar.cli import main
 from jaxpar.config import load_config
 from jaxpar.commands import inspect_config
-from jaxpar.config._build import build_fp8
+from jaxpar.config._build import build_option
 from jaxpar.plan import fp8_lines
 from jaxpar.commands._plan_command import plan_dtype
 from jaxpar.plan import plan_overrides
@@ -67,7 +67,7 @@ def test_plan_refuses_an_fp8_config_on_a_target_without_fp8(tmp_path, capsys):
 
 def test_inspect_on_the_cpu_mesh_says_fp8_is_emulated():
     cfg = load_config(QUICK, FP8_ON)
-    [line] = fp8_lines(build_fp8(cfg.parallel.fp8), None, None, None, "cpu")
+    [line] = fp8_lines(build_option("fp8", cfg.parallel.fp8), None, None, None, "cpu")
     assert line.startswith("fp8      tensorwise: emulated by XLA:CPU") and "--target h100:1x8" in line
 
 

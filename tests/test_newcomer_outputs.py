@@ -17,7 +17,7 @@ import pytest
 
 from jaxpar.cli import main
 from jaxpar.config import ConfigError
-from jaxpar.config._build import build_fp8, strategy_message
+from jaxpar.config._build import build_option, strategy_message
 from jaxpar.errors import Fp8Error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,9 +29,9 @@ def test_fp8_errors_name_the_yaml_keys():
     """The options' own checks and the train step's check of the model, under ``parallel.fp8.*``."""
     with pytest.raises(ConfigError, match=re.escape("parallel.fp8.recipe='tensorwsie': the recipes are tensorwise, "
                                                     "rowwise. A delayed recipe")):
-        build_fp8({"recipe": "tensorwsie"})
+        build_option("fp8", {"recipe": "tensorwsie"})
     with pytest.raises(ConfigError, match=re.escape("parallel.fp8.min_dim=-1: must be an int >= 0")):
-        build_fp8({"min_dim": -1})
+        build_option("fp8", {"min_dim": -1})
     library = Fp8Error("Strategy.fp8: every covered weight's GEMM is below min_dim=1024 (the largest, 'blocks/w1', "
                        "has 768), so no matmul would run in FP8. Fix: Strategy.fp8.min_dim=768 or less, or turn "
                        "Strategy.fp8 off.")

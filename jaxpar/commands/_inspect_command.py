@@ -31,7 +31,7 @@ from jaxpar.devices._targets import (COMPILER_NOTES, Target, TargetError, compil
                                      without_notes)
 from jaxpar.errors import Fp8Error, JaxparError
 from jaxpar.attention import count_attention_kernels
-from jaxpar.config._build import build_fp8, mesh_spec
+from jaxpar.config._build import build_option, mesh_spec
 from jaxpar.config._cost_model import config_view, cost_model, unpredicted
 from jaxpar.config._job import build_job, header_lines, model_line, program_lines
 from jaxpar.config._schema import ConfigError, JobConfig
@@ -239,7 +239,8 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
         print("\n" + "\n".join(lines))
     if cfg.parallel.fp8:
         model = cost_model(cfg, job.model_fn) if platform == "cuda" else None
-        print("\n" + "\n".join(fp8_lines(build_fp8(cfg.parallel.fp8), model, compiled["step"], job.mesh, platform)))
+        fp8 = build_option("fp8", cfg.parallel.fp8)
+        print("\n" + "\n".join(fp8_lines(fp8, model, compiled["step"], job.mesh, platform)))
     if (moe := getattr(cfg.model, "moe", None)) and cfg.model.name == "gpt":
         print("\n" + "\n".join(expert_lines(moe["experts"], moe.get("top_k", 2), cfg.data.batch_size * cfg.model.seq_len,
                                               job.mesh, compiled["step"])))

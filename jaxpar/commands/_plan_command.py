@@ -141,7 +141,7 @@ def run_plan(args: argparse.Namespace) -> int:
     Returns:
       The exit status (0).
     """
-    from jaxpar.config._build import build_fp8
+    from jaxpar.config._build import build_option
     from jaxpar.config._load import load_config
     from jaxpar.options import Fp8
 
@@ -165,7 +165,7 @@ def run_plan(args: argparse.Namespace) -> int:
                                                                         "batch")})
         dtype = plan_dtype(cfg, args.dtype, cluster)
         cp = dict(contexts=args.contexts, context_methods=args.context_methods) if args.contexts else {}
-        fp8 = (build_fp8(cfg.parallel.fp8) if cfg else None) or Fp8()
+        fp8 = (build_option("fp8", cfg.parallel.fp8) if cfg else None) or Fp8()
         # offload: never where the optimizer cannot update in host memory; else (None) where nothing fits
         # a config's plans are jaxpar's step: fp32 parameters and moments, compiled by the cluster's XLA
         own = dict(precision=args.precision or "fp32", lowering=cost.lowering_for_platform(cluster.platform)) if cfg \

@@ -10,7 +10,6 @@ The optimizer section is built by :mod:`jaxpar.config._optimizer_section`, the d
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -18,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 from flax import nnx
 
 from jaxpar.mesh import MeshError, MeshSpec, make_mesh
-from jaxpar.strategy import Strategy
+from jaxpar.strategy import Strategy, option_types
 from jaxpar.config._imports import resolve_import
 from jaxpar.config._schema import GPT_KEYS, NOT_IN_YAML, ConfigError, MeshConfig, ModelConfig, ParallelConfig
 
@@ -43,10 +42,9 @@ def build_gpt_config(cfg: ModelConfig):
     from jaxpar.models._gpt import GPTConfig   # the GPT is one example model: imported only when used
     from jaxpar.parallel.moe import MoEError
 
-    moe = build_moe(cfg.moe)
+    plain = {key: getattr(cfg, key) for key in GPT_KEYS if key != "moe"}
     try:
-        return GPTConfig(vocab=cfg.vocab, seq_len=cfg.seq_len, embed=cfg.embed, heads=cfg.heads, layers=cfg.layers,
-                         mlp=cfg.mlp, remat=cfg.remat, scan_layers=cfg.scan_layers, init_std=cfg.init_std, moe=moe)
+        return GPTConfig(**plain, moe=build_moe(cfg.moe))
     except MoEError as e:
         raise ConfigError(str(e) if str(e).startswith("model.moe") else f"model.moe: {e}") from None
     except ValueError as e:
@@ -182,47 +180,28 @@ def build_sync(options: Mapping[str, Any]):
         raise ConfigError(f"parallel.sync: {e}") from None
 
 
-def _options_of(key: str, options: Mapping[str, Any], make: Callable, takes: str, error: type, owner: str):
-    """``make(**options)`` for the YAML section ``parallel.<key>`` (empty: ``None``); an unknown key or
-    ``make``'s ``error`` is a :class:`ConfigError` naming ``parallel.<key>`` (``takes``: what it takes;
-    ``owner``: the class its messages name, ``Fp8.min_dim`` -> ``parallel.fp8.min_dim``)."""
+def build_option(key: str, options: Mapping[str, Any]):
+    """The option object of ``parallel.<key>`` (its class: :func:`jaxpar.strategy.option_types`), e.g.
+    ``build_option("fp8", {"recipe": "rowwise"})``.
+
+    Args:
+      key: the strategy's field (``context``, ``fp8``, ``offload``).
+      options: the YAML mapping (empty: ``None``).
+
+    Returns:
+      The object; an unknown key or the class's error is a :class:`ConfigError` naming ``parallel.<key>``
+      (``Fp8.min_dim`` -> ``parallel.fp8.min_dim``).
+    """
     if not options:
         return None
-    allowed = set(inspect.signature(make).parameters)
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ConfigError(f"parallel.{key} has unknown keys {unknown}; it takes {takes}.")
+    cls = option_types()[key]
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    if unknown := sorted(set(options) - set(allowed)):
+        raise ConfigError(f"parallel.{key} has unknown keys {unknown}; it takes {cls.TAKES}.")
     try:
-        return make(**options)
-    except error as e:
-        raise ConfigError(relabel(e, owner, f"parallel.{key}", sorted(allowed))) from None
-
-
-def build_context(options: Mapping[str, Any]):
-    """The :class:`jaxpar.parallel.context.ContextParallel` of ``parallel.context`` (empty: ``None``)."""
-    from jaxpar.parallel.context import ContextParallel, ContextParallelError
-
-    return _options_of("context", options, ContextParallel, "method (ring | all_gather | ulysses) and balance "
-                       "(true | false)", ContextParallelError, "ContextParallel")
-
-
-def build_fp8(options: Mapping[str, Any]):
-    """The :class:`jaxpar.parallel.Fp8` of ``parallel.fp8`` (empty: ``None``)."""
-    from jaxpar.errors import Fp8Error
-    from jaxpar.options import RECIPES, Fp8
-
-    return _options_of("fp8", options, Fp8, f"recipe ({' | '.join(RECIPES)}) and min_dim (an int: smaller GEMMs "
-                       "stay in the compute dtype)", Fp8Error, "Fp8")
-
-
-def build_offload(options: Mapping[str, Any]):
-    """The :class:`jaxpar.parallel.Offload` of ``parallel.offload`` (empty: ``None``)."""
-    from jaxpar.errors import OffloadError
-    from jaxpar.parallel import Offload
-
-    return _options_of("offload", options, Offload, "optimizer (true | false), master (true | false), update "
-                       "(device | host: where the optimizer update runs) and activations (a list of checkpoint "
-                       "names, with model.remat: offload)", OffloadError, "Offload")
+        return cls(**options)
+    except ValueError as e:
+        raise ConfigError(relabel(e, cls.__name__, f"parallel.{key}", allowed)) from None
 
 
 def build_strategy(cfg: ParallelConfig) -> Strategy:
@@ -241,8 +220,8 @@ def build_strategy(cfg: ParallelConfig) -> Strategy:
         raise ConfigError(f"parallel.compression.local_clip={local_clip!r} clips each replica's gradient before a "
                           "codec, but parallel.compression names none; add one, e.g. compression: {kind: topk, "
                           "ratio: 0.01, local_clip: 1.0}, or use optimizer.clip_norm.")
-    built = {"compression": build_codec(options), "sync": build_sync(cfg.sync), "context": build_context(cfg.context),
-             "fp8": build_fp8(cfg.fp8), "offload": build_offload(cfg.offload)}
+    built = {"compression": build_codec(options), "sync": build_sync(cfg.sync),
+             **{key: build_option(key, getattr(cfg, key)) for key in option_types()}}
     plain = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Strategy)
              if f.name not in NOT_IN_YAML and f.name not in built}
     try:

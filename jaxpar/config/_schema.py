@@ -21,7 +21,7 @@ from jaxpar.models import GPTConfig
 from jaxpar.optimizers import MUON_ADAM_DEFAULTS, muon
 from jaxpar.run._checkpoint import Checkpointer
 from jaxpar.step import noise_scale
-from jaxpar.strategy import Strategy
+from jaxpar.strategy import Strategy, option_types
 
 
 def _defaults(fn) -> dict[str, Any]:
@@ -34,39 +34,31 @@ def _defaults(fn) -> dict[str, Any]:
 MUON_DEFAULTS, CHECKPOINT_DEFAULTS, NOISE_DEFAULTS = map(_defaults, (muon, Checkpointer, noise_scale))
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """Either the built-in GPT (``name: gpt`` and the :class:`jaxpar.models.GPTConfig` fields), a
-    model of your own: ``target`` (``'pkg.mod:Class'`` or ``'path/to/file.py:Class'``), called as
-    ``target(**kwargs, rngs=nnx.Rngs(train.seed))`` -> ``nnx.Module``, and ``loss`` (``loss(model, batch)
-    -> scalar``), or a Hugging Face checkpoint: ``hf`` (its directory; the model is its
-    :class:`jaxpar.models.Decoder`, started from its weights, with ``remat``, ``scan_layers`` and
-    ``seq_len``, the data's windows, only). With ``target`` or ``hf``, ``name`` is only a label
-    (default: the class's / the directory's name). Under ``mesh.pipe > 1`` the model is cut at its
-    stacked blocks (:mod:`jaxpar.parallel.pipeline._cut`)."""
+def _model_fields() -> list[tuple]:
+    """The ``model`` section's fields: a model of your own's (``target``, ``kwargs``, ``loss``), each
+    :class:`jaxpar.models.GPTConfig` field with its default (``moe`` as a mapping of
+    :class:`jaxpar.models.MoESettings`'s options, ``{}``: dense MLPs), and ``hf``."""
+    hints = typing.get_type_hints(GPTConfig)
+    gpt = [(f.name, hints[f.name], field(default=f.default)) for f in dataclasses.fields(GPTConfig) if f.name != "moe"]
+    return [("name", str, field(default="gpt")), ("target", str | None, field(default=None)),
+            ("kwargs", dict[str, Any], field(default_factory=dict)), ("loss", str | None, field(default=None)),
+            *gpt, ("moe", dict[str, Any], field(default_factory=dict)), ("hf", str | None, field(default=None))]
 
-    name: str = "gpt"
-    target: str | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    loss: str | None = None
-    vocab: int = GPTConfig.vocab
-    seq_len: int = GPTConfig.seq_len
-    embed: int = GPTConfig.embed
-    heads: int = GPTConfig.heads
-    layers: int = GPTConfig.layers
-    mlp: int | None = GPTConfig.mlp         # None: 4 * embed
-    remat: str = GPTConfig.remat
-    scan_layers: bool = GPTConfig.scan_layers
-    init_std: float = GPTConfig.init_std
-    # mixture of experts: {experts: 8, top_k: 2, capacity_factor: null (dropless, the default) | 1.25, every: 1, ...}
-    # (see jaxpar.models._gpt_moe.MoESettings); {} = dense MLPs
-    moe: dict[str, Any] = field(default_factory=dict)
-    # a Hugging Face checkpoint directory (config.json, *.safetensors): its Decoder, from its weights
-    hf: str | None = None
 
+#: The ``model`` section, written by :func:`_model_fields` (the GPT's keys from :class:`jaxpar.models.GPTConfig`).
+ModelConfig = dataclasses.make_dataclass("ModelConfig", _model_fields(), frozen=True)
+ModelConfig.__module__ = __name__
+ModelConfig.__doc__ = """Either the built-in GPT (``name: gpt`` and the :class:`jaxpar.models.GPTConfig` fields;
+``moe``: ``{experts: 8, top_k: 2, ...}``, :class:`jaxpar.models.MoESettings`), a model of your own: ``target``
+(``'pkg.mod:Class'`` or ``'path/to/file.py:Class'``), called as ``target(**kwargs, rngs=nnx.Rngs(train.seed))``
+-> ``nnx.Module``, and ``loss`` (``loss(model, batch) -> scalar``), or a Hugging Face checkpoint: ``hf`` (its
+directory; the model is its :class:`jaxpar.models.Decoder`, started from its weights, with ``remat``,
+``scan_layers`` and ``seq_len``, the data's windows, only). With ``target`` or ``hf``, ``name`` is only a label
+(default: the class's / the directory's name). Under ``mesh.pipe > 1`` the model is cut at its stacked blocks
+(:mod:`jaxpar.parallel.pipeline._cut`)."""
 
 #: Keys of the built-in GPT (an error with ``model.target``) and of a user model (an error without it).
-GPT_KEYS = ("vocab", "seq_len", "embed", "heads", "layers", "mlp", "remat", "scan_layers", "init_std", "moe")
+GPT_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
 USER_MODEL_KEYS = ("target", "kwargs", "loss")
 #: Keys that may stand beside ``model.hf`` (the rest of the model comes from the checkpoint).
 HF_MODEL_KEYS = ("name", "hf", "seq_len", "remat", "scan_layers")
@@ -93,14 +85,14 @@ _YAML_TYPES = {"stage_layers": tuple[int, ...] | None}
 
 def _parallel_fields() -> list[tuple]:
     """The ``parallel`` section's fields: each :class:`jaxpar.Strategy` field with its default, an option
-    object (typed ``Any``: ``compression``, ``sync``, ``context``, ``fp8``, ``offload``) as a mapping of its
-    options (``{}``: None), and ``steps_per_call``, the step's."""
+    object (an option class's, :func:`jaxpar.strategy.option_types`, or a kind's, typed ``Any``: ``compression``,
+    ``sync``) as a mapping of its options (``{}``: None), and ``steps_per_call``, the step's."""
     hints = typing.get_type_hints(Strategy)
     out = []
     for f in dataclasses.fields(Strategy):
         if f.name in NOT_IN_YAML:
             continue
-        if hints[f.name] is Any:
+        if hints[f.name] is Any or f.name in option_types():
             out.append((f.name, dict[str, Any], field(default_factory=dict)))
         else:
             out.append((f.name, _YAML_TYPES.get(f.name, hints[f.name]), field(default=f.default)))
