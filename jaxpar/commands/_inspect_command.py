@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from jaxpar.mesh import MeshError, MeshSpec
+from jaxpar.mesh import STANDARD_AXES, MeshError, MeshSpec
 from jaxpar.devices._targets import (COMPILER_NOTES, Target, TargetError, compile_error, fp8_problem,
                                      memory_fraction_problem, parse_target, target_devices, topology_problem,
                                      without_notes)
@@ -62,7 +62,7 @@ def target_mesh_problem(cfg: JobConfig, target: Target) -> str | None:
         return None
     except MeshError:
         pass
-    sizes = {a: getattr(cfg.mesh, a) for a in ("pipe", "data", "fsdp", "tensor")}
+    sizes = {a: getattr(cfg.mesh, a) for a in STANDARD_AXES}
     have = math.prod(sizes.values()) * max(1, cfg.mesh.replica)
     if -1 in sizes.values():
         return (f"target {target} has {n} devices, which the config's fixed mesh axes "
@@ -201,17 +201,13 @@ def job_devices(cfg: JobConfig, tgt: Target | None, command: str = "inspect") ->
     mesh sizes) simulated CPU devices."""
     if tgt is not None:
         return target_devices(tgt)
-    import jax
-
     from jaxpar.devices._distributed import setup_devices
 
     sizes = dataclasses.astuple(cfg.mesh)          # every axis: data, fsdp, tensor, pipe, replica, context, expert
     if cfg.train.devices == 0 and -1 in sizes:
         raise ConfigError(f"jaxpar {command}: mesh has a -1 axis and train.devices=0, so the device count is "
                           "unknown; set train.devices=N (e.g. train.devices=8) or give every mesh axis a size.")
-    n = cfg.train.devices or int(math.prod(sizes))
-    setup_devices(n)
-    return jax.devices()[:n]
+    return setup_devices(cfg.train.devices or int(math.prod(sizes)))
 
 
 def _compile(job: Any, layout: Any, tgt: Target | None) -> dict:

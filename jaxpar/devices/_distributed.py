@@ -332,7 +332,7 @@ def _initialize_k8s(info: ClusterInfo, timeouts: dict) -> ClusterInfo:
     return ClusterInfo("k8s", s.num_processes, s.process_id, s.coordinator_address)
 
 
-def setup_devices(n: int) -> None:
+def setup_devices(n: int) -> list:
     """Simulate ``n`` CPU devices when ``n > 0`` (``train.devices``); call before JAX's backend starts.
 
     :func:`jaxpar.mesh.use_devices` with ``detect=False`` decides: a ``JAX_PLATFORMS``
@@ -343,22 +343,29 @@ def setup_devices(n: int) -> None:
     Args:
       n: the number of devices (``train.devices``); 0 or less: leave the backend to JAX.
 
+    Returns:
+      The first ``n`` devices (none for ``n <= 0``).
+
     Raises:
       DistributedError: the backend is already up with another number of devices, or cannot
         simulate ``n``.
 
     Example:
       >>> import jax
-      >>> setup_devices(jax.device_count())   # the backend is up with that many devices: nothing to do
+      >>> len(setup_devices(jax.device_count()))   # the backend is up with that many devices: nothing to do
+      8
     """
+    import jax
+
     from jaxpar.mesh import use_devices
 
     if n <= 0:
-        return
+        return []
     try:
         use_devices(n, detect=False)
     except RuntimeError as e:
         raise DistributedError(f"train.devices={n}: {e}") from None
+    return jax.devices()[:n]
 
 
 def start_processes(coordinator: str | None = None, num_processes: int | None = None,

@@ -210,12 +210,9 @@ def _verify_devices(n: int, target: Any) -> tuple[list, str, str]:
     if n > 256:
         raise ConfigError(f"--verify simulates the cluster's {n} devices on the CPU; at most 256 (use --devices, "
                           f"or --target to compile for real devices).")
-    import jax
-
     from jaxpar.devices._distributed import setup_devices
 
-    setup_devices(n)
-    return jax.devices()[:n], f"on {n} simulated CPU devices", "xla-cpu"
+    return setup_devices(n), f"on {n} simulated CPU devices", "xla-cpu"
 
 
 def fp8_line(result: Any, cluster: Any) -> str:

@@ -14,13 +14,13 @@ from jaxpar._text import format_bytes
 from jaxpar.errors import NonFiniteError
 from jaxpar.run._metrics import MetricsWriter
 from jaxpar.run._summary import LogOptions
+from jaxpar.step._noise_scale import METRICS as NOISE_METRICS
 
 
 #: Metrics of a compressed gradient exchange, logged when the step reports them.
 _COMM = ("comm_bytes", "comm_ratio", "residual_norm", "replica_grad_norm",             # compression
          "loss_spread", "replica_distance", "replica_bytes", "delay_mean", "modelled_time", "modelled_time_sync",
-         "noise_scale", "grad_sq_small", "grad_sq_big", "noise_trace", "noise_grad_sq",   # noise scale
-         "batch_size", "data_wait")                     # the step's global batch; seconds waiting for it
+         *NOISE_METRICS, "batch_size", "data_wait")     # the step's global batch; seconds waiting for it
 
 
 def _num(x: float) -> float | str:
