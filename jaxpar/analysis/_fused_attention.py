@@ -49,7 +49,7 @@ def attention_report(text: str, length: int) -> AttentionReport:
     cudnn = len(re.findall(r'custom_call_target="__cudnn\$fmha[A-Za-z]*Softmax"', text))
     pallas = len(re.findall(r'name = \\?"mha_forward\\?"', text))
     largest, most = None, 0
-    for dtype, dims in re.findall(rf"\b({'|'.join(_BYTES)})\[((?:\d+,)*{length},{length})\]", text):
+    for dtype, dims in re.findall(rf"\b({'|'.join(_BYTES)})\[((?:\d+,)+{length},{length})\]", text):
         size = int(np.prod([int(d) for d in dims.split(",")])) * _BYTES[dtype]
         if size > most:
             largest, most = f"{dtype}[{dims}]", size
@@ -77,8 +77,9 @@ class ScoreArrays(NamedTuple):
 def score_arrays(text: str, lengths: int | tuple[int, ...]) -> ScoreArrays:
     """The instructions of a compiled program that make a float array whose two trailing dimensions are
     both block lengths (``[..., S_blk, S_blk]``: the scores, probabilities or their gradients of XLA's
-    unfused attention); a bitcast, which makes no array, is not counted. Another array of such a shape counts
-    too (logits whose vocabulary equals a block length).
+    unfused attention, which carry a heads dimension before them); a bitcast, which makes no array, is not
+    counted, nor a 2-D array (a weight or its gradient whose width equals a block length). Another array of
+    such a shape counts (logits whose vocabulary equals a block length).
 
     Args:
       text: the compiled HLO text (``compiled.as_text()``).
@@ -88,7 +89,8 @@ def score_arrays(text: str, lengths: int | tuple[int, ...]) -> ScoreArrays:
       The :class:`ScoreArrays`.
 
     >>> score_arrays('a = f32[8,512,512]{2,1,0} fusion(x)\\nb = f32[8,512,512]{2,1,0} bitcast(a)\\n'
-    ...              'c = (bf16[2,512,8,64]{3,2,1,0}, f32[2,8,512,256]{3,2,1,0}) custom-call(y)', (512, 256))
+    ...              'c = (bf16[2,512,8,64]{3,2,1,0}, f32[2,8,512,256]{3,2,1,0}) custom-call(y)\\n'
+    ...              'w = f32[512,512]{1,0} dot(g, x)', (512, 256))
     ScoreArrays(count=2, largest='f32[8,512,512]', largest_bytes=8388608)
     """
     sizes = {lengths} if isinstance(lengths, int) else set(lengths)
@@ -99,7 +101,7 @@ def score_arrays(text: str, lengths: int | tuple[int, ...]) -> ScoreArrays:
         found = False
         for dtype, dims in _ARRAY.findall(result):
             shape = [int(d) for d in dims.split(",")]
-            if len(shape) >= 2 and shape[-1] in sizes and shape[-2] in sizes:
+            if len(shape) >= 3 and shape[-1] in sizes and shape[-2] in sizes:
                 found, size = True, int(np.prod(shape)) * _BYTES[dtype]
                 if size > most:
                     largest, most = f"{dtype}[{dims}]", size
