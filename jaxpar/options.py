@@ -60,7 +60,7 @@ method; choose one of ('ring', 'all_gather', 'ulysses').
     method: str = "ring"
     balance: bool = False
     #: What it takes, as errors name it (``parallel.context has unknown keys [...]; it takes ...``).
-    TAKES = "method (ring | all_gather | ulysses) and balance (true | false)"
+    TAKES = f"method ({' | '.join(CONTEXT_METHODS)}) and balance (true | false)"
 
     def __post_init__(self):
         if self.method not in CONTEXT_METHODS:
@@ -122,8 +122,8 @@ class Offload:
     master: bool = False
     activations: tuple[str, ...] = ()
     update: str = "device"
-    TAKES = ("optimizer (true | false), master (true | false), update (device | host: where the optimizer update "
-             "runs) and activations (a list of checkpoint names, with model.remat: offload)")
+    TAKES = (f"optimizer (true | false), master (true | false), update ({' | '.join(UPDATES)}: where the optimizer "
+             "update runs) and activations (a list of checkpoint names, with model.remat: offload)")
 
     def __post_init__(self):
         for key in ("optimizer", "master"):
