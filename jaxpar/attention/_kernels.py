@@ -204,7 +204,7 @@ def kernel_for(q, k, *, causal: bool, segments: bool, positions: bool, window: A
     return kernel
 
 
-def context_kernel(q, k, *, method: str, chunk: int, window: Any, softcap: float | None) -> tuple[str, bool]:
+def context_kernel(q, k, *, method: str, chunk: int) -> tuple[str, bool]:
     """The kernel of a ring or all-gather attention's blocks under the current setting and platform, counted
     and warned about like :func:`kernel_for`: ``"pallas"`` (the flash block kernel,
     :mod:`jaxpar.parallel.context._flash`) or ``"xla"`` (einsums and an online softmax).
@@ -216,8 +216,6 @@ def context_kernel(q, k, *, method: str, chunk: int, window: Any, softcap: float
       q, k: the local queries and keys (shapes and dtypes).
       method: ``"ring"`` or ``"all_gather"`` (whose XLA path is :func:`kernel_for`'s, counted there).
       chunk: the length of one query block (a shard, half of it balanced).
-      window: the sliding window, or ``None``.
-      softcap: the logit soft-cap, or ``None``.
 
     Returns:
       ``(kernel, interpret)``: ``interpret`` when the program is not compiled for a GPU.
@@ -236,7 +234,7 @@ def context_kernel(q, k, *, method: str, chunk: int, window: Any, softcap: float
     why = None
     if setting == "auto" and q.dtype not in FUSED_DTYPES:
         why = f"{q.dtype} q/k/v (the fused kernels run bfloat16 or float16)"
-    why = why or fused_ring_problem("pallas", chunk, q.shape[-1], window, softcap)
+    why = why or fused_ring_problem("pallas", chunk, q.shape[-1])
     if setting == "pallas" and why:
         raise AttentionError(f"attention: use_attention_kernel('pallas') cannot run this context-parallel call: "
                              f"{why}. Fix: use_attention_kernel('auto').")

@@ -13,9 +13,13 @@ Why a kernel of our own: JAX's Pallas GPU flash attention
 scaled by ``log2 e``), reads the query's and the key's segment ids from one array (a ring block's keys are
 other tokens than its queries) and has no causal offset (the all-gather method's queries sit at an offset
 within the gathered keys). Here the mask of a block is, by true positions
-``q_pos = offset + i`` and ``k_pos = j``: ``q_pos >= k_pos`` when ``causal``, and ``q_seg == k_seg`` with
-segment ids. GQA: query head ``h`` reads K/V head ``h // (heads // kv_heads)``; dK/dV are summed over each
-group. ``interpret=True`` runs the kernels in Pallas's interpreter (the CPU's exactness tests).
+``q_pos = offset + i`` and ``k_pos = j``: ``q_pos >= k_pos`` when ``causal``, ``q_pos - k_pos < window``
+with a sliding ``window`` (without ``causal`` also ``k_pos - q_pos < window``), and ``q_seg == k_seg`` with
+segment ids; a ``softcap`` makes the scores ``s = scale * q.k`` into ``softcap * tanh(s / softcap)`` before
+the mask (:func:`jaxpar.parallel.context._softmax.allowed` and ``_logits``, XLA's path). Key (or, for
+dK/dV, query) tiles that the causal mask or the window masks wholly are skipped. GQA: query head ``h``
+reads K/V head ``h // (heads // kv_heads)``; dK/dV are summed over each group. ``interpret=True`` runs the
+kernels in Pallas's interpreter (the CPU's exactness tests).
 
 Example::
 
@@ -100,30 +104,79 @@ def _out(shape: tuple, ref: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, _F32, sharding=NamedSharding(mesh, PartitionSpec()), manual_axis_type=aval.mat)
 
 
-def _mask(q_pos, k_pos, q_seg, k_seg, causal: bool):
-    """The tile's mask (``None``: all allowed) by true positions and segment ids."""
+def _both(mask, other):
+    """``mask & other``, ``other`` where ``mask`` is ``None``."""
+    return other if mask is None else mask & other
+
+
+def _mask(q_pos, k_pos, q_seg, k_seg, causal: bool, window):
+    """The tile's mask (``None``: all allowed) by true positions, the ``window`` (``None``: none) and
+    segment ids, as :func:`jaxpar.parallel.context._softmax.allowed`."""
     mask = q_pos[:, None] >= k_pos[None, :] if causal else None
+    if window is not None:
+        gap = q_pos[:, None] - k_pos[None, :]
+        mask = _both(mask, gap < window if causal else (gap < window) & (gap > -window))
     if q_seg is not None:
-        same = q_seg[:, None] == k_seg[None, :]
-        mask = same if mask is None else mask & same
+        mask = _both(mask, q_seg[:, None] == k_seg[None, :])
     return mask
 
 
-def _scores(q, k, scale: float, mask):
-    """``scale * q k^T`` in fp32, masked entries at :data:`MASK_VALUE`."""
+def _scores(q, k, scale: float, softcap: float | None, mask) -> tuple[jax.Array, Any]:
+    """``scale * q k^T`` in fp32, soft-capped with ``softcap``, masked entries at :data:`MASK_VALUE`; and
+    ``tanh(scale * q k^T / softcap)`` with a cap (the backward's ``d capped / d raw = 1 - tanh^2``), else ``None``."""
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32) * scale
-    return s if mask is None else jnp.where(mask, s, MASK_VALUE)
+    tanh = None
+    if softcap is not None:
+        tanh = jnp.tanh(s / softcap)
+        s = softcap * tanh
+    return (s if mask is None else jnp.where(mask, s, MASK_VALUE)), tanh
 
 
-def _key_stop(offset, row_end, tile_k: int, tiles: int, causal: bool):
-    """How many key tiles rows before ``row_end`` (block rows) need: all, or up to the causal diagonal."""
-    if not causal:
-        return tiles
-    return jnp.clip(lax.div(offset + row_end + tile_k - 1, tile_k), 0, tiles)
+def _score_grad(p, dp, delta, scale: float, tanh):
+    """dS of the raw scores ``q k^T``: ``p (dP - delta)`` through the soft-cap (``1 - tanh^2``) and the scale."""
+    ds = p * (dp - delta[:, None])
+    return ds * scale if tanh is None else ds * (1 - tanh * tanh) * scale
 
 
-def _forward_kernel(off_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, *, scale, causal, tile_k):
-    tile_q, i, offset = q_ref.shape[0], pl.program_id(0), off_ref[0]
+def _gaps(causal: bool, window) -> tuple[Any, Any]:
+    """The lowest and highest ``q_pos - k_pos`` the mask allows (``None``: unbounded)."""
+    low = 0 if causal else (None if window is None else 1 - window)
+    return low, None if window is None else window - 1
+
+
+def _tiles(first, last, tile: int, tiles: int) -> tuple[Any, Any]:
+    """The tiles ``[start, stop)`` of ``tiles`` tiles of ``tile`` that hold positions ``first..last``
+    (``None``: unbounded on that side; positions may lie outside the block)."""
+    start = 0 if first is None else jnp.clip(lax.div(jnp.maximum(first, 0), tile), 0, tiles)
+    if last is None:
+        return start, tiles
+    return start, jnp.maximum(jnp.clip(lax.div(jnp.maximum(last + tile, 0), tile), 0, tiles), start)
+
+
+def _key_tiles(offset, window, causal: bool, i, tile_q: int, tile_k: int, tiles: int) -> tuple[Any, Any]:
+    """The key tiles query tile ``i`` needs: those the causal mask and the window leave any entry of."""
+    low, high = _gaps(causal, window)
+    first = offset + i * tile_q
+    return _tiles(None if high is None else first - high, None if low is None else first + tile_q - 1 - low,
+                  tile_k, tiles)
+
+
+def _query_tiles(offset, window, causal: bool, j, tile_k: int, tile_q: int, tiles: int) -> tuple[Any, Any]:
+    """The query tiles key tile ``j`` needs (block rows ``q_pos - offset``)."""
+    low, high = _gaps(causal, window)
+    first = j * tile_k - offset
+    return _tiles(None if low is None else first + low, None if high is None else first + tile_k - 1 + high,
+                  tile_q, tiles)
+
+
+def _window_of(win_ref):
+    """The window the kernel reads from its ``[1]`` input, or ``None`` without one."""
+    return None if win_ref is None else win_ref[0]
+
+
+def _forward_kernel(off_ref, win_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, *, scale, softcap, causal,
+                    tile_k):
+    tile_q, i, offset, window = q_ref.shape[0], pl.program_id(0), off_ref[0], _window_of(win_ref)
     q, q_pos = q_ref[...], offset + i * tile_q + jnp.arange(tile_q)
     q_seg = None if qs_ref is None else qs_ref[...]
 
@@ -131,17 +184,19 @@ def _forward_kernel(off_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref
         o, m, l = carry     # noqa: E741
         keys = pl.ds(j * tile_k, tile_k)
         k_seg = None if ks_ref is None else ks_ref[keys]
-        s = _scores(q, k_ref[keys, :], scale, _mask(q_pos, j * tile_k + jnp.arange(tile_k), q_seg, k_seg, causal))
+        mask = _mask(q_pos, j * tile_k + jnp.arange(tile_k), q_seg, k_seg, causal, window)
+        s, _ = _scores(q, k_ref[keys, :], scale, softcap, mask)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p, alpha = jnp.exp(s - m_new[:, None]), jnp.exp(m - m_new)
         v = v_ref[keys, :]
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
         return alpha[:, None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
-    start = (jnp.zeros(q.shape, _F32), jnp.full((tile_q,), MASK_VALUE, _F32), jnp.zeros((tile_q,), _F32))
-    stop = _key_stop(offset, (i + 1) * tile_q, tile_k, k_ref.shape[0] // tile_k, causal)
-    o, m, l = lax.fori_loop(0, stop, body, start)       # noqa: E741
-    l = jnp.where(l == 0, 1.0, l)                         # noqa: E741 - rows with no key at all
-    o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
+    init = (jnp.zeros(q.shape, _F32), jnp.full((tile_q,), MASK_VALUE, _F32), jnp.zeros((tile_q,), _F32))
+    start, stop = _key_tiles(offset, window, causal, i, tile_q, tile_k, k_ref.shape[0] // tile_k)
+    o, m, l = lax.fori_loop(start, stop, body, init)    # noqa: E741
+    empty = m == MASK_VALUE                               # rows no key may attend to: lse MASK_VALUE, output 0
+    l = jnp.where(empty, 1.0, l)                          # noqa: E741
+    o_ref[...] = jnp.where(empty[:, None], 0.0, o / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
 
@@ -170,6 +225,19 @@ def _offset(offset: Any) -> tuple[jax.Array, pl.BlockSpec]:
     return jnp.asarray(offset, jnp.int32).reshape(1), pl.BlockSpec((1,), lambda i, b, h: (0,))
 
 
+#: The largest window the kernels take: any wider one masks like it (no block is 2**30 tokens from
+#: another), and the tile bounds ``position +- window`` stay in int32.
+_WIDEST = 2 ** 30
+
+
+def _window(window: Any) -> tuple[Any, Any]:
+    """The sliding window as an int32 ``[1]`` input (at most :data:`_WIDEST`) and its spec, or
+    ``(None, None)`` without one."""
+    if window is None:
+        return None, None
+    return _offset(jnp.minimum(jnp.asarray(window, jnp.int32), _WIDEST))
+
+
 def _segments(q_seg, k_seg) -> tuple[Any, Any]:
     if (q_seg is None) != (k_seg is None):
         raise AttentionError(f"flash_forward(q_seg={'given' if q_seg is not None else None}, k_seg="
@@ -178,6 +246,7 @@ def _segments(q_seg, k_seg) -> tuple[Any, Any]:
 
 
 def flash_forward(q, k, v, q_seg=None, k_seg=None, *, causal: bool, scale: float, offset: Any = 0,
+                  window: Any = None, softcap: float | None = None,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """One block's attention by the flash kernel: its output and its log-sum-exp.
 
@@ -187,7 +256,11 @@ def flash_forward(q, k, v, q_seg=None, k_seg=None, *, causal: bool, scale: float
       q_seg, k_seg: ``[batch, q_length]`` and ``[batch, k_length]`` segment ids, or both ``None``.
       causal: mask keys after the query, by positions ``offset + row`` (queries) and ``column`` (keys).
       scale: the score scale.
-      offset: the queries' first position among the keys (an int >= 0 or a traced int32 scalar).
+      offset: the queries' first position among the keys (an int or a traced int32 scalar; negative where
+        the queries come before the keys).
+      window: the sliding window (a Python int >= 1 or a traced int32 scalar), or ``None``: keys ``window``
+        or more positions before the query are masked (and, without ``causal``, as far after it).
+      softcap: the logit soft-cap (a Python float > 0), or ``None``.
       interpret: run in Pallas's interpreter (off a GPU).
 
     Returns:
@@ -199,19 +272,19 @@ def flash_forward(q, k, v, q_seg=None, k_seg=None, *, causal: bool, scale: float
     q_seg, k_seg = _segments(q_seg, k_seg)
     (q_spec, qs_spec, lse_spec), (k_spec, ks_spec, _) = (_specs(_group(1), tile_q, tq, d),
                                                           _specs(_group(h // k.shape[2]), None, tk, d))
-    off, off_spec = _offset(offset)
-    off, q, k, v, q_seg, k_seg = as_varying((off, q, k, v, q_seg, k_seg), off, q, k, v, q_seg, k_seg)
-    kernel = functools.partial(_forward_kernel, scale=scale, causal=causal, tile_k=tile_k)
+    (off, off_spec), (win, win_spec) = _offset(offset), _window(window)
+    args = as_varying((off, win, q, k, v, q_seg, k_seg), off, win, q, k, v, q_seg, k_seg)
+    kernel = functools.partial(_forward_kernel, scale=scale, softcap=softcap, causal=causal, tile_k=tile_k)
     segs = (None, None) if q_seg is None else (qs_spec, ks_spec)
     return pl.pallas_call(
-        kernel, grid=(tq // tile_q, b, h), in_specs=[off_spec, q_spec, k_spec, k_spec, *segs],
+        kernel, grid=(tq // tile_q, b, h), in_specs=[off_spec, win_spec, q_spec, k_spec, k_spec, *segs],
         out_specs=[q_spec, lse_spec], out_shape=[_out(q.shape, q), _out((b, h, tq), q)],
-        interpret=interpret, compiler_params=_TRITON, name="ring_flash_forward")(off, q, k, v, q_seg, k_seg)
+        interpret=interpret, compiler_params=_TRITON, name="ring_flash_forward")(*args)
 
 
-def _dq_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref, *,
-               scale, causal, tile_k):
-    tile_q, i, offset = q_ref.shape[0], pl.program_id(0), off_ref[0]
+def _dq_kernel(off_ref, win_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref, *,
+               scale, softcap, causal, tile_k):
+    tile_q, i, offset, window = q_ref.shape[0], pl.program_id(0), off_ref[0], _window_of(win_ref)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_pos = offset + i * tile_q + jnp.arange(tile_q)
     q_seg = None if qs_ref is None else qs_ref[...]
@@ -220,19 +293,21 @@ def _dq_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref,
         keys = pl.ds(j * tile_k, tile_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
         k_seg = None if ks_ref is None else ks_ref[keys]
-        s = _scores(q, k, scale, _mask(q_pos, j * tile_k + jnp.arange(tile_k), q_seg, k_seg, causal))
+        s, tanh = _scores(q, k, scale, softcap, _mask(q_pos, j * tile_k + jnp.arange(tile_k), q_seg, k_seg, causal,
+                                                      window))
         p = jnp.exp(s - lse[:, None])
         dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-        ds = (p * (dp - delta[:, None]) * scale).astype(k.dtype)
+        ds = _score_grad(p, dp, delta, scale, tanh).astype(k.dtype)
         return dq + lax.dot_general(ds, k, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
-    stop = _key_stop(offset, (i + 1) * tile_q, tile_k, k_ref.shape[0] // tile_k, causal)
-    dq_ref[...] = lax.fori_loop(0, stop, body, jnp.zeros(q.shape, _F32))
+    start, stop = _key_tiles(offset, window, causal, i, tile_q, tile_k, k_ref.shape[0] // tile_k)
+    dq_ref[...] = lax.fori_loop(start, stop, body, jnp.zeros(q.shape, _F32))
 
 
-def _dkv_kernel(off_ref, k_ref, v_ref, qs_ref, ks_ref, *refs, scale, causal, tile_q, group):
+def _dkv_kernel(off_ref, win_ref, k_ref, v_ref, qs_ref, ks_ref, *refs, scale, softcap, causal, tile_q, group):
     """dK, dV of one key tile of one K/V head: over the tiles of each of its ``group`` query heads (``refs``:
     q, dO, lse and delta of each, then the dK and dV outputs)."""
     (dk_ref, dv_ref), tile_k, j, offset = refs[4 * group:], k_ref.shape[0], pl.program_id(0), off_ref[0]
+    window = _window_of(win_ref)
     k, v = k_ref[...], v_ref[...]
     k_pos = j * tile_k + jnp.arange(tile_k)
     k_seg = None if ks_ref is None else ks_ref[...]
@@ -242,26 +317,27 @@ def _dkv_kernel(off_ref, k_ref, v_ref, qs_ref, ks_ref, *refs, scale, causal, til
         rows = pl.ds(i * tile_q, tile_q)
         q, do, lse, delta = q_ref[rows, :], do_ref[rows, :], lse_ref[rows], delta_ref[rows]
         q_seg = None if qs_ref is None else qs_ref[rows]
-        s = _scores(q, k, scale, _mask(offset + i * tile_q + jnp.arange(tile_q), k_pos, q_seg, k_seg, causal))
+        mask = _mask(offset + i * tile_q + jnp.arange(tile_q), k_pos, q_seg, k_seg, causal, window)
+        s, tanh = _scores(q, k, scale, softcap, mask)
         p = jnp.exp(s - lse[:, None])
         dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
         dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-        ds = (p * (dp - delta[:, None]) * scale).astype(q.dtype)
+        ds = _score_grad(p, dp, delta, scale, tanh).astype(q.dtype)
         return dk + lax.dot_general(ds, q, (((0,), (0,)), ((), ())), preferred_element_type=_F32), dv
-    tiles = refs[0].shape[0] // tile_q
-    start = jnp.clip(lax.div(jnp.maximum(j * tile_k - offset, 0), tile_q), 0, tiles) if causal else 0
+    start, stop = _query_tiles(offset, window, causal, j, tile_k, tile_q, refs[0].shape[0] // tile_q)
     grads = (jnp.zeros(k.shape, _F32),) * 2
     for g in range(group):
-        grads = lax.fori_loop(start, tiles, functools.partial(body, refs[4 * g:4 * g + 4]), grads)
+        grads = lax.fori_loop(start, stop, functools.partial(body, refs[4 * g:4 * g + 4]), grads)
     dk_ref[...], dv_ref[...] = grads
 
 
 def flash_backward(q, k, v, q_seg, k_seg, d_out, lse, delta, *, causal: bool, scale: float, offset: Any = 0,
+                   window: Any = None, softcap: float | None = None,
                    interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One block's share of the attention gradient, from the statistics of the whole attention.
 
     Args:
-      q, k, v, q_seg, k_seg, causal, scale, offset, interpret: as for :func:`flash_forward`.
+      q, k, v, q_seg, k_seg, causal, scale, offset, window, softcap, interpret: as for :func:`flash_forward`.
       d_out: the cotangent of the whole attention's output at these queries, like ``q``.
       lse: the whole attention's log-sum-exp at these queries ``[batch, heads, q_length]`` fp32.
       delta: ``rowsum(d_out * out)`` of the whole attention's output ``[batch, heads, q_length]`` fp32.
@@ -272,29 +348,29 @@ def flash_backward(q, k, v, q_seg, k_seg, d_out, lse, delta, *, causal: bool, sc
     (b, tq, h, d), tk, hk = q.shape, k.shape[1], k.shape[2]
     tile_q, tile_k = min(TILE, tq), min(TILE, tk)
     q_seg, k_seg = _segments(q_seg, k_seg)
-    off, off_spec = _offset(offset)
-    args = (off, q, k, v, d_out.astype(q.dtype), lse, delta, q_seg, k_seg)
+    (off, off_spec), (win, win_spec) = _offset(offset), _window(window)
+    args = (off, win, q, k, v, d_out.astype(q.dtype), lse, delta, q_seg, k_seg)
     args = as_varying(args, *args)
-    off, q, k, v, do, lse, delta, q_seg, k_seg = args
-    common = dict(scale=scale, causal=causal)
+    off, win, q, k, v, do, lse, delta, q_seg, k_seg = args
+    common = dict(scale=scale, softcap=softcap, causal=causal)
     group = h // hk
     q_tiled = _specs(_group(1), tile_q, tq, d)
     k_tiled, k_whole = _specs(_group(1), tile_k, tk, d), _specs(_group(group), None, tk, d)
     segs = lambda qs, ks: (None, None) if q_seg is None else (qs, ks)    # noqa: E731
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, tile_k=tile_k, **common), grid=(tq // tile_q, b, h),
-        in_specs=[off_spec, q_tiled[0], k_whole[0], k_whole[0], q_tiled[0], q_tiled[2], q_tiled[2],
+        in_specs=[off_spec, win_spec, q_tiled[0], k_whole[0], k_whole[0], q_tiled[0], q_tiled[2], q_tiled[2],
                   *segs(q_tiled[1], k_whole[1])],
-        out_specs=q_tiled[0], out_shape=_out(q.shape, args[1]), interpret=interpret, compiler_params=_TRITON,
+        out_specs=q_tiled[0], out_shape=_out(q.shape, q), interpret=interpret, compiler_params=_TRITON,
         name="ring_flash_dq")(*args)
     heads = [_specs(_member(group, g), None, tq, d) for g in range(group)]
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, tile_q=tile_q, group=group, **common), grid=(tk // tile_k, b, hk),
-        in_specs=[off_spec, k_tiled[0], k_tiled[0], *segs(heads[0][1], k_tiled[1]),
+        in_specs=[off_spec, win_spec, k_tiled[0], k_tiled[0], *segs(heads[0][1], k_tiled[1]),
                   *[spec for q_whole in heads for spec in (q_whole[0], q_whole[0], q_whole[2], q_whole[2])]],
-        out_specs=[k_tiled[0]] * 2, out_shape=[_out(k.shape, args[1])] * 2,
+        out_specs=[k_tiled[0]] * 2, out_shape=[_out(k.shape, q)] * 2,
         interpret=interpret, compiler_params=_TRITON, name="ring_flash_dkv")(
-            off, k, v, q_seg, k_seg, *[x for _ in range(group) for x in (q, do, lse, delta)])
+            off, win, k, v, q_seg, k_seg, *[x for _ in range(group) for x in (q, do, lse, delta)])
     return dq, dk, dv
 
 
@@ -318,33 +394,35 @@ def merge_blocks(state: tuple[jax.Array, jax.Array], block: tuple[jax.Array, jax
     return out * weight(lse) + out_b * weight(lse_b), new
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def flash_attention(q, k, v, q_seg, k_seg, offset, causal: bool, scale: float, interpret: bool) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def flash_attention(q, k, v, q_seg, k_seg, offset, window, causal: bool, scale: float, softcap: float | None,
+                    interpret: bool) -> jax.Array:
     """Attention of ``q`` to all of ``k``/``v`` by the flash kernel, differentiable (its backward is the
     kernel's too): the all-gather method's local attention, queries at ``offset`` among the keys.
 
     Args:
-      q, k, v, q_seg, k_seg, offset, causal, scale, interpret: as for :func:`flash_forward`.
+      q, k, v, q_seg, k_seg, offset, window, causal, scale, softcap, interpret: as for :func:`flash_forward`.
 
     Returns:
       ``[batch, q_length, heads, head_dim]`` in ``q``'s dtype.
     """
-    return flash_forward(q, k, v, q_seg, k_seg, causal=causal, scale=scale, offset=offset,
-                         interpret=interpret)[0].astype(q.dtype)
+    return flash_forward(q, k, v, q_seg, k_seg, causal=causal, scale=scale, offset=offset, window=window,
+                         softcap=softcap, interpret=interpret)[0].astype(q.dtype)
 
 
-def _attention_fwd(q, k, v, q_seg, k_seg, offset, causal, scale, interpret):
-    out, lse = flash_forward(q, k, v, q_seg, k_seg, causal=causal, scale=scale, offset=offset, interpret=interpret)
+def _attention_fwd(q, k, v, q_seg, k_seg, offset, window, causal, scale, softcap, interpret):
+    out, lse = flash_forward(q, k, v, q_seg, k_seg, causal=causal, scale=scale, offset=offset, window=window,
+                             softcap=softcap, interpret=interpret)
     out = out.astype(q.dtype)
-    return out, (q, k, v, q_seg, k_seg, offset, out, lse)
+    return out, (q, k, v, q_seg, k_seg, offset, window, out, lse)
 
 
-def _attention_bwd(causal, scale, interpret, residuals, d_out):
-    q, k, v, q_seg, k_seg, offset, out, lse = residuals
+def _attention_bwd(causal, scale, softcap, interpret, residuals, d_out):
+    q, k, v, q_seg, k_seg, offset, window, out, lse = residuals
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(_F32), out.astype(_F32))
     dq, dk, dv = flash_backward(q, k, v, q_seg, k_seg, d_out, lse, delta, causal=causal, scale=scale, offset=offset,
-                                interpret=interpret)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+                                window=window, softcap=softcap, interpret=interpret)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 
 flash_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -74,7 +74,7 @@ def context_attention(dense: Callable, q: jax.Array, k: jax.Array, v: jax.Array,
       scale: the score scale.
       window: the checked sliding window, or ``None``.
       softcap: the checked logit soft-cap, or ``None``.
-      block_kernel: ``block_kernel(q, k, method=, chunk=, window=, softcap=) -> (kernel, interpret)``, the kernel of
+      block_kernel: ``block_kernel(q, k, method=, chunk=) -> (kernel, interpret)``, the kernel of
         the ``ring`` and ``all_gather`` methods' blocks (:func:`jaxpar.attention._kernels.context_kernel`);
         ``None``: ``"xla"``.
 
@@ -93,7 +93,7 @@ def context_attention(dense: Callable, q: jax.Array, k: jax.Array, v: jax.Array,
     call = _Call(size, causal, scale, setting.balance, _ring_hop(ctx[0]), softcap, dense=dense)
     chunk = check_length(q.shape[1] * (size if local else 1), size, setting.balance)
     if block_kernel is not None and setting.method != "ulysses":
-        kernel, interpret = block_kernel(q, k, method=setting.method, chunk=chunk, window=window, softcap=softcap)
+        kernel, interpret = block_kernel(q, k, method=setting.method, chunk=chunk)
         call = call._replace(kernel=kernel, interpret=interpret)
     if local:
         call = call._replace(wire=reduce_dtype(q.dtype, ctx[0], ()))     # in the enclosing region
@@ -243,7 +243,7 @@ def _all_gather_local(call: _Call, q, k, v, seg, window):
         return collective_in(wire, functools.partial(jax.lax.all_gather, axis_name=CONTEXT, axis=1, tiled=True), x)
     k, v, k_seg = gather(k), gather(v), gather(seg)
     if call.kernel == "pallas":
-        return _all_gather_fused(call, q, k, v, seg, k_seg)
+        return _all_gather_fused(call, q, k, v, seg, k_seg, window)
     if not call.causal and window is None:   # a full mask depends on the segments only, not on where tokens sit
         return call.dense(q, k, v, causal=False, scale=call.scale, q_seg=seg, k_seg=k_seg, softcap=call.softcap)
     q_pos = shard_positions(jax.lax.axis_index(CONTEXT), q.shape[1], call.size, call.balance)
@@ -252,18 +252,19 @@ def _all_gather_local(call: _Call, q, k, v, seg, window):
                            k_pos=k_pos, window=window, softcap=call.softcap)
 
 
-def _all_gather_fused(call: _Call, q, k, v, seg, k_seg):
+def _all_gather_fused(call: _Call, q, k, v, seg, k_seg, window):
     """The all-gather method's local attention by the flash kernel: the gathered K/V in the natural order,
-    each query chunk at its causal offset among them (its first true position)."""
+    each query chunk at its offset among them (its first true position; the ``window``, static or traced,
+    masks by it too)."""
     if call.balance:
         k, v = from_balanced(k, 1, call.size), from_balanced(v, 1, call.size)
         k_seg = None if k_seg is None else from_balanced(k_seg, 1, call.size)
-    parts = chunks_per_shard(call.balance) if call.causal else 1
+    parts = chunks_per_shard(call.balance) if call.causal or window is not None else 1
     chunk, me = q.shape[1] // parts, jax.lax.axis_index(CONTEXT)
     rows = lambda x, a: None if x is None else x[:, a * chunk:(a + 1) * chunk]     # noqa: E731
     return jnp.concatenate([flash_attention(rows(q, a), k, v, rows(seg, a), k_seg, chunk_index(me, a, call.size,
-                                            call.balance) * chunk, causal=call.causal, scale=call.scale,
-                                            interpret=call.interpret) for a in range(parts)], axis=1)
+                                            call.balance) * chunk, window, call.causal, call.scale, call.softcap,
+                                            call.interpret) for a in range(parts)], axis=1)
 
 
 def ulysses_kv_repeat(heads: int, kv_heads: int, size: int) -> int:

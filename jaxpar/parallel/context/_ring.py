@@ -206,10 +206,14 @@ def _empty_block(q: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _flash_args(view: _Blocks, a: int, b: int, q, kv, q_seg, k_seg) -> tuple[tuple, dict]:
     """The flash kernel's block arguments for the pair (``a``, ``b``): the diagonal block (step 0,
-    ``a == b``) is the only one a causal mask cuts; every other needed pair lies wholly in the past."""
+    ``a == b``) is the only one a causal mask cuts; every other needed pair lies wholly in the past. With
+    a window the kernel masks by the queries' offset from the keys, ``(q chunk - k chunk) * chunk``."""
     args = (view.rows(q, a), view.rows(kv[0], b), view.rows(kv[1], b), view.rows(q_seg, a), view.rows(k_seg, b))
     causal = view.spec.causal and view.shift == 0 and a == b
-    return args, dict(causal=causal, scale=view.spec.scale, interpret=view.spec.interpret)
+    options = dict(causal=causal, scale=view.spec.scale, softcap=view.spec.softcap, interpret=view.spec.interpret)
+    if view.window is not None:
+        options.update(window=view.window, offset=(view.q_chunk(a) - view.k_chunk(b)) * view.chunk)
+    return args, options
 
 
 def _fused_forward_block(view: _Blocks, a: int, b: int, q, kv, q_seg, k_seg, state):
@@ -300,30 +304,24 @@ _ring.defvjp(_ring_fwd, ring_backward)
 RING_KERNELS = ("xla", "pallas")
 
 
-def fused_ring_problem(kernel: str, chunk: int, head_dim: int, window: Any, softcap: float | None) -> str | None:
+def fused_ring_problem(kernel: str, chunk: int, head_dim: int) -> str | None:
     """Why the ring cannot run its blocks by ``kernel``, or ``None`` when it can.
 
     Args:
       kernel: one of :data:`RING_KERNELS`.
       chunk: the block length (the shard length, half of it balanced).
       head_dim: the head dimension.
-      window: the sliding window, or ``None``.
-      softcap: the logit soft-cap, or ``None``.
 
     Returns:
       ``None``, or the reason.
 
-    >>> fused_ring_problem("pallas", 4096, 128, None, None), fused_ring_problem("pallas", 4096, 128, 512, None)
-    (None, 'a sliding window (the flash block kernel has none)')
+    >>> fused_ring_problem("pallas", 4096, 128), fused_ring_problem("pallas", 4096, 96)
+    (None, 'head_dim 96 (the flash block kernel: a power of 2, at least 16)')
     """
     if kernel not in RING_KERNELS:
         return f"kernel {kernel!r} is not one of {RING_KERNELS}"
     if kernel == "xla":
         return None
-    if window is not None:
-        return "a sliding window (the flash block kernel has none)"
-    if softcap is not None:
-        return "a soft-cap (the flash block kernel has none)"
     return flash_tile(chunk, head_dim)
 
 
@@ -349,7 +347,7 @@ def ring_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, axis_nam
       softcap: the logit soft-cap (a Python number > 0), or ``None``.
       kernel: ``"xla"`` (each block by einsums and an online softmax) or ``"pallas"`` (each block by the
         flash kernel of :mod:`jaxpar.parallel.context._flash`, merged by its log-sum-exp: no
-        ``[block, block]`` array; no window or soft-cap).
+        ``[block, block]`` array).
       interpret: run the ``"pallas"`` kernel in Pallas's interpreter; ``None``: off a GPU backend.
 
     Returns:
@@ -368,8 +366,7 @@ def ring_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, axis_nam
     if isinstance(window, int) and window >= q.shape[1] * size:
         window = None                            # wider than the sequence: no window
     static = window if isinstance(window, int) else None
-    if kernel != "xla" and (why := fused_ring_problem(kernel, q.shape[1] // chunks_per_shard(balance), q.shape[-1],
-                                                      window, softcap)):
+    if kernel != "xla" and (why := fused_ring_problem(kernel, q.shape[1] // chunks_per_shard(balance), q.shape[-1])):
         raise ContextParallelError(f"ring_attention: kernel={kernel!r} cannot run this call: {why}. "
                                    "Fix: kernel='xla'.")
     interpret = jax.default_backend() != "gpu" if interpret is None else bool(interpret)
