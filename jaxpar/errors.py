@@ -24,7 +24,7 @@ __all__ = ["JaxparError", "MeshError", "StrategyError", "MaskError", "RulesError
            "ExplicitDPError", "NoiseScaleError", "StrategyMismatchError", "DataError", "SourceError",
            "TokenizerError", "CacheError", "HFConfigError", "HFExportError", "HFFilesError",
            "HFCheckpointError", "ClusterError", "LayoutError", "PlanError", "DistributedError", "TargetError",
-           "ConfigError", "UnusedAxisWarning", "ReplicatedLeafWarning", "BatchError", "OptimizerError",
+           "ConfigError", "UnusedAxisWarning", "ReplicatedLeafWarning", "ScheduleWarning", "BatchError", "OptimizerError",
            "BackendStartedError",
            "ModelStateError", "ModelConfigError", "StepError", "CompatError", "CostModelError", "AnalysisError"]
 
@@ -180,6 +180,11 @@ class ReplicatedLeafWarning(UserWarning):
     """ZeRO / FSDP leaves a large parameter replicated over the data axes: none of its dimensions is a
     multiple of their size (:func:`jaxpar.parallel._zero.warn_replicated`). The message names each such
     parameter, its shape, dtype and bytes per device, the size a dimension must be a multiple of and the fix."""
+
+
+class ScheduleWarning(UserWarning):
+    """The learning-rate schedule does not run as written in this run: a warm-up as long as the run or longer
+    (the message names both settings, where the rate ends and the fix)."""
 
 
 class RampError(JaxparError):

@@ -1,6 +1,7 @@
 """The config edge and the ``jaxpar`` CLI: loading, overrides, errors naming keys, an end-to-end run, schedules."""
 import json
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ from jaxpar.cli import build_parser, main
 from jaxpar.config import (ConfigError, build_data, build_lr_schedule, build_optimizer, check, load_config,
                            parse_overrides, resolve_import, to_yaml)
 from jaxpar.data import _windows as D
+from jaxpar.errors import ScheduleWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs" / "quickstart.yaml")
@@ -153,6 +155,16 @@ def test_build_optimizer(name):
     flat = load_config(QUICK, ["optimizer.lr_schedule=constant", "optimizer.warmup_steps=0"]).optimizer
     const = build_lr_schedule(flat, 50)
     assert float(const(0)) == float(const(49)) == pytest.approx(lr)
+
+
+def test_a_warm_up_as_long_as_the_run_is_warned():
+    cfg = load_config(QUICK, ["optimizer.warmup_steps=20"]).optimizer
+    with pytest.warns(ScheduleWarning, match=r"warmup_steps=20 is not below train.steps=10: .* 0.90 of"):
+        schedule = build_lr_schedule(cfg, 10)
+    assert float(schedule(9)) == pytest.approx(0.9 * cfg.lr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_lr_schedule(cfg, 21)
 
 
 def test_text_and_synthetic_batches_are_deterministic(tmp_path):

@@ -9,12 +9,13 @@ mask checked against the model's parameters (:func:`build_trust_mask`). Errors n
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Callable
 
 import optax
 
 from jaxpar import optimizers as opt_lib
-from jaxpar.errors import int_problem
+from jaxpar.errors import ScheduleWarning, int_problem
 from jaxpar.strategy import Strategy
 from jaxpar.config._schema import ConfigError, LRScalingConfig, OptimizerConfig
 
@@ -116,6 +117,12 @@ def build_lr_schedule(cfg: OptimizerConfig, total_steps: int, global_batch: int 
       then constant / cosine / linear decay to ``min_lr_ratio`` times the peak.
     """
     peak = peak_lr(cfg, global_batch)
+    if 0 < total_steps <= cfg.warmup_steps:
+        end = (total_steps - 1) / total_steps
+        warnings.warn(f"optimizer.warmup_steps={cfg.warmup_steps} is not below train.steps={total_steps}: the whole "
+                      f"run warms up, to {end:.2f} of the peak learning rate {peak:g} at its last step, and "
+                      f"optimizer.lr_schedule={cfg.lr_schedule!r} never starts. Lower optimizer.warmup_steps below "
+                      "train.steps.", ScheduleWarning, stacklevel=2)
     warm = min(cfg.warmup_steps, total_steps)
     rest = max(1, total_steps - warm)
     after = {"constant": lambda: optax.constant_schedule(peak),
