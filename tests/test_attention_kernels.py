@@ -21,6 +21,8 @@ from jaxpar.devices import parse_target, target_devices
 from jaxpar.errors import AttentionError
 from jaxpar.attention import (AttentionFallbackWarning, attention, choose_kernel, current_attention_kernel,
                               use_attention_kernel)
+from jaxpar.analysis._fused_attention import attention_report, flash_blocks
+from jaxpar.attention._kernels import pallas_kernel
 
 BF16 = jax.ShapeDtypeStruct((2, 256, 8, 64), jnp.bfloat16)
 KV = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
@@ -33,16 +35,25 @@ KV = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
     ("gpu", True, {"window": 128}, "cudnn", None),
     ("gpu", True, {"segments": True}, "pallas", None),
     ("gpu", False, {}, "pallas", None),                  # deviceless: cuDNN asks the attached GPU
-    ("gpu", True, {"softcap": 50.0}, "xla", "a soft-cap"),
+    ("gpu", True, {"softcap": 50.0}, "pallas", None),            # jaxpar's flash block kernel
+    ("gpu", True, {"window": jnp.int32(128)}, "pallas", None),
+    ("gpu", True, {"window": 128, "causal": False}, "pallas", None),
+    ("gpu", True, {"segments": True, "window": 128}, "pallas", None),
+    ("gpu", False, {"window": 128}, "pallas", None),
     ("gpu", True, {"positions": True}, "xla", "explicit positions"),
-    ("gpu", True, {"window": jnp.int32(128)}, "xla", "traced or two-sided window"),
-    ("gpu", True, {"segments": True, "window": 128}, "xla", "Pallas: a sliding window"),
+    ("gpu", True, {"softcap": 50.0, "positions": True}, "xla", "Pallas: explicit positions"),
 ])
 def test_auto_takes_a_fused_kernel_on_a_gpu_where_one_applies(platform, local_gpu, kw, want, why):
     args = dict(causal=True, segments=False, positions=False, window=None, softcap=None) | kw
     kernel, reason = choose_kernel(BF16, KV, platform=platform, setting="auto", local_gpu=local_gpu, **args)
     assert kernel == want
     assert (reason is None) if why is None else (why in reason)
+
+
+@pytest.mark.parametrize("kw,want", [({}, "mha"), ({"softcap": 30.0}, "flash"), ({"window": 128}, "flash"),
+                                     ({"window": jnp.int32(128)}, "flash")])
+def test_pallas_runs_jaxs_kernel_where_it_applies_else_the_flash_block_kernel(kw, want):
+    assert pallas_kernel(BF16, kw.get("window"), kw.get("softcap")) == want
 
 
 def test_fp32_and_odd_shapes_keep_xla_and_a_named_kernel_that_cannot_run_is_refused():
@@ -52,6 +63,10 @@ def test_fp32_and_odd_shapes_keep_xla_and_a_named_kernel_that_cannot_run_is_refu
     odd = jax.ShapeDtypeStruct((2, 200, 8, 64), jnp.bfloat16)     # 200 tokens: no Pallas block divides it
     kernel, why = choose_kernel(odd, odd, platform="gpu", setting="auto", local_gpu=False, **none)
     assert kernel == "xla" and "length 200" in why
+    capped = none | {"softcap": 30.0}
+    kernel, why = choose_kernel(odd, odd, platform="gpu", setting="auto", local_gpu=False, **capped)
+    assert kernel == "xla" and "length 200" in why
+    assert choose_kernel(f32, f32, platform="gpu", setting="auto", local_gpu=True, **capped)[0] == "xla"
     with pytest.raises(AttentionError, match=r"use_attention_kernel\('cudnn'\) cannot run this call: segment ids"):
         choose_kernel(BF16, KV, platform="gpu", setting="cudnn", local_gpu=True, **(none | {"segments": True}))
     with pytest.raises(AttentionError, match="not an attention kernel"):
@@ -85,6 +100,21 @@ def test_the_pallas_kernel_equals_xla_forward_and_gradients(case, kv_heads, kw):
     q, k, v, dout = _qkv(2, 128, 4, kv_heads, 32)
     want = _value_and_grads("xla", q, k, v, dout, **kw)
     got = _value_and_grads("pallas", q, k, v, dout, **kw)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+
+
+def test_the_flash_block_kernel_equals_xla_with_a_soft_cap_and_a_traced_window():
+    """A soft-cap and a traced window (an argument of the jitted step): jaxpar's flash block kernel."""
+    q, k, v, dout = _qkv(1, 128, 4, 2, 16, seed=2)
+
+    def output_and_grads(kernel):
+        def run(q, k, v, window):
+            out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, window=window, softcap=5.0), q, k, v)
+            return out, vjp(dout)
+        with use_attention_kernel(kernel):
+            return jax.jit(run)(q, k, v, jnp.int32(40))
+    want, got = output_and_grads("xla"), output_and_grads("pallas")
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
 
@@ -144,10 +174,26 @@ def test_the_gpt_attention_compiled_for_an_h100_holds_no_length_by_length_array(
     assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 3       # forward, delta, backward
     assert _largest_square(text, 1024) == 0
     with jaxpar.use_rules(mesh, (("batch", "data"), ("length", None), ("heads", None))):
-        with pytest.warns(AttentionFallbackWarning, match="a soft-cap"):
-            jax.jit(lambda q: attention(q, q, q, softcap=30.0)).lower(sharded)
+        f32 = jax.ShapeDtypeStruct(sharded.shape, jnp.float32, sharding=sharded.sharding)
+        with pytest.warns(AttentionFallbackWarning, match="float32 q/k/v"):
+            jax.jit(lambda q: attention(q, q, q, softcap=30.0)).lower(f32)
         with use_attention_kernel("cudnn"), pytest.raises(AttentionError, match="no local NVIDIA GPU"):
             jax.jit(lambda q: attention(q, q, q)).lower(sharded)
+
+
+def test_a_soft_capped_attention_with_a_traced_window_compiled_for_an_h100_runs_the_flash_block_kernel():
+    mesh = jaxpar.make_mesh({"data": 1}, devices=_h100(1))
+    x = jax.ShapeDtypeStruct((2, 1024, 4, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+
+    def loss(q, k, v, window):
+        return jnp.sum(attention(q, k, v, window=window, softcap=30.0).astype(jnp.float32))
+    with jaxpar.use_rules(mesh, (("batch", None), ("length", None), ("heads", None))), warnings.catch_warnings():
+        warnings.simplefilter("error", AttentionFallbackWarning)
+        window = jax.ShapeDtypeStruct((), jnp.int32)
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, window).compile().as_text()
+    assert _largest_square(text, 1024) == 0
+    assert flash_blocks(text) == {"ring_flash_forward": 1, "ring_flash_dq": 1, "ring_flash_dkv": 1}
+    assert attention_report(text, 1024).pallas == 1                   # jaxpar inspect counts it fused
 
 
 @pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
@@ -178,10 +224,12 @@ def test_a_llama_8b_layer_compiled_for_an_h100_grows_linearly_to_32k_tokens(pack
     assert 1.6 < growth < 2.4 and 1.9 < temps[32768] / temps[16384] < 2.1, temps
 
 
-@pytest.mark.parametrize("remat,forwards", [("save-matmuls", 1), ("full", 2)])
-def test_save_matmuls_keeps_the_fused_attentions_residuals(remat, forwards):
+@pytest.mark.parametrize("remat,forwards,softcap", [("save-matmuls", 1, None), ("full", 2, None),
+                                                    ("save-matmuls", 1, 30.0)])
+def test_save_matmuls_keeps_the_fused_attentions_residuals(remat, forwards, softcap):
     """Under ``save-matmuls`` the flash kernel's forward runs once per layer; ``full`` runs it again in the
-    backward (compiled for an H100: Pallas's kernel, counted in the scanned layers' bodies)."""
+    backward (compiled for an H100: Pallas's kernel, with a soft-cap jaxpar's flash block kernel, counted in
+    the scanned layers' bodies)."""
     from jaxpar.adapters._blocks import remat_policy
     mesh = jaxpar.make_mesh({"data": 1}, devices=_h100(1))
     x = jax.ShapeDtypeStruct((2, 256, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
@@ -189,10 +237,10 @@ def test_save_matmuls_keeps_the_fused_attentions_residuals(remat, forwards):
 
     def layer(x, w):
         q = (x @ w).reshape(2, 256, 4, 64)
-        return attention(q, q, q).reshape(2, 256, 256) @ w, None
+        return attention(q, q, q, softcap=softcap).reshape(2, 256, 256) @ w, None
 
     def loss(x, w):
         return jax.lax.scan(jax.checkpoint(layer, policy=remat_policy(remat)), x, w)[0].astype(jnp.float32).sum()
     with jaxpar.use_rules(mesh, (("batch", None), ("length", None), ("heads", None))):
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
-    assert len(re.findall(r'name = \\?"mha_forward', text)) == forwards
+    assert attention_report(text, 256).pallas == forwards

@@ -1,5 +1,5 @@
 """What a compiled program does with attention: the fused kernels it calls (cuDNN's flash attention, the
-Pallas flash kernel) and the largest array whose last two dimensions are ``length x length``, the mark of
+Pallas flash kernels) and the largest array whose last two dimensions are ``length x length``, the mark of
 XLA's unfused path (its scores, probabilities and mask).
 
 Example::
@@ -37,7 +37,9 @@ class AttentionReport(NamedTuple):
 
 
 def attention_report(text: str, length: int) -> AttentionReport:
-    """Read the compiled text of a GPU program (``compiled.as_text()``) for its attention.
+    """Read the compiled text of a GPU program (``compiled.as_text()``) for its attention. Pallas's forwards
+    are JAX's ``mha_forward`` and the flash block kernel's ``ring_flash_forward`` (whole-sequence attention
+    with a soft-cap or a window, and the blocks of context parallelism's ring and all-gather).
 
     Args:
       text: the compiled HLO text.
@@ -47,7 +49,7 @@ def attention_report(text: str, length: int) -> AttentionReport:
       The :class:`AttentionReport`.
     """
     cudnn = len(re.findall(r'custom_call_target="__cudnn\$fmha[A-Za-z]*Softmax"', text))
-    pallas = len(re.findall(r'name = \\?"mha_forward\\?"', text))
+    pallas = len(re.findall(r'name = \\?"(?:mha_forward|ring_flash_forward)\\?"', text))
     largest, most = None, 0
     for dtype, dims in re.findall(rf"\b({'|'.join(_BYTES)})\[((?:\d+,)+{length},{length})\]", text):
         size = int(np.prod([int(d) for d in dims.split(",")])) * _BYTES[dtype]

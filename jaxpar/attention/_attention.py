@@ -123,7 +123,8 @@ def dense_attention(q, k, v, *, causal: bool, scale: float, q_seg=None, k_seg=No
     kernel = kernel_for(q, k, causal=causal, segments=q_seg is not None, positions=blockwise, window=window,
                         softcap=softcap)
     if kernel != "xla":
-        return fused_attention(kernel, q, k, v, causal=causal, scale=scale, segment_ids=q_seg, window=window)
+        return fused_attention(kernel, q, k, v, causal=causal, scale=scale, segment_ids=q_seg, window=window,
+                               softcap=softcap)
     with jax.softmax_custom_jvp(True):    # the backward keeps the probabilities only, not exp() beside them
         return _xla_attention(q, k, v, causal, scale, q_seg, k_seg, q_pos, k_pos, window, softcap)
 

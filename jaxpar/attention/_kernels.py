@@ -4,12 +4,15 @@ or XLA's unfused path, and the call of the fused ones on the local shards.
 :func:`use_attention_kernel` sets the choice (``"auto"`` by default); :func:`choose_kernel` applies it to
 one call's masks, dtype and platform. ``auto`` keeps XLA's path on the CPU and TPU. On a GPU it takes
 cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``) for causal or full masks, with or without
-a static causal window, where a GPU is attached; the Pallas kernel
-(``jax.experimental.pallas.ops.gpu.attention.mha``) for packed sequences (segment ids), and for every mask
-it supports when the program is compiled without a GPU (``jaxpar inspect --target``: JAX's cuDNN lowering
-asks a local GPU for its version). What neither kernel covers (a soft-cap, explicit positions, a traced
-window, fp32) runs XLA's path, and an :class:`AttentionFallbackWarning` names the reason once.
-docs/strategies.md has the table and docs/benchmarks.md the measured times.
+a static causal window, where a GPU is attached; else a Pallas kernel: JAX's
+(``jax.experimental.pallas.ops.gpu.attention.mha``) for causal or full masks and packed sequences (segment
+ids), and jaxpar's flash block kernel (:mod:`jaxpar.parallel.context._flash`, at offset 0) for a soft-cap,
+a sliding window (static or traced, one- or two-sided) and lengths JAX's blocks do not divide. Both also
+run every mask they support when the program is compiled without a GPU (``jaxpar inspect --target``:
+JAX's cuDNN lowering asks a local GPU for its version). What no kernel covers (explicit positions or a KV
+cache, fp32 under ``auto``, odd head dims or lengths) runs XLA's path, and an
+:class:`AttentionFallbackWarning` names the reason once. docs/strategies.md has the table and
+docs/benchmarks.md the measured times.
 
 A fused kernel is a custom call, which GSPMD cannot split. Under :func:`jaxpar.use_rules` it runs in a
 ``shard_map`` manual over the axes that split q/k/v (the batch and the heads), on each device's shard.
@@ -24,6 +27,9 @@ Example::
     >>> choose_kernel(q, q, causal=True, segments=True, positions=False, window=None, softcap=None,
     ...               platform="gpu", setting="auto", local_gpu=True)
     ('pallas', None)
+    >>> choose_kernel(q, q, causal=True, segments=False, positions=False, window=None, softcap=30.0,
+    ...               platform="gpu", setting="auto", local_gpu=True), pallas_kernel(q, None, 30.0)
+    (('pallas', None), 'flash')
 """
 
 from __future__ import annotations
@@ -153,31 +159,47 @@ def choose_kernel(q, k, *, causal: bool, segments: bool, positions: bool, window
 
 def _unsupported(kernel, q, k, causal, segments, positions, window, softcap, platform, local_gpu) -> str | None:
     """Why ``kernel`` cannot run this call, or ``None``."""
-    d, t = q.shape[-1], q.shape[1]
-    if softcap is not None:
-        return f"a soft-cap ({softcap}) on the scores"
+    d = q.shape[-1]
     if positions:
         return "explicit positions or a block of keys (a context-parallel block, a KV cache)"
-    if kernel == "cudnn":
-        if q.dtype not in FUSED_DTYPES:
-            return f"{q.dtype} q/k/v (cuDNN takes bfloat16 or float16)"
-        if not local_gpu or platform == "rocm":
-            return "no local NVIDIA GPU (JAX's cuDNN lowering asks the attached GPU for its version)"
-        if segments:
-            return "segment ids (cuDNN's packed layout takes offsets, not ids)"
-        if window is not None and not (causal and isinstance(window, int)):
-            return "a traced or two-sided window"
-        if d % 8 or d > 128:
-            return f"head_dim {d} (cuDNN: a multiple of 8, at most 128)"
-        return None
-    if window is not None:
-        return "a sliding window"
-    if d & (d - 1) or d < 16:
-        return f"head_dim {d} (the Pallas kernel: a power of 2, at least 16)"
-    block = min(PALLAS_BLOCKS["block_q"], t)
-    if t % block or t % min(PALLAS_BLOCKS["block_q_dkv"], t):
-        return f"length {t} (the Pallas kernel: a multiple of {block})"
+    if kernel == "pallas":
+        return _pallas_problem(q, window, softcap)
+    if softcap is not None:
+        return f"a soft-cap ({softcap}) on the scores"
+    if q.dtype not in FUSED_DTYPES:
+        return f"{q.dtype} q/k/v (cuDNN takes bfloat16 or float16)"
+    if not local_gpu or platform == "rocm":
+        return "no local NVIDIA GPU (JAX's cuDNN lowering asks the attached GPU for its version)"
+    if segments:
+        return "segment ids (cuDNN's packed layout takes offsets, not ids)"
+    if window is not None and not (causal and isinstance(window, int)):
+        return "a traced or two-sided window"
+    if d % 8 or d > 128:
+        return f"head_dim {d} (cuDNN: a multiple of 8, at most 128)"
     return None
+
+
+def _mha_takes(q) -> bool:
+    """JAX's Pallas kernel (``mha``) takes q's shape: head_dim a power of 2 of at least 16, and its forward and
+    backward blocks (:data:`PALLAS_BLOCKS`) divide the length."""
+    d, t = q.shape[-1], q.shape[1]
+    blocks = (min(PALLAS_BLOCKS["block_q"], t), min(PALLAS_BLOCKS["block_q_dkv"], t))
+    return not d & (d - 1) and d >= 16 and all(t % block == 0 for block in blocks)
+
+
+def pallas_kernel(q, window: Any, softcap: float | None) -> str:
+    """Which Pallas kernel ``"pallas"`` runs: ``"mha"`` (JAX's) where it applies (no window, no soft-cap,
+    its blocks divide the length), else ``"flash"`` (jaxpar's flash block kernel at offset 0)."""
+    return "mha" if window is None and softcap is None and _mha_takes(q) else "flash"
+
+
+def _pallas_problem(q, window, softcap) -> str | None:
+    """Why neither Pallas kernel can run this call (its head_dim or length), or ``None``."""
+    from jaxpar.parallel.context._flash import flash_tile     # jaxpar.parallel.context imports this package
+
+    if pallas_kernel(q, window, softcap) == "mha":
+        return None
+    return flash_tile(q.shape[1], q.shape[-1])
 
 
 def kernel_for(q, k, *, causal: bool, segments: bool, positions: bool, window: Any,
@@ -295,8 +317,8 @@ def _split_problem(q, k) -> str | None:
     return None
 
 
-def fused_attention(kernel: str, q, k, v, *, causal: bool, scale: float, segment_ids=None,
-                    window: int | None = None) -> jax.Array:
+def fused_attention(kernel: str, q, k, v, *, causal: bool, scale: float, segment_ids=None, window: Any = None,
+                    softcap: float | None = None) -> jax.Array:
     """Attention by a fused ``kernel`` (``"cudnn"`` or ``"pallas"``), on each device's shard under the rules.
 
     Args:
@@ -306,54 +328,69 @@ def fused_attention(kernel: str, q, k, v, *, causal: bool, scale: float, segment
       causal: the causal mask.
       scale: the score scale.
       segment_ids: ``[batch, length]`` int ids, or ``None``.
-      window: a static causal sliding window, or ``None``.
+      window: the sliding window (a Python int or a traced int32 scalar), or ``None``.
+      softcap: the logit soft-cap, or ``None``.
 
     Returns:
       ``[batch, length, heads, head_dim]``.
     """
-    call = _saveable(functools.partial(_CALLS[kernel], causal=causal, scale=scale, window=window))
+    static = window is None or isinstance(window, int)      # a traced window is an input of the kernel
+    call = _saveable(functools.partial(_CALLS[kernel], causal=causal, scale=scale, softcap=softcap,
+                                       window=window if static else None))
+    traced = None if static else window
     local = _local_spec(q)
     if local is None:
-        return call(q, k, v, segment_ids)
+        return call(q, k, v, segment_ids, traced)
     mesh, q_spec, split = local
     manual = region_axes(mesh, split)
     q_spec = keep_axes(q_spec, manual)
-    args, specs = [q, k, v], [region_spec(q_spec, 4, mesh, manual)] * 3
-    if segment_ids is not None:
-        args.append(segment_ids)
-        specs.append(region_spec(PartitionSpec(q_spec[0], None), 2, mesh, manual))
-    return jax.shard_map(lambda q, k, v, seg=None: call(q, k, v, seg), mesh=shard_map_mesh(mesh),
-                         in_specs=tuple(specs), out_specs=q_spec, axis_names=manual, check_vma=False)(*args)
+    given = {"seg": segment_ids, "window": traced}       # the inputs given, beside q, k and v
+    specs = {"seg": region_spec(PartitionSpec(q_spec[0], None), 2, mesh, manual), "window": PartitionSpec()}
+    names = [n for n, x in given.items() if x is not None]
+
+    def local_call(q, k, v, *rest):
+        return call(q, k, v, **(dict.fromkeys(given) | dict(zip(names, rest))))
+    return jax.shard_map(local_call, mesh=shard_map_mesh(mesh),
+                         in_specs=(region_spec(q_spec, 4, mesh, manual),) * 3 + tuple(specs[n] for n in names),
+                         out_specs=q_spec, axis_names=manual, check_vma=False)(q, k, v, *(given[n] for n in names))
 
 
 def _saveable(call):
-    """``call(q, k, v, seg)`` whose output and residuals carry the name :data:`ATTENTION_RESIDUALS`: under a
-    remat policy that saves it (``save-matmuls``) the kernel's forward is not run again in the backward."""
+    """``call(q, k, v, seg, window)`` whose output and residuals carry the name :data:`ATTENTION_RESIDUALS`:
+    under a remat policy that saves it (``save-matmuls``) the kernel's forward is not run again in the
+    backward. ``seg`` and ``window`` (a traced one, or ``None``) take no gradient."""
     @jax.custom_vjp
-    def run(q, k, v, seg):
-        return call(q, k, v, seg)
+    def run(q, k, v, seg, window):
+        return call(q, k, v, seg, window)
 
-    def forward(q, k, v, seg):
-        out, vjp = jax.vjp(lambda q, k, v: call(q, k, v, seg), q, k, v)
-        return out, (jax.tree.map(lambda r: checkpoint_name(r, ATTENTION_RESIDUALS), vjp), seg)
+    def forward(q, k, v, seg, window):
+        out, vjp = jax.vjp(lambda q, k, v: call(q, k, v, seg, window), q, k, v)
+        return out, (jax.tree.map(lambda r: checkpoint_name(r, ATTENTION_RESIDUALS), vjp), seg, window)
 
     def backward(res, g):
-        vjp, seg = res
-        return (*vjp(g), None if seg is None else np.zeros(seg.shape, jax.dtypes.float0))
+        vjp, *ints = res
+        return (*vjp(g), *(None if x is None else np.zeros(x.shape, jax.dtypes.float0) for x in ints))
     run.defvjp(forward, backward)
-    return lambda q, k, v, seg: checkpoint_name(run(q, k, v, seg), ATTENTION_RESIDUALS)
+    return lambda q, k, v, seg, window: checkpoint_name(run(q, k, v, seg, window), ATTENTION_RESIDUALS)
 
 
-def _cudnn(q, k, v, seg, *, causal, scale, window):
-    del seg                                      # choose_kernel sends segment ids to Pallas
+def _cudnn(q, k, v, seg, traced, *, causal, scale, window, softcap):
+    del seg, traced, softcap                     # choose_kernel sends these to Pallas
     local = None if window is None else (window - 1, 0)
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, local_window_size=local,
                                         implementation="cudnn")
 
 
-def _pallas(q, k, v, seg, *, causal, scale, window):
+def _pallas(q, k, v, seg, traced, *, causal, scale, window, softcap):
+    """JAX's ``mha`` where it applies, else jaxpar's flash block kernel (:func:`pallas_kernel`)."""
+    window = window if traced is None else traced
+    if pallas_kernel(q, window, softcap) == "flash":
+        return _flash(q, k, v, seg, causal=causal, scale=scale, window=window, softcap=softcap)
+    return _mha(q, k, v, seg, causal=causal, scale=scale)
+
+
+def _mha(q, k, v, seg, *, causal, scale):
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
-    del window                                   # choose_kernel sends windows to cuDNN or XLA
     group = q.shape[2] // k.shape[2]
     if group > 1:                                # GQA: each query head's K/V head, repeated
         k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
@@ -362,6 +399,12 @@ def _pallas(q, k, v, seg, *, causal, scale, window):
     seg = None if seg is None else seg.astype(jnp.int32)
     return pallas_attention.mha(q, k, v, seg, sm_scale=scale, causal=causal, block_sizes=blocks,
                                 interpret=_platform() == "cpu")
+
+
+def _flash(q, k, v, seg, *, causal, scale, window, softcap):
+    """The flash block kernel over the whole sequence (queries at offset 0; GQA and segment ids its own)."""
+    from jaxpar.parallel.context._flash import flash_attention     # jaxpar.parallel.context imports this package
+    return flash_attention(q, k, v, seg, seg, 0, window, causal, scale, softcap, _platform() == "cpu")
 
 
 _CALLS = {"cudnn": _cudnn, "pallas": _pallas}
