@@ -199,6 +199,22 @@ HALF_KEEPS = {"gelu": {"none": 84.0, "save-matmuls": 22.0, "full": 2.0},
 #: softmax statistics and gradients in pieces): the GPT's temporaries beyond its layers (above), less its
 #: tables' gradients, at s = 2,048 to 8,192 (within 7 %).
 HALF_LOGITS = 2.7
+#: Bytes per device token and unit of ``h`` under context parallelism and 16-bit compute on GPUs, by method and
+#: recomputation: ``(kept, working)``, what one layer keeps for its backward and the transient of the layer whose
+#: backward runs at the step's peak (:func:`context_temporaries`). Measured on a Llama-3-8B-shaped Decoder over
+#: ``context`` 8, one sequence, fsdp 1, compiled for ``h100:1x8`` (``benchmarks/context_memory.py``,
+#: docs/planning.md §8): ``kept`` under ``save-matmuls`` and ``full`` is the forward scan's stacked residuals in the
+#: compiled program (q, k, v, two h-wide values and the MLP's two products: 21; Ulysses keeps q, k, v and the output
+#: in the heads' layout instead, k and v widened to the query heads: 26; the layer's input: 2); ``working`` (and
+#: ``kept`` without recomputation) is fitted to the temporaries of 8 to 16 layers (8 and 12 without recomputation or
+#: with full) at 65,536 and 131,072 tokens: within 6 % (2 %). The balanced ring keeps the same arrays.
+CONTEXT_KEEPS = {"ring": {"none": (67.0, 70.0), "save-matmuls": (21.0, 40.0), "full": (2.0, 65.0)},
+                 "all_gather": {"none": (78.0, 34.0), "save-matmuls": (21.0, 21.0), "full": (2.0, 71.0)},
+                 "ulysses": {"none": (69.0, 83.0), "save-matmuls": (26.0, 30.0), "full": (2.0, 60.0)}}
+#: Bytes per device token and vocabulary entry that the loss's bf16 gradient holds under context parallelism:
+#: the compiled step keeps it through the layers' backward (at 8 and 16 layers; at 2 to 6 XLA makes the head's
+#: gradient first and frees it, and the model over-predicts those: docs/planning.md §8).
+CONTEXT_LOGITS = 2.0
 
 
 #: The attention's share of each table's ``split`` values: q, k, v and the attention's output; the rest is the MLP's.
@@ -272,6 +288,53 @@ def half_per_layer(model: ModelSpec, remat: str, rows: float) -> float:
     return HALF_KEEPS["gated" if model.gated else "gelu"][remat] * model.seq * rows * model.hidden
 
 
+def context_measured(model: ModelSpec, plan: Plan) -> bool:
+    """Whether :data:`CONTEXT_KEEPS` applies: context parallelism of a gated-MLP model whose gradients each device
+    holds whole (no FSDP, no ZeRO-2 / 3 over ``data``), where it was measured.
+
+    >>> from jaxpar.cost._model import decoder
+    >>> m = decoder(2, 64, 8, 32, 128, 8, 224, kv_heads=2)
+    >>> context_measured(m, Plan(context=2)), context_measured(m, Plan(context=2, fsdp=2))
+    (True, False)
+    """
+    whole = plan.fsdp == 1 and (plan.data == 1 or plan.strategy.zero < 2)
+    return plan.context > 1 and model.gated and whole
+
+
+def context_temporaries(model: ModelSpec, plan: Plan, rows: float, grads: float, held: float,
+                        keeps: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    """A context-parallel step's temporaries beyond its fp32 gradients under 16-bit compute on GPUs, the larger of
+    its two peaks (docs/planning.md §8). In the layers' backward: every layer's kept values, the loss's bf16 logits
+    gradient (:data:`CONTEXT_LOGITS`), the working bytes of the layer in flight, and of the tables' gradients one
+    table in bf16, not their fp32 bytes (the layers' bf16 weights and bf16 gradients are the size of their fp32
+    gradients). At the step's end: the gradients in bf16 beside fp32 (the all-reduce over ``context`` runs in bf16).
+
+    Args:
+      model: the model.
+      plan: the plan.
+      rows: sequences per micro-batch on one device (a fraction: a device's ``s / C`` tokens).
+      grads: the fp32 gradients' bytes per device.
+      held: the layers whose values are kept.
+      keeps: the method's ``(kept, working)`` by recomputation, bytes per token and unit of ``h``
+        (:data:`CONTEXT_KEEPS`).
+
+    Returns:
+      ``(activations, rest)``: the layers' kept values and the rest, in bytes per device.
+
+    >>> from jaxpar.cost._model import decoder
+    >>> m = decoder(2, 64, 8, 32, 128, 8, 224, kv_heads=2)
+    >>> context_temporaries(m, Plan(context=2, remat="save-matmuls"), 0.5, 1e6, 2, CONTEXT_KEEPS["ring"]) \\
+    ...     == (21 * 2 * 16 * 64, 5e5 - 43008)
+    True
+    """
+    tokens, (kept, working) = model.seq * rows, keeps[plan.remat]
+    acts = held * kept * tokens * model.hidden
+    tables = [leaf.size for leaf in model.leaves if not leaf.stacked]
+    backward = (CONTEXT_LOGITS * tokens * model.vocab + working * tokens * model.hidden
+                - 4 * sum(tables) + 2 * max(tables))
+    return acts, max(backward, grads / 2 - acts, 0.0)
+
+
 def stored_per_layer(model: ModelSpec, plan: Plan, rows: float, platform: str = "cuda") -> float:
     """fp32 bytes a pipeline stage stores per layer and micro-batch of ``rows`` sequences for the
     backward: without recomputation :data:`PIPELINE_STORES`, else as :func:`saved_per_layer`.
@@ -327,12 +390,10 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
                     keeps: str) -> MemoryEstimate | None:
     """The compiled-step model of one device's bytes (docs/planning.md §8) with ``keeps``'s measured table,
     where it was measured: fp32 parameters, gradients and compute of a dense model without CP, or 16-bit compute
-    on GPUs (:data:`HALF_KEEPS`) of a dense model on one tensor rank without a pipeline, under CP at a device's
-    ``s / C`` tokens (not measured there: docs/planning.md §8 gives the ratios); before offload
-    (:func:`~jaxpar.cost._memory.offloaded`). ``params`` + ``opt``: the step's arguments in the platform's
-    layout; ``activations``: the layers' kept values (a pipeline stage's residual buffers twice on GPUs, whose
-    compiler copies them in the tick's conditionals); ``logits``: the larger of the loss's logits and one
-    recomputed layer; ``transient``: two gathered layers under ZeRO-3 / FSDP, libtpu's bf16 weight copies.
+    on GPUs of a dense model on one tensor rank without a pipeline (:data:`HALF_KEEPS`; under CP
+    :data:`CONTEXT_KEEPS` where :func:`context_measured`, else :data:`HALF_KEEPS` at ``s / C`` tokens); before
+    offload. ``logits``: the larger of the loss's logits and one recomputed layer (under CP the rest of
+    :func:`context_temporaries`); ``transient``: two gathered layers under ZeRO-3 / FSDP, libtpu's bf16 weights.
 
     Args:
       model: the model.
@@ -348,7 +409,7 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
     >>> measured_memory(gpt(2, 32, 8, 16, 64, 16), Plan(context=2), PRECISIONS["fp32"], 4, keeps="cuda") is None
     True
     """
-    half = activation_bytes == 2 and keeps == "cuda"         # HALF_KEEPS: one tensor rank, no pipeline, CP read at s/C
+    half = activation_bytes == 2 and keeps == "cuda"         # HALF_KEEPS: one tensor rank, no pipeline
     measured = plan.tensor == plan.pipe == 1 if half else activation_bytes == 4 and plan.context == 1
     if (keeps not in MEASURED_KEEPS or not measured or precision.param != 4 or precision.grad != 4 or plan.expert > 1
             or model.moe_layers):
@@ -376,11 +437,14 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
         working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
     # the loss's fp32 logits; libtpu also holds two bf16 copies (the head's product and the softmax's gradient)
     logits = (HALF_LOGITS if half else 4 * (2 if tpu else 1)) * model.seq * rows * model.vocab / plan.tensor
+    rest = max(logits, working)
+    if half and context_measured(model, plan):              # else CP reads HALF_KEEPS at s / C tokens
+        acts, rest = context_temporaries(model, plan, rows, grads, held, CONTEXT_KEEPS[s.context_setting.method])
     matrix = None if precision.matrix_opt is None else precision.matrix_opt / 4
     args = [device_argument_bytes(model, sizes, s.zero, layout=layout_for_platform(keeps), moments=k,
                                   matrix_moments=k if matrix is None or not k else matrix)
             for k in (0, precision.opt / 4)]
-    return MemoryEstimate(args[0], grads, args[1] - args[0], acts, max(logits, working), flight,
+    return MemoryEstimate(args[0], grads, args[1] - args[0], acts, rest, flight,
                           transient=2 * gathered + (bf16_weight_bytes(model, plan) if tpu else 0.0))
 
 
