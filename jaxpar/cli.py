@@ -106,7 +106,8 @@ def _config_parser(sub, name: str, summary: str, description: str | None) -> arg
     p.set_defaults(command_parser=p)
     p.add_argument("config", help="YAML config file, e.g. configs/quickstart.yaml (a run's own: <train.out_dir>/"
                                   "config.yaml)")
-    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, e.g. mesh.tensor=2")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                   help="dotted overrides, e.g. mesh.tensor=2; ~key drops a key of the YAML (its default holds)")
     return p
 
 

@@ -167,6 +167,18 @@ def test_a_warm_up_as_long_as_the_run_is_warned():
         build_lr_schedule(cfg, 21)
 
 
+def test_a_tilde_override_drops_a_key_so_its_default_holds(tmp_path):
+    mine = tmp_path / "muon.yaml"
+    mine.write_text(f"base: {QUICK}\noptimizer:\n  name: muon\n  muon: {{momentum: 0.9, ns_steps: 3}}\n")
+    with pytest.raises(ConfigError, match=r"remove optimizer.muon \(the override ~optimizer.muon\)"):
+        load_config(str(mine), ["optimizer.name=adamw"])
+    cfg = load_config(str(mine), ["optimizer.name=adamw", "~optimizer.muon"])
+    assert cfg.optimizer.name == "adamw" and cfg.optimizer.muon == type(cfg.optimizer.muon)()
+    assert load_config(str(mine), ["~optimizer.muon.ns_steps"]).optimizer.muon.ns_steps == 5
+    with pytest.raises(ConfigError, match=r"override ~optimizer.mun: unknown key"):
+        load_config(str(mine), ["~optimizer.mun"])
+
+
 def test_text_and_synthetic_batches_are_deterministic(tmp_path):
     corpus = D.load_bytes(max_bytes=100_000)
     assert corpus.dtype == np.uint8 and len(corpus) == 100_000

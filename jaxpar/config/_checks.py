@@ -189,12 +189,13 @@ def _optimizer_problems(p: list[str], opt: OptimizerConfig) -> None:
         set_keys = [f.name for f in dataclasses.fields(opt.muon)
                     if getattr(opt.muon, f.name) != getattr(default, f.name)]
         p.append(f"optimizer.muon.{set_keys[0]}={getattr(opt.muon, set_keys[0])!r}: optimizer.muon is only used by "
-                 f"optimizer.name=muon (here {opt.name!r}); remove optimizer.muon or choose muon.")
+                 f"optimizer.name=muon (here {opt.name!r}); remove optimizer.muon (the override ~optimizer.muon) or "
+                 "choose muon.")
     for key in ("include", "exclude"):
         patterns = getattr(opt.trust_mask, key)
         if patterns and opt.name not in ("lars", "lamb"):
             p.append(f"optimizer.trust_mask.{key}={list(patterns)!r}: only used by optimizer.name=lars or lamb "
-                     f"(here {opt.name!r}); remove it or choose one of them.")
+                     f"(here {opt.name!r}); remove it (~optimizer.trust_mask.{key}) or choose one of them.")
         for pattern in patterns:
             try:
                 re.compile(pattern)

@@ -240,16 +240,34 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
 
     Args:
       path: the YAML file.
-      overrides: dotted ``key=value`` strings (:func:`parse_overrides`), applied last.
+      overrides: dotted ``key=value`` strings (:func:`parse_overrides`), applied last; ``~key`` drops a key from
+        the YAML files, so that its default holds.
 
     Returns:
       The checked :class:`JobConfig`; a problem raises :class:`ConfigError`.
     """
     path = Path(path)
-    layers = _yaml_chain(path)
-    if overrides:
+    removed = [item[1:].strip() for item in overrides if item.startswith("~")]
+    for key in removed:
+        if _lookup_type(key) is None:
+            raise ConfigError(f"override ~{key}: unknown key; '~' drops a key of the schema (e.g. ~optimizer.muon), "
+                              "so that its default holds.")
+    layers = [(source, _without(layer, removed)) for source, layer in _yaml_chain(path)]
+    if overrides := [item for item in overrides if not item.startswith("~")]:
         layers.append(("overrides", _absolute_imports(parse_overrides(overrides), Path.cwd())))
     return merge_layers(layers, name=path.stem)
+
+
+def _without(layer: Mapping, keys: Sequence[str]) -> dict:
+    """``layer`` without the dotted ``keys`` (``~key`` overrides: the schema's default holds then)."""
+    out = dict(layer)
+    for key in keys:
+        head, _, rest = key.partition(".")
+        if head in out and not rest:
+            del out[head]
+        elif isinstance(out.get(head), Mapping):
+            out[head] = _without(out[head], [rest])
+    return out
 
 
 def to_yaml(cfg: JobConfig) -> str:
