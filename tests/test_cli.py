@@ -90,6 +90,13 @@ def test_bad_config_names_the_key(override, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_mesh_that_train_devices_cannot_hold_is_named_first():
+    with pytest.raises(ConfigError) as err:
+        load_config(QUICK, ["mesh.data=3"])             # 3 x 2 x 2 on train.devices=8; the batch then divides by 6
+    first, second = str(err.value).splitlines()[1:3]
+    assert "multiply to 12, but there are 8 devices" in first and "data.batch_size=32" in second, str(err.value)
+
+
 PIPE = ["mesh.pipe=2", "mesh.data=1", "parallel.microbatches=4"]   # 2 x 1 x 2 x 2 = 8 devices
 PIPE_BAD = [  # (overrides, text the error must contain): pipeline schedule and stage partition
     (["parallel.microbatches=1"], "parallel.schedule='1f1b' with mesh.pipe=2, parallel.microbatches=1"),
