@@ -40,9 +40,9 @@ def test_fp8_errors_name_the_yaml_keys():
         "matmul would run in FP8. Fix: parallel.fp8.min_dim=768 or less, or turn parallel.fp8 off.")
 
 
-def test_check_names_fp8_min_dim_by_its_key(capsys):
+def test_check_names_fp8_min_dim_by_its_key(capsys, tmp_path):
     """``jaxpar check`` builds the train step: the quickstart's widest GEMM (128) is below the default min_dim."""
-    assert main(["check", QUICK, "parallel.fp8.recipe=tensorwise", "model.layers=1"]) == 2
+    assert main(["check", QUICK, "parallel.fp8.recipe=tensorwise", "model.layers=1", f"train.out_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "Fix: parallel.fp8.min_dim=128 or less, or turn parallel.fp8 off." in err, err
     assert "Strategy" not in err and "Fp8(" not in err, err
