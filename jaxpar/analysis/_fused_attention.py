@@ -49,7 +49,7 @@ def attention_report(text: str, length: int) -> AttentionReport:
       The :class:`AttentionReport`.
     """
     cudnn = len(re.findall(r'custom_call_target="__cudnn\$fmha[A-Za-z]*Softmax"', text))
-    pallas = len(re.findall(r'name = \\?"(?:mha_forward|ring_flash_forward)\\?"', text))
+    pallas = len(re.findall(rf'name = \\?"(?:mha_forward|{FLASH_BLOCK_KERNELS[0]})\\?"', text))
     largest, most = None, 0
     for dtype, dims in re.findall(rf"\b({'|'.join(_BYTES)})\[((?:\d+,)+{length},{length})\]", text):
         size = int(np.prod([int(d) for d in dims.split(",")])) * _BYTES[dtype]

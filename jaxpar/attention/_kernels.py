@@ -337,22 +337,16 @@ def fused_attention(kernel: str, q, k, v, *, causal: bool, scale: float, segment
     static = window is None or isinstance(window, int)      # a traced window is an input of the kernel
     call = _saveable(functools.partial(_CALLS[kernel], causal=causal, scale=scale, softcap=softcap,
                                        window=window if static else None))
-    traced = None if static else window
+    traced = None if static else window                     # None segment ids or window: no input of the call
     local = _local_spec(q)
     if local is None:
         return call(q, k, v, segment_ids, traced)
     mesh, q_spec, split = local
     manual = region_axes(mesh, split)
     q_spec = keep_axes(q_spec, manual)
-    given = {"seg": segment_ids, "window": traced}       # the inputs given, beside q, k and v
-    specs = {"seg": region_spec(PartitionSpec(q_spec[0], None), 2, mesh, manual), "window": PartitionSpec()}
-    names = [n for n, x in given.items() if x is not None]
-
-    def local_call(q, k, v, *rest):
-        return call(q, k, v, **(dict.fromkeys(given) | dict(zip(names, rest))))
-    return jax.shard_map(local_call, mesh=shard_map_mesh(mesh),
-                         in_specs=(region_spec(q_spec, 4, mesh, manual),) * 3 + tuple(specs[n] for n in names),
-                         out_specs=q_spec, axis_names=manual, check_vma=False)(q, k, v, *(given[n] for n in names))
+    qkv, seg = region_spec(q_spec, 4, mesh, manual), region_spec(PartitionSpec(q_spec[0], None), 2, mesh, manual)
+    return jax.shard_map(call, mesh=shard_map_mesh(mesh), in_specs=(qkv, qkv, qkv, seg, PartitionSpec()),
+                         out_specs=q_spec, axis_names=manual, check_vma=False)(q, k, v, segment_ids, traced)
 
 
 def _saveable(call):

@@ -481,7 +481,8 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> Built:
             p.extend(_mesh_problems(cfg, made, num_devices))
     if p and num_devices is None and cfg.train.devices > 0:     # a mesh that train.devices cannot hold comes first:
         try:                                                     # the other problems may follow from it
-            _mesh_sizes(cfg, None), _mesh_sizes(cfg, cfg.train.devices)
+            _mesh_sizes(cfg, None)                               # its own sizes' error is already in p
+            _mesh_sizes(cfg, cfg.train.devices)
         except ConfigError as e:
             p = [str(e)] + [line for line in p if line != str(e)]
     if p:

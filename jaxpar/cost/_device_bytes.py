@@ -331,7 +331,7 @@ def context_temporaries(model: ModelSpec, plan: Plan, rows: float, grads: float,
     acts = held * kept * tokens * model.hidden
     tables = [leaf.size for leaf in model.leaves if not leaf.stacked]
     backward = (CONTEXT_LOGITS * tokens * model.vocab + working * tokens * model.hidden
-                - 4 * sum(tables) + 2 * max(tables))
+                - 4 * sum(tables) + 2 * max(tables, default=0.0))
     return acts, max(backward, grads / 2 - acts, 0.0)
 
 
