@@ -218,10 +218,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, rowwise: bool = False):
     (lc, rc), (lb, rb) = dimension_numbers
     dn = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
     out_dtype = jnp.result_type(lhs, rhs)
-
-    if rowwise:      # a row's scale runs along the other GEMMs' contracted dimensions: quantize again
-        return _rowwise_dot(lhs, rhs, dn, out_dtype)
-    return _tensorwise_dot(lhs, rhs, dn, out_dtype)
+    # rowwise: a row's scale runs along the other GEMMs' contracted dimensions: quantize again
+    return (_rowwise_dot if rowwise else _tensorwise_dot)(lhs, rhs, dn, out_dtype)
 
 
 def _rowwise_dot(lhs, rhs, dn, out_dtype):

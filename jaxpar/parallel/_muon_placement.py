@@ -120,14 +120,6 @@ def place(name: str, shape: tuple, reduction: tuple, output: tuple, spec: Partit
     return MuonPlacement(kind, group, on, dims, kept)
 
 
-def _linear_index(axes: tuple[str, ...], sizes: dict) -> jax.Array:
-    """This device's index over ``axes`` (row-major), inside a ``shard_map``."""
-    index = jnp.int32(0)
-    for a in axes:
-        index = index * sizes[a] + jax.lax.axis_index(a)
-    return index
-
-
 def _assemble(blocks: jax.Array, dims: tuple, axes: tuple[str, ...], sizes: dict) -> jax.Array:
     """``blocks [P, *local]`` (one block per device of ``axes``, row-major, as ``all_gather`` and
     ``all_to_all`` stack them) -> the array whose dims are whole (``dims[d]``: the axes that cut dim ``d``)."""
@@ -159,7 +151,7 @@ def _gathered(x, place: MuonPlacement, sizes: dict, ns_steps: int) -> jax.Array:
     g = place.group
     full = _assemble(jax.lax.all_gather(x, place.axes, axis=0, tiled=False), place.dims, place.axes, sizes)
     out = newton_schulz(full, g.reduction, g.output, ns_steps)
-    return _split(out, place.dims, place.axes, sizes)[_linear_index(place.axes, sizes)]
+    return _split(out, place.dims, place.axes, sizes)[jax.lax.axis_index(place.axes)]    # row-major over the axes
 
 
 def _owned(x, place: MuonPlacement, sizes: dict, ns_steps: int) -> jax.Array:

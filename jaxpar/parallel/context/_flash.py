@@ -406,8 +406,7 @@ def flash_attention(q, k, v, q_seg, k_seg, offset, window, causal: bool, scale: 
     Returns:
       ``[batch, q_length, heads, head_dim]`` in ``q``'s dtype.
     """
-    return flash_forward(q, k, v, q_seg, k_seg, causal=causal, scale=scale, offset=offset, window=window,
-                         softcap=softcap, interpret=interpret)[0].astype(q.dtype)
+    return _attention_fwd(q, k, v, q_seg, k_seg, offset, window, causal, scale, softcap, interpret)[0]
 
 
 def _attention_fwd(q, k, v, q_seg, k_seg, offset, window, causal, scale, softcap, interpret):

@@ -188,8 +188,7 @@ def ring_forward(spec: RingSpec, q, k, v, q_seg=None, k_seg=None, window=None) -
     for t in range(steps):
         view = _blocks(spec, q, t, window)
         for a, b in itertools.product(range(parts), range(parts)):
-            step = functools.partial(_fused_forward_block if fused else _forward_block, view, a, b, qg, kv, q_seg,
-                                     k_seg)
+            step = functools.partial(_forward_block, fused, view, a, b, qg, kv, q_seg, k_seg)
             states[a] = _maybe(view.needed(a, b), step, states[a])
             pairs = pairs + view.needed(a, b)
         if t < steps - 1:
@@ -216,12 +215,11 @@ def _flash_args(view: _Blocks, a: int, b: int, q, kv, q_seg, k_seg) -> tuple[tup
     return args, options
 
 
-def _fused_forward_block(view: _Blocks, a: int, b: int, q, kv, q_seg, k_seg, state):
-    args, options = _flash_args(view, a, b, q, kv, q_seg, k_seg)
-    return merge_blocks(state, flash_forward(*args, **options))
-
-
-def _forward_block(view: _Blocks, a: int, b: int, qg, kv, q_seg, k_seg, state):
+def _forward_block(fused: bool, view: _Blocks, a: int, b: int, qg, kv, q_seg, k_seg, state):
+    """``state`` with the pair's block folded in: by the flash kernel (``fused``) or the XLA online softmax."""
+    if fused:
+        args, options = _flash_args(view, a, b, qg, kv, q_seg, k_seg)
+        return merge_blocks(state, flash_forward(*args, **options))
     kb = view.rows(kv[0], b), view.rows(kv[1], b)
     return softmax_step(state, view.rows(qg, a), *kb, view.mask(a, b, q_seg, k_seg), view.spec.scale,
                         view.spec.softcap)
@@ -257,8 +255,7 @@ def ring_backward(spec: RingSpec, residuals: tuple, d_out: jax.Array) -> tuple:
         view = _blocks(spec, q, t, window)
         for a, b in itertools.product(range(parts), range(parts)):
             grads = (qg, dog, lses[a], deltas[a])
-            step = functools.partial(_fused_backward_block if fused else _backward_block, view, a, b, grads, kv,
-                                     q_seg, k_seg)
+            step = functools.partial(_backward_block, fused, view, a, b, grads, kv, q_seg, k_seg)
             dq[a], dkv = _maybe(view.needed(a, b), step, (dq[a], dkv))
         if t < steps - 1:
             kv, k_seg, dkv = _shift((kv, k_seg, dkv), spec)
@@ -268,21 +265,17 @@ def ring_backward(spec: RingSpec, residuals: tuple, d_out: jax.Array) -> tuple:
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None, None
 
 
-def _backward_block(view: _Blocks, a: int, b: int, grads: tuple, kv, q_seg, k_seg, carry):
+def _backward_block(fused: bool, view: _Blocks, a: int, b: int, grads: tuple, kv, q_seg, k_seg, carry):
+    """One pair's dQ and dK/dV added to ``carry``: by the flash kernel (``fused``) or the XLA softmax gradient."""
     qg, dog, lse, delta = grads
     dq, dkv = carry
-    mask = view.mask(a, b, q_seg, k_seg)
-    dq_ab, dk, dv = softmax_grad_step(view.rows(qg, a), view.rows(kv[0], b), view.rows(kv[1], b),
-                                      view.rows(dog, a), lse, delta, mask, view.spec.scale, view.spec.softcap)
-    keys = slice(b * view.chunk, (b + 1) * view.chunk)
-    return dq + dq_ab, dkv.at[:, :, keys].add(jnp.stack([dk, dv]))
-
-
-def _fused_backward_block(view: _Blocks, a: int, b: int, grads: tuple, kv, q_seg, k_seg, carry):
-    q, do, lse, delta = grads
-    dq, dkv = carry
-    args, options = _flash_args(view, a, b, q, kv, q_seg, k_seg)
-    dq_ab, dk, dv = flash_backward(*args, view.rows(do, a), lse, delta, **options)
+    if fused:
+        args, options = _flash_args(view, a, b, qg, kv, q_seg, k_seg)
+        dq_ab, dk, dv = flash_backward(*args, view.rows(dog, a), lse, delta, **options)
+    else:
+        mask = view.mask(a, b, q_seg, k_seg)
+        dq_ab, dk, dv = softmax_grad_step(view.rows(qg, a), view.rows(kv[0], b), view.rows(kv[1], b),
+                                          view.rows(dog, a), lse, delta, mask, view.spec.scale, view.spec.softcap)
     keys = slice(b * view.chunk, (b + 1) * view.chunk)
     return dq + dq_ab, dkv.at[:, :, keys].add(jnp.stack([dk, dv]))
 

@@ -3,6 +3,7 @@ run the schedule (:mod:`._executor`), bring the gradients back into the paramete
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -222,12 +223,9 @@ def make_pipeline_loss_and_grad(loss_fn: Callable, graphdef, mesh, rules, param_
 
 def _programs(schedule: Any) -> Callable[[bool], Any]:
     """``program_of(in_lockstep)``: ``schedule`` lowered per stage or as a lockstep program, each once."""
-    programs = {}
-
+    @functools.cache
     def program_of(in_lockstep: bool):
-        if in_lockstep not in programs:
-            programs[in_lockstep] = lower(lockstep(schedule) if in_lockstep else schedule)
-        return programs[in_lockstep]
+        return lower(lockstep(schedule) if in_lockstep else schedule)
     return program_of
 
 

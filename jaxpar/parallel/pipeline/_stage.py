@@ -241,17 +241,12 @@ class Stage:
         """``st`` with what an action on the slots ``sl`` hands back written (a ``None`` field of ``io``
         leaves its buffer as it was)."""
         new = st._replace(g_outer=io.g_outer, loss=io.loss)
-        if io.res is not None:
-            new = new._replace(res=io.res)
         if io.dy_out is not None:
             new = new._replace(inbox_b=put_tree(st.inbox_b, sl.dy, io.dy_out))
-        if io.metrics is not None:
-            new = new._replace(metrics=io.metrics)
-        if io.gys is not None:
-            new = new._replace(grads_y=io.gys)
         if io.g_chunk is not None:
             new = new._replace(g_blocks=jax.tree.map(lambda a, g: put(a, sl.chunk, g), st.g_blocks, io.g_chunk))
-        return new
+        whole = {"res": io.res, "metrics": io.metrics, "grads_y": io.gys}     # buffers handed back whole
+        return new._replace(**{name: value for name, value in whole.items() if value is not None})
 
     def initial_state(self, program: Program) -> PipelineState:
         """The buffers before the first tick (sized by ``program``'s slot counts, plus a lockstep stage's spare
