@@ -53,7 +53,8 @@ from jaxpar.cost._schedule import runs_in_lockstep
 from jaxpar.parallel.pipeline._instructions import lower
 from jaxpar.parallel.pipeline._schedules import get_schedule, lockstep
 from jaxpar.analysis._hlo import Collective, collectives, partition_positions
-from jaxpar.analysis._hlo_text import branch_computations, called_computations, module_text, parse_instructions
+from jaxpar.analysis._hlo_text import (branch_computations, by_computation, called_computations, module_text,
+                                      parse_instructions)
 from jaxpar.analysis._loops import trip_counts, while_trip_counts
 from jaxpar.analysis._replica_groups import source_target_pairs
 from jaxpar.errors import AnalysisError
@@ -143,9 +144,7 @@ def _tick_loop(text: str, T: int, plan: Plan) -> tuple[dict[str, list], list]:
     """The instructions by computation, and the conditionals in the bodies of the ``T``-trip loops."""
     instrs = parse_instructions(text)
     trips = while_trip_counts(text, instrs)
-    by_comp: dict[str, list] = {}
-    for ins in instrs:
-        by_comp.setdefault(ins.computation, []).append(ins)
+    by_comp = by_computation(instrs)
     bodies = {c for ins in instrs if ins.opcode == "while" and trips.get(ins.name) == T
               for key, c in called_computations(ins) if key == "body"}
     if not bodies:

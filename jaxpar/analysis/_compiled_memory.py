@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxpar._text import format_bytes, render_table
+from jaxpar.analysis._hlo_text import instruction_lines, parse_instructions, shape_bytes
+from jaxpar.analysis._loops import trip_counts
 from jaxpar.errors import AnalysisError
 
 
@@ -107,8 +109,6 @@ def _elements(shape: str) -> list[str]:
 def _device_bytes(shape: str, arrays_only: bool = False) -> int:
     """Bytes of the arrays of ``shape`` (a tuple or one array) that lie in device memory (no ``S(5)``);
     ``arrays_only``: not the scalars (a slice's indices)."""
-    from jaxpar.analysis._hlo_text import shape_bytes
-
     return sum(shape_bytes(a) for a in re.findall(r"\w+\[[\d,]*\](?:\{[^}]*\})?", shape)
                if "S(5)" not in a and not (arrays_only and "[]" in a))
 
@@ -118,7 +118,7 @@ def _host_calls(text: str) -> list[tuple[str, str, str, str]]:
     ``HostExecute``) and its ``call-done``, read from the lines
     (:func:`jaxpar.analysis._hlo_text.parse_instructions` reads no nested tuple shape)."""
     out, starts = [], set()
-    for computation, line in _instruction_lines(text):
+    for computation, line in instruction_lines(text):
         m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*) (?:custom-)?(call-start|call-done)\(%([\w.\-]+)", line)
         if m and (m.group(3) == "call-done" and m.group(4) in starts or 'async_execution_thread="host"' in line):
             starts.add(m.group(1))
@@ -151,9 +151,6 @@ def host_transfers(text: str) -> dict[str, int]:
     ... }''')
     {'to_host': 24, 'to_device': 8}
     """
-    from jaxpar.analysis._hlo_text import parse_instructions, shape_bytes
-    from jaxpar.analysis._loops import trip_counts
-
     counts, out = trip_counts(text), {"to_host": 0, "to_device": 0}
     for ins in parse_instructions(text):
         if ins.opcode == "copy-start":
@@ -178,22 +175,11 @@ def _host_slices(text: str) -> list[tuple[str, str]]:
     """``(computation, shape)`` of each asynchronous fusion (``fusion-start``) that reads or writes a host
     buffer (``S(5)``): the shape is ``((operands), result, context)``."""
     out = []
-    for computation, line in _instruction_lines(text):
+    for computation, line in instruction_lines(text):
         m = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (.*) fusion-start\(", line)
         if m and "S(5)" in m.group(1):
             out.append((computation, m.group(1)))
     return out
-
-
-def _instruction_lines(text: str):
-    """``(computation, line)`` of each instruction line of an HLO module's text."""
-    computation = ""
-    for line in text.splitlines():
-        if line and not line[0].isspace():
-            computation = m.group(1) if line.rstrip().endswith("{") and (
-                m := re.match(r"(?:ENTRY )?%?([\w.\-]+)", line)) else computation
-        elif line.strip():
-            yield computation, line
 
 
 def _analytic_cells(name: str, report: MemoryReport, analytic: Mapping[str, float]) -> list[str]:

@@ -12,7 +12,7 @@ import re
 from typing import NamedTuple
 
 from jaxpar.analysis._hlo import collectives
-from jaxpar.analysis._hlo_text import array_shapes, module_text, parse_instructions, shape_bytes
+from jaxpar.analysis._hlo_text import array_shapes, instruction_lines, module_text, parse_instructions, shape_bytes
 from jaxpar.analysis._loops import trip_counts
 from jaxpar.errors import Fp8Error
 
@@ -61,12 +61,9 @@ def dot_flops(hlo: str, unknown_trips: float = 1.0) -> float:
     Returns:
       The FLOPs (a float).
     """
-    shapes, mult, total, computation = _shapes(hlo), trip_counts(hlo, unknown=unknown_trips), 0.0, ""
-    for line in hlo.splitlines():
-        if line and not line[0].isspace():
-            computation = m.group(1) if line.rstrip().endswith("{") and (
-                m := re.match(r"(?:ENTRY )?%?([\w.\-]+)", line)) else computation
-        elif (g := _gemm(line, shapes)) is not None:
+    shapes, mult, total = _shapes(hlo), trip_counts(hlo, unknown=unknown_trips), 0.0
+    for computation, line in instruction_lines(hlo):
+        if (g := _gemm(line, shapes)) is not None:
             total += g.flops * mult.get(computation, 0.0)
     return total
 

@@ -208,11 +208,6 @@ def _cycle_length(pairs: list[tuple[int, int]]) -> int:
             return n
 
 
-def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise AnalysisError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
-
-
 def _axes_key(axes: tuple[str, ...] | None) -> tuple:
     return (axes is None, axes or ())
 
@@ -279,7 +274,8 @@ def count(colls: Iterable[Collective], kind: str, axes: str | Sequence[str] | No
     Returns:
       The count.
     """
-    _check_kind(kind)
+    if kind not in KINDS:
+        raise AnalysisError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
     wanted = None if axes is None else frozenset([axes] if isinstance(axes, str) else axes)
     return sum(1 for c in colls if c.kind == kind
                and (wanted is None or (c.axes is not None and frozenset(c.axes) == wanted))

@@ -140,6 +140,29 @@ def _split_shape(text: str) -> tuple[str, str]:
     raise AnalysisError(f"unbalanced tuple shape in {text[:80]!r}")
 
 
+def instruction_lines(text: str):
+    """``(computation, line)`` of each instruction line of an HLO module's text (its indented lines).
+
+    >>> list(instruction_lines("HloModule m\\nENTRY %main (p: f32[]) -> f32[] {\\n  ROOT %p = f32[] parameter(0)\\n}"))
+    [('main', '  ROOT %p = f32[] parameter(0)')]
+    """
+    computation = ""
+    for line in text.splitlines():
+        if line and not line[0].isspace():
+            header = _HEADER.match(line)
+            computation = header.group(1) if header and line.rstrip().endswith("{") else computation
+        elif line.strip():
+            yield computation, line
+
+
+def by_computation(instrs: list[Instruction]) -> dict[str, list[Instruction]]:
+    """``{computation: its instructions in text order}`` of :func:`parse_instructions`' list."""
+    out: dict[str, list[Instruction]] = {}
+    for i in instrs:
+        out.setdefault(i.computation, []).append(i)
+    return out
+
+
 def parse_instructions(text: str) -> list[Instruction]:
     """The instructions of an HLO module's text, in text order.
 
@@ -157,14 +180,8 @@ def parse_instructions(text: str) -> list[Instruction]:
     >>> [(i.name, i.opcode, i.computation) for i in parse_instructions(hlo)]
     [('p', 'parameter', 'main'), ('ar', 'all-reduce', 'main')]
     """
-    instrs, computation = [], ""
-    for line in text.splitlines():
-        if line.startswith("HloModule") or not line.strip():
-            continue
-        if not line[0].isspace():
-            header = _HEADER.match(line)
-            computation = header.group(1) if header and line.rstrip().endswith("{") else computation
-            continue
+    instrs = []
+    for computation, line in instruction_lines(text):
         match = _INSTR.match(line)
         if not match:
             continue
@@ -355,9 +372,7 @@ def tpu_reduce_scatters(instrs: list[Instruction]) -> dict[str, Instruction]:
     Returns:
       For each such fusion with one all-reduce and its slices, the all-reduce's name and the fusion.
     """
-    by_comp: dict[str, list[Instruction]] = {}
-    for i in instrs:
-        by_comp.setdefault(i.computation, []).append(i)
+    by_comp = by_computation(instrs)
     out = {}
     for f in instrs:
         comp = next((c for k, c in called_computations(f) if k == "calls"), "") if f.opcode == "fusion" else ""

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import re
 
-from jaxpar.analysis._hlo_text import Instruction, branch_computations, called_computations, operands, parse_instructions
+from jaxpar.analysis._hlo_text import (Instruction, branch_computations, by_computation, called_computations, operands,
+                                      parse_instructions)
 
 _TRIP = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
 _ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
@@ -69,9 +70,7 @@ class _Graph:
 
     def __init__(self, instrs: list[Instruction]):
         self.by_name = {i.name: i for i in instrs}
-        self.by_comp: dict[str, list[Instruction]] = {}
-        for i in instrs:
-            self.by_comp.setdefault(i.computation, []).append(i)
+        self.by_comp = by_computation(instrs)
 
     def source(self, name: str) -> Instruction | None:
         """The instruction ``name`` is a copy or bitcast of (itself if neither)."""
@@ -154,9 +153,7 @@ def trip_counts(text: str, branch_weights: dict[str, list[float]] | None = None,
       empty when the text has no entry computation.
     """
     instrs = parse_instructions(text)
-    by_comp: dict[str, list] = {}
-    for ins in instrs:
-        by_comp.setdefault(ins.computation, []).append(ins)
+    by_comp = by_computation(instrs)
     trips = while_trip_counts(text, instrs)
     weights = branch_weights or {}
     entry = next((m.group(1) for m in _ENTRY.finditer(text)), None)

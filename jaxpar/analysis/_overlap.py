@@ -47,9 +47,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from jaxpar.analysis._hlo_text import (KINDS, Instruction, called_computations, channel, custom_call_targets,
-                                       module_text, operands, parse_instructions, shape_bytes, tpu_async_roles,
-                                       tpu_reduce_scatters)
+from jaxpar.analysis._hlo_text import (KINDS, Instruction, by_computation, called_computations, channel,
+                                       custom_call_targets, module_text, operands, parse_instructions, shape_bytes,
+                                       tpu_async_roles, tpu_reduce_scatters)
 from jaxpar.analysis._loops import trip_counts, while_trip_counts
 from jaxpar.errors import AnalysisError
 
@@ -187,9 +187,7 @@ class _Module:
 
     def __init__(self, text: str):
         self.instrs = parse_instructions(text)
-        self.by_comp: dict[str, list[Instruction]] = {}
-        for ins in self.instrs:
-            self.by_comp.setdefault(ins.computation, []).append(ins)
+        self.by_comp = by_computation(self.instrs)
         self.by_name = {ins.name: ins for ins in self.instrs}
         self.targets = custom_call_targets(text)
         gemms = {n for n, t in self.targets.items() if t.startswith("__cublas$")}

@@ -76,9 +76,8 @@ def _mesh_device_ids(text: str | None, size: int) -> np.ndarray:
         return np.arange(size)
     iota = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
     if iota:
-        dims = _ints(iota.group(1))
-        perm = _ints(iota.group(2)) if iota.group(2) else list(range(len(dims)))
-        return np.arange(size).reshape(dims).transpose(perm).reshape(-1)
+        perm = _ints(iota.group(2)) if iota.group(2) else None
+        return np.array(iota_replica_groups([1, size], _ints(iota.group(1)), perm)).reshape(-1)
     return np.array(_ints(re.sub(r"^\s*\[[\d,]*\]", "", text)))
 
 

@@ -38,7 +38,15 @@ FAMILIES = {
     "qwen3_moe": {"architecture": "Qwen3MoeForCausalLM", "tie": False},
     "gemma3_text": {"architecture": "Gemma3ForCausalLM", "tie": True, "head_dim": 256},
 }
-_ROPE_KINDS = ("default", "linear", "llama3")
+#: RoPE's scaling fields by kind: ``{RoPE field: (config.json key, type)}``.
+_ROPE_FIELDS = {
+    "default": {},
+    "linear": {"factor": ("factor", float)},
+    "llama3": {"factor": ("factor", float), "low_freq_factor": ("low_freq_factor", float),
+               "high_freq_factor": ("high_freq_factor", float),
+               "original_max_positions": ("original_max_position_embeddings", int)},
+}
+_ROPE_KINDS = tuple(_ROPE_FIELDS)
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -80,13 +88,8 @@ def _rope(params: dict | None, theta: float) -> RoPE:
     if kind not in _ROPE_KINDS:
         raise HFConfigError(f"config.json: rope type {kind!r} is not supported; jaxpar implements {_ROPE_KINDS}.")
     theta = float(params.get("rope_theta", theta))
-    if kind == "default":
-        return RoPE(theta=theta)
-    if kind == "linear":
-        return RoPE(theta=theta, kind="linear", factor=float(params["factor"]))
-    return RoPE(theta=theta, kind="llama3", factor=float(params["factor"]),
-                low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"]),
-                original_max_positions=int(params["original_max_position_embeddings"]))
+    scaling = {field: cast(params[key]) for field, (key, cast) in _ROPE_FIELDS[kind].items()}
+    return RoPE(theta=theta, kind=kind, **scaling)
 
 
 def _ropes(hf: dict, model_type: str) -> tuple[RoPE, RoPE | None]:
@@ -180,13 +183,8 @@ def decoder_config(hf: dict[str, Any], **overrides: Any) -> DecoderConfig:
 
 
 def _rope_dict(rope: RoPE) -> dict[str, Any]:
-    out: dict[str, Any] = {"rope_theta": rope.theta, "rope_type": rope.kind}
-    if rope.kind == "linear":
-        out["factor"] = rope.factor
-    if rope.kind == "llama3":
-        out.update(factor=rope.factor, low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
-                   original_max_position_embeddings=rope.original_max_positions)
-    return out
+    scaling = {key: getattr(rope, field) for field, (key, _) in _ROPE_FIELDS.get(rope.kind, {}).items()}
+    return {"rope_theta": rope.theta, "rope_type": rope.kind, **scaling}
 
 
 def hf_config_dict(cfg: DecoderConfig, family: str, dtype: str = "float32") -> dict[str, Any]:
