@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 from jaxpar import cost
@@ -153,7 +154,9 @@ def run_plan(args: argparse.Namespace) -> int:
         args.cluster = args.cluster or target.spec.cluster
         args.devices = args.devices or target.num_devices
     try:
-        cluster = target_cluster(cost.load_cluster(args.cluster or "h100", num_devices=args.devices), target)
+        cluster = cost.load_cluster(args.cluster or "h100", num_devices=args.devices)
+        if target is not None:          # the target's device bytes and platform: its capacity
+            cluster = replace(cluster, memory_bytes=float(target.spec.memory_bytes), platform=target.spec.platform)
         if args.overrides and not args.config:
             raise ConfigError(f"the overrides {' '.join(args.overrides)} need --config CONFIG; without "
                               "it, give the model's sizes (--layers, --hidden, --heads, --seq, --vocab, --batch).")
@@ -183,20 +186,3 @@ def run_plan(args: argparse.Namespace) -> int:
         verify_plans(model, cluster, result.ranked[: args.top], target)
     return 0
 
-
-def target_cluster(cluster: Any, target: Any) -> Any:
-    """The cluster with the target's device bytes and platform (its capacity then the target's: the one rule of
-    :attr:`jaxpar.cost.Cluster.capacity`), or the cluster itself without a target.
-
-    Args:
-      cluster: the :class:`jaxpar.cost.Cluster`.
-      target: the :class:`jaxpar.devices.Target` (None: none).
-
-    Returns:
-      The cluster.
-    """
-    if target is None:
-        return cluster
-    from dataclasses import replace
-
-    return replace(cluster, memory_bytes=float(target.spec.memory_bytes), platform=target.spec.platform)

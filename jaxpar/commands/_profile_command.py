@@ -102,17 +102,13 @@ def run_profile(config: str, overrides: Sequence[str], *, steps: str = DEFAULT_S
     Returns:
       The exit status (0).
     """
+    from jaxpar.commands._weights_commands import config_job
     from jaxpar.config._cost_model import config_view
-    from jaxpar.config._job import build_job
     from jaxpar.plan import platform_of, predicted_rows, profile_report
-    from jaxpar.config._load import load_config
-    from jaxpar.devices._distributed import start_processes
     from jaxpar.run import train
 
     first, end = parse_steps(steps)
-    cfg = load_config(config, list(overrides))
-    start_processes(**{k: v for k, v in (dist or {}).items() if v is not None}, devices=cfg.train.devices)
-    job = build_job(cfg)
+    cfg, job = config_job(config, overrides, "profile", dist, data=True)
     state, layout = job.init_state()
     out = Path(cfg.train.out_dir) / "profile"
     log = dataclasses.replace(job.log_options(layout, None), out_dir=str(out), profile=(first, end), plot=False,

@@ -9,6 +9,7 @@ layout as ``jaxpar train --resume`` restores it; before the run has one, ``model
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
@@ -71,7 +72,9 @@ def run_weights(job: Any, step: int | None = None) -> RunWeights:
         try:
             if step is not None or ckpt.latest_step() is not None:
                 state = (restored := ckpt.restore(layout, step)).state
-                return RunWeights(state.params, layout, _checkpoint_words(restored, ckpt.directory),
+                saved = restored.meta.get("time")       # which run's checkpoint was read, and when it was saved
+                when = f" (saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(saved))})" if saved else ""
+                return RunWeights(state.params, layout, f"step {restored.step} of {ckpt.directory}{when}",
                                   host_params(state.stats), restored.meta)
         finally:
             ckpt.close()
@@ -82,15 +85,6 @@ def run_weights(job: Any, step: int | None = None) -> RunWeights:
                               "checkpoint.dir at the run's checkpoints.")
     where = f"the imported weights of model.hf={str(job.hf.path)!r} (no jaxpar checkpoint yet)"
     return RunWeights(job.hf.load(job.mesh, layout.params), layout, where)
-
-
-def _checkpoint_words(restored: Any, directory: Path) -> str:
-    """``step N of DIR (saved YYYY-MM-DD HH:MM:SS)``: which run's checkpoint was read."""
-    import time
-
-    saved = restored.meta.get("time")
-    when = f" (saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(saved))})" if saved else ""
-    return f"step {restored.step} of {directory}{when}"
 
 
 def run_export(config: str, overrides: Sequence[str], out: str, *, step: int | None = None, overwrite: bool = False,

@@ -387,13 +387,6 @@ def _ramp_problems(ramp: Any, n: int, what: str) -> list[str]:
     return []
 
 
-def _step_timeout_problem(p: list[str], spec: str) -> None:
-    try:
-        parse_step_timeout(spec, "train.step_timeout")
-    except LoopError as e:
-        p.append(str(e))
-
-
 def _noise_scale_problems(p: list[str], cfg: JobConfig) -> None:
     """``logging.noise_scale.every`` / ``ema`` themselves."""
     ns = cfg.logging.noise_scale
@@ -445,7 +438,10 @@ def _build(cfg: JobConfig) -> Built:
         at_least(p, f"train.{key}", getattr(tr, key), low)
     choice(p, "train.progress", tr.progress, PROGRESS_MODES)
     choice(p, "train.on_nonfinite", tr.on_nonfinite, NONFINITE_MODES)
-    _step_timeout_problem(p, tr.step_timeout)
+    try:
+        parse_step_timeout(tr.step_timeout, "train.step_timeout")
+    except LoopError as e:
+        p.append(str(e))
     ck, lg = cfg.checkpoint, cfg.logging
     for key, value, low in (("checkpoint.every", ck.every, 0), ("checkpoint.keep", ck.keep, 1),
                             ("logging.samples", lg.samples, 0), ("logging.sample_tokens", lg.sample_tokens, 1)):

@@ -66,7 +66,7 @@ def documents_problems(cfg: JobConfig) -> list[str]:
         p.append(f"data.paths={list(d.paths)}: read by data.kind=text and tokens; data.kind=documents reads "
                  "data.sources (e.g. sources: [{path: corpus.jsonl}]). Remove data.paths.")
     for i, s in enumerate(d.sources):
-        p += _source_problems(i, dict(s), d)
+        p += _source_problems(i, dict(s))
     if d.pack not in PACK_METHODS:
         p.append(f"data.pack={d.pack!r}: choose one of {', '.join(PACK_METHODS)}.")
     if d.pack_window < 1:
@@ -83,7 +83,7 @@ def documents_problems(cfg: JobConfig) -> list[str]:
     return p
 
 
-def _source_problems(i: int, s: dict, d: DataConfig) -> list[str]:
+def _source_problems(i: int, s: dict) -> list[str]:
     where = f"data.sources[{i}]"
     p = [f"{where}.{key}: unknown key; a source takes {', '.join(SOURCE_KEYS)}." for key in sorted(set(s) - set(SOURCE_KEYS))]
     if not s.get("path"):
@@ -234,11 +234,11 @@ def build_documents(d: DataConfig, *, seq_len: int, vocab: int, tokenizer: Any, 
     except DataError as e:
         raise ConfigError(f"data (data.kind=documents): {e}") from None
     if steps and not d.repeat:
-        _check_one_epoch(d, stores, data.epochs(steps), steps)
+        _check_one_epoch(stores, data.epochs(steps), steps)
     return data, evals
 
 
-def _check_one_epoch(d: DataConfig, stores: list, epochs: Any, steps: int) -> None:
+def _check_one_epoch(stores: list, epochs: Any, steps: int) -> None:
     over = [(i, e) for i, e in enumerate(epochs) if e > 1.0]
     if over:
         what = "; ".join(f"data.sources[{i}] ({stores[i].name}): {e:.2f} epochs of its "

@@ -98,14 +98,12 @@ def fitting_plan(model: Any, target: Target, *, shown: Any = None, most: int = 6
     from jaxpar import cost
     from jaxpar._text import format_bytes
 
-    k = 1
-    while k <= most:
+    for k in (1 << i for i in range(most.bit_length())):        # 1, 2, 4, ... up to most
         n = target.num_devices * k
         cluster = replace(cost.load_cluster(target.spec.cluster, num_devices=n),
                           memory_bytes=float(target.spec.memory_bytes), platform=target.spec.platform)
         best = _other_plan(model, cluster, shown)
         if best is None:
-            k *= 2
             continue
         p = best.plan
         knobs = f"zero={p.strategy.zero}, remat={p.remat}, microbatches={p.strategy.microbatches}" + \
