@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["JaxparError", "MeshError", "StrategyError", "MaskError", "RulesError", "LayerListError", "ModelMeshError",
            "CompressionError", "Fp8Error", "OffloadError", "AttentionError", "ContextParallelError", "MoEError", "PipelineCutError",
            "PartitionError", "StashingError", "ScheduleError", "AsyncPipelineError", "SyncError",
@@ -341,6 +343,15 @@ def int_problem(value, low: int) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         return f"must be an int >= {low}"
     return None
+
+
+def finite_number(value) -> bool:
+    """Whether ``value`` is a finite int or float (a bool is not a number here).
+
+    >>> finite_number(2), finite_number(1e-9), finite_number(True), finite_number(float("inf"))
+    (True, True, False, False)
+    """
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def check_int(owner: str, name: str, value, low: int, error: type[JaxparError]) -> None:

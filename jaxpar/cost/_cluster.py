@@ -11,7 +11,6 @@ Example::
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -20,7 +19,7 @@ import numpy as np
 
 from jaxpar.cost._capacity import Capacity, device_capacity
 from jaxpar.cost._collectives import Link
-from jaxpar.errors import ClusterError, check_int, int_problem
+from jaxpar.errors import ClusterError, check_int, finite_number, int_problem
 
 #: The ``peak_tflops`` key of a device's FP8 GEMMs (``parallel.fp8``): never a compute dtype.
 FP8 = "float8"
@@ -28,6 +27,12 @@ FP8 = "float8"
 PLATFORMS = ("cuda", "tpu", "cpu")
 #: Where the preset YAML files live (``configs/clusters`` of the repository).
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
+
+#: The fractions of a :class:`Cluster`, in order: ``(field, interval, what it is)``.
+_FRACTIONS = (("efficiency", "(0, 1]", "achieved / peak FLOP/s, e.g. 0.5"),
+              ("attention_efficiency", "[0, 1]",
+               "a flash attention kernel's achieved / peak FLOP/s; 0: the GEMMs' curve"),
+              ("memory_efficiency", "(0, 1]", "achieved / memory_gbps of a streaming kernel, e.g. 0.85"))
 
 
 @dataclass(frozen=True)
@@ -66,15 +71,10 @@ class Cluster:
                                "(float8 is the FP8 GEMMs' peak only).")
         for k, v in self.peak_flops.items():
             _positive(self.name, f"peak_tflops.{k}", v)
-        if not 0 < self.efficiency <= 1:
-            raise ClusterError(f"cluster {self.name!r}: efficiency={self.efficiency!r} must be in (0, 1] "
-                               "(achieved / peak FLOP/s, e.g. 0.5).")
-        if not 0 <= self.attention_efficiency <= 1:
-            raise ClusterError(f"cluster {self.name!r}: attention_efficiency={self.attention_efficiency!r} must be "
-                               "in [0, 1] (a flash attention kernel's achieved / peak FLOP/s; 0: the GEMMs' curve).")
-        if not 0 < self.memory_efficiency <= 1:
-            raise ClusterError(f"cluster {self.name!r}: memory_efficiency={self.memory_efficiency!r} must be in "
-                               "(0, 1] (achieved / memory_gbps of a streaming kernel, e.g. 0.85).")
+        for f, interval, what in _FRACTIONS:
+            v = getattr(self, f)
+            if not (0 <= v <= 1 if interval == "[0, 1]" else 0 < v <= 1):
+                raise ClusterError(f"cluster {self.name!r}: {f}={v!r} must be in {interval} ({what}).")
 
     def matmul_efficiency(self, gemm_flops: float) -> float:
         """``efficiency * w / (w + gemm_half_flops)`` for a matmul of ``w`` FLOPs: small matmuls
@@ -191,8 +191,7 @@ class Cluster:
 
 def _positive(name: str, field_name: str, value: Any, unit: str = "", *, zero: bool = False) -> float:
     """``value`` as a float; a :class:`ClusterError` unless it is a finite number > 0 (``zero``: >= 0)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (value == 0 and not zero):
+    if not finite_number(value) or value < 0 or (value == 0 and not zero):
         what = "a number >= 0" if zero else "a positive number"
         raise ClusterError(f"cluster {name!r}: {field_name}={value!r} must be {what}{unit}.")
     return float(value)
@@ -225,6 +224,13 @@ _KEYS = {"name", "description", "sources", "devices_per_node", "nodes", "device_
          "host_link_gbps", "host_memory_gbps", "fit", "platform"}
 
 
+#: The optional keys of a preset that take a number >= 0 (0: not modelled): ``(Cluster field, key, scale)``.
+_AT_LEAST_ZERO = (("gemm_half_flops", "gemm_half_gflop", 1e9), ("memory_bandwidth", "memory_gbps", 1e9),
+                  ("attention_efficiency", "attention_efficiency", 1),
+                  ("attention_half_flops", "attention_half_gflop", 1e9), ("host_link", "host_link_gbps", 1e9),
+                  ("host_memory_bandwidth", "host_memory_gbps", 1e9))
+
+
 def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
     """A :class:`Cluster` from a preset's mapping (keys in docs/planning.md §2; ``fit`` is kept as a record only).
 
@@ -248,7 +254,7 @@ def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
     if not isinstance(peaks, Mapping) or not peaks:
         raise ClusterError(f"cluster {name!r}: peak_tflops must map dtypes to TFLOP/s, e.g. {{bfloat16: 989}}.")
     shared = d.get("shared_compute", 1)
-    if isinstance(shared, bool) or not isinstance(shared, (int, float)) or not math.isfinite(shared) or shared < 1:
+    if not finite_number(shared) or shared < 1:
         raise ClusterError(f"cluster {name!r}: shared_compute={shared!r} must be a number >= 1 (1: devices do not "
                            "share compute; s: one device alone runs up to s times faster).")
     fused = d.get("fused_attention", False)
@@ -264,17 +270,10 @@ def cluster_from_dict(d: Mapping[str, Any], name: str = "cluster") -> Cluster:
     return Cluster(name=name, devices_per_node=d["devices_per_node"], nodes=d.get("nodes", 1),
                    memory_bytes=_positive(name, "device_memory_gib", d["device_memory_gib"]) * 2**30,
                    peak_flops={k: _positive(name, f"peak_tflops.{k}", v) * 1e12 for k, v in peaks.items()},
+                   **{f: _positive(name, key, d.get(key, 0), zero=True) * scale for f, key, scale in _AT_LEAST_ZERO},
                    intra=intra, inter=inter, efficiency=d.get("efficiency", 0.5),
-                   gemm_half_flops=_positive(name, "gemm_half_gflop", d.get("gemm_half_gflop", 0), zero=True) * 1e9,
-                   memory_bandwidth=_positive(name, "memory_gbps", d.get("memory_gbps", 0), zero=True) * 1e9,
                    memory_efficiency=d.get("memory_efficiency", 1.0),
                    shared_compute=float(shared), fused_attention=fused,
-                   attention_efficiency=_positive(name, "attention_efficiency", d.get("attention_efficiency", 0),
-                                                  zero=True),
-                   attention_half_flops=_positive(name, "attention_half_gflop", d.get("attention_half_gflop", 0),
-                                                  zero=True) * 1e9,
-                   host_link=_positive(name, "host_link_gbps", d.get("host_link_gbps", 0), zero=True) * 1e9,
-                   host_memory_bandwidth=_positive(name, "host_memory_gbps", d.get("host_memory_gbps", 0), zero=True) * 1e9,
                    platform=platform, description=str(d.get("description", "")), sources=tuple(d.get("sources", ())))
 
 
@@ -334,9 +333,7 @@ def load_cluster(preset: str | Path, *, nodes: int | None = None, num_devices: i
         if path.suffix not in (".yaml", ".yml") or not path.is_file():
             raise ClusterError(f"unknown cluster preset {str(preset)!r}; presets: {', '.join(known) or 'none'} "
                                f"(in {PRESET_DIR}), or give the path of a cluster YAML file.")
-    with open(path) as fh:
-        data = yaml.safe_load(fh)
-    c = cluster_from_dict(data, name=path.stem)
+    c = cluster_from_dict(yaml.safe_load(path.read_text()), name=path.stem)
     if nodes is not None:
         check_int("load_cluster", "nodes", nodes, 1, ClusterError)
         c = replace(c, nodes=nodes)

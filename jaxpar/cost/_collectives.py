@@ -17,7 +17,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from jaxpar.errors import CostModelError
+from jaxpar.errors import CostModelError, finite_number, int_problem
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
@@ -57,7 +57,7 @@ class Link:
     def __post_init__(self):
         for name in ("alpha", "beta", "gamma"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if not finite_number(value) or value < 0:
                 raise CostModelError(f"Link.{name}={value!r}: must be a finite number >= 0 (seconds"
                                      f"{' per message' if name == 'alpha' else ' per byte'}).")
 
@@ -76,8 +76,7 @@ class Link:
           The :class:`Link`.
         """
         for name, value in (("bandwidth", bandwidth), ("reduce_bandwidth", reduce_bandwidth)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value <= 0):
+            if value is not None and (not finite_number(value) or value <= 0):
                 raise CostModelError(f"Link.from_bandwidth({name}={value!r}): must be a positive number of bytes/s, "
                                      f"e.g. 50e9 for 50 GB/s.")
         return cls(alpha, 1.0 / bandwidth, 0.0 if reduce_bandwidth is None else 1.0 / reduce_bandwidth,
@@ -87,18 +86,10 @@ class Link:
 def _check(kind: str, n: float, p: int) -> None:
     if kind not in ALGORITHMS:
         raise CostModelError(f"kind={kind!r}: choose one of {', '.join(KINDS)}.")
-    if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
+    if not finite_number(n) or n < 0:
         raise CostModelError(f"n={n!r}: the buffer size must be a number of bytes >= 0.")
-    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+    if int_problem(p, 1):
         raise CostModelError(f"p={p!r}: the number of processes must be a positive int.")
-
-
-def _lg(p: int) -> int:
-    return math.ceil(math.log2(p)) if p > 1 else 0
-
-
-def _pow2_below(p: int) -> int:
-    return 1 << (p.bit_length() - 1)
 
 
 def time(kind: str, n: float, p: int, link: Link, algorithm: str = "best") -> float:
@@ -132,15 +123,15 @@ def time(kind: str, n: float, p: int, link: Link, algorithm: str = "best") -> fl
 def _formula(kind: str, algorithm: str, n: float, p: int, link: Link) -> float:
     """Seconds of one (checked) algorithm over ``p > 1`` processes: the table of docs/planning.md §1."""
     a, b, g = link.alpha, link.beta, link.gamma
+    frac = (p - 1) / p
     if algorithm in ("one-shot", "two-shot"):
-        frac = (p - 1) / p
         if kind == "all-reduce":
             return a + (p - 1) * n * (b + g) if algorithm == "one-shot" else 2 * a + 2 * frac * n * b + frac * n * g
         if kind == "reduce-scatter":
             return a + frac * n * (b + g)
         return a + (n * b if kind == "collective-permute" else frac * n * b)
-    lg, frac = _lg(p), (p - 1) / p
-    q = _pow2_below(p)
+    lg = math.ceil(math.log2(p))          # p > 1
+    q = 1 << (p.bit_length() - 1)         # the largest power of 2 <= p
     fold = p != q
     if kind == "all-reduce":
         if algorithm == "ring":
@@ -222,6 +213,5 @@ def _best(kind: str, n: float, p: int, link: Link) -> tuple[str, float]:
     """:func:`best` for checked arguments, memoised: a planner asks the same few (size, group, link)
     questions for thousands of candidate plans."""
     times = {k: v for k, v in algorithm_times(kind, n, p, link).items() if k != "lower-bound"}
-    order = list(times)
-    name = min(times, key=lambda k: (times[k], order.index(k)))
+    name = min(times, key=times.get)      # the first of equally fast ones
     return name, times[name]

@@ -20,7 +20,7 @@ from jaxpar.cost._context_experts import (context_score_bytes, context_working_b
                                           moe_mlp_bytes)
 from jaxpar.cost._model import TENSOR_LOGICAL, Leaf, ModelSpec
 from jaxpar.cost._schedule import in_flight
-from jaxpar.errors import CostModelError, LayoutError
+from jaxpar.errors import CostModelError, LayoutError, int_problem
 from jaxpar.logical import matrix_sides, zero_dim_order
 from jaxpar.options import Offload
 
@@ -238,7 +238,7 @@ def zero_state_bytes(psi: float, n_d: int, stage: int, *, param_bytes: float = 2
     16.0
     """
     _check_stage(stage)
-    if isinstance(n_d, bool) or not isinstance(n_d, int) or n_d < 1:
+    if int_problem(n_d, 1):
         raise CostModelError(f"n_d={n_d!r}: the number of data-parallel ranks must be a positive int.")
     p = psi * param_bytes / (n_d if stage >= 3 else 1)
     g = psi * grad_bytes / (n_d if stage >= 2 else 1)
@@ -416,9 +416,8 @@ def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,
     if not model.leaves:
         n_d = sizes.get("data", 1) * sizes.get("fsdp", 1)
         t, p = sizes.get("tensor", 1), sizes.get("pipe", 1)
-        out = zero_state_bytes(model.n_params / (t * p), n_d, 3 if sizes.get("fsdp", 1) > 1 else stage,
-                               param_bytes=bp.param, grad_bytes=bp.grad, opt_bytes=bp.opt)
-        return out
+        return zero_state_bytes(model.n_params / (t * p), n_d, 3 if sizes.get("fsdp", 1) > 1 else stage,
+                                param_bytes=bp.param, grad_bytes=bp.grad, opt_bytes=bp.opt)
     out = {"params": 0.0, "grads": 0.0, "opt": 0.0}
     key = sizes_key(sizes)
     for leaf in model.leaves:

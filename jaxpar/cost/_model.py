@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from jaxpar.errors import CostModelError, check_int
+from jaxpar.errors import CostModelError, check_int, finite_number, int_problem
 from jaxpar.logical import ROW_TABLE, fp8_covered
 
 #: Logical names jaxpar's tensor rules shard over ``tensor`` (:func:`jaxpar.parallel.tensor_rules`).
@@ -271,12 +271,11 @@ def _check_moe(m: ModelSpec) -> None:
     check_int("ModelSpec", "experts", m.experts, 0, CostModelError)
     if not m.experts:
         return
-    if isinstance(m.top_k, bool) or not isinstance(m.top_k, int) or not 1 <= m.top_k <= m.experts:
+    if int_problem(m.top_k, 1) or m.top_k > m.experts:
         raise CostModelError(f"ModelSpec.top_k={m.top_k!r} must be an int in [1, experts={m.experts}]: a token picks "
                              "top_k distinct experts.")
     cf = m.capacity_factor
-    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf)
-                           or cf <= 0):
+    if cf is not None and (not finite_number(cf) or cf <= 0):
         raise CostModelError(f"ModelSpec.capacity_factor={cf!r} must be a finite number > 0 (1.25 is common) or None "
                              "for dropless routing.")
     check_int("ModelSpec", "moe_every", m.moe_every, 1, CostModelError)
@@ -293,9 +292,7 @@ def _gpt_leaves(layers: int, h: int, heads: int, s: int, V: int, f: int, moe: Mo
     n_moe = moe.moe_layers if moe is not None else 0
     D = L - n_moe          # layers with a dense MLP
     blocks = [("ln1_scale", (L, h), ("layers", "embed")), ("ln1_bias", (L, h), ("layers", "embed")),
-              ("wq", (L, h, heads, d), ("layers", "embed", "heads", "kv")),
-              ("wk", (L, h, heads, d), ("layers", "embed", "heads", "kv")),
-              ("wv", (L, h, heads, d), ("layers", "embed", "heads", "kv")),
+              *((w, (L, h, heads, d), ("layers", "embed", "heads", "kv")) for w in ("wq", "wk", "wv")),
               ("wo", (L, heads, d, h), ("layers", "heads", "kv", "embed")),
               ("ln2_scale", (L, h), ("layers", "embed")), ("ln2_bias", (L, h), ("layers", "embed"))]
     if D:

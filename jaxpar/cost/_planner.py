@@ -42,7 +42,7 @@ from jaxpar.cost._parallel import MODELLED, Plan
 from jaxpar.cost._roofline import fp8_kernels
 from jaxpar.cost._time import Overlap, StepTime, step_time
 from jaxpar.cost._traffic import outer_at_ends
-from jaxpar.errors import ClusterError, PlanError
+from jaxpar.errors import ClusterError, PlanError, int_problem
 from jaxpar.options import CONTEXT_METHODS, LAYER_INPUT, ContextParallel, Fp8, Offload
 from jaxpar.strategy import Strategy
 
@@ -223,14 +223,12 @@ class PlanResult:
         shown = self.ranked[:self.top if top is None else top]
         extra = [(k, k[:2] if k != "expert" else "ep") for k in ("context", "expert")
                  if any(getattr(e.plan, k) > 1 for e in shown)]
+        ms = ["total", "compute", "elementwise", "data", "tensor", "pipeline", *(k for k, _ in extra), "optimizer"]
         rows = []
         for i, e in enumerate(shown, 1):
             t, mem = e.time, e.memory
             axes = " ".join(f"{a}:{format_bytes(b)}" for a, b in sorted(t.bytes_per_axis.items()))
-            rows.append([str(i), e.plan.name(), f"{t.total * 1e3:.1f}", f"{t.compute * 1e3:.1f}",
-                         f"{t.elementwise * 1e3:.1f}", f"{t.data * 1e3:.1f}", f"{t.tensor * 1e3:.1f}",
-                         f"{t.pipeline * 1e3:.1f}"] + [f"{getattr(t, k) * 1e3:.1f}" for k, _ in extra] + [
-                         f"{t.optimizer * 1e3:.1f}",
+            rows.append([str(i), e.plan.name(), *(f"{getattr(t, k) * 1e3:.1f}" for k in ms),
                          f"{t.bubble:.3f}", f"{t.mfu:.3f}", format_bytes(mem.total), axes or "-"])
         headers = (["rank", "plan", "step ms", "compute", "elementwise", "data", "tensor", "pipe"]
                    + [label for _, label in extra] + ["update", "bubble", "MFU", "memory", "bytes per axis"])
@@ -369,11 +367,6 @@ class _Search(NamedTuple):
     muon: dict | None = None            # Muon's {"ns_steps", "placement"}: its Newton-Schulz in the update
     offload: Offload | None = None      # the offload of every candidate's strategy (precision: jaxpar's fp32 layout)
 
-    @property
-    def usable(self) -> float:
-        """The largest predicted peak ranked: the capacity less the margin (:attr:`Capacity.plan_bytes`)."""
-        return self.capacity.plan_bytes
-
     def timed(self, p: Plan) -> StepTime:
         """The step time of ``p`` (with Muon's Newton-Schulz, :func:`jaxpar.cost.with_muon`, when ``muon`` is set)."""
         t = step_time(self.model, p, self.cluster, dtype=self.dtype, overlap=self.overlap, lowering=self.lowering)
@@ -388,18 +381,21 @@ class _Search(NamedTuple):
         if why:
             return None, [Rejected(cand, why)], 1
         rejected, considered = [], 0
+        # the recomputations, cheapest first: none, save-matmuls, full; in the offloaded search, outside pipelines
+        # (which refuse offloaded activations), full with the layers' inputs in host memory last
+        remats = [(remat, base.strategy.offload) for remat in ("none", "save-matmuls", "full")]
+        if base.strategy.offload is not None and base.pipe == 1:
+            remats.append(("full", replace(base.strategy.offload, activations=(LAYER_INPUT,))))
         for mb in accum:
-            for remat, offload in self.remats(base):
+            for remat, offload in remats:
                 considered += 1
                 cand = replace(base, remat=remat, strategy=replace(base.strategy, offload=offload,
                                                                    **{**opt, "microbatches": mb}))
                 try:     # memory first: a plan that does not fit needs no step time (most of the search)
                     mem = _memory(self.model, cand, self.dtype, self.precision if self.muon is None else
                                   muon_precision(self.precision), self.lowering, self.cluster.fused_attention)
-                    if mem.total <= self.usable:
-                        t = self.timed(cand)
-                        off = self.timed(cand.with_strategy(offload=None)).total if cand.strategy.offload else None
-                        return self.with_fp8(Estimate(cand, t, mem, True, without_offload=off)), rejected, \
+                    if mem.total <= self.capacity.plan_bytes:     # the capacity less the margin
+                        return self.with_fp8(self.estimate(cand, mem)), rejected, \
                             considered + (self.fp8 is not None)
                 except LayoutError as err:
                     rejected.append(Rejected(cand, str(err)))
@@ -407,25 +403,18 @@ class _Search(NamedTuple):
                 rejected.append(Rejected(cand, too_big(mem.total, self.capacity)))
         return None, rejected, considered
 
-    @staticmethod
-    def remats(base: Plan) -> list[tuple[str, Offload | None]]:
-        """The recomputation choices of ``base``, cheapest first, as ``(remat, offload)``: none, save-matmuls, full;
-        in the offloaded search, outside pipelines (which refuse offloaded activations), full with the layers'
-        inputs in host memory last."""
-        out = [(remat, base.strategy.offload) for remat in ("none", "save-matmuls", "full")]
-        if base.strategy.offload is not None and base.pipe == 1:
-            out.append(("full", replace(base.strategy.offload, activations=(LAYER_INPUT,))))
-        return out
-
     def with_fp8(self, e: Estimate) -> Estimate:
         """The faster of ``e`` and ``e`` with FP8 (memory as without: FP8 keeps the fp32 state)."""
         if self.fp8 is None:
             return e
-        p = e.plan.with_strategy(fp8=self.fp8)
-        t = self.timed(p)
+        fp8 = self.estimate(e.plan.with_strategy(fp8=self.fp8), e.memory, without_fp8=e.time.total)
+        return fp8 if fp8.time.total < e.time.total else e
+
+    def estimate(self, p: Plan, memory: MemoryEstimate, **more) -> Estimate:
+        """The :class:`Estimate` of ``p``, a plan that fits with ``memory``: its step time and, offloaded, the
+        step's time without offloading (``more``: ``without_fp8``)."""
         off = self.timed(p.with_strategy(offload=None)).total if p.strategy.offload else None
-        return Estimate(p, t, e.memory, e.fits, without_fp8=e.time.total, without_offload=off) \
-            if t.total < e.time.total else e
+        return Estimate(p, self.timed(p), memory, True, without_offload=off, **more)
 
     def run(self, n: int, cs: list[int], es: list[int], methods: tuple[str, ...], schedules) -> tuple:
         """Every candidate of :func:`plan` on ``n`` devices: ``(ranked, rejected, refused, considered,
@@ -459,7 +448,7 @@ def _degrees(name: str, value, default: list[int]) -> list[int]:
     if value is None:
         return default
     if (isinstance(value, (str, bytes)) or not hasattr(value, "__iter__")
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)):
+            or not all(int_problem(v, 1) is None for v in value)):
         raise PlanError(f"{name}={value!r}: give the degrees to search as positive ints, e.g. {name}=(1, 2, 4, 8).")
     return sorted(set(value))
 
@@ -522,7 +511,9 @@ def plan(model: ModelSpec, cluster: Cluster, *, top: int = 10, dtype: str = "bfl
                      fp8_options if _with_fp8(model, cluster, fp8, fp8_options) else None, muon)
     ranked, rejected, refused, considered, shape_reasons = search.run(n, cs, es, methods, schedules)
     if not ranked and _with_offload(cluster, offload, muon):        # nothing fits: the state to the host
-        ranked, rejected, considered = _offloaded(search, (n, cs, es, methods, schedules), rejected, considered)
+        off = search._replace(precision=OFFLOAD_PRECISION, offload=OFFLOAD_PROPOSED)   # updated there, in fp32
+        ranked, more, _, k, _ = off.run(n, cs, es, methods, schedules)
+        rejected, considered = rejected + more, considered + k
     if not ranked:
         _nothing(model, cluster, n, rejected, refused, shape_reasons)
     ranked.sort(key=lambda e: e.time.total)
@@ -548,14 +539,6 @@ def _check_request(model: ModelSpec, cluster: Cluster, dtype: str, memory_fracti
         plan_refusal(Plan(), dtype=dtype, fixed=fixed)
     except ValueError as err:
         raise PlanError(str(err)) from None
-
-
-def _offloaded(search: _Search, args: tuple, rejected: list, considered: int) -> tuple[list, list, int]:
-    """Every candidate again with the optimizer state offloaded and updated on the host
-    (:data:`jaxpar.cost._host_link.PROPOSED`, jaxpar's fp32 layout): ``(ranked, rejected, considered)``."""
-    off = search._replace(precision=OFFLOAD_PRECISION, offload=OFFLOAD_PROPOSED)
-    ranked, more, _, k, _ = off.run(*args)
-    return ranked, rejected + more, considered + k
 
 
 def _with_offload(cluster: Cluster, offload: bool | None, muon: dict | None) -> bool:

@@ -168,15 +168,15 @@ def _context_expert_comms(add, m: ModelSpec, plan: Plan, qkv: tuple[float, float
     q, kv = qkv
     if plan.context > 1:
         n_layer = (m.layers // plan.pipe) * mb
-        if plan.strategy.context_setting.method == "ring":
+        method = plan.strategy.context_setting.method
+        if method == "ring":
             for kind, nbytes, count, behind in ring_hops(plan.context, kv, cb, plan.remat != "none"):
                 add(kind, ("context",), nbytes, count * n_layer, "context", behind)
-        method = plan.strategy.context_setting.method
-        if method == "ulysses":      # K/V heads repeated until the context axis splits them
-            kv *= plan.context // math.gcd(m.kv_heads // m.kv_split(plan.tensor), plan.context)
-        for kind, nbytes, count in (context_collectives(method, plan.context, kv, cb, plan.remat, q=q)
-                                    if method != "ring" else ()):
-            add(kind, ("context",), nbytes, count * n_layer, "context")
+        else:
+            if method == "ulysses":      # K/V heads repeated until the context axis splits them
+                kv *= plan.context // math.gcd(m.kv_heads // m.kv_split(plan.tensor), plan.context)
+            for kind, nbytes, count in context_collectives(method, plan.context, kv, cb, plan.remat, q=q):
+                add(kind, ("context",), nbytes, count * n_layer, "context")
     if m.moe_layers:
         n_moe = m.moe_layers / plan.pipe * mb
         for kind, nbytes, count in expert_collectives(m, rows, plan.context, plan.expert, cb, plan.remat):
@@ -368,7 +368,7 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
     """Data axes: gradient reductions and ZeRO / FSDP parameter gathers. In a pipeline a device reduces
     the gradients of its own blocks and of one end's outer parameters (the busiest end); the XLA
     compilers (CPU, GPU and TPU: lowerings ``xla-cpu`` and ``xla``) do so inside every backward action
-    of the tick loop, i.e. once per micro-batch. Bytes per element: :func:`_element_bytes`."""
+    of the tick loop, i.e. once per micro-batch. Bytes per element gathered: :func:`_gather_bytes`."""
     cpu = lowering == "xla-cpu"
     sizes = plan.sizes
     d, f, t, mb, s = plan.data, plan.fsdp, plan.tensor, plan.strategy.microbatches, plan.strategy
@@ -388,8 +388,8 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
         data_axes = _axes(sizes, [a for a in GRAD_AXES if not (a == "expert" and "experts" in leaf.logical)])
         count = leaf.shape[0] // plan.pipe if leaf.stacked else 1       # the device's layers of this leaf
         per = local / count                                             # one layer's slice
-        gb, nbytes = _element_bytes(leaf, plan, lowering, grad_bytes, pbytes)
-        g = per * gb * (_sp_grad_scale(m, leaf, t) if cpu and s.sequence_parallel else 1)
+        nbytes = _gather_bytes(leaf, plan, lowering, pbytes)
+        g = per * grad_bytes * (_sp_grad_scale(m, leaf, t) if cpu and s.sequence_parallel else 1)
         n_g = math.prod(sizes[a] for a in g_axes) if shardable else 1
         rows = _row_lookup(acc, m, plan, leaf, (p_axes, () if cpu else g_axes, data_axes), pbytes, g)
         if not rows and (end is None or leaf.stacked or pipe_end(leaf) == end):      # gradients
@@ -399,16 +399,12 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
                 group = m.batch / mb * m.seq                     # tokens of a micro-batch, whole data group
                 acc("all-gather", data_axes, group * m.hidden * compute_bytes, mb, "grads")
                 acc("all-gather", data_axes, group * 4, mb, "grads")
-            elif not cpu:
-                if shardable and g_axes and not _reduced_whole(leaf, lowering, data_axes, p_axes, n_p * local):
-                    acc("reduce-scatter", g_axes, g / n_g, count * per_mb, "grads")
-                    acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count * per_mb, "grads")
-                else:
-                    acc("all-reduce", data_axes, g, count * per_mb, "grads")
-            elif explicit and leaf.stacked and shardable:
-                acc("reduce-scatter", g_axes, g / n_g, count, "grads")
-                acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count, "grads")
-            elif len(base_axes) == 2 and s.zero < 2 and leaf.matmul and shardable and not (
+            # reduce-scattered over the gradient's ZeRO axes (XLA:CPU: in its explicit steps only, pipe 1: per_mb 1)
+            elif shardable and (explicit and leaf.stacked if cpu else
+                                g_axes and not _reduced_whole(leaf, lowering, data_axes, p_axes, n_p * local)):
+                acc("reduce-scatter", g_axes, g / n_g, count * per_mb, "grads")
+                acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count * per_mb, "grads")
+            elif cpu and len(base_axes) == 2 and s.zero < 2 and leaf.matmul and shardable and not (
                     s.sequence_parallel and _is_row_parallel(leaf, m.kernel_layout)):   # SP: reduced in its region, all at once
                 acc("all-reduce", ("fsdp",), g, count * per_mb, "grads")   # fsdp first, then the shard over data
                 acc("all-reduce", set(data_axes) - {"fsdp"}, g / f, count * per_mb, "grads")
@@ -426,16 +422,15 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
     return [Comm(kind, axes, nbytes, count, phase) for (kind, axes, count, phase), nbytes in groups.items()]
 
 
-def _element_bytes(leaf: Leaf, plan: Plan, lowering: str, grad_bytes: float, pbytes: float) -> tuple[float, float]:
-    """Bytes per element of ``leaf``'s gradient reduction and of its ZeRO-3 / FSDP gather. libtpu gathers a
-    matmul's weight in bf16 at most. FP8 (the plan's ``fp8``): ZeRO-3 / FSDP gather each covered weight
+def _gather_bytes(leaf: Leaf, plan: Plan, lowering: str, pbytes: float) -> float:
+    """Bytes per element of ``leaf``'s ZeRO-3 / FSDP gather (its gradient is reduced in ``grad_bytes``). libtpu
+    gathers a matmul's weight in bf16 at most. FP8 (the plan's ``fp8``): ZeRO-3 / FSDP gather each covered weight
     (:meth:`~jaxpar.cost.Leaf.fp8`) as its FP8 values, 1 byte per element (the GPU compiler quantizes before
     the gather; measured, docs/planning.md §11); its gradient is reduced in the compute dtype as without."""
-    gather = min(pbytes, 2) if lowering == "xla-tpu" and leaf.matmul else pbytes
     fp8 = plan.strategy.fp8
     if fp8 is not None and leaf.fp8(fp8.min_dim) and lowering != "xla-cpu":
-        gather = 1
-    return grad_bytes, gather
+        return 1
+    return min(pbytes, 2) if lowering == "xla-tpu" and leaf.matmul else pbytes
 
 
 def _sp_grad_scale(m: ModelSpec, leaf: Leaf, t: int) -> float:

@@ -234,12 +234,10 @@ def topology_problem(target: Target) -> str | None:
     shape = tuple(target.shape) + (1,) * (len(bounds) - len(target.shape))
     if target.spec.platform != "tpu" or (len(shape) == len(bounds) and all(s % b == 0 for s, b in zip(shape, bounds))):
         return None
-    fit = _whole_hosts(shape, bounds, len(target.shape))
-    prefix = f"{target.slices}x" if target.slices > 1 else ""
+    fit = Target(target.spec, tuple(_whole_hosts(shape, bounds, len(target.shape))), target.slices)
     return (f"target {target}: a TPU slice is whole hosts of {'x'.join(map(str, bounds))} chips "
             f"(chips_per_host_bounds of {target.spec.name}), so each size of its chip grid must be a multiple of "
-            f"that host's; {'x'.join(map(str, target.shape))} is not: choose e.g. "
-            f"{prefix}{target.spec.name}:{'x'.join(map(str, fit))} (docs/targets.md).")
+            f"that host's; {'x'.join(map(str, target.shape))} is not: choose e.g. {fit} (docs/targets.md).")
 
 
 def _whole_hosts(shape: tuple[int, ...], bounds: tuple[int, ...], dims: int) -> list[int]:
