@@ -208,7 +208,7 @@ def test_train_refuses_an_adaptive_ramp_without_the_noise_scale():
     import jax.numpy as jnp
 
     from jaxpar.run import AdaptiveRamp, train
-    from jaxpar.run._loop import _check_ramp_and_calls
+    from jaxpar.run._loop import _checked_train_args
     from jaxpar.step import TrainState
 
     ramp = AdaptiveRamp((8, 16), every=4)
@@ -221,4 +221,6 @@ def test_train_refuses_an_adaptive_ramp_without_the_noise_scale():
     assert str(raised.value) == found[0].render(LIBRARY_NAMES)
     from jaxpar.step._noise_scale import init_state
 
-    _check_ramp_and_calls(plain._replace(stats={"noise_scale": init_state()}), ramp, 1, steps=4)
+    _checked_train_args(plain._replace(stats={"noise_scale": init_state()}), jaxpar.run.LogOptions(), steps=4,
+                        start_step=None, eval_every=0, max_inflight=2, stop_check_every=None, on_nonfinite="stop",
+                        ramp=ramp, steps_per_call=1, checkpointer=None)

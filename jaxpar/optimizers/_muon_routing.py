@@ -49,12 +49,6 @@ class MuonRoute(NamedTuple):
     why: str
 
 
-def _route_by_names(names: tuple) -> MuonRoute:
-    """The rule of a parameter from its logical names alone (:func:`jaxpar.logical.matrix_sides`)."""
-    reduction, output, batch, why = matrix_sides(names)
-    return MuonRoute("muon" if reduction else "adam", reduction, output, batch, why)
-
-
 def _forced_muon(path: str, names: tuple, ndim: int) -> MuonRoute:
     """``routing=`` says Muon: the two non-stacked axes (the last two without names) are the matrix."""
     if not any(n is not None for n in names):
@@ -118,7 +112,8 @@ def _route_one(path: str, own: tuple, shape: tuple, routing: dict[str, str]) -> 
     unnamed = sum(n is None for n in own) >= 2 and all(n is None or n in STACKS for n in own)
     if unnamed or any(n in _MESH_NAMES for n in own):
         raise _unnamed_error(path, own, tuple(shape))
-    return _route_by_names(own)
+    reduction, output, batch, why = matrix_sides(own)      # the rule from the logical names alone
+    return MuonRoute("muon" if reduction else "adam", reduction, output, batch, why)
 
 
 def _routes(params: Any, logical: Any, routing: dict[str, str], kernel_layout: str) -> dict[str, MuonRoute]:

@@ -70,8 +70,9 @@ from jaxpar.adapters._layer_lists import change_form
 from jaxpar.run._state_parts import (FORMAT, lists_record, plan_parts, record_layouts, record_shapes,
                                      saved_lists)
 from jaxpar.run._integrity import inspect_state, verify_state
-from jaxpar.run._run_directory import checkpoint_steps, refuse_later_steps, set_aside
+from jaxpar.run._run_directory import checkpoint_steps, refuse_later_steps, set_aside, sync_processes
 from jaxpar.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning, check_int
+from jaxpar.rules import path_str
 
 
 @dataclass
@@ -208,35 +209,30 @@ class Checkpointer:
         ocp = self._ocp
         existing = set(self._manager.all_steps())
         if step in existing and step not in self._bad:
-            warnings.warn(f"checkpoint of step {step} not saved: {self.directory / str(step)} already holds a "
-                          f"checkpoint of step {step}, which is kept. To keep both, save into another directory.",
-                          CheckpointWarning, stacklevel=2)
-            if wait:
-                self.wait()
-            return False
-        refuse_later_steps(f"Checkpointer.save(step={step})", self.directory, self.steps_after(step, existing),
-                           self.keep)
-        checksums, bad = inspect_state(state)
-        if bad:
-            warnings.warn(f"checkpoint of step {step} not saved: non-finite values in {', '.join(bad[:3])}"
-                          f"{' ...' if len(bad) > 3 else ''}. The good checkpoints in {self.directory} are kept; "
-                          "on_nonfinite: skip (or stop) keeps such an update out of the state.",
-                          CheckpointWarning, stacklevel=2)
-            if wait:
-                self.wait()
-            return False
-        if self._bad:                  # those restore() found unreadable: set aside before keep prunes
-            self._set_aside_unreadable()
-        layout = layout if layout is not None else self.layout
-        record = {**(meta or {}), "step": int(step), "format": FORMAT, "time": time.time(), "checksums": checksums,
-                  **record_shapes(state), **lists_record(layout), **record_layouts(layout, state)}
-        t0 = time.perf_counter()
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
-                                                         meta=ocp.args.JsonSave(record)), force=True)
-        self.save_seconds.append(time.perf_counter() - t0)
+            why = (f"{self.directory / str(step)} already holds a checkpoint of step {step}, which is kept. To keep "
+                   "both, save into another directory.")
+        else:
+            refuse_later_steps(f"Checkpointer.save(step={step})", self.directory, self.steps_after(step, existing),
+                               self.keep)
+            checksums, bad = inspect_state(state)
+            why = (f"non-finite values in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}. The good checkpoints "
+                   f"in {self.directory} are kept; on_nonfinite: skip (or stop) keeps such an update out of the "
+                   "state.") if bad else None
+        if why is not None:
+            warnings.warn(f"checkpoint of step {step} not saved: {why}", CheckpointWarning, stacklevel=2)
+        else:
+            if self._bad:                  # those restore() found unreadable: set aside before keep prunes
+                self._set_aside_unreadable()
+            layout = layout if layout is not None else self.layout
+            record = {**(meta or {}), "step": int(step), "format": FORMAT, "time": time.time(), "checksums": checksums,
+                      **record_shapes(state), **lists_record(layout), **record_layouts(layout, state)}
+            t0 = time.perf_counter()
+            self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+                                                             meta=ocp.args.JsonSave(record)), force=True)
+            self.save_seconds.append(time.perf_counter() - t0)
         if wait:
             self.wait()
-        return True
+        return why is None
 
     def _set_aside_unreadable(self) -> None:
         """Rename the checkpoints :meth:`restore` found unreadable to ``<step>.unreadable`` (process 0; every
@@ -246,10 +242,7 @@ class Checkpointer:
             for s in sorted(self._bad):
                 if (self.directory / str(s)).is_dir():
                     self.set_aside.append(set_aside(self.directory, s, "unreadable").name)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("jaxpar.Checkpointer.set_aside")
+        sync_processes("jaxpar.Checkpointer.set_aside")
         self._bad.clear()
         self._manager.reload()
 
@@ -392,13 +385,8 @@ class Checkpointer:
                 "settings the checkpoint was saved with, or start a new run.")
 
 
-def _key(path: tuple) -> str:
-    """A leaf's path as Orbax's metadata and a target tree both name it (``opt_state/0/mu/w``)."""
-    return jax.tree_util.keystr(path, simple=True, separator="/")
-
-
 def _flat_shapes(tree: Any) -> dict:
-    return {_key(p): tuple(getattr(leaf, "shape", ())) for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {path_str(p): tuple(getattr(leaf, "shape", ())) for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _tree_mismatch(saved: Any, target: Any) -> str | None:

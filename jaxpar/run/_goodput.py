@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import defaultdict
@@ -46,7 +47,6 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/j
 _PREFIX = "goodput/"
 
 _compiled: defaultdict[int, float] = defaultdict(float)    # seconds of compile events per thread
-_listening = False
 
 
 def _on_duration(event: str, duration: float, **_: Any) -> None:
@@ -54,14 +54,12 @@ def _on_duration(event: str, duration: float, **_: Any) -> None:
         _compiled[threading.get_ident()] += duration
 
 
+@functools.cache
 def _listen() -> None:
     """Register the one compile-event listener of the process (once)."""
-    global _listening
-    if not _listening:
-        import jax.monitoring
+    import jax.monitoring
 
-        jax.monitoring.register_event_duration_secs_listener(_on_duration)
-        _listening = True
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 def compile_seconds() -> float:

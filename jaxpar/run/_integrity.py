@@ -21,13 +21,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpar.rules import path_str
+
 #: The parts of a train state whose arrays are checked (another tree: all of it).
 CHECKED = ("params", "opt_state")
 _MIX = np.uint32(0x9E3779B1)
-
-
-def _key(path: tuple) -> str:
-    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def _checked(state: Any) -> dict:
@@ -94,7 +92,7 @@ def inspect_state(state: Any) -> tuple[dict[str, list], list[str]]:
 
         every = np.asarray(multihost_utils.process_allgather(parts))
         parts = np.stack([every[..., 0].sum(0) % 2 ** 32, every[..., 1].min(0)], axis=-1)
-    paths = [_key(p).lstrip("/") for p, _ in named]
+    paths = [path_str(p).lstrip("/") for p, _ in named]
     dtypes = [str(x.dtype) if hasattr(x, "dtype") else str(np.asarray(x).dtype) for _, x in named]
     return ({p: [int(s), d] for p, (s, _), d in zip(paths, parts, dtypes)},
             [p for p, (_, ok) in zip(paths, parts) if not ok])

@@ -123,22 +123,15 @@ def make_eval_fn(loss_fn: Callable, layout: StateLayout, strategy: Strategy | No
     return evaluate
 
 
-def _check_ramp_and_calls(state: Any, ramp: Any, k: Any, **intervals: int) -> None:
-    """The ramp (an adaptive one needs the state's noise scale), ``steps_per_call`` with it and the
-    loop's intervals: the compatibility table (:func:`jaxpar.compat.raise_problems`). These rules read
-    the loop's settings only, so the setting holds the default strategy and no mesh, and the noise
-    scale as ``True`` when the state measures it (its interval is the layout's)."""
-    check_int("train", "steps_per_call", k, 1, LoopError)
-    kind = "adaptive" if isinstance(ramp, AdaptiveRamp) else "fixed" if ramp is not None else None
-    measured = True if noise_scale_value(state) is not None else None
-    raise_problems(Setting(Strategy(), {}, steps_per_call=k, noise_scale_every=measured, ramp=kind,
-                           ramp_steps=tuple(getattr(ramp, "steps", ())), intervals=tuple(intervals.items())))
-
-
 def _checked_train_args(state: Any, log: LogOptions, *, steps: int, start_step: int | None, eval_every: int,
                         max_inflight: int, stop_check_every: int | None, on_nonfinite: str, ramp: Any,
                         steps_per_call: int, checkpointer: Any) -> tuple[int, int]:
-    """:func:`train`'s arguments checked: its start step and ``stop_check_every`` (default: ``log_every``)."""
+    """:func:`train`'s arguments checked: its start step and ``stop_check_every`` (default: ``log_every``).
+
+    The ramp (an adaptive one needs the state's noise scale), ``steps_per_call`` with it and the loop's
+    intervals go to the compatibility table (:func:`jaxpar.compat.raise_problems`). These rules read the
+    loop's settings only, so the setting holds the default strategy and no mesh, and the noise scale as
+    ``True`` when the state measures it (its interval is the layout's)."""
     stop_check_every = log.log_every if stop_check_every is None else stop_check_every
     for name, value, low in (("steps", steps, 1), ("eval_every", eval_every, 0), ("max_inflight", max_inflight, 1),
                              ("stop_check_every", stop_check_every, 1)):
@@ -154,9 +147,13 @@ def _checked_train_args(state: Any, log: LogOptions, *, steps: int, start_step: 
     if hasattr(checkpointer, "steps_after"):      # before any step: keep prunes no other run's checkpoints
         refuse_later_steps(f"train(start_step={start})", checkpointer.directory, checkpointer.steps_after(start),
                            checkpointer.keep)
-    _check_ramp_and_calls(state, ramp, steps_per_call, steps=steps, start=start, log_every=log.log_every,
-                          eval_every=eval_every, checkpoint_every=getattr(checkpointer, "every", 0),
-                          stop_check_every=stop_check_every)
+    check_int("train", "steps_per_call", steps_per_call, 1, LoopError)
+    kind = "adaptive" if isinstance(ramp, AdaptiveRamp) else "fixed" if ramp is not None else None
+    intervals = (("steps", steps), ("start", start), ("log_every", log.log_every), ("eval_every", eval_every),
+                 ("checkpoint_every", getattr(checkpointer, "every", 0)), ("stop_check_every", stop_check_every))
+    raise_problems(Setting(Strategy(), {}, steps_per_call=steps_per_call, ramp=kind, intervals=intervals,
+                           noise_scale_every=True if noise_scale_value(state) is not None else None,
+                           ramp_steps=tuple(getattr(ramp, "steps", ()))))
     return start, stop_check_every
 
 

@@ -21,14 +21,8 @@ from typing import Any, Sequence
 
 import jax
 
+from jaxpar._text import format_bytes
 from jaxpar.errors import OutOfMemoryError
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def device_memory(devices: Sequence[Any]) -> str:
@@ -36,10 +30,10 @@ def device_memory(devices: Sequence[Any]) -> str:
     the host's memory, which every CPU device of the process shares."""
     stats = devices[0].memory_stats() if devices else None
     if stats and stats.get("bytes_limit"):
-        return f"{_size(stats['bytes_limit'])} per device ({devices[0].device_kind})"
+        return f"{format_bytes(stats['bytes_limit'])} per device ({devices[0].device_kind})"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     local = sum(d.process_index == jax.process_index() for d in devices) or 1
-    return f"{_size(total)} of host memory, shared by this process's {local} {devices[0].platform} device(s)"
+    return f"{format_bytes(total)} of host memory, shared by this process's {local} {devices[0].platform} device(s)"
 
 
 def out_of_memory_error(error: BaseException, predicted_bytes: float | None, devices: Sequence[Any], *,
@@ -62,9 +56,9 @@ def out_of_memory_error(error: BaseException, predicted_bytes: float | None, dev
         return None
     first = " ".join(text.split("\n", 1)[0].split())[:200]
     asked = re.search(r"allocat\w*\s+(\d+)\s*bytes", text)
-    what = _size(int(asked.group(1))) if asked else "what the program needs"
-    state = f"the train state alone is {_size(state_bytes)} per device" if state_bytes else ""
-    predicted = (f"the cost model predicts a peak of {_size(predicted_bytes)} per device" if predicted_bytes
+    what = format_bytes(int(asked.group(1))) if asked else "what the program needs"
+    state = f"the train state alone is {format_bytes(state_bytes)} per device" if state_bytes else ""
+    predicted = (f"the cost model predicts a peak of {format_bytes(predicted_bytes)} per device" if predicted_bytes
                  else f"{state} (the cost model predicts no peak for this model)" if state
                  else "the cost model has no prediction for this run")
     return OutOfMemoryError(

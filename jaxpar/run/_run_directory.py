@@ -161,16 +161,21 @@ def claim_run_directory(out_dir: str | Path, checkpoint_dir: str | Path | None =
             "start the new run elsewhere with train.out_dir=NEW_DIR, or pass --overwrite to move the earlier run "
             f"aside to {_aside(out, n)} (nothing is deleted).")
     if found:
-        _sync("jaxpar.claim_run_directory.looked")     # every process has looked before process 0 moves
+        sync_processes("jaxpar.claim_run_directory.looked")     # every process has looked before process 0 moves
         moved = _move_aside(out, ck, n)
         read = f"train.out_dir={moved.out_dir}" + (f" checkpoint.dir={moved.checkpoint_dir}" if moved.checkpoint_dir
                                                    else "")
         print(f"moved    the earlier run in {out_dir} to {moved.out_dir} (read it with {read})")
-    _sync("jaxpar.claim_run_directory.claimed")        # and before any process writes there
+    sync_processes("jaxpar.claim_run_directory.claimed")        # and before any process writes there
     return moved
 
 
-def _sync(name: str) -> None:
+def sync_processes(name: str) -> None:
+    """Wait until every process of the job reaches the barrier ``name`` (nothing with one process).
+
+    Args:
+      name: the barrier's name, the same in every process.
+    """
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

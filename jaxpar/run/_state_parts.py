@@ -367,9 +367,7 @@ def lists_record(layout: Any) -> dict:
       ``{"layer_lists": [[path, count], ...]}`` for the ``nnx.List`` s run stacked, or ``{}``
       (none, or no layout).
     """
-    if layout is None or not hasattr(layout, "strategy"):
-        return {}
-    lists = getattr(layout, "layer_lists", None) or {}
+    lists = getattr(layout, "layer_lists", None) if hasattr(layout, "strategy") else None
     return {"layer_lists": [[list(path), int(n)] for path, n in lists.items()]} if lists else {}
 
 
@@ -416,7 +414,7 @@ def record_layouts(layout: Any, state: Any) -> dict:
       ``state`` has; empty without a layout. A part whose shapes are not the layout's is left
       out (the layout describes another state).
     """
-    if layout is None or not hasattr(layout, "strategy"):
+    if not hasattr(layout, "strategy"):       # None, or no layout
         return {}
     out, abstract = {}, layout.abstract_state()
     for part in STATE_PARTS:

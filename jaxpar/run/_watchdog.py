@@ -128,10 +128,9 @@ class Watchdog:
 
     def describe(self) -> str:
         """The bound in words, for the run's header."""
-        if self.seconds is not None:
-            return f"a step that takes over {self.seconds:g} s ends the run (exit status {HUNG_EXIT})"
-        return (f"a step that takes over {self.factor:g} x the median step time (at least {self.min_seconds:g} s) "
-                f"ends the run (exit status {HUNG_EXIT})")
+        bound = (f"{self.seconds:g} s" if self.seconds is not None else
+                 f"{self.factor:g} x the median step time (at least {self.min_seconds:g} s)")
+        return f"a step that takes over {bound} ends the run (exit status {HUNG_EXIT})"
 
     def __enter__(self) -> "Watchdog":
         self._stop.clear()

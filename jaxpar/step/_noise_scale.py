@@ -228,7 +228,5 @@ def plot_noise_scale(path: str | Path, steps: Sequence[int], values: Sequence[fl
         ax.axhline(batch, ls="--", color="gray", lw=1, label=f"global batch {batch}")
     if pts and all(v > 0 for _, v in pts):
         ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("noise scale (examples)")
-    ax.set_title(title)
+    ax.set(xlabel="step", ylabel="noise scale (examples)", title=title)
     return save_plot(fig, ax, path)

@@ -103,7 +103,7 @@ def relaxed_layout(layout: StateLayout, tx: optax.GradientTransformation,
         inner_shapes, inner_specs = optimizer_specs(tx, layout.shapes, layout.opt_param_specs)
         part = {"params": _lead(layout.params, REPLICA), "opt": _lead(inner_specs, REPLICA)}
         part_shapes = {"params": _stack_shapes(layout.shapes, k), "opt": _stack_shapes(inner_shapes, k)}
-    elif isinstance(sync, Stale) and sync.max_delay > 0:
+    elif _delayed(sync):
         part = {"history": _lead(layout.params, None)}
         part_shapes = {"history": _stack_shapes(layout.shapes, sync.max_delay)}
 
