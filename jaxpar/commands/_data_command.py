@@ -94,14 +94,11 @@ def length_histogram(lengths: np.ndarray, path: str | Path, seq_len: int | None 
     Returns:
       ``path`` as a :class:`~pathlib.Path`.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from jaxpar._text import agg_axes
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = agg_axes((7, 4), dpi=100)
     bins = np.geomspace(1, max(2, int(lengths.max())) + 1, 50)
     ax.hist(np.maximum(lengths, 1), bins=bins)
     ax.set(xscale="log", xlabel="tokens per document", ylabel="documents",
@@ -110,8 +107,7 @@ def length_histogram(lengths: np.ndarray, path: str | Path, seq_len: int | None 
         ax.axvline(seq_len, color="k", linestyle="--", label=f"seq_len {seq_len}")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    fig.savefig(path)
     return path
 
 
@@ -135,6 +131,8 @@ def run_show(config: str, overrides: Sequence[str], *, steps: str = "0:4", chars
     import jax
 
     from jaxpar.data import batch_digest, make_global_batch
+    from jaxpar.data._tokenizers import decode_ids
+    from jaxpar.run._sample import host_params
 
     span = range(*parse_steps(steps))
     cfg, job = config_job(config, overrides, "data show", dist, data=True)
@@ -142,27 +140,12 @@ def run_show(config: str, overrides: Sequence[str], *, steps: str = "0:4", chars
     say(f"mesh     {dict(job.mesh.shape)}, {jax.process_count()} process(es); data.kind={cfg.data.kind}, "
         f"seed {cfg.data.seed}")
     for step in span:
-        batch = {k: _gather(v) for k, v in make_global_batch(job.batch_fn, step, job.mesh).items()}
+        batch = host_params(make_global_batch(job.batch_fn, step, job.mesh))    # every process gathers it
         used = float((batch["segment_ids"] > 0).mean()) if "segment_ids" in batch else 1.0
-        row = _decode(job.tokenizer, batch["tokens"][0], batch["segment_ids"][0] if "segment_ids" in batch else None)
+        row = batch["tokens"][0][batch["segment_ids"][0] > 0] if "segment_ids" in batch else batch["tokens"][0]
         say(f"step {step:>6}  sha256 {batch_digest(batch)}  rows {len(batch['tokens'])}  packing {used:.2%}")
-        say(f"             row 0: {row[:chars]!r}")
+        say(f"             row 0: {decode_ids(job.tokenizer, row)[:chars]!r}")
     if hasattr(job.batch_fn, "close"):
         job.batch_fn.close()
     return 0
 
-
-def _gather(value: Any) -> np.ndarray:
-    import jax
-    from jax.experimental import multihost_utils
-
-    if jax.process_count() == 1:
-        return np.asarray(value)
-    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
-
-
-def _decode(tokenizer: Any, tokens: np.ndarray, segments: np.ndarray | None) -> str:
-    ids = tokens[segments > 0] if segments is not None else tokens
-    if tokenizer is None:
-        return bytes(int(t) % 256 for t in ids).decode("utf-8", "replace")
-    return tokenizer.decode([int(t) for t in ids])

@@ -123,7 +123,7 @@ def run_export(config: str, overrides: Sequence[str], out: str, *, step: int | N
 
 
 def _sample_codec(cfg: Any, job: Any):
-    """``(encode, decode, tokenizer)`` of the run's text: ``data.tokenizer``'s, ``model.hf``'s tokenizer, or bytes
+    """``(encode, tokenizer)`` of the run's text: ``data.tokenizer``'s, ``model.hf``'s tokenizer, or bytes
     (tokenizer None); ``data.bos: auto`` encodes a prompt as transformers' ``tokenizer(prompt)`` does."""
     tok = job.tokenizer
     if tok is None and job.hf is not None:
@@ -139,11 +139,11 @@ def _sample_codec(cfg: Any, job: Any):
                               ) from None
     if tok is not None:
         encode = tok.encode_prompt if cfg.data.bos == "auto" else (lambda text: tok.encode(text, bos=cfg.data.bos))
-        return encode, tok.decode, tok
+        return encode, tok
     if cfg.data.kind != "text":
         raise ConfigError(f"jaxpar sample: data.kind={cfg.data.kind!r} with no tokenizer: the run's tokens have no "
                           "text; set data.tokenizer (a tokenizer's directory) to decode them.")
-    return (lambda text: list(text.encode())), (lambda ids: bytes(v & 0xFF for v in ids).decode("utf-8", "replace")), None
+    return (lambda text: list(text.encode())), None
 
 
 def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: int | None = None,
@@ -163,12 +163,12 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
     Raises:
       ConfigError: the config is invalid, the prompt encodes to no token, or the run's tokens have no text.
     """
-    from jaxpar.data import check_tokenizer
+    from jaxpar.data._tokenizers import check_tokenizer, decode_ids
     from jaxpar.run._sample import greedy_generate
     from jaxpar.step._state import use_parts
 
     cfg, job = config_job(config, overrides, "sample")
-    encode, decode, tok = _sample_codec(cfg, job)
+    encode, tok = _sample_codec(cfg, job)
     ids = encode(prompt)
     if not ids:
         raise ConfigError(f"jaxpar sample: --prompt {prompt!r} encodes to no token (the tokenizer knows none of its "
@@ -183,5 +183,5 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
         out = greedy_generate(w.layout.graphdef, w.params, [ids], new_tokens=new, context=cfg.model.seq_len,
                               max_positions=most)[0]
     print(f"sample   {len(ids)} prompt tokens + {new} greedy tokens from {w.where}", file=sys.stderr)
-    print(decode(out))
+    print(decode_ids(tok, out))
     return 0

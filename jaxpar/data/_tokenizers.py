@@ -282,6 +282,27 @@ def check_tokenizer(fingerprint_saved: str | None, tokenizer: Tokenizer, vocab: 
                              f"differ), whose ids are other text; {fix}")
 
 
+def token_bytes(ids: Iterable[int]) -> bytes:
+    """The bytes that token ids of the byte-level model (no tokenizer) stand for: each id modulo 256.
+
+    >>> token_bytes([104, 105, 256 + 33])
+    b'hi!'
+    """
+    return bytes(int(v) & 0xFF for v in ids)
+
+
+def decode_ids(tokenizer: Tokenizer | None, ids: Sequence[int]) -> str:
+    """The text of token ids: :meth:`Tokenizer.decode`, or with no tokenizer the byte-level model's
+    (:func:`token_bytes` as UTF-8, invalid bytes as U+FFFD).
+
+    >>> decode_ids(None, [104, 105])
+    'hi'
+    """
+    if tokenizer is None:
+        return token_bytes(ids).decode("utf-8", "replace")
+    return tokenizer.decode(ids)
+
+
 def _added_specials(tok: Tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The ids ``tokenizer.json``'s post-processor puts before and after a text (the special tokens among
     ``encode(probe, add_special_tokens=True)``); none for the kinds without a post-processor."""

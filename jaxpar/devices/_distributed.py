@@ -401,3 +401,17 @@ def start_processes(coordinator: str | None = None, num_processes: int | None = 
         local_devices = split_devices(devices, info.num_processes) if info.num_processes else None
     return initialize(coordinator, num_processes, process_id, local_device_count=local_devices,
                       heartbeat_timeout=heartbeat_timeout or 100)
+
+
+def sync_processes(name: str) -> None:
+    """Wait until every process of the job reaches the barrier ``name`` (nothing with one process).
+
+    Args:
+      name: the barrier's name, the same in every process.
+    """
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

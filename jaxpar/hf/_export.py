@@ -25,6 +25,7 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.devices._distributed import sync_processes
 from jaxpar.models._decoder import DecoderConfig
 from jaxpar.hf._boxes import file_tensor
 from jaxpar.hf._reader import Checkpoint
@@ -92,10 +93,7 @@ def _prepare(out: Path, overwrite: bool) -> None:
     if full and not overwrite:
         raise HFExportError(f"export: {out} is not empty; choose an empty or new directory, or pass "
                             "overwrite=True (jaxpar export --overwrite) to replace its checkpoint files.")
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("jaxpar.hf.export")
+    sync_processes("jaxpar.hf.export")
     if jax.process_index() == 0:
         for f in list(out.glob("*.safetensors")) + [out / INDEX] if full else []:
             f.unlink(missing_ok=True)

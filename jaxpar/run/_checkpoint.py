@@ -70,7 +70,8 @@ from jaxpar.adapters._layer_lists import change_form
 from jaxpar.run._state_parts import (FORMAT, lists_record, plan_parts, record_layouts, record_shapes,
                                      saved_lists)
 from jaxpar.run._integrity import inspect_state, verify_state
-from jaxpar.run._run_directory import checkpoint_steps, refuse_later_steps, set_aside, sync_processes
+from jaxpar.devices._distributed import sync_processes
+from jaxpar.run._run_directory import checkpoint_steps, refuse_later_steps, set_aside
 from jaxpar.errors import CheckpointError, CheckpointMismatchError, CheckpointWarning, check_int
 from jaxpar.rules import path_str
 

@@ -38,6 +38,7 @@ from typing import NamedTuple, Sequence
 
 import jax
 
+from jaxpar.devices._distributed import sync_processes
 from jaxpar.errors import RunDirectoryError
 
 #: The file Orbax writes into a step's folder when its save is complete (a folder without it is an interrupted
@@ -168,18 +169,6 @@ def claim_run_directory(out_dir: str | Path, checkpoint_dir: str | Path | None =
         print(f"moved    the earlier run in {out_dir} to {moved.out_dir} (read it with {read})")
     sync_processes("jaxpar.claim_run_directory.claimed")        # and before any process writes there
     return moved
-
-
-def sync_processes(name: str) -> None:
-    """Wait until every process of the job reaches the barrier ``name`` (nothing with one process).
-
-    Args:
-      name: the barrier's name, the same in every process.
-    """
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
 
 
 def _move_aside(out: Path, ck: Path | None, n: int) -> Moved:

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.errors import GenerationError, check_int
+from jaxpar.data._tokenizers import token_bytes
 
 _CACHE_ROUND = 64      # KV cache slots are rounded up to a multiple of this (capped at the model's max positions)
 
@@ -139,7 +140,7 @@ def greedy_generate(graphdef: Any, params: Any, prompts: Sequence[bytes | Sequen
             new = _recompute_decode(graphdef, params1, rows, new_tokens, context, device)
         rows = [r + list(n) for r, n in zip(rows, new.tolist())]
     if as_bytes:
-        return [bytes(v & 0xFF for v in r) for r in rows]
+        return [token_bytes(r) for r in rows]
     return rows
 
 
@@ -271,7 +272,7 @@ def write_samples(graphdef: Any, params: Any, batch: Any, path: str | Path, opts
     """
     rows = batch["tokens"][: opts.count]
     plen = max(1, min(16, opts.context // 2))
-    prompts = [bytes(r[:plen].astype("uint8")) if opts.text else [int(t) for t in r[:plen]] for r in rows]
+    prompts = [token_bytes(r[:plen]) if opts.text else [int(t) for t in r[:plen]] for r in rows]
     outs = greedy_generate(graphdef, params, prompts, context=opts.context, new_tokens=opts.new_tokens)
     Path(path).write_text(format_samples(prompts, outs, opts.decode))
     return str(path)

@@ -139,8 +139,9 @@ def program_kind(strategy: Strategy, mesh_sizes: dict, steps_per_call: int = 1) 
       or ``'per-step'`` (one gradient, one exchange, one update per step, over replicas too; K
       steps per call scanned in one program).
     """
-    if strategy.schedule == "pipedream" or (steps_per_call != 1 and strategy.schedule == "pipedream-2bw"
-                                            and mesh_sizes.get("pipe", 1) > 1):
+    from jaxpar.parallel.pipeline._pipedream import is_two_bw   # pipelines load only when used
+
+    if strategy.schedule == "pipedream" or (steps_per_call != 1 and is_two_bw(strategy, mesh_sizes)):
         return "versioned-pipeline"
     if is_local(strategy.sync):
         return "local"
@@ -308,7 +309,9 @@ def _exchange(layout: StateLayout, measure: bool) -> Callable:
 def _rule(layout: StateLayout, update: Update) -> Callable:
     """``rule(state, loss, grads, *, parts, metrics) -> (state, metrics)``: the one update
     (:func:`~jaxpar.step._update.apply_update`), or under PipeDream-2BW's version swap."""
-    if layout.strategy.schedule == "pipedream-2bw" and dict(layout.mesh.shape).get("pipe", 1) > 1:
+    from jaxpar.parallel.pipeline._pipedream import is_two_bw
+
+    if is_two_bw(layout.strategy, layout.mesh.shape):
         return delayed(partial(apply_update, update))
     return partial(apply_update, update)
 
