@@ -2,7 +2,8 @@
 
 Each error names the field, the values and the fix. A command (``jaxpar train``, ``inspect``, ...)
 prints any :class:`JaxparError` as a one-line usage error.
-:func:`check_int` is the one check of an int option (:func:`int_problem` says why, for the config layer).
+:func:`check_int` is the one check of an int option (:func:`int_problem` says why, for the config layer);
+:func:`is_number` and :func:`finite_number` the one test of a number option (a bool is not a number).
 
 Example:
     >>> import jaxpar
@@ -345,13 +346,22 @@ def int_problem(value, low: int) -> str | None:
     return None
 
 
+def is_number(value) -> bool:
+    """Whether ``value`` is an int or float, inf and NaN included (a bool is not a number here).
+
+    >>> is_number(2), is_number(float("inf")), is_number(True), is_number("1")
+    (True, True, False, False)
+    """
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
 def finite_number(value) -> bool:
     """Whether ``value`` is a finite int or float (a bool is not a number here).
 
     >>> finite_number(2), finite_number(1e-9), finite_number(True), finite_number(float("inf"))
     (True, True, False, False)
     """
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    return is_number(value) and math.isfinite(value)
 
 
 def check_int(owner: str, name: str, value, low: int, error: type[JaxparError]) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from jaxpar.compat._table import raise_strategy_problems
-from jaxpar.errors import StrategyError, int_problem
+from jaxpar.errors import StrategyError, int_problem, is_number
 from jaxpar.options import ZERO_STAGES, ContextParallel, Fp8, Offload
 from jaxpar.parallel.pipeline._schedules import canonical_kind
 
@@ -127,8 +127,7 @@ class Strategy:
 
             check_codec(self.compression)
         if self.local_clip is not None:
-            if isinstance(self.local_clip, bool) or not isinstance(self.local_clip, (int, float)) \
-                    or not self.local_clip > 0:
+            if not is_number(self.local_clip) or not self.local_clip > 0:
                 raise StrategyError(f"Strategy.local_clip={self.local_clip!r}: the norm each replica's gradient is "
                                     "clipped to must be a positive number, e.g. local_clip=1.0.")
         for key, cls in option_types().items():

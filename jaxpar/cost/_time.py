@@ -24,7 +24,7 @@ from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import AXES, Plan
 from jaxpar.cost._roofline import Work, end_work, kernel_seconds, layer_elementwise_bytes, layer_kernels, layer_work
 from jaxpar.cost._traffic import Comm, bytes_per_axis, comms
-from jaxpar.errors import CostModelError
+from jaxpar.errors import CostModelError, is_number
 
 
 def narayanan_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -185,7 +185,7 @@ class Overlap:
     def __post_init__(self):
         for k in ("data", "tensor", "pipeline", "context", "expert"):
             v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            if not is_number(v) or not 0 <= v <= 1:
                 raise CostModelError(f"Overlap.{k}={v!r}: must be a fraction in [0, 1].")
         for k in ("grads_in_backward", "ring_behind_blocks"):
             if not isinstance(getattr(self, k), bool):
@@ -324,13 +324,13 @@ def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, 
     layer = layer_work(m, plan, cluster, dtype, rows, cb, lowering=lowering)
     forward = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True, lowering=lowering)
     first, last = end_work(m, plan, cluster, dtype, rows, cb)
-    blocks = layer.times(n)
-    backward = n * (layer.total - forward.total)
+    blocks = layer.times(n - n_moe)
+    backward = (n - n_moe) * (layer.total - forward.total)
     if n_moe:
         moe = layer_work(m, plan, cluster, dtype, rows, cb, moe=True, lowering=lowering)
         moe_fwd = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True, moe=True, lowering=lowering)
-        blocks = layer.times(n - n_moe) + moe.times(n_moe)
-        backward = (n - n_moe) * (layer.total - forward.total) + n_moe * (moe.total - moe_fwd.total)
+        blocks = blocks + moe.times(n_moe)
+        backward += n_moe * (moe.total - moe_fwd.total)
     if plan.pipe == 1:
         busiest = blocks + first + last
     else:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.adapters._blocks import run_layers
+from jaxpar.errors import is_number
 from jaxpar.parallel.moe import MoEError, MoEStats, check_options, load_cv, moe_apply
 from jaxpar.rules import constrain
 from jaxpar.models._gpt_layers import BLOCK_LOGICAL, RESIDUAL, attention_apply, layer_norm, mlp_apply, param, zeros
@@ -97,8 +98,7 @@ class MoESettings:
                            f"{[d for d in range(1, layers + 1) if layers % d == 0]}.")
         for name in ("aux_weight", "z_weight", "shared_mlp", "bias_rate"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-                    name == "shared_mlp" and not isinstance(value, int)):
+            if not is_number(value) or value < 0 or (name == "shared_mlp" and not isinstance(value, int)):
                 raise MoEError(f"model.moe.{name}={value!r} must be a{'n int' if name == 'shared_mlp' else ' number'} "
                                ">= 0.")
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from jaxpar.data._rows import takes_rows
-from jaxpar.errors import RampError, check_int, int_problem
+from jaxpar.errors import RampError, check_int, int_problem, is_number
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class AdaptiveRamp:
             raise RampError(f"batch ramp: sizes {list(sizes)} must increase strictly (the batch only grows).")
         check_int("AdaptiveRamp", "every", every, 1, RampError)
         check_int("AdaptiveRamp", "start", start, 0, RampError)
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        if not is_number(factor) or not factor > 0:
             raise RampError(f"batch ramp: factor={factor!r} must be a number > 0 (the target batch is factor x the "
                             "noise scale).")
         self.sizes, self.every, self.factor, self.start = sizes, every, float(factor), start

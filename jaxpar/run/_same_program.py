@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import jax
 
-from jaxpar.errors import LoopError, ProgramMismatchError
+from jaxpar.errors import LoopError, ProgramMismatchError, is_number
 from jaxpar.run._preemption import coordination_client
 
 #: Seconds a process waits for the others' fingerprints (and, after a mismatch, their programs).
@@ -289,7 +289,7 @@ class SameProgram:
     config_text: str | None = None
 
     def __post_init__(self):
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+        if not is_number(self.timeout_s) or not self.timeout_s > 0:
             raise LoopError(f"SameProgram(timeout_s={self.timeout_s!r}): must be a number of seconds > 0; "
                             "train(same_program=None) skips the check.")
 

@@ -5,14 +5,13 @@ curve)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 
 from jaxpar._text import agg_axes, save_plot
-from jaxpar.errors import LoopError, check_int
+from jaxpar.errors import LoopError, check_int, finite_number
 from jaxpar.run._goodput import describe
 from jaxpar.run._memory_meter import describe_memory
 from jaxpar.run._metrics import mfu
@@ -129,8 +128,7 @@ class LogOptions:
                              f"{', '.join(map(repr, _PROGRESS_MODES))}.")
         for name in ("peak_flops", "flops_per_token", "predicted_peak_bytes"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value <= 0):
+            if value is not None and (not finite_number(value) or value <= 0):
                 raise LoopError(f"LogOptions({name}={value!r}): must be a finite number > 0 (None: "
                                 f"{'not predicted' if name == 'predicted_peak_bytes' else 'no MFU'}).")
 

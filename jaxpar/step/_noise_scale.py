@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from jaxpar._text import agg_axes, save_plot
 from jaxpar.step._state import PartLayout, add_parts, stats_part
-from jaxpar.errors import NoiseScaleError, int_problem
+from jaxpar.errors import NoiseScaleError, int_problem, is_number
 
 #: The key of the noise-scale state in ``TrainState.stats``.
 KEY = "noise_scale"
@@ -82,7 +82,7 @@ def measure(every: Any, ema: Any, owner: str) -> Measure:
     if int_problem(every, 1) is not None:
         raise NoiseScaleError(f"{owner}(every={every!r}): must be an int >= 1 (measure every that many "
                               "steps); to measure nothing, build the state without the noise-scale part.")
-    if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 <= ema < 1:
+    if not is_number(ema) or not 0 <= ema < 1:
         raise NoiseScaleError(f"{owner}(ema={ema!r}): must be a float in [0, 1), the decay of the moving "
                               "averages of tr(Σ) and |G|² per measurement (0: no averaging; e.g. 0.95).")
     return Measure(every, ema)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.compat import Setting, raise_problems
+from jaxpar.errors import is_number
 from jaxpar.parallel.moe import LAYER_LOADS, MoEError, update_router_bias, use_router_bias
 from jaxpar.step._state import PartLayout, add_parts, stats_part
 
@@ -56,7 +57,7 @@ def _part(shape: Any, rate: Any, owner: str) -> PartLayout:
     shape = tuple(shape)
     if len(shape) != 2 or not all(isinstance(n, int) and n >= 1 for n in shape):
         raise MoEError(f"{owner}(shape={shape!r}): give (MoE layers, experts), two positive ints.")
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+    if not is_number(rate) or not rate > 0:
         raise MoEError(f"{owner}(rate={rate!r}): the bias step must be a number > 0 (DeepSeek-V3: 0.001); a "
                        "model that does not balance with a bias is built without this part.")
     after = lambda bias, batch, metrics, measured, replicas: (balanced_bias(bias, metrics, rate), metrics)  # noqa

@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 from typing import Any
-from jaxpar.errors import CompressionError, check_int
+from jaxpar.errors import CompressionError, check_int, is_number
 
 
 class BaseCodec:
@@ -75,8 +75,7 @@ def check_start(name: str, start_step, optimizer_momentum, momentum: float) -> t
     check_int(name, "start_step", start_step, 0, CompressionError)
     if optimizer_momentum is None or optimizer_momentum == 0:
         return start_step, 0.0
-    if isinstance(optimizer_momentum, bool) or not isinstance(optimizer_momentum, (int, float)) \
-            or not 0 < optimizer_momentum < 1:
+    if not is_number(optimizer_momentum) or not 0 < optimizer_momentum < 1:
         raise CompressionError(f"{name}(optimizer_momentum={optimizer_momentum!r}): Adam's b1, whose first moment "
                                "is compressed (1-bit Adam), must lie in (0, 1), e.g. optimizer_momentum=0.9.")
     if momentum:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from jaxpar.parallel.compression._base import BaseCodec, CompressionError, check_start
 from jaxpar.parallel.compression._bits import pack_bits, payload_bytes, unpack_bits
-from jaxpar.errors import int_problem
+from jaxpar.errors import int_problem, is_number
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,7 @@ class Codec(BaseCodec):
         Returns:
           The padded count.
         """
-        unit = replicas * self.block
-        return -(-n // unit) * unit
+        return round_up(n, replicas * self.block)
 
     def wire_bytes(self, n: int, replicas: int) -> int:
         """Bytes one device sends for the mean of ``n`` values over ``replicas`` devices: an
@@ -96,6 +95,11 @@ class Codec(BaseCodec):
           The bytes.
         """
         return 2 * (replicas - 1) * self.row_bytes(self.padded(n, replicas) // replicas)
+
+
+def round_up(x: int, unit: int) -> int:
+    """``x`` rounded up to a multiple of ``unit``."""
+    return -(-x // unit) * unit
 
 
 def _buckets(x: jax.Array, bucket: int) -> jax.Array:
@@ -190,7 +194,7 @@ def _one_bit(name: str, encode: Callable, decode: Callable, bucket: int, error_f
              optimizer_momentum, start_step) -> Codec:
     """The :class:`Codec` of :func:`sign` or :func:`onebit`, its options checked."""
     _check_bucket(name, bucket)
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+    if not is_number(momentum) or not 0 <= momentum < 1:
         raise CompressionError(f"{name}(momentum={momentum!r}): the momentum compressed in place of the gradient "
                                "must lie in [0, 1), e.g. momentum=0.9 with a momentum-free optimizer (SGD), or 0.")
     momentum = float(momentum)

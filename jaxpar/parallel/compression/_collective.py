@@ -43,14 +43,10 @@ import jax.numpy as jnp
 
 from jaxpar.compat._table import codec_problems, raise_first
 from jaxpar.parallel._data_parallel import axis_name, unflatten_leaf
-from jaxpar.parallel.compression._codecs import Codec
+from jaxpar.parallel.compression._codecs import Codec, round_up
 from jaxpar.parallel.compression._bits import from_bytes, to_bytes
 from jaxpar.parallel.compression._powersgd import PowerSGD, mean_of
 from jaxpar.parallel.compression._sparse import Sparsifier
-
-
-def _round_up(x: int, unit: int) -> int:
-    return -(-x // unit) * unit
 
 
 @dataclass(frozen=True)
@@ -78,7 +74,7 @@ class ExchangePlan:
         n, block = self.replicas, self.codec.block if isinstance(self.codec, Codec) else 1
         ks = sum(math.prod(s) // n for s, sc in zip(self.shapes, self.scattered) if sc)
         lr = sum(math.prod(s) for s, sc in zip(self.shapes, self.scattered) if not sc)
-        return _round_up(ks, block), _round_up(-(-lr // n), block), lr
+        return round_up(ks, block), round_up(-(-lr // n), block), lr
 
     @property
     def flat_size(self) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxpar.errors import check_int
+from jaxpar.errors import check_int, is_number
 from jaxpar.parallel.compression._base import BaseCodec, CompressionError, check_start
 
 
@@ -148,7 +148,7 @@ class Sparsifier(BaseCodec):
 
 
 def _check(name: str, ratio, momentum, warmup, warmup_steps) -> None:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+    if not is_number(ratio) or not 0 < ratio <= 1:
         raise CompressionError(f"{name}(ratio={ratio!r}): the fraction of values sent must be in (0, 1], "
                                "e.g. ratio=0.01 for 1%.")
     if not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
@@ -195,7 +195,7 @@ def topk(ratio: float, *, momentum: float = 0.0, warmup: tuple = (), warmup_step
     if not isinstance(partitioned, bool):
         raise CompressionError(f"topk(partitioned={partitioned!r}): expected True or False.")
     if precondition is not None and precondition != 0:
-        if isinstance(precondition, bool) or not isinstance(precondition, (int, float)) or not 0 < precondition < 1:
+        if not is_number(precondition) or not 0 < precondition < 1:
             raise CompressionError(f"topk(precondition={precondition!r}): Adam's b2, whose second moment ranks the "
                                    "entries, must lie in (0, 1), e.g. precondition=0.95 (the optimizer's b2).")
         if not optimizer_momentum:

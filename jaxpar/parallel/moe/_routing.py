@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.parallel.context import in_natural_order, in_sequence_order
-from jaxpar.errors import MoEError, int_problem
+from jaxpar.errors import MoEError, finite_number, int_problem
 
 GATES = ("softmax", "sigmoid")
 
@@ -87,9 +87,7 @@ def check_options(experts: int, top_k: int, gate: str, capacity_factor: float | 
                        "distinct experts.")
     if gate not in GATES:
         raise MoEError(f"gate={gate!r} is not a known gate; choose one of {GATES}.")
-    if capacity_factor is not None and (isinstance(capacity_factor, bool)
-                                        or not isinstance(capacity_factor, (int, float))
-                                        or not math.isfinite(capacity_factor) or capacity_factor <= 0):
+    if capacity_factor is not None and (not finite_number(capacity_factor) or capacity_factor <= 0):
         raise MoEError(f"capacity_factor={capacity_factor!r} must be a finite number > 0 (1.0: room for an "
                        "even load; 1.25 is common) or None for dropless routing.")
 

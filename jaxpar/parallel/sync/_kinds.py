@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import optax
-from jaxpar.errors import SyncError, int_problem
+from jaxpar.errors import SyncError, int_problem, is_number
 
 
 def _int(name: str, option: str, value: Any, low: int, example: str) -> int:
@@ -45,7 +45,7 @@ def _int(name: str, option: str, value: Any, low: int, example: str) -> int:
 
 
 def _float(name: str, option: str, value: Any, low: float, high: float, example: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+    if not is_number(value) or not low <= value <= high:
         raise SyncError(f"{name}({option}={value!r}): {example}")
     return float(value)
 
