@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 from jaxpar import cost
@@ -15,7 +14,7 @@ from jaxpar.compat._offload_rules import HOST_UPDATE_REFUSED
 from jaxpar.config._cost_model import cost_model, muon_settings
 from jaxpar.config._schema import ConfigError, JobConfig
 from jaxpar.errors import Fp8Error
-from jaxpar.plan import chosen_plan, fp8_cluster_problem, plan_overrides, plan_report, verify_plans
+from jaxpar.plan import chosen_plan, fp8_cluster_problem, on_target, plan_overrides, plan_report, verify_plans
 
 
 def plan_model(cfg: JobConfig | None, sizes: Mapping[str, int | None]):
@@ -155,8 +154,8 @@ def run_plan(args: argparse.Namespace) -> int:
         args.devices = args.devices or target.num_devices
     try:
         cluster = cost.load_cluster(args.cluster or "h100", num_devices=args.devices)
-        if target is not None:          # the target's device bytes and platform: its capacity
-            cluster = replace(cluster, memory_bytes=float(target.spec.memory_bytes), platform=target.spec.platform)
+        if target is not None:
+            cluster = on_target(cluster, target)
         if args.overrides and not args.config:
             raise ConfigError(f"the overrides {' '.join(args.overrides)} need --config CONFIG; without "
                               "it, give the model's sizes (--layers, --hidden, --heads, --seq, --vocab, --batch).")

@@ -163,7 +163,8 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
     Raises:
       ConfigError: the config is invalid, the prompt encodes to no token, or the run's tokens have no text.
     """
-    from jaxpar.data._tokenizers import check_tokenizer, decode_ids
+    from jaxpar.data import check_tokenizer
+    from jaxpar.data._tokenizers import decode_ids
     from jaxpar.run._sample import greedy_generate
     from jaxpar.step._state import use_parts
 

@@ -5,7 +5,8 @@ model's model and plan, the state's layout and compiled programs; the commands (
 config and pass them.
 """
 from jaxpar.plan._inspect_lines import (attention_lines, collective_lines, expert_lines, fit_lines, fitting_plan, fp8_lines,
-                                        gather_lines, muon_lines, muon_placement_lines, offload_lines, sharding_lines)
+                                        gather_lines, muon_lines, muon_placement_lines, offload_lines, on_target,
+                                        sharding_lines)
 from jaxpar.plan._plan_report import (chosen_plan, fp8_cluster_problem, fp8_line, offload_line, plan_overrides,
                                       plan_report, verify_plans, yaml_text)
 from jaxpar.plan._prediction import (RUN_CLUSTERS, PlannerView, planner_table, planner_view, platform_of,
@@ -13,7 +14,7 @@ from jaxpar.plan._prediction import (RUN_CLUSTERS, PlannerView, planner_table, p
                                      RunPrediction)
 
 __all__ = ["attention_lines", "collective_lines", "expert_lines", "fit_lines", "fitting_plan", "fp8_lines", "gather_lines", "muon_lines",
-           "muon_placement_lines", "offload_lines", "sharding_lines", "chosen_plan", "fp8_cluster_problem", "fp8_line", "offload_line",
+           "muon_placement_lines", "offload_lines", "on_target", "sharding_lines", "chosen_plan", "fp8_cluster_problem", "fp8_line", "offload_line",
            "plan_overrides", "plan_report", "verify_plans", "yaml_text", "RUN_CLUSTERS", "PlannerView",
            "planner_table", "planner_view", "platform_of", "predicted_rows", "profile_report", "run_prediction",
            "RunPrediction"]

@@ -100,9 +100,7 @@ def fitting_plan(model: Any, target: Target, *, shown: Any = None, most: int = 6
 
     for k in (1 << i for i in range(most.bit_length())):        # 1, 2, 4, ... up to most
         n = target.num_devices * k
-        cluster = replace(cost.load_cluster(target.spec.cluster, num_devices=n),
-                          memory_bytes=float(target.spec.memory_bytes), platform=target.spec.platform)
-        best = _other_plan(model, cluster, shown)
+        best = _other_plan(model, on_target(cost.load_cluster(target.spec.cluster, num_devices=n), target), shown)
         if best is None:
             continue
         p = best.plan
@@ -113,6 +111,20 @@ def fitting_plan(model: Any, target: Target, *, shown: Any = None, most: int = 6
                 f"{format_bytes(best.memory.total)} per device of {target.capacity.text()} (compile it to know)")
     return (f"plan     no plan is known to fit: none of the cost model's, but the one shown, fits even {most} times "
             f"the target's devices ({target.num_devices * most} x {target.spec.device}) at global batch {model.batch}")
+
+
+def on_target(cluster: Any, target: Any) -> Any:
+    """``cluster`` with the target's device bytes and platform: its capacity is then the target's (the one rule
+    of :attr:`jaxpar.cost.Cluster.capacity`).
+
+    Args:
+      cluster: the :class:`jaxpar.cost.Cluster`.
+      target: the :class:`jaxpar.devices.Target`.
+
+    Returns:
+      The cluster.
+    """
+    return replace(cluster, memory_bytes=float(target.spec.memory_bytes), platform=target.spec.platform)
 
 
 def _other_plan(model: Any, cluster: Any, shown: Any) -> Any:
