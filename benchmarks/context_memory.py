@@ -1,14 +1,15 @@
 """Context parallelism's compiled memory against the cost model, deviceless: a Llama-3-8B-shaped Decoder
 (configs/hf/llama3-8b/config.json's widths, ``configs/llama3_8b_gpu.yaml``: bf16 compute, fp32 parameters and
 AdamW moments) with one sequence over ``context`` 8 (fsdp 1), compiled for ``h100:1x8`` on the CPU, per
-context-parallel method, recomputation, number of layers and sequence length. Prints a markdown table of the
+context-parallel method, recomputation, number of layers, sequence length and ``model.loss_chunks`` (the loss in
+pieces of the vocabulary; ``--methods none``: FSDP 8 without context parallelism, one sequence a device). Prints a markdown table of the
 predicted and compiled temporaries and peak per device (what ``jaxpar inspect`` prints; on GPUs the predicted
 temporaries are the predicted peak less the arguments), then the ``working`` bytes of
 ``jaxpar.cost._device_bytes.CONTEXT_KEEPS`` (and ``kept`` without recomputation) fitted to the programs of 8
 and more layers, as the table was measured (docs/planning.md §8).
 
     python benchmarks/context_memory.py [--methods ring,balanced,all_gather,ulysses] [--remat save-matmuls]
-        [--layers 2,8,16] [--tokens 65536,131072] [--json out.json] [--reuse out.json]
+        [--layers 2,8,16] [--tokens 65536,131072] [--loss-chunks 1,8] [--json out.json] [--reuse out.json]
 
 ``--reuse`` reads the compiled figures of an earlier ``--json`` (compiling the cases it lacks) and predicts
 again; a compile takes 10-60 seconds on a 2-core CPU. The table's pairs were fitted with ``--layers
@@ -27,9 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "llama3_8b_gpu.yaml"
 SHAPE = ROOT / "configs" / "hf" / "llama3-8b" / "config.json"
-#: The ``parallel.context`` setting of each method's name.
+#: The ``parallel.context`` setting of each method's name; ``none``: no context parallelism, the config's FSDP over
+#: 8 devices and one sequence of ``tokens`` a device (the cost model's 16-bit table, not ``CONTEXT_KEEPS``).
 METHODS = {"ring": "{method: ring}", "balanced": "{method: ring, balance: true}",
-           "all_gather": "{method: all_gather}", "ulysses": "{method: ulysses}"}
+           "all_gather": "{method: all_gather}", "ulysses": "{method: ulysses}", "none": None}
 #: ``kept`` bytes per token and unit of h counted in the compiled programs (the forward scan's stacked residuals),
 #: by recomputation and method; without recomputation it is fitted with ``working``.
 COUNTED = {"save-matmuls": {"ring": 21.0, "all_gather": 21.0, "ulysses": 26.0},
@@ -37,46 +39,48 @@ COUNTED = {"save-matmuls": {"ring": 21.0, "all_gather": 21.0, "ulysses": 26.0},
 GIB = 2 ** 30
 
 
-def overrides(folder: Path, method: str, remat: str, layers: int, tokens: int) -> list[str]:
+def overrides(folder: Path, method: str, remat: str, layers: int, tokens: int, chunks: int) -> list[str]:
     """The config's overrides of one case; writes its model's config.json into ``folder``."""
     shape = json.loads(SHAPE.read_text())
     (folder / "config.json").write_text(json.dumps({**shape, "num_hidden_layers": layers,
                                                     "max_position_embeddings": tokens}))
-    return [f"model.hf={folder}", f"model.seq_len={tokens}", "mesh.context=8", "mesh.fsdp=1", "data.batch_size=1",
-            f"model.remat={remat}", f"parallel.context={METHODS[method]}", f"train.out_dir={folder}"]
+    layout = (["mesh.context=1", "mesh.fsdp=8", "data.batch_size=8"] if METHODS[method] is None else
+              ["mesh.context=8", "mesh.fsdp=1", "data.batch_size=1", f"parallel.context={METHODS[method]}"])
+    return [f"model.hf={folder}", f"model.seq_len={tokens}", *layout, f"model.remat={remat}",
+            f"train.out_dir={folder}", f"model.loss_chunks={chunks}"]
 
 
-def load(method: str, remat: str, layers: int, tokens: int, folder: Path):
+def load(method: str, remat: str, layers: int, tokens: int, chunks: int, folder: Path):
     """The case's config and job on ``h100:1x8``'s devices."""
     from jaxpar.config import load_config
     from jaxpar.config._job import build_job
     from jaxpar.devices import parse_target, target_devices
 
-    cfg = load_config(str(CONFIG), overrides(folder, method, remat, layers, tokens))
+    cfg = load_config(str(CONFIG), overrides(folder, method, remat, layers, tokens, chunks))
     return cfg, build_job(cfg, target_devices(parse_target("h100:1x8")), data=False)
 
 
-def compiled_bytes(method: str, remat: str, layers: int, tokens: int) -> dict:
+def compiled_bytes(method: str, remat: str, layers: int, tokens: int, chunks: int) -> dict:
     """The compiled step's arguments, temporaries and peak per device (``memory_report``)."""
     from jaxpar.analysis import memory_report
 
     with tempfile.TemporaryDirectory() as tmp:
-        _, job = load(method, remat, layers, tokens, Path(tmp))
+        _, job = load(method, remat, layers, tokens, chunks, Path(tmp))
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             step = job.compile(job.state_layout())["step"]
         r = memory_report(step)
-    return dict(method=method, remat=remat, layers=layers, tokens=tokens, args=r.argument_bytes,
+    return dict(method=method, remat=remat, layers=layers, tokens=tokens, loss_chunks=chunks, args=r.argument_bytes,
                 temps=r.temp_bytes, peak=r.required_bytes, compile_s=round(time.perf_counter() - start, 1))
 
 
-def cost_view(method: str, remat: str, layers: int, tokens: int):
+def cost_view(method: str, remat: str, layers: int, tokens: int, chunks: int):
     """The cost model's view of the case, as ``jaxpar inspect`` builds it."""
     from jaxpar.config._cost_model import config_view
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, job = load(method, remat, layers, tokens, Path(tmp))
+        cfg, job = load(method, remat, layers, tokens, chunks, Path(tmp))
         view, why = config_view(cfg, dict(job.mesh.shape), job.strategy, "h100", platform="cuda")
     if why is not None:
         raise SystemExit(f"not predicted: {why}")
@@ -98,7 +102,7 @@ def temporaries_with(view, keeps: tuple[float, float]) -> float:
     model, plan = view.model, view.plan
     grads = sum(4 * leaf.size for leaf in model.leaves)
     rows = model.batch / (plan.data * plan.fsdp * plan.strategy.microbatches) / plan.context
-    return grads + sum(context_temporaries(model, plan, rows, grads, model.layers, keeps))
+    return grads + sum(context_temporaries(model, plan, rows, grads, model.layers, {plan.remat: keeps}))
 
 
 def fit_keeps(cases: list[tuple[dict, object]]) -> list[tuple]:
@@ -146,12 +150,13 @@ def main() -> None:
     parser.add_argument("--remat", default="save-matmuls", help="comma-separated: none, save-matmuls, full")
     parser.add_argument("--layers", default="2,8,16")
     parser.add_argument("--tokens", default="65536,131072")
+    parser.add_argument("--loss-chunks", default="1", help="comma-separated: model.loss_chunks")
     parser.add_argument("--json", help="write the compiled and predicted rows here")
     parser.add_argument("--reuse", help="the rows of an earlier --json: compile only the cases it lacks")
     args = parser.parse_args()
-    cases = [(m, r, int(n), int(s)) for r in args.remat.split(",") for m in args.methods.split(",")
-             for s in args.tokens.split(",") for n in args.layers.split(",")]
-    old = {(r["method"], r["remat"], r["layers"], r["tokens"]): r
+    cases = [(m, r, int(n), int(s), int(c)) for r in args.remat.split(",") for m in args.methods.split(",")
+             for s in args.tokens.split(",") for n in args.layers.split(",") for c in args.loss_chunks.split(",")]
+    old = {(r["method"], r["remat"], r["layers"], r["tokens"], r.get("loss_chunks", 1)): r
            for r in json.loads(Path(args.reuse).read_text())} if args.reuse else {}
     rows, views = [], []
     for case in cases:

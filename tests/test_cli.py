@@ -78,6 +78,7 @@ BAD = [  # (override, text the error must contain)
     ("optimizer.schedule=constant", "'optimizer.schedule' was renamed to 'optimizer.lr_schedule'"),
     ("optimizer.lr_schedule=step", "optimizer.lr_schedule='step': unknown value"),
     ("model.loss=pkg:fn", "model.loss='pkg:fn': only used with model.target"),
+    ("model.loss_chunks=4", "model.loss_chunks=4: the loss in pieces is model.hf's Decoder's"),
 ]
 
 

@@ -4,9 +4,10 @@ writes the run's weights back, ``jaxpar sample`` continues a prompt, and the con
 
 One tiny Llama-3 fixture checkpoint serves every test (``hf_fixtures.build_checkpoint``): weights
 of std 0.2, so that its loss is far from a random model's, and vocab 132 (the fixtures' 131 is odd,
-and the config's mesh has ``tensor=2``). transformers is the independent reference: the loss of
-the run's first step is its loss on the first batch, the export loads in it, and the sample is its
-greedy continuation of the exported weights.
+and the config's mesh has ``tensor=2``). The run computes its loss in two pieces of the vocabulary
+(``model.loss_chunks=2``, each split over ``tensor``). transformers is the independent reference: the
+loss of the run's first step is its loss on the first batch, the export loads in it, and the sample is
+its greedy continuation of the exported weights.
 """
 import hashlib
 import json
@@ -40,7 +41,7 @@ def _args(source, out_dir):
 @pytest.fixture(scope="module")
 def trained(source, tmp_path_factory):
     """A 3-step fine-tuning run of the fixture; returns its overrides."""
-    args = _args(source, tmp_path_factory.mktemp("run") / "run")
+    args = [*_args(source, tmp_path_factory.mktemp("run") / "run"), "model.loss_chunks=2"]
     assert main(["train", CONFIG, "train.steps=3", *args]) == 0
     return args
 
@@ -180,6 +181,9 @@ def test_config_errors_name_the_key(source, tmp_path, capsys):
     cases = [  # (command line, what the error names)
         (["train", CONFIG, f"model.hf={empty}"], [f"model.hf='{empty}'", "no config.json"]),
         (["train", CONFIG, f"model.hf={source}", "model.embed=64"], ["model.embed", "beside model.hf"]),
+        (["train", CONFIG, f"model.hf={source}", "model.loss_chunks=0"], ["model.loss_chunks=0: must be an int >= 1"]),
+        (["train", CONFIG, f"model.hf={source}", "model.loss_chunks=5", *TINY],
+         ["loss_chunks=5 must divide vocab=132", "model.loss_chunks"]),
         (["train", CONFIG, f"model.hf={source}", f"data.tokenizer={tmp_path / 'tok'}", *TINY],
          ["data.tokenizer=", f"{size} tokens", "vocab_size=132"]),
         (["train", QUICK, "data.tokenizer=hf"], ["data.tokenizer='hf'", "model.hf is not set"]),

@@ -69,3 +69,102 @@ def test_the_train_step_gathers_the_target_logit_where_the_vocabulary_is_whole(s
     vocab = layout.shapes["head"].shape[-1]
     logit_gathers = re.findall(rf"stablehlo\.gather.*\(tensor<\d+x\d+x{vocab}xf32>", text)
     assert len(logit_gathers) == gathers
+
+
+# ----------------------------------------------------------------------------- the loss in vocabulary pieces
+E, CHUNKS = 24, 4
+
+
+def _pieces_case(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((B, T, E)).astype(np.float32)
+    head = (0.5 * rng.standard_normal((V, E))).astype(np.float32)
+    t = rng.integers(0, V, (B, T)).astype(np.int32)
+    mask = rng.random((B, T)) < 0.7
+    return x, head, t, mask
+
+
+@pytest.mark.parametrize("sizes", [{"data": 8}, {"data": 4, "tensor": 2}, {"data": 2, "context": 4}],
+                         ids=["dp8", "dp4-tp2", "dp2-cp4"])
+def test_the_loss_in_vocabulary_pieces_equals_the_whole_and_holds_one_piece(sizes):
+    """``linear_cross_entropy`` over 4 pieces of the vocabulary, soft-capped and masked, sharded as the
+    rules lay out a decoder's head: the loss and the gradients of ``x`` and of the head equal the whole
+    logits' :func:`cross_entropy` (1e-6 / 1e-5); the compiled program makes no fp32 array of the whole
+    vocabulary (its largest logits are one piece's) and gathers nothing (a split vocabulary stays split)."""
+    from jaxpar.parallel import linear_cross_entropy
+
+    mesh = jaxpar.make_mesh(sizes)
+    rules = jaxpar.Strategy(context=jaxpar.parallel.context.ContextParallel("ring")
+                            if "context" in sizes else None).rules(mesh)
+    x, head, t, mask = _pieces_case()
+
+    def whole(x, head):
+        z = jnp.einsum("bte,ve->btv", x, constrain(head, ("vocab", "embed")))
+        return cross_entropy(constrain(jnp.tanh(z / 3.0) * 3.0, LOGITS), t, mask)
+
+    def pieces(x, head):
+        return linear_cross_entropy(constrain(x, ("batch", "length", "embed")), constrain(head, ("vocab", "embed")),
+                                    t, mask, chunks=CHUNKS, softcap=3.0)
+
+    with use_rules(mesh, rules):
+        args = (jax.device_put(x, NamedSharding(mesh, logical_to_spec(("batch", "length", "embed"), rules, mesh))),
+                jax.device_put(head, NamedSharding(mesh, logical_to_spec(("vocab", "embed"), rules, mesh))))
+        compiled = jax.jit(jax.value_and_grad(pieces, (0, 1))).lower(*args).compile()
+        want_loss, want_grads = jax.jit(jax.value_and_grad(whole, (0, 1)))(x, head)
+    loss, grads = compiled(*args)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+    text = compiled.as_text()
+    widths = {int(w) for w in re.findall(r"f32\[\d+,\d+,(\d+)\]", text)}
+    local = V // CHUNKS // sizes.get("tensor", 1)
+    assert local in widths and not {w for w in widths if w > local} - {E}
+    assert _ops(text, "all-gather") == _ops(text, "all-to-all") == 0
+
+
+def test_the_loss_in_pieces_needs_a_number_that_divides_the_vocabulary():
+    from jaxpar.errors import BatchError, ModelConfigError
+    from jaxpar.models import DecoderConfig
+    from jaxpar.parallel import linear_cross_entropy
+
+    x, head, t, _ = _pieces_case()
+    with pytest.raises(BatchError, match=r"chunks=5\).*vocabulary of 64 entries.*model.loss_chunks"):
+        linear_cross_entropy(x, head, t, chunks=5)
+    with pytest.raises(BatchError, match=r"chunks=0\): must be an int >= 1"):
+        linear_cross_entropy(x, head, t, chunks=0)
+    with pytest.raises(ModelConfigError, match="loss_chunks=3 must divide vocab=64"):
+        DecoderConfig(vocab=64, embed=16, layers=1, heads=2, kv_heads=1, head_dim=8, mlp=32, loss_chunks=3)
+
+
+def test_a_decoder_with_its_loss_in_pieces_trains_like_one_device_under_context_parallelism():
+    """A tied, soft-capped Decoder with ``loss_chunks=4`` on ``data 2 x context 2`` (balanced ring), three
+    AdamW steps on packed rows with a loss mask: losses, first gradients and parameters equal the whole
+    loss's on one device (the helpers' fp32 bounds)."""
+    import optax
+    from flax import nnx
+
+    from helpers import RunResult, assert_runs_match, keep_grads
+    from jaxpar.models import Decoder, DecoderConfig, decoder_loss
+
+    def run(axes, strategy, chunks):
+        cfg = DecoderConfig(vocab=V, embed=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64,
+                            tie_embeddings=True, final_softcap=5.0, loss_chunks=chunks)
+        mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:int(np.prod(list(axes.values())))])
+        tx = optax.chain(keep_grads(), optax.adamw(1e-3, weight_decay=0.1))
+        state, layout = jaxpar.init_train_state(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy)
+        step, batch = jaxpar.make_train_step(decoder_loss, tx, layout, strategy), jaxpar.shard_batch(rows, mesh)
+        losses, grads = [], None
+        for _ in range(3):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+            grads = jax.device_get(state.opt_state[0].grads) if grads is None else grads
+        return RunResult(np.array(losses), jax.device_get(state.params), grads, 1e-3, 3)
+
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, V, (4, 17)).astype(np.int32)
+    segments = np.tile(np.repeat([1, 2], [9, 7]), (4, 1)).astype(np.int32)
+    rows = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": segments,
+            "positions": np.tile(np.r_[np.arange(9), np.arange(7)], (4, 1)).astype(np.int32),
+            "loss_mask": (segments == np.roll(segments, -1, 1)).astype(np.float32)}
+    ring = jaxpar.Strategy(context=jaxpar.parallel.context.ContextParallel("ring", balance=True))
+    assert_runs_match(run({"data": 2, "context": 2}, ring, CHUNKS), run({"data": 1}, jaxpar.Strategy(), 1))

@@ -249,6 +249,10 @@ def _model_problems(p: list[str], cfg: JobConfig) -> Any:
     p.extend(tokenizer_problems(cfg) + (hf_problems(cfg) if m.hf is not None else []))   # .hf_model
     if m.hf is not None:
         return None
+    if m.loss_chunks != 1:
+        p.append(f"model.loss_chunks={m.loss_chunks}: the loss in pieces is model.hf's Decoder's; the built-in GPT "
+                 "and a model of your own compute theirs whole (a loss of your own may call "
+                 "jaxpar.parallel.linear_cross_entropy). Remove model.loss_chunks.")
     if m.target is not None:
         _user_model_problems(p, m)
         if d.kind != "import":

@@ -39,7 +39,8 @@ def decoder_config_of(m: ModelConfig, model_fn: Any = None):
         from jaxpar.hf import HFConfigError, decoder_config, read_config
 
         try:
-            return decoder_config(read_config(Path(m.hf)), remat=m.remat, scan_layers=m.scan_layers)
+            return decoder_config(read_config(Path(m.hf)), remat=m.remat, scan_layers=m.scan_layers,
+                                  loss_chunks=m.loss_chunks)
         except HFConfigError as e:
             raise ConfigError(f"model.hf={m.hf!r}: {e}") from None
     if m.target is None:

@@ -31,6 +31,7 @@ from typing import Any
 
 from jaxpar.adapters._blocks import REMAT_POLICIES
 from jaxpar.config._schema import ConfigError, DataConfig, JobConfig, ModelConfig
+from jaxpar.errors import int_problem
 
 
 def hf_problems(cfg: JobConfig) -> list[str]:
@@ -40,7 +41,7 @@ def hf_problems(cfg: JobConfig) -> list[str]:
       cfg: the config (``model.hf`` set).
 
     Returns:
-      The problems: ``model.hf`` and ``model.remat``, and text data without a tokenizer (the model keys
+      The problems: ``model.hf``, ``model.remat`` and ``model.loss_chunks``, and text data without a tokenizer (the model keys
       set beside ``model.hf`` are :func:`jaxpar.config.load_config`'s: it knows which were given).
     """
     m, d, p = cfg.model, cfg.data, []      # the keys beside model.hf: jaxpar.config.load_config's
@@ -48,6 +49,8 @@ def hf_problems(cfg: JobConfig) -> list[str]:
         p.append("model.hf='': give the directory of a Hugging Face checkpoint (config.json, *.safetensors).")
     if m.remat not in REMAT_POLICIES:
         p.append(f"model.remat={m.remat!r}: unknown value; allowed: {', '.join(REMAT_POLICIES)}.")
+    if why := int_problem(m.loss_chunks, 1):
+        p.append(f"model.loss_chunks={m.loss_chunks!r}: {why}; 1 computes the loss whole.")
     if d.kind == "text" and d.tokenizer is None:
         p.append(f"data.kind='text' with model.hf={m.hf!r} and no data.tokenizer would feed bytes to the "
                  "checkpoint's model as token ids; set data.tokenizer: hf (the checkpoint's tokenizer).")
@@ -86,7 +89,8 @@ def open_hf(m: ModelConfig):
     ``inspect`` and ``plan`` need the model's shape only, and ``train`` starts it from random weights.
 
     Args:
-      m: the model section (``hf`` set; its ``remat`` and ``scan_layers`` go to the decoder's config).
+      m: the model section (``hf`` set; its ``remat``, ``scan_layers`` and ``loss_chunks`` go to the decoder's
+        config).
 
     Returns:
       The opened checkpoint.
@@ -97,7 +101,8 @@ def open_hf(m: ModelConfig):
     from jaxpar.hf import HFCheckpointError, HFConfigError, HFFilesError, open_checkpoint
 
     try:
-        return open_checkpoint(m.hf, require_weights=False, remat=m.remat, scan_layers=m.scan_layers)
+        return open_checkpoint(m.hf, require_weights=False, remat=m.remat, scan_layers=m.scan_layers,
+                               loss_chunks=m.loss_chunks)
     except (HFConfigError, HFCheckpointError, HFFilesError) as e:
         raise ConfigError(f"model.hf={m.hf!r}: {e}") from None
 

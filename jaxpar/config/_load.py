@@ -118,7 +118,7 @@ def _last_target(layers: Sequence[tuple[str, Mapping]], section: str, keys: Sequ
 
 def _drop_inherited(layers: Sequence[tuple[str, Mapping]]) -> list[tuple[str, Mapping]]:
     """Before the last layer that sets ``model.target`` drop the ``model`` sections (before one that sets
-    ``model.hf``, all but their ``seq_len``, ``remat`` and ``scan_layers``); before the last that sets
+    ``model.hf``, all but their ``seq_len``, ``remat``, ``scan_layers`` and ``loss_chunks``); before the last that sets
     ``data.target`` drop ``data.kwargs`` (arguments belong to the target that a layer names)."""
     model, data, out = _last_target(layers, "model", ("target", "hf")), _last_target(layers, "data"), []
     keep = HF_MODEL_KEYS[2:] if layers and "target" not in (layers[model][1].get("model") or {}) else ()
@@ -150,7 +150,8 @@ def _check_hf_model(cfg: JobConfig, sections: Sequence[tuple[str, Mapping]]) -> 
     if given:
         where = "; ".join(f"{source}: {key}" for source, key in given)
         raise ConfigError(f"{where}: set beside model.hf={cfg.model.hf!r}, whose config.json fixes the model; "
-                          "beside it only model.seq_len (the data's windows), model.remat, model.scan_layers and "
+                          "beside it only model.seq_len (the data's windows), model.remat, model.scan_layers, "
+                          "model.loss_chunks and "
                           f"model.name (a label) may be set. Remove {', '.join(k for _, k in given)}.")
 
 
@@ -160,7 +161,7 @@ def merge_layers(layers: Sequence[tuple[str, Mapping]], name: str = "") -> JobCo
     A layer that sets ``model.target`` starts the ``model`` section afresh: the model keys of the
     layers before it (e.g. a GPT base config) do not carry over. GPT keys given in that layer or a
     later one, next to a ``model.target``, are an error that names them. A layer that sets ``model.hf``
-    keeps only ``seq_len``, ``remat`` and ``scan_layers`` of the layers before it, and any other model
+    keeps only ``seq_len``, ``remat``, ``scan_layers`` and ``loss_chunks`` of the layers before it, and any other model
     key from it on is an error. Likewise a layer that sets ``data.target`` drops the ``data.kwargs``
     of the layers before it.
 

@@ -42,7 +42,8 @@ def _model_fields() -> list[tuple]:
     gpt = [(f.name, hints[f.name], field(default=f.default)) for f in dataclasses.fields(GPTConfig) if f.name != "moe"]
     return [("name", str, field(default="gpt")), ("target", str | None, field(default=None)),
             ("kwargs", dict[str, Any], field(default_factory=dict)), ("loss", str | None, field(default=None)),
-            *gpt, ("moe", dict[str, Any], field(default_factory=dict)), ("hf", str | None, field(default=None))]
+            *gpt, ("moe", dict[str, Any], field(default_factory=dict)), ("hf", str | None, field(default=None)),
+            ("loss_chunks", int, field(default=1))]
 
 
 #: The ``model`` section, written by :func:`_model_fields` (the GPT's keys from :class:`jaxpar.models.GPTConfig`).
@@ -53,7 +54,8 @@ ModelConfig.__doc__ = """Either the built-in GPT (``name: gpt`` and the :class:`
 (``'pkg.mod:Class'`` or ``'path/to/file.py:Class'``), called as ``target(**kwargs, rngs=nnx.Rngs(train.seed))``
 -> ``nnx.Module``, and ``loss`` (``loss(model, batch) -> scalar``), or a Hugging Face checkpoint: ``hf`` (its
 directory; the model is its :class:`jaxpar.models.Decoder`, started from its weights, with ``remat``,
-``scan_layers`` and ``seq_len``, the data's windows, only). With ``target`` or ``hf``, ``name`` is only a label
+``scan_layers``, ``loss_chunks`` (:class:`jaxpar.models.DecoderConfig`'s) and ``seq_len``, the data's windows,
+only). With ``target`` or ``hf``, ``name`` is only a label
 (default: the class's / the directory's name). Under ``mesh.pipe > 1`` the model is cut at its stacked blocks
 (:mod:`jaxpar.parallel.pipeline._cut`)."""
 
@@ -61,7 +63,7 @@ directory; the model is its :class:`jaxpar.models.Decoder`, started from its wei
 GPT_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
 USER_MODEL_KEYS = ("target", "kwargs", "loss")
 #: Keys that may stand beside ``model.hf`` (the rest of the model comes from the checkpoint).
-HF_MODEL_KEYS = ("name", "hf", "seq_len", "remat", "scan_layers")
+HF_MODEL_KEYS = ("name", "hf", "seq_len", "remat", "scan_layers", "loss_chunks")
 
 
 @dataclass(frozen=True)

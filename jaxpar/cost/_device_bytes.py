@@ -307,7 +307,8 @@ def context_temporaries(model: ModelSpec, plan: Plan, rows: float, grads: float,
     its two peaks (docs/planning.md §8). In the layers' backward: every layer's kept values, the loss's bf16 logits
     gradient (:data:`CONTEXT_LOGITS`), the working bytes of the layer in flight, and of the tables' gradients one
     table in bf16, not their fp32 bytes (the layers' bf16 weights and bf16 gradients are the size of their fp32
-    gradients). At the step's end: the gradients in bf16 beside fp32 (the all-reduce over ``context`` runs in bf16).
+    gradients). With the loss in pieces of the vocabulary (``model.loss_chunks``) no logits gradient is held, and
+    the head's fp32 gradient, made before the layers' backward, is no longer among the tables'. At the step's end: the gradients in bf16 beside fp32 (the all-reduce over ``context`` runs in bf16).
 
     Args:
       model: the model.
@@ -327,12 +328,17 @@ def context_temporaries(model: ModelSpec, plan: Plan, rows: float, grads: float,
     ...     == (21 * 2 * 16 * 64, 5e5 - 43008)
     True
     """
-    tokens, (kept, working) = model.seq * rows, keeps[plan.remat]
+    tokens, (kept, working), pieces = model.seq * rows, keeps[plan.remat], model.loss_chunks > 1
     acts = held * kept * tokens * model.hidden
-    tables = [leaf.size for leaf in model.leaves if not leaf.stacked]
-    backward = (CONTEXT_LOGITS * tokens * model.vocab + working * tokens * model.hidden
-                - 4 * sum(tables) + 2 * max(tables, default=0.0))
+    tables = [leaf.size for leaf in model.leaves if not leaf.stacked and not (pieces and _head_table(model, leaf))]
+    backward = (0.0 if pieces else CONTEXT_LOGITS * tokens * model.vocab) + (
+        working * tokens * model.hidden - 4 * sum(tables) + 2 * max(tables, default=0.0))
     return acts, max(backward, grads / 2 - acts, 0.0)
+
+
+def _head_table(model: ModelSpec, leaf) -> bool:
+    """Whether ``leaf`` is the head's weights: the head, or the token table of a tied model."""
+    return leaf.head or (model.tied and not leaf.stacked and leaf.logical[:1] == ("vocab",))
 
 
 def stored_per_layer(model: ModelSpec, plan: Plan, rows: float, platform: str = "cuda") -> float:

@@ -111,6 +111,8 @@ class ModelSpec:
     ``[in, out]`` weights; ``out_in``: Hugging Face's ``[out, in]``) and ``column_regions`` (q, k, v and the
     MLP's gate and up run in one column-parallel region each, :func:`jaxpar.parallel.column_parallel`: their
     input gradients are summed before one all-reduce on every compiler, XLA:CPU's too; FP8 runs them apart).
+    ``loss_chunks``: the head and the loss run over that many pieces of the vocabulary, the backward recomputing
+    each piece's logits (:func:`jaxpar.parallel.linear_cross_entropy`; 1: whole).
     """
 
     layers: int
@@ -137,9 +139,10 @@ class ModelSpec:
     biases: bool = True
     kernel_layout: str = "in_out"
     column_regions: bool = False
+    loss_chunks: int = 1
 
     def __post_init__(self):
-        for f in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
+        for f in ("layers", "hidden", "heads", "seq", "vocab", "batch", "loss_chunks"):
             check_int("ModelSpec", f, getattr(self, f), 1, CostModelError)
         _check_attention(self)
         if self.mlp == 0:
@@ -378,7 +381,7 @@ def _decoder_leaves(m: ModelSpec, qk_norm: bool, sandwich_norms: bool) -> tuple[
 def decoder(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int, mlp: int, *,
             kv_heads: int | None = None, head_dim: int | None = None, tied: bool = False, qk_norm: bool = False,
             sandwich_norms: bool = False, experts: int = 0, top_k: int = 2, capacity_factor: float | None = None,
-            expert_mlp: int | None = None, name: str = "decoder") -> ModelSpec:
+            expert_mlp: int | None = None, loss_chunks: int = 1, name: str = "decoder") -> ModelSpec:
     """jaxpar's :class:`~jaxpar.models.Decoder` (Llama-3, Qwen3, Qwen3-MoE, Gemma-3) from numbers: grouped-query
     attention, a gated MLP (or gated experts in every layer), RMSNorm, RoPE (no position table), a tied or
     untied head; its leaves have the Decoder's paths and logical names.
@@ -395,6 +398,7 @@ def decoder(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: i
       top_k: experts per token.
       capacity_factor: slots per expert relative to an even split; None: dropless (the Decoder's default).
       expert_mlp: one expert's hidden size (None: ``mlp``).
+      loss_chunks: pieces of the vocabulary the loss runs over (``DecoderConfig.loss_chunks``).
       name: the model's name.
 
     Returns:
@@ -409,7 +413,7 @@ def decoder(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: i
     spec = ModelSpec(layers, hidden, heads, seq, vocab, batch, mlp, name=name, experts=experts, top_k=top_k,
                      capacity_factor=capacity_factor, expert_mlp=expert_mlp or 0, kv_heads=kv_heads or 0,
                      head_dim=head_dim or 0, gated=True, tied=tied, positions=False, biases=False,
-                     kernel_layout="out_in", column_regions=True)
+                     kernel_layout="out_in", column_regions=True, loss_chunks=loss_chunks)
     return replace(spec, leaves=_decoder_leaves(spec, qk_norm, sandwich_norms))
 
 
@@ -435,7 +439,7 @@ def from_decoder_config(cfg: Any, *, seq: int, batch: int, name: str = "decoder"
                                           capacity_factor=cfg.moe.capacity_factor)
     return decoder(cfg.layers, cfg.embed, cfg.heads, seq, cfg.vocab, batch, cfg.mlp, kv_heads=cfg.kv_heads,
                    head_dim=cfg.head_dim, tied=cfg.tie_embeddings, qk_norm=cfg.qk_norm,
-                   sandwich_norms=cfg.sandwich_norms, name=name, **moe)
+                   sandwich_norms=cfg.sandwich_norms, loss_chunks=cfg.loss_chunks, name=name, **moe)
 
 
 def from_nnx(model_fn: Callable[[], Any], *, layers: int, hidden: int, heads: int, seq: int, vocab: int,

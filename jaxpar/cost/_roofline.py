@@ -391,7 +391,7 @@ def end_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: float
     (True, 0.0)
     """
     tokens, cb, vt = rows * m.seq / plan.context, compute_bytes, m.vocab / plan.tensor
-    head = matmul("head", 1, tokens, m.hidden, vt, cb, passes=3)
+    head = matmul("head", 1, tokens, m.hidden, vt, cb, passes=4 if m.loss_chunks > 1 else 3)   # pieces: again
     loss = Kernel("loss", 0.0, tokens * vt * (2 * cb + 8))
     embed = Kernel("embedding", 0.0, 6 * tokens * m.hidden * cb)
     last = kernel_seconds(head, cluster, dtype) * head.passes + kernel_seconds(loss, cluster, dtype)

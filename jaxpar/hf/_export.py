@@ -162,7 +162,7 @@ def _write_files(out: Path, entries: dict, sources: dict, max_bytes: int, np_dty
 
 def _check_family(cfg: DecoderConfig, family: str) -> None:
     """The ``config.json`` written for ``family`` must read back as ``cfg``; else name what differs."""
-    keep = {f: getattr(cfg, f) for f in ("remat", "scan_layers", "init_std")}
+    keep = {f: getattr(cfg, f) for f in ("remat", "scan_layers", "loss_chunks", "init_std")}
     back = decoder_config(hf_config_dict(cfg, family), **keep)
     differ = {f.name: (getattr(cfg, f.name), getattr(back, f.name)) for f in dataclasses.fields(cfg)
               if getattr(cfg, f.name) != getattr(back, f.name)}

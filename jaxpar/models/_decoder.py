@@ -50,7 +50,7 @@ from jaxpar.parallel.context import in_sequence_order, sequence_order
 from jaxpar.logical import ROW_TABLE
 from jaxpar.parallel._lookup import embed_lookup
 from jaxpar.rules import constrain
-from jaxpar.parallel import cross_entropy
+from jaxpar.parallel import cross_entropy, linear_cross_entropy
 from jaxpar.models._decoder_layers import ACTIVATIONS, Carry, KVCache, RoPE, cached_layer_apply, layer_apply, rms_norm
 
 
@@ -92,6 +92,8 @@ class DecoderConfig:
       tie_embeddings: the head is the embedding table.
       moe: routed experts instead of the MLP, or ``None``.
       remat: ``"none"``, ``"full"`` or ``"save-matmuls"``. scan_layers: ``lax.scan`` over the layers.
+      loss_chunks: :func:`decoder_loss` computes the head and the loss over this many pieces of the
+        vocabulary, one piece's logits at a time (:func:`jaxpar.parallel.linear_cross_entropy`); 1: whole.
       init_std: the standard deviation of random weights (a model trained from scratch).
       max_positions: the longest sequence the model takes (``max_position_embeddings``), or ``None``
         (no limit): :meth:`Decoder.init_cache` refuses a longer cache.
@@ -121,14 +123,18 @@ class DecoderConfig:
     moe: DecoderMoE | None = None
     remat: str = "none"
     scan_layers: bool = True
+    loss_chunks: int = 1
     init_std: float = 0.02
     max_positions: int | None = None
 
     def __post_init__(self):
-        for name in ("vocab", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp"):
+        for name in ("vocab", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp", "loss_chunks"):
             check_int("DecoderConfig", name, getattr(self, name), 1, ModelConfigError)
         if self.max_positions is not None:      # the checkpoint's max_position_embeddings
             check_int("DecoderConfig", "max_positions", self.max_positions, 1, ModelConfigError)
+        if self.vocab % self.loss_chunks:
+            raise ModelConfigError(f"DecoderConfig: loss_chunks={self.loss_chunks} must divide vocab={self.vocab} "
+                                   "(the loss's pieces of the vocabulary; YAML model.loss_chunks).")
         if self.heads % self.kv_heads:
             raise ModelConfigError(f"DecoderConfig: kv_heads={self.kv_heads} must divide heads={self.heads} "
                                    "(grouped-query attention).")
@@ -219,6 +225,11 @@ class Decoder(nnx.Module):
             RoPE's positions, restarting per packed document, or the balanced context-parallel order.
           segment_ids: ``[batch, length]`` document ids of packed rows (``None``: one document a row).
         """
+        return self._logits(self.hidden(tokens, positions, segment_ids))
+
+    def hidden(self, tokens: jax.Array, positions: Any = None, segment_ids: Any = None) -> jax.Array:
+        """The final norm's output ``[batch, length, embed]``: what the head projects (the arguments are
+        ``__call__``'s)."""
         cfg = self.cfg
         b, t = tokens.shape
         positions = jnp.arange(t, dtype=jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
@@ -228,7 +239,11 @@ class Decoder(nnx.Module):
         logical = {k: LAYER_LOGICAL[k] for k in params}
         carry = run_layers(lambda p, c: layer_apply(cfg, p, c), params, carry, logical=logical,
                            remat=remat_policy(cfg.remat), scan=cfg.scan_layers)
-        return self._logits(carry.x)
+        return self._normed(carry.x)
+
+    def head(self) -> jax.Array:
+        """The head's ``[vocab, embed]`` weights: the embedding table when tied."""
+        return constrain(self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...], ("vocab", "embed"))
 
     def init_cache(self, batch: int, size: int, start: Any = None, dtype: Any = None) -> KVCache:
         """An empty :class:`KVCache` for :meth:`decode`: ``size`` slots per row.
@@ -283,7 +298,7 @@ class Decoder(nnx.Module):
 
         params = nnx.to_pure_dict(nnx.state(self.layers))
         carry, (k, v) = jax.lax.scan(layer, carry, (params, cache.k, cache.v))
-        return self._logits(carry.x), KVCache(k, v, cache.start, cache.length + tokens.shape[1])
+        return self._logits(self._normed(carry.x)), KVCache(k, v, cache.start, cache.length + tokens.shape[1])
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         """The residual stream's input ``[batch, length, embed]`` (Gemma's √embed applied)."""
@@ -292,15 +307,16 @@ class Decoder(nnx.Module):
             x = x * jnp.asarray(self.cfg.embed ** 0.5, jnp.float32).astype(x.dtype)
         return constrain(x, ("batch", "norm_length", "embed"))
 
+    def _normed(self, x: jax.Array) -> jax.Array:
+        """The final norm of the last layer's output."""
+        x = rms_norm(x, self.norm[...], eps=self.cfg.norm_eps, offset=self.cfg.norm_offset)
+        return constrain(x, ("batch", "length", "embed"))
+
     def _logits(self, x: jax.Array) -> jax.Array:
-        """Float32 logits of the last layer's output: the final norm, the head, Gemma's soft cap."""
-        cfg = self.cfg
-        x = rms_norm(x, self.norm[...], eps=cfg.norm_eps, offset=cfg.norm_offset)
-        x = constrain(x, ("batch", "length", "embed"))
-        head = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("bte,ve->btv", x, constrain(head, ("vocab", "embed"))).astype(jnp.float32)
-        if cfg.final_softcap is not None:
-            logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        """Float32 logits of the final norm's output: the head, Gemma's soft cap."""
+        logits = jnp.einsum("bte,ve->btv", x, self.head()).astype(jnp.float32)
+        if self.cfg.final_softcap is not None:
+            logits = jnp.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return constrain(logits, ("batch", "length", "vocab"))
 
 
@@ -312,7 +328,9 @@ def decoder_loss(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:
     boundary, not padding; the mean is over the batch given) and ``loss_weights`` (the mask scaled
     over the global batch: the mean is the global batch's under any micro-batching). Under a balanced
     context-parallel layout the sequence is permuted into its order
-    (:func:`jaxpar.parallel.context.sequence_order`) and the model gets the true positions.
+    (:func:`jaxpar.parallel.context.sequence_order`) and the model gets the true positions. With
+    ``loss_chunks`` > 1 the head and the loss run over pieces of the vocabulary
+    (:func:`jaxpar.parallel.linear_cross_entropy`).
 
     Args:
       model: the decoder.
@@ -329,4 +347,8 @@ def decoder_loss(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:
         positions = order if positions is None else in_sequence_order(jnp.broadcast_to(positions, tokens.shape))
         tokens, targets = in_sequence_order(tokens), in_sequence_order(targets)
         segments, mask, weights = (None if x is None else in_sequence_order(x) for x in (segments, mask, weights))
-    return cross_entropy(model(tokens, positions, segments), targets, mask, weights)
+    chunks = model.cfg.loss_chunks
+    if chunks == 1:
+        return cross_entropy(model(tokens, positions, segments), targets, mask, weights)
+    return linear_cross_entropy(model.hidden(tokens, positions, segments), model.head(), targets, mask, weights,
+                                chunks=chunks, softcap=model.cfg.final_softcap)

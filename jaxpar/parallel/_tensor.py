@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxpar.errors import RulesError, UnusedAxisWarning
+from jaxpar.errors import BatchError, RulesError, UnusedAxisWarning, check_int
 from jaxpar.parallel._regions import collective_in, enter, keep_axes, reduce_dtype, region_axes, region_spec
 from jaxpar.rules import (LogicalRules, axes_of, constrain, current_rules, logical_to_spec, manual_axes, scoped,
                           shard_map_mesh)
@@ -265,13 +265,113 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: Any = None, weigh
     Returns:
       The scalar loss.
     """
-    nll = _nll(logits, targets.astype(jnp.int32), target_by_gather(logits))
+    return _mean(_nll(logits, targets.astype(jnp.int32), target_by_gather(logits)), mask, weights)
+
+
+def linear_cross_entropy(x: jax.Array, head: jax.Array, targets: jax.Array, mask: Any = None, weights: Any = None,
+                         *, chunks: int = 1, softcap: float | None = None) -> jax.Array:
+    """:func:`cross_entropy` of the head's fp32 logits ``einsum("bte,ve->btv", x, head)`` (with
+    ``softcap``: ``softcap * tanh(logits / softcap)``), computed over ``chunks`` pieces of the vocabulary
+    one after another: the forward and the backward hold one piece's ``[batch, length, vocab / chunks]``
+    logits, never the whole vocabulary's. Piece ``j`` is every ``chunks``-th entry from ``j``, so a
+    vocabulary split over the mesh stays split. The forward sums each piece into a running
+    log-sum-exp; the backward recomputes each piece's logits, writes its rows of the head's gradient and
+    sums ``x``'s gradient in fp32.
+
+    Args:
+      x: the last hidden states ``[batch, length, embed]``.
+      head: the output projection ``[vocab, embed]``.
+      targets, mask, weights: as :func:`cross_entropy`'s, ``[batch, length]``.
+      chunks: the number of pieces; it divides ``vocab``.
+      softcap: the logits' soft cap, or ``None``.
+
+    Returns:
+      The scalar loss.
+    """
+    check_int("linear_cross_entropy", "chunks", chunks, 1, BatchError)
+    if head.shape[0] % chunks:
+        raise BatchError(f"linear_cross_entropy(chunks={chunks}): the vocabulary of {head.shape[0]} entries is not "
+                         "a multiple of chunks; give a number of loss chunks that divides it "
+                         "(DecoderConfig.loss_chunks, YAML model.loss_chunks).")
+    return _mean(_chunked_nll(x, head, targets.astype(jnp.int32), chunks, softcap), mask, weights)
+
+
+def _mean(nll: jax.Array, mask: Any, weights: Any) -> jax.Array:
+    """The mean of the per-position losses ``nll``: weighted, masked or plain (:func:`cross_entropy`)."""
     if weights is not None:
         return jnp.mean(nll * weights.astype(nll.dtype))
     if mask is None:
         return nll.mean()
     mask = mask.astype(nll.dtype)
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _vocab_pieces(head: jax.Array, n: int) -> jax.Array:
+    """``[vocab, embed]`` as ``[n, vocab / n, embed]``; piece ``j`` holds rows ``j, j + n, ...``."""
+    return jnp.moveaxis(head.reshape(head.shape[0] // n, n, head.shape[1]), 1, 0)
+
+
+def _piece_logits(x: jax.Array, head: jax.Array) -> jax.Array:
+    """One piece's fp32 logits before any soft cap."""
+    return constrain(jnp.einsum("bte,ve->btv", x, head).astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+def _capped(z: jax.Array, softcap: float | None) -> jax.Array:
+    return z if softcap is None else jnp.tanh(z / softcap) * softcap
+
+
+def _in_piece(targets: jax.Array, j: jax.Array, n: int) -> jax.Array:
+    """Each target's index in piece ``j`` of ``n``, or -1 where the target is in another piece."""
+    return jnp.where(targets % n == j, targets // n, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_nll(x: jax.Array, head: jax.Array, targets: jax.Array, chunks: int, softcap: float | None) -> jax.Array:
+    """Per position ``logsumexp(logits) - logits[target]`` of the head's logits, piece by piece."""
+    return _chunked_nll_fwd(x, head, targets, chunks, softcap)[0]
+
+
+def _chunked_nll_fwd(x, head, targets, chunks, softcap):
+    """A running log-sum-exp (its maximum and sum) and the target logit over the vocabulary's pieces."""
+    def piece(carry, j_w):
+        top, total, picked = carry
+        z = _capped(_piece_logits(x, j_w[1]), softcap)
+        new = jnp.maximum(top, jnp.max(z, axis=-1))
+        total = total * jnp.exp(top - new) + jnp.sum(jnp.exp(z - new[..., None]), axis=-1)
+        at = _in_piece(targets, j_w[0], chunks)
+        picked = picked + jnp.where(at >= 0, _picked(z, jnp.maximum(at, 0), target_by_gather(z)), 0.0)
+        return (new, total, picked), None
+
+    zero = jnp.zeros(targets.shape, jnp.float32)
+    (top, total, picked), _ = jax.lax.scan(piece, (zero - jnp.inf, zero, zero),
+                                           (jnp.arange(chunks), _vocab_pieces(head, chunks)))
+    lse = top + jnp.log(total)
+    return lse - picked, (x, head, targets, lse)
+
+
+def _chunked_nll_bwd(chunks, softcap, res, g):
+    """Each piece's logits again: ``(softmax - one_hot) × g`` through the cap and the cast, then its rows of
+    the head's gradient (the product with ``x``) and its part of ``x``'s (with the head, summed in fp32)."""
+    x, head, targets, lse = res
+    logits_dtype = jnp.result_type(x, head)
+
+    def piece(dx, j_w):
+        j, w = j_w
+        z = _piece_logits(x, w)
+        hot = jax.nn.one_hot(_in_piece(targets, j, chunks), z.shape[-1], dtype=z.dtype)
+        dz = (jnp.exp(_capped(z, softcap) - lse[..., None]) - hot) * g[..., None]
+        if softcap is not None:
+            dz = dz * (1 - jnp.tanh(z / softcap) ** 2)
+        dz = dz.astype(logits_dtype)
+        dx = dx + jnp.einsum("btv,ve->bte", dz, w, preferred_element_type=jnp.float32)
+        return dx, jnp.einsum("btv,bte->ve", dz, x).astype(head.dtype)
+
+    dx0 = constrain(jnp.zeros(x.shape, jnp.float32), ("batch", "length", "embed"))
+    dx, dw = jax.lax.scan(piece, dx0, (jnp.arange(chunks), _vocab_pieces(head, chunks)))
+    return dx.astype(x.dtype), jnp.moveaxis(dw, 0, 1).reshape(head.shape), None
+
+
+_chunked_nll.defvjp(_chunked_nll_fwd, _chunked_nll_bwd)
 
 
 def _picked(logits: jax.Array, targets: jax.Array, gather: bool) -> jax.Array:
