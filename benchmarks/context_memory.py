@@ -19,6 +19,7 @@ again; a compile takes 10-60 seconds on a 2-core CPU. The table's pairs were fit
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 import time
@@ -96,41 +97,46 @@ def predicted_bytes(view) -> dict:
 
 
 def temporaries_with(view, keeps: tuple[float, float]) -> float:
-    """The cost model's temporaries of the case with ``keeps = (kept, working)`` in place of the table's."""
+    """The cost model's temporaries of the case with ``keeps = (kept, working)`` in place of the table's (the
+    working bytes of the loss in pieces too)."""
     from jaxpar.cost._device_bytes import context_temporaries
 
     model, plan = view.model, view.plan
     grads = sum(4 * leaf.size for leaf in model.leaves)
     rows = model.batch / (plan.data * plan.fsdp * plan.strategy.microbatches) / plan.context
-    return grads + sum(context_temporaries(model, plan, rows, grads, model.layers, {plan.remat: keeps}))
+    return grads + sum(context_temporaries(model, plan, rows, grads, model.layers, {plan.remat: keeps + keeps[1:]}))
 
 
 def fit_keeps(cases: list[tuple[dict, object]]) -> list[tuple]:
-    """``(remat, method, kept, working, worst)``: the pair that brings the temporaries of the programs of 8 and
-    more layers closest (the least largest ratio's distance from 1; ``kept`` as :data:`COUNTED` where counted), the
-    balanced ring's with the ring's."""
+    """``(remat, method, pieces, kept, working, worst)``: the pair that brings the temporaries closest (the least
+    largest ratio's distance from 1; where the working bytes never set the peak, the largest that keeps it), the
+    balanced ring's with the ring's. The whole loss: the programs of 8 and more
+    layers, ``kept`` as :data:`COUNTED` where counted; the loss in pieces (``pieces``): every depth, ``kept`` the
+    table's."""
+    from jaxpar.cost._device_bytes import CONTEXT_KEEPS
+
     out = []
-    for remat in dict.fromkeys(r["remat"] for r, _ in cases):
-        for method in ("ring", "all_gather", "ulysses"):
-            fit = [(r, v) for r, v in cases if r["remat"] == remat and r["layers"] >= 8
-                   and r["method"] in ((method, "balanced") if method == "ring" else (method,))]
-            if not fit:
-                continue
-            counted = COUNTED.get(remat, {}).get(method)
+    for remat, method, pieces in itertools.product(dict.fromkeys(r["remat"] for r, _ in cases),
+                                                   ("ring", "all_gather", "ulysses"), (False, True)):
+        fit = [(r, v) for r, v in cases if r["remat"] == remat and (r.get("loss_chunks", 1) > 1) == pieces
+               and (pieces or r["layers"] >= 8) and r["method"] in ((method, "balanced") if method == "ring" else (method,))]
+        if fit:
+            counted = CONTEXT_KEEPS[method][remat][0] if pieces else COUNTED.get(remat, {}).get(method)
             kepts = [counted] if counted else [float(k) for k in range(20, 100)]
-            worst, kept, working = min(
-                (max(abs(temporaries_with(v, (k, w)) / r["temps"] - 1) for r, v in fit), k, float(w))
+            worst, kept, working = min(     # of equal distances (to 0.1 %) the largest working: an upper bound
+                (round(max(abs(temporaries_with(v, (k, w)) / r["temps"] - 1) for r, v in fit), 3), k, -float(w))
                 for k in kepts for w in range(0, 160))
-            out.append((remat, method, kept, working, worst))
+            out.append((remat, method, pieces, kept, -working, worst))
     return out
 
 
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows``."""
-    lines = ["| method | recomputation | layers | tokens | temporaries GiB, predicted / compiled | ratio | "
-             "peak GiB, predicted / compiled | ratio |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted(rows, key=lambda r: (r["remat"], list(METHODS).index(r["method"]), r["tokens"], r["layers"])):
-        lines.append(f"| {r['method']} | {r['remat']} | {r['layers']} | {r['tokens']:,} | "
+    lines = ["| method | recomputation | loss pieces | layers | tokens | temporaries GiB, predicted / compiled | ratio | "
+             "peak GiB, predicted / compiled | ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["remat"], list(METHODS).index(r["method"]), r.get("loss_chunks", 1),
+                                         r["tokens"], r["layers"])):
+        lines.append(f"| {r['method']} | {r['remat']} | {r.get('loss_chunks', 1)} | {r['layers']} | {r['tokens']:,} | "
                      f"{r['p_temps'] / GIB:.2f} / {r['temps'] / GIB:.2f} | {r['p_temps'] / r['temps']:.3f} | "
                      f"{r['p_peak'] / GIB:.2f} / {r['peak'] / GIB:.2f} | {r['p_peak'] / r['peak']:.3f} |")
     return "\n".join(lines)
@@ -138,9 +144,10 @@ def table(rows: list[dict]) -> str:
 
 def fit_table(fits: list[tuple]) -> str:
     """The markdown table of :func:`fit_keeps`'s pairs."""
-    lines = ["| recomputation | method | kept | working | largest distance of 8+ layers |", "|---|---|---:|---:|---:|"]
-    lines += [f"| {remat} | {method} | {kept:.0f} | {working:.0f} | {worst:.3f} |"
-              for remat, method, kept, working, worst in fits]
+    lines = ["| recomputation | method | loss | kept | working | largest distance of the fitted programs |",
+             "|---|---|---|---:|---:|---:|"]
+    lines += [f"| {remat} | {method} | {'in pieces' if pieces else 'whole'} | {kept:.0f} | {working:.0f} | {worst:.3f} |"
+              for remat, method, pieces, kept, working, worst in fits]
     return "\n".join(lines)
 
 

@@ -122,6 +122,27 @@ def test_the_loss_in_vocabulary_pieces_equals_the_whole_and_holds_one_piece(size
     assert _ops(text, "all-gather") == _ops(text, "all-to-all") == 0
 
 
+def test_the_loss_in_pieces_runs_under_explicit_sharding():
+    """JAX's explicit-sharding style (a user model's): ``x`` split over ``data``, the head's vocabulary over
+    ``tensor``; the gradients keep those types and equal the whole loss's."""
+    from jax.sharding import AxisType
+
+    from jaxpar.parallel import linear_cross_entropy
+
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4])
+    x, head, t, _ = _pieces_case()
+    want_loss, want_grads = jax.value_and_grad(
+        lambda x, head: cross_entropy(jnp.einsum("bte,ve->btv", x, head), t), (0, 1))(x, head)
+    with jax.set_mesh(mesh):
+        args = (jax.device_put(x, P("data")), jax.device_put(head, P("tensor")), jax.device_put(t, P("data")))
+        loss, grads = jax.jit(jax.value_and_grad(
+            lambda x, head, t: linear_cross_entropy(x, head, t, chunks=CHUNKS), (0, 1)))(*args)
+    assert [jax.typeof(g).sharding.spec for g in grads] == [P("data", None, None), P("tensor", None)]
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
 def test_the_loss_in_pieces_needs_a_number_that_divides_the_vocabulary():
     from jaxpar.errors import BatchError, ModelConfigError
     from jaxpar.models import DecoderConfig
@@ -136,10 +157,18 @@ def test_the_loss_in_pieces_needs_a_number_that_divides_the_vocabulary():
         DecoderConfig(vocab=64, embed=16, layers=1, heads=2, kv_heads=1, head_dim=8, mlp=32, loss_chunks=3)
 
 
-def test_a_decoder_with_its_loss_in_pieces_trains_like_one_device_under_context_parallelism():
-    """A tied, soft-capped Decoder with ``loss_chunks=4`` on ``data 2 x context 2`` (balanced ring), three
-    AdamW steps on packed rows with a loss mask: losses, first gradients and parameters equal the whole
-    loss's on one device (the helpers' fp32 bounds)."""
+PIECES_LAYOUTS = {
+    "dp2-cp2-ring-balanced": ({"data": 2, "context": 2},
+                              jaxpar.Strategy(context=jaxpar.parallel.context.ContextParallel("ring", balance=True))),
+    "pipe2-dp2-1f1b": ({"pipe": 2, "data": 2}, jaxpar.Strategy(microbatches=2, schedule="1f1b")),
+}
+
+
+@pytest.mark.parametrize("name", list(PIECES_LAYOUTS))
+def test_a_decoder_with_its_loss_in_pieces_trains_like_one_device(name):
+    """A tied, soft-capped Decoder with ``loss_chunks=4`` under context parallelism (balanced ring) and in a
+    pipeline (its last stage's loss), three AdamW steps on packed rows with a loss mask: losses, first
+    gradients and parameters equal the whole loss's on one device (the helpers' fp32 bounds)."""
     import optax
     from flax import nnx
 
@@ -166,5 +195,4 @@ def test_a_decoder_with_its_loss_in_pieces_trains_like_one_device_under_context_
     rows = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": segments,
             "positions": np.tile(np.r_[np.arange(9), np.arange(7)], (4, 1)).astype(np.int32),
             "loss_mask": (segments == np.roll(segments, -1, 1)).astype(np.float32)}
-    ring = jaxpar.Strategy(context=jaxpar.parallel.context.ContextParallel("ring", balance=True))
-    assert_runs_match(run({"data": 2, "context": 2}, ring, CHUNKS), run({"data": 1}, jaxpar.Strategy(), 1))
+    assert_runs_match(run(*PIECES_LAYOUTS[name], CHUNKS), run({"data": 1}, jaxpar.Strategy(), 1))

@@ -89,16 +89,19 @@ def test_a_llama_shaped_decoders_peak_is_predicted_within_10_percent(tmp_path, r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ring, balance: true", "all_gather", "ulysses"])
-def test_a_context_parallel_decoders_peak_and_temporaries_are_predicted_within_10_percent(tmp_path, method):
-    """8 layers at 131,072 tokens over context 8: CONTEXT_KEEPS at the device's 16,384 tokens (one compile checks
-    both)."""
+@pytest.mark.parametrize("method,layers,chunks", [(m, 8, 1) for m in ("ring, balance: true", "all_gather", "ulysses")]
+                         + [(m, 2, 8) for m in ("ring, balance: true", "all_gather", "ulysses")])
+def test_a_context_parallel_decoders_peak_and_temporaries_are_predicted_within_10_percent(tmp_path, method, layers,
+                                                                                          chunks):
+    """131,072 tokens over context 8: CONTEXT_KEEPS at the device's 16,384 tokens (one compile checks both), 8
+    layers with the whole loss, 2 with the loss in 8 pieces of the vocabulary (where the whole loss's few-layer
+    programs are over-predicted: docs/planning.md §8)."""
     shape = json.loads((CONFIGS / "hf" / "llama3-8b" / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**shape, "num_hidden_layers": 8,
+    (tmp_path / "config.json").write_text(json.dumps({**shape, "num_hidden_layers": layers,
                                                       "max_position_embeddings": 131072}))
     inspected = _inspected(CONFIGS / "llama3_8b_gpu.yaml", [
         f"model.hf={tmp_path}", "model.seq_len=131072", "mesh.context=8", "mesh.fsdp=1", "data.batch_size=1",
-        f"parallel.context={{method: {method}}}", f"train.out_dir={tmp_path}"])
+        f"parallel.context={{method: {method}}}", f"model.loss_chunks={chunks}", f"train.out_dir={tmp_path}"])
     for what, (predicted, compiled) in inspected.items():
         assert abs(predicted / compiled - 1) <= 0.10, (what, predicted, compiled)
 

@@ -208,9 +208,10 @@ HALF_LOGITS = 2.7
 #: in the heads' layout instead, k and v widened to the query heads: 26; the layer's input: 2); ``working`` (and
 #: ``kept`` without recomputation) is fitted to the temporaries of 8 to 16 layers (8 and 12 without recomputation or
 #: with full) at 65,536 and 131,072 tokens: within 6 % (2 %). The balanced ring keeps the same arrays.
-CONTEXT_KEEPS = {"ring": {"none": (67.0, 70.0), "save-matmuls": (21.0, 40.0), "full": (2.0, 65.0)},
-                 "all_gather": {"none": (78.0, 34.0), "save-matmuls": (21.0, 21.0), "full": (2.0, 71.0)},
-                 "ulysses": {"none": (69.0, 83.0), "save-matmuls": (26.0, 30.0), "full": (2.0, 60.0)}}
+CONTEXT_KEEPS = {"ring": {"none": (67.0, 70.0, 37.0), "save-matmuls": (21.0, 40.0, 40.0), "full": (2.0, 65.0, 56.0)},
+                 "all_gather": {"none": (78.0, 34.0, 31.0), "save-matmuls": (21.0, 21.0, 37.0),
+                                "full": (2.0, 71.0, 56.0)},
+                 "ulysses": {"none": (69.0, 83.0, 46.0), "save-matmuls": (26.0, 30.0, 33.0), "full": (2.0, 60.0, 56.0)}}
 #: Bytes per device token and vocabulary entry that the loss's bf16 gradient holds under context parallelism:
 #: the compiled step keeps it through the layers' backward (at 8 and 16 layers; at 2 to 6 XLA makes the head's
 #: gradient first and frees it, and the model over-predicts those: docs/planning.md §8).
@@ -328,7 +329,8 @@ def context_temporaries(model: ModelSpec, plan: Plan, rows: float, grads: float,
     ...     == (21 * 2 * 16 * 64, 5e5 - 43008)
     True
     """
-    tokens, (kept, working), pieces = model.seq * rows, keeps[plan.remat], model.loss_chunks > 1
+    pieces = model.loss_chunks > 1
+    tokens, (kept, working) = model.seq * rows, keeps[plan.remat][::2] if pieces else keeps[plan.remat][:2]
     acts = held * kept * tokens * model.hidden
     tables = [leaf.size for leaf in model.leaves if not leaf.stacked and not (pieces and _head_table(model, leaf))]
     backward = (0.0 if pieces else CONTEXT_LOGITS * tokens * model.vocab) + (
@@ -398,7 +400,8 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
     where it was measured: fp32 parameters, gradients and compute of a dense model without CP, or 16-bit compute
     on GPUs of a dense model on one tensor rank without a pipeline (:data:`HALF_KEEPS`; under CP
     :data:`CONTEXT_KEEPS` where :func:`context_measured`, else :data:`HALF_KEEPS` at ``s / C`` tokens); before
-    offload. ``logits``: the larger of the loss's logits and one recomputed layer (under CP the rest of
+    offload. ``logits``: the larger of the loss's logits (one piece's, in pieces) and one recomputed layer (under CP
+    the rest of
     :func:`context_temporaries`); ``transient``: two gathered layers under ZeRO-3 / FSDP, libtpu's bf16 weights.
 
     Args:
@@ -441,8 +444,10 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
                                                  saved_per_layer(model, one, rows, keeps))    # one layer recomputed
     if s.sequence_parallel and plan.tensor > 1:
         working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
-    # the loss's fp32 logits; libtpu also holds two bf16 copies (the head's product and the softmax's gradient)
-    logits = (HALF_LOGITS if half else 4 * (2 if tpu else 1)) * model.seq * rows * model.vocab / plan.tensor
+    # the loss's fp32 logits (one piece's: model.loss_chunks); libtpu also holds two bf16 copies (the head's
+    # product and the softmax's gradient)
+    logits = ((HALF_LOGITS if half else 4 * (2 if tpu else 1)) * model.seq * rows * model.vocab / plan.tensor
+              / model.loss_chunks)
     rest = max(logits, working)
     if half and context_measured(model, plan):              # else CP reads HALF_KEEPS at s / C tokens
         acts, rest = context_temporaries(model, plan, rows, grads, held, CONTEXT_KEEPS[s.context_setting.method])

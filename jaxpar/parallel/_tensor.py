@@ -25,7 +25,7 @@ from typing import Any, ContextManager, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
 from jaxpar.errors import BatchError, RulesError, UnusedAxisWarning, check_int
 from jaxpar.parallel._regions import collective_in, enter, keep_axes, reduce_dtype, region_axes, region_spec
@@ -342,7 +342,7 @@ def _chunked_nll_fwd(x, head, targets, chunks, softcap):
         picked = picked + jnp.where(at >= 0, _picked(z, jnp.maximum(at, 0), target_by_gather(z)), 0.0)
         return (new, total, picked), None
 
-    zero = jnp.zeros(targets.shape, jnp.float32)
+    zero = jnp.zeros_like(targets, jnp.float32)         # laid out as the targets (explicit sharding too)
     (top, total, picked), _ = jax.lax.scan(piece, (zero - jnp.inf, zero, zero),
                                            (jnp.arange(chunks), _vocab_pieces(head, chunks)))
     lse = top + jnp.log(total)
@@ -363,15 +363,22 @@ def _chunked_nll_bwd(chunks, softcap, res, g):
         if softcap is not None:
             dz = dz * (1 - jnp.tanh(z / softcap) ** 2)
         dz = dz.astype(logits_dtype)
-        dx = dx + jnp.einsum("btv,ve->bte", dz, w, preferred_element_type=jnp.float32)
-        return dx, jnp.einsum("btv,bte->ve", dz, x).astype(head.dtype)
+        dx = dx + jnp.einsum("btv,ve->bte", dz, w, preferred_element_type=jnp.float32, out_sharding=_typed(x))
+        return dx, jnp.einsum("btv,bte->ve", dz, x, out_sharding=_typed(w)).astype(head.dtype)
 
-    dx0 = constrain(jnp.zeros(x.shape, jnp.float32), ("batch", "length", "embed"))
+    dx0 = jnp.zeros_like(x, jnp.float32)
     dx, dw = jax.lax.scan(piece, dx0, (jnp.arange(chunks), _vocab_pieces(head, chunks)))
     return dx.astype(x.dtype), jnp.moveaxis(dw, 0, 1).reshape(head.shape), None
 
 
 _chunked_nll.defvjp(_chunked_nll_fwd, _chunked_nll_bwd)
+
+
+def _typed(a: jax.Array) -> Any:
+    """``a``'s sharding where its type holds one (explicit sharding), else None (the compiler's choice)."""
+    typed = getattr(jax.typeof(a), "sharding", None)
+    explicit = typed is not None and any(t == AxisType.Explicit for t in getattr(typed.mesh, "axis_types", ()))
+    return typed if explicit else None
 
 
 def _picked(logits: jax.Array, targets: jax.Array, gather: bool) -> jax.Array:
