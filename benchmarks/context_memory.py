@@ -2,11 +2,11 @@
 (configs/hf/llama3-8b/config.json's widths, ``configs/llama3_8b_gpu.yaml``: bf16 compute, fp32 parameters and
 AdamW moments) with one sequence over ``context`` 8 (fsdp 1), compiled for ``h100:1x8`` on the CPU, per
 context-parallel method, recomputation, number of layers, sequence length and ``model.loss_chunks`` (the loss in
-pieces of the vocabulary; ``--methods none``: FSDP 8 without context parallelism, one sequence a device). Prints a markdown table of the
-predicted and compiled temporaries and peak per device (what ``jaxpar inspect`` prints; on GPUs the predicted
-temporaries are the predicted peak less the arguments), then the ``working`` bytes of
+pieces of the vocabulary; ``--methods none``: FSDP 8 without context parallelism, one sequence a device). Prints a
+markdown table of the predicted and compiled temporaries and peak per device (what ``jaxpar inspect`` prints; on
+GPUs the predicted temporaries are the predicted peak less the arguments), then the ``working`` bytes of
 ``jaxpar.cost._device_bytes.CONTEXT_KEEPS`` (and ``kept`` without recomputation) fitted to the programs of 8
-and more layers, as the table was measured (docs/planning.md §8).
+and more layers with the whole loss, of every depth in pieces, as the table was measured (docs/planning.md §8).
 
     python benchmarks/context_memory.py [--methods ring,balanced,all_gather,ulysses] [--remat save-matmuls]
         [--layers 2,8,16] [--tokens 65536,131072] [--loss-chunks 1,8] [--json out.json] [--reuse out.json]
@@ -119,7 +119,8 @@ def fit_keeps(cases: list[tuple[dict, object]]) -> list[tuple]:
     for remat, method, pieces in itertools.product(dict.fromkeys(r["remat"] for r, _ in cases),
                                                    ("ring", "all_gather", "ulysses"), (False, True)):
         fit = [(r, v) for r, v in cases if r["remat"] == remat and (r.get("loss_chunks", 1) > 1) == pieces
-               and (pieces or r["layers"] >= 8) and r["method"] in ((method, "balanced") if method == "ring" else (method,))]
+               and (pieces or r["layers"] >= 8)
+               and r["method"] in ((method, "balanced") if method == "ring" else (method,))]
         if fit:
             counted = CONTEXT_KEEPS[method][remat][0] if pieces else COUNTED.get(remat, {}).get(method)
             kepts = [counted] if counted else [float(k) for k in range(20, 100)]
@@ -132,8 +133,8 @@ def fit_keeps(cases: list[tuple[dict, object]]) -> list[tuple]:
 
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows``."""
-    lines = ["| method | recomputation | loss pieces | layers | tokens | temporaries GiB, predicted / compiled | ratio | "
-             "peak GiB, predicted / compiled | ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | recomputation | loss pieces | layers | tokens | temporaries GiB, predicted / compiled | "
+             "ratio | peak GiB, predicted / compiled | ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["remat"], list(METHODS).index(r["method"]), r.get("loss_chunks", 1),
                                          r["tokens"], r["layers"])):
         lines.append(f"| {r['method']} | {r['remat']} | {r.get('loss_chunks', 1)} | {r['layers']} | {r['tokens']:,} | "
@@ -146,8 +147,8 @@ def fit_table(fits: list[tuple]) -> str:
     """The markdown table of :func:`fit_keeps`'s pairs."""
     lines = ["| recomputation | method | loss | kept | working | largest distance of the fitted programs |",
              "|---|---|---|---:|---:|---:|"]
-    lines += [f"| {remat} | {method} | {'in pieces' if pieces else 'whole'} | {kept:.0f} | {working:.0f} | {worst:.3f} |"
-              for remat, method, pieces, kept, working, worst in fits]
+    lines += [f"| {remat} | {method} | {'in pieces' if pieces else 'whole'} | {kept:.0f} | {working:.0f} "
+              f"| {worst:.3f} |" for remat, method, pieces, kept, working, worst in fits]
     return "\n".join(lines)
 
 

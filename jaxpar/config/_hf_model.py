@@ -41,8 +41,8 @@ def hf_problems(cfg: JobConfig) -> list[str]:
       cfg: the config (``model.hf`` set).
 
     Returns:
-      The problems: ``model.hf``, ``model.remat`` and ``model.loss_chunks``, and text data without a tokenizer (the model keys
-      set beside ``model.hf`` are :func:`jaxpar.config.load_config`'s: it knows which were given).
+      The problems: ``model.hf``, ``model.remat`` and ``model.loss_chunks``, and text data without a tokenizer
+      (the model keys set beside ``model.hf`` are :func:`jaxpar.config.load_config`'s: it knows which were given).
     """
     m, d, p = cfg.model, cfg.data, []      # the keys beside model.hf: jaxpar.config.load_config's
     if not m.hf:

@@ -200,14 +200,18 @@ HALF_KEEPS = {"gelu": {"none": 84.0, "save-matmuls": 22.0, "full": 2.0},
 #: tables' gradients, at s = 2,048 to 8,192 (within 7 %).
 HALF_LOGITS = 2.7
 #: Bytes per device token and unit of ``h`` under context parallelism and 16-bit compute on GPUs, by method and
-#: recomputation: ``(kept, working)``, what one layer keeps for its backward and the transient of the layer whose
-#: backward runs at the step's peak (:func:`context_temporaries`). Measured on a Llama-3-8B-shaped Decoder over
+#: recomputation: ``(kept, working, working in pieces)``, what one layer keeps for its backward and the transient of
+#: the layer whose backward runs at the step's peak, with the whole loss and with the loss in pieces of the
+#: vocabulary (:func:`context_temporaries`). Measured on a Llama-3-8B-shaped Decoder over
 #: ``context`` 8, one sequence, fsdp 1, compiled for ``h100:1x8`` (``benchmarks/context_memory.py``,
 #: docs/planning.md §8): ``kept`` under ``save-matmuls`` and ``full`` is the forward scan's stacked residuals in the
 #: compiled program (q, k, v, two h-wide values and the MLP's two products: 21; Ulysses keeps q, k, v and the output
 #: in the heads' layout instead, k and v widened to the query heads: 26; the layer's input: 2); ``working`` (and
 #: ``kept`` without recomputation) is fitted to the temporaries of 8 to 16 layers (8 and 12 without recomputation or
-#: with full) at 65,536 and 131,072 tokens: within 6 % (2 %). The balanced ring keeps the same arrays.
+#: with full) at 65,536 and 131,072 tokens: within 6 % (2 %). In pieces ``working`` is fitted to every depth, 2 to 16
+#: layers (2 to 12 without recomputation or with full), within 5 %; with full recomputation the step's end is the
+#: peak of every program measured, and it is the largest value that keeps them so. The balanced ring keeps the
+#: same arrays.
 CONTEXT_KEEPS = {"ring": {"none": (67.0, 70.0, 37.0), "save-matmuls": (21.0, 40.0, 40.0), "full": (2.0, 65.0, 56.0)},
                  "all_gather": {"none": (78.0, 34.0, 31.0), "save-matmuls": (21.0, 21.0, 37.0),
                                 "full": (2.0, 71.0, 56.0)},
@@ -303,13 +307,14 @@ def context_measured(model: ModelSpec, plan: Plan) -> bool:
 
 
 def context_temporaries(model: ModelSpec, plan: Plan, rows: float, grads: float, held: float,
-                        keeps: dict[str, tuple[float, float]]) -> tuple[float, float]:
+                        keeps: dict[str, tuple[float, ...]]) -> tuple[float, float]:
     """A context-parallel step's temporaries beyond its fp32 gradients under 16-bit compute on GPUs, the larger of
     its two peaks (docs/planning.md §8). In the layers' backward: every layer's kept values, the loss's bf16 logits
     gradient (:data:`CONTEXT_LOGITS`), the working bytes of the layer in flight, and of the tables' gradients one
     table in bf16, not their fp32 bytes (the layers' bf16 weights and bf16 gradients are the size of their fp32
     gradients). With the loss in pieces of the vocabulary (``model.loss_chunks``) no logits gradient is held, and
-    the head's fp32 gradient, made before the layers' backward, is no longer among the tables'. At the step's end: the gradients in bf16 beside fp32 (the all-reduce over ``context`` runs in bf16).
+    the head's fp32 gradient, made before the layers' backward, is no longer among the tables'. At the step's end:
+    the gradients in bf16 beside fp32 (the all-reduce over ``context`` runs in bf16).
 
     Args:
       model: the model.
@@ -317,8 +322,8 @@ def context_temporaries(model: ModelSpec, plan: Plan, rows: float, grads: float,
       rows: sequences per micro-batch on one device (a fraction: a device's ``s / C`` tokens).
       grads: the fp32 gradients' bytes per device.
       held: the layers whose values are kept.
-      keeps: the method's ``(kept, working)`` by recomputation, bytes per token and unit of ``h``
-        (:data:`CONTEXT_KEEPS`).
+      keeps: the method's ``(kept, working, working in pieces)`` by recomputation, bytes per token and unit of
+        ``h`` (:data:`CONTEXT_KEEPS`).
 
     Returns:
       ``(activations, rest)``: the layers' kept values and the rest, in bytes per device.
@@ -400,8 +405,7 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
     where it was measured: fp32 parameters, gradients and compute of a dense model without CP, or 16-bit compute
     on GPUs of a dense model on one tensor rank without a pipeline (:data:`HALF_KEEPS`; under CP
     :data:`CONTEXT_KEEPS` where :func:`context_measured`, else :data:`HALF_KEEPS` at ``s / C`` tokens); before
-    offload. ``logits``: the larger of the loss's logits (one piece's, in pieces) and one recomputed layer (under CP
-    the rest of
+    offload. ``logits``: the larger of the loss's logits (a piece's) and one recomputed layer (under CP the rest of
     :func:`context_temporaries`); ``transient``: two gathered layers under ZeRO-3 / FSDP, libtpu's bf16 weights.
 
     Args:
@@ -444,11 +448,9 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
                                                  saved_per_layer(model, one, rows, keeps))    # one layer recomputed
     if s.sequence_parallel and plan.tensor > 1:
         working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
-    # the loss's fp32 logits (one piece's: model.loss_chunks); libtpu also holds two bf16 copies (the head's
-    # product and the softmax's gradient)
-    logits = ((HALF_LOGITS if half else 4 * (2 if tpu else 1)) * model.seq * rows * model.vocab / plan.tensor
-              / model.loss_chunks)
-    rest = max(logits, working)
+    # the loss's fp32 logits, one piece's; libtpu also holds two bf16 copies (the head's product and its gradient)
+    logits = (HALF_LOGITS if half else 8 if tpu else 4) * model.seq * rows * model.vocab / plan.tensor
+    rest = max(logits / model.loss_chunks, working)
     if half and context_measured(model, plan):              # else CP reads HALF_KEEPS at s / C tokens
         acts, rest = context_temporaries(model, plan, rows, grads, held, CONTEXT_KEEPS[s.context_setting.method])
     matrix = None if precision.matrix_opt is None else precision.matrix_opt / 4

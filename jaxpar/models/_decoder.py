@@ -228,8 +228,14 @@ class Decoder(nnx.Module):
         return self._logits(self.hidden(tokens, positions, segment_ids))
 
     def hidden(self, tokens: jax.Array, positions: Any = None, segment_ids: Any = None) -> jax.Array:
-        """The final norm's output ``[batch, length, embed]``: what the head projects (the arguments are
-        ``__call__``'s)."""
+        """The final norm's output: what the head projects.
+
+        Args:
+          tokens, positions, segment_ids: as for ``__call__``.
+
+        Returns:
+          ``[batch, length, embed]`` in the compute dtype.
+        """
         cfg = self.cfg
         b, t = tokens.shape
         positions = jnp.arange(t, dtype=jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)

@@ -317,6 +317,7 @@ def _piece_logits(x: jax.Array, head: jax.Array) -> jax.Array:
 
 
 def _capped(z: jax.Array, softcap: float | None) -> jax.Array:
+    """``softcap * tanh(z / softcap)``, or ``z`` without a cap."""
     return z if softcap is None else jnp.tanh(z / softcap) * softcap
 
 
