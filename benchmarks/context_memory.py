@@ -131,6 +131,26 @@ def fit_keeps(cases: list[tuple[dict, object]]) -> list[tuple]:
     return out
 
 
+def fit_half_pieces(cases: list[tuple[dict, object]]) -> list[tuple]:
+    """``(remat, "none", True, None, working, worst)``: the working bytes of ``HALF_PIECES`` that bring the
+    temporaries of the programs without context parallelism whose loss runs in pieces closest (of equal distances,
+    the largest)."""
+    from jaxpar.cost._device_bytes import HALF_PIECES
+
+    out = []
+    for remat in dict.fromkeys(r["remat"] for r, _ in cases):
+        fit = [(r, v) for r, v in cases if r["method"] == "none" and r["remat"] == remat and r.get("loss_chunks", 1) > 1]
+        table, distances = dict(HALF_PIECES), []
+        for w in range(0, 160) if fit else ():
+            HALF_PIECES[remat] = float(w)
+            distances.append((round(max(abs(predicted_bytes(v)["p_temps"] / r["temps"] - 1) for r, v in fit), 3), -w))
+        HALF_PIECES.update(table)
+        if distances:
+            worst, working = min(distances)
+            out.append((remat, "none", True, None, float(-working), worst))
+    return out
+
+
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows``."""
     lines = ["| method | recomputation | loss pieces | layers | tokens | temporaries GiB, predicted / compiled | "
@@ -147,8 +167,8 @@ def fit_table(fits: list[tuple]) -> str:
     """The markdown table of :func:`fit_keeps`'s pairs."""
     lines = ["| recomputation | method | loss | kept | working | largest distance of the fitted programs |",
              "|---|---|---|---:|---:|---:|"]
-    lines += [f"| {remat} | {method} | {'in pieces' if pieces else 'whole'} | {kept:.0f} | {working:.0f} "
-              f"| {worst:.3f} |" for remat, method, pieces, kept, working, worst in fits]
+    lines += [f"| {remat} | {method} | {'in pieces' if pieces else 'whole'} | {'-' if kept is None else f'{kept:.0f}'} "
+              f"| {working:.0f} | {worst:.3f} |" for remat, method, pieces, kept, working, worst in fits]
     return "\n".join(lines)
 
 
@@ -176,7 +196,8 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(rows, indent=1))
     print(table(rows))
     print()
-    print(fit_table(fit_keeps(list(zip(rows, views)))))
+    cases = [(r, v) for r, v in zip(rows, views)]
+    print(fit_table(fit_keeps(cases) + fit_half_pieces(cases)))
 
 
 if __name__ == "__main__":

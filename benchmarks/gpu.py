@@ -10,7 +10,7 @@ skipped once ``--budget`` seconds have passed, each written to ``DIR/gpu.json`` 
 - ``gpt124m``: ``configs/gpt124m_gpu.yaml``'s model, optimizer and strategy (GPT 12 x 768, 16 x 1024 tokens,
   bf16 compute, fp32 master weights, AdamW, clip 1, remat save-matmuls) per attention kernel;
 - ``decoder``: a Llama-3-8B-shaped Decoder cut to ``--layers`` layers at ``--seq`` tokens, bf16 and FP8
-  (tensorwise), XLA's attention and the default;
+  (tensorwise), XLA's attention and the default, and bf16 with the loss in 8 pieces of the vocabulary;
 - ``flags``: the GPT step again in a fresh process per XLA_FLAGS setting;
 - ``calibrate``: the cost model's GEMM efficiency and memory bandwidth measured on the card
   (:func:`jaxpar.devices.calibrate_device`), written to ``DIR/cluster.yaml``.
@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -263,14 +264,14 @@ def run_gpt(small, kernels_here, reps, peak, remat_none=True) -> list[dict]:
     return rows
 
 
-DECODER_VARIANTS = ("bf16-xla", "bf16-auto", "bf16-pallas", "fp8-auto")
+#: ``precision-kernel[-piecesN]``: ``piecesN``, the loss in N pieces of the vocabulary (``loss_chunks``).
+DECODER_VARIANTS = ("bf16-xla", "bf16-auto", "bf16-pallas", "fp8-auto", "bf16-auto-pieces8")
 
 
 def run_decoder(small, layers, seq, batch_rows, reps, peak, variants=DECODER_VARIANTS) -> list[dict]:
     sizes = dict(vocab=256, embed=64, heads=4, kv_heads=2, head_dim=16, mlp=128) if small else LLAMA3_8B
     cfg = DecoderConfig(**sizes, layers=layers)
-    model_fn = lambda: Decoder(cfg, rngs=nnx.Rngs(0))    # noqa: E731
-    n = n_params(model_fn)
+    n = n_params(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     fpt = 6 * n + 12 * layers * seq * cfg.heads * cfg.head_dim
     tx = optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1)
     batch = tokens_batch(cfg.vocab, batch_rows, seq)
@@ -281,10 +282,14 @@ def run_decoder(small, layers, seq, batch_rows, reps, peak, variants=DECODER_VAR
     rows = []
     recipe = Fp8(min_dim=0 if small else 1024)
     for variant in variants:
-        precision, kernel = variant.split("-")
+        precision, kernel, *pieces = variant.split("-")
+        chunks = int(pieces[0].removeprefix("pieces")) if pieces else 1
         name, fp8 = ("bf16", None) if precision == "bf16" else ("fp8 tensorwise", recipe)
+        name += f", the loss in {chunks} pieces" if chunks > 1 else ""
         strategy = jaxpar.Strategy(compute_dtype="bfloat16", fp8=fp8)
-        predicted = predicted_seconds(spec, cost.Plan(strategy=Strategy(fp8=fp8)))
+        predicted = predicted_seconds(replace(spec, loss_chunks=chunks), cost.Plan(strategy=Strategy(fp8=fp8)))
+        pieced = replace(cfg, loss_chunks=chunks)
+        model_fn = lambda: Decoder(pieced, rngs=nnx.Rngs(0))    # noqa: E731
         rows.append(step_row(f"decoder {layers}L {name}", model_fn, decoder_loss, tx, strategy, batch,
                              kernel=kernel, reps=reps, flops_per_token=fpt, peak=peak, predicted=predicted))
     return rows

@@ -195,6 +195,11 @@ MEASURED_KEEPS = {"cuda": REMAT_KEEPS, "tpu": TPU_REMAT_KEEPS}
 #: attention (docs/planning.md §8; the three lengths within 4 %, the Decoder's ``none`` within 5 %).
 HALF_KEEPS = {"gelu": {"none": 84.0, "save-matmuls": 22.0, "full": 2.0},
               "gated": {"none": 72.0, "save-matmuls": 26.5, "full": 2.0}}
+#: Bytes per token and unit of ``h`` of the layer whose backward runs at the peak when a gated-MLP model's loss runs in
+#: pieces of the vocabulary (``model.loss_chunks``), under 16-bit compute on GPUs without CP, per recomputation: fitted
+#: to a Llama-3-8B-shaped Decoder over FSDP 8, 2 and 8 layers, one sequence of 8,192 or 16,384 tokens a device,
+#: compiled for ``h100:1x8`` (``benchmarks/context_memory.py --methods none``; docs/planning.md §8).
+HALF_PIECES = {"none": 32.0, "save-matmuls": 40.0, "full": 34.0}
 #: Bytes per token and vocabulary entry that the loss holds under 16-bit compute on GPUs (bf16 logits, fp32
 #: softmax statistics and gradients in pieces): the GPT's temporaries beyond its layers (above), less its
 #: tables' gradients, at s = 2,048 to 8,192 (within 7 %).
@@ -443,11 +448,7 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
         acts = held * saved_per_layer(model, plan, rows, keeps)
     else:
         acts = held * stored_per_layer(model, plan, rows, keeps) * (1 if tpu else 2)
-    one = Plan(tensor=plan.tensor, strategy=Strategy(sequence_parallel=s.sequence_parallel))
-    working = 0.0 if plan.remat == "none" else (half_per_layer(model, "none", rows) if half else
-                                                 saved_per_layer(model, one, rows, keeps))    # one layer recomputed
-    if s.sequence_parallel and plan.tensor > 1:
-        working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
+    working = _working(model, plan, rows, half, keeps)
     # the loss's fp32 logits, one piece's; libtpu also holds two bf16 copies (the head's product and its gradient)
     logits = (HALF_LOGITS if half else 8 if tpu else 4) * model.seq * rows * model.vocab / plan.tensor
     rest = max(logits / model.loss_chunks, working)
@@ -459,6 +460,20 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
             for k in (0, precision.opt / 4)]
     return MemoryEstimate(args[0], grads, args[1] - args[0], acts, rest, flight,
                           transient=2 * gathered + (bf16_weight_bytes(model, plan) if tpu else 0.0))
+
+
+def _working(model: ModelSpec, plan: Plan, rows: float, half: bool, keeps: str) -> float:
+    """The working bytes of the layer whose backward runs at the peak (:func:`measured_memory`): with the loss in
+    pieces under 16-bit compute :data:`HALF_PIECES`, else one layer recomputed (none without recomputation)."""
+    if half and model.loss_chunks > 1:
+        return HALF_PIECES[plan.remat] * model.seq * rows * model.hidden
+    s = plan.strategy
+    one = Plan(tensor=plan.tensor, strategy=Strategy(sequence_parallel=s.sequence_parallel))
+    working = 0.0 if plan.remat == "none" else (half_per_layer(model, "none", rows) if half else
+                                                 saved_per_layer(model, one, rows, keeps))
+    if s.sequence_parallel and plan.tensor > 1:
+        working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
+    return working
 
 
 def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> float:
