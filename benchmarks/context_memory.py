@@ -139,7 +139,8 @@ def fit_half_pieces(cases: list[tuple[dict, object]]) -> list[tuple]:
 
     out = []
     for remat in dict.fromkeys(r["remat"] for r, _ in cases):
-        fit = [(r, v) for r, v in cases if r["method"] == "none" and r["remat"] == remat and r.get("loss_chunks", 1) > 1]
+        fit = [(r, v) for r, v in cases
+               if r["method"] == "none" and r["remat"] == remat and r.get("loss_chunks", 1) > 1]
         table, distances = dict(HALF_PIECES), []
         for w in range(0, 160) if fit else ():
             HALF_PIECES[remat] = float(w)

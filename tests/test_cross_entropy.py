@@ -164,7 +164,8 @@ PIECES_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(PIECES_LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.exhaustive] if "pipe" in n else [])
+                                  for n in PIECES_LAYOUTS])      # the pipeline's last stage runs the same loss
 def test_a_decoder_with_its_loss_in_pieces_trains_like_one_device(name):
     """A tied, soft-capped Decoder with ``loss_chunks=4`` under context parallelism (balanced ring) and in a
     pipeline (its last stage's loss), three AdamW steps on packed rows with a loss mask: losses, first
