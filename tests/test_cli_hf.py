@@ -4,10 +4,9 @@ writes the run's weights back, ``jaxpar sample`` continues a prompt, and the con
 
 One tiny Llama-3 fixture checkpoint serves every test (``hf_fixtures.build_checkpoint``): weights
 of std 0.2, so that its loss is far from a random model's, and vocab 132 (the fixtures' 131 is odd,
-and the config's mesh has ``tensor=2``). The run computes its loss in two pieces of the vocabulary
-(``model.loss_chunks=2``, each split over ``tensor``). transformers is the independent reference: the
-loss of the run's first step is its loss on the first batch, the export loads in it, and the sample is
-its greedy continuation of the exported weights.
+and the config's mesh has ``tensor=2``). transformers is the independent reference: the loss of
+the run's first step is its loss on the first batch, the export loads in it, and the sample is its
+greedy continuation of the exported weights.
 """
 import hashlib
 import json
@@ -41,7 +40,7 @@ def _args(source, out_dir):
 @pytest.fixture(scope="module")
 def trained(source, tmp_path_factory):
     """A 3-step fine-tuning run of the fixture; returns its overrides."""
-    args = [*_args(source, tmp_path_factory.mktemp("run") / "run"), "model.loss_chunks=2"]
+    args = _args(source, tmp_path_factory.mktemp("run") / "run")
     assert main(["train", CONFIG, "train.steps=3", *args]) == 0
     return args
 
@@ -196,6 +195,17 @@ def test_config_errors_name_the_key(source, tmp_path, capsys):
         err = capsys.readouterr().err
         assert all(n in err for n in names) and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "out").exists()
+
+
+def test_loss_chunks_beside_the_checkpoint_reach_its_decoder_and_the_cost_model(source, tmp_path):
+    """``model.loss_chunks`` beside ``model.hf``: the decoder that ``train`` builds and the one the cost model reads
+    run the loss in that many pieces (the pieces' numbers: tests/test_cross_entropy.py)."""
+    from jaxpar.config._cost_model import cost_model, decoder_config_of
+    from jaxpar.config._hf_model import open_hf
+
+    cfg = load_config(CONFIG, [*_args(source, tmp_path / "run"), "model.loss_chunks=4"])
+    assert open_hf(cfg.model).config.loss_chunks == decoder_config_of(cfg.model).loss_chunks == 4
+    assert cost_model(cfg).loss_chunks == 4
 
 
 def test_resume_restores_the_run_without_reading_the_import(trained, tmp_path, monkeypatch, capsys):
