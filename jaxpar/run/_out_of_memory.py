@@ -65,4 +65,5 @@ def out_of_memory_error(error: BaseException, predicted_bytes: float | None, dev
         f"out of memory on the devices: XLA could not allocate {what} ({first}); {predicted}, and a device has "
         f"{device_memory(devices)}. See where the memory goes with jaxpar inspect {config} (add --target h100:1x8 "
         "for a GPU you do not have here), then shard more (mesh.fsdp, parallel.zero=3, mesh.tensor), recompute "
-        "(model.remat=full) or shrink data.batch_size / model.seq_len.")
+        "(model.remat=full), compute a checkpoint's loss in pieces of its vocabulary (model.loss_chunks) or shrink "
+        "data.batch_size / model.seq_len.")
