@@ -1,6 +1,8 @@
 """The cross-entropy's target logit (jaxpar.parallel.cross_entropy): gathered where the vocabulary is
 whole on each device, picked by a one-hot product where the rules split it over ``tensor``; the loss and
-its gradient equal one device's either way, and the gradient scatters nothing. 8 simulated CPU devices."""
+its gradient equal one device's either way, and the gradient scatters nothing. The loss in pieces of the
+vocabulary (jaxpar.parallel.linear_cross_entropy, DecoderConfig.loss_chunks) equals the whole loss and holds one
+piece's logits. 8 simulated CPU devices."""
 import re
 
 import jax
