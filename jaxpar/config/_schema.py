@@ -55,8 +55,8 @@ ModelConfig.__doc__ = """Either the built-in GPT (``name: gpt`` and the :class:`
 -> ``nnx.Module``, and ``loss`` (``loss(model, batch) -> scalar``), or a Hugging Face checkpoint: ``hf`` (its
 directory; the model is its :class:`jaxpar.models.Decoder`, started from its weights, with ``remat``,
 ``scan_layers``, ``loss_chunks`` (:class:`jaxpar.models.DecoderConfig`'s) and ``seq_len``, the data's windows,
-only). With ``target`` or ``hf``, ``name`` is only a label (default: the class's / the directory's name). Under ``mesh.pipe > 1`` the model is cut at its stacked blocks
-(:mod:`jaxpar.parallel.pipeline._cut`)."""
+only). With ``target`` or ``hf``, ``name`` is only a label (default: the class's / the directory's name). Under
+``mesh.pipe > 1`` the model is cut at its stacked blocks (:mod:`jaxpar.parallel.pipeline._cut`)."""
 
 #: Keys of the built-in GPT (an error with ``model.target``) and of a user model (an error without it).
 GPT_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
