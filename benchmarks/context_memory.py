@@ -104,7 +104,9 @@ def temporaries_with(view, keeps: tuple[float, float]) -> float:
     model, plan = view.model, view.plan
     grads = sum(4 * leaf.size for leaf in model.leaves)
     rows = model.batch / (plan.data * plan.fsdp * plan.strategy.microbatches) / plan.context
-    return grads + sum(context_temporaries(model, plan, rows, grads, model.layers, {plan.remat: keeps + keeps[1:]}))
+    kept, working = keeps
+    table = {plan.remat: (kept, working, working)}          # the same working bytes whole and in pieces
+    return grads + sum(context_temporaries(model, plan, rows, grads, model.layers, table))
 
 
 def fit_keeps(cases: list[tuple[dict, object]]) -> list[tuple]:

@@ -339,8 +339,8 @@ def context_temporaries(model: ModelSpec, plan: Plan, rows: float, grads: float,
     ...     == (21 * 2 * 16 * 64, 5e5 - 43008)
     True
     """
-    pieces = model.loss_chunks > 1
-    tokens, (kept, working) = model.seq * rows, keeps[plan.remat][::2] if pieces else keeps[plan.remat][:2]
+    (kept, working, in_pieces), pieces, tokens = keeps[plan.remat], model.loss_chunks > 1, model.seq * rows
+    working = in_pieces if pieces else working
     acts = held * kept * tokens * model.hidden
     tables = [leaf.size for leaf in model.leaves if not leaf.stacked and not (pieces and _head_table(model, leaf))]
     backward = (0.0 if pieces else CONTEXT_LOGITS * tokens * model.vocab) + (
