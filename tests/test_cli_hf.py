@@ -90,6 +90,25 @@ def test_finetune_starts_from_the_checkpoint_weights(source, trained):
     assert samples.startswith("--- sample 0 ---\n[prompt] '") and "[prompt] [" not in samples
 
 
+@pytest.mark.slow
+def test_a_three_layer_llama_trains_on_uneven_pipeline_stages(tmp_path):
+    """pipe 2 x data 2 x tensor 2, 1F1B, stage_layers [2, 1]: it trains, and its first loss is transformers'."""
+    src = hf_fixtures.build_checkpoint("llama", tmp_path / "llama3", init_std=0.2, vocab_size=132, num_hidden_layers=3)
+    args = [*_args(src, tmp_path / "run"), "train.steps=2", "train.eval_batches=0", "logging.samples=0",
+            "checkpoint.enabled=false", "mesh.pipe=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2",
+            "parallel.microbatches=2", "parallel.schedule=1f1b", "parallel.stage_layers=[2,1]"]
+    assert main(["check", CONFIG, *args]) == 0
+    assert main(["train", CONFIG, *args]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    from jaxpar.hf import load_tokenizer
+
+    batch = build_data(load_config(CONFIG, args).data, seq_len=16, vocab=132, eval_batches=0,
+                       tokenizer=load_tokenizer(src))[0](0)
+    reference = _cross_entropy(hf_fixtures.reference_logits(src, batch["tokens"]), batch["targets"])
+    assert len(losses) == 2 and losses[0] == pytest.approx(reference, rel=1e-4)
+
+
 def test_export_of_the_run_loads_in_transformers(source, exported):
     from jaxpar.hf import open_checkpoint
 

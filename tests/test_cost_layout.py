@@ -10,6 +10,7 @@ from jaxpar.cost import gpt
 from jaxpar.cost import Plan
 from jaxpar.cost import comms
 from jaxpar.cost._traffic import bytes_per_axis
+from jaxpar.errors import PlanError
 from jaxpar.strategy import Strategy
 
 
@@ -269,3 +270,23 @@ def test_libtpus_windowed_einsums_count_as_the_model_predicts(plan, kinds):
     want = bytes_per_axis(comms(gpt(2, hidden, hidden // 64, 1024, 50304, 16), plan, lowering="xla-tpu",
                                 compute_bytes=4, grad_bytes=4))[axis]
     assert abs(want - got) / got < 0.02, (want, got)
+
+
+def test_an_uneven_pipeline_is_priced_by_its_busiest_stage():
+    # configs/pp_zb.yaml: 6 layers on pipe 4 as (1, 2, 2, 1). The layers are stored replicated over pipe (6 does
+    # not divide by 4: Strategy.rules' ("layers", None) fallback), and a stage runs at most 2 of them.
+    from jaxpar.cost import evaluate, load_cluster, memory_per_device
+
+    uneven = Plan(pipe=4, fsdp=2, strategy=Strategy(zero=3, schedule="zb-h1", microbatches=8,
+                                                    stage_layers=(1, 2, 2, 1)))
+    even = Plan(pipe=4, fsdp=2, strategy=Strategy(zero=3, schedule="zb-h1", microbatches=8))
+    six, eight = gpt(6, 128, 4, 64, 256, 32), gpt(8, 128, 4, 64, 256, 32)
+    assert uneven.stage_depth(6) == 2 and even.stage_depth(8) == 2
+    assert device_argument_bytes(six, uneven.sizes, 3) > device_argument_bytes(eight, even.sizes, 3)   # all 6 kept
+    # the activations and compute of 2 layers a stage, as the even 8-layer pipeline's
+    assert memory_per_device(six, uneven).activations == pytest.approx(memory_per_device(eight, even).activations)
+    cluster = load_cluster("cpu_sim")
+    t6, t8 = (evaluate(m, p, cluster, dtype="float32").time for m, p in ((six, uneven), (eight, even)))
+    assert t6.compute == pytest.approx(t8.compute)
+    with pytest.raises(PlanError, match="stage_layers"):
+        Plan(pipe=2, strategy=Strategy(stage_layers=(1, 2, 2, 1)))

@@ -118,6 +118,7 @@ FAST_CASES = {
     'tests/test_relaxed_sync.py::test_diloco_composes_with_inner_strategies': ['tp2'],
     'tests/test_relaxed_sync.py::test_no_delay_and_no_backup_equal_synchronous_training_exactly': ['s3-zero-delays'],
     'tests/test_schedules.py::test_zb_h1_beats_1f1b_for_every_m': ['1', '2', '3', '4'],
+    'tests/test_shipped_configs.py::test_shipped_config_checks_and_trains_a_step': ['pp_zb'],
     'tests/test_signatures.py::test_megatron_forward_collectives_per_block': ['tp+sp'],
     'tests/test_signatures.py::test_zero2_and_3_reduce_scatter_gradients_per_layer': ['zero2'],
     'tests/test_step_parts.py::test_the_replicas_own_gradients_average_to_the_global_one': ['0'],

@@ -21,7 +21,8 @@ from jaxpar.config._job import build_job, describe_data, header_lines, model_lin
 from jaxpar.config._load import load_config, to_yaml
 from jaxpar.config._schema import ConfigError
 from jaxpar.devices._distributed import start_processes
-from jaxpar.plan import RUN_CLUSTERS, muon_lines, platform_of, run_prediction
+from jaxpar.errors import CostModelError, LayoutError, PlanError
+from jaxpar.plan import RUN_CLUSTERS, RunPrediction, muon_lines, platform_of, run_prediction
 from jaxpar.run._checkpoint import no_checkpoint_error
 from jaxpar.run._out_of_memory import out_of_memory_error
 from jaxpar.run._resume import checkpoint_meta, train_with_checkpoints
@@ -82,14 +83,23 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     return status
 
 
+def _predict(cfg, job, layout) -> RunPrediction:
+    """The cost model's prediction of the run on its platform's cluster; what the cost model cannot price is
+    said in the prediction's line, and never stops the run."""
+    platform = platform_of(layout.mesh)
+    if (cluster := RUN_CLUSTERS.get(platform)) is None:
+        return RunPrediction(None)
+    try:
+        return run_prediction(config_view(cfg, dict(layout.mesh.shape), job.strategy, cluster, platform=platform)[0])
+    except (CostModelError, LayoutError, PlanError) as e:
+        return RunPrediction(None, cluster, (f"not predicted ({type(e).__name__}: {e})",))
+
+
 def _train_job(cfg, job, profile, predicted: dict, watchdog) -> int:
     """Lay out the built job's state, print its summary, then :func:`jaxpar.run._resume.train_with_checkpoints`
     (``predicted``: the cost model's ``peak`` and the train ``state``'s bytes per device, set once known)."""
     state, layout = job.init_state(weights=not job.run.resume)     # a resumed run restores its own weights
-    platform = platform_of(layout.mesh)             # the prediction: what it lacks never stops the run
-    cluster = RUN_CLUSTERS.get(platform)
-    view = config_view(cfg, dict(layout.mesh.shape), job.strategy, cluster, platform=platform)[0] if cluster else None
-    prediction = run_prediction(view)
+    prediction = _predict(cfg, job, layout)
     predicted.update(peak=prediction.peak, state=layout.analytic_bytes()["total"])
     print(model_line(cfg.model, job.hf, layout), state_line(layout), sep="\n")
     if line := prediction.line():

@@ -139,7 +139,7 @@ def activation_transfer_bytes(model, plan, activation_bytes: float = 2) -> float
     offload = plan.strategy.offload
     if offload is None or not offload.activations:
         return 0.0
-    return model.layers / plan.pipe * layer_activations(model, plan.sizes, model.batch / plan.batch_split, remat="full",
+    return plan.stage_depth(model.layers) * layer_activations(model, plan.sizes, model.batch / plan.batch_split, remat="full",
                                                          sequence_parallel=plan.strategy.sequence_parallel,
                                                          activation_bytes=activation_bytes)
 

@@ -249,9 +249,8 @@ def zero_state_bytes(psi: float, n_d: int, stage: int, *, param_bytes: float = 2
 # ----------------------------------------------------------------------------- leaves on a mesh
 def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ...]:
     """Mesh axes of each dimension under jaxpar's tensor rules (``mlp, heads, vocab`` -> ``tensor``, ``kv_heads`` where
-    ``tensor`` divides them, else replicated;
-    ``layers`` -> ``pipe`` when ``pipe > 1``; ``experts`` -> ``expert``, :func:`jaxpar.parallel.moe.expert_rules`),
-    before ZeRO.
+    ``tensor`` divides them, else replicated; ``layers`` -> ``pipe`` where ``pipe`` divides them, else replicated, as
+    an uneven pipeline stores them; ``experts`` -> ``expert``, :func:`jaxpar.parallel.moe.expert_rules`), before ZeRO.
 
     Args:
       leaf: the parameter.
@@ -267,6 +266,8 @@ def leaf_spec(leaf: Leaf, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ..
         if name == "kv_heads" and size % sizes.get("tensor", 1) == 0:     # fewer K/V heads: replicated
             axis = "tensor"
         n = sizes.get(axis, 1) if axis else 1
+        if axis == "pipe" and size % n:      # an uneven pipeline's layers: replicated ("layers", None)
+            axis, n = None, 1
         if n > 1 and size % n:
             raise LayoutError(f"parameter {leaf.name!r} dimension {dim} ({name}) has size {size}, not divisible "
                               f"by {axis}={n}; choose {axis} dividing {size}.")
@@ -498,8 +499,9 @@ def memory_per_device(model: ModelSpec, plan, *, precision: str | BytesPerParam 
     mb = model.batch / (d * f * e) / s.microbatches
     lockstep = s.sequence_parallel and t > 1 and not ends       # jaxpar's executor, not Megatron's
     flight = in_flight(s.schedule, p, s.microbatches, s.virtual_stages, lockstep)
-    act = _layers_kept(model, sizes, mb, flight / p / s.virtual_stages, remat=plan.remat,
-                       sequence_parallel=s.sequence_parallel, activation_bytes=activation_bytes,
+    share = flight * plan.stage_depth(model.layers) / model.layers / s.virtual_stages     # flight / p / v when even
+    act = _layers_kept(model, sizes, mb, share, remat=plan.remat, sequence_parallel=s.sequence_parallel,
+                       activation_bytes=activation_bytes,
                        context_method=cp.method, fused=fused_attention)
     logits = 2 * model.seq / C * mb * model.vocab / t * 4
     st = state_bytes(model, sizes, s.zero, precision)

@@ -28,7 +28,8 @@ AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")
 #: The fields of :class:`jaxpar.Strategy` the cost model reads. The table (:func:`jaxpar.cost.plan_refusal`)
 #: reads the rest; the compute dtype is the one :func:`jaxpar.cost.evaluate` is given.
-MODELLED = ("zero", "sequence_parallel", "microbatches", "schedule", "virtual_stages", "context", "fp8", "offload")
+MODELLED = ("zero", "sequence_parallel", "microbatches", "schedule", "virtual_stages", "stage_layers", "context", "fp8",
+            "offload")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class Plan:
         if self.strategy.schedule not in FLUSH_SCHEDULES:        # the pipeline schedules the cost model knows
             raise PlanError(f"Plan.strategy.schedule={self.strategy.schedule!r}: the cost model knows "
                             f"{', '.join(FLUSH_SCHEDULES)}.")
+        counts = self.strategy.stage_layers
+        if isinstance(counts, tuple) and len(counts) != self.pipe * self.strategy.virtual_stages:
+            raise PlanError(f"Plan.strategy.stage_layers={counts!r}: give pipe * virtual_stages = "
+                            f"{self.pipe * self.strategy.virtual_stages} counts, one per virtual stage.")
         acts = self.strategy.offload.activations if self.strategy.offload is not None else ()
         if acts not in ((), (LAYER_INPUT,)):
             raise PlanError(f"Plan.strategy.offload.activations={acts!r}: the cost model models the layers' inputs "
@@ -83,6 +88,26 @@ class Plan:
     def unsplit(self) -> bool:
         """One device and one micro-batch: the step neither reduces nor accumulates its gradients."""
         return self.devices * self.strategy.microbatches == 1
+
+    def stage_depth(self, layers: int) -> float:
+        """Layers on the busiest pipeline stage, its virtual stages together: ``layers / pipe``, or the most
+        ``strategy.stage_layers`` gives one stage (an uneven pipeline; ``"auto"`` is priced as the even split).
+
+        Args:
+          layers: the model's layers.
+
+        Returns:
+          The layers one stage's devices run.
+
+        >>> Plan(pipe=4, strategy=Strategy(schedule="zb-h1", microbatches=8, stage_layers=(1, 2, 2, 1))).stage_depth(6)
+        2.0
+        >>> Plan(pipe=2).stage_depth(8)
+        4.0
+        """
+        counts, p = self.strategy.stage_layers, self.pipe
+        if p == 1 or not isinstance(counts, tuple):
+            return layers / p
+        return float(max(sum(counts[d::p]) for d in range(p)))
 
     def with_strategy(self, **changes) -> Plan:
         """This plan with other values of some of its strategy's fields.

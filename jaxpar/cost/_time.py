@@ -307,8 +307,8 @@ def elementwise_bytes(m: ModelSpec, plan: Plan, compute_bytes: float = 2) -> flo
     (True, 3.69)
     """
     rows = m.batch / plan.batch_split                      # sequences per device per step
-    n_moe = m.moe_layers / plan.pipe
-    dense = layer_elementwise_bytes(m, plan, rows, compute_bytes) * (m.layers // plan.pipe - n_moe)
+    n_moe = m.moe_layers / m.layers * plan.stage_depth(m.layers)
+    dense = layer_elementwise_bytes(m, plan, rows, compute_bytes) * (plan.stage_depth(m.layers) - n_moe)
     return dense + (layer_elementwise_bytes(m, plan, rows, compute_bytes, True) * n_moe if n_moe else 0.0)
 
 
@@ -319,8 +319,8 @@ def _compute(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, cb: float, 
     layers, the first stage also the embedding and the last the head and loss: the step takes ``m`` times
     the busiest stage's micro-batch plus the schedule's bubble, ``m * b / (1 - b)`` times the mean's."""
     rows = m.batch / (plan.batch_split * plan.strategy.microbatches)
-    n = m.layers // plan.pipe
-    n_moe = m.moe_layers / plan.pipe          # MoE layers per stage (spread evenly)
+    n = plan.stage_depth(m.layers)
+    n_moe = m.moe_layers / m.layers * n          # MoE layers per stage (spread evenly)
     layer = layer_work(m, plan, cluster, dtype, rows, cb, lowering=lowering)
     forward = layer_work(m, plan, cluster, dtype, rows, cb, forward_only=True, lowering=lowering)
     first, last = end_work(m, plan, cluster, dtype, rows, cb)
@@ -444,7 +444,7 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
         else:
             spent[group] += seconds
     exposed = {k: v * (1 - getattr(overlap, k)) for k, v in spent.items()}
-    exposed["data"] += behind_backward(grads, backward, m.layers // plan.pipe)
+    exposed["data"] += behind_backward(grads, backward, plan.stage_depth(m.layers))
     bw = cluster.stream_bandwidth
     opt = update_bytes(m, plan, gb) / bw if bw > 0 else 0.0
     off = offload_seconds(m, plan, cluster, update_bytes(m, plan, 4), cb)   # the host update: fp32 gradients

@@ -167,7 +167,7 @@ def _context_expert_comms(add, m: ModelSpec, plan: Plan, qkv: tuple[float, float
     mb = plan.strategy.microbatches
     q, kv = qkv
     if plan.context > 1:
-        n_layer = (m.layers // plan.pipe) * mb
+        n_layer = plan.stage_depth(m.layers) * mb
         method = plan.strategy.context_setting.method
         if method == "ring":
             for kind, nbytes, count, behind in ring_hops(plan.context, kv, cb, plan.remat != "none"):
@@ -178,7 +178,7 @@ def _context_expert_comms(add, m: ModelSpec, plan: Plan, qkv: tuple[float, float
             for kind, nbytes, count in context_collectives(method, plan.context, kv, cb, plan.remat, q=q):
                 add(kind, ("context",), nbytes, count * n_layer, "context")
     if m.moe_layers:
-        n_moe = m.moe_layers / plan.pipe * mb
+        n_moe = m.moe_layers / m.layers * plan.stage_depth(m.layers) * mb
         for kind, nbytes, count in expert_collectives(m, rows, plan.context, plan.expert, cb, plan.remat):
             add(kind, ("expert",), nbytes, count * n_moe, "expert")
 
@@ -209,7 +209,7 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
     if lock:
         v = plan.strategy.virtual_stages
         mb = (plan.strategy.microbatches * v + plan.pipe - 1) / v
-    n_layer = (m.layers // plan.pipe) * mb
+    n_layer = plan.stage_depth(m.layers) * mb
     moe = _moe_reductions(add, m, plan, mb, lowering, rows, cb)
     ends = 1 if plan.pipe > 1 and not lock else 2
     cpu = lowering == "xla-cpu"
@@ -257,7 +257,7 @@ def _moe_reductions(add, m: ModelSpec, plan: Plan, mb: float, lowering: str, row
     returns how many MoE layers run per step on the device (0 where they are counted as dense ones)."""
     if not m.moe_layers or plan.strategy.sequence_parallel or lowering == "megatron":
         return 0
-    moe = m.moe_layers / plan.pipe * mb
+    moe = m.moe_layers / m.layers * plan.stage_depth(m.layers) * mb
     for nbytes, count in expert_reductions(m, rows, plan.context, plan.expert, cb):
         add("all-reduce", ("tensor",), nbytes, count * moe, "tensor")
     return moe
@@ -414,11 +414,14 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
         if p_axes and shardable and not rows:
             gathers = (2 if leaf.stacked else 1) * (mb if not cpu else 1)
             acc("all-gather", p_axes, per * nbytes, count * gathers, "params")
-        # ZeRO-1/2: the updated shard is gathered back over the axes the optimizer state has more;
-        # the result is the parameter shard (1/fsdp of the slice with an fsdp axis)
+        # ZeRO-1/2: the updated shard is gathered back over the axes the optimizer state has more; the result is
+        # the parameter shard (1/fsdp of the slice with an fsdp axis). jaxpar's step (the XLA lowerings) keeps fp32
+        # parameters on every device, which only an fp32 gather restores exactly; the textbook and Megatron's
+        # distributed optimizer keep the fp32 master in the optimizer's shards and gather the 16-bit copy
         extra = tuple(a for a in o_axes if a not in p_axes)
         if extra and shardable:
-            acc("all-gather", extra, per * (4 if cpu else compute_bytes) * (leaf.size / local) / n_p, count, "params")
+            kept = 4 if lowering.startswith("xla") else compute_bytes
+            acc("all-gather", extra, per * kept * (leaf.size / local) / n_p, count, "params")
     return [Comm(kind, axes, nbytes, count, phase) for (kind, axes, count, phase), nbytes in groups.items()]
 
 

@@ -69,8 +69,8 @@ def yaml_text(value: Any) -> str:
 def plan_overrides(plan: Any) -> list[str]:
     """The dotted overrides that make a config run a :class:`jaxpar.cost.Plan` (``jaxpar train CONFIG
     *overrides``): its mesh, the strategy's fields the cost model reads (:data:`jaxpar.cost._parallel.MODELLED`,
-    an option object as a mapping, ``{}`` for none; ``context`` on a ``context`` axis only), even stages, and
-    the model's remat policy.
+    an option object as a mapping, ``{}`` for none; ``context`` on a ``context`` axis only), its stages' layers
+    (``null``: even), and the model's remat policy.
 
     Args:
       plan: the plan (e.g. ``jaxpar.cost.plan(...).best.plan``).
@@ -93,8 +93,9 @@ def plan_overrides(plan: Any) -> list[str]:
     remat = "offload" if s.offload and s.offload.activations else plan.remat
     out = [f"mesh.{a}={getattr(plan, a)}" for a in AXES] + ["mesh.replica=1"]
     value = lambda k: getattr(s, k) if k != "context" or plan.context > 1 else None     # noqa: E731
-    out += [f"parallel.{k}={'{}' if value(k) is None else yaml_text(value(k))}" for k in MODELLED]
-    return out + ["parallel.stage_layers=null", f"model.remat={remat}"]
+    out += [f"parallel.{k}={'{}' if value(k) is None else yaml_text(value(k))}" for k in MODELLED if k != "stage_layers"]
+    stages = s.stage_layers if plan.pipe > 1 else None          # even stages unless the plan says otherwise
+    return out + [f"parallel.stage_layers={'null' if stages is None else yaml_text(stages)}", f"model.remat={remat}"]
 
 
 def chosen_plan(result: Any, rank: int) -> Any:
