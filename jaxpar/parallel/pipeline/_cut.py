@@ -48,6 +48,7 @@ from jaxpar.mesh import data_axes
 from jaxpar.adapters._mesh_axes import batch_specs, call_site, explicit_call, model_batch_axes, needs_explicit_mesh
 from jaxpar.rules import constrain, spec_without
 from jaxpar.errors import PipelineCutError
+from jaxpar.parallel.pipeline._gathers import whole_indexed_dims
 
 
 @dataclass(frozen=True)
@@ -317,6 +318,8 @@ def cut_model(loss_fn: Callable, graphdef, params: Any, batch: Any, *, mesh=None
     layer = site.layer
     if explicit is not None:
         pre, layer, post = explicit.parts(cut.split, pre, layer, post)
+    else:       # a take_along_axis on a split vocabulary: XLA's partitioner aborts on it in a stage (._gathers)
+        pre, post = whole_indexed_dims(pre, "pre"), whole_indexed_dims(post, "post")
     body = with_remat(layer, site.remat)
     rows = jax.tree.leaves(batch)[0].shape[0] if jax.tree.leaves(batch) else -1
     carry, layout = site.x, lambda x: _stage_layout(x, rows)   # noqa: E731
