@@ -147,3 +147,95 @@ def test_the_refusal_cases_walk_every_refusal_of_the_target():
     kinds = source.getsource(target_refusals).count("found.append(")
     covered = {"fp8", "mesh", "grid", "memory"}
     assert kinds == len(covered) and all(any(k in case for case in TARGET_REFUSALS) for k in covered)
+
+
+# ------------------------------------------------------------------------------- context parallelism's rules
+LONG = QUICK.parent / "long_context.yaml"
+
+
+@pytest.mark.parametrize("overrides, fixed, says", [
+    (["model.seq_len=1004"], ["model.seq_len=1008"],
+     "model.seq_len=1004 is not divisible by 8 (balanced layout (parallel.context.balance=true), 2*C = 8 chunks over "
+     "mesh.context=4). Fix: pad or cut the sequence to a multiple of 8 (e.g. model.seq_len=1008), or change "
+     "mesh.context or set parallel.context.balance=false."),
+    (["parallel.context.balance=false", "model.seq_len=1002"], ["parallel.context.balance=false", "model.seq_len=1004"],
+     "model.seq_len=1002 is not divisible by 4 (natural order (parallel.context.balance=false), C = 4 shards over "
+     "mesh.context=4). Fix: pad or cut the sequence to a multiple of 4 (e.g. model.seq_len=1004), or change "
+     "mesh.context."),
+    (["parallel.context.method=ulysses", "model.heads=2"], ["parallel.context.method=ulysses", "model.heads=8"],
+     "model.heads=2 with mesh.tensor=1 and parallel.context.method=ulysses: the 2 query heads on each device are not "
+     "divisible by mesh.context=4 (Ulysses gives each device heads / 4 heads). Fix: parallel.context.method=ring or "
+     "all_gather, a mesh.context that divides 2, or a smaller mesh.tensor."),
+    (["parallel.context.method=ulysses", "mesh.data=1", "mesh.tensor=2"],       # 4 heads: 2 a device
+     ["parallel.context.method=ulysses", "mesh.data=1", "mesh.tensor=2", "model.heads=8", "model.embed=64"],
+     "model.heads=4 with mesh.tensor=2 and parallel.context.method=ulysses: the 2 query heads on each device"),
+], ids=["balanced-seq", "natural-seq", "ulysses-heads", "ulysses-heads-after-tensor"])
+def test_what_the_context_axis_cannot_split_is_refused_by_check_in_yaml_keys(overrides, fixed, says):
+    """The library's rules (check_length, ulysses_kv_repeat), which train met after building the job; the fix
+    passes."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(LONG, [*overrides, *TINY[-1:]])
+    assert says in str(refused.value), str(refused.value)
+    load_config(LONG, [*fixed, *TINY[-1:]])
+
+
+def test_a_context_method_without_a_context_axis_is_refused_and_removable(capsys):
+    assert main(["check", str(QUICK), *TINY, "parallel.context={method: ring}"]) == 2
+    err = capsys.readouterr().err
+    assert ("parallel.context={method: ring} on a mesh with no context axis of size > 1 (mesh.context=1): there is no "
+            "split sequence for a context-parallel method to run over") in err
+    assert "Remove parallel.context (~parallel.context, or parallel.context={})" in err
+    no_axis = ["mesh.context=1", "mesh.data=8", *TINY[-1:]]
+    with pytest.raises(ConfigError, match=r"parallel.context=\{method: ring, balance: true\} on a mesh with no"):
+        load_config(LONG, no_axis)
+    for removed in ("~parallel.context", "parallel.context={}"):        # {} empties the file's mapping
+        assert load_config(LONG, [*no_axis, removed]).parallel.context == {}
+
+
+def _tiny_hf(folder: Path, heads: int, kv_heads: int) -> Path:
+    import json
+
+    shape = json.loads((QUICK.parent / "hf" / "llama3-8b" / "config.json").read_text())
+    shape.update(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=16 * heads, head_dim=16,
+                 num_hidden_layers=1, intermediate_size=64, vocab_size=256)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(shape))
+    return folder
+
+
+def test_ulysses_heads_of_a_hugging_face_model_are_checked_from_its_config_json(tmp_path, capsys):
+    hf = _tiny_hf(tmp_path / "hf6", heads=6, kv_heads=2)
+    args = ["check", str(QUICK.parent / "llama3_8b_gpu.yaml"), "--target", "h100:1x8", f"model.hf={hf}",
+            "mesh.fsdp=2", "mesh.context=4", "data.batch_size=2", "model.seq_len=64", f"train.out_dir={tmp_path}/run"]
+    assert main([*args, "parallel.context={method: ulysses}"]) == 2
+    assert (f"model.hf='{hf}': its num_attention_heads=6 with mesh.tensor=1 and parallel.context.method=ulysses: the 6 "
+            "query heads on each device are not divisible by mesh.context=4") in capsys.readouterr().err
+    assert main([*args, "parallel.context={method: ring}"]) == 0
+
+
+DECODER = '''
+import numpy as np
+from jaxpar.models import Decoder, DecoderConfig, decoder_loss as loss
+
+
+def model(*, rngs):
+    return Decoder(DecoderConfig(vocab=64, embed=48, layers=1, heads=6, kv_heads=2, head_dim=8, mlp=64), rngs=rngs)
+
+
+def batches(step, *, batch_size, seed, eval=False):
+    t = np.random.default_rng(step).integers(0, 64, (batch_size, 17))
+    return {"tokens": t[:, :-1].astype(np.int32), "targets": t[:, 1:].astype(np.int32)}
+'''
+
+
+def test_ulysses_heads_of_a_model_target_decoder_are_checked_from_its_config(tmp_path):
+    (tmp_path / "dec.py").write_text(DECODER)
+    cfg = load_config(QUICK, ["~model", f"model.target={tmp_path}/dec.py:model", f"model.loss={tmp_path}/dec.py:loss",
+                              "data.kind=import", f"data.target={tmp_path}/dec.py:batches", "mesh.fsdp=1",
+                              "mesh.tensor=1", "mesh.data=2", "mesh.context=4", "data.batch_size=4",
+                              "parallel.context={method: ulysses}", "train.devices=8", "train.eval_batches=0",
+                              "logging.samples=0", f"train.out_dir={tmp_path}/run"])
+    with pytest.raises(ConfigError, match=re.escape(
+            f"model.target='{tmp_path}/dec.py:model': its DecoderConfig.heads=6 with mesh.tensor=1 and "
+            "parallel.context.method=ulysses: the 6 query heads on each device are not divisible by mesh.context=4")):
+        check_config(cfg)

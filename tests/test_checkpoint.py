@@ -183,6 +183,37 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path, how):
         ck.restore(layout, step=6)
 
 
+def _ascii_in(path: Path) -> None:
+    """Eight ASCII letters over the middle of a file: still UTF-8, no longer JSON."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 8] = b"abcdefgh"
+    path.write_bytes(bytes(data))
+
+
+#: A corrupt metadata file of a step, and the words of the reason its fallback gives.
+METADATA_CORRUPTIONS = {
+    "meta/metadata": (lambda p: _overwrite(p), "its file meta/metadata is not valid UTF-8 (UnicodeDecodeError: "),
+    "state/_METADATA": (lambda p: _overwrite(p), "its file state/_METADATA is not valid UTF-8 (UnicodeDecodeError: "),
+    "state/_sharding": (_ascii_in, "its file state/_sharding is not valid JSON in its entry of "),
+    "state/_METADATA ": (_truncate, "its file state/_METADATA is not valid JSON (JSONDecodeError: "),
+}
+
+
+def test_a_corrupt_metadata_file_is_named_in_the_fallback(tmp_path):
+    """Random bytes, ASCII or a cut in a step's JSON files: the fallback's reason names the file, not only the
+    decoder's exception."""
+    layout, snaps, _ = _save_steps(tmp_path / "saved")
+    for i, (name, (corrupt, reason)) in enumerate(METADATA_CORRUPTIONS.items()):
+        run = tmp_path / str(i)
+        shutil.copytree(tmp_path / "saved", run)
+        corrupt(run / "6" / name.strip())
+        with Checkpointer(run) as ck, pytest.warns(CheckpointWarning) as caught:
+            got = ck.restore(layout)
+        assert got.step == 4 and same(got.state, snaps[4]), name
+        message = str(caught[0].message)
+        assert f"(step 6) is unreadable, falling back to step 4: {reason}" in message, message
+
+
 def test_data_that_decode_but_changed_after_the_save_fail_their_checksums(tmp_path):
     """Step 6's arrays replaced by another state's of the same step (valid files, so they decode, as data
     changed in place can): its checksums differ from those recorded at save, so the restore falls back to

@@ -26,6 +26,7 @@ import jaxpar
 from jaxpar.run import Checkpointer, train
 from jaxpar.run._goodput import BUCKETS, Goodput, describe
 from jaxpar.step._state import TrainState
+from conftest import need_devices
 from test_faults import ARGS as FAULT_ARGS, QUICK, _env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +109,52 @@ def test_a_resumed_run_carries_the_earlier_buckets_and_moves_redone_steps_to_los
     fresh = Goodput()
     fresh.carry([{"kind": "train", "step": 1, "loss": 1.0}], [], start=1)    # records without goodput: nothing
     assert fresh.base_wall == 0 and fresh.attempts == 1
+
+
+def test_a_program_compiled_inside_another_trace_is_counted_once():
+    """The pipeline's stage probe compiles while the step is traced: its seconds are in the step's trace too."""
+    from jaxpar.run._goodput import compile_seconds
+
+    @jax.jit
+    def probe(y):
+        time.sleep(0.3)                 # 0.3 s of tracing, inside the outer trace
+        return jnp.cos(y) @ y
+
+    @jax.jit
+    def outer(x):
+        probe.lower(jax.ShapeDtypeStruct(x.shape, x.dtype)).compile()
+        return x * 2
+
+    Goodput()                           # the listener
+    t, c = time.perf_counter(), compile_seconds()
+    jax.block_until_ready(outer(jnp.ones((16, 16))))
+    wall, compiled = time.perf_counter() - t, compile_seconds() - c
+    assert 0.3 <= compiled <= wall, (compiled, wall)
+
+
+def _gpt_loss(model, batch):
+    from jaxpar.parallel import cross_entropy
+    return cross_entropy(model(batch["tokens"]), batch["targets"])
+
+
+@need_devices(4)
+def test_a_pipelined_run_counts_no_compile_second_twice(tmp_path):
+    import optax
+    from flax import nnx
+    from jaxpar.models import GPT, GPTConfig
+    from helpers import make_batch
+
+    cfg = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, layers=2)
+    mesh = jaxpar.make_mesh({"pipe": 2, "data": 2}, devices=jax.devices()[:4])
+    tx = optax.sgd(0.1)
+    state, layout = jaxpar.init_train_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh,
+                                            jaxpar.Strategy(microbatches=2, schedule="1f1b"))
+    step = jaxpar.make_train_step(_gpt_loss, tx, layout)
+    _, summary = train(step, state, lambda i: make_batch(4, cfg, seed=i), mesh=mesh, steps=2, log_every=1,
+                       progress="none")
+    g = summary.goodput
+    assert 0 < g["compile_s"] <= g["wall_s"], g
+    assert 0 <= g["goodput"] <= 1 and g["productive_s"] >= 0 and g["other_s"] >= 0, g
 
 
 # ----------------------------------------------------------------------------- acceptance 2: kill -9 and resume

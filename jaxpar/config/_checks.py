@@ -6,9 +6,10 @@ the optimizer's options (:func:`jaxpar.optimizers.hyperparameter_problem`) and o
 (:func:`jaxpar.step._update.clip_norm_problem`, what ``make_train_step`` checks); it resolves the
 import paths of a user model, loss and data function and checks their signatures (nothing is called). The combinations
 of features, and what each feature needs, are the library's: the problems of the compatibility table
-(:mod:`jaxpar.compat`) rendered with :data:`YAML_NAMES`. Only checks that span sections (batch size
-vs. mesh axes, model sizes vs. ``mesh.tensor``) and the YAML's own keys, types and paths are written
-out here.
+(:mod:`jaxpar.compat`) rendered with :data:`YAML_NAMES`; so are context parallelism's sequence and head rules
+(:mod:`jaxpar.config._context_checks`). Only checks that span sections (batch size vs. mesh axes, model sizes
+vs. ``mesh.tensor``, a ``parallel.context`` without a ``context`` axis) and the YAML's own keys, types and
+paths are written out here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jaxpar.parallel.pipeline._schedules import get_schedule
 from jaxpar.run._watchdog import parse_step_timeout
 from jaxpar.config._build import MODELS, build_gpt_config, build_strategy, mesh_error, mesh_spec
 from jaxpar.config._optimizer_section import OPTIMIZERS, lr_scaling_problems, muon_problems
+from jaxpar.config._context_checks import context_problems
 from jaxpar.config._data_section import build_ramp
 from jaxpar.config._hf_model import hf_problems, tokenizer_problems
 from jaxpar.config._documents import documents_problems
@@ -294,6 +296,10 @@ def _mesh_problems(cfg: JobConfig, made: "Built", num_devices: int | None) -> li
         if par.sequence_parallel:
             dims.append(("model.seq_len (sequence parallel)", gpt.seq_len))
         problems += [f"{key}={size} is not divisible by mesh.tensor={t}." for key, size in dims if size % t]
+    if not (num_devices is None and cfg.mesh.context == -1):      # the rules of the context axis (or of none)
+        m = cfg.model                    # model.hf's heads: hf_checkpoint; a model.target Decoder's: build_job
+        problems += context_problems(cfg, made.strategy, sizes, seq_len=m.seq_len if m.target is None else None,
+                                     heads=(gpt.heads, gpt.heads, "model.heads") if gpt is not None else None)
     n, what = _batch_divisor(cfg, sizes)
     if cfg.data.batch_size % n:
         problems.append(f"data.batch_size={cfg.data.batch_size} is not divisible by {what}.")

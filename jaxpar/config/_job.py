@@ -49,7 +49,8 @@ from jaxpar.data._packing import BATCH_KEYS
 from jaxpar.strategy import Strategy
 from jaxpar.step._init import param_layout
 from jaxpar.config._build import build_loss_fn, build_mesh, build_model_fn, gpt_model_fn
-from jaxpar.config._checks import check
+from jaxpar.config._checks import built, check
+from jaxpar.config._context_checks import context_problems
 from jaxpar.config._data_section import build_data, describe_batch
 from jaxpar.config._hf_model import build_tokenizer, hf_length_problems, hf_mesh_problems, open_hf
 from jaxpar.config._optimizer_section import build_optimizer, frozen_variance_step
@@ -292,6 +293,7 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
                 parts=_parts(cfg, made.gpt, mesh), tokenizer=tokenizer, loss_fn=build_loss_fn(m))
     if not mesh:
         return Job(**base)
+    _target_decoder_problems(cfg, dict(device_mesh.shape), model_fn)
     per_step = updates_per_step(strategy, dict(device_mesh.shape))
     params = param_layout(model_fn, device_mesh, strategy)      # the model traced once
     tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=d.batch_size, params=params,
@@ -321,10 +323,46 @@ def hf_checkpoint(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
                           "`huggingface-cli download MODEL --local-dir DIR`.")
     hf = open_hf(cfg.model)
     problems = hf_length_problems(hf, cfg.model.hf, cfg.model.seq_len)
-    problems += hf_mesh_problems(hf, cfg.model.hf, mesh_sizes.get("tensor", 1)) if mesh_sizes else []
+    if mesh_sizes:
+        problems += hf_mesh_problems(hf, cfg.model.hf, mesh_sizes.get("tensor", 1))
+        problems += _model_heads_problems(cfg, mesh_sizes, hf.config, f"model.hf={cfg.model.hf!r}: its "
+                                                                      "num_attention_heads")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
     return hf
+
+
+def _model_heads_problems(cfg: JobConfig, mesh_sizes: Mapping[str, int], decoder: Any, key: str) -> list[str]:
+    """Context parallelism's rule of the heads (:func:`~jaxpar.config._context_checks.context_problems`) for a
+    model whose heads :func:`check` does not know: ``model.hf``'s (its ``config.json``) or a ``model.target``
+    :class:`jaxpar.models.Decoder`'s (its ``DecoderConfig``).
+
+    Args:
+      cfg: the checked config.
+      mesh_sizes: the mesh's axis sizes.
+      decoder: the model's :class:`jaxpar.models.DecoderConfig` (None: not a Decoder, nothing checked).
+      key: where the heads come from, for the message.
+
+    Returns:
+      The problems.
+    """
+    if decoder is None or mesh_sizes.get("context", 1) <= 1:
+        return []
+    return context_problems(cfg, built(cfg).strategy, mesh_sizes, seq_len=None,
+                            heads=(decoder.heads, decoder.kv_heads, key))
+
+
+def _target_decoder_problems(cfg: JobConfig, mesh_sizes: Mapping[str, int], model_fn: Callable) -> None:
+    """Raise :class:`ConfigError` for a ``model.target`` Decoder whose heads the ``context`` axis cannot split
+    (its config traced with ``nnx.eval_shape``, only on a ``context`` axis)."""
+    if cfg.model.target is None or mesh_sizes.get("context", 1) <= 1:
+        return
+    from jaxpar.config._cost_model import decoder_config_of
+
+    problems = _model_heads_problems(cfg, mesh_sizes, decoder_config_of(cfg.model, model_fn),
+                                     f"model.target={cfg.model.target!r}: its DecoderConfig.heads")
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
 def _parts(cfg: JobConfig, gpt: Any, measured: bool) -> list:

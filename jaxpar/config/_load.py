@@ -12,6 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -242,21 +243,35 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     Args:
       path: the YAML file.
       overrides: dotted ``key=value`` strings (:func:`parse_overrides`), applied last; ``~key`` drops a key from
-        the YAML files, so that its default holds.
+        the YAML files, so that its default holds; ``key={}`` empties a mapping the files set (``parallel.fp8={}``:
+        FP8 off), where another mapping is merged into theirs.
 
     Returns:
       The checked :class:`JobConfig`; a problem raises :class:`ConfigError`.
     """
     path = Path(path)
     removed = [item[1:].strip() for item in overrides if item.startswith("~")]
+    emptied = [key for key in map(_emptied_key, overrides) if key]    # key={}: the files' mapping replaced, not merged
     for key in removed:
         if _lookup_type(key) is None:
             raise ConfigError(f"override ~{key}: unknown key; '~' drops a key of the schema (e.g. ~optimizer.muon), "
                               "so that its default holds.")
-    layers = [(source, _without(layer, removed)) for source, layer in _yaml_chain(path)]
+    layers = [(source, _without(layer, removed + emptied)) for source, layer in _yaml_chain(path)]
     if overrides := [item for item in overrides if not item.startswith("~")]:
         layers.append(("overrides", _absolute_imports(parse_overrides(overrides), Path.cwd())))
     return merge_layers(layers, name=path.stem)
+
+
+def _emptied_key(item: str) -> str | None:
+    """The key of an override ``key={}`` (an empty mapping), else None."""
+    key, eq, value = item.partition("=")
+    if not eq or item.startswith("~"):
+        return None
+    try:
+        empty = yaml.safe_load(value) == {}
+    except yaml.YAMLError:
+        return None
+    return key.strip() if empty else None
 
 
 def _without(layer: Mapping, keys: Sequence[str]) -> dict:

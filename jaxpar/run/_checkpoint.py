@@ -15,8 +15,9 @@ train state's arrays, written by every process for its own shards) and ``meta``
   (:mod:`jaxpar.run._integrity`), compared at restore; a state with a non-finite parameter or moment is
   neither saved (a :class:`CheckpointWarning`, the good checkpoints kept) nor restored.
 * **Fallback.** A latest checkpoint that cannot be read (a truncated or deleted
-  file, a step that disagrees with its record, data that differ from the recorded checksums, a
-  non-finite parameter or moment) is reported with a
+  file, a metadata file that is not UTF-8 JSON, named by its path in the step, a step that disagrees
+  with its record, data that differ from the recorded checksums, a non-finite parameter or moment)
+  is reported with a
   :class:`CheckpointWarning` naming the step and the reason; the previous one is
   used; the next save renames it to ``<step>.unreadable``, as a new :class:`Checkpointer` does to a step folder
   whose save never finished (``<step>.incomplete``), so that ``keep`` prunes good checkpoints only and nothing
@@ -57,6 +58,8 @@ Example::
 
 from __future__ import annotations
 
+import base64
+import json
 import shutil
 import time
 import warnings
@@ -319,6 +322,8 @@ class Checkpointer:
         decides, each change with a :class:`CheckpointWarning`; a gradient codec's state saved for
         another layout starts afresh (zero residuals): the documented reshard policy."""
         ocp = self._ocp
+        if (bad := _bad_json_file(self.directory / str(step))) is not None:
+            raise CheckpointError(bad)
         meta = dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
         if meta.get("format") != FORMAT:
             raise CheckpointMismatchError(
@@ -384,6 +389,39 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)}: {what} saved as another tree than this run's ({diff}): "
                 f"{why}. It cannot be restored, and no older checkpoint is tried (they share it). Resume with the "
                 "settings the checkpoint was saved with, or start a new run.")
+
+
+#: The JSON files of a checkpoint step that a restore reads (the record, Orbax's tree metadata and shardings).
+JSON_FILES = ("meta/metadata", "state/_METADATA", "state/_sharding")
+
+
+def _bad_json_file(step_dir: Path) -> str | None:
+    """The first of a step's :data:`JSON_FILES` that is not UTF-8 JSON, named with what is wrong (None: all
+    parse; a missing one is left to Orbax, which names it)."""
+    for name in JSON_FILES:
+        entry = ""
+        try:
+            tree = json.loads((step_dir / name).read_bytes().decode("utf-8"))
+            if name == "state/_sharding" and isinstance(tree, dict):    # each array's sharding: JSON in a string
+                for key, value in tree.items():
+                    entry = f" in its entry of {_array_key(key)}"
+                    if isinstance(value, str):
+                        json.loads(value)
+        except FileNotFoundError:
+            continue
+        except (UnicodeDecodeError, ValueError) as e:
+            what = "UTF-8" if isinstance(e, UnicodeDecodeError) else "JSON"
+            return (f"its file {name} is not valid {what}{entry} "
+                    f"({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+    return None
+
+
+def _array_key(key: str) -> str:
+    """An array's name in Orbax's ``_sharding`` (its path, base64-encoded), decoded where it decodes."""
+    try:
+        return base64.b64decode(key, validate=True).decode("utf-8")
+    except ValueError:
+        return key
 
 
 def _flat_shapes(tree: Any) -> dict:

@@ -4,7 +4,7 @@
 (:data:`BUCKETS`): the steps (split at each metrics fetch into ``productive`` and ``skipped`` by the
 steps' own ``skipped`` flag), ``compile`` (every trace, lowering and XLA compile on the loop's thread,
 from JAX's compile events, wherever it happens: the first call of each program, a recompile, the
-eval program), ``checkpoint_save`` (the blocking part of a save and the waits for pending saves),
+eval program; a program built inside another's trace, such as the pipeline's stage probe, counted once), ``checkpoint_save`` (the blocking part of a save and the waits for pending saves),
 ``checkpoint_restore``, ``data_wait`` (building a batch while the device has no step left to run),
 ``eval`` and ``logging`` (fetching metrics, records and progress lines). ``lost`` holds the steps an
 earlier attempt did after the checkpoint this run resumed from, redone now. ``other`` is the wall
@@ -47,11 +47,29 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/j
 _PREFIX = "goodput/"
 
 _compiled: defaultdict[int, float] = defaultdict(float)    # seconds of compile events per thread
+_spans: defaultdict[int, list[list[float]]] = defaultdict(list)   # per thread: their disjoint (start, end), in order
 
 
 def _on_duration(event: str, duration: float, **_: Any) -> None:
-    if event in COMPILE_EVENTS:
-        _compiled[threading.get_ident()] += duration
+    """Add a compile event's seconds not already counted: those outside the earlier events of its thread.
+
+    An event nests others: a program built while another is traced (the pipeline's stage probe and its
+    partitioner's cost analysis compile inside the step's trace) reports its own trace, lowering and compile
+    before the outer trace reports all of its time. Each event is the span ``[now - duration, now]``; the
+    thread's compile time is the length of their union, so no second is counted twice.
+    """
+    if event not in COMPILE_EVENTS:
+        return
+    thread, end = threading.get_ident(), time.perf_counter()
+    start, spans, covered = end - duration, _spans[thread], 0.0
+    merged = start
+    while spans and spans[-1][1] > start:          # the earlier spans this one overlaps (they end before it)
+        a, b = spans.pop()
+        covered += min(b, end) - max(a, start)
+        merged = min(merged, a)
+    spans.append([merged, end])
+    del spans[:-256]                               # an event as long as 256 earlier ones is not looked for
+    _compiled[thread] += max(0.0, duration - covered)
 
 
 @functools.cache
