@@ -21,6 +21,7 @@ from jaxpar.step._compose import make_train_step
 from jaxpar.step._program import TrainStep
 from jaxpar.step._noise_scale import plot_noise_scale, with_noise_scale
 from jaxpar.data._rows import make_global_batch
+from jaxpar.errors import moved_getattr
 from jaxpar.run import (AdaptiveRamp, BatchRamp, Checkpointer, LogOptions, greedy_generate, ramp_batch_fn, train,
                         train_with_checkpoints)
 
@@ -36,4 +37,4 @@ __all__ = [
     "BatchRamp", "Checkpointer", "LogOptions", "greedy_generate", "ramp_batch_fn", "train",
     "train_with_checkpoints", "errors", *errors.__all__,
 ]
-
+__getattr__ = moved_getattr(__name__)     # the names that moved out, for one release (jaxpar.errors.MOVED)

@@ -26,14 +26,19 @@ Example::
 
 ``main(argv)`` returns the exit status (0 ok, 2 invalid config / arguments), so it
 can be called in-process: ``main(["train", "configs/quickstart.yaml", "train.steps=3"])``.
-A thin shell: :func:`jaxpar.config.build_job` builds what ``train``, ``inspect`` and ``plan`` run.
+A thin shell: :func:`jaxpar.config.build_job` builds what ``train``, ``inspect`` and ``plan`` run. While a command
+runs (:func:`command_output`), XLA's C++ warnings are held back (``TF_CPP_MIN_LOG_LEVEL=0`` shows them) and
+jaxpar's warnings print as ``XWarning: message``, without the source line that raised them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
-from typing import Sequence
+import warnings
+from typing import Iterator, Sequence
 
 __all__ = ["main", "build_parser"]
 _DIST = ("coordinator", "num_processes", "process_id", "local_devices", "heartbeat_timeout")
@@ -283,14 +288,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
       The exit status: 0 ok, 2 an invalid config or arguments (one line on stderr).
     """
-    from jaxpar.errors import JaxparError
-
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)   # overrides may follow options: CONFIG --print-config k=v
     if extra and (args.command not in _OVERRIDES or any(x.startswith("-") for x in extra)):
         args.command_parser.error(_unknown_arguments(extra, args.command_parser, args.command in _OVERRIDES))
     if args.command in _OVERRIDES:
         args.overrides = [*getattr(args, "overrides", []), *extra]
+    with command_output():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the parsed command; a :class:`~jaxpar.errors.JaxparError` is one line on stderr and status 2."""
+    from jaxpar.errors import JaxparError
+
     try:
         if args.command == "train":
             from jaxpar.commands import run_train
@@ -310,6 +321,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JaxparError as e:        # an input jaxpar names as wrong; any other error keeps its traceback
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+# ---------------------------------------------------------------------------- what a command prints besides its reports
+#: XLA's C++ log level while a command runs: errors only (2), so no compiler warnings (``[SPMD] Involuntary full
+#: rematerialization``, ``hlo_rematerialization.cc: Can't reduce memory use``, ``sort_rewriter.cc: Missing deviceless
+#: CUB scratch size data``), where ``TF_CPP_MIN_LOG_LEVEL`` is unset or ``import jax``'s own default, 1 (warnings
+#: up). ``TF_CPP_MIN_LOG_LEVEL=0`` shows them.
+QUIET_XLA = 2
+
+
+def _absl_min_log_level(level: int) -> None:
+    """Set the loaded jaxlib's native log level (the plugins loaded later read ``TF_CPP_MIN_LOG_LEVEL``)."""
+    try:
+        from jaxlib.utils import absl_set_min_log_level
+    except ImportError:             # a jaxlib without it: its level stays
+        return
+    absl_set_min_log_level(level)
+
+
+def _format_warning(formatted):
+    """``warnings.formatwarning`` that writes jaxpar's warnings as ``XWarning: message``, without the path and
+    source line of the call (their messages say what to change); any other warning as ``formatted`` does."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+    def format_warning(message, category, filename, lineno, line=None):
+        if category.__module__.split(".")[0] == "jaxpar" or os.path.abspath(filename).startswith(package):
+            return f"{category.__name__}: {message}\n"
+        return formatted(message, category, filename, lineno, line)
+
+    return format_warning
+
+
+@contextlib.contextmanager
+def command_output() -> Iterator[None]:
+    """What a command prints, while it runs: XLA's C++ log lines from errors up only (:data:`QUIET_XLA`; a
+    ``TF_CPP_MIN_LOG_LEVEL`` of 0, 2 or 3 is kept), and jaxpar's warnings without their source lines. Both are
+    restored after, so ``main`` called in-process leaves the caller's settings as they were."""
+    before = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
+    quiet = before in (None, "", "1")           # unset, or import jax's setdefault: nobody chose it
+    if quiet:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = str(QUIET_XLA)      # the CUDA plugin and libtpu, loaded later
+        _absl_min_log_level(QUIET_XLA)
+    formatted = warnings.formatwarning          # only the printing: a recorder (pytest.warns) gets them as ever
+    warnings.formatwarning = _format_warning(formatted)
+    try:
+        yield
+    finally:
+        warnings.formatwarning = formatted
+        if quiet:
+            if before is None:
+                os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)
+            else:
+                os.environ["TF_CPP_MIN_LOG_LEVEL"] = before
+            _absl_min_log_level(int(before or 0))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import math
+import warnings
+from typing import Any, Callable
 
 __all__ = ["JaxparError", "MeshError", "StrategyError", "MaskError", "RulesError", "LayerListError", "ModelMeshError",
            "CompressionError", "Fp8Error", "OffloadError", "AttentionError", "ContextParallelError", "MoEError", "PipelineCutError",
@@ -381,3 +384,74 @@ def check_int(owner: str, name: str, value, low: int, error: type[JaxparError]) 
     """
     if (why := int_problem(value, low)) is not None:
         raise error(f"{owner}({name}={value!r}): {why}.")
+
+
+# ----------------------------------------------------------------------------- names that moved
+# The public names that moved since the documented API of e46ff18, each still served at its old place for one
+# release with a DeprecationWarning that names the new one (tests/test_public_api.py pins them). A package serves
+# its old names from its module ``__getattr__ = moved_getattr(__name__)``; the new homes are looked up by name when
+# an old name is read, so a package never imports the modules that moved out of it (several of them import it).
+
+#: Old dotted name -> its new dotted name.
+MOVED = {
+    "jaxpar.compression_plan": "jaxpar.step.compression_plan",
+    "jaxpar.replica_bytes": "jaxpar.step.replica_bytes",
+    "jaxpar.cost.calibrate": "jaxpar.devices.calibrate",
+    "jaxpar.cost.calibrate_device": "jaxpar.devices.calibrate_device",
+    "jaxpar.parallel.context.METHODS": "jaxpar.options.CONTEXT_METHODS",
+    "jaxpar.parallel.context.AttentionError": "jaxpar.errors.AttentionError",
+    **{f"jaxpar.parallel.context.{name}": f"jaxpar.attention.{name}"
+       for name in ("attention", "AttentionFallbackWarning", "KERNELS", "choose_kernel", "count_attention_kernels",
+                    "current_attention_kernel", "use_attention_kernel")},
+}
+
+#: Old dotted name -> (where the object lives now, what replaced it): public names with no new public home.
+RETIRED = {
+    "jaxpar.parallel.moe.expert_mlp": (
+        "jaxpar.parallel.moe._dispatch.expert_mlp",
+        "the sorted dispatch replaced the [G, E, C, D] expert buffers it runs on: a MoE layer runs its experts "
+        "on the routed rows only, by jaxpar.parallel.moe.routed_mlp"),
+}
+
+
+def _resolve(dotted: str) -> Any:
+    """The object at ``dotted``, a module's attribute."""
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def moved_getattr(module: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``module`` that serves its :data:`MOVED` and :data:`RETIRED` names.
+
+    Args:
+      module: the package's ``__name__``.
+
+    Returns:
+      ``__getattr__(name)``: the object, after a :class:`DeprecationWarning` naming its new place (or its
+      replacement); an :class:`AttributeError` for any other name.
+
+    >>> import warnings
+    >>> import jaxpar.parallel.context as cp
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     attention = cp.attention
+    >>> import jaxpar.attention; attention is jaxpar.attention.attention
+    True
+    >>> str(caught[0].message).startswith("jaxpar.parallel.context.attention moved to jaxpar.attention.attention;")
+    True
+    """
+    def __getattr__(name: str) -> Any:
+        old = f"{module}.{name}"
+        if old in MOVED:
+            message = (f"{old} moved to {MOVED[old]}; import it from there (the old name goes in the next "
+                       "release).")
+            where = MOVED[old]
+        elif old in RETIRED:
+            where, instead = RETIRED[old]
+            message = f"{old} is deprecated and goes in the next release: {instead}."
+        else:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        return _resolve(where)
+
+    return __getattr__

@@ -97,10 +97,12 @@ def test_greedy_generate_refuses_a_sequence_beyond_max_positions():
     model = decoder(max_positions=10)
     graphdef, params = nnx.split(model, nnx.Param)
     with pytest.raises(GenerationError, match=r"prompt of 6 tokens plus new_tokens=5 is 11 tokens, more than the "
-                                              r"model's max_positions=10.*new_tokens <= 4"):
+                                              r"model's max_positions=10 .*; ask for fewer new_tokens: at most 4, or "
+                                              r"shorten the prompt to 5 tokens\.$"):
         greedy_generate(graphdef, params, PROMPTS, new_tokens=5)
-    with pytest.raises(GenerationError, match=r"max_positions=8.*shorten the prompt to 3 tokens"):
-        greedy_generate(graphdef, params, PROMPTS, new_tokens=5, max_positions=8)
+    with pytest.raises(GenerationError, match=r"max_positions=8 .*; shorten the prompt to 3 tokens \(the prompt "
+                                              r"alone fills the 8 positions\)\.$"):
+        greedy_generate(graphdef, params, [[1] * 8], new_tokens=5, max_positions=8)     # no room for a new token
     with pytest.raises(ModelConfigError, match=r"init_cache\(size=11\): longer than DecoderConfig.max_positions=10"):
         model.init_cache(1, 11)
     with pytest.raises(GenerationError, match=r"greedy_generate\(new_tokens=-1\): must be an int >= 0"):

@@ -146,6 +146,22 @@ def _sample_codec(cfg: Any, job: Any):
     return (lambda text: list(text.encode())), None
 
 
+def _check_sample_length(prompt: int, new: int, most: int | None, *, asked: bool) -> None:
+    """A :class:`ConfigError` naming ``--tokens`` when it is negative, or when the ``prompt``'s tokens plus ``new``
+    exceed model.hf's ``max_position_embeddings`` (``most``; None: no limit) before any weight is read.
+    ``asked``: ``--tokens`` was given (else ``new`` is ``logging.sample_tokens``)."""
+    from jaxpar.run._sample import length_fixes
+
+    given = f"--tokens {new}" if asked else f"logging.sample_tokens={new} (no --tokens given)"
+    if new < 0:
+        raise ConfigError(f"{given} is negative; ask for 0 or more new tokens.")
+    if most is not None and prompt + new > most:
+        raise ConfigError(
+            f"the prompt's {prompt} tokens plus {given} are {prompt + new} tokens, more than model.hf's "
+            f"max_position_embeddings={most} (the longest sequence its positions were trained for); "
+            f"{length_fixes(prompt, new, most, '--tokens')}.")
+
+
 def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: int | None = None,
                step: int | None = None) -> int:
     """``jaxpar sample``: ``prompt`` continued greedily by the run's weights (:func:`run_weights`), printed.
@@ -161,7 +177,8 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
       The exit status (0).
 
     Raises:
-      ConfigError: the config is invalid, the prompt encodes to no token, or the run's tokens have no text.
+      ConfigError: the config is invalid, the prompt encodes to no token, the run's tokens have no text, or the
+        prompt plus the new tokens is longer than model.hf's ``max_position_embeddings``.
     """
     from jaxpar.data import check_tokenizer
     from jaxpar.data._tokenizers import decode_ids
@@ -174,13 +191,14 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
     if not ids:
         raise ConfigError(f"jaxpar sample: --prompt {prompt!r} encodes to no token (the tokenizer knows none of its "
                           "characters); give text in the tokenizer's alphabet.")
-    new = cfg.logging.sample_tokens if tokens is None else tokens      # greedy_generate checks it
+    new = cfg.logging.sample_tokens if tokens is None else tokens
+    most = job.hf.hf_config.get("max_position_embeddings") if job.hf is not None else None
+    _check_sample_length(len(ids), new, most, asked=tokens is not None)
     w = run_weights(job, step)
     saved = (w.record or {}).get("tokenizer")
     if tok is not None and saved is not None:         # the ids the run trained with, or a named error
         check_tokenizer(saved["fingerprint"], tok, saved["vocab_size"])
     with use_parts(w.layout, w.stats):
-        most = job.hf.hf_config.get("max_position_embeddings") if job.hf is not None else None
         out = greedy_generate(w.layout.graphdef, w.params, [ids], new_tokens=new, context=cfg.model.seq_len,
                               max_positions=most)[0]
     print(f"sample   {len(ids)} prompt tokens + {new} greedy tokens from {w.where}", file=sys.stderr)

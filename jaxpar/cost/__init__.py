@@ -30,6 +30,7 @@ from jaxpar.cost._parallel import Plan
 from jaxpar.cost._planner import Estimate, PlanError, PlanResult, evaluate, plan
 from jaxpar.cost._time import Overlap, narayanan_flops, step_flops, step_time
 from jaxpar.cost._traffic import comms, lowering_for_platform
+from jaxpar.errors import moved_getattr
 
 __all__ = ["fit_gemm_efficiency", "Cluster", "ClusterError", "cluster_from_dict", "load_cluster", "presets",
            "device_argument_bytes", "step_peak_bytes", "evaluate", "ALGORITHMS", "COLLECTIVE_KINDS", "Link", "best_algorithm",
@@ -41,3 +42,4 @@ __all__ = ["fit_gemm_efficiency", "Cluster", "ClusterError", "cluster_from_dict"
            "STACKS", "MatrixGroup", "MuonUpdate", "PlacementCost", "choose_placement", "matrix_groups",
            "matrix_sides", "muon_comms", "muon_update", "ns_flops", "placement_chooser", "placement_cost",
            "placement_table", "placements_table", "with_muon"]
+__getattr__ = moved_getattr(__name__)     # the names that moved out, for one release (jaxpar.errors.MOVED)

@@ -151,8 +151,35 @@ def _check_lengths(rows: list[list[int]], new_tokens: int, max_positions: int | 
         raise GenerationError(
             f"greedy_generate: a prompt of {longest} tokens plus new_tokens={new_tokens} is {longest + new_tokens} "
             f"tokens, more than the model's max_positions={max_positions} (the longest sequence its positions "
-            f"were trained for); shorten the prompt to {max(max_positions - new_tokens, 0)} tokens or ask for "
-            f"new_tokens <= {max(max_positions - longest, 0)}.")
+            f"were trained for); {length_fixes(longest, new_tokens, max_positions)}.")
+
+
+def length_fixes(prompt: int, new_tokens: int, max_positions: int, tokens: str = "new_tokens") -> str:
+    """The fixes, in words, for a prompt of ``prompt`` tokens plus ``new_tokens`` beyond ``max_positions``.
+
+    Args:
+      prompt: the (longest) prompt's tokens.
+      new_tokens: the new tokens asked for.
+      max_positions: the most tokens the model takes.
+      tokens: what sets the number of new tokens (``new_tokens``; ``jaxpar sample``'s ``--tokens``).
+
+    Returns:
+      The fixes that work: fewer new tokens (while the prompt leaves room), a shorter prompt (while the new
+      tokens do), else both.
+
+    >>> length_fixes(6, 5, 10)
+    'ask for fewer new_tokens: at most 4, or shorten the prompt to 5 tokens'
+    >>> length_fixes(600, 10, 512, "--tokens")
+    'shorten the prompt to 502 tokens (the prompt alone fills the 512 positions)'
+    >>> length_fixes(600, 600, 512, "--tokens")
+    'shorten the prompt and ask for fewer --tokens: the two together at most 512 tokens'
+    """
+    fixes = [f"ask for fewer {tokens}: at most {max_positions - prompt}"] if prompt < max_positions else []
+    if new_tokens < max_positions:
+        alone = "" if fixes else f" (the prompt alone fills the {max_positions} positions)"
+        fixes.append(f"shorten the prompt to {max_positions - new_tokens} tokens{alone}")
+    return ", or ".join(fixes) or (f"shorten the prompt and ask for fewer {tokens}: the two together at most "
+                                   f"{max_positions} tokens")
 
 
 def _cached_decode(graphdef: Any, params: Any, model: Any, rows: list[list[int]], new_tokens: int,

@@ -27,6 +27,7 @@ from jaxpar.mesh import CONTEXT
 from jaxpar.parallel.context._options import ContextParallel, current_context_parallel
 from jaxpar.parallel.context._options import ContextCalls, count_context_calls, note_context_call, use_context_parallel
 from jaxpar.parallel.context._ring import ring_attention
+from jaxpar.errors import moved_getattr
 
 __all__ = [
     "context_attention", "QKV_LOGICAL", "ulysses_kv_repeat", "sequence_order", "in_sequence_order", "in_natural_order",
@@ -36,3 +37,4 @@ __all__ = [
     "CONTEXT", "ContextParallel", "ContextParallelError", "use_context_parallel",
     "current_context_parallel", "ring_attention",
 ]
+__getattr__ = moved_getattr(__name__)     # the names that moved out, for one release (jaxpar.errors.MOVED)

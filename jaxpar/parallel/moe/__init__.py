@@ -32,6 +32,7 @@ from jaxpar.parallel.moe._balance import (LAYER_LOADS, Balance, Probe, balanced,
                                           use_router_bias, use_step_loads)
 from jaxpar.parallel.moe._layer import (MOE_LOGICAL, MoE, MoECalls, count_moe_calls, moe_apply, need_router_bias,
                                         router_bias, shared_mlp)
+from jaxpar.errors import moved_getattr
 from jaxpar.parallel.moe._routing import (GATES, MoEError, MoEStats, Routing, buffer_slots, capacity, check_options,
                                           load_balancing_loss, load_cv, route, routing_stats, top_k_experts,
                                           update_router_bias)
@@ -45,3 +46,4 @@ __all__ = [
     "load_balancing_loss", "load_cv", "moe_apply", "route", "routing_stats", "shared_mlp",
     "top_k_experts", "update_router_bias",
 ]
+__getattr__ = moved_getattr(__name__)     # the names that moved out, for one release (jaxpar.errors.MOVED)

@@ -95,6 +95,24 @@ def gated_hidden(eq: str, x: jax.Array, w1: jax.Array, w3: jax.Array | None, act
     return h if w3 is None else h * jnp.einsum(eq, x, w3)
 
 
+def expert_mlp(xe: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array | None = None, *,
+               activation: str = "gelu") -> jax.Array:
+    """Deprecated (``jaxpar.parallel.moe.expert_mlp``, served by :func:`jaxpar.errors.moved_getattr` until the next release):
+    every expert's MLP on its buffer ``xe[G, E, C, D]``, ``act(xe w1) w2`` or gated ``(act(xe w1) * (xe w3)) w2``.
+
+    Args:
+      xe: the experts' buffers.
+      w1: ``[E, D, M]``, the gate projection when ``w3`` is given.
+      w2: ``[E, M, D]``, the down projection.
+      w3: optional ``[E, D, M]`` up projection.
+      activation: a key of :data:`ACTIVATIONS`.
+
+    Returns:
+      ``[G, E, C, D]``.
+    """
+    return jnp.einsum("gecm,emd->gecd", gated_hidden("gecd,edm->gecm", xe, w1, w3, activation), w2)
+
+
 def tile_rows(mesh=None) -> int:
     """The expert tile of the platform of ``mesh``'s devices (the default backend's without one).
 
