@@ -91,6 +91,14 @@ def test_a_gpu_config_is_checked_on_the_device_count_it_would_find(tmp_path, cap
     assert "target h100:1x8 has 8 devices" in capsys.readouterr().err
     assert main(["check", gpu, *small]) == 2          # train.devices=0 on this CPU-only JAX: what train says
     assert "train.devices=0 trains on the GPUs or TPUs JAX finds, and this JAX found none" in capsys.readouterr().err
+    assert main(["check", gpu, *small, "--target", "h100:1x7"]) == 2      # data=-1 is what the target gives it
+    assert ("data.batch_size=16 is not divisible by mesh.data x mesh.fsdp x parallel.microbatches = 7 (mesh.data=-1 "
+            "is 7: what the other axes leave of 7 devices)") in capsys.readouterr().err
+
+
+def test_experts_that_the_expert_axis_does_not_divide_are_named_by_their_keys(capsys):
+    assert main(["check", str(QUICK.parent / "moe.yaml"), "model.moe.experts=6"]) == 2
+    assert "model.moe.experts=6 is not divisible by mesh.expert=4" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------- check --target = inspect --target

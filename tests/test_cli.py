@@ -217,6 +217,8 @@ def test_train_end_to_end_in_process(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "mesh     pipe=1 x data=2 x fsdp=2 x tensor=2" in text and "strategy dp2-fsdp2-tp2" in text
     assert "parameters" in text and "per device" in text and "loss" in text
+    assert f"wrote    {out / 'metrics.jsonl'}, {out / 'loss.png'}, {out / 'tb'}/ (tensorboard --logdir {out / 'tb'})" \
+        in text, text
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]

@@ -296,13 +296,19 @@ def _mesh_problems(cfg: JobConfig, made: "Built", num_devices: int | None) -> li
         if par.sequence_parallel:
             dims.append(("model.seq_len (sequence parallel)", gpt.seq_len))
         problems += [f"{key}={size} is not divisible by mesh.tensor={t}." for key, size in dims if size % t]
+        if gpt.moe is not None and gpt.moe.experts % sizes["expert"]:
+            problems.append(f"model.moe.experts={gpt.moe.experts} is not divisible by mesh.expert={sizes['expert']}: "
+                            "each expert-parallel rank holds as many experts; choose model.moe.experts a multiple of "
+                            "mesh.expert, or a mesh.expert that divides it.")
     if not (num_devices is None and cfg.mesh.context == -1):      # the rules of the context axis (or of none)
         m = cfg.model                    # model.hf's heads: hf_checkpoint; a model.target Decoder's: build_job
         problems += context_problems(cfg, made.strategy, sizes, seq_len=m.seq_len if m.target is None else None,
                                      heads=(gpt.heads, gpt.heads, "model.heads") if gpt is not None else None)
     n, what = _batch_divisor(cfg, sizes)
     if cfg.data.batch_size % n:
-        problems.append(f"data.batch_size={cfg.data.batch_size} is not divisible by {what}.")
+        grown = [f"mesh.{a}=-1 is {sizes[a]}" for a in ("data", "fsdp", "replica") if getattr(cfg.mesh, a) == -1]
+        whence = f" ({', '.join(grown)}: what the other axes leave of {num_devices} devices)" if grown else ""
+        problems.append(f"data.batch_size={cfg.data.batch_size} is not divisible by {what}{whence}.")
     return problems + _ramp_problems(made.ramp, n, what)
 
 

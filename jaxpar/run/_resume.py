@@ -285,4 +285,6 @@ def _finish(summary: Any, state: Any, layout: Any, opts: RunOptions, checkpointe
                 path = write_samples(layout.graphdef, params, first_batch(), out_dir / "samples.txt", opts.samples)
             print(f"samples  {shown_path(path)}")
     if main:
-        print(f"wrote    {', '.join(shown_path(p) for p in (summary.metrics_path, summary.plot_path) if p)}")
+        tb = out_dir / "tb"             # TensorBoard's events (logging.tensorboard): tensorboard --logdir <it>
+        print(f"wrote    {', '.join(shown_path(p) for p in (summary.metrics_path, summary.plot_path) if p)}"
+              + (f", {shown_path(tb)}/ (tensorboard --logdir {shown_path(tb)})" if tb.is_dir() else ""))
