@@ -36,8 +36,8 @@ import numpy as np
 
 from jaxpar.attention._kernels import context_kernel, fused_attention, kernel_for
 from jaxpar.errors import AttentionError
-from jaxpar.parallel.context import context_attention, context_size
-from jaxpar.parallel.context._softmax import allowed, capped_attention, check_softcap, check_window
+from jaxpar.parallel.context import (allowed, capped_attention, check_softcap, check_window, context_attention,
+                                     context_size)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: jax.Array | None = None,

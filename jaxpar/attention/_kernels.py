@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec
 from jaxpar.adapters._blocks import ATTENTION_RESIDUALS
 from jaxpar.errors import AttentionError
 from jaxpar.parallel._regions import keep_axes, region_axes, region_spec
+from jaxpar.parallel.context import flash_attention, flash_tile, fused_ring_problem
 from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, scoped, shard_map_mesh
 
 #: The settings of :func:`use_attention_kernel`.
@@ -195,8 +196,6 @@ def pallas_kernel(q, window: Any, softcap: float | None) -> str:
 
 def _pallas_problem(q, window, softcap) -> str | None:
     """Why neither Pallas kernel can run this call (its head_dim or length), or ``None``."""
-    from jaxpar.parallel.context._flash import flash_tile     # jaxpar.parallel.context imports this package
-
     if pallas_kernel(q, window, softcap) == "mha":
         return None
     return flash_tile(q.shape[1], q.shape[-1])
@@ -245,8 +244,6 @@ def context_kernel(q, k, *, method: str, chunk: int) -> tuple[str, bool]:
     Raises:
       AttentionError: the setting is ``"cudnn"``, or ``"pallas"`` and the kernel cannot run this call.
     """
-    from jaxpar.parallel.context._ring import fused_ring_problem     # jaxpar.parallel.context imports this package
-
     setting, platform = current_attention_kernel(), _platform()
     on_gpu = platform in ("gpu", "cuda", "rocm")
     if setting == "cudnn":
@@ -397,7 +394,6 @@ def _mha(q, k, v, seg, *, causal, scale):
 
 def _flash(q, k, v, seg, *, causal, scale, window, softcap):
     """The flash block kernel over the whole sequence (queries at offset 0; GQA and segment ids its own)."""
-    from jaxpar.parallel.context._flash import flash_attention     # jaxpar.parallel.context imports this package
     return flash_attention(q, k, v, seg, seg, 0, window, causal, scale, softcap, _platform() == "cpu")
 
 

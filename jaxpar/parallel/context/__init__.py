@@ -26,7 +26,9 @@ from jaxpar.errors import ContextParallelError
 from jaxpar.mesh import CONTEXT
 from jaxpar.parallel.context._options import ContextParallel, current_context_parallel
 from jaxpar.parallel.context._options import ContextCalls, count_context_calls, note_context_call, use_context_parallel
-from jaxpar.parallel.context._ring import ring_attention
+from jaxpar.parallel.context._ring import fused_ring_problem, ring_attention
+from jaxpar.parallel.context._flash import flash_attention, flash_tile
+from jaxpar.parallel.context._softmax import allowed, capped_attention, check_softcap, check_window
 from jaxpar.errors import moved_getattr
 
 __all__ = [
@@ -35,6 +37,8 @@ __all__ = [
     "ContextCalls", "count_context_calls", "note_context_call",
     "balanced_order", "to_balanced", "from_balanced", "ring_block_pairs", "RingWork",
     "CONTEXT", "ContextParallel", "ContextParallelError", "use_context_parallel",
-    "current_context_parallel", "ring_attention",
+    "current_context_parallel", "ring_attention", "fused_ring_problem",
+    # the flash block kernel and the attention arithmetic that jaxpar.attention runs too
+    "flash_attention", "flash_tile", "allowed", "capped_attention", "check_softcap", "check_window",
 ]
 __getattr__ = moved_getattr(__name__)     # the names that moved out, for one release (jaxpar.errors.MOVED)
