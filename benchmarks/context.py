@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 
 import jaxpar
-from jaxpar.parallel.context import ContextParallel
+from jaxpar.options import ContextParallel
 from jaxpar.cost import load_cluster
 from jaxpar.cost import gpt
 from jaxpar.cost import Plan

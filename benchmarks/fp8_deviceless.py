@@ -38,7 +38,7 @@ from jaxpar.analysis._loops import trip_counts
 from jaxpar.batch import batch_sharding
 from jaxpar.devices import parse_target, target_devices
 from jaxpar.models import Decoder, DecoderConfig, RoPE, decoder_loss
-from jaxpar.parallel import Fp8
+from jaxpar.options import Fp8
 from jaxpar.parallel._fp8 import is_covered
 from jaxpar.strategy import Strategy
 

@@ -41,7 +41,7 @@ from flax import nnx
 import jaxpar
 from jaxpar import cost
 from jaxpar.models import GPT, Decoder, DecoderConfig, GPTConfig, decoder_loss, lm_loss
-from jaxpar.parallel import Fp8
+from jaxpar.options import Fp8
 from jaxpar.analysis._fused_attention import attention_report
 from jaxpar.devices._device_rates import _median_seconds as median_seconds
 from jaxpar.attention import _kernels as kernels_module

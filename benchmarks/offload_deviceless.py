@@ -19,7 +19,7 @@ import jaxpar
 from jaxpar.analysis._compiled_memory import host_transfers, memory_report
 from jaxpar.devices import parse_target, target_devices
 from jaxpar.models import Decoder, DecoderConfig, RoPE, decoder_loss
-from jaxpar.parallel import Offload
+from jaxpar.options import Offload
 
 #: Llama-3-8B's widths (config.json of meta-llama/Meta-Llama-3-8B); ``layers`` is the argument's.
 LLAMA3_8B = dict(vocab=128256, embed=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, norm_eps=1e-5,

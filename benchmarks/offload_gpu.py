@@ -55,7 +55,7 @@ def run_case(case: str, layers: int, seq: int, batch: int, reps: int, small: boo
     import jaxpar
     from jaxpar.analysis._compiled_memory import host_transfers, memory_report
     from jaxpar.models import Decoder, DecoderConfig, decoder_loss
-    from jaxpar.parallel import Offload
+    from jaxpar.options import Offload
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu import run_steps
     from offload_deviceless import LLAMA3_8B

@@ -400,6 +400,9 @@ MOVED = {
     "jaxpar.cost.calibrate_device": "jaxpar.devices.calibrate_device",
     "jaxpar.parallel.context.METHODS": "jaxpar.options.CONTEXT_METHODS",
     "jaxpar.parallel.context.AttentionError": "jaxpar.errors.AttentionError",
+    "jaxpar.parallel.Fp8": "jaxpar.options.Fp8",
+    "jaxpar.parallel.Offload": "jaxpar.options.Offload",
+    "jaxpar.parallel.context.ContextParallel": "jaxpar.options.ContextParallel",
     **{f"jaxpar.parallel.context.{name}": f"jaxpar.attention.{name}"
        for name in ("attention", "AttentionFallbackWarning", "KERNELS", "choose_kernel", "count_attention_kernels",
                     "current_attention_kernel", "use_attention_kernel")},

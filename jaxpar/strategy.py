@@ -67,15 +67,15 @@ class Strategy:
       ``diloco(every=50)``, ``easgd(alpha)``, ``stale(max_delay)``, ``backup(backups)``, ...);
       ``None``: synchronous (gradients averaged over ``replica`` every step).
     - ``context``: how attention runs over a ``context`` mesh axis (context parallelism,
-      :mod:`jaxpar.parallel.context`): ``jaxpar.parallel.context.ContextParallel(method="ring" | "all_gather" |
+      :mod:`jaxpar.parallel.context`): ``jaxpar.options.ContextParallel(method="ring" | "all_gather" |
       "ulysses", balance=...)``; ``None``: ring, natural order. The ``length`` of activations is
       split over ``context`` (and their ``norm_length``, over ``context`` and, with sequence
       parallelism, ``tensor``). Needs a ``context`` axis > 1, and a model that calls
       :func:`jaxpar.attention.attention` (and, balanced, :func:`jaxpar.parallel.context.sequence_order`).
-    - ``fp8``: ``jaxpar.parallel.Fp8(recipe="tensorwise" | "rowwise")``: the covered matmuls of the
+    - ``fp8``: ``jaxpar.options.Fp8(recipe="tensorwise" | "rowwise")``: the covered matmuls of the
       model's stacked layers (attention projections, MLP, experts: :func:`jaxpar.parallel.fp8_layer`)
       run in FP8 with current scaling; ``None``: in the compute dtype.
-    - ``offload``: ``jaxpar.parallel.Offload(optimizer=..., master=..., activations=(...))``: the optimizer
+    - ``offload``: ``jaxpar.options.Offload(optimizer=..., master=..., activations=(...))``: the optimizer
       state and / or the fp32 master weights live in host memory between steps, named activations
       between the forward and the backward (:mod:`jaxpar.parallel._offload`); ``None``: all on the device.
     """

@@ -19,6 +19,7 @@ from conftest import need_devices
 import jaxpar
 from jaxpar.attention import AttentionError, attention
 from jaxpar.parallel import context as cp
+from jaxpar.options import ContextParallel
 from jaxpar.analysis import collectives, count
 from jaxpar.parallel.context._ring import RingSpec, ring_forward
 from jaxpar.rules import drop_axes, logical_to_spec, use_rules
@@ -454,11 +455,11 @@ def test_balanced_layout_round_trips():
 
 
 def test_the_setting_is_scoped():
-    assert cp.current_context_parallel() == cp.ContextParallel("ring", False)
+    assert cp.current_context_parallel() == ContextParallel("ring", False)
     with cp.use_context_parallel("ulysses", balance=True):
         with cp.use_context_parallel("all_gather"):
-            assert cp.current_context_parallel() == cp.ContextParallel("all_gather", False)
-        assert cp.current_context_parallel() == cp.ContextParallel("ulysses", True)
+            assert cp.current_context_parallel() == ContextParallel("all_gather", False)
+        assert cp.current_context_parallel() == ContextParallel("ulysses", True)
     assert cp.current_context_parallel().method == "ring"
 
 

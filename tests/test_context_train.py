@@ -15,7 +15,8 @@ import jaxpar
 from jaxpar import Strategy
 from jaxpar.analysis import collectives
 from jaxpar.attention import attention
-from jaxpar.parallel.context import ContextParallel, ContextParallelError, in_sequence_order, sequence_order
+from jaxpar.options import ContextParallel
+from jaxpar.parallel.context import ContextParallelError, in_sequence_order, sequence_order
 from jaxpar.models import GPT, GPTConfig, lm_loss
 
 from conftest import need_devices

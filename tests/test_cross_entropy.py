@@ -96,7 +96,7 @@ def test_the_loss_in_vocabulary_pieces_equals_the_whole_and_holds_one_piece(size
     from jaxpar.parallel import linear_cross_entropy
 
     mesh = jaxpar.make_mesh(sizes)
-    rules = jaxpar.Strategy(context=jaxpar.parallel.context.ContextParallel("ring")
+    rules = jaxpar.Strategy(context=jaxpar.options.ContextParallel("ring")
                             if "context" in sizes else None).rules(mesh)
     x, head, t, mask = _pieces_case()
 
@@ -161,7 +161,7 @@ def test_the_loss_in_pieces_needs_a_number_that_divides_the_vocabulary():
 
 PIECES_LAYOUTS = {
     "dp2-cp2-ring-balanced": ({"data": 2, "context": 2},
-                              jaxpar.Strategy(context=jaxpar.parallel.context.ContextParallel("ring", balance=True))),
+                              jaxpar.Strategy(context=jaxpar.options.ContextParallel("ring", balance=True))),
     "pipe2-dp2-1f1b": ({"pipe": 2, "data": 2}, jaxpar.Strategy(microbatches=2, schedule="1f1b")),
 }
 

@@ -203,7 +203,7 @@ def test_fp8_after_a_context_parallel_step_of_the_same_shapes_is_unchanged():
     from jaxpar.models import GPT, GPTConfig
     from jaxpar.models._gpt import lm_loss
     from jaxpar.parallel import fp8_loss
-    from jaxpar.parallel.context import ContextParallel
+    from jaxpar.options import ContextParallel
     from helpers import make_batch
 
     cfg = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2)

@@ -22,7 +22,7 @@ from jaxpar.batch import batch_sharding
 from jaxpar.devices import parse_target, target_devices
 from jaxpar.errors import Fp8Error
 from jaxpar.models import Decoder, DecoderConfig, decoder_loss
-from jaxpar.parallel import Fp8
+from jaxpar.options import Fp8
 from jaxpar.parallel._fp8 import fp8_dot_general, is_covered
 
 #: Llama-3's shape (grouped-query attention, SwiGLU MLP, untied head) at a small width; every size

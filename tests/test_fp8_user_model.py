@@ -18,7 +18,7 @@ import jaxpar
 from jaxpar.analysis._gemms import check_fp8_gemms
 from jaxpar.devices import parse_target, target_devices
 from jaxpar.errors import Fp8Error
-from jaxpar.parallel import Fp8
+from jaxpar.options import Fp8
 
 VOCAB, EMBED, HEADS, MLP, SEQ = 64, 32, 4, 64, 16
 COVERED = ("attn/query/kernel", "attn/key/kernel", "attn/value/kernel", "attn/out/kernel", "up/kernel", "down/kernel")

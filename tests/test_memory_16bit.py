@@ -10,7 +10,7 @@ import pytest
 
 from jaxpar import cost
 from jaxpar.cost._device_bytes import CONTEXT_KEEPS, HALF_KEEPS, measured_keeps
-from jaxpar.parallel.context import ContextParallel
+from jaxpar.options import ContextParallel
 from jaxpar.strategy import Strategy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

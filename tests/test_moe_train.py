@@ -17,7 +17,7 @@ from flax import nnx
 import jaxpar
 from jaxpar import Strategy
 from jaxpar.analysis import collectives
-from jaxpar.parallel.context import ContextParallel
+from jaxpar.options import ContextParallel
 from jaxpar.models import GPT, GPTConfig, lm_loss
 from jaxpar.models import MoESettings
 from jaxpar.parallel.moe import DROPLESS_SEND_FACTOR, MoEError

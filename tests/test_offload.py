@@ -24,7 +24,7 @@ import jaxpar
 from helpers import make_batch
 from jaxpar.options import LAYER_INPUT
 from jaxpar.models import GPT, GPTConfig, lm_loss
-from jaxpar.parallel import Offload
+from jaxpar.options import Offload
 
 CFG = GPTConfig(vocab=32, seq_len=8, embed=16, heads=2, layers=2)
 ROWS = 16

@@ -9,7 +9,7 @@ host update (``Offload.update="host"``) does not run inside weight stashing's pi
 
 Example:
     >>> from jaxpar import Strategy
-    >>> from jaxpar.parallel import Offload
+    >>> from jaxpar.options import Offload
     >>> from jaxpar.parallel.sync import synchronous
     >>> s = Setting(Strategy(sync=synchronous(), offload=Offload(optimizer=True)), {"replica": 2})
     >>> [(p.features, p.error.__name__) for p in offload_problems(s)]

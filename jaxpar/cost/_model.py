@@ -78,7 +78,7 @@ class Leaf:
         at least ``min_dim``.
 
         Args:
-          min_dim: :class:`jaxpar.parallel.Fp8`'s ``min_dim``.
+          min_dim: :class:`jaxpar.options.Fp8`'s ``min_dim``.
 
         Returns:
           True when its GEMMs run in FP8.

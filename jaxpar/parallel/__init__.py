@@ -9,7 +9,6 @@ context and expert parallelism, compressed exchanges and relaxed synchronisation
 """
 from jaxpar.parallel._data_parallel import (bucketed_all_gather, bucketed_reduce_scatter, data_parallel_block,
                                             explicit_by_default)
-from jaxpar.options import Fp8, Offload
 from jaxpar.parallel._fp8 import fp8_dot_general, fp8_layer, fp8_loss
 from jaxpar.parallel._lookup import TABLE_EMBED, embed_lookup
 from jaxpar.parallel._cross_entropy import cross_entropy, linear_cross_entropy
@@ -17,6 +16,6 @@ from jaxpar.parallel._tensor import column_parallel, row_parallel, tensor_rules
 from jaxpar.parallel._zero import ZERO_STAGES, add_zero_axes, analytic_state_bytes, zero_dim
 
 __all__ = ["bucketed_all_gather", "bucketed_reduce_scatter", "data_parallel_block", "explicit_by_default",
-           "Fp8", "fp8_dot_general", "fp8_layer", "fp8_loss", "TABLE_EMBED", "embed_lookup", "column_parallel",
+           "fp8_dot_general", "fp8_layer", "fp8_loss", "TABLE_EMBED", "embed_lookup", "column_parallel",
            "cross_entropy", "linear_cross_entropy", "row_parallel", "tensor_rules",
-           "Offload", "ZERO_STAGES", "add_zero_axes", "analytic_state_bytes", "zero_dim"]
+           "ZERO_STAGES", "add_zero_axes", "analytic_state_bytes", "zero_dim"]

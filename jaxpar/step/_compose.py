@@ -226,7 +226,7 @@ def _train_step(programs: dict, layout: StateLayout, opts: StepOptions, *, choos
 def _streamed(fn: Callable, layout: StateLayout) -> Callable:
     """``fn(state, batch)`` with the state's offloaded fields streamed from host to device memory first
     (every one under a device update, the parameters alone under a host update:
-    :attr:`~jaxpar.parallel.Offload.streamed`),
+    :attr:`~jaxpar.options.Offload.streamed`),
     traced where the model's ``"offload"`` remat policy offloads the strategy's named activations
     (:mod:`jaxpar.parallel._offload`); ``fn`` itself without offload."""
     offload = layout.strategy.offload

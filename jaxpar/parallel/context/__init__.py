@@ -24,7 +24,7 @@ from jaxpar.parallel.context._methods import (QKV_LOGICAL, context_attention, co
 from jaxpar.parallel.context._zigzag import RingWork, balanced_order, from_balanced, ring_block_pairs, to_balanced
 from jaxpar.errors import ContextParallelError
 from jaxpar.mesh import CONTEXT
-from jaxpar.parallel.context._options import ContextParallel, current_context_parallel
+from jaxpar.parallel.context._options import current_context_parallel
 from jaxpar.parallel.context._options import ContextCalls, count_context_calls, note_context_call, use_context_parallel
 from jaxpar.parallel.context._ring import fused_ring_problem, ring_attention
 from jaxpar.parallel.context._flash import flash_attention, flash_tile
@@ -36,7 +36,7 @@ __all__ = [
     "context_size",
     "ContextCalls", "count_context_calls", "note_context_call",
     "balanced_order", "to_balanced", "from_balanced", "ring_block_pairs", "RingWork",
-    "CONTEXT", "ContextParallel", "ContextParallelError", "use_context_parallel",
+    "CONTEXT", "ContextParallelError", "use_context_parallel",
     "current_context_parallel", "ring_attention", "fused_ring_problem",
     # the flash block kernel and the attention arithmetic that jaxpar.attention runs too
     "flash_attention", "flash_tile", "allowed", "capped_attention", "check_softcap", "check_window",
