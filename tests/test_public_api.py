@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Old dotted name -> new dotted name: the public names (``__all__`` of jaxpar's packages, or named in the
-#: docs, notebooks or examples) of e46ff18 that live elsewhere now.
+#: docs, notebooks or examples) of e46ff18 that live elsewhere now, and the options' re-exports of 8bb8566.
 MOVED = {
     "jaxpar.compression_plan": "jaxpar.step.compression_plan",
     "jaxpar.replica_bytes": "jaxpar.step.replica_bytes",
@@ -34,6 +34,9 @@ MOVED = {
     "jaxpar.parallel.context.AttentionFallbackWarning": "jaxpar.attention.AttentionFallbackWarning",
     "jaxpar.parallel.context.AttentionError": "jaxpar.errors.AttentionError",
     "jaxpar.parallel.context.METHODS": "jaxpar.options.CONTEXT_METHODS",
+    "jaxpar.parallel.Fp8": "jaxpar.options.Fp8",
+    "jaxpar.parallel.Offload": "jaxpar.options.Offload",
+    "jaxpar.parallel.context.ContextParallel": "jaxpar.options.ContextParallel",
 }
 #: Public names of e46ff18 with no new public home: deprecated, each warning with what replaced it.
 RETIRED = {"jaxpar.parallel.moe.expert_mlp": "jaxpar.parallel.moe.routed_mlp"}
