@@ -1,5 +1,6 @@
 """The one capacity rule (jaxpar.cost._capacity): plan, inspect and check print the same usable bytes for a
-target; plan ranks only plans that fit with the margin; inspect never suggests the plan it showed not to fit.
+target; plan ranks only plans that fit with the margin; inspect never suggests the plan it showed not to fit (the
+same fields, whatever the label).
 Nothing compiles but an `x + 1`
 for inspect's capacity line."""
 from pathlib import Path
@@ -59,13 +60,49 @@ def test_plans_ranked_fit_with_the_margin_and_the_rest_say_why():
 
 
 def test_fitting_plan_skips_the_plan_shown_not_to_fit():
+    """The plan shown is excluded by its fields: inspect's plan carries the config's compute dtype, so its label
+    (``...-bfloat16``) is not the planner's; the suggestion names its rank in ``jaxpar plan``'s table, its
+    overrides as ``plan`` prints them, and that no compile has checked it."""
+    import shlex
+
+    from jaxpar.plan import PlanOptions, on_target, plan_overrides, rank_plans, same_plan
+
     tgt = parse_target("h100:1x8")
     model = cost.gpt(layers=12, hidden=768, heads=12, seq=1024, vocab=50304, batch=64)
-    ranked = cost.plan(model, cost.load_cluster("h100"), precision="fp32").ranked
+    options = PlanOptions(precision="fp32", lowering="xla")
+    ranked = rank_plans(model, on_target(cost.load_cluster("h100"), tgt), options).ranked
     first, second = ranked[0].plan, ranked[1].plan
-    assert f": {first.name()} (" in fitting_plan(model, tgt)
-    line = fitting_plan(model, tgt, shown=first)
-    assert f": {second.name()} (" in line and f": {first.name()} (" not in line and H100 in line
+    assert f": {first.name()} (jaxpar plan's #1)" in fitting_plan(model, tgt, options)
+    shown = first.with_strategy(compute_dtype="bfloat16")
+    assert shown.name() == first.name() + "-bfloat16" and same_plan(shown, first)
+    text = fitting_plan(model, tgt, options, shown=shown)
+    line, pasted = text.splitlines()
+    assert f": {second.name()} (jaxpar plan's #2)" in line and f": {first.name()} (" not in line and H100 in line
+    assert "not verified: no compile has checked it" in line
+    assert pasted == "         overrides " + shlex.join(plan_overrides(second))
+    only = fitting_plan(model, tgt, options, shown=shown, overrides=lambda p: [f"mesh.data={p.data}"])
+    assert only.splitlines()[1] == f"         overrides mesh.data={second.data}"
+
+
+def test_plans_are_the_same_by_their_fields_not_their_labels():
+    """Mesh sizes, remat and the modelled strategy fields that act on the sizes decide; the dtype in a label and a
+    field that does nothing on the sizes (ZeRO without ``data``, a schedule without a pipeline) do not."""
+    from jaxpar.options import Fp8
+    from jaxpar.plan import same_plan
+    from jaxpar.strategy import Strategy
+
+    plan = cost.Plan(fsdp=8, remat="save-matmuls", strategy=Strategy(fp8=Fp8()))
+    assert same_plan(plan, plan.with_strategy(compute_dtype="bfloat16", schedule="gpipe", zero=3))
+    for other in (cost.Plan(data=8, remat="save-matmuls", strategy=Strategy(fp8=Fp8())),     # another mesh
+                  cost.Plan(fsdp=8, remat="full", strategy=Strategy(fp8=Fp8())),             # another remat
+                  cost.Plan(fsdp=8, remat="save-matmuls"),                                    # without FP8
+                  cost.Plan(fsdp=8, remat="save-matmuls", strategy=Strategy(fp8=Fp8(min_dim=512))),
+                  cost.Plan(fsdp=8, remat="save-matmuls", strategy=Strategy(fp8=Fp8(), microbatches=2))):
+        assert not same_plan(plan, other), other.name()
+    piped = cost.Plan(pipe=2, data=4, strategy=Strategy(microbatches=4, schedule="1f1b", zero=1))
+    assert not same_plan(piped, piped.with_strategy(schedule="zb-h1"))
+    assert not same_plan(piped, piped.with_strategy(zero=2))
+    assert same_plan(None, None) and not same_plan(piped, None)
 
 
 def test_fitting_plan_says_when_none_is_known_to_fit():

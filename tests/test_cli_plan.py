@@ -138,3 +138,150 @@ def test_inspect_reports_the_experts_routed_flops_against_every_expert_on_every_
     rows = 32 * 64 // 8 * 2                         # a device's tokens x top-2
     assert routed == pytest.approx(12 * 128 * 256 * 2 * rows, rel=0.01), line
     assert every == pytest.approx(routed * 8 / 2, rel=0.01) and routed < bound <= routed * (1 + 2 * 32 / rows), line
+
+
+#: A tiny Llama (2 layers of 32, 4 query / 2 K/V heads, SwiGLU 64, vocab 128) and a tiny Qwen3-MoE (8 experts of
+#: 16, top-2), each a ``config.json`` without weights for ``model.hf`` (jaxpar starts from random ones).
+TINY_HF = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, num_hidden_layers=2, vocab_size=128,
+                  max_position_embeddings=64, hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
+                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=32, head_dim=8,
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=16,
+                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[], num_hidden_layers=2, max_window_layers=2, vocab_size=128,
+                      max_position_embeddings=64, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0,
+                      tie_word_embeddings=False, attention_bias=False),
+}
+
+
+def tiny_hf_config(tmp_path, family: str, dtype: str = "bfloat16") -> str:
+    """A config of :data:`TINY_HF`'s ``family`` on 8 simulated devices (FSDP), 16 tokens a sequence, batch 16."""
+    hf = tmp_path / family
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(TINY_HF[family]))
+    config = tmp_path / f"tiny_{family}.yaml"
+    config.write_text(f"base: {ROOT / 'configs' / 'quickstart.yaml'}\n"
+                      f"model: {{name: tiny-{family}, hf: {hf}, seq_len: 16, remat: none, scan_layers: true}}\n"
+                      "mesh: {data: 1, fsdp: -1, tensor: 1, pipe: 1}\n"
+                      f"parallel: {{zero: 0, microbatches: 1, compute_dtype: {dtype}}}\n"
+                      f"data: {{kind: synthetic, batch_size: 16}}\ntrain: {{devices: 8, out_dir: {tmp_path / 'run'}}}\n"
+                      "logging: {samples: 0}\n")
+    return str(config)
+
+
+def test_plan_and_inspect_rank_through_one_call_with_equal_options(monkeypatch, capsys):
+    """``plan --config C --target T`` and ``inspect C --target T``'s suggestion call the planner alike: the
+    config's compute dtype, FP8 options, Muon, offload, precision and the target's lowering (inspect used to plan
+    in bfloat16, the ideal lowering, without the config's FP8 options)."""
+    from jaxpar import cost
+    from jaxpar.commands._inspect_command import suggested_plan
+    from jaxpar.config import load_config
+    from jaxpar.config._cost_model import cost_model
+    from jaxpar.devices import parse_target
+
+    calls, real = [], cost.plan
+    monkeypatch.setattr(cost, "plan", lambda model, cluster, **kw: calls.append((model, cluster, kw)) or
+                        real(model, cluster, **kw))
+    config = str(ROOT / "configs" / "gpt124m_gpu.yaml")
+    fp8 = ["parallel.fp8={recipe: rowwise, min_dim: 512}"]
+    assert main(["plan", "--config", config, *fp8, "--target", "h100:1x8", "--top", "1"]) == 0
+    planned = capsys.readouterr().out
+    cfg, tgt = load_config(config, fp8), parse_target("h100:1x8")
+    text = suggested_plan(cfg, cost_model(cfg), tgt, None)
+    (m1, c1, by_plan), (m2, c2, by_inspect) = calls
+    assert m1 == m2 and c1 == c2 and {**by_plan, "top": 0} == {**by_inspect, "top": 0}
+    assert by_plan["dtype"] == "bfloat16" and by_plan["lowering"] == "xla" and by_plan["precision"] == "fp32"
+    assert by_plan["fp8_options"].recipe == "rowwise" and by_plan["fp8_options"].min_dim == 512
+    best = re.search(r"^\s+1 \| (\S+)", planned, re.M).group(1)
+    assert f": {best} (jaxpar plan's #1)" in text
+    pasted = re.search(r"^\s+1  (.+)$", planned, re.M).group(1)        # plan's overrides line for #1
+    assert text.splitlines()[1] == f"         overrides {pasted}"
+
+
+def test_plan_mfu_is_against_the_peak_each_gemm_runs_at(capsys):
+    """``--dtype float32`` with FP8 GEMMs: the MFU is against the FP8 peak for the FP8 GEMMs' FLOPs and the
+    float32 peak for the rest, never above 1 (against the float32 peak alone, the best plan's was 1.86)."""
+    from jaxpar import cost
+
+    sizes = ["--layers", "4", "--hidden", "1024", "--heads", "8", "--seq", "512", "--vocab", "4096", "--batch", "64"]
+    assert main(["plan", *sizes, "--cluster", "h100", "--devices", "8", "--dtype", "float32", "--json",
+                 "--top", "1000"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    fp8 = [r for r in ranked if r["strategy"]["fp8"]]
+    assert fp8 and all(0 < r["mfu"] <= 1 for r in ranked), max(r["mfu"] for r in ranked)
+    from jaxpar.plan import gemm_peak_mfu
+
+    model, h100 = cost.gpt(4, 1024, 8, 512, 4096, 64), cost.load_cluster("h100", num_devices=8)
+    raw = cost.plan(model, h100, dtype="float32")
+    assert raw.best.plan.name() == ranked[0]["plan"] and raw.best.time.mfu > 1 > ranked[0]["mfu"]
+    plain = raw.best.plan.with_strategy(fp8=None)           # no FP8: against the float32 peak, as before
+    assert gemm_peak_mfu(model, plain, h100, "float32", 0.25) == 0.25
+
+
+def test_plan_verify_compiles_the_configs_own_model_in_its_dtype(capsys, tmp_path):
+    """``plan --config --verify`` builds each plan's step from the config (a tiny Llama, bfloat16 compute) as
+    ``inspect`` does, not jaxpar's GPT in fp32: the arguments compiled are the config's model's state, predicted
+    exactly; each compiled plan is a row, with whether it fits."""
+    config = tiny_hf_config(tmp_path, "llama")
+    assert main(["plan", "--config", config, "--cluster", "cpu_sim", "--devices", "8", "--dtype", "float32",
+                 "--top", "1", "--verify"]) == 0
+    out = capsys.readouterr().out
+    best = re.search(r"^\s+1 \| (\S+)", out, re.M).group(1)
+    assert ("verify   1 plans compiled ahead of time on 8 simulated CPU devices (the config's model, tiny-llama, "
+            "built by its job as jaxpar inspect builds it: bfloat16 compute") in out, out
+    rows = [r.split("|") for r in out.split("\nverify ")[1].splitlines()[3:] if r.count("|") == 10]
+    assert [r[0].strip() for r in rows] == [best] and rows[0][-1].strip() == "yes", out
+    assert float(rows[0][3].strip().rstrip("%")) <= 0.01, rows        # args error
+    assert "fits     every compiled peak above fits" in out
+
+
+def test_verify_marks_each_plan_and_drops_exactly_the_rows_that_do_not_fit(capsys):
+    """The table lists every plan compiled with whether it fits; the ``dropped`` line names exactly those that do
+    not (and those that did not compile)."""
+    from jaxpar import cost
+    from jaxpar.cost._capacity import Capacity
+    from jaxpar.errors import ConfigError
+    from jaxpar.plan import verify_plans
+
+    gib = 2 ** 30
+    plans = [cost.Plan(data=8), cost.Plan(fsdp=8), cost.Plan(tensor=8), cost.Plan(data=4, fsdp=2)]
+
+    def check(plan):
+        if plan.tensor > 1:
+            raise ConfigError("model.heads=6 is not divisible by mesh.tensor=8")
+        peak = {8: 2, 1: 5}[plan.data] if plan.fsdp in (1, 8) else 6
+        return {"arguments": (gib, gib), "peak": (peak * gib, peak * gib), "axes": {"data": (gib, 2 * gib)}}
+
+    kept = verify_plans([type("E", (), {"plan": p})() for p in plans], check, Capacity(4 * gib), "here", "xla")
+    out = capsys.readouterr().out
+    fits = {r.split("|")[0].strip(): r.split("|")[-1].strip() for r in out.splitlines()[3:] if r.count("|") == 10}
+    assert fits == {"dp8": "yes", "fsdp8": "NO", "tp8": "error", "dp4-fsdp2": "NO"}, out
+    dropped = re.search(r"^dropped  (.+)$", out, re.M).group(1)
+    assert re.findall(r"[\w-]+(?=[,:])", dropped) == ["fsdp8", "dp4-fsdp2", "tp8"], dropped
+    assert [e.plan for e in kept] == plans[:1] and "error    tp8: model.heads=6" in out
+
+
+def test_inspect_names_the_experts_of_every_moe_model():
+    """``inspect``'s experts line reads the experts of jaxpar's GPT (``model.moe``) and of a Decoder
+    (``model.hf``'s Qwen3-MoE); a dense model has none."""
+    from jaxpar.commands._inspect_command import model_experts
+    from jaxpar.config import load_config
+
+    assert model_experts(load_config(ROOT / "configs" / "moe.yaml")) == (8, 2)
+    assert model_experts(load_config(ROOT / "configs" / "qwen3_moe_gpu.yaml")) == (128, 8)
+    assert model_experts(load_config(ROOT / "configs" / "llama3_8b_gpu.yaml")) is None
+    assert model_experts(load_config(ROOT / "configs" / "quickstart.yaml")) is None
+
+
+@pytest.mark.slow
+def test_inspect_prints_the_experts_line_of_a_decoder_moe(capsys, tmp_path):
+    """A tiny Qwen3-MoE through ``model.hf`` (8 experts, top-2) on 8 simulated devices: the experts line, with the
+    routed rows' FLOPs and every expert on every token's (4 times as many: 8 experts over 2)."""
+    assert main(["inspect", tiny_hf_config(tmp_path, "qwen3_moe", "float32")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("experts "))
+    assert line.startswith("experts  8 experts, top-2: the tile loops compute at most"), line
+    routed, every = (float(v) for v in re.findall(r"routed rows are ([\d.]+) GFLOP, every expert on every token "
+                                                   r"would be ([\d.]+) GFLOP", line)[0])
+    assert every == pytest.approx(routed * 4, rel=0.01), line

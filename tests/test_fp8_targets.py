@@ -15,7 +15,7 @@ from jaxpar.config import load_config
 from jaxpar.commands import inspect_config
 from jaxpar.config._build import build_option
 from jaxpar.plan import fp8_lines
-from jaxpar.commands._plan_command import plan_dtype
+from jaxpar.commands._planner_options import plan_dtype
 from jaxpar.plan import plan_overrides
 from jaxpar.cost._roofline import fp8_kernels, fp8_quantize_bytes, layer_kernels
 from jaxpar.cost._traffic import comms

@@ -88,7 +88,7 @@ def test_printed_paths_are_relative_or_absolute_and_normalised(tmp_path, monkeyp
 
 def test_inspect_drops_xla_rematerialization_notices(capfd):
     """The compile of ``jaxpar inspect`` keeps its other output on stderr."""
-    from jaxpar.commands._inspect_command import _compile
+    from jaxpar.commands._inspect_command import compile_job
 
     class Job:
         def compile(self, layout):
@@ -97,6 +97,6 @@ def test_inspect_drops_xla_rematerialization_notices(capfd):
                         b"another line\n")
             return {"step": "compiled"}
 
-    assert _compile(Job(), None, None) == {"step": "compiled"}
+    assert compile_job(Job(), None, None) == {"step": "compiled"}
     assert capfd.readouterr().err == "another line\n"
 

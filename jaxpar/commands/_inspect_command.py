@@ -32,11 +32,12 @@ from jaxpar.devices._targets import (COMPILER_NOTES, Target, TargetError, compil
 from jaxpar.errors import Fp8Error, JaxparError
 from jaxpar.attention import count_attention_kernels
 from jaxpar.config._build import build_option, mesh_spec
-from jaxpar.config._cost_model import config_view, cost_model, unpredicted
+from jaxpar.commands._planner_options import changed_overrides, plan_options
+from jaxpar.config._cost_model import config_view, cost_model, decoder_config_of, unpredicted
 from jaxpar.config._job import build_job, header_lines, model_line, program_lines
 from jaxpar.config._schema import ConfigError, JobConfig
 from jaxpar.plan import (attention_lines, collective_lines, expert_lines, fit_lines, fitting_plan, fp8_lines,
-                         gather_lines, muon_lines, offload_lines, planner_table, sharding_lines)
+                         gather_lines, muon_lines, offload_lines, on_target, planner_table, sharding_lines)
 
 #: ``jaxpar inspect --target``'s exit status when the program does not fit the device's memory.
 DOES_NOT_FIT = 3
@@ -159,7 +160,7 @@ def inspect_config(cfg: JobConfig, *, cluster: str | None = None, target: str | 
     print(model_line(cfg.model, job.hf, layout))
     start = time.perf_counter()
     with count_attention_kernels() as kernels, _offload_mesh(job):
-        compiled = _compile(job, layout, tgt)
+        compiled = compile_job(job, layout, tgt)
     print(f"compile  {time.perf_counter() - start:.1f} s")
     print("\n".join(program_lines(job, compiled)))
     if tgt is not None and tgt.spec.platform == "cuda":
@@ -210,8 +211,18 @@ def job_devices(cfg: JobConfig, tgt: Target | None, command: str = "inspect") ->
     return setup_devices(cfg.train.devices or int(math.prod(sizes)))
 
 
-def _compile(job: Any, layout: Any, tgt: Target | None) -> dict:
-    """The job's programs, compiled without XLA's own log lines about them (:data:`COMPILER_NOTES`)."""
+def compile_job(job: Any, layout: Any, tgt: Target | None) -> dict:
+    """The job's programs, compiled without XLA's own log lines about them (:data:`COMPILER_NOTES`); a compiler
+    error jaxpar can explain for the target (:func:`~jaxpar.devices._targets.compile_error`) as that error.
+
+    Args:
+      job: the built job.
+      layout: its state's layout.
+      tgt: the target (None: the simulated CPU mesh).
+
+    Returns:
+      ``{name: compiled}`` (:meth:`jaxpar.config.Job.compile`).
+    """
     try:
         with without_notes(COMPILER_NOTES):
             return job.compile(layout)
@@ -237,9 +248,9 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
         model = cost_model(cfg, job.model_fn) if platform == "cuda" else None
         fp8 = build_option("fp8", cfg.parallel.fp8)
         print("\n" + "\n".join(fp8_lines(fp8, model, compiled["step"], job.mesh, platform)))
-    if (moe := getattr(cfg.model, "moe", None)) and cfg.model.name == "gpt":
-        print("\n" + "\n".join(expert_lines(moe["experts"], moe.get("top_k", 2), cfg.data.batch_size * cfg.model.seq_len,
-                                              job.mesh, compiled["step"])))
+    if routed := model_experts(cfg, job.model_fn):
+        print("\n" + "\n".join(expert_lines(*routed, cfg.data.batch_size * cfg.model.seq_len, job.mesh,
+                                              compiled["step"])))
     view, why = config_view(cfg, dict(job.mesh.shape), job.strategy, cluster, platform=platform)
     table, predicted = planner_table(compiled["step"], job.mesh, view, why, cluster, job.steps_per_call,
                                      platform=platform)
@@ -251,6 +262,47 @@ def _report(cfg: JobConfig, job: Any, layout: Any, compiled: dict, tgt: Target |
     if fits:
         return 0
     why = unpredicted(cfg, None, {})          # a model of your own
-    print(f"plan     {why}: no plan suggested" if why else fitting_plan(cost_model(cfg), tgt,
-                                                                                     shown=getattr(view, "plan", None)))
+    print(f"plan     {why}: no plan suggested" if why else suggested_plan(cfg, cost_model(cfg, job.model_fn), tgt,
+                                                                           getattr(view, "plan", None)))
     return DOES_NOT_FIT
+
+
+def suggested_plan(cfg: JobConfig, model: Any, tgt: Target, shown: Any) -> str:
+    """``jaxpar inspect --target``'s suggestion where the step does not fit: the cost model's best plan that fits,
+    other than the one shown (:func:`jaxpar.plan.fitting_plan`), ranked with ``jaxpar plan``'s options for the
+    config (:func:`~jaxpar.commands._planner_options.plan_options`) and given with the overrides ``jaxpar plan``
+    prints (:func:`~jaxpar.commands._planner_options.changed_overrides`).
+
+    Args:
+      cfg: the config.
+      model: its cost model's model.
+      tgt: the target.
+      shown: the plan just compiled (None: not predicted).
+
+    Returns:
+      The text.
+    """
+    from jaxpar import cost
+
+    cluster = on_target(cost.load_cluster(tgt.spec.cluster, num_devices=tgt.num_devices), tgt)
+    return fitting_plan(model, tgt, plan_options(cfg, cluster), shown=shown, overrides=changed_overrides(cfg))
+
+
+def model_experts(cfg: JobConfig, model_fn: Any = None) -> tuple[int, int] | None:
+    """The routed experts of the config's model and how many a token picks: jaxpar's GPT's ``model.moe``, or a
+    Decoder's (``model.hf``'s ``config.json`` or a ``model.target`` that builds one); None for a dense model or a
+    model of one's own.
+
+    Args:
+      cfg: the config.
+      model_fn: the job's model factory (None: built from the config).
+
+    Returns:
+      ``(experts, top_k)`` or None.
+    """
+    m = cfg.model
+    if m.target is None and m.hf is None:
+        return (m.moe["experts"], m.moe.get("top_k", 2)) if m.moe else None
+    decoder = decoder_config_of(m, model_fn)
+    moe = getattr(decoder, "moe", None)
+    return (moe.experts, moe.top_k) if moe is not None else None

@@ -1,20 +1,20 @@
 """``jaxpar plan``: rank the plans of a config's model (``--config``) or of jaxpar's GPT of given sizes on a cluster
-(:func:`jaxpar.cost.plan`), print them with the overrides that run each (:func:`jaxpar.plan.plan_report`), write the
-chosen one as a config (``--write``), and compile the top ones (``--verify``).
+(:func:`jaxpar.plan.rank_plans`), print them with the overrides that run each (:func:`jaxpar.plan.plan_report`),
+write the chosen one as a config (``--write``), and compile the top ones (``--verify``: a config's own model through
+its job builder, as ``jaxpar inspect`` compiles it).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 from typing import Any, Callable, Mapping, Sequence
 
 from jaxpar import cost
-from jaxpar.compat._offload_rules import HOST_UPDATE_REFUSED
-from jaxpar.config._cost_model import cost_model, muon_settings
+from jaxpar.commands._planner_options import changed_overrides, plan_options
+from jaxpar.config._cost_model import cost_model
 from jaxpar.config._schema import ConfigError, JobConfig
-from jaxpar.errors import Fp8Error
-from jaxpar.plan import chosen_plan, fp8_cluster_problem, on_target, plan_overrides, plan_report, verify_plans
+from jaxpar.plan import (chosen_plan, gpt_check, on_target, plan_overrides, plan_report, rank_plans, verify_devices,
+                         verify_plans)
 
 
 def plan_model(cfg: JobConfig | None, sizes: Mapping[str, int | None]):
@@ -40,66 +40,6 @@ def plan_model(cfg: JobConfig | None, sizes: Mapping[str, int | None]):
         raise ConfigError(f"jaxpar plan needs --config CONFIG or the model's sizes; missing "
                           f"{', '.join('--' + k for k in missing)}.")
     return cost.gpt(sizes["layers"], sizes["hidden"], sizes["heads"], sizes["seq"], sizes["vocab"], sizes["batch"])
-
-
-def plan_dtype(cfg: JobConfig | None, dtype: str | None, cluster: Any) -> str:
-    """``jaxpar plan``'s compute dtype (the cluster's peak FLOP/s of that dtype): ``--dtype`` when given,
-    else the config's ``parallel.compute_dtype``, else ``bfloat16``.
-
-    Args:
-      cfg: ``--config``'s loaded config (None: none).
-      dtype: ``--dtype`` (None: not given).
-      cluster: the :class:`jaxpar.cost.Cluster` planned on.
-
-    Returns:
-      The dtype.
-
-    Raises:
-      ConfigError: the config's dtype is one the cluster has no peak FLOP/s for (an explicit ``--dtype``
-        is left to the planner, which names the cluster's dtypes).
-      Fp8Error: the config has ``parallel.fp8`` on and the cluster no FP8 GEMMs (:func:`fp8_cluster_problem`).
-    """
-    if cfg is not None and cfg.parallel.fp8 and not cluster.has_fp8 and (why := fp8_cluster_problem(cluster.name)):
-        raise Fp8Error(why)
-    if dtype or cfg is None:
-        return dtype or "bfloat16"
-    dtype = cfg.parallel.compute_dtype
-    if dtype not in cluster.compute_dtypes:
-        raise ConfigError(f"{cfg.name}: parallel.compute_dtype is {dtype}, and cluster {cluster.name!r} has peak "
-                          f"FLOP/s for {', '.join(cluster.compute_dtypes)} only; pass --dtype "
-                          f"{cluster.compute_dtypes[0]} to plan in that dtype, or choose another --cluster.")
-    return dtype
-
-
-def changed_overrides(cfg: JobConfig | None = None) -> Callable[[Any], list[str]]:
-    """``changed(plan)``: the overrides of :func:`plan_overrides` whose value ``cfg`` (default: the schema's
-    defaults) lacks; each override is compared once.
-
-    Args:
-      cfg: the config the overrides apply to.
-
-    Returns:
-      The function, ``plan -> key=value strings``.
-
-    >>> from jaxpar.cost import Plan
-    >>> from jaxpar.strategy import Strategy
-    >>> changed_overrides()(Plan(pipe=2, data=4, strategy=Strategy(microbatches=8)))
-    ['mesh.pipe=2', 'mesh.data=4', 'parallel.microbatches=8']
-    """
-    from omegaconf import OmegaConf
-
-    from jaxpar.config._load import parse_overrides
-
-    base = OmegaConf.structured(cfg if cfg is not None else JobConfig())
-
-    @functools.lru_cache(maxsize=None)
-    def differs(item: str) -> bool:
-        key = item.split("=", 1)[0]
-        want = OmegaConf.select(OmegaConf.create(parse_overrides([item])), key)
-        have = OmegaConf.select(base, key)
-        plain = lambda v: (OmegaConf.to_container(v) or None) if OmegaConf.is_config(v) else v   # noqa: E731 - {}: none
-        return plain(want) != plain(have)
-    return lambda plan: [item for item in plan_overrides(plan) if differs(item)]
 
 
 def write_plan_config(path: str, config: str, overrides: Sequence[str], plan: Any) -> str:
@@ -130,10 +70,65 @@ def write_plan_config(path: str, config: str, overrides: Sequence[str], plan: An
     return f"wrote    {shown_path(out)}: {plan.name()} (jaxpar check {shown_path(out)})"
 
 
+def config_check(config: str, overrides: Sequence[str], model: Any, devices: Sequence[Any], target: Any,
+                 cluster: str) -> Callable[[Any], dict]:
+    """``jaxpar plan --config --verify``'s ``check`` (:func:`jaxpar.plan.verify_plans`): the config with a plan's
+    overrides built by its own job builder and its train step compiled as ``jaxpar inspect`` compiles it (the
+    config's model, in its compute dtype), beside the prediction of ``inspect``'s table.
+
+    Args:
+      config: the ``--config`` file.
+      overrides: its overrides.
+      model: the cost model's model of the config (:func:`plan_model`).
+      devices: the devices to compile for (:func:`jaxpar.plan.verify_devices`).
+      target: the :class:`jaxpar.devices.Target` (None: simulated CPU devices).
+      cluster: the cluster preset (or YAML path) of the prediction.
+
+    Returns:
+      The function, ``plan -> figures`` (:func:`jaxpar.plan.compiled_check`).
+    """
+    from jaxpar.commands._inspect_command import compile_job
+    from jaxpar.config._cost_model import muon_settings
+    from jaxpar.config._job import build_job
+    from jaxpar.config._load import load_config
+    from jaxpar.plan import compiled_check, planner_view
+
+    platform = target.spec.platform if target is not None else "cpu"
+
+    def check(plan: Any) -> dict:
+        cfg = load_config(config, [*overrides, *plan_overrides(plan), f"train.devices={len(devices)}"])
+        job = build_job(cfg, devices, data=False)
+        layout = job.state_layout()
+        step = compile_job(job, layout, target)["step"]
+        view = planner_view(model, dict(job.mesh.shape), job.strategy, cluster, remat=cfg.model.remat,
+                            muon=muon_settings(cfg), platform=platform)
+        return compiled_check(step, job.mesh, view, job.steps_per_call)
+    return check
+
+
+def _verify(args: argparse.Namespace, cfg: JobConfig | None, model: Any, cluster: Any, result: Any,
+            target: Any) -> None:
+    """``--verify``: compile the top plans, the config's own model through its job builder (else jaxpar's GPT of
+    the sizes given, fp32) and print the table."""
+    from jaxpar.cost._device_bytes import measured_keeps
+
+    devices, where, lowering = verify_devices(cluster.num_devices, target)
+    capacity = target.capacity if target is not None else cluster.capacity
+    if cfg is None:
+        keeps = "paper" if target is None else measured_keeps(target.spec.platform)   # the target's compiler's
+        check = gpt_check(model, devices, lowering, keeps)
+        what = "jaxpar's GPT, fp32 parameters and Adam moments; the prediction below uses the same precision"
+    else:
+        check = config_check(args.config, args.overrides, model, devices, target, args.cluster or "h100")
+        what = (f"the config's model, {model.name}, built by its job as jaxpar inspect builds it: "
+                f"{cfg.parallel.compute_dtype} compute, fp32 parameters and Adam moments; predicted as inspect does")
+    verify_plans(result.ranked[: args.top], check, capacity, f"{where} ({what})", lowering)
+
+
 def run_plan(args: argparse.Namespace) -> int:
-    """``jaxpar plan``: rank every plan of the model on the cluster (:func:`jaxpar.cost.plan`);
-    ``--verify`` compiles the top plans (on simulated CPU devices, or with ``--target``'s real
-    compiler) and compares memory and bytes.
+    """``jaxpar plan``: rank every plan of the model on the cluster (:func:`jaxpar.plan.rank_plans`, with the
+    options of :func:`plan_options`, as ``jaxpar inspect`` does); ``--verify`` compiles the top plans (on simulated
+    CPU devices, or with ``--target``'s real compiler) and compares memory and bytes.
 
     Args:
       args: the parsed ``jaxpar plan`` arguments (:func:`jaxpar.cli.build_parser`).
@@ -141,9 +136,7 @@ def run_plan(args: argparse.Namespace) -> int:
     Returns:
       The exit status (0).
     """
-    from jaxpar.config._build import build_option
     from jaxpar.config._load import load_config
-    from jaxpar.options import Fp8
 
     target = None
     if args.target:
@@ -165,16 +158,9 @@ def run_plan(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides) if args.config else None
         model = plan_model(cfg, {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab",
                                                                         "batch")})
-        dtype = plan_dtype(cfg, args.dtype, cluster)
-        cp = dict(contexts=args.contexts, context_methods=args.context_methods) if args.contexts else {}
-        fp8 = (build_option("fp8", cfg.parallel.fp8) if cfg else None) or Fp8()
-        # offload: never where the optimizer cannot update in host memory; else (None) where nothing fits
-        # a config's plans are jaxpar's step: fp32 parameters and moments, compiled by the cluster's XLA
-        own = dict(precision=args.precision or "fp32", lowering=cost.lowering_for_platform(cluster.platform)) if cfg \
-            else dict(precision=args.precision or "mixed")
-        result = cost.plan(model, cluster, top=args.top, dtype=dtype, **own, fp8_options=fp8,
-                           muon=muon_settings(cfg) if cfg else None, offload=False if cfg is not None and
-                           cfg.optimizer.name in HOST_UPDATE_REFUSED else None, **cp)
+        options = plan_options(cfg, cluster, dtype=args.dtype, precision=args.precision, contexts=args.contexts,
+                               context_methods=args.context_methods)
+        result = rank_plans(model, cluster, options, top=args.top)
     except (cost.ClusterError, cost.PlanError) as e:
         raise ConfigError(str(e)) from None
     print(plan_report(model, cluster, result, args.top, changed_overrides(cfg), as_json=args.json,
@@ -182,6 +168,6 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.write:
         print(write_plan_config(args.write, args.config, args.overrides, chosen_plan(result, args.choose)))
     if args.verify:
-        verify_plans(model, cluster, result.ranked[: args.top], target)
+        _verify(args, cfg, model, cluster, result, target)
     return 0
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -80,35 +80,49 @@ def fit_lines(compiled: Any, target: Target, predicted: float | None = None) -> 
     return False, lines + [f"DOES NOT FIT by {format_bytes(need - cap)} ({need / cap:.0%} of the capacity)"]
 
 
-def fitting_plan(model: Any, target: Target, *, shown: Any = None, most: int = 64) -> str:
+def fitting_plan(model: Any, target: Target, options: Any = None, *, shown: Any = None, most: int = 64,
+                 overrides: Callable[[Any], list[str]] | None = None) -> str:
     """The cost model's best plan of a model that fits, other than ``shown`` (the plan just compiled and shown
-    not to fit): on the target's devices, else on the fewest multiples of them (up to ``most`` times as many)
-    that hold it. The capacity is the one rule of every command (:attr:`Target.capacity`), with the planner's
-    margin (:data:`jaxpar.cost._capacity.PLAN_MARGIN`).
+    not to fit, compared by its fields: :func:`jaxpar.plan.same_plan`): on the target's devices, else on the fewest
+    multiples of them (up to ``most`` times as many) that hold it, ranked by ``jaxpar plan``'s one call
+    (:func:`jaxpar.plan.rank_plans`). The capacity is the one rule of every command (:attr:`Target.capacity`), with
+    the planner's margin (:data:`jaxpar.cost._capacity.PLAN_MARGIN`). No compile has checked the plan, and the
+    line says so.
 
     Args:
       model: the cost model's model (:class:`jaxpar.cost.ModelSpec`).
       target: the target.
+      options: the planner's :class:`jaxpar.plan.PlanOptions` (None: jaxpar's fp32 state, the target's lowering).
       shown: the :class:`jaxpar.cost.Plan` shown not to fit (None: none); never suggested.
       most: the largest multiple of the target's devices to try.
+      overrides: a plan's overrides as ``jaxpar plan`` prints them (None: all of :func:`plan_overrides`).
 
     Returns:
-      A line naming the devices, the plan and its predicted memory, or that none is known to fit.
+      The text: a line naming the devices, the plan, its rank in ``jaxpar plan``'s table and its predicted memory,
+      then one with its overrides; or a line saying that no plan is known to fit.
     """
+    import shlex
+
     from jaxpar import cost
     from jaxpar._text import format_bytes
+    from jaxpar.plan._plan_report import plan_overrides
+    from jaxpar.plan._ranking import PlanOptions
 
+    if options is None:
+        options = PlanOptions(precision="fp32", lowering=cost.lowering_for_platform(target.spec.platform))
     for k in (1 << i for i in range(most.bit_length())):        # 1, 2, 4, ... up to most
         n = target.num_devices * k
-        best = _other_plan(model, on_target(cost.load_cluster(target.spec.cluster, num_devices=n), target), shown)
-        if best is None:
+        found = _other_plan(model, on_target(cost.load_cluster(target.spec.cluster, num_devices=n), target), options,
+                            shown)
+        if found is None:
             continue
-        p = best.plan
-        knobs = f"zero={p.strategy.zero}, remat={p.remat}, microbatches={p.strategy.microbatches}" + \
-            (f", schedule={p.strategy.schedule}" if p.pipe > 1 else "")
+        rank, best = found
         where = "these devices" if k == 1 else f"{n} x {target.spec.device} ({k} times the target's devices)"
-        return (f"plan     the cost model's best plan that fits on {where}: {p.name()} ({knobs}), predicted "
-                f"{format_bytes(best.memory.total)} per device of {target.capacity.text()} (compile it to know)")
+        pasted = shlex.join((overrides or plan_overrides)(best.plan)) or "(none)"
+        return (f"plan     the cost model's best plan that fits on {where}: {best.plan.name()} (jaxpar plan's "
+                f"#{rank}), predicted {format_bytes(best.memory.total)} per device of {target.capacity.text()}; not "
+                f"verified: no compile has checked it (jaxpar inspect with its overrides does)\n"
+                f"         overrides {pasted}")
     return (f"plan     no plan is known to fit: none of the cost model's, but the one shown, fits even {most} times "
             f"the target's devices ({target.num_devices * most} x {target.spec.device}) at global batch {model.batch}")
 
@@ -127,16 +141,17 @@ def on_target(cluster: Any, target: Any) -> Any:
     return replace(cluster, memory_bytes=float(target.spec.memory_bytes), platform=target.spec.platform)
 
 
-def _other_plan(model: Any, cluster: Any, shown: Any) -> Any:
-    """The cost model's fastest plan on ``cluster`` that fits and is not ``shown`` (None: none)."""
+def _other_plan(model: Any, cluster: Any, options: Any, shown: Any) -> tuple[int, Any] | None:
+    """The rank and estimate of the cost model's fastest plan on ``cluster`` that fits and is not ``shown`` (None:
+    none)."""
     from jaxpar import cost
+    from jaxpar.plan._ranking import rank_plans, same_plan
 
     try:
-        ranked = cost.plan(model, cluster, top=1, precision="fp32").ranked
+        ranked = rank_plans(model, cluster, options, top=1).ranked
     except cost.PlanError:
         return None
-    name = shown.name() if shown is not None else None
-    return next((e for e in ranked if e.plan.name() != name), None)
+    return next(((i, e) for i, e in enumerate(ranked, 1) if not same_plan(e.plan, shown)), None)
 
 
 def fp8_lines(fp8: Any, model: Any, compiled: Any, mesh: Any, platform: str) -> list[str]:
@@ -339,8 +354,9 @@ def gather_lines(layout: Any, compiled: Any) -> list[str]:
 
 
 def expert_lines(experts: int, k: int, tokens: int, mesh: Any, compiled: Any) -> list[str]:
-    """The GPT's routed experts in the compiled step: what their tile loops compute at most, against the routed
-    rows' FLOPs and every expert on every token's (docs/strategies.md, "The sorted dispatch").
+    """An MoE model's routed experts in the compiled step (jaxpar's GPT's or a Decoder's: the sorted dispatch of
+    :mod:`jaxpar.parallel.moe`): what their tile loops compute at most, against the routed rows' FLOPs and every
+    expert on every token's (docs/strategies.md, "The sorted dispatch").
 
     Args:
       experts: the experts.

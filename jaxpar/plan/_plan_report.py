@@ -93,7 +93,8 @@ def plan_overrides(plan: Any) -> list[str]:
     remat = "offload" if s.offload and s.offload.activations else plan.remat
     out = [f"mesh.{a}={getattr(plan, a)}" for a in AXES] + ["mesh.replica=1"]
     value = lambda k: getattr(s, k) if k != "context" or plan.context > 1 else None     # noqa: E731
-    out += [f"parallel.{k}={'{}' if value(k) is None else yaml_text(value(k))}" for k in MODELLED if k != "stage_layers"]
+    out += [f"parallel.{k}={'{}' if value(k) is None else yaml_text(value(k))}" for k in MODELLED
+            if k != "stage_layers"]
     stages = s.stage_layers if plan.pipe > 1 else None          # even stages unless the plan says otherwise
     return out + [f"parallel.stage_layers={'null' if stages is None else yaml_text(stages)}", f"model.remat={remat}"]
 
@@ -118,64 +119,68 @@ def chosen_plan(result: Any, rank: int) -> Any:
     return result.ranked[rank - 1].plan
 
 
-def verify_plans(model: Any, cluster: Any, estimates: Sequence[Any], target: Any = None) -> list[Any]:
-    """``jaxpar plan --verify``: compile each plan's train step ahead of time (jaxpar's GPT, fp32 Adam;
-    nothing runs) on simulated CPU devices, or with the real compiler of ``target``, and print
-    predicted vs compiled argument bytes, peak memory and bytes per mesh axis.
+def verify_plans(estimates: Sequence[Any], check: Callable[[Any], dict], capacity: Any, heading: str,
+                 lowering: str) -> list[Any]:
+    """``jaxpar plan --verify``: compile each plan's train step ahead of time (``check``; nothing runs) and print
+    predicted vs compiled argument bytes, peak memory and bytes per mesh axis, one row per plan compiled, with
+    whether its compiled peak fits ``capacity``; then the line on those dropped (:func:`verified_fits`), which
+    names exactly the rows that do not fit.
 
     Args:
-      model: the cost model's GPT.
-      cluster: the cluster (its device count is simulated; at most 256).
       estimates: the ranked plans' estimates.
-      target: a :class:`jaxpar.devices.Target` with the cluster's device count (None: the CPU).
+      check: compiles a plan and returns its figures: ``{"arguments": (predicted, compiled), "peak": (predicted,
+        compiled), "axes": {axis: (predicted, compiled)}}`` in bytes per device (:func:`gpt_check`,
+        :func:`compiled_check`); a :class:`jaxpar.errors.JaxparError` it raises marks the plan's row ``error``.
+      capacity: the :class:`jaxpar.cost._capacity.Capacity` a compiled peak must fit (the target's, else the
+        cluster's: the one rule).
+      heading: the ``verify`` line: what is compiled, where, and in what precision.
+      lowering: the cost model's lowering of the bytes per axis.
 
     Returns:
-      The estimates whose compiled peak fits the capacity (the target's, else the cluster's: the one rule);
-      those that do not are dropped, and a line says so (:func:`verified_fits`).
-
-    Raises:
-      ConfigError: more than 256 simulated devices.
+      The estimates whose compiled peak fits.
     """
     import time
 
     from jaxpar._text import format_bytes, render_table
-    from jaxpar.cost._device_bytes import measured_keeps
-    from jaxpar.cost._memory import memory_per_device
-    from jaxpar.analysis import compile_and_compare
+    from jaxpar.errors import JaxparError
 
-    devices, where, lowering = _verify_devices(cluster.num_devices, target)
-    print(f"\nverify   {len(estimates)} plans compiled ahead of time {where} (jaxpar's GPT, "
-          f"fp32 parameters and Adam moments; the prediction below uses the same precision)")
-    rows, peaks = [], []
+    print(f"\nverify   {len(estimates)} plans compiled ahead of time {heading}")
+    rows, peaks, errors = [], [], []
     for e in estimates:
-        p = e.plan
         t0 = time.perf_counter()
-        r = compile_and_compare(model, p, devices=devices, lowering=lowering)
-        keeps = "paper" if target is None else measured_keeps(target.spec.platform)   # the target's compiler's
-        mem = memory_per_device(model, p, precision="fp32", activation_bytes=4, keeps=keeps).total
-        a = r["arguments"]
-        peak = r["peak_bytes"]
-        peaks.append(peak)
-        worst = max((v["error"] for v in r["axes"].values()), default=0.0)
-        rows.append([p.name(), format_bytes(a["predicted"]), format_bytes(a["compiled"]), f"{a['error']:.2%}",
-                     format_bytes(mem), format_bytes(peak), f"{mem / peak:.2f}",
-                     " ".join(f"{ax}:{v['predicted'] / v['compiled']:.3f}" if v["compiled"] else f"{ax}:-"
-                              for ax, v in r["axes"].items()) or "-", f"{worst:.1%}",
-                     f"{time.perf_counter() - t0:.0f}"])
+        try:
+            r = check(e.plan)
+        except JaxparError as err:
+            errors.append(f"error    {e.plan.name()}: {err}")
+            peaks.append(None)
+            rows.append([e.plan.name()] + ["-"] * 9 + ["error"])
+            continue
+        (pa, ca), (pm, cm) = r["arguments"], r["peak"]
+        peaks.append(cm)
+        axes = r["axes"]
+        worst = max((abs(p - c) / c if c else float(p > 0) for p, c in axes.values()), default=0.0)
+        rows.append([e.plan.name(), format_bytes(pa), format_bytes(ca), f"{abs(pa - ca) / ca:.2%}",
+                     format_bytes(pm), format_bytes(cm), f"{pm / cm:.2f}",
+                     " ".join(f"{ax}:{p / c:.3f}" if c else f"{ax}:-" for ax, (p, c) in axes.items()) or "-",
+                     f"{worst:.1%}", f"{time.perf_counter() - t0:.0f}",
+                     "yes" if cm <= capacity.usable else "NO"])
     print(render_table(["plan", "args predicted", "args compiled", "args error", "peak predicted", "peak compiled",
                         "peak ratio", f"bytes per axis predicted/compiled ({lowering})", "worst axis error",
-                        "compile s"], rows, right=[False] + [True] * 6 + [False, True, True]))
-    kept, line = verified_fits(estimates, peaks, target.capacity if target is not None else cluster.capacity)
+                        "compile s", "fits"], rows, right=[False] + [True] * 6 + [False, True, True, False]))
+    if errors:
+        print("\n".join(errors))
+    kept, line = verified_fits(estimates, peaks, capacity)
     print(line)
     return kept
 
 
-def verified_fits(estimates: Sequence[Any], peaks: Sequence[float], capacity: Any) -> tuple[list[Any], str]:
-    """The verified plans whose compiled peak fits ``capacity``, and a line on those dropped.
+def verified_fits(estimates: Sequence[Any], peaks: Sequence[float | None], capacity: Any) -> tuple[list[Any], str]:
+    """The verified plans whose compiled peak fits ``capacity``, and a line on those dropped: the plans that do not
+    fit, then those that did not compile.
 
     Args:
       estimates: the plans' estimates.
-      peaks: their compiled peaks per device, in order.
+      peaks: their compiled peaks per device, in order (None: it did not compile).
       capacity: the :class:`jaxpar.cost._capacity.Capacity` they must fit.
 
     Returns:
@@ -188,17 +193,59 @@ def verified_fits(estimates: Sequence[Any], peaks: Sequence[float], capacity: An
     >>> [k.plan.name() for k in kept], line
     (['dp8'], 'dropped  fsdp8: its compiled peak does not fit 4.0 GiB usable (all of the device memory)')
     """
-    kept = [e for e, peak in zip(estimates, peaks) if peak <= capacity.usable]
-    gone = [e.plan.name() for e, peak in zip(estimates, peaks) if peak > capacity.usable]
-    if not gone:
+    kept = [e for e, peak in zip(estimates, peaks) if peak is not None and peak <= capacity.usable]
+    big = [e.plan.name() for e, peak in zip(estimates, peaks) if peak is not None and peak > capacity.usable]
+    failed = [e.plan.name() for e, peak in zip(estimates, peaks) if peak is None]
+    if not big and not failed:
         return kept, f"fits     every compiled peak above fits {capacity.text()}"
-    what = "its compiled peak does not" if len(gone) == 1 else "their compiled peaks do not"
+    what = "its compiled peak does not" if len(big) == 1 else "their compiled peaks do not"
+    parts = ([f"{', '.join(big)}: {what} fit {capacity.text()}"] if big else []) + \
+        ([f"{', '.join(failed)}: {'it does' if len(failed) == 1 else 'they do'} not compile (error above)"]
+         if failed else [])
     none = "; none of the plans verified is known to fit" if not kept else ""
-    return kept, f"dropped  {', '.join(gone)}: {what} fit {capacity.text()}{none}"
+    return kept, f"dropped  {'; '.join(parts)}{none}"
 
 
-def _verify_devices(n: int, target: Any) -> tuple[list, str, str]:
-    """``(devices, where they are, the cost model's lowering)`` for ``verify_plans``."""
+def gpt_check(model: Any, devices: Sequence[Any], lowering: str, keeps: str) -> Callable[[Any], dict]:
+    """:func:`verify_plans`'s ``check`` for jaxpar's GPT of the cost model's sizes (``jaxpar plan`` without
+    ``--config``): the step compiled with fp32 parameters, activations and Adam moments
+    (:func:`jaxpar.analysis.compile_and_compare`), the peak predicted in the same precision.
+
+    Args:
+      model: the cost model's GPT.
+      devices: the devices to compile for (:func:`verify_devices`).
+      lowering: the cost model's lowering of the bytes per axis.
+      keeps: the activation table of the peak's prediction (:func:`jaxpar.cost._device_bytes.measured_keeps`).
+
+    Returns:
+      The function, ``plan -> figures``.
+    """
+    from jaxpar.analysis import compile_and_compare
+    from jaxpar.cost._memory import memory_per_device
+
+    def check(plan: Any) -> dict:
+        r = compile_and_compare(model, plan, devices=devices, lowering=lowering)
+        mem = memory_per_device(model, plan, precision="fp32", activation_bytes=4, keeps=keeps).total
+        axes = {a: (v["predicted"], v["compiled"]) for a, v in r["axes"].items()}
+        return {"arguments": (r["arguments"]["predicted"], r["arguments"]["compiled"]), "peak": (mem, r["peak_bytes"]),
+                "axes": axes}
+    return check
+
+
+def verify_devices(n: int, target: Any) -> tuple[list, str, str]:
+    """The devices ``jaxpar plan --verify`` compiles ``n``-device plans for: the target's, else ``n`` simulated CPU
+    devices.
+
+    Args:
+      n: the plans' device count.
+      target: a :class:`jaxpar.devices.Target` (None: the CPU).
+
+    Returns:
+      ``(devices, where they are, the cost model's lowering for their compiler)``.
+
+    Raises:
+      ConfigError: a target of another device count, or more than 256 simulated devices.
+    """
     if target is not None:
         from jaxpar.cost._traffic import lowering_for_platform
         from jaxpar.devices._targets import target_devices

@@ -180,6 +180,31 @@ def planner_table(compiled: Any, mesh: Any, view: PlannerView | None, why: str |
         + "".join(f"; {gap}" for gap in t.unmodelled))]), peak
 
 
+def compiled_check(compiled: Any, mesh: Any, view: PlannerView, steps_per_call: int = 1) -> dict:
+    """``jaxpar plan --verify``'s figures of a compiled train step (:func:`jaxpar.plan.verify_plans`) beside the cost
+    model's view of it: the numbers of ``jaxpar inspect``'s table (:func:`planner_table`), the compiled peak its
+    fit line's (:func:`jaxpar.plan.fit_lines`: the larger of the buffers' sum and XLA's own peak).
+
+    Args:
+      compiled: the compiled train step.
+      mesh: its mesh.
+      view: the cost model's view of the job (:func:`planner_view` on the compiler's platform).
+      steps_per_call: optimizer steps per call of ``compiled`` (its bytes per axis are divided by it).
+
+    Returns:
+      ``{"arguments": (predicted, compiled), "peak": (predicted, compiled), "axes": {axis: (predicted,
+      compiled)}}``, bytes per device (per step for the axes).
+    """
+    from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
+    from jaxpar.analysis._compiled_memory import memory_report
+
+    rep = memory_report(compiled)
+    got = compiled_bytes_per_axis(compiled, mesh, view.plan) if mesh.size > 1 else {}
+    pred, args, _, peak = _predicted(view)
+    return {"arguments": (args, rep.argument_bytes), "peak": (peak, rep.required_bytes),
+            "axes": {a: (pred.get(a, 0.0), got.get(a, 0.0) / steps_per_call) for a in sorted(set(pred) | set(got))}}
+
+
 def _memory(model: Any, plan: Any, muon: dict | None, platform: str) -> Any:
     """The cost model's memory estimate on ``platform``'s compiler: fp32 parameters and moments (Muon's where
     it runs), the compiler's measured activation table where it was measured (docs/planning.md §8)."""
