@@ -388,6 +388,31 @@ def test_bad_user_model_names_the_key(override, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_train_checks_its_config_once(tmp_path, monkeypatch):
+    """``jaxpar train`` builds and checks the config once (``check``), its device-dependent part once
+    (``check_on_devices``), and hands what it built to the job; no check is kept on the config object."""
+    from jaxpar.config import _checks
+
+    calls = {"build": 0, "devices": 0}
+    build, on_devices = _checks._build, _checks.check_on_devices
+
+    def counted_build(cfg):
+        calls["build"] += 1
+        return build(cfg)
+
+    def counted_on_devices(*args):
+        calls["devices"] += 1
+        return on_devices(*args)
+
+    monkeypatch.setattr(_checks, "_build", counted_build)
+    monkeypatch.setattr("jaxpar.commands._train_command.check_on_devices", counted_on_devices)
+    assert main(["train", QUICK, "train.steps=1", "model.embed=32", "model.layers=1", "model.seq_len=16",
+                 "data.batch_size=8", "data.max_bytes=100000", "train.eval_batches=0", "logging.samples=0",
+                 "logging.tensorboard=false", "checkpoint.enabled=false", "optimizer.warmup_steps=0",
+                 f"train.out_dir={tmp_path / 'run'}"]) == 0
+    assert calls == {"build": 1, "devices": 1}, calls
+
+
 def test_bad_batch_is_caught_at_start(capsys):
     """The batch function runs once for step 0 before the model is built; its batch is checked."""
     assert main(["train", MLP, f"data.target={TESTS}/cli_data.py:wrong_rows", "train.out_dir=unused"]) == 2

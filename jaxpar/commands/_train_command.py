@@ -15,7 +15,7 @@ import jax
 from jaxpar._text import shown_path
 from jaxpar.commands._check_command import check_inputs, refuse_cpu_only
 from jaxpar.commands._profile_command import profile_steps, traced_line
-from jaxpar.config._checks import check
+from jaxpar.config._checks import check, check_on_devices
 from jaxpar.config._cost_model import config_view
 from jaxpar.config._job import build_job, describe_data, header_lines, model_line, packing_line, state_line
 from jaxpar.config._load import load_config, to_yaml
@@ -53,7 +53,8 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     Returns:
       The exit status.
     """
-    cfg = load_config(config, [*overrides, *(["checkpoint.resume=true"] if resume else [])])
+    cfg = load_config(config, [*overrides, *(["checkpoint.resume=true"] if resume else [])], checked=False)
+    made = check(cfg)                       # once: the devices' part when they are known (_start)
     if print_config:
         print(to_yaml(cfg), end="")
         return 0
@@ -63,8 +64,8 @@ def run_train(config: str, overrides: Sequence[str], *, print_config: bool = Fal
     if overwrite and cfg.checkpoint.resume:
         raise ConfigError("jaxpar train: --overwrite starts a new run (the earlier one moved aside) and --resume "
                           "(checkpoint.resume=true) continues the earlier one; give one of them.")
-    out_dir = _start(cfg, overwrite, dist, watchdog)
-    job = build_job(cfg)
+    out_dir = _start(cfg, made, overwrite, dist, watchdog)
+    job = build_job(cfg, made=made)
     print(f"job      {cfg.name}  ->  {shown_path(out_dir)}")
     print("\n".join(header_lines(job)))
     predicted: dict = {}                 # the cost model's peak and the state's bytes per device, once laid out
@@ -117,7 +118,7 @@ def _train_job(cfg, job, profile, predicted: dict, watchdog) -> int:
                                   watchdog=watchdog, claim=False)      # _start claimed the run directory
 
 
-def _start(cfg, overwrite: bool, dist: dict | None, watchdog=None) -> Path:
+def _start(cfg, made, overwrite: bool, dist: dict | None, watchdog=None) -> Path:
     """Start the processes and find the devices, check the config on them and the files it reads (``model.hf``,
     the data files), then the run directory: claim
     ``train.out_dir`` for a new run, or find a complete checkpoint for ``--resume`` (before anything is built
@@ -126,7 +127,7 @@ def _start(cfg, overwrite: bool, dist: dict | None, watchdog=None) -> Path:
         gpu_timeout_flag(watchdog.seconds or watchdog.min_seconds)
     info = start_processes(**(dist or {}), devices=cfg.train.devices)   # jax.distributed, then the devices
     refuse_cpu_only(cfg.train.devices, simulated=bool((dist or {}).get("local_devices")))
-    check(cfg, num_devices=jax.device_count())      # the config on these devices, before the run directory is touched
+    check_on_devices(cfg, made, jax.device_count())     # on these devices, before the run directory is touched
     check_inputs(cfg)                               # and the files it reads (model.hf, data.paths)
     out_dir = Path(cfg.train.out_dir)
     if not cfg.checkpoint.resume:

@@ -338,13 +338,14 @@ YAML_NAMES = {
 }
 
 
-def table_setting(cfg: JobConfig, strategy: Any, sizes: dict[str, int]) -> Any:
+def table_setting(cfg: JobConfig, strategy: Any, sizes: dict[str, int], built_ramp: Any = None) -> Any:
     """The compatibility table's :class:`~jaxpar.compat.Setting` of a config.
 
     Args:
       cfg: the config.
       strategy: its :class:`~jaxpar.Strategy` (``build_strategy(cfg.parallel)``).
       sizes: its mesh sizes.
+      built_ramp: ``data.batch_ramp``'s built ramp (:class:`Built`'s; None: built here, if it builds).
 
     Returns:
       The setting: the strategy, the mesh, the step's and the loop's options the table reads, and
@@ -360,22 +361,21 @@ def table_setting(cfg: JobConfig, strategy: Any, sizes: dict[str, int]) -> Any:
     on = isinstance(bias, (int, float)) and not isinstance(bias, bool) and bias > 0
     return Setting(strategy, sizes, steps_per_call=k if isinstance(k, int) and k >= 1 else 1,
                    clip_norm=cfg.optimizer.clip_norm, noise_scale_every=cfg.logging.noise_scale.every,
-                   ramp=_ramp_kind(cfg, sizes),
+                   ramp=_ramp_kind(cfg, sizes, built_ramp or collect([], lambda: build_ramp(cfg.data))),
                    ramp_steps=tuple(s for s in ramp.get("steps") or () if isinstance(s, int)),
                    intervals=tuple((key, v) for key, v in intervals if isinstance(v, int)),
                    router_bias_rate=bias if on else None)
 
 
-def _ramp_kind(cfg: JobConfig, sizes: dict[str, int]) -> str | None:
-    """``"adaptive"`` or ``"fixed"`` for a ``data.batch_ramp`` that the mesh can run; ``None`` without
-    one, or for one that does not build or divide (:func:`_ramp_problems` reports it)."""
-    ramp = built(cfg).ramp
+def _ramp_kind(cfg: JobConfig, sizes: dict[str, int], ramp: Any) -> str | None:
+    """``"adaptive"`` or ``"fixed"`` for a ``data.batch_ramp`` (``ramp``: built) that the mesh can run; ``None``
+    without one, or for one that does not build or divide (:func:`_ramp_problems` reports it)."""
     if ramp is None or _ramp_problems(ramp, *_batch_divisor(cfg, sizes)):
         return None
     return "adaptive" if cfg.data.batch_ramp.get("adaptive") is True else "fixed"
 
 
-def _table_problems(cfg: JobConfig, strategy: Any, num_devices: int | None) -> list[str]:
+def _table_problems(cfg: JobConfig, made: Built, num_devices: int | None) -> list[str]:
     """The compatibility table's refusals and needs (:mod:`jaxpar.compat._table`) of this config, under
     its YAML keys. A ``-1`` mesh size that no device count resolves counts as 1 for the pairs (fewer
     features on); the needs then wait for the device count."""
@@ -385,7 +385,7 @@ def _table_problems(cfg: JobConfig, strategy: Any, num_devices: int | None) -> l
         sizes = _mesh_sizes(cfg, num_devices)
     except ConfigError:
         return []          # the mesh itself is reported elsewhere
-    setting = table_setting(cfg, strategy, sizes)
+    setting = table_setting(cfg, made.strategy, sizes, made.ramp)
     found = problems(setting)
     if num_devices is not None or -1 not in dataclasses.astuple(cfg.mesh):
         found += needs(setting)
@@ -418,7 +418,7 @@ def _noise_scale_problems(p: list[str], cfg: JobConfig) -> None:
 class Built:
     """The library objects :func:`check` builds of a config, and its problems that need no device count.
 
-    Built once per config object (:func:`built`): :func:`jaxpar.config.build_job` runs on them.
+    Built once per :func:`check`: :func:`jaxpar.config.build_job` runs on them.
     ``strategy``: the :class:`~jaxpar.Strategy`; ``gpt``: the GPT's ``GPTConfig`` (None for another
     model); ``ramp``: ``data.batch_ramp``'s ramp (None without one); each None also when it did not build.
     """
@@ -427,16 +427,6 @@ class Built:
     gpt: Any
     ramp: Any
     problems: tuple[str, ...]
-
-
-def built(cfg: JobConfig) -> Built:
-    """What :func:`check` builds of ``cfg``, built on the first call and kept on the config object (a
-    ``dataclasses.replace``'d config is another object, built anew)."""
-    made = cfg.__dict__.get("_built")
-    if made is None:
-        made = _build(cfg)
-        object.__setattr__(cfg, "_built", made)
-    return made
 
 
 def _build(cfg: JobConfig) -> Built:
@@ -471,12 +461,12 @@ def _build(cfg: JobConfig) -> Built:
 
 
 def check(cfg: JobConfig, num_devices: int | None = None) -> Built:
-    """Raise :class:`ConfigError` listing every impossible setting (with ``num_devices``: also the mesh).
+    """Raise :class:`ConfigError` listing every impossible setting (with ``num_devices``: also the mesh on them).
 
-    Builds the library's objects (``GPTConfig``, ``Strategy``, the batch ramp; once per config object:
-    :func:`built`) and reports their errors under the YAML keys, with the mesh's (``MeshSpec``, the
-    pipeline schedule, the stage partition) and the compatibility table's; resolves the import paths of
-    a user model, loss and data function (imports them, calls nothing).
+    Builds the library's objects (``GPTConfig``, ``Strategy``, the batch ramp) once and reports their errors
+    under the YAML keys, with the mesh's (``MeshSpec``, the pipeline schedule, the stage partition) and the
+    compatibility table's; resolves the import paths of a user model, loss and data function (imports them,
+    calls nothing). Then, with ``num_devices`` and no problem yet, :func:`check_on_devices`.
 
     Args:
       cfg: the loaded config.
@@ -485,18 +475,38 @@ def check(cfg: JobConfig, num_devices: int | None = None) -> Built:
     Returns:
       The :class:`Built` objects, for :func:`jaxpar.config.build_job`.
     """
-    made = built(cfg)
+    made = _build(cfg)
     p = list(made.problems)
     if made.strategy is not None:
-        p.extend(_table_problems(cfg, made.strategy, num_devices))
+        p.extend(_table_problems(cfg, made, None))
         if not p:
-            p.extend(_mesh_problems(cfg, made, num_devices))
-    if p and num_devices is None and cfg.train.devices > 0:     # a mesh that train.devices cannot hold comes first:
-        try:                                                     # the other problems may follow from it
-            _mesh_sizes(cfg, None)                               # its own sizes' error is already in p
+            p.extend(_mesh_problems(cfg, made, None))
+    if p and cfg.train.devices > 0:          # a mesh that train.devices cannot hold comes first:
+        try:                                 # the other problems may follow from it
+            _mesh_sizes(cfg, None)           # its own sizes' error is already in p
             _mesh_sizes(cfg, cfg.train.devices)
         except ConfigError as e:
             p = [str(e)] + [line for line in p if line != str(e)]
-    if p:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(p))
+    _raise(p)
+    if num_devices is not None:
+        check_on_devices(cfg, made, num_devices)
     return made
+
+
+def check_on_devices(cfg: JobConfig, made: Built, num_devices: int) -> None:
+    """Raise :class:`ConfigError` listing what :func:`check`'s config cannot do on ``num_devices`` devices: the mesh's
+    product and ``-1`` sizes, and the compatibility table and the batch on the sizes they give.
+
+    Args:
+      cfg: a config :func:`check` passed.
+      made: what it built.
+      num_devices: the device count the mesh must fill.
+    """
+    if made.strategy is not None:
+        p = _table_problems(cfg, made, num_devices)
+        _raise(p or _mesh_problems(cfg, made, num_devices))
+
+
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))

@@ -49,7 +49,7 @@ from jaxpar.data._packing import BATCH_KEYS
 from jaxpar.strategy import Strategy
 from jaxpar.step._init import param_layout
 from jaxpar.config._build import build_loss_fn, build_mesh, build_model_fn, gpt_model_fn
-from jaxpar.config._checks import built, check
+from jaxpar.config._checks import Built, check
 from jaxpar.config._context_checks import context_problems
 from jaxpar.config._data_section import build_data, describe_batch
 from jaxpar.config._hf_model import build_tokenizer, hf_length_problems, hf_mesh_problems, open_hf
@@ -261,7 +261,8 @@ def updates_per_step(strategy: Strategy, mesh_sizes: Mapping[str, int]) -> int:
     return 1
 
 
-def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: bool = True, data: bool = True) -> Job:
+def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: bool = True, data: bool = True,
+              made: Built | None = None) -> Job:
     """The :class:`Job` of a loaded config.
 
     Args:
@@ -271,6 +272,7 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
         model, loss and strategy only, without devices.
       data: read the data (batch function, eval batches, batch ramp); ``False`` (``jaxpar inspect``):
         only a ``data.target`` of your own is built, for the batch shapes.
+      made: what :func:`jaxpar.config.check` built of ``cfg``, already checked on these devices (None: checked here).
 
     Returns:
       The job.
@@ -280,10 +282,11 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
         checkpoint that cannot be imported or that ``mesh.tensor`` does not divide, and a
         ``data.tokenizer`` that cannot be read or does not fit the model's vocabulary.
     """
-    made = check(cfg, num_devices=(jax.device_count() if devices is None else len(devices)) if mesh else None)
+    if made is None:
+        made = check(cfg, num_devices=(jax.device_count() if devices is None else len(devices)) if mesh else None)
     device_mesh = build_mesh(cfg.mesh, devices) if mesh else None
     strategy, m, d = made.strategy, cfg.model, cfg.data
-    hf = hf_checkpoint(cfg, dict(device_mesh.shape) if mesh else None)
+    hf = hf_checkpoint(cfg, dict(device_mesh.shape) if mesh else None, strategy)
     model_fn = (hf.model_fn(cfg.train.seed) if hf is not None else gpt_model_fn(made.gpt, cfg.train.seed)
                 if made.gpt is not None else build_model_fn(m, cfg.train.seed))
     vocab, vocab_key = (hf.config.vocab, "model.hf's vocab_size") if hf is not None else (m.vocab, "model.vocab")
@@ -293,7 +296,7 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
                 parts=_parts(cfg, made.gpt, mesh), tokenizer=tokenizer, loss_fn=build_loss_fn(m))
     if not mesh:
         return Job(**base)
-    _target_decoder_problems(cfg, dict(device_mesh.shape), model_fn)
+    _target_decoder_problems(cfg, dict(device_mesh.shape), model_fn, strategy)
     per_step = updates_per_step(strategy, dict(device_mesh.shape))
     params = param_layout(model_fn, device_mesh, strategy)      # the model traced once
     tx, schedule = build_optimizer(cfg.optimizer, cfg.train.steps, global_batch=d.batch_size, params=params,
@@ -303,12 +306,14 @@ def build_job(cfg: JobConfig, devices: Sequence[Any] | None = None, *, mesh: boo
                **_data(cfg, data, vocab, tokenizer, made.ramp), **_run(cfg, tokenizer, schedule))
 
 
-def hf_checkpoint(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
+def hf_checkpoint(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None, strategy: Any = None):
     """``model.hf``'s opened checkpoint (its ``config.json`` and safetensors headers).
 
     Args:
       cfg: the checked config.
-      mesh_sizes: the mesh's axis sizes, to check the checkpoint's sizes against ``mesh.tensor`` (None: not checked).
+      mesh_sizes: the mesh's axis sizes, to check the checkpoint's sizes against ``mesh.tensor`` and its heads
+        against ``mesh.context`` (None: not checked).
+      strategy: the config's :class:`~jaxpar.Strategy` (:class:`Built`), with ``mesh_sizes``.
 
     Returns:
       The :class:`jaxpar.hf.Checkpoint`, or None without ``model.hf``; a missing or unfit one raises ``ConfigError``.
@@ -325,20 +330,22 @@ def hf_checkpoint(cfg: JobConfig, mesh_sizes: Mapping[str, int] | None):
     problems = hf_length_problems(hf, cfg.model.hf, cfg.model.seq_len)
     if mesh_sizes:
         problems += hf_mesh_problems(hf, cfg.model.hf, mesh_sizes.get("tensor", 1))
-        problems += _model_heads_problems(cfg, mesh_sizes, hf.config, f"model.hf={cfg.model.hf!r}: its "
-                                                                      "num_attention_heads")
+        problems += _model_heads_problems(cfg, strategy, mesh_sizes, hf.config, f"model.hf={cfg.model.hf!r}: its "
+                                                                                "num_attention_heads")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
     return hf
 
 
-def _model_heads_problems(cfg: JobConfig, mesh_sizes: Mapping[str, int], decoder: Any, key: str) -> list[str]:
+def _model_heads_problems(cfg: JobConfig, strategy: Any, mesh_sizes: Mapping[str, int], decoder: Any,
+                          key: str) -> list[str]:
     """Context parallelism's rule of the heads (:func:`~jaxpar.config._context_checks.context_problems`) for a
     model whose heads :func:`check` does not know: ``model.hf``'s (its ``config.json``) or a ``model.target``
     :class:`jaxpar.models.Decoder`'s (its ``DecoderConfig``).
 
     Args:
       cfg: the checked config.
+      strategy: its :class:`~jaxpar.Strategy`.
       mesh_sizes: the mesh's axis sizes.
       decoder: the model's :class:`jaxpar.models.DecoderConfig` (None: not a Decoder, nothing checked).
       key: where the heads come from, for the message.
@@ -348,18 +355,18 @@ def _model_heads_problems(cfg: JobConfig, mesh_sizes: Mapping[str, int], decoder
     """
     if decoder is None or mesh_sizes.get("context", 1) <= 1:
         return []
-    return context_problems(cfg, built(cfg).strategy, mesh_sizes, seq_len=None,
+    return context_problems(cfg, strategy, mesh_sizes, seq_len=None,
                             heads=(decoder.heads, decoder.kv_heads, key))
 
 
-def _target_decoder_problems(cfg: JobConfig, mesh_sizes: Mapping[str, int], model_fn: Callable) -> None:
+def _target_decoder_problems(cfg: JobConfig, mesh_sizes: Mapping[str, int], model_fn: Callable, strategy: Any) -> None:
     """Raise :class:`ConfigError` for a ``model.target`` Decoder whose heads the ``context`` axis cannot split
     (its config traced with ``nnx.eval_shape``, only on a ``context`` axis)."""
     if cfg.model.target is None or mesh_sizes.get("context", 1) <= 1:
         return
     from jaxpar.config._cost_model import decoder_config_of
 
-    problems = _model_heads_problems(cfg, mesh_sizes, decoder_config_of(cfg.model, model_fn),
+    problems = _model_heads_problems(cfg, strategy, mesh_sizes, decoder_config_of(cfg.model, model_fn),
                                      f"model.target={cfg.model.target!r}: its DecoderConfig.heads")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))

@@ -157,7 +157,7 @@ def _check_hf_model(cfg: JobConfig, sections: Sequence[tuple[str, Mapping]]) -> 
 
 
 def merge_layers(layers: Sequence[tuple[str, Mapping]], name: str = "") -> JobConfig:
-    """Merge ``(source, mapping)`` layers, later wins, onto the :class:`JobConfig` schema; then :func:`check`.
+    """Merge ``(source, mapping)`` layers, later wins, onto the :class:`JobConfig` schema.
 
     A layer that sets ``model.target`` starts the ``model`` section afresh: the model keys of the
     layers before it (e.g. a GPT base config) do not carry over. GPT keys given in that layer or a
@@ -171,7 +171,7 @@ def merge_layers(layers: Sequence[tuple[str, Mapping]], name: str = "") -> JobCo
       name: the config's name when no layer sets one (default ``out_dir``: ``runs/<name>``).
 
     Returns:
-      The checked :class:`JobConfig`.
+      The :class:`JobConfig`: its keys, types and import paths checked; :func:`check` checks the rest.
     """
     for source, layer in layers:
         _check_keys(layer, JobConfig, "", source)
@@ -208,7 +208,6 @@ def merge_layers(layers: Sequence[tuple[str, Mapping]], name: str = "") -> JobCo
     if not cfg.checkpoint.dir:
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
             cfg.checkpoint, dir=str(Path(cfg.train.out_dir) / "checkpoints")))
-    check(cfg)
     return cfg
 
 
@@ -234,7 +233,7 @@ def _yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, dict
     return chain + [(str(path), _absolute_imports(data, path.parent))]
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
+def load_config(path: str | Path, overrides: Sequence[str] = (), *, checked: bool = True) -> JobConfig:
     """Load ``path`` (following ``base:``), apply dotted ``overrides``, check, and return a :class:`JobConfig`.
 
     A ``.py`` file in an import path (``model.target: vit.py:ViT``) is relative to the YAML file
@@ -245,6 +244,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
       overrides: dotted ``key=value`` strings (:func:`parse_overrides`), applied last; ``~key`` drops a key from
         the YAML files, so that its default holds; ``key={}`` empties a mapping the files set (``parallel.fp8={}``:
         FP8 off), where another mapping is merged into theirs.
+      checked: run :func:`check` (``False``: a command that checks it on its devices once, ``jaxpar train``; its
+        keys, types and import paths are checked all the same).
 
     Returns:
       The checked :class:`JobConfig`; a problem raises :class:`ConfigError`.
@@ -259,7 +260,10 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     layers = [(source, _without(layer, removed + emptied)) for source, layer in _yaml_chain(path)]
     if overrides := [item for item in overrides if not item.startswith("~")]:
         layers.append(("overrides", _absolute_imports(parse_overrides(overrides), Path.cwd())))
-    return merge_layers(layers, name=path.stem)
+    cfg = merge_layers(layers, name=path.stem)
+    if checked:
+        check(cfg)
+    return cfg
 
 
 def _emptied_key(item: str) -> str | None:
