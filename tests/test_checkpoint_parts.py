@@ -1,5 +1,6 @@
 """The optional parts of a train state as one protocol (:mod:`jaxpar.run._state_parts`): every optional
-field of ``TrainState`` has exactly one ``StatePart``; on real small states (a tiny MLP with a codec,
+field of ``TrainState`` has exactly one restore policy, the step's (``jaxpar.step.RESTORE_POLICIES``); on real
+small states (a tiny MLP with a codec,
 relaxed synchronisation or the noise scale; a two-stage GPT with weight stashing), each part's plan
 gives each of its four actions, its record is what a checkpoint writes, and ``fresh`` starts it as a
 restore does."""
@@ -20,15 +21,15 @@ from jaxpar.models import GPT, GPTConfig
 from jaxpar.models import MLPClassifier
 from jaxpar.parallel.compression import topk
 from jaxpar.parallel.sync import stale
-from jaxpar.run._state_parts import (STATE_PARTS, PartPlan, StatePart, plan_parts, record_layouts, record_shapes,
-                                     shapes_of)
+from jaxpar.run._state_parts import plan_parts, record_layouts, record_shapes
+from jaxpar.step import RESTORE_POLICIES, PartPlan, RestorePolicy, shapes_of
 from jaxpar.step import with_noise_scale
 from jaxpar.step import StateLayout, TrainState
 
 from conftest import need_devices
 
 TX = optax.adamw(1e-2)
-PART = {part.name: part for part in STATE_PARTS}
+PART = {part.name: part for part in RESTORE_POLICIES}
 
 
 def _mlp(axes: dict, **strategy):
@@ -61,10 +62,10 @@ def _record(state, layout) -> dict:
 
 def test_every_optional_field_of_the_train_state_has_exactly_one_part():
     optional = [f for f in TrainState._fields if f in TrainState._field_defaults]
-    names = [part.name for part in STATE_PARTS]
+    names = [part.name for part in RESTORE_POLICIES]
     assert names == optional and len(set(names)) == len(names), (names, optional)
     assert set(BUILD) == set(names)
-    assert all(isinstance(part, StatePart) for part in STATE_PARTS)
+    assert all(isinstance(part, RestorePolicy) for part in RESTORE_POLICIES)
     assert StateLayout.__dataclass_fields__["parts"].default_factory() == {}      # each layout part: StateLayout.part
 
 

@@ -27,7 +27,7 @@ train state's arrays, written by every process for its own shards) and ``meta``
 * **Features switched on or off.** A feature's state part (``codec``, ``sync``, ``stats``,
   ``versions``) is dropped when the target keeps none, and started afresh when the checkpoint has
   none or has it in other shapes or for another layout, each with a :class:`CheckpointWarning`
-  (each a :class:`~jaxpar.run._state_parts.StatePart`: :mod:`jaxpar.run._state_parts`).
+  (each part's restore policy is the step's, :data:`jaxpar.step.RESTORE_POLICIES`; :mod:`jaxpar.run._state_parts`).
 
 Example::
 
