@@ -127,7 +127,7 @@ def test_check_target_refuses_every_refusal_of_inspect_target(case, monkeypatch,
     """``jaxpar check --target`` and ``jaxpar inspect --target`` refuse the same configs with the same error
     (class and message): one list of refusals (``target_refusals``), decided before anything compiles."""
     from jaxpar.commands import inspect_config, run_check
-    from jaxpar.commands._inspect_command import target_refusals
+    from jaxpar.commands._job_devices import target_refusals
     from jaxpar.devices import parse_target
 
     config, overrides, target, error, says = TARGET_REFUSALS[case]
@@ -150,7 +150,7 @@ def test_the_refusal_cases_walk_every_refusal_of_the_target():
     """Each kind of refusal ``target_refusals`` makes has a case above (a new one needs its case)."""
     import inspect as source
 
-    from jaxpar.commands._inspect_command import target_refusals
+    from jaxpar.commands._job_devices import target_refusals
 
     kinds = source.getsource(target_refusals).count("found.append(")
     covered = {"fp8", "mesh", "grid", "memory"}

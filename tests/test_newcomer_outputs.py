@@ -88,7 +88,7 @@ def test_printed_paths_are_relative_or_absolute_and_normalised(tmp_path, monkeyp
 
 def test_inspect_drops_xla_rematerialization_notices(capfd):
     """The compile of ``jaxpar inspect`` keeps its other output on stderr."""
-    from jaxpar.commands._inspect_command import compile_job
+    from jaxpar.commands._job_devices import compile_job
 
     class Job:
         def compile(self, layout):

@@ -22,7 +22,7 @@ from jaxpar.analysis import find_trace, read_trace, step_profiles
 from jaxpar.analysis._trace import COMPUTE, DATA, DISPATCH, IDLE, STEP_EVENT, TRANSFER
 from jaxpar.cli import main
 from jaxpar.config import ConfigError
-from jaxpar.commands._profile_command import parse_steps, profile_steps
+from jaxpar.commands._common import parse_steps, profile_steps
 from jaxpar.errors import LoopError
 
 ROOT = Path(__file__).resolve().parents[1]

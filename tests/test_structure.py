@@ -129,6 +129,17 @@ def test_no_two_packages_import_each_other():
     assert not sorted((a, b) for a, b in edges if (b, a) in edges and a < b)
 
 
+def test_no_command_imports_another_and_config_prints_nothing():
+    """The commands share their helpers through the commands' own modules (``_common``, ``_job_devices``,
+    ``_lines``), never through another command; the YAML layer builds the job and prints nothing."""
+    command = lambda m: m.startswith("jaxpar.commands.") and m.endswith(("_command", "_commands"))   # noqa: E731
+    across = [f"{m} -> {t}" for m, imps in GRAPH.items() if command(m) for t, _ in imps if command(t)]
+    prints = [f"{m}:{node.lineno}" for m, path in MODULES.items() if _in(m, ("jaxpar.config",))
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"]
+    assert not across and not prints, {"commands importing commands": across, "print() in jaxpar.config": prints}
+
+
 def test_no_private_name_is_imported_across_modules():
     private = [f"{m} imports {t}.{n}" for m, imps in GRAPH.items() for t, n in imps
                if n and n.startswith("_") and not n.startswith("__")]

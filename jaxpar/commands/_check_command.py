@@ -8,30 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from jaxpar.commands._inspect_command import job_devices, refuse_target
-from jaxpar.config._job import build_job, header_lines, model_line, state_line
-from jaxpar.config._schema import ConfigError, DataConfig, JobConfig
-
-
-def refuse_cpu_only(devices: int, *, simulated: bool = False) -> None:
-    """``train.devices=0`` (the accelerators JAX finds) where JAX found only CPU devices: a config written for
-    GPUs, on a machine or a JAX without them. Refused before anything compiles (``simulated``:
-    ``--local-devices`` asked for CPU devices).
-
-    Raises:
-      ConfigError: the backend is the CPU; the message says what JAX found and the two fixes.
-    """
-    import jax
-
-    if devices != 0 or simulated or jax.default_backend() != "cpu":
-        return
-    n = jax.device_count()
-    raise ConfigError(
-        f"train.devices=0 trains on the GPUs or TPUs JAX finds, and this JAX found none: only {n} CPU "
-        f"device{'s' if n > 1 else ''} (jax.default_backend()='cpu'). On a GPU host, install JAX for CUDA "
-        "(pip install -U 'jax[cuda12]'; docs/gpu.md) and check with python -c 'import jax; print(jax.devices())'. "
-        "To run on simulated CPU devices instead, set train.devices=N (e.g. train.devices=8) and a model that fits "
-        "in host memory (jaxpar inspect CONFIG train.devices=8 shows its memory).")
+from jaxpar.commands._common import check_inputs
+from jaxpar.commands._job_devices import job_devices, refuse_cpu_only, refuse_target
+from jaxpar.commands._lines import header_lines, model_line, state_line
+from jaxpar.config._job import build_job
+from jaxpar.config._schema import ConfigError, JobConfig
 
 
 def run_check(config: str, overrides: Sequence[str], *, target: str | None = None, resume: bool = False,
@@ -40,10 +21,11 @@ def run_check(config: str, overrides: Sequence[str], *, target: str | None = Non
     every check of :func:`check_config`, nothing compiled.
 
     In order: the config; the devices train would find (``train.devices=0``: JAX's own, refused where they are
-    CPU devices only: :func:`refuse_cpu_only`; ``target``: its count, simulated, after every refusal of ``jaxpar
-    inspect --target`` before it compiles: :func:`~jaxpar.commands._inspect_command.refuse_target`); the mesh on them; the
-    data files (``data.paths``, ``data.sources``); the run directory (an earlier run in ``train.out_dir``, or with
-    ``resume`` no complete checkpoint); then the train state's layout and step.
+    CPU devices only: :func:`~jaxpar.commands._job_devices.refuse_cpu_only`; ``target``: its count, simulated,
+    after every refusal of ``jaxpar inspect --target`` before it compiles:
+    :func:`~jaxpar.commands._job_devices.refuse_target`); the mesh on them; the data files (``data.paths``,
+    ``data.sources``); the run directory (an earlier run in ``train.out_dir``, or with ``resume`` no complete
+    checkpoint); then the train state's layout and step.
 
     Args:
       config: the YAML file.
@@ -101,40 +83,6 @@ def _devices_to_check(cfg: Any, target: str | None) -> tuple[int, list[str]]:
         return devices, [f"found    {devices} x {jax.devices()[0].device_kind} (train.devices=0: the devices JAX finds "
                          "here)"]
     return cfg.train.devices, []
-
-
-def check_inputs(cfg: Any) -> str:
-    """The files the config reads, checked before the run directory: ``model.hf``'s checkpoint (opened: its
-    ``config.json`` and safetensors headers) and the data files (found, not read); a missing one raises.
-
-    Args:
-      cfg: the checked config.
-
-    Returns:
-      The data files found, in words (empty: the config names none).
-    """
-    from jaxpar.config._job import hf_checkpoint
-
-    hf_checkpoint(cfg, None)
-    return _check_data_files(cfg.data)
-
-
-def _check_data_files(d: DataConfig) -> str:
-    """The files of ``data.paths`` / ``data.sources`` found (none read), in words; a missing one raises."""
-    from jaxpar.data._windows import expand_paths
-    from jaxpar.data.sources import resolve_paths
-
-    if d.kind in ("text", "tokens") and d.paths:
-        return f"data     {len(expand_paths(d.paths))} file(s) of data.paths found (not read: jaxpar data show)"
-    if d.kind == "documents" and d.sources:
-        found = []
-        for i, source in enumerate(d.sources):
-            try:
-                found += resolve_paths(source.get("path"))
-            except Exception as e:      # SourceError: named by its key
-                raise ConfigError(f"data.sources[{i}] (path {source.get('path')!r}): {e}") from None
-        return f"data     {len(found)} path(s) of data.sources found (not read: jaxpar data show)"
-    return ""
 
 
 def _check_run_directory(cfg: Any, overwrite: bool) -> str:

@@ -12,8 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxpar.commands._weights_commands import config_job
-from jaxpar.commands._profile_command import parse_steps
+from jaxpar.commands._common import config_job, parse_steps
 from jaxpar.config._schema import ConfigError, DataConfig
 
 

@@ -87,7 +87,7 @@ def config_check(config: str, overrides: Sequence[str], model: Any, devices: Seq
     Returns:
       The function, ``plan -> figures`` (:func:`jaxpar.plan.compiled_check`).
     """
-    from jaxpar.commands._inspect_command import compile_job
+    from jaxpar.commands._job_devices import compile_job
     from jaxpar.config._cost_model import muon_settings
     from jaxpar.config._job import build_job
     from jaxpar.config._load import load_config

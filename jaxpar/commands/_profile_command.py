@@ -13,79 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
-from jaxpar.config._schema import ConfigError
+from jaxpar.commands._common import config_job, parse_steps
 
 #: The steps ``jaxpar profile`` traces by default: after the first (which compiles) and the second.
 DEFAULT_STEPS = "2:4"
-
-
-def parse_steps(text: str) -> tuple[int, int]:
-    """``--steps A:B`` as ``(A, B)``: the steps ``A .. B-1``.
-
-    Args:
-      text: ``"A:B"``.
-
-    Returns:
-      ``(A, B)``.
-
-    Raises:
-      ConfigError: not ``A:B`` with ``0 <= A < B``.
-
-    >>> parse_steps("2:4")
-    (2, 4)
-    """
-    try:
-        a, b = (int(v) for v in text.split(":"))
-    except ValueError:
-        raise ConfigError(f"--steps {text!r}: expected A:B, e.g. --steps 2:4 (the steps A .. B-1).") from None
-    if not 0 <= a < b:
-        raise ConfigError(f"--steps {text!r}: need 0 <= A < B (the steps A .. B-1).")
-    return a, b
-
-
-def profile_steps(profile: Mapping[str, Any]) -> tuple[int, int] | None:
-    """``train.profile``'s steps: ``{steps: [A, B]}`` -> ``(A, B)``; ``{}`` -> None.
-
-    Args:
-      profile: the config's ``train.profile``.
-
-    Returns:
-      ``(A, B)`` or None.
-
-    Raises:
-      ConfigError: another key, or steps that are not two integers ``0 <= A < B``.
-
-    >>> profile_steps({"steps": [3, 5]}), profile_steps({})
-    ((3, 5), None)
-    """
-    if not profile:
-        return None
-    steps = profile.get("steps")
-    ok = (set(profile) == {"steps"} and isinstance(steps, (list, tuple)) and len(steps) == 2
-          and all(isinstance(s, int) and not isinstance(s, bool) for s in steps) and 0 <= steps[0] < steps[1])
-    if not ok:
-        raise ConfigError(f"train.profile={dict(profile)!r}: expected {{steps: [A, B]}} with 0 <= A < B, the steps "
-                          "A .. B-1 to trace (e.g. train.profile.steps=[2,4]); {} traces none.")
-    return int(steps[0]), int(steps[1])
-
-
-def traced_line(out_dir: Path, profile: tuple[int, int] | None) -> str | None:
-    """The closing line of a ``jaxpar train`` run with ``train.profile``: where its trace is (None: no trace,
-    e.g. a resumed run that started past the steps).
-
-    Args:
-      out_dir: the run's ``train.out_dir``.
-      profile: the traced steps ``(A, B)``, or None.
-
-    Returns:
-      The line, or None.
-    """
-    if not profile or not (out_dir / "trace" / "steps.json").exists():
-        return None
-    return (f"profile  steps {profile[0]} .. {profile[1] - 1} traced -> {out_dir / 'trace'} (tensorboard --logdir "
-            f"{out_dir / 'trace'}, or ui.perfetto.dev; tables: jaxpar profile, docs/profiling.md)")
 
 
 def run_profile(config: str, overrides: Sequence[str], *, steps: str = DEFAULT_STEPS, cluster: str | None = None,
@@ -102,7 +35,6 @@ def run_profile(config: str, overrides: Sequence[str], *, steps: str = DEFAULT_S
     Returns:
       The exit status (0).
     """
-    from jaxpar.commands._weights_commands import config_job
     from jaxpar.config._cost_model import config_view
     from jaxpar.plan import platform_of, predicted_rows, profile_report
     from jaxpar.run import train
@@ -131,5 +63,3 @@ def run_profile(config: str, overrides: Sequence[str], *, steps: str = DEFAULT_S
     print(f"\ntrace    {trace_path} (Perfetto: ui.perfetto.dev; TensorBoard: tensorboard --logdir {out / 'trace'})")
     print(f"numbers  {out / 'profile.json'}")
     return 0
-
-

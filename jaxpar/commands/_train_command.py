@@ -13,11 +13,12 @@ from typing import Sequence
 import jax
 
 from jaxpar._text import shown_path
-from jaxpar.commands._check_command import check_inputs, refuse_cpu_only
-from jaxpar.commands._profile_command import profile_steps, traced_line
+from jaxpar.commands._common import check_inputs, profile_steps
+from jaxpar.commands._job_devices import refuse_cpu_only
+from jaxpar.commands._lines import describe_data, header_lines, model_line, packing_line, state_line, traced_line
 from jaxpar.config._checks import check, check_on_devices
 from jaxpar.config._cost_model import config_view
-from jaxpar.config._job import build_job, describe_data, header_lines, model_line, packing_line, state_line
+from jaxpar.config._job import build_job
 from jaxpar.config._load import load_config, to_yaml
 from jaxpar.config._schema import ConfigError
 from jaxpar.devices._distributed import start_processes

@@ -13,26 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
+from jaxpar.commands._common import config_job
 from jaxpar.config._schema import ConfigError
-
-
-def config_job(config: str, overrides: Sequence[str], command: str, dist: dict | None = None, *, data: bool = False):
-    """``(cfg, job)`` of the run's config, on its devices (``dist``: the process options of ``jaxpar train``;
-    ``data``: the data read too)."""
-    from jaxpar.devices._distributed import start_processes
-    from jaxpar.config._job import build_job
-    from jaxpar.config._load import load_config
-
-    cfg = load_config(config, list(overrides))
-    if command == "export" and cfg.model.hf is None:
-        raise ConfigError("jaxpar export: model.hf is not set; export writes a Hugging Face checkpoint of a model "
-                          "imported from one (model.hf: its directory). jaxpar's GPT and models of your own "
-                          "(model.target) have no Hugging Face layout to write.")
-    if command == "sample" and cfg.model.target is not None:
-        raise ConfigError(f"jaxpar sample: model.target={cfg.model.target!r} is a model of your own, whose inputs "
-                          "and outputs jaxpar does not know; sample continues text with jaxpar's GPT or model.hf.")
-    start_processes(**{k: v for k, v in (dist or {}).items() if v is not None}, devices=cfg.train.devices)
-    return cfg, build_job(cfg, data=data)
 
 
 class RunWeights(NamedTuple):

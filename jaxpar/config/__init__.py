@@ -25,10 +25,9 @@ Modules, in import order (each imports only those above it):
 * :mod:`~jaxpar.config._checks`: :func:`check`, every impossible setting at once.
 * :mod:`~jaxpar.config._load`: YAML, ``base:``, overrides, merging -> a checked :class:`JobConfig`.
 * :mod:`~jaxpar.config._job`: a config -> the :class:`Job` that ``jaxpar train``, ``inspect`` and
-  ``plan`` run (:func:`build_job`: mesh, strategy, model, loss, optimizer, the train step's options, data),
-  and the lines the CLI prints about it.
+  ``plan`` run (:func:`build_job`: mesh, strategy, model, loss, optimizer, the train step's options, data).
 
-The commands that run a config are :mod:`jaxpar.commands`'s.
+The commands that run a config, and the lines they print about it, are :mod:`jaxpar.commands`'s.
 
 Example::
 
