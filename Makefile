@@ -44,12 +44,18 @@ train: $(STAMP)
 
 # one pytest worker per core (at most 4), a test file per worker: the compiles are single-threaded
 PARALLEL := -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder
+# A run ends: a test that crashes its worker fails once, by name, and one that hangs ends its worker after
+# 600 s (tests/conftest.py; docs/testing.md, "A suite that ends"). TEST_TIMEOUT (seconds, 0: none) bounds
+# the whole run too, for a hang outside any test (where coreutils' timeout is installed).
+TEST_TIMEOUT ?= 3600
+PYTEST = $(if $(shell command -v timeout),timeout --foreground --kill-after=60 $(TEST_TIMEOUT)) $(BIN)/python -m pytest
+TIMED_OUT = || { s=$$?; [ $$s -ne 124 ] || echo "make $@: stopped after TEST_TIMEOUT=$(TEST_TIMEOUT) s"; exit $$s; }
 
 test: $(TESTS) $(TARGETS)
-	$(BIN)/python -m pytest -q $(PARALLEL)
+	$(PYTEST) -q $(PARALLEL) $(TIMED_OUT)
 
 test-all: $(TESTS) $(TARGETS)
-	$(BIN)/python -m pytest -q $(PARALLEL) -m ""
+	$(PYTEST) -q $(PARALLEL) -m "" $(TIMED_OUT)
 
 notebooks: $(NOTEBOOKS)
 	@echo "open them with: $(BIN)/jupyter lab notebooks/  (figures they save go to notebooks/*.png, git-ignored)"

@@ -42,6 +42,11 @@ seen in a DiLoCo test when other jobs loaded the machine too (twice, both while 
 beside other work), so the rendezvous may wait 300 s before XLA aborts
 (``--xla_cpu_collective_call_terminate_timeout_seconds=300``): a starved device thread gets
 there late; a real deadlock still ends in the abort, later.
+
+A run ends (docs/testing.md, "A suite that ends"): a test that runs longer than :data:`TEST_TIMEOUT` ends its
+process with every thread's stack, and under ``--dist loadfile`` a test whose worker died is reported once and
+not run again (:func:`pytest_xdist_make_scheduler`). A test's own loop of steps waits for each one: XLA:CPU
+deadlocks when the host dispatches dozens of 8-device programs ahead of the device threads (issue 87).
 """
 import atexit
 import os
@@ -105,6 +110,75 @@ def share_of(nodeid: str, n: int) -> int:
 def tier_of(item) -> str:
     """``fast`` (``make test``), ``slow`` (CI, every run) or ``exhaustive`` (CI, one share a run)."""
     return next((m for m in ("slow", "exhaustive") if item.get_closest_marker(m)), "fast")
+
+
+# --- a crash or a hang ends as a failure that names the test (docs/testing.md, "A suite that ends") ----------
+#: Seconds a test may run before its process writes every thread's Python stack and ends (exit status 1), so
+#: that a hang becomes a failure naming the test (under xdist: "worker 'gw1' crashed while running <test>"),
+#: not a run that waits without end. By tier: the fast tier's longest test takes ~20 s here, CI's ~440 s
+#: under coverage (docs/testing.md §3), each with room for a loaded machine; XLA:CPU aborts a stuck rendezvous
+#: after 300 s (above), before these. ``JAXPAR_TEST_TIMEOUT=S`` sets one limit for every tier (0: none);
+#: pytest's own ``-o faulthandler_timeout=S`` replaces it.
+TEST_TIMEOUT = {"fast": 600.0, "slow": 1800.0, "exhaustive": 1800.0}
+
+
+def timeout_of(item) -> float:
+    """The seconds ``item`` may run (0: no limit)."""
+    if os.environ.get("JAXPAR_TEST_TIMEOUT"):
+        return float(os.environ["JAXPAR_TEST_TIMEOUT"])
+    return TEST_TIMEOUT[tier_of(item)]
+
+
+class _TestTimeout:
+    """Arms :mod:`faulthandler` for each test (:func:`timeout_of`), writing to the stderr pytest keeps for it."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        import faulthandler
+        from _pytest.faulthandler import fault_handler_stderr_fd_key, get_timeout_config_value
+        limit, fd = timeout_of(item), item.config.stash.get(fault_handler_stderr_fd_key, None)
+        if limit <= 0 or fd is None or get_timeout_config_value(item.config) > 0:
+            return (yield)
+        faulthandler.dump_traceback_later(limit, exit=True, file=fd)
+        try:
+            return (yield)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_TestTimeout(), "jaxpar-test-timeout")
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` (``make test``, ``.ci/run``): xdist's own scheduler, except that a test whose worker
+    died is not run again.
+
+    xdist reports that test failed ("worker 'gw1' crashed while running ...") and hands the rest of its file to
+    another worker, a new one replacing the dead one, but with the crashed test still among those to run: a
+    test that crashes every time ran again in each replacement worker, up to ``--max-worker-restart`` (4 per
+    worker) times, and one that XLA aborts at its rendezvous timeout (issue 87) kept the workers idle 300 s a
+    time. Here the file's other tests still run, the crashed one once."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileRunOnce(LoadFileScheduling):
+        def remove_node(self, node):
+            # xdist's remove_node, but the crashed test is marked done before the rest goes back in the queue
+            workload = self.assigned_work.pop(node)
+            pending = [(scope, nodeid) for scope, unit in workload.items() for nodeid, done in unit.items() if not done]
+            if not pending:
+                return None
+            scope, crashed = pending[0]             # the first test a worker has not finished is the one it ran
+            workload[scope][crashed] = True
+            self.workqueue.update((s, unit) for s, unit in workload.items() if not all(unit.values()))
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
+
+    return LoadFileRunOnce(config, log)
 
 
 def pytest_report_header(config):

@@ -53,7 +53,14 @@ def test_estimate_matches_analytic_noise_scale_of_linear_regression():
 
     The step runs on DP8 with a learning rate of 0 (``δ`` stays fixed) and fresh batches of 64
     (``B_small = 8``), measuring every step; after 200 draws the bias-corrected moving averages
-    (decay 0.995) give the estimate."""
+    (decay 0.995) give the estimate.
+
+    Each step's metrics are waited for before the next step is dispatched (``jaxpar.run.train`` bounds the
+    steps in flight likewise: ``max_inflight``). Without the wait, when the device threads fall behind (a
+    loaded machine), the host runs dozens of steps ahead until a device's launch waits for XLA:CPU's limit of
+    computations in flight, holding one of the 8 threads of the client's pool: the step it waits for cannot
+    run all 8 of its devices, and XLA aborted the worker at the rendezvous timeout (issue 87; docs/testing.md,
+    "A suite that ends")."""
     d, sigma2, batch, steps = 8, 1.0, 64, 200
     w_star = np.ones(d, np.float32) / np.sqrt(d)              # w = 0: |δ|² = |w*|² = 1
     analytic = (d * (1.0 + sigma2) + 1.0) / 1.0
@@ -67,6 +74,7 @@ def test_estimate_matches_analytic_noise_scale_of_linear_regression():
         x = rng.normal(size=(batch, d)).astype(np.float32)
         y = (x @ w_star + np.sqrt(sigma2) * rng.normal(size=batch)).astype(np.float32)
         state, metrics = step(state, jaxpar.shard_batch({"x": x, "y": y}, mesh))
+        jax.block_until_ready(metrics)
     estimate = float(metrics["noise_scale"])
     assert abs(estimate / analytic - 1) < 0.10, (estimate, analytic)
     assert abs(float(metrics["noise_grad_sq"]) - 1.0) < 0.15               # |G|² = |δ|² = 1
