@@ -11,6 +11,7 @@ import shlex
 import pytest
 
 from jaxpar.cli import main
+from jaxpar.config import load_config
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -91,6 +92,9 @@ def test_plan_overrides_paste_and_write_a_config_check_accepts(capsys, tmp_path)
     assert "selective" not in table and f"wrote    {out}: {ranked[1]['plan']}" in table
     assert main(["check", str(out), "--target", "h100:1x8"]) == 0
     capsys.readouterr()
+    written = out.read_text()                  # the keys off jaxpar's defaults; the run is the new file's
+    assert len(written.splitlines()) < 60 and "out_dir" not in written and "gpt124m" not in written.split("\n", 1)[1]
+    assert load_config(out).train.out_dir == "runs/plan"
     assert main(args + ["--write", str(out)]) == 2
     assert "the file exists; jaxpar never overwrites a file" in capsys.readouterr().err
 

@@ -65,9 +65,23 @@ def write_plan_config(path: str, config: str, overrides: Sequence[str], plan: An
     out = Path(path)
     if out.exists():
         raise ConfigError(f"--write {path}: the file exists; jaxpar never overwrites a file. Choose another path.")
-    cfg = load_config(config, [*overrides, *plan_overrides(plan)])
-    out.write_text(f"# jaxpar plan's {plan.name()}: {config} {' '.join(overrides)}\n{to_yaml(cfg)}")
+    cfg = _own_run(load_config(config, [*overrides, *plan_overrides(plan)]))
+    out.write_text(f"# jaxpar plan's {plan.name()}: {config} {' '.join(overrides)}\n"
+                   f"# the keys that differ from jaxpar's defaults\n{to_yaml(cfg, defaults=False)}")
     return f"wrote    {shown_path(out)}: {plan.name()} (jaxpar check {shown_path(out)})"
+
+
+def _own_run(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with its name, run directory and checkpoint directory left to the file it is written to, where they
+    are the ones the source's name gave it."""
+    import dataclasses
+    from pathlib import Path
+
+    train, ckpt = cfg.train, cfg.checkpoint
+    out_dir = "" if train.out_dir == f"runs/{cfg.name}" else train.out_dir
+    ckpt_dir = "" if ckpt.dir == str(Path(train.out_dir) / "checkpoints") else ckpt.dir
+    return dataclasses.replace(cfg, name="", train=dataclasses.replace(train, out_dir=out_dir),
+                               checkpoint=dataclasses.replace(ckpt, dir=ckpt_dir))
 
 
 def config_check(config: str, overrides: Sequence[str], model: Any, devices: Sequence[Any], target: Any,

@@ -290,12 +290,14 @@ def _without(layer: Mapping, keys: Sequence[str]) -> dict:
     return out
 
 
-def to_yaml(cfg: JobConfig) -> str:
+def to_yaml(cfg: JobConfig, *, defaults: bool = True) -> str:
     """The resolved config as YAML (loadable again with :func:`load_config`); the ``model`` section
     holds the GPT's keys, the user model's or those beside ``model.hf``, not several.
 
     Args:
       cfg: a resolved config.
+      defaults: write every key; ``False``: only those whose value is not the schema's default (the file
+        loads to the same config).
 
     Returns:
       The YAML text.
@@ -303,4 +305,18 @@ def to_yaml(cfg: JobConfig) -> str:
     data, m = OmegaConf.to_container(OmegaConf.structured(cfg)), cfg.model
     keep = HF_MODEL_KEYS if m.hf is not None else ("name", *(USER_MODEL_KEYS if m.target is not None else GPT_KEYS))
     data["model"] = {k: v for k, v in data["model"].items() if k in keep}
+    if not defaults:
+        data = _changed(data, OmegaConf.to_container(OmegaConf.structured(JobConfig())))
     return OmegaConf.to_yaml(data)
+
+
+def _changed(data: dict, default: dict) -> dict:
+    """The entries of ``data`` whose value is not ``default``'s (sections compared key by key)."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value and isinstance(default.get(key), dict):
+            if inner := _changed(value, default[key]):
+                out[key] = inner
+        elif key not in default or value != default[key]:
+            out[key] = value
+    return out
