@@ -25,19 +25,21 @@ def _count(monkeypatch, cls, name: str = "__post_init__") -> list:
 
 
 def test_check_and_build_job_build_each_object_once(monkeypatch):
-    """``jaxpar train``'s order: load_config checks, the devices' check, then build_job: one Strategy, one
-    GPTConfig and one batch ramp (the job's ramp is its own copy of the checked one)."""
+    """``jaxpar train``'s order: the config loaded unchecked, checked once on the devices, and what the check
+    built handed to build_job: one Strategy, one GPTConfig and one batch ramp (the job's ramp is its own copy
+    of the checked one). Nothing is kept on the config: a second check builds them again."""
     from jaxpar.models._gpt import GPTConfig
     from jaxpar.run._ramp import BatchRamp
     from jaxpar.strategy import Strategy
 
     counts = {cls.__name__: _count(monkeypatch, cls) for cls in (Strategy, GPTConfig, BatchRamp)}
-    cfg = load_config(QUICK, [*SMALL, "data.batch_ramp={sizes: [8, 16], steps: [0, 2]}"])
-    check(cfg, num_devices=8)
-    job = build_job(cfg, data=True)
+    cfg = load_config(QUICK, [*SMALL, "data.batch_ramp={sizes: [8, 16], steps: [0, 2]}"], checked=False)
+    made = check(cfg, num_devices=8)
+    job = build_job(cfg, data=True, made=made)
     assert {k: len(v) for k, v in counts.items()} == {"Strategy": 1, "GPTConfig": 1, "BatchRamp": 1}
-    assert job.ramp is not check(cfg).ramp and job.ramp == check(cfg).ramp
-    assert job.strategy is check(cfg).strategy
+    assert job.ramp is not made.ramp and job.ramp == made.ramp
+    assert job.strategy is made.strategy
+    assert check(cfg).strategy is not made.strategy and "_built" not in vars(cfg)
 
 
 def test_train_with_muon_traces_the_model_once(tmp_path, monkeypatch, capsys):

@@ -141,6 +141,11 @@ def test_a_batched_gather_reads_its_indexed_dimension_whole_in_a_stage():
         assert constraints(post) == 1 and constraints(labels) == 1
         with collect_metrics() as found:       # what the loss reports comes out of the rewrite
             assert constraints(reporting) == 1
+    whole = (("batch", "data"), ("length", None), ("vocab", None))
+    with jaxpar.use_rules(mesh, whole):      # a whole vocabulary: jaxpar's loss picks the targets by a gather,
+        own = lambda logits, t: jaxpar.parallel.cross_entropy(logits, t)   # noqa: E731
+        assert "gather" in str(jax.make_jaxpr(own)(*_logp_and_targets()))
+        assert constraints(own) == 0     # inside its custom derivative: left as it is, neither pinned nor refused
     assert list(found) == ["fit/logp_mean"]
     assert constraints(post) == 0        # no rules: one device
 

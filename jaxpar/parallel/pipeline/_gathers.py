@@ -14,8 +14,10 @@ gather and an all-reduce over ``tensor``); inside a pipeline stage, a ``shard_ma
 constrained whole along the dimensions it indexes (its other dimensions left to XLA): the gather is
 then split by its batch dimensions only, and the all-gather of the vocabulary before it is what a head
 annotated ``("embed", None)`` would hold anyway. The values are the same; only the layout of that
-operand changes. A batched gather inside a transformation it cannot rewrite (a ``lax.scan``,
-``lax.cond``, ``custom_jvp`` ...) is refused by name, before anything compiles.
+operand changes. A batched gather inside control flow it cannot rewrite (a ``lax.scan``, ``lax.cond``,
+``while_loop``) is refused by name, before anything compiles; one inside a function with a custom derivative
+(``custom_jvp`` / ``custom_vjp``) is left as its author wrote it (:func:`jaxpar.parallel.cross_entropy` gathers
+only where the vocabulary is whole).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def whole_indexed_dims(fn: Callable, part: str) -> Callable:
 
     Raises:
       PipelineCutError: a batched gather inside a ``lax.scan`` / ``lax.cond`` / ``while_loop`` /
-        ``custom_jvp`` / ``custom_vjp`` or another transformation other than ``jit`` and ``checkpoint``.
+        or another transformation other than ``jit``, ``checkpoint`` and a custom derivative.
     """
     def run(*args):
         ctx = current_rules()
@@ -73,10 +75,16 @@ def _batched(eqn) -> bool:
     return eqn.primitive is prims.gather_p and bool(eqn.params["dimension_numbers"].operand_batching_dims)
 
 
+def _custom(eqn) -> bool:
+    """Whether ``eqn`` calls a function with a custom derivative: its gathers are its author's to lay out
+    (:func:`jaxpar.parallel.cross_entropy` gathers only a whole vocabulary)."""
+    return eqn.primitive.name.startswith("custom_")
+
+
 def _has_batched_gather(jaxpr) -> bool:
-    """Whether ``jaxpr`` or a jaxpr nested in it holds a batched gather."""
-    return any(_batched(eqn) or any(_has_batched_gather(getattr(sub, "jaxpr", sub))
-                                    for sub in core.jaxprs_in_params(eqn.params))
+    """Whether ``jaxpr`` or a jaxpr nested in it, outside a custom derivative, holds a batched gather."""
+    return any(_batched(eqn) or not _custom(eqn) and any(_has_batched_gather(getattr(sub, "jaxpr", sub))
+                                                          for sub in core.jaxprs_in_params(eqn.params))
                for eqn in jaxpr.eqns)
 
 
@@ -98,7 +106,7 @@ def _eval(jaxpr, consts, args, mesh, part: str) -> list:
         if _batched(eqn):
             ins[0] = _whole(ins[0], tuple(eqn.params["dimension_numbers"].start_index_map), mesh)
             outs = [eqn.primitive.bind(*ins, **eqn.params)]
-        elif not any(_has_batched_gather(sub) for sub in nested):
+        elif not any(_has_batched_gather(sub) for sub in nested) or _custom(eqn):
             outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
             outs = outs if eqn.primitive.multiple_results else [outs]
         elif eqn.primitive in (prims.jit_p, prims.closed_call_p):
