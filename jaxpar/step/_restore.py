@@ -104,17 +104,39 @@ class RestorePolicy:
     start: Callable[[Any, Any], Any] | None = None
 
     def record(self, layout: Any) -> dict | None:
-        """The ``<name>_layout`` record of ``layout`` (a :class:`~jaxpar.step.StateLayout`), or ``None``."""
+        """The part's layout record.
+
+        Args:
+          layout: the state's :class:`~jaxpar.step.StateLayout`.
+
+        Returns:
+          The ``<name>_layout`` record, or ``None`` (none kept, or the layout has no such part).
+        """
         if self.records is None or not jax.tree.leaves(layout.part(self.name).shapes):
             return None
         return self.records(layout)
 
     def describe(self, record: dict | None) -> str:
-        """A ``<name>_layout`` record in words, or ``"an unrecorded layout"``."""
+        """A layout record in words.
+
+        Args:
+          record: a ``<name>_layout`` record, or ``None``.
+
+        Returns:
+          The words, or ``"an unrecorded layout"``.
+        """
         return self.words(record) if record else "an unrecorded layout"
 
     def same_layout(self, old: dict, new: dict) -> bool:
-        """Whether the values saved for record ``old`` belong where record ``new`` reads them."""
+        """Whether the values saved for one layout belong where another reads them.
+
+        Args:
+          old: the checkpoint's ``<name>_layout`` record.
+          new: the target's.
+
+        Returns:
+          True when the entries that place the values (``layout_keys``) agree.
+        """
         return old == new if self.layout_keys is None else all(old.get(k) == new.get(k) for k in self.layout_keys)
 
     def plan(self, meta: dict, abstract_part: Any, target: Any, where: str) -> PartPlan:
