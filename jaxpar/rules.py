@@ -221,6 +221,30 @@ def named_shardings(spec_tree: Any, mesh) -> Any:
 
 
 @contextlib.contextmanager
+def scoped_kernel(var: contextvars.ContextVar, value: Any) -> Iterator[Any]:
+    """:func:`scoped` for a setting that changes what a function traces to (a kernel's choice): JAX's caches are
+    cleared on the way in and out when ``value`` is not the current one, so a traced program does not keep the
+    other setting's kernel.
+
+    Args:
+      var: the context variable to set.
+      value: its value inside the block.
+
+    Yields:
+      ``value``.
+    """
+    changed = value != var.get()
+    if changed:
+        jax.clear_caches()
+    try:
+        with scoped(var, value):
+            yield value
+    finally:
+        if changed:
+            jax.clear_caches()
+
+
+@contextlib.contextmanager
 def scoped(var: contextvars.ContextVar, value: Any) -> Iterator[Any]:
     """Set the context variable ``var`` to ``value`` inside the block, and back to what it was after.
 

@@ -51,7 +51,7 @@ from jaxpar.adapters._blocks import ATTENTION_RESIDUALS
 from jaxpar.errors import AttentionError
 from jaxpar.parallel._regions import keep_axes, region_axes, region_spec
 from jaxpar.parallel.context import flash_attention, flash_tile, fused_ring_problem
-from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, scoped, shard_map_mesh
+from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, scoped, scoped_kernel, shard_map_mesh
 
 #: The settings of :func:`use_attention_kernel`.
 KERNELS = ("auto", "cudnn", "pallas", "xla")
@@ -90,15 +90,8 @@ def use_attention_kernel(kernel: str = "auto") -> Iterator[str]:
     if kernel not in KERNELS:
         raise AttentionError(f"use_attention_kernel: kernel={kernel!r} is not an attention kernel; choose one of "
                              f"{KERNELS} ('auto': cuDNN or Pallas on a GPU where they apply, XLA elsewhere).")
-    changed = kernel != _SETTING.get()
-    if changed:
-        jax.clear_caches()
-    try:
-        with scoped(_SETTING, kernel):
-            yield kernel
-    finally:
-        if changed:
-            jax.clear_caches()
+    with scoped_kernel(_SETTING, kernel):
+        yield kernel
 
 
 _COUNTS: contextvars.ContextVar = contextvars.ContextVar("jaxpar_attention_counts", default=None)

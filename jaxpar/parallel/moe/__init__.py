@@ -5,6 +5,8 @@
 - :mod:`jaxpar.parallel.moe._dispatch`: the dense capacity dispatch, and EP (two ``all_to_all`` over ``expert``
   in a ``shard_map``) when the rules shard the ``experts`` logical axis; the experts' MLPs, plain
   ``act(x w1) w2`` or gated ``(act(x w1) * (x w3)) w2`` (SwiGLU with ``activation="silu"``).
+- :mod:`jaxpar.parallel.moe._grouped`: the experts' GEMMs as grouped Pallas Triton kernels on a GPU mesh
+  (:func:`use_moe_kernel` picks them or the tile loop).
 - :mod:`jaxpar.parallel.moe._layer`: :func:`moe_apply` (a pure function of a parameter dict) and :class:`MoE`.
 - :mod:`jaxpar.parallel.moe._balance`: inside a train step each layer reports its load and balances with
   the whole step's (micro-batches, pipelines), with nothing in the user's loss.
@@ -28,6 +30,7 @@ every sharded run equals, drops included (capacity is per batch row, which no st
 """
 from jaxpar.parallel.moe._dispatch import (ACTIVATIONS, DROPLESS_SEND_FACTOR, TILE_ROWS, activation_fn, dispatch_combine, expert_rules,
                                          routed_mlp, send_rows, tile_rows)
+from jaxpar.parallel.moe._grouped import MOE_KERNELS, current_moe_kernel, use_moe_kernel
 from jaxpar.parallel.moe._balance import (LAYER_LOADS, Balance, Probe, balanced, prepass_loads, probe, reported_loads,
                                           use_router_bias, use_step_loads)
 from jaxpar.parallel.moe._layer import (MOE_LOGICAL, MoE, MoECalls, count_moe_calls, moe_apply, need_router_bias,
@@ -42,7 +45,7 @@ __all__ = [
     "count_moe_calls", "use_step_loads", "LAYER_LOADS", "router_bias", "use_router_bias",
     "need_router_bias", "reported_loads", "Balance", "Probe", "balanced", "prepass_loads", "probe",
     "buffer_slots", "capacity", "check_options", "dispatch_combine", "expert_rules", "routed_mlp", "send_rows",
-    "TILE_ROWS", "tile_rows", "DROPLESS_SEND_FACTOR",
+    "TILE_ROWS", "tile_rows", "DROPLESS_SEND_FACTOR", "MOE_KERNELS", "current_moe_kernel", "use_moe_kernel",
     "load_balancing_loss", "load_cv", "moe_apply", "route", "routing_stats", "shared_mlp",
     "top_k_experts", "update_router_bias",
 ]

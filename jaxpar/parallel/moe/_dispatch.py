@@ -9,6 +9,12 @@ scatter-adds ``weight · y`` back into the tokens. The loop runs only the tiles 
 to a tile. No row buffer is built: the forward saves only the experts' pre-activations, in the sorted
 layout (``[N·k, M]``, ``[N·k, 2M]`` gated), and the backward (a custom VJP) walks the same tiles.
 
+**On a GPU mesh** the same tiles run as grouped GEMMs (:mod:`jaxpar.parallel.moe._grouped`, Pallas Triton):
+each tile is laid out at ``t·tile`` of a padded row array (its rows past its expert's end zero), and each
+of the experts' GEMMs is one kernel over all tiles, the tile table on the device: 2 calls forward (3 gated),
+4 backward (6 gated), no loop. The CPU and TPU run the tile loop, the reference the grouped kernels are
+tested against; :func:`~jaxpar.parallel.moe.use_moe_kernel` picks either.
+
 **Expert parallelism** (the rules shard ``experts``: :func:`expert_rules`): in a ``jax.shard_map``
 manual over the token axes and the expert axes, each device sends the per-expert counts (``E`` int32)
 with one ``all_to_all``, then in rounds packs its kept choices by destination peer into ``[E_p, S, D]``
@@ -45,6 +51,8 @@ from jax.sharding import PartitionSpec
 from jaxpar.mesh import EXPERT
 from jaxpar.parallel._regions import enter, mesh_platform, reduce_dtype, region_axes, region_spec, spec_entry
 from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, shard_map_mesh
+from jaxpar.parallel.moe._grouped import (LOOP, Groups, Kernel, choose_moe_kernel, grouped_mlp_backward,
+                                          grouped_mlp_forward)
 from jaxpar.parallel.moe._routing import MoEError
 
 #: The experts' activations by name: ``gelu`` is ``jax.nn.gelu`` (its default, tanh-approximate), ``silu``
@@ -169,24 +177,45 @@ def _hidden(pre, act, gated: bool):
     return act(a) * b
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _routed(x, rows, weight, expert, ws, tile, activation, mlp_axes=()):
-    return _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, save=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _routed(x, rows, weight, expert, ws, tile, activation, mlp_axes=(), kernel=LOOP):
+    return _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, save=False, kernel=kernel)[0]
 
 
-def _routed_fwd(x, rows, weight, expert, ws, tile, activation, mlp_axes=()):
-    return _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, save=True)
+def _routed_fwd(x, rows, weight, expert, ws, tile, activation, mlp_axes=(), kernel=LOOP):
+    return _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, save=True, kernel=kernel)
 
 
-def _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, *, save: bool, unique: bool = False):
-    """The tile loop of :func:`routed_mlp`; with ``save``, the pre-activations the backward reads, too.
-    ``mlp_axes``: manual axes splitting the experts' ``M`` (tensor parallelism): ``y`` is summed over them.
-    ``unique``: each row has one choice, so ``y`` is written in ``x``'s dtype, else summed in float32."""
-    w1, w2, w3 = ws
-    act, E, M = activation_fn(activation), w1.shape[0], w1.shape[-1]
-    order, used, *table = _tiles(expert, E, tile)
+def _padded(table, used, tile: int, srows, sweight):
+    """The grouped kernels' padded layout (:mod:`jaxpar.parallel.moe._grouped`): tile ``t`` at rows
+    ``t·tile ..``. Per padded row: its row of ``x``, its weight, its sorted position and whether it holds a choice."""
+    e, first, end = table
+    at = first[:, None] + jnp.arange(tile)
+    valid = ((at < end[:, None]) & (jnp.arange(e.shape[0])[:, None] < used)).reshape(-1)
+    at = jnp.where(valid, at.reshape(-1), 0)
+    return srows[at], jnp.where(valid, sweight[at], 0.0), at, valid
+
+
+def _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, *, save: bool, unique: bool = False,
+             kernel: Kernel = LOOP):
+    """The routed experts of :func:`routed_mlp` (the tile loop, or the grouped ``kernel``); with ``save``, the
+    pre-activations the backward reads, too. ``mlp_axes``: manual axes splitting the experts' ``M`` (tensor
+    parallelism): ``y`` is summed over them. ``unique``: each row has one choice, so ``y`` is written in
+    ``x``'s dtype, else summed in float32."""
+    order, used, *table = _tiles(expert, ws[0].shape[0], tile)
     srows, sweight = _sorted(rows, order, tile), _sorted(weight.astype(jnp.float32), order, tile)
-    pre0 = jnp.zeros((rows.shape[0] + tile if save else 0, M * (1 + (w3 is not None))), x.dtype)
+    y0 = jnp.zeros(x.shape, x.dtype if unique else jnp.float32)
+    run = _grouped_forward if kernel.grouped else _loop_forward
+    y, pre = run(x, y0, srows, sweight, used, table, ws, tile, activation, save, kernel)
+    y = jax.lax.psum(y, mlp_axes) if mlp_axes else y
+    return y.astype(x.dtype), (x, rows, weight, expert, ws, order, used, table, pre)
+
+
+def _loop_forward(x, y, srows, sweight, used, table, ws, tile, activation, save, kernel):
+    """The tile loop: ``y`` plus each tile's weighted expert output, and (``save``) the sorted pre-activations."""
+    w1, w2, w3 = ws
+    act, M = activation_fn(activation), w1.shape[-1]
+    pre0 = jnp.zeros((srows.shape[0] if save else 0, M * (1 + (w3 is not None))), x.dtype)
 
     def body(t, carry):
         y, pre = carry
@@ -196,24 +225,58 @@ def _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, *, save: b
         y = y.at[r].add((yt * jnp.where(valid, w, 0.0)[:, None]).astype(y.dtype))
         return y, jax.lax.dynamic_update_slice_in_dim(pre, p, first, 0) if save else pre
 
-    y, pre = jax.lax.fori_loop(0, used, body, (jnp.zeros(x.shape, x.dtype if unique else jnp.float32), pre0))
-    y = jax.lax.psum(y, mlp_axes) if mlp_axes else y
-    return y.astype(x.dtype), (x, rows, weight, expert, ws, order, used, table, pre)
+    return jax.lax.fori_loop(0, used, body, (y, pre0))
 
 
-def _routed_bwd(tile, activation, mlp_axes, res, g):
+def _gathered(v, token, valid):
+    """``v[token]`` with zero rows where ``valid`` is False."""
+    return jnp.where(valid[:, None], v[token], 0).astype(v.dtype)
+
+
+def _grouped_forward(x, y, srows, sweight, used, table, ws, tile, activation, save, kernel):
+    """The grouped kernels on the padded rows: ``y`` plus the weighted outputs, and (``save``) the padded
+    pre-activations."""
+    token, wp, _, valid = _padded(table, used, tile, srows, sweight)
+    groups = Groups.of(table[0], used, ws[0].shape[0])
+    yp, pre = grouped_mlp_forward(_gathered(x, token, valid), ws, groups, activation_fn(activation), tile=tile,
+                                  interpret=kernel.interpret)
+    y = y.at[token].add(jnp.where(valid[:, None], yp.astype(jnp.float32) * wp[:, None], 0.0).astype(y.dtype))
+    return y, pre if save else None
+
+
+def _routed_bwd(tile, activation, mlp_axes, kernel, res, g):
     # a manual region divides the cotangent of an output unsplit over an axis by its size and sums its
     # inputs' cotangents over it: the transpose of the forward's sum over ``mlp_axes`` is a sum
     g = jax.lax.psum(g, mlp_axes) if mlp_axes else g
     x, weight, ws = res[0], res[2], res[4]
-    dx, dweight, dws = _backward(res, g, tile, activation)
+    dx, dweight, dws = _backward(res, g, tile, activation, kernel=kernel)
     return (dx.astype(x.dtype), None, dweight.astype(weight.dtype), None,
             tuple(None if d is None else d.astype(w.dtype) for d, w in zip(dws, ws)))
 
 
-def _backward(res, g, tile: int, activation: str, unique: bool = False):
-    """The tile loop's backward from the forward's residuals and the output's cotangent ``g``:
-    ``(dx, dweight, (dw1, dw2, dw3))``, float32 (``dx`` in ``x``'s dtype when ``unique``, as :func:`_forward`)."""
+def _backward(res, g, tile: int, activation: str, unique: bool = False, kernel: Kernel = LOOP):
+    """The backward from the forward's residuals and the output's cotangent ``g`` (the tile loop, or the grouped
+    ``kernel``): ``(dx, dweight, (dw1, dw2, dw3))``, float32 (``dx`` in ``x``'s dtype when ``unique``, as
+    :func:`_forward`)."""
+    return (_grouped_backward if kernel.grouped else _loop_backward)(res, g, tile, activation, unique, kernel)
+
+
+def _grouped_backward(res, g, tile: int, activation: str, unique: bool, kernel: Kernel):
+    """:func:`_backward` by the grouped kernels on the padded rows."""
+    x, rows, weight, expert, ws, order, used, table, pre = res
+    srows, sweight = _sorted(rows, order, tile), _sorted(weight.astype(jnp.float32), order, tile)
+    token, wp, at, valid = _padded(table, used, tile, srows, sweight)
+    groups = Groups.of(table[0], used, ws[0].shape[0])
+    dxp, dwp, dws = grouped_mlp_backward(_gathered(x, token, valid), _gathered(g, token, valid), wp, pre, ws,
+                                         groups, activation_fn(activation), tile=tile, interpret=kernel.interpret)
+    dx = jnp.zeros(x.shape, x.dtype if unique else jnp.float32)
+    dx = dx.at[token].add(jnp.where(valid[:, None], dxp, 0.0).astype(dx.dtype))
+    dweight = jnp.zeros(weight.shape, jnp.float32).at[order[at]].add(jnp.where(valid, dwp, 0.0))
+    return dx, dweight, dws
+
+
+def _loop_backward(res, g, tile: int, activation: str, unique: bool, kernel: Kernel):
+    """:func:`_backward` by the tile loop."""
     x, rows, weight, expert, (w1, w2, w3), order, used, table, pre = res
     act, gated = activation_fn(activation), w3 is not None
     srows, sweight = _sorted(rows, order, tile), _sorted(weight.astype(jnp.float32), order, tile)
@@ -251,7 +314,8 @@ _routed.defvjp(_routed_fwd, _routed_bwd)
 def routed_mlp(x: jax.Array, rows: jax.Array, weight: jax.Array, expert: jax.Array, w1: jax.Array, w2: jax.Array,
                w3: jax.Array | None = None, *, activation: str = "gelu", tile: int | None = None) -> jax.Array:
     """``y[rows[c]] += weight[c] * expert_{expert[c]}(x[rows[c]])`` over the choices ``c``, on one device's
-    rows (see the module docstring): the experts compute the routed rows only, in tiles.
+    rows (see the module docstring): the experts compute the routed rows only, in tiles, by the kernel that
+    :func:`~jaxpar.parallel.moe.use_moe_kernel` chooses on the default backend.
 
     Args:
       x: ``[R, D]`` rows.
@@ -266,17 +330,25 @@ def routed_mlp(x: jax.Array, rows: jax.Array, weight: jax.Array, expert: jax.Arr
     Returns:
       ``[R, D]``, ``x``'s dtype (accumulated in float32).
     """
-    return _routed(x, rows, weight, expert, (w1, w2, w3), tile or tile_rows(), activation)
+    tile = tile or tile_rows()
+    return _routed(x, rows, weight, expert, (w1, w2, w3), tile, activation, (), _kernel(None, tile, (w1,)))
 
 
 # ----------------------------------------------------------------- the layer's dispatch, local or expert parallel
 
-def _local_moe(x, expert, kept, weight, ws, *, activation: str, tile: int, mlp_axes=()):
+def _kernel(platform: str | None, tile: int, ws) -> Kernel:
+    """The kernel of the routed experts ``ws`` (local shapes) on ``platform`` (None: the default backend's)."""
+    return choose_moe_kernel(platform or jax.default_backend(), tile, ws[0].shape[1], ws[0].shape[2])
+
+
+def _local_moe(x, expert, kept, weight, ws, *, activation: str, tile: int, platform: str | None = None,
+               mlp_axes=()):
     """:func:`routed_mlp` over one device's tokens ``x[G, T, D]`` and their choices ``[G, T, k]``."""
     G, T, k = expert.shape
     rows = jnp.repeat(jnp.arange(G * T), k)
     e = jnp.where(kept, expert, ws[0].shape[0]).reshape(-1)
-    y = _routed(x.reshape(G * T, -1), rows, weight.reshape(-1), e, ws, tile, activation, mlp_axes)
+    y = _routed(x.reshape(G * T, -1), rows, weight.reshape(-1), e, ws, tile, activation, mlp_axes,
+                _kernel(platform, tile, ws))
     return y.reshape(x.shape)
 
 
@@ -290,14 +362,15 @@ class _EP(NamedTuple):
     tile: int
     activation: str
     mlp_axes: tuple[str, ...]
+    kernel: Kernel              # the routed experts' kernel
 
 
 def _ep_moe(x, expert, kept, weight, ws, *, axes: tuple[str, ...], peers: int, send: int, activation: str,
-            tile: int, mlp_axes=()):
+            tile: int, platform: str, mlp_axes=()):
     """Expert parallelism on one device's tokens ``x[G, T, D]`` (see the module docstring)."""
     G, T, k = expert.shape
     e = jnp.where(kept, expert, ws[0].shape[0] * peers).reshape(-1)
-    o = _EP(axes, peers, send, k, tile, activation, mlp_axes)
+    o = _EP(axes, peers, send, k, tile, activation, mlp_axes, _kernel(platform, tile, ws))
     return _exchange(x.reshape(G * T, -1), weight.reshape(-1), e, ws, o).reshape(x.shape)
 
 
@@ -374,7 +447,7 @@ def _round_forward(x, weight, ws, plan, r, o: _EP, *, save: bool):
     recv = _received(x, choice, valid, o)
     m = recv.shape[0]
     y, *res = _forward(recv, jnp.arange(m), jnp.ones(m, jnp.float32), local_e, ws, o.tile, o.activation,
-                       o.mlp_axes, save=save, unique=True)
+                       o.mlp_axes, save=save, unique=True, kernel=o.kernel)
     back = _swap(y.reshape(o.peers, o.send, -1), o)
     return jnp.where(valid, weight[choice], 0.0).astype(back.dtype)[..., None] * back, choice // o.top_k, \
         res[0] if save else None
@@ -387,10 +460,11 @@ def _round_backward(x, weight, ws, plan, r, g, o: _EP, res=None):
     if res is None:
         recv = _received(x, choice, valid, o)
         res = _forward(recv, jnp.arange(recv.shape[0]), jnp.ones(recv.shape[0], jnp.float32), local_e, ws, o.tile,
-                       o.activation, o.mlp_axes, save=True, unique=True)[1]
+                       o.activation, o.mlp_axes, save=True, unique=True, kernel=o.kernel)[1]
     g_rows = _received(g, choice, valid, o)
     w_rows = _swap(jnp.where(valid, weight[choice], 0.0).astype(jnp.float32), o).reshape(-1)
-    dx_rows, dw_rows, dws = _backward((*res[:2], w_rows, *res[3:]), g_rows, o.tile, o.activation, unique=True)
+    dx_rows, dw_rows, dws = _backward((*res[:2], w_rows, *res[3:]), g_rows, o.tile, o.activation, unique=True,
+                                      kernel=o.kernel)
     dx_back = _swap(dx_rows.reshape(o.peers, o.send, -1), o)
     dw_back = _swap(dw_rows.reshape(o.peers, o.send), o)
     tokens = choice // o.top_k
@@ -492,7 +566,7 @@ def dispatch_combine(x: jax.Array, expert: jax.Array, slot: jax.Array, weight: j
     batch = _split_axes(mesh, rules, "batch", "MoE tokens ('batch' axis)")
     tokens = batch + tuple(a for a in ep if a not in batch)      # the group dimension's axes in the region
     seq = tuple(a for a in _split_axes(mesh, rules, "length", "MoE tokens ('length' axis)") if a not in tokens + ep)
-    local = dict(activation=activation, tile=tile_rows(mesh))
+    local = dict(activation=activation, tile=tile_rows(mesh), platform=mesh_platform(mesh))
     if not tokens + seq:
         return _local_moe(x, expert, kept, weight, (w1, w2, w3), **local)
     # the experts' M over the tensor axes stays split (a sum of y in the region), unless they split the tokens
