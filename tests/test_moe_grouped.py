@@ -21,12 +21,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import need_devices
 import jaxpar
-from jaxpar.analysis import dot_flops, while_trip_counts
-from jaxpar.analysis._moe_kernels import grouped_calls, grouped_flops, routing_loops
+from jaxpar.analysis import dot_flops, grouped_calls, grouped_flops, routing_loops, while_trip_counts
 from jaxpar.devices import parse_target, target_devices
 from jaxpar.errors import MoEError
 from jaxpar.parallel.moe import dispatch_combine, expert_rules, routed_mlp, send_rows, use_moe_kernel
 from jaxpar.parallel.moe._grouped import Kernel, choose_moe_kernel
+from jaxpar.plan import expert_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 E, ROWS, D, M, TILE = 4, 64, 32, 64, 16     # experts, routed choices (32 tokens x top-2), embed, hidden, tile
@@ -140,11 +140,16 @@ def test_a_gated_moe_layer_compiled_for_a_gpu_runs_three_grouped_kernels_forward
         args = (spec((G, T, d), dtype), spec((G, T, k), jnp.float32), spec((experts, d, m), dtype),
                 spec((experts, m, d), dtype), spec((experts, d, m), dtype), spec((G, T, k), jnp.int32))
         with jaxpar.use_rules(mesh, rules):
-            text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile().as_text()
+            compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile()
+        text = compiled.as_text()
         assert Counter(c.kernel for c in grouped_calls(text)) == {
             "moe_grouped_matmul": 3, "moe_grouped_matmul_t": 3, "moe_grouped_wgrad": 3}, dtype
         loops = [line for line in text.splitlines() if " while(" in line]       # searchsorted's: 4 trips
         assert routing_loops(text) == [] and len(loops) == len(while_trip_counts(text)), dtype
+    rows = G * T * k + experts * 128                  # what inspect's experts line says they compute
+    line = expert_lines(experts, k, G * T, mesh, compiled)[0]
+    assert (f"grouped kernels (Pallas Triton), 9 calls per device per step, no tile loop; they compute "
+            f"{9 * rows * 2 * d * m / 1e9:.3g} GFLOP at {rows:,} rows a call") in line, line
 
 
 def _two_layers(tmp_path, dense: bool) -> str:

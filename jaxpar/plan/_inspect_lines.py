@@ -355,8 +355,9 @@ def gather_lines(layout: Any, compiled: Any) -> list[str]:
 
 def expert_lines(experts: int, k: int, tokens: int, mesh: Any, compiled: Any) -> list[str]:
     """An MoE model's routed experts in the compiled step (jaxpar's GPT's or a Decoder's: the sorted dispatch of
-    :mod:`jaxpar.parallel.moe`): what their tile loops compute at most, against the routed rows' FLOPs and every
-    expert on every token's (docs/strategies.md, "The sorted dispatch").
+    :mod:`jaxpar.parallel.moe`): on a GPU the grouped kernels' calls and work, else what the tile loops compute at
+    most, against the routed rows' FLOPs and every expert on every token's (docs/strategies.md, "The sorted
+    dispatch").
 
     Args:
       experts: the experts.
@@ -368,16 +369,23 @@ def expert_lines(experts: int, k: int, tokens: int, mesh: Any, compiled: Any) ->
     Returns:
       The line, in a list.
     """
-    from jaxpar.analysis import tile_loop_flops
+    from jaxpar.analysis import grouped_calls, grouped_flops, tile_loop_flops
     from jaxpar.parallel.moe import tile_rows
-    sizes = dict(mesh.shape)
-    f0, per_trip = tile_loop_flops(compiled.as_text())
+    sizes, text = dict(mesh.shape), compiled.as_text()
+    f0, per_trip = tile_loop_flops(text)
     tile = tile_rows(mesh)
     tokens = tokens / math.prod(sizes.get(a, 1) for a in ("data", "fsdp", "expert", "context"))
     tiles = tokens * k / tile + experts / sizes.get("expert", 1)
-    routed = per_trip / tile * tokens * k
+    head = f"experts  {experts} experts, top-{k}:"
+
     def fl(x):
         return f"{x / 1e12:.3g} TFLOP" if x >= 1e12 else f"{x / 1e9:.3g} GFLOP"
-    return [f"experts  {experts} experts, top-{k}: the tile loops compute at most {fl(per_trip * tiles)} per device "
-            f"per step ({tiles:.0f} tiles of {tile} rows a loop); the routed rows are {fl(routed)}, every expert "
-            f"on every token would be {fl(routed * experts / k)}; the other GEMMs {fl(f0)}"]
+    if calls := grouped_calls(text):          # a GPU mesh: the grouped kernels, no tile loop
+        work = grouped_flops(text, tiles * tile)
+        return [f"{head} grouped kernels (Pallas Triton), {sum(c.runs for c in calls):.0f} calls per device per step, "
+                f"no tile loop; they compute {fl(work)} at {tiles * tile:,.0f} rows a call (the routed rows and a "
+                f"tile of each local expert); the other GEMMs {fl(f0)}"]
+    routed = per_trip / tile * tokens * k
+    return [f"{head} the tile loops compute at most {fl(per_trip * tiles)} per device per step ({tiles:.0f} tiles "
+            f"of {tile} rows a loop); the routed rows are {fl(routed)}, every expert on every token would be "
+            f"{fl(routed * experts / k)}; the other GEMMs {fl(f0)}"]
