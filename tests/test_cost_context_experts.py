@@ -438,3 +438,27 @@ def test_moe_layer_temporaries_match_the_compiled_steps(sizes):
     grads = 4 * sum(l.size / (plan.expert if "experts" in l.logical else 1) for l in model.leaves
                     if "layers" in l.logical) / model.layers
     assert abs(kept + grads - got) / got < 0.05, (got, kept + grads)
+
+
+def test_the_routed_experts_are_priced_as_each_compiler_runs_them():
+    """The GPU compiler's grouped kernel (one call over the local experts' rows, on its own assumed curve, plus a
+    launch), the CPU's and libtpu's tile loop (tiles of 128 rows at the small GEMM's efficiency, and on a GPU 8
+    launches a tile), the textbook's one batched GEMM."""
+    from jaxpar.cost._cluster import GROUPED_HALF_ROWS, LAUNCH_S
+    from jaxpar.cost._roofline import TILE_LAUNCHES, kernel_seconds, layer_kernels
+
+    plan, h100 = Plan(expert=4), H100
+    def fc1(lowering):
+        return next(k for k in layer_kernels(MOE, plan, 8, 2, moe=True, lowering=lowering) if k.name == "expert_fc1")
+    grouped, tiles, ideal = fc1("xla"), fc1("xla-cpu"), fc1("ideal")
+    assert (grouped.experts, tiles.experts, ideal.experts) == ("grouped", "tiles", "")
+    batch, rows, _, _ = grouped.shape
+    efficiency, memory = h100.efficiency * rows / (rows + GROUPED_HALF_ROWS), grouped.bytes / h100.stream_bandwidth
+    want = grouped.count * (max(grouped.flops / (h100.peak("bfloat16") * efficiency), memory) + LAUNCH_S)
+    assert kernel_seconds(grouped, h100, "bfloat16") == pytest.approx(want)
+    n = batch * rows / 128
+    per_tile = grouped.flops / n
+    want = tiles.count * (max(grouped.flops / (h100.peak("bfloat16") * h100.matmul_efficiency(per_tile)), memory)
+                          + n * TILE_LAUNCHES * LAUNCH_S)
+    assert kernel_seconds(tiles, h100, "bfloat16") == pytest.approx(want)
+    assert kernel_seconds(tiles, h100, "bfloat16") > kernel_seconds(grouped, h100, "bfloat16")

@@ -29,6 +29,12 @@ PLATFORMS = ("cuda", "tpu", "cpu")
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
 
 #: The fractions of a :class:`Cluster`, in order: ``(field, interval, what it is)``.
+#: Rows a group at which MoE's grouped-GEMM kernel reaches half of the cluster's ``efficiency``: assumed (the Triton
+#: blocks are 128 rows by 128 columns and untuned), until ``benchmarks/moe_gpu.py`` fits it on a GPU.
+GROUPED_HALF_ROWS = 256.0
+#: Seconds of one kernel launch on a GPU: a grouped call's, and each of a tile loop's fusions.
+LAUNCH_S = 10e-6
+
 _FRACTIONS = (("efficiency", "(0, 1]", "achieved / peak FLOP/s, e.g. 0.5"),
               ("attention_efficiency", "[0, 1]",
                "a flash attention kernel's achieved / peak FLOP/s; 0: the GEMMs' curve"),
@@ -92,6 +98,22 @@ class Cluster:
         if self.gemm_half_flops <= 0:
             return self.efficiency
         return self.efficiency * gemm_flops / (gemm_flops + self.gemm_half_flops)
+
+    def grouped_efficiency(self, group_rows: float) -> float:
+        """The fraction of the peak MoE's grouped-GEMM kernel reaches (:mod:`jaxpar.parallel.moe._grouped`, one
+        call over every local expert's rows): ``efficiency * r / (r + GROUPED_HALF_ROWS)`` at ``r`` rows a group.
+        Assumed, not fitted: no GPU has run ``benchmarks/moe_gpu.py`` (docs/planning.md §10).
+
+        Args:
+          group_rows: the rows of one expert's group, ``r``.
+
+        Returns:
+          The fraction of the peak reached.
+
+        >>> load_cluster("h100").grouped_efficiency(256)        # at the half point: half of 0.5
+        0.25
+        """
+        return self.efficiency * group_rows / (group_rows + GROUPED_HALF_ROWS)
 
     def flash_efficiency(self, gemm_flops: float) -> float:
         """The fraction of the peak a fused (flash) attention kernel reaches, per ``w`` FLOPs of one of its

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from jaxpar.cost._cluster import FP8, Cluster
-from jaxpar.cost._context_experts import expert_slots, fused_context, routed_rows, score_fraction
+from jaxpar.cost._cluster import FP8, LAUNCH_S, Cluster
+from jaxpar.cost._context_experts import EXPERT_TILE, expert_slots, fused_context, routed_rows, score_fraction
 from jaxpar.cost._device_bytes import half_per_layer
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import Plan
@@ -31,7 +31,12 @@ class Kernel:
     """``count`` launches of a kernel of ``flops`` FLOPs that reads and writes ``bytes`` bytes,
     run ``passes`` times per training step of one micro-batch (forward, backward, recomputation);
     a matmul's ``shape`` is ``(batch, m, k, n)``; ``flash``: one of a fused attention kernel's ``s²``
-    GEMMs, on the kernel's own efficiency curve (:meth:`~jaxpar.cost.Cluster.flash_efficiency`)."""
+    GEMMs, on the kernel's own efficiency curve (:meth:`~jaxpar.cost.Cluster.flash_efficiency`). ``experts``: how
+    MoE's routed experts run this batched matmul (:data:`EXPERT_KERNELS`): ``""`` one dense batched GEMM (the
+    textbook's), ``"grouped"`` one grouped-kernel call over the ``batch`` groups of ``m`` rows
+    (:meth:`~jaxpar.cost.Cluster.grouped_efficiency`, plus a launch), ``"tiles"`` the tile loop: ``batch * m /
+    EXPERT_TILE`` GEMMs of one tile each, at the small GEMM's efficiency, each with :data:`TILE_LAUNCHES`
+    launches on a GPU."""
 
     name: str
     flops: float
@@ -40,6 +45,15 @@ class Kernel:
     passes: int = 1
     shape: tuple = ()
     flash: bool = False
+    experts: str = ""
+
+
+#: How each lowering runs MoE's routed experts (:data:`jaxpar.cost._traffic.LOWERINGS`): the GPU compilers
+#: jaxpar's grouped kernels, the CPU's and libtpu the tile loop, the textbook and Megatron-LM one batched GEMM.
+EXPERT_KERNELS = {"xla": "grouped", "xla-cpu": "tiles", "xla-tpu": "tiles"}
+#: Launches of one tile of the tile loop on a GPU: its gather, GEMMs, activation, scatter-add and table updates
+#: (4 to 13 read in the compiled h100 step; issue 88).
+TILE_LAUNCHES = 8
 
 
 def matmul(name: str, batch: float, m: float, k: float, n: float, compute_bytes: float, *, count: int = 1,
@@ -124,7 +138,7 @@ def fp8_quantize_bytes(kernels: list[Kernel], covered: frozenset[str], recipe: s
 
 
 def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, moe: bool = False, *,
-                  fused_attention: bool = False) -> list[Kernel]:
+                  fused_attention: bool = False, lowering: str = "ideal") -> list[Kernel]:
     """The matmuls of one layer on one device for a micro-batch of ``rows`` sequences (docs/planning.md §4): the
     q, k, v projections (``qkv``, one launch per ``qkv_inputs``), the attention's ``scores`` and ``context``, the
     output projection (``proj``), the MLP's ``fc1`` (two launches gated: gate and up) and ``fc2``, or the experts'.
@@ -140,6 +154,7 @@ def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, m
         causal mask's upper half and its backward computes the scores again; a ring's or all-gather's flash
         blocks compute the scores and ``dO Vᵀ`` once more in the backward (its dQ and its dK/dV kernels
         each recompute them).
+      lowering: the program's lowering: how MoE's experts run (:data:`EXPERT_KERNELS`).
 
     Returns:
       The :class:`Kernel` list, ``passes`` set for training with ``plan.remat``.
@@ -157,7 +172,7 @@ def layer_kernels(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, m
     out += _attention_kernels(m, plan, heads, cb, attn, fused_attention)
     out.append(matmul("proj", 1, tokens, m.q_width / t, h, cb, passes=full))
     if moe:
-        return out + _moe_kernels(m, plan, rows, tokens, cb, full)
+        return out + _moe_kernels(m, plan, rows, tokens, cb, full, EXPERT_KERNELS.get(lowering, ""))
     return out + [matmul("fc1", 1, tokens, h, f / t, cb, count=m.mlp_inputs, passes=full),
                   matmul("fc2", 1, tokens, f / t, h, cb, passes=full)]
 
@@ -184,18 +199,20 @@ def _attention_kernels(m: ModelSpec, plan: Plan, heads: float, cb: float, attn: 
             matmul("context", heads / C, s, s, d, cb, passes=attn)]
 
 
-def _moe_kernels(m: ModelSpec, plan: Plan, rows: float, tokens: float, cb: float, full: int) -> list[Kernel]:
+def _moe_kernels(m: ModelSpec, plan: Plan, rows: float, tokens: float, cb: float, full: int,
+                 experts: str = "") -> list[Kernel]:
     """The MoE MLP's kernels on one device (docs/planning.md §10): the router, the experts' two GEMMs on the
-    routed rows (:func:`~jaxpar.cost._context_experts.routed_rows`, one batch per local expert), the rows'
-    gathers and scatter-adds (:func:`_expert_rows_bytes`) and the shared experts. The experts' backward
-    reads its saved pre-activations; any recomputation runs the first GEMM again for them (they are not
-    matmul outputs)."""
+    routed rows (:func:`~jaxpar.cost._context_experts.routed_rows`, one batch per local expert; ``experts``: how
+    they run, :attr:`Kernel.experts`), the rows' gathers and scatter-adds (:func:`_expert_rows_bytes`) and the
+    shared experts. The experts' backward reads its saved pre-activations; any recomputation runs the first
+    GEMM again for them (they are not matmul outputs)."""
     h, M, t, ep = m.hidden, m.expert_mlp, plan.tensor, plan.expert
     local, routed = m.experts / ep, routed_rows(m, rows, plan.context, ep)
     redo = plan.remat != "none"
     out = [matmul("router", 1, tokens, h, m.experts, cb, passes=full),
-           matmul("expert_fc1", local, routed / local, h, M / t, cb, count=m.mlp_inputs, passes=3 + redo),
-           matmul("expert_fc2", local, routed / local, M / t, h, cb, passes=3),
+           replace(matmul("expert_fc1", local, routed / local, h, M / t, cb, count=m.mlp_inputs, passes=3 + redo),
+                   experts=experts),
+           replace(matmul("expert_fc2", local, routed / local, M / t, h, cb, passes=3), experts=experts),
            Kernel("expert_rows", 0.0, _expert_rows_bytes(m, plan, rows, routed, cb), passes=3 + redo)]
     if m.shared_mlp:
         out += [matmul("shared_fc1", 1, tokens, h, m.shared_mlp / t, cb, count=m.mlp_inputs, passes=full),
@@ -229,10 +246,29 @@ def kernel_seconds(k: Kernel, cluster: Cluster, dtype: str) -> float:
     >>> kernel_seconds(Kernel("loss", 0.0, 3350e9), load_cluster("h100"), "bfloat16")
     1.0
     """
+    if k.experts:
+        return k.count * _expert_seconds(k, cluster, dtype)
     efficiency = cluster.flash_efficiency(k.flops) if k.flash else cluster.matmul_efficiency(k.flops)
     compute = k.flops / (cluster.peak(dtype) * efficiency) if k.flops > 0 else 0.0
     bw = cluster.stream_bandwidth
     return k.count * max(compute, k.bytes / bw if bw > 0 else 0.0)
+
+
+def _expert_seconds(k: Kernel, cluster: Cluster, dtype: str) -> float:
+    """One launch of MoE's routed experts' batched matmul ``k`` as :attr:`Kernel.experts` runs it: one grouped
+    call at the grouped kernel's efficiency for its rows a group, plus its launch (a GPU's); or the tile loop's
+    tiles, each a GEMM of :data:`~jaxpar.cost._context_experts.EXPERT_TILE` rows at the small GEMM's efficiency,
+    plus :data:`TILE_LAUNCHES` launches each on a GPU."""
+    batch, rows, _, _ = k.shape
+    bw, gpu = cluster.stream_bandwidth, cluster.platform == "cuda"
+    memory = k.bytes / bw if bw > 0 else 0.0
+    if k.experts == "grouped":
+        compute = k.flops / (cluster.peak(dtype) * cluster.grouped_efficiency(rows))
+        return max(compute, memory) + LAUNCH_S * gpu
+    tiles = batch * rows / EXPERT_TILE
+    per_tile = k.flops / tiles
+    compute = tiles * per_tile / (cluster.peak(dtype) * cluster.matmul_efficiency(per_tile))
+    return max(compute, memory) + tiles * TILE_LAUNCHES * LAUNCH_S * gpu
 
 
 def layer_elementwise_bytes(m: ModelSpec, plan: Plan, rows: float, compute_bytes: float, moe: bool = False, *,
@@ -357,7 +393,7 @@ def layer_work(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str, rows: flo
       A :class:`Work`: the matmuls' seconds (:func:`layer_kernels`) and the elementwise ops' seconds.
     """
     fused = cluster.fused_attention and (plan.context == 1 or fused_context(True, dtype))
-    ks = layer_kernels(m, plan, rows, compute_bytes, moe, fused_attention=fused)
+    ks = layer_kernels(m, plan, rows, compute_bytes, moe, fused_attention=fused, lowering=lowering)
     fp8 = fp8_kernels(m, plan)
     kernels = sum(kernel_seconds(k, cluster, FP8 if k.name in fp8 else dtype) * (1 if forward_only else k.passes)
                   for k in ks)
