@@ -249,7 +249,7 @@ LAYOUTS = {      # name: (family, mesh axes, strategy, step options)
                               jaxpar.Strategy(microbatches=4, schedule="interleaved", virtual_stages=2), {}),
     "ep4": ("qwen3_moe", {"data": 2, "expert": 4}, jaxpar.Strategy(), {}),
     "cp2-ring-packed": ("gemma3", {"data": 2, "context": 2},
-                        jaxpar.Strategy(context=jaxpar.options.ContextParallel("ring", balance=True)), {}),
+                        jaxpar.Strategy(context=jaxpar.parallel.context.ContextParallel("ring", balance=True)), {}),
 }
 
 
@@ -468,7 +468,7 @@ def test_the_llama_fixture_trains_with_fp8_close_to_bf16(ckpts):
     FP8 changed the numbers."""
     batch = layout_batch(open_checkpoint(ckpts["llama"]).config.vocab, packed=False)
     runs = {}
-    for name, fp8 in (("bf16", None), ("fp8", jaxpar.options.Fp8(min_dim=0))):
+    for name, fp8 in (("bf16", None), ("fp8", jaxpar.parallel.Fp8(min_dim=0))):
         strategy = jaxpar.Strategy(zero=3, compute_dtype="bfloat16", fp8=fp8)
         runs[name] = train_on_layout(ckpts["llama"], {"fsdp": 8}, strategy, batch, steps=12, lr=1e-2,
                                      grads=False)[0].losses

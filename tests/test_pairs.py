@@ -330,9 +330,9 @@ def _setting_for(pair, *, ramp: str = "fixed") -> Setting:
         elif c == "RB":
             kw["router_bias_rate"] = RB_RATE
         elif c == "F8":
-            st["fp8"] = jaxpar.options.Fp8()
+            st["fp8"] = jaxpar.parallel.Fp8()
         elif c == "OF":
-            st["offload"] = jaxpar.options.Offload(optimizer=True, master=True)
+            st["offload"] = jaxpar.parallel.Offload(optimizer=True, master=True)
         elif c == "MU" and not codes & {"LL", "1A"}:     # one optimizer at a time (the alternatives)
             kw["muon"] = (("blocks/w1", ()),)
     if "replica" in sizes and "compression" not in st:
@@ -389,7 +389,7 @@ def _refused_setting(pair, *, ramp: str = "fixed") -> Setting:
         offload = dataclasses.replace(setting.strategy.offload, activations=names)
         setting = setting._replace(strategy=dataclasses.replace(setting.strategy, offload=offload))
     if pair == ("EX", "F8"):
-        setting = setting._replace(strategy=dataclasses.replace(setting.strategy, fp8=jaxpar.options.Fp8("rowwise")))
+        setting = setting._replace(strategy=dataclasses.replace(setting.strategy, fp8=jaxpar.parallel.Fp8("rowwise")))
     if pair == ("ST", "MU"):
         setting = setting._replace(sizes={**setting.sizes, "tensor": 2}, muon=(("blocks/w1", ("tensor",)),))
     if ramp == "adaptive":
@@ -600,7 +600,7 @@ def build(codes, *, schedule: str | None = None) -> Spec:
         elif c == "CK":
             s.ckpt = True
         elif c == "CX":
-            from jaxpar.options import ContextParallel
+            from jaxpar.parallel.context import ContextParallel
 
             sizes["context"] = 2
             st["context"] = ContextParallel("ring", balance=True)
@@ -613,11 +613,11 @@ def build(codes, *, schedule: str | None = None) -> Spec:
         elif c == "RB":      # after EP: the bias alone balances, at a capacity that drops
             s.cfg = dataclasses.replace(s.cfg, mlp=32, moe=RB_MOE)
         elif c == "F8":      # every covered GEMM of the small GPT in FP8
-            st["fp8"] = jaxpar.options.Fp8(min_dim=0)
+            st["fp8"] = jaxpar.parallel.Fp8(min_dim=0)
         elif c == "MU":
             s.tx = "muon"
         elif c == "OF":      # the activations after the loop: a pair's own remat (RM) keeps its policy
-            st["offload"] = jaxpar.options.Offload(optimizer=True, master=True)
+            st["offload"] = jaxpar.parallel.Offload(optimizer=True, master=True)
         elif c != "MP":
             raise ValueError(c)
     if "OF" in codes and s.remat == "none" and sizes.get("pipe", 1) == 1:     # pipelines: PP x OF
