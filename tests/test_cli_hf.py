@@ -90,7 +90,7 @@ def test_finetune_starts_from_the_checkpoint_weights(source, trained):
     assert samples.startswith("--- sample 0 ---\n[prompt] '") and "[prompt] [" not in samples
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive      # an acceptance check (issue 87 / 88) of a minute or more; CI runs it in its share
 def test_a_three_layer_llama_trains_on_uneven_pipeline_stages(tmp_path):
     """pipe 2 x data 2 x tensor 2, 1F1B, stage_layers [2, 1]: it trains, and its first loss is transformers'."""
     src = hf_fixtures.build_checkpoint("llama", tmp_path / "llama3", init_std=0.2, vocab_size=132, num_hidden_layers=3)

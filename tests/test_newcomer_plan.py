@@ -59,7 +59,7 @@ def test_configs_dtype_the_cluster_lacks_names_both_and_the_fix(capsys):
 LLAMA = str(ROOT / "configs" / "llama3_8b_gpu.yaml")
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive      # an acceptance check (issue 87 / 88) of a minute or more; CI runs it in its share
 def test_inspect_suggests_for_a_llama_that_does_not_fit_a_plan_that_compiles_and_fits(capsys):
     """``inspect configs/llama3_8b_gpu.yaml --target h100:1x8 model.remat=none`` does not fit (91.8 GiB); it
     suggests ``plan``'s #1, not verified, and its overrides pasted after the command's compile and fit (the trial
@@ -75,7 +75,7 @@ def test_inspect_suggests_for_a_llama_that_does_not_fit_a_plan_that_compiles_and
     assert re.search(r"^fits     with", again, re.M) and shown.replace("-bfloat16", "") == line.group(1), again[-2000:]
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive      # an acceptance check (issue 87 / 88) of a minute or more; CI runs it in its share
 def test_plan_verify_keeps_the_llama_plans_that_fit(capsys):
     """``plan --verify --config configs/llama3_8b_gpu.yaml --target h100:2x8 --top 2`` compiles the config's Llama in
     bfloat16, as ``inspect`` does: both plans fit (43.1 and 24.3 GiB, 2026-11-29), each a row of the table, none
