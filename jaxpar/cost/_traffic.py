@@ -198,12 +198,13 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
 
     An MoE layer without SP reduces its experts' output on the rows they compute, and backward its
     cotangent and its input gradient (:func:`_moe_reductions`; ``rows`` sequences per device, ``cb`` bytes
-    per value), in place of the MLP's two reductions; under SP the MoE layer is counted as a dense one (an
-    approximation).
+    per value), in place of the MLP's two reductions; under SP on the GPU compiler too (:func:`_gpu_sequence_parallel`,
+    measured), elsewhere the MoE layer is counted as a dense one (an approximation).
 
     A lockstep pipeline (SP with ``pipe`` > 1, :func:`~._schedule.runs_in_lockstep`) runs every tick's
     action on every stage, masked in its bubble: ``vm + p - 1`` forwards and as many backwards of each
-    chunk, each F with ``pre`` and ``post``, so both ends' reductions on every stage. FP8: :func:`_fp8_reductions`."""
+    chunk, each F with ``pre`` and ``post``, so both ends' reductions on every stage. FP8: :func:`_fp8_reductions`;
+    SP on the GPU compiler: :func:`_gpu_sequence_parallel`."""
     t, mb = plan.tensor, plan.strategy.microbatches
     lock = plan.pipe > 1 and runs_in_lockstep(plan) and lowering != "megatron"
     if lock:
@@ -222,6 +223,8 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
             bwd = m.mlp_inputs + m.qkv_inputs if cpu and not m.column_regions else 2
             add("all-reduce", ("tensor",), act, (2 + bwd + redo) * n_layer - 2 * moe, "tensor")
         add("all-reduce", ("tensor",), act, ends * mb, "tensor")         # embedding forward, head backward
+    elif lowering == "xla":
+        _gpu_sequence_parallel(add, m, plan, act, n_layer, moe, redo, mb, cb)
     else:
         # 2 forward, 2 backward (libtpu keeps one forward gather for the backward), 2 recomputed
         add("all-gather", ("tensor",), act, (4 - (lowering == "xla-tpu") + (2 if redo else 0)) * n_layer, "tensor")
@@ -236,6 +239,88 @@ def _tensor_comms(add, m: ModelSpec, plan: Plan, act: float, stats: float, lower
             add("all-gather", ("tensor",), act, mb, "tensor")
             add("reduce-scatter", ("tensor",), act / t, 2 * mb, "tensor")
     add("all-reduce", ("tensor",), stats, 4 * mb, "loss")               # vocab-parallel cross-entropy
+
+
+def column_reductions(m: ModelSpec, plan: Plan) -> tuple[int, int, bool]:
+    """The GPU compiler's column-parallel input-gradient reductions of one layer under TP (each of the attention's
+    and the dense MLP's input): FP8 (the plan's ``fp8``) runs each covered projection as its own dot
+    (:func:`jaxpar.parallel.fp8_layer`), whose input gradient XLA reduces on its own, while those of the projections
+    it does not cover are summed first (measured, docs/planning.md §8 and §11: Llama-3-8B's q, k, v, gate and up,
+    5 all-reduces a layer; Qwen3-MoE's q (covered) and k + v (512 wide, not covered), 2).
+
+    Args:
+      m: the model.
+      plan: the plan (its ``fp8``).
+
+    Returns:
+      ``(attention, mlp, fp8)``: the reductions of the attention's input and of the dense MLP's (0 without a dense
+      MLP), and whether FP8 covers any of the layer's projections (1 and 1 and False without FP8).
+
+    >>> from jaxpar.cost._model import decoder
+    >>> from jaxpar.options import Fp8
+    >>> from jaxpar.strategy import Strategy
+    >>> m = decoder(2, 2048, 16, 64, 256, 8, mlp=4096, kv_heads=4, head_dim=128)     # K and V 512 wide
+    >>> column_reductions(m, Plan(tensor=2)), column_reductions(m, Plan(tensor=2, strategy=Strategy(fp8=Fp8())))
+    ((1, 1, False), (2, 2, True))
+    """
+    fp8 = plan.strategy.fp8
+    groups = {"attention": [], "mlp": []}
+    for leaf in m.leaves:
+        names = [n for n in leaf.logical if n != "layers"]
+        if not leaf.stacked or "experts" in leaf.logical or not leaf.matmul or _is_row_parallel(leaf, m.kernel_layout):
+            continue
+        if "heads" in names or "kv_heads" in names:
+            groups["attention"].append(leaf)
+        elif "mlp" in names:
+            groups["mlp"].append(leaf)
+    covered = {k: sum(fp8 is not None and leaf.fp8(fp8.min_dim) for leaf in v) for k, v in groups.items()}
+    if not any(covered.values()):
+        return 1, int(bool(groups["mlp"])), False
+    count = [covered[k] + (covered[k] < len(groups[k])) for k in ("attention", "mlp")]
+    return count[0], count[1], True
+
+
+def _gpu_sequence_parallel(add, m: ModelSpec, plan: Plan, act: float, n_layer: float, moe: float, redo: int,
+                           mb: float, cb: float) -> None:
+    """SP's tensor collectives on the GPU compiler (lowering ``xla``, measured: docs/planning.md §8). Per layer:
+    the attention's and the MLP's inputs all-gathered forward and backward (and the attention's again when
+    ``remat`` recomputes it, ``redo``), their outputs reduce-scattered (the attention's again under ``redo``); the
+    column-parallel input gradients reduce-scattered in 16-bit compute, all-reduced in fp32 and, one by one, under
+    FP8 (:func:`column_reductions`). An MoE layer (``moe`` of them per step, :func:`_moe_reductions`) all-reduces
+    its experts' output and gradients on the gathered sequence in place of the MLP's reduce-scatter and input
+    gradient. Per micro-batch: the head's input gathered, the embedding's output reduce-scattered and the head's
+    input gradient reduce-scattered (all-reduced in fp32); the vocab-parallel lookup's backward all-gathers its
+    cotangent, and with a batch axis its output moves by a collective-permute each way between the devices of the
+    innermost one and ``tensor``. Per step: a position table's gradient, gathered whole. A LayerNorm's output (the
+    GPT's) is gathered in fp32 in 16-bit compute, the head's input always and the layers' forward inputs without
+    recomputation or FP8 (measured: GPT-1.3B ``tp8-sp`` and GPT-124M ``dp4-tp2-sp``, docs/planning.md §8)."""
+    t = plan.tensor
+    attn, mlp, fp8 = column_reductions(m, plan)
+    # a LayerNorm (``ModelSpec.biases``: the GPT's) casts its fp32 output last, and XLA gathers it before the cast
+    # in 16-bit compute: the head's input, and the layers' forward inputs where nothing recomputes or quantizes them
+    ln32 = cb == 2 and m.biases
+    add("all-gather", ("tensor",), act, (4 + (2 if redo else 0)) * n_layer, "tensor")
+    if ln32 and plan.remat == "none" and not fp8:
+        add("all-gather", ("tensor",), act, 2 * n_layer, "tensor")   # the forward's two, in fp32: twice the bytes
+    add("reduce-scatter", ("tensor",), act / t, (2 + redo) * n_layer - moe, "tensor")
+    dense = n_layer - moe
+    if fp8 or cb > 2:
+        add("all-reduce", ("tensor",), act, attn * n_layer + mlp * dense, "tensor")
+    else:
+        add("reduce-scatter", ("tensor",), act / t, attn * n_layer + mlp * dense, "tensor")
+    add("all-gather", ("tensor",), act * (2 if ln32 else 1), mb, "tensor")     # the head's input
+    add("reduce-scatter", ("tensor",), act / t, mb, "tensor")        # the embedding's output
+    if cb > 2:                                                      # the head's input gradient
+        add("all-reduce", ("tensor",), act, mb, "tensor")
+    else:
+        add("reduce-scatter", ("tensor",), act / t, mb, "tensor")
+    if any(_is_token_table(leaf) or leaf.logical == TOKEN_TABLE for leaf in m.leaves if not leaf.head):
+        add("all-gather", ("tensor",), act, mb, "tensor")            # the lookup's cotangent
+        inner = [a for a in BATCH_AXES if plan.sizes[a] > 1][-1:]
+        if inner:
+            add("collective-permute", (inner[0], "tensor"), act / t, 2 * mb, "tensor")
+    if m.positions:
+        add("all-gather", ("tensor",), m.seq * m.hidden * cb, 1, "tensor")     # the position table's gradient
 
 
 def _cpu_sequence_parallel(add, m: ModelSpec, act: float, n_layer: float, mb: float) -> None:
@@ -255,7 +340,7 @@ def _cpu_sequence_parallel(add, m: ModelSpec, act: float, n_layer: float, mb: fl
 def _moe_reductions(add, m: ModelSpec, plan: Plan, mb: float, lowering: str, rows: float, cb: float) -> float:
     """The MoE layers' tensor all-reduces without SP (:func:`~jaxpar.cost._context_experts.expert_reductions`);
     returns how many MoE layers run per step on the device (0 where they are counted as dense ones)."""
-    if not m.moe_layers or plan.strategy.sequence_parallel or lowering == "megatron":
+    if not m.moe_layers or (plan.strategy.sequence_parallel and lowering != "xla") or lowering == "megatron":
         return 0
     moe = m.moe_layers / m.layers * plan.stage_depth(m.layers) * mb
     for nbytes, count in expert_reductions(m, rows, plan.context, plan.expert, cb):
@@ -266,12 +351,16 @@ def _moe_reductions(add, m: ModelSpec, plan: Plan, mb: float, lowering: str, row
 def _fp8_reductions(add, m: ModelSpec, plan: Plan, act: float, n_layer: float, moe: float, redo: int,
                     lowering: str) -> bool:
     """The blocks' tensor all-reduces under FP8 (the plan's ``fp8``) on the GPU compiler (``xla``), without SP:
-    with q, k and v covered (:func:`~jaxpar.cost._roofline.fp8_kernels`) their input gradients are reduced
-    one by one, as XLA:CPU does, instead of summed first (measured, docs/planning.md §11). False (nothing
-    added) when they are not covered."""
-    if lowering != "xla" or "qkv" not in fp8_kernels(m, plan):
+    the covered projections' input gradients are reduced one by one (:func:`column_reductions`), as XLA:CPU does,
+    instead of summed first (measured, docs/planning.md §11), and recomputation does not run the attention's output
+    reduction again where FP8 covers its projection (the FP8 dot's output is saved: measured on Llama-3-8B,
+    docs/planning.md §8). A dense layer reduces its two outputs forward, an MoE layer (``moe`` of them per step) the
+    attention's. False (nothing added) when FP8 covers no projection."""
+    attn, mlp, fp8 = column_reductions(m, plan)
+    if lowering != "xla" or not fp8:
         return False
-    add("all-reduce", ("tensor",), act, (2 + m.mlp_inputs + redo + m.qkv_inputs) * n_layer - 2 * moe, "tensor")
+    redo = 0 if "proj" in fp8_kernels(m, plan) else redo
+    add("all-reduce", ("tensor",), act, (2 + redo + attn + mlp) * n_layer - (1 + mlp) * moe, "tensor")
     return True
 
 
@@ -295,18 +384,34 @@ def _pipe_comms(add, m: ModelSpec, plan: Plan, act: float, lowering: str, grad_b
     # configs/megatron.yaml moves as many bytes over pipe with SP as without)
     add("collective-permute", ("pipe",), act, received, "pipeline", runs=sends)
     key = sizes_key(plan.sizes)
-    outer = sum(leaf_shard_counts(leaf, key, plan.strategy.zero)[3] for leaf in m.leaves if not leaf.stacked)
+    shards = [leaf_shard_counts(leaf, key, plan.strategy.zero) for leaf in m.leaves if not leaf.stacked]
+    # the GPU compiler sums the shards that ZeRO-2 / FSDP leave of them (measured: Qwen3-MoE, docs/planning.md §8)
+    outer = sum(leaf.size / c.grads if lowering == "xla" else c.local
+                for leaf, c in zip((leaf for leaf in m.leaves if not leaf.stacked), shards))
     add("all-reduce", ("pipe",), outer * 4 + 4, 1, "pipeline")        # fp32 gradients and the loss
 
 
-def _reduced_whole(leaf: Leaf, lowering: str, data_axes, p_axes, shards_times_local: float) -> bool:
+def _reduced_whole(m: ModelSpec, plan: Plan, leaf: Leaf, lowering: str, data_axes, g_axes) -> bool:
     """Whether XLA all-reduces ``leaf``'s whole gradient over the data axes although the state shards
-    it: libtpu does so for the lookup tables (tokens, positions); XLA:GPU for a lookup table (the
-    scatter-add's gradient) whose parameters ZeRO / FSDP shard over fewer axes than split the tokens."""
+    it: libtpu does so for the lookup tables (tokens, positions); XLA:GPU where two or more axes split the
+    tokens (``data_axes``, the leaf's) and ZeRO / FSDP shard the gradient (``g_axes``) over some of them, for a
+    lookup table (the scatter-add's gradient), the Decoder's head (``Leaf.head``) and the weights whose gradient a
+    ``shard_map`` sums over those axes (:func:`_summed_in_region`): jaxpar orders a shard's axes ``fsdp`` before
+    ``data`` (:func:`~jaxpar.cost._memory.zero_axes`), the batch ``data`` first, and XLA makes no reduce-scatter of
+    such a sum (measured: Llama-3-8B and Qwen3-MoE, docs/planning.md §8)."""
     lookup = not leaf.stacked and len(leaf.logical) == 2 and not leaf.matmul
     if lowering == "xla-tpu":
         return lookup
-    return lowering == "xla" and lookup and shards_times_local > leaf.size and bool(set(data_axes) - set(p_axes))
+    return (lowering == "xla" and bool(g_axes) and len(data_axes) >= 2
+            and (lookup or leaf.head or _summed_in_region(m, plan, leaf)))
+
+
+def _summed_in_region(m: ModelSpec, plan: Plan, leaf: Leaf) -> bool:
+    """Whether ``leaf`` enters a ``shard_map`` whole over the batch axes, so that the region's transpose sums its
+    gradient over them: the routed experts' weights (the MoE dispatch) and, under SP, the row-parallel weights
+    (:func:`jaxpar.parallel.row_parallel`'s region)."""
+    return "experts" in leaf.logical or (plan.strategy.sequence_parallel and plan.tensor > 1
+                                         and _is_row_parallel(leaf, m.kernel_layout))
 
 
 def _moves_rows(m: ModelSpec, plan: Plan, leaf: Leaf, p_axes: tuple, data_axes: tuple) -> bool:
@@ -318,22 +423,34 @@ def _moves_rows(m: ModelSpec, plan: Plan, leaf: Leaf, p_axes: tuple, data_axes: 
             and tokens < m.vocab and m.hidden % math.prod(plan.sizes[a] for a in p_axes) == 0)
 
 
-def _row_lookup(acc, m: ModelSpec, plan: Plan, leaf: Leaf, axes: tuple, abytes: float, grad: float) -> bool:
+def _row_lookup(acc, m: ModelSpec, plan: Plan, leaf: Leaf, axes: tuple, abytes: float, grad: float,
+                lowering: str = "ideal") -> bool:
     """:func:`jaxpar.parallel.embed_lookup`'s collectives where it moves rows (:func:`_moves_rows`; returns
     whether it does): the token ids gathered over the axes that store the table, its ``embed`` slice's rows
     moved by an all-to-all each way (behind a collective-permute each way where those axes run in another
     order than the batch's), and the slice's gradient summed over the other data axes: reduce-scattered
     over those that shard the gradients too (ZeRO-2; the GPU and TPU compilers), all-reduced over the rest.
-    ``axes``: the parameters', the gradients' (none: all-reduced, XLA:CPU) and the data axes."""
+    ``axes``: the parameters', the gradients' (none: all-reduced, XLA:CPU) and the data axes. The GPU compiler
+    (``lowering`` ``xla``), where a batch axis runs inside the table's (``expert`` inside ``fsdp``), runs the
+    backward's all-to-all over that axis instead and moves both directions' rows by a collective-permute over the
+    two (measured on Qwen3-MoE, docs/planning.md §8)."""
     p_axes, g_axes, data_axes = axes
     if not _moves_rows(m, plan, leaf, p_axes, data_axes):
         return False
     n = math.prod(plan.sizes[a] for a in p_axes)
     group = m.batch * m.seq / math.prod(plan.sizes[a] for a in data_axes if a not in p_axes and a != "context")
+    rows = group * m.hidden / n * abytes
     acc("all-gather", p_axes, group * 4, 1, "params")
-    acc("all-to-all", p_axes, group * m.hidden / n * abytes, 2, "params")
+    last = max(AXES.index(a) for a in p_axes)
+    inner = tuple(a for a in data_axes if a not in p_axes and a != "context" and AXES.index(a) > last)
+    if lowering == "xla" and inner:
+        acc("all-to-all", p_axes, rows, 1, "params")
+        acc("all-to-all", inner, rows, 1, "params")
+        acc("collective-permute", tuple(a for a in AXES if a in p_axes + inner), rows, 2, "params")
+    else:
+        acc("all-to-all", p_axes, rows, 2, "params")
     if tuple(a for a in data_axes if a in p_axes) != p_axes:
-        acc("collective-permute", p_axes, group * m.hidden / n * abytes, 2, "params")
+        acc("collective-permute", p_axes, rows, 2, "params")
     scattered = tuple(a for a in g_axes if a not in p_axes)
     grad /= n * math.prod(plan.sizes[a] for a in scattered)
     acc("reduce-scatter", scattered, grad, 1, "grads")
@@ -366,9 +483,23 @@ def _accumulate(groups: dict, sizes: Mapping[str, int], kind: str, axes, nbytes:
 
 def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, grad_bytes: float) -> list[Comm]:
     """Data axes: gradient reductions and ZeRO / FSDP parameter gathers. In a pipeline a device reduces
-    the gradients of its own blocks and of one end's outer parameters (the busiest end); the XLA
-    compilers (CPU, GPU and TPU: lowerings ``xla-cpu`` and ``xla``) do so inside every backward action
-    of the tick loop, i.e. once per micro-batch. Bytes per element gathered: :func:`_gather_bytes`."""
+    the gradients of its own blocks and of one end's outer parameters (the busiest end: on the GPU compiler the
+    end that moves more bytes, else the one with more gradient elements); the XLA compilers (CPU, GPU and TPU:
+    lowerings ``xla-cpu`` and ``xla``) do so inside every backward action of the tick loop, i.e. once per
+    micro-batch. Bytes per element gathered: :func:`_gather_bytes`."""
+    if plan.pipe > 1 and lowering == "xla":
+        ends = [_data_groups(m, plan, lowering, compute_bytes, grad_bytes, end) for end in ("first", "last")]
+        groups = max(ends, key=lambda g: sum(nbytes * key[2] for key, nbytes in g.items()))
+    else:
+        end = _busiest_end(m, plan) if plan.pipe > 1 else None
+        groups = _data_groups(m, plan, lowering, compute_bytes, grad_bytes, end)
+    return [Comm(kind, axes, nbytes, count, phase) for (kind, axes, count, phase), nbytes in groups.items()]
+
+
+def _data_groups(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, grad_bytes: float,
+                 end: str | None) -> dict[tuple, float]:
+    """:func:`_data_comms` for a device of the pipeline's ``end`` (None: no pipeline), by group of collectives
+    (:func:`_accumulate`)."""
     cpu = lowering == "xla-cpu"
     sizes = plan.sizes
     d, f, t, mb, s = plan.data, plan.fsdp, plan.tensor, plan.strategy.microbatches, plan.strategy
@@ -376,7 +507,6 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
     g_axes, p_axes, o_axes = (zero_axes(sizes, s.zero, kind) for kind in ("grads", "params", "opt"))
     explicit = t == 1 and plan.pipe == 1 and ((d > 1 and s.zero >= 2) or f > 1)
     pbytes = 4 if cpu else compute_bytes
-    end = _busiest_end(m, plan) if plan.pipe > 1 else None
     per_mb = mb if lowering in ("xla", "xla-tpu", "xla-cpu") and plan.pipe > 1 else 1
     groups: dict[tuple, float] = {}
     acc = partial(_accumulate, groups, sizes)
@@ -388,20 +518,16 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
         data_axes = _axes(sizes, [a for a in GRAD_AXES if not (a == "expert" and "experts" in leaf.logical)])
         count = leaf.shape[0] // plan.pipe if leaf.stacked else 1       # the device's layers of this leaf
         per = local / count                                             # one layer's slice
-        nbytes = _gather_bytes(leaf, plan, lowering, pbytes)
+        nbytes = _gather_bytes(m, leaf, plan, lowering, pbytes)
         g = per * grad_bytes * (_sp_grad_scale(m, leaf, t) if cpu and s.sequence_parallel else 1)
         n_g = math.prod(sizes[a] for a in g_axes) if shardable else 1
-        rows = _row_lookup(acc, m, plan, leaf, (p_axes, () if cpu else g_axes, data_axes), pbytes, g)
+        rows = _row_lookup(acc, m, plan, leaf, (p_axes, () if cpu else g_axes, data_axes), pbytes, g, lowering)
         if not rows and (end is None or leaf.stacked or pipe_end(leaf) == end):      # gradients
-            if cpu and end is not None and _is_token_table(leaf):
-                # the lookup's transpose (a scatter-add) in the executor's manual region is replicated over
-                # the data axes: XLA gathers the output cotangent and the token ids instead of reducing the table
-                group = m.batch / mb * m.seq                     # tokens of a micro-batch, whole data group
-                acc("all-gather", data_axes, group * m.hidden * compute_bytes, mb, "grads")
-                acc("all-gather", data_axes, group * 4, mb, "grads")
+            if lowering in ("xla-cpu", "xla") and end is not None and _is_token_table(leaf):
+                _stage_lookup_gathers(acc, m, data_axes, mb, compute_bytes)
             # reduce-scattered over the gradient's ZeRO axes (XLA:CPU: in its explicit steps only, pipe 1: per_mb 1)
             elif shardable and (explicit and leaf.stacked if cpu else
-                                g_axes and not _reduced_whole(leaf, lowering, data_axes, p_axes, n_p * local)):
+                                g_axes and not _reduced_whole(m, plan, leaf, lowering, data_axes, g_axes)):
                 acc("reduce-scatter", g_axes, g / n_g, count * per_mb, "grads")
                 acc("all-reduce", set(data_axes) - set(g_axes), g / n_g, count * per_mb, "grads")
             elif cpu and len(base_axes) == 2 and s.zero < 2 and leaf.matmul and shardable and not (
@@ -414,6 +540,10 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
         if p_axes and shardable and not rows:
             gathers = (2 if leaf.stacked else 1) * (mb if not cpu else 1)
             acc("all-gather", p_axes, per * nbytes, count * gathers, "params")
+            if lowering == "xla" and nbytes == 1 and len(p_axes) >= 2 and t > 1:
+                # FP8 values over fsdp x data beside tensor: XLA puts the shard in the gather's order first
+                acc("collective-permute", p_axes, per * nbytes / math.prod(sizes[a] for a in p_axes),
+                    count * gathers, "params")
         # ZeRO-1/2: the updated shard is gathered back over the axes the optimizer state has more; the result is
         # the parameter shard (1/fsdp of the slice with an fsdp axis). jaxpar's step (the XLA lowerings) keeps fp32
         # parameters on every device, which only an fp32 gather restores exactly; the textbook and Megatron's
@@ -422,17 +552,33 @@ def _data_comms(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, g
         if extra and shardable:
             kept = 4 if lowering.startswith("xla") else compute_bytes
             acc("all-gather", extra, per * kept * (leaf.size / local) / n_p, count, "params")
-    return [Comm(kind, axes, nbytes, count, phase) for (kind, axes, count, phase), nbytes in groups.items()]
+    return groups
 
 
-def _gather_bytes(leaf: Leaf, plan: Plan, lowering: str, pbytes: float) -> float:
+def _stage_lookup_gathers(acc, m: ModelSpec, data_axes: tuple, mb: int, compute_bytes: float) -> None:
+    """A pipeline stage's token table: the lookup's transpose (a scatter-add) in the executor's manual region is
+    replicated over the data axes, so XLA (CPU and GPU) gathers the output cotangent and the token ids of each
+    micro-batch instead of reducing the table."""
+    group = m.batch / mb * m.seq                     # tokens of a micro-batch, whole data group
+    acc("all-gather", data_axes, group * m.hidden * compute_bytes, mb, "grads")
+    acc("all-gather", data_axes, group * 4, mb, "grads")
+
+
+def _gather_bytes(m: ModelSpec, leaf: Leaf, plan: Plan, lowering: str, pbytes: float) -> float:
     """Bytes per element of ``leaf``'s ZeRO-3 / FSDP gather (its gradient is reduced in ``grad_bytes``). libtpu
     gathers a matmul's weight in bf16 at most. FP8 (the plan's ``fp8``): ZeRO-3 / FSDP gather each covered weight
     (:meth:`~jaxpar.cost.Leaf.fp8`) as its FP8 values, 1 byte per element (the GPU compiler quantizes before
-    the gather; measured, docs/planning.md §11); its gradient is reduced in the compute dtype as without."""
+    the gather; measured, docs/planning.md §11), except under SP a row-parallel one, which enters SP's region in
+    the compute dtype and is quantized there; its gradient is reduced in the compute dtype as without. The GPU
+    compiler gathers the Decoder's head (``Leaf.head``) in fp32, jaxpar's parameters, and casts it after the
+    gather (measured, docs/planning.md §8)."""
     fp8 = plan.strategy.fp8
+    if lowering == "xla" and leaf.head:
+        return 4
     if fp8 is not None and leaf.fp8(fp8.min_dim) and lowering != "xla-cpu":
-        return 1
+        in_region = lowering == "xla" and plan.strategy.sequence_parallel and plan.tensor > 1 and \
+            _is_row_parallel(leaf, m.kernel_layout)
+        return pbytes if in_region else 1
     return min(pbytes, 2) if lowering == "xla-tpu" and leaf.matmul else pbytes
 
 
