@@ -215,13 +215,19 @@ def test_plan_mfu_is_against_the_peak_each_gemm_runs_at(capsys):
     ranked = json.loads(capsys.readouterr().out)["ranked"]
     fp8 = [r for r in ranked if r["strategy"]["fp8"]]
     assert fp8 and all(0 < r["mfu"] <= 1 for r in ranked), max(r["mfu"] for r in ranked)
-    from jaxpar.plan import gemm_peak_mfu
+    from jaxpar.cost._cluster import FP8
+    from jaxpar.cost._time import fp8_flops_share, gemm_peak
 
     model, h100 = cost.gpt(4, 1024, 8, 512, 4096, 64), cost.load_cluster("h100", num_devices=8)
-    raw = cost.plan(model, h100, dtype="float32")
-    assert raw.best.plan.name() == ranked[0]["plan"] and raw.best.time.mfu > 1 > ranked[0]["mfu"]
-    plain = raw.best.plan.with_strategy(fp8=None)           # no FP8: against the float32 peak, as before
-    assert gemm_peak_mfu(model, plain, h100, "float32", 0.25) == 0.25
+    best = cost.plan(model, h100, dtype="float32").best          # the cost model's own MFU: the same
+    assert best.plan.name() == ranked[0]["plan"] and best.time.mfu == pytest.approx(ranked[0]["mfu"], rel=1e-3)
+    share = fp8_flops_share(model, best.plan)
+    # against the float32 peak alone it would exceed 1
+    assert 0.5 < share < 1 and best.time.mfu * gemm_peak(model, best.plan, h100, "float32") / h100.peak("float32") > 1
+    assert gemm_peak(model, best.plan, h100, "float32") == pytest.approx(
+        1 / ((1 - share) / h100.peak("float32") + share / h100.peak(FP8)))
+    plain = best.plan.with_strategy(fp8=None)           # no FP8: against the float32 peak, as before
+    assert gemm_peak(model, plain, h100, "float32") == h100.peak("float32")
 
 
 def test_plan_verify_compiles_the_configs_own_model_in_its_dtype(capsys, tmp_path):

@@ -22,7 +22,8 @@ from jaxpar.cost._memory import REMAT, leaf_shard_counts, sizes_key
 from jaxpar.cost._schedule import runs_in_lockstep, schedule_stats
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._parallel import AXES, Plan
-from jaxpar.cost._roofline import Work, end_work, kernel_seconds, layer_elementwise_bytes, layer_kernels, layer_work
+from jaxpar.cost._roofline import (Work, end_work, fp8_kernels, kernel_seconds, layer_elementwise_bytes, layer_kernels,
+                                   layer_work)
 from jaxpar.cost._traffic import Comm, bytes_per_axis, comms
 from jaxpar.errors import CostModelError, is_number
 
@@ -97,6 +98,56 @@ def _groups(sizes: tuple[tuple[str, int], ...], axes: tuple[str, ...], per_node:
         offsets = [o + i * strides[a] for o in offsets for i in range(s[a])]
     p_in = sum(1 for o in offsets if o < per_node)
     return p_in, len(offsets) // max(p_in, 1)
+
+
+def fp8_flops_share(m: ModelSpec, plan: Plan) -> float:
+    """The share of a step's model FLOPs (:func:`step_flops`, no recomputation) that the plan's FP8 GEMMs compute
+    (:func:`~jaxpar.cost._roofline.fp8_kernels`: the attention projections, the MLP and the shared experts where
+    ``min_dim`` covers them).
+
+    Args:
+      m: the model.
+      plan: the plan (its ``strategy.fp8``).
+
+    Returns:
+      The share, in [0, 1]; 0 without FP8.
+
+    >>> from jaxpar.cost._model import gpt
+    >>> from jaxpar.options import Fp8
+    >>> from jaxpar.strategy import Strategy
+    >>> m = gpt(2, 1024, 8, 64, 256, 8)
+    >>> fp8_flops_share(m, Plan()), round(fp8_flops_share(m, Plan(strategy=Strategy(fp8=Fp8()))), 3)
+    (0.0, 0.98)
+    """
+    covered = fp8_kernels(m, plan)
+    if not covered:
+        return 0.0
+
+    def per_layer(moe: bool) -> float:        # forward FLOPs of one sequence's covered GEMMs in one layer
+        return sum(k.flops * k.count for k in layer_kernels(m, Plan(), 1, 2, moe) if k.name in covered)
+    n_moe = m.moe_layers
+    forward = (m.layers - n_moe) * per_layer(False) + (n_moe * per_layer(True) if n_moe else 0.0)
+    return min(1.0, 3 * m.batch * forward / step_flops(m))
+
+
+def gemm_peak(m: ModelSpec, plan: Plan, cluster: Cluster, dtype: str) -> float:
+    """The peak FLOP/s an MFU sets a step's model FLOPs against: each GEMM's dtype's, the plan's FP8 GEMMs'
+    share (:func:`fp8_flops_share`) at the cluster's FP8 peak and the rest at ``dtype``'s, so that the MFU stays
+    at most 1 (an FP8 plan computing in float32 set against the float32 peak alone reached 1.78).
+
+    Args:
+      m: the model.
+      plan: the plan.
+      cluster: the cluster (its peaks).
+      dtype: the compute dtype.
+
+    Returns:
+      FLOP/s of one device.
+    """
+    share = fp8_flops_share(m, plan) if cluster.has_fp8 else 0.0
+    if not share:
+        return cluster.peak(dtype)
+    return 1.0 / ((1 - share) / cluster.peak(dtype) + share / cluster.peak(FP8))
 
 
 def axis_groups(sizes: Mapping[str, int], axes: tuple[str, ...], per_node: int) -> tuple[int, int]:
@@ -450,7 +501,7 @@ def step_time(m: ModelSpec, plan: Plan, cluster: Cluster, *, dtype: str = "bfloa
     off = offload_seconds(m, plan, cluster, update_bytes(m, plan, 4), cb)   # the host update: fp32 gradients
     opt = off.host_update or opt
     total = work.total + sum(exposed.values()) + opt + off.link
-    mfu = step_flops(m) / (total * plan.devices * cluster.peak(dtype))
+    mfu = step_flops(m) / (total * plan.devices * gemm_peak(m, plan, cluster, dtype))
     return StepTime(work.kernels, exposed["data"], exposed["tensor"], exposed["pipeline"], b, mfu,
                     bytes_per_axis(cs), opt, work.elementwise, exposed["context"], exposed["expert"], off.link,
                     off.unmodelled)

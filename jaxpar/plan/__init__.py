@@ -13,11 +13,11 @@ from jaxpar.plan._plan_report import (chosen_plan, fp8_cluster_problem, fp8_line
 from jaxpar.plan._prediction import (RUN_CLUSTERS, PlannerView, compiled_check, planner_table, planner_view,
                                      platform_of, predicted_rows, profile_report, run_prediction,
                                      RunPrediction)
-from jaxpar.plan._ranking import PlanOptions, gemm_peak_mfu, plan_fields, rank_plans, same_plan
+from jaxpar.plan._ranking import PlanOptions, plan_fields, rank_plans, same_plan
 
 __all__ = ["attention_lines", "collective_lines", "expert_lines", "fit_lines", "fitting_plan", "fp8_lines", "gather_lines", "muon_lines",
            "muon_placement_lines", "offload_lines", "on_target", "sharding_lines", "chosen_plan", "fp8_cluster_problem", "fp8_line", "offload_line",
            "gpt_check", "plan_overrides", "plan_report", "verify_devices", "verify_plans", "yaml_text", "RUN_CLUSTERS",
            "PlannerView", "compiled_check", "planner_table", "planner_view", "platform_of", "predicted_rows",
-           "profile_report", "run_prediction", "RunPrediction", "PlanOptions", "gemm_peak_mfu", "plan_fields",
+           "profile_report", "run_prediction", "RunPrediction", "PlanOptions", "plan_fields",
            "rank_plans", "same_plan"]

@@ -1,6 +1,5 @@
 """The planner's one call for ``jaxpar plan`` and ``jaxpar inspect`` (:func:`rank_plans`, with
-:class:`PlanOptions`), which plans are the same program (:func:`same_plan`, by their fields, not their labels),
-and the MFU against the peak of the dtype each GEMM runs in (:func:`gemm_peak_mfu`).
+:class:`PlanOptions`), and which plans are the same program (:func:`same_plan`, by their fields, not their labels).
 
 Example::
 
@@ -14,7 +13,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from jaxpar.options import CONTEXT_METHODS, Fp8
@@ -48,8 +47,7 @@ class PlanOptions:
 
 def rank_plans(model: Any, cluster: Any, options: PlanOptions, *, top: int = 10) -> Any:
     """Rank every plan of ``model`` on ``cluster`` (:func:`jaxpar.cost.plan`) with ``options``: the one call of
-    ``jaxpar plan`` and of ``jaxpar inspect``'s suggestion. Each ranked plan's MFU is against the peaks its GEMMs
-    run at (:func:`gemm_peak_mfu`).
+    ``jaxpar plan`` and of ``jaxpar inspect``'s suggestion.
 
     Args:
       model: the cost model's model (:class:`jaxpar.cost.ModelSpec`).
@@ -69,64 +67,7 @@ def rank_plans(model: Any, cluster: Any, options: PlanOptions, *, top: int = 10)
     result = cost.plan(model, cluster, top=top, dtype=o.dtype, precision=o.precision, lowering=o.lowering,
                        fp8_options=o.fp8, muon=o.muon, offload=o.offload, contexts=o.contexts,
                        context_methods=o.context_methods)
-    ranked = [replace(e, time=replace(e.time, mfu=gemm_peak_mfu(model, e.plan, cluster, o.dtype, e.time.mfu)))
-              for e in result.ranked]
-    return replace(result, ranked=ranked)
-
-
-def fp8_flops_share(model: Any, plan: Any) -> float:
-    """The share of a step's model FLOPs (:func:`jaxpar.cost.step_flops`, no recomputation) that the plan's FP8
-    GEMMs compute (:func:`jaxpar.cost._roofline.fp8_kernels`: the attention projections, the MLP and the
-    shared experts where ``min_dim`` covers them).
-
-    Args:
-      model: the cost model's model.
-      plan: the plan (its ``strategy.fp8``).
-
-    Returns:
-      The share, in [0, 1]; 0 without FP8.
-
-    >>> from jaxpar import cost
-    >>> from jaxpar.strategy import Strategy
-    >>> m = cost.gpt(2, 1024, 8, 64, 256, 8)
-    >>> fp8_flops_share(m, cost.Plan()), round(fp8_flops_share(m, cost.Plan(strategy=Strategy(fp8=Fp8()))), 3)
-    (0.0, 0.98)
-    """
-    from jaxpar.cost import Plan, step_flops
-    from jaxpar.cost._roofline import fp8_kernels, layer_kernels
-
-    covered = fp8_kernels(model, plan)
-    if not covered:
-        return 0.0
-
-    def per_layer(moe: bool) -> float:        # forward FLOPs of one sequence's covered GEMMs in one layer
-        return sum(k.flops * k.count for k in layer_kernels(model, Plan(), 1, 2, moe) if k.name in covered)
-    n_moe = model.moe_layers
-    forward = (model.layers - n_moe) * per_layer(False) + (n_moe * per_layer(True) if n_moe else 0.0)
-    return min(1.0, 3 * model.batch * forward / step_flops(model))
-
-
-def gemm_peak_mfu(model: Any, plan: Any, cluster: Any, dtype: str, mfu: float) -> float:
-    """An MFU against ``dtype``'s peak made against the peak of the dtype each GEMM runs in: the plan's FP8
-    GEMMs' FLOPs (:func:`fp8_flops_share`) against the cluster's FP8 peak, the others against ``dtype``'s. So an
-    FP8 plan computing in float32 is not set against the float32 peak alone, and the MFU stays at most 1.
-
-    Args:
-      model: the cost model's model.
-      plan: the plan.
-      cluster: the cluster (its peaks).
-      dtype: the compute dtype ``mfu`` is against.
-      mfu: the MFU against ``dtype``'s peak (:attr:`jaxpar.cost._time.StepTime.mfu`).
-
-    Returns:
-      The MFU.
-    """
-    share = fp8_flops_share(model, plan)
-    if not share:
-        return mfu
-    from jaxpar.cost._cluster import FP8
-
-    return mfu * (1 - share + share * cluster.peak(dtype) / cluster.peak(FP8))
+    return result
 
 
 def plan_fields(plan: Any) -> tuple:
