@@ -435,12 +435,11 @@ def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, acti
     s, sizes, key, tpu = plan.strategy, plan.sizes, sizes_key(plan.sizes), keeps == "tpu"
     rows = model.batch / (plan.data * plan.fsdp * s.microbatches) / plan.context    # a device's tokens, in sequences
     grads = gathered = 0.0
-    stored = model.layers // plan.pipe if model.layers % plan.pipe == 0 else model.layers     # layers a device holds
     for leaf in model.leaves:
         c = leaf_shard_counts(leaf, key, s.zero)
         grads += 4 * leaf.size / c.grads
         if leaf.stacked and c.shardable and zero_axes(sizes, s.zero, "params"):
-            gathered += 4 * c.local / stored      # one layer, gathered
+            gathered += 4 * c.local / plan.stored_layers(model.layers)      # one layer, gathered
     flight = in_flight(s.schedule, plan.pipe, s.microbatches, s.virtual_stages, runs_in_lockstep(plan))
     held = plan.stage_depth(model.layers) / s.virtual_stages * flight
     if half:

@@ -109,6 +109,21 @@ class Plan:
             return layers / p
         return float(max(sum(counts[d::p]) for d in range(p)))
 
+    def stored_layers(self, layers: int) -> int:
+        """Layers of a stacked parameter one device stores: ``layers / pipe``, or all of them where ``pipe`` does
+        not divide them (an uneven pipeline: ``Strategy.rules`` stores them replicated).
+
+        Args:
+          layers: the model's layers.
+
+        Returns:
+          The layers a device holds.
+
+        >>> Plan(pipe=4).stored_layers(8), Plan(pipe=4).stored_layers(6)
+        (2, 6)
+        """
+        return layers // self.pipe if layers % self.pipe == 0 else layers
+
     def with_strategy(self, **changes) -> Plan:
         """This plan with other values of some of its strategy's fields.
 

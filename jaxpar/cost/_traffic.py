@@ -516,7 +516,7 @@ def _data_groups(m: ModelSpec, plan: Plan, lowering: str, compute_bytes: float, 
         n_p, _, _, local, shardable = leaf_shard_counts(leaf, key, s.zero)
         # summed over the axes that split the tokens, except ``expert`` for the experts' own weights
         data_axes = _axes(sizes, [a for a in GRAD_AXES if not (a == "expert" and "experts" in leaf.logical)])
-        count = leaf.shape[0] // plan.pipe if leaf.stacked else 1       # the device's layers of this leaf
+        count = plan.stored_layers(leaf.shape[0]) if leaf.stacked else 1       # the device's layers of this leaf
         per = local / count                                             # one layer's slice
         nbytes = _gather_bytes(m, leaf, plan, lowering, pbytes)
         g = per * grad_bytes * (_sp_grad_scale(m, leaf, t) if cpu and s.sequence_parallel else 1)
