@@ -49,7 +49,9 @@ def test_a_crashed_or_hung_worker_fails_its_test_once_and_the_run_ends(tmp_path)
     elapsed = time.monotonic() - start
     assert proc.returncode == 1, out[-4000:]
     for test in ("test_crash.py::test_aborts", "test_hang.py::test_hangs"):
-        assert len(re.findall(rf"worker 'gw\d+' crashed while running '{test}'", out)) == 1, out[-4000:]
+        assert len(re.findall(rf"^FAILED {test}\b", out, re.M)) == 1, out[-4000:]       # failed once
+        assert re.search(rf"worker 'gw\d+' crashed while running '{test}'", out), out[-4000:]
+    assert out.count("Fatal Python error: Aborted") == 1, out[-4000:]           # and aborted once, not rerun
     assert 'test_hang.py", line 4 in test_hangs' in out, out[-4000:]       # the hung test's stack
     assert re.search(r"\b2 failed, 3 passed\b", out), out[-4000:]              # the others ran, once each
     assert elapsed < 180, elapsed
