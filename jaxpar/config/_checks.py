@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import re
 from typing import Any, Callable, Sequence
 
+from jaxpar.compat import LIBRARY_NAMES
 from jaxpar.data._tokens import TOKEN_DTYPES
 from jaxpar.errors import LoopError, RampError, int_problem
 from jaxpar.mesh import MeshError
@@ -36,7 +37,8 @@ from jaxpar.config._hf_model import hf_problems, tokenizer_problems
 from jaxpar.config._documents import documents_problems
 from jaxpar.config._imports import call_problem, resolve_import
 from jaxpar.config._schema import (DATA_KINDS, LR_SCHEDULES, NONFINITE_MODES, PROGRESS_MODES, USER_MODEL_KEYS,
-                                   ConfigError, DataConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig)
+                                   ConfigError, DataConfig, JobConfig, MeshConfig, ModelConfig, OptimizerConfig,
+                                   ParallelConfig)
 
 
 def choice(problems: list[str], key: str, value: Any, allowed: Sequence[Any]) -> None:
@@ -319,23 +321,30 @@ def _batch_divisor(cfg: JobConfig, sizes: dict[str, int]) -> tuple[int, str]:
     return n, f"mesh.data x mesh.fsdp{rep} x parallel.microbatches = {n}"
 
 
-#: The YAML key of each field that the compatibility table's messages name (the library's names:
-#: :data:`jaxpar.compat.LIBRARY_NAMES`, the same keys).
-YAML_NAMES = {
-    "zero": "parallel.zero", "sequence_parallel": "parallel.sequence_parallel", "schedule": "parallel.schedule",
-    "compression": "parallel.compression", "sync": "parallel.sync", "local_clip": "parallel.compression.local_clip",
-    "microbatches": "parallel.microbatches", "update_every": "parallel.update_every",
-    "vertical_sync": "parallel.vertical_sync",
-    "compute_dtype": "parallel.compute_dtype", "explicit_dp": "explicit_dp",
-    "steps_per_call": "parallel.steps_per_call", "clip_norm": "optimizer.clip_norm",
-    "noise_scale_every": "logging.noise_scale.every", "optimizer": "optimizer.name",
-    "pipe": "mesh.pipe", "pipe_axis": "mesh.pipe", "replica": "mesh.replica", "replica_axis": "mesh.replica",
-    "data": "mesh.data", "fsdp": "mesh.fsdp", "tensor": "mesh.tensor", "context": "mesh.context", "expert": "mesh.expert",
-    "ramp": "data.batch_ramp", "ramp_steps": "data.batch_ramp.steps",
+#: The YAML keys of the fields the compatibility table's messages name that are not a ``mesh`` or ``parallel`` key
+#: of the same name (:data:`YAML_NAMES`).
+_KEYS_ELSEWHERE = {
+    "local_clip": "parallel.compression.local_clip", "explicit_dp": "explicit_dp", "clip_norm": "optimizer.clip_norm",
+    "noise_scale_every": "logging.noise_scale.every", "optimizer": "optimizer.name", "pipe_axis": "mesh.pipe",
+    "replica_axis": "mesh.replica", "ramp": "data.batch_ramp", "ramp_steps": "data.batch_ramp.steps",
     "steps": "train.steps", "log_every": "train.log_every", "eval_every": "train.eval_every",
     "checkpoint_every": "checkpoint.every", "router_bias_rate": "model.moe.bias_rate",
-    "aux_weight": "model.moe.aux_weight", "fp8": "parallel.fp8", "offload": "parallel.offload", "true": "true", "false": "false", "none": "null",
+    "aux_weight": "model.moe.aux_weight", "true": "true", "false": "false", "none": "null",
 }
+
+
+def _yaml_key(field_name: str) -> str | None:
+    """The YAML key of a field the compatibility table's messages name: the ``mesh`` or ``parallel`` section's key
+    of that name (the schema's), else :data:`_KEYS_ELSEWHERE`'s; None: the loop's arguments YAML has no key for."""
+    for section, cls in (("mesh", MeshConfig), ("parallel", ParallelConfig)):
+        if field_name in {f.name for f in dataclasses.fields(cls)}:
+            return f"{section}.{field_name}"
+    return _KEYS_ELSEWHERE.get(field_name)
+
+
+#: The YAML key of each field that the compatibility table's messages name (the library's names:
+#: :data:`jaxpar.compat.LIBRARY_NAMES`, the same keys, less those without a YAML key).
+YAML_NAMES = {name: key for name in LIBRARY_NAMES if (key := _yaml_key(name))}
 
 
 def table_setting(cfg: JobConfig, strategy: Any, sizes: dict[str, int], built_ramp: Any = None) -> Any:
