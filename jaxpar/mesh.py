@@ -24,19 +24,11 @@ import numpy as np
 from jax._src import hardware_utils
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
+from jaxpar.axes import AXES, CONTEXT, EXPERT, REPLICA, STANDARD_AXES
 from jaxpar.errors import BackendStartedError, MeshError, check_int, int_problem
 
 __all__ = ["STANDARD_AXES", "MeshSpec", "MeshError", "make_mesh", "simulate_cpu_devices", "use_devices",
            "accelerator_platform", "data_axes", "batch_axes", "replicas", "AXES", "REPLICA", "CONTEXT", "EXPERT"]
-
-#: The axes jaxpar's strategies know about, in mesh order (outermost first).
-#: ``pipe`` is outermost (least traffic), ``tensor`` innermost (most traffic).
-STANDARD_AXES = ("pipe", "data", "fsdp", "tensor")
-REPLICA = "replica"   # the outermost axis of relaxed synchronisation (jaxpar.parallel.sync), present only when > 1
-CONTEXT = "context"   # the sequence axis of context parallelism (jaxpar.parallel.context), beside tensor, only when > 1
-EXPERT = "expert"     # the axis of expert parallelism (jaxpar.parallel.moe), inside the data axes, only when > 1
-#: Every axis :class:`MeshSpec` names, in mesh order (``replica``, ``expert`` and ``context`` only when > 1).
-AXES = (REPLICA, "pipe", "data", "fsdp", EXPERT, CONTEXT, "tensor")
 
 
 @dataclass(frozen=True)

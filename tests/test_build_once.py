@@ -55,6 +55,16 @@ def test_train_with_muon_traces_the_model_once(tmp_path, monkeypatch, capsys):
     assert len(calls) == 2
 
 
+def test_the_mesh_section_has_a_key_for_each_mesh_axis():
+    """MeshConfig's keys (in their YAML order) are jaxpar.axes.AXES, the one list of the mesh axes."""
+    import dataclasses
+
+    from jaxpar.axes import AXES
+    from jaxpar.config._schema import MeshConfig
+
+    assert sorted(f.name for f in dataclasses.fields(MeshConfig)) == sorted(AXES)
+
+
 def test_the_yaml_sections_take_the_library_defaults():
     """A YAML key that an object of the library takes has that object's default, for every such key: the
     model's (GPTConfig), the strategy's (Strategy), Muon's (muon), the checkpointer's and the noise scale's."""

@@ -156,13 +156,6 @@ def test_small_sizes_recursive_doubling_large_sizes_ring_or_rabenseifner(p):
     assert C.best("all-reduce", 2**30, p, LINK)[0] in ("ring", "rabenseifner")
 
 
-def test_the_plans_axes_are_the_meshs_without_the_replicas():
-    from jaxpar.cost._parallel import AXES
-    from jaxpar.mesh import AXES as MESH_AXES, REPLICA
-
-    assert AXES == tuple(a for a in MESH_AXES if a != REPLICA)
-
-
 def test_cost_modules_import_no_jax():
     """The modules of jaxpar/cost (and the pure pipeline tables / analysis helpers they use), and the HLO
     readers that compare compiled programs with them (jaxpar.analysis._loops, jaxpar.analysis._axis_bytes), load

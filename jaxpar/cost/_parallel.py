@@ -18,12 +18,12 @@ from dataclasses import dataclass, replace
 from jaxpar.compat._settings import FLUSH_SCHEDULES
 from jaxpar.cost._memory import REMAT
 from jaxpar.errors import PlanError, check_int
+from jaxpar.axes import AXES as MESH_AXES, REPLICA
 from jaxpar.options import LAYER_INPUT
 from jaxpar.strategy import Strategy
 
-#: The mesh axes a plan sizes, in mesh order: :data:`jaxpar.mesh.AXES` without the replicas (written here, since
-#: jaxpar.mesh imports JAX; tests/test_cost_formulas.py holds them equal; docs/planning.md §10).
-AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
+#: The mesh axes a plan sizes, in mesh order: :data:`jaxpar.axes.AXES` without the replicas (docs/planning.md §10).
+AXES = tuple(a for a in MESH_AXES if a != REPLICA)
 #: The axes that split the batch's sequences (``context`` splits each sequence instead).
 BATCH_AXES = ("data", "fsdp", "expert")
 #: The fields of :class:`jaxpar.Strategy` the cost model reads. The table (:func:`jaxpar.cost.plan_refusal`)

@@ -19,6 +19,7 @@ import jax
 
 from jaxpar.devices._targets import Target
 from jaxpar.errors import Fp8Error
+from jaxpar.mesh import CONTEXT, batch_axes
 
 
 def sharding_lines(layout: Any) -> list[str]:
@@ -374,7 +375,7 @@ def expert_lines(experts: int, k: int, tokens: int, mesh: Any, compiled: Any) ->
     sizes, text = dict(mesh.shape), compiled.as_text()
     f0, per_trip = tile_loop_flops(text)
     tile = tile_rows(mesh)
-    tokens = tokens / math.prod(sizes.get(a, 1) for a in ("data", "fsdp", "expert", "context"))
+    tokens = tokens / math.prod(sizes.get(a, 1) for a in (*batch_axes(mesh), CONTEXT))
     tiles = tokens * k / tile + experts / sizes.get("expert", 1)
     head = f"experts  {experts} experts, top-{k}:"
 
