@@ -9,10 +9,10 @@ compute) for the target's abstract devices with the target's own compiler (devic
   (:func:`jaxpar.analysis._axis_bytes.compiled_bytes_per_axis`);
 * argument bytes: :func:`jaxpar.cost.device_argument_bytes` with the target's layout
   (:func:`jaxpar.cost._device_bytes.layout_for_platform`) against ``memory_analysis()``;
-* peak bytes: :func:`jaxpar.cost.step_peak_bytes` against what the program allocates on a device
-  (arguments + outputs + temporaries - aliased, :attr:`jaxpar.analysis._compiled_memory.MemoryReport.peak_bytes`),
-  with XLA's own peak of live bytes (``peak_memory_in_bytes``) beside it: the two agree on GPUs, and libtpu's
-  allocation is 5-33 % above its live peak.
+* peak bytes: :func:`jaxpar.cost.memory_per_device` (fp32, the target compiler's measured tables) against what the
+  program allocates on a device (arguments + outputs + temporaries - aliased,
+  :attr:`jaxpar.analysis._compiled_memory.MemoryReport.peak_bytes`), with XLA's own peak of live bytes
+  (``peak_memory_in_bytes``) beside it: the two agree on GPUs, and libtpu's allocation is 5-33 % above its live peak.
 
 ``--precision`` runs :data:`PRECISION_CASES` instead: the same GPTs in bf16 compute (fp32 master weights
 and Adam), each without and with FP8 (:class:`jaxpar.options.Fp8`, tensorwise, min_dim 1024), on the GPU
@@ -47,7 +47,7 @@ import time  # noqa: E402
 from datetime import date  # noqa: E402
 
 from jaxpar import cost  # noqa: E402
-from jaxpar.cost import device_argument_bytes, step_peak_bytes
+from jaxpar.cost import device_argument_bytes, memory_per_device
 from jaxpar.cost._device_bytes import layout_for_platform  # noqa: E402
 from jaxpar.cost import comms
 from jaxpar.cost._traffic import bytes_per_axis, lowering_for_platform  # noqa: E402
@@ -295,7 +295,7 @@ def predict(model: cost.ModelSpec, target: str, plan: cost.Plan) -> dict:
     return {"axes": bytes_per_axis(comms(model, plan, lowering=lowering, compute_bytes=4, grad_bytes=4)),
             "arguments": device_argument_bytes(model, plan.sizes, plan.strategy.zero,
                                                layout=layout_for_platform(platform)),
-            "peak": step_peak_bytes(model, plan, platform=platform)}
+            "peak": memory_per_device(model, plan, precision="fp32", activation_bytes=4, keeps=platform).total}
 
 
 def _err(p: float, g: float) -> float:

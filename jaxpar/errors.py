@@ -414,6 +414,9 @@ RETIRED = {
         "jaxpar.parallel.moe._dispatch.expert_mlp",
         "the sorted dispatch replaced the [G, E, C, D] expert buffers it runs on: a MoE layer runs its experts "
         "on the routed rows only, by jaxpar.parallel.moe.routed_mlp"),
+    "jaxpar.cost.step_peak_bytes": ("jaxpar.cost.memory_per_device", "the name gives jaxpar.cost.memory_per_device, "
+                                    "and memory_per_device(model, plan, precision='fp32', activation_bytes=4, "
+                                    "keeps=platform).total is the peak it returned"),
 }
 
 

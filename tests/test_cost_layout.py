@@ -4,7 +4,7 @@ those runs); the exhaustive tier compiles small GPTs for h100 to check the per-l
 copy of a pipeline stage's residual buffers."""
 import pytest
 
-from jaxpar.cost import device_argument_bytes, step_peak_bytes
+from jaxpar.cost import device_argument_bytes, memory_per_device
 from jaxpar.cost._device_bytes import DENSE, TPU, local_shape, padded_bytes
 from jaxpar.cost import gpt
 from jaxpar.cost import Plan
@@ -12,6 +12,9 @@ from jaxpar.cost import comms
 from jaxpar.cost._traffic import bytes_per_axis
 from jaxpar.errors import PlanError
 from jaxpar.strategy import Strategy
+
+#: jaxpar's fp32 step: fp32 parameters, moments and activations.
+FP32 = dict(precision="fp32", activation_bytes=4)
 
 
 def test_tpu_argument_bytes_equal_the_compiled_tiled_layout():
@@ -75,7 +78,7 @@ def test_libtpu_gathers_one_input_fewer_per_layer_under_sequence_parallelism():
 def test_peak_adds_temporaries_to_the_arguments():
     m = gpt(4, 768, 12, 1024, 50304, 2)
     args = device_argument_bytes(m, {}, 0)
-    none, full = step_peak_bytes(m, Plan()), step_peak_bytes(m, Plan(remat="full"))
+    none, full = (memory_per_device(m, p, **FP32, keeps="cuda").total for p in (Plan(), Plan(remat="full")))
     assert args < full < none
     # h100:1x1, measured: peak 3,400,517,176 (none) and 2,155,308,440 (full): within 5% / 2%
     assert abs(none - 3400517176) / 3400517176 < 0.05
@@ -156,7 +159,7 @@ def test_tpu_layer_constants_are_libtpus(case):
         _, compiled = compile_plan(lambda: GPT(cfg, rngs=nnx.Rngs(0)), plan, batch, s,
                                    devices=target_devices(parse_target("tpu-v5e:2x4")))
         peak[layers] = compiled.memory_analysis().peak_memory_in_bytes
-        model[layers] = step_peak_bytes(gpt(layers, h, 8, s, 512, batch), plan, platform="tpu")
+        model[layers] = memory_per_device(gpt(layers, h, 8, s, 512, batch), plan, **FP32, keeps="tpu").total
     m = gpt(1, h, 8, s, 512, batch)
     layer = saved_per_layer(m, plan, 1, "tpu") + bf16_weight_bytes(m, plan)
     got = (peak[16] - peak[8]) / 8 - ((model[16] - model[8]) / 8 - layer)
@@ -165,7 +168,7 @@ def test_tpu_layer_constants_are_libtpus(case):
 
 @pytest.mark.exhaustive
 def test_the_gpu_compiler_copies_a_stage_residual_buffer_in_the_tick_conditionals():
-    """Why :func:`step_peak_bytes` counts a pipeline stage's residual buffers twice on GPUs: the GPU
+    """Why the measured table counts a pipeline stage's residual buffers twice on GPUs: the GPU
     compiler copies the whole buffer ``[n_res, layers, rows, s, h]`` inside the tick loop's action
     conditionals (both branches), so the step holds a second one (pipe 2 x tensor 2, 1F1B)."""
     import re
@@ -222,7 +225,7 @@ def test_pipeline_peak_counts_the_stored_residuals_twice_on_gpus():
         return (device_argument_bytes(m, plan.sizes, 0, layout=layout_for_platform(p))
                 + max(logits, saved_per_layer(m, Plan(), 2, p)) + (bf16_weight_bytes(m, plan) if p == "tpu" else 0))
 
-    gpu, tpu = step_peak_bytes(m, plan, platform="cuda"), step_peak_bytes(m, plan, platform="tpu")
+    gpu, tpu = (memory_per_device(m, plan, **FP32, keeps=p).total for p in ("cuda", "tpu"))
     assert stored_per_layer(m, plan, 2) == 4 * 512 * 2 * 512              # the layer's input, 2 rows
     assert gpu - apart("cuda") - (tpu - apart("tpu")) == held * stored_per_layer(m, plan, 2)
 

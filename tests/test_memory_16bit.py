@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxpar import cost
-from jaxpar.cost._device_bytes import CONTEXT_KEEPS, HALF_KEEPS, measured_keeps
+from jaxpar.cost._device_bytes import CONTEXT_KEEPS, HALF_KEEPS
 from jaxpar.options import ContextParallel
 from jaxpar.strategy import Strategy
 
@@ -22,8 +22,7 @@ def test_the_planner_ranks_jaxpars_gpu_step_with_inspects_measured_table():
     for remat in ("none", "save-matmuls", "full"):
         plan = cost.Plan(fsdp=8, remat=remat)
         planned = cost.evaluate(model, plan, h100, dtype="bfloat16", precision="fp32", lowering="xla").memory
-        measured = cost.memory_per_device(model, plan, precision="fp32", activation_bytes=2,
-                                          keeps=measured_keeps("cuda"))
+        measured = cost.memory_per_device(model, plan, precision="fp32", activation_bytes=2, keeps="cuda")
         paper = cost.memory_per_device(model, plan, precision="fp32", activation_bytes=2)
         assert planned.total == measured.total != paper.total
 
@@ -34,7 +33,7 @@ def test_the_16bit_table_stays_where_it_was_measured(plan):
     """Measured at ``t`` = 1 without a pipeline: elsewhere the paper's table."""
     model = cost.decoder(**LLAMA)
     kw = dict(precision="fp32", activation_bytes=2)
-    assert (cost.memory_per_device(model, plan, **kw, keeps=measured_keeps("cuda")).total
+    assert (cost.memory_per_device(model, plan, **kw, keeps="cuda").total
             == cost.memory_per_device(model, plan, **kw).total)
 
 
@@ -44,7 +43,7 @@ def test_a_context_parallel_decoder_reads_the_context_table(method):
     where it was not measured, HALF_KEEPS there."""
     model = cost.decoder(**{**LLAMA, "seq": 131072, "batch": 1})
     strategy = Strategy(context=ContextParallel(method=method))
-    kw = dict(precision="fp32", activation_bytes=2, keeps=measured_keeps("cuda"))
+    kw = dict(precision="fp32", activation_bytes=2, keeps="cuda")
     whole = cost.memory_per_device(model, cost.Plan(context=8, remat="save-matmuls", strategy=strategy), **kw)
     fsdp = cost.memory_per_device(model, cost.Plan(context=4, fsdp=2, remat="save-matmuls", strategy=strategy), **kw)
     assert whole.activations == CONTEXT_KEEPS[method]["save-matmuls"][0] * 8 * 16384 * 4096

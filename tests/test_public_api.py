@@ -39,7 +39,8 @@ MOVED = {
     "jaxpar.parallel.context.ContextParallel": "jaxpar.options.ContextParallel",
 }
 #: Public names of e46ff18 with no new public home: deprecated, each warning with what replaced it.
-RETIRED = {"jaxpar.parallel.moe.expert_mlp": "jaxpar.parallel.moe.routed_mlp"}
+RETIRED = {"jaxpar.parallel.moe.expert_mlp": "jaxpar.parallel.moe.routed_mlp",
+           "jaxpar.cost.step_peak_bytes": "jaxpar.cost.memory_per_device"}
 
 NAME = re.compile(r"(?<![\w./-])jaxpar(?:\.[A-Za-z_]\w*)+(?![\w/-])")
 FROM_IMPORT = re.compile(r"\bfrom\s+(jaxpar(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n]+)")

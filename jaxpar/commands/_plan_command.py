@@ -124,12 +124,10 @@ def _verify(args: argparse.Namespace, cfg: JobConfig | None, model: Any, cluster
             target: Any) -> None:
     """``--verify``: compile the top plans, the config's own model through its job builder (else jaxpar's GPT of
     the sizes given, fp32) and print the table."""
-    from jaxpar.cost._device_bytes import measured_keeps
-
     devices, where, lowering = verify_devices(cluster.num_devices, target)
     capacity = target.capacity if target is not None else cluster.capacity
     if cfg is None:
-        keeps = "paper" if target is None else measured_keeps(target.spec.platform)   # the target's compiler's
+        keeps = "paper" if target is None else target.spec.platform   # the target's compiler's tables
         check = gpt_check(model, devices, lowering, keeps)
         what = "jaxpar's GPT, fp32 parameters and Adam moments; the prediction below uses the same precision"
     else:

@@ -16,11 +16,10 @@ Example::
     'dp8-zero2'
 """
 from jaxpar.cost._cluster import Cluster, ClusterError, cluster_from_dict, fit_gemm_efficiency, load_cluster, presets
-from jaxpar.cost._device_bytes import device_argument_bytes, step_peak_bytes
+from jaxpar.cost._device_bytes import device_argument_bytes, memory_per_device
 from jaxpar.cost._collectives import (ALGORITHMS, KINDS as COLLECTIVE_KINDS, Link, best as best_algorithm,
                                       time as collective_time)
-from jaxpar.cost._memory import (PRECISIONS, BytesPerParam, activation_bytes_per_layer, memory_per_device,
-                                 muon_precision, zero_state_bytes)
+from jaxpar.cost._memory import PRECISIONS, BytesPerParam, activation_bytes_per_layer, muon_precision, zero_state_bytes
 from jaxpar.cost._model import Leaf, ModelSpec, decoder, from_decoder_config, from_nnx, gpt
 from jaxpar.cost._muon import (PLATFORM_CLUSTERS, MuonUpdate, PlacementCost, choose_placement, matrix_groups,
                                muon_comms, muon_update, ns_flops, placement_chooser, placement_cost, placement_table,
@@ -33,7 +32,7 @@ from jaxpar.cost._traffic import comms, lowering_for_platform
 from jaxpar.errors import moved_getattr
 
 __all__ = ["fit_gemm_efficiency", "Cluster", "ClusterError", "cluster_from_dict", "load_cluster", "presets",
-           "device_argument_bytes", "step_peak_bytes", "evaluate", "ALGORITHMS", "COLLECTIVE_KINDS", "Link", "best_algorithm",
+           "device_argument_bytes", "evaluate", "ALGORITHMS", "COLLECTIVE_KINDS", "Link", "best_algorithm",
            "collective_time", "PRECISIONS", "BytesPerParam",
            "activation_bytes_per_layer", "memory_per_device", "muon_precision", "zero_state_bytes", "Leaf", "ModelSpec",
            "from_nnx", "gpt", "decoder", "from_decoder_config", "Estimate", "PlanError", "PlanResult", "plan", "Overlap", "Plan",

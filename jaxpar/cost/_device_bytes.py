@@ -1,6 +1,7 @@
-"""Bytes of jaxpar's train step on a real device (docs/planning.md §8): the TPU's tiled layouts
-(:func:`padded_bytes`), and the peak of the step with the temporaries the compilers add
-(:func:`step_peak_bytes`).
+"""Memory per device (docs/planning.md §3 and §8): :func:`memory_per_device` sums a device's state, kept
+activations, logits and working bytes from the paper's terms (:mod:`jaxpar.cost._memory`) or the compilers'
+measured tables here (:data:`MEASURED_KEEPS`, :data:`HALF_KEEPS`, :data:`CONTEXT_KEEPS`, ...), the arguments in
+the TPU's tiled layouts (:func:`padded_bytes`).
 
 Example::
 
@@ -13,16 +14,17 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, replace
 from typing import Mapping
 
-from jaxpar.cost._memory import PRECISIONS, BytesPerParam, MemoryEstimate, in_flight, keep_bytes, \
-    leaf_shard_counts, leaf_spec, memory_per_device, sizes_key, zero_axes, zero_dim_of
+from jaxpar.cost._context_experts import context_working_bytes
+from jaxpar.cost._memory import PRECISIONS, BytesPerParam, MemoryEstimate, bytes_per_param, keep_bytes, \
+    layer_activations, leaf_shard_counts, leaf_spec, offloaded, sizes_key, state_bytes, zero_axes, zero_dim_of
 from jaxpar.cost._model import Leaf, ModelSpec
-from jaxpar.logical import matrix_sides
-from jaxpar.cost._schedule import runs_in_lockstep
 from jaxpar.cost._parallel import Plan
+from jaxpar.cost._schedule import in_flight, runs_in_lockstep
+from jaxpar.errors import CostModelError
+from jaxpar.logical import matrix_sides
 from jaxpar.strategy import Strategy
 
 
@@ -183,7 +185,8 @@ REMAT_KEEPS = {"none": BLOCK_KEEPS, "save-matmuls": (2.0, 8.0, 1.0), "full": (1.
 #: ``as^2b`` array), and a bf16 copy of each layer's matmul weights as the device holds them
 #: (:func:`bf16_weight_bytes`, counted apart).
 TPU_REMAT_KEEPS = {"none": (7.0, 24.0, 1.0), "save-matmuls": (2.0, 6.0, 1.0), "full": (1.0, 0.0, 0.0)}
-#: The measured activation tables per platform (:func:`measured_memory`; the paper's: :data:`~jaxpar.cost._memory.PAPER_KEEPS`).
+#: The measured activation tables per platform (:func:`memory_table`; the paper's:
+#: :data:`~jaxpar.cost._memory.PAPER_KEEPS`).
 MEASURED_KEEPS = {"cuda": REMAT_KEEPS, "tpu": TPU_REMAT_KEEPS}
 
 
@@ -204,6 +207,10 @@ HALF_PIECES = {"none": 32.0, "save-matmuls": 40.0, "full": 34.0}
 #: softmax statistics and gradients in pieces): the GPT's temporaries beyond its layers (above), less its
 #: tables' gradients, at s = 2,048 to 8,192 (within 7 %).
 HALF_LOGITS = 2.7
+#: Bytes per token and vocabulary entry that the loss holds, by table (:func:`memory_table`): the paper's fp32 logits
+#: and their log-softmax; the GPU compiler's fp32 logits; libtpu's, and two bf16 copies (the head's product and its
+#: gradient); :data:`HALF_LOGITS`.
+LOGIT_BYTES = {"paper": 8, "cuda": 4, "tpu": 8, "half": HALF_LOGITS}
 #: Bytes per device token and unit of ``h`` under context parallelism and 16-bit compute on GPUs, by method and
 #: recomputation: ``(kept, working, working in pieces)``, what one layer keeps for its backward and the transient of
 #: the layer whose backward runs at the step's peak, with the whole loss and with the loss in pieces of the
@@ -391,109 +398,164 @@ def bf16_weight_bytes(model: ModelSpec, plan: Plan) -> float:
                for leaf in model.leaves if leaf.stacked and leaf.matmul)
 
 
-def measured_keeps(platform: str):
-    """``memory_per_device``'s ``keeps`` for ``platform``: its measured table (:func:`measured_memory`), or
-    ``"paper"`` where none was measured.
-
-    Args:
-      platform: ``"cuda"``, ``"tpu"``, ``"cpu"``, ...
-
-    Returns:
-      The table choice.
-    """
-    return partial(measured_memory, keeps=platform) if platform in MEASURED_KEEPS else "paper"
-
-
-def measured_memory(model: ModelSpec, plan: Plan, precision: BytesPerParam, activation_bytes: float, *,
-                    keeps: str) -> MemoryEstimate | None:
-    """The compiled-step model of one device's bytes (docs/planning.md §8) with ``keeps``'s measured table,
-    where it was measured: fp32 parameters, gradients and compute of a dense model without CP, or 16-bit compute
-    on GPUs of a dense model on one tensor rank without a pipeline (:data:`HALF_KEEPS`; under CP
-    :data:`CONTEXT_KEEPS` where :func:`context_measured`, else :data:`HALF_KEEPS` at ``s / C`` tokens); before
-    offload. ``logits``: the larger of the loss's logits (a piece's) and one recomputed layer (under CP the rest of
-    :func:`context_temporaries`); ``transient``: two gathered layers under ZeRO-3 / FSDP, libtpu's bf16 weights.
+def memory_table(model: ModelSpec, plan: Plan, precision: BytesPerParam, activation_bytes: float, keeps: str) -> str:
+    """The tables :func:`memory_per_device` reads: a compiler's measured ones where they were measured (fp32
+    parameters and gradients of a dense model: fp32 compute without CP, :data:`MEASURED_KEEPS`; 16-bit compute on
+    GPUs on one tensor rank without a pipeline, ``"half"``: :data:`HALF_KEEPS`, under CP :data:`CONTEXT_KEEPS` where
+    :func:`context_measured`), else the paper's.
 
     Args:
       model: the model.
       plan: the plan.
       precision: bytes per parameter.
       activation_bytes: bytes per activation value.
-      keeps: a platform of :data:`MEASURED_KEEPS` (another: None).
+      keeps: ``"paper"``, or a platform (``"cpu"``, ``"cuda"``, ``"tpu"``) whose compiler's tables to read.
 
     Returns:
-      The :class:`~jaxpar.cost._memory.MemoryEstimate`, or None where the table was not measured.
+      ``"paper"``, ``"cuda"``, ``"tpu"`` or ``"half"``.
 
     >>> from jaxpar.cost._model import gpt
-    >>> measured_memory(gpt(2, 32, 8, 16, 64, 16), Plan(context=2), PRECISIONS["fp32"], 4, keeps="cuda") is None
-    True
+    >>> m, fp32 = gpt(2, 32, 8, 16, 64, 16), PRECISIONS["fp32"]
+    >>> [memory_table(m, p, fp32, 4, "cuda") for p in (Plan(), Plan(context=2))]
+    ['cuda', 'paper']
+    >>> [memory_table(m, Plan(), fp32, 2, keeps) for keeps in ("cuda", "tpu")]
+    ['half', 'paper']
+    >>> memory_table(m, Plan(), PRECISIONS["mixed"], 2, "cuda")          # 16-bit parameters: not measured
+    'paper'
     """
-    half = activation_bytes == 2 and keeps == "cuda"         # HALF_KEEPS: one tensor rank, no pipeline
-    measured = plan.tensor == plan.pipe == 1 if half else activation_bytes == 4 and plan.context == 1
-    if (keeps not in MEASURED_KEEPS or not measured or precision.param != 4 or precision.grad != 4 or plan.expert > 1
-            or model.moe_layers):
-        return None
-    s, sizes, key, tpu = plan.strategy, plan.sizes, sizes_key(plan.sizes), keeps == "tpu"
-    rows = model.batch / (plan.data * plan.fsdp * s.microbatches) / plan.context    # a device's tokens, in sequences
-    grads = gathered = 0.0
-    for leaf in model.leaves:
-        c = leaf_shard_counts(leaf, key, s.zero)
-        grads += 4 * leaf.size / c.grads
-        if leaf.stacked and c.shardable and zero_axes(sizes, s.zero, "params"):
-            gathered += 4 * c.local / plan.stored_layers(model.layers)      # one layer, gathered
-    flight = in_flight(s.schedule, plan.pipe, s.microbatches, s.virtual_stages, runs_in_lockstep(plan))
-    held = plan.stage_depth(model.layers) / s.virtual_stages * flight
-    if half:
-        acts = held * half_per_layer(model, plan.remat, rows)
-    elif plan.pipe == 1:
-        acts = held * saved_per_layer(model, plan, rows, keeps)
-    else:
-        acts = held * stored_per_layer(model, plan, rows, keeps) * (1 if tpu else 2)
-    working = _working(model, plan, rows, half, keeps)
-    # the loss's fp32 logits, one piece's; libtpu also holds two bf16 copies (the head's product and its gradient)
-    logits = (HALF_LOGITS if half else 8 if tpu else 4) * model.seq * rows * model.vocab / plan.tensor
-    rest = max(logits / model.loss_chunks, working)
-    if half and context_measured(model, plan):              # else CP reads HALF_KEEPS at s / C tokens
-        acts, rest = context_temporaries(model, plan, rows, grads, held, CONTEXT_KEEPS[s.context_setting.method])
-    matrix = None if precision.matrix_opt is None else precision.matrix_opt / 4
-    args = [device_argument_bytes(model, sizes, s.zero, layout=layout_for_platform(keeps), moments=k,
-                                  matrix_moments=k if matrix is None or not k else matrix)
-            for k in (0, precision.opt / 4)]
-    return MemoryEstimate(args[0], grads, args[1] - args[0], acts, rest, flight,
-                          transient=2 * gathered + (bf16_weight_bytes(model, plan) if tpu else 0.0))
+    if keeps not in ("paper", "cpu", *MEASURED_KEEPS):
+        raise CostModelError(f"keeps={keeps!r}: choose 'paper' or a platform: 'cpu', 'cuda' or 'tpu'.")
+    if keeps not in MEASURED_KEEPS or not precision.param == precision.grad == 4 or plan.expert > 1 or model.moe_layers:
+        return "paper"
+    if activation_bytes == 2 and keeps == "cuda":
+        return "half" if plan.tensor == plan.pipe == 1 else "paper"
+    return keeps if activation_bytes == 4 and plan.context == 1 else "paper"
 
 
-def _working(model: ModelSpec, plan: Plan, rows: float, half: bool, keeps: str) -> float:
-    """The working bytes of the layer whose backward runs at the peak (:func:`measured_memory`): with the loss in
-    pieces under 16-bit compute :data:`HALF_PIECES`, else one layer recomputed (none without recomputation)."""
+def memory_per_device(model: ModelSpec, plan: Plan, *, precision: str | BytesPerParam = "mixed",
+                      activation_bytes: float = 2, ends: bool = False, keeps: str = "paper",
+                      fused_attention: bool = False) -> MemoryEstimate:
+    """Predicted peak memory of one device for one plan (docs/planning.md §3 and §8 have the sources): the state,
+    the layers' kept values, the logits and the working bytes, each part read from the tables of :func:`memory_table`.
+
+    Each replica's batch ``batch / (data * fsdp * expert)`` is split into ``microbatches``; a pipeline
+    stage holds ``layers / pipe`` layers and the schedule's in-flight micro-batches; the last stage the
+    logits, ``2 * s * b * vocab / t`` fp32 values (logits and their log-softmax). ``context`` splits each
+    sequence (``s / C`` tokens per device) and adds the attention's transient of the layer in flight
+    (:func:`~jaxpar.cost._context_experts.context_working_bytes`); MoE layers (``layers // moe_every``
+    of them, spread evenly over the stages) keep their buffers (:func:`~jaxpar.cost._memory.layer_activations`).
+
+    Args:
+      model: the model.
+      plan: the :class:`~jaxpar.cost.Plan`: its sizes, remat policy and strategy (ZeRO stage, micro-batches,
+        pipeline schedule and virtual stages, sequence parallelism, context-parallel method and balance). Its
+        strategy's ``offload`` (:mod:`jaxpar.cost._host_link`): the host update keeps the optimizer state
+        off the device (``opt`` 0, in ``host``; on one device the gradients too:
+        :func:`~jaxpar.cost._memory.offloaded`); the device update streams the offloaded state in for the step, so
+        the device's peak keeps it (it is in ``host`` too). Offloaded activations (under ``remat="full"``) move
+        the layers' inputs, which full recomputation keeps, from ``activations`` to ``host``.
+      precision: a name in :data:`~jaxpar.cost._memory.PRECISIONS` or a :class:`~jaxpar.cost.BytesPerParam`.
+      activation_bytes: bytes per activation value.
+      ends: ``False`` (jaxpar's pipeline executor): every parameter outside the blocks on every stage,
+        with the logits. ``True`` (Megatron-LM): the embeddings on the first stage, the final norm and
+        head on the last (:func:`~jaxpar.cost._memory.state_bytes`); the more loaded of the two is returned, the
+        first with stage 0's in-flight activations, the last with the same (an upper bound) and the logits. The
+        measured tables are jaxpar's executor's.
+      keeps: ``"paper"`` (:data:`~jaxpar.cost._memory.PAPER_KEEPS`), or a platform: on ``"cuda"`` and ``"tpu"``
+        its compiler's measured tables (the compiled step: its arguments in the platform's layout, the larger of
+        the loss's logits, one piece's, and the working bytes of the layer at the peak, the weights it copies)
+        where they were measured (:func:`memory_table`), the paper's elsewhere and on ``"cpu"``.
+      fused_attention: CP's blocks run the flash kernels (a GPU in a 16-bit compute dtype:
+        :func:`~jaxpar.cost._context_experts.fused_context`): no scores kept, the kernels' working bytes.
+
+    Returns:
+      The :class:`~jaxpar.cost._memory.MemoryEstimate`.
+    """
+    bp = bytes_per_param(precision)
+    table, s = memory_table(model, plan, bp, activation_bytes, keeps), plan.strategy
+    ends = ends and plan.pipe > 1 and table == "paper"       # the measured steps are jaxpar's executor's
+    flight = in_flight(s.schedule, plan.pipe, s.microbatches, s.virtual_stages, runs_in_lockstep(plan) and not ends)
+    held = plan.stage_depth(model.layers) / s.virtual_stages * flight     # a stage's layers x micro-batches in flight
+    mb = model.batch / plan.batch_split / s.microbatches                   # sequences per micro-batch on one device
+    params, grads, opt = _state(model, plan, bp, table)
+    kept = held * _layer_keeps(model, plan, mb, table, activation_bytes, fused_attention)
+    rest = _rest(model, plan, mb, table)
+    if table == "half" and context_measured(model, plan):
+        kept, rest = context_temporaries(model, plan, mb / plan.context, grads, held,
+                                         CONTEXT_KEEPS[s.context_setting.method])
+    if ends:        # the first stage with the embeddings, or the last with the head and the logits
+        first, last = (state_bytes(model, plan.sizes, s.zero, bp, end=e) for e in ("first", "last"))
+        end, rest = (first, 0.0) if first["total"] > last["total"] + rest else (last, rest)
+        params, grads, opt = end["params"], end["grads"], end["opt"]
+    mem = offloaded(MemoryEstimate(params, grads, opt, kept, rest, flight, transient=_transient(model, plan, table)),
+                    s.offload, unsplit=plan.unsplit, activation_bytes=activation_bytes)
+    if table != "paper" or plan.context == 1:
+        return mem
+    cp = s.context_setting      # the attention's transient of the layer in flight
+    return replace(mem, activations=mem.activations + context_working_bytes(
+        model, mb, plan.tensor, plan.context, cp.method, cp.balance, activation_bytes, fused=fused_attention))
+
+
+def _state(model: ModelSpec, plan: Plan, bp: BytesPerParam, table: str) -> tuple[float, float, float]:
+    """Parameters, gradients and optimizer state (:func:`~jaxpar.cost._memory.state_bytes`); the measured tables' the
+    parameters and optimizer state as the step's arguments (:func:`device_argument_bytes`)."""
+    state = state_bytes(model, plan.sizes, plan.strategy.zero, bp)
+    if table == "paper":
+        return state["params"], state["grads"], state["opt"]
+    matrix = None if bp.matrix_opt is None else bp.matrix_opt / 4
+    params, args = (device_argument_bytes(model, plan.sizes, plan.strategy.zero, layout=layout_for_platform(table),
+                                          moments=k, matrix_moments=k if matrix is None or not k else matrix)
+                    for k in (0, bp.opt / 4))
+    return params, state["grads"], args - params
+
+
+def _layer_keeps(model: ModelSpec, plan: Plan, mb: float, table: str, activation_bytes: float, fused: bool) -> float:
+    """Bytes one layer keeps for the backward per micro-batch of ``mb`` sequences, the layers' mean: the measured
+    tables' (:func:`half_per_layer`; :func:`saved_per_layer`, in a pipeline :func:`stored_per_layer`, which the GPU
+    compiler holds twice) or the paper's (:func:`~jaxpar.cost._memory.layer_activations`, an MoE layer's its own)."""
+    rows = mb / plan.context
+    if table == "half":
+        return half_per_layer(model, plan.remat, rows)
+    if table != "paper":
+        return (saved_per_layer(model, plan, rows, table) if plan.pipe == 1 else
+                stored_per_layer(model, plan, rows, table) * (1 if table == "tpu" else 2))
+    kw = dict(remat=plan.remat, sequence_parallel=plan.strategy.sequence_parallel, activation_bytes=activation_bytes,
+              context_method=plan.strategy.context_setting.method, fused=fused)
+    dense, n_moe = layer_activations(model, plan.sizes, mb, **kw), model.moe_layers
+    moe = layer_activations(model, plan.sizes, mb, moe=True, **kw) if n_moe else dense
+    return ((model.layers - n_moe) * dense + n_moe * moe) / model.layers if n_moe else dense
+
+
+def _rest(model: ModelSpec, plan: Plan, mb: float, table: str) -> float:
+    """The loss's logits (:data:`LOGIT_BYTES`); the measured tables' the larger of one piece's (``loss_chunks``) and
+    the working bytes of the layer whose backward runs at the peak (:func:`_working`)."""
+    rows = mb / plan.context
+    logits = LOGIT_BYTES[table] * model.seq * rows * model.vocab / plan.tensor
+    return logits if table == "paper" else max(logits / model.loss_chunks, _working(model, plan, rows, table))
+
+
+def _working(model: ModelSpec, plan: Plan, rows: float, table: str) -> float:
+    """The working bytes of the layer whose backward runs at the peak: with the loss in pieces under 16-bit compute
+    :data:`HALF_PIECES`, else one layer recomputed (none without recomputation), under SP :data:`SP_BACKWARD` more."""
+    half = table == "half"
     if half and model.loss_chunks > 1:
         return HALF_PIECES[plan.remat] * model.seq * rows * model.hidden
     s = plan.strategy
     one = Plan(tensor=plan.tensor, strategy=Strategy(sequence_parallel=s.sequence_parallel))
     working = 0.0 if plan.remat == "none" else (half_per_layer(model, "none", rows) if half else
-                                                 saved_per_layer(model, one, rows, keeps))
+                                                 saved_per_layer(model, one, rows, table))
     if s.sequence_parallel and plan.tensor > 1:
         working += 4 * SP_BACKWARD * model.seq * rows * model.hidden
     return working
 
 
-def step_peak_bytes(model: ModelSpec, plan: Plan, *, platform: str = "cuda") -> float:
-    """Predicted peak bytes of jaxpar's fp32 train step on one device (docs/planning.md §8): what the compiled
-    program allocates, arguments + outputs + temporaries - aliased, which on GPUs is XLA's peak as well
-    (:func:`~jaxpar.cost._memory.memory_per_device` with ``platform``'s measured table).
-
-    Args:
-      model: the GPT.
-      plan: the plan (mesh sizes, ZeRO stage, SP, pipeline schedule, micro-batches, remat).
-      platform: ``"cuda"`` or ``"tpu"``: the measured table, how the device stores the arguments
-        (:func:`layout_for_platform`; the rest is counted dense), and whether the compiler copies a
-        pipeline stage's residual buffers in the tick's conditionals (the GPU compiler does).
-
-    Returns:
-      Bytes on the busiest device.
-
-    >>> from jaxpar.cost._model import gpt
-    >>> step_peak_bytes(gpt(2, 32, 8, 16, 64, 16), Plan(data=2)) > 0
-    True
-    """
-    return memory_per_device(model, plan, precision="fp32", activation_bytes=4,
-                             keeps=measured_keeps(platform)).total
+def _transient(model: ModelSpec, plan: Plan, table: str) -> float:
+    """Weights the compiled step copies (the measured tables'): two layers gathered whole under ZeRO-3 / FSDP, and
+    libtpu's bf16 weights (:func:`bf16_weight_bytes`)."""
+    if table == "paper":
+        return 0.0
+    key, zero = sizes_key(plan.sizes), plan.strategy.zero
+    gathers = zero_axes(plan.sizes, zero, "params")
+    counts = (leaf_shard_counts(leaf, key, zero) for leaf in model.leaves if leaf.stacked and gathers)
+    gathered = sum(4 * c.local / plan.stored_layers(model.layers) for c in counts if c.shardable)   # one layer
+    return 2 * gathered + (bf16_weight_bytes(model, plan) if table == "tpu" else 0.0)

@@ -1,6 +1,7 @@
-"""Memory per device (docs/planning.md §3): ZeRO's training state per stage, Korthikanti et al.'s
-activations per layer, a pipeline stage's in-flight micro-batches (:mod:`jaxpar.cost._schedule`), and how
-each parameter is sharded on a mesh. :data:`PRECISIONS`: bytes per parameter, gradient and optimizer state.
+"""The paper's terms of the memory per device (docs/planning.md §3): ZeRO's training state per stage,
+Korthikanti et al.'s activations per layer (:data:`PAPER_KEEPS`) and how each parameter is sharded on a mesh;
+:func:`jaxpar.cost.memory_per_device` sums them (:class:`MemoryEstimate`, offload's rule :func:`offloaded`).
+:data:`PRECISIONS`: bytes per parameter, gradient and optimizer state.
 
 Example::
 
@@ -16,10 +17,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Mapping, NamedTuple
 
-from jaxpar.cost._context_experts import (context_score_bytes, context_working_bytes, dense_mlp_bytes,
-                                          moe_mlp_bytes)
+from jaxpar.cost._context_experts import context_score_bytes, dense_mlp_bytes, moe_mlp_bytes
 from jaxpar.cost._model import TENSOR_LOGICAL, Leaf, ModelSpec
-from jaxpar.cost._schedule import in_flight
 from jaxpar.errors import CostModelError, LayoutError, int_problem
 from jaxpar.logical import matrix_sides, zero_dim_order
 from jaxpar.options import Offload
@@ -188,7 +187,8 @@ PRECISIONS = {
 }
 
 
-def _precision(precision: str | BytesPerParam) -> BytesPerParam:
+def bytes_per_param(precision: str | BytesPerParam) -> BytesPerParam:
+    """``precision``'s :class:`BytesPerParam`: a name in :data:`PRECISIONS`, or one given."""
     if isinstance(precision, BytesPerParam):
         return precision
     if precision not in PRECISIONS:
@@ -210,7 +210,7 @@ def muon_precision(precision: str | BytesPerParam) -> BytesPerParam:
     >>> muon_precision("mixed")
     BytesPerParam(param=2, grad=2, opt=12, matrix_opt=8)
     """
-    bp = _precision(precision)
+    bp = bytes_per_param(precision)
     return replace(bp, matrix_opt=bp.opt - 4)
 
 
@@ -413,7 +413,7 @@ def state_bytes(model: ModelSpec, sizes: Mapping[str, int], stage: int,
     [275968, 242176, 235008]
     """
     _check_stage(stage)
-    bp = _precision(precision)
+    bp = bytes_per_param(precision)
     if not model.leaves:
         n_d = sizes.get("data", 1) * sizes.get("fsdp", 1)
         t, p = sizes.get("tensor", 1), sizes.get("pipe", 1)
@@ -454,84 +454,14 @@ class MemoryEstimate:
         return self.params + self.grads + self.opt + self.activations + self.logits + self.transient
 
 
-def memory_per_device(model: ModelSpec, plan, *, precision: str | BytesPerParam = "mixed",
-                      activation_bytes: float = 2, ends: bool = False, keeps="paper",
-                      fused_attention: bool = False) -> MemoryEstimate:
-    """Predicted peak memory of one device for one plan (docs/planning.md §3 and §8 have the sources).
-
-    Each replica's batch ``batch / (data * fsdp * expert)`` is split into ``microbatches``; a pipeline
-    stage holds ``layers / pipe`` layers and the schedule's in-flight micro-batches; the last stage the
-    logits, ``2 * s * b * vocab / t`` fp32 values (logits and their log-softmax). ``context`` splits each
-    sequence (``s / C`` tokens per device) and adds the attention's transient of the layer in flight
-    (:func:`~jaxpar.cost._context_experts.context_working_bytes`); MoE layers (``layers // moe_every``
-    of them, spread evenly over the stages) keep their buffers (:func:`layer_activations`).
-
-    Args:
-      model: the model.
-      plan: the :class:`~jaxpar.cost.Plan`: its sizes, remat policy and strategy (ZeRO stage, micro-batches,
-        pipeline schedule and virtual stages, sequence parallelism, context-parallel method and balance). Its
-        strategy's ``offload`` (:mod:`jaxpar.cost._host_link`): the host update keeps the optimizer state
-        off the device (``opt`` 0, in ``host``; on one device the gradients too: :func:`offloaded`); the
-        device update streams the offloaded state in for the step, so the device's peak keeps it (it is in
-        ``host`` too). Offloaded activations (under ``remat="full"``) move the layers' inputs, which full
-        recomputation keeps, from ``activations`` to ``host``.
-      precision: a name in :data:`PRECISIONS` or a :class:`BytesPerParam`.
-      activation_bytes: bytes per activation value.
-      ends: ``False`` (jaxpar's pipeline executor): every parameter outside the blocks on every stage,
-        with the logits. ``True`` (Megatron-LM): the embeddings on the first stage, the final norm and
-        head on the last (:func:`state_bytes`); the more loaded of the two is returned, the first with
-        stage 0's in-flight activations, the last with the same (an upper bound) and the logits.
-      keeps: the activation table: ``"paper"`` (:data:`PAPER_KEEPS`), or a compiler's measured one
-        (:func:`jaxpar.cost._device_bytes.measured_keeps` of ``"cuda"`` or ``"tpu"``: the compiled-step model)
-        where it was measured (fp32 compute without CP or experts; 16-bit compute on GPUs on one tensor rank
-        without a pipeline or experts: :func:`jaxpar.cost._device_bytes.measured_memory`), else the paper's.
-      fused_attention: CP's blocks run the flash kernels (a GPU in a 16-bit compute dtype:
-        :func:`~jaxpar.cost._context_experts.fused_context`): no scores kept, the kernels' working bytes.
-
-    Returns:
-      The :class:`MemoryEstimate`.
-    """
-    measured = None if keeps == "paper" else keeps(model, plan, _precision(precision), activation_bytes)
-    if measured is not None:
-        return offloaded(measured, plan.strategy.offload, unsplit=plan.unsplit, activation_bytes=activation_bytes)
-    s, cp, sizes = plan.strategy, plan.strategy.context_setting, plan.sizes
-    d, f, t, p, e, C = (sizes[a] for a in ("data", "fsdp", "tensor", "pipe", "expert", "context"))
-    mb = model.batch / (d * f * e) / s.microbatches
-    lockstep = s.sequence_parallel and t > 1 and not ends       # jaxpar's executor, not Megatron's
-    flight = in_flight(s.schedule, p, s.microbatches, s.virtual_stages, lockstep)
-    share = flight * plan.stage_depth(model.layers) / model.layers / s.virtual_stages     # flight / p / v when even
-    act = _layers_kept(model, sizes, mb, share, remat=plan.remat, sequence_parallel=s.sequence_parallel,
-                       activation_bytes=activation_bytes,
-                       context_method=cp.method, fused=fused_attention)
-    logits = 2 * model.seq / C * mb * model.vocab / t * 4
-    st = state_bytes(model, sizes, s.zero, precision)
-    if ends and p > 1:
-        first, last = (state_bytes(model, sizes, s.zero, precision, end=e) for e in ("first", "last"))
-        st, logits = (first, 0.0) if first["total"] > last["total"] + logits else (last, logits)
-    mem = offloaded(MemoryEstimate(st["params"], st["grads"], st["opt"], act, logits, flight), s.offload,
-                    unsplit=plan.unsplit, activation_bytes=activation_bytes)
-    if C > 1:       # the attention's transient of the layer in flight
-        mem = replace(mem, activations=mem.activations + context_working_bytes(
-            model, mb, t, C, cp.method, cp.balance, activation_bytes, fused=fused_attention))
-    return mem
-
-
-def _layers_kept(model: ModelSpec, sizes: Mapping[str, int], rows: float, share: float, **kw) -> float:
-    """Bytes the layers keep for the backward: ``share`` (a stage's part of the layers times its micro-batches
-    in flight) of every layer's :func:`layer_activations` (``kw``), the MoE layers' their own."""
-    n_moe = model.moe_layers
-    out = (model.layers - n_moe) * share * layer_activations(model, sizes, rows, **kw)
-    return out + (n_moe * share * layer_activations(model, sizes, rows, moe=True, **kw) if n_moe else 0.0)
-
-
 def offloaded(mem: MemoryEstimate, offload: Offload | None, *, unsplit: bool = False,
               activation_bytes: float = 4) -> MemoryEstimate:
-    """``mem`` under ``Plan.offload`` (see :func:`memory_per_device`): offloaded activations (the layers' inputs
-    under full recomputation) move from ``activations`` to ``host``. Under the host update on a device that
-    neither reduces nor accumulates its gradients (``unsplit``) the compiled step writes them to host memory
-    as the backward makes them, and its peak holds the parameters' compute-dtype copy in
-    their place (``grads``; none in fp32): a Llama-3-8B-shaped Decoder on one H100 compiles to 50.83 GB,
-    the parameters, their bf16 copy and the activations (docs/planning.md §12).
+    """``mem`` under ``Plan.offload`` (see :func:`jaxpar.cost.memory_per_device`): offloaded activations (the
+    layers' inputs under full recomputation) move from ``activations`` to ``host``. Under the host update on a
+    device that neither reduces nor accumulates its gradients (``unsplit``) the compiled step writes them to host
+    memory as the backward makes them, and its peak holds the parameters' compute-dtype copy in their place
+    (``grads``; none in fp32): a Llama-3-8B-shaped Decoder on one H100 compiles to 50.83 GB, the parameters, their
+    bf16 copy and the activations (docs/planning.md §12).
 
     Args:
       mem: the estimate without offload.

@@ -31,11 +31,11 @@ from typing import Any, Mapping, NamedTuple
 from jaxpar._text import format_bytes, render_table
 from jaxpar.compat._table import LIBRARY_NAMES, Setting, problems
 from jaxpar.cost._context_experts import fused_context
-from jaxpar.cost._device_bytes import measured_keeps
+from jaxpar.cost._device_bytes import memory_per_device
 from jaxpar.cost._capacity import PLAN_MARGIN, Capacity, device_capacity
 from jaxpar.cost._cluster import FP8, Cluster
 from jaxpar.cost._host_link import PRECISION as OFFLOAD_PRECISION, PROPOSED as OFFLOAD_PROPOSED
-from jaxpar.cost._memory import LayoutError, MemoryEstimate, memory_per_device, muon_precision
+from jaxpar.cost._memory import LayoutError, MemoryEstimate, muon_precision
 from jaxpar.cost._model import ModelSpec
 from jaxpar.cost._muon import with_muon
 from jaxpar.cost._parallel import MODELLED, Plan
@@ -324,7 +324,7 @@ def too_big(need: float, capacity: Capacity) -> str:
             f"{PLAN_MARGIN:.0%} margin > {capacity.text()}")
 
 
-#: The compiler whose measured activation table (:func:`jaxpar.cost._device_bytes.measured_keeps`) a lowering reads;
+#: The compiler whose measured tables (:func:`jaxpar.cost._device_bytes.memory_table`) a lowering reads;
 #: the others read the paper's.
 _MEASURED_ON = {"xla": "cuda", "xla-tpu": "tpu"}
 
@@ -332,7 +332,7 @@ _MEASURED_ON = {"xla": "cuda", "xla-tpu": "tpu"}
 def _memory(m: ModelSpec, p: Plan, dtype: str, precision: str, lowering: str = "ideal", fused: bool = False):
     return memory_per_device(m, p, precision=precision, activation_bytes=4 if dtype == "float32" else 2,
                              ends=outer_at_ends(lowering), fused_attention=fused_context(fused, dtype),
-                             keeps=measured_keeps(_MEASURED_ON.get(lowering, "")))
+                             keeps=_MEASURED_ON.get(lowering, "paper"))
 
 
 def _options(m: ModelSpec, p: int, d: int, f: int, t: int, schedules, e: int = 1) -> list[dict]:

@@ -215,13 +215,13 @@ def gpt_check(model: Any, devices: Sequence[Any], lowering: str, keeps: str) -> 
       model: the cost model's GPT.
       devices: the devices to compile for (:func:`verify_devices`).
       lowering: the cost model's lowering of the bytes per axis.
-      keeps: the activation table of the peak's prediction (:func:`jaxpar.cost._device_bytes.measured_keeps`).
+      keeps: the activation table of the peak's prediction: ``"paper"`` or a platform (:func:`jaxpar.cost.memory_per_device`).
 
     Returns:
       The function, ``plan -> figures``.
     """
     from jaxpar.analysis import compile_and_compare
-    from jaxpar.cost._memory import memory_per_device
+    from jaxpar.cost import memory_per_device
 
     def check(plan: Any) -> dict:
         r = compile_and_compare(model, plan, devices=devices, lowering=lowering)

@@ -209,11 +209,10 @@ def _memory(model: Any, plan: Any, muon: dict | None, platform: str) -> Any:
     """The cost model's memory estimate on ``platform``'s compiler: fp32 parameters and moments (Muon's where
     it runs), the compiler's measured activation table where it was measured (docs/planning.md §8)."""
     from jaxpar.cost import memory_per_device, muon_precision
-    from jaxpar.cost._device_bytes import measured_keeps
 
     return memory_per_device(model, plan, precision="fp32" if muon is None else muon_precision("fp32"),
                              activation_bytes=4 if plan.strategy.compute_dtype == "float32" else 2,
-                             keeps=measured_keeps(platform))
+                             keeps=platform)
 
 
 class RunPrediction(NamedTuple):
