@@ -55,9 +55,6 @@ LAYERS = "layers"
 REMAT_POLICIES = ("none", "full", "save-matmuls", "offload")
 #: The ``checkpoint_name`` of a fused attention's output and residuals, which ``save-matmuls`` saves.
 ATTENTION_RESIDUALS = "jaxpar_attention"
-#: The ``checkpoint_name`` of the routed experts' pre-activations (their first GEMMs' outputs), which
-#: ``save-matmuls`` saves: the grouped kernels and the tile loop are not ``dot_general``s.
-EXPERT_RESIDUALS = "jaxpar_experts"
 _OFFLOADED: contextvars.ContextVar = contextvars.ContextVar("jaxpar_offloaded_activations", default=None)
 
 
@@ -106,8 +103,7 @@ def remat_policy(name: str):
 
     Args:
       name: ``"none"``, ``"full"`` (save nothing), ``"save-matmuls"`` (save dot results and a fused
-        attention's residuals, :data:`ATTENTION_RESIDUALS`: its kernel's forward runs once, and the routed
-        experts' pre-activations, :data:`EXPERT_RESIDUALS`) or ``"offload"``
+        attention's residuals, :data:`ATTENTION_RESIDUALS`: its kernel's forward runs once) or ``"offload"``
         (move the residuals named by the step's ``Strategy.offload.activations`` to host memory and back for
         the backward, recompute the rest; outside a train step that names some, it saves nothing).
 
@@ -126,8 +122,7 @@ def remat_policy(name: str):
         return _OffloadPolicy(record)
     return {"none": None, "full": policies.nothing_saveable,
             "save-matmuls": policies.save_from_both_policies(
-                policies.checkpoint_dots,
-                policies.save_only_these_names(ATTENTION_RESIDUALS, EXPERT_RESIDUALS))}[name]
+                policies.checkpoint_dots, policies.save_only_these_names(ATTENTION_RESIDUALS))}[name]
 
 
 def with_remat(fn: Callable, remat: Callable | None = None) -> Callable:

@@ -381,9 +381,10 @@ def moe_mlp_bytes(m: ModelSpec, rows: float, tensor: int, context: int, expert: 
     """Bytes an MoE layer's MLP keeps for the backward on one device, in place of :func:`dense_mlp_bytes`:
     its input (``N·h``, ``/t`` with SP), the shared experts' hidden before and after the activation
     (``N·S/t`` each; gated: gate, up and their product), the router's fp32 logits and probabilities
-    (``2·N·E`` fp32), the experts' pre-activations in the sorted layout (``(slots + tile)·M/t``, twice gated: gate
-    and up; :func:`expert_slots`; ``save-matmuls`` keeps them too) and without recomputation under EP the rows
-    received (``E_p·S·h``; one round's; ``save-matmuls`` recomputes them). ``N = rows·s/C`` tokens.
+    (``2·N·E`` fp32), and without recomputation the experts' pre-activations in the sorted layout
+    (``(slots + tile)·M/t``, twice gated: gate and up; :func:`expert_slots`) and under EP the rows received
+    (``E_p·S·h``; one round's). ``N = rows·s/C`` tokens. Under ``save-matmuls`` recomputation the experts' inputs and pre-activations are not matmul
+    outputs: they are recomputed, not kept.
 
     Args:
       m: the model.
@@ -406,7 +407,9 @@ def moe_mlp_bytes(m: ModelSpec, rows: float, tensor: int, context: int, expert: 
     """
     t, n = tensor, rows * m.seq / context
     values = n * m.hidden / (t if sequence_parallel else 1) + (m.mlp_inputs + 1) * n * m.shared_mlp / t
+    kept = values * bytes_per_value + 2 * n * m.experts * 4
+    if remat != "none":
+        return kept
     slots = expert_slots(m, rows, context, expert)
-    kept = values * bytes_per_value + 2 * n * m.experts * 4 + (slots + tile) * m.mlp_inputs * m.expert_mlp / t * \
-        bytes_per_value
-    return kept + (slots * m.hidden * bytes_per_value if expert > 1 and remat == "none" else 0.0)
+    kept += (slots + tile) * m.mlp_inputs * m.expert_mlp / t * bytes_per_value
+    return kept + (slots * m.hidden * bytes_per_value if expert > 1 else 0.0)

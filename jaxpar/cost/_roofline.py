@@ -204,14 +204,13 @@ def _moe_kernels(m: ModelSpec, plan: Plan, rows: float, tokens: float, cb: float
     """The MoE MLP's kernels on one device (docs/planning.md §10): the router, the experts' two GEMMs on the
     routed rows (:func:`~jaxpar.cost._context_experts.routed_rows`, one batch per local expert; ``experts``: how
     they run, :attr:`Kernel.experts`), the rows' gathers and scatter-adds (:func:`_expert_rows_bytes`) and the
-    shared experts. The experts' backward reads its saved pre-activations, which ``save-matmuls`` keeps too
-    (:func:`jaxpar.adapters.remat_policy`): only full recomputation runs the first GEMM again; any recomputation
-    moves the rows again (the experts' inputs are not matmul outputs)."""
+    shared experts. The experts' backward reads its saved pre-activations; any recomputation runs the first
+    GEMM again for them (they are not matmul outputs)."""
     h, M, t, ep = m.hidden, m.expert_mlp, plan.tensor, plan.expert
     local, routed = m.experts / ep, routed_rows(m, rows, plan.context, ep)
     redo = plan.remat != "none"
     out = [matmul("router", 1, tokens, h, m.experts, cb, passes=full),
-           replace(matmul("expert_fc1", local, routed / local, h, M / t, cb, count=m.mlp_inputs, passes=full),
+           replace(matmul("expert_fc1", local, routed / local, h, M / t, cb, count=m.mlp_inputs, passes=3 + redo),
                    experts=experts),
            replace(matmul("expert_fc2", local, routed / local, M / t, h, cb, passes=3), experts=experts),
            Kernel("expert_rows", 0.0, _expert_rows_bytes(m, plan, rows, routed, cb), passes=3 + redo)]

@@ -46,10 +46,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from jaxpar.adapters._blocks import EXPERT_RESIDUALS
 from jaxpar.mesh import EXPERT
 from jaxpar.parallel._regions import enter, mesh_platform, reduce_dtype, region_axes, region_spec, spec_entry
 from jaxpar.rules import axes_of, current_rules, logical_to_spec, manual_axes, shard_map_mesh
@@ -185,14 +183,7 @@ def _routed(x, rows, weight, expert, ws, tile, activation, mlp_axes=(), kernel=L
 
 
 def _routed_fwd(x, rows, weight, expert, ws, tile, activation, mlp_axes=(), kernel=LOOP):
-    y, res = _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, save=True, kernel=kernel)
-    return y, _named(res)
-
-
-def _named(res: tuple) -> tuple:
-    """:func:`_forward`'s residuals with the pre-activations named :data:`EXPERT_RESIDUALS`: ``save-matmuls``
-    keeps them, so its recomputation runs no expert GEMM again."""
-    return (*res[:-1], jax.tree.map(lambda p: checkpoint_name(p, EXPERT_RESIDUALS), res[-1]))
+    return _forward(x, rows, weight, expert, ws, tile, activation, mlp_axes, save=True, kernel=kernel)
 
 
 def _padded(table, used, tile: int, srows, sweight):
@@ -410,7 +401,7 @@ def _exchange_fwd(x, weight, e, ws, o: _EP):
         return y.at[tokens].add(contrib)
 
     y = jax.lax.fori_loop(1, plan[-1], more, y)
-    return y.astype(x.dtype), (x, weight, ws, plan, _named(res0))
+    return y.astype(x.dtype), (x, weight, ws, plan, res0)
 
 
 def _exchange_bwd(o: _EP, res, g):
