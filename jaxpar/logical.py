@@ -1,6 +1,7 @@
 """What logical names mean, without JAX: which axes are features and which are stacks, which parameters are
-matrices, and a matrix group on the mesh. Muon's routing and placement (:mod:`jaxpar.optimizers`,
-:mod:`jaxpar.parallel._muon_placement`) and the cost model (:mod:`jaxpar.cost`) read these facts here.
+matrices, a matrix group on the mesh, and the mesh axes in their order (:data:`AXES`, which :mod:`jaxpar.mesh`
+builds meshes of). Muon's routing and placement (:mod:`jaxpar.optimizers`, :mod:`jaxpar.parallel._muon_placement`)
+and the cost model (:mod:`jaxpar.cost`) read these facts here.
 
 Example::
 
@@ -17,6 +18,14 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from jaxpar.errors import OptimizerError
+
+#: The axes every mesh has. ``pipe`` is outermost (least traffic), ``tensor`` innermost (most traffic).
+STANDARD_AXES = ("pipe", "data", "fsdp", "tensor")
+REPLICA = "replica"   # the outermost axis of relaxed synchronisation (jaxpar.parallel.sync), present only when > 1
+CONTEXT = "context"   # the sequence axis of context parallelism (jaxpar.parallel.context), beside tensor, only when > 1
+EXPERT = "expert"     # the axis of expert parallelism (jaxpar.parallel.moe), inside the data axes, only when > 1
+#: Every axis :class:`jaxpar.MeshSpec` names, in mesh order (``replica``, ``expert`` and ``context`` only when > 1).
+AXES = (REPLICA, "pipe", "data", "fsdp", EXPERT, CONTEXT, "tensor")
 
 #: Logical names of feature axes: a parameter whose feature axes form two groups is a matrix.
 FEATURES = ("embed", "heads", "kv_heads", "kv", "mlp")

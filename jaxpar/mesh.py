@@ -24,7 +24,7 @@ import numpy as np
 from jax._src import hardware_utils
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
-from jaxpar.axes import AXES, CONTEXT, EXPERT, REPLICA, STANDARD_AXES
+from jaxpar.logical import AXES, CONTEXT, EXPERT, REPLICA, STANDARD_AXES
 from jaxpar.errors import BackendStartedError, MeshError, check_int, int_problem
 
 __all__ = ["STANDARD_AXES", "MeshSpec", "MeshError", "make_mesh", "simulate_cpu_devices", "use_devices",

@@ -56,10 +56,10 @@ def test_train_with_muon_traces_the_model_once(tmp_path, monkeypatch, capsys):
 
 
 def test_the_mesh_section_has_a_key_for_each_mesh_axis():
-    """MeshConfig's keys (in their YAML order) are jaxpar.axes.AXES, the one list of the mesh axes."""
+    """MeshConfig's keys (in their YAML order) are jaxpar.logical.AXES, the one list of the mesh axes."""
     import dataclasses
 
-    from jaxpar.axes import AXES
+    from jaxpar.logical import AXES
     from jaxpar.config._schema import MeshConfig
 
     assert sorted(f.name for f in dataclasses.fields(MeshConfig)) == sorted(AXES)

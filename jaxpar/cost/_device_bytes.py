@@ -438,12 +438,10 @@ def memory_per_device(model: ModelSpec, plan: Plan, *, precision: str | BytesPer
     """Predicted peak memory of one device for one plan (docs/planning.md §3 and §8 have the sources): the state,
     the layers' kept values, the logits and the working bytes, each part read from the tables of :func:`memory_table`.
 
-    Each replica's batch ``batch / (data * fsdp * expert)`` is split into ``microbatches``; a pipeline
-    stage holds ``layers / pipe`` layers and the schedule's in-flight micro-batches; the last stage the
-    logits, ``2 * s * b * vocab / t`` fp32 values (logits and their log-softmax). ``context`` splits each
-    sequence (``s / C`` tokens per device) and adds the attention's transient of the layer in flight
-    (:func:`~jaxpar.cost._context_experts.context_working_bytes`); MoE layers (``layers // moe_every``
-    of them, spread evenly over the stages) keep their buffers (:func:`~jaxpar.cost._memory.layer_activations`).
+    Each replica's batch ``batch / (data * fsdp * expert)`` is split into ``microbatches``; a pipeline stage holds
+    ``layers / pipe`` layers and the schedule's in-flight micro-batches; the last stage the logits (``2 s b vocab / t``
+    fp32 values). ``context`` splits each sequence and adds the attention's transient of the layer in flight
+    (:func:`~jaxpar.cost._context_experts.context_working_bytes`); MoE layers keep their buffers.
 
     Args:
       model: the model.

@@ -18,11 +18,11 @@ from dataclasses import dataclass, replace
 from jaxpar.compat._settings import FLUSH_SCHEDULES
 from jaxpar.cost._memory import REMAT
 from jaxpar.errors import PlanError, check_int
-from jaxpar.axes import AXES as MESH_AXES, REPLICA
+from jaxpar.logical import AXES as MESH_AXES, REPLICA
 from jaxpar.options import LAYER_INPUT
 from jaxpar.strategy import Strategy
 
-#: The mesh axes a plan sizes, in mesh order: :data:`jaxpar.axes.AXES` without the replicas (docs/planning.md §10).
+#: The mesh axes a plan sizes, in mesh order: :data:`jaxpar.logical.AXES` without the replicas (docs/planning.md §10).
 AXES = tuple(a for a in MESH_AXES if a != REPLICA)
 #: The axes that split the batch's sequences (``context`` splits each sequence instead).
 BATCH_AXES = ("data", "fsdp", "expert")
