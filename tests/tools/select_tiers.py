@@ -61,16 +61,17 @@ def greedy_cover(target: set, candidates: list[str], lines: dict, cost: dict, co
             left[t] -= covered
 
 
-def covered_elsewhere(kept: list, lines: dict, records: dict, cost: dict, moved: dict, keep: dict) -> list[str]:
+def covered_elsewhere(kept: list, lines: dict, records: dict, cost: dict, moved: dict, keep: dict,
+                      budget: float = FAST_BUDGET_S) -> list[str]:
     """Heavy fast tests every line of which other fast tests run, heaviest first, until the fast tier
-    fits :data:`FAST_BUDGET_S`. Stay: a test that compiles nothing in process (its work is in
+    fits ``budget`` (:data:`FAST_BUDGET_S`: worker-seconds of a plain run). Stay: a test that compiles nothing in process (its work is in
     subprocesses, whose lines no test context names), a test a ``MOVED`` reason names, and the
     ``KEEP`` tests (those that catch docs/testing.md §6's bugs: lines run are not assertions made)."""
     named = set(re.findall(r"test_\w+", " ".join(moved.values())))
     runs = collections.Counter(line for t in kept for line in lines.get(t, ()))
     total, out = sum(cost[t] for t in kept), []
     for t in sorted(kept, key=lambda t: -cost[t]):
-        if total <= FAST_BUDGET_S or cost[t] < HEAVY_S:
+        if total <= budget or cost[t] < HEAVY_S:
             break
         if function_of(t).split("::")[-1] in named or t in keep or not records[t].get("compiles", 0):
             continue
@@ -82,14 +83,14 @@ def covered_elsewhere(kept: list, lines: dict, records: dict, cost: dict, moved:
 
 
 def select(lines: dict, records: dict, moved: dict, cost: dict, keep: dict,
-           cases: dict | None = None) -> tuple[dict, list, list]:
+           cases: dict | None = None, budget: float = FAST_BUDGET_S) -> tuple[dict, list, list]:
     """The tiers; ``cases`` (a ``FAST_CASES``) fixes the fast cases and refits only the budget."""
     fast = [t for t, r in records.items() if r["tier"] == "fast" and t not in moved]
     functions = collections.defaultdict(list)
     for t in fast:
         functions[function_of(t)].append(t)
     if cases is not None:
-        return refit(cases, functions, lines, records, moved, cost, keep)
+        return refit(cases, functions, lines, records, moved, cost, keep, budget)
     kept = [cases[0] for cases in functions.values() if len(cases) == 1]
     target = set().union(*(lines.get(t, set()) for t in fast))
     several = [t for cases in functions.values() if len(cases) > 1 for t in cases]
@@ -101,19 +102,19 @@ def select(lines: dict, records: dict, moved: dict, cost: dict, keep: dict,
             kept.append(min(cases, key=lambda t: cost[t]))
     fast_cases = {fn: sorted(case_of(t) for t in cases if t in kept)
                   for fn, cases in sorted(functions.items()) if len(cases) > 1 and not set(cases) <= set(kept)}
-    return fit_budget(fast_cases, kept, lines, records, moved, cost, keep)
+    return fit_budget(fast_cases, kept, lines, records, moved, cost, keep, budget)
 
 
 def refit(cases: dict, functions: dict, lines: dict, records: dict, moved: dict, cost: dict,
-          keep: dict) -> tuple[dict, list, list]:
+          keep: dict, budget: float = FAST_BUDGET_S) -> tuple[dict, list, list]:
     """The fast tier of ``cases`` fitted to the budget again, from newer costs."""
     kept = [t for fn, ts in functions.items() for t in ts if fn not in cases or case_of(t) in cases[fn]]
-    return fit_budget(cases, kept, lines, records, moved, cost, keep)
+    return fit_budget(cases, kept, lines, records, moved, cost, keep, budget)
 
 
 def fit_budget(fast_cases: dict, kept: list, lines: dict, records: dict, moved: dict, cost: dict,
-               keep: dict) -> tuple[dict, list, list]:
-    elsewhere = covered_elsewhere(kept, lines, records, cost, moved, keep)
+               keep: dict, budget: float = FAST_BUDGET_S) -> tuple[dict, list, list]:
+    elsewhere = covered_elsewhere(kept, lines, records, cost, moved, keep, budget)
     kept = [t for t in kept if t not in elsewhere]
     covered = set().union(*(lines.get(t, set()) for t in kept))
     everything = set().union(*lines.values())
@@ -164,6 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--fast-only", action="store_true", help="--data is a coverage run of the fast tier alone: keep "
                    "tests/tiers.py's FAST_CASES and SLOW; add to COVERED_ELSEWHERE the heavy fast tests every line of "
                    "which other fast tests run")
+    p.add_argument("--budget", type=float, default=FAST_BUDGET_S, help="the fast tier's budget in worker-seconds of "
+                   "the costs read (default %(default)s; a slower machine's reports need more)")
     p.add_argument("--refit", action="store_true", help="keep tests/tiers.py's FAST_CASES; choose only "
                                                         "COVERED_ELSEWHERE and SLOW again")
     args = p.parse_args(argv)
@@ -182,10 +185,11 @@ def main(argv=None) -> int:
     cost.update({r["test"]: r["wall_s"] for folder in args.costs for r in load(folder) if r["test"] in cost})
     if args.fast_only:      # the moved tests' lines stay in the fast tier, so SLOW's cover holds
         fast = [t for t, r in records.items() if r["tier"] == "fast"]
-        more = covered_elsewhere(fast, lines, records, cost, MOVED, KEEP)
+        more = covered_elsewhere(fast, lines, records, cost, MOVED, KEEP, args.budget)
         fast_cases, elsewhere, slow = FAST_CASES, sorted(set(COVERED_ELSEWHERE) | set(more)), SLOW
     else:
-        fast_cases, elsewhere, slow = select(lines, records, MOVED, cost, KEEP, FAST_CASES if args.refit else None)
+        fast_cases, elsewhere, slow = select(lines, records, MOVED, cost, KEEP, FAST_CASES if args.refit else None,
+                                             args.budget)
     with open(args.out, "w") as f:
         f.write(render(fast_cases, elsewhere, slow, MOVED, KEEP))
     moved = [t for t, r in records.items() if r["tier"] == "fast" and function_of(t) in fast_cases
