@@ -41,6 +41,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.models import GPT, GPTConfig, MoESettings, lm_loss
+from jaxpar.devices._device_rates import _median_seconds as median_seconds
 from jaxpar.parallel.moe import routed_mlp, use_moe_kernel
 from jaxpar.parallel.moe._dispatch import _padded, _sorted, _tiles
 from jaxpar.parallel.moe._grouped import Groups, grouped_matmul, grouped_weight_grad
@@ -58,13 +59,7 @@ def elapsed() -> float:
 
 def median_ms(fn, *args, reps: int) -> float:
     """Median milliseconds of ``fn(*args)`` over ``reps`` runs after one warm-up, each run waited for."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(fn, args, reps)
 
 
 def rel(a, b) -> float:

@@ -191,12 +191,10 @@ class Groups(NamedTuple):
     @classmethod
     def of(cls, tile_expert: jax.Array, used: jax.Array, experts: int) -> "Groups":
         """The table of tiles whose experts are ``tile_expert`` (ascending over the first ``used``)."""
-        live = jnp.arange(tile_expert.shape[0]) < used
-        below = lambda strict: jnp.sum(live[None, :] & (     # noqa: E731
-            (tile_expert[None, :] < jnp.arange(experts)[:, None]) if strict
-            else (tile_expert[None, :] <= jnp.arange(experts)[:, None])), axis=1)
+        live = jnp.where(jnp.arange(tile_expert.shape[0]) < used, tile_expert, experts)[None, :]  # unused: last
+        ids = jnp.arange(experts)[:, None]
         return cls(tile_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32),
-                   below(True).astype(jnp.int32), below(False).astype(jnp.int32))
+                   jnp.sum(live < ids, axis=1, dtype=jnp.int32), jnp.sum(live <= ids, axis=1, dtype=jnp.int32))
 
 
 def _matmul_kernel(expert_ref, used_ref, x_ref, w_ref, o_ref, *, tile: int, bk: int, bn: int, transpose: bool):
