@@ -64,10 +64,9 @@ def rank_plans(model: Any, cluster: Any, options: PlanOptions, *, top: int = 10)
     from jaxpar import cost
 
     o = options
-    result = cost.plan(model, cluster, top=top, dtype=o.dtype, precision=o.precision, lowering=o.lowering,
-                       fp8_options=o.fp8, muon=o.muon, offload=o.offload, contexts=o.contexts,
-                       context_methods=o.context_methods)
-    return result
+    return cost.plan(model, cluster, top=top, dtype=o.dtype, precision=o.precision, lowering=o.lowering,
+                     fp8_options=o.fp8, muon=o.muon, offload=o.offload, contexts=o.contexts,
+                     context_methods=o.context_methods)
 
 
 def plan_fields(plan: Any) -> tuple:
