@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -68,12 +69,17 @@ def test_a_run_reports_its_measured_peak_beside_the_compiled_one(tmp_path):
 def test_live_bytes_counts_each_device_s_shards_and_no_deleted_array():
     devices = jax.devices()[:4]
     mesh = jax.make_mesh((4,), ("x",), devices=devices)
-    before = live_bytes(devices)
-    sharded = jax.device_put(jnp.zeros((64, 8), jnp.float32), NamedSharding(mesh, P("x")))   # 512 B a device
-    replicated = jax.device_put(jnp.zeros((10,), jnp.bfloat16), NamedSharding(mesh, P()))     # 20 B on each
-    gone = jax.device_put(jnp.zeros((4, 100), jnp.float32), NamedSharding(mesh, P("x")))
-    gone.delete()
-    after = live_bytes(devices)
+    gc.collect()            # an earlier test's arrays held in reference cycles must not be freed in between
+    gc.disable()
+    try:
+        before = live_bytes(devices)
+        sharded = jax.device_put(jnp.zeros((64, 8), jnp.float32), NamedSharding(mesh, P("x")))   # 512 B a device
+        replicated = jax.device_put(jnp.zeros((10,), jnp.bfloat16), NamedSharding(mesh, P()))     # 20 B on each
+        gone = jax.device_put(jnp.zeros((4, 100), jnp.float32), NamedSharding(mesh, P("x")))
+        gone.delete()
+        after = live_bytes(devices)
+    finally:
+        gc.enable()
     assert {d: after[d] - before[d] for d in devices} == dict.fromkeys(devices, 16 * 8 * 4 + 10 * 2)
     del sharded, replicated
 
