@@ -9,6 +9,15 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
+from jaxpar import cost
+from jaxpar._text import format_bytes, render_table
+from jaxpar.analysis import collectives, trip_counts
+from jaxpar.analysis._hlo_text import (branch_computations, call_graph, module_text, parse_instructions,
+                                      reached_computations)
+from jaxpar.analysis._trace import COMPUTE, DATA, DISPATCH, IDLE, TRANSFER
+
 
 def program_collectives(compiled: Mapping[str, Any], mesh: Any) -> dict[str, dict]:
     """``{hlo module name: {instruction name: Collective}}`` of the step's programs (the trace names its
@@ -21,8 +30,6 @@ def program_collectives(compiled: Mapping[str, Any], mesh: Any) -> dict[str, dic
     Returns:
       The mapping.
     """
-    from jaxpar.analysis import collectives
-
     out: dict[str, dict] = {}
     for name in sorted(compiled, key=lambda n: n != "step"):
         c = compiled[name]
@@ -50,11 +57,6 @@ def expected_per_device(compiled: Any, mesh: Any, strategy: Any, model: Mapping)
     Returns:
       ``{device id: {(kind, axes): (count, bytes)}}``.
     """
-    import numpy as np
-
-    from jaxpar.analysis import collectives, trip_counts
-    from jaxpar.analysis._hlo_text import module_text
-
     text, colls = module_text(compiled), collectives(compiled, mesh)
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     sizes = dict(mesh.shape)
@@ -85,8 +87,6 @@ def expected_per_device(compiled: Any, mesh: Any, strategy: Any, model: Mapping)
 
 def _send_conditionals(text: str, colls: Sequence[Any]) -> set[str]:
     """The conditionals whose branches run a collective-permute: the pipeline's sends."""
-    from jaxpar.analysis._hlo_text import branch_computations, call_graph, parse_instructions, reached_computations
-
     instrs = parse_instructions(text)
     graph, permutes = call_graph(instrs), {c.computation for c in colls if c.kind == "collective-permute"}
     return {i.name for i in instrs if i.opcode == "conditional"
@@ -96,8 +96,6 @@ def _send_conditionals(text: str, colls: Sequence[Any]) -> set[str]:
 def _pipeline_plan(sizes: Mapping[str, int], strategy: Any, model: Mapping) -> Any:
     if model.get("plan") is not None:
         return model["plan"]
-    from jaxpar import cost
-
     return cost.Plan(pipe=sizes.get("pipe", 1), data=sizes.get("data", 1), fsdp=sizes.get("fsdp", 1),
                      tensor=sizes.get("tensor", 1), strategy=strategy)
 
@@ -120,16 +118,11 @@ def _ms(seconds: float) -> str:
 
 def _model_cell(m: Mapping | None) -> str:
     """A collective row's cost-model cell: milliseconds [count, bytes]."""
-    from jaxpar._text import format_bytes
-
     return "none" if m is None else f"{_ms(m['seconds'])} [{m['count']:g}, {format_bytes(m['bytes'])}]"
 
 
 def _row_cells(p: Any, key: Any, model: Mapping, expected: Mapping[int, Mapping]) -> list[str]:
     """One row of :func:`profile_table`: count, bytes and the cost model's cell (the measured ones first)."""
-    from jaxpar._text import format_bytes
-    from jaxpar.analysis._trace import COMPUTE
-
     sec = p.rows[key]
     cells = [_label(key), _ms(sec), f"{sec / p.wall:.1%}", _ms(p.waiting[key]) if key in p.waiting else ""]
     if not isinstance(key, tuple):
@@ -160,9 +153,6 @@ def profile_table(p: Any, model: Mapping, expected: Mapping[int, Mapping], clock
     Returns:
       The text.
     """
-    from jaxpar._text import render_table
-    from jaxpar.analysis._trace import COMPUTE, DATA, DISPATCH, IDLE, TRANSFER
-
     rows = [_row_cells(p, key, model, expected) for key in p.rows]
     matched = {(k[0], axes_key(k[1])) for k in p.rows if isinstance(k, tuple)}
     rows += [[f"{kind} over {','.join(sorted(axes))}", "0.00", "", "", "0", "", _model_cell(m)]

@@ -7,14 +7,21 @@ its job builder, as ``jaxpar inspect`` compiles it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from jaxpar import cost
+from jaxpar._text import shown_path
+from jaxpar.commands._job_devices import compile_job
 from jaxpar.commands._planner_options import changed_overrides, plan_options
-from jaxpar.config._cost_model import cost_model
+from jaxpar.config._cost_model import cost_model, muon_settings
+from jaxpar.config._job import build_job
+from jaxpar.config._load import load_config, to_yaml
 from jaxpar.config._schema import ConfigError, JobConfig
-from jaxpar.plan import (chosen_plan, gpt_check, on_target, plan_overrides, plan_report, rank_plans, verify_devices,
-                         verify_plans)
+from jaxpar.devices import parse_target
+from jaxpar.plan import (chosen_plan, compiled_check, gpt_check, on_target, plan_overrides, plan_report, planner_view,
+                         rank_plans, verify_devices, verify_plans)
 
 
 def plan_model(cfg: JobConfig | None, sizes: Mapping[str, int | None]):
@@ -31,8 +38,6 @@ def plan_model(cfg: JobConfig | None, sizes: Mapping[str, int | None]):
     Raises:
       ConfigError: no config and a size missing.
     """
-    from jaxpar.config._job import build_job
-
     if cfg is not None:
         return cost_model(cfg, build_job(cfg, mesh=False, data=False).model_fn, **sizes)
     missing = [k for k, v in sizes.items() if not v]
@@ -57,11 +62,6 @@ def write_plan_config(path: str, config: str, overrides: Sequence[str], plan: An
     Raises:
       ConfigError: ``path`` exists.
     """
-    from pathlib import Path
-
-    from jaxpar._text import shown_path
-    from jaxpar.config._load import load_config, to_yaml
-
     out = Path(path)
     if out.exists():
         raise ConfigError(f"--write {path}: the file exists; jaxpar never overwrites a file. Choose another path.")
@@ -74,9 +74,6 @@ def write_plan_config(path: str, config: str, overrides: Sequence[str], plan: An
 def _own_run(cfg: JobConfig) -> JobConfig:
     """``cfg`` with its name, run directory and checkpoint directory left to the file it is written to, where they
     are the ones the source's name gave it."""
-    import dataclasses
-    from pathlib import Path
-
     train, ckpt = cfg.train, cfg.checkpoint
     out_dir = "" if train.out_dir == f"runs/{cfg.name}" else train.out_dir
     ckpt_dir = "" if ckpt.dir == str(Path(train.out_dir) / "checkpoints") else ckpt.dir
@@ -101,12 +98,6 @@ def config_check(config: str, overrides: Sequence[str], model: Any, devices: Seq
     Returns:
       The function, ``plan -> figures`` (:func:`jaxpar.plan.compiled_check`).
     """
-    from jaxpar.commands._job_devices import compile_job
-    from jaxpar.config._cost_model import muon_settings
-    from jaxpar.config._job import build_job
-    from jaxpar.config._load import load_config
-    from jaxpar.plan import compiled_check, planner_view
-
     platform = target.spec.platform if target is not None else "cpu"
 
     def check(plan: Any) -> dict:
@@ -148,12 +139,8 @@ def run_plan(args: argparse.Namespace) -> int:
     Returns:
       The exit status (0).
     """
-    from jaxpar.config._load import load_config
-
     target = None
     if args.target:
-        from jaxpar.devices import parse_target
-
         target = parse_target(args.target)
         args.cluster = args.cluster or target.spec.cluster
         args.devices = args.devices or target.num_devices

@@ -12,14 +12,27 @@ Example::
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import replace
 from typing import Any, Callable
 
 import jax
 
+from jaxpar import cost
+from jaxpar._text import format_bytes, render_table
+from jaxpar.analysis import collectives, collectives_table, grouped_calls, grouped_flops, memory_report, tile_loop_flops
+from jaxpar.analysis._compiled_memory import host_transfers
+from jaxpar.analysis._fused_attention import attention_report, flash_blocks, score_arrays
+from jaxpar.analysis._gemms import all_gather_dtypes, check_fp8_gemms, gathered_weights
+from jaxpar.analysis._sharding_table import sharding_table
+from jaxpar.cost import PLATFORM_CLUSTERS, placement_chooser, placements_table
 from jaxpar.devices._targets import Target
 from jaxpar.errors import Fp8Error
 from jaxpar.mesh import CONTEXT, batch_axes
+from jaxpar.optimizers import muon_placements, muon_routing_table
+from jaxpar.parallel.moe import tile_rows
+from jaxpar.plan._plan_report import plan_overrides
+from jaxpar.plan._ranking import PlanOptions, rank_plans, same_plan
 
 
 def sharding_lines(layout: Any) -> list[str]:
@@ -31,8 +44,6 @@ def sharding_lines(layout: Any) -> list[str]:
     Returns:
       A title and the table: mesh axes per dimension, ``-`` replicated.
     """
-    from jaxpar.analysis._sharding_table import sharding_table
-
     return ["parameters (mesh axes per dimension; '-' replicated)", sharding_table(layout)]
 
 
@@ -47,8 +58,6 @@ def collective_lines(name: str, compiled: Any, mesh: Any) -> list[str]:
     Returns:
       A title and the table (one device's bytes), or ``(none)``.
     """
-    from jaxpar.analysis import collectives, collectives_table
-
     colls = collectives(compiled, mesh) if mesh.size > 1 else []
     return ["collectives of the compiled " + ("step" if name == "step" else f"{name} program")
             + " (bytes: one device's results, each instruction once, not times its loop's trips)",
@@ -66,9 +75,6 @@ def fit_lines(compiled: Any, target: Target, predicted: float | None = None) -> 
     Returns:
       ``(fits, lines)``.
     """
-    from jaxpar._text import format_bytes
-    from jaxpar.analysis import memory_report
-
     report, capacity = memory_report(compiled), target.capacity
     need, cap = report.required_bytes, capacity.usable
     pred = f"; the cost model predicted {format_bytes(predicted)}" if predicted else ""
@@ -102,13 +108,6 @@ def fitting_plan(model: Any, target: Target, options: Any = None, *, shown: Any 
       The text: a line naming the devices, the plan, its rank in ``jaxpar plan``'s table and its predicted memory,
       then one with its overrides; or a line saying that no plan is known to fit.
     """
-    import shlex
-
-    from jaxpar import cost
-    from jaxpar._text import format_bytes
-    from jaxpar.plan._plan_report import plan_overrides
-    from jaxpar.plan._ranking import PlanOptions
-
     if options is None:
         options = PlanOptions(precision="fp32", lowering=cost.lowering_for_platform(target.spec.platform))
     for k in (1 << i for i in range(most.bit_length())):        # 1, 2, 4, ... up to most
@@ -145,9 +144,6 @@ def on_target(cluster: Any, target: Any) -> Any:
 def _other_plan(model: Any, cluster: Any, options: Any, shown: Any) -> tuple[int, Any] | None:
     """The rank and estimate of the cost model's fastest plan on ``cluster`` that fits and is not ``shown`` (None:
     none)."""
-    from jaxpar import cost
-    from jaxpar.plan._ranking import rank_plans, same_plan
-
     try:
         ranked = rank_plans(model, cluster, options, top=1).ranked
     except cost.PlanError:
@@ -175,9 +171,6 @@ def fp8_lines(fp8: Any, model: Any, compiled: Any, mesh: Any, platform: str) -> 
       Fp8Error: a covered weight's GEMM compiled without FP8 operands, or a weight the recipe covers
         (:meth:`jaxpar.cost.Leaf.fp8`) with no FP8 GEMM in the program; the message names the weight.
     """
-    from jaxpar._text import format_bytes, render_table
-    from jaxpar.analysis._gemms import all_gather_dtypes, check_fp8_gemms
-
     recipe, min_dim = fp8.recipe, fp8.min_dim
     if platform != "cuda":
         return [f"fp8      {recipe}: emulated by XLA:CPU on the simulated mesh (no FP8 GEMMs there: the matmuls "
@@ -214,8 +207,6 @@ def muon_lines(muon: Any, layout: Any) -> list[str]:
     """
     if muon is None:
         return []
-    from jaxpar.optimizers import muon_routing_table
-
     table = muon_routing_table(layout.shapes, layout.logical, routing=dict(muon.routing),
                                kernel_layout=layout.kernel_layout)
     return ["", "muon routing (parameter, rule, matrix: input x output, batch dims: one Newton-Schulz each, why)",
@@ -233,9 +224,6 @@ def muon_placement_lines(m: Any, layout: Any) -> list[str]:
     Returns:
       The lines.
     """
-    from jaxpar.cost import PLATFORM_CLUSTERS, placement_chooser, placements_table
-    from jaxpar.optimizers import muon_placements
-
     sizes, platform = dict(layout.mesh.shape), layout.mesh.devices.flat[0].platform
     places = muon_placements(layout.shapes, layout.logical, mesh=layout.mesh, specs=layout.opt_param_specs,
                              placement=m.placement, ns_steps=m.ns_steps, routing=dict(m.routing),
@@ -260,9 +248,6 @@ def attention_lines(kernels: dict, compiled: Any, length: int, context: int = 1)
     Returns:
       The lines.
     """
-    from jaxpar.analysis._fused_attention import attention_report, flash_blocks, score_arrays
-    from jaxpar._text import format_bytes
-
     text = compiled.as_text()
     report = attention_report(text, length)
     traced = sum(v for k, v in kernels.items() if k != "why")
@@ -300,9 +285,6 @@ def offload_lines(offload: Any, compiled: Any, plain: Any, simulated: bool) -> l
     Returns:
       The lines.
     """
-    from jaxpar._text import format_bytes
-    from jaxpar.analysis._compiled_memory import host_transfers, memory_report
-
     rep, moved = memory_report(compiled), host_transfers(compiled.as_text())
     with_off, without = rep.required_bytes, memory_report(plain).required_bytes
     lines = [f"offload  {offload}: host memory holds {format_bytes(rep.host_argument_bytes)} of "
@@ -329,9 +311,6 @@ def gather_lines(layout: Any, compiled: Any) -> list[str]:
     Returns:
       The lines (none where no data axis shards the parameters).
     """
-    from jaxpar._text import format_bytes
-    from jaxpar.analysis._gemms import gathered_weights
-
     sizes = dict(layout.mesh.shape)
     if sizes.get("fsdp", 1) == 1 and not (layout.strategy.zero == 3 and sizes.get("data", 1) > 1):
         return []
@@ -370,8 +349,6 @@ def expert_lines(experts: int, k: int, tokens: int, mesh: Any, compiled: Any) ->
     Returns:
       The line, in a list.
     """
-    from jaxpar.analysis import grouped_calls, grouped_flops, tile_loop_flops
-    from jaxpar.parallel.moe import tile_rows
     sizes, text = dict(mesh.shape), compiled.as_text()
     f0, per_trip = tile_loop_flops(text)
     tile = tile_rows(mesh)

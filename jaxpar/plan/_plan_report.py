@@ -13,10 +13,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+import time
 from typing import Any, Callable, Sequence
 
+from jaxpar._text import format_bytes, render_table
+from jaxpar.analysis import compile_and_compare
+from jaxpar.cost import memory_per_device
 from jaxpar.cost._capacity import PLAN_MARGIN
-from jaxpar.errors import ConfigError
+from jaxpar.cost._host_link import host_bytes, transfer_bytes
+from jaxpar.cost._parallel import AXES, MODELLED
+from jaxpar.cost._traffic import lowering_for_platform
+from jaxpar.devices._distributed import setup_devices
+from jaxpar.devices._targets import fp8_problem, load_spec, presets, target_devices
+from jaxpar.errors import ConfigError, JaxparError
 
 
 def fp8_cluster_problem(cluster: str) -> str | None:
@@ -35,8 +44,6 @@ def fp8_cluster_problem(cluster: str) -> str | None:
     >>> fp8_cluster_problem("cpu_sim"), fp8_cluster_problem("h100")
     (None, None)
     """
-    from jaxpar.devices._targets import fp8_problem, load_spec, presets
-
     return next((why for spec in map(load_spec, presets()) if spec.cluster == cluster and (why := fp8_problem(spec))),
                 None)
 
@@ -87,8 +94,6 @@ def plan_overrides(plan: Any) -> list[str]:
     >>> plan_overrides(Plan(fsdp=8, strategy=Strategy(fp8=Fp8())))[-4]
     'parallel.fp8={recipe: tensorwise, min_dim: 1024}'
     """
-    from jaxpar.cost._parallel import AXES, MODELLED
-
     s = plan.strategy
     remat = "offload" if s.offload and s.offload.activations else plan.remat
     out = [f"mesh.{a}={getattr(plan, a)}" for a in AXES] + ["mesh.replica=1"]
@@ -139,11 +144,6 @@ def verify_plans(estimates: Sequence[Any], check: Callable[[Any], dict], capacit
     Returns:
       The estimates whose compiled peak fits.
     """
-    import time
-
-    from jaxpar._text import format_bytes, render_table
-    from jaxpar.errors import JaxparError
-
     print(f"\nverify   {len(estimates)} plans compiled ahead of time {heading}")
     rows, peaks, errors = [], [], []
     for e in estimates:
@@ -220,9 +220,6 @@ def gpt_check(model: Any, devices: Sequence[Any], lowering: str, keeps: str) -> 
     Returns:
       The function, ``plan -> figures``.
     """
-    from jaxpar.analysis import compile_and_compare
-    from jaxpar.cost import memory_per_device
-
     def check(plan: Any) -> dict:
         r = compile_and_compare(model, plan, devices=devices, lowering=lowering)
         mem = memory_per_device(model, plan, precision="fp32", activation_bytes=4, keeps=keeps).total
@@ -247,9 +244,6 @@ def verify_devices(n: int, target: Any) -> tuple[list, str, str]:
       ConfigError: a target of another device count, or more than 256 simulated devices.
     """
     if target is not None:
-        from jaxpar.cost._traffic import lowering_for_platform
-        from jaxpar.devices._targets import target_devices
-
         if target.num_devices != n:
             raise ConfigError(f"--target {target} has {target.num_devices} devices, but the plans are for {n}; "
                               f"give --devices {target.num_devices} or a target of {n} devices.")
@@ -258,8 +252,6 @@ def verify_devices(n: int, target: Any) -> tuple[list, str, str]:
     if n > 256:
         raise ConfigError(f"--verify simulates the cluster's {n} devices on the CPU; at most 256 (use --devices, "
                           f"or --target to compile for real devices).")
-    from jaxpar.devices._distributed import setup_devices
-
     return setup_devices(n), f"on {n} simulated CPU devices", "xla-cpu"
 
 
@@ -301,9 +293,6 @@ def offload_line(model: Any, cluster: Any, result: Any) -> str | None:
     Returns:
       The line, or None (the best plan does not offload).
     """
-    from jaxpar._text import format_bytes
-    from jaxpar.cost._host_link import host_bytes, transfer_bytes
-
     best = result.best
     offload = best.plan.strategy.offload
     if not offload:

@@ -17,6 +17,21 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping, NamedTuple
 
+from jaxpar import cost
+from jaxpar._text import format_bytes, render_table
+from jaxpar.analysis import find_trace, read_trace, step_profiles
+from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
+from jaxpar.analysis._compiled_memory import memory_report
+from jaxpar.analysis._profile_report import (axes_key, expected_per_device, profile_record, profile_table,
+                                             program_collectives)
+from jaxpar.cost import (PLATFORM_CLUSTERS, device_argument_bytes, memory_per_device, muon_comms, muon_precision,
+                         muon_update)
+from jaxpar.cost._device_bytes import layout_for_platform
+from jaxpar.cost._host_link import host_bytes, plan_offload
+from jaxpar.cost._parallel import AXES
+from jaxpar.cost._planner import evaluate
+from jaxpar.cost._time import comm_time
+from jaxpar.cost._traffic import bytes_per_axis, comms, lowering_for_platform
 from jaxpar.strategy import Strategy
 
 #: The cluster preset of ``jaxpar train``'s prediction on each platform (none: not predicted there).
@@ -65,12 +80,6 @@ def planner_view(model: Any, mesh_sizes: Mapping[str, int], strategy: Strategy, 
       The :class:`PlannerView`, estimated with fp32 parameters and moments (with the strategy's FP8 where
       the cluster has FP8 GEMMs).
     """
-    from jaxpar import cost
-    from jaxpar.cost._host_link import plan_offload
-    from jaxpar.cost._parallel import AXES
-    from jaxpar.cost._planner import evaluate
-    from jaxpar.cost._traffic import lowering_for_platform
-
     sizes = {a: mesh_sizes.get(a, 1) for a in AXES}
     plan = cost.Plan(**sizes, remat="full" if remat == "offload" else remat, strategy=replace(
         strategy, zero=strategy.zero if sizes["data"] > 1 else 0, offload=plan_offload(strategy.offload, remat)))
@@ -94,8 +103,6 @@ def _ratio(p: float, g: float) -> str:
 
 def _comms(view: PlannerView) -> list:
     """The cost model's collectives of the view's step, in its platform's lowering and dtypes."""
-    from jaxpar.cost._traffic import comms, lowering_for_platform
-
     lowering = lowering_for_platform(view.platform)
     act = 2 if view.plan.strategy.compute_dtype == "bfloat16" else 4
     grad = 4 if lowering == "xla-cpu" else act     # GPU / TPU: XLA reduces the compute dtype's gradients
@@ -108,11 +115,6 @@ _TEMPS = {"cpu": " (model: activations + logits)"}
 
 def _predicted(view: PlannerView) -> tuple:
     """The cost model's side of :func:`planner_table`: bytes per axis, arguments, temporaries and peak."""
-    from jaxpar.cost import PLATFORM_CLUSTERS, device_argument_bytes, muon_comms, muon_update
-    from jaxpar.cost._device_bytes import layout_for_platform
-    from jaxpar.cost._host_link import host_bytes
-    from jaxpar.cost._traffic import bytes_per_axis
-
     model, plan, est, _, platform, muon = view
     cs = _comms(view)
     if muon is not None:        # Newton-Schulz's placements, chosen on the platform's cluster as the optimizer does
@@ -148,11 +150,6 @@ def planner_table(compiled: Any, mesh: Any, view: PlannerView | None, why: str |
       ``(text, peak)``: the heading, the table and the predicted step time (or why there is none); the
       predicted peak per device (``None``: not predicted).
     """
-    from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
-    from jaxpar._text import format_bytes, render_table
-    from jaxpar.analysis._compiled_memory import memory_report
-    from jaxpar.cost._traffic import lowering_for_platform
-
     rep = memory_report(compiled)
     got = compiled_bytes_per_axis(compiled, mesh, view and view.plan) if mesh.size > 1 else {}
     got = {a: g / steps_per_call for a, g in got.items()}
@@ -195,9 +192,6 @@ def compiled_check(compiled: Any, mesh: Any, view: PlannerView, steps_per_call: 
       ``{"arguments": (predicted, compiled), "peak": (predicted, compiled), "axes": {axis: (predicted,
       compiled)}}``, bytes per device (per step for the axes).
     """
-    from jaxpar.analysis._axis_bytes import compiled_bytes_per_axis
-    from jaxpar.analysis._compiled_memory import memory_report
-
     rep = memory_report(compiled)
     got = compiled_bytes_per_axis(compiled, mesh, view.plan) if mesh.size > 1 else {}
     pred, args, _, peak = _predicted(view)
@@ -208,8 +202,6 @@ def compiled_check(compiled: Any, mesh: Any, view: PlannerView, steps_per_call: 
 def _memory(model: Any, plan: Any, muon: dict | None, platform: str) -> Any:
     """The cost model's memory estimate on ``platform``'s compiler: fp32 parameters and moments (Muon's where
     it runs), the compiler's measured activation table where it was measured (docs/planning.md §8)."""
-    from jaxpar.cost import memory_per_device, muon_precision
-
     return memory_per_device(model, plan, precision="fp32" if muon is None else muon_precision("fp32"),
                              activation_bytes=4 if plan.strategy.compute_dtype == "float32" else 2,
                              keeps=platform)
@@ -232,8 +224,6 @@ class RunPrediction(NamedTuple):
         ...                                      "link (host_link_gbps)",)).line()
         'predict  cost model on cpu_sim: peak 1.0 MiB per device; host transfers not modelled: cluster cpu_sim has no host link (host_link_gbps)'
         """
-        from jaxpar._text import format_bytes
-
         if not self.unmodelled:
             return None
         peak = f"peak {format_bytes(self.peak)} per device" if self.peak else "no peak"
@@ -271,9 +261,6 @@ def predicted_rows(view: PlannerView | None, why: str | None, cluster: str) -> d
       ``{"cluster", "why" (None, or why nothing is predicted), "compute": s, "compute_parts", "total": s,
       "collectives": {frozenset(axes) and kind: {"seconds", "count", "bytes"}}, "plan", "bubble"}``.
     """
-    from jaxpar.analysis._profile_report import axes_key
-    from jaxpar.cost._time import comm_time
-
     out = {"cluster": cluster, "why": why, "collectives": {}, "plan": None}
     if view is None:
         return out
@@ -303,10 +290,6 @@ def profile_report(trace_dir: Any, compiled: Mapping[str, Any], mesh: Any, strat
     Returns:
       ``(tables, record, trace path)``: a printable table per traced step, and the JSON record.
     """
-    from jaxpar.analysis import find_trace, read_trace, step_profiles
-    from jaxpar.analysis._profile_report import (expected_per_device, profile_record, profile_table,
-                                                 program_collectives)
-
     trace = read_trace(find_trace(trace_dir))
     profiles = step_profiles(trace, program_collectives(compiled, mesh))
     expected = expected_per_device(compiled["step"], mesh, strategy, model)
