@@ -224,3 +224,13 @@ def test_train_refuses_an_adaptive_ramp_without_the_noise_scale():
     _checked_train_args(plain._replace(stats={"noise_scale": init_state()}), jaxpar.run.LogOptions(), steps=4,
                         start_step=None, eval_every=0, max_inflight=2, stop_check_every=None, on_nonfinite="stop",
                         ramp=ramp, steps_per_call=1, checkpointer=None)
+
+
+@pytest.mark.parametrize("sizes, strategy, on", [
+    ({"data": 8}, jaxpar.Strategy(), set()),
+    ({"data": 4, "tensor": 2}, jaxpar.Strategy(compute_dtype="bfloat16"), {"TP", "BF"}),
+    ({"fsdp": 2, "expert": 4}, jaxpar.Strategy(), {"Z", "EP"}),
+    ({"data": 2, "context": 4}, jaxpar.Strategy(zero=1, microbatches=2), {"Z", "MB", "CX"}),
+], ids=["none", "TP-BF", "Z-EP", "Z-MB-CX"])
+def test_each_feature_is_on_for_the_setting_that_asks_for_it(sizes, strategy, on):
+    assert {f.code for f in jaxpar.compat.FEATURES if f.on(Setting(strategy, sizes))} == on
