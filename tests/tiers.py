@@ -72,6 +72,12 @@ MOVED = {
         "in SLOW too (every CI run); the expert GEMMs' work as compiled: test_moe_grouped::test_a_gated_moe_layer_compiled_for_a_gpu_runs_three_grouped_kernels_forward_and_six_backward[h100:1x1]",
     'tests/test_moe_user_model.py::test_layers_with_router_bias_move_it_as_by_hand[direct-dp2-accumulate2]':
         'in SLOW too (every CI run); the router bias against one device: test_moe_train::test_the_router_bias_moves_as_on_one_device[axes0-2]',
+    'tests/test_cross_entropy.py::test_a_decoder_with_its_loss_in_pieces_trains_like_one_device[dp2-cp2-ring-balanced]':
+        'in SLOW too (every CI run); the loss in pieces against the whole: test_cross_entropy::test_the_loss_in_vocabulary_pieces_equals_the_whole_and_holds_one_piece',
+    'tests/test_cost_plan.py::test_gpt3_on_1024_a100s_uses_tensor_in_a_node_and_pipelines_across':
+        "in SLOW too (a 1,024-device search, every CI run); the planner's ranking: test_cost_plan::test_gpt2_on_8_gpus_prefers_plain_dp_or_zero_1_2",
+    'tests/test_cost_plan.py::test_gpt3_rejects_what_does_not_fit_with_the_reason':
+        'in SLOW too (the same search, every CI run); rejections with their reason: test_cost_plan::test_memory_drives_rejection_and_remat',
 }
 
 FAST_CASES = {
@@ -348,7 +354,10 @@ SLOW = [
     'tests/test_compression_step.py::test_codec_strategy_matrix[randomk-0-1]',
     'tests/test_cost_compiled.py::test_bytes_per_axis_and_arguments_match_the_compiled_step[dp2-zero2-fsdp2-tp2-sp]',
     'tests/test_cost_context_experts.py::test_expert_gemms_per_tile_equal_the_compiled_steps[dp2-ep4]',
+    'tests/test_cost_plan.py::test_gpt3_on_1024_a100s_uses_tensor_in_a_node_and_pipelines_across',
+    'tests/test_cost_plan.py::test_gpt3_rejects_what_does_not_fit_with_the_reason',
     'tests/test_cost_verify.py::test_plan_verify_target_predicts_the_gpu_compilers_peak',
+    'tests/test_cross_entropy.py::test_a_decoder_with_its_loss_in_pieces_trains_like_one_device[dp2-cp2-ring-balanced]',
     'tests/test_device_branches.py::test_bf16_sequence_parallelism_on_targets_has_no_device_dependent_collective[tpu-v5e:4x4-pipe2xdata2xtensor4]',
     'tests/test_fp8.py::test_the_h100_compiler_runs_every_covered_flop_in_fp8',
     'tests/test_hf.py::test_every_layout_trains_like_one_device[cp2-ring-packed]',
