@@ -36,9 +36,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping
+
+import jax
+
 from jaxpar.errors import DistributedError, int_problem
+from jaxpar.mesh import use_devices
 
 #: What each detected launcher reads, for messages and docs.
 ENV_HINTS = {
@@ -143,8 +148,6 @@ def _slurm_coordinator(env: Mapping[str, str]) -> str:
 
 def _ompi_coordinator(env: Mapping[str, str]) -> str | None:
     """The ``mpirun`` host from ``OMPI_MCA_orte_hnp_uri`` (Open MPI 4); None on Open MPI 5 (PMIx)."""
-    import re
-
     uri = env.get("OMPI_MCA_orte_hnp_uri")
     if not uri:
         return None
@@ -272,7 +275,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     Returns:
       This process's :class:`ClusterInfo`.
     """
-    import jax
     from jax._src import xla_bridge
 
     info = resolve(coordinator, num_processes, process_id)
@@ -292,8 +294,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             "initialize() must run before anything touches JAX's backend (jax.devices(), a computation, "
             "device_put, ...); call it first thing in the program.")
     if local_device_count is not None:
-        from jaxpar.mesh import use_devices
-
         platform = use_devices(local_device_count, detect=False)   # simulate unless JAX_PLATFORMS says otherwise
         if platform != "cpu":
             asked = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS")
@@ -317,8 +317,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
 def _initialize_k8s(info: ClusterInfo, timeouts: dict) -> ClusterInfo:
     """``jax.distributed.initialize`` with the coordinator / process count from the Kubernetes API."""
-    import jax
-
     if importlib.util.find_spec("kubernetes") is None:
         raise DistributedError(
             "Kubernetes Indexed Job detected (JOB_COMPLETION_INDEX), but the coordinator / process count "
@@ -355,10 +353,6 @@ def setup_devices(n: int) -> list:
       >>> len(setup_devices(jax.device_count()))   # the backend is up with that many devices: nothing to do
       8
     """
-    import jax
-
-    from jaxpar.mesh import use_devices
-
     if n <= 0:
         return []
     try:
@@ -409,8 +403,6 @@ def sync_processes(name: str) -> None:
     Args:
       name: the barrier's name, the same in every process.
     """
-    import jax
-
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

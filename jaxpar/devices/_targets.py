@@ -36,6 +36,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.metadata as md
+import importlib.util
 import math
 import os
 import re
@@ -45,6 +48,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+
+import jax
+
 from jaxpar.cost._capacity import Capacity, device_capacity, memory_fraction_problem
 from jaxpar.errors import TargetError
 
@@ -335,10 +341,6 @@ def target_requirements() -> list[str]:
     Returns:
       Requirement strings, for ``pip install --no-deps --target``.
     """
-    import importlib.metadata as md
-
-    import jax
-
     try:
         extras = md.requires("jax") or []
     except md.PackageNotFoundError:
@@ -412,10 +414,6 @@ _PLUGIN = {"cuda": ("jax_plugins.xla_cuda12", "jax-cuda12-plugin"), "tpu": ("lib
 
 
 def _check_plugin(platform: str) -> None:
-    import importlib.metadata as md
-
-    import jax
-
     module, dist = _PLUGIN[platform]
     if not jax.config.jax_platforms:    # deviceless: this process runs nothing on the target's platform
         jax.config.update("jax_platforms", "cpu")     # (and the CUDA plugin then skips its runtime check)
@@ -440,8 +438,6 @@ def _use_targets_dir() -> None:
     """Put :func:`targets_dir` on ``sys.path``, last (so it shadows nothing), once; after JAX has looked
     for plugins (its first backend or topology does, once), which would otherwise find the CUDA plugin
     there, start it and fail (no CUDA runtime), as at an ``import jax`` beside it."""
-    import importlib
-
     from jax._src import xla_bridge
 
     path = str(targets_dir())
@@ -454,8 +450,6 @@ def _use_targets_dir() -> None:
 def _installed(module: str) -> bool:
     """Whether ``module`` can be imported; a dotted name whose parent package is missing (a plain install
     has no ``jax_plugins``) makes ``find_spec`` raise instead of returning None."""
-    import importlib.util
-
     try:
         return importlib.util.find_spec(module) is not None
     except (ModuleNotFoundError, ValueError):
@@ -466,8 +460,6 @@ def _start_cuda_plugin() -> None:
     """What JAX's start-up does for a CUDA plugin installed beside it, done now: register the plugin (its
     compiler and topologies), the custom calls of its GPU kernels (cuSOLVER, ...), and the ``ptxas`` of
     nvidia-cuda-nvcc-cu12. Nothing to do where JAX found the plugin itself."""
-    import importlib
-
     from jax._src import lib
     from jax._src.lib import xla_client
 
@@ -486,9 +478,6 @@ def _start_cuda_plugin() -> None:
 def _register_gpu_kernels() -> None:
     """Register the CUDA custom calls that ``import jax`` registers when the plugin is importable then:
     jaxlib's GPU kernel modules, imported again with it on ``sys.path``."""
-    import importlib
-
-    import jax
     from jaxlib import gpu_linalg, gpu_prng, gpu_rnn, gpu_solver, gpu_sparse, gpu_triton
 
     for module in (gpu_rnn, gpu_triton):        # these register their kernels when imported
@@ -542,8 +531,6 @@ def _quiet_libtpu() -> None:
     """Settings for libtpu compiling on a machine that is no TPU host (unless the environment has its own):
     several processes may compile at once (else a machine-wide lock file), and no query of the cloud
     metadata server for this host's TPU workers (it fails here and prints errors)."""
-    import jax
-
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     if jax.config.jax_platforms == "cpu":       # deviceless: this process uses no TPU of its own
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -562,8 +549,6 @@ def compile_error(target: Target, error: Exception) -> TargetError | None:
     """
     text = str(error)
     if "ptxas too old" in text or "Unsupported .version" in text or "not defined for option 'gpu-name'" in text:
-        import importlib.metadata as md
-
         major, minor = target.spec.gpu["compute_capability"]
         try:
             nvcc = md.version("nvidia-cuda-nvcc-cu12")
