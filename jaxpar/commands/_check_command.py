@@ -5,14 +5,20 @@ that needs no compiled program (:func:`check_config`).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
 from jaxpar.commands._common import check_inputs
 from jaxpar.commands._job_devices import job_devices, refuse_cpu_only, refuse_target
 from jaxpar.commands._lines import header_lines, model_line, state_line
+from jaxpar.config._checks import check
 from jaxpar.config._job import build_job
+from jaxpar.config._load import load_config
 from jaxpar.config._schema import ConfigError, JobConfig
+from jaxpar.errors import RunDirectoryError
+from jaxpar.run._checkpoint import no_checkpoint_error
+from jaxpar.run._run_directory import checkpoint_steps, earlier_run
 
 
 def run_check(config: str, overrides: Sequence[str], *, target: str | None = None, resume: bool = False,
@@ -42,11 +48,6 @@ def run_check(config: str, overrides: Sequence[str], *, target: str | None = Non
         target refuses the config (no FP8 GEMMs, a TPU chip grid of no whole hosts); DataError: a data file that
         is missing; RunDirectoryError / CheckpointError: what train refuses in the run directory.
     """
-    import dataclasses
-
-    from jaxpar.config._checks import check
-    from jaxpar.config._load import load_config
-
     cfg = load_config(config, [*overrides, *(["checkpoint.resume=true"] if resume else [])])
     if overwrite and cfg.checkpoint.resume:
         raise ConfigError("--overwrite starts a new run (the earlier one moved aside) and --resume "
@@ -66,8 +67,6 @@ def run_check(config: str, overrides: Sequence[str], *, target: str | None = Non
 def _devices_to_check(cfg: Any, target: str | None) -> tuple[int, list[str]]:
     """The device count the mesh is checked on, and the lines that say whose: ``target``'s (after every refusal
     of ``jaxpar inspect --target``, with its capacity), JAX's (``train.devices=0``), or ``train.devices``."""
-    import jax
-
     if target is not None:
         from jaxpar.devices import parse_target
 
@@ -87,10 +86,6 @@ def _devices_to_check(cfg: Any, target: str | None) -> tuple[int, list[str]]:
 
 def _check_run_directory(cfg: Any, overwrite: bool) -> str:
     """What train would do with the run directory, in words; what it would refuse raises."""
-    from jaxpar.errors import RunDirectoryError
-    from jaxpar.run._checkpoint import no_checkpoint_error
-    from jaxpar.run._run_directory import checkpoint_steps, earlier_run
-
     ck = cfg.checkpoint.dir if cfg.checkpoint.enabled else None
     if cfg.checkpoint.resume:
         if not (steps := checkpoint_steps(ck)):

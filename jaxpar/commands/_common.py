@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from jaxpar.config._job import build_job, hf_checkpoint
+from jaxpar.config._load import load_config
 from jaxpar.config._schema import ConfigError, DataConfig
+from jaxpar.data._windows import expand_paths
+from jaxpar.devices._distributed import start_processes
 
 
 def config_job(config: str, overrides: Sequence[str], command: str, dist: dict | None = None, *, data: bool = False):
     """``(cfg, job)`` of the run's config, on its devices (``dist``: the process options of ``jaxpar train``;
     ``data``: the data read too)."""
-    from jaxpar.devices._distributed import start_processes
-    from jaxpar.config._job import build_job
-    from jaxpar.config._load import load_config
-
     cfg = load_config(config, list(overrides))
     if command == "export" and cfg.model.hf is None:
         raise ConfigError("jaxpar export: model.hf is not set; export writes a Hugging Face checkpoint of a model "
@@ -38,15 +38,12 @@ def check_inputs(cfg: Any) -> str:
     Returns:
       The data files found, in words (empty: the config names none).
     """
-    from jaxpar.config._job import hf_checkpoint
-
     hf_checkpoint(cfg, None)
     return _check_data_files(cfg.data)
 
 
 def _check_data_files(d: DataConfig) -> str:
     """The files of ``data.paths`` / ``data.sources`` found (none read), in words; a missing one raises."""
-    from jaxpar.data._windows import expand_paths
     from jaxpar.data.sources import resolve_paths
 
     if d.kind in ("text", "tokens") and d.paths:

@@ -10,10 +10,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
+from jaxpar._text import agg_axes
 from jaxpar.commands._common import config_job, parse_steps
+from jaxpar.config._documents import open_source_of, source_cache_dir, source_error
+from jaxpar.config._job import build_job
+from jaxpar.config._load import load_config
 from jaxpar.config._schema import ConfigError, DataConfig
+from jaxpar.data import DataError, batch_digest, make_global_batch
+from jaxpar.data._cache import expected_meta, open_cache, prepare_cache
+from jaxpar.data._tokenizers import decode_ids
+from jaxpar.run._sample import host_params
 
 
 def run_prepare(config: str, overrides: Sequence[str], *, force: bool = False) -> int:
@@ -27,9 +36,6 @@ def run_prepare(config: str, overrides: Sequence[str], *, force: bool = False) -
     Returns:
       The exit status (0).
     """
-    from jaxpar.config._job import build_job
-    from jaxpar.config._load import load_config
-
     cfg = load_config(config, list(overrides))
     d = cfg.data
     if d.kind != "documents" or d.cache is None:
@@ -53,10 +59,6 @@ def run_prepare(config: str, overrides: Sequence[str], *, force: bool = False) -
 def _prepare_source(d: DataConfig, index: int, tokenizer: Any, force: bool) -> tuple[Any, str]:
     """``data.sources[index]``'s cache, built unless up to date (or ``force``), and its summary line; an error
     of the data layer is a :class:`ConfigError` naming the source."""
-    from jaxpar.data import DataError
-    from jaxpar.data._cache import expected_meta, open_cache, prepare_cache
-    from jaxpar.config._documents import open_source_of, source_cache_dir, source_error
-
     directory = source_cache_dir(d, index)
     try:
         source = open_source_of(d, index)
@@ -93,8 +95,6 @@ def length_histogram(lengths: np.ndarray, path: str | Path, seq_len: int | None 
     Returns:
       ``path`` as a :class:`~pathlib.Path`.
     """
-    from jaxpar._text import agg_axes
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = agg_axes((7, 4), dpi=100)
@@ -127,12 +127,6 @@ def run_show(config: str, overrides: Sequence[str], *, steps: str = "0:4", chars
     Returns:
       The exit status (0).
     """
-    import jax
-
-    from jaxpar.data import batch_digest, make_global_batch
-    from jaxpar.data._tokenizers import decode_ids
-    from jaxpar.run._sample import host_params
-
     span = range(*parse_steps(steps))
     cfg, job = config_job(config, overrides, "data show", dist, data=True)
     say = print if jax.process_index() == 0 else (lambda *_: None)

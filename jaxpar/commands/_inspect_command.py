@@ -9,21 +9,23 @@ the cost model's prediction beside each number.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from typing import Any
 
 import jax
 
-from jaxpar.devices._targets import Target, parse_target
+from jaxpar import cost
 from jaxpar.attention import count_attention_kernels
-from jaxpar.config._build import build_option
 from jaxpar.commands._job_devices import compile_job, job_devices, refuse_target
 from jaxpar.commands._lines import header_lines, model_line, program_lines
 from jaxpar.commands._planner_options import changed_overrides, plan_options
+from jaxpar.config._build import build_option
 from jaxpar.config._cost_model import config_view, cost_model, decoder_config_of, unpredicted
 from jaxpar.config._job import build_job
 from jaxpar.config._schema import JobConfig
+from jaxpar.devices._targets import Target, parse_target
 from jaxpar.plan import (attention_lines, collective_lines, expert_lines, fit_lines, fitting_plan, fp8_lines,
                          gather_lines, muon_lines, offload_lines, on_target, planner_table, sharding_lines)
 
@@ -95,8 +97,6 @@ def batch_length(job: Any) -> int:
 def _offload_mesh(job: Any):
     """Under offload, the job's mesh set (``jax.set_mesh``): a target's devices list no memories, so the
     offloaded state's shardings are over the mesh's abstract mesh (:func:`jaxpar.parallel._offload.with_kind`)."""
-    import contextlib
-
     return jax.set_mesh(job.mesh) if job.strategy.offload is not None else contextlib.nullcontext()
 
 
@@ -147,8 +147,6 @@ def suggested_plan(cfg: JobConfig, model: Any, tgt: Target, shown: Any) -> str:
     Returns:
       The text.
     """
-    from jaxpar import cost
-
     cluster = on_target(cost.load_cluster(tgt.spec.cluster, num_devices=tgt.num_devices), tgt)
     return fitting_plan(model, tgt, plan_options(cfg, cluster), shown=shown, overrides=changed_overrides(cfg))
 

@@ -18,8 +18,11 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
+
 from jaxpar.config._build import mesh_spec
 from jaxpar.config._schema import ConfigError, JobConfig
+from jaxpar.devices._distributed import setup_devices
 from jaxpar.devices._targets import (COMPILER_NOTES, Target, TargetError, compile_error, fp8_problem,
                                      memory_fraction_problem, target_devices, topology_problem, without_notes)
 from jaxpar.errors import Fp8Error, JaxparError
@@ -118,8 +121,6 @@ def job_devices(cfg: JobConfig, tgt: Target | None, command: str = "inspect") ->
     mesh sizes) simulated CPU devices."""
     if tgt is not None:
         return target_devices(tgt)
-    from jaxpar.devices._distributed import setup_devices
-
     sizes = dataclasses.astuple(cfg.mesh)          # every axis: data, fsdp, tensor, pipe, replica, context, expert
     if cfg.train.devices == 0 and -1 in sizes:
         raise ConfigError(f"jaxpar {command}: mesh has a -1 axis and train.devices=0, so the device count is "
@@ -135,8 +136,6 @@ def refuse_cpu_only(devices: int, *, simulated: bool = False) -> None:
     Raises:
       ConfigError: the backend is the CPU; the message says what JAX found and the two fixes.
     """
-    import jax
-
     if devices != 0 or simulated or jax.default_backend() != "cpu":
         return
     n = jax.device_count()

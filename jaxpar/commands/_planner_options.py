@@ -15,9 +15,16 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
+from omegaconf import OmegaConf
+
+from jaxpar import cost
+from jaxpar.compat._offload_rules import HOST_UPDATE_REFUSED
+from jaxpar.config._build import build_option
+from jaxpar.config._cost_model import muon_settings
+from jaxpar.config._load import parse_overrides
 from jaxpar.config._schema import ConfigError, JobConfig
 from jaxpar.errors import Fp8Error
-from jaxpar.options import CONTEXT_METHODS
+from jaxpar.options import CONTEXT_METHODS, Fp8
 from jaxpar.plan import PlanOptions, fp8_cluster_problem, plan_overrides
 
 
@@ -76,12 +83,6 @@ def plan_options(cfg: JobConfig | None, cluster: Any, *, dtype: str | None = Non
     Raises:
       ConfigError, Fp8Error: as :func:`plan_dtype`.
     """
-    from jaxpar import cost
-    from jaxpar.compat._offload_rules import HOST_UPDATE_REFUSED
-    from jaxpar.config._build import build_option
-    from jaxpar.config._cost_model import muon_settings
-    from jaxpar.options import Fp8
-
     search = dict(dtype=plan_dtype(cfg, dtype, cluster), contexts=contexts, context_methods=tuple(context_methods))
     if cfg is None:
         return PlanOptions(precision=precision or "mixed", **search)
@@ -105,10 +106,6 @@ def changed_overrides(cfg: JobConfig | None = None) -> Callable[[Any], list[str]
     >>> changed_overrides()(Plan(pipe=2, data=4, strategy=Strategy(microbatches=8)))
     ['mesh.pipe=2', 'mesh.data=4', 'parallel.microbatches=8']
     """
-    from omegaconf import OmegaConf
-
-    from jaxpar.config._load import parse_overrides
-
     base = OmegaConf.structured(cfg if cfg is not None else JobConfig())
 
     @functools.lru_cache(maxsize=None)

@@ -15,6 +15,11 @@ from typing import Any, NamedTuple, Sequence
 
 from jaxpar.commands._common import config_job
 from jaxpar.config._schema import ConfigError
+from jaxpar.data import check_tokenizer
+from jaxpar.data._tokenizers import decode_ids
+from jaxpar.run._checkpoint import CheckpointError
+from jaxpar.run._sample import greedy_generate, host_params, length_fixes
+from jaxpar.step._state import use_parts
 
 
 class RunWeights(NamedTuple):
@@ -44,9 +49,6 @@ def run_weights(job: Any, step: int | None = None) -> RunWeights:
     Raises:
       CheckpointError: ``step`` has no (readable) checkpoint, or the run has none and no ``model.hf``.
     """
-    from jaxpar.run._checkpoint import CheckpointError
-    from jaxpar.run._sample import host_params
-
     layout = job.state_layout()
     directory = Path(job.checkpoint["directory"]) if job.checkpoint is not None else None
     if directory is not None and directory.is_dir():
@@ -132,8 +134,6 @@ def _check_sample_length(prompt: int, new: int, most: int | None, *, asked: bool
     """A :class:`ConfigError` naming ``--tokens`` when it is negative, or when the ``prompt``'s tokens plus ``new``
     exceed model.hf's ``max_position_embeddings`` (``most``; None: no limit) before any weight is read.
     ``asked``: ``--tokens`` was given (else ``new`` is ``logging.sample_tokens``)."""
-    from jaxpar.run._sample import length_fixes
-
     given = f"--tokens {new}" if asked else f"logging.sample_tokens={new} (no --tokens given)"
     if new < 0:
         raise ConfigError(f"{given} is negative; ask for 0 or more new tokens.")
@@ -162,11 +162,6 @@ def run_sample(config: str, overrides: Sequence[str], prompt: str, *, tokens: in
       ConfigError: the config is invalid, the prompt encodes to no token, the run's tokens have no text, or the
         prompt plus the new tokens is longer than model.hf's ``max_position_embeddings``.
     """
-    from jaxpar.data import check_tokenizer
-    from jaxpar.data._tokenizers import decode_ids
-    from jaxpar.run._sample import greedy_generate
-    from jaxpar.step._state import use_parts
-
     cfg, job = config_job(config, overrides, "sample")
     encode, tok = _sample_codec(cfg, job)
     ids = encode(prompt)
