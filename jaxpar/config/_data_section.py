@@ -9,13 +9,15 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable, Mapping
 
+import jax
 import numpy as np
 
-from jaxpar.data import _windows as data_lib
-from jaxpar.data._tokens import map_tokens
 from jaxpar.config._documents import build_documents
 from jaxpar.config._imports import resolve_import, takes
 from jaxpar.config._schema import DATA_KINDS, ConfigError, DataConfig
+from jaxpar.data import _windows as data_lib
+from jaxpar.data._tokens import map_tokens
+from jaxpar.run._ramp import AdaptiveRamp, BatchRamp, RampError, ramp_batch_fn
 
 
 def describe_batch(batch: Any) -> str:
@@ -27,16 +29,12 @@ def describe_batch(batch: Any) -> str:
     Returns:
       One ``path: dtype[shape]`` entry per leaf, comma-separated.
     """
-    import jax
-
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     return ", ".join(f"{jax.tree_util.keystr(k)}: {np.asarray(x).dtype}{list(np.shape(x))}" for k, x in leaves)
 
 
 def _check_import_batch(batch: Any, cfg: DataConfig, what: str) -> None:
     """A batch of ``data.target``: a mapping of numeric arrays with leading dimension ``data.batch_size``."""
-    import jax
-
     where = f"data.target={cfg.target!r} ({what})"
     if not isinstance(batch, Mapping) or not batch:
         got = "an empty dict" if isinstance(batch, Mapping) else f"a {type(batch).__name__}"
@@ -88,8 +86,6 @@ def build_ramp(cfg: DataConfig):
     """
     if not cfg.batch_ramp:
         return None
-    from jaxpar.run._ramp import AdaptiveRamp, BatchRamp, RampError
-
     r = cfg.batch_ramp
     adaptive = r.get("adaptive", False)
     if not isinstance(adaptive, bool):
@@ -148,8 +144,6 @@ def build_data(cfg: DataConfig, *, seq_len: int | None = None, vocab: int | None
     batch_fn, evals = _build_data(cfg, seq_len=seq_len, vocab=vocab, eval_batches=eval_batches, tokenizer=tokenizer)
     if ramp is None:
         return batch_fn, evals
-    from jaxpar.run._ramp import ramp_batch_fn
-
     return ramp_batch_fn(batch_fn, ramp), evals
 
 

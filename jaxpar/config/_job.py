@@ -35,16 +35,26 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.data._packing import BATCH_KEYS
-from jaxpar.strategy import Strategy
-from jaxpar.step._init import param_layout
-from jaxpar.config._build import build_loss_fn, build_mesh, build_model_fn, gpt_model_fn
+from jaxpar.batch import batch_sharding
+from jaxpar.config._build import build_loss_fn, build_mesh, build_model_fn, gpt_model_fn, strategy_message
 from jaxpar.config._checks import Built, check
 from jaxpar.config._context_checks import context_problems
+from jaxpar.config._cost_model import decoder_config_of
 from jaxpar.config._data_section import build_data
 from jaxpar.config._hf_model import build_tokenizer, hf_length_problems, hf_mesh_problems, open_hf
 from jaxpar.config._optimizer_section import build_optimizer, frozen_variance_step
 from jaxpar.config._schema import ConfigError, JobConfig
+from jaxpar.data._packing import BATCH_KEYS
+from jaxpar.errors import Fp8Error
+from jaxpar.run._checkpoint import Checkpointer
+from jaxpar.run._loop import make_eval_fn
+from jaxpar.run._metrics import flops_per_token
+from jaxpar.run._resume import RunOptions
+from jaxpar.run._sample import SampleOptions
+from jaxpar.run._summary import LogOptions
+from jaxpar.step import noise_scale, router_bias
+from jaxpar.step._init import init_train_state, param_layout, state_layout
+from jaxpar.strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -93,8 +103,6 @@ class Job:
 
     def state_layout(self):
         """The train state's layout (:func:`jaxpar.state_layout` with the job's parts), without creating the state."""
-        from jaxpar.step._init import state_layout
-
         return state_layout(self.model_fn, self.tx, self.mesh, self.strategy, parts=self.parts,
                             param_layout=self.params)
 
@@ -111,8 +119,6 @@ class Job:
         Returns:
           ``(state, layout)``.
         """
-        from jaxpar.step._init import init_train_state
-
         load = self.hf is not None and self.hf.has_weights and weights      # config.json only: random weights
         params = self.hf.load(self.mesh, self.state_layout().params) if load else None
         return init_train_state(self.model_fn, self.tx, self.mesh, self.strategy, params=params, parts=self.parts,
@@ -131,8 +137,6 @@ class Job:
           Fp8Error: ``parallel.fp8`` on devices without FP8 GEMMs, or covering no matmul of the model, named
             by its YAML keys (:func:`~jaxpar.config._build.strategy_message`).
         """
-        from jaxpar.config._build import strategy_message
-        from jaxpar.errors import Fp8Error
         from jaxpar.step._compose import make_train_step
 
         try:
@@ -151,15 +155,11 @@ class Job:
         """
         if not self.eval_batches:
             return None
-        from jaxpar.run._loop import make_eval_fn
-
         return make_eval_fn(self.loss_fn, layout, self.strategy, self.eval_batches)
 
     def abstract_batch(self):
         """``ShapeDtypeStruct``s of what one call of the train step takes: a global batch split over
         the data axes, or with ``steps_per_call`` K the K batches stacked ``[K, B, ...]``."""
-        from jaxpar.batch import batch_sharding
-
         sharding, lead = batch_sharding(self.mesh), ()
         if self.steps_per_call > 1:
             sharding, lead = NamedSharding(self.mesh, PartitionSpec(None, *sharding.spec)), (self.steps_per_call,)
@@ -202,9 +202,6 @@ class Job:
           A :class:`~jaxpar.run.LogOptions`: the job's settings, its title, and the FLOPs per
           token of jaxpar's GPT for MFU (None for a model of your own).
         """
-        from jaxpar.run._summary import LogOptions
-        from jaxpar.run._metrics import flops_per_token
-
         flops = None      # FLOPs per token: known for the GPT (its tables: token and position); none for your own model
         if (g := self.gpt_sizes) is not None:
             flops = flops_per_token(sum(a.size for a in jax.tree.leaves(layout.shapes)), layers=g["layers"],
@@ -224,8 +221,6 @@ class Job:
         """
         if self.checkpoint is None:
             return None
-        from jaxpar.run._checkpoint import Checkpointer
-
         return Checkpointer(**self.checkpoint, layout=layout)
 
 
@@ -354,8 +349,6 @@ def _target_decoder_problems(cfg: JobConfig, mesh_sizes: Mapping[str, int], mode
     (its config traced with ``nnx.eval_shape``, only on a ``context`` axis)."""
     if cfg.model.target is None or mesh_sizes.get("context", 1) <= 1:
         return
-    from jaxpar.config._cost_model import decoder_config_of
-
     problems = _model_heads_problems(cfg, strategy, mesh_sizes, decoder_config_of(cfg.model, model_fn),
                                      f"model.target={cfg.model.target!r}: its DecoderConfig.heads")
     if problems:
@@ -366,8 +359,6 @@ def _parts(cfg: JobConfig, gpt: Any, measured: bool) -> list:
     """The state's parts: the GPT's (``gpt``: its ``GPTConfig``) aux-loss-free balancing bias
     (``model.moe.bias_rate > 0``) and, in a job with devices (``measured``), the noise scale
     (``logging.noise_scale.every``)."""
-    from jaxpar.step import noise_scale, router_bias
-
     noise, parts = cfg.logging.noise_scale, []
     if gpt is not None and gpt.moe is not None and gpt.moe.bias_rate:
         parts.append(router_bias((gpt.layers // gpt.moe.every, gpt.moe.experts), rate=gpt.moe.bias_rate))
@@ -394,9 +385,6 @@ def _data(cfg: JobConfig, read: bool, vocab: int, tokenizer: Any, ramp: Any) -> 
 def _run(cfg: JobConfig, tokenizer: Any = None, schedule: Callable | None = None) -> dict:
     """The settings of ``jaxpar train``'s run: ``run`` (with the learning-rate ``schedule``), ``log``,
     ``checkpoint``, ``meta``, ``gpt_sizes`` (the samples decoded by ``tokenizer`` when there is one)."""
-    from jaxpar.run._resume import RunOptions
-    from jaxpar.run._sample import SampleOptions
-
     m, tr, ck, lg = cfg.model, cfg.train, cfg.checkpoint, cfg.logging
     samples = SampleOptions(lg.samples, m.seq_len, lg.sample_tokens, cfg.data.kind == "text" and tokenizer is None,
                             tokenizer and tokenizer.decode) if m.target is None else None
