@@ -63,7 +63,7 @@ MOVED = {
     'tests/test_pairs.py::test_pair_matches_its_reference[TP-EP]':
         "expert parallelism under tensor parallelism against one device: test_moe_train::test_expert_parallel_training_matches_one_device[ep2-fsdp2-tp2-zero3-shared]; the table's TP predicate: test_compat_needs::test_each_feature_is_on_for_the_setting_that_asks_for_it",
     'tests/test_pairs.py::test_pair_matches_its_reference[BF-CK]':
-        "bf16 compute with fp32 master weights: test_models::test_bf16_compute_keeps_fp32_master_weights[fsdp8-explicit]; a checkpoint restored onto other meshes: test_layer_lists::test_a_checkpoint_of_stacked_layers_restores_as_stacked_or_as_the_list_and_back; the table's BF predicate: test_compat_needs::test_each_feature_is_on_for_the_setting_that_asks_for_it",
+        "bf16 compute with fp32 master weights: test_models::test_bf16_compute_keeps_fp32_master_weights[fsdp8-explicit]; a checkpoint restored onto other meshes: test_pipeline::test_pipelined_checkpoint_restores_onto_other_meshes; the table's BF predicate: test_compat_needs::test_each_feature_is_on_for_the_setting_that_asks_for_it",
     'tests/test_fp8.py::test_the_h100_compiler_runs_every_covered_flop_in_fp8':
         'in SLOW too (the deviceless H100 compile, every CI run); which matmuls run in FP8: test_fp8::test_a_layer_runs_exactly_its_covered_matmuls_in_fp8',
     'tests/test_suite_ends.py::test_a_crashed_or_hung_worker_fails_its_test_once_and_the_run_ends':
@@ -78,6 +78,22 @@ MOVED = {
         "in SLOW too (a 1,024-device search, every CI run); the planner's ranking: test_cost_plan::test_gpt2_on_8_gpus_prefers_plain_dp_or_zero_1_2",
     'tests/test_cost_plan.py::test_gpt3_rejects_what_does_not_fit_with_the_reason':
         'in SLOW too (the same search, every CI run); rejections with their reason: test_cost_plan::test_memory_drives_rejection_and_remat',
+    'tests/test_memory.py::test_zero_saves_what_it_promises':
+        "in SLOW too (every CI run; with the next, make test compiles three of the five ZeRO steps); each stage's argument bytes against ZeRO's formula: test_memory::test_argument_bytes_match_zero_formula",
+    'tests/test_memory.py::test_zero2_reduces_gradients_per_layer':
+        "in SLOW too (every CI run); ZeRO-2's gradients reduce-scattered layer by layer, compiled: test_signatures::test_explicit_zero2_over_two_data_axes_is_one_reduce_scatter_per_layer",
+    'tests/test_targets.py::test_a_ptxas_too_old_for_the_device_is_named':
+        'in SLOW too (a deviceless H100 compile, every CI run); the GPU toolchain compiling for the target: test_targets::test_quickstart_compiles_for_h100',
+    'tests/test_flax_example_style.py::test_a_pipeline_names_what_the_models_layers_need':
+        "in SLOW too (every CI run); a user's model in a pipeline: test_byo_model::test_user_model_pipelined_matches_single_device[1f1b-auto]",
+    'tests/test_moe_user_model.py::test_adam_under_a_pipeline_stays_within_its_step_bound':
+        "in SLOW too (every CI run); MoE against one device: test_moe_train::test_expert_parallel_training_matches_one_device[ep2-fsdp2-tp2-zero3-shared]; a user's model in a pipeline: test_byo_model::test_user_model_pipelined_matches_single_device[1f1b-auto]",
+    'tests/test_relaxed_sync.py::test_diloco_before_start_step_is_synchronous':
+        "in SLOW too (every CI run); DiLoCo's exchange at its sync steps: test_relaxed_sync::test_diloco_communicates_over_replica_only_at_sync_steps; its state resumed: test_relaxed_sync::test_resume_mid_run_is_bit_exact[diloco]",
+    'tests/test_pairs.py::test_pair_matches_its_reference[RM-ST]':
+        "in SLOW too (every CI run); weight stashing's compiled program: test_weight_stashing::test_compiled_program_runs_the_table_ticks",
+    'tests/test_layer_lists.py::test_a_checkpoint_of_stacked_layers_restores_as_stacked_or_as_the_list_and_back':
+        'in SLOW too (every CI run); a pipelined checkpoint restored onto other meshes: test_pipeline::test_pipelined_checkpoint_restores_onto_other_meshes; the list and stacked forms: test_layer_lists::test_list_and_stacked_forms_convert_back_and_forth_inside_optimizer_states',
 }
 
 FAST_CASES = {
@@ -359,17 +375,25 @@ SLOW = [
     'tests/test_cost_verify.py::test_plan_verify_target_predicts_the_gpu_compilers_peak',
     'tests/test_cross_entropy.py::test_a_decoder_with_its_loss_in_pieces_trains_like_one_device[dp2-cp2-ring-balanced]',
     'tests/test_device_branches.py::test_bf16_sequence_parallelism_on_targets_has_no_device_dependent_collective[tpu-v5e:4x4-pipe2xdata2xtensor4]',
+    'tests/test_flax_example_style.py::test_a_pipeline_names_what_the_models_layers_need',
     'tests/test_fp8.py::test_the_h100_compiler_runs_every_covered_flop_in_fp8',
     'tests/test_hf.py::test_every_layout_trains_like_one_device[cp2-ring-packed]',
+    'tests/test_layer_lists.py::test_a_checkpoint_of_stacked_layers_restores_as_stacked_or_as_the_list_and_back',
+    'tests/test_memory.py::test_zero2_reduces_gradients_per_layer',
+    'tests/test_memory.py::test_zero_saves_what_it_promises',
     'tests/test_moe_train.py::test_expert_parallel_training_matches_one_device[ep2-pipe2-tp2-sp-1f1b]',
     'tests/test_moe_train.py::test_expert_parallel_training_matches_one_device[ep4-tp2-every2]',
+    'tests/test_moe_user_model.py::test_adam_under_a_pipeline_stays_within_its_step_bound',
     'tests/test_moe_user_model.py::test_layers_with_router_bias_move_it_as_by_hand[direct-dp2-accumulate2]',
     'tests/test_pairs.py::test_pair_matches_its_reference[EP-F8]',
     'tests/test_pairs.py::test_pair_matches_its_reference[NS-1A]',
+    'tests/test_pairs.py::test_pair_matches_its_reference[RM-ST]',
+    'tests/test_relaxed_sync.py::test_diloco_before_start_step_is_synchronous',
     'tests/test_relaxed_sync.py::test_easgd_with_zero_alpha_gives_independent_runs',
     'tests/test_relaxed_sync.py::test_stale_gradients_match_a_sequential_reference[ssp]',
     'tests/test_suite_ends.py::test_a_crashed_or_hung_worker_fails_its_test_once_and_the_run_ends',
     'tests/test_targets.py::test_a_model_too_big_is_reported_with_the_plan_that_fits',
+    'tests/test_targets.py::test_a_ptxas_too_old_for_the_device_is_named',
     'tests/test_targets.py::test_compression_sends_the_packed_codes[onebit_adam.yaml]',
     'tests/test_targets.py::test_compression_sends_the_packed_codes[topk.yaml]',
     'tests/test_targets.py::test_configs_compile_for_gpu_and_tpu[quickstart.yaml-tpu-v5e:2x4]',
