@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxpar
+from jaxpar.adapters import remat_policy
 from jaxpar.models._gpt import block_apply, embed_apply, head_apply
 from jaxpar.parallel import cross_entropy
 from jaxpar.parallel.pipeline import PipelineParts, get_schedule, lower, pipeline_value_and_grad, to_stages
@@ -55,6 +56,19 @@ def test_gpt_block_b_plus_w_is_the_pullback_and_each_matmul_runs_once():
     # what B hands to W: cotangents at the weight matmuls' outputs, a fraction of the residuals
     assert [f.shape for f in frontier] == [tuple(f.shape) for f in split.frontier]
     assert sum(f.size for f in frontier) < sum(s.size for s in stored) / 2
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a recomputed layer's backward is one jax.checkpoint equation, which the B/W cut cannot "
+                          "enter: B computes every weight gradient and W defers no matmul (dots (0, 0)), so ZB-H1 under "
+                          "'save-matmuls' or 'full' runs as 1F1B and holds the weight gradients as its frontier "
+                          "(docs/pipeline.md, 'Zero-bubble under recomputation')")
+@pytest.mark.parametrize("remat", ["save-matmuls", "full"])
+def test_a_recomputed_gpt_block_still_defers_its_weight_matmuls_to_w(remat):
+    p, x = _block(jax.random.key(0)), jax.random.normal(jax.random.key(1), (2, T, E))
+    layer = jax.checkpoint(lambda q, h: block_apply(q, jax.lax.optimization_barrier(h)), policy=remat_policy(remat))
+    *_, split = _split(layer, p, x)
+    assert split.dots[1] == 6, split.dots          # W: one matmul per weight matrix, as without recomputation
 
 
 def test_unused_parameter_and_linear_layer():
